@@ -1,0 +1,2 @@
+//! CRIU driven over its RPC interface.
+#![warn(missing_docs)]

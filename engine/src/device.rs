@@ -1,0 +1,172 @@
+//! The `Device` trait: what the engine needs from a GPU (or from host memory pretending to be one).
+//!
+//! The shape follows CUDA's virtual memory management API, because that is what makes buffers
+//! *releasable*: a virtual range is reserved once ([`Device::reserve`]) and physical memory is mapped
+//! under it ([`Device::map`]) or dropped ([`Device::unmap`]) without the address changing. Copies are
+//! asynchronous and ordered per stream; events order streams against each other.
+//!
+//! Host memory taking part in an asynchronous copy is *moved into* the copy and handed back by
+//! [`Transfer::wait`], so safe code can never touch a buffer the device is still reading or writing.
+
+use std::fmt::Debug;
+
+/// A device virtual address.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct DevPtr(pub u64);
+
+impl DevPtr {
+    /// The address `off` bytes further on.
+    pub fn add(self, off: u64) -> DevPtr {
+        DevPtr(self.0 + off)
+    }
+}
+
+impl std::fmt::Display for DevPtr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// Stream priority. Priority copies (copy-on-write, on-demand restore) go on `High` streams so they
+/// overtake the background copier.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum StreamPriority {
+    /// Background work.
+    Normal,
+    /// Work a job's operation is waiting for.
+    High,
+}
+
+/// Errors a backend reports.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// Not enough device memory for a mapping.
+    #[error("out of device memory: {requested} bytes requested, {free} free")]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes free at the time.
+        free: u64,
+    },
+    /// An address that is not reserved, not mapped, or a range that crosses mappings.
+    #[error("invalid device address range {va}+{len}: {why}")]
+    InvalidAddress {
+        /// Start of the range.
+        va: DevPtr,
+        /// Length of the range.
+        len: u64,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A host buffer too small for the copy asked of it.
+    #[error("host buffer of {have} bytes is too small for a copy of {need} bytes")]
+    HostBufferTooSmall {
+        /// Bytes the copy needs.
+        need: u64,
+        /// Bytes the buffer has.
+        have: u64,
+    },
+    /// An earlier asynchronous operation on this stream failed; the stream is unusable.
+    #[error("stream failed: {0}")]
+    StreamFailed(String),
+    /// A call into the backend's driver failed.
+    #[error("{call} failed: {message} (code {code})")]
+    Backend {
+        /// The driver call.
+        call: &'static str,
+        /// The driver's error code.
+        code: i64,
+        /// The driver's description.
+        message: String,
+    },
+}
+
+/// Result of a device operation.
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// Host memory usable for asynchronous copies (pinned memory on a GPU backend).
+pub trait HostBuffer: Send + Debug + 'static {
+    /// The bytes.
+    fn as_slice(&self) -> &[u8];
+    /// The bytes, writable.
+    fn as_mut_slice(&mut self) -> &mut [u8];
+    /// Capacity in bytes.
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    /// Whether the buffer has no capacity.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// An asynchronous copy in flight that holds a host buffer until it completes.
+pub trait Transfer<B>: Send + Debug {
+    /// Waits for the copy and hands the host buffer back.
+    fn wait(self) -> DeviceResult<B>;
+}
+
+/// A GPU as the engine sees it. Implementations: `host::HostDevice` (host memory, real concurrency)
+/// and the CUDA backend.
+pub trait Device: Send + Sync + Debug + 'static {
+    /// An ordered queue of device work.
+    type Stream: Clone + Send + Sync + Debug;
+    /// A marker recorded in a stream; complete once everything before it in that stream is.
+    type Event: Clone + Send + Sync + Debug;
+    /// Host memory for copies.
+    type HostBuf: HostBuffer;
+    /// A copy in flight holding a host buffer.
+    type Pending: Transfer<Self::HostBuf>;
+
+    /// A short name ("host", "cuda:0 NVIDIA H100 80GB HBM3").
+    fn name(&self) -> String;
+    /// Mapping granularity: reservations and mappings are multiples of it.
+    fn granularity(&self) -> u64;
+    /// (free, total) device memory in bytes.
+    fn memory_info(&self) -> DeviceResult<(u64, u64)>;
+
+    /// Reserves `size` bytes of virtual address space (a multiple of the granularity).
+    fn reserve(&self, size: u64) -> DeviceResult<DevPtr>;
+    /// Gives a reservation back. Nothing may be mapped in it.
+    fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
+    /// Creates physical memory of `size` bytes and maps it at `va` (inside a reservation).
+    fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
+    /// Unmaps and frees the physical memory at `va`; the reservation stays, the contents are gone.
+    fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
+
+    /// Allocates host memory for copies.
+    fn alloc_host(&self, len: usize) -> DeviceResult<Self::HostBuf>;
+    /// Creates a stream.
+    fn create_stream(&self, priority: StreamPriority) -> DeviceResult<Self::Stream>;
+
+    /// Copies `len` bytes from device `src` into the start of `dst`, in `stream` order.
+    fn copy_d2h(
+        &self,
+        stream: &Self::Stream,
+        src: DevPtr,
+        dst: Self::HostBuf,
+        len: u64,
+    ) -> DeviceResult<Self::Pending>;
+    /// Copies the first `len` bytes of `src` to device `dst`, in `stream` order.
+    fn copy_h2d(
+        &self,
+        stream: &Self::Stream,
+        src: Self::HostBuf,
+        dst: DevPtr,
+        len: u64,
+    ) -> DeviceResult<Self::Pending>;
+    /// Copies `len` bytes device to device, in `stream` order.
+    fn copy_d2d(&self, stream: &Self::Stream, src: DevPtr, dst: DevPtr, len: u64)
+        -> DeviceResult<()>;
+
+    /// Records an event at the current end of `stream`.
+    fn record_event(&self, stream: &Self::Stream) -> DeviceResult<Self::Event>;
+    /// Makes `stream` wait (on the device, not the host) until `event` completes.
+    fn wait_event(&self, stream: &Self::Stream, event: &Self::Event) -> DeviceResult<()>;
+    /// Blocks the calling thread until `event` completes.
+    fn event_synchronize(&self, event: &Self::Event) -> DeviceResult<()>;
+    /// Whether `event` has completed.
+    fn event_query(&self, event: &Self::Event) -> DeviceResult<bool>;
+    /// Blocks until everything enqueued on `stream` so far has completed.
+    fn synchronize(&self, stream: &Self::Stream) -> DeviceResult<()>;
+}

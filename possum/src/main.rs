@@ -1,0 +1,2 @@
+//! The possum command line.
+fn main() {}

@@ -1,0 +1,2 @@
+//! Deterministic workloads.
+#![warn(missing_docs)]
