@@ -156,8 +156,13 @@ pub trait Device: Send + Sync + Debug + 'static {
         len: u64,
     ) -> DeviceResult<Self::Pending>;
     /// Copies `len` bytes device to device, in `stream` order.
-    fn copy_d2d(&self, stream: &Self::Stream, src: DevPtr, dst: DevPtr, len: u64)
-        -> DeviceResult<()>;
+    fn copy_d2d(
+        &self,
+        stream: &Self::Stream,
+        src: DevPtr,
+        dst: DevPtr,
+        len: u64,
+    ) -> DeviceResult<()>;
 
     /// Records an event at the current end of `stream`.
     fn record_event(&self, stream: &Self::Stream) -> DeviceResult<Self::Event>;

@@ -3,6 +3,18 @@
 //! The engine knows nothing about CUDA: it talks to a [`device::Device`]. See ARCHITECTURE.md.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod device;
+mod engine;
+pub mod gate;
+pub mod host;
 pub mod image;
+pub mod registry;
+pub mod restore;
+pub mod staging;
 pub mod store;
+
+pub use checkpoint::{CheckpointHandle, CheckpointReport};
+pub use engine::{Access, Engine, EngineConfig, EngineError, OpGuard, RoundReport, Stats};
+pub use registry::{Buffer, Residency};
+pub use restore::{RestoreHandle, RestoreReport};

@@ -83,7 +83,12 @@ impl MemStore {
     /// Total bytes of chunk data held.
     pub fn bytes(&self) -> u64 {
         let inner = self.inner.lock();
-        inner.chunks.values().flat_map(|c| c.values()).map(|d| d.len() as u64).sum()
+        inner
+            .chunks
+            .values()
+            .flat_map(|c| c.values())
+            .map(|d| d.len() as u64)
+            .sum()
     }
 }
 
@@ -99,14 +104,25 @@ impl ChunkSink for MemStore {
             return Err(ImageError::UnknownBuffer { buffer });
         };
         if offset + data.len() as u64 > rec.size {
-            return Err(ImageError::ChunkOutOfRange { buffer, offset, len: data.len() as u64 });
+            return Err(ImageError::ChunkOutOfRange {
+                buffer,
+                offset,
+                len: data.len() as u64,
+            });
         }
-        inner.chunks.entry(buffer).or_default().insert(offset, data.to_vec());
+        inner
+            .chunks
+            .entry(buffer)
+            .or_default()
+            .insert(offset, data.to_vec());
         Ok(())
     }
 
     fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError> {
-        self.inner.lock().meta.insert(key.to_owned(), value.to_owned());
+        self.inner
+            .lock()
+            .meta
+            .insert(key.to_owned(), value.to_owned());
         Ok(())
     }
 }
@@ -133,7 +149,11 @@ impl ChunkSource for MemStore {
             .and_then(|c| c.get(&offset))
             .ok_or(ImageError::MissingChunk { buffer, offset })?;
         if data.len() != dst.len() {
-            return Err(ImageError::ChunkOutOfRange { buffer, offset, len: dst.len() as u64 });
+            return Err(ImageError::ChunkOutOfRange {
+                buffer,
+                offset,
+                len: dst.len() as u64,
+            });
         }
         dst.copy_from_slice(data);
         Ok(())

@@ -14,7 +14,9 @@ pub enum ImageError {
         buffer: u64,
     },
     /// A chunk that does not fit inside its buffer.
-    #[error("chunk of buffer {buffer} at offset {offset} with length {len} lies outside the buffer")]
+    #[error(
+        "chunk of buffer {buffer} at offset {offset} with length {len} lies outside the buffer"
+    )]
     ChunkOutOfRange {
         /// The buffer id.
         buffer: u64,

@@ -1,0 +1,566 @@
+//! A concurrent checkpoint: the image equals the buffers' contents at T0 while the job keeps going.
+//!
+//! # How T0 is kept
+//! `begin` closes the op gate (no operation is between hook and stream), records a fence event on
+//! every job stream and makes the engine's copy streams wait for those fences, then reopens the
+//! gate. From then on:
+//! * The background copier takes buffers one by one and copies each, in chunks through the staging
+//!   pool, on a copy stream (so after everything the job enqueued before T0).
+//! * Before an operation that *writes* a buffer not yet saved, the hook saves it first (soft
+//!   copy-on-write): a device-to-device copy into a *shadow* while the shadow budget allows (the job
+//!   then waits only for that fast copy, and the copier later saves the shadow), otherwise a priority
+//!   device-to-host copy on the high-priority stream. The job's stream waits for the copy's event;
+//!   the job's thread blocks only while another thread is in the middle of claiming the same buffer
+//!   or when all staging buffers are in flight.
+//! * Reads never wait: they do not change what T0 saw.
+//!
+//! Writer threads wait for each chunk's copy and hand it to the sink, then recycle the staging buffer:
+//! the host memory in flight is bounded by the pool, whatever the image size.
+//!
+//! A failure (device or sink) abandons the checkpoint, never the job: waiting operations are released
+//! and [`CheckpointHandle::wait`] reports the first error.
+//!
+//! The same machinery runs a pre-copy round ([`CopyMode::Precopy`]): buffers written since the
+//! previous round are copied with no copy-on-write (the round is not an image by itself), and
+//! [`CopyMode::CowDirty`] finishes a series of rounds with a consistent T0 for the dirty remainder.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
+
+use crate::device::{DevPtr, Device, HostBuffer, Transfer};
+use crate::engine::{Access, Counters, EngineError, Inner, Phase};
+use crate::registry::Buffer;
+use crate::staging::StagingPool;
+use crate::store::{BufferRecord, ChunkSink};
+
+/// Which buffers a session takes, and whether writes must wait for them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum CopyMode {
+    /// Every buffer, consistent at T0.
+    Cow,
+    /// Buffers written since the last pre-copy round, consistent at T0.
+    CowDirty,
+    /// Buffers written since the last round, no consistency.
+    Precopy,
+}
+
+enum CkState<D: Device> {
+    Pending,
+    /// Someone is enqueueing its copy.
+    Busy,
+    /// Copied to a shadow; the job may write it once `ready` completes; the copier saves the shadow.
+    Shadowed { shadow: DevPtr, ready: D::Event },
+    /// Its device-to-host copies are enqueued; `0` completes when they have read it.
+    Saved(D::Event),
+    /// The checkpoint failed; nothing to wait for.
+    Abandoned,
+}
+
+struct CkSlot<D: Device> {
+    buf: Buffer,
+    state: Mutex<CkState<D>>,
+    cv: Condvar,
+    /// Known safe to write: its copy event has completed.
+    safe: AtomicBool,
+    first_touch: AtomicU32,
+}
+
+struct WriteJob<D: Device> {
+    id: u64,
+    off: u64,
+    len: u64,
+    pending: D::Pending,
+}
+
+struct Shared<D: Device> {
+    dev: Arc<D>,
+    sink: Arc<dyn ChunkSink>,
+    pool: Arc<StagingPool<D>>,
+    outstanding: Mutex<usize>,
+    out_cv: Condvar,
+    error: Mutex<Option<String>>,
+    failed: AtomicBool,
+    bytes: AtomicU64,
+}
+
+impl<D: Device> Shared<D> {
+    fn fail(&self, e: impl std::fmt::Display) {
+        let mut g = self.error.lock();
+        if g.is_none() {
+            *g = Some(e.to_string());
+        }
+        self.failed.store(true, Ordering::Release);
+    }
+
+    fn writer(self: Arc<Self>, rx: Receiver<WriteJob<D>>) {
+        for job in rx {
+            match job.pending.wait() {
+                Ok(buf) => {
+                    if !self.failed.load(Ordering::Acquire) {
+                        let len = usize::try_from(job.len).expect("chunk fits in memory");
+                        match self.sink.write_chunk(job.id, job.off, &buf.as_slice()[..len]) {
+                            Ok(()) => {
+                                self.bytes.fetch_add(job.len, Ordering::Relaxed);
+                            }
+                            Err(e) => self.fail(e),
+                        }
+                    }
+                    self.pool.put(buf);
+                }
+                Err(e) => {
+                    self.fail(e);
+                    // The staging buffer went down with the copy: replace it so the pool keeps its size.
+                    if let Ok(b) = self.dev.alloc_host(self.pool.chunk()) {
+                        self.pool.put(b);
+                    }
+                }
+            }
+            let mut n = self.outstanding.lock();
+            *n -= 1;
+            if *n == 0 {
+                self.out_cv.notify_all();
+            }
+        }
+    }
+}
+
+/// What a checkpoint did.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct CheckpointReport {
+    /// Buffers in the image.
+    pub buffers: usize,
+    /// Bytes written to the sink.
+    pub bytes: u64,
+    /// From T0 until every byte was in the sink.
+    pub elapsed: Duration,
+    /// Buffers saved early by a priority device-to-host copy because the job was about to write them.
+    pub cow_priority: u64,
+    /// Buffers saved early by a shadow device-to-device copy.
+    pub cow_shadow: u64,
+    /// Peak shadow memory in use.
+    pub shadow_peak: u64,
+    /// Hook calls that blocked the job's thread during this checkpoint.
+    pub hook_blocked: u64,
+    /// Their total time.
+    pub hook_blocked_total: Duration,
+    /// The longest one.
+    pub hook_blocked_max: Duration,
+    /// Waits enqueued on the job's streams.
+    pub stream_waits: u64,
+}
+
+/// A checkpoint under way.
+#[derive(Debug)]
+pub struct CheckpointHandle {
+    join: JoinHandle<Result<CheckpointReport, EngineError>>,
+}
+
+impl CheckpointHandle {
+    /// Waits until the image is complete in the sink (or the checkpoint failed).
+    pub fn wait(self) -> Result<CheckpointReport, EngineError> {
+        self.join.join().unwrap_or_else(|_| Err(EngineError::Failed("checkpoint thread panicked".into())))
+    }
+
+    /// Whether the checkpoint has finished.
+    pub fn is_finished(&self) -> bool {
+        self.join.is_finished()
+    }
+}
+
+pub(crate) struct CkptSession<D: Device> {
+    dev: Arc<D>,
+    mode: CopyMode,
+    slots: Vec<CkSlot<D>>,
+    index: HashMap<u64, usize>,
+    shared: Arc<Shared<D>>,
+    writer_tx: Sender<WriteJob<D>>,
+    prio: D::Stream,
+    copy_streams: Vec<D::Stream>,
+    shadow_budget: u64,
+    shadow_used: AtomicU64,
+    shadow_peak: AtomicU64,
+    shadows: Mutex<Vec<(DevPtr, u64)>>,
+    touch_seq: AtomicU32,
+    cow_priority: AtomicU64,
+    cow_shadow: AtomicU64,
+    blocked: AtomicU64,
+    blocked_ns: AtomicU64,
+    blocked_max_ns: AtomicU64,
+    stream_waits: AtomicU64,
+    counters: Arc<Counters>,
+    started: Instant,
+}
+
+impl<D: Device> CkptSession<D> {
+    pub(crate) fn begin(
+        inner: &Arc<Inner<D>>,
+        sink: Arc<dyn ChunkSink>,
+        mode: CopyMode,
+    ) -> Result<CheckpointHandle, EngineError> {
+        inner.gate.close();
+        let r = Self::fix_t0(inner, sink, mode);
+        inner.gate.open();
+        let session = r?;
+        let inner = Arc::clone(inner);
+        let join = std::thread::Builder::new()
+            .name("possum-copier".into())
+            .spawn(move || {
+                let r = session.run();
+                inner.set_phase(Phase::Idle);
+                r
+            })
+            .map_err(|e| EngineError::Failed(format!("cannot start the copier thread: {e}")))?;
+        Ok(CheckpointHandle { join })
+    }
+
+    /// With the gate closed: picks the buffers, fences the job's streams, installs the session.
+    fn fix_t0(
+        inner: &Arc<Inner<D>>,
+        sink: Arc<dyn ChunkSink>,
+        mode: CopyMode,
+    ) -> Result<Arc<Self>, EngineError> {
+        let bufs: Vec<Buffer> = {
+            let reg = inner.reg.read();
+            if let Some(b) = reg.iter().find(|b| b.residency() == crate::registry::Residency::Released) {
+                return Err(EngineError::Released { id: b.id(), va: b.va() });
+            }
+            match mode {
+                CopyMode::Cow => reg.iter().cloned().collect(),
+                CopyMode::CowDirty | CopyMode::Precopy => {
+                    reg.iter().filter(|b| b.take_dirty()).cloned().collect()
+                }
+            }
+        };
+        for b in &bufs {
+            sink.add_buffer(BufferRecord { id: b.id(), va: b.va().0, size: b.size(), prefetch_rank: u32::MAX })?;
+        }
+        inner.fence_job_streams()?;
+        let (writer_tx, writer_rx) = unbounded();
+        let shared = Arc::new(Shared {
+            dev: Arc::clone(&inner.dev),
+            sink,
+            pool: Arc::clone(&inner.pool),
+            outstanding: Mutex::new(0),
+            out_cv: Condvar::new(),
+            error: Mutex::new(None),
+            failed: AtomicBool::new(false),
+            bytes: AtomicU64::new(0),
+        });
+        for i in 0..inner.cfg.writer_threads.max(1) {
+            let (s, rx) = (Arc::clone(&shared), writer_rx.clone());
+            std::thread::Builder::new()
+                .name(format!("possum-writer-{i}"))
+                .spawn(move || s.writer(rx))
+                .map_err(|e| EngineError::Failed(format!("cannot start a writer thread: {e}")))?;
+        }
+        let index = bufs.iter().enumerate().map(|(i, b)| (b.id(), i)).collect();
+        let slots = bufs
+            .into_iter()
+            .map(|buf| CkSlot {
+                buf,
+                state: Mutex::new(CkState::Pending),
+                cv: Condvar::new(),
+                safe: AtomicBool::new(false),
+                first_touch: AtomicU32::new(u32::MAX),
+            })
+            .collect();
+        let session = Arc::new(CkptSession {
+            dev: Arc::clone(&inner.dev),
+            mode,
+            slots,
+            index,
+            shared,
+            writer_tx,
+            prio: inner.prio.clone(),
+            copy_streams: inner.copy_streams.clone(),
+            shadow_budget: if mode == CopyMode::Precopy { 0 } else { inner.cfg.shadow_budget },
+            shadow_used: AtomicU64::new(0),
+            shadow_peak: AtomicU64::new(0),
+            shadows: Mutex::new(Vec::new()),
+            touch_seq: AtomicU32::new(0),
+            cow_priority: AtomicU64::new(0),
+            cow_shadow: AtomicU64::new(0),
+            blocked: AtomicU64::new(0),
+            blocked_ns: AtomicU64::new(0),
+            blocked_max_ns: AtomicU64::new(0),
+            stream_waits: AtomicU64::new(0),
+            counters: Arc::clone(&inner.counters),
+            started: Instant::now(),
+        });
+        inner.set_phase(Phase::Checkpoint(Arc::clone(&session)));
+        Ok(session)
+    }
+
+    fn failed(&self) -> bool {
+        self.shared.failed.load(Ordering::Acquire)
+    }
+
+    /// Enqueues device-to-host copies of `size` bytes at `src` as chunks of buffer `id`; returns an
+    /// event that completes once they have read the device memory.
+    fn enqueue_chunks(&self, id: u64, src: DevPtr, size: u64, stream: &D::Stream) -> Result<D::Event, EngineError> {
+        let chunk = self.shared.pool.chunk() as u64;
+        let mut off = 0;
+        while off < size {
+            let len = chunk.min(size - off);
+            let hb = self.shared.pool.get();
+            let pending = self.dev.copy_d2h(stream, src.add(off), hb, len)?;
+            *self.shared.outstanding.lock() += 1;
+            self.writer_tx
+                .send(WriteJob { id, off, len, pending })
+                .map_err(|_| EngineError::Failed("writer threads exited".into()))?;
+            off += len;
+        }
+        Ok(self.dev.record_event(stream)?)
+    }
+
+    fn settle(&self, slot: &CkSlot<D>, state: CkState<D>) {
+        *slot.state.lock() = state;
+        slot.cv.notify_all();
+    }
+
+    /// Makes slot `i` safe to overwrite; returns the event to wait for, and whether this blocked.
+    fn make_safe(&self, i: usize) -> (Option<D::Event>, bool) {
+        let slot = &self.slots[i];
+        let mut blocked = false;
+        {
+            let mut st = slot.state.lock();
+            loop {
+                match &*st {
+                    CkState::Saved(ev) | CkState::Shadowed { ready: ev, .. } => return (Some(ev.clone()), blocked),
+                    CkState::Abandoned => return (None, blocked),
+                    CkState::Busy => {
+                        blocked = true;
+                        slot.cv.wait(&mut st);
+                    }
+                    CkState::Pending => {
+                        *st = CkState::Busy;
+                        break;
+                    }
+                }
+            }
+        }
+        match self.save_now(slot) {
+            Ok(state) => {
+                let ev = match &state {
+                    CkState::Saved(ev) | CkState::Shadowed { ready: ev, .. } => Some(ev.clone()),
+                    _ => None,
+                };
+                self.settle(slot, state);
+                (ev, true)
+            }
+            Err(e) => {
+                self.shared.fail(e);
+                self.settle(slot, CkState::Abandoned);
+                (None, true)
+            }
+        }
+    }
+
+    /// Saves a claimed slot ahead of the copier: into a shadow if the budget allows, else by a
+    /// priority device-to-host copy.
+    fn save_now(&self, slot: &CkSlot<D>) -> Result<CkState<D>, EngineError> {
+        let (id, va, size, mapped) = (slot.buf.id(), slot.buf.va(), slot.buf.size(), slot.buf.mapped_size());
+        if self.shadow_budget > 0 {
+            let used = self.shadow_used.fetch_add(mapped, Ordering::AcqRel) + mapped;
+            if used <= self.shadow_budget {
+                if let Some(shadow) = self.alloc_shadow(mapped) {
+                    self.shadow_peak.fetch_max(used, Ordering::Relaxed);
+                    self.dev.copy_d2d(&self.prio, va, shadow, size)?;
+                    let ready = self.dev.record_event(&self.prio)?;
+                    self.cow_shadow.fetch_add(1, Ordering::Relaxed);
+                    return Ok(CkState::Shadowed { shadow, ready });
+                }
+            }
+            self.shadow_used.fetch_sub(mapped, Ordering::AcqRel);
+        }
+        let ev = self.enqueue_chunks(id, va, size, &self.prio)?;
+        self.cow_priority.fetch_add(1, Ordering::Relaxed);
+        Ok(CkState::Saved(ev))
+    }
+
+    fn alloc_shadow(&self, mapped: u64) -> Option<DevPtr> {
+        let va = self.dev.reserve(mapped).ok()?;
+        if self.dev.map(va, mapped).is_err() {
+            let _ = self.dev.unreserve(va, mapped);
+            return None;
+        }
+        self.shadows.lock().push((va, mapped));
+        Some(va)
+    }
+
+    /// The hook during this session.
+    pub(crate) fn before_op(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
+        if self.mode == CopyMode::Precopy || self.failed() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let mut blocked = false;
+        let mut visit = |b: &Buffer, write: bool| -> Result<(), EngineError> {
+            let Some(&i) = self.index.get(&b.id()) else { return Ok(()) };
+            let slot = &self.slots[i];
+            if slot.first_touch.load(Ordering::Relaxed) == u32::MAX {
+                let seq = self.touch_seq.fetch_add(1, Ordering::Relaxed);
+                let _ = slot.first_touch.compare_exchange(u32::MAX, seq, Ordering::Relaxed, Ordering::Relaxed);
+            }
+            if !write || slot.safe.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let (ev, b) = self.make_safe(i);
+            blocked |= b;
+            if let Some(ev) = ev {
+                if self.dev.event_query(&ev)? {
+                    slot.safe.store(true, Ordering::Release);
+                } else {
+                    self.dev.wait_event(stream, &ev)?;
+                    self.stream_waits.fetch_add(1, Ordering::Relaxed);
+                    self.counters.stream_waits.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        };
+        match access {
+            Access::Known { reads, writes } => {
+                reads.iter().try_for_each(|b| visit(b, false))?;
+                writes.iter().try_for_each(|b| visit(b, true))?;
+            }
+            Access::Opaque => self.slots.iter().try_for_each(|s| visit(&s.buf, true))?,
+        }
+        if blocked {
+            let d = t.elapsed();
+            let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+            self.blocked.fetch_add(1, Ordering::Relaxed);
+            self.blocked_ns.fetch_add(ns, Ordering::Relaxed);
+            self.blocked_max_ns.fetch_max(ns, Ordering::Relaxed);
+            self.counters.blocked(d);
+        }
+        Ok(())
+    }
+
+    /// Before the job frees `buf`: its T0 contents must have been read.
+    pub(crate) fn settle_before_free(&self, buf: &Buffer) -> Result<(), EngineError> {
+        if let Some(&i) = self.index.get(&buf.id()) {
+            if let (Some(ev), _) = self.make_safe(i) {
+                self.dev.event_synchronize(&ev)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The copier: saves every slot nobody saved yet, then waits for the writers.
+    fn run(&self) -> Result<CheckpointReport, EngineError> {
+        let n = self.copy_streams.len();
+        for (i, slot) in self.slots.iter().enumerate() {
+            if self.failed() {
+                break;
+            }
+            let stream = &self.copy_streams[i % n];
+            enum Next<E> {
+                Copy,
+                FromShadow(DevPtr, E),
+                Skip,
+            }
+            let next = {
+                let mut st = slot.state.lock();
+                // A hook may be saving it right now, perhaps into a shadow that still has to reach
+                // the image: wait for it to settle, then look again.
+                while matches!(*st, CkState::Busy) {
+                    slot.cv.wait(&mut st);
+                }
+                match &*st {
+                    CkState::Pending => {
+                        *st = CkState::Busy;
+                        Next::Copy
+                    }
+                    CkState::Shadowed { shadow, ready, .. } => Next::FromShadow(*shadow, ready.clone()),
+                    _ => Next::Skip,
+                }
+            };
+            let (id, size) = (slot.buf.id(), slot.buf.size());
+            match next {
+                Next::Copy => match self.enqueue_chunks(id, slot.buf.va(), size, stream) {
+                    Ok(ev) => self.settle(slot, CkState::Saved(ev)),
+                    Err(e) => {
+                        self.shared.fail(e);
+                        self.settle(slot, CkState::Abandoned);
+                    }
+                },
+                Next::FromShadow(shadow, ready) => {
+                    let r = self
+                        .dev
+                        .wait_event(stream, &ready)
+                        .map_err(EngineError::from)
+                        .and_then(|()| self.enqueue_chunks(id, shadow, size, stream));
+                    if let Err(e) = r {
+                        self.shared.fail(e);
+                    }
+                }
+                Next::Skip => {}
+            }
+        }
+        if self.failed() {
+            for slot in &self.slots {
+                let mut st = slot.state.lock();
+                if matches!(*st, CkState::Pending) {
+                    *st = CkState::Abandoned;
+                    slot.cv.notify_all();
+                }
+            }
+        }
+        {
+            let mut n = self.shared.outstanding.lock();
+            while *n > 0 {
+                self.shared.out_cv.wait(&mut n);
+            }
+        }
+        for (va, mapped) in self.shadows.lock().drain(..) {
+            let unmapped = self.dev.unmap(va, mapped).and_then(|()| self.dev.unreserve(va, mapped));
+            if let Err(e) = unmapped {
+                self.shared.fail(e);
+            }
+        }
+        if let Some(e) = self.shared.error.lock().clone() {
+            return Err(EngineError::Failed(format!("checkpoint failed: {e}")));
+        }
+        if self.mode != CopyMode::Precopy {
+            self.record_prefetch_order()?;
+        }
+        Ok(CheckpointReport {
+            buffers: self.slots.len(),
+            bytes: self.shared.bytes.load(Ordering::Relaxed),
+            elapsed: self.started.elapsed(),
+            cow_priority: self.cow_priority.load(Ordering::Relaxed),
+            cow_shadow: self.cow_shadow.load(Ordering::Relaxed),
+            shadow_peak: self.shadow_peak.load(Ordering::Relaxed),
+            hook_blocked: self.blocked.load(Ordering::Relaxed),
+            hook_blocked_total: Duration::from_nanos(self.blocked_ns.load(Ordering::Relaxed)),
+            hook_blocked_max: Duration::from_nanos(self.blocked_max_ns.load(Ordering::Relaxed)),
+            stream_waits: self.stream_waits.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Ranks buffers by the order the job first touched them after T0: the best guess of the order
+    /// a restored job will need them in.
+    fn record_prefetch_order(&self) -> Result<(), EngineError> {
+        let mut order: Vec<(u32, u64, &Buffer)> = self
+            .slots
+            .iter()
+            .map(|s| (s.first_touch.load(Ordering::Relaxed), s.buf.id(), &s.buf))
+            .collect();
+        order.sort_unstable_by_key(|&(t, id, _)| (t, id));
+        for (rank, (_, _, b)) in order.into_iter().enumerate() {
+            self.shared.sink.add_buffer(BufferRecord {
+                id: b.id(),
+                va: b.va().0,
+                size: b.size(),
+                prefetch_rank: u32::try_from(rank).unwrap_or(u32::MAX),
+            })?;
+        }
+        Ok(())
+    }
+}

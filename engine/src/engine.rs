@@ -1,0 +1,501 @@
+//! The engine: managed buffers, the hook point, and the phases (checkpoint, pre-copy, release,
+//! restore) that the hook consults.
+//!
+//! # Protocol
+//! * The job's buffers are allocated through [`Engine::alloc`]: a VA reservation with physical
+//!   memory mapped under it, so the memory can later be dropped and re-created at the same address.
+//! * Before each operation of the job (kernel, copy, memset), the caller resolves the buffers it
+//!   reads and writes and calls [`Engine::before_op`] with the operation's stream. The returned
+//!   [`OpGuard`] is dropped once the operation is enqueued. The hook may enqueue waits on that
+//!   stream (the operation then waits on the device, not the host) or block the calling thread.
+//! * [`Engine::checkpoint`] fixes T0 and returns at once; see [`crate::checkpoint`].
+//! * [`Engine::precopy_round`] sends what was written since the previous round.
+//! * [`Engine::release`] drops the physical memory of every buffer (the job must be quiet).
+//! * [`Engine::restore`] starts an on-demand restore; see [`crate::restore`].
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use crate::checkpoint::{CheckpointHandle, CkptSession, CopyMode};
+use crate::device::{DevPtr, Device, DeviceError, StreamPriority};
+use crate::gate::Gate;
+use crate::image::ImageError;
+use crate::registry::{Buffer, Registry, Residency};
+use crate::restore::{RestoreHandle, RestoreSession};
+use crate::staging::StagingPool;
+use crate::store::{ChunkSink, ChunkSource};
+
+/// Tuning of the engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Bytes per copy chunk (and per staging buffer).
+    pub chunk_size: usize,
+    /// Staging buffers: bounds the host memory a checkpoint or restore uses in flight.
+    pub staging_buffers: usize,
+    /// Streams the background copier spreads buffers over.
+    pub copy_streams: usize,
+    /// Threads writing chunks to the sink.
+    pub writer_threads: usize,
+    /// Threads restoring in the background.
+    pub restore_threads: usize,
+    /// Device memory a checkpoint may use for shadow copies (copy-on-write by a device-to-device
+    /// copy, so the job waits for a fast copy instead of a device-to-host one). 0 disables shadows.
+    pub shadow_budget: u64,
+    /// Test knob: the background restorer sleeps this long before each buffer, so tests can make
+    /// the job overtake it.
+    #[doc(hidden)]
+    pub prefetch_delay: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            chunk_size: 8 << 20,
+            staging_buffers: 8,
+            copy_streams: 2,
+            writer_threads: 2,
+            restore_threads: 2,
+            shadow_budget: 0,
+            prefetch_delay: Duration::ZERO,
+        }
+    }
+}
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// Reading or writing the image failed.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// An address that is not a managed buffer's start.
+    #[error("no managed buffer starts at {0}")]
+    UnknownBuffer(DevPtr),
+    /// Another operation is in progress.
+    #[error("cannot {wanted}: a {current} is in progress")]
+    Busy {
+        /// What was asked for.
+        wanted: &'static str,
+        /// What is going on.
+        current: &'static str,
+    },
+    /// An operation touched a released buffer while no restore was running.
+    #[error("buffer {id} at {va} was released and no restore is in progress")]
+    Released {
+        /// The buffer.
+        id: u64,
+        /// Its address.
+        va: DevPtr,
+    },
+    /// The image does not fit this job's buffers.
+    #[error("image does not match this job: buffer {id}: {why}")]
+    ImageMismatch {
+        /// The image's buffer id.
+        id: u64,
+        /// What does not match.
+        why: String,
+    },
+    /// A buffer could not be restored.
+    #[error("restoring buffer {id} ({size} bytes at {va}) failed: {source}")]
+    RestoreBuffer {
+        /// The buffer.
+        id: u64,
+        /// Its address.
+        va: DevPtr,
+        /// Its size.
+        size: u64,
+        /// Why.
+        source: Box<EngineError>,
+    },
+    /// A checkpoint or restore failed earlier; this is its first error.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Operations' buffer sets as the hook receives them.
+#[derive(Clone, Copy, Debug)]
+pub enum Access<'a> {
+    /// The buffers read and written are known (a buffer both read and written is in `writes`).
+    Known {
+        /// Buffers read.
+        reads: &'a [Buffer],
+        /// Buffers written.
+        writes: &'a [Buffer],
+    },
+    /// Unknown: treated as reading and writing every buffer.
+    Opaque,
+}
+
+/// Counters, read with [`Engine::stats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub hook_calls: AtomicU64,
+    pub hook_blocked: AtomicU64,
+    pub hook_blocked_ns: AtomicU64,
+    pub hook_blocked_max_ns: AtomicU64,
+    pub stream_waits: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn blocked(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.hook_blocked.fetch_add(1, Ordering::Relaxed);
+        self.hook_blocked_ns.fetch_add(ns, Ordering::Relaxed);
+        self.hook_blocked_max_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of the engine's counters.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Stats {
+    /// Managed buffers.
+    pub buffers: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Bytes with physical memory now.
+    pub resident_bytes: u64,
+    /// Hook calls.
+    pub hook_calls: u64,
+    /// Hook calls that blocked the job's thread.
+    pub hook_blocked: u64,
+    /// Total time the job's threads were blocked in the hook.
+    pub hook_blocked_ns: u64,
+    /// Longest single block.
+    pub hook_blocked_max_ns: u64,
+    /// Waits enqueued on the job's streams.
+    pub stream_waits: u64,
+    /// The current phase.
+    pub phase: &'static str,
+}
+
+pub(crate) enum Phase<D: Device> {
+    Idle,
+    Checkpoint(Arc<CkptSession<D>>),
+    Released,
+    Restore(Arc<RestoreSession<D>>),
+}
+
+impl<D: Device> Phase<D> {
+    fn name(&self) -> &'static str {
+        match self {
+            Phase::Idle => "idle",
+            Phase::Checkpoint(_) => "checkpoint",
+            Phase::Released => "released",
+            Phase::Restore(_) => "restore",
+        }
+    }
+}
+
+impl<D: Device> Clone for Phase<D> {
+    fn clone(&self) -> Self {
+        match self {
+            Phase::Idle => Phase::Idle,
+            Phase::Checkpoint(s) => Phase::Checkpoint(Arc::clone(s)),
+            Phase::Released => Phase::Released,
+            Phase::Restore(s) => Phase::Restore(Arc::clone(s)),
+        }
+    }
+}
+
+pub(crate) struct Inner<D: Device> {
+    pub dev: Arc<D>,
+    pub cfg: EngineConfig,
+    pub reg: RwLock<Registry>,
+    pub job_streams: RwLock<Vec<D::Stream>>,
+    pub phase: RwLock<Phase<D>>,
+    /// `phase` is not Idle: the only thing the hook reads when nothing is going on.
+    pub active: AtomicBool,
+    pub gate: Gate,
+    pub pool: Arc<StagingPool<D>>,
+    pub copy_streams: Vec<D::Stream>,
+    pub prio: D::Stream,
+    pub counters: Arc<Counters>,
+}
+
+impl<D: Device> Inner<D> {
+    pub(crate) fn set_phase(&self, p: Phase<D>) {
+        let mut g = self.phase.write();
+        self.active.store(!matches!(p, Phase::Idle), Ordering::Release);
+        *g = p;
+    }
+
+    /// Fences every job stream now and makes the engine's own streams wait for the fences.
+    /// Called with the gate closed.
+    pub(crate) fn fence_job_streams(&self) -> Result<(), EngineError> {
+        let streams = self.job_streams.read();
+        for s in streams.iter() {
+            let ev = self.dev.record_event(s)?;
+            for own in self.copy_streams.iter().chain(std::iter::once(&self.prio)) {
+                self.dev.wait_event(own, &ev)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Held while an operation goes from the hook to its stream; drop it once the operation is enqueued.
+#[must_use = "drop the guard after the operation is enqueued"]
+pub struct OpGuard<D: Device> {
+    inner: Arc<Inner<D>>,
+}
+
+impl<D: Device> std::fmt::Debug for OpGuard<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OpGuard")
+    }
+}
+
+impl<D: Device> Drop for OpGuard<D> {
+    fn drop(&mut self) {
+        self.inner.gate.leave();
+    }
+}
+
+/// The engine. Cheap to clone (a handle).
+pub struct Engine<D: Device> {
+    inner: Arc<Inner<D>>,
+}
+
+impl<D: Device> Clone for Engine<D> {
+    fn clone(&self) -> Self {
+        Engine { inner: Arc::clone(&self.inner) }
+    }
+}
+
+impl<D: Device> std::fmt::Debug for Engine<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("device", &self.inner.dev.name()).finish()
+    }
+}
+
+impl<D: Device> Engine<D> {
+    /// An engine over `dev`. Allocates its staging buffers and streams.
+    pub fn new(dev: Arc<D>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let pool = Arc::new(StagingPool::new(&*dev, cfg.chunk_size, cfg.staging_buffers.max(2))?);
+        let copy_streams = (0..cfg.copy_streams.max(1))
+            .map(|_| dev.create_stream(StreamPriority::Normal))
+            .collect::<Result<Vec<_>, _>>()?;
+        let prio = dev.create_stream(StreamPriority::High)?;
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                dev,
+                cfg,
+                reg: RwLock::new(Registry::default()),
+                job_streams: RwLock::new(Vec::new()),
+                phase: RwLock::new(Phase::Idle),
+                active: AtomicBool::new(false),
+                gate: Gate::default(),
+                pool,
+                copy_streams,
+                prio,
+                counters: Arc::new(Counters::default()),
+            }),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<D> {
+        &self.inner.dev
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+
+    /// Tells the engine about a stream the job issues work on (needed to fix T0 on it).
+    pub fn register_stream(&self, s: D::Stream) {
+        self.inner.job_streams.write().push(s);
+    }
+
+    /// Allocates a managed, releasable buffer of `size` bytes.
+    pub fn alloc(&self, size: u64) -> Result<Buffer, EngineError> {
+        let g = self.inner.dev.granularity();
+        let mapped = size.max(1).div_ceil(g) * g;
+        let va = self.inner.dev.reserve(mapped)?;
+        if let Err(e) = self.inner.dev.map(va, mapped) {
+            let _ = self.inner.dev.unreserve(va, mapped);
+            return Err(e.into());
+        }
+        Ok(self.inner.reg.write().insert(va, size, mapped))
+    }
+
+    /// Frees the buffer starting at `va`. During a checkpoint, its contents are saved first.
+    pub fn free(&self, va: DevPtr) -> Result<(), EngineError> {
+        let buf = self.inner.reg.read().lookup(va).filter(|b| b.va() == va).cloned();
+        let buf = buf.ok_or(EngineError::UnknownBuffer(va))?;
+        let phase = self.inner.phase.read().clone();
+        match phase {
+            Phase::Checkpoint(s) => s.settle_before_free(&buf)?,
+            Phase::Restore(s) => s.settle_before_free(&buf)?,
+            Phase::Idle | Phase::Released => {}
+        }
+        self.inner.reg.write().remove(va);
+        if buf.residency() == Residency::Mapped {
+            self.inner.dev.unmap(va, buf.mapped_size())?;
+        }
+        self.inner.dev.unreserve(va, buf.mapped_size())?;
+        Ok(())
+    }
+
+    /// The managed buffer containing `ptr`, if any.
+    pub fn lookup(&self, ptr: DevPtr) -> Option<Buffer> {
+        self.inner.reg.read().lookup(ptr).cloned()
+    }
+
+    /// All managed buffers, by address.
+    pub fn buffers(&self) -> Vec<Buffer> {
+        self.inner.reg.read().iter().cloned().collect()
+    }
+
+    /// The hook: call before enqueueing an operation of the job on `stream`; drop the guard after.
+    pub fn before_op(&self, stream: &D::Stream, access: Access<'_>) -> Result<OpGuard<D>, EngineError> {
+        self.inner.gate.enter();
+        let guard = OpGuard { inner: Arc::clone(&self.inner) };
+        self.inner.counters.hook_calls.fetch_add(1, Ordering::Relaxed);
+        match access {
+            Access::Known { writes, .. } => writes.iter().for_each(Buffer::mark_dirty),
+            Access::Opaque => self.inner.reg.read().iter().for_each(Buffer::mark_dirty),
+        }
+        if !self.inner.active.load(Ordering::Acquire) {
+            return Ok(guard);
+        }
+        let phase = self.inner.phase.read().clone();
+        match phase {
+            Phase::Idle => {}
+            Phase::Checkpoint(s) => s.before_op(stream, access)?,
+            Phase::Restore(s) => s.before_op(stream, access)?,
+            Phase::Released => {
+                let reg;
+                let all: Vec<Buffer>;
+                let touched: &[Buffer] = match access {
+                    Access::Known { reads, writes } => {
+                        all = reads.iter().chain(writes).cloned().collect();
+                        &all
+                    }
+                    Access::Opaque => {
+                        reg = self.inner.reg.read();
+                        all = reg.iter().cloned().collect();
+                        &all
+                    }
+                };
+                if let Some(b) = touched.iter().find(|b| b.residency() == Residency::Released) {
+                    return Err(EngineError::Released { id: b.id(), va: b.va() });
+                }
+            }
+        }
+        Ok(guard)
+    }
+
+    fn start_session(&self, wanted: &'static str) -> Result<(), EngineError> {
+        let p = self.inner.phase.read();
+        match &*p {
+            Phase::Idle => Ok(()),
+            other => Err(EngineError::Busy { wanted, current: other.name() }),
+        }
+    }
+
+    /// Begins a concurrent checkpoint into `sink`: fixes T0 now and returns while the background
+    /// copier runs. With `only_dirty`, only buffers written since the last pre-copy round are taken
+    /// (the sink already holds the others from earlier rounds).
+    pub fn checkpoint(
+        &self,
+        sink: Arc<dyn ChunkSink>,
+        only_dirty: bool,
+    ) -> Result<CheckpointHandle, EngineError> {
+        self.start_session("checkpoint")?;
+        let mode = if only_dirty { CopyMode::CowDirty } else { CopyMode::Cow };
+        CkptSession::begin(&self.inner, sink, mode)
+    }
+
+    /// One pre-copy round: copies every buffer written since the previous round (all of them the
+    /// first time) while the job runs, and returns when they are in the sink. Not a consistent image
+    /// by itself: finish with `checkpoint(sink, true)`.
+    pub fn precopy_round(&self, sink: Arc<dyn ChunkSink>) -> Result<RoundReport, EngineError> {
+        self.start_session("pre-copy round")?;
+        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy)?;
+        let r = h.wait()?;
+        let dirty_after = self.inner.reg.read().iter().filter(|b| b.is_dirty()).count();
+        Ok(RoundReport { buffers: r.buffers, bytes: r.bytes, elapsed: r.elapsed, dirty_after })
+    }
+
+    /// Drops the physical memory of every buffer, keeping addresses. The job must not be issuing
+    /// operations; everything already enqueued on its streams is waited for. Returns bytes released.
+    pub fn release(&self) -> Result<u64, EngineError> {
+        self.start_session("release")?;
+        self.inner.gate.close();
+        let r = (|| {
+            for s in self.inner.job_streams.read().iter() {
+                self.inner.dev.synchronize(s)?;
+            }
+            let mut bytes = 0;
+            for b in self.inner.reg.read().iter() {
+                if b.residency() == Residency::Mapped {
+                    self.inner.dev.unmap(b.va(), b.mapped_size())?;
+                    b.set_residency(Residency::Released);
+                    bytes += b.mapped_size();
+                }
+            }
+            Ok(bytes)
+        })();
+        if r.is_ok() {
+            self.inner.set_phase(Phase::Released);
+        }
+        self.inner.gate.open();
+        r
+    }
+
+    /// Starts restoring released buffers from `source`: returns at once; operations that touch a
+    /// buffer not yet back wait for exactly that buffer, the rest stream in in prefetch order.
+    pub fn restore(&self, source: Arc<dyn ChunkSource>) -> Result<RestoreHandle, EngineError> {
+        {
+            let p = self.inner.phase.read();
+            if !matches!(&*p, Phase::Released) {
+                return Err(EngineError::Busy {
+                    wanted: "restore (buffers must be released first)",
+                    current: p.name(),
+                });
+            }
+        }
+        RestoreSession::begin(&self.inner, source)
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> Stats {
+        let reg = self.inner.reg.read();
+        let c = &self.inner.counters;
+        Stats {
+            buffers: reg.len(),
+            bytes: reg.iter().map(Buffer::size).sum(),
+            resident_bytes: reg
+                .iter()
+                .filter(|b| b.residency() == Residency::Mapped)
+                .map(Buffer::mapped_size)
+                .sum(),
+            hook_calls: c.hook_calls.load(Ordering::Relaxed),
+            hook_blocked: c.hook_blocked.load(Ordering::Relaxed),
+            hook_blocked_ns: c.hook_blocked_ns.load(Ordering::Relaxed),
+            hook_blocked_max_ns: c.hook_blocked_max_ns.load(Ordering::Relaxed),
+            stream_waits: c.stream_waits.load(Ordering::Relaxed),
+            phase: self.inner.phase.read().name(),
+        }
+    }
+}
+
+/// What a pre-copy round did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RoundReport {
+    /// Buffers sent.
+    pub buffers: usize,
+    /// Bytes sent.
+    pub bytes: u64,
+    /// How long it took.
+    pub elapsed: Duration,
+    /// Buffers written again while the round ran (to send next round).
+    pub dirty_after: usize,
+}

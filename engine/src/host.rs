@@ -1,0 +1,698 @@
+//! The `host` backend: a [`Device`] in host memory, with real concurrency.
+//!
+//! Each stream is a worker thread that runs its operations in order; events are flags with a
+//! condition variable; "device memory" is a map from virtual address to a heap block, so a released
+//! buffer really loses its contents and an access to it really fails (as a GPU would fault). This is
+//! what lets CI run the engine's real logic without a GPU.
+//!
+//! A job's "kernels" are closures run on a stream by [`HostDevice::launch`]; they see memory through
+//! [`HostMem::with`], which locks the buffers they read and write (in address order, so racing jobs
+//! cannot deadlock). Stream priorities are recorded but not enforced: each stream already has its own
+//! thread, so a priority copy never queues behind background copies.
+//!
+//! Operations fail like CUDA's: a failed operation makes its stream's error sticky, later operations
+//! on that stream are skipped, and the error surfaces at the next synchronisation point.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use parking_lot::lock_api::{ArcRwLockReadGuard, ArcRwLockWriteGuard};
+use parking_lot::{Condvar, Mutex, RawRwLock, RwLock};
+
+use crate::device::{
+    DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority, Transfer,
+};
+
+const GRANULARITY: u64 = 64 * 1024;
+/// Virtual addresses start here so that 0 and small integers are never valid pointers.
+const VA_BASE: u64 = 0x7f00_0000_0000;
+
+#[derive(Debug)]
+struct Mapping {
+    size: u64,
+    data: Arc<RwLock<Box<[u8]>>>,
+}
+
+#[derive(Debug)]
+struct Space {
+    capacity: u64,
+    used: AtomicU64,
+    next_va: AtomicU64,
+    reservations: Mutex<BTreeMap<u64, u64>>,
+    mappings: RwLock<BTreeMap<u64, Mapping>>,
+}
+
+impl Space {
+    /// The mapping containing `[va, va+len)`, and the offset of `va` in it.
+    fn find(&self, va: DevPtr, len: u64) -> DeviceResult<(Arc<RwLock<Box<[u8]>>>, usize)> {
+        let maps = self.mappings.read();
+        let (start, m) = maps
+            .range(..=va.0)
+            .next_back()
+            .ok_or(DeviceError::InvalidAddress {
+                va,
+                len,
+                why: "not mapped",
+            })?;
+        let off = va.0 - start;
+        if off + len > m.size {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len,
+                why: if off >= m.size {
+                    "not mapped"
+                } else {
+                    "crosses the end of a mapping"
+                },
+            });
+        }
+        Ok((Arc::clone(&m.data), to_usize(off)))
+    }
+}
+
+fn to_usize(v: u64) -> usize {
+    usize::try_from(v).expect("host backend needs a 64-bit target")
+}
+
+/// Host memory for copies (plain heap memory: nothing to pin on the host backend).
+#[derive(Debug)]
+pub struct HostBuf(Box<[u8]>);
+
+impl HostBuffer for HostBuf {
+    fn as_slice(&self) -> &[u8] {
+        &self.0
+    }
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+}
+
+type Op = Box<dyn FnOnce(&Space) -> DeviceResult<()> + Send>;
+
+enum Work {
+    Op(Op),
+    /// Runs even when the stream has failed, receiving the sticky error.
+    Marker(Box<dyn FnOnce(Option<&str>) + Send>),
+}
+
+#[derive(Debug)]
+struct StreamInner {
+    tx: Sender<Work>,
+    priority: StreamPriority,
+    id: u64,
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Work::Op(_) => "Op",
+            Work::Marker(_) => "Marker",
+        })
+    }
+}
+
+/// A stream of the host backend: a worker thread running operations in order.
+#[derive(Clone, Debug)]
+pub struct HostStream(Arc<StreamInner>);
+
+impl HostStream {
+    /// The stream's priority as created.
+    pub fn priority(&self) -> StreamPriority {
+        self.0.priority
+    }
+    /// A number identifying the stream within its device.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+}
+
+#[derive(Debug, Default)]
+struct EventState {
+    /// `None` until complete; then `Some(Ok)` or the stream's error.
+    done: Mutex<Option<Result<(), String>>>,
+    cv: Condvar,
+}
+
+/// An event of the host backend.
+#[derive(Clone, Debug)]
+pub struct HostEvent(Arc<EventState>);
+
+impl HostEvent {
+    fn complete(&self, r: Result<(), String>) {
+        *self.0.done.lock() = Some(r);
+        self.0.cv.notify_all();
+    }
+    fn wait(&self) -> Result<(), String> {
+        let mut g = self.0.done.lock();
+        while g.is_none() {
+            self.0.cv.wait(&mut g);
+        }
+        g.clone().expect("checked above")
+    }
+}
+
+/// A copy in flight on the host backend.
+#[derive(Debug)]
+pub struct HostPending(Receiver<(DeviceResult<()>, HostBuf)>);
+
+impl Transfer<HostBuf> for HostPending {
+    fn wait(self) -> DeviceResult<HostBuf> {
+        let (r, buf) = self
+            .0
+            .recv()
+            .map_err(|_| DeviceError::StreamFailed("stream worker exited".into()))?;
+        r.map(|()| buf)
+    }
+}
+
+/// A device in host memory.
+#[derive(Clone, Debug)]
+pub struct HostDevice {
+    space: Arc<Space>,
+    next_stream: Arc<AtomicU64>,
+}
+
+impl HostDevice {
+    /// A device with `capacity` bytes of "device memory".
+    pub fn new(capacity: u64) -> Self {
+        HostDevice {
+            space: Arc::new(Space {
+                capacity,
+                used: AtomicU64::new(0),
+                next_va: AtomicU64::new(VA_BASE),
+                reservations: Mutex::new(BTreeMap::new()),
+                mappings: RwLock::new(BTreeMap::new()),
+            }),
+            next_stream: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Runs `kernel` on `stream`, in order with the stream's other work: the job's own operations.
+    pub fn launch(
+        &self,
+        stream: &HostStream,
+        kernel: impl FnOnce(&HostMem<'_>) -> DeviceResult<()> + Send + 'static,
+    ) -> DeviceResult<()> {
+        enqueue(
+            stream,
+            Work::Op(Box::new(move |space| kernel(&HostMem { space }))),
+        )
+    }
+
+    /// Reads device memory synchronously (outside any stream): for tests and verification.
+    pub fn read_now(&self, va: DevPtr, len: u64) -> DeviceResult<Vec<u8>> {
+        let (data, off) = self.space.find(va, len)?;
+        let g = data.read();
+        Ok(g[off..off + to_usize(len)].to_vec())
+    }
+
+    /// Writes device memory synchronously (outside any stream): for tests and set-up.
+    pub fn write_now(&self, va: DevPtr, bytes: &[u8]) -> DeviceResult<()> {
+        let (data, off) = self.space.find(va, bytes.len() as u64)?;
+        data.write()[off..off + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Bytes of device memory mapped now.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.space.used.load(Ordering::Relaxed)
+    }
+}
+
+/// Device memory as a host "kernel" sees it.
+#[derive(Debug)]
+pub struct HostMem<'a> {
+    space: &'a Space,
+}
+
+impl HostMem<'_> {
+    /// Locks the ranges a kernel reads and writes (in address order) and calls `f` with them.
+    /// A range must lie inside one mapping; no mapping may appear twice.
+    pub fn with<R>(
+        &self,
+        reads: &[(DevPtr, u64)],
+        writes: &[(DevPtr, u64)],
+        f: impl FnOnce(&[&[u8]], &mut [&mut [u8]]) -> R,
+    ) -> DeviceResult<R> {
+        enum G {
+            R(ArcRwLockReadGuard<RawRwLock, Box<[u8]>>),
+            W(ArcRwLockWriteGuard<RawRwLock, Box<[u8]>>),
+        }
+        let mut order: Vec<(u64, bool, usize)> = reads
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.0 .0, false, i))
+            .chain(writes.iter().enumerate().map(|(i, w)| (w.0 .0, true, i)))
+            .collect();
+        order.sort_unstable();
+        let mut found = Vec::with_capacity(order.len());
+        for &(_, is_write, i) in &order {
+            let (va, len) = if is_write { writes[i] } else { reads[i] };
+            let (data, off) = self.space.find(va, len)?;
+            if found.iter().any(|(d, _, _, _, _)| Arc::ptr_eq(d, &data)) {
+                return Err(DeviceError::InvalidAddress {
+                    va,
+                    len,
+                    why: "a kernel's ranges must lie in distinct mappings",
+                });
+            }
+            found.push((data, off, to_usize(len), is_write, i));
+        }
+        let mut guards: Vec<(G, usize, usize, bool, usize)> = found
+            .into_iter()
+            .map(|(d, off, len, w, i)| {
+                let g = if w {
+                    G::W(d.write_arc())
+                } else {
+                    G::R(d.read_arc())
+                };
+                (g, off, len, w, i)
+            })
+            .collect();
+        let mut ins: Vec<(usize, &[u8])> = Vec::with_capacity(reads.len());
+        let mut outs: Vec<(usize, &mut [u8])> = Vec::with_capacity(writes.len());
+        for (g, off, len, _, i) in guards.iter_mut() {
+            match g {
+                G::R(r) => ins.push((*i, &r[*off..*off + *len])),
+                G::W(w) => outs.push((*i, &mut w[*off..*off + *len])),
+            }
+        }
+        ins.sort_unstable_by_key(|(i, _)| *i);
+        outs.sort_unstable_by_key(|(i, _)| *i);
+        let ins: Vec<&[u8]> = ins.into_iter().map(|(_, s)| s).collect();
+        let mut outs: Vec<&mut [u8]> = outs.into_iter().map(|(_, s)| s).collect();
+        Ok(f(&ins, &mut outs))
+    }
+}
+
+fn enqueue(stream: &HostStream, work: Work) -> DeviceResult<()> {
+    stream
+        .0
+        .tx
+        .send(work)
+        .map_err(|_| DeviceError::StreamFailed("stream worker exited".into()))
+}
+
+fn stream_worker(space: Arc<Space>, rx: Receiver<Work>) {
+    let mut sticky: Option<String> = None;
+    for work in rx {
+        match work {
+            Work::Op(op) => {
+                if sticky.is_none() {
+                    if let Err(e) = op(&space) {
+                        sticky = Some(e.to_string());
+                    }
+                }
+            }
+            Work::Marker(m) => m(sticky.as_deref()),
+        }
+    }
+}
+
+impl Device for HostDevice {
+    type Stream = HostStream;
+    type Event = HostEvent;
+    type HostBuf = HostBuf;
+    type Pending = HostPending;
+
+    fn name(&self) -> String {
+        "host".into()
+    }
+
+    fn granularity(&self) -> u64 {
+        GRANULARITY
+    }
+
+    fn memory_info(&self) -> DeviceResult<(u64, u64)> {
+        let used = self.space.used.load(Ordering::Relaxed);
+        Ok((
+            self.space.capacity.saturating_sub(used),
+            self.space.capacity,
+        ))
+    }
+
+    fn reserve(&self, size: u64) -> DeviceResult<DevPtr> {
+        if size == 0 || size % GRANULARITY != 0 {
+            return Err(DeviceError::InvalidAddress {
+                va: DevPtr(0),
+                len: size,
+                why: "reservation size must be a non-zero multiple of the granularity",
+            });
+        }
+        // Leave a guard gap between reservations so an overrun never lands in a neighbour.
+        let va = self
+            .space
+            .next_va
+            .fetch_add(size + GRANULARITY, Ordering::Relaxed);
+        self.space.reservations.lock().insert(va, size);
+        Ok(DevPtr(va))
+    }
+
+    fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let maps = self.space.mappings.read();
+        if maps.range(va.0..va.0 + size).next().is_some() {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "still mapped",
+            });
+        }
+        match self.space.reservations.lock().remove(&va.0) {
+            Some(s) if s == size => Ok(()),
+            _ => Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "not a reservation",
+            }),
+        }
+    }
+
+    fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let inside = {
+            let res = self.space.reservations.lock();
+            res.range(..=va.0)
+                .next_back()
+                .is_some_and(|(s, l)| va.0 + size <= s + l)
+        };
+        if !inside {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "outside any reservation",
+            });
+        }
+        let mut maps = self.space.mappings.write();
+        if maps.range(va.0..va.0 + size).next().is_some()
+            || maps
+                .range(..va.0)
+                .next_back()
+                .is_some_and(|(s, m)| s + m.size > va.0)
+        {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "already mapped",
+            });
+        }
+        let used = self.space.used.load(Ordering::Relaxed);
+        if used + size > self.space.capacity {
+            return Err(DeviceError::OutOfMemory {
+                requested: size,
+                free: self.space.capacity.saturating_sub(used),
+            });
+        }
+        self.space.used.fetch_add(size, Ordering::Relaxed);
+        let data = vec![0u8; to_usize(size)].into_boxed_slice();
+        maps.insert(
+            va.0,
+            Mapping {
+                size,
+                data: Arc::new(RwLock::new(data)),
+            },
+        );
+        Ok(())
+    }
+
+    fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let mut maps = self.space.mappings.write();
+        match maps.get(&va.0) {
+            Some(m) if m.size == size => {
+                maps.remove(&va.0);
+                self.space.used.fetch_sub(size, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "not a mapping of that size",
+            }),
+        }
+    }
+
+    fn alloc_host(&self, len: usize) -> DeviceResult<HostBuf> {
+        Ok(HostBuf(vec![0u8; len].into_boxed_slice()))
+    }
+
+    fn create_stream(&self, priority: StreamPriority) -> DeviceResult<HostStream> {
+        let (tx, rx) = unbounded();
+        let space = Arc::clone(&self.space);
+        let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        std::thread::Builder::new()
+            .name(format!("host-stream-{id}"))
+            .spawn(move || stream_worker(space, rx))
+            .map_err(|e| DeviceError::Backend {
+                call: "thread spawn",
+                code: i64::from(e.raw_os_error().unwrap_or(0)),
+                message: e.to_string(),
+            })?;
+        Ok(HostStream(Arc::new(StreamInner { tx, priority, id })))
+    }
+
+    fn copy_d2h(
+        &self,
+        stream: &HostStream,
+        src: DevPtr,
+        mut dst: HostBuf,
+        len: u64,
+    ) -> DeviceResult<HostPending> {
+        if len > dst.len() as u64 {
+            return Err(DeviceError::HostBufferTooSmall {
+                need: len,
+                have: dst.len() as u64,
+            });
+        }
+        let (tx, rx) = bounded(1);
+        let tx2 = tx.clone();
+        // The buffer travels with the op; if the stream has already failed, the op is skipped and
+        // the marker after it reports the failure instead.
+        enqueue(
+            stream,
+            Work::Op(Box::new(move |space| {
+                let r = space.find(src, len).map(|(data, off)| {
+                    let g = data.read();
+                    dst.as_mut_slice()[..to_usize(len)]
+                        .copy_from_slice(&g[off..off + to_usize(len)]);
+                });
+                let failed = r.is_err();
+                let _ = tx.send((r, dst));
+                if failed {
+                    return Err(DeviceError::InvalidAddress {
+                        va: src,
+                        len,
+                        why: "copy source not mapped",
+                    });
+                }
+                Ok(())
+            })),
+        )?;
+        enqueue(
+            stream,
+            Work::Marker(Box::new(move |err| {
+                if let Some(e) = err {
+                    let _ = tx2.try_send((
+                        Err(DeviceError::StreamFailed(e.to_owned())),
+                        HostBuf(Box::new([])),
+                    ));
+                }
+            })),
+        )?;
+        Ok(HostPending(rx))
+    }
+
+    fn copy_h2d(
+        &self,
+        stream: &HostStream,
+        src: HostBuf,
+        dst: DevPtr,
+        len: u64,
+    ) -> DeviceResult<HostPending> {
+        if len > src.len() as u64 {
+            return Err(DeviceError::HostBufferTooSmall {
+                need: len,
+                have: src.len() as u64,
+            });
+        }
+        let (tx, rx) = bounded(1);
+        let tx2 = tx.clone();
+        enqueue(
+            stream,
+            Work::Op(Box::new(move |space| {
+                let r = space.find(dst, len).map(|(data, off)| {
+                    let mut g = data.write();
+                    g[off..off + to_usize(len)].copy_from_slice(&src.as_slice()[..to_usize(len)]);
+                });
+                let failed = r.is_err();
+                let _ = tx.send((r, src));
+                if failed {
+                    return Err(DeviceError::InvalidAddress {
+                        va: dst,
+                        len,
+                        why: "copy target not mapped",
+                    });
+                }
+                Ok(())
+            })),
+        )?;
+        enqueue(
+            stream,
+            Work::Marker(Box::new(move |err| {
+                if let Some(e) = err {
+                    let _ = tx2.try_send((
+                        Err(DeviceError::StreamFailed(e.to_owned())),
+                        HostBuf(Box::new([])),
+                    ));
+                }
+            })),
+        )?;
+        Ok(HostPending(rx))
+    }
+
+    fn copy_d2d(
+        &self,
+        stream: &HostStream,
+        src: DevPtr,
+        dst: DevPtr,
+        len: u64,
+    ) -> DeviceResult<()> {
+        enqueue(
+            stream,
+            Work::Op(Box::new(move |space| {
+                let (s, so) = space.find(src, len)?;
+                let (d, doff) = space.find(dst, len)?;
+                if Arc::ptr_eq(&s, &d) {
+                    let mut g = d.write();
+                    g.copy_within(so..so + to_usize(len), doff);
+                } else {
+                    let sg = s.read();
+                    let mut dg = d.write();
+                    dg[doff..doff + to_usize(len)].copy_from_slice(&sg[so..so + to_usize(len)]);
+                }
+                Ok(())
+            })),
+        )
+    }
+
+    fn record_event(&self, stream: &HostStream) -> DeviceResult<HostEvent> {
+        let ev = HostEvent(Arc::new(EventState::default()));
+        let e2 = ev.clone();
+        enqueue(
+            stream,
+            Work::Marker(Box::new(move |err| {
+                e2.complete(err.map_or(Ok(()), |e| Err(e.to_owned())))
+            })),
+        )?;
+        Ok(ev)
+    }
+
+    fn wait_event(&self, stream: &HostStream, event: &HostEvent) -> DeviceResult<()> {
+        let ev = event.clone();
+        enqueue(
+            stream,
+            Work::Op(Box::new(move |_| {
+                ev.wait().map_err(DeviceError::StreamFailed)
+            })),
+        )
+    }
+
+    fn event_synchronize(&self, event: &HostEvent) -> DeviceResult<()> {
+        event.wait().map_err(DeviceError::StreamFailed)
+    }
+
+    fn event_query(&self, event: &HostEvent) -> DeviceResult<bool> {
+        match &*event.0.done.lock() {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err(e)) => Err(DeviceError::StreamFailed(e.clone())),
+        }
+    }
+
+    fn synchronize(&self, stream: &HostStream) -> DeviceResult<()> {
+        let ev = self.record_event(stream)?;
+        self.event_synchronize(&ev)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev() -> HostDevice {
+        HostDevice::new(1 << 30)
+    }
+
+    #[test]
+    fn map_copy_release_remap_keeps_address() {
+        let d = dev();
+        let s = d.create_stream(StreamPriority::Normal).unwrap();
+        let va = d.reserve(GRANULARITY * 2).unwrap();
+        d.map(va, GRANULARITY * 2).unwrap();
+        let mut b = d.alloc_host(4096).unwrap();
+        b.as_mut_slice().fill(7);
+        let b = d
+            .copy_h2d(&s, b, va.add(100), 4096)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let out = d
+            .copy_d2h(&s, va.add(100), b, 4096)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(out.as_slice().iter().all(|&x| x == 7));
+        d.unmap(va, GRANULARITY * 2).unwrap();
+        // Released: an access now fails, as a GPU would fault.
+        assert!(d.copy_d2h(&s, va, out, 16).unwrap().wait().is_err());
+        // The stream error is sticky.
+        assert!(d.synchronize(&s).is_err());
+        let s = d.create_stream(StreamPriority::High).unwrap();
+        d.map(va, GRANULARITY * 2).unwrap();
+        assert_eq!(
+            d.read_now(va.add(100), 4).unwrap(),
+            vec![0; 4],
+            "new memory, old contents gone"
+        );
+        d.synchronize(&s).unwrap();
+    }
+
+    #[test]
+    fn events_order_streams() {
+        let d = dev();
+        let a = d.create_stream(StreamPriority::Normal).unwrap();
+        let b = d.create_stream(StreamPriority::Normal).unwrap();
+        let va = d.reserve(GRANULARITY).unwrap();
+        d.map(va, GRANULARITY).unwrap();
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let g2 = Arc::clone(&gate);
+        d.launch(&a, move |mem| {
+            let mut open = g2.0.lock();
+            while !*open {
+                g2.1.wait(&mut open);
+            }
+            mem.with(&[], &[(va, 8)], |_, o| o[0].fill(1))
+        })
+        .unwrap();
+        let ev = d.record_event(&a).unwrap();
+        d.wait_event(&b, &ev).unwrap();
+        d.launch(&b, move |mem| {
+            mem.with(&[], &[(va, 8)], |_, o| {
+                o[0].iter_mut().for_each(|x| *x += 1)
+            })
+        })
+        .unwrap();
+        assert!(!d.event_query(&ev).unwrap());
+        *gate.0.lock() = true;
+        gate.1.notify_all();
+        d.synchronize(&b).unwrap();
+        assert_eq!(d.read_now(va, 8).unwrap(), vec![2; 8]);
+    }
+
+    #[test]
+    fn capacity_is_enforced() {
+        let d = HostDevice::new(GRANULARITY * 2);
+        let va = d.reserve(GRANULARITY * 4).unwrap();
+        let err = d.map(va, GRANULARITY * 4).unwrap_err();
+        assert!(matches!(err, DeviceError::OutOfMemory { .. }), "{err}");
+    }
+}

@@ -1,0 +1,403 @@
+//! The engine's protocol against a sequential reference, on the host backend with real concurrency.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use possum_engine::host::HostDevice;
+use possum_engine::store::{ChunkSink, ChunkSource, MemStore};
+use possum_engine::{Access, Engine, EngineConfig, EngineError};
+use possum_workloads::host::HostJob;
+use possum_workloads::program::{Program, Shape};
+use possum_workloads::reference::Reference;
+use proptest::prelude::*;
+
+fn engine(cfg: EngineConfig) -> Engine<HostDevice> {
+    Engine::new(Arc::new(HostDevice::new(1 << 30)), cfg).unwrap()
+}
+
+fn small_cfg(chunk: usize, staging: usize, shadow: u64) -> EngineConfig {
+    EngineConfig {
+        chunk_size: chunk,
+        staging_buffers: staging,
+        copy_streams: 2,
+        writer_threads: 2,
+        restore_threads: 2,
+        shadow_budget: shadow,
+        ..EngineConfig::default()
+    }
+}
+
+fn image_of(store: &MemStore, job: &HostJob) -> Vec<Vec<u8>> {
+    job.buffers().iter().map(|b| store.buffer_bytes(b.id()).expect("buffer in image")).collect()
+}
+
+fn cases() -> u32 {
+    std::env::var("POSSUM_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+}
+
+/// Checkpoint at op `k` while ops k.. keep running; then release, restore on demand, and re-run k..
+fn checkpoint_restore_case(p: &Program, k: usize, cfg: EngineConfig) -> Result<(), TestCaseError> {
+    let e = engine(cfg);
+    let mut job = HostJob::new(&e, p).unwrap();
+    let mut at_t0 = Reference::new(p);
+    at_t0.run_all(&p.ops[..k]);
+    let mut at_end = at_t0.clone();
+    at_end.run_all(&p.ops[k..]);
+
+    for op in &p.ops[..k] {
+        job.issue(op).unwrap();
+    }
+    let store = Arc::new(MemStore::new());
+    let ck = e.checkpoint(store.clone(), false).unwrap();
+    for op in &p.ops[k..] {
+        job.issue(op).unwrap();
+    }
+    let report = ck.wait().unwrap();
+    job.sync().unwrap();
+    prop_assert_eq!(report.buffers, p.sizes.len());
+    prop_assert_eq!(report.bytes, p.bytes());
+    prop_assert!(image_of(&store, &job) == at_t0.bufs, "image differs from the state at T0");
+    prop_assert!(job.contents().unwrap() == at_end.bufs, "job's own run differs from the reference");
+
+    // Fail-over: drop the device memory, restore on demand, redo the work after T0.
+    e.release().unwrap();
+    job.reset_deps();
+    let rs = e.restore(store).unwrap();
+    for op in &p.ops[k..] {
+        job.issue(op).unwrap();
+    }
+    job.sync().unwrap();
+    let rr = rs.wait().unwrap();
+    prop_assert_eq!(rr.on_demand + rr.prefetched, p.sizes.len() as u64);
+    prop_assert!(job.contents().unwrap() == at_end.bufs, "restored run differs from an uninterrupted one");
+    Ok(())
+}
+
+fn shape() -> impl Strategy<Value = (u64, Shape)> {
+    (any::<u64>(), 1usize..10, 1usize..4, 0usize..48, 8u64..20_000).prop_map(|(seed, buffers, streams, ops, hi)| {
+        (
+            seed,
+            Shape { buffers, size_range: (8, hi), streams, ops, max_reads: 2, max_writes: 2 },
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn concurrent_checkpoint_equals_state_at_t0(
+        (seed, shape) in shape(),
+        k_frac in 0.0f64..=1.0,
+        chunk_pow in 6u32..14,
+        staging in 2usize..5,
+        shadow in prop_oneof![Just(0u64), Just(1u64 << 20), Just(64 * 1024)],
+    ) {
+        let p = Program::random(seed, &shape);
+        let k = ((p.ops.len() as f64) * k_frac) as usize;
+        checkpoint_restore_case(&p, k.min(p.ops.len()), small_cfg(1 << chunk_pow, staging, shadow))?;
+    }
+
+    #[test]
+    fn precopy_rounds_then_final_checkpoint_equal_state_at_t0(
+        (seed, shape) in shape(),
+        cuts in proptest::collection::vec(0.0f64..=1.0, 1..4),
+        chunk_pow in 6u32..14,
+    ) {
+        let p = Program::random(seed, &shape);
+        let e = engine(small_cfg(1 << chunk_pow, 3, 0));
+        let mut job = HostJob::new(&e, &p).unwrap();
+        let store = Arc::new(MemStore::new());
+        let mut cuts: Vec<usize> = cuts.iter().map(|c| ((p.ops.len() as f64) * c) as usize).collect();
+        cuts.sort_unstable();
+        let k = *cuts.last().unwrap();
+        let mut done = 0;
+        for &c in &cuts[..cuts.len() - 1] {
+            let c = c.max(done);
+            for op in &p.ops[done..c] {
+                job.issue(op).unwrap();
+            }
+            done = c;
+            // A round runs while more operations are issued.
+            let st = store.clone();
+            let e2 = e.clone();
+            let round = std::thread::spawn(move || e2.precopy_round(st).unwrap());
+            for op in &p.ops[done..(done + 3).min(k)] {
+                job.issue(op).unwrap();
+            }
+            done = (done + 3).min(k);
+            round.join().unwrap();
+        }
+        for op in &p.ops[done..k] {
+            job.issue(op).unwrap();
+        }
+        let ck = e.checkpoint(store.clone(), true).unwrap();
+        for op in &p.ops[k..] {
+            job.issue(op).unwrap();
+        }
+        ck.wait().unwrap();
+        job.sync().unwrap();
+        let mut at_t0 = Reference::new(&p);
+        at_t0.run_all(&p.ops[..k]);
+        prop_assert!(image_of(&store, &job) == at_t0.bufs, "pre-copied image differs from the state at T0");
+    }
+}
+
+fn demo_program(seed: u64) -> Program {
+    Program::random(
+        seed,
+        &Shape { buffers: 16, size_range: (4096, 65536), streams: 3, ops: 40, max_reads: 2, max_writes: 1 },
+    )
+}
+
+#[test]
+fn an_operation_overtakes_the_prefetcher() {
+    let p = demo_program(11);
+    let cfg = EngineConfig { prefetch_delay: Duration::from_millis(30), restore_threads: 1, ..small_cfg(4096, 4, 0) };
+    let e = engine(cfg);
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    // The buffer the prefetcher will reach last.
+    let last = store.buffers().into_iter().max_by_key(|r| (r.prefetch_rank, r.id)).unwrap();
+    let idx = job.buffers().iter().position(|b| b.id() == last.id).unwrap();
+    let rs = e.restore(store.clone()).unwrap();
+    let op = possum_workloads::program::Op { stream: 0, reads: vec![], writes: vec![idx], salt: 5 };
+    job.reset_deps();
+    job.issue(&op).unwrap();
+    job.sync().unwrap();
+    assert!(!rs.is_finished(), "the prefetcher should still be running (30 ms per buffer)");
+    let rr = rs.wait().unwrap();
+    assert!(rr.on_demand >= 1, "the operation's buffer was restored on demand: {rr:?}");
+    let mut r = Reference::new(&p);
+    r.run(&op);
+    assert_eq!(job.contents().unwrap(), r.bufs);
+}
+
+#[test]
+fn many_operations_race_the_prefetcher() {
+    let p = demo_program(12);
+    let cfg = EngineConfig { prefetch_delay: Duration::from_millis(2), ..small_cfg(4096, 3, 0) };
+    let e = engine(cfg);
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    job.reset_deps();
+    let rs = e.restore(store).unwrap();
+    for op in &p.ops {
+        job.issue(op).unwrap();
+    }
+    job.sync().unwrap();
+    let rr = rs.wait().unwrap();
+    assert_eq!(rr.on_demand + rr.prefetched, 16);
+    let mut r = Reference::new(&p);
+    r.run_all(&p.ops);
+    assert_eq!(job.contents().unwrap(), r.bufs);
+}
+
+#[test]
+fn touching_a_released_buffer_without_restore_is_an_error() {
+    let p = demo_program(13);
+    let e = engine(small_cfg(4096, 2, 0));
+    let mut job = HostJob::new(&e, &p).unwrap();
+    e.release().unwrap();
+    let err = job.issue(&p.ops[0]).unwrap_err();
+    assert!(matches!(err, EngineError::Released { .. }), "{err}");
+    assert!(err.to_string().contains("released"), "{err}");
+}
+
+#[test]
+fn an_image_of_another_job_is_refused() {
+    let e1 = engine(small_cfg(4096, 2, 0));
+    let j1 = HostJob::new(&e1, &demo_program(1)).unwrap();
+    let store = Arc::new(MemStore::new());
+    e1.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    drop(j1);
+    let other = Program::random(2, &Shape { buffers: 16, size_range: (8, 64), streams: 1, ops: 0, max_reads: 0, max_writes: 1 });
+    let e2 = engine(small_cfg(4096, 2, 0));
+    let _j2 = HostJob::new(&e2, &other).unwrap();
+    e2.release().unwrap();
+    let err = e2.restore(store).unwrap_err();
+    assert!(matches!(err, EngineError::ImageMismatch { .. }), "{err}");
+}
+
+#[test]
+fn restore_on_a_device_too_small_names_the_buffer() {
+    let p = demo_program(14);
+    let dev = Arc::new(HostDevice::new(p.bytes() * 2 + (4 << 20)));
+    let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    // Something else takes the memory meanwhile.
+    let (free, _) = possum_engine::device::Device::memory_info(&*dev).unwrap();
+    let hog = e.alloc(free - 64 * 1024).unwrap();
+    let rs = e.restore(store).unwrap();
+    job.reset_deps();
+    let err = job.issue(&p.ops[0]).unwrap_err();
+    assert!(err.to_string().contains("out of device memory"), "{err}");
+    let err = rs.wait().unwrap_err();
+    assert!(err.to_string().contains("restoring buffer"), "{err}");
+    drop(hog);
+}
+
+/// A source whose chunks of one buffer are corrupt.
+struct Corrupt(Arc<MemStore>, u64);
+
+impl ChunkSource for Corrupt {
+    fn buffers(&self) -> Vec<possum_engine::store::BufferRecord> {
+        self.0.buffers()
+    }
+    fn chunks(&self, buffer: u64) -> Vec<(u64, u64)> {
+        self.0.chunks(buffer)
+    }
+    fn read_chunk(&self, buffer: u64, offset: u64, dst: &mut [u8]) -> Result<(), possum_engine::image::ImageError> {
+        if buffer == self.1 {
+            return Err(possum_engine::image::ImageError::MissingChunk { buffer, offset });
+        }
+        self.0.read_chunk(buffer, offset, dst)
+    }
+    fn meta(&self, key: &str) -> Option<String> {
+        self.0.meta(key)
+    }
+}
+
+#[test]
+fn a_corrupt_buffer_fails_the_operations_that_need_it_and_only_those() {
+    let p = demo_program(15);
+    let e = engine(small_cfg(4096, 3, 0));
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    let bad = job.buffers()[3].id();
+    let rs = e.restore(Arc::new(Corrupt(store, bad))).unwrap();
+    job.reset_deps();
+    let ok = possum_workloads::program::Op { stream: 0, reads: vec![1], writes: vec![2], salt: 1 };
+    job.issue(&ok).unwrap();
+    let bad_op = possum_workloads::program::Op { stream: 0, reads: vec![], writes: vec![3], salt: 1 };
+    let err = job.issue(&bad_op).unwrap_err();
+    assert!(err.to_string().contains(&format!("buffer {bad}")), "{err}");
+    assert!(rs.wait().is_err());
+    job.sync().unwrap();
+}
+
+#[test]
+fn a_buffer_freed_after_t0_is_in_the_image_with_its_t0_contents() {
+    let p = demo_program(16);
+    let e = engine(small_cfg(1024, 2, 0));
+    let job = HostJob::new(&e, &p).unwrap();
+    let victim = job.buffers()[5].clone();
+    let want = e.device().read_now(victim.va(), victim.size()).unwrap();
+    let store = Arc::new(MemStore::new());
+    let ck = e.checkpoint(store.clone(), false).unwrap();
+    e.free(victim.va()).unwrap();
+    ck.wait().unwrap();
+    assert_eq!(store.buffer_bytes(victim.id()).unwrap(), want);
+}
+
+#[test]
+fn an_opaque_operation_saves_everything_first() {
+    let p = demo_program(17);
+    let e = engine(small_cfg(1024, 2, 0));
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let before = job.contents().unwrap();
+    let store = Arc::new(MemStore::new());
+    let ck = e.checkpoint(store.clone(), false).unwrap();
+    // An operation the analyzer could not understand: it may write anything.
+    let s = possum_engine::device::Device::create_stream(&**e.device(), possum_engine::device::StreamPriority::Normal).unwrap();
+    e.register_stream(s.clone());
+    let g = e.before_op(&s, Access::Opaque).unwrap();
+    let bufs: Vec<_> = job.buffers().iter().map(|b| (b.va(), b.size())).collect();
+    e.device()
+        .launch(&s, move |mem| {
+            for &(va, size) in &bufs {
+                mem.with(&[], &[(va, size)], |_, o| o[0].fill(0xee))?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    drop(g);
+    let r = ck.wait().unwrap();
+    assert_eq!(image_of(&store, &job), before, "the opaque write must not reach the image: {r:?}");
+    job.sync().unwrap();
+}
+
+#[test]
+fn shadows_take_copy_on_write_when_the_budget_allows() {
+    let p = demo_program(18);
+    let e = engine(EngineConfig { chunk_size: 512, staging_buffers: 2, shadow_budget: 64 << 20, ..EngineConfig::default() });
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let mut r = Reference::new(&p);
+    let store = Arc::new(MemStore::new());
+    let ck = e.checkpoint(store.clone(), false).unwrap();
+    for op in &p.ops {
+        job.issue(op).unwrap();
+    }
+    let rep = ck.wait().unwrap();
+    job.sync().unwrap();
+    assert_eq!(image_of(&store, &job), r.bufs);
+    r.run_all(&p.ops);
+    assert_eq!(job.contents().unwrap(), r.bufs);
+    assert!(rep.cow_shadow + rep.cow_priority > 0, "{rep:?}");
+    assert_eq!(e.device().mapped_bytes(), job.buffers().iter().map(|b| b.mapped_size()).sum::<u64>(), "shadows freed");
+}
+
+#[test]
+fn a_second_checkpoint_while_one_runs_is_refused() {
+    let p = demo_program(19);
+    let e = engine(small_cfg(256, 2, 0));
+    let _job = HostJob::new(&e, &p).unwrap();
+    let store = Arc::new(MemStore::new());
+    let ck = e.checkpoint(store.clone(), false).unwrap();
+    let second = e.checkpoint(Arc::new(MemStore::new()), false);
+    if !ck.is_finished() {
+        if let Err(err) = second {
+            assert!(matches!(err, EngineError::Busy { .. }), "{err}");
+        }
+    }
+    ck.wait().unwrap();
+}
+
+/// A sink that fails after some chunks: the checkpoint fails, the job does not.
+#[derive(Default)]
+struct FailingSink(MemStore, std::sync::atomic::AtomicUsize);
+
+impl ChunkSink for FailingSink {
+    fn add_buffer(&self, rec: possum_engine::store::BufferRecord) -> Result<(), possum_engine::image::ImageError> {
+        self.0.add_buffer(rec)
+    }
+    fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), possum_engine::image::ImageError> {
+        if self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 5 {
+            return Err(possum_engine::image::ImageError::Io {
+                path: "/full/disk".into(),
+                source: std::io::Error::other("No space left on device"),
+            });
+        }
+        self.0.write_chunk(buffer, offset, data)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
+        self.0.set_meta(key, value)
+    }
+}
+
+#[test]
+fn a_full_disk_fails_the_checkpoint_and_not_the_job() {
+    let p = demo_program(20);
+    let e = engine(small_cfg(512, 2, 0));
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let ck = e.checkpoint(Arc::new(FailingSink::default()), false).unwrap();
+    for op in &p.ops {
+        job.issue(op).unwrap();
+    }
+    let err = ck.wait().unwrap_err();
+    assert!(err.to_string().contains("No space left"), "{err}");
+    job.sync().unwrap();
+    let mut r = Reference::new(&p);
+    r.run_all(&p.ops);
+    assert_eq!(job.contents().unwrap(), r.bufs, "the job is unharmed");
+    assert_eq!(e.stats().phase, "idle");
+}
