@@ -1,0 +1,450 @@
+//! The manifest: its protobuf messages (hand-written `prost` derives, no build script), its framing
+//! in `manifest.pb`, and the checks every manifest must pass before anything trusts it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::io::{ErrorKind, Read};
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prost::Message;
+
+use super::{
+    ImageError, ImageSummary, FORMAT_MAJOR, MANIFEST_FILE, MANIFEST_MAGIC, MAX_CHUNK_LEN,
+    MAX_DATA_FILES, MAX_MANIFEST_LEN,
+};
+use crate::store::BufferRecord;
+
+/// Bytes before the payload: magic, major, minor, payload length.
+pub(crate) const HEADER_LEN: u64 = 24;
+/// Bytes after the payload: the CRC32C.
+pub(crate) const TRAILER_LEN: u64 = 4;
+
+/// The whole manifest (protobuf message `possum.image.Manifest`).
+#[derive(Clone, PartialEq, Message)]
+pub(crate) struct Manifest {
+    /// Format major version (repeats the frame header's; the two must agree).
+    #[prost(uint32, tag = "1")]
+    pub major: u32,
+    /// Format minor version (repeats the frame header's; the two must agree).
+    #[prost(uint32, tag = "2")]
+    pub minor: u32,
+    /// Creation time, nanoseconds since the Unix epoch.
+    #[prost(uint64, tag = "3")]
+    pub created_unix_nanos: u64,
+    /// Metadata set with `ChunkSink::set_meta`.
+    #[prost(btree_map = "string, string", tag = "4")]
+    pub meta: BTreeMap<String, String>,
+    /// The buffers.
+    #[prost(message, repeated, tag = "5")]
+    pub buffers: Vec<BufferMsg>,
+    /// The live chunks (superseded ones are not listed).
+    #[prost(message, repeated, tag = "6")]
+    pub chunks: Vec<ChunkMsg>,
+    /// The data files; a chunk names its file by index in this list.
+    #[prost(message, repeated, tag = "7")]
+    pub files: Vec<DataFileMsg>,
+}
+
+/// One buffer (message `Buffer`).
+#[derive(Clone, PartialEq, Message)]
+pub(crate) struct BufferMsg {
+    /// The engine's buffer id.
+    #[prost(uint64, tag = "1")]
+    pub id: u64,
+    /// Device virtual address.
+    #[prost(uint64, tag = "2")]
+    pub va: u64,
+    /// Size in bytes.
+    #[prost(uint64, tag = "3")]
+    pub size: u64,
+    /// Rank in the predicted order of first use after restore.
+    #[prost(uint32, tag = "4")]
+    pub prefetch_rank: u32,
+}
+
+/// One chunk (message `Chunk`).
+#[derive(Clone, PartialEq, Message)]
+pub(crate) struct ChunkMsg {
+    /// The buffer it belongs to.
+    #[prost(uint64, tag = "1")]
+    pub buffer: u64,
+    /// Its offset in the buffer.
+    #[prost(uint64, tag = "2")]
+    pub offset: u64,
+    /// Its length in bytes.
+    #[prost(uint64, tag = "3")]
+    pub len: u64,
+    /// Index of its data file in `Manifest::files`.
+    #[prost(uint32, tag = "4")]
+    pub file: u32,
+    /// Where its bytes start in that file.
+    #[prost(uint64, tag = "5")]
+    pub file_offset: u64,
+    /// CRC32C (Castagnoli) of its bytes.
+    #[prost(fixed32, tag = "6")]
+    pub crc32c: u32,
+}
+
+/// One data file (message `DataFile`).
+#[derive(Clone, PartialEq, Message)]
+pub(crate) struct DataFileMsg {
+    /// File name inside the image directory.
+    #[prost(string, tag = "1")]
+    pub name: String,
+    /// Its length when the image was committed (the file may not be shorter).
+    #[prost(uint64, tag = "2")]
+    pub len: u64,
+}
+
+impl From<&BufferMsg> for BufferRecord {
+    fn from(b: &BufferMsg) -> Self {
+        BufferRecord {
+            id: b.id,
+            va: b.va,
+            size: b.size,
+            prefetch_rank: b.prefetch_rank,
+        }
+    }
+}
+
+impl From<&BufferRecord> for BufferMsg {
+    fn from(b: &BufferRecord) -> Self {
+        BufferMsg {
+            id: b.id,
+            va: b.va,
+            size: b.size,
+            prefetch_rank: b.prefetch_rank,
+        }
+    }
+}
+
+/// Nanoseconds since the Unix epoch (0 before it, saturating far after it).
+pub(crate) fn to_unix_nanos(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// The inverse of [`to_unix_nanos`].
+pub(crate) fn from_unix_nanos(n: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_nanos(n)
+}
+
+/// `manifest.pb`'s bytes for `m`, with `major`/`minor` in the frame header.
+pub(crate) fn encode_framed(m: &Manifest, major: u32, minor: u32) -> Vec<u8> {
+    let payload = m.encode_to_vec();
+    let mut out = Vec::with_capacity(payload.len() + (HEADER_LEN + TRAILER_LEN) as usize);
+    out.extend_from_slice(&MANIFEST_MAGIC);
+    out.extend_from_slice(&major.to_le_bytes());
+    out.extend_from_slice(&minor.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&payload);
+    let crc = crc32c::crc32c(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Reads and checks the framing of `<image>/manifest.pb`, returning the header's (major, minor)
+/// and the decoded manifest. Checks, in order: presence, magic, major version, payload length cap,
+/// file length, checksum, decoding.
+pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageError> {
+    let path = image.join(MANIFEST_FILE);
+    let mut file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            return Err(ImageError::ManifestMissing {
+                image: image.to_path_buf(),
+            })
+        }
+        Err(e) => return Err(ImageError::io(path, e)),
+    };
+    let actual = file.metadata().map_err(|e| ImageError::io(&path, e))?.len();
+    let min_len = HEADER_LEN + TRAILER_LEN;
+    let truncated = |expected: u64| ImageError::ManifestTruncated {
+        image: image.to_path_buf(),
+        expected,
+        actual,
+    };
+
+    let mut header = [0u8; HEADER_LEN as usize];
+    let have = read_up_to(&mut file, &mut header).map_err(|e| ImageError::io(&path, e))?;
+    if have < MANIFEST_MAGIC.len() {
+        return Err(truncated(min_len));
+    }
+    if header[..8] != MANIFEST_MAGIC {
+        return Err(ImageError::BadMagic {
+            image: image.to_path_buf(),
+            found: header[..8].to_vec(),
+        });
+    }
+    if have < header.len() {
+        return Err(truncated(min_len));
+    }
+    let major = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    let minor = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
+    if major != FORMAT_MAJOR {
+        return Err(ImageError::UnsupportedVersion {
+            image: image.to_path_buf(),
+            major,
+            minor,
+        });
+    }
+    let len = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
+    if len > MAX_MANIFEST_LEN {
+        return Err(ImageError::ManifestTooLarge {
+            image: image.to_path_buf(),
+            len,
+            max: MAX_MANIFEST_LEN,
+        });
+    }
+    let expected = min_len + len;
+    if actual < expected {
+        return Err(truncated(expected));
+    }
+    if actual > expected {
+        return Err(ImageError::ManifestTrailingBytes {
+            image: image.to_path_buf(),
+            expected,
+            actual,
+        });
+    }
+
+    // `len` is at most MAX_MANIFEST_LEN, so this allocation is bounded.
+    let mut rest = vec![0u8; (len + TRAILER_LEN) as usize];
+    file.read_exact(&mut rest)
+        .map_err(|e| ImageError::io(&path, e))?;
+    let (payload, trailer) = rest.split_at(len as usize);
+    let stored = u32::from_le_bytes(trailer.try_into().expect("4 bytes"));
+    let computed = crc32c::crc32c_append(crc32c::crc32c(&header), payload);
+    if stored != computed {
+        return Err(ImageError::ManifestChecksum {
+            image: image.to_path_buf(),
+            stored,
+            computed,
+        });
+    }
+    let m = Manifest::decode(payload).map_err(|source| ImageError::ManifestDecode {
+        image: image.to_path_buf(),
+        source,
+    })?;
+    Ok((major, minor, m))
+}
+
+/// Reads until `buf` is full or the file ends; returns how many bytes were read.
+fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut have = 0;
+    while have < buf.len() {
+        match file.read(&mut buf[have..]) {
+            Ok(0) => break,
+            Ok(n) => have += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(have)
+}
+
+/// Why a buffer's chunks do not cover it exactly (see [`check_coverage`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CoverageError {
+    /// No chunk holds the bytes `start .. end`.
+    #[error("no chunk holds bytes {start}..{end}")]
+    Gap {
+        /// First byte not covered.
+        start: u64,
+        /// One past the last byte not covered.
+        end: u64,
+    },
+    /// The chunk at `offset` starts before the previous one (in offset order) ends at `prev_end`.
+    #[error("chunk at offset {offset} overlaps the previous chunk, which ends at {prev_end}")]
+    Overlap {
+        /// The offending chunk's offset.
+        offset: u64,
+        /// Where the previous chunk ends.
+        prev_end: u64,
+    },
+    /// The chunk at `offset` ends past the buffer's end.
+    #[error("chunk at offset {offset} with length {len} ends past the buffer's end {size}")]
+    PastEnd {
+        /// The chunk's offset.
+        offset: u64,
+        /// The chunk's length.
+        len: u64,
+        /// The buffer's size.
+        size: u64,
+    },
+    /// The chunk at `offset` has length zero.
+    #[error("chunk at offset {offset} is empty")]
+    Empty {
+        /// The chunk's offset.
+        offset: u64,
+    },
+}
+
+/// Checks that `chunks`, given as (offset, len) **sorted by offset**, cover `0 .. size` exactly:
+/// no gap, no overlap, nothing past the end, no empty chunk. Chunks out of order are reported as
+/// overlapping. All arithmetic is on `u64` and overflow-checked, so sizes past 4 GiB (or near
+/// `u64::MAX`) are handled. A buffer of size 0 is covered by no chunks.
+pub fn check_coverage(size: u64, chunks: &[(u64, u64)]) -> Result<(), CoverageError> {
+    let mut pos = 0u64;
+    for &(offset, len) in chunks {
+        if len == 0 {
+            return Err(CoverageError::Empty { offset });
+        }
+        if offset < pos {
+            return Err(CoverageError::Overlap {
+                offset,
+                prev_end: pos,
+            });
+        }
+        if offset > pos {
+            return Err(CoverageError::Gap {
+                start: pos,
+                end: offset.min(size),
+            });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= size => pos = end,
+            _ => return Err(CoverageError::PastEnd { offset, len, size }),
+        }
+    }
+    if pos < size {
+        return Err(CoverageError::Gap {
+            start: pos,
+            end: size,
+        });
+    }
+    Ok(())
+}
+
+/// Whether `name` may name a data file: a plain name of `[A-Za-z0-9_.-]`, not starting with a dot,
+/// not the manifest's name, at most 255 bytes. Anything else (a path, `..`) is refused so that a
+/// manifest can never make the reader open a file outside the image directory.
+fn valid_data_file_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && !name.starts_with('.')
+        && name != MANIFEST_FILE
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// A manifest that passed [`validate`], arranged for lookups.
+#[derive(Debug)]
+pub(crate) struct Index {
+    /// The buffers by id.
+    pub buffers: BTreeMap<u64, BufferRecord>,
+    /// Each buffer's chunks, sorted by offset (buffers of size 0 have no entry).
+    pub chunks: HashMap<u64, Vec<ChunkMsg>>,
+}
+
+/// Checks a manifest's internal consistency (not the data files on disk): data file names and count,
+/// unique buffer ids, each chunk's buffer, file, length and file range, and each buffer's exact
+/// coverage. Problems are reported in manifest order, the first one found.
+pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> {
+    let invalid = |problem: String| ImageError::ManifestInvalid {
+        image: image.to_path_buf(),
+        problem,
+    };
+    if m.files.len() > MAX_DATA_FILES {
+        return Err(invalid(format!(
+            "{} data files listed, more than the limit of {MAX_DATA_FILES}",
+            m.files.len()
+        )));
+    }
+    let mut names = BTreeSet::new();
+    for f in &m.files {
+        if !valid_data_file_name(&f.name) {
+            return Err(invalid(format!("invalid data file name {:?}", f.name)));
+        }
+        if !names.insert(f.name.as_str()) {
+            return Err(invalid(format!("data file {:?} listed twice", f.name)));
+        }
+    }
+
+    let mut buffers = BTreeMap::new();
+    for b in &m.buffers {
+        if buffers.insert(b.id, BufferRecord::from(b)).is_some() {
+            return Err(ImageError::DuplicateBuffer {
+                image: image.to_path_buf(),
+                buffer: b.id,
+            });
+        }
+    }
+
+    let mut chunks: HashMap<u64, Vec<ChunkMsg>> = HashMap::new();
+    for c in &m.chunks {
+        if !buffers.contains_key(&c.buffer) {
+            return Err(ImageError::ChunkUnknownBuffer {
+                image: image.to_path_buf(),
+                buffer: c.buffer,
+                offset: c.offset,
+            });
+        }
+        if c.len == 0 || c.len > MAX_CHUNK_LEN {
+            return Err(ImageError::ChunkBadLength {
+                image: image.to_path_buf(),
+                buffer: c.buffer,
+                offset: c.offset,
+                len: c.len,
+                max: MAX_CHUNK_LEN,
+            });
+        }
+        let Some(file) = m.files.get(c.file as usize) else {
+            return Err(ImageError::ChunkUnknownFile {
+                image: image.to_path_buf(),
+                buffer: c.buffer,
+                offset: c.offset,
+                file: c.file,
+            });
+        };
+        let inside = matches!(c.file_offset.checked_add(c.len), Some(end) if end <= file.len);
+        if !inside {
+            return Err(ImageError::ChunkOutsideFile {
+                image: image.to_path_buf(),
+                file: file.name.clone(),
+                buffer: c.buffer,
+                offset: c.offset,
+                file_offset: c.file_offset,
+                len: c.len,
+                file_len: file.len,
+            });
+        }
+        chunks.entry(c.buffer).or_default().push(c.clone());
+    }
+
+    let mut spans = Vec::new();
+    for (&id, rec) in &buffers {
+        let list = chunks
+            .get_mut(&id)
+            .map(|v| v.as_mut_slice())
+            .unwrap_or_default();
+        list.sort_by_key(|c| c.offset);
+        spans.clear();
+        spans.extend(list.iter().map(|c| (c.offset, c.len)));
+        check_coverage(rec.size, &spans).map_err(|problem| ImageError::BadCoverage {
+            image: image.to_path_buf(),
+            buffer: id,
+            problem,
+        })?;
+    }
+    Ok(Index { buffers, chunks })
+}
+
+/// The summary of a validated manifest.
+pub(crate) fn summarize(m: &Manifest, idx: &Index) -> ImageSummary {
+    ImageSummary {
+        version: (m.major, m.minor),
+        created: from_unix_nanos(m.created_unix_nanos),
+        buffers: idx.buffers.values().cloned().collect(),
+        total_bytes: idx
+            .buffers
+            .values()
+            .fold(0u64, |a, b| a.saturating_add(b.size)),
+        chunks: m.chunks.len() as u64,
+        data_file_bytes: m.files.iter().fold(0u64, |a, f| a.saturating_add(f.len)),
+        meta: m.meta.clone(),
+    }
+}

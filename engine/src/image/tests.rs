@@ -1,0 +1,1136 @@
+//! Tests of the image format: round trips, crash safety of commit, and one test per way an image
+//! is rejected.
+
+use std::collections::BTreeMap;
+use std::fs::{self, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use super::manifest::{
+    encode_framed, read_framed, BufferMsg, ChunkMsg, DataFileMsg, Manifest, HEADER_LEN,
+};
+use super::*;
+use crate::store::{BufferRecord, ChunkSink, ChunkSource};
+
+const GIB: u64 = 1 << 30;
+
+/// Deterministic bytes for a chunk; `generation` distinguishes a rewrite of the same place.
+fn pattern(buffer: u64, offset: u64, len: u64, generation: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let x = (buffer.wrapping_mul(31) ^ (offset + i).wrapping_mul(2654435761)) as u8;
+            x.wrapping_add(generation.wrapping_mul(101))
+        })
+        .collect()
+}
+
+fn rec(id: u64, size: u64, rank: u32) -> BufferRecord {
+    BufferRecord {
+        id,
+        va: 0x7f00_0000_0000 + id * 0x100_0000,
+        size,
+        prefetch_rank: rank,
+    }
+}
+
+fn fast() -> WriterOptions {
+    WriterOptions {
+        fsync: false,
+        ..Default::default()
+    }
+}
+
+/// The (offset, len) pieces of a buffer of `size` cut into `chunk`-sized chunks.
+fn pieces(size: u64, chunk: u64) -> Vec<(u64, u64)> {
+    (0..size.div_ceil(chunk))
+        .map(|i| (i * chunk, chunk.min(size - i * chunk)))
+        .collect()
+}
+
+/// Sorted names in `dir`.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A small committed image at `<root>/img` with one data file: buffer 1 (3000 bytes in chunks of
+/// 1000), buffer 2 (1500 bytes: 1000 + 500), buffer 3 (empty).
+fn small_image(root: &Path) -> PathBuf {
+    let dir = root.join("img");
+    let w = ImageWriter::create(
+        &dir,
+        WriterOptions {
+            data_files: 1,
+            ..fast()
+        },
+    )
+    .unwrap();
+    for (id, size) in [(1, 3000), (2, 1500), (3, 0)] {
+        w.add_buffer(rec(id, size, id as u32)).unwrap();
+        for (off, len) in pieces(size, 1000) {
+            w.write_chunk(id, off, &pattern(id, off, len, 0)).unwrap();
+        }
+    }
+    w.set_meta("backend", "host").unwrap();
+    w.commit().unwrap();
+    dir
+}
+
+/// Decodes the manifest, lets `f` change it, and writes it back with valid framing and CRC.
+fn rewrite_manifest(dir: &Path, f: impl FnOnce(&mut Manifest)) {
+    let (major, minor, mut m) = read_framed(dir).unwrap();
+    f(&mut m);
+    fs::write(dir.join(MANIFEST_FILE), encode_framed(&m, major, minor)).unwrap();
+}
+
+fn manifest_of(dir: &Path) -> Manifest {
+    read_framed(dir).unwrap().2
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 0x40;
+    f.write_all_at(&b, at).unwrap();
+}
+
+fn truncate(path: &Path, len: u64) {
+    OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len)
+        .unwrap();
+}
+
+fn open_err(dir: &Path) -> ImageError {
+    Image::open(dir).expect_err("the image should have been rejected")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Round trips
+
+#[test]
+fn round_trip_threads_out_of_order_with_superseded_chunks() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("ckpt");
+    // Default options: fsync on, 4 data files.
+    let w = ImageWriter::create(&dir, WriterOptions::default()).unwrap();
+    let layout: [(u64, u64, u64); 5] = [
+        (1, (1 << 20) + 123, 64 << 10),
+        (7, 300 << 10, 100 << 10),
+        (3, 0, 1),
+        (9, 4096, 4096),
+        (42, 777_777, 65_536),
+    ];
+    let mut work = Vec::new();
+    for (i, &(id, size, chunk)) in layout.iter().enumerate() {
+        w.add_buffer(rec(id, size, i as u32)).unwrap();
+        work.extend(pieces(size, chunk).into_iter().map(|(o, l)| (id, o, l)));
+    }
+    // Shuffle deterministically (xorshift) so chunks arrive out of order.
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..work.len()).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        work.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    std::thread::scope(|sc| {
+        for part in work.chunks(work.len().div_ceil(4)) {
+            let w = &w;
+            sc.spawn(move || {
+                for &(id, off, len) in part {
+                    w.write_chunk(id, off, &pattern(id, off, len, 0)).unwrap();
+                }
+            });
+        }
+    });
+    // A second "pre-copy round" rewrites some chunks; the manifest must keep only these.
+    let superseded: Vec<(u64, u64, u64)> = work.iter().copied().step_by(5).collect();
+    std::thread::scope(|sc| {
+        for part in superseded.chunks(superseded.len().div_ceil(3)) {
+            let w = &w;
+            sc.spawn(move || {
+                for &(id, off, len) in part {
+                    w.write_chunk(id, off, &pattern(id, off, len, 1)).unwrap();
+                }
+            });
+        }
+    });
+    w.set_meta("backend", "host").unwrap();
+    w.set_meta("cpu-state", "criu:/var/lib/x").unwrap();
+    w.set_meta("backend", "host-v2").unwrap();
+    let tmp = w.temp_dir().to_path_buf();
+    let summary = w.commit().unwrap();
+    assert!(!tmp.exists());
+    assert_eq!(entries(root.path()), vec!["ckpt"]);
+
+    let total: u64 = layout.iter().map(|l| l.1).sum();
+    assert_eq!(summary.total_bytes, total);
+    assert_eq!(summary.chunks, work.len() as u64);
+    let garbage: u64 = superseded.iter().map(|s| s.2).sum();
+    assert_eq!(summary.data_file_bytes, total + garbage);
+    assert_eq!(summary.version, (FORMAT_MAJOR, FORMAT_MINOR));
+
+    let img = Image::open(&dir).unwrap();
+    assert_eq!(img.summary(), &summary);
+    img.verify().unwrap();
+    assert_eq!(img.meta("backend").as_deref(), Some("host-v2"));
+    assert_eq!(img.meta("cpu-state").as_deref(), Some("criu:/var/lib/x"));
+    assert_eq!(img.meta("nope"), None);
+    let mut bufs = img.buffers();
+    bufs.sort_by_key(|b| b.id);
+    let mut want: Vec<BufferRecord> = layout
+        .iter()
+        .enumerate()
+        .map(|(i, l)| rec(l.0, l.1, i as u32))
+        .collect();
+    want.sort_by_key(|b| b.id);
+    assert_eq!(bufs, want);
+
+    let newer: std::collections::HashSet<(u64, u64)> =
+        superseded.iter().map(|&(b, o, _)| (b, o)).collect();
+    // Read everything back from several threads at once.
+    std::thread::scope(|sc| {
+        for t in 0..3 {
+            let (img, layout, newer) = (&img, &layout, &newer);
+            sc.spawn(move || {
+                for &(id, size, chunk) in layout.iter().skip(t) {
+                    let got = img.chunks(id);
+                    assert_eq!(got, pieces(size, chunk));
+                    for (off, len) in got {
+                        let mut dst = vec![0u8; len as usize];
+                        img.read_chunk(id, off, &mut dst).unwrap();
+                        let generation = u8::from(newer.contains(&(id, off)));
+                        assert_eq!(
+                            dst,
+                            pattern(id, off, len, generation),
+                            "buffer {id} @ {off}"
+                        );
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn later_write_call_wins() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    let w = ImageWriter::create(&dir, fast()).unwrap();
+    w.add_buffer(rec(5, 100, 0)).unwrap();
+    for generation in 0..4 {
+        w.write_chunk(5, 0, &pattern(5, 0, 100, generation))
+            .unwrap();
+    }
+    let s = w.commit().unwrap();
+    assert_eq!((s.chunks, s.data_file_bytes), (1, 400));
+    let img = Image::open(&dir).unwrap();
+    let mut dst = [0u8; 100];
+    img.read_chunk(5, 0, &mut dst).unwrap();
+    assert_eq!(dst.to_vec(), pattern(5, 0, 100, 3));
+}
+
+#[test]
+fn empty_image_round_trips() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("empty");
+    let s = ImageWriter::create(&dir, fast()).unwrap().commit().unwrap();
+    assert_eq!((s.total_bytes, s.chunks, s.buffers.len()), (0, 0, 0));
+    let img = Image::open(&dir).unwrap();
+    img.verify().unwrap();
+    assert!(img.buffers().is_empty());
+    assert_eq!(img.version(), (FORMAT_MAJOR, FORMAT_MINOR));
+    assert_eq!(img.dir(), dir);
+}
+
+#[test]
+fn read_chunk_rejects_bad_requests() {
+    let root = tempfile::tempdir().unwrap();
+    let img = Image::open(&small_image(root.path())).unwrap();
+    let mut dst = vec![0u8; 1000];
+    assert!(matches!(
+        img.read_chunk(99, 0, &mut dst),
+        Err(ImageError::UnknownBuffer { buffer: 99 })
+    ));
+    assert!(matches!(
+        img.read_chunk(1, 500, &mut dst),
+        Err(ImageError::MissingChunk {
+            buffer: 1,
+            offset: 500
+        })
+    ));
+    assert!(matches!(
+        img.read_chunk(3, 0, &mut dst),
+        Err(ImageError::MissingChunk {
+            buffer: 3,
+            offset: 0
+        })
+    ));
+    assert!(matches!(
+        img.read_chunk(2, 1000, &mut dst),
+        Err(ImageError::ChunkOutOfRange {
+            buffer: 2,
+            offset: 1000,
+            len: 1000
+        })
+    ));
+    img.read_chunk(2, 1000, &mut dst[..500]).unwrap();
+    assert_eq!(dst[..500], pattern(2, 1000, 500, 0)[..]);
+    assert!(img.chunks(3).is_empty());
+}
+
+#[test]
+fn writer_rejects_bad_chunks() {
+    let root = tempfile::tempdir().unwrap();
+    let w = ImageWriter::create(&root.path().join("img"), fast()).unwrap();
+    w.add_buffer(rec(1, 5 * GIB, 0)).unwrap();
+    assert!(matches!(
+        w.write_chunk(2, 0, &[1]),
+        Err(ImageError::UnknownBuffer { buffer: 2 })
+    ));
+    assert!(matches!(
+        w.write_chunk(1, 5 * GIB - 1, &[1, 2]),
+        Err(ImageError::ChunkOutOfRange { buffer: 1, offset, len: 2 }) if offset == 5 * GIB - 1
+    ));
+    assert!(matches!(
+        w.write_chunk(1, u64::MAX, &[1]),
+        Err(ImageError::ChunkOutOfRange { buffer: 1, .. })
+    ));
+    assert!(matches!(
+        w.write_chunk(1, 0, &[]),
+        Err(ImageError::ChunkBadLength { len: 0, .. })
+    ));
+    // Zero-filled allocations are lazy: this does not touch 1 GiB of memory.
+    let too_big = vec![0u8; (MAX_CHUNK_LEN + 1) as usize];
+    assert!(matches!(
+        w.write_chunk(1, 0, &too_big),
+        Err(ImageError::ChunkBadLength { len, .. }) if len == MAX_CHUNK_LEN + 1
+    ));
+    // A chunk past 4 GiB in a large buffer is fine.
+    w.write_chunk(1, 4 * GIB + 17, &[9; 10]).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commit, force, drop
+
+#[test]
+fn commit_refuses_incomplete_buffer() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    let w = ImageWriter::create(&dir, fast()).unwrap();
+    w.add_buffer(rec(4, 2000, 0)).unwrap();
+    w.write_chunk(4, 0, &[1; 1000]).unwrap();
+    let e = w.commit().unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            ImageError::BadCoverage {
+                buffer: 4,
+                problem: CoverageError::Gap {
+                    start: 1000,
+                    end: 2000
+                },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        entries(root.path()).is_empty(),
+        "{:?}",
+        entries(root.path())
+    );
+}
+
+#[test]
+fn commit_refuses_non_empty_existing_dir_without_force() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("precious"), b"keep me").unwrap();
+    // Refused up front...
+    let e = ImageWriter::create(&dir, fast()).unwrap_err();
+    assert!(matches!(&e, ImageError::AlreadyExists { image } if image == &dir));
+    assert!(e.to_string().contains("already exists"), "{e}");
+
+    // ...and at commit, if the directory filled up in the meantime.
+    fs::remove_file(dir.join("precious")).unwrap();
+    let w = ImageWriter::create(&dir, fast()).unwrap();
+    w.add_buffer(rec(1, 10, 0)).unwrap();
+    w.write_chunk(1, 0, &[7; 10]).unwrap();
+    fs::write(dir.join("precious"), b"keep me").unwrap();
+    assert!(matches!(w.commit(), Err(ImageError::AlreadyExists { .. })));
+    assert_eq!(entries(&dir), vec!["precious"]);
+    assert_eq!(
+        entries(root.path()),
+        vec!["img"],
+        "temporary directory left behind"
+    );
+}
+
+#[test]
+fn commit_into_existing_empty_dir() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    fs::create_dir(&dir).unwrap();
+    let w = ImageWriter::create(&dir, fast()).unwrap();
+    w.set_meta("k", "v").unwrap();
+    w.commit().unwrap();
+    assert_eq!(Image::open(&dir).unwrap().meta("k").as_deref(), Some("v"));
+}
+
+#[test]
+fn commit_with_force_replaces_old_image() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let w = ImageWriter::create(
+        &dir,
+        WriterOptions {
+            force: true,
+            ..fast()
+        },
+    )
+    .unwrap();
+    w.add_buffer(rec(8, 10, 0)).unwrap();
+    w.write_chunk(8, 0, &[8; 10]).unwrap();
+    w.set_meta("generation", "2").unwrap();
+    // Until commit, the old image is intact.
+    assert_eq!(
+        Image::open(&dir).unwrap().meta("backend").as_deref(),
+        Some("host")
+    );
+    w.commit().unwrap();
+    let img = Image::open(&dir).unwrap();
+    assert_eq!(img.meta("generation").as_deref(), Some("2"));
+    assert_eq!(img.meta("backend"), None);
+    assert_eq!(img.buffers(), vec![rec(8, 10, 0)]);
+    assert_eq!(
+        entries(root.path()),
+        vec!["img"],
+        "old image or temp dir left behind"
+    );
+}
+
+#[test]
+fn commit_with_force_replaces_a_plain_file() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    fs::write(&dir, b"not an image").unwrap();
+    assert!(matches!(
+        ImageWriter::create(&dir, fast()),
+        Err(ImageError::AlreadyExists { .. })
+    ));
+    let w = ImageWriter::create(
+        &dir,
+        WriterOptions {
+            force: true,
+            ..fast()
+        },
+    )
+    .unwrap();
+    w.commit().unwrap();
+    Image::open(&dir).unwrap();
+    assert_eq!(entries(root.path()), vec!["img"]);
+}
+
+#[test]
+fn dropped_writer_leaves_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("sub").join("img");
+    let w = ImageWriter::create(&dir, fast()).unwrap();
+    assert!(w.temp_dir().starts_with(root.path().join("sub")));
+    assert!(w.temp_dir().exists());
+    assert_eq!(w.final_dir(), dir);
+    w.add_buffer(rec(1, 10, 0)).unwrap();
+    w.write_chunk(1, 0, &[1; 10]).unwrap();
+    drop(w);
+    assert!(entries(&root.path().join("sub")).is_empty());
+    assert!(matches!(open_err(&dir), ImageError::Io { .. }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// One test per way of rejecting an image
+
+#[test]
+fn rejects_flipped_byte_in_data_file() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let m = manifest_of(&dir);
+    let c = m
+        .chunks
+        .iter()
+        .find(|c| (c.buffer, c.offset) == (2, 1000))
+        .unwrap();
+    let name = m.files[c.file as usize].name.clone();
+    flip_byte(&dir.join(&name), c.file_offset + 123);
+
+    let img = Image::open(&dir).expect("a data byte is only checked when read");
+    let mut dst = vec![0u8; 500];
+    let e = img.read_chunk(2, 1000, &mut dst).unwrap_err();
+    assert!(
+        matches!(&e, ImageError::ChecksumMismatch { file, buffer: 2, offset: 1000, .. } if file == &name),
+        "{e:?}"
+    );
+    let want = format!(
+        "image {}: {name}: checksum mismatch in buffer 2 at offset 1000",
+        dir.display()
+    );
+    assert_eq!(e.to_string(), want);
+    // The other chunks still read fine; verify finds the bad one.
+    img.read_chunk(2, 0, &mut vec![0u8; 1000]).unwrap();
+    assert_eq!(img.verify().unwrap_err().to_string(), want);
+}
+
+#[test]
+fn rejects_flipped_byte_in_manifest() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let path = dir.join(MANIFEST_FILE);
+    let len = fs::metadata(&path).unwrap().len();
+    // A payload byte, then (after undoing it) a byte of the stored checksum, then the minor version.
+    for at in [HEADER_LEN + 3, len - 2, 12] {
+        flip_byte(&path, at);
+        let e = open_err(&dir);
+        assert!(
+            matches!(e, ImageError::ManifestChecksum { .. }),
+            "byte {at}: {e:?}"
+        );
+        assert!(
+            e.to_string().contains("manifest.pb: checksum mismatch"),
+            "{e}"
+        );
+        flip_byte(&path, at);
+        Image::open(&dir).unwrap();
+    }
+}
+
+#[test]
+fn rejects_truncated_data_file() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let m = manifest_of(&dir);
+    let f = &m.files[0];
+    truncate(&dir.join(&f.name), f.len - 1);
+    let e = open_err(&dir);
+    assert!(
+        matches!(&e, ImageError::DataFileTruncated { file, expected, actual, .. }
+            if file == &f.name && *expected == f.len && *actual == f.len - 1),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("data-000.bin truncated"), "{e}");
+}
+
+#[test]
+fn rejects_truncated_manifest() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let path = dir.join(MANIFEST_FILE);
+    let full = fs::read(&path).unwrap();
+    for cut in [
+        0,
+        5,
+        8,
+        20,
+        HEADER_LEN as usize,
+        full.len() / 2,
+        full.len() - 4,
+        full.len() - 1,
+    ] {
+        fs::write(&path, &full[..cut]).unwrap();
+        let e = open_err(&dir);
+        assert!(
+            matches!(e, ImageError::ManifestTruncated { actual, .. } if actual == cut as u64),
+            "cut at {cut}: {e:?}"
+        );
+    }
+}
+
+#[test]
+fn rejects_trailing_bytes_after_manifest() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let path = dir.join(MANIFEST_FILE);
+    let mut bytes = fs::read(&path).unwrap();
+    bytes.push(0);
+    fs::write(&path, &bytes).unwrap();
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::ManifestTrailingBytes { .. }
+    ));
+}
+
+#[test]
+fn rejects_missing_data_file() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    fs::remove_file(dir.join("data-000.bin")).unwrap();
+    let e = open_err(&dir);
+    assert!(matches!(&e, ImageError::DataFileMissing { file, .. } if file == "data-000.bin"));
+    assert_eq!(
+        e.to_string(),
+        format!("image {}: data-000.bin missing", dir.display())
+    );
+}
+
+#[test]
+fn rejects_missing_manifest() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    fs::remove_file(dir.join(MANIFEST_FILE)).unwrap();
+    let e = open_err(&dir);
+    assert!(matches!(e, ImageError::ManifestMissing { .. }));
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "image {}: manifest.pb missing: not a possum image or an incomplete one",
+            dir.display()
+        )
+    );
+    // A directory that does not exist at all is an I/O error naming it.
+    let nowhere = root.path().join("nowhere");
+    assert!(matches!(open_err(&nowhere), ImageError::Io { path, .. } if path == nowhere));
+}
+
+#[test]
+fn rejects_wrong_magic() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let path = dir.join(MANIFEST_FILE);
+    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all_at(b"PK\x03\x04zip!", 0).unwrap();
+    let e = open_err(&dir);
+    assert!(matches!(&e, ImageError::BadMagic { found, .. } if found == b"PK\x03\x04zip!"));
+    assert!(e.to_string().contains("not a possum image"), "{e}");
+}
+
+#[test]
+fn rejects_other_major_versions() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let m = manifest_of(&dir);
+    for major in [0, 2, u32::MAX] {
+        let mut m2 = m.clone();
+        m2.major = major;
+        fs::write(dir.join(MANIFEST_FILE), encode_framed(&m2, major, 0)).unwrap();
+        let e = open_err(&dir);
+        assert!(
+            matches!(e, ImageError::UnsupportedVersion { major: got, minor: 0, .. } if got == major),
+            "{e:?}"
+        );
+        if major == 2 {
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "image {}: format version 2.0 not supported (this possum reads 1.x)",
+                    dir.display()
+                )
+            );
+        }
+    }
+}
+
+#[test]
+fn accepts_newer_minor_version() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let mut m = manifest_of(&dir);
+    m.minor = FORMAT_MINOR + 7;
+    fs::write(
+        dir.join(MANIFEST_FILE),
+        encode_framed(&m, FORMAT_MAJOR, FORMAT_MINOR + 7),
+    )
+    .unwrap();
+    let img = Image::open(&dir).unwrap();
+    assert_eq!(img.version(), (FORMAT_MAJOR, FORMAT_MINOR + 7));
+    img.verify().unwrap();
+}
+
+#[test]
+fn rejects_header_and_payload_versions_disagreeing() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    rewrite_manifest(&dir, |m| m.minor = 3);
+    assert!(matches!(open_err(&dir), ImageError::ManifestInvalid { .. }));
+}
+
+#[test]
+fn rejects_undecodable_payload() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let payload = [0xffu8; 11];
+    let mut bytes = MANIFEST_MAGIC.to_vec();
+    bytes.extend_from_slice(&FORMAT_MAJOR.to_le_bytes());
+    bytes.extend_from_slice(&FORMAT_MINOR.to_le_bytes());
+    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&payload);
+    let crc = crc32c::crc32c(&bytes);
+    bytes.extend_from_slice(&crc.to_le_bytes());
+    fs::write(dir.join(MANIFEST_FILE), bytes).unwrap();
+    assert!(matches!(open_err(&dir), ImageError::ManifestDecode { .. }));
+}
+
+#[test]
+fn rejects_gap_in_coverage() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    rewrite_manifest(&dir, |m| {
+        m.chunks.retain(|c| (c.buffer, c.offset) != (1, 1000))
+    });
+    let e = open_err(&dir);
+    assert!(
+        matches!(
+            &e,
+            ImageError::BadCoverage {
+                buffer: 1,
+                problem: CoverageError::Gap {
+                    start: 1000,
+                    end: 2000
+                },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string()
+            .contains("buffer 1: no chunk holds bytes 1000..2000"),
+        "{e}"
+    );
+
+    // A missing last chunk is a gap at the end.
+    rewrite_manifest(&dir, |m| {
+        m.chunks.retain(|c| (c.buffer, c.offset) != (2, 1000))
+    });
+    let e = open_err(&dir);
+    assert!(
+        matches!(e, ImageError::BadCoverage { buffer: 1, .. }),
+        "first problem first: {e:?}"
+    );
+}
+
+#[test]
+fn rejects_overlap_in_coverage() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    // Shift one chunk back a byte.
+    rewrite_manifest(&dir, |m| {
+        m.chunks
+            .iter_mut()
+            .find(|c| (c.buffer, c.offset) == (1, 2000))
+            .unwrap()
+            .offset = 1999;
+    });
+    let e = open_err(&dir);
+    assert!(
+        matches!(
+            &e,
+            ImageError::BadCoverage {
+                buffer: 1,
+                problem: CoverageError::Overlap {
+                    offset: 1999,
+                    prev_end: 2000
+                },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // The same chunk listed twice.
+    let dir2 = small_image(&root.path().join("b"));
+    rewrite_manifest(&dir2, |m| {
+        let c = m.chunks.iter().find(|c| c.buffer == 2).unwrap().clone();
+        m.chunks.push(c);
+    });
+    assert!(matches!(
+        open_err(&dir2),
+        ImageError::BadCoverage {
+            buffer: 2,
+            problem: CoverageError::Overlap {
+                offset: 0,
+                prev_end: 1000
+            },
+            ..
+        }
+    ));
+}
+
+#[test]
+fn rejects_chunk_past_buffer_end() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    rewrite_manifest(&dir, |m| {
+        m.buffers.iter_mut().find(|b| b.id == 2).unwrap().size = 1400
+    });
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::BadCoverage {
+            buffer: 2,
+            problem: CoverageError::PastEnd {
+                offset: 1000,
+                len: 500,
+                size: 1400
+            },
+            ..
+        }
+    ));
+}
+
+#[test]
+fn rejects_chunk_of_undeclared_buffer() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    rewrite_manifest(&dir, |m| m.buffers.retain(|b| b.id != 2));
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::ChunkUnknownBuffer {
+            buffer: 2,
+            offset: 0,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn rejects_chunk_in_unlisted_file() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    rewrite_manifest(&dir, |m| m.chunks[1].file = 1);
+    let e = open_err(&dir);
+    assert!(
+        matches!(e, ImageError::ChunkUnknownFile { file: 1, .. }),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn rejects_chunk_outside_its_file() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    rewrite_manifest(&dir, |m| {
+        let flen = m.files[0].len;
+        let c = m
+            .chunks
+            .iter_mut()
+            .find(|c| (c.buffer, c.offset) == (2, 0))
+            .unwrap();
+        c.file_offset = flen - 10;
+    });
+    let e = open_err(&dir);
+    assert!(
+        matches!(&e, ImageError::ChunkOutsideFile { file, buffer: 2, offset: 0, .. } if file == "data-000.bin"),
+        "{e:?}"
+    );
+    // An offset that overflows u64 is outside too.
+    rewrite_manifest(&dir, |m| m.chunks[0].file_offset = u64::MAX - 5);
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::ChunkOutsideFile { .. }
+    ));
+}
+
+#[test]
+fn rejects_duplicate_buffer() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    rewrite_manifest(&dir, |m| {
+        let b = m.buffers[0].clone();
+        m.buffers.push(b);
+    });
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::DuplicateBuffer { buffer: 1, .. }
+    ));
+}
+
+#[test]
+fn rejects_unsafe_or_duplicate_data_file_names() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let good = manifest_of(&dir);
+    for bad in [
+        "../outside.bin",
+        "/etc/passwd",
+        "a/b.bin",
+        "",
+        ".hidden",
+        "manifest.pb",
+        "nul\0",
+    ] {
+        let mut m = good.clone();
+        m.files[0].name = bad.to_owned();
+        fs::write(dir.join(MANIFEST_FILE), encode_framed(&m, m.major, m.minor)).unwrap();
+        let e = open_err(&dir);
+        assert!(
+            matches!(&e, ImageError::ManifestInvalid { problem, .. } if problem.contains("invalid data file name")),
+            "{bad:?}: {e:?}"
+        );
+    }
+    let mut m = good.clone();
+    m.files.push(m.files[0].clone());
+    fs::write(dir.join(MANIFEST_FILE), encode_framed(&m, m.major, m.minor)).unwrap();
+    assert!(
+        matches!(open_err(&dir), ImageError::ManifestInvalid { problem, .. } if problem.contains("twice"))
+    );
+}
+
+#[test]
+fn rejects_absurd_manifest_length() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let path = dir.join(MANIFEST_FILE);
+    let f = OpenOptions::new().write(true).open(&path).unwrap();
+    for len in [u64::MAX, MAX_MANIFEST_LEN + 1, 1 << 40] {
+        f.write_all_at(&len.to_le_bytes(), 16).unwrap();
+        let e = open_err(&dir);
+        assert!(
+            matches!(e, ImageError::ManifestTooLarge { len: got, .. } if got == len),
+            "{e:?}"
+        );
+    }
+    // Within the cap but longer than the file: truncated, not an allocation of that size.
+    f.write_all_at(&(MAX_MANIFEST_LEN).to_le_bytes(), 16)
+        .unwrap();
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::ManifestTruncated { .. }
+    ));
+}
+
+#[test]
+fn rejects_absurd_chunk_lengths() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    for len in [0, MAX_CHUNK_LEN + 1, u64::MAX] {
+        rewrite_manifest(&dir, |m| m.chunks[0].len = len);
+        let e = open_err(&dir);
+        assert!(
+            matches!(e, ImageError::ChunkBadLength { buffer: 1, offset: 0, len: got, .. } if got == len),
+            "{e:?}"
+        );
+    }
+}
+
+#[test]
+fn rejects_absurd_data_file_length_and_count() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let good = manifest_of(&dir);
+    rewrite_manifest(&dir, |m| m.files[0].len = u64::MAX);
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::DataFileTruncated {
+            expected: u64::MAX,
+            ..
+        }
+    ));
+    let mut m = good.clone();
+    m.files = (0..=MAX_DATA_FILES)
+        .map(|i| DataFileMsg {
+            name: format!("data-{i:03}.bin"),
+            len: 0,
+        })
+        .collect();
+    fs::write(dir.join(MANIFEST_FILE), encode_framed(&m, m.major, m.minor)).unwrap();
+    assert!(
+        matches!(open_err(&dir), ImageError::ManifestInvalid { problem, .. } if problem.contains("limit"))
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sizes past 4 GiB
+
+#[test]
+fn coverage_of_buffers_past_4_gib() {
+    let size = 5 * GIB + 3;
+    let mut exact = pieces(size, GIB);
+    assert_eq!(exact.len(), 6);
+    assert_eq!(check_coverage(size, &exact), Ok(()));
+
+    // Gap past 4 GiB.
+    let mut gapped = exact.clone();
+    gapped.remove(4);
+    assert_eq!(
+        check_coverage(size, &gapped),
+        Err(CoverageError::Gap {
+            start: 4 * GIB,
+            end: 5 * GIB
+        })
+    );
+    // Overlap past 4 GiB.
+    exact[5].0 -= 1;
+    exact[5].1 += 1;
+    assert_eq!(
+        check_coverage(size, &exact),
+        Err(CoverageError::Overlap {
+            offset: 5 * GIB - 1,
+            prev_end: 5 * GIB
+        })
+    );
+    // Missing tail.
+    let head = pieces(size, GIB);
+    assert_eq!(
+        check_coverage(size, &head[..5]),
+        Err(CoverageError::Gap {
+            start: 5 * GIB,
+            end: size
+        })
+    );
+    // Past the end, and u64 overflow.
+    assert_eq!(
+        check_coverage(4 * GIB, &[(0, 4 * GIB + 1)]),
+        Err(CoverageError::PastEnd {
+            offset: 0,
+            len: 4 * GIB + 1,
+            size: 4 * GIB
+        })
+    );
+    assert_eq!(
+        check_coverage(u64::MAX, &[(0, u64::MAX - 1), (u64::MAX - 1, 2)]),
+        Err(CoverageError::PastEnd {
+            offset: u64::MAX - 1,
+            len: 2,
+            size: u64::MAX
+        })
+    );
+    assert_eq!(check_coverage(u64::MAX, &[(0, u64::MAX)]), Ok(()));
+    // Degenerate cases.
+    assert_eq!(check_coverage(0, &[]), Ok(()));
+    assert_eq!(
+        check_coverage(0, &[(0, 1)]),
+        Err(CoverageError::PastEnd {
+            offset: 0,
+            len: 1,
+            size: 0
+        })
+    );
+    assert_eq!(
+        check_coverage(10, &[(0, 0)]),
+        Err(CoverageError::Empty { offset: 0 })
+    );
+    assert_eq!(
+        check_coverage(10, &[]),
+        Err(CoverageError::Gap { start: 0, end: 10 })
+    );
+    assert_eq!(
+        check_coverage(20, &[(10, 10), (0, 10)]),
+        Err(CoverageError::Gap { start: 0, end: 10 })
+    );
+    assert_eq!(
+        check_coverage(20, &[(0, 10), (10, 5), (5, 5)]),
+        Err(CoverageError::Overlap {
+            offset: 5,
+            prev_end: 15
+        })
+    );
+}
+
+/// A 5 GiB buffer through the manifest and reader without writing 5 GiB: its first chunks share
+/// one region of a sparse data file (never read here); its last 4 KiB chunk, past 4 GiB, holds real
+/// bytes.
+#[test]
+fn buffer_past_4_gib_through_manifest_and_reader() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("big");
+    fs::create_dir(&dir).unwrap();
+    let size = 5 * GIB;
+    let tail_off = size - 4096;
+    let tail = pattern(1, tail_off, 4096, 0);
+    let data = fs::File::create(dir.join("data-000.bin")).unwrap();
+    data.set_len(GIB).unwrap();
+    data.write_all_at(&tail, GIB).unwrap();
+    let mut chunks: Vec<ChunkMsg> = (0..4)
+        .map(|i| ChunkMsg {
+            buffer: 1,
+            offset: i * GIB,
+            len: GIB,
+            file: 0,
+            file_offset: 0,
+            crc32c: 0,
+        })
+        .collect();
+    chunks.push(ChunkMsg {
+        buffer: 1,
+        offset: 4 * GIB,
+        len: GIB - 4096,
+        file: 0,
+        file_offset: 0,
+        crc32c: 0,
+    });
+    chunks.push(ChunkMsg {
+        buffer: 1,
+        offset: tail_off,
+        len: 4096,
+        file: 0,
+        file_offset: GIB,
+        crc32c: crc32c::crc32c(&tail),
+    });
+    chunks.reverse(); // order in the manifest does not matter
+    let m = Manifest {
+        major: FORMAT_MAJOR,
+        minor: FORMAT_MINOR,
+        created_unix_nanos: 1,
+        meta: BTreeMap::from([("k".to_owned(), "v".to_owned())]),
+        buffers: vec![BufferMsg {
+            id: 1,
+            va: 0x7000_0000_0000,
+            size,
+            prefetch_rank: 0,
+        }],
+        chunks,
+        files: vec![DataFileMsg {
+            name: "data-000.bin".into(),
+            len: GIB + 4096,
+        }],
+    };
+    fs::write(
+        dir.join(MANIFEST_FILE),
+        encode_framed(&m, FORMAT_MAJOR, FORMAT_MINOR),
+    )
+    .unwrap();
+
+    let img = Image::open(&dir).unwrap();
+    assert_eq!(img.summary().total_bytes, size);
+    assert_eq!(
+        img.summary().created,
+        std::time::UNIX_EPOCH + std::time::Duration::from_nanos(1)
+    );
+    let got = img.chunks(1);
+    assert_eq!(got.len(), 6);
+    assert_eq!(got[5], (tail_off, 4096));
+    let mut dst = vec![0u8; 4096];
+    img.read_chunk(1, tail_off, &mut dst).unwrap();
+    assert_eq!(dst, tail);
+
+    flip_byte(&dir.join("data-000.bin"), GIB + 7);
+    let e = img.read_chunk(1, tail_off, &mut dst).unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("data-000.bin: checksum mismatch in buffer 1 at offset 5368705024"),
+        "{e}"
+    );
+
+    // Shrinking the buffer below the chunks is caught with the large offset.
+    let mut m2 = m.clone();
+    m2.buffers[0].size = size - 1;
+    fs::write(
+        dir.join(MANIFEST_FILE),
+        encode_framed(&m2, FORMAT_MAJOR, FORMAT_MINOR),
+    )
+    .unwrap();
+    assert!(matches!(
+        open_err(&dir),
+        ImageError::BadCoverage { problem: CoverageError::PastEnd { offset, .. }, .. } if offset == tail_off
+    ));
+}

@@ -1,0 +1,398 @@
+//! [`ImageWriter`]: writes an image into a temporary directory and commits it atomically.
+
+use std::collections::btree_map::Entry;
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::SystemTime;
+
+use parking_lot::Mutex;
+
+use super::manifest::{
+    self, encode_framed, summarize, to_unix_nanos, BufferMsg, ChunkMsg, DataFileMsg, Manifest,
+};
+use super::{
+    ImageError, ImageSummary, FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_FILE, MAX_CHUNK_LEN,
+    MAX_DATA_FILES,
+};
+use crate::store::{BufferRecord, ChunkSink};
+
+/// How an [`ImageWriter`] behaves.
+#[derive(Clone, Debug)]
+pub struct WriterOptions {
+    /// Replace an existing non-empty directory at the final name. The old one is removed only after
+    /// the new one is complete and in place. Default: false (refuse).
+    pub force: bool,
+    /// How many data files ("lanes") to spread chunks over; writing threads are assigned to lanes
+    /// round-robin, so this many threads can append without sharing a file. Clamped to
+    /// `1 ..= MAX_DATA_FILES`. Default: 4.
+    pub data_files: usize,
+    /// fsync the data files, the manifest and the directories on commit. Turn off only for tests and
+    /// benchmarks: without it a crash can leave an image whose files are incomplete. Default: true.
+    pub fsync: bool,
+}
+
+impl Default for WriterOptions {
+    fn default() -> Self {
+        WriterOptions {
+            force: false,
+            data_files: 4,
+            fsync: true,
+        }
+    }
+}
+
+/// One data file that chunks are appended to. Space is reserved with an atomic add and the bytes
+/// are written with a positioned write, so several threads may share a lane without a lock.
+#[derive(Debug)]
+struct Lane {
+    name: String,
+    path: PathBuf,
+    file: File,
+    /// Bytes reserved so far (the next chunk goes here).
+    end: AtomicU64,
+}
+
+/// A chunk recorded in the manifest-to-be, with the sequence number of the call that wrote it.
+#[derive(Debug)]
+struct Recorded {
+    seq: u64,
+    chunk: ChunkMsg,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    buffers: BTreeMap<u64, BufferRecord>,
+    chunks: BTreeMap<(u64, u64), Recorded>,
+    meta: BTreeMap<String, String>,
+}
+
+/// Writes an image directory. Implements [`ChunkSink`]: several threads may write chunks
+/// concurrently, in any order. Each chunk goes straight to a data file (nothing is buffered beyond
+/// the call); only its place and CRC32C are kept in memory for the manifest.
+///
+/// Nothing appears under the final name until [`ImageWriter::commit`]; dropping the writer without
+/// committing removes its temporary directory.
+#[derive(Debug)]
+pub struct ImageWriter {
+    final_dir: PathBuf,
+    tmp_dir: PathBuf,
+    opts: WriterOptions,
+    lanes: Vec<Lane>,
+    state: Mutex<State>,
+    /// Orders `write_chunk` calls, so that of two writes to the same place the later call wins
+    /// even if it finishes first.
+    seq: AtomicU64,
+    created: SystemTime,
+    /// Set once the temporary directory has been renamed into place (or is gone).
+    done: bool,
+}
+
+/// A fresh suffix for temporary names: pid, time and a process-wide counter.
+fn nonce() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{}-{:08x}{:x}", std::process::id(), t, n)
+}
+
+/// This thread's lane slot: threads are numbered in order of their first write.
+fn lane_slot() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SLOT: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    SLOT.with(|s| *s)
+}
+
+/// Whether `path` exists as anything other than an empty directory.
+fn occupied(path: &Path) -> Result<bool, ImageError> {
+    match fs::symlink_metadata(path) {
+        Ok(md) if md.is_dir() => {
+            let mut entries = fs::read_dir(path).map_err(|e| ImageError::io(path, e))?;
+            Ok(entries.next().is_some())
+        }
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(ImageError::io(path, e)),
+    }
+}
+
+/// fsyncs a directory, so that renames and creations in it are durable.
+fn sync_dir(dir: &Path) -> Result<(), ImageError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| ImageError::io(dir, e))
+}
+
+impl ImageWriter {
+    /// Starts writing an image that [`commit`](Self::commit) will put at `final_dir`. Creates the
+    /// parent directory if needed and a temporary sibling directory holding the data files. Fails
+    /// early with [`ImageError::AlreadyExists`] if `final_dir` exists, is not an empty directory,
+    /// and `opts.force` is not set.
+    pub fn create(final_dir: &Path, opts: WriterOptions) -> Result<ImageWriter, ImageError> {
+        let Some(name) = final_dir.file_name() else {
+            return Err(ImageError::io(
+                final_dir,
+                std::io::Error::new(ErrorKind::InvalidInput, "an image path must end in a name"),
+            ));
+        };
+        let parent = match final_dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        fs::create_dir_all(&parent).map_err(|e| ImageError::io(&parent, e))?;
+        if !opts.force && occupied(final_dir)? {
+            return Err(ImageError::AlreadyExists {
+                image: final_dir.to_path_buf(),
+            });
+        }
+        let tmp_dir = parent.join(format!(".{}.tmp-{}", name.to_string_lossy(), nonce()));
+        fs::create_dir(&tmp_dir).map_err(|e| ImageError::io(&tmp_dir, e))?;
+
+        let lanes_wanted = opts.data_files.clamp(1, MAX_DATA_FILES);
+        // From here on, dropping `w` (on an error) removes the temporary directory.
+        let mut w = ImageWriter {
+            final_dir: final_dir.to_path_buf(),
+            tmp_dir,
+            opts,
+            lanes: Vec::with_capacity(lanes_wanted),
+            state: Mutex::new(State::default()),
+            seq: AtomicU64::new(0),
+            created: SystemTime::now(),
+            done: false,
+        };
+        for i in 0..lanes_wanted {
+            let name = format!("data-{i:03}.bin");
+            let path = w.tmp_dir.join(&name);
+            let file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .map_err(|e| ImageError::io(&path, e))?;
+            w.lanes.push(Lane {
+                name,
+                path,
+                file,
+                end: AtomicU64::new(0),
+            });
+        }
+        Ok(w)
+    }
+
+    /// The directory the image will have once committed.
+    pub fn final_dir(&self) -> &Path {
+        &self.final_dir
+    }
+
+    /// The temporary directory being written.
+    pub fn temp_dir(&self) -> &Path {
+        &self.tmp_dir
+    }
+
+    /// Finishes the image: checks that every buffer is covered exactly by its chunks (refusing with
+    /// [`ImageError::BadCoverage`] otherwise), writes `manifest.pb`, fsyncs the data files, the
+    /// manifest and the directory, and renames the temporary directory to the final name.
+    ///
+    /// If the final name is taken by a non-empty directory (or a file), this refuses with
+    /// [`ImageError::AlreadyExists`] unless `force` was set; with `force` the old one is renamed
+    /// aside, the new one renamed in, and the old one then removed. On any error the temporary
+    /// directory is removed and the final name is left as it was.
+    pub fn commit(mut self) -> Result<ImageSummary, ImageError> {
+        let manifest = self.build_manifest()?;
+        let index = manifest::validate(&self.final_dir, &manifest)?;
+
+        if self.opts.fsync {
+            for lane in &self.lanes {
+                lane.file
+                    .sync_all()
+                    .map_err(|e| ImageError::io(&lane.path, e))?;
+            }
+        }
+        let bytes = encode_framed(&manifest, FORMAT_MAJOR, FORMAT_MINOR);
+        let mpath = self.tmp_dir.join(MANIFEST_FILE);
+        let mut mfile = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&mpath)
+            .map_err(|e| ImageError::io(&mpath, e))?;
+        mfile
+            .write_all(&bytes)
+            .map_err(|e| ImageError::io(&mpath, e))?;
+        if self.opts.fsync {
+            mfile.sync_all().map_err(|e| ImageError::io(&mpath, e))?;
+            sync_dir(&self.tmp_dir)?;
+        }
+        drop(mfile);
+
+        self.install()?;
+        Ok(summarize(&manifest, &index))
+    }
+
+    /// The manifest for what has been written so far (data file lengths as they are on disk).
+    fn build_manifest(&self) -> Result<Manifest, ImageError> {
+        let state = self.state.lock();
+        let mut files = Vec::with_capacity(self.lanes.len());
+        for lane in &self.lanes {
+            // The length on disk, not the bytes reserved: a write that failed may have left its
+            // reserved range short, and no recorded chunk lies in such a range.
+            let len = lane
+                .file
+                .metadata()
+                .map_err(|e| ImageError::io(&lane.path, e))?
+                .len();
+            files.push(DataFileMsg {
+                name: lane.name.clone(),
+                len,
+            });
+        }
+        Ok(Manifest {
+            major: FORMAT_MAJOR,
+            minor: FORMAT_MINOR,
+            created_unix_nanos: to_unix_nanos(self.created),
+            meta: state.meta.clone(),
+            buffers: state.buffers.values().map(BufferMsg::from).collect(),
+            chunks: state.chunks.values().map(|r| r.chunk.clone()).collect(),
+            files,
+        })
+    }
+
+    /// Renames the finished temporary directory to the final name (see [`commit`](Self::commit)).
+    fn install(&mut self) -> Result<(), ImageError> {
+        let parent = self
+            .tmp_dir
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| ".".into());
+        let rename =
+            |from: &Path, to: &Path| fs::rename(from, to).map_err(|e| ImageError::io(to, e));
+        if !occupied(&self.final_dir)? {
+            // Absent, or an empty directory, which rename(2) replaces atomically.
+            rename(&self.tmp_dir, &self.final_dir)?;
+            self.done = true;
+        } else if !self.opts.force {
+            return Err(ImageError::AlreadyExists {
+                image: self.final_dir.clone(),
+            });
+        } else {
+            let name = self
+                .final_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned());
+            let aside = parent.join(format!(".{}.old-{}", name.unwrap_or_default(), nonce()));
+            rename(&self.final_dir, &aside)?;
+            if let Err(e) = rename(&self.tmp_dir, &self.final_dir) {
+                // Put the old image back; the new one stays in the temp dir and is removed on drop.
+                let _ = fs::rename(&aside, &self.final_dir);
+                return Err(e);
+            }
+            self.done = true;
+            if self.opts.fsync {
+                sync_dir(&parent)?;
+            }
+            let removed = match fs::symlink_metadata(&aside) {
+                Ok(md) if md.is_dir() => fs::remove_dir_all(&aside),
+                _ => fs::remove_file(&aside),
+            };
+            if let Err(e) = removed {
+                tracing::warn!(
+                    "could not remove the replaced image at {}: {e}",
+                    aside.display()
+                );
+            }
+        }
+        if self.opts.fsync {
+            sync_dir(&parent)?;
+        }
+        Ok(())
+    }
+}
+
+impl ChunkSink for ImageWriter {
+    /// Declares (or re-declares, replacing the record) a buffer.
+    fn add_buffer(&self, rec: BufferRecord) -> Result<(), ImageError> {
+        self.state.lock().buffers.insert(rec.id, rec);
+        Ok(())
+    }
+
+    /// Appends `data` to this thread's data file and records it as the chunk of `buffer` at
+    /// `offset`, superseding an earlier chunk at the same place (whose bytes become garbage).
+    fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let len = data.len() as u64;
+        if len == 0 || len > MAX_CHUNK_LEN {
+            return Err(ImageError::ChunkBadLength {
+                image: self.final_dir.clone(),
+                buffer,
+                offset,
+                len,
+                max: MAX_CHUNK_LEN,
+            });
+        }
+        {
+            let state = self.state.lock();
+            let Some(rec) = state.buffers.get(&buffer) else {
+                return Err(ImageError::UnknownBuffer { buffer });
+            };
+            if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
+                return Err(ImageError::ChunkOutOfRange {
+                    buffer,
+                    offset,
+                    len,
+                });
+            }
+        }
+
+        let crc = crc32c::crc32c(data);
+        let lane_idx = lane_slot() % self.lanes.len();
+        let lane = &self.lanes[lane_idx];
+        let file_offset = lane.end.fetch_add(len, Ordering::Relaxed);
+        lane.file
+            .write_all_at(data, file_offset)
+            .map_err(|e| ImageError::io(&lane.path, e))?;
+
+        let chunk = ChunkMsg {
+            buffer,
+            offset,
+            len,
+            file: lane_idx as u32,
+            file_offset,
+            crc32c: crc,
+        };
+        let mut state = self.state.lock();
+        match state.chunks.entry((buffer, offset)) {
+            Entry::Vacant(v) => {
+                v.insert(Recorded { seq, chunk });
+            }
+            // A later call already recorded this place: its bytes win, ours are garbage.
+            Entry::Occupied(o) if o.get().seq > seq => {}
+            Entry::Occupied(mut o) => {
+                o.insert(Recorded { seq, chunk });
+            }
+        }
+        Ok(())
+    }
+
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError> {
+        self.state
+            .lock()
+            .meta
+            .insert(key.to_owned(), value.to_owned());
+        Ok(())
+    }
+}
+
+impl Drop for ImageWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            // Best effort: the temporary directory has a name no reader takes for an image.
+            let _ = fs::remove_dir_all(&self.tmp_dir);
+        }
+    }
+}
