@@ -16,6 +16,7 @@ pub struct DevPtr(pub u64);
 
 impl DevPtr {
     /// The address `off` bytes further on.
+    #[allow(clippy::should_implement_trait)]
     pub fn add(self, off: u64) -> DevPtr {
         DevPtr(self.0 + off)
     }

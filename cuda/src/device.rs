@@ -1,0 +1,441 @@
+//! [`CudaDevice`]: the engine's [`Device`] trait on the CUDA driver API. Safe code over
+//! [`crate::driver`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use possum_engine::device::{
+    DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
+};
+
+use crate::driver::{
+    self, CUcontext, Context, CudaEvent, CudaPending, CudaStream, PhysMem, PinnedBuf,
+};
+
+/// What [`probe`] found: a driver and at least one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DriverInfo {
+    /// The driver's CUDA version as the driver API reports it (13000 for CUDA 13.0).
+    pub driver_version: i32,
+    /// Devices the driver sees (after `CUDA_VISIBLE_DEVICES`).
+    pub device_count: usize,
+}
+
+/// Loads libcuda, runs `cuInit` and counts devices. `Err` says, in words, why there is no usable
+/// CUDA device (no driver library, `cuInit` failed, no device); it never panics.
+pub fn probe() -> Result<DriverInfo, String> {
+    driver::init().map_err(|e| e.to_string())?;
+    let driver_version = driver::driver_version().map_err(|e| e.to_string())?;
+    let device_count = driver::device_count().map_err(|e| e.to_string())?;
+    if device_count == 0 {
+        return Err("the driver sees no device".to_string());
+    }
+    Ok(DriverInfo {
+        driver_version,
+        device_count,
+    })
+}
+
+/// What possum has reserved and mapped through this device.
+#[derive(Debug, Default)]
+struct Tables {
+    /// Reservation start -> size.
+    reservations: BTreeMap<u64, u64>,
+    /// Mapping start -> the physical memory mapped there (which knows its size).
+    mappings: BTreeMap<u64, PhysMem>,
+}
+
+fn invalid(va: u64, len: u64, why: &'static str) -> DeviceError {
+    DeviceError::InvalidAddress {
+        va: DevPtr(va),
+        len,
+        why,
+    }
+}
+
+fn end_of(va: u64, len: u64) -> DeviceResult<u64> {
+    va.checked_add(len)
+        .ok_or_else(|| invalid(va, len, "range wraps around the address space"))
+}
+
+impl Tables {
+    /// The reservation holding all of `[va, end)`, if one does.
+    fn reservation_holding(&self, va: u64, end: u64) -> Option<(u64, u64)> {
+        let (&start, &size) = self.reservations.range(..=va).next_back()?;
+        (end <= start + size && va < start + size).then_some((start, size))
+    }
+
+    /// Whether any reservation overlaps `[va, end)` (`end > va`).
+    fn touches_reservation(&self, va: u64, end: u64) -> bool {
+        let before = self
+            .reservations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&s, &n)| s + n > va);
+        before || self.reservations.range(va..end).next().is_some()
+    }
+
+    /// Whether any mapping overlaps `[va, end)` (`end > va`).
+    fn touches_mapping(&self, va: u64, end: u64) -> bool {
+        let before = self
+            .mappings
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.size() > va);
+        before || self.mappings.range(va..end).next().is_some()
+    }
+
+    /// A copy may use `[va, va + len)` if it lies inside one of possum's mappings, or outside every
+    /// reservation of possum's (memory the job allocated itself, which the driver checks).
+    fn check_copy_range(&self, va: u64, len: u64) -> DeviceResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let end = end_of(va, len)?;
+        if !self.touches_reservation(va, end) {
+            return Ok(());
+        }
+        let Some((&start, mem)) = self.mappings.range(..=va).next_back() else {
+            return Err(invalid(va, len, "not mapped"));
+        };
+        if start + mem.size() <= va {
+            return Err(invalid(va, len, "not mapped"));
+        }
+        if end > start + mem.size() {
+            return Err(invalid(va, len, "crosses the end of a mapping"));
+        }
+        Ok(())
+    }
+}
+
+/// One CUDA device, through its primary context: the context the CUDA runtime (so PyTorch) uses, so
+/// possum's memory, streams and events live beside the job's and are usable by it.
+///
+/// Every method makes that context current on the calling thread first (a no-op when it already
+/// is). Reservations and mappings made through this value are tracked; dropping it waits for the
+/// context to go idle (`cuCtxSynchronize`, which includes the job's work) and then unmaps, releases
+/// and unreserves them all.
+///
+/// Copies to or from addresses inside possum's reservations must lie within one mapping; addresses
+/// outside them (the job's own allocations) are passed to the driver unchecked. Unmapping memory that
+/// queued device work still uses is a caller bug: the GPU faults and the context (shared with the
+/// job) becomes unusable.
+pub struct CudaDevice {
+    ctx: Arc<Context>,
+    ordinal: usize,
+    name: String,
+    granularity: u64,
+    recommended_granularity: u64,
+    /// (least, greatest) stream priority of the context.
+    priorities: (i32, i32),
+    tables: Mutex<Tables>,
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("ctx", &self.ctx)
+            .field("granularity", &self.granularity)
+            .field("priorities", &self.priorities)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: loads the driver, `cuInit`, retains the device's primary context.
+    pub fn new(ordinal: usize) -> DeviceResult<CudaDevice> {
+        driver::init()?;
+        let dev = driver::device_get(ordinal)?;
+        let name = driver::device_name(dev)?;
+        let ctx = Context::retain_primary(dev)?;
+        ctx.bind()?;
+        // The minimum granularity is the unit of mapping and so of release: the finer it is, the
+        // less a reservation is padded and the finer the engine can release memory. The
+        // recommended one is a performance hint only (both are 2 MiB on current NVIDIA GPUs).
+        let granularity = driver::alloc_granularity(dev, false)?;
+        let recommended_granularity = driver::alloc_granularity(dev, true)?;
+        let priorities = ctx.stream_priority_range()?;
+        Ok(CudaDevice {
+            ctx,
+            ordinal,
+            name,
+            granularity,
+            recommended_granularity,
+            priorities,
+            tables: Mutex::new(Tables::default()),
+        })
+    }
+
+    /// The device ordinal this was opened with.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The driver's name of the device ("NVIDIA H100 80GB HBM3").
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// The recommended mapping granularity (informative; [`Device::granularity`] is the minimum).
+    pub fn recommended_granularity(&self) -> u64 {
+        self.recommended_granularity
+    }
+
+    /// (least, greatest) stream priority: `Normal` streams get the first, `High` ones the second
+    /// (numerically smaller is more urgent).
+    pub fn stream_priority_range(&self) -> (i32, i32) {
+        self.priorities
+    }
+
+    /// The primary context's raw handle (retained by this device while it lives).
+    pub fn raw_context(&self) -> CUcontext {
+        self.ctx.raw()
+    }
+
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// The legacy default stream (handle 0): never destroyed; work on it is ordered with all
+    /// blocking streams of the context (possum's own streams are non-blocking).
+    pub fn legacy_stream(&self) -> CudaStream {
+        CudaStream::legacy(&self.ctx)
+    }
+
+    /// The driver's view of the allocation or mapping containing `va`: (base, size).
+    pub fn address_range(&self, va: DevPtr) -> DeviceResult<(DevPtr, u64)> {
+        self.ctx.bind()?;
+        let (base, size) = driver::address_range(va.0)?;
+        Ok((DevPtr(base), size))
+    }
+
+    /// Queues `len` bytes of `value` at `va`, in `stream` order.
+    pub fn memset_d8(
+        &self,
+        stream: &CudaStream,
+        va: DevPtr,
+        value: u8,
+        len: u64,
+    ) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        self.tables.lock().check_copy_range(va.0, len)?;
+        stream.memset_d8(va.0, value, len)
+    }
+
+    fn host_len(len: u64, have: usize) -> DeviceResult<usize> {
+        usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= have)
+            .ok_or(DeviceError::HostBufferTooSmall {
+                need: len,
+                have: have as u64,
+            })
+    }
+}
+
+impl Device for CudaDevice {
+    type Stream = CudaStream;
+    type Event = CudaEvent;
+    type HostBuf = PinnedBuf;
+    type Pending = CudaPending;
+
+    fn name(&self) -> String {
+        format!("cuda:{} {}", self.ordinal, self.name)
+    }
+
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    fn memory_info(&self) -> DeviceResult<(u64, u64)> {
+        self.ctx.bind()?;
+        driver::mem_get_info()
+    }
+
+    fn reserve(&self, size: u64) -> DeviceResult<DevPtr> {
+        self.ctx.bind()?;
+        if size == 0 || size % self.granularity != 0 {
+            return Err(invalid(
+                0,
+                size,
+                "size is not a positive multiple of the granularity",
+            ));
+        }
+        let va = driver::address_reserve(size, self.granularity)?;
+        self.tables.lock().reservations.insert(va, size);
+        Ok(DevPtr(va))
+    }
+
+    fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        let mut t = self.tables.lock();
+        if t.reservations.get(&va.0) != Some(&size) {
+            return Err(invalid(
+                va.0,
+                size,
+                "not a reservation (start and size must match)",
+            ));
+        }
+        if t.touches_mapping(va.0, va.0 + size) {
+            return Err(invalid(va.0, size, "reservation still has mappings"));
+        }
+        driver::address_free(va.0, size)?;
+        t.reservations.remove(&va.0);
+        Ok(())
+    }
+
+    fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        let g = self.granularity;
+        if size == 0 || size % g != 0 || va.0 % g != 0 {
+            return Err(invalid(
+                va.0,
+                size,
+                "start or size is not a multiple of the granularity",
+            ));
+        }
+        let end = end_of(va.0, size)?;
+        // Held across the driver calls, so two maps can't race for the same range.
+        let mut t = self.tables.lock();
+        if t.reservation_holding(va.0, end).is_none() {
+            return Err(invalid(va.0, size, "not inside one reservation"));
+        }
+        if t.touches_mapping(va.0, end) {
+            return Err(invalid(va.0, size, "overlaps a mapping"));
+        }
+        let mem = match PhysMem::create(&self.ctx, size) {
+            Ok(mem) => mem,
+            Err(e) if driver::is_out_of_memory(&e) => {
+                let free = driver::mem_get_info().map(|(free, _)| free).unwrap_or(0);
+                return Err(DeviceError::OutOfMemory {
+                    requested: size,
+                    free,
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        mem.map_at(va.0)?;
+        t.mappings.insert(va.0, mem);
+        Ok(())
+    }
+
+    fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        let mut t = self.tables.lock();
+        match t.mappings.get(&va.0) {
+            Some(m) if m.size() == size => {}
+            Some(_) => return Err(invalid(va.0, size, "size differs from the mapping's")),
+            None => return Err(invalid(va.0, size, "not the start of a mapping")),
+        }
+        driver::unmap(va.0, size)?;
+        let mem = t.mappings.remove(&va.0).expect("checked above");
+        mem.release()
+    }
+
+    fn alloc_host(&self, len: usize) -> DeviceResult<PinnedBuf> {
+        self.ctx.bind()?;
+        PinnedBuf::alloc(&self.ctx, len)
+    }
+
+    fn create_stream(&self, priority: StreamPriority) -> DeviceResult<CudaStream> {
+        self.ctx.bind()?;
+        let p = match priority {
+            StreamPriority::Normal => self.priorities.0,
+            StreamPriority::High => self.priorities.1,
+        };
+        CudaStream::create(&self.ctx, p)
+    }
+
+    fn copy_d2h(
+        &self,
+        stream: &CudaStream,
+        src: DevPtr,
+        dst: PinnedBuf,
+        len: u64,
+    ) -> DeviceResult<CudaPending> {
+        self.ctx.bind()?;
+        let n = Self::host_len(len, dst.len())?;
+        self.tables.lock().check_copy_range(src.0, len)?;
+        stream.copy_d2h(src.0, dst, n)
+    }
+
+    fn copy_h2d(
+        &self,
+        stream: &CudaStream,
+        src: PinnedBuf,
+        dst: DevPtr,
+        len: u64,
+    ) -> DeviceResult<CudaPending> {
+        self.ctx.bind()?;
+        let n = Self::host_len(len, src.len())?;
+        self.tables.lock().check_copy_range(dst.0, len)?;
+        stream.copy_h2d(src, dst.0, n)
+    }
+
+    fn copy_d2d(
+        &self,
+        stream: &CudaStream,
+        src: DevPtr,
+        dst: DevPtr,
+        len: u64,
+    ) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        {
+            let t = self.tables.lock();
+            t.check_copy_range(src.0, len)?;
+            t.check_copy_range(dst.0, len)?;
+        }
+        stream.copy_d2d(src.0, dst.0, len)
+    }
+
+    fn record_event(&self, stream: &CudaStream) -> DeviceResult<CudaEvent> {
+        self.ctx.bind()?;
+        CudaEvent::record(stream)
+    }
+
+    fn wait_event(&self, stream: &CudaStream, event: &CudaEvent) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        stream.wait_event(event)
+    }
+
+    fn event_synchronize(&self, event: &CudaEvent) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        event.synchronize()
+    }
+
+    fn event_query(&self, event: &CudaEvent) -> DeviceResult<bool> {
+        self.ctx.bind()?;
+        event.query()
+    }
+
+    fn synchronize(&self, stream: &CudaStream) -> DeviceResult<()> {
+        self.ctx.bind()?;
+        stream.synchronize()
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        let t = self.tables.get_mut();
+        if t.mappings.is_empty() && t.reservations.is_empty() {
+            return;
+        }
+        if self.ctx.bind().is_err() {
+            return;
+        }
+        // Nothing queued may still use the memory. An error here is a sticky context error: then
+        // nothing runs any more either.
+        let _ = self.ctx.synchronize();
+        for (va, mem) in std::mem::take(&mut t.mappings) {
+            let _ = driver::unmap(va, mem.size());
+            let _ = mem.release();
+        }
+        for (va, size) in std::mem::take(&mut t.reservations) {
+            let _ = driver::address_free(va, size);
+        }
+    }
+}

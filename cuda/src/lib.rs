@@ -1,0 +1,24 @@
+//! possum's CUDA backend: [`CudaDevice`] implements the engine's
+//! [`Device`](possum_engine::device::Device) trait on the CUDA driver API.
+//!
+//! - Memory: virtual address ranges are reserved (`cuMemAddressReserve`) and physical memory is
+//!   mapped under them (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`) or released (`cuMemUnmap` +
+//!   `cuMemRelease`) without the addresses changing.
+//! - Copies: between pinned host buffers ([`PinnedBuf`], `cuMemHostAlloc`) and the device, queued on
+//!   streams; a [`CudaPending`] owns the host buffer until the copy is complete.
+//! - Context: the device's *primary* context, the one the CUDA runtime and so PyTorch use, made
+//!   current on each calling thread; possum's objects therefore live beside the job's.
+//!
+//! The driver (libcuda) is loaded at run time through cudarc, so this crate builds without CUDA and
+//! [`probe`] says, without panicking, whether a device is usable. All `unsafe` code is in the private
+//! `driver` module; everything else is safe.
+#![warn(missing_docs)]
+#![deny(unsafe_code)]
+
+mod device;
+mod driver;
+
+pub use device::{probe, CudaDevice, DriverInfo};
+pub use driver::{
+    check, CUcontext, CUresult, CUstream, CudaEvent, CudaPending, CudaStream, PinnedBuf,
+};

@@ -1,0 +1,84 @@
+// fake-libcuda: a stand-in for libcuda.so.1 that emulates, in host memory, just the driver calls
+// possum-cuda makes (virtual memory via mmap + memfd, synchronous copies, no-op streams and events).
+// It lets possum-cuda's tests and self-test run their logic on a machine without a GPU. It proves
+// nothing about CUDA itself: runs against it report the device as "Fake GPU".
+//
+//   cc -O2 -shared -fPIC -o /tmp/fakecuda/libcuda.so.1 cuda/testdata/fake-libcuda.c
+//   LD_LIBRARY_PATH=/tmp/fakecuda cargo test -p possum-cuda
+//   FAKE_CUDA_NODEV=1 ...   makes cuInit fail with CUDA_ERROR_NO_DEVICE (the skip path)
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <stdint.h>
+#include <stdio.h>
+typedef unsigned long long ull;
+static __thread void* cur;
+static size_t used;
+static const size_t TOTAL = 80ull<<30;
+struct h { int fd; size_t size; };
+struct m { ull va; size_t size; };
+static struct m maps[64];
+int cuGetErrorString(int e, const char** s){ *s = e==100? "no CUDA-capable device is detected" : "fake error"; return 0; }
+int cuInit(unsigned f){ return getenv("FAKE_CUDA_NODEV") ? 100 : 0; }
+int cuDriverGetVersion(int* v){ *v=13000; return 0; }
+int cuDeviceGetCount(int* n){ *n=1; return 0; }
+int cuDeviceGet(int* d, int o){ if(o!=0) return 101; *d=0; return 0; }
+int cuDeviceGetName(char* n, int len, int d){ strncpy(n, "Fake GPU", len); return 0; }
+static int ctxobj;
+int cuDevicePrimaryCtxRetain(void** c, int d){ *c=&ctxobj; return 0; }
+int cuDevicePrimaryCtxRelease_v2(int d){ return 0; }
+int cuCtxGetCurrent(void** c){ *c=cur; return 0; }
+int cuCtxSetCurrent(void* c){ cur=c; return 0; }
+int cuCtxGetStreamPriorityRange(int* l, int* g){ *l=0; *g=-5; return 0; }
+int cuCtxSynchronize(void){ return cur? 0 : 201; }
+int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-used; *t=TOTAL; return 0; }
+int cuMemGetAllocationGranularity(size_t* g, const void* p, int o){ *g=2u<<20; return 0; }
+int cuMemAddressReserve(ull* p, size_t size, size_t align, ull addr, ull flags){
+  if(!cur) return 201;
+  if(align<(2u<<20)) align=2u<<20;
+  char* r = mmap(0, size+align, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE, -1, 0);
+  if(r==MAP_FAILED) return 2;
+  uintptr_t a = ((uintptr_t)r + align-1) & ~(uintptr_t)(align-1);
+  if(a>(uintptr_t)r) munmap(r, a-(uintptr_t)r);
+  if((uintptr_t)r+size+align > a+size) munmap((void*)(a+size), (uintptr_t)r+size+align-(a+size));
+  *p=a; return 0; }
+int cuMemAddressFree(ull p, size_t size){ return munmap((void*)p, size)? 1:0; }
+int cuMemCreate(ull* h, size_t size, const void* prop, ull f){
+  if(!cur) return 201;
+  if(used+size>TOTAL) return 2;
+  struct h* x=malloc(sizeof *x); x->fd=memfd_create("fakegpu",0); x->size=size;
+  if(ftruncate(x->fd,size)) return 2;
+  used+=size; *h=(ull)(uintptr_t)x; return 0; }
+int cuMemRelease(ull h){ struct h* x=(void*)(uintptr_t)h; close(x->fd); used-=x->size; free(x); return 0; }
+int cuMemMap(ull p, size_t size, size_t off, ull h, ull f){
+  struct h* x=(void*)(uintptr_t)h;
+  if(mmap((void*)p, size, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, x->fd, off)==MAP_FAILED) return 1;
+  for(int i=0;i<64;i++) if(!maps[i].size){ maps[i].va=p; maps[i].size=size; break; }
+  return 0; }
+int cuMemUnmap(ull p, size_t size){
+  mmap((void*)p, size, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_FIXED|MAP_NORESERVE, -1, 0);
+  for(int i=0;i<64;i++) if(maps[i].va==p){ maps[i].size=0; maps[i].va=0; }
+  return 0; }
+int cuMemSetAccess(ull p, size_t s, const void* d, size_t c){ return 0; }
+int cuMemGetAddressRange_v2(ull* b, size_t* s, ull p){
+  for(int i=0;i<64;i++) if(maps[i].size && p>=maps[i].va && p<maps[i].va+maps[i].size){ *b=maps[i].va; *s=maps[i].size; return 0; }
+  return 1; }
+int cuMemHostAlloc(void** p, size_t n, unsigned f){ if(!cur) return 201; *p=malloc(n); memset(*p, 0x77, n); return *p?0:2; }
+int cuMemFreeHost(void* p){ free(p); return 0; }
+int cuStreamCreateWithPriority(void** s, unsigned f, int prio){ int* x=malloc(sizeof(int)); *x=prio; *s=x; return 0; }
+int cuStreamGetPriority(void* s, int* p){ *p = s? *(int*)s : 0; return 0; }
+int cuStreamDestroy_v2(void* s){ free(s); return 0; }
+int cuStreamSynchronize(void* s){ return 0; }
+int cuStreamQuery(void* s){ return 0; }
+int cuStreamWaitEvent(void* s, void* e, unsigned f){ return 0; }
+int cuEventCreate(void** e, unsigned f){ *e=malloc(8); return 0; }
+int cuEventRecord(void* e, void* s){ return 0; }
+int cuEventQuery(void* e){ return 0; }
+int cuEventSynchronize(void* e){ return 0; }
+int cuEventDestroy_v2(void* e){ free(e); return 0; }
+int cuMemcpyDtoHAsync_v2(void* d, ull s, size_t n, void* st){ memcpy(d,(void*)s,n); return 0; }
+int cuMemcpyHtoDAsync_v2(ull d, const void* s, size_t n, void* st){ memcpy((void*)d,s,n); return 0; }
+int cuMemcpyDtoDAsync_v2(ull d, ull s, size_t n, void* st){ memmove((void*)d,(void*)s,n); return 0; }
+int cuMemsetD8Async(ull d, unsigned char v, size_t n, void* st){ memset((void*)d,v,n); return 0; }
