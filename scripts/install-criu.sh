@@ -129,6 +129,9 @@ EOF
     say "fetching the $suite package lists from $mirror (private apt state in $work)"
     apt-get -q update >"$work/update.log" 2>&1 || {
         cat "$work/update.log" >&2
+        if grep -q NO_PUBKEY "$work/update.log"; then
+            die "$keyring lacks Debian's $suite keys: upgrade debian-archive-keyring (bookworm's 2023.3+deb12u1 or later has them)"
+        fi
         die "apt-get update of the private $suite source failed"
     }
     local pkgs
@@ -165,7 +168,12 @@ write_wrapper() {
 #!/bin/sh
 # Written by possum's scripts/install-criu.sh: runs Debian $suite's criu from this prefix.
 # Arguments pass through unchanged and criu replaces this shell (exec), so the PID and the
-# inherited file descriptors are criu's. POSSUM_CRIU_LOADER=host|loader overrides the choice.
+# inherited file descriptors are criu's ("criu swrk FD" works through it).
+# loader: the host's glibc is too old; trixie's ld.so runs criu with --library-path, so nothing
+#   leaks into what criu executes (it runs sh -c "iptables -n -w -L" while dumping).
+# host: the host's glibc is new enough; the prefix's libraries go on LD_LIBRARY_PATH, which the
+#   programs criu executes inherit too. Restored processes do not: their environment is the
+#   dumped one. POSSUM_CRIU_LOADER=host|loader overrides the choice.
 need_major=${need%%.*}
 need_minor=${need#*.}
 EOF
