@@ -1,2 +1,602 @@
-//! CRIU driven over its RPC interface.
+//! CRIU driven over its RPC interface: possum's CPU side of a checkpoint.
+//!
+//! Each call starts one `criu swrk` worker (CRIU's RPC server on an inherited socket), sends it
+//! one request built from the [`rpc`] messages, reads the answer and waits for the worker to
+//! exit. There is no long-lived CRIU service and no `libcriu`.
+//!
+//! ```no_run
+//! use possum_criu::{set_child_subreaper, wait_for_exit, Criu, DumpOptions, RestoreOptions};
+//! # fn main() -> Result<(), possum_criu::CriuError> {
+//! let criu = Criu::locate()?;
+//! let dump = criu.dump(&DumpOptions {
+//!     leave_running: true,
+//!     ..DumpOptions::new(1234, "/var/tmp/ckpt")
+//! })?;
+//! println!("dumped in {:?}, {} bytes", dump.time, dump.image_bytes);
+//!
+//! set_child_subreaper()?; // so that the restored tree becomes our child
+//! let restored = criu.restore(&RestoreOptions::new("/var/tmp/ckpt"))?;
+//! let exit = wait_for_exit(restored.pid, None)?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Installing CRIU
+//!
+//! possum needs CRIU 4.x: Debian 12's criu 3.17 fails on recent kernels (6.18:
+//! `vdso: Unexpected rt vDSO area bounds`). `scripts/install-criu.sh` (as root, non-interactive,
+//! idempotent; CI runs it) downloads Debian 13's criu and the libraries it needs with a private
+//! apt configuration, unpacks them into `/opt/possum-criu` (`--prefix` or `POSSUM_CRIU_PREFIX`
+//! to change) and writes the wrapper `/opt/possum-criu/bin/criu`, which runs criu through the
+//! prefix's own glibc loader when the host's glibc is older than 2.38, and with the prefix's
+//! libraries on `LD_LIBRARY_PATH` otherwise. For a host without network (the GPU machine):
+//! `install-criu.sh --download-only DIR` here, carry `DIR` and the script over, then
+//! `install-criu.sh --from-debs DIR` there. The prefix is relocatable.
+//!
+//! [`Criu::locate`] looks for the binary in this order: the `POSSUM_CRIU` environment variable,
+//! `/opt/possum-criu/bin/criu`, then `criu` on `PATH`.
+//!
+//! # Requirements and behaviour
+//!
+//! - Dump and restore need root (CAP_SYS_ADMIN and friends); `criu check` too.
+//! - A process is dumped without `shell_job` only if it has no controlling terminal and leads
+//!   its own session (e.g. it called `setsid`), with stdio on files, pipes or `/dev/null`.
+//! - A restore needs the dumped PIDs to be free: wait for (and reap) the original first.
+//! - `criu restore` logs `rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted`
+//!   on the machines measured so far and succeeds anyway.
+//! - The restored tree is detached from the worker; see [`set_child_subreaper`],
+//!   [`RestoreOptions::restore_sibling`] and [`wait_for_exit`] to wait for it.
+//! - The install script's wrapper is fine in swrk mode: it `exec`s, so the worker keeps its PID
+//!   and inherited socket, and CRIU does not re-execute itself (`/proc/self/exe`, which is the
+//!   loader when the wrapper runs criu through trixie's `ld.so`) to dump or restore. The only
+//!   program a dump was seen to run is `sh -c "iptables -n -w -L"` (a kernel feature probe).
+//!
+//! Host feature checks for `possum doctor` are in [`doctor`].
 #![warn(missing_docs)]
+
+pub mod doctor;
+mod error;
+mod process;
+pub mod rpc;
+mod swrk;
+
+use std::fmt;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub use error::CriuError;
+pub use process::{set_child_subreaper, wait_for_exit, ProcessExit};
+
+use rpc::{CriuOpts, CriuReq, CriuResp, ReqType};
+
+/// The environment variable naming the CRIU binary to use.
+pub const CRIU_ENV: &str = "POSSUM_CRIU";
+
+/// Where `scripts/install-criu.sh` puts its wrapper by default.
+pub const DEFAULT_CRIU: &str = "/opt/possum-criu/bin/criu";
+
+/// How many lines of CRIU's log an error carries.
+const LOG_TAIL_LINES: usize = 25;
+
+/// A CRIU binary to drive.
+#[derive(Debug, Clone)]
+pub struct Criu {
+    binary: PathBuf,
+}
+
+/// CRIU's log verbosity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum LogLevel {
+    /// Errors only.
+    Error = 1,
+    /// Errors and warnings.
+    Warn = 2,
+    /// Plus progress messages (a few hundred lines for a small process).
+    #[default]
+    Info = 3,
+    /// Everything (large logs; slows big dumps down).
+    Debug = 4,
+}
+
+/// What to dump and how.
+#[derive(Debug, Clone)]
+pub struct DumpOptions {
+    /// The root of the process tree to dump.
+    pub pid: i32,
+    /// Where the images go (created if missing).
+    pub images_dir: PathBuf,
+    /// Let the tree run on after the dump (default: CRIU kills it).
+    pub leave_running: bool,
+    /// The tree is a shell job: it shares the caller's session or has a controlling terminal.
+    pub shell_job: bool,
+    /// Dump established TCP connections.
+    pub tcp_established: bool,
+    /// Allow connections to unix sockets outside the tree.
+    pub ext_unix_sk: bool,
+    /// Dump file locks.
+    pub file_locks: bool,
+    /// Allow open-but-unlinked files to be linked back to be dumped.
+    pub link_remap: bool,
+    /// Resources outside the tree, in `criu --external` syntax (e.g. `dev[MAJOR/MINOR]:name`).
+    pub external: Vec<String>,
+    /// How long CRIU waits for the tree to freeze (CRIU's default when `None`), whole seconds.
+    pub freeze_timeout: Option<Duration>,
+    /// The log file's name inside `images_dir` (no `/`).
+    pub log_file: String,
+    /// The log's verbosity.
+    pub log_level: LogLevel,
+}
+
+impl DumpOptions {
+    /// Options to dump the tree rooted at `pid` into `images_dir`, everything else off.
+    pub fn new(pid: i32, images_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            pid,
+            images_dir: images_dir.into(),
+            leave_running: false,
+            shell_job: false,
+            tcp_established: false,
+            ext_unix_sk: false,
+            file_locks: false,
+            link_remap: false,
+            external: Vec::new(),
+            freeze_timeout: None,
+            log_file: "dump.log".into(),
+            log_level: LogLevel::default(),
+        }
+    }
+}
+
+/// What to restore and how.
+#[derive(Debug, Clone)]
+pub struct RestoreOptions {
+    /// The images to restore from.
+    pub images_dir: PathBuf,
+    /// The tree was dumped as a shell job.
+    pub shell_job: bool,
+    /// Restore established TCP connections.
+    pub tcp_established: bool,
+    /// Allow connections to unix sockets outside the tree.
+    pub ext_unix_sk: bool,
+    /// Restore file locks.
+    pub file_locks: bool,
+    /// Create the restored root as a sibling of the criu worker, i.e. as a child of this process
+    /// (CRIU's `rst_sibling`), so it can be waited for without [`set_child_subreaper`].
+    pub restore_sibling: bool,
+    /// Resources outside the tree, in `criu --external` syntax.
+    pub external: Vec<String>,
+    /// The log file's name inside `images_dir` (no `/`).
+    pub log_file: String,
+    /// The log's verbosity.
+    pub log_level: LogLevel,
+}
+
+impl RestoreOptions {
+    /// Options to restore from `images_dir`, everything else off.
+    pub fn new(images_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            images_dir: images_dir.into(),
+            shell_job: false,
+            tcp_established: false,
+            ext_unix_sk: false,
+            file_locks: false,
+            restore_sibling: false,
+            external: Vec::new(),
+            log_file: "restore.log".into(),
+            log_level: LogLevel::default(),
+        }
+    }
+}
+
+/// The outcome of a dump.
+#[derive(Debug, Clone)]
+pub struct DumpReport {
+    /// The images directory.
+    pub images_dir: PathBuf,
+    /// CRIU's log of the dump.
+    pub log: PathBuf,
+    /// Wall time of the whole call: starting the worker, the dump, the worker's exit.
+    pub time: Duration,
+    /// Total size of the files in `images_dir` after the dump.
+    pub image_bytes: u64,
+}
+
+/// The outcome of a restore.
+#[derive(Debug, Clone)]
+pub struct RestoreReport {
+    /// The PID of the restored tree's root (the PID it had when dumped).
+    pub pid: i32,
+    /// CRIU's log of the restore.
+    pub log: PathBuf,
+    /// Wall time of the whole call: starting the worker, the restore, the worker's exit.
+    pub time: Duration,
+}
+
+/// CRIU's version, as its `VERSION` request answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CriuVersion {
+    /// Major version (4 in 4.1.1).
+    pub major: i32,
+    /// Minor version.
+    pub minor: i32,
+    /// Sublevel, when the build has one.
+    pub sublevel: Option<i32>,
+    /// Extra version number, when the build has one.
+    pub extra: Option<i32>,
+    /// The git commit it was built from, when known.
+    pub gitid: Option<String>,
+    /// The release's name, when known.
+    pub name: Option<String>,
+}
+
+impl fmt::Display for CriuVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)?;
+        if let Some(s) = self.sublevel {
+            write!(f, ".{s}")?;
+        }
+        if let Some(e) = self.extra {
+            write!(f, ".{e}")?;
+        }
+        if let Some(g) = &self.gitid {
+            write!(f, " ({g})")?;
+        }
+        Ok(())
+    }
+}
+
+impl Criu {
+    /// Finds the CRIU binary: `$POSSUM_CRIU` (which must then be executable), then
+    /// [`DEFAULT_CRIU`], then `criu` on `PATH`.
+    pub fn locate() -> Result<Self, CriuError> {
+        if let Some(path) = std::env::var_os(CRIU_ENV).filter(|v| !v.is_empty()) {
+            let path = PathBuf::from(path);
+            return if is_executable(&path) {
+                Ok(Self::with_binary(path))
+            } else {
+                Err(CriuError::BadBinary { path })
+            };
+        }
+        let mut searched = vec![PathBuf::from(DEFAULT_CRIU)];
+        if is_executable(Path::new(DEFAULT_CRIU)) {
+            return Ok(Self::with_binary(DEFAULT_CRIU));
+        }
+        for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+            let candidate = dir.join("criu");
+            if is_executable(&candidate) {
+                return Ok(Self::with_binary(candidate));
+            }
+            searched.push(candidate);
+        }
+        Err(CriuError::NotFound { searched })
+    }
+
+    /// Uses `binary` (the wrapper or criu itself) without checking it.
+    pub fn with_binary(binary: impl Into<PathBuf>) -> Self {
+        Self {
+            binary: binary.into(),
+        }
+    }
+
+    /// The binary run for each request.
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
+    /// Asks CRIU its version.
+    pub fn version(&self) -> Result<CriuVersion, CriuError> {
+        let resp = self.call("version", request(ReqType::Version, None), None)?;
+        let v = resp.version.ok_or_else(|| CriuError::Protocol {
+            op: "version",
+            detail: "no version in the answer".into(),
+        })?;
+        Ok(CriuVersion {
+            major: v.major_number,
+            minor: v.minor_number,
+            sublevel: v.sublevel,
+            extra: v.extra,
+            gitid: v.gitid,
+            name: v.name,
+        })
+    }
+
+    /// Runs `criu check`: whether the kernel has what CRIU needs for dump and restore. Needs
+    /// root. On failure the error carries the end of CRIU's log, which is kept in a directory
+    /// under the temporary directory (removed on success).
+    pub fn check(&self) -> Result<(), CriuError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "possum-criu-check.{}.{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let images = open_images_dir(&dir, true)?;
+        let opts = CriuOpts {
+            images_dir_fd: images.as_raw_fd(),
+            log_file: Some("check.log".into()),
+            log_level: Some(LogLevel::Info as i32),
+            ..Default::default()
+        };
+        let log = dir.join("check.log");
+        self.call("check", request(ReqType::Check, Some(opts)), Some(&log))?;
+        drop(images);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// Dumps the tree rooted at `opts.pid` into `opts.images_dir`. Fails early with
+    /// [`CriuError::NoSuchProcess`] or [`CriuError::Zombie`] when there is nothing to dump.
+    pub fn dump(&self, opts: &DumpOptions) -> Result<DumpReport, CriuError> {
+        let start = Instant::now();
+        check_log_name(&opts.log_file)?;
+        process::check_alive(opts.pid)?;
+        let images = open_images_dir(&opts.images_dir, true)?;
+        let log = opts.images_dir.join(&opts.log_file);
+        let rpc_opts = CriuOpts {
+            images_dir_fd: images.as_raw_fd(),
+            pid: Some(opts.pid),
+            leave_running: Some(opts.leave_running),
+            shell_job: Some(opts.shell_job),
+            tcp_established: Some(opts.tcp_established),
+            ext_unix_sk: Some(opts.ext_unix_sk),
+            file_locks: Some(opts.file_locks),
+            link_remap: Some(opts.link_remap),
+            external: opts.external.clone(),
+            timeout: opts
+                .freeze_timeout
+                .map(|t| u32::try_from(t.as_secs().max(1)).unwrap_or(u32::MAX)),
+            log_file: Some(opts.log_file.clone()),
+            log_level: Some(opts.log_level as i32),
+            ..Default::default()
+        };
+        self.call("dump", request(ReqType::Dump, Some(rpc_opts)), Some(&log))?;
+        drop(images);
+        let time = start.elapsed();
+        let image_bytes = dir_bytes(&opts.images_dir);
+        tracing::info!(pid = opts.pid, ?time, image_bytes, "criu dump done");
+        Ok(DumpReport {
+            images_dir: opts.images_dir.clone(),
+            log,
+            time,
+            image_bytes,
+        })
+    }
+
+    /// Restores the tree dumped in `opts.images_dir`. Returns once the tree runs and the criu
+    /// worker has exited (so the tree has been reparented; see [`set_child_subreaper`]).
+    pub fn restore(&self, opts: &RestoreOptions) -> Result<RestoreReport, CriuError> {
+        let start = Instant::now();
+        check_log_name(&opts.log_file)?;
+        let images = open_images_dir(&opts.images_dir, false)?;
+        let log = opts.images_dir.join(&opts.log_file);
+        let rpc_opts = CriuOpts {
+            images_dir_fd: images.as_raw_fd(),
+            shell_job: Some(opts.shell_job),
+            tcp_established: Some(opts.tcp_established),
+            ext_unix_sk: Some(opts.ext_unix_sk),
+            file_locks: Some(opts.file_locks),
+            rst_sibling: Some(opts.restore_sibling),
+            external: opts.external.clone(),
+            log_file: Some(opts.log_file.clone()),
+            log_level: Some(opts.log_level as i32),
+            ..Default::default()
+        };
+        let resp = self.call(
+            "restore",
+            request(ReqType::Restore, Some(rpc_opts)),
+            Some(&log),
+        )?;
+        drop(images);
+        let pid = match resp.restore {
+            Some(r) if r.pid > 0 => r.pid,
+            other => {
+                return Err(CriuError::Protocol {
+                    op: "restore",
+                    detail: format!("no restored PID in a successful answer ({other:?})"),
+                })
+            }
+        };
+        let time = start.elapsed();
+        tracing::info!(pid, ?time, "criu restore done");
+        Ok(RestoreReport { pid, log, time })
+    }
+
+    /// One request on a fresh worker: spawn, ask, wait for the worker's exit, check the answer.
+    fn call(
+        &self,
+        op: &'static str,
+        req: CriuReq,
+        log: Option<&Path>,
+    ) -> Result<CriuResp, CriuError> {
+        let mut worker = swrk::Worker::spawn(&self.binary, op)?;
+        let answer = worker.request(&req);
+        let status = worker.finish();
+        let resp = answer?;
+        let status = status?;
+        tracing::debug!(op, %status, success = resp.success, "criu swrk finished");
+        if !resp.success {
+            let log_tail = log.map(log_tail).unwrap_or_default();
+            let message = if resp.r#type == ReqType::Empty as i32 && resp.cr_errmsg.is_none() {
+                Some("criu rejected the request".to_string())
+            } else {
+                first_real_error(resp.cr_errmsg, &log_tail)
+            };
+            return Err(CriuError::Failed {
+                op,
+                errno: resp.cr_errno,
+                message,
+                log: log.map(Path::to_path_buf),
+                log_tail,
+            });
+        }
+        if resp.r#type != req.r#type {
+            return Err(CriuError::Protocol {
+                op,
+                detail: format!(
+                    "answer of type {} to a request of type {}",
+                    resp.r#type, req.r#type
+                ),
+            });
+        }
+        Ok(resp)
+    }
+}
+
+fn request(kind: ReqType, opts: Option<CriuOpts>) -> CriuReq {
+    CriuReq {
+        r#type: kind as i32,
+        opts,
+        ..Default::default()
+    }
+}
+
+fn is_executable(path: &Path) -> bool {
+    std::fs::metadata(path)
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+fn check_log_name(name: &str) -> Result<(), CriuError> {
+    if name.is_empty() || name.contains('/') {
+        return Err(CriuError::InvalidOptions(format!(
+            "log file {name:?}: CRIU wants a plain file name, written inside the images directory"
+        )));
+    }
+    Ok(())
+}
+
+/// Opens (creating it first if asked) the images directory; the descriptor is what CRIU gets.
+fn open_images_dir(dir: &Path, create: bool) -> Result<File, CriuError> {
+    let err = |source| CriuError::ImagesDir {
+        path: dir.to_owned(),
+        source,
+    };
+    if create {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let file = File::open(dir).map_err(err)?;
+    if !file.metadata().map_err(err)?.is_dir() {
+        return Err(err(std::io::Error::from_raw_os_error(libc::ENOTDIR)));
+    }
+    Ok(file)
+}
+
+/// The last lines of a CRIU log; empty when unreadable.
+fn log_tail(log: &Path) -> String {
+    let Ok(mut file) = File::open(log) else {
+        return String::new();
+    };
+    let text = swrk::read_tail(&mut file);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+}
+
+/// Errors CRIU logs and then carries on regardless: `criu restore` logs this one on the machines
+/// measured so far, as its first error, and succeeds.
+const BENIGN_ERRORS: &[&str] = &["Can't setup RLIMIT_NOFILE for self"];
+
+/// CRIU's `cr_errmsg` is the first error it logged. When that one is benign, the first other
+/// `Error (...)` line of the log's tail says more.
+fn first_real_error(errmsg: Option<String>, log_tail: &str) -> Option<String> {
+    let benign = |m: &str| BENIGN_ERRORS.iter().any(|b| m.contains(b));
+    match errmsg {
+        Some(m) if !benign(&m) => Some(m),
+        other => log_tail
+            .lines()
+            .filter_map(|l| l.find("Error (").map(|i| &l[i..]))
+            .find(|l| !benign(l))
+            .map(str::to_owned)
+            .or(other),
+    }
+}
+
+/// Total size of the regular files directly in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_benign_first_error_gives_way_to_the_next_one() {
+        let tail = "(00.03) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: \
+                    Operation not permitted\n(00.04) No inventory.img image\n\
+                    (00.05) Error (criu/protobuf.c:72): Unexpected EOF on (empty-image)\n";
+        let first =
+            Some("Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self".into());
+        assert_eq!(
+            first_real_error(first.clone(), tail).as_deref(),
+            Some("Error (criu/protobuf.c:72): Unexpected EOF on (empty-image)")
+        );
+        assert_eq!(first_real_error(first.clone(), ""), first);
+        assert_eq!(
+            first_real_error(Some("Can't seize 7".into()), tail).as_deref(),
+            Some("Can't seize 7")
+        );
+    }
+
+    #[test]
+    fn version_display() {
+        let v = CriuVersion {
+            major: 4,
+            minor: 1,
+            sublevel: Some(1),
+            extra: None,
+            gitid: None,
+            name: None,
+        };
+        assert_eq!(v.to_string(), "4.1.1");
+    }
+
+    #[test]
+    fn log_names_with_slashes_are_rejected() {
+        let criu = Criu::with_binary("/nonexistent/criu");
+        let opts = DumpOptions {
+            log_file: "sub/dump.log".into(),
+            ..DumpOptions::new(std::process::id() as i32, "/nonexistent")
+        };
+        assert!(matches!(
+            criu.dump(&opts),
+            Err(CriuError::InvalidOptions(_))
+        ));
+    }
+
+    #[test]
+    fn a_missing_binary_is_a_spawn_error() {
+        let criu = Criu::with_binary("/nonexistent/criu");
+        match criu.version() {
+            Err(CriuError::Spawn { binary, .. }) => {
+                assert_eq!(binary, Path::new("/nonexistent/criu"))
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_worker_that_exits_without_answering_is_reported_with_its_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("criu");
+        std::fs::write(&fake, "#!/bin/sh\necho \"no luck: $*\" >&2\nexit 3\n").unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        match Criu::with_binary(&fake).version() {
+            Err(CriuError::WorkerDied { op, status, output }) => {
+                assert_eq!(op, "version");
+                assert!(status.contains('3'), "{status}");
+                assert!(output.starts_with("no luck: swrk "), "{output}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! What can go wrong when driving CRIU, each variant naming the thing at fault.
+
+use std::fmt::Write as _;
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// An error from locating, starting or talking to CRIU, or from CRIU itself.
+#[derive(Debug, thiserror::Error)]
+pub enum CriuError {
+    /// No CRIU binary was found.
+    #[error(
+        "criu not found (looked for {}); run scripts/install-criu.sh, or point POSSUM_CRIU at a criu binary",
+        list_paths(searched)
+    )]
+    NotFound {
+        /// The places looked at, in order.
+        searched: Vec<PathBuf>,
+    },
+    /// `POSSUM_CRIU` names something that is not an executable file.
+    #[error("POSSUM_CRIU={} is not an executable file", path.display())]
+    BadBinary {
+        /// The value of `POSSUM_CRIU`.
+        path: PathBuf,
+    },
+    /// The `criu swrk` process could not be started.
+    #[error("cannot start {} swrk: {source}", binary.display())]
+    Spawn {
+        /// The binary that was run.
+        binary: PathBuf,
+        /// Why it could not run.
+        source: io::Error,
+    },
+    /// The process to dump does not exist.
+    #[error("process {pid} does not exist")]
+    NoSuchProcess {
+        /// The PID asked for.
+        pid: i32,
+    },
+    /// The process to dump has exited and waits to be reaped: there is nothing left to dump.
+    #[error("process {pid} is a zombie (it exited and its parent has not reaped it yet)")]
+    Zombie {
+        /// The PID asked for.
+        pid: i32,
+    },
+    /// The images directory could not be created or opened.
+    #[error("images directory {}: {source}", path.display())]
+    ImagesDir {
+        /// The directory.
+        path: PathBuf,
+        /// What went wrong.
+        source: io::Error,
+    },
+    /// The options given cannot be sent to CRIU.
+    #[error("invalid CRIU options: {0}")]
+    InvalidOptions(String),
+    /// Reading or writing the swrk socket failed.
+    #[error("criu swrk socket, {what}: {source}")]
+    Socket {
+        /// What was being done.
+        what: &'static str,
+        /// The error.
+        source: io::Error,
+    },
+    /// `criu swrk` exited (or closed its socket) without answering.
+    #[error(
+        "criu swrk ended without answering the {op} request ({status}){}",
+        output_tail(output)
+    )]
+    WorkerDied {
+        /// The request (`dump`, `restore`, ...).
+        op: &'static str,
+        /// How it ended, e.g. `exit status: 1`.
+        status: String,
+        /// The last of what it wrote on stdout/stderr.
+        output: String,
+    },
+    /// CRIU's answer could not be understood.
+    #[error("criu's answer to the {op} request is malformed: {detail}")]
+    Protocol {
+        /// The request.
+        op: &'static str,
+        /// What is wrong with the answer.
+        detail: String,
+    },
+    /// CRIU ran the request and reported failure.
+    #[error("criu {op} failed{}", failure_detail(*errno, message.as_deref(), log.as_ref(), log_tail))]
+    Failed {
+        /// The request (`dump`, `restore`, `check`).
+        op: &'static str,
+        /// CRIU's error number (`cr_errno`), when it set one.
+        errno: Option<i32>,
+        /// The first error CRIU logged (`cr_errmsg`), when it sent one.
+        message: Option<String>,
+        /// CRIU's log file for the request, when there is one.
+        log: Option<PathBuf>,
+        /// The last lines of that log (empty when unreadable).
+        log_tail: String,
+    },
+    /// The process to wait for is not a child of this one.
+    #[error(
+        "process {pid} is not a child of this process: call set_child_subreaper() before the \
+         restore, or restore with restore_sibling, to be able to wait for it"
+    )]
+    NotAChild {
+        /// The PID waited for.
+        pid: i32,
+    },
+    /// The process did not exit in time.
+    #[error("process {pid} still runs after {timeout:?}")]
+    WaitTimeout {
+        /// The PID waited for.
+        pid: i32,
+        /// How long it was waited for.
+        timeout: Duration,
+    },
+    /// Another I/O error, with what was being done.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done, naming the file or process.
+        what: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+fn list_paths(paths: &[PathBuf]) -> String {
+    let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    names.join(", ")
+}
+
+fn output_tail(output: &str) -> String {
+    let output = output.trim_end();
+    if output.is_empty() {
+        String::new()
+    } else {
+        format!("; its output ends with:\n{output}")
+    }
+}
+
+fn failure_detail(
+    errno: Option<i32>,
+    message: Option<&str>,
+    log: Option<&PathBuf>,
+    log_tail: &str,
+) -> String {
+    let mut s = String::new();
+    if let Some(e) = errno.filter(|&e| e != 0) {
+        let _ = write!(s, " (errno {e}: {})", nix::errno::Errno::from_raw(e).desc());
+    }
+    if let Some(m) = message.map(str::trim).filter(|m| !m.is_empty()) {
+        let _ = write!(s, ": {m}");
+    }
+    if let Some(log) = log {
+        let tail = log_tail.trim_end();
+        if tail.is_empty() {
+            let _ = write!(s, "; see {}", log.display());
+        } else {
+            let _ = write!(s, "; the end of {}:\n{tail}", log.display());
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_names_errno_message_and_log() {
+        let e = CriuError::Failed {
+            op: "dump",
+            errno: Some(3),
+            message: Some("Can't seize 42".into()),
+            log: Some("/img/dump.log".into()),
+            log_tail: "line 1\nline 2\n".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "criu dump failed (errno 3: No such process): Can't seize 42; the end of /img/dump.log:\nline 1\nline 2"
+        );
+    }
+
+    #[test]
+    fn not_found_says_how_to_install() {
+        let e = CriuError::NotFound {
+            searched: vec!["/opt/possum-criu/bin/criu".into(), "$PATH".into()],
+        };
+        let s = e.to_string();
+        assert!(s.contains("/opt/possum-criu/bin/criu, $PATH"), "{s}");
+        assert!(s.contains("scripts/install-criu.sh"), "{s}");
+    }
+}

@@ -1,0 +1,180 @@
+//! The processes around a dump or restore: is the target alive, and waiting for a restored one.
+//!
+//! CRIU restores a tree *detached*: in swrk mode the restored root is first a child of the
+//! `criu swrk` worker, which exits once the restore is done. The root is then reparented to the
+//! nearest ancestor that is a child subreaper, or to init. To `waitpid` a restored process,
+//! either call [`set_child_subreaper`] once before restoring (the root is reparented to this
+//! process when the worker exits; [`crate::Criu::restore`] returns after that), or restore with
+//! [`crate::RestoreOptions::restore_sibling`] (CRIU creates the root with `CLONE_PARENT`, so it
+//! is this process's child from the start). Then [`wait_for_exit`] reaps it.
+
+use std::fmt;
+use std::io;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+use crate::CriuError;
+
+/// How a waited-for process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProcessExit {
+    /// It exited with this status.
+    Exited(i32),
+    /// It was killed by this signal.
+    Signaled(i32),
+}
+
+impl ProcessExit {
+    /// True for `Exited(0)`.
+    pub fn success(self) -> bool {
+        self == ProcessExit::Exited(0)
+    }
+}
+
+impl fmt::Display for ProcessExit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            ProcessExit::Exited(code) => write!(f, "exited with status {code}"),
+            ProcessExit::Signaled(sig) => match nix::sys::signal::Signal::try_from(sig) {
+                Ok(s) => write!(f, "killed by {s}"),
+                Err(_) => write!(f, "killed by signal {sig}"),
+            },
+        }
+    }
+}
+
+/// Makes this process a child subreaper (`prctl(PR_SET_CHILD_SUBREAPER)`): orphaned descendants,
+/// such as a tree restored by CRIU once its `criu swrk` worker exits, are reparented to this
+/// process instead of init, so it can wait for them. It applies to the whole process and lasts
+/// until it exits; orphans it adopts must then be reaped by it.
+pub fn set_child_subreaper() -> Result<(), CriuError> {
+    nix::sys::prctl::set_child_subreaper(true).map_err(|e| CriuError::Io {
+        what: "prctl(PR_SET_CHILD_SUBREAPER)".into(),
+        source: e.into(),
+    })
+}
+
+/// Waits for the child (or adopted orphan) `pid` to exit and reaps it. With a timeout, polls
+/// every few milliseconds and gives up after it with [`CriuError::WaitTimeout`] (the process is
+/// left running). Fails with [`CriuError::NotAChild`] when `pid` is not this process's child.
+pub fn wait_for_exit(pid: i32, timeout: Option<Duration>) -> Result<ProcessExit, CriuError> {
+    let deadline = timeout.map(|t| (Instant::now() + t, t));
+    let flags = deadline.map(|_| WaitPidFlag::WNOHANG);
+    loop {
+        match waitpid(Pid::from_raw(pid), flags) {
+            Ok(WaitStatus::Exited(_, code)) => return Ok(ProcessExit::Exited(code)),
+            Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(ProcessExit::Signaled(sig as i32)),
+            Ok(WaitStatus::StillAlive) => {
+                if let Some((end, timeout)) = deadline {
+                    if Instant::now() >= end {
+                        return Err(CriuError::WaitTimeout { pid, timeout });
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(Errno::ECHILD) => return Err(CriuError::NotAChild { pid }),
+            Err(e) => {
+                return Err(CriuError::Io {
+                    what: format!("waitpid({pid})"),
+                    source: e.into(),
+                })
+            }
+        }
+    }
+}
+
+/// Fails unless `pid` names a live (non-zombie) process: CRIU's own error for a missing process
+/// is a line deep in its log.
+pub(crate) fn check_alive(pid: i32) -> Result<(), CriuError> {
+    if pid <= 0 {
+        return Err(CriuError::InvalidOptions(format!(
+            "pid {pid}: the process to dump must be given by a positive PID"
+        )));
+    }
+    let path = format!("/proc/{pid}/stat");
+    let stat = match std::fs::read_to_string(&path) {
+        Ok(s) => s,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(CriuError::NoSuchProcess { pid })
+        }
+        // ESRCH: the process vanished between open and read.
+        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+            return Err(CriuError::NoSuchProcess { pid })
+        }
+        Err(source) => {
+            return Err(CriuError::Io {
+                what: format!("reading {path}"),
+                source,
+            })
+        }
+    };
+    // The state follows the command name, which is parenthesised and may hold anything.
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next());
+    match state {
+        Some("Z") => Err(CriuError::Zombie { pid }),
+        Some("X") | Some("x") => Err(CriuError::NoSuchProcess { pid }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_is_alive() {
+        check_alive(std::process::id() as i32).unwrap();
+    }
+
+    #[test]
+    fn a_reaped_child_does_not_exist_and_an_unreaped_one_is_a_zombie() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        // Wait until it has exited without reaping it.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match check_alive(pid) {
+                Err(CriuError::Zombie { pid: p }) => {
+                    assert_eq!(p, pid);
+                    break;
+                }
+                Ok(()) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        child.wait().unwrap();
+        match check_alive(pid) {
+            Err(CriuError::NoSuchProcess { pid: p }) => assert_eq!(p, pid),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    #[allow(clippy::zombie_processes)] // wait_for_exit reaps it.
+    fn wait_for_exit_reports_status_and_rejects_strangers() {
+        let child = std::process::Command::new("sh")
+            .args(["-c", "exit 7"])
+            .spawn()
+            .unwrap();
+        let exit = wait_for_exit(child.id() as i32, Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(exit, ProcessExit::Exited(7));
+        assert!(!exit.success());
+        assert_eq!(exit.to_string(), "exited with status 7");
+        // PID 1 is never our child.
+        assert!(matches!(
+            wait_for_exit(1, None),
+            Err(CriuError::NotAChild { pid: 1 })
+        ));
+    }
+
+    #[test]
+    fn non_positive_pid_is_rejected() {
+        assert!(matches!(check_alive(0), Err(CriuError::InvalidOptions(_))));
+    }
+}

@@ -1,0 +1,242 @@
+//! One `criu swrk` worker: the process, its socket, one request and its answer.
+//!
+//! `criu swrk <fd>` serves CRIU's RPC protocol on the already-connected `SOCK_SEQPACKET` socket it
+//! inherits as descriptor `<fd>`: one `criu_req` per packet in, one `criu_resp` per packet out. It
+//! serves one request (CRIU only keeps the socket open for a few read-only request types) and
+//! exits. The socket pair is created close-on-exec; only the worker's end is made inheritable,
+//! in the forked child just before `exec`, so no other process spawned meanwhile (by another
+//! thread) gets a copy. Descriptors named in requests (`images_dir_fd`) need not be inherited:
+//! CRIU opens them as `/proc/<peer>/fd/<n>`, the peer being the process that created the socket
+//! pair (this one), so they only have to stay open here until the answer arrives.
+//!
+//! The worker's stdout and stderr go to an unlinked temporary file, read back for error messages
+//! (a loader that cannot find a library, a crash) when the worker ends without answering.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use nix::errno::Errno;
+use nix::fcntl::{fcntl, FcntlArg, FdFlag};
+use nix::sys::socket::{recv, send, socketpair, AddressFamily, MsgFlags, SockFlag, SockType};
+use prost::Message;
+
+use crate::rpc::{CriuReq, CriuResp, ReqType};
+use crate::CriuError;
+
+/// How much of the worker's output an error message carries.
+const OUTPUT_TAIL_BYTES: u64 = 4096;
+
+/// A running `criu swrk`.
+#[derive(Debug)]
+pub(crate) struct Worker {
+    child: Child,
+    sock: OwnedFd,
+    output: File,
+    op: &'static str,
+}
+
+impl Worker {
+    /// Starts `binary swrk <fd>` for the request `op` (named in errors).
+    pub(crate) fn spawn(binary: &Path, op: &'static str) -> Result<Self, CriuError> {
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| CriuError::Socket {
+            what: "socketpair",
+            source: e.into(),
+        })?;
+        // Keep the worker's end clear of stdin/stdout/stderr, which the spawn replaces.
+        let theirs = if theirs.as_raw_fd() <= 2 {
+            theirs.try_clone().map_err(|e| CriuError::Socket {
+                what: "dup",
+                source: e,
+            })?
+        } else {
+            theirs
+        };
+        let output = capture_file()?;
+        let io_err = |e| CriuError::Io {
+            what: "duplicating the criu output file".into(),
+            source: e,
+        };
+        let theirs_fd: RawFd = theirs.as_raw_fd();
+        let mut cmd = Command::new(binary);
+        cmd.arg("swrk")
+            .arg(theirs_fd.to_string())
+            .stdin(Stdio::null())
+            .stdout(output.try_clone().map_err(io_err)?)
+            .stderr(output.try_clone().map_err(io_err)?);
+        // SAFETY: the closure runs in the forked child before exec. It only calls fcntl(2), which
+        // is async-signal-safe, through nix's thin wrapper (no allocation, no locks), on a
+        // descriptor number copied before the fork that is open in the child (it was open here,
+        // close-on-exec only, when we forked).
+        unsafe {
+            cmd.pre_exec(move || {
+                fcntl(theirs_fd, FcntlArg::F_SETFD(FdFlag::empty()))
+                    .map(drop)
+                    .map_err(io::Error::from)
+            });
+        }
+        let child = cmd.spawn().map_err(|source| CriuError::Spawn {
+            binary: binary.to_owned(),
+            source,
+        })?;
+        drop(theirs);
+        tracing::debug!(pid = child.id(), binary = %binary.display(), op, "started criu swrk");
+        Ok(Self {
+            child,
+            sock: ours,
+            output,
+            op,
+        })
+    }
+
+    /// Sends `req` and returns CRIU's answer. `NOTIFY` messages (action scripts) are
+    /// acknowledged as successful and skipped.
+    pub(crate) fn request(&mut self, req: &CriuReq) -> Result<CriuResp, CriuError> {
+        self.send(req)?;
+        loop {
+            let resp = self.recv()?;
+            if resp.r#type == ReqType::Notify as i32 {
+                tracing::debug!(notify = ?resp.notify, "criu notification");
+                self.send(&CriuReq {
+                    r#type: ReqType::Notify as i32,
+                    notify_success: Some(true),
+                    ..Default::default()
+                })?;
+                continue;
+            }
+            return Ok(resp);
+        }
+    }
+
+    /// Waits for the worker to exit.
+    pub(crate) fn finish(mut self) -> Result<ExitStatus, CriuError> {
+        // Closing our end first lets a worker still waiting for a request exit.
+        drop(self.sock);
+        self.child.wait().map_err(|source| CriuError::Io {
+            what: format!("waiting for criu swrk (pid {})", self.child.id()),
+            source,
+        })
+    }
+
+    fn send(&mut self, req: &CriuReq) -> Result<(), CriuError> {
+        let bytes = req.encode_to_vec();
+        loop {
+            match send(self.sock.as_raw_fd(), &bytes, MsgFlags::MSG_NOSIGNAL) {
+                Ok(_) => return Ok(()),
+                Err(Errno::EINTR) => continue,
+                Err(Errno::EPIPE | Errno::ECONNRESET) => return Err(self.died()),
+                Err(e) => {
+                    return Err(CriuError::Socket {
+                        what: "send",
+                        source: e.into(),
+                    })
+                }
+            }
+        }
+    }
+
+    fn recv(&mut self) -> Result<CriuResp, CriuError> {
+        let fd = self.sock.as_raw_fd();
+        // With MSG_TRUNC a SOCK_SEQPACKET recv returns the packet's full length.
+        let len = retry(|| recv(fd, &mut [], MsgFlags::MSG_PEEK | MsgFlags::MSG_TRUNC))
+            .map_err(|e| self.recv_error(e))?;
+        if len == 0 {
+            return Err(self.died());
+        }
+        let mut buf = vec![0u8; len];
+        let got =
+            retry(|| recv(fd, &mut buf, MsgFlags::empty())).map_err(|e| self.recv_error(e))?;
+        CriuResp::decode(&buf[..got]).map_err(|e| CriuError::Protocol {
+            op: self.op,
+            detail: format!("cannot decode criu_resp ({got} bytes): {e}"),
+        })
+    }
+
+    fn recv_error(&mut self, e: Errno) -> CriuError {
+        if e == Errno::ECONNRESET {
+            self.died()
+        } else {
+            CriuError::Socket {
+                what: "recv",
+                source: e.into(),
+            }
+        }
+    }
+
+    /// The error for a worker that closed its socket without answering: waits for it to exit
+    /// and collects its output.
+    fn died(&mut self) -> CriuError {
+        let status = match self.child.wait() {
+            Ok(s) => s.to_string(),
+            Err(e) => format!("cannot wait for it: {e}"),
+        };
+        CriuError::WorkerDied {
+            op: self.op,
+            status,
+            output: read_tail(&mut self.output),
+        }
+    }
+}
+
+fn retry<T>(mut f: impl FnMut() -> nix::Result<T>) -> nix::Result<T> {
+    loop {
+        match f() {
+            Err(Errno::EINTR) => continue,
+            r => return r,
+        }
+    }
+}
+
+/// An unlinked file in the temporary directory for the worker's output.
+fn capture_file() -> Result<File, CriuError> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "possum-criu-swrk.{}.{}.out",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|source| CriuError::Io {
+            what: format!("creating {}", path.display()),
+            source,
+        })?;
+    let _ = std::fs::remove_file(&path);
+    Ok(file)
+}
+
+/// The last few KiB of `file`, lossily decoded; empty when unreadable.
+pub(crate) fn read_tail(file: &mut File) -> String {
+    let Ok(len) = file.seek(SeekFrom::End(0)) else {
+        return String::new();
+    };
+    let start = len.saturating_sub(OUTPUT_TAIL_BYTES);
+    if file.seek(SeekFrom::Start(start)).is_err() {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = file.read_to_end(&mut buf);
+    let text = String::from_utf8_lossy(&buf);
+    if start > 0 {
+        // Drop the partial first line.
+        match text.find('\n') {
+            Some(i) => text[i + 1..].to_string(),
+            None => text.into_owned(),
+        }
+    } else {
+        text.into_owned()
+    }
+}

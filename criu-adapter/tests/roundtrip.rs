@@ -1,0 +1,267 @@
+//! Real CRIU round trips of `criu-testee` through the swrk RPC interface.
+//!
+//! These need root and CRIU (`scripts/install-criu.sh`). Without either, a test prints
+//! `SKIPPED: ...` on stderr (past the test harness's capture) and passes; with
+//! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead. The tests run one at a time: a restore
+//! needs the dumped PID to be free, and the fewer processes start meanwhile the better.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use possum_criu::{
+    set_child_subreaper, wait_for_exit, Criu, CriuError, DumpOptions, RestoreOptions,
+};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Writes to stderr directly: the harness only captures the print macros.
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
+}
+
+/// The CRIU to test with, or `None` (after saying so) when the test must be skipped.
+fn criu_or_skip(test: &str) -> Option<Criu> {
+    let why = if !nix::unistd::geteuid().is_root() {
+        "the CRIU tests need root".to_string()
+    } else {
+        match Criu::locate() {
+            Ok(c) => return Some(c),
+            Err(e) => format!("criu not installed (run scripts/install-criu.sh): {e}"),
+        }
+    };
+    if std::env::var("POSSUM_REQUIRE_CRIU").as_deref() == Ok("1") {
+        panic!("{test}: POSSUM_REQUIRE_CRIU=1, but {why}");
+    }
+    say(&format!("{test}: SKIPPED: {why}"));
+    None
+}
+
+struct Testee {
+    child: Child,
+    pid: i32,
+    out: PathBuf,
+    ready: PathBuf,
+}
+
+fn start_testee(dir: &Path, name: &str) -> Testee {
+    let out = dir.join(format!("{name}.out"));
+    let ready = dir.join(format!("{name}.ready"));
+    let child = Command::new(env!("CARGO_BIN_EXE_criu-testee"))
+        .arg(&out)
+        .args([
+            "--threads",
+            "3",
+            "--steps",
+            "40",
+            "--step-ms",
+            "50",
+            "--kib",
+            "2048",
+        ])
+        .arg("--ready")
+        .arg(&ready)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start criu-testee");
+    let pid = i32::try_from(child.id()).unwrap();
+    Testee {
+        child,
+        pid,
+        out,
+        ready,
+    }
+}
+
+fn wait_for_file(path: &Path, timeout: Duration) -> String {
+    let end = Instant::now() + timeout;
+    loop {
+        if let Ok(s) = std::fs::read_to_string(path) {
+            return s;
+        }
+        assert!(
+            Instant::now() < end,
+            "{} did not appear within {timeout:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+#[test]
+fn version_and_check_over_rpc() {
+    let _serial = serial();
+    let Some(criu) = criu_or_skip("version_and_check_over_rpc") else {
+        return;
+    };
+    let v = criu.version().unwrap();
+    say(&format!("criu {v} at {}", criu.binary().display()));
+    assert!(
+        v.major >= 4,
+        "CRIU {v} is too old for kernel 6.x; use scripts/install-criu.sh"
+    );
+    criu.check().unwrap();
+}
+
+/// (a) Dump mid-run leaving it running; the original finishes; the restored copy (after the
+/// original exited, so its PID is free) finishes with the same result.
+#[test]
+fn dump_leave_running_then_restore_gives_the_same_result() {
+    let _serial = serial();
+    let Some(criu) = criu_or_skip("dump_leave_running_then_restore_gives_the_same_result") else {
+        return;
+    };
+    let t0 = Instant::now();
+    // The restored tree is detached from criu; as a subreaper we adopt it and can reap it.
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut testee = start_testee(tmp.path(), "a");
+    wait_for_file(&testee.ready, TIMEOUT);
+
+    let images = tmp.path().join("images");
+    let dump = criu
+        .dump(&DumpOptions {
+            leave_running: true,
+            ..DumpOptions::new(testee.pid, &images)
+        })
+        .unwrap();
+    assert!(
+        !testee.out.exists(),
+        "the testee finished before it was dumped: make it run longer"
+    );
+    assert!(dump.image_bytes > 3 * 2048 * 1024, "{dump:?}");
+
+    let status = testee.child.wait().unwrap();
+    assert!(status.success(), "original testee: {status}");
+    let original = std::fs::read_to_string(&testee.out).unwrap();
+    std::fs::remove_file(&testee.out).unwrap();
+
+    let restored = criu.restore(&RestoreOptions::new(&images)).unwrap();
+    assert_eq!(restored.pid, testee.pid, "CRIU restores the dumped PID");
+    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored testee {exit}");
+    let again = std::fs::read_to_string(&testee.out).unwrap();
+    assert_eq!(again, original);
+    say(&format!(
+        "leave-running round trip: dump {:?} ({} MiB), restore {:?}, whole test {:?}; result {}",
+        dump.time,
+        dump.image_bytes >> 20,
+        restored.time,
+        t0.elapsed(),
+        original.trim()
+    ));
+}
+
+/// (b) Dump mid-run, killing it; the restored copy (a child of ours through `restore_sibling`)
+/// finishes with the result of an uninterrupted run.
+#[test]
+fn dump_kill_then_restore_matches_an_uninterrupted_run() {
+    let _serial = serial();
+    let Some(criu) = criu_or_skip("dump_kill_then_restore_matches_an_uninterrupted_run") else {
+        return;
+    };
+    let t0 = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut reference = start_testee(tmp.path(), "reference");
+    let mut testee = start_testee(tmp.path(), "b");
+    wait_for_file(&testee.ready, TIMEOUT);
+
+    let images = tmp.path().join("images");
+    let dump = criu.dump(&DumpOptions::new(testee.pid, &images)).unwrap();
+    let status = testee.child.wait().unwrap();
+    assert!(!status.success(), "CRIU kills a dumped tree: {status}");
+    assert!(
+        !testee.out.exists(),
+        "the testee finished before it was dumped"
+    );
+
+    let restored = criu
+        .restore(&RestoreOptions {
+            restore_sibling: true,
+            ..RestoreOptions::new(&images)
+        })
+        .unwrap();
+    assert_eq!(restored.pid, testee.pid);
+    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored testee {exit}");
+    let resumed = std::fs::read_to_string(&testee.out).unwrap();
+
+    let status = reference.child.wait().unwrap();
+    assert!(status.success(), "reference testee: {status}");
+    let uninterrupted = wait_for_file(&reference.out, TIMEOUT);
+    assert_eq!(resumed, uninterrupted);
+    say(&format!(
+        "kill round trip: dump {:?} ({} MiB), restore {:?}, whole test {:?}",
+        dump.time,
+        dump.image_bytes >> 20,
+        restored.time,
+        t0.elapsed()
+    ));
+}
+
+/// (c) Dumping a PID with no process behind it fails before CRIU runs, naming the PID.
+#[test]
+fn dumping_a_dead_pid_names_the_pid() {
+    let _serial = serial();
+    // The liveness check comes first, so this needs neither root nor an installed CRIU.
+    let criu = Criu::locate().unwrap_or_else(|_| Criu::with_binary("/nonexistent/criu"));
+    let mut child = Command::new("true").spawn().unwrap();
+    let pid = i32::try_from(child.id()).unwrap();
+    child.wait().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let err = criu
+        .dump(&DumpOptions::new(pid, tmp.path().join("images")))
+        .unwrap_err();
+    assert!(
+        matches!(err, CriuError::NoSuchProcess { pid: p } if p == pid),
+        "{err:?}"
+    );
+    assert_eq!(err.to_string(), format!("process {pid} does not exist"));
+}
+
+/// A failing restore reports CRIU's error and the end of its log.
+#[test]
+fn restore_from_an_empty_directory_reports_the_log() {
+    let _serial = serial();
+    let Some(criu) = criu_or_skip("restore_from_an_empty_directory_reports_the_log") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let err = criu.restore(&RestoreOptions::new(tmp.path())).unwrap_err();
+    say(&format!("restore from an empty directory: {err}"));
+    match &err {
+        CriuError::Failed {
+            op, log, log_tail, ..
+        } => {
+            assert_eq!(*op, "restore");
+            assert_eq!(
+                log.as_deref(),
+                Some(tmp.path().join("restore.log").as_path())
+            );
+            assert!(!log_tail.is_empty(), "{err}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+/// The `possum doctor` report of this host; with CRIU installed it must be able to checkpoint.
+#[test]
+fn host_report_describes_this_host() {
+    let _serial = serial();
+    let Some(_criu) = criu_or_skip("host_report_describes_this_host") else {
+        return;
+    };
+    let report = possum_criu::doctor::host_report();
+    say(&format!("host report:\n{report}"));
+    assert!(report.can_checkpoint(), "{report}");
+}

@@ -1,0 +1,309 @@
+#!/usr/bin/env bash
+# Install CRIU 4.x from Debian 13 (trixie) into a private prefix, without touching the system's
+# package sources or its installed packages.
+#
+# Why: Debian 12's criu 3.17 fails on kernel 6.18 ("vdso: Unexpected rt vDSO area bounds");
+# trixie's criu 4.1.1 works. Its binaries need glibc >= 2.38, so on an older host (Debian 12 has
+# 2.36) the wrapper runs criu through trixie's own dynamic loader with trixie's libc unpacked beside
+# it; on a host whose glibc is new enough (Ubuntu 24.04 has 2.39) it only puts the prefix's
+# libraries on LD_LIBRARY_PATH.
+#
+# Layout of the prefix (default /opt/possum-criu; relocatable, the wrapper finds it from its path):
+#   bin/criu      the wrapper: `exec`s criu with the arguments passed through unchanged
+#   root/         every package but libc6, unpacked with `dpkg -x` (criu is root/usr/sbin/criu)
+#   glibc/        trixie's libc6, used only when the host's glibc is too old
+#   .possum-criu-installed   the packages and versions installed (the idempotency stamp)
+#
+# Usage:
+#   install-criu.sh [--prefix DIR] [--strict] [--force]   download from trixie and install
+#   install-criu.sh --download-only DIR                   only download the .debs into DIR
+#   install-criu.sh --from-debs DIR [--prefix DIR]        install from .debs in DIR, no network
+#
+# Environment: POSSUM_CRIU_PREFIX (default prefix), POSSUM_CRIU_MIRROR, POSSUM_CRIU_SECURITY_MIRROR,
+# POSSUM_CRIU_SUITE, POSSUM_CRIU_KEYRING (override the Debian source).
+set -euo pipefail
+
+prefix=${POSSUM_CRIU_PREFIX:-/opt/possum-criu}
+suite=${POSSUM_CRIU_SUITE:-trixie}
+mirror=${POSSUM_CRIU_MIRROR:-http://deb.debian.org/debian}
+security_mirror=${POSSUM_CRIU_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
+keyring=${POSSUM_CRIU_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
+download_only=""
+from_debs=""
+strict=0
+force=0
+stamp_name=.possum-criu-installed
+
+say() { printf 'install-criu: %s\n' "$*"; }
+warn() { printf 'install-criu: WARNING: %s\n' "$*" >&2; }
+die() {
+    printf 'install-criu: error: %s\n' "$*" >&2
+    exit 1
+}
+usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+
+while [ $# -gt 0 ]; do
+    case $1 in
+    --prefix)
+        [ $# -ge 2 ] || die "--prefix needs a directory"
+        prefix=$2
+        shift 2
+        ;;
+    --prefix=*)
+        prefix=${1#*=}
+        shift
+        ;;
+    --download-only)
+        [ $# -ge 2 ] || die "--download-only needs a directory"
+        download_only=$2
+        shift 2
+        ;;
+    --from-debs)
+        [ $# -ge 2 ] || die "--from-debs needs a directory"
+        from_debs=$2
+        shift 2
+        ;;
+    --strict)
+        strict=1
+        shift
+        ;;
+    --force)
+        force=1
+        shift
+        ;;
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+    esac
+done
+[ -z "$download_only" ] || [ -z "$from_debs" ] || die "--download-only and --from-debs exclude each other"
+case $prefix in
+/*) ;;
+*) prefix=$PWD/$prefix ;;
+esac
+prefix=${prefix%/}
+
+work=""
+debs_tmp=""
+cleanup() { rm -rf ${work:+"$work"} ${debs_tmp:+"$debs_tmp"}; }
+trap cleanup EXIT
+
+# Downloads criu and every package it depends on (recursively) from trixie into $1, through a
+# private apt configuration: its own source list, lists, cache and status, none of the host's.
+download_debs() {
+    local dest=$1
+    command -v apt-get >/dev/null || die "apt-get not found: downloading needs a Debian-like host (or use --from-debs)"
+    [ -r "$keyring" ] || die "keyring $keyring not found (set POSSUM_CRIU_KEYRING to one holding Debian's $suite keys)"
+    mkdir -p "$dest"
+    dest=$(cd "$dest" && pwd)
+    work=$(mktemp -d /tmp/possum-criu-apt.XXXXXX)
+    mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/etc/apt.conf.d" "$work/etc/preferences.d" "$work/etc/sources.list.d"
+    : >"$work/status"
+    cat >"$work/etc/sources.list" <<EOF
+deb [signed-by=$keyring] $mirror $suite main
+deb [signed-by=$keyring] $mirror $suite-updates main
+deb [signed-by=$keyring] $security_mirror $suite-security main
+EOF
+    # Only this file configures apt: the host's apt.conf.d is not read (Dir::Etc::Parts), so its
+    # hooks (e.g. an appstream refresh after update) do not run. Proxy settings are carried over.
+    {
+        echo "Dir::Etc::SourceList \"$work/etc/sources.list\";"
+        echo "Dir::Etc::SourceParts \"$work/etc/sources.list.d\";"
+        echo "Dir::Etc::Parts \"$work/etc/apt.conf.d\";"
+        echo "Dir::Etc::Preferences \"$work/etc/preferences\";"
+        echo "Dir::Etc::PreferencesParts \"$work/etc/preferences.d\";"
+        echo "Dir::State \"$work\";"
+        echo "Dir::State::Lists \"$work/lists\";"
+        echo "Dir::State::status \"$work/status\";"
+        echo "Dir::Cache \"$work/cache\";"
+        echo "Acquire::Languages \"none\";"
+        echo "APT::Architecture \"amd64\";"
+        echo "APT::Architectures { \"amd64\"; };"
+        if [ "$(id -u)" -eq 0 ]; then echo "APT::Sandbox::User \"root\";"; fi
+        apt-config dump 2>/dev/null | grep -E '^Acquire::(https?|ftp)::Proxy' || true
+    } >"$work/apt.conf"
+    export APT_CONFIG=$work/apt.conf
+
+    say "fetching the $suite package lists from $mirror (private apt state in $work)"
+    apt-get -q update >"$work/update.log" 2>&1 || {
+        cat "$work/update.log" >&2
+        if grep -q NO_PUBKEY "$work/update.log"; then
+            die "$keyring lacks Debian's $suite keys: upgrade debian-archive-keyring (bookworm's 2023.3+deb12u1 or later has them)"
+        fi
+        die "apt-get update of the private $suite source failed"
+    }
+    local pkgs
+    pkgs=$(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks \
+        --no-replaces --no-enhances criu | grep -v '^[ <]' | sort -u)
+    local n
+    n=$(printf '%s\n' "$pkgs" | wc -l)
+    printf '%s\n' "$pkgs" | grep -qx criu || die "criu is not in $suite's package lists"
+    printf '%s\n' "$pkgs" | grep -qx libc6 || die "resolving criu's dependencies did not reach libc6: $pkgs"
+    # A runaway resolution (into perl, python, systemd...) means the package changed: look first.
+    [ "$n" -le 60 ] || die "criu now pulls in $n packages; check the list before trusting it: $pkgs"
+    say "downloading $n packages: $(echo $pkgs)"
+    # shellcheck disable=SC2086 # word splitting of the package list is intended
+    (cd "$dest" && apt-get -q download $pkgs >"$work/download.log" 2>&1) || {
+        cat "$work/download.log" >&2
+        die "apt-get download failed"
+    }
+    unset APT_CONFIG
+}
+
+# "package version" lines for the .debs in $1, sorted: what the stamp records.
+manifest_of() {
+    local deb
+    for deb in "$1"/*.deb; do
+        printf '%s %s\n' "$(dpkg-deb -f "$deb" Package)" "$(dpkg-deb -f "$deb" Version)"
+    done | sort
+}
+
+# Writes the wrapper $1/bin/criu. $2 is the newest glibc symbol version the binaries need.
+write_wrapper() {
+    local dir=$1 need=$2
+    mkdir -p "$dir/bin"
+    cat >"$dir/bin/criu" <<EOF
+#!/bin/sh
+# Written by possum's scripts/install-criu.sh: runs Debian $suite's criu from this prefix.
+# Arguments pass through unchanged and criu replaces this shell (exec), so the PID and the
+# inherited file descriptors are criu's ("criu swrk FD" works through it).
+# loader: the host's glibc is too old; trixie's ld.so runs criu with --library-path, so nothing
+#   leaks into what criu executes (it runs sh -c "iptables -n -w -L" while dumping).
+# host: the host's glibc is new enough; the prefix's libraries go on LD_LIBRARY_PATH, which the
+#   programs criu executes inherit too. Restored processes do not: their environment is the
+#   dumped one. POSSUM_CRIU_LOADER=host|loader overrides the choice.
+need_major=${need%%.*}
+need_minor=${need#*.}
+EOF
+    cat >>"$dir/bin/criu" <<'EOF'
+self=$(readlink -f -- "$0") || exit 127
+prefix=${self%/bin/*}
+criu=$prefix/root/usr/sbin/criu
+libs=$prefix/root/usr/lib/x86_64-linux-gnu:$prefix/root/lib/x86_64-linux-gnu
+glibc=$prefix/glibc/usr/lib/x86_64-linux-gnu
+mode=${POSSUM_CRIU_LOADER:-auto}
+if [ "$mode" = auto ]; then
+    mode=loader
+    host=$(getconf GNU_LIBC_VERSION 2>/dev/null) || host=""
+    host=${host#glibc }
+    case $host in
+    [0-9]*.[0-9]*)
+        major=${host%%.*}
+        minor=${host#*.}
+        minor=${minor%%[!0-9]*}
+        if [ "$major" -gt "$need_major" ] || { [ "$major" -eq "$need_major" ] && [ "$minor" -ge "$need_minor" ]; }; then
+            mode=host
+        fi
+        ;;
+    esac
+fi
+case $mode in
+host)
+    LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export LD_LIBRARY_PATH
+    exec "$criu" "$@"
+    ;;
+loader)
+    exec "$glibc/ld-linux-x86-64.so.2" --library-path "$glibc:$libs" "$criu" "$@"
+    ;;
+*)
+    echo "criu wrapper: POSSUM_CRIU_LOADER must be host or loader, not '$mode'" >&2
+    exit 2
+    ;;
+esac
+EOF
+    chmod 0755 "$dir/bin/criu"
+}
+
+# Unpacks the .debs of $1 into a fresh copy of the prefix and swaps it in.
+install_from() {
+    local src=$1 deb pkg need
+    ls "$src"/*.deb >/dev/null 2>&1 || die "no .deb files in $src"
+    command -v dpkg-deb >/dev/null || die "dpkg-deb not found"
+    mkdir -p "$(dirname "$prefix")"
+    local staging
+    staging=$(mktemp -d "$prefix.staging.XXXXXX")
+    for deb in "$src"/*.deb; do
+        pkg=$(dpkg-deb -f "$deb" Package)
+        case $pkg in
+        libc6) dpkg-deb -x "$deb" "$staging/glibc" ;;
+        *) dpkg-deb -x "$deb" "$staging/root" ;;
+        esac
+    done
+    [ -x "$staging/root/usr/sbin/criu" ] || {
+        rm -rf "$staging"
+        die "no usr/sbin/criu in the .debs of $src (is criu_*.deb there?)"
+    }
+    [ -e "$staging/glibc/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" ] ||
+        warn "no libc6 .deb in $src: criu will only run where the host's glibc is new enough"
+    # The newest GLIBC_2.N symbol version criu or any of its libraries asks for.
+    need=$(find "$staging/root" -type f \( -name '*.so*' -o -path '*/sbin/criu' \) -print0 |
+        xargs -0 grep -aoh 'GLIBC_2\.[0-9][0-9]*' | sort -u -t. -k2,2n | tail -n 1)
+    need=${need#GLIBC_}
+    [ -n "$need" ] || need=2.99
+    write_wrapper "$staging" "$need"
+    {
+        echo "# installed by possum scripts/install-criu.sh from $src on $(date -u +%Y-%m-%dT%H:%M:%SZ); needs glibc $need"
+        manifest_of "$src"
+    } >"$staging/$stamp_name"
+    chmod 0755 "$staging"
+    if [ -e "$prefix" ]; then
+        local old="$prefix.old.$$"
+        mv "$prefix" "$old"
+        mv "$staging" "$prefix"
+        rm -rf "$old"
+    else
+        mv "$staging" "$prefix"
+    fi
+    say "installed criu into $prefix (its binaries need glibc >= $need)"
+}
+
+# True when the prefix is installed and, given a .deb directory $1, holds exactly its packages.
+installed_matches() {
+    [ -x "$prefix/bin/criu" ] && [ -f "$prefix/$stamp_name" ] || return 1
+    [ -z "${1:-}" ] && return 0
+    diff -q <(grep -v '^#' "$prefix/$stamp_name") <(manifest_of "$1") >/dev/null
+}
+
+verify() {
+    local version out
+    version=$("$prefix/bin/criu" --version 2>&1) || die "$prefix/bin/criu --version failed: $version"
+    say "$prefix/bin/criu: $(echo $version)"
+    if [ "$(id -u)" -ne 0 ]; then
+        warn "not root: skipped 'criu check' (it needs root, as do dump and restore)"
+        [ "$strict" -eq 0 ] || die "--strict: 'criu check' needs root"
+        return 0
+    fi
+    if out=$("$prefix/bin/criu" check 2>&1); then
+        say "criu check: $(echo $out)"
+    else
+        printf '%s\n' "$out" >&2
+        [ "$strict" -eq 0 ] || die "'criu check' failed (--strict)"
+        warn "'criu check' failed: dump/restore may not work on this kernel"
+    fi
+}
+
+if [ -n "$download_only" ]; then
+    download_debs "$download_only"
+    say "downloaded $(ls "$download_only"/*.deb | wc -l) .debs into $download_only;" \
+        "install them elsewhere with: $0 --from-debs DIR"
+    exit 0
+fi
+
+if [ -n "$from_debs" ]; then
+    from_debs=$(cd "$from_debs" && pwd)
+    if [ "$force" -eq 0 ] && installed_matches "$from_debs"; then
+        say "criu from $from_debs already installed in $prefix (--force reinstalls)"
+    else
+        install_from "$from_debs"
+    fi
+elif [ "$force" -eq 0 ] && installed_matches ""; then
+    say "criu already installed in $prefix (--force reinstalls)"
+else
+    debs_tmp=$(mktemp -d /tmp/possum-criu-debs.XXXXXX)
+    download_debs "$debs_tmp"
+    install_from "$debs_tmp"
+fi
+verify
