@@ -31,7 +31,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::device::{DevPtr, Device, HostBuffer, Transfer};
 use crate::engine::{Access, Counters, EngineError, Inner, Phase};
@@ -55,7 +55,10 @@ enum CkState<D: Device> {
     /// Someone is enqueueing its copy.
     Busy,
     /// Copied to a shadow; the job may write it once `ready` completes; the copier saves the shadow.
-    Shadowed { shadow: DevPtr, ready: D::Event },
+    Shadowed {
+        shadow: DevPtr,
+        ready: D::Event,
+    },
     /// Its device-to-host copies are enqueued; `0` completes when they have read it.
     Saved(D::Event),
     /// The checkpoint failed; nothing to wait for.
@@ -80,7 +83,8 @@ struct WriteJob<D: Device> {
 
 struct Shared<D: Device> {
     dev: Arc<D>,
-    sink: Arc<dyn ChunkSink>,
+    /// Taken (dropped) when the session ends, so the caller can commit the sink after `wait`.
+    sink: RwLock<Option<Arc<dyn ChunkSink>>>,
     pool: Arc<StagingPool<D>>,
     outstanding: Mutex<usize>,
     out_cv: Condvar,
@@ -104,7 +108,13 @@ impl<D: Device> Shared<D> {
                 Ok(buf) => {
                     if !self.failed.load(Ordering::Acquire) {
                         let len = usize::try_from(job.len).expect("chunk fits in memory");
-                        match self.sink.write_chunk(job.id, job.off, &buf.as_slice()[..len]) {
+                        let sink = self.sink.read();
+                        let r = match sink.as_ref() {
+                            Some(sink) => sink.write_chunk(job.id, job.off, &buf.as_slice()[..len]),
+                            None => Ok(()),
+                        };
+                        drop(sink);
+                        match r {
                             Ok(()) => {
                                 self.bytes.fetch_add(job.len, Ordering::Relaxed);
                             }
@@ -164,7 +174,9 @@ pub struct CheckpointHandle {
 impl CheckpointHandle {
     /// Waits until the image is complete in the sink (or the checkpoint failed).
     pub fn wait(self) -> Result<CheckpointReport, EngineError> {
-        self.join.join().unwrap_or_else(|_| Err(EngineError::Failed("checkpoint thread panicked".into())))
+        self.join
+            .join()
+            .unwrap_or_else(|_| Err(EngineError::Failed("checkpoint thread panicked".into())))
     }
 
     /// Whether the checkpoint has finished.
@@ -179,7 +191,8 @@ pub(crate) struct CkptSession<D: Device> {
     slots: Vec<CkSlot<D>>,
     index: HashMap<u64, usize>,
     shared: Arc<Shared<D>>,
-    writer_tx: Sender<WriteJob<D>>,
+    writer_tx: Mutex<Option<Sender<WriteJob<D>>>>,
+    writers: Mutex<Vec<JoinHandle<()>>>,
     prio: D::Stream,
     copy_streams: Vec<D::Stream>,
     shadow_budget: u64,
@@ -227,8 +240,14 @@ impl<D: Device> CkptSession<D> {
     ) -> Result<Arc<Self>, EngineError> {
         let bufs: Vec<Buffer> = {
             let reg = inner.reg.read();
-            if let Some(b) = reg.iter().find(|b| b.residency() == crate::registry::Residency::Released) {
-                return Err(EngineError::Released { id: b.id(), va: b.va() });
+            if let Some(b) = reg
+                .iter()
+                .find(|b| b.residency() == crate::registry::Residency::Released)
+            {
+                return Err(EngineError::Released {
+                    id: b.id(),
+                    va: b.va(),
+                });
             }
             match mode {
                 CopyMode::Cow => reg.iter().cloned().collect(),
@@ -238,13 +257,18 @@ impl<D: Device> CkptSession<D> {
             }
         };
         for b in &bufs {
-            sink.add_buffer(BufferRecord { id: b.id(), va: b.va().0, size: b.size(), prefetch_rank: u32::MAX })?;
+            sink.add_buffer(BufferRecord {
+                id: b.id(),
+                va: b.va().0,
+                size: b.size(),
+                prefetch_rank: u32::MAX,
+            })?;
         }
         inner.fence_job_streams()?;
         let (writer_tx, writer_rx) = unbounded();
         let shared = Arc::new(Shared {
             dev: Arc::clone(&inner.dev),
-            sink,
+            sink: RwLock::new(Some(sink)),
             pool: Arc::clone(&inner.pool),
             outstanding: Mutex::new(0),
             out_cv: Condvar::new(),
@@ -252,12 +276,17 @@ impl<D: Device> CkptSession<D> {
             failed: AtomicBool::new(false),
             bytes: AtomicU64::new(0),
         });
+        let mut writers = Vec::new();
         for i in 0..inner.cfg.writer_threads.max(1) {
             let (s, rx) = (Arc::clone(&shared), writer_rx.clone());
-            std::thread::Builder::new()
-                .name(format!("possum-writer-{i}"))
-                .spawn(move || s.writer(rx))
-                .map_err(|e| EngineError::Failed(format!("cannot start a writer thread: {e}")))?;
+            writers.push(
+                std::thread::Builder::new()
+                    .name(format!("possum-writer-{i}"))
+                    .spawn(move || s.writer(rx))
+                    .map_err(|e| {
+                        EngineError::Failed(format!("cannot start a writer thread: {e}"))
+                    })?,
+            );
         }
         let index = bufs.iter().enumerate().map(|(i, b)| (b.id(), i)).collect();
         let slots = bufs
@@ -276,10 +305,15 @@ impl<D: Device> CkptSession<D> {
             slots,
             index,
             shared,
-            writer_tx,
+            writer_tx: Mutex::new(Some(writer_tx)),
+            writers: Mutex::new(writers),
             prio: inner.prio.clone(),
             copy_streams: inner.copy_streams.clone(),
-            shadow_budget: if mode == CopyMode::Precopy { 0 } else { inner.cfg.shadow_budget },
+            shadow_budget: if mode == CopyMode::Precopy {
+                0
+            } else {
+                inner.cfg.shadow_budget
+            },
             shadow_used: AtomicU64::new(0),
             shadow_peak: AtomicU64::new(0),
             shadows: Mutex::new(Vec::new()),
@@ -303,7 +337,13 @@ impl<D: Device> CkptSession<D> {
 
     /// Enqueues device-to-host copies of `size` bytes at `src` as chunks of buffer `id`; returns an
     /// event that completes once they have read the device memory.
-    fn enqueue_chunks(&self, id: u64, src: DevPtr, size: u64, stream: &D::Stream) -> Result<D::Event, EngineError> {
+    fn enqueue_chunks(
+        &self,
+        id: u64,
+        src: DevPtr,
+        size: u64,
+        stream: &D::Stream,
+    ) -> Result<D::Event, EngineError> {
         let chunk = self.shared.pool.chunk() as u64;
         let mut off = 0;
         while off < size {
@@ -311,9 +351,23 @@ impl<D: Device> CkptSession<D> {
             let hb = self.shared.pool.get();
             let pending = self.dev.copy_d2h(stream, src.add(off), hb, len)?;
             *self.shared.outstanding.lock() += 1;
-            self.writer_tx
-                .send(WriteJob { id, off, len, pending })
-                .map_err(|_| EngineError::Failed("writer threads exited".into()))?;
+            let sent = match self.writer_tx.lock().as_ref() {
+                Some(tx) => tx
+                    .send(WriteJob {
+                        id,
+                        off,
+                        len,
+                        pending,
+                    })
+                    .is_ok(),
+                None => false,
+            };
+            if !sent {
+                *self.shared.outstanding.lock() -= 1;
+                return Err(EngineError::Failed(
+                    "the checkpoint has already ended".into(),
+                ));
+            }
             off += len;
         }
         Ok(self.dev.record_event(stream)?)
@@ -332,7 +386,9 @@ impl<D: Device> CkptSession<D> {
             let mut st = slot.state.lock();
             loop {
                 match &*st {
-                    CkState::Saved(ev) | CkState::Shadowed { ready: ev, .. } => return (Some(ev.clone()), blocked),
+                    CkState::Saved(ev) | CkState::Shadowed { ready: ev, .. } => {
+                        return (Some(ev.clone()), blocked)
+                    }
                     CkState::Abandoned => return (None, blocked),
                     CkState::Busy => {
                         blocked = true;
@@ -365,7 +421,12 @@ impl<D: Device> CkptSession<D> {
     /// Saves a claimed slot ahead of the copier: into a shadow if the budget allows, else by a
     /// priority device-to-host copy.
     fn save_now(&self, slot: &CkSlot<D>) -> Result<CkState<D>, EngineError> {
-        let (id, va, size, mapped) = (slot.buf.id(), slot.buf.va(), slot.buf.size(), slot.buf.mapped_size());
+        let (id, va, size, mapped) = (
+            slot.buf.id(),
+            slot.buf.va(),
+            slot.buf.size(),
+            slot.buf.mapped_size(),
+        );
         if self.shadow_budget > 0 {
             let used = self.shadow_used.fetch_add(mapped, Ordering::AcqRel) + mapped;
             if used <= self.shadow_budget {
@@ -395,18 +456,29 @@ impl<D: Device> CkptSession<D> {
     }
 
     /// The hook during this session.
-    pub(crate) fn before_op(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
+    pub(crate) fn before_op(
+        &self,
+        stream: &D::Stream,
+        access: Access<'_>,
+    ) -> Result<(), EngineError> {
         if self.mode == CopyMode::Precopy || self.failed() {
             return Ok(());
         }
         let t = Instant::now();
         let mut blocked = false;
         let mut visit = |b: &Buffer, write: bool| -> Result<(), EngineError> {
-            let Some(&i) = self.index.get(&b.id()) else { return Ok(()) };
+            let Some(&i) = self.index.get(&b.id()) else {
+                return Ok(());
+            };
             let slot = &self.slots[i];
             if slot.first_touch.load(Ordering::Relaxed) == u32::MAX {
                 let seq = self.touch_seq.fetch_add(1, Ordering::Relaxed);
-                let _ = slot.first_touch.compare_exchange(u32::MAX, seq, Ordering::Relaxed, Ordering::Relaxed);
+                let _ = slot.first_touch.compare_exchange(
+                    u32::MAX,
+                    seq,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
             }
             if !write || slot.safe.load(Ordering::Acquire) {
                 return Ok(());
@@ -477,7 +549,9 @@ impl<D: Device> CkptSession<D> {
                         *st = CkState::Busy;
                         Next::Copy
                     }
-                    CkState::Shadowed { shadow, ready, .. } => Next::FromShadow(*shadow, ready.clone()),
+                    CkState::Shadowed { shadow, ready, .. } => {
+                        Next::FromShadow(*shadow, ready.clone())
+                    }
                     _ => Next::Skip,
                 }
             };
@@ -519,16 +593,28 @@ impl<D: Device> CkptSession<D> {
             }
         }
         for (va, mapped) in self.shadows.lock().drain(..) {
-            let unmapped = self.dev.unmap(va, mapped).and_then(|()| self.dev.unreserve(va, mapped));
+            let unmapped = self
+                .dev
+                .unmap(va, mapped)
+                .and_then(|()| self.dev.unreserve(va, mapped));
             if let Err(e) = unmapped {
                 self.shared.fail(e);
             }
         }
+        if self.mode != CopyMode::Precopy && !self.failed() {
+            if let Err(e) = self.record_prefetch_order() {
+                self.shared.fail(e);
+            }
+        }
+        // Done with the sink: stop the writers and let go of it, so that once `wait` returns the
+        // caller holds the only reference (and can commit an image).
+        self.writer_tx.lock().take();
+        for w in self.writers.lock().drain(..) {
+            let _ = w.join();
+        }
+        self.shared.sink.write().take();
         if let Some(e) = self.shared.error.lock().clone() {
             return Err(EngineError::Failed(format!("checkpoint failed: {e}")));
-        }
-        if self.mode != CopyMode::Precopy {
-            self.record_prefetch_order()?;
         }
         Ok(CheckpointReport {
             buffers: self.slots.len(),
@@ -553,8 +639,12 @@ impl<D: Device> CkptSession<D> {
             .map(|s| (s.first_touch.load(Ordering::Relaxed), s.buf.id(), &s.buf))
             .collect();
         order.sort_unstable_by_key(|&(t, id, _)| (t, id));
+        let sink = self.shared.sink.read();
+        let Some(sink) = sink.as_ref() else {
+            return Ok(());
+        };
         for (rank, (_, _, b)) in order.into_iter().enumerate() {
-            self.shared.sink.add_buffer(BufferRecord {
+            sink.add_buffer(BufferRecord {
                 id: b.id(),
                 va: b.va().0,
                 size: b.size(),

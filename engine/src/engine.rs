@@ -220,7 +220,8 @@ pub(crate) struct Inner<D: Device> {
 impl<D: Device> Inner<D> {
     pub(crate) fn set_phase(&self, p: Phase<D>) {
         let mut g = self.phase.write();
-        self.active.store(!matches!(p, Phase::Idle), Ordering::Release);
+        self.active
+            .store(!matches!(p, Phase::Idle), Ordering::Release);
         *g = p;
     }
 
@@ -263,20 +264,28 @@ pub struct Engine<D: Device> {
 
 impl<D: Device> Clone for Engine<D> {
     fn clone(&self) -> Self {
-        Engine { inner: Arc::clone(&self.inner) }
+        Engine {
+            inner: Arc::clone(&self.inner),
+        }
     }
 }
 
 impl<D: Device> std::fmt::Debug for Engine<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("device", &self.inner.dev.name()).finish()
+        f.debug_struct("Engine")
+            .field("device", &self.inner.dev.name())
+            .finish()
     }
 }
 
 impl<D: Device> Engine<D> {
     /// An engine over `dev`. Allocates its staging buffers and streams.
     pub fn new(dev: Arc<D>, cfg: EngineConfig) -> Result<Self, EngineError> {
-        let pool = Arc::new(StagingPool::new(&*dev, cfg.chunk_size, cfg.staging_buffers.max(2))?);
+        let pool = Arc::new(StagingPool::new(
+            &*dev,
+            cfg.chunk_size,
+            cfg.staging_buffers.max(2),
+        )?);
         let copy_streams = (0..cfg.copy_streams.max(1))
             .map(|_| dev.create_stream(StreamPriority::Normal))
             .collect::<Result<Vec<_>, _>>()?;
@@ -327,7 +336,13 @@ impl<D: Device> Engine<D> {
 
     /// Frees the buffer starting at `va`. During a checkpoint, its contents are saved first.
     pub fn free(&self, va: DevPtr) -> Result<(), EngineError> {
-        let buf = self.inner.reg.read().lookup(va).filter(|b| b.va() == va).cloned();
+        let buf = self
+            .inner
+            .reg
+            .read()
+            .lookup(va)
+            .filter(|b| b.va() == va)
+            .cloned();
         let buf = buf.ok_or(EngineError::UnknownBuffer(va))?;
         let phase = self.inner.phase.read().clone();
         match phase {
@@ -354,10 +369,19 @@ impl<D: Device> Engine<D> {
     }
 
     /// The hook: call before enqueueing an operation of the job on `stream`; drop the guard after.
-    pub fn before_op(&self, stream: &D::Stream, access: Access<'_>) -> Result<OpGuard<D>, EngineError> {
+    pub fn before_op(
+        &self,
+        stream: &D::Stream,
+        access: Access<'_>,
+    ) -> Result<OpGuard<D>, EngineError> {
         self.inner.gate.enter();
-        let guard = OpGuard { inner: Arc::clone(&self.inner) };
-        self.inner.counters.hook_calls.fetch_add(1, Ordering::Relaxed);
+        let guard = OpGuard {
+            inner: Arc::clone(&self.inner),
+        };
+        self.inner
+            .counters
+            .hook_calls
+            .fetch_add(1, Ordering::Relaxed);
         match access {
             Access::Known { writes, .. } => writes.iter().for_each(Buffer::mark_dirty),
             Access::Opaque => self.inner.reg.read().iter().for_each(Buffer::mark_dirty),
@@ -384,8 +408,14 @@ impl<D: Device> Engine<D> {
                         &all
                     }
                 };
-                if let Some(b) = touched.iter().find(|b| b.residency() == Residency::Released) {
-                    return Err(EngineError::Released { id: b.id(), va: b.va() });
+                if let Some(b) = touched
+                    .iter()
+                    .find(|b| b.residency() == Residency::Released)
+                {
+                    return Err(EngineError::Released {
+                        id: b.id(),
+                        va: b.va(),
+                    });
                 }
             }
         }
@@ -396,7 +426,10 @@ impl<D: Device> Engine<D> {
         let p = self.inner.phase.read();
         match &*p {
             Phase::Idle => Ok(()),
-            other => Err(EngineError::Busy { wanted, current: other.name() }),
+            other => Err(EngineError::Busy {
+                wanted,
+                current: other.name(),
+            }),
         }
     }
 
@@ -409,7 +442,11 @@ impl<D: Device> Engine<D> {
         only_dirty: bool,
     ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
-        let mode = if only_dirty { CopyMode::CowDirty } else { CopyMode::Cow };
+        let mode = if only_dirty {
+            CopyMode::CowDirty
+        } else {
+            CopyMode::Cow
+        };
         CkptSession::begin(&self.inner, sink, mode)
     }
 
@@ -420,8 +457,19 @@ impl<D: Device> Engine<D> {
         self.start_session("pre-copy round")?;
         let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy)?;
         let r = h.wait()?;
-        let dirty_after = self.inner.reg.read().iter().filter(|b| b.is_dirty()).count();
-        Ok(RoundReport { buffers: r.buffers, bytes: r.bytes, elapsed: r.elapsed, dirty_after })
+        let dirty_after = self
+            .inner
+            .reg
+            .read()
+            .iter()
+            .filter(|b| b.is_dirty())
+            .count();
+        Ok(RoundReport {
+            buffers: r.buffers,
+            bytes: r.bytes,
+            elapsed: r.elapsed,
+            dirty_after,
+        })
     }
 
     /// Drops the physical memory of every buffer, keeping addresses. The job must not be issuing

@@ -39,7 +39,8 @@ impl Gate {
 
     /// Called once the operation is enqueued.
     pub fn leave(&self) {
-        if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 && self.closed.load(Ordering::SeqCst) {
+        if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 && self.closed.load(Ordering::SeqCst)
+        {
             let _g = self.lock.lock();
             self.cv.notify_all();
         }

@@ -114,7 +114,11 @@ impl Registry {
 
     /// The buffer containing `ptr`.
     pub fn lookup(&self, ptr: DevPtr) -> Option<&Buffer> {
-        self.by_va.range(..=ptr.0).next_back().map(|(_, b)| b).filter(|b| b.contains(ptr))
+        self.by_va
+            .range(..=ptr.0)
+            .next_back()
+            .map(|(_, b)| b)
+            .filter(|b| b.contains(ptr))
     }
 
     /// The buffer with id `id`.
@@ -149,7 +153,10 @@ mod tests {
         let b = r.insert(DevPtr(0x3000), 0x2000, 0x2000);
         assert_eq!(r.lookup(DevPtr(0x1000)).unwrap().id(), a.id());
         assert_eq!(r.lookup(DevPtr(0x10ff)).unwrap().id(), a.id());
-        assert!(r.lookup(DevPtr(0x1100)).is_none(), "past the requested size");
+        assert!(
+            r.lookup(DevPtr(0x1100)).is_none(),
+            "past the requested size"
+        );
         assert!(r.lookup(DevPtr(0xfff)).is_none());
         assert_eq!(r.lookup(DevPtr(0x4fff)).unwrap().id(), b.id());
         assert!(r.lookup(DevPtr(0x5000)).is_none());

@@ -77,7 +77,9 @@ pub struct RestoreHandle {
 impl RestoreHandle {
     /// Waits until every buffer is back (or the restore failed).
     pub fn wait(self) -> Result<RestoreReport, EngineError> {
-        self.join.join().unwrap_or_else(|_| Err(EngineError::Failed("restore thread panicked".into())))
+        self.join
+            .join()
+            .unwrap_or_else(|_| Err(EngineError::Failed("restore thread panicked".into())))
     }
 
     /// Whether the restore has finished.
@@ -119,10 +121,13 @@ impl<D: Device> RestoreSession<D> {
         {
             let reg = inner.reg.read();
             for r in &recs {
-                let buf = reg.get(r.id).cloned().ok_or_else(|| EngineError::ImageMismatch {
-                    id: r.id,
-                    why: "the job has no such buffer".into(),
-                })?;
+                let buf = reg
+                    .get(r.id)
+                    .cloned()
+                    .ok_or_else(|| EngineError::ImageMismatch {
+                        id: r.id,
+                        why: "the job has no such buffer".into(),
+                    })?;
                 if buf.va().0 != r.va || buf.size() != r.size {
                     return Err(EngineError::ImageMismatch {
                         id: r.id,
@@ -168,11 +173,18 @@ impl<D: Device> RestoreSession<D> {
             if let Some(b) = missing {
                 return Err(EngineError::ImageMismatch {
                     id: b.id(),
-                    why: format!("the job's released buffer at {} is not in the image", b.va()),
+                    why: format!(
+                        "the job's released buffer at {} is not in the image",
+                        b.va()
+                    ),
                 });
             }
         }
-        let index = slots.iter().enumerate().map(|(i, s)| (s.buf.id(), i)).collect();
+        let index = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.buf.id(), i))
+            .collect();
         let order = (0..slots.len()).collect();
         let session = Arc::new(RestoreSession {
             dev: Arc::clone(&inner.dev),
@@ -206,7 +218,9 @@ impl<D: Device> RestoreSession<D> {
                 std::thread::Builder::new()
                     .name(format!("possum-restorer-{t}"))
                     .spawn(move || s.prefetch(&stream))
-                    .map_err(|e| EngineError::Failed(format!("cannot start a restorer thread: {e}")))?,
+                    .map_err(|e| {
+                        EngineError::Failed(format!("cannot start a restorer thread: {e}"))
+                    })?,
             );
         }
         let inner = Arc::clone(inner);
@@ -217,7 +231,11 @@ impl<D: Device> RestoreSession<D> {
                     let _ = w.join();
                 }
                 let r = session.finish();
-                inner.set_phase(if r.is_ok() { Phase::Idle } else { Phase::Released });
+                inner.set_phase(if r.is_ok() {
+                    Phase::Idle
+                } else {
+                    Phase::Released
+                });
                 r
             })
             .map_err(|e| EngineError::Failed(format!("cannot start the restore thread: {e}")))?;
@@ -240,8 +258,15 @@ impl<D: Device> RestoreSession<D> {
     /// Maps the buffer's memory again and copies its chunks in; returns an event for the copies.
     fn restore_slot(&self, slot: &RsSlot<D>, stream: &D::Stream) -> Result<D::Event, EngineError> {
         let b = &slot.buf;
-        let wrap = |e: EngineError| EngineError::RestoreBuffer { id: b.id(), va: b.va(), size: b.size(), source: Box::new(e) };
-        self.dev.map(b.va(), b.mapped_size()).map_err(|e| wrap(e.into()))?;
+        let wrap = |e: EngineError| EngineError::RestoreBuffer {
+            id: b.id(),
+            va: b.va(),
+            size: b.size(),
+            source: Box::new(e),
+        };
+        self.dev
+            .map(b.va(), b.mapped_size())
+            .map_err(|e| wrap(e.into()))?;
         let r = self.copy_in(slot, stream);
         match r {
             Ok(ev) => {
@@ -261,10 +286,15 @@ impl<D: Device> RestoreSession<D> {
         let mut inflight: VecDeque<D::Pending> = VecDeque::with_capacity(DEPTH + 1);
         let mut result = Ok(());
         for &(off, len) in &slot.chunks {
-            let ulen = usize::try_from(len).map_err(|_| EngineError::Failed("chunk too large".into()))?;
+            let ulen =
+                usize::try_from(len).map_err(|_| EngineError::Failed("chunk too large".into()))?;
             // Reuse this thread's oldest copy's buffer when at depth or when the pool is empty:
             // waiting on the pool while holding buffers in flight could deadlock restorers.
-            let pooled = if inflight.len() >= DEPTH || ulen > self.pool.chunk() { None } else { self.pool.try_get() };
+            let pooled = if inflight.len() >= DEPTH || ulen > self.pool.chunk() {
+                None
+            } else {
+                self.pool.try_get()
+            };
             let mut hb = match (pooled, inflight.pop_front()) {
                 (Some(hb), oldest) => {
                     if let Some(p) = oldest {
@@ -285,7 +315,10 @@ impl<D: Device> RestoreSession<D> {
                 },
                 (None, None) => self.take_buf(ulen)?,
             };
-            if let Err(e) = self.source.read_chunk(b.id(), off, &mut hb.as_mut_slice()[..ulen]) {
+            if let Err(e) = self
+                .source
+                .read_chunk(b.id(), off, &mut hb.as_mut_slice()[..ulen])
+            {
                 self.recycle(hb);
                 result = Err(e.into());
                 break;
@@ -328,7 +361,12 @@ impl<D: Device> RestoreSession<D> {
     }
 
     /// Claims slot `i` for this thread, or returns its state if someone else has it.
-    fn ensure(&self, i: usize, stream: &D::Stream, on_demand: bool) -> (Result<Option<D::Event>, EngineError>, bool) {
+    fn ensure(
+        &self,
+        i: usize,
+        stream: &D::Stream,
+        on_demand: bool,
+    ) -> (Result<Option<D::Event>, EngineError>, bool) {
         let slot = &self.slots[i];
         let mut blocked = false;
         {
@@ -394,11 +432,17 @@ impl<D: Device> RestoreSession<D> {
     }
 
     /// The hook during this session.
-    pub(crate) fn before_op(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
+    pub(crate) fn before_op(
+        &self,
+        stream: &D::Stream,
+        access: Access<'_>,
+    ) -> Result<(), EngineError> {
         let t = Instant::now();
         let mut blocked = false;
         let mut visit = |b: &Buffer| -> Result<(), EngineError> {
-            let Some(&i) = self.index.get(&b.id()) else { return Ok(()) };
+            let Some(&i) = self.index.get(&b.id()) else {
+                return Ok(());
+            };
             let slot = &self.slots[i];
             if slot.done.load(Ordering::Acquire) {
                 return Ok(());
@@ -432,7 +476,9 @@ impl<D: Device> RestoreSession<D> {
 
     /// Before the job frees `buf`: nothing may still be copying into it.
     pub(crate) fn settle_before_free(&self, buf: &Buffer) -> Result<(), EngineError> {
-        let Some(&i) = self.index.get(&buf.id()) else { return Ok(()) };
+        let Some(&i) = self.index.get(&buf.id()) else {
+            return Ok(());
+        };
         let slot = &self.slots[i];
         let mut st = slot.state.lock();
         loop {

@@ -19,8 +19,15 @@ pub struct StagingPool<D: Device> {
 impl<D: Device> StagingPool<D> {
     /// Allocates `count` buffers of `chunk` bytes.
     pub fn new(dev: &D, chunk: usize, count: usize) -> DeviceResult<Self> {
-        let free = (0..count).map(|_| dev.alloc_host(chunk)).collect::<DeviceResult<Vec<_>>>()?;
-        Ok(StagingPool { free: Mutex::new(free), cv: Condvar::new(), chunk, count })
+        let free = (0..count)
+            .map(|_| dev.alloc_host(chunk))
+            .collect::<DeviceResult<Vec<_>>>()?;
+        Ok(StagingPool {
+            free: Mutex::new(free),
+            cv: Condvar::new(),
+            chunk,
+            count,
+        })
     }
 
     /// Bytes per buffer.

@@ -28,11 +28,17 @@ fn small_cfg(chunk: usize, staging: usize, shadow: u64) -> EngineConfig {
 }
 
 fn image_of(store: &MemStore, job: &HostJob) -> Vec<Vec<u8>> {
-    job.buffers().iter().map(|b| store.buffer_bytes(b.id()).expect("buffer in image")).collect()
+    job.buffers()
+        .iter()
+        .map(|b| store.buffer_bytes(b.id()).expect("buffer in image"))
+        .collect()
 }
 
 fn cases() -> u32 {
-    std::env::var("POSSUM_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+    std::env::var("POSSUM_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
 }
 
 /// Checkpoint at op `k` while ops k.. keep running; then release, restore on demand, and re-run k..
@@ -56,8 +62,14 @@ fn checkpoint_restore_case(p: &Program, k: usize, cfg: EngineConfig) -> Result<(
     job.sync().unwrap();
     prop_assert_eq!(report.buffers, p.sizes.len());
     prop_assert_eq!(report.bytes, p.bytes());
-    prop_assert!(image_of(&store, &job) == at_t0.bufs, "image differs from the state at T0");
-    prop_assert!(job.contents().unwrap() == at_end.bufs, "job's own run differs from the reference");
+    prop_assert!(
+        image_of(&store, &job) == at_t0.bufs,
+        "image differs from the state at T0"
+    );
+    prop_assert!(
+        job.contents().unwrap() == at_end.bufs,
+        "job's own run differs from the reference"
+    );
 
     // Fail-over: drop the device memory, restore on demand, redo the work after T0.
     e.release().unwrap();
@@ -69,17 +81,34 @@ fn checkpoint_restore_case(p: &Program, k: usize, cfg: EngineConfig) -> Result<(
     job.sync().unwrap();
     let rr = rs.wait().unwrap();
     prop_assert_eq!(rr.on_demand + rr.prefetched, p.sizes.len() as u64);
-    prop_assert!(job.contents().unwrap() == at_end.bufs, "restored run differs from an uninterrupted one");
+    prop_assert!(
+        job.contents().unwrap() == at_end.bufs,
+        "restored run differs from an uninterrupted one"
+    );
     Ok(())
 }
 
 fn shape() -> impl Strategy<Value = (u64, Shape)> {
-    (any::<u64>(), 1usize..10, 1usize..4, 0usize..48, 8u64..20_000).prop_map(|(seed, buffers, streams, ops, hi)| {
-        (
-            seed,
-            Shape { buffers, size_range: (8, hi), streams, ops, max_reads: 2, max_writes: 2 },
-        )
-    })
+    (
+        any::<u64>(),
+        1usize..10,
+        1usize..4,
+        0usize..48,
+        8u64..20_000,
+    )
+        .prop_map(|(seed, buffers, streams, ops, hi)| {
+            (
+                seed,
+                Shape {
+                    buffers,
+                    size_range: (8, hi),
+                    streams,
+                    ops,
+                    max_reads: 2,
+                    max_writes: 2,
+                },
+            )
+        })
 }
 
 proptest! {
@@ -146,30 +175,60 @@ proptest! {
 fn demo_program(seed: u64) -> Program {
     Program::random(
         seed,
-        &Shape { buffers: 16, size_range: (4096, 65536), streams: 3, ops: 40, max_reads: 2, max_writes: 1 },
+        &Shape {
+            buffers: 16,
+            size_range: (4096, 65536),
+            streams: 3,
+            ops: 40,
+            max_reads: 2,
+            max_writes: 1,
+        },
     )
 }
 
 #[test]
 fn an_operation_overtakes_the_prefetcher() {
     let p = demo_program(11);
-    let cfg = EngineConfig { prefetch_delay: Duration::from_millis(30), restore_threads: 1, ..small_cfg(4096, 4, 0) };
+    let cfg = EngineConfig {
+        prefetch_delay: Duration::from_millis(30),
+        restore_threads: 1,
+        ..small_cfg(4096, 4, 0)
+    };
     let e = engine(cfg);
     let mut job = HostJob::new(&e, &p).unwrap();
     let store = Arc::new(MemStore::new());
     e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
     e.release().unwrap();
     // The buffer the prefetcher will reach last.
-    let last = store.buffers().into_iter().max_by_key(|r| (r.prefetch_rank, r.id)).unwrap();
-    let idx = job.buffers().iter().position(|b| b.id() == last.id).unwrap();
+    let last = store
+        .buffers()
+        .into_iter()
+        .max_by_key(|r| (r.prefetch_rank, r.id))
+        .unwrap();
+    let idx = job
+        .buffers()
+        .iter()
+        .position(|b| b.id() == last.id)
+        .unwrap();
     let rs = e.restore(store.clone()).unwrap();
-    let op = possum_workloads::program::Op { stream: 0, reads: vec![], writes: vec![idx], salt: 5 };
+    let op = possum_workloads::program::Op {
+        stream: 0,
+        reads: vec![],
+        writes: vec![idx],
+        salt: 5,
+    };
     job.reset_deps();
     job.issue(&op).unwrap();
     job.sync().unwrap();
-    assert!(!rs.is_finished(), "the prefetcher should still be running (30 ms per buffer)");
+    assert!(
+        !rs.is_finished(),
+        "the prefetcher should still be running (30 ms per buffer)"
+    );
     let rr = rs.wait().unwrap();
-    assert!(rr.on_demand >= 1, "the operation's buffer was restored on demand: {rr:?}");
+    assert!(
+        rr.on_demand >= 1,
+        "the operation's buffer was restored on demand: {rr:?}"
+    );
     let mut r = Reference::new(&p);
     r.run(&op);
     assert_eq!(job.contents().unwrap(), r.bufs);
@@ -178,7 +237,10 @@ fn an_operation_overtakes_the_prefetcher() {
 #[test]
 fn many_operations_race_the_prefetcher() {
     let p = demo_program(12);
-    let cfg = EngineConfig { prefetch_delay: Duration::from_millis(2), ..small_cfg(4096, 3, 0) };
+    let cfg = EngineConfig {
+        prefetch_delay: Duration::from_millis(2),
+        ..small_cfg(4096, 3, 0)
+    };
     let e = engine(cfg);
     let mut job = HostJob::new(&e, &p).unwrap();
     let store = Arc::new(MemStore::new());
@@ -215,7 +277,17 @@ fn an_image_of_another_job_is_refused() {
     let store = Arc::new(MemStore::new());
     e1.checkpoint(store.clone(), false).unwrap().wait().unwrap();
     drop(j1);
-    let other = Program::random(2, &Shape { buffers: 16, size_range: (8, 64), streams: 1, ops: 0, max_reads: 0, max_writes: 1 });
+    let other = Program::random(
+        2,
+        &Shape {
+            buffers: 16,
+            size_range: (8, 64),
+            streams: 1,
+            ops: 0,
+            max_reads: 0,
+            max_writes: 1,
+        },
+    );
     let e2 = engine(small_cfg(4096, 2, 0));
     let _j2 = HostJob::new(&e2, &other).unwrap();
     e2.release().unwrap();
@@ -254,7 +326,12 @@ impl ChunkSource for Corrupt {
     fn chunks(&self, buffer: u64) -> Vec<(u64, u64)> {
         self.0.chunks(buffer)
     }
-    fn read_chunk(&self, buffer: u64, offset: u64, dst: &mut [u8]) -> Result<(), possum_engine::image::ImageError> {
+    fn read_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
         if buffer == self.1 {
             return Err(possum_engine::image::ImageError::MissingChunk { buffer, offset });
         }
@@ -276,9 +353,19 @@ fn a_corrupt_buffer_fails_the_operations_that_need_it_and_only_those() {
     let bad = job.buffers()[3].id();
     let rs = e.restore(Arc::new(Corrupt(store, bad))).unwrap();
     job.reset_deps();
-    let ok = possum_workloads::program::Op { stream: 0, reads: vec![1], writes: vec![2], salt: 1 };
+    let ok = possum_workloads::program::Op {
+        stream: 0,
+        reads: vec![1],
+        writes: vec![2],
+        salt: 1,
+    };
     job.issue(&ok).unwrap();
-    let bad_op = possum_workloads::program::Op { stream: 0, reads: vec![], writes: vec![3], salt: 1 };
+    let bad_op = possum_workloads::program::Op {
+        stream: 0,
+        reads: vec![],
+        writes: vec![3],
+        salt: 1,
+    };
     let err = job.issue(&bad_op).unwrap_err();
     assert!(err.to_string().contains(&format!("buffer {bad}")), "{err}");
     assert!(rs.wait().is_err());
@@ -308,7 +395,11 @@ fn an_opaque_operation_saves_everything_first() {
     let store = Arc::new(MemStore::new());
     let ck = e.checkpoint(store.clone(), false).unwrap();
     // An operation the analyzer could not understand: it may write anything.
-    let s = possum_engine::device::Device::create_stream(&**e.device(), possum_engine::device::StreamPriority::Normal).unwrap();
+    let s = possum_engine::device::Device::create_stream(
+        &**e.device(),
+        possum_engine::device::StreamPriority::Normal,
+    )
+    .unwrap();
     e.register_stream(s.clone());
     let g = e.before_op(&s, Access::Opaque).unwrap();
     let bufs: Vec<_> = job.buffers().iter().map(|b| (b.va(), b.size())).collect();
@@ -322,14 +413,23 @@ fn an_opaque_operation_saves_everything_first() {
         .unwrap();
     drop(g);
     let r = ck.wait().unwrap();
-    assert_eq!(image_of(&store, &job), before, "the opaque write must not reach the image: {r:?}");
+    assert_eq!(
+        image_of(&store, &job),
+        before,
+        "the opaque write must not reach the image: {r:?}"
+    );
     job.sync().unwrap();
 }
 
 #[test]
 fn shadows_take_copy_on_write_when_the_budget_allows() {
     let p = demo_program(18);
-    let e = engine(EngineConfig { chunk_size: 512, staging_buffers: 2, shadow_budget: 64 << 20, ..EngineConfig::default() });
+    let e = engine(EngineConfig {
+        chunk_size: 512,
+        staging_buffers: 2,
+        shadow_budget: 64 << 20,
+        ..EngineConfig::default()
+    });
     let mut job = HostJob::new(&e, &p).unwrap();
     let mut r = Reference::new(&p);
     let store = Arc::new(MemStore::new());
@@ -343,7 +443,11 @@ fn shadows_take_copy_on_write_when_the_budget_allows() {
     r.run_all(&p.ops);
     assert_eq!(job.contents().unwrap(), r.bufs);
     assert!(rep.cow_shadow + rep.cow_priority > 0, "{rep:?}");
-    assert_eq!(e.device().mapped_bytes(), job.buffers().iter().map(|b| b.mapped_size()).sum::<u64>(), "shadows freed");
+    assert_eq!(
+        e.device().mapped_bytes(),
+        job.buffers().iter().map(|b| b.mapped_size()).sum::<u64>(),
+        "shadows freed"
+    );
 }
 
 #[test]
@@ -367,10 +471,18 @@ fn a_second_checkpoint_while_one_runs_is_refused() {
 struct FailingSink(MemStore, std::sync::atomic::AtomicUsize);
 
 impl ChunkSink for FailingSink {
-    fn add_buffer(&self, rec: possum_engine::store::BufferRecord) -> Result<(), possum_engine::image::ImageError> {
+    fn add_buffer(
+        &self,
+        rec: possum_engine::store::BufferRecord,
+    ) -> Result<(), possum_engine::image::ImageError> {
         self.0.add_buffer(rec)
     }
-    fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), possum_engine::image::ImageError> {
+    fn write_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
         if self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 5 {
             return Err(possum_engine::image::ImageError::Io {
                 path: "/full/disk".into(),
@@ -389,7 +501,9 @@ fn a_full_disk_fails_the_checkpoint_and_not_the_job() {
     let p = demo_program(20);
     let e = engine(small_cfg(512, 2, 0));
     let mut job = HostJob::new(&e, &p).unwrap();
-    let ck = e.checkpoint(Arc::new(FailingSink::default()), false).unwrap();
+    let ck = e
+        .checkpoint(Arc::new(FailingSink::default()), false)
+        .unwrap();
     for op in &p.ops {
         job.issue(op).unwrap();
     }

@@ -27,7 +27,10 @@ pub struct HostJob {
 
 impl std::fmt::Debug for HostJob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostJob").field("buffers", &self.bufs.len()).field("streams", &self.streams.len()).finish()
+        f.debug_struct("HostJob")
+            .field("buffers", &self.bufs.len())
+            .field("streams", &self.streams.len())
+            .finish()
     }
 }
 
@@ -48,7 +51,13 @@ impl HostJob {
             dev.write_now(b.va(), &kernel::initial(p.seed, i, size))?;
             bufs.push(b);
         }
-        Ok(HostJob { engine: engine.clone(), dev, streams, deps: vec![Deps::default(); bufs.len()], bufs })
+        Ok(HostJob {
+            engine: engine.clone(),
+            dev,
+            streams,
+            deps: vec![Deps::default(); bufs.len()],
+            bufs,
+        })
     }
 
     /// The managed buffers, in program order.
@@ -62,7 +71,13 @@ impl HostJob {
         let stream = self.streams[s].clone();
         let reads: Vec<Buffer> = op.reads.iter().map(|&i| self.bufs[i].clone()).collect();
         let writes: Vec<Buffer> = op.writes.iter().map(|&i| self.bufs[i].clone()).collect();
-        let guard = self.engine.before_op(&stream, Access::Known { reads: &reads, writes: &writes })?;
+        let guard = self.engine.before_op(
+            &stream,
+            Access::Known {
+                reads: &reads,
+                writes: &writes,
+            },
+        )?;
         // Wait for other streams' conflicting work (read-after-write, write-after-read/write).
         for &r in &op.reads {
             if let Some((t, ev)) = &self.deps[r].last_write {
@@ -82,14 +97,19 @@ impl HostJob {
         let r: Vec<_> = reads.iter().map(|b| (b.va(), b.size())).collect();
         let w: Vec<_> = writes.iter().map(|b| (b.va(), b.size())).collect();
         let salt = op.salt;
-        self.dev.launch(&stream, move |mem| mem.with(&r, &w, |ins, outs| kernel::apply(salt, ins, outs)))?;
+        self.dev.launch(&stream, move |mem| {
+            mem.with(&r, &w, |ins, outs| kernel::apply(salt, ins, outs))
+        })?;
         drop(guard);
         let ev = self.dev.record_event(&stream)?;
         for &r in &op.reads {
             self.deps[r].reads_since.push((s, ev.clone()));
         }
         for &w in &op.writes {
-            self.deps[w] = Deps { last_write: Some((s, ev.clone())), reads_since: Vec::new() };
+            self.deps[w] = Deps {
+                last_write: Some((s, ev.clone())),
+                reads_since: Vec::new(),
+            };
         }
         Ok(())
     }
@@ -109,7 +129,10 @@ impl HostJob {
 
     /// Reads every buffer (call after `sync`).
     pub fn contents(&self) -> Result<Vec<Vec<u8>>, EngineError> {
-        self.bufs.iter().map(|b| Ok(self.dev.read_now(b.va(), b.size())?)).collect()
+        self.bufs
+            .iter()
+            .map(|b| Ok(self.dev.read_now(b.va(), b.size())?))
+            .collect()
     }
 
     /// Digest of every buffer (call after `sync`).

@@ -8,7 +8,9 @@ pub fn apply(salt: u64, ins: &[&[u8]], outs: &mut [&mut [u8]]) {
     for (j, out) in outs.iter_mut().enumerate() {
         let js = salt ^ (j as u64).wrapping_mul(0xd6e8_feb8_6659_fd93);
         for (i, w) in out.chunks_exact_mut(8).enumerate() {
-            let mut x = u64::from_le_bytes(w.try_into().expect("8 bytes")) ^ js ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut x = u64::from_le_bytes(w.try_into().expect("8 bytes"))
+                ^ js
+                ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
             for r in ins {
                 let words = r.len() / 8;
                 if words > 0 {

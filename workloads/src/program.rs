@@ -53,8 +53,15 @@ impl Program {
         let sizes = (0..shape.buffers)
             .map(|_| (lo + rng.below(hi - lo + 1)).max(8) / 8 * 8)
             .collect();
-        let mut p = Program { sizes, streams: shape.streams, seed, ops: Vec::new() };
-        p.ops = (0..shape.ops).map(|_| p.random_op(&mut rng, shape.max_reads, shape.max_writes)).collect();
+        let mut p = Program {
+            sizes,
+            streams: shape.streams,
+            seed,
+            ops: Vec::new(),
+        };
+        p.ops = (0..shape.ops)
+            .map(|_| p.random_op(&mut rng, shape.max_reads, shape.max_writes))
+            .collect();
         p
     }
 
@@ -70,14 +77,21 @@ impl Program {
             }
         }
         let reads = picked.split_off(nw.min(picked.len()));
-        Op { stream: rng.below(self.streams as u64) as usize, reads, writes: picked, salt: rng.next_u64() }
+        Op {
+            stream: rng.below(self.streams as u64) as usize,
+            reads,
+            writes: picked,
+            salt: rng.next_u64(),
+        }
     }
 
     /// Operations of step `step` of a step-structured job (the demo): `per_step` operations drawn
     /// from a generator seeded by the step, so any step can be regenerated after a restore.
     pub fn step_ops(&self, step: u64, per_step: usize) -> Vec<Op> {
         let mut rng = Rng::new(self.seed ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabcd);
-        (0..per_step).map(|_| self.random_op(&mut rng, 2, 1)).collect()
+        (0..per_step)
+            .map(|_| self.random_op(&mut rng, 2, 1))
+            .collect()
     }
 
     /// Total bytes of the buffers.

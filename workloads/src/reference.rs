@@ -14,13 +14,22 @@ impl Reference {
     /// The initial state of `p`.
     pub fn new(p: &Program) -> Self {
         Reference {
-            bufs: p.sizes.iter().enumerate().map(|(i, &s)| kernel::initial(p.seed, i, s)).collect(),
+            bufs: p
+                .sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| kernel::initial(p.seed, i, s))
+                .collect(),
         }
     }
 
     /// Executes one operation.
     pub fn run(&mut self, op: &Op) {
-        let mut outs: Vec<Vec<u8>> = op.writes.iter().map(|&w| std::mem::take(&mut self.bufs[w])).collect();
+        let mut outs: Vec<Vec<u8>> = op
+            .writes
+            .iter()
+            .map(|&w| std::mem::take(&mut self.bufs[w]))
+            .collect();
         {
             let ins: Vec<&[u8]> = op.reads.iter().map(|&r| self.bufs[r].as_slice()).collect();
             let mut o: Vec<&mut [u8]> = outs.iter_mut().map(|v| v.as_mut_slice()).collect();

@@ -1,0 +1,217 @@
+//! `possum demo --criu`: the demo job in a child process, dumped by CRIU mid-run (once with
+//! `--leave-running`, once killing it), restored, and compared with an uninterrupted run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use possum_criu::{Criu, DumpOptions, RestoreOptions};
+use possum_engine::host::HostDevice;
+use possum_engine::{Engine, EngineConfig};
+use possum_workloads::demo::{DemoJob, DemoSpec};
+
+use crate::demo::DemoArgs;
+
+/// Options of the hidden `possum demo-child`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ChildArgs {
+    /// Buffer memory, MiB.
+    #[arg(long)]
+    mib: u64,
+    /// Steps.
+    #[arg(long)]
+    steps: u64,
+    /// Streams.
+    #[arg(long)]
+    streams: usize,
+    /// File that holds the number of steps done.
+    #[arg(long)]
+    progress: PathBuf,
+    /// File that receives the final digest.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+/// The child: leaves the caller's session (so CRIU needs no `--shell-job`), runs the job, writes
+/// its progress after each step and its digest at the end.
+pub fn child(a: &ChildArgs) -> Result<bool> {
+    let _ = nix::unistd::setsid();
+    let spec = DemoSpec {
+        mib: a.mib,
+        steps: a.steps,
+        streams: a.streams,
+        ..DemoSpec::default()
+    };
+    let engine = Engine::new(
+        Arc::new(HostDevice::new((a.mib << 20) + (64 << 20))),
+        EngineConfig::default(),
+    )?;
+    let mut job = DemoJob::new(&engine, &spec)?;
+    for step in 0..a.steps {
+        job.run_step(step)?;
+        write_atomically(&a.progress, &(step + 1).to_string())?;
+        // Long enough steps that a dump lands mid-run.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    write_atomically(&a.out, &format!("{:016x}\n", job.digest()?))?;
+    Ok(true)
+}
+
+struct Child {
+    proc: std::process::Child,
+    progress: PathBuf,
+    out: PathBuf,
+}
+
+fn spawn(dir: &Path, name: &str, a: &DemoArgs) -> Result<Child> {
+    let progress = dir.join(format!("{name}.progress"));
+    let out = dir.join(format!("{name}.out"));
+    let log = std::fs::File::create(dir.join(format!("{name}.log")))?;
+    let exe = std::env::current_exe().context("finding the possum binary")?;
+    let proc = Command::new(exe)
+        .arg("demo-child")
+        .args(["--mib", &a.mib.to_string(), "--steps", &a.steps.to_string()])
+        .args(["--streams", &a.streams.to_string()])
+        .arg("--progress")
+        .arg(&progress)
+        .arg("--out")
+        .arg(&out)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("starting the demo child")?;
+    Ok(Child {
+        proc,
+        progress,
+        out,
+    })
+}
+
+fn wait_progress(c: &mut Child, at_least: u64) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let done: u64 = std::fs::read_to_string(&c.progress)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        if done >= at_least {
+            return Ok(());
+        }
+        if let Some(st) = c.proc.try_wait()? {
+            bail!("the demo child exited early ({st}) at step {done}");
+        }
+        if Instant::now() > deadline {
+            bail!("the demo child made no progress past step {done}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn read_digest(path: &Path) -> Result<u64> {
+    let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(u64::from_str_radix(s.trim(), 16)?)
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Restores `images` and waits for the restored child to finish; returns its digest and timing.
+fn restore_and_finish(criu: &Criu, images: &Path, out: &Path) -> Result<(u64, Duration)> {
+    let _ = std::fs::remove_file(out);
+    let r = criu.restore(&RestoreOptions::new(images))?;
+    let st = possum_criu::wait_for_exit(r.pid, Some(Duration::from_secs(300)))?;
+    if !st.success() {
+        bail!("the restored child {} ended badly: {st:?}", r.pid);
+    }
+    Ok((read_digest(out)?, r.time))
+}
+
+pub fn run(a: &DemoArgs) -> Result<bool> {
+    let criu = Criu::locate()?;
+    let version = criu.version()?;
+    let a = DemoArgs {
+        mib: if a.mib == 320 { 64 } else { a.mib },
+        ..a.clone()
+    };
+    let spec = a.spec();
+    let tmp = tempfile::tempdir().context("creating a temporary directory")?;
+    let dir = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    std::fs::create_dir_all(&dir)?;
+    println!(
+        "possum demo --criu: CRIU {version}, job in a child process: {} MiB, {} streams, {} steps; dump at step {}",
+        a.mib, a.streams, a.steps, a.at
+    );
+    let want = spec.reference_digests(&[spec.steps - 1])[0];
+    // Restored children reparent to us, so we can wait for them.
+    possum_criu::set_child_subreaper()?;
+
+    // 1. --leave-running: the original goes on to the end; the image, restored, must end the same.
+    let mut c = spawn(&dir, "leave", &a)?;
+    wait_progress(&mut c, a.at)?;
+    let images1 = dir.join("images-leave-running");
+    let d1 = criu.dump(&DumpOptions {
+        leave_running: true,
+        ..DumpOptions::new(pid_of(&c)?, &images1)
+    })?;
+    let st = c.proc.wait()?;
+    if !st.success() {
+        bail!("the original child ended badly after the dump: {st}");
+    }
+    let original = read_digest(&c.out)?;
+    let (restored1, r1) = restore_and_finish(&criu, &images1, &c.out)?;
+
+    // 2. Dump and kill, then restore.
+    let mut c = spawn(&dir, "kill", &a)?;
+    wait_progress(&mut c, a.at)?;
+    let images2 = dir.join("images-kill");
+    let d2 = criu.dump(&DumpOptions::new(pid_of(&c)?, &images2))?;
+    let _ = c.proc.wait();
+    let (restored2, r2) = restore_and_finish(&criu, &images2, &c.out)?;
+
+    let bitexact = original == want && restored1 == want && restored2 == want;
+    println!("  uninterrupted reference      {want:016x}");
+    println!(
+        "  --leave-running: original    {original:016x}  (dump {:.1} ms, image {} bytes)",
+        ms(d1.time),
+        d1.image_bytes
+    );
+    println!(
+        "                   restored    {restored1:016x}  (restore {:.1} ms)",
+        ms(r1)
+    );
+    println!(
+        "  killed:          restored    {restored2:016x}  (dump {:.1} ms, restore {:.1} ms)",
+        ms(d2.time),
+        ms(r2)
+    );
+    let json = serde_json::json!({
+        "backend": "host",
+        "mode": "criu",
+        "criu": version.to_string(),
+        "bytes": spec.program().bytes(),
+        "image_bytes": d2.image_bytes,
+        "dump_leave_running_ms": ms(d1.time),
+        "dump_kill_ms": ms(d2.time),
+        "restore_ms": ms(r2),
+        "stall_ms": ms(d1.time),
+        "checkpoint_ms": ms(d1.time),
+        "bitexact": bitexact,
+    });
+    println!("{json}");
+    Ok(bitexact)
+}
+
+fn pid_of(c: &Child) -> Result<i32> {
+    Ok(i32::try_from(c.proc.id())?)
+}
