@@ -29,10 +29,13 @@ const GRANULARITY: u64 = 64 * 1024;
 /// Virtual addresses start here so that 0 and small integers are never valid pointers.
 const VA_BASE: u64 = 0x7f00_0000_0000;
 
+/// The memory of one mapping, shared with the kernels and copies using it.
+type Block = Arc<RwLock<Box<[u8]>>>;
+
 #[derive(Debug)]
 struct Mapping {
     size: u64,
-    data: Arc<RwLock<Box<[u8]>>>,
+    data: Block,
 }
 
 #[derive(Debug)]
@@ -46,7 +49,7 @@ struct Space {
 
 impl Space {
     /// The mapping containing `[va, va+len)`, and the offset of `va` in it.
-    fn find(&self, va: DevPtr, len: u64) -> DeviceResult<(Arc<RwLock<Box<[u8]>>>, usize)> {
+    fn find(&self, va: DevPtr, len: u64) -> DeviceResult<(Block, usize)> {
         let maps = self.mappings.read();
         let (start, m) = maps
             .range(..=va.0)
@@ -90,11 +93,13 @@ impl HostBuffer for HostBuf {
 }
 
 type Op = Box<dyn FnOnce(&Space) -> DeviceResult<()> + Send>;
+/// Stream-order work that also runs after a failure, receiving the sticky error.
+type MarkerFn = Box<dyn FnOnce(Option<&str>) + Send>;
 
 enum Work {
     Op(Op),
     /// Runs even when the stream has failed, receiving the sticky error.
-    Marker(Box<dyn FnOnce(Option<&str>) + Send>),
+    Marker(MarkerFn),
 }
 
 #[derive(Debug)]
@@ -334,7 +339,7 @@ impl Device for HostDevice {
     }
 
     fn reserve(&self, size: u64) -> DeviceResult<DevPtr> {
-        if size == 0 || size % GRANULARITY != 0 {
+        if size == 0 || !size.is_multiple_of(GRANULARITY) {
             return Err(DeviceError::InvalidAddress {
                 va: DevPtr(0),
                 len: size,

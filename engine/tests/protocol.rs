@@ -390,7 +390,7 @@ fn a_buffer_freed_after_t0_is_in_the_image_with_its_t0_contents() {
 fn an_opaque_operation_saves_everything_first() {
     let p = demo_program(17);
     let e = engine(small_cfg(1024, 2, 0));
-    let mut job = HostJob::new(&e, &p).unwrap();
+    let job = HostJob::new(&e, &p).unwrap();
     let before = job.contents().unwrap();
     let store = Arc::new(MemStore::new());
     let ck = e.checkpoint(store.clone(), false).unwrap();
