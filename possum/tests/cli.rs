@@ -8,28 +8,65 @@ fn possum() -> Command {
 
 fn last_json(stdout: &[u8]) -> serde_json::Value {
     let s = String::from_utf8_lossy(stdout);
-    let line = s.lines().rev().find(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no JSON line in:\n{s}"));
+    let line = s
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON line in:\n{s}"));
     serde_json::from_str(line).unwrap()
 }
 
 #[test]
 fn demo_is_bit_exact_and_reports_its_figures() {
-    let out = possum().args(["demo", "--mib", "24", "--steps", "10", "--at", "3"]).output().unwrap();
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = possum()
+        .args(["demo", "--mib", "24", "--steps", "10", "--at", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let j = last_json(&out.stdout);
     assert_eq!(j["bitexact"], true, "{j}");
     assert_eq!(j["backend"], "host");
     assert_eq!(j["bytes"], 24 << 20);
-    for k in ["stall_ms", "checkpoint_ms", "restore_ms", "restore_first_step_ms"] {
+    for k in [
+        "stall_ms",
+        "checkpoint_ms",
+        "restore_ms",
+        "restore_first_step_ms",
+    ] {
         assert!(j[k].as_f64().is_some_and(|v| v >= 0.0), "{k} in {j}");
     }
-    assert_eq!(j["on_demand"].as_u64().unwrap() + j["prefetched"].as_u64().unwrap(), j["buffers"].as_u64().unwrap());
+    assert_eq!(
+        j["on_demand"].as_u64().unwrap() + j["prefetched"].as_u64().unwrap(),
+        j["buffers"].as_u64().unwrap()
+    );
 }
 
 #[test]
 fn demo_with_shadows_is_bit_exact() {
-    let out = possum().args(["demo", "--mib", "16", "--steps", "8", "--at", "2", "--shadow-mib", "8"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = possum()
+        .args([
+            "demo",
+            "--mib",
+            "16",
+            "--steps",
+            "8",
+            "--at",
+            "2",
+            "--shadow-mib",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(last_json(&out.stdout)["bitexact"], true);
 }
 
@@ -37,16 +74,29 @@ fn demo_with_shadows_is_bit_exact() {
 fn demo_refuses_an_existing_image_directory() {
     let tmp = tempfile::tempdir().unwrap();
     std::fs::write(tmp.path().join("precious"), "keep me").unwrap();
-    let out = possum().args(["demo", "--mib", "8", "--steps", "4", "--at", "1", "-D"]).arg(tmp.path()).output().unwrap();
+    let out = possum()
+        .args(["demo", "--mib", "8", "--steps", "4", "--at", "1", "-D"])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("possum: error:") && err.contains(&tmp.path().display().to_string()), "{err}");
-    assert_eq!(std::fs::read_to_string(tmp.path().join("precious")).unwrap(), "keep me");
+    assert!(
+        err.contains("possum: error:") && err.contains(&tmp.path().display().to_string()),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("precious")).unwrap(),
+        "keep me"
+    );
 }
 
 #[test]
 fn demo_refuses_a_checkpoint_after_the_last_step() {
-    let out = possum().args(["demo", "--steps", "4", "--at", "9"]).output().unwrap();
+    let out = possum()
+        .args(["demo", "--steps", "4", "--at", "9"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--at 9"));
 }
@@ -56,7 +106,9 @@ fn criu_usable() -> bool {
     let why = if !nix::unistd::Uid::effective().is_root() {
         Some("the CRIU demo needs root".to_string())
     } else {
-        possum_criu::Criu::locate().err().map(|e| format!("criu not installed (run scripts/install-criu.sh): {e}"))
+        possum_criu::Criu::locate()
+            .err()
+            .map(|e| format!("criu not installed (run scripts/install-criu.sh): {e}"))
     };
     match why {
         None => true,
@@ -73,8 +125,18 @@ fn demo_criu_round_trip_is_bit_exact() {
     if !criu_usable() {
         return;
     }
-    let out = possum().args(["demo", "--criu", "--mib", "16", "--steps", "12", "--at", "4"]).output().unwrap();
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = possum()
+        .args([
+            "demo", "--criu", "--mib", "16", "--steps", "12", "--at", "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let j = last_json(&out.stdout);
     assert_eq!(j["bitexact"], true, "{j}");
     assert_eq!(j["mode"], "criu");

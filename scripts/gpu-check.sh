@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU checks, run on the GPU machine from the repo root, with the build carried in .gpu/:
+#   cargo build --release -p possum-cuda -p possum && bash scripts/gpu-check.sh --stage   (here)
+#   bash scripts/gpu-check.sh                                                             (there)
+# Results go to $OUT (or .gpu/out) as logs and JSON. Without a GPU every check says SKIPPED.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--stage" ]; then
+    mkdir -p .gpu
+    for b in possum-cuda-selftest possum-cuda-engine-check possum; do
+        [ -x "target/release/$b" ] && cp "target/release/$b" .gpu/ && strip ".gpu/$b"
+    done
+    ls -la .gpu
+    exit 0
+fi
+out="${OUT:-.gpu/out}"
+mkdir -p "$out"
+export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$out/gpu.txt"
+status=0
+run() {
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 40 "$out/$name.log"
+    grep '^{' "$out/$name.log" | tail -n 1 > "$out/$name.json"
+    echo "== $name: exit $rc"
+    [ $rc -eq 0 ] || status=1
+}
+[ -x .gpu/possum-cuda-selftest ] && run selftest .gpu/possum-cuda-selftest
+[ -x .gpu/possum-cuda-engine-check ] && run engine-check .gpu/possum-cuda-engine-check ${ENGINE_CHECK_ARGS:-}
+exit $status
