@@ -29,5 +29,11 @@ run() {
     [ $rc -eq 0 ] || status=1
 }
 [ -x .gpu/possum-cuda-selftest ] && run selftest .gpu/possum-cuda-selftest
-[ -x .gpu/possum-cuda-engine-check ] && run engine-check .gpu/possum-cuda-engine-check ${ENGINE_CHECK_ARGS:-}
+if [ -x .gpu/possum-cuda-engine-check ]; then
+    run engine-4g-memory .gpu/possum-cuda-engine-check --gib 4
+    run engine-4g-disk .gpu/possum-cuda-engine-check --gib 4 --disk /tmp/possum-image-4g
+    rm -rf /tmp/possum-image-4g
+    run engine-16g-memory .gpu/possum-cuda-engine-check --gib 16 --buffers 64
+    run engine-16g-shadow .gpu/possum-cuda-engine-check --gib 16 --buffers 64 --shadow-gib 4
+fi
 exit $status

@@ -99,6 +99,8 @@ impl ChunkSink for MemStore {
     }
 
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        // Copy outside the lock: several writer threads copy at once.
+        let data = data.to_vec();
         let mut inner = self.inner.lock();
         let Some(rec) = inner.buffers.get(&buffer) else {
             return Err(ImageError::UnknownBuffer { buffer });

@@ -9,6 +9,7 @@
 //! GPU workloads (PyTorch jobs, CUDA C programs) live beside this crate as scripts.
 #![warn(missing_docs)]
 
+pub mod copyjob;
 pub mod demo;
 pub mod host;
 pub mod kernel;
