@@ -30,10 +30,12 @@ run() {
 }
 [ -x .gpu/possum-cuda-selftest ] && run selftest .gpu/possum-cuda-selftest
 if [ -x .gpu/possum-cuda-engine-check ]; then
+    # Staging: 16 x 32 MiB (bounded) against 256 x 32 MiB = 8 GiB pinned (capture at PCIe speed).
     run engine-4g-memory .gpu/possum-cuda-engine-check --gib 4
-    run engine-4g-disk .gpu/possum-cuda-engine-check --gib 4 --disk /tmp/possum-image-4g
+    run engine-4g-memory-stage8g .gpu/possum-cuda-engine-check --gib 4 --staging 256 --restore-threads 6
+    run engine-4g-disk-stage8g .gpu/possum-cuda-engine-check --gib 4 --staging 256 --restore-threads 6 --disk /tmp/possum-image-4g
     rm -rf /tmp/possum-image-4g
-    run engine-16g-memory .gpu/possum-cuda-engine-check --gib 16 --buffers 64
-    run engine-16g-shadow .gpu/possum-cuda-engine-check --gib 16 --buffers 64 --shadow-gib 4
+    run engine-16g-memory-stage8g .gpu/possum-cuda-engine-check --gib 16 --buffers 64 --staging 256 --restore-threads 6
+    run engine-16g-shadow-stage8g .gpu/possum-cuda-engine-check --gib 16 --buffers 64 --staging 256 --restore-threads 6 --shadow-gib 4
 fi
 exit $status

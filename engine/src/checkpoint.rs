@@ -147,6 +147,8 @@ pub struct CheckpointReport {
     pub buffers: usize,
     /// Bytes written to the sink.
     pub bytes: u64,
+    /// From T0 until every byte was copied off the device (the device memory could be released).
+    pub captured: Duration,
     /// From T0 until every byte was in the sink.
     pub elapsed: Duration,
     /// Buffers saved early by a priority device-to-host copy because the job was about to write them.
@@ -577,6 +579,13 @@ impl<D: Device> CkptSession<D> {
                 Next::Skip => {}
             }
         }
+        // Every copy is enqueued: once the engine's streams drain, the device memory is captured.
+        for s in self.copy_streams.iter().chain(std::iter::once(&self.prio)) {
+            if let Err(e) = self.dev.synchronize(s) {
+                self.shared.fail(e);
+            }
+        }
+        let captured = self.started.elapsed();
         if self.failed() {
             for slot in &self.slots {
                 let mut st = slot.state.lock();
@@ -619,6 +628,7 @@ impl<D: Device> CkptSession<D> {
         Ok(CheckpointReport {
             buffers: self.slots.len(),
             bytes: self.shared.bytes.load(Ordering::Relaxed),
+            captured,
             elapsed: self.started.elapsed(),
             cow_priority: self.cow_priority.load(Ordering::Relaxed),
             cow_shadow: self.cow_shadow.load(Ordering::Relaxed),

@@ -7,6 +7,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use std::sync::Arc;
+
 use parking_lot::Mutex;
 
 use crate::image::ImageError;
@@ -50,7 +52,7 @@ pub trait ChunkSource: Send + Sync {
 #[derive(Default, Debug)]
 struct MemInner {
     buffers: BTreeMap<u64, BufferRecord>,
-    chunks: HashMap<u64, BTreeMap<u64, Vec<u8>>>,
+    chunks: HashMap<u64, BTreeMap<u64, Arc<[u8]>>>,
     meta: BTreeMap<String, String>,
 }
 
@@ -100,7 +102,7 @@ impl ChunkSink for MemStore {
 
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
         // Copy outside the lock: several writer threads copy at once.
-        let data = data.to_vec();
+        let data: Arc<[u8]> = Arc::from(data);
         let mut inner = self.inner.lock();
         let Some(rec) = inner.buffers.get(&buffer) else {
             return Err(ImageError::UnknownBuffer { buffer });
@@ -116,7 +118,7 @@ impl ChunkSink for MemStore {
             .chunks
             .entry(buffer)
             .or_default()
-            .insert(offset, data.to_vec());
+            .insert(offset, data);
         Ok(())
     }
 
@@ -144,12 +146,15 @@ impl ChunkSource for MemStore {
     }
 
     fn read_chunk(&self, buffer: u64, offset: u64, dst: &mut [u8]) -> Result<(), ImageError> {
-        let inner = self.inner.lock();
-        let data = inner
-            .chunks
-            .get(&buffer)
-            .and_then(|c| c.get(&offset))
-            .ok_or(ImageError::MissingChunk { buffer, offset })?;
+        let data = {
+            let inner = self.inner.lock();
+            inner
+                .chunks
+                .get(&buffer)
+                .and_then(|c| c.get(&offset))
+                .cloned()
+                .ok_or(ImageError::MissingChunk { buffer, offset })?
+        };
         if data.len() != dst.len() {
             return Err(ImageError::ChunkOutOfRange {
                 buffer,
@@ -157,7 +162,8 @@ impl ChunkSource for MemStore {
                 len: dst.len() as u64,
             });
         }
-        dst.copy_from_slice(data);
+        // Copy outside the lock: several restorer threads read at once.
+        dst.copy_from_slice(&data);
         Ok(())
     }
 

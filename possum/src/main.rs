@@ -1,4 +1,5 @@
 //! The possum command line: a thin dispatcher over the library crates.
+#![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 

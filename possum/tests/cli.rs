@@ -114,7 +114,9 @@ fn criu_usable() -> bool {
         None => true,
         Some(w) if required => panic!("POSSUM_REQUIRE_CRIU=1 but {w}"),
         Some(w) => {
-            eprintln!("demo_criu: SKIPPED: {w}");
+            // Straight to stderr: the test harness captures eprintln!.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "demo_criu: SKIPPED: {w}");
             false
         }
     }

@@ -67,6 +67,10 @@ pub struct CopyReport {
     pub stall_engine_blocked_ms: f64,
     /// Steps completed while the checkpoint ran.
     pub steps_during_checkpoint: usize,
+    /// From T0 to every byte copied off the device, ms.
+    pub captured_ms: f64,
+    /// Capture throughput, GB/s.
+    pub capture_gbps: f64,
     /// From T0 to the image complete, ms.
     pub checkpoint_ms: f64,
     /// Checkpoint throughput, GB/s.
@@ -401,6 +405,8 @@ pub fn run<D: Device>(
         stall_ms: ms(worst.saturating_sub(normal_ms)),
         stall_engine_blocked_ms: ms(ckr.hook_blocked_total),
         steps_during_checkpoint: during.len(),
+        captured_ms: ms(ckr.captured),
+        capture_gbps: bytes as f64 / ckr.captured.as_secs_f64() / 1e9,
         checkpoint_ms: ms(ckr.elapsed),
         checkpoint_gbps: bytes as f64 / ckr.elapsed.as_secs_f64() / 1e9,
         cow_priority: ckr.cow_priority,

@@ -8,6 +8,7 @@
 //!
 //! GPU workloads (PyTorch jobs, CUDA C programs) live beside this crate as scripts.
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 pub mod copyjob;
 pub mod demo;

@@ -5,6 +5,7 @@
 //! ```text
 //! possum-cuda-engine-check [--gib G] [--buffers N] [--disk DIR] [--chunk-mib M] [--staging N]
 //!                          [--shadow-gib G] [--steps N] [--at K] [--ops N] [--device N]
+//!                          [--restore-threads N]
 //! ```
 //! Prints a summary and one JSON line. Exit 0 when bit-exact (or SKIPPED: no CUDA device, unless
 //! `POSSUM_REQUIRE_GPU=1`), 1 when not, 2 on errors.
@@ -28,6 +29,7 @@ struct Args {
     at: u64,
     ops: usize,
     device: usize,
+    restore_threads: usize,
 }
 
 fn parse() -> Result<Args, String> {
@@ -42,6 +44,7 @@ fn parse() -> Result<Args, String> {
         at: 10,
         ops: 16,
         device: 0,
+        restore_threads: 2,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -58,6 +61,7 @@ fn parse() -> Result<Args, String> {
             "--at" => a.at = num(v()?)? as u64,
             "--ops" => a.ops = num(v()?)? as usize,
             "--device" => a.device = num(v()?)? as usize,
+            "--restore-threads" => a.restore_threads = num(v()?)? as usize,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -93,7 +97,7 @@ fn main() -> ExitCode {
         staging_buffers: a.staging,
         copy_streams: 2,
         writer_threads: 4,
-        restore_threads: 2,
+        restore_threads: a.restore_threads,
         shadow_budget: (a.shadow_gib * f64::from(1u32 << 30)) as u64,
         ..EngineConfig::default()
     };
@@ -120,7 +124,8 @@ fn main() -> ExitCode {
         Ok(r) => {
             println!(
                 "{}: {:.1} GiB in {} buffers to {}: step {:.1} ms, stall {:.1} ms (hook blocked {:.1} ms); \
-                 checkpoint {:.0} ms = {:.1} GB/s ({} priority, {} shadow copy-on-write); \
+                 captured in {:.0} ms = {:.1} GB/s, checkpoint {:.0} ms = {:.1} GB/s \
+                 ({} priority, {} shadow copy-on-write); \
                  restore: first step after {:.1} ms, all back after {:.0} ms = {:.1} GB/s ({} on demand); bitexact {}",
                 r.device,
                 r.bytes as f64 / f64::from(1u32 << 30),
@@ -129,6 +134,8 @@ fn main() -> ExitCode {
                 r.step_ms,
                 r.stall_ms,
                 r.stall_engine_blocked_ms,
+                r.captured_ms,
+                r.capture_gbps,
                 r.checkpoint_ms,
                 r.checkpoint_gbps,
                 r.cow_priority,
