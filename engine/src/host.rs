@@ -437,7 +437,13 @@ impl Device for HostDevice {
     }
 
     fn alloc_host(&self, len: usize) -> DeviceResult<HostBuf> {
-        Ok(HostBuf(vec![0u8; len].into_boxed_slice()))
+        // Touch every page now, as pinning does on a GPU backend, so that first-touch page faults
+        // happen here (at engine start) and not inside a checkpoint.
+        let mut v = vec![0u8; len].into_boxed_slice();
+        for page in v.chunks_mut(4096) {
+            page[0] = std::hint::black_box(0);
+        }
+        Ok(HostBuf(v))
     }
 
     fn create_stream(&self, priority: StreamPriority) -> DeviceResult<HostStream> {

@@ -114,11 +114,7 @@ impl ChunkSink for MemStore {
                 len: data.len() as u64,
             });
         }
-        inner
-            .chunks
-            .entry(buffer)
-            .or_default()
-            .insert(offset, data);
+        inner.chunks.entry(buffer).or_default().insert(offset, data);
         Ok(())
     }
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 3 checks on the GPU machine, from the repo root, with the build in .gpu/ (libpossum.so):
+# every workload with and without libpossum.so (LD_PRELOAD, and CUDA_INJECTION64_PATH for one),
+# outputs compared bit for bit, possum's launch counts beside torch.profiler's, step times.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.gpu/out}"; mkdir -p "$out"
+so="$PWD/.gpu/libpossum.so"
+steps="${STEPS:-10}"
+export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
+nvcc -O2 -arch=sm_90 -o "$out/ptrtable" workloads/gpu/ptrtable.cu || echo "nvcc failed"
+status=0
+summary="$out/interposer-summary.jsonl"; : > "$summary"
+for job in mlp cnn gpt2 triton graph multistream ptrtable; do
+    if [ "$job" = ptrtable ]; then cmd=("$out/ptrtable" "$steps"); else cmd=(python3 workloads/gpu/jobs.py "$job" --steps "$steps"); fi
+    t0=$(date +%s.%N); "${cmd[@]}" > "$out/$job.plain" 2> "$out/$job.plain.err"; t1=$(date +%s.%N)
+    LD_PRELOAD="$so" POSSUM_STATS="$out/$job.stats.json" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"; t2=$(date +%s.%N)
+    same=false; cmp -s "$out/$job.plain" "$out/$job.possum" && [ -s "$out/$job.plain" ] && same=true
+    prof='{}'
+    if [ "$job" != ptrtable ]; then
+        python3 workloads/gpu/jobs.py "$job" --steps "$steps" --profile > "$out/$job.profile" 2>/dev/null
+        prof=$(tail -n 1 "$out/$job.profile" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin).get("profiler", {})))' 2>/dev/null || echo '{}')
+    fi
+    stats=$(cat "$out/$job.stats.json" 2>/dev/null || echo '{}')
+    echo "{\"job\":\"$job\",\"identical\":$same,\"plain_s\":$(echo "$t1 - $t0" | bc),\"possum_s\":$(echo "$t2 - $t1" | bc),\"profiler\":$prof,\"possum\":$stats}" | tee -a "$summary"
+    [ "$same" = true ] || { status=1; echo "DIFF in $job:"; diff "$out/$job.plain" "$out/$job.possum" | head -5; tail -3 "$out/$job.possum.err"; }
+done
+# The injection entry point, once.
+CUDA_INJECTION64_PATH="$so" POSSUM_STATS="$out/mlp.inject.json" python3 workloads/gpu/jobs.py mlp --steps "$steps" > "$out/mlp.inject" 2>&1
+cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, stats: $(cat "$out/mlp.inject.json" 2>/dev/null | head -c 300)" || { status=1; echo "injection run differs"; tail -5 "$out/mlp.inject"; }
+# A job that never touches CUDA.
+LD_PRELOAD="$so" python3 -c 'print("no cuda here")' | grep -q "no cuda here" && echo "non-CUDA job: unchanged" || { status=1; echo "non-CUDA job broke"; }
+exit $status

@@ -1,0 +1,142 @@
+"""Deterministic GPU jobs for possum's interposer checks (issue 3).
+
+    python3 jobs.py JOB [--steps N] [--profile]
+
+JOB: mlp (MLP + Adam), cnn (cuDNN convolutions), gpt2 (GPT-2 small from a transformers config,
+random weights, AMP), triton (a Triton kernel), graph (CUDA graph capture and replay),
+multistream (work on several streams). Prints one JSON line per step with the loss's exact bits,
+then one with a SHA-256 of every parameter and, with --profile, the number of kernels, copies and
+memsets torch.profiler saw (an independent count to compare with possum's). Nothing is downloaded.
+"""
+import argparse, hashlib, json, os, struct, sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch  # noqa: E402
+
+def bits(x: torch.Tensor) -> str:
+    return struct.pack("<f", float(x)).hex()
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+def setup(seed=0):
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+def mlp(steps):
+    m = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                            torch.nn.ReLU(), torch.nn.Linear(1024, 10)).cuda()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 512, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
+    for s in range(steps):
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        yield s, loss, m.parameters
+
+def cnn(steps):
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, padding=1),
+                            torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10)).cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
+    x, y = torch.randn(32, 3, 64, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    for s in range(steps):
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        yield s, loss, m.parameters
+
+def gpt2(steps):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=256)
+    m = GPT2LMHeadModel(cfg).cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (4, 128), device="cuda")
+    for s in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(ids, labels=ids).loss
+        opt.zero_grad(); loss.backward(); opt.step()
+        yield s, loss, m.parameters
+
+def triton_job(steps):
+    import triton, triton.language as tl
+
+    @triton.jit
+    def axpy(x_ptr, y_ptr, out_ptr, a, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        tl.store(out_ptr + i, a * tl.load(x_ptr + i, mask=mask) + tl.load(y_ptr + i, mask=mask), mask=mask)
+
+    n = 1 << 20
+    x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    out = torch.empty_like(x)
+    for s in range(steps):
+        axpy[(triton.cdiv(n, 1024),)](x, y, out, 0.5, n, BLOCK=1024)
+        y = out.clone()
+        yield s, out.sum(), lambda: [out]
+
+def graph(steps):
+    m = torch.nn.Linear(256, 256).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    s0 = torch.cuda.Stream()
+    s0.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s0):
+        for _ in range(2):
+            m(x)
+    torch.cuda.current_stream().wait_stream(s0)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        out = torch.tanh(m(x))
+    for s in range(steps):
+        g.replay()
+        with torch.no_grad():
+            x.copy_(out)
+        yield s, out.sum(), lambda: [out, m.weight]
+
+def multistream(steps):
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    a = [torch.randn(512, 512, device="cuda") for _ in range(3)]
+    for s in range(steps):
+        for i, st in enumerate(streams):
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                a[i] = torch.tanh(a[i] @ a[(i + 1) % 3] * 0.01)
+        for st in streams:
+            torch.cuda.current_stream().wait_stream(st)
+        yield s, sum(t.sum() for t in a), lambda: a
+
+JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "triton": triton_job, "graph": graph, "multistream": multistream}
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("job", choices=sorted(JOBS))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    setup()
+    prof = None
+    if a.profile:
+        from torch.profiler import profile, ProfilerActivity
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
+    params = None
+    for s, loss, params in JOBS[a.job](a.steps):
+        print(json.dumps({"step": s, "loss": bits(loss)}), flush=True)
+    torch.cuda.synchronize()
+    out = {"digest": digest(params() if callable(params) else params)}
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        kinds = {"kernels": 0, "copies": 0, "memsets": 0}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                n = e.name.lower()
+                k = "copies" if n.startswith("memcpy") else "memsets" if n.startswith("memset") else "kernels"
+                kinds[k] += 1
+        out["profiler"] = kinds
+    print(json.dumps(out), flush=True)
+
+if __name__ == "__main__":
+    sys.exit(main())
