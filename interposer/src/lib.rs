@@ -1,2 +1,189 @@
 //! libpossum.so, the only possum code that runs inside the job.
+//!
+//! This first slice only *watches*: it subscribes to CUPTI's driver-API callbacks and counts the
+//! job's kernel launches, graph launches, copies, memsets, allocations and stream creations, and
+//! the distinct kernels launched. It changes nothing the job does.
+//!
+//! CUPTI is used rather than wrapping `cuLaunchKernel` with `LD_PRELOAD` symbols because
+//! libcudart and cuBLAS `dlopen` libcuda and resolve it through `dlsym` / `cuGetProcAddress`: a
+//! symbol wrapper saw 220 of about 5000 launches of a PyTorch job, CUPTI saw all of them
+//! (`shared/FINDINGS.md`). Only the callbacks in [`cbid::CALLBACKS`] are enabled.
+//!
+//! # Loading it
+//!
+//! Either way works; using both is harmless (set-up runs once):
+//!
+//! - `LD_PRELOAD=/path/libpossum.so`: an ELF constructor sets up when the library is loaded.
+//! - `CUDA_INJECTION64_PATH=/path/libpossum.so`: libcuda loads it during `cuInit` and calls
+//!   `InitializeInjection`.
+//!
+//! # Environment
+//!
+//! - `POSSUM_CUPTI`: the CUPTI library to load (a path or a `dlopen` name). When set, only it is
+//!   tried. Otherwise [`DEFAULT_CUPTI`] is tried in order.
+//! - `POSSUM_STATS`: a file to write the statistics to (JSON, see [`stats_json`]) when the process
+//!   calls `exit()`. `%p` in it becomes the process id. Children inherit the variable; so that a
+//!   child that never used CUDA (a shell, a compiler) does not overwrite its parent's file, a
+//!   process that saw no call at all leaves an existing file alone.
+//! - `POSSUM_VERBOSE=1`: one line on stderr saying what set-up did (CUPTI loaded or not found,
+//!   callbacks enabled). Without it the library prints nothing, ever.
+//!
+//! If CUPTI cannot be loaded or subscribed to, the library does nothing else: the job runs as
+//! without it, and the statistics say `"cupti":false` with the reason in `"cupti_error"`.
+//!
+//! # Statistics
+//!
+//! `{"pid", "cupti", "cupti_path", "cupti_error", "enabled_callbacks", "launches": {name: n},
+//! "graphs": {..}, "copies": {..}, "memsets": {..}, "allocs": {..}, "streams": {..},
+//! "graph_launches", "distinct_functions", "total_launches"}`, where each object has one entry per
+//! callback of that kind in [`cbid::CALLBACKS`], `total_launches` counts kernel launches (not
+//! graph launches) and `distinct_functions` counts distinct `CUfunction` handles passed to kernel
+//! launches (library kernels pass `CUkernel` handles there; each counts once too). Calls are
+//! counted on entry, whether or not they then succeed.
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
+
+pub mod cbid;
+pub mod stats;
+mod sys;
+
+pub use sys::InitializeInjection;
+
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Once, OnceLock};
+
+use stats::Setup;
+
+/// Where CUPTI is looked for when `POSSUM_CUPTI` is not set, in order.
+pub const DEFAULT_CUPTI: &[&str] = &[
+    "libcupti.so.13",
+    "libcupti.so",
+    // PyTorch's CUDA 13 wheels (the GPU machine's venv); jobs find it through torch's RPATH, which
+    // does not apply to this library's dlopen.
+    "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13",
+    "/usr/local/cuda/extras/CUPTI/lib64/libcupti.so",
+];
+
+static INIT: Once = Once::new();
+static SETUP: OnceLock<Setup> = OnceLock::new();
+static STATS_PATH: OnceLock<Option<String>> = OnceLock::new();
+static VERBOSE: AtomicBool = AtomicBool::new(false);
+
+/// Sets the interposer up: loads CUPTI, subscribes, enables the callbacks, registers the
+/// statistics writer. Runs once per process, whichever entry point calls it first; never panics
+/// out (the entry points catch), never prints unless `POSSUM_VERBOSE=1`.
+pub fn init() {
+    INIT.call_once(|| {
+        let setup = set_up();
+        let _ = SETUP.set(setup);
+    });
+}
+
+fn set_up() -> Setup {
+    VERBOSE.store(
+        std::env::var_os("POSSUM_VERBOSE").is_some_and(|v| v == "1"),
+        Ordering::Relaxed,
+    );
+    let stats_path = std::env::var("POSSUM_STATS").ok().filter(|p| !p.is_empty());
+    if stats_path.is_some() && !sys::register_at_exit() {
+        log("atexit failed; POSSUM_STATS will not be written");
+    }
+    let _ = STATS_PATH.set(stats_path);
+
+    let candidates: Vec<String> = match std::env::var("POSSUM_CUPTI") {
+        Ok(p) if !p.is_empty() => vec![p],
+        _ => DEFAULT_CUPTI.iter().map(|s| s.to_string()).collect(),
+    };
+    let (cupti, path) = match sys::Cupti::load(&candidates) {
+        Ok(c) => c,
+        Err(why) => {
+            log(&format!(
+                "CUPTI not found ({why}); launches will not be seen"
+            ));
+            return Setup {
+                error: Some(format!("CUPTI not found: {why}")),
+                ..Setup::default()
+            };
+        }
+    };
+    let sub = match cupti.subscribe() {
+        Ok(s) => s,
+        Err(why) => {
+            log(&format!(
+                "CUPTI at {path} loaded but {why}; launches will not be seen"
+            ));
+            return Setup {
+                cupti_path: Some(path),
+                error: Some(why),
+                ..Setup::default()
+            };
+        }
+    };
+    let mut enabled = 0;
+    let mut failed = Vec::new();
+    for c in cbid::CALLBACKS {
+        match cupti.enable(sub, c.id) {
+            Ok(()) => enabled += 1,
+            Err(e) => failed.push(format!("{} ({}): {e}", c.name, c.id)),
+        }
+    }
+    let error = (!failed.is_empty()).then(|| format!("not enabled: {}", failed.join(", ")));
+    log(&format!(
+        "CUPTI at {path}: {enabled} of {} driver callbacks enabled{}",
+        cbid::CALLBACKS.len(),
+        error
+            .as_deref()
+            .map(|e| format!("; {e}"))
+            .unwrap_or_default()
+    ));
+    Setup {
+        cupti: true,
+        cupti_path: Some(path),
+        error,
+        enabled,
+    }
+}
+
+/// One line on stderr, only with `POSSUM_VERBOSE=1`. Write errors are ignored.
+fn log(msg: &str) {
+    if VERBOSE.load(Ordering::Relaxed) {
+        let _ = writeln!(std::io::stderr(), "possum: {msg}");
+    }
+}
+
+/// The statistics so far, as one JSON object (keys in the crate documentation). Before [`init`]
+/// has run, `"cupti"` is false and `"cupti_error"` says so.
+pub fn stats_json() -> String {
+    let not_set_up = Setup {
+        error: Some("not initialised".into()),
+        ..Setup::default()
+    };
+    stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up))
+}
+
+/// Total calls seen by every enabled callback.
+fn calls_seen() -> u64 {
+    cbid::Kind::ALL.iter().map(|&k| stats::total(k)).sum()
+}
+
+/// The `atexit` handler's body: writes `POSSUM_STATS` (see the crate documentation).
+fn write_stats_at_exit() {
+    let Some(Some(path)) = STATS_PATH.get() else {
+        return;
+    };
+    let pid = std::process::id();
+    let path = path.replace("%p", &pid.to_string());
+    if calls_seen() == 0 && std::path::Path::new(&path).exists() {
+        return;
+    }
+    // Write beside the target and rename, so a reader never sees half a file.
+    let tmp = format!("{path}.tmp.{pid}");
+    let mut json = stats_json();
+    json.push('\n');
+    let ok = std::fs::write(&tmp, json).and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = ok {
+        let _ = std::fs::remove_file(&tmp);
+        log(&format!("cannot write {path}: {e}"));
+    }
+}

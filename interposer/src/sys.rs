@@ -1,0 +1,236 @@
+//! The unsafe layer: the only module of this crate with `unsafe` code or unsafe attributes.
+//!
+//! - CUPTI is loaded with `dlopen` (libloading) at run time and never unloaded; only the three
+//!   functions used are looked up. Nothing of CUDA is needed to build or to load the library.
+//! - The entry points the loader and the CUDA driver call: the ELF constructor (for `LD_PRELOAD`),
+//!   `InitializeInjection` (for `CUDA_INJECTION64_PATH`) and the `atexit` handler. Each wraps the
+//!   safe code in `catch_unwind`: a panic must never cross into C.
+//! - The CUPTI callback, which reads the two fields of `CUpti_CallbackData` it needs and the
+//!   `CUfunction` of launch calls, and hands them to the safe [`crate::stats::record`].
+//!
+//! Everything here is safe to call.
+#![allow(unsafe_code)]
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::catch_unwind;
+use std::ptr;
+use std::sync::OnceLock;
+
+use libloading::Library;
+
+/// `CUptiResult`; 0 is `CUPTI_SUCCESS`.
+type CuptiResult = c_int;
+/// `CUpti_SubscriberHandle`: an opaque pointer.
+type SubscriberHandle = *mut c_void;
+/// `CUpti_CallbackFunc`.
+type CallbackFunc =
+    unsafe extern "C" fn(userdata: *mut c_void, domain: u32, cbid: u32, cbdata: *const c_void);
+
+/// `CUPTI_CB_DOMAIN_DRIVER_API` (`CUpti_CallbackDomain`, cupti_callbacks.h).
+const DOMAIN_DRIVER_API: u32 = 1;
+/// `CUPTI_API_ENTER` (`CUpti_ApiCallbackSite`, cupti_callbacks.h).
+const API_ENTER: u32 = 0;
+
+/// `CUpti_CallbackData` from cupti_callbacks.h (CUDA 13.0; unchanged since CUDA 11), as cudarc
+/// 0.19.10's bindgen output of that header lays it out. Only `callback_site` and `function_params`
+/// are read; the rest is here to keep the layout right.
+#[repr(C)]
+#[allow(dead_code)]
+struct CallbackData {
+    /// `CUpti_ApiCallbackSite callbackSite` (a C enum: 32 bits).
+    callback_site: u32,
+    /// `const char *functionName`.
+    function_name: *const c_char,
+    /// `const void *functionParams`: points at the call's `cu<name>_params` struct.
+    function_params: *const c_void,
+    /// `void *functionReturnValue`.
+    function_return_value: *mut c_void,
+    /// `const char *symbolName`.
+    symbol_name: *const c_char,
+    /// `CUcontext context`.
+    context: *mut c_void,
+    /// `uint32_t contextUid`.
+    context_uid: u32,
+    /// `uint64_t *correlationData`.
+    correlation_data: *mut u64,
+    /// `uint32_t correlationId`.
+    correlation_id: u32,
+}
+
+type SubscribeFn =
+    unsafe extern "C" fn(*mut SubscriberHandle, CallbackFunc, *mut c_void) -> CuptiResult;
+type EnableCallbackFn = unsafe extern "C" fn(u32, SubscriberHandle, u32, u32) -> CuptiResult;
+type GetResultStringFn = unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult;
+
+/// A loaded CUPTI: the library (kept loaded for the life of the process) and the functions used.
+#[derive(Debug)]
+pub struct Cupti {
+    _lib: Library,
+    subscribe: SubscribeFn,
+    enable_callback: EnableCallbackFn,
+    get_result_string: GetResultStringFn,
+}
+
+/// `e` with its sources: libloading's `Display` says only "dlopen failed", `dlerror`'s text is
+/// its source.
+fn describe_error(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}
+
+/// A CUPTI subscription, with this crate's [`callback`] as its callback. Never unsubscribed.
+#[derive(Debug, Clone, Copy)]
+pub struct Subscriber(SubscriberHandle);
+
+// SAFETY: a `CUpti_SubscriberHandle` is an opaque token CUPTI accepts from any thread.
+unsafe impl Send for Subscriber {}
+// SAFETY: as above; this crate never dereferences it.
+unsafe impl Sync for Subscriber {}
+
+static CUPTI: OnceLock<Cupti> = OnceLock::new();
+
+impl Cupti {
+    /// Loads CUPTI from the first of `candidates` (`dlopen` names or paths) that loads and has the
+    /// functions used. `Ok` gives the library and the candidate that worked; `Err` lists why each
+    /// failed. Later calls return the library the first successful call loaded.
+    pub fn load(candidates: &[String]) -> Result<(&'static Cupti, String), String> {
+        if let Some(c) = CUPTI.get() {
+            return Ok((c, "(already loaded)".into()));
+        }
+        let mut why = Vec::new();
+        for name in candidates {
+            match Self::open(name) {
+                Ok(c) => return Ok((CUPTI.get_or_init(|| c), name.clone())),
+                Err(e) => why.push(format!("{name}: {}", describe_error(&e))),
+            }
+        }
+        Err(why.join("; "))
+    }
+
+    fn open(name: &str) -> Result<Cupti, libloading::Error> {
+        // SAFETY: loading CUPTI runs its initialisers, which have no preconditions (CUPTI is made
+        // to be loaded into any CUDA process, by profilers as well as by the application).
+        let lib = unsafe { Library::new(name) }?;
+        // SAFETY: the types are those of cupti_callbacks.h / cupti_result.h (CUDA 13.0):
+        // `CUptiResult cuptiSubscribe(CUpti_SubscriberHandle*, CUpti_CallbackFunc, void*)`,
+        // `CUptiResult cuptiEnableCallback(uint32_t, CUpti_SubscriberHandle, CUpti_CallbackDomain,
+        // CUpti_CallbackId)` and `CUptiResult cuptiGetResultString(CUptiResult, const char**)`.
+        // The pointers are copied out; `lib` is stored beside them and never dropped before them.
+        unsafe {
+            let subscribe = *lib.get::<SubscribeFn>(b"cuptiSubscribe\0")?;
+            let enable_callback = *lib.get::<EnableCallbackFn>(b"cuptiEnableCallback\0")?;
+            let get_result_string = *lib.get::<GetResultStringFn>(b"cuptiGetResultString\0")?;
+            Ok(Cupti {
+                _lib: lib,
+                subscribe,
+                enable_callback,
+                get_result_string,
+            })
+        }
+    }
+
+    /// CUPTI's name for result code `r`.
+    fn describe(&self, r: CuptiResult) -> String {
+        let mut s: *const c_char = ptr::null();
+        // SAFETY: `s` is a valid out-pointer; the library is loaded for the life of the process.
+        let ok = unsafe { (self.get_result_string)(r, &mut s) };
+        if ok != 0 || s.is_null() {
+            return format!("CUptiResult {r}");
+        }
+        // SAFETY: on success CUPTI points `s` at a static NUL-terminated string.
+        let name = unsafe { CStr::from_ptr(s) }.to_string_lossy();
+        format!("{name} ({r})")
+    }
+
+    /// Subscribes [`callback`]. Fails if another subscriber exists (CUPTI allows one per process:
+    /// a profiler that uses CUPTI, Kineto included, then can't subscribe after possum).
+    pub fn subscribe(&self) -> Result<Subscriber, String> {
+        let mut h: SubscriberHandle = ptr::null_mut();
+        // SAFETY: `h` is a valid out-pointer; `callback` has the `CUpti_CallbackFunc` signature,
+        // never unwinds, and ignores its (null) userdata.
+        let r = unsafe { (self.subscribe)(&mut h, callback, ptr::null_mut()) };
+        if r != 0 {
+            return Err(format!("cuptiSubscribe: {}", self.describe(r)));
+        }
+        Ok(Subscriber(h))
+    }
+
+    /// Enables the driver-API callback `cbid` for `sub`.
+    pub fn enable(&self, sub: Subscriber, cbid: u32) -> Result<(), String> {
+        // SAFETY: `sub` came from a successful `cuptiSubscribe` of this library; CUPTI validates
+        // `cbid` and returns an error for an unknown one.
+        let r = unsafe { (self.enable_callback)(1, sub.0, DOMAIN_DRIVER_API, cbid) };
+        if r != 0 {
+            return Err(self.describe(r));
+        }
+        Ok(())
+    }
+}
+
+/// The CUPTI callback. Runs on the thread making the driver call, inside that call.
+unsafe extern "C" fn callback(
+    _userdata: *mut c_void,
+    domain: u32,
+    cbid: u32,
+    cbdata: *const c_void,
+) {
+    if domain != DOMAIN_DRIVER_API || cbdata.is_null() {
+        return;
+    }
+    let data = cbdata.cast::<CallbackData>();
+    // SAFETY: for the driver-API domain CUPTI passes a `const CUpti_CallbackData*`, valid for the
+    // duration of the callback; `CallbackData` has its layout.
+    let (site, params) = unsafe { ((*data).callback_site, (*data).function_params) };
+    if site != API_ENTER {
+        return;
+    }
+    let function = match crate::cbid::function_field(cbid) {
+        Some(i) if !params.is_null() => {
+            // SAFETY: for the launch callbacks `function_field` names, `params` points at the
+            // call's `cu<name>_params` struct (valid during the callback), whose field `i` is the
+            // pointer-sized, pointer-aligned `CUfunction f` (see `cbid::Callback::function_field`).
+            Some(unsafe { params.cast::<usize>().add(i).read() })
+        }
+        _ => None,
+    };
+    // A panic must not unwind into CUPTI; `record` has none to throw, but be sure.
+    let _ = catch_unwind(|| crate::stats::record(cbid, function));
+}
+
+/// The `LD_PRELOAD` entry point: the dynamic loader runs every `.init_array` entry when the
+/// library is loaded. Left out of unit-test builds, so that tests see only what they record.
+#[cfg(all(target_os = "linux", not(test)))]
+#[used]
+#[link_section = ".init_array"]
+static INIT_ARRAY: extern "C" fn() = constructor;
+
+#[cfg(all(target_os = "linux", not(test)))]
+extern "C" fn constructor() {
+    let _ = catch_unwind(crate::init);
+}
+
+/// The `CUDA_INJECTION64_PATH` entry point: libcuda loads the library named there during `cuInit`
+/// and calls this. Returns 1 (success) whatever happens: possum must never fail the job's `cuInit`.
+#[no_mangle]
+pub extern "C" fn InitializeInjection() -> c_int {
+    let _ = catch_unwind(crate::init);
+    1
+}
+
+extern "C" fn at_exit() {
+    let _ = catch_unwind(crate::write_stats_at_exit);
+}
+
+/// Registers the statistics writer to run at `exit()`. `false` if `atexit` refused.
+pub fn register_at_exit() -> bool {
+    // SAFETY: `at_exit` is a plain `extern "C" fn()` that never unwinds. glibc's `atexit` records
+    // the calling shared object, so the handler also runs (and is dropped) if this library is ever
+    // unloaded, before its code goes away.
+    unsafe { libc::atexit(at_exit) == 0 }
+}

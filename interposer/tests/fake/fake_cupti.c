@@ -1,0 +1,66 @@
+/* A stand-in for libcupti, for testing libpossum without a GPU: it has the three functions
+ * libpossum calls, and when libpossum enables the last callback of its table it "fires" a fixed
+ * series of driver-API callbacks, laid out as cupti_callbacks.h / cupti_driver_cbid.h (CUDA 13.0)
+ * lay them out. Only ids the test expects are fired. */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef void (*callback_fn)(void *userdata, int domain, uint32_t cbid, const void *cbdata);
+
+typedef struct {
+    int callbackSite; /* CUpti_ApiCallbackSite: 0 enter, 1 exit */
+    const char *functionName;
+    const void *functionParams;
+    void *functionReturnValue;
+    const char *symbolName;
+    void *context;
+    uint32_t contextUid;
+    uint64_t *correlationData;
+    uint32_t correlationId;
+} callback_data;
+
+typedef struct { void *f; unsigned g[6]; unsigned shmem; void *stream; void **params; void **extra; } launch_params;
+typedef struct { const void *config; void *f; void **params; void **extra; } launch_ex_params;
+
+static callback_fn cb;
+static int subscribed;
+
+int cuptiSubscribe(void **subscriber, callback_fn f, void *userdata) {
+    (void)userdata;
+    if (subscribed) return 39; /* CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED */
+    subscribed = 1;
+    cb = f;
+    *subscriber = (void *)&cb;
+    return 0;
+}
+
+int cuptiGetResultString(int result, const char **str) {
+    *str = result == 1 ? "CUPTI_ERROR_INVALID_PARAMETER" : "CUPTI_ERROR_UNKNOWN";
+    return 0;
+}
+
+static void fire(int domain, int site, uint32_t cbid, const void *params) {
+    callback_data d = {site, "fake", params, NULL, NULL, NULL, 0, NULL, 0};
+    cb(NULL, domain, cbid, &d);
+}
+
+int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t cbid) {
+    if (!enable || subscriber != (void *)&cb || domain != 1) return 1;
+    if (cbid == 797) return 1; /* pretend this CUPTI lacks cuMemcpyBatchAsync_v2_ptsz */
+    if (cbid != 367) return 0; /* cuStreamCreateWithPriority: the last entry of the table */
+    launch_params k1 = {(void *)0x1000}, k2 = {(void *)0x2000};
+    launch_ex_params ex = {(void *)0xdead, (void *)0x3000};
+    fire(1, 0, 307, &k1);
+    fire(1, 0, 307, &k1);
+    fire(1, 0, 307, &k1);
+    fire(1, 0, 442, &k2); /* cuLaunchKernel_ptsz */
+    fire(1, 0, 652, &ex); /* cuLaunchKernelEx */
+    fire(1, 0, 653, &ex); /* cuLaunchKernelEx_ptsz */
+    fire(1, 1, 307, &k2); /* exit site: not counted */
+    fire(2, 0, 307, &k2); /* runtime domain: not counted */
+    fire(1, 0, 514, NULL); /* cuGraphLaunch */
+    fire(1, 0, 306, NULL); /* cuMemcpyAsync */
+    fire(1, 0, 243, NULL); /* cuMemAlloc_v2 */
+    cb(NULL, 1, 307, NULL); /* no callback data: ignored */
+    return 0;
+}

@@ -1,0 +1,214 @@
+//! libpossum.so preloaded into programs that never use CUDA (no GPU or CUPTI needed): they must
+//! run exactly as without it.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The cdylib cargo built for this test run. `cargo test` builds it into `<target>/<profile>/deps/`
+/// beside this test's executable (only `cargo build` copies it up to `<target>/<profile>/`, where
+/// it may be stale), so look there first.
+fn libpossum() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let deps = exe.parent().unwrap();
+    [deps, deps.parent().unwrap()]
+        .iter()
+        .map(|d| d.join("libpossum.so"))
+        .find(|p| p.exists())
+        .expect("libpossum.so not built")
+}
+
+/// Runs `argv` with the environment cleared of possum's variables, plus `env`.
+fn run(argv: &[&str], preload: bool, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(argv[0]);
+    cmd.args(&argv[1..]);
+    for v in [
+        "POSSUM_STATS",
+        "POSSUM_VERBOSE",
+        "POSSUM_CUPTI",
+        "LD_PRELOAD",
+    ] {
+        cmd.env_remove(v);
+    }
+    if preload {
+        cmd.env("LD_PRELOAD", libpossum());
+    }
+    // A CUPTI that cannot exist, so the result does not depend on this machine having one.
+    cmd.env("POSSUM_CUPTI", "/nonexistent/libcupti.so");
+    cmd.envs(env.iter().copied());
+    cmd.output().unwrap()
+}
+
+fn assert_unchanged(argv: &[&str]) {
+    let plain = run(argv, false, &[]);
+    let preloaded = run(argv, true, &[]);
+    assert_eq!(plain.status.code(), preloaded.status.code(), "{argv:?}");
+    assert_eq!(plain.stdout, preloaded.stdout, "{argv:?}");
+    assert_eq!(plain.stderr, preloaded.stderr, "{argv:?}");
+}
+
+#[test]
+fn programs_run_unchanged() {
+    assert_unchanged(&["/bin/true"]);
+    assert_unchanged(&["/bin/false"]);
+    assert_unchanged(&["sh", "-c", "echo hi; echo err >&2; exit 3"]);
+    if Command::new("python3").arg("-c").arg("0").output().is_ok() {
+        assert_unchanged(&["python3", "-c", "print(1)"]);
+    }
+}
+
+#[test]
+fn verbose_prints_one_line() {
+    let out = run(&["sh", "-c", "echo hi"], true, &[("POSSUM_VERBOSE", "1")]);
+    assert!(out.status.success());
+    assert_eq!(out.stdout, b"hi\n");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("possum: CUPTI not found ("), "{err}");
+    assert!(
+        err.trim_end().ends_with("launches will not be seen"),
+        "{err}"
+    );
+}
+
+/// Runs `argv` preloaded and returns its process id (`%p` in `POSSUM_STATS`).
+fn spawn_pid(argv: &[&str], env: &[(&str, &str)]) -> u32 {
+    let mut cmd = Command::new(argv[0]);
+    cmd.args(&argv[1..]);
+    for v in ["POSSUM_STATS", "POSSUM_VERBOSE", "POSSUM_CUPTI"] {
+        cmd.env_remove(v);
+    }
+    cmd.env("LD_PRELOAD", libpossum());
+    cmd.env("POSSUM_CUPTI", "/nonexistent/libcupti.so");
+    cmd.envs(env.iter().copied());
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id();
+    assert!(child.wait().unwrap().success());
+    pid
+}
+
+#[test]
+fn stats_file_is_written() {
+    // Statistics are written by an `atexit` handler: programs that leave through `exit()` (like
+    // `true` and Python), not ones that call `_exit()` (like dash).
+    let dir = std::env::temp_dir().join(format!("possum-preload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("stats-%p.json");
+    let pid = spawn_pid(&["/bin/true"], &[("POSSUM_STATS", file.to_str().unwrap())]);
+    let path = dir.join(format!("stats-{pid}.json"));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(v["pid"], pid);
+    assert_eq!(v["cupti"], false);
+    assert!(v["cupti_error"]
+        .as_str()
+        .unwrap()
+        .contains("/nonexistent/libcupti.so"));
+    assert_eq!(v["total_launches"], 0);
+    assert_eq!(v["graph_launches"], 0);
+    assert_eq!(v["distinct_functions"], 0);
+    assert_eq!(v["launches"]["cuLaunchKernel"], 0);
+    assert_eq!(v["copies"]["cuMemcpyAsync"], 0);
+    assert_eq!(v["allocs"]["cuMemAlloc_v2"], 0);
+    // Nothing else is left in the directory (the temporary file was renamed).
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+
+    // Without `%p`: written when absent ...
+    let fixed = dir.join("stats.json");
+    spawn_pid(&["/bin/true"], &[("POSSUM_STATS", fixed.to_str().unwrap())]);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&fixed).unwrap()).unwrap();
+    assert_eq!(v["cupti"], false);
+    // ... but a later process that saw no CUDA call leaves an existing file alone.
+    std::fs::write(&fixed, "keep").unwrap();
+    spawn_pid(&["/bin/true"], &[("POSSUM_STATS", fixed.to_str().unwrap())]);
+    assert_eq!(std::fs::read_to_string(&fixed).unwrap(), "keep");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn exports_injection_entry_point() {
+    // The symbol libcuda looks up for CUDA_INJECTION64_PATH.
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(libpossum())
+        .output();
+    let Ok(out) = out else {
+        eprintln!("nm not available; skipped");
+        return;
+    };
+    let syms = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        syms.lines().any(|l| l.ends_with(" InitializeInjection")),
+        "{syms}"
+    );
+}
+
+/// Builds `tests/fake/fake_cupti.c` into `dir`; `None` (test skipped) without a C compiler.
+fn fake_cupti(dir: &std::path::Path) -> Option<PathBuf> {
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fake/fake_cupti.c");
+    let so = dir.join("libfakecupti.so");
+    let ok = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&so)
+        .arg(&src)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("no C compiler; skipped");
+        return None;
+    }
+    Some(so)
+}
+
+#[test]
+fn counts_callbacks_of_a_fake_cupti() {
+    let dir = std::env::temp_dir().join(format!("possum-fake-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let Some(fake) = fake_cupti(&dir) else {
+        return;
+    };
+    let stats = dir.join("stats.json");
+    let mut cmd = Command::new("/bin/true");
+    for v in ["POSSUM_STATS", "POSSUM_VERBOSE", "POSSUM_CUPTI"] {
+        cmd.env_remove(v);
+    }
+    let out = cmd
+        .env("LD_PRELOAD", libpossum())
+        .env("POSSUM_CUPTI", &fake)
+        .env("POSSUM_STATS", &stats)
+        .env("POSSUM_VERBOSE", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("54 of 55 driver callbacks enabled; not enabled: cuMemcpyBatchAsync_v2_ptsz"),
+        "{err}"
+    );
+
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(v["cupti"], true, "{v}");
+    assert_eq!(v["cupti_path"], fake.to_str().unwrap());
+    assert_eq!(v["enabled_callbacks"], 54);
+    assert!(v["cupti_error"]
+        .as_str()
+        .unwrap()
+        .contains("cuMemcpyBatchAsync_v2_ptsz (797): CUPTI_ERROR_INVALID_PARAMETER"));
+    let l = &v["launches"];
+    assert_eq!(l["cuLaunchKernel"], 3, "{v}");
+    assert_eq!(l["cuLaunchKernel_ptsz"], 1);
+    assert_eq!(l["cuLaunchKernelEx"], 1);
+    assert_eq!(l["cuLaunchKernelEx_ptsz"], 1);
+    assert_eq!(l["cuLaunchCooperativeKernel"], 0);
+    assert_eq!(v["total_launches"], 6);
+    // 0x1000 and 0x2000 from cuLaunchKernel; 0x3000, the second field, from cuLaunchKernelEx.
+    assert_eq!(v["distinct_functions"], 3);
+    assert_eq!(v["graph_launches"], 1);
+    assert_eq!(v["graphs"]["cuGraphLaunch"], 1);
+    assert_eq!(v["copies"]["cuMemcpyAsync"], 1);
+    assert_eq!(v["allocs"]["cuMemAlloc_v2"], 1);
+    assert_eq!(v["memsets"]["cuMemsetD8Async"], 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
