@@ -4,18 +4,31 @@
 # outputs compared bit for bit, possum's launch counts beside torch.profiler's, step times.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-.gpu/out}"; mkdir -p "$out"
+res="${OUT:-.gpu/out}"; out=/tmp/possum-interposer; mkdir -p "$res" "$out"
 so="$PWD/.gpu/libpossum.so"
 steps="${STEPS:-10}"
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
 nvcc -O2 -arch=sm_90 -o "$out/ptrtable" workloads/gpu/ptrtable.cu || echo "nvcc failed"
 status=0
-summary="$out/interposer-summary.jsonl"; : > "$summary"
-for job in mlp cnn gpt2 triton graph multistream ptrtable; do
+summary="$res/interposer-summary.jsonl"; : > "$summary"
+for job in ${JOBS:-mlp cnn gpt2 triton graph multistream ptrtable}; do
     if [ "$job" = ptrtable ]; then cmd=("$out/ptrtable" "$steps"); else cmd=(python3 workloads/gpu/jobs.py "$job" --steps "$steps"); fi
-    t0=$(date +%s.%N); "${cmd[@]}" > "$out/$job.plain" 2> "$out/$job.plain.err"; t1=$(date +%s.%N)
-    LD_PRELOAD="$so" POSSUM_STATS="$out/$job.stats.json" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"; t2=$(date +%s.%N)
+    # Plain and with possum, alternating, REPS times each: median step time of each.
+    for r in $(seq 1 "${REPS:-3}"); do
+        POSSUM_TIMING_FILE="$out/$job.plain.t$r" "${cmd[@]}" > "$out/$job.plain" 2> "$out/$job.plain.err"
+        LD_PRELOAD="$so" POSSUM_STATS="$out/$job.stats.json" POSSUM_TIMING_FILE="$out/$job.possum.t$r" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"
+    done
+    timing=$(python3 - "$out" "$job" <<'PY'
+import json, statistics, sys, glob
+out, job = sys.argv[1], sys.argv[2]
+def med(kind):
+    v = [json.load(open(f))["step_ms_median"] for f in glob.glob(f"{out}/{job}.{kind}.t*")]
+    return statistics.median(v) if v else None
+p, q = med("plain"), med("possum")
+print(json.dumps({"plain_step_ms": p, "possum_step_ms": q, "overhead_pct": (100 * (q - p) / p) if p and q else None}))
+PY
+)
     same=false; cmp -s "$out/$job.plain" "$out/$job.possum" && [ -s "$out/$job.plain" ] && same=true
     prof='{}'
     if [ "$job" != ptrtable ]; then
@@ -23,12 +36,13 @@ for job in mlp cnn gpt2 triton graph multistream ptrtable; do
         prof=$(tail -n 1 "$out/$job.profile" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin).get("profiler", {})))' 2>/dev/null || echo '{}')
     fi
     stats=$(cat "$out/$job.stats.json" 2>/dev/null || echo '{}')
-    echo "{\"job\":\"$job\",\"identical\":$same,\"plain_s\":$(echo "$t1 - $t0" | bc),\"possum_s\":$(echo "$t2 - $t1" | bc),\"profiler\":$prof,\"possum\":$stats}" | tee -a "$summary"
+    echo "{\"job\":\"$job\",\"identical\":$same,\"timing\":$timing,\"profiler\":$prof,\"possum\":$stats}" >> "$summary"
+    echo "$job: identical=$same timing=$timing profiler=$prof possum_launches=$(echo "$stats" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j.get("total_launches"), "graphs", j.get("graph_launches"))' 2>/dev/null)"
     [ "$same" = true ] || { status=1; echo "DIFF in $job:"; diff "$out/$job.plain" "$out/$job.possum" | head -5; tail -3 "$out/$job.possum.err"; }
 done
 # The injection entry point, once.
-CUDA_INJECTION64_PATH="$so" POSSUM_STATS="$out/mlp.inject.json" python3 workloads/gpu/jobs.py mlp --steps "$steps" > "$out/mlp.inject" 2>&1
-cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, stats: $(cat "$out/mlp.inject.json" 2>/dev/null | head -c 300)" || { status=1; echo "injection run differs"; tail -5 "$out/mlp.inject"; }
+CUDA_INJECTION64_PATH="$so" POSSUM_STATS="$out/mlp.inject.json" python3 workloads/gpu/jobs.py mlp --steps "$steps" > "$out/mlp.inject" 2> "$out/mlp.inject.err"
+cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, stats: $(cat "$out/mlp.inject.json" 2>/dev/null | head -c 300)" || { status=1; echo "injection run differs"; diff "$out/mlp.plain" "$out/mlp.inject" | head; tail -5 "$out/mlp.inject.err"; }
 # A job that never touches CUDA.
 LD_PRELOAD="$so" python3 -c 'print("no cuda here")' | grep -q "no cuda here" && echo "non-CUDA job: unchanged" || { status=1; echo "non-CUDA job broke"; }
 exit $status

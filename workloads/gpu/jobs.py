@@ -8,7 +8,7 @@ multistream (work on several streams). Prints one JSON line per step with the lo
 then one with a SHA-256 of every parameter and, with --profile, the number of kernels, copies and
 memsets torch.profiler saw (an independent count to compare with possum's). Nothing is downloaded.
 """
-import argparse, hashlib, json, os, struct, sys
+import argparse, hashlib, json, os, struct, sys, time
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
@@ -123,8 +123,18 @@ def main():
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
     params = None
+    times = []
+    t = time.perf_counter()
     for s, loss, params in JOBS[a.job](a.steps):
-        print(json.dumps({"step": s, "loss": bits(loss)}), flush=True)
+        print(json.dumps({"step": s, "loss": bits(loss)}), flush=True)  # .item(): waits for the step
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    # Step times go to a side file, so the compared output stays deterministic.
+    if os.environ.get("POSSUM_TIMING_FILE"):
+        steady = sorted(times[2:]) or times
+        with open(os.environ["POSSUM_TIMING_FILE"], "w") as f:
+            json.dump({"step_ms_median": 1e3 * steady[len(steady) // 2], "steps": len(times)}, f)
     torch.cuda.synchronize()
     out = {"digest": digest(params() if callable(params) else params)}
     if prof is not None:
