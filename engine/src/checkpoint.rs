@@ -36,6 +36,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::device::{DevPtr, Device, HostBuffer, Transfer};
 use crate::engine::{Access, Counters, EngineError, Inner, Phase};
 use crate::registry::Buffer;
+use crate::session::{BlockedTime, SessionHandle};
 use crate::staging::StagingPool;
 use crate::store::{BufferRecord, ChunkSink};
 
@@ -168,24 +169,7 @@ pub struct CheckpointReport {
 }
 
 /// A checkpoint under way.
-#[derive(Debug)]
-pub struct CheckpointHandle {
-    join: JoinHandle<Result<CheckpointReport, EngineError>>,
-}
-
-impl CheckpointHandle {
-    /// Waits until the image is complete in the sink (or the checkpoint failed).
-    pub fn wait(self) -> Result<CheckpointReport, EngineError> {
-        self.join
-            .join()
-            .unwrap_or_else(|_| Err(EngineError::Failed("checkpoint thread panicked".into())))
-    }
-
-    /// Whether the checkpoint has finished.
-    pub fn is_finished(&self) -> bool {
-        self.join.is_finished()
-    }
-}
+pub type CheckpointHandle = SessionHandle<CheckpointReport>;
 
 pub(crate) struct CkptSession<D: Device> {
     dev: Arc<D>,
@@ -204,9 +188,7 @@ pub(crate) struct CkptSession<D: Device> {
     touch_seq: AtomicU32,
     cow_priority: AtomicU64,
     cow_shadow: AtomicU64,
-    blocked: AtomicU64,
-    blocked_ns: AtomicU64,
-    blocked_max_ns: AtomicU64,
+    blocked: BlockedTime,
     stream_waits: AtomicU64,
     counters: Arc<Counters>,
     started: Instant,
@@ -231,7 +213,7 @@ impl<D: Device> CkptSession<D> {
                 r
             })
             .map_err(|e| EngineError::Failed(format!("cannot start the copier thread: {e}")))?;
-        Ok(CheckpointHandle { join })
+        Ok(SessionHandle::new(join, "checkpoint"))
     }
 
     /// With the gate closed: picks the buffers, fences the job's streams, installs the session.
@@ -322,9 +304,7 @@ impl<D: Device> CkptSession<D> {
             touch_seq: AtomicU32::new(0),
             cow_priority: AtomicU64::new(0),
             cow_shadow: AtomicU64::new(0),
-            blocked: AtomicU64::new(0),
-            blocked_ns: AtomicU64::new(0),
-            blocked_max_ns: AtomicU64::new(0),
+            blocked: BlockedTime::default(),
             stream_waits: AtomicU64::new(0),
             counters: Arc::clone(&inner.counters),
             started: Instant::now(),
@@ -507,11 +487,8 @@ impl<D: Device> CkptSession<D> {
         }
         if blocked {
             let d = t.elapsed();
-            let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-            self.blocked.fetch_add(1, Ordering::Relaxed);
-            self.blocked_ns.fetch_add(ns, Ordering::Relaxed);
-            self.blocked_max_ns.fetch_max(ns, Ordering::Relaxed);
-            self.counters.blocked(d);
+            self.blocked.record(d);
+            self.counters.blocked.record(d);
         }
         Ok(())
     }
@@ -625,6 +602,7 @@ impl<D: Device> CkptSession<D> {
         if let Some(e) = self.shared.error.lock().clone() {
             return Err(EngineError::Failed(format!("checkpoint failed: {e}")));
         }
+        let (hook_blocked, hook_blocked_total, hook_blocked_max) = self.blocked.totals();
         Ok(CheckpointReport {
             buffers: self.slots.len(),
             bytes: self.shared.bytes.load(Ordering::Relaxed),
@@ -633,9 +611,9 @@ impl<D: Device> CkptSession<D> {
             cow_priority: self.cow_priority.load(Ordering::Relaxed),
             cow_shadow: self.cow_shadow.load(Ordering::Relaxed),
             shadow_peak: self.shadow_peak.load(Ordering::Relaxed),
-            hook_blocked: self.blocked.load(Ordering::Relaxed),
-            hook_blocked_total: Duration::from_nanos(self.blocked_ns.load(Ordering::Relaxed)),
-            hook_blocked_max: Duration::from_nanos(self.blocked_max_ns.load(Ordering::Relaxed)),
+            hook_blocked,
+            hook_blocked_total,
+            hook_blocked_max,
             stream_waits: self.stream_waits.load(Ordering::Relaxed),
         })
     }

@@ -25,6 +25,7 @@ use crate::gate::Gate;
 use crate::image::ImageError;
 use crate::registry::{Buffer, Registry, Residency};
 use crate::restore::{RestoreHandle, RestoreSession};
+use crate::session::BlockedTime;
 use crate::staging::StagingPool;
 use crate::store::{ChunkSink, ChunkSource};
 
@@ -135,19 +136,8 @@ pub enum Access<'a> {
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub hook_calls: AtomicU64,
-    pub hook_blocked: AtomicU64,
-    pub hook_blocked_ns: AtomicU64,
-    pub hook_blocked_max_ns: AtomicU64,
+    pub blocked: BlockedTime,
     pub stream_waits: AtomicU64,
-}
-
-impl Counters {
-    pub(crate) fn blocked(&self, d: Duration) {
-        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-        self.hook_blocked.fetch_add(1, Ordering::Relaxed);
-        self.hook_blocked_ns.fetch_add(ns, Ordering::Relaxed);
-        self.hook_blocked_max_ns.fetch_max(ns, Ordering::Relaxed);
-    }
 }
 
 /// A snapshot of the engine's counters.
@@ -517,6 +507,7 @@ impl<D: Device> Engine<D> {
     pub fn stats(&self) -> Stats {
         let reg = self.inner.reg.read();
         let c = &self.inner.counters;
+        let (hook_blocked, total, max) = c.blocked.totals();
         Stats {
             buffers: reg.len(),
             bytes: reg.iter().map(Buffer::size).sum(),
@@ -526,9 +517,9 @@ impl<D: Device> Engine<D> {
                 .map(Buffer::mapped_size)
                 .sum(),
             hook_calls: c.hook_calls.load(Ordering::Relaxed),
-            hook_blocked: c.hook_blocked.load(Ordering::Relaxed),
-            hook_blocked_ns: c.hook_blocked_ns.load(Ordering::Relaxed),
-            hook_blocked_max_ns: c.hook_blocked_max_ns.load(Ordering::Relaxed),
+            hook_blocked,
+            hook_blocked_ns: u64::try_from(total.as_nanos()).unwrap_or(u64::MAX),
+            hook_blocked_max_ns: u64::try_from(max.as_nanos()).unwrap_or(u64::MAX),
             stream_waits: c.stream_waits.load(Ordering::Relaxed),
             phase: self.inner.phase.read().name(),
         }

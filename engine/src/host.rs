@@ -300,6 +300,47 @@ fn enqueue(stream: &HostStream, work: Work) -> DeviceResult<()> {
         .map_err(|_| DeviceError::StreamFailed("stream worker exited".into()))
 }
 
+/// Enqueues a copy between the device memory at `va` and the host buffer `buf`, which travels with
+/// the operation and comes back through the returned [`HostPending`] whichever way the stream goes:
+/// if the stream has already failed, the operation is skipped and the marker after it reports that.
+fn enqueue_transfer(
+    stream: &HostStream,
+    va: DevPtr,
+    len: u64,
+    mut buf: HostBuf,
+    copy: fn(&Block, usize, &mut HostBuf, usize),
+) -> DeviceResult<HostPending> {
+    if len > buf.len() as u64 {
+        return Err(DeviceError::HostBufferTooSmall {
+            need: len,
+            have: buf.len() as u64,
+        });
+    }
+    let (tx, rx) = bounded(1);
+    let tx2 = tx.clone();
+    enqueue(
+        stream,
+        Work::Op(Box::new(move |space| {
+            let r = space
+                .find(va, len)
+                .map(|(data, off)| copy(&data, off, &mut buf, to_usize(len)));
+            let sticky = r.as_ref().err().map(ToString::to_string);
+            let _ = tx.send((r, buf));
+            sticky.map_or(Ok(()), |e| Err(DeviceError::StreamFailed(e)))
+        })),
+    )?;
+    enqueue(
+        stream,
+        Work::Marker(Box::new(move |err| {
+            if let Some(e) = err {
+                let failed = Err(DeviceError::StreamFailed(e.to_owned()));
+                let _ = tx2.try_send((failed, HostBuf(Box::new([]))));
+            }
+        })),
+    )?;
+    Ok(HostPending(rx))
+}
+
 fn stream_worker(space: Arc<Space>, rx: Receiver<Work>) {
     let mut sticky: Option<String> = None;
     for work in rx {
@@ -465,51 +506,12 @@ impl Device for HostDevice {
         &self,
         stream: &HostStream,
         src: DevPtr,
-        mut dst: HostBuf,
+        dst: HostBuf,
         len: u64,
     ) -> DeviceResult<HostPending> {
-        if len > dst.len() as u64 {
-            return Err(DeviceError::HostBufferTooSmall {
-                need: len,
-                have: dst.len() as u64,
-            });
-        }
-        let (tx, rx) = bounded(1);
-        let tx2 = tx.clone();
-        // The buffer travels with the op; if the stream has already failed, the op is skipped and
-        // the marker after it reports the failure instead.
-        enqueue(
-            stream,
-            Work::Op(Box::new(move |space| {
-                let r = space.find(src, len).map(|(data, off)| {
-                    let g = data.read();
-                    dst.as_mut_slice()[..to_usize(len)]
-                        .copy_from_slice(&g[off..off + to_usize(len)]);
-                });
-                let failed = r.is_err();
-                let _ = tx.send((r, dst));
-                if failed {
-                    return Err(DeviceError::InvalidAddress {
-                        va: src,
-                        len,
-                        why: "copy source not mapped",
-                    });
-                }
-                Ok(())
-            })),
-        )?;
-        enqueue(
-            stream,
-            Work::Marker(Box::new(move |err| {
-                if let Some(e) = err {
-                    let _ = tx2.try_send((
-                        Err(DeviceError::StreamFailed(e.to_owned())),
-                        HostBuf(Box::new([])),
-                    ));
-                }
-            })),
-        )?;
-        Ok(HostPending(rx))
+        enqueue_transfer(stream, src, len, dst, |data, off, buf, len| {
+            buf.as_mut_slice()[..len].copy_from_slice(&data.read()[off..off + len]);
+        })
     }
 
     fn copy_h2d(
@@ -519,45 +521,9 @@ impl Device for HostDevice {
         dst: DevPtr,
         len: u64,
     ) -> DeviceResult<HostPending> {
-        if len > src.len() as u64 {
-            return Err(DeviceError::HostBufferTooSmall {
-                need: len,
-                have: src.len() as u64,
-            });
-        }
-        let (tx, rx) = bounded(1);
-        let tx2 = tx.clone();
-        enqueue(
-            stream,
-            Work::Op(Box::new(move |space| {
-                let r = space.find(dst, len).map(|(data, off)| {
-                    let mut g = data.write();
-                    g[off..off + to_usize(len)].copy_from_slice(&src.as_slice()[..to_usize(len)]);
-                });
-                let failed = r.is_err();
-                let _ = tx.send((r, src));
-                if failed {
-                    return Err(DeviceError::InvalidAddress {
-                        va: dst,
-                        len,
-                        why: "copy target not mapped",
-                    });
-                }
-                Ok(())
-            })),
-        )?;
-        enqueue(
-            stream,
-            Work::Marker(Box::new(move |err| {
-                if let Some(e) = err {
-                    let _ = tx2.try_send((
-                        Err(DeviceError::StreamFailed(e.to_owned())),
-                        HostBuf(Box::new([])),
-                    ));
-                }
-            })),
-        )?;
-        Ok(HostPending(rx))
+        enqueue_transfer(stream, dst, len, src, |data, off, buf, len| {
+            data.write()[off..off + len].copy_from_slice(&buf.as_slice()[..len]);
+        })
     }
 
     fn copy_d2d(

@@ -12,6 +12,7 @@ pub mod host;
 pub mod image;
 pub mod registry;
 pub mod restore;
+mod session;
 pub mod staging;
 pub mod store;
 
@@ -19,3 +20,4 @@ pub use checkpoint::{CheckpointHandle, CheckpointReport};
 pub use engine::{Access, Engine, EngineConfig, EngineError, OpGuard, RoundReport, Stats};
 pub use registry::{Buffer, Residency};
 pub use restore::{RestoreHandle, RestoreReport};
+pub use session::SessionHandle;

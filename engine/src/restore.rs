@@ -15,7 +15,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -23,6 +22,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::device::{Device, DeviceError, HostBuffer, Transfer};
 use crate::engine::{Access, Counters, EngineError, Inner, Phase};
 use crate::registry::{Buffer, Residency};
+use crate::session::{BlockedTime, SessionHandle};
 use crate::staging::StagingPool;
 use crate::store::ChunkSource;
 
@@ -69,24 +69,7 @@ pub struct RestoreReport {
 }
 
 /// A restore under way.
-#[derive(Debug)]
-pub struct RestoreHandle {
-    join: JoinHandle<Result<RestoreReport, EngineError>>,
-}
-
-impl RestoreHandle {
-    /// Waits until every buffer is back (or the restore failed).
-    pub fn wait(self) -> Result<RestoreReport, EngineError> {
-        self.join
-            .join()
-            .unwrap_or_else(|_| Err(EngineError::Failed("restore thread panicked".into())))
-    }
-
-    /// Whether the restore has finished.
-    pub fn is_finished(&self) -> bool {
-        self.join.is_finished()
-    }
-}
+pub type RestoreHandle = SessionHandle<RestoreReport>;
 
 pub(crate) struct RestoreSession<D: Device> {
     dev: Arc<D>,
@@ -101,9 +84,7 @@ pub(crate) struct RestoreSession<D: Device> {
     bytes: AtomicU64,
     on_demand: AtomicU64,
     prefetched: AtomicU64,
-    blocked: AtomicU64,
-    blocked_ns: AtomicU64,
-    blocked_max_ns: AtomicU64,
+    blocked: BlockedTime,
     counters: Arc<Counters>,
     started: Instant,
     /// Test hook: the prefetcher waits this long before each buffer.
@@ -199,9 +180,7 @@ impl<D: Device> RestoreSession<D> {
             bytes: AtomicU64::new(0),
             on_demand: AtomicU64::new(0),
             prefetched: AtomicU64::new(0),
-            blocked: AtomicU64::new(0),
-            blocked_ns: AtomicU64::new(0),
-            blocked_max_ns: AtomicU64::new(0),
+            blocked: BlockedTime::default(),
             counters: Arc::clone(&inner.counters),
             started: Instant::now(),
             prefetch_delay: inner.cfg.prefetch_delay,
@@ -239,7 +218,7 @@ impl<D: Device> RestoreSession<D> {
                 r
             })
             .map_err(|e| EngineError::Failed(format!("cannot start the restore thread: {e}")))?;
-        Ok(RestoreHandle { join })
+        Ok(SessionHandle::new(join, "restore"))
     }
 
     fn fail(&self, e: &EngineError) {
@@ -465,11 +444,8 @@ impl<D: Device> RestoreSession<D> {
         };
         if blocked {
             let d = t.elapsed();
-            let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
-            self.blocked.fetch_add(1, Ordering::Relaxed);
-            self.blocked_ns.fetch_add(ns, Ordering::Relaxed);
-            self.blocked_max_ns.fetch_max(ns, Ordering::Relaxed);
-            self.counters.blocked(d);
+            self.blocked.record(d);
+            self.counters.blocked.record(d);
         }
         r
     }
@@ -518,15 +494,16 @@ impl<D: Device> RestoreSession<D> {
         if let Some(e) = self.error.lock().clone() {
             return Err(EngineError::Failed(format!("restore failed: {e}")));
         }
+        let (hook_blocked, hook_blocked_total, hook_blocked_max) = self.blocked.totals();
         Ok(RestoreReport {
             buffers: self.slots.len(),
             bytes: self.bytes.load(Ordering::Relaxed),
             elapsed: self.started.elapsed(),
             on_demand: self.on_demand.load(Ordering::Relaxed),
             prefetched: self.prefetched.load(Ordering::Relaxed),
-            hook_blocked: self.blocked.load(Ordering::Relaxed),
-            hook_blocked_total: Duration::from_nanos(self.blocked_ns.load(Ordering::Relaxed)),
-            hook_blocked_max: Duration::from_nanos(self.blocked_max_ns.load(Ordering::Relaxed)),
+            hook_blocked,
+            hook_blocked_total,
+            hook_blocked_max,
         })
     }
 }
