@@ -1,0 +1,669 @@
+//! Per-kernel speculation and validation state: which parameter slots are read-only, whether the
+//! kernel is opaque, and the sampling helpers validation uses.
+//!
+//! A [`KernelModel`] is shared between the job's threads. The launch-path methods
+//! ([`KernelModel::next_launch`], [`KernelModel::is_opaque`], [`KernelModel::is_readonly`],
+//! [`KernelModel::classify`]) use atomics only; [`KernelModel::opaque_reason`] and
+//! [`KernelModel::mark_opaque`] take a lock and are meant for the rare paths.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use serde::Serialize;
+
+use crate::layout::{ParamLayout, Slot};
+
+/// How often launches are validated, and how read-only speculation is earned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ValidationConfig {
+    /// Validate the first N launches of each kernel.
+    pub first_launches: u32,
+    /// Then validate every Kth launch (launch numbers divisible by K); 0 = never.
+    pub every: u64,
+    /// A slot whose buffer was unchanged across this many validated launches (and never seen
+    /// changed) is speculated read-only.
+    pub readonly_after: u32,
+    /// Bytes checksummed per buffer.
+    pub sample_bytes: u64,
+    /// The sampled bytes are spread over this many windows.
+    pub windows: u32,
+}
+
+impl Default for ValidationConfig {
+    fn default() -> Self {
+        Self {
+            first_launches: 2,
+            every: 0,
+            readonly_after: 2,
+            sample_bytes: 256 * 1024,
+            windows: 16,
+        }
+    }
+}
+
+impl ValidationConfig {
+    /// Parses `"first=3,every=1000,readonly_after=2,sample=262144,windows=16"`: any subset of
+    /// the keys, the rest keep their defaults. `off` sets `first=0,every=0` (validation never
+    /// runs). The error names the key or item at fault.
+    pub fn from_env_str(s: &str) -> Result<Self, String> {
+        let mut cfg = Self::default();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            if item == "off" {
+                cfg.first_launches = 0;
+                cfg.every = 0;
+                continue;
+            }
+            let Some((key, value)) = item.split_once('=') else {
+                return Err(format!("`{item}`: expected key=value or `off`"));
+            };
+            let (key, value) = (key.trim(), value.trim());
+            let bad = |e: std::num::ParseIntError| format!("key `{key}`: bad value `{value}`: {e}");
+            match key {
+                "first" => cfg.first_launches = value.parse().map_err(bad)?,
+                "every" => cfg.every = value.parse().map_err(bad)?,
+                "readonly_after" => cfg.readonly_after = value.parse().map_err(bad)?,
+                "sample" => cfg.sample_bytes = value.parse().map_err(bad)?,
+                "windows" => cfg.windows = value.parse().map_err(bad)?,
+                _ => {
+                    return Err(format!(
+                        "unknown key `{key}` (known: first, every, readonly_after, sample, windows, off)"
+                    ))
+                }
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+/// What one validated launch showed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Validation {
+    /// Ids of buffers predicted untouched whose checksum changed.
+    pub changed_untouched: Vec<u64>,
+    /// Bitmask over slot indices (< 64): the buffer that slot pointed at changed.
+    pub slot_changed: u64,
+    /// Bitmask over slot indices (< 64): the buffer that slot pointed at did not change.
+    pub slot_unchanged: u64,
+    /// A slot whose buffer holds a live device pointer: (slot index, the pointer value found).
+    pub pointer_table: Option<(usize, u64)>,
+}
+
+/// The outcome of [`KernelModel::record_validation`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing this validation saw contradicts the speculation.
+    Consistent,
+    /// This validation made the kernel opaque, for the reason given.
+    Opaque(String),
+}
+
+/// How a launch is taken to use the buffer a slot names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum SlotAccess {
+    /// Speculated read-only.
+    Read,
+    /// Read and (maybe) written.
+    ReadWrite,
+}
+
+/// A snapshot of a kernel's counters, for reports.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KernelStats {
+    /// The kernel handle (CUfunction or CUkernel value).
+    pub handle: u64,
+    /// Its (mangled) name, when known.
+    pub name: Option<String>,
+    /// Launches seen.
+    pub launches: u64,
+    /// Validations recorded.
+    pub validated: u64,
+    /// Whether the kernel is treated as touching every buffer.
+    pub opaque: bool,
+    /// Why it is opaque.
+    pub opaque_reason: Option<String>,
+    /// Slots speculated read-only now.
+    pub readonly_slots: u32,
+    /// Pointer slots of its layout.
+    pub slots: u32,
+}
+
+/// Slots past this index have no speculation state and are always read-write.
+const TRACKED_SLOTS: usize = 64;
+
+/// Speculation and validation state of one kernel handle.
+#[derive(Debug)]
+pub struct KernelModel {
+    handle: u64,
+    name: Option<String>,
+    layout: Option<ParamLayout>,
+    slots: Vec<Slot>,
+    launches: AtomicU64,
+    validated: AtomicU64,
+    opaque: AtomicBool,
+    reason: Mutex<Option<String>>,
+    /// Slots ever seen changed: read-write forever.
+    rw_mask: AtomicU64,
+    /// Slots speculated read-only.
+    ro_mask: AtomicU64,
+    /// Per tracked slot: validated launches that saw its buffer unchanged.
+    unchanged: Vec<AtomicU32>,
+}
+
+impl KernelModel {
+    /// State for a newly seen kernel. Without a layout the kernel is opaque from the start.
+    pub fn new(handle: u64, name: Option<String>, layout: Option<ParamLayout>) -> Self {
+        let slots = layout
+            .as_ref()
+            .map(ParamLayout::pointer_slots)
+            .unwrap_or_default();
+        let unchanged = (0..slots.len().min(TRACKED_SLOTS))
+            .map(|_| AtomicU32::new(0))
+            .collect();
+        let opaque = layout.is_none();
+        Self {
+            handle,
+            name,
+            layout,
+            slots,
+            launches: AtomicU64::new(0),
+            validated: AtomicU64::new(0),
+            opaque: AtomicBool::new(opaque),
+            reason: Mutex::new(opaque.then(|| "no parameter layout".to_string())),
+            rw_mask: AtomicU64::new(0),
+            ro_mask: AtomicU64::new(0),
+            unchanged,
+        }
+    }
+
+    /// The kernel handle.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// The kernel's name, when known.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// The kernel's parameter layout, when known.
+    pub fn layout(&self) -> Option<&ParamLayout> {
+        self.layout.as_ref()
+    }
+
+    /// The layout's pointer slots ([`ParamLayout::pointer_slots`]); empty without a layout.
+    pub fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
+    /// Counts a launch: returns its number (0-based) and whether to validate it, which is when
+    /// the kernel is not opaque and the number is below `first_launches` or a multiple of
+    /// `every` (when `every > 0`).
+    pub fn next_launch(&self, cfg: &ValidationConfig) -> (u64, bool) {
+        let n = self.launches.fetch_add(1, Ordering::Relaxed);
+        let due = n < u64::from(cfg.first_launches) || n.checked_rem(cfg.every) == Some(0);
+        (n, due && !self.is_opaque())
+    }
+
+    /// Whether the kernel is treated as touching every buffer.
+    pub fn is_opaque(&self) -> bool {
+        self.opaque.load(Ordering::Acquire)
+    }
+
+    /// Why the kernel is opaque (the first reason given), if it is. Takes a lock.
+    pub fn opaque_reason(&self) -> Option<String> {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Makes the kernel opaque for good. The first reason is kept. Takes a lock.
+    pub fn mark_opaque(&self, reason: String) {
+        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if r.is_none() {
+            *r = Some(reason);
+        }
+        self.opaque.store(true, Ordering::Release);
+    }
+
+    /// Whether slot `slot_index` (an index into [`Self::slots`]) is speculated read-only.
+    /// Slots from 64 on never are.
+    pub fn is_readonly(&self, slot_index: usize) -> bool {
+        if slot_index >= TRACKED_SLOTS {
+            return false;
+        }
+        let bit = 1u64 << slot_index;
+        self.ro_mask.load(Ordering::Acquire) & bit != 0
+            && self.rw_mask.load(Ordering::Acquire) & bit == 0
+    }
+
+    /// How a launch uses the buffer slot `slot_index` names.
+    pub fn classify(&self, slot_index: usize) -> SlotAccess {
+        if self.is_readonly(slot_index) {
+            SlotAccess::Read
+        } else {
+            SlotAccess::ReadWrite
+        }
+    }
+
+    /// Records what one validated launch showed and updates the speculation:
+    /// - a change in a buffer predicted untouched, or a pointer table behind a slot, makes the
+    ///   kernel opaque (returned as [`Verdict::Opaque`]);
+    /// - slots in `slot_changed` become read-write forever;
+    /// - slots in `slot_unchanged` (and not in `slot_changed`) count one more unchanged launch and
+    ///   become read-only once they reach `cfg.readonly_after`.
+    ///
+    /// Returns [`Verdict::Consistent`] when this validation found nothing wrong, even if the
+    /// kernel was already opaque.
+    pub fn record_validation(&self, v: &Validation, cfg: &ValidationConfig) -> Verdict {
+        self.validated.fetch_add(1, Ordering::Relaxed);
+        let tracked = if self.unchanged.len() >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << self.unchanged.len()) - 1
+        };
+        let changed = v.slot_changed & tracked;
+        if changed != 0 {
+            self.rw_mask.fetch_or(changed, Ordering::AcqRel);
+            self.ro_mask.fetch_and(!changed, Ordering::AcqRel);
+        }
+        let rw = self.rw_mask.load(Ordering::Acquire);
+        let mut unchanged = v.slot_unchanged & tracked & !v.slot_changed & !rw;
+        while unchanged != 0 {
+            let i = unchanged.trailing_zeros() as usize;
+            unchanged &= unchanged - 1;
+            let seen = self.unchanged[i]
+                .fetch_add(1, Ordering::AcqRel)
+                .saturating_add(1);
+            if seen >= cfg.readonly_after {
+                self.ro_mask.fetch_or(1 << i, Ordering::AcqRel);
+            }
+        }
+        // A slot made read-write concurrently with the promotion above loses read-only status
+        // through `is_readonly` checking rw_mask too.
+
+        let reason = if !v.changed_untouched.is_empty() {
+            let ids: Vec<String> = v.changed_untouched.iter().map(u64::to_string).collect();
+            Some(format!(
+                "wrote buffer(s) it was not passed: ids {}",
+                ids.join(", ")
+            ))
+        } else {
+            v.pointer_table.map(|(slot, ptr)| {
+                format!("param slot {slot} points at a buffer holding device pointers ({ptr:#x})")
+            })
+        };
+        match reason {
+            Some(r) => {
+                self.mark_opaque(r.clone());
+                Verdict::Opaque(r)
+            }
+            None => Verdict::Consistent,
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> KernelStats {
+        let ro = self.ro_mask.load(Ordering::Acquire) & !self.rw_mask.load(Ordering::Acquire);
+        KernelStats {
+            handle: self.handle,
+            name: self.name.clone(),
+            launches: self.launches.load(Ordering::Relaxed),
+            validated: self.validated.load(Ordering::Relaxed),
+            opaque: self.is_opaque(),
+            opaque_reason: self.opaque_reason(),
+            readonly_slots: ro.count_ones(),
+            slots: u32::try_from(self.slots.len()).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// A fast deterministic checksum: FNV-1a 64 over little-endian 8-byte words, then the tail
+/// bytes, then the length.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    let mut h = FNV_OFFSET;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let w = u64::from_le_bytes(w.try_into().expect("8-byte chunk"));
+        h = (h ^ w).wrapping_mul(FNV_PRIME);
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+    }
+    (h ^ bytes.len() as u64).wrapping_mul(FNV_PRIME)
+}
+
+/// The `(offset, len)` windows to checksum in a buffer of `size` bytes.
+///
+/// The whole buffer when `size <= sample_bytes`; nothing when `sample_bytes == 0`. Otherwise
+/// `windows` windows (fewer when `sample_bytes` cannot give each 8 bytes) of equal length, a
+/// multiple of 8, together about `sample_bytes`, spread evenly: the first at 0, the last ending at
+/// `size` (it is up to 7 bytes longer than the others when `size` is not a multiple of 8). All
+/// offsets are 8-byte aligned and the windows do not overlap.
+pub fn sample_windows(size: u64, sample_bytes: u64, windows: u32) -> Vec<(u64, u64)> {
+    if size <= sample_bytes {
+        return if size == 0 {
+            Vec::new()
+        } else {
+            vec![(0, size)]
+        };
+    }
+    if sample_bytes == 0 {
+        return Vec::new();
+    }
+    let mut n = u64::from(windows.max(1));
+    if sample_bytes < 8 * n {
+        n = (sample_bytes / 8).max(1);
+    }
+    let len = if sample_bytes >= 8 {
+        (sample_bytes / n) & !7
+    } else {
+        sample_bytes
+    };
+    if n == 1 {
+        return vec![(0, len)];
+    }
+    // span >= (n - 1) * len because size > sample_bytes >= n * len and len is a multiple of 8,
+    // so consecutive aligned offsets are at least `len` apart.
+    let span = (size - len) & !7;
+    (0..n)
+        .map(|i| {
+            let off = ((u128::from(i) * u128::from(span) / u128::from(n - 1)) as u64) & !7;
+            let l = if i == n - 1 { size - off } else { len };
+            (off, l)
+        })
+        .collect()
+}
+
+/// The first 8-byte-aligned word of `bytes` (aligned to the slice start) that is not 0 and that
+/// `is_live` says is a live device address, as `(byte offset, value)`.
+pub fn find_pointers(bytes: &[u8], is_live: impl Fn(u64) -> bool) -> Option<(usize, u64)> {
+    bytes.chunks_exact(8).enumerate().find_map(|(i, w)| {
+        let v = u64::from_le_bytes(w.try_into().expect("8-byte chunk"));
+        (v != 0 && is_live(v)).then_some((i * 8, v))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::Param;
+    use proptest::prelude::*;
+
+    fn model(slots: u32) -> KernelModel {
+        let params = (0..slots)
+            .map(|i| Param {
+                offset: i * 8,
+                size: 8,
+            })
+            .collect();
+        KernelModel::new(7, Some("k".into()), Some(ParamLayout::new(params)))
+    }
+
+    #[test]
+    fn config_parsing() {
+        let c = ValidationConfig::from_env_str(
+            "first=3,every=1000,readonly_after=4,sample=4096,windows=8",
+        )
+        .unwrap();
+        assert_eq!(
+            c,
+            ValidationConfig {
+                first_launches: 3,
+                every: 1000,
+                readonly_after: 4,
+                sample_bytes: 4096,
+                windows: 8
+            }
+        );
+        let c = ValidationConfig::from_env_str(" every = 5 ").unwrap();
+        assert_eq!((c.first_launches, c.every), (2, 5));
+        let c = ValidationConfig::from_env_str("off").unwrap();
+        assert_eq!((c.first_launches, c.every), (0, 0));
+        assert_eq!(
+            ValidationConfig::from_env_str("").unwrap(),
+            ValidationConfig::default()
+        );
+        let e = ValidationConfig::from_env_str("first=1,bogus=2").unwrap_err();
+        assert!(e.contains("bogus"), "{e}");
+        let e = ValidationConfig::from_env_str("windows=x").unwrap_err();
+        assert!(e.contains("windows"), "{e}");
+        assert!(ValidationConfig::from_env_str("first").is_err());
+    }
+
+    #[test]
+    fn launch_numbering_and_validation_schedule() {
+        let m = model(1);
+        let cfg = ValidationConfig {
+            first_launches: 2,
+            every: 3,
+            ..Default::default()
+        };
+        let got: Vec<_> = (0..7).map(|_| m.next_launch(&cfg)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, true),
+                (1, true),
+                (2, false),
+                (3, true),
+                (4, false),
+                (5, false),
+                (6, true)
+            ]
+        );
+        let off = ValidationConfig::from_env_str("off").unwrap();
+        assert_eq!(m.next_launch(&off), (7, false));
+        m.mark_opaque("x".into());
+        assert_eq!(m.next_launch(&cfg), (8, false));
+        assert_eq!(m.stats().launches, 9);
+    }
+
+    #[test]
+    fn no_layout_is_opaque() {
+        let m = KernelModel::new(1, None, None);
+        assert!(m.is_opaque());
+        assert_eq!(m.opaque_reason().as_deref(), Some("no parameter layout"));
+        assert!(m.slots().is_empty());
+        assert_eq!(m.next_launch(&ValidationConfig::default()), (0, false));
+        m.mark_opaque("later".into());
+        assert_eq!(m.opaque_reason().as_deref(), Some("no parameter layout"));
+    }
+
+    #[test]
+    fn readonly_is_earned_and_lost_for_good() {
+        let m = model(3);
+        let cfg = ValidationConfig::default(); // readonly_after = 2
+        let v = Validation {
+            slot_unchanged: 0b011,
+            slot_changed: 0b100,
+            ..Default::default()
+        };
+        assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);
+        assert!(!m.is_readonly(0) && !m.is_readonly(1) && !m.is_readonly(2));
+        assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);
+        assert!(m.is_readonly(0) && m.is_readonly(1) && !m.is_readonly(2));
+        assert_eq!(m.classify(0), SlotAccess::Read);
+        assert_eq!(m.classify(2), SlotAccess::ReadWrite);
+        assert_eq!(m.stats().readonly_slots, 2);
+        // Slot 1 changes once: read-write forever, however often it is unchanged after.
+        m.record_validation(
+            &Validation {
+                slot_changed: 0b010,
+                ..Default::default()
+            },
+            &cfg,
+        );
+        for _ in 0..5 {
+            m.record_validation(
+                &Validation {
+                    slot_unchanged: 0b111,
+                    ..Default::default()
+                },
+                &cfg,
+            );
+        }
+        assert!(m.is_readonly(0) && !m.is_readonly(1) && !m.is_readonly(2));
+        let s = m.stats();
+        assert_eq!(
+            (s.validated, s.readonly_slots, s.slots, s.opaque),
+            (8, 1, 3, false)
+        );
+        assert!(!m.is_readonly(64));
+        assert!(!m.is_readonly(1000));
+    }
+
+    #[test]
+    fn bits_past_the_slot_count_are_ignored() {
+        let m = model(2);
+        let cfg = ValidationConfig {
+            readonly_after: 1,
+            ..Default::default()
+        };
+        m.record_validation(
+            &Validation {
+                slot_unchanged: u64::MAX,
+                ..Default::default()
+            },
+            &cfg,
+        );
+        assert_eq!(m.stats().readonly_slots, 2);
+        assert!(!m.is_readonly(5));
+    }
+
+    #[test]
+    fn violations_make_the_kernel_opaque() {
+        let m = model(2);
+        let cfg = ValidationConfig::default();
+        let v = Validation {
+            changed_untouched: vec![4, 9],
+            ..Default::default()
+        };
+        let Verdict::Opaque(r) = m.record_validation(&v, &cfg) else {
+            panic!("not opaque")
+        };
+        assert_eq!(r, "wrote buffer(s) it was not passed: ids 4, 9");
+        assert!(m.is_opaque());
+        assert_eq!(m.next_launch(&cfg), (0, false));
+
+        let m = model(2);
+        let v = Validation {
+            pointer_table: Some((1, 0x7f00_0000_1000)),
+            ..Default::default()
+        };
+        assert_eq!(
+            m.record_validation(&v, &cfg),
+            Verdict::Opaque(
+                "param slot 1 points at a buffer holding device pointers (0x7f0000001000)".into()
+            )
+        );
+        let s = m.stats();
+        assert!(s.opaque);
+        assert_eq!(
+            s.opaque_reason.as_deref(),
+            Some("param slot 1 points at a buffer holding device pointers (0x7f0000001000)")
+        );
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["handle"], 7);
+        assert_eq!(json["opaque"], true);
+    }
+
+    #[test]
+    fn more_than_64_slots() {
+        let m = model(100);
+        assert_eq!(m.slots().len(), 100);
+        let cfg = ValidationConfig {
+            readonly_after: 1,
+            ..Default::default()
+        };
+        m.record_validation(
+            &Validation {
+                slot_unchanged: 1 << 63,
+                ..Default::default()
+            },
+            &cfg,
+        );
+        assert!(m.is_readonly(63));
+        assert!(!m.is_readonly(64));
+    }
+
+    #[test]
+    fn checksum_sees_changes() {
+        let a = vec![0u8; 1000];
+        let mut b = a.clone();
+        assert_eq!(checksum(&a), checksum(&b));
+        b[999] = 1;
+        assert_ne!(checksum(&a), checksum(&b));
+        b[999] = 0;
+        b[3] = 1;
+        assert_ne!(checksum(&a), checksum(&b));
+        assert_ne!(checksum(&a[..8]), checksum(&a[..16]));
+        assert_ne!(checksum(&[]), checksum(&[0]));
+    }
+
+    #[test]
+    fn windows_examples() {
+        assert_eq!(sample_windows(100, 256, 16), vec![(0, 100)]);
+        assert_eq!(sample_windows(0, 256, 16), vec![]);
+        assert_eq!(sample_windows(1000, 0, 16), vec![]);
+        assert_eq!(
+            sample_windows(1 << 20, 4096, 4),
+            vec![(0, 1024), (349184, 1024), (698368, 1024), (1047552, 1024)]
+        );
+        // Size not a multiple of 8: last window runs to the end.
+        let w = sample_windows(10_001, 160, 2);
+        assert_eq!(w, vec![(0, 80), (9920, 81)]);
+    }
+
+    proptest! {
+        #[test]
+        fn windows_properties(size in 0u64..(1 << 40), sample in 0u64..(1 << 20), windows in 0u32..64) {
+            let w = sample_windows(size, sample, windows);
+            if size <= sample {
+                prop_assert_eq!(w, if size == 0 { vec![] } else { vec![(0, size)] });
+                return Ok(());
+            }
+            if sample == 0 {
+                prop_assert!(w.is_empty());
+                return Ok(());
+            }
+            prop_assert!(!w.is_empty());
+            prop_assert!(w.len() <= windows.max(1) as usize);
+            prop_assert_eq!(w[0].0, 0);
+            let total: u64 = w.iter().map(|x| x.1).sum();
+            prop_assert!(total <= sample + 7, "total {} sample {}", total, sample);
+            if w.len() > 1 {
+                prop_assert_eq!(w.last().map(|l| l.0 + l.1), Some(size));
+                prop_assert!(total + 8 * w.len() as u64 >= sample, "total {} too small for {}", total, sample);
+            }
+            for pair in w.windows(2) {
+                prop_assert!(pair[0].0 + pair[0].1 <= pair[1].0, "{:?}", pair);
+            }
+            for &(o, l) in &w {
+                prop_assert_eq!(o % 8, 0);
+                prop_assert!(l > 0 && o + l <= size);
+            }
+        }
+
+        #[test]
+        fn find_pointers_finds_the_first_live(words in prop::collection::vec(0u64..20, 0..40), tail in 0usize..8) {
+            let mut bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            bytes.resize(bytes.len() + tail, 0xff);
+            let live = |v: u64| v >= 10;
+            let want = words.iter().position(|&w| w >= 10).map(|i| (i * 8, words[i]));
+            prop_assert_eq!(find_pointers(&bytes, live), want);
+        }
+    }
+
+    #[test]
+    fn find_pointers_ignores_zero_and_unaligned() {
+        let mut b = vec![0u8; 24];
+        b[3..11].copy_from_slice(&5u64.to_le_bytes());
+        assert_eq!(find_pointers(&b, |v| v == 5), None);
+        assert_eq!(find_pointers(&b, |_| true).map(|x| x.0), Some(0)); // word 0 is nonzero now
+        assert_eq!(find_pointers(&[0u8; 16], |_| true), None);
+    }
+}
