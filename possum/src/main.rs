@@ -8,6 +8,9 @@ use clap::{Parser, Subcommand};
 mod criu_demo;
 mod demo;
 mod doctor;
+mod run;
+mod status;
+mod trace;
 
 /// possum: concurrent checkpoint and restore of GPU processes.
 #[derive(Parser, Debug)]
@@ -24,6 +27,12 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Reports CRIU, kernel features, GPU and driver.
     Doctor,
+    /// Runs a job with libpossum.so preloaded (and so a control socket); exits with its status.
+    Run(run::RunArgs),
+    /// Asks a running job for its kernel/buffer trace (JSON, and DOT with --dot).
+    Trace(trace::TraceArgs),
+    /// Asks a running job what possum manages in it.
+    Status(status::StatusArgs),
     /// The demo's job as a separate process (used by `demo --criu`).
     #[command(hide = true)]
     DemoChild(criu_demo::ChildArgs),
@@ -31,15 +40,19 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // 0: success; 1: the command's check failed; `run` passes the job's own code through.
+    let check = |ok: bool| u8::from(!ok);
     let r = match cli.cmd {
-        Cmd::Demo(a) if a.criu => criu_demo::run(&a),
-        Cmd::Demo(a) => demo::run(&a),
-        Cmd::Doctor => doctor::run(),
-        Cmd::DemoChild(a) => criu_demo::child(&a),
+        Cmd::Demo(a) if a.criu => criu_demo::run(&a).map(check),
+        Cmd::Demo(a) => demo::run(&a).map(check),
+        Cmd::Doctor => doctor::run().map(check),
+        Cmd::DemoChild(a) => criu_demo::child(&a).map(check),
+        Cmd::Run(a) => run::run(&a),
+        Cmd::Trace(a) => trace::run(&a).map(check),
+        Cmd::Status(a) => status::run(&a).map(check),
     };
     match r {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("possum: error: {e:#}");
             ExitCode::from(2)
@@ -63,5 +76,40 @@ mod tests {
         }
         assert!(Cli::try_parse_from(["possum", "demo", "--steps", "x"]).is_err());
         assert!(Cli::try_parse_from(["possum", "frobnicate"]).is_err());
+    }
+
+    #[test]
+    fn parses_run_and_trace() {
+        let c = Cli::try_parse_from(["possum", "run", "-v", "--", "sh", "-c", "exit 3"]).unwrap();
+        match c.cmd {
+            Cmd::Run(a) => {
+                assert!(a.verbose);
+                assert_eq!(a.cmd, ["sh", "-c", "exit 3"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Without `--`, everything from CMD on is the job's, flags included.
+        let c = Cli::try_parse_from(["possum", "run", "--lib", "/l.so", "ls", "-l", "-v"]).unwrap();
+        match c.cmd {
+            Cmd::Run(a) => {
+                assert!(!a.verbose);
+                assert_eq!(a.lib.as_deref(), Some(std::path::Path::new("/l.so")));
+                assert_eq!(a.cmd, ["ls", "-l", "-v"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(Cli::try_parse_from(["possum", "run"]).is_err());
+        let c = Cli::try_parse_from(["possum", "trace", "12", "-o", "t.json", "--dot", "t.dot"])
+            .unwrap();
+        match c.cmd {
+            Cmd::Trace(a) => {
+                assert_eq!(a.pid, 12);
+                assert!(a.output.is_some() && a.dot.is_some());
+                assert_eq!(a.job.timeout, 30.0);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(Cli::try_parse_from(["possum", "trace", "x"]).is_err());
+        assert!(Cli::try_parse_from(["possum", "status", "1", "--json"]).is_ok());
     }
 }

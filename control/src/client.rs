@@ -1,0 +1,164 @@
+//! The client side: one request, one reply.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::{socket_path, Request};
+
+/// Why a request to a job failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// `/proc/<pid>` does not exist.
+    #[error("no process with pid {0}")]
+    NoProcess(u32),
+    /// The process exists but has no control socket.
+    #[error(
+        "process {pid} does not have possum loaded: no control socket at {} (start the job with `possum run`)",
+        path.display()
+    )]
+    NotLoaded {
+        /// The process.
+        pid: u32,
+        /// Where its socket would be.
+        path: PathBuf,
+    },
+    /// The socket file exists but nobody accepts connections on it.
+    #[error(
+        "control socket {} of process {pid} refuses connections: it is stale (left by an exited process that had this pid, or possum's server in the job has stopped)",
+        path.display()
+    )]
+    Stale {
+        /// The process.
+        pid: u32,
+        /// The socket file.
+        path: PathBuf,
+    },
+    /// No complete reply within the timeout.
+    #[error("process {pid} did not answer within {} s", timeout.as_secs_f64())]
+    Timeout {
+        /// The process.
+        pid: u32,
+        /// The time allowed.
+        timeout: Duration,
+    },
+    /// Another I/O failure on the socket.
+    #[error("control socket {}", path.display())]
+    Io {
+        /// The socket.
+        path: PathBuf,
+        /// What failed.
+        #[source]
+        source: io::Error,
+    },
+    /// The reply was not one line of JSON.
+    #[error("bad reply on the control socket: {0}")]
+    Protocol(String),
+    /// The job answered `{"error": ...}`.
+    #[error("possum in the job answered with an error: {0}")]
+    Remote(String),
+}
+
+/// Sends `req` to process `pid`'s control socket in `dir` and returns its reply.
+///
+/// `timeout` bounds the whole exchange after connecting. A reply `{"error": ...}` becomes
+/// [`ControlError::Remote`].
+pub fn request(
+    pid: u32,
+    dir: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<Value, ControlError> {
+    if !Path::new("/proc").join(pid.to_string()).exists() {
+        return Err(ControlError::NoProcess(pid));
+    }
+    let path = socket_path(dir, pid);
+    let stream = match UnixStream::connect(&path) {
+        Ok(s) => s,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(ControlError::NotLoaded { pid, path })
+        }
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            return Err(ControlError::Stale { pid, path })
+        }
+        Err(source) => return Err(ControlError::Io { path, source }),
+    };
+    let fail = |source: io::Error| match source.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+            ControlError::Timeout { pid, timeout }
+        }
+        _ => ControlError::Io {
+            path: path.clone(),
+            source,
+        },
+    };
+    let deadline = Instant::now() + timeout;
+
+    let mut line = serde_json::to_vec(req).map_err(|e| ControlError::Protocol(e.to_string()))?;
+    line.push(b'\n');
+    if timeout.is_zero() {
+        return Err(ControlError::Timeout { pid, timeout });
+    }
+    stream.set_write_timeout(Some(timeout)).map_err(fail)?;
+    (&stream).write_all(&line).map_err(fail)?;
+
+    let mut reply = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ControlError::Timeout { pid, timeout });
+        }
+        stream.set_read_timeout(Some(left)).map_err(fail)?;
+        match (&stream).read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                reply.extend_from_slice(&chunk[..n]);
+                if chunk[..n].contains(&b'\n') {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(fail(e)),
+        }
+    }
+    parse_reply(&reply)
+}
+
+fn parse_reply(reply: &[u8]) -> Result<Value, ControlError> {
+    let line = reply.split(|&b| b == b'\n').next().unwrap_or_default();
+    if line.iter().all(u8::is_ascii_whitespace) {
+        return Err(ControlError::Protocol(
+            "the job closed the connection without answering".into(),
+        ));
+    }
+    let v: Value = serde_json::from_slice(line)
+        .map_err(|e| ControlError::Protocol(format!("reply is not JSON: {e}")))?;
+    match v.get("error") {
+        Some(Value::String(m)) => Err(ControlError::Remote(m.clone())),
+        Some(other) => Err(ControlError::Remote(other.to_string())),
+        None => Ok(v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_are_parsed() {
+        assert_eq!(parse_reply(b"{\"a\":1}\n").unwrap()["a"], 1);
+        assert!(matches!(
+            parse_reply(b"{\"error\":\"no\"}\n"),
+            Err(ControlError::Remote(m)) if m == "no"
+        ));
+        assert!(matches!(parse_reply(b""), Err(ControlError::Protocol(_))));
+        assert!(matches!(
+            parse_reply(b"{oops\n"),
+            Err(ControlError::Protocol(_))
+        ));
+    }
+}

@@ -1,0 +1,96 @@
+//! The control protocol between the `possum` command line and `libpossum.so` inside a job.
+//!
+//! Every process that has libpossum.so loaded serves a Unix stream socket at
+//! `socket_path(socket_dir(), pid)`, that is `$POSSUM_SOCKET_DIR/possum-<pid>.sock` (default
+//! directory `/tmp/possum`). One exchange per connection:
+//!
+//! ```text
+//! client ── {"cmd":"trace"}\n ──▶ server       one line of JSON: a `Request` (at most 64 KiB)
+//! client ◀── {...}\n ──────────── server       one line of JSON: any value; then it closes
+//! ```
+//!
+//! A reply that is an object with an `"error"` key is a failure (`{"error": "..."}`): the key is
+//! reserved for that. An unknown `cmd`, a line that is not JSON, a request over 64 KiB and a
+//! handler that panics all get such a reply.
+//!
+//! The server side ([`Server`]) runs inside arbitrary jobs, so this crate has no global state,
+//! prints nothing and needs only std, serde and serde_json. The client side is [`request`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod client;
+mod server;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+pub use client::{request, ControlError};
+pub use server::{remove_socket_of_this_process, Handler, Server};
+
+/// The environment variable naming the socket directory.
+pub const SOCKET_DIR_ENV: &str = "POSSUM_SOCKET_DIR";
+
+/// The socket directory when `$POSSUM_SOCKET_DIR` is unset or empty.
+pub const DEFAULT_SOCKET_DIR: &str = "/tmp/possum";
+
+/// The longest request line the server reads, newline excluded.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+/// `$POSSUM_SOCKET_DIR` if set and non-empty, else `/tmp/possum`.
+pub fn socket_dir() -> PathBuf {
+    match std::env::var_os(SOCKET_DIR_ENV) {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => PathBuf::from(DEFAULT_SOCKET_DIR),
+    }
+}
+
+/// The control socket of process `pid`: `dir/possum-<pid>.sock`.
+pub fn socket_path(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("possum-{pid}.sock"))
+}
+
+/// What the client asks, sent as `{"cmd": "<name>", ...fields}`.
+///
+/// To add a request, add a variant: a unit variant for a bare command, a struct variant for one
+/// with arguments (its fields sit beside `cmd`). The enum is deliberately not `#[non_exhaustive]`,
+/// so the compiler points at every handler that must answer the new command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Request {
+    /// Is anyone there? Any non-error reply means yes.
+    Ping,
+    /// What possum manages in the job.
+    Status,
+    /// The kernel/buffer DAG and per-kernel statistics (JSON; DOT in a `"dot"` string field).
+    Trace,
+}
+
+/// The error reply `{"error": msg}`.
+pub fn error_reply(msg: impl Into<String>) -> serde_json::Value {
+    serde_json::json!({ "error": msg.into() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_tagged_by_cmd() {
+        assert_eq!(
+            serde_json::to_string(&Request::Trace).unwrap(),
+            r#"{"cmd":"trace"}"#
+        );
+        let r: Request = serde_json::from_str(r#"{"cmd":"status"}"#).unwrap();
+        assert_eq!(r, Request::Status);
+        assert!(serde_json::from_str::<Request>(r#"{"cmd":"frobnicate"}"#).is_err());
+    }
+
+    #[test]
+    fn socket_path_names_the_pid() {
+        assert_eq!(
+            socket_path(Path::new("/x"), 42),
+            PathBuf::from("/x/possum-42.sock")
+        );
+    }
+}

@@ -1,0 +1,193 @@
+//! A server in this process with a dummy handler, and the client against it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use possum_control::{
+    remove_socket_of_this_process, request, socket_path, ControlError, Request, Server,
+};
+use serde_json::{json, Value};
+
+const T: Duration = Duration::from_secs(10);
+
+fn me() -> u32 {
+    std::process::id()
+}
+
+fn dummy(req: Request) -> Value {
+    match req {
+        Request::Ping => json!({"pong": true}),
+        Request::Status => json!({"phase": "idle", "buffers": 3}),
+        Request::Trace => panic!("dummy handler: no trace"),
+    }
+}
+
+fn start(dir: &Path) -> Server {
+    Server::start(dir, Arc::new(dummy)).unwrap()
+}
+
+/// Sends raw bytes and returns the reply line as JSON.
+fn raw(path: &Path, bytes: &[u8]) -> Value {
+    let mut s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(T)).unwrap();
+    // The server may stop reading before the end of an oversized request.
+    let _ = s.write_all(bytes);
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+}
+
+#[test]
+fn ping_and_status_round_trip() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sock");
+    let server = start(&dir);
+    assert_eq!(server.path(), socket_path(&dir, me()));
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+    assert_eq!(mode & 0o077, 0, "{mode:o}");
+    assert_eq!(
+        request(me(), &dir, &Request::Ping, T).unwrap(),
+        json!({"pong": true})
+    );
+    let st = request(me(), &dir, &Request::Status, T).unwrap();
+    assert_eq!(st["phase"], "idle");
+    assert_eq!(st["buffers"], 3);
+}
+
+#[test]
+fn unknown_command_and_garbage_get_error_replies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = start(tmp.path());
+    let r = raw(server.path(), b"{\"cmd\":\"frobnicate\"}\n");
+    let msg = r["error"].as_str().unwrap();
+    assert!(msg.contains("unknown variant `frobnicate`"), "{msg}");
+    let r = raw(server.path(), b"not json\n");
+    assert!(
+        r["error"].as_str().unwrap().starts_with("bad request"),
+        "{r}"
+    );
+    // A request without its newline, then end of stream, is still read.
+    let mut s = UnixStream::connect(server.path()).unwrap();
+    s.write_all(b"{\"cmd\":\"ping\"}").unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut line = String::new();
+    BufReader::new(&s).read_line(&mut line).unwrap();
+    assert_eq!(line, "{\"pong\":true}\n");
+}
+
+#[test]
+fn oversized_request_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let server = start(tmp.path());
+    let mut big = vec![b' '; 70 * 1024];
+    big.extend_from_slice(b"{\"cmd\":\"ping\"}\n");
+    let r = raw(server.path(), &big);
+    assert!(
+        r["error"].as_str().unwrap().contains("longer than 65536"),
+        "{r}"
+    );
+    // Exactly at the limit is fine.
+    let mut ok = vec![b' '; 64 * 1024 - 14];
+    ok.extend_from_slice(b"{\"cmd\":\"ping\"}\n");
+    assert_eq!(ok.len(), 64 * 1024 + 1);
+    assert_eq!(raw(server.path(), &ok), json!({"pong": true}));
+    assert!(request(me(), tmp.path(), &Request::Ping, T).is_ok());
+}
+
+#[test]
+fn handler_panic_is_an_error_reply_and_the_server_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let _server = start(tmp.path());
+    match request(me(), tmp.path(), &Request::Trace, T) {
+        Err(ControlError::Remote(m)) => assert_eq!(m, "internal: handler panicked"),
+        other => panic!("{other:?}"),
+    }
+    assert!(request(me(), tmp.path(), &Request::Ping, T).is_ok());
+}
+
+#[test]
+fn stale_socket_is_reported_then_replaced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = socket_path(tmp.path(), me());
+    drop(UnixListener::bind(&path).unwrap());
+    assert!(path.exists());
+    let e = request(me(), tmp.path(), &Request::Ping, T).unwrap_err();
+    assert!(matches!(e, ControlError::Stale { .. }), "{e:?}");
+    assert!(e.to_string().contains("stale"), "{e}");
+    let _server = start(tmp.path());
+    assert!(request(me(), tmp.path(), &Request::Ping, T).is_ok());
+}
+
+#[test]
+fn a_live_socket_is_not_taken_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let _first = start(tmp.path());
+    let e = Server::start(tmp.path(), Arc::new(dummy)).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+    assert!(request(me(), tmp.path(), &Request::Ping, T).is_ok());
+}
+
+#[test]
+fn shutdown_removes_the_socket() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut server = start(tmp.path());
+    let path = server.path().to_path_buf();
+    server.shutdown();
+    assert!(!path.exists());
+    let e = request(me(), tmp.path(), &Request::Ping, T).unwrap_err();
+    assert!(matches!(e, ControlError::NotLoaded { .. }), "{e:?}");
+    drop(server);
+
+    let server = start(tmp.path());
+    let path = server.path().to_path_buf();
+    std::mem::forget(server);
+    remove_socket_of_this_process(tmp.path()).unwrap();
+    assert!(!path.exists());
+    remove_socket_of_this_process(tmp.path()).unwrap();
+}
+
+#[test]
+fn not_loaded_names_the_socket_and_the_remedy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = request(me(), tmp.path(), &Request::Ping, T).unwrap_err();
+    assert!(
+        matches!(e, ControlError::NotLoaded { pid, .. } if pid == me()),
+        "{e:?}"
+    );
+    let want = format!(
+        "process {} does not have possum loaded: no control socket at {} (start the job with `possum run`)",
+        me(),
+        socket_path(tmp.path(), me()).display()
+    );
+    assert_eq!(e.to_string(), want);
+}
+
+#[test]
+fn dead_pid_is_no_process() {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let e = request(pid, tmp.path(), &Request::Ping, T).unwrap_err();
+    assert!(matches!(e, ControlError::NoProcess(p) if p == pid), "{e:?}");
+    assert_eq!(e.to_string(), format!("no process with pid {pid}"));
+}
+
+#[test]
+fn slow_handler_times_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let _server = Server::start(
+        tmp.path(),
+        Arc::new(|_| {
+            std::thread::sleep(Duration::from_millis(1500));
+            json!({})
+        }),
+    )
+    .unwrap();
+    let e = request(me(), tmp.path(), &Request::Ping, Duration::from_millis(200)).unwrap_err();
+    assert!(matches!(e, ControlError::Timeout { .. }), "{e:?}");
+}

@@ -1,0 +1,224 @@
+//! `possum run`: start a job with libpossum.so preloaded and pass its exit status through.
+
+use std::ffi::{OsStr, OsString};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use nix::sys::signal::{kill, SigSet, Signal};
+use nix::unistd::Pid;
+
+/// The environment variable naming libpossum.so (after `--lib`).
+const LIB_ENV: &str = "POSSUM_LIB";
+const LIB_NAME: &str = "libpossum.so";
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Write the job's kernel/buffer trace at exit: JSON to FILE and DOT to FILE.dot (sets
+    /// POSSUM_TRACE; libpossum.so writes them).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// libpossum.so to preload (default: $POSSUM_LIB, else next to the possum executable, else
+    /// ../lib/ relative to it).
+    #[arg(long, value_name = "PATH")]
+    pub lib: Option<PathBuf>,
+    /// Directory of the job's control socket (sets POSSUM_SOCKET_DIR; default $POSSUM_SOCKET_DIR,
+    /// else /tmp/possum).
+    #[arg(long, value_name = "DIR")]
+    pub socket_dir: Option<PathBuf>,
+    /// Print the job's pid and control socket on stderr.
+    #[arg(short, long)]
+    pub verbose: bool,
+    /// The job: a command and its arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub cmd: Vec<OsString>,
+}
+
+/// Runs the job; returns its exit code (128 + signal when a signal killed it).
+pub fn run(a: &RunArgs) -> Result<u8> {
+    let exe = std::env::current_exe().context("cannot find the possum executable")?;
+    let lib = find_lib(a.lib.as_deref(), std::env::var_os(LIB_ENV), &exe)?;
+    let lib = std::fs::canonicalize(&lib).with_context(|| format!("{}", lib.display()))?;
+    let preload = ld_preload(&lib, std::env::var_os("LD_PRELOAD"))?;
+
+    let (prog, args) = a.cmd.split_first().context("no command given")?;
+    let mut cmd = Command::new(prog);
+    cmd.args(args).env("LD_PRELOAD", &preload);
+    let socket_dir = match &a.socket_dir {
+        Some(d) => {
+            let d = std::path::absolute(d).with_context(|| format!("{}", d.display()))?;
+            cmd.env(possum_control::SOCKET_DIR_ENV, &d);
+            d
+        }
+        None => possum_control::socket_dir(),
+    };
+    if let Some(t) = &a.trace {
+        let t = std::path::absolute(t).with_context(|| format!("{}", t.display()))?;
+        cmd.env("POSSUM_TRACE", t);
+    }
+
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot execute `{}`", prog.to_string_lossy()))?;
+    if a.verbose {
+        eprintln!(
+            "possum: job pid {}, control socket {}",
+            child.id(),
+            possum_control::socket_path(&socket_dir, child.id()).display()
+        );
+    }
+    forward_signals(child.id());
+    let status = child.wait().context("waiting for the job")?;
+    Ok(exit_code(status))
+}
+
+/// `--lib`, else `$POSSUM_LIB` (each used as given: not found is an error), else libpossum.so
+/// beside `exe`, else `../lib/libpossum.so` relative to `exe`'s directory.
+fn find_lib(explicit: Option<&Path>, env: Option<OsString>, exe: &Path) -> Result<PathBuf> {
+    let (tried, why) = if let Some(p) = explicit {
+        (vec![p.to_path_buf()], "--lib")
+    } else if let Some(p) = env.filter(|p| !p.is_empty()) {
+        (vec![PathBuf::from(p)], "$POSSUM_LIB")
+    } else {
+        let dir = exe.parent().unwrap_or(Path::new("."));
+        (
+            vec![
+                dir.join(LIB_NAME),
+                dir.join("..").join("lib").join(LIB_NAME),
+            ],
+            "beside the possum executable",
+        )
+    };
+    if let Some(p) = tried.iter().find(|p| p.is_file()) {
+        return Ok(p.clone());
+    }
+    let list: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
+    bail!(
+        "libpossum.so not found ({why}): looked at {}; build it with `cargo build --release -p possum-interposer` or pass --lib PATH",
+        list.join(", ")
+    )
+}
+
+/// `lib` in front of an existing LD_PRELOAD.
+fn ld_preload(lib: &Path, existing: Option<OsString>) -> Result<OsString> {
+    let s = lib.as_os_str();
+    if s.as_encoded_bytes()
+        .iter()
+        .any(|b| *b == b':' || b.is_ascii_whitespace())
+    {
+        bail!(
+            "{}: LD_PRELOAD cannot carry a path with ':' or white space",
+            lib.display()
+        );
+    }
+    let mut v = s.to_os_string();
+    if let Some(e) = existing.filter(|e| !e.is_empty()) {
+        v.push(OsStr::new(":"));
+        v.push(e);
+    }
+    Ok(v)
+}
+
+/// From here on, possum survives the terminal's SIGINT, SIGQUIT and SIGHUP (the job gets them
+/// itself: it is in the same foreground process group) and passes a SIGTERM on to the job, so
+/// that it always reports the job's own exit status.
+fn forward_signals(child: u32) {
+    let mut set = SigSet::empty();
+    for s in [
+        Signal::SIGINT,
+        Signal::SIGQUIT,
+        Signal::SIGHUP,
+        Signal::SIGTERM,
+    ] {
+        set.add(s);
+    }
+    // The job was spawned before this, so it keeps the default mask. Threads spawned below
+    // inherit this one; possum has no others.
+    if set.thread_block().is_err() {
+        return;
+    }
+    let Ok(pid) = i32::try_from(child) else {
+        return;
+    };
+    let _ = std::thread::Builder::new()
+        .name("possum-signals".into())
+        .spawn(move || loop {
+            if let Ok(Signal::SIGTERM) = set.wait() {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+            }
+        });
+}
+
+fn exit_code(s: ExitStatus) -> u8 {
+    match (s.code(), s.signal()) {
+        (Some(c), _) => u8::try_from(c & 0xff).unwrap_or(1),
+        (None, Some(sig)) => u8::try_from((128 + sig) & 0xff).unwrap_or(1),
+        (None, None) => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lib_lookup_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        let bin = tmp.path().join("bin");
+        let lib = tmp.path().join("lib");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::create_dir_all(&lib).unwrap();
+        let exe = bin.join("possum");
+
+        let e = find_lib(None, None, &exe).unwrap_err().to_string();
+        assert!(e.contains(&bin.join(LIB_NAME).display().to_string()), "{e}");
+        assert!(e.contains("../lib/libpossum.so"), "{e}");
+        assert!(
+            e.contains("cargo build --release -p possum-interposer"),
+            "{e}"
+        );
+
+        std::fs::write(lib.join(LIB_NAME), b"").unwrap();
+        let found = find_lib(None, Some("".into()), &exe).unwrap();
+        assert_eq!(found, bin.join("..").join("lib").join(LIB_NAME));
+        std::fs::write(bin.join(LIB_NAME), b"").unwrap();
+        assert_eq!(find_lib(None, None, &exe).unwrap(), bin.join(LIB_NAME));
+
+        let other = tmp.path().join("other.so");
+        let e = find_lib(None, Some(other.clone().into()), &exe).unwrap_err();
+        assert!(e.to_string().contains("$POSSUM_LIB"), "{e}");
+        std::fs::write(&other, b"").unwrap();
+        assert_eq!(
+            find_lib(None, Some(other.clone().into()), &exe).unwrap(),
+            other
+        );
+        let e = find_lib(Some(Path::new("/nope.so")), Some(other.into()), &exe).unwrap_err();
+        assert!(e.to_string().contains("/nope.so"), "{e}");
+    }
+
+    #[test]
+    fn ld_preload_is_prepended() {
+        let lib = Path::new("/a/libpossum.so");
+        assert_eq!(ld_preload(lib, None).unwrap(), "/a/libpossum.so");
+        assert_eq!(ld_preload(lib, Some("".into())).unwrap(), "/a/libpossum.so");
+        assert_eq!(
+            ld_preload(lib, Some("/b/x.so".into())).unwrap(),
+            "/a/libpossum.so:/b/x.so"
+        );
+        assert!(ld_preload(Path::new("/a b/libpossum.so"), None).is_err());
+    }
+
+    #[test]
+    fn exit_codes() {
+        assert_eq!(exit_code(ExitStatus::from_raw(3 << 8)), 3);
+        assert_eq!(exit_code(ExitStatus::from_raw(15)), 143);
+        assert_eq!(exit_code(ExitStatus::from_raw(0)), 0);
+    }
+}
