@@ -72,6 +72,18 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuMemsetD8Async",
+    // introspect.rs
+    "cuFuncGetParamInfo",
+    "cuKernelGetParamInfo",
+    "cuFuncGetName",
+    "cuKernelGetName",
+    "cuCtxGetDevice",
+    "cuStreamIsCapturing",
+    "cuMemcpyDtoH_v2",
+    "cuGraphGetNodes",
+    "cuGraphNodeGetType",
+    "cuGraphKernelNodeGetParams_v2",
+    "cuGraphMemsetNodeGetParams",
 ];
 
 static LOADED: OnceLock<Result<(), String>> = OnceLock::new();

@@ -11,14 +11,16 @@
 //!
 //! The driver (libcuda) is loaded at run time through cudarc, so this crate builds without CUDA and
 //! [`probe`] says, without panicking, whether a device is usable. All `unsafe` code is in the private
-//! `driver` module; everything else is safe.
+//! `driver` module and in [`introspect`] (the job's kernels, graphs and streams, for the
+//! interposer); everything else is safe.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
 mod device;
 mod driver;
+pub mod introspect;
 
 pub use device::{probe, CudaDevice, DriverInfo};
 pub use driver::{
-    check, CUcontext, CUresult, CUstream, CudaEvent, CudaPending, CudaStream, PinnedBuf,
+    check, is_out_of_memory, CUcontext, CUresult, CUstream, CudaEvent, CudaPending, CudaStream, PinnedBuf,
 };

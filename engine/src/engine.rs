@@ -312,6 +312,15 @@ impl<D: Device> Engine<D> {
         self.inner.job_streams.write().push(s);
     }
 
+    /// Forgets the job streams for which `same` is true (streams the job is destroying), so that
+    /// no later checkpoint records a fence on them. Returns how many were forgotten.
+    pub fn unregister_streams(&self, same: impl Fn(&D::Stream) -> bool) -> usize {
+        let mut streams = self.inner.job_streams.write();
+        let before = streams.len();
+        streams.retain(|s| !same(s));
+        before - streams.len()
+    }
+
     /// Allocates a managed, releasable buffer of `size` bytes.
     pub fn alloc(&self, size: u64) -> Result<Buffer, EngineError> {
         let g = self.inner.dev.granularity();

@@ -23,19 +23,22 @@ pub enum Kind {
     Memset,
     /// Device memory allocation, freeing or mapping.
     Alloc,
-    /// Stream creation.
+    /// Stream creation and destruction.
     Stream,
+    /// Stream capture and graph instantiation.
+    Capture,
 }
 
 impl Kind {
     /// Every kind, in the order the statistics list them.
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Launch,
         Kind::Graph,
         Kind::Copy,
         Kind::Memset,
         Kind::Alloc,
         Kind::Stream,
+        Kind::Capture,
     ];
 
     /// The key of this kind's object in the statistics JSON.
@@ -47,8 +50,102 @@ impl Kind {
             Kind::Memset => "memsets",
             Kind::Alloc => "allocs",
             Kind::Stream => "streams",
+            Kind::Capture => "captures",
         }
     }
+}
+
+/// Where a call's stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamAt {
+    /// In 8-byte word `n` of the params struct.
+    Word(usize),
+    /// In the `CUlaunchConfig` that word `n` points at (its `hStream`, at byte 32).
+    Config(usize),
+    /// The legacy default stream (a synchronous call).
+    Legacy,
+    /// The calling thread's per-thread default stream (a synchronous `_ptds` call).
+    PerThread,
+}
+
+/// How possum reads a call's `cu<name>_params` struct. Every field named here is one 8-byte word
+/// of the struct (pointers, handles, `size_t`, and small integers padded to 8 bytes), numbered
+/// from 0; the layouts are cupti_driver_cbid.h's (CUDA 13.0) as cudarc 0.19.10 binds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// A kernel launch: the function handle, the stream, `void **kernelParams`, `void **extra`.
+    Launch {
+        /// Word of `CUfunction f`.
+        func: usize,
+        /// The stream.
+        stream: StreamAt,
+        /// Word of `void **kernelParams`.
+        params: usize,
+        /// Word of `void **extra`, if the call has one.
+        extra: Option<usize>,
+    },
+    /// `cuGraphLaunch(hGraphExec, hStream)`.
+    GraphLaunch,
+    /// A copy of `bytes` (a word) from `src` to `dst` (words; either may be a host address).
+    Copy {
+        /// Word of the destination address.
+        dst: usize,
+        /// Word of the source address.
+        src: usize,
+        /// Word of the byte count.
+        bytes: usize,
+        /// The stream.
+        stream: StreamAt,
+    },
+    /// A memset of `count` (a word) elements of `elem` bytes at `dst` (a word).
+    Memset {
+        /// Word of the destination.
+        dst: usize,
+        /// Word of the element count.
+        count: usize,
+        /// Element size in bytes.
+        elem: u64,
+        /// The stream.
+        stream: StreamAt,
+    },
+    /// An operation on a stream whose buffers possum does not decode (2D/3D and batched copies):
+    /// treated as touching every buffer.
+    OpaqueOp {
+        /// The stream.
+        stream: StreamAt,
+    },
+    /// An allocation: on exit, `*(word out)` is the address and word `bytes` the size.
+    Alloc {
+        /// Word of `CUdeviceptr *dptr`.
+        out: usize,
+        /// Word of the size.
+        bytes: usize,
+    },
+    /// `cuMemAllocPitch_v2(dptr*, pPitch*, WidthInBytes, Height, ElementSizeBytes)`.
+    AllocPitch,
+    /// `cuMemMap(ptr, size, offset, handle, flags)`: a range of the job's own VMM mappings.
+    Map,
+    /// A free of the allocation at word `ptr`.
+    Free {
+        /// Word of the address.
+        ptr: usize,
+    },
+    /// `cuMemUnmap(ptr, size)`.
+    Unmap,
+    /// `cuStreamDestroy(hStream)`.
+    StreamDestroy,
+    /// `cuStreamBeginCapture(hStream, ...)`.
+    CaptureBegin,
+    /// `cuStreamEndCapture(hStream, phGraph)`.
+    CaptureEnd,
+    /// `cuGraphInstantiate*(phGraphExec, hGraph, ...)`.
+    GraphInstantiate,
+    /// `cuGraphExecDestroy(hGraphExec)`.
+    GraphExecDestroy,
+    /// A call that changes an instantiated graph's nodes (word 0 is the `CUgraphExec`).
+    GraphExecChanged,
+    /// Counted only.
+    Count,
 }
 
 /// One enabled callback.
@@ -58,93 +155,178 @@ pub struct Callback {
     pub name: &'static str,
     /// Its `CUpti_driver_api_trace_cbid` value.
     pub id: u32,
-    /// What it is.
+    /// What it is, for the statistics.
     pub kind: Kind,
-    /// For launches: the index of the `CUfunction f` field in the call's `cu<name>_params` struct
-    /// (each field is pointer-sized there: `f` first for `cuLaunchKernel` and
-    /// `cuLaunchCooperativeKernel`, after `const CUlaunchConfig *config` for `cuLaunchKernelEx`).
-    pub function_field: Option<usize>,
+    /// How its parameters are read.
+    pub shape: Shape,
 }
 
-const fn cb(name: &'static str, id: u32, kind: Kind) -> Callback {
+impl Callback {
+    /// For launches: the word of the `CUfunction f` field.
+    pub const fn function_field(&self) -> Option<usize> {
+        match self.shape {
+            Shape::Launch { func, .. } => Some(func),
+            _ => None,
+        }
+    }
+}
+
+const fn cb(name: &'static str, id: u32, kind: Kind, shape: Shape) -> Callback {
     Callback {
         name,
         id,
         kind,
-        function_field: None,
+        shape,
     }
 }
 
-const fn launch(name: &'static str, id: u32, function_field: usize) -> Callback {
-    Callback {
-        name,
-        id,
-        kind: Kind::Launch,
-        function_field: Some(function_field),
-    }
+const fn launch(name: &'static str, id: u32, stream: StreamAt, extra: bool) -> Callback {
+    // cuLaunchKernel / cuLaunchCooperativeKernel: f, grid x y z, block x y z, sharedMemBytes (four
+    // words of 32-bit pairs), hStream (word 5), kernelParams (6), extra (7, cuLaunchKernel only).
+    // cuLaunchKernelEx: config (0), f (1), kernelParams (2), extra (3).
+    let shape = match stream {
+        StreamAt::Config(_) => Shape::Launch {
+            func: 1,
+            stream,
+            params: 2,
+            extra: Some(3),
+        },
+        _ => Shape::Launch {
+            func: 0,
+            stream,
+            params: 6,
+            extra: if extra { Some(7) } else { None },
+        },
+    };
+    cb(name, id, Kind::Launch, shape)
+}
+
+const fn copy(name: &'static str, id: u32, dst: usize, src: usize, bytes: usize, stream: StreamAt) -> Callback {
+    cb(name, id, Kind::Copy, Shape::Copy { dst, src, bytes, stream })
+}
+
+const fn memset(name: &'static str, id: u32, elem: u64, stream: StreamAt) -> Callback {
+    cb(name, id, Kind::Memset, Shape::Memset { dst: 0, count: 2, elem, stream })
+}
+
+const fn opaque_copy(name: &'static str, id: u32, stream: StreamAt) -> Callback {
+    cb(name, id, Kind::Copy, Shape::OpaqueOp { stream })
 }
 
 /// Upper bound (exclusive) on the ids in [`CALLBACKS`]; sizes the counter array.
 pub const ID_LIMIT: usize = 1024;
 
+use StreamAt::{Config, Legacy, PerThread, Word};
+
 /// Every callback possum enables. `_ptsz` / `_ptds` are the per-thread-default-stream variants.
 pub const CALLBACKS: &[Callback] = &[
-    launch("cuLaunchKernel", 307, 0),
-    launch("cuLaunchKernel_ptsz", 442, 0),
-    launch("cuLaunchKernelEx", 652, 1),
-    launch("cuLaunchKernelEx_ptsz", 653, 1),
-    launch("cuLaunchCooperativeKernel", 477, 0),
-    launch("cuLaunchCooperativeKernel_ptsz", 478, 0),
-    cb("cuGraphLaunch", 514, Kind::Graph),
-    cb("cuGraphLaunch_ptsz", 515, Kind::Graph),
-    cb("cuMemcpy", 305, Kind::Copy),
-    cb("cuMemcpy_ptds", 408, Kind::Copy),
-    cb("cuMemcpyAsync", 306, Kind::Copy),
-    cb("cuMemcpyAsync_ptsz", 418, Kind::Copy),
-    cb("cuMemcpyHtoD_v2", 276, Kind::Copy),
-    cb("cuMemcpyHtoD_v2_ptds", 397, Kind::Copy),
-    cb("cuMemcpyHtoDAsync_v2", 277, Kind::Copy),
-    cb("cuMemcpyHtoDAsync_v2_ptsz", 421, Kind::Copy),
-    cb("cuMemcpyDtoH_v2", 278, Kind::Copy),
-    cb("cuMemcpyDtoH_v2_ptds", 398, Kind::Copy),
-    cb("cuMemcpyDtoHAsync_v2", 279, Kind::Copy),
-    cb("cuMemcpyDtoHAsync_v2_ptsz", 422, Kind::Copy),
-    cb("cuMemcpyDtoD_v2", 280, Kind::Copy),
-    cb("cuMemcpyDtoD_v2_ptds", 399, Kind::Copy),
-    cb("cuMemcpyDtoDAsync_v2", 281, Kind::Copy),
-    cb("cuMemcpyDtoDAsync_v2_ptsz", 423, Kind::Copy),
-    cb("cuMemcpyPeerAsync", 319, Kind::Copy),
-    cb("cuMemcpyPeerAsync_ptsz", 426, Kind::Copy),
-    cb("cuMemcpyBatchAsync", 776, Kind::Copy),
-    cb("cuMemcpyBatchAsync_ptsz", 777, Kind::Copy),
-    cb("cuMemcpyBatchAsync_v2", 796, Kind::Copy),
-    cb("cuMemcpyBatchAsync_v2_ptsz", 797, Kind::Copy),
-    cb("cuMemsetD8_v2", 249, Kind::Memset),
-    cb("cuMemsetD8_v2_ptds", 411, Kind::Memset),
-    cb("cuMemsetD32_v2", 251, Kind::Memset),
-    cb("cuMemsetD32_v2_ptds", 413, Kind::Memset),
-    cb("cuMemsetD8Async", 216, Kind::Memset),
-    cb("cuMemsetD8Async_ptsz", 428, Kind::Memset),
-    cb("cuMemsetD16Async", 218, Kind::Memset),
-    cb("cuMemsetD16Async_ptsz", 429, Kind::Memset),
-    cb("cuMemsetD32Async", 220, Kind::Memset),
-    cb("cuMemsetD32Async_ptsz", 430, Kind::Memset),
-    cb("cuMemAlloc_v2", 243, Kind::Alloc),
-    cb("cuMemFree_v2", 245, Kind::Alloc),
-    cb("cuMemAllocManaged", 371, Kind::Alloc),
-    cb("cuMemAllocAsync", 598, Kind::Alloc),
-    cb("cuMemAllocAsync_ptsz", 599, Kind::Alloc),
-    cb("cuMemFreeAsync", 600, Kind::Alloc),
-    cb("cuMemFreeAsync_ptsz", 601, Kind::Alloc),
-    cb("cuMemAllocFromPoolAsync", 611, Kind::Alloc),
-    cb("cuMemAllocFromPoolAsync_ptsz", 612, Kind::Alloc),
-    cb("cuMemCreate", 549, Kind::Alloc),
-    cb("cuMemRelease", 550, Kind::Alloc),
-    cb("cuMemMap", 551, Kind::Alloc),
-    cb("cuMemUnmap", 552, Kind::Alloc),
-    cb("cuStreamCreate", 124, Kind::Stream),
-    cb("cuStreamCreateWithPriority", 367, Kind::Stream),
+    launch("cuLaunchKernel", 307, Word(5), true),
+    launch("cuLaunchKernel_ptsz", 442, Word(5), true),
+    launch("cuLaunchKernelEx", 652, Config(0), true),
+    launch("cuLaunchKernelEx_ptsz", 653, Config(0), true),
+    launch("cuLaunchCooperativeKernel", 477, Word(5), false),
+    launch("cuLaunchCooperativeKernel_ptsz", 478, Word(5), false),
+    cb("cuGraphLaunch", 514, Kind::Graph, Shape::GraphLaunch),
+    cb("cuGraphLaunch_ptsz", 515, Kind::Graph, Shape::GraphLaunch),
+    copy("cuMemcpy", 305, 0, 1, 2, Legacy),
+    copy("cuMemcpy_ptds", 408, 0, 1, 2, PerThread),
+    copy("cuMemcpyAsync", 306, 0, 1, 2, Word(3)),
+    copy("cuMemcpyAsync_ptsz", 418, 0, 1, 2, Word(3)),
+    copy("cuMemcpyHtoD_v2", 276, 0, 1, 2, Legacy),
+    copy("cuMemcpyHtoD_v2_ptds", 397, 0, 1, 2, PerThread),
+    copy("cuMemcpyHtoDAsync_v2", 277, 0, 1, 2, Word(3)),
+    copy("cuMemcpyHtoDAsync_v2_ptsz", 421, 0, 1, 2, Word(3)),
+    copy("cuMemcpyDtoH_v2", 278, 0, 1, 2, Legacy),
+    copy("cuMemcpyDtoH_v2_ptds", 398, 0, 1, 2, PerThread),
+    copy("cuMemcpyDtoHAsync_v2", 279, 0, 1, 2, Word(3)),
+    copy("cuMemcpyDtoHAsync_v2_ptsz", 422, 0, 1, 2, Word(3)),
+    copy("cuMemcpyDtoD_v2", 280, 0, 1, 2, Legacy),
+    copy("cuMemcpyDtoD_v2_ptds", 399, 0, 1, 2, PerThread),
+    copy("cuMemcpyDtoDAsync_v2", 281, 0, 1, 2, Word(3)),
+    copy("cuMemcpyDtoDAsync_v2_ptsz", 423, 0, 1, 2, Word(3)),
+    // (dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream)
+    copy("cuMemcpyPeerAsync", 319, 0, 2, 4, Word(5)),
+    copy("cuMemcpyPeerAsync_ptsz", 426, 0, 2, 4, Word(5)),
+    // (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, hStream)
+    opaque_copy("cuMemcpyBatchAsync", 776, Word(8)),
+    opaque_copy("cuMemcpyBatchAsync_ptsz", 777, Word(8)),
+    // (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, hStream)
+    opaque_copy("cuMemcpyBatchAsync_v2", 796, Word(7)),
+    opaque_copy("cuMemcpyBatchAsync_v2_ptsz", 797, Word(7)),
+    // (const CUDA_MEMCPY2D/3D *pCopy[, hStream])
+    opaque_copy("cuMemcpy2D_v2", 287, Legacy),
+    opaque_copy("cuMemcpy2D_v2_ptds", 405, PerThread),
+    opaque_copy("cuMemcpy2DUnaligned_v2", 288, Legacy),
+    opaque_copy("cuMemcpy2DUnaligned_v2_ptds", 406, PerThread),
+    opaque_copy("cuMemcpy2DAsync_v2", 289, Word(1)),
+    opaque_copy("cuMemcpy2DAsync_v2_ptsz", 424, Word(1)),
+    opaque_copy("cuMemcpy3D_v2", 290, Legacy),
+    opaque_copy("cuMemcpy3D_v2_ptds", 407, PerThread),
+    opaque_copy("cuMemcpy3DAsync_v2", 291, Word(1)),
+    opaque_copy("cuMemcpy3DAsync_v2_ptsz", 425, Word(1)),
+    memset("cuMemsetD8_v2", 249, 1, Legacy),
+    memset("cuMemsetD8_v2_ptds", 411, 1, PerThread),
+    memset("cuMemsetD16_v2", 250, 2, Legacy),
+    memset("cuMemsetD16_v2_ptds", 412, 2, PerThread),
+    memset("cuMemsetD32_v2", 251, 4, Legacy),
+    memset("cuMemsetD32_v2_ptds", 413, 4, PerThread),
+    memset("cuMemsetD8Async", 216, 1, Word(3)),
+    memset("cuMemsetD8Async_ptsz", 428, 1, Word(3)),
+    memset("cuMemsetD16Async", 218, 2, Word(3)),
+    memset("cuMemsetD16Async_ptsz", 429, 2, Word(3)),
+    memset("cuMemsetD32Async", 220, 4, Word(3)),
+    memset("cuMemsetD32Async_ptsz", 430, 4, Word(3)),
+    cb("cuMemAlloc_v2", 243, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb("cuMemAllocPitch_v2", 244, Kind::Alloc, Shape::AllocPitch),
+    cb("cuMemFree_v2", 245, Kind::Alloc, Shape::Free { ptr: 0 }),
+    cb("cuMemAllocManaged", 371, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb("cuMemAllocAsync", 598, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb("cuMemAllocAsync_ptsz", 599, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb("cuMemFreeAsync", 600, Kind::Alloc, Shape::Free { ptr: 0 }),
+    cb("cuMemFreeAsync_ptsz", 601, Kind::Alloc, Shape::Free { ptr: 0 }),
+    cb("cuMemAllocFromPoolAsync", 611, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb("cuMemAllocFromPoolAsync_ptsz", 612, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb("cuMemCreate", 549, Kind::Alloc, Shape::Count),
+    cb("cuMemRelease", 550, Kind::Alloc, Shape::Count),
+    cb("cuMemMap", 551, Kind::Alloc, Shape::Map),
+    cb("cuMemUnmap", 552, Kind::Alloc, Shape::Unmap),
+    cb("cuStreamCreate", 124, Kind::Stream, Shape::Count),
+    cb("cuStreamCreateWithPriority", 367, Kind::Stream, Shape::Count),
+    cb("cuStreamDestroy_v2", 326, Kind::Stream, Shape::StreamDestroy),
+    cb("cuStreamBeginCapture", 495, Kind::Capture, Shape::CaptureBegin),
+    cb("cuStreamBeginCapture_ptsz", 496, Kind::Capture, Shape::CaptureBegin),
+    cb("cuStreamBeginCapture_v2", 539, Kind::Capture, Shape::CaptureBegin),
+    cb("cuStreamBeginCapture_v2_ptsz", 540, Kind::Capture, Shape::CaptureBegin),
+    cb("cuStreamEndCapture", 497, Kind::Capture, Shape::CaptureEnd),
+    cb("cuStreamEndCapture_ptsz", 498, Kind::Capture, Shape::CaptureEnd),
+    cb("cuGraphInstantiate_v2", 578, Kind::Capture, Shape::GraphInstantiate),
+    cb("cuGraphInstantiateWithFlags", 643, Kind::Capture, Shape::GraphInstantiate),
+    cb("cuGraphInstantiateWithParams", 656, Kind::Capture, Shape::GraphInstantiate),
+    cb("cuGraphInstantiateWithParams_ptsz", 657, Kind::Capture, Shape::GraphInstantiate),
+    cb("cuGraphExecDestroy", 516, Kind::Capture, Shape::GraphExecDestroy),
+    cb("cuGraphExecKernelNodeSetParams", 538, Kind::Capture, Shape::GraphExecChanged),
+    cb("cuGraphExecKernelNodeSetParams_v2", 692, Kind::Capture, Shape::GraphExecChanged),
+    cb("cuGraphExecUpdate", 561, Kind::Capture, Shape::GraphExecChanged),
+    cb("cuGraphExecUpdate_v2", 696, Kind::Capture, Shape::GraphExecChanged),
+    cb("cuGraphExecNodeSetParams", 714, Kind::Capture, Shape::GraphExecChanged),
 ];
+
+/// [`CALLBACKS`]' shapes indexed by id ([`Shape::Count`] for ids not in the table): the callback
+/// finds a call's shape with one array read.
+pub static SHAPES: [Shape; ID_LIMIT] = {
+    let mut t = [Shape::Count; ID_LIMIT];
+    let mut i = 0;
+    while i < CALLBACKS.len() {
+        t[CALLBACKS[i].id as usize] = CALLBACKS[i].shape;
+        i += 1;
+    }
+    t
+};
+
+/// The shape of callback `id`.
+pub fn shape(id: u32) -> Shape {
+    SHAPES.get(id as usize).copied().unwrap_or(Shape::Count)
+}
 
 // Every id indexes the counter array (checked at compile time).
 const _: () = {
@@ -156,12 +338,9 @@ const _: () = {
 };
 
 /// The index of the `CUfunction` field in the params struct of callback `id`, if it is a launch.
-///
-/// Called on every callback, so it is a `match` the compiler turns into a jump table, not a search.
 pub fn function_field(id: u32) -> Option<usize> {
-    match id {
-        307 | 442 | 477 | 478 => Some(0),
-        652 | 653 => Some(1),
+    match shape(id) {
+        Shape::Launch { func, .. } => Some(func),
         _ => None,
     }
 }
@@ -203,9 +382,9 @@ mod tests {
     #[test]
     fn function_field_matches_table() {
         for c in CALLBACKS {
-            assert_eq!(function_field(c.id), c.function_field, "{}", c.name);
+            assert_eq!(function_field(c.id), c.function_field(), "{}", c.name);
             assert_eq!(
-                c.function_field.is_some(),
+                c.function_field().is_some(),
                 c.kind == Kind::Launch,
                 "{}",
                 c.name
@@ -218,7 +397,7 @@ mod tests {
             {
                 let b = CALLBACKS.iter().find(|x| x.name == base).unwrap();
                 assert_eq!(b.kind, c.kind, "{}", c.name);
-                assert_eq!(b.function_field, c.function_field, "{}", c.name);
+                assert_eq!(b.function_field(), c.function_field(), "{}", c.name);
             }
         }
         assert_eq!(function_field(514), None);

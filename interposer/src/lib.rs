@@ -43,9 +43,16 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+mod alloc;
 pub mod cbid;
+mod control;
+mod cudart;
+mod decode;
+mod hooks;
+mod runtime;
 pub mod stats;
 mod sys;
+mod validate;
 
 pub use sys::InitializeInjection;
 
@@ -86,8 +93,8 @@ fn set_up() -> Setup {
         Ordering::Relaxed,
     );
     let stats_path = std::env::var("POSSUM_STATS").ok().filter(|p| !p.is_empty());
-    if stats_path.is_some() && !sys::register_at_exit() {
-        log("atexit failed; POSSUM_STATS will not be written");
+    if !sys::register_at_exit() {
+        log("atexit failed; POSSUM_STATS and POSSUM_TRACE will not be written");
     }
     let _ = STATS_PATH.set(stats_path);
 
@@ -146,7 +153,7 @@ fn set_up() -> Setup {
 }
 
 /// One line on stderr, only with `POSSUM_VERBOSE=1`. Write errors are ignored.
-fn log(msg: &str) {
+pub(crate) fn log(msg: &str) {
     if VERBOSE.load(Ordering::Relaxed) {
         let _ = writeln!(std::io::stderr(), "possum: {msg}");
     }
@@ -159,7 +166,15 @@ pub fn stats_json() -> String {
         error: Some("not initialised".into()),
         ..Setup::default()
     };
-    stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up))
+    let counts = stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up));
+    match runtime::state_if_created() {
+        None => counts,
+        Some(st) => {
+            let mut v: serde_json::Value = serde_json::from_str(&counts).unwrap_or_default();
+            v["possum"] = st.stats_json();
+            v.to_string()
+        }
+    }
 }
 
 /// Total calls seen by every enabled callback.
@@ -167,8 +182,25 @@ fn calls_seen() -> u64 {
     cbid::Kind::ALL.iter().map(|&k| stats::total(k)).sum()
 }
 
-/// The `atexit` handler's body: writes `POSSUM_STATS` (see the crate documentation).
+/// The `atexit` handler's body: removes the control socket, writes `POSSUM_TRACE` and
+/// `POSSUM_STATS` (see the crate documentation).
 fn write_stats_at_exit() {
+    control::stop();
+    if let Some(st) = runtime::state_if_created() {
+        if let Some(path) = std::env::var_os("POSSUM_TRACE").filter(|p| !p.is_empty()) {
+            let path = std::path::PathBuf::from(path);
+            let mut trace = st.trace_json();
+            let dot = trace
+                .as_object_mut()
+                .and_then(|o| o.remove("dot"))
+                .and_then(|d| d.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            let mut dot_path = path.clone().into_os_string();
+            dot_path.push(".dot");
+            write_atomically(&path, trace.to_string().as_bytes());
+            write_atomically(std::path::Path::new(&dot_path), dot.as_bytes());
+        }
+    }
     let Some(Some(path)) = STATS_PATH.get() else {
         return;
     };
@@ -177,13 +209,18 @@ fn write_stats_at_exit() {
     if calls_seen() == 0 && std::path::Path::new(&path).exists() {
         return;
     }
-    // Write beside the target and rename, so a reader never sees half a file.
-    let tmp = format!("{path}.tmp.{pid}");
     let mut json = stats_json();
     json.push('\n');
-    let ok = std::fs::write(&tmp, json).and_then(|()| std::fs::rename(&tmp, &path));
+    write_atomically(std::path::Path::new(&path), json.as_bytes());
+}
+
+/// Writes beside the target and renames, so a reader never sees half a file.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp.{}", std::process::id()));
+    let ok = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
     if let Err(e) = ok {
         let _ = std::fs::remove_file(&tmp);
-        log(&format!("cannot write {path}: {e}"));
+        log(&format!("cannot write {}: {e}", path.display()));
     }
 }

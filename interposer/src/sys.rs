@@ -5,14 +5,15 @@
 //! - The entry points the loader and the CUDA driver call: the ELF constructor (for `LD_PRELOAD`),
 //!   `InitializeInjection` (for `CUDA_INJECTION64_PATH`) and the `atexit` handler. Each wraps the
 //!   safe code in `catch_unwind`: a panic must never cross into C.
-//! - The CUPTI callback, which reads the two fields of `CUpti_CallbackData` it needs and the
-//!   `CUfunction` of launch calls, and hands them to the safe [`crate::stats::record`].
+//! - The CUPTI callback, which reads the fields of `CUpti_CallbackData` it needs, counts the call
+//!   ([`crate::stats::record`]) and hands it, wrapped in a [`crate::decode::RawCall`], to the safe
+//!   [`crate::hooks::on_call`].
 //!
 //! Everything here is safe to call.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::panic::catch_unwind;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr;
 use std::sync::OnceLock;
 
@@ -173,7 +174,8 @@ impl Cupti {
     }
 }
 
-/// The CUPTI callback. Runs on the thread making the driver call, inside that call.
+/// The CUPTI callback. Runs on the thread making the driver call, inside that call, on its entry
+/// and on its exit.
 unsafe extern "C" fn callback(
     _userdata: *mut c_void,
     domain: u32,
@@ -186,21 +188,34 @@ unsafe extern "C" fn callback(
     let data = cbdata.cast::<CallbackData>();
     // SAFETY: for the driver-API domain CUPTI passes a `const CUpti_CallbackData*`, valid for the
     // duration of the callback; `CallbackData` has its layout.
-    let (site, params) = unsafe { ((*data).callback_site, (*data).function_params) };
-    if site != API_ENTER {
-        return;
-    }
-    let function = match crate::cbid::function_field(cbid) {
-        Some(i) if !params.is_null() => {
-            // SAFETY: for the launch callbacks `function_field` names, `params` points at the
-            // call's `cu<name>_params` struct (valid during the callback), whose field `i` is the
-            // pointer-sized, pointer-aligned `CUfunction f` (see `cbid::Callback::function_field`).
-            Some(unsafe { params.cast::<usize>().add(i).read() })
-        }
-        _ => None,
+    let (site, params, ret, ctx) = unsafe {
+        (
+            (*data).callback_site,
+            (*data).function_params,
+            (*data).function_return_value,
+            (*data).context,
+        )
     };
-    // A panic must not unwind into CUPTI; `record` has none to throw, but be sure.
-    let _ = catch_unwind(|| crate::stats::record(cbid, function));
+    let enter = site == API_ENTER;
+    if enter {
+        let function = match crate::cbid::function_field(cbid) {
+            Some(i) if !params.is_null() => {
+                // SAFETY: for the launch callbacks `function_field` names, `params` points at the
+                // call's `cu<name>_params` struct (valid during the callback), whose field `i` is
+                // the pointer-sized, pointer-aligned `CUfunction f` (see `cbid::Shape::Launch`).
+                Some(unsafe { params.cast::<usize>().add(i).read() })
+            }
+            _ => None,
+        };
+        // A panic must not unwind into CUPTI; `record` has none to throw, but be sure.
+        let _ = catch_unwind(|| crate::stats::record(cbid, function));
+    }
+    // SAFETY: `params` is this callback id's `cu<name>_params` struct and `ret` its `CUresult`,
+    // both valid during the callback, which outlives the `RawCall`.
+    let call = unsafe { crate::decode::RawCall::new(params, ret.cast_const()) };
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        crate::hooks::on_call(enter, cbid, ctx as usize as u64, &call)
+    }));
 }
 
 /// The `LD_PRELOAD` entry point: the dynamic loader runs every `.init_array` entry when the

@@ -47,9 +47,10 @@ static void fire(int domain, int site, uint32_t cbid, const void *params) {
 int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t cbid) {
     if (!enable || subscriber != (void *)&cb || domain != 1) return 1;
     if (cbid == 797) return 1; /* pretend this CUPTI lacks cuMemcpyBatchAsync_v2_ptsz */
-    if (cbid != 367) return 0; /* cuStreamCreateWithPriority: the last entry of the table */
+    if (cbid != 714) return 0; /* cuGraphExecNodeSetParams: the last entry of the table */
+    static unsigned char config[64]; /* a CUlaunchConfig: zeroes, so stream 0 */
     launch_params k1 = {(void *)0x1000}, k2 = {(void *)0x2000};
-    launch_ex_params ex = {(void *)0xdead, (void *)0x3000};
+    launch_ex_params ex = {config, (void *)0x3000};
     fire(1, 0, 307, &k1);
     fire(1, 0, 307, &k1);
     fire(1, 0, 307, &k1);
@@ -58,9 +59,10 @@ int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t 
     fire(1, 0, 653, &ex); /* cuLaunchKernelEx_ptsz */
     fire(1, 1, 307, &k2); /* exit site: not counted */
     fire(2, 0, 307, &k2); /* runtime domain: not counted */
-    fire(1, 0, 514, NULL); /* cuGraphLaunch */
-    fire(1, 0, 306, NULL); /* cuMemcpyAsync */
-    fire(1, 0, 243, NULL); /* cuMemAlloc_v2 */
+    static uint64_t words[8];
+    fire(1, 0, 514, words); /* cuGraphLaunch */
+    fire(1, 0, 306, words); /* cuMemcpyAsync */
+    fire(1, 0, 243, words); /* cuMemAlloc_v2 */
     cb(NULL, 1, 307, NULL); /* no callback data: ignored */
     return 0;
 }

@@ -1,0 +1,96 @@
+//! `cudaMalloc` / `cudaFree` served by the engine: each allocation is a VA-stable, releasable
+//! buffer (a reservation with physical memory mapped under it), so a checkpoint can drop and
+//! re-create its memory at the same address. Anything possum does not serve goes to libcudart.
+
+use std::sync::atomic::Ordering;
+
+use possum_cuda::introspect;
+use possum_engine::device::DevPtr;
+use possum_engine::EngineError;
+
+use crate::runtime::{state, Reentry};
+
+/// What `cudaMalloc` should do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Malloc {
+    /// Served by the engine at this address.
+    Managed(u64),
+    /// The device has no room: `cudaErrorMemoryAllocation`.
+    OutOfMemory,
+    /// Pass the call to libcudart.
+    Fallback,
+}
+
+/// What `cudaFree` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freed {
+    /// An engine buffer, freed.
+    Done,
+    /// An engine buffer that could not be freed (`cudaErrorInvalidValue`).
+    Failed,
+    /// Not possum's: pass the call to libcudart.
+    NotManaged,
+}
+
+/// Serves `cudaMalloc(size)` on the runtime's current device (`device()`); `init` initialises
+/// the runtime's context (`cudaFree(NULL)`) before the first engine is made.
+pub fn malloc(size: u64, device: impl FnOnce() -> Option<usize>, init: impl FnOnce() -> i32) -> Malloc {
+    let st = state();
+    if size == 0 || !st.managing() {
+        st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
+        return Malloc::Fallback;
+    }
+    let _r = Reentry::enter();
+    let Some(ordinal) = device() else {
+        st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
+        return Malloc::Fallback;
+    };
+    let eng = match st.engine_or_create(ordinal, init) {
+        Ok(e) => e,
+        Err(_) => {
+            st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
+            return Malloc::Fallback;
+        }
+    };
+    match eng.engine.alloc(size) {
+        Ok(b) => {
+            st.counters.managed_allocs.fetch_add(1, Ordering::Relaxed);
+            st.note_range(b.va().0, b.size());
+            Malloc::Managed(b.va().0)
+        }
+        Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => Malloc::OutOfMemory,
+        Err(e) => {
+            crate::log(&format!("engine allocation of {size} bytes failed ({e}); using libcudart"));
+            st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
+            Malloc::Fallback
+        }
+    }
+}
+
+/// Serves `cudaFree(ptr)` for engine buffers: waits for the device (as `cudaFree` does), then
+/// unmaps and frees the reservation.
+pub fn free(ptr: u64) -> Freed {
+    let st = state();
+    let Some((eng, id)) = st.engines().into_iter().find_map(|e| {
+        let b = e.engine.lookup(DevPtr(ptr)).filter(|b| b.va().0 == ptr)?;
+        Some((e, b.id()))
+    }) else {
+        return Freed::NotManaged;
+    };
+    let _r = Reentry::enter();
+    if let Err(e) = introspect::ctx_synchronize() {
+        crate::log(&format!("cudaFree({ptr:#x}): {e}"));
+        return Freed::Failed;
+    }
+    match eng.engine.free(DevPtr(ptr)) {
+        Ok(()) => {
+            st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
+            st.dag.lock().record_free(id);
+            Freed::Done
+        }
+        Err(e) => {
+            crate::log(&format!("cudaFree({ptr:#x}): {e}"));
+            Freed::Failed
+        }
+    }
+}

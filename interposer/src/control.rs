@@ -1,0 +1,51 @@
+//! The control socket inside the job (`possum-control`'s server): `possum status PID` and
+//! `possum trace PID` ask it. Started when the job first uses CUDA, not at load, so a process
+//! that never touches CUDA gets no thread and no socket. `POSSUM_CONTROL=0` turns it off.
+
+use std::sync::{Arc, Once};
+
+use parking_lot::Mutex;
+use possum_control::{Request, Server};
+use serde_json::json;
+
+use crate::runtime::state_if_created;
+
+static SERVER: Mutex<Option<Server>> = Mutex::new(None);
+static START: Once = Once::new();
+
+/// Starts the server (once).
+pub fn start() {
+    if std::env::var_os("POSSUM_CONTROL").is_some_and(|v| v == "0") {
+        return;
+    }
+    START.call_once(|| {
+        let dir = possum_control::socket_dir();
+        let handler = Arc::new(|req: Request| match req {
+            Request::Ping => json!({"pid": std::process::id(), "possum": env!("CARGO_PKG_VERSION")}),
+            Request::Status => {
+                let mut v: serde_json::Value =
+                    serde_json::from_str(&crate::stats_json()).unwrap_or_default();
+                v["pid"] = std::process::id().into();
+                v
+            }
+            Request::Trace => match state_if_created() {
+                Some(st) => st.trace_json(),
+                None => possum_control::error_reply("the job has not used CUDA yet"),
+            },
+        });
+        match Server::start(&dir, handler) {
+            Ok(s) => {
+                crate::log(&format!("control socket {}", s.path().display()));
+                *SERVER.lock() = Some(s);
+            }
+            Err(e) => crate::log(&format!("no control socket in {}: {e}", dir.display())),
+        }
+    });
+}
+
+/// Stops the server and removes its socket (at exit).
+pub fn stop() {
+    if let Some(mut s) = SERVER.lock().take() {
+        s.shutdown();
+    }
+}

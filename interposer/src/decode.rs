@@ -1,0 +1,192 @@
+//! Reading a driver call's parameters inside a CUPTI callback: the second module of this crate with
+//! `unsafe` code (with `sys` and `cudart`).
+//!
+//! CUPTI hands the callback a pointer to the call's `cu<name>_params` struct, valid for the
+//! duration of the callback. [`RawCall`] wraps it with the lifetime of the callback, so nothing read
+//! through it outlives the call, and reads only the 8-byte words that the call's
+//! [`Shape`](crate::cbid::Shape) names (the shapes are checked against cudarc's bindings of
+//! cupti_driver_cbid.h in `cbid`). Kernel arguments are read through the launch's
+//! `kernelParams` (one pointer per parameter) or its `extra` buffer, only at offsets inside the
+//! parameter layout the driver reported for that very kernel.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use possum_analyzer::layout::Slot;
+
+use possum_cuda::{CudaDevice, CudaStream};
+
+use crate::cbid::StreamAt;
+
+/// `CU_STREAM_PER_THREAD`.
+pub const STREAM_PER_THREAD: u64 = 2;
+
+/// A driver call's parameters, during its callback.
+#[derive(Debug, Clone, Copy)]
+pub struct RawCall<'a> {
+    params: *const c_void,
+    ret: *const c_void,
+    _life: PhantomData<&'a ()>,
+}
+
+impl<'a> RawCall<'a> {
+    /// Wraps CUPTI's `functionParams` and `functionReturnValue`.
+    ///
+    /// # Safety
+    /// `params` must point at the `cu<name>_params` struct of the callback id the caller will use
+    /// the value with (so that the words its [`Shape`](crate::cbid::Shape) names exist), and
+    /// `ret` at its `CUresult` (or be null), both valid for `'a`.
+    pub(crate) unsafe fn new(params: *const c_void, ret: *const c_void) -> RawCall<'a> {
+        RawCall {
+            params,
+            ret,
+            _life: PhantomData,
+        }
+    }
+
+    /// 8-byte word `i` of the params struct (0 if there are no params).
+    pub fn word(&self, i: usize) -> u64 {
+        if self.params.is_null() {
+            return 0;
+        }
+        // SAFETY: by `new`'s contract the struct has word `i` (the shape names only existing
+        // words); fields are 8-byte aligned in these structs, but read unaligned to be sure.
+        unsafe { self.params.cast::<u64>().add(i).read_unaligned() }
+    }
+
+    /// The `u64` that word `i` points at (an out-parameter such as `CUdeviceptr *dptr`, read on
+    /// the call's exit), or `None` if the pointer is null.
+    pub fn deref(&self, i: usize) -> Option<u64> {
+        let p = self.word(i) as usize as *const u64;
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: the word is the call's out-pointer to a `CUdeviceptr`/`size_t`/handle, which the
+        // caller passed and which is valid during the call.
+        Some(unsafe { p.read_unaligned() })
+    }
+
+    /// The call's stream handle.
+    pub fn stream(&self, at: StreamAt) -> u64 {
+        match at {
+            StreamAt::Word(i) => self.word(i),
+            StreamAt::Config(i) => {
+                let cfg = self.word(i) as usize as *const u8;
+                if cfg.is_null() {
+                    return 0;
+                }
+                // SAFETY: word `i` is `const CUlaunchConfig *config`, valid during the call; its
+                // `hStream` follows seven `unsigned int`s, at byte 32.
+                unsafe { cfg.add(32).cast::<u64>().read_unaligned() }
+            }
+            StreamAt::Legacy => 0,
+            StreamAt::PerThread => STREAM_PER_THREAD,
+        }
+    }
+
+    /// The call's `CUresult` (on exit), 0 for success.
+    pub fn result(&self) -> i32 {
+        if self.ret.is_null() {
+            return 0;
+        }
+        // SAFETY: `ret` points at the call's `CUresult` (a C enum, 32 bits) by `new`'s contract.
+        unsafe { self.ret.cast::<i32>().read_unaligned() }
+    }
+
+    /// A launch's kernel arguments: `kernelParams` in word `params`, `extra` in word `extra`.
+    pub fn kernel_args(&self, params: usize, extra: Option<usize>) -> KernelArgs<'a> {
+        KernelArgs {
+            params: self.word(params) as usize as *const *const u8,
+            extra: extra.map_or(std::ptr::null(), |e| self.word(e) as usize as *const *const u8),
+            _life: PhantomData,
+        }
+    }
+}
+
+/// `CU_LAUNCH_PARAM_END`, `CU_LAUNCH_PARAM_BUFFER_POINTER`, `CU_LAUNCH_PARAM_BUFFER_SIZE`.
+const PARAM_END: usize = 0;
+const PARAM_BUFFER_POINTER: usize = 1;
+const PARAM_BUFFER_SIZE: usize = 2;
+
+/// A launch's arguments, during its callback.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelArgs<'a> {
+    params: *const *const u8,
+    extra: *const *const u8,
+    _life: PhantomData<&'a ()>,
+}
+
+impl KernelArgs<'_> {
+    /// Reads the 8-byte word of every slot (in order) into `out` (cleared first). A slot that
+    /// cannot be read (no argument pointer, outside the `extra` buffer) reads as 0.
+    ///
+    /// `slots` must come from the parameter layout the driver reported for the launched kernel
+    /// (`possum_analyzer::ParamLayout::pointer_slots`): that is what makes the reads in bounds.
+    pub fn read_slots(&self, slots: &[Slot], out: &mut Vec<u64>) {
+        out.clear();
+        if !self.params.is_null() {
+            for s in slots {
+                // SAFETY: `kernelParams` has one pointer per parameter of the kernel, and the
+                // slot's parameter index and word lie inside the driver's layout for it.
+                let v = unsafe {
+                    let arg = self.params.add(usize::from(s.param)).read();
+                    if arg.is_null() {
+                        0
+                    } else {
+                        arg.add(8 * usize::from(s.word)).cast::<u64>().read_unaligned()
+                    }
+                };
+                out.push(v);
+            }
+            return;
+        }
+        let (buf, size) = self.extra_buffer();
+        for s in slots {
+            let off = s.offset as usize;
+            let v = if buf.is_null() || off + 8 > size {
+                0
+            } else {
+                // SAFETY: the packed argument buffer has `size` bytes (its own
+                // CU_LAUNCH_PARAM_BUFFER_SIZE) and `off + 8 <= size`.
+                unsafe { buf.add(off).cast::<u64>().read_unaligned() }
+            };
+            out.push(v);
+        }
+    }
+
+    /// The `extra` array's packed argument buffer and its size ((null, 0) if absent).
+    fn extra_buffer(&self) -> (*const u8, usize) {
+        let (mut buf, mut size) = (std::ptr::null::<u8>(), 0usize);
+        if self.extra.is_null() {
+            return (buf, size);
+        }
+        // SAFETY: `extra` is a CU_LAUNCH_PARAM_END-terminated array of (key, value) pointer pairs
+        // (the driver rejects the launch otherwise); at most 16 pairs are looked at.
+        unsafe {
+            for i in 0..16 {
+                let key = self.extra.add(2 * i).read() as usize;
+                if key == PARAM_END {
+                    break;
+                }
+                let val = self.extra.add(2 * i + 1).read();
+                match key {
+                    PARAM_BUFFER_POINTER => buf = val,
+                    PARAM_BUFFER_SIZE if !val.is_null() => size = val.cast::<usize>().read_unaligned(),
+                    _ => {}
+                }
+            }
+        }
+        (buf, size)
+    }
+}
+
+/// Wraps the job's stream `raw` for the engine (which records fences on it and makes it wait for
+/// possum's copies). Never destroys it.
+pub fn job_stream(dev: &CudaDevice, raw: u64) -> CudaStream {
+    // SAFETY: `wrap_stream`'s contract is that the stream outlives the wrapper. The interposer
+    // drops every wrapper of a stream (`DevEngine::forget_stream`, and the engine's registration)
+    // in the entry callback of the job's `cuStreamDestroy`, before the driver destroys it; the
+    // legacy (0) and per-thread (2) default streams are never destroyed.
+    unsafe { dev.wrap_stream(raw as usize as possum_cuda::CUstream) }
+}

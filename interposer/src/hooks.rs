@@ -1,0 +1,454 @@
+//! What each callback does: the engine hook for launches, graph launches, copies and memsets;
+//! tracking of allocations possum does not manage; streams, captures and graphs.
+//!
+//! On a call's entry the operation's buffers are resolved and [`Engine::before_op`] is called; the
+//! returned guard is kept in a thread-local slot until the call's exit callback, when the operation
+//! is enqueued (CUPTI calls entry and exit on the calling thread, with nothing of the job's in
+//! between). A launch chosen for validation is checked on both sides (see [`crate::validate`]).
+//!
+//! [`Engine::before_op`]: possum_engine::Engine::before_op
+
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use possum_analyzer::dag::{BufRef, KernelRef};
+use possum_analyzer::kernel::{KernelModel, SlotAccess};
+use possum_cuda::introspect;
+use possum_cuda::CudaDevice;
+use possum_engine::{Access, Buffer, OpGuard};
+
+use crate::cbid::{Shape, StreamAt};
+use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
+use crate::runtime::{state, DevEngine, Reentry, Resolved, SnapNode, State};
+use crate::validate;
+
+/// What an entry callback leaves for the exit callback.
+#[derive(Default)]
+struct Pending {
+    guard: Option<OpGuard<CudaDevice>>,
+    validation: Option<validate::Before>,
+}
+
+/// Per-thread scratch space, reused so the launch path does not allocate.
+#[derive(Default)]
+struct Scratch {
+    words: Vec<u64>,
+    reads: Vec<Buffer>,
+    writes: Vec<Buffer>,
+    dag_reads: Vec<BufRef>,
+    dag_writes: Vec<BufRef>,
+}
+
+thread_local! {
+    static PENDING: RefCell<Pending> = RefCell::new(Pending::default());
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`.
+pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
+    if crate::runtime::ignore_this_thread() {
+        return;
+    }
+    let st = state();
+    let shape = crate::cbid::shape(cbid);
+    if !enter {
+        on_exit(st, shape, call);
+        return;
+    }
+    match shape {
+        Shape::Launch {
+            func,
+            stream,
+            params,
+            extra,
+        } => {
+            let f = call.word(func);
+            let s = call.stream(stream);
+            launch(st, ctx, f, s, &call.kernel_args(params, extra));
+        }
+        Shape::GraphLaunch => graph_launch(st, ctx, call.word(0), call.word(1)),
+        Shape::Copy {
+            dst,
+            src,
+            bytes,
+            stream,
+        } => {
+            let _ = bytes;
+            copy_like(st, ctx, stream, call, Some(call.word(src)), call.word(dst));
+        }
+        Shape::Memset { dst, stream, .. } => {
+            copy_like(st, ctx, stream, call, None, call.word(dst));
+        }
+        Shape::OpaqueOp { stream } => {
+            let s = call.stream(stream);
+            if !skip_captured(st, s) {
+                st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
+                hook(st, ctx, s, Access::Opaque, None);
+            }
+        }
+        Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
+        Shape::Unmap => st.remove_unmanaged(call.word(0)),
+        Shape::StreamDestroy => {
+            let raw = call.word(0);
+            for e in st.engines() {
+                e.forget_stream(raw);
+            }
+        }
+        Shape::CaptureBegin => {
+            st.captures.fetch_add(1, Ordering::SeqCst);
+        }
+        Shape::GraphExecDestroy | Shape::GraphExecChanged => st.forget_graph(call.word(0)),
+        Shape::CaptureEnd
+        | Shape::GraphInstantiate
+        | Shape::Alloc { .. }
+        | Shape::AllocPitch
+        | Shape::Map
+        | Shape::Count => {}
+    }
+}
+
+fn on_exit(st: &State, shape: Shape, call: &RawCall<'_>) {
+    match shape {
+        Shape::Launch { .. }
+        | Shape::GraphLaunch
+        | Shape::Copy { .. }
+        | Shape::Memset { .. }
+        | Shape::OpaqueOp { .. } => {
+            let p = PENDING
+                .try_with(|p| std::mem::take(&mut *p.borrow_mut()))
+                .unwrap_or_default();
+            // The operation is enqueued: let a checkpoint fix T0 again.
+            drop(p.guard);
+            if let Some(v) = p.validation {
+                validate::finish(st, v);
+            }
+        }
+        Shape::CaptureEnd => {
+            let _ = st
+                .captures
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1));
+        }
+        _ if call.result() != 0 => {}
+        Shape::Alloc { out, bytes } => {
+            if let Some(va) = call.deref(out) {
+                st.add_unmanaged(va, call.word(bytes), alloc_kind(call));
+            }
+        }
+        Shape::AllocPitch => {
+            // (dptr*, pPitch*, WidthInBytes, Height, ElementSizeBytes)
+            if let (Some(va), Some(pitch)) = (call.deref(0), call.deref(1)) {
+                st.add_unmanaged(va, pitch.saturating_mul(call.word(3)), "cuMemAllocPitch");
+            }
+        }
+        Shape::Map => st.add_unmanaged(call.word(0), call.word(1), "cuMemMap"),
+        Shape::GraphInstantiate => {
+            if let Some(exec) = call.deref(0) {
+                st.instantiate_graph(exec, call.word(1));
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The name under which an unmanaged allocation is counted (the callback's kind is enough).
+fn alloc_kind(_call: &RawCall<'_>) -> &'static str {
+    "cuMemAlloc*"
+}
+
+/// Whether an operation on `stream` is being captured into a graph (then it does not run now:
+/// nothing to hook). Costs a driver call only while some capture is in progress.
+fn skip_captured(st: &State, stream: u64) -> bool {
+    if st.captures.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let _r = Reentry::enter();
+    if introspect::is_capturing(stream).unwrap_or(false) {
+        st.counters
+            .captured_launches
+            .fetch_add(1, Ordering::Relaxed);
+        return true;
+    }
+    false
+}
+
+/// Calls the engine's hook for an operation on `stream`, keeping the guard for the exit callback.
+fn hook(
+    st: &State,
+    ctx: u64,
+    stream: u64,
+    access: Access<'_>,
+    validation: Option<validate::Before>,
+) {
+    if stream == STREAM_PER_THREAD {
+        st.counters
+            .per_thread_stream_ops
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    let guard = engine_of(st, ctx).and_then(|e| {
+        let s = e.stream(stream);
+        let _r = Reentry::enter();
+        match e.engine.before_op(&s, access) {
+            Ok(g) => Some(g),
+            Err(err) => {
+                st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
+                crate::log(&format!("hook: {err}"));
+                None
+            }
+        }
+    });
+    let _ = PENDING.try_with(|p| {
+        let mut p = p.borrow_mut();
+        p.guard = guard;
+        p.validation = validation;
+    });
+}
+
+fn engine_of(st: &State, ctx: u64) -> Option<Arc<DevEngine>> {
+    st.device_of(ctx).and_then(|d| st.engine(d))
+}
+
+/// Resolves `words` (the slots of `model`) into `reads`/`writes` (managed buffers, deduplicated,
+/// a buffer both read and written only in `writes`) and the DAG's lists. Returns (identified,
+/// touched an unmanaged allocation).
+#[allow(clippy::too_many_arguments)]
+fn resolve_slots(
+    st: &State,
+    eng: Option<&DevEngine>,
+    model: &KernelModel,
+    words: &[u64],
+    reads: &mut Vec<Buffer>,
+    writes: &mut Vec<Buffer>,
+    dag_reads: &mut Vec<BufRef>,
+    dag_writes: &mut Vec<BufRef>,
+) -> (bool, bool) {
+    let mut identified = true;
+    let mut unmanaged = false;
+    for (i, &w) in words.iter().enumerate() {
+        let r = st.resolve(eng, w);
+        let ro = model.classify(i) == SlotAccess::Read;
+        match &r {
+            Resolved::None => {
+                if w != 0 && st.pointer_like(w) {
+                    identified = false;
+                    st.counters.unresolved_words.fetch_add(1, Ordering::Relaxed);
+                }
+                continue;
+            }
+            Resolved::Unmanaged(..) => unmanaged = true,
+            Resolved::Managed(b) => push_buffer(b, ro, reads, writes),
+        }
+        if st.cfg.dag {
+            if let Some(br) = r.buf_ref() {
+                let list = if ro { &mut *dag_reads } else { &mut *dag_writes };
+                if !list.iter().any(|x| x.id == br.id) {
+                    list.push(br);
+                }
+            }
+        }
+    }
+    (identified, unmanaged)
+}
+
+fn push_buffer(b: &Buffer, read_only: bool, reads: &mut Vec<Buffer>, writes: &mut Vec<Buffer>) {
+    let id = b.id();
+    if writes.iter().any(|x| x.id() == id) {
+        return;
+    }
+    if read_only {
+        if !reads.iter().any(|x| x.id() == id) {
+            reads.push(b.clone());
+        }
+    } else {
+        reads.retain(|x| x.id() != id);
+        writes.push(b.clone());
+    }
+}
+
+fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
+    if skip_captured(st, stream) {
+        return;
+    }
+    let c = &st.counters;
+    c.launches.fetch_add(1, Ordering::Relaxed);
+    let model = st.kernel(func);
+    let (_, validate_now) = model.next_launch(&st.cfg.validation);
+    let eng = engine_of(st, ctx);
+    let _ = SCRATCH.try_with(|s| {
+        let mut s = s.borrow_mut();
+        let Scratch {
+            words,
+            reads,
+            writes,
+            dag_reads,
+            dag_writes,
+        } = &mut *s;
+        reads.clear();
+        writes.clear();
+        dag_reads.clear();
+        dag_writes.clear();
+        args.read_slots(model.slots(), words);
+        let (identified, unmanaged) = resolve_slots(
+            st,
+            eng.as_deref(),
+            &model,
+            words,
+            reads,
+            writes,
+            dag_reads,
+            dag_writes,
+        );
+        let opaque = model.is_opaque();
+        if opaque {
+            c.launches_opaque.fetch_add(1, Ordering::Relaxed);
+        } else if identified {
+            c.launches_identified.fetch_add(1, Ordering::Relaxed);
+        }
+        if unmanaged {
+            c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
+        }
+        if st.cfg.dag {
+            let name = model.name();
+            st.dag.lock().record_launch(
+                &KernelRef {
+                    handle: func,
+                    name,
+                    opaque,
+                },
+                stream,
+                dag_reads,
+                dag_writes,
+            );
+        }
+        let access = if opaque {
+            Access::Opaque
+        } else {
+            Access::Known { reads, writes }
+        };
+        if eng.is_some() {
+            c.launches_hooked.fetch_add(1, Ordering::Relaxed);
+        }
+        let before = (validate_now && !opaque)
+            .then(|| validate::begin(st, eng.as_deref(), &model, words))
+            .flatten();
+        hook(st, ctx, stream, access, before);
+    });
+}
+
+fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
+    if skip_captured(st, stream) {
+        return;
+    }
+    let c = &st.counters;
+    c.graph_launches.fetch_add(1, Ordering::Relaxed);
+    let eng = engine_of(st, ctx);
+    let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
+        c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
+        hook(st, ctx, stream, Access::Opaque, None);
+        return;
+    };
+    let _ = SCRATCH.try_with(|s| {
+        let mut s = s.borrow_mut();
+        let Scratch {
+            reads,
+            writes,
+            dag_reads,
+            dag_writes,
+            ..
+        } = &mut *s;
+        reads.clear();
+        writes.clear();
+        let mut opaque = false;
+        for node in &snap.nodes {
+            c.graph_nodes_expanded.fetch_add(1, Ordering::Relaxed);
+            dag_reads.clear();
+            dag_writes.clear();
+            let kref = match node {
+                SnapNode::Kernel { model, words } => {
+                    opaque |= model.is_opaque();
+                    resolve_slots(
+                        st,
+                        eng.as_deref(),
+                        model,
+                        words,
+                        reads,
+                        writes,
+                        dag_reads,
+                        dag_writes,
+                    );
+                    KernelRef {
+                        handle: model.handle(),
+                        name: model.name(),
+                        opaque: model.is_opaque(),
+                    }
+                }
+                SnapNode::Memset { dst } => {
+                    let r = st.resolve(eng.as_deref(), *dst);
+                    if let Resolved::Managed(b) = &r {
+                        push_buffer(b, false, reads, writes);
+                    }
+                    dag_writes.extend(r.buf_ref());
+                    KernelRef::MEMSET
+                }
+            };
+            if st.cfg.dag {
+                st.dag
+                    .lock()
+                    .record_launch(&kref, stream, dag_reads, dag_writes);
+            }
+        }
+        let access = if opaque {
+            c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
+            Access::Opaque
+        } else {
+            Access::Known { reads, writes }
+        };
+        hook(st, ctx, stream, access, None);
+    });
+}
+
+/// A copy (`src` is `Some`) or memset: `dst` is written, `src` read; host addresses resolve to
+/// nothing.
+fn copy_like(st: &State, ctx: u64, stream: StreamAt, call: &RawCall<'_>, src: Option<u64>, dst: u64) {
+    let s = call.stream(stream);
+    if skip_captured(st, s) {
+        return;
+    }
+    let c = &st.counters;
+    if src.is_some() {
+        c.copies.fetch_add(1, Ordering::Relaxed);
+    } else {
+        c.memsets.fetch_add(1, Ordering::Relaxed);
+    }
+    let eng = engine_of(st, ctx);
+    let rd = src.map_or(Resolved::None, |a| st.resolve(eng.as_deref(), a));
+    let wr = st.resolve(eng.as_deref(), dst);
+    let mut reads = Vec::new();
+    let mut writes = Vec::new();
+    if let Resolved::Managed(b) = &wr {
+        push_buffer(b, false, &mut reads, &mut writes);
+    }
+    if let Resolved::Managed(b) = &rd {
+        push_buffer(b, true, &mut reads, &mut writes);
+    }
+    if st.cfg.dag && (rd.key().is_some() || wr.key().is_some()) {
+        let kref = if src.is_some() {
+            KernelRef::MEMCPY
+        } else {
+            KernelRef::MEMSET
+        };
+        let r: Vec<BufRef> = rd.buf_ref().into_iter().collect();
+        let w: Vec<BufRef> = wr.buf_ref().into_iter().collect();
+        st.dag.lock().record_launch(&kref, s, &r, &w);
+    }
+    hook(
+        st,
+        ctx,
+        s,
+        Access::Known {
+            reads: &reads,
+            writes: &writes,
+        },
+        None,
+    );
+}

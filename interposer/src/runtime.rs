@@ -1,0 +1,660 @@
+//! The interposer's state inside the job: one engine per device (created at the first managed
+//! allocation), the allocations possum does not manage, the kernel models, the job's streams and
+//! instantiated graphs, the DAG, and the counters the statistics report.
+//!
+//! Locks on the launch path are read locks, except the DAG's mutex (held for the few
+//! microseconds of one record; `POSSUM_DAG=0` turns recording off) and first sightings (a new
+//! kernel, stream or context), which take a write lock once.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, RwLock};
+use possum_analyzer::dag::{BufRef, Dag, DEFAULT_WINDOW};
+use possum_analyzer::intervals::IntervalMap;
+use possum_analyzer::kernel::{KernelModel, ValidationConfig};
+use possum_analyzer::layout::{Param, ParamLayout};
+use possum_cuda::introspect::{self, GraphNode};
+use possum_cuda::{CudaDevice, CudaStream};
+use possum_engine::device::DevPtr;
+use possum_engine::registry::{Buffer, Residency};
+use possum_engine::{Engine, EngineConfig};
+use serde_json::{json, Value};
+
+/// Settings read from the environment once.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Serve `cudaMalloc` from the engine (`POSSUM_MANAGE`, default on).
+    pub manage: bool,
+    /// Validation of speculations (`POSSUM_VALIDATE`, e.g. `first=2,every=0`; `off`).
+    pub validation: ValidationConfig,
+    /// Pinned staging per device engine, MiB (`POSSUM_STAGING_MIB`, default 32).
+    pub staging_mib: u64,
+    /// Record the DAG (`POSSUM_DAG`, default on).
+    pub dag: bool,
+    /// Launches kept in the DAG's window (`POSSUM_DAG_WINDOW`).
+    pub dag_window: usize,
+    /// Problems with the variables above (reported in the statistics).
+    pub warnings: Vec<String>,
+}
+
+impl Config {
+    fn from_env() -> Config {
+        let mut warnings = Vec::new();
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let flag = |k: &str, default: bool| match var(k).as_deref() {
+            None => default,
+            Some("0" | "off" | "false" | "no") => false,
+            Some(_) => true,
+        };
+        let validation = match var("POSSUM_VALIDATE") {
+            None => ValidationConfig::default(),
+            Some(s) => ValidationConfig::from_env_str(&s).unwrap_or_else(|e| {
+                warnings.push(format!("POSSUM_VALIDATE: {e}; using the default"));
+                ValidationConfig::default()
+            }),
+        };
+        let num = |k: &str, default: u64, warnings: &mut Vec<String>| match var(k) {
+            None => default,
+            Some(s) => s.parse().unwrap_or_else(|_| {
+                warnings.push(format!("{k}={s} is not a number; using {default}"));
+                default
+            }),
+        };
+        let staging_mib = num("POSSUM_STAGING_MIB", 32, &mut warnings).max(16);
+        let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
+        Config {
+            manage: flag("POSSUM_MANAGE", true),
+            validation,
+            staging_mib,
+            dag: flag("POSSUM_DAG", true),
+            dag_window,
+            warnings,
+        }
+    }
+}
+
+/// A device's engine and the job streams it knows.
+#[derive(Debug)]
+pub struct DevEngine {
+    /// The device ordinal.
+    pub ordinal: usize,
+    /// The engine.
+    pub engine: Engine<CudaDevice>,
+    streams: RwLock<HashMap<u64, CudaStream>>,
+}
+
+impl DevEngine {
+    /// The engine's wrapper of the job's stream `raw`, registering it (for T0 fences) on first
+    /// sight. The per-thread default stream is not registered: a fence recorded on it from
+    /// another thread would land on that thread's own per-thread stream.
+    pub fn stream(&self, raw: u64) -> CudaStream {
+        if let Some(s) = self.streams.read().get(&raw) {
+            return s.clone();
+        }
+        let mut w = self.streams.write();
+        w.entry(raw)
+            .or_insert_with(|| {
+                let s = crate::decode::job_stream(self.engine.device(), raw);
+                if raw != crate::decode::STREAM_PER_THREAD {
+                    self.engine.register_stream(s.clone());
+                }
+                s
+            })
+            .clone()
+    }
+
+    /// Forgets the job's stream `raw` (it is being destroyed).
+    pub fn forget_stream(&self, raw: u64) {
+        if self.streams.write().remove(&raw).is_some() {
+            self.engine
+                .unregister_streams(|s| s.raw() as usize as u64 == raw);
+        }
+    }
+}
+
+/// An allocation possum does not manage (the driver's checkpoint covers it).
+#[derive(Debug, Clone, Copy)]
+pub struct Unmanaged {
+    /// Which call made it.
+    pub kind: &'static str,
+}
+
+/// A graph node, as captured when its graph was instantiated.
+#[derive(Debug)]
+pub enum SnapNode {
+    /// A kernel node: its model and the words of its pointer slots.
+    Kernel {
+        /// The kernel's model.
+        model: Arc<KernelModel>,
+        /// The slots' words (as `model.slots()`).
+        words: Vec<u64>,
+    },
+    /// A memset node.
+    Memset {
+        /// Destination.
+        dst: u64,
+    },
+}
+
+/// An instantiated graph as possum knows it.
+#[derive(Debug)]
+pub struct GraphSnap {
+    /// Its nodes (kernels and memsets).
+    pub nodes: Vec<SnapNode>,
+    /// Why its launches are treated as touching every buffer, if they are.
+    pub opaque: Option<String>,
+}
+
+macro_rules! counters {
+    ($($name:ident: $doc:literal),* $(,)?) => {
+        /// Counters the statistics report.
+        #[derive(Debug, Default)]
+        pub struct Counters { $(#[doc = $doc] pub $name: AtomicU64,)* }
+        impl Counters {
+            fn to_json(&self) -> Value {
+                let mut m = serde_json::Map::new();
+                $(m.insert(stringify!($name).into(), self.$name.load(Ordering::Relaxed).into());)*
+                Value::Object(m)
+            }
+        }
+    };
+}
+
+counters! {
+    launches: "Kernel launches analysed (not counting captured ones).",
+    launches_hooked: "Launches that went through the engine's hook.",
+    launches_identified: "Launches whose every pointer-like word resolved and whose kernel is not opaque.",
+    launches_unmanaged: "Launches that touched an allocation possum does not manage.",
+    launches_opaque: "Launches of opaque kernels.",
+    unresolved_words: "Parameter words inside the range of known allocations that resolved to none.",
+    captured_launches: "Launches (and copies, memsets) captured into a graph rather than run.",
+    graph_launches: "Graph launches.",
+    graph_nodes_expanded: "Kernel and memset nodes of launched graphs, each counted per launch.",
+    graph_launches_opaque: "Graph launches treated as touching every buffer.",
+    copies: "Copies hooked.",
+    memsets: "Memsets hooked.",
+    opaque_ops: "Copies possum does not decode (2D/3D/batched), treated as touching every buffer.",
+    per_thread_stream_ops: "Operations on the per-thread default stream.",
+    validations: "Validated launches.",
+    validation_ns: "Time spent validating (both sides of each launch).",
+    validation_errors: "Validations abandoned because a read failed.",
+    kernels_made_opaque: "Kernels a validation made opaque.",
+    managed_allocs: "cudaMalloc calls served by the engine.",
+    managed_frees: "cudaFree calls of engine buffers.",
+    fallback_allocs: "cudaMalloc calls passed to libcudart.",
+    unmanaged_allocs: "Allocations seen through CUPTI that possum does not manage.",
+    hook_errors: "Hook calls the engine refused (the operation ran anyway).",
+}
+
+/// The process-wide state.
+#[derive(Debug)]
+pub struct State {
+    /// Settings.
+    pub cfg: Config,
+    engines: RwLock<Vec<Option<Arc<DevEngine>>>>,
+    managing_off: Mutex<Option<String>>,
+    managing_disabled: AtomicBool,
+    unmanaged: RwLock<IntervalMap<Unmanaged>>,
+    kernels: RwLock<HashMap<u64, Arc<KernelModel>>>,
+    graphs: RwLock<HashMap<u64, Arc<GraphSnap>>>,
+    /// Streams being captured now (anywhere in the process).
+    pub captures: AtomicU64,
+    /// The DAG.
+    pub dag: Mutex<Dag>,
+    /// Counters.
+    pub counters: Counters,
+    /// Lowest and highest device address of any allocation seen (for the "pointer-like" test).
+    lo: AtomicU64,
+    hi: AtomicU64,
+}
+
+static STATE: OnceLock<State> = OnceLock::new();
+
+/// The state, if anything has needed it yet.
+pub fn state_if_created() -> Option<&'static State> {
+    STATE.get()
+}
+
+/// The state, created on first use (which also starts the control socket).
+pub fn state() -> &'static State {
+    if let Some(s) = STATE.get() {
+        return s;
+    }
+    let s = STATE.get_or_init(|| {
+        let cfg = Config::from_env();
+        let window = cfg.dag_window;
+        State {
+            cfg,
+            engines: RwLock::new(Vec::new()),
+            managing_off: Mutex::new(None),
+            managing_disabled: AtomicBool::new(false),
+            unmanaged: RwLock::new(IntervalMap::new()),
+            kernels: RwLock::new(HashMap::new()),
+            graphs: RwLock::new(HashMap::new()),
+            captures: AtomicU64::new(0),
+            dag: Mutex::new(Dag::new(window)),
+            counters: Counters::default(),
+            lo: AtomicU64::new(u64::MAX),
+            hi: AtomicU64::new(0),
+        }
+    });
+    crate::control::start();
+    s
+}
+
+thread_local! {
+    /// Set while possum itself calls the driver on this thread: callbacks then ignore the call.
+    static IN_POSSUM: Cell<bool> = const { Cell::new(false) };
+    /// 0: not yet known; 1: a job thread; 2: one of possum's own threads (named `possum-*`).
+    static THREAD_KIND: Cell<u8> = const { Cell::new(0) };
+    /// The last (context, device ordinal) this thread resolved.
+    static CTX_DEVICE: Cell<(u64, usize)> = const { Cell::new((u64::MAX, 0)) };
+    /// This thread's cache of kernel models.
+    static KERNELS: RefCell<HashMap<u64, Arc<KernelModel>>> = RefCell::new(HashMap::new());
+}
+
+/// Marks the calling thread as inside possum until dropped.
+#[derive(Debug)]
+pub struct Reentry(bool);
+
+impl Reentry {
+    /// Enters (nesting is fine).
+    pub fn enter() -> Reentry {
+        Reentry(IN_POSSUM.with(|c| c.replace(true)))
+    }
+}
+
+impl Drop for Reentry {
+    fn drop(&mut self) {
+        IN_POSSUM.with(|c| c.set(self.0));
+    }
+}
+
+/// Whether a callback on this thread must ignore the call: possum's own call, or one of possum's
+/// own threads (the engine's copier, writers and restorers, the control thread).
+pub fn ignore_this_thread() -> bool {
+    if IN_POSSUM.try_with(Cell::get).unwrap_or(true) {
+        return true;
+    }
+    THREAD_KIND
+        .try_with(|k| {
+            if k.get() == 0 {
+                let ours = std::thread::current()
+                    .name()
+                    .is_some_and(|n| n.starts_with("possum"));
+                k.set(if ours { 2 } else { 1 });
+            }
+            k.get() == 2
+        })
+        .unwrap_or(true)
+}
+
+/// What a parameter word points into.
+#[derive(Debug, Clone)]
+pub enum Resolved {
+    /// A managed buffer.
+    Managed(Buffer),
+    /// An allocation possum does not manage: (start, len).
+    Unmanaged(u64, u64),
+    /// Nothing known.
+    None,
+}
+
+impl Resolved {
+    /// The key validation and the DAG use: a managed buffer's id, or an unmanaged range's start
+    /// with the top bit set.
+    pub fn key(&self) -> Option<u64> {
+        match self {
+            Resolved::Managed(b) => Some(b.id()),
+            Resolved::Unmanaged(s, _) => Some(s | 1 << 63),
+            Resolved::None => None,
+        }
+    }
+
+    /// (start, len) of what was found.
+    pub fn range(&self) -> Option<(u64, u64)> {
+        match self {
+            Resolved::Managed(b) => Some((b.va().0, b.size())),
+            Resolved::Unmanaged(s, l) => Some((*s, *l)),
+            Resolved::None => None,
+        }
+    }
+
+    /// For the DAG.
+    pub fn buf_ref(&self) -> Option<BufRef> {
+        let (va, size) = self.range()?;
+        Some(BufRef {
+            id: self.key()?,
+            va,
+            size,
+            managed: matches!(self, Resolved::Managed(_)),
+        })
+    }
+}
+
+impl State {
+    /// The engine of device `ordinal`, if possum manages allocations there.
+    pub fn engine(&self, ordinal: usize) -> Option<Arc<DevEngine>> {
+        self.engines.read().get(ordinal).cloned().flatten()
+    }
+
+    /// Every engine.
+    pub fn engines(&self) -> Vec<Arc<DevEngine>> {
+        self.engines.read().iter().flatten().cloned().collect()
+    }
+
+    /// The engine of device `ordinal`, created if needed (`init` first initialises the runtime's
+    /// context there). `Err` says why possum cannot manage allocations (then it stops trying).
+    pub fn engine_or_create(
+        &self,
+        ordinal: usize,
+        init: impl FnOnce() -> i32,
+    ) -> Result<Arc<DevEngine>, String> {
+        if let Some(e) = self.engine(ordinal) {
+            return Ok(e);
+        }
+        if self.managing_disabled.load(Ordering::Relaxed) {
+            return Err(self.managing_off.lock().clone().unwrap_or_default());
+        }
+        let mut engines = self.engines.write();
+        if let Some(Some(e)) = engines.get(ordinal) {
+            return Ok(e.clone());
+        }
+        let made = (|| {
+            let r = init();
+            if r != 0 {
+                return Err(format!("the CUDA runtime failed to initialise (error {r})"));
+            }
+            let dev = CudaDevice::new(ordinal).map_err(|e| e.to_string())?;
+            let chunk = 8usize << 20;
+            let cfg = EngineConfig {
+                chunk_size: chunk,
+                staging_buffers: ((self.cfg.staging_mib << 20) / chunk as u64) as usize,
+                ..EngineConfig::default()
+            };
+            Engine::new(Arc::new(dev), cfg).map_err(|e| e.to_string())
+        })();
+        match made {
+            Ok(engine) => {
+                let de = Arc::new(DevEngine {
+                    ordinal,
+                    engine,
+                    streams: RwLock::new(HashMap::new()),
+                });
+                if engines.len() <= ordinal {
+                    engines.resize(ordinal + 1, None);
+                }
+                engines[ordinal] = Some(de.clone());
+                crate::log(&format!("device {ordinal}: allocations are served by the engine"));
+                Ok(de)
+            }
+            Err(why) => {
+                self.disable_managing(format!("device {ordinal}: {why}"));
+                Err(why)
+            }
+        }
+    }
+
+    /// Stops serving allocations from the engine, for `why` (logged once).
+    pub fn disable_managing(&self, why: String) {
+        crate::log(&format!(
+            "allocations are left to libcudart from now on: {why}"
+        ));
+        *self.managing_off.lock() = Some(why);
+        self.managing_disabled.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether `cudaMalloc` should be tried on the engine.
+    pub fn managing(&self) -> bool {
+        self.cfg.manage && !self.managing_disabled.load(Ordering::Relaxed)
+    }
+
+    /// Notes a device range [va, va+len) for the pointer-likeness test.
+    pub fn note_range(&self, va: u64, len: u64) {
+        self.lo.fetch_min(va, Ordering::Relaxed);
+        self.hi.fetch_max(va.saturating_add(len), Ordering::Relaxed);
+    }
+
+    /// Whether `w` lies between the lowest and highest device address seen.
+    pub fn pointer_like(&self, w: u64) -> bool {
+        w >= self.lo.load(Ordering::Relaxed) && w < self.hi.load(Ordering::Relaxed)
+    }
+
+    /// The device of the calling thread's current context `ctx` (cached per thread).
+    pub fn device_of(&self, ctx: u64) -> Option<usize> {
+        let (c, d) = CTX_DEVICE.try_with(Cell::get).ok()?;
+        if c == ctx {
+            return Some(d);
+        }
+        let d = introspect::current_device().ok()?;
+        let _ = CTX_DEVICE.try_with(|x| x.set((ctx, d)));
+        Some(d)
+    }
+
+    /// What `w` points into. Managed buffers of `eng` first, then unmanaged allocations.
+    pub fn resolve(&self, eng: Option<&DevEngine>, w: u64) -> Resolved {
+        if w == 0 {
+            return Resolved::None;
+        }
+        if let Some(b) = eng.and_then(|e| e.engine.lookup(DevPtr(w))) {
+            return Resolved::Managed(b);
+        }
+        if let Some((s, l, _)) = self.unmanaged.read().lookup(w) {
+            return Resolved::Unmanaged(s, l);
+        }
+        Resolved::None
+    }
+
+    /// Whether `w` is inside any known allocation.
+    pub fn is_live(&self, eng: Option<&DevEngine>, w: u64) -> bool {
+        !matches!(self.resolve(eng, w), Resolved::None)
+    }
+
+    /// Records an allocation possum does not manage.
+    pub fn add_unmanaged(&self, va: u64, len: u64, kind: &'static str) {
+        if va == 0 || len == 0 {
+            return;
+        }
+        self.unmanaged.write().insert(va, len, Unmanaged { kind });
+        self.note_range(va, len);
+        self.counters.unmanaged_allocs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Forgets the unmanaged allocation starting at `va`.
+    pub fn remove_unmanaged(&self, va: u64) {
+        self.unmanaged.write().remove(va);
+    }
+
+    /// Unmanaged ranges now: (start, len).
+    pub fn unmanaged_ranges(&self) -> Vec<(u64, u64)> {
+        self.unmanaged.read().iter().map(|(s, l, _)| (s, l)).collect()
+    }
+
+    /// The model of kernel `handle`, made on first sight (layout and name asked of the driver).
+    pub fn kernel(&self, handle: u64) -> Arc<KernelModel> {
+        if let Ok(Some(m)) = KERNELS.try_with(|k| k.borrow().get(&handle).cloned()) {
+            return m;
+        }
+        let m = self.kernel_slow(handle);
+        let _ = KERNELS.try_with(|k| k.borrow_mut().insert(handle, m.clone()));
+        m
+    }
+
+    fn kernel_slow(&self, handle: u64) -> Arc<KernelModel> {
+        if let Some(m) = self.kernels.read().get(&handle) {
+            return m.clone();
+        }
+        let _r = Reentry::enter();
+        let name = introspect::kernel_name(handle);
+        let layout = introspect::param_layout(handle);
+        let m = match layout {
+            Ok(l) => KernelModel::new(
+                handle,
+                name,
+                Some(ParamLayout::new(
+                    l.into_iter()
+                        .map(|(offset, size)| Param { offset, size })
+                        .collect(),
+                )),
+            ),
+            Err(e) => {
+                let m = KernelModel::new(handle, name, None);
+                m.mark_opaque(format!("no parameter layout: {e}"));
+                m
+            }
+        };
+        self.kernels
+            .write()
+            .entry(handle)
+            .or_insert_with(|| Arc::new(m))
+            .clone()
+    }
+
+    /// Every kernel model.
+    pub fn kernels(&self) -> Vec<Arc<KernelModel>> {
+        self.kernels.read().values().cloned().collect()
+    }
+
+    /// Snapshots the graph `graph` instantiated as `exec`.
+    pub fn instantiate_graph(&self, exec: u64, graph: u64) {
+        let _r = Reentry::enter();
+        let snap = match introspect::graph_nodes(graph) {
+            Err(e) => GraphSnap {
+                nodes: Vec::new(),
+                opaque: Some(format!("cannot read its nodes: {e}")),
+            },
+            Ok(nodes) => {
+                let mut out = Vec::new();
+                let mut opaque = None;
+                for n in nodes {
+                    match n {
+                        GraphNode::Kernel { handle, params } => {
+                            let model = self.kernel(handle);
+                            let words = match params {
+                                Some(p) => slot_words(&model, &p),
+                                None => {
+                                    opaque.get_or_insert_with(|| {
+                                        "a kernel node whose parameters are unknown".to_string()
+                                    });
+                                    Vec::new()
+                                }
+                            };
+                            out.push(SnapNode::Kernel { model, words });
+                        }
+                        GraphNode::Memset { dst, .. } => out.push(SnapNode::Memset { dst }),
+                        // Empty, host, event record and event wait nodes touch no device memory.
+                        GraphNode::Other(3 | 5 | 6 | 7) => {}
+                        GraphNode::Other(t) => {
+                            opaque.get_or_insert_with(|| format!("a node of type {t}"));
+                        }
+                    }
+                }
+                GraphSnap {
+                    nodes: out,
+                    opaque,
+                }
+            }
+        };
+        self.graphs.write().insert(exec, Arc::new(snap));
+    }
+
+    /// The snapshot of `exec`, if possum saw it instantiated and unchanged since.
+    pub fn graph(&self, exec: u64) -> Option<Arc<GraphSnap>> {
+        self.graphs.read().get(&exec).cloned()
+    }
+
+    /// Forgets `exec` (destroyed, or its nodes changed: later launches are opaque).
+    pub fn forget_graph(&self, exec: u64) {
+        self.graphs.write().remove(&exec);
+    }
+
+    /// Every managed buffer of `eng` and every unmanaged range, as (key, start, len), for
+    /// validation. Released buffers are left out (they cannot be read).
+    pub fn validation_targets(&self, eng: Option<&DevEngine>) -> Vec<(u64, u64, u64)> {
+        let mut v: Vec<(u64, u64, u64)> = eng
+            .map(|e| {
+                e.engine
+                    .buffers()
+                    .into_iter()
+                    .filter(|b| b.residency() == Residency::Mapped)
+                    .map(|b| (b.id(), b.va().0, b.size()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.extend(
+            self.unmanaged_ranges()
+                .into_iter()
+                .map(|(s, l)| (s | 1 << 63, s, l)),
+        );
+        v
+    }
+
+    /// The statistics possum adds to the CUPTI counts.
+    pub fn stats_json(&self) -> Value {
+        let engines: Vec<Value> = self
+            .engines()
+            .iter()
+            .map(|e| {
+                json!({"device": e.ordinal, "name": e.engine.device().device_name(),
+                       "streams": e.streams.read().len(), "engine": e.engine.stats()})
+            })
+            .collect();
+        let kernels = self.kernels.read();
+        let opaque: Vec<Value> = kernels
+            .values()
+            .filter(|k| k.is_opaque())
+            .map(|k| json!({"name": k.name(), "reason": k.opaque_reason()}))
+            .collect();
+        let unmanaged = self.unmanaged.read();
+        let mut by_kind: HashMap<&str, (u64, u64)> = HashMap::new();
+        for (_, l, u) in unmanaged.iter() {
+            let e = by_kind.entry(u.kind).or_default();
+            e.0 += 1;
+            e.1 += l;
+        }
+        json!({
+            "managing": self.managing(),
+            "managing_off": *self.managing_off.lock(),
+            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib,
+                       "dag": self.cfg.dag, "warnings": self.cfg.warnings},
+            "engines": engines,
+            "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),
+                          "by_kind": by_kind.iter().map(|(k, (n, b))| (k.to_string(), json!({"allocations": n, "bytes": b}))).collect::<serde_json::Map<_, _>>()},
+            "kernels": kernels.len(),
+            "opaque_kernels": opaque,
+            "counters": self.counters.to_json(),
+        })
+    }
+
+    /// The trace: statistics, per-kernel statistics, the DAG (JSON) and its DOT text.
+    pub fn trace_json(&self) -> Value {
+        let mut kernels: Vec<_> = self.kernels().iter().map(|k| k.stats()).collect();
+        kernels.sort_by_key(|k| std::cmp::Reverse(k.launches));
+        let dag = self.dag.lock();
+        json!({
+            "stats": self.stats_json(),
+            "kernels": kernels,
+            "dag": dag.to_json(),
+            "prefetch_order": dag.buffer_first_use(),
+            "dot": dag.to_dot(),
+        })
+    }
+}
+
+/// The words of `model`'s pointer slots in a graph node's copied parameters.
+fn slot_words(model: &KernelModel, params: &[Vec<u8>]) -> Vec<u64> {
+    model
+        .slots()
+        .iter()
+        .map(|s| {
+            let off = 8 * usize::from(s.word);
+            params
+                .get(usize::from(s.param))
+                .and_then(|p| p.get(off..off + 8))
+                .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+        })
+        .collect()
+}
