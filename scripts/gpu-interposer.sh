@@ -1,48 +1,148 @@
 #!/usr/bin/env bash
-# Issue 3 checks on the GPU machine, from the repo root, with the build in .gpu/ (libpossum.so):
-# every workload with and without libpossum.so (LD_PRELOAD, and CUDA_INJECTION64_PATH for one),
-# outputs compared bit for bit, possum's launch counts beside torch.profiler's, step times.
+# Issue 3 checks on the GPU machine, from the repo root, with the build in .gpu/ (libpossum.so,
+# possum): every workload with and without libpossum.so (LD_PRELOAD; CUDA_INJECTION64_PATH for
+# one), outputs compared bit for bit; possum's launch counts beside torch.profiler's; buffer
+# identification, opaque kernels (the pointer-table kernels must be caught), validation cost;
+# what cudaMalloc's callers expect (allocattrs.cu); possum run --trace, possum trace/status on a
+# live job; step times with and without (alternating runs, REPS each).
+#
+#   (here)  bash scripts/gpu-interposer.sh --stage
+#   (there) bash scripts/gpu-interposer.sh            # STEPS=10 REPS=3 JOBS="mlp cnn ..." to vary
+# Results: $OUT (or .gpu/out): interposer-summary.jsonl and interposer-files.tgz (every log).
+# Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-res="${OUT:-.gpu/out}"; out=/tmp/possum-interposer; mkdir -p "$res" "$out"
+if [ "${1:-}" = "--stage" ]; then
+    cargo build --release -p possum-interposer -p possum -p possum-analyzer || exit 1
+    mkdir -p .gpu
+    cp target/release/libpossum.so target/release/possum target/release/possum-nvinfo .gpu/
+    strip .gpu/possum .gpu/possum-nvinfo && strip --strip-debug .gpu/libpossum.so
+    ls -la .gpu
+    exit 0
+fi
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "SKIPPED: no GPU (nvidia-smi -L failed)"
+    exit 0
+fi
+res="${OUT:-.gpu/out}"; out=/tmp/possum-interposer; rm -rf "$out"; mkdir -p "$res" "$out"
 so="$PWD/.gpu/libpossum.so"
+possum="$PWD/.gpu/possum"
 steps="${STEPS:-10}"
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
-nvcc -O2 -arch=sm_90 -o "$out/ptrtable" workloads/gpu/ptrtable.cu || echo "nvcc failed"
+export POSSUM_SOCKET_DIR="$out/sockets"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+for p in ptrtable allocattrs; do
+    nvcc -O2 -arch=sm_90 -cudart shared -o "$out/$p" "workloads/gpu/$p.cu" || echo "nvcc $p failed"
+done
 status=0
+fail() { echo "FAIL: $*"; status=1; }
 summary="$res/interposer-summary.jsonl"; : > "$summary"
+
+# What a caller of cudaMalloc expects, with allocations served by the engine.
+POSSUM_STATS="$out/allocattrs.stats.json" LD_PRELOAD="$so" "$out/allocattrs" > "$out/allocattrs.out" 2> "$out/allocattrs.err" \
+    || fail "allocattrs under possum: $(cat "$out/allocattrs.err")"
+"$out/allocattrs" > "$out/allocattrs.plain" 2>&1 || fail "allocattrs without possum"
+python3 - "$out" <<'PY' || fail "allocattrs: allocations not served by the engine"
+import json, sys
+out = sys.argv[1]
+s = json.load(open(f"{out}/allocattrs.stats.json"))["possum"]["counters"]
+print("allocattrs:", open(f"{out}/allocattrs.out").read().strip(), "managed_allocs", s["managed_allocs"], "frees", s["managed_frees"])
+assert s["managed_allocs"] >= 3 and s["managed_frees"] >= 3, s
+PY
+
 for job in ${JOBS:-mlp cnn gpt2 triton graph multistream ptrtable}; do
     if [ "$job" = ptrtable ]; then cmd=("$out/ptrtable" "$steps"); else cmd=(python3 workloads/gpu/jobs.py "$job" --steps "$steps"); fi
     # Plain and with possum, alternating, REPS times each: median step time of each.
     for r in $(seq 1 "${REPS:-3}"); do
         POSSUM_TIMING_FILE="$out/$job.plain.t$r" "${cmd[@]}" > "$out/$job.plain" 2> "$out/$job.plain.err"
-        LD_PRELOAD="$so" POSSUM_STATS="$out/$job.stats.json" POSSUM_TIMING_FILE="$out/$job.possum.t$r" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"
+        LD_PRELOAD="$so" POSSUM_VERBOSE=1 POSSUM_STATS="$out/$job.stats.json" POSSUM_TIMING_FILE="$out/$job.possum.t$r" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"
+        if [ -n "${BREAKDOWN:-}" ]; then
+            # Where the overhead goes: without the DAG; and watching only (no engine, no DAG, no
+            # validation: the first slice's cost).
+            LD_PRELOAD="$so" POSSUM_DAG=0 POSSUM_TIMING_FILE="$out/$job.nodag.t$r" "${cmd[@]}" > /dev/null 2>&1
+            LD_PRELOAD="$so" POSSUM_DAG=0 POSSUM_MANAGE=0 POSSUM_VALIDATE=off POSSUM_TIMING_FILE="$out/$job.watch.t$r" "${cmd[@]}" > /dev/null 2>&1
+        fi
     done
-    timing=$(python3 - "$out" "$job" <<'PY'
+    same=false; cmp -s "$out/$job.plain" "$out/$job.possum" && [ -s "$out/$job.plain" ] && same=true
+    if [ "$job" != ptrtable ]; then
+        python3 workloads/gpu/jobs.py "$job" --steps "$steps" --profile > "$out/$job.profile" 2>/dev/null
+    fi
+    python3 - "$out" "$job" "$same" >> "$summary" <<'PY'
 import json, statistics, sys, glob
-out, job = sys.argv[1], sys.argv[2]
+out, job, same = sys.argv[1], sys.argv[2], sys.argv[3] == "true"
 def med(kind):
     v = [json.load(open(f))["step_ms_median"] for f in glob.glob(f"{out}/{job}.{kind}.t*")]
     return statistics.median(v) if v else None
 p, q = med("plain"), med("possum")
-print(json.dumps({"plain_step_ms": p, "possum_step_ms": q, "overhead_pct": (100 * (q - p) / p) if p and q else None}))
+try:
+    prof = json.loads(open(f"{out}/{job}.profile").read().strip().splitlines()[-1]).get("profiler", {})
+except Exception:
+    prof = {}
+try:
+    s = json.load(open(f"{out}/{job}.stats.json"))
+except Exception as e:
+    s = {"error": str(e)}
+c = s.get("possum", {}).get("counters", {})
+launches = c.get("launches", 0)
+nodag, watch = med("nodag"), med("watch")
+pct = lambda x: (100 * (x - p) / p) if p and x else None
+row = {"job": job, "identical": same,
+       "plain_step_ms": p, "possum_step_ms": q, "overhead_pct": pct(q),
+       "nodag_overhead_pct": pct(nodag), "watch_overhead_pct": pct(watch),
+       "profiler_kernels": prof.get("kernels"), "cupti_launches": s.get("total_launches"),
+       "graph_launches": s.get("graph_launches"), "graph_nodes_expanded": c.get("graph_nodes_expanded"),
+       "identified_pct": (100 * c.get("launches_identified", 0) / launches) if launches else None,
+       "unmanaged_launch_pct": (100 * c.get("launches_unmanaged", 0) / launches) if launches else None,
+       "opaque_launch_pct": (100 * c.get("launches_opaque", 0) / launches) if launches else None,
+       "kernels": s.get("possum", {}).get("kernels"),
+       "opaque_kernels": s.get("possum", {}).get("opaque_kernels"),
+       "validations": c.get("validations"), "validation_ms": c.get("validation_ns", 0) / 1e6,
+       "managed_allocs": c.get("managed_allocs"), "fallback_allocs": c.get("fallback_allocs"),
+       "unmanaged": s.get("possum", {}).get("unmanaged"), "counters": c}
+print(json.dumps(row))
 PY
-)
-    same=false; cmp -s "$out/$job.plain" "$out/$job.possum" && [ -s "$out/$job.plain" ] && same=true
-    prof='{}'
-    if [ "$job" != ptrtable ]; then
-        python3 workloads/gpu/jobs.py "$job" --steps "$steps" --profile > "$out/$job.profile" 2>/dev/null
-        prof=$(tail -n 1 "$out/$job.profile" | python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin).get("profiler", {})))' 2>/dev/null || echo '{}')
-    fi
-    stats=$(cat "$out/$job.stats.json" 2>/dev/null || echo '{}')
-    echo "{\"job\":\"$job\",\"identical\":$same,\"timing\":$timing,\"profiler\":$prof,\"possum\":$stats}" >> "$summary"
-    echo "$job: identical=$same timing=$timing profiler=$prof possum_launches=$(echo "$stats" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j.get("total_launches"), "graphs", j.get("graph_launches"))' 2>/dev/null)"
-    [ "$same" = true ] || { status=1; echo "DIFF in $job:"; diff "$out/$job.plain" "$out/$job.possum" | head -5; tail -3 "$out/$job.possum.err"; }
+    tail -n 1 "$summary" | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ["job","identical","plain_step_ms","overhead_pct","nodag_overhead_pct","watch_overhead_pct","profiler_kernels","cupti_launches","identified_pct","unmanaged_launch_pct","opaque_launch_pct","validations","validation_ms","managed_allocs"]}); print("  counters:", r["counters"]); [print("  opaque:", (o.get("name") or "?")[:90], "--", o.get("reason")) for o in (r["opaque_kernels"] or [])[:12]]'
+    [ "$same" = true ] || { fail "output differs in $job"; diff "$out/$job.plain" "$out/$job.possum" | head -5; tail -5 "$out/$job.possum.err"; }
 done
+
+# The pointer-table kernels must be caught; the by-value struct kernel must not be opaque.
+if [ -f "$out/ptrtable.stats.json" ]; then
+    python3 - "$out" <<'PY' || fail "ptrtable: validation did not catch the pointer-table kernels"
+import json, sys
+s = json.load(open(f"{sys.argv[1]}/ptrtable.stats.json"))["possum"]
+names = [o["name"] or "" for o in s["opaque_kernels"]]
+print("ptrtable opaque kernels:", names)
+assert any("bump_table" in n for n in names) and any("gather_table" in n for n in names), names
+assert not any("scale_struct" in n for n in names), names
+PY
+fi
+
+# possum run --trace, and possum trace / status against a live job.
+"$possum" run --lib "$so" --trace "$out/trace-mlp.json" -- python3 workloads/gpu/jobs.py mlp --steps 3 > "$out/trace-run.out" 2>&1 || fail "possum run --trace"
+python3 -c "import json,sys; t=json.load(open('$out/trace-mlp.json')); print('trace: kernels', len(t['kernels']), 'dag kernels', len(t['dag']['kernels']), 'buffers', len(t['dag']['buffers']), 'edges', len(t['dag']['edges']), 'window', len(t['dag']['window']['launches']))" || fail "trace file"
+[ -s "$out/trace-mlp.json.dot" ] && head -c 300 "$out/trace-mlp.json.dot" && echo || fail "trace DOT"
+rm -rf "$POSSUM_SOCKET_DIR"
+"$possum" run --lib "$so" -- python3 workloads/gpu/jobs.py mlp --steps 3000 > "$out/live.out" 2>&1 &
+pid=""
+for i in $(seq 1 150); do
+    for s in "$POSSUM_SOCKET_DIR"/possum-*.sock; do
+        [ -S "$s" ] && pid=$(basename "$s" .sock) && pid=${pid#possum-}
+    done
+    [ -n "$pid" ] && break
+    sleep 0.1
+done
+"$possum" status "$pid" > "$out/live-status.txt" 2>&1 && head -n 30 "$out/live-status.txt" || fail "possum status on a live job"
+"$possum" trace "$pid" -o "$out/live-trace.json" --dot "$out/live-trace.dot" 2>&1 && echo "live trace: $(wc -c < "$out/live-trace.json") bytes" || fail "possum trace on a live job"
+wait
+"$possum" trace $$ > "$out/not-loaded.txt" 2>&1; echo "possum trace on a shell (exit $?): $(cat "$out/not-loaded.txt")"
+
 # The injection entry point, once.
 CUDA_INJECTION64_PATH="$so" POSSUM_STATS="$out/mlp.inject.json" python3 workloads/gpu/jobs.py mlp --steps "$steps" > "$out/mlp.inject" 2> "$out/mlp.inject.err"
-cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, stats: $(cat "$out/mlp.inject.json" 2>/dev/null | head -c 300)" || { status=1; echo "injection run differs"; diff "$out/mlp.plain" "$out/mlp.inject" | head; tail -5 "$out/mlp.inject.err"; }
+cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, launches $(python3 -c "import json; print(json.load(open('$out/mlp.inject.json'))['total_launches'])")" || { fail "injection run differs"; tail -5 "$out/mlp.inject.err"; }
 # A job that never touches CUDA.
-LD_PRELOAD="$so" python3 -c 'print("no cuda here")' | grep -q "no cuda here" && echo "non-CUDA job: unchanged" || { status=1; echo "non-CUDA job broke"; }
+LD_PRELOAD="$so" python3 -c 'print("no cuda here")' | grep -q "no cuda here" && echo "non-CUDA job: unchanged" || fail "non-CUDA job broke"
+# The .nv.info parser against cuobjdump, on the pointer-table job's cubin.
+cuobjdump -xelf all "$out/ptrtable" > /dev/null 2>&1; for c in *.cubin; do [ -f "$c" ] && .gpu/possum-nvinfo "$c" && rm -f "$c"; done
+tar czf "$res/interposer-files.tgz" -C "$out" --exclude=sockets --exclude=ptrtable --exclude=allocattrs . 2>/dev/null
 exit $status

@@ -116,6 +116,14 @@ pub fn current_device() -> DeviceResult<usize> {
     })
 }
 
+/// The allocation (start, size) the driver knows `addr` to be inside, in the calling thread's
+/// current context: any `cuMemAlloc*`, pool or mapped VMM range, whoever made it. `None` if the
+/// driver knows none (the value is then not a device address of this context).
+pub fn allocation_of(addr: u64) -> Option<(u64, u64)> {
+    ensure_loaded().ok()?;
+    crate::driver::address_range(addr).ok()
+}
+
 /// Whether `stream` (a raw handle of the job's) is being captured into a graph now.
 pub fn is_capturing(stream: u64) -> DeviceResult<bool> {
     ensure_loaded()?;

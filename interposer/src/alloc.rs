@@ -84,6 +84,7 @@ pub fn free(ptr: u64) -> Freed {
     }
     match eng.engine.free(DevPtr(ptr)) {
         Ok(()) => {
+            st.note_range(ptr, 0);
             st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
             st.dag.lock().record_free(id);
             Freed::Done

@@ -208,35 +208,44 @@ fn engine_of(st: &State, ctx: u64) -> Option<Arc<DevEngine>> {
     st.device_of(ctx).and_then(|d| st.engine(d))
 }
 
-/// Resolves `words` (the slots of `model`) into `reads`/`writes` (managed buffers, deduplicated,
-/// a buffer both read and written only in `writes`) and the DAG's lists. Returns (identified,
-/// touched an unmanaged allocation).
+/// Resolves `words` (the slots of `model`) into `reads`/`writes` (managed buffers of device
+/// `dev`, deduplicated, a buffer both read and written only in `writes`) and the DAG's lists.
+/// A pointer-like word no known allocation contains is asked of the driver once
+/// ([`State::discover`]). Returns (identified, touched an unmanaged allocation, needed discovery).
 #[allow(clippy::too_many_arguments)]
 fn resolve_slots(
     st: &State,
-    eng: Option<&DevEngine>,
+    dev: Option<usize>,
     model: &KernelModel,
     words: &[u64],
     reads: &mut Vec<Buffer>,
     writes: &mut Vec<Buffer>,
     dag_reads: &mut Vec<BufRef>,
     dag_writes: &mut Vec<BufRef>,
-) -> (bool, bool) {
-    let mut identified = true;
+) -> (bool, bool, bool) {
     let mut unmanaged = false;
+    let mut discovered = false;
+    let mut ranges = st.ranges();
     for (i, &w) in words.iter().enumerate() {
-        let r = st.resolve(eng, w);
-        let ro = model.classify(i) == SlotAccess::Read;
-        match &r {
-            Resolved::None => {
-                if w != 0 && st.pointer_like(w) {
-                    identified = false;
-                    st.counters.unresolved_words.fetch_add(1, Ordering::Relaxed);
-                }
+        if w == 0 {
+            continue;
+        }
+        let mut r = ranges.lookup(w);
+        if matches!(r, Resolved::None) {
+            if !ranges.near(w) || !st.discover(w) {
                 continue;
             }
+            discovered = true;
+            ranges = st.ranges();
+            r = ranges.lookup(w);
+        }
+        st.counters.pointer_words.fetch_add(1, Ordering::Relaxed);
+        let ro = model.classify(i) == SlotAccess::Read;
+        match &r {
+            Resolved::None => continue,
             Resolved::Unmanaged(..) => unmanaged = true,
-            Resolved::Managed(b) => push_buffer(b, ro, reads, writes),
+            Resolved::Managed(b, d) if Some(*d) == dev => push_buffer(b, ro, reads, writes),
+            Resolved::Managed(..) => {}
         }
         if st.cfg.dag {
             if let Some(br) = r.buf_ref() {
@@ -247,7 +256,7 @@ fn resolve_slots(
             }
         }
     }
-    (identified, unmanaged)
+    (!discovered, unmanaged, discovered)
 }
 
 fn push_buffer(b: &Buffer, read_only: bool, reads: &mut Vec<Buffer>, writes: &mut Vec<Buffer>) {
@@ -288,9 +297,9 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         dag_reads.clear();
         dag_writes.clear();
         args.read_slots(model.slots(), words);
-        let (identified, unmanaged) = resolve_slots(
+        let (identified, unmanaged, discovered) = resolve_slots(
             st,
-            eng.as_deref(),
+            eng.as_ref().map(|e| e.ordinal),
             &model,
             words,
             reads,
@@ -306,6 +315,9 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         }
         if unmanaged {
             c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
+        }
+        if discovered {
+            c.launches_discovered.fetch_add(1, Ordering::Relaxed);
         }
         if st.cfg.dag {
             let name = model.name();
@@ -368,7 +380,7 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                     opaque |= model.is_opaque();
                     resolve_slots(
                         st,
-                        eng.as_deref(),
+                        eng.as_ref().map(|e| e.ordinal),
                         model,
                         words,
                         reads,
@@ -383,8 +395,8 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                     }
                 }
                 SnapNode::Memset { dst } => {
-                    let r = st.resolve(eng.as_deref(), *dst);
-                    if let Resolved::Managed(b) = &r {
+                    let r = st.resolve(*dst);
+                    if let Resolved::Managed(b, _) = &r {
                         push_buffer(b, false, reads, writes);
                     }
                     dag_writes.extend(r.buf_ref());
@@ -420,16 +432,20 @@ fn copy_like(st: &State, ctx: u64, stream: StreamAt, call: &RawCall<'_>, src: Op
     } else {
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
-    let eng = engine_of(st, ctx);
-    let rd = src.map_or(Resolved::None, |a| st.resolve(eng.as_deref(), a));
-    let wr = st.resolve(eng.as_deref(), dst);
+    let dev = st.device_of(ctx);
+    let rd = src.map_or(Resolved::None, |a| st.resolve(a));
+    let wr = st.resolve(dst);
     let mut reads = Vec::new();
     let mut writes = Vec::new();
-    if let Resolved::Managed(b) = &wr {
-        push_buffer(b, false, &mut reads, &mut writes);
+    if let Resolved::Managed(b, d) = &wr {
+        if Some(*d) == dev {
+            push_buffer(b, false, &mut reads, &mut writes);
+        }
     }
-    if let Resolved::Managed(b) = &rd {
-        push_buffer(b, true, &mut reads, &mut writes);
+    if let Resolved::Managed(b, d) = &rd {
+        if Some(*d) == dev {
+            push_buffer(b, true, &mut reads, &mut writes);
+        }
     }
     if st.cfg.dag && (rd.key().is_some() || wr.key().is_some()) {
         let kref = if src.is_some() {

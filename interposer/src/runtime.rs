@@ -115,6 +115,61 @@ impl DevEngine {
     }
 }
 
+/// Every allocation possum knows, sorted: what launches resolve their words against, without a
+/// lock per word. Rebuilt (copy on write) after allocations change.
+#[derive(Debug, Default)]
+pub struct Ranges {
+    starts: Vec<u64>,
+    entries: Vec<(u64, Resolved)>,
+    /// The allocations' neighbourhoods: clusters of ranges less than [`HULL_GAP`] apart, widened
+    /// by that much on each side. Only a word inside one is worth asking the driver about.
+    hulls: Vec<(u64, u64)>,
+}
+
+/// See [`Ranges`]'s `hulls`.
+const HULL_GAP: u64 = 4 << 30;
+
+impl Ranges {
+    fn new(mut v: Vec<(u64, u64, Resolved)>) -> Ranges {
+        v.sort_by_key(|e| e.0);
+        let mut hulls: Vec<(u64, u64)> = Vec::new();
+        for &(s, e, _) in &v {
+            match hulls.last_mut() {
+                Some(h) if s <= h.1.saturating_add(HULL_GAP) => h.1 = h.1.max(e),
+                _ => hulls.push((s, e)),
+            }
+        }
+        Ranges {
+            starts: v.iter().map(|e| e.0).collect(),
+            entries: v.into_iter().map(|(_, end, r)| (end, r)).collect(),
+            hulls: hulls
+                .into_iter()
+                .map(|(s, e)| (s.saturating_sub(HULL_GAP), e.saturating_add(HULL_GAP)))
+                .collect(),
+        }
+    }
+
+    /// Whether `w` is near enough to a known allocation to be a device pointer worth asking
+    /// the driver about.
+    pub fn near(&self, w: u64) -> bool {
+        self.hulls.iter().any(|&(s, e)| w >= s && w < e)
+    }
+
+    /// What `w` points into.
+    pub fn lookup(&self, w: u64) -> Resolved {
+        let i = self.starts.partition_point(|&s| s <= w);
+        if i == 0 {
+            return Resolved::None;
+        }
+        let (end, r) = &self.entries[i - 1];
+        if w < *end {
+            r.clone()
+        } else {
+            Resolved::None
+        }
+    }
+}
+
 /// An allocation possum does not manage (the driver's checkpoint covers it).
 #[derive(Debug, Clone, Copy)]
 pub struct Unmanaged {
@@ -166,10 +221,10 @@ macro_rules! counters {
 counters! {
     launches: "Kernel launches analysed (not counting captured ones).",
     launches_hooked: "Launches that went through the engine's hook.",
-    launches_identified: "Launches whose every pointer-like word resolved and whose kernel is not opaque.",
+    launches_identified: "Launches of non-opaque kernels whose every device pointer (as the driver knows them) was in an allocation possum already tracked.",
     launches_unmanaged: "Launches that touched an allocation possum does not manage.",
     launches_opaque: "Launches of opaque kernels.",
-    unresolved_words: "Parameter words inside the range of known allocations that resolved to none.",
+    pointer_words: "Parameter words that named an allocation.",
     captured_launches: "Launches (and copies, memsets) captured into a graph rather than run.",
     graph_launches: "Graph launches.",
     graph_nodes_expanded: "Kernel and memset nodes of launched graphs, each counted per launch.",
@@ -185,7 +240,9 @@ counters! {
     managed_allocs: "cudaMalloc calls served by the engine.",
     managed_frees: "cudaFree calls of engine buffers.",
     fallback_allocs: "cudaMalloc calls passed to libcudart.",
-    unmanaged_allocs: "Allocations seen through CUPTI that possum does not manage.",
+    unmanaged_allocs: "Allocations possum does not manage (seen through CUPTI, or found by the driver).",
+    discovered_allocs: "Allocations no hook saw, found by asking the driver about a pointer-like parameter.",
+    launches_discovered: "Launches that named an allocation no hook saw (found by the driver then).",
     hook_errors: "Hook calls the engine refused (the operation ran anyway).",
 }
 
@@ -206,9 +263,12 @@ pub struct State {
     pub dag: Mutex<Dag>,
     /// Counters.
     pub counters: Counters,
-    /// Lowest and highest device address of any allocation seen (for the "pointer-like" test).
-    lo: AtomicU64,
-    hi: AtomicU64,
+    /// The snapshot launches resolve against, and whether it is out of date.
+    ranges: RwLock<Arc<Ranges>>,
+    ranges_stale: AtomicBool,
+    /// 2 MiB pages of pointer-like words the driver said are no allocation (cleared whenever an
+    /// allocation appears), so each is asked about once.
+    not_device: RwLock<std::collections::HashSet<u64>>,
 }
 
 static STATE: OnceLock<State> = OnceLock::new();
@@ -237,8 +297,9 @@ pub fn state() -> &'static State {
             captures: AtomicU64::new(0),
             dag: Mutex::new(Dag::new(window)),
             counters: Counters::default(),
-            lo: AtomicU64::new(u64::MAX),
-            hi: AtomicU64::new(0),
+            ranges: RwLock::new(Arc::new(Ranges::default())),
+            ranges_stale: AtomicBool::new(false),
+            not_device: RwLock::new(std::collections::HashSet::new()),
         }
     });
     crate::control::start();
@@ -295,8 +356,8 @@ pub fn ignore_this_thread() -> bool {
 /// What a parameter word points into.
 #[derive(Debug, Clone)]
 pub enum Resolved {
-    /// A managed buffer.
-    Managed(Buffer),
+    /// A managed buffer of the engine of device `.1`.
+    Managed(Buffer, usize),
     /// An allocation possum does not manage: (start, len).
     Unmanaged(u64, u64),
     /// Nothing known.
@@ -308,7 +369,7 @@ impl Resolved {
     /// with the top bit set.
     pub fn key(&self) -> Option<u64> {
         match self {
-            Resolved::Managed(b) => Some(b.id()),
+            Resolved::Managed(b, _) => Some(b.id()),
             Resolved::Unmanaged(s, _) => Some(s | 1 << 63),
             Resolved::None => None,
         }
@@ -317,7 +378,7 @@ impl Resolved {
     /// (start, len) of what was found.
     pub fn range(&self) -> Option<(u64, u64)> {
         match self {
-            Resolved::Managed(b) => Some((b.va().0, b.size())),
+            Resolved::Managed(b, _) => Some((b.va().0, b.size())),
             Resolved::Unmanaged(s, l) => Some((*s, *l)),
             Resolved::None => None,
         }
@@ -330,7 +391,7 @@ impl Resolved {
             id: self.key()?,
             va,
             size,
-            managed: matches!(self, Resolved::Managed(_)),
+            managed: matches!(self, Resolved::Managed(..)),
         })
     }
 }
@@ -412,15 +473,70 @@ impl State {
         self.cfg.manage && !self.managing_disabled.load(Ordering::Relaxed)
     }
 
-    /// Notes a device range [va, va+len) for the pointer-likeness test.
+    /// Notes that allocations changed: [va, va+len) is new (len 0: something was freed).
     pub fn note_range(&self, va: u64, len: u64) {
-        self.lo.fetch_min(va, Ordering::Relaxed);
-        self.hi.fetch_max(va.saturating_add(len), Ordering::Relaxed);
+        let _ = va;
+        if len > 0 {
+            self.not_device.write().clear();
+        }
+        self.ranges_stale.store(true, Ordering::Release);
     }
 
-    /// Whether `w` lies between the lowest and highest device address seen.
-    pub fn pointer_like(&self, w: u64) -> bool {
-        w >= self.lo.load(Ordering::Relaxed) && w < self.hi.load(Ordering::Relaxed)
+    /// The current snapshot of every known allocation (rebuilt here if allocations changed).
+    pub fn ranges(&self) -> Arc<Ranges> {
+        if self.ranges_stale.load(Ordering::Acquire) {
+            // Rebuilt under the write lock, so no thread resolves against the old snapshot once
+            // the change is noted.
+            let mut w = self.ranges.write();
+            if !self.ranges_stale.swap(false, Ordering::AcqRel) {
+                return w.clone();
+            }
+            let mut v: Vec<(u64, u64, Resolved)> = Vec::new();
+            for e in self.engines() {
+                for b in e.engine.buffers() {
+                    v.push((b.va().0, b.va().0 + b.size().max(1), Resolved::Managed(b, e.ordinal)));
+                }
+            }
+            for (s, l, _) in self.unmanaged.read().iter() {
+                v.push((s, s + l, Resolved::Unmanaged(s, l)));
+            }
+            *w = Arc::new(Ranges::new(v));
+            return w.clone();
+        }
+        self.ranges.read().clone()
+    }
+
+    /// Resolves `w`, which no known allocation contains but lies near one ([`Ranges::near`]), by
+    /// asking the driver: an allocation the
+    /// hooks did not see (a library's own, a module's globals...) is then tracked as unmanaged.
+    /// `true` if `w` turned out to be a device address.
+    pub fn discover(&self, w: u64) -> bool {
+        if self.not_device.read().contains(&(w >> 21)) {
+            return false;
+        }
+        // A buffer allocated since the caller's snapshot is not an unknown allocation.
+        if self
+            .engines()
+            .iter()
+            .any(|e| e.engine.lookup(DevPtr(w)).is_some())
+        {
+            return true;
+        }
+        let _r = Reentry::enter();
+        match introspect::allocation_of(w) {
+            Some((start, len)) if len > 0 => {
+                self.add_unmanaged(start, len, "found by the driver");
+                self.counters.discovered_allocs.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            _ => {
+                let mut nd = self.not_device.write();
+                if nd.len() < 1 << 16 {
+                    nd.insert(w >> 21);
+                }
+                false
+            }
+        }
     }
 
     /// The device of the calling thread's current context `ctx` (cached per thread).
@@ -434,23 +550,18 @@ impl State {
         Some(d)
     }
 
-    /// What `w` points into. Managed buffers of `eng` first, then unmanaged allocations.
-    pub fn resolve(&self, eng: Option<&DevEngine>, w: u64) -> Resolved {
+    /// What `w` points into (a lookup in [`State::ranges`]; for many words, take the snapshot
+    /// once and look up in it).
+    pub fn resolve(&self, w: u64) -> Resolved {
         if w == 0 {
             return Resolved::None;
         }
-        if let Some(b) = eng.and_then(|e| e.engine.lookup(DevPtr(w))) {
-            return Resolved::Managed(b);
-        }
-        if let Some((s, l, _)) = self.unmanaged.read().lookup(w) {
-            return Resolved::Unmanaged(s, l);
-        }
-        Resolved::None
+        self.ranges().lookup(w)
     }
 
     /// Whether `w` is inside any known allocation.
-    pub fn is_live(&self, eng: Option<&DevEngine>, w: u64) -> bool {
-        !matches!(self.resolve(eng, w), Resolved::None)
+    pub fn is_live(&self, w: u64) -> bool {
+        !matches!(self.resolve(w), Resolved::None)
     }
 
     /// Records an allocation possum does not manage.
@@ -465,7 +576,9 @@ impl State {
 
     /// Forgets the unmanaged allocation starting at `va`.
     pub fn remove_unmanaged(&self, va: u64) {
-        self.unmanaged.write().remove(va);
+        if self.unmanaged.write().remove(va).is_some() {
+            self.note_range(va, 0);
+        }
     }
 
     /// Unmanaged ranges now: (start, len).

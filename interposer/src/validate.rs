@@ -68,7 +68,7 @@ pub fn begin(
         let mut pointer_table = None;
         let mut scan = Vec::new();
         for (i, &w) in words.iter().enumerate() {
-            let r = st.resolve(eng, w);
+            let r = st.resolve(w);
             slot_keys.push(r.key());
             if pointer_table.is_some() {
                 continue;
@@ -77,7 +77,7 @@ pub fn begin(
                 let n = TABLE_SCAN.min(s + l - w) & !7;
                 scan.resize(n as usize, 0);
                 introspect::read_device(w, &mut scan).map_err(|e| e.to_string())?;
-                if let Some((_, p)) = find_pointers(&scan, |v| st.is_live(eng, v)) {
+                if let Some((_, p)) = find_pointers(&scan, |v| st.is_live(v)) {
                     pointer_table = Some((i, p));
                 }
             }

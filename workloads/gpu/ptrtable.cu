@@ -3,7 +3,8 @@
 // pointers that lives in device memory. Prints one line per step with a checksum of every output,
 // then "digest <hex>". Deterministic.
 //
-//   nvcc -O2 -arch=sm_90 -o ptrtable ptrtable.cu && ./ptrtable [steps]
+//   nvcc -O2 -arch=sm_90 -cudart shared -o ptrtable ptrtable.cu && ./ptrtable [steps]
+// (-cudart shared: possum serves cudaMalloc only to jobs that link libcudart dynamically.)
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
