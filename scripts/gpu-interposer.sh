@@ -7,7 +7,7 @@
 # live job; step times with and without (alternating runs, REPS each).
 #
 #   (here)  bash scripts/gpu-interposer.sh --stage
-#   (there) bash scripts/gpu-interposer.sh            # STEPS=10 REPS=3 JOBS="mlp cnn ..." to vary
+#   (there) bash scripts/gpu-interposer.sh    # REPS=3 JOBS="mlp cnn ..." BREAKDOWN="mlp" STEPS=N to vary
 # Results: $OUT (or .gpu/out): interposer-summary.jsonl and interposer-files.tgz (every log).
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
@@ -27,7 +27,6 @@ fi
 res="${OUT:-.gpu/out}"; out=/tmp/possum-interposer; rm -rf "$out"; mkdir -p "$res" "$out"
 so="$PWD/.gpu/libpossum.so"
 possum="$PWD/.gpu/possum"
-steps="${STEPS:-10}"
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
 export POSSUM_SOCKET_DIR="$out/sockets"
@@ -51,13 +50,19 @@ print("allocattrs:", open(f"{out}/allocattrs.out").read().strip(), "managed_allo
 assert s["managed_allocs"] >= 3 and s["managed_frees"] >= 3, s
 PY
 
+# Steps per job: enough for a steady median step time (launch-bound jobs vary from step to step).
+steps_for() {
+    [ -n "${STEPS:-}" ] && { echo "$STEPS"; return; }
+    case "$1" in mlp|multistream) echo 200;; graph) echo 100;; gpt2) echo 30;; ptrtable) echo 10;; *) echo 50;; esac
+}
 for job in ${JOBS:-mlp cnn gpt2 triton graph multistream ptrtable}; do
+    steps=$(steps_for "$job")
     if [ "$job" = ptrtable ]; then cmd=("$out/ptrtable" "$steps"); else cmd=(python3 workloads/gpu/jobs.py "$job" --steps "$steps"); fi
     # Plain and with possum, alternating, REPS times each: median step time of each.
     for r in $(seq 1 "${REPS:-3}"); do
         POSSUM_TIMING_FILE="$out/$job.plain.t$r" "${cmd[@]}" > "$out/$job.plain" 2> "$out/$job.plain.err"
         LD_PRELOAD="$so" POSSUM_VERBOSE=1 POSSUM_STATS="$out/$job.stats.json" POSSUM_TIMING_FILE="$out/$job.possum.t$r" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"
-        if [ -n "${BREAKDOWN:-}" ]; then
+        if [[ " ${BREAKDOWN:-} " == *" $job "* ]]; then
             # Where the overhead goes: without the DAG; and watching only (no engine, no DAG, no
             # validation: the first slice's cost).
             LD_PRELOAD="$so" POSSUM_DAG=0 POSSUM_TIMING_FILE="$out/$job.nodag.t$r" "${cmd[@]}" > /dev/null 2>&1
@@ -138,7 +143,7 @@ wait
 "$possum" trace $$ > "$out/not-loaded.txt" 2>&1; echo "possum trace on a shell (exit $?): $(cat "$out/not-loaded.txt")"
 
 # The injection entry point, once.
-CUDA_INJECTION64_PATH="$so" POSSUM_STATS="$out/mlp.inject.json" python3 workloads/gpu/jobs.py mlp --steps "$steps" > "$out/mlp.inject" 2> "$out/mlp.inject.err"
+CUDA_INJECTION64_PATH="$so" POSSUM_STATS="$out/mlp.inject.json" python3 workloads/gpu/jobs.py mlp --steps "$(steps_for mlp)" > "$out/mlp.inject" 2> "$out/mlp.inject.err"
 cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, launches $(python3 -c "import json; print(json.load(open('$out/mlp.inject.json'))['total_launches'])")" || { fail "injection run differs"; tail -5 "$out/mlp.inject.err"; }
 # A job that never touches CUDA.
 LD_PRELOAD="$so" python3 -c 'print("no cuda here")' | grep -q "no cuda here" && echo "non-CUDA job: unchanged" || fail "non-CUDA job broke"

@@ -204,6 +204,13 @@ impl KernelModel {
         (n, due && !self.is_opaque())
     }
 
+    /// Changes whenever the kernel's speculation may have changed (a validation was recorded,
+    /// or the kernel was made opaque): a cache of buffer sets derived from it is stale when this
+    /// differs. Lock-free.
+    pub fn speculation_version(&self) -> u64 {
+        (self.validated.load(Ordering::Acquire) << 1) | u64::from(self.is_opaque())
+    }
+
     /// Whether the kernel is treated as touching every buffer.
     pub fn is_opaque(&self) -> bool {
         self.opaque.load(Ordering::Acquire)
@@ -256,7 +263,6 @@ impl KernelModel {
     /// Returns [`Verdict::Consistent`] when this validation found nothing wrong, even if the
     /// kernel was already opaque.
     pub fn record_validation(&self, v: &Validation, cfg: &ValidationConfig) -> Verdict {
-        self.validated.fetch_add(1, Ordering::Relaxed);
         let tracked = if self.unchanged.len() >= 64 {
             u64::MAX
         } else {
@@ -281,6 +287,9 @@ impl KernelModel {
         }
         // A slot made read-write concurrently with the promotion above loses read-only status
         // through `is_readonly` checking rw_mask too.
+        // Counted after the masks changed, so a reader that sees the new
+        // `speculation_version` also sees the new masks.
+        self.validated.fetch_add(1, Ordering::AcqRel);
 
         let reason = if !v.changed_untouched.is_empty() {
             let ids: Vec<String> = v.changed_untouched.iter().map(u64::to_string).collect();

@@ -86,7 +86,7 @@ pub fn free(ptr: u64) -> Freed {
         Ok(()) => {
             st.note_range(ptr, 0);
             st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
-            st.dag.lock().record_free(id);
+            st.to_dag(crate::runtime::DagMsg::Free(id));
             Freed::Done
         }
         Err(e) => {

@@ -12,7 +12,9 @@ use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use possum_analyzer::dag::{BufRef, KernelRef};
+use std::collections::HashMap;
+
+use possum_analyzer::dag::BufRef;
 use possum_analyzer::kernel::{KernelModel, SlotAccess};
 use possum_cuda::introspect;
 use possum_cuda::CudaDevice;
@@ -20,7 +22,7 @@ use possum_engine::{Access, Buffer, OpGuard};
 
 use crate::cbid::{Shape, StreamAt};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
-use crate::runtime::{state, DevEngine, Reentry, Resolved, SnapNode, State};
+use crate::runtime::{state, DagMsg, DagOp, DevEngine, Reentry, Resolved, SnapNode, State};
 use crate::validate;
 
 /// What an entry callback leaves for the exit callback.
@@ -274,6 +276,26 @@ fn push_buffer(b: &Buffer, read_only: bool, reads: &mut Vec<Buffer>, writes: &mu
     }
 }
 
+/// A kernel's buffer sets as its last launch on this thread resolved them: reused while the
+/// launch's words, the allocations and the kernel's speculation are all unchanged (a training
+/// loop launches the same kernels on the same buffers step after step).
+#[derive(Default)]
+struct Memo {
+    generation: u64,
+    version: u64,
+    words: Vec<u64>,
+    identified: bool,
+    unmanaged: bool,
+    reads: Vec<Buffer>,
+    writes: Vec<Buffer>,
+    dag_reads: Vec<BufRef>,
+    dag_writes: Vec<BufRef>,
+}
+
+thread_local! {
+    static MEMO: RefCell<HashMap<u64, Memo>> = RefCell::new(HashMap::new());
+}
+
 fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     if skip_captured(st, stream) {
         return;
@@ -284,66 +306,71 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     let (_, validate_now) = model.next_launch(&st.cfg.validation);
     let eng = engine_of(st, ctx);
     let _ = SCRATCH.try_with(|s| {
-        let mut s = s.borrow_mut();
-        let Scratch {
-            words,
-            reads,
-            writes,
-            dag_reads,
-            dag_writes,
-        } = &mut *s;
-        reads.clear();
-        writes.clear();
-        dag_reads.clear();
-        dag_writes.clear();
+        let words = &mut s.borrow_mut().words;
         args.read_slots(model.slots(), words);
-        let (identified, unmanaged, discovered) = resolve_slots(
-            st,
-            eng.as_ref().map(|e| e.ordinal),
-            &model,
-            words,
-            reads,
-            writes,
-            dag_reads,
-            dag_writes,
-        );
-        let opaque = model.is_opaque();
-        if opaque {
-            c.launches_opaque.fetch_add(1, Ordering::Relaxed);
-        } else if identified {
-            c.launches_identified.fetch_add(1, Ordering::Relaxed);
-        }
-        if unmanaged {
-            c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
-        }
-        if discovered {
-            c.launches_discovered.fetch_add(1, Ordering::Relaxed);
-        }
-        if st.cfg.dag {
-            let name = model.name();
-            st.dag.lock().record_launch(
-                &KernelRef {
-                    handle: func,
-                    name,
-                    opaque,
-                },
+        let _ = MEMO.try_with(|memo| {
+            let mut memo = memo.borrow_mut();
+            let m = memo.entry(func).or_default();
+            let generation = st.generation();
+            let version = model.speculation_version();
+            if m.generation == generation && m.version == version && m.words == *words {
+                c.memo_hits.fetch_add(1, Ordering::Relaxed);
+            } else {
+                m.reads.clear();
+                m.writes.clear();
+                m.dag_reads.clear();
+                m.dag_writes.clear();
+                let (identified, unmanaged, discovered) = resolve_slots(
+                    st,
+                    eng.as_ref().map(|e| e.ordinal),
+                    &model,
+                    words,
+                    &mut m.reads,
+                    &mut m.writes,
+                    &mut m.dag_reads,
+                    &mut m.dag_writes,
+                );
+                if discovered {
+                    c.launches_discovered.fetch_add(1, Ordering::Relaxed);
+                }
+                // Discovery changed the allocations: the next launch resolves again.
+                m.generation = if discovered { u64::MAX } else { generation };
+                m.version = version;
+                m.identified = identified;
+                m.unmanaged = unmanaged;
+                m.words.clone_from(words);
+            }
+            let opaque = model.is_opaque();
+            if opaque {
+                c.launches_opaque.fetch_add(1, Ordering::Relaxed);
+            } else if m.identified {
+                c.launches_identified.fetch_add(1, Ordering::Relaxed);
+            }
+            if m.unmanaged {
+                c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
+            }
+            st.to_dag(DagMsg::Launch {
+                op: DagOp::Kernel(model.clone()),
                 stream,
-                dag_reads,
-                dag_writes,
-            );
-        }
-        let access = if opaque {
-            Access::Opaque
-        } else {
-            Access::Known { reads, writes }
-        };
-        if eng.is_some() {
-            c.launches_hooked.fetch_add(1, Ordering::Relaxed);
-        }
-        let before = (validate_now && !opaque)
-            .then(|| validate::begin(st, eng.as_deref(), &model, words))
-            .flatten();
-        hook(st, ctx, stream, access, before);
+                reads: m.dag_reads.clone(),
+                writes: m.dag_writes.clone(),
+            });
+            let access = if opaque {
+                Access::Opaque
+            } else {
+                Access::Known {
+                    reads: &m.reads,
+                    writes: &m.writes,
+                }
+            };
+            if eng.is_some() {
+                c.launches_hooked.fetch_add(1, Ordering::Relaxed);
+            }
+            let before = (validate_now && !opaque)
+                .then(|| validate::begin(st, eng.as_deref(), &model, words))
+                .flatten();
+            hook(st, ctx, stream, access, before);
+        });
     });
 }
 
@@ -388,11 +415,7 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                         dag_reads,
                         dag_writes,
                     );
-                    KernelRef {
-                        handle: model.handle(),
-                        name: model.name(),
-                        opaque: model.is_opaque(),
-                    }
+                    DagOp::Kernel(model.clone())
                 }
                 SnapNode::Memset { dst } => {
                     let r = st.resolve(*dst);
@@ -400,14 +423,15 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                         push_buffer(b, false, reads, writes);
                     }
                     dag_writes.extend(r.buf_ref());
-                    KernelRef::MEMSET
+                    DagOp::Memset
                 }
             };
-            if st.cfg.dag {
-                st.dag
-                    .lock()
-                    .record_launch(&kref, stream, dag_reads, dag_writes);
-            }
+            st.to_dag(DagMsg::Launch {
+                op: kref,
+                stream,
+                reads: dag_reads.clone(),
+                writes: dag_writes.clone(),
+            });
         }
         let access = if opaque {
             c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
@@ -447,15 +471,17 @@ fn copy_like(st: &State, ctx: u64, stream: StreamAt, call: &RawCall<'_>, src: Op
             push_buffer(b, true, &mut reads, &mut writes);
         }
     }
-    if st.cfg.dag && (rd.key().is_some() || wr.key().is_some()) {
-        let kref = if src.is_some() {
-            KernelRef::MEMCPY
-        } else {
-            KernelRef::MEMSET
-        };
-        let r: Vec<BufRef> = rd.buf_ref().into_iter().collect();
-        let w: Vec<BufRef> = wr.buf_ref().into_iter().collect();
-        st.dag.lock().record_launch(&kref, s, &r, &w);
+    if rd.key().is_some() || wr.key().is_some() {
+        st.to_dag(DagMsg::Launch {
+            op: if src.is_some() {
+                DagOp::Memcpy
+            } else {
+                DagOp::Memset
+            },
+            stream: s,
+            reads: rd.buf_ref().into_iter().collect(),
+            writes: wr.buf_ref().into_iter().collect(),
+        });
     }
     hook(
         st,

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock};
-use possum_analyzer::dag::{BufRef, Dag, DEFAULT_WINDOW};
+use possum_analyzer::dag::{BufRef, Dag, KernelRef, DEFAULT_WINDOW};
 use possum_analyzer::intervals::IntervalMap;
 use possum_analyzer::kernel::{KernelModel, ValidationConfig};
 use possum_analyzer::layout::{Param, ParamLayout};
@@ -244,6 +244,8 @@ counters! {
     discovered_allocs: "Allocations no hook saw, found by asking the driver about a pointer-like parameter.",
     launches_discovered: "Launches that named an allocation no hook saw (found by the driver then).",
     hook_errors: "Hook calls the engine refused (the operation ran anyway).",
+    memo_hits: "Launches whose buffer sets came from the kernel's previous launch (same words).",
+    dag_dropped: "DAG records dropped because the DAG thread was behind.",
 }
 
 /// The process-wide state.
@@ -259,8 +261,14 @@ pub struct State {
     graphs: RwLock<HashMap<u64, Arc<GraphSnap>>>,
     /// Streams being captured now (anywhere in the process).
     pub captures: AtomicU64,
-    /// The DAG.
+    /// The DAG. Launches reach it through `dag_tx` and the `possum-dag` thread, off the launch
+    /// path.
     pub dag: Mutex<Dag>,
+    dag_tx: Option<crossbeam_channel::Sender<DagMsg>>,
+    dag_rx: crossbeam_channel::Receiver<DagMsg>,
+    /// Bumped whenever the set of allocations changes: buffer sets cached per kernel
+    /// (`hooks`) are stale when it differs.
+    generation: AtomicU64,
     /// Counters.
     pub counters: Counters,
     /// The snapshot launches resolve against, and whether it is out of date.
@@ -286,7 +294,12 @@ pub fn state() -> &'static State {
     let s = STATE.get_or_init(|| {
         let cfg = Config::from_env();
         let window = cfg.dag_window;
+        let (tx, rx) = crossbeam_channel::bounded(DAG_QUEUE);
+        let dag_tx = cfg.dag.then_some(tx);
         State {
+            dag_tx,
+            dag_rx: rx,
+            generation: AtomicU64::new(0),
             cfg,
             engines: RwLock::new(Vec::new()),
             managing_off: Mutex::new(None),
@@ -302,8 +315,83 @@ pub fn state() -> &'static State {
             not_device: RwLock::new(std::collections::HashSet::new()),
         }
     });
+    static DAG_THREAD: std::sync::Once = std::sync::Once::new();
+    if s.dag_tx.is_some() {
+        DAG_THREAD.call_once(|| {
+            let rx = s.dag_rx.clone();
+            let _ = std::thread::Builder::new()
+                .name("possum-dag".into())
+                .spawn(move || {
+                    while let Ok(m) = rx.recv() {
+                        let mut dag = s.dag.lock();
+                        apply(&mut dag, m);
+                        for m in rx.try_iter().take(4096) {
+                            apply(&mut dag, m);
+                        }
+                    }
+                });
+        });
+    }
     crate::control::start();
     s
+}
+
+/// Records queued for the DAG before launches are dropped (and counted).
+const DAG_QUEUE: usize = 1 << 16;
+
+/// What the `possum-dag` thread records.
+#[derive(Debug)]
+pub enum DagMsg {
+    /// A launch of a kernel (`None`: a copy, `Some(None)`... see [`DagOp`]).
+    Launch {
+        /// What ran.
+        op: DagOp,
+        /// On which stream.
+        stream: u64,
+        /// Buffers read.
+        reads: Vec<BufRef>,
+        /// Buffers written.
+        writes: Vec<BufRef>,
+    },
+    /// A managed buffer was freed.
+    Free(u64),
+    /// A kernel became opaque.
+    Opaque(u64),
+}
+
+/// The operation of a [`DagMsg::Launch`].
+#[derive(Debug)]
+pub enum DagOp {
+    /// A kernel.
+    Kernel(Arc<KernelModel>),
+    /// A copy.
+    Memcpy,
+    /// A memset.
+    Memset,
+}
+
+fn apply(dag: &mut Dag, m: DagMsg) {
+    match m {
+        DagMsg::Launch {
+            op,
+            stream,
+            reads,
+            writes,
+        } => {
+            let k = match &op {
+                DagOp::Kernel(model) => KernelRef {
+                    handle: model.handle(),
+                    name: model.name(),
+                    opaque: model.is_opaque(),
+                },
+                DagOp::Memcpy => KernelRef::MEMCPY,
+                DagOp::Memset => KernelRef::MEMSET,
+            };
+            dag.record_launch(&k, stream, &reads, &writes);
+        }
+        DagMsg::Free(id) => dag.record_free(id),
+        DagMsg::Opaque(h) => dag.set_kernel_opaque(h),
+    }
 }
 
 thread_local! {
@@ -476,10 +564,25 @@ impl State {
     /// Notes that allocations changed: [va, va+len) is new (len 0: something was freed).
     pub fn note_range(&self, va: u64, len: u64) {
         let _ = va;
+        self.generation.fetch_add(1, Ordering::AcqRel);
         if len > 0 {
             self.not_device.write().clear();
         }
         self.ranges_stale.store(true, Ordering::Release);
+    }
+
+    /// The allocation generation (see the field).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Queues `m` for the DAG (dropped, and counted, if the DAG thread is far behind).
+    pub fn to_dag(&self, m: DagMsg) {
+        if let Some(tx) = &self.dag_tx {
+            if tx.try_send(m).is_err() {
+                self.counters.dag_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// The current snapshot of every known allocation (rebuilt here if allocations changed).
@@ -746,7 +849,10 @@ impl State {
     pub fn trace_json(&self) -> Value {
         let mut kernels: Vec<_> = self.kernels().iter().map(|k| k.stats()).collect();
         kernels.sort_by_key(|k| std::cmp::Reverse(k.launches));
-        let dag = self.dag.lock();
+        let mut dag = self.dag.lock();
+        for m in self.dag_rx.try_iter() {
+            apply(&mut dag, m);
+        }
         json!({
             "stats": self.stats_json(),
             "kernels": kernels,

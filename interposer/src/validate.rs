@@ -142,9 +142,7 @@ pub fn finish(st: &State, b: Before) {
                     "kernel {} is opaque from now on: {why}",
                     b.model.name().unwrap_or("?")
                 ));
-                if st.cfg.dag {
-                    st.dag.lock().set_kernel_opaque(b.model.handle());
-                }
+                st.to_dag(crate::runtime::DagMsg::Opaque(b.model.handle()));
             }
         }
         Err(e) => {
