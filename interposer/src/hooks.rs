@@ -11,6 +11,7 @@
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use std::collections::HashMap;
 
@@ -30,7 +31,12 @@ use crate::validate;
 struct Pending {
     guard: Option<OpGuard<CudaDevice>>,
     validation: Option<validate::Before>,
+    /// For a timed launch: the entry side's time, to which the exit side's is added.
+    timed: Option<Duration>,
 }
+
+/// One launch in this many has its time in possum's callbacks measured.
+const TIME_EVERY: u32 = 16;
 
 /// Per-thread scratch space, reused so the launch path does not allocate.
 #[derive(Default)]
@@ -44,6 +50,7 @@ struct Scratch {
 
 thread_local! {
     static PENDING: RefCell<Pending> = RefCell::new(Pending::default());
+    static LAUNCH_TICK: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
@@ -65,9 +72,25 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             params,
             extra,
         } => {
+            let tick = LAUNCH_TICK
+                .try_with(|t| {
+                    let v = t.get().wrapping_add(1);
+                    t.set(v);
+                    v
+                })
+                .unwrap_or(1);
+            let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
             let f = call.word(func);
             let s = call.stream(stream);
             launch(st, ctx, f, s, &call.kernel_args(params, extra));
+            if let Some(t0) = t0 {
+                let _ = PENDING.try_with(|p| {
+                    let mut p = p.borrow_mut();
+                    if p.validation.is_none() {
+                        p.timed = Some(t0.elapsed());
+                    }
+                });
+            }
         }
         Shape::GraphLaunch => graph_launch(st, ctx, call.word(0), call.word(1)),
         Shape::Copy {
@@ -117,11 +140,19 @@ fn on_exit(st: &State, shape: Shape, call: &RawCall<'_>) {
         | Shape::Copy { .. }
         | Shape::Memset { .. }
         | Shape::OpaqueOp { .. } => {
+            let t0 = Instant::now();
             let p = PENDING
                 .try_with(|p| std::mem::take(&mut *p.borrow_mut()))
                 .unwrap_or_default();
             // The operation is enqueued: let a checkpoint fix T0 again.
             drop(p.guard);
+            if let Some(entry) = p.timed {
+                let ns = (entry + t0.elapsed()).as_nanos();
+                st.counters.timed_launches.fetch_add(1, Ordering::Relaxed);
+                st.counters
+                    .timed_launch_ns
+                    .fetch_add(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Relaxed);
+            }
             if let Some(v) = p.validation {
                 validate::finish(st, v);
             }
@@ -292,8 +323,19 @@ struct Memo {
     dag_writes: Vec<BufRef>,
 }
 
+/// Memo entries kept per thread before the memo is emptied and refilled.
+const MEMO_CAP: usize = 1 << 13;
+
 thread_local! {
-    static MEMO: RefCell<HashMap<u64, Memo>> = RefCell::new(HashMap::new());
+    /// Keyed by (kernel handle, hash of the launch's words): a kernel launched at several places
+    /// of a step on different buffers has an entry for each.
+    static MEMO: RefCell<HashMap<(u64, u64), Memo>> = RefCell::new(HashMap::new());
+}
+
+fn hash_words(words: &[u64]) -> u64 {
+    words.iter().fold(0x9e37_79b9_7f4a_7c15u64, |h, &w| {
+        (h ^ w).wrapping_mul(0x100_0000_01b3).rotate_left(23)
+    })
 }
 
 fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
@@ -310,7 +352,10 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         args.read_slots(model.slots(), words);
         let _ = MEMO.try_with(|memo| {
             let mut memo = memo.borrow_mut();
-            let m = memo.entry(func).or_default();
+            if memo.len() >= MEMO_CAP {
+                memo.clear();
+            }
+            let m = memo.entry((func, hash_words(words))).or_default();
             let generation = st.generation();
             let version = model.speculation_version();
             if m.generation == generation && m.version == version && m.words == *words {

@@ -244,7 +244,9 @@ counters! {
     discovered_allocs: "Allocations no hook saw, found by asking the driver about a pointer-like parameter.",
     launches_discovered: "Launches that named an allocation no hook saw (found by the driver then).",
     hook_errors: "Hook calls the engine refused (the operation ran anyway).",
-    memo_hits: "Launches whose buffer sets came from the kernel's previous launch (same words).",
+    memo_hits: "Launches whose buffer sets came from an earlier launch of the kernel with the same words.",
+    timed_launches: "Launches whose time in possum's callbacks (entry and exit) was measured (1 in 16).",
+    timed_launch_ns: "Time those launches spent in possum's callbacks (validation excluded).",
     dag_dropped: "DAG records dropped because the DAG thread was behind.",
 }
 
