@@ -53,7 +53,7 @@ PY
 # Steps per job: enough for a steady median step time (launch-bound jobs vary from step to step).
 steps_for() {
     [ -n "${STEPS:-}" ] && { echo "$STEPS"; return; }
-    case "$1" in mlp|multistream) echo 200;; graph) echo 100;; gpt2) echo 30;; ptrtable) echo 10;; *) echo 50;; esac
+    case "$1" in mlp|multistream) echo 200;; graph) echo 100;; gpt2) echo 20;; ptrtable) echo 10;; *) echo 50;; esac
 }
 for job in ${JOBS:-mlp cnn gpt2 triton graph multistream ptrtable}; do
     steps=$(steps_for "$job")
@@ -104,6 +104,7 @@ row = {"job": job, "identical": same,
        "profiler_kernels": prof.get("kernels"), "cupti_launches": s.get("total_launches"),
        "graph_launches": s.get("graph_launches"), "graph_nodes_expanded": c.get("graph_nodes_expanded"),
        "identified_pct": (100 * c.get("launches_identified", 0) / launches) if launches else None,
+       "validated_identified_pct": (100 * c.get("validated_launches_identified", 0) / c["validations"]) if c.get("validations") else None,
        "unmanaged_launch_pct": (100 * c.get("launches_unmanaged", 0) / launches) if launches else None,
        "opaque_launch_pct": (100 * c.get("launches_opaque", 0) / launches) if launches else None,
        "kernels": s.get("possum", {}).get("kernels"),
@@ -115,7 +116,7 @@ row = {"job": job, "identical": same,
        "unmanaged": s.get("possum", {}).get("unmanaged"), "counters": c}
 print(json.dumps(row))
 PY
-    tail -n 1 "$summary" | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ["job","identical","plain_step_ms","overhead_pct","overhead_min_pct","nodag_overhead_pct","watch_overhead_pct","hook_us_per_launch","memo_hit_pct","profiler_kernels","cupti_launches","identified_pct","unmanaged_launch_pct","opaque_launch_pct","validations","validation_ms","managed_allocs"]}); print("  counters:", r["counters"]); [print("  opaque:", (o.get("name") or "?")[:90], "--", o.get("reason")) for o in (r["opaque_kernels"] or [])[:12]]'
+    tail -n 1 "$summary" | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ["job","identical","plain_step_ms","overhead_pct","overhead_min_pct","nodag_overhead_pct","watch_overhead_pct","hook_us_per_launch","memo_hit_pct","profiler_kernels","cupti_launches","identified_pct","validated_identified_pct","unmanaged_launch_pct","opaque_launch_pct","validations","validation_ms","managed_allocs"]}); print("  counters:", r["counters"]); [print("  opaque:", (o.get("name") or "?")[:90], "--", o.get("reason")) for o in (r["opaque_kernels"] or [])[:12]]'
     [ "$same" = true ] || { fail "output differs in $job"; diff "$out/$job.plain" "$out/$job.possum" | head -5; tail -5 "$out/$job.possum.err"; }
 done
 

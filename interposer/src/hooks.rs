@@ -243,11 +243,12 @@ fn engine_of(st: &State, ctx: u64) -> Option<Arc<DevEngine>> {
 
 /// Resolves `words` (the slots of `model`) into `reads`/`writes` (managed buffers of device
 /// `dev`, deduplicated, a buffer both read and written only in `writes`) and the DAG's lists.
-/// A pointer-like word no known allocation contains is asked of the driver once
+/// With `discover`, a word no known allocation contains but near one is asked of the driver
 /// ([`State::discover`]). Returns (identified, touched an unmanaged allocation, needed discovery).
 #[allow(clippy::too_many_arguments)]
 fn resolve_slots(
     st: &State,
+    discover: bool,
     dev: Option<usize>,
     model: &KernelModel,
     words: &[u64],
@@ -265,7 +266,10 @@ fn resolve_slots(
         }
         let mut r = ranges.lookup(w);
         if matches!(r, Resolved::None) {
-            if !ranges.near(w) || !st.discover(w) {
+            // Every managed buffer is in the snapshot: an unknown word can only be an allocation
+            // possum does not manage (or no pointer at all). The driver is asked only on
+            // validated launches, off the fast path.
+            if !discover || !ranges.near(w) || !st.discover(w) {
                 continue;
             }
             discovered = true;
@@ -358,7 +362,11 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             let m = memo.entry((func, hash_words(words))).or_default();
             let generation = st.generation();
             let version = model.speculation_version();
-            if m.generation == generation && m.version == version && m.words == *words {
+            if !validate_now
+                && m.generation == generation
+                && m.version == version
+                && m.words == *words
+            {
                 c.memo_hits.fetch_add(1, Ordering::Relaxed);
             } else {
                 m.reads.clear();
@@ -367,6 +375,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 m.dag_writes.clear();
                 let (identified, unmanaged, discovered) = resolve_slots(
                     st,
+                    validate_now,
                     eng.as_ref().map(|e| e.ordinal),
                     &model,
                     words,
@@ -377,6 +386,10 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 );
                 if discovered {
                     c.launches_discovered.fetch_add(1, Ordering::Relaxed);
+                }
+                if validate_now && !discovered && !model.is_opaque() {
+                    c.validated_launches_identified
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 // Discovery changed the allocations: the next launch resolves again.
                 m.generation = if discovered { u64::MAX } else { generation };
@@ -452,6 +465,7 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                     opaque |= model.is_opaque();
                     resolve_slots(
                         st,
+                        false,
                         eng.as_ref().map(|e| e.ordinal),
                         model,
                         words,

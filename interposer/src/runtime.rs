@@ -124,6 +124,8 @@ pub struct Ranges {
     /// The allocations' neighbourhoods: clusters of ranges less than [`HULL_GAP`] apart, widened
     /// by that much on each side. Only a word inside one is worth asking the driver about.
     hulls: Vec<(u64, u64)>,
+    /// The highest end of any range.
+    max_end: u64,
 }
 
 /// See [`Ranges`]'s `hulls`.
@@ -140,6 +142,7 @@ impl Ranges {
             }
         }
         Ranges {
+            max_end: v.iter().map(|e| e.1).max().unwrap_or(0),
             starts: v.iter().map(|e| e.0).collect(),
             entries: v.into_iter().map(|(_, end, r)| (end, r)).collect(),
             hulls: hulls
@@ -157,6 +160,13 @@ impl Ranges {
 
     /// What `w` points into.
     pub fn lookup(&self, w: u64) -> Resolved {
+        let below = match self.starts.first() {
+            Some(&lo) => w < lo,
+            None => true,
+        };
+        if below || w >= self.max_end {
+            return Resolved::None;
+        }
         let i = self.starts.partition_point(|&s| s <= w);
         if i == 0 {
             return Resolved::None;
@@ -221,7 +231,8 @@ macro_rules! counters {
 counters! {
     launches: "Kernel launches analysed (not counting captured ones).",
     launches_hooked: "Launches that went through the engine's hook.",
-    launches_identified: "Launches of non-opaque kernels whose every device pointer (as the driver knows them) was in an allocation possum already tracked.",
+    launches_identified: "Launches of non-opaque kernels that named no allocation unknown to possum (unknown ones are looked for on validated launches only).",
+    validated_launches_identified: "Validated launches of non-opaque kernels whose every parameter word the driver knows as a device address was in an allocation possum tracked.",
     launches_unmanaged: "Launches that touched an allocation possum does not manage.",
     launches_opaque: "Launches of opaque kernels.",
     pointer_words: "Parameter words that named an allocation.",
@@ -241,8 +252,8 @@ counters! {
     managed_frees: "cudaFree calls of engine buffers.",
     fallback_allocs: "cudaMalloc calls passed to libcudart.",
     unmanaged_allocs: "Allocations possum does not manage (seen through CUPTI, or found by the driver).",
-    discovered_allocs: "Allocations no hook saw, found by asking the driver about a pointer-like parameter.",
-    launches_discovered: "Launches that named an allocation no hook saw (found by the driver then).",
+    discovered_allocs: "Allocations no hook saw, found by asking the driver about a parameter word (validated launches).",
+    launches_discovered: "Validated launches that named an allocation no hook saw (found by the driver then).",
     hook_errors: "Hook calls the engine refused (the operation ran anyway).",
     memo_hits: "Launches whose buffer sets came from an earlier launch of the kernel with the same words.",
     timed_launches: "Launches whose time in possum's callbacks (entry and exit) was measured (1 in 16).",
