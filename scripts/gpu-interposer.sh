@@ -65,8 +65,8 @@ for job in ${JOBS:-mlp cnn gpt2 triton graph multistream ptrtable}; do
         if [[ " ${BREAKDOWN:-} " == *" $job "* ]]; then
             # Where the overhead goes: without the DAG; and watching only (no engine, no DAG, no
             # validation: the first slice's cost).
-            LD_PRELOAD="$so" POSSUM_DAG=0 POSSUM_TIMING_FILE="$out/$job.nodag.t$r" "${cmd[@]}" > /dev/null 2>&1
-            LD_PRELOAD="$so" POSSUM_DAG=0 POSSUM_MANAGE=0 POSSUM_VALIDATE=off POSSUM_TIMING_FILE="$out/$job.watch.t$r" "${cmd[@]}" > /dev/null 2>&1
+            LD_PRELOAD="$so" POSSUM_DAG=0 POSSUM_STATS="$out/$job.nodag.stats.json" POSSUM_TIMING_FILE="$out/$job.nodag.t$r" "${cmd[@]}" > /dev/null 2>&1
+            LD_PRELOAD="$so" POSSUM_DAG=0 POSSUM_MANAGE=0 POSSUM_VALIDATE=off POSSUM_STATS="$out/$job.watch.stats.json" POSSUM_TIMING_FILE="$out/$job.watch.t$r" "${cmd[@]}" > /dev/null 2>&1
         fi
     done
     same=false; cmp -s "$out/$job.plain" "$out/$job.possum" && [ -s "$out/$job.plain" ] && same=true

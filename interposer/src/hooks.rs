@@ -259,6 +259,7 @@ fn resolve_slots(
 ) -> (bool, bool, bool) {
     let mut unmanaged = false;
     let mut discovered = false;
+    let mut pointer_words = 0;
     let mut ranges = st.ranges();
     for (i, &w) in words.iter().enumerate() {
         if w == 0 {
@@ -276,7 +277,7 @@ fn resolve_slots(
             ranges = st.ranges();
             r = ranges.lookup(w);
         }
-        st.counters.pointer_words.fetch_add(1, Ordering::Relaxed);
+        pointer_words += 1;
         let ro = model.classify(i) == SlotAccess::Read;
         match &r {
             Resolved::None => continue,
@@ -293,6 +294,9 @@ fn resolve_slots(
             }
         }
     }
+    st.counters
+        .pointer_words
+        .fetch_add(pointer_words, Ordering::Relaxed);
     (!discovered, unmanaged, discovered)
 }
 

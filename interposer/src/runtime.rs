@@ -334,13 +334,16 @@ pub fn state() -> &'static State {
             let rx = s.dag_rx.clone();
             let _ = std::thread::Builder::new()
                 .name("possum-dag".into())
-                .spawn(move || {
-                    while let Ok(m) = rx.recv() {
-                        let mut dag = s.dag.lock();
+                .spawn(move || loop {
+                    // Polls rather than blocking in `recv`: a sender then never has to wake this
+                    // thread (a futex call per launch on the job's launch path).
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    if rx.is_empty() {
+                        continue;
+                    }
+                    let mut dag = s.dag.lock();
+                    for m in rx.try_iter().take(DAG_QUEUE) {
                         apply(&mut dag, m);
-                        for m in rx.try_iter().take(4096) {
-                            apply(&mut dag, m);
-                        }
                     }
                 });
         });
