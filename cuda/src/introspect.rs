@@ -32,7 +32,9 @@ pub type Layout = Vec<(u32, u32)>;
 
 /// Asks `get(index, &offset, &size)` for parameters 0, 1, ... until the driver says there are no
 /// more. `Err` carries the driver's code for parameter 0.
-fn walk_params(mut get: impl FnMut(usize, &mut usize, &mut usize) -> CUresult) -> Result<Layout, CUresult> {
+fn walk_params(
+    mut get: impl FnMut(usize, &mut usize, &mut usize) -> CUresult,
+) -> Result<Layout, CUresult> {
     let mut out = Vec::new();
     for i in 0.. {
         let (mut off, mut size) = (0usize, 0usize);

@@ -22,5 +22,6 @@ pub mod introspect;
 
 pub use device::{probe, CudaDevice, DriverInfo};
 pub use driver::{
-    check, is_out_of_memory, CUcontext, CUresult, CUstream, CudaEvent, CudaPending, CudaStream, PinnedBuf,
+    check, is_out_of_memory, CUcontext, CUresult, CUstream, CudaEvent, CudaPending, CudaStream,
+    PinnedBuf,
 };

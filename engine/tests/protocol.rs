@@ -515,3 +515,32 @@ fn a_full_disk_fails_the_checkpoint_and_not_the_job() {
     assert_eq!(job.contents().unwrap(), r.bufs, "the job is unharmed");
     assert_eq!(e.stats().phase, "idle");
 }
+
+/// A stream the job destroys is forgotten (once), and checkpoints go on with the others.
+#[test]
+fn unregistered_streams_are_not_fenced() {
+    use possum_engine::device::{Device, StreamPriority};
+    let e = engine(small_cfg(1 << 16, 4, 0));
+    let dev = e.device().clone();
+    let keep = dev.create_stream(StreamPriority::Normal).unwrap();
+    let gone = dev.create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(keep.clone());
+    e.register_stream(gone.clone());
+    assert_eq!(e.unregister_streams(|s| s.id() == gone.id()), 1);
+    assert_eq!(e.unregister_streams(|s| s.id() == gone.id()), 0);
+    let b = e.alloc(1 << 16).unwrap();
+    {
+        let _g = e
+            .before_op(
+                &keep,
+                Access::Known {
+                    reads: &[],
+                    writes: std::slice::from_ref(&b),
+                },
+            )
+            .unwrap();
+    }
+    let store = Arc::new(MemStore::default());
+    let r = e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    assert_eq!(r.buffers, 1);
+}

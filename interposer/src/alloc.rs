@@ -34,7 +34,11 @@ pub enum Freed {
 
 /// Serves `cudaMalloc(size)` on the runtime's current device (`device()`); `init` initialises
 /// the runtime's context (`cudaFree(NULL)`) before the first engine is made.
-pub fn malloc(size: u64, device: impl FnOnce() -> Option<usize>, init: impl FnOnce() -> i32) -> Malloc {
+pub fn malloc(
+    size: u64,
+    device: impl FnOnce() -> Option<usize>,
+    init: impl FnOnce() -> i32,
+) -> Malloc {
     let st = state();
     if size == 0 || !st.managing() {
         st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
@@ -60,7 +64,9 @@ pub fn malloc(size: u64, device: impl FnOnce() -> Option<usize>, init: impl FnOn
         }
         Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => Malloc::OutOfMemory,
         Err(e) => {
-            crate::log(&format!("engine allocation of {size} bytes failed ({e}); using libcudart"));
+            crate::log(&format!(
+                "engine allocation of {size} bytes failed ({e}); using libcudart"
+            ));
             st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
             Malloc::Fallback
         }

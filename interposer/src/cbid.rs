@@ -201,12 +201,39 @@ const fn launch(name: &'static str, id: u32, stream: StreamAt, extra: bool) -> C
     cb(name, id, Kind::Launch, shape)
 }
 
-const fn copy(name: &'static str, id: u32, dst: usize, src: usize, bytes: usize, stream: StreamAt) -> Callback {
-    cb(name, id, Kind::Copy, Shape::Copy { dst, src, bytes, stream })
+const fn copy(
+    name: &'static str,
+    id: u32,
+    dst: usize,
+    src: usize,
+    bytes: usize,
+    stream: StreamAt,
+) -> Callback {
+    cb(
+        name,
+        id,
+        Kind::Copy,
+        Shape::Copy {
+            dst,
+            src,
+            bytes,
+            stream,
+        },
+    )
 }
 
 const fn memset(name: &'static str, id: u32, elem: u64, stream: StreamAt) -> Callback {
-    cb(name, id, Kind::Memset, Shape::Memset { dst: 0, count: 2, elem, stream })
+    cb(
+        name,
+        id,
+        Kind::Memset,
+        Shape::Memset {
+            dst: 0,
+            count: 2,
+            elem,
+            stream,
+        },
+    )
 }
 
 const fn opaque_copy(name: &'static str, id: u32, stream: StreamAt) -> Callback {
@@ -276,39 +303,159 @@ pub const CALLBACKS: &[Callback] = &[
     memset("cuMemsetD16Async_ptsz", 429, 2, Word(3)),
     memset("cuMemsetD32Async", 220, 4, Word(3)),
     memset("cuMemsetD32Async_ptsz", 430, 4, Word(3)),
-    cb("cuMemAlloc_v2", 243, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb(
+        "cuMemAlloc_v2",
+        243,
+        Kind::Alloc,
+        Shape::Alloc { out: 0, bytes: 1 },
+    ),
     cb("cuMemAllocPitch_v2", 244, Kind::Alloc, Shape::AllocPitch),
     cb("cuMemFree_v2", 245, Kind::Alloc, Shape::Free { ptr: 0 }),
-    cb("cuMemAllocManaged", 371, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
-    cb("cuMemAllocAsync", 598, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
-    cb("cuMemAllocAsync_ptsz", 599, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb(
+        "cuMemAllocManaged",
+        371,
+        Kind::Alloc,
+        Shape::Alloc { out: 0, bytes: 1 },
+    ),
+    cb(
+        "cuMemAllocAsync",
+        598,
+        Kind::Alloc,
+        Shape::Alloc { out: 0, bytes: 1 },
+    ),
+    cb(
+        "cuMemAllocAsync_ptsz",
+        599,
+        Kind::Alloc,
+        Shape::Alloc { out: 0, bytes: 1 },
+    ),
     cb("cuMemFreeAsync", 600, Kind::Alloc, Shape::Free { ptr: 0 }),
-    cb("cuMemFreeAsync_ptsz", 601, Kind::Alloc, Shape::Free { ptr: 0 }),
-    cb("cuMemAllocFromPoolAsync", 611, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
-    cb("cuMemAllocFromPoolAsync_ptsz", 612, Kind::Alloc, Shape::Alloc { out: 0, bytes: 1 }),
+    cb(
+        "cuMemFreeAsync_ptsz",
+        601,
+        Kind::Alloc,
+        Shape::Free { ptr: 0 },
+    ),
+    cb(
+        "cuMemAllocFromPoolAsync",
+        611,
+        Kind::Alloc,
+        Shape::Alloc { out: 0, bytes: 1 },
+    ),
+    cb(
+        "cuMemAllocFromPoolAsync_ptsz",
+        612,
+        Kind::Alloc,
+        Shape::Alloc { out: 0, bytes: 1 },
+    ),
     cb("cuMemCreate", 549, Kind::Alloc, Shape::Count),
     cb("cuMemRelease", 550, Kind::Alloc, Shape::Count),
     cb("cuMemMap", 551, Kind::Alloc, Shape::Map),
     cb("cuMemUnmap", 552, Kind::Alloc, Shape::Unmap),
     cb("cuStreamCreate", 124, Kind::Stream, Shape::Count),
-    cb("cuStreamCreateWithPriority", 367, Kind::Stream, Shape::Count),
-    cb("cuStreamDestroy_v2", 326, Kind::Stream, Shape::StreamDestroy),
-    cb("cuStreamBeginCapture", 495, Kind::Capture, Shape::CaptureBegin),
-    cb("cuStreamBeginCapture_ptsz", 496, Kind::Capture, Shape::CaptureBegin),
-    cb("cuStreamBeginCapture_v2", 539, Kind::Capture, Shape::CaptureBegin),
-    cb("cuStreamBeginCapture_v2_ptsz", 540, Kind::Capture, Shape::CaptureBegin),
+    cb(
+        "cuStreamCreateWithPriority",
+        367,
+        Kind::Stream,
+        Shape::Count,
+    ),
+    cb(
+        "cuStreamDestroy_v2",
+        326,
+        Kind::Stream,
+        Shape::StreamDestroy,
+    ),
+    cb(
+        "cuStreamBeginCapture",
+        495,
+        Kind::Capture,
+        Shape::CaptureBegin,
+    ),
+    cb(
+        "cuStreamBeginCapture_ptsz",
+        496,
+        Kind::Capture,
+        Shape::CaptureBegin,
+    ),
+    cb(
+        "cuStreamBeginCapture_v2",
+        539,
+        Kind::Capture,
+        Shape::CaptureBegin,
+    ),
+    cb(
+        "cuStreamBeginCapture_v2_ptsz",
+        540,
+        Kind::Capture,
+        Shape::CaptureBegin,
+    ),
     cb("cuStreamEndCapture", 497, Kind::Capture, Shape::CaptureEnd),
-    cb("cuStreamEndCapture_ptsz", 498, Kind::Capture, Shape::CaptureEnd),
-    cb("cuGraphInstantiate_v2", 578, Kind::Capture, Shape::GraphInstantiate),
-    cb("cuGraphInstantiateWithFlags", 643, Kind::Capture, Shape::GraphInstantiate),
-    cb("cuGraphInstantiateWithParams", 656, Kind::Capture, Shape::GraphInstantiate),
-    cb("cuGraphInstantiateWithParams_ptsz", 657, Kind::Capture, Shape::GraphInstantiate),
-    cb("cuGraphExecDestroy", 516, Kind::Capture, Shape::GraphExecDestroy),
-    cb("cuGraphExecKernelNodeSetParams", 538, Kind::Capture, Shape::GraphExecChanged),
-    cb("cuGraphExecKernelNodeSetParams_v2", 692, Kind::Capture, Shape::GraphExecChanged),
-    cb("cuGraphExecUpdate", 561, Kind::Capture, Shape::GraphExecChanged),
-    cb("cuGraphExecUpdate_v2", 696, Kind::Capture, Shape::GraphExecChanged),
-    cb("cuGraphExecNodeSetParams", 714, Kind::Capture, Shape::GraphExecChanged),
+    cb(
+        "cuStreamEndCapture_ptsz",
+        498,
+        Kind::Capture,
+        Shape::CaptureEnd,
+    ),
+    cb(
+        "cuGraphInstantiate_v2",
+        578,
+        Kind::Capture,
+        Shape::GraphInstantiate,
+    ),
+    cb(
+        "cuGraphInstantiateWithFlags",
+        643,
+        Kind::Capture,
+        Shape::GraphInstantiate,
+    ),
+    cb(
+        "cuGraphInstantiateWithParams",
+        656,
+        Kind::Capture,
+        Shape::GraphInstantiate,
+    ),
+    cb(
+        "cuGraphInstantiateWithParams_ptsz",
+        657,
+        Kind::Capture,
+        Shape::GraphInstantiate,
+    ),
+    cb(
+        "cuGraphExecDestroy",
+        516,
+        Kind::Capture,
+        Shape::GraphExecDestroy,
+    ),
+    cb(
+        "cuGraphExecKernelNodeSetParams",
+        538,
+        Kind::Capture,
+        Shape::GraphExecChanged,
+    ),
+    cb(
+        "cuGraphExecKernelNodeSetParams_v2",
+        692,
+        Kind::Capture,
+        Shape::GraphExecChanged,
+    ),
+    cb(
+        "cuGraphExecUpdate",
+        561,
+        Kind::Capture,
+        Shape::GraphExecChanged,
+    ),
+    cb(
+        "cuGraphExecUpdate_v2",
+        696,
+        Kind::Capture,
+        Shape::GraphExecChanged,
+    ),
+    cb(
+        "cuGraphExecNodeSetParams",
+        714,
+        Kind::Capture,
+        Shape::GraphExecChanged,
+    ),
 ];
 
 /// [`CALLBACKS`]' shapes indexed by id ([`Shape::Count`] for ids not in the table): the callback

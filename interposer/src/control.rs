@@ -21,7 +21,9 @@ pub fn start() {
     START.call_once(|| {
         let dir = possum_control::socket_dir();
         let handler = Arc::new(|req: Request| match req {
-            Request::Ping => json!({"pid": std::process::id(), "possum": env!("CARGO_PKG_VERSION")}),
+            Request::Ping => {
+                json!({"pid": std::process::id(), "possum": env!("CARGO_PKG_VERSION")})
+            }
             Request::Status => {
                 let mut v: serde_json::Value =
                     serde_json::from_str(&crate::stats_json()).unwrap_or_default();

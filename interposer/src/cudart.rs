@@ -102,8 +102,9 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
     if dev_ptr.is_null() {
         return INVALID_VALUE;
     }
-    let outcome = std::panic::catch_unwind(|| alloc::malloc(size as u64, current_device, runtime_init))
-        .unwrap_or(Malloc::Fallback);
+    let outcome =
+        std::panic::catch_unwind(|| alloc::malloc(size as u64, current_device, runtime_init))
+            .unwrap_or(Malloc::Fallback);
     match outcome {
         Malloc::Managed(va) => {
             // SAFETY: `dev_ptr` is non-null and, by the caller's contract, valid for writes.

@@ -98,7 +98,9 @@ impl<'a> RawCall<'a> {
     pub fn kernel_args(&self, params: usize, extra: Option<usize>) -> KernelArgs<'a> {
         KernelArgs {
             params: self.word(params) as usize as *const *const u8,
-            extra: extra.map_or(std::ptr::null(), |e| self.word(e) as usize as *const *const u8),
+            extra: extra.map_or(std::ptr::null(), |e| {
+                self.word(e) as usize as *const *const u8
+            }),
             _life: PhantomData,
         }
     }
@@ -134,7 +136,9 @@ impl KernelArgs<'_> {
                     if arg.is_null() {
                         0
                     } else {
-                        arg.add(8 * usize::from(s.word)).cast::<u64>().read_unaligned()
+                        arg.add(8 * usize::from(s.word))
+                            .cast::<u64>()
+                            .read_unaligned()
                     }
                 };
                 out.push(v);
@@ -172,7 +176,9 @@ impl KernelArgs<'_> {
                 let val = self.extra.add(2 * i + 1).read();
                 match key {
                     PARAM_BUFFER_POINTER => buf = val,
-                    PARAM_BUFFER_SIZE if !val.is_null() => size = val.cast::<usize>().read_unaligned(),
+                    PARAM_BUFFER_SIZE if !val.is_null() => {
+                        size = val.cast::<usize>().read_unaligned()
+                    }
                     _ => {}
                 }
             }
@@ -189,4 +195,100 @@ pub fn job_stream(dev: &CudaDevice, raw: u64) -> CudaStream {
     // in the entry callback of the job's `cuStreamDestroy`, before the driver destroys it; the
     // legacy (0) and per-thread (2) default streams are never destroyed.
     unsafe { dev.wrap_stream(raw as usize as possum_cuda::CUstream) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use possum_analyzer::layout::{Param, ParamLayout};
+
+    #[test]
+    fn launch_words_come_from_kernel_params_and_by_value_structs() {
+        // kernel(float *a, struct { float *in; float *out; int n; } s, int k)
+        let a: u64 = 0x7f00_0000_1000;
+        let s: [u64; 3] = [0x7f00_0020_0000, 0x7f00_0040_0000, 1 << 20];
+        let k: u32 = 7;
+        let args: [*const u8; 3] = [
+            (&a as *const u64).cast(),
+            s.as_ptr().cast(),
+            (&k as *const u32).cast(),
+        ];
+        let layout = ParamLayout::new(vec![
+            Param { offset: 0, size: 8 },
+            Param {
+                offset: 8,
+                size: 24,
+            },
+            Param {
+                offset: 32,
+                size: 4,
+            },
+        ]);
+        let slots = layout.pointer_slots();
+        // cuLaunchKernel's params: f, grid/block/shared words, hStream (5), kernelParams (6),
+        // extra (7).
+        let mut launch = [0u64; 8];
+        launch[0] = 0xf00;
+        launch[5] = 0x5;
+        launch[6] = args.as_ptr() as u64;
+        // SAFETY: `launch` has the 8 words of cuLaunchKernel's params struct and outlives `call`.
+        let call = unsafe { RawCall::new(launch.as_ptr().cast(), std::ptr::null()) };
+        assert_eq!(call.word(0), 0xf00);
+        assert_eq!(call.stream(StreamAt::Word(5)), 5);
+        assert_eq!(call.stream(StreamAt::Legacy), 0);
+        assert_eq!(call.stream(StreamAt::PerThread), STREAM_PER_THREAD);
+        assert_eq!(call.result(), 0);
+        let mut out = Vec::new();
+        call.kernel_args(6, Some(7)).read_slots(&slots, &mut out);
+        assert_eq!(out, vec![a, s[0], s[1], s[2]]);
+    }
+
+    #[test]
+    fn launch_words_come_from_an_extra_buffer() {
+        let mut packed = [0u8; 40];
+        packed[0..8].copy_from_slice(&0x7f00_0000_1000u64.to_le_bytes());
+        packed[16..24].copy_from_slice(&0x7f00_0000_2000u64.to_le_bytes());
+        let size: usize = 20; // the second slot (16..24) lies past the declared size
+        let extra: [*const u8; 5] = [
+            PARAM_BUFFER_POINTER as *const u8,
+            packed.as_ptr(),
+            PARAM_BUFFER_SIZE as *const u8,
+            (&size as *const usize).cast(),
+            PARAM_END as *const u8,
+        ];
+        let layout = ParamLayout::new(vec![
+            Param { offset: 0, size: 8 },
+            Param {
+                offset: 16,
+                size: 8,
+            },
+        ]);
+        // cuLaunchKernelEx: config (0), f (1), kernelParams (2, null), extra (3).
+        let config = [0u64, 0, 0, 0, 0x77, 0, 0, 0];
+        let words = [config.as_ptr() as u64, 0xf00, 0, extra.as_ptr() as u64];
+        let res: i32 = 2;
+        // SAFETY: `words` has cuLaunchKernelEx's four words, `res` is a CUresult; both outlive
+        // `call`.
+        let call = unsafe { RawCall::new(words.as_ptr().cast(), (&res as *const i32).cast()) };
+        assert_eq!(call.stream(StreamAt::Config(0)), 0x77);
+        assert_eq!(call.result(), 2);
+        let mut out = Vec::new();
+        call.kernel_args(2, Some(3))
+            .read_slots(&layout.pointer_slots(), &mut out);
+        assert_eq!(out, vec![0x7f00_0000_1000, 0]);
+    }
+
+    #[test]
+    fn out_pointers_are_read_on_exit() {
+        let dptr: u64 = 0x7f00_1234_0000;
+        let words = [(&dptr as *const u64) as u64, 4096];
+        // SAFETY: `words` is cuMemAlloc_v2's params struct (dptr*, bytesize), outliving `call`.
+        let call = unsafe { RawCall::new(words.as_ptr().cast(), std::ptr::null()) };
+        assert_eq!(call.deref(0), Some(dptr));
+        assert_eq!(call.word(1), 4096);
+        let null = [0u64; 2];
+        // SAFETY: as above, with a null out-pointer.
+        let call = unsafe { RawCall::new(null.as_ptr().cast(), std::ptr::null()) };
+        assert_eq!(call.deref(0), None);
+    }
 }

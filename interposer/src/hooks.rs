@@ -140,13 +140,14 @@ fn on_exit(st: &State, shape: Shape, call: &RawCall<'_>) {
         | Shape::Copy { .. }
         | Shape::Memset { .. }
         | Shape::OpaqueOp { .. } => {
-            let t0 = Instant::now();
             let p = PENDING
                 .try_with(|p| std::mem::take(&mut *p.borrow_mut()))
                 .unwrap_or_default();
+            // Read the clock only for a timed launch: in a VM it may cost a system call.
+            let t0 = p.timed.map(|_| Instant::now());
             // The operation is enqueued: let a checkpoint fix T0 again.
             drop(p.guard);
-            if let Some(entry) = p.timed {
+            if let (Some(entry), Some(t0)) = (p.timed, t0) {
                 let ns = (entry + t0.elapsed()).as_nanos();
                 st.counters.timed_launches.fetch_add(1, Ordering::Relaxed);
                 st.counters
@@ -287,7 +288,11 @@ fn resolve_slots(
         }
         if st.cfg.dag {
             if let Some(br) = r.buf_ref() {
-                let list = if ro { &mut *dag_reads } else { &mut *dag_writes };
+                let list = if ro {
+                    &mut *dag_reads
+                } else {
+                    &mut *dag_writes
+                };
                 if !list.iter().any(|x| x.id == br.id) {
                     list.push(br);
                 }
@@ -508,7 +513,14 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
 
 /// A copy (`src` is `Some`) or memset: `dst` is written, `src` read; host addresses resolve to
 /// nothing.
-fn copy_like(st: &State, ctx: u64, stream: StreamAt, call: &RawCall<'_>, src: Option<u64>, dst: u64) {
+fn copy_like(
+    st: &State,
+    ctx: u64,
+    stream: StreamAt,
+    call: &RawCall<'_>,
+    src: Option<u64>,
+    dst: u64,
+) {
     let s = call.stream(stream);
     if skip_captured(st, s) {
         return;

@@ -553,7 +553,9 @@ impl State {
                     engines.resize(ordinal + 1, None);
                 }
                 engines[ordinal] = Some(de.clone());
-                crate::log(&format!("device {ordinal}: allocations are served by the engine"));
+                crate::log(&format!(
+                    "device {ordinal}: allocations are served by the engine"
+                ));
                 Ok(de)
             }
             Err(why) => {
@@ -613,7 +615,11 @@ impl State {
             let mut v: Vec<(u64, u64, Resolved)> = Vec::new();
             for e in self.engines() {
                 for b in e.engine.buffers() {
-                    v.push((b.va().0, b.va().0 + b.size().max(1), Resolved::Managed(b, e.ordinal)));
+                    v.push((
+                        b.va().0,
+                        b.va().0 + b.size().max(1),
+                        Resolved::Managed(b, e.ordinal),
+                    ));
                 }
             }
             for (s, l, _) in self.unmanaged.read().iter() {
@@ -645,7 +651,9 @@ impl State {
         match introspect::allocation_of(w) {
             Some((start, len)) if len > 0 => {
                 self.add_unmanaged(start, len, "found by the driver");
-                self.counters.discovered_allocs.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .discovered_allocs
+                    .fetch_add(1, Ordering::Relaxed);
                 true
             }
             _ => {
@@ -690,7 +698,9 @@ impl State {
         }
         self.unmanaged.write().insert(va, len, Unmanaged { kind });
         self.note_range(va, len);
-        self.counters.unmanaged_allocs.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .unmanaged_allocs
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Forgets the unmanaged allocation starting at `va`.
@@ -702,7 +712,11 @@ impl State {
 
     /// Unmanaged ranges now: (start, len).
     pub fn unmanaged_ranges(&self) -> Vec<(u64, u64)> {
-        self.unmanaged.read().iter().map(|(s, l, _)| (s, l)).collect()
+        self.unmanaged
+            .read()
+            .iter()
+            .map(|(s, l, _)| (s, l))
+            .collect()
     }
 
     /// The model of kernel `handle`, made on first sight (layout and name asked of the driver).
@@ -784,10 +798,7 @@ impl State {
                         }
                     }
                 }
-                GraphSnap {
-                    nodes: out,
-                    opaque,
-                }
+                GraphSnap { nodes: out, opaque }
             }
         };
         self.graphs.write().insert(exec, Arc::new(snap));
@@ -892,4 +903,57 @@ fn slot_words(model: &KernelModel, params: &[Vec<u8>]) -> Vec<u64> {
                 .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ranges(v: &[(u64, u64)]) -> Ranges {
+        Ranges::new(
+            v.iter()
+                .map(|&(s, l)| (s, s + l, Resolved::Unmanaged(s, l)))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn lookup_finds_the_containing_allocation_only() {
+        let r = ranges(&[(0x7f00_0040_0000, 0x20_0000), (0x7f00_0000_0000, 0x1000)]);
+        assert!(matches!(
+            r.lookup(0x7f00_0000_0000),
+            Resolved::Unmanaged(0x7f00_0000_0000, 0x1000)
+        ));
+        assert!(matches!(
+            r.lookup(0x7f00_0000_0fff),
+            Resolved::Unmanaged(..)
+        ));
+        assert!(matches!(r.lookup(0x7f00_0000_1000), Resolved::None));
+        assert!(matches!(
+            r.lookup(0x7f00_0050_0000),
+            Resolved::Unmanaged(0x7f00_0040_0000, _)
+        ));
+        assert!(matches!(r.lookup(0x7f00_0060_0000), Resolved::None));
+        assert!(matches!(r.lookup(12), Resolved::None));
+        assert!(matches!(r.lookup(u64::MAX), Resolved::None));
+        assert!(matches!(
+            ranges(&[]).lookup(0x7f00_0000_0000),
+            Resolved::None
+        ));
+        assert_eq!(
+            r.lookup(0x7f00_0000_0010).key(),
+            Some(0x7f00_0000_0000 | 1 << 63)
+        );
+    }
+
+    #[test]
+    fn near_covers_the_neighbourhood_of_allocations() {
+        let r = ranges(&[(0x7f00_0000_0000, 0x1000), (0x3_0000_0000, 0x20_0000)]);
+        assert!(r.near(0x7f00_0000_2000));
+        assert!(r.near(0x7f00_0000_0000 - (1 << 30)));
+        assert!(!r.near(0x7f00_0000_0000 + (8 << 30)));
+        assert!(r.near(0x3_0000_0000 + (2 << 30)));
+        assert!(!r.near(0x10));
+        assert!(!r.near(0x0303_0303_0303_0303));
+    }
 }

@@ -16,7 +16,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use possum_analyzer::kernel::{checksum, find_pointers, sample_windows, KernelModel, Validation, Verdict};
+use possum_analyzer::kernel::{
+    checksum, find_pointers, sample_windows, KernelModel, Validation, Verdict,
+};
 use possum_cuda::introspect;
 
 use crate::runtime::{DevEngine, Reentry, State};
@@ -39,8 +41,11 @@ pub struct Before {
 fn sum_of(st: &State, start: u64, len: u64) -> Result<u64, String> {
     let mut acc = 0xcbf2_9ce4_8422_2325u64;
     let mut buf = Vec::new();
-    for (off, l) in sample_windows(len, st.cfg.validation.sample_bytes, st.cfg.validation.windows)
-    {
+    for (off, l) in sample_windows(
+        len,
+        st.cfg.validation.sample_bytes,
+        st.cfg.validation.windows,
+    ) {
         buf.resize(l as usize, 0);
         introspect::read_device(start + off, &mut buf).map_err(|e| e.to_string())?;
         acc = (acc ^ checksum(&buf)).wrapping_mul(0x100_0000_01b3);
