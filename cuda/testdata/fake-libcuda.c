@@ -82,3 +82,23 @@ int cuMemcpyDtoHAsync_v2(void* d, ull s, size_t n, void* st){ memcpy(d,(void*)s,
 int cuMemcpyHtoDAsync_v2(ull d, const void* s, size_t n, void* st){ memcpy((void*)d,s,n); return 0; }
 int cuMemcpyDtoDAsync_v2(ull d, ull s, size_t n, void* st){ memmove((void*)d,(void*)s,n); return 0; }
 int cuMemsetD8Async(ull d, unsigned char v, size_t n, void* st){ memset((void*)d,v,n); return 0; }
+// Introspection (possum_cuda::introspect). A kernel "handle" is a pointer to a struct
+// fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8]; } made by
+// the test program; anything else is an invalid handle.
+#define FAKE_KERNEL_MAGIC 0x6b65726e656c2121ull
+struct fake_kernel { ull magic; const char* name; int n; size_t off[8]; size_t size[8]; };
+static struct fake_kernel* fk(void* h){
+  struct fake_kernel* k=h; return (k && (uintptr_t)k%8==0 && k->magic==FAKE_KERNEL_MAGIC)? k : 0; }
+int cuFuncGetParamInfo(void* f, size_t i, size_t* off, size_t* size){
+  struct fake_kernel* k=fk(f); if(!k) return 400; if((int)i>=k->n) return 1;
+  *off=k->off[i]; *size=k->size[i]; return 0; }
+int cuKernelGetParamInfo(void* f, size_t i, size_t* off, size_t* size){ return 400; }
+int cuFuncGetName(const char** n, void* f){ struct fake_kernel* k=fk(f); if(!k) return 400; *n=k->name; return 0; }
+int cuKernelGetName(const char** n, void* f){ return 400; }
+int cuCtxGetDevice(int* d){ if(!cur) return 201; *d=0; return 0; }
+int cuStreamIsCapturing(void* s, int* st){ *st=0; return 0; }
+int cuMemcpyDtoH_v2(void* d, ull s, size_t n){ memcpy(d,(void*)s,n); return 0; }
+int cuGraphGetNodes(void* g, void** n, size_t* c){ return 1; }
+int cuGraphNodeGetType(void* n, int* t){ return 1; }
+int cuGraphKernelNodeGetParams_v2(void* n, void* p){ return 1; }
+int cuGraphMemsetNodeGetParams(void* n, void* p){ return 1; }

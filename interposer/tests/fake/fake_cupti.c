@@ -3,6 +3,7 @@
  * series of driver-API callbacks, laid out as cupti_callbacks.h / cupti_driver_cbid.h (CUDA 13.0)
  * lay them out. Only ids the test expects are fired. */
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 typedef void (*callback_fn)(void *userdata, int domain, uint32_t cbid, const void *cbdata);
@@ -48,6 +49,7 @@ int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t 
     if (!enable || subscriber != (void *)&cb || domain != 1) return 1;
     if (cbid == 797) return 1; /* pretend this CUPTI lacks cuMemcpyBatchAsync_v2_ptsz */
     if (cbid != 714) return 0; /* cuGraphExecNodeSetParams: the last entry of the table */
+    if (getenv("FAKE_CUPTI_NO_AUTOFIRE")) return 0; /* the job fires its own (fake_cupti_fire) */
     static unsigned char config[64]; /* a CUlaunchConfig: zeroes, so stream 0 */
     launch_params k1 = {(void *)0x1000}, k2 = {(void *)0x2000};
     launch_ex_params ex = {config, (void *)0x3000};
@@ -65,4 +67,11 @@ int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t 
     fire(1, 0, 243, words); /* cuMemAlloc_v2 */
     cb(NULL, 1, 307, NULL); /* no callback data: ignored */
     return 0;
+}
+
+/* For test jobs: fires one driver-API callback (site 0: entry, 1: exit) with the given params
+ * struct and CUresult. */
+void fake_cupti_fire(uint32_t cbid, int site, const void *params, void *ret) {
+    callback_data d = {site, "fake", params, ret, NULL, NULL, 0, NULL, 0};
+    if (cb) cb(NULL, 1, cbid, &d);
 }
