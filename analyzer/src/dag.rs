@@ -6,7 +6,10 @@
 //! The window keeps at most `window` launches; per-buffer reader lists are pruned as the window
 //! slides, so memory stays bounded by the window, the live buffers, the kernels and the streams.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
+
+// Keys are ids and handles chosen by possum or the driver, not by an adversary: the fast hash.
+use rustc_hash::FxHashMap as HashMap;
 use std::fmt::Write as _;
 
 use petgraph::graph::{DiGraph, EdgeIndex, NodeIndex};
@@ -173,13 +176,13 @@ impl Dag {
         Self {
             window,
             graph: DiGraph::new(),
-            kernels: HashMap::new(),
-            buffers: HashMap::new(),
-            edges: HashMap::new(),
+            kernels: HashMap::default(),
+            buffers: HashMap::default(),
+            edges: HashMap::default(),
             launches: VecDeque::new(),
             next_seq: 0,
-            buf_state: HashMap::new(),
-            stream_last: HashMap::new(),
+            buf_state: HashMap::default(),
+            stream_last: HashMap::default(),
         }
     }
 
@@ -551,7 +554,7 @@ impl Dag {
     pub fn is_acyclic_window(&self) -> bool {
         let oldest = self.oldest();
         let mut g: DiGraph<u64, DepKind> = DiGraph::with_capacity(self.launches.len(), 0);
-        let mut index = HashMap::with_capacity(self.launches.len());
+        let mut index = HashMap::with_capacity_and_hasher(self.launches.len(), Default::default());
         for l in &self.launches {
             index.insert(l.seq, g.add_node(l.seq));
         }
@@ -798,7 +801,7 @@ mod tests {
             let mut d = Dag::new(window);
             // Naive model: full history of (seq, reads, writes) and free points.
             let mut history: Vec<(Vec<u64>, Vec<u64>)> = Vec::new();
-            let mut last_write: HashMap<u64, usize> = HashMap::new();
+            let mut last_write: HashMap<u64, usize> = HashMap::default();
             let mut expected_raw: Vec<(u64, u64)> = Vec::new();
             for op in ops {
                 match op {

@@ -128,35 +128,41 @@ impl KernelArgs<'_> {
     pub fn read_slots(&self, slots: &[Slot], out: &mut Vec<u64>) {
         out.clear();
         if !self.params.is_null() {
-            for s in slots {
-                // SAFETY: `kernelParams` has one pointer per parameter of the kernel, and the
-                // slot's parameter index and word lie inside the driver's layout for it.
-                let v = unsafe {
-                    let arg = self.params.add(usize::from(s.param)).read();
-                    if arg.is_null() {
-                        0
-                    } else {
+            // Slots come in parameter order: look each parameter's pointer up once.
+            let mut param = u16::MAX;
+            let mut arg: *const u8 = std::ptr::null();
+            out.extend(slots.iter().map(|s| {
+                if s.param != param {
+                    param = s.param;
+                    // SAFETY: `kernelParams` has one pointer per parameter of the kernel, and the
+                    // slot's parameter index lies inside the driver's layout for it.
+                    arg = unsafe { self.params.add(usize::from(s.param)).read() };
+                }
+                if arg.is_null() {
+                    0
+                } else {
+                    // SAFETY: the slot's word lies inside its parameter (the driver's layout),
+                    // whose bytes `arg` points at for the duration of the call.
+                    unsafe {
                         arg.add(8 * usize::from(s.word))
                             .cast::<u64>()
                             .read_unaligned()
                     }
-                };
-                out.push(v);
-            }
+                }
+            }));
             return;
         }
         let (buf, size) = self.extra_buffer();
-        for s in slots {
+        out.extend(slots.iter().map(|s| {
             let off = s.offset as usize;
-            let v = if buf.is_null() || off + 8 > size {
+            if buf.is_null() || off + 8 > size {
                 0
             } else {
                 // SAFETY: the packed argument buffer has `size` bytes (its own
                 // CU_LAUNCH_PARAM_BUFFER_SIZE) and `off + 8 <= size`.
                 unsafe { buf.add(off).cast::<u64>().read_unaligned() }
-            };
-            out.push(v);
-        }
+            }
+        }));
     }
 
     /// The `extra` array's packed argument buffer and its size ((null, 0) if absent).

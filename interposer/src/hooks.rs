@@ -13,7 +13,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use std::collections::HashMap;
+// Keys are handles: the fast hash.
+use rustc_hash::FxHashMap as HashMap;
 
 use possum_analyzer::dag::BufRef;
 use possum_analyzer::kernel::{KernelModel, SlotAccess};
@@ -23,7 +24,9 @@ use possum_engine::{Access, Buffer, OpGuard};
 
 use crate::cbid::{Shape, StreamAt};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
-use crate::runtime::{state, DagMsg, DagOp, DevEngine, Reentry, Resolved, SnapNode, State};
+use crate::runtime::{
+    state, BufList, DagMsg, DagOp, DevEngine, Reentry, Resolved, SnapNode, State,
+};
 use crate::validate;
 
 /// What an entry callback leaves for the exit callback.
@@ -336,13 +339,20 @@ struct Memo {
     dag_writes: Vec<BufRef>,
 }
 
-/// Memo entries kept per thread before the memo is emptied and refilled.
-const MEMO_CAP: usize = 1 << 13;
+/// Memo entries kept per kernel and thread (replaced round-robin, their buffers reused, so a miss
+/// allocates nothing once the entries exist).
+const MEMO_WAYS: usize = 8;
+
+/// A kernel's memo entries on one thread.
+#[derive(Default)]
+struct Ways {
+    entries: Vec<(u64, Memo)>,
+    next: usize,
+}
 
 thread_local! {
-    /// Keyed by (kernel handle, hash of the launch's words): a kernel launched at several places
-    /// of a step on different buffers has an entry for each.
-    static MEMO: RefCell<HashMap<(u64, u64), Memo>> = RefCell::new(HashMap::new());
+    /// Per kernel handle: the last few distinct (words → buffer sets) of its launches.
+    static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
 }
 
 fn hash_words(words: &[u64]) -> u64 {
@@ -365,17 +375,32 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         args.read_slots(model.slots(), words);
         let _ = MEMO.try_with(|memo| {
             let mut memo = memo.borrow_mut();
-            if memo.len() >= MEMO_CAP {
-                memo.clear();
-            }
-            let m = memo.entry((func, hash_words(words))).or_default();
+            let ways = memo.entry(func).or_default();
+            let hash = hash_words(words);
             let generation = st.generation();
             let version = model.speculation_version();
-            if !validate_now
-                && m.generation == generation
-                && m.version == version
-                && m.words == *words
-            {
+            let found = ways.entries.iter().position(|(h, m)| {
+                *h == hash
+                    && m.generation == generation
+                    && m.version == version
+                    && m.words == *words
+            });
+            let slot = match found {
+                Some(i) => i,
+                None if ways.entries.len() < MEMO_WAYS => {
+                    ways.entries.push((hash, Memo::default()));
+                    ways.entries.len() - 1
+                }
+                None => {
+                    let i = ways.next % MEMO_WAYS;
+                    ways.next = ways.next.wrapping_add(1);
+                    i
+                }
+            };
+            let hit = found.is_some() && !validate_now;
+            ways.entries[slot].0 = hash;
+            let m = &mut ways.entries[slot].1;
+            if hit {
                 c.memo_hits.fetch_add(1, Ordering::Relaxed);
             } else {
                 m.reads.clear();
@@ -417,10 +442,10 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
             }
             st.to_dag(DagMsg::Launch {
-                op: DagOp::Kernel(model.clone()),
+                op: DagOp::Kernel(func),
                 stream,
-                reads: m.dag_reads.clone(),
-                writes: m.dag_writes.clone(),
+                reads: BufList::from_slice(&m.dag_reads),
+                writes: BufList::from_slice(&m.dag_writes),
             });
             let access = if opaque {
                 Access::Opaque
@@ -483,7 +508,7 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                         dag_reads,
                         dag_writes,
                     );
-                    DagOp::Kernel(model.clone())
+                    DagOp::Kernel(model.handle())
                 }
                 SnapNode::Memset { dst } => {
                     let r = st.resolve(*dst);
@@ -497,8 +522,8 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
             st.to_dag(DagMsg::Launch {
                 op: kref,
                 stream,
-                reads: dag_reads.clone(),
-                writes: dag_writes.clone(),
+                reads: BufList::from_slice(dag_reads),
+                writes: BufList::from_slice(dag_writes),
             });
         }
         let access = if opaque {

@@ -7,7 +7,8 @@
 //! kernel, stream or context), which take a write lock once.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+// Keys are handles and ids: the fast hash.
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -277,8 +278,8 @@ pub struct State {
     /// The DAG. Launches reach it through `dag_tx` and the `possum-dag` thread, off the launch
     /// path.
     pub dag: Mutex<Dag>,
-    dag_tx: Option<crossbeam_channel::Sender<DagMsg>>,
-    dag_rx: crossbeam_channel::Receiver<DagMsg>,
+    dag_tx: Option<crossbeam_channel::Sender<Vec<DagMsg>>>,
+    dag_rx: crossbeam_channel::Receiver<Vec<DagMsg>>,
     /// Bumped whenever the set of allocations changes: buffer sets cached per kernel
     /// (`hooks`) are stale when it differs.
     generation: AtomicU64,
@@ -318,8 +319,8 @@ pub fn state() -> &'static State {
             managing_off: Mutex::new(None),
             managing_disabled: AtomicBool::new(false),
             unmanaged: RwLock::new(IntervalMap::new()),
-            kernels: RwLock::new(HashMap::new()),
-            graphs: RwLock::new(HashMap::new()),
+            kernels: RwLock::new(HashMap::default()),
+            graphs: RwLock::new(HashMap::default()),
             captures: AtomicU64::new(0),
             dag: Mutex::new(Dag::new(window)),
             counters: Counters::default(),
@@ -342,8 +343,10 @@ pub fn state() -> &'static State {
                         continue;
                     }
                     let mut dag = s.dag.lock();
-                    for m in rx.try_iter().take(DAG_QUEUE) {
-                        apply(&mut dag, m);
+                    for batch in rx.try_iter().take(DAG_QUEUE) {
+                        for m in batch {
+                            apply(s, &mut dag, m);
+                        }
                     }
                 });
         });
@@ -352,22 +355,59 @@ pub fn state() -> &'static State {
     s
 }
 
-/// Records queued for the DAG before launches are dropped (and counted).
-const DAG_QUEUE: usize = 1 << 16;
+/// Batches queued for the DAG before further ones are dropped (and counted).
+const DAG_QUEUE: usize = 1 << 10;
 
-/// What the `possum-dag` thread records.
+/// Records a thread batches before sending them to the DAG thread. The DAG can lag behind a
+/// thread by this many launches (a trace flushes the asking thread's batch only).
+const DAG_BATCH: usize = 256;
+
+/// A thread's unsent DAG records; sent when full and when the thread exits.
+struct DagBatch(Vec<DagMsg>);
+
+impl Drop for DagBatch {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            if let Some(st) = state_if_created() {
+                st.send_dag(std::mem::take(&mut self.0));
+            }
+        }
+    }
+}
+
+thread_local! {
+    static DAG_BATCH_TLS: RefCell<DagBatch> = const { RefCell::new(DagBatch(Vec::new())) };
+}
+
+/// Sends the calling thread's unsent DAG records.
+pub fn flush_dag() {
+    let b = DAG_BATCH_TLS
+        .try_with(|b| std::mem::take(&mut b.borrow_mut().0))
+        .unwrap_or_default();
+    if let (false, Some(st)) = (b.is_empty(), state_if_created()) {
+        st.send_dag(b);
+    }
+}
+
+/// A short list of buffers, inline up to 4.
+pub type BufList = smallvec::SmallVec<[BufRef; 4]>;
+
+/// What the `possum-dag` thread records. Launches queue these in a per-thread batch (no
+/// allocation, no shared cache line per launch); a full batch goes to the thread in one send.
 #[derive(Debug)]
+// Launches are nearly all of the messages; boxing them would allocate on every launch.
+#[allow(clippy::large_enum_variant)]
 pub enum DagMsg {
-    /// A launch of a kernel (`None`: a copy, `Some(None)`... see [`DagOp`]).
+    /// A launch.
     Launch {
         /// What ran.
         op: DagOp,
         /// On which stream.
         stream: u64,
         /// Buffers read.
-        reads: Vec<BufRef>,
+        reads: BufList,
         /// Buffers written.
-        writes: Vec<BufRef>,
+        writes: BufList,
     },
     /// A managed buffer was freed.
     Free(u64),
@@ -376,17 +416,17 @@ pub enum DagMsg {
 }
 
 /// The operation of a [`DagMsg::Launch`].
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub enum DagOp {
-    /// A kernel.
-    Kernel(Arc<KernelModel>),
+    /// A kernel, by handle (its name and state are looked up when recorded).
+    Kernel(u64),
     /// A copy.
     Memcpy,
     /// A memset.
     Memset,
 }
 
-fn apply(dag: &mut Dag, m: DagMsg) {
+fn apply(st: &State, dag: &mut Dag, m: DagMsg) {
     match m {
         DagMsg::Launch {
             op,
@@ -394,14 +434,18 @@ fn apply(dag: &mut Dag, m: DagMsg) {
             reads,
             writes,
         } => {
-            let k = match &op {
-                DagOp::Kernel(model) => KernelRef {
-                    handle: model.handle(),
-                    name: model.name(),
-                    opaque: model.is_opaque(),
+            let model = match op {
+                DagOp::Kernel(h) => st.kernels.read().get(&h).cloned(),
+                _ => None,
+            };
+            let k = match (&op, &model) {
+                (DagOp::Kernel(h), m) => KernelRef {
+                    handle: *h,
+                    name: m.as_ref().and_then(|m| m.name()),
+                    opaque: m.as_ref().is_some_and(|m| m.is_opaque()),
                 },
-                DagOp::Memcpy => KernelRef::MEMCPY,
-                DagOp::Memset => KernelRef::MEMSET,
+                (DagOp::Memcpy, _) => KernelRef::MEMCPY,
+                (DagOp::Memset, _) => KernelRef::MEMSET,
             };
             dag.record_launch(&k, stream, &reads, &writes);
         }
@@ -418,7 +462,7 @@ thread_local! {
     /// The last (context, device ordinal) this thread resolved.
     static CTX_DEVICE: Cell<(u64, usize)> = const { Cell::new((u64::MAX, 0)) };
     /// This thread's cache of kernel models.
-    static KERNELS: RefCell<HashMap<u64, Arc<KernelModel>>> = RefCell::new(HashMap::new());
+    static KERNELS: RefCell<HashMap<u64, Arc<KernelModel>>> = RefCell::new(HashMap::default());
 }
 
 /// Marks the calling thread as inside possum until dropped.
@@ -547,7 +591,7 @@ impl State {
                 let de = Arc::new(DevEngine {
                     ordinal,
                     engine,
-                    streams: RwLock::new(HashMap::new()),
+                    streams: RwLock::new(HashMap::default()),
                 });
                 if engines.len() <= ordinal {
                     engines.resize(ordinal + 1, None);
@@ -594,11 +638,34 @@ impl State {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// Queues `m` for the DAG (dropped, and counted, if the DAG thread is far behind).
+    /// Queues `m` for the DAG: in the calling thread's batch, sent when full (dropped, and
+    /// counted, if the DAG thread is far behind).
     pub fn to_dag(&self, m: DagMsg) {
+        if self.dag_tx.is_none() {
+            return;
+        }
+        let full = DAG_BATCH_TLS
+            .try_with(|b| {
+                let mut b = b.borrow_mut();
+                if b.0.capacity() == 0 {
+                    b.0.reserve_exact(DAG_BATCH);
+                }
+                b.0.push(m);
+                (b.0.len() >= DAG_BATCH)
+                    .then(|| std::mem::replace(&mut b.0, Vec::with_capacity(DAG_BATCH)))
+            })
+            .ok()
+            .flatten();
+        if let Some(batch) = full {
+            self.send_dag(batch);
+        }
+    }
+
+    fn send_dag(&self, batch: Vec<DagMsg>) {
         if let Some(tx) = &self.dag_tx {
-            if tx.try_send(m).is_err() {
-                self.counters.dag_dropped.fetch_add(1, Ordering::Relaxed);
+            let n = batch.len() as u64;
+            if tx.try_send(batch).is_err() {
+                self.counters.dag_dropped.fetch_add(n, Ordering::Relaxed);
             }
         }
     }
@@ -852,7 +919,7 @@ impl State {
             .map(|k| json!({"name": k.name(), "reason": k.opaque_reason()}))
             .collect();
         let unmanaged = self.unmanaged.read();
-        let mut by_kind: HashMap<&str, (u64, u64)> = HashMap::new();
+        let mut by_kind: HashMap<&str, (u64, u64)> = HashMap::default();
         for (_, l, u) in unmanaged.iter() {
             let e = by_kind.entry(u.kind).or_default();
             e.0 += 1;
@@ -876,9 +943,12 @@ impl State {
     pub fn trace_json(&self) -> Value {
         let mut kernels: Vec<_> = self.kernels().iter().map(|k| k.stats()).collect();
         kernels.sort_by_key(|k| std::cmp::Reverse(k.launches));
+        flush_dag();
         let mut dag = self.dag.lock();
-        for m in self.dag_rx.try_iter() {
-            apply(&mut dag, m);
+        for batch in self.dag_rx.try_iter() {
+            for m in batch {
+                apply(self, &mut dag, m);
+            }
         }
         json!({
             "stats": self.stats_json(),

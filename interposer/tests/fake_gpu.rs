@@ -5,17 +5,10 @@
 //! the DAG, the statistics), not CUDA's.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-fn libpossum() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    [deps, deps.parent().unwrap()]
-        .iter()
-        .map(|d| d.join("libpossum.so"))
-        .find(|p| p.exists())
-        .expect("libpossum.so not built")
-}
+mod common;
+use common::libpossum;
+use std::process::Command;
 
 fn cc(args: &[&str]) -> bool {
     Command::new("cc")

@@ -4,19 +4,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// The cdylib cargo built for this test run. `cargo test` builds it into `<target>/<profile>/deps/`
-/// beside this test's executable (only `cargo build` copies it up to `<target>/<profile>/`, where
-/// it may be stale), so look there first.
-fn libpossum() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    [deps, deps.parent().unwrap()]
-        .iter()
-        .map(|d| d.join("libpossum.so"))
-        .find(|p| p.exists())
-        .expect("libpossum.so not built")
-}
-
+mod common;
+use common::libpossum;
 /// Runs `argv` with the environment cleared of possum's variables, plus `env`.
 fn run(argv: &[&str], preload: bool, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(argv[0]);

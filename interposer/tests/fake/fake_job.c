@@ -23,10 +23,44 @@ static struct fake_kernel axpy = {FAKE_KERNEL_MAGIC, "axpy", 2, {0, 8}, {8, 8}};
 static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump_table", 1, {0}, {8}};
 static struct fake_kernel scale = {FAKE_KERNEL_MAGIC, "scale", 1, {0}, {24}};
 
-int main(void) {
+/* `fake_job bench N`: N launches of each of three kernels shaped like PyTorch's (an elementwise
+ * kernel with 2 pointers, a GEMM-like one with a 736-byte by-value struct, a multi-tensor-apply-like
+ * one with a 3 KiB by-value struct), cycling over 8 buffer sets, for timing possum's launch path. */
+static struct fake_kernel gemm = {FAKE_KERNEL_MAGIC, "gemm_like", 1, {0}, {736}};
+static struct fake_kernel mta = {FAKE_KERNEL_MAGIC, "multi_tensor_apply_like", 1, {0}, {3200}};
+static int bench(fire_fn fire, long iters) {
+    float *bufs[16];
+    for (int i = 0; i < 16; i++) if (cudaMalloc((void **)&bufs[i], 4 << 20)) return 1;
+    uint64_t gemm_args[92], mta_args[400];
+    int miss = getenv("FAKE_JOB_MISS") != NULL; /* one launch in three misses the memo */
+    int ret = 0;
+    for (long it = 0; it < iters; it++) {
+        int k = it % 8;
+        void *args[] = {&bufs[k], &bufs[k + 8]};
+        launch_params p = {&axpy, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(307, 0, &p, &ret);
+        fire(307, 1, &p, &ret);
+        for (int w = 0; w < 92; w++) gemm_args[w] = w < 3 ? (uint64_t)(uintptr_t)bufs[(k + w) % 16] : (uint64_t)(w * 64 + k);
+        if (miss) gemm_args[50] = (uint64_t)it, mta_args[300] = (uint64_t)it;
+        void *gargs[] = {gemm_args};
+        launch_params g = {&gemm, {1, 1, 1, 1, 1, 1}, 0, NULL, gargs, NULL};
+        fire(307, 0, &g, &ret);
+        fire(307, 1, &g, &ret);
+        for (int w = 0; w < 400; w++) mta_args[w] = w < 24 ? (uint64_t)(uintptr_t)bufs[(k + w) % 16] + 256 * w : (uint64_t)(w * 3 + k) | ((uint64_t)(w & 7) << 32);
+        void *margs[] = {mta_args};
+        launch_params m = {&mta, {1, 1, 1, 1, 1, 1}, 0, NULL, margs, NULL};
+        fire(307, 0, &m, &ret);
+        fire(307, 1, &m, &ret);
+    }
+    puts("ok");
+    return 0;
+}
+
+int main(int argc, char **argv) {
     void *h = dlopen(getenv("POSSUM_CUPTI"), RTLD_NOW | RTLD_NOLOAD);
     fire_fn fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
     if (!fire) { puts("no fake CUPTI loaded"); return 1; }
+    if (argc > 2 && !strcmp(argv[1], "bench")) return bench(fire, atol(argv[2]));
     const size_t n = 1 << 20;
     float *x, *y, *z;
     void **table;

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The interposer's launch path timed without a GPU: builds the fake driver
+# (cuda/testdata/fake-libcuda.c), fake libcudart and fake CUPTI, and runs
+# interposer/tests/fake/fake_job.c's `bench` mode (three kernels shaped like PyTorch's: 2, 92 and
+# 400 pointer slots), printing the time spent in possum's callbacks per launch (sampled 1 in 16,
+# as on the GPU) for the whole path, without the DAG, and watching only; then with one launch in
+# three missing the per-kernel memo. Instruction counts, repeatable on any machine:
+#   VALGRIND=1 bash scripts/fake-gpu-bench.sh   (callgrind; then callgrind_annotate the output)
+# Usage: bash scripts/fake-gpu-bench.sh [LAUNCHES_PER_KERNEL]   (default 100000)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+n="${1:-100000}"
+d="$(mktemp -d /tmp/possum-fakebench.XXXXXX)"
+cargo build --release -p possum-interposer >&2
+cc -O1 -shared -fPIC -o "$d/libcuda.so.1" cuda/testdata/fake-libcuda.c
+cc -O1 -shared -fPIC -Wl,-soname,libcudart.so.13 -o "$d/libcudart.so.13" interposer/tests/fake/fake_cudart.c -L"$d" -l:libcuda.so.1
+cc -O1 -shared -fPIC -o "$d/libfakecupti.so" interposer/tests/fake/fake_cupti.c
+cc -O1 -o "$d/fake_job" interposer/tests/fake/fake_job.c -L"$d" -l:libcudart.so.13 -Wl,-rpath,"$d" -ldl
+run() {
+    local label=$1; shift
+    local pre=()
+    [ -n "${VALGRIND:-}" ] && pre=(valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$d/callgrind.$label")
+    env "$@" LD_PRELOAD="$PWD/target/release/libpossum.so" LD_LIBRARY_PATH="$d" POSSUM_CUPTI="$d/libfakecupti.so" \
+        FAKE_CUPTI_NO_AUTOFIRE=1 POSSUM_STATS="$d/stats.json" POSSUM_SOCKET_DIR="$d/sockets" \
+        "${pre[@]}" "$d/fake_job" bench "$n" > /dev/null
+    python3 - "$d/stats.json" "$label" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["possum"]["counters"]
+print(f"{sys.argv[2]:<28} {c['timed_launch_ns'] / max(c['timed_launches'], 1) / 1e3:6.2f} us/launch  "
+      f"memo hits {100 * c['memo_hits'] / max(c['launches'], 1):5.1f}%  dag dropped {c['dag_dropped']}")
+PY
+}
+run all X=1
+run no-dag POSSUM_DAG=0
+run watch-only POSSUM_DAG=0 POSSUM_MANAGE=0 POSSUM_VALIDATE=off
+run all,1/3-memo-misses FAKE_JOB_MISS=1
+run no-dag,1/3-memo-misses FAKE_JOB_MISS=1 POSSUM_DAG=0
+echo "outputs in $d"
