@@ -357,6 +357,12 @@ impl<D: Device> Engine<D> {
         Ok(())
     }
 
+    /// Whether a checkpoint, pre-copy round, release or restore is in progress (buffers may be
+    /// released or being copied): one atomic load, for the launch path.
+    pub fn session_active(&self) -> bool {
+        self.inner.active.load(Ordering::Acquire)
+    }
+
     /// The managed buffer containing `ptr`, if any.
     pub fn lookup(&self, ptr: DevPtr) -> Option<Buffer> {
         self.inner.reg.read().lookup(ptr).cloned()

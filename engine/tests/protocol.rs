@@ -260,6 +260,20 @@ fn many_operations_race_the_prefetcher() {
 }
 
 #[test]
+fn session_active_follows_the_phases() {
+    let e = engine(small_cfg(1 << 16, 4, 0));
+    let _b = e.alloc(1 << 16).unwrap();
+    assert!(!e.session_active());
+    let store = Arc::new(MemStore::default());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    assert!(!e.session_active());
+    e.release().unwrap();
+    assert!(e.session_active());
+    e.restore(store).unwrap().wait().unwrap();
+    assert!(!e.session_active());
+}
+
+#[test]
 fn touching_a_released_buffer_without_restore_is_an_error() {
     let p = demo_program(13);
     let e = engine(small_cfg(4096, 2, 0));

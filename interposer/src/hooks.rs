@@ -368,8 +368,11 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     let c = &st.counters;
     c.launches.fetch_add(1, Ordering::Relaxed);
     let model = st.kernel(func);
-    let (_, validate_now) = model.next_launch(&st.cfg.validation);
+    let (_, due) = model.next_launch(&st.cfg.validation);
     let eng = engine_of(st, ctx);
+    // Validation reads every buffer: never while a session may have released some of them or is
+    // copying them (the launch is then just not validated).
+    let validate_now = due && !eng.as_ref().is_some_and(|e| e.engine.session_active());
     let _ = SCRATCH.try_with(|s| {
         let words = &mut s.borrow_mut().words;
         args.read_slots(model.slots(), words);
