@@ -59,7 +59,7 @@ pub fn malloc(
     match eng.engine.alloc(size) {
         Ok(b) => {
             st.counters.managed_allocs.fetch_add(1, Ordering::Relaxed);
-            st.note_range(b.va().0, b.size());
+            st.allocations_changed(true);
             Malloc::Managed(b.va().0)
         }
         Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => Malloc::OutOfMemory,
@@ -90,7 +90,7 @@ pub fn free(ptr: u64) -> Freed {
     }
     match eng.engine.free(DevPtr(ptr)) {
         Ok(()) => {
-            st.note_range(ptr, 0);
+            st.allocations_changed(false);
             st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
             st.to_dag(crate::runtime::DagMsg::Free(id));
             Freed::Done

@@ -65,7 +65,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
     let st = state();
     let shape = crate::cbid::shape(cbid);
     if !enter {
-        on_exit(st, shape, call);
+        on_exit(st, cbid, shape, call);
         return;
     }
     match shape {
@@ -97,12 +97,8 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         }
         Shape::GraphLaunch => graph_launch(st, ctx, call.word(0), call.word(1)),
         Shape::Copy {
-            dst,
-            src,
-            bytes,
-            stream,
+            dst, src, stream, ..
         } => {
-            let _ = bytes;
             copy_like(st, ctx, stream, call, Some(call.word(src)), call.word(dst));
         }
         Shape::Memset { dst, stream, .. } => {
@@ -136,7 +132,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
     }
 }
 
-fn on_exit(st: &State, shape: Shape, call: &RawCall<'_>) {
+fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
     match shape {
         Shape::Launch { .. }
         | Shape::GraphLaunch
@@ -168,8 +164,10 @@ fn on_exit(st: &State, shape: Shape, call: &RawCall<'_>) {
         }
         _ if call.result() != 0 => {}
         Shape::Alloc { out, bytes } => {
+            // Unmanaged allocations are counted by the call that made them.
+            let name = crate::cbid::lookup(cbid).map_or("?", |c| c.name);
             if let Some(va) = call.deref(out) {
-                st.add_unmanaged(va, call.word(bytes), alloc_kind(call));
+                st.add_unmanaged(va, call.word(bytes), name);
             }
         }
         Shape::AllocPitch => {
@@ -186,11 +184,6 @@ fn on_exit(st: &State, shape: Shape, call: &RawCall<'_>) {
         }
         _ => {}
     }
-}
-
-/// The name under which an unmanaged allocation is counted (the callback's kind is enough).
-fn alloc_kind(_call: &RawCall<'_>) -> &'static str {
-    "cuMemAlloc*"
 }
 
 /// Whether an operation on `stream` is being captured into a graph (then it does not run now:
@@ -248,7 +241,8 @@ fn engine_of(st: &State, ctx: u64) -> Option<Arc<DevEngine>> {
 /// Resolves `words` (the slots of `model`) into `reads`/`writes` (managed buffers of device
 /// `dev`, deduplicated, a buffer both read and written only in `writes`) and the DAG's lists.
 /// With `discover`, a word no known allocation contains but near one is asked of the driver
-/// ([`State::discover`]). Returns (identified, touched an unmanaged allocation, needed discovery).
+/// ([`State::discover`]). Returns (touched an unmanaged allocation, needed discovery: then the
+/// launch named an allocation possum did not know).
 #[allow(clippy::too_many_arguments)]
 fn resolve_slots(
     st: &State,
@@ -260,7 +254,7 @@ fn resolve_slots(
     writes: &mut Vec<Buffer>,
     dag_reads: &mut Vec<BufRef>,
     dag_writes: &mut Vec<BufRef>,
-) -> (bool, bool, bool) {
+) -> (bool, bool) {
     let mut unmanaged = false;
     let mut discovered = false;
     let mut pointer_words = 0;
@@ -305,7 +299,7 @@ fn resolve_slots(
     st.counters
         .pointer_words
         .fetch_add(pointer_words, Ordering::Relaxed);
-    (!discovered, unmanaged, discovered)
+    (unmanaged, discovered)
 }
 
 fn push_buffer(b: &Buffer, read_only: bool, reads: &mut Vec<Buffer>, writes: &mut Vec<Buffer>) {
@@ -343,15 +337,17 @@ struct Memo {
 /// allocates nothing once the entries exist).
 const MEMO_WAYS: usize = 8;
 
-/// A kernel's memo entries on one thread.
+/// A kernel's model and memo entries on one thread: the launch path's one lookup per launch.
 #[derive(Default)]
 struct Ways {
+    model: Option<Arc<KernelModel>>,
     entries: Vec<(u64, Memo)>,
     next: usize,
 }
 
 thread_local! {
-    /// Per kernel handle: the last few distinct (words → buffer sets) of its launches.
+    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
+    /// launches.
     static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
 }
 
@@ -367,18 +363,18 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     }
     let c = &st.counters;
     c.launches.fetch_add(1, Ordering::Relaxed);
-    let model = st.kernel(func);
-    let (_, due) = model.next_launch(&st.cfg.validation);
     let eng = engine_of(st, ctx);
-    // Validation reads every buffer: never while a session may have released some of them or is
-    // copying them (the launch is then just not validated).
-    let validate_now = due && !eng.as_ref().is_some_and(|e| e.engine.session_active());
-    let _ = SCRATCH.try_with(|s| {
-        let words = &mut s.borrow_mut().words;
-        args.read_slots(model.slots(), words);
-        let _ = MEMO.try_with(|memo| {
-            let mut memo = memo.borrow_mut();
-            let ways = memo.entry(func).or_default();
+    let _ = MEMO.try_with(|memo| {
+        let mut memo = memo.borrow_mut();
+        let ways = memo.entry(func).or_default();
+        let model = ways.model.get_or_insert_with(|| st.kernel(func)).clone();
+        let (_, due) = model.next_launch(&st.cfg.validation);
+        // Validation reads every buffer: never while a session may have released some of them
+        // or is copying them (the launch is then just not validated).
+        let validate_now = due && !eng.as_ref().is_some_and(|e| e.engine.session_active());
+        let _ = SCRATCH.try_with(|s| {
+            let words = &mut s.borrow_mut().words;
+            args.read_slots(model.slots(), words);
             let hash = hash_words(words);
             let generation = st.generation();
             let version = model.speculation_version();
@@ -410,7 +406,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 m.writes.clear();
                 m.dag_reads.clear();
                 m.dag_writes.clear();
-                let (identified, unmanaged, discovered) = resolve_slots(
+                let (unmanaged, discovered) = resolve_slots(
                     st,
                     validate_now,
                     eng.as_ref().map(|e| e.ordinal),
@@ -431,7 +427,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 // Discovery changed the allocations: the next launch resolves again.
                 m.generation = if discovered { u64::MAX } else { generation };
                 m.version = version;
-                m.identified = identified;
+                m.identified = !discovered;
                 m.unmanaged = unmanaged;
                 m.words.clone_from(words);
             }

@@ -461,8 +461,6 @@ thread_local! {
     static THREAD_KIND: Cell<u8> = const { Cell::new(0) };
     /// The last (context, device ordinal) this thread resolved.
     static CTX_DEVICE: Cell<(u64, usize)> = const { Cell::new((u64::MAX, 0)) };
-    /// This thread's cache of kernel models.
-    static KERNELS: RefCell<HashMap<u64, Arc<KernelModel>>> = RefCell::new(HashMap::default());
 }
 
 /// Marks the calling thread as inside possum until dropped.
@@ -623,11 +621,10 @@ impl State {
         self.cfg.manage && !self.managing_disabled.load(Ordering::Relaxed)
     }
 
-    /// Notes that allocations changed: [va, va+len) is new (len 0: something was freed).
-    pub fn note_range(&self, va: u64, len: u64) {
-        let _ = va;
+    /// Notes that allocations changed (`added`: one appeared, else one went away).
+    pub fn allocations_changed(&self, added: bool) {
         self.generation.fetch_add(1, Ordering::AcqRel);
-        if len > 0 {
+        if added {
             self.not_device.write().clear();
         }
         self.ranges_stale.store(true, Ordering::Release);
@@ -764,7 +761,7 @@ impl State {
             return;
         }
         self.unmanaged.write().insert(va, len, Unmanaged { kind });
-        self.note_range(va, len);
+        self.allocations_changed(true);
         self.counters
             .unmanaged_allocs
             .fetch_add(1, Ordering::Relaxed);
@@ -773,7 +770,7 @@ impl State {
     /// Forgets the unmanaged allocation starting at `va`.
     pub fn remove_unmanaged(&self, va: u64) {
         if self.unmanaged.write().remove(va).is_some() {
-            self.note_range(va, 0);
+            self.allocations_changed(false);
         }
     }
 
@@ -787,16 +784,8 @@ impl State {
     }
 
     /// The model of kernel `handle`, made on first sight (layout and name asked of the driver).
+    /// Takes the models' read lock: the launch path keeps the result per thread (`hooks`).
     pub fn kernel(&self, handle: u64) -> Arc<KernelModel> {
-        if let Ok(Some(m)) = KERNELS.try_with(|k| k.borrow().get(&handle).cloned()) {
-            return m;
-        }
-        let m = self.kernel_slow(handle);
-        let _ = KERNELS.try_with(|k| k.borrow_mut().insert(handle, m.clone()));
-        m
-    }
-
-    fn kernel_slow(&self, handle: u64) -> Arc<KernelModel> {
         if let Some(m) = self.kernels.read().get(&handle) {
             return m.clone();
         }
