@@ -115,12 +115,9 @@ pub fn request(
         stream.set_read_timeout(Some(left)).map_err(fail)?;
         match (&stream).read(&mut chunk) {
             Ok(0) => break,
-            Ok(n) => {
-                reply.extend_from_slice(&chunk[..n]);
-                if chunk[..n].contains(&b'\n') {
-                    break;
-                }
-            }
+            // Read to the end: the server closes its end after the reply, so when this returns the
+            // job holds no connection to us (a process checkpointer must not find one).
+            Ok(n) => reply.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(fail(e)),
         }

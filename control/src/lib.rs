@@ -64,6 +64,28 @@ pub enum Request {
     Status,
     /// The kernel/buffer DAG and per-kernel statistics (JSON; DOT in a `"dot"` string field).
     Trace,
+    /// Save every managed buffer as it is at one instant (T0) while the job runs on: one engine
+    /// image per device at `dir/gpu-<ordinal>`. Answers when the images are committed.
+    Checkpoint {
+        /// Directory of the images (created; must not hold them already).
+        dir: String,
+    },
+    /// Hold every GPU operation of the job and drop its buffers' physical memory (addresses kept).
+    /// Answers when nothing of the job runs on the GPU any more; the connection is closed first.
+    Release,
+    /// Detach CUPTI from the job (`attach: false`) or attach it again (diagnostics: whether NVIDIA's
+    /// driver checkpoint accepts the process without CUPTI).
+    Cupti {
+        /// Attach (true) or detach (false).
+        attach: bool,
+    },
+    /// Bring the buffers back from the images under `dir` (on demand: an operation waits only for
+    /// the buffers it touches) and let the job's operations run again. `dir` may be absent only
+    /// when nothing is released.
+    Resume {
+        /// The directory given to `Checkpoint`.
+        dir: Option<String>,
+    },
 }
 
 /// The error reply `{"error": msg}`.
@@ -84,6 +106,12 @@ mod tests {
         let r: Request = serde_json::from_str(r#"{"cmd":"status"}"#).unwrap();
         assert_eq!(r, Request::Status);
         assert!(serde_json::from_str::<Request>(r#"{"cmd":"frobnicate"}"#).is_err());
+        let r: Request = serde_json::from_str(r#"{"cmd":"checkpoint","dir":"/x"}"#).unwrap();
+        assert_eq!(r, Request::Checkpoint { dir: "/x".into() });
+        assert_eq!(
+            serde_json::to_string(&Request::Resume { dir: None }).unwrap(),
+            r#"{"cmd":"resume","dir":null}"#
+        );
     }
 
     #[test]

@@ -135,6 +135,7 @@ fn serve(listener: UnixListener, handler: Handler, stop: Arc<AtomicBool>) {
             // A failed exchange concerns that client only.
             Ok((stream, _)) => {
                 let _ = exchange(&stream, &handler);
+                drop(stream);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             // Out of descriptors, say: don't spin.
@@ -166,8 +167,9 @@ fn exchange(stream: &UnixStream, handler: &Handler) -> io::Result<()> {
         .unwrap_or_else(|_| br#"{"error":"internal: reply not serialisable"}"#.to_vec());
     out.push(b'\n');
     let mut w = stream;
-    w.write_all(&out)?;
-    w.shutdown(std::net::Shutdown::Write)
+    // No shutdown: the client sees the end of the reply when the descriptor is closed (by the
+    // caller, right after), so once it has read to the end the job holds no connection to it.
+    w.write_all(&out)
 }
 
 /// The request line without its newline (a final line without one is accepted), or `None` when

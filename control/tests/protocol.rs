@@ -23,6 +23,10 @@ fn dummy(req: Request) -> Value {
         Request::Ping => json!({"pong": true}),
         Request::Status => json!({"phase": "idle", "buffers": 3}),
         Request::Trace => panic!("dummy handler: no trace"),
+        Request::Checkpoint { dir } => json!({ "dir": dir }),
+        Request::Release | Request::Resume { .. } | Request::Cupti { .. } => {
+            json!({"error": "nothing to release"})
+        }
     }
 }
 
@@ -56,6 +60,12 @@ fn ping_and_status_round_trip() {
     let st = request(me(), &dir, &Request::Status, T).unwrap();
     assert_eq!(st["phase"], "idle");
     assert_eq!(st["buffers"], 3);
+    let ck = Request::Checkpoint { dir: "/x/y".into() };
+    assert_eq!(request(me(), &dir, &ck, T).unwrap()["dir"], "/x/y");
+    assert!(matches!(
+        request(me(), &dir, &Request::Release, T),
+        Err(ControlError::Remote(m)) if m == "nothing to release"
+    ));
 }
 
 #[test]

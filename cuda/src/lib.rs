@@ -11,11 +11,13 @@
 //!
 //! The driver (libcuda) is loaded at run time through cudarc, so this crate builds without CUDA and
 //! [`probe`] says, without panicking, whether a device is usable. All `unsafe` code is in the private
-//! `driver` module and in [`introspect`] (the job's kernels, graphs and streams, for the
-//! interposer); everything else is safe.
+//! `driver` module, in [`introspect`] (the job's kernels, graphs and streams, for the interposer)
+//! and in [`checkpoint`] (the driver's checkpoint of another process, for the CLI); everything else
+//! is safe.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+pub mod checkpoint;
 mod device;
 mod driver;
 pub mod introspect;

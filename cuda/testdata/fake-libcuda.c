@@ -6,6 +6,8 @@
 //   cc -O2 -shared -fPIC -o /tmp/fakecuda/libcuda.so.1 cuda/testdata/fake-libcuda.c
 //   LD_LIBRARY_PATH=/tmp/fakecuda cargo test -p possum-cuda
 //   FAKE_CUDA_NODEV=1 ...   makes cuInit fail with CUDA_ERROR_NO_DEVICE (the skip path)
+// It also has the checkpoint API (cuCheckpointProcess*, possum_cuda::checkpoint) as a state machine
+// per pid; fake-libcuda-nockpt.c is a driver without it.
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +15,8 @@
 #include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <signal.h>
+#include <pthread.h>
 typedef unsigned long long ull;
 static __thread void* cur;
 static size_t used;
@@ -20,7 +24,10 @@ static const size_t TOTAL = 80ull<<30;
 struct h { int fd; size_t size; };
 struct m { ull va; size_t size; };
 static struct m maps[64];
-int cuGetErrorString(int e, const char** s){ *s = e==100? "no CUDA-capable device is detected" : "fake error"; return 0; }
+int cuGetErrorString(int e, const char** s){
+  *s = e==100? "no CUDA-capable device is detected" : e==1? "invalid argument (fake)"
+     : e==401? "illegal state (fake)" : "fake error";
+  return 0; }
 int cuInit(unsigned f){ return getenv("FAKE_CUDA_NODEV") ? 100 : 0; }
 int cuDriverGetVersion(int* v){ *v=13000; return 0; }
 int cuDeviceGetCount(int* n){ *n=1; return 0; }
@@ -102,3 +109,49 @@ int cuGraphGetNodes(void* g, void** n, size_t* c){ return 1; }
 int cuGraphNodeGetType(void* n, int* t){ return 1; }
 int cuGraphKernelNodeGetParams_v2(void* n, void* p){ return 1; }
 int cuGraphMemsetNodeGetParams(void* n, void* p){ return 1; }
+// Checkpoint API (possum_cuda::checkpoint). Each pid has a state: RUNNING (0, any live pid not in
+// the table), LOCKED (1), CHECKPOINTED (2). A dead pid (kill(pid, 0) fails) is
+// CUDA_ERROR_INVALID_VALUE (1); a call in the wrong state is CUDA_ERROR_ILLEGAL_STATE (401). The
+// argument structs (64 bytes each, CUDA 13.0) must have their reserved bytes zeroed, else
+// CUDA_ERROR_INVALID_VALUE. A lock with timeoutMs == 1 of a RUNNING pid times out as the real
+// driver's does: CUDA_ERROR_NOT_READY (600), the pid left RUNNING.
+static pthread_mutex_t ckpt_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { int pid; int state; } ckpt[64];
+static int ckpt_step(int pid, int from, int to, int* out){
+  if(pid<=0 || kill(pid, 0)!=0) return 1;
+  pthread_mutex_lock(&ckpt_mu);
+  int slot=-1, free_slot=-1;
+  for(int i=0;i<64;i++){
+    if(ckpt[i].pid==pid) slot=i;
+    else if(!ckpt[i].pid && free_slot<0) free_slot=i; }
+  int st = slot>=0? ckpt[slot].state : 0;
+  int r = 0;
+  if(out) *out=st;
+  else if(st!=from) r=401;
+  else if(to<0) r=600;
+  else if(to==0){ if(slot>=0) ckpt[slot].pid=0; }
+  else if(slot>=0) ckpt[slot].state=to;
+  else if(free_slot>=0){ ckpt[free_slot].pid=pid; ckpt[free_slot].state=to; }
+  else r=2;
+  pthread_mutex_unlock(&ckpt_mu);
+  return r; }
+static int zeroed(const void* args, int from){
+  const unsigned char* p=args; for(int i=from;i<64;i++) if(p[i]) return 0; return 1; }
+int cuCheckpointProcessLock(int pid, void* args){
+  unsigned timeout = args? *(unsigned*)args : 0;  // timeoutMs, then reserved0 and reserved1[7]
+  if(args && !zeroed(args, 4)) return 1;
+  return ckpt_step(pid, 0, timeout==1? -1 : 1, 0); }
+int cuCheckpointProcessCheckpoint(int pid, void* args){
+  if(args && !zeroed(args, 0)) return 1;
+  return ckpt_step(pid, 1, 2, 0); }
+int cuCheckpointProcessRestore(int pid, void* args){
+  if(args){  // gpuPairs at 0, gpuPairsCount at 8, reserved from 12
+    void* pairs=*(void**)args; unsigned n=*(unsigned*)((char*)args+8);
+    if(!zeroed(args, 12) || (n==0)!=(pairs==0)) return 1; }
+  return ckpt_step(pid, 2, 1, 0); }
+int cuCheckpointProcessUnlock(int pid, void* args){
+  if(args && !zeroed(args, 0)) return 1;
+  return ckpt_step(pid, 1, 0, 0); }
+int cuCheckpointProcessGetState(int pid, int* state){ return ckpt_step(pid, 0, 0, state); }
+int cuCheckpointProcessGetRestoreThreadId(int pid, int* tid){
+  int st; int r=ckpt_step(pid, 0, 0, &st); if(!r) *tid=pid; return r; }

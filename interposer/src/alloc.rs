@@ -40,6 +40,7 @@ pub fn malloc(
     init: impl FnOnce() -> i32,
 ) -> Malloc {
     let st = state();
+    crate::session::wait_if_paused();
     if size == 0 || !st.managing() {
         st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
         return Malloc::Fallback;
@@ -77,6 +78,7 @@ pub fn malloc(
 /// unmaps and frees the reservation.
 pub fn free(ptr: u64) -> Freed {
     let st = state();
+    crate::session::wait_if_paused();
     let Some((eng, id)) = st.engines().into_iter().find_map(|e| {
         let b = e.engine.lookup(DevPtr(ptr)).filter(|b| b.va().0 == ptr)?;
         Some((e, b.id()))

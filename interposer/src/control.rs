@@ -34,6 +34,20 @@ pub fn start() {
                 Some(st) => st.trace_json(),
                 None => possum_control::error_reply("the job has not used CUDA yet"),
             },
+            Request::Checkpoint { dir } => crate::session::checkpoint(&dir),
+            Request::Release => crate::session::release(),
+            Request::Resume { dir } => crate::session::resume(dir.as_deref()),
+            Request::Cupti { attach } => {
+                let r = if attach {
+                    crate::cupti_attach()
+                } else {
+                    crate::cupti_detach()
+                };
+                match r {
+                    Ok(()) => json!({"cupti_attached": crate::cupti_attached()}),
+                    Err(e) => possum_control::error_reply(e),
+                }
+            }
         });
         match Server::start(&dir, handler) {
             Ok(s) => {

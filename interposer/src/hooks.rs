@@ -68,6 +68,17 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         on_exit(st, cbid, shape, call);
         return;
     }
+    if matches!(
+        shape,
+        Shape::Launch { .. }
+            | Shape::GraphLaunch
+            | Shape::Copy { .. }
+            | Shape::Memset { .. }
+            | Shape::OpaqueOp { .. }
+    ) {
+        // A checkpoint may have released the buffers: wait for them to come back first.
+        crate::session::wait_if_paused();
+    }
     match shape {
         Shape::Launch {
             func,

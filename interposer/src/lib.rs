@@ -50,6 +50,7 @@ mod cudart;
 mod decode;
 mod hooks;
 mod runtime;
+mod session;
 pub mod stats;
 mod sys;
 mod validate;
@@ -98,6 +99,13 @@ fn set_up() -> Setup {
     }
     let _ = STATS_PATH.set(stats_path);
 
+    if std::env::var_os("POSSUM_CUPTI").is_some_and(|v| v == "off") {
+        log("CUPTI off (POSSUM_CUPTI=off): launches will not be seen");
+        return Setup {
+            error: Some("CUPTI off (POSSUM_CUPTI=off)".into()),
+            ..Setup::default()
+        };
+    }
     let candidates: Vec<String> = match std::env::var("POSSUM_CUPTI") {
         Ok(p) if !p.is_empty() => vec![p],
         _ => DEFAULT_CUPTI.iter().map(|s| s.to_string()).collect(),
@@ -114,27 +122,18 @@ fn set_up() -> Setup {
             };
         }
     };
-    let sub = match cupti.subscribe() {
-        Ok(s) => s,
-        Err(why) => {
-            log(&format!(
-                "CUPTI at {path} loaded but {why}; launches will not be seen"
-            ));
-            return Setup {
-                cupti_path: Some(path),
-                error: Some(why),
-                ..Setup::default()
-            };
-        }
-    };
-    let mut enabled = 0;
-    let mut failed = Vec::new();
-    for c in cbid::CALLBACKS {
-        match cupti.enable(sub, c.id) {
-            Ok(()) => enabled += 1,
-            Err(e) => failed.push(format!("{} ({}): {e}", c.name, c.id)),
-        }
+    let (sub, failed) = cupti.attach(enabled_callbacks());
+    if let Err(why) = sub {
+        log(&format!(
+            "CUPTI at {path} loaded but {why}; launches will not be seen"
+        ));
+        return Setup {
+            cupti_path: Some(path),
+            error: Some(why),
+            ..Setup::default()
+        };
     }
+    let enabled = enabled_callbacks().count() - failed.len();
     let error = (!failed.is_empty()).then(|| format!("not enabled: {}", failed.join(", ")));
     log(&format!(
         "CUPTI at {path}: {enabled} of {} driver callbacks enabled{}",
@@ -149,6 +148,48 @@ fn set_up() -> Setup {
         cupti_path: Some(path),
         error,
         enabled,
+    }
+}
+
+/// Detaches CUPTI (NVIDIA's driver checkpoint refuses a process it is attached to):
+/// `POSSUM_DETACH` = `unsubscribe` (default), `finalize` (also `cuptiFinalize`) or `none`.
+pub(crate) fn cupti_detach() -> Result<(), String> {
+    let mode = std::env::var("POSSUM_DETACH").unwrap_or_default();
+    match (sys::Cupti::get(), mode.as_str()) {
+        (None, _) | (_, "none") => Ok(()),
+        (Some(c), m) => c.detach(m == "finalize"),
+    }
+}
+
+/// The callbacks to enable: all of them, or with `POSSUM_CALLBACKS` (diagnostics) `none`
+/// (subscribe only) or a comma-separated list of driver function names.
+fn enabled_callbacks() -> impl Iterator<Item = u32> + Clone {
+    let only: Option<Vec<String>> = std::env::var("POSSUM_CALLBACKS")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .map(|v| v.split(',').map(str::to_string).collect());
+    cbid::CALLBACKS
+        .iter()
+        .filter(move |c| only.as_ref().map_or(true, |o| o.iter().any(|n| n == c.name)))
+        .map(|c| c.id)
+}
+
+/// Whether CUPTI's callbacks are subscribed now.
+pub(crate) fn cupti_attached() -> bool {
+    sys::Cupti::get().is_some_and(|c| c.attached())
+}
+
+/// Subscribes CUPTI again after [`cupti_detach`] (its callbacks enabled as at start).
+pub(crate) fn cupti_attach() -> Result<(), String> {
+    let Some(c) = sys::Cupti::get() else {
+        return Ok(());
+    };
+    let (sub, failed) = c.attach(enabled_callbacks());
+    sub?;
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("callbacks not enabled again: {}", failed.join(", ")))
     }
 }
 
@@ -172,6 +213,7 @@ pub fn stats_json() -> String {
         Some(st) => {
             let mut v: serde_json::Value = serde_json::from_str(&counts).unwrap_or_default();
             v["possum"] = st.stats_json();
+            v["possum"]["session"] = session::status_json();
             v.to_string()
         }
     }

@@ -62,6 +62,8 @@ type SubscribeFn =
     unsafe extern "C" fn(*mut SubscriberHandle, CallbackFunc, *mut c_void) -> CuptiResult;
 type EnableCallbackFn = unsafe extern "C" fn(u32, SubscriberHandle, u32, u32) -> CuptiResult;
 type GetResultStringFn = unsafe extern "C" fn(CuptiResult, *mut *const c_char) -> CuptiResult;
+type UnsubscribeFn = unsafe extern "C" fn(SubscriberHandle) -> CuptiResult;
+type FinalizeFn = unsafe extern "C" fn() -> CuptiResult;
 
 /// A loaded CUPTI: the library (kept loaded for the life of the process) and the functions used.
 #[derive(Debug)]
@@ -70,7 +72,13 @@ pub struct Cupti {
     subscribe: SubscribeFn,
     enable_callback: EnableCallbackFn,
     get_result_string: GetResultStringFn,
+    /// Optional: only a detach (for NVIDIA's driver checkpoint) needs them.
+    unsubscribe: Option<UnsubscribeFn>,
+    finalize: Option<FinalizeFn>,
 }
+
+/// The current subscription (none while detached).
+static SUBSCRIBED: parking_lot::Mutex<Option<Subscriber>> = parking_lot::Mutex::new(None);
 
 /// `e` with its sources: libloading's `Display` says only "dlopen failed", `dlerror`'s text is
 /// its source.
@@ -127,11 +135,15 @@ impl Cupti {
             let subscribe = *lib.get::<SubscribeFn>(b"cuptiSubscribe\0")?;
             let enable_callback = *lib.get::<EnableCallbackFn>(b"cuptiEnableCallback\0")?;
             let get_result_string = *lib.get::<GetResultStringFn>(b"cuptiGetResultString\0")?;
+            let unsubscribe = lib.get::<UnsubscribeFn>(b"cuptiUnsubscribe\0").ok().map(|f| *f);
+            let finalize = lib.get::<FinalizeFn>(b"cuptiFinalize\0").ok().map(|f| *f);
             Ok(Cupti {
                 _lib: lib,
                 subscribe,
                 enable_callback,
                 get_result_string,
+                unsubscribe,
+                finalize,
             })
         }
     }
@@ -151,7 +163,63 @@ impl Cupti {
 
     /// Subscribes [`callback`]. Fails if another subscriber exists (CUPTI allows one per process:
     /// a profiler that uses CUPTI, Kineto included, then can't subscribe after possum).
-    pub fn subscribe(&self) -> Result<Subscriber, String> {
+    /// Ends the subscription made by [`Cupti::subscribe`] (and with `finalize`, detaches CUPTI
+    /// from the process): NVIDIA's driver checkpoint refuses a process CUPTI is attached to.
+    pub fn detach(&self, finalize: bool) -> Result<(), String> {
+        let Some(sub) = SUBSCRIBED.lock().take() else {
+            return Ok(());
+        };
+        if let Some(unsubscribe) = self.unsubscribe {
+            // SAFETY: `sub` is the live handle cuptiSubscribe returned; taken out of SUBSCRIBED,
+            // so it is unsubscribed once.
+            let r = unsafe { unsubscribe(sub.0) };
+            if r != 0 {
+                return Err(format!("cuptiUnsubscribe: {}", self.describe(r)));
+            }
+        }
+        if finalize {
+            let f = self.finalize.ok_or("this CUPTI has no cuptiFinalize")?;
+            // SAFETY: no argument; no subscriber is left.
+            let r = unsafe { f() };
+            if r != 0 {
+                return Err(format!("cuptiFinalize: {}", self.describe(r)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a subscription is live.
+    pub fn attached(&self) -> bool {
+        SUBSCRIBED.lock().is_some()
+    }
+
+    /// Subscribes and enables `cbids` (at start, and again after a [`Cupti::detach`]).
+    pub fn attach(&self, cbids: impl Iterator<Item = u32>) -> (Result<Subscriber, String>, Vec<String>) {
+        let mut failed = Vec::new();
+        let mut cur = SUBSCRIBED.lock();
+        if let Some(s) = *cur {
+            return (Ok(s), failed);
+        }
+        let sub = match self.subscribe() {
+            Ok(s) => s,
+            Err(e) => return (Err(e), failed),
+        };
+        for id in cbids {
+            if let Err(e) = self.enable(sub, id) {
+                let name = crate::cbid::lookup(id).map_or("?", |c| c.name);
+                failed.push(format!("{name} ({id}): {e}"));
+            }
+        }
+        *cur = Some(sub);
+        (Ok(sub), failed)
+    }
+
+    /// The loaded CUPTI, if any.
+    pub fn get() -> Option<&'static Cupti> {
+        CUPTI.get()
+    }
+
+    fn subscribe(&self) -> Result<Subscriber, String> {
         let mut h: SubscriberHandle = ptr::null_mut();
         // SAFETY: `h` is a valid out-pointer; `callback` has the `CUpti_CallbackFunc` signature,
         // never unwinds, and ignores its (null) userdata.

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod checkpoint;
 mod criu_demo;
 mod demo;
 mod doctor;
@@ -33,6 +34,17 @@ enum Cmd {
     Trace(trace::TraceArgs),
     /// Asks a running job what possum manages in it.
     Status(status::StatusArgs),
+    /// Checkpoints a running process (CPU side by CRIU, GPU buffers by possum, the rest by
+    /// NVIDIA's driver checkpoint) into an image directory.
+    Checkpoint(checkpoint::CheckpointArgs),
+    /// Restores a process from an image directory; its GPU buffers come back on demand.
+    Restore(checkpoint::RestoreArgs),
+    /// Detaches CUPTI from a job, or attaches it again (diagnostics).
+    #[command(hide = true)]
+    Cupti(checkpoint::CuptiArgs),
+    /// Undoes a checkpoint whose `possum checkpoint` failed or died (started by it).
+    #[command(hide = true)]
+    CheckpointGuard(checkpoint::GuardArgs),
     /// The demo's job as a separate process (used by `demo --criu`).
     #[command(hide = true)]
     DemoChild(criu_demo::ChildArgs),
@@ -50,6 +62,10 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run::run(&a),
         Cmd::Trace(a) => trace::run(&a).map(check),
         Cmd::Status(a) => status::run(&a).map(check),
+        Cmd::Checkpoint(a) => checkpoint::checkpoint(&a).map(check),
+        Cmd::Restore(a) => checkpoint::restore(&a).map(check),
+        Cmd::CheckpointGuard(a) => checkpoint::guard(&a).map(check),
+        Cmd::Cupti(a) => checkpoint::cupti(&a).map(check),
     };
     match r {
         Ok(code) => ExitCode::from(code),

@@ -1,12 +1,17 @@
 """Deterministic GPU jobs for possum's interposer checks (issue 3).
 
-    python3 jobs.py JOB [--steps N] [--profile]
+    python3 jobs.py JOB [--steps N] [--profile] [--log FILE] [--hold-gib G] [--sleep-ms MS]
 
 JOB: mlp (MLP + Adam), cnn (cuDNN convolutions), gpt2 (GPT-2 small from a transformers config,
 random weights, AMP), triton (a Triton kernel), graph (CUDA graph capture and replay),
 multistream (work on several streams). Prints one JSON line per step with the loss's exact bits,
 then one with a SHA-256 of every parameter and, with --profile, the number of kernels, copies and
 memsets torch.profiler saw (an independent count to compare with possum's). Nothing is downloaded.
+
+For checkpoint tests (issue 4): --log FILE appends one line per step (step, loss bits, wall time),
+opening and closing the file each time, so a checkpointed and restored process holds no descriptor
+of it; --hold-gib G keeps G GiB of extra state on the GPU (1 GiB tensors, one of them updated per
+step, all of them in the final digest); --sleep-ms paces the steps.
 """
 import argparse, hashlib, json, os, struct, sys, time
 
@@ -115,8 +120,20 @@ def main():
     p.add_argument("job", choices=sorted(JOBS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--log")
+    p.add_argument("--hold-gib", type=float, default=0)
+    p.add_argument("--sleep-ms", type=float, default=0)
     a = p.parse_args()
     setup()
+    ballast = []
+    if a.hold_gib > 0:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        n = int(a.hold_gib * (1 << 30)) // 4
+        while n > 0:
+            k = min(n, 1 << 28)
+            ballast.append(torch.rand(k, device="cuda", generator=g))
+            n -= k
+        torch.cuda.synchronize()
     prof = None
     if a.profile:
         from torch.profiler import profile, ProfilerActivity
@@ -126,7 +143,14 @@ def main():
     times = []
     t = time.perf_counter()
     for s, loss, params in JOBS[a.job](a.steps):
+        if ballast:
+            ballast[s % len(ballast)].mul_(0.5).add_(loss.detach().float())
         print(json.dumps({"step": s, "loss": bits(loss)}), flush=True)  # .item(): waits for the step
+        if a.log:
+            with open(a.log, "a") as f:
+                f.write(json.dumps({"step": s, "loss": bits(loss), "t": time.time()}) + "\n")
+        if a.sleep_ms:
+            time.sleep(a.sleep_ms / 1e3)
         now = time.perf_counter()
         times.append(now - t)
         t = now
@@ -137,6 +161,11 @@ def main():
             json.dump({"step_ms_median": 1e3 * steady[len(steady) // 2], "steps": len(times)}, f)
     torch.cuda.synchronize()
     out = {"digest": digest(params() if callable(params) else params)}
+    if ballast:
+        out["ballast"] = digest(b[:: 1 << 16] for b in ballast)
+    if a.log:
+        with open(a.log, "a") as f:
+            f.write(json.dumps(out) + "\n")
     if prof is not None:
         prof.__exit__(None, None, None)
         kinds = {"kernels": 0, "copies": 0, "memsets": 0}

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <unistd.h>
 #include <cuda_runtime.h>
 
 #define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
@@ -49,6 +50,10 @@ static uint64_t fnv(const float *v, int n, uint64_t h) {
 
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 10;
+    // Checkpoint tests: argv[2] names a log appended to (opened and closed) after each step,
+    // argv[3] the milliseconds to sleep after each step.
+    const char *log = argc > 2 ? argv[2] : NULL;
+    int sleep_ms = argc > 3 ? atoi(argv[3]) : 0;
     const int n = 1 << 20, nbuf = 4;
     float *host = (float *)malloc(n * sizeof(float));
     for (int i = 0; i < n; ++i) host[i] = (float)((i * 2654435761u) % 1000) / 1000.0f;
@@ -71,7 +76,19 @@ int main(int argc, char **argv) {
         uint64_t h = fnv(host, n, 1469598103934665603ull);
         all = fnv(host, n, all);
         printf("{\"step\": %d, \"checksum\": \"%016llx\"}\n", s, (unsigned long long)h);
+        fflush(stdout);
+        if (log) {
+            FILE *f = fopen(log, "a");
+            if (!f) { perror(log); return 1; }
+            fprintf(f, "{\"step\": %d, \"loss\": \"%016llx\"}\n", s, (unsigned long long)h);
+            fclose(f);
+        }
+        if (sleep_ms) usleep(sleep_ms * 1000);
     }
     printf("{\"digest\": \"%016llx\"}\n", (unsigned long long)all);
+    if (log) {
+        FILE *f = fopen(log, "a");
+        if (f) { fprintf(f, "{\"digest\": \"%016llx\"}\n", (unsigned long long)all); fclose(f); }
+    }
     return 0;
 }

@@ -1,0 +1,437 @@
+"""Checkpoint/restore of live GPU jobs on the GPU machine (issue 4): correctness and figures.
+
+    python3 eval/ckpt.py smoke|correctness|figures|errors [--out DIR] [options]
+
+Runs from the repo root with the build in .gpu/ (possum, libpossum.so) and CRIU on $POSSUM_CRIU
+(scripts/gpu-ckpt.sh sets everything up). Every job is a workloads/gpu job writing one line per
+step to a log (step, loss bits, wall time); a reference run without possum gives the expected
+lines.
+
+- correctness: per trial, a job runs under possum; at step k it is checkpointed with
+  --leave-running and must end with the reference's lines; then the image is restored (the job
+  resumes at the checkpointed step) and must write the reference's lines from there on.
+- figures: a job holding G GiB; stall seen by the job (largest gap between its steps minus a
+  normal step), checkpoint total, restore to the job's first completed step, image size; for
+  possum and --engine driver.
+- errors: the error cases of `possum checkpoint`/`restore`: each must fail with a clear message,
+  leave the job running and leave no image.
+Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as it goes.
+"""
+import argparse, json, os, random, shutil, signal, statistics, subprocess, sys, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = os.path.join(ROOT, ".gpu")
+POSSUM = os.path.join(GPU, "possum")
+SO = os.path.join(GPU, "libpossum.so")
+WORK = os.environ.get("POSSUM_CKPT_WORK", "/dev/shm/possum-ckpt")
+SOCK = os.path.join(WORK, "sockets")
+OUT = None
+
+
+def emit(kind, row):
+    row = {"kind": kind, **row}
+    print(json.dumps(row), flush=True)
+    with open(os.path.join(OUT, f"ckpt-{kind}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid, timeout):
+    t = time.time()
+    while alive(pid) and time.time() - t < timeout:
+        time.sleep(0.02)
+    return not alive(pid)
+
+
+def job_cmd(job, steps, log, hold=0.0, sleep_ms=0.0):
+    if job == "ptrtable":
+        return [os.path.join(WORK, "ptrtable"), str(steps), log, str(int(sleep_ms))]
+    return ["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
+            "--log", log, "--hold-gib", str(hold), "--sleep-ms", str(sleep_ms)]
+
+
+def start(name, job, steps, possum, hold=0.0, sleep_ms=0.0):
+    log = os.path.join(WORK, f"{name}.log")
+    for p in (log, log + ".1"):
+        if os.path.exists(p):
+            os.remove(p)
+    env = dict(os.environ)
+    if possum:
+        env["LD_PRELOAD"] = SO
+        env["POSSUM_SOCKET_DIR"] = SOCK
+        # CKPT_JOB_CUPTI=off: possum without CUPTI (NVIDIA's driver checkpoint refuses a process
+        # CUPTI was attached to); the engine then works stop-the-world while the job is locked.
+        if os.environ.get("CKPT_JOB_CUPTI"):
+            env["POSSUM_CUPTI"] = os.environ["CKPT_JOB_CUPTI"]
+    err = open(os.path.join(WORK, f"{name}.err"), "a")
+    p = subprocess.Popen(job_cmd(job, steps, log, hold, sleep_ms), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
+                         cwd=ROOT)
+    return p, log
+
+
+def read_log(log):
+    rows = []
+    if os.path.exists(log):
+        with open(log) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    rows.append({"garbage": line})
+    return rows
+
+
+def key(rows):
+    """What must match bit for bit: steps and loss bits, and the final digests."""
+    return [{k: v for k, v in r.items() if k != "t"} for r in rows]
+
+
+def wait_lines(log, n, timeout, proc=None):
+    t = time.time()
+    while time.time() - t < timeout:
+        if sum(1 for r in read_log(log) if "step" in r) >= n:
+            return True
+        if proc is not None and proc.poll() is not None:
+            return False
+        time.sleep(0.01)
+    return False
+
+
+def possum(*args, timeout=int(os.environ.get("CKPT_TIMEOUT", "900"))):
+    t = time.time()
+    r = subprocess.run([POSSUM, *args], capture_output=True, text=True, timeout=timeout)
+    out = None
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                out = json.loads(line)
+            except ValueError:
+                pass
+    return {"rc": r.returncode, "json": out, "stderr": r.stderr.strip()[-2000:],
+            "stdout": r.stdout.strip()[-2000:], "wall_ms": 1e3 * (time.time() - t)}
+
+
+def checkpoint(pid, img, engine, leave=True, extra=()):
+    args = ["checkpoint", str(pid), "-D", img, "--json", "--socket-dir", SOCK]
+    # "gpu-only": possum's GPU side alone on a live job (saved, released, back on demand).
+    args += ["--gpu-only"] if engine == "gpu-only" else ["--engine", engine]
+    if leave:
+        args.append("--leave-running")
+    return possum(*args, *extra)
+
+
+def restore(img):
+    return possum("restore", "-D", img, "--json")
+
+
+REF = {}
+
+
+def reference(job, steps):
+    k = (job, steps)
+    if k not in REF:
+        p, log = start(f"ref-{job}", job, steps, possum=False)
+        p.wait()
+        REF[k] = key(read_log(log))
+    return REF[k]
+
+
+def trial(job, engine, k, steps, sleep_ms, n):
+    """One checkpoint at step k (--leave-running), the run to its end, then a restore."""
+    ref = reference(job, steps)
+    name = f"trial-{n}"
+    img = os.path.join(WORK, f"img-{n}")
+    shutil.rmtree(img, ignore_errors=True)
+    p, log = start(name, job, steps, possum=(engine != "driver"), sleep_ms=sleep_ms)
+    row = {"trial": n, "job": job, "engine": engine, "k": k, "steps": steps}
+    if not wait_lines(log, k, 300, p):
+        p.kill()
+        row.update(ok=False, why="job did not reach step k",
+                   err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
+        emit("correctness", row)
+        return False
+    ck = checkpoint(p.pid, img, engine, leave=True)
+    at = sum(1 for r in read_log(log) if "step" in r)
+    row["checkpoint"] = {"rc": ck["rc"], "figures": (ck["json"] or {}).get("figures"),
+                         "stderr": ck["stderr"] if ck["rc"] else None}
+    try:
+        p.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    first = key(read_log(log))
+    row["leave_running_identical"] = first == ref
+    row["job_exit"] = p.returncode
+    if ck["rc"] != 0:
+        row.update(ok=False, why="checkpoint failed")
+        emit("correctness", row)
+        return False
+    if engine == "gpu-only":
+        # No process image: the check is that the job, its buffers released and brought back
+        # on demand mid-run, ends exactly as the reference.
+        row["ok"] = row["leave_running_identical"] and p.returncode == 0
+        if not row["ok"]:
+            row["err"] = open(os.path.join(WORK, f"{name}.err")).read()[-1500:]
+        emit("correctness", row)
+        shutil.rmtree(img, ignore_errors=True)
+        return row["ok"]
+    os.rename(log, log + ".1")
+    rs = restore(img)
+    row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
+                      "stderr": rs["stderr"] if rs["rc"] else None}
+    pid = p.pid
+    gone = wait_gone(pid, 600) if rs["rc"] == 0 else True
+    second = key(read_log(log))
+    s0 = second[0].get("step") if second and "step" in second[0] else None
+    row["resumed_at_step"] = s0
+    row["steps_logged_at_checkpoint"] = at
+    row["restored_identical"] = bool(second) and s0 is not None and second == ref[s0:]
+    row["restored_exited"] = gone
+    row["ok"] = row["leave_running_identical"] and row["restored_identical"] and rs["rc"] == 0
+    if not row["ok"]:
+        row["first_diff"] = next(((i, a, b) for i, (a, b) in enumerate(zip(second, ref[s0 or 0:])) if a != b), None)
+        row["err"] = open(os.path.join(WORK, f"{name}.err")).read()[-1500:]
+        for lf in ("criu/dump.log",):
+            pth = os.path.join(img, lf)
+            if os.path.exists(pth):
+                row["criu_log_tail"] = open(pth).read()[-1500:]
+    emit("correctness", row)
+    shutil.rmtree(img, ignore_errors=True)
+    return row["ok"]
+
+
+JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "triton": 200, "graph": 200, "multistream": 300,
+             "ptrtable": 60}
+JOB_SLEEP = {"mlp": 10, "cnn": 10, "gpt2": 20, "triton": 10, "graph": 10, "multistream": 10,
+             "ptrtable": 20}
+
+
+def correctness(a):
+    jobs = a.jobs.split(",")
+    all_ok = True
+    for e, engine in enumerate(a.engine.split(",")):
+        rng = random.Random(a.seed + e)
+        trials = [int(t) for t in str(a.trials).split(",")]
+        n_trials = trials[min(e, len(trials) - 1)]
+        ok = 0
+        for n in range(n_trials):
+            job = jobs[n % len(jobs)]
+            steps = JOB_STEPS[job]
+            k = rng.randint(2, steps * 2 // 3)
+            ok += trial(job, engine, k, steps, JOB_SLEEP[job], 100 * e + n)
+        print(f"correctness ({engine}): {ok}/{n_trials} trials identical", flush=True)
+        all_ok &= ok == n_trials
+    return all_ok
+
+
+def stall_of(rows, t0, t1):
+    """Largest gap between steps that overlaps [t0, t1], minus the median gap before t0."""
+    ts = [r["t"] for r in rows if "t" in r]
+    gaps = [(ts[i], ts[i + 1] - ts[i]) for i in range(len(ts) - 1)]
+    before = [g for (t, g) in gaps if t < t0][-200:]
+    normal = statistics.median(before) if before else 0.0
+    during = [g for (t, g) in gaps if t + g >= t0 and t <= t1]
+    worst = max(during) if during else 0.0
+    return 1e3 * (worst - normal), 1e3 * normal
+
+
+def figure(engine, gib, n):
+    name = f"fig-{engine}-{gib}"
+    img = os.path.join(WORK, f"img-{name}")
+    shutil.rmtree(img, ignore_errors=True)
+    # Long enough to outlast any checkpoint: it is killed once the figures are in.
+    p, log = start(name, "mlp", 10 ** 6, possum=(engine != "driver"), hold=gib, sleep_ms=1)
+    row = {"engine": engine, "gib": gib, "rep": n}
+    if not wait_lines(log, 300, 600, p):
+        p.kill()
+        row.update(ok=False, why="job did not start", err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
+        emit("figures", row)
+        return
+    t0 = time.time()
+    ck = checkpoint(p.pid, img, engine, leave=True)
+    t1 = time.time()
+    # Steps after the checkpoint: on-demand restore in the background.
+    n_at = sum(1 for r in read_log(log) if "step" in r)
+    wait_lines(log, n_at + 300, 120, p)
+    rows = read_log(log)
+    stall, normal = stall_of(rows, t0, t1)
+    p.kill()
+    p.wait()
+    row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
+               checkpoint=(ck["json"] or {}).get("figures"), checkpoint_err=ck["stderr"] if ck["rc"] else None)
+    if ck["rc"] == 0 and engine != "gpu-only":
+        os.rename(log, log + ".1")
+        t2 = time.time()
+        rs = restore(img)
+        if rs["rc"] == 0 and wait_lines(log, 1, 300):
+            first = next(r for r in read_log(log) if "t" in r)
+            row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
+            wait_lines(log, 300, 120)
+            rows2 = read_log(log)
+            ts = [r["t"] for r in rows2 if "t" in r]
+            row["restored_steps_seen"] = len(ts)
+            row["restored_first_300_steps_ms"] = 1e3 * (ts[-1] - ts[0]) if len(ts) > 1 else None
+        row["restore"] = (rs["json"] or {}).get("figures")
+        row["restore_err"] = rs["stderr"] if rs["rc"] else None
+        pid = p.pid
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            wait_gone(pid, 30)
+    emit("figures", row)
+    shutil.rmtree(img, ignore_errors=True)
+
+
+def figures(a):
+    for gib in [float(g) for g in a.gib.split(",")]:
+        for n in range(a.reps):
+            for engine in a.engines.split(","):
+                figure(engine, gib, n)
+
+
+def errors(a):
+    """Each error case: a clear message, exit code != 0, the job running, no image left.
+
+    The process-image cases run against a job without possum (--engine driver), since NVIDIA's
+    driver checkpoint refuses a process CUPTI has subscribed in (see eval/results README)."""
+    ok = True
+    p, log = start("err-possum", "mlp", 10 ** 6, possum=True, sleep_ms=5)
+    q, qlog = start("err-plain", "mlp", 10 ** 6, possum=False, sleep_ms=5)
+    wait_lines(log, 20, 300, p)
+    wait_lines(qlog, 20, 300, q)
+    img = os.path.join(WORK, "img-err")
+    shutil.rmtree(img, ignore_errors=True)
+
+    def running(proc, lg):
+        n0 = len(read_log(lg))
+        t = time.time()
+        while time.time() - t < 30:
+            if len(read_log(lg)) > n0 + 3:
+                return alive(proc.pid)
+            time.sleep(0.05)
+        return False
+
+    def case(name, res, want, proc=q, lg=qlog, check_img=True, extra=None):
+        nonlocal ok
+        run_ok = running(proc, lg)
+        left = os.path.exists(img) and check_img
+        good = res["rc"] != 0 and want.lower() in res["stderr"].lower() and run_ok and not left
+        ok &= good
+        emit("errors", {"case": name, "ok": good, "rc": res["rc"], "message": res["stderr"][-700:],
+                        "job_running": run_ok, "image_left": left, **(extra or {})})
+
+    case("no possum loaded (engine possum)", checkpoint(q.pid, img, "possum"), "--engine driver")
+    case("full possum checkpoint of a CUPTI job (driver refuses)", checkpoint(p.pid, img, "possum"),
+         "CUPTI", proc=p, lg=log)
+    dead = subprocess.Popen(["true"]); dead.wait()
+    case("dead pid", checkpoint(dead.pid, img, "driver"), "no process")
+    os.makedirs(img); open(os.path.join(img, "x"), "w").write("old")
+    r = checkpoint(q.pid, img, "driver")
+    case("existing non-empty dir", r, "--force", check_img=False,
+         extra={"old_image_intact": open(os.path.join(img, "x")).read() == "old"})
+    ok &= open(os.path.join(img, "x")).read() == "old"
+    shutil.rmtree(img)
+    r = subprocess.run([POSSUM, "checkpoint", str(q.pid), "-D", img, "--engine", "driver", "--leave-running"],
+                       capture_output=True, text=True, env=dict(os.environ, POSSUM_CRIU="/nonexistent/criu"))
+    case("CRIU missing", {"rc": r.returncode, "stderr": r.stderr}, "CRIU")
+    # Two at once: the second is refused, the first completes.
+    first = subprocess.Popen([POSSUM, "checkpoint", str(q.pid), "-D", img, "--engine", "driver", "--socket-dir", SOCK,
+                              "--leave-running", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.2)
+    second = checkpoint(q.pid, img + "-2", "driver")
+    fo, fe = first.communicate()
+    good = second["rc"] != 0 and "already" in second["stderr"] and first.returncode == 0 \
+        and not os.path.exists(img + "-2") and running(q, qlog)
+    ok &= good
+    emit("errors", {"case": "checkpoint already running", "ok": good, "message": second["stderr"][-400:],
+                    "first_rc": first.returncode, "first_err": fe[-400:]})
+    # Restore while the original still runs (its PID is taken).
+    r = restore(img)
+    good = r["rc"] != 0 and "running" in r["stderr"] and running(q, qlog)
+    ok &= good
+    emit("errors", {"case": "restore while the pid is taken", "ok": good, "message": r["stderr"][-400:]})
+    # A corrupt image (possum.json damaged) and a partial one (CRIU's inventory missing).
+    bad = img + "-bad"
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(img, bad)
+    mf = os.path.join(bad, "possum.json")
+    b = bytearray(open(mf, "rb").read()); b[len(b) // 3] ^= 0x55; open(mf, "wb").write(bytes(b))
+    r = restore(bad)
+    good = r["rc"] != 0 and "corrupt" in r["stderr"]
+    ok &= good
+    emit("errors", {"case": "corrupt image", "ok": good, "message": r["stderr"][-400:]})
+    shutil.rmtree(bad); shutil.copytree(img, bad)
+    os.remove(os.path.join(bad, "criu", "inventory.img"))
+    r = restore(bad)
+    good = r["rc"] != 0 and "partial" in r["stderr"]
+    ok &= good
+    emit("errors", {"case": "partial image", "ok": good, "message": r["stderr"][-400:]})
+    shutil.rmtree(bad)
+    # possum checkpoint killed at several moments: the job runs on, no image under DIR's name.
+    for delay in (0.05, 0.3, 0.6, 1.0, 1.6):
+        img2 = img + f"-kill{delay}"
+        shutil.rmtree(img2, ignore_errors=True)
+        c = subprocess.Popen([POSSUM, "checkpoint", str(q.pid), "-D", img2, "--engine", "driver"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        c.kill()
+        c.wait()
+        time.sleep(0.5)
+        t = time.time()
+        while time.time() - t < 60 and not running(q, qlog):
+            time.sleep(0.2)
+        run_ok = running(q, qlog)
+        complete = os.path.exists(os.path.join(img2, "possum.json"))
+        leftovers = [e for e in os.listdir(WORK) if f"kill{delay}" in e and e != os.path.basename(img2)]
+        # Killed before the commit: no image; after it (the job is killed next): complete.
+        good = (run_ok or complete) and (complete or not os.path.exists(img2)) and not leftovers
+        ok &= good
+        emit("errors", {"case": f"possum checkpoint killed after {delay} s", "ok": good, "job_running": run_ok,
+                        "image": "complete" if complete else ("none" if not os.path.exists(img2) else "PARTIAL"),
+                        "leftovers": leftovers})
+        shutil.rmtree(img2, ignore_errors=True)
+        if not alive(q.pid):
+            q.wait()
+            q, qlog = start("err-plain2", "mlp", 10 ** 6, possum=False, sleep_ms=5)
+            wait_lines(qlog, 20, 300, q)
+    for x in (p, q):
+        x.kill(); x.wait()
+    shutil.rmtree(img, ignore_errors=True)
+    print(f"errors: {'all ok' if ok else 'FAILURES'}", flush=True)
+    return ok
+
+
+def smoke(a):
+    ok = trial("mlp", "gpu-only", 20, 120, 10, 0)
+    ok &= trial("mlp", "driver", 20, 120, 10, 1)
+    return ok
+
+
+def main():
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors"])
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(GPU, "out")))
+    ap.add_argument("--trials", default="20", help="per engine, comma-separated")
+    ap.add_argument("--jobs", default="mlp,cnn,multistream,graph,triton,gpt2,ptrtable")
+    ap.add_argument("--engine", default="driver", help="driver, gpu-only or possum")
+    ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--gib", default="8,32")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--engines", default="gpu-only,driver")
+    a = ap.parse_args()
+    OUT = a.out
+    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(SOCK, exist_ok=True)
+    ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors}[a.mode](a)
+    return 0 if ok in (None, True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

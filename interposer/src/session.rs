@@ -1,0 +1,342 @@
+//! Checkpoint sessions inside the job, driven by `possum checkpoint` / `possum restore` over the
+//! control socket (`Checkpoint`, `Release`, `Resume`).
+//!
+//! ```text
+//! Checkpoint{dir} ─ every engine: a pre-copy round into an image at dir/gpu-N, while the job
+//!                   runs (every buffer; the ones written meanwhile are marked dirty)
+//! Release         ─ PAUSE: the job's next GPU operation (launch, copy, memset, cudaMalloc/Free)
+//!                   waits; T0 is now: every engine copies its dirty buffers into the same image,
+//!                   commits it and releases its buffers
+//!   ... the CLI: driver lock + checkpoint, CRIU dump (maybe a kill; then a CRIU restore) ...
+//! Resume{dir}     ─ every engine: on-demand restore from dir/gpu-N installed ─ UNPAUSE
+//! ```
+//!
+//! Why T0 is the pause and not the start of the checkpoint: CRIU dumps the CPU side while the job
+//! is paused, so the GPU image must hold the buffers as they are then. The bulk is copied before
+//! (pre-copy, the job running); only what the job wrote since is copied during the pause.
+//!
+//! Invariant: while paused, no thread of the job is between a hook and its enqueue (the engine's
+//! gate waits for those at release), and none enters one (the pause is checked first), so the
+//! job never touches a released buffer. The pause waits in the CUDA call's entry callback, before
+//! the driver did anything for that call.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+use possum_engine::image::{Image, ImageWriter, WriterOptions};
+use possum_engine::store::ChunkSink;
+use serde_json::{json, Value};
+
+use crate::runtime::{state_if_created, DevEngine};
+
+static PAUSED: AtomicBool = AtomicBool::new(false);
+static PAUSE_LOCK: Mutex<()> = Mutex::new(());
+static PAUSE_CV: Condvar = Condvar::new();
+/// Operations that waited for a resume, and for how long in total.
+static PAUSE_WAITS: AtomicU64 = AtomicU64::new(0);
+static PAUSE_WAIT_NS: AtomicU64 = AtomicU64::new(0);
+/// One session at a time (a second `possum checkpoint` is refused).
+static BUSY: Mutex<Option<&'static str>> = Mutex::new(None);
+/// The last session's figures, for `possum status`.
+static LAST: Mutex<Value> = Mutex::new(Value::Null);
+/// Images being written: from `Checkpoint` (pre-copy) to `Release` (the dirty rest, commit).
+static OPEN: Mutex<Vec<(usize, Arc<ImageWriter>)>> = Mutex::new(Vec::new());
+
+/// Blocks the calling thread while the job is paused (one atomic load when it is not).
+#[inline]
+pub fn wait_if_paused() {
+    if PAUSED.load(Ordering::Acquire) {
+        wait_slow();
+    }
+}
+
+#[cold]
+fn wait_slow() {
+    let t = Instant::now();
+    let mut g = PAUSE_LOCK.lock();
+    while PAUSED.load(Ordering::Acquire) {
+        PAUSE_CV.wait(&mut g);
+    }
+    PAUSE_WAITS.fetch_add(1, Ordering::Relaxed);
+    PAUSE_WAIT_NS.fetch_add(
+        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
+}
+
+fn set_paused(p: bool) {
+    let _g = PAUSE_LOCK.lock();
+    PAUSED.store(p, Ordering::Release);
+    if !p {
+        PAUSE_CV.notify_all();
+    }
+}
+
+/// Whether the job is paused now.
+pub fn paused() -> bool {
+    PAUSED.load(Ordering::Acquire)
+}
+
+/// The session's state for `possum status`.
+pub fn status_json() -> Value {
+    json!({
+        "paused": paused(),
+        "cupti_attached": crate::cupti_attached(),
+        "busy": *BUSY.lock(),
+        "pause_waits": PAUSE_WAITS.load(Ordering::Relaxed),
+        "pause_wait_ms": PAUSE_WAIT_NS.load(Ordering::Relaxed) as f64 / 1e6,
+        "last": LAST.lock().clone(),
+    })
+}
+
+/// Marks a session step as running; refuses a second one.
+struct Busy;
+
+impl Busy {
+    fn take(what: &'static str) -> Result<Busy, String> {
+        let mut b = BUSY.lock();
+        if let Some(other) = *b {
+            return Err(format!(
+                "possum is busy in this job ({other}); one checkpoint at a time"
+            ));
+        }
+        *b = Some(what);
+        Ok(Busy)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        *BUSY.lock() = None;
+    }
+}
+
+fn engines() -> Vec<Arc<DevEngine>> {
+    state_if_created().map(|st| st.engines()).unwrap_or_default()
+}
+
+/// The image directory of device `ordinal` under `dir`.
+pub fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
+    dir.join(format!("gpu-{ordinal}"))
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// `Checkpoint{dir}`: every engine's buffers at one T0 each, copied while the job runs.
+pub fn checkpoint(dir: &str) -> Value {
+    reply(checkpoint_inner(Path::new(dir)))
+}
+
+fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
+    let _b = Busy::take("checkpoint")?;
+    if paused() {
+        return Err("the job is paused (released): resume it before a new checkpoint".into());
+    }
+    // A checkpoint whose `possum` went away before its release: its images are abandoned.
+    OPEN.lock().clear();
+    let t = Instant::now();
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut out = Vec::new();
+    let mut open = Vec::new();
+    // Without CUPTI nothing marks buffers dirty: no pre-copy, everything is copied at the release
+    // (with the job locked by the driver: stop the world, at copy speed).
+    let hooks = crate::cupti_attached();
+    for e in engines() {
+        let path = engine_image_dir(dir, e.ordinal);
+        // No fsync here: the commit happens while the job is paused; `possum checkpoint`
+        // makes the whole image durable once the job runs again.
+        let opts = WriterOptions {
+            fsync: false,
+            ..WriterOptions::default()
+        };
+        let writer =
+            Arc::new(ImageWriter::create(&path, opts).map_err(|e| e.to_string())?);
+        if !hooks {
+            open.push((e.ordinal, writer));
+            continue;
+        }
+        let sink: Arc<dyn ChunkSink> = writer.clone();
+        let r = e
+            .engine
+            .precopy_round(sink)
+            .map_err(|err| format!("device {}: pre-copy: {err}", e.ordinal))?;
+        out.push(json!({
+            "device": e.ordinal,
+            "buffers": r.buffers,
+            "bytes": r.bytes,
+            "ms": ms(r.elapsed),
+            "dirty_after": r.dirty_after,
+        }));
+        open.push((e.ordinal, writer));
+    }
+    *OPEN.lock() = open;
+    let v = json!({"precopy": out, "hooks": hooks, "ms": ms(t.elapsed())});
+    *LAST.lock() = json!({"checkpoint": v});
+    Ok(v)
+}
+
+/// `Release`: pause the job's GPU operations, then release every engine's buffers.
+pub fn release() -> Value {
+    reply(release_inner())
+}
+
+fn release_inner() -> Result<Value, String> {
+    let _b = Busy::take("release")?;
+    if paused() {
+        return Err("the job is already paused (released)".into());
+    }
+    let t = Instant::now();
+    let open = std::mem::take(&mut *OPEN.lock());
+    let engines = engines();
+    if engines.iter().any(|e| !open.iter().any(|(o, _)| *o == e.ordinal)) {
+        return Err("no checkpoint in progress for every device: send checkpoint first".into());
+    }
+    let hooks = crate::cupti_attached();
+    set_paused(true);
+    // T0: the job is paused. The buffers written since the pre-copy go into the same images.
+    let mut finals = Vec::new();
+    for (ordinal, writer) in open {
+        let Some(e) = engines.iter().find(|e| e.ordinal == ordinal) else {
+            continue;
+        };
+        let sink: Arc<dyn ChunkSink> = writer.clone();
+        let r = e
+            .engine
+            .checkpoint(sink, hooks)
+            .and_then(|h| h.wait())
+            .map_err(|err| format!("device {ordinal}: final copy: {err}"));
+        let r = match r {
+            Ok(r) => r,
+            Err(m) => {
+                set_paused(false);
+                return Err(m);
+            }
+        };
+        let committed = Arc::into_inner(writer)
+            .ok_or_else(|| format!("device {ordinal}: image writer still shared"))
+            .and_then(|w| w.commit().map_err(|e| e.to_string()));
+        let summary = match committed {
+            Ok(s) => s,
+            Err(m) => {
+                set_paused(false);
+                return Err(m);
+            }
+        };
+        finals.push(json!({
+            "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
+            "image_bytes": summary.data_file_bytes, "image_buffers": summary.buffers.len(),
+        }));
+    }
+    let copied = ms(t.elapsed());
+    let mut bytes = 0u64;
+    let mut done = Vec::new();
+    for e in engines {
+        match e.engine.release() {
+            Ok(b) => {
+                bytes += b;
+                done.push(e.ordinal);
+            }
+            Err(err) => {
+                // Released engines stay released: only their images can bring them back, so
+                // the job stays paused and the caller resumes it from the images.
+                let msg = format!("device {}: release failed: {err}", e.ordinal);
+                if done.is_empty() {
+                    set_paused(false);
+                }
+                return Err(msg);
+            }
+        }
+    }
+    // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
+    // wait in a callback stay there (paused) until the resume.
+    let td = Instant::now();
+    if std::env::var_os("POSSUM_DETACH").is_some() {
+        crate::cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
+    }
+    let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
+                   "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
+    let mut last = LAST.lock();
+    if !last.is_object() {
+        *last = json!({});
+    }
+    last["release"] = v.clone();
+    Ok(v)
+}
+
+/// `Resume{dir}`: install each released engine's on-demand restore from `dir`, then unpause.
+pub fn resume(dir: Option<&str>) -> Value {
+    reply(resume_inner(dir.map(Path::new)))
+}
+
+fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
+    let _b = Busy::take("resume")?;
+    let t = Instant::now();
+    // Without CUPTI no operation waits for its buffers: they are all back before this answers.
+    let hooks = crate::cupti_attached();
+    let mut out = Vec::new();
+    for e in engines() {
+        if e.engine.stats().phase != "released" {
+            continue;
+        }
+        let Some(dir) = dir else {
+            return Err(format!(
+                "device {}: buffers are released; resume needs the image directory",
+                e.ordinal
+            ));
+        };
+        let path = engine_image_dir(dir, e.ordinal);
+        let img = Image::open(&path).map_err(|err| err.to_string())?;
+        let h = e
+            .engine
+            .restore(Arc::new(img))
+            .map_err(|err| format!("device {}: {err}", e.ordinal))?;
+        let ordinal = e.ordinal;
+        if !hooks {
+            let r = h
+                .wait()
+                .map_err(|err| format!("device {ordinal}: restore: {err}"))?;
+            let mut last = LAST.lock();
+            if !last.is_object() {
+                *last = json!({});
+            }
+            last["restore"] = json!({"device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
+                                     "ms": ms(r.elapsed), "on_demand": false});
+            out.push(ordinal);
+            continue;
+        }
+        // Nobody has to wait for the restore; its figures are kept for `possum status`.
+        let _ = std::thread::Builder::new()
+            .name("possum-restore-wait".into())
+            .spawn(move || {
+                let v = match h.wait() {
+                    Ok(r) => json!({
+                        "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
+                        "ms": ms(r.elapsed), "on_demand": r.on_demand, "prefetched": r.prefetched,
+                        "hook_blocked": r.hook_blocked, "hook_blocked_ms": ms(r.hook_blocked_total),
+                    }),
+                    Err(err) => {
+                        crate::log(&format!("restore of device {ordinal} failed: {err}"));
+                        json!({"device": ordinal, "error": err.to_string()})
+                    }
+                };
+                crate::log(&format!("restore done: {v}"));
+                let mut last = LAST.lock();
+                if !last.is_object() {
+                    *last = json!({});
+                }
+                last["restore"] = v;
+            });
+        out.push(ordinal);
+    }
+    set_paused(false);
+    Ok(json!({"restoring": out, "on_demand": hooks, "ms": ms(t.elapsed())}))
+}
+
+fn reply(r: Result<Value, String>) -> Value {
+    r.unwrap_or_else(possum_control::error_reply)
+}
