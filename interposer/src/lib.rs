@@ -170,7 +170,10 @@ fn enabled_callbacks() -> impl Iterator<Item = u32> + Clone {
         .map(|v| v.split(',').map(str::to_string).collect());
     cbid::CALLBACKS
         .iter()
-        .filter(move |c| only.as_ref().map_or(true, |o| o.iter().any(|n| n == c.name)))
+        .filter(move |c| {
+            only.as_ref()
+                .map_or(true, |o| o.iter().any(|n| n == c.name))
+        })
         .map(|c| c.id)
 }
 
@@ -189,7 +192,10 @@ pub(crate) fn cupti_attach() -> Result<(), String> {
     if failed.is_empty() {
         Ok(())
     } else {
-        Err(format!("callbacks not enabled again: {}", failed.join(", ")))
+        Err(format!(
+            "callbacks not enabled again: {}",
+            failed.join(", ")
+        ))
     }
 }
 

@@ -115,7 +115,9 @@ impl Drop for Busy {
 }
 
 fn engines() -> Vec<Arc<DevEngine>> {
-    state_if_created().map(|st| st.engines()).unwrap_or_default()
+    state_if_created()
+        .map(|st| st.engines())
+        .unwrap_or_default()
 }
 
 /// The image directory of device `ordinal` under `dir`.
@@ -154,8 +156,7 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
             fsync: false,
             ..WriterOptions::default()
         };
-        let writer =
-            Arc::new(ImageWriter::create(&path, opts).map_err(|e| e.to_string())?);
+        let writer = Arc::new(ImageWriter::create(&path, opts).map_err(|e| e.to_string())?);
         if !hooks {
             open.push((e.ordinal, writer));
             continue;
@@ -193,7 +194,10 @@ fn release_inner() -> Result<Value, String> {
     let t = Instant::now();
     let open = std::mem::take(&mut *OPEN.lock());
     let engines = engines();
-    if engines.iter().any(|e| !open.iter().any(|(o, _)| *o == e.ordinal)) {
+    if engines
+        .iter()
+        .any(|e| !open.iter().any(|(o, _)| *o == e.ordinal))
+    {
         return Err("no checkpoint in progress for every device: send checkpoint first".into());
     }
     let hooks = crate::cupti_attached();

@@ -135,7 +135,10 @@ impl Cupti {
             let subscribe = *lib.get::<SubscribeFn>(b"cuptiSubscribe\0")?;
             let enable_callback = *lib.get::<EnableCallbackFn>(b"cuptiEnableCallback\0")?;
             let get_result_string = *lib.get::<GetResultStringFn>(b"cuptiGetResultString\0")?;
-            let unsubscribe = lib.get::<UnsubscribeFn>(b"cuptiUnsubscribe\0").ok().map(|f| *f);
+            let unsubscribe = lib
+                .get::<UnsubscribeFn>(b"cuptiUnsubscribe\0")
+                .ok()
+                .map(|f| *f);
             let finalize = lib.get::<FinalizeFn>(b"cuptiFinalize\0").ok().map(|f| *f);
             Ok(Cupti {
                 _lib: lib,
@@ -194,7 +197,10 @@ impl Cupti {
     }
 
     /// Subscribes and enables `cbids` (at start, and again after a [`Cupti::detach`]).
-    pub fn attach(&self, cbids: impl Iterator<Item = u32>) -> (Result<Subscriber, String>, Vec<String>) {
+    pub fn attach(
+        &self,
+        cbids: impl Iterator<Item = u32>,
+    ) -> (Result<Subscriber, String>, Vec<String>) {
         let mut failed = Vec::new();
         let mut cur = SUBSCRIBED.lock();
         if let Some(s) = *cur {

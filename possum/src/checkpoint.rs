@@ -290,7 +290,7 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
     }
     let say = |m: &str| eprintln!("possum: undoing the checkpoint of process {}: {m}", a.pid);
     let resume = || {
-        if has("released") && !has("resumed") {
+        if has("releasing") && !has("resumed") {
             let dir = if has("committed") {
                 &a.final_dir
             } else {
@@ -305,22 +305,11 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
             }
         }
     };
-    if has("locked") || has("checkpointed") {
+    // Steps are announced before they are taken, so a `possum` killed inside a driver call
+    // still gets it undone: the driver's own state says what is left to do.
+    if has("locking") && !has("unlocked") {
         match DriverCheckpoint::load() {
-            Ok(drv) => {
-                if has("checkpointed") && !has("driver-restored") {
-                    match drv.restore(a.pid, &[]) {
-                        Ok(()) => say("driver restore done"),
-                        Err(e) => say(&format!("driver restore failed: {e}")),
-                    }
-                }
-                if !has("unlocked") {
-                    match drv.unlock(a.pid) {
-                        Ok(()) => say("driver unlock done"),
-                        Err(e) => say(&format!("driver unlock failed: {e}")),
-                    }
-                }
-            }
+            Ok(drv) => undo_driver(&drv, a.pid, &say),
             Err(e) => say(&format!("cannot load the driver: {e}")),
         }
     }
@@ -328,12 +317,40 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
     if !has("committed") {
         // The GPU images may still be read on demand by the resumed job: keep them until it has
         // them all, then remove the directory.
-        if has("released") && !has("resumed") {
+        if has("releasing") && !has("resumed") {
             wait_restored(a);
         }
         let _ = fs::remove_dir_all(&a.tmp);
     }
     Ok(false)
+}
+
+/// Brings process `pid` back to RUNNING in the driver from wherever a checkpoint left it.
+fn undo_driver(drv: &DriverCheckpoint, pid: i32, say: &dyn Fn(&str)) {
+    for _ in 0..20 {
+        let r = match drv.state(pid) {
+            Ok(ProcessState::Running) => return,
+            Ok(ProcessState::Checkpointed) => drv.restore(pid, &[]).map(|()| "driver restore done"),
+            Ok(ProcessState::Locked) => drv.unlock(pid).map(|()| "driver unlock done"),
+            Ok(other) => {
+                say(&format!(
+                    "the driver reports the process {other}; left as it is"
+                ));
+                return;
+            }
+            Err(e) => {
+                say(&format!("driver state: {e}"));
+                return;
+            }
+        };
+        match r {
+            Ok(m) => say(m),
+            Err(e) => {
+                say(&format!("{e}"));
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
 }
 
 /// Waits (bounded) until the job's on-demand restore has finished reading its images.
@@ -422,6 +439,11 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             a.dir.display()
         );
     }
+    let sockets = socket_dir_of(a.socket_dir.as_ref());
+    let status = match a.engine {
+        EngineKind::Possum => Some(ask(pid, &sockets, &Request::Status)?),
+        EngineKind::Driver => None,
+    };
     // The process side: CRIU and the driver checkpoint (not needed for --gpu-only).
     let side = if a.gpu_only {
         None
@@ -429,11 +451,6 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         let criu = Criu::locate().context("CRIU is needed for the CPU side")?;
         let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
         Some((criu, drv))
-    };
-    let sockets = socket_dir_of(a.socket_dir.as_ref());
-    let status = match a.engine {
-        EngineKind::Possum => Some(ask(pid, &sockets, &Request::Status)?),
-        EngineKind::Driver => None,
     };
     let _lock = lock_pid(&sockets, pid)?;
     if let Some((_, drv)) = &side {
@@ -511,13 +528,14 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             if let Some(b) = bar {
                 let _ = b.join();
             }
+            guard.step("releasing");
             clock.time("release", || ask(pid, &sockets, &Request::Release))?;
-            guard.step("released");
         }
         let Some((criu, drv)) = &side else {
             let gpu_bytes = dir_bytes(&tmp.join("gpu"));
             return Ok((manifest(None), 0, gpu_bytes));
         };
+        guard.step("locking");
         clock
             .time("driver_lock", || Ok(drv.lock(pid, LOCK_TIMEOUT_MS)?))
             .map_err(|e| {
@@ -531,9 +549,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                     e
                 }
             })?;
-        guard.step("locked");
         clock.time("driver_checkpoint", || Ok(drv.checkpoint(pid)?))?;
-        guard.step("checkpointed");
         let criu_dir = tmp.join("criu");
         let mut opts = DumpOptions::new(pid, &criu_dir);
         opts.leave_running = true;
@@ -582,7 +598,6 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         if a.leave_running || a.gpu_only {
             if let Some((_, drv)) = &side {
                 clock.time("driver_restore", || Ok(drv.restore(pid, &[])?))?;
-                guard.step("driver-restored");
                 clock.time("driver_unlock", || Ok(drv.unlock(pid)?))?;
                 guard.step("unlocked");
             }
@@ -626,7 +641,10 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     fig.insert(
         "stall_ms".into(),
-        json!(ms(stall_engine + stall_driver + stall_criu + clock.get("commit"))),
+        json!(ms(stall_engine
+            + stall_driver
+            + stall_criu
+            + clock.get("commit"))),
     );
     fig.insert(
         "stall_breakdown_ms".into(),
@@ -707,8 +725,8 @@ pub fn open_image(dir: &Path) -> Result<Manifest> {
             dir.display()
         )
     })?;
-    let m: Manifest = serde_json::from_str(&text)
-        .with_context(|| format!("{} is corrupt", path.display()))?;
+    let m: Manifest =
+        serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))?;
     if m.possum_image != MANIFEST_VERSION {
         bail!(
             "{}: image format {} (this possum reads {MANIFEST_VERSION})",
@@ -732,7 +750,9 @@ pub fn open_image(dir: &Path) -> Result<Manifest> {
     if let Some(g) = &m.gpu_dir {
         let gpu = dir.join(g);
         let mut n = 0;
-        for e in fs::read_dir(&gpu).with_context(|| format!("{}: GPU images missing", gpu.display()))? {
+        for e in
+            fs::read_dir(&gpu).with_context(|| format!("{}: GPU images missing", gpu.display()))?
+        {
             let e = e?;
             possum_engine::image::Image::open(&e.path())
                 .with_context(|| format!("GPU image {}", e.path().display()))?;

@@ -123,6 +123,8 @@ def main():
     p.add_argument("--log")
     p.add_argument("--hold-gib", type=float, default=0)
     p.add_argument("--sleep-ms", type=float, default=0)
+    p.add_argument("--ballast-frozen", action="store_true",
+                   help="the extra state is only read each step (like frozen weights), never written")
     a = p.parse_args()
     setup()
     ballast = []
@@ -143,7 +145,9 @@ def main():
     times = []
     t = time.perf_counter()
     for s, loss, params in JOBS[a.job](a.steps):
-        if ballast:
+        if ballast and a.ballast_frozen:
+            ballast[s % len(ballast)][:: 1 << 12].sum()
+        elif ballast:
             ballast[s % len(ballast)].mul_(0.5).add_(loss.detach().float())
         print(json.dumps({"step": s, "loss": bits(loss)}), flush=True)  # .item(): waits for the step
         if a.log:

@@ -1,0 +1,290 @@
+//! `possum checkpoint` / `possum restore` / the guard, without a GPU: the refusals, the image
+//! naming, and the undo path, against a control server in this test process standing in for a
+//! job's libpossum.so. (The real thing runs on the GPU machine: scripts/gpu-ckpt.sh.)
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+
+use possum_control::{Request, Server};
+use serde_json::{json, Value};
+
+fn possum() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_possum"))
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn me() -> String {
+    std::process::id().to_string()
+}
+
+/// A stand-in for the job's side: records every request; `Checkpoint` writes a file into the
+/// directory it is given, as the engine's image writer would.
+struct FakeJob {
+    _server: Server,
+    seen: Arc<Mutex<Vec<Request>>>,
+    sockets: PathBuf,
+}
+
+fn fake_job(dir: &Path, release_fails: bool) -> FakeJob {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sockets = dir.join("sockets");
+    let log = Arc::clone(&seen);
+    let server = Server::start(
+        &sockets,
+        Arc::new(move |req: Request| {
+            log.lock().unwrap().push(req.clone());
+            match req {
+                Request::Status => json!({
+                    "possum": {"engines": [{"engine": {"bytes": 4096}}],
+                               "session": {"cupti_attached": true, "last": {"restore": {}}}}
+                }),
+                Request::Checkpoint { dir } => {
+                    let d = Path::new(&dir).join("gpu-0");
+                    std::fs::create_dir_all(&d).unwrap();
+                    std::fs::write(d.join("data-000.bin"), vec![7u8; 4096]).unwrap();
+                    json!({"precopy": [], "ms": 1.0})
+                }
+                Request::Release if release_fails => json!({"error": "device 0: release failed"}),
+                Request::Release => json!({"released_bytes": 4096}),
+                Request::Resume { .. } => json!({"restoring": [0]}),
+                _ => json!({}),
+            }
+        }),
+    )
+    .unwrap();
+    FakeJob {
+        _server: server,
+        seen,
+        sockets,
+    }
+}
+
+fn leftovers(parent: &Path) -> Vec<String> {
+    std::fs::read_dir(parent)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("possum-tmp"))
+        .collect()
+}
+
+#[test]
+fn checkpoint_refuses_a_dead_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Command::new("true").spawn().unwrap();
+    c.wait().unwrap();
+    let img = tmp.path().join("img");
+    let out = possum()
+        .args(["checkpoint", &c.id().to_string(), "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("no process"), "{}", text(&out));
+    assert!(!img.exists());
+}
+
+#[test]
+fn checkpoint_refuses_an_occupied_directory_and_keeps_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img");
+    std::fs::create_dir_all(&img).unwrap();
+    std::fs::write(img.join("old"), "old image").unwrap();
+    let out = possum()
+        .args(["checkpoint", &me(), "--engine", "driver", "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--force"), "{}", text(&out));
+    assert_eq!(
+        std::fs::read_to_string(img.join("old")).unwrap(),
+        "old image"
+    );
+}
+
+#[test]
+fn checkpoint_of_a_job_without_possum_suggests_the_driver_engine() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = possum()
+        .args(["checkpoint", &me(), "--socket-dir"])
+        .arg(tmp.path())
+        .arg("-D")
+        .arg(tmp.path().join("img"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--engine driver"), "{}", text(&out));
+}
+
+#[test]
+fn gpu_only_checkpoint_names_the_image_only_when_complete() {
+    let tmp = tempfile::tempdir().unwrap();
+    let job = fake_job(tmp.path(), false);
+    let img = tmp.path().join("img");
+    let out = possum()
+        .args(["checkpoint", &me(), "--gpu-only", "--json", "--socket-dir"])
+        .arg(&job.sockets)
+        .arg("-D")
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let j: Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    for k in [
+        "engine_snapshot_ms",
+        "release_ms",
+        "resume_ms",
+        "stall_ms",
+        "total_ms",
+    ] {
+        assert!(j["figures"][k].as_f64().is_some(), "{k} in {j}");
+    }
+    assert_eq!(j["figures"]["gpu_image_bytes"], 4096, "{j}");
+    // The image is under its final name, with its description; no temporary directory is left.
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(img.join("possum.json")).unwrap()).unwrap();
+    assert_eq!(m["gpu_dir"], "gpu");
+    assert!(m["criu_dir"].is_null());
+    assert!(img.join("gpu/gpu-0/data-000.bin").is_file());
+    assert!(
+        leftovers(tmp.path()).is_empty(),
+        "{:?}",
+        leftovers(tmp.path())
+    );
+    // The job was asked in order, and resumed from the final name.
+    let seen = job.seen.lock().unwrap().clone();
+    let cmds: Vec<_> = seen
+        .iter()
+        .map(|r| serde_json::to_value(r).unwrap()["cmd"].clone())
+        .collect();
+    assert_eq!(
+        cmds,
+        [
+            json!("status"),
+            json!("checkpoint"),
+            json!("release"),
+            json!("resume")
+        ]
+    );
+    assert_eq!(
+        seen[3],
+        Request::Resume {
+            dir: Some(img.join("gpu").display().to_string())
+        }
+    );
+    // Such an image has no process to restore.
+    let out = possum().args(["restore", "-D"]).arg(&img).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("only GPU buffers"), "{}", text(&out));
+}
+
+#[test]
+fn a_failed_release_is_undone_and_leaves_no_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let job = fake_job(tmp.path(), true);
+    let img = tmp.path().join("img");
+    let out = possum()
+        .args(["checkpoint", &me(), "--gpu-only", "--socket-dir"])
+        .arg(&job.sockets)
+        .arg("-D")
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains("release failed") && t.contains("job runs on"),
+        "{t}"
+    );
+    assert!(!img.exists());
+    assert!(
+        leftovers(tmp.path()).is_empty(),
+        "{:?}",
+        leftovers(tmp.path())
+    );
+    // The guard told the job to resume (from the temporary images it then removed).
+    let seen = job.seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .any(|r| matches!(r, Request::Resume { dir: Some(d) } if d.contains("possum-tmp"))),
+        "{seen:?}"
+    );
+}
+
+#[test]
+fn the_guard_does_nothing_after_done_and_undoes_otherwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let job = fake_job(tmp.path(), false);
+    let run = |steps: &str| {
+        let t = tmp.path().join(".img.possum-tmp-1");
+        std::fs::create_dir_all(t.join("gpu")).unwrap();
+        let mut c = possum()
+            .args(["checkpoint-guard", "--pid", &me(), "--tmp"])
+            .arg(&t)
+            .arg("--final-dir")
+            .arg(tmp.path().join("img"))
+            .arg("--socket-dir")
+            .arg(&job.sockets)
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(steps.as_bytes()).unwrap();
+        let out = c.wait_with_output().unwrap();
+        (out, t.exists())
+    };
+    let (out, tmp_left) = run("releasing\nlocking\ndone\n");
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(tmp_left, "done: nothing is undone");
+    assert!(job.seen.lock().unwrap().is_empty());
+    let (out, tmp_left) = run("releasing\n");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(!tmp_left, "undone: the temporary images are removed");
+    assert!(text(&out).contains("job resumed"), "{}", text(&out));
+    assert!(job
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|r| matches!(r, Request::Resume { .. })));
+}
+
+#[test]
+fn restore_names_what_is_wrong_with_an_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img");
+    let restore = |img: &Path| possum().args(["restore", "-D"]).arg(img).output().unwrap();
+    let out = restore(&img);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("not a complete possum image"),
+        "{}",
+        text(&out)
+    );
+    std::fs::create_dir_all(img.join("criu")).unwrap();
+    std::fs::write(img.join("possum.json"), "{\"possum_image\": 1, \"engi").unwrap();
+    let out = restore(&img);
+    assert!(text(&out).contains("is corrupt"), "{}", text(&out));
+    let m = json!({"possum_image": 1, "engine": "driver", "pid": 1, "shell_job": false,
+                   "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
+                   "figures": null});
+    std::fs::write(img.join("possum.json"), m.to_string()).unwrap();
+    let out = restore(&img);
+    assert!(text(&out).contains("partial"), "{}", text(&out));
+    let mut m2 = m.clone();
+    m2["possum_image"] = json!(99);
+    std::fs::write(img.join("possum.json"), m2.to_string()).unwrap();
+    let out = restore(&img);
+    assert!(text(&out).contains("image format 99"), "{}", text(&out));
+}
