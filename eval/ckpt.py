@@ -1,6 +1,6 @@
 """Checkpoint/restore of live GPU jobs on the GPU machine (issue 4): correctness and figures.
 
-    python3 eval/ckpt.py smoke|correctness|figures|errors [--out DIR] [options]
+    python3 eval/ckpt.py smoke|correctness|figures|errors|bench [--out DIR] [options]
 
 Runs from the repo root with the build in .gpu/ (possum, libpossum.so) and CRIU on $POSSUM_CRIU
 (scripts/gpu-ckpt.sh sets everything up). Every job is a workloads/gpu job writing one line per
@@ -15,6 +15,10 @@ lines.
   possum and --engine driver.
 - errors: the error cases of `possum checkpoint`/`restore`: each must fail with a clear message,
   leave the job running and leave no image.
+- bench: the figures' matrix (sizes x engines x reps) as one document, OUT/bench.json, with the
+  step-time timeline around each checkpoint, the steady-state step time, the time from a fresh
+  start to the first step, and possum's restore figures; eval/report.py turns it into the table,
+  the plots and README's Results section (issue 5).
 Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as it goes.
 """
 import argparse, json, os, random, shutil, signal, statistics, subprocess, sys, time
@@ -243,7 +247,22 @@ def stall_of(rows, t0, t1):
     return 1e3 * (worst - normal), 1e3 * normal
 
 
-def figure(engine, gib, n):
+def timeline(rows, t0, t1, before=1.0, after=3.0):
+    """Step gaps around a checkpoint: [[seconds since t0, gap ms], ...] from t0-before to t1+after."""
+    ts = [r["t"] for r in rows if "t" in r]
+    return [[round(ts[i + 1] - t0, 4), round(1e3 * (ts[i + 1] - ts[i]), 3)]
+            for i in range(len(ts) - 1) if t0 - before <= ts[i + 1] <= t1 + after]
+
+
+def job_status(pid):
+    r = possum("status", str(pid), "--json", "--socket-dir", SOCK, timeout=30)
+    try:
+        return json.loads(r["stdout"]) if r["rc"] == 0 else None
+    except ValueError:
+        return None
+
+
+def figure(engine, gib, n, kind="figures"):
     """engine: driver, gpu-only (the extra state written every step) or gpu-only-frozen (only
     read, like frozen weights)."""
     frozen = engine.endswith("-frozen")
@@ -251,14 +270,19 @@ def figure(engine, gib, n):
     img = os.path.join(WORK, f"img-{name}")
     shutil.rmtree(img, ignore_errors=True)
     # Long enough to outlast any checkpoint: it is killed once the figures are in.
+    spawned = time.time()
     p, log = start(name, "mlp", 10 ** 6, possum=(engine != "driver"), hold=gib, sleep_ms=1, frozen=frozen)
     engine = engine.removesuffix("-frozen")
-    row = {"engine": engine, "gib": gib, "rep": n, "state": "frozen" if frozen else "written every step"}
+    row = {"engine": engine, "gib": gib, "rep": n, "state": "frozen" if frozen else "written every step",
+           "_spawned": spawned}
     if not wait_lines(log, 300, 600, p):
         p.kill()
         row.update(ok=False, why="job did not start", err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
-        emit("figures", row)
+        emit(kind, row)
         return
+    first_line = next((r for r in read_log(log) if "t" in r), None)
+    if first_line:
+        row["start_to_first_step_ms"] = 1e3 * (first_line["t"] - row.pop("_spawned"))
     t0 = time.time()
     ck = checkpoint(p.pid, img, engine, leave=True)
     t1 = time.time()
@@ -267,6 +291,17 @@ def figure(engine, gib, n):
     wait_lines(log, n_at + 300, 120, p)
     rows = read_log(log)
     stall, normal = stall_of(rows, t0, t1)
+    row["timeline"] = timeline(rows, t0, t1)
+    if engine == "gpu-only" and ck["rc"] == 0:
+        # The on-demand restore's own figures (bytes, time), once it has finished.
+        t = time.time()
+        while time.time() - t < 120:
+            st = job_status(p.pid) or {}
+            last = (((st.get("possum") or {}).get("session") or {}).get("last") or {})
+            if last.get("restore"):
+                row["engine_restore"] = last["restore"]
+                break
+            time.sleep(0.5)
     p.kill()
     p.wait()
     row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
@@ -289,8 +324,33 @@ def figure(engine, gib, n):
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
             wait_gone(pid, 30)
-    emit("figures", row)
+    row.pop("_spawned", None)
+    emit(kind, row)
     shutil.rmtree(img, ignore_errors=True)
+    return row
+
+
+def bench(a):
+    """Issue 5's matrix in one go: sizes x engines x reps, each run giving the stall timeline,
+    checkpoint total, image size, restore to the first step, restore throughput; the step time
+    before the checkpoint with and without possum loaded (steady-state overhead); the time from a
+    fresh start to the first step (cold start). One JSON document: OUT/bench.json."""
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    runs = []
+    t_start = time.time()
+    for gib in [float(g) for g in a.gib.split(",")]:
+        reps = a.reps if gib < 16 else 1
+        for n in range(reps):
+            for engine in a.engines.split(","):
+                runs.append(figure(engine, gib, n, kind="bench") or {})
+    doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": a.engines.split(","),
+           "sizes_gib": [float(g) for g in a.gib.split(",")], "runs": runs,
+           "wall_s": time.time() - t_start}
+    with open(os.path.join(OUT, "bench.json"), "w") as f:
+        json.dump(doc, f)
+    print(f"bench: {len(runs)} runs in {doc['wall_s']:.0f} s -> {OUT}/bench.json", flush=True)
+    return all(r.get("ok") for r in runs)
 
 
 def figures(a):
@@ -423,7 +483,7 @@ def smoke(a):
 def main():
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors"])
+    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench"])
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(GPU, "out")))
     ap.add_argument("--trials", default="20", help="per engine, comma-separated")
     ap.add_argument("--jobs", default="mlp,cnn,multistream,graph,triton,gpt2,ptrtable")
@@ -436,7 +496,8 @@ def main():
     OUT = a.out
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(SOCK, exist_ok=True)
-    ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors}[a.mode](a)
+    ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors,
+          "bench": bench}[a.mode](a)
     return 0 if ok in (None, True) else 1
 
 

@@ -1,0 +1,196 @@
+"""Tables and plots from a `python3 eval/ckpt.py bench` run (issue 5).
+
+    python3 eval/report.py BENCH_JSON [--results eval/results] [--readme README.md]
+
+Writes, next to each other in --results, named <date>-<gpu>:
+  .json            the run itself (copied)
+  .md              the table: per size and engine, median and spread of each metric, and the
+                   ratios against the baseline (`driver`), which are the headline
+  -stall-<G>g.png  step time around the checkpoint, one line per engine (needs matplotlib)
+  -bars.png        one panel per metric, engines side by side per size (needs matplotlib)
+and with --readme replaces the part of README.md between `<!-- results:begin -->` and
+`<!-- results:end -->` with the table (the README's Results section is generated, never typed).
+"""
+import argparse, json, os, re, shutil, statistics, sys
+
+PCIE_GBPS = 55.0  # host<->device ceiling measured on the H100 machine (pinned, 4 GiB copies)
+
+METRICS = [
+    # key, label, unit, lower is better
+    ("stall_ms", "stall seen by the job", "ms", True),
+    ("checkpoint_total_ms", "checkpoint total", "ms", True),
+    ("image_gb", "image size", "GB", True),
+    ("restore_first_step_ms", "restore to first step", "ms", True),
+    ("restore_gbps", "restore throughput", "GB/s", False),
+    ("overhead_pct", "steady-state overhead", "%", True),
+    ("cold_start_ms", "fresh start to first step", "ms", True),
+]
+
+
+def metrics_of(run, plain_step_ms):
+    """The metrics of one run (None where they do not apply)."""
+    ck = run.get("checkpoint") or {}
+    m = {k: None for k, *_ in METRICS}
+    m["stall_ms"] = run.get("stall_ms")
+    m["checkpoint_total_ms"] = run.get("checkpoint_total_ms")
+    if ck.get("image_bytes") is not None:
+        m["image_gb"] = ck["image_bytes"] / 1e9
+    m["restore_first_step_ms"] = run.get("restore_to_first_step_ms")
+    gib_bytes = run["gib"] * (1 << 30)
+    rs = run.get("restore") or {}
+    er = run.get("engine_restore") or {}
+    if rs.get("driver_restore_ms"):
+        m["restore_gbps"] = gib_bytes / 1e9 / (rs["driver_restore_ms"] / 1e3)
+    elif er.get("bytes") and er.get("ms"):
+        m["restore_gbps"] = er["bytes"] / 1e9 / (er["ms"] / 1e3)
+    if run["engine"] != "driver" and plain_step_ms and run.get("normal_step_ms"):
+        m["overhead_pct"] = 100 * (run["normal_step_ms"] / plain_step_ms - 1)
+    m["cold_start_ms"] = run.get("start_to_first_step_ms")
+    return m
+
+
+def summarise(doc):
+    """{(gib, engine): {metric: (median, min, max, n)}}"""
+    runs = [r for r in doc["runs"] if r and r.get("engine")]
+    plain = {}
+    for r in runs:
+        if r["engine"] == "driver" and r.get("normal_step_ms"):
+            plain.setdefault(r["gib"], []).append(r["normal_step_ms"])
+    plain = {g: statistics.median(v) for g, v in plain.items()}
+    out = {}
+    for r in runs:
+        m = metrics_of(r, plain.get(r["gib"]))
+        cell = out.setdefault((r["gib"], r["engine"]), {})
+        for k, v in m.items():
+            if v is not None:
+                cell.setdefault(k, []).append(v)
+    return {key: {k: (statistics.median(v), min(v), max(v), len(v)) for k, v in cell.items()}
+            for key, cell in out.items()}
+
+
+def fmt(v, unit):
+    if v is None:
+        return "–"
+    if unit == "ms":
+        return f"{v / 1e3:.2f} s" if v >= 1000 else f"{v:.0f} ms"
+    if unit == "%":
+        return f"{v:+.1f}%"
+    return f"{v:.1f} {unit}"
+
+
+def table(doc, summary):
+    engines = doc.get("engines") or sorted({e for _, e in summary})
+    sizes = sorted({g for g, _ in summary})
+    lines = [f"Run of {doc.get('date')} on {doc.get('gpu')}: median (min-max, n) per size and engine; "
+             f"`x` = ratio to `driver` (the baseline: CRIU + NVIDIA's driver checkpoint).", ""]
+    head = "| metric | GiB | " + " | ".join(engines) + " |"
+    lines += [head, "|" + "---|" * (2 + len(engines))]
+    for key, label, unit, lower in METRICS:
+        for g in sizes:
+            cells = []
+            base = summary.get((g, "driver"), {}).get(key)
+            for e in engines:
+                s = summary.get((g, e), {}).get(key)
+                if not s:
+                    cells.append("–")
+                    continue
+                med, lo, hi, n = s
+                c = fmt(med, unit)
+                if n > 1:
+                    c += f" ({fmt(lo, unit)}-{fmt(hi, unit)}, {n})"
+                if base and e != "driver" and base[0] and unit != "%":
+                    c += f" **{med / base[0]:.2f}x**"
+                cells.append(c)
+            if any(c != "–" for c in cells):
+                lines.append(f"| {label} | {g:g} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Restore throughput is against a PCIe ceiling of {PCIE_GBPS:.0f} GB/s. "
+                 "`gpu-only` is possum's GPU side alone (the driver refuses a full possum "
+                 "checkpoint of a CUPTI-attached job on this driver; see eval/results/README.md).")
+    return "\n".join(lines) + "\n"
+
+
+def plots(doc, summary, stem):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("report: matplotlib not installed: no PNG plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    made = []
+    runs = [r for r in doc["runs"] if r and r.get("timeline")]
+    for g in sorted({r["gib"] for r in runs}):
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for r in runs:
+            if r["gib"] == g and r.get("rep", 0) == 0:
+                t = [p[0] for p in r["timeline"]]
+                v = [p[1] for p in r["timeline"]]
+                ax.plot(t, v, label=r["engine"], drawstyle="steps-post")
+        ax.set_yscale("log")
+        ax.set_xlabel("seconds since the checkpoint began")
+        ax.set_ylabel("time between steps (ms)")
+        ax.set_title(f"Step times around a checkpoint, {g:g} GiB of extra state")
+        ax.legend()
+        fig.tight_layout()
+        path = f"{stem}-stall-{g:g}g.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    engines = doc.get("engines") or sorted({e for _, e in summary})
+    sizes = sorted({g for g, _ in summary})
+    keys = [m for m in METRICS if any(m[0] in c for c in summary.values())]
+    if keys:
+        fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2))
+        axes = axes if len(keys) > 1 else [axes]
+        w = 0.8 / max(1, len(engines))
+        for ax, (key, label, unit, _) in zip(axes, keys):
+            for i, e in enumerate(engines):
+                ys = [summary.get((g, e), {}).get(key, (0,))[0] for g in sizes]
+                ax.bar([j + i * w for j in range(len(sizes))], ys, w, label=e)
+            ax.set_xticks([j + w * (len(engines) - 1) / 2 for j in range(len(sizes))])
+            ax.set_xticklabels([f"{g:g} GiB" for g in sizes])
+            ax.set_title(f"{label} ({unit})", fontsize=9)
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        path = f"{stem}-bars.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def update_readme(readme, md, stem):
+    text = open(readme).read()
+    begin, end = "<!-- results:begin -->", "<!-- results:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"{readme}: no {begin} ... {end} markers")
+    block = (f"{begin}\n<!-- generated by eval/report.py from {os.path.basename(stem)}.json; "
+             f"do not edit by hand -->\n\n{md}\n{end}")
+    text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    open(readme, "w").write(text)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bench")
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--readme")
+    a = ap.parse_args()
+    doc = json.load(open(a.bench))
+    gpu = re.sub(r"[^a-z0-9]+", "-", (doc.get("gpu") or "gpu").split(",")[0].lower()).strip("-")
+    stem = os.path.join(a.results, f"{doc.get('date', 'undated')}-{gpu}")
+    if os.path.abspath(a.bench) != os.path.abspath(stem + ".json"):
+        shutil.copyfile(a.bench, stem + ".json")
+    summary = summarise(doc)
+    md = table(doc, summary)
+    open(stem + ".md", "w").write(md)
+    made = plots(doc, summary, stem)
+    if a.readme:
+        update_readme(a.readme, md, stem)
+    print(md)
+    print("wrote", stem + ".json", stem + ".md", *made)
+
+
+if __name__ == "__main__":
+    main()
