@@ -455,6 +455,13 @@ impl<D: Device> Engine<D> {
         CkptSession::begin(&self.inner, sink, mode)
     }
 
+    /// Marks every buffer as written, so that the next pre-copy round (or `checkpoint(sink, true)`)
+    /// takes all of them: needed before the first round into a new sink, since the dirty marks
+    /// only say what changed since the last round, whichever sink that one went to.
+    pub fn mark_all_dirty(&self) {
+        self.inner.reg.read().iter().for_each(Buffer::mark_dirty);
+    }
+
     /// One pre-copy round: copies every buffer written since the previous round (all of them the
     /// first time) while the job runs, and returns when they are in the sink. Not a consistent image
     /// by itself: finish with `checkpoint(sink, true)`.

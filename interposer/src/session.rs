@@ -161,6 +161,9 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
             open.push((e.ordinal, writer));
             continue;
         }
+        // A new image: every buffer goes in, not only those written since the last round (that
+        // round, of an earlier checkpoint, went into another image).
+        e.engine.mark_all_dirty();
         let sink: Arc<dyn ChunkSink> = writer.clone();
         let r = e
             .engine
@@ -294,7 +297,8 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
             ));
         };
         let path = engine_image_dir(dir, e.ordinal);
-        let img = Image::open(&path).map_err(|err| err.to_string())?;
+        let img = Image::open(&path)
+            .map_err(|err| format!("device {}: cannot open its image: {err}", e.ordinal))?;
         let h = e
             .engine
             .restore(Arc::new(img))

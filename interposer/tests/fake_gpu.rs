@@ -4,70 +4,16 @@
 //! it checks possum's logic (allocations served by the engine, launches resolved, validation,
 //! the DAG, the statistics), not CUDA's.
 
-use std::path::{Path, PathBuf};
-
-mod common;
-use common::libpossum;
 use std::process::Command;
 
-fn cc(args: &[&str]) -> bool {
-    Command::new("cc")
-        .args(args)
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// Builds the fakes and the job into `dir`; `false` (test skipped, said on stderr) without a C
-/// compiler.
-fn build(dir: &Path) -> bool {
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let d = dir.to_str().unwrap();
-    let src = |p: &str| here.join(p).to_str().unwrap().to_string();
-    let ok = cc(&[
-        "-O1",
-        "-shared",
-        "-fPIC",
-        "-o",
-        &format!("{d}/libcuda.so.1"),
-        &src("../cuda/testdata/fake-libcuda.c"),
-    ]) && cc(&[
-        "-O1",
-        "-shared",
-        "-fPIC",
-        "-Wl,-soname,libcudart.so.13",
-        "-o",
-        &format!("{d}/libcudart.so.13"),
-        &src("tests/fake/fake_cudart.c"),
-        &format!("-L{d}"),
-        "-l:libcuda.so.1",
-    ]) && cc(&[
-        "-O1",
-        "-shared",
-        "-fPIC",
-        "-o",
-        &format!("{d}/libfakecupti.so"),
-        &src("tests/fake/fake_cupti.c"),
-    ]) && cc(&[
-        "-O1",
-        "-o",
-        &format!("{d}/fake_job"),
-        &src("tests/fake/fake_job.c"),
-        &format!("-L{d}"),
-        "-l:libcudart.so.13",
-        &format!("-Wl,-rpath,{d}"),
-        "-ldl",
-    ]);
-    if !ok {
-        eprintln!("SKIPPED: no C compiler to build the fake GPU stack [fake_gpu]");
-    }
-    ok
-}
+mod common;
+use common::{build_fake_gpu, libpossum};
 
 #[test]
 fn a_job_on_a_fake_gpu() {
     let dir = std::env::temp_dir().join(format!("possum-fakegpu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    if !build(&dir) {
+    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
         return;
     }
     let stats = dir.join("stats.json");

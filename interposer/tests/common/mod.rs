@@ -1,6 +1,7 @@
 //! Shared by the interposer's integration tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// The cdylib cargo built for this test run. `cargo test` builds it into `<target>/<profile>/deps/`
 /// beside the test's executable (only `cargo build` copies it up to `<target>/<profile>/`, where
@@ -13,4 +14,60 @@ pub fn libpossum() -> PathBuf {
         .map(|d| d.join("libpossum.so"))
         .find(|p| p.exists())
         .expect("libpossum.so not built")
+}
+
+fn cc(args: &[&str]) -> bool {
+    Command::new("cc")
+        .args(args)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Builds the fake GPU stack into `dir`: the fake driver (`libcuda.so.1`), runtime
+/// (`libcudart.so.13`) and CUPTI (`libfakecupti.so`), and the job `job_src` (relative to the
+/// crate) as `dir/job_name`, linked against the fake runtime. `false` (the caller skips the test,
+/// said on stderr) without a C compiler.
+#[allow(dead_code)] // not every test uses the fake GPU
+pub fn build_fake_gpu(dir: &Path, job_src: &str, job_name: &str) -> bool {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let d = dir.to_str().unwrap();
+    let src = |p: &str| here.join(p).to_str().unwrap().to_string();
+    let ok = cc(&[
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-o",
+        &format!("{d}/libcuda.so.1"),
+        &src("../cuda/testdata/fake-libcuda.c"),
+    ]) && cc(&[
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-Wl,-soname,libcudart.so.13",
+        "-o",
+        &format!("{d}/libcudart.so.13"),
+        &src("tests/fake/fake_cudart.c"),
+        &format!("-L{d}"),
+        "-l:libcuda.so.1",
+    ]) && cc(&[
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-o",
+        &format!("{d}/libfakecupti.so"),
+        &src("tests/fake/fake_cupti.c"),
+    ]) && cc(&[
+        "-O1",
+        "-o",
+        &format!("{d}/{job_name}"),
+        &src(job_src),
+        &format!("-L{d}"),
+        "-l:libcudart.so.13",
+        &format!("-Wl,-rpath,{d}"),
+        "-ldl",
+    ]);
+    if !ok {
+        eprintln!("SKIPPED: no C compiler to build the fake GPU stack [{job_name}]");
+    }
+    ok
 }

@@ -1,0 +1,148 @@
+/* A long-running "GPU job" for the fake driver, runtime and CUPTI, driven one command at a time on
+ * stdin by tests/fake_session.rs while possum checkpoints, releases and restores it. Every access
+ * to device memory (host memory under the fake driver) is bracketed by the CUPTI entry and exit
+ * callbacks the real CUDA call would fire (a kernel launch, an HtoD or DtoH copy), so possum sees
+ * it, and a paused job blocks before touching anything.
+ *
+ * At start: cudaMalloc A (1 MiB), B (1 MiB), C (256 KiB), fill them (HtoD copies) with
+ *   A[i] = 7i + 1, B[i] = i ^ 0x5a5a5a5a, C[i] = 0 (u32 words); answers "ready".
+ * Commands, one a line, each answered with one line on stdout:
+ *   step N     runs N steps; answers "done S", S being the steps run since the start. Step s:
+ *              mix(A, B, s): B[i] = B[i] * 2654435761 + (A[i] ^ s) (A read, B written);
+ *              when s % 3 == 0 also bump(C, s): C[i] += i * s + 1.
+ *   malloc     cudaMalloc D (64 KiB), D[i] = 0xd0000000 + i (an HtoD copy); answers "malloced".
+ *   dump PATH  reads A, B, C and D if allocated back (DtoH copies) and writes them, in that order,
+ *              to PATH; answers "dumped".
+ *   exit       cudaFree every buffer; answers "bye" and exits 0 (also at the end of stdin).
+ * Anything failing answers "error ..." and exits 1.
+ *
+ * Without libpossum (the test's reference run) cudaMalloc is the fake runtime's calloc and the
+ * callbacks go nowhere: the same results, computed without possum. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int cudaMalloc(void **, size_t);
+int cudaFree(void *);
+
+#define FAKE_KERNEL_MAGIC 0x6b65726e656c2121ull
+struct fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8]; };
+typedef struct { void *f; unsigned g[6]; unsigned shmem; void *stream; void **params; void **extra; } launch_params;
+typedef void (*fire_fn)(uint32_t cbid, int site, const void *params, void *ret);
+
+/* mix(const uint32_t *x, uint32_t *y, uint32_t s), bump(uint32_t *z, uint32_t s) */
+static struct fake_kernel mix = {FAKE_KERNEL_MAGIC, "mix", 3, {0, 8, 16}, {8, 8, 4}};
+static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump", 2, {0, 8}, {8, 4}};
+
+enum { CB_LAUNCH = 307, CB_HTOD = 276, CB_DTOH = 278 }; /* cuLaunchKernel, cuMemcpy{HtoD,DtoH}_v2 */
+static const size_t NA = 1 << 18, NB = 1 << 18, NC = 1 << 16, ND = 1 << 14; /* u32 words */
+
+static fire_fn fire;
+static int ret;
+
+static void die(const char *what) {
+    printf("error %s\n", what);
+    fflush(stdout);
+    exit(1);
+}
+
+/* cuMemcpyHtoD_v2(dst, src, bytes) */
+static void htod(void *dst, const void *src, size_t bytes) {
+    uint64_t p[3] = {(uint64_t)(uintptr_t)dst, (uint64_t)(uintptr_t)src, bytes};
+    fire(CB_HTOD, 0, p, &ret);
+    memcpy(dst, src, bytes);
+    fire(CB_HTOD, 1, p, &ret);
+}
+
+/* cuMemcpyDtoH_v2(dst, src, bytes) */
+static void dtoh(void *dst, const void *src, size_t bytes) {
+    uint64_t p[3] = {(uint64_t)(uintptr_t)dst, (uint64_t)(uintptr_t)src, bytes};
+    fire(CB_DTOH, 0, p, &ret);
+    memcpy(dst, src, bytes);
+    fire(CB_DTOH, 1, p, &ret);
+}
+
+static uint32_t *alloc_filled(size_t n, uint32_t (*f)(size_t)) {
+    uint32_t *d, *h = malloc(n * 4);
+    if (!h) die("malloc");
+    if (cudaMalloc((void **)&d, n * 4)) die("cudaMalloc");
+    for (size_t i = 0; i < n; i++) h[i] = f(i);
+    htod(d, h, n * 4);
+    free(h);
+    return d;
+}
+
+static uint32_t init_a(size_t i) { return (uint32_t)(7 * i + 1); }
+static uint32_t init_b(size_t i) { return (uint32_t)i ^ 0x5a5a5a5au; }
+static uint32_t init_c(size_t i) { (void)i; return 0; }
+static uint32_t init_d(size_t i) { return 0xd0000000u + (uint32_t)i; }
+
+static void step(uint32_t *a, uint32_t *b, uint32_t *c, uint32_t s) {
+    {
+        void *args[] = {&a, &b, &s};
+        launch_params p = {&mix, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(CB_LAUNCH, 0, &p, &ret);
+        for (size_t i = 0; i < NB; i++) b[i] = b[i] * 2654435761u + (a[i] ^ s);
+        fire(CB_LAUNCH, 1, &p, &ret);
+    }
+    if (s % 3 == 0) {
+        void *args[] = {&c, &s};
+        launch_params p = {&bump, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(CB_LAUNCH, 0, &p, &ret);
+        for (size_t i = 0; i < NC; i++) c[i] += (uint32_t)i * s + 1;
+        fire(CB_LAUNCH, 1, &p, &ret);
+    }
+}
+
+static void dump(const char *path, uint32_t *const *bufs, const size_t *ns, int k) {
+    FILE *f = fopen(path, "wb");
+    if (!f) die("fopen");
+    for (int j = 0; j < k; j++) {
+        uint32_t *h = malloc(ns[j] * 4);
+        if (!h) die("malloc");
+        dtoh(h, bufs[j], ns[j] * 4);
+        if (fwrite(h, 4, ns[j], f) != ns[j]) die("fwrite");
+        free(h);
+    }
+    if (fclose(f)) die("fclose");
+}
+
+int main(void) {
+    const char *cupti = getenv("POSSUM_CUPTI");
+    void *h = cupti ? dlopen(cupti, RTLD_NOW) : NULL;
+    fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
+    if (!fire) die("no fake CUPTI");
+    uint32_t *a = alloc_filled(NA, init_a), *b = alloc_filled(NB, init_b), *c = alloc_filled(NC, init_c);
+    uint32_t *d = NULL;
+    uint32_t s = 0;
+    puts("ready");
+    fflush(stdout);
+    char line[4096];
+    while (fgets(line, sizeof line, stdin)) {
+        line[strcspn(line, "\n")] = 0;
+        if (!strncmp(line, "step ", 5)) {
+            long n = atol(line + 5);
+            for (long k = 0; k < n; k++) step(a, b, c, ++s);
+            printf("done %u\n", s);
+        } else if (!strcmp(line, "malloc")) {
+            if (d) die("D already allocated");
+            d = alloc_filled(ND, init_d);
+            puts("malloced");
+        } else if (!strncmp(line, "dump ", 5)) {
+            uint32_t *bufs[] = {a, b, c, d};
+            size_t ns[] = {NA, NB, NC, ND};
+            dump(line + 5, bufs, ns, d ? 4 : 3);
+            puts("dumped");
+        } else if (!strcmp(line, "exit")) {
+            break;
+        } else {
+            die("unknown command");
+        }
+        fflush(stdout);
+    }
+    if (cudaFree(a) || cudaFree(b) || cudaFree(c) || (d && cudaFree(d))) die("cudaFree");
+    puts("bye");
+    return 0;
+}
