@@ -149,6 +149,10 @@ pub struct Stats {
     pub bytes: u64,
     /// Bytes with physical memory now.
     pub resident_bytes: u64,
+    /// Buffers marked written since the last pre-copy round (what a final dirty round would take).
+    pub dirty_buffers: usize,
+    /// Their bytes.
+    pub dirty_bytes: u64,
     /// Hook calls.
     pub hook_calls: u64,
     /// Hook calls that blocked the job's thread.
@@ -538,6 +542,8 @@ impl<D: Device> Engine<D> {
                 .filter(|b| b.residency() == Residency::Mapped)
                 .map(Buffer::mapped_size)
                 .sum(),
+            dirty_buffers: reg.iter().filter(|b| b.is_dirty()).count(),
+            dirty_bytes: reg.iter().filter(|b| b.is_dirty()).map(Buffer::size).sum(),
             hook_calls: c.hook_calls.load(Ordering::Relaxed),
             hook_blocked,
             hook_blocked_ns: u64::try_from(total.as_nanos()).unwrap_or(u64::MAX),

@@ -370,6 +370,10 @@ fn a_session_on_a_fake_gpu() {
 
     // The job goes on: it writes B (both steps) and C (step 6) after the pre-copy, not A.
     job.run(STEPS_PRECOPY, "done 7");
+    // Status tells what a release would take now.
+    let (_, engine, _) = ctl.status();
+    assert_eq!(engine["dirty_buffers"], 2, "{engine}");
+    assert_eq!(engine["dirty_bytes"], B + C, "{engine}");
 
     // Release: paused, the dirty buffers copied, the image committed, the buffers released.
     let r = ctl.ok(&Request::Release);

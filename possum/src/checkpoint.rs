@@ -498,6 +498,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     })?;
     let mut clock = Clock::default();
     let mut engine_report = Value::Null;
+    let mut release_report = Value::Null;
     let manifest = |criu_dir: Option<String>| Manifest {
         possum_image: MANIFEST_VERSION,
         engine: a.engine,
@@ -529,7 +530,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 let _ = b.join();
             }
             guard.step("releasing");
-            clock.time("release", || ask(pid, &sockets, &Request::Release))?;
+            release_report = clock.time("release", || ask(pid, &sockets, &Request::Release))?;
         }
         let Some((criu, drv)) = &side else {
             let gpu_bytes = dir_bytes(&tmp.join("gpu"));
@@ -656,7 +657,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     fig.insert("gpu_image_bytes".into(), json!(gpu_bytes));
     let out = json!({
         "pid": pid, "engine": a.engine, "dir": a.dir, "leave_running": a.leave_running,
-        "figures": fig, "engine_report": engine_report,
+        "figures": fig, "engine_report": engine_report, "release_report": release_report,
     });
     // The figures also go into the image (best effort: the image is already complete).
     manifest.figures = out.clone();
