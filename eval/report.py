@@ -52,14 +52,16 @@ def metrics_of(run, plain_step_ms):
 def summarise(doc):
     """{(gib, engine): {metric: (median, min, max, n)}}"""
     runs = [r for r in doc["runs"] if r and r.get("engine")]
+    # The baseline's job runs without possum: its step time is the plain one, for the same size
+    # and the same job (state written every step, or frozen).
     plain = {}
     for r in runs:
         if r["engine"] == "driver" and r.get("normal_step_ms"):
-            plain.setdefault(r["gib"], []).append(r["normal_step_ms"])
-    plain = {g: statistics.median(v) for g, v in plain.items()}
+            plain.setdefault((r["gib"], r.get("state")), []).append(r["normal_step_ms"])
+    plain = {k: statistics.median(v) for k, v in plain.items()}
     out = {}
     for r in runs:
-        m = metrics_of(r, plain.get(r["gib"]))
+        m = metrics_of(r, plain.get((r["gib"], r.get("state"))))
         cell = out.setdefault((r["gib"], r["engine"]), {})
         for k, v in m.items():
             if v is not None:
@@ -82,7 +84,10 @@ def table(doc, summary):
     engines = doc.get("engines") or sorted({e for _, e in summary})
     sizes = sorted({g for g, _ in summary})
     lines = [f"Run of {doc.get('date')} on {doc.get('gpu')}: median (min-max, n) per size and engine; "
-             f"`x` = ratio to `driver` (the baseline: CRIU + NVIDIA's driver checkpoint).", ""]
+             f"`x` = ratio to `driver` (the baseline: CRIU + NVIDIA's driver checkpoint)."]
+    if doc.get("source"):
+        lines.append(f"Source: {doc['source']}.")
+    lines.append("")
     head = "| metric | GiB | " + " | ".join(engines) + " |"
     lines += [head, "|" + "---|" * (2 + len(engines))]
     for key, label, unit, lower in METRICS:
