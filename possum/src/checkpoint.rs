@@ -111,8 +111,102 @@ pub struct Manifest {
     /// (engine possum).
     pub criu_dir: Option<String>,
     pub gpu_dir: Option<String>,
+    /// The GPU memory the job used when checkpointed, per GPU (from nvidia-smi; empty when it
+    /// could not be asked): a restore refuses a GPU with less free memory.
+    #[serde(default)]
+    pub gpu_memory: Vec<GpuUse>,
     /// The checkpoint's figures.
     pub figures: Value,
+}
+
+/// GPU memory used by a process on one GPU.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct GpuUse {
+    /// The GPU's UUID, as nvidia-smi prints it (`GPU-...`).
+    pub uuid: String,
+    /// MiB.
+    pub mib: u64,
+}
+
+/// What nvidia-smi (`$POSSUM_NVIDIA_SMI`, else `nvidia-smi` on PATH) says about GPU memory.
+mod smi {
+    use super::GpuUse;
+    use std::process::Command;
+
+    fn query(args: &[&str]) -> Option<Vec<Vec<String>>> {
+        let bin = std::env::var("POSSUM_NVIDIA_SMI").unwrap_or_else(|_| "nvidia-smi".into());
+        let out = Command::new(bin).args(args).output().ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        Some(
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| l.split(',').map(|f| f.trim().to_string()).collect())
+                .collect(),
+        )
+    }
+
+    /// The memory `pid` uses on each GPU; None when nvidia-smi cannot be asked.
+    pub fn process_usage(pid: i32) -> Option<Vec<GpuUse>> {
+        let rows = query(&[
+            "--query-compute-apps=pid,gpu_uuid,used_memory",
+            "--format=csv,noheader,nounits",
+        ])?;
+        Some(
+            rows.iter()
+                .filter(|r| r.len() >= 3 && r[0] == pid.to_string())
+                .filter_map(|r| {
+                    Some(GpuUse {
+                        uuid: r[1].clone(),
+                        mib: r[2].parse().ok()?,
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// Free MiB per GPU UUID; None when nvidia-smi cannot be asked.
+    pub fn free() -> Option<Vec<(String, u64)>> {
+        let rows = query(&[
+            "--query-gpu=uuid,memory.free",
+            "--format=csv,noheader,nounits",
+        ])?;
+        Some(
+            rows.iter()
+                .filter(|r| r.len() >= 2)
+                .filter_map(|r| Some((r[0].clone(), r[1].parse().ok()?)))
+                .collect(),
+        )
+    }
+}
+
+/// Refuses a restore onto GPUs with too little free memory for what the job used.
+fn check_gpu_memory(m: &Manifest) -> Result<()> {
+    if m.gpu_memory.is_empty() {
+        return Ok(());
+    }
+    let Some(free) = smi::free() else {
+        eprintln!("possum: nvidia-smi cannot be asked: free GPU memory not checked");
+        return Ok(());
+    };
+    for u in &m.gpu_memory {
+        match free.iter().find(|(id, _)| *id == u.uuid) {
+            None => bail!(
+                "the GPU the job ran on ({}) is not on this machine (restoring on another GPU is \
+                 not supported yet)",
+                u.uuid
+            ),
+            Some((_, f)) if *f < u.mib => bail!(
+                "GPU {} has too little memory: {f} MiB free, the job used {} MiB",
+                u.uuid,
+                u.mib
+            ),
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// Milliseconds, for the figures.
@@ -487,6 +581,8 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         .map(|sid| sid.as_raw() != pid)
         .unwrap_or(false);
 
+    // What the job uses on the GPU now, for the restore's check (asked before anything changes).
+    let gpu_memory = smi::process_usage(pid).unwrap_or_default();
     let tmp = temp_sibling(&a.dir)?;
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
@@ -511,6 +607,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             .unwrap_or(0),
         criu_dir,
         gpu_dir: (a.engine == EngineKind::Possum).then(|| "gpu".into()),
+        gpu_memory: gpu_memory.clone(),
         figures: Value::Null,
     };
     let r = (|| -> Result<(Manifest, u64, u64)> {
@@ -776,6 +873,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
              free (kill the original first, or restore on another machine)"
         );
     }
+    check_gpu_memory(&m)?;
     let criu = Criu::locate().context("CRIU is needed for the CPU side")?;
     let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
     let sockets = a.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());

@@ -288,3 +288,63 @@ fn restore_names_what_is_wrong_with_an_image() {
     let out = restore(&img);
     assert!(text(&out).contains("image format 99"), "{}", text(&out));
 }
+
+/// A stand-in for nvidia-smi answering the two queries possum makes.
+fn fake_smi(dir: &Path, free_mib: u64) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("nvidia-smi");
+    std::fs::write(
+        &p,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in\n  --query-gpu=*) echo 'GPU-aaaa, {free_mib}'; echo 'GPU-bbbb, 80000';;\n  --query-compute-apps=*) echo '1, GPU-aaaa, 9000';;\nesac\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+#[test]
+fn restore_refuses_a_gpu_with_too_little_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img");
+    std::fs::create_dir_all(img.join("criu")).unwrap();
+    std::fs::write(img.join("criu/inventory.img"), "x").unwrap();
+    // A pid that is free: a reaped child's.
+    let mut c = Command::new("true").spawn().unwrap();
+    c.wait().unwrap();
+    let m = |uuid: &str| {
+        json!({"possum_image": 1, "engine": "driver", "pid": c.id(), "shell_job": false,
+               "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
+               "gpu_memory": [{"uuid": uuid, "mib": 9000}], "figures": null})
+        .to_string()
+    };
+    let restore = |smi: &Path| {
+        possum()
+            .args(["restore", "-D"])
+            .arg(&img)
+            .env("POSSUM_NVIDIA_SMI", smi)
+            .env("POSSUM_CRIU", "/nonexistent/criu")
+            .output()
+            .unwrap()
+    };
+    std::fs::write(img.join("possum.json"), m("GPU-aaaa")).unwrap();
+    let out = restore(&fake_smi(tmp.path(), 8000));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains("too little memory") && t.contains("8000 MiB free") && t.contains("9000 MiB"),
+        "{t}"
+    );
+    // Enough memory: the check passes, and the restore goes on to the next requirement.
+    let out = restore(&fake_smi(tmp.path(), 20000));
+    assert!(text(&out).contains("CRIU"), "{}", text(&out));
+    // A GPU that is not there.
+    std::fs::write(img.join("possum.json"), m("GPU-cccc")).unwrap();
+    let out = restore(&fake_smi(tmp.path(), 20000));
+    assert!(
+        text(&out).contains("is not on this machine"),
+        "{}",
+        text(&out)
+    );
+}
