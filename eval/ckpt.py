@@ -283,6 +283,17 @@ def figure(engine, gib, n, kind="figures"):
     first_line = next((r for r in read_log(log) if "t" in r), None)
     if first_line:
         row["start_to_first_step_ms"] = 1e3 * (first_line["t"] - row.pop("_spawned"))
+    if engine != "driver":
+        # What possum thinks the job does: opaque operations mark every buffer written, which
+        # decides what the pause has to copy.
+        st = (job_status(p.pid) or {}).get("possum") or {}
+        c = st.get("counters") or {}
+        row["possum_before"] = {
+            "launches": c.get("launches"), "launches_opaque": c.get("launches_opaque"),
+            "opaque_ops": c.get("opaque_ops"), "kernels_made_opaque": c.get("kernels_made_opaque"),
+            "opaque_kernels": [k.get("name") for k in st.get("opaque_kernels") or []][:10],
+            "engines": [e.get("engine") for e in st.get("engines") or []],
+        }
     t0 = time.time()
     ck = checkpoint(p.pid, img, engine, leave=True)
     t1 = time.time()
