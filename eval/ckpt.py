@@ -15,6 +15,8 @@ lines.
   possum and --engine driver.
 - errors: the error cases of `possum checkpoint`/`restore`: each must fail with a clear message,
   leave the job running and leave no image.
+- probe: which variants of a possum'd job NVIDIA's driver checkpoint accepts (CUPTI off,
+  subscribed with none/one/all callbacks, unsubscribed or finalized before the lock).
 - bench: the figures' matrix (sizes x engines x reps) as one document, OUT/bench.json, with the
   step-time timeline around each checkpoint, the steady-state step time, the time from a fresh
   start to the first step, and possum's restore figures; eval/report.py turns it into the table,
@@ -485,6 +487,52 @@ def errors(a):
     return ok
 
 
+def probe(a):
+    """Which jobs NVIDIA's driver checkpoint accepts: the same MLP under libpossum.so with CUPTI
+    off, subscribed with no callback, with one, with all; and detached (unsubscribe, finalize)
+    before the lock. Each: `possum checkpoint --engine driver --leave-running` (lock, checkpoint,
+    CRIU dump, restore, unlock), then whether the job still runs."""
+    variants = [
+        ("no possum", None, {}),
+        ("possum, CUPTI off", "off", {}),
+        ("possum, subscribed, no callback", None, {"POSSUM_CALLBACKS": "none", "POSSUM_MANAGE": "0"}),
+        ("possum, cuLaunchKernel only", None, {"POSSUM_CALLBACKS": "cuLaunchKernel"}),
+        ("possum, all callbacks", None, {}),
+        ("possum, all, unsubscribed before", None, {"detach": "unsubscribe"}),
+        ("possum, all, cuptiFinalize before", None, {"detach": "finalize"}),
+    ]
+    ok = True
+    for name, cupti, env in variants:
+        saved = dict(os.environ)
+        detach = env.pop("detach", None)
+        os.environ.update(env)
+        if cupti:
+            os.environ["CKPT_JOB_CUPTI"] = cupti
+        if detach:
+            os.environ["POSSUM_DETACH"] = detach
+        try:
+            p, log = start("probe", "mlp", 10 ** 6, possum=(name != "no possum"), sleep_ms=20)
+            wait_lines(log, 5, 300, p)
+            if detach:
+                possum("cupti", str(p.pid), "--socket-dir", SOCK, timeout=30)
+            img = os.path.join(WORK, "img-probe")
+            shutil.rmtree(img, ignore_errors=True)
+            ck = checkpoint(p.pid, img, "driver", leave=True)
+            n0 = len(read_log(log))
+            time.sleep(1.0)
+            running = alive(p.pid) and len(read_log(log)) > n0
+            emit("probe", {"variant": name, "accepted": ck["rc"] == 0, "job_runs_on": running,
+                           "message": ck["stderr"][-300:] if ck["rc"] else None})
+            ok &= running
+            p.kill()
+            p.wait()
+            shutil.rmtree(img, ignore_errors=True)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return ok
+
+
 def smoke(a):
     ok = trial("mlp", "gpu-only", 20, 120, 10, 0)
     ok &= trial("mlp", "driver", 20, 120, 10, 1)
@@ -494,7 +542,7 @@ def smoke(a):
 def main():
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench"])
+    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench", "probe"])
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(GPU, "out")))
     ap.add_argument("--trials", default="20", help="per engine, comma-separated")
     ap.add_argument("--jobs", default="mlp,cnn,multistream,graph,triton,gpt2,ptrtable")
@@ -508,7 +556,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(SOCK, exist_ok=True)
     ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors,
-          "bench": bench}[a.mode](a)
+          "bench": bench, "probe": probe}[a.mode](a)
     return 0 if ok in (None, True) else 1
 
 

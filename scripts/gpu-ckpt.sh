@@ -3,7 +3,7 @@
 # packages carried in .gpu/.
 #
 #   (here)  bash scripts/gpu-ckpt.sh --stage        build possum + libpossum.so, download CRIU .debs
-#   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench
+#   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe
 #           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --gib 8,32 --reps N --engines a,b ...)
 #   (here)  python3 eval/report.py FILES_AT/bench.json --readme README.md   (after `bench`: the
 #           table, plots and README's Results section; issue 5)
@@ -24,7 +24,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "SKIPPED: no GPU (nvidia-smi -L failed)"
     exit 0
 fi
-mode=${1:?usage: gpu-ckpt.sh --stage | smoke | correctness | figures | errors | bench}
+mode=${1:?usage: gpu-ckpt.sh --stage | smoke | correctness | figures | errors | bench | probe}
 shift
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
