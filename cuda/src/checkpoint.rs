@@ -248,19 +248,6 @@ fn code_label(code: i32) -> String {
     format!("{name}, CUresult {code}")
 }
 
-/// `e` with its sources: libloading's `Display` says only "dlopen failed"; `dlerror`'s text is its
-/// source.
-fn describe_load_error(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
-    }
-    s
-}
-
 /// The driver's checkpoint API, loaded. Cheap to share between threads (`Send + Sync`); every
 /// method may be called from any thread.
 pub struct DriverCheckpoint {
@@ -317,8 +304,7 @@ impl DriverCheckpoint {
         };
         // SAFETY: loading libcuda runs its initialisers, which have no preconditions (it is loaded
         // into arbitrary processes by the CUDA runtime and by tools).
-        let library =
-            unsafe { Library::new(lib) }.map_err(|e| load_err(describe_load_error(&e)))?;
+        let library = unsafe { Library::new(lib) }.map_err(|e| load_err(crate::error_chain(&e)))?;
         // The types below are those of CUDA 13.0's cuda.h: `CUresult cuInit(unsigned int)`,
         // `CUresult cuGetErrorString(CUresult, const char **)`,
         // `CUresult cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock}(int pid, CU...Args *)`

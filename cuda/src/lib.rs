@@ -27,3 +27,16 @@ pub use driver::{
     check, is_out_of_memory, CUcontext, CUresult, CUstream, CudaEvent, CudaPending, CudaStream,
     PinnedBuf,
 };
+
+/// `e` followed by its sources, `: `-separated (libloading's `Display` says only "dlopen failed";
+/// `dlerror`'s text is its source).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        src = inner.source();
+    }
+    s
+}

@@ -80,19 +80,6 @@ pub struct Cupti {
 /// The current subscription (none while detached).
 static SUBSCRIBED: parking_lot::Mutex<Option<Subscriber>> = parking_lot::Mutex::new(None);
 
-/// `e` with its sources: libloading's `Display` says only "dlopen failed", `dlerror`'s text is
-/// its source.
-fn describe_error(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        src = inner.source();
-    }
-    s
-}
-
 /// A CUPTI subscription, with this crate's [`callback`] as its callback. Never unsubscribed.
 #[derive(Debug, Clone, Copy)]
 pub struct Subscriber(SubscriberHandle);
@@ -116,7 +103,7 @@ impl Cupti {
         for name in candidates {
             match Self::open(name) {
                 Ok(c) => return Ok((CUPTI.get_or_init(|| c), name.clone())),
-                Err(e) => why.push(format!("{name}: {}", describe_error(&e))),
+                Err(e) => why.push(format!("{name}: {}", possum_cuda::error_chain(&e))),
             }
         }
         Err(why.join("; "))

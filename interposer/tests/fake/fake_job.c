@@ -11,13 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int cudaMalloc(void **, size_t);
-int cudaFree(void *);
-
-#define FAKE_KERNEL_MAGIC 0x6b65726e656c2121ull
-struct fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8]; };
-typedef struct { void *f; unsigned g[6]; unsigned shmem; void *stream; void **params; void **extra; } launch_params;
-typedef void (*fire_fn)(uint32_t cbid, int site, const void *params, void *ret);
+#include "fake_abi.h"
 
 static struct fake_kernel axpy = {FAKE_KERNEL_MAGIC, "axpy", 2, {0, 8}, {8, 8}};
 static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump_table", 1, {0}, {8}};

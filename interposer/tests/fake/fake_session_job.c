@@ -24,13 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int cudaMalloc(void **, size_t);
-int cudaFree(void *);
-
-#define FAKE_KERNEL_MAGIC 0x6b65726e656c2121ull
-struct fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8]; };
-typedef struct { void *f; unsigned g[6]; unsigned shmem; void *stream; void **params; void **extra; } launch_params;
-typedef void (*fire_fn)(uint32_t cbid, int site, const void *params, void *ret);
+#include "fake_abi.h"
 
 /* mix(const uint32_t *x, uint32_t *y, uint32_t s), bump(uint32_t *z, uint32_t s) */
 static struct fake_kernel mix = {FAKE_KERNEL_MAGIC, "mix", 3, {0, 8, 16}, {8, 8, 4}};
