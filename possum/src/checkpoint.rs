@@ -48,7 +48,8 @@ const JOB_TIMEOUT: Duration = Duration::from_secs(3600);
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
-    /// possum: concurrent snapshot, the job paused only for the residue; on-demand restore.
+    /// possum: buffers pre-copied while the job runs; the job held for what it wrote since, the
+    /// driver's residue and CRIU; buffers back on demand.
     Possum,
     /// The baseline: CRIU + NVIDIA's driver checkpoint, nothing of possum's.
     Driver,
