@@ -384,13 +384,11 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
         return Ok(true);
     }
     let say = |m: &str| eprintln!("possum: undoing the checkpoint of process {}: {m}", a.pid);
+    // Killed between the rename and telling the guard: the image is named all the same.
+    let committed = has("committed") || (!a.tmp.exists() && a.final_dir.join(MANIFEST).is_file());
     let resume = || {
         if has("releasing") && !has("resumed") {
-            let dir = if has("committed") {
-                &a.final_dir
-            } else {
-                &a.tmp
-            };
+            let dir = if committed { &a.final_dir } else { &a.tmp };
             let req = Request::Resume {
                 dir: Some(dir.join("gpu").display().to_string()),
             };
@@ -409,7 +407,16 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
         }
     }
     resume();
-    if !has("committed") {
+    // --force moves the old image aside just before naming the new one.
+    let old = a.tmp.with_extension("old");
+    if old.exists() {
+        if committed {
+            let _ = fs::remove_dir_all(&old);
+        } else if !a.final_dir.exists() && fs::rename(&old, &a.final_dir).is_ok() {
+            say("the old image is back under its name");
+        }
+    }
+    if !committed {
         // The GPU images may still be read on demand by the resumed job: keep them until it has
         // them all, then remove the directory.
         if has("releasing") && !has("resumed") {

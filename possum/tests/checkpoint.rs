@@ -348,3 +348,54 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
         text(&out)
     );
 }
+
+#[test]
+fn the_guard_puts_an_old_image_back_and_spots_an_untold_commit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let job = fake_job(tmp.path(), false);
+    let t = tmp.path().join(".img.possum-tmp-7");
+    let fin = tmp.path().join("img");
+    let guard = |steps: &str| {
+        let mut c = possum()
+            .args(["checkpoint-guard", "--pid", &me(), "--tmp"])
+            .arg(&t)
+            .arg("--final-dir")
+            .arg(&fin)
+            .arg("--socket-dir")
+            .arg(&job.sockets)
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(steps.as_bytes()).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    // --force had moved the old image aside when possum died: it comes back under its name.
+    std::fs::create_dir_all(t.join("gpu")).unwrap();
+    std::fs::create_dir_all(t.with_extension("old")).unwrap();
+    std::fs::write(t.with_extension("old").join("possum.json"), "old").unwrap();
+    let out = guard("releasing\n");
+    assert!(text(&out).contains("old image is back"), "{}", text(&out));
+    assert_eq!(
+        std::fs::read_to_string(fin.join("possum.json")).unwrap(),
+        "old"
+    );
+    assert!(!t.exists() && !t.with_extension("old").exists());
+    // The new image was named but the guard was not told: it resumes from the named image and
+    // keeps it.
+    std::fs::write(fin.join("possum.json"), "new").unwrap();
+    job.seen.lock().unwrap().clear();
+    guard("releasing\n");
+    assert_eq!(
+        std::fs::read_to_string(fin.join("possum.json")).unwrap(),
+        "new"
+    );
+    let seen = job.seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .any(|r| matches!(r, Request::Resume { dir: Some(d) }
+            if d == &fin.join("gpu").display().to_string())),
+        "{seen:?}"
+    );
+}
