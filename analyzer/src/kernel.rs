@@ -82,7 +82,10 @@ pub struct Validation {
     pub changed_untouched: Vec<u64>,
     /// Bitmask over slot indices (< 64): the buffer that slot pointed at changed.
     pub slot_changed: u64,
-    /// Bitmask over slot indices (< 64): the buffer that slot pointed at did not change.
+    /// Bitmask over slot indices (< 64): the buffer that slot pointed at did not change, and its
+    /// sampled bytes were not all one byte value before the launch (see [`uniform_byte`]: a
+    /// constant region cannot show a write of that constant). A slot in neither mask gave no
+    /// evidence either way.
     pub slot_unchanged: u64,
     /// A slot whose buffer holds a live device pointer: (slot index, the pointer value found).
     pub pointer_table: Option<(usize, u64)>,
@@ -258,7 +261,9 @@ impl KernelModel {
     ///   kernel opaque (returned as [`Verdict::Opaque`]);
     /// - slots in `slot_changed` become read-write forever;
     /// - slots in `slot_unchanged` (and not in `slot_changed`) count one more unchanged launch and
-    ///   become read-only once they reach `cfg.readonly_after`.
+    ///   become read-only once they reach `cfg.readonly_after`;
+    /// - slots in neither mask (e.g. a buffer that was all one byte value before the launch and
+    ///   unchanged after: a fill of that value would look the same) are left as they were.
     ///
     /// Returns [`Verdict::Consistent`] when this validation found nothing wrong, even if the
     /// kernel was already opaque.
@@ -343,6 +348,20 @@ pub fn checksum(bytes: &[u8]) -> u64 {
         h = (h ^ u64::from(b)).wrapping_mul(FNV_PRIME);
     }
     (h ^ bytes.len() as u64).wrapping_mul(FNV_PRIME)
+}
+
+/// The byte value every byte of `bytes` equals, if there is one: `None` when `bytes` is empty or
+/// holds two different values. Validation uses it to tell a constant region (all zeros, all 0xff,
+/// ...), which cannot show a write of that constant, from one whose unchanged checksum is evidence
+/// that the launch did not write it. Compares 8-byte words; stops at the first difference.
+pub fn uniform_byte(bytes: &[u8]) -> Option<u8> {
+    let &b = bytes.first()?;
+    let word = u64::from_ne_bytes([b; 8]);
+    let mut words = bytes.chunks_exact(8);
+    let same = (&mut words)
+        .all(|w| u64::from_ne_bytes(w.try_into().expect("8-byte chunk")) == word)
+        && words.remainder().iter().all(|&x| x == b);
+    same.then_some(b)
 }
 
 /// The `(offset, len)` windows to checksum in a buffer of `size` bytes.
@@ -611,6 +630,57 @@ mod tests {
         assert_ne!(checksum(&a), checksum(&b));
         assert_ne!(checksum(&a[..8]), checksum(&a[..16]));
         assert_ne!(checksum(&[]), checksum(&[0]));
+    }
+
+    #[test]
+    fn uniform_byte_examples() {
+        assert_eq!(uniform_byte(&[]), None);
+        assert_eq!(uniform_byte(&[0]), Some(0));
+        assert_eq!(uniform_byte(&[0u8; 4096]), Some(0));
+        assert_eq!(uniform_byte(&[0xffu8; 13]), Some(0xff));
+        assert_eq!(uniform_byte(&[0x3fu8; 7]), Some(0x3f));
+        // A difference anywhere: in a word, in the tail, in the first byte.
+        for at in [0, 5, 8, 15, 16, 1000, 1002] {
+            let mut b = vec![0u8; 1003];
+            b[at] = 1;
+            assert_eq!(uniform_byte(&b), None, "difference at {at}");
+        }
+        // Floats 1.0 repeat a 4-byte pattern, not a byte: not constant.
+        let ones: Vec<u8> = (0..64).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+        assert_eq!(uniform_byte(&ones), None);
+    }
+
+    proptest! {
+        #[test]
+        fn uniform_byte_matches_the_definition(bytes in prop::collection::vec(prop::sample::select(vec![0u8, 1, 0xff]), 0..70)) {
+            let want = bytes.first().copied().filter(|&f| bytes.iter().all(|&x| x == f));
+            prop_assert_eq!(uniform_byte(&bytes), want);
+        }
+    }
+
+    #[test]
+    fn no_evidence_leaves_a_slot_as_it_was() {
+        // Slot 0 unchanged every time; slot 1 in neither mask (constant and unchanged): it never
+        // earns read-only, and its count does not advance towards it.
+        let m = model(2);
+        let cfg = ValidationConfig::default(); // readonly_after = 2
+        let v = Validation {
+            slot_unchanged: 0b01,
+            ..Default::default()
+        };
+        for _ in 0..4 {
+            assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);
+        }
+        assert!(m.is_readonly(0) && !m.is_readonly(1));
+        m.record_validation(
+            &Validation {
+                slot_unchanged: 0b10,
+                ..Default::default()
+            },
+            &cfg,
+        );
+        assert!(!m.is_readonly(1), "one observation is not enough");
+        assert_eq!(m.stats().readonly_slots, 1);
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! parameters do not name). After (on the call's exit): the device is synchronised again, the same
 //! windows are checksummed, and [`KernelModel::record_validation`] judges: a change in a buffer
 //! the launch was not passed, or a pointer table, makes the kernel opaque from then on. Slots
-//! whose buffer did not change earn read-only speculation.
+//! whose buffer did not change earn read-only speculation, unless every sampled byte of that buffer
+//! was one value before the launch (all zeros, all 0xff, ...): a write of that value, such as a
+//! fill of zeros over zeros, would look the same, so such a slot counts neither way.
 //!
 //! Sampling can miss a write to a window it did not read; `POSSUM_VALIDATE=sample=N` reads more.
 //! Work on other streams during the launch can only add changes, which makes a kernel opaque
@@ -17,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use possum_analyzer::kernel::{
-    checksum, find_pointers, sample_windows, KernelModel, Validation, Verdict,
+    checksum, find_pointers, sample_windows, uniform_byte, KernelModel, Validation, Verdict,
 };
 use possum_cuda::introspect;
 
@@ -30,16 +32,21 @@ const TABLE_SCAN: u64 = 4096;
 #[derive(Debug)]
 pub struct Before {
     model: Arc<KernelModel>,
-    /// (key, start, len, checksum) of every target.
-    sums: Vec<(u64, u64, u64, u64)>,
+    /// (key, start, len, checksum, constant) of every target; constant: every sampled byte
+    /// equalled the first ([`sum_of`]).
+    sums: Vec<(u64, u64, u64, u64, bool)>,
     /// The key each slot resolved to (`None`: nothing).
     slot_keys: Vec<Option<u64>>,
     pointer_table: Option<(usize, u64)>,
     started: Instant,
 }
 
-fn sum_of(st: &State, start: u64, len: u64) -> Result<u64, String> {
+/// The checksum of the sampled windows of `len` bytes at `start`, and whether every sampled byte
+/// equals the first sampled byte (vacuously true when nothing is sampled).
+fn sum_of(st: &State, start: u64, len: u64) -> Result<(u64, bool), String> {
     let mut acc = 0xcbf2_9ce4_8422_2325u64;
+    let mut first = None;
+    let mut constant = true;
     let mut buf = Vec::new();
     for (off, l) in sample_windows(
         len,
@@ -49,8 +56,11 @@ fn sum_of(st: &State, start: u64, len: u64) -> Result<u64, String> {
         buf.resize(l as usize, 0);
         introspect::read_device(start + off, &mut buf).map_err(|e| e.to_string())?;
         acc = (acc ^ checksum(&buf)).wrapping_mul(0x100_0000_01b3);
+        if constant {
+            constant = uniform_byte(&buf).is_some_and(|b| *first.get_or_insert(b) == b);
+        }
     }
-    Ok(acc)
+    Ok((acc, constant))
 }
 
 /// The entry side, for a launch of `model` whose slots hold `words`. `None` (and the validation
@@ -67,7 +77,8 @@ pub fn begin(
         introspect::ctx_synchronize().map_err(|e| e.to_string())?;
         let mut sums = Vec::new();
         for (key, start, len) in st.validation_targets(eng) {
-            sums.push((key, start, len, sum_of(st, start, len)?));
+            let (sum, constant) = sum_of(st, start, len)?;
+            sums.push((key, start, len, sum, constant));
         }
         let mut slot_keys = Vec::with_capacity(words.len());
         let mut pointer_table = None;
@@ -117,16 +128,20 @@ pub fn finish(st: &State, b: Before) {
             ..Validation::default()
         };
         let mut changed_keys = Vec::new();
-        for &(key, start, len, before) in &b.sums {
-            if sum_of(st, start, len)? != before {
+        // Unchanged, but constant before: no evidence that the launch did not write them.
+        let mut constant_keys = Vec::new();
+        for &(key, start, len, before, constant) in &b.sums {
+            if sum_of(st, start, len)?.0 != before {
                 changed_keys.push(key);
+            } else if constant {
+                constant_keys.push(key);
             }
         }
         for (i, k) in b.slot_keys.iter().enumerate().take(64) {
             if let Some(k) = k {
                 if changed_keys.contains(k) {
                     v.slot_changed |= 1 << i;
-                } else {
+                } else if !constant_keys.contains(k) {
                     v.slot_unchanged |= 1 << i;
                 }
             }

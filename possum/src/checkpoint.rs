@@ -95,6 +95,11 @@ pub struct RestoreArgs {
     /// Directory of the job's control socket (default: the one it had when checkpointed).
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
+    /// Restore onto this GPU (its index as nvidia-smi numbers it) instead of the one the job ran
+    /// on: the driver's restore maps the old GPU's UUID to this one's. A single-GPU job, image of
+    /// `--engine driver`.
+    #[arg(long, value_name = "GPU")]
+    pub device: Option<u32>,
 }
 
 /// `DIR/possum.json`.
@@ -168,46 +173,95 @@ mod smi {
         )
     }
 
-    /// Free MiB per GPU UUID; None when nvidia-smi cannot be asked.
-    pub fn free() -> Option<Vec<(String, u64)>> {
+    /// The GPUs here: (index, UUID, free MiB); None when nvidia-smi cannot be asked.
+    pub fn gpus() -> Option<Vec<(u32, String, u64)>> {
         let rows = query(&[
-            "--query-gpu=uuid,memory.free",
+            "--query-gpu=index,uuid,memory.free",
             "--format=csv,noheader,nounits",
         ])?;
         Some(
             rows.iter()
-                .filter(|r| r.len() >= 2)
-                .filter_map(|r| Some((r[0].clone(), r[1].parse().ok()?)))
+                .filter(|r| r.len() >= 3)
+                .filter_map(|r| Some((r[0].parse().ok()?, r[1].clone(), r[2].parse().ok()?)))
                 .collect(),
         )
     }
 }
 
-/// Refuses a restore onto GPUs with too little free memory for what the job used.
-fn check_gpu_memory(m: &Manifest) -> Result<()> {
+/// The 16 bytes of a GPU UUID as nvidia-smi prints it (`GPU-8a9c1d2e-...`).
+fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
+    let hex: String = s
+        .trim_start_matches("GPU-")
+        .chars()
+        .filter(|c| *c != '-')
+        .collect();
+    let mut out = [0u8; 16];
+    if hex.len() != 32 || !hex.is_ascii() {
+        bail!("not a GPU UUID: {s}");
+    }
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+            .map_err(|_| anyhow!("not a GPU UUID: {s}"))?;
+    }
+    Ok(out)
+}
+
+/// Checks the GPUs the restore will use (the job's own, or `--device`) for free memory, and
+/// returns the driver's UUID remapping (empty: the same GPUs).
+fn plan_gpus(m: &Manifest, device: Option<u32>) -> Result<Vec<([u8; 16], [u8; 16])>> {
     if m.gpu_memory.is_empty() {
-        return Ok(());
-    }
-    let Some(free) = smi::free() else {
-        eprintln!("possum: nvidia-smi cannot be asked: free GPU memory not checked");
-        return Ok(());
-    };
-    for u in &m.gpu_memory {
-        match free.iter().find(|(id, _)| *id == u.uuid) {
-            None => bail!(
-                "the GPU the job ran on ({}) is not on this machine (restoring on another GPU is \
-                 not supported yet)",
-                u.uuid
-            ),
-            Some((_, f)) if *f < u.mib => bail!(
-                "GPU {} has too little memory: {f} MiB free, the job used {} MiB",
-                u.uuid,
-                u.mib
-            ),
-            Some(_) => {}
+        if device.is_some() {
+            bail!(
+                "the image does not record which GPU the job used (nvidia-smi was not available \
+                 when it was checkpointed): --device cannot be honoured"
+            );
         }
+        return Ok(Vec::new());
     }
-    Ok(())
+    let Some(gpus) = smi::gpus() else {
+        if device.is_some() {
+            bail!("--device needs nvidia-smi, which cannot be asked here");
+        }
+        eprintln!("possum: nvidia-smi cannot be asked: free GPU memory not checked");
+        return Ok(Vec::new());
+    };
+    let room = |uuid: &str, free: u64, need: u64| -> Result<()> {
+        if free < need {
+            bail!("GPU {uuid} has too little memory: {free} MiB free, the job used {need} MiB");
+        }
+        Ok(())
+    };
+    let Some(d) = device else {
+        for u in &m.gpu_memory {
+            let Some((_, _, free)) = gpus.iter().find(|(_, id, _)| *id == u.uuid) else {
+                bail!(
+                    "the GPU the job ran on ({}) is not on this machine: choose one with --device",
+                    u.uuid
+                );
+            };
+            room(&u.uuid, *free, u.mib)?;
+        }
+        return Ok(Vec::new());
+    };
+    if m.gpu_dir.is_some() {
+        bail!(
+            "a possum image cannot be restored on another GPU yet (images of --engine driver can)"
+        );
+    }
+    let [used] = m.gpu_memory.as_slice() else {
+        bail!(
+            "the job used {} GPUs; --device moves a job that used one",
+            m.gpu_memory.len()
+        );
+    };
+    let Some((_, target, free)) = gpus.iter().find(|(i, _, _)| *i == d) else {
+        bail!("there is no GPU {d} here");
+    };
+    room(target, *free, used.mib)?;
+    if *target == used.uuid {
+        return Ok(Vec::new());
+    }
+    Ok(vec![(uuid_bytes(&used.uuid)?, uuid_bytes(target)?)])
 }
 
 /// Milliseconds, for the figures.
@@ -881,7 +935,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
              free (kill the original first, or restore on another machine)"
         );
     }
-    check_gpu_memory(&m)?;
+    let pairs = plan_gpus(&m, a.device)?;
     let criu = Criu::locate().context("CRIU is needed for the CPU side")?;
     let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
     let sockets = a.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
@@ -896,7 +950,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     opts.log_file = format!("restore-{}.log", std::process::id());
     clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
     let r = (|| -> Result<()> {
-        clock.time("driver_restore", || Ok(drv.restore(pid, &[])?))?;
+        clock.time("driver_restore", || Ok(drv.restore(pid, &pairs)?))?;
         clock.time("driver_unlock", || Ok(drv.unlock(pid)?))?;
         if let Some(g) = &m.gpu_dir {
             let req = Request::Resume {
@@ -938,4 +992,18 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         );
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_uuids_are_parsed() {
+        let b = uuid_bytes("GPU-8a9c1d2e-0011-2233-4455-66778899aabb").unwrap();
+        assert_eq!(b[0], 0x8a);
+        assert_eq!(b[15], 0xbb);
+        assert!(uuid_bytes("GPU-8a9c").is_err());
+        assert!(uuid_bytes("GPU-zz9c1d2e-0011-2233-4455-66778899aabb").is_err());
+    }
 }

@@ -290,13 +290,16 @@ fn restore_names_what_is_wrong_with_an_image() {
 }
 
 /// A stand-in for nvidia-smi answering the two queries possum makes.
+const A: &str = "GPU-aaaaaaaa-0000-1111-2222-333333333333";
+const B: &str = "GPU-bbbbbbbb-0000-1111-2222-333333333333";
+
 fn fake_smi(dir: &Path, free_mib: u64) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let p = dir.join("nvidia-smi");
     std::fs::write(
         &p,
         format!(
-            "#!/bin/sh\ncase \"$1\" in\n  --query-gpu=*) echo 'GPU-aaaa, {free_mib}'; echo 'GPU-bbbb, 80000';;\n  --query-compute-apps=*) echo '1, GPU-aaaa, 9000';;\nesac\n"
+            "#!/bin/sh\ncase \"$1\" in\n  --query-gpu=*) echo '0, {A}, {free_mib}'; echo '1, {B}, 80000';;\n  --query-compute-apps=*) echo '1, {A}, 9000';;\nesac\n"
         ),
     )
     .unwrap();
@@ -319,16 +322,19 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
                "gpu_memory": [{"uuid": uuid, "mib": 9000}], "figures": null})
         .to_string()
     };
-    let restore = |smi: &Path| {
-        possum()
-            .args(["restore", "-D"])
+    let restore_on = |smi: &Path, device: Option<&str>| {
+        let mut c = possum();
+        c.args(["restore", "-D"])
             .arg(&img)
             .env("POSSUM_NVIDIA_SMI", smi)
-            .env("POSSUM_CRIU", "/nonexistent/criu")
-            .output()
-            .unwrap()
+            .env("POSSUM_CRIU", "/nonexistent/criu");
+        if let Some(d) = device {
+            c.args(["--device", d]);
+        }
+        c.output().unwrap()
     };
-    std::fs::write(img.join("possum.json"), m("GPU-aaaa")).unwrap();
+    let restore = |smi: &Path| restore_on(smi, None);
+    std::fs::write(img.join("possum.json"), m(A)).unwrap();
     let out = restore(&fake_smi(tmp.path(), 8000));
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let t = text(&out);
@@ -339,13 +345,25 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
     // Enough memory: the check passes, and the restore goes on to the next requirement.
     let out = restore(&fake_smi(tmp.path(), 20000));
     assert!(text(&out).contains("CRIU"), "{}", text(&out));
-    // A GPU that is not there.
-    std::fs::write(img.join("possum.json"), m("GPU-cccc")).unwrap();
+    // --device: the other GPU has room (the plan passes, CRIU is next); a GPU that is not there.
+    let smi = fake_smi(tmp.path(), 8000);
+    let out = restore_on(&smi, Some("1"));
+    assert!(text(&out).contains("CRIU"), "{}", text(&out));
+    let out = restore_on(&smi, Some("0"));
+    assert!(text(&out).contains("too little memory"), "{}", text(&out));
+    let out = restore_on(&smi, Some("7"));
+    assert!(text(&out).contains("no GPU 7"), "{}", text(&out));
+    // The GPU the job ran on is not here: the message points at --device.
+    std::fs::write(
+        img.join("possum.json"),
+        m("GPU-cccccccc-0000-1111-2222-333333333333"),
+    )
+    .unwrap();
     let out = restore(&fake_smi(tmp.path(), 20000));
+    let t = text(&out);
     assert!(
-        text(&out).contains("is not on this machine"),
-        "{}",
-        text(&out)
+        t.contains("is not on this machine") && t.contains("--device"),
+        "{t}"
     );
 }
 
