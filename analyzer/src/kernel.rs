@@ -358,8 +358,7 @@ pub fn uniform_byte(bytes: &[u8]) -> Option<u8> {
     let &b = bytes.first()?;
     let word = u64::from_ne_bytes([b; 8]);
     let mut words = bytes.chunks_exact(8);
-    let same = (&mut words)
-        .all(|w| u64::from_ne_bytes(w.try_into().expect("8-byte chunk")) == word)
+    let same = words.all(|w| u64::from_ne_bytes(w.try_into().expect("8-byte chunk")) == word)
         && words.remainder().iter().all(|&x| x == b);
     same.then_some(b)
 }

@@ -4,20 +4,16 @@
 //! it checks possum's logic (allocations served by the engine, launches resolved, validation,
 //! the DAG, the statistics), not CUDA's.
 
+use std::path::Path;
 use std::process::Command;
 
 mod common;
 use common::{build_fake_gpu, libpossum};
 
-#[test]
-fn a_job_on_a_fake_gpu() {
-    let dir = std::env::temp_dir().join(format!("possum-fakegpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
-        return;
-    }
-    let stats = dir.join("stats.json");
-    let trace = dir.join("trace.json");
+/// `dir/fake_job` under libpossum on the fake GPU built in `dir`, writing `dir/stats.json` and
+/// `dir/trace.json`, with the default validation settings unless the caller sets
+/// `POSSUM_VALIDATE`.
+fn fake_job(dir: &Path) -> Command {
     let mut cmd = Command::new(dir.join("fake_job"));
     for v in [
         "POSSUM_STATS",
@@ -29,17 +25,27 @@ fn a_job_on_a_fake_gpu() {
     ] {
         cmd.env_remove(v);
     }
-    let out = cmd
-        .env("LD_PRELOAD", libpossum())
-        .env("LD_LIBRARY_PATH", &dir)
+    cmd.env("LD_PRELOAD", libpossum())
+        .env("LD_LIBRARY_PATH", dir)
         .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
         .env("FAKE_CUPTI_NO_AUTOFIRE", "1")
-        .env("POSSUM_STATS", &stats)
-        .env("POSSUM_TRACE", &trace)
+        .env("POSSUM_STATS", dir.join("stats.json"))
+        .env("POSSUM_TRACE", dir.join("trace.json"))
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-        .env("POSSUM_VERBOSE", "1")
-        .output()
-        .unwrap();
+        .env("POSSUM_VERBOSE", "1");
+    cmd
+}
+
+#[test]
+fn a_job_on_a_fake_gpu() {
+    let dir = std::env::temp_dir().join(format!("possum-fakegpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+        return;
+    }
+    let stats = dir.join("stats.json");
+    let trace = dir.join("trace.json");
+    let out = fake_job(&dir).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
     assert!(out.status.success(), "{stderr}");
@@ -126,5 +132,96 @@ fn a_job_on_a_fake_gpu() {
     assert!(dag["buffers"].as_array().unwrap().len() >= 4, "{dag}");
     let dot = std::fs::read_to_string(dir.join("trace.json.dot")).unwrap();
     assert!(dot.starts_with("digraph") && dot.contains("axpy"), "{dot}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A kernel that writes the bytes that were there (zeros over zeros, 0xff over 0xff) looks
+/// unchanged to validation; it must not earn read-only speculation from that, or a later launch
+/// that does change data would not count as a write. A kernel that only reads a buffer of varied
+/// contents still earns it.
+#[test]
+fn writes_of_a_constant_earn_no_readonly() {
+    let dir = std::env::temp_dir().join(format!("possum-fakegpu-fill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+        return;
+    }
+    let out = fake_job(&dir)
+        .arg("fill")
+        .env("POSSUM_VALIDATE", "first=4")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    assert!(out.status.success(), "{stderr}");
+
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("stats.json")).unwrap()).unwrap();
+    let c = &v["possum"]["counters"];
+    assert_eq!(c["launches_hooked"], 18, "{v}");
+    assert_eq!(c["validations"], 12, "{v}");
+    assert_eq!(c["kernels_made_opaque"], 0, "{v}");
+    assert_eq!(c["validation_errors"], 0, "{v}");
+    assert_eq!(c["hook_errors"], 0, "{v}");
+
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json")).unwrap()).unwrap();
+    let kernel = |name: &str| {
+        t["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|k| k["name"] == name)
+            .unwrap_or_else(|| panic!("{name} not in {t}"))
+            .clone()
+    };
+    for name in ["fill_zero", "fill_ff"] {
+        let k = kernel(name);
+        assert_eq!(k["launches"], 6, "{k}");
+        assert_eq!(k["validated"], 4, "{k}");
+        assert_eq!(k["opaque"], false, "{k}");
+        assert_eq!(
+            k["readonly_slots"], 0,
+            "{name}: read-only from constant fills: {k}"
+        );
+    }
+    let sum_read = kernel("sum_read");
+    assert_eq!(sum_read["validated"], 4, "{sum_read}");
+    assert_eq!(sum_read["readonly_slots"], 1, "{sum_read}");
+
+    // Every launch of the fills counts as a write of their buffer, the two unvalidated launches
+    // of fill_zero that changed it included; sum_read writes until it earns read-only after its
+    // second validated launch, then reads.
+    let dag = &t["dag"];
+    let edges_of = |name: &str| -> Vec<(String, u64)> {
+        let id = dag["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["name"] == name)
+            .unwrap_or_else(|| panic!("{name} not in {dag}"))["handle"]
+            .clone();
+        let mut e: Vec<(String, u64)> = dag["edges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["kernel"] == id)
+            .map(|e| {
+                (
+                    e["kind"].as_str().unwrap().to_string(),
+                    e["count"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        e.sort();
+        e
+    };
+    assert_eq!(edges_of("fill_zero"), [("write".to_string(), 6)], "{dag}");
+    assert_eq!(edges_of("fill_ff"), [("write".to_string(), 6)], "{dag}");
+    assert_eq!(
+        edges_of("sum_read"),
+        [("read".to_string(), 4), ("write".to_string(), 2)],
+        "{dag}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -4,7 +4,8 @@
  *   axpy(const float *x, float *y)        reads x, writes y (3 launches)
  *   bump_table(float *const *table)       writes through a table of pointers (3 launches)
  *   scale(struct { const float *in; float *out; long n; })   pointers inside a by-value struct
- * plus one device-to-device copy. Prints "ok" and exits 0, or says what failed. */
+ * plus one device-to-device copy. Prints "ok" and exits 0, or says what failed. Other modes:
+ * `bench N` and `fill`, below. */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -50,11 +51,63 @@ static int bench(fire_fn fire, long iters) {
     return 0;
 }
 
+/* `fake_job fill`: read-only speculation must not be earned from writes of a constant.
+ *   fill_zero(float *p)     6 launches on a 1 MiB buffer of zeros: launches 0-3 write zeros (no
+ *                           visible change), launches 4-5 write 1.0f (a change nobody validates)
+ *   fill_ff(float *p)       6 launches on a 4 KiB buffer of 0xff bytes writing 0xff bytes
+ *   sum_read(const float *in)  6 launches on a 1 MiB buffer of distinct floats, only read
+ * Run with POSSUM_VALIDATE=first=4: the fills' slots stay read-write (no evidence), sum_read's
+ * slot becomes read-only after its second validated launch. */
+static struct fake_kernel fill_zero = {FAKE_KERNEL_MAGIC, "fill_zero", 1, {0}, {8}};
+static struct fake_kernel fill_ff = {FAKE_KERNEL_MAGIC, "fill_ff", 1, {0}, {8}};
+static struct fake_kernel sum_read = {FAKE_KERNEL_MAGIC, "sum_read", 1, {0}, {8}};
+static int fill(fire_fn fire) {
+    const size_t n = 1 << 20, m = 4096;
+    float *zeros, *ffs, *data;
+    if (cudaMalloc((void **)&zeros, n) || cudaMalloc((void **)&ffs, m) || cudaMalloc((void **)&data, n)) {
+        puts("cudaMalloc failed");
+        return 1;
+    }
+    memset(zeros, 0, n);
+    memset(ffs, 0xff, m);
+    for (size_t i = 0; i < n / 4; i++) data[i] = (float)i;
+    int ret = 0;
+    volatile float sink = 0;
+    for (int s = 0; s < 6; s++) {
+        void *args[] = {&zeros};
+        launch_params p = {&fill_zero, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(307, 0, &p, &ret);
+        for (size_t i = 0; i < n / 4; i++) zeros[i] = s < 4 ? 0.0f : 1.0f;
+        fire(307, 1, &p, &ret);
+    }
+    for (int s = 0; s < 6; s++) {
+        void *args[] = {&ffs};
+        launch_params p = {&fill_ff, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(307, 0, &p, &ret);
+        memset(ffs, 0xff, m);
+        fire(307, 1, &p, &ret);
+    }
+    for (int s = 0; s < 6; s++) {
+        void *args[] = {&data};
+        launch_params p = {&sum_read, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(307, 0, &p, &ret);
+        float acc = 0;
+        for (size_t i = 0; i < n / 4; i++) acc += data[i];
+        sink += acc;
+        fire(307, 1, &p, &ret);
+    }
+    if (zeros[0] != 1.0f) { puts("fill_zero did not fill"); return 1; }
+    if (cudaFree(zeros) || cudaFree(ffs) || cudaFree(data)) { puts("cudaFree failed"); return 1; }
+    puts("ok");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     void *h = dlopen(getenv("POSSUM_CUPTI"), RTLD_NOW | RTLD_NOLOAD);
     fire_fn fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
     if (!fire) { puts("no fake CUPTI loaded"); return 1; }
     if (argc > 2 && !strcmp(argv[1], "bench")) return bench(fire, atol(argv[2]));
+    if (argc > 1 && !strcmp(argv[1], "fill")) return fill(fire);
     const size_t n = 1 << 20;
     float *x, *y, *z;
     void **table;
