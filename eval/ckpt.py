@@ -17,7 +17,9 @@ lines.
   leave the job running and leave no image.
 - probe: which variants of a possum'd job NVIDIA's driver checkpoint accepts (CUPTI off,
   subscribed with none/one/all callbacks, unsubscribed or finalized before the lock).
-- bench: the figures' matrix (sizes x engines x reps) as one document, OUT/bench.json, with the
+- bench: the figures' matrix (sizes x engines x reps) as one document, OUT/bench.json (issue 5:
+  `--gib 1,8,32 --engines none,possum-none,gpu-only,driver --reps 2`; `none`/`possum-none` are
+  runs without any checkpoint, without/with possum loaded), with the
   step-time timeline around each checkpoint, the steady-state step time, the time from a fresh
   start to the first step, and possum's restore figures; eval/report.py turns it into the table,
   the plots and README's Results section (issue 5).
@@ -264,9 +266,32 @@ def job_status(pid):
         return None
 
 
+def steady(engine, gib, n, kind):
+    """No checkpoint at all: the job's normal step and its time from a fresh start to the first
+    step, with possum loaded (`possum-none`) or not (`none`)."""
+    spawned = time.time()
+    p, log = start(f"steady-{engine}-{gib}", "mlp", 10 ** 6, possum=(engine == "possum-none"),
+                   hold=gib, sleep_ms=1)
+    row = {"engine": engine, "gib": gib, "rep": n, "state": "written every step"}
+    if not wait_lines(log, 400, 600, p):
+        row.update(ok=False, why="job did not start")
+    else:
+        rows = read_log(log)
+        ts = [r["t"] for r in rows if "t" in r]
+        gaps = [ts[i + 1] - ts[i] for i in range(100, len(ts) - 1)]
+        row.update(ok=True, normal_step_ms=1e3 * statistics.median(gaps),
+                   start_to_first_step_ms=1e3 * (ts[0] - spawned))
+    p.kill()
+    p.wait()
+    emit(kind, row)
+    return row
+
+
 def figure(engine, gib, n, kind="figures"):
     """engine: driver, gpu-only (the extra state written every step) or gpu-only-frozen (only
-    read, like frozen weights)."""
+    read, like frozen weights); none / possum-none: no checkpoint (steady state, cold start)."""
+    if engine in ("none", "possum-none"):
+        return steady(engine, gib, n, kind)
     frozen = engine.endswith("-frozen")
     name = f"fig-{engine}-{gib}"
     img = os.path.join(WORK, f"img-{name}")

@@ -43,7 +43,7 @@ def metrics_of(run, plain_step_ms):
         m["restore_gbps"] = gib_bytes / 1e9 / (rs["driver_restore_ms"] / 1e3)
     elif er.get("bytes") and er.get("ms"):
         m["restore_gbps"] = er["bytes"] / 1e9 / (er["ms"] / 1e3)
-    if run["engine"] != "driver" and plain_step_ms and run.get("normal_step_ms"):
+    if run["engine"] not in ("driver", "none") and plain_step_ms and run.get("normal_step_ms"):
         m["overhead_pct"] = 100 * (run["normal_step_ms"] / plain_step_ms - 1)
     m["cold_start_ms"] = run.get("start_to_first_step_ms")
     return m
@@ -52,11 +52,13 @@ def metrics_of(run, plain_step_ms):
 def summarise(doc):
     """{(gib, engine): {metric: (median, min, max, n)}}"""
     runs = [r for r in doc["runs"] if r and r.get("engine")]
-    # The baseline's job runs without possum: its step time is the plain one, for the same size
-    # and the same job (state written every step, or frozen).
+    # The plain step time, for the same size and the same job (state written every step, or
+    # frozen): from runs without any checkpoint (`none`) when there are some, else from the
+    # baseline's job (which runs without possum) before its checkpoint.
     plain = {}
+    src = "none" if any(r["engine"] == "none" for r in runs) else "driver"
     for r in runs:
-        if r["engine"] == "driver" and r.get("normal_step_ms"):
+        if r["engine"] == src and r.get("normal_step_ms"):
             plain.setdefault((r["gib"], r.get("state")), []).append(r["normal_step_ms"])
     plain = {k: statistics.median(v) for k, v in plain.items()}
     out = {}

@@ -5,6 +5,7 @@
 #   (here)  bash scripts/gpu-ckpt.sh --stage        build possum + libpossum.so, download CRIU .debs
 #   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe
 #           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --gib 8,32 --reps N --engines a,b ...)
+#   issue 5: bash scripts/gpu-ckpt.sh bench --gib 1,8,32 --engines none,possum-none,gpu-only,driver --reps 2
 #   (here)  python3 eval/report.py FILES_AT/bench.json --readme README.md   (after `bench`: the
 #           table, plots and README's Results section; issue 5)
 # Results: $OUT (or .gpu/out)/ckpt-MODE.jsonl (bench: bench.json). Without a GPU it says SKIPPED
