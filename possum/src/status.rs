@@ -28,10 +28,60 @@ pub fn run(a: &StatusArgs) -> Result<bool> {
     Ok(true)
 }
 
-/// One line per top-level key, the name padded to 20 columns: scalars as they are, arrays as a
-/// count, objects as compact JSON.
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// What possum manages, in words: per device engine its buffers, bytes, resident and dirty bytes
+/// and phase; the allocations it does not manage; whether a checkpoint holds the job.
+fn managed(v: &Value) -> String {
+    let p = &v["possum"];
+    let mut s = String::new();
+    for e in p["engines"].as_array().into_iter().flatten() {
+        let g = &e["engine"];
+        let n = |k: &str| g[k].as_u64().unwrap_or(0);
+        s.push_str(&format!(
+            "  device {}: {} buffers, {} ({} resident, {} written since the last pre-copy), phase {}\n",
+            e["device"],
+            n("buffers"),
+            gib(n("bytes")),
+            gib(n("resident_bytes")),
+            gib(n("dirty_bytes")),
+            g["phase"].as_str().unwrap_or("?")
+        ));
+    }
+    let u = &p["unmanaged"];
+    if u.is_object() {
+        s.push_str(&format!(
+            "  not managed: {} allocations, {} (the driver's checkpoint takes them)\n",
+            u["allocations"].as_u64().unwrap_or(0),
+            gib(u["bytes"].as_u64().unwrap_or(0))
+        ));
+    }
+    let ss = &p["session"];
+    if ss.is_object() {
+        s.push_str(&format!(
+            "  checkpoint: {}; CUPTI {}\n",
+            if ss["paused"] == true {
+                "holding the job (released)"
+            } else {
+                ss["busy"].as_str().unwrap_or("none running")
+            },
+            if ss["cupti_attached"] == true {
+                "attached"
+            } else {
+                "not attached"
+            }
+        ));
+    }
+    s
+}
+
+/// A summary of what possum manages, then one line per top-level key, the name padded to 20
+/// columns: scalars as they are, arrays as a count, objects as compact JSON.
 fn summary(pid: u32, v: &Value) -> String {
     let mut s = format!("possum status: process {pid}\n");
+    s.push_str(&managed(v));
     let Value::Object(m) = v else {
         s.push_str(&format!("  {v}\n"));
         return s;
@@ -59,5 +109,25 @@ mod tests {
         assert!(s.contains("  phase               idle\n"), "{s}");
         assert!(s.contains("  buffers             3\n"), "{s}");
         assert!(s.contains("  list                2 items\n"), "{s}");
+    }
+
+    #[test]
+    fn summary_says_what_possum_manages() {
+        let v = serde_json::json!({"possum": {
+            "engines": [{"device": 0, "engine": {"buffers": 8, "bytes": 3u64 << 30,
+                "resident_bytes": 1u64 << 30, "dirty_bytes": 1u64 << 29, "phase": "released"}}],
+            "unmanaged": {"allocations": 4, "bytes": 64u64 << 20},
+            "session": {"paused": true, "busy": null, "cupti_attached": true}}});
+        let s = summary(7, &v);
+        assert!(
+            s.contains("device 0: 8 buffers, 3.00 GiB (1.00 GiB resident, 0.50 GiB written since"),
+            "{s}"
+        );
+        assert!(s.contains("phase released"), "{s}");
+        assert!(s.contains("not managed: 4 allocations, 0.06 GiB"), "{s}");
+        assert!(
+            s.contains("checkpoint: holding the job (released); CUPTI attached"),
+            "{s}"
+        );
     }
 }
