@@ -67,6 +67,24 @@ fn fake_job(dir: &Path, release_fails: bool) -> FakeJob {
     }
 }
 
+/// Runs `possum checkpoint-guard` for this process against `job`, with `steps` on its stdin.
+fn run_guard(job: &FakeJob, tmp: &Path, final_dir: &Path, steps: &str) -> Output {
+    use std::io::Write;
+    let mut c = possum()
+        .args(["checkpoint-guard", "--pid", &me(), "--tmp"])
+        .arg(tmp)
+        .arg("--final-dir")
+        .arg(final_dir)
+        .arg("--socket-dir")
+        .arg(&job.sockets)
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(steps.as_bytes()).unwrap();
+    c.wait_with_output().unwrap()
+}
+
 fn leftovers(parent: &Path) -> Vec<String> {
     std::fs::read_dir(parent)
         .unwrap()
@@ -228,20 +246,7 @@ fn the_guard_does_nothing_after_done_and_undoes_otherwise() {
     let run = |steps: &str| {
         let t = tmp.path().join(".img.possum-tmp-1");
         std::fs::create_dir_all(t.join("gpu")).unwrap();
-        let mut c = possum()
-            .args(["checkpoint-guard", "--pid", &me(), "--tmp"])
-            .arg(&t)
-            .arg("--final-dir")
-            .arg(tmp.path().join("img"))
-            .arg("--socket-dir")
-            .arg(&job.sockets)
-            .stdin(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        use std::io::Write;
-        c.stdin.take().unwrap().write_all(steps.as_bytes()).unwrap();
-        let out = c.wait_with_output().unwrap();
+        let out = run_guard(&job, &t, &tmp.path().join("img"), steps);
         (out, t.exists())
     };
     let (out, tmp_left) = run("releasing\nlocking\ndone\n");
@@ -331,6 +336,10 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
         if let Some(d) = device {
             c.args(["--device", d]);
         }
+        // possum runs the fake nvidia-smi just written: another test's child may still hold its
+        // write descriptor across a fork for a moment (ETXTBSY, which possum reports as "cannot be
+        // asked"); the fake is written before the first run, so wait until it is executable.
+        wait_executable(smi);
         c.output().unwrap()
     };
     let restore = |smi: &Path| restore_on(smi, None);
@@ -373,22 +382,7 @@ fn the_guard_puts_an_old_image_back_and_spots_an_untold_commit() {
     let job = fake_job(tmp.path(), false);
     let t = tmp.path().join(".img.possum-tmp-7");
     let fin = tmp.path().join("img");
-    let guard = |steps: &str| {
-        let mut c = possum()
-            .args(["checkpoint-guard", "--pid", &me(), "--tmp"])
-            .arg(&t)
-            .arg("--final-dir")
-            .arg(&fin)
-            .arg("--socket-dir")
-            .arg(&job.sockets)
-            .stdin(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        use std::io::Write;
-        c.stdin.take().unwrap().write_all(steps.as_bytes()).unwrap();
-        c.wait_with_output().unwrap()
-    };
+    let guard = |steps: &str| run_guard(&job, &t, &fin, steps);
     // --force had moved the old image aside when possum died: it comes back under its name.
     std::fs::create_dir_all(t.join("gpu")).unwrap();
     std::fs::create_dir_all(t.with_extension("old")).unwrap();
@@ -416,4 +410,16 @@ fn the_guard_puts_an_old_image_back_and_spots_an_untold_commit() {
             if d == &fin.join("gpu").display().to_string())),
         "{seen:?}"
     );
+}
+
+/// Waits (bounded) until `path` can be executed (not ETXTBSY).
+fn wait_executable(path: &Path) {
+    for _ in 0..100 {
+        match Command::new(path).arg("--probe").output() {
+            Err(e) if e.raw_os_error() == Some(26) => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            _ => return,
+        }
+    }
 }

@@ -198,11 +198,14 @@ fn run_without_the_library_names_where_it_looked() {
     std::fs::create_dir(&bin).unwrap();
     let exe = bin.join("possum");
     std::fs::copy(env!("CARGO_BIN_EXE_possum"), &exe).unwrap();
-    let out = Command::new(&exe)
-        .env_remove("POSSUM_LIB")
-        .args(["run", "--", "true"])
-        .output()
-        .unwrap();
+    // Another test's child may still hold the copy's write descriptor across its fork for a
+    // moment (ETXTBSY): retry.
+    let out = retry_busy(|| {
+        Command::new(&exe)
+            .env_remove("POSSUM_LIB")
+            .args(["run", "--", "true"])
+            .output()
+    });
     assert_eq!(out.status.code(), Some(2), "{}", show(&out));
     let err = text(&out.stderr);
     assert!(
@@ -367,4 +370,18 @@ fn trace_reports_the_jobs_error() {
     assert_eq!(out.status.code(), Some(2), "{}", show(&out));
     assert!(out.stdout.is_empty());
     assert!(text(&out.stderr).contains("no DOT graph"), "{}", show(&out));
+}
+
+/// Runs `f` again while it fails with ETXTBSY (an executable just written, whose write descriptor
+/// a concurrently forked child still holds).
+fn retry_busy(f: impl Fn() -> std::io::Result<std::process::Output>) -> std::process::Output {
+    for _ in 0..100 {
+        match f() {
+            Err(e) if e.raw_os_error() == Some(26) => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            r => return r.unwrap(),
+        }
+    }
+    f().unwrap()
 }

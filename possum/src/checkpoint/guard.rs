@@ -1,0 +1,222 @@
+//! The guard: a separate process that undoes a checkpoint which failed or whose `possum` died.
+
+use std::fs;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use possum_control::Request;
+use possum_cuda::checkpoint::{DriverCheckpoint, ProcessState};
+
+use super::image::MANIFEST;
+use super::{alive, JOB_TIMEOUT};
+
+/// What `possum checkpoint` tells its guard, each before it is taken (so that a `possum` killed
+/// inside a step still gets it undone), one name per line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Step {
+    /// The job is about to be held and its buffers released.
+    Releasing,
+    /// The driver is about to lock (and then checkpoint) the job.
+    Locking,
+    /// The image is complete under its final name.
+    Committed,
+    /// The driver has restored and unlocked the job.
+    Unlocked,
+    /// The job runs again (its buffers come back from the named image).
+    Resumed,
+    /// Nothing to undo.
+    Done,
+}
+
+impl Step {
+    const ALL: [Step; 6] = [
+        Step::Releasing,
+        Step::Locking,
+        Step::Committed,
+        Step::Unlocked,
+        Step::Resumed,
+        Step::Done,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Step::Releasing => "releasing",
+            Step::Locking => "locking",
+            Step::Committed => "committed",
+            Step::Unlocked => "unlocked",
+            Step::Resumed => "resumed",
+            Step::Done => "done",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Step> {
+        Step::ALL.into_iter().find(|x| x.name() == s)
+    }
+}
+
+/// The guard process's end: each step is reported to it before it is taken.
+pub(super) struct Guard {
+    child: Child,
+    pipe: Option<ChildStdin>,
+}
+
+impl Guard {
+    pub(super) fn start(a: &GuardArgs) -> Result<Guard> {
+        let exe = std::env::current_exe().context("finding possum's own binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("checkpoint-guard")
+            .arg("--pid")
+            .arg(a.pid.to_string())
+            .arg("--tmp")
+            .arg(&a.tmp)
+            .arg("--final-dir")
+            .arg(&a.final_dir)
+            .arg("--socket-dir")
+            .arg(&a.socket_dir)
+            .stdin(Stdio::piped());
+        // Its own process group: a Ctrl-C at the terminal stops possum, not the guard.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut child = cmd.spawn().context("starting the checkpoint guard")?;
+        let pipe = child.stdin.take();
+        Ok(Guard { child, pipe })
+    }
+
+    pub(super) fn step(&mut self, step: Step) {
+        if let Some(p) = self.pipe.as_mut() {
+            let _ = writeln!(p, "{}", step.name());
+            let _ = p.flush();
+        }
+    }
+
+    /// Success: the guard has nothing to undo.
+    pub(super) fn done(mut self) {
+        self.step(Step::Done);
+        self.pipe = None;
+        let _ = self.child.wait();
+    }
+
+    /// Failure: the guard undoes what was done; returns when it has.
+    pub(super) fn undo(mut self) {
+        self.pipe = None;
+        let _ = self.child.wait();
+    }
+}
+
+/// Arguments of the hidden `possum checkpoint-guard`.
+#[derive(Args, Debug, Clone)]
+pub struct GuardArgs {
+    #[arg(long)]
+    pub pid: i32,
+    #[arg(long)]
+    pub tmp: PathBuf,
+    #[arg(long)]
+    pub final_dir: PathBuf,
+    #[arg(long)]
+    pub socket_dir: PathBuf,
+}
+
+/// The guard: reads the steps done from stdin; at end of input without `done`, undoes them.
+pub fn guard(a: &GuardArgs) -> Result<bool> {
+    let mut seen = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        seen.extend(Step::parse(line.trim()));
+    }
+    let has = |s: Step| seen.contains(&s);
+    if has(Step::Done) {
+        return Ok(true);
+    }
+    let say = |m: &str| eprintln!("possum: undoing the checkpoint of process {}: {m}", a.pid);
+    // Killed between the rename and telling the guard: the image is named all the same.
+    let committed =
+        has(Step::Committed) || (!a.tmp.exists() && a.final_dir.join(MANIFEST).is_file());
+    let resume = || {
+        if has(Step::Releasing) && !has(Step::Resumed) {
+            let dir = if committed { &a.final_dir } else { &a.tmp };
+            let req = Request::Resume {
+                dir: Some(dir.join("gpu").display().to_string()),
+            };
+            match possum_control::request(a.pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
+                Ok(_) => say("job resumed"),
+                Err(e) => say(&format!("resume failed: {e}")),
+            }
+        }
+    };
+    // Steps are announced before they are taken, so a `possum` killed inside a driver call
+    // still gets it undone: the driver's own state says what is left to do.
+    if has(Step::Locking) && !has(Step::Unlocked) {
+        match DriverCheckpoint::load() {
+            Ok(drv) => undo_driver(&drv, a.pid, &say),
+            Err(e) => say(&format!("cannot load the driver: {e}")),
+        }
+    }
+    resume();
+    // --force moves the old image aside just before naming the new one.
+    let old = a.tmp.with_extension("old");
+    if old.exists() {
+        if committed {
+            let _ = fs::remove_dir_all(&old);
+        } else if !a.final_dir.exists() && fs::rename(&old, &a.final_dir).is_ok() {
+            say("the old image is back under its name");
+        }
+    }
+    if !committed {
+        // The GPU images may still be read on demand by the resumed job: keep them until it has
+        // them all, then remove the directory.
+        if has(Step::Releasing) && !has(Step::Resumed) {
+            wait_restored(a);
+        }
+        let _ = fs::remove_dir_all(&a.tmp);
+    }
+    Ok(false)
+}
+
+/// Brings process `pid` back to RUNNING in the driver from wherever a checkpoint left it.
+fn undo_driver(drv: &DriverCheckpoint, pid: i32, say: &dyn Fn(&str)) {
+    for _ in 0..20 {
+        let r = match drv.state(pid) {
+            Ok(ProcessState::Running) => return,
+            Ok(ProcessState::Checkpointed) => drv.restore(pid, &[]).map(|()| "driver restore done"),
+            Ok(ProcessState::Locked) => drv.unlock(pid).map(|()| "driver unlock done"),
+            Ok(other) => {
+                say(&format!(
+                    "the driver reports the process {other}; left as it is"
+                ));
+                return;
+            }
+            Err(e) => {
+                say(&format!("driver state: {e}"));
+                return;
+            }
+        };
+        match r {
+            Ok(m) => say(m),
+            Err(e) => {
+                say(&format!("{e}"));
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// Waits (bounded) until the job's on-demand restore has finished reading its images.
+fn wait_restored(a: &GuardArgs) {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(600) && alive(a.pid) {
+        match possum_control::request(
+            a.pid as u32,
+            &a.socket_dir,
+            &Request::Status,
+            Duration::from_secs(10),
+        ) {
+            Ok(v) if !v["possum"]["session"]["last"]["restore"].is_null() => return,
+            Ok(_) => {}
+            Err(_) => return,
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,291 @@
+//! The image directory of a process checkpoint: `possum.json` ([`Manifest`]), CRIU's images and
+//! possum's GPU images; what it records of the GPUs the job used (from nvidia-smi), and the
+//! checks a restore makes of them.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::EngineKind;
+
+/// The image's own description, `DIR/possum.json`.
+pub const MANIFEST: &str = "possum.json";
+/// Format version of `possum.json`.
+pub const MANIFEST_VERSION: u32 = 1;
+
+/// `DIR/possum.json`.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct Manifest {
+    /// [`MANIFEST_VERSION`].
+    pub possum_image: u32,
+    pub engine: EngineKind,
+    pub pid: i32,
+    pub shell_job: bool,
+    pub socket_dir: PathBuf,
+    /// Seconds since the epoch.
+    pub created: u64,
+    /// Subdirectories: CRIU's images (none for a `--gpu-only` image), and possum's GPU images
+    /// (engine possum).
+    pub criu_dir: Option<String>,
+    pub gpu_dir: Option<String>,
+    /// The GPU memory the job used when checkpointed, per GPU (from nvidia-smi; empty when it
+    /// could not be asked): a restore refuses a GPU with less free memory.
+    #[serde(default)]
+    pub gpu_memory: Vec<GpuUse>,
+    /// The checkpoint's figures.
+    pub figures: Value,
+}
+
+/// GPU memory used by a process on one GPU.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct GpuUse {
+    /// The GPU's UUID, as nvidia-smi prints it (`GPU-...`).
+    pub uuid: String,
+    /// MiB.
+    pub mib: u64,
+}
+
+/// What nvidia-smi (`$POSSUM_NVIDIA_SMI`, else `nvidia-smi` on PATH) says about GPU memory.
+pub(super) mod smi {
+    use super::GpuUse;
+    use std::process::Command;
+
+    fn query(args: &[&str]) -> Option<Vec<Vec<String>>> {
+        let bin = std::env::var("POSSUM_NVIDIA_SMI").unwrap_or_else(|_| "nvidia-smi".into());
+        let out = Command::new(bin).args(args).output().ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        Some(
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| l.split(',').map(|f| f.trim().to_string()).collect())
+                .collect(),
+        )
+    }
+
+    /// The memory `pid` uses on each GPU; None when nvidia-smi cannot be asked.
+    pub fn process_usage(pid: i32) -> Option<Vec<GpuUse>> {
+        let rows = query(&[
+            "--query-compute-apps=pid,gpu_uuid,used_memory",
+            "--format=csv,noheader,nounits",
+        ])?;
+        Some(
+            rows.iter()
+                .filter(|r| r.len() >= 3 && r[0] == pid.to_string())
+                .filter_map(|r| {
+                    Some(GpuUse {
+                        uuid: r[1].clone(),
+                        mib: r[2].parse().ok()?,
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// The GPUs here: (index, UUID, free MiB); None when nvidia-smi cannot be asked.
+    pub fn gpus() -> Option<Vec<(u32, String, u64)>> {
+        let rows = query(&[
+            "--query-gpu=index,uuid,memory.free",
+            "--format=csv,noheader,nounits",
+        ])?;
+        Some(
+            rows.iter()
+                .filter(|r| r.len() >= 3)
+                .filter_map(|r| Some((r[0].parse().ok()?, r[1].clone(), r[2].parse().ok()?)))
+                .collect(),
+        )
+    }
+}
+
+/// The 16 bytes of a GPU UUID as nvidia-smi prints it (`GPU-8a9c1d2e-...`).
+fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
+    let hex: String = s
+        .trim_start_matches("GPU-")
+        .chars()
+        .filter(|c| *c != '-')
+        .collect();
+    let mut out = [0u8; 16];
+    if hex.len() != 32 || !hex.is_ascii() {
+        bail!("not a GPU UUID: {s}");
+    }
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+            .map_err(|_| anyhow!("not a GPU UUID: {s}"))?;
+    }
+    Ok(out)
+}
+
+/// Checks the GPUs the restore will use (the job's own, or `--device`) for free memory, and
+/// returns the driver's UUID remapping (empty: the same GPUs).
+pub(super) fn plan_gpus(m: &Manifest, device: Option<u32>) -> Result<Vec<([u8; 16], [u8; 16])>> {
+    if m.gpu_memory.is_empty() {
+        if device.is_some() {
+            bail!(
+                "the image does not record which GPU the job used (nvidia-smi was not available \
+                 when it was checkpointed): --device cannot be honoured"
+            );
+        }
+        return Ok(Vec::new());
+    }
+    let Some(gpus) = smi::gpus() else {
+        if device.is_some() {
+            bail!("--device needs nvidia-smi, which cannot be asked here");
+        }
+        eprintln!("possum: nvidia-smi cannot be asked: free GPU memory not checked");
+        return Ok(Vec::new());
+    };
+    let room = |uuid: &str, free: u64, need: u64| -> Result<()> {
+        if free < need {
+            bail!("GPU {uuid} has too little memory: {free} MiB free, the job used {need} MiB");
+        }
+        Ok(())
+    };
+    let Some(d) = device else {
+        for u in &m.gpu_memory {
+            let Some((_, _, free)) = gpus.iter().find(|(_, id, _)| *id == u.uuid) else {
+                bail!(
+                    "the GPU the job ran on ({}) is not on this machine: choose one with --device",
+                    u.uuid
+                );
+            };
+            room(&u.uuid, *free, u.mib)?;
+        }
+        return Ok(Vec::new());
+    };
+    if m.gpu_dir.is_some() {
+        bail!(
+            "a possum image cannot be restored on another GPU yet (images of --engine driver can)"
+        );
+    }
+    let [used] = m.gpu_memory.as_slice() else {
+        bail!(
+            "the job used {} GPUs; --device moves a job that used one",
+            m.gpu_memory.len()
+        );
+    };
+    let Some((_, target, free)) = gpus.iter().find(|(i, _, _)| *i == d) else {
+        bail!("there is no GPU {d} here");
+    };
+    room(target, *free, used.mib)?;
+    if *target == used.uuid {
+        return Ok(Vec::new());
+    }
+    Ok(vec![(uuid_bytes(&used.uuid)?, uuid_bytes(target)?)])
+}
+
+/// Whether `path` exists as anything but an empty directory.
+pub(super) fn occupied(path: &Path) -> bool {
+    match fs::read_dir(path) {
+        Ok(mut d) => d.next().is_some(),
+        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+    }
+}
+
+pub(super) fn dir_bytes(path: &Path) -> u64 {
+    let Ok(rd) = fs::read_dir(path) else {
+        return 0;
+    };
+    rd.flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(_) => e.metadata().map(|m| m.len()).unwrap_or(0),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// fsyncs every file and directory under `dir`.
+pub(super) fn sync_tree(dir: &Path) -> Result<()> {
+    for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let e = e?;
+        if e.file_type()?.is_dir() {
+            sync_tree(&e.path())?;
+        } else {
+            fs::File::open(e.path())?.sync_all()?;
+        }
+    }
+    fs::File::open(dir)?.sync_all()?;
+    Ok(())
+}
+
+/// A checked image directory: its description and where its parts are.
+#[derive(Debug)]
+pub struct Image {
+    pub manifest: Manifest,
+    /// CRIU's images.
+    pub criu: PathBuf,
+    /// possum's GPU images (engine possum).
+    pub gpu: Option<PathBuf>,
+}
+
+/// Reads and checks `DIR/possum.json` and what it names.
+pub fn open_image(dir: &Path) -> Result<Image> {
+    let path = dir.join(MANIFEST);
+    let text = fs::read_to_string(&path).with_context(|| {
+        format!(
+            "{} is not a complete possum image (no {MANIFEST})",
+            dir.display()
+        )
+    })?;
+    let m: Manifest =
+        serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))?;
+    if m.possum_image != MANIFEST_VERSION {
+        bail!(
+            "{}: image format {} (this possum reads {MANIFEST_VERSION})",
+            path.display(),
+            m.possum_image
+        );
+    }
+    let Some(criu_dir) = &m.criu_dir else {
+        bail!(
+            "{} holds only GPU buffers (written with --gpu-only): there is no process to restore",
+            dir.display()
+        );
+    };
+    let criu = dir.join(criu_dir);
+    if !criu.join("inventory.img").is_file() {
+        bail!(
+            "{}: CRIU's images are missing or partial (no inventory.img)",
+            criu.display()
+        );
+    }
+    let gpu = m.gpu_dir.as_ref().map(|g| dir.join(g));
+    if let Some(gpu) = &gpu {
+        let mut n = 0;
+        for e in
+            fs::read_dir(gpu).with_context(|| format!("{}: GPU images missing", gpu.display()))?
+        {
+            let e = e?;
+            possum_engine::image::Image::open(&e.path())
+                .with_context(|| format!("GPU image {}", e.path().display()))?;
+            n += 1;
+        }
+        if n == 0 {
+            bail!("{}: no GPU image", gpu.display());
+        }
+    }
+    Ok(Image {
+        manifest: m,
+        criu,
+        gpu,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_uuids_are_parsed() {
+        let b = uuid_bytes("GPU-8a9c1d2e-0011-2233-4455-66778899aabb").unwrap();
+        assert_eq!(b[0], 0x8a);
+        assert_eq!(b[15], 0xbb);
+        assert!(uuid_bytes("GPU-8a9c").is_err());
+        assert!(uuid_bytes("GPU-zz9c1d2e-0011-2233-4455-66778899aabb").is_err());
+    }
+}

@@ -1,0 +1,509 @@
+//! `possum checkpoint` and `possum restore`: a live GPU process to an image directory and back.
+//!
+//! ```text
+//! checkpoint (engine possum)                      job (libpossum.so)
+//!   checkpoint{tmp/gpu} ────────────────────────▶ pre-copy of every buffer while it runs
+//!   release ────────────────────────────────────▶ T0: GPU operations held; what was written since
+//!                                                 copied, images committed, buffers' memory dropped
+//!   driver lock + checkpoint (the residue)        (contexts, memory possum does not manage)
+//!   CRIU dump (--leave-running; the job stays held)
+//!   possum.json written, tmp renamed to DIR
+//!   --leave-running: driver restore + unlock, resume{DIR/gpu} ▶ runs on; buffers back on demand
+//!   otherwise: the job is killed
+//! restore
+//!   CRIU restore ─ driver restore + unlock ─ resume{DIR/gpu} ▶ runs; buffers back on demand
+//! ```
+//! `--engine driver` is the baseline: the same without possum's steps (the driver copies every
+//! buffer while the job is locked). `--gpu-only` is possum's steps alone.
+//!
+//! Nothing is ever left half-done: a `possum checkpoint-guard` process ([`guard`]) is told each
+//! step before it is taken and, if the checkpoint fails or `possum` dies (even by SIGKILL), undoes
+//! what was done, so the job runs on and no image appears under DIR's name. The image directory
+//! and its `possum.json` are in [`image`]; the restore in [`restore`].
+
+mod guard;
+mod image;
+mod restore;
+
+pub use guard::{guard, GuardArgs};
+pub use restore::{restore, RestoreArgs};
+
+use std::fs;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, ValueEnum};
+use possum_control::{ControlError, Request};
+use possum_criu::{Criu, DumpOptions};
+use possum_cuda::checkpoint::{DriverCheckpoint, ProcessState};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use guard::{Guard, Step};
+use image::{dir_bytes, occupied, smi, sync_tree, Manifest, MANIFEST, MANIFEST_VERSION};
+
+/// How long the driver lock may wait for the job's submitted work.
+const LOCK_TIMEOUT_MS: u32 = 30_000;
+/// How long possum waits for the job's answers (a checkpoint of many GiB takes a while).
+const JOB_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Which engine takes the GPU side.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// possum: buffers pre-copied while the job runs; the job held for what it wrote since, the
+    /// driver's residue and CRIU; buffers back on demand.
+    Possum,
+    /// The baseline: CRIU + NVIDIA's driver checkpoint, nothing of possum's.
+    Driver,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckpointArgs {
+    /// The process to checkpoint (the root of its tree).
+    pub pid: i32,
+    /// Image directory (must not exist or be empty, unless --force).
+    #[arg(short = 'D', long = "images-dir", value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Let the job run on after the checkpoint (default: it is killed once the image is complete).
+    #[arg(long)]
+    pub leave_running: bool,
+    /// possum, or the baseline `driver` (CRIU + NVIDIA's driver checkpoint only).
+    #[arg(long, value_enum, default_value = "possum")]
+    pub engine: EngineKind,
+    /// Only possum's GPU side, without the process (no driver checkpoint, no CRIU): the buffers
+    /// are saved, released and brought back on demand while the job runs on. A diagnostic of the
+    /// engine on a live job; the image cannot be restored.
+    #[arg(long, conflicts_with = "engine")]
+    pub gpu_only: bool,
+    /// Replace an existing image at DIR (the old one is removed only once the new one is complete).
+    #[arg(long)]
+    pub force: bool,
+    /// Print the figures as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Directory of the job's control socket (default: $POSSUM_SOCKET_DIR, else /tmp/possum).
+    #[arg(long, value_name = "DIR")]
+    pub socket_dir: Option<PathBuf>,
+}
+
+/// Milliseconds, for the figures.
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Times each step; its JSON is the figures.
+#[derive(Default)]
+struct Clock {
+    steps: Vec<(&'static str, Duration)>,
+}
+
+impl Clock {
+    fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let t = Instant::now();
+        let r = f();
+        self.steps.push((name, t.elapsed()));
+        r
+    }
+    fn get(&self, name: &str) -> Duration {
+        self.steps
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, d)| *d)
+            .sum()
+    }
+    fn json(&self) -> serde_json::Map<String, Value> {
+        self.steps
+            .iter()
+            .map(|(n, d)| (format!("{n}_ms"), json!(ms(*d))))
+            .collect()
+    }
+}
+
+/// Whether process `pid` exists and is not a zombie.
+fn alive(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+/// SIGKILLs process `pid` and waits (bounded) until it is gone.
+fn kill_job(pid: i32) -> Result<()> {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let t = Instant::now();
+    while alive(pid) && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+fn socket_dir_of(a: Option<&PathBuf>) -> PathBuf {
+    a.cloned().unwrap_or_else(possum_control::socket_dir)
+}
+
+/// Holds `possum-<pid>.lock` in the socket directory: one checkpoint of a process at a time.
+fn lock_pid(dir: &Path, pid: i32) -> Result<nix::fcntl::Flock<fs::File>> {
+    use nix::fcntl::{Flock, FlockArg};
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(format!("possum-{pid}.lock"));
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    Flock::lock(f, FlockArg::LockExclusiveNonblock).map_err(|_| {
+        anyhow!(
+            "a checkpoint of process {pid} is already running (lock {})",
+            path.display()
+        )
+    })
+}
+
+/// Maps a control error to what the user should do.
+fn job_error(pid: i32, e: ControlError) -> anyhow::Error {
+    match e {
+        ControlError::NotLoaded { .. } | ControlError::Stale { .. } => anyhow!(
+            "process {pid} does not have possum loaded ({e}); start it with `possum run`, or \
+             checkpoint it with `--engine driver`"
+        ),
+        other => anyhow!("process {pid}: {other}"),
+    }
+}
+
+fn ask(pid: i32, dir: &Path, req: &Request) -> Result<Value> {
+    possum_control::request(pid as u32, dir, req, JOB_TIMEOUT).map_err(|e| job_error(pid, e))
+}
+
+/// The temporary sibling of `dir` a checkpoint is written under.
+fn temp_sibling(dir: &Path) -> Result<PathBuf> {
+    let name = dir
+        .file_name()
+        .ok_or_else(|| anyhow!("{}: not a directory name", dir.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+    let parent = parent.unwrap_or(Path::new("."));
+    fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    Ok(parent.join(format!(".{name}.possum-tmp-{}", std::process::id())))
+}
+
+fn progress_bar(total: u64, watch: PathBuf, stop: std::sync::mpsc::Receiver<()>) {
+    let t = Instant::now();
+    let mut shown = false;
+    while stop.recv_timeout(Duration::from_millis(200)).is_err() {
+        if t.elapsed() < Duration::from_millis(500) {
+            continue;
+        }
+        let done = dir_bytes(&watch).min(total.max(1));
+        let frac = done as f64 / total.max(1) as f64;
+        let width = 30;
+        let filled = (frac * width as f64) as usize;
+        eprint!(
+            "\r  GPU buffers [{}{}] {:5.1}% {:.2}/{:.2} GiB {:.1} s",
+            "#".repeat(filled),
+            " ".repeat(width - filled),
+            100.0 * frac,
+            done as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64,
+            t.elapsed().as_secs_f64()
+        );
+        shown = true;
+    }
+    if shown {
+        eprintln!();
+    }
+}
+
+pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
+    let t_all = Instant::now();
+    let pid = a.pid;
+    if pid <= 0 || !alive(pid) {
+        bail!("no process {pid} (is it still running?)");
+    }
+    if occupied(&a.dir) && !a.force {
+        bail!(
+            "{} exists and is not empty: choose another directory, or --force to replace it \
+             (the old image is removed only once the new one is complete)",
+            a.dir.display()
+        );
+    }
+    let sockets = socket_dir_of(a.socket_dir.as_ref());
+    let status = match a.engine {
+        EngineKind::Possum => Some(ask(pid, &sockets, &Request::Status)?),
+        EngineKind::Driver => None,
+    };
+    // The process side: CRIU and the driver checkpoint (not needed for --gpu-only).
+    let side = if a.gpu_only {
+        None
+    } else {
+        let criu = Criu::locate().context("CRIU is needed for the CPU side")?;
+        let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
+        Some((criu, drv))
+    };
+    let _lock = lock_pid(&sockets, pid)?;
+    if let Some((_, drv)) = &side {
+        match drv.state(pid) {
+            Ok(ProcessState::Running) => {}
+            Ok(other) => bail!(
+                "process {pid} is {other} in the CUDA driver: another checkpoint holds it, or it \
+                 was left so by one (see `possum status {pid}`)"
+            ),
+            Err(e) => bail!("process {pid}: {e} (does it use CUDA?)"),
+        }
+    }
+    let managed: u64 = status
+        .as_ref()
+        .and_then(|s| s["possum"]["engines"].as_array())
+        .map(|es| {
+            es.iter()
+                .filter_map(|e| e["engine"]["bytes"].as_u64())
+                .sum()
+        })
+        .unwrap_or(0);
+    // possum holds the job's operations in its CUPTI callbacks; without them it cannot (and
+    // once the driver has locked the job, possum's own CUDA calls in it block too).
+    if let Some(s) = &status {
+        if s["possum"]["session"]["cupti_attached"] != json!(true) {
+            bail!(
+                "possum does not see process {pid}'s GPU operations (CUPTI is off or failed: {}), \
+                 so it cannot hold them while it saves the buffers; use --engine driver",
+                s["cupti_error"]
+            );
+        }
+    }
+    let shell_job = nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
+        .map(|sid| sid.as_raw() != pid)
+        .unwrap_or(false);
+
+    // What the job uses on the GPU now, for the restore's check (asked before anything changes).
+    let gpu_memory = smi::process_usage(pid).unwrap_or_default();
+    let tmp = temp_sibling(&a.dir)?;
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let mut guard = Guard::start(&GuardArgs {
+        pid,
+        tmp: tmp.clone(),
+        final_dir: a.dir.clone(),
+        socket_dir: sockets.clone(),
+    })?;
+    let mut clock = Clock::default();
+    let mut engine_report = Value::Null;
+    let mut release_report = Value::Null;
+    let manifest = |criu_dir: Option<String>| Manifest {
+        possum_image: MANIFEST_VERSION,
+        engine: a.engine,
+        pid,
+        shell_job,
+        socket_dir: sockets.clone(),
+        created: SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        criu_dir,
+        gpu_dir: (a.engine == EngineKind::Possum).then(|| "gpu".into()),
+        gpu_memory: gpu_memory.clone(),
+        figures: Value::Null,
+    };
+    let r = (|| -> Result<(Manifest, u64, u64)> {
+        if a.engine == EngineKind::Possum {
+            let gpu = tmp.join("gpu");
+            let (tx, rx) = std::sync::mpsc::channel();
+            let bar = (!a.json && std::io::stderr().is_terminal()).then(|| {
+                let g = gpu.clone();
+                std::thread::spawn(move || progress_bar(managed, g, rx))
+            });
+            let req = Request::Checkpoint {
+                dir: gpu.display().to_string(),
+            };
+            engine_report = clock.time("engine_snapshot", || ask(pid, &sockets, &req))?;
+            drop(tx);
+            if let Some(b) = bar {
+                let _ = b.join();
+            }
+            guard.step(Step::Releasing);
+            release_report = clock.time("release", || ask(pid, &sockets, &Request::Release))?;
+        }
+        let Some((criu, drv)) = &side else {
+            let gpu_bytes = dir_bytes(&tmp.join("gpu"));
+            return Ok((manifest(None), 0, gpu_bytes));
+        };
+        guard.step(Step::Locking);
+        clock
+            .time("driver_lock", || Ok(drv.lock(pid, LOCK_TIMEOUT_MS)?))
+            .map_err(|e| {
+                if a.engine == EngineKind::Possum && e.to_string().contains("NOT_SUPPORTED") {
+                    e.context(
+                        "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI has \
+                         subscribed in, and possum needs CUPTI: a full possum checkpoint cannot \
+                         run here; use --engine driver (or --gpu-only for possum's GPU side)",
+                    )
+                } else {
+                    e
+                }
+            })?;
+        clock.time("driver_checkpoint", || Ok(drv.checkpoint(pid)?))?;
+        let criu_dir = tmp.join("criu");
+        let mut opts = DumpOptions::new(pid, &criu_dir);
+        opts.leave_running = true;
+        opts.shell_job = shell_job;
+        opts.ext_unix_sk = true;
+        let dump = clock.time("criu_dump", || Ok(criu.dump(&opts)?))?;
+        let gpu_bytes = dir_bytes(&tmp.join("gpu"));
+        Ok((manifest(Some("criu".into())), dump.image_bytes, gpu_bytes))
+    })();
+    let (mut manifest, criu_bytes, gpu_bytes) = match r {
+        Ok(x) => x,
+        Err(e) => {
+            guard.undo();
+            return Err(e.context(format!(
+                "checkpoint of process {pid} failed; the job runs on, no image was written"
+            )));
+        }
+    };
+    // The image is complete: name it.
+    let commit = clock.time("commit", || {
+        // The figures are added once known (below); the image is complete without them.
+        let text = serde_json::to_string_pretty(&manifest)?;
+        fs::write(tmp.join(MANIFEST), text)?;
+        fs::File::open(&tmp)?.sync_all()?;
+        if a.force && a.dir.exists() {
+            let old = tmp.with_extension("old");
+            fs::rename(&a.dir, &old)?;
+            fs::rename(&tmp, &a.dir)?;
+            let _ = fs::remove_dir_all(&old);
+        } else {
+            // Fails if DIR appeared meanwhile and is not empty: nothing is overwritten.
+            let _ = fs::remove_dir(&a.dir);
+            fs::rename(&tmp, &a.dir)?;
+        }
+        Ok(())
+    });
+    if let Err(e) = commit {
+        guard.undo();
+        return Err(e.context(format!(
+            "naming the image {} failed; the job runs on",
+            a.dir.display()
+        )));
+    }
+    guard.step(Step::Committed);
+    let after = (|| -> Result<()> {
+        if a.leave_running || a.gpu_only {
+            if let Some((_, drv)) = &side {
+                clock.time("driver_restore", || Ok(drv.restore(pid, &[])?))?;
+                clock.time("driver_unlock", || Ok(drv.unlock(pid)?))?;
+                guard.step(Step::Unlocked);
+            }
+            if a.engine == EngineKind::Possum {
+                let req = Request::Resume {
+                    dir: Some(a.dir.join("gpu").display().to_string()),
+                };
+                clock.time("resume", || ask(pid, &sockets, &req))?;
+                guard.step(Step::Resumed);
+            }
+        } else {
+            clock.time("kill", || kill_job(pid))?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = after {
+        guard.undo();
+        return Err(e.context("the image is complete, but the job could not be resumed"));
+    }
+    guard.done();
+    // Durable only now, with the job running again: nothing was fsynced while it was paused.
+    clock.time("sync", || sync_tree(&a.dir))?;
+
+    let stall_engine = clock.get("release") + clock.get("resume");
+    let stall_driver = clock.get("driver_lock")
+        + clock.get("driver_checkpoint")
+        + clock.get("driver_restore")
+        + clock.get("driver_unlock");
+    let stall_criu = clock.get("criu_dump");
+    let mut fig = clock.json();
+    fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
+    fig.insert(
+        "stall_ms".into(),
+        json!(ms(stall_engine
+            + stall_driver
+            + stall_criu
+            + clock.get("commit"))),
+    );
+    fig.insert(
+        "stall_breakdown_ms".into(),
+        json!({"engine": ms(stall_engine), "driver": ms(stall_driver), "criu": ms(stall_criu),
+               "commit": ms(clock.get("commit"))}),
+    );
+    fig.insert("image_bytes".into(), json!(criu_bytes + gpu_bytes));
+    fig.insert("criu_image_bytes".into(), json!(criu_bytes));
+    fig.insert("gpu_image_bytes".into(), json!(gpu_bytes));
+    let out = json!({
+        "pid": pid, "engine": a.engine, "dir": a.dir, "leave_running": a.leave_running,
+        "figures": fig, "engine_report": engine_report, "release_report": release_report,
+    });
+    // The figures also go into the image (best effort: the image is already complete).
+    manifest.figures = out.clone();
+    if let Ok(text) = serde_json::to_string_pretty(&manifest) {
+        let _ = fs::write(a.dir.join(MANIFEST), text);
+    }
+    if a.json {
+        println!("{out}");
+    } else {
+        let f = |k: &str| fig.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+        println!(
+            "possum: process {pid} checkpointed to {} ({:?} engine{}): {:.2} GiB image",
+            a.dir.display(),
+            a.engine,
+            if a.leave_running {
+                ", still running"
+            } else {
+                ", then killed"
+            },
+            (criu_bytes + gpu_bytes) as f64 / (1u64 << 30) as f64
+        );
+        println!(
+            "  job paused {:.0} ms (engine {:.0}, driver {:.0}, CRIU {:.0}, commit {:.0}); total {:.0} ms",
+            f("stall_ms"),
+            ms(stall_engine),
+            ms(stall_driver),
+            ms(stall_criu),
+            f("commit_ms"),
+            f("total_ms")
+        );
+        if a.engine == EngineKind::Possum {
+            println!(
+                "  GPU buffers saved while the job ran: {:.0} ms",
+                f("engine_snapshot_ms")
+            );
+        }
+    }
+    Ok(true)
+}
+
+/// Arguments of the hidden `possum cupti` (diagnostics).
+#[derive(Args, Debug)]
+pub struct CuptiArgs {
+    pub pid: i32,
+    /// Attach again (default: detach).
+    #[arg(long)]
+    pub attach: bool,
+    #[arg(long, value_name = "DIR")]
+    pub socket_dir: Option<PathBuf>,
+}
+
+/// `possum cupti PID [--attach]`: detaches CUPTI from a job (or attaches it again).
+pub fn cupti(a: &CuptiArgs) -> Result<bool> {
+    let dir = socket_dir_of(a.socket_dir.as_ref());
+    let v = ask(a.pid, &dir, &Request::Cupti { attach: a.attach })?;
+    println!("{v}");
+    Ok(true)
+}

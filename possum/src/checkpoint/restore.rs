@@ -1,0 +1,100 @@
+//! `possum restore`.
+
+use std::fs;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use possum_control::Request;
+use possum_criu::{Criu, RestoreOptions};
+use possum_cuda::checkpoint::DriverCheckpoint;
+use serde_json::json;
+
+use super::image::{open_image, plan_gpus};
+use super::{alive, ask, kill_job, ms, Clock};
+
+#[derive(Args, Debug)]
+pub struct RestoreArgs {
+    /// Image directory written by `possum checkpoint`.
+    #[arg(short = 'D', long = "images-dir", value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Print the figures as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Directory of the job's control socket (default: the one it had when checkpointed).
+    #[arg(long, value_name = "DIR")]
+    pub socket_dir: Option<PathBuf>,
+    /// Restore onto this GPU (its index as nvidia-smi numbers it) instead of the one the job ran
+    /// on: the driver's restore maps the old GPU's UUID to this one's. A single-GPU job, image of
+    /// `--engine driver`.
+    #[arg(long, value_name = "GPU")]
+    pub device: Option<u32>,
+}
+
+pub fn restore(a: &RestoreArgs) -> Result<bool> {
+    let t_all = Instant::now();
+    let img = open_image(&a.dir)?;
+    let m = &img.manifest;
+    let pid = m.pid;
+    if alive(pid) {
+        bail!(
+            "process {pid} is running: CRIU restores the job under its old PID, which must be \
+             free (kill the original first, or restore on another machine)"
+        );
+    }
+    let pairs = plan_gpus(m, a.device)?;
+    let criu = Criu::locate().context("CRIU is needed for the CPU side")?;
+    let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
+    let sockets = a.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
+    if img.gpu.is_some() {
+        // The killed job's socket file is still there; the restored job listens on it again.
+        let _ = fs::remove_file(possum_control::socket_path(&sockets, pid as u32));
+    }
+    let mut clock = Clock::default();
+    let mut opts = RestoreOptions::new(&img.criu);
+    opts.shell_job = m.shell_job;
+    opts.ext_unix_sk = true;
+    opts.log_file = format!("restore-{}.log", std::process::id());
+    clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
+    let r = (|| -> Result<()> {
+        clock.time("driver_restore", || Ok(drv.restore(pid, &pairs)?))?;
+        clock.time("driver_unlock", || Ok(drv.unlock(pid)?))?;
+        if let Some(gpu) = &img.gpu {
+            let req = Request::Resume {
+                dir: Some(gpu.display().to_string()),
+            };
+            clock.time("resume", || ask(pid, &sockets, &req))?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = r {
+        // A half-restored job is of no use to anyone: it must not linger, locked.
+        let _ = kill_job(pid);
+        return Err(e.context(format!(
+            "restore of process {pid} failed; the restored process was killed, the image is intact"
+        )));
+    }
+    let mut fig = clock.json();
+    fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
+    let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig});
+    if a.json {
+        println!("{out}");
+    } else {
+        println!(
+            "possum: process {pid} restored from {} ({:?} engine) in {:.0} ms (CRIU {:.0}, driver {:.0}, resume {:.0}){}",
+            a.dir.display(),
+            m.engine,
+            ms(t_all.elapsed()),
+            ms(clock.get("criu_restore")),
+            ms(clock.get("driver_restore") + clock.get("driver_unlock")),
+            ms(clock.get("resume")),
+            if img.gpu.is_some() {
+                "; GPU buffers come back on demand"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(true)
+}
