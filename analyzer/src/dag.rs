@@ -1,8 +1,9 @@
 //! The kernel/buffer DAG: an aggregate bipartite graph of which kernels read and write which
 //! buffers, and a bounded window of the last launches as a true dependency DAG.
 //!
-//! Recording happens on the job's launch path (under the caller's lock), so
-//! [`Dag::record_launch`] costs O(buffers touched) amortized: hash-map look-ups, no graph scans.
+//! The interposer records launches on its `possum-dag` thread, off the launch path; that thread
+//! must keep up with every launch of the job, so [`Dag::record_launch`] costs O(buffers touched)
+//! amortized: hash-map look-ups, no graph scans.
 //! The window keeps at most `window` launches; per-buffer reader lists are pruned as the window
 //! slides, so memory stays bounded by the window, the live buffers, the kernels and the streams.
 
@@ -13,6 +14,7 @@ use rustc_hash::FxHashMap as HashMap;
 use std::fmt::Write as _;
 
 use petgraph::graph::{DiGraph, EdgeIndex, NodeIndex};
+use petgraph::visit::EdgeRef;
 use serde_json::{json, Value};
 
 /// Handle of the pseudo-kernel standing for copies ([`KernelRef::MEMCPY`]).
@@ -120,6 +122,26 @@ enum Node {
         managed: bool,
         freed: bool,
     },
+}
+
+impl Node {
+    fn to_json(&self) -> Value {
+        match self {
+            Node::Kernel {
+                handle,
+                name,
+                launches,
+                opaque,
+            } => json!({"handle": handle, "name": name, "launches": launches, "opaque": opaque}),
+            Node::Buffer {
+                id,
+                va,
+                size,
+                managed,
+                freed,
+            } => json!({"id": id, "va": va, "size": size, "managed": managed, "freed": freed}),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -294,7 +316,7 @@ impl Dag {
                 deps.extend(
                     st.readers
                         .iter()
-                        .filter(|&&r| r >= oldest && r != seq)
+                        .filter(|&&r| r >= oldest)
                         .map(|&r| (r, DepKind::War)),
                 );
             }
@@ -408,45 +430,17 @@ impl Dag {
     /// "kind", "count"}], "window": {"launches": [...], "deps": [[from, to, kind], ...]}}`.
     pub fn to_json(&self) -> Value {
         let (ks, bs) = self.sorted_nodes();
-        let kernels: Vec<Value> = ks
-            .iter()
-            .map(|n| match n {
-                Node::Kernel {
-                    handle,
-                    name,
-                    launches,
-                    opaque,
-                } => {
-                    json!({"handle": handle, "name": name, "launches": launches, "opaque": opaque})
-                }
-                Node::Buffer { .. } => Value::Null,
-            })
-            .collect();
-        let buffers: Vec<Value> = bs
-            .iter()
-            .map(|n| match n {
-                Node::Buffer {
-                    id,
-                    va,
-                    size,
-                    managed,
-                    freed,
-                } => {
-                    json!({"id": id, "va": va, "size": size, "managed": managed, "freed": freed})
-                }
-                Node::Kernel { .. } => Value::Null,
-            })
-            .collect();
+        let kernels: Vec<Value> = ks.into_iter().map(Node::to_json).collect();
+        let buffers: Vec<Value> = bs.into_iter().map(Node::to_json).collect();
         let mut edges: Vec<(u64, u64, EdgeKind, u64)> = self
             .graph
-            .edge_indices()
+            .edge_references()
             .filter_map(|e| {
-                let (a, b) = self.graph.edge_endpoints(e)?;
-                let w = &self.graph[e];
+                let w = e.weight();
                 let (k, buf) = if w.kind == EdgeKind::Read {
-                    (b, a)
+                    (e.target(), e.source())
                 } else {
-                    (a, b)
+                    (e.source(), e.target())
                 };
                 match (&self.graph[k], &self.graph[buf]) {
                     (Node::Kernel { handle, .. }, Node::Buffer { id, .. }) => {
@@ -523,11 +517,8 @@ impl Dag {
                 );
             }
         }
-        for e in self.graph.edge_indices() {
-            let Some((a, b)) = self.graph.edge_endpoints(e) else {
-                continue;
-            };
-            let w = &self.graph[e];
+        for e in self.graph.edge_references() {
+            let w = e.weight();
             let id = |n: NodeIndex| match &self.graph[n] {
                 Node::Kernel { handle, .. } => format!("k{handle}"),
                 Node::Buffer { id, .. } => format!("b{id}"),
@@ -540,8 +531,8 @@ impl Dag {
             let _ = writeln!(
                 s,
                 "  {} -> {} [{style}label=\"{}\"];",
-                id(a),
-                id(b),
+                id(e.source()),
+                id(e.target()),
                 w.count
             );
         }
@@ -552,14 +543,12 @@ impl Dag {
     /// Whether the window's launches and dependencies form a DAG (they always should: every
     /// dependency points to an earlier launch).
     pub fn is_acyclic_window(&self) -> bool {
-        let oldest = self.oldest();
         let mut g: DiGraph<u64, DepKind> = DiGraph::with_capacity(self.launches.len(), 0);
         let mut index = HashMap::with_capacity_and_hasher(self.launches.len(), Default::default());
         for l in &self.launches {
             index.insert(l.seq, g.add_node(l.seq));
         }
         for (f, t, k) in self.window_deps() {
-            debug_assert!(f >= oldest);
             if let (Some(&a), Some(&b)) = (index.get(&f), index.get(&t)) {
                 g.add_edge(a, b, k);
             }

@@ -3,11 +3,11 @@
 //!
 //! A [`KernelModel`] is shared between the job's threads. The launch-path methods
 //! ([`KernelModel::next_launch`], [`KernelModel::is_opaque`], [`KernelModel::is_readonly`],
-//! [`KernelModel::classify`]) use atomics only; [`KernelModel::opaque_reason`] and
-//! [`KernelModel::mark_opaque`] take a lock and are meant for the rare paths.
+//! [`KernelModel::classify`]) use atomics only; [`KernelModel::opaque_reason`] clones a string and
+//! is meant for reports.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use serde::Serialize;
 
@@ -138,12 +138,12 @@ const TRACKED_SLOTS: usize = 64;
 pub struct KernelModel {
     handle: u64,
     name: Option<String>,
-    layout: Option<ParamLayout>,
     slots: Vec<Slot>,
     launches: AtomicU64,
     validated: AtomicU64,
-    opaque: AtomicBool,
-    reason: Mutex<Option<String>>,
+    /// Set (once, to the first reason given) when the kernel becomes opaque: the kernel is opaque
+    /// exactly when this is set.
+    opaque_reason: OnceLock<String>,
     /// Slots ever seen changed: read-write forever.
     rw_mask: AtomicU64,
     /// Slots speculated read-only.
@@ -162,16 +162,17 @@ impl KernelModel {
         let unchanged = (0..slots.len().min(TRACKED_SLOTS))
             .map(|_| AtomicU32::new(0))
             .collect();
-        let opaque = layout.is_none();
+        let opaque_reason = OnceLock::new();
+        if layout.is_none() {
+            let _ = opaque_reason.set("no parameter layout".to_string());
+        }
         Self {
             handle,
             name,
-            layout,
             slots,
             launches: AtomicU64::new(0),
             validated: AtomicU64::new(0),
-            opaque: AtomicBool::new(opaque),
-            reason: Mutex::new(opaque.then(|| "no parameter layout".to_string())),
+            opaque_reason,
             rw_mask: AtomicU64::new(0),
             ro_mask: AtomicU64::new(0),
             unchanged,
@@ -186,11 +187,6 @@ impl KernelModel {
     /// The kernel's name, when known.
     pub fn name(&self) -> Option<&str> {
         self.name.as_deref()
-    }
-
-    /// The kernel's parameter layout, when known.
-    pub fn layout(&self) -> Option<&ParamLayout> {
-        self.layout.as_ref()
     }
 
     /// The layout's pointer slots ([`ParamLayout::pointer_slots`]); empty without a layout.
@@ -216,35 +212,28 @@ impl KernelModel {
 
     /// Whether the kernel is treated as touching every buffer.
     pub fn is_opaque(&self) -> bool {
-        self.opaque.load(Ordering::Acquire)
+        self.opaque_reason.get().is_some()
     }
 
-    /// Why the kernel is opaque (the first reason given), if it is. Takes a lock.
+    /// Why the kernel is opaque (the first reason given), if it is.
     pub fn opaque_reason(&self) -> Option<String> {
-        self.reason
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.opaque_reason.get().cloned()
     }
 
-    /// Makes the kernel opaque for good. The first reason is kept. Takes a lock.
+    /// Makes the kernel opaque for good. The first reason is kept.
     pub fn mark_opaque(&self, reason: String) {
-        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
-        if r.is_none() {
-            *r = Some(reason);
-        }
-        self.opaque.store(true, Ordering::Release);
+        let _ = self.opaque_reason.set(reason);
+    }
+
+    /// Slots speculated read-only now, as a mask over slot indices: earned and never seen changed.
+    fn readonly_mask(&self) -> u64 {
+        self.ro_mask.load(Ordering::Acquire) & !self.rw_mask.load(Ordering::Acquire)
     }
 
     /// Whether slot `slot_index` (an index into [`Self::slots`]) is speculated read-only.
     /// Slots from 64 on never are.
     pub fn is_readonly(&self, slot_index: usize) -> bool {
-        if slot_index >= TRACKED_SLOTS {
-            return false;
-        }
-        let bit = 1u64 << slot_index;
-        self.ro_mask.load(Ordering::Acquire) & bit != 0
-            && self.rw_mask.load(Ordering::Acquire) & bit == 0
+        slot_index < TRACKED_SLOTS && self.readonly_mask() & (1u64 << slot_index) != 0
     }
 
     /// How a launch uses the buffer slot `slot_index` names.
@@ -268,7 +257,7 @@ impl KernelModel {
     /// Returns [`Verdict::Consistent`] when this validation found nothing wrong, even if the
     /// kernel was already opaque.
     pub fn record_validation(&self, v: &Validation, cfg: &ValidationConfig) -> Verdict {
-        let tracked = if self.unchanged.len() >= 64 {
+        let tracked = if self.unchanged.len() >= TRACKED_SLOTS {
             u64::MAX
         } else {
             (1u64 << self.unchanged.len()) - 1
@@ -318,7 +307,6 @@ impl KernelModel {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> KernelStats {
-        let ro = self.ro_mask.load(Ordering::Acquire) & !self.rw_mask.load(Ordering::Acquire);
         KernelStats {
             handle: self.handle,
             name: self.name.clone(),
@@ -326,7 +314,7 @@ impl KernelModel {
             validated: self.validated.load(Ordering::Relaxed),
             opaque: self.is_opaque(),
             opaque_reason: self.opaque_reason(),
-            readonly_slots: ro.count_ones(),
+            readonly_slots: self.readonly_mask().count_ones(),
             slots: u32::try_from(self.slots.len()).unwrap_or(u32::MAX),
         }
     }
@@ -430,6 +418,22 @@ mod tests {
         KernelModel::new(7, Some("k".into()), Some(ParamLayout::new(params)))
     }
 
+    /// A validation that saw the buffers of the slots in `mask` unchanged.
+    fn unchanged(mask: u64) -> Validation {
+        Validation {
+            slot_unchanged: mask,
+            ..Default::default()
+        }
+    }
+
+    /// A validation that saw the buffers of the slots in `mask` changed.
+    fn changed(mask: u64) -> Validation {
+        Validation {
+            slot_changed: mask,
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn config_parsing() {
         let c = ValidationConfig::from_env_str(
@@ -505,9 +509,8 @@ mod tests {
         let m = model(3);
         let cfg = ValidationConfig::default(); // readonly_after = 2
         let v = Validation {
-            slot_unchanged: 0b011,
             slot_changed: 0b100,
-            ..Default::default()
+            ..unchanged(0b011)
         };
         assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);
         assert!(!m.is_readonly(0) && !m.is_readonly(1) && !m.is_readonly(2));
@@ -517,21 +520,9 @@ mod tests {
         assert_eq!(m.classify(2), SlotAccess::ReadWrite);
         assert_eq!(m.stats().readonly_slots, 2);
         // Slot 1 changes once: read-write forever, however often it is unchanged after.
-        m.record_validation(
-            &Validation {
-                slot_changed: 0b010,
-                ..Default::default()
-            },
-            &cfg,
-        );
+        m.record_validation(&changed(0b010), &cfg);
         for _ in 0..5 {
-            m.record_validation(
-                &Validation {
-                    slot_unchanged: 0b111,
-                    ..Default::default()
-                },
-                &cfg,
-            );
+            m.record_validation(&unchanged(0b111), &cfg);
         }
         assert!(m.is_readonly(0) && !m.is_readonly(1) && !m.is_readonly(2));
         let s = m.stats();
@@ -550,13 +541,7 @@ mod tests {
             readonly_after: 1,
             ..Default::default()
         };
-        m.record_validation(
-            &Validation {
-                slot_unchanged: u64::MAX,
-                ..Default::default()
-            },
-            &cfg,
-        );
+        m.record_validation(&unchanged(u64::MAX), &cfg);
         assert_eq!(m.stats().readonly_slots, 2);
         assert!(!m.is_readonly(5));
     }
@@ -606,13 +591,7 @@ mod tests {
             readonly_after: 1,
             ..Default::default()
         };
-        m.record_validation(
-            &Validation {
-                slot_unchanged: 1 << 63,
-                ..Default::default()
-            },
-            &cfg,
-        );
+        m.record_validation(&unchanged(1 << 63), &cfg);
         assert!(m.is_readonly(63));
         assert!(!m.is_readonly(64));
     }
@@ -663,21 +642,12 @@ mod tests {
         // earns read-only, and its count does not advance towards it.
         let m = model(2);
         let cfg = ValidationConfig::default(); // readonly_after = 2
-        let v = Validation {
-            slot_unchanged: 0b01,
-            ..Default::default()
-        };
+        let v = unchanged(0b01);
         for _ in 0..4 {
             assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);
         }
         assert!(m.is_readonly(0) && !m.is_readonly(1));
-        m.record_validation(
-            &Validation {
-                slot_unchanged: 0b10,
-                ..Default::default()
-            },
-            &cfg,
-        );
+        m.record_validation(&unchanged(0b10), &cfg);
         assert!(!m.is_readonly(1), "one observation is not enough");
         assert_eq!(m.stats().readonly_slots, 1);
     }

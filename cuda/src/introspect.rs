@@ -1,11 +1,12 @@
 //! The job's CUDA objects as the interposer needs to see them: kernels' parameter layouts and
 //! names, the current device, stream capture, graphs' nodes, synchronous reads of device memory.
 //!
-//! The second (and last) module of this crate with `unsafe` code. Like `driver`, every function
-//! here is safe to call: handles the job passed to the driver (functions, kernels, streams,
-//! graphs) are only handed back to the driver, which validates them and returns an error for a bad
-//! one; out-pointers are locals of the right type; enums the driver writes are read as raw `u32`s,
-//! so a value newer than these bindings is never an invalid Rust enum.
+//! One of the three modules of this crate with `unsafe` code (with `driver` and `checkpoint`).
+//! Like `driver`, every function here is safe to call: handles the job passed to the driver
+//! (functions, kernels, streams, graphs) are only handed back to the driver, which validates them
+//! and returns an error for a bad one; out-pointers are locals of the right type; enums the driver
+//! writes are read as raw `u32`s, so a value newer than these bindings is never an invalid Rust
+//! enum.
 //!
 //! These run on the job's threads (inside CUPTI callbacks): they allocate only what they return
 //! and never take possum's locks.
@@ -17,7 +18,7 @@ use std::ptr;
 use cudarc::driver::sys::{self, CUresult};
 use possum_engine::device::{DeviceError, DeviceResult};
 
-use crate::driver::{check, check_async, load};
+use crate::driver::{check, check_async, describe, load};
 
 fn ensure_loaded() -> DeviceResult<()> {
     load().map_err(|message| DeviceError::Backend {
@@ -82,8 +83,8 @@ pub fn param_layout(handle: u64) -> Result<Layout, String> {
     }
     Err(format!(
         "cuFuncGetParamInfo: {}; cuKernelGetParamInfo: {}",
-        crate::driver::describe(e1),
-        crate::driver::describe(e2)
+        describe(e1),
+        describe(e2)
     ))
 }
 
@@ -147,15 +148,6 @@ pub fn ctx_synchronize() -> DeviceResult<()> {
     ensure_loaded()?;
     // SAFETY: the library is loaded; no arguments.
     check_async("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
-}
-
-/// Blocks until everything queued on the job's `stream` has completed.
-pub fn stream_synchronize(stream: u64) -> DeviceResult<()> {
-    ensure_loaded()?;
-    // SAFETY: the library is loaded; the handle is only handed back to the driver.
-    check_async("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(stream as usize as sys::CUstream)
-    })
 }
 
 /// Copies `dst.len()` bytes of device memory at `src` into `dst`, synchronously (the copy is

@@ -53,12 +53,18 @@ fn fakes() -> Option<&'static (PathBuf, PathBuf)> {
         .as_ref()
 }
 
+/// The fakes' paths (as [`fakes`]); `None` (said on stderr) without a C compiler.
+fn fakes_or_skip(test: &str) -> Option<&'static (PathBuf, PathBuf)> {
+    let f = fakes();
+    if f.is_none() {
+        skipped(test, "no C compiler to build testdata/fake-libcuda*.c");
+    }
+    f
+}
+
 /// The fake driver with the checkpoint API, loaded; `None` (said on stderr) without a C compiler.
 fn fake_or_skip(test: &str) -> Option<DriverCheckpoint> {
-    let Some((full, _)) = fakes() else {
-        skipped(test, "no C compiler to build testdata/fake-libcuda.c");
-        return None;
-    };
+    let (full, _) = fakes_or_skip(test)?;
     Some(DriverCheckpoint::load_from(full.to_str().unwrap()).expect("the fake driver loads"))
 }
 
@@ -192,11 +198,7 @@ fn fake_dead_pid_is_an_error() {
 
 #[test]
 fn fake_driver_without_the_api_is_unsupported() {
-    let Some((_, nockpt)) = fakes() else {
-        skipped(
-            "fake_driver_without_the_api_is_unsupported",
-            "no C compiler to build testdata/fake-libcuda-nockpt.c",
-        );
+    let Some((_, nockpt)) = fakes_or_skip("fake_driver_without_the_api_is_unsupported") else {
         return;
     };
     let e = DriverCheckpoint::load_from(nockpt.to_str().unwrap()).unwrap_err();
@@ -212,11 +214,17 @@ fn fake_driver_without_the_api_is_unsupported() {
     assert!(e.to_string().contains("driver 570 or newer"), "{e}");
 }
 
+/// This test binary, to run its `helper` test alone in `mode`.
+fn helper_command(helper: &str, mode: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", helper, "--nocapture", "--test-threads=1"])
+        .env(HELPER_ENV, mode);
+    cmd
+}
+
 /// Runs this test binary's `helper` test alone, in `mode`, with `envs`; returns its stdout.
 fn run_helper(helper: &str, mode: &str, envs: &[(&str, &str)]) -> String {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", helper, "--nocapture", "--test-threads=1"])
-        .env(HELPER_ENV, mode)
+    let out = helper_command(helper, mode)
         .envs(envs.iter().copied())
         .output()
         .expect("run the test binary as a helper");
@@ -232,11 +240,7 @@ fn run_helper(helper: &str, mode: &str, envs: &[(&str, &str)]) -> String {
 
 #[test]
 fn fake_library_is_chosen_by_env() {
-    let Some((full, _)) = fakes() else {
-        skipped(
-            "fake_library_is_chosen_by_env",
-            "no C compiler to build testdata/fake-libcuda.c",
-        );
+    let Some((full, _)) = fakes_or_skip("fake_library_is_chosen_by_env") else {
         return;
     };
     let lib = full.to_str().unwrap();
@@ -304,14 +308,7 @@ struct CudaChild {
 
 impl CudaChild {
     fn spawn() -> CudaChild {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "helper_cuda_child",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(HELPER_ENV, "cuda_child")
+        let mut child = helper_command("helper_cuda_child", "cuda_child")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
