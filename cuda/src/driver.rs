@@ -1,4 +1,6 @@
-//! The unsafe layer: the only module of this crate with `unsafe` code.
+//! The unsafe layer over the driver for the backend (the other modules with `unsafe` code are
+//! `introspect`, the job's own objects for the interposer, and `checkpoint`, the driver's
+//! checkpoint of another process).
 //!
 //! Thin wrappers over the CUDA driver API as cudarc's `sys` layer exposes it (loaded with `dlopen` at
 //! run time, so nothing of CUDA is needed to build), plus RAII types for the driver objects possum
