@@ -30,6 +30,7 @@
 //! and buffers, with read and write counts, and a bounded window of the last launches as a true
 //! dependency DAG (RAW, WAR, WAW and stream order). The window's order of first use is the
 //! prefetch order for a restore.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod dag;
