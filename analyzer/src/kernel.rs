@@ -155,6 +155,20 @@ pub struct KernelModel {
 impl KernelModel {
     /// State for a newly seen kernel. Without a layout the kernel is opaque from the start.
     pub fn new(handle: u64, name: Option<String>, layout: Option<ParamLayout>) -> Self {
+        Self::build(handle, name, layout, || "no parameter layout".to_string())
+    }
+
+    /// State for a kernel whose layout could not be had, opaque from the start for reason `why`.
+    pub fn without_layout(handle: u64, name: Option<String>, why: String) -> Self {
+        Self::build(handle, name, None, || why)
+    }
+
+    fn build(
+        handle: u64,
+        name: Option<String>,
+        layout: Option<ParamLayout>,
+        why: impl FnOnce() -> String,
+    ) -> Self {
         let slots = layout
             .as_ref()
             .map(ParamLayout::pointer_slots)
@@ -164,7 +178,7 @@ impl KernelModel {
             .collect();
         let opaque_reason = OnceLock::new();
         if layout.is_none() {
-            let _ = opaque_reason.set("no parameter layout".to_string());
+            let _ = opaque_reason.set(why());
         }
         Self {
             handle,
@@ -502,6 +516,16 @@ mod tests {
         assert_eq!(m.next_launch(&ValidationConfig::default()), (0, false));
         m.mark_opaque("later".into());
         assert_eq!(m.opaque_reason().as_deref(), Some("no parameter layout"));
+    }
+
+    #[test]
+    fn a_kernel_without_layout_keeps_the_drivers_reason() {
+        let m = KernelModel::without_layout(2, None, "no parameter layout: error 500".into());
+        assert!(m.is_opaque());
+        assert_eq!(
+            m.opaque_reason().as_deref(),
+            Some("no parameter layout: error 500")
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@ use possum_cuda::introspect;
 use possum_engine::device::DevPtr;
 use possum_engine::EngineError;
 
-use crate::runtime::{state, Reentry};
+use crate::runtime::{state, Reentry, State};
 
 /// What `cudaMalloc` should do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,21 +41,28 @@ pub fn malloc(
 ) -> Malloc {
     let st = state();
     crate::session::wait_if_paused();
-    if size == 0 || !st.managing() {
+    let m = serve(st, size, device, init);
+    if m == Malloc::Fallback {
         st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
+    }
+    m
+}
+
+fn serve(
+    st: &State,
+    size: u64,
+    device: impl FnOnce() -> Option<usize>,
+    init: impl FnOnce() -> i32,
+) -> Malloc {
+    if size == 0 || !st.managing() {
         return Malloc::Fallback;
     }
     let _r = Reentry::enter();
     let Some(ordinal) = device() else {
-        st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
         return Malloc::Fallback;
     };
-    let eng = match st.engine_or_create(ordinal, init) {
-        Ok(e) => e,
-        Err(_) => {
-            st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
-            return Malloc::Fallback;
-        }
+    let Ok(eng) = st.engine_or_create(ordinal, init) else {
+        return Malloc::Fallback;
     };
     match eng.engine.alloc(size) {
         Ok(b) => {
@@ -68,7 +75,6 @@ pub fn malloc(
             crate::log(&format!(
                 "engine allocation of {size} bytes failed ({e}); using libcudart"
             ));
-            st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
             Malloc::Fallback
         }
     }

@@ -148,6 +148,22 @@ pub enum Shape {
     Count,
 }
 
+impl Shape {
+    /// Whether the call enqueues work the engine's hook sees (a launch, graph launch, copy or
+    /// memset): it waits while the job is paused, is hooked on entry, and its guard is dropped on
+    /// exit.
+    pub const fn is_operation(self) -> bool {
+        matches!(
+            self,
+            Shape::Launch { .. }
+                | Shape::GraphLaunch
+                | Shape::Copy { .. }
+                | Shape::Memset { .. }
+                | Shape::OpaqueOp { .. }
+        )
+    }
+}
+
 /// One enabled callback.
 #[derive(Debug, Clone, Copy)]
 pub struct Callback {

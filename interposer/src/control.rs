@@ -24,12 +24,7 @@ pub fn start() {
             Request::Ping => {
                 json!({"pid": std::process::id(), "possum": env!("CARGO_PKG_VERSION")})
             }
-            Request::Status => {
-                let mut v: serde_json::Value =
-                    serde_json::from_str(&crate::stats_json()).unwrap_or_default();
-                v["pid"] = std::process::id().into();
-                v
-            }
+            Request::Status => crate::stats_json(),
             Request::Trace => match state_if_created() {
                 Some(st) => st.trace_json(),
                 None => possum_control::error_reply("the job has not used CUDA yet"),

@@ -25,7 +25,7 @@ use possum_engine::{Access, Buffer, OpGuard};
 use crate::cbid::{Shape, StreamAt};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
 use crate::runtime::{
-    state, BufList, DagMsg, DagOp, DevEngine, Reentry, Resolved, SnapNode, State,
+    state, BufList, DagMsg, DagOp, DevEngine, Ranges, Reentry, Resolved, SnapNode, State,
 };
 use crate::validate;
 
@@ -41,14 +41,37 @@ struct Pending {
 /// One launch in this many has its time in possum's callbacks measured.
 const TIME_EVERY: u32 = 16;
 
-/// Per-thread scratch space, reused so the launch path does not allocate.
+/// An operation's buffers: managed ones of its device for the hook (deduplicated, a buffer both
+/// read and written only in `writes`), and every known allocation for the DAG.
 #[derive(Default)]
-struct Scratch {
-    words: Vec<u64>,
+struct BufferSets {
     reads: Vec<Buffer>,
     writes: Vec<Buffer>,
     dag_reads: Vec<BufRef>,
     dag_writes: Vec<BufRef>,
+}
+
+impl BufferSets {
+    fn clear(&mut self) {
+        self.reads.clear();
+        self.writes.clear();
+        self.dag_reads.clear();
+        self.dag_writes.clear();
+    }
+
+    fn access(&self) -> Access<'_> {
+        Access::Known {
+            reads: &self.reads,
+            writes: &self.writes,
+        }
+    }
+}
+
+/// Per-thread scratch space, reused so the launch path does not allocate.
+#[derive(Default)]
+struct Scratch {
+    words: Vec<u64>,
+    sets: BufferSets,
 }
 
 thread_local! {
@@ -68,14 +91,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         on_exit(st, cbid, shape, call);
         return;
     }
-    if matches!(
-        shape,
-        Shape::Launch { .. }
-            | Shape::GraphLaunch
-            | Shape::Copy { .. }
-            | Shape::Memset { .. }
-            | Shape::OpaqueOp { .. }
-    ) {
+    if shape.is_operation() {
         // A checkpoint may have released the buffers: wait for them to come back first.
         crate::session::wait_if_paused();
     }
@@ -119,7 +135,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             let s = call.stream(stream);
             if !skip_captured(st, s) {
                 st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
-                hook(st, ctx, s, Access::Opaque, None);
+                hook(st, engine_of(st, ctx).as_deref(), s, Access::Opaque, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -145,11 +161,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
 
 fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
     match shape {
-        Shape::Launch { .. }
-        | Shape::GraphLaunch
-        | Shape::Copy { .. }
-        | Shape::Memset { .. }
-        | Shape::OpaqueOp { .. } => {
+        _ if shape.is_operation() => {
             let p = PENDING
                 .try_with(|p| std::mem::take(&mut *p.borrow_mut()))
                 .unwrap_or_default();
@@ -213,10 +225,11 @@ fn skip_captured(st: &State, stream: u64) -> bool {
     false
 }
 
-/// Calls the engine's hook for an operation on `stream`, keeping the guard for the exit callback.
+/// Calls the engine's hook (`eng`: the engine of the calling thread's device, if possum manages
+/// allocations there) for an operation on `stream`, keeping the guard for the exit callback.
 fn hook(
     st: &State,
-    ctx: u64,
+    eng: Option<&DevEngine>,
     stream: u64,
     access: Access<'_>,
     validation: Option<validate::Before>,
@@ -226,7 +239,7 @@ fn hook(
             .per_thread_stream_ops
             .fetch_add(1, Ordering::Relaxed);
     }
-    let guard = engine_of(st, ctx).and_then(|e| {
+    let guard = eng.and_then(|e| {
         let s = e.stream(stream);
         let _r = Reentry::enter();
         match e.engine.before_op(&s, access) {
@@ -249,27 +262,23 @@ fn engine_of(st: &State, ctx: u64) -> Option<Arc<DevEngine>> {
     st.device_of(ctx).and_then(|d| st.engine(d))
 }
 
-/// Resolves `words` (the slots of `model`) into `reads`/`writes` (managed buffers of device
-/// `dev`, deduplicated, a buffer both read and written only in `writes`) and the DAG's lists.
-/// With `discover`, a word no known allocation contains but near one is asked of the driver
-/// ([`State::discover`]). Returns (touched an unmanaged allocation, needed discovery: then the
-/// launch named an allocation possum did not know).
-#[allow(clippy::too_many_arguments)]
+/// Resolves `words` (the slots of `model`) against the snapshot `ranges` into `sets` (the hook's
+/// lists hold managed buffers of device `dev` only). With `discover`, a word no known allocation
+/// contains but near one is asked of the driver ([`State::discover`]; `ranges` is then taken
+/// again). Returns (touched an unmanaged allocation, needed discovery: then the launch named an
+/// allocation possum did not know).
 fn resolve_slots(
     st: &State,
+    ranges: &mut Arc<Ranges>,
     discover: bool,
     dev: Option<usize>,
     model: &KernelModel,
     words: &[u64],
-    reads: &mut Vec<Buffer>,
-    writes: &mut Vec<Buffer>,
-    dag_reads: &mut Vec<BufRef>,
-    dag_writes: &mut Vec<BufRef>,
+    sets: &mut BufferSets,
 ) -> (bool, bool) {
     let mut unmanaged = false;
     let mut discovered = false;
     let mut pointer_words = 0;
-    let mut ranges = st.ranges();
     for (i, &w) in words.iter().enumerate() {
         if w == 0 {
             continue;
@@ -283,7 +292,7 @@ fn resolve_slots(
                 continue;
             }
             discovered = true;
-            ranges = st.ranges();
+            *ranges = st.ranges();
             r = ranges.lookup(w);
         }
         pointer_words += 1;
@@ -291,15 +300,17 @@ fn resolve_slots(
         match &r {
             Resolved::None => continue,
             Resolved::Unmanaged(..) => unmanaged = true,
-            Resolved::Managed(b, d) if Some(*d) == dev => push_buffer(b, ro, reads, writes),
+            Resolved::Managed(b, d) if Some(*d) == dev => {
+                push_buffer(b, ro, &mut sets.reads, &mut sets.writes)
+            }
             Resolved::Managed(..) => {}
         }
         if st.cfg.dag {
             if let Some(br) = r.buf_ref() {
                 let list = if ro {
-                    &mut *dag_reads
+                    &mut sets.dag_reads
                 } else {
-                    &mut *dag_writes
+                    &mut sets.dag_writes
                 };
                 if !list.iter().any(|x| x.id == br.id) {
                     list.push(br);
@@ -331,17 +342,16 @@ fn push_buffer(b: &Buffer, read_only: bool, reads: &mut Vec<Buffer>, writes: &mu
 /// A kernel's buffer sets as its last launch on this thread resolved them: reused while the
 /// launch's words, the allocations and the kernel's speculation are all unchanged (a training
 /// loop launches the same kernels on the same buffers step after step).
+///
+/// An entry whose resolution needed discovery is never reused (its `generation` is `u64::MAX`),
+/// so a reused entry always named only allocations possum knew.
 #[derive(Default)]
 struct Memo {
     generation: u64,
     version: u64,
     words: Vec<u64>,
-    identified: bool,
     unmanaged: bool,
-    reads: Vec<Buffer>,
-    writes: Vec<Buffer>,
-    dag_reads: Vec<BufRef>,
-    dag_writes: Vec<BufRef>,
+    sets: BufferSets,
 }
 
 /// Memo entries kept per kernel and thread (replaced round-robin, their buffers reused, so a miss
@@ -375,6 +385,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     let c = &st.counters;
     c.launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
+    let eng = eng.as_deref();
     let _ = MEMO.try_with(|memo| {
         let mut memo = memo.borrow_mut();
         let ways = memo.entry(func).or_default();
@@ -382,7 +393,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         let (_, due) = model.next_launch(&st.cfg.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
-        let validate_now = due && !eng.as_ref().is_some_and(|e| e.engine.session_active());
+        let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
         let _ = SCRATCH.try_with(|s| {
             let words = &mut s.borrow_mut().words;
             args.read_slots(model.slots(), words);
@@ -410,23 +421,20 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             let hit = found.is_some() && !validate_now;
             ways.entries[slot].0 = hash;
             let m = &mut ways.entries[slot].1;
+            // A reused entry needed no discovery (see `Memo`).
+            let mut identified = true;
             if hit {
                 c.memo_hits.fetch_add(1, Ordering::Relaxed);
             } else {
-                m.reads.clear();
-                m.writes.clear();
-                m.dag_reads.clear();
-                m.dag_writes.clear();
+                m.sets.clear();
                 let (unmanaged, discovered) = resolve_slots(
                     st,
+                    &mut st.ranges(),
                     validate_now,
-                    eng.as_ref().map(|e| e.ordinal),
+                    eng.map(|e| e.ordinal),
                     &model,
                     words,
-                    &mut m.reads,
-                    &mut m.writes,
-                    &mut m.dag_reads,
-                    &mut m.dag_writes,
+                    &mut m.sets,
                 );
                 if discovered {
                     c.launches_discovered.fetch_add(1, Ordering::Relaxed);
@@ -438,14 +446,14 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 // Discovery changed the allocations: the next launch resolves again.
                 m.generation = if discovered { u64::MAX } else { generation };
                 m.version = version;
-                m.identified = !discovered;
                 m.unmanaged = unmanaged;
                 m.words.clone_from(words);
+                identified = !discovered;
             }
             let opaque = model.is_opaque();
             if opaque {
                 c.launches_opaque.fetch_add(1, Ordering::Relaxed);
-            } else if m.identified {
+            } else if identified {
                 c.launches_identified.fetch_add(1, Ordering::Relaxed);
             }
             if m.unmanaged {
@@ -454,24 +462,21 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             st.to_dag(DagMsg::Launch {
                 op: DagOp::Kernel(func),
                 stream,
-                reads: BufList::from_slice(&m.dag_reads),
-                writes: BufList::from_slice(&m.dag_writes),
+                reads: BufList::from_slice(&m.sets.dag_reads),
+                writes: BufList::from_slice(&m.sets.dag_writes),
             });
             let access = if opaque {
                 Access::Opaque
             } else {
-                Access::Known {
-                    reads: &m.reads,
-                    writes: &m.writes,
-                }
+                m.sets.access()
             };
             if eng.is_some() {
                 c.launches_hooked.fetch_add(1, Ordering::Relaxed);
             }
             let before = (validate_now && !opaque)
-                .then(|| validate::begin(st, eng.as_deref(), &model, words))
+                .then(|| validate::begin(st, eng, &model, words))
                 .flatten();
-            hook(st, ctx, stream, access, before);
+            hook(st, eng, stream, access, before);
         });
     });
 }
@@ -483,66 +488,59 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
     let c = &st.counters;
     c.graph_launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
+    let eng = eng.as_deref();
     let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
         c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
-        hook(st, ctx, stream, Access::Opaque, None);
+        hook(st, eng, stream, Access::Opaque, None);
         return;
     };
     let _ = SCRATCH.try_with(|s| {
-        let mut s = s.borrow_mut();
-        let Scratch {
-            reads,
-            writes,
-            dag_reads,
-            dag_writes,
-            ..
-        } = &mut *s;
-        reads.clear();
-        writes.clear();
+        let sets = &mut s.borrow_mut().sets;
+        sets.clear();
+        let mut ranges = st.ranges();
         let mut opaque = false;
         for node in &snap.nodes {
             c.graph_nodes_expanded.fetch_add(1, Ordering::Relaxed);
-            dag_reads.clear();
-            dag_writes.clear();
+            // Each node is its own record in the DAG; the hook gets the union of their buffers.
+            sets.dag_reads.clear();
+            sets.dag_writes.clear();
             let kref = match node {
                 SnapNode::Kernel { model, words } => {
                     opaque |= model.is_opaque();
                     resolve_slots(
                         st,
+                        &mut ranges,
                         false,
-                        eng.as_ref().map(|e| e.ordinal),
+                        eng.map(|e| e.ordinal),
                         model,
                         words,
-                        reads,
-                        writes,
-                        dag_reads,
-                        dag_writes,
+                        sets,
                     );
                     DagOp::Kernel(model.handle())
                 }
                 SnapNode::Memset { dst } => {
-                    let r = st.resolve(*dst);
+                    let r = ranges.lookup(*dst);
                     if let Resolved::Managed(b, _) = &r {
-                        push_buffer(b, false, reads, writes);
+                        push_buffer(b, false, &mut sets.reads, &mut sets.writes);
                     }
-                    dag_writes.extend(r.buf_ref());
+                    sets.dag_writes.extend(r.buf_ref());
                     DagOp::Memset
                 }
             };
             st.to_dag(DagMsg::Launch {
                 op: kref,
                 stream,
-                reads: BufList::from_slice(dag_reads),
-                writes: BufList::from_slice(dag_writes),
+                reads: BufList::from_slice(&sets.dag_reads),
+                writes: BufList::from_slice(&sets.dag_writes),
             });
         }
         let access = if opaque {
             c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
             Access::Opaque
         } else {
-            Access::Known { reads, writes }
+            sets.access()
         };
-        hook(st, ctx, stream, access, None);
+        hook(st, eng, stream, access, None);
     });
 }
 
@@ -566,21 +564,14 @@ fn copy_like(
     } else {
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
-    let dev = st.device_of(ctx);
-    let rd = src.map_or(Resolved::None, |a| st.resolve(a));
-    let wr = st.resolve(dst);
-    let mut reads = Vec::new();
-    let mut writes = Vec::new();
-    if let Resolved::Managed(b, d) = &wr {
-        if Some(*d) == dev {
-            push_buffer(b, false, &mut reads, &mut writes);
-        }
-    }
-    if let Resolved::Managed(b, d) = &rd {
-        if Some(*d) == dev {
-            push_buffer(b, true, &mut reads, &mut writes);
-        }
-    }
+    let eng = engine_of(st, ctx);
+    let dev = eng.as_ref().map(|e| e.ordinal);
+    let ranges = st.ranges();
+    let rd = src.map_or(Resolved::None, |a| ranges.lookup(a));
+    let wr = ranges.lookup(dst);
+    // At most one buffer each way; one both read and written is only in `writes`.
+    let written = managed_on(&wr, dev);
+    let read = managed_on(&rd, dev).filter(|b| written.map_or(true, |w| w.id() != b.id()));
     if rd.key().is_some() || wr.key().is_some() {
         st.to_dag(DagMsg::Launch {
             op: if src.is_some() {
@@ -595,12 +586,20 @@ fn copy_like(
     }
     hook(
         st,
-        ctx,
+        eng.as_deref(),
         s,
         Access::Known {
-            reads: &reads,
-            writes: &writes,
+            reads: read.map_or(&[], std::slice::from_ref),
+            writes: written.map_or(&[], std::slice::from_ref),
         },
         None,
     );
+}
+
+/// The managed buffer `r` resolved to, if it belongs to device `dev`.
+fn managed_on(r: &Resolved, dev: Option<usize>) -> Option<&Buffer> {
+    match r {
+        Resolved::Managed(b, d) if Some(*d) == dev => Some(b),
+        _ => None,
+    }
 }

@@ -1,8 +1,11 @@
 //! libpossum.so, the only possum code that runs inside the job.
 //!
-//! This first slice only *watches*: it subscribes to CUPTI's driver-API callbacks and counts the
-//! job's kernel launches, graph launches, copies, memsets, allocations and stream creations, and
-//! the distinct kernels launched. It changes nothing the job does.
+//! It subscribes to CUPTI's driver-API callbacks and counts the job's kernel launches, graph
+//! launches, copies, memsets, allocations and stream creations, and the distinct kernels launched;
+//! serves the job's `cudaMalloc`/`cudaFree` from the engine (`cudart`, `alloc`); resolves each
+//! operation's buffers and calls the engine's hook before it (`hooks`); and answers the control
+//! socket, checkpoint sessions included (`control`, `session`). ARCHITECTURE.md ("interposer")
+//! has the design.
 //!
 //! CUPTI is used rather than wrapping `cuLaunchKernel` with `LD_PRELOAD` symbols because
 //! libcudart and cuBLAS `dlopen` libcuda and resolve it through `dlsym` / `cuGetProcAddress`: a
@@ -26,7 +29,11 @@
 //!   child that never used CUDA (a shell, a compiler) does not overwrite its parent's file, a
 //!   process that saw no call at all leaves an existing file alone.
 //! - `POSSUM_VERBOSE=1`: one line on stderr saying what set-up did (CUPTI loaded or not found,
-//!   callbacks enabled). Without it the library prints nothing, ever.
+//!   callbacks enabled), and a few more (control socket, engine, kernels made opaque). Without it
+//!   the library prints nothing, ever.
+//!
+//! The others (`POSSUM_MANAGE`, `POSSUM_VALIDATE`, `POSSUM_TRACE`, `POSSUM_DETACH`, ...) are listed
+//! in the crate's README.
 //!
 //! If CUPTI cannot be loaded or subscribed to, the library does nothing else: the job runs as
 //! without it, and the statistics say `"cupti":false` with the reason in `"cupti_error"`.
@@ -208,21 +215,17 @@ pub(crate) fn log(msg: &str) {
 
 /// The statistics so far, as one JSON object (keys in the crate documentation). Before [`init`]
 /// has run, `"cupti"` is false and `"cupti_error"` says so.
-pub fn stats_json() -> String {
+pub fn stats_json() -> serde_json::Value {
     let not_set_up = Setup {
         error: Some("not initialised".into()),
         ..Setup::default()
     };
-    let counts = stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up));
-    match runtime::state_if_created() {
-        None => counts,
-        Some(st) => {
-            let mut v: serde_json::Value = serde_json::from_str(&counts).unwrap_or_default();
-            v["possum"] = st.stats_json();
-            v["possum"]["session"] = session::status_json();
-            v.to_string()
-        }
+    let mut v = stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up));
+    if let Some(st) = runtime::state_if_created() {
+        v["possum"] = st.stats_json();
+        v["possum"]["session"] = session::status_json();
     }
+    v
 }
 
 /// Total calls seen by every enabled callback.
@@ -257,7 +260,7 @@ fn write_stats_at_exit() {
     if calls_seen() == 0 && std::path::Path::new(&path).exists() {
         return;
     }
-    let mut json = stats_json();
+    let mut json = stats_json().to_string();
     json.push('\n');
     write_atomically(std::path::Path::new(&path), json.as_bytes());
 }

@@ -164,7 +164,7 @@ impl Ranges {
         self.hulls.iter().any(|&(s, e)| w >= s && w < e)
     }
 
-    /// What `w` points into.
+    /// What `w` points into (never anything for 0: no allocation starts at address 0).
     pub fn lookup(&self, w: u64) -> Resolved {
         let below = match self.starts.first() {
             Some(&lo) => w < lo,
@@ -282,7 +282,7 @@ pub struct State {
     pub captures: AtomicU64,
     /// The DAG. Launches reach it through `dag_tx` and the `possum-dag` thread, off the launch
     /// path.
-    pub dag: Mutex<Dag>,
+    dag: Mutex<Dag>,
     dag_tx: Option<crossbeam_channel::Sender<Vec<DagMsg>>>,
     dag_rx: crossbeam_channel::Receiver<Vec<DagMsg>>,
     /// Bumped whenever the set of allocations changes: buffer sets cached per kernel
@@ -347,12 +347,7 @@ pub fn state() -> &'static State {
                     if rx.is_empty() {
                         continue;
                     }
-                    let mut dag = s.dag.lock();
-                    for batch in rx.try_iter().take(DAG_QUEUE) {
-                        for m in batch {
-                            apply(s, &mut dag, m);
-                        }
-                    }
+                    s.apply_batches(&mut s.dag.lock(), rx.try_iter().take(DAG_QUEUE));
                 });
         });
     }
@@ -673,6 +668,13 @@ impl State {
         }
     }
 
+    /// Records queued batches into `dag` (the DAG's lock held).
+    fn apply_batches(&self, dag: &mut Dag, batches: impl Iterator<Item = Vec<DagMsg>>) {
+        for m in batches.flatten() {
+            apply(self, dag, m);
+        }
+    }
+
     /// The current snapshot of every known allocation (rebuilt here if allocations changed).
     pub fn ranges(&self) -> Arc<Ranges> {
         if self.ranges_stale.load(Ordering::Acquire) {
@@ -747,20 +749,6 @@ impl State {
         Some(d)
     }
 
-    /// What `w` points into (a lookup in [`State::ranges`]; for many words, take the snapshot
-    /// once and look up in it).
-    pub fn resolve(&self, w: u64) -> Resolved {
-        if w == 0 {
-            return Resolved::None;
-        }
-        self.ranges().lookup(w)
-    }
-
-    /// Whether `w` is inside any known allocation.
-    pub fn is_live(&self, w: u64) -> bool {
-        !matches!(self.resolve(w), Resolved::None)
-    }
-
     /// Records an allocation possum does not manage.
     pub fn add_unmanaged(&self, va: u64, len: u64, kind: &'static str) {
         if va == 0 || len == 0 {
@@ -809,9 +797,7 @@ impl State {
                 )),
             ),
             Err(e) => {
-                let m = KernelModel::new(handle, name, None);
-                m.mark_opaque(format!("no parameter layout: {e}"));
-                m
+                KernelModel::without_layout(handle, name, format!("no parameter layout: {e}"))
             }
         };
         self.kernels
@@ -940,11 +926,7 @@ impl State {
         kernels.sort_by_key(|k| std::cmp::Reverse(k.launches));
         flush_dag();
         let mut dag = self.dag.lock();
-        for batch in self.dag_rx.try_iter() {
-            for m in batch {
-                apply(self, &mut dag, m);
-            }
-        }
+        self.apply_batches(&mut dag, self.dag_rx.try_iter());
         json!({
             "stats": self.stats_json(),
             "kernels": kernels,

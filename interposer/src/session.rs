@@ -121,12 +121,21 @@ fn engines() -> Vec<Arc<DevEngine>> {
 }
 
 /// The image directory of device `ordinal` under `dir`.
-pub fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
+fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
     dir.join(format!("gpu-{ordinal}"))
 }
 
 fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// Sets `key` of the last session's figures to `v`.
+fn note_last(key: &str, v: Value) {
+    let mut last = LAST.lock();
+    if !last.is_object() {
+        *last = json!({});
+    }
+    last[key] = v;
 }
 
 /// `Checkpoint{dir}`: every engine's buffers at one T0 each, copied while the job runs.
@@ -206,6 +215,11 @@ fn release_inner() -> Result<Value, String> {
     let hooks = crate::cupti_attached();
     set_paused(true);
     // T0: the job is paused. The buffers written since the pre-copy go into the same images.
+    // A failure here leaves every buffer in place: unpause before answering.
+    let unpause = |m: String| {
+        set_paused(false);
+        m
+    };
     let mut finals = Vec::new();
     for (ordinal, writer) in open {
         let Some(e) = engines.iter().find(|e| e.ordinal == ordinal) else {
@@ -216,24 +230,11 @@ fn release_inner() -> Result<Value, String> {
             .engine
             .checkpoint(sink, hooks)
             .and_then(|h| h.wait())
-            .map_err(|err| format!("device {ordinal}: final copy: {err}"));
-        let r = match r {
-            Ok(r) => r,
-            Err(m) => {
-                set_paused(false);
-                return Err(m);
-            }
-        };
-        let committed = Arc::into_inner(writer)
+            .map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
+        let summary = Arc::into_inner(writer)
             .ok_or_else(|| format!("device {ordinal}: image writer still shared"))
-            .and_then(|w| w.commit().map_err(|e| e.to_string()));
-        let summary = match committed {
-            Ok(s) => s,
-            Err(m) => {
-                set_paused(false);
-                return Err(m);
-            }
-        };
+            .and_then(|w| w.commit().map_err(|e| e.to_string()))
+            .map_err(unpause)?;
         finals.push(json!({
             "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
             "image_bytes": summary.data_file_bytes, "image_buffers": summary.buffers.len(),
@@ -267,11 +268,7 @@ fn release_inner() -> Result<Value, String> {
     }
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
                    "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
-    let mut last = LAST.lock();
-    if !last.is_object() {
-        *last = json!({});
-    }
-    last["release"] = v.clone();
+    note_last("release", v.clone());
     Ok(v)
 }
 
@@ -308,12 +305,11 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
             let r = h
                 .wait()
                 .map_err(|err| format!("device {ordinal}: restore: {err}"))?;
-            let mut last = LAST.lock();
-            if !last.is_object() {
-                *last = json!({});
-            }
-            last["restore"] = json!({"device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
-                                     "ms": ms(r.elapsed), "on_demand": false});
+            note_last(
+                "restore",
+                json!({"device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
+                       "ms": ms(r.elapsed), "on_demand": false}),
+            );
             out.push(ordinal);
             continue;
         }
@@ -333,11 +329,7 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
                     }
                 };
                 crate::log(&format!("restore done: {v}"));
-                let mut last = LAST.lock();
-                if !last.is_object() {
-                    *last = json!({});
-                }
-                last["restore"] = v;
+                note_last("restore", v);
             });
         out.push(ordinal);
     }

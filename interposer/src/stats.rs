@@ -1,16 +1,16 @@
 //! What the callbacks saw: a counter per callback id and the set of distinct launched functions.
 //!
-//! The launch path ([`record`]) takes no lock and allocates nothing, except the first time a
-//! thread sees a function handle that its small cache does not hold: then it takes the global set's
-//! lock to insert the handle.
+//! The launch path ([`record`]) takes no lock and allocates nothing, except when a thread sees a
+//! function handle that its small cache does not hold: then it takes the global set's read lock
+//! to look the handle up, and its write lock only to insert a handle seen for the first time.
 
 use std::cell::Cell;
 use std::collections::HashSet;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::LazyLock;
 
-use parking_lot::Mutex;
+use parking_lot::RwLock;
+use serde_json::{json, Map, Value};
 
 use crate::cbid::{Kind, CALLBACKS, ID_LIMIT};
 
@@ -18,10 +18,7 @@ use crate::cbid::{Kind, CALLBACKS, ID_LIMIT};
 static COUNTS: [AtomicU64; ID_LIMIT] = [const { AtomicU64::new(0) }; ID_LIMIT];
 
 /// Every distinct function handle seen by a launch callback.
-static FUNCTIONS: LazyLock<Mutex<HashSet<usize>>> = LazyLock::new(|| Mutex::new(HashSet::new()));
-
-/// `FUNCTIONS.len()`, kept beside it so that reading it takes no lock.
-static DISTINCT: AtomicU64 = AtomicU64::new(0);
+static FUNCTIONS: LazyLock<RwLock<HashSet<usize>>> = LazyLock::new(|| RwLock::new(HashSet::new()));
 
 const CACHE_SLOTS: usize = 64;
 
@@ -54,8 +51,8 @@ fn note_function(f: usize) {
             }
         })
         .unwrap_or(false);
-    if !cached && FUNCTIONS.lock().insert(f) {
-        DISTINCT.fetch_add(1, Ordering::Relaxed);
+    if !cached && !FUNCTIONS.read().contains(&f) {
+        FUNCTIONS.write().insert(f);
     }
 }
 
@@ -68,7 +65,7 @@ pub fn count(id: u32) -> u64 {
 
 /// Distinct function handles launched so far.
 pub fn distinct_functions() -> u64 {
-    DISTINCT.load(Ordering::Relaxed)
+    FUNCTIONS.read().len() as u64
 }
 
 /// Calls seen so far of every callback of `kind`.
@@ -94,54 +91,26 @@ pub struct Setup {
 }
 
 /// The statistics as one JSON object (see the crate documentation for its keys).
-pub fn to_json(pid: u32, setup: &Setup) -> String {
-    let mut s = String::with_capacity(4096);
-    let _ = write!(s, "{{\"pid\":{pid},\"cupti\":{}", setup.cupti);
-    s.push_str(",\"cupti_path\":");
-    push_opt_str(&mut s, setup.cupti_path.as_deref());
-    s.push_str(",\"cupti_error\":");
-    push_opt_str(&mut s, setup.error.as_deref());
-    let _ = write!(s, ",\"enabled_callbacks\":{}", setup.enabled);
+pub fn to_json(pid: u32, setup: &Setup) -> Value {
+    let mut v = json!({
+        "pid": pid,
+        "cupti": setup.cupti,
+        "cupti_path": setup.cupti_path,
+        "cupti_error": setup.error,
+        "enabled_callbacks": setup.enabled,
+        "graph_launches": total(Kind::Graph),
+        "distinct_functions": distinct_functions(),
+        "total_launches": total(Kind::Launch),
+    });
     for kind in Kind::ALL {
-        let _ = write!(s, ",\"{}\":{{", kind.key());
-        let mut first = true;
-        for c in CALLBACKS.iter().filter(|c| c.kind == kind) {
-            if !first {
-                s.push(',');
-            }
-            first = false;
-            // Names are C identifiers: nothing to escape.
-            let _ = write!(s, "\"{}\":{}", c.name, count(c.id));
-        }
-        s.push('}');
+        let counts: Map<String, Value> = CALLBACKS
+            .iter()
+            .filter(|c| c.kind == kind)
+            .map(|c| (c.name.to_string(), count(c.id).into()))
+            .collect();
+        v[kind.key()] = counts.into();
     }
-    let _ = write!(
-        s,
-        ",\"graph_launches\":{},\"distinct_functions\":{},\"total_launches\":{}}}",
-        total(Kind::Graph),
-        distinct_functions(),
-        total(Kind::Launch)
-    );
-    s
-}
-
-fn push_opt_str(s: &mut String, v: Option<&str>) {
-    let Some(v) = v else {
-        s.push_str("null");
-        return;
-    };
-    s.push('"');
-    for ch in v.chars() {
-        match ch {
-            '"' => s.push_str("\\\""),
-            '\\' => s.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(s, "\\u{:04x}", c as u32);
-            }
-            c => s.push(c),
-        }
-    }
-    s.push('"');
+    v
 }
 
 #[cfg(test)]
@@ -189,7 +158,7 @@ mod tests {
             error: Some("not \"found\"\n".into()),
             enabled: 0,
         };
-        let v: serde_json::Value = serde_json::from_str(&to_json(42, &setup)).unwrap();
+        let v = to_json(42, &setup);
         assert_eq!(v["pid"], 42);
         assert_eq!(v["cupti"], false);
         assert_eq!(v["cupti_error"], "not \"found\"\n");

@@ -1,4 +1,5 @@
-//! The unsafe layer: the only module of this crate with `unsafe` code or unsafe attributes.
+//! The unsafe layer towards CUPTI and the loader: the only module of this crate with unsafe
+//! attributes, and one of its three modules with `unsafe` code (with `decode` and `cudart`).
 //!
 //! - CUPTI is loaded with `dlopen` (libloading) at run time and never unloaded; only the three
 //!   functions used are looked up. Nothing of CUDA is needed to build or to load the library.
@@ -33,8 +34,8 @@ const DOMAIN_DRIVER_API: u32 = 1;
 const API_ENTER: u32 = 0;
 
 /// `CUpti_CallbackData` from cupti_callbacks.h (CUDA 13.0; unchanged since CUDA 11), as cudarc
-/// 0.19.10's bindgen output of that header lays it out. Only `callback_site` and `function_params`
-/// are read; the rest is here to keep the layout right.
+/// 0.19.10's bindgen output of that header lays it out. Only `callback_site`, `function_params`,
+/// `function_return_value` and `context` are read; the rest is here to keep the layout right.
 #[repr(C)]
 #[allow(dead_code)]
 struct CallbackData {
@@ -80,7 +81,8 @@ pub struct Cupti {
 /// The current subscription (none while detached).
 static SUBSCRIBED: parking_lot::Mutex<Option<Subscriber>> = parking_lot::Mutex::new(None);
 
-/// A CUPTI subscription, with this crate's [`callback`] as its callback. Never unsubscribed.
+/// A CUPTI subscription, with this crate's [`callback`] as its callback (ended only by
+/// [`Cupti::detach`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Subscriber(SubscriberHandle);
 
@@ -151,9 +153,7 @@ impl Cupti {
         format!("{name} ({r})")
     }
 
-    /// Subscribes [`callback`]. Fails if another subscriber exists (CUPTI allows one per process:
-    /// a profiler that uses CUPTI, Kineto included, then can't subscribe after possum).
-    /// Ends the subscription made by [`Cupti::subscribe`] (and with `finalize`, detaches CUPTI
+    /// Ends the subscription made by [`Cupti::attach`] (and with `finalize`, detaches CUPTI
     /// from the process): NVIDIA's driver checkpoint refuses a process CUPTI is attached to.
     pub fn detach(&self, finalize: bool) -> Result<(), String> {
         let Some(sub) = SUBSCRIBED.lock().take() else {
@@ -212,6 +212,8 @@ impl Cupti {
         CUPTI.get()
     }
 
+    /// Subscribes [`callback`]. Fails if another subscriber exists (CUPTI allows one per process:
+    /// a profiler that uses CUPTI, Kineto included, then can't subscribe after possum).
     fn subscribe(&self) -> Result<Subscriber, String> {
         let mut h: SubscriberHandle = ptr::null_mut();
         // SAFETY: `h` is a valid out-pointer; `callback` has the `CUpti_CallbackFunc` signature,
@@ -258,22 +260,15 @@ unsafe extern "C" fn callback(
         )
     };
     let enter = site == API_ENTER;
-    if enter {
-        let function = match crate::cbid::function_field(cbid) {
-            Some(i) if !params.is_null() => {
-                // SAFETY: for the launch callbacks `function_field` names, `params` points at the
-                // call's `cu<name>_params` struct (valid during the callback), whose field `i` is
-                // the pointer-sized, pointer-aligned `CUfunction f` (see `cbid::Shape::Launch`).
-                Some(unsafe { params.cast::<usize>().add(i).read() })
-            }
-            _ => None,
-        };
-        // A panic must not unwind into CUPTI; `record` has none to throw, but be sure.
-        let _ = catch_unwind(|| crate::stats::record(cbid, function));
-    }
     // SAFETY: `params` is this callback id's `cu<name>_params` struct and `ret` its `CUresult`,
     // both valid during the callback, which outlives the `RawCall`.
     let call = unsafe { crate::decode::RawCall::new(params, ret.cast_const()) };
+    if enter {
+        // The launched `CUfunction f` (0, not counted as a function, without params).
+        let function = crate::cbid::function_field(cbid).map(|i| call.word(i) as usize);
+        // A panic must not unwind into CUPTI; `record` has none to throw, but be sure.
+        let _ = catch_unwind(|| crate::stats::record(cbid, function));
+    }
     let _ = catch_unwind(AssertUnwindSafe(|| {
         crate::hooks::on_call(enter, cbid, ctx as usize as u64, &call)
     }));

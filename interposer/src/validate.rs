@@ -23,7 +23,7 @@ use possum_analyzer::kernel::{
 };
 use possum_cuda::introspect;
 
-use crate::runtime::{DevEngine, Reentry, State};
+use crate::runtime::{DevEngine, Reentry, Resolved, State};
 
 /// Bytes scanned for device pointers behind each pointer parameter.
 const TABLE_SCAN: u64 = 4096;
@@ -83,8 +83,9 @@ pub fn begin(
         let mut slot_keys = Vec::with_capacity(words.len());
         let mut pointer_table = None;
         let mut scan = Vec::new();
+        let ranges = st.ranges();
         for (i, &w) in words.iter().enumerate() {
-            let r = st.resolve(w);
+            let r = ranges.lookup(w);
             slot_keys.push(r.key());
             if pointer_table.is_some() {
                 continue;
@@ -93,7 +94,9 @@ pub fn begin(
                 let n = TABLE_SCAN.min(s + l - w) & !7;
                 scan.resize(n as usize, 0);
                 introspect::read_device(w, &mut scan).map_err(|e| e.to_string())?;
-                if let Some((_, p)) = find_pointers(&scan, |v| st.is_live(v)) {
+                if let Some((_, p)) =
+                    find_pointers(&scan, |v| !matches!(ranges.lookup(v), Resolved::None))
+                {
                     pointer_table = Some((i, p));
                 }
             }

@@ -7,8 +7,10 @@
 use std::path::Path;
 use std::process::Command;
 
+use serde_json::Value;
+
 mod common;
-use common::{build_fake_gpu, libpossum};
+use common::{build_fake_gpu, libpossum, read_json};
 
 /// `dir/fake_job` under libpossum on the fake GPU built in `dir`, writing `dir/stats.json` and
 /// `dir/trace.json`, with the default validation settings unless the caller sets
@@ -36,6 +38,17 @@ fn fake_job(dir: &Path) -> Command {
     cmd
 }
 
+/// The statistics of kernel `name` in the trace `t`.
+fn kernel(t: &Value, name: &str) -> Value {
+    t["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["name"] == name)
+        .unwrap_or_else(|| panic!("{name} not in {t}"))
+        .clone()
+}
+
 #[test]
 fn a_job_on_a_fake_gpu() {
     let dir = std::env::temp_dir().join(format!("possum-fakegpu-{}", std::process::id()));
@@ -58,8 +71,7 @@ fn a_job_on_a_fake_gpu() {
         "{stderr}"
     );
 
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let v = read_json(&stats);
     let p = &v["possum"];
     let c = &p["counters"];
     // Four cudaMalloc calls served by the engine, four cudaFree calls of its buffers.
@@ -85,25 +97,15 @@ fn a_job_on_a_fake_gpu() {
     );
     assert_eq!(p["engines"][0]["engine"]["buffers"], 0, "{v}");
 
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
-    let kernel = |name: &str| {
-        t["kernels"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|k| k["name"] == name)
-            .unwrap_or_else(|| panic!("{name} not in {t}"))
-            .clone()
-    };
+    let t = read_json(&trace);
     // axpy's x (slot 0) was unchanged by both validated launches: speculated read-only; y not.
-    let axpy = kernel("axpy");
+    let axpy = kernel(&t, "axpy");
     assert_eq!(axpy["launches"], 3);
     assert_eq!(axpy["validated"], 2);
     assert_eq!(axpy["readonly_slots"], 1, "{axpy}");
     assert_eq!(axpy["opaque"], false);
     // scale's pointers live inside a by-value struct: 3 words, 2 of them pointers, not opaque.
-    let scale = kernel("scale");
+    let scale = kernel(&t, "scale");
     assert_eq!(scale["slots"], 3, "{scale}");
     assert_eq!(scale["opaque"], false, "{scale}");
     // The DAG: axpy reads one buffer and writes another; scale writes z; the copy is there.
@@ -155,8 +157,7 @@ fn writes_of_a_constant_earn_no_readonly() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
     assert!(out.status.success(), "{stderr}");
 
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("stats.json")).unwrap()).unwrap();
+    let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];
     assert_eq!(c["launches_hooked"], 18, "{v}");
     assert_eq!(c["validations"], 12, "{v}");
@@ -164,19 +165,9 @@ fn writes_of_a_constant_earn_no_readonly() {
     assert_eq!(c["validation_errors"], 0, "{v}");
     assert_eq!(c["hook_errors"], 0, "{v}");
 
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json")).unwrap()).unwrap();
-    let kernel = |name: &str| {
-        t["kernels"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|k| k["name"] == name)
-            .unwrap_or_else(|| panic!("{name} not in {t}"))
-            .clone()
-    };
+    let t = read_json(&dir.join("trace.json"));
     for name in ["fill_zero", "fill_ff"] {
-        let k = kernel(name);
+        let k = kernel(&t, name);
         assert_eq!(k["launches"], 6, "{k}");
         assert_eq!(k["validated"], 4, "{k}");
         assert_eq!(k["opaque"], false, "{k}");
@@ -185,7 +176,7 @@ fn writes_of_a_constant_earn_no_readonly() {
             "{name}: read-only from constant fills: {k}"
         );
     }
-    let sum_read = kernel("sum_read");
+    let sum_read = kernel(&t, "sum_read");
     assert_eq!(sum_read["validated"], 4, "{sum_read}");
     assert_eq!(sum_read["readonly_slots"], 1, "{sum_read}");
 

@@ -1,13 +1,19 @@
 //! libpossum.so preloaded into programs that never use CUDA (no GPU or CUPTI needed): they must
 //! run exactly as without it.
 
+use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
 mod common;
-use common::libpossum;
-/// Runs `argv` with the environment cleared of possum's variables, plus `env`.
-fn run(argv: &[&str], preload: bool, env: &[(&str, &str)]) -> Output {
+use common::{cc, libpossum, read_json};
+
+/// A CUPTI that cannot exist, so the result does not depend on this machine having one.
+const NO_CUPTI: &str = "/nonexistent/libcupti.so";
+
+/// `argv` with the environment cleared of possum's variables, then `POSSUM_CUPTI` set to `cupti`
+/// and, with `preload`, libpossum.so preloaded.
+fn command(argv: &[&str], preload: bool, cupti: &OsStr) -> Command {
     let mut cmd = Command::new(argv[0]);
     cmd.args(&argv[1..]);
     for v in [
@@ -21,10 +27,16 @@ fn run(argv: &[&str], preload: bool, env: &[(&str, &str)]) -> Output {
     if preload {
         cmd.env("LD_PRELOAD", libpossum());
     }
-    // A CUPTI that cannot exist, so the result does not depend on this machine having one.
-    cmd.env("POSSUM_CUPTI", "/nonexistent/libcupti.so");
-    cmd.envs(env.iter().copied());
-    cmd.output().unwrap()
+    cmd.env("POSSUM_CUPTI", cupti);
+    cmd
+}
+
+/// Runs `argv` with the environment cleared of possum's variables, plus `env`.
+fn run(argv: &[&str], preload: bool, env: &[(&str, &str)]) -> Output {
+    command(argv, preload, NO_CUPTI.as_ref())
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
 }
 
 fn assert_unchanged(argv: &[&str]) {
@@ -61,15 +73,10 @@ fn verbose_prints_one_line() {
 
 /// Runs `argv` preloaded and returns its process id (`%p` in `POSSUM_STATS`).
 fn spawn_pid(argv: &[&str], env: &[(&str, &str)]) -> u32 {
-    let mut cmd = Command::new(argv[0]);
-    cmd.args(&argv[1..]);
-    for v in ["POSSUM_STATS", "POSSUM_VERBOSE", "POSSUM_CUPTI"] {
-        cmd.env_remove(v);
-    }
-    cmd.env("LD_PRELOAD", libpossum());
-    cmd.env("POSSUM_CUPTI", "/nonexistent/libcupti.so");
-    cmd.envs(env.iter().copied());
-    let mut child = cmd.spawn().unwrap();
+    let mut child = command(argv, true, NO_CUPTI.as_ref())
+        .envs(env.iter().copied())
+        .spawn()
+        .unwrap();
     let pid = child.id();
     assert!(child.wait().unwrap().success());
     pid
@@ -84,8 +91,7 @@ fn stats_file_is_written() {
     let file = dir.join("stats-%p.json");
     let pid = spawn_pid(&["/bin/true"], &[("POSSUM_STATS", file.to_str().unwrap())]);
     let path = dir.join(format!("stats-{pid}.json"));
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let v = read_json(&path);
     assert_eq!(v["pid"], pid);
     assert_eq!(v["cupti"], false);
     assert!(v["cupti_error"]
@@ -104,8 +110,7 @@ fn stats_file_is_written() {
     // Without `%p`: written when absent ...
     let fixed = dir.join("stats.json");
     spawn_pid(&["/bin/true"], &[("POSSUM_STATS", fixed.to_str().unwrap())]);
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&fixed).unwrap()).unwrap();
+    let v = read_json(&fixed);
     assert_eq!(v["cupti"], false);
     // ... but a later process that saw no CUDA call leaves an existing file alone.
     std::fs::write(&fixed, "keep").unwrap();
@@ -136,12 +141,14 @@ fn exports_injection_entry_point() {
 fn fake_cupti(dir: &std::path::Path) -> Option<PathBuf> {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fake/fake_cupti.c");
     let so = dir.join("libfakecupti.so");
-    let ok = Command::new("cc")
-        .args(["-shared", "-fPIC", "-O1", "-o"])
-        .arg(&so)
-        .arg(&src)
-        .status()
-        .is_ok_and(|s| s.success());
+    let ok = cc(&[
+        "-shared",
+        "-fPIC",
+        "-O1",
+        "-o",
+        so.to_str().unwrap(),
+        src.to_str().unwrap(),
+    ]);
     if !ok {
         eprintln!("no C compiler; skipped");
         return None;
@@ -157,13 +164,7 @@ fn counts_callbacks_of_a_fake_cupti() {
         return;
     };
     let stats = dir.join("stats.json");
-    let mut cmd = Command::new("/bin/true");
-    for v in ["POSSUM_STATS", "POSSUM_VERBOSE", "POSSUM_CUPTI"] {
-        cmd.env_remove(v);
-    }
-    let out = cmd
-        .env("LD_PRELOAD", libpossum())
-        .env("POSSUM_CUPTI", &fake)
+    let out = command(&["/bin/true"], true, fake.as_os_str())
         .env("POSSUM_STATS", &stats)
         .env("POSSUM_VERBOSE", "1")
         .output()
@@ -182,8 +183,7 @@ fn counts_callbacks_of_a_fake_cupti() {
         "{err}"
     );
 
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let v = read_json(&stats);
     assert_eq!(v["cupti"], true, "{v}");
     assert_eq!(v["cupti_path"], fake.to_str().unwrap());
     assert_eq!(v["enabled_callbacks"], n - 1);

@@ -16,7 +16,14 @@ pub fn libpossum() -> PathBuf {
         .expect("libpossum.so not built")
 }
 
-fn cc(args: &[&str]) -> bool {
+/// The JSON object in the file at `path`.
+#[allow(dead_code)] // not every test reads one
+pub fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Runs `cc` with `args`; whether it succeeded.
+pub fn cc(args: &[&str]) -> bool {
     Command::new("cc")
         .args(args)
         .status()
