@@ -376,17 +376,29 @@ def bench(a):
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     runs = []
+    skipped = []
     t_start = time.time()
+
+    def save():
+        # After every run, so that a run cut short by the machine's time limit still reports.
+        doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": a.engines.split(","),
+               "sizes_gib": [float(g) for g in a.gib.split(",")], "runs": runs, "skipped": skipped,
+               "wall_s": time.time() - t_start}
+        with open(os.path.join(OUT, "bench.json"), "w") as f:
+            json.dump(doc, f)
+        return doc
+
     for gib in [float(g) for g in a.gib.split(",")]:
         reps = a.reps if gib < 16 else 1
         for n in range(reps):
             for engine in a.engines.split(","):
+                if time.time() - t_start > a.budget_s:
+                    skipped.append({"engine": engine, "gib": gib, "rep": n, "why": "time budget"})
+                    print(f"bench: skipped {engine} {gib} GiB rep {n}: over --budget-s", flush=True)
+                    continue
                 runs.append(figure(engine, gib, n, kind="bench") or {})
-    doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": a.engines.split(","),
-           "sizes_gib": [float(g) for g in a.gib.split(",")], "runs": runs,
-           "wall_s": time.time() - t_start}
-    with open(os.path.join(OUT, "bench.json"), "w") as f:
-        json.dump(doc, f)
+                save()
+    doc = save()
     print(f"bench: {len(runs)} runs in {doc['wall_s']:.0f} s -> {OUT}/bench.json", flush=True)
     return all(r.get("ok") for r in runs)
 
@@ -575,6 +587,8 @@ def main():
     ap.add_argument("--seed", type=int, default=4)
     ap.add_argument("--gib", default="8,32")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("POSSUM_BENCH_BUDGET_S", 520)),
+                    help="bench: start no run after this many seconds (the machine allows 600 per command)")
     ap.add_argument("--engines", default="gpu-only,driver")
     a = ap.parse_args()
     OUT = a.out

@@ -111,6 +111,10 @@ def table(doc, summary):
             if any(c != "–" for c in cells):
                 lines.append(f"| {label} | {g:g} | " + " | ".join(cells) + " |")
     lines.append("")
+    if doc.get("wall_s"):
+        lines.append(f"The whole run took {doc['wall_s']:.0f} s of GPU machine time.")
+    for sk in doc.get("skipped") or []:
+        lines.append(f"Not run: {sk['engine']} at {sk['gib']:g} GiB (rep {sk['rep']}): {sk['why']}.")
     lines.append(f"Restore throughput is against a PCIe ceiling of {PCIE_GBPS:.0f} GB/s. "
                  "`gpu-only` is possum's GPU side alone (the driver refuses a full possum "
                  "checkpoint of a CUPTI-attached job on this driver; see eval/results/README.md).")

@@ -416,6 +416,11 @@ impl Device for CudaDevice {
         self.ctx.bind()?;
         stream.synchronize()
     }
+
+    /// `cuCtxSynchronize` on the primary context: the job's work included.
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        self.ctx.synchronize()
+    }
 }
 
 impl Drop for CudaDevice {

@@ -39,7 +39,14 @@ int cuDevicePrimaryCtxRelease_v2(int d){ return 0; }
 int cuCtxGetCurrent(void** c){ *c=cur; return 0; }
 int cuCtxSetCurrent(void* c){ cur=c; return 0; }
 int cuCtxGetStreamPriorityRange(int* l, int* g){ *l=0; *g=-5; return 0; }
-int cuCtxSynchronize(void){ return cur? 0 : 201; }
+// A driver-internal lock: cuCtxSynchronize takes it, and a job may hold it (fake_driver_hold) to
+// stand for a thread stopped inside a driver call (possum's park watchdog is tested with it).
+static pthread_mutex_t driver_mu = PTHREAD_MUTEX_INITIALIZER;
+void fake_driver_hold(int on){ if(on) pthread_mutex_lock(&driver_mu); else pthread_mutex_unlock(&driver_mu); }
+int cuCtxSynchronize(void){
+  if(!cur) return 201;
+  pthread_mutex_lock(&driver_mu); pthread_mutex_unlock(&driver_mu);
+  return 0; }
 int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-used; *t=TOTAL; return 0; }
 int cuMemGetAllocationGranularity(size_t* g, const void* p, int o){ *g=2u<<20; return 0; }
 int cuMemAddressReserve(ull* p, size_t size, size_t align, ull addr, ull flags){

@@ -175,4 +175,7 @@ pub trait Device: Send + Sync + Debug + 'static {
     fn event_query(&self, event: &Self::Event) -> DeviceResult<bool>;
     /// Blocks until everything enqueued on `stream` so far has completed.
     fn synchronize(&self, stream: &Self::Stream) -> DeviceResult<()>;
+    /// Blocks until everything enqueued on the device so far, by anyone (the job's streams that
+    /// possum never saw included), has completed.
+    fn synchronize_device(&self) -> DeviceResult<()>;
 }

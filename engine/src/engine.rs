@@ -488,6 +488,17 @@ impl<D: Device> Engine<D> {
         })
     }
 
+    /// Waits until the device is idle: the job's streams possum knows, then everything queued on
+    /// the device by anyone. For a job whose operations possum does not see (no hooks), held at
+    /// the CPU level: what it had queued must be done before its buffers are copied.
+    pub fn synchronize_device(&self) -> Result<(), EngineError> {
+        for s in self.inner.job_streams.read().iter() {
+            self.inner.dev.synchronize(s)?;
+        }
+        self.inner.dev.synchronize_device()?;
+        Ok(())
+    }
+
     /// Drops the physical memory of every buffer, keeping addresses. The job must not be issuing
     /// operations; everything already enqueued on its streams is waited for. Returns bytes released.
     pub fn release(&self) -> Result<u64, EngineError> {

@@ -589,6 +589,12 @@ impl Device for HostDevice {
         let ev = self.record_event(stream)?;
         self.event_synchronize(&ev)
     }
+
+    /// Host streams belong to their creators, who synchronise them; there is no device-wide
+    /// queue to wait for (the engine waits for the job's streams it knows itself).
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -57,6 +57,8 @@ mod cudart;
 mod decode;
 mod hooks;
 mod runtime;
+mod park;
+mod park_sys;
 mod session;
 pub mod stats;
 mod sys;

@@ -30,6 +30,7 @@ use possum_engine::image::{Image, ImageWriter, WriterOptions};
 use possum_engine::store::ChunkSink;
 use serde_json::{json, Value};
 
+use crate::park;
 use crate::runtime::{state_if_created, DevEngine};
 
 static PAUSED: AtomicBool = AtomicBool::new(false);
@@ -44,6 +45,11 @@ static BUSY: Mutex<Option<&'static str>> = Mutex::new(None);
 static LAST: Mutex<Value> = Mutex::new(Value::Null);
 /// Images being written: from `Checkpoint` (pre-copy) to `Release` (the dirty rest, commit).
 static OPEN: Mutex<Vec<(usize, Arc<ImageWriter>)>> = Mutex::new(Vec::new());
+/// The image directory of the checkpoint in progress (a held release may have to start its
+/// images again).
+static OPEN_DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
+/// How many times a held release tries before giving up (each attempt ended by the watchdog).
+const HOLD_ATTEMPTS: u32 = 3;
 
 /// Blocks the calling thread while the job is paused (one atomic load when it is not).
 #[inline]
@@ -75,15 +81,24 @@ fn set_paused(p: bool) {
     }
 }
 
+/// Lets the job go on, however it was paused (in its CUDA calls, or its threads parked).
+fn unpause_job() {
+    set_paused(false);
+    if park::held() {
+        park::unpark_all();
+    }
+}
+
 /// Whether the job is paused now.
 pub fn paused() -> bool {
-    PAUSED.load(Ordering::Acquire)
+    PAUSED.load(Ordering::Acquire) || park::held()
 }
 
 /// The session's state for `possum status`.
 pub fn status_json() -> Value {
     json!({
         "paused": paused(),
+        "threads_parked": park::held().then(|| crate::park_sys::parked().len()),
         "cupti_attached": crate::cupti_attached(),
         "busy": *BUSY.lock(),
         "pause_waits": PAUSE_WAITS.load(Ordering::Relaxed),
@@ -150,6 +165,7 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
     }
     // A checkpoint whose `possum` went away before its release: its images are abandoned.
     OPEN.lock().clear();
+    *OPEN_DIR.lock() = Some(dir.to_path_buf());
     let t = Instant::now();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
@@ -213,11 +229,18 @@ fn release_inner() -> Result<Value, String> {
         return Err("no checkpoint in progress for every device: send checkpoint first".into());
     }
     let hooks = crate::cupti_attached();
+    if !hooks {
+        let dir = OPEN_DIR
+            .lock()
+            .clone()
+            .ok_or("no checkpoint in progress: send checkpoint first")?;
+        return release_held(&dir, open, engines, t);
+    }
     set_paused(true);
     // T0: the job is paused. The buffers written since the pre-copy go into the same images.
     // A failure here leaves every buffer in place: unpause before answering.
     let unpause = |m: String| {
-        set_paused(false);
+        unpause_job();
         m
     };
     let mut finals = Vec::new();
@@ -241,6 +264,22 @@ fn release_inner() -> Result<Value, String> {
         }));
     }
     let copied = ms(t.elapsed());
+    let (bytes, done) = release_engines(&engines)?;
+    // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
+    // wait in a callback stay there (paused) until the resume.
+    let td = Instant::now();
+    if std::env::var_os("POSSUM_DETACH").is_some() {
+        crate::cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
+    }
+    let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
+                   "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
+    note_last("release", v.clone());
+    Ok(v)
+}
+
+/// Releases every engine's buffers (the job paused); (bytes, devices). On a failure the job stays
+/// paused if some engine was released (only its image can bring it back: the caller resumes).
+fn release_engines(engines: &[Arc<DevEngine>]) -> Result<(u64, Vec<usize>), String> {
     let mut bytes = 0u64;
     let mut done = Vec::new();
     for e in engines {
@@ -254,22 +293,149 @@ fn release_inner() -> Result<Value, String> {
                 // the job stays paused and the caller resumes it from the images.
                 let msg = format!("device {}: release failed: {err}", e.ordinal);
                 if done.is_empty() {
-                    set_paused(false);
+                    unpause_job();
                 }
                 return Err(msg);
             }
         }
     }
-    // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
-    // wait in a callback stay there (paused) until the resume.
-    let td = Instant::now();
-    if std::env::var_os("POSSUM_DETACH").is_some() {
-        crate::cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
+    Ok((bytes, done))
+}
+
+/// A sink that reports progress to the hold's watchdog.
+struct Beating(Arc<ImageWriter>);
+
+impl ChunkSink for Beating {
+    fn add_buffer(
+        &self,
+        rec: possum_engine::store::BufferRecord,
+    ) -> Result<(), possum_engine::image::ImageError> {
+        park::beat();
+        self.0.add_buffer(rec)
     }
+    fn write_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
+        park::beat();
+        self.0.write_chunk(buffer, offset, data)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
+        park::beat();
+        self.0.set_meta(key, value)
+    }
+}
+
+/// `Release` of a job whose GPU operations possum does not see (CUPTI off): its threads are
+/// parked ([`park`]), the devices drained, every buffer copied, the images committed and the
+/// buffers released; the threads stay parked until `Resume`. If the watchdog ends the hold (a
+/// parked thread held a lock the copy needed), that attempt's images are thrown away and the
+/// hold is tried again.
+fn release_held(
+    dir: &Path,
+    mut open: Vec<(usize, Arc<ImageWriter>)>,
+    engines: Vec<Arc<DevEngine>>,
+    t: Instant,
+) -> Result<Value, String> {
+    let mut attempts = Vec::new();
+    let mut finals = Vec::new();
+    let mut parked = Value::Null;
+    for attempt in 1..=HOLD_ATTEMPTS {
+        if attempt > 1 {
+            // The last attempt's images are dropped unfinished (their temporary directories go).
+            open.clear();
+            for e in &engines {
+                let opts = WriterOptions {
+                    fsync: false,
+                    ..WriterOptions::default()
+                };
+                let w = ImageWriter::create(&engine_image_dir(dir, e.ordinal), opts)
+                    .map_err(|err| format!("device {}: {err}", e.ordinal))?;
+                open.push((e.ordinal, Arc::new(w)));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(attempt)));
+        }
+        parked = park::park_all(park::park_timeout())?;
+        // T0: no thread of the job runs.
+        let tc = Instant::now();
+        let dog = park::Watchdog::start(park::watchdog_limit());
+        let copied = copy_all(&engines, &open);
+        let fired = dog.stop();
+        if fired {
+            attempts.push(json!({"attempt": attempt, "ended_by_watchdog": true,
+                                 "ms": ms(tc.elapsed())}));
+            continue;
+        }
+        match copied {
+            Ok(v) => {
+                finals = v;
+                break;
+            }
+            Err(e) => {
+                unpause_job();
+                return Err(e);
+            }
+        }
+    }
+    if finals.is_empty() && !engines.is_empty() {
+        return Err(format!(
+            "cannot hold the job: {HOLD_ATTEMPTS} attempts ended by the watchdog (a thread of              the job stayed inside a CUDA call holding a lock possum's copy needs); the job runs on"
+        ));
+    }
+    // Committed only now, with the threads still parked: an attempt the watchdog ended left
+    // nothing under the images' names.
+    for ((ordinal, writer), f) in open.into_iter().zip(finals.iter_mut()) {
+        let summary = Arc::into_inner(writer)
+            .ok_or_else(|| format!("device {ordinal}: image writer still shared"))
+            .and_then(|w| w.commit().map_err(|e| e.to_string()))
+            .map_err(|e| {
+                unpause_job();
+                e
+            })?;
+        f["image_bytes"] = json!(summary.data_file_bytes);
+        f["image_buffers"] = json!(summary.buffers.len());
+    }
+    let copied = ms(t.elapsed());
+    let (bytes, done) = release_engines(&engines)?;
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
-                   "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
+                   "devices": done, "held": "threads parked", "parked": parked,
+                   "attempts": attempts, "ms": ms(t.elapsed())});
     note_last("release", v.clone());
     Ok(v)
+}
+
+/// With the job held: drains every device, then copies every buffer into its image (not
+/// committed). One entry per device.
+fn copy_all(
+    engines: &[Arc<DevEngine>],
+    open: &[(usize, Arc<ImageWriter>)],
+) -> Result<Vec<Value>, String> {
+    let mut out = Vec::new();
+    for (ordinal, writer) in open {
+        let Some(e) = engines.iter().find(|e| e.ordinal == *ordinal) else {
+            continue;
+        };
+        let ts = Instant::now();
+        e.engine
+            .synchronize_device()
+            .map_err(|err| format!("device {ordinal}: waiting for the job's GPU work: {err}"))?;
+        park::beat();
+        let sync_ms = ms(ts.elapsed());
+        let sink: Arc<dyn ChunkSink> = Arc::new(Beating(writer.clone()));
+        let r = e
+            .engine
+            .checkpoint(sink, false)
+            .and_then(|h| h.wait())
+            .map_err(|err| format!("device {ordinal}: copy: {err}"))?;
+        park::beat();
+        out.push(json!({
+            "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
+            "sync_ms": sync_ms,
+        }));
+    }
+    Ok(out)
 }
 
 /// `Resume{dir}`: install each released engine's on-demand restore from `dir`, then unpause.
@@ -333,7 +499,7 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
             });
         out.push(ordinal);
     }
-    set_paused(false);
+    unpause_job();
     Ok(json!({"restoring": out, "on_demand": hooks, "ms": ms(t.elapsed())}))
 }
 

@@ -28,6 +28,11 @@ pub struct RunArgs {
     /// else /tmp/possum).
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
+    /// Checkpointable by NVIDIA's driver 580: no CUPTI (sets POSSUM_CUPTI=off). possum still
+    /// serves the job's cudaMalloc, but sees no launches: a `possum checkpoint` parks the job's
+    /// threads and copies every buffer while they are parked (no pre-copy, no on-demand restore).
+    #[arg(long, conflicts_with = "trace")]
+    pub no_cupti: bool,
     /// Print the job's pid and control socket on stderr.
     #[arg(short, long)]
     pub verbose: bool,
@@ -59,6 +64,9 @@ pub fn run(a: &RunArgs) -> Result<u8> {
         }
         None => possum_control::socket_dir(),
     };
+    if a.no_cupti {
+        cmd.env("POSSUM_CUPTI", "off");
+    }
     if let Some(t) = &a.trace {
         let t = std::path::absolute(t).with_context(|| format!("{}", t.display()))?;
         cmd.env("POSSUM_TRACE", t);

@@ -270,17 +270,12 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 .sum()
         })
         .unwrap_or(0);
-    // possum holds the job's operations in its CUPTI callbacks; without them it cannot (and
-    // once the driver has locked the job, possum's own CUDA calls in it block too).
-    if let Some(s) = &status {
-        if s["possum"]["session"]["cupti_attached"] != json!(true) {
-            bail!(
-                "possum does not see process {pid}'s GPU operations (CUPTI is off or failed: {}), \
-                 so it cannot hold them while it saves the buffers; use --engine driver",
-                s["cupti_error"]
-            );
-        }
-    }
+    // possum holds the job's operations in its CUPTI callbacks; without CUPTI (which NVIDIA's
+    // driver checkpoint requires on driver 580) it parks the job's threads instead and copies
+    // every buffer while they are parked (docs/decisions.md 17).
+    let held = status
+        .as_ref()
+        .is_some_and(|s| s["possum"]["session"]["cupti_attached"] != json!(true));
     let shell_job = nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
         .map(|sid| sid.as_raw() != pid)
         .unwrap_or(false);
@@ -448,6 +443,11 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     fig.insert("gpu_image_bytes".into(), json!(gpu_bytes));
     let out = json!({
         "pid": pid, "engine": a.engine, "dir": a.dir, "leave_running": a.leave_running,
+        "hold": match (a.engine, held) {
+            (EngineKind::Driver, _) => "driver lock",
+            (EngineKind::Possum, true) => "threads parked (CUPTI off): every buffer copied while held",
+            (EngineKind::Possum, false) => "CUPTI callbacks: pre-copy, then what was written since",
+        },
         "figures": fig, "engine_report": engine_report, "release_report": release_report,
     });
     // The figures also go into the image (best effort: the image is already complete).
@@ -479,7 +479,9 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             f("commit_ms"),
             f("total_ms")
         );
-        if a.engine == EngineKind::Possum {
+        if a.engine == EngineKind::Possum && held {
+            println!("  the job's threads were parked (CUPTI off): every GPU buffer was copied while held");
+        } else if a.engine == EngineKind::Possum {
             println!(
                 "  GPU buffers saved while the job ran: {:.0} ms",
                 f("engine_snapshot_ms")

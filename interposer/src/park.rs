@@ -1,0 +1,218 @@
+//! Holding a job at the CPU level: every thread of the job but possum's own (and the CUDA
+//! driver's) is parked in a signal handler, so that possum can copy and release the buffers of a
+//! job whose GPU operations it does not see (CUPTI off: NVIDIA's driver checkpoint refuses a
+//! process CUPTI has subscribed in, docs/decisions.md 17).
+//!
+//! ```text
+//! park_all   hold on; tgkill(SIGRT) each thread; wait until all of them are in the handler
+//!            (threads born meanwhile get the signal too); a thread that does not come in time
+//!            fails the park (named in the error) and everything goes on
+//! Watchdog   a thread parked inside the CUDA driver, or inside possum's own allocator, may hold a
+//!            lock possum's copy then waits for: if the copy makes no progress ([`beat`]) for a
+//!            while, the watchdog ends the hold (the lock is released, the copy finishes) and the
+//!            caller throws that attempt away and tries again
+//! unpark_all hold off; every parked thread goes on where it was interrupted
+//! ```
+//!
+//! Invariant: while [`held`], no thread of the job runs user code, so the job neither queues GPU
+//! work nor touches a buffer. Threads whose name starts with one of [`SKIP`] are not parked:
+//! possum's (`possum-*`) and the CUDA driver's (`cuda-EvtHandlr`, `cuda0000...`), which possum's own
+//! calls may need; they do not run the job's code.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::park_sys;
+
+/// Name prefixes of threads that are never parked (`POSSUM_PARK_SKIP` adds more, comma-separated).
+pub const SKIP: &[&str] = &["possum-", "cuda"];
+
+/// Progress of the held work, for the watchdog.
+static BEAT: AtomicU64 = AtomicU64::new(0);
+
+/// Records progress of the work done while the job is held (the watchdog's heartbeat).
+pub fn beat() {
+    BEAT.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Whether threads are held now.
+pub fn held() -> bool {
+    park_sys::holding()
+}
+
+fn env_ms(key: &str, default: u64) -> Duration {
+    Duration::from_millis(
+        std::env::var(key)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default),
+    )
+}
+
+/// How long threads get to park (`POSSUM_PARK_TIMEOUT_MS`, default 2000).
+pub fn park_timeout() -> Duration {
+    env_ms("POSSUM_PARK_TIMEOUT_MS", 2000)
+}
+
+/// How long held work may go without progress (`POSSUM_PARK_WATCHDOG_MS`, default 3000).
+pub fn watchdog_limit() -> Duration {
+    env_ms("POSSUM_PARK_WATCHDOG_MS", 3000)
+}
+
+/// The threads of this process: (id, name).
+fn tasks() -> Vec<(i32, String)> {
+    let Ok(rd) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| {
+        let e = e.ok()?;
+        let tid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        Some((tid, comm.trim_end().to_string()))
+    })
+    .collect()
+}
+
+fn skip_prefixes() -> Vec<String> {
+    let mut v: Vec<String> = SKIP.iter().map(|s| s.to_string()).collect();
+    if let Ok(more) = std::env::var("POSSUM_PARK_SKIP") {
+        v.extend(more.split(',').filter(|s| !s.is_empty()).map(str::to_string));
+    }
+    v
+}
+
+/// Parks every thread of the job (not the caller, not [`SKIP`]'s) and returns once all of them
+/// are parked: `{"threads", "names", "ms", "signal"}`. On failure nothing stays parked.
+pub fn park_all(timeout: Duration) -> Result<Value, String> {
+    let preferred = std::env::var("POSSUM_PARK_SIGNAL")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let sig = park_sys::signal(preferred).map_err(|e| format!("cannot hold the job: {e}"))?;
+    let me = park_sys::gettid();
+    let skip = skip_prefixes();
+    let t = Instant::now();
+    park_sys::hold();
+    let mut signaled: HashMap<i32, String> = HashMap::new();
+    loop {
+        let live = tasks();
+        let mut sent = false;
+        for (tid, comm) in &live {
+            if *tid == me
+                || signaled.contains_key(tid)
+                || skip.iter().any(|p| comm.starts_with(p.as_str()))
+            {
+                continue;
+            }
+            match park_sys::tgkill(*tid, sig) {
+                Ok(()) => {
+                    signaled.insert(*tid, comm.clone());
+                    sent = true;
+                }
+                Err(libc::ESRCH) => {}
+                Err(e) => {
+                    unpark_all();
+                    return Err(format!(
+                        "cannot signal thread {tid} ({comm}): {}",
+                        std::io::Error::from_raw_os_error(e)
+                    ));
+                }
+            }
+        }
+        let parked: HashSet<i32> = park_sys::parked().into_iter().collect();
+        let live: HashSet<i32> = live.iter().map(|(t, _)| *t).collect();
+        let pending: Vec<String> = signaled
+            .iter()
+            .filter(|(t, _)| live.contains(t) && !parked.contains(t))
+            .map(|(t, c)| format!("{t} ({c})"))
+            .collect();
+        if pending.is_empty() && !sent {
+            let mut names: Vec<String> = signaled
+                .iter()
+                .filter(|(t, _)| parked.contains(t))
+                .map(|(_, c)| c.clone())
+                .collect();
+            names.sort();
+            return Ok(json!({
+                "threads": names.len(), "names": names, "signal": sig,
+                "ms": t.elapsed().as_secs_f64() * 1e3,
+            }));
+        }
+        if t.elapsed() > timeout {
+            unpark_all();
+            return Err(format!(
+                "cannot hold the job: thread(s) {} did not stop within {} ms (blocked signal, or \
+                 stuck in the kernel); POSSUM_PARK_TIMEOUT_MS sets the wait",
+                pending.join(", "),
+                timeout.as_millis()
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Lets every parked thread go on, and waits (a little) until they have left the handler, so a
+/// new hold does not count them twice.
+pub fn unpark_all() {
+    park_sys::unhold();
+    let t = Instant::now();
+    while park_sys::inside() > 0 && t.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
+
+/// Ends the hold if the held work stops making progress (see the module doc).
+pub struct Watchdog {
+    stop: Arc<AtomicBool>,
+    fired: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Watchdog {
+    /// Starts watching [`beat`]: no beat for `limit` ends the hold.
+    pub fn start(limit: Duration) -> Watchdog {
+        let stop = Arc::new(AtomicBool::new(false));
+        let fired = Arc::new(AtomicBool::new(false));
+        let (s, f) = (stop.clone(), fired.clone());
+        let thread = std::thread::Builder::new()
+            .name("possum-watchdog".into())
+            .spawn(move || {
+                let mut last = BEAT.load(Ordering::Relaxed);
+                let mut since = Instant::now();
+                while !s.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(10));
+                    let now = BEAT.load(Ordering::Relaxed);
+                    if now != last {
+                        last = now;
+                        since = Instant::now();
+                    } else if since.elapsed() > limit {
+                        f.store(true, Ordering::Release);
+                        crate::log(&format!(
+                            "no progress for {} ms with the job held: ending the hold",
+                            limit.as_millis()
+                        ));
+                        unpark_all();
+                        return;
+                    }
+                }
+            })
+            .ok();
+        Watchdog {
+            stop,
+            fired,
+            thread,
+        }
+    }
+
+    /// Stops watching; whether it ended the hold.
+    pub fn stop(mut self) -> bool {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.fired.load(Ordering::Acquire)
+    }
+}

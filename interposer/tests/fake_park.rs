@@ -1,0 +1,293 @@
+//! A checkpoint of a job whose GPU work possum does not see (CUPTI off), on the fake GPU: the
+//! release must park every thread of the job (`tests/fake/fake_park_job.c`: a worker computing
+//! steps in device memory, the main thread reading commands), copy every buffer, and release
+//! them; the resume must bring them back and let the threads go on. A worker left running would
+//! touch the released (unmapped) buffers and crash the job; a worker parked at the wrong moment
+//! would give data that differs from the model. The watchdog is tested with a thread holding the
+//! fake driver's internal lock while parked.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use possum_control::{request, Request};
+use serde_json::Value;
+
+mod common;
+use common::{build_fake_gpu, libpossum};
+
+const WAIT: Duration = Duration::from_secs(20);
+/// u32 words per buffer (fake_park_job.c).
+const N: usize = 1 << 18;
+
+struct Job {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    stderr: PathBuf,
+    pid: u32,
+    sockets: PathBuf,
+}
+
+impl Job {
+    fn start(dir: &Path, name: &str, env: &[(&str, &str)]) -> Job {
+        let stderr = dir.join(format!("{name}.stderr"));
+        let sockets = dir.join("sockets");
+        let mut cmd = Command::new(dir.join("fake_park_job"));
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy().into_owned();
+            if k.starts_with("POSSUM_") || k.starts_with("FAKE_") || k == "LD_PRELOAD" {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env_remove("CUDA_INJECTION64_PATH")
+            .env("LD_LIBRARY_PATH", dir)
+            .env("LD_PRELOAD", libpossum())
+            .env("POSSUM_CUPTI", "off")
+            .env("POSSUM_SOCKET_DIR", &sockets)
+            .env("POSSUM_VERBOSE", "1")
+            .envs(env.iter().copied())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let mut child = cmd.spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let pid = child.id();
+        let mut job = Job {
+            child,
+            stdin,
+            lines,
+            stderr,
+            pid,
+            sockets,
+        };
+        assert_eq!(job.next_answer(), "ready", "{}", job.log());
+        job
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// The next line that is not a worker's step line.
+    fn next_answer(&mut self) -> String {
+        let t = Instant::now();
+        loop {
+            let left = WAIT.saturating_sub(t.elapsed());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with("s ") => continue,
+                Ok(l) => return l,
+                Err(e) => panic!("no answer from the job ({e:?}); stderr:\n{}", self.log()),
+            }
+        }
+    }
+
+    fn run(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+        self.next_answer()
+    }
+
+    /// Waits for `n` more step lines.
+    fn steps(&mut self, n: usize) {
+        let mut seen = 0;
+        while seen < n {
+            match self.lines.recv_timeout(WAIT) {
+                Ok(l) if l.starts_with("s ") => seen += 1,
+                Ok(l) => panic!("unexpected {l:?}"),
+                Err(e) => panic!("the job made no progress ({e:?}); stderr:\n{}", self.log()),
+            }
+        }
+    }
+
+    /// Asserts that no thread of the job prints anything for `d`, and that it is alive.
+    fn assert_still(&mut self, d: Duration) {
+        match self.lines.recv_timeout(d) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(l) => panic!("the held job printed {l:?}: a thread was not parked"),
+            Err(RecvTimeoutError::Disconnected) => {
+                panic!("the job died; stderr:\n{}", self.log())
+            }
+        }
+        assert!(self.child.try_wait().unwrap().is_none(), "{}", self.log());
+    }
+
+    fn ask(&self, req: &Request) -> Value {
+        request(self.pid, &self.sockets, req, WAIT)
+            .unwrap_or_else(|e| panic!("{req:?} failed: {e}; stderr:\n{}", self.log()))
+    }
+
+    /// Drains the step lines printed so far.
+    fn drain(&self) {
+        while self.lines.try_recv().is_ok() {}
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A and B after `steps` steps, as fake_park_job.c computes them.
+fn model(steps: u32) -> Vec<u8> {
+    let a: Vec<u32> = (0..N).map(|i| (7 * i + 1) as u32).collect();
+    let mut b: Vec<u32> = (0..N).map(|i| (i as u32) ^ 0x5a5a_5a5a).collect();
+    for s in 1..=steps {
+        for (y, x) in b.iter_mut().zip(&a) {
+            *y = y.wrapping_mul(2_654_435_761).wrapping_add(x ^ s);
+        }
+    }
+    a.iter().chain(&b).flat_map(|w| w.to_le_bytes()).collect()
+}
+
+/// Stops the worker, dumps the buffers and compares them with the model of as many steps.
+fn check_final(job: &mut Job, dir: &Path) {
+    let stopped = job.run("stop");
+    let steps: u32 = stopped
+        .strip_prefix("stopped ")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{stopped}"));
+    let path = dir.join("dump.bin");
+    assert_eq!(job.run(&format!("dump {}", path.display())), "dumped");
+    let got = std::fs::read(&path).unwrap();
+    assert!(
+        got == model(steps),
+        "after {steps} steps the buffers differ from the model (first at byte {:?})",
+        got.iter().zip(model(steps)).position(|(g, w)| *g != w)
+    );
+    assert_eq!(job.run("exit"), "bye");
+}
+
+fn setup(name: &str) -> Option<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("possum-park-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    build_fake_gpu(&dir, "tests/fake/fake_park_job.c", "fake_park_job").then_some(dir)
+}
+
+fn dir_str(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+#[test]
+fn a_job_without_cupti_is_held_by_parking_its_threads() {
+    let Some(dir) = setup("hold") else { return };
+    let mut job = Job::start(&dir, "hold", &[]);
+    job.steps(20);
+    let st = job.ask(&Request::Status);
+    assert_eq!(st["possum"]["session"]["cupti_attached"], false, "{st}");
+    assert_eq!(st["possum"]["engines"][0]["engine"]["buffers"], 2, "{st}");
+
+    let images = dir.join("images");
+    let r = job.ask(&Request::Checkpoint {
+        dir: dir_str(&images),
+    });
+    assert_eq!(r["hooks"], false, "{r}");
+    job.steps(5);
+    let r = job.ask(&Request::Release);
+    assert!(r.get("error").is_none(), "{r}");
+    assert_eq!(r["held"], "threads parked", "{r}");
+    // The main thread (in fgets) and the worker; not possum's threads, not the test's.
+    assert_eq!(r["parked"]["threads"], 2, "{r}");
+    assert_eq!(r["final"][0]["buffers"], 2, "{r}");
+    assert_eq!(r["final"][0]["bytes"], 2 * 4 * N as u64, "{r}");
+    assert!(r["released_bytes"].as_u64().unwrap() >= 2 * 4 * N as u64, "{r}");
+    assert_eq!(r["attempts"], serde_json::json!([]), "{r}");
+    assert!(images.join("gpu-0").join("manifest.pb").is_file());
+    // Step lines already in the pipe were printed before the hold.
+    std::thread::sleep(Duration::from_millis(50));
+    job.drain();
+    job.assert_still(Duration::from_millis(400));
+    let st = job.ask(&Request::Status);
+    assert_eq!(st["possum"]["session"]["paused"], true, "{st}");
+    assert_eq!(st["possum"]["session"]["threads_parked"], 2, "{st}");
+    assert_eq!(
+        st["possum"]["engines"][0]["engine"]["phase"],
+        "released",
+        "{st}"
+    );
+
+    let r = job.ask(&Request::Resume {
+        dir: Some(dir_str(&images)),
+    });
+    assert_eq!(r["restoring"], serde_json::json!([0]), "{r}");
+    assert_eq!(r["on_demand"], false, "{r}");
+    let st = job.ask(&Request::Status);
+    assert_eq!(st["possum"]["session"]["paused"], false, "{st}");
+    job.steps(20);
+    check_final(&mut job, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds() {
+    let Some(dir) = setup("watchdog") else { return };
+    let mut job = Job::start(&dir, "watchdog", &[("POSSUM_PARK_WATCHDOG_MS", "200")]);
+    job.steps(5);
+    let images = dir.join("images");
+    job.ask(&Request::Checkpoint {
+        dir: dir_str(&images),
+    });
+    // A thread holds the driver's lock (for 600 ms) and is parked with it: the first attempt's
+    // device synchronisation waits for that lock until the watchdog ends the hold.
+    assert_eq!(job.run("hold 600"), "holding");
+    let r = job.ask(&Request::Release);
+    assert!(r.get("error").is_none(), "{r}");
+    let attempts = r["attempts"].as_array().cloned().unwrap_or_default();
+    assert!(!attempts.is_empty(), "no attempt was ended by the watchdog: {r}");
+    assert!(
+        attempts.iter().all(|a| a["ended_by_watchdog"] == true),
+        "{r}"
+    );
+    assert_eq!(r["final"][0]["bytes"], 2 * 4 * N as u64, "{r}");
+    // The committed image is the last attempt's, and the job is held again.
+    std::thread::sleep(Duration::from_millis(50));
+    job.drain();
+    job.assert_still(Duration::from_millis(300));
+    job.ask(&Request::Resume {
+        dir: Some(dir_str(&images)),
+    });
+    job.steps(10);
+    check_final(&mut job, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
+    let Some(dir) = setup("refuse") else { return };
+    let mut job = Job::start(&dir, "refuse", &[("POSSUM_PARK_TIMEOUT_MS", "300")]);
+    job.steps(5);
+    // A thread that blocks every signal cannot be parked.
+    assert_eq!(job.run("masked"), "masking");
+    let images = dir.join("images");
+    job.ask(&Request::Checkpoint {
+        dir: dir_str(&images),
+    });
+    let e = request(job.pid, &job.sockets, &Request::Release, WAIT).unwrap_err();
+    assert!(
+        e.to_string().contains("did not stop") && e.to_string().contains("(masked)"),
+        "{e}"
+    );
+    // Nothing released, nothing held, no image: the job goes on.
+    let st = job.ask(&Request::Status);
+    assert_eq!(st["possum"]["session"]["paused"], false, "{st}");
+    assert_eq!(st["possum"]["engines"][0]["engine"]["phase"], "idle", "{st}");
+    assert!(!images.join("gpu-0").exists());
+    job.steps(10);
+    check_final(&mut job, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
