@@ -18,6 +18,9 @@ PCIE_GBPS = 55.0  # host<->device ceiling measured on the H100 machine (pinned, 
 METRICS = [
     # key, label, unit, lower is better
     ("stall_ms", "stall seen by the job", "ms", True),
+    ("stall_engine_ms", "  of which possum's engine", "ms", True),
+    ("stall_driver_ms", "  of which NVIDIA's driver", "ms", True),
+    ("stall_criu_ms", "  of which CRIU", "ms", True),
     ("checkpoint_total_ms", "checkpoint total", "ms", True),
     ("image_gb", "image size", "GB", True),
     ("restore_first_step_ms", "restore to first step", "ms", True),
@@ -33,14 +36,24 @@ def metrics_of(run, plain_step_ms):
     m = {k: None for k, *_ in METRICS}
     m["stall_ms"] = run.get("stall_ms")
     m["checkpoint_total_ms"] = run.get("checkpoint_total_ms")
+    # The parts of the hold, as `possum checkpoint` timed them (the job's own stall is measured
+    # from its step times and includes scheduling around them).
+    bd = ck.get("stall_breakdown_ms") or {}
+    for part in ("engine", "driver", "criu"):
+        if bd.get(part):
+            m[f"stall_{part}_ms"] = bd[part]
     if ck.get("image_bytes") is not None:
         m["image_gb"] = ck["image_bytes"] / 1e9
     m["restore_first_step_ms"] = run.get("restore_to_first_step_ms")
     gib_bytes = run["gib"] * (1 << 30)
     rs = run.get("restore") or {}
     er = run.get("engine_restore") or {}
-    if rs.get("driver_restore_ms"):
+    if run["engine"] == "driver" and rs.get("driver_restore_ms"):
+        # The driver restores the GPU memory (all of it) from host memory.
         m["restore_gbps"] = gib_bytes / 1e9 / (rs["driver_restore_ms"] / 1e3)
+    elif run["engine"] == "possum" and rs.get("resume_ms") and ck.get("gpu_image_bytes"):
+        # possum restores its buffers (the GPU data) in the resume after CRIU and the driver.
+        m["restore_gbps"] = ck["gpu_image_bytes"] / 1e9 / (rs["resume_ms"] / 1e3)
     elif er.get("bytes") and er.get("ms"):
         m["restore_gbps"] = er["bytes"] / 1e9 / (er["ms"] / 1e3)
     if run["engine"] not in ("driver", "none") and plain_step_ms and run.get("normal_step_ms"):
@@ -115,9 +128,17 @@ def table(doc, summary):
         lines.append(f"The whole run took {doc['wall_s']:.0f} s of GPU machine time.")
     for sk in doc.get("skipped") or []:
         lines.append(f"Not run: {sk['engine']} at {sk['gib']:g} GiB (rep {sk['rep']}): {sk['why']}.")
+    lines.append("The stall's parts are `possum checkpoint`'s own timings of each step taken while "
+                 "the job is held; the stall itself is the job's largest gap between steps minus a "
+                 "normal step.")
     lines.append(f"Restore throughput is against a PCIe ceiling of {PCIE_GBPS:.0f} GB/s. "
-                 "`gpu-only` is possum's GPU side alone (the driver refuses a full possum "
-                 "checkpoint of a CUPTI-attached job on this driver; see eval/results/README.md).")
+                 "`possum`: the full checkpoint (CRIU + driver residue + possum's buffers) of a job "
+                 "started with `possum run --no-cupti`, held by parking its threads (the driver "
+                 "refuses a process CUPTI has subscribed in; eval/results/README.md); "
+                 "`possum-none`: possum loaded with CUPTI, no checkpoint (the steady-state "
+                 "overhead of its launch hooks); `gpu-only`: possum's GPU side alone on a CUPTI "
+                 "job (pre-copy, release, on-demand restore; no process image); `none`: the job "
+                 "alone.")
     return "\n".join(lines) + "\n"
 
 

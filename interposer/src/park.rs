@@ -80,7 +80,11 @@ fn tasks() -> Vec<(i32, String)> {
 fn skip_prefixes() -> Vec<String> {
     let mut v: Vec<String> = SKIP.iter().map(|s| s.to_string()).collect();
     if let Ok(more) = std::env::var("POSSUM_PARK_SKIP") {
-        v.extend(more.split(',').filter(|s| !s.is_empty()).map(str::to_string));
+        v.extend(
+            more.split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_string),
+        );
     }
     v
 }

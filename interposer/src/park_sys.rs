@@ -75,9 +75,10 @@ extern "C" fn on_signal(_sig: c_int, _info: *mut libc::siginfo_t, _ctx: *mut lib
     let errno = unsafe { *libc::__errno_location() };
     INSIDE.fetch_add(1, Ordering::AcqRel);
     let tid = gettid();
-    let slot = SLOTS
-        .iter()
-        .find(|s| s.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Relaxed).is_ok());
+    let slot = SLOTS.iter().find(|s| {
+        s.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    });
     while HOLD.load(Ordering::Acquire) != 0 {
         futex_wait(&HOLD, 1);
     }

@@ -1,5 +1,5 @@
-//! The unsafe layer towards CUPTI and the loader: the only module of this crate with unsafe
-//! attributes, and one of its three modules with `unsafe` code (with `decode` and `cudart`).
+//! The unsafe layer towards CUPTI and the loader: one of the crate's four modules with `unsafe`
+//! code (with `decode`, `cudart` and `park_sys`).
 //!
 //! - CUPTI is loaded with `dlopen` (libloading) at run time and never unloaded; only the three
 //!   functions used are looked up. Nothing of CUDA is needed to build or to load the library.

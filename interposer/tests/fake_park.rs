@@ -205,7 +205,10 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
     assert_eq!(r["parked"]["threads"], 2, "{r}");
     assert_eq!(r["final"][0]["buffers"], 2, "{r}");
     assert_eq!(r["final"][0]["bytes"], 2 * 4 * N as u64, "{r}");
-    assert!(r["released_bytes"].as_u64().unwrap() >= 2 * 4 * N as u64, "{r}");
+    assert!(
+        r["released_bytes"].as_u64().unwrap() >= 2 * 4 * N as u64,
+        "{r}"
+    );
     assert_eq!(r["attempts"], serde_json::json!([]), "{r}");
     assert!(images.join("gpu-0").join("manifest.pb").is_file());
     // Step lines already in the pipe were printed before the hold.
@@ -216,8 +219,7 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
     assert_eq!(st["possum"]["session"]["paused"], true, "{st}");
     assert_eq!(st["possum"]["session"]["threads_parked"], 2, "{st}");
     assert_eq!(
-        st["possum"]["engines"][0]["engine"]["phase"],
-        "released",
+        st["possum"]["engines"][0]["engine"]["phase"], "released",
         "{st}"
     );
 
@@ -248,7 +250,10 @@ fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds()
     let r = job.ask(&Request::Release);
     assert!(r.get("error").is_none(), "{r}");
     let attempts = r["attempts"].as_array().cloned().unwrap_or_default();
-    assert!(!attempts.is_empty(), "no attempt was ended by the watchdog: {r}");
+    assert!(
+        !attempts.is_empty(),
+        "no attempt was ended by the watchdog: {r}"
+    );
     assert!(
         attempts.iter().all(|a| a["ended_by_watchdog"] == true),
         "{r}"
@@ -285,7 +290,10 @@ fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
     // Nothing released, nothing held, no image: the job goes on.
     let st = job.ask(&Request::Status);
     assert_eq!(st["possum"]["session"]["paused"], false, "{st}");
-    assert_eq!(st["possum"]["engines"][0]["engine"]["phase"], "idle", "{st}");
+    assert_eq!(
+        st["possum"]["engines"][0]["engine"]["phase"], "idle",
+        "{st}"
+    );
     assert!(!images.join("gpu-0").exists());
     job.steps(10);
     check_final(&mut job, &dir);
