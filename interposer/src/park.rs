@@ -28,8 +28,10 @@ use serde_json::{json, Value};
 
 use crate::park_sys;
 
-/// Name prefixes of threads that are never parked (`POSSUM_PARK_SKIP` adds more, comma-separated).
-pub const SKIP: &[&str] = &["possum-", "cuda"];
+/// Name prefixes of threads that are never parked (`POSSUM_PARK_SKIP` adds more, comma-separated):
+/// possum's, the CUDA driver's, and jemalloc's background purger (it blocks every signal, and
+/// only returns memory to the kernel).
+pub const SKIP: &[&str] = &["possum-", "cuda", "jemalloc_bg_thd"];
 
 /// Progress of the held work, for the watchdog.
 static BEAT: AtomicU64 = AtomicU64::new(0);
@@ -77,6 +79,17 @@ fn tasks() -> Vec<(i32, String)> {
     .collect()
 }
 
+/// Whether thread `tid` blocks signal `sig` (its `SigBlk` in /proc).
+fn blocks(tid: i32, sig: i32) -> bool {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")) else {
+        return false;
+    };
+    s.lines()
+        .find_map(|l| l.strip_prefix("SigBlk:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .is_some_and(|m| sig >= 1 && sig <= 64 && m & (1u64 << (sig - 1)) != 0)
+}
+
 fn skip_prefixes() -> Vec<String> {
     let mut v: Vec<String> = SKIP.iter().map(|s| s.to_string()).collect();
     if let Ok(more) = std::env::var("POSSUM_PARK_SKIP") {
@@ -104,11 +117,16 @@ pub fn park_all(timeout: Duration) -> Result<Value, String> {
     loop {
         let live = tasks();
         let mut sent = false;
+        let mut masked = Vec::new();
         for (tid, comm) in &live {
             if *tid == me
                 || signaled.contains_key(tid)
                 || skip.iter().any(|p| comm.starts_with(p.as_str()))
             {
+                continue;
+            }
+            if blocks(*tid, sig) {
+                masked.push(format!("{tid} ({comm})"));
                 continue;
             }
             match park_sys::tgkill(*tid, sig) {
@@ -125,6 +143,15 @@ pub fn park_all(timeout: Duration) -> Result<Value, String> {
                     ));
                 }
             }
+        }
+        if !masked.is_empty() {
+            unpark_all();
+            return Err(format!(
+                "cannot hold the job: thread(s) {} block the parking signal ({sig}); if they \
+                 never touch the GPU, name them in POSSUM_PARK_SKIP (name prefixes, \
+                 comma-separated) to leave them running",
+                masked.join(", ")
+            ));
         }
         let parked: HashSet<i32> = park_sys::parked().into_iter().collect();
         let live: HashSet<i32> = live.iter().map(|(t, _)| *t).collect();

@@ -36,6 +36,8 @@ pub struct Config {
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
     /// default 2): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     pub writers: usize,
+    /// Threads restoring buffers from an image, per device engine (`POSSUM_RESTORERS`, default 2).
+    pub restorers: usize,
     /// Record the DAG (`POSSUM_DAG`, default on).
     pub dag: bool,
     /// Launches kept in the DAG's window (`POSSUM_DAG_WINDOW`).
@@ -69,12 +71,14 @@ impl Config {
         };
         let staging_mib = num("POSSUM_STAGING_MIB", 32, &mut warnings).max(16);
         let writers = num("POSSUM_WRITERS", 2, &mut warnings).clamp(1, 64) as usize;
+        let restorers = num("POSSUM_RESTORERS", 2, &mut warnings).clamp(1, 64) as usize;
         let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
         Config {
             manage: flag("POSSUM_MANAGE", true),
             validation,
             staging_mib,
             writers,
+            restorers,
             dag: flag("POSSUM_DAG", true),
             dag_window,
             warnings,
@@ -581,6 +585,7 @@ impl State {
                 chunk_size: chunk,
                 staging_buffers: ((self.cfg.staging_mib << 20) / chunk as u64) as usize,
                 writer_threads: self.cfg.writers,
+                restore_threads: self.cfg.restorers,
                 ..EngineConfig::default()
             };
             Engine::new(Arc::new(dev), cfg).map_err(|e| e.to_string())
@@ -909,7 +914,7 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "writers": self.cfg.writers,
+            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
                        "dag": self.cfg.dag, "warnings": self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),

@@ -284,7 +284,9 @@ fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
     });
     let e = request(job.pid, &job.sockets, &Request::Release, WAIT).unwrap_err();
     assert!(
-        e.to_string().contains("did not stop") && e.to_string().contains("(masked)"),
+        e.to_string().contains("block the parking signal")
+            && e.to_string().contains("(masked)")
+            && e.to_string().contains("POSSUM_PARK_SKIP"),
         "{e}"
     );
     // Nothing released, nothing held, no image: the job goes on.
@@ -295,6 +297,31 @@ fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
         "{st}"
     );
     assert!(!images.join("gpu-0").exists());
+    job.steps(10);
+    check_final(&mut job, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_thread_named_in_possum_park_skip_is_left_running() {
+    let Some(dir) = setup("skip") else { return };
+    let mut job = Job::start(&dir, "skip", &[("POSSUM_PARK_SKIP", "mask")]);
+    job.steps(5);
+    assert_eq!(job.run("masked"), "masking");
+    let images = dir.join("images");
+    job.ask(&Request::Checkpoint {
+        dir: dir_str(&images),
+    });
+    let r = job.ask(&Request::Release);
+    assert!(r.get("error").is_none(), "{r}");
+    // The main thread and the worker; the masked thread runs on.
+    assert_eq!(r["parked"]["threads"], 2, "{r}");
+    std::thread::sleep(Duration::from_millis(50));
+    job.drain();
+    job.assert_still(Duration::from_millis(300));
+    job.ask(&Request::Resume {
+        dir: Some(dir_str(&images)),
+    });
     job.steps(10);
     check_final(&mut job, &dir);
     let _ = std::fs::remove_dir_all(&dir);
