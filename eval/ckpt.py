@@ -140,14 +140,14 @@ def checkpoint(pid, img, engine, leave=True, extra=()):
     return possum(*args, *extra)
 
 
-def restore(img, log=None):
-    r = possum("restore", "-D", img, "--json")
+def restore(img, log=None, extra=()):
+    r = possum("restore", "-D", img, "--json", *extra)
     # The job appends to its log with open/write/close each step; if CRIU caught it with the log
     # open, the file must exist at its path for the restore (the harness renamed it away to tell
     # the restored run's lines apart). An empty file there is what the restored job appends to.
     if log and r["rc"] != 0 and "Can't open file" in r["stderr"] and not os.path.exists(log):
         open(log, "w").close()
-        r = possum("restore", "-D", img, "--json")
+        r = possum("restore", "-D", img, "--json", *extra)
         r["retried_with_empty_log"] = True
     return r
 
@@ -355,6 +355,11 @@ def figure(engine, gib, n, kind="figures"):
             time.sleep(0.5)
     p.kill()
     p.wait()
+    rel = (ck["json"] or {}).get("release_report") or {}
+    if rel.get("held"):
+        # Attempts of the held release that the watchdog ended (the job ran between them).
+        row["hold_attempts_ended"] = len(rel.get("attempts") or [])
+        row["parked_threads"] = (rel.get("parked") or {}).get("threads")
     row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
                checkpoint=(ck["json"] or {}).get("figures"), checkpoint_err=ck["stderr"] if ck["rc"] else None)
     if ck["rc"] == 0 and engine != "gpu-only":
@@ -584,6 +589,73 @@ def probe(a):
     return ok
 
 
+def gpu_of(pid):
+    """(index, uuid) of the GPU process `pid` runs on, from nvidia-smi; None if not seen."""
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout
+    idx = {u.strip(): int(i) for i, u in (l.split(",") for l in gpus.strip().splitlines())}
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout
+    for line in apps.strip().splitlines():
+        p, u = [x.strip() for x in line.split(",")]
+        if p == str(pid):
+            return idx.get(u), u
+    return None
+
+
+def migrate(a):
+    """Issue 4's `possum restore --device`: a job on GPU 0 checkpointed (killed), restored on GPU 1;
+    it must run there and write the reference's lines from the checkpointed step on. Needs two
+    GPUs (kind nvidia-h200-x2)."""
+    ok = True
+    steps = 400
+    ref = reference("mlp", steps)
+    for n, engine in enumerate(a.engines.split(",")):
+        name = f"mig-{engine}"
+        img = os.path.join(WORK, f"img-{name}")
+        shutil.rmtree(img, ignore_errors=True)
+        p, log = start(name, "mlp", steps, possum=(engine != "driver"), sleep_ms=10,
+                       cupti=(engine != "possum"))
+        row = {"engine": engine, "steps": steps}
+        if not wait_lines(log, 40, 300, p):
+            p.kill()
+            row.update(ok=False, why="job did not start")
+            emit("migrate", row)
+            ok = False
+            continue
+        row["gpu_before"] = gpu_of(p.pid)
+        ck = checkpoint(p.pid, img, engine, leave=False)
+        wait_gone(p.pid, 30)
+        row["checkpoint"] = {"rc": ck["rc"], "figures": (ck["json"] or {}).get("figures"),
+                             "stderr": ck["stderr"] if ck["rc"] else None}
+        if ck["rc"] != 0:
+            row.update(ok=False, why="checkpoint failed")
+            emit("migrate", row)
+            ok = False
+            continue
+        os.rename(log, log + ".1")
+        rs = restore(img, log, extra=("--device", "1"))
+        row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
+                          "stderr": rs["stderr"] if rs["rc"] else None}
+        if rs["rc"] == 0:
+            wait_lines(log, 5, 120)
+            row["gpu_after"] = gpu_of(p.pid)
+            wait_gone(p.pid, 300)
+        second = key(read_log(log))
+        s0 = second[0].get("step") if second and "step" in second[0] else None
+        row["resumed_at_step"] = s0
+        row["restored_identical"] = bool(second) and s0 is not None and second == ref[s0:]
+        row["ok"] = (rs["rc"] == 0 and row["restored_identical"]
+                     and (row.get("gpu_after") or [None])[0] == 1
+                     and (row.get("gpu_before") or [None])[0] == 0)
+        if not row["ok"]:
+            row["err"] = open(os.path.join(WORK, f"{name}.err")).read()[-1500:]
+        emit("migrate", row)
+        ok &= row["ok"]
+        shutil.rmtree(img, ignore_errors=True)
+    return ok
+
+
 def smoke(a):
     """One MLP trial per engine of --engines (checkpoint at step 20 with --leave-running, then the
     killed image restored)."""
@@ -596,7 +668,7 @@ def smoke(a):
 def main():
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench", "probe"])
+    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench", "probe", "migrate"])
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(GPU, "out")))
     ap.add_argument("--trials", default="20", help="per engine, comma-separated")
     ap.add_argument("--jobs", default="mlp,cnn,multistream,graph,triton,gpt2,ptrtable")
@@ -612,7 +684,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(SOCK, exist_ok=True)
     ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors,
-          "bench": bench, "probe": probe}[a.mode](a)
+          "bench": bench, "probe": probe, "migrate": migrate}[a.mode](a)
     return 0 if ok in (None, True) else 1
 
 

@@ -25,7 +25,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "SKIPPED: no GPU (nvidia-smi -L failed)"
     exit 0
 fi
-mode=${1:?usage: gpu-ckpt.sh --stage | smoke | correctness | figures | errors | bench | probe}
+mode=${1:?usage: gpu-ckpt.sh --stage | smoke | correctness | figures | errors | bench | probe | migrate}
 shift
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"

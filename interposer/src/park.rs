@@ -60,9 +60,10 @@ pub fn park_timeout() -> Duration {
     env_ms("POSSUM_PARK_TIMEOUT_MS", 2000)
 }
 
-/// How long held work may go without progress (`POSSUM_PARK_WATCHDOG_MS`, default 3000).
+/// How long held work may go without progress (`POSSUM_PARK_WATCHDOG_MS`, default 1000: the
+/// copy beats once per chunk, so a second without one is a stall, not a slow copy).
 pub fn watchdog_limit() -> Duration {
-    env_ms("POSSUM_PARK_WATCHDOG_MS", 3000)
+    env_ms("POSSUM_PARK_WATCHDOG_MS", 1000)
 }
 
 /// The threads of this process: (id, name).

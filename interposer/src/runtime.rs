@@ -31,12 +31,12 @@ pub struct Config {
     pub manage: bool,
     /// Validation of speculations (`POSSUM_VALIDATE`, e.g. `first=2,every=0`; `off`).
     pub validation: ValidationConfig,
-    /// Pinned staging per device engine, MiB (`POSSUM_STAGING_MIB`, default 32).
+    /// Pinned staging per device engine, MiB (`POSSUM_STAGING_MIB`, default 256).
     pub staging_mib: u64,
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
-    /// default 2): what bounds the copy while the job is held, for a fast GPU and a slow sink.
+    /// default 6): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     pub writers: usize,
-    /// Threads restoring buffers from an image, per device engine (`POSSUM_RESTORERS`, default 2).
+    /// Threads restoring buffers from an image, per device engine (`POSSUM_RESTORERS`, default 6).
     pub restorers: usize,
     /// Record the DAG (`POSSUM_DAG`, default on).
     pub dag: bool,
@@ -69,9 +69,11 @@ impl Config {
                 default
             }),
         };
-        let staging_mib = num("POSSUM_STAGING_MIB", 32, &mut warnings).max(16);
-        let writers = num("POSSUM_WRITERS", 2, &mut warnings).clamp(1, 64) as usize;
-        let restorers = num("POSSUM_RESTORERS", 2, &mut warnings).clamp(1, 64) as usize;
+        // Measured on the H100 (8 GiB, image in tmpfs): 2 writers, 2 restorers, 32 MiB: 2.2 s
+        // copy + 1.7 s restore while held; 6, 6, 256 MiB: 1.0 s + 0.8 s.
+        let staging_mib = num("POSSUM_STAGING_MIB", 256, &mut warnings).max(16);
+        let writers = num("POSSUM_WRITERS", 6, &mut warnings).clamp(1, 64) as usize;
+        let restorers = num("POSSUM_RESTORERS", 6, &mut warnings).clamp(1, 64) as usize;
         let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
         Config {
             manage: flag("POSSUM_MANAGE", true),

@@ -157,11 +157,6 @@ pub(super) fn plan_gpus(m: &Manifest, device: Option<u32>) -> Result<Vec<([u8; 1
         }
         return Ok(Vec::new());
     };
-    if m.gpu_dir.is_some() {
-        bail!(
-            "a possum image cannot be restored on another GPU yet (images of --engine driver can)"
-        );
-    }
     let [used] = m.gpu_memory.as_slice() else {
         bail!(
             "the job used {} GPUs; --device moves a job that used one",
