@@ -47,6 +47,25 @@ int cuCtxSynchronize(void){
   if(!cur) return 201;
   pthread_mutex_lock(&driver_mu); pthread_mutex_unlock(&driver_mu);
   return 0; }
+// cuMemAlloc and friends (host memory), and cuGetProcAddress for them. Internal names, so that
+// the pointers handed out are this driver's own even when a preloaded library exports the same
+// symbols.
+static int fake_mem_alloc(ull* p, size_t n){
+  if(!cur) return 201;
+  void* m = aligned_alloc(256, (n+255)&~(size_t)255); if(!m) return 2;
+  memset(m, 0, n); *p=(ull)m; return 0; }
+static int fake_mem_free(ull p){ free((void*)p); return 0; }
+static int fake_mem_alloc_pitch(ull* p, size_t* pitch, size_t w, size_t h, unsigned e){
+  *pitch=(w+255)&~(size_t)255; return fake_mem_alloc(p, *pitch*h); }
+int cuMemAlloc_v2(ull* p, size_t n){ return fake_mem_alloc(p, n); }
+int cuMemFree_v2(ull p){ return fake_mem_free(p); }
+int cuMemAllocPitch_v2(ull* p, size_t* pitch, size_t w, size_t h, unsigned e){ return fake_mem_alloc_pitch(p, pitch, w, h, e); }
+int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status){
+  void* f = !strcmp(sym,"cuMemAlloc")? (void*)fake_mem_alloc : !strcmp(sym,"cuMemFree")? (void*)fake_mem_free
+          : !strcmp(sym,"cuMemAllocPitch")? (void*)fake_mem_alloc_pitch : 0;
+  if(status) *status = f? 0 : 1;
+  if(!f) return 500;
+  *pfn = f; return 0; }
 int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-used; *t=TOTAL; return 0; }
 int cuMemGetAllocationGranularity(size_t* g, const void* p, int o){ *g=2u<<20; return 0; }
 int cuMemAddressReserve(ull* p, size_t size, size_t align, ull addr, ull flags){

@@ -27,11 +27,13 @@ pub enum Kind {
     Stream,
     /// Stream capture and graph instantiation.
     Capture,
+    /// Driver entry points looked up (`cuGetProcAddress`).
+    Entry,
 }
 
 impl Kind {
     /// Every kind, in the order the statistics list them.
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Launch,
         Kind::Graph,
         Kind::Copy,
@@ -39,6 +41,7 @@ impl Kind {
         Kind::Alloc,
         Kind::Stream,
         Kind::Capture,
+        Kind::Entry,
     ];
 
     /// The key of this kind's object in the statistics JSON.
@@ -51,6 +54,7 @@ impl Kind {
             Kind::Alloc => "allocs",
             Kind::Stream => "streams",
             Kind::Capture => "captures",
+            Kind::Entry => "entry_points",
         }
     }
 }
@@ -144,6 +148,9 @@ pub enum Shape {
     GraphExecDestroy,
     /// A call that changes an instantiated graph's nodes (word 0 is the `CUgraphExec`).
     GraphExecChanged,
+    /// `cuGetProcAddress*(symbol, pfn, cudaVersion, ...)`: allocation entry points are swapped
+    /// for possum's on exit (`drvalloc`).
+    ProcAddress,
     /// Counted only.
     Count,
 }
@@ -327,6 +334,8 @@ pub const CALLBACKS: &[Callback] = &[
     ),
     cb("cuMemAllocPitch_v2", 244, Kind::Alloc, Shape::AllocPitch),
     cb("cuMemFree_v2", 245, Kind::Alloc, Shape::Free { ptr: 0 }),
+    cb("cuGetProcAddress", 626, Kind::Entry, Shape::ProcAddress),
+    cb("cuGetProcAddress_v2", 677, Kind::Entry, Shape::ProcAddress),
     cb(
         "cuMemAllocManaged",
         371,

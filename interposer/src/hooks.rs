@@ -155,6 +155,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         | Shape::Alloc { .. }
         | Shape::AllocPitch
         | Shape::Map
+        | Shape::ProcAddress
         | Shape::Count => {}
     }
 }
@@ -200,6 +201,10 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
             }
         }
         Shape::Map => st.add_unmanaged(call.word(0), call.word(1), "cuMemMap"),
+        Shape::ProcAddress if st.managing() => {
+            // cudaVersion is an int: the word's upper half is padding.
+            crate::drvalloc::offer(call.word(0), call.word(1), call.word(2) & 0xffff_ffff);
+        }
         Shape::GraphInstantiate => {
             if let Some(exec) = call.deref(0) {
                 st.instantiate_graph(exec, call.word(1));

@@ -88,7 +88,7 @@ fn blocks(tid: i32, sig: i32) -> bool {
     s.lines()
         .find_map(|l| l.strip_prefix("SigBlk:"))
         .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
-        .is_some_and(|m| sig >= 1 && sig <= 64 && m & (1u64 << (sig - 1)) != 0)
+        .is_some_and(|m| (1..=64).contains(&sig) && m & (1u64 << (sig - 1)) != 0)
 }
 
 fn skip_prefixes() -> Vec<String> {

@@ -390,10 +390,7 @@ fn release_held(
         let summary = Arc::into_inner(writer)
             .ok_or_else(|| format!("device {ordinal}: image writer still shared"))
             .and_then(|w| w.commit().map_err(|e| e.to_string()))
-            .map_err(|e| {
-                unpause_job();
-                e
-            })?;
+            .inspect_err(|_| unpause_job())?;
         f["image_bytes"] = json!(summary.data_file_bytes);
         f["image_buffers"] = json!(summary.buffers.len());
     }
