@@ -42,6 +42,7 @@
 //!
 //! `{"pid", "cupti", "cupti_path", "cupti_error", "enabled_callbacks", "launches": {name: n},
 //! "graphs": {..}, "copies": {..}, "memsets": {..}, "allocs": {..}, "streams": {..},
+//! "captures": {..}, "entry_points": {..},
 //! "graph_launches", "distinct_functions", "total_launches"}`, where each object has one entry per
 //! callback of that kind in [`cbid::CALLBACKS`], `total_launches` counts kernel launches (not
 //! graph launches) and `distinct_functions` counts distinct `CUfunction` handles passed to kernel
