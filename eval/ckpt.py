@@ -140,6 +140,14 @@ def checkpoint(pid, img, engine, leave=True, extra=()):
     return possum(*args, *extra)
 
 
+def keep_log(log):
+    """Before a restore: the first run's lines to LOG.1, LOG emptied for the restored run's. The
+    file stays in place (CRIU restores the job's descriptor of it if the job had it open; O_APPEND,
+    so it writes at the end), which a rename would break."""
+    shutil.copy(log, log + ".1")
+    open(log, "w").close()
+
+
 def restore(img, log=None, extra=()):
     r = possum("restore", "-D", img, "--json", *extra)
     # The job appends to its log with open/write/close each step; if CRIU caught it with the log
@@ -203,7 +211,7 @@ def trial(job, engine, k, steps, sleep_ms, n):
         emit("correctness", row)
         shutil.rmtree(img, ignore_errors=True)
         return row["ok"]
-    os.rename(log, log + ".1")
+    keep_log(log)
     rs = restore(img, log)
     row["restore"] = {"rc": rs["rc"], "retried_with_empty_log": rs.get("retried_with_empty_log"), "figures": (rs["json"] or {}).get("figures"),
                       "stderr": rs["stderr"] if rs["rc"] else None}
@@ -363,7 +371,7 @@ def figure(engine, gib, n, kind="figures"):
     row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
                checkpoint=(ck["json"] or {}).get("figures"), checkpoint_err=ck["stderr"] if ck["rc"] else None)
     if ck["rc"] == 0 and engine != "gpu-only":
-        os.rename(log, log + ".1")
+        keep_log(log)
         t2 = time.time()
         rs = restore(img, log)
         row["restore_retried_with_empty_log"] = rs.get("retried_with_empty_log")
@@ -633,7 +641,7 @@ def migrate(a):
             emit("migrate", row)
             ok = False
             continue
-        os.rename(log, log + ".1")
+        keep_log(log)
         rs = restore(img, log, extra=("--device", "1"))
         row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
                           "stderr": rs["stderr"] if rs["rc"] else None}
