@@ -10,6 +10,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "SKIPPED: no GPU (nvidia-smi -L failed)"
     exit 0
 fi
+pairs="${1:-12}"; steps="${2:-800}"
 out="${OUT:-.gpu/out}"; mkdir -p "$out"
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 status=0
@@ -25,5 +26,5 @@ for job in "mlp 60" "gpt2 6"; do
     fi
     python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['possum']['counters']; print(sys.argv[2], {k: c.get(k) for k in ('managed_allocs','fallback_allocs','entry_points_swapped','launches')}, 'entry_points', s.get('entry_points'), 'unmanaged', s['possum'].get('unmanaged_bytes'))" "$out/$1-stats.json" "$1" || status=1
 done
-python3 eval/overhead.py --job mlp --pairs "${1:-12}" --steps "${2:-800}" --budget-s "${BUDGET_S:-330}" --out "$out" || status=1
+python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" || status=1
 exit $status
