@@ -5,7 +5,8 @@
 #   (here)  bash scripts/gpu-ckpt.sh --stage        build possum + libpossum.so, download CRIU .debs
 #   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe
 #           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --gib 8,32 --reps N --engines a,b ...)
-#   issue 5: bash scripts/gpu-ckpt.sh bench --gib 1,8,32 --engines none,possum-none,gpu-only,driver --reps 2
+#   issue 5: bash scripts/gpu-ckpt.sh bench --gib 1,8,32 --engines driver,possum,none,possum-none --reps 2
+#   issue 4 --device (kind nvidia-h200-x2): bash scripts/gpu-ckpt.sh migrate --engines driver,possum
 #   (here)  python3 eval/report.py FILES_AT/bench.json --readme README.md   (after `bench`: the
 #           table, plots and README's Results section; issue 5)
 # Results: $OUT (or .gpu/out)/ckpt-MODE.jsonl (bench: bench.json). Without a GPU it says SKIPPED
@@ -35,7 +36,7 @@ prefix=/tmp/possum-criu
 export POSSUM_CRIU="$prefix/bin/criu"
 export POSSUM_CKPT_WORK="${POSSUM_CKPT_WORK:-/dev/shm/possum-ckpt}"
 mkdir -p "$POSSUM_CKPT_WORK"
-if [ ! -x "$POSSUM_CKPT_WORK/ptrtable" ]; then
+if [ "$mode" = correctness ] && [ ! -x "$POSSUM_CKPT_WORK/ptrtable" ]; then
     nvcc -O2 -arch=sm_90 -cudart shared -o "$POSSUM_CKPT_WORK/ptrtable" workloads/gpu/ptrtable.cu || echo "nvcc ptrtable failed"
 fi
 "$POSSUM_CRIU" --version | head -1
