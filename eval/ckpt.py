@@ -633,7 +633,12 @@ def migrate(a):
             continue
         row["gpu_before"] = gpu_of(p.pid)
         ck = checkpoint(p.pid, img, engine, leave=False)
-        wait_gone(p.pid, 30)
+        # possum killed the job; reap it (a zombie child keeps its PID, which CRIU needs).
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
         row["checkpoint"] = {"rc": ck["rc"], "figures": (ck["json"] or {}).get("figures"),
                              "stderr": ck["stderr"] if ck["rc"] else None}
         if ck["rc"] != 0:
