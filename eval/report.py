@@ -124,8 +124,17 @@ def table(doc, summary):
             if any(c != "–" for c in cells):
                 lines.append(f"| {label} | {g:g} | " + " | ".join(cells) + " |")
     lines.append("")
-    if doc.get("wall_s"):
+    if doc.get("invocations"):
+        lines.append("Pooled from " + ", ".join(
+            f"one invocation of {i['wall_s']:.0f} s ({i['runs']} runs)" for i in doc["invocations"])
+            + " of `scripts/gpu-ckpt.sh bench`, each within the 10-minute limit.")
+    elif doc.get("wall_s"):
         lines.append(f"The whole run took {doc['wall_s']:.0f} s of GPU machine time.")
+    for r in doc["runs"]:
+        if r and r.get("restore_err"):
+            why = r["restore_err"].splitlines()[0][:160]
+            lines.append(f"Restore failed: {r['engine']} at {r['gib']:g} GiB (rep {r.get('rep')}"
+                         f"{', invocation ' + str(r['invocation']) if 'invocation' in r else ''}): {why}")
     for sk in doc.get("skipped") or []:
         lines.append(f"Not run: {sk['engine']} at {sk['gib']:g} GiB (rep {sk['rep']}): {sk['why']}.")
     lines.append("The stall's parts are `possum checkpoint`'s own timings of each step taken while "
@@ -154,11 +163,14 @@ def plots(doc, summary, stem):
     runs = [r for r in doc["runs"] if r and r.get("timeline")]
     for g in sorted({r["gib"] for r in runs}):
         fig, ax = plt.subplots(figsize=(8, 3.5))
+        # The first repetition of each engine (of the first invocation that has one).
+        shown = set()
         for r in runs:
-            if r["gib"] == g and r.get("rep", 0) == 0:
+            if r["gib"] == g and r.get("rep", 0) == 0 and r["engine"] not in shown:
+                shown.add(r["engine"])
                 t = [p[0] for p in r["timeline"]]
                 v = [p[1] for p in r["timeline"]]
-                ax.plot(t, v, label=r["engine"], drawstyle="steps-post")
+                ax.plot(t, v, label=r["engine"], drawstyle="steps-pre")
         ax.set_yscale("log")
         ax.set_xlabel("seconds since the checkpoint began")
         ax.set_ylabel("time between steps (ms)")
@@ -205,15 +217,31 @@ def update_readme(readme, md, stem):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("bench")
+    ap.add_argument("bench", nargs="+", help="one bench.json, or several runs of the same matrix "
+                    "to pool (their runs are merged; each run's wall time is listed)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--readme")
     a = ap.parse_args()
-    doc = json.load(open(a.bench))
+    docs = [json.load(open(b)) for b in a.bench]
+    doc = docs[0]
+    if len(docs) > 1:
+        # Pooled runs of one matrix: repetitions numbered across them, provenance kept.
+        doc = dict(docs[0])
+        doc["runs"] = []
+        for i, d in enumerate(docs):
+            for r in d["runs"]:
+                if r:
+                    doc["runs"].append({**r, "invocation": i})
+        doc["skipped"] = [s for d in docs for s in d.get("skipped") or []]
+        doc["wall_s"] = sum(d.get("wall_s") or 0 for d in docs)
+        doc["invocations"] = [{"wall_s": d.get("wall_s"), "runs": len(d["runs"])} for d in docs]
     gpu = re.sub(r"[^a-z0-9]+", "-", (doc.get("gpu") or "gpu").split(",")[0].lower()).strip("-")
     stem = os.path.join(a.results, f"{doc.get('date', 'undated')}-{gpu}")
-    if os.path.abspath(a.bench) != os.path.abspath(stem + ".json"):
-        shutil.copyfile(a.bench, stem + ".json")
+    if len(docs) > 1:
+        with open(stem + ".json", "w") as f:
+            json.dump(doc, f)
+    elif os.path.abspath(a.bench[0]) != os.path.abspath(stem + ".json"):
+        shutil.copyfile(a.bench[0], stem + ".json")
     summary = summarise(doc)
     md = table(doc, summary)
     open(stem + ".md", "w").write(md)

@@ -170,7 +170,18 @@ pub(super) fn plan_gpus(m: &Manifest, device: Option<u32>) -> Result<Vec<([u8; 1
     if *target == used.uuid {
         return Ok(Vec::new());
     }
-    Ok(vec![(uuid_bytes(&used.uuid)?, uuid_bytes(target)?)])
+    // NVIDIA's restore wants every GPU the process saw mapped (one pair per GPU; a single pair on
+    // a two-GPU machine is CUDA_ERROR_INVALID_VALUE, measured on 2 H200s): the job's GPU and the
+    // target swap places, every other GPU of this machine maps to itself. A GPU the image names
+    // that is not here (another machine) maps to the target alone.
+    let mut pairs = vec![(uuid_bytes(&used.uuid)?, uuid_bytes(target)?)];
+    if gpus.iter().any(|(_, id, _)| *id == used.uuid) {
+        pairs.push((uuid_bytes(target)?, uuid_bytes(&used.uuid)?));
+        for (_, id, _) in gpus.iter().filter(|(_, id, _)| *id != used.uuid && id != target) {
+            pairs.push((uuid_bytes(id)?, uuid_bytes(id)?));
+        }
+    }
+    Ok(pairs)
 }
 
 /// Whether `path` exists as anything but an empty directory.
