@@ -177,7 +177,10 @@ pub(super) fn plan_gpus(m: &Manifest, device: Option<u32>) -> Result<Vec<([u8; 1
     let mut pairs = vec![(uuid_bytes(&used.uuid)?, uuid_bytes(target)?)];
     if gpus.iter().any(|(_, id, _)| *id == used.uuid) {
         pairs.push((uuid_bytes(target)?, uuid_bytes(&used.uuid)?));
-        for (_, id, _) in gpus.iter().filter(|(_, id, _)| *id != used.uuid && id != target) {
+        for (_, id, _) in gpus
+            .iter()
+            .filter(|(_, id, _)| *id != used.uuid && id != target)
+        {
             pairs.push((uuid_bytes(id)?, uuid_bytes(id)?));
         }
     }

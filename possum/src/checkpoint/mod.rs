@@ -200,7 +200,10 @@ fn temp_sibling(dir: &Path) -> Result<PathBuf> {
 fn progress_bar(total: u64, watch: PathBuf, stop: std::sync::mpsc::Receiver<()>) {
     let t = Instant::now();
     let mut shown = false;
-    while stop.recv_timeout(Duration::from_millis(200)).is_err() {
+    // Until told to stop, or the sender is dropped (a disconnected channel ends the bar too).
+    while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+        stop.recv_timeout(Duration::from_millis(200))
+    {
         if t.elapsed() < Duration::from_millis(500) {
             continue;
         }
@@ -320,13 +323,24 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             let req = Request::Checkpoint {
                 dir: gpu.display().to_string(),
             };
+            // The bar follows the copy: the pre-copy, or (a held job) the release.
+            let mut stop_bar = Some((tx, bar));
+            let mut end_bar = || {
+                if let Some((tx, bar)) = stop_bar.take() {
+                    drop(tx);
+                    if let Some(b) = bar {
+                        let _ = b.join();
+                    }
+                }
+            };
             engine_report = clock.time("engine_snapshot", || ask(pid, &sockets, &req))?;
-            drop(tx);
-            if let Some(b) = bar {
-                let _ = b.join();
+            if !held {
+                end_bar();
             }
             guard.step(Step::Releasing);
-            release_report = clock.time("release", || ask(pid, &sockets, &Request::Release))?;
+            let released = clock.time("release", || ask(pid, &sockets, &Request::Release));
+            end_bar();
+            release_report = released?;
         }
         let Some((criu, drv)) = &side else {
             let gpu_bytes = dir_bytes(&tmp.join("gpu"));
