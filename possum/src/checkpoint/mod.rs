@@ -353,8 +353,9 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 if a.engine == EngineKind::Possum && e.to_string().contains("NOT_SUPPORTED") {
                     e.context(
                         "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI has \
-                         subscribed in, and possum needs CUPTI: a full possum checkpoint cannot \
-                         run here; use --engine driver (or --gpu-only for possum's GPU side)",
+                         subscribed in: start the job with `possum run --no-cupti` for a full \
+                         possum checkpoint, or use --engine driver (or --gpu-only for possum's \
+                         GPU side)",
                     )
                 } else {
                     e
