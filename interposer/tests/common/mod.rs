@@ -36,7 +36,18 @@ pub fn cc(args: &[&str]) -> bool {
 /// said on stderr) without a C compiler.
 #[allow(dead_code)] // not every test uses the fake GPU
 pub fn build_fake_gpu(dir: &Path, job_src: &str, job_name: &str) -> bool {
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    build_fake_gpu_from(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+        dir,
+        job_src,
+        job_name,
+    )
+}
+
+/// [`build_fake_gpu`] with the interposer crate's directory given (for another crate's tests
+/// that include this module by path).
+#[allow(dead_code)]
+pub fn build_fake_gpu_from(here: &Path, dir: &Path, job_src: &str, job_name: &str) -> bool {
     let d = dir.to_str().unwrap();
     let src = |p: &str| here.join(p).to_str().unwrap().to_string();
     let ok = cc(&[

@@ -140,9 +140,21 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
             let req = Request::Resume {
                 dir: Some(dir.join("gpu").display().to_string()),
             };
-            match possum_control::request(a.pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
-                Ok(_) => say("job resumed"),
-                Err(e) => say(&format!("resume failed: {e}")),
+            // The job answers one request at a time; a session step still running in it (a
+            // release possum did not wait for) says it is busy: ask again until it is done.
+            let t = Instant::now();
+            loop {
+                match possum_control::request(a.pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
+                    Ok(_) => say("job resumed"),
+                    Err(possum_control::ControlError::Remote(m))
+                        if m.contains("busy") && t.elapsed() < JOB_TIMEOUT =>
+                    {
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    }
+                    Err(e) => say(&format!("resume failed: {e}")),
+                }
+                break;
             }
         }
     };
