@@ -155,7 +155,11 @@ fn checkpoint(job: &Job, img: &Path) -> Command {
 #[test]
 fn a_held_job_is_checkpointed_and_survives_possum_being_killed_at_any_moment() {
     let Some(lib) = libpossum() else {
-        eprintln!("SKIPPED: libpossum.so not built (cargo test --workspace builds it)");
+        // Past the harness's capture, so the skip shows.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: libpossum.so not built (cargo test --workspace builds it)"
+        );
         return;
     };
     let dir = std::env::temp_dir().join(format!("possum-held-{}", std::process::id()));
