@@ -524,3 +524,26 @@ pub fn cupti(a: &CuptiArgs) -> Result<bool> {
     println!("{v}");
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bar ends when its sender is dropped (it used to spin forever then, so a checkpoint run
+    /// on a terminal never finished).
+    #[test]
+    fn the_progress_bar_ends_when_its_sender_is_dropped() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            progress_bar(1 << 20, std::env::temp_dir(), rx);
+            let _ = done_tx.send(());
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        drop(tx);
+        assert!(
+            done_rx.recv_timeout(Duration::from_secs(5)).is_ok(),
+            "the progress bar did not stop"
+        );
+    }
+}
