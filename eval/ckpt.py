@@ -286,19 +286,24 @@ def job_status(pid):
         return None
 
 
-def steady(engine, gib, n, kind):
+# Steps a figure waits for before and after a checkpoint, per job (slow jobs fewer).
+FIG_LINES = {"mlp": 300, "multistream": 300, "graph": 200, "triton": 200, "cnn": 100, "gpt2": 20}
+
+
+def steady(engine, gib, n, kind, job="mlp"):
     """No checkpoint at all: the job's normal step and its time from a fresh start to the first
     step, with possum loaded (`possum-none`) or not (`none`)."""
     spawned = time.time()
-    p, log = start(f"steady-{engine}-{gib}", "mlp", 10 ** 6, possum=(engine == "possum-none"),
+    lines = FIG_LINES.get(job, 100) * 4 // 3
+    p, log = start(f"steady-{job}-{engine}-{gib}", job, 10 ** 6, possum=(engine == "possum-none"),
                    hold=gib, sleep_ms=1)
-    row = {"engine": engine, "gib": gib, "rep": n, "state": "written every step"}
-    if not wait_lines(log, 400, 600, p):
+    row = {"job": job, "engine": engine, "gib": gib, "rep": n, "state": "written every step"}
+    if not wait_lines(log, lines, 600, p):
         row.update(ok=False, why="job did not start")
     else:
         rows = read_log(log)
         ts = [r["t"] for r in rows if "t" in r]
-        gaps = [ts[i + 1] - ts[i] for i in range(100, len(ts) - 1)]
+        gaps = [ts[i + 1] - ts[i] for i in range(lines // 4, len(ts) - 1)]
         row.update(ok=True, normal_step_ms=1e3 * statistics.median(gaps),
                    start_to_first_step_ms=1e3 * (ts[0] - spawned))
     p.kill()
@@ -307,23 +312,25 @@ def steady(engine, gib, n, kind):
     return row
 
 
-def figure(engine, gib, n, kind="figures"):
+def figure(engine, gib, n, kind="figures", job="mlp"):
     """engine: driver, gpu-only (the extra state written every step) or gpu-only-frozen (only
     read, like frozen weights); none / possum-none: no checkpoint (steady state, cold start)."""
     if engine in ("none", "possum-none"):
-        return steady(engine, gib, n, kind)
+        return steady(engine, gib, n, kind, job)
+    lines = FIG_LINES.get(job, 100)
     frozen = engine.endswith("-frozen")
-    name = f"fig-{engine}-{gib}"
+    name = f"fig-{job}-{engine}-{gib}"
     img = os.path.join(WORK, f"img-{name}")
     shutil.rmtree(img, ignore_errors=True)
     # Long enough to outlast any checkpoint: it is killed once the figures are in.
     spawned = time.time()
-    p, log = start(name, "mlp", 10 ** 6, possum=(engine != "driver"), hold=gib, sleep_ms=1, frozen=frozen,
+    p, log = start(name, job, 10 ** 6, possum=(engine != "driver"), hold=gib, sleep_ms=1, frozen=frozen,
                    cupti=(engine.removesuffix("-frozen") != "possum"))
     engine = engine.removesuffix("-frozen")
-    row = {"engine": engine, "gib": gib, "rep": n, "state": "frozen" if frozen else "written every step",
+    row = {"job": job, "engine": engine, "gib": gib, "rep": n,
+           "state": "frozen" if frozen else "written every step",
            "_spawned": spawned}
-    if not wait_lines(log, 300, 600, p):
+    if not wait_lines(log, lines, 600, p):
         p.kill()
         row.update(ok=False, why="job did not start", err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
         emit(kind, row)
@@ -347,7 +354,7 @@ def figure(engine, gib, n, kind="figures"):
     t1 = time.time()
     # Steps after the checkpoint: on-demand restore in the background.
     n_at = sum(1 for r in read_log(log) if "step" in r)
-    wait_lines(log, n_at + 300, 120, p)
+    wait_lines(log, n_at + lines, 120, p)
     rows = read_log(log)
     stall, normal = stall_of(rows, t0, t1)
     row["timeline"] = timeline(rows, t0, t1)
@@ -378,11 +385,11 @@ def figure(engine, gib, n, kind="figures"):
         if rs["rc"] == 0 and wait_lines(log, 1, 300):
             first = next(r for r in read_log(log) if "t" in r)
             row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
-            wait_lines(log, 300, 120)
+            wait_lines(log, lines, 120)
             rows2 = read_log(log)
             ts = [r["t"] for r in rows2 if "t" in r]
             row["restored_steps_seen"] = len(ts)
-            row["restored_first_300_steps_ms"] = 1e3 * (ts[-1] - ts[0]) if len(ts) > 1 else None
+            row["restored_first_steps_ms"] = 1e3 * (ts[-1] - ts[0]) if len(ts) > 1 else None
         row["restore"] = (rs["json"] or {}).get("figures")
         row["restore_err"] = rs["stderr"] if rs["rc"] else None
         pid = p.pid
@@ -409,22 +416,25 @@ def bench(a):
     def save():
         # After every run, so that a run cut short by the machine's time limit still reports.
         doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": a.engines.split(","),
+               "jobs": a.bench_jobs.split(","),
                "sizes_gib": [float(g) for g in a.gib.split(",")], "runs": runs, "skipped": skipped,
                "wall_s": time.time() - t_start}
         with open(os.path.join(OUT, "bench.json"), "w") as f:
             json.dump(doc, f)
         return doc
 
-    for gib in [float(g) for g in a.gib.split(",")]:
-        reps = a.reps if gib < 16 else 1
-        for n in range(reps):
-            for engine in a.engines.split(","):
-                if time.time() - t_start > a.budget_s:
-                    skipped.append({"engine": engine, "gib": gib, "rep": n, "why": "time budget"})
-                    print(f"bench: skipped {engine} {gib} GiB rep {n}: over --budget-s", flush=True)
-                    continue
-                runs.append(figure(engine, gib, n, kind="bench") or {})
-                save()
+    for job in a.bench_jobs.split(","):
+        for gib in [float(g) for g in a.gib.split(",")]:
+            reps = a.reps if gib < 16 else 1
+            for n in range(reps):
+                for engine in a.engines.split(","):
+                    if time.time() - t_start > a.budget_s:
+                        skipped.append({"job": job, "engine": engine, "gib": gib, "rep": n,
+                                        "why": "time budget"})
+                        print(f"bench: skipped {job} {engine} {gib} GiB rep {n}: over --budget-s", flush=True)
+                        continue
+                    runs.append(figure(engine, gib, n, kind="bench", job=job) or {})
+                    save()
     doc = save()
     print(f"bench: {len(runs)} runs in {doc['wall_s']:.0f} s -> {OUT}/bench.json", flush=True)
     return all(r.get("ok") for r in runs)
@@ -692,6 +702,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("POSSUM_BENCH_BUDGET_S", 520)),
                     help="bench: start no run after this many seconds (the machine allows 600 per command)")
     ap.add_argument("--engines", default="gpu-only,driver")
+    ap.add_argument("--bench-jobs", default="mlp",
+                    help="bench: the workloads (workloads/gpu/jobs.py), each holding --gib extra")
     a = ap.parse_args()
     OUT = a.out
     os.makedirs(OUT, exist_ok=True)

@@ -62,8 +62,19 @@ def metrics_of(run, plain_step_ms):
     return m
 
 
+def case(run):
+    """What a run measures: (workload, GiB of extra state). Runs of old documents are the MLP's."""
+    return (run.get("job", "mlp"), run["gib"])
+
+
+def label(c, cases):
+    """A case for the table and plots: the size alone when all runs are of one workload."""
+    one_job = len({j for j, _ in cases}) == 1
+    return f"{c[1]:g}" if one_job else f"{c[0]} {c[1]:g}"
+
+
 def summarise(doc):
-    """{(gib, engine): {metric: (median, min, max, n)}}"""
+    """{((job, gib), engine): {metric: (median, min, max, n)}}"""
     runs = [r for r in doc["runs"] if r and r.get("engine")]
     # The plain step time, for the same size and the same job (state written every step, or
     # frozen): from runs without any checkpoint (`none`) when there are some, else from the
@@ -72,12 +83,12 @@ def summarise(doc):
     src = "none" if any(r["engine"] == "none" for r in runs) else "driver"
     for r in runs:
         if r["engine"] == src and r.get("normal_step_ms"):
-            plain.setdefault((r["gib"], r.get("state")), []).append(r["normal_step_ms"])
+            plain.setdefault((case(r), r.get("state")), []).append(r["normal_step_ms"])
     plain = {k: statistics.median(v) for k, v in plain.items()}
     out = {}
     for r in runs:
-        m = metrics_of(r, plain.get((r["gib"], r.get("state"))))
-        cell = out.setdefault((r["gib"], r["engine"]), {})
+        m = metrics_of(r, plain.get((case(r), r.get("state"))))
+        cell = out.setdefault((case(r), r["engine"]), {})
         for k, v in m.items():
             if v is not None:
                 cell.setdefault(k, []).append(v)
@@ -98,14 +109,15 @@ def fmt(v, unit):
 def table(doc, summary):
     engines = doc.get("engines") or sorted({e for _, e in summary})
     sizes = sorted({g for g, _ in summary})
+    one_job = len({j for j, _ in sizes}) == 1
     lines = [f"Run of {doc.get('date')} on {doc.get('gpu')}: median (min-max, n) per size and engine; "
              f"`x` = ratio to `driver` (the baseline: CRIU + NVIDIA's driver checkpoint)."]
     if doc.get("source"):
         lines.append(f"Source: {doc['source']}.")
     lines.append("")
-    head = "| metric | GiB | " + " | ".join(engines) + " |"
+    head = "| metric | " + ("GiB" if one_job else "job, GiB") + " | " + " | ".join(engines) + " |"
     lines += [head, "|" + "---|" * (2 + len(engines))]
-    for key, label, unit, lower in METRICS:
+    for key, name, unit, lower in METRICS:
         for g in sizes:
             cells = []
             base = summary.get((g, "driver"), {}).get(key)
@@ -122,7 +134,7 @@ def table(doc, summary):
                     c += f" **{med / base[0]:.2f}x**"
                 cells.append(c)
             if any(c != "–" for c in cells):
-                lines.append(f"| {label} | {g:g} | " + " | ".join(cells) + " |")
+                lines.append(f"| {name} | {label(g, sizes)} | " + " | ".join(cells) + " |")
     lines.append("")
     if doc.get("invocations"):
         lines.append("Pooled from " + ", ".join(
@@ -161,12 +173,13 @@ def plots(doc, summary, stem):
         return []
     made = []
     runs = [r for r in doc["runs"] if r and r.get("timeline")]
-    for g in sorted({r["gib"] for r in runs}):
+    cases = sorted({case(r) for r in runs})
+    for g in cases:
         fig, ax = plt.subplots(figsize=(8, 3.5))
         # The first repetition of each engine (of the first invocation that has one).
         shown = set()
         for r in runs:
-            if r["gib"] == g and r.get("rep", 0) == 0 and r["engine"] not in shown:
+            if case(r) == g and r.get("rep", 0) == 0 and r["engine"] not in shown:
                 shown.add(r["engine"])
                 t = [p[0] for p in r["timeline"]]
                 v = [p[1] for p in r["timeline"]]
@@ -174,10 +187,12 @@ def plots(doc, summary, stem):
         ax.set_yscale("log")
         ax.set_xlabel("seconds since the checkpoint began")
         ax.set_ylabel("time between steps (ms)")
-        ax.set_title(f"Step times around a checkpoint, {g:g} GiB of extra state")
+        one_job = len({j for j, _ in cases}) == 1
+        ax.set_title(f"Step times around a checkpoint, {'' if one_job else g[0] + ', '}"
+                     f"{g[1]:g} GiB of extra state")
         ax.legend()
         fig.tight_layout()
-        path = f"{stem}-stall-{g:g}g.png"
+        path = f"{stem}-stall-{g[1]:g}g.png" if one_job else f"{stem}-stall-{g[0]}-{g[1]:g}g.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         made.append(path)
@@ -188,13 +203,13 @@ def plots(doc, summary, stem):
         fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.2))
         axes = axes if len(keys) > 1 else [axes]
         w = 0.8 / max(1, len(engines))
-        for ax, (key, label, unit, _) in zip(axes, keys):
+        for ax, (key, name, unit, _) in zip(axes, keys):
             for i, e in enumerate(engines):
                 ys = [summary.get((g, e), {}).get(key, (0,))[0] for g in sizes]
                 ax.bar([j + i * w for j in range(len(sizes))], ys, w, label=e)
             ax.set_xticks([j + w * (len(engines) - 1) / 2 for j in range(len(sizes))])
-            ax.set_xticklabels([f"{g:g} GiB" for g in sizes])
-            ax.set_title(f"{label} ({unit})", fontsize=9)
+            ax.set_xticklabels([f"{label(g, sizes)} GiB" for g in sizes], fontsize=7)
+            ax.set_title(f"{name} ({unit})", fontsize=9)
         axes[0].legend(fontsize=8)
         fig.tight_layout()
         path = f"{stem}-bars.png"
