@@ -5,24 +5,15 @@
 //! `POSSUM_MANAGE=0` they are the driver's, and the lookup is left alone.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
-use common::{build_fake_gpu, libpossum, read_json};
+use common::{build_fake_gpu, fake_job_command, libpossum, read_json};
 
 fn run(dir: &Path, manage: bool) -> (String, serde_json::Value) {
     let stats = dir.join(format!("stats-{manage}.json"));
-    let mut cmd = Command::new(dir.join("fake_drvalloc_job"));
-    for (k, _) in std::env::vars_os() {
-        let k = k.to_string_lossy().into_owned();
-        if k.starts_with("POSSUM_") || k.starts_with("FAKE_") || k == "LD_PRELOAD" {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env_remove("CUDA_INJECTION64_PATH")
-        .env("LD_LIBRARY_PATH", dir)
-        .env("LD_PRELOAD", libpossum())
-        .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
+    let lib = libpossum();
+    let mut cmd = fake_job_command(dir, "fake_drvalloc_job", Some(&lib));
+    cmd.env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
         .env("FAKE_CUPTI_NO_AUTOFIRE", "1")
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
         .env("POSSUM_STATS", &stats);

@@ -6,17 +6,17 @@
 //! would give data that differs from the model. The watchdog is tested with a thread holding the
 //! fake driver's internal lock while parked.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::process::{Child, ChildStdin, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use possum_control::{request, Request};
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu, libpossum};
+use common::{build_fake_gpu, fake_job_command, libpossum, lines_of};
 
 const WAIT: Duration = Duration::from_secs(20);
 /// u32 words per buffer (fake_park_job.c).
@@ -35,17 +35,9 @@ impl Job {
     fn start(dir: &Path, name: &str, env: &[(&str, &str)]) -> Job {
         let stderr = dir.join(format!("{name}.stderr"));
         let sockets = dir.join("sockets");
-        let mut cmd = Command::new(dir.join("fake_park_job"));
-        for (k, _) in std::env::vars_os() {
-            let k = k.to_string_lossy().into_owned();
-            if k.starts_with("POSSUM_") || k.starts_with("FAKE_") || k == "LD_PRELOAD" {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env_remove("CUDA_INJECTION64_PATH")
-            .env("LD_LIBRARY_PATH", dir)
-            .env("LD_PRELOAD", libpossum())
-            .env("POSSUM_CUPTI", "off")
+        let lib = libpossum();
+        let mut cmd = fake_job_command(dir, "fake_park_job", Some(&lib));
+        cmd.env("POSSUM_CUPTI", "off")
             .env("POSSUM_SOCKET_DIR", &sockets)
             .env("POSSUM_VERBOSE", "1")
             .envs(env.iter().copied())
@@ -54,16 +46,7 @@ impl Job {
             .stderr(std::fs::File::create(&stderr).unwrap());
         let mut child = cmd.spawn().unwrap();
         let stdin = child.stdin.take().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(child.stdout.take().unwrap());
         let pid = child.id();
         let mut job = Job {
             child,

@@ -6,17 +6,17 @@
 //! are released, that it goes on after the resume with exactly the data of a run that was never
 //! checkpointed, and that refused requests leave the job as it was.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::process::{Child, ChildStdin, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use possum_control::{request, ControlError, Request};
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu, libpossum};
+use common::{build_fake_gpu, fake_job_command, libpossum, lines_of};
 
 /// Bound on every wait for something that should happen (a reply, a job's answer): generous, as
 /// only a bug makes it expire.
@@ -44,37 +44,18 @@ struct Job {
 impl Job {
     fn start(dir: &Path, name: &str, possum: bool) -> Job {
         let stderr = dir.join(format!("{name}.stderr"));
-        let mut cmd = Command::new(dir.join("fake_session_job"));
-        for (k, _) in std::env::vars_os() {
-            let k = k.to_string_lossy().into_owned();
-            if k.starts_with("POSSUM_") || k.starts_with("FAKE_") || k == "LD_PRELOAD" {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env_remove("CUDA_INJECTION64_PATH")
-            .env("LD_LIBRARY_PATH", dir)
-            .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
+        let lib = possum.then(libpossum);
+        let mut cmd = fake_job_command(dir, "fake_session_job", lib.as_deref());
+        cmd.env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
             .env("FAKE_CUPTI_NO_AUTOFIRE", "1")
             .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).unwrap());
-        if possum {
-            cmd.env("LD_PRELOAD", libpossum());
-        }
         let mut child = cmd.spawn().unwrap();
         let stdin = child.stdin.take();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = lines_of(child.stdout.take().unwrap());
         let mut job = Job {
             child,
             stdin,

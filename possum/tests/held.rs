@@ -4,10 +4,10 @@
 //! `possum checkpoint` at any moment leaves the job running (the guard resumes it if it was held)
 //! and no partial image under DIR's name.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 #[path = "../../interposer/tests/common/mod.rs"]
@@ -37,32 +37,15 @@ struct Job {
 impl Job {
     fn start(dir: &Path, lib: &Path) -> Job {
         let sockets = dir.join("sockets");
-        let mut cmd = Command::new(dir.join("fake_park_job"));
-        for (k, _) in std::env::vars_os() {
-            let k = k.to_string_lossy().into_owned();
-            if k.starts_with("POSSUM_") || k.starts_with("FAKE_") || k == "LD_PRELOAD" {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env("LD_LIBRARY_PATH", dir)
-            .env("LD_PRELOAD", lib)
-            .env("POSSUM_CUPTI", "off")
+        let mut cmd = common::fake_job_command(dir, "fake_park_job", Some(lib));
+        cmd.env("POSSUM_CUPTI", "off")
             .env("POSSUM_SOCKET_DIR", &sockets)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(dir.join("job.stderr")).unwrap());
         let mut child = cmd.spawn().unwrap();
         let stdin = child.stdin.take().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = common::lines_of(child.stdout.take().unwrap());
         let mut job = Job {
             child,
             stdin,

@@ -89,3 +89,39 @@ pub fn build_fake_gpu_from(here: &Path, dir: &Path, job_src: &str, job_name: &st
     }
     ok
 }
+
+/// The command for a fake-GPU job `exe` built into `dir`: none of this process's `POSSUM_*`,
+/// `FAKE_*`, `LD_PRELOAD` or `CUDA_INJECTION64_PATH`; the fake libraries in `dir` first; `lib`
+/// (libpossum.so) preloaded when given.
+#[allow(dead_code)]
+pub fn fake_job_command(dir: &Path, exe: &str, lib: Option<&Path>) -> Command {
+    let mut cmd = Command::new(dir.join(exe));
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy().into_owned();
+        if k.starts_with("POSSUM_") || k.starts_with("FAKE_") || k == "LD_PRELOAD" {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env_remove("CUDA_INJECTION64_PATH")
+        .env("LD_LIBRARY_PATH", dir);
+    if let Some(lib) = lib {
+        cmd.env("LD_PRELOAD", lib);
+    }
+    cmd
+}
+
+/// The lines of a child's stdout as they come, read by a thread.
+#[allow(dead_code)]
+pub fn lines_of(stdout: std::process::ChildStdout) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
