@@ -166,6 +166,20 @@ fn dir_str(p: &Path) -> String {
     p.to_str().unwrap().to_string()
 }
 
+/// The held job makes no progress (step lines already in the pipe were printed before the hold);
+/// then the resume from `images`, more steps, and the final buffers against the model.
+fn still_then_resume(job: &mut Job, dir: &Path, images: &Path) {
+    std::thread::sleep(Duration::from_millis(50));
+    job.drain();
+    job.assert_still(Duration::from_millis(300));
+    job.ask(&Request::Resume {
+        dir: Some(dir_str(images)),
+    });
+    job.steps(10);
+    check_final(job, dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn a_job_without_cupti_is_held_by_parking_its_threads() {
     let Some(dir) = setup("hold") else { return };
@@ -243,15 +257,7 @@ fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds()
     );
     assert_eq!(r["final"][0]["bytes"], 2 * 4 * N as u64, "{r}");
     // The committed image is the last attempt's, and the job is held again.
-    std::thread::sleep(Duration::from_millis(50));
-    job.drain();
-    job.assert_still(Duration::from_millis(300));
-    job.ask(&Request::Resume {
-        dir: Some(dir_str(&images)),
-    });
-    job.steps(10);
-    check_final(&mut job, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
+    still_then_resume(&mut job, &dir, &images);
 }
 
 #[test]
@@ -299,13 +305,5 @@ fn a_thread_named_in_possum_park_skip_is_left_running() {
     assert!(r.get("error").is_none(), "{r}");
     // The main thread and the worker; the masked thread runs on.
     assert_eq!(r["parked"]["threads"], 2, "{r}");
-    std::thread::sleep(Duration::from_millis(50));
-    job.drain();
-    job.assert_still(Duration::from_millis(300));
-    job.ask(&Request::Resume {
-        dir: Some(dir_str(&images)),
-    });
-    job.steps(10);
-    check_final(&mut job, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
+    still_then_resume(&mut job, &dir, &images);
 }
