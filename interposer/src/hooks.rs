@@ -525,7 +525,8 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                 }
                 SnapNode::Memset { dst } => {
                     let r = ranges.lookup(*dst);
-                    if let Resolved::Managed(b, _) = &r {
+                    // Only this engine's buffers, as for kernel nodes and copies.
+                    if let Some(b) = managed_on(&r, eng.map(|e| e.ordinal)) {
                         push_buffer(b, false, &mut sets.reads, &mut sets.writes);
                     }
                     sets.dag_writes.extend(r.buf_ref());
