@@ -906,6 +906,19 @@ impl State {
             .filter(|k| k.is_opaque())
             .map(|k| json!({"name": k.name(), "reason": k.opaque_reason()}))
             .collect();
+        // Instantiated graphs possum treats as opaque (every launch of them writes everything),
+        // with why: the reason was kept but never shown.
+        let opaque_graphs: Vec<Value> = self
+            .graphs
+            .read()
+            .iter()
+            .filter_map(|(exec, g)| {
+                g.opaque
+                    .as_ref()
+                    .map(|r| json!({"exec": format!("{exec:#x}"), "reason": r}))
+            })
+            .take(16)
+            .collect();
         let unmanaged = self.unmanaged.read();
         let mut by_kind: HashMap<&str, (u64, u64)> = HashMap::default();
         for (_, l, u) in unmanaged.iter() {
@@ -923,6 +936,7 @@ impl State {
                           "by_kind": by_kind.iter().map(|(k, (n, b))| (k.to_string(), json!({"allocations": n, "bytes": b}))).collect::<serde_json::Map<_, _>>()},
             "kernels": kernels.len(),
             "opaque_kernels": opaque,
+            "opaque_graphs": opaque_graphs,
             "counters": self.counters.to_json(),
         })
     }

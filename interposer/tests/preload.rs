@@ -212,6 +212,16 @@ fn counts_callbacks_of_a_fake_cupti() {
     assert_eq!(c["launches_opaque"], 6, "{v}");
     assert_eq!(c["graph_launches"], 1, "{v}");
     assert_eq!(c["graph_launches_opaque"], 1, "{v}");
+    // The instantiated graph whose nodes could not be read is listed with why.
+    let g = &v["possum"]["opaque_graphs"];
+    assert_eq!(g.as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(g[0]["exec"], "0x6000", "{v}");
+    assert!(
+        g[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("cannot read its nodes")),
+        "{v}"
+    );
     assert_eq!(c["copies"], 1, "{v}");
     assert_eq!(v["possum"]["kernels"], 3, "{v}");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -62,6 +62,11 @@ int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t 
     fire(1, 1, 307, &k2); /* exit site: not counted */
     fire(2, 0, 307, &k2); /* runtime domain: not counted */
     static uint64_t words[8];
+    /* cuGraphInstantiateWithFlags(&exec, graph 0x5000, 0) returning exec 0x6000 (exit site):
+     * its nodes cannot be read here (no driver), so the graph is opaque, with that reason. */
+    static uint64_t exec = 0x6000, inst[3] = {0, 0x5000, 0};
+    inst[0] = (uint64_t)(uintptr_t)&exec;
+    fire(1, 1, 643, inst);
     fire(1, 0, 514, words); /* cuGraphLaunch */
     fire(1, 0, 306, words); /* cuMemcpyAsync */
     fire(1, 0, 243, words); /* cuMemAlloc_v2 */
