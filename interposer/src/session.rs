@@ -43,11 +43,14 @@ static PAUSE_WAIT_NS: AtomicU64 = AtomicU64::new(0);
 static BUSY: Mutex<Option<&'static str>> = Mutex::new(None);
 /// The last session's figures, for `possum status`.
 static LAST: Mutex<Value> = Mutex::new(Value::Null);
-/// Images being written: from `Checkpoint` (pre-copy) to `Release` (the dirty rest, commit).
-static OPEN: Mutex<Vec<(usize, Arc<ImageWriter>)>> = Mutex::new(Vec::new());
-/// The image directory of the checkpoint in progress (a held release may have to start its
-/// images again).
-static OPEN_DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
+/// The checkpoint in progress: from `Checkpoint` (pre-copy) to `Release` (the dirty rest, commit).
+static OPEN: Mutex<Option<Open>> = Mutex::new(None);
+
+/// Images being written, one per device, under `dir` (a held release may start them again).
+struct Open {
+    dir: PathBuf,
+    writers: Vec<(usize, Arc<ImageWriter>)>,
+}
 /// How many times a held release tries before giving up (each attempt ended by the watchdog).
 const HOLD_ATTEMPTS: u32 = 3;
 
@@ -140,6 +143,18 @@ fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
     dir.join(format!("gpu-{ordinal}"))
 }
 
+/// A new image of device `ordinal` under `dir`. No fsync: the commit happens while the job is
+/// paused; `possum checkpoint` makes the whole image durable once the job runs again.
+fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
+    let opts = WriterOptions {
+        fsync: false,
+        ..WriterOptions::default()
+    };
+    ImageWriter::create(&engine_image_dir(dir, ordinal), opts)
+        .map(Arc::new)
+        .map_err(|e| format!("device {ordinal}: {e}"))
+}
+
 fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -164,24 +179,16 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
         return Err("the job is paused (released): resume it before a new checkpoint".into());
     }
     // A checkpoint whose `possum` went away before its release: its images are abandoned.
-    OPEN.lock().clear();
-    *OPEN_DIR.lock() = Some(dir.to_path_buf());
+    *OPEN.lock() = None;
     let t = Instant::now();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
     let mut open = Vec::new();
     // Without CUPTI nothing marks buffers dirty: no pre-copy, everything is copied at the release
-    // (with the job locked by the driver: stop the world, at copy speed).
+    // with the job's threads parked (`release_held`).
     let hooks = crate::cupti_attached();
     for e in engines() {
-        let path = engine_image_dir(dir, e.ordinal);
-        // No fsync here: the commit happens while the job is paused; `possum checkpoint`
-        // makes the whole image durable once the job runs again.
-        let opts = WriterOptions {
-            fsync: false,
-            ..WriterOptions::default()
-        };
-        let writer = Arc::new(ImageWriter::create(&path, opts).map_err(|e| e.to_string())?);
+        let writer = new_writer(dir, e.ordinal)?;
         if !hooks {
             open.push((e.ordinal, writer));
             continue;
@@ -203,7 +210,10 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
         }));
         open.push((e.ordinal, writer));
     }
-    *OPEN.lock() = open;
+    *OPEN.lock() = Some(Open {
+        dir: dir.to_path_buf(),
+        writers: open,
+    });
     let v = json!({"precopy": out, "hooks": hooks, "ms": ms(t.elapsed())});
     *LAST.lock() = json!({"checkpoint": v});
     Ok(v)
@@ -220,7 +230,10 @@ fn release_inner() -> Result<Value, String> {
         return Err("the job is already paused (released)".into());
     }
     let t = Instant::now();
-    let open = std::mem::take(&mut *OPEN.lock());
+    let Open { dir, writers: open } = OPEN.lock().take().unwrap_or(Open {
+        dir: PathBuf::new(),
+        writers: Vec::new(),
+    });
     let engines = engines();
     if engines
         .iter()
@@ -228,12 +241,7 @@ fn release_inner() -> Result<Value, String> {
     {
         return Err("no checkpoint in progress for every device: send checkpoint first".into());
     }
-    let hooks = crate::cupti_attached();
-    if !hooks {
-        let dir = OPEN_DIR
-            .lock()
-            .clone()
-            .ok_or("no checkpoint in progress: send checkpoint first")?;
+    if !crate::cupti_attached() {
         return release_held(&dir, open, engines, t);
     }
     set_paused(true);
@@ -251,7 +259,7 @@ fn release_inner() -> Result<Value, String> {
         let sink: Arc<dyn ChunkSink> = writer.clone();
         let r = e
             .engine
-            .checkpoint(sink, hooks)
+            .checkpoint(sink, true) // only what was written since the pre-copy
             .and_then(|h| h.wait())
             .map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
         let summary = Arc::into_inner(writer)
@@ -340,21 +348,15 @@ fn release_held(
     t: Instant,
 ) -> Result<Value, String> {
     let mut attempts = Vec::new();
-    let mut finals = Vec::new();
+    let mut finals = None;
     let mut parked = Value::Null;
     for attempt in 1..=HOLD_ATTEMPTS {
         if attempt > 1 {
             // The last attempt's images are dropped unfinished (their temporary directories go).
-            open.clear();
-            for e in &engines {
-                let opts = WriterOptions {
-                    fsync: false,
-                    ..WriterOptions::default()
-                };
-                let w = ImageWriter::create(&engine_image_dir(dir, e.ordinal), opts)
-                    .map_err(|err| format!("device {}: {err}", e.ordinal))?;
-                open.push((e.ordinal, Arc::new(w)));
-            }
+            open = engines
+                .iter()
+                .map(|e| Ok((e.ordinal, new_writer(dir, e.ordinal)?)))
+                .collect::<Result<_, String>>()?;
             std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(attempt)));
         }
         parked = park::park_all(park::park_timeout())?;
@@ -368,22 +370,16 @@ fn release_held(
                                  "ms": ms(tc.elapsed())}));
             continue;
         }
-        match copied {
-            Ok(v) => {
-                finals = v;
-                break;
-            }
-            Err(e) => {
-                unpause_job();
-                return Err(e);
-            }
-        }
+        finals = Some(copied.inspect_err(|_| unpause_job())?);
+        break;
     }
-    if finals.is_empty() && !engines.is_empty() {
-        return Err(format!(
-            "cannot hold the job: {HOLD_ATTEMPTS} attempts ended by the watchdog (a thread of              the job stayed inside a CUDA call holding a lock possum's copy needs); the job runs on"
-        ));
-    }
+    // Every attempt ended by the watchdog: it has already let the job go on.
+    let mut finals = finals.ok_or_else(|| {
+        format!(
+            "cannot hold the job: {HOLD_ATTEMPTS} attempts ended by the watchdog (a thread of \
+             the job stayed inside a CUDA call holding a lock possum's copy needs); the job runs on"
+        )
+    })?;
     // Committed only now, with the threads still parked: an attempt the watchdog ended left
     // nothing under the images' names.
     for ((ordinal, writer), f) in open.into_iter().zip(finals.iter_mut()) {
