@@ -110,10 +110,16 @@ pub fn park_all(timeout: Duration) -> Result<Value, String> {
         .ok()
         .and_then(|v| v.parse().ok());
     let sig = park_sys::signal(preferred).map_err(|e| format!("cannot hold the job: {e}"))?;
+    park_sys::hold();
+    signal_until_parked(sig, timeout).inspect_err(|_| unpark_all())
+}
+
+/// With the hold on: signals every thread to park (again for threads born meanwhile) until all of
+/// them are parked, or one cannot be.
+fn signal_until_parked(sig: i32, timeout: Duration) -> Result<Value, String> {
     let me = park_sys::gettid();
     let skip = skip_prefixes();
     let t = Instant::now();
-    park_sys::hold();
     let mut signaled: HashMap<i32, String> = HashMap::new();
     loop {
         let live = tasks();
@@ -137,7 +143,6 @@ pub fn park_all(timeout: Duration) -> Result<Value, String> {
                 }
                 Err(libc::ESRCH) => {}
                 Err(e) => {
-                    unpark_all();
                     return Err(format!(
                         "cannot signal thread {tid} ({comm}): {}",
                         std::io::Error::from_raw_os_error(e)
@@ -146,7 +151,6 @@ pub fn park_all(timeout: Duration) -> Result<Value, String> {
             }
         }
         if !masked.is_empty() {
-            unpark_all();
             return Err(format!(
                 "cannot hold the job: thread(s) {} block the parking signal ({sig}); if they \
                  never touch the GPU, name them in POSSUM_PARK_SKIP (name prefixes, \
@@ -174,10 +178,9 @@ pub fn park_all(timeout: Duration) -> Result<Value, String> {
             }));
         }
         if t.elapsed() > timeout {
-            unpark_all();
             return Err(format!(
-                "cannot hold the job: thread(s) {} did not stop within {} ms (blocked signal, or \
-                 stuck in the kernel); POSSUM_PARK_TIMEOUT_MS sets the wait",
+                "cannot hold the job: thread(s) {} did not stop within {} ms (stuck in the \
+                 kernel?); POSSUM_PARK_TIMEOUT_MS sets the wait",
                 pending.join(", "),
                 timeout.as_millis()
             ));
@@ -199,16 +202,15 @@ pub fn unpark_all() {
 /// Ends the hold if the held work stops making progress (see the module doc).
 pub struct Watchdog {
     stop: Arc<AtomicBool>,
-    fired: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// Answers whether it ended the hold.
+    thread: Option<std::thread::JoinHandle<bool>>,
 }
 
 impl Watchdog {
     /// Starts watching [`beat`]: no beat for `limit` ends the hold.
     pub fn start(limit: Duration) -> Watchdog {
         let stop = Arc::new(AtomicBool::new(false));
-        let fired = Arc::new(AtomicBool::new(false));
-        let (s, f) = (stop.clone(), fired.clone());
+        let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("possum-watchdog".into())
             .spawn(move || {
@@ -221,30 +223,25 @@ impl Watchdog {
                         last = now;
                         since = Instant::now();
                     } else if since.elapsed() > limit {
-                        f.store(true, Ordering::Release);
                         crate::log(&format!(
                             "no progress for {} ms with the job held: ending the hold",
                             limit.as_millis()
                         ));
                         unpark_all();
-                        return;
+                        return true;
                     }
                 }
+                false
             })
             .ok();
-        Watchdog {
-            stop,
-            fired,
-            thread,
-        }
+        Watchdog { stop, thread }
     }
 
     /// Stops watching; whether it ended the hold.
     pub fn stop(mut self) -> bool {
         self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        self.fired.load(Ordering::Acquire)
+        self.thread
+            .take()
+            .is_some_and(|t| t.join().unwrap_or(false))
     }
 }
