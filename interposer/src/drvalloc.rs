@@ -38,14 +38,6 @@ type FreeFn = unsafe extern "C" fn(u64) -> c_int;
 static REAL_ALLOC: AtomicUsize = AtomicUsize::new(0);
 static REAL_PITCH: AtomicUsize = AtomicUsize::new(0);
 static REAL_FREE: AtomicUsize = AtomicUsize::new(0);
-/// Function pointers swapped in `cuGetProcAddress` answers, for the statistics.
-static SWAPPED: AtomicUsize = AtomicUsize::new(0);
-
-/// How many `cuGetProcAddress` answers were redirected here.
-pub fn swapped() -> usize {
-    SWAPPED.load(Ordering::Relaxed)
-}
-
 fn real(slot: &AtomicUsize, name: &CStr) -> usize {
     let p = slot.load(Ordering::Acquire);
     if p != 0 {
@@ -80,10 +72,10 @@ fn device() -> Option<usize> {
 
 /// The exit of `cuGetProcAddress(symbol, pfn, cudaVersion, ...)` that succeeded: if `symbol` is
 /// one of the allocation entry points in its `_v2` form, keep the driver's pointer and hand out
-/// this library's instead.
-pub fn offer(symbol: u64, pfn: u64, version: u64) {
+/// this library's instead. Whether it did.
+pub fn offer(symbol: u64, pfn: u64, version: u64) -> bool {
     if symbol == 0 || pfn == 0 {
-        return;
+        return false;
     }
     // SAFETY: during the callback, `symbol` is the caller's NUL-terminated symbol name and `pfn`
     // its out-pointer, which the driver has just written (the call succeeded).
@@ -102,17 +94,17 @@ pub fn offer(symbol: u64, pfn: u64, version: u64) {
         b"cuMemAllocPitch_v2" => (&REAL_PITCH, cuMemAllocPitch_v2 as PitchFn as usize),
         b"cuMemFree" if v2 => (&REAL_FREE, cuMemFree_v2 as FreeFn as usize),
         b"cuMemFree_v2" => (&REAL_FREE, cuMemFree_v2 as FreeFn as usize),
-        _ => return,
+        _ => return false,
     };
     // SAFETY: `out` is valid for reads and writes (above).
     let theirs = unsafe { out.read() } as usize;
     if theirs == 0 || theirs == ours {
-        return;
+        return false;
     }
     let _ = slot.compare_exchange(0, theirs, Ordering::AcqRel, Ordering::Acquire);
     // SAFETY: as above; the caller gets a function of the same signature.
     unsafe { out.write(ours as *mut c_void) };
-    SWAPPED.fetch_add(1, Ordering::Relaxed);
+    true
 }
 
 /// `cuMemAlloc_v2`: an engine buffer on the current context's device, else the driver's.

@@ -227,8 +227,6 @@ pub fn stats_json() -> serde_json::Value {
     let mut v = stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up));
     if let Some(st) = runtime::state_if_created() {
         v["possum"] = st.stats_json();
-        // cuGetProcAddress answers redirected to possum's allocation entry points.
-        v["possum"]["counters"]["entry_points_swapped"] = serde_json::json!(drvalloc::swapped());
         v["possum"]["session"] = session::status_json();
     }
     v
