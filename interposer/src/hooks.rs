@@ -203,11 +203,11 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
         Shape::Map => st.add_unmanaged(call.word(0), call.word(1), "cuMemMap"),
         Shape::ProcAddress if st.managing() => {
             // cudaVersion is an int: the word's upper half is padding.
-            if crate::drvalloc::offer(call.word(0), call.word(1), call.word(2) & 0xffff_ffff) {
-                st.counters
-                    .entry_points_swapped
-                    .fetch_add(1, Ordering::Relaxed);
-            }
+            let swapped =
+                crate::drvalloc::offer(call.word(0), call.word(1), call.word(2) & 0xffff_ffff);
+            st.counters
+                .entry_points_swapped
+                .fetch_add(u64::from(swapped), Ordering::Relaxed);
         }
         Shape::GraphInstantiate => {
             if let Some(exec) = call.deref(0) {
