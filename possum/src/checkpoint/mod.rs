@@ -227,6 +227,35 @@ fn progress_bar(total: u64, watch: PathBuf, stop: std::sync::mpsc::Receiver<()>)
     }
 }
 
+/// [`progress_bar`] on its own thread (when `show`), ended by [`ProgressBar::finish`] or by being
+/// dropped.
+struct ProgressBar(Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>);
+
+impl ProgressBar {
+    fn start(show: bool, total: u64, watch: PathBuf) -> ProgressBar {
+        ProgressBar(show.then(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            (
+                tx,
+                std::thread::spawn(move || progress_bar(total, watch, rx)),
+            )
+        }))
+    }
+
+    fn finish(&mut self) {
+        if let Some((tx, thread)) = self.0.take() {
+            drop(tx);
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for ProgressBar {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
 pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let t_all = Instant::now();
     let pid = a.pid;
@@ -315,32 +344,19 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let r = (|| -> Result<(Manifest, u64, u64)> {
         if a.engine == EngineKind::Possum {
             let gpu = tmp.join("gpu");
-            let (tx, rx) = std::sync::mpsc::channel();
-            let bar = (!a.json && std::io::stderr().is_terminal()).then(|| {
-                let g = gpu.clone();
-                std::thread::spawn(move || progress_bar(managed, g, rx))
-            });
+            // The bar follows the copy: the pre-copy, or (a held job) the release.
+            let show = !a.json && std::io::stderr().is_terminal();
+            let mut bar = ProgressBar::start(show, managed, gpu.clone());
             let req = Request::Checkpoint {
                 dir: gpu.display().to_string(),
             };
-            // The bar follows the copy: the pre-copy, or (a held job) the release.
-            let mut stop_bar = Some((tx, bar));
-            let mut end_bar = || {
-                if let Some((tx, bar)) = stop_bar.take() {
-                    drop(tx);
-                    if let Some(b) = bar {
-                        let _ = b.join();
-                    }
-                }
-            };
             engine_report = clock.time("engine_snapshot", || ask(pid, &sockets, &req))?;
             if !held {
-                end_bar();
+                bar.finish();
             }
             guard.step(Step::Releasing);
-            let released = clock.time("release", || ask(pid, &sockets, &Request::Release));
-            end_bar();
-            release_report = released?;
+            release_report = clock.time("release", || ask(pid, &sockets, &Request::Release))?;
+            bar.finish();
         }
         let Some((criu, drv)) = &side else {
             let gpu_bytes = dir_bytes(&tmp.join("gpu"));
