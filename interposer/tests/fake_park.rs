@@ -6,153 +6,18 @@
 //! would give data that differs from the model. The watchdog is tested with a thread holding the
 //! fake driver's internal lock while parked.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use possum_control::{request, Request};
-use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu, fake_job_command, libpossum, lines_of};
+use common::park_job::{ParkJob, N, WAIT};
+use common::{build_fake_gpu, libpossum};
 
-const WAIT: Duration = Duration::from_secs(20);
-/// u32 words per buffer (fake_park_job.c).
-const N: usize = 1 << 18;
-
-struct Job {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-    stderr: PathBuf,
-    pid: u32,
-    sockets: PathBuf,
-}
-
-impl Job {
-    fn start(dir: &Path, name: &str, env: &[(&str, &str)]) -> Job {
-        let stderr = dir.join(format!("{name}.stderr"));
-        let sockets = dir.join("sockets");
-        let lib = libpossum();
-        let mut cmd = fake_job_command(dir, "fake_park_job", Some(&lib));
-        cmd.env("POSSUM_CUPTI", "off")
-            .env("POSSUM_SOCKET_DIR", &sockets)
-            .env("POSSUM_VERBOSE", "1")
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let lines = lines_of(child.stdout.take().unwrap());
-        let pid = child.id();
-        let mut job = Job {
-            child,
-            stdin,
-            lines,
-            stderr,
-            pid,
-            sockets,
-        };
-        assert_eq!(job.next_answer(), "ready", "{}", job.log());
-        job
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    /// The next line that is not a worker's step line.
-    fn next_answer(&mut self) -> String {
-        let t = Instant::now();
-        loop {
-            let left = WAIT.saturating_sub(t.elapsed());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with("s ") => continue,
-                Ok(l) => return l,
-                Err(e) => panic!("no answer from the job ({e:?}); stderr:\n{}", self.log()),
-            }
-        }
-    }
-
-    fn run(&mut self, cmd: &str) -> String {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
-        self.next_answer()
-    }
-
-    /// Waits for `n` more step lines.
-    fn steps(&mut self, n: usize) {
-        let mut seen = 0;
-        while seen < n {
-            match self.lines.recv_timeout(WAIT) {
-                Ok(l) if l.starts_with("s ") => seen += 1,
-                Ok(l) => panic!("unexpected {l:?}"),
-                Err(e) => panic!("the job made no progress ({e:?}); stderr:\n{}", self.log()),
-            }
-        }
-    }
-
-    /// Asserts that no thread of the job prints anything for `d`, and that it is alive.
-    fn assert_still(&mut self, d: Duration) {
-        match self.lines.recv_timeout(d) {
-            Err(RecvTimeoutError::Timeout) => {}
-            Ok(l) => panic!("the held job printed {l:?}: a thread was not parked"),
-            Err(RecvTimeoutError::Disconnected) => {
-                panic!("the job died; stderr:\n{}", self.log())
-            }
-        }
-        assert!(self.child.try_wait().unwrap().is_none(), "{}", self.log());
-    }
-
-    fn ask(&self, req: &Request) -> Value {
-        request(self.pid, &self.sockets, req, WAIT)
-            .unwrap_or_else(|e| panic!("{req:?} failed: {e}; stderr:\n{}", self.log()))
-    }
-
-    /// Drains the step lines printed so far.
-    fn drain(&self) {
-        while self.lines.try_recv().is_ok() {}
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A and B after `steps` steps, as fake_park_job.c computes them.
-fn model(steps: u32) -> Vec<u8> {
-    let a: Vec<u32> = (0..N).map(|i| (7 * i + 1) as u32).collect();
-    let mut b: Vec<u32> = (0..N).map(|i| (i as u32) ^ 0x5a5a_5a5a).collect();
-    for s in 1..=steps {
-        for (y, x) in b.iter_mut().zip(&a) {
-            *y = y.wrapping_mul(2_654_435_761).wrapping_add(x ^ s);
-        }
-    }
-    a.iter().chain(&b).flat_map(|w| w.to_le_bytes()).collect()
-}
-
-/// Stops the worker, dumps the buffers and compares them with the model of as many steps.
-fn check_final(job: &mut Job, dir: &Path) {
-    let stopped = job.run("stop");
-    let steps: u32 = stopped
-        .strip_prefix("stopped ")
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("{stopped}"));
-    let path = dir.join("dump.bin");
-    assert_eq!(job.run(&format!("dump {}", path.display())), "dumped");
-    let got = std::fs::read(&path).unwrap();
-    assert!(
-        got == model(steps),
-        "after {steps} steps the buffers differ from the model (first at byte {:?})",
-        got.iter().zip(model(steps)).position(|(g, w)| *g != w)
-    );
-    assert_eq!(job.run("exit"), "bye");
+/// The park job with this build's libpossum.so.
+fn start(dir: &Path, name: &str, env: &[(&str, &str)]) -> ParkJob {
+    ParkJob::start(dir, name, &libpossum(), env)
 }
 
 fn setup(name: &str) -> Option<PathBuf> {
@@ -168,7 +33,7 @@ fn dir_str(p: &Path) -> String {
 
 /// The held job makes no progress (step lines already in the pipe were printed before the hold);
 /// then the resume from `images`, more steps, and the final buffers against the model.
-fn still_then_resume(job: &mut Job, dir: &Path, images: &Path) {
+fn still_then_resume(job: &mut ParkJob, dir: &Path, images: &Path) {
     std::thread::sleep(Duration::from_millis(50));
     job.drain();
     job.assert_still(Duration::from_millis(300));
@@ -176,14 +41,14 @@ fn still_then_resume(job: &mut Job, dir: &Path, images: &Path) {
         dir: Some(dir_str(images)),
     });
     job.steps(10);
-    check_final(job, dir);
+    job.check_final(dir);
     let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
 fn a_job_without_cupti_is_held_by_parking_its_threads() {
     let Some(dir) = setup("hold") else { return };
-    let mut job = Job::start(&dir, "hold", &[]);
+    let mut job = start(&dir, "hold", &[]);
     job.steps(20);
     let st = job.ask(&Request::Status);
     assert_eq!(st["possum"]["session"]["cupti_attached"], false, "{st}");
@@ -228,14 +93,14 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
     let st = job.ask(&Request::Status);
     assert_eq!(st["possum"]["session"]["paused"], false, "{st}");
     job.steps(20);
-    check_final(&mut job, &dir);
+    job.check_final(&dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds() {
     let Some(dir) = setup("watchdog") else { return };
-    let mut job = Job::start(&dir, "watchdog", &[("POSSUM_PARK_WATCHDOG_MS", "200")]);
+    let mut job = start(&dir, "watchdog", &[("POSSUM_PARK_WATCHDOG_MS", "200")]);
     job.steps(5);
     let images = dir.join("images");
     job.ask(&Request::Checkpoint {
@@ -263,7 +128,7 @@ fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds()
 #[test]
 fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
     let Some(dir) = setup("refuse") else { return };
-    let mut job = Job::start(&dir, "refuse", &[("POSSUM_PARK_TIMEOUT_MS", "300")]);
+    let mut job = start(&dir, "refuse", &[("POSSUM_PARK_TIMEOUT_MS", "300")]);
     job.steps(5);
     // A thread that blocks every signal cannot be parked.
     assert_eq!(job.run("masked"), "masking");
@@ -287,14 +152,14 @@ fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
     );
     assert!(!images.join("gpu-0").exists());
     job.steps(10);
-    check_final(&mut job, &dir);
+    job.check_final(&dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn a_thread_named_in_possum_park_skip_is_left_running() {
     let Some(dir) = setup("skip") else { return };
-    let mut job = Job::start(&dir, "skip", &[("POSSUM_PARK_SKIP", "mask")]);
+    let mut job = start(&dir, "skip", &[("POSSUM_PARK_SKIP", "mask")]);
     job.steps(5);
     assert_eq!(job.run("masked"), "masking");
     let images = dir.join("images");

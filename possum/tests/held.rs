@@ -5,126 +5,20 @@
 //! and no partial image under DIR's name.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::Receiver;
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 #[path = "../../interposer/tests/common/mod.rs"]
 #[allow(dead_code)]
 mod common;
+use common::park_job::ParkJob;
 
-const WAIT: Duration = Duration::from_secs(20);
-const N: usize = 1 << 18;
-
-/// libpossum.so as `cargo test --workspace` builds it beside this test's executable.
-fn libpossum() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let deps = exe.parent()?;
-    [deps, deps.parent()?]
-        .iter()
-        .map(|d| d.join("libpossum.so"))
-        .find(|p| p.exists())
-}
-
-struct Job {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-    sockets: PathBuf,
-}
-
-impl Job {
-    fn start(dir: &Path, lib: &Path) -> Job {
-        let sockets = dir.join("sockets");
-        let mut cmd = common::fake_job_command(dir, "fake_park_job", Some(lib));
-        cmd.env("POSSUM_CUPTI", "off")
-            .env("POSSUM_SOCKET_DIR", &sockets)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.join("job.stderr")).unwrap());
-        let mut child = cmd.spawn().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let lines = common::lines_of(child.stdout.take().unwrap());
-        let mut job = Job {
-            child,
-            stdin,
-            lines,
-            sockets,
-        };
-        assert_eq!(job.answer(), "ready");
-        job
-    }
-
-    /// The next line that is not a step line.
-    fn answer(&mut self) -> String {
-        let t = Instant::now();
-        loop {
-            match self.lines.recv_timeout(WAIT.saturating_sub(t.elapsed())) {
-                Ok(l) if l.starts_with("s ") => continue,
-                Ok(l) => return l,
-                Err(e) => panic!("no answer from the job: {e:?}"),
-            }
-        }
-    }
-
-    /// Waits for `n` more step lines: the job is running.
-    fn progresses(&mut self, n: usize) -> bool {
-        let t = Instant::now();
-        let mut seen = 0;
-        while seen < n {
-            match self.lines.recv_timeout(WAIT.saturating_sub(t.elapsed())) {
-                Ok(l) if l.starts_with("s ") => seen += 1,
-                Ok(_) => {}
-                Err(_) => return false,
-            }
-        }
-        true
-    }
-
-    fn run(&mut self, cmd: &str) -> String {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
-        self.answer()
-    }
-
-    /// Stops the worker and checks the buffers against the model of as many steps.
-    fn check_final(&mut self, dir: &Path) {
-        let stopped = self.run("stop");
-        let steps: u32 = stopped
-            .strip_prefix("stopped ")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("{stopped}"));
-        let path = dir.join("dump.bin");
-        assert_eq!(self.run(&format!("dump {}", path.display())), "dumped");
-        let a: Vec<u32> = (0..N).map(|i| (7 * i + 1) as u32).collect();
-        let mut b: Vec<u32> = (0..N).map(|i| (i as u32) ^ 0x5a5a_5a5a).collect();
-        for s in 1..=steps {
-            for (y, x) in b.iter_mut().zip(&a) {
-                *y = y.wrapping_mul(2_654_435_761).wrapping_add(x ^ s);
-            }
-        }
-        let want: Vec<u8> = a.iter().chain(&b).flat_map(|w| w.to_le_bytes()).collect();
-        assert!(
-            std::fs::read(&path).unwrap() == want,
-            "after {steps} steps the buffers differ"
-        );
-        assert_eq!(self.run("exit"), "bye");
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn checkpoint(job: &Job, img: &Path) -> Command {
+fn checkpoint(job: &ParkJob, img: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
     c.args([
         "checkpoint",
-        &job.child.id().to_string(),
+        &job.pid.to_string(),
         "--gpu-only",
         "--json",
         "-D",
@@ -137,7 +31,7 @@ fn checkpoint(job: &Job, img: &Path) -> Command {
 
 #[test]
 fn a_held_job_is_checkpointed_and_survives_possum_being_killed_at_any_moment() {
-    let Some(lib) = libpossum() else {
+    let Some(lib) = common::find_libpossum() else {
         // Past the harness's capture, so the skip shows.
         let _ = writeln!(
             std::io::stderr(),
@@ -157,7 +51,7 @@ fn a_held_job_is_checkpointed_and_survives_possum_being_killed_at_any_moment() {
     ) {
         return;
     }
-    let mut job = Job::start(&dir, &lib);
+    let mut job = ParkJob::start(&dir, "job", &lib, &[]);
     assert!(job.progresses(10));
 
     // A whole checkpoint: the image is named, the figures say how the job was held.

@@ -1,5 +1,8 @@
 //! Shared by the interposer's integration tests.
 
+#[allow(dead_code)] // not every test drives the park job
+pub mod park_job;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -7,13 +10,18 @@ use std::process::Command;
 /// beside the test's executable (only `cargo build` copies it up to `<target>/<profile>/`, where
 /// it may be stale), so look there first.
 pub fn libpossum() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    [deps, deps.parent().unwrap()]
+    find_libpossum().expect("libpossum.so not built")
+}
+
+/// [`libpossum`], or `None` where it was not built (a test of another crate run alone).
+#[allow(dead_code)]
+pub fn find_libpossum() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let deps = exe.parent()?;
+    [deps, deps.parent()?]
         .iter()
         .map(|d| d.join("libpossum.so"))
         .find(|p| p.exists())
-        .expect("libpossum.so not built")
 }
 
 /// The JSON object in the file at `path`.
