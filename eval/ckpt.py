@@ -148,16 +148,9 @@ def keep_log(log):
     open(log, "w").close()
 
 
-def restore(img, log=None, extra=()):
-    r = possum("restore", "-D", img, "--json", *extra)
-    # The job appends to its log with open/write/close each step; if CRIU caught it with the log
-    # open, the file must exist at its path for the restore (the harness renamed it away to tell
-    # the restored run's lines apart). An empty file there is what the restored job appends to.
-    if log and r["rc"] != 0 and "Can't open file" in r["stderr"] and not os.path.exists(log):
-        open(log, "w").close()
-        r = possum("restore", "-D", img, "--json", *extra)
-        r["retried_with_empty_log"] = True
-    return r
+def restore(img, extra=()):
+    """`possum restore` of IMG (the job's log kept in place first: `keep_log`)."""
+    return possum("restore", "-D", img, "--json", *extra)
 
 
 REF = {}
@@ -212,8 +205,8 @@ def trial(job, engine, k, steps, sleep_ms, n):
         shutil.rmtree(img, ignore_errors=True)
         return row["ok"]
     keep_log(log)
-    rs = restore(img, log)
-    row["restore"] = {"rc": rs["rc"], "retried_with_empty_log": rs.get("retried_with_empty_log"), "figures": (rs["json"] or {}).get("figures"),
+    rs = restore(img)
+    row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
                       "stderr": rs["stderr"] if rs["rc"] else None}
     pid = p.pid
     gone = wait_gone(pid, 600) if rs["rc"] == 0 else True
@@ -380,8 +373,7 @@ def figure(engine, gib, n, kind="figures", job="mlp"):
     if ck["rc"] == 0 and engine != "gpu-only":
         keep_log(log)
         t2 = time.time()
-        rs = restore(img, log)
-        row["restore_retried_with_empty_log"] = rs.get("retried_with_empty_log")
+        rs = restore(img)
         if rs["rc"] == 0 and wait_lines(log, 1, 300):
             first = next(r for r in read_log(log) if "t" in r)
             row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
@@ -657,7 +649,7 @@ def migrate(a):
             ok = False
             continue
         keep_log(log)
-        rs = restore(img, log, extra=("--device", "1"))
+        rs = restore(img, extra=("--device", "1"))
         row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
                           "stderr": rs["stderr"] if rs["rc"] else None}
         if rs["rc"] == 0:
