@@ -279,6 +279,10 @@ def job_status(pid):
         return None
 
 
+# Issue 5's default: every workload at 1 GiB, the MLP's sizes 8 and 32 GiB too (what fits in 10
+# minutes of GPU time, see eval/results/README.md).
+DEFAULT_PLAN = "mlp:1,8,32 cnn:1 gpt2:1 triton:1 graph:1 multistream:1"
+
 # Steps a figure waits for before and after a checkpoint, per job (slow jobs fewer).
 FIG_LINES = {"mlp": 300, "multistream": 300, "graph": 200, "triton": 200, "cnn": 100, "gpt2": 20}
 
@@ -310,6 +314,42 @@ def figure(engine, gib, n, kind="figures", job="mlp"):
     read, like frozen weights); none / possum-none: no checkpoint (steady state, cold start)."""
     if engine in ("none", "possum-none"):
         return steady(engine, gib, n, kind, job)
+    rows = chain(engine, gib, [n], kind, job)
+    return rows[0] if rows else None
+
+
+def gone_or_dead(proc, pid):
+    """Whether the job is over: `proc` (a Popen) for the first run of a lineage, the restored
+    process (no longer our child) by `pid` after."""
+    return proc.poll() is not None if proc is not None else not alive(pid)
+
+
+def wait_job_lines(log, n, timeout, proc, pid):
+    t = time.time()
+    while time.time() - t < timeout:
+        if sum(1 for r in read_log(log) if "step" in r) >= n:
+            return True
+        if gone_or_dead(proc, pid):
+            return False
+        time.sleep(0.01)
+    return False
+
+
+def kill_job(proc, pid):
+    if proc is not None:
+        proc.kill()
+        proc.wait()
+    elif alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid, 30)
+
+
+def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, skipped=None):
+    """One job lineage, one checkpoint per rep: the job starts once; each rep checkpoints it with
+    --leave-running (the stall, from the job's own step times), kills it, restores the image
+    (restore to first step) and goes on with the restored process, so a rep costs a checkpoint
+    and a restore but no fresh start. Returns one row per rep that ran; `in_budget()` is asked
+    before each rep after the first (a rep not run is appended to `skipped`)."""
     lines = FIG_LINES.get(job, 100)
     frozen = engine.endswith("-frozen")
     name = f"fig-{job}-{engine}-{gib}"
@@ -317,81 +357,108 @@ def figure(engine, gib, n, kind="figures", job="mlp"):
     shutil.rmtree(img, ignore_errors=True)
     # Long enough to outlast any checkpoint: it is killed once the figures are in.
     spawned = time.time()
-    p, log = start(name, job, 10 ** 6, possum=(engine != "driver"), hold=gib, sleep_ms=1, frozen=frozen,
-                   cupti=(engine.removesuffix("-frozen") != "possum"))
+    proc, log = start(name, job, 10 ** 6, possum=(engine != "driver"), hold=gib, sleep_ms=1, frozen=frozen,
+                      cupti=(engine.removesuffix("-frozen") != "possum"))
+    pid = proc.pid
     engine = engine.removesuffix("-frozen")
-    row = {"job": job, "engine": engine, "gib": gib, "rep": n,
-           "state": "frozen" if frozen else "written every step",
-           "_spawned": spawned}
-    if not wait_lines(log, lines, 600, p):
-        p.kill()
-        row.update(ok=False, why="job did not start", err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
+    out = []
+    for i, n in enumerate(reps):
+        if i > 0 and not in_budget():
+            if skipped is not None:
+                skipped.append({"job": job, "engine": engine, "gib": gib, "rep": n, "why": "time budget"})
+            print(f"bench: skipped {job} {engine} {gib} GiB rep {n}: over --budget-s", flush=True)
+            continue
+        row = {"job": job, "engine": engine, "gib": gib, "rep": n,
+               "state": "frozen" if frozen else "written every step"}
+        if i > 0:
+            # The process restored by the previous rep, which has written `lines` steps since.
+            row["chained"] = True
+        if not wait_job_lines(log, lines, 600, proc, pid):
+            row.update(ok=False, why="job did not start" if i == 0 else "restored job stopped",
+                       err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
+            emit(kind, row)
+            out.append(row)
+            break
+        if i == 0:
+            first_line = next((r for r in read_log(log) if "t" in r), None)
+            if first_line:
+                row["start_to_first_step_ms"] = 1e3 * (first_line["t"] - spawned)
+        if engine != "driver":
+            # What possum thinks the job does: opaque operations mark every buffer written, which
+            # decides what the pause has to copy.
+            st = (job_status(pid) or {}).get("possum") or {}
+            c = st.get("counters") or {}
+            row["possum_before"] = {
+                "launches": c.get("launches"), "launches_opaque": c.get("launches_opaque"),
+                "opaque_ops": c.get("opaque_ops"), "kernels_made_opaque": c.get("kernels_made_opaque"),
+                "opaque_kernels": [k.get("name") for k in st.get("opaque_kernels") or []][:10],
+                "engines": [e.get("engine") for e in st.get("engines") or []],
+            }
+        shutil.rmtree(img, ignore_errors=True)
+        t0 = time.time()
+        ck = checkpoint(pid, img, engine, leave=True)
+        t1 = time.time()
+        # Steps after the checkpoint: on-demand restore in the background.
+        n_at = sum(1 for r in read_log(log) if "step" in r)
+        wait_job_lines(log, n_at + lines, 120, proc, pid)
+        rows = read_log(log)
+        stall, normal = stall_of(rows, t0, t1)
+        row["timeline"] = timeline(rows, t0, t1)
+        if engine in ("gpu-only", "possum") and ck["rc"] == 0:
+            # The on-demand restore's own figures (bytes, time), once it has finished.
+            t = time.time()
+            while time.time() - t < 120:
+                st = job_status(pid) or {}
+                last = (((st.get("possum") or {}).get("session") or {}).get("last") or {})
+                if last.get("restore"):
+                    row["engine_restore"] = last["restore"]
+                    break
+                time.sleep(0.5)
+        kill_job(proc, pid)
+        proc = None
+        rel = (ck["json"] or {}).get("release_report") or {}
+        if rel.get("held"):
+            # Attempts of the held release that the watchdog ended (the job ran between them).
+            row["hold_attempts_ended"] = len(rel.get("attempts") or [])
+            row["parked_threads"] = (rel.get("parked") or {}).get("threads")
+        row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
+                   checkpoint=(ck["json"] or {}).get("figures"), checkpoint_err=ck["stderr"] if ck["rc"] else None)
+        restored = False
+        if ck["rc"] == 0 and engine != "gpu-only":
+            keep_log(log)
+            t2 = time.time()
+            rs = restore(img)
+            if rs["rc"] == 0 and wait_lines(log, 1, 300):
+                first = next(r for r in read_log(log) if "t" in r)
+                row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
+                restored = wait_job_lines(log, lines, 120, None, pid)
+                rows2 = read_log(log)
+                ts = [r["t"] for r in rows2 if "t" in r]
+                row["restored_steps_seen"] = len(ts)
+                row["restored_first_steps_ms"] = 1e3 * (ts[-1] - ts[0]) if len(ts) > 1 else None
+            row["restore"] = (rs["json"] or {}).get("figures")
+            row["restore_err"] = rs["stderr"] if rs["rc"] else None
         emit(kind, row)
-        return
-    first_line = next((r for r in read_log(log) if "t" in r), None)
-    if first_line:
-        row["start_to_first_step_ms"] = 1e3 * (first_line["t"] - row.pop("_spawned"))
-    if engine != "driver":
-        # What possum thinks the job does: opaque operations mark every buffer written, which
-        # decides what the pause has to copy.
-        st = (job_status(p.pid) or {}).get("possum") or {}
-        c = st.get("counters") or {}
-        row["possum_before"] = {
-            "launches": c.get("launches"), "launches_opaque": c.get("launches_opaque"),
-            "opaque_ops": c.get("opaque_ops"), "kernels_made_opaque": c.get("kernels_made_opaque"),
-            "opaque_kernels": [k.get("name") for k in st.get("opaque_kernels") or []][:10],
-            "engines": [e.get("engine") for e in st.get("engines") or []],
-        }
-    t0 = time.time()
-    ck = checkpoint(p.pid, img, engine, leave=True)
-    t1 = time.time()
-    # Steps after the checkpoint: on-demand restore in the background.
-    n_at = sum(1 for r in read_log(log) if "step" in r)
-    wait_lines(log, n_at + lines, 120, p)
-    rows = read_log(log)
-    stall, normal = stall_of(rows, t0, t1)
-    row["timeline"] = timeline(rows, t0, t1)
-    if engine in ("gpu-only", "possum") and ck["rc"] == 0:
-        # The on-demand restore's own figures (bytes, time), once it has finished.
-        t = time.time()
-        while time.time() - t < 120:
-            st = job_status(p.pid) or {}
-            last = (((st.get("possum") or {}).get("session") or {}).get("last") or {})
-            if last.get("restore"):
-                row["engine_restore"] = last["restore"]
-                break
-            time.sleep(0.5)
-    p.kill()
-    p.wait()
-    rel = (ck["json"] or {}).get("release_report") or {}
-    if rel.get("held"):
-        # Attempts of the held release that the watchdog ended (the job ran between them).
-        row["hold_attempts_ended"] = len(rel.get("attempts") or [])
-        row["parked_threads"] = (rel.get("parked") or {}).get("threads")
-    row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
-               checkpoint=(ck["json"] or {}).get("figures"), checkpoint_err=ck["stderr"] if ck["rc"] else None)
-    if ck["rc"] == 0 and engine != "gpu-only":
-        keep_log(log)
-        t2 = time.time()
-        rs = restore(img)
-        if rs["rc"] == 0 and wait_lines(log, 1, 300):
-            first = next(r for r in read_log(log) if "t" in r)
-            row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
-            wait_lines(log, lines, 120)
-            rows2 = read_log(log)
-            ts = [r["t"] for r in rows2 if "t" in r]
-            row["restored_steps_seen"] = len(ts)
-            row["restored_first_steps_ms"] = 1e3 * (ts[-1] - ts[0]) if len(ts) > 1 else None
-        row["restore"] = (rs["json"] or {}).get("figures")
-        row["restore_err"] = rs["stderr"] if rs["rc"] else None
-        pid = p.pid
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            wait_gone(pid, 30)
-    row.pop("_spawned", None)
-    emit(kind, row)
+        out.append(row)
+        if not restored:
+            break
+    kill_job(proc, pid)
     shutil.rmtree(img, ignore_errors=True)
-    return row
+    return out
+
+
+def plan_cells(a):
+    """The bench's (workload, GiB) cells, smallest sizes first (so a budget cut drops the most
+    expensive): `--bench-plan "mlp:1,8,32 cnn:1 ..."` (default DEFAULT_PLAN), or, given
+    --bench-jobs, each of them at every --gib."""
+    if not a.bench_jobs:
+        cells = []
+        for item in a.bench_plan.split():
+            job, _, sizes = item.partition(":")
+            cells += [(job, float(g)) for g in (sizes or a.gib).split(",")]
+    else:
+        cells = [(j, float(g)) for j in a.bench_jobs.split(",") for g in a.gib.split(",")]
+    return sorted(cells, key=lambda c: c[1])
 
 
 def bench(a):
@@ -408,25 +475,38 @@ def bench(a):
     def save():
         # After every run, so that a run cut short by the machine's time limit still reports.
         doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": a.engines.split(","),
-               "jobs": a.bench_jobs.split(","),
-               "sizes_gib": [float(g) for g in a.gib.split(",")], "runs": runs, "skipped": skipped,
+               "jobs": sorted({j for j, _ in plan_cells(a)}),
+               "cells": [list(c) for c in plan_cells(a)], "reps": a.reps,
+               "sizes_gib": sorted({g for _, g in plan_cells(a)}), "runs": runs, "skipped": skipped,
                "wall_s": time.time() - t_start}
         with open(os.path.join(OUT, "bench.json"), "w") as f:
             json.dump(doc, f)
         return doc
 
-    for job in a.bench_jobs.split(","):
-        for gib in [float(g) for g in a.gib.split(",")]:
-            reps = a.reps if gib < 16 else 1
-            for n in range(reps):
-                for engine in a.engines.split(","):
-                    if time.time() - t_start > a.budget_s:
-                        skipped.append({"job": job, "engine": engine, "gib": gib, "rep": n,
-                                        "why": "time budget"})
-                        print(f"bench: skipped {job} {engine} {gib} GiB rep {n}: over --budget-s", flush=True)
-                        continue
-                    runs.append(figure(engine, gib, n, kind="bench", job=job) or {})
-                    save()
+    def in_budget(cost_s=0.0):
+        return time.time() - t_start + cost_s <= a.budget_s
+
+    def cost(engine, gib, reps):
+        # Rough seconds (H100): a fresh start, then per rep the waits, the checkpoint and restore.
+        per_gib = {"driver": 2.3, "none": 0.0, "possum-none": 0.0}.get(engine, 0.4)
+        return 12 + reps * (6 + per_gib * gib) if engine not in ("none", "possum-none") else 12
+
+    for job, gib in plan_cells(a):
+        for engine in a.engines.split(","):
+            # The baseline's large sizes cost over a minute a rep: one rep there.
+            reps = a.reps if gib < 16 or engine != "driver" else 1
+            if not in_budget(cost(engine, gib, 1)):
+                skipped.append({"job": job, "engine": engine, "gib": gib, "why": "time budget"})
+                print(f"bench: skipped {job} {engine} {gib} GiB: over --budget-s", flush=True)
+                continue
+            if engine in ("none", "possum-none"):
+                # No checkpoint: one run (its step times are the repetitions).
+                runs.append(steady(engine, gib, 0, "bench", job) or {})
+            else:
+                def rep_fits(engine=engine, gib=gib):
+                    return in_budget(cost(engine, gib, 1) - 12)
+                runs.extend(chain(engine, gib, list(range(reps)), "bench", job, rep_fits, skipped))
+            save()
     doc = save()
     print(f"bench: {len(runs)} runs in {doc['wall_s']:.0f} s -> {OUT}/bench.json", flush=True)
     return all(r.get("ok") for r in runs)
@@ -691,11 +771,14 @@ def main():
     ap.add_argument("--seed", type=int, default=4)
     ap.add_argument("--gib", default="8,32")
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("POSSUM_BENCH_BUDGET_S", 520)),
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("POSSUM_BENCH_BUDGET_S", 560)),
                     help="bench: start no run after this many seconds (the machine allows 600 per command)")
     ap.add_argument("--engines", default="gpu-only,driver")
-    ap.add_argument("--bench-jobs", default="mlp",
+    ap.add_argument("--bench-jobs", default=None,
                     help="bench: the workloads (workloads/gpu/jobs.py), each holding --gib extra")
+    ap.add_argument("--bench-plan", default=DEFAULT_PLAN,
+                    help="bench: JOB:GIB,GIB ... cells instead of --bench-jobs x --gib, e.g. "
+                         f"'{DEFAULT_PLAN}' (what scripts/gpu-ckpt.sh bench runs)")
     a = ap.parse_args()
     OUT = a.out
     os.makedirs(OUT, exist_ok=True)
