@@ -55,7 +55,14 @@ def wait_gone(pid, timeout):
     t = time.time()
     while alive(pid) and time.time() - t < timeout:
         time.sleep(0.02)
-    return not alive(pid)
+    gone = not alive(pid)
+    if gone:
+        # Reaped here if it is a child (a restored job, this process being a subreaper).
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    return gone
 
 
 def job_cmd(job, steps, log, hold=0.0, sleep_ms=0.0):
@@ -336,12 +343,32 @@ def wait_job_lines(log, n, timeout, proc, pid):
 
 
 def kill_job(proc, pid):
+    """Kills the job and reaps it: its pid must be free for the next restore, which a zombie
+    (dead, not yet waited for) still holds."""
     if proc is not None:
         proc.kill()
         proc.wait()
-    elif alive(pid):
+        return
+    try:
         os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        # A restored job is ours to reap: this process is a child subreaper (`main`).
+        os.waitpid(pid, 0)
+    except ChildProcessError:
         wait_gone(pid, 30)
+
+
+def become_subreaper():
+    """Orphans in this process's subtree (a job restored by `possum restore`, whose parent
+    exits) are reparented here rather than to init, which may never reap them; `kill_job` then
+    reaps them, so their pid is free for the next restore."""
+    import ctypes
+    pr_set_child_subreaper = 36
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) != 0:
+        print(f"ckpt: PR_SET_CHILD_SUBREAPER failed (errno {ctypes.get_errno()})", flush=True)
 
 
 def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, skipped=None):
@@ -781,6 +808,7 @@ def main():
                          f"'{DEFAULT_PLAN}' (what scripts/gpu-ckpt.sh bench runs)")
     a = ap.parse_args()
     OUT = a.out
+    become_subreaper()
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(SOCK, exist_ok=True)
     ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors,
