@@ -4,6 +4,7 @@
 # statistic (eval/overhead.py: rotated rounds, pinned CPUs, bootstrap interval).
 #   (here)  bash scripts/gpu-ckpt.sh --stage
 #   (there) bash scripts/gpu-overhead.sh [PAIRS] [STEPS]      results in $OUT (or .gpu/out)
+#           MODES=plain,possum,possum-nocupti,possum-nodag,possum-hooksoff for the breakdown
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -24,7 +25,8 @@ for job in "mlp 60" "gpt2 6"; do
     else
         echo "FAIL: $1 outputs differ"; status=1; tail -5 "$out/$1-possum.err"
     fi
-    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['possum']['counters']; print(sys.argv[2], {k: c.get(k) for k in ('managed_allocs','fallback_allocs','entry_points_swapped','launches')}, 'entry_points', s.get('entry_points'), 'unmanaged', s['possum'].get('unmanaged_bytes'))" "$out/$1-stats.json" "$1" || status=1
+    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['possum']['counters']; print(sys.argv[2], {k: c.get(k) for k in ('managed_allocs','fallback_allocs','entry_points_swapped','launches','memo_hits')}, 'us/launch in callbacks %.2f' % (c['timed_launch_ns'] / max(c['timed_launches'], 1) / 1e3), 'entry_points', s.get('entry_points'), 'unmanaged', s['possum'].get('unmanaged_bytes'))" "$out/$1-stats.json" "$1" || status=1
 done
-python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" || status=1
+python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" \
+    --modes "${MODES:-plain,possum,possum-nocupti}" || status=1
 exit $status

@@ -16,6 +16,7 @@ use std::fmt::Write as _;
 use petgraph::graph::{DiGraph, EdgeIndex, NodeIndex};
 use petgraph::visit::EdgeRef;
 use serde_json::{json, Value};
+use smallvec::SmallVec;
 
 /// Handle of the pseudo-kernel standing for copies ([`KernelRef::MEMCPY`]).
 pub const MEMCPY_HANDLE: u64 = 0;
@@ -155,11 +156,14 @@ struct Launch {
     seq: u64,
     kernel: u64,
     stream: u64,
-    reads: Vec<u64>,
-    writes: Vec<u64>,
+    reads: Ids,
+    writes: Ids,
     /// (earlier seq, kind), sorted, deduplicated; may name launches that left the window.
-    deps: Vec<(u64, DepKind)>,
+    deps: SmallVec<[(u64, DepKind); 6]>,
 }
+
+/// A launch's buffer ids: inline for the usual few (no allocation per recorded launch).
+type Ids = SmallVec<[u64; 4]>;
 
 #[derive(Debug, Default)]
 struct BufState {
@@ -295,7 +299,14 @@ impl Dag {
         }
         let oldest = self.launches.front().map_or(seq, |l| l.seq);
 
-        let mut deps = Vec::new();
+        // Sized once: a stream predecessor, a writer per buffer, the readers of written ones.
+        let readers: usize = writes
+            .iter()
+            .filter_map(|b| self.buf_state.get(&b.id))
+            .map(|st| st.readers.len())
+            .sum();
+        let mut deps: SmallVec<[(u64, DepKind); 6]> =
+            SmallVec::with_capacity(1 + reads.len() + writes.len() + readers);
         if let Some(prev) = self.stream_last.insert(stream, seq) {
             if prev >= oldest {
                 deps.push((prev, DepKind::Stream));
@@ -458,7 +469,7 @@ impl Dag {
         let launches: Vec<Value> = self
             .launches
             .iter()
-            .map(|l| json!({"seq": l.seq, "kernel": l.kernel, "stream": l.stream, "reads": l.reads, "writes": l.writes}))
+            .map(|l| json!({"seq": l.seq, "kernel": l.kernel, "stream": l.stream, "reads": l.reads.as_slice(), "writes": l.writes.as_slice()}))
             .collect();
         let deps: Vec<Value> = self
             .window_deps()

@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 
 use serde::Serialize;
 
-use crate::layout::{ParamLayout, Slot};
+use crate::layout::{slot_runs, ParamLayout, Slot, SlotRun};
 
 /// How often launches are validated, and how read-only speculation is earned.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -139,6 +139,8 @@ pub struct KernelModel {
     handle: u64,
     name: Option<String>,
     slots: Vec<Slot>,
+    /// `slots` as runs (what a launch reads).
+    runs: Vec<SlotRun>,
     launches: AtomicU64,
     validated: AtomicU64,
     /// Set (once, to the first reason given) when the kernel becomes opaque: the kernel is opaque
@@ -183,6 +185,7 @@ impl KernelModel {
         Self {
             handle,
             name,
+            runs: slot_runs(&slots),
             slots,
             launches: AtomicU64::new(0),
             validated: AtomicU64::new(0),
@@ -206,6 +209,11 @@ impl KernelModel {
     /// The layout's pointer slots ([`ParamLayout::pointer_slots`]); empty without a layout.
     pub fn slots(&self) -> &[Slot] {
         &self.slots
+    }
+
+    /// The slots as runs of consecutive words ([`slot_runs`]): what a launch's words are read by.
+    pub fn slot_runs(&self) -> &[SlotRun] {
+        &self.runs
     }
 
     /// Counts a launch: returns its number (0-based) and whether to validate it, which is when

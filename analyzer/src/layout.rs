@@ -27,6 +27,45 @@ pub struct Slot {
     pub offset: u32,
 }
 
+/// A run of consecutive slots inside one parameter: words `word .. word + len` of parameter
+/// `param`, at byte `offset` of the packed buffer. A launch's slot words are read run by run, as
+/// plain copies of `8 * len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotRun {
+    /// The parameter's index.
+    pub param: u16,
+    /// Index of the run's first word within the parameter.
+    pub word: u16,
+    /// Number of words.
+    pub len: u16,
+    /// Byte offset of the first word in the packed parameter buffer.
+    pub offset: u32,
+}
+
+/// `slots` (in parameter order, as [`ParamLayout::pointer_slots`] gives them) as maximal runs of
+/// consecutive words of one parameter; the runs' words, in order, are exactly the slots.
+pub fn slot_runs(slots: &[Slot]) -> Vec<SlotRun> {
+    let mut out: Vec<SlotRun> = Vec::new();
+    for s in slots {
+        match out.last_mut() {
+            Some(r)
+                if r.param == s.param
+                    && u32::from(r.word) + u32::from(r.len) == u32::from(s.word)
+                    && r.len < u16::MAX =>
+            {
+                r.len += 1;
+            }
+            _ => out.push(SlotRun {
+                param: s.param,
+                word: s.word,
+                len: 1,
+                offset: s.offset,
+            }),
+        }
+    }
+    out
+}
+
 /// At most this many pointer slots are considered per kernel; words past it are never looked at.
 pub const MAX_SLOTS: usize = 1024;
 
@@ -95,6 +134,21 @@ mod tests {
             got,
             vec![(1, 0, 8), (2, 0, 16), (2, 1, 24), (2, 2, 32), (4, 0, 44)]
         );
+    }
+
+    #[test]
+    fn runs_group_consecutive_words_of_one_parameter() {
+        let l = ParamLayout::new(vec![p(0, 4), p(8, 8), p(16, 24), p(40, 1), p(48, 16)]);
+        let runs = slot_runs(&l.pointer_slots());
+        let got: Vec<(u16, u16, u16, u32)> = runs
+            .iter()
+            .map(|r| (r.param, r.word, r.len, r.offset))
+            .collect();
+        assert_eq!(got, vec![(1, 0, 1, 8), (2, 0, 3, 16), (4, 0, 2, 48)]);
+        // The runs' words are the slots, in order.
+        let words: usize = runs.iter().map(|r| usize::from(r.len)).sum();
+        assert_eq!(words, l.pointer_slots().len());
+        assert!(slot_runs(&[]).is_empty());
     }
 
     #[test]

@@ -13,7 +13,7 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
-use possum_analyzer::layout::Slot;
+use possum_analyzer::layout::SlotRun;
 
 use possum_cuda::{CudaDevice, CudaStream};
 
@@ -120,49 +120,59 @@ pub struct KernelArgs<'a> {
 }
 
 impl KernelArgs<'_> {
-    /// Reads the 8-byte word of every slot (in order) into `out` (cleared first). A slot that
+    /// Reads the 8-byte word of every slot (in order) into `out` (cleared first), given as runs
+    /// of consecutive words (`possum_analyzer::layout::slot_runs`): one copy per run. A slot that
     /// cannot be read (no argument pointer, outside the `extra` buffer) reads as 0.
     ///
-    /// `slots` must come from the parameter layout the driver reported for the launched kernel
-    /// (`possum_analyzer::ParamLayout::pointer_slots`): that is what makes the reads in bounds.
-    pub fn read_slots(&self, slots: &[Slot], out: &mut Vec<u64>) {
+    /// `runs` must come from the parameter layout the driver reported for the launched kernel
+    /// (`possum_analyzer::KernelModel::slot_runs`): that is what makes the reads in bounds.
+    pub fn read_slots(&self, runs: &[SlotRun], out: &mut Vec<u64>) {
         out.clear();
-        if !self.params.is_null() {
-            // Slots come in parameter order: look each parameter's pointer up once.
-            let mut param = u16::MAX;
-            let mut arg: *const u8 = std::ptr::null();
-            out.extend(slots.iter().map(|s| {
-                if s.param != param {
-                    param = s.param;
-                    // SAFETY: `kernelParams` has one pointer per parameter of the kernel, and the
-                    // slot's parameter index lies inside the driver's layout for it.
-                    arg = unsafe { self.params.add(usize::from(s.param)).read() };
-                }
-                if arg.is_null() {
-                    0
-                } else {
-                    // SAFETY: the slot's word lies inside its parameter (the driver's layout),
+        let (buf, size) = if self.params.is_null() {
+            self.extra_buffer()
+        } else {
+            (std::ptr::null(), 0)
+        };
+        for r in runs {
+            let len = usize::from(r.len);
+            let (src, readable) = if !self.params.is_null() {
+                // SAFETY: `kernelParams` has one pointer per parameter of the kernel, and the
+                // run's parameter index lies inside the driver's layout for it.
+                let arg: *const u8 = unsafe { self.params.add(usize::from(r.param)).read() };
+                let src = (!arg.is_null()).then(|| {
+                    // SAFETY: the run's words lie inside its parameter (the driver's layout),
                     // whose bytes `arg` points at for the duration of the call.
-                    unsafe {
-                        arg.add(8 * usize::from(s.word))
-                            .cast::<u64>()
-                            .read_unaligned()
-                    }
-                }
-            }));
-            return;
-        }
-        let (buf, size) = self.extra_buffer();
-        out.extend(slots.iter().map(|s| {
-            let off = s.offset as usize;
-            if buf.is_null() || off + 8 > size {
-                0
+                    unsafe { arg.add(8 * usize::from(r.word)) }
+                });
+                (src, len)
             } else {
-                // SAFETY: the packed argument buffer has `size` bytes (its own
-                // CU_LAUNCH_PARAM_BUFFER_SIZE) and `off + 8 <= size`.
-                unsafe { buf.add(off).cast::<u64>().read_unaligned() }
+                let off = r.offset as usize;
+                let readable = size.saturating_sub(off) / 8;
+                let src = (!buf.is_null() && readable > 0).then(|| {
+                    // SAFETY: taken only when at least one word at `off` lies inside the packed
+                    // buffer's `size` bytes.
+                    unsafe { buf.add(off) }
+                });
+                (src, readable.min(len))
+            };
+            let at = out.len();
+            out.reserve(len);
+            if let Some(src) = src {
+                // SAFETY: `readable` words from `src` lie inside the argument (above), and `out`
+                // has room for `len >= readable` more words; byte copies, so no alignment is
+                // assumed; the words copied are initialised before `set_len` covers them.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src,
+                        out.as_mut_ptr().add(at).cast::<u8>(),
+                        8 * readable,
+                    );
+                    out.set_len(at + readable);
+                }
             }
-        }));
+            // Words that could not be read are 0.
+            out.resize(at + len, 0);
+        }
     }
 
     /// The `extra` array's packed argument buffer and its size ((null, 0) if absent).
@@ -206,7 +216,7 @@ pub fn job_stream(dev: &CudaDevice, raw: u64) -> CudaStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use possum_analyzer::layout::{Param, ParamLayout};
+    use possum_analyzer::layout::{slot_runs, Param, ParamLayout};
 
     #[test]
     fn launch_words_come_from_kernel_params_and_by_value_structs() {
@@ -245,7 +255,8 @@ mod tests {
         assert_eq!(call.stream(StreamAt::PerThread), STREAM_PER_THREAD);
         assert_eq!(call.result(), 0);
         let mut out = Vec::new();
-        call.kernel_args(6, Some(7)).read_slots(&slots, &mut out);
+        call.kernel_args(6, Some(7))
+            .read_slots(&slot_runs(&slots), &mut out);
         assert_eq!(out, vec![a, s[0], s[1], s[2]]);
     }
 
@@ -280,7 +291,7 @@ mod tests {
         assert_eq!(call.result(), 2);
         let mut out = Vec::new();
         call.kernel_args(2, Some(3))
-            .read_slots(&layout.pointer_slots(), &mut out);
+            .read_slots(&slot_runs(&layout.pointer_slots()), &mut out);
         assert_eq!(out, vec![0x7f00_0000_1000, 0]);
     }
 

@@ -25,7 +25,7 @@ use possum_engine::{Access, Buffer, OpGuard};
 use crate::cbid::{Shape, StreamAt};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
 use crate::runtime::{
-    state, BufList, DagMsg, DagOp, DevEngine, Ranges, Reentry, Resolved, SnapNode, State,
+    state, DagMsg, DagOp, DagSets, DevEngine, Ranges, Reentry, Resolved, SnapNode, State,
 };
 use crate::validate;
 
@@ -135,7 +135,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             let s = call.stream(stream);
             if !skip_captured(st, s) {
                 st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
-                hook(st, engine_of(st, ctx).as_deref(), s, Access::Opaque, None);
+                hook(st, engine_of(st, ctx), s, Access::Opaque, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -249,9 +249,8 @@ fn hook(
             .fetch_add(1, Ordering::Relaxed);
     }
     let guard = eng.and_then(|e| {
-        let s = e.stream(stream);
         let _r = Reentry::enter();
-        match e.engine.before_op(&s, access) {
+        match e.with_stream(stream, |s| e.engine.before_op(s, access)) {
             Ok(g) => Some(g),
             Err(err) => {
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
@@ -267,8 +266,10 @@ fn hook(
     });
 }
 
-fn engine_of(st: &State, ctx: u64) -> Option<Arc<DevEngine>> {
-    st.device_of(ctx).and_then(|d| st.engine(d))
+fn engine_of(st: &State, ctx: u64) -> Option<&DevEngine> {
+    st.device_of(ctx)
+        .and_then(|d| st.engine_ref(d))
+        .map(|e| &**e)
 }
 
 /// Resolves `words` (the slots of `model`) against the snapshot `ranges` into `sets` (the hook's
@@ -361,6 +362,15 @@ struct Memo {
     words: Vec<u64>,
     unmanaged: bool,
     sets: BufferSets,
+    /// `sets`' DAG lists, as every launch matching this entry sends them.
+    dag: Arc<DagSets>,
+}
+
+impl Memo {
+    /// Whether this entry holds the buffer sets of a launch with `words` now.
+    fn matches(&self, generation: u64, version: u64, words: &[u64]) -> bool {
+        self.generation == generation && self.version == version && self.words == words
+    }
 }
 
 /// Memo entries kept per kernel and thread (replaced round-robin, their buffers reused, so a miss
@@ -371,20 +381,41 @@ const MEMO_WAYS: usize = 8;
 #[derive(Default)]
 struct Ways {
     model: Option<Arc<KernelModel>>,
-    entries: Vec<(u64, Memo)>,
+    entries: Vec<Memo>,
+    /// The entry the last launch used: tried first (the words are compared directly, with an
+    /// early exit at the first difference: cheaper than hashing kilobytes of by-value structs).
+    last: usize,
     next: usize,
+}
+
+impl Ways {
+    /// The entry matching `words`, if any (the last one used first).
+    fn find(&self, generation: u64, version: u64, words: &[u64]) -> Option<usize> {
+        let last = self.entries.get(self.last)?;
+        if last.matches(generation, version, words) {
+            return Some(self.last);
+        }
+        self.entries
+            .iter()
+            .position(|m| m.matches(generation, version, words))
+    }
+
+    /// An entry to (re)fill for a launch that matched none.
+    fn victim(&mut self) -> usize {
+        if self.entries.len() < MEMO_WAYS {
+            self.entries.push(Memo::default());
+            return self.entries.len() - 1;
+        }
+        let i = self.next % MEMO_WAYS;
+        self.next = self.next.wrapping_add(1);
+        i
+    }
 }
 
 thread_local! {
     /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
     /// launches.
     static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
-}
-
-fn hash_words(words: &[u64]) -> u64 {
-    words.iter().fold(0x9e37_79b9_7f4a_7c15u64, |h, &w| {
-        (h ^ w).wrapping_mul(0x100_0000_01b3).rotate_left(23)
-    })
 }
 
 fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
@@ -394,7 +425,6 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     let c = &st.counters;
     c.launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
-    let eng = eng.as_deref();
     let _ = MEMO.try_with(|memo| {
         let mut memo = memo.borrow_mut();
         let ways = memo.entry(func).or_default();
@@ -405,31 +435,14 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
         let _ = SCRATCH.try_with(|s| {
             let words = &mut s.borrow_mut().words;
-            args.read_slots(model.slots(), words);
-            let hash = hash_words(words);
+            args.read_slots(model.slot_runs(), words);
             let generation = st.generation();
             let version = model.speculation_version();
-            let found = ways.entries.iter().position(|(h, m)| {
-                *h == hash
-                    && m.generation == generation
-                    && m.version == version
-                    && m.words == *words
-            });
-            let slot = match found {
-                Some(i) => i,
-                None if ways.entries.len() < MEMO_WAYS => {
-                    ways.entries.push((hash, Memo::default()));
-                    ways.entries.len() - 1
-                }
-                None => {
-                    let i = ways.next % MEMO_WAYS;
-                    ways.next = ways.next.wrapping_add(1);
-                    i
-                }
-            };
+            let found = ways.find(generation, version, words);
+            let slot = found.unwrap_or_else(|| ways.victim());
+            ways.last = slot;
             let hit = found.is_some() && !validate_now;
-            ways.entries[slot].0 = hash;
-            let m = &mut ways.entries[slot].1;
+            let m = &mut ways.entries[slot];
             // A reused entry needed no discovery (see `Memo`).
             let mut identified = true;
             if hit {
@@ -457,6 +470,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 m.version = version;
                 m.unmanaged = unmanaged;
                 m.words.clone_from(words);
+                m.dag = DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes);
                 identified = !discovered;
             }
             let opaque = model.is_opaque();
@@ -468,12 +482,13 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             if m.unmanaged {
                 c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
             }
-            st.to_dag(DagMsg::Launch {
-                op: DagOp::Kernel(func),
-                stream,
-                reads: BufList::from_slice(&m.sets.dag_reads),
-                writes: BufList::from_slice(&m.sets.dag_writes),
-            });
+            if st.cfg.dag {
+                st.to_dag(DagMsg::Launch {
+                    op: DagOp::Kernel(func),
+                    stream,
+                    sets: m.dag.clone(),
+                });
+            }
             let access = if opaque {
                 Access::Opaque
             } else {
@@ -497,7 +512,6 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
     let c = &st.counters;
     c.graph_launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
-    let eng = eng.as_deref();
     let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
         c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
         hook(st, eng, stream, Access::Opaque, None);
@@ -537,12 +551,13 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                     DagOp::Memset
                 }
             };
-            st.to_dag(DagMsg::Launch {
-                op: kref,
-                stream,
-                reads: BufList::from_slice(&sets.dag_reads),
-                writes: BufList::from_slice(&sets.dag_writes),
-            });
+            if st.cfg.dag {
+                st.to_dag(DagMsg::Launch {
+                    op: kref,
+                    stream,
+                    sets: DagSets::new(&sets.dag_reads, &sets.dag_writes),
+                });
+            }
         }
         let access = if opaque {
             c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
@@ -575,14 +590,14 @@ fn copy_like(
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
     let eng = engine_of(st, ctx);
-    let dev = eng.as_ref().map(|e| e.ordinal);
+    let dev = eng.map(|e| e.ordinal);
     let ranges = st.ranges();
     let rd = src.map_or(Resolved::None, |a| ranges.lookup(a));
     let wr = ranges.lookup(dst);
     // At most one buffer each way; one both read and written is only in `writes`.
     let written = managed_on(&wr, dev);
     let read = managed_on(&rd, dev).filter(|b| written.map_or(true, |w| w.id() != b.id()));
-    if rd.key().is_some() || wr.key().is_some() {
+    if st.cfg.dag && (rd.key().is_some() || wr.key().is_some()) {
         st.to_dag(DagMsg::Launch {
             op: if src.is_some() {
                 DagOp::Memcpy
@@ -590,13 +605,15 @@ fn copy_like(
                 DagOp::Memset
             },
             stream: s,
-            reads: rd.buf_ref().into_iter().collect(),
-            writes: wr.buf_ref().into_iter().collect(),
+            sets: Arc::new(DagSets {
+                reads: rd.buf_ref().into_iter().collect(),
+                writes: wr.buf_ref().into_iter().collect(),
+            }),
         });
     }
     hook(
         st,
-        eng.as_deref(),
+        eng,
         s,
         Access::Known {
             reads: read.map_or(&[], std::slice::from_ref),

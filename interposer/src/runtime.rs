@@ -96,6 +96,14 @@ pub struct DevEngine {
     /// The engine.
     pub engine: Engine<CudaDevice>,
     streams: RwLock<HashMap<u64, CudaStream>>,
+    /// Bumped whenever a stream is forgotten: a thread's cached stream ([`Self::with_stream`]) is
+    /// good while this is unchanged.
+    streams_epoch: AtomicU64,
+}
+
+thread_local! {
+    /// The last stream this thread operated on: (device, raw handle, epoch, wrapper).
+    static LAST_STREAM: RefCell<Option<(usize, u64, u64, CudaStream)>> = const { RefCell::new(None) };
 }
 
 impl DevEngine {
@@ -118,8 +126,33 @@ impl DevEngine {
             .clone()
     }
 
+    /// Calls `f` with the engine's wrapper of the job's stream `raw` ([`Self::stream`]), from the
+    /// calling thread's one-entry cache when it is the stream of its last operation (the launch
+    /// path's way: no lock, no reference count). `f` must not operate on streams itself.
+    pub fn with_stream<R>(&self, raw: u64, f: impl FnOnce(&CudaStream) -> R) -> R {
+        let epoch = self.streams_epoch.load(Ordering::Acquire);
+        let mut f = Some(f);
+        let cached = LAST_STREAM.try_with(|c| {
+            let mut c = c.borrow_mut();
+            let hit =
+                matches!(&*c, Some((d, r, e, _)) if *d == self.ordinal && *r == raw && *e == epoch);
+            if !hit {
+                *c = Some((self.ordinal, raw, epoch, self.stream(raw)));
+            }
+            let s = &c.as_ref().expect("just filled").3;
+            f.take().map(|f| f(s))
+        });
+        match (cached, f) {
+            (Ok(Some(r)), _) => r,
+            // The thread's TLS is being torn down: the map.
+            (_, Some(f)) => f(&self.stream(raw)),
+            (_, None) => unreachable!("f ran or is still here"),
+        }
+    }
+
     /// Forgets the job's stream `raw` (it is being destroyed).
     pub fn forget_stream(&self, raw: u64) {
+        self.streams_epoch.fetch_add(1, Ordering::AcqRel);
         if self.streams.write().remove(&raw).is_some() {
             self.engine
                 .unregister_streams(|s| s.raw() as usize as u64 == raw);
@@ -279,7 +312,10 @@ counters! {
 pub struct State {
     /// Settings.
     pub cfg: Config,
-    engines: RwLock<Vec<Option<Arc<DevEngine>>>>,
+    /// Per device ordinal, its engine once made (never removed: the launch path reads it without
+    /// a lock or a reference count). Made under `engines_made`.
+    engines: Box<[OnceLock<Arc<DevEngine>>]>,
+    engines_made: Mutex<()>,
     managing_off: Mutex<Option<String>>,
     managing_disabled: AtomicBool,
     unmanaged: RwLock<IntervalMap<Unmanaged>>,
@@ -292,6 +328,12 @@ pub struct State {
     dag: Mutex<Dag>,
     dag_tx: Option<crossbeam_channel::Sender<Vec<DagMsg>>>,
     dag_rx: crossbeam_channel::Receiver<Vec<DagMsg>>,
+    /// Emptied batches, back from the DAG thread for the launch path to refill: a batch is
+    /// allocated (and its pages faulted in) once, not per send.
+    dag_pool: (
+        crossbeam_channel::Sender<Vec<DagMsg>>,
+        crossbeam_channel::Receiver<Vec<DagMsg>>,
+    ),
     /// Bumped whenever the set of allocations changes: buffer sets cached per kernel
     /// (`hooks`) are stale when it differs.
     generation: AtomicU64,
@@ -306,6 +348,9 @@ pub struct State {
 }
 
 static STATE: OnceLock<State> = OnceLock::new();
+
+/// Device ordinals possum can manage (0 to this minus one).
+pub const MAX_DEVICES: usize = 64;
 
 /// The state, if anything has needed it yet.
 pub fn state_if_created() -> Option<&'static State> {
@@ -325,9 +370,11 @@ pub fn state() -> &'static State {
         State {
             dag_tx,
             dag_rx: rx,
+            dag_pool: crossbeam_channel::bounded(DAG_POOL),
             generation: AtomicU64::new(0),
             cfg,
-            engines: RwLock::new(Vec::new()),
+            engines: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+            engines_made: Mutex::new(()),
             managing_off: Mutex::new(None),
             managing_disabled: AtomicBool::new(false),
             unmanaged: RwLock::new(IntervalMap::new()),
@@ -365,6 +412,9 @@ pub fn state() -> &'static State {
 /// Batches queued for the DAG before further ones are dropped (and counted).
 const DAG_QUEUE: usize = 1 << 10;
 
+/// Emptied batches kept for reuse.
+const DAG_POOL: usize = 64;
+
 /// Records a thread batches before sending them to the DAG thread. The DAG can lag behind a
 /// thread by this many launches (a trace flushes the asking thread's batch only).
 const DAG_BATCH: usize = 256;
@@ -397,13 +447,29 @@ pub fn flush_dag() {
 }
 
 /// A short list of buffers, inline up to 4.
-pub type BufList = smallvec::SmallVec<[BufRef; 4]>;
+/// The buffers of an operation as the DAG records them: built once per distinct operation and
+/// shared (a launch repeating its kernel's last buffer sets sends the same `Arc`, not a copy).
+#[derive(Debug, Default)]
+pub struct DagSets {
+    /// Buffers read.
+    pub reads: Vec<BufRef>,
+    /// Buffers written.
+    pub writes: Vec<BufRef>,
+}
+
+impl DagSets {
+    /// The sets from two lists.
+    pub fn new(reads: &[BufRef], writes: &[BufRef]) -> Arc<DagSets> {
+        Arc::new(DagSets {
+            reads: reads.to_vec(),
+            writes: writes.to_vec(),
+        })
+    }
+}
 
 /// What the `possum-dag` thread records. Launches queue these in a per-thread batch (no
 /// allocation, no shared cache line per launch); a full batch goes to the thread in one send.
 #[derive(Debug)]
-// Launches are nearly all of the messages; boxing them would allocate on every launch.
-#[allow(clippy::large_enum_variant)]
 pub enum DagMsg {
     /// A launch.
     Launch {
@@ -411,10 +477,8 @@ pub enum DagMsg {
         op: DagOp,
         /// On which stream.
         stream: u64,
-        /// Buffers read.
-        reads: BufList,
-        /// Buffers written.
-        writes: BufList,
+        /// Its buffers.
+        sets: Arc<DagSets>,
     },
     /// A managed buffer was freed.
     Free(u64),
@@ -435,12 +499,7 @@ pub enum DagOp {
 
 fn apply(st: &State, dag: &mut Dag, m: DagMsg) {
     match m {
-        DagMsg::Launch {
-            op,
-            stream,
-            reads,
-            writes,
-        } => {
+        DagMsg::Launch { op, stream, sets } => {
             let model = match op {
                 DagOp::Kernel(h) => st.kernels.read().get(&h).cloned(),
                 _ => None,
@@ -454,7 +513,7 @@ fn apply(st: &State, dag: &mut Dag, m: DagMsg) {
                 (DagOp::Memcpy, _) => KernelRef::MEMCPY,
                 (DagOp::Memset, _) => KernelRef::MEMSET,
             };
-            dag.record_launch(&k, stream, &reads, &writes);
+            dag.record_launch(&k, stream, &sets.reads, &sets.writes);
         }
         DagMsg::Free(id) => dag.record_free(id),
         DagMsg::Opaque(h) => dag.set_kernel_opaque(h),
@@ -552,12 +611,21 @@ impl Resolved {
 impl State {
     /// The engine of device `ordinal`, if possum manages allocations there.
     pub fn engine(&self, ordinal: usize) -> Option<Arc<DevEngine>> {
-        self.engines.read().get(ordinal).cloned().flatten()
+        self.engine_ref(ordinal).cloned()
+    }
+
+    /// [`Self::engine`] borrowed: no lock, no reference count (the launch path's way).
+    pub fn engine_ref(&self, ordinal: usize) -> Option<&Arc<DevEngine>> {
+        self.engines.get(ordinal).and_then(OnceLock::get)
     }
 
     /// Every engine.
     pub fn engines(&self) -> Vec<Arc<DevEngine>> {
-        self.engines.read().iter().flatten().cloned().collect()
+        self.engines
+            .iter()
+            .filter_map(OnceLock::get)
+            .cloned()
+            .collect()
     }
 
     /// The engine of device `ordinal`, created if needed (`init` first initialises the runtime's
@@ -573,8 +641,14 @@ impl State {
         if self.managing_disabled.load(Ordering::Relaxed) {
             return Err(self.managing_off.lock().clone().unwrap_or_default());
         }
-        let mut engines = self.engines.write();
-        if let Some(Some(e)) = engines.get(ordinal) {
+        let Some(cell) = self.engines.get(ordinal) else {
+            return Err(format!(
+                "device {ordinal}: possum manages devices 0 to {} only",
+                MAX_DEVICES - 1
+            ));
+        };
+        let _made = self.engines_made.lock();
+        if let Some(e) = cell.get() {
             return Ok(e.clone());
         }
         let made = (|| {
@@ -599,11 +673,9 @@ impl State {
                     ordinal,
                     engine,
                     streams: RwLock::new(HashMap::default()),
+                    streams_epoch: AtomicU64::new(0),
                 });
-                if engines.len() <= ordinal {
-                    engines.resize(ordinal + 1, None);
-                }
-                engines[ordinal] = Some(de.clone());
+                let _ = cell.set(de.clone());
                 crate::log(&format!(
                     "device {ordinal}: allocations are served by the engine"
                 ));
@@ -657,8 +729,14 @@ impl State {
                     b.0.reserve_exact(DAG_BATCH);
                 }
                 b.0.push(m);
-                (b.0.len() >= DAG_BATCH)
-                    .then(|| std::mem::replace(&mut b.0, Vec::with_capacity(DAG_BATCH)))
+                (b.0.len() >= DAG_BATCH).then(|| {
+                    let fresh = self
+                        .dag_pool
+                        .1
+                        .try_recv()
+                        .unwrap_or_else(|_| Vec::with_capacity(DAG_BATCH));
+                    std::mem::replace(&mut b.0, fresh)
+                })
             })
             .ok()
             .flatten();
@@ -678,8 +756,12 @@ impl State {
 
     /// Records queued batches into `dag` (the DAG's lock held).
     fn apply_batches(&self, dag: &mut Dag, batches: impl Iterator<Item = Vec<DagMsg>>) {
-        for m in batches.flatten() {
-            apply(self, dag, m);
+        for mut batch in batches {
+            for m in batch.drain(..) {
+                apply(self, dag, m);
+            }
+            // Back for reuse (dropped when the pool is full).
+            let _ = self.dag_pool.0.try_send(batch);
         }
     }
 
