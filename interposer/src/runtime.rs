@@ -160,6 +160,19 @@ impl DevEngine {
     }
 }
 
+/// A cheap key of a launch's words, for looking memo entries up (equal words, equal keys; the
+/// entries are then compared in full): their count, XOR and wrapping sum.
+pub fn words_key(words: &[u64]) -> u64 {
+    let (x, a) = words
+        .iter()
+        .fold((0u64, 0u64), |(x, a), &w| (x ^ w, a.wrapping_add(w)));
+    fold_key(words.len(), x, a)
+}
+
+fn fold_key(n: usize, x: u64, a: u64) -> u64 {
+    (x.rotate_left(32) ^ a ^ n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 /// Every allocation possum knows, sorted: what launches resolve their words against, without a
 /// lock per word. Rebuilt (copy on write) after allocations change.
 #[derive(Debug, Default)]
@@ -201,6 +214,23 @@ impl Ranges {
     /// the driver about.
     pub fn near(&self, w: u64) -> bool {
         self.hulls.iter().any(|&(s, e)| w >= s && w < e)
+    }
+
+    /// Sets to 0 every word that no known allocation can contain (outside the span from the
+    /// lowest start to the highest end): such a word resolves to nothing whatever its value, so a
+    /// launch's words differing only there (scalars, seeds, sizes) name the same buffers.
+    /// Returns [`words_key`] of the result (one pass, branch-free: it vectorizes).
+    pub fn canonicalize(&self, words: &mut [u64]) -> u64 {
+        let lo = self.starts.first().copied().unwrap_or(u64::MAX);
+        let span = self.max_end.saturating_sub(lo);
+        let (mut x, mut a) = (0u64, 0u64);
+        for w in words.iter_mut() {
+            let c = if w.wrapping_sub(lo) < span { *w } else { 0 };
+            *w = c;
+            x ^= c;
+            a = a.wrapping_add(c);
+        }
+        fold_key(words.len(), x, a)
     }
 
     /// What `w` points into (never anything for 0: no allocation starts at address 0).
@@ -704,11 +734,14 @@ impl State {
 
     /// Notes that allocations changed (`added`: one appeared, else one went away).
     pub fn allocations_changed(&self, added: bool) {
-        self.generation.fetch_add(1, Ordering::AcqRel);
         if added {
             self.not_device.write().clear();
         }
+        // Stale first, then the new generation: a thread that sees the new generation then sees
+        // the snapshot stale (or already rebuilt with the change), so a snapshot it caches under
+        // that generation (the launch path does) has the change.
         self.ranges_stale.store(true, Ordering::Release);
+        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The allocation generation (see the field).

@@ -216,3 +216,38 @@ fn writes_of_a_constant_earn_no_readonly() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The per-kernel memo of resolved buffer sets must serve a training loop's launches: a kernel
+/// launched on 24 buffer sets in turn (once per layer), with non-pointer words (a step count)
+/// changing every launch. Only each (kernel, set)'s first launch may resolve its words.
+#[test]
+fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
+    let dir = std::env::temp_dir().join(format!("possum-fakememo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+        return;
+    }
+    let sets = 24;
+    let iters = 10 * sets;
+    let out = fake_job(&dir)
+        .args(["bench", &iters.to_string()])
+        .env("FAKE_JOB_SETS", sets.to_string())
+        .env("FAKE_JOB_MISS", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    let v = read_json(&dir.join("stats.json"));
+    let c = &v["possum"]["counters"];
+    let launches = c["launches"].as_u64().unwrap();
+    let hits = c["memo_hits"].as_u64().unwrap();
+    assert_eq!(launches, 3 * iters as u64, "{v}");
+    // 3 kernels x 24 sets resolved once each; the validated launches (2 per kernel) resolve too.
+    let misses_allowed = 3 * sets as u64 + 3 * 2;
+    assert!(
+        hits >= launches - misses_allowed,
+        "memo hits {hits} of {launches} launches: {c}"
+    );
+    assert_eq!(c["launches_identified"], launches, "{v}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -24,24 +24,30 @@ static struct fake_kernel scale = {FAKE_KERNEL_MAGIC, "scale", 1, {0}, {24}};
 static struct fake_kernel gemm = {FAKE_KERNEL_MAGIC, "gemm_like", 1, {0}, {736}};
 static struct fake_kernel mta = {FAKE_KERNEL_MAGIC, "multi_tensor_apply_like", 1, {0}, {3200}};
 static int bench(fire_fn fire, long iters) {
-    float *bufs[16];
-    for (int i = 0; i < 16; i++) if (cudaMalloc((void **)&bufs[i], 4 << 20)) return 1;
+    /* FAKE_JOB_SETS buffer sets (default 8, at most 32) cycled over, like one kernel launched
+     * once per layer of a model. */
+    int sets = getenv("FAKE_JOB_SETS") ? atoi(getenv("FAKE_JOB_SETS")) : 8;
+    if (sets < 1 || sets > 32) return 1;
+    float *bufs[64];
+    for (int i = 0; i < 2 * sets; i++) if (cudaMalloc((void **)&bufs[i], 1 << 20)) return 1;
     uint64_t gemm_args[92], mta_args[400];
-    int miss = getenv("FAKE_JOB_MISS") != NULL; /* one launch in three misses the memo */
+    /* The non-pointer words of two kernels change every launch (a step count, a seed): one launch
+     * in three differs in its words. */
+    int miss = getenv("FAKE_JOB_MISS") != NULL;
     int ret = 0;
     for (long it = 0; it < iters; it++) {
-        int k = it % 8;
-        void *args[] = {&bufs[k], &bufs[k + 8]};
+        int k = it % sets;
+        void *args[] = {&bufs[k], &bufs[k + sets]};
         launch_params p = {&axpy, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
         fire(307, 0, &p, &ret);
         fire(307, 1, &p, &ret);
-        for (int w = 0; w < 92; w++) gemm_args[w] = w < 3 ? (uint64_t)(uintptr_t)bufs[(k + w) % 16] : (uint64_t)(w * 64 + k);
+        for (int w = 0; w < 92; w++) gemm_args[w] = w < 3 ? (uint64_t)(uintptr_t)bufs[(k + w) % (2 * sets)] : (uint64_t)(w * 64 + k);
         if (miss) gemm_args[50] = (uint64_t)it, mta_args[300] = (uint64_t)it;
         void *gargs[] = {gemm_args};
         launch_params g = {&gemm, {1, 1, 1, 1, 1, 1}, 0, NULL, gargs, NULL};
         fire(307, 0, &g, &ret);
         fire(307, 1, &g, &ret);
-        for (int w = 0; w < 400; w++) mta_args[w] = w < 24 ? (uint64_t)(uintptr_t)bufs[(k + w) % 16] + 256 * w : (uint64_t)(w * 3 + k) | ((uint64_t)(w & 7) << 32);
+        for (int w = 0; w < 400; w++) mta_args[w] = w < 24 ? (uint64_t)(uintptr_t)bufs[(k + w) % (2 * sets)] + 256 * w : (uint64_t)(w * 3 + k) | ((uint64_t)(w & 7) << 32);
         void *margs[] = {mta_args};
         launch_params m = {&mta, {1, 1, 1, 1, 1, 1}, 0, NULL, margs, NULL};
         fire(307, 0, &m, &ret);
