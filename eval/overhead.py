@@ -2,6 +2,7 @@
 
     python3 eval/overhead.py [--job mlp] [--pairs 12] [--steps 800] [--cpus 2-5] [--out DIR]
                              [--modes plain,possum,possum-nocupti,possum-nodag,possum-hooksoff]
+    python3 eval/overhead.py --ab [--job mlp] [--pairs 4] [--steps 4000] [--ab-ms 250]
 
 Process-to-process noise on the GPU machine is larger than the effect (+-15% between two runs of
 the same job), so one run against one says little. Here: `--pairs` rounds, each running the job
@@ -11,9 +12,17 @@ possum's callbacks returning at once), in an order rotated every round so drift 
 pinned to the same CPUs; each run's median step time (workloads/gpu/jobs.py, POSSUM_TIMING_FILE).
 The overhead of a mode is the median over rounds of (mode / plain of the same round) - 1, with a
 95% bootstrap interval over rounds. Results: OUT/overhead-<job>.json, printed too.
+
+--ab measures inside each process instead, free of that noise: libpossum's POSSUM_AB_MS detaches
+CUPTI and attaches it again every --ab-ms (logging each switch); the job's own step times are laid
+over those intervals; each on interval (CUPTI and possum's callbacks working) is compared with the
+off interval after it (no callback at all). The overhead is the median of those ratios - 1, with
+a bootstrap interval over the pairs of all processes. What it leaves out: possum serving the
+job's allocations, on in both (`possum-nocupti` against `plain` above measures that).
+Results: OUT/overhead-ab-<job>.json.
 Runs from the repo root with the build in .gpu/ (scripts/gpu-interposer.sh --stage).
 """
-import argparse, json, os, random, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, random, shutil, statistics, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SO = os.path.join(ROOT, ".gpu", "libpossum.so")
@@ -60,6 +69,93 @@ def run_once(job, steps, mode, cpuset):
             "err": r.stderr[-500:] if r.returncode else None}
 
 
+def ab_intervals(switches, t_start):
+    """[(t0, t1, on)] from the A/B log's switches: on from the start until the first switch."""
+    out, t, on = [], t_start, True
+    for sw in switches:
+        out.append((t, sw["t"], on))
+        t, on = sw["t"], sw["on"]
+    out.append((t, float("inf"), on))
+    return out
+
+
+def ab_pairs(step_ts, switches, skip_steps, guard_s=0.003, min_steps=3):
+    """Median step time per interval (steps wholly inside it, `guard_s` after its switch), then
+    each on interval against the off interval after it: [(on_ms, off_ms)]."""
+    ivs = ab_intervals(switches, step_ts[0] if step_ts else 0.0)
+    per = []
+    for t0, t1, on in ivs:
+        gaps = [1e3 * (b - a) for a, b in zip(step_ts[skip_steps:], step_ts[skip_steps + 1:])
+                if a >= t0 + guard_s and b <= t1]
+        per.append((on, statistics.median(gaps) if len(gaps) >= min_steps else None))
+    pairs = []
+    for (on_a, ms_a), (on_b, ms_b) in zip(per, per[1:]):
+        if on_a and not on_b and ms_a and ms_b:
+            pairs.append((ms_a, ms_b))
+    return pairs
+
+
+def run_ab(job, steps, period_ms, cpuset, skip_steps):
+    """One process of `job` under possum with the A/B test on (libpossum's POSSUM_AB_MS): its
+    step times in on intervals (CUPTI attached, possum's callbacks working) against the off
+    intervals next to them (CUPTI detached)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POSSUM_") or k == "POSSUM_CUPTI"}
+    work = tempfile.mkdtemp(prefix="possum-ab-")
+    log, ab = os.path.join(work, "steps.jsonl"), os.path.join(work, "ab.jsonl")
+    env.update(LD_PRELOAD=SO, POSSUM_SOCKET_DIR=work, POSSUM_AB_MS=str(period_ms), POSSUM_AB_LOG=ab)
+    t = time.time()
+    r = subprocess.run(["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
+                        "--log", log], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       preexec_fn=lambda: os.sched_setaffinity(0, cpuset), cwd=ROOT)
+    def lines(p):
+        try:
+            return [json.loads(x) for x in open(p)]
+        except (OSError, ValueError):
+            return []
+    ts = [x["t"] for x in lines(log) if "t" in x]
+    sw = lines(ab)
+    pairs = ab_pairs(ts, sw, skip_steps)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"rc": r.returncode, "wall_s": time.time() - t, "steps": len(ts), "switches": len(sw),
+            "switch_errors": sorted({x["error"] for x in sw if x.get("error")}),
+            "switch_ms_median": statistics.median([x["switch_ms"] for x in sw]) if sw else None,
+            "pairs": pairs, "err": r.stderr[-500:] if r.returncode else None}
+
+
+def ab_main(a, cpuset):
+    runs, t0 = [], time.time()
+    for i in range(a.pairs):
+        if time.time() - t0 > a.budget_s:
+            print(f"stopping after {i} processes: --budget-s", flush=True)
+            break
+        run = run_ab(a.job, a.steps, a.ab_ms, cpuset, a.ab_skip)
+        ratios = [100 * (on / off - 1) for on, off in run["pairs"]]
+        run["overhead_pct_median"] = statistics.median(ratios) if ratios else None
+        runs.append(run)
+        print(json.dumps({"process": i, "steps": run["steps"], "switches": run["switches"],
+                          "pairs": len(run["pairs"]), "overhead_pct_median": run["overhead_pct_median"],
+                          "rc": run["rc"]}), flush=True)
+    ratios = [100 * (on / off - 1) for r in runs for on, off in r["pairs"]]
+    doc = {"job": a.job, "steps": a.steps, "ab_ms": a.ab_ms, "cpus": sorted(cpuset),
+           "date": time.strftime("%Y-%m-%d"), "method": "A/B inside each process (POSSUM_AB_MS)",
+           "gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout.strip(),
+           "runs": runs, "wall_s": time.time() - t0}
+    if ratios:
+        lo, hi = bootstrap(ratios)
+        doc["overhead"] = {"overhead_pct_median": statistics.median(ratios), "ci95_pct": [lo, hi],
+                           "pairs": len(ratios), "processes": len(runs),
+                           "step_ms_on_median": statistics.median(on for r in runs for on, _ in r["pairs"]),
+                           "step_ms_off_median": statistics.median(off for r in runs for _, off in r["pairs"])}
+        o = doc["overhead"]
+        print(f"{a.job} A/B: {o['overhead_pct_median']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%, "
+              f"{o['pairs']} interval pairs in {o['processes']} processes; step "
+              f"{o['step_ms_off_median']:.3f} -> {o['step_ms_on_median']:.3f} ms)", flush=True)
+    with open(os.path.join(a.out, f"overhead-ab-{a.job}.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0 if ratios and not any(r["rc"] for r in runs) else 1
+
+
 def bootstrap(xs, n=10000, seed=0):
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
@@ -76,7 +172,15 @@ def main():
                     help="plain first, then any of " + ", ".join(MODE_ENV))
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".gpu", "out")))
+    ap.add_argument("--ab", action="store_true",
+                    help="A/B inside each process instead: --pairs processes, CUPTI switched off and on "
+                         "every --ab-ms (POSSUM_AB_MS), on intervals against the off ones next to them")
+    ap.add_argument("--ab-ms", type=int, default=250)
+    ap.add_argument("--ab-skip", type=int, default=50, help="--ab: steps left out at the start (warm-up)")
     a = ap.parse_args()
+    if a.ab:
+        os.makedirs(a.out, exist_ok=True)
+        return ab_main(a, cpus(a.cpus) & os.sched_getaffinity(0) or os.sched_getaffinity(0))
     modes = a.modes.split(",")
     if modes[0] != "plain" or any(m not in MODE_ENV for m in modes[1:]):
         ap.error(f"--modes: plain first, then any of {', '.join(MODE_ENV)}")

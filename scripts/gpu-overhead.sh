@@ -5,6 +5,7 @@
 #   (here)  bash scripts/gpu-ckpt.sh --stage
 #   (there) bash scripts/gpu-overhead.sh [PAIRS] [STEPS]      results in $OUT (or .gpu/out)
 #           MODES=plain,possum,possum-nocupti,possum-nodag,possum-hooksoff for the breakdown
+#           AB=1: the A/B test inside each process instead (MLP and GPT-2 small; eval/overhead.py --ab)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -27,6 +28,17 @@ for job in "mlp 60" "gpt2 6"; do
     fi
     python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['possum']['counters']; print(sys.argv[2], {k: c.get(k) for k in ('managed_allocs','fallback_allocs','entry_points_swapped','launches','memo_hits')}, 'us/launch in callbacks %.2f' % (c['timed_launch_ns'] / max(c['timed_launches'], 1) / 1e3), 'entry_points', s.get('entry_points'), 'unmanaged', s['possum'].get('unmanaged_bytes'))" "$out/$1-stats.json" "$1" || status=1
 done
-python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" \
-    --modes "${MODES:-plain,possum,possum-nocupti}" || status=1
+# The VM's clock: if reading it is a system call, possum's sampled per-launch timing includes it.
+echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)"
+python3 -c "import time; n=200000; t=time.perf_counter(); [time.perf_counter_ns() for _ in range(n)]; print('perf_counter_ns: %.0f ns a call (Python included)' % ((time.perf_counter()-t)/n*1e9))"
+if [ -n "${AB:-}" ]; then
+    # Inside each process: CUPTI switched off and on (eval/overhead.py --ab).
+    python3 eval/overhead.py --ab --job mlp --pairs "${AB_MLP_PROCS:-5}" --steps 4000 --ab-ms 250 \
+        --budget-s 200 --out "$out" || status=1
+    python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-3}" --steps 300 --ab-ms 1000 \
+        --ab-skip 20 --budget-s 150 --out "$out" || status=1
+else
+    python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" \
+        --modes "${MODES:-plain,possum,possum-nocupti}" || status=1
+fi
 exit $status

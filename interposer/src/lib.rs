@@ -51,6 +51,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+mod ab;
 mod alloc;
 pub mod cbid;
 mod control;
@@ -154,6 +155,7 @@ fn set_up() -> Setup {
             .map(|e| format!("; {e}"))
             .unwrap_or_default()
     ));
+    ab::start_if_asked();
     Setup {
         cupti: true,
         cupti_path: Some(path),
@@ -198,8 +200,14 @@ pub(crate) fn cupti_attach() -> Result<(), String> {
     let Some(c) = sys::Cupti::get() else {
         return Ok(());
     };
-    let (sub, failed) = c.attach(enabled_callbacks());
+    let (sub, mut failed) = c.attach(enabled_callbacks());
     sub?;
+    // Callbacks this CUPTI refused at start as well are no news.
+    let at_start = SETUP
+        .get()
+        .and_then(|s| s.error.clone())
+        .unwrap_or_default();
+    failed.retain(|f| !at_start.contains(f.as_str()));
     if failed.is_empty() {
         Ok(())
     } else {

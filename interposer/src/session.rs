@@ -175,6 +175,13 @@ pub fn checkpoint(dir: &str) -> Value {
 
 fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
     let _b = Busy::take("checkpoint")?;
+    if crate::ab::running() {
+        return Err(
+            "POSSUM_AB_MS is set: possum's callbacks are switched off and on for an A/B \
+                    test of their cost, so launches go unseen; no checkpoint of this job"
+                .into(),
+        );
+    }
     if paused() {
         return Err("the job is paused (released): resume it before a new checkpoint".into());
     }

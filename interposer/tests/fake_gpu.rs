@@ -251,3 +251,45 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
     assert_eq!(c["launches_identified"], launches, "{v}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `POSSUM_AB_MS`: CUPTI detached and attached again every few milliseconds, each switch logged;
+/// launches of the off intervals go unseen, the others are handled.
+#[test]
+fn the_ab_test_switches_the_hooks_off_and_on() {
+    let dir = std::env::temp_dir().join(format!("possum-fakeab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+        return;
+    }
+    let log = dir.join("ab.jsonl");
+    let _ = std::fs::remove_file(&log);
+    // Long enough for several switches at 20 ms on a slow machine.
+    let iters: u64 = 400_000;
+    let out = fake_job(&dir)
+        .args(["bench", &iters.to_string()])
+        .env("POSSUM_AB_MS", "20")
+        .env("POSSUM_AB_LOG", &log)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    let lines: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(lines.len() >= 2, "switches: {lines:?} {stderr}");
+    for (i, l) in lines.iter().enumerate() {
+        // Starts attached: the first switch turns the hooks off, the next on again, ...
+        assert_eq!(l["on"], i % 2 == 1, "{lines:?}");
+        assert!(l["error"].is_null(), "{lines:?}");
+    }
+    let v = read_json(&dir.join("stats.json"));
+    let launches = v["possum"]["counters"]["launches"].as_u64().unwrap();
+    assert!(
+        launches > 0 && launches < 3 * iters,
+        "launches seen {launches} of {}: the off intervals' must go unseen",
+        3 * iters
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

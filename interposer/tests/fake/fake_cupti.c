@@ -30,8 +30,17 @@ int cuptiSubscribe(void **subscriber, callback_fn f, void *userdata) {
     (void)userdata;
     if (subscribed) return 39; /* CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED */
     subscribed = 1;
-    cb = f;
+    __atomic_store_n(&cb, f, __ATOMIC_SEQ_CST);
     *subscriber = (void *)&cb;
+    return 0;
+}
+
+/* Ends the subscription (the A/B test of POSSUM_AB_MS detaches and attaches again). Callbacks
+ * stop until the next cuptiSubscribe; the enabled set is kept, as CUPTI would start afresh. */
+int cuptiUnsubscribe(void *subscriber) {
+    if (!subscribed || subscriber != (void *)&cb) return 1;
+    __atomic_store_n(&cb, (callback_fn)NULL, __ATOMIC_SEQ_CST);
+    subscribed = 0;
     return 0;
 }
 
@@ -78,5 +87,6 @@ int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t 
  * struct and CUresult. */
 void fake_cupti_fire(uint32_t cbid, int site, const void *params, void *ret) {
     callback_data d = {site, "fake", params, ret, NULL, NULL, 0, NULL, 0};
-    if (cb) cb(NULL, 1, cbid, &d);
+    callback_fn f = __atomic_load_n(&cb, __ATOMIC_SEQ_CST);
+    if (f) f(NULL, 1, cbid, &d);
 }

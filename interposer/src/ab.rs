@@ -1,0 +1,73 @@
+//! `POSSUM_AB_MS` (diagnostics): an A/B test of possum's launch-path cost inside one process.
+//!
+//! Process-to-process noise on the GPU machine (+-15% between two runs of one job) is larger than
+//! the cost being measured. Here a `possum-ab` thread detaches CUPTI (no callback at all: the
+//! job runs as without possum's hooks) and attaches it again (every callback back, possum's work
+//! included) every `POSSUM_AB_MS` milliseconds, appending `{"t": unix seconds, "on": bool}` to
+//! `POSSUM_AB_LOG` after each switch. `eval/overhead.py --ab` lays the job's own step times over
+//! those intervals and compares neighbouring on and off intervals.
+//!
+//! Launches of the off intervals are not seen: the DAG and dirty tracking are incomplete, so a
+//! run with this set must not be checkpointed (a checkpoint refuses while it is on).
+
+use std::io::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+static RUNNING: AtomicBool = AtomicBool::new(false);
+
+/// Whether the A/B test runs in this process (then a checkpoint is refused).
+pub fn running() -> bool {
+    RUNNING.load(Ordering::Relaxed)
+}
+
+/// Starts the `possum-ab` thread when `POSSUM_AB_MS` and `POSSUM_AB_LOG` are set (after CUPTI
+/// was attached).
+pub fn start_if_asked() {
+    let ms = std::env::var("POSSUM_AB_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&ms| ms > 0);
+    let log = std::env::var("POSSUM_AB_LOG")
+        .ok()
+        .filter(|p| !p.is_empty());
+    let (Some(ms), Some(log)) = (ms, log) else {
+        return;
+    };
+    RUNNING.store(true, Ordering::Relaxed);
+    let spawned = std::thread::Builder::new()
+        .name("possum-ab".into())
+        .spawn(move || {
+            let mut on = true;
+            loop {
+                std::thread::sleep(Duration::from_millis(ms));
+                let t0 = std::time::Instant::now();
+                let r = if on {
+                    crate::cupti_detach()
+                } else {
+                    crate::cupti_attach()
+                };
+                on = !on;
+                let t = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64());
+                let line = serde_json::json!({
+                    "t": t, "on": on, "switch_ms": t0.elapsed().as_secs_f64() * 1e3,
+                    "error": r.err(),
+                });
+                let written = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .and_then(|mut f| writeln!(f, "{line}"));
+                if written.is_err() {
+                    crate::log(&format!("POSSUM_AB_LOG {log}: cannot write; A/B test ends"));
+                    let _ = crate::cupti_attach();
+                    return;
+                }
+            }
+        });
+    if spawned.is_err() {
+        RUNNING.store(false, Ordering::Relaxed);
+    }
+}
