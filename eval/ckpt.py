@@ -17,9 +17,12 @@ lines.
   leave the job running and leave no image.
 - probe: which variants of a possum'd job NVIDIA's driver checkpoint accepts (CUPTI off,
   subscribed with none/one/all callbacks, unsubscribed or finalized before the lock).
-- bench: the figures' matrix (sizes x engines x reps) as one document, OUT/bench.json (issue 5:
-  `--gib 1,8,32 --engines none,possum-none,gpu-only,driver --reps 2`; `none`/`possum-none` are
-  runs without any checkpoint, without/with possum loaded), with the
+- bench: the figures over a plan of (workload, GiB) cells x engines x reps as one document,
+  OUT/bench.json (issue 5: `--engines driver,possum --reps 2`, plan DEFAULT_PLAN; `--bench-plan
+  full --shard K/3` for a third of the whole matrix; `none`/`possum-none` are runs without any
+  checkpoint, without/with possum loaded). A cell's reps are one job lineage: checkpoint with
+  --leave-running, kill, restore, go on with the restored process (`chain`), so a rep costs no
+  fresh start. With the
   step-time timeline around each checkpoint, the steady-state step time, the time from a fresh
   start to the first step, and possum's restore figures; eval/report.py turns it into the table,
   the plots and README's Results section (issue 5).
@@ -289,6 +292,8 @@ def job_status(pid):
 # Issue 5's default: every workload at 1 GiB, the MLP's sizes 8 and 32 GiB too (what fits in 10
 # minutes of GPU time, see eval/results/README.md).
 DEFAULT_PLAN = "mlp:1,8,32 cnn:1 gpt2:1 triton:1 graph:1 multistream:1"
+# The whole matrix (`--bench-plan full --shard K/3`: three invocations).
+FULL_PLAN = "mlp:1,8,32 cnn:1,8,32 gpt2:1,8,32 triton:1,8,32 graph:1,8,32 multistream:1,8,32"
 
 # Steps a figure waits for before and after a checkpoint, per job (slow jobs fewer).
 FIG_LINES = {"mlp": 300, "multistream": 300, "graph": 200, "triton": 200, "cnn": 100, "gpt2": 20}
@@ -474,17 +479,47 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
     return out
 
 
+def cell_cost(engine, gib, reps):
+    """Rough seconds a bench chain takes on the H100: a fresh start, then per rep the waits, the
+    checkpoint and the restore (the baseline's grow with the GiB, 2.3 s per GiB)."""
+    if engine in ("none", "possum-none"):
+        return 12.0
+    per_gib = 2.3 if engine == "driver" else 0.4
+    return 12 + reps * (6 + per_gib * gib)
+
+
+def cell_reps(a, engine, gib):
+    # The baseline's large sizes cost over a minute a rep: one rep there.
+    return a.reps if gib < 16 or engine != "driver" else 1
+
+
 def plan_cells(a):
     """The bench's (workload, GiB) cells, smallest sizes first (so a budget cut drops the most
-    expensive): `--bench-plan "mlp:1,8,32 cnn:1 ..."` (default DEFAULT_PLAN), or, given
-    --bench-jobs, each of them at every --gib."""
+    expensive): `--bench-plan "mlp:1,8,32 cnn:1 ..."` (default DEFAULT_PLAN; `full`: every
+    workload at 1, 8 and 32 GiB), or, given --bench-jobs, each of them at every --gib. With
+    `--shard K/N`, the K-th of N shards of those cells, balanced by estimated cost, so the full
+    matrix runs as N invocations of under 10 minutes each (eval/report.py pools them)."""
     if not a.bench_jobs:
+        plan = FULL_PLAN if a.bench_plan == "full" else a.bench_plan
         cells = []
-        for item in a.bench_plan.split():
+        for item in plan.split():
             job, _, sizes = item.partition(":")
             cells += [(job, float(g)) for g in (sizes or a.gib).split(",")]
     else:
         cells = [(j, float(g)) for j in a.bench_jobs.split(",") for g in a.gib.split(",")]
+    if a.shard:
+        k, n = (int(x) for x in a.shard.split("/"))
+        engines = a.engines.split(",")
+        cost = {c: sum(cell_cost(e, c[1], cell_reps(a, e, c[1])) for e in engines) for c in cells}
+        load = [0.0] * n
+        mine = []
+        # Largest first onto the least loaded shard.
+        for c in sorted(cells, key=lambda c: -cost[c]):
+            i = load.index(min(load))
+            load[i] += cost[c]
+            if i == k - 1:
+                mine.append(c)
+        cells = mine
     return sorted(cells, key=lambda c: c[1])
 
 
@@ -503,7 +538,7 @@ def bench(a):
         # After every run, so that a run cut short by the machine's time limit still reports.
         doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": a.engines.split(","),
                "jobs": sorted({j for j, _ in plan_cells(a)}),
-               "cells": [list(c) for c in plan_cells(a)], "reps": a.reps,
+               "cells": [list(c) for c in plan_cells(a)], "reps": a.reps, "shard": a.shard or None,
                "sizes_gib": sorted({g for _, g in plan_cells(a)}), "runs": runs, "skipped": skipped,
                "wall_s": time.time() - t_start}
         with open(os.path.join(OUT, "bench.json"), "w") as f:
@@ -513,16 +548,10 @@ def bench(a):
     def in_budget(cost_s=0.0):
         return time.time() - t_start + cost_s <= a.budget_s
 
-    def cost(engine, gib, reps):
-        # Rough seconds (H100): a fresh start, then per rep the waits, the checkpoint and restore.
-        per_gib = {"driver": 2.3, "none": 0.0, "possum-none": 0.0}.get(engine, 0.4)
-        return 12 + reps * (6 + per_gib * gib) if engine not in ("none", "possum-none") else 12
-
     for job, gib in plan_cells(a):
         for engine in a.engines.split(","):
-            # The baseline's large sizes cost over a minute a rep: one rep there.
-            reps = a.reps if gib < 16 or engine != "driver" else 1
-            if not in_budget(cost(engine, gib, 1)):
+            reps = cell_reps(a, engine, gib)
+            if not in_budget(cell_cost(engine, gib, 1)):
                 skipped.append({"job": job, "engine": engine, "gib": gib, "why": "time budget"})
                 print(f"bench: skipped {job} {engine} {gib} GiB: over --budget-s", flush=True)
                 continue
@@ -531,7 +560,7 @@ def bench(a):
                 runs.append(steady(engine, gib, 0, "bench", job) or {})
             else:
                 def rep_fits(engine=engine, gib=gib):
-                    return in_budget(cost(engine, gib, 1) - 12)
+                    return in_budget(cell_cost(engine, gib, 1) - 12)
                 runs.extend(chain(engine, gib, list(range(reps)), "bench", job, rep_fits, skipped))
             save()
     doc = save()
@@ -805,7 +834,9 @@ def main():
                     help="bench: the workloads (workloads/gpu/jobs.py), each holding --gib extra")
     ap.add_argument("--bench-plan", default=DEFAULT_PLAN,
                     help="bench: JOB:GIB,GIB ... cells instead of --bench-jobs x --gib, e.g. "
-                         f"'{DEFAULT_PLAN}' (what scripts/gpu-ckpt.sh bench runs)")
+                         f"'{DEFAULT_PLAN}' (what scripts/gpu-ckpt.sh bench runs), or 'full'")
+    ap.add_argument("--shard", default="",
+                    help="bench: K/N, the K-th of N cost-balanced shards of the plan's cells")
     a = ap.parse_args()
     OUT = a.out
     become_subreaper()

@@ -6,7 +6,8 @@
 #   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe
 #           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --gib 8,32 --reps N --engines a,b ...)
 #   issue 5: bash scripts/gpu-ckpt.sh bench --engines driver,possum --reps 2   (the default plan:
-#           every workload at 1 GiB, the MLP at 8 and 32 too; --bench-plan "JOB:GIB,.. ..." for others)
+#           every workload at 1 GiB, the MLP at 8 and 32 too; --bench-plan "JOB:GIB,.. ..." for others;
+#           the whole matrix as three invocations: --bench-plan full --shard 1/3 (2/3, 3/3))
 #   issue 4 --device (kind nvidia-h200-x2): bash scripts/gpu-ckpt.sh migrate --engines driver,possum
 #   (here)  python3 eval/report.py FILES_AT/bench.json --readme README.md   (after `bench`: the
 #           table, plots and README's Results section; issue 5)
