@@ -145,10 +145,18 @@ def table(doc, summary):
     for r in doc["runs"]:
         if r and r.get("restore_err"):
             why = r["restore_err"].splitlines()[0][:160]
-            lines.append(f"Restore failed: {r['engine']} at {r['gib']:g} GiB (rep {r.get('rep')}"
+            lines.append(f"Restore failed: {r.get('job', 'mlp')} {r['engine']} at {r['gib']:g} GiB (rep {r.get('rep')}"
                          f"{', invocation ' + str(r['invocation']) if 'invocation' in r else ''}): {why}")
     for sk in doc.get("skipped") or []:
-        lines.append(f"Not run: {sk['engine']} at {sk['gib']:g} GiB (rep {sk['rep']}): {sk['why']}.")
+        rep = f" (rep {sk['rep']})" if "rep" in sk else ""
+        lines.append(f"Not run: {sk.get('job', 'mlp')} {sk['engine']} at {sk['gib']:g} GiB{rep}: {sk['why']}.")
+    if any(r and r.get("chained") for r in doc["runs"]):
+        lines.append("A cell's repetitions are one job lineage: the first checkpoints the freshly "
+                     "started job, the next ones the job the previous repetition restored (fresh "
+                     "start to first step: first repetitions only).")
+    if not any(r and r.get("engine") == "none" for r in doc["runs"]):
+        lines.append("Steady-state overhead: the step time with possum loaded against the `driver` "
+                     "job's before its first checkpoint (a job without possum, not yet checkpointed).")
     lines.append("The stall's parts are `possum checkpoint`'s own timings of each step taken while "
                  "the job is held; the stall itself is the job's largest gap between steps minus a "
                  "normal step.")
