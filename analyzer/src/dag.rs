@@ -188,6 +188,8 @@ pub struct Dag {
     next_seq: u64,
     buf_state: HashMap<u64, BufState>,
     stream_last: HashMap<u64, u64>,
+    /// [`Dag::record_launch`]'s scratch list of dependencies.
+    deps_scratch: Vec<(u64, DepKind)>,
 }
 
 impl Default for Dag {
@@ -209,6 +211,7 @@ impl Dag {
             next_seq: 0,
             buf_state: HashMap::default(),
             stream_last: HashMap::default(),
+            deps_scratch: Vec::new(),
         }
     }
 
@@ -299,14 +302,9 @@ impl Dag {
         }
         let oldest = self.launches.front().map_or(seq, |l| l.seq);
 
-        // Sized once: a stream predecessor, a writer per buffer, the readers of written ones.
-        let readers: usize = writes
-            .iter()
-            .filter_map(|b| self.buf_state.get(&b.id))
-            .map(|st| st.readers.len())
-            .sum();
-        let mut deps: SmallVec<[(u64, DepKind); 6]> =
-            SmallVec::with_capacity(1 + reads.len() + writes.len() + readers);
+        // Gathered in a buffer kept across launches (no allocation once it has grown).
+        let mut deps = std::mem::take(&mut self.deps_scratch);
+        deps.clear();
         if let Some(prev) = self.stream_last.insert(stream, seq) {
             if prev >= oldest {
                 deps.push((prev, DepKind::Stream));
@@ -334,6 +332,8 @@ impl Dag {
         }
         deps.sort_unstable();
         deps.dedup();
+        let launch_deps = SmallVec::from_slice(&deps);
+        self.deps_scratch = deps;
 
         for b in reads {
             let st = self.buf_state.entry(b.id).or_default();
@@ -355,7 +355,7 @@ impl Dag {
             stream,
             reads: reads.iter().map(|b| b.id).collect(),
             writes: writes.iter().map(|b| b.id).collect(),
-            deps,
+            deps: launch_deps,
         });
     }
 
@@ -377,6 +377,12 @@ impl Dag {
                 *opaque = true;
             }
         }
+    }
+
+    /// Whether kernel `handle` has been recorded (then a launch of it needs neither its name nor
+    /// its opaqueness: [`Dag::set_kernel_opaque`] keeps the latter).
+    pub fn knows_kernel(&self, handle: u64) -> bool {
+        self.kernels.contains_key(&handle)
     }
 
     /// Launches in the window now.

@@ -530,8 +530,9 @@ pub enum DagOp {
 fn apply(st: &State, dag: &mut Dag, m: DagMsg) {
     match m {
         DagMsg::Launch { op, stream, sets } => {
+            // A kernel the DAG knows needs no look-up (its opaqueness comes as `Opaque`).
             let model = match op {
-                DagOp::Kernel(h) => st.kernels.read().get(&h).cloned(),
+                DagOp::Kernel(h) if !dag.knows_kernel(h) => st.kernels.read().get(&h).cloned(),
                 _ => None,
             };
             let k = match (&op, &model) {
