@@ -38,6 +38,14 @@ fn fake_job(dir: &Path) -> Command {
     cmd
 }
 
+/// A fresh directory `NAME-<pid>` with the fake GPU stack and `fake_job` built in it; `None`
+/// (the test skips, said on stderr) without a C compiler.
+fn fake_gpu_dir(name: &str) -> Option<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job").then_some(dir)
+}
+
 /// The statistics of kernel `name` in the trace `t`.
 fn kernel(t: &Value, name: &str) -> Value {
     t["kernels"]
@@ -51,11 +59,9 @@ fn kernel(t: &Value, name: &str) -> Value {
 
 #[test]
 fn a_job_on_a_fake_gpu() {
-    let dir = std::env::temp_dir().join(format!("possum-fakegpu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+    let Some(dir) = fake_gpu_dir("possum-fakegpu") else {
         return;
-    }
+    };
     let stats = dir.join("stats.json");
     let trace = dir.join("trace.json");
     let out = fake_job(&dir).output().unwrap();
@@ -143,11 +149,9 @@ fn a_job_on_a_fake_gpu() {
 /// contents still earns it.
 #[test]
 fn writes_of_a_constant_earn_no_readonly() {
-    let dir = std::env::temp_dir().join(format!("possum-fakegpu-fill-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+    let Some(dir) = fake_gpu_dir("possum-fakegpu-fill") else {
         return;
-    }
+    };
     let out = fake_job(&dir)
         .arg("fill")
         .env("POSSUM_VALIDATE", "first=4")
@@ -222,11 +226,9 @@ fn writes_of_a_constant_earn_no_readonly() {
 /// changing every launch. Only each (kernel, set)'s first launch may resolve its words.
 #[test]
 fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
-    let dir = std::env::temp_dir().join(format!("possum-fakememo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+    let Some(dir) = fake_gpu_dir("possum-fakememo") else {
         return;
-    }
+    };
     let sets = 24;
     let iters = 10 * sets;
     let out = fake_job(&dir)
@@ -256,11 +258,9 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
 /// launches of the off intervals go unseen, the others are handled.
 #[test]
 fn the_ab_test_switches_the_hooks_off_and_on() {
-    let dir = std::env::temp_dir().join(format!("possum-fakeab-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job") {
+    let Some(dir) = fake_gpu_dir("possum-fakeab") else {
         return;
-    }
+    };
     let log = dir.join("ab.jsonl");
     let _ = std::fs::remove_file(&log);
     // Long enough for several switches at 20 ms on a slow machine.
