@@ -16,7 +16,8 @@ The overhead of a mode is the median over rounds of (mode / plain of the same ro
 --ab measures inside each process instead, free of that noise: libpossum's POSSUM_AB_MS detaches
 CUPTI and attaches it again every --ab-ms (logging each switch); the job's own step times are laid
 over those intervals; each on interval (CUPTI and possum's callbacks working) is compared with the
-off interval after it (no callback at all). The overhead is the median of those ratios - 1, with
+mean of the off intervals on both sides of it (no callback at all; both sides so that a drift of the
+step time over the run cancels). The overhead is the median of those ratios - 1, with
 a bootstrap interval over the pairs of all processes. What it leaves out: possum serving the
 job's allocations, on in both (`possum-nocupti` against `plain` above measures that).
 Results: OUT/overhead-ab-<job>.json.
@@ -81,7 +82,9 @@ def ab_intervals(switches, t_start):
 
 def ab_pairs(step_ts, switches, skip_steps, guard_s=0.003, min_steps=3):
     """Median step time per interval (steps wholly inside it, `guard_s` after its switch), then
-    each on interval against the off interval after it: [(on_ms, off_ms)]."""
+    each on interval against the mean of the off intervals on both sides of it: [(on_ms,
+    off_ms)]. Both sides, so that a drift of the step time over the run (warm-up, clocks)
+    cancels instead of favouring whichever state comes first."""
     ivs = ab_intervals(switches, step_ts[0] if step_ts else 0.0)
     per = []
     for t0, t1, on in ivs:
@@ -89,13 +92,13 @@ def ab_pairs(step_ts, switches, skip_steps, guard_s=0.003, min_steps=3):
                 if a >= t0 + guard_s and b <= t1]
         per.append((on, statistics.median(gaps) if len(gaps) >= min_steps else None))
     pairs = []
-    for (on_a, ms_a), (on_b, ms_b) in zip(per, per[1:]):
-        if on_a and not on_b and ms_a and ms_b:
-            pairs.append((ms_a, ms_b))
+    for (on_a, ms_a), (on_b, ms_b), (on_c, ms_c) in zip(per, per[1:], per[2:]):
+        if on_b and not on_a and not on_c and ms_a and ms_b and ms_c:
+            pairs.append((ms_b, (ms_a + ms_c) / 2))
     return pairs
 
 
-def run_ab(job, steps, period_ms, cpuset, skip_steps):
+def run_ab(job, steps, period_ms, cpuset, skip_steps, extra_env=""):
     """One process of `job` under possum with the A/B test on (libpossum's POSSUM_AB_MS): its
     step times in on intervals (CUPTI attached, possum's callbacks working) against the off
     intervals next to them (CUPTI detached)."""
@@ -103,6 +106,7 @@ def run_ab(job, steps, period_ms, cpuset, skip_steps):
     work = tempfile.mkdtemp(prefix="possum-ab-")
     log, ab = os.path.join(work, "steps.jsonl"), os.path.join(work, "ab.jsonl")
     env.update(LD_PRELOAD=SO, POSSUM_SOCKET_DIR=work, POSSUM_AB_MS=str(period_ms), POSSUM_AB_LOG=ab)
+    env.update(kv.split("=", 1) for kv in extra_env.split(",") if kv)
     t = time.time()
     r = subprocess.run(["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
                         "--log", log], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -128,7 +132,7 @@ def ab_main(a, cpuset):
         if time.time() - t0 > a.budget_s:
             print(f"stopping after {i} processes: --budget-s", flush=True)
             break
-        run = run_ab(a.job, a.steps, a.ab_ms, cpuset, a.ab_skip)
+        run = run_ab(a.job, a.steps, a.ab_ms, cpuset, a.ab_skip, a.ab_env)
         ratios = [100 * (on / off - 1) for on, off in run["pairs"]]
         run["overhead_pct_median"] = statistics.median(ratios) if ratios else None
         runs.append(run)
@@ -138,6 +142,7 @@ def ab_main(a, cpuset):
     ratios = [100 * (on / off - 1) for r in runs for on, off in r["pairs"]]
     doc = {"job": a.job, "steps": a.steps, "ab_ms": a.ab_ms, "cpus": sorted(cpuset),
            "date": time.strftime("%Y-%m-%d"), "method": "A/B inside each process (POSSUM_AB_MS)",
+           "env": a.ab_env or None,
            "gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True).stdout.strip(),
            "runs": runs, "wall_s": time.time() - t0}
@@ -151,7 +156,8 @@ def ab_main(a, cpuset):
         print(f"{a.job} A/B: {o['overhead_pct_median']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%, "
               f"{o['pairs']} interval pairs in {o['processes']} processes; step "
               f"{o['step_ms_off_median']:.3f} -> {o['step_ms_on_median']:.3f} ms)", flush=True)
-    with open(os.path.join(a.out, f"overhead-ab-{a.job}.json"), "w") as f:
+    tag = "-" + a.ab_env.replace("=", "-").replace(",", "-").lower() if a.ab_env else ""
+    with open(os.path.join(a.out, f"overhead-ab-{a.job}{tag}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     return 0 if ratios and not any(r["rc"] for r in runs) else 1
 
@@ -177,6 +183,8 @@ def main():
                          "every --ab-ms (POSSUM_AB_MS), on intervals against the off ones next to them")
     ap.add_argument("--ab-ms", type=int, default=250)
     ap.add_argument("--ab-skip", type=int, default=50, help="--ab: steps left out at the start (warm-up)")
+    ap.add_argument("--ab-env", default="", help="--ab: more VAR=VALUE,... for the job (e.g. POSSUM_HOOKS=off: "
+                    "CUPTI's dispatch alone against no CUPTI)")
     a = ap.parse_args()
     if a.ab:
         os.makedirs(a.out, exist_ok=True)

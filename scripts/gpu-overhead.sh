@@ -5,7 +5,8 @@
 #   (here)  bash scripts/gpu-ckpt.sh --stage
 #   (there) bash scripts/gpu-overhead.sh [PAIRS] [STEPS]      results in $OUT (or .gpu/out)
 #           MODES=plain,possum,possum-nocupti,possum-nodag,possum-hooksoff for the breakdown
-#           AB=1: the A/B test inside each process instead (MLP and GPT-2 small; eval/overhead.py --ab)
+#           AB=1: the A/B test inside each process instead (MLP and GPT-2 small; eval/overhead.py --ab);
+#           AB_HOOKSOFF=1 adds GPT-2 with possum's callbacks returning at once (CUPTI's dispatch alone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -35,8 +36,13 @@ if [ -n "${AB:-}" ]; then
     # Inside each process: CUPTI switched off and on (eval/overhead.py --ab).
     python3 eval/overhead.py --ab --job mlp --pairs "${AB_MLP_PROCS:-5}" --steps 4000 --ab-ms 250 \
         --budget-s 200 --out "$out" || status=1
-    python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-3}" --steps 300 --ab-ms 1000 \
-        --ab-skip 20 --budget-s 150 --out "$out" || status=1
+    python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-4}" --steps "${AB_GPT2_STEPS:-500}" \
+        --ab-ms 1000 --ab-skip 100 --budget-s 150 --out "$out" || status=1
+    if [ -n "${AB_HOOKSOFF:-}" ]; then
+        # CUPTI's dispatch alone (possum's callbacks return at once) against no CUPTI.
+        python3 eval/overhead.py --ab --job gpt2 --pairs 2 --steps "${AB_GPT2_STEPS:-500}" --ab-ms 1000 \
+            --ab-skip 100 --budget-s 60 --ab-env POSSUM_HOOKS=off --out "$out" || status=1
+    fi
 else
     python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" \
         --modes "${MODES:-plain,possum,possum-nocupti}" || status=1
