@@ -1,6 +1,6 @@
 """Tables and plots from a `python3 eval/ckpt.py bench` run (issue 5).
 
-    python3 eval/report.py BENCH_JSON [--results eval/results] [--readme README.md]
+    python3 eval/report.py BENCH_JSON [--results eval/results] [--readme README.md] [--suffix -s10]
 
 Writes, next to each other in --results, named <date>-<gpu>:
   .json            the run itself (copied)
@@ -30,8 +30,9 @@ METRICS = [
 ]
 
 
-def metrics_of(run, plain_step_ms):
-    """The metrics of one run (None where they do not apply)."""
+def metrics_of(run, plain_step_ms, gpu_bytes=None):
+    """The metrics of one run (None where they do not apply). `gpu_bytes`: the job's GPU state
+    (possum's GPU image of the same case), else the extra state alone is counted."""
     ck = run.get("checkpoint") or {}
     m = {k: None for k, *_ in METRICS}
     m["stall_ms"] = run.get("stall_ms")
@@ -45,7 +46,7 @@ def metrics_of(run, plain_step_ms):
     if ck.get("image_bytes") is not None:
         m["image_gb"] = ck["image_bytes"] / 1e9
     m["restore_first_step_ms"] = run.get("restore_to_first_step_ms")
-    gib_bytes = run["gib"] * (1 << 30)
+    gib_bytes = gpu_bytes or run["gib"] * (1 << 30)
     rs = run.get("restore") or {}
     er = run.get("engine_restore") or {}
     if run["engine"] == "driver" and rs.get("driver_restore_ms"):
@@ -85,9 +86,16 @@ def summarise(doc):
         if r["engine"] == src and r.get("normal_step_ms"):
             plain.setdefault((case(r), r.get("state")), []).append(r["normal_step_ms"])
     plain = {k: statistics.median(v) for k, v in plain.items()}
+    # The GPU state of each case, as possum's image of it measured it: what the driver restores.
+    gpu = {}
+    for r in runs:
+        b = (r.get("checkpoint") or {}).get("gpu_image_bytes")
+        if r["engine"] == "possum" and b:
+            gpu.setdefault(case(r), []).append(b)
+    gpu = {k: statistics.median(v) for k, v in gpu.items()}
     out = {}
     for r in runs:
-        m = metrics_of(r, plain.get((case(r), r.get("state"))))
+        m = metrics_of(r, plain.get((case(r), r.get("state"))), gpu.get(case(r)))
         cell = out.setdefault((case(r), r["engine"]), {})
         for k, v in m.items():
             if v is not None:
@@ -160,7 +168,9 @@ def table(doc, summary):
     lines.append("The stall's parts are `possum checkpoint`'s own timings of each step taken while "
                  "the job is held; the stall itself is the job's largest gap between steps minus a "
                  "normal step.")
-    lines.append(f"Restore throughput is against a PCIe ceiling of {PCIE_GBPS:.0f} GB/s. "
+    lines.append(f"Restore throughput is against a PCIe ceiling of {PCIE_GBPS:.0f} GB/s: the job's GPU "
+                 "state (the size of possum's GPU image of the same case) over the time the driver, or "
+                 "possum's resume, took to put it back. "
                  "`possum`: the full checkpoint (CRIU + driver residue + possum's buffers) of a job "
                  "started with `possum run --no-cupti`, held by parking its threads (the driver "
                  "refuses a process CUPTI has subscribed in; eval/results/README.md); "
@@ -244,6 +254,8 @@ def main():
                     "to pool (their runs are merged; each run's wall time is listed)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--readme")
+    ap.add_argument("--suffix", default="", help="appended to the files' name (<date>-<gpu><suffix>), "
+                    "so that a second run of one day keeps the first's files")
     a = ap.parse_args()
     docs = [json.load(open(b)) for b in a.bench]
     doc = docs[0]
@@ -259,7 +271,7 @@ def main():
         doc["wall_s"] = sum(d.get("wall_s") or 0 for d in docs)
         doc["invocations"] = [{"wall_s": d.get("wall_s"), "runs": len(d["runs"])} for d in docs]
     gpu = re.sub(r"[^a-z0-9]+", "-", (doc.get("gpu") or "gpu").split(",")[0].lower()).strip("-")
-    stem = os.path.join(a.results, f"{doc.get('date', 'undated')}-{gpu}")
+    stem = os.path.join(a.results, f"{doc.get('date', 'undated')}-{gpu}{a.suffix}")
     if len(docs) > 1:
         with open(stem + ".json", "w") as f:
             json.dump(doc, f)
