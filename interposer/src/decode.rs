@@ -175,6 +175,47 @@ impl KernelArgs<'_> {
         }
     }
 
+    /// Calls `f` with the 8-byte word of every slot, in order, where the job wrote them (no
+    /// copy): the words [`Self::read_slots`] would give.
+    pub fn for_each_slot(&self, runs: &[SlotRun], mut f: impl FnMut(u64)) {
+        let (buf, size) = if self.params.is_null() {
+            self.extra_buffer()
+        } else {
+            (std::ptr::null(), 0)
+        };
+        for r in runs {
+            let len = usize::from(r.len);
+            let (src, readable): (*const u8, usize) = if !self.params.is_null() {
+                // SAFETY: as in `read_slots`: one pointer per parameter, the run's parameter
+                // inside the driver's layout.
+                let arg: *const u8 = unsafe { self.params.add(usize::from(r.param)).read() };
+                if arg.is_null() {
+                    (arg, 0)
+                } else {
+                    // SAFETY: the run's words lie inside its parameter, whose bytes `arg` points
+                    // at for the duration of the call.
+                    (unsafe { arg.add(8 * usize::from(r.word)) }, len)
+                }
+            } else {
+                let off = r.offset as usize;
+                let readable = (size.saturating_sub(off) / 8).min(len);
+                if buf.is_null() || readable == 0 {
+                    (buf, 0)
+                } else {
+                    // SAFETY: at least one word at `off` lies inside the packed buffer.
+                    (unsafe { buf.add(off) }, readable)
+                }
+            };
+            for i in 0..readable {
+                // SAFETY: word `i < readable` of the run lies inside the argument (above).
+                f(unsafe { src.add(8 * i).cast::<u64>().read_unaligned() });
+            }
+            for _ in readable..len {
+                f(0);
+            }
+        }
+    }
+
     /// The `extra` array's packed argument buffer and its size ((null, 0) if absent).
     fn extra_buffer(&self) -> (*const u8, usize) {
         let (mut buf, mut size) = (std::ptr::null::<u8>(), 0usize);

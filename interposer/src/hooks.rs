@@ -25,7 +25,8 @@ use possum_engine::{Access, Buffer, OpGuard};
 use crate::cbid::{Shape, StreamAt};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
 use crate::runtime::{
-    state, words_key, DagMsg, DagOp, DagSets, DevEngine, Ranges, Reentry, Resolved, SnapNode, State,
+    state, DagMsg, DagOp, DagSets, DevEngine, Ranges, Reentry, Resolved, SetsRef, SnapNode, State,
+    WordHash,
 };
 use crate::validate;
 
@@ -374,19 +375,20 @@ fn push_buffer(b: &Buffer, read_only: bool, reads: &mut Vec<Buffer>, writes: &mu
 struct Memo {
     generation: u64,
     version: u64,
-    /// `runtime::words_key` of `words`.
-    key: u64,
-    words: Vec<u64>,
+    /// [`WordHash`] of the launch's canonical words.
+    hash: u128,
     unmanaged: bool,
     sets: BufferSets,
-    /// `sets`' DAG lists, as every launch matching this entry sends them.
-    dag: Arc<DagSets>,
+    /// Id of `sets`' DAG lists ([`DagMsg::Define`]d when the entry is filled; 0: none), which
+    /// every launch matching this entry sends.
+    dag: u64,
 }
 
 impl Memo {
-    /// Whether this entry holds the buffer sets of a launch with `words` now.
-    fn matches(&self, generation: u64, version: u64, words: &[u64]) -> bool {
-        self.generation == generation && self.version == version && self.words == words
+    /// Whether this entry holds the buffer sets of a launch whose canonical words hash to
+    /// `hash` now.
+    fn matches(&self, generation: u64, version: u64, hash: u128) -> bool {
+        self.hash == hash && self.generation == generation && self.version == version
     }
 }
 
@@ -411,8 +413,8 @@ struct Ways {
 }
 
 impl Ways {
-    /// The entry matching `words` (with key `key`), if any.
-    fn find(&self, generation: u64, version: u64, key: u64, words: &[u64]) -> Option<usize> {
+    /// The entry matching `hash`, if any.
+    fn find(&self, generation: u64, version: u64, hash: u128) -> Option<usize> {
         let n = self.entries.len();
         if n == 0 {
             return None;
@@ -420,29 +422,26 @@ impl Ways {
         let likely = [self.last % n, (self.last + 1) % n];
         likely
             .into_iter()
-            .chain(self.index.get(&key).copied())
-            .find(|&i| {
-                let m = &self.entries[i];
-                m.key == key && m.matches(generation, version, words)
-            })
+            .chain(self.index.get(&(hash as u64)).copied())
+            .find(|&i| self.entries[i].matches(generation, version, hash))
     }
 
-    /// An entry to (re)fill for a launch with key `key` that matched none.
-    fn victim(&mut self, key: u64) -> usize {
+    /// An entry to (re)fill for a launch with `hash` that matched none.
+    fn victim(&mut self, hash: u128) -> usize {
         let i = if self.entries.len() < MEMO_WAYS {
             self.entries.push(Memo::default());
             self.entries.len() - 1
         } else {
             let i = self.next % MEMO_WAYS;
             self.next = self.next.wrapping_add(1);
-            let old = self.entries[i].key;
+            let old = self.entries[i].hash as u64;
             if self.index.get(&old) == Some(&i) {
                 self.index.remove(&old);
             }
             i
         };
-        self.entries[i].key = key;
-        self.index.insert(key, i);
+        self.entries[i].hash = hash;
+        self.index.insert(hash as u64, i);
         i
     }
 }
@@ -473,20 +472,25 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             let s = &mut *s;
             let generation = st.generation();
             let ranges = ranges_at(&mut s.ranges, st, generation);
+            let span = ranges.span();
             let words = &mut s.words;
-            args.read_slots(model.slot_runs(), words);
-            // A validated launch keeps every word: one near a known allocation may be asked of
-            // the driver (`State::discover`).
-            let key = if validate_now {
-                words_key(words)
-            } else {
-                ranges.canonicalize(words)
-            };
             let version = model.speculation_version();
-            let found = ways.find(generation, version, key, words);
-            let slot = found.unwrap_or_else(|| ways.victim(key));
+            // The words are hashed where the job wrote them; they are copied out only to be
+            // resolved (a miss) or validated. A validated launch never reuses an entry.
+            let found = (!validate_now)
+                .then(|| {
+                    let mut h = WordHash::default();
+                    args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
+                    let hash = h.finish();
+                    ways.find(generation, version, hash)
+                })
+                .flatten();
+            let hit = found.is_some();
+            let slot = found.unwrap_or_else(|| {
+                args.read_slots(model.slot_runs(), words);
+                ways.victim(WordHash::of_canonical(words, span))
+            });
             ways.last = slot;
-            let hit = found.is_some() && !validate_now;
             let m = &mut ways.entries[slot];
             // A reused entry needed no discovery (see `Memo`).
             let mut identified = true;
@@ -514,8 +518,16 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 m.generation = if discovered { u64::MAX } else { generation };
                 m.version = version;
                 m.unmanaged = unmanaged;
-                m.words.clone_from(words);
-                m.dag = DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes);
+                if st.cfg.dag {
+                    if m.dag != 0 {
+                        st.to_dag(DagMsg::Forget(m.dag));
+                    }
+                    m.dag = st.next_dag_id();
+                    st.to_dag(DagMsg::Define {
+                        id: m.dag,
+                        sets: DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes),
+                    });
+                }
                 identified = !discovered;
             }
             let opaque = model.is_opaque();
@@ -531,7 +543,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 st.to_dag(DagMsg::Launch {
                     op: DagOp::Kernel(func),
                     stream,
-                    sets: m.dag.clone(),
+                    sets: SetsRef::Memo(m.dag),
                 });
             }
             let access = if opaque {
@@ -600,7 +612,7 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
                 st.to_dag(DagMsg::Launch {
                     op: kref,
                     stream,
-                    sets: DagSets::new(&sets.dag_reads, &sets.dag_writes),
+                    sets: SetsRef::Once(DagSets::new(&sets.dag_reads, &sets.dag_writes)),
                 });
             }
         }
@@ -650,10 +662,10 @@ fn copy_like(
                 DagOp::Memset
             },
             stream: s,
-            sets: Arc::new(DagSets {
+            sets: SetsRef::Once(Arc::new(DagSets {
                 reads: rd.buf_ref().into_iter().collect(),
                 writes: wr.buf_ref().into_iter().collect(),
-            }),
+            })),
         });
     }
     hook(

@@ -160,17 +160,83 @@ impl DevEngine {
     }
 }
 
-/// A cheap key of a launch's words, for looking memo entries up (equal words, equal keys; the
-/// entries are then compared in full): their count, XOR and wrapping sum.
-pub fn words_key(words: &[u64]) -> u64 {
-    let (x, a) = words
-        .iter()
-        .fold((0u64, 0u64), |(x, a), &w| (x ^ w, a.wrapping_add(w)));
-    fold_key(words.len(), x, a)
+/// From the lowest start of a known allocation to the highest end: a word outside it points into
+/// none, whatever its value.
+#[derive(Debug, Clone, Copy)]
+pub struct Span {
+    lo: u64,
+    len: u64,
 }
 
-fn fold_key(n: usize, x: u64, a: u64) -> u64 {
-    (x.rotate_left(32) ^ a ^ n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+impl Span {
+    /// `w` if it lies in the span, else 0: a launch's words differing only outside it (scalars,
+    /// seeds, sizes) name the same buffers.
+    #[inline]
+    pub fn canon(self, w: u64) -> u64 {
+        if w.wrapping_sub(self.lo) < self.len {
+            w
+        } else {
+            0
+        }
+    }
+}
+
+/// A 128-bit hash of a launch's (canonical) words, by which the launch path finds the memo entry
+/// of an earlier launch with the same words without keeping or comparing the words themselves
+/// (they are read once, where the job wrote them; a memo entry is then two cache lines, not the
+/// kilobytes of a by-value struct). Four independent lanes (word `i` goes to lane `i % 4`), each
+/// step a bijection of the lane for a given word, so sequences differing in one word always
+/// differ; the lanes and the count are mixed into 128 bits at the end.
+#[derive(Debug, Clone)]
+pub struct WordHash {
+    lanes: [u64; 4],
+    n: u64,
+}
+
+impl Default for WordHash {
+    fn default() -> Self {
+        Self {
+            lanes: [
+                0x243f_6a88_85a3_08d3,
+                0x1319_8a2e_0370_7344,
+                0xa409_3822_299f_31d0,
+                0x082e_fa98_ec4e_6c89,
+            ],
+            n: 0,
+        }
+    }
+}
+
+impl WordHash {
+    /// Adds the next word.
+    #[inline]
+    pub fn push(&mut self, w: u64) {
+        let l = &mut self.lanes[(self.n & 3) as usize];
+        *l = (*l ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+        self.n += 1;
+    }
+
+    /// The hash of the words pushed.
+    pub fn finish(&self) -> u128 {
+        fn mix(mut z: u64) -> u64 {
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        let [a, b, c, d] = self.lanes;
+        let hi = mix(a ^ mix(c ^ self.n));
+        let lo = mix(b ^ mix(d ^ self.n.rotate_left(32)));
+        (u128::from(hi) << 64) | u128::from(lo)
+    }
+
+    /// The hash of `words`, each first passed through `span` ([`Span::canon`]).
+    pub fn of_canonical(words: &[u64], span: Span) -> u128 {
+        let mut h = WordHash::default();
+        for &w in words {
+            h.push(span.canon(w));
+        }
+        h.finish()
+    }
 }
 
 /// Every allocation possum knows, sorted: what launches resolve their words against, without a
@@ -216,21 +282,13 @@ impl Ranges {
         self.hulls.iter().any(|&(s, e)| w >= s && w < e)
     }
 
-    /// Sets to 0 every word that no known allocation can contain (outside the span from the
-    /// lowest start to the highest end): such a word resolves to nothing whatever its value, so a
-    /// launch's words differing only there (scalars, seeds, sizes) name the same buffers.
-    /// Returns [`words_key`] of the result (one pass, branch-free: it vectorizes).
-    pub fn canonicalize(&self, words: &mut [u64]) -> u64 {
+    /// The span every known allocation lies in (see [`Span`]).
+    pub fn span(&self) -> Span {
         let lo = self.starts.first().copied().unwrap_or(u64::MAX);
-        let span = self.max_end.saturating_sub(lo);
-        let (mut x, mut a) = (0u64, 0u64);
-        for w in words.iter_mut() {
-            let c = if w.wrapping_sub(lo) < span { *w } else { 0 };
-            *w = c;
-            x ^= c;
-            a = a.wrapping_add(c);
+        Span {
+            lo,
+            len: self.max_end.saturating_sub(lo),
         }
-        fold_key(words.len(), x, a)
     }
 
     /// What `w` points into (never anything for 0: no allocation starts at address 0).
@@ -355,7 +413,9 @@ pub struct State {
     pub captures: AtomicU64,
     /// The DAG. Launches reach it through `dag_tx` and the `possum-dag` thread, off the launch
     /// path.
-    dag: Mutex<Dag>,
+    dag: Mutex<DagSide>,
+    /// Ids of memo entries' DAG sets ([`DagMsg::Define`]).
+    dag_ids: AtomicU64,
     dag_tx: Option<crossbeam_channel::Sender<Vec<DagMsg>>>,
     dag_rx: crossbeam_channel::Receiver<Vec<DagMsg>>,
     /// Emptied batches, back from the DAG thread for the launch path to refill: a batch is
@@ -411,7 +471,11 @@ pub fn state() -> &'static State {
             kernels: RwLock::new(HashMap::default()),
             graphs: RwLock::new(HashMap::default()),
             captures: AtomicU64::new(0),
-            dag: Mutex::new(Dag::new(window)),
+            dag: Mutex::new(DagSide {
+                dag: Dag::new(window),
+                sets: HashMap::default(),
+            }),
+            dag_ids: AtomicU64::new(1),
             counters: Counters::default(),
             ranges: RwLock::new(Arc::new(Ranges::default())),
             ranges_stale: AtomicBool::new(false),
@@ -508,12 +572,39 @@ pub enum DagMsg {
         /// On which stream.
         stream: u64,
         /// Its buffers.
+        sets: SetsRef,
+    },
+    /// The buffer sets of a launch-path memo entry, under `id` until [`DagMsg::Forget`]: the
+    /// entry's launches then send only the id (no reference count touched by two threads per
+    /// launch).
+    Define {
+        /// The id ([`State::next_dag_id`]).
+        id: u64,
+        /// The sets.
         sets: Arc<DagSets>,
     },
+    /// A memo entry's sets are no longer used.
+    Forget(u64),
     /// A managed buffer was freed.
     Free(u64),
     /// A kernel became opaque.
     Opaque(u64),
+}
+
+/// The buffers of a [`DagMsg::Launch`].
+#[derive(Debug)]
+pub enum SetsRef {
+    /// Those [`DagMsg::Define`]d under this id.
+    Memo(u64),
+    /// These (an operation seen once: a copy, a graph node).
+    Once(Arc<DagSets>),
+}
+
+/// What the `possum-dag` thread holds: the DAG and the memo entries' sets by id.
+#[derive(Debug)]
+pub struct DagSide {
+    dag: Dag,
+    sets: HashMap<u64, Arc<DagSets>>,
 }
 
 /// The operation of a [`DagMsg::Launch`].
@@ -527,9 +618,18 @@ pub enum DagOp {
     Memset,
 }
 
-fn apply(st: &State, dag: &mut Dag, m: DagMsg) {
+fn apply(st: &State, side: &mut DagSide, m: DagMsg) {
+    let dag = &mut side.dag;
     match m {
         DagMsg::Launch { op, stream, sets } => {
+            let sets = match sets {
+                SetsRef::Once(s) => s,
+                // Unknown when its definition was in a dropped batch (counted there).
+                SetsRef::Memo(id) => match side.sets.get(&id) {
+                    Some(s) => s.clone(),
+                    None => return,
+                },
+            };
             // A kernel the DAG knows needs no look-up (its opaqueness comes as `Opaque`).
             let model = match op {
                 DagOp::Kernel(h) if !dag.knows_kernel(h) => st.kernels.read().get(&h).cloned(),
@@ -545,6 +645,12 @@ fn apply(st: &State, dag: &mut Dag, m: DagMsg) {
                 (DagOp::Memset, _) => KernelRef::MEMSET,
             };
             dag.record_launch(&k, stream, &sets.reads, &sets.writes);
+        }
+        DagMsg::Define { id, sets } => {
+            side.sets.insert(id, sets);
+        }
+        DagMsg::Forget(id) => {
+            side.sets.remove(&id);
         }
         DagMsg::Free(id) => dag.record_free(id),
         DagMsg::Opaque(h) => dag.set_kernel_opaque(h),
@@ -750,6 +856,11 @@ impl State {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// A fresh id for a memo entry's DAG sets.
+    pub fn next_dag_id(&self) -> u64 {
+        self.dag_ids.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Queues `m` for the DAG: in the calling thread's batch, sent when full (dropped, and
     /// counted, if the DAG thread is far behind).
     pub fn to_dag(&self, m: DagMsg) {
@@ -789,7 +900,7 @@ impl State {
     }
 
     /// Records queued batches into `dag` (the DAG's lock held).
-    fn apply_batches(&self, dag: &mut Dag, batches: impl Iterator<Item = Vec<DagMsg>>) {
+    fn apply_batches(&self, dag: &mut DagSide, batches: impl Iterator<Item = Vec<DagMsg>>) {
         for mut batch in batches {
             for m in batch.drain(..) {
                 apply(self, dag, m);
@@ -1063,8 +1174,9 @@ impl State {
         let mut kernels: Vec<_> = self.kernels().iter().map(|k| k.stats()).collect();
         kernels.sort_by_key(|k| std::cmp::Reverse(k.launches));
         flush_dag();
-        let mut dag = self.dag.lock();
-        self.apply_batches(&mut dag, self.dag_rx.try_iter());
+        let mut side = self.dag.lock();
+        self.apply_batches(&mut side, self.dag_rx.try_iter());
+        let dag = &side.dag;
         json!({
             "stats": self.stats_json(),
             "kernels": kernels,
