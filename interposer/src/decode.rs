@@ -299,6 +299,11 @@ mod tests {
         call.kernel_args(6, Some(7))
             .read_slots(&slot_runs(&slots), &mut out);
         assert_eq!(out, vec![a, s[0], s[1], s[2]]);
+        // Read in place, the same words.
+        let mut seen = Vec::new();
+        call.kernel_args(6, Some(7))
+            .for_each_slot(&slot_runs(&slots), |w| seen.push(w));
+        assert_eq!(seen, out);
     }
 
     #[test]
@@ -334,6 +339,10 @@ mod tests {
         call.kernel_args(2, Some(3))
             .read_slots(&slot_runs(&layout.pointer_slots()), &mut out);
         assert_eq!(out, vec![0x7f00_0000_1000, 0]);
+        let mut seen = Vec::new();
+        call.kernel_args(2, Some(3))
+            .for_each_slot(&slot_runs(&layout.pointer_slots()), |w| seen.push(w));
+        assert_eq!(seen, out);
     }
 
     #[test]

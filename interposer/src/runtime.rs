@@ -1215,6 +1215,32 @@ mod tests {
     }
 
     #[test]
+    fn words_outside_every_allocation_do_not_change_the_hash() {
+        let r = ranges(&[(0x7f00_0000_0000, 0x10_0000), (0x7f00_0100_0000, 0x1000)]);
+        let span = r.span();
+        let a = 0x7f00_0000_0040;
+        let b = 0x7f00_0100_0008;
+        // A step count and a seed outside the span: canonical 0, the same hash.
+        let base = WordHash::of_canonical(&[a, 7, b, 0xdead_beef], span);
+        assert_eq!(base, WordHash::of_canonical(&[a, 8, b, 0x1234], span));
+        assert_eq!(span.canon(7), 0);
+        assert_eq!(span.canon(a), a);
+        // A pointer moved, swapped, or one word more: another hash.
+        assert_ne!(base, WordHash::of_canonical(&[a + 8, 7, b, 0], span));
+        assert_ne!(base, WordHash::of_canonical(&[b, 7, a, 0], span));
+        assert_ne!(base, WordHash::of_canonical(&[a, 7, b, 0, 0], span));
+        // Any single word changed inside the span changes the hash (each lane step is a
+        // bijection of the lane for a given word).
+        let words: Vec<u64> = (0..40).map(|i| a + 8 * i).collect();
+        let h = WordHash::of_canonical(&words, span);
+        for i in 0..words.len() {
+            let mut w = words.clone();
+            w[i] += 8;
+            assert_ne!(h, WordHash::of_canonical(&w, span), "word {i}");
+        }
+    }
+
+    #[test]
     fn lookup_finds_the_containing_allocation_only() {
         let r = ranges(&[(0x7f00_0040_0000, 0x20_0000), (0x7f00_0000_0000, 0x1000)]);
         assert!(matches!(
