@@ -4,7 +4,8 @@
 # interposer/tests/fake/fake_job.c's `bench` mode (three kernels shaped like PyTorch's: 2, 92 and
 # 400 pointer slots), printing the time spent in possum's callbacks per launch (sampled 1 in 16,
 # as on the GPU) for the whole path, without the DAG, and watching only; then with one launch in
-# three missing the per-kernel memo. Instruction counts, repeatable on any machine:
+# three missing the per-kernel memo (their non-pointer words change; canonical words hit), and with
+# 24 buffer sets and caches made cold between launches. Instruction counts, repeatable on any machine:
 #   VALGRIND=1 bash scripts/fake-gpu-bench.sh   (callgrind; then callgrind_annotate the output)
 # Usage: bash scripts/fake-gpu-bench.sh [LAUNCHES_PER_KERNEL]   (default 100000)
 set -euo pipefail
@@ -35,4 +36,6 @@ run no-dag POSSUM_DAG=0
 run watch-only POSSUM_DAG=0 POSSUM_MANAGE=0 POSSUM_VALIDATE=off
 run all,1/3-memo-misses FAKE_JOB_MISS=1
 run no-dag,1/3-memo-misses FAKE_JOB_MISS=1 POSSUM_DAG=0
+# 24 buffer sets per kernel, 8 MiB written between launches: possum's data cold, as under a framework.
+run all,24-sets,cold FAKE_JOB_SETS=24 FAKE_JOB_POLLUTE=8192
 echo "outputs in $d"
