@@ -223,9 +223,14 @@ impl WordHash {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         }
+        // Each half depends on every lane: the memo's index is keyed by the low half alone, and
+        // a kernel with one or two words leaves lanes untouched (with the low half made of two
+        // lanes only, every buffer set of a one-pointer kernel had the same key, measured).
         let [a, b, c, d] = self.lanes;
-        let hi = mix(a ^ mix(c ^ self.n));
-        let lo = mix(b ^ mix(d ^ self.n.rotate_left(32)));
+        let hi = mix(a ^ mix(b ^ mix(c ^ mix(d ^ self.n))));
+        let lo =
+            mix(d.rotate_left(47)
+                ^ mix(c.rotate_left(31) ^ mix(b.rotate_left(17) ^ mix(a ^ !self.n))));
         (u128::from(hi) << 64) | u128::from(lo)
     }
 
@@ -1229,6 +1234,12 @@ mod tests {
         assert_ne!(base, WordHash::of_canonical(&[a + 8, 7, b, 0], span));
         assert_ne!(base, WordHash::of_canonical(&[b, 7, a, 0], span));
         assert_ne!(base, WordHash::of_canonical(&[a, 7, b, 0, 0], span));
+        // Both halves change with a one-word launch's word (the memo's index keys on the low
+        // half).
+        let one = WordHash::of_canonical(&[a], span);
+        let other = WordHash::of_canonical(&[a + 8], span);
+        assert_ne!(one as u64, other as u64);
+        assert_ne!((one >> 64) as u64, (other >> 64) as u64);
         // Any single word changed inside the span changes the hash (each lane step is a
         // bijection of the lane for a given word).
         let words: Vec<u64> = (0..40).map(|i| a + 8 * i).collect();

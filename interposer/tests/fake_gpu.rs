@@ -243,9 +243,10 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
     let c = &v["possum"]["counters"];
     let launches = c["launches"].as_u64().unwrap();
     let hits = c["memo_hits"].as_u64().unwrap();
-    assert_eq!(launches, 3 * iters as u64, "{v}");
-    // 3 kernels x 24 sets resolved once each; the validated launches (2 per kernel) resolve too.
-    let misses_allowed = 3 * sets as u64 + 3 * 2;
+    assert_eq!(launches, 4 * iters as u64, "{v}");
+    // 4 kernels x 24 sets resolved once each; the validated launches (2 per kernel) resolve too.
+    // One kernel has a single pointer: its sets differ in one word only.
+    let misses_allowed = 4 * sets as u64 + 4 * 2;
     assert!(
         hits >= launches - misses_allowed,
         "memo hits {hits} of {launches} launches: {c}"
@@ -287,9 +288,9 @@ fn the_ab_test_switches_the_hooks_off_and_on() {
     let v = read_json(&dir.join("stats.json"));
     let launches = v["possum"]["counters"]["launches"].as_u64().unwrap();
     assert!(
-        launches > 0 && launches < 3 * iters,
+        launches > 0 && launches < 4 * iters,
         "launches seen {launches} of {}: the off intervals' must go unseen",
-        3 * iters
+        4 * iters
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

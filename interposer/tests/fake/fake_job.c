@@ -18,11 +18,13 @@ static struct fake_kernel axpy = {FAKE_KERNEL_MAGIC, "axpy", 2, {0, 8}, {8, 8}};
 static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump_table", 1, {0}, {8}};
 static struct fake_kernel scale = {FAKE_KERNEL_MAGIC, "scale", 1, {0}, {24}};
 
-/* `fake_job bench N`: N launches of each of three kernels shaped like PyTorch's (an elementwise
+/* `fake_job bench N`: N launches of each of four kernels shaped like PyTorch's (an elementwise
  * kernel with 2 pointers, a GEMM-like one with a 736-byte by-value struct, a multi-tensor-apply-like
- * one with a 3 KiB by-value struct), cycling over 8 buffer sets, for timing possum's launch path. */
+ * one with a 3 KiB by-value struct, a fill with one pointer), cycling over 8 buffer sets, for timing
+ * possum's launch path. */
 static struct fake_kernel gemm = {FAKE_KERNEL_MAGIC, "gemm_like", 1, {0}, {736}};
 static struct fake_kernel mta = {FAKE_KERNEL_MAGIC, "multi_tensor_apply_like", 1, {0}, {3200}};
+static struct fake_kernel fill1 = {FAKE_KERNEL_MAGIC, "fill_like", 1, {0}, {8}};
 static int bench(fire_fn fire, long iters) {
     /* FAKE_JOB_SETS buffer sets (default 8, at most 32) cycled over, like one kernel launched
      * once per layer of a model. */
@@ -60,6 +62,12 @@ static int bench(fire_fn fire, long iters) {
         POLLUTE();
         fire(307, 0, &m, &ret);
         fire(307, 1, &m, &ret);
+        /* A kernel with one pointer and nothing else (a fill): its sets differ in one word. */
+        void *fargs[] = {&bufs[k]};
+        launch_params f1 = {&fill1, {1, 1, 1, 1, 1, 1}, 0, NULL, fargs, NULL};
+        POLLUTE();
+        fire(307, 0, &f1, &ret);
+        fire(307, 1, &f1, &ret);
     }
     free(junk);
     puts("ok");
