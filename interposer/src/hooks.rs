@@ -477,18 +477,16 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             let version = model.speculation_version();
             // The words are hashed where the job wrote them; they are copied out only to be
             // resolved (a miss) or validated. A validated launch never reuses an entry.
-            let found = (!validate_now)
-                .then(|| {
-                    let mut h = WordHash::default();
-                    args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
-                    let hash = h.finish();
-                    ways.find(generation, version, hash)
-                })
-                .flatten();
+            let hash = (!validate_now).then(|| {
+                let mut h = WordHash::default();
+                args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
+                h.finish()
+            });
+            let found = hash.and_then(|h| ways.find(generation, version, h));
             let hit = found.is_some();
             let slot = found.unwrap_or_else(|| {
                 args.read_slots(model.slot_runs(), words);
-                ways.victim(WordHash::of_canonical(words, span))
+                ways.victim(hash.unwrap_or_else(|| WordHash::of_canonical(words, span)))
             });
             ways.last = slot;
             let m = &mut ways.entries[slot];
