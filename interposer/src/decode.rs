@@ -121,62 +121,18 @@ pub struct KernelArgs<'a> {
 
 impl KernelArgs<'_> {
     /// Reads the 8-byte word of every slot (in order) into `out` (cleared first), given as runs
-    /// of consecutive words (`possum_analyzer::layout::slot_runs`): one copy per run. A slot that
-    /// cannot be read (no argument pointer, outside the `extra` buffer) reads as 0.
+    /// of consecutive words (`possum_analyzer::layout::slot_runs`). A slot that cannot be read
+    /// (no argument pointer, outside the `extra` buffer) reads as 0.
     ///
     /// `runs` must come from the parameter layout the driver reported for the launched kernel
     /// (`possum_analyzer::KernelModel::slot_runs`): that is what makes the reads in bounds.
     pub fn read_slots(&self, runs: &[SlotRun], out: &mut Vec<u64>) {
         out.clear();
-        let (buf, size) = if self.params.is_null() {
-            self.extra_buffer()
-        } else {
-            (std::ptr::null(), 0)
-        };
-        for r in runs {
-            let len = usize::from(r.len);
-            let (src, readable) = if !self.params.is_null() {
-                // SAFETY: `kernelParams` has one pointer per parameter of the kernel, and the
-                // run's parameter index lies inside the driver's layout for it.
-                let arg: *const u8 = unsafe { self.params.add(usize::from(r.param)).read() };
-                let src = (!arg.is_null()).then(|| {
-                    // SAFETY: the run's words lie inside its parameter (the driver's layout),
-                    // whose bytes `arg` points at for the duration of the call.
-                    unsafe { arg.add(8 * usize::from(r.word)) }
-                });
-                (src, len)
-            } else {
-                let off = r.offset as usize;
-                let readable = size.saturating_sub(off) / 8;
-                let src = (!buf.is_null() && readable > 0).then(|| {
-                    // SAFETY: taken only when at least one word at `off` lies inside the packed
-                    // buffer's `size` bytes.
-                    unsafe { buf.add(off) }
-                });
-                (src, readable.min(len))
-            };
-            let at = out.len();
-            out.reserve(len);
-            if let Some(src) = src {
-                // SAFETY: `readable` words from `src` lie inside the argument (above), and `out`
-                // has room for `len >= readable` more words; byte copies, so no alignment is
-                // assumed; the words copied are initialised before `set_len` covers them.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src,
-                        out.as_mut_ptr().add(at).cast::<u8>(),
-                        8 * readable,
-                    );
-                    out.set_len(at + readable);
-                }
-            }
-            // Words that could not be read are 0.
-            out.resize(at + len, 0);
-        }
+        self.for_each_slot(runs, |w| out.push(w));
     }
 
     /// Calls `f` with the 8-byte word of every slot, in order, where the job wrote them (no
-    /// copy): the words [`Self::read_slots`] would give.
+    /// copy): the words [`Self::read_slots`] gives. Same contract on `runs`.
     pub fn for_each_slot(&self, runs: &[SlotRun], mut f: impl FnMut(u64)) {
         let (buf, size) = if self.params.is_null() {
             self.extra_buffer()
@@ -186,8 +142,8 @@ impl KernelArgs<'_> {
         for r in runs {
             let len = usize::from(r.len);
             let (src, readable): (*const u8, usize) = if !self.params.is_null() {
-                // SAFETY: as in `read_slots`: one pointer per parameter, the run's parameter
-                // inside the driver's layout.
+                // SAFETY: `kernelParams` has one pointer per parameter of the kernel, and the
+                // run's parameter index lies inside the driver's layout for it.
                 let arg: *const u8 = unsafe { self.params.add(usize::from(r.param)).read() };
                 if arg.is_null() {
                     (arg, 0)
