@@ -120,6 +120,9 @@ pub struct KernelStats {
     pub launches: u64,
     /// Validations recorded.
     pub validated: u64,
+    /// Launches whose words had to be resolved (the launch path's memo did not have them): a
+    /// kernel whose every launch is resolved changes some pointer word every time.
+    pub resolved: u64,
     /// Whether the kernel is treated as touching every buffer.
     pub opaque: bool,
     /// Why it is opaque.
@@ -143,6 +146,7 @@ pub struct KernelModel {
     runs: Vec<SlotRun>,
     launches: AtomicU64,
     validated: AtomicU64,
+    resolved: AtomicU64,
     /// Set (once, to the first reason given) when the kernel becomes opaque: the kernel is opaque
     /// exactly when this is set.
     opaque_reason: OnceLock<String>,
@@ -189,6 +193,7 @@ impl KernelModel {
             slots,
             launches: AtomicU64::new(0),
             validated: AtomicU64::new(0),
+            resolved: AtomicU64::new(0),
             opaque_reason,
             rw_mask: AtomicU64::new(0),
             ro_mask: AtomicU64::new(0),
@@ -209,6 +214,11 @@ impl KernelModel {
     /// The layout's pointer slots ([`ParamLayout::pointer_slots`]); empty without a layout.
     pub fn slots(&self) -> &[Slot] {
         &self.slots
+    }
+
+    /// Counts a launch whose words were resolved (not found in the launch path's memo).
+    pub fn note_resolved(&self) {
+        self.resolved.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The slots as runs of consecutive words ([`slot_runs`]): what a launch's words are read by.
@@ -334,6 +344,7 @@ impl KernelModel {
             name: self.name.clone(),
             launches: self.launches.load(Ordering::Relaxed),
             validated: self.validated.load(Ordering::Relaxed),
+            resolved: self.resolved.load(Ordering::Relaxed),
             opaque: self.is_opaque(),
             opaque_reason: self.opaque_reason(),
             readonly_slots: self.readonly_mask().count_ones(),

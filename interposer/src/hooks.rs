@@ -495,6 +495,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             if hit {
                 c.memo_hits.fetch_add(1, Ordering::Relaxed);
             } else {
+                model.note_resolved();
                 m.sets.clear();
                 let (unmanaged, discovered) = resolve_slots(
                     st,

@@ -252,6 +252,15 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
         "memo hits {hits} of {launches} launches: {c}"
     );
     assert_eq!(c["launches_identified"], launches, "{v}");
+    // Per kernel: the one-pointer kernel resolved each of its sets once (and its 2 validated
+    // launches), no more.
+    let t = read_json(&dir.join("trace.json"));
+    let fill = kernel(&t, "fill_like");
+    assert_eq!(fill["launches"], iters as u64, "{fill}");
+    assert!(
+        fill["resolved"].as_u64().unwrap() <= sets as u64 + 2,
+        "{fill}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
