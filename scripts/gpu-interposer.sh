@@ -61,7 +61,8 @@ for job in ${JOBS:-mlp cnn gpt2 triton graph multistream ptrtable}; do
     # Plain and with possum, alternating, REPS times each: median step time of each.
     for r in $(seq 1 "${REPS:-3}"); do
         POSSUM_TIMING_FILE="$out/$job.plain.t$r" "${cmd[@]}" > "$out/$job.plain" 2> "$out/$job.plain.err"
-        LD_PRELOAD="$so" POSSUM_VERBOSE=1 POSSUM_STATS="$out/$job.stats.json" POSSUM_TIMING_FILE="$out/$job.possum.t$r" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"
+        LD_PRELOAD="$so" POSSUM_VERBOSE=1 POSSUM_STATS="$out/$job.stats.json" POSSUM_TRACE="$out/$job.trace.json" \
+            POSSUM_TIMING_FILE="$out/$job.possum.t$r" "${cmd[@]}" > "$out/$job.possum" 2> "$out/$job.possum.err"
         if [[ " ${BREAKDOWN:-} " == *" $job "* ]]; then
             # Where the overhead goes: without the DAG; and watching only (no engine, no DAG, no
             # validation: the first slice's cost).
@@ -93,6 +94,14 @@ try:
 except Exception as e:
     s = {"error": str(e)}
 c = s.get("possum", {}).get("counters", {})
+try:
+    # The kernels whose launches most often missed the launch path's memo (resolved again).
+    ks = json.load(open(f"{out}/{job}.trace.json")).get("kernels") or []
+    most_resolved = [{"name": (k.get("name") or "?")[:100], "launches": k.get("launches"),
+                      "resolved": k.get("resolved"), "slots": k.get("slots")}
+                     for k in sorted(ks, key=lambda k: -(k.get("resolved") or 0))[:8]]
+except Exception:
+    most_resolved = None
 launches = c.get("launches", 0)
 nodag, watch = med("nodag"), med("watch")
 pct = lambda x: (100 * (x - p) / p) if p and x else None
@@ -113,6 +122,7 @@ row = {"job": job, "identical": same,
        "managed_allocs": c.get("managed_allocs"), "fallback_allocs": c.get("fallback_allocs"),
        "hook_us_per_launch": (c["timed_launch_ns"] / c["timed_launches"] / 1e3) if c.get("timed_launches") else None,
        "memo_hit_pct": (100 * c.get("memo_hits", 0) / launches) if launches else None,
+       "most_resolved": most_resolved,
        "unmanaged": s.get("possum", {}).get("unmanaged"), "counters": c}
 print(json.dumps(row))
 PY
@@ -158,5 +168,5 @@ cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, launche
 LD_PRELOAD="$so" python3 -c 'print("no cuda here")' | grep -q "no cuda here" && echo "non-CUDA job: unchanged" || fail "non-CUDA job broke"
 # The .nv.info parser against cuobjdump, on the pointer-table job's cubin.
 cuobjdump -xelf all "$out/ptrtable" > /dev/null 2>&1; for c in *.cubin; do [ -f "$c" ] && .gpu/possum-nvinfo "$c" && rm -f "$c"; done
-tar czf "$res/interposer-files.tgz" -C "$out" --exclude=sockets --exclude=ptrtable --exclude=allocattrs . 2>/dev/null
+tar czf "$res/interposer-files.tgz" -C "$out" --exclude=sockets --exclude=ptrtable --exclude=allocattrs --exclude='*.trace.json*' . 2>/dev/null
 exit $status
