@@ -115,12 +115,16 @@ def key(rows):
     return [{k: v for k, v in r.items() if k != "t"} for r in rows]
 
 
-def wait_lines(log, n, timeout, proc=None):
+def wait_lines(log, n, timeout, proc=None, pid=None):
+    """Waits for `n` step lines in `log`; False early if the job is over: `proc` (a Popen) has
+    exited, or, for a restored job (no longer our child), `pid` is gone."""
     t = time.time()
     while time.time() - t < timeout:
         if sum(1 for r in read_log(log) if "step" in r) >= n:
             return True
         if proc is not None and proc.poll() is not None:
+            return False
+        if proc is None and pid is not None and not alive(pid):
             return False
         time.sleep(0.01)
     return False
@@ -330,23 +334,6 @@ def figure(engine, gib, n, kind="figures", job="mlp"):
     return rows[0] if rows else None
 
 
-def gone_or_dead(proc, pid):
-    """Whether the job is over: `proc` (a Popen) for the first run of a lineage, the restored
-    process (no longer our child) by `pid` after."""
-    return proc.poll() is not None if proc is not None else not alive(pid)
-
-
-def wait_job_lines(log, n, timeout, proc, pid):
-    t = time.time()
-    while time.time() - t < timeout:
-        if sum(1 for r in read_log(log) if "step" in r) >= n:
-            return True
-        if gone_or_dead(proc, pid):
-            return False
-        time.sleep(0.01)
-    return False
-
-
 def kill_job(proc, pid):
     """Kills the job and reaps it: its pid must be free for the next restore, which a zombie
     (dead, not yet waited for) still holds."""
@@ -405,7 +392,7 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
         if i > 0:
             # The process restored by the previous rep, which has written `lines` steps since.
             row["chained"] = True
-        if not wait_job_lines(log, lines, 600, proc, pid):
+        if not wait_lines(log, lines, 600, proc, pid):
             row.update(ok=False, why="job did not start" if i == 0 else "restored job stopped",
                        err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
             emit(kind, row)
@@ -432,7 +419,7 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
         t1 = time.time()
         # Steps after the checkpoint: on-demand restore in the background.
         n_at = sum(1 for r in read_log(log) if "step" in r)
-        wait_job_lines(log, n_at + lines, 120, proc, pid)
+        wait_lines(log, n_at + lines, 120, proc, pid)
         rows = read_log(log)
         stall, normal = stall_of(rows, t0, t1)
         row["timeline"] = timeline(rows, t0, t1)
@@ -463,7 +450,7 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
             if rs["rc"] == 0 and wait_lines(log, 1, 300):
                 first = next(r for r in read_log(log) if "t" in r)
                 row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
-                restored = wait_job_lines(log, lines, 120, None, pid)
+                restored = wait_lines(log, lines, 120, pid=pid)
                 rows2 = read_log(log)
                 ts = [r["t"] for r in rows2 if "t" in r]
                 row["restored_steps_seen"] = len(ts)
@@ -479,13 +466,17 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
     return out
 
 
+# Rough seconds, on the H100, of a job's fresh start (to its first steps) in a bench cell.
+FRESH_START_S = 12.0
+
+
 def cell_cost(engine, gib, reps):
     """Rough seconds a bench chain takes on the H100: a fresh start, then per rep the waits, the
     checkpoint and the restore (the baseline's grow with the GiB, 2.3 s per GiB)."""
     if engine in ("none", "possum-none"):
-        return 12.0
+        return FRESH_START_S
     per_gib = 2.3 if engine == "driver" else 0.4
-    return 12 + reps * (6 + per_gib * gib)
+    return FRESH_START_S + reps * (6 + per_gib * gib)
 
 
 def cell_reps(a, engine, gib):
@@ -560,7 +551,8 @@ def bench(a):
                 runs.append(steady(engine, gib, 0, "bench", job) or {})
             else:
                 def rep_fits(engine=engine, gib=gib):
-                    return in_budget(cell_cost(engine, gib, 1) - 12)
+                    # A later rep of the chain: no fresh start.
+                    return in_budget(cell_cost(engine, gib, 1) - FRESH_START_S)
                 runs.extend(chain(engine, gib, list(range(reps)), "bench", job, rep_fits, skipped))
             save()
     doc = save()

@@ -45,11 +45,20 @@ def cpus(spec):
     return out
 
 
+def job_env():
+    """This process's environment without possum's variables (POSSUM_CUPTI kept: where CUPTI is)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("POSSUM_") or k == "POSSUM_CUPTI"}
+
+
+def run_job(job, steps, env, cpuset, *args):
+    """workloads/gpu/jobs.py JOB for `steps` steps with `env`, pinned to `cpuset`."""
+    return subprocess.run(["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
+                           *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, cpuset), cwd=ROOT)
+
+
 def run_once(job, steps, mode, cpuset):
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith("POSSUM_") and k != "POSSUM_CUPTI":
-            del env[k]
+    env = job_env()
     if mode != "plain":
         env["LD_PRELOAD"] = SO
         env["POSSUM_SOCKET_DIR"] = tempfile.gettempdir()
@@ -58,9 +67,7 @@ def run_once(job, steps, mode, cpuset):
     os.close(fd)
     env["POSSUM_TIMING_FILE"] = timing
     t = time.time()
-    r = subprocess.run(["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps)],
-                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                       preexec_fn=lambda: os.sched_setaffinity(0, cpuset), cwd=ROOT)
+    r = run_job(job, steps, env, cpuset)
     try:
         ms = json.load(open(timing))["step_ms_median"] if r.returncode == 0 else None
     except (OSError, ValueError):
@@ -102,15 +109,13 @@ def run_ab(job, steps, period_ms, cpuset, skip_steps, extra_env=""):
     """One process of `job` under possum with the A/B test on (libpossum's POSSUM_AB_MS): its
     step times in on intervals (CUPTI attached, possum's callbacks working) against the off
     intervals next to them (CUPTI detached)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("POSSUM_") or k == "POSSUM_CUPTI"}
+    env = job_env()
     work = tempfile.mkdtemp(prefix="possum-ab-")
     log, ab = os.path.join(work, "steps.jsonl"), os.path.join(work, "ab.jsonl")
     env.update(LD_PRELOAD=SO, POSSUM_SOCKET_DIR=work, POSSUM_AB_MS=str(period_ms), POSSUM_AB_LOG=ab)
     env.update(kv.split("=", 1) for kv in extra_env.split(",") if kv)
     t = time.time()
-    r = subprocess.run(["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
-                        "--log", log], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                       preexec_fn=lambda: os.sched_setaffinity(0, cpuset), cwd=ROOT)
+    r = run_job(job, steps, env, cpuset, "--log", log)
     def lines(p):
         try:
             return [json.loads(x) for x in open(p)]

@@ -402,6 +402,12 @@ const MEMO_WAYS: usize = 256;
 #[derive(Default)]
 struct Ways {
     model: Option<Arc<KernelModel>>,
+    memo: MemoSet,
+}
+
+/// A kernel's memo entries on one thread.
+#[derive(Default)]
+struct MemoSet {
     entries: Vec<Memo>,
     /// Entry of each key (the latest one made with it).
     index: HashMap<u64, usize>,
@@ -412,7 +418,7 @@ struct Ways {
     next: usize,
 }
 
-impl Ways {
+impl MemoSet {
     /// The entry matching `hash`, if any.
     fn find(&self, generation: u64, version: u64, hash: u128) -> Option<usize> {
         let n = self.entries.len();
@@ -461,8 +467,9 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     let eng = engine_of(st, ctx);
     let _ = MEMO.try_with(|memo| {
         let mut memo = memo.borrow_mut();
-        let ways = memo.entry(func).or_default();
-        let model = ways.model.get_or_insert_with(|| st.kernel(func)).clone();
+        let Ways { model, memo: ways } = memo.entry(func).or_default();
+        // Borrowed, not cloned: no reference count touched per launch.
+        let model: &Arc<KernelModel> = model.get_or_insert_with(|| st.kernel(func));
         let (_, due) = model.next_launch(&st.cfg.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
@@ -502,7 +509,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                     &mut ranges.clone(),
                     validate_now,
                     eng.map(|e| e.ordinal),
-                    &model,
+                    model,
                     words,
                     &mut m.sets,
                 );
@@ -554,7 +561,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
                 c.launches_hooked.fetch_add(1, Ordering::Relaxed);
             }
             let before = (validate_now && !opaque)
-                .then(|| validate::begin(st, eng, &model, words))
+                .then(|| validate::begin(st, eng, model, words))
                 .flatten();
             hook(st, eng, stream, access, before);
         });
@@ -574,9 +581,10 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
         return;
     };
     let _ = SCRATCH.try_with(|s| {
-        let sets = &mut s.borrow_mut().sets;
+        let s = &mut *s.borrow_mut();
+        let mut ranges = ranges_at(&mut s.ranges, st, st.generation()).clone();
+        let sets = &mut s.sets;
         sets.clear();
-        let mut ranges = st.ranges();
         let mut opaque = false;
         for node in &snap.nodes {
             c.graph_nodes_expanded.fetch_add(1, Ordering::Relaxed);
@@ -647,9 +655,11 @@ fn copy_like(
     }
     let eng = engine_of(st, ctx);
     let dev = eng.map(|e| e.ordinal);
-    let ranges = st.ranges();
-    let rd = src.map_or(Resolved::None, |a| ranges.lookup(a));
-    let wr = ranges.lookup(dst);
+    let look = |r: &Ranges| (src.map_or(Resolved::None, |a| r.lookup(a)), r.lookup(dst));
+    // The thread's snapshot (no lock); the shared one while the thread's storage is torn down.
+    let (rd, wr) = SCRATCH
+        .try_with(|s| look(ranges_at(&mut s.borrow_mut().ranges, st, st.generation())))
+        .unwrap_or_else(|_| look(&st.ranges()));
     // At most one buffer each way; one both read and written is only in `writes`.
     let written = managed_on(&wr, dev);
     let read = managed_on(&rd, dev).filter(|b| written.map_or(true, |w| w.id() != b.id()));

@@ -131,6 +131,7 @@ impl DevEngine {
     /// path's way: no lock, no reference count). `f` must not operate on streams itself.
     pub fn with_stream<R>(&self, raw: u64, f: impl FnOnce(&CudaStream) -> R) -> R {
         let epoch = self.streams_epoch.load(Ordering::Acquire);
+        // `f` goes into the closure only if the thread's TLS is still there (not torn down).
         let mut f = Some(f);
         let cached = LAST_STREAM.try_with(|c| {
             let mut c = c.borrow_mut();
@@ -142,12 +143,10 @@ impl DevEngine {
             let s = &c.as_ref().expect("just filled").3;
             f.take().map(|f| f(s))
         });
-        match (cached, f) {
-            (Ok(Some(r)), _) => r,
-            // The thread's TLS is being torn down: the map.
-            (_, Some(f)) => f(&self.stream(raw)),
-            (_, None) => unreachable!("f ran or is still here"),
-        }
+        cached
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| f.take().expect("not called: TLS gone")(&self.stream(raw)))
     }
 
     /// Forgets the job's stream `raw` (it is being destroyed).

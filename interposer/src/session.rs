@@ -155,6 +155,19 @@ fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
         .map_err(|e| format!("device {ordinal}: {e}"))
 }
 
+/// Commits device `ordinal`'s image (its writer no longer shared with a copy).
+fn commit(
+    ordinal: usize,
+    writer: Arc<ImageWriter>,
+) -> Result<possum_engine::image::ImageSummary, String> {
+    Arc::into_inner(writer)
+        .ok_or_else(|| format!("device {ordinal}: image writer still shared"))
+        .and_then(|w| {
+            w.commit()
+                .map_err(|e| format!("device {ordinal}: commit: {e}"))
+        })
+}
+
 fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -269,10 +282,7 @@ fn release_inner() -> Result<Value, String> {
             .checkpoint(sink, true) // only what was written since the pre-copy
             .and_then(|h| h.wait())
             .map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
-        let summary = Arc::into_inner(writer)
-            .ok_or_else(|| format!("device {ordinal}: image writer still shared"))
-            .and_then(|w| w.commit().map_err(|e| e.to_string()))
-            .map_err(unpause)?;
+        let summary = commit(ordinal, writer).map_err(unpause)?;
         finals.push(json!({
             "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
             "image_bytes": summary.data_file_bytes, "image_buffers": summary.buffers.len(),
@@ -390,10 +400,7 @@ fn release_held(
     // Committed only now, with the threads still parked: an attempt the watchdog ended left
     // nothing under the images' names.
     for ((ordinal, writer), f) in open.into_iter().zip(finals.iter_mut()) {
-        let summary = Arc::into_inner(writer)
-            .ok_or_else(|| format!("device {ordinal}: image writer still shared"))
-            .and_then(|w| w.commit().map_err(|e| e.to_string()))
-            .inspect_err(|_| unpause_job())?;
+        let summary = commit(ordinal, writer).inspect_err(|_| unpause_job())?;
         f["image_bytes"] = json!(summary.data_file_bytes);
         f["image_buffers"] = json!(summary.buffers.len());
     }

@@ -27,6 +27,13 @@ fn setup(name: &str) -> Option<PathBuf> {
     build_fake_gpu(&dir, "tests/fake/fake_park_job.c", "fake_park_job").then_some(dir)
 }
 
+/// `Checkpoint` of `job` into `images`.
+fn checkpoint(job: &ParkJob, images: &Path) -> serde_json::Value {
+    job.ask(&Request::Checkpoint {
+        dir: dir_str(images),
+    })
+}
+
 fn dir_str(p: &Path) -> String {
     p.to_str().unwrap().to_string()
 }
@@ -55,9 +62,7 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
     assert_eq!(st["possum"]["engines"][0]["engine"]["buffers"], 2, "{st}");
 
     let images = dir.join("images");
-    let r = job.ask(&Request::Checkpoint {
-        dir: dir_str(&images),
-    });
+    let r = checkpoint(&job, &images);
     assert_eq!(r["hooks"], false, "{r}");
     job.steps(5);
     let r = job.ask(&Request::Release);
@@ -103,9 +108,7 @@ fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds()
     let mut job = start(&dir, "watchdog", &[("POSSUM_PARK_WATCHDOG_MS", "200")]);
     job.steps(5);
     let images = dir.join("images");
-    job.ask(&Request::Checkpoint {
-        dir: dir_str(&images),
-    });
+    checkpoint(&job, &images);
     // A thread holds the driver's lock (for 600 ms) and is parked with it: the first attempt's
     // device synchronisation waits for that lock until the watchdog ends the hold.
     assert_eq!(job.run("hold 600"), "holding");
@@ -133,9 +136,7 @@ fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
     // A thread that blocks every signal cannot be parked.
     assert_eq!(job.run("masked"), "masking");
     let images = dir.join("images");
-    job.ask(&Request::Checkpoint {
-        dir: dir_str(&images),
-    });
+    checkpoint(&job, &images);
     let e = request(job.pid, &job.sockets, &Request::Release, WAIT).unwrap_err();
     assert!(
         e.to_string().contains("block the parking signal")
@@ -163,9 +164,7 @@ fn a_thread_named_in_possum_park_skip_is_left_running() {
     job.steps(5);
     assert_eq!(job.run("masked"), "masking");
     let images = dir.join("images");
-    job.ask(&Request::Checkpoint {
-        dir: dir_str(&images),
-    });
+    checkpoint(&job, &images);
     let r = job.ask(&Request::Release);
     assert!(r.get("error").is_none(), "{r}");
     // The main thread and the worker; the masked thread runs on.
