@@ -8,6 +8,8 @@
 #
 #   (here)  bash scripts/gpu-interposer.sh --stage
 #   (there) bash scripts/gpu-interposer.sh    # REPS=3 JOBS="mlp cnn ..." BREAKDOWN="mlp" STEPS=N to vary
+# Coverage is measured with every launch resolved (POSSUM_RESOLVE=always; RESOLVE=sample for the
+# default, which resolves launches only in sampling windows and while a checkpoint is open).
 # Results: $OUT (or .gpu/out): interposer-summary.jsonl and interposer-files.tgz (every log).
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
@@ -30,6 +32,7 @@ possum="$PWD/.gpu/possum"
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
 export POSSUM_SOCKET_DIR="$out/sockets"
+export POSSUM_RESOLVE="${RESOLVE:-always}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 for p in ptrtable allocattrs; do
     nvcc -O2 -arch=sm_90 -cudart shared -o "$out/$p" "workloads/gpu/$p.cu" || echo "nvcc $p failed"
@@ -103,6 +106,8 @@ try:
 except Exception:
     most_resolved = None
 launches = c.get("launches", 0)
+# Shares of the launches whose buffers were looked at (all of them with POSSUM_RESOLVE=always).
+examined = c.get("launches_examined", launches)
 nodag, watch = med("nodag"), med("watch")
 pct = lambda x: (100 * (x - p) / p) if p and x else None
 row = {"job": job, "identical": same,
@@ -112,21 +117,22 @@ row = {"job": job, "identical": same,
        "overhead_min_pct": (100 * (qmin - pmin) / pmin) if pmin and qmin else None,
        "profiler_kernels": prof.get("kernels"), "cupti_launches": s.get("total_launches"),
        "graph_launches": s.get("graph_launches"), "graph_nodes_expanded": c.get("graph_nodes_expanded"),
-       "identified_pct": (100 * c.get("launches_identified", 0) / launches) if launches else None,
+       "examined_pct": (100 * examined / launches) if launches else None,
+       "identified_pct": (100 * c.get("launches_identified", 0) / examined) if examined else None,
        "validated_identified_pct": (100 * c.get("validated_launches_identified", 0) / c["validations"]) if c.get("validations") else None,
-       "unmanaged_launch_pct": (100 * c.get("launches_unmanaged", 0) / launches) if launches else None,
-       "opaque_launch_pct": (100 * c.get("launches_opaque", 0) / launches) if launches else None,
+       "unmanaged_launch_pct": (100 * c.get("launches_unmanaged", 0) / examined) if examined else None,
+       "opaque_launch_pct": (100 * c.get("launches_opaque", 0) / examined) if examined else None,
        "kernels": s.get("possum", {}).get("kernels"),
        "opaque_kernels": s.get("possum", {}).get("opaque_kernels"),
        "validations": c.get("validations"), "validation_ms": c.get("validation_ns", 0) / 1e6,
        "managed_allocs": c.get("managed_allocs"), "fallback_allocs": c.get("fallback_allocs"),
        "hook_us_per_launch": (c["timed_launch_ns"] / c["timed_launches"] / 1e3) if c.get("timed_launches") else None,
-       "memo_hit_pct": (100 * c.get("memo_hits", 0) / launches) if launches else None,
+       "memo_hit_pct": (100 * c.get("memo_hits", 0) / examined) if examined else None,
        "most_resolved": most_resolved,
        "unmanaged": s.get("possum", {}).get("unmanaged"), "counters": c}
 print(json.dumps(row))
 PY
-    tail -n 1 "$summary" | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ["job","identical","plain_step_ms","overhead_pct","overhead_min_pct","nodag_overhead_pct","watch_overhead_pct","hook_us_per_launch","memo_hit_pct","profiler_kernels","cupti_launches","identified_pct","validated_identified_pct","unmanaged_launch_pct","opaque_launch_pct","validations","validation_ms","managed_allocs"]}); print("  counters:", r["counters"]); [print("  opaque:", (o.get("name") or "?")[:90], "--", o.get("reason")) for o in (r["opaque_kernels"] or [])[:12]]'
+    tail -n 1 "$summary" | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ["job","identical","plain_step_ms","overhead_pct","overhead_min_pct","nodag_overhead_pct","watch_overhead_pct","hook_us_per_launch","memo_hit_pct","profiler_kernels","cupti_launches","examined_pct","identified_pct","validated_identified_pct","unmanaged_launch_pct","opaque_launch_pct","validations","validation_ms","managed_allocs"]}); print("  counters:", r["counters"]); [print("  opaque:", (o.get("name") or "?")[:90], "--", o.get("reason")) for o in (r["opaque_kernels"] or [])[:12]]'
     [ "$same" = true ] || { fail "output differs in $job"; diff "$out/$job.plain" "$out/$job.possum" | head -5; tail -5 "$out/$job.possum.err"; }
 done
 

@@ -6,7 +6,9 @@
 #   (there) bash scripts/gpu-overhead.sh [PAIRS] [STEPS]      results in $OUT (or .gpu/out)
 #           MODES=plain,possum,possum-nocupti,possum-nodag,possum-hooksoff for the breakdown
 #           AB=1: the A/B test inside each process instead (MLP and GPT-2 small; eval/overhead.py --ab);
-#           AB_HOOKSOFF=1 adds GPT-2 with possum's callbacks returning at once (CUPTI's dispatch alone)
+#           AB_HOOKSOFF=1 adds GPT-2 with possum's callbacks returning at once (CUPTI's dispatch alone);
+#           AB_ALWAYS=1 adds GPT-2 with every launch resolved (POSSUM_RESOLVE=always; the default
+#           resolves launches in sampling windows and while a checkpoint is open)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -27,7 +29,7 @@ for job in "mlp 60" "gpt2 6"; do
     else
         echo "FAIL: $1 outputs differ"; status=1; tail -5 "$out/$1-possum.err"
     fi
-    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['possum']['counters']; print(sys.argv[2], {k: c.get(k) for k in ('managed_allocs','fallback_allocs','entry_points_swapped','launches','memo_hits')}, 'us/launch in callbacks %.2f' % (c['timed_launch_ns'] / max(c['timed_launches'], 1) / 1e3), 'entry_points', s.get('entry_points'), 'unmanaged', s['possum'].get('unmanaged_bytes'))" "$out/$1-stats.json" "$1" || status=1
+    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['possum']['counters']; print(sys.argv[2], {k: c.get(k) for k in ('managed_allocs','fallback_allocs','entry_points_swapped','launches','launches_examined','memo_hits')}, 'us/launch in callbacks %.2f' % (c['timed_launch_ns'] / max(c['timed_launches'], 1) / 1e3), 'entry_points', s.get('entry_points'), 'unmanaged', s['possum'].get('unmanaged_bytes'))" "$out/$1-stats.json" "$1" || status=1
 done
 # The VM's clock: if reading it is a system call, possum's sampled per-launch timing includes it.
 echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)"
@@ -38,6 +40,10 @@ if [ -n "${AB:-}" ]; then
         --budget-s 200 --out "$out" || status=1
     python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-4}" --steps "${AB_GPT2_STEPS:-500}" \
         --ab-ms 1000 --ab-skip 100 --budget-s 150 --out "$out" || status=1
+    if [ -n "${AB_ALWAYS:-}" ]; then
+        python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-4}" --steps "${AB_GPT2_STEPS:-500}" \
+            --ab-ms 1000 --ab-skip 100 --budget-s 150 --ab-env POSSUM_RESOLVE=always --out "$out" || status=1
+    fi
     if [ -n "${AB_HOOKSOFF:-}" ]; then
         # CUPTI's dispatch alone (possum's callbacks return at once) against no CUPTI.
         python3 eval/overhead.py --ab --job gpt2 --pairs 2 --steps "${AB_GPT2_STEPS:-500}" --ab-ms 1000 \

@@ -359,6 +359,15 @@ impl Dag {
         });
     }
 
+    /// Records that launches went unrecorded since the last one (the job was sampled): the
+    /// window starts afresh, so no dependency spans the gap (the writer before it may not be
+    /// the last one). The aggregate graph keeps everything.
+    pub fn record_gap(&mut self) {
+        self.launches.clear();
+        self.buf_state.clear();
+        self.stream_last.clear();
+    }
+
     /// Records that buffer `id` was freed: its node stays, marked freed, and it leaves the
     /// window's dependency tracking. Unknown ids are ignored.
     pub fn record_free(&mut self, id: u64) {
@@ -713,6 +722,31 @@ mod tests {
             false,
             "seen again: live"
         );
+    }
+
+    #[test]
+    fn no_dependency_spans_a_gap() {
+        let mut d = Dag::new(16);
+        let (b0, b1) = (buf(0), buf(1));
+        d.record_launch(&k(1, "w"), 7, &[], &[b0]);
+        d.record_launch(&k(2, "r"), 7, &[b0], &[b1]);
+        assert_eq!(
+            deps(&d),
+            vec![(0, 1, DepKind::Raw), (0, 1, DepKind::Stream)]
+        );
+        d.record_gap();
+        d.record_launch(&k(2, "r"), 7, &[b0], &[b1]);
+        assert_eq!(d.window_len(), 1);
+        assert!(deps(&d).is_empty(), "{:?}", deps(&d));
+        // The aggregate graph keeps every launch.
+        let j = d.to_json();
+        let r = j["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["name"] == "r")
+            .unwrap();
+        assert_eq!(r["launches"], 2);
     }
 
     #[test]

@@ -8,6 +8,13 @@
 //!   reads and writes and calls [`Engine::before_op`] with the operation's stream. The returned
 //!   [`OpGuard`] is dropped once the operation is enqueued. The hook may enqueue waits on that
 //!   stream (the operation then waits on the device, not the host) or block the calling thread.
+//! * Resolving an operation's buffers costs the launch path most of its time, and the engine
+//!   needs them only from a session's first pre-copy round until its restore is done: while the
+//!   engine is *tracking* ([`OpGuard::tracking`]). A caller may split the hook: [`Engine::enter_op`],
+//!   then resolve and [`OpGuard::check`] only if the guard says so. Tracking starts with any
+//!   session (every buffer is then marked written: writes while it was off went unrecorded) and
+//!   ends with [`Engine::stop_tracking`]. The flag is read inside the op gate and set before the
+//!   session closes the gate, so every operation after a session's T0 is checked.
 //! * [`Engine::checkpoint`] fixes T0 and returns at once; see [`crate::checkpoint`].
 //! * [`Engine::precopy_round`] sends what was written since the previous round.
 //! * [`Engine::release`] drops the physical memory of every buffer (the job must be quiet).
@@ -165,6 +172,8 @@ pub struct Stats {
     pub stream_waits: u64,
     /// The current phase.
     pub phase: &'static str,
+    /// Whether operations' buffers are needed (a session's pre-copy through its restore).
+    pub tracking: bool,
 }
 
 pub(crate) enum Phase<D: Device> {
@@ -204,6 +213,8 @@ pub(crate) struct Inner<D: Device> {
     pub phase: RwLock<Phase<D>>,
     /// `phase` is not Idle: the only thing the hook reads when nothing is going on.
     pub active: AtomicBool,
+    /// Operations' buffer sets are needed (see the module doc's protocol).
+    pub tracking: AtomicBool,
     pub gate: Gate,
     pub pool: Arc<StagingPool<D>>,
     pub copy_streams: Vec<D::Stream>,
@@ -242,6 +253,59 @@ pub struct OpGuard<D: Device> {
 impl<D: Device> std::fmt::Debug for OpGuard<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("OpGuard")
+    }
+}
+
+impl<D: Device> OpGuard<D> {
+    /// Whether the engine needs this operation's buffer sets ([`OpGuard::check`]). Read inside the
+    /// gate: if false, no session can fix its T0 before the operation is enqueued.
+    pub fn tracking(&self) -> bool {
+        self.inner.tracking.load(Ordering::SeqCst)
+    }
+
+    /// The hook proper for the operation this guard admitted: marks what it writes, and, while a
+    /// session runs, makes it wait for what it touches (or fails it, for a released buffer).
+    pub fn check(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
+        let inner = &*self.inner;
+        inner.counters.hook_calls.fetch_add(1, Ordering::Relaxed);
+        match access {
+            Access::Known { writes, .. } => writes.iter().for_each(Buffer::mark_dirty),
+            Access::Opaque => inner.reg.read().iter().for_each(Buffer::mark_dirty),
+        }
+        if !inner.active.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let phase = inner.phase.read().clone();
+        match phase {
+            Phase::Idle => {}
+            Phase::Checkpoint(s) => s.before_op(stream, access)?,
+            Phase::Restore(s) => s.before_op(stream, access)?,
+            Phase::Released => {
+                let reg;
+                let all: Vec<Buffer>;
+                let touched: &[Buffer] = match access {
+                    Access::Known { reads, writes } => {
+                        all = reads.iter().chain(writes).cloned().collect();
+                        &all
+                    }
+                    Access::Opaque => {
+                        reg = inner.reg.read();
+                        all = reg.iter().cloned().collect();
+                        &all
+                    }
+                };
+                if let Some(b) = touched
+                    .iter()
+                    .find(|b| b.residency() == Residency::Released)
+                {
+                    return Err(EngineError::Released {
+                        id: b.id(),
+                        va: b.va(),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -292,6 +356,7 @@ impl<D: Device> Engine<D> {
                 job_streams: RwLock::new(Vec::new()),
                 phase: RwLock::new(Phase::Idle),
                 active: AtomicBool::new(false),
+                tracking: AtomicBool::new(false),
                 gate: Gate::default(),
                 pool,
                 copy_streams,
@@ -378,63 +443,65 @@ impl<D: Device> Engine<D> {
     }
 
     /// The hook: call before enqueueing an operation of the job on `stream`; drop the guard after.
+    /// Checks `access` whether or not the engine is tracking (see [`Engine::enter_op`]).
     pub fn before_op(
         &self,
         stream: &D::Stream,
         access: Access<'_>,
     ) -> Result<OpGuard<D>, EngineError> {
-        self.inner.gate.enter();
-        let guard = OpGuard {
-            inner: Arc::clone(&self.inner),
-        };
-        self.inner
-            .counters
-            .hook_calls
-            .fetch_add(1, Ordering::Relaxed);
-        match access {
-            Access::Known { writes, .. } => writes.iter().for_each(Buffer::mark_dirty),
-            Access::Opaque => self.inner.reg.read().iter().for_each(Buffer::mark_dirty),
-        }
-        if !self.inner.active.load(Ordering::Acquire) {
-            return Ok(guard);
-        }
-        let phase = self.inner.phase.read().clone();
-        match phase {
-            Phase::Idle => {}
-            Phase::Checkpoint(s) => s.before_op(stream, access)?,
-            Phase::Restore(s) => s.before_op(stream, access)?,
-            Phase::Released => {
-                let reg;
-                let all: Vec<Buffer>;
-                let touched: &[Buffer] = match access {
-                    Access::Known { reads, writes } => {
-                        all = reads.iter().chain(writes).cloned().collect();
-                        &all
-                    }
-                    Access::Opaque => {
-                        reg = self.inner.reg.read();
-                        all = reg.iter().cloned().collect();
-                        &all
-                    }
-                };
-                if let Some(b) = touched
-                    .iter()
-                    .find(|b| b.residency() == Residency::Released)
-                {
-                    return Err(EngineError::Released {
-                        id: b.id(),
-                        va: b.va(),
-                    });
-                }
-            }
-        }
+        let guard = self.enter_op();
+        guard.check(stream, access)?;
         Ok(guard)
+    }
+
+    /// The hook's first half: admits an operation (a session fixing T0 waits until it is
+    /// enqueued). If [`OpGuard::tracking`], call [`OpGuard::check`] with its buffers; drop the
+    /// guard once it is enqueued.
+    pub fn enter_op(&self) -> OpGuard<D> {
+        self.inner.gate.enter();
+        OpGuard {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
+    /// Whether operations' buffer sets are needed now (a session started and
+    /// [`Engine::stop_tracking`] was not called since).
+    pub fn tracking(&self) -> bool {
+        self.inner.tracking.load(Ordering::SeqCst)
+    }
+
+    /// Starts tracking if it was off: then every buffer is marked written, since writes while it
+    /// was off went unrecorded. Called before a session closes the gate.
+    fn start_tracking(&self) {
+        if !self.inner.tracking.swap(true, Ordering::SeqCst) {
+            self.mark_all_dirty();
+        }
+    }
+
+    /// Ends tracking (the session's restore is done, or its images were abandoned): operations
+    /// need not be resolved for the engine until the next session. Refused while a session is
+    /// in progress or buffers are released.
+    pub fn stop_tracking(&self) -> Result<(), EngineError> {
+        let p = self.inner.phase.read();
+        match &*p {
+            Phase::Idle => {
+                self.inner.tracking.store(false, Ordering::SeqCst);
+                Ok(())
+            }
+            other => Err(EngineError::Busy {
+                wanted: "stop tracking",
+                current: other.name(),
+            }),
+        }
     }
 
     fn start_session(&self, wanted: &'static str) -> Result<(), EngineError> {
         let p = self.inner.phase.read();
         match &*p {
-            Phase::Idle => Ok(()),
+            Phase::Idle => {
+                self.start_tracking();
+                Ok(())
+            }
             other => Err(EngineError::Busy {
                 wanted,
                 current: other.name(),
@@ -561,6 +628,7 @@ impl<D: Device> Engine<D> {
             hook_blocked_max_ns: u64::try_from(max.as_nanos()).unwrap_or(u64::MAX),
             stream_waits: c.stream_waits.load(Ordering::Relaxed),
             phase: self.inner.phase.read().name(),
+            tracking: self.tracking(),
         }
     }
 }

@@ -1,12 +1,17 @@
 //! What each callback does: the engine hook for launches, graph launches, copies and memsets;
 //! tracking of allocations possum does not manage; streams, captures and graphs.
 //!
-//! On a call's entry the operation's buffers are resolved and [`Engine::before_op`] is called; the
-//! returned guard is kept in a thread-local slot until the call's exit callback, when the operation
-//! is enqueued (CUPTI calls entry and exit on the calling thread, with nothing of the job's in
-//! between). A launch chosen for validation is checked on both sides (see [`crate::validate`]).
+//! On a call's entry the operation is admitted by its device's engine ([`Engine::enter_op`]);
+//! if the engine is tracking (a checkpoint is open), or the operation falls in a sampling window
+//! ([`ResolveMode`]), its buffers are resolved, recorded in the DAG and, while tracking, checked
+//! by the engine ([`OpGuard::check`]). The guard is kept in a thread-local slot until the call's
+//! exit callback, when the operation is enqueued (CUPTI calls entry and exit on the calling
+//! thread, with nothing of the job's in between). A launch chosen for validation is resolved and
+//! checked on both sides (see [`crate::validate`]).
 //!
-//! [`Engine::before_op`]: possum_engine::Engine::before_op
+//! [`Engine::enter_op`]: possum_engine::Engine::enter_op
+//! [`OpGuard::check`]: possum_engine::OpGuard::check
+//! [`ResolveMode`]: crate::runtime::ResolveMode
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
@@ -151,7 +156,8 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             let s = call.stream(stream);
             if !skip_captured(st, s) {
                 st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
-                hook(st, engine_of(st, ctx), s, Access::Opaque, None);
+                let eng = engine_of(st, ctx);
+                hook(eng, admit(eng, s), s, Access::Opaque, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -250,31 +256,58 @@ fn skip_captured(st: &State, stream: u64) -> bool {
     false
 }
 
-/// Calls the engine's hook (`eng`: the engine of the calling thread's device, if possum manages
-/// allocations there) for an operation on `stream`, keeping the guard for the exit callback.
+/// Admits an operation on the job's stream `stream` to `eng` (the engine of the calling thread's
+/// device, if possum manages allocations there): the stream is registered (a session fences
+/// every stream the job used) and the engine's gate entered. The guard's
+/// [`tracking`](OpGuard::tracking) says whether the engine needs the operation's buffers.
+fn admit(eng: Option<&DevEngine>, stream: u64) -> Option<OpGuard<CudaDevice>> {
+    let e = eng?;
+    if stream == STREAM_PER_THREAD {
+        state()
+            .counters
+            .per_thread_stream_ops
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    let _r = Reentry::enter();
+    e.with_stream(stream, |_| ());
+    Some(e.engine.enter_op())
+}
+
+/// Whether an admitted operation is resolved: while the engine tracks, or in a sampling window.
+/// One that is not leaves a gap in the DAG.
+fn resolving(st: &State, guard: Option<&OpGuard<CudaDevice>>) -> bool {
+    let r = st.resolve_now(guard.is_some_and(OpGuard::tracking));
+    if !r {
+        st.note_unresolved();
+    }
+    r
+}
+
+/// The hook's second half for an operation `admit` let in with `guard`: while the engine
+/// tracks, it checks `access` (the operation may wait or be refused); the guard (and a launch's
+/// validation) is kept for the exit callback.
 fn hook(
-    st: &State,
     eng: Option<&DevEngine>,
+    guard: Option<OpGuard<CudaDevice>>,
     stream: u64,
     access: Access<'_>,
     validation: Option<validate::Before>,
 ) {
-    if stream == STREAM_PER_THREAD {
-        st.counters
-            .per_thread_stream_ops
-            .fetch_add(1, Ordering::Relaxed);
-    }
-    let guard = eng.and_then(|e| {
-        let _r = Reentry::enter();
-        match e.with_stream(stream, |s| e.engine.before_op(s, access)) {
-            Ok(g) => Some(g),
-            Err(err) => {
+    if let (Some(e), Some(g)) = (eng, &guard) {
+        if g.tracking() {
+            let _r = Reentry::enter();
+            if let Err(err) = e.with_stream(stream, |s| g.check(s, access)) {
+                let st = state();
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
                 crate::log(&format!("hook: {err}"));
-                None
             }
         }
-    });
+    }
+    keep(guard, validation);
+}
+
+/// Keeps an admitted operation's guard (and validation) until the exit callback.
+fn keep(guard: Option<OpGuard<CudaDevice>>, validation: Option<validate::Before>) {
     let _ = PENDING.try_with(|p| {
         let mut p = p.borrow_mut();
         p.guard = guard;
@@ -463,9 +496,14 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         return;
     }
     let c = &st.counters;
-    c.launches.fetch_add(1, Ordering::Relaxed);
+    let n = c.launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
-    let _ = MEMO.try_with(|memo| {
+    let guard = admit(eng, stream);
+    if guard.is_some() {
+        c.launches_hooked.fetch_add(1, Ordering::Relaxed);
+    }
+    let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.resolve.sampled(n);
+    let _ = MEMO.try_with(move |memo| {
         let mut memo = memo.borrow_mut();
         let Ways { model, memo: ways } = memo.entry(func).or_default();
         // Borrowed, not cloned: no reference count touched per launch.
@@ -474,7 +512,13 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
-        let _ = SCRATCH.try_with(|s| {
+        if !resolve && !validate_now {
+            st.note_unresolved();
+            keep(guard, None);
+            return;
+        }
+        c.launches_examined.fetch_add(1, Ordering::Relaxed);
+        let _ = SCRATCH.try_with(move |s| {
             let mut s = s.borrow_mut();
             let s = &mut *s;
             let generation = st.generation();
@@ -557,13 +601,10 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             } else {
                 m.sets.access()
             };
-            if eng.is_some() {
-                c.launches_hooked.fetch_add(1, Ordering::Relaxed);
-            }
             let before = (validate_now && !opaque)
                 .then(|| validate::begin(st, eng, model, words))
                 .flatten();
-            hook(st, eng, stream, access, before);
+            hook(eng, guard, stream, access, before);
         });
     });
 }
@@ -575,12 +616,17 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
     let c = &st.counters;
     c.graph_launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
+    let guard = admit(eng, stream);
     let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
         c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
-        hook(st, eng, stream, Access::Opaque, None);
+        hook(eng, guard, stream, Access::Opaque, None);
         return;
     };
-    let _ = SCRATCH.try_with(|s| {
+    if !resolving(st, guard.as_ref()) {
+        keep(guard, None);
+        return;
+    }
+    let _ = SCRATCH.try_with(move |s| {
         let s = &mut *s.borrow_mut();
         let mut ranges = ranges_at(&mut s.ranges, st, st.generation()).clone();
         let sets = &mut s.sets;
@@ -629,7 +675,7 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
         } else {
             sets.access()
         };
-        hook(st, eng, stream, access, None);
+        hook(eng, guard, stream, access, None);
     });
 }
 
@@ -654,6 +700,11 @@ fn copy_like(
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
     let eng = engine_of(st, ctx);
+    let guard = admit(eng, s);
+    if !resolving(st, guard.as_ref()) {
+        keep(guard, None);
+        return;
+    }
     let dev = eng.map(|e| e.ordinal);
     let look = |r: &Ranges| (src.map_or(Resolved::None, |a| r.lookup(a)), r.lookup(dst));
     // The thread's snapshot (no lock); the shared one while the thread's storage is torn down.
@@ -678,8 +729,8 @@ fn copy_like(
         });
     }
     hook(
-        st,
         eng,
+        guard,
         s,
         Access::Known {
             reads: read.map_or(&[], std::slice::from_ref),

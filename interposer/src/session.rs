@@ -183,7 +183,18 @@ fn note_last(key: &str, v: Value) {
 
 /// `Checkpoint{dir}`: every engine's buffers at one T0 each, copied while the job runs.
 pub fn checkpoint(dir: &str) -> Value {
-    reply(checkpoint_inner(Path::new(dir)))
+    reply(checkpoint_inner(Path::new(dir)).inspect_err(|_| stop_tracking(&engines())))
+}
+
+/// Ends the engines' tracking (their session is over: restored, or failed with every buffer in
+/// place), so the job's operations are resolved only in sampling windows again. An engine with
+/// a session still running keeps tracking.
+fn stop_tracking(engines: &[Arc<DevEngine>]) {
+    for e in engines {
+        if let Err(err) = e.engine.stop_tracking() {
+            crate::log(&format!("device {}: tracking stays on: {err}", e.ordinal));
+        }
+    }
 }
 
 fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
@@ -319,6 +330,7 @@ fn release_engines(engines: &[Arc<DevEngine>]) -> Result<(u64, Vec<usize>), Stri
                 let msg = format!("device {}: release failed: {err}", e.ordinal);
                 if done.is_empty() {
                     unpause_job();
+                    stop_tracking(engines);
                 }
                 return Err(msg);
             }
@@ -478,6 +490,7 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
             let r = h
                 .wait()
                 .map_err(|err| format!("device {ordinal}: restore: {err}"))?;
+            stop_tracking(std::slice::from_ref(&e));
             note_last(
                 "restore",
                 json!({"device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
@@ -491,11 +504,14 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
             .name("possum-restore-wait".into())
             .spawn(move || {
                 let v = match h.wait() {
-                    Ok(r) => json!({
+                    Ok(r) => {
+                        stop_tracking(std::slice::from_ref(&e));
+                        json!({
                         "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
                         "ms": ms(r.elapsed), "on_demand": r.on_demand, "prefetched": r.prefetched,
                         "hook_blocked": r.hook_blocked, "hook_blocked_ms": ms(r.hook_blocked_total),
-                    }),
+                        })
+                    }
                     Err(err) => {
                         crate::log(&format!("restore of device {ordinal} failed: {err}"));
                         json!({"device": ordinal, "error": err.to_string()})

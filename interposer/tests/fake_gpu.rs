@@ -23,6 +23,7 @@ fn fake_job(dir: &Path) -> Command {
         "POSSUM_VALIDATE",
         "POSSUM_MANAGE",
         "POSSUM_DAG",
+        "POSSUM_RESOLVE",
         "LD_PRELOAD",
     ] {
         cmd.env_remove(v);
@@ -235,6 +236,7 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
         .args(["bench", &iters.to_string()])
         .env("FAKE_JOB_SETS", sets.to_string())
         .env("FAKE_JOB_MISS", "1")
+        .env("POSSUM_RESOLVE", "always")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -260,6 +262,46 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
     assert!(
         fill["resolved"].as_u64().unwrap() <= sets as u64 + 2,
         "{fill}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `POSSUM_RESOLVE=sample:W/P`: outside a checkpoint only W launches in every P are looked at
+/// (and the validated ones); those are all identified, and the DAG's window holds only launches
+/// since the last gap.
+#[test]
+fn sampling_resolves_runs_of_launches() {
+    let Some(dir) = fake_gpu_dir("possum-fakesample") else {
+        return;
+    };
+    let iters = 200u64;
+    let out = fake_job(&dir)
+        .args(["bench", &iters.to_string()])
+        .env("FAKE_JOB_SETS", "4")
+        .env("POSSUM_RESOLVE", "sample:16/128")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    let v = read_json(&dir.join("stats.json"));
+    let c = &v["possum"]["counters"];
+    let n = |k: &str| c[k].as_u64().unwrap();
+    let launches = n("launches");
+    assert_eq!(launches, 4 * iters, "{v}");
+    // Launches 0-15, 128-143, ...: 16 in every 128; validated ones may fall outside.
+    let windows = launches.div_ceil(128) * 16;
+    let examined = n("launches_examined");
+    assert!(
+        (windows..=windows + n("validations")).contains(&examined),
+        "{examined} examined, {windows} in windows: {c}"
+    );
+    assert_eq!(n("launches_identified"), examined, "{c}");
+    let t = read_json(&dir.join("trace.json"));
+    let window = t["dag"]["window"]["launches"].as_array().unwrap().len();
+    assert!(
+        (1..=16).contains(&window),
+        "{window}: {}",
+        t["dag"]["window"]
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -42,7 +42,7 @@ struct Job {
 }
 
 impl Job {
-    fn start(dir: &Path, name: &str, possum: bool) -> Job {
+    fn start(dir: &Path, name: &str, possum: bool, resolve: &str) -> Job {
         let stderr = dir.join(format!("{name}.stderr"));
         let lib = possum.then(libpossum);
         let mut cmd = fake_job_command(dir, "fake_session_job", lib.as_deref());
@@ -50,6 +50,7 @@ impl Job {
             .env("FAKE_CUPTI_NO_AUTOFIRE", "1")
             .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
+            .env("POSSUM_RESOLVE", resolve)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr).unwrap());
@@ -266,9 +267,36 @@ fn first_difference(got: &[u8], want: &[u8]) -> String {
 
 #[test]
 fn a_session_on_a_fake_gpu() {
+    session_test("always");
+}
+
+/// The same session with operations resolved only while the engine tracks (`sessions`): before
+/// the first checkpoint nothing is looked at, from the pre-copy to the restore everything is,
+/// and once restored nothing again; the image and the data are the same.
+#[test]
+fn a_session_resolving_only_while_tracking() {
+    session_test("sessions");
+}
+
+/// Launches whose buffers were looked at, not counting validated ones (those always are), and
+/// whether the engine tracks.
+fn examined(ctl: &Ctl) -> (u64, bool) {
+    let (_, engine, counters) = ctl.status();
+    let n = |k: &str| counters[k].as_u64().unwrap();
+    (
+        n("launches_examined") - n("validations"),
+        engine["tracking"].as_bool().unwrap(),
+    )
+}
+
+/// The session test with `POSSUM_RESOLVE=resolve`.
+fn session_test(resolve: &str) {
+    let only_tracking = resolve == "sessions";
     let t_start = Instant::now();
-    let tmp =
-        TempDir(std::env::temp_dir().join(format!("possum-fakesession-{}", std::process::id())));
+    let tmp = TempDir(std::env::temp_dir().join(format!(
+        "possum-fakesession-{resolve}-{}",
+        std::process::id()
+    )));
     let dir = tmp.0.clone();
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -282,7 +310,7 @@ fn a_session_on_a_fake_gpu() {
     // The reference: the same commands without possum (the fake runtime's own allocations).
     let reference = dir.join("reference.bin");
     {
-        let mut job = Job::start(&dir, "reference", false);
+        let mut job = Job::start(&dir, "reference", false, resolve);
         for (cmd, want) in [
             (STEPS_BEFORE, "done 5"),
             (STEPS_PRECOPY, "done 7"),
@@ -304,7 +332,7 @@ fn a_session_on_a_fake_gpu() {
         first_difference(&reference, &want)
     );
 
-    let mut job = Job::start(&dir, "session", true);
+    let mut job = Job::start(&dir, "session", true, resolve);
     let ctl = Ctl {
         pid: job.pid(),
         sockets,
@@ -325,6 +353,13 @@ fn a_session_on_a_fake_gpu() {
     assert!(session["busy"].is_null(), "{session}");
     assert_eq!(engine["phase"], "idle", "{engine}");
     job.run(STEPS_BEFORE, "done 5");
+    let (before, tracking) = examined(&ctl);
+    assert!(!tracking, "tracking before any checkpoint");
+    if only_tracking {
+        assert_eq!(before, 0, "launches looked at while not tracking");
+    } else {
+        assert!(before >= 3, "{before}");
+    }
     // A resume with nothing released is harmless: nothing to restore, nothing paused.
     let r = ctl.ok(&Request::Resume { dir: None });
     assert_eq!(r["restoring"], serde_json::json!([]), "{r}");
@@ -350,7 +385,17 @@ fn a_session_on_a_fake_gpu() {
     assert_eq!(engine["phase"], "idle", "{engine}");
 
     // The job goes on: it writes B (both steps) and C (step 6) after the pre-copy, not A.
+    let (at_precopy, tracking) = examined(&ctl);
+    assert!(
+        tracking,
+        "a checkpoint is open but the engine does not track"
+    );
     job.run(STEPS_PRECOPY, "done 7");
+    let (n, _) = examined(&ctl);
+    assert!(
+        n >= at_precopy + 2,
+        "launches after the pre-copy not looked at: {n}"
+    );
     // Status tells what a release would take now.
     let (_, engine, _) = ctl.status();
     assert_eq!(engine["dirty_buffers"], 2, "{engine}");
@@ -429,6 +474,9 @@ fn a_session_on_a_fake_gpu() {
     job.expect("done 8");
     let restored = ctl.wait_restored();
     assert_eq!(restored["buffers"], 3, "{restored}");
+    // Restored: the session is over, tracking ends.
+    let (done_at, tracking) = examined(&ctl);
+    assert!(!tracking, "still tracking after the restore");
     assert_eq!(restored["bytes"], A + B + C, "{restored}");
     let (session, engine, _) = ctl.status();
     assert_eq!(session["paused"], false, "{session}");
@@ -442,6 +490,12 @@ fn a_session_on_a_fake_gpu() {
     // A second session, into another directory (the first one's image is there to stay): this
     // time a cudaMalloc is what waits for the resume.
     job.run(STEPS_AFTER, "done 12");
+    let (n, _) = examined(&ctl);
+    if only_tracking {
+        assert_eq!(n, done_at, "launches looked at after the restore");
+    } else {
+        assert!(n >= done_at + 4, "{n} {done_at}");
+    }
     let m = ctl.refused(&Request::Checkpoint {
         dir: dir_str(&images),
     });
