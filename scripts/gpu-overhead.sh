@@ -39,7 +39,7 @@ if [ -n "${AB:-}" ]; then
     python3 eval/overhead.py --ab --job mlp --pairs "${AB_MLP_PROCS:-5}" --steps 4000 --ab-ms 250 \
         --budget-s 200 --out "$out" || status=1
     python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-4}" --steps "${AB_GPT2_STEPS:-500}" \
-        --ab-ms 1000 --ab-skip 100 --budget-s 150 --out "$out" || status=1
+        --ab-ms 1000 --ab-skip 100 --budget-s "${AB_GPT2_BUDGET:-150}" --out "$out" || status=1
     if [ -n "${AB_ALWAYS:-}" ]; then
         python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-4}" --steps "${AB_GPT2_STEPS:-500}" \
             --ab-ms 1000 --ab-skip 100 --budget-s 150 --ab-env POSSUM_RESOLVE=always --out "$out" || status=1
