@@ -702,6 +702,43 @@ impl CudaStream {
         }
     }
 
+    /// Copies each `(src, len)` of `ranges` from the device into `dst`, one after the other from
+    /// its start, and waits for them: many small reads for the cost of one wait (a validation
+    /// reads thousands of sampled windows). On a failed copy, waits for those queued before
+    /// it and returns the error.
+    pub fn gather_d2h(&self, ranges: &[(u64, usize)], dst: &mut PinnedBuf) -> DeviceResult<()> {
+        let total: usize = ranges.iter().map(|r| r.1).sum();
+        if total > dst.len {
+            return Err(DeviceError::HostBufferTooSmall {
+                need: total as u64,
+                have: dst.len as u64,
+            });
+        }
+        let base = dst.as_mut_slice().as_mut_ptr();
+        let mut off = 0;
+        let mut failed = None;
+        for &(src, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            // SAFETY: `off + len <= total <= dst.len`, so the destination is inside `dst`, which
+            // is borrowed mutably for this call; the call waits for every queued copy before it
+            // returns, so the driver never writes into `dst` after the borrow ends.
+            let r =
+                unsafe { sys::cuMemcpyDtoHAsync_v2(base.add(off).cast(), src, len, self.0.raw) };
+            if let Err(e) = check("cuMemcpyDtoHAsync_v2", r) {
+                failed = Some(e);
+                break;
+            }
+            off += len;
+        }
+        let waited = self.synchronize();
+        match failed {
+            Some(e) => Err(e),
+            None => waited,
+        }
+    }
+
     /// Queues a copy of the first `len` bytes of `src` to device `dst`.
     pub fn copy_h2d(&self, src: PinnedBuf, dst: u64, len: usize) -> DeviceResult<CudaPending> {
         if len > src.len {

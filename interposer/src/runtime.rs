@@ -18,7 +18,7 @@ use possum_analyzer::intervals::IntervalMap;
 use possum_analyzer::kernel::{KernelModel, ValidationConfig};
 use possum_analyzer::layout::{Param, ParamLayout};
 use possum_cuda::introspect::{self, GraphNode};
-use possum_cuda::{CudaDevice, CudaStream};
+use possum_cuda::{CudaDevice, CudaStream, PinnedBuf};
 use possum_engine::device::DevPtr;
 use possum_engine::registry::{Buffer, Residency};
 use possum_engine::{Engine, EngineConfig};
@@ -109,6 +109,9 @@ pub struct DevEngine {
     /// Bumped whenever a stream is forgotten: a thread's cached stream ([`Self::with_stream`]) is
     /// good while this is unchanged.
     streams_epoch: AtomicU64,
+    /// Validation's reads: a pinned bounce buffer and a stream of possum's, made at the first
+    /// validation ([`crate::validate`]).
+    pub validation_io: Mutex<Option<(PinnedBuf, CudaStream)>>,
 }
 
 thread_local! {
@@ -904,6 +907,7 @@ impl State {
                     engine,
                     streams: RwLock::new(HashMap::default()),
                     streams_epoch: AtomicU64::new(0),
+                    validation_io: Mutex::new(None),
                 });
                 let _ = cell.set(de.clone());
                 crate::log(&format!(

@@ -10,6 +10,9 @@
 //! was one value before the launch (all zeros, all 0xff, ...): a write of that value, such as a
 //! fill of zeros over zeros, would look the same, so such a slot counts neither way.
 //!
+//! The windows and scans of one side are read together: copies queued on a stream of possum's
+//! into a pinned buffer, one wait per 8 MiB ([`Reader`]), not one synchronous copy each.
+//!
 //! Sampling can miss a write to a window it did not read; `POSSUM_VALIDATE=sample=N` reads more.
 //! Work on other streams during the launch can only add changes, which makes a kernel opaque
 //! wrongly but safely.
@@ -21,12 +24,113 @@ use std::time::Instant;
 use possum_analyzer::kernel::{
     checksum, find_pointers, sample_windows, uniform_byte, KernelModel, Validation, Verdict,
 };
-use possum_cuda::introspect;
+use possum_cuda::{introspect, CudaStream, PinnedBuf};
+use possum_engine::device::{Device, HostBuffer, StreamPriority};
 
 use crate::runtime::{DevEngine, Reentry, Resolved, State};
 
 /// Bytes scanned for device pointers behind each pointer parameter.
 const TABLE_SCAN: u64 = 4096;
+
+/// Bytes of the pinned buffer a validation reads through.
+const BOUNCE: usize = 8 << 20;
+
+/// Reads device ranges for a validation. With the device's engine there, they are queued
+/// together into a pinned buffer with one wait per buffer-full (a validation of a job with a
+/// hundred buffers reads thousands of sampled windows, each a synchronous copy of ~10 us
+/// otherwise); without it (or if the buffer cannot be made), one synchronous copy each.
+struct Reader<'a> {
+    io: Option<parking_lot::MutexGuard<'a, Option<(PinnedBuf, CudaStream)>>>,
+    scratch: Vec<u8>,
+}
+
+impl<'a> Reader<'a> {
+    fn new(eng: Option<&'a DevEngine>) -> Self {
+        let io = eng.and_then(|e| {
+            let mut g = e.validation_io.lock();
+            if g.is_none() {
+                let dev = e.engine.device();
+                match (
+                    dev.alloc_host(BOUNCE),
+                    dev.create_stream(StreamPriority::Normal),
+                ) {
+                    (Ok(b), Ok(s)) => *g = Some((b, s)),
+                    (b, s) => {
+                        let err = b.err().or(s.err()).map(|e| e.to_string());
+                        crate::log(&format!(
+                            "validation reads one copy at a time: {}",
+                            err.unwrap_or_default()
+                        ));
+                        return None;
+                    }
+                }
+            }
+            Some(g)
+        });
+        Reader {
+            io,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Reads each `(address, len)` of `ranges`, calling `each(index, bytes)` in order.
+    fn read(
+        &mut self,
+        ranges: &[(u64, usize)],
+        mut each: impl FnMut(usize, &[u8]),
+    ) -> Result<(), String> {
+        let scratch = &mut self.scratch;
+        let Some((buf, stream)) = self.io.as_deref_mut().and_then(Option::as_mut) else {
+            for (i, &(src, len)) in ranges.iter().enumerate() {
+                each(i, read_one(scratch, src, len)?);
+            }
+            return Ok(());
+        };
+        for run in runs(ranges, buf.len()) {
+            if run.len() == 1 && ranges[run.start].1 > buf.len() {
+                // Larger than the buffer: on its own.
+                let (src, len) = ranges[run.start];
+                each(run.start, read_one(scratch, src, len)?);
+                continue;
+            }
+            stream
+                .gather_d2h(&ranges[run.clone()], buf)
+                .map_err(|e| e.to_string())?;
+            let mut off = 0;
+            for k in run {
+                let len = ranges[k].1;
+                each(k, &buf.as_slice()[off..off + len]);
+                off += len;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `ranges` cut into consecutive runs, each as long as fits `cap` bytes (a range larger than
+/// `cap` alone in its run).
+fn runs(ranges: &[(u64, usize)], cap: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < ranges.len() {
+        let (mut j, mut total) = (i, 0);
+        while j < ranges.len() && total + ranges[j].1 <= cap {
+            total += ranges[j].1;
+            j += 1;
+        }
+        let end = j.max(i + 1);
+        out.push(i..end);
+        i = end;
+    }
+    out
+}
+
+/// `len` bytes at device address `src`, read synchronously into `scratch`.
+fn read_one(scratch: &mut Vec<u8>, src: u64, len: usize) -> Result<&[u8], String> {
+    scratch.resize(len, 0);
+    introspect::read_device(src, scratch).map_err(|e| e.to_string())?;
+    Ok(scratch)
+}
 
 /// What the entry side saw.
 #[derive(Debug)]
@@ -38,29 +142,38 @@ pub struct Before {
     /// The key each slot resolved to (`None`: nothing).
     slot_keys: Vec<Option<u64>>,
     pointer_table: Option<(usize, u64)>,
+    /// The ordinal of the device engine the entry side read through (the exit side reads the
+    /// same way).
+    device: Option<usize>,
     started: Instant,
 }
 
-/// The checksum of the sampled windows of `len` bytes at `start`, and whether every sampled byte
-/// equals the first sampled byte (vacuously true when nothing is sampled).
-fn sum_of(st: &State, start: u64, len: u64) -> Result<(u64, bool), String> {
-    let mut acc = 0xcbf2_9ce4_8422_2325u64;
-    let mut first = None;
-    let mut constant = true;
-    let mut buf = Vec::new();
-    for (off, l) in sample_windows(
-        len,
-        st.cfg.validation.sample_bytes,
-        st.cfg.validation.windows,
-    ) {
-        buf.resize(l as usize, 0);
-        introspect::read_device(start + off, &mut buf).map_err(|e| e.to_string())?;
-        acc = (acc ^ checksum(&buf)).wrapping_mul(0x100_0000_01b3);
-        if constant {
-            constant = uniform_byte(&buf).is_some_and(|b| *first.get_or_insert(b) == b);
+/// For each `(start, len)` of `targets`: the checksum of its sampled windows, and whether every
+/// sampled byte equals its first sampled byte (vacuously true when nothing is sampled).
+fn sums_of(
+    st: &State,
+    reader: &mut Reader<'_>,
+    targets: impl Iterator<Item = (u64, u64)>,
+) -> Result<Vec<(u64, bool)>, String> {
+    let mut ranges = Vec::new();
+    let mut owner = Vec::new();
+    let mut sums = Vec::new();
+    for (t, (start, len)) in targets.enumerate() {
+        let cfg = &st.cfg.validation;
+        for (off, l) in sample_windows(len, cfg.sample_bytes, cfg.windows) {
+            ranges.push((start + off, l as usize));
+            owner.push(t);
         }
+        sums.push((0xcbf2_9ce4_8422_2325u64, None::<u8>, true));
     }
-    Ok((acc, constant))
+    reader.read(&ranges, |i, bytes| {
+        let (acc, first, constant) = &mut sums[owner[i]];
+        *acc = (*acc ^ checksum(bytes)).wrapping_mul(0x100_0000_01b3);
+        if *constant {
+            *constant = uniform_byte(bytes).is_some_and(|b| *first.get_or_insert(b) == b);
+        }
+    })?;
+    Ok(sums.into_iter().map(|(acc, _, c)| (acc, c)).collect())
 }
 
 /// The entry side, for a launch of `model` whose slots hold `words`. `None` (and the validation
@@ -75,37 +188,42 @@ pub fn begin(
     let _r = Reentry::enter();
     let r = (|| -> Result<Before, String> {
         introspect::ctx_synchronize().map_err(|e| e.to_string())?;
-        let mut sums = Vec::new();
-        for (key, start, len) in st.validation_targets(eng) {
-            let (sum, constant) = sum_of(st, start, len)?;
-            sums.push((key, start, len, sum, constant));
-        }
-        let mut slot_keys = Vec::with_capacity(words.len());
-        let mut pointer_table = None;
-        let mut scan = Vec::new();
+        let mut reader = Reader::new(eng);
+        let targets = st.validation_targets(eng);
+        let sums = sums_of(st, &mut reader, targets.iter().map(|t| (t.1, t.2)))?
+            .into_iter()
+            .zip(&targets)
+            .map(|((sum, constant), &(key, start, len))| (key, start, len, sum, constant))
+            .collect();
+        // The first bytes behind each pointer word, read together, scanned in slot order.
         let ranges = st.ranges();
+        let mut slot_keys = Vec::with_capacity(words.len());
+        let mut scans = Vec::new();
         for (i, &w) in words.iter().enumerate() {
             let r = ranges.lookup(w);
             slot_keys.push(r.key());
-            if pointer_table.is_some() {
-                continue;
-            }
             if let Some((s, l)) = r.range() {
                 let n = TABLE_SCAN.min(s + l - w) & !7;
-                scan.resize(n as usize, 0);
-                introspect::read_device(w, &mut scan).map_err(|e| e.to_string())?;
-                if let Some((_, p)) =
-                    find_pointers(&scan, |v| !matches!(ranges.lookup(v), Resolved::None))
-                {
-                    pointer_table = Some((i, p));
-                }
+                scans.push((i, (w, n as usize)));
             }
         }
+        let mut pointer_table = None;
+        let reads: Vec<(u64, usize)> = scans.iter().map(|s| s.1).collect();
+        reader.read(&reads, |k, bytes| {
+            if pointer_table.is_none() {
+                if let Some((_, p)) =
+                    find_pointers(bytes, |v| !matches!(ranges.lookup(v), Resolved::None))
+                {
+                    pointer_table = Some((scans[k].0, p));
+                }
+            }
+        })?;
         Ok(Before {
             model: model.clone(),
             sums,
             slot_keys,
             pointer_table,
+            device: eng.map(|e| e.ordinal),
             started,
         })
     })();
@@ -123,6 +241,7 @@ pub fn begin(
 
 /// The exit side: compares and records the verdict.
 pub fn finish(st: &State, b: Before) {
+    let eng = b.device.and_then(|d| st.engine_ref(d)).map(|e| &**e);
     let _r = Reentry::enter();
     let r = (|| -> Result<Validation, String> {
         introspect::ctx_synchronize().map_err(|e| e.to_string())?;
@@ -133,8 +252,10 @@ pub fn finish(st: &State, b: Before) {
         let mut changed_keys = Vec::new();
         // Unchanged, but constant before: no evidence that the launch did not write them.
         let mut constant_keys = Vec::new();
-        for &(key, start, len, before, constant) in &b.sums {
-            if sum_of(st, start, len)?.0 != before {
+        let mut reader = Reader::new(eng);
+        let after = sums_of(st, &mut reader, b.sums.iter().map(|t| (t.1, t.2)))?;
+        for (&(key, _, _, before, constant), (now, _)) in b.sums.iter().zip(after) {
+            if now != before {
                 changed_keys.push(key);
             } else if constant {
                 constant_keys.push(key);
@@ -177,4 +298,19 @@ pub fn finish(st: &State, b: Before) {
         u64::try_from(b.started.elapsed().as_nanos()).unwrap_or(u64::MAX),
         Ordering::Relaxed,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn reads_are_cut_into_runs_that_fit() {
+        let r = |lens: &[usize]| lens.iter().map(|&l| (0u64, l)).collect::<Vec<_>>();
+        assert_eq!(runs(&r(&[4, 4, 4]), 8), vec![0..2, 2..3]);
+        assert_eq!(runs(&r(&[4, 20, 4, 4]), 8), vec![0..1, 1..2, 2..4]);
+        assert_eq!(runs(&r(&[8, 8]), 8), vec![0..1, 1..2]);
+        assert_eq!(runs(&r(&[0, 3, 5, 0]), 8), vec![0..4]);
+        assert!(runs(&[], 8).is_empty());
+    }
 }

@@ -77,6 +77,8 @@ fn a_job_on_a_fake_gpu() {
         stderr.contains("kernel bump_table is opaque from now on"),
         "{stderr}"
     );
+    // Validation read through its pinned buffer (queued copies), not one copy at a time.
+    assert!(!stderr.contains("one copy at a time"), "{stderr}");
 
     let v = read_json(&stats);
     let p = &v["possum"];
