@@ -205,17 +205,20 @@ impl<D: Device> Clone for Phase<D> {
     }
 }
 
+/// `repr(C)`, aligned: what every operation touches (the gate, `active`, `tracking`) comes first,
+/// on one cache line.
+#[repr(C, align(64))]
 pub(crate) struct Inner<D: Device> {
+    pub gate: Gate,
+    /// `phase` is not Idle: the only thing the hook reads when nothing is going on.
+    pub active: AtomicBool,
+    /// Operations' buffer sets are needed (see the module doc's protocol).
+    pub tracking: AtomicBool,
     pub dev: Arc<D>,
     pub cfg: EngineConfig,
     pub reg: RwLock<Registry>,
     pub job_streams: RwLock<Vec<D::Stream>>,
     pub phase: RwLock<Phase<D>>,
-    /// `phase` is not Idle: the only thing the hook reads when nothing is going on.
-    pub active: AtomicBool,
-    /// Operations' buffer sets are needed (see the module doc's protocol).
-    pub tracking: AtomicBool,
-    pub gate: Gate,
     pub pool: Arc<StagingPool<D>>,
     pub copy_streams: Vec<D::Stream>,
     pub prio: D::Stream,
@@ -246,17 +249,17 @@ impl<D: Device> Inner<D> {
 
 /// Held while an operation goes from the hook to its stream; drop it once the operation is enqueued.
 #[must_use = "drop the guard after the operation is enqueued"]
-pub struct OpGuard<D: Device> {
-    inner: Arc<Inner<D>>,
+pub struct OpGuard<'a, D: Device> {
+    inner: &'a Inner<D>,
 }
 
-impl<D: Device> std::fmt::Debug for OpGuard<D> {
+impl<D: Device> std::fmt::Debug for OpGuard<'_, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("OpGuard")
     }
 }
 
-impl<D: Device> OpGuard<D> {
+impl<D: Device> OpGuard<'_, D> {
     /// Whether the engine needs this operation's buffer sets ([`OpGuard::check`]). Read inside the
     /// gate: if false, no session can fix its T0 before the operation is enqueued.
     pub fn tracking(&self) -> bool {
@@ -266,7 +269,7 @@ impl<D: Device> OpGuard<D> {
     /// The hook proper for the operation this guard admitted: marks what it writes, and, while a
     /// session runs, makes it wait for what it touches (or fails it, for a released buffer).
     pub fn check(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
-        let inner = &*self.inner;
+        let inner = self.inner;
         inner.counters.hook_calls.fetch_add(1, Ordering::Relaxed);
         match access {
             Access::Known { writes, .. } => writes.iter().for_each(Buffer::mark_dirty),
@@ -309,7 +312,7 @@ impl<D: Device> OpGuard<D> {
     }
 }
 
-impl<D: Device> Drop for OpGuard<D> {
+impl<D: Device> Drop for OpGuard<'_, D> {
     fn drop(&mut self) {
         self.inner.gate.leave();
     }
@@ -448,7 +451,7 @@ impl<D: Device> Engine<D> {
         &self,
         stream: &D::Stream,
         access: Access<'_>,
-    ) -> Result<OpGuard<D>, EngineError> {
+    ) -> Result<OpGuard<'_, D>, EngineError> {
         let guard = self.enter_op();
         guard.check(stream, access)?;
         Ok(guard)
@@ -457,11 +460,9 @@ impl<D: Device> Engine<D> {
     /// The hook's first half: admits an operation (a session fixing T0 waits until it is
     /// enqueued). If [`OpGuard::tracking`], call [`OpGuard::check`] with its buffers; drop the
     /// guard once it is enqueued.
-    pub fn enter_op(&self) -> OpGuard<D> {
+    pub fn enter_op(&self) -> OpGuard<'_, D> {
         self.inner.gate.enter();
-        OpGuard {
-            inner: Arc::clone(&self.inner),
-        }
+        OpGuard { inner: &self.inner }
     }
 
     /// Whether operations' buffer sets are needed now (a session started and

@@ -38,10 +38,31 @@ use crate::validate;
 /// What an entry callback leaves for the exit callback.
 #[derive(Default)]
 struct Pending {
-    guard: Option<OpGuard<CudaDevice>>,
+    guard: Option<OpGuard<'static, CudaDevice>>,
     validation: Option<validate::Before>,
     /// For a timed launch: the entry side's time, to which the exit side's is added.
     timed: Option<Duration>,
+    /// Launches on this thread (one in [`TIME_EVERY`] is timed).
+    tick: u32,
+}
+
+impl Pending {
+    const EMPTY: Pending = Pending {
+        guard: None,
+        validation: None,
+        timed: None,
+        tick: 0,
+    };
+
+    /// What the entry callback left (the tick stays).
+    fn take(&mut self) -> Pending {
+        Pending {
+            guard: self.guard.take(),
+            validation: self.validation.take(),
+            timed: self.timed.take(),
+            tick: self.tick,
+        }
+    }
 }
 
 /// One launch in this many has its time in possum's callbacks measured.
@@ -96,8 +117,7 @@ fn ranges_at<'a>(
 }
 
 thread_local! {
-    static PENDING: RefCell<Pending> = RefCell::new(Pending::default());
-    static LAUNCH_TICK: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    static PENDING: RefCell<Pending> = const { RefCell::new(Pending::EMPTY) };
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
@@ -112,6 +132,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         on_exit(st, cbid, shape, call);
         return;
     }
+    crate::stats::record(cbid);
     if shape.is_operation() {
         // A checkpoint may have released the buffers: wait for them to come back first.
         crate::session::wait_if_paused();
@@ -123,11 +144,11 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             params,
             extra,
         } => {
-            let tick = LAUNCH_TICK
-                .try_with(|t| {
-                    let v = t.get().wrapping_add(1);
-                    t.set(v);
-                    v
+            let tick = PENDING
+                .try_with(|p| {
+                    let mut p = p.borrow_mut();
+                    p.tick = p.tick.wrapping_add(1);
+                    p.tick
                 })
                 .unwrap_or(1);
             let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
@@ -186,7 +207,7 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
     match shape {
         _ if shape.is_operation() => {
             let p = PENDING
-                .try_with(|p| std::mem::take(&mut *p.borrow_mut()))
+                .try_with(|p| p.borrow_mut().take())
                 .unwrap_or_default();
             // Read the clock only for a timed launch: in a VM it may cost a system call.
             let t0 = p.timed.map(|_| Instant::now());
@@ -260,7 +281,7 @@ fn skip_captured(st: &State, stream: u64) -> bool {
 /// device, if possum manages allocations there): the stream is registered (a session fences
 /// every stream the job used) and the engine's gate entered. The guard's
 /// [`tracking`](OpGuard::tracking) says whether the engine needs the operation's buffers.
-fn admit(eng: Option<&DevEngine>, stream: u64) -> Option<OpGuard<CudaDevice>> {
+fn admit(eng: Option<&'static DevEngine>, stream: u64) -> Option<OpGuard<'static, CudaDevice>> {
     let e = eng?;
     if stream == STREAM_PER_THREAD {
         state()
@@ -268,14 +289,13 @@ fn admit(eng: Option<&DevEngine>, stream: u64) -> Option<OpGuard<CudaDevice>> {
             .per_thread_stream_ops
             .fetch_add(1, Ordering::Relaxed);
     }
-    let _r = Reentry::enter();
     e.with_stream(stream, |_| ());
     Some(e.engine.enter_op())
 }
 
 /// Whether an admitted operation is resolved: while the engine tracks, or in a sampling window.
 /// One that is not leaves a gap in the DAG.
-fn resolving(st: &State, guard: Option<&OpGuard<CudaDevice>>) -> bool {
+fn resolving(st: &State, guard: Option<&OpGuard<'_, CudaDevice>>) -> bool {
     let r = st.resolve_now(guard.is_some_and(OpGuard::tracking));
     if !r {
         st.note_unresolved();
@@ -288,7 +308,7 @@ fn resolving(st: &State, guard: Option<&OpGuard<CudaDevice>>) -> bool {
 /// validation) is kept for the exit callback.
 fn hook(
     eng: Option<&DevEngine>,
-    guard: Option<OpGuard<CudaDevice>>,
+    guard: Option<OpGuard<'static, CudaDevice>>,
     stream: u64,
     access: Access<'_>,
     validation: Option<validate::Before>,
@@ -307,7 +327,7 @@ fn hook(
 }
 
 /// Keeps an admitted operation's guard (and validation) until the exit callback.
-fn keep(guard: Option<OpGuard<CudaDevice>>, validation: Option<validate::Before>) {
+fn keep(guard: Option<OpGuard<'static, CudaDevice>>, validation: Option<validate::Before>) {
     let _ = PENDING.try_with(|p| {
         let mut p = p.borrow_mut();
         p.guard = guard;
@@ -315,7 +335,7 @@ fn keep(guard: Option<OpGuard<CudaDevice>>, validation: Option<validate::Before>
     });
 }
 
-fn engine_of(st: &State, ctx: u64) -> Option<&DevEngine> {
+fn engine_of(st: &'static State, ctx: u64) -> Option<&'static DevEngine> {
     st.device_of(ctx)
         .and_then(|d| st.engine_ref(d))
         .map(|e| &**e)
@@ -491,23 +511,24 @@ thread_local! {
     static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
 }
 
-fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
+fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     if skip_captured(st, stream) {
+        crate::stats::note_function(func as usize);
         return;
     }
     let c = &st.counters;
     let n = c.launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
     let guard = admit(eng, stream);
-    if guard.is_some() {
-        c.launches_hooked.fetch_add(1, Ordering::Relaxed);
-    }
     let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.resolve.sampled(n);
     let _ = MEMO.try_with(move |memo| {
         let mut memo = memo.borrow_mut();
         let Ways { model, memo: ways } = memo.entry(func).or_default();
         // Borrowed, not cloned: no reference count touched per launch.
-        let model: &Arc<KernelModel> = model.get_or_insert_with(|| st.kernel(func));
+        let model: &Arc<KernelModel> = model.get_or_insert_with(|| {
+            crate::stats::note_function(func as usize);
+            st.kernel(func)
+        });
         let (_, due) = model.next_launch(&st.cfg.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
@@ -518,6 +539,9 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
             return;
         }
         c.launches_examined.fetch_add(1, Ordering::Relaxed);
+        if guard.is_some() {
+            c.launches_hooked.fetch_add(1, Ordering::Relaxed);
+        }
         let _ = SCRATCH.try_with(move |s| {
             let mut s = s.borrow_mut();
             let s = &mut *s;
@@ -609,7 +633,7 @@ fn launch(st: &State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
     });
 }
 
-fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
+fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
     if skip_captured(st, stream) {
         return;
     }
@@ -682,7 +706,7 @@ fn graph_launch(st: &State, ctx: u64, exec: u64, stream: u64) {
 /// A copy (`src` is `Some`) or memset: `dst` is written, `src` read; host addresses resolve to
 /// nothing.
 fn copy_like(
-    st: &State,
+    st: &'static State,
     ctx: u64,
     stream: StreamAt,
     call: &RawCall<'_>,

@@ -47,7 +47,7 @@
 //! callback of that kind in [`cbid::CALLBACKS`], `total_launches` counts kernel launches (not
 //! graph launches) and `distinct_functions` counts distinct `CUfunction` handles passed to kernel
 //! launches (library kernels pass `CUkernel` handles there; each counts once too). Calls are
-//! counted on entry, whether or not they then succeed.
+//! counted on entry, whether or not they then succeed; possum's own calls are not counted.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 

@@ -127,6 +127,8 @@ impl DevEngine {
         if let Some(s) = self.streams.read().get(&raw) {
             return s.clone();
         }
+        // Possum's own driver calls, if wrapping the stream makes any.
+        let _r = Reentry::enter();
         let mut w = self.streams.write();
         w.entry(raw)
             .or_insert_with(|| {
@@ -365,8 +367,9 @@ pub struct GraphSnap {
 
 macro_rules! counters {
     ($($name:ident: $doc:literal),* $(,)?) => {
-        /// Counters the statistics report.
+        /// Counters the statistics report (`repr(C)`: in this order, the launch path's first).
         #[derive(Debug, Default)]
+        #[repr(C)]
         pub struct Counters { $(#[doc = $doc] pub $name: AtomicU64,)* }
         impl Counters {
             fn to_json(&self) -> Value {
@@ -484,9 +487,17 @@ impl ResolveMode {
     }
 }
 
-/// The process-wide state.
+/// The process-wide state. `repr(C)`, aligned: what every launch touches (`captures`, `dag_gap`,
+/// the first counters) comes first, on one cache line.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub struct State {
+    /// Streams being captured now (anywhere in the process).
+    pub captures: AtomicU64,
+    /// Operations went unresolved since the last DAG launch record ([`State::note_unresolved`]).
+    dag_gap: AtomicBool,
+    /// Counters.
+    pub counters: Counters,
     /// Settings.
     pub cfg: Config,
     /// Per device ordinal, its engine once made (never removed: the launch path reads it without
@@ -498,15 +509,11 @@ pub struct State {
     unmanaged: RwLock<IntervalMap<Unmanaged>>,
     kernels: RwLock<HashMap<u64, Arc<KernelModel>>>,
     graphs: RwLock<HashMap<u64, Arc<GraphSnap>>>,
-    /// Streams being captured now (anywhere in the process).
-    pub captures: AtomicU64,
     /// The DAG. Launches reach it through `dag_tx` and the `possum-dag` thread, off the launch
     /// path.
     dag: Mutex<DagSide>,
     /// Ids of memo entries' DAG sets ([`DagMsg::Define`]).
     dag_ids: AtomicU64,
-    /// Operations went unresolved since the last DAG launch record ([`State::note_unresolved`]).
-    dag_gap: AtomicBool,
     dag_tx: Option<crossbeam_channel::Sender<Vec<DagMsg>>>,
     dag_rx: crossbeam_channel::Receiver<Vec<DagMsg>>,
     /// Emptied batches, back from the DAG thread for the launch path to refill: a batch is
@@ -518,8 +525,6 @@ pub struct State {
     /// Bumped whenever the set of allocations changes: buffer sets cached per kernel
     /// (`hooks`) are stale when it differs.
     generation: AtomicU64,
-    /// Counters.
-    pub counters: Counters,
     /// The snapshot launches resolve against, and whether it is out of date.
     ranges: RwLock<Arc<Ranges>>,
     ranges_stale: AtomicBool,
@@ -753,13 +758,26 @@ fn apply(st: &State, side: &mut DagSide, m: DagMsg) {
     }
 }
 
-thread_local! {
+/// What possum keeps per thread for every callback, in one thread-local (one address look-up
+/// where the calls are inlined together; a library's thread-locals each cost a call to
+/// `__tls_get_addr`). No destructor: usable until the thread is gone.
+struct ThreadFlags {
     /// Set while possum itself calls the driver on this thread: callbacks then ignore the call.
-    static IN_POSSUM: Cell<bool> = const { Cell::new(false) };
+    in_possum: Cell<bool>,
     /// 0: not yet known; 1: a job thread; 2: one of possum's own threads (named `possum-*`).
-    static THREAD_KIND: Cell<u8> = const { Cell::new(0) };
+    kind: Cell<u8>,
     /// The last (context, device ordinal) this thread resolved.
-    static CTX_DEVICE: Cell<(u64, usize)> = const { Cell::new((u64::MAX, 0)) };
+    ctx_device: Cell<(u64, usize)>,
+}
+
+thread_local! {
+    static THREAD: ThreadFlags = const {
+        ThreadFlags {
+            in_possum: Cell::new(false),
+            kind: Cell::new(0),
+            ctx_device: Cell::new((u64::MAX, 0)),
+        }
+    };
 }
 
 /// Marks the calling thread as inside possum until dropped.
@@ -769,31 +787,31 @@ pub struct Reentry(bool);
 impl Reentry {
     /// Enters (nesting is fine).
     pub fn enter() -> Reentry {
-        Reentry(IN_POSSUM.with(|c| c.replace(true)))
+        Reentry(THREAD.with(|t| t.in_possum.replace(true)))
     }
 }
 
 impl Drop for Reentry {
     fn drop(&mut self) {
-        IN_POSSUM.with(|c| c.set(self.0));
+        THREAD.with(|t| t.in_possum.set(self.0));
     }
 }
 
 /// Whether a callback on this thread must ignore the call: possum's own call, or one of possum's
 /// own threads (the engine's copier, writers and restorers, the control thread).
 pub fn ignore_this_thread() -> bool {
-    if IN_POSSUM.try_with(Cell::get).unwrap_or(true) {
-        return true;
-    }
-    THREAD_KIND
-        .try_with(|k| {
-            if k.get() == 0 {
+    THREAD
+        .try_with(|t| {
+            if t.in_possum.get() {
+                return true;
+            }
+            if t.kind.get() == 0 {
                 let ours = std::thread::current()
                     .name()
                     .is_some_and(|n| n.starts_with("possum"));
-                k.set(if ours { 2 } else { 1 });
+                t.kind.set(if ours { 2 } else { 1 });
             }
-            k.get() == 2
+            t.kind.get() == 2
         })
         .unwrap_or(true)
 }
@@ -1105,12 +1123,12 @@ impl State {
 
     /// The device of the calling thread's current context `ctx` (cached per thread).
     pub fn device_of(&self, ctx: u64) -> Option<usize> {
-        let (c, d) = CTX_DEVICE.try_with(Cell::get).ok()?;
+        let (c, d) = THREAD.try_with(|t| t.ctx_device.get()).ok()?;
         if c == ctx {
             return Some(d);
         }
         let d = introspect::current_device().ok()?;
-        let _ = CTX_DEVICE.try_with(|x| x.set((ctx, d)));
+        let _ = THREAD.try_with(|t| t.ctx_device.set((ctx, d)));
         Some(d)
     }
 

@@ -28,17 +28,19 @@ thread_local! {
     static SEEN: [Cell<usize>; CACHE_SLOTS] = const { [const { Cell::new(0) }; CACHE_SLOTS] };
 }
 
-/// Records one call of callback `id`, with the launched function's handle for launches.
-pub fn record(id: u32, function: Option<usize>) {
+/// Records one call of callback `id`.
+pub fn record(id: u32) {
     if let Some(c) = COUNTS.get(id as usize) {
         c.fetch_add(1, Ordering::Relaxed);
     }
-    if let Some(f) = function.filter(|&f| f != 0) {
-        note_function(f);
-    }
 }
 
-fn note_function(f: usize) {
+/// Records that function handle `f` was launched (the launch path calls this on a thread's first
+/// launch of `f`, and for captured launches; 0 is no function).
+pub fn note_function(f: usize) {
+    if f == 0 {
+        return;
+    }
     let slot = ((f >> 4) ^ (f >> 12)) % CACHE_SLOTS;
     // `try_with` fails only while the thread's TLS is being torn down; then skip the cache.
     let cached = SEEN
@@ -126,15 +128,18 @@ mod tests {
         let d0 = distinct_functions();
         let fs = [0x7000_1000usize, 0x7000_2000, 0x7000_1000, 0x7000_1000];
         for f in fs {
-            record(653, Some(f));
+            record(653);
+            note_function(f);
         }
-        record(653, Some(0)); // a null handle is counted as a call but not as a function
+        record(653);
+        note_function(0); // a null handle is counted as a call but not as a function
         assert_eq!(count(653) - before, 5);
         assert_eq!(distinct_functions() - d0, 2);
         // Another thread sees the same handles: its cache misses, the global set does not grow.
         std::thread::spawn(move || {
             for f in fs {
-                record(653, Some(f));
+                record(653);
+                note_function(f);
             }
         })
         .join()
@@ -145,13 +150,13 @@ mod tests {
 
     #[test]
     fn out_of_range_ids_are_ignored() {
-        record(ID_LIMIT as u32 + 5, None);
+        record(ID_LIMIT as u32 + 5);
         assert_eq!(count(ID_LIMIT as u32 + 5), 0);
     }
 
     #[test]
     fn json_is_valid_and_complete() {
-        record(514, None);
+        record(514);
         let setup = Setup {
             cupti: false,
             cupti_path: None,

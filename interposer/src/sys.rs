@@ -270,12 +270,7 @@ unsafe extern "C" fn callback(
     // SAFETY: `params` is this callback id's `cu<name>_params` struct and `ret` its `CUresult`,
     // both valid during the callback, which outlives the `RawCall`.
     let call = unsafe { crate::decode::RawCall::new(params, ret.cast_const()) };
-    if enter {
-        // The launched `CUfunction f` (0, not counted as a function, without params).
-        let function = crate::cbid::function_field(cbid).map(|i| call.word(i) as usize);
-        // A panic must not unwind into CUPTI; `record` has none to throw, but be sure.
-        let _ = catch_unwind(|| crate::stats::record(cbid, function));
-    }
+    // A panic must not unwind into CUPTI.
     let _ = catch_unwind(AssertUnwindSafe(|| {
         crate::hooks::on_call(enter, cbid, ctx as usize as u64, &call)
     }));
