@@ -47,6 +47,18 @@ fn fake_gpu_dir(name: &str) -> Option<std::path::PathBuf> {
     build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job").then_some(dir)
 }
 
+/// `fake_job bench ITERS` in `dir` with the variables `env`: its statistics (it must say ok).
+fn bench(dir: &Path, iters: usize, env: &[(&str, &str)]) -> Value {
+    let out = fake_job(dir)
+        .args(["bench", &iters.to_string()])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    read_json(&dir.join("stats.json"))
+}
+
 /// The statistics of kernel `name` in the trace `t`.
 fn kernel(t: &Value, name: &str) -> Value {
     t["kernels"]
@@ -234,16 +246,15 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
     };
     let sets = 24;
     let iters = 10 * sets;
-    let out = fake_job(&dir)
-        .args(["bench", &iters.to_string()])
-        .env("FAKE_JOB_SETS", sets.to_string())
-        .env("FAKE_JOB_MISS", "1")
-        .env("POSSUM_RESOLVE", "always")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
-    let v = read_json(&dir.join("stats.json"));
+    let v = bench(
+        &dir,
+        iters,
+        &[
+            ("FAKE_JOB_SETS", &sets.to_string()),
+            ("FAKE_JOB_MISS", "1"),
+            ("POSSUM_RESOLVE", "always"),
+        ],
+    );
     let c = &v["possum"]["counters"];
     let launches = c["launches"].as_u64().unwrap();
     let hits = c["memo_hits"].as_u64().unwrap();
@@ -276,20 +287,16 @@ fn sampling_resolves_runs_of_launches() {
     let Some(dir) = fake_gpu_dir("possum-fakesample") else {
         return;
     };
-    let iters = 200u64;
-    let out = fake_job(&dir)
-        .args(["bench", &iters.to_string()])
-        .env("FAKE_JOB_SETS", "4")
-        .env("POSSUM_RESOLVE", "sample:16/128")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
-    let v = read_json(&dir.join("stats.json"));
+    let iters = 200;
+    let v = bench(
+        &dir,
+        iters,
+        &[("FAKE_JOB_SETS", "4"), ("POSSUM_RESOLVE", "sample:16/128")],
+    );
     let c = &v["possum"]["counters"];
     let n = |k: &str| c[k].as_u64().unwrap();
     let launches = n("launches");
-    assert_eq!(launches, 4 * iters, "{v}");
+    assert_eq!(launches, 4 * iters as u64, "{v}");
     // Launches 0-15, 128-143, ...: 16 in every 128; validated ones may fall outside.
     let windows = launches.div_ceil(128) * 16;
     let examined = n("launches_examined");
