@@ -167,7 +167,9 @@ done
 wait
 "$possum" trace $$ > "$out/not-loaded.txt" 2>&1; echo "possum trace on a shell (exit $?): $(cat "$out/not-loaded.txt")"
 
-# The injection entry point, once.
+# The injection entry point, once (against a plain run of the same steps; JOBS may have left
+# the MLP out).
+[ -s "$out/mlp.plain" ] || python3 workloads/gpu/jobs.py mlp --steps "$(steps_for mlp)" > "$out/mlp.plain" 2>/dev/null
 CUDA_INJECTION64_PATH="$so" POSSUM_STATS="$out/mlp.inject.json" python3 workloads/gpu/jobs.py mlp --steps "$(steps_for mlp)" > "$out/mlp.inject" 2> "$out/mlp.inject.err"
 cmp -s "$out/mlp.plain" "$out/mlp.inject" && echo "injection: identical, launches $(python3 -c "import json; print(json.load(open('$out/mlp.inject.json'))['total_launches'])")" || { fail "injection run differs"; tail -5 "$out/mlp.inject.err"; }
 # A job that never touches CUDA.
