@@ -143,6 +143,61 @@ fn checkpoint_of_a_job_without_possum_suggests_the_driver_engine() {
     assert!(text(&out).contains("--engine driver"), "{}", text(&out));
 }
 
+/// A job with CUPTI attached, and a driver that refuses to lock such a process (driver 580): the
+/// full checkpoint is refused before the job is asked for anything but its status (no pause, no
+/// copy, no release), with what to do instead, and no image.
+#[test]
+fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = tmp.path().join("libcuda.so.1");
+    let built = Command::new("cc")
+        .args(["-O1", "-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../cuda/testdata/fake-libcuda.c"
+        ))
+        .status()
+        .is_ok_and(|s| s.success());
+    if !built {
+        eprintln!("SKIPPED: no C compiler for the fake driver");
+        return;
+    }
+    let job = fake_job(tmp.path(), false);
+    let img = tmp.path().join("img");
+    let out = possum()
+        .args(["checkpoint", &me(), "--socket-dir"])
+        .arg(&job.sockets)
+        .arg("-D")
+        .arg(&img)
+        .env("POSSUM_LIBCUDA", &lib)
+        // Never run: the refusal comes first.
+        .env("POSSUM_CRIU", "/bin/true")
+        .env("FAKE_CKPT_LOCK_UNSUPPORTED", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("--no-cupti") && text(&out).contains("NOT_SUPPORTED"),
+        "{}",
+        text(&out)
+    );
+    let cmds: Vec<_> = job
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| serde_json::to_value(r).unwrap()["cmd"].clone())
+        .collect();
+    assert_eq!(cmds, [json!("status")]);
+    assert!(!img.exists());
+    assert!(
+        leftovers(tmp.path()).is_empty(),
+        "{:?}",
+        leftovers(tmp.path())
+    );
+}
+
 #[test]
 fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     let tmp = tempfile::tempdir().unwrap();

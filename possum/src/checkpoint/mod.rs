@@ -256,6 +256,31 @@ impl Drop for ProgressBar {
     }
 }
 
+/// What to do when NVIDIA's driver refuses to lock a job because CUPTI is subscribed in it.
+const CUPTI_REFUSED: &str = "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI \
+     has subscribed in: start the job with `possum run --no-cupti` for a full possum checkpoint, \
+     or use --engine driver (or --gpu-only for possum's GPU side)";
+
+/// How long the probe's lock may wait for the job's GPU work (a refusal is immediate).
+const PROBE_LOCK_MS: u32 = 2_000;
+
+/// Asks NVIDIA's driver to lock `pid` and unlocks it at once: the driver says only at the lock
+/// that it refuses a process CUPTI has subscribed in, and a full checkpoint of a CUPTI job would
+/// otherwise pause it, copy and release its buffers and bring them back for nothing. A refusal
+/// is an error naming what to do instead; a lock that cannot be had now (a timeout) is left for
+/// the checkpoint's own lock to report.
+fn probe_driver_lock(drv: &DriverCheckpoint, pid: i32) -> Result<()> {
+    match drv.lock(pid, PROBE_LOCK_MS) {
+        Ok(()) => drv
+            .unlock(pid)
+            .with_context(|| format!("unlocking process {pid} after probing the driver's lock")),
+        Err(e) if e.to_string().contains("NOT_SUPPORTED") => {
+            Err(anyhow::Error::new(e).context(CUPTI_REFUSED))
+        }
+        Err(_) => Ok(()),
+    }
+}
+
 pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let t_all = Instant::now();
     let pid = a.pid;
@@ -282,6 +307,12 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
         Some((criu, drv))
     };
+    // possum holds the job's operations in its CUPTI callbacks; without CUPTI (which NVIDIA's
+    // driver checkpoint requires on driver 580) it parks the job's threads instead and copies
+    // every buffer while they are parked (docs/decisions.md 17).
+    let held = status
+        .as_ref()
+        .is_some_and(|s| s["possum"]["session"]["cupti_attached"] != json!(true));
     let _lock = lock_pid(&sockets, pid)?;
     if let Some((_, drv)) = &side {
         match drv.state(pid) {
@@ -291,6 +322,9 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                  was left so by one (see `possum status {pid}`)"
             ),
             Err(e) => bail!("process {pid}: {e} (does it use CUDA?)"),
+        }
+        if a.engine == EngineKind::Possum && !held {
+            probe_driver_lock(drv, pid)?;
         }
     }
     let managed: u64 = status
@@ -302,12 +336,6 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 .sum()
         })
         .unwrap_or(0);
-    // possum holds the job's operations in its CUPTI callbacks; without CUPTI (which NVIDIA's
-    // driver checkpoint requires on driver 580) it parks the job's threads instead and copies
-    // every buffer while they are parked (docs/decisions.md 17).
-    let held = status
-        .as_ref()
-        .is_some_and(|s| s["possum"]["session"]["cupti_attached"] != json!(true));
     let shell_job = nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
         .map(|sid| sid.as_raw() != pid)
         .unwrap_or(false);
@@ -367,12 +395,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             .time("driver_lock", || Ok(drv.lock(pid, LOCK_TIMEOUT_MS)?))
             .map_err(|e| {
                 if a.engine == EngineKind::Possum && e.to_string().contains("NOT_SUPPORTED") {
-                    e.context(
-                        "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI has \
-                         subscribed in: start the job with `possum run --no-cupti` for a full \
-                         possum checkpoint, or use --engine driver (or --gpu-only for possum's \
-                         GPU side)",
-                    )
+                    e.context(CUPTI_REFUSED)
                 } else {
                     e
                 }
