@@ -599,8 +599,13 @@ def errors(a):
                         "job_running": run_ok, "image_left": left, **(extra or {})})
 
     case("no possum loaded (engine possum)", checkpoint(q.pid, img, "possum"), "--engine driver")
-    case("full possum checkpoint of a CUPTI job (driver refuses)", checkpoint(p.pid, img, "possum"),
-         "CUPTI", proc=p, lg=log)
+    r = checkpoint(p.pid, img, "possum")
+    # Refused before anything was done: the job was never paused, copied or released.
+    st = job_status(p.pid) or {}
+    untouched = bool(st) and not ((st.get("possum") or {}).get("session") or {}).get("last")
+    ok &= untouched
+    case("full possum checkpoint of a CUPTI job (driver refuses)", r, "CUPTI", proc=p, lg=log,
+         extra={"job_untouched": untouched})
     dead = subprocess.Popen(["true"]); dead.wait()
     case("dead pid", checkpoint(dead.pid, img, "driver"), "no process")
     os.makedirs(img); open(os.path.join(img, "x"), "w").write("old")
