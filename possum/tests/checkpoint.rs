@@ -259,6 +259,18 @@ fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     let out = possum().args(["restore", "-D"]).arg(&img).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("only GPU buffers"), "{}", text(&out));
+    // possum.json carries a check: a change that leaves valid JSON is corruption too.
+    assert!(m["check"].is_string(), "{m}");
+    let mut changed = m.clone();
+    changed["pid"] = json!(m["pid"].as_i64().unwrap() + 1);
+    std::fs::write(img.join("possum.json"), changed.to_string()).unwrap();
+    let out = possum().args(["restore", "-D"]).arg(&img).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("is corrupt") && text(&out).contains("check"),
+        "{}",
+        text(&out)
+    );
 }
 
 #[test]

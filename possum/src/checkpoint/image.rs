@@ -37,6 +37,31 @@ pub struct Manifest {
     pub gpu_memory: Vec<GpuUse>,
     /// The checkpoint's figures.
     pub figures: Value,
+    /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
+    /// a change that leaves valid JSON is caught too. Absent in images of earlier versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<String>,
+}
+
+/// The check of `m` ([`Manifest::check`] ignored).
+fn manifest_check(m: &Manifest) -> Result<String> {
+    let bare = Manifest {
+        check: None,
+        ..m.clone()
+    };
+    Ok(format!(
+        "{:08x}",
+        crc32c::crc32c(serde_json::to_string(&bare)?.as_bytes())
+    ))
+}
+
+/// `possum.json`'s text for `m`, with its check.
+pub fn manifest_text(m: &Manifest) -> Result<String> {
+    let checked = Manifest {
+        check: Some(manifest_check(m)?),
+        ..m.clone()
+    };
+    Ok(serde_json::to_string_pretty(&checked)?)
 }
 
 /// GPU memory used by a process on one GPU.
@@ -243,6 +268,14 @@ pub fn open_image(dir: &Path) -> Result<Image> {
     })?;
     let m: Manifest =
         serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))?;
+    if let Some(check) = &m.check {
+        if *check != manifest_check(&m)? {
+            bail!(
+                "{} is corrupt: its content does not match its check (changed after it was written)",
+                path.display()
+            );
+        }
+    }
     if m.possum_image != MANIFEST_VERSION {
         bail!(
             "{}: image format {} (this possum reads {MANIFEST_VERSION})",

@@ -42,7 +42,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use guard::{Guard, Step};
-use image::{dir_bytes, occupied, smi, sync_tree, Manifest, MANIFEST, MANIFEST_VERSION};
+use image::{
+    dir_bytes, manifest_text, occupied, smi, sync_tree, Manifest, MANIFEST, MANIFEST_VERSION,
+};
 
 /// How long the driver lock may wait for the job's submitted work.
 const LOCK_TIMEOUT_MS: u32 = 30_000;
@@ -368,6 +370,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         gpu_dir: (a.engine == EngineKind::Possum).then(|| "gpu".into()),
         gpu_memory: gpu_memory.clone(),
         figures: Value::Null,
+        check: None,
     };
     let r = (|| -> Result<(Manifest, u64, u64)> {
         if a.engine == EngineKind::Possum {
@@ -422,8 +425,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     // The image is complete: name it.
     let commit = clock.time("commit", || {
         // The figures are added once known (below); the image is complete without them.
-        let text = serde_json::to_string_pretty(&manifest)?;
-        fs::write(tmp.join(MANIFEST), text)?;
+        fs::write(tmp.join(MANIFEST), manifest_text(&manifest)?)?;
         fs::File::open(&tmp)?.sync_all()?;
         if a.force && a.dir.exists() {
             let old = tmp.with_extension("old");
@@ -506,7 +508,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     });
     // The figures also go into the image (best effort: the image is already complete).
     manifest.figures = out.clone();
-    if let Ok(text) = serde_json::to_string_pretty(&manifest) {
+    if let Ok(text) = manifest_text(&manifest) {
         let _ = fs::write(a.dir.join(MANIFEST), text);
     }
     if a.json {
