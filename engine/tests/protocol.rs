@@ -42,9 +42,15 @@ fn cases() -> u32 {
 }
 
 /// Checkpoint at op `k` while ops k.. keep running; then release, restore on demand, and re-run k..
-fn checkpoint_restore_case(p: &Program, k: usize, cfg: EngineConfig) -> Result<(), TestCaseError> {
+/// With `lazy`, the job hooks as the interposer does (buffers only while the engine tracks).
+fn checkpoint_restore_case(
+    p: &Program,
+    k: usize,
+    cfg: EngineConfig,
+    lazy: bool,
+) -> Result<(), TestCaseError> {
     let e = engine(cfg);
-    let mut job = HostJob::new(&e, p).unwrap();
+    let mut job = HostJob::new(&e, p).unwrap().lazy_hook(lazy);
     let mut at_t0 = Reference::new(p);
     at_t0.run_all(&p.ops[..k]);
     let mut at_end = at_t0.clone();
@@ -121,10 +127,11 @@ proptest! {
         chunk_pow in 6u32..14,
         staging in 2usize..5,
         shadow in prop_oneof![Just(0u64), Just(1u64 << 20), Just(64 * 1024)],
+        lazy in any::<bool>(),
     ) {
         let p = Program::random(seed, &shape);
         let k = ((p.ops.len() as f64) * k_frac) as usize;
-        checkpoint_restore_case(&p, k.min(p.ops.len()), small_cfg(1 << chunk_pow, staging, shadow))?;
+        checkpoint_restore_case(&p, k.min(p.ops.len()), small_cfg(1 << chunk_pow, staging, shadow), lazy)?;
     }
 
     #[test]
@@ -132,10 +139,13 @@ proptest! {
         (seed, shape) in shape(),
         cuts in proptest::collection::vec(0.0f64..=1.0, 1..4),
         chunk_pow in 6u32..14,
+        lazy in any::<bool>(),
+        stop_before_final in any::<bool>(),
     ) {
         let p = Program::random(seed, &shape);
         let e = engine(small_cfg(1 << chunk_pow, 3, 0));
-        let mut job = HostJob::new(&e, &p).unwrap();
+        // Lazy: the job's operations before the first round reach the engine unrecorded.
+        let mut job = HostJob::new(&e, &p).unwrap().lazy_hook(lazy);
         let store = Arc::new(MemStore::new());
         let mut cuts: Vec<usize> = cuts.iter().map(|c| ((p.ops.len() as f64) * c) as usize).collect();
         cuts.sort_unstable();
@@ -156,6 +166,11 @@ proptest! {
             }
             done = (done + 3).min(k);
             round.join().unwrap();
+        }
+        if stop_before_final {
+            // Tracking ended between the rounds and the final copy (an abandoned session):
+            // what the job writes now goes unrecorded, and the final copy must take it anyway.
+            e.stop_tracking().unwrap();
         }
         for op in &p.ops[done..k] {
             job.issue(op).unwrap();

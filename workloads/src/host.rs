@@ -23,6 +23,8 @@ pub struct HostJob {
     streams: Vec<HostStream>,
     bufs: Vec<Buffer>,
     deps: Vec<Deps>,
+    /// Split hook, as the interposer calls it: buffers given to the engine only while it tracks.
+    lazy: bool,
 }
 
 impl std::fmt::Debug for HostJob {
@@ -57,7 +59,15 @@ impl HostJob {
             streams,
             deps: vec![Deps::default(); bufs.len()],
             bufs,
+            lazy: false,
         })
+    }
+
+    /// With `lazy`, each operation is admitted with [`Engine::enter_op`] and its buffers are
+    /// checked only if the engine is tracking (the interposer's way); else [`Engine::before_op`].
+    pub fn lazy_hook(mut self, lazy: bool) -> Self {
+        self.lazy = lazy;
+        self
     }
 
     /// The managed buffers, in program order.
@@ -71,13 +81,19 @@ impl HostJob {
         let stream = self.streams[s].clone();
         let reads: Vec<Buffer> = op.reads.iter().map(|&i| self.bufs[i].clone()).collect();
         let writes: Vec<Buffer> = op.writes.iter().map(|&i| self.bufs[i].clone()).collect();
-        let guard = self.engine.before_op(
-            &stream,
-            Access::Known {
-                reads: &reads,
-                writes: &writes,
-            },
-        )?;
+        let access = Access::Known {
+            reads: &reads,
+            writes: &writes,
+        };
+        let guard = if self.lazy {
+            let g = self.engine.enter_op();
+            if g.tracking() {
+                g.check(&stream, access)?;
+            }
+            g
+        } else {
+            self.engine.before_op(&stream, access)?
+        };
         // Wait for other streams' conflicting work (read-after-write, write-after-read/write).
         for &r in &op.reads {
             if let Some((t, ev)) = &self.deps[r].last_write {
