@@ -40,13 +40,18 @@ fn managed(v: &Value) -> String {
     for e in p["engines"].as_array().into_iter().flatten() {
         let g = &e["engine"];
         let n = |k: &str| g[k].as_u64().unwrap_or(0);
+        // Writes are recorded only while the engine tracks (a checkpoint open to its restore).
+        let written = if g["tracking"] == false {
+            "writes not tracked: no checkpoint open".to_string()
+        } else {
+            format!("{} written since the last pre-copy", gib(n("dirty_bytes")))
+        };
         s.push_str(&format!(
-            "  device {}: {} buffers, {} ({} resident, {} written since the last pre-copy), phase {}\n",
+            "  device {}: {} buffers, {} ({} resident, {written}), phase {}\n",
             e["device"],
             n("buffers"),
             gib(n("bytes")),
             gib(n("resident_bytes")),
-            gib(n("dirty_bytes")),
             g["phase"].as_str().unwrap_or("?")
         ));
     }
@@ -125,6 +130,10 @@ mod tests {
         );
         assert!(s.contains("phase released"), "{s}");
         assert!(s.contains("not managed: 4 allocations, 0.06 GiB"), "{s}");
+        let mut idle = v.clone();
+        idle["possum"]["engines"][0]["engine"]["tracking"] = false.into();
+        let s = summary(7, &idle);
+        assert!(s.contains("(1.00 GiB resident, writes not tracked"), "{s}");
         assert!(
             s.contains("checkpoint: holding the job (released); CUPTI attached"),
             "{s}"
