@@ -148,6 +148,26 @@ assert not any("scale_struct" in n for n in names), names
 PY
 fi
 
+# The .nv.info fallback on real modules: every kernel's layout from the modules CUPTI reports
+# loaded, none from the driver (POSSUM_LAYOUTS=cubin); outputs must still be identical.
+for job in ${CUBIN_JOBS:-mlp ptrtable}; do
+    steps=$(steps_for "$job")
+    if [ "$job" = ptrtable ]; then cmd=("$out/ptrtable" "$steps"); else cmd=(python3 workloads/gpu/jobs.py "$job" --steps "$steps"); fi
+    [ -s "$out/$job.plain" ] || "${cmd[@]}" > "$out/$job.plain" 2>/dev/null
+    POSSUM_LAYOUTS=cubin LD_PRELOAD="$so" POSSUM_STATS="$out/$job.cubin.stats.json" "${cmd[@]}" > "$out/$job.cubin" 2> "$out/$job.cubin.err"
+    cmp -s "$out/$job.plain" "$out/$job.cubin" || { fail "$job with layouts from .nv.info only: output differs"; tail -3 "$out/$job.cubin.err"; }
+    python3 - "$out/$job.cubin.stats.json" "$job" <<'PY' || fail "$job: no layouts from loaded modules"
+import json, sys
+s = json.load(open(sys.argv[1]))["possum"]
+c = s["counters"]
+no_layout = [o["name"] for o in s["opaque_kernels"] if "no parameter layout" in (o.get("reason") or "")]
+print(f"{sys.argv[2]} layouts from .nv.info only: modules parsed {c['modules_parsed']}, unparsed {c['modules_unparsed']}, "
+      f"kernels {s['kernels']}, layouts from cubins {c['layouts_from_cubin']}, without a layout {len(no_layout)} {no_layout[:3]}, "
+      f"launches identified {c['launches_identified']} of {c['launches']}")
+assert c["layouts_from_cubin"] > 0, c
+PY
+done
+
 # possum run --trace, and possum trace / status against a live job.
 "$possum" run --lib "$so" --trace "$out/trace-mlp.json" -- python3 workloads/gpu/jobs.py mlp --steps 3 > "$out/trace-run.out" 2>&1 || fail "possum run --trace"
 python3 -c "import json,sys; t=json.load(open('$out/trace-mlp.json')); print('trace: kernels', len(t['kernels']), 'dag kernels', len(t['dag']['kernels']), 'buffers', len(t['dag']['buffers']), 'edges', len(t['dag']['edges']), 'window', len(t['dag']['window']['launches']))" || fail "trace file"

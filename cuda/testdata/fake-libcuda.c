@@ -117,13 +117,14 @@ int cuMemcpyDtoDAsync_v2(ull d, ull s, size_t n, void* st){ memmove((void*)d,(vo
 int cuMemsetD8Async(ull d, unsigned char v, size_t n, void* st){ memset((void*)d,v,n); return 0; }
 // Introspection (possum_cuda::introspect). A kernel "handle" is a pointer to a struct
 // fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8]; } made by
-// the test program; anything else is an invalid handle.
+// the test program; anything else is an invalid handle. A kernel with n < 0 is one the driver
+// cannot describe (CUDA_ERROR_NOT_SUPPORTED): its layout must come from elsewhere.
 #define FAKE_KERNEL_MAGIC 0x6b65726e656c2121ull
 struct fake_kernel { ull magic; const char* name; int n; size_t off[8]; size_t size[8]; };
 static struct fake_kernel* fk(void* h){
   struct fake_kernel* k=h; return (k && (uintptr_t)k%8==0 && k->magic==FAKE_KERNEL_MAGIC)? k : 0; }
 int cuFuncGetParamInfo(void* f, size_t i, size_t* off, size_t* size){
-  struct fake_kernel* k=fk(f); if(!k) return 400; if((int)i>=k->n) return 1;
+  struct fake_kernel* k=fk(f); if(!k) return 400; if(k->n<0) return 801; if((int)i>=k->n) return 1;
   *off=k->off[i]; *size=k->size[i]; return 0; }
 int cuKernelGetParamInfo(void* f, size_t i, size_t* off, size_t* size){ return 400; }
 int cuFuncGetName(const char** n, void* f){ struct fake_kernel* k=fk(f); if(!k) return 400; *n=k->name; return 0; }

@@ -261,6 +261,17 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
     }
 }
 
+/// A module was loaded (CUPTI's resource callback): the parameter layouts of its kernels are
+/// kept for those whose layout the driver cannot give ([`State::kernel`]).
+///
+/// [`State::kernel`]: crate::runtime::State::kernel
+pub fn module_loaded(image: &[u8]) {
+    if crate::runtime::ignore_this_thread() {
+        return;
+    }
+    state().note_module(image);
+}
+
 /// Whether an operation on `stream` is being captured into a graph (then it does not run now:
 /// nothing to hook). Costs a driver call only while some capture is in progress.
 fn skip_captured(st: &State, stream: u64) -> bool {

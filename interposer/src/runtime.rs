@@ -44,6 +44,9 @@ pub struct Config {
     pub dag_window: usize,
     /// Which operations have their buffers resolved (`POSSUM_RESOLVE`).
     pub resolve: ResolveMode,
+    /// Diagnostics (`POSSUM_LAYOUTS=cubin`): kernels' parameter layouts from loaded modules'
+    /// `.nv.info` only, never from the driver (tests the fallback on a real job).
+    pub layouts_from_cubin_only: bool,
     /// Problems with the variables above (reported in the statistics).
     pub warnings: Vec<String>,
 }
@@ -86,6 +89,7 @@ impl Config {
         };
         Config {
             resolve,
+            layouts_from_cubin_only: var("POSSUM_LAYOUTS").as_deref() == Some("cubin"),
             manage: flag("POSSUM_MANAGE", true),
             validation,
             staging_mib,
@@ -414,6 +418,9 @@ counters! {
     timed_launches: "Launches whose time in possum's callbacks (entry and exit) was measured (1 in 16).",
     timed_launch_ns: "Time those launches spent in possum's callbacks (validation excluded).",
     dag_dropped: "DAG records dropped because the DAG thread was behind.",
+    modules_parsed: "Loaded modules whose .nv.info parameter layouts were read.",
+    modules_unparsed: "Loaded modules whose image is not a cubin possum reads (skipped).",
+    layouts_from_cubin: "Kernels whose parameter layout came from a module's .nv.info (the driver gave none).",
 }
 
 /// Which operations have their buffers resolved (the launch path's main cost, measured at 2.5
@@ -508,6 +515,9 @@ pub struct State {
     managing_disabled: AtomicBool,
     unmanaged: RwLock<IntervalMap<Unmanaged>>,
     kernels: RwLock<HashMap<u64, Arc<KernelModel>>>,
+    /// Parameter layouts from the `.nv.info` of loaded modules, by kernel (mangled) name: the
+    /// fallback where the driver gives none.
+    cubin_layouts: RwLock<std::collections::HashMap<String, ParamLayout>>,
     graphs: RwLock<HashMap<u64, Arc<GraphSnap>>>,
     /// The DAG. Launches reach it through `dag_tx` and the `possum-dag` thread, off the launch
     /// path.
@@ -534,6 +544,9 @@ pub struct State {
 }
 
 static STATE: OnceLock<State> = OnceLock::new();
+
+/// Kernel layouts kept from loaded modules at most (a layout is a few dozen bytes).
+pub const MAX_CUBIN_LAYOUTS: usize = 1 << 18;
 
 /// Device ordinals possum can manage (0 to this minus one).
 pub const MAX_DEVICES: usize = 64;
@@ -565,6 +578,7 @@ pub fn state() -> &'static State {
             managing_disabled: AtomicBool::new(false),
             unmanaged: RwLock::new(IntervalMap::new()),
             kernels: RwLock::new(HashMap::default()),
+            cubin_layouts: RwLock::new(std::collections::HashMap::new()),
             graphs: RwLock::new(HashMap::default()),
             captures: AtomicU64::new(0),
             dag: Mutex::new(DagSide {
@@ -1168,7 +1182,18 @@ impl State {
         }
         let _r = Reentry::enter();
         let name = introspect::kernel_name(handle);
-        let layout = introspect::param_layout(handle);
+        let layout = if self.cfg.layouts_from_cubin_only {
+            Err("not asked (POSSUM_LAYOUTS=cubin)".to_string())
+        } else {
+            introspect::param_layout(handle)
+        };
+        let from_cubin = || {
+            let l = self.cubin_layouts.read().get(name.as_deref()?).cloned()?;
+            self.counters
+                .layouts_from_cubin
+                .fetch_add(1, Ordering::Relaxed);
+            Some(l)
+        };
         let m = match layout {
             Ok(l) => KernelModel::new(
                 handle,
@@ -1179,15 +1204,42 @@ impl State {
                         .collect(),
                 )),
             ),
-            Err(e) => {
-                KernelModel::without_layout(handle, name, format!("no parameter layout: {e}"))
-            }
+            Err(e) => match from_cubin() {
+                Some(l) => KernelModel::new(handle, name, Some(l)),
+                None => KernelModel::without_layout(
+                    handle,
+                    name,
+                    format!("no parameter layout: {e}; none in a loaded module's .nv.info"),
+                ),
+            },
         };
         self.kernels
             .write()
             .entry(handle)
             .or_insert_with(|| Arc::new(m))
             .clone()
+    }
+
+    /// Keeps the parameter layouts of the kernels in a loaded module's image (an ELF cubin;
+    /// anything else is counted and skipped). Bounded: past [`MAX_CUBIN_LAYOUTS`] kernels, more
+    /// are not kept.
+    pub fn note_module(&self, image: &[u8]) {
+        let c = &self.counters;
+        match possum_analyzer::param_layouts(image) {
+            Ok(layouts) => {
+                c.modules_parsed.fetch_add(1, Ordering::Relaxed);
+                let mut m = self.cubin_layouts.write();
+                for (name, l) in layouts {
+                    if m.len() >= MAX_CUBIN_LAYOUTS {
+                        break;
+                    }
+                    m.entry(name).or_insert(l);
+                }
+            }
+            Err(_) => {
+                c.modules_unparsed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Every kernel model.

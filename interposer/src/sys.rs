@@ -32,6 +32,35 @@ type CallbackFunc =
 const DOMAIN_DRIVER_API: u32 = 1;
 /// `CUPTI_API_ENTER` (`CUpti_ApiCallbackSite`, cupti_callbacks.h).
 const API_ENTER: u32 = 0;
+/// `CUPTI_CB_DOMAIN_RESOURCE` (`CUpti_CallbackDomain`).
+const DOMAIN_RESOURCE: u32 = 3;
+/// `CUPTI_CBID_RESOURCE_MODULE_LOADED` (`CUpti_CallbackIdResource`).
+const CBID_MODULE_LOADED: u32 = 6;
+
+/// `CUpti_ResourceData` (cupti_callbacks.h, CUDA 13.0, as cudarc 0.19.10 lays it out): the
+/// callback data of the resource domain. Only `resource_descriptor` is read.
+#[repr(C)]
+#[allow(dead_code)]
+struct ResourceData {
+    /// `CUcontext context`.
+    context: *mut c_void,
+    /// `union { CUstream stream; } resourceHandle`.
+    resource_handle: u64,
+    /// `void *resourceDescriptor`: for module events a `CUpti_ModuleResourceData *`.
+    resource_descriptor: *mut c_void,
+}
+
+/// `CUpti_ModuleResourceData`: the module a `MODULE_LOADED` callback is about.
+#[repr(C)]
+#[allow(dead_code)]
+struct ModuleResourceData {
+    /// `uint32_t moduleId`.
+    module_id: u32,
+    /// `size_t cubinSize`.
+    cubin_size: usize,
+    /// `const char *pCubin`: the module's image, valid during the callback.
+    p_cubin: *const c_char,
+}
 
 /// `CUpti_CallbackData` from cupti_callbacks.h (CUDA 13.0; unchanged since CUDA 11), as cudarc
 /// 0.19.10's bindgen output of that header lays it out. Only `callback_site`, `function_params`,
@@ -203,6 +232,15 @@ impl Cupti {
                 failed.push(format!("{name} ({id}): {e}"));
             }
         }
+        // Loaded modules' images: the parameter layouts of kernels the driver cannot describe.
+        // SAFETY: as in `enable`, for the resource domain.
+        let r = unsafe { (self.enable_callback)(1, sub.0, DOMAIN_RESOURCE, CBID_MODULE_LOADED) };
+        if r != 0 {
+            failed.push(format!(
+                "module loads (resource {CBID_MODULE_LOADED}): {}",
+                self.describe(r)
+            ));
+        }
         *cur = Some(sub);
         (Ok(sub), failed)
     }
@@ -252,7 +290,29 @@ unsafe extern "C" fn callback(
     cbid: u32,
     cbdata: *const c_void,
 ) {
-    if domain != DOMAIN_DRIVER_API || cbdata.is_null() || hooks_off() {
+    if cbdata.is_null() || hooks_off() {
+        return;
+    }
+    if domain == DOMAIN_RESOURCE && cbid == CBID_MODULE_LOADED {
+        // SAFETY: for the resource domain CUPTI passes a `const CUpti_ResourceData*`, valid for
+        // the callback; for a module event its descriptor is a `CUpti_ModuleResourceData*`.
+        let m = unsafe { (*cbdata.cast::<ResourceData>()).resource_descriptor }
+            .cast_const()
+            .cast::<ModuleResourceData>();
+        if m.is_null() {
+            return;
+        }
+        // SAFETY: `m` is valid for the callback (above).
+        let (p, n) = unsafe { ((*m).p_cubin, (*m).cubin_size) };
+        if !p.is_null() && n > 0 {
+            // SAFETY: CUPTI says `p` holds the module's `n`-byte image during the callback; the
+            // slice does not outlive it (the layouts are copied out).
+            let image = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), n) };
+            let _ = catch_unwind(|| crate::hooks::module_loaded(image));
+        }
+        return;
+    }
+    if domain != DOMAIN_DRIVER_API {
         return;
     }
     let data = cbdata.cast::<CallbackData>();

@@ -279,6 +279,41 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A kernel the driver cannot describe gets its parameter layout from the `.nv.info` of the
+/// module it was loaded with (CUPTI's module-loaded callback; a real sm_90 cubin here), so its
+/// launches are resolved like any other's; an image that is no cubin is skipped and counted.
+#[test]
+fn a_layout_the_driver_cannot_give_comes_from_the_module() {
+    let Some(dir) = fake_gpu_dir("possum-fakemodule") else {
+        return;
+    };
+    let cubin = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../analyzer/tests/data/params_sm90.cubin"
+    );
+    let out = fake_job(&dir)
+        .args(["module", cubin])
+        .env("POSSUM_RESOLVE", "always")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    let v = read_json(&dir.join("stats.json"));
+    let c = &v["possum"]["counters"];
+    assert_eq!(c["modules_parsed"], 1, "{c}");
+    assert_eq!(c["modules_unparsed"], 1, "{c}");
+    assert_eq!(c["layouts_from_cubin"], 1, "{c}");
+    assert_eq!(c["launches"], 3, "{c}");
+    assert_eq!(c["launches_identified"], 3, "{c}");
+    assert_eq!(c["launches_opaque"], 0, "{c}");
+    let t = read_json(&dir.join("trace.json"));
+    let k1 = kernel(&t, "_Z2k1iPf1ScS_");
+    assert_eq!(k1["opaque"], false, "{k1}");
+    // Pointer-sized words at 8, 16, 24, 32 and 48 (cuobjdump's layout of k1).
+    assert_eq!(k1["slots"], 5, "{k1}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `POSSUM_RESOLVE=sample:W/P`: outside a checkpoint only W launches in every P are looked at
 /// (and the validated ones); those are all identified, and the DAG's window holds only launches
 /// since the last gap.

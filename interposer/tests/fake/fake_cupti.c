@@ -54,7 +54,13 @@ static void fire(int domain, int site, uint32_t cbid, const void *params) {
     cb(NULL, domain, cbid, &d);
 }
 
+static int modules_enabled;
+
 int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t cbid) {
+    if (enable && subscriber == (void *)&cb && domain == 3 && cbid == 6) { /* module loaded */
+        modules_enabled = 1;
+        return 0;
+    }
     if (!enable || subscriber != (void *)&cb || domain != 1) return 1;
     if (cbid == 797) return 1; /* pretend this CUPTI lacks cuMemcpyBatchAsync_v2_ptsz */
     if (cbid != 714) return 0; /* cuGraphExecNodeSetParams: the last entry of the table */
@@ -81,6 +87,15 @@ int cuptiEnableCallback(uint32_t enable, void *subscriber, int domain, uint32_t 
     fire(1, 0, 243, words); /* cuMemAlloc_v2 */
     cb(NULL, 1, 307, NULL); /* no callback data: ignored */
     return 0;
+}
+
+/* For test jobs: fires the resource callback CUPTI_CBID_RESOURCE_MODULE_LOADED for a module whose
+ * image is `image` (CUpti_ResourceData pointing at a CUpti_ModuleResourceData), if enabled. */
+void fake_cupti_fire_module(const void *image, size_t size) {
+    struct { uint32_t id; size_t size; const void *cubin; } mod = {1, size, image};
+    struct { void *context; uint64_t handle; void *descriptor; } rd = {NULL, 0, &mod};
+    callback_fn f = __atomic_load_n(&cb, __ATOMIC_SEQ_CST);
+    if (f && modules_enabled) f(NULL, 3, 6, &rd);
 }
 
 /* For test jobs: fires one driver-API callback (site 0: entry, 1: exit) with the given params

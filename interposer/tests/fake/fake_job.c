@@ -125,10 +125,47 @@ static int fill(fire_fn fire) {
     return 0;
 }
 
+/* `module CUBIN`: a module is loaded (CUBIN's bytes, then bytes that are no cubin), and a kernel
+ * of it the driver cannot describe, k1(int, float *, struct { float *, int, double * }, char,
+ * float *) (tests/data/params.cu of the analyzer), is launched 3 times: reads its second pointer,
+ * writes its last. */
+static struct fake_kernel k1 = {FAKE_KERNEL_MAGIC, "_Z2k1iPf1ScS_", -1, {0}, {0}};
+static int module(fire_fn fire, void *h, const char *path) {
+    void (*fire_module)(const void *, size_t) = (void (*)(const void *, size_t))dlsym(h, "fake_cupti_fire_module");
+    FILE *f = fopen(path, "rb");
+    static char image[1 << 20];
+    size_t size = f ? fread(image, 1, sizeof image, f) : 0;
+    if (!fire_module || !size) { puts("no module to load"); return 1; }
+    fclose(f);
+    fire_module(image, size);
+    fire_module("not a cubin", 11);
+    const size_t n = 1 << 16;
+    float *a, *b;
+    double *d;
+    if (cudaMalloc((void **)&a, n) || cudaMalloc((void **)&b, n) || cudaMalloc((void **)&d, n)) {
+        puts("cudaMalloc failed"); return 1;
+    }
+    for (size_t i = 0; i < n / 4; i++) a[i] = (float)i;
+    int ret = 0, count = (int)(n / 4);
+    char c = 'c';
+    struct { float *p; int i; double *q; } s = {a, 7, d};
+    for (int k = 0; k < 3; k++) {
+        void *args[] = {&count, &a, &s, &c, &b};
+        launch_params p = {&k1, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(307, 0, &p, &ret);
+        for (int i = 0; i < count; i++) b[i] = a[i] + (float)k;
+        fire(307, 1, &p, &ret);
+    }
+    if (cudaFree(a) || cudaFree(b) || cudaFree(d)) { puts("cudaFree failed"); return 1; }
+    puts("ok");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     void *h = dlopen(getenv("POSSUM_CUPTI"), RTLD_NOW | RTLD_NOLOAD);
     fire_fn fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
     if (!fire) { puts("no fake CUPTI loaded"); return 1; }
+    if (argc > 2 && !strcmp(argv[1], "module")) return module(fire, h, argv[2]);
     if (argc > 2 && !strcmp(argv[1], "bench")) return bench(fire, atol(argv[2]));
     if (argc > 1 && !strcmp(argv[1], "fill")) return fill(fire);
     const size_t n = 1 << 20;
