@@ -156,6 +156,8 @@ pub struct KernelModel {
     ro_mask: AtomicU64,
     /// Per tracked slot: validated launches that saw its buffer unchanged.
     unchanged: Vec<AtomicU32>,
+    /// Whether the model was made with a parameter layout.
+    has_layout: bool,
 }
 
 impl KernelModel {
@@ -187,6 +189,7 @@ impl KernelModel {
             let _ = opaque_reason.set(why());
         }
         Self {
+            has_layout: layout.is_some(),
             handle,
             name,
             runs: slot_runs(&slots),
@@ -199,6 +202,20 @@ impl KernelModel {
             ro_mask: AtomicU64::new(0),
             unchanged,
         }
+    }
+
+    /// The model of a kernel that had none of its layout, now that `layout` is known (from a
+    /// module loaded after its first launch): fresh speculation, the launches counted so far kept.
+    pub fn with_layout_of(old: &KernelModel, layout: ParamLayout) -> Self {
+        let m = Self::new(old.handle, old.name.clone(), Some(layout));
+        m.launches
+            .store(old.launches.load(Ordering::Relaxed), Ordering::Relaxed);
+        m
+    }
+
+    /// Whether the model was made with a parameter layout (without one it is opaque).
+    pub fn has_layout(&self) -> bool {
+        self.has_layout
     }
 
     /// The kernel handle.

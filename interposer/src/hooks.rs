@@ -266,9 +266,8 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
 ///
 /// [`State::kernel`]: crate::runtime::State::kernel
 pub fn module_loaded(image: &[u8]) {
-    if crate::runtime::ignore_this_thread() {
-        return;
-    }
+    // Whichever thread: a module load inside possum's own call (the runtime initialised inside
+    // an interposed cudaMalloc) is still the job's module.
     state().note_module(image);
 }
 
@@ -516,10 +515,16 @@ impl MemoSet {
     }
 }
 
+/// The thread's kernels: per handle, its model and the last few distinct (words → buffer sets)
+/// of its launches; `epoch`: the [`State::models_epoch`] they are good for.
+#[derive(Default)]
+struct Kernels {
+    epoch: u64,
+    map: HashMap<u64, Ways>,
+}
+
 thread_local! {
-    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
-    /// launches.
-    static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
+    static MEMO: RefCell<Kernels> = RefCell::new(Kernels::default());
 }
 
 fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
@@ -534,7 +539,18 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
     let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.resolve.sampled(n);
     let _ = MEMO.try_with(move |memo| {
         let mut memo = memo.borrow_mut();
-        let Ways { model, memo: ways } = memo.entry(func).or_default();
+        let epoch = st.models_epoch.load(Ordering::Acquire);
+        if memo.epoch != epoch {
+            // Some models were replaced: take every model afresh, with fresh memo entries.
+            for m in memo.map.values().flat_map(|w| &w.memo.entries) {
+                if m.dag != 0 {
+                    st.to_dag(DagMsg::Forget(m.dag));
+                }
+            }
+            memo.map.clear();
+            memo.epoch = epoch;
+        }
+        let Ways { model, memo: ways } = memo.map.entry(func).or_default();
         // Borrowed, not cloned: no reference count touched per launch.
         let model: &Arc<KernelModel> = model.get_or_insert_with(|| {
             crate::stats::note_function(func as usize);

@@ -503,6 +503,9 @@ pub struct State {
     pub captures: AtomicU64,
     /// Operations went unresolved since the last DAG launch record ([`State::note_unresolved`]).
     dag_gap: AtomicBool,
+    /// Bumped when kernel models are replaced (a layout arrived with a module loaded after the
+    /// kernel's first launch): threads then drop the models they cached.
+    pub models_epoch: AtomicU64,
     /// Counters.
     pub counters: Counters,
     /// Settings.
@@ -587,6 +590,7 @@ pub fn state() -> &'static State {
             }),
             dag_ids: AtomicU64::new(1),
             dag_gap: AtomicBool::new(false),
+            models_epoch: AtomicU64::new(0),
             counters: Counters::default(),
             ranges: RwLock::new(Arc::new(Ranges::default())),
             ranges_stale: AtomicBool::new(false),
@@ -1225,21 +1229,40 @@ impl State {
     /// are not kept.
     pub fn note_module(&self, image: &[u8]) {
         let c = &self.counters;
-        match possum_analyzer::param_layouts(image) {
-            Ok(layouts) => {
-                c.modules_parsed.fetch_add(1, Ordering::Relaxed);
-                let mut m = self.cubin_layouts.write();
-                for (name, l) in layouts {
-                    if m.len() >= MAX_CUBIN_LAYOUTS {
-                        break;
-                    }
-                    m.entry(name).or_insert(l);
+        let Ok(layouts) = possum_analyzer::param_layouts(image) else {
+            c.modules_unparsed.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        c.modules_parsed.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut m = self.cubin_layouts.write();
+            for (name, l) in &layouts {
+                if m.len() >= MAX_CUBIN_LAYOUTS {
+                    break;
                 }
-            }
-            Err(_) => {
-                c.modules_unparsed.fetch_add(1, Ordering::Relaxed);
+                m.entry(name.clone()).or_insert_with(|| l.clone());
             }
         }
+        // A kernel launched before its module was loaded (lazy loading loads it inside that
+        // first launch, after possum's entry callback) and that the driver could not describe:
+        // its model is replaced by one with the layout, and threads drop their cached models.
+        let stale: Vec<Arc<KernelModel>> = self
+            .kernels
+            .read()
+            .values()
+            .filter(|k| !k.has_layout() && k.name().is_some_and(|n| layouts.contains_key(n)))
+            .cloned()
+            .collect();
+        if stale.is_empty() {
+            return;
+        }
+        let mut kernels = self.kernels.write();
+        for old in stale {
+            let l = layouts[old.name().expect("filtered on its name")].clone();
+            kernels.insert(old.handle(), Arc::new(KernelModel::with_layout_of(&old, l)));
+            c.layouts_from_cubin.fetch_add(1, Ordering::Relaxed);
+        }
+        self.models_epoch.fetch_add(1, Ordering::Release);
     }
 
     /// Every kernel model.

@@ -311,6 +311,24 @@ fn a_layout_the_driver_cannot_give_comes_from_the_module() {
     assert_eq!(k1["opaque"], false, "{k1}");
     // Pointer-sized words at 8, 16, 24, 32 and 48 (cuobjdump's layout of k1).
     assert_eq!(k1["slots"], 5, "{k1}");
+
+    // Launched once before its module is loaded: opaque then (no layout yet), replaced by a
+    // model with the layout once the module arrives.
+    let out = fake_job(&dir)
+        .args(["module", cubin, "late"])
+        .env("POSSUM_RESOLVE", "always")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    let c = &read_json(&dir.join("stats.json"))["possum"]["counters"];
+    assert_eq!(c["layouts_from_cubin"], 1, "{c}");
+    assert_eq!(c["launches"], 4, "{c}");
+    assert_eq!(c["launches_opaque"], 1, "{c}");
+    assert_eq!(c["launches_identified"], 3, "{c}");
+    let k1 = kernel(&read_json(&dir.join("trace.json")), "_Z2k1iPf1ScS_");
+    assert_eq!(k1["opaque"], false, "{k1}");
+    assert_eq!(k1["launches"], 4, "{k1}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

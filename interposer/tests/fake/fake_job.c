@@ -125,20 +125,28 @@ static int fill(fire_fn fire) {
     return 0;
 }
 
-/* `module CUBIN`: a module is loaded (CUBIN's bytes, then bytes that are no cubin), and a kernel
- * of it the driver cannot describe, k1(int, float *, struct { float *, int, double * }, char,
- * float *) (tests/data/params.cu of the analyzer), is launched 3 times: reads its second pointer,
- * writes its last. */
+/* `module CUBIN [late]`: a module is loaded (CUBIN's bytes, then bytes that are no cubin), and a
+ * kernel of it the driver cannot describe, k1(int, float *, struct { float *, int, double * },
+ * char, float *) (tests/data/params.cu of the analyzer), is launched 3 times: reads its second
+ * pointer, writes its last. With `late`, it is launched once more before the module is loaded
+ * (as under lazy loading, which loads a module inside its first kernel's launch). */
 static struct fake_kernel k1 = {FAKE_KERNEL_MAGIC, "_Z2k1iPf1ScS_", -1, {0}, {0}};
-static int module(fire_fn fire, void *h, const char *path) {
+static void launch_k1(fire_fn fire, int count, float *a, void *s, char c, float *b, int k) {
+    int ret = 0;
+    void *args[] = {&count, &a, s, &c, &b};
+    launch_params p = {&k1, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+    fire(307, 0, &p, &ret);
+    for (int i = 0; i < count; i++) b[i] = a[i] + (float)k;
+    fire(307, 1, &p, &ret);
+}
+
+static int module(fire_fn fire, void *h, const char *path, int late) {
     void (*fire_module)(const void *, size_t) = (void (*)(const void *, size_t))dlsym(h, "fake_cupti_fire_module");
     FILE *f = fopen(path, "rb");
     static char image[1 << 20];
     size_t size = f ? fread(image, 1, sizeof image, f) : 0;
     if (!fire_module || !size) { puts("no module to load"); return 1; }
     fclose(f);
-    fire_module(image, size);
-    fire_module("not a cubin", 11);
     const size_t n = 1 << 16;
     float *a, *b;
     double *d;
@@ -146,16 +154,12 @@ static int module(fire_fn fire, void *h, const char *path) {
         puts("cudaMalloc failed"); return 1;
     }
     for (size_t i = 0; i < n / 4; i++) a[i] = (float)i;
-    int ret = 0, count = (int)(n / 4);
-    char c = 'c';
+    int count = (int)(n / 4);
     struct { float *p; int i; double *q; } s = {a, 7, d};
-    for (int k = 0; k < 3; k++) {
-        void *args[] = {&count, &a, &s, &c, &b};
-        launch_params p = {&k1, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
-        fire(307, 0, &p, &ret);
-        for (int i = 0; i < count; i++) b[i] = a[i] + (float)k;
-        fire(307, 1, &p, &ret);
-    }
+    if (late) launch_k1(fire, count, a, &s, 'c', b, -1);
+    fire_module(image, size);
+    fire_module("not a cubin", 11);
+    for (int k = 0; k < 3; k++) launch_k1(fire, count, a, &s, 'c', b, k);
     if (cudaFree(a) || cudaFree(b) || cudaFree(d)) { puts("cudaFree failed"); return 1; }
     puts("ok");
     return 0;
@@ -165,7 +169,8 @@ int main(int argc, char **argv) {
     void *h = dlopen(getenv("POSSUM_CUPTI"), RTLD_NOW | RTLD_NOLOAD);
     fire_fn fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
     if (!fire) { puts("no fake CUPTI loaded"); return 1; }
-    if (argc > 2 && !strcmp(argv[1], "module")) return module(fire, h, argv[2]);
+    if (argc > 2 && !strcmp(argv[1], "module"))
+        return module(fire, h, argv[2], argc > 3 && !strcmp(argv[3], "late"));
     if (argc > 2 && !strcmp(argv[1], "bench")) return bench(fire, atol(argv[2]));
     if (argc > 1 && !strcmp(argv[1], "fill")) return fill(fire);
     const size_t n = 1 << 20;
