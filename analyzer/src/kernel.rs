@@ -7,7 +7,7 @@
 //! is meant for reports.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use serde::Serialize;
 
@@ -137,14 +137,21 @@ pub struct KernelStats {
 const TRACKED_SLOTS: usize = 64;
 
 /// Speculation and validation state of one kernel handle.
+/// `repr(C)`: what every launch reads (`launches`, `has_layout`) first.
 #[derive(Debug)]
+#[repr(C)]
 pub struct KernelModel {
+    launches: AtomicU64,
+    /// Whether the model was made with a parameter layout.
+    has_layout: bool,
+    /// The model that replaces this one (it had no layout; one came later): launches move on to
+    /// it ([`KernelModel::successor`]).
+    successor: OnceLock<Arc<KernelModel>>,
     handle: u64,
     name: Option<String>,
     slots: Vec<Slot>,
     /// `slots` as runs (what a launch reads).
     runs: Vec<SlotRun>,
-    launches: AtomicU64,
     validated: AtomicU64,
     resolved: AtomicU64,
     /// Set (once, to the first reason given) when the kernel becomes opaque: the kernel is opaque
@@ -156,8 +163,6 @@ pub struct KernelModel {
     ro_mask: AtomicU64,
     /// Per tracked slot: validated launches that saw its buffer unchanged.
     unchanged: Vec<AtomicU32>,
-    /// Whether the model was made with a parameter layout.
-    has_layout: bool,
 }
 
 impl KernelModel {
@@ -190,6 +195,7 @@ impl KernelModel {
         }
         Self {
             has_layout: layout.is_some(),
+            successor: OnceLock::new(),
             handle,
             name,
             runs: slot_runs(&slots),
@@ -204,13 +210,28 @@ impl KernelModel {
         }
     }
 
-    /// The model of a kernel that had none of its layout, now that `layout` is known (from a
-    /// module loaded after its first launch): fresh speculation, the launches counted so far kept.
-    pub fn with_layout_of(old: &KernelModel, layout: ParamLayout) -> Self {
-        let m = Self::new(old.handle, old.name.clone(), Some(layout));
+    /// Replaces this model, made without a layout, by one with `layout` (known from a module
+    /// loaded after the kernel's first launch): fresh speculation, the launches counted so far
+    /// kept. Holders of this model find the new one with [`KernelModel::successor`]. `None` if
+    /// this model has a layout or was replaced already.
+    pub fn replace_with_layout(&self, layout: ParamLayout) -> Option<Arc<KernelModel>> {
+        if self.has_layout {
+            return None;
+        }
+        let m = Arc::new(Self::new(self.handle, self.name.clone(), Some(layout)));
         m.launches
-            .store(old.launches.load(Ordering::Relaxed), Ordering::Relaxed);
-        m
+            .store(self.launches.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.successor.set(m.clone()).ok()?;
+        Some(m)
+    }
+
+    /// The model that replaced this one, if any (only a model without a layout is replaced).
+    #[inline]
+    pub fn successor(&self) -> Option<&Arc<KernelModel>> {
+        if self.has_layout {
+            return None;
+        }
+        self.successor.get()
     }
 
     /// Whether the model was made with a parameter layout (without one it is opaque).

@@ -515,16 +515,10 @@ impl MemoSet {
     }
 }
 
-/// The thread's kernels: per handle, its model and the last few distinct (words → buffer sets)
-/// of its launches; `epoch`: the [`State::models_epoch`] they are good for.
-#[derive(Default)]
-struct Kernels {
-    epoch: u64,
-    map: HashMap<u64, Ways>,
-}
-
 thread_local! {
-    static MEMO: RefCell<Kernels> = RefCell::new(Kernels::default());
+    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
+    /// launches.
+    static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
 }
 
 fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
@@ -539,18 +533,18 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
     let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.resolve.sampled(n);
     let _ = MEMO.try_with(move |memo| {
         let mut memo = memo.borrow_mut();
-        let epoch = st.models_epoch.load(Ordering::Acquire);
-        if memo.epoch != epoch {
-            // Some models were replaced: take every model afresh, with fresh memo entries.
-            for m in memo.map.values().flat_map(|w| &w.memo.entries) {
+        let Ways { model, memo: ways } = memo.entry(func).or_default();
+        if let Some(next) = model.as_ref().and_then(|m| m.successor()).cloned() {
+            // The model was replaced (its layout came with a module loaded later): move on to
+            // the new one, with fresh memo entries.
+            for m in &ways.entries {
                 if m.dag != 0 {
                     st.to_dag(DagMsg::Forget(m.dag));
                 }
             }
-            memo.map.clear();
-            memo.epoch = epoch;
+            *ways = MemoSet::default();
+            *model = Some(next);
         }
-        let Ways { model, memo: ways } = memo.map.entry(func).or_default();
         // Borrowed, not cloned: no reference count touched per launch.
         let model: &Arc<KernelModel> = model.get_or_insert_with(|| {
             crate::stats::note_function(func as usize);

@@ -503,9 +503,6 @@ pub struct State {
     pub captures: AtomicU64,
     /// Operations went unresolved since the last DAG launch record ([`State::note_unresolved`]).
     dag_gap: AtomicBool,
-    /// Bumped when kernel models are replaced (a layout arrived with a module loaded after the
-    /// kernel's first launch): threads then drop the models they cached.
-    pub models_epoch: AtomicU64,
     /// Counters.
     pub counters: Counters,
     /// Settings.
@@ -590,7 +587,6 @@ pub fn state() -> &'static State {
             }),
             dag_ids: AtomicU64::new(1),
             dag_gap: AtomicBool::new(false),
-            models_epoch: AtomicU64::new(0),
             counters: Counters::default(),
             ranges: RwLock::new(Arc::new(Ranges::default())),
             ranges_stale: AtomicBool::new(false),
@@ -1245,7 +1241,8 @@ impl State {
         }
         // A kernel launched before its module was loaded (lazy loading loads it inside that
         // first launch, after possum's entry callback) and that the driver could not describe:
-        // its model is replaced by one with the layout, and threads drop their cached models.
+        // its model is replaced by one with the layout (threads holding the old one move on at
+        // their next launch of it: `KernelModel::successor`).
         let stale: Vec<Arc<KernelModel>> = self
             .kernels
             .read()
@@ -1259,10 +1256,11 @@ impl State {
         let mut kernels = self.kernels.write();
         for old in stale {
             let l = layouts[old.name().expect("filtered on its name")].clone();
-            kernels.insert(old.handle(), Arc::new(KernelModel::with_layout_of(&old, l)));
-            c.layouts_from_cubin.fetch_add(1, Ordering::Relaxed);
+            if let Some(new) = old.replace_with_layout(l) {
+                kernels.insert(old.handle(), new);
+                c.layouts_from_cubin.fetch_add(1, Ordering::Relaxed);
+            }
         }
-        self.models_epoch.fetch_add(1, Ordering::Release);
     }
 
     /// Every kernel model.
