@@ -38,17 +38,16 @@ if [ -n "${AB:-}" ]; then
     # Inside each process: CUPTI switched off and on (eval/overhead.py --ab).
     python3 eval/overhead.py --ab --job mlp --pairs "${AB_MLP_PROCS:-5}" --steps 4000 --ab-ms 250 \
         --budget-s 200 --out "$out" || status=1
-    python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-4}" --steps "${AB_GPT2_STEPS:-500}" \
-        --ab-ms 1000 --ab-skip 100 --budget-s "${AB_GPT2_BUDGET:-150}" --out "$out" || status=1
-    if [ -n "${AB_ALWAYS:-}" ]; then
-        python3 eval/overhead.py --ab --job gpt2 --pairs "${AB_GPT2_PROCS:-4}" --steps "${AB_GPT2_STEPS:-500}" \
-            --ab-ms 1000 --ab-skip 100 --budget-s 150 --ab-env POSSUM_RESOLVE=always --out "$out" || status=1
-    fi
-    if [ -n "${AB_HOOKSOFF:-}" ]; then
-        # CUPTI's dispatch alone (possum's callbacks return at once) against no CUPTI.
-        python3 eval/overhead.py --ab --job gpt2 --pairs 2 --steps "${AB_GPT2_STEPS:-500}" --ab-ms 1000 \
-            --ab-skip 100 --budget-s 60 --ab-env POSSUM_HOOKS=off --out "$out" || status=1
-    fi
+    # GPT-2 small: ab_gpt2 PROCESSES BUDGET_S [more eval/overhead.py arguments]
+    ab_gpt2() {
+        local procs=$1 budget=$2; shift 2
+        python3 eval/overhead.py --ab --job gpt2 --pairs "$procs" --steps "${AB_GPT2_STEPS:-500}" \
+            --ab-ms 1000 --ab-skip 100 --budget-s "$budget" --out "$out" "$@" || status=1
+    }
+    ab_gpt2 "${AB_GPT2_PROCS:-4}" "${AB_GPT2_BUDGET:-150}"
+    [ -n "${AB_ALWAYS:-}" ] && ab_gpt2 "${AB_GPT2_PROCS:-4}" 150 --ab-env POSSUM_RESOLVE=always
+    # CUPTI's dispatch alone (possum's callbacks return at once) against no CUPTI.
+    [ -n "${AB_HOOKSOFF:-}" ] && ab_gpt2 2 60 --ab-env POSSUM_HOOKS=off
 else
     python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" \
         --modes "${MODES:-plain,possum,possum-nocupti}" || status=1

@@ -47,15 +47,22 @@ fn fake_gpu_dir(name: &str) -> Option<std::path::PathBuf> {
     build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job").then_some(dir)
 }
 
-/// `fake_job bench ITERS` in `dir` with the variables `env`: its statistics (it must say ok).
-fn bench(dir: &Path, iters: usize, env: &[(&str, &str)]) -> Value {
+/// `fake_job ARGS` in `dir` with the variables `env`, which must say ok and exit 0: its stderr.
+fn run_ok<S: AsRef<std::ffi::OsStr>>(dir: &Path, args: &[S], env: &[(&str, &str)]) -> String {
     let out = fake_job(dir)
-        .args(["bench", &iters.to_string()])
+        .args(args)
         .envs(env.iter().copied())
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    assert!(out.status.success(), "{stderr}");
+    stderr
+}
+
+/// `fake_job bench ITERS` in `dir` with the variables `env`: its statistics.
+fn bench(dir: &Path, iters: usize, env: &[(&str, &str)]) -> Value {
+    run_ok(dir, &["bench", &iters.to_string()], env);
     read_json(&dir.join("stats.json"))
 }
 
@@ -77,10 +84,7 @@ fn a_job_on_a_fake_gpu() {
     };
     let stats = dir.join("stats.json");
     let trace = dir.join("trace.json");
-    let out = fake_job(&dir).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
-    assert!(out.status.success(), "{stderr}");
+    let stderr = run_ok::<&str>(&dir, &[], &[]);
     assert!(
         stderr.contains("device 0: allocations are served by the engine"),
         "{stderr}"
@@ -167,14 +171,7 @@ fn writes_of_a_constant_earn_no_readonly() {
     let Some(dir) = fake_gpu_dir("possum-fakegpu-fill") else {
         return;
     };
-    let out = fake_job(&dir)
-        .arg("fill")
-        .env("POSSUM_VALIDATE", "first=4")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
-    assert!(out.status.success(), "{stderr}");
+    run_ok(&dir, &["fill"], &[("POSSUM_VALIDATE", "first=4")]);
 
     let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];
@@ -291,13 +288,7 @@ fn a_layout_the_driver_cannot_give_comes_from_the_module() {
         env!("CARGO_MANIFEST_DIR"),
         "/../analyzer/tests/data/params_sm90.cubin"
     );
-    let out = fake_job(&dir)
-        .args(["module", cubin])
-        .env("POSSUM_RESOLVE", "always")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    run_ok(&dir, &["module", cubin], &[("POSSUM_RESOLVE", "always")]);
     let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];
     assert_eq!(c["modules_parsed"], 1, "{c}");
@@ -314,13 +305,11 @@ fn a_layout_the_driver_cannot_give_comes_from_the_module() {
 
     // Launched once before its module is loaded: opaque then (no layout yet), replaced by a
     // model with the layout once the module arrives.
-    let out = fake_job(&dir)
-        .args(["module", cubin, "late"])
-        .env("POSSUM_RESOLVE", "always")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    run_ok(
+        &dir,
+        &["module", cubin, "late"],
+        &[("POSSUM_RESOLVE", "always")],
+    );
     let c = &read_json(&dir.join("stats.json"))["possum"]["counters"];
     assert_eq!(c["layouts_from_cubin"], 1, "{c}");
     assert_eq!(c["launches"], 4, "{c}");
@@ -379,14 +368,14 @@ fn the_ab_test_switches_the_hooks_off_and_on() {
     let _ = std::fs::remove_file(&log);
     // Long enough for several switches at 20 ms on a slow machine.
     let iters: u64 = 400_000;
-    let out = fake_job(&dir)
-        .args(["bench", &iters.to_string()])
-        .env("POSSUM_AB_MS", "20")
-        .env("POSSUM_AB_LOG", &log)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
+    let stderr = run_ok(
+        &dir,
+        &["bench", &iters.to_string()],
+        &[
+            ("POSSUM_AB_MS", "20"),
+            ("POSSUM_AB_LOG", log.to_str().unwrap()),
+        ],
+    );
     let lines: Vec<Value> = std::fs::read_to_string(&log)
         .unwrap_or_default()
         .lines()
