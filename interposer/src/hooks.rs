@@ -468,6 +468,33 @@ struct Ways {
     memo: MemoSet,
 }
 
+impl Ways {
+    /// The kernel's current model (borrowed, not cloned: no reference count touched per
+    /// launch) and memo entries: the model taken at the thread's first launch of `func`, or its
+    /// successor once it was replaced (its layout came with a module loaded later; the entries
+    /// made under the old one are dropped).
+    fn current<'a>(
+        w: &'a mut Ways,
+        st: &State,
+        func: u64,
+    ) -> (&'a Arc<KernelModel>, &'a mut MemoSet) {
+        if let Some(next) = w.model.as_ref().and_then(|m| m.successor()).cloned() {
+            for m in &w.memo.entries {
+                if m.dag != 0 {
+                    st.to_dag(DagMsg::Forget(m.dag));
+                }
+            }
+            w.memo = MemoSet::default();
+            w.model = Some(next);
+        }
+        let model = w.model.get_or_insert_with(|| {
+            crate::stats::note_function(func as usize);
+            st.kernel(func)
+        });
+        (model, &mut w.memo)
+    }
+}
+
 /// A kernel's memo entries on one thread.
 #[derive(Default)]
 struct MemoSet {
@@ -533,23 +560,7 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
     let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.resolve.sampled(n);
     let _ = MEMO.try_with(move |memo| {
         let mut memo = memo.borrow_mut();
-        let Ways { model, memo: ways } = memo.entry(func).or_default();
-        if let Some(next) = model.as_ref().and_then(|m| m.successor()).cloned() {
-            // The model was replaced (its layout came with a module loaded later): move on to
-            // the new one, with fresh memo entries.
-            for m in &ways.entries {
-                if m.dag != 0 {
-                    st.to_dag(DagMsg::Forget(m.dag));
-                }
-            }
-            *ways = MemoSet::default();
-            *model = Some(next);
-        }
-        // Borrowed, not cloned: no reference count touched per launch.
-        let model: &Arc<KernelModel> = model.get_or_insert_with(|| {
-            crate::stats::note_function(func as usize);
-            st.kernel(func)
-        });
+        let (model, ways) = Ways::current(memo.entry(func).or_default(), st, func);
         let (_, due) = model.next_launch(&st.cfg.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
