@@ -1,9 +1,10 @@
 //! `POSSUM_AB_MS` (diagnostics): an A/B test of possum's launch-path cost inside one process.
 //!
 //! Process-to-process noise on the GPU machine (+-15% between two runs of one job) is larger than
-//! the cost being measured. Here a `possum-ab` thread detaches CUPTI (no callback at all: the
-//! job runs as without possum's hooks) and attaches it again (every callback back, possum's work
-//! included) every `POSSUM_AB_MS` milliseconds, appending `{"t": unix seconds, "on": bool}` to
+//! the cost being measured. Here a `possum-ab` thread switches possum's hooks off (the entry
+//! points' wrappers call the driver and nothing else; with `POSSUM_HOOKS=cupti`, CUPTI is
+//! detached: no callback at all) and on again (possum's work included) every `POSSUM_AB_MS`
+//! milliseconds, appending `{"t": unix seconds, "on": bool}` to
 //! `POSSUM_AB_LOG` after each switch. `eval/overhead.py --ab` lays the job's own step times over
 //! those intervals and compares neighbouring on and off intervals.
 //!
@@ -42,11 +43,7 @@ pub fn start_if_asked() {
             loop {
                 std::thread::sleep(Duration::from_millis(ms));
                 let t0 = std::time::Instant::now();
-                let r = if on {
-                    crate::cupti_detach()
-                } else {
-                    crate::cupti_attach()
-                };
+                let r = switch(!on);
                 on = !on;
                 let t = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
@@ -62,12 +59,29 @@ pub fn start_if_asked() {
                     .and_then(|mut f| writeln!(f, "{line}"));
                 if written.is_err() {
                     crate::log(&format!("POSSUM_AB_LOG {log}: cannot write; A/B test ends"));
-                    let _ = crate::cupti_attach();
+                    let _ = switch(true);
                     return;
                 }
             }
         });
     if spawned.is_err() {
         RUNNING.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Switches possum's hooks on or off: the entry points' mode, or CUPTI's subscription.
+fn switch(on: bool) -> Result<(), String> {
+    use crate::entry::{mode, set_mode, Mode};
+    match (mode(), on) {
+        (Mode::Count, true) => crate::cupti_attach(),
+        (Mode::Count, false) => crate::cupti_detach(),
+        (_, true) => {
+            set_mode(Mode::Hooks);
+            Ok(())
+        }
+        (_, false) => {
+            set_mode(Mode::Off);
+            Ok(())
+        }
     }
 }

@@ -244,14 +244,6 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
             }
         }
         Shape::Map => st.add_unmanaged(call.word(0), call.word(1), "cuMemMap"),
-        Shape::ProcAddress if st.managing() => {
-            // cudaVersion is an int: the word's upper half is padding.
-            let swapped =
-                crate::drvalloc::offer(call.word(0), call.word(1), call.word(2) & 0xffff_ffff);
-            st.counters
-                .entry_points_swapped
-                .fetch_add(u64::from(swapped), Ordering::Relaxed);
-        }
         Shape::GraphInstantiate => {
             if let Some(exec) = call.deref(0) {
                 st.instantiate_graph(exec, call.word(1));

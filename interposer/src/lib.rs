@@ -58,6 +58,7 @@ mod control;
 mod cudart;
 mod decode;
 mod drvalloc;
+pub mod entry;
 mod hooks;
 mod park;
 mod park_sys;
@@ -100,26 +101,90 @@ pub fn init() {
     });
 }
 
+/// How possum sees the job's GPU operations (`POSSUM_HOOKS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Hooks {
+    /// The driver's entry points, wrapped (`entry`, the default): what a full checkpoint needs.
+    #[default]
+    Entry,
+    /// CUPTI's callbacks (`cupti`, diagnostics): NVIDIA's driver 580 then refuses to checkpoint
+    /// the process; the entry points only count what they see, as a cross-check.
+    Cupti,
+    /// Nothing hooked (`off`): allocations are still served; a checkpoint holds the job by
+    /// parking its threads.
+    Off,
+}
+
+impl Hooks {
+    /// From `POSSUM_HOOKS` (`entry`, `cupti`, `off`/`0`; unset: `entry`).
+    pub fn from_env() -> Result<Hooks, String> {
+        match std::env::var("POSSUM_HOOKS").as_deref() {
+            Err(_) | Ok("") | Ok("entry") => Ok(Hooks::Entry),
+            Ok("cupti") => Ok(Hooks::Cupti),
+            Ok("off") | Ok("0") => Ok(Hooks::Off),
+            Ok(other) => Err(format!(
+                "POSSUM_HOOKS={other} is not one of entry, cupti, off; using entry"
+            )),
+        }
+    }
+
+    /// Its name in the statistics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hooks::Entry => "entry",
+            Hooks::Cupti => "cupti",
+            Hooks::Off => "off",
+        }
+    }
+}
+
 fn set_up() -> Setup {
+    // First: the entry points' wrappers must know their mode before anything below calls the
+    // driver (CUPTI's loading does), or they would run this set-up again.
+    let (hooks, bad) = match Hooks::from_env() {
+        Ok(h) => (h, None),
+        Err(e) => (Hooks::Entry, Some(e)),
+    };
+    entry::set_mode(match hooks {
+        Hooks::Entry => entry::Mode::Hooks,
+        Hooks::Cupti => entry::Mode::Count,
+        Hooks::Off => entry::Mode::Off,
+    });
     VERBOSE.store(
         std::env::var_os("POSSUM_VERBOSE").is_some_and(|v| v == "1"),
         Ordering::Relaxed,
     );
+    if let Some(e) = bad {
+        log(&e);
+    }
     let stats_path = std::env::var("POSSUM_STATS").ok().filter(|p| !p.is_empty());
     if !sys::register_at_exit() {
         log("atexit failed; POSSUM_STATS and POSSUM_TRACE will not be written");
     }
     let _ = STATS_PATH.set(stats_path);
 
-    if std::env::var_os("POSSUM_CUPTI").is_some_and(|v| v == "off") {
-        log("CUPTI off (POSSUM_CUPTI=off): launches will not be seen");
-        return Setup {
-            error: Some("CUPTI off (POSSUM_CUPTI=off)".into()),
-            ..Setup::default()
-        };
+    match hooks {
+        Hooks::Entry => {
+            log("hooks: the driver's entry points (CUPTI not loaded)");
+            ab::start_if_asked();
+            return Setup {
+                hooks,
+                error: Some("CUPTI not loaded (POSSUM_HOOKS=entry)".into()),
+                ..Setup::default()
+            };
+        }
+        Hooks::Off => {
+            log("hooks off (POSSUM_HOOKS=off): launches will not be seen");
+            return Setup {
+                hooks,
+                error: Some("CUPTI not loaded (POSSUM_HOOKS=off)".into()),
+                ..Setup::default()
+            };
+        }
+        Hooks::Cupti => {}
     }
     let candidates: Vec<String> = match std::env::var("POSSUM_CUPTI") {
-        Ok(p) if !p.is_empty() => vec![p],
+        Ok(p) if !p.is_empty() && p != "off" && p != "1" => vec![p],
         _ => DEFAULT_CUPTI.iter().map(|s| s.to_string()).collect(),
     };
     let (cupti, path) = match sys::Cupti::load(&candidates) {
@@ -129,6 +194,7 @@ fn set_up() -> Setup {
                 "CUPTI not found ({why}); launches will not be seen"
             ));
             return Setup {
+                hooks,
                 error: Some(format!("CUPTI not found: {why}")),
                 ..Setup::default()
             };
@@ -140,6 +206,7 @@ fn set_up() -> Setup {
             "CUPTI at {path} loaded but {why}; launches will not be seen"
         ));
         return Setup {
+            hooks,
             cupti_path: Some(path),
             error: Some(why),
             ..Setup::default()
@@ -157,11 +224,19 @@ fn set_up() -> Setup {
     ));
     ab::start_if_asked();
     Setup {
+        hooks,
         cupti: true,
         cupti_path: Some(path),
         error,
         enabled,
     }
+}
+
+/// Whether possum sees the job's GPU operations now (through the entry points, or CUPTI): then
+/// a checkpoint pre-copies while the job runs, holds it at the op gate and restores on demand;
+/// otherwise it parks the job's threads and copies everything while they are held.
+pub(crate) fn hooks_live() -> bool {
+    entry::mode() == entry::Mode::Hooks || cupti_attached()
 }
 
 /// Detaches CUPTI (NVIDIA's driver checkpoint refuses a process it is attached to):
@@ -233,6 +308,7 @@ pub fn stats_json() -> serde_json::Value {
         ..Setup::default()
     };
     let mut v = stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up));
+    v["entry"] = entry::stats_json();
     if let Some(st) = runtime::state_if_created() {
         v["possum"] = st.stats_json();
         v["possum"]["session"] = session::status_json();

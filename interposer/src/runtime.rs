@@ -409,7 +409,6 @@ counters! {
     managed_allocs: "cudaMalloc (and cuMemAlloc_v2, cuMemAllocPitch_v2) calls served by the engine.",
     managed_frees: "cudaFree (and cuMemFree_v2) calls of engine buffers.",
     fallback_allocs: "Allocation calls passed to libcudart or the driver.",
-    entry_points_swapped: "cuGetProcAddress answers redirected to possum's allocation entry points.",
     unmanaged_allocs: "Allocations possum does not manage (seen through CUPTI, or found by the driver).",
     discovered_allocs: "Allocations no hook saw, found by asking the driver about a parameter word (validated launches).",
     launches_discovered: "Validated launches that named an allocation no hook saw (found by the driver then).",

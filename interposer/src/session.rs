@@ -103,6 +103,7 @@ pub fn status_json() -> Value {
         "paused": paused(),
         "threads_parked": park::held().then(|| crate::park_sys::parked().len()),
         "cupti_attached": crate::cupti_attached(),
+        "hooks_live": crate::hooks_live(),
         "busy": *BUSY.lock(),
         "pause_waits": PAUSE_WAITS.load(Ordering::Relaxed),
         "pause_wait_ms": PAUSE_WAIT_NS.load(Ordering::Relaxed) as f64 / 1e6,
@@ -215,9 +216,9 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
     let mut open = Vec::new();
-    // Without CUPTI nothing marks buffers dirty: no pre-copy, everything is copied at the release
+    // Without hooks nothing marks buffers dirty: no pre-copy, everything is copied at the release
     // with the job's threads parked (`release_held`).
-    let hooks = crate::cupti_attached();
+    let hooks = crate::hooks_live();
     for e in engines() {
         let writer = new_writer(dir, e.ordinal)?;
         if !hooks {
@@ -272,7 +273,7 @@ fn release_inner() -> Result<Value, String> {
     {
         return Err("no checkpoint in progress for every device: send checkpoint first".into());
     }
-    if !crate::cupti_attached() {
+    if !crate::hooks_live() {
         return release_held(&dir, open, engines, t);
     }
     set_paused(true);
@@ -465,8 +466,8 @@ pub fn resume(dir: Option<&str>) -> Value {
 fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
     let _b = Busy::take("resume")?;
     let t = Instant::now();
-    // Without CUPTI no operation waits for its buffers: they are all back before this answers.
-    let hooks = crate::cupti_attached();
+    // Without hooks no operation waits for its buffers: they are all back before this answers.
+    let hooks = crate::hooks_live();
     let mut out = Vec::new();
     for e in engines() {
         if e.engine.stats().phase != "released" {

@@ -82,6 +82,8 @@ pub fn total(kind: Kind) -> u64 {
 /// How the interposer's set-up went, for the statistics.
 #[derive(Debug, Clone, Default)]
 pub struct Setup {
+    /// How possum sees the job's operations.
+    pub hooks: crate::Hooks,
     /// Whether CUPTI was loaded and the subscription made.
     pub cupti: bool,
     /// The CUPTI library that was loaded.
@@ -96,6 +98,7 @@ pub struct Setup {
 pub fn to_json(pid: u32, setup: &Setup) -> Value {
     let mut v = json!({
         "pid": pid,
+        "hooks": setup.hooks.name(),
         "cupti": setup.cupti,
         "cupti_path": setup.cupti_path,
         "cupti_error": setup.error,
@@ -158,6 +161,7 @@ mod tests {
     fn json_is_valid_and_complete() {
         record(514);
         let setup = Setup {
+            hooks: crate::Hooks::Entry,
             cupti: false,
             cupti_path: None,
             error: Some("not \"found\"\n".into()),

@@ -275,13 +275,6 @@ impl Cupti {
     }
 }
 
-/// `POSSUM_HOOKS=off` (diagnostics): the callbacks stay enabled but return at once, so a run
-/// measures what CUPTI's dispatch alone costs the job.
-fn hooks_off() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("POSSUM_HOOKS").is_ok_and(|v| v == "off" || v == "0"))
-}
-
 /// The CUPTI callback. Runs on the thread making the driver call, inside that call, on its entry
 /// and on its exit.
 unsafe extern "C" fn callback(
@@ -290,7 +283,7 @@ unsafe extern "C" fn callback(
     cbid: u32,
     cbdata: *const c_void,
 ) {
-    if cbdata.is_null() || hooks_off() {
+    if cbdata.is_null() {
         return;
     }
     if domain == DOMAIN_RESOURCE && cbid == CBID_MODULE_LOADED {
