@@ -17,7 +17,7 @@ pub enum ControlError {
     NoProcess(u32),
     /// The process exists but has no control socket.
     #[error(
-        "process {pid} does not have possum loaded: no control socket at {} (start the job with `possum run`)",
+        "process {pid} does not have possum loaded: no control socket at {}; start the job with `possum run JOB` or LD_PRELOAD=/path/to/libpossum.so (its socket appears at its first CUDA call)",
         path.display()
     )]
     NotLoaded {

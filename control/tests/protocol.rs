@@ -169,7 +169,7 @@ fn not_loaded_names_the_socket_and_the_remedy() {
         "{e:?}"
     );
     let want = format!(
-        "process {} does not have possum loaded: no control socket at {} (start the job with `possum run`)",
+        "process {} does not have possum loaded: no control socket at {}; start the job with `possum run JOB` or LD_PRELOAD=/path/to/libpossum.so (its socket appears at its first CUDA call)",
         me(),
         socket_path(tmp.path(), me()).display()
     );

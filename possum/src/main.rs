@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod checkpoint;
 mod criu_demo;
@@ -29,15 +29,41 @@ enum Cmd {
     /// Reports CRIU, kernel features, GPU and driver.
     Doctor,
     /// Runs a job with libpossum.so preloaded (and so a control socket); exits with its status.
+    ///
+    /// libpossum.so serves the job's cudaMalloc from possum's engine and sees every GPU operation
+    /// by wrapping the CUDA driver's entry points, so `possum checkpoint` can pre-copy while the
+    /// job runs and the restored job resumes before all its buffers are back. Everything from CMD
+    /// on belongs to the job; `--` is needed only when CMD starts with `-`.
     Run(run::RunArgs),
     /// Asks a running job for its kernel/buffer trace (JSON, and DOT with --dot).
     Trace(trace::TraceArgs),
     /// Asks a running job what possum manages in it.
     Status(status::StatusArgs),
-    /// Checkpoints a running process (CPU side by CRIU, GPU buffers by possum, the rest by
-    /// NVIDIA's driver checkpoint) into an image directory.
+    /// Checkpoints a running process into an image directory: GPU buffers by possum (pre-copied
+    /// while the job runs), the rest by NVIDIA's driver checkpoint, the CPU side by CRIU.
+    ///
+    /// For a job started with `possum run` (the driver's entry points hooked): possum copies
+    /// every GPU buffer into the image while the job runs (pre-copy), then holds the job's next
+    /// GPU operation at its op gate (T0), copies only the buffers written since the pre-copy,
+    /// releases the buffers' memory, and lets NVIDIA's driver checkpoint the rest and CRIU dump
+    /// the process while the job is held. With --leave-running the job then goes on at once, its
+    /// buffers coming back on demand; otherwise it is killed once the image is complete.
+    ///
+    /// A job run with hooks off (`POSSUM_HOOKS=off`) is held by parking its threads and every
+    /// buffer is copied while held. A job run with `--cupti` is refused by NVIDIA's driver: only
+    /// --gpu-only or --engine driver. A job with managed memory (cuMemAllocManaged) is refused.
+    /// If the checkpoint fails, or possum is killed, a guard process undoes it: the job runs on
+    /// and no image appears under DIR.
     Checkpoint(checkpoint::CheckpointArgs),
-    /// Restores a process from an image directory; its GPU buffers come back on demand.
+    /// Restores a process from an image directory; it runs on before its GPU buffers are back
+    /// (they come back on demand).
+    ///
+    /// The image is one written by `possum checkpoint`. CRIU restores the process (under its old PID, which must be free), NVIDIA's driver its
+    /// GPU state, and for a possum image the job then resumes before its GPU buffers are back:
+    /// they come back on demand (an operation waits only for the buffers it touches) while the
+    /// rest are prefetched. A job that ran with hooks off (`POSSUM_HOOKS=off`) gets every buffer
+    /// back first, then runs on. The GPU must have the free memory the job used (--device picks
+    /// another GPU).
     Restore(checkpoint::RestoreArgs),
     /// Detaches CUPTI from a job, or attaches it again (diagnostics).
     #[command(hide = true)]
@@ -50,8 +76,26 @@ enum Cmd {
     DemoChild(criu_demo::ChildArgs),
 }
 
+/// Parses the command line, and refuses what clap alone would not (a flag that is gone, with why).
+fn parse<I, T>(args: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = Cli::try_parse_from(args)?;
+    if let Cmd::Run(a) = &cli.cmd {
+        if a.no_cupti {
+            let mut cmd = Cli::command();
+            cmd.build();
+            let sub = cmd.find_subcommand_mut("run").expect("the run subcommand");
+            return Err(sub.error(clap::error::ErrorKind::UnknownArgument, run::NO_CUPTI_GONE));
+        }
+    }
+    Ok(cli)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse(std::env::args_os()).unwrap_or_else(|e| e.exit());
     // 0: success; 1: the command's check failed; `run` passes the job's own code through.
     let check = |ok: bool| u8::from(!ok);
     let r = match cli.cmd {
@@ -115,6 +159,13 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(Cli::try_parse_from(["possum", "run"]).is_err());
+        // Flags of possum's must come before CMD: an unknown one is an error, not the command.
+        assert!(Cli::try_parse_from(["possum", "run", "--bogus", "x"]).is_err());
+        let c = Cli::try_parse_from(["possum", "run", "--", "-x", "--y"]).unwrap();
+        match c.cmd {
+            Cmd::Run(a) => assert_eq!(a.cmd, ["-x", "--y"]),
+            other => panic!("{other:?}"),
+        }
         let c = Cli::try_parse_from(["possum", "trace", "12", "-o", "t.json", "--dot", "t.dot"])
             .unwrap();
         match c.cmd {
@@ -127,5 +178,50 @@ mod tests {
         }
         assert!(Cli::try_parse_from(["possum", "trace", "x"]).is_err());
         assert!(Cli::try_parse_from(["possum", "status", "1", "--json"]).is_ok());
+    }
+
+    #[test]
+    fn parses_the_hook_flags_of_run() {
+        let hooks = |args: &[&str]| match parse(args).unwrap().cmd {
+            Cmd::Run(a) => (a.cupti, a.hooks),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(hooks(&["possum", "run", "python", "t.py"]), (false, None));
+        assert_eq!(
+            hooks(&["possum", "run", "--cupti", "python", "t.py"]),
+            (true, None)
+        );
+        assert_eq!(
+            hooks(&["possum", "run", "--hooks", "off", "python"]),
+            (false, Some(run::Hooks::Off))
+        );
+        // After CMD, `--cupti` is the job's.
+        match parse(["possum", "run", "python", "--cupti"]).unwrap().cmd {
+            Cmd::Run(a) => assert!(!a.cupti && a.cmd == ["python", "--cupti"]),
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(["possum", "run", "--cupti", "--hooks", "off", "x"]).is_err());
+        assert!(parse(["possum", "run", "--hooks", "maybe", "x"]).is_err());
+        // `--no-cupti` is gone, and the error says so (not "did you mean --cupti").
+        let e = parse(["possum", "run", "--no-cupti", "python", "t.py"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
+        let e = e.to_string();
+        assert!(e.contains("`--no-cupti` is gone"), "{e}");
+        assert!(!e.contains("similar argument"), "{e}");
+        // `--help` of checkpoint and restore says what happens now.
+        let help = |sub: &str| {
+            let mut c = Cli::command();
+            c.find_subcommand_mut(sub)
+                .unwrap()
+                .render_long_help()
+                .to_string()
+        };
+        assert!(help("restore").contains("on demand"), "{}", help("restore"));
+        assert!(
+            help("checkpoint").contains("op gate"),
+            "{}",
+            help("checkpoint")
+        );
+        assert!(!help("run").contains("no-cupti"), "{}", help("run"));
     }
 }

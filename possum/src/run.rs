@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::unistd::Pid;
 
@@ -28,22 +28,63 @@ pub struct RunArgs {
     /// else /tmp/possum).
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
-    /// Checkpointable by NVIDIA's driver 580: no CUPTI (sets POSSUM_CUPTI=off). possum still
-    /// serves the job's cudaMalloc, but sees no launches: a `possum checkpoint` parks the job's
-    /// threads and copies every buffer while they are parked (no pre-copy, no on-demand restore).
-    #[arg(long, conflicts_with = "trace")]
+    /// Diagnostic: see the job's GPU operations through CUPTI's callbacks instead of the
+    /// driver's entry points (sets POSSUM_HOOKS=cupti); the entry points then only count what
+    /// they see, a cross-check of their coverage. NVIDIA's driver refuses to checkpoint a process
+    /// CUPTI has subscribed in, so such a job can only be checkpointed with `possum checkpoint
+    /// --gpu-only` or `--engine driver`.
+    #[arg(long, conflicts_with = "hooks")]
+    pub cupti: bool,
+    /// How possum sees the job's GPU operations (sets POSSUM_HOOKS): `off` hooks nothing, so a
+    /// checkpoint parks the job's threads and copies every buffer while they are parked (kept for
+    /// measuring that fallback).
+    #[arg(long, value_enum, value_name = "MODE", hide = true)]
+    pub hooks: Option<Hooks>,
+    /// Removed (possum no longer uses CUPTI by default); kept only to say so (`crate::parse`).
+    #[arg(long, hide = true)]
     pub no_cupti: bool,
     /// Print the job's pid and control socket on stderr.
     #[arg(short, long)]
     pub verbose: bool,
     /// The job: a command and its arguments.
-    #[arg(
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "CMD"
-    )]
+    #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     pub cmd: Vec<OsString>,
+}
+
+/// Why `--no-cupti` is refused.
+pub const NO_CUPTI_GONE: &str = "`--no-cupti` is gone: `possum run JOB` no longer loads CUPTI \
+     (possum sees the job's GPU operations by wrapping the driver's entry points, and NVIDIA's \
+     driver checkpoints such a job in full); run it without the flag";
+
+/// The job's hook mode (libpossum.so reads it; unset: `entry`).
+const HOOKS_ENV: &str = "POSSUM_HOOKS";
+
+/// How libpossum.so sees the job's GPU operations (`POSSUM_HOOKS`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hooks {
+    /// The driver's entry points, wrapped (the default).
+    Entry,
+    /// CUPTI's callbacks (diagnostic; NVIDIA's driver then refuses to checkpoint the job).
+    Cupti,
+    /// Nothing hooked: allocations served, a checkpoint parks the job's threads.
+    Off,
+}
+
+impl RunArgs {
+    /// The value `possum run` gives POSSUM_HOOKS, if any (none: the job's environment decides,
+    /// and unset means the entry points).
+    fn hooks_env(&self) -> Option<&'static str> {
+        let h = if self.cupti {
+            Some(Hooks::Cupti)
+        } else {
+            self.hooks
+        };
+        h.map(|h| match h {
+            Hooks::Entry => "entry",
+            Hooks::Cupti => "cupti",
+            Hooks::Off => "off",
+        })
+    }
 }
 
 /// Runs the job; returns its exit code (128 + signal when a signal killed it).
@@ -53,6 +94,9 @@ pub fn run(a: &RunArgs) -> Result<u8> {
     let lib = std::fs::canonicalize(&lib).with_context(|| format!("{}", lib.display()))?;
     let preload = ld_preload(&lib, std::env::var_os("LD_PRELOAD"))?;
 
+    if a.hooks == Some(Hooks::Off) && a.trace.is_some() {
+        bail!("--trace needs the job's launches, which `--hooks off` does not see");
+    }
     let (prog, args) = a.cmd.split_first().context("no command given")?;
     let mut cmd = Command::new(prog);
     cmd.args(args).env("LD_PRELOAD", &preload);
@@ -64,8 +108,8 @@ pub fn run(a: &RunArgs) -> Result<u8> {
         }
         None => possum_control::socket_dir(),
     };
-    if a.no_cupti {
-        cmd.env("POSSUM_CUPTI", "off");
+    if let Some(h) = a.hooks_env() {
+        cmd.env(HOOKS_ENV, h);
     }
     if let Some(t) = &a.trace {
         let t = std::path::absolute(t).with_context(|| format!("{}", t.display()))?;

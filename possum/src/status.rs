@@ -33,7 +33,8 @@ fn gib(b: u64) -> String {
 }
 
 /// What possum manages, in words: per device engine its buffers, bytes, resident and dirty bytes
-/// and phase; the allocations it does not manage; whether a checkpoint holds the job.
+/// and phase; the allocations it does not manage, by driver call; whether a checkpoint holds the
+/// job; how possum sees its operations.
 fn managed(v: &Value) -> String {
     let p = &v["possum"];
     let mut s = String::new();
@@ -62,6 +63,23 @@ fn managed(v: &Value) -> String {
             u["allocations"].as_u64().unwrap_or(0),
             gib(u["bytes"].as_u64().unwrap_or(0))
         ));
+        let mut kinds: Vec<(&String, &Value)> = u["by_kind"]
+            .as_object()
+            .map(|m| m.iter().collect())
+            .unwrap_or_default();
+        kinds.sort_by_key(|(k, _)| k.as_str());
+        for (kind, k) in kinds {
+            let managed = if kind == "cuMemAllocManaged" {
+                " (managed memory: no checkpoint can save it)"
+            } else {
+                ""
+            };
+            s.push_str(&format!(
+                "    {kind}: {} allocations, {}{managed}\n",
+                k["allocations"].as_u64().unwrap_or(0),
+                gib(k["bytes"].as_u64().unwrap_or(0))
+            ));
+        }
     }
     let ss = &p["session"];
     if ss.is_object() {
@@ -77,6 +95,48 @@ fn managed(v: &Value) -> String {
             } else {
                 "not attached"
             }
+        ));
+        s.push_str(&hooks(v));
+    }
+    s
+}
+
+/// How possum sees the job's operations (`hooks`, `possum.session.hooks_live`), and what that
+/// means for a checkpoint; the entry points' statistics when they are wrapped.
+fn hooks(v: &Value) -> String {
+    let ss = &v["possum"]["session"];
+    let cupti = ss["cupti_attached"] == true;
+    // Libraries older than the entry points' hooks had only CUPTI's.
+    let live = ss["hooks_live"].as_bool().unwrap_or(cupti);
+    let mode = v["hooks"]
+        .as_str()
+        .unwrap_or(if cupti { "cupti" } else { "?" });
+    let what = match (live, cupti) {
+        (_, true) => {
+            "CUPTI attached: NVIDIA's driver refuses to checkpoint this job (only --gpu-only \
+             or --engine driver)"
+        }
+        (true, false) => {
+            "live: a checkpoint pre-copies while the job runs, holds it at the op gate, and its \
+             buffers come back on demand"
+        }
+        (false, false) => {
+            "not live: a checkpoint parks the job's threads, copies every buffer while they are \
+             parked, and brings every buffer back before they run on"
+        }
+    };
+    let mut s = format!("  hooks: {mode} ({what})\n");
+    let e = &v["entry"];
+    if mode == "entry" && e.is_object() {
+        let n = |k: &str| e[k].as_u64().unwrap_or(0);
+        let unmatched = e["unmatched"].as_array().map_or(0, Vec::len);
+        s.push_str(&format!(
+            "    entry points: {} wrapped; handed out {} times by cuGetProcAddress, {} by dlsym; \
+             {} other cuGetProcAddress answers; {unmatched} unknown versions of wrapped names\n",
+            n("wrapped"),
+            n("swapped_proc_address"),
+            n("swapped_dlsym"),
+            n("passed_proc_address"),
         ));
     }
     s
@@ -138,5 +198,47 @@ mod tests {
             s.contains("checkpoint: holding the job (released); CUPTI attached"),
             "{s}"
         );
+        assert!(
+            s.contains("hooks: cupti (CUPTI attached: NVIDIA's driver refuses"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn summary_says_how_possum_sees_the_job() {
+        let v = serde_json::json!({"hooks": "entry",
+            "entry": {"wrapped": 120, "swapped_dlsym": 3, "swapped_proc_address": 40,
+                      "passed_proc_address": 500, "unmatched": [{"symbol": "cuLaunchKernel"}]},
+            "possum": {
+            "unmanaged": {"allocations": 3, "bytes": 3u64 << 30, "by_kind": {
+                "cuMemMap": {"allocations": 2, "bytes": 2u64 << 30},
+                "cuMemAllocManaged": {"allocations": 1, "bytes": 1u64 << 30}}},
+            "session": {"paused": false, "busy": null, "cupti_attached": false,
+                        "hooks_live": true}}});
+        let s = summary(7, &v);
+        assert!(s.contains("not managed: 3 allocations, 3.00 GiB"), "{s}");
+        assert!(
+            s.contains("    cuMemAllocManaged: 1 allocations, 1.00 GiB (managed memory"),
+            "{s}"
+        );
+        assert!(s.contains("    cuMemMap: 2 allocations, 2.00 GiB\n"), "{s}");
+        assert!(s.contains("CUPTI not attached"), "{s}");
+        assert!(
+            s.contains("hooks: entry (live: a checkpoint pre-copies"),
+            "{s}"
+        );
+        assert!(
+            s.contains("entry points: 120 wrapped; handed out 40 times by cuGetProcAddress, 3 by dlsym; 500 other cuGetProcAddress answers; 1 unknown versions"),
+            "{s}"
+        );
+        let mut off = v.clone();
+        off["hooks"] = "off".into();
+        off["possum"]["session"]["hooks_live"] = false.into();
+        let s = summary(7, &off);
+        assert!(
+            s.contains("hooks: off (not live: a checkpoint parks"),
+            "{s}"
+        );
+        assert!(!s.contains("entry points:"), "{s}");
     }
 }

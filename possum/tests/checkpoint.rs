@@ -34,6 +34,16 @@ struct FakeJob {
 }
 
 fn fake_job(dir: &Path, release_fails: bool) -> FakeJob {
+    // A library older than the entry points' hooks: no `hooks_live`, CUPTI's callbacks.
+    let status = json!({
+        "possum": {"engines": [{"engine": {"bytes": 4096}}],
+                   "session": {"cupti_attached": true, "last": {"restore": {}}}}
+    });
+    fake_job_answering(dir, release_fails, status)
+}
+
+/// [`fake_job`] whose `status` answer is `status`.
+fn fake_job_answering(dir: &Path, release_fails: bool, status: Value) -> FakeJob {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sockets = dir.join("sockets");
     let log = Arc::clone(&seen);
@@ -42,10 +52,7 @@ fn fake_job(dir: &Path, release_fails: bool) -> FakeJob {
         Arc::new(move |req: Request| {
             log.lock().unwrap().push(req.clone());
             match req {
-                Request::Status => json!({
-                    "possum": {"engines": [{"engine": {"bytes": 4096}}],
-                               "session": {"cupti_attached": true, "last": {"restore": {}}}}
-                }),
+                Request::Status => status.clone(),
                 Request::Checkpoint { dir } => {
                     let d = Path::new(&dir).join("gpu-0");
                     std::fs::create_dir_all(&d).unwrap();
@@ -53,7 +60,8 @@ fn fake_job(dir: &Path, release_fails: bool) -> FakeJob {
                     json!({"precopy": [], "ms": 1.0})
                 }
                 Request::Release if release_fails => json!({"error": "device 0: release failed"}),
-                Request::Release => json!({"released_bytes": 4096}),
+                Request::Release => json!({"released_bytes": 4096,
+                    "final": [{"device": 0, "buffers": 1, "bytes": 4096}]}),
                 Request::Resume { .. } => json!({"restoring": [0]}),
                 _ => json!({}),
             }
@@ -140,7 +148,14 @@ fn checkpoint_of_a_job_without_possum_suggests_the_driver_engine() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(text(&out).contains("--engine driver"), "{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains("--engine driver"), "{t}");
+    // Said once, with what to do.
+    assert_eq!(t.matches("does not have possum loaded").count(), 1, "{t}");
+    assert!(
+        t.contains("`possum run JOB`") && t.contains("LD_PRELOAD="),
+        "{t}"
+    );
 }
 
 /// A job with CUPTI attached, and a driver that refuses to lock such a process (driver 580): the
@@ -151,7 +166,7 @@ fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
     let tmp = tempfile::tempdir().unwrap();
     let lib = tmp.path().join("libcuda.so.1");
     let built = Command::new("cc")
-        .args(["-O1", "-shared", "-fPIC", "-o"])
+        .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
         .arg(&lib)
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -178,7 +193,7 @@ fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(
-        text(&out).contains("--no-cupti") && text(&out).contains("NOT_SUPPORTED"),
+        text(&out).contains("without --cupti") && text(&out).contains("NOT_SUPPORTED"),
         "{}",
         text(&out)
     );
@@ -196,6 +211,95 @@ fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
         "{:?}",
         leftovers(tmp.path())
     );
+}
+
+/// A job with managed memory is refused before it is asked for anything but its status, with or
+/// without --gpu-only: neither NVIDIA's driver checkpoint nor possum's engine can save it.
+#[test]
+fn a_job_with_managed_memory_is_refused_before_anything_is_done() {
+    let tmp = tempfile::tempdir().unwrap();
+    let status = json!({"hooks": "entry", "possum": {
+        "engines": [{"engine": {"bytes": 4096}}],
+        "unmanaged": {"allocations": 2, "bytes": 3u64 << 20, "by_kind": {
+            "cuMemAllocManaged": {"allocations": 1, "bytes": 1u64 << 20},
+            "cuMemMap": {"allocations": 1, "bytes": 2u64 << 20}}},
+        "session": {"cupti_attached": false, "hooks_live": true}}});
+    let job = fake_job_answering(tmp.path(), false, status);
+    for gpu_only in [false, true] {
+        let img = tmp.path().join("img");
+        let mut c = possum();
+        c.args(["checkpoint", &me(), "--socket-dir"])
+            .arg(&job.sockets)
+            .arg("-D")
+            .arg(&img)
+            // Never run: the refusal comes first.
+            .env("POSSUM_CRIU", "/nonexistent/criu")
+            .env("POSSUM_LIBCUDA", "/nonexistent/libcuda.so.1");
+        if gpu_only {
+            c.arg("--gpu-only");
+        }
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        let t = text(&out);
+        assert!(
+            t.contains("managed memory") && t.contains("cuMemAllocManaged: 1 allocations"),
+            "{t}"
+        );
+        assert!(t.contains("nothing was done"), "{t}");
+        assert_eq!(t.contains("--gpu-only cannot"), gpu_only, "{t}");
+        assert!(!img.exists());
+    }
+    let cmds: Vec<_> = job
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| serde_json::to_value(r).unwrap()["cmd"].clone())
+        .collect();
+    assert_eq!(cmds, [json!("status"), json!("status")]);
+}
+
+/// A job whose hooks are live through the entry points, CUPTI not attached: the checkpoint
+/// pre-copies and holds it at the op gate, and says so.
+#[test]
+fn a_job_with_live_entry_hooks_is_held_at_the_op_gate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let status = json!({"hooks": "entry", "possum": {
+        "engines": [{"engine": {"bytes": 4096}}],
+        "unmanaged": {"allocations": 1, "bytes": 1u64 << 20, "by_kind": {
+            "cuMemMap": {"allocations": 1, "bytes": 1u64 << 20}}},
+        "session": {"cupti_attached": false, "hooks_live": true}}});
+    let job = fake_job_answering(tmp.path(), false, status);
+    let img = tmp.path().join("img");
+    let run = |json: bool| {
+        let mut c = possum();
+        c.args(["checkpoint", &me(), "--gpu-only", "--force", "--socket-dir"])
+            .arg(&job.sockets)
+            .arg("-D")
+            .arg(&img);
+        if json {
+            c.arg("--json");
+        }
+        c.output().unwrap()
+    };
+    let out = run(true);
+    assert!(out.status.success(), "{}", text(&out));
+    let j: Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(j["hooks"], "entry", "{j}");
+    let hold = j["hold"].as_str().unwrap();
+    assert!(
+        hold.starts_with("op gate (the driver's entry points)") && hold.contains("1 buffers"),
+        "{j}"
+    );
+    let out = run(false);
+    assert!(out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains("held at possum's op gate: 1 buffers (0.00 GiB) written since the pre-copy"),
+        "{t}"
+    );
+    assert!(!t.contains("CUPTI"), "{t}");
 }
 
 #[test]

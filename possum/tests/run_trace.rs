@@ -258,7 +258,7 @@ fn trace_of_a_process_without_possum() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", show(&out));
     let want = format!(
-        "possum: error: process {me} does not have possum loaded: no control socket at {} (start the job with `possum run`)\n",
+        "possum: error: process {me} does not have possum loaded: no control socket at {}; start the job with `possum run JOB` or LD_PRELOAD=/path/to/libpossum.so (its socket appears at its first CUDA call)\n",
         socket_path(tmp.path(), me).display()
     );
     assert_eq!(text(&out.stderr), want);

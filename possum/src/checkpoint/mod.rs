@@ -13,8 +13,11 @@
 //! restore
 //!   CRIU restore ─ driver restore + unlock ─ resume{DIR/gpu} ▶ runs; buffers back on demand
 //! ```
-//! `--engine driver` is the baseline: the same without possum's steps (the driver copies every
-//! buffer while the job is locked). `--gpu-only` is possum's steps alone.
+//! The job's GPU operations are held at possum's op gate, in its wrappers of the CUDA driver's
+//! entry points (`hooks_live` in the job's status). A job run with hooks off (POSSUM_HOOKS=off)
+//! is held by parking its threads instead: no pre-copy, every buffer copied while held and back
+//! before it runs on. `--engine driver` is the baseline: the same without possum's steps (the
+//! driver copies every buffer while the job is locked). `--gpu-only` is possum's steps alone.
 //!
 //! Nothing is ever left half-done: a `possum checkpoint-guard` process ([`guard`]) is told each
 //! step before it is taken and, if the checkpoint fails or `possum` dies (even by SIGKILL), undoes
@@ -171,13 +174,18 @@ fn lock_pid(dir: &Path, pid: i32) -> Result<nix::fcntl::Flock<fs::File>> {
     })
 }
 
-/// Maps a control error to what the user should do.
+/// Maps a control error to what the user should do (the control error already names the
+/// process, and for one without possum says how to start it with possum).
 fn job_error(pid: i32, e: ControlError) -> anyhow::Error {
     match e {
-        ControlError::NotLoaded { .. } | ControlError::Stale { .. } => anyhow!(
-            "process {pid} does not have possum loaded ({e}); start it with `possum run`, or \
-             checkpoint it with `--engine driver`"
+        ControlError::NotLoaded { .. } => {
+            anyhow!("{e}; or checkpoint it without possum with `--engine driver`")
+        }
+        ControlError::Stale { .. } => anyhow!(
+            "{e}; possum does not answer in process {pid}: checkpoint it without possum with \
+             `--engine driver`"
         ),
+        ControlError::NoProcess(_) => anyhow!("{e}"),
         other => anyhow!("process {pid}: {other}"),
     }
 }
@@ -260,8 +268,87 @@ impl Drop for ProgressBar {
 
 /// What to do when NVIDIA's driver refuses to lock a job because CUPTI is subscribed in it.
 const CUPTI_REFUSED: &str = "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI \
-     has subscribed in: start the job with `possum run --no-cupti` for a full possum checkpoint, \
+     has subscribed in, and this job runs with CUPTI (`possum run --cupti`, POSSUM_HOOKS=cupti: a \
+     diagnostic): start it with `possum run JOB` (without --cupti) for a full possum checkpoint, \
      or use --engine driver (or --gpu-only for possum's GPU side)";
+
+/// How possum sees a job's GPU operations, from its status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct JobHooks {
+    /// possum sees its operations now (entry points or CUPTI): pre-copy, hold at the op gate,
+    /// on-demand restore. Otherwise a checkpoint parks its threads.
+    live: bool,
+    /// CUPTI's callbacks are subscribed (NVIDIA's driver then refuses the checkpoint).
+    cupti: bool,
+    /// `entry`, `cupti` or `off` (POSSUM_HOOKS); none from libraries older than the entry points.
+    mode: Option<String>,
+}
+
+impl JobHooks {
+    fn of(status: &Value) -> JobHooks {
+        let session = &status["possum"]["session"];
+        let cupti = session["cupti_attached"] == json!(true);
+        JobHooks {
+            // Libraries older than the entry points' hooks had only CUPTI's.
+            live: session["hooks_live"].as_bool().unwrap_or(cupti),
+            cupti,
+            mode: status["hooks"].as_str().map(str::to_string),
+        }
+    }
+
+    /// What saw the job's operations, in words.
+    fn seen_by(&self) -> &'static str {
+        match self.mode.as_deref() {
+            Some("entry") => "the driver's entry points",
+            _ if self.cupti => "CUPTI callbacks",
+            Some("cupti") => "CUPTI callbacks",
+            _ => "possum's hooks",
+        }
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// Refuses a job with managed (unified) memory, before anything is done: NVIDIA's driver
+/// checkpoint does not support it, and possum's engine does not save it.
+fn refuse_managed(pid: i32, status: &Value, gpu_only: bool) -> Result<()> {
+    let m = &status["possum"]["unmanaged"]["by_kind"]["cuMemAllocManaged"];
+    if m.is_null() || m["allocations"].as_u64() == Some(0) {
+        return Ok(());
+    }
+    let what = format!(
+        "process {pid} has managed memory (cuMemAllocManaged: {} allocations, {})",
+        m["allocations"].as_u64().unwrap_or(0),
+        gib(m["bytes"].as_u64().unwrap_or(0))
+    );
+    if gpu_only {
+        bail!(
+            "{what}: possum's engine does not save managed memory, so --gpu-only cannot save \
+             this job's GPU state (nor can NVIDIA's driver checkpoint, which does not support \
+             managed memory); nothing was done"
+        )
+    }
+    bail!(
+        "{what}: NVIDIA's driver checkpoint does not support managed (unified) memory, and \
+         possum's engine does not save it, so this job cannot be checkpointed; nothing was done"
+    )
+}
+
+/// The buffers and bytes the release copied (over every device), from the job's answer.
+fn copied_at_release(report: &Value) -> (u64, u64) {
+    report["final"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .fold((0, 0), |(n, b), f| {
+            (
+                n + f["buffers"].as_u64().unwrap_or(0),
+                b + f["bytes"].as_u64().unwrap_or(0),
+            )
+        })
+}
 
 /// How long the probe's lock may wait for the job's GPU work (a refusal is immediate).
 const PROBE_LOCK_MS: u32 = 2_000;
@@ -301,6 +388,9 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         EngineKind::Possum => Some(ask(pid, &sockets, &Request::Status)?),
         EngineKind::Driver => None,
     };
+    if let Some(s) = &status {
+        refuse_managed(pid, s, a.gpu_only)?;
+    }
     // The process side: CRIU and the driver checkpoint (not needed for --gpu-only).
     let side = if a.gpu_only {
         None
@@ -309,12 +399,13 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
         Some((criu, drv))
     };
-    // possum holds the job's operations in its CUPTI callbacks; without CUPTI (which NVIDIA's
-    // driver checkpoint requires on driver 580) it parks the job's threads instead and copies
-    // every buffer while they are parked (docs/decisions.md 17).
-    let held = status
-        .as_ref()
-        .is_some_and(|s| s["possum"]["session"]["cupti_attached"] != json!(true));
+    // With its hooks live (the driver's entry points, or CUPTI's callbacks), possum holds the
+    // job's operations at its op gate after a pre-copy; without them it parks the job's threads
+    // instead and copies every buffer while they are parked (docs/decisions.md 17).
+    let hooks = status.as_ref().map(JobHooks::of);
+    let held = hooks.as_ref().is_some_and(|h| !h.live);
+    // NVIDIA's driver refuses to lock a process CUPTI has subscribed in.
+    let cupti = hooks.as_ref().is_some_and(|h| h.cupti);
     let _lock = lock_pid(&sockets, pid)?;
     if let Some((_, drv)) = &side {
         match drv.state(pid) {
@@ -325,7 +416,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             ),
             Err(e) => bail!("process {pid}: {e} (does it use CUDA?)"),
         }
-        if a.engine == EngineKind::Possum && !held {
+        if a.engine == EngineKind::Possum && cupti {
             probe_driver_lock(drv, pid)?;
         }
     }
@@ -356,6 +447,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let mut clock = Clock::default();
     let mut engine_report = Value::Null;
     let mut release_report = Value::Null;
+    let mut resume_report = Value::Null;
     let manifest = |criu_dir: Option<String>| Manifest {
         possum_image: MANIFEST_VERSION,
         engine: a.engine,
@@ -397,7 +489,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         clock
             .time("driver_lock", || Ok(drv.lock(pid, LOCK_TIMEOUT_MS)?))
             .map_err(|e| {
-                if a.engine == EngineKind::Possum && e.to_string().contains("NOT_SUPPORTED") {
+                if cupti && e.to_string().contains("NOT_SUPPORTED") {
                     e.context(CUPTI_REFUSED)
                 } else {
                     e
@@ -458,7 +550,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 let req = Request::Resume {
                     dir: Some(a.dir.join("gpu").display().to_string()),
                 };
-                clock.time("resume", || ask(pid, &sockets, &req))?;
+                resume_report = clock.time("resume", || ask(pid, &sockets, &req))?;
                 guard.step(Step::Resumed);
             }
         } else {
@@ -497,13 +589,22 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     fig.insert("image_bytes".into(), json!(criu_bytes + gpu_bytes));
     fig.insert("criu_image_bytes".into(), json!(criu_bytes));
     fig.insert("gpu_image_bytes".into(), json!(gpu_bytes));
+    let (copied, copied_bytes) = copied_at_release(&release_report);
+    let hold = match (a.engine, &hooks) {
+        (EngineKind::Driver, _) | (_, None) => "driver lock".to_string(),
+        (EngineKind::Possum, Some(h)) if !h.live => {
+            "threads parked (hooks off): every buffer copied while held".to_string()
+        }
+        (EngineKind::Possum, Some(h)) => format!(
+            "op gate ({}): pre-copy while the job ran, then {copied} buffers written since \
+             copied while held",
+            h.seen_by()
+        ),
+    };
     let out = json!({
         "pid": pid, "engine": a.engine, "dir": a.dir, "leave_running": a.leave_running,
-        "hold": match (a.engine, held) {
-            (EngineKind::Driver, _) => "driver lock",
-            (EngineKind::Possum, true) => "threads parked (CUPTI off): every buffer copied while held",
-            (EngineKind::Possum, false) => "CUPTI callbacks: pre-copy, then what was written since",
-        },
+        "hooks": hooks.as_ref().and_then(|h| h.mode.clone()),
+        "hold": hold,
         "figures": fig, "engine_report": engine_report, "release_report": release_report,
     });
     // The figures also go into the image (best effort: the image is already complete).
@@ -536,12 +637,21 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             f("total_ms")
         );
         if a.engine == EngineKind::Possum && held {
-            println!("  the job's threads were parked (CUPTI off): every GPU buffer was copied while held");
+            println!(
+                "  hooks off: the job's threads were parked, and every GPU buffer ({copied}, {}) \
+                 was copied while they were",
+                gib(copied_bytes)
+            );
         } else if a.engine == EngineKind::Possum {
             println!(
-                "  GPU buffers saved while the job ran: {:.0} ms",
-                f("engine_snapshot_ms")
+                "  GPU buffers pre-copied while the job ran ({:.0} ms); held at possum's op gate: \
+                 {copied} buffers ({}) written since the pre-copy copied while held",
+                f("engine_snapshot_ms"),
+                gib(copied_bytes)
             );
+        }
+        if resume_report["on_demand"] == json!(true) {
+            println!("  the job runs on; its GPU buffers come back on demand");
         }
     }
     Ok(true)

@@ -26,8 +26,8 @@ pub struct RestoreArgs {
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
     /// Restore onto this GPU (its index as nvidia-smi numbers it) instead of the one the job ran
-    /// on: the driver's restore maps the old GPU's UUID to this one's. A single-GPU job, image of
-    /// `--engine driver`.
+    /// on: the driver's restore maps the old GPU's UUID to this one's. A single-GPU job (an image of
+    /// either engine).
     #[arg(long, value_name = "GPU")]
     pub device: Option<u32>,
 }
@@ -57,6 +57,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     opts.ext_unix_sk = true;
     opts.log_file = format!("restore-{}.log", std::process::id());
     clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
+    let mut resumed = serde_json::Value::Null;
     let r = (|| -> Result<()> {
         clock.time("driver_restore", || Ok(drv.restore(pid, &pairs)?))?;
         clock.time("driver_unlock", || Ok(drv.unlock(pid)?))?;
@@ -64,7 +65,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
             let req = Request::Resume {
                 dir: Some(gpu.display().to_string()),
             };
-            clock.time("resume", || ask(pid, &sockets, &req))?;
+            resumed = clock.time("resume", || ask(pid, &sockets, &req))?;
         }
         Ok(())
     })();
@@ -89,10 +90,10 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
             ms(clock.get("criu_restore")),
             ms(clock.get("driver_restore") + clock.get("driver_unlock")),
             ms(clock.get("resume")),
-            if img.gpu.is_some() {
-                "; GPU buffers come back on demand"
-            } else {
-                ""
+            match (&img.gpu, resumed["on_demand"].as_bool()) {
+                (None, _) => "",
+                (Some(_), Some(false)) => "; every GPU buffer was back before it ran on (hooks off)",
+                (Some(_), _) => "; GPU buffers come back on demand",
             }
         );
     }
