@@ -421,6 +421,13 @@ pub const CALLBACKS: &[Callback] = &[
         Kind::Capture,
         Shape::CaptureEnd,
     ),
+    // The legacy export CUDA 10's lookups get (version < 11000): same arguments as `_v2`.
+    cb(
+        "cuGraphInstantiate",
+        513,
+        Kind::Capture,
+        Shape::GraphInstantiate,
+    ),
     cb(
         "cuGraphInstantiate_v2",
         578,

@@ -688,6 +688,7 @@ entry_points! {
     cuStreamBeginCapture_v2_ptsz = 540 (s: P, capture_mode: U);
     cuStreamEndCapture = 497 (s: P, graph: P);
     cuStreamEndCapture_ptsz = 498 (s: P, graph: P);
+    cuGraphInstantiate = 513 (exec: P, graph: P, err_node: P, log: P, log_size: Z);
     cuGraphInstantiate_v2 = 578 (exec: P, graph: P, err_node: P, log: P, log_size: Z);
     cuGraphInstantiateWithFlags = 643 (exec: P, graph: P, flags: u64);
     cuGraphInstantiateWithParams = 656 (exec: P, graph: P, params: P);
