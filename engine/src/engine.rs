@@ -214,6 +214,8 @@ pub(crate) struct Inner<D: Device> {
     pub active: AtomicBool,
     /// Operations' buffer sets are needed (see the module doc's protocol).
     pub tracking: AtomicBool,
+    /// T0 also waits for the whole device ([`Engine::set_device_fence`]).
+    pub device_fence: AtomicBool,
     pub dev: Arc<D>,
     pub cfg: EngineConfig,
     pub reg: RwLock<Registry>,
@@ -236,6 +238,11 @@ impl<D: Device> Inner<D> {
     /// Fences every job stream now and makes the engine's own streams wait for the fences.
     /// Called with the gate closed.
     pub(crate) fn fence_job_streams(&self) -> Result<(), EngineError> {
+        if self.device_fence.load(Ordering::SeqCst) {
+            // Work on streams the engine cannot fence from this thread (a thread's per-thread
+            // default stream) is done before T0: the caller holds the job, nothing new comes.
+            self.dev.synchronize_device()?;
+        }
         let streams = self.job_streams.read();
         for s in streams.iter() {
             let ev = self.dev.record_event(s)?;
@@ -360,6 +367,7 @@ impl<D: Device> Engine<D> {
                 phase: RwLock::new(Phase::Idle),
                 active: AtomicBool::new(false),
                 tracking: AtomicBool::new(false),
+                device_fence: AtomicBool::new(false),
                 gate: Gate::default(),
                 pool,
                 copy_streams,
@@ -554,6 +562,14 @@ impl<D: Device> Engine<D> {
             elapsed: r.elapsed,
             dirty_after,
         })
+    }
+
+    /// With `on`, the next checkpoints' T0 also waits for everything enqueued on the device, not
+    /// only on the job streams the engine fences with events. For a caller that holds the job at
+    /// T0 (nothing new is enqueued while it waits) whose job used streams an event recorded from
+    /// another thread cannot fence: a thread's per-thread default stream (`CU_STREAM_PER_THREAD`).
+    pub fn set_device_fence(&self, on: bool) {
+        self.inner.device_fence.store(on, Ordering::SeqCst);
     }
 
     /// Waits until the device is idle: the job's streams possum knows, then everything queued on

@@ -177,6 +177,8 @@ impl Transfer<HostBuf> for HostPending {
 pub struct HostDevice {
     space: Arc<Space>,
     next_stream: Arc<AtomicU64>,
+    /// Every stream made on this device, for `synchronize_device` (dropped ones are skipped).
+    streams: Arc<Mutex<Vec<std::sync::Weak<StreamInner>>>>,
 }
 
 impl HostDevice {
@@ -191,6 +193,7 @@ impl HostDevice {
                 mappings: RwLock::new(BTreeMap::new()),
             }),
             next_stream: Arc::new(AtomicU64::new(0)),
+            streams: Arc::new(Mutex::new(Vec::new())),
         }
     }
 
@@ -499,7 +502,11 @@ impl Device for HostDevice {
                 code: i64::from(e.raw_os_error().unwrap_or(0)),
                 message: e.to_string(),
             })?;
-        Ok(HostStream(Arc::new(StreamInner { tx, priority, id })))
+        let inner = Arc::new(StreamInner { tx, priority, id });
+        let mut all = self.streams.lock();
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&inner));
+        Ok(HostStream(inner))
     }
 
     fn copy_d2h(
@@ -590,9 +597,18 @@ impl Device for HostDevice {
         self.event_synchronize(&ev)
     }
 
-    /// Host streams belong to their creators, who synchronise them; there is no device-wide
-    /// queue to wait for (the engine waits for the job's streams it knows itself).
+    /// Waits for every stream made on this device and still alive, as a device-wide
+    /// synchronisation waits for every queue.
     fn synchronize_device(&self) -> DeviceResult<()> {
+        let live: Vec<HostStream> = self
+            .streams
+            .lock()
+            .iter()
+            .filter_map(|w| w.upgrade().map(HostStream))
+            .collect();
+        for s in &live {
+            self.synchronize(s)?;
+        }
         Ok(())
     }
 }

@@ -573,3 +573,34 @@ fn unregistered_streams_are_not_fenced() {
     let r = e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
     assert_eq!(r.buffers, 1);
 }
+
+/// A write enqueued before T0 on a stream the engine does not fence (a per-thread default stream
+/// it cannot record an event on from another thread) is in the image once T0 waits for the
+/// device; the job is held meanwhile (nothing new is enqueued).
+#[test]
+fn the_device_fence_covers_streams_the_engine_cannot_fence() {
+    use possum_engine::device::{Device, StreamPriority};
+    let e = engine(small_cfg(1 << 16, 4, 0));
+    let dev = e.device().clone();
+    let unfenced = dev.create_stream(StreamPriority::Normal).unwrap();
+    let b = e.alloc(1 << 16).unwrap();
+    let (va, size) = (b.va(), b.size());
+    // The write waits until the checkpoint is over (or 200 ms): without the fence the image is
+    // taken before it.
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    dev.launch(&unfenced, move |mem| {
+        let _ = go_rx.recv_timeout(std::time::Duration::from_millis(200));
+        mem.with(&[], &[(va, size)], |_, o| o[0].fill(0xab))
+    })
+    .unwrap();
+    e.set_device_fence(true);
+    let store = Arc::new(MemStore::default());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let _ = go_tx.send(());
+    e.set_device_fence(false);
+    assert!(store
+        .buffer_bytes(b.id())
+        .unwrap()
+        .iter()
+        .all(|&x| x == 0xab));
+}

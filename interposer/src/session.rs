@@ -289,11 +289,15 @@ fn release_inner() -> Result<Value, String> {
             continue;
         };
         let sink: Arc<dyn ChunkSink> = writer.clone();
+        // The job is held: T0 may wait for the device, which it must when the job used a
+        // per-thread default stream (its work there cannot be fenced from this thread).
+        e.engine.set_device_fence(per_thread_ops() > 0);
         let r = e
             .engine
             .checkpoint(sink, true) // only what was written since the pre-copy
-            .and_then(|h| h.wait())
-            .map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
+            .and_then(|h| h.wait());
+        e.engine.set_device_fence(false);
+        let r = r.map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
         let summary = commit(ordinal, writer).map_err(unpause)?;
         finals.push(json!({
             "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
@@ -525,6 +529,15 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
     }
     unpause_job();
     Ok(json!({"restoring": out, "on_demand": hooks, "ms": ms(t.elapsed())}))
+}
+
+/// Operations the job enqueued on a per-thread default stream so far.
+fn per_thread_ops() -> u64 {
+    state_if_created().map_or(0, |st| {
+        st.counters
+            .per_thread_stream_ops
+            .load(std::sync::atomic::Ordering::Relaxed)
+    })
 }
 
 fn reply(r: Result<Value, String>) -> Value {
