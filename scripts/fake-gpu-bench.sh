@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 n="${1:-100000}"
 d="$(mktemp -d /tmp/possum-fakebench.XXXXXX)"
 cargo build --release -p possum-interposer >&2
-cc -O1 -shared -fPIC -o "$d/libcuda.so.1" cuda/testdata/fake-libcuda.c
+cc -O1 -shared -fPIC -Wl,-Bsymbolic -o "$d/libcuda.so.1" cuda/testdata/fake-libcuda.c
 cc -O1 -shared -fPIC -Wl,-soname,libcudart.so.13 -o "$d/libcudart.so.13" interposer/tests/fake/fake_cudart.c -L"$d" -l:libcuda.so.1
 cc -O1 -shared -fPIC -o "$d/libfakecupti.so" interposer/tests/fake/fake_cupti.c
 cc -O1 -o "$d/fake_job" interposer/tests/fake/fake_job.c -L"$d" -l:libcudart.so.13 -Wl,-rpath,"$d" -ldl
@@ -23,7 +23,8 @@ run() {
     local pre=()
     rm -f "$d/stats.json"
     [ -n "${VALGRIND:-}" ] && pre=(valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$d/callgrind.$label")
-    env "$@" LD_PRELOAD="$PWD/target/release/libpossum.so" LD_LIBRARY_PATH="$d" POSSUM_CUPTI="$d/libfakecupti.so" \
+    # The job fires the fake CUPTI's callbacks: possum must listen to CUPTI (POSSUM_HOOKS=cupti).
+    env POSSUM_HOOKS=cupti "$@" LD_PRELOAD="$PWD/target/release/libpossum.so" LD_LIBRARY_PATH="$d" POSSUM_CUPTI="$d/libfakecupti.so" \
         FAKE_CUPTI_NO_AUTOFIRE=1 POSSUM_STATS="$d/stats.json" POSSUM_SOCKET_DIR="$d/sockets" \
         "${pre[@]}" "$d/fake_job" bench "$n" > /dev/null
     python3 - "$d/stats.json" "$label" <<'PY'

@@ -3,11 +3,20 @@
 // It lets possum-cuda's tests and self-test run their logic on a machine without a GPU. It proves
 // nothing about CUDA itself: runs against it report the device as "Fake GPU".
 //
-//   cc -O2 -shared -fPIC -o /tmp/fakecuda/libcuda.so.1 cuda/testdata/fake-libcuda.c
+//   cc -O2 -shared -fPIC -Wl,-Bsymbolic -o /tmp/fakecuda/libcuda.so.1 cuda/testdata/fake-libcuda.c
 //   LD_LIBRARY_PATH=/tmp/fakecuda cargo test -p possum-cuda
 //   FAKE_CUDA_NODEV=1 ...   makes cuInit fail with CUDA_ERROR_NO_DEVICE (the skip path)
 // It also has the checkpoint API (cuCheckpointProcess*, possum_cuda::checkpoint) as a state machine
 // per pid; fake-libcuda-nockpt.c is a driver without it.
+//
+// A job can really run on it: kernel launches (cuLaunchKernel and its variants) run the kernel's
+// host function at once (struct fake_kernel below), copies and memsets are done at once in host
+// memory, streams and graphs are no-ops, and cuGetProcAddress / _v2 answer with this driver's own
+// exported functions as the real driver does (the _v2 export for a name that has one, the
+// per-thread-stream _ptsz/_ptds one with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM).
+// Build it with -Wl,-Bsymbolic, as the real libcuda is linked: then the addresses it hands out and
+// its calls of its own functions are its own even when a preloaded library (libpossum.so) exports
+// the same names.
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
@@ -47,25 +56,24 @@ int cuCtxSynchronize(void){
   if(!cur) return 201;
   pthread_mutex_lock(&driver_mu); pthread_mutex_unlock(&driver_mu);
   return 0; }
-// cuMemAlloc and friends (host memory), and cuGetProcAddress for them. Internal names, so that
-// the pointers handed out are this driver's own even when a preloaded library exports the same
-// symbols.
+// cuMemAlloc and friends (host memory): device memory is host memory here.
 static int fake_mem_alloc(ull* p, size_t n){
+  if(!p) return 1;
   if(!cur) return 201;
   void* m = aligned_alloc(256, (n+255)&~(size_t)255); if(!m) return 2;
   memset(m, 0, n); *p=(ull)m; return 0; }
-static int fake_mem_free(ull p){ free((void*)p); return 0; }
-static int fake_mem_alloc_pitch(ull* p, size_t* pitch, size_t w, size_t h, unsigned e){
-  *pitch=(w+255)&~(size_t)255; return fake_mem_alloc(p, *pitch*h); }
 int cuMemAlloc_v2(ull* p, size_t n){ return fake_mem_alloc(p, n); }
-int cuMemFree_v2(ull p){ return fake_mem_free(p); }
-int cuMemAllocPitch_v2(ull* p, size_t* pitch, size_t w, size_t h, unsigned e){ return fake_mem_alloc_pitch(p, pitch, w, h, e); }
-int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status){
-  void* f = !strcmp(sym,"cuMemAlloc")? (void*)fake_mem_alloc : !strcmp(sym,"cuMemFree")? (void*)fake_mem_free
-          : !strcmp(sym,"cuMemAllocPitch")? (void*)fake_mem_alloc_pitch : 0;
-  if(status) *status = f? 0 : 1;
-  if(!f) return 500;
-  *pfn = f; return 0; }
+int cuMemFree_v2(ull p){ free((void*)p); return 0; }
+int cuMemAllocPitch_v2(ull* p, size_t* pitch, size_t w, size_t h, unsigned e){
+  *pitch=(w+255)&~(size_t)255; return fake_mem_alloc(p, *pitch*h); }
+// Stream-ordered and managed allocations: the same host memory (streams are no-ops).
+int cuMemAllocAsync(ull* p, size_t n, void* s){ return fake_mem_alloc(p, n); }
+int cuMemAllocAsync_ptsz(ull* p, size_t n, void* s){ return fake_mem_alloc(p, n); }
+int cuMemAllocFromPoolAsync(ull* p, size_t n, void* pool, void* s){ return fake_mem_alloc(p, n); }
+int cuMemAllocFromPoolAsync_ptsz(ull* p, size_t n, void* pool, void* s){ return fake_mem_alloc(p, n); }
+int cuMemFreeAsync(ull p, void* s){ free((void*)p); return 0; }
+int cuMemFreeAsync_ptsz(ull p, void* s){ free((void*)p); return 0; }
+int cuMemAllocManaged(ull* p, size_t n, unsigned flags){ return fake_mem_alloc(p, n); }
 int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-used; *t=TOTAL; return 0; }
 int cuMemGetAllocationGranularity(size_t* g, const void* p, int o){ *g=2u<<20; return 0; }
 int cuMemAddressReserve(ull* p, size_t size, size_t align, ull addr, ull flags){
@@ -100,6 +108,7 @@ int cuMemGetAddressRange_v2(ull* b, size_t* s, ull p){
   return 1; }
 int cuMemHostAlloc(void** p, size_t n, unsigned f){ if(!cur) return 201; *p=malloc(n); memset(*p, 0x77, n); return *p?0:2; }
 int cuMemFreeHost(void* p){ free(p); return 0; }
+int cuStreamCreate(void** s, unsigned f){ int* x=malloc(sizeof(int)); *x=0; *s=x; return 0; }
 int cuStreamCreateWithPriority(void** s, unsigned f, int prio){ int* x=malloc(sizeof(int)); *x=prio; *s=x; return 0; }
 int cuStreamGetPriority(void* s, int* p){ *p = s? *(int*)s : 0; return 0; }
 int cuStreamDestroy_v2(void* s){ free(s); return 0; }
@@ -111,18 +120,61 @@ int cuEventRecord(void* e, void* s){ return 0; }
 int cuEventQuery(void* e){ return 0; }
 int cuEventSynchronize(void* e){ return 0; }
 int cuEventDestroy_v2(void* e){ free(e); return 0; }
-int cuMemcpyDtoHAsync_v2(void* d, ull s, size_t n, void* st){ memcpy(d,(void*)s,n); return 0; }
-int cuMemcpyHtoDAsync_v2(ull d, const void* s, size_t n, void* st){ memcpy((void*)d,s,n); return 0; }
-int cuMemcpyDtoDAsync_v2(ull d, ull s, size_t n, void* st){ memmove((void*)d,(void*)s,n); return 0; }
-int cuMemsetD8Async(ull d, unsigned char v, size_t n, void* st){ memset((void*)d,v,n); return 0; }
-// Introspection (possum_cuda::introspect). A kernel "handle" is a pointer to a struct
-// fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8]; } made by
-// the test program; anything else is an invalid handle. A kernel with n < 0 is one the driver
-// cannot describe (CUDA_ERROR_NOT_SUPPORTED): its layout must come from elsewhere.
+// Copies and memsets: done at once (a stream-ordered one is complete when it returns).
+#define H(x) ((void*)(uintptr_t)(x))
+int cuMemcpy(ull d, ull s, size_t n){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpy_ptds(ull d, ull s, size_t n){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyAsync(ull d, ull s, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyAsync_ptsz(ull d, ull s, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyHtoD_v2(ull d, const void* s, size_t n){ memcpy(H(d),s,n); return 0; }
+int cuMemcpyHtoD_v2_ptds(ull d, const void* s, size_t n){ memcpy(H(d),s,n); return 0; }
+int cuMemcpyHtoDAsync_v2(ull d, const void* s, size_t n, void* st){ memcpy(H(d),s,n); return 0; }
+int cuMemcpyHtoDAsync_v2_ptsz(ull d, const void* s, size_t n, void* st){ memcpy(H(d),s,n); return 0; }
+int cuMemcpyDtoH_v2(void* d, ull s, size_t n){ memcpy(d,H(s),n); return 0; }
+int cuMemcpyDtoH_v2_ptds(void* d, ull s, size_t n){ memcpy(d,H(s),n); return 0; }
+int cuMemcpyDtoHAsync_v2(void* d, ull s, size_t n, void* st){ memcpy(d,H(s),n); return 0; }
+int cuMemcpyDtoHAsync_v2_ptsz(void* d, ull s, size_t n, void* st){ memcpy(d,H(s),n); return 0; }
+int cuMemcpyDtoD_v2(ull d, ull s, size_t n){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyDtoD_v2_ptds(ull d, ull s, size_t n){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyDtoDAsync_v2(ull d, ull s, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyDtoDAsync_v2_ptsz(ull d, ull s, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
+static void set16(ull d, unsigned short v, size_t n){ unsigned short* p=H(d); for(size_t i=0;i<n;i++) p[i]=v; }
+static void set32(ull d, unsigned v, size_t n){ unsigned* p=H(d); for(size_t i=0;i<n;i++) p[i]=v; }
+int cuMemsetD8_v2(ull d, unsigned char v, size_t n){ memset(H(d),v,n); return 0; }
+int cuMemsetD8_v2_ptds(ull d, unsigned char v, size_t n){ memset(H(d),v,n); return 0; }
+int cuMemsetD16_v2(ull d, unsigned short v, size_t n){ set16(d,v,n); return 0; }
+int cuMemsetD16_v2_ptds(ull d, unsigned short v, size_t n){ set16(d,v,n); return 0; }
+int cuMemsetD32_v2(ull d, unsigned v, size_t n){ set32(d,v,n); return 0; }
+int cuMemsetD32_v2_ptds(ull d, unsigned v, size_t n){ set32(d,v,n); return 0; }
+int cuMemsetD8Async(ull d, unsigned char v, size_t n, void* st){ memset(H(d),v,n); return 0; }
+int cuMemsetD8Async_ptsz(ull d, unsigned char v, size_t n, void* st){ memset(H(d),v,n); return 0; }
+int cuMemsetD16Async(ull d, unsigned short v, size_t n, void* st){ set16(d,v,n); return 0; }
+int cuMemsetD16Async_ptsz(ull d, unsigned short v, size_t n, void* st){ set16(d,v,n); return 0; }
+int cuMemsetD32Async(ull d, unsigned v, size_t n, void* st){ set32(d,v,n); return 0; }
+int cuMemsetD32Async_ptsz(ull d, unsigned v, size_t n, void* st){ set32(d,v,n); return 0; }
+// Introspection (possum_cuda::introspect) and launches. A kernel "handle" is a pointer to a
+// struct fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8];
+// void (*run)(void **params); } made by the test program; anything else is an invalid handle. A
+// kernel with n < 0 is one the driver cannot describe (CUDA_ERROR_NOT_SUPPORTED): its layout must
+// come from elsewhere. A launch calls `run` (when set) with the launch's kernelParams, at once.
 #define FAKE_KERNEL_MAGIC 0x6b65726e656c2121ull
-struct fake_kernel { ull magic; const char* name; int n; size_t off[8]; size_t size[8]; };
+struct fake_kernel { ull magic; const char* name; int n; size_t off[8]; size_t size[8]; void (*run)(void** params); };
 static struct fake_kernel* fk(void* h){
   struct fake_kernel* k=h; return (k && (uintptr_t)k%8==0 && k->magic==FAKE_KERNEL_MAGIC)? k : 0; }
+static int launch(void* f, void** params){
+  struct fake_kernel* k=fk(f); if(!k) return 400; if(!cur) return 201;
+  if(k->run) k->run(params);
+  return 0; }
+#define DIMS unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem
+int cuLaunchKernel(void* f, DIMS, void* s, void** params, void** extra){ return launch(f, params); }
+int cuLaunchKernel_ptsz(void* f, DIMS, void* s, void** params, void** extra){ return launch(f, params); }
+int cuLaunchCooperativeKernel(void* f, DIMS, void* s, void** params){ return launch(f, params); }
+int cuLaunchCooperativeKernel_ptsz(void* f, DIMS, void* s, void** params){ return launch(f, params); }
+// CUlaunchConfig: grid and block dimensions, sharedMemBytes, then hStream at byte 32 (unused here).
+int cuLaunchKernelEx(const void* config, void* f, void** params, void** extra){ return config? launch(f, params) : 1; }
+int cuLaunchKernelEx_ptsz(const void* config, void* f, void** params, void** extra){ return config? launch(f, params) : 1; }
+int cuGraphLaunch(void* exec, void* s){ return exec? 0 : 400; }
+int cuGraphLaunch_ptsz(void* exec, void* s){ return exec? 0 : 400; }
 int cuFuncGetParamInfo(void* f, size_t i, size_t* off, size_t* size){
   struct fake_kernel* k=fk(f); if(!k) return 400; if(k->n<0) return 801; if((int)i>=k->n) return 1;
   *off=k->off[i]; *size=k->size[i]; return 0; }
@@ -131,7 +183,6 @@ int cuFuncGetName(const char** n, void* f){ struct fake_kernel* k=fk(f); if(!k) 
 int cuKernelGetName(const char** n, void* f){ return 400; }
 int cuCtxGetDevice(int* d){ if(!cur) return 201; *d=0; return 0; }
 int cuStreamIsCapturing(void* s, int* st){ *st=0; return 0; }
-int cuMemcpyDtoH_v2(void* d, ull s, size_t n){ memcpy(d,(void*)s,n); return 0; }
 int cuGraphGetNodes(void* g, void** n, size_t* c){ return 1; }
 int cuGraphNodeGetType(void* n, int* t){ return 1; }
 int cuGraphKernelNodeGetParams_v2(void* n, void* p){ return 1; }
@@ -184,3 +235,66 @@ int cuCheckpointProcessUnlock(int pid, void* args){
 int cuCheckpointProcessGetState(int pid, int* state){ return ckpt_step(pid, 0, 0, state); }
 int cuCheckpointProcessGetRestoreThreadId(int pid, int* tid){
   int st; int r=ckpt_step(pid, 0, 0, &st); if(!r) *tid=pid; return r; }
+// cuGetProcAddress and _v2: this driver's exported function for a name, as the real driver
+// answers: the name's _v2 export when there is one and `version` is at least the version that
+// introduced it (3020, CUDA 3.2, for most: cuMemAlloc, cuMemcpyHtoD, cuMemsetD32...), then with
+// flags & 2 (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) its _ptsz or _ptds export if it has
+// one; "cuGetProcAddress" is cuGetProcAddress_v2 from 12000 (CUDA 12.0) on. An unknown name is
+// CUDA_ERROR_NOT_FOUND (500), with status CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND (1).
+int cuGetProcAddress(const char* sym, void** pfn, int ver, ull flags);
+int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status);
+#define EXPORTS(X) X(cuGetErrorString) X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) \
+  X(cuDeviceGet) X(cuDeviceGetName) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2) \
+  X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetStreamPriorityRange) X(cuCtxSynchronize) \
+  X(cuCtxGetDevice) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocPitch_v2) X(cuMemAllocAsync) \
+  X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
+  X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemAllocManaged) X(cuMemGetInfo_v2) \
+  X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) \
+  X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAddressRange_v2) \
+  X(cuMemHostAlloc) X(cuMemFreeHost) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
+  X(cuStreamGetPriority) X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamQuery) \
+  X(cuStreamWaitEvent) X(cuStreamIsCapturing) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery) \
+  X(cuEventSynchronize) X(cuEventDestroy_v2) X(cuMemcpy) X(cuMemcpy_ptds) X(cuMemcpyAsync) \
+  X(cuMemcpyAsync_ptsz) X(cuMemcpyHtoD_v2) X(cuMemcpyHtoD_v2_ptds) X(cuMemcpyHtoDAsync_v2) \
+  X(cuMemcpyHtoDAsync_v2_ptsz) X(cuMemcpyDtoH_v2) X(cuMemcpyDtoH_v2_ptds) X(cuMemcpyDtoHAsync_v2) \
+  X(cuMemcpyDtoHAsync_v2_ptsz) X(cuMemcpyDtoD_v2) X(cuMemcpyDtoD_v2_ptds) X(cuMemcpyDtoDAsync_v2) \
+  X(cuMemcpyDtoDAsync_v2_ptsz) X(cuMemsetD8_v2) X(cuMemsetD8_v2_ptds) X(cuMemsetD16_v2) \
+  X(cuMemsetD16_v2_ptds) X(cuMemsetD32_v2) X(cuMemsetD32_v2_ptds) X(cuMemsetD8Async) \
+  X(cuMemsetD8Async_ptsz) X(cuMemsetD16Async) X(cuMemsetD16Async_ptsz) X(cuMemsetD32Async) \
+  X(cuMemsetD32Async_ptsz) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchCooperativeKernel) \
+  X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuGraphLaunch) \
+  X(cuGraphLaunch_ptsz) X(cuFuncGetParamInfo) X(cuKernelGetParamInfo) X(cuFuncGetName) \
+  X(cuKernelGetName) X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphKernelNodeGetParams_v2) \
+  X(cuGraphMemsetNodeGetParams) X(cuCheckpointProcessLock) X(cuCheckpointProcessCheckpoint) \
+  X(cuCheckpointProcessRestore) X(cuCheckpointProcessUnlock) X(cuCheckpointProcessGetState) \
+  X(cuCheckpointProcessGetRestoreThreadId) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+#define EXPORT(f) {#f, (void*)f},
+static const struct { const char* name; void* f; } exports[] = { EXPORTS(EXPORT) };
+static void* export_of(const char* name){
+  for(size_t i=0;i<sizeof exports/sizeof exports[0];i++) if(!strcmp(exports[i].name, name)) return exports[i].f;
+  return 0; }
+// The version that introduced a name's _v2 (3020 unless listed).
+static int v2_since(const char* sym){
+  static const struct { const char* name; int ver; } later[] = {
+    {"cuStreamDestroy", 4000}, {"cuEventDestroy", 4000}, {"cuDevicePrimaryCtxRelease", 11000},
+    {"cuGraphKernelNodeGetParams", 12000}, {"cuGetProcAddress", 12000}};
+  for(size_t i=0;i<sizeof later/sizeof later[0];i++) if(!strcmp(later[i].name, sym)) return later[i].ver;
+  return 3020; }
+static void* proc_address(const char* sym, int ver, ull flags){
+  char name[128], pt[136];
+  if(!sym || strlen(sym)>=sizeof name-3) return 0;
+  snprintf(name, sizeof name, "%s_v2", sym);
+  if(!export_of(name) || ver<v2_since(sym)) snprintf(name, sizeof name, "%s", sym);
+  if(flags & 2)
+    for(int i=0;i<2;i++){
+      snprintf(pt, sizeof pt, "%s%s", name, i? "_ptds" : "_ptsz");
+      void* f=export_of(pt); if(f) return f; }
+  return export_of(name); }
+int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status){
+  if(!pfn) return 1;
+  void* f = proc_address(sym, ver, flags);
+  if(status) *status = f? 0 : 1;
+  *pfn = f;
+  return f? 0 : 500; }
+int cuGetProcAddress(const char* sym, void** pfn, int ver, ull flags){
+  return cuGetProcAddress_v2(sym, pfn, ver, flags, 0); }

@@ -38,7 +38,7 @@ fn fakes() -> Option<&'static (PathBuf, PathBuf)> {
             let build = |src: &str, out: &str| {
                 let out = dir.join(out);
                 let ok = Command::new("cc")
-                    .args(["-O1", "-shared", "-fPIC", "-o"])
+                    .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
                     .arg(&out)
                     .arg(here.join(src))
                     .status()

@@ -351,7 +351,7 @@ extern "C" fn possum_dlsym(handle: *mut c_void, name: *const c_char, caller: usi
     else {
         return p;
     };
-    if p as usize == e.ours as usize {
+    if std::ptr::eq(p.cast_const().cast::<()>(), e.ours) {
         return p;
     }
     let _ = e
@@ -365,8 +365,9 @@ extern "C" fn possum_dlsym(handle: *mut c_void, name: *const c_char, caller: usi
 fn from_this_library(addr: usize) -> bool {
     static BASE: AtomicUsize = AtomicUsize::new(0);
     let base_of = |a: *const c_void| -> usize {
-        // SAFETY: `info` is a valid out-parameter; dladdr only reads the loader's tables.
+        // SAFETY: `Dl_info` is plain data (pointers and integers): all zeroes is a valid value.
         let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is a valid out-parameter; dladdr only reads the loader's tables.
         if unsafe { libc::dladdr(a, &mut info) } == 0 {
             return 0;
         }
@@ -775,7 +776,10 @@ mod tests {
 
     #[test]
     fn own_wrappers_are_found_by_name() {
-        assert_eq!(own("cuLaunchKernel\0"), cuLaunchKernel as usize);
+        assert_eq!(
+            own("cuLaunchKernel\0"),
+            cuLaunchKernel as *const () as usize
+        );
         assert_eq!(own("cuNothing\0"), 0);
     }
 }

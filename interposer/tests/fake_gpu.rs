@@ -2,7 +2,8 @@
 //! memory in host memory), a fake libcudart and a fake CUPTI whose callbacks a test job fires
 //! around host code that does what its "kernels" would (`tests/fake/fake_job.c`). No GPU needed;
 //! it checks possum's logic (allocations served by the engine, launches resolved, validation,
-//! the DAG, the statistics), not CUDA's.
+//! the DAG, the statistics), not CUDA's. The job's launches reach possum through CUPTI's callbacks
+//! (`POSSUM_HOOKS=cupti`); `fake_entry.rs` has a job that goes through the driver's entry points.
 
 use std::path::Path;
 use std::process::Command;
@@ -28,8 +29,10 @@ fn fake_job(dir: &Path) -> Command {
     ] {
         cmd.env_remove(v);
     }
+    // The job fires the fake CUPTI's callbacks around its "kernels": possum listens to CUPTI.
     cmd.env("LD_PRELOAD", libpossum())
         .env("LD_LIBRARY_PATH", dir)
+        .env("POSSUM_HOOKS", "cupti")
         .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
         .env("FAKE_CUPTI_NO_AUTOFIRE", "1")
         .env("POSSUM_STATS", dir.join("stats.json"))

@@ -1,10 +1,10 @@
-//! A checkpoint of a job whose GPU work possum does not see (CUPTI off), on the fake GPU: the
-//! release must park every thread of the job (`tests/fake/fake_park_job.c`: a worker computing
-//! steps in device memory, the main thread reading commands), copy every buffer, and release
-//! them; the resume must bring them back and let the threads go on. A worker left running would
-//! touch the released (unmapped) buffers and crash the job; a worker parked at the wrong moment
-//! would give data that differs from the model. The watchdog is tested with a thread holding the
-//! fake driver's internal lock while parked.
+//! A checkpoint of a job whose GPU work possum does not see (`POSSUM_HOOKS=off`), on the fake
+//! GPU: the release must park every thread of the job (`tests/fake/fake_park_job.c`: a worker
+//! computing steps in device memory, the main thread reading commands), copy every buffer, and
+//! release them; the resume must bring them back and let the threads go on. A worker left running
+//! would touch the released (unmapped) buffers and crash the job; a worker parked at the wrong
+//! moment would give data that differs from the model. The watchdog is tested with a thread
+//! holding the fake driver's internal lock while parked.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -59,6 +59,8 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
     job.steps(20);
     let st = job.ask(&Request::Status);
     assert_eq!(st["possum"]["session"]["cupti_attached"], false, "{st}");
+    assert_eq!(st["possum"]["session"]["hooks_live"], false, "{st}");
+    assert_eq!(st["hooks"], "off", "{st}");
     assert_eq!(st["possum"]["engines"][0]["engine"]["buffers"], 2, "{st}");
 
     let images = dir.join("images");

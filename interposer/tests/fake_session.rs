@@ -4,7 +4,10 @@
 //! the test sends `Checkpoint`, `Release` and `Resume` to libpossum in it. Checks the replies, the
 //! image's appearance, that the paused job makes no progress and touches nothing, that its buffers
 //! are released, that it goes on after the resume with exactly the data of a run that was never
-//! checkpointed, and that refused requests leave the job as it was.
+//! checkpointed, and that refused requests leave the job as it was. The job's work reaches possum
+//! either through the driver's entry points (`FAKE_VIA=entry`: its launches and copies are calls
+//! of the fake driver, possum's wrappers of them run the hooks; no CUPTI) or through the fake
+//! CUPTI's callbacks (`POSSUM_HOOKS=cupti`).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -41,14 +44,28 @@ struct Job {
     stderr: PathBuf,
 }
 
+/// How the job's work reaches possum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// The driver's entry points (possum's default hooks).
+    Entry,
+    /// The fake CUPTI's callbacks, fired by the job (`POSSUM_HOOKS=cupti`).
+    Cupti,
+}
+
 impl Job {
-    fn start(dir: &Path, name: &str, possum: bool, resolve: &str) -> Job {
+    fn start(dir: &Path, name: &str, possum: bool, resolve: &str, via: Via) -> Job {
         let stderr = dir.join(format!("{name}.stderr"));
         let lib = possum.then(libpossum);
         let mut cmd = fake_job_command(dir, "fake_session_job", lib.as_deref());
-        cmd.env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
-            .env("FAKE_CUPTI_NO_AUTOFIRE", "1")
-            .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+        match via {
+            Via::Entry => cmd.env("FAKE_VIA", "entry"),
+            Via::Cupti => cmd
+                .env("POSSUM_HOOKS", "cupti")
+                .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
+                .env("FAKE_CUPTI_NO_AUTOFIRE", "1"),
+        };
+        cmd.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
             .env("POSSUM_RESOLVE", resolve)
             .stdin(Stdio::piped())
@@ -265,9 +282,11 @@ fn first_difference(got: &[u8], want: &[u8]) -> String {
     }
 }
 
+/// The job's launches and copies through the driver's entry points: the pause blocks its next
+/// launch in possum's wrapper of `cuLaunchKernel`.
 #[test]
 fn a_session_on_a_fake_gpu() {
-    session_test("always");
+    session_test("always", Via::Entry);
 }
 
 /// The same session with operations resolved only while the engine tracks (`sessions`): before
@@ -275,7 +294,19 @@ fn a_session_on_a_fake_gpu() {
 /// and once restored nothing again; the image and the data are the same.
 #[test]
 fn a_session_resolving_only_while_tracking() {
-    session_test("sessions");
+    session_test("sessions", Via::Entry);
+}
+
+/// The session with the job's work seen through CUPTI's callbacks (`POSSUM_HOOKS=cupti`).
+#[test]
+fn a_session_seen_through_cupti() {
+    session_test("always", Via::Cupti);
+}
+
+/// Through CUPTI, resolving only while tracking.
+#[test]
+fn a_session_seen_through_cupti_resolving_only_while_tracking() {
+    session_test("sessions", Via::Cupti);
 }
 
 /// Launches whose buffers were looked at, not counting validated ones (those always are), and
@@ -289,12 +320,12 @@ fn examined(ctl: &Ctl) -> (u64, bool) {
     )
 }
 
-/// The session test with `POSSUM_RESOLVE=resolve`.
-fn session_test(resolve: &str) {
+/// The session test with `POSSUM_RESOLVE=resolve`, the job's work reaching possum `via`.
+fn session_test(resolve: &str, via: Via) {
     let only_tracking = resolve == "sessions";
     let t_start = Instant::now();
     let tmp = TempDir(std::env::temp_dir().join(format!(
-        "possum-fakesession-{resolve}-{}",
+        "possum-fakesession-{resolve}-{via:?}-{}",
         std::process::id()
     )));
     let dir = tmp.0.clone();
@@ -310,7 +341,7 @@ fn session_test(resolve: &str) {
     // The reference: the same commands without possum (the fake runtime's own allocations).
     let reference = dir.join("reference.bin");
     {
-        let mut job = Job::start(&dir, "reference", false, resolve);
+        let mut job = Job::start(&dir, "reference", false, resolve, via);
         for (cmd, want) in [
             (STEPS_BEFORE, "done 5"),
             (STEPS_PRECOPY, "done 7"),
@@ -332,13 +363,28 @@ fn session_test(resolve: &str) {
         first_difference(&reference, &want)
     );
 
-    let mut job = Job::start(&dir, "session", true, resolve);
+    let mut job = Job::start(&dir, "session", true, resolve, via);
     let ctl = Ctl {
         pid: job.pid(),
         sockets,
     };
     let (session, engine, counters) = ctl.status();
-    assert_eq!(session["cupti_attached"], true, "{session}");
+    assert_eq!(session["cupti_attached"], via == Via::Cupti, "{session}");
+    assert_eq!(session["hooks_live"], true, "{session}");
+    let v = ctl.ok(&Request::Status);
+    if via == Via::Entry {
+        // cuLaunchKernel and cuGetProcAddress_v2 by dlsym, cuMemcpyHtoD and cuMemcpyDtoH by
+        // cuGetProcAddress: possum's wrappers; the three fills went through one.
+        assert_eq!(v["entry"]["swapped_dlsym"], 2, "{v}");
+        assert_eq!(v["entry"]["swapped_proc_address"], 2, "{v}");
+        assert_eq!(v["copies"]["cuMemcpyHtoD_v2"], 3, "{v}");
+    } else {
+        assert_eq!(
+            v["entry"]["seen_beside_cupti"],
+            serde_json::json!({}),
+            "{v}"
+        );
+    }
     assert_eq!(session["paused"], false, "{session}");
     assert_eq!(engine["buffers"], 3, "{engine}");
     assert_eq!(engine["phase"], "idle", "{engine}");
@@ -539,6 +585,10 @@ fn session_test(resolve: &str) {
     assert_eq!(engine["resident_bytes"], 4 * GRANULE, "{engine}");
     assert_eq!(counters["managed_allocs"], 4, "{counters}");
     assert_eq!(counters["hook_errors"], 0, "{counters}");
+    // Steps 1-15: 15 mixes and 5 bumps, each launch counted once (the one that waited too).
+    let v = ctl.ok(&Request::Status);
+    assert_eq!(v["launches"]["cuLaunchKernel"], 20, "{v}");
+    assert_eq!(v["total_launches"], 20, "{v}");
 
     // The data: bit for bit what the run without possum computed.
     let dump = dir.join("session.bin");

@@ -1,5 +1,6 @@
 //! libpossum.so preloaded into programs that never use CUDA (no GPU or CUPTI needed): they must
-//! run exactly as without it.
+//! run exactly as without it, whichever way possum hooks (`POSSUM_HOOKS`: the driver's entry
+//! points by default, CUPTI, or nothing).
 
 use std::ffi::OsStr;
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ fn command(argv: &[&str], preload: bool, cupti: &OsStr) -> Command {
         "POSSUM_STATS",
         "POSSUM_VERBOSE",
         "POSSUM_CUPTI",
+        "POSSUM_HOOKS",
         "LD_PRELOAD",
     ] {
         cmd.env_remove(v);
@@ -39,12 +41,25 @@ fn run(argv: &[&str], preload: bool, env: &[(&str, &str)]) -> Output {
         .unwrap()
 }
 
+/// The `POSSUM_HOOKS` settings: the default (entry), CUPTI, off.
+const HOOKS: [&[(&str, &str)]; 3] = [
+    &[],
+    &[("POSSUM_HOOKS", "cupti")],
+    &[("POSSUM_HOOKS", "off")],
+];
+
 fn assert_unchanged(argv: &[&str]) {
     let plain = run(argv, false, &[]);
-    let preloaded = run(argv, true, &[]);
-    assert_eq!(plain.status.code(), preloaded.status.code(), "{argv:?}");
-    assert_eq!(plain.stdout, preloaded.stdout, "{argv:?}");
-    assert_eq!(plain.stderr, preloaded.stderr, "{argv:?}");
+    for hooks in HOOKS {
+        let preloaded = run(argv, true, hooks);
+        assert_eq!(
+            plain.status.code(),
+            preloaded.status.code(),
+            "{argv:?} {hooks:?}"
+        );
+        assert_eq!(plain.stdout, preloaded.stdout, "{argv:?} {hooks:?}");
+        assert_eq!(plain.stderr, preloaded.stderr, "{argv:?} {hooks:?}");
+    }
 }
 
 #[test]
@@ -59,14 +74,28 @@ fn programs_run_unchanged() {
 
 #[test]
 fn verbose_prints_one_line() {
-    let out = run(&["sh", "-c", "echo hi"], true, &[("POSSUM_VERBOSE", "1")]);
-    assert!(out.status.success());
-    assert_eq!(out.stdout, b"hi\n");
-    let err = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let verbose = |hooks: &[(&str, &str)]| -> String {
+        let out = run(&["sh", "-c", "echo hi"], true, hooks);
+        assert!(out.status.success());
+        assert_eq!(out.stdout, b"hi\n");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        err
+    };
+    let err = verbose(&[("POSSUM_VERBOSE", "1")]);
+    assert_eq!(
+        err, "possum: hooks: the driver's entry points (CUPTI not loaded)\n",
+        "{err}"
+    );
+    let err = verbose(&[("POSSUM_VERBOSE", "1"), ("POSSUM_HOOKS", "cupti")]);
     assert!(err.starts_with("possum: CUPTI not found ("), "{err}");
     assert!(
         err.trim_end().ends_with("launches will not be seen"),
+        "{err}"
+    );
+    let err = verbose(&[("POSSUM_VERBOSE", "1"), ("POSSUM_HOOKS", "off")]);
+    assert!(
+        err.starts_with("possum: hooks off (POSSUM_HOOKS=off)"),
         "{err}"
     );
 }
@@ -89,10 +118,18 @@ fn stats_file_is_written() {
     let dir = std::env::temp_dir().join(format!("possum-preload-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("stats-%p.json");
-    let pid = spawn_pid(&["/bin/true"], &[("POSSUM_STATS", file.to_str().unwrap())]);
+    let pid = spawn_pid(
+        &["/bin/true"],
+        &[
+            ("POSSUM_STATS", file.to_str().unwrap()),
+            ("POSSUM_HOOKS", "cupti"),
+        ],
+    );
     let path = dir.join(format!("stats-{pid}.json"));
     let v = read_json(&path);
     assert_eq!(v["pid"], pid);
+    assert_eq!(v["hooks"], "cupti");
+    assert_eq!(v["entry"]["mode"], "cupti");
     assert_eq!(v["cupti"], false);
     assert!(v["cupti_error"]
         .as_str()
@@ -112,6 +149,11 @@ fn stats_file_is_written() {
     spawn_pid(&["/bin/true"], &[("POSSUM_STATS", fixed.to_str().unwrap())]);
     let v = read_json(&fixed);
     assert_eq!(v["cupti"], false);
+    // (By default possum hooks the driver's entry points: no CUPTI, no driver call seen.)
+    assert_eq!(v["hooks"], "entry");
+    assert_eq!(v["entry"]["mode"], "entry");
+    assert_eq!(v["entry"]["swapped_dlsym"], 0);
+    assert_eq!(v["total_launches"], 0);
     // ... but a later process that saw no CUDA call leaves an existing file alone.
     std::fs::write(&fixed, "keep").unwrap();
     spawn_pid(&["/bin/true"], &[("POSSUM_STATS", fixed.to_str().unwrap())]);
@@ -166,6 +208,7 @@ fn counts_callbacks_of_a_fake_cupti() {
     let stats = dir.join("stats.json");
     let out = command(&["/bin/true"], true, fake.as_os_str())
         .env("POSSUM_STATS", &stats)
+        .env("POSSUM_HOOKS", "cupti")
         .env("POSSUM_VERBOSE", "1")
         .output()
         .unwrap();

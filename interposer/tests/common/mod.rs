@@ -56,12 +56,36 @@ pub fn build_fake_gpu(dir: &Path, job_src: &str, job_name: &str) -> bool {
 /// that include this module by path).
 #[allow(dead_code)]
 pub fn build_fake_gpu_from(here: &Path, dir: &Path, job_src: &str, job_name: &str) -> bool {
+    build_fake_gpu_linked(here, dir, job_src, job_name, &[])
+}
+
+/// [`build_fake_gpu_from`] with `link` added to the job's link line (`-l:libcuda.so.1` for a job
+/// that calls the driver by name, as a program linked against libcuda does).
+#[allow(dead_code)]
+pub fn build_fake_gpu_linked(
+    here: &Path,
+    dir: &Path,
+    job_src: &str,
+    job_name: &str,
+    link: &[&str],
+) -> bool {
     let d = dir.to_str().unwrap();
     let src = |p: &str| here.join(p).to_str().unwrap().to_string();
+    let lib_dir = format!("-L{d}");
+    let rpath = format!("-Wl,-rpath,{d}");
+    let job = format!("{d}/{job_name}");
+    let job_src = src(job_src);
+    let mut job_args = vec!["-O1", "-o", &job, &job_src, &lib_dir, "-l:libcudart.so.13"];
+    job_args.extend_from_slice(link);
+    job_args.extend([rpath.as_str(), "-ldl"]);
+    // The fake driver is linked as the real one is (-Bsymbolic): the functions its
+    // cuGetProcAddress hands out, and its calls of its own, are its own even where libpossum.so
+    // exports the same names.
     let ok = cc(&[
         "-O1",
         "-shared",
         "-fPIC",
+        "-Wl,-Bsymbolic",
         "-o",
         &format!("{d}/libcuda.so.1"),
         &src("../cuda/testdata/fake-libcuda.c"),
@@ -82,16 +106,7 @@ pub fn build_fake_gpu_from(here: &Path, dir: &Path, job_src: &str, job_name: &st
         "-o",
         &format!("{d}/libfakecupti.so"),
         &src("tests/fake/fake_cupti.c"),
-    ]) && cc(&[
-        "-O1",
-        "-o",
-        &format!("{d}/{job_name}"),
-        &src(job_src),
-        &format!("-L{d}"),
-        "-l:libcudart.so.13",
-        &format!("-Wl,-rpath,{d}"),
-        "-ldl",
-    ]);
+    ]) && cc(&job_args);
     if !ok {
         eprintln!("SKIPPED: no C compiler to build the fake GPU stack [{job_name}]");
     }

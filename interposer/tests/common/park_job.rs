@@ -32,13 +32,14 @@ pub struct ParkJob {
 }
 
 impl ParkJob {
-    /// Starts `dir/fake_park_job` with `lib` preloaded and CUPTI off, plus `env`; waits for
-    /// `ready`. Its stderr goes to `dir/<name>.stderr`.
+    /// Starts `dir/fake_park_job` with `lib` preloaded and its hooks off (`POSSUM_HOOKS=off`: the
+    /// job's work does not go through the driver, so a checkpoint must park its threads), plus
+    /// `env`; waits for `ready`. Its stderr goes to `dir/<name>.stderr`.
     pub fn start(dir: &Path, name: &str, lib: &Path, env: &[(&str, &str)]) -> ParkJob {
         let stderr = dir.join(format!("{name}.stderr"));
         let sockets = dir.join("sockets");
         let mut cmd = fake_job_command(dir, "fake_park_job", Some(lib));
-        cmd.env("POSSUM_CUPTI", "off")
+        cmd.env("POSSUM_HOOKS", "off")
             .env("POSSUM_SOCKET_DIR", &sockets)
             .env("POSSUM_VERBOSE", "1")
             .envs(env.iter().copied())

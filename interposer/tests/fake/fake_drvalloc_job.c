@@ -1,16 +1,14 @@
-/* Driver-API allocations under possum, on the fake driver and CUPTI (tests/fake_drvalloc.rs):
+/* Driver-API allocations under possum, on the fake driver (tests/fake_drvalloc.rs):
  * cuMemAlloc_v2 / cuMemAllocPitch_v2 / cuMemFree_v2 called as a program linked against libcuda
  * would (the first definition in the global scope: libpossum's when preloaded), and cuMemAlloc
- * looked up with cuGetProcAddress_v2 as libcudart does, with the CUPTI callbacks the real driver
- * fires around that lookup. Prints one line per fact the test checks, then exits 0; "error ..."
- * and exit 1 on a failure. */
+ * and cuMemFree looked up with cuGetProcAddress_v2 (itself found with dlsym on libcuda's handle)
+ * as libcudart does. Prints one line per fact the test checks, then exits 0; "error ..." and exit
+ * 1 on a failure. The facts do not depend on possum: the same lines without it. */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include "fake_abi.h"
 
 typedef unsigned long long ull;
 typedef int (*alloc_t)(ull *, size_t);
@@ -24,18 +22,15 @@ static void die(const char *what) {
 }
 
 int main(void) {
-    const char *cupti = getenv("POSSUM_CUPTI");
-    void *hc = cupti ? dlopen(cupti, RTLD_NOW) : NULL;
-    fire_fn fire = hc ? (fire_fn)dlsym(hc, "fake_cupti_fire") : NULL;
     /* Global, as for a program linked against libcuda (the driver is then in the global scope). */
     void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!fire || !drv) die("no fake CUPTI or driver");
+    if (!drv) die("no fake driver");
     int (*init)(unsigned) = dlsym(drv, "cuInit");
     int (*retain)(void **, int) = dlsym(drv, "cuDevicePrimaryCtxRetain");
     int (*set)(void *) = dlsym(drv, "cuCtxSetCurrent");
     gpa_t gpa = (gpa_t)dlsym(drv, "cuGetProcAddress_v2");
     void *ctx;
-    if (init(0) || retain(&ctx, 0) || set(ctx)) die("context");
+    if (!init || !retain || !set || !gpa || init(0) || retain(&ctx, 0) || set(ctx)) die("context");
 
     /* As a program linked against libcuda. */
     alloc_t direct_alloc = (alloc_t)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
@@ -48,16 +43,13 @@ int main(void) {
     if (direct_pitch(&c, &pitch, 1000, 10, 4)) die("cuMemAllocPitch_v2");
     printf("pitch %zu\n", pitch);
 
-    /* As libcudart: look the function up, with the callbacks around the lookup. */
-    void *fp = NULL;
-    int status = -1, ret = 0;
-    uint64_t words[5] = {(uint64_t)(uintptr_t) "cuMemAlloc", (uint64_t)(uintptr_t)&fp, 13000, 0,
-                         (uint64_t)(uintptr_t)&status};
-    fire(677, 0, words, &ret);
-    ret = gpa("cuMemAlloc", &fp, 13000, 0, &status);
-    fire(677, 1, words, &ret);
-    if (ret || !fp) die("cuGetProcAddress_v2");
-    printf("swapped %d\n", fp == (void *)direct_alloc);
+    /* As libcudart: look the functions up (the driver answers with its cuMemAlloc_v2 and
+     * cuMemFree_v2, possum with its wrappers of them: the functions of the global scope). */
+    void *fp = NULL, *ff = NULL;
+    int status = -1;
+    if (gpa("cuMemAlloc", &fp, 13000, 0, &status) || status || !fp) die("cuGetProcAddress_v2");
+    if (gpa("cuMemFree", &ff, 13000, 0, &status) || status || !ff) die("cuGetProcAddress_v2");
+    printf("swapped %d\n", fp == (void *)direct_alloc && ff == (void *)direct_free);
     if (((alloc_t)fp)(&b, 1 << 16)) die("looked-up cuMemAlloc");
 
     /* The memory is usable (host memory under the fake driver) and distinct. */
@@ -65,7 +57,7 @@ int main(void) {
     memset((void *)(uintptr_t)b, 0xcd, 1 << 16);
     memset((void *)(uintptr_t)c, 0xef, pitch * 10);
     printf("distinct %d\n", a != b && b != c && a != c);
-    if (direct_free(a) || direct_free(b) || direct_free(c)) die("cuMemFree_v2");
+    if (direct_free(a) || ((free_t)ff)(b) || direct_free(c)) die("cuMemFree_v2");
     puts("done");
     return 0;
 }

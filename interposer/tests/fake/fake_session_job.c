@@ -1,8 +1,13 @@
 /* A long-running "GPU job" for the fake driver, runtime and CUPTI, driven one command at a time on
  * stdin by tests/fake_session.rs while possum checkpoints, releases and restores it. Every access
- * to device memory (host memory under the fake driver) is bracketed by the CUPTI entry and exit
- * callbacks the real CUDA call would fire (a kernel launch, an HtoD or DtoH copy), so possum sees
- * it, and a paused job blocks before touching anything.
+ * to device memory (host memory under the fake driver) is a kernel launch or an HtoD or DtoH copy
+ * possum sees, so a paused job blocks before touching anything. Two ways:
+ *   FAKE_VIA=entry  through the driver's entry points, as a real job: cuLaunchKernel (dlsym on the
+ *                   driver's handle) of kernels whose `run` does the work, cuMemcpyHtoD_v2 and
+ *                   cuMemcpyDtoH_v2 (looked up with cuGetProcAddress_v2); possum's wrappers of
+ *                   them run its hooks (no CUPTI);
+ *   otherwise       the work done by the job itself, bracketed by the CUPTI entry and exit
+ *                   callbacks the real CUDA call would fire (fake_cupti_fire of POSSUM_CUPTI).
  *
  * At start: cudaMalloc A (1 MiB), B (1 MiB), C (256 KiB), fill them (HtoD copies) with
  *   A[i] = 7i + 1, B[i] = i ^ 0x5a5a5a5a, C[i] = 0 (u32 words); answers "ready".
@@ -16,8 +21,9 @@
  *   exit       cudaFree every buffer; answers "bye" and exits 0 (also at the end of stdin).
  * Anything failing answers "error ..." and exits 1.
  *
- * Without libpossum (the test's reference run) cudaMalloc is the fake runtime's calloc and the
- * callbacks go nowhere: the same results, computed without possum. */
+ * Without libpossum (the test's reference run) cudaMalloc is the fake runtime's calloc, the
+ * callbacks go nowhere and the driver's functions are the fake driver's own: the same results,
+ * computed without possum. */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -26,15 +32,35 @@
 
 #include "fake_abi.h"
 
-/* mix(const uint32_t *x, uint32_t *y, uint32_t s), bump(uint32_t *z, uint32_t s) */
-static struct fake_kernel mix = {FAKE_KERNEL_MAGIC, "mix", 3, {0, 8, 16}, {8, 8, 4}};
-static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump", 2, {0, 8}, {8, 4}};
-
 enum { CB_LAUNCH = 307, CB_HTOD = 276, CB_DTOH = 278 }; /* cuLaunchKernel, cuMemcpy{HtoD,DtoH}_v2 */
-static const size_t NA = 1 << 18, NB = 1 << 18, NC = 1 << 16, ND = 1 << 14; /* u32 words */
+#define NA ((size_t)1 << 18) /* u32 words */
+#define NB ((size_t)1 << 18)
+#define NC ((size_t)1 << 16)
+#define ND ((size_t)1 << 14)
+
+/* mix(const uint32_t *x, uint32_t *y, uint32_t s): B's length; bump(uint32_t *z, uint32_t s): C's. */
+static void run_mix(void **p) {
+    const uint32_t *a = *(const uint32_t **)p[0];
+    uint32_t *b = *(uint32_t **)p[1];
+    uint32_t s = *(uint32_t *)p[2];
+    for (size_t i = 0; i < NB; i++) b[i] = b[i] * 2654435761u + (a[i] ^ s);
+}
+static void run_bump(void **p) {
+    uint32_t *c = *(uint32_t **)p[0];
+    uint32_t s = *(uint32_t *)p[1];
+    for (size_t i = 0; i < NC; i++) c[i] += (uint32_t)i * s + 1;
+}
+static struct fake_kernel mix = {FAKE_KERNEL_MAGIC, "mix", 3, {0, 8, 16}, {8, 8, 4}, run_mix};
+static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump", 2, {0, 8}, {8, 4}, run_bump};
 
 static fire_fn fire;
 static int ret;
+/* FAKE_VIA=entry: the driver's functions. */
+typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        void *, void **, void **);
+static launch_t drv_launch;
+static int (*drv_htod)(uint64_t, const void *, size_t);
+static int (*drv_dtoh)(void *, uint64_t, size_t);
 
 static void die(const char *what) {
     printf("error %s\n", what);
@@ -44,6 +70,10 @@ static void die(const char *what) {
 
 /* cuMemcpyHtoD_v2(dst, src, bytes) */
 static void htod(void *dst, const void *src, size_t bytes) {
+    if (drv_htod) {
+        if (drv_htod((uint64_t)(uintptr_t)dst, src, bytes)) die("cuMemcpyHtoD_v2");
+        return;
+    }
     uint64_t p[3] = {(uint64_t)(uintptr_t)dst, (uint64_t)(uintptr_t)src, bytes};
     fire(CB_HTOD, 0, p, &ret);
     memcpy(dst, src, bytes);
@@ -52,10 +82,26 @@ static void htod(void *dst, const void *src, size_t bytes) {
 
 /* cuMemcpyDtoH_v2(dst, src, bytes) */
 static void dtoh(void *dst, const void *src, size_t bytes) {
+    if (drv_dtoh) {
+        if (drv_dtoh(dst, (uint64_t)(uintptr_t)src, bytes)) die("cuMemcpyDtoH_v2");
+        return;
+    }
     uint64_t p[3] = {(uint64_t)(uintptr_t)dst, (uint64_t)(uintptr_t)src, bytes};
     fire(CB_DTOH, 0, p, &ret);
     memcpy(dst, src, bytes);
     fire(CB_DTOH, 1, p, &ret);
+}
+
+/* cuLaunchKernel(k, 1x1x1, 1x1x1, 0, NULL, args, NULL) */
+static void launch(struct fake_kernel *k, void **args) {
+    if (drv_launch) {
+        if (drv_launch(k, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL)) die("cuLaunchKernel");
+        return;
+    }
+    launch_params p = {k, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+    fire(CB_LAUNCH, 0, &p, &ret);
+    k->run(args);
+    fire(CB_LAUNCH, 1, &p, &ret);
 }
 
 static uint32_t *alloc_filled(size_t n, uint32_t (*f)(size_t)) {
@@ -74,19 +120,11 @@ static uint32_t init_c(size_t i) { (void)i; return 0; }
 static uint32_t init_d(size_t i) { return 0xd0000000u + (uint32_t)i; }
 
 static void step(uint32_t *a, uint32_t *b, uint32_t *c, uint32_t s) {
-    {
-        void *args[] = {&a, &b, &s};
-        launch_params p = {&mix, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
-        fire(CB_LAUNCH, 0, &p, &ret);
-        for (size_t i = 0; i < NB; i++) b[i] = b[i] * 2654435761u + (a[i] ^ s);
-        fire(CB_LAUNCH, 1, &p, &ret);
-    }
+    void *args[] = {&a, &b, &s};
+    launch(&mix, args);
     if (s % 3 == 0) {
-        void *args[] = {&c, &s};
-        launch_params p = {&bump, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
-        fire(CB_LAUNCH, 0, &p, &ret);
-        for (size_t i = 0; i < NC; i++) c[i] += (uint32_t)i * s + 1;
-        fire(CB_LAUNCH, 1, &p, &ret);
+        void *args2[] = {&c, &s};
+        launch(&bump, args2);
     }
 }
 
@@ -103,11 +141,37 @@ static void dump(const char *path, uint32_t *const *bufs, const size_t *ns, int 
     if (fclose(f)) die("fclose");
 }
 
+/* FAKE_VIA=entry: the context made current, the driver's functions found. */
+static void via_entry(void) {
+    typedef int (*gpa_t)(const char *, void **, int, unsigned long long, int *);
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) die("no driver");
+    int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
+    int (*retain)(void **, int) = (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain");
+    int (*set)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
+    gpa_t gpa = (gpa_t)dlsym(h, "cuGetProcAddress_v2");
+    drv_launch = (launch_t)dlsym(h, "cuLaunchKernel");
+    void *ctx, *f1 = NULL, *f2 = NULL;
+    int st1 = -1, st2 = -1;
+    if (!init || !retain || !set || !gpa || !drv_launch || init(0) || retain(&ctx, 0) || set(ctx))
+        die("context");
+    if (gpa("cuMemcpyHtoD", &f1, 12000, 0, &st1) || gpa("cuMemcpyDtoH", &f2, 12000, 0, &st2) ||
+        st1 || st2)
+        die("cuGetProcAddress_v2");
+    drv_htod = (int (*)(uint64_t, const void *, size_t))f1;
+    drv_dtoh = (int (*)(void *, uint64_t, size_t))f2;
+}
+
 int main(void) {
-    const char *cupti = getenv("POSSUM_CUPTI");
-    void *h = cupti ? dlopen(cupti, RTLD_NOW) : NULL;
-    fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
-    if (!fire) die("no fake CUPTI");
+    const char *via = getenv("FAKE_VIA");
+    if (via && !strcmp(via, "entry")) {
+        via_entry();
+    } else {
+        const char *cupti = getenv("POSSUM_CUPTI");
+        void *h = cupti ? dlopen(cupti, RTLD_NOW) : NULL;
+        fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
+        if (!fire) die("no fake CUPTI");
+    }
     uint32_t *a = alloc_filled(NA, init_a), *b = alloc_filled(NB, init_b), *c = alloc_filled(NC, init_c);
     uint32_t *d = NULL;
     uint32_t s = 0;
