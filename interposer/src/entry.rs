@@ -283,6 +283,32 @@ extern "C" fn possum_find_dlsym() -> usize {
     p
 }
 
+/// Whether this library interposes the process's `dlsym` (and so its exported driver names):
+/// it was preloaded, ahead of libc in the global scope. Loaded only through
+/// `CUDA_INJECTION64_PATH` (a `dlopen` by libcuda, after the job's libraries took their driver
+/// pointers), it is not, and its wrappers are never handed out.
+pub fn interposing() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // The main program's handle searches the global scope (RTLD_DEFAULT from here would
+        // search this library's own local scope too, and find its `dlsym` even when local).
+        // SAFETY: dlopen(NULL) returns the main program's handle (never loads anything); glibc's
+        // dlsym with a NUL-terminated name.
+        let found = unsafe {
+            let main = libc::dlopen(ptr::null(), libc::RTLD_LAZY);
+            if main.is_null() {
+                return false;
+            }
+            real_dlsym()(main, c"dlsym".as_ptr())
+        } as usize;
+        // Compared by object, not address: this library's own references to its exported
+        // `dlsym` go through the global scope too, so its address here is whatever won there.
+        found != 0 && from_this_library(found)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 fn real_dlsym() -> DlsymFn {
     let p = possum_find_dlsym();
     assert!(p != 0, "possum: glibc's dlsym not found");

@@ -141,10 +141,19 @@ impl Hooks {
 fn set_up() -> Setup {
     // First: the entry points' wrappers must know their mode before anything below calls the
     // driver (CUPTI's loading does), or they would run this set-up again.
-    let (hooks, bad) = match Hooks::from_env() {
+    let (mut hooks, mut bad) = match Hooks::from_env() {
         Ok(h) => (h, None),
         Err(e) => (Hooks::Entry, Some(e)),
     };
+    if hooks == Hooks::Entry && !entry::interposing() {
+        // Not in the global scope (CUDA_INJECTION64_PATH alone): the job never gets the
+        // wrappers, so nothing could be held at the op gate. A checkpoint parks threads instead.
+        hooks = Hooks::Off;
+        bad = Some(
+            "not preloaded (LD_PRELOAD): the driver's entry points cannot be wrapped; hooks off"
+                .into(),
+        );
+    }
     entry::set_mode(match hooks {
         Hooks::Entry => entry::Mode::Hooks,
         Hooks::Cupti => entry::Mode::Count,
@@ -174,7 +183,7 @@ fn set_up() -> Setup {
             };
         }
         Hooks::Off => {
-            log("hooks off (POSSUM_HOOKS=off): launches will not be seen");
+            log("hooks off: launches will not be seen; a checkpoint parks the job's threads");
             return Setup {
                 hooks,
                 error: Some("CUPTI not loaded (POSSUM_HOOKS=off)".into()),
