@@ -1,34 +1,47 @@
 """Checkpoint/restore of live GPU jobs on the GPU machine (issue 4): correctness and figures.
 
-    python3 eval/ckpt.py smoke|correctness|figures|errors|bench [--out DIR] [options]
+    python3 eval/ckpt.py smoke|correctness|figures|errors|bench|probe|migrate [--out DIR] [options]
 
 Runs from the repo root with the build in .gpu/ (possum, libpossum.so) and CRIU on $POSSUM_CRIU
 (scripts/gpu-ckpt.sh sets everything up). Every job is a workloads/gpu job writing one line per
 step to a log (step, loss bits, wall time); a reference run without possum gives the expected
 lines.
 
+Jobs: the workloads of workloads/gpu/jobs.py, `ptrtable` and `lcuda` (CUDA C, built by
+gpu-ckpt.sh), and a torch workload with an allocator setting: `JOB+expandable`
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or `JOB+async` (backend:cudaMallocAsync).
+
+Engines (variants; `ENGINE_HELP`): `possum` (the job under libpossum.so with its default hooks,
+the driver's entry points, and `possum checkpoint` with no engine flag), `possum-hold` (the job
+with POSSUM_HOOKS=off: the checkpoint parks its threads and copies every buffer while held),
+`driver` (no possum in the job, `--engine driver`), `gpu-only` (`--gpu-only`); a `-cupti` suffix
+runs the job with POSSUM_HOOKS=cupti (CUPTI from CKPT_JOB_CUPTI or the torch venv's; NVIDIA's
+driver refuses such a job), a `-frozen` suffix makes the extra state only read
+(`--ballast-frozen`). `none`/`possum-none`: no checkpoint (steady state, cold start).
+
 - correctness: per trial, a job runs under possum; at step k it is checkpointed with
   --leave-running and must end with the reference's lines; then the image is restored (the job
   resumes at the checkpointed step) and must write the reference's lines from there on.
-- figures: a job holding G GiB; stall seen by the job (largest gap between its steps minus a
-  normal step), checkpoint total, restore to the job's first completed step, image size; for
-  possum and --engine driver.
+  `--budget-s` stops starting trials when the next would not fit. OUT/ckpt-correctness.jsonl
+  and OUT/correctness.md.
+- figures: the stall (parts: engine, driver, CRIU), restore to the first step and time until
+  every buffer is back, per engine and size: the bench below with FIGURES_PLAN x
+  FIGURES_ENGINES by default; OUT/figures.json and OUT/figures.md, saved after every run.
 - errors: the error cases of `possum checkpoint`/`restore`: each must fail with a clear message,
   leave the job running and leave no image.
-- probe: which variants of a possum'd job NVIDIA's driver checkpoint accepts (CUPTI off,
-  subscribed with none/one/all callbacks, unsubscribed or finalized before the lock).
+- probe: which variants of a possum'd job NVIDIA's driver checkpoint accepts (hooks entry/off,
+  CUPTI subscribed with none/one/all callbacks, unsubscribed or finalized before the lock).
 - bench: the figures over a plan of (workload, GiB) cells x engines x reps as one document,
   OUT/bench.json (issue 5: `--engines driver,possum --reps 2`, plan DEFAULT_PLAN; `--bench-plan
   full --shard K/3` for a third of the whole matrix; `none`/`possum-none` are runs without any
   checkpoint, without/with possum loaded). A cell's reps are one job lineage: checkpoint with
   --leave-running, kill, restore, go on with the restored process (`chain`), so a rep costs no
-  fresh start. With the
-  step-time timeline around each checkpoint, the steady-state step time, the time from a fresh
-  start to the first step, and possum's restore figures; eval/report.py turns it into the table,
-  the plots and README's Results section (issue 5).
+  fresh start. With the step-time timeline around each checkpoint, the steady-state step time,
+  the time from a fresh start to the first step, and possum's restore figures; eval/report.py
+  turns it into the table, the plots and README's Results section (issue 5).
 Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as it goes.
 """
-import argparse, json, os, random, shutil, signal, statistics, subprocess, sys, time
+import argparse, atexit, json, os, random, shutil, signal, statistics, subprocess, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
@@ -68,33 +81,89 @@ def wait_gone(pid, timeout):
     return gone
 
 
+# PYTORCH_CUDA_ALLOC_CONF of a job spec's allocator suffix (`mlp+expandable`).
+ALLOC_CONF = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
+# Jobs that are programs built by scripts/gpu-ckpt.sh into WORK (argv: steps, log, sleep ms).
+C_JOBS = ("ptrtable", "lcuda")
+CUPTI = "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13"
+
+
+def job_spec(spec):
+    """`JOB` or `JOB+ALLOC` -> (job, environment additions): ALLOC is a key of ALLOC_CONF or a
+    PYTORCH_CUDA_ALLOC_CONF value itself."""
+    job, _, alloc = spec.partition("+")
+    if not alloc:
+        return job, {}
+    if job in C_JOBS:
+        raise ValueError(f"{spec}: an allocator setting is for torch jobs")
+    return job, {"PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF.get(alloc, alloc)}
+
+
+ENGINE_BASES = ("possum", "possum-hold", "driver", "gpu-only", "none", "possum-none")
+ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine flag), possum-hold "
+               "(POSSUM_HOOKS=off), driver, gpu-only; suffix -cupti (job with POSSUM_HOOKS=cupti), "
+               "-frozen (extra state only read); none, possum-none (no checkpoint)")
+
+
+def variant(name):
+    """What an engine name means: {name, base, ckpt: the `possum checkpoint` engine (possum,
+    driver, gpu-only, or None for no checkpoint), possum: libpossum.so in the job, env: the job's
+    possum variables, frozen}."""
+    rest, frozen, cupti = name, False, False
+    if rest.endswith("-frozen"):
+        rest, frozen = rest[: -len("-frozen")], True
+    if rest.endswith("-cupti"):
+        rest, cupti = rest[: -len("-cupti")], True
+    if rest not in ENGINE_BASES:
+        raise ValueError(f"engine {name!r}: not one of {ENGINE_HELP}")
+    if cupti and rest in ("driver", "none", "possum-hold"):
+        raise ValueError(f"engine {name!r}: -cupti needs possum in the job with its hooks on")
+    env = {}
+    if rest == "possum-hold":
+        env["POSSUM_HOOKS"] = "off"
+    if cupti:
+        env["POSSUM_HOOKS"] = "cupti"
+        env["POSSUM_CUPTI"] = os.environ.get("CKPT_JOB_CUPTI") or CUPTI
+    ckpt = {"possum": "possum", "possum-hold": "possum", "driver": "driver", "gpu-only": "gpu-only"}.get(rest)
+    return {"name": name, "base": rest, "ckpt": ckpt, "possum": rest not in ("driver", "none"),
+            "env": env, "frozen": frozen}
+
+
+def job_env(possum_loaded, extra=None):
+    """The job's environment: this process's, without the variables that choose possum's hooks
+    or the allocator (a variant sets them), plus `extra`; libpossum.so preloaded if asked."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("POSSUM_HOOKS", "POSSUM_CUPTI", "PYTORCH_CUDA_ALLOC_CONF", "LD_PRELOAD")}
+    if possum_loaded:
+        env["LD_PRELOAD"] = SO
+        env["POSSUM_SOCKET_DIR"] = SOCK
+    env.update(extra or {})
+    return env
+
+
 def job_cmd(job, steps, log, hold=0.0, sleep_ms=0.0):
-    if job == "ptrtable":
-        return [os.path.join(WORK, "ptrtable"), str(steps), log, str(int(sleep_ms))]
+    if job in C_JOBS:
+        return [os.path.join(WORK, job), str(steps), log, str(int(sleep_ms))]
     return ["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
             "--log", log, "--hold-gib", str(hold), "--sleep-ms", str(sleep_ms)]
 
 
-def start(name, job, steps, possum, hold=0.0, sleep_ms=0.0, frozen=False, cupti=True):
+def start(name, spec, steps, possum, hold=0.0, sleep_ms=0.0, frozen=False, env=None):
+    """Starts job `spec` (`JOB` or `JOB+ALLOC`) logging to WORK/NAME.log, under libpossum.so if
+    `possum` with the variant's variables `env` (none: the default hooks, what `possum run`
+    gives a job)."""
     log = os.path.join(WORK, f"{name}.log")
     for p in (log, log + ".1"):
         if os.path.exists(p):
             os.remove(p)
-    env = dict(os.environ)
-    if possum:
-        env["LD_PRELOAD"] = SO
-        env["POSSUM_SOCKET_DIR"] = SOCK
-        # Without CUPTI (engine "possum": NVIDIA's driver checkpoint refuses a process CUPTI was
-        # attached to), possum holds the job by parking its threads (`possum run --no-cupti`).
-        if not cupti:
-            env["POSSUM_CUPTI"] = "off"
-        elif os.environ.get("CKPT_JOB_CUPTI"):
-            env["POSSUM_CUPTI"] = os.environ["CKPT_JOB_CUPTI"]
+    job, alloc = job_spec(spec)
+    e = job_env(possum, {**alloc, **((env or {}) if possum else {})})
     err = open(os.path.join(WORK, f"{name}.err"), "a")
     cmd = job_cmd(job, steps, log, hold, sleep_ms) + (["--ballast-frozen"] if frozen else [])
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=err, env=e, start_new_session=True,
                          cwd=ROOT)
+    LIVE.add(p.pid)
     return p, log
 
 
@@ -145,10 +214,17 @@ def possum(*args, timeout=int(os.environ.get("CKPT_TIMEOUT", "900"))):
             "stdout": r.stdout, "wall_ms": 1e3 * (time.time() - t)}
 
 
+def ckpt_flags(engine):
+    """`possum checkpoint`'s engine flags: none for possum (its default: what a user types),
+    --engine driver, or --gpu-only (possum's GPU side alone on a live job: saved, released, back
+    on demand)."""
+    return {"possum": [], "driver": ["--engine", "driver"], "gpu-only": ["--gpu-only"]}[engine]
+
+
 def checkpoint(pid, img, engine, leave=True, extra=()):
+    """`possum checkpoint` of `pid` into `img`; `engine`: possum, driver or gpu-only."""
     args = ["checkpoint", str(pid), "-D", img, "--json", "--socket-dir", SOCK]
-    # "gpu-only": possum's GPU side alone on a live job (saved, released, back on demand).
-    args += ["--gpu-only"] if engine == "gpu-only" else ["--engine", engine]
+    args += ckpt_flags(engine)
     if leave:
         args.append("--leave-running")
     return possum(*args, *extra)
@@ -170,51 +246,81 @@ def restore(img, extra=()):
 REF = {}
 
 
-def reference(job, steps):
-    k = (job, steps)
-    if k not in REF:
-        p, log = start(f"ref-{job}", job, steps, possum=False)
+def references(specs):
+    """Reference runs (no possum) of every (spec, steps) not yet known, all at once: they are
+    independent processes, and a fresh start costs 5-15 s each."""
+    todo = [(spec, steps) for spec, steps in dict.fromkeys(specs) if (spec, steps) not in REF]
+    procs = [(k, *start(f"ref-{k[0]}", k[0], k[1], possum=False)) for k in todo]
+    for k, p, log in procs:
         p.wait()
         REF[k] = key(read_log(log))
-    return REF[k]
 
 
-def trial(job, engine, k, steps, sleep_ms, n):
-    """One checkpoint at step k (--leave-running), the run to its end, then a restore."""
-    ref = reference(job, steps)
+def reference(spec, steps):
+    references([(spec, steps)])
+    return REF[(spec, steps)]
+
+
+def status_summary(st):
+    """What a checkpoint row keeps of the job's `possum status`: how possum sees it and what it
+    does not manage."""
+    if not st:
+        return None
+    p = st.get("possum") or {}
+    c = p.get("counters") or {}
+    ss = p.get("session") or {}
+    return {"hooks": st.get("hooks"), "hooks_live": ss.get("hooks_live"), "cupti_attached": ss.get("cupti_attached"),
+            "total_launches": st.get("total_launches"), "launches": c.get("launches"),
+            "managed_allocs": c.get("managed_allocs"), "launches_opaque": c.get("launches_opaque"),
+            "opaque_ops": c.get("opaque_ops"),
+            "unmanaged": (p.get("unmanaged") or {}).get("by_kind"),
+            "entry_unmatched": len((st.get("entry") or {}).get("unmatched") or [])}
+
+
+def trial(spec, engine, k, steps, sleep_ms, n):
+    """One checkpoint at step k (--leave-running), the run to its end, then a restore. `engine`:
+    a variant name (see `variant`)."""
+    v = variant(engine)
+    ref = reference(spec, steps)
     name = f"trial-{n}"
     img = os.path.join(WORK, f"img-{n}")
     shutil.rmtree(img, ignore_errors=True)
-    p, log = start(name, job, steps, possum=(engine != "driver"), sleep_ms=sleep_ms,
-                   cupti=(engine != "possum"))
-    row = {"trial": n, "job": job, "engine": engine, "k": k, "steps": steps}
+    t_trial = time.time()
+    p, log = start(name, spec, steps, possum=v["possum"], sleep_ms=sleep_ms, env=v["env"])
+    row = {"trial": n, "job": spec, "engine": engine, "k": k, "steps": steps}
     if not wait_lines(log, k, 300, p):
         p.kill()
+        p.wait()
         row.update(ok=False, why="job did not reach step k",
                    err=open(os.path.join(WORK, f"{name}.err")).read()[-1500:])
         emit("correctness", row)
         return False
-    ck = checkpoint(p.pid, img, engine, leave=True)
+    if v["possum"]:
+        row["status"] = status_summary(job_status(p.pid))
+    ck = checkpoint(p.pid, img, v["ckpt"], leave=True)
     at = sum(1 for r in read_log(log) if "step" in r)
-    row["checkpoint"] = {"rc": ck["rc"], "figures": (ck["json"] or {}).get("figures"),
-                         "stderr": ck["stderr"] if ck["rc"] else None}
+    cj = ck["json"] or {}
+    row["checkpoint"] = {"rc": ck["rc"], "hooks": cj.get("hooks"), "hold": cj.get("hold"),
+                         "figures": cj.get("figures"), "stderr": ck["stderr"] if ck["rc"] else None}
     try:
         p.wait(timeout=600)
     except subprocess.TimeoutExpired:
         p.kill()
+        p.wait()
     first = key(read_log(log))
     row["leave_running_identical"] = first == ref
     row["job_exit"] = p.returncode
     if ck["rc"] != 0:
-        row.update(ok=False, why="checkpoint failed")
+        row.update(ok=False, why="checkpoint failed", wall_s=time.time() - t_trial)
         emit("correctness", row)
         return False
-    if engine == "gpu-only":
+    if v["ckpt"] == "gpu-only":
         # No process image: the check is that the job, its buffers released and brought back
         # on demand mid-run, ends exactly as the reference.
         row["ok"] = row["leave_running_identical"] and p.returncode == 0
         if not row["ok"]:
             row["err"] = open(os.path.join(WORK, f"{name}.err")).read()[-1500:]
+        row["wall_s"] = time.time() - t_trial
         emit("correctness", row)
         shutil.rmtree(img, ignore_errors=True)
         return row["ok"]
@@ -224,6 +330,8 @@ def trial(job, engine, k, steps, sleep_ms, n):
                       "stderr": rs["stderr"] if rs["rc"] else None}
     pid = p.pid
     gone = wait_gone(pid, 600) if rs["rc"] == 0 else True
+    if not gone:
+        kill_job(None, pid)
     second = key(read_log(log))
     s0 = second[0].get("step") if second and "step" in second[0] else None
     row["resumed_at_step"] = s0
@@ -238,33 +346,116 @@ def trial(job, engine, k, steps, sleep_ms, n):
             pth = os.path.join(img, lf)
             if os.path.exists(pth):
                 row["criu_log_tail"] = open(pth).read()[-1500:]
+    row["wall_s"] = time.time() - t_trial
     emit("correctness", row)
     shutil.rmtree(img, ignore_errors=True)
     return row["ok"]
 
 
 JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "triton": 200, "graph": 200, "multistream": 300,
-             "ptrtable": 60}
+             "ptrtable": 60, "lcuda": 200}
 JOB_SLEEP = {"mlp": 10, "cnn": 10, "gpt2": 20, "triton": 10, "graph": 10, "multistream": 10,
-             "ptrtable": 20}
+             "ptrtable": 20, "lcuda": 10}
+# Every workload, then torch's other allocators (issue: the entry points' hooks).
+CORRECTNESS_JOBS = "mlp,cnn,gpt2,triton,graph,multistream,ptrtable,lcuda,mlp+expandable,mlp+async," \
+                   "gpt2+expandable,gpt2+async"
+# Rough seconds of one trial on the H100 (a fresh start, the steps twice, checkpoint, restore).
+TRIAL_S = {"gpt2": 32, "cnn": 22, "ptrtable": 12, "lcuda": 12}
+TRIAL_S_DEFAULT = 20
+
+
+def trial_cost(spec):
+    return TRIAL_S.get(job_spec(spec)[0], TRIAL_S_DEFAULT)
+
+
+def trial_plan(jobs, n_trials, seed):
+    """[(spec, k)]: the jobs in turn (every one covered before any repeats), each checkpointed
+    at a random step k in [2, 2/3 of its steps]."""
+    rng = random.Random(seed)
+    out = []
+    for n in range(n_trials):
+        spec = jobs[n % len(jobs)]
+        steps = JOB_STEPS[job_spec(spec)[0]]
+        out.append((spec, rng.randint(2, steps * 2 // 3)))
+    return out
 
 
 def correctness(a):
-    jobs = a.jobs.split(",")
+    jobs = (a.jobs or CORRECTNESS_JOBS).split(",")
+    for spec in jobs:
+        job_spec(spec)  # a bad spec fails here, before anything runs
+    # A CUDA C job whose program was not built (nvcc failed: gpu-ckpt.sh said so) is left out.
+    missing = [s for s in jobs if job_spec(s)[0] in C_JOBS and not os.access(os.path.join(WORK, job_spec(s)[0]), os.X_OK)]
+    if missing:
+        print(f"correctness: left out, not built: {','.join(missing)}", flush=True)
+        jobs = [s for s in jobs if s not in missing]
+    engines = (a.engines or a.engine).split(",")
+    for e in engines:
+        variant(e)
+    t0 = time.time()
+    # Every reference first, all at once.
+    references([(spec, JOB_STEPS[job_spec(spec)[0]]) for spec in jobs])
+    print(f"correctness: {len(jobs)} references in {time.time() - t0:.0f} s", flush=True)
     all_ok = True
-    for e, engine in enumerate(a.engine.split(",")):
-        rng = random.Random(a.seed + e)
+    summary = []
+    for e, engine in enumerate(engines):
         trials = [int(t) for t in str(a.trials).split(",")]
         n_trials = trials[min(e, len(trials) - 1)]
-        ok = 0
-        for n in range(n_trials):
-            job = jobs[n % len(jobs)]
-            steps = JOB_STEPS[job]
-            k = rng.randint(2, steps * 2 // 3)
-            ok += trial(job, engine, k, steps, JOB_SLEEP[job], 100 * e + n)
-        print(f"correctness ({engine}): {ok}/{n_trials} trials identical", flush=True)
-        all_ok &= ok == n_trials
+        ok = ran = 0
+        skipped = []
+        for n, (spec, k) in enumerate(trial_plan(jobs, n_trials, a.seed + e)):
+            if time.time() - t0 + trial_cost(spec) > a.budget_s:
+                skipped.append(spec)
+                continue
+            steps = JOB_STEPS[job_spec(spec)[0]]
+            ok += trial(spec, engine, k, steps, JOB_SLEEP[job_spec(spec)[0]], 100 * e + n)
+            ran += 1
+        if skipped:
+            print(f"correctness ({engine}): {len(skipped)} trials not started (--budget-s {a.budget_s:.0f}): "
+                  f"{','.join(skipped)}", flush=True)
+        print(f"correctness ({engine}): {ok}/{ran} trials identical", flush=True)
+        summary.append({"engine": engine, "ok": ok, "ran": ran, "asked": n_trials, "skipped": skipped,
+                        "not_built": missing})
+        all_ok &= ok == ran and not skipped and not missing
+    write_correctness_md(summary, time.time() - t0)
     return all_ok
+
+
+def write_correctness_md(summary, wall_s):
+    rows = []
+    try:
+        with open(os.path.join(OUT, "ckpt-correctness.jsonl")) as f:
+            rows = [json.loads(l) for l in f if l.strip()]
+    except (OSError, ValueError):
+        pass
+    with open(os.path.join(OUT, "correctness.md"), "w") as f:
+        f.write(correctness_md(rows, summary, wall_s))
+
+
+def correctness_md(rows, summary, wall_s):
+    """The trials as a table (every trial of OUT/ckpt-correctness.jsonl, earlier runs' too)."""
+    out = ["# Checkpoint correctness", "",
+           "; ".join(f"{s['engine']}: {s['ok']}/{s['ran']} bit-identical both ways"
+                     + (f" ({len(s['skipped'])} of {s['asked']} not started: time budget)" if s["skipped"] else "")
+                     + (f" (left out, not built: {', '.join(s['not_built'])})" if s.get("not_built") else "")
+                     for s in summary) + f" (this run: {wall_s:.0f} s).", "",
+           "| trial | job | engine | hooks | k | left running identical | restored identical | resumed at | "
+           "stall (engine/driver/CRIU) ms | restore ms | wall s | why |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ck = (r.get("checkpoint") or {})
+        f = ck.get("figures") or {}
+        bd = f.get("stall_breakdown_ms") or {}
+        rf = (r.get("restore") or {}).get("figures") or {}
+        hooks = ck.get("hooks") or (r.get("status") or {}).get("hooks") or ("-" if r.get("engine") == "driver" else "?")
+        stall = (f"{f.get('stall_ms', 0):.0f} ({bd.get('engine', 0):.0f}/{bd.get('driver', 0):.0f}/{bd.get('criu', 0):.0f})"
+                 if f else "")
+        yn = lambda x: "yes" if x else ("**NO**" if x is not None else "")
+        out.append(f"| {r.get('trial')} | {r.get('job')} | {r.get('engine')} | {hooks} | {r.get('k')} | "
+                   f"{yn(r.get('leave_running_identical'))} | {yn(r.get('restored_identical'))} | "
+                   f"{r.get('resumed_at_step', '')} | {stall} | {rf.get('total_ms', '')} | "
+                   f"{r.get('wall_s', 0):.0f} | {'' if r.get('ok') else r.get('why') or 'differs'} |")
+    return "\n".join(out) + "\n"
 
 
 def stall_of(rows, t0, t1):
@@ -308,9 +499,11 @@ def steady(engine, gib, n, kind, job="mlp"):
     step, with possum loaded (`possum-none`) or not (`none`)."""
     spawned = time.time()
     lines = FIG_LINES.get(job, 100) * 4 // 3
-    p, log = start(f"steady-{job}-{engine}-{gib}", job, 10 ** 6, possum=(engine == "possum-none"),
-                   hold=gib, sleep_ms=1)
-    row = {"job": job, "engine": engine, "gib": gib, "rep": n, "state": "written every step"}
+    v = variant(engine)
+    p, log = start(f"steady-{job}-{engine}-{gib}", job, 10 ** 6, possum=v["possum"], env=v["env"],
+                   hold=gib, sleep_ms=1, frozen=v["frozen"])
+    row = {"job": job, "engine": engine, "gib": gib, "rep": n,
+           "state": "frozen" if v["frozen"] else "written every step"}
     if not wait_lines(log, lines, 600, p):
         row.update(ok=False, why="job did not start")
     else:
@@ -326,9 +519,10 @@ def steady(engine, gib, n, kind, job="mlp"):
 
 
 def figure(engine, gib, n, kind="figures", job="mlp"):
-    """engine: driver, gpu-only (the extra state written every step) or gpu-only-frozen (only
-    read, like frozen weights); none / possum-none: no checkpoint (steady state, cold start)."""
-    if engine in ("none", "possum-none"):
+    """engine: a variant (`variant`): e.g. possum, possum-hold, driver, gpu-only (the extra state
+    written every step), possum-frozen (only read, like frozen weights); none / possum-none: no
+    checkpoint (steady state, cold start)."""
+    if variant(engine)["ckpt"] is None:
         return steady(engine, gib, n, kind, job)
     rows = chain(engine, gib, [n], kind, job)
     return rows[0] if rows else None
@@ -363,23 +557,57 @@ def become_subreaper():
         print(f"ckpt: PR_SET_CHILD_SUBREAPER failed (errno {ctypes.get_errno()})", flush=True)
 
 
+def restore_back(pid, timeout=120.0, poll_s=0.05):
+    """Polls the job's `possum status` until its session's last restore has finished (its
+    `possum.session.last.restore` has "ms" or "error"): (that object, seconds waited) or
+    (None, seconds) if it did not within `timeout` (or the job is gone)."""
+    t = time.time()
+    while time.time() - t < timeout:
+        st = job_status(pid) or {}
+        last = (((st.get("possum") or {}).get("session") or {}).get("last") or {})
+        r = last.get("restore")
+        if isinstance(r, dict) and ("ms" in r or "error" in r):
+            return r, time.time() - t
+        if not alive(pid):
+            break
+        time.sleep(poll_s)
+    return None, time.time() - t
+
+
+def buffers_back_ms(ckpt_engine, restore_figures, engine_restore):
+    """When every GPU buffer of the restored job was back, in ms from the start of `possum
+    restore`: the driver's restore (the baseline) brings them all back before the job runs; a
+    possum image's resume starts the engine's restore after CRIU and the driver, and the job's
+    session reports when it finished (`ms`, from the resume), so: the restore's total less the
+    resume's answer, plus the engine's restore. None when unknown."""
+    rf = restore_figures or {}
+    if rf.get("total_ms") is None:
+        return None
+    if ckpt_engine == "driver":
+        return rf["total_ms"]
+    if not engine_restore or engine_restore.get("ms") is None:
+        return None
+    return rf["total_ms"] - rf.get("resume_ms", 0.0) + engine_restore["ms"]
+
+
 def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, skipped=None):
     """One job lineage, one checkpoint per rep: the job starts once; each rep checkpoints it with
-    --leave-running (the stall, from the job's own step times), kills it, restores the image
-    (restore to first step) and goes on with the restored process, so a rep costs a checkpoint
-    and a restore but no fresh start. Returns one row per rep that ran; `in_budget()` is asked
-    before each rep after the first (a rep not run is appended to `skipped`)."""
-    lines = FIG_LINES.get(job, 100)
-    frozen = engine.endswith("-frozen")
+    --leave-running (the stall, from the job's own step times, and its parts as `possum
+    checkpoint` timed them), kills it, restores the image (restore to first step; time until
+    every buffer is back) and goes on with the restored process, so a rep costs a checkpoint
+    and a restore but no fresh start. `engine`: a variant (`variant`). Returns one row per rep
+    that ran; `in_budget()` is asked before each rep after the first (a rep not run is appended
+    to `skipped`)."""
+    v = variant(engine)
+    lines = FIG_LINES.get(job_spec(job)[0], 100)
+    frozen = v["frozen"]
     name = f"fig-{job}-{engine}-{gib}"
     img = os.path.join(WORK, f"img-{name}")
     shutil.rmtree(img, ignore_errors=True)
     # Long enough to outlast any checkpoint: it is killed once the figures are in.
     spawned = time.time()
-    proc, log = start(name, job, 10 ** 6, possum=(engine != "driver"), hold=gib, sleep_ms=1, frozen=frozen,
-                      cupti=(engine.removesuffix("-frozen") != "possum"))
+    proc, log = start(name, job, 10 ** 6, possum=v["possum"], hold=gib, sleep_ms=1, frozen=frozen, env=v["env"])
     pid = proc.pid
-    engine = engine.removesuffix("-frozen")
     out = []
     for i, n in enumerate(reps):
         if i > 0 and not in_budget():
@@ -387,7 +615,7 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
                 skipped.append({"job": job, "engine": engine, "gib": gib, "rep": n, "why": "time budget"})
             print(f"bench: skipped {job} {engine} {gib} GiB rep {n}: over --budget-s", flush=True)
             continue
-        row = {"job": job, "engine": engine, "gib": gib, "rep": n,
+        row = {"job": job, "engine": engine, "ckpt_engine": v["ckpt"], "gib": gib, "rep": n,
                "state": "frozen" if frozen else "written every step"}
         if i > 0:
             # The process restored by the previous rep, which has written `lines` steps since.
@@ -402,20 +630,21 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
             first_line = next((r for r in read_log(log) if "t" in r), None)
             if first_line:
                 row["start_to_first_step_ms"] = 1e3 * (first_line["t"] - spawned)
-        if engine != "driver":
-            # What possum thinks the job does: opaque operations mark every buffer written, which
-            # decides what the pause has to copy.
-            st = (job_status(pid) or {}).get("possum") or {}
+        if v["possum"]:
+            # How possum sees the job, and what it thinks the job does: opaque operations mark
+            # every buffer written, which decides what the pause has to copy.
+            full = job_status(pid) or {}
+            st = full.get("possum") or {}
             c = st.get("counters") or {}
             row["possum_before"] = {
-                "launches": c.get("launches"), "launches_opaque": c.get("launches_opaque"),
-                "opaque_ops": c.get("opaque_ops"), "kernels_made_opaque": c.get("kernels_made_opaque"),
+                **(status_summary(full) or {}),
+                "kernels_made_opaque": c.get("kernels_made_opaque"),
                 "opaque_kernels": [k.get("name") for k in st.get("opaque_kernels") or []][:10],
                 "engines": [e.get("engine") for e in st.get("engines") or []],
             }
         shutil.rmtree(img, ignore_errors=True)
         t0 = time.time()
-        ck = checkpoint(pid, img, engine, leave=True)
+        ck = checkpoint(pid, img, v["ckpt"], leave=True)
         t1 = time.time()
         # Steps after the checkpoint: on-demand restore in the background.
         n_at = sum(1 for r in read_log(log) if "step" in r)
@@ -423,40 +652,49 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
         rows = read_log(log)
         stall, normal = stall_of(rows, t0, t1)
         row["timeline"] = timeline(rows, t0, t1)
-        if engine in ("gpu-only", "possum") and ck["rc"] == 0:
-            # The on-demand restore's own figures (bytes, time), once it has finished.
-            t = time.time()
-            while time.time() - t < 120:
-                st = job_status(pid) or {}
-                last = (((st.get("possum") or {}).get("session") or {}).get("last") or {})
-                if last.get("restore"):
-                    row["engine_restore"] = last["restore"]
-                    break
-                time.sleep(0.5)
+        if v["ckpt"] in ("gpu-only", "possum") and ck["rc"] == 0:
+            # The on-demand restore's own figures (bytes, time) after the left-running
+            # checkpoint, once it has finished.
+            row["engine_restore"], _ = restore_back(pid, timeout=120, poll_s=0.2)
         kill_job(proc, pid)
         proc = None
-        rel = (ck["json"] or {}).get("release_report") or {}
+        cj = ck["json"] or {}
+        rel = cj.get("release_report") or {}
         if rel.get("held"):
             # Attempts of the held release that the watchdog ended (the job ran between them).
             row["hold_attempts_ended"] = len(rel.get("attempts") or [])
             row["parked_threads"] = (rel.get("parked") or {}).get("threads")
+        figs = cj.get("figures") or {}
         row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
-                   checkpoint=(ck["json"] or {}).get("figures"), checkpoint_err=ck["stderr"] if ck["rc"] else None)
+                   possum_stall_ms=figs.get("stall_ms"), stall_parts_ms=figs.get("stall_breakdown_ms"),
+                   hooks=cj.get("hooks"), hold=cj.get("hold"),
+                   release={k: rel.get(k) for k in ("final_copy_ms", "released_bytes", "ms", "held")} if rel else None,
+                   checkpoint=figs or None, checkpoint_err=ck["stderr"] if ck["rc"] else None)
         restored = False
-        if ck["rc"] == 0 and engine != "gpu-only":
+        if ck["rc"] == 0 and v["ckpt"] != "gpu-only":
             keep_log(log)
             t2 = time.time()
             rs = restore(img)
+            rf = (rs["json"] or {}).get("figures")
             if rs["rc"] == 0 and wait_lines(log, 1, 300):
                 first = next(r for r in read_log(log) if "t" in r)
                 row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
+                if v["possum"]:
+                    # The restored job's own restore of its buffers (in the background when its
+                    # hooks are live): when did the last one come back?
+                    back, waited = restore_back(pid)
+                    row["restore_buffers"] = back
+                    if back is not None:
+                        row["buffers_back_seen_ms"] = 1e3 * (time.time() - t2)
                 restored = wait_lines(log, lines, 120, pid=pid)
                 rows2 = read_log(log)
                 ts = [r["t"] for r in rows2 if "t" in r]
                 row["restored_steps_seen"] = len(ts)
                 row["restored_first_steps_ms"] = 1e3 * (ts[-1] - ts[0]) if len(ts) > 1 else None
-            row["restore"] = (rs["json"] or {}).get("figures")
+            row["restore"] = rf
+            row["buffers_back_ms"] = buffers_back_ms(v["ckpt"], rf, row.get("restore_buffers"))
             row["restore_err"] = rs["stderr"] if rs["rc"] else None
+            row["ok"] = row["ok"] and rs["rc"] == 0 and restored
         emit(kind, row)
         out.append(row)
         if not restored:
@@ -468,20 +706,26 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
 
 # Rough seconds, on the H100, of a job's fresh start (to its first steps) in a bench cell.
 FRESH_START_S = 12.0
+# Rough seconds per GiB of extra state of one rep (checkpoint + restore), per engine: the
+# baseline's driver copies everything twice (2.3 s/GiB measured at 32 GiB); the hold path copies
+# everything while held and back before the job runs on; possum pre-copies everything (while the
+# job runs) and restores in the background; a frozen job's state is copied once and never again.
+PER_GIB_S = {"driver": 2.3, "possum-hold": 0.8, "possum": 0.4, "gpu-only": 0.3}
 
 
 def cell_cost(engine, gib, reps):
-    """Rough seconds a bench chain takes on the H100: a fresh start, then per rep the waits, the
-    checkpoint and the restore (the baseline's grow with the GiB, 2.3 s per GiB)."""
-    if engine in ("none", "possum-none"):
-        return FRESH_START_S
-    per_gib = 2.3 if engine == "driver" else 0.4
-    return FRESH_START_S + reps * (6 + per_gib * gib)
+    """Rough seconds a bench chain takes on the H100: a fresh start (its extra state allocated
+    at about 0.1 s/GiB), then per rep the waits, the checkpoint and the restore."""
+    v = variant(engine)
+    if v["ckpt"] is None:
+        return FRESH_START_S + 0.1 * gib
+    per_gib = PER_GIB_S.get(v["base"], 0.4)
+    return FRESH_START_S + 0.1 * gib + reps * (6 + per_gib * gib)
 
 
 def cell_reps(a, engine, gib):
     # The baseline's large sizes cost over a minute a rep: one rep there.
-    return a.reps if gib < 16 or engine != "driver" else 1
+    return a.reps if gib < 16 or variant(engine)["base"] != "driver" else 1
 
 
 def plan_cells(a):
@@ -491,7 +735,7 @@ def plan_cells(a):
     `--shard K/N`, the K-th of N shards of those cells, balanced by estimated cost, so the full
     matrix runs as N invocations of under 10 minutes each (eval/report.py pools them)."""
     if not a.bench_jobs:
-        plan = FULL_PLAN if a.bench_plan == "full" else a.bench_plan
+        plan = FULL_PLAN if a.bench_plan == "full" else (a.bench_plan or DEFAULT_PLAN)
         cells = []
         for item in plan.split():
             job, _, sizes = item.partition(":")
@@ -514,66 +758,132 @@ def plan_cells(a):
     return sorted(cells, key=lambda c: c[1])
 
 
-def bench(a):
-    """Issue 5's matrix in one go: sizes x engines x reps, each run giving the stall timeline,
-    checkpoint total, image size, restore to the first step, restore throughput; the step time
-    before the checkpoint with and without possum loaded (steady-state overhead); the time from a
-    fresh start to the first step (cold start). One JSON document: OUT/bench.json."""
+def bench(a, name="bench"):
+    """Issue 5's matrix in one go: sizes x engines x reps, each run giving the stall timeline and
+    its parts, checkpoint total, image size, restore to the first step, time until every buffer
+    is back, restore throughput; the step time before the checkpoint with and without possum
+    loaded (steady-state overhead); the time from a fresh start to the first step (cold start).
+    One JSON document, OUT/NAME.json, and its table, OUT/NAME.md, both saved after every run.
+    Cells whose estimated cost (`cell_cost`) no longer fits --budget-s are skipped (listed)."""
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
     runs = []
     skipped = []
     t_start = time.time()
+    engines = a.engines.split(",")
+    for e in engines:
+        variant(e)  # a bad name fails here, before anything runs
+    cells = plan_cells(a)
 
     def save():
         # After every run, so that a run cut short by the machine's time limit still reports.
-        doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": a.engines.split(","),
-               "jobs": sorted({j for j, _ in plan_cells(a)}),
-               "cells": [list(c) for c in plan_cells(a)], "reps": a.reps, "shard": a.shard or None,
-               "sizes_gib": sorted({g for _, g in plan_cells(a)}), "runs": runs, "skipped": skipped,
-               "wall_s": time.time() - t_start}
-        with open(os.path.join(OUT, "bench.json"), "w") as f:
+        doc = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "engines": engines,
+               "jobs": sorted({j for j, _ in cells}),
+               "cells": [list(c) for c in cells], "reps": a.reps, "shard": a.shard or None,
+               "sizes_gib": sorted({g for _, g in cells}), "runs": runs, "skipped": skipped,
+               "budget_s": a.budget_s, "wall_s": time.time() - t_start}
+        with open(os.path.join(OUT, f"{name}.json"), "w") as f:
             json.dump(doc, f)
+        with open(os.path.join(OUT, f"{name}.md"), "w") as f:
+            f.write(figures_md(doc))
         return doc
 
     def in_budget(cost_s=0.0):
         return time.time() - t_start + cost_s <= a.budget_s
 
-    for job, gib in plan_cells(a):
-        for engine in a.engines.split(","):
-            reps = cell_reps(a, engine, gib)
-            if not in_budget(cell_cost(engine, gib, 1)):
-                skipped.append({"job": job, "engine": engine, "gib": gib, "why": "time budget"})
-                print(f"bench: skipped {job} {engine} {gib} GiB: over --budget-s", flush=True)
-                continue
-            if engine in ("none", "possum-none"):
-                # No checkpoint: one run (its step times are the repetitions).
-                runs.append(steady(engine, gib, 0, "bench", job) or {})
-            else:
-                def rep_fits(engine=engine, gib=gib):
-                    # A later rep of the chain: no fresh start.
-                    return in_budget(cell_cost(engine, gib, 1) - FRESH_START_S)
-                runs.extend(chain(engine, gib, list(range(reps)), "bench", job, rep_fits, skipped))
-            save()
-    doc = save()
-    print(f"bench: {len(runs)} runs in {doc['wall_s']:.0f} s -> {OUT}/bench.json", flush=True)
-    return all(r.get("ok") for r in runs)
+    print(f"{name}: plan {' '.join(f'{j}:{g:g}' for j, g in cells)} x {','.join(engines)}, reps {a.reps}; "
+          f"estimated {plan_cost(a, cells, engines):.0f} s, budget {a.budget_s:.0f} s", flush=True)
+    try:
+        for job, gib in cells:
+            for engine in engines:
+                reps = cell_reps(a, engine, gib)
+                if not in_budget(cell_cost(engine, gib, 1)):
+                    skipped.append({"job": job, "engine": engine, "gib": gib, "why": "time budget"})
+                    print(f"{name}: skipped {job} {engine} {gib:g} GiB: over --budget-s", flush=True)
+                    continue
+                if variant(engine)["ckpt"] is None:
+                    # No checkpoint: one run (its step times are the repetitions).
+                    runs.append(steady(engine, gib, 0, name, job) or {})
+                else:
+                    def rep_fits(engine=engine, gib=gib):
+                        # A later rep of the chain: no fresh start.
+                        return in_budget(cell_cost(engine, gib, 1) - FRESH_START_S)
+                    runs.extend(chain(engine, gib, list(range(reps)), name, job, rep_fits, skipped))
+                save()
+    finally:
+        doc = save()
+    print(figures_md(doc), flush=True)
+    print(f"{name}: {len(runs)} runs in {doc['wall_s']:.0f} s -> {OUT}/{name}.json, {name}.md", flush=True)
+    return all(r.get("ok") for r in runs) and not skipped
+
+
+def plan_cost(a, cells, engines):
+    """Estimated seconds of a whole plan (`cell_cost` of every cell and engine)."""
+    return sum(cell_cost(e, g, cell_reps(a, e, g)) for _, g in cells for e in engines)
+
+
+# Issue 6's figures: the MLP at 1, 8 and 32 GiB of extra state, written every step or only read
+# (frozen), checkpointed by possum (entry hooks), by today's hold path (POSSUM_HOOKS=off) and by
+# the driver baseline: about 7 minutes on the H100 (`plan_cost`).
+FIGURES_PLAN = "mlp:1,8,32"
+FIGURES_ENGINES = "possum,possum-frozen,driver,possum-hold"
 
 
 def figures(a):
-    for gib in [float(g) for g in a.gib.split(",")]:
-        for n in range(a.reps):
-            for engine in a.engines.split(","):
-                figure(engine, gib, n)
+    return bench(a, name="figures")
+
+
+def figures_md(doc):
+    """One line per run: the stall seen by the job and its parts as `possum checkpoint` timed
+    them, restore to the first step and until every buffer is back, and a line per engine of
+    how the stall grows with the size."""
+    f0 = lambda x: "" if x is None else f"{x:.0f}"
+    out = [f"# Checkpoint figures ({doc.get('date')}, {doc.get('gpu')})", "",
+           f"{len(doc.get('runs') or [])} runs in {doc.get('wall_s', 0):.0f} s (budget {doc.get('budget_s')}); "
+           "ms. Stall: the largest gap between the job's steps around the checkpoint, less a normal "
+           "step; its parts as `possum checkpoint` timed them (engine = release + resume, driver = "
+           "lock + checkpoint + restore + unlock, CRIU = dump). Restore: from `possum restore`'s "
+           "start; every buffer back: the restored job's own restore finished (`possum.session.last."
+           "restore`).", "",
+           "| job | engine | GiB | state | hooks | stall | engine | driver | CRIU | ckpt total | restore to 1st step "
+           "| every buffer back | restore: CRIU / driver / resume | image GB | ok |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("runs") or []:
+        if not r.get("engine"):
+            continue
+        bd = r.get("stall_parts_ms") or {}
+        rf = r.get("restore") or {}
+        ck = r.get("checkpoint") or {}
+        img = ck.get("image_bytes")
+        out.append(f"| {r.get('job')} | {r['engine']} | {r.get('gib', 0):g} | {r.get('state', '')[:6]} | "
+                   f"{r.get('hooks') or (r.get('possum_before') or {}).get('hooks') or '-'} | "
+                   f"{f0(r.get('stall_ms'))} | {f0(bd.get('engine'))} | {f0(bd.get('driver'))} | {f0(bd.get('criu'))} | "
+                   f"{f0(r.get('checkpoint_total_ms'))} | {f0(r.get('restore_to_first_step_ms'))} | "
+                   f"{f0(r.get('buffers_back_ms'))} | {f0(rf.get('criu_restore_ms'))} / "
+                   f"{f0((rf.get('driver_restore_ms') or 0) + (rf.get('driver_unlock_ms') or 0)) if rf else ''} / "
+                   f"{f0(rf.get('resume_ms'))} | {'' if img is None else f'{img / 1e9:.1f}'} | "
+                   f"{'yes' if r.get('ok') else '**NO** ' + str(r.get('why') or r.get('checkpoint_err') or r.get('restore_err') or '')[:120]} |")
+    by = {}
+    for r in doc.get("runs") or []:
+        if r.get("engine") and r.get("stall_ms") is not None:
+            by.setdefault((r.get("job"), r["engine"]), []).append((r["gib"], r["stall_ms"], r.get("restore_to_first_step_ms")))
+    if by:
+        out += ["", "Stall and restore to the first step by size (ms):", ""]
+        for (job, e), xs in sorted(by.items()):
+            out.append(f"- {job} {e}: " + ", ".join(f"{g:g} GiB {s:.0f} / {f0(t)}" for g, s, t in sorted(xs)))
+    for sk in doc.get("skipped") or []:
+        out.append(f"\nNot run: {sk.get('job')} {sk.get('engine')} {sk.get('gib', 0):g} GiB"
+                   f"{' rep ' + str(sk['rep']) if 'rep' in sk else ''}: {sk.get('why')}.")
+    return "\n".join(out) + "\n"
 
 
 def errors(a):
     """Each error case: a clear message, exit code != 0, the job running, no image left.
 
-    The process-image cases run against a job without possum (--engine driver), since NVIDIA's
-    driver checkpoint refuses a process CUPTI has subscribed in (see eval/results README)."""
+    The process-image cases run against a job without possum (--engine driver); the job under
+    possum runs with CUPTI (POSSUM_HOOKS=cupti), which NVIDIA's driver checkpoint refuses."""
     ok = True
-    p, log = start("err-possum", "mlp", 10 ** 6, possum=True, sleep_ms=5)
+    p, log = start("err-possum", "mlp", 10 ** 6, possum=True, sleep_ms=5, env=variant("possum-cupti")["env"])
     q, qlog = start("err-plain", "mlp", 10 ** 6, possum=False, sleep_ms=5)
     wait_lines(log, 20, 300, p)
     wait_lines(qlog, 20, 300, q)
@@ -687,48 +997,44 @@ def errors(a):
 
 
 def probe(a):
-    """Which jobs NVIDIA's driver checkpoint accepts: the same MLP under libpossum.so with CUPTI
-    off, subscribed with no callback, with one, with all; and detached (unsubscribe, finalize)
-    before the lock. Each: `possum checkpoint --engine driver --leave-running` (lock, checkpoint,
-    CRIU dump, restore, unlock), then whether the job still runs."""
+    """Which jobs NVIDIA's driver checkpoint accepts: the same MLP without possum, under
+    libpossum.so with its default hooks (the driver's entry points), with hooks off, with CUPTI
+    subscribed with no callback, one, all; and CUPTI detached (unsubscribe, finalize) before the
+    lock. Each: `possum checkpoint --engine driver --leave-running` (lock, checkpoint, CRIU dump,
+    restore, unlock), then whether the job still runs."""
+    cupti = variant("possum-cupti")["env"]
     variants = [
-        ("no possum", None, {}),
-        ("possum, CUPTI off", "off", {}),
-        ("possum, subscribed, no callback", None, {"POSSUM_CALLBACKS": "none", "POSSUM_MANAGE": "0"}),
-        ("possum, cuLaunchKernel only", None, {"POSSUM_CALLBACKS": "cuLaunchKernel"}),
-        ("possum, all callbacks", None, {}),
-        ("possum, all, unsubscribed before", None, {"detach": "unsubscribe"}),
-        ("possum, all, cuptiFinalize before", None, {"detach": "finalize"}),
+        ("no possum", None),
+        ("possum, entry hooks (default)", {}),
+        ("possum, hooks off", {"POSSUM_HOOKS": "off"}),
+        ("possum, CUPTI subscribed, no callback", {**cupti, "POSSUM_CALLBACKS": "none", "POSSUM_MANAGE": "0"}),
+        ("possum, CUPTI, cuLaunchKernel only", {**cupti, "POSSUM_CALLBACKS": "cuLaunchKernel"}),
+        ("possum, CUPTI, all callbacks", cupti),
+        ("possum, CUPTI, unsubscribed before", {**cupti, "detach": "unsubscribe"}),
+        ("possum, CUPTI, cuptiFinalize before", {**cupti, "detach": "finalize"}),
     ]
     ok = True
-    for name, cupti, env in variants:
-        saved = dict(os.environ)
+    for name, env in variants:
+        env = dict(env or {})
         detach = env.pop("detach", None)
-        os.environ.update(env)
-        if cupti:
-            os.environ["CKPT_JOB_CUPTI"] = cupti
         if detach:
-            os.environ["POSSUM_DETACH"] = detach
-        try:
-            p, log = start("probe", "mlp", 10 ** 6, possum=(name != "no possum"), sleep_ms=20)
-            wait_lines(log, 5, 300, p)
-            if detach:
-                possum("cupti", str(p.pid), "--socket-dir", SOCK, timeout=30)
-            img = os.path.join(WORK, "img-probe")
-            shutil.rmtree(img, ignore_errors=True)
-            ck = checkpoint(p.pid, img, "driver", leave=True)
-            n0 = len(read_log(log))
-            time.sleep(1.0)
-            running = alive(p.pid) and len(read_log(log)) > n0
-            emit("probe", {"variant": name, "accepted": ck["rc"] == 0, "job_runs_on": running,
-                           "message": ck["stderr"][-300:] if ck["rc"] else None})
-            ok &= running
-            p.kill()
-            p.wait()
-            shutil.rmtree(img, ignore_errors=True)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+            env["POSSUM_DETACH"] = detach
+        p, log = start("probe", "mlp", 10 ** 6, possum=name != "no possum", sleep_ms=20, env=env)
+        wait_lines(log, 5, 300, p)
+        if detach:
+            possum("cupti", str(p.pid), "--socket-dir", SOCK, timeout=30)
+        img = os.path.join(WORK, "img-probe")
+        shutil.rmtree(img, ignore_errors=True)
+        ck = checkpoint(p.pid, img, "driver", leave=True)
+        n0 = len(read_log(log))
+        time.sleep(1.0)
+        running = alive(p.pid) and len(read_log(log)) > n0
+        emit("probe", {"variant": name, "accepted": ck["rc"] == 0, "job_runs_on": running,
+                       "message": ck["stderr"][-300:] if ck["rc"] else None})
+        ok &= running
+        p.kill()
+        p.wait()
+        shutil.rmtree(img, ignore_errors=True)
     return ok
 
 
@@ -754,11 +1060,11 @@ def migrate(a):
     steps = 400
     ref = reference("mlp", steps)
     for n, engine in enumerate(a.engines.split(",")):
+        v = variant(engine)
         name = f"mig-{engine}"
         img = os.path.join(WORK, f"img-{name}")
         shutil.rmtree(img, ignore_errors=True)
-        p, log = start(name, "mlp", steps, possum=(engine != "driver"), sleep_ms=10,
-                       cupti=(engine != "possum"))
+        p, log = start(name, "mlp", steps, possum=v["possum"], sleep_ms=10, env=v["env"])
         row = {"engine": engine, "steps": steps}
         if not wait_lines(log, 40, 300, p):
             p.kill()
@@ -767,7 +1073,7 @@ def migrate(a):
             ok = False
             continue
         row["gpu_before"] = gpu_of(p.pid)
-        ck = checkpoint(p.pid, img, engine, leave=False)
+        ck = checkpoint(p.pid, img, v["ckpt"], leave=False)
         # possum killed the job; reap it (a zombie child keeps its PID, which CRIU needs).
         try:
             p.wait(timeout=30)
@@ -813,32 +1119,70 @@ def smoke(a):
     return ok
 
 
-def main():
-    global OUT
+def mode_defaults(a):
+    """Fills what a mode's defaults depend on: the engines (figures: FIGURES_ENGINES; bench,
+    smoke, migrate: driver,possum; correctness: --engine unless --engines), the plan (figures: FIGURES_PLAN; bench: DEFAULT_PLAN) and the
+    correctness jobs (CORRECTNESS_JOBS)."""
+    if a.engines is None and a.mode != "correctness":
+        a.engines = FIGURES_ENGINES if a.mode == "figures" else "driver,possum"
+    if a.bench_plan is None and not a.bench_jobs:
+        a.bench_plan = FIGURES_PLAN if a.mode == "figures" else DEFAULT_PLAN
+    if a.jobs is None:
+        a.jobs = CORRECTNESS_JOBS
+    return a
+
+
+def parser():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench", "probe", "migrate"])
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(GPU, "out")))
-    ap.add_argument("--trials", default="20", help="per engine, comma-separated")
-    ap.add_argument("--jobs", default="mlp,cnn,multistream,graph,triton,gpt2,ptrtable")
-    ap.add_argument("--engine", default="driver", help="driver, gpu-only or possum")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(GPU, "out"))
+    ap.add_argument("--trials", default="20", help="correctness: trials per engine, comma-separated")
+    ap.add_argument("--jobs", default=None,
+                    help=f"correctness: job specs (JOB or JOB+expandable / JOB+async), default {CORRECTNESS_JOBS}")
+    ap.add_argument("--engine", default="possum", help="correctness (unless --engines): " + ENGINE_HELP)
     ap.add_argument("--seed", type=int, default=4)
     ap.add_argument("--gib", default="8,32")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("POSSUM_BENCH_BUDGET_S", 560)),
-                    help="bench: start no run after this many seconds (the machine allows 600 per command)")
-    ap.add_argument("--engines", default="gpu-only,driver")
+                    help="correctness, bench, figures: start no trial or run that would end after this "
+                         "many seconds (estimated; the machine allows 600 per command)")
+    ap.add_argument("--engines", default=None,
+                    help=f"comma-separated variants ({ENGINE_HELP}); figures: {FIGURES_ENGINES}; "
+                         "bench, smoke, migrate: driver,possum")
     ap.add_argument("--bench-jobs", default=None,
                     help="bench: the workloads (workloads/gpu/jobs.py), each holding --gib extra")
-    ap.add_argument("--bench-plan", default=DEFAULT_PLAN,
-                    help="bench: JOB:GIB,GIB ... cells instead of --bench-jobs x --gib, e.g. "
-                         f"'{DEFAULT_PLAN}' (what scripts/gpu-ckpt.sh bench runs), or 'full'")
+    ap.add_argument("--bench-plan", default=None,
+                    help="bench, figures: JOB:GIB,GIB ... cells instead of --bench-jobs x --gib, e.g. "
+                         f"'{DEFAULT_PLAN}' (bench's default), '{FIGURES_PLAN}' (figures'), or 'full'")
     ap.add_argument("--shard", default="",
                     help="bench: K/N, the K-th of N cost-balanced shards of the plan's cells")
-    a = ap.parse_args()
+    return ap
+
+
+# Jobs started and not yet known to be gone: killed if this process is ended early.
+LIVE = set()
+
+
+def kill_live():
+    for pid in list(LIVE):
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def main():
+    global OUT
+    a = mode_defaults(parser().parse_args())
     OUT = a.out
     become_subreaper()
     os.makedirs(OUT, exist_ok=True)
     os.makedirs(SOCK, exist_ok=True)
+    # A `timeout` around this (the machine's limit per command) ends it with SIGTERM: results
+    # saved so far stay (bench and figures save after every run), and no job is left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    atexit.register(kill_live)
     ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors,
           "bench": bench, "probe": probe, "migrate": migrate}[a.mode](a)
     return 0 if ok in (None, True) else 1

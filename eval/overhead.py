@@ -1,26 +1,29 @@
 """Steady-state overhead of libpossum.so on one job, as a statistic (issue 3).
 
     python3 eval/overhead.py [--job mlp] [--pairs 12] [--steps 800] [--cpus 2-5] [--out DIR]
-                             [--modes plain,possum,possum-nocupti,possum-nodag,possum-hooksoff]
+                             [--modes plain,possum,possum-hooksoff,possum-cupti,possum-nodag]
     python3 eval/overhead.py --ab [--job mlp] [--pairs 4] [--steps 4000] [--ab-ms 250]
 
 Process-to-process noise on the GPU machine is larger than the effect (+-15% between two runs of
 the same job), so one run against one says little. Here: `--pairs` rounds, each running the job
-once per mode (plain, possum with CUPTI = what `possum run` does, possum without CUPTI = `possum
-run --no-cupti`; for a breakdown also possum without the DAG, and CUPTI's dispatch alone with
-possum's callbacks returning at once), in an order rotated every round so drift does not favour a mode; every run
-pinned to the same CPUs; each run's median step time (workloads/gpu/jobs.py, POSSUM_TIMING_FILE).
-The overhead of a mode is the median over rounds of (mode / plain of the same round) - 1, with a
-95% bootstrap interval over rounds. Results: OUT/overhead-<job>.json, printed too.
+once per mode (plain; possum = what `possum run` does: its hooks in the wrappers of the driver's
+entry points; possum-hooksoff = POSSUM_HOOKS=off: allocations served, nothing hooked, the
+wrappers only calling the driver; for a breakdown also CUPTI feeding the hooks instead
+(possum-cupti) and possum without the DAG), in an order rotated every round so drift does not
+favour a mode; every run pinned to the same CPUs; each run's median step time
+(workloads/gpu/jobs.py, POSSUM_TIMING_FILE). The overhead of a mode is the median over rounds of
+(mode / plain of the same round) - 1, with a 95% bootstrap interval over rounds. Results:
+OUT/overhead-<job>.json, printed too.
 
---ab measures inside each process instead, free of that noise: libpossum's POSSUM_AB_MS detaches
-CUPTI and attaches it again every --ab-ms (logging each switch); the job's own step times are laid
-over those intervals; each on interval (CUPTI and possum's callbacks working) is compared with the
-mean of the off intervals on both sides of it (no callback at all; both sides so that a drift of the
-step time over the run cancels). The overhead is the median of those ratios - 1, with
-a bootstrap interval over the pairs of all processes. What it leaves out: possum serving the
-job's allocations, on in both (`possum-nocupti` against `plain` above measures that).
-Results: OUT/overhead-ab-<job>.json.
+--ab measures inside each process instead, free of that noise: libpossum's POSSUM_AB_MS switches
+its hooks off and on every --ab-ms (logging each switch): off, the entry points' wrappers call the
+driver and nothing else; on, possum's hooks run in them (with `--ab-env POSSUM_HOOKS=cupti`:
+CUPTI detached and attached again). The job's own step times are laid over those intervals; each
+on interval is compared with the mean of the off intervals on both sides of it (both sides so
+that a drift of the step time over the run cancels). The overhead is the median of those ratios
+- 1, with a bootstrap interval over the pairs of all processes. What it leaves out: possum serving
+the job's allocations and the wrappers' own call, there in both (`possum-hooksoff` against
+`plain` above measures those). Results: OUT/overhead-ab-<job>.json.
 Runs from the repo root with the build in .gpu/ (scripts/gpu-interposer.sh --stage).
 """
 import argparse, json, os, random, shutil, statistics, subprocess, sys, tempfile, time
@@ -29,12 +32,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SO = os.path.join(ROOT, ".gpu", "libpossum.so")
 # Each mode's environment on top of LD_PRELOAD=libpossum.so ("plain": no possum at all).
 MODE_ENV = {
-    "possum": {},                                  # what `possum run` does
-    "possum-nocupti": {"POSSUM_CUPTI": "off"},     # `possum run --no-cupti`
+    "possum": {},                                  # what `possum run` does: the entry points' hooks
+    "possum-hooksoff": {"POSSUM_HOOKS": "off"},    # allocations served, nothing hooked
+    "possum-cupti": {"POSSUM_HOOKS": "cupti"},     # breakdown: CUPTI's callbacks feed the hooks
     "possum-nodag": {"POSSUM_DAG": "0"},           # breakdown: no DAG recorded
-    "possum-hooksoff": {"POSSUM_HOOKS": "off"},    # breakdown: CUPTI's dispatch alone
 }
-MODES = ["plain", "possum", "possum-nocupti"]
+MODES = ["plain", "possum", "possum-hooksoff"]
 
 
 def cpus(spec):
@@ -46,7 +49,8 @@ def cpus(spec):
 
 
 def job_env():
-    """This process's environment without possum's variables (POSSUM_CUPTI kept: where CUPTI is)."""
+    """This process's environment without possum's variables (POSSUM_CUPTI kept: where CUPTI is,
+    for POSSUM_HOOKS=cupti): POSSUM_HOOKS unset is possum's default, the entry points."""
     return {k: v for k, v in os.environ.items() if not k.startswith("POSSUM_") or k == "POSSUM_CUPTI"}
 
 
@@ -107,8 +111,8 @@ def ab_pairs(step_ts, switches, skip_steps, guard_s=0.003, min_steps=3):
 
 def run_ab(job, steps, period_ms, cpuset, skip_steps, extra_env=""):
     """One process of `job` under possum with the A/B test on (libpossum's POSSUM_AB_MS): its
-    step times in on intervals (CUPTI attached, possum's callbacks working) against the off
-    intervals next to them (CUPTI detached)."""
+    step times in on intervals (possum's hooks working) against the off intervals next to them
+    (the entry points' wrappers only calling the driver; CUPTI detached under POSSUM_HOOKS=cupti)."""
     env = job_env()
     work = tempfile.mkdtemp(prefix="possum-ab-")
     log, ab = os.path.join(work, "steps.jsonl"), os.path.join(work, "ab.jsonl")
@@ -184,12 +188,12 @@ def main():
     ap.add_argument("--budget-s", type=float, default=480)
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, ".gpu", "out")))
     ap.add_argument("--ab", action="store_true",
-                    help="A/B inside each process instead: --pairs processes, CUPTI switched off and on "
-                         "every --ab-ms (POSSUM_AB_MS), on intervals against the off ones next to them")
+                    help="A/B inside each process instead: --pairs processes, possum's hooks switched off and "
+                         "on every --ab-ms (POSSUM_AB_MS), on intervals against the off ones next to them")
     ap.add_argument("--ab-ms", type=int, default=250)
     ap.add_argument("--ab-skip", type=int, default=50, help="--ab: steps left out at the start (warm-up)")
-    ap.add_argument("--ab-env", default="", help="--ab: more VAR=VALUE,... for the job (e.g. POSSUM_HOOKS=off: "
-                    "CUPTI's dispatch alone against no CUPTI)")
+    ap.add_argument("--ab-env", default="", help="--ab: more VAR=VALUE,... for the job (e.g. POSSUM_HOOKS=cupti: "
+                    "CUPTI's callbacks feeding the hooks, detached in the off intervals)")
     a = ap.parse_args()
     if a.ab:
         os.makedirs(a.out, exist_ok=True)

@@ -1,5 +1,7 @@
 """Unit tests of the GPU harness's pure parts, run on any machine (eval/tests/python.rs runs them
-under `cargo test`): the bench's plan and shards, the in-process A/B's pairing, the reaping of a
+under `cargo test`): the bench's plan and shards, the engine variants and job specs (their
+environments), the correctness trials' plan, the figures' plan and budget, the time until every
+buffer is back, the coverage check's arithmetic, the in-process A/B's pairing, the reaping of a
 restored job, the report's metrics.
 
     python3 eval/test_eval.py
@@ -8,6 +10,7 @@ import argparse, os, statistics, subprocess, sys, time, unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt  # noqa: E402
+import hooks_coverage as coverage  # noqa: E402
 import overhead  # noqa: E402
 import report  # noqa: E402
 
@@ -107,6 +110,219 @@ class Report(unittest.TestCase):
         self.assertAlmostEqual(s[(("gpt2", 1.0), "driver")]["restore_gbps"][0], 3.0)
         self.assertAlmostEqual(s[(("gpt2", 1.0), "possum")]["restore_gbps"][0], 15.0)
         self.assertAlmostEqual(s[(("gpt2", 1.0), "possum")]["overhead_pct"][0], 100 * (60 / 59 - 1))
+
+
+class Variants(unittest.TestCase):
+    def test_possum_is_the_default_hooks_and_no_engine_flag(self):
+        v = ckpt.variant("possum")
+        self.assertEqual((v["ckpt"], v["possum"], v["env"], v["frozen"]), ("possum", True, {}, False))
+        self.assertEqual(ckpt.ckpt_flags("possum"), [])
+        self.assertEqual(ckpt.ckpt_flags("driver"), ["--engine", "driver"])
+        self.assertEqual(ckpt.ckpt_flags("gpu-only"), ["--gpu-only"])
+
+    def test_hold_cupti_frozen_driver(self):
+        h = ckpt.variant("possum-hold")
+        self.assertEqual((h["ckpt"], h["env"]), ("possum", {"POSSUM_HOOKS": "off"}))
+        f = ckpt.variant("possum-hold-frozen")
+        self.assertEqual((f["base"], f["frozen"], f["env"]), ("possum-hold", True, {"POSSUM_HOOKS": "off"}))
+        c = ckpt.variant("gpu-only-cupti")
+        self.assertEqual((c["ckpt"], c["env"]["POSSUM_HOOKS"]), ("gpu-only", "cupti"))
+        self.assertTrue(c["env"]["POSSUM_CUPTI"])
+        d = ckpt.variant("driver-frozen")
+        self.assertEqual((d["ckpt"], d["possum"], d["env"], d["frozen"]), ("driver", False, {}, True))
+        n = ckpt.variant("possum-none")
+        self.assertEqual((n["ckpt"], n["possum"]), (None, True))
+        self.assertEqual(ckpt.variant("gpu-only-frozen")["base"], "gpu-only")
+        for bad in ("possum-nocupti", "cupti", "driver-cupti", "possum-hold-cupti"):
+            with self.assertRaises(ValueError):
+                ckpt.variant(bad)
+
+    def test_job_env_drops_inherited_choices(self):
+        saved = dict(os.environ)
+        try:
+            os.environ.update(POSSUM_HOOKS="off", POSSUM_CUPTI="off", PYTORCH_CUDA_ALLOC_CONF="x",
+                              POSSUM_RESOLVE="always")
+            e = ckpt.job_env(True)
+            self.assertNotIn("POSSUM_HOOKS", e)
+            self.assertNotIn("POSSUM_CUPTI", e)
+            self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", e)
+            self.assertEqual(e["POSSUM_RESOLVE"], "always")
+            self.assertEqual(e["LD_PRELOAD"], ckpt.SO)
+            e = ckpt.job_env(False, {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+            self.assertNotIn("LD_PRELOAD", e)
+            self.assertEqual(e["PYTORCH_CUDA_ALLOC_CONF"], "backend:cudaMallocAsync")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def test_job_specs(self):
+        self.assertEqual(ckpt.job_spec("mlp"), ("mlp", {}))
+        self.assertEqual(ckpt.job_spec("mlp+expandable"), ("mlp", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
+        self.assertEqual(ckpt.job_spec("gpt2+async"), ("gpt2", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}))
+        self.assertEqual(ckpt.job_spec("cnn+garbage_collection_threshold:0.6"),
+                         ("cnn", {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}))
+        with self.assertRaises(ValueError):
+            ckpt.job_spec("lcuda+async")
+        self.assertEqual(ckpt.job_cmd("lcuda", 5, "L", sleep_ms=3)[1:], ["5", "L", "3"])
+
+
+class Correctness(unittest.TestCase):
+    def test_every_job_before_any_repeats_with_k_in_range(self):
+        jobs = ckpt.CORRECTNESS_JOBS.split(",")
+        for spec in jobs:
+            self.assertIn(ckpt.job_spec(spec)[0], ckpt.JOB_STEPS)
+        plan = ckpt.trial_plan(jobs, 20, 4)
+        self.assertEqual(len(plan), 20)
+        self.assertEqual([s for s, _ in plan[:len(jobs)]], jobs)
+        for spec, k in plan:
+            self.assertTrue(2 <= k <= ckpt.JOB_STEPS[ckpt.job_spec(spec)[0]] * 2 // 3)
+        self.assertEqual(plan, ckpt.trial_plan(jobs, 20, 4))
+        # Both allocator settings and the -lcuda program are in the default jobs.
+        self.assertTrue({"mlp+expandable", "mlp+async", "lcuda"} <= set(jobs))
+        # 20 trials fit one device call (10 minutes) with the references' start.
+        self.assertLess(sum(ckpt.trial_cost(s) for s, _ in plan), 540)
+
+    def test_table(self):
+        rows = [{"trial": 0, "job": "mlp", "engine": "possum", "k": 5, "ok": True,
+                 "leave_running_identical": True, "restored_identical": True, "resumed_at_step": 6,
+                 "checkpoint": {"hooks": "entry", "figures": {"stall_ms": 900, "stall_breakdown_ms":
+                                {"engine": 100, "driver": 500, "criu": 300}}},
+                 "restore": {"figures": {"total_ms": 1200}}, "wall_s": 18},
+                {"trial": 1, "job": "gpt2+async", "engine": "possum", "k": 9, "ok": False, "why": "checkpoint failed"}]
+        md = ckpt.correctness_md(rows, [{"engine": "possum", "ok": 1, "ran": 2, "asked": 3, "skipped": ["x"]}], 30)
+        self.assertIn("possum: 1/2 bit-identical both ways (1 of 3 not started", md)
+        self.assertIn("| 0 | mlp | possum | entry | 5 | yes | yes | 6 | 900 (100/500/300) | 1200 |", md)
+        self.assertIn("checkpoint failed", md)
+
+
+class Figures(unittest.TestCase):
+    def args(self, *argv):
+        return ckpt.mode_defaults(ckpt.parser().parse_args(list(argv)))
+
+    def test_figures_plan_fits_the_budget(self):
+        a = self.args("figures")
+        self.assertEqual(a.engines.split(","), ["possum", "possum-frozen", "driver", "possum-hold"])
+        cells = ckpt.plan_cells(a)
+        self.assertEqual(cells, [("mlp", 1.0), ("mlp", 8.0), ("mlp", 32.0)])
+        cost = ckpt.plan_cost(a, cells, a.engines.split(","))
+        # 8-9 minutes at most, with room for the estimate's error.
+        self.assertLess(cost, 450)
+        # The largest sizes last: a budget cut drops them first.
+        self.assertEqual(cells[-1][1], 32.0)
+
+    def test_mode_defaults(self):
+        a = self.args("bench")
+        self.assertEqual((a.engines, a.bench_plan), ("driver,possum", ckpt.DEFAULT_PLAN))
+        a = self.args("correctness")
+        self.assertEqual((a.engine, a.engines, a.jobs), ("possum", None, ckpt.CORRECTNESS_JOBS))
+        a = self.args("figures", "--engines", "possum,driver", "--bench-plan", "mlp:1")
+        self.assertEqual(ckpt.plan_cells(a), [("mlp", 1.0)])
+        # The hold path costs more per GiB than possum, the driver most.
+        self.assertLess(ckpt.cell_cost("possum", 32, 1), ckpt.cell_cost("possum-hold", 32, 1))
+        self.assertLess(ckpt.cell_cost("possum-hold", 32, 1), ckpt.cell_cost("driver", 32, 1))
+        self.assertEqual(ckpt.cell_reps(plan_args(reps=2), "driver-frozen", 32), 1)
+
+    def test_buffers_back(self):
+        rf = {"criu_restore_ms": 800, "driver_restore_ms": 300, "driver_unlock_ms": 2, "resume_ms": 20,
+              "total_ms": 1150}
+        self.assertEqual(ckpt.buffers_back_ms("driver", rf, None), 1150)
+        self.assertEqual(ckpt.buffers_back_ms("possum", rf, {"ms": 2500, "on_demand": True}), 1150 - 20 + 2500)
+        self.assertIsNone(ckpt.buffers_back_ms("possum", rf, None))
+        self.assertIsNone(ckpt.buffers_back_ms("possum", {}, {"ms": 1}))
+
+    def test_table(self):
+        doc = {"date": "d", "gpu": "g", "wall_s": 10, "budget_s": 500, "runs": [
+            {"job": "mlp", "engine": "possum-frozen", "gib": 32.0, "state": "frozen", "hooks": "entry", "ok": True,
+             "stall_ms": 700.0, "stall_parts_ms": {"engine": 50, "driver": 400, "criu": 250},
+             "checkpoint_total_ms": 5000, "restore_to_first_step_ms": 1300, "buffers_back_ms": 3900,
+             "restore": {"criu_restore_ms": 700, "driver_restore_ms": 400, "driver_unlock_ms": 3, "resume_ms": 30},
+             "checkpoint": {"image_bytes": 36e9}},
+            {"job": "mlp", "engine": "driver", "gib": 32.0, "ok": False, "why": "restored job stopped"}],
+            "skipped": [{"job": "mlp", "engine": "possum-hold", "gib": 32.0, "why": "time budget"}]}
+        md = ckpt.figures_md(doc)
+        self.assertIn("| mlp | possum-frozen | 32 | frozen | entry | 700 | 50 | 400 | 250 | 5000 | 1300 | 3900 | 700 / 403 / 30 | 36.0 | yes |", md)
+        self.assertIn("**NO** restored job stopped", md)
+        self.assertIn("Not run: mlp possum-hold 32 GiB: time budget.", md)
+        self.assertIn("- mlp possum-frozen: 32 GiB 700 / 1300", md)
+
+
+class Coverage(unittest.TestCase):
+    def stats(self, launches, nodes=0, captured=0, total=None, **kw):
+        s = {"hooks": "entry", "total_launches": total if total is not None else launches + captured,
+             "launches": {"cuLaunchKernel": launches, "cuLaunchKernelEx": 0},
+             "possum": {"counters": {"launches": launches, "graph_nodes_expanded": nodes,
+                                     "captured_launches": captured, "graph_launches": 20 if nodes else 0}},
+             "entry": {"swapped_dlsym": 3, "unmatched": [], "seen_beside_cupti": {}}}
+        s.update(kw)
+        return s
+
+    def test_graph_nodes_count_per_launch_and_captures_do_not(self):
+        # FINDINGS' graph job: 32 launches run, 3 captured, 20 graph launches of 3 nodes: 92.
+        row = coverage.coverage_row("graph", "default", self.stats(32, nodes=60, captured=3),
+                                    {"profiler": {"kernels": 92}}, "a\n", "a\n")
+        self.assertTrue(row["match"] and row["identical"])
+        self.assertEqual((row["possum_kernels"], row["launch_calls"], row["captured"]), (92, 35, 3))
+        row = coverage.coverage_row("mlp", "async", self.stats(770), {"profiler": {"kernels": 774}}, "a", "b")
+        self.assertFalse(row["match"] or row["identical"])
+        # No profile line (the run failed): no match.
+        self.assertFalse(coverage.coverage_row("mlp", "default", self.stats(1), {}, "", "")["match"])
+
+    def test_without_possum_state_every_call_counts(self):
+        s = {"hooks": "entry", "total_launches": 12, "possum": {"counters": {}}}
+        self.assertEqual(coverage.possum_kernels(s)[0], 12)
+
+    def test_alloc_env(self):
+        self.assertEqual(coverage.alloc_env("default"), {})
+        self.assertEqual(coverage.alloc_env("expandable"), {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+        self.assertEqual(coverage.alloc_env("async"), {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+        env = coverage.possum_env("/w/x.stats.json", hooks="cupti")
+        self.assertEqual((env["POSSUM_HOOKS"], env["LD_PRELOAD"], env["POSSUM_STATS"]), ("cupti", coverage.SO, "/w/x.stats.json"))
+        self.assertNotIn("POSSUM_HOOKS", coverage.possum_env("/w/y.json"))
+
+    def test_cupti_cross_check(self):
+        s = {"hooks": "cupti", "cupti": True, "launches": {"cuLaunchKernel": 594, "cuLaunchKernelEx": 180},
+             "copies": {"cuMemcpyHtoDAsync_v2": 6}, "memsets": {"cuMemsetD8Async": 20}, "graphs": {},
+             "entry": {"seen_beside_cupti": {"cuLaunchKernel": 594, "cuLaunchKernelEx": 180,
+                                             "cuMemcpyHtoDAsync_v2": 6, "cuMemsetD8Async": 20,
+                                             "cuGetProcAddress_v2": 1300}}}
+        x = coverage.cupti_cross(s)
+        self.assertTrue(x["match"])
+        self.assertEqual(x["names"], 4)
+        s["entry"]["seen_beside_cupti"]["cuLaunchKernelEx"] = 170
+        x = coverage.cupti_cross(s)
+        self.assertFalse(x["match"])
+        self.assertEqual(x["differ"], {"cuLaunchKernelEx": {"cupti": 180, "entry": 170}})
+
+    def test_lcuda_against_its_own_counts(self):
+        own = {"calls": {"cuLaunchKernel": 40, "cuLaunchKernelEx": 20, "launches": 60, "cuMemcpyHtoD_v2": 6,
+                         "cuMemsetD32_v2": 7}}
+        s = {"hooks": "entry", "launches": {"cuLaunchKernel": 40, "cuLaunchKernelEx": 20},
+             "copies": {"cuMemcpyHtoD_v2": 6}, "memsets": {"cuMemsetD32_v2": 7},
+             "possum": {"counters": {"launches": 60}}}
+        r = coverage.lcuda_row("", s, own, "x", "x")
+        self.assertTrue(r["match"] and r["identical"])
+        self.assertEqual(r["job"], "lcuda")
+        s["memsets"]["cuMemsetD32_v2"] = 5
+        r = coverage.lcuda_row("extra", s, own, "x", "x")
+        self.assertEqual((r["job"], r["match"], r["differ"]), ("lcuda-extra", False,
+                                                               {"cuMemsetD32_v2": {"own": 7, "possum": 5}}))
+
+    def test_markdown(self):
+        rows = [coverage.coverage_row("graph", "default", self.stats(32, nodes=60, captured=3),
+                                      {"profiler": {"kernels": 92}}, "a", "a")]
+        md = coverage.markdown({"rows": rows, "date": "d", "gpu": "g", "resolve": "always", "wall_s": 5,
+                                "cupti_cross": {"job": "mlp", "match": True, "names": 4}, "skipped": []})
+        self.assertIn("1/1 rows", md)
+        self.assertIn("| graph | default | entry | 92 | 92 | yes | yes |", md)
+        self.assertIn("entry wrappers = CUPTI for every one", md)
+
+
+class OverheadModes(unittest.TestCase):
+    def test_modes_choose_hooks_not_cupti_off(self):
+        self.assertEqual(overhead.MODE_ENV["possum"], {})
+        self.assertEqual(overhead.MODE_ENV["possum-hooksoff"], {"POSSUM_HOOKS": "off"})
+        self.assertNotIn("off", [v.get("POSSUM_CUPTI") for v in overhead.MODE_ENV.values()])
+        self.assertTrue(set(overhead.MODES[1:]) <= set(overhead.MODE_ENV))
 
 
 if __name__ == "__main__":

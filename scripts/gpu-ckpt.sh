@@ -1,18 +1,50 @@
 #!/usr/bin/env bash
 # Issue 4 checks on the GPU machine: checkpoint/restore of live GPU jobs, with the build and CRIU's
-# packages carried in .gpu/.
+# packages carried in .gpu/ (eval/ckpt.py does the work; its docstring says what each mode does).
+#
+# Device plan for the entry points' issue (H100, .gpu carried; three calls of at most 10 minutes,
+# about 23 minutes of device time; each writes at most 7 files under $OUT):
+#   A (~8.5 min): bash scripts/gpu-interposer.sh coverage; AB=1 bash scripts/gpu-overhead.sh
+#       -> coverage.{json,md}, coverage-logs.tgz, overhead-check.json, overhead-ab-{mlp,gpt2}.json, overhead-logs.tgz
+#   B (~8 min):   timeout -k 5 590 bash scripts/gpu-ckpt.sh correctness --trials 20 --budget-s 540
+#       -> ckpt-correctness.jsonl, correctness.md, ckpt-logs.tgz
+#   C (~6.5 min): timeout -k 5 590 bash scripts/gpu-ckpt.sh figures --budget-s 540
+#       -> figures.{json,md}, ckpt-figures.jsonl, ckpt-logs.tgz
 #
 #   (here)  bash scripts/gpu-ckpt.sh --stage        build possum + libpossum.so, download CRIU .debs
-#   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe
-#           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --gib 8,32 --reps N --engines a,b ...)
+#   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe | migrate
+#           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --engines a,b --gib 8,32 --reps N --budget-s S ...)
+#
+# The entry points' issue, on the H100 (carry .gpu; each line one device call of at most 10 minutes):
+#   bash scripts/gpu-ckpt.sh correctness --trials 20 --budget-s 540                    (~8 min)
+#       `possum checkpoint` with no engine flag of jobs under libpossum.so with its default hooks
+#       (the driver's entry points), each checkpointed at a random step with --leave-running (the
+#       job must end bit-identical) and its image restored (bit-identical from there on). Jobs
+#       (--jobs): every workload of jobs.py, ptrtable and lcuda (CUDA C), MLP and GPT-2 with
+#       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (+expandable) and
+#       backend:cudaMallocAsync (+async); 12 jobs, 20 trials take each in turn. A trial that would
+#       end after --budget-s is not started (the summary says how many). References of every job
+#       run first, all at once (~40 s); a trial takes 12-32 s.
+#       -> $OUT/ckpt-correctness.jsonl (one row per trial), $OUT/correctness.md, $OUT/ckpt-logs.tgz
+#   bash scripts/gpu-ckpt.sh figures --budget-s 540                                   (~7 min)
+#       The MLP at 1, 8 and 32 GiB of extra state x engines possum (entry hooks), possum-frozen
+#       (state only read: --ballast-frozen), driver (--engine driver), possum-hold (POSSUM_HOOKS=off:
+#       today's hold path), one rep each (estimated 390 s; cells that no longer fit the budget
+#       are skipped and listed): stall seen by the job and its parts (engine/driver/CRIU), checkpoint
+#       total, restore to the first step, time until every buffer is back (the restored job's
+#       possum.session.last.restore), image size. Saved after every run.
+#       -> $OUT/figures.json, $OUT/figures.md, $OUT/ckpt-figures.jsonl, $OUT/ckpt-logs.tgz
+#   Engines (--engines): possum, possum-hold, driver, gpu-only; suffixes -frozen, -cupti (job with
+#   POSSUM_HOOKS=cupti, CUPTI at $CKPT_JOB_CUPTI or the torch venv's: only for --gpu-only/driver).
+#
 #   issue 5: bash scripts/gpu-ckpt.sh bench --engines driver,possum --reps 2   (the default plan:
 #           every workload at 1 GiB, the MLP at 8 and 32 too; --bench-plan "JOB:GIB,.. ..." for others;
 #           the whole matrix as three invocations: --bench-plan full --shard 1/3 (2/3, 3/3))
 #   issue 4 --device (kind nvidia-h200-x2): bash scripts/gpu-ckpt.sh migrate --engines driver,possum
 #   (here)  python3 eval/report.py FILES_AT/bench.json --readme README.md   (after `bench`: the
 #           table, plots and README's Results section; issue 5)
-# Results: $OUT (or .gpu/out)/ckpt-MODE.jsonl (bench: bench.json). Without a GPU it says SKIPPED
-# and exits 0.
+# Results: $OUT (or .gpu/out)/ckpt-MODE.jsonl and the files above; the jobs' logs (stderr, step
+# logs) as ckpt-logs.tgz. Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--stage" ]; then
@@ -31,15 +63,28 @@ fi
 mode=${1:?usage: gpu-ckpt.sh --stage | smoke | correctness | figures | errors | bench | probe | migrate}
 shift
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
+export PATH="$PATH:/usr/local/cuda/bin"
+# Jobs run with possum's default hooks (the driver's entry points): no POSSUM_HOOKS/POSSUM_CUPTI
+# from here (eval/ckpt.py sets them per engine variant and drops inherited ones).
 prefix=/tmp/possum-criu
 [ -x "$prefix/bin/criu" ] || bash scripts/install-criu.sh --from-debs .gpu/criu-debs --prefix "$prefix" > /tmp/install-criu.log 2>&1 \
     || { cat /tmp/install-criu.log; exit 1; }
 export POSSUM_CRIU="$prefix/bin/criu"
 export POSSUM_CKPT_WORK="${POSSUM_CKPT_WORK:-/dev/shm/possum-ckpt}"
 mkdir -p "$POSSUM_CKPT_WORK"
-if [ "$mode" = correctness ] && [ ! -x "$POSSUM_CKPT_WORK/ptrtable" ]; then
-    nvcc -O2 -arch=sm_90 -cudart shared -o "$POSSUM_CKPT_WORK/ptrtable" workloads/gpu/ptrtable.cu || echo "nvcc ptrtable failed"
+if [ "$mode" = correctness ] || [ "$mode" = smoke ]; then
+    # The CUDA C jobs: ptrtable (libcudart shared: possum serves its cudaMalloc) and lcuda (linked
+    # with -lcuda, launching through cuLaunchKernel itself).
+    [ -x "$POSSUM_CKPT_WORK/ptrtable" ] || nvcc -O2 -arch=sm_90 -cudart shared -o "$POSSUM_CKPT_WORK/ptrtable" workloads/gpu/ptrtable.cu \
+        || echo "nvcc ptrtable failed"
+    [ -x "$POSSUM_CKPT_WORK/lcuda" ] || nvcc -O2 -arch=sm_90 -o "$POSSUM_CKPT_WORK/lcuda" workloads/gpu/lcuda.cu -lcuda \
+        || nvcc -O2 -arch=sm_90 -o "$POSSUM_CKPT_WORK/lcuda" workloads/gpu/lcuda.cu -L/usr/local/cuda/lib64/stubs -lcuda \
+        || echo "nvcc lcuda failed"
 fi
 "$POSSUM_CRIU" --version | head -1
-python3 eval/ckpt.py "$mode" "$@"
+res="${OUT:-.gpu/out}"; mkdir -p "$res"; res=$(cd "$res" && pwd)
+python3 eval/ckpt.py "$mode" --out "$res" "$@"
+rc=$?
+# The jobs' stderr and step logs (small), the images left out.
+(cd "$POSSUM_CKPT_WORK" && ls *.err *.log *.log.1 2>/dev/null | tar czf "$res/ckpt-logs.tgz" -T - 2>/dev/null) || true
+exit $rc

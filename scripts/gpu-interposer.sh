@@ -1,13 +1,37 @@
 #!/usr/bin/env bash
 # Issue 3 checks on the GPU machine, from the repo root, with the build in .gpu/ (libpossum.so,
-# possum): every workload with and without libpossum.so (LD_PRELOAD; CUDA_INJECTION64_PATH for
-# one), outputs compared bit for bit; possum's launch counts beside torch.profiler's; buffer
-# identification, opaque kernels (the pointer-table kernels must be caught), validation cost;
-# what cudaMalloc's callers expect (allocattrs.cu); possum run --trace, possum trace/status on a
-# live job; step times with and without (alternating runs, REPS each).
+# possum).
+#
+# Device plan for the entry points' issue (H100, .gpu carried; three calls of at most 10 minutes,
+# about 23 minutes of device time; each writes at most 7 files under $OUT):
+#   A (~8.5 min): bash scripts/gpu-interposer.sh coverage; AB=1 bash scripts/gpu-overhead.sh
+#       -> coverage.{json,md}, coverage-logs.tgz, overhead-check.json, overhead-ab-{mlp,gpt2}.json, overhead-logs.tgz
+#   B (~8 min):   timeout -k 5 590 bash scripts/gpu-ckpt.sh correctness --trials 20 --budget-s 540
+#       -> ckpt-correctness.jsonl, correctness.md, ckpt-logs.tgz
+#   C (~6.5 min): timeout -k 5 590 bash scripts/gpu-ckpt.sh figures --budget-s 540
+#       -> figures.{json,md}, ckpt-figures.jsonl, ckpt-logs.tgz
 #
 #   (here)  bash scripts/gpu-interposer.sh --stage
-#   (there) bash scripts/gpu-interposer.sh    # REPS=3 JOBS="mlp cnn ..." BREAKDOWN="mlp" STEPS=N to vary
+#   (there) bash scripts/gpu-interposer.sh coverage                                    (~2-3 min)
+#       The entry points' coverage (possum's default hooks, no CUPTI): eval/hooks_coverage.py. Every
+#       workload of jobs.py (MLP+Adam, CNN/cuDNN, GPT-2 small AMP, Triton, CUDA graph,
+#       multi-stream; short step counts) x PYTORCH_CUDA_ALLOC_CONF unset / expandable_segments:True
+#       / backend:cudaMallocAsync: launches possum saw run + graph kernel nodes per graph launch
+#       against torch.profiler's kernels (separate run), outputs byte-identical with and without
+#       possum; workloads/gpu/lcuda.cu (built here with `nvcc ... -lcuda`: cuLaunchKernel,
+#       cuLaunchKernelEx, cuMemcpyHtoD_v2, cuMemsetD32_v2 called directly) against its own
+#       counts, plain and with parameters in `extra`; the MLP under POSSUM_HOOKS=cupti (entry
+#       wrappers' counts = CUPTI's, name by name). Runs PAR (8) processes at a time; budget
+#       COVERAGE_BUDGET_S (300 s).
+#       -> $OUT/coverage.json, $OUT/coverage.md, $OUT/coverage-logs.tgz
+#   (there) bash scripts/gpu-interposer.sh    # the full issue-3 run (below); REPS=3 JOBS="mlp cnn ..." BREAKDOWN="mlp" STEPS=N to vary
+#
+# The full run: every workload with and without libpossum.so (LD_PRELOAD; CUDA_INJECTION64_PATH
+# for one), outputs compared bit for bit; possum's launch counts beside torch.profiler's; buffer
+# identification, opaque kernels (the pointer-table kernels must be caught), validation cost;
+# what cudaMalloc's callers expect (allocattrs.cu); possum run --trace, possum trace/status on a
+# live job; step times with and without (alternating runs, REPS each). possum's hooks are its
+# default (the driver's entry points; HOOKS=cupti or off to change).
 # Coverage is measured with every launch resolved (POSSUM_RESOLVE=always; RESOLVE=sample for the
 # default, which resolves launches only in sampling windows and while a checkpoint is open).
 # Results: $OUT (or .gpu/out): interposer-summary.jsonl and interposer-files.tgz (every log).
@@ -26,11 +50,31 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "SKIPPED: no GPU (nvidia-smi -L failed)"
     exit 0
 fi
-res="${OUT:-.gpu/out}"; out=/tmp/possum-interposer; rm -rf "$out"; mkdir -p "$res" "$out"
+res="${OUT:-.gpu/out}"; mkdir -p "$res"
+export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$PATH:/usr/local/cuda/bin"
+cupti_lib=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13
+if [ "${1:-}" = coverage ]; then
+    work=/tmp/possum-coverage; rm -rf "$work"; mkdir -p "$work"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$work/gpu.txt"
+    # Linked with -lcuda (nvcc's profile adds the driver's stub directory; the stubs path is the
+    # fallback): its driver calls bind to libcuda's exported names at load time.
+    nvcc -O2 -arch=sm_90 -o "$work/lcuda" workloads/gpu/lcuda.cu -lcuda > "$work/nvcc.log" 2>&1 \
+        || nvcc -O2 -arch=sm_90 -o "$work/lcuda" workloads/gpu/lcuda.cu -L/usr/local/cuda/lib64/stubs -lcuda >> "$work/nvcc.log" 2>&1 \
+        || { echo "nvcc lcuda failed:"; tail -5 "$work/nvcc.log"; }
+    lcuda=""; [ -x "$work/lcuda" ] && lcuda="$work/lcuda"
+    POSSUM_CUPTI="${POSSUM_CUPTI:-$cupti_lib}" python3 eval/hooks_coverage.py --out "$res" --work "$work" --lcuda "$lcuda" \
+        --par "${PAR:-8}" --budget-s "${COVERAGE_BUDGET_S:-300}" ${COVERAGE_ARGS:-}
+    rc=$?
+    [ -n "$lcuda" ] || { echo "FAIL: the -lcuda program was not built (see coverage-logs.tgz: nvcc.log)"; rc=1; }
+    tar czf "$res/coverage-logs.tgz" -C "$work" --exclude=lcuda --exclude='*.sock' . 2>/dev/null
+    exit $rc
+fi
+out=/tmp/possum-interposer; rm -rf "$out"; mkdir -p "$out"
 so="$PWD/.gpu/libpossum.so"
 possum="$PWD/.gpu/possum"
-export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
+export POSSUM_CUPTI="${POSSUM_CUPTI:-$cupti_lib}"
+[ -n "${HOOKS:-}" ] && export POSSUM_HOOKS="$HOOKS"
 export POSSUM_SOCKET_DIR="$out/sockets"
 export POSSUM_RESOLVE="${RESOLVE:-always}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -115,7 +159,8 @@ row = {"job": job, "identical": same,
        "nodag_overhead_pct": pct(nodag), "watch_overhead_pct": pct(watch),
        "plain_runs_ms": runs("plain"), "possum_runs_ms": runs("possum"),
        "overhead_min_pct": (100 * (qmin - pmin) / pmin) if pmin and qmin else None,
-       "profiler_kernels": prof.get("kernels"), "cupti_launches": s.get("total_launches"),
+       "profiler_kernels": prof.get("kernels"), "hooks": s.get("hooks"), "total_launches": s.get("total_launches"),
+       "possum_kernels": c.get("launches", 0) + c.get("graph_nodes_expanded", 0),
        "graph_launches": s.get("graph_launches"), "graph_nodes_expanded": c.get("graph_nodes_expanded"),
        "examined_pct": (100 * examined / launches) if launches else None,
        "identified_pct": (100 * c.get("launches_identified", 0) / examined) if examined else None,
@@ -132,7 +177,7 @@ row = {"job": job, "identical": same,
        "unmanaged": s.get("possum", {}).get("unmanaged"), "counters": c}
 print(json.dumps(row))
 PY
-    tail -n 1 "$summary" | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ["job","identical","plain_step_ms","overhead_pct","overhead_min_pct","nodag_overhead_pct","watch_overhead_pct","hook_us_per_launch","memo_hit_pct","profiler_kernels","cupti_launches","examined_pct","identified_pct","validated_identified_pct","unmanaged_launch_pct","opaque_launch_pct","validations","validation_ms","managed_allocs"]}); print("  counters:", r["counters"]); [print("  opaque:", (o.get("name") or "?")[:90], "--", o.get("reason")) for o in (r["opaque_kernels"] or [])[:12]]'
+    tail -n 1 "$summary" | python3 -c 'import json,sys; r=json.load(sys.stdin); print({k: r[k] for k in ["job","identical","plain_step_ms","overhead_pct","overhead_min_pct","nodag_overhead_pct","watch_overhead_pct","hook_us_per_launch","memo_hit_pct","hooks","profiler_kernels","possum_kernels","total_launches","examined_pct","identified_pct","validated_identified_pct","unmanaged_launch_pct","opaque_launch_pct","validations","validation_ms","managed_allocs"]}); print("  counters:", r["counters"]); [print("  opaque:", (o.get("name") or "?")[:90], "--", o.get("reason")) for o in (r["opaque_kernels"] or [])[:12]]'
     [ "$same" = true ] || { fail "output differs in $job"; diff "$out/$job.plain" "$out/$job.possum" | head -5; tail -5 "$out/$job.possum.err"; }
 done
 

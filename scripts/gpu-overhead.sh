@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # Issue 3 on the GPU machine: outputs with and without libpossum.so still bit-identical (MLP,
-# GPT-2 small), the allocation counters of a possum run, then the steady-state overhead as a
-# statistic (eval/overhead.py: rotated rounds, pinned CPUs, bootstrap interval).
+# GPT-2 small), the allocation and hook counters of a possum run, then the steady-state overhead
+# as a statistic.
 #   (here)  bash scripts/gpu-ckpt.sh --stage
-#   (there) bash scripts/gpu-overhead.sh [PAIRS] [STEPS]      results in $OUT (or .gpu/out)
-#           MODES=plain,possum,possum-nocupti,possum-nodag,possum-hooksoff for the breakdown
-#           AB=1: the A/B test inside each process instead (MLP and GPT-2 small; eval/overhead.py --ab);
-#           AB_HOOKSOFF=1 adds GPT-2 with possum's callbacks returning at once (CUPTI's dispatch alone);
-#           AB_ALWAYS=1 adds GPT-2 with every launch resolved (POSSUM_RESOLVE=always; the default
-#           resolves launches in sampling windows and while a checkpoint is open)
+#   (there) AB=1 bash scripts/gpu-overhead.sh                                           (~5.5 min)
+#           The A/B test inside each process (eval/overhead.py --ab; libpossum's POSSUM_AB_MS
+#           switches its hooks off and on: the entry points' wrappers calling the driver and
+#           nothing else, against the hooks working): MLP + Adam (AB_MLP_PROCS=3 processes of 4000
+#           steps, 250 ms intervals, budget AB_MLP_BUDGET=120 s) and GPT-2 small AMP
+#           (AB_GPT2_PROCS=6 of 500 steps, 1 s intervals, budget AB_GPT2_BUDGET=200 s: about 5). Targets:
+#           GPT-2 <= 2%, MLP <= 5%. AB_CUPTI=1 adds GPT-2 under POSSUM_HOOKS=cupti (CUPTI's
+#           callbacks feed the hooks and are detached in the off intervals; +1 min);
+#           AB_ALWAYS=1 adds GPT-2 with every launch resolved (POSSUM_RESOLVE=always; +2.5 min).
+#   (there) bash scripts/gpu-overhead.sh [PAIRS] [STEPS]   rounds of separate processes instead
+#           (eval/overhead.py: rotated rounds, pinned CPUs, bootstrap interval);
+#           MODES=plain,possum,possum-hooksoff,possum-cupti,possum-nodag for the breakdown
+# Results in $OUT (or .gpu/out): overhead-check.json (outputs identical, counters), overhead-ab-
+# <job>[-<env>].json (AB=1) or overhead-<job>.json, overhead-logs.tgz (the runs' outputs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -17,39 +25,58 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 pairs="${1:-12}"; steps="${2:-800}"
 out="${OUT:-.gpu/out}"; mkdir -p "$out"
+work=/tmp/possum-overhead; rm -rf "$work"; mkdir -p "$work"
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
+unset POSSUM_HOOKS
 status=0
+: > "$work/check.jsonl"
 for job in "mlp 60" "gpt2 6"; do
     set -- $job
-    POSSUM_STATS="$out/$1-stats.json" LD_PRELOAD="$PWD/.gpu/libpossum.so" POSSUM_SOCKET_DIR=/tmp \
-        python3 workloads/gpu/jobs.py "$1" --steps "$2" > "$out/$1-possum.txt" 2> "$out/$1-possum.err"
-    python3 workloads/gpu/jobs.py "$1" --steps "$2" > "$out/$1-plain.txt" 2> "$out/$1-plain.err"
-    if cmp -s "$out/$1-possum.txt" "$out/$1-plain.txt" && [ -s "$out/$1-plain.txt" ]; then
-        echo "$1: outputs identical with and without possum"
+    POSSUM_STATS="$work/$1-stats.json" LD_PRELOAD="$PWD/.gpu/libpossum.so" POSSUM_SOCKET_DIR=/tmp \
+        python3 workloads/gpu/jobs.py "$1" --steps "$2" > "$work/$1-possum.txt" 2> "$work/$1-possum.err"
+    python3 workloads/gpu/jobs.py "$1" --steps "$2" > "$work/$1-plain.txt" 2> "$work/$1-plain.err"
+    same=false
+    if cmp -s "$work/$1-possum.txt" "$work/$1-plain.txt" && [ -s "$work/$1-plain.txt" ]; then
+        same=true; echo "$1: outputs identical with and without possum"
     else
-        echo "FAIL: $1 outputs differ"; status=1; tail -5 "$out/$1-possum.err"
+        echo "FAIL: $1 outputs differ"; status=1; tail -5 "$work/$1-possum.err"
     fi
-    python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['possum']['counters']; print(sys.argv[2], {k: c.get(k) for k in ('managed_allocs','fallback_allocs','entry_points_swapped','launches','launches_examined','memo_hits')}, 'us/launch in callbacks %.2f' % (c['timed_launch_ns'] / max(c['timed_launches'], 1) / 1e3), 'entry_points', s.get('entry_points'), 'unmanaged', s['possum'].get('unmanaged_bytes'))" "$out/$1-stats.json" "$1" || status=1
+    python3 - "$work/$1-stats.json" "$1" "$same" >> "$work/check.jsonl" <<'PY' || status=1
+import json, sys
+s = json.load(open(sys.argv[1]))
+c = s["possum"]["counters"]
+row = {"job": sys.argv[2], "identical": sys.argv[3] == "true", "hooks": s.get("hooks"),
+       "total_launches": s.get("total_launches"),
+       "counters": {k: c.get(k) for k in ("managed_allocs", "fallback_allocs", "launches", "launches_examined", "memo_hits")},
+       "us_per_launch_in_hooks": c["timed_launch_ns"] / max(c["timed_launches"], 1) / 1e3,
+       "entry": s.get("entry"), "unmanaged": s["possum"].get("unmanaged")}
+print(json.dumps(row))
+print(sys.argv[2], json.dumps({k: row[k] for k in ("hooks", "total_launches", "counters", "us_per_launch_in_hooks")}), file=sys.stderr)
+PY
 done
 # The VM's clock: if reading it is a system call, possum's sampled per-launch timing includes it.
 echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null)"
 python3 -c "import time; n=200000; t=time.perf_counter(); [time.perf_counter_ns() for _ in range(n)]; print('perf_counter_ns: %.0f ns a call (Python included)' % ((time.perf_counter()-t)/n*1e9))"
+python3 -c "import json,sys; json.dump([json.loads(l) for l in open(sys.argv[1])], open(sys.argv[2], 'w'), indent=1)" \
+    "$work/check.jsonl" "$out/overhead-check.json"
 if [ -n "${AB:-}" ]; then
-    # Inside each process: CUPTI switched off and on (eval/overhead.py --ab).
-    python3 eval/overhead.py --ab --job mlp --pairs "${AB_MLP_PROCS:-5}" --steps 4000 --ab-ms 250 \
-        --budget-s 200 --out "$out" || status=1
+    # Inside each process: possum's hooks switched off and on (eval/overhead.py --ab).
+    python3 eval/overhead.py --ab --job mlp --pairs "${AB_MLP_PROCS:-3}" --steps 4000 --ab-ms 250 \
+        --budget-s "${AB_MLP_BUDGET:-120}" --out "$out" || status=1
     # GPT-2 small: ab_gpt2 PROCESSES BUDGET_S [more eval/overhead.py arguments]
     ab_gpt2() {
         local procs=$1 budget=$2; shift 2
         python3 eval/overhead.py --ab --job gpt2 --pairs "$procs" --steps "${AB_GPT2_STEPS:-500}" \
             --ab-ms 1000 --ab-skip 100 --budget-s "$budget" --out "$out" "$@" || status=1
     }
-    ab_gpt2 "${AB_GPT2_PROCS:-4}" "${AB_GPT2_BUDGET:-150}"
-    [ -n "${AB_ALWAYS:-}" ] && ab_gpt2 "${AB_GPT2_PROCS:-4}" 150 --ab-env POSSUM_RESOLVE=always
-    # CUPTI's dispatch alone (possum's callbacks return at once) against no CUPTI.
-    [ -n "${AB_HOOKSOFF:-}" ] && ab_gpt2 2 60 --ab-env POSSUM_HOOKS=off
+    ab_gpt2 "${AB_GPT2_PROCS:-6}" "${AB_GPT2_BUDGET:-200}"
+    [ -n "${AB_ALWAYS:-}" ] && ab_gpt2 "${AB_GPT2_PROCS:-6}" 150 --ab-env POSSUM_RESOLVE=always
+    # The CUPTI path (diagnostics): CUPTI's callbacks feed the hooks; detached in off intervals.
+    [ -n "${AB_CUPTI:-}" ] && ab_gpt2 2 60 --ab-env POSSUM_HOOKS=cupti
 else
     python3 eval/overhead.py --job mlp --pairs "$pairs" --steps "$steps" --budget-s "${BUDGET_S:-330}" --out "$out" \
-        --modes "${MODES:-plain,possum,possum-nocupti}" || status=1
+        --modes "${MODES:-plain,possum,possum-hooksoff}" || status=1
 fi
+tar czf "$out/overhead-logs.tgz" -C "$work" . 2>/dev/null
 exit $status

@@ -12,6 +12,10 @@ For checkpoint tests (issue 4): --log FILE appends one line per step (step, loss
 opening and closing the file each time, so a checkpointed and restored process holds no descriptor
 of it; --hold-gib G keeps G GiB of extra state on the GPU (1 GiB tensors, one of them updated per
 step, all of them in the final digest); --sleep-ms paces the steps.
+
+The allocator follows PYTORCH_CUDA_ALLOC_CONF (e.g. `expandable_segments:True`,
+`backend:cudaMallocAsync`); when it is set, the final line names the backend in use and the
+setting ("allocator"), so a run shows that the setting took effect.
 """
 import argparse, hashlib, json, os, struct, sys, time
 
@@ -165,6 +169,8 @@ def main():
             json.dump({"step_ms_median": 1e3 * steady[len(steady) // 2], "steps": len(times)}, f)
     torch.cuda.synchronize()
     out = {"digest": digest(params() if callable(params) else params)}
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        out["allocator"] = f"{torch.cuda.get_allocator_backend()} ({os.environ['PYTORCH_CUDA_ALLOC_CONF']})"
     if ballast:
         out["ballast"] = digest(b[:: 1 << 16] for b in ballast)
     if a.log:
