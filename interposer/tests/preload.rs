@@ -94,10 +94,8 @@ fn verbose_prints_one_line() {
         "{err}"
     );
     let err = verbose(&[("POSSUM_VERBOSE", "1"), ("POSSUM_HOOKS", "off")]);
-    assert!(
-        err.starts_with("possum: hooks off (POSSUM_HOOKS=off)"),
-        "{err}"
-    );
+    assert!(err.starts_with("possum: hooks off"), "{err}");
+    assert!(err.contains("launches will not be seen"), "{err}");
 }
 
 /// Runs `argv` preloaded and returns its process id (`%p` in `POSSUM_STATS`).
