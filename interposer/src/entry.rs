@@ -135,7 +135,9 @@ fn through<P>(cbid: u32, params: &P, call: impl FnOnce() -> CuResult) -> CuResul
         }
         Mode::Hooks => {
             let pp = ptr::from_ref(params).cast::<c_void>();
-            let ctx = if crate::cbid::shape(cbid).is_operation() {
+            // The hooks find an operation's engine by the thread's context; a process that sees
+            // one device has one answer, so it does not ask the driver each time.
+            let ctx = if crate::cbid::shape(cbid).is_operation() && !single_device() {
                 current_context()
             } else {
                 0
@@ -227,6 +229,31 @@ fn driver_handle() -> usize {
         unsafe { libc::dlclose(h as *mut c_void) };
     }
     HANDLE.load(Ordering::Acquire)
+}
+
+/// Whether the driver sees exactly one device (asked until the driver answers, then kept).
+fn single_device() -> bool {
+    // 0: not known yet, 1: one device, 2: several.
+    static ONE: AtomicU8 = AtomicU8::new(0);
+    match ONE.load(Ordering::Relaxed) {
+        1 => return true,
+        2 => return false,
+        _ => {}
+    }
+    let f = driver_symbol("cuDeviceGetCount\0");
+    if f == 0 {
+        return false;
+    }
+    let mut n: c_int = 0;
+    // SAFETY: the driver's `CUresult cuDeviceGetCount(int *count)`; `n` is a valid out-pointer.
+    let r = unsafe {
+        std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_int) -> CuResult>(f)(&mut n)
+    };
+    if r != 0 {
+        return false; // before cuInit: ask again next time
+    }
+    ONE.store(if n == 1 { 1 } else { 2 }, Ordering::Relaxed);
+    n == 1
 }
 
 /// The calling thread's current context (the hooks' key for its device), or 0.

@@ -1294,8 +1294,10 @@ impl State {
                             out.push(SnapNode::Kernel { model, words });
                         }
                         GraphNode::Memset { dst, .. } => out.push(SnapNode::Memset { dst }),
-                        // Empty, host, event record and event wait nodes touch no device memory.
-                        GraphNode::Other(3 | 5 | 6 | 7) => {}
+                        // Empty, host, event record and event wait nodes touch no device memory;
+                        // memory allocation and free nodes (a graph's own pool, as torch's
+                        // cudaMallocAsync backend captures them) touch none of possum's buffers.
+                        GraphNode::Other(3 | 5 | 6 | 7 | 10 | 11) => {}
                         GraphNode::Other(t) => {
                             opaque.get_or_insert_with(|| format!("a node of type {t}"));
                         }

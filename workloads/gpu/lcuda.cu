@@ -109,7 +109,9 @@ int main(int argc, char **argv) {
         if (extra) {
             // The same kernel's parameters packed into one buffer (each at its natural alignment).
             struct { CUdeviceptr z, y; int n; } packed = {z, y, nn};
-            size_t size = sizeof packed;
+            // The kernel's parameter space ends with `n`: the struct's tail padding is not in it
+            // (the driver refuses a larger buffer with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
+            size_t size = 2 * sizeof(CUdeviceptr) + sizeof(int);
             void *ex[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, &packed, CU_LAUNCH_PARAM_BUFFER_SIZE, &size,
                           CU_LAUNCH_PARAM_END};
             CHECK(cuLaunchKernel(f_acc, blocks, 1, 1, threads, 1, 1, 0, stream, NULL, ex)); calls.launch++;
