@@ -578,6 +578,94 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Pointer queries (no CUPTI callback of possum's: wrapped by hand)
+
+mod ptr_attr {
+    pub static REAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+}
+mod ptr_attrs {
+    pub static REAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+}
+mod addr_range {
+    pub static REAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+}
+type PtrAttrFn = unsafe extern "C" fn(*mut c_void, c_uint, u64) -> CuResult;
+type PtrAttrsFn = unsafe extern "C" fn(c_uint, *mut c_uint, *mut *mut c_void, u64) -> CuResult;
+type AddrRangeFn = unsafe extern "C" fn(*mut u64, *mut usize, u64) -> CuResult;
+
+/// Before a query about device pointer `ptr`: the buffer it is in must be mapped (see
+/// [`crate::hooks::pointer_query`]).
+fn before_query(ptr: u64) {
+    if mode() != Mode::Hooks {
+        return;
+    }
+    let ctx = if single_device() {
+        0
+    } else {
+        current_context()
+    };
+    let _ = catch_unwind(AssertUnwindSafe(|| crate::hooks::pointer_query(ctx, ptr)));
+}
+
+/// `cuPointerGetAttribute`: the driver's answer, once the buffer `ptr` is in is back.
+///
+/// # Safety
+/// As the driver's.
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attr: c_uint,
+    ptr: u64,
+) -> CuResult {
+    let f = real(&ptr_attr::REAL, "cuPointerGetAttribute\0");
+    if f == 0 {
+        return NOT_INITIALIZED;
+    }
+    before_query(ptr);
+    // SAFETY: the driver's function of that name and signature, the caller's arguments.
+    unsafe { std::mem::transmute::<usize, PtrAttrFn>(f)(data, attr, ptr) }
+}
+
+/// `cuPointerGetAttributes`: as [`cuPointerGetAttribute`].
+///
+/// # Safety
+/// As the driver's.
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttributes(
+    n: c_uint,
+    attrs: *mut c_uint,
+    data: *mut *mut c_void,
+    ptr: u64,
+) -> CuResult {
+    let f = real(&ptr_attrs::REAL, "cuPointerGetAttributes\0");
+    if f == 0 {
+        return NOT_INITIALIZED;
+    }
+    before_query(ptr);
+    // SAFETY: the driver's function of that name and signature, the caller's arguments.
+    unsafe { std::mem::transmute::<usize, PtrAttrsFn>(f)(n, attrs, data, ptr) }
+}
+
+/// `cuMemGetAddressRange_v2`: as [`cuPointerGetAttribute`].
+///
+/// # Safety
+/// As the driver's.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAddressRange_v2(
+    base: *mut u64,
+    size: *mut usize,
+    ptr: u64,
+) -> CuResult {
+    let f = real(&addr_range::REAL, "cuMemGetAddressRange_v2\0");
+    if f == 0 {
+        return NOT_INITIALIZED;
+    }
+    before_query(ptr);
+    // SAFETY: the driver's function of that name and signature, the caller's arguments.
+    unsafe { std::mem::transmute::<usize, AddrRangeFn>(f)(base, size, ptr) }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The wrapped functions
 
 /// The first step of a wrapper whose call possum may answer itself (`[serve f]`):
@@ -633,7 +721,8 @@ macro_rules! entry_points {
             }
         )*
 
-        /// Every wrapped driver function (besides `cuGetProcAddress` and `_v2`, which come first).
+        /// Every wrapped driver function: `cuGetProcAddress` and `_v2`, the pointer queries
+        /// (`cbid` 0: not a callback of possum's), then the table below.
         pub static ENTRIES: &[Entry] = &[
             Entry {
                 name: "cuGetProcAddress\0",
@@ -646,6 +735,24 @@ macro_rules! entry_points {
                 cbid: 677,
                 ours: cuGetProcAddress_v2 as Gpa2Fn as *const (),
                 real: &proc_v2::REAL,
+            },
+            Entry {
+                name: "cuPointerGetAttribute\0",
+                cbid: 0,
+                ours: cuPointerGetAttribute as PtrAttrFn as *const (),
+                real: &ptr_attr::REAL,
+            },
+            Entry {
+                name: "cuPointerGetAttributes\0",
+                cbid: 0,
+                ours: cuPointerGetAttributes as PtrAttrsFn as *const (),
+                real: &ptr_attrs::REAL,
+            },
+            Entry {
+                name: "cuMemGetAddressRange_v2\0",
+                cbid: 0,
+                ours: cuMemGetAddressRange_v2 as AddrRangeFn as *const (),
+                real: &addr_range::REAL,
             },
             $(
                 Entry {
@@ -789,10 +896,13 @@ mod tests {
     fn every_entry_is_a_known_callback_with_one_name() {
         let mut names = HashSet::new();
         for e in ENTRIES {
+            assert!(names.insert(e.name()), "{} twice", e.name());
+            if e.cbid == 0 {
+                continue; // wrapped by hand, no callback
+            }
             let cb = crate::cbid::lookup(e.cbid)
                 .unwrap_or_else(|| panic!("{}: cbid {} not in cbid::CALLBACKS", e.name(), e.cbid));
             assert_eq!(cb.name, e.name(), "cbid {}", e.cbid);
-            assert!(names.insert(e.name()), "{} twice", e.name());
             assert!(e.name.ends_with('\0'));
         }
     }

@@ -263,6 +263,39 @@ pub fn module_loaded(image: &[u8]) {
     state().note_module(image);
 }
 
+/// A query about device pointer `ptr` (`cuPointerGetAttribute(s)`, `cuMemGetAddressRange`):
+/// Triton asks before every launch whether each argument is device memory. A buffer possum has
+/// released must be back first: the query waits while the job is paused, and while the engine
+/// tracks (a restore may be under way) the buffer is brought back as for an operation reading
+/// it on the legacy stream.
+pub fn pointer_query(ctx: u64, ptr: u64) {
+    if crate::runtime::ignore_this_thread() {
+        return;
+    }
+    crate::session::wait_if_paused();
+    let st = state();
+    let Some(e) = engine_of(st, ctx) else {
+        return;
+    };
+    let g = e.engine.enter_op();
+    if !g.tracking() {
+        return;
+    }
+    if let Resolved::Managed(b, d) = st.ranges().lookup(ptr) {
+        if d == e.ordinal {
+            let _r = Reentry::enter();
+            let access = Access::Known {
+                reads: std::slice::from_ref(&b),
+                writes: &[],
+            };
+            if let Err(err) = e.with_stream(0, |s| g.check(s, access)) {
+                st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
+                crate::log(&format!("pointer query: {err}"));
+            }
+        }
+    }
+}
+
 /// Whether an operation on `stream` is being captured into a graph (then it does not run now:
 /// nothing to hook). Costs a driver call only while some capture is in progress.
 fn skip_captured(st: &State, stream: u64) -> bool {
