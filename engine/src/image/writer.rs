@@ -61,6 +61,8 @@ struct Lane {
 struct Recorded {
     seq: u64,
     chunk: ChunkMsg,
+    /// A call is rewriting this chunk's bytes in place now (no other call may, meanwhile).
+    rewriting: bool,
 }
 
 #[derive(Debug, Default)]
@@ -350,12 +352,44 @@ impl ChunkSink for ImageWriter {
         }
 
         let crc = crc32c::crc32c(data);
-        let lane_idx = lane_slot() % self.lanes.len();
+        // A chunk written again (a later pre-copy round, the final copy) of the same length goes
+        // where it was: the image stays the size of the buffers, and a second round writes into
+        // pages the first one already allocated. Unless another call is rewriting it right now:
+        // then this one appends, and whichever call came later wins below.
+        let in_place = {
+            let mut state = self.state.lock();
+            match state.chunks.get_mut(&(buffer, offset)) {
+                Some(r) if r.chunk.len == len && !r.rewriting => {
+                    r.rewriting = true;
+                    Some((r.chunk.file as usize, r.chunk.file_offset))
+                }
+                _ => None,
+            }
+        };
+        let (lane_idx, file_offset) = match in_place {
+            Some(place) => place,
+            None => {
+                let i = lane_slot() % self.lanes.len();
+                (i, self.lanes[i].end.fetch_add(len, Ordering::Relaxed))
+            }
+        };
         let lane = &self.lanes[lane_idx];
-        let file_offset = lane.end.fetch_add(len, Ordering::Relaxed);
-        lane.file
+        let written = lane
+            .file
             .write_all_at(data, file_offset)
-            .map_err(|e| ImageError::io(&lane.path, e))?;
+            .map_err(|e| ImageError::io(&lane.path, e));
+        if let Err(e) = written {
+            // The place's bytes are unknown now: a failed write fails the image (the caller
+            // abandons it), so its record need not be right; only the flag is let go.
+            if let Some(place) = in_place {
+                if let Some(r) = self.state.lock().chunks.get_mut(&(buffer, offset)) {
+                    if (r.chunk.file as usize, r.chunk.file_offset) == place {
+                        r.rewriting = false;
+                    }
+                }
+            }
+            return Err(e);
+        }
 
         let chunk = ChunkMsg {
             buffer,
@@ -366,14 +400,29 @@ impl ChunkSink for ImageWriter {
             crc32c: crc,
         };
         let mut state = self.state.lock();
+        let mine = Recorded {
+            seq,
+            chunk,
+            rewriting: false,
+        };
         match state.chunks.entry((buffer, offset)) {
             Entry::Vacant(v) => {
-                v.insert(Recorded { seq, chunk });
+                v.insert(mine);
             }
-            // A later call already recorded this place: its bytes win, ours are garbage.
-            Entry::Occupied(o) if o.get().seq > seq => {}
             Entry::Occupied(mut o) => {
-                o.insert(Recorded { seq, chunk });
+                let r = o.get_mut();
+                // Only the call rewriting the recorded place holds its flag (an appending call
+                // may have recorded another place meanwhile, which a third may be rewriting).
+                let same_place = r.chunk.file == mine.chunk.file
+                    && r.chunk.file_offset == mine.chunk.file_offset;
+                if in_place.is_some() && same_place {
+                    r.rewriting = false;
+                }
+                // A later call already recorded this place: its bytes win, ours are garbage. But
+                // bytes written over the recorded place (in place) are ours whatever the order.
+                if r.seq < seq || same_place {
+                    *r = mine;
+                }
             }
         }
         Ok(())
