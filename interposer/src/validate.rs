@@ -141,11 +141,21 @@ pub struct Before {
     sums: Vec<(u64, u64, u64, u64, bool)>,
     /// The key each slot resolved to (`None`: nothing).
     slot_keys: Vec<Option<u64>>,
+    /// For slots whose buffer another slot of the launch also points into: (slot, start, len,
+    /// checksum, constant) of a window at the slot's own address. A change of the shared buffer
+    /// cannot say which slot wrote; the slot's own window can (see [`own_window`]).
+    slot_windows: Vec<(usize, u64, u64, u64, bool)>,
     pointer_table: Option<(usize, u64)>,
     /// The ordinal of the device engine the entry side read through (the exit side reads the
     /// same way).
     device: Option<usize>,
     started: Instant,
+}
+
+/// The window checksummed at a slot's own address `w` inside the buffer `[start, start + len)`:
+/// from the address to the buffer's end, at most `sample` bytes (at least one 8-byte word).
+fn own_window(start: u64, len: u64, w: u64, sample: u64) -> u64 {
+    (start + len).saturating_sub(w).min(sample.max(8))
 }
 
 /// For each `(start, len)` of `targets`: the checksum of its sampled windows, and whether every
@@ -207,6 +217,26 @@ pub fn begin(
                 scans.push((i, (w, n as usize)));
             }
         }
+        // Slots sharing a buffer: a window at each one's own address.
+        let windows: Vec<(usize, u64, u64)> = words
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &w)| {
+                let k = slot_keys[i]?;
+                let shared = slot_keys
+                    .iter()
+                    .enumerate()
+                    .any(|(j, kj)| j != i && *kj == Some(k) && words[j] != w);
+                let (s, l) = ranges.lookup(w).range()?;
+                let n = own_window(s, l, w, st.cfg.validation.sample_bytes);
+                (shared && n > 0).then_some((i, w, n))
+            })
+            .collect();
+        let slot_windows = sums_of(st, &mut reader, windows.iter().map(|&(_, a, l)| (a, l)))?
+            .into_iter()
+            .zip(&windows)
+            .map(|((sum, constant), &(i, a, l))| (i, a, l, sum, constant))
+            .collect();
         let mut pointer_table = None;
         let reads: Vec<(u64, usize)> = scans.iter().map(|s| s.1).collect();
         reader.read(&reads, |k, bytes| {
@@ -222,6 +252,7 @@ pub fn begin(
             model: model.clone(),
             sums,
             slot_keys,
+            slot_windows,
             pointer_table,
             device: eng.map(|e| e.ordinal),
             started,
@@ -270,6 +301,21 @@ pub fn finish(st: &State, b: Before) {
                 }
             }
         }
+        // A shared buffer that changed: each sharing slot is judged by its own window instead
+        // (a reduction whose input and output sit in one segment of the caching allocator must
+        // not make its input slot read-write for good).
+        let own = sums_of(st, &mut reader, b.slot_windows.iter().map(|w| (w.1, w.2)))?;
+        for (&(i, _, _, before, constant), (now, _)) in b.slot_windows.iter().zip(own) {
+            if i >= 64 || v.slot_changed & (1 << i) == 0 {
+                continue;
+            }
+            if now == before {
+                v.slot_changed &= !(1 << i);
+                if !constant {
+                    v.slot_unchanged |= 1 << i;
+                }
+            }
+        }
         v.changed_untouched = changed_keys
             .into_iter()
             .filter(|k| !b.slot_keys.contains(&Some(*k)))
@@ -303,6 +349,15 @@ pub fn finish(st: &State, b: Before) {
 #[cfg(test)]
 mod tests {
     use super::runs;
+
+    #[test]
+    fn own_windows_stay_inside_the_buffer() {
+        use super::own_window;
+        assert_eq!(own_window(0x1000, 0x1000, 0x1000, 256), 256);
+        assert_eq!(own_window(0x1000, 0x1000, 0x1f80, 256), 0x80);
+        assert_eq!(own_window(0x1000, 0x1000, 0x2000, 256), 0);
+        assert_eq!(own_window(0x1000, 0x1000, 0x1000, 0), 8);
+    }
 
     #[test]
     fn reads_are_cut_into_runs_that_fit() {

@@ -165,6 +165,29 @@ fn a_job_on_a_fake_gpu() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A reduction whose input and output share one allocation (one segment of PyTorch's caching
+/// allocator) changes that allocation at every launch; its input slot is judged by a window at its
+/// own address, so it earns read-only, while its output slot stays read-write. (Judged by the
+/// allocation alone, both were read-write for good: a frozen 32 GiB of state was copied again at
+/// every checkpoint's pause on the H100.)
+#[test]
+fn a_slot_sharing_an_allocation_is_judged_by_its_own_window() {
+    let Some(dir) = fake_gpu_dir("possum-fakegpu-shared") else {
+        return;
+    };
+    run_ok(&dir, &["shared"], &[("POSSUM_VALIDATE", "first=4")]);
+    let v = read_json(&dir.join("stats.json"));
+    let c = &v["possum"]["counters"];
+    assert_eq!(c["validations"], 4, "{v}");
+    assert_eq!(c["kernels_made_opaque"], 0, "{v}");
+    let t = read_json(&dir.join("trace.json"));
+    let k = kernel(&t, "reduce_shared");
+    assert_eq!(k["validated"], 4, "{k}");
+    assert_eq!(k["opaque"], false, "{k}");
+    assert_eq!(k["readonly_slots"], 1, "{k}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A kernel that writes the bytes that were there (zeros over zeros, 0xff over 0xff) looks
 /// unchanged to validation; it must not earn read-only speculation from that, or a later launch
 /// that does change data would not count as a write. A kernel that only reads a buffer of varied

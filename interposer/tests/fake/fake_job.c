@@ -125,6 +125,32 @@ static int fill(fire_fn fire) {
     return 0;
 }
 
+/* `fake_job shared`: a reduction whose input and output sit in one allocation (as in a segment of
+ * PyTorch's caching allocator): reduce_shared(const float *in, float *out) with `in` the first half
+ * of a 1 MiB buffer of distinct floats and `out` its second half, 4 launches, each writing the whole
+ * second half. Its input slot must earn read-only (its own window never changes) and its output
+ * slot must not. Run with POSSUM_VALIDATE=first=4. */
+static struct fake_kernel reduce_shared = {FAKE_KERNEL_MAGIC, "reduce_shared", 2, {0, 8}, {8, 8}};
+static int shared(fire_fn fire) {
+    const size_t n = 1 << 20, half = n / 2 / 4;
+    float *buf;
+    if (cudaMalloc((void **)&buf, n)) { puts("cudaMalloc failed"); return 1; }
+    for (size_t i = 0; i < half; i++) buf[i] = (float)i * 0.5f + 1.0f;
+    float *in = buf, *out = buf + half;
+    int ret = 0;
+    for (int s = 0; s < 4; s++) {
+        void *args[] = {&in, &out};
+        launch_params p = {&reduce_shared, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(307, 0, &p, &ret);
+        for (size_t i = 0; i < half; i++) out[i] = in[i] * (float)(s + 2);
+        fire(307, 1, &p, &ret);
+    }
+    if (out[1] != in[1] * 5.0f) { puts("reduce_shared did not write"); return 1; }
+    if (cudaFree(buf)) { puts("cudaFree failed"); return 1; }
+    puts("ok");
+    return 0;
+}
+
 /* `module CUBIN [late]`: a module is loaded (CUBIN's bytes, then bytes that are no cubin), and a
  * kernel of it the driver cannot describe, k1(int, float *, struct { float *, int, double * },
  * char, float *) (tests/data/params.cu of the analyzer), is launched 3 times: reads its second
@@ -173,6 +199,7 @@ int main(int argc, char **argv) {
         return module(fire, h, argv[2], argc > 3 && !strcmp(argv[3], "late"));
     if (argc > 2 && !strcmp(argv[1], "bench")) return bench(fire, atol(argv[2]));
     if (argc > 1 && !strcmp(argv[1], "fill")) return fill(fire);
+    if (argc > 1 && !strcmp(argv[1], "shared")) return shared(fire);
     const size_t n = 1 << 20;
     float *x, *y, *z;
     void **table;
