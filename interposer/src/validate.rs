@@ -152,8 +152,9 @@ pub struct Before {
     started: Instant,
 }
 
-/// The window checksummed at a slot's own address `w` inside the buffer `[start, start + len)`:
-/// from the address to the buffer's end, at most `sample` bytes (at least one 8-byte word).
+/// The window checksummed at a slot's own address `w` inside `[start, start + len)` (the buffer, or
+/// its part below the next slot's address): from the address to that end, at most `sample` bytes
+/// (at least one 8-byte word, never past the end).
 fn own_window(start: u64, len: u64, w: u64, sample: u64) -> u64 {
     (start + len).saturating_sub(w).min(sample.max(8))
 }
@@ -228,7 +229,17 @@ pub fn begin(
                     .enumerate()
                     .any(|(j, kj)| j != i && *kj == Some(k) && words[j] != w);
                 let (s, l) = ranges.lookup(w).range()?;
-                let n = own_window(s, l, w, st.cfg.validation.sample_bytes);
+                // Up to the next address another slot names in the same allocation: small tensors
+                // sit next to each other in a segment, and an output right after an input must
+                // not fall in the input's window.
+                let next = slot_keys
+                    .iter()
+                    .zip(words)
+                    .filter(|&(kj, &wj)| *kj == Some(k) && wj > w)
+                    .map(|(_, &wj)| wj)
+                    .min()
+                    .unwrap_or(s + l);
+                let n = own_window(s, next - s, w, st.cfg.validation.sample_bytes);
                 (shared && n > 0).then_some((i, w, n))
             })
             .collect();
@@ -357,6 +368,7 @@ mod tests {
         assert_eq!(own_window(0x1000, 0x1000, 0x1f80, 256), 0x80);
         assert_eq!(own_window(0x1000, 0x1000, 0x2000, 256), 0);
         assert_eq!(own_window(0x1000, 0x1000, 0x1000, 0), 8);
+        assert_eq!(own_window(0x1000, 0x100, 0x10fc, 256), 4);
     }
 
     #[test]

@@ -178,13 +178,15 @@ fn a_slot_sharing_an_allocation_is_judged_by_its_own_window() {
     run_ok(&dir, &["shared"], &[("POSSUM_VALIDATE", "first=4")]);
     let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];
-    assert_eq!(c["validations"], 4, "{v}");
+    assert_eq!(c["validations"], 8, "{v}");
     assert_eq!(c["kernels_made_opaque"], 0, "{v}");
     let t = read_json(&dir.join("trace.json"));
-    let k = kernel(&t, "reduce_shared");
-    assert_eq!(k["validated"], 4, "{k}");
-    assert_eq!(k["opaque"], false, "{k}");
-    assert_eq!(k["readonly_slots"], 1, "{k}");
+    for name in ["reduce_shared", "reduce_small"] {
+        let k = kernel(&t, name);
+        assert_eq!(k["validated"], 4, "{k}");
+        assert_eq!(k["opaque"], false, "{k}");
+        assert_eq!(k["readonly_slots"], 1, "{name}: {k}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -128,8 +128,11 @@ static int fill(fire_fn fire) {
 /* `fake_job shared`: a reduction whose input and output sit in one allocation (as in a segment of
  * PyTorch's caching allocator): reduce_shared(const float *in, float *out) with `in` the first half
  * of a 1 MiB buffer of distinct floats and `out` its second half, 4 launches, each writing the whole
- * second half. Its input slot must earn read-only (its own window never changes) and its output
- * slot must not. Run with POSSUM_VALIDATE=first=4. */
+ * second half; then reduce_small(in, out) with a 4 KiB input and its output right after it, as
+ * small tensors sit in a segment. Both input slots must earn read-only (their own windows, cut at
+ * the output's address, never change) and the output slots must not. Run with
+ * POSSUM_VALIDATE=first=4. */
+static struct fake_kernel reduce_small = {FAKE_KERNEL_MAGIC, "reduce_small", 2, {0, 8}, {8, 8}};
 static struct fake_kernel reduce_shared = {FAKE_KERNEL_MAGIC, "reduce_shared", 2, {0, 8}, {8, 8}};
 static int shared(fire_fn fire) {
     const size_t n = 1 << 20, half = n / 2 / 4;
@@ -146,6 +149,16 @@ static int shared(fire_fn fire) {
         fire(307, 1, &p, &ret);
     }
     if (out[1] != in[1] * 5.0f) { puts("reduce_shared did not write"); return 1; }
+    float *small_in = buf, *small_out = buf + 1024;
+    for (int s = 0; s < 4; s++) {
+        void *args[] = {&small_in, &small_out};
+        launch_params p = {&reduce_small, {1, 1, 1, 1, 1, 1}, 0, NULL, args, NULL};
+        fire(307, 0, &p, &ret);
+        float acc = 0;
+        for (size_t i = 0; i < 1024; i++) acc += small_in[i];
+        for (size_t i = 0; i < 64; i++) small_out[i] = acc + (float)(s * 64 + i);
+        fire(307, 1, &p, &ret);
+    }
     if (cudaFree(buf)) { puts("cudaFree failed"); return 1; }
     puts("ok");
     return 0;
