@@ -75,18 +75,59 @@ impl ValidationConfig {
     }
 }
 
+/// A set of slot indices, of any size (a kernel's by-value struct can hold hundreds of words:
+/// PyTorch's reductions pass 131, its multi-tensor kernels over 400).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlotSet(Vec<u64>);
+
+impl SlotSet {
+    /// The slots of the low 64 indices set in `mask`.
+    pub fn from_mask(mask: u64) -> SlotSet {
+        SlotSet(if mask == 0 { Vec::new() } else { vec![mask] })
+    }
+
+    /// Adds slot `i`.
+    pub fn insert(&mut self, i: usize) {
+        let w = i / 64;
+        if self.0.len() <= w {
+            self.0.resize(w + 1, 0);
+        }
+        self.0[w] |= 1 << (i % 64);
+    }
+
+    /// Removes slot `i`.
+    pub fn remove(&mut self, i: usize) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            *w &= !(1 << (i % 64));
+        }
+    }
+
+    /// Whether slot `i` is in the set.
+    pub fn contains(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    /// The slots in the set, in increasing order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.0.iter().enumerate().flat_map(|(k, &w)| {
+            (0..64)
+                .filter(move |b| w & (1 << b) != 0)
+                .map(move |b| k * 64 + b)
+        })
+    }
+}
+
 /// What one validated launch showed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Validation {
     /// Ids of buffers predicted untouched whose checksum changed.
     pub changed_untouched: Vec<u64>,
-    /// Bitmask over slot indices (< 64): the buffer that slot pointed at changed.
-    pub slot_changed: u64,
-    /// Bitmask over slot indices (< 64): the buffer that slot pointed at did not change, and its
-    /// sampled bytes were not all one byte value before the launch (see [`uniform_byte`]: a
-    /// constant region cannot show a write of that constant). A slot in neither mask gave no
-    /// evidence either way.
-    pub slot_unchanged: u64,
+    /// Slots whose buffer (or own window, for a buffer shared with another slot) changed.
+    pub slot_changed: SlotSet,
+    /// Slots whose buffer did not change, and whose sampled bytes were not all one byte value
+    /// before the launch (see [`uniform_byte`]: a constant region cannot show a write of that
+    /// constant). A slot in neither set gave no evidence either way.
+    pub slot_unchanged: SlotSet,
     /// A slot whose buffer holds a live device pointer: (slot index, the pointer value found).
     pub pointer_table: Option<(usize, u64)>,
 }
@@ -133,9 +174,6 @@ pub struct KernelStats {
     pub slots: u32,
 }
 
-/// Slots past this index have no speculation state and are always read-write.
-const TRACKED_SLOTS: usize = 64;
-
 /// Speculation and validation state of one kernel handle.
 /// `repr(C)`: what every launch reads (`launches`, `has_layout`) first.
 #[derive(Debug)]
@@ -157,11 +195,11 @@ pub struct KernelModel {
     /// Set (once, to the first reason given) when the kernel becomes opaque: the kernel is opaque
     /// exactly when this is set.
     opaque_reason: OnceLock<String>,
-    /// Slots ever seen changed: read-write forever.
-    rw_mask: AtomicU64,
-    /// Slots speculated read-only.
-    ro_mask: AtomicU64,
-    /// Per tracked slot: validated launches that saw its buffer unchanged.
+    /// Slots ever seen changed: read-write forever (a bit per slot).
+    rw_mask: Vec<AtomicU64>,
+    /// Slots speculated read-only (a bit per slot).
+    ro_mask: Vec<AtomicU64>,
+    /// Per slot: validated launches that saw its buffer unchanged.
     unchanged: Vec<AtomicU32>,
 }
 
@@ -186,9 +224,9 @@ impl KernelModel {
             .as_ref()
             .map(ParamLayout::pointer_slots)
             .unwrap_or_default();
-        let unchanged = (0..slots.len().min(TRACKED_SLOTS))
-            .map(|_| AtomicU32::new(0))
-            .collect();
+        let unchanged = (0..slots.len()).map(|_| AtomicU32::new(0)).collect();
+        let words = slots.len().div_ceil(64);
+        let bits = || (0..words).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
         let opaque_reason = OnceLock::new();
         if layout.is_none() {
             let _ = opaque_reason.set(why());
@@ -204,8 +242,8 @@ impl KernelModel {
             validated: AtomicU64::new(0),
             resolved: AtomicU64::new(0),
             opaque_reason,
-            rw_mask: AtomicU64::new(0),
-            ro_mask: AtomicU64::new(0),
+            rw_mask: bits(),
+            ro_mask: bits(),
             unchanged,
         }
     }
@@ -295,15 +333,17 @@ impl KernelModel {
         let _ = self.opaque_reason.set(reason);
     }
 
-    /// Slots speculated read-only now, as a mask over slot indices: earned and never seen changed.
-    fn readonly_mask(&self) -> u64 {
-        self.ro_mask.load(Ordering::Acquire) & !self.rw_mask.load(Ordering::Acquire)
+    /// Slots speculated read-only now (earned and never seen changed), in word `w` of the masks.
+    fn readonly_word(&self, w: usize) -> u64 {
+        match (self.ro_mask.get(w), self.rw_mask.get(w)) {
+            (Some(ro), Some(rw)) => ro.load(Ordering::Acquire) & !rw.load(Ordering::Acquire),
+            _ => 0,
+        }
     }
 
     /// Whether slot `slot_index` (an index into [`Self::slots`]) is speculated read-only.
-    /// Slots from 64 on never are.
     pub fn is_readonly(&self, slot_index: usize) -> bool {
-        slot_index < TRACKED_SLOTS && self.readonly_mask() & (1u64 << slot_index) != 0
+        self.readonly_word(slot_index / 64) & (1u64 << (slot_index % 64)) != 0
     }
 
     /// How a launch uses the buffer slot `slot_index` names.
@@ -327,26 +367,23 @@ impl KernelModel {
     /// Returns [`Verdict::Consistent`] when this validation found nothing wrong, even if the
     /// kernel was already opaque.
     pub fn record_validation(&self, v: &Validation, cfg: &ValidationConfig) -> Verdict {
-        let tracked = if self.unchanged.len() >= TRACKED_SLOTS {
-            u64::MAX
-        } else {
-            (1u64 << self.unchanged.len()) - 1
-        };
-        let changed = v.slot_changed & tracked;
-        if changed != 0 {
-            self.rw_mask.fetch_or(changed, Ordering::AcqRel);
-            self.ro_mask.fetch_and(!changed, Ordering::AcqRel);
+        let n = self.unchanged.len();
+        for i in v.slot_changed.iter().take_while(|&i| i < n) {
+            let bit = 1u64 << (i % 64);
+            self.rw_mask[i / 64].fetch_or(bit, Ordering::AcqRel);
+            self.ro_mask[i / 64].fetch_and(!bit, Ordering::AcqRel);
         }
-        let rw = self.rw_mask.load(Ordering::Acquire);
-        let mut unchanged = v.slot_unchanged & tracked & !v.slot_changed & !rw;
-        while unchanged != 0 {
-            let i = unchanged.trailing_zeros() as usize;
-            unchanged &= unchanged - 1;
+        for i in v.slot_unchanged.iter().take_while(|&i| i < n) {
+            let bit = 1u64 << (i % 64);
+            if v.slot_changed.contains(i) || self.rw_mask[i / 64].load(Ordering::Acquire) & bit != 0
+            {
+                continue;
+            }
             let seen = self.unchanged[i]
                 .fetch_add(1, Ordering::AcqRel)
                 .saturating_add(1);
             if seen >= cfg.readonly_after {
-                self.ro_mask.fetch_or(1 << i, Ordering::AcqRel);
+                self.ro_mask[i / 64].fetch_or(bit, Ordering::AcqRel);
             }
         }
         // A slot made read-write concurrently with the promotion above loses read-only status
@@ -385,7 +422,9 @@ impl KernelModel {
             resolved: self.resolved.load(Ordering::Relaxed),
             opaque: self.is_opaque(),
             opaque_reason: self.opaque_reason(),
-            readonly_slots: self.readonly_mask().count_ones(),
+            readonly_slots: (0..self.ro_mask.len())
+                .map(|w| self.readonly_word(w).count_ones())
+                .sum(),
             slots: u32::try_from(self.slots.len()).unwrap_or(u32::MAX),
         }
     }
@@ -492,7 +531,7 @@ mod tests {
     /// A validation that saw the buffers of the slots in `mask` unchanged.
     fn unchanged(mask: u64) -> Validation {
         Validation {
-            slot_unchanged: mask,
+            slot_unchanged: SlotSet::from_mask(mask),
             ..Default::default()
         }
     }
@@ -500,7 +539,7 @@ mod tests {
     /// A validation that saw the buffers of the slots in `mask` changed.
     fn changed(mask: u64) -> Validation {
         Validation {
-            slot_changed: mask,
+            slot_changed: SlotSet::from_mask(mask),
             ..Default::default()
         }
     }
@@ -585,12 +624,57 @@ mod tests {
         );
     }
 
+    /// A by-value struct of 131 words (PyTorch's reductions): a pointer at word 100 earns
+    /// read-only like one at word 0 (with 64-bit masks, no slot past 63 ever could: a frozen
+    /// tensor read by such a kernel was copied again at every checkpoint's pause).
+    #[test]
+    fn slots_past_64_earn_readonly_too() {
+        let m = model(131);
+        let cfg = ValidationConfig::default(); // readonly_after = 2
+        let mut v = Validation::default();
+        v.slot_unchanged.insert(100);
+        v.slot_unchanged.insert(3);
+        v.slot_changed.insert(120);
+        for _ in 0..2 {
+            assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);
+        }
+        assert!(m.is_readonly(100) && m.is_readonly(3) && !m.is_readonly(120));
+        assert_eq!(m.classify(100), SlotAccess::Read);
+        assert_eq!(m.stats().readonly_slots, 2);
+        // Seen changed once: read-write for good.
+        let mut w = Validation::default();
+        w.slot_changed.insert(100);
+        m.record_validation(&w, &cfg);
+        assert!(!m.is_readonly(100) && m.is_readonly(3));
+        // Slots past the kernel's own are ignored.
+        let mut x = Validation::default();
+        x.slot_unchanged.insert(5000);
+        m.record_validation(&x, &cfg);
+        assert!(!m.is_readonly(5000));
+    }
+
+    #[test]
+    fn slot_sets_hold_any_index() {
+        let mut s = SlotSet::default();
+        for i in [0, 63, 64, 130, 700] {
+            s.insert(i);
+        }
+        assert!(s.contains(130) && s.contains(700) && !s.contains(129));
+        s.remove(64);
+        s.remove(9999);
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![0, 63, 130, 700]);
+        assert_eq!(
+            SlotSet::from_mask(0b101).iter().collect::<Vec<_>>(),
+            vec![0, 2]
+        );
+    }
+
     #[test]
     fn readonly_is_earned_and_lost_for_good() {
         let m = model(3);
         let cfg = ValidationConfig::default(); // readonly_after = 2
         let v = Validation {
-            slot_changed: 0b100,
+            slot_changed: SlotSet::from_mask(0b100),
             ..unchanged(0b011)
         };
         assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);

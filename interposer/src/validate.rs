@@ -303,12 +303,12 @@ pub fn finish(st: &State, b: Before) {
                 constant_keys.push(key);
             }
         }
-        for (i, k) in b.slot_keys.iter().enumerate().take(64) {
+        for (i, k) in b.slot_keys.iter().enumerate() {
             if let Some(k) = k {
                 if changed_keys.contains(k) {
-                    v.slot_changed |= 1 << i;
+                    v.slot_changed.insert(i);
                 } else if !constant_keys.contains(k) {
-                    v.slot_unchanged |= 1 << i;
+                    v.slot_unchanged.insert(i);
                 }
             }
         }
@@ -317,13 +317,13 @@ pub fn finish(st: &State, b: Before) {
         // not make its input slot read-write for good).
         let own = sums_of(st, &mut reader, b.slot_windows.iter().map(|w| (w.1, w.2)))?;
         for (&(i, _, _, before, constant), (now, _)) in b.slot_windows.iter().zip(own) {
-            if i >= 64 || v.slot_changed & (1 << i) == 0 {
+            if !v.slot_changed.contains(i) {
                 continue;
             }
             if now == before {
-                v.slot_changed &= !(1 << i);
+                v.slot_changed.remove(i);
                 if !constant {
-                    v.slot_unchanged |= 1 << i;
+                    v.slot_unchanged.insert(i);
                 }
             }
         }
