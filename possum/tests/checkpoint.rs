@@ -33,6 +33,18 @@ struct FakeJob {
     sockets: PathBuf,
 }
 
+impl FakeJob {
+    /// The `cmd` of every request the job was sent, in order.
+    fn commands(&self) -> Vec<serde_json::Value> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| serde_json::to_value(r).unwrap()["cmd"].clone())
+            .collect()
+    }
+}
+
 fn fake_job(dir: &Path, release_fails: bool) -> FakeJob {
     // A library older than the entry points' hooks: no `hooks_live`, CUPTI's callbacks.
     let status = json!({
@@ -197,13 +209,7 @@ fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
         "{}",
         text(&out)
     );
-    let cmds: Vec<_> = job
-        .seen
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|r| serde_json::to_value(r).unwrap()["cmd"].clone())
-        .collect();
+    let cmds = job.commands();
     assert_eq!(cmds, [json!("status")]);
     assert!(!img.exists());
     assert!(
@@ -249,13 +255,7 @@ fn a_job_with_managed_memory_is_refused_before_anything_is_done() {
         assert_eq!(t.contains("--gpu-only cannot"), gpu_only, "{t}");
         assert!(!img.exists());
     }
-    let cmds: Vec<_> = job
-        .seen
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|r| serde_json::to_value(r).unwrap()["cmd"].clone())
-        .collect();
+    let cmds = job.commands();
     assert_eq!(cmds, [json!("status"), json!("status")]);
 }
 
@@ -340,10 +340,7 @@ fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     );
     // The job was asked in order, and resumed from the final name.
     let seen = job.seen.lock().unwrap().clone();
-    let cmds: Vec<_> = seen
-        .iter()
-        .map(|r| serde_json::to_value(r).unwrap()["cmd"].clone())
-        .collect();
+    let cmds = job.commands();
     assert_eq!(
         cmds,
         [
