@@ -390,12 +390,14 @@ pub unsafe extern "C" fn dlsym(_handle: *mut c_void, _symbol: *const c_char) -> 
 extern "C" fn possum_dlsym(handle: *mut c_void, name: *const c_char, caller: usize) -> *mut c_void {
     // SAFETY: glibc's dlsym with the caller's arguments.
     let p = unsafe { real_dlsym()(handle, name) };
-    if p.is_null() || name.is_null() || from_this_library(caller) {
+    if p.is_null() || name.is_null() {
         return p;
     }
     // SAFETY: `name` is the caller's NUL-terminated symbol name (dlsym's contract).
     let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
-    if !bytes.starts_with(b"cu") {
+    // The name first: most lookups (Python's module initialisers, ...) stop here, before the
+    // loader is asked who called.
+    if !bytes.starts_with(b"cu") || from_this_library(caller) {
         return p;
     }
     let Some(e) = ENTRIES
