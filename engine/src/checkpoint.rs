@@ -443,7 +443,17 @@ impl<D: Device> CkptSession<D> {
         stream: &D::Stream,
         access: Access<'_>,
     ) -> Result<(), EngineError> {
-        if self.mode == CopyMode::Precopy || self.failed() {
+        if self.failed() {
+            return Ok(());
+        }
+        if self.mode == CopyMode::Precopy {
+            // No copy-on-write (nothing is fixed at a T0); only the order of first touches, for
+            // the prefetch ranks: a held final round sees no operation at all.
+            let mut note = |b: &Buffer| self.note_touch(b);
+            match access {
+                Access::Known { reads, writes } => reads.iter().chain(writes).for_each(&mut note),
+                Access::Opaque => {}
+            }
             return Ok(());
         }
         let t = Instant::now();
@@ -453,15 +463,7 @@ impl<D: Device> CkptSession<D> {
                 return Ok(());
             };
             let slot = &self.slots[i];
-            if slot.first_touch.load(Ordering::Relaxed) == u32::MAX {
-                let seq = self.touch_seq.fetch_add(1, Ordering::Relaxed);
-                let _ = slot.first_touch.compare_exchange(
-                    u32::MAX,
-                    seq,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                );
-            }
+            self.note_touch(b);
             if !write || slot.safe.load(Ordering::Acquire) {
                 return Ok(());
             }
@@ -491,6 +493,23 @@ impl<D: Device> CkptSession<D> {
             self.counters.blocked.record(d);
         }
         Ok(())
+    }
+
+    /// Notes the job's first touch of `b` in this session (for the prefetch ranks).
+    fn note_touch(&self, b: &Buffer) {
+        let Some(&i) = self.index.get(&b.id()) else {
+            return;
+        };
+        let slot = &self.slots[i];
+        if slot.first_touch.load(Ordering::Relaxed) == u32::MAX {
+            let seq = self.touch_seq.fetch_add(1, Ordering::Relaxed);
+            let _ = slot.first_touch.compare_exchange(
+                u32::MAX,
+                seq,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
     }
 
     /// Before the job frees `buf`: its T0 contents must have been read.
@@ -587,7 +606,9 @@ impl<D: Device> CkptSession<D> {
                 self.shared.fail(e);
             }
         }
-        if self.mode != CopyMode::Precopy && !self.failed() {
+        // Every round ranks what it saw touched (a pre-copy round too: a held final round sees
+        // nothing, and its image keeps these ranks).
+        if !self.failed() {
             if let Err(e) = self.record_prefetch_order() {
                 self.shared.fail(e);
             }
@@ -620,7 +641,13 @@ impl<D: Device> CkptSession<D> {
 
     /// Ranks buffers by the order the job first touched them after T0: the best guess of the order
     /// a restored job will need them in.
+    /// A round that saw no operation (the final copy of a held job) ranks nothing: the ranks an
+    /// earlier round of the same image recorded stand (buffers are declared again with
+    /// `u32::MAX`, which keeps a rank already recorded: [`ChunkSink::add_buffer`]).
     fn record_prefetch_order(&self) -> Result<(), EngineError> {
+        if self.touch_seq.load(Ordering::Relaxed) == 0 {
+            return Ok(());
+        }
         let mut order: Vec<(u32, u64, &Buffer)> = self
             .slots
             .iter()

@@ -28,12 +28,25 @@ pub struct BufferRecord {
 
 /// Receives checkpointed data. Implementations must accept chunks from several threads, in any order.
 pub trait ChunkSink: Send + Sync {
-    /// Declares a buffer before any of its chunks.
+    /// Declares a buffer before any of its chunks. Declaring it again replaces its record, except
+    /// that `prefetch_rank: u32::MAX` (no rank) keeps a rank already recorded: a later round that
+    /// has no ranking of its own does not erase an earlier one's ([`keep_rank`]).
     fn add_buffer(&self, rec: BufferRecord) -> Result<(), ImageError>;
     /// Stores `data` as the bytes of `buffer` at `offset` (replacing an earlier chunk at the same place).
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError>;
     /// Stores a key/value pair of metadata (the job's CPU-side state, the backend's name, ...).
     fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError>;
+}
+
+/// `rec` as a sink stores it over `old` (see [`ChunkSink::add_buffer`]): an unranked
+/// declaration of the same buffer keeps the rank `old` had.
+pub fn keep_rank(old: Option<&BufferRecord>, mut rec: BufferRecord) -> BufferRecord {
+    if let Some(o) = old {
+        if rec.prefetch_rank == u32::MAX && o.va == rec.va && o.size == rec.size {
+            rec.prefetch_rank = o.prefetch_rank;
+        }
+    }
+    rec
 }
 
 /// Supplies data to restore.
@@ -96,7 +109,9 @@ impl MemStore {
 
 impl ChunkSink for MemStore {
     fn add_buffer(&self, rec: BufferRecord) -> Result<(), ImageError> {
-        self.inner.lock().buffers.insert(rec.id, rec);
+        let mut inner = self.inner.lock();
+        let rec = keep_rank(inner.buffers.get(&rec.id), rec);
+        inner.buffers.insert(rec.id, rec);
         Ok(())
     }
 

@@ -604,3 +604,95 @@ fn the_device_fence_covers_streams_the_engine_cannot_fence() {
         .iter()
         .all(|&x| x == 0xab));
 }
+
+/// A sink whose chunks wait until the test opens it: a pre-copy round stays in progress while the
+/// test issues operations.
+struct GatedSink(Arc<MemStore>, std::sync::Mutex<bool>, std::sync::Condvar);
+
+impl GatedSink {
+    fn open(&self) {
+        *self.1.lock().unwrap() = true;
+        self.2.notify_all();
+    }
+}
+
+impl ChunkSink for GatedSink {
+    fn add_buffer(
+        &self,
+        rec: possum_engine::store::BufferRecord,
+    ) -> Result<(), possum_engine::image::ImageError> {
+        self.0.add_buffer(rec)
+    }
+    fn write_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
+        let open = self.1.lock().unwrap();
+        drop(self.2.wait_while(open, |o| !*o).unwrap());
+        self.0.write_chunk(buffer, offset, data)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
+        self.0.set_meta(key, value)
+    }
+}
+
+/// The final copy of a held job sees no operation, so it ranks nothing: the prefetch ranks are the
+/// order the job first touched its buffers during the pre-copy (before: every buffer ranked by
+/// id, and a restored job's first step waited for all of them on the H100).
+#[test]
+fn a_held_final_copy_keeps_the_precopys_prefetch_order() {
+    use possum_engine::device::{Device, StreamPriority};
+    let e = Arc::new(engine(small_cfg(1 << 12, 4, 0)));
+    let s = e.device().create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(s.clone());
+    let bufs: Vec<_> = (0..4).map(|_| e.alloc(1 << 12).unwrap()).collect();
+    let store = Arc::new(MemStore::default());
+    let sink = Arc::new(GatedSink(
+        store.clone(),
+        Default::default(),
+        Default::default(),
+    ));
+    let (e2, sink2) = (e.clone(), sink.clone());
+    let round = std::thread::spawn(move || e2.precopy_round(sink2).unwrap());
+    while !e.session_active() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The job touches buffer 3, then 1 (a write), while the round is under way.
+    for (b, write) in [(&bufs[3], false), (&bufs[1], true)] {
+        let one = std::slice::from_ref(b);
+        let access = if write {
+            Access::Known {
+                reads: &[],
+                writes: one,
+            }
+        } else {
+            Access::Known {
+                reads: one,
+                writes: &[],
+            }
+        };
+        drop(e.before_op(&s, access).unwrap());
+    }
+    sink.open();
+    let r = round.join().unwrap();
+    assert_eq!(r.buffers, 4);
+    // The final copy, the job held: buffer 1 was written since.
+    let fin = e.checkpoint(sink, true).unwrap().wait().unwrap();
+    assert_eq!(fin.buffers, 1);
+    let rank = |i: usize| {
+        store
+            .buffers()
+            .into_iter()
+            .find(|r| r.id == bufs[i].id())
+            .unwrap()
+            .prefetch_rank
+    };
+    assert_eq!((rank(3), rank(1)), (0, 1));
+    assert!(
+        rank(0) >= 2 && rank(2) >= 2 && rank(0) != u32::MAX,
+        "{:?}",
+        store.buffers()
+    );
+}

@@ -319,7 +319,9 @@ impl ImageWriter {
 impl ChunkSink for ImageWriter {
     /// Declares (or re-declares, replacing the record) a buffer.
     fn add_buffer(&self, rec: BufferRecord) -> Result<(), ImageError> {
-        self.state.lock().buffers.insert(rec.id, rec);
+        let mut state = self.state.lock();
+        let rec = crate::store::keep_rank(state.buffers.get(&rec.id), rec);
+        state.buffers.insert(rec.id, rec);
         Ok(())
     }
 
