@@ -21,6 +21,12 @@
  *   exit       cudaFree every buffer; answers "bye" and exits 0 (also at the end of stdin).
  * Anything failing answers "error ..." and exits 1.
  *
+ * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
+ * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
+ * job CRIU dumps and restores (possum/tests/entry_checkpoint.rs): CRIU reopens the FIFO by its
+ * path at restore, where a pipe to the test would come back connected to nothing. (Its stdout is
+ * then a file.)
+ *
  * Without libpossum (the test's reference run) cudaMalloc is the fake runtime's calloc, the
  * callbacks go nowhere and the driver's functions are the fake driver's own: the same results,
  * computed without possum. */
@@ -163,6 +169,8 @@ static void via_entry(void) {
 }
 
 int main(void) {
+    const char *cmds = getenv("FAKE_CMDS");
+    if (cmds && !freopen(cmds, "r+", stdin)) die("FAKE_CMDS");
     const char *via = getenv("FAKE_VIA");
     if (via && !strcmp(via, "entry")) {
         via_entry();

@@ -1,0 +1,378 @@
+//! `possum checkpoint` on its default path (engine possum, no flag) of a job whose GPU work
+//! reaches possum through the driver's entry points (POSSUM_HOOKS unset), end to end on the fake
+//! GPU stack of the interposer's tests, with real CRIU: the checkpoint holds the job at the op
+//! gate after a pre-copy, takes the fake driver's checkpoint and CRIU's dump, leaves the job
+//! running, and the job goes on with exactly the data of a run without possum; then the job is
+//! killed, `possum restore` brings it back from the image (CRIU, the driver's restore, possum's
+//! resume with buffers back on demand) and the restored process does the same steps again, ends
+//! with the same data and exits cleanly.
+//!
+//! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) reads its commands from a
+//! FIFO (`FAKE_CMDS`) and answers into a file opened O_APPEND: CRIU reopens both by path at the
+//! restore, where pipes to this test would come back connected to nothing. The fake driver's
+//! checkpoint state is the job's own (`FAKE_CKPT_IN_PROCESS=1` in possum's environment), as the
+//! real driver's is, so the restored job is CHECKPOINTED for `possum restore`'s driver restore.
+//!
+//! Needs root and CRIU: without either it prints `SKIPPED: ...` on stderr and passes; with
+//! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+#[path = "../../interposer/tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+/// Bound on every wait for something that should happen.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Writes to stderr directly: the harness only captures the print macros.
+fn say(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
+}
+
+/// Whether root and CRIU are there; says why not (or fails under POSSUM_REQUIRE_CRIU=1).
+fn criu_usable() -> bool {
+    let why = if !nix::unistd::geteuid().is_root() {
+        "the CRIU tests need root".to_string()
+    } else {
+        match possum_criu::Criu::locate() {
+            Ok(_) => return true,
+            Err(e) => format!("criu not installed (run scripts/install-criu.sh): {e}"),
+        }
+    };
+    if std::env::var("POSSUM_REQUIRE_CRIU").as_deref() == Ok("1") {
+        panic!("entry_checkpoint: POSSUM_REQUIRE_CRIU=1, but {why}");
+    }
+    say(&format!("entry_checkpoint: SKIPPED: {why}"));
+    false
+}
+
+/// fake_session_job, in a session of its own (CRIU dumps it without --shell-job), commanded
+/// through a FIFO, answering into a file. Killed when dropped if it is still our child.
+struct Job {
+    child: Option<Child>,
+    pid: i32,
+    /// The FIFO's write end (opened read-write: never blocks, never sees the job's end).
+    cmds: File,
+    out: PathBuf,
+    stderr: PathBuf,
+    /// Answers read so far.
+    seen: usize,
+}
+
+impl Job {
+    fn start(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
+        let fifo = dir.join(format!("{name}.cmds"));
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let cmds = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
+        let out = dir.join(format!("{name}.out"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        // O_WRONLY|O_APPEND: CRIU checks no size for such a file at the restore (it grows).
+        let append = |p: &Path| {
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .unwrap()
+        };
+        let mut cmd = common::fake_job_command(dir, "fake_session_job", lib);
+        cmd.env("FAKE_VIA", "entry")
+            .env("FAKE_CMDS", &fifo)
+            .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+            .env("POSSUM_VERBOSE", "1")
+            .stdin(Stdio::null())
+            .stdout(append(&out))
+            .stderr(append(&stderr));
+        // SAFETY: setsid is async-signal-safe and touches no memory of this process.
+        unsafe {
+            cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
+        }
+        let child = cmd.spawn().unwrap();
+        let pid = child.id() as i32;
+        let mut job = Job {
+            child: Some(child),
+            pid,
+            cmds,
+            out,
+            stderr,
+            seen: 0,
+        };
+        job.expect("ready");
+        job
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// The job's next answer, which must be `want`, within [`WAIT`].
+    fn expect(&mut self, want: &str) {
+        let t = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+            // Complete lines only.
+            let lines: Vec<&str> = text.split_inclusive('\n').collect();
+            if let Some(l) = lines.get(self.seen).filter(|l| l.ends_with('\n')) {
+                assert_eq!(l.trim_end(), want, "job's stderr:\n{}", self.log());
+                self.seen += 1;
+                return;
+            }
+            assert!(
+                t.elapsed() < WAIT,
+                "no answer {want:?} from the job within {WAIT:?}; its answers:\n{text}\nstderr:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Sends `cmd` and waits for its answer `want`.
+    fn run(&mut self, cmd: &str, want: &str) {
+        writeln!(self.cmds, "{cmd}").unwrap();
+        self.expect(want);
+    }
+
+    /// Has the job write its buffers to `path` and returns them.
+    fn dump(&mut self, path: &Path) -> Vec<u8> {
+        self.run(&format!("dump {}", path.display()), "dumped");
+        std::fs::read(path).unwrap()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.child {
+            let _ = c.kill();
+            let _ = c.wait();
+        } else if self.pid > 0 {
+            // A restored job (adopted: this process is a subreaper) that did not exit.
+            let pid = nix::unistd::Pid::from_raw(self.pid);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = possum_criu::wait_for_exit(self.pid, Some(WAIT));
+        }
+    }
+}
+
+/// The commands after the checkpoint (steps 6 to 12, a cudaMalloc, two dumps), the same for the
+/// reference, the job left running and the restored job: the buffers after each dump.
+fn after_checkpoint(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
+    job.run("step 4", "done 9");
+    job.run("malloc", "malloced");
+    let mid = job.dump(&dir.join(format!("{tag}-mid.bin")));
+    job.run("step 3", "done 12");
+    let end = job.dump(&dir.join(format!("{tag}-end.bin")));
+    [mid, end]
+}
+
+fn possum(dir: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
+    c.env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
+        .env("FAKE_CKPT_IN_PROCESS", "1")
+        .env_remove("LD_PRELOAD");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn same(got: &[u8], want: &[u8], what: &str) {
+    assert!(
+        got == want,
+        "{what}: the buffers differ from the run without possum ({} vs {} bytes, first at byte \
+         {:?})",
+        got.len(),
+        want.len(),
+        got.iter().zip(want).position(|(g, w)| g != w)
+    );
+}
+
+/// Files in `dir` (recursively) whose name ends with `suffix`.
+fn count_files(dir: &Path, suffix: &str) -> usize {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| {
+                    let p = e.path();
+                    if p.is_dir() {
+                        count_files(&p, suffix)
+                    } else {
+                        usize::from(p.to_string_lossy().ends_with(suffix))
+                    }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// The figures of the restore of the job's buffers from possum's image (`possum.session.last
+/// .restore` of its status), once it has finished.
+fn restored_buffers(pid: u32, sockets: &Path) -> Value {
+    let t = Instant::now();
+    loop {
+        let v = possum_control::request(pid, sockets, &possum_control::Request::Status, WAIT)
+            .unwrap_or_else(|e| panic!("status of the restored job: {e}"));
+        let r = &v["possum"]["session"]["last"]["restore"];
+        if r.get("ms").is_some() || r.get("error").is_some() {
+            assert!(r.get("error").is_none(), "restore failed: {r}");
+            return r.clone();
+        }
+        assert!(t.elapsed() < WAIT, "the restore did not finish: {v}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
+    let t0 = Instant::now();
+    if !criu_usable() {
+        return;
+    }
+    let Some(lib) = common::find_libpossum() else {
+        say("entry_checkpoint: SKIPPED: libpossum.so not built (cargo test --workspace builds it)");
+        return;
+    };
+    // The restored job is detached from CRIU and from `possum restore`: adopted here, it can be
+    // reaped and its exit status checked.
+    possum_criu::set_child_subreaper().unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("possum-entry-ckpt-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
+    if !common::build_fake_gpu_from(
+        &interposer,
+        dir,
+        "tests/fake/fake_session_job.c",
+        "fake_session_job",
+    ) {
+        return;
+    }
+
+    // The reference: the same commands, without possum.
+    let mut reference = Job::start(dir, "reference", None);
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+
+    let mut job = Job::start(dir, "job", Some(&lib));
+    job.run("step 5", "done 5");
+
+    // The default path: no engine flag; the job stays running.
+    let img = dir.join("img");
+    let t = Instant::now();
+    let out = possum(dir)
+        .args([
+            "checkpoint",
+            &job.pid.to_string(),
+            "--leave-running",
+            "--json",
+        ])
+        .arg("-D")
+        .arg(&img)
+        .arg("--socket-dir")
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    let checkpoint_time = t.elapsed();
+    assert!(
+        out.status.success(),
+        "{}\njob's stderr:\n{}",
+        text(&out),
+        job.log()
+    );
+    let v: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim())
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    assert_eq!(v["engine"], "possum", "{v}");
+    assert_eq!(v["hooks"], "entry", "{v}");
+    assert_eq!(v["leave_running"], true, "{v}");
+    let hold = v["hold"].as_str().unwrap_or("");
+    assert!(
+        hold.starts_with("op gate (the driver's entry points)"),
+        "{v}"
+    );
+    assert!(v["figures"]["criu_dump_ms"].as_f64().is_some(), "{v}");
+    // The image: possum's manifest, the GPU image, CRIU's.
+    assert!(img.join("possum.json").is_file());
+    assert!(img.join("gpu/gpu-0").is_dir());
+    assert!(count_files(&img.join("gpu"), ".bin") > 0, "no GPU data");
+    for f in ["inventory.img", "pstree.img"] {
+        assert!(img.join("criu").join(f).is_file(), "no CRIU {f}");
+    }
+    assert!(
+        v["release_report"]["released_bytes"].as_u64().unwrap_or(0) > 0,
+        "the buffers were not released before the dump: {v}"
+    );
+    assert!(
+        v["figures"]["gpu_image_bytes"].as_u64().unwrap_or(0) >= 2 << 20,
+        "{v}"
+    );
+
+    // Left running: it goes on with exactly the reference's data.
+    let got = after_checkpoint(&mut job, dir, "left");
+    same(
+        &got[0],
+        &want[0],
+        "left running, after step 9 and the malloc",
+    );
+    same(&got[1], &want[1], "left running, after step 12");
+
+    // Killed, then restored from the image: it goes on from step 5 as the reference did.
+    let pid = job.pid;
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let t = Instant::now();
+    let out = possum(dir)
+        .args(["restore", "--json", "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    let restore_time = t.elapsed();
+    assert!(
+        out.status.success(),
+        "{}\njob's stderr:\n{}",
+        text(&out),
+        job.log()
+    );
+    let r: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim())
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    assert_eq!(r["pid"], pid, "{r}");
+    let got = after_checkpoint(&mut job, dir, "restored");
+    same(&got[0], &want[0], "restored, after step 9 and the malloc");
+    same(&got[1], &want[1], "restored, after step 12");
+    // The buffers came back from possum's image (CRIU's has none: they were released before
+    // the dump), all three of them.
+    let back = restored_buffers(pid as u32, &dir.join("sockets"));
+    assert_eq!(back["buffers"], 3, "{back}");
+    job.run("exit", "bye");
+    let exit = possum_criu::wait_for_exit(pid, Some(WAIT)).unwrap();
+    job.pid = 0;
+    assert!(
+        exit.success(),
+        "restored job: {exit}; stderr:\n{}",
+        job.log()
+    );
+    say(&format!(
+        "entry_checkpoint: checkpoint {checkpoint_time:?} (stall {} ms, hold: {hold}), restore \
+         {restore_time:?}, whole test {:?}",
+        v["figures"]["stall_ms"],
+        t0.elapsed()
+    ));
+}
