@@ -70,6 +70,11 @@ pub enum StreamAt {
     Legacy,
     /// The calling thread's per-thread default stream (a synchronous `_ptds` call).
     PerThread,
+    /// As `Word`, in a `_ptsz` call: there a null stream is the calling thread's per-thread
+    /// default stream, not the legacy one.
+    WordPt(usize),
+    /// As `Config`, in a `_ptsz` call.
+    ConfigPt(usize),
 }
 
 /// How possum reads a call's `cu<name>_params` struct. Every field named here is one 8-byte word
@@ -88,8 +93,11 @@ pub enum Shape {
         /// Word of `void **extra`, if the call has one.
         extra: Option<usize>,
     },
-    /// `cuGraphLaunch(hGraphExec, hStream)`.
-    GraphLaunch,
+    /// `cuGraphLaunch(hGraphExec, hStream)`: the stream (word 1).
+    GraphLaunch {
+        /// The stream.
+        stream: StreamAt,
+    },
     /// A copy of `bytes` (a word) from `src` to `dst` (words; either may be a host address).
     Copy {
         /// Word of the destination address.
@@ -163,7 +171,7 @@ impl Shape {
         matches!(
             self,
             Shape::Launch { .. }
-                | Shape::GraphLaunch
+                | Shape::GraphLaunch { .. }
                 | Shape::Copy { .. }
                 | Shape::Memset { .. }
                 | Shape::OpaqueOp { .. }
@@ -208,7 +216,7 @@ const fn launch(name: &'static str, id: u32, stream: StreamAt, extra: bool) -> C
     // words of 32-bit pairs), hStream (word 5), kernelParams (6), extra (7, cuLaunchKernel only).
     // cuLaunchKernelEx: config (0), f (1), kernelParams (2), extra (3).
     let shape = match stream {
-        StreamAt::Config(_) => Shape::Launch {
+        StreamAt::Config(_) | StreamAt::ConfigPt(_) => Shape::Launch {
             func: 1,
             stream,
             params: 2,
@@ -266,54 +274,64 @@ const fn opaque_copy(name: &'static str, id: u32, stream: StreamAt) -> Callback 
 /// Upper bound (exclusive) on the ids in [`CALLBACKS`]; sizes the counter array.
 pub const ID_LIMIT: usize = 1024;
 
-use StreamAt::{Config, Legacy, PerThread, Word};
+use StreamAt::{Config, ConfigPt, Legacy, PerThread, Word, WordPt};
 
 /// Every callback possum enables. `_ptsz` / `_ptds` are the per-thread-default-stream variants.
 pub const CALLBACKS: &[Callback] = &[
     launch("cuLaunchKernel", 307, Word(5), true),
-    launch("cuLaunchKernel_ptsz", 442, Word(5), true),
+    launch("cuLaunchKernel_ptsz", 442, WordPt(5), true),
     launch("cuLaunchKernelEx", 652, Config(0), true),
-    launch("cuLaunchKernelEx_ptsz", 653, Config(0), true),
+    launch("cuLaunchKernelEx_ptsz", 653, ConfigPt(0), true),
     launch("cuLaunchCooperativeKernel", 477, Word(5), false),
-    launch("cuLaunchCooperativeKernel_ptsz", 478, Word(5), false),
-    cb("cuGraphLaunch", 514, Kind::Graph, Shape::GraphLaunch),
-    cb("cuGraphLaunch_ptsz", 515, Kind::Graph, Shape::GraphLaunch),
+    launch("cuLaunchCooperativeKernel_ptsz", 478, WordPt(5), false),
+    cb(
+        "cuGraphLaunch",
+        514,
+        Kind::Graph,
+        Shape::GraphLaunch { stream: Word(1) },
+    ),
+    cb(
+        "cuGraphLaunch_ptsz",
+        515,
+        Kind::Graph,
+        Shape::GraphLaunch { stream: WordPt(1) },
+    ),
     copy("cuMemcpy", 305, 0, 1, 2, Legacy),
     copy("cuMemcpy_ptds", 408, 0, 1, 2, PerThread),
     copy("cuMemcpyAsync", 306, 0, 1, 2, Word(3)),
-    copy("cuMemcpyAsync_ptsz", 418, 0, 1, 2, Word(3)),
+    copy("cuMemcpyAsync_ptsz", 418, 0, 1, 2, WordPt(3)),
     copy("cuMemcpyHtoD_v2", 276, 0, 1, 2, Legacy),
     copy("cuMemcpyHtoD_v2_ptds", 397, 0, 1, 2, PerThread),
     copy("cuMemcpyHtoDAsync_v2", 277, 0, 1, 2, Word(3)),
-    copy("cuMemcpyHtoDAsync_v2_ptsz", 421, 0, 1, 2, Word(3)),
+    copy("cuMemcpyHtoDAsync_v2_ptsz", 421, 0, 1, 2, WordPt(3)),
     copy("cuMemcpyDtoH_v2", 278, 0, 1, 2, Legacy),
     copy("cuMemcpyDtoH_v2_ptds", 398, 0, 1, 2, PerThread),
     copy("cuMemcpyDtoHAsync_v2", 279, 0, 1, 2, Word(3)),
-    copy("cuMemcpyDtoHAsync_v2_ptsz", 422, 0, 1, 2, Word(3)),
+    copy("cuMemcpyDtoHAsync_v2_ptsz", 422, 0, 1, 2, WordPt(3)),
     copy("cuMemcpyDtoD_v2", 280, 0, 1, 2, Legacy),
     copy("cuMemcpyDtoD_v2_ptds", 399, 0, 1, 2, PerThread),
     copy("cuMemcpyDtoDAsync_v2", 281, 0, 1, 2, Word(3)),
-    copy("cuMemcpyDtoDAsync_v2_ptsz", 423, 0, 1, 2, Word(3)),
+    copy("cuMemcpyDtoDAsync_v2_ptsz", 423, 0, 1, 2, WordPt(3)),
     // (dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream)
     copy("cuMemcpyPeerAsync", 319, 0, 2, 4, Word(5)),
-    copy("cuMemcpyPeerAsync_ptsz", 426, 0, 2, 4, Word(5)),
+    copy("cuMemcpyPeerAsync_ptsz", 426, 0, 2, 4, WordPt(5)),
     // (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, hStream)
     opaque_copy("cuMemcpyBatchAsync", 776, Word(8)),
-    opaque_copy("cuMemcpyBatchAsync_ptsz", 777, Word(8)),
+    opaque_copy("cuMemcpyBatchAsync_ptsz", 777, WordPt(8)),
     // (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, hStream)
     opaque_copy("cuMemcpyBatchAsync_v2", 796, Word(7)),
-    opaque_copy("cuMemcpyBatchAsync_v2_ptsz", 797, Word(7)),
+    opaque_copy("cuMemcpyBatchAsync_v2_ptsz", 797, WordPt(7)),
     // (const CUDA_MEMCPY2D/3D *pCopy[, hStream])
     opaque_copy("cuMemcpy2D_v2", 287, Legacy),
     opaque_copy("cuMemcpy2D_v2_ptds", 405, PerThread),
     opaque_copy("cuMemcpy2DUnaligned_v2", 288, Legacy),
     opaque_copy("cuMemcpy2DUnaligned_v2_ptds", 406, PerThread),
     opaque_copy("cuMemcpy2DAsync_v2", 289, Word(1)),
-    opaque_copy("cuMemcpy2DAsync_v2_ptsz", 424, Word(1)),
+    opaque_copy("cuMemcpy2DAsync_v2_ptsz", 424, WordPt(1)),
     opaque_copy("cuMemcpy3D_v2", 290, Legacy),
     opaque_copy("cuMemcpy3D_v2_ptds", 407, PerThread),
     opaque_copy("cuMemcpy3DAsync_v2", 291, Word(1)),
-    opaque_copy("cuMemcpy3DAsync_v2_ptsz", 425, Word(1)),
+    opaque_copy("cuMemcpy3DAsync_v2_ptsz", 425, WordPt(1)),
     memset("cuMemsetD8_v2", 249, 1, Legacy),
     memset("cuMemsetD8_v2_ptds", 411, 1, PerThread),
     memset("cuMemsetD16_v2", 250, 2, Legacy),
@@ -321,11 +339,11 @@ pub const CALLBACKS: &[Callback] = &[
     memset("cuMemsetD32_v2", 251, 4, Legacy),
     memset("cuMemsetD32_v2_ptds", 413, 4, PerThread),
     memset("cuMemsetD8Async", 216, 1, Word(3)),
-    memset("cuMemsetD8Async_ptsz", 428, 1, Word(3)),
+    memset("cuMemsetD8Async_ptsz", 428, 1, WordPt(3)),
     memset("cuMemsetD16Async", 218, 2, Word(3)),
-    memset("cuMemsetD16Async_ptsz", 429, 2, Word(3)),
+    memset("cuMemsetD16Async_ptsz", 429, 2, WordPt(3)),
     memset("cuMemsetD32Async", 220, 4, Word(3)),
-    memset("cuMemsetD32Async_ptsz", 430, 4, Word(3)),
+    memset("cuMemsetD32Async_ptsz", 430, 4, WordPt(3)),
     cb(
         "cuMemAlloc_v2",
         243,

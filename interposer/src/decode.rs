@@ -82,6 +82,8 @@ impl<'a> RawCall<'a> {
             }
             StreamAt::Legacy => 0,
             StreamAt::PerThread => STREAM_PER_THREAD,
+            StreamAt::WordPt(i) => per_thread_if_null(self.stream(StreamAt::Word(i))),
+            StreamAt::ConfigPt(i) => per_thread_if_null(self.stream(StreamAt::Config(i))),
         }
     }
 
@@ -103,6 +105,15 @@ impl<'a> RawCall<'a> {
             }),
             _life: PhantomData,
         }
+    }
+}
+
+/// A `_ptsz` call's stream: null there means the calling thread's per-thread default stream.
+fn per_thread_if_null(s: u64) -> u64 {
+    if s == 0 {
+        STREAM_PER_THREAD
+    } else {
+        s
     }
 }
 
@@ -214,6 +225,45 @@ pub fn job_stream(dev: &CudaDevice, raw: u64) -> CudaStream {
 mod tests {
     use super::*;
     use possum_analyzer::layout::{slot_runs, Param, ParamLayout};
+
+    /// A null stream in a `_ptsz` call is the calling thread's per-thread default stream; in the
+    /// plain call, the legacy one; any other handle is itself.
+    #[test]
+    fn a_null_stream_of_a_ptsz_call_is_the_per_thread_stream() {
+        // cuMemcpyAsync(dst, src, n, hStream): the stream in word 3; cuLaunchKernelEx's
+        // CUlaunchConfig has hStream at byte 32.
+        let mut cfg = [0u64; 8];
+        let params = |s: u64, cfg: &[u64; 8]| [1u64, 2, 3, s, cfg.as_ptr() as u64];
+        for (s, plain, ptsz) in [(0, 0, STREAM_PER_THREAD), (0x55aa, 0x55aa, 0x55aa)] {
+            cfg[4] = s;
+            let p = params(s, &cfg);
+            // SAFETY: `p` holds five words, `cfg` eight; both outlive the calls.
+            let call = unsafe { RawCall::new(p.as_ptr().cast(), std::ptr::null()) };
+            assert_eq!(call.stream(StreamAt::Word(3)), plain);
+            assert_eq!(call.stream(StreamAt::WordPt(3)), ptsz);
+            assert_eq!(call.stream(StreamAt::Config(4)), plain);
+            assert_eq!(call.stream(StreamAt::ConfigPt(4)), ptsz);
+        }
+        // Every `_ptsz` operation in the table reads its stream that way.
+        for c in crate::cbid::CALLBACKS
+            .iter()
+            .filter(|c| c.name.ends_with("_ptsz"))
+        {
+            let at = match c.shape {
+                crate::cbid::Shape::Launch { stream, .. }
+                | crate::cbid::Shape::Copy { stream, .. }
+                | crate::cbid::Shape::Memset { stream, .. }
+                | crate::cbid::Shape::OpaqueOp { stream }
+                | crate::cbid::Shape::GraphLaunch { stream } => stream,
+                _ => continue,
+            };
+            assert!(
+                matches!(at, StreamAt::WordPt(_) | StreamAt::ConfigPt(_)),
+                "{}: {at:?}",
+                c.name
+            );
+        }
+    }
 
     #[test]
     fn launch_words_come_from_kernel_params_and_by_value_structs() {

@@ -164,7 +164,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
                 });
             }
         }
-        Shape::GraphLaunch => graph_launch(st, ctx, call.word(0), call.word(1)),
+        Shape::GraphLaunch { stream } => graph_launch(st, ctx, call.word(0), call.stream(stream)),
         Shape::Copy {
             dst, src, stream, ..
         } => {
