@@ -580,20 +580,7 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pointer queries (no CUPTI callback of possum's: wrapped by hand)
-
-mod ptr_attr {
-    pub static REAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-}
-mod ptr_attrs {
-    pub static REAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-}
-mod addr_range {
-    pub static REAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-}
-type PtrAttrFn = unsafe extern "C" fn(*mut c_void, c_uint, u64) -> CuResult;
-type PtrAttrsFn = unsafe extern "C" fn(c_uint, *mut c_uint, *mut *mut c_void, u64) -> CuResult;
-type AddrRangeFn = unsafe extern "C" fn(*mut u64, *mut usize, u64) -> CuResult;
+// Pointer queries (`[query ptr]` in the table below: no CUPTI callback of possum's, cbid 0)
 
 /// Before a query about device pointer `ptr`: the buffer it is in must be mapped (see
 /// [`crate::hooks::pointer_query`]).
@@ -607,64 +594,6 @@ fn before_query(ptr: u64) {
         current_context()
     };
     let _ = catch_unwind(AssertUnwindSafe(|| crate::hooks::pointer_query(ctx, ptr)));
-}
-
-/// `cuPointerGetAttribute`: the driver's answer, once the buffer `ptr` is in is back.
-///
-/// # Safety
-/// As the driver's.
-#[no_mangle]
-pub unsafe extern "C" fn cuPointerGetAttribute(
-    data: *mut c_void,
-    attr: c_uint,
-    ptr: u64,
-) -> CuResult {
-    let f = real(&ptr_attr::REAL, "cuPointerGetAttribute\0");
-    if f == 0 {
-        return NOT_INITIALIZED;
-    }
-    before_query(ptr);
-    // SAFETY: the driver's function of that name and signature, the caller's arguments.
-    unsafe { std::mem::transmute::<usize, PtrAttrFn>(f)(data, attr, ptr) }
-}
-
-/// `cuPointerGetAttributes`: as [`cuPointerGetAttribute`].
-///
-/// # Safety
-/// As the driver's.
-#[no_mangle]
-pub unsafe extern "C" fn cuPointerGetAttributes(
-    n: c_uint,
-    attrs: *mut c_uint,
-    data: *mut *mut c_void,
-    ptr: u64,
-) -> CuResult {
-    let f = real(&ptr_attrs::REAL, "cuPointerGetAttributes\0");
-    if f == 0 {
-        return NOT_INITIALIZED;
-    }
-    before_query(ptr);
-    // SAFETY: the driver's function of that name and signature, the caller's arguments.
-    unsafe { std::mem::transmute::<usize, PtrAttrsFn>(f)(n, attrs, data, ptr) }
-}
-
-/// `cuMemGetAddressRange_v2`: as [`cuPointerGetAttribute`].
-///
-/// # Safety
-/// As the driver's.
-#[no_mangle]
-pub unsafe extern "C" fn cuMemGetAddressRange_v2(
-    base: *mut u64,
-    size: *mut usize,
-    ptr: u64,
-) -> CuResult {
-    let f = real(&addr_range::REAL, "cuMemGetAddressRange_v2\0");
-    if f == 0 {
-        return NOT_INITIALIZED;
-    }
-    before_query(ptr);
-    // SAFETY: the driver's function of that name and signature, the caller's arguments.
-    unsafe { std::mem::transmute::<usize, AddrRangeFn>(f)(base, size, ptr) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -685,11 +614,29 @@ macro_rules! maybe_serve {
     };
 }
 
+/// The rest of a wrapper, once it has the driver's function `f`: the hooks around it, or for a
+/// pointer query (`[query ptr]`) the buffer `ptr` is in brought back first and no hook.
+macro_rules! call_through {
+    ([] $f:ident; $cbid:literal; $($a:ident : $t:ty),*) => {{
+        #[repr(C)]
+        #[allow(dead_code)]
+        struct Params { $($a: $t),* }
+        let p = Params { $($a),* };
+        // SAFETY: the caller's own arguments, to the function they were meant for.
+        through($cbid, &p, || unsafe { $f($($a),*) })
+    }};
+    ([$q:ident] $f:ident; $cbid:literal; $($a:ident : $t:ty),*) => {{
+        before_query($q);
+        // SAFETY: the caller's own arguments, to the function they were meant for.
+        unsafe { $f($($a),*) }
+    }};
+}
+
 /// Declares each wrapped driver function: an exported wrapper of its exact C signature, the slot
 /// of the driver's own function, and its row in [`ENTRIES`]. `serve` names a function that may
 /// answer the call itself (allocations served by the engine): it returns `Some(result)` to do so.
 macro_rules! entry_points {
-    ($( $name:ident = $cbid:literal $([serve $serve:ident])? ( $($a:ident : $t:ty),* ); )*) => {
+    ($( $name:ident = $cbid:literal $([serve $serve:ident])? $([query $q:ident])? ( $($a:ident : $t:ty),* ); )*) => {
         $(
             #[allow(non_snake_case)]
             mod $name {
@@ -705,9 +652,6 @@ macro_rules! entry_points {
             #[no_mangle]
             pub unsafe extern "C" fn $name($($a: $t),*) -> CuResult {
                 maybe_serve!([$($serve)?] $cbid; $($a),*);
-                #[repr(C)]
-                #[allow(dead_code)]
-                struct Params { $($a: $t),* }
                 let f = real(&$name::REAL, concat!(stringify!($name), "\0"));
                 if f == 0 {
                     return NOT_INITIALIZED;
@@ -717,14 +661,12 @@ macro_rules! entry_points {
                 let f = unsafe {
                     std::mem::transmute::<usize, unsafe extern "C" fn($($t),*) -> CuResult>(f)
                 };
-                let p = Params { $($a),* };
-                // SAFETY: the caller's own arguments, to the function they were meant for.
-                through($cbid, &p, || unsafe { f($($a),*) })
+                call_through!([$($q)?] f; $cbid; $($a : $t),*)
             }
         )*
 
-        /// Every wrapped driver function: `cuGetProcAddress` and `_v2`, the pointer queries
-        /// (`cbid` 0: not a callback of possum's), then the table below.
+        /// Every wrapped driver function: `cuGetProcAddress` and `_v2`, then the table below
+        /// (the pointer queries with `cbid` 0: not a callback of possum's).
         pub static ENTRIES: &[Entry] = &[
             Entry {
                 name: "cuGetProcAddress\0",
@@ -737,24 +679,6 @@ macro_rules! entry_points {
                 cbid: 677,
                 ours: cuGetProcAddress_v2 as Gpa2Fn as *const (),
                 real: &proc_v2::REAL,
-            },
-            Entry {
-                name: "cuPointerGetAttribute\0",
-                cbid: 0,
-                ours: cuPointerGetAttribute as PtrAttrFn as *const (),
-                real: &ptr_attr::REAL,
-            },
-            Entry {
-                name: "cuPointerGetAttributes\0",
-                cbid: 0,
-                ours: cuPointerGetAttributes as PtrAttrsFn as *const (),
-                real: &ptr_attrs::REAL,
-            },
-            Entry {
-                name: "cuMemGetAddressRange_v2\0",
-                cbid: 0,
-                ours: cuMemGetAddressRange_v2 as AddrRangeFn as *const (),
-                real: &addr_range::REAL,
             },
             $(
                 Entry {
@@ -776,6 +700,9 @@ type U = c_uint;
 type Z = usize;
 
 entry_points! {
+    cuPointerGetAttribute = 0 [query ptr] (data: P, attr: U, ptr: P);
+    cuPointerGetAttributes = 0 [query ptr] (n: U, attrs: P, data: P, ptr: P);
+    cuMemGetAddressRange_v2 = 0 [query ptr] (base: P, size: P, ptr: P);
     cuLaunchKernel = 307 (f: P, gx: U, gy: U, gz: U, bx: U, by: U, bz: U, shmem: U, s: P, params: P, extra: P);
     cuLaunchKernel_ptsz = 442 (f: P, gx: U, gy: U, gz: U, bx: U, by: U, bz: U, shmem: U, s: P, params: P, extra: P);
     cuLaunchKernelEx = 652 (config: P, f: P, params: P, extra: P);
@@ -946,5 +873,13 @@ mod tests {
             cuLaunchKernel as *const () as usize
         );
         assert_eq!(own("cuNothing\0"), 0);
+        // The pointer queries are in the table (handed out by dlsym and cuGetProcAddress too).
+        for q in [
+            "cuPointerGetAttribute\0",
+            "cuPointerGetAttributes\0",
+            "cuMemGetAddressRange_v2\0",
+        ] {
+            assert_ne!(own(q), 0, "{q}");
+        }
     }
 }
