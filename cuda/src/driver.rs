@@ -1,6 +1,6 @@
 //! The unsafe layer over the driver for the backend (the other modules with `unsafe` code are
-//! `introspect`, the job's own objects for the interposer, and `checkpoint`, the driver's
-//! checkpoint of another process).
+//! `introspect`, the job's own objects for the interposer, `checkpoint`, the driver's
+//! checkpoint of another process, and `share`, memory shared between processes).
 //!
 //! Thin wrappers over the CUDA driver API as cudarc's `sys` layer exposes it (loaded with `dlopen` at
 //! run time, so nothing of CUDA is needed to build), plus RAII types for the driver objects possum
@@ -74,6 +74,10 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuMemsetD8Async",
+    // share.rs
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemcpyHtoD_v2",
     // introspect.rs
     "cuFuncGetParamInfo",
     "cuKernelGetParamInfo",

@@ -12,8 +12,8 @@
 //! The driver (libcuda) is loaded at run time through cudarc, so this crate builds without CUDA and
 //! [`probe`] says, without panicking, whether a device is usable. All `unsafe` code is in the private
 //! `driver` module, in [`introspect`] (the job's kernels, graphs and streams, for the interposer)
-//! and in [`checkpoint`] (the driver's checkpoint of another process, for the CLI); everything else
-//! is safe.
+//! in [`checkpoint`] (the driver's checkpoint of another process, for the CLI) and in [`share`]
+//! (memory exported to and imported from other processes, for the keeper); everything else is safe.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
@@ -21,6 +21,7 @@ pub mod checkpoint;
 mod device;
 mod driver;
 pub mod introspect;
+pub mod share;
 
 pub use device::{probe, CudaDevice, DriverInfo};
 pub use driver::{

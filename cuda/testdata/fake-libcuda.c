@@ -34,7 +34,11 @@ typedef unsigned long long ull;
 static __thread void* cur;
 static size_t used;
 static const size_t TOTAL = 80ull<<30;
-struct h { int fd; size_t size; };
+// A physical allocation: a memfd. `htype` is the prop's requestedHandleTypes (1: POSIX fd, which
+// cuMemExportToShareableHandle needs); `imported` ones (cuMemImportFromShareableHandle, a dup of
+// the exporter's memfd, so a mapping of it maps the same pages, across processes too) do not
+// count in `used`: the exporter's allocation does.
+struct h { int fd; size_t size; int htype; int imported; };
 struct m { ull va; size_t size; };
 static struct m maps[64];
 int cuGetErrorString(int e, const char** s){
@@ -94,9 +98,25 @@ int cuMemCreate(ull* h, size_t size, const void* prop, ull f){
   if(!cur) return 201;
   if(used+size>TOTAL) return 2;
   struct h* x=malloc(sizeof *x); x->fd=memfd_create("fakegpu",0); x->size=size;
+  x->htype = prop? ((const int*)prop)[1] : 0; x->imported=0;  // CUmemAllocationProp: type, requestedHandleTypes
   if(ftruncate(x->fd,size)) return 2;
   used+=size; *h=(ull)(uintptr_t)x; return 0; }
-int cuMemRelease(ull h){ struct h* x=(void*)(uintptr_t)h; close(x->fd); used-=x->size; free(x); return 0; }
+int cuMemRelease(ull h){ struct h* x=(void*)(uintptr_t)h; close(x->fd); if(!x->imported) used-=x->size; free(x); return 0; }
+// Shareable handles: only CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (1), and only for memory
+// created with it (else CUDA_ERROR_INVALID_VALUE, as the real driver answers).
+int cuMemExportToShareableHandle(void* out, ull h, int type, ull flags){
+  struct h* x=(void*)(uintptr_t)h;
+  if(!out || !x || type!=1 || (x->htype & 1)==0) return 1;
+  int fd=fcntl(x->fd, F_DUPFD_CLOEXEC, 0); if(fd<0) return 2;
+  *(int*)out=fd; return 0; }
+int cuMemImportFromShareableHandle(ull* h, void* os, int type){
+  if(!cur) return 201;
+  int fd=(int)(intptr_t)os; struct stat st;
+  if(!h || type!=1 || fd<0 || fstat(fd, &st)) return 1;
+  struct h* x=malloc(sizeof *x); x->fd=fcntl(fd, F_DUPFD_CLOEXEC, 0); x->size=st.st_size;
+  x->htype=1; x->imported=1;
+  if(x->fd<0){ free(x); return 2; }
+  *h=(ull)(uintptr_t)x; return 0; }
 int cuMemMap(ull p, size_t size, size_t off, ull h, ull f){
   struct h* x=(void*)(uintptr_t)h;
   if(mmap((void*)p, size, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, x->fd, off)==MAP_FAILED) return 1;
@@ -287,7 +307,7 @@ int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* st
   X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
   X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemAllocManaged) X(cuMemGetInfo_v2) \
   X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) \
-  X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAddressRange_v2) \
+  X(cuMemRelease) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAddressRange_v2) \
   X(cuMemHostAlloc) X(cuMemFreeHost) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
   X(cuStreamGetPriority) X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamQuery) \
   X(cuStreamWaitEvent) X(cuStreamIsCapturing) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery) \

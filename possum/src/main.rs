@@ -9,6 +9,7 @@ mod checkpoint;
 mod criu_demo;
 mod demo;
 mod doctor;
+mod keeper;
 mod run;
 mod status;
 mod trace;
@@ -28,6 +29,10 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Reports CRIU, kernel features, GPU and driver.
     Doctor,
+    /// Runs a keeper: a process that owns GPU memory and hands it to jobs as shareable handles
+    /// over a Unix socket, with per-client accounting, until it is killed (SIGTERM). The first
+    /// part of issue 14: nothing uses it yet.
+    Keeper(keeper::KeeperArgs),
     /// Runs a job with libpossum.so preloaded (and so a control socket); exits with its status.
     ///
     /// libpossum.so serves the job's cudaMalloc from possum's engine and sees every GPU operation
@@ -102,6 +107,7 @@ fn main() -> ExitCode {
         Cmd::Demo(a) if a.criu => criu_demo::run(&a).map(check),
         Cmd::Demo(a) => demo::run(&a).map(check),
         Cmd::Doctor => doctor::run().map(check),
+        Cmd::Keeper(a) => keeper::run(&a).map(check),
         Cmd::DemoChild(a) => criu_demo::child(&a).map(check),
         Cmd::Run(a) => run::run(&a),
         Cmd::Trace(a) => trace::run(&a).map(check),

@@ -1,0 +1,353 @@
+//! Physical device memory that can be shared between processes (issue 14's keeper): created
+//! exportable as a POSIX file descriptor, exported, imported in another process, mapped at an
+//! address the caller reserved, and released. Unsafe module, like `driver`: every driver call goes
+//! through `check`, and every type here releases what it owns on drop.
+//!
+//! - [`ShareDevice`]: a device's primary context, opened with [`ShareDevice::open`].
+//! - [`SharedMem`]: a physical allocation handle, made by [`ShareDevice::create`] (exportable,
+//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) or [`ShareDevice::import`]
+//!   (`cuMemImportFromShareableHandle`); [`SharedMem::export`] gives a new fd for it
+//!   (`cuMemExportToShareableHandle`). Dropped: `cuMemRelease` (the memory lives on while another
+//!   handle or a mapping refers to it, in this process or another).
+//! - [`Reservation`] and [`Mapped`]: an address range (`cuMemAddressReserve`) and a handle mapped
+//!   in it with read/write access for the device; a mapping borrows its reservation, so it is
+//!   always unmapped before the range is freed.
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::fmt;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use possum_engine::device::{DeviceError, DeviceResult};
+
+use crate::driver::{self, check, Context};
+
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+fn invalid(call: &'static str, message: String) -> DeviceError {
+    DeviceError::Backend {
+        call,
+        code: sys::CUresult::CUDA_ERROR_INVALID_VALUE as i64,
+        message,
+    }
+}
+
+fn to_usize(call: &'static str, n: u64) -> DeviceResult<usize> {
+    usize::try_from(n).map_err(|_| invalid(call, format!("size {n} does not fit in usize")))
+}
+
+macro_rules! call {
+    ($f:ident ( $($arg:expr),* $(,)? )) => {{
+        // SAFETY: the library is loaded (a `ShareDevice` exists only after `driver::init`), the
+        // context is current (each caller binds it first), and the arguments are plain values or
+        // out-pointers to locals of the right type, as the driver API documents.
+        check(stringify!($f), unsafe { sys::$f($($arg),*) })
+    }};
+}
+
+/// A device's primary context, for shareable memory.
+#[derive(Debug, Clone)]
+pub struct ShareDevice {
+    ctx: Arc<Context>,
+    granularity: u64,
+}
+
+impl ShareDevice {
+    /// Loads the driver, initialises it and retains device `ordinal`'s primary context.
+    pub fn open(ordinal: usize) -> DeviceResult<ShareDevice> {
+        driver::init()?;
+        let dev = driver::device_get(ordinal)?;
+        let ctx = Context::retain_primary(dev)?;
+        ctx.bind()?;
+        let prop = alloc_prop(dev);
+        let mut g = 0usize;
+        call!(cuMemGetAllocationGranularity(
+            &mut g,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        ))?;
+        Ok(ShareDevice {
+            ctx,
+            granularity: (g as u64).max(1),
+        })
+    }
+
+    /// The minimum allocation granularity of exportable memory: sizes and addresses are multiples.
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    /// (free, total) bytes of the device, as the driver says.
+    pub fn mem_info(&self) -> DeviceResult<(u64, u64)> {
+        self.ctx.bind()?;
+        driver::mem_get_info()
+    }
+
+    /// Creates `size` bytes (a multiple of [`granularity`](Self::granularity)) of physical memory
+    /// exportable as a POSIX fd.
+    pub fn create(&self, size: u64) -> DeviceResult<SharedMem> {
+        self.check_size("cuMemCreate", size)?;
+        self.ctx.bind()?;
+        let prop = alloc_prop(self.ctx.device());
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        call!(cuMemCreate(
+            &mut handle,
+            to_usize("cuMemCreate", size)?,
+            &prop,
+            0
+        ))?;
+        Ok(SharedMem {
+            handle,
+            size,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Imports memory another process (or this one) exported as `fd`; `size` is its size, as the
+    /// exporter said. The fd stays the caller's (the driver takes its own reference).
+    pub fn import(&self, fd: BorrowedFd<'_>, size: u64) -> DeviceResult<SharedMem> {
+        self.check_size("cuMemImportFromShareableHandle", size)?;
+        self.ctx.bind()?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // For POSIX_FILE_DESCRIPTOR the driver takes the fd itself in the pointer argument.
+        let os_handle = fd.as_raw_fd() as isize as *mut c_void;
+        call!(cuMemImportFromShareableHandle(
+            &mut handle,
+            os_handle,
+            POSIX_FD
+        ))?;
+        Ok(SharedMem {
+            handle,
+            size,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    /// Reserves `size` bytes of device address space (a multiple of the granularity).
+    pub fn reserve(&self, size: u64) -> DeviceResult<Reservation> {
+        self.check_size("cuMemAddressReserve", size)?;
+        self.ctx.bind()?;
+        let va = driver::address_reserve(size, self.granularity)?;
+        Ok(Reservation {
+            va,
+            size,
+            ctx: self.ctx.clone(),
+        })
+    }
+
+    fn check_size(&self, call: &'static str, size: u64) -> DeviceResult<()> {
+        if size == 0 || size % self.granularity != 0 {
+            return Err(invalid(
+                call,
+                format!(
+                    "size {size} is not a positive multiple of the granularity {}",
+                    self.granularity
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Device memory on `dev`, pinned, exportable as a POSIX fd.
+fn alloc_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: POSIX_FD,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev,
+        },
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// A handle on shareable physical memory; `cuMemRelease` on drop.
+pub struct SharedMem {
+    handle: sys::CUmemGenericAllocationHandle,
+    size: u64,
+    ctx: Arc<Context>,
+}
+
+impl fmt::Debug for SharedMem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedMem")
+            .field("handle", &format_args!("{:#x}", self.handle))
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl SharedMem {
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// A new POSIX fd for this memory (`cuMemExportToShareableHandle`), to pass to another
+    /// process (SCM_RIGHTS), which imports it with [`ShareDevice::import`].
+    pub fn export(&self) -> DeviceResult<OwnedFd> {
+        self.ctx.bind()?;
+        let mut fd: std::ffi::c_int = -1;
+        call!(cuMemExportToShareableHandle(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            self.handle,
+            POSIX_FD,
+            0
+        ))?;
+        if fd < 0 {
+            return Err(invalid(
+                "cuMemExportToShareableHandle",
+                format!("the driver answered fd {fd}"),
+            ));
+        }
+        // SAFETY: on success the driver hands the caller a new open descriptor, owned by no one
+        // else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Maps all of it at `offset` in `res` with read/write access for the device. On failure
+    /// nothing stays mapped.
+    pub fn map<'r>(&self, res: &'r Reservation, offset: u64) -> DeviceResult<Mapped<'r>> {
+        let end = offset.checked_add(self.size);
+        if !matches!(end, Some(e) if e <= res.size) {
+            return Err(invalid(
+                "cuMemMap",
+                format!(
+                    "{} bytes at offset {offset} do not fit the {}-byte reservation",
+                    self.size, res.size
+                ),
+            ));
+        }
+        self.ctx.bind()?;
+        let va = res.va + offset;
+        let size = to_usize("cuMemMap", self.size)?;
+        call!(cuMemMap(va, size, 0, self.handle, 0))?;
+        let access = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.ctx.device(),
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        if let Err(e) = call!(cuMemSetAccess(va, size, &access, 1)) {
+            let _ = driver::unmap(va, self.size);
+            return Err(e);
+        }
+        Ok(Mapped {
+            va,
+            size: self.size,
+            ctx: self.ctx.clone(),
+            _res: res,
+        })
+    }
+}
+
+impl Drop for SharedMem {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            let _ = call!(cuMemRelease(self.handle));
+        }
+    }
+}
+
+/// A reserved device address range; freed on drop (its mappings, which borrow it, are gone by
+/// then).
+pub struct Reservation {
+    va: u64,
+    size: u64,
+    ctx: Arc<Context>,
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reservation")
+            .field("va", &format_args!("{:#x}", self.va))
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl Reservation {
+    /// The range's first device address.
+    pub fn va(&self) -> u64 {
+        self.va
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            let _ = driver::address_free(self.va, self.size);
+        }
+    }
+}
+
+/// Memory mapped in a [`Reservation`]; unmapped on drop.
+pub struct Mapped<'r> {
+    va: u64,
+    size: u64,
+    ctx: Arc<Context>,
+    _res: &'r Reservation,
+}
+
+impl fmt::Debug for Mapped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mapped")
+            .field("va", &format_args!("{:#x}", self.va))
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl Mapped<'_> {
+    /// The mapping's device address.
+    pub fn va(&self) -> u64 {
+        self.va
+    }
+
+    fn range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.size => Ok(self.va + offset),
+            _ => Err(invalid(
+                call,
+                format!(
+                    "{len} bytes at offset {offset} outside the {}-byte mapping",
+                    self.size
+                ),
+            )),
+        }
+    }
+
+    /// Copies `data` to the device at `offset` (synchronous, `cuMemcpyHtoD_v2`).
+    pub fn write(&self, offset: u64, data: &[u8]) -> DeviceResult<()> {
+        let dst = self.range("cuMemcpyHtoD_v2", offset, data.len())?;
+        self.ctx.bind()?;
+        call!(cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), data.len()))
+    }
+
+    /// Copies `out.len()` bytes from the device at `offset` (synchronous, `cuMemcpyDtoH_v2`).
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> DeviceResult<()> {
+        let src = self.range("cuMemcpyDtoH_v2", offset, out.len())?;
+        self.ctx.bind()?;
+        call!(cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len()))
+    }
+}
+
+impl Drop for Mapped<'_> {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            let _ = driver::unmap(self.va, self.size);
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! The client side: [`Keeper`].
+
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::{fdpass, Allocated, KeeperError, Request, Stats};
+
+/// A connection to a keeper. Dropping it (or the process ending) frees what it allocated, except
+/// what it retained.
+#[derive(Debug)]
+pub struct Keeper {
+    stream: UnixStream,
+    pending: Vec<u8>,
+    keeper_pid: i32,
+}
+
+const MAX_REPLY: usize = 16 << 20;
+
+impl Keeper {
+    /// Connects and reads the keeper's greeting: [`KeeperError::Refused`] if it does not accept
+    /// this process (another uid).
+    pub fn connect(path: &Path) -> Result<Keeper, KeeperError> {
+        let stream = UnixStream::connect(path).map_err(|source| KeeperError::Socket {
+            path: path.to_path_buf(),
+            op: "connect",
+            source,
+        })?;
+        let mut k = Keeper {
+            stream,
+            pending: Vec::new(),
+            keeper_pid: 0,
+        };
+        let (hello, _) = k.read_reply("connect")?;
+        if let Some(e) = hello.get("error") {
+            return Err(KeeperError::Refused(
+                e.as_str().unwrap_or("(no message)").to_string(),
+            ));
+        }
+        k.keeper_pid = hello
+            .get("pid")
+            .and_then(Value::as_i64)
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| KeeperError::Protocol {
+                request: "connect",
+                detail: format!("greeting without a pid: {hello}"),
+            })?;
+        Ok(k)
+    }
+
+    /// The keeper's pid, from its greeting.
+    pub fn keeper_pid(&self) -> i32 {
+        self.keeper_pid
+    }
+
+    /// Allocates `size` bytes (rounded up to the granularity): the allocation and its fd, to
+    /// import with `possum_cuda::share::ShareDevice::import`.
+    pub fn alloc(&mut self, size: u64) -> Result<(Allocated, OwnedFd), KeeperError> {
+        let (v, mut fds) = self.ask("alloc", &Request::Alloc { size })?;
+        let a: Allocated = parse("alloc", v)?;
+        if fds.len() != 1 {
+            return Err(KeeperError::Protocol {
+                request: "alloc",
+                detail: format!("{} descriptors came with the reply, not 1", fds.len()),
+            });
+        }
+        Ok((a, fds.remove(0)))
+    }
+
+    /// Frees allocation `id`.
+    pub fn free(&mut self, id: u64) -> Result<(), KeeperError> {
+        self.ask("free", &Request::Free { id }).map(drop)
+    }
+
+    /// Keeps allocation `id` when this connection ends.
+    pub fn retain(&mut self, id: u64) -> Result<(), KeeperError> {
+        self.ask("retain", &Request::Retain { id }).map(drop)
+    }
+
+    /// Frees retained allocation `id`.
+    pub fn release_retained(&mut self, id: u64) -> Result<(), KeeperError> {
+        self.ask("release_retained", &Request::ReleaseRetained { id })
+            .map(drop)
+    }
+
+    /// The keeper's accounting.
+    pub fn stats(&mut self) -> Result<Stats, KeeperError> {
+        let (v, _) = self.ask("stats", &Request::Stats)?;
+        parse("stats", v)
+    }
+
+    fn ask(
+        &mut self,
+        request: &'static str,
+        req: &Request,
+    ) -> Result<(Value, Vec<OwnedFd>), KeeperError> {
+        let mut line = serde_json::to_vec(req).map_err(|e| KeeperError::Protocol {
+            request,
+            detail: e.to_string(),
+        })?;
+        line.push(b'\n');
+        fdpass::send(&self.stream, &line, None).map_err(|source| KeeperError::Io {
+            op: request,
+            source,
+        })?;
+        let (v, fds) = self.read_reply(request)?;
+        if let Some(e) = v.get("error") {
+            return Err(KeeperError::Remote {
+                request,
+                message: e.as_str().unwrap_or("(no message)").to_string(),
+            });
+        }
+        Ok((v, fds))
+    }
+
+    fn read_reply(&mut self, request: &'static str) -> Result<(Value, Vec<OwnedFd>), KeeperError> {
+        let mut fds = Vec::new();
+        let line = fdpass::recv_line(&self.stream, &mut self.pending, &mut fds, MAX_REPLY)
+            .map_err(|source| KeeperError::Io {
+                op: request,
+                source,
+            })?
+            .ok_or_else(|| KeeperError::Protocol {
+                request,
+                detail: "the keeper closed the connection".to_string(),
+            })?;
+        let v = serde_json::from_str(&line).map_err(|e| KeeperError::Protocol {
+            request,
+            detail: format!("{e}: {line}"),
+        })?;
+        Ok((v, fds))
+    }
+}
+
+fn parse<T: DeserializeOwned>(request: &'static str, v: Value) -> Result<T, KeeperError> {
+    serde_json::from_value(v.clone()).map_err(|e| KeeperError::Protocol {
+        request,
+        detail: format!("{e}: {v}"),
+    })
+}

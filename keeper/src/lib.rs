@@ -1,0 +1,163 @@
+//! The keeper (issue 14, first part): a process that owns the physical GPU memory of the buffers
+//! possum serves and hands it to jobs as VMM shareable handles, so that a job can unmap and release
+//! its handles before NVIDIA's driver checkpoint while the memory stays on the GPU.
+//!
+//! One Unix stream socket; each connection is one client (a job), and lives as long as it wants its
+//! memory. The keeper accepts only peers with its own uid (`SO_PEERCRED`). On accept it sends one
+//! greeting line, then answers one JSON line per request, in order:
+//!
+//! ```text
+//! keeper ── {"keeper":1,"pid":P}\n  or  {"error":"..."}\n (refused, then closed)
+//! client ── {"cmd":"alloc","size":N}\n   ──▶ {"id":I,"size":S}\n + the memory's fd (SCM_RIGHTS)
+//! client ── {"cmd":"free","id":I}\n      ──▶ {"ok":true}\n
+//! client ── {"cmd":"retain","id":I}\n    ──▶ {"ok":true}\n   kept when the client's connection ends
+//! client ── {"cmd":"release_retained","id":I}\n ──▶ {"ok":true}\n   frees a retained allocation
+//! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total
+//! ```
+//!
+//! `alloc` rounds the size up to the device's granularity (the reply says the size made). A failed
+//! request is answered `{"error":"..."}` and the connection goes on. When a connection closes, the
+//! allocations it made are freed, except those it retained, which stay (counted as `retained`)
+//! until some client of the same uid sends `release_retained`.
+//!
+//! Nothing uses the keeper yet: the job's side (importing its buffers from the keeper) is the rest
+//! of issue 14. The only `unsafe` is in the private `fdpass` module (taking ownership of the
+//! descriptors `recvmsg` received).
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod client;
+mod fdpass;
+mod server;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+pub use client::Keeper;
+pub use server::Server;
+
+/// The longest request line the keeper reads, newline excluded.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+/// What a client asks, sent as `{"cmd": "<name>", ...fields}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Request {
+    /// Create `size` bytes (rounded up to the granularity); the reply carries the fd.
+    Alloc {
+        /// Bytes asked for.
+        size: u64,
+    },
+    /// Free an allocation.
+    Free {
+        /// The allocation.
+        id: u64,
+    },
+    /// Keep an allocation when this client's connection ends (for a checkpoint).
+    Retain {
+        /// The allocation.
+        id: u64,
+    },
+    /// Free a retained allocation.
+    ReleaseRetained {
+        /// The allocation.
+        id: u64,
+    },
+    /// The accounting.
+    Stats,
+}
+
+impl From<possum_engine::device::DeviceError> for KeeperError {
+    fn from(e: possum_engine::device::DeviceError) -> Self {
+        KeeperError::Device(e)
+    }
+}
+
+/// The reply to `alloc` (the fd comes with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocated {
+    /// The allocation's id, for `free`, `retain` and `release_retained`.
+    pub id: u64,
+    /// Its size: the size asked, rounded up to the granularity.
+    pub size: u64,
+}
+
+/// A count of allocations and their bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// How many allocations.
+    pub allocations: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+impl Usage {
+    fn add(&mut self, bytes: u64) {
+        self.allocations += 1;
+        self.bytes += bytes;
+    }
+}
+
+/// The reply to `stats`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Per connected client's pid: what it holds (its retained allocations included).
+    pub clients: BTreeMap<i32, Usage>,
+    /// Retained allocations whose client has gone.
+    pub retained: Usage,
+    /// Everything the keeper holds.
+    pub total: Usage,
+}
+
+/// What failed, named.
+#[derive(Debug, thiserror::Error)]
+pub enum KeeperError {
+    /// The socket could not be set up or reached.
+    #[error("keeper socket {path}: {op}: {source}")]
+    Socket {
+        /// The socket's path.
+        path: PathBuf,
+        /// What was being done (bind, connect...).
+        op: &'static str,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Reading from or writing to a connection failed.
+    #[error("keeper connection: {op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The driver refused something.
+    #[error("keeper device: {0}")]
+    Device(possum_engine::device::DeviceError),
+    /// The keeper refused the connection (another uid).
+    #[error("refused by the keeper: {0}")]
+    Refused(String),
+    /// The keeper answered a request with an error.
+    #[error("keeper refused {request}: {message}")]
+    Remote {
+        /// The request's name.
+        request: &'static str,
+        /// The keeper's message.
+        message: String,
+    },
+    /// A reply that does not follow the protocol.
+    #[error("keeper protocol, {request}: {detail}")]
+    Protocol {
+        /// The request's name.
+        request: &'static str,
+        /// What was wrong.
+        detail: String,
+    },
+    /// No allocation has this id (or it is not in the state the request needs).
+    #[error("no allocation {0}")]
+    NoSuchAllocation(u64),
+    /// `release_retained` of an allocation that is not retained.
+    #[error("allocation {0} is not retained")]
+    NotRetained(u64),
+}

@@ -1,0 +1,309 @@
+//! The keeper's side: [`Server`].
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+use possum_cuda::share::{ShareDevice, SharedMem};
+use serde_json::{json, Value};
+
+use crate::{fdpass, Allocated, KeeperError, Request, Stats, Usage, MAX_REQUEST_BYTES};
+
+/// A keeper: a listening socket and the memory it holds. Cheap to clone (shared); run
+/// [`serve`](Server::serve) on one thread and look at it ([`stats`](Server::stats),
+/// [`read`](Server::read)) from another.
+#[derive(Debug, Clone)]
+pub struct Server {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    listener: UnixListener,
+    path: PathBuf,
+    dev: ShareDevice,
+    uid: u32,
+    next_conn: AtomicU64,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_id: u64,
+    allocs: BTreeMap<u64, Alloc>,
+}
+
+#[derive(Debug)]
+struct Alloc {
+    mem: SharedMem,
+    /// (connection, pid) of the client that made it, while that connection lasts.
+    owner: Option<(u64, i32)>,
+    retained: bool,
+}
+
+impl Server {
+    /// Opens device `device` and listens at `path` (a stale socket file there is replaced).
+    pub fn bind(path: &Path, device: usize) -> Result<Server, KeeperError> {
+        let dev = ShareDevice::open(device)?;
+        let sock_err = |op, source| KeeperError::Socket {
+            path: path.to_path_buf(),
+            op,
+            source,
+        };
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(sock_err("remove the old socket", e)),
+        }
+        let listener = UnixListener::bind(path).map_err(|e| sock_err("bind", e))?;
+        Ok(Server {
+            inner: Arc::new(Inner {
+                listener,
+                path: path.to_path_buf(),
+                dev,
+                uid: nix::unistd::geteuid().as_raw(),
+                next_conn: AtomicU64::new(1),
+                state: Mutex::new(State::default()),
+            }),
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Accepts clients for ever, one thread each. Returns only if accepting fails.
+    pub fn serve(&self) -> Result<(), KeeperError> {
+        loop {
+            let (stream, _) = match self.inner.listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(source) => {
+                    return Err(KeeperError::Socket {
+                        path: self.inner.path.clone(),
+                        op: "accept",
+                        source,
+                    })
+                }
+            };
+            let inner = self.inner.clone();
+            std::thread::Builder::new()
+                .name("possum-keeper-conn".to_string())
+                .spawn(move || inner.connection(stream))
+                .map_err(|source| KeeperError::Io {
+                    op: "spawn a connection thread",
+                    source,
+                })?;
+        }
+    }
+
+    /// The accounting, as `stats` answers it.
+    pub fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+
+    /// (free, total) bytes of the keeper's device, as the driver says.
+    pub fn device_mem_info(&self) -> Result<(u64, u64), KeeperError> {
+        Ok(self.inner.dev.mem_info()?)
+    }
+
+    /// Reads `len` bytes at `offset` of allocation `id`, through a mapping of the keeper's own.
+    pub fn read(&self, id: u64, offset: u64, len: usize) -> Result<Vec<u8>, KeeperError> {
+        let st = self.inner.lock();
+        let a = st
+            .allocs
+            .get(&id)
+            .ok_or(KeeperError::NoSuchAllocation(id))?;
+        let res = self.inner.dev.reserve(a.mem.size())?;
+        let m = a.mem.map(&res, 0)?;
+        let mut out = vec![0u8; len];
+        m.read(offset, &mut out)?;
+        Ok(out)
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn connection(&self, stream: UnixStream) {
+        let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let pid = match getsockopt(&stream, PeerCredentials) {
+            Ok(c) if c.uid() == self.uid => c.pid(),
+            Ok(c) => {
+                let msg = format!(
+                    "uid {} is not the keeper's uid {}: connection refused",
+                    c.uid(),
+                    self.uid
+                );
+                let _ = reply(&stream, &json!({ "error": msg }), None);
+                return;
+            }
+            Err(e) => {
+                let msg = format!("SO_PEERCRED: {e}");
+                let _ = reply(&stream, &json!({ "error": msg }), None);
+                return;
+            }
+        };
+        let hello = json!({ "keeper": 1, "pid": std::process::id() });
+        if reply(&stream, &hello, None).is_ok() {
+            self.requests(&stream, conn, pid);
+        }
+        self.disconnected(conn);
+    }
+
+    fn requests(&self, stream: &UnixStream, conn: u64, pid: i32) {
+        let mut reader = BufReader::new(stream);
+        loop {
+            let mut line = Vec::new();
+            let limit = MAX_REQUEST_BYTES as u64 + 1;
+            match (&mut reader).take(limit).read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            if line.last() != Some(&b'\n') {
+                let _ = reply(
+                    stream,
+                    &json!({ "error": format!("request over {MAX_REQUEST_BYTES} bytes or cut short") }),
+                    None,
+                );
+                return;
+            }
+            line.pop();
+            let req: Request = match serde_json::from_slice(&line) {
+                Ok(r) => r,
+                Err(e) => {
+                    let msg = format!("bad request: {e}");
+                    if reply(stream, &json!({ "error": msg }), None).is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let sent = match self.handle(req, conn, pid) {
+                Ok((v, Some(mem_fd))) => {
+                    use std::os::fd::AsFd;
+                    reply(stream, &v, Some(mem_fd.as_fd()))
+                }
+                Ok((v, None)) => reply(stream, &v, None),
+                Err(e) => reply(stream, &json!({ "error": e.to_string() }), None),
+            };
+            if sent.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn handle(
+        &self,
+        req: Request,
+        conn: u64,
+        pid: i32,
+    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+        let ok = json!({ "ok": true });
+        match req {
+            Request::Alloc { size } => {
+                let g = self.dev.granularity();
+                let rounded =
+                    size.max(1)
+                        .checked_next_multiple_of(g)
+                        .ok_or(KeeperError::Protocol {
+                            request: "alloc",
+                            detail: format!("size {size} too large"),
+                        })?;
+                let mem = self.dev.create(rounded)?;
+                let fd = mem.export()?;
+                let mut st = self.lock();
+                st.next_id += 1;
+                let id = st.next_id;
+                st.allocs.insert(
+                    id,
+                    Alloc {
+                        mem,
+                        owner: Some((conn, pid)),
+                        retained: false,
+                    },
+                );
+                let a = Allocated { id, size: rounded };
+                Ok((json!(a), Some(fd)))
+            }
+            Request::Free { id } => {
+                let removed = self.lock().allocs.remove(&id);
+                removed.ok_or(KeeperError::NoSuchAllocation(id))?;
+                Ok((ok, None))
+            }
+            Request::Retain { id } => {
+                let mut st = self.lock();
+                let a = st
+                    .allocs
+                    .get_mut(&id)
+                    .ok_or(KeeperError::NoSuchAllocation(id))?;
+                a.retained = true;
+                Ok((ok, None))
+            }
+            Request::ReleaseRetained { id } => {
+                let mut st = self.lock();
+                match st.allocs.get(&id) {
+                    None => return Err(KeeperError::NoSuchAllocation(id)),
+                    Some(a) if !a.retained => return Err(KeeperError::NotRetained(id)),
+                    Some(_) => {}
+                }
+                let removed = st.allocs.remove(&id);
+                drop(st);
+                drop(removed);
+                Ok((ok, None))
+            }
+            Request::Stats => Ok((json!(self.stats()), None)),
+        }
+    }
+
+    /// Frees what connection `conn` allocated and did not retain; its retained allocations are
+    /// orphaned (counted as `retained`).
+    fn disconnected(&self, conn: u64) {
+        let mut st = self.lock();
+        st.allocs.retain(|_, a| {
+            if !matches!(a.owner, Some((c, _)) if c == conn) {
+                return true;
+            }
+            if a.retained {
+                a.owner = None;
+                return true;
+            }
+            false
+        });
+    }
+
+    fn stats(&self) -> Stats {
+        let st = self.lock();
+        let mut s = Stats::default();
+        for a in st.allocs.values() {
+            let size = a.mem.size();
+            s.total.add(size);
+            match a.owner {
+                Some((_, pid)) => s
+                    .clients
+                    .entry(pid)
+                    .or_insert_with(Usage::default)
+                    .add(size),
+                None => s.retained.add(size),
+            }
+        }
+        s
+    }
+}
+
+fn reply(
+    stream: &UnixStream,
+    v: &Value,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(v)?;
+    line.push(b'\n');
+    fdpass::send(stream, &line, fd)
+}

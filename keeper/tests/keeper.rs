@@ -1,0 +1,287 @@
+//! The keeper against the fake driver (`cuda/testdata/fake-libcuda.c`, built here with `cc`;
+//! without a C compiler each test prints "SKIPPED: ..." and passes). The fake backs each physical
+//! allocation with a memfd and exports/imports it as that fd, so memory shared through the keeper
+//! really is shared between the processes.
+//!
+//! Each test runs this binary again as a child with the fake driver on `LD_LIBRARY_PATH` (the
+//! driver is found by `dlopen` at run time) and `POSSUM_KEEPER_TEST_INNER` naming the test; the
+//! child runs the keeper on a thread and its clients as processes (`possum-keeper-test-client`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use possum_keeper::{Keeper, KeeperError, Server, Usage};
+
+const INNER: &str = "POSSUM_KEEPER_TEST_INNER";
+const MIB4: u64 = 4 << 20;
+
+fn skipped(test: &str, why: &str) {
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why} [{test}]");
+}
+
+/// `true` in the child, where the test's body runs; in the parent, runs the child and checks it
+/// passed, then `false`.
+fn inner_or_spawn(test: &str) -> bool {
+    if std::env::var(INNER).is_ok_and(|t| t == test) {
+        return true;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../cuda/testdata/fake-libcuda.c");
+    let lib = dir.path().join("libcuda.so.1");
+    let built = Command::new("cc")
+        .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !built {
+        skipped(test, "no C compiler to build cuda/testdata/fake-libcuda.c");
+        return false;
+    }
+    std::os::unix::fs::symlink(&lib, dir.path().join("libcuda.so")).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", dir.path())
+        .env(INNER, test)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{test} in the fake driver's process failed:\n{text}"
+    );
+    if let Some(l) = text.lines().find(|l| l.starts_with("SKIPPED")) {
+        let _ = writeln!(std::io::stderr(), "{l}");
+    }
+    false
+}
+
+/// A keeper serving on a thread, at `dir/keeper.sock`.
+fn keeper(dir: &Path) -> Server {
+    let server = Server::bind(&dir.join("keeper.sock"), 0).expect("keeper binds");
+    let s = server.clone();
+    std::thread::spawn(move || s.serve());
+    server
+}
+
+struct Client {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    pid: i32,
+}
+
+impl Client {
+    fn spawn(cmd: &mut Command) -> Client {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the test client");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut c = Client {
+            child,
+            stdin,
+            stdout,
+            pid: 0,
+        };
+        let hello = c.line();
+        c.pid = hello
+            .strip_prefix("connected ")
+            .unwrap_or_else(|| panic!("client said {hello:?}"))
+            .parse()
+            .unwrap();
+        c
+    }
+
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.stdout.read_line(&mut l).unwrap();
+        l.trim_end().to_string()
+    }
+
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.line()
+    }
+
+    /// `alloc size` → (id, size).
+    fn alloc(&mut self, size: u64) -> (u64, u64) {
+        let r = self.ask(&format!("alloc {size}"));
+        let w: Vec<&str> = r.split_whitespace().collect();
+        assert_eq!(w.first(), Some(&"allocated"), "{r}");
+        (w[1].parse().unwrap(), w[2].parse().unwrap())
+    }
+
+    fn exit(mut self) {
+        writeln!(self.stdin, "exit").unwrap();
+        assert!(self.child.wait().unwrap().success());
+    }
+}
+
+fn client_cmd(server: &Server) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_possum-keeper-test-client"));
+    c.arg(server.path());
+    c
+}
+
+fn pattern(id: u64, size: u64) -> Vec<u8> {
+    (0..size as usize)
+        .map(|i| (i % 251) as u8 ^ id as u8)
+        .collect()
+}
+
+/// Waits (up to 10 s) until the keeper holds nothing: a closed connection is cleaned up by its
+/// thread, a moment after the client has gone.
+fn wait_total(server: &Server, want: Usage) {
+    let t = Instant::now();
+    while server.stats().total != want {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "keeper still holds {:?}, want {want:?}",
+            server.stats()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn client_memory_is_shared_accounted_and_freed_on_exit() {
+    if !inner_or_spawn("client_memory_is_shared_accounted_and_freed_on_exit") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let (free0, _) = server.device_mem_info().unwrap();
+
+    let mut c = Client::spawn(&mut client_cmd(&server));
+    let (id, size) = c.alloc(MIB4);
+    assert_eq!(size, MIB4);
+    // The client wrote the pattern through its own mapping of the imported fd; the keeper reads
+    // its own mapping of the memory it created.
+    assert_eq!(
+        server.read(id, 0, size as usize).unwrap(),
+        pattern(id, size)
+    );
+
+    let one = Usage {
+        allocations: 1,
+        bytes: MIB4,
+    };
+    let s = server.stats();
+    assert_eq!(s.clients.get(&c.pid), Some(&one), "{s:?}");
+    assert_eq!(s.total, one);
+    let from_client: serde_json::Value = serde_json::from_str(&c.ask("stats")).unwrap();
+    assert_eq!(from_client["clients"][c.pid.to_string()]["bytes"], MIB4);
+    assert_eq!(server.device_mem_info().unwrap().0, free0 - MIB4);
+
+    // A size that is not a multiple of the granularity is rounded up.
+    let (_, small) = c.alloc(1000);
+    assert_eq!(small % (2 << 20), 0);
+    assert!(small >= 1000);
+
+    c.exit();
+    wait_total(&server, Usage::default());
+    assert!(server.stats().clients.is_empty());
+    assert_eq!(
+        server.device_mem_info().unwrap().0,
+        free0,
+        "the memory is released"
+    );
+}
+
+#[test]
+fn retained_memory_survives_its_client_until_released() {
+    if !inner_or_spawn("retained_memory_survives_its_client_until_released") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let (free0, _) = server.device_mem_info().unwrap();
+
+    let mut c = Client::spawn(&mut client_cmd(&server));
+    let (kept, _) = c.alloc(MIB4);
+    let (_gone, _) = c.alloc(MIB4);
+    assert_eq!(c.ask(&format!("retain {kept}")), format!("retained {kept}"));
+    c.exit();
+    let one = Usage {
+        allocations: 1,
+        bytes: MIB4,
+    };
+    wait_total(&server, one);
+    let s = server.stats();
+    assert_eq!(s.retained, one, "{s:?}");
+    assert!(s.clients.is_empty(), "{s:?}");
+    assert_eq!(
+        server.read(kept, 0, MIB4 as usize).unwrap(),
+        pattern(kept, MIB4)
+    );
+    assert_eq!(server.device_mem_info().unwrap().0, free0 - MIB4);
+
+    // Another client (this process: same uid) releases it.
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let (a, _fd) = k.alloc(MIB4).unwrap();
+    assert!(
+        matches!(k.release_retained(a.id), Err(KeeperError::Remote { .. })),
+        "not retained"
+    );
+    k.free(a.id).unwrap();
+    assert!(matches!(k.free(a.id), Err(KeeperError::Remote { .. })));
+    k.release_retained(kept).unwrap();
+    assert!(matches!(
+        k.release_retained(kept),
+        Err(KeeperError::Remote { .. })
+    ));
+    let s = k.stats().unwrap();
+    assert_eq!(s.total, Usage::default(), "{s:?}");
+    assert_eq!(server.device_mem_info().unwrap().0, free0);
+}
+
+#[test]
+fn a_client_of_another_uid_is_refused() {
+    if !inner_or_spawn("a_client_of_another_uid_is_refused") {
+        return;
+    }
+    if !nix::unistd::geteuid().is_root() {
+        skipped(
+            "a_client_of_another_uid_is_refused",
+            "not root: cannot start a client as uid 65534",
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let server = keeper(dir.path());
+    // The socket reachable by anyone, so that only the keeper's own check refuses.
+    std::fs::set_permissions(server.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let bin = dir.path().join("client");
+    std::fs::copy(env!("CARGO_BIN_EXE_possum-keeper-test-client"), &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = {
+        use std::os::unix::process::CommandExt;
+        Command::new(&bin)
+            .arg(server.path())
+            .uid(65534)
+            .gid(65534)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(
+        text.contains("refused: uid 65534 is not the keeper's uid 0"),
+        "{text}"
+    );
+    // The keeper goes on serving its own uid.
+    let mut k = Keeper::connect(server.path()).unwrap();
+    assert_eq!(k.stats().unwrap().total, Usage::default());
+}
