@@ -5,7 +5,6 @@
 //! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead. The tests run one at a time: a restore
 //! needs the dumped PID to be free, and the fewer processes start meanwhile the better.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
@@ -21,27 +20,9 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Writes to stderr directly: the harness only captures the print macros.
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{msg}");
-}
-
-/// The CRIU to test with, or `None` (after saying so) when the test must be skipped.
-fn criu_or_skip(test: &str) -> Option<Criu> {
-    let why = if !nix::unistd::geteuid().is_root() {
-        "the CRIU tests need root".to_string()
-    } else {
-        match Criu::locate() {
-            Ok(c) => return Some(c),
-            Err(e) => format!("criu not installed (run scripts/install-criu.sh): {e}"),
-        }
-    };
-    if std::env::var("POSSUM_REQUIRE_CRIU").as_deref() == Ok("1") {
-        panic!("{test}: POSSUM_REQUIRE_CRIU=1, but {why}");
-    }
-    say(&format!("{test}: SKIPPED: {why}"));
-    None
-}
+#[path = "support/criu.rs"]
+mod criu_support;
+use criu_support::{criu_or_skip, say};
 
 struct Testee {
     child: Child,

@@ -6,34 +6,15 @@
 //! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead. CRIU runs as the plain binary here
 //! (`criu dump|restore --libdir DIR`): possum-criu's RPC options have no `libdir`.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use possum_criu::{set_child_subreaper, wait_for_exit, Criu};
 
-/// Writes to stderr directly: the harness only captures the print macros.
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{msg}");
-}
-
-/// The CRIU to test with, or `None` (after saying so) when the test must be skipped.
-fn criu_or_skip(test: &str) -> Option<Criu> {
-    let why = if !nix::unistd::geteuid().is_root() {
-        "the CRIU tests need root".to_string()
-    } else {
-        match Criu::locate() {
-            Ok(c) => return Some(c),
-            Err(e) => format!("criu not installed (run scripts/install-criu.sh): {e}"),
-        }
-    };
-    if std::env::var("POSSUM_REQUIRE_CRIU").as_deref() == Ok("1") {
-        panic!("{test}: POSSUM_REQUIRE_CRIU=1, but {why}");
-    }
-    say(&format!("{test}: SKIPPED: {why}"));
-    None
-}
+#[path = "../../criu-adapter/tests/support/criu.rs"]
+mod criu_support;
+use criu_support::{criu_or_skip, say};
 
 /// The plugin cargo built for this test run: `cargo test` builds the cdylib into
 /// `<target>/<profile>/deps/` beside the test's executable (only `cargo build` copies it up to

@@ -32,27 +32,9 @@ mod common;
 /// Bound on every wait for something that should happen.
 const WAIT: Duration = Duration::from_secs(30);
 
-/// Writes to stderr directly: the harness only captures the print macros.
-fn say(msg: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "{msg}");
-}
-
-/// Whether root and CRIU are there; says why not (or fails under POSSUM_REQUIRE_CRIU=1).
-fn criu_usable() -> bool {
-    let why = if !nix::unistd::geteuid().is_root() {
-        "the CRIU tests need root".to_string()
-    } else {
-        match possum_criu::Criu::locate() {
-            Ok(_) => return true,
-            Err(e) => format!("criu not installed (run scripts/install-criu.sh): {e}"),
-        }
-    };
-    if std::env::var("POSSUM_REQUIRE_CRIU").as_deref() == Ok("1") {
-        panic!("entry_checkpoint: POSSUM_REQUIRE_CRIU=1, but {why}");
-    }
-    say(&format!("entry_checkpoint: SKIPPED: {why}"));
-    false
-}
+#[path = "../../criu-adapter/tests/support/criu.rs"]
+mod criu_support;
+use criu_support::{criu_or_skip, say};
 
 /// fake_session_job, in a session of its own (CRIU dumps it without --shell-job), commanded
 /// through a FIFO, answering into a file. Killed when dropped if it is still our child.
@@ -240,7 +222,7 @@ fn restored_buffers(pid: u32, sockets: &Path) -> Value {
 #[test]
 fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     let t0 = Instant::now();
-    if !criu_usable() {
+    if criu_or_skip("entry_checkpoint").is_none() {
         return;
     }
     let Some(lib) = common::find_libpossum() else {
