@@ -323,9 +323,17 @@ fn device_location(dev: CUdevice) -> sys::CUmemLocation {
 
 /// Properties of plain device memory on `dev`: pinned (not migratable), no shareable handle.
 fn device_alloc_prop(dev: CUdevice) -> sys::CUmemAllocationProp {
+    device_alloc_prop_with(dev, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE)
+}
+
+/// As [`device_alloc_prop`], exportable as `handles` (`share.rs`: a POSIX fd).
+pub(crate) fn device_alloc_prop_with(
+    dev: CUdevice,
+    handles: sys::CUmemAllocationHandleType,
+) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: handles,
         location: device_location(dev),
         win32HandleMetaData: ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {

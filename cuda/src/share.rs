@@ -17,7 +17,6 @@
 use std::ffi::c_void;
 use std::fmt;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::ptr;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -155,21 +154,7 @@ impl ShareDevice {
 
 /// Device memory on `dev`, pinned, exportable as a POSIX fd.
 fn alloc_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
-    sys::CUmemAllocationProp {
-        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: POSIX_FD,
-        location: sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: dev,
-        },
-        win32HandleMetaData: ptr::null_mut(),
-        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
-            compressionType: 0,
-            gpuDirectRDMACapable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        },
-    }
+    driver::device_alloc_prop_with(dev, POSIX_FD)
 }
 
 /// A handle on shareable physical memory; `cuMemRelease` on drop.
