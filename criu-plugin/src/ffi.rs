@@ -15,15 +15,52 @@
 //! chained plugin's hook in load order, goes on to the next plugin while a hook returns
 //! `-ENOTSUP` and stops at the first other value, which it returns: `-ENOTSUP` is "not mine".
 //! At the end CRIU calls `exit(stage, ret)` and `dlclose`s the plugin.
+//!
+//! Where CRIU 4.1.1 calls the hooks this plugin sets (`criu/seize.c`, `criu/proc_parse.c`,
+//! `criu/files-ext.c`, `criu/files-reg.c`):
+//!
+//! - `PAUSE_DEVICES(pid)`: while seizing the tree, once per process, just before CRIU interrupts
+//!   it (the root first, then each child as it is found); a result other than 0 or `-ENOTSUP`
+//!   fails the dump. (Then `CHECKPOINT_DEVICES(pid)` once per process, which this plugin does not
+//!   set.)
+//! - `HANDLE_DEVICE_VMA(fd, stat)`: while parsing a process's `/proc/PID/smaps`, for a mapping of
+//!   a file that is neither regular nor `/dev/zero`, unless the mapping right before it is of the
+//!   same file (it then borrows that one's verdict); `fd` is an `O_PATH` descriptor of the file
+//!   opened through `/proc/PID/map_files`. 0 claims it: CRIU marks the VMA `VMA_EXT_PLUGIN` and
+//!   dumps it as a file mapping (a `reg-file` entry naming the device, a fresh id for every
+//!   mapping, since `fd_id_generate_special` does not share ids of mapped devices) without its
+//!   contents when it is shared.
+//! - `DUMP_EXT_FILE(fd, id)`: for an open descriptor CRIU cannot dump itself (a character device
+//!   of an unknown major lands in `dump_unsupp_fd`); 0 claims it as external file `id`.
+//! - `RESTORE_EXT_FILE(id)`: in the restored process, while its descriptors are restored; returns
+//!   the descriptor.
+//! - `UPDATE_VMA_MAP(path, addr, old_pgoff, &new_pgoff, &plugin_fd)`: in the restored process,
+//!   when it opens the file of a `VMA_EXT_PLUGIN` mapping (`open_filemap`), before the restorer
+//!   maps it: a `plugin_fd >= 0` is used instead of opening `path` (and closed by the restorer
+//!   once mapped), a return of 1 replaces the offset with `new_pgoff`. The restorer then maps it
+//!   `MAP_FIXED` with the dumped protection and flags: the plugin API lets a plugin choose the
+//!   file and the offset, not the protection.
 #![allow(unsafe_code)]
 
-use std::ffi::{c_char, c_int, c_uint, c_void, CString};
-use std::os::fd::{AsRawFd as _, RawFd};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::fs::File;
+use std::io::{Read as _, Write as _};
+use std::os::fd::{AsRawFd as _, FromRawFd as _, IntoRawFd as _, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{mpsc, OnceLock, PoisonError};
+use std::time::Duration;
 
-use crate::{stage_name, verdict, Verdict, LOG_PREFIX};
+use nix::fcntl::{fcntl, FcntlArg, OFlag, SealFlag};
+use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use nix::sys::stat::Mode;
+
+use crate::record::{Records, RECORD_FILE};
+use crate::{
+    decide_pause, interpret_driver, maps, placeholder_name, restore_claims_vma, stage_name, Claim,
+    CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
+};
 
 /// `CRIU_PLUGIN_GEN_VERSION(a, b, c)`: `((a) << 16) + ((b) << 8) + (c)`.
 pub const fn criu_plugin_gen_version(a: c_uint, b: c_uint, c: c_uint) -> c_uint {
@@ -44,7 +81,8 @@ pub const CR_PLUGIN_HOOK_DUMP_UNIX_SK: usize = 0;
 pub const CR_PLUGIN_HOOK_RESTORE_UNIX_SK: usize = 1;
 /// `int (int fd, int id)`: an fd of a type CRIU cannot dump itself (`dump_unsupp_fd`).
 pub const CR_PLUGIN_HOOK_DUMP_EXT_FILE: usize = 2;
-/// `int (int id, bool *retry_needed)`
+/// `int (int id)` in CRIU 4.1.1 (newer CRIU adds a `bool *retry_needed`, which this plugin never
+/// sets): returns the restored descriptor.
 pub const CR_PLUGIN_HOOK_RESTORE_EXT_FILE: usize = 3;
 /// `int (char *mountpoint, int id)`
 pub const CR_PLUGIN_HOOK_DUMP_EXT_MOUNT: usize = 4;
@@ -57,7 +95,7 @@ pub const CR_PLUGIN_HOOK_DUMP_EXT_LINK: usize = 6;
 /// `/proc/PID/map_files`.
 pub const CR_PLUGIN_HOOK_HANDLE_DEVICE_VMA: usize = 7;
 /// `int (const char *path, const uint64_t addr, const uint64_t old_pgoff, uint64_t *new_pgoff,
-/// int *plugin_fd)`
+/// int *plugin_fd)`: the file of a claimed mapping, at restore.
 pub const CR_PLUGIN_HOOK_UPDATE_VMA_MAP: usize = 8;
 /// `int (int pid)`
 pub const CR_PLUGIN_HOOK_RESUME_DEVICES_LATE: usize = 9;
@@ -149,7 +187,10 @@ pub static CR_PLUGIN_DESC: Descriptor = Descriptor(CrPluginDesc {
 const fn hooks() -> [*const c_void; CR_PLUGIN_HOOK_MAX] {
     let mut h = [std::ptr::null(); CR_PLUGIN_HOOK_MAX];
     h[CR_PLUGIN_HOOK_DUMP_EXT_FILE] = dump_ext_file as *const c_void;
+    h[CR_PLUGIN_HOOK_RESTORE_EXT_FILE] = restore_ext_file as *const c_void;
     h[CR_PLUGIN_HOOK_HANDLE_DEVICE_VMA] = handle_device_vma as *const c_void;
+    h[CR_PLUGIN_HOOK_UPDATE_VMA_MAP] = update_vma_map as *const c_void;
+    h[CR_PLUGIN_HOOK_PAUSE_DEVICES] = pause_devices as *const c_void;
     h
 }
 
@@ -162,20 +203,50 @@ const LOG_INFO: c_uint = 3;
 /// binary (`criu-log.h`); what plugins' `pr_info`/`pr_err` call.
 type PrintOnLevel = unsafe extern "C" fn(c_uint, *const c_char, ...);
 
-/// CRIU's `print_on_level`, looked up in the process (it is not linked against: the plugin
-/// must also load, e.g. in its own tests, where there is no criu).
+/// `int criu_get_image_dir(void)`, exported by the criu binary (`criu-plugin.h`): the images
+/// directory's descriptor, in the dump process and in restored processes alike.
+type GetImageDir = unsafe extern "C" fn() -> c_int;
+
+/// A symbol of the criu binary, looked up in the process (it is not linked against: the plugin
+/// must also load where there is no criu, e.g. in its own tests).
+fn criu_symbol(name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
+    let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    (!sym.is_null()).then_some(sym)
+}
+
+/// CRIU's `print_on_level`.
 fn criu_print() -> Option<PrintOnLevel> {
     static PRINT: OnceLock<Option<PrintOnLevel>> = OnceLock::new();
     *PRINT.get_or_init(|| {
-        // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
-        let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"print_on_level".as_ptr()) };
-        if sym.is_null() {
-            None
-        } else {
-            // SAFETY: the criu binary's `print_on_level` has this signature (criu-log.h).
-            Some(unsafe { std::mem::transmute::<*mut c_void, PrintOnLevel>(sym) })
-        }
+        // SAFETY: the criu binary's `print_on_level` has this signature (criu-log.h).
+        criu_symbol(c"print_on_level")
+            .map(|s| unsafe { std::mem::transmute::<*mut c_void, PrintOnLevel>(s) })
     })
+}
+
+/// The images directory, borrowed from CRIU (`None` outside criu).
+fn image_dir() -> Option<RawFd> {
+    // SAFETY: the criu binary's `criu_get_image_dir` has this signature (criu-plugin.h).
+    let get = criu_symbol(c"criu_get_image_dir")
+        .map(|s| unsafe { std::mem::transmute::<*mut c_void, GetImageDir>(s) })?;
+    // SAFETY: it takes no argument and returns a descriptor number (or -1).
+    let fd = unsafe { get() };
+    (fd >= 0).then_some(fd)
+}
+
+/// Opens `name` in the images directory (`openat`), or `None` outside criu or on failure.
+fn open_in_image_dir(name: &str, flags: OFlag) -> Result<File, String> {
+    let dir = image_dir().ok_or("no CRIU images directory (criu_get_image_dir)")?;
+    let fd = nix::fcntl::openat(
+        Some(dir),
+        name,
+        flags | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(0o600),
+    )
+    .map_err(|e| format!("{name} in the images directory: {e}"))?;
+    // SAFETY: openat just returned this descriptor, owned by nobody else.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 /// Logs one line (which starts with [`LOG_PREFIX`]) to CRIU's log, or to stderr outside criu.
@@ -200,8 +271,14 @@ fn guard<T>(what: &str, on_panic: T, f: impl FnOnce() -> T) -> T {
     })
 }
 
+/// The stage CRIU loaded the plugin for (`init`).
+static STAGE: AtomicI32 = AtomicI32::new(-1);
+/// Whether this dump has written its records yet (the first write truncates the file).
+static RECORDS_STARTED: AtomicBool = AtomicBool::new(false);
+
 extern "C" fn plugin_init(stage: c_int) -> c_int {
     guard("init", -1, || {
+        STAGE.store(stage, Ordering::Relaxed);
         log(
             LOG_INFO,
             &format!(
@@ -216,9 +293,18 @@ extern "C" fn plugin_init(stage: c_int) -> c_int {
 
 extern "C" fn plugin_exit(stage: c_int, ret: c_int) {
     guard("exit", (), || {
+        let s = STATE.lock().unwrap_or_else(PoisonError::into_inner);
+        let claimed = if stage == CR_PLUGIN_STAGE_RESTORE {
+            String::new()
+        } else {
+            format!(", claimed {} mappings and {} open files", s.vmas, s.files)
+        };
         log(
             LOG_INFO,
-            &format!("{LOG_PREFIX} exit (stage {}, ret {ret})", stage_name(stage)),
+            &format!(
+                "{LOG_PREFIX} exit (stage {}, ret {ret}{claimed})",
+                stage_name(stage)
+            ),
         );
     })
 }
@@ -236,20 +322,198 @@ fn char_major(mode: libc::mode_t, rdev: libc::dev_t) -> Option<u32> {
     is_chr.then_some(major)
 }
 
-fn decide(what: &str, fd: RawFd, major: Option<u32>) -> c_int {
-    let path = fd_path(fd);
-    let v = verdict(what, path.as_deref(), major, || {
-        path.as_deref()
-            .map(crate::traced_pids_using)
-            .unwrap_or_default()
-    });
-    match v {
-        Verdict::NotMine => -libc::ENOTSUP,
-        Verdict::RefuseNvidia(msg) => {
-            log(LOG_ERROR, &msg);
-            -libc::ENODEV
+/// How long the plugin waits for the NVIDIA driver's answer about one process (the first
+/// question includes loading libcuda and `cuInit`).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// `CUresult cuInit(unsigned int)`
+type CuInitFn = unsafe extern "C" fn(c_uint) -> c_int;
+/// `CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)` (the enum read as an
+/// `int`) and `CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)`, both in libcuda
+/// of driver 570 and newer.
+type CuPidQueryFn = unsafe extern "C" fn(c_int, *mut c_int) -> c_int;
+
+/// libcuda's two queries, loaded once and never unloaded (after `cuInit` the driver's threads
+/// must outlive every use).
+struct Cuda {
+    get_state: CuPidQueryFn,
+    get_restore_tid: Option<CuPidQueryFn>,
+}
+
+impl Cuda {
+    fn query(f: CuPidQueryFn, pid: i32) -> Result<i32, i32> {
+        let mut out: c_int = -1;
+        // SAFETY: the function has this type (cuda.h), and `out` outlives the call.
+        let r = unsafe { f(pid, &mut out) };
+        if r == 0 {
+            Ok(out)
+        } else {
+            Err(r)
         }
     }
+}
+
+/// Loads libcuda (`$POSSUM_LIBCUDA`, else `libcuda.so.1`) and runs `cuInit(0)`, once.
+fn libcuda() -> Result<&'static Cuda, String> {
+    static CUDA: OnceLock<Result<Cuda, String>> = OnceLock::new();
+    CUDA.get_or_init(|| {
+        let name = std::env::var_os("POSSUM_LIBCUDA")
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| "libcuda.so.1".into());
+        let shown = Path::new(&name).display().to_string();
+        // SAFETY: loading the NVIDIA driver library runs its initialisers, which is what it is
+        // for; it is leaked below, so never unloaded.
+        let lib = unsafe { libloading::Library::new(&name) }
+            .map_err(|e| format!("cannot load {shown}: {e}"))?;
+        let lib: &'static libloading::Library = Box::leak(Box::new(lib));
+        // SAFETY: the types are cuda.h's for these names; the library is never unloaded.
+        let init = unsafe { lib.get::<CuInitFn>(b"cuInit\0") }
+            .map_err(|_| format!("{shown} has no cuInit: not a CUDA driver library"))?;
+        // SAFETY: as above.
+        let get_state = unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetState\0") }
+            .map_err(|_| {
+                format!(
+                    "{shown} has no cuCheckpointProcessGetState (NVIDIA driver 570 or newer \
+                     needed)"
+                )
+            })?;
+        // SAFETY: as above.
+        let get_restore_tid =
+            unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetRestoreThreadId\0") }.ok();
+        // SAFETY: cuInit(0) is the documented first call of the driver API.
+        let r = unsafe { init(0) };
+        if r != 0 {
+            return Err(format!("cuInit(0) failed in {shown}: CUresult {r}"));
+        }
+        Ok(Cuda {
+            get_state: *get_state,
+            get_restore_tid: get_restore_tid.map(|f| *f),
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// What the NVIDIA driver says about `pid`'s CUDA context.
+fn ask_driver(pid: i32) -> CudaContext {
+    let cuda = match libcuda() {
+        Ok(c) => c,
+        Err(e) => return CudaContext::Unknown(e),
+    };
+    let state = Cuda::query(cuda.get_state, pid);
+    let tid = match (state, cuda.get_restore_tid) {
+        (Ok(_), Some(f)) => Some(Cuda::query(f, pid)),
+        _ => None,
+    };
+    interpret_driver(state, tid, |t| {
+        Path::new(&format!("/proc/{pid}/task/{t}")).exists()
+    })
+}
+
+/// [`ask_driver`] on a thread of its own, given up after [`PROBE_TIMEOUT`].
+fn probe_cuda_context(pid: i32) -> CudaContext {
+    let (tx, rx) = mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("possum-cu-probe".into())
+        .spawn(move || {
+            let _ = tx.send(ask_driver(pid));
+        });
+    if let Err(e) = spawned {
+        return CudaContext::Unknown(format!("cannot start a thread to ask the driver: {e}"));
+    }
+    rx.recv_timeout(PROBE_TIMEOUT).unwrap_or_else(|_| {
+        CudaContext::Unknown(format!(
+            "the NVIDIA driver did not answer cuCheckpointProcessGetState within {PROBE_TIMEOUT:?}"
+        ))
+    })
+}
+
+/// `CR_PLUGIN_HOOK__PAUSE_DEVICES`: `int (int pid)`.
+extern "C" fn pause_devices(pid: c_int) -> c_int {
+    guard("pause_devices", -libc::EFAULT, || {
+        let devices = Devices::from_env();
+        let usage = Usage::scan(pid, &devices);
+        let decision = decide_pause(&usage, &devices, || probe_cuda_context(pid));
+        let ret = match &decision {
+            PauseDecision::NotMine => -libc::ENOTSUP,
+            PauseDecision::Claim(why) => {
+                log(
+                    LOG_INFO,
+                    &format!(
+                        "{LOG_PREFIX} pid {pid}: uses {}; claiming them ({why})",
+                        usage.summary()
+                    ),
+                );
+                // Other plugins may still want the process: not "handled".
+                -libc::ENOTSUP
+            }
+            PauseDecision::Refuse(msg) => {
+                log(LOG_ERROR, msg);
+                -libc::EPERM
+            }
+        };
+        STATE
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .paused(usage, &decision);
+        ret
+    })
+}
+
+/// Appends `records` to the images' [`RECORD_FILE`] (truncated by the first write of a dump).
+fn write_records(records: &[crate::record::Record]) -> Result<(), String> {
+    if records.is_empty() || STAGE.load(Ordering::Relaxed) != CR_PLUGIN_STAGE_DUMP {
+        return Ok(());
+    }
+    let first = !RECORDS_STARTED.swap(true, Ordering::Relaxed);
+    let mut flags = OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_APPEND;
+    if first {
+        flags |= OFlag::O_TRUNC;
+    }
+    let mut f = open_in_image_dir(RECORD_FILE, flags)?;
+    let mut text = String::new();
+    if first {
+        text.push_str(
+            "# possum-criu-plugin: claimed NVIDIA mappings and files (criu-plugin/README.md)\n",
+        );
+    }
+    for r in records {
+        text.push_str(&format!("{r}\n"));
+    }
+    f.write_all(text.as_bytes())
+        .map_err(|e| format!("writing {RECORD_FILE}: {e}"))
+}
+
+/// Logs a claim's lines and writes its records: 0, or a negative errno.
+fn finish(claim: Claim) -> c_int {
+    match claim {
+        Claim::Claimed { lines, records } => {
+            for l in &lines {
+                log(LOG_INFO, l);
+            }
+            match write_records(&records) {
+                Ok(()) => 0,
+                Err(e) => {
+                    log(LOG_ERROR, &format!("{LOG_PREFIX} {e}"));
+                    -libc::EIO
+                }
+            }
+        }
+        Claim::Refused(msg) => {
+            log(LOG_ERROR, &msg);
+            -libc::EPERM
+        }
+    }
+}
+
+/// The targets of this process's descriptors.
+fn own_links() -> Vec<PathBuf> {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// `CR_PLUGIN_HOOK__HANDLE_DEVICE_VMA`: `int (int fd, const struct stat *stat)`.
@@ -262,23 +526,172 @@ unsafe extern "C" fn handle_device_vma(fd: c_int, stat: *const libc::stat) -> c_
     let st = unsafe { stat.as_ref() };
     let major = st.and_then(|s| char_major(s.st_mode, s.st_rdev));
     guard("handle_device_vma", -libc::EFAULT, || {
-        decide("a mapping", fd, major)
+        let path = fd_path(fd);
+        if Devices::from_env().kind(path.as_deref(), major).is_none() {
+            return -libc::ENOTSUP;
+        }
+        let Some(path) = path.as_deref().and_then(Path::to_str) else {
+            log(
+                LOG_ERROR,
+                &format!("{LOG_PREFIX} refusing a mapping of an NVIDIA device without a path"),
+            );
+            return -libc::EPERM;
+        };
+        let links = own_links();
+        let pid = maps::pid_parsing_maps(links.iter().map(PathBuf::as_path));
+        let claim = STATE
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .claim_vma(path, pid);
+        finish(claim)
     })
 }
 
 /// `CR_PLUGIN_HOOK__DUMP_EXT_FILE`: `int (int fd, int id)`.
-extern "C" fn dump_ext_file(fd: c_int, _id: c_int) -> c_int {
+extern "C" fn dump_ext_file(fd: c_int, id: c_int) -> c_int {
     guard("dump_ext_file", -libc::EFAULT, || {
         let major = nix::sys::stat::fstat(fd)
             .ok()
             .and_then(|s| char_major(s.st_mode, s.st_rdev));
-        decide("an open file", fd, major)
+        let path = fd_path(fd);
+        if Devices::from_env().kind(path.as_deref(), major).is_none() {
+            return -libc::ENOTSUP;
+        }
+        let Some(path) = path else {
+            return -libc::ENOTSUP;
+        };
+        #[allow(clippy::cast_sign_loss)]
+        let claim = STATE
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .claim_file(&path, id as u32);
+        finish(claim)
     })
+}
+
+/// The records of the dump being restored (empty when there are none).
+fn restore_records() -> Records {
+    let Ok(mut f) = open_in_image_dir(RECORD_FILE, OFlag::O_RDONLY) else {
+        return Records::default();
+    };
+    let mut text = String::new();
+    let _ = f.read_to_string(&mut text);
+    Records::parse(&text)
+}
+
+/// An empty memfd named after `path` whose size is sealed at 0: a mapping of it raises `SIGBUS`
+/// on any access; reading it gives end of file.
+pub fn placeholder(path: &str, cloexec: bool) -> Result<OwnedFd, String> {
+    let name = CString::new(placeholder_name(path)).map_err(|e| e.to_string())?;
+    let mut flags = MemFdCreateFlag::MFD_ALLOW_SEALING;
+    if cloexec {
+        flags |= MemFdCreateFlag::MFD_CLOEXEC;
+    }
+    let fd = memfd_create(&name, flags).map_err(|e| format!("memfd_create: {e}"))?;
+    fcntl(
+        fd.as_raw_fd(),
+        FcntlArg::F_ADD_SEALS(
+            SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_SEAL,
+        ),
+    )
+    .map_err(|e| format!("sealing the placeholder: {e}"))?;
+    Ok(fd)
+}
+
+/// `CR_PLUGIN_HOOK__RESTORE_EXT_FILE`: `int (int id)`, in the restored process.
+extern "C" fn restore_ext_file(id: c_int) -> c_int {
+    guard("restore_ext_file", -libc::EFAULT, || {
+        #[allow(clippy::cast_sign_loss)]
+        let id = id as u32;
+        let records = restore_records();
+        let Some(path) = records.file(id) else {
+            return -libc::ENOTSUP;
+        };
+        // The descriptor's own flags (close-on-exec) are CRIU's to restore.
+        match placeholder(path, false) {
+            Ok(fd) => {
+                let fd = fd.into_raw_fd();
+                log(
+                    LOG_INFO,
+                    &format!(
+                        "{LOG_PREFIX} pid {}: open file {path} (id {id:#x}) restored as a \
+                         placeholder memfd (fd {fd})",
+                        std::process::id()
+                    ),
+                );
+                fd
+            }
+            Err(e) => {
+                log(LOG_ERROR, &format!("{LOG_PREFIX} restoring {path}: {e}"));
+                -libc::EIO
+            }
+        }
+    })
+}
+
+/// `CR_PLUGIN_HOOK__UPDATE_VMA_MAP`, in the restored process.
+///
+/// # Safety
+///
+/// `path` is a NUL-terminated string; `new_pgoff` and `plugin_fd` are valid for writes (CRIU
+/// passes its locals' addresses).
+unsafe extern "C" fn update_vma_map(
+    path: *const c_char,
+    addr: u64,
+    _old_pgoff: u64,
+    new_pgoff: *mut u64,
+    plugin_fd: *mut c_int,
+) -> c_int {
+    if path.is_null() || new_pgoff.is_null() || plugin_fd.is_null() {
+        return -libc::ENOTSUP;
+    }
+    // SAFETY: per the contract, `path` is a valid C string for this call.
+    let path = unsafe { CStr::from_ptr(path) }
+        .to_string_lossy()
+        .into_owned();
+    let answer = guard("update_vma_map", Err(-libc::EFAULT), || {
+        if !restore_claims_vma(&path, &Devices::from_env(), &restore_records()) {
+            return Err(-libc::ENOTSUP);
+        }
+        match placeholder(&path, true) {
+            Ok(fd) => {
+                let fd = fd.into_raw_fd();
+                log(
+                    LOG_INFO,
+                    &format!(
+                        "{LOG_PREFIX} pid {}: mapping at {addr:#x} of {path} restored from an \
+                         empty memfd (fd {fd}): inaccessible, SIGBUS on access",
+                        std::process::id()
+                    ),
+                );
+                Ok(fd)
+            }
+            Err(e) => {
+                log(
+                    LOG_ERROR,
+                    &format!("{LOG_PREFIX} restoring a mapping of {path}: {e}"),
+                );
+                Err(-libc::EIO)
+            }
+        }
+    });
+    match answer {
+        Ok(fd) => {
+            // SAFETY: per the contract, both pointers are valid for writes.
+            unsafe {
+                *new_pgoff = 0;
+                *plugin_fd = fd;
+            }
+            // 1: "offset updated" (`open_filemap` then maps at `new_pgoff`).
+            1
+        }
+        Err(e) => e,
+    }
 }
 
 /// Calls the `HANDLE_DEVICE_VMA` hook on `file` as CRIU would (unit tests).
 #[doc(hidden)]
-pub fn handle_device_vma_for_test(file: &std::fs::File) -> c_int {
+pub fn handle_device_vma_for_test(file: &File) -> c_int {
     let st = nix::sys::stat::fstat(file.as_raw_fd()).expect("fstat");
     // SAFETY: `st` is a valid `struct stat` for the duration of the call.
     unsafe { handle_device_vma(file.as_raw_fd(), &st) }
@@ -286,8 +699,18 @@ pub fn handle_device_vma_for_test(file: &std::fs::File) -> c_int {
 
 /// Calls the `DUMP_EXT_FILE` hook on `file` as CRIU would (unit tests).
 #[doc(hidden)]
-pub fn dump_ext_file_for_test(file: &std::fs::File) -> c_int {
+pub fn dump_ext_file_for_test(file: &File) -> c_int {
     dump_ext_file(file.as_raw_fd(), 0)
+}
+
+/// Calls the `UPDATE_VMA_MAP` hook as CRIU would: `(result, new_pgoff, plugin_fd)` (unit tests).
+#[doc(hidden)]
+pub fn update_vma_map_for_test(path: &CStr, addr: u64, old_pgoff: u64) -> (c_int, u64, c_int) {
+    let mut pgoff = old_pgoff;
+    let mut fd: c_int = -1;
+    // SAFETY: `path` is a C string; both out-pointers are to locals that outlive the call.
+    let r = unsafe { update_vma_map(path.as_ptr(), addr, old_pgoff, &mut pgoff, &mut fd) };
+    (r, pgoff, fd)
 }
 
 #[cfg(test)]
@@ -306,7 +729,10 @@ mod tests {
             set,
             [
                 CR_PLUGIN_HOOK_DUMP_EXT_FILE,
-                CR_PLUGIN_HOOK_HANDLE_DEVICE_VMA
+                CR_PLUGIN_HOOK_RESTORE_EXT_FILE,
+                CR_PLUGIN_HOOK_HANDLE_DEVICE_VMA,
+                CR_PLUGIN_HOOK_UPDATE_VMA_MAP,
+                CR_PLUGIN_HOOK_PAUSE_DEVICES,
             ]
         );
         assert_eq!(plugin_init(CR_PLUGIN_STAGE_DUMP), 0);
@@ -318,5 +744,78 @@ mod tests {
         assert_eq!(char_major(libc::S_IFCHR, (195 << 8) | 255), Some(195));
         assert_eq!(char_major(libc::S_IFCHR, (511u64 << 8) | 1), Some(511));
         assert_eq!(char_major(libc::S_IFREG, 195 << 8), None);
+    }
+
+    #[test]
+    fn hooks_say_not_mine_for_other_files_and_processes() {
+        let null = File::open("/dev/null").unwrap();
+        assert_eq!(handle_device_vma_for_test(&null), -libc::ENOTSUP);
+        assert_eq!(dump_ext_file_for_test(&null), -libc::ENOTSUP);
+        let (r, pgoff, fd) = update_vma_map_for_test(c"/usr/lib/libc.so.6", 0x1000, 7);
+        assert_eq!((r, pgoff, fd), (-libc::ENOTSUP, 7, -1));
+        assert_eq!(restore_ext_file(12), -libc::ENOTSUP);
+        // This test process maps no NVIDIA device.
+        let me = i32::try_from(std::process::id()).unwrap();
+        assert_eq!(pause_devices(me), -libc::ENOTSUP);
+    }
+
+    /// A claimed mapping is restored from an empty sealed memfd at offset 0: it maps (with a
+    /// write permission too, as the restorer maps shared device mappings `rw-s`), and touching it
+    /// raises SIGBUS.
+    #[test]
+    fn a_claimed_mapping_is_restored_as_a_sigbus_placeholder() {
+        let (r, pgoff, fd) =
+            update_vma_map_for_test(c"/dev/nvidia-uvm", 0x2_0060_0000, 0x2_0060_0000);
+        assert_eq!((r, pgoff), (1, 0));
+        assert!(fd >= 0);
+        // SAFETY: the hook just created this descriptor and handed it over.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let link = fd_path(fd.as_raw_fd()).unwrap();
+        assert!(
+            link.to_str()
+                .unwrap()
+                .starts_with("/memfd:possum-placeholder:/dev/nvidia-uvm"),
+            "{link:?}"
+        );
+        // The size is sealed at 0.
+        assert!(nix::unistd::ftruncate(&fd, 4096).is_err());
+        let len = 2 * 4096;
+        // SAFETY: a fresh shared mapping of our own memfd, unmapped below; nothing else uses it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: fork in a test: the child only reads the mapping (which kills it) or _exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: reading our own mapping; the access is what raises SIGBUS.
+            let v = unsafe { std::ptr::read_volatile(p.cast::<u8>()) };
+            // SAFETY: _exit is async-signal-safe.
+            unsafe { libc::_exit(i32::from(v) + 100) };
+        }
+        assert!(child > 0);
+        let mut status = 0;
+        // SAFETY: waiting for our own child into a local.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert!(libc::WIFSIGNALED(status), "status {status:#x}");
+        assert_eq!(libc::WTERMSIG(status), libc::SIGBUS);
+        // SAFETY: unmapping the mapping made above.
+        assert_eq!(unsafe { libc::munmap(p, len) }, 0);
+    }
+
+    #[test]
+    fn a_placeholder_descriptor_reads_as_empty() {
+        let fd = placeholder("/dev/nvidiactl", false).unwrap();
+        let mut f = File::from(fd);
+        let mut buf = Vec::new();
+        assert_eq!(f.read_to_end(&mut buf).unwrap(), 0);
+        assert!(f.write_all(b"x").is_err(), "the size is sealed at 0");
     }
 }

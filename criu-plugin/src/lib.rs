@@ -1,26 +1,41 @@
 //! `libpossum_criu_plugin.so`: possum's plugin for CRIU 4.x.
 //!
 //! Jobs are process trees: a DataLoader worker forked from a CUDA process inherits its NVIDIA
-//! device mappings (`/dev/nvidia*`, `/dev/nvidiactl`, `/dev/nvidia-uvm`), and CRIU cannot dump a
-//! character-device mapping that no plugin claims (`handle_device_vma plugin failed`). This
-//! plugin is the place where possum will claim them. Today it is the foundation:
+//! device mappings (`/dev/nvidia*`, `/dev/nvidiactl`, `/dev/nvidia-uvm`) and open descriptors of
+//! those devices, without having a CUDA context of its own, and CRIU cannot dump a
+//! character-device mapping or descriptor that no plugin claims (`handle_device_vma plugin
+//! failed`, `Can't handle non-regular mapping`). This plugin claims them:
 //!
-//! - CRIU loads it (`criu dump|restore --libdir DIR`, DIR holding this `.so`) through the
-//!   `CR_PLUGIN_DESC` descriptor ([`ffi`]); `init`/`exit` log through CRIU's log.
-//! - For anything that is not an NVIDIA device it answers "not mine" (`-ENOTSUP`, what CRIU's
-//!   `run_plugins` treats as "no plugin handles it"), so it never gets in the way of processes
-//!   without NVIDIA mappings: CRIU behaves as if the plugin were not there.
-//! - For an NVIDIA mapping or open NVIDIA device file it refuses, clearly and logged, naming the
-//!   pid(s) and the device. TODO(issue 15): dump inherited NVIDIA mappings of a process without a
-//!   CUDA context as reservations restored inaccessible, and run possum's checkpoint sequence for
-//!   processes with one.
+//! - `PAUSE_DEVICES` (once per process, before CRIU freezes it): the process's NVIDIA mappings
+//!   and descriptors are listed from `/proc`; a process with none is not the plugin's business
+//!   ("not mine", `-ENOTSUP`). One with some is asked about: if the NVIDIA driver says it has no
+//!   CUDA context (`cuCheckpointProcessGetState` fails for it, through libcuda loaded with
+//!   `dlopen`), its mappings and descriptors will be claimed; otherwise (a live or a checkpointed
+//!   CUDA context, no libcuda, no answer, a private mapping) the dump is refused with one line
+//!   naming the pid and the devices.
+//! - `HANDLE_DEVICE_VMA` / `DUMP_EXT_FILE`: the NVIDIA mappings and descriptors of the processes
+//!   accepted at pause time are claimed, one log line each, and noted in the plugin's own file in
+//!   the images ([`record`]). CRIU dumps no contents of a shared device mapping.
+//! - `UPDATE_VMA_MAP` / `RESTORE_EXT_FILE` (restore, in the restored process): each claimed
+//!   mapping is mapped, at its address with its protection, from an empty sealed memfd (offset 0)
+//!   that the plugin hands to CRIU, so touching it raises `SIGBUS`; each claimed descriptor
+//!   becomes a descriptor of such a memfd, named `possum-placeholder:/dev/...`.
 //!
-//! All `unsafe` (the C ABI) is in [`ffi`]; the decisions are safe functions here.
+//! Anything else gets "not mine" (`-ENOTSUP`, what CRIU's `run_plugins` treats as "no plugin
+//! handles it"), so CRIU behaves as without the plugin for processes without NVIDIA mappings.
+//!
+//! All `unsafe` (the C ABI, libcuda) is in [`ffi`]; the decisions are safe functions here.
 #![deny(unsafe_code)]
 
 pub mod ffi;
+pub mod maps;
+pub mod record;
 
+use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use maps::{MapEntry, Run};
 
 /// The prefix of every line this plugin logs.
 pub const LOG_PREFIX: &str = "possum-criu-plugin:";
@@ -30,13 +45,56 @@ pub const LOG_PREFIX: &str = "possum-criu-plugin:";
 /// majors, so those are recognised by path.
 pub const NVIDIA_MAJOR: u32 = 195;
 
-/// What the plugin does with a device mapping or an external file CRIU asks it about.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
-    /// Not an NVIDIA device: "not mine" (`-ENOTSUP`), CRIU goes on as without the plugin.
-    NotMine,
-    /// An NVIDIA device: refused for now (TODO(issue 15): handle it), with the message to log.
-    RefuseNvidia(String),
+/// Test only: a device path the plugin treats like an NVIDIA device, without asking the NVIDIA
+/// driver about the process (a CPU machine has no NVIDIA device to test with).
+pub const TEST_DEVICE_ENV: &str = "POSSUM_CRIU_PLUGIN_TEST_DEVICE";
+
+/// The prefix of the name of every placeholder memfd (`/proc/PID/fd` shows
+/// `/memfd:possum-placeholder:/dev/nvidiactl (deleted)`).
+pub const PLACEHOLDER_PREFIX: &str = "possum-placeholder:";
+
+/// Which of the plugin's devices a file is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// An NVIDIA device node.
+    Nvidia,
+    /// The test stand-in named by [`TEST_DEVICE_ENV`].
+    StandIn,
+}
+
+/// Recognises the devices the plugin claims.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Devices {
+    /// The test stand-in ([`TEST_DEVICE_ENV`]), if any.
+    pub stand_in: Option<PathBuf>,
+}
+
+impl Devices {
+    /// NVIDIA devices, plus the stand-in named by [`TEST_DEVICE_ENV`] if set.
+    pub fn from_env() -> Devices {
+        Devices {
+            stand_in: std::env::var_os(TEST_DEVICE_ENV)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
+        }
+    }
+
+    /// What `path` (as `/proc` names it), a character device of major `char_device_major` when it
+    /// is one, is to the plugin: `None` when it is not one of its devices.
+    pub fn kind(&self, path: Option<&Path>, char_device_major: Option<u32>) -> Option<DeviceKind> {
+        if path.is_some_and(is_nvidia_path) || char_device_major == Some(NVIDIA_MAJOR) {
+            Some(DeviceKind::Nvidia)
+        } else if path.is_some() && path == self.stand_in.as_deref() {
+            Some(DeviceKind::StandIn)
+        } else {
+            None
+        }
+    }
+
+    /// [`kind`](Self::kind) of a path from `/proc/PID/maps` or an image.
+    pub fn kind_of(&self, path: &str) -> Option<DeviceKind> {
+        self.kind(Some(Path::new(path)), None)
+    }
 }
 
 /// Whether `path` names an NVIDIA device node (`/dev/nvidia0`, `/dev/nvidiactl`,
@@ -45,75 +103,360 @@ pub fn is_nvidia_path(path: &Path) -> bool {
     path.to_str().is_some_and(|s| s.starts_with("/dev/nvidia"))
 }
 
-/// Whether a file is an NVIDIA device: by its path, or (a character device) by its major number.
-pub fn is_nvidia(path: Option<&Path>, char_device_major: Option<u32>) -> bool {
-    path.is_some_and(is_nvidia_path) || char_device_major == Some(NVIDIA_MAJOR)
+/// What the NVIDIA driver says about a process's CUDA context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CudaContext {
+    /// It has none; why the plugin believes so.
+    None(String),
+    /// It has one, in this checkpoint state (`running`, `locked`, `checkpointed`, ...).
+    Present(String),
+    /// The plugin could not ask (no libcuda, `cuInit` failed, no answer in time).
+    Unknown(String),
 }
 
-/// The verdict on a device mapping (CRIU's `HANDLE_DEVICE_VMA`) or an external file
-/// (`DUMP_EXT_FILE`) whose file is `path` (as `/proc/self/fd` names it), a character device of
-/// major `char_device_major` when it is one. `what` says which hook asks; `pids` are the dumped
-/// processes found using the file.
-pub fn verdict(
-    what: &str,
-    path: Option<&Path>,
-    char_device_major: Option<u32>,
-    pids: impl FnOnce() -> Vec<i32>,
-) -> Verdict {
-    if !is_nvidia(path, char_device_major) {
-        return Verdict::NotMine;
+/// The name of a `CUprocessState`.
+pub fn process_state_name(state: i32) -> String {
+    match state {
+        0 => "running".into(),
+        1 => "locked".into(),
+        2 => "checkpointed".into(),
+        3 => "failed".into(),
+        s => format!("state {s}"),
     }
-    let name = path.map_or_else(
-        || format!("a device of major {NVIDIA_MAJOR}"),
-        |p| p.display().to_string(),
-    );
-    let pids = pids();
-    let who = if pids.is_empty() {
-        "a dumped process (pid not found)".to_string()
-    } else {
-        let list: Vec<String> = pids.iter().map(i32::to_string).collect();
-        format!("pid {}", list.join(", pid "))
-    };
-    Verdict::RefuseNvidia(format!(
-        "{LOG_PREFIX} refusing {what} of NVIDIA device {name} in {who}: NVIDIA mappings are not \
-         handled yet (TODO issue 15: dump inherited mappings of a process without a CUDA context \
-         as inaccessible reservations, checkpoint CUDA processes with possum)"
-    ))
 }
 
-/// The processes this process traces (CRIU seizes the tree it dumps with ptrace) that map or
-/// have open `path`. Best effort, for the refusal message only.
-pub fn traced_pids_using(path: &Path) -> Vec<i32> {
-    let me = std::process::id().to_string();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let mut pids: Vec<i32> = entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let proc = PathBuf::from(format!("/proc/{pid}"));
-            let traced = std::fs::read_to_string(proc.join("status")).is_ok_and(|s| {
-                s.lines()
-                    .any(|l| l.strip_prefix("TracerPid:").map(str::trim) == Some(me.as_str()))
-            });
-            traced && uses(&proc, path)
-        })
-        .collect();
-    pids.sort_unstable();
-    pids
+/// Interprets the driver's answers about `pid`: `state` is `cuCheckpointProcessGetState`'s (the
+/// state, or the failing `CUresult`); `restore_tid` is `cuCheckpointProcessGetRestoreThreadId`'s
+/// when asked. A failing state query means no CUDA context (driver 580 answers
+/// `CUDA_ERROR_NOT_INITIALIZED`, 3, for a process that never initialised CUDA). A state with a
+/// restore thread that `thread_exists` says is not in the process is a forked copy of a CUDA
+/// process's memory, not a context (`fork` copies no thread).
+pub fn interpret_driver(
+    state: Result<i32, i32>,
+    restore_tid: Option<Result<i32, i32>>,
+    thread_exists: impl FnOnce(i32) -> bool,
+) -> CudaContext {
+    match state {
+        Err(code) => CudaContext::None(format!(
+            "the driver reports none (cuCheckpointProcessGetState: CUresult {code})"
+        )),
+        Ok(s) => {
+            let name = process_state_name(s);
+            match restore_tid {
+                Some(Ok(tid)) if !thread_exists(tid) => CudaContext::None(format!(
+                    "the driver reports state {name}, but its CUDA restore thread {tid} is not \
+                     in the process (a forked copy)"
+                )),
+                _ => CudaContext::Present(name),
+            }
+        }
+    }
 }
 
-fn uses(proc: &Path, path: &Path) -> bool {
-    let Some(p) = path.to_str() else {
-        return false;
-    };
-    let mapped = std::fs::read_to_string(proc.join("maps"))
-        .is_ok_and(|m| m.lines().any(|l| l.split_whitespace().nth(5) == Some(p)));
-    mapped
-        || std::fs::read_dir(proc.join("fd")).is_ok_and(|fds| {
-            fds.filter_map(Result::ok)
-                .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == path))
-        })
+/// A process's mappings and open descriptors of the plugin's devices.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// The process.
+    pub pid: i32,
+    /// Its mappings of the devices, grouped as CRIU asks about them.
+    pub runs: Vec<Run>,
+    /// The devices it has open (one entry per descriptor).
+    pub files: Vec<PathBuf>,
+}
+
+impl Usage {
+    /// Reads `/proc/PID/maps` and `/proc/PID/fd` (best effort: what cannot be read is not there).
+    pub fn scan(pid: i32, devices: &Devices) -> Usage {
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+        Usage::from_parts(pid, &maps::parse(&maps), maps::open_files(pid), devices)
+    }
+
+    /// The usage in `maps` (all the process's mappings) and `open` (its descriptors' targets).
+    pub fn from_parts(pid: i32, maps: &[MapEntry], open: Vec<PathBuf>, devices: &Devices) -> Usage {
+        Usage {
+            pid,
+            runs: maps::runs(maps, |p| devices.kind_of(p).is_some()),
+            files: open
+                .into_iter()
+                .filter(|f| devices.kind(Some(f), None).is_some())
+                .collect(),
+        }
+    }
+
+    /// No mapping and no descriptor of the devices.
+    pub fn is_empty(&self) -> bool {
+        self.runs.is_empty() && self.files.is_empty()
+    }
+
+    /// Whether any of them is an NVIDIA device (not only the test stand-in).
+    pub fn has_nvidia(&self, devices: &Devices) -> bool {
+        self.runs
+            .iter()
+            .map(|r| r.path.as_str())
+            .chain(self.files.iter().filter_map(|f| f.to_str()))
+            .any(|p| devices.kind_of(p) == Some(DeviceKind::Nvidia))
+    }
+
+    /// `/dev/nvidia-uvm (3 mappings), /dev/nvidiactl (1 mapping, 2 descriptors)`.
+    pub fn summary(&self) -> String {
+        let mut per: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+        for r in &self.runs {
+            per.entry(r.path.as_str()).or_default().0 += r.entries.len();
+        }
+        for f in &self.files {
+            per.entry(f.to_str().unwrap_or("?")).or_default().1 += 1;
+        }
+        let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+        per.iter()
+            .map(|(p, &(m, d))| {
+                let parts: Vec<String> = [(m, "mapping"), (d, "descriptor")]
+                    .iter()
+                    .filter(|(n, _)| *n > 0)
+                    .map(|&(n, w)| plural(n, w))
+                    .collect();
+                format!("{p} ({})", parts.join(", "))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// The plugin's decision about a process at `PAUSE_DEVICES`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PauseDecision {
+    /// No mapping or descriptor of the plugin's devices.
+    NotMine,
+    /// Its device mappings and descriptors will be claimed; why that is safe.
+    Claim(String),
+    /// The dump must fail: the line to log.
+    Refuse(String),
+}
+
+/// Decides about the process of `usage`. `probe` asks the NVIDIA driver about its CUDA context;
+/// it is called only when the process uses an NVIDIA device.
+pub fn decide_pause(
+    usage: &Usage,
+    devices: &Devices,
+    probe: impl FnOnce() -> CudaContext,
+) -> PauseDecision {
+    if usage.is_empty() {
+        return PauseDecision::NotMine;
+    }
+    let pid = usage.pid;
+    if let Some((run, e)) = usage
+        .runs
+        .iter()
+        .find_map(|r| r.entries.iter().find(|e| !e.shared()).map(|e| (r, e)))
+    {
+        return PauseDecision::Refuse(format!(
+            "{LOG_PREFIX} refusing pid {pid}: its mapping {} of {} is private, and CRIU would \
+             dump its pages; the plugin only handles shared device mappings",
+            e.range(),
+            run.path
+        ));
+    }
+    if !usage.has_nvidia(devices) {
+        return PauseDecision::Claim("the test stand-in device (no CUDA context check)".into());
+    }
+    let uses = usage.summary();
+    match probe() {
+        CudaContext::None(why) => PauseDecision::Claim(format!("no CUDA context: {why}")),
+        CudaContext::Present(state) => PauseDecision::Refuse(format!(
+            "{LOG_PREFIX} refusing pid {pid}: it has a CUDA context (driver state: {state}) and \
+             uses {uses}; the plugin only handles the NVIDIA mappings and descriptors a process \
+             without a CUDA context inherited (a forked DataLoader worker): checkpoint the CUDA \
+             process with `possum checkpoint` (or NVIDIA's cuda-checkpoint) before CRIU dumps it"
+        )),
+        CudaContext::Unknown(why) => PauseDecision::Refuse(format!(
+            "{LOG_PREFIX} refusing pid {pid}: it uses {uses}, and the plugin cannot tell whether \
+             it has a CUDA context: {why}"
+        )),
+    }
+}
+
+/// What the plugin accepted at pause time about one process.
+#[derive(Debug, Clone, Default)]
+struct Accepted {
+    runs: VecDeque<Run>,
+    files: Vec<PathBuf>,
+    why: String,
+}
+
+/// The answer to a claim of a mapping or descriptor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// Claimed: the lines to log and the records to write.
+    Claimed {
+        /// One line per mapping or descriptor.
+        lines: Vec<String>,
+        /// What to note in the images.
+        records: Vec<record::Record>,
+    },
+    /// Refused: the line to log.
+    Refused(String),
+}
+
+/// The plugin's state during one dump (CRIU dumps the processes of a tree one after another,
+/// in one thread).
+#[derive(Debug, Default)]
+pub struct DumpState {
+    accepted: BTreeMap<i32, Accepted>,
+    /// Mappings claimed so far.
+    pub vmas: usize,
+    /// Descriptors claimed so far.
+    pub files: usize,
+}
+
+impl DumpState {
+    /// An empty state.
+    pub const fn new() -> DumpState {
+        DumpState {
+            accepted: BTreeMap::new(),
+            vmas: 0,
+            files: 0,
+        }
+    }
+
+    /// Notes the decision taken about `usage`'s process.
+    pub fn paused(&mut self, usage: Usage, decision: &PauseDecision) {
+        if let PauseDecision::Claim(why) = decision {
+            self.accepted.insert(
+                usage.pid,
+                Accepted {
+                    runs: usage.runs.into(),
+                    files: usage.files,
+                    why: why.clone(),
+                },
+            );
+        }
+    }
+
+    /// CRIU asks about a mapping of the device `path` (one of the plugin's) in `pid`, when known.
+    pub fn claim_vma(&mut self, path: &str, pid: Option<i32>) -> Claim {
+        let pid = match pid {
+            Some(p) => p,
+            // Whoever was accepted with a run of this device not yet claimed.
+            None => match self
+                .accepted
+                .iter()
+                .find(|(_, a)| a.runs.iter().any(|r| r.path == path))
+            {
+                Some((&p, _)) => p,
+                None => {
+                    return Claim::Refused(format!(
+                        "{LOG_PREFIX} refusing a mapping of {path}: its process was not assessed \
+                         when CRIU paused the tree (PAUSE_DEVICES)"
+                    ))
+                }
+            },
+        };
+        let Some(acc) = self.accepted.get_mut(&pid) else {
+            return Claim::Refused(format!(
+                "{LOG_PREFIX} refusing pid {pid}'s mapping of {path}: the process was not \
+                 assessed when CRIU paused it (PAUSE_DEVICES), or was refused then"
+            ));
+        };
+        // CRIU asks once per run, in address order: the next run of this device is this one.
+        let run = loop {
+            match acc.runs.pop_front() {
+                Some(r) if r.path == path => break Some(r),
+                Some(_) => continue,
+                None => break None,
+            }
+        };
+        let why = &acc.why;
+        let Some(run) = run else {
+            self.vmas += 1;
+            return Claim::Claimed {
+                lines: vec![format!(
+                    "{LOG_PREFIX} pid {pid}: claimed a mapping of {path} (range not seen at \
+                     pause), restored as an inaccessible placeholder; {why}"
+                )],
+                records: Vec::new(),
+            };
+        };
+        self.vmas += run.entries.len();
+        let lines = run
+            .entries
+            .iter()
+            .map(|e| {
+                format!(
+                    "{LOG_PREFIX} pid {pid}: claimed mapping {} of {path}, restored as an \
+                     inaccessible placeholder; {why}",
+                    e.range()
+                )
+            })
+            .collect();
+        let records = run
+            .entries
+            .iter()
+            .map(|e| record::Record::Vma {
+                pid,
+                start: e.start,
+                end: e.end,
+                perms: e.perms.clone(),
+                path: path.to_string(),
+            })
+            .collect();
+        Claim::Claimed { lines, records }
+    }
+
+    /// CRIU asks about an open descriptor of the device `path` (one of the plugin's), which it
+    /// numbers `id` in its images.
+    pub fn claim_file(&mut self, path: &Path, id: u32) -> Claim {
+        let pids: Vec<String> = self
+            .accepted
+            .iter()
+            .filter(|(_, a)| a.files.iter().any(|f| f == path))
+            .map(|(p, _)| p.to_string())
+            .collect();
+        let shown = path.display();
+        if pids.is_empty() {
+            return Claim::Refused(format!(
+                "{LOG_PREFIX} refusing an open {shown} (id {id:#x}): no process holding it was \
+                 accepted when CRIU paused the tree (PAUSE_DEVICES)"
+            ));
+        }
+        let Some(path_str) = path.to_str() else {
+            return Claim::Refused(format!(
+                "{LOG_PREFIX} refusing an open {shown}: not a UTF-8 path"
+            ));
+        };
+        self.files += 1;
+        Claim::Claimed {
+            lines: vec![format!(
+                "{LOG_PREFIX} pid {}: claimed open file {shown} (id {id:#x}), restored as a \
+                 placeholder memfd",
+                pids.join(", pid ")
+            )],
+            records: vec![record::Record::File {
+                id,
+                path: path_str.to_string(),
+            }],
+        }
+    }
+}
+
+/// The plugin's state in this process (CRIU's dump process, or a restored process).
+pub static STATE: Mutex<DumpState> = Mutex::new(DumpState::new());
+
+/// Whether a mapping of `path` met at restore (`UPDATE_VMA_MAP`) is one the plugin claimed:
+/// one of its devices, or a mapping its records name.
+pub fn restore_claims_vma(path: &str, devices: &Devices, records: &record::Records) -> bool {
+    devices.kind_of(path).is_some() || records.has_vma_of(path)
+}
+
+/// The memfd name of a placeholder for `path` (memfd names are at most 249 bytes).
+pub fn placeholder_name(path: &str) -> String {
+    let mut name = format!("{PLACEHOLDER_PREFIX}{path}");
+    if name.len() > 240 {
+        let mut cut = 240;
+        while !name.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        name.truncate(cut);
+    }
+    name
 }
 
 /// The name of CRIU's plugin stage (`CR_PLUGIN_STAGE__*`).
@@ -130,8 +473,13 @@ pub fn stage_name(stage: i32) -> &'static str {
 mod tests {
     use super::*;
 
+    fn nv() -> Devices {
+        Devices::default()
+    }
+
     #[test]
     fn nvidia_devices_are_recognised_by_path_or_major() {
+        let d = nv();
         for p in [
             "/dev/nvidia0",
             "/dev/nvidiactl",
@@ -139,47 +487,229 @@ mod tests {
             "/dev/nvidia-uvm-tools",
             "/dev/nvidia-caps/nvidia-cap1",
         ] {
-            assert!(is_nvidia(Some(Path::new(p)), None), "{p}");
+            assert_eq!(d.kind(Some(Path::new(p)), None), Some(DeviceKind::Nvidia));
         }
-        assert!(is_nvidia(Some(Path::new("/dev/whatever")), Some(195)));
+        assert_eq!(
+            d.kind(Some(Path::new("/dev/whatever")), Some(195)),
+            Some(DeviceKind::Nvidia)
+        );
         for p in [
             "/dev/zero",
             "/dev/dri/renderD128",
             "/dev/kfd",
             "/tmp/nvidia0",
         ] {
-            assert!(!is_nvidia(Some(Path::new(p)), Some(1)), "{p}");
+            assert_eq!(d.kind(Some(Path::new(p)), Some(1)), None, "{p}");
         }
-        assert!(!is_nvidia(None, None));
-    }
-
-    #[test]
-    fn other_files_are_not_mine_and_nvidia_is_refused_naming_pid_and_device() {
-        let v = verdict(
-            "a mapping",
-            Some(Path::new("/dev/dri/card0")),
-            Some(226),
-            || panic!("pids are looked up only for a refusal"),
-        );
-        assert_eq!(v, Verdict::NotMine);
-        let Verdict::RefuseNvidia(msg) = verdict(
-            "a mapping",
-            Some(Path::new("/dev/nvidia-uvm")),
-            Some(511),
-            || vec![42, 43],
-        ) else {
-            panic!("not refused");
+        assert_eq!(d.kind(None, None), None);
+        let t = Devices {
+            stand_in: Some("/dev/hwrng".into()),
         };
-        assert!(msg.starts_with(LOG_PREFIX), "{msg}");
-        assert!(msg.contains("/dev/nvidia-uvm"), "{msg}");
-        assert!(msg.contains("pid 42, pid 43"), "{msg}");
-        assert!(msg.contains("TODO"), "{msg}");
+        assert_eq!(t.kind_of("/dev/hwrng"), Some(DeviceKind::StandIn));
+        assert_eq!(nv().kind_of("/dev/hwrng"), None);
+    }
+
+    fn worker_maps() -> Vec<MapEntry> {
+        maps::parse(
+            "\
+200400000-200600000 rw-s 00000000 00:05 1032 /dev/nvidia-uvm
+200600000-200800000 rw-s 00000000 00:05 1032 /dev/nvidia-uvm
+7f0000000000-7f0000001000 rw-s 00000000 00:05 1030 /dev/nvidiactl
+7f1000000000-7f1000021000 r-xp 00000000 fe:00 4242 /usr/lib/libc.so.6
+",
+        )
+    }
+
+    fn worker_usage() -> Usage {
+        Usage::from_parts(
+            42,
+            &worker_maps(),
+            vec![
+                "/dev/null".into(),
+                "/dev/nvidiactl".into(),
+                "/dev/nvidia0".into(),
+            ],
+            &nv(),
+        )
     }
 
     #[test]
-    fn hooks_say_not_mine_for_a_regular_char_device() {
-        let null = std::fs::File::open("/dev/null").unwrap();
-        assert_eq!(ffi::handle_device_vma_for_test(&null), -libc::ENOTSUP);
-        assert_eq!(ffi::dump_ext_file_for_test(&null), -libc::ENOTSUP);
+    fn a_process_without_nvidia_use_is_not_mine_and_the_driver_is_not_asked() {
+        let u = Usage::from_parts(
+            7,
+            &maps::parse("1000-2000 r-xp 00000000 fe:00 1 /usr/bin/python3\n"),
+            vec!["/dev/null".into()],
+            &nv(),
+        );
+        assert!(u.is_empty());
+        let d = decide_pause(&u, &nv(), || panic!("asked the driver"));
+        assert_eq!(d, PauseDecision::NotMine);
+    }
+
+    #[test]
+    fn a_worker_without_a_cuda_context_is_claimed() {
+        let u = worker_usage();
+        assert_eq!(
+            u.summary(),
+            "/dev/nvidia-uvm (2 mappings), /dev/nvidia0 (1 descriptor), \
+             /dev/nvidiactl (1 mapping, 1 descriptor)"
+        );
+        let d = decide_pause(&u, &nv(), || {
+            interpret_driver(Err(3), None, |_| unreachable!())
+        });
+        let PauseDecision::Claim(why) = d else {
+            panic!("{d:?}")
+        };
+        assert!(why.contains("CUresult 3"), "{why}");
+    }
+
+    #[test]
+    fn a_process_with_a_cuda_context_or_an_unknown_one_is_refused_naming_pid_and_devices() {
+        let u = worker_usage();
+        for (probe, want) in [
+            (
+                CudaContext::Present("running".into()),
+                "driver state: running",
+            ),
+            (CudaContext::Present("checkpointed".into()), "checkpointed"),
+            (
+                CudaContext::Unknown("no libcuda.so.1".into()),
+                "no libcuda.so.1",
+            ),
+        ] {
+            let PauseDecision::Refuse(msg) = decide_pause(&u, &nv(), || probe) else {
+                panic!("not refused")
+            };
+            assert!(msg.starts_with(LOG_PREFIX), "{msg}");
+            assert!(msg.contains("pid 42"), "{msg}");
+            assert!(msg.contains("/dev/nvidia-uvm (2 mappings)"), "{msg}");
+            assert!(msg.contains(want), "{msg}");
+        }
+    }
+
+    #[test]
+    fn a_private_device_mapping_is_refused() {
+        let m = maps::parse("200400000-200600000 rw-p 00000000 00:05 1032 /dev/nvidia-uvm\n");
+        let u = Usage::from_parts(5, &m, Vec::new(), &nv());
+        let PauseDecision::Refuse(msg) = decide_pause(&u, &nv(), || unreachable!()) else {
+            panic!("not refused")
+        };
+        assert!(msg.contains("pid 5") && msg.contains("private"), "{msg}");
+    }
+
+    #[test]
+    fn the_stand_in_alone_is_claimed_without_asking_the_driver() {
+        let t = Devices {
+            stand_in: Some("/dev/hwrng".into()),
+        };
+        let u = Usage::from_parts(9, &[], vec!["/dev/hwrng".into()], &t);
+        assert!(!u.has_nvidia(&t));
+        let d = decide_pause(&u, &t, || panic!("asked the driver"));
+        assert!(matches!(d, PauseDecision::Claim(_)), "{d:?}");
+    }
+
+    #[test]
+    fn the_driver_answers_are_interpreted() {
+        assert!(matches!(
+            interpret_driver(Err(3), None, |_| true),
+            CudaContext::None(_)
+        ));
+        assert_eq!(
+            interpret_driver(Ok(0), Some(Ok(77)), |t| t == 77),
+            CudaContext::Present("running".into())
+        );
+        assert_eq!(
+            interpret_driver(Ok(2), None, |_| true),
+            CudaContext::Present("checkpointed".into())
+        );
+        let CudaContext::None(why) = interpret_driver(Ok(0), Some(Ok(77)), |_| false) else {
+            panic!("a forked copy taken for a context")
+        };
+        assert!(why.contains("restore thread 77"), "{why}");
+        assert_eq!(
+            interpret_driver(Ok(1), Some(Err(3)), |_| false),
+            CudaContext::Present("locked".into())
+        );
+    }
+
+    #[test]
+    fn claims_follow_the_runs_accepted_at_pause_and_refuse_the_rest() {
+        let mut s = DumpState::new();
+        let u = worker_usage();
+        let d = PauseDecision::Claim("no CUDA context: test".into());
+        s.paused(u, &d);
+        // Refused processes are not accepted.
+        s.paused(
+            Usage::from_parts(43, &worker_maps(), Vec::new(), &nv()),
+            &PauseDecision::Refuse("x".into()),
+        );
+
+        let Claim::Claimed { lines, records } = s.claim_vma("/dev/nvidia-uvm", Some(42)) else {
+            panic!("not claimed")
+        };
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].contains("pid 42"), "{}", lines[0]);
+        assert!(
+            lines[0].contains("0x200400000-0x200600000 rw-s"),
+            "{}",
+            lines[0]
+        );
+        assert!(lines[1].contains("0x200600000-0x200800000"), "{}", lines[1]);
+        assert_eq!(records.len(), 2);
+        // Without the pid: found by the device.
+        let Claim::Claimed { lines, .. } = s.claim_vma("/dev/nvidiactl", None) else {
+            panic!("not claimed")
+        };
+        assert!(lines[0].contains("pid 42") && lines[0].contains("0x7f0000000000"));
+        assert_eq!(s.vmas, 3);
+        // A run not seen at pause, in an accepted process: still claimed.
+        assert!(matches!(
+            s.claim_vma("/dev/nvidia-uvm", Some(42)),
+            Claim::Claimed { .. }
+        ));
+        // Not accepted, or unknown.
+        let Claim::Refused(msg) = s.claim_vma("/dev/nvidia-uvm", Some(43)) else {
+            panic!("claimed for a refused process")
+        };
+        assert!(msg.contains("pid 43"), "{msg}");
+        assert!(matches!(
+            s.claim_vma("/dev/nvidia0", None),
+            Claim::Refused(_)
+        ));
+
+        let Claim::Claimed { lines, records } = s.claim_file(Path::new("/dev/nvidiactl"), 0x1b)
+        else {
+            panic!("not claimed")
+        };
+        assert!(lines[0].contains("pid 42") && lines[0].contains("id 0x1b"));
+        assert_eq!(
+            records,
+            [record::Record::File {
+                id: 0x1b,
+                path: "/dev/nvidiactl".into()
+            }]
+        );
+        assert!(matches!(
+            s.claim_file(Path::new("/dev/nvidia-uvm"), 3),
+            Claim::Refused(_)
+        ));
+        assert_eq!(s.files, 1);
+    }
+
+    #[test]
+    fn restore_recognises_its_mappings_and_names_placeholders() {
+        let recs = record::Records::parse("vma 1 0x1000-0x2000 rw-s /dev/hwrng\n");
+        assert!(restore_claims_vma("/dev/nvidia0", &nv(), &recs));
+        assert!(restore_claims_vma("/dev/hwrng", &nv(), &recs));
+        assert!(!restore_claims_vma(
+            "/usr/lib/libc.so.6",
+            &nv(),
+            &record::Records::default()
+        ));
+        assert_eq!(
+            placeholder_name("/dev/nvidiactl"),
+            "possum-placeholder:/dev/nvidiactl"
+        );
+        assert_eq!(placeholder_name(&"x".repeat(400)).len(), 240);
     }
 }

@@ -4,7 +4,13 @@
 //! Needs root and CRIU (`scripts/install-criu.sh`). Without either the test prints
 //! `SKIPPED: ...` on stderr (past the test harness's capture) and passes; with
 //! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead. CRIU runs as the plain binary here
-//! (`criu dump|restore --libdir DIR`): possum-criu's RPC options have no `libdir`.
+//! (`criu dump|restore --libdir DIR`), as a container engine would run it.
+//!
+//! A CPU machine has no NVIDIA device, so the second test has the plugin treat another character
+//! device that CRIU cannot dump itself like an NVIDIA one (`POSSUM_CRIU_PLUGIN_TEST_DEVICE`): a
+//! descriptor of it held by the child is claimed and restored as a placeholder memfd. No such
+//! device can be mapped on these machines, so the mapping half (`HANDLE_DEVICE_VMA`,
+//! `UPDATE_VMA_MAP`) is covered by the unit tests and the GPU trials (`scripts/gpu-tree.sh`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -36,10 +42,14 @@ struct Tree {
     ready: PathBuf,
 }
 
-fn start_tree(dir: &Path, name: &str) -> Tree {
+fn start_tree(dir: &Path, name: &str, hold: Option<&Path>) -> Tree {
     let out = dir.join(format!("{name}.out"));
     let ready = dir.join(format!("{name}.ready"));
-    let child = Command::new(env!("CARGO_BIN_EXE_plugin-testee"))
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_plugin-testee"));
+    if let Some(dev) = hold {
+        cmd.arg("--hold").arg(dev);
+    }
+    let child = cmd
         .arg(&out)
         .args(["--steps", "40", "--step-ms", "50", "--kib", "1024"])
         .arg("--ready")
@@ -75,18 +85,31 @@ fn wait_for_file(path: &Path, timeout: Duration) -> String {
     }
 }
 
-/// Runs criu with `args`; panics with the end of `log` when it fails.
-fn criu_run(criu: &Criu, args: &[&std::ffi::OsStr], log: &Path) {
-    let status = Command::new(criu.binary())
-        .args(args)
+/// Runs criu with `args` (and the environment `env`); whether it succeeded.
+fn criu_try(criu: &Criu, args: &[&std::ffi::OsStr], env: &[(&str, &Path)]) -> bool {
+    let mut cmd = Command::new(criu.binary());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.args(args)
         .stdin(Stdio::null())
         .status()
-        .expect("run criu");
-    if !status.success() {
+        .expect("run criu")
+        .success()
+}
+
+/// Runs criu with `args`; panics with the end of `log` when it fails.
+fn criu_run(criu: &Criu, args: &[&std::ffi::OsStr], log: &Path) {
+    criu_run_env(criu, args, &[], log);
+}
+
+/// Runs criu with `args` and the environment `env`; panics with the end of `log` when it fails.
+fn criu_run_env(criu: &Criu, args: &[&std::ffi::OsStr], env: &[(&str, &Path)], log: &Path) {
+    if !criu_try(criu, args, env) {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(40).collect::<Vec<_>>();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
-        panic!("criu {args:?}: {status}\n{}", tail.join("\n"));
+        panic!("criu {args:?} failed\n{}", tail.join("\n"));
     }
 }
 
@@ -106,8 +129,8 @@ fn criu_loads_the_plugin_and_round_trips_a_process_tree() {
     std::fs::create_dir(&libdir).unwrap();
     std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
 
-    let mut reference = start_tree(tmp.path(), "reference");
-    let mut tree = start_tree(tmp.path(), "dumped");
+    let mut reference = start_tree(tmp.path(), "reference", None);
+    let mut tree = start_tree(tmp.path(), "dumped", None);
     let child_pid: i32 = wait_for_file(&tree.ready, TIMEOUT).trim().parse().unwrap();
 
     let images = tmp.path().join("images");
@@ -148,7 +171,9 @@ fn criu_loads_the_plugin_and_round_trips_a_process_tree() {
         dump.contains("possum-criu-plugin: init (stage dump"),
         "the plugin's init line is not in the dump log:\n{dump}"
     );
-    assert!(dump.contains("possum-criu-plugin: exit (stage dump, ret 0)"));
+    assert!(dump.contains(
+        "possum-criu-plugin: exit (stage dump, ret 0, claimed 0 mappings and 0 open files)"
+    ));
     assert!(
         dump.contains("Plugin \"possum\" (version 512 hooks 12)"),
         "CRIU did not describe the loaded plugin"
@@ -205,5 +230,155 @@ fn criu_loads_the_plugin_and_round_trips_a_process_tree() {
         tree.pid,
         t0.elapsed(),
         resumed.trim()
+    ));
+}
+
+/// A character device of the misc major (10) that CRIU has no driver for (it knows only tun and
+/// autofs there), so that a descriptor of it goes to the plugins (`dump_unsupp_fd`), and that
+/// opens read-only here without side effects worth the name.
+fn stand_in_device() -> Option<PathBuf> {
+    use std::os::unix::fs::FileTypeExt as _;
+    ["/dev/hwrng", "/dev/btrfs-control", "/dev/cpu_dma_latency"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.file_type().is_char_device())
+                && std::fs::File::open(p).is_ok()
+        })
+}
+
+/// The targets of `pid`'s descriptors.
+fn fd_links(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .map(|l| l.display().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
+    let test = "the_plugin_claims_a_device_descriptor_and_restores_a_placeholder";
+    let Some(criu) = criu_or_skip(test) else {
+        return;
+    };
+    let Some(dev) = stand_in_device() else {
+        say(&format!(
+            "{test}: SKIPPED: no stand-in character device here"
+        ));
+        return;
+    };
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let libdir = tmp.path().join("plugins");
+    std::fs::create_dir(&libdir).unwrap();
+    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
+
+    let mut reference = start_tree(tmp.path(), "reference", Some(&dev));
+    let mut tree = start_tree(tmp.path(), "dumped", Some(&dev));
+    let child_pid: i32 = wait_for_file(&tree.ready, TIMEOUT).trim().parse().unwrap();
+    let dev_s = dev.display().to_string();
+    assert!(
+        fd_links(child_pid).contains(&dev_s),
+        "the child holds {dev_s}"
+    );
+    let pid = tree.pid.to_string();
+    let dump_args = |images: &Path| -> Vec<std::ffi::OsString> {
+        [
+            "dump".as_ref(),
+            "-t".as_ref(),
+            pid.as_ref(),
+            "-D".as_ref(),
+            images.as_os_str(),
+            "--libdir".as_ref(),
+            libdir.as_os_str(),
+            "-o".as_ref(),
+            "dump.log".as_ref(),
+            "-v4".as_ref(),
+        ]
+        .iter()
+        .map(|s: &&std::ffi::OsStr| s.to_os_string())
+        .collect()
+    };
+
+    // Without the stand-in, the plugin says "not mine" and CRIU cannot dump the descriptor: the
+    // dump fails and the tree runs on.
+    let refused = tmp.path().join("refused");
+    std::fs::create_dir(&refused).unwrap();
+    let args = dump_args(&refused);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|s| s.as_os_str()).collect();
+    assert!(
+        !criu_try(&criu, &args, &[]),
+        "CRIU dumped {dev_s} without the plugin claiming it"
+    );
+    let log = std::fs::read_to_string(refused.join("dump.log")).unwrap();
+    assert!(log.contains("Can't dump file"), "{log}");
+    assert!(tree.child.try_wait().unwrap().is_none(), "the tree died");
+
+    let images = tmp.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let args = dump_args(&images);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|s| s.as_os_str()).collect();
+    criu_run_env(
+        &criu,
+        &args,
+        &[("POSSUM_CRIU_PLUGIN_TEST_DEVICE", dev.as_path())],
+        &images.join("dump.log"),
+    );
+    tree.child.wait().unwrap();
+    wait_for_exit(child_pid, Some(TIMEOUT)).unwrap();
+    assert!(!tree.out.exists(), "the tree finished before it was dumped");
+    let dump = std::fs::read_to_string(images.join("dump.log")).unwrap();
+    let claimed = format!("possum-criu-plugin: pid {child_pid}: claimed open file {dev_s}");
+    assert!(
+        dump.contains(&claimed),
+        "no '{claimed}' in the dump log:\n{dump}"
+    );
+    assert!(
+        dump.contains("claimed 0 mappings and 1 open files"),
+        "{dump}"
+    );
+    let records = std::fs::read_to_string(images.join("possum-criu-plugin.txt")).unwrap();
+    assert!(records.contains(&format!(" {dev_s}\n")), "{records}");
+
+    // The restore needs no environment: the plugin's records say which file is its own.
+    let restore_log = images.join("restore.log");
+    criu_run(
+        &criu,
+        &[
+            "restore".as_ref(),
+            "-D".as_ref(),
+            images.as_os_str(),
+            "--libdir".as_ref(),
+            libdir.as_os_str(),
+            "-o".as_ref(),
+            "restore.log".as_ref(),
+            "-v4".as_ref(),
+            "--restore-detached".as_ref(),
+        ],
+        &restore_log,
+    );
+    let restore = std::fs::read_to_string(&restore_log).unwrap();
+    assert!(
+        restore.contains(&format!("open file {dev_s}")) && restore.contains("placeholder memfd"),
+        "{restore}"
+    );
+    let links = fd_links(child_pid);
+    let placeholder = format!("/memfd:possum-placeholder:{dev_s} (deleted)");
+    assert!(
+        links.contains(&placeholder),
+        "the restored child's descriptors: {links:?}"
+    );
+    assert!(!links.contains(&dev_s), "{links:?}");
+
+    let exit = wait_for_exit(tree.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored tree {exit}");
+    let resumed = std::fs::read_to_string(&tree.out).unwrap();
+    assert!(reference.child.wait().unwrap().success());
+    assert_eq!(resumed, std::fs::read_to_string(&reference.out).unwrap());
+    say(&format!(
+        "plugin stand-in round trip: {dev_s} held by child {child_pid} restored as {placeholder}"
     ));
 }

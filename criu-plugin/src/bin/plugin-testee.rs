@@ -1,7 +1,7 @@
 //! A deterministic two-process tree to checkpoint in the plugin's CRIU round-trip test.
 //!
 //! ```text
-//! plugin-testee OUT [--steps N] [--step-ms MS] [--kib KIB] [--ready FILE]
+//! plugin-testee OUT [--steps N] [--step-ms MS] [--kib KIB] [--ready FILE] [--hold DEV]
 //! ```
 //!
 //! Leaves the caller's session (`setsid`) and starts a child (itself, `--child`) with stdio on
@@ -9,7 +9,9 @@
 //! 1024) for N steps (default 40), sleeping MS milliseconds (default 50) after each. Once both
 //! have done 2 steps the parent writes the child's PID to FILE. The child writes its digest to
 //! `OUT.child`; the parent waits for the child, then writes `parent=P child=C` to OUT (through a
-//! temporary file and a rename). The result depends only on the parameters.
+//! temporary file and a rename). The result depends only on the parameters. With `--hold DEV`
+//! the child opens DEV read-only and keeps it open to the end (never using it), as a DataLoader
+//! worker keeps the NVIDIA descriptors it inherited.
 #![forbid(unsafe_code)]
 
 use std::path::{Path, PathBuf};
@@ -22,6 +24,7 @@ struct Params {
     step_ms: u64,
     kib: usize,
     ready: Option<PathBuf>,
+    hold: Option<PathBuf>,
     child: bool,
 }
 
@@ -33,6 +36,7 @@ fn parse() -> Result<Params, String> {
         step_ms: 50,
         kib: 1024,
         ready: None,
+        hold: None,
         child: false,
     };
     let mut out = None;
@@ -45,14 +49,16 @@ fn parse() -> Result<Params, String> {
                 p.kib = usize::try_from(num(&value("--kib")?)?).map_err(|e| e.to_string())?
             }
             "--ready" => p.ready = Some(value("--ready")?.into()),
+            "--hold" => p.hold = Some(value("--hold")?.into()),
             "--child" => p.child = true,
             s if s.starts_with("--") => return Err(format!("unknown option {s}")),
             s if out.is_none() => out = Some(PathBuf::from(s)),
             s => return Err(format!("unexpected argument {s}")),
         }
     }
-    p.out = out
-        .ok_or("usage: plugin-testee OUT [--steps N] [--step-ms MS] [--kib KIB] [--ready FILE]")?;
+    p.out = out.ok_or(
+        "usage: plugin-testee OUT [--steps N] [--step-ms MS] [--kib KIB] [--ready FILE] [--hold DEV]",
+    )?;
     if p.kib == 0 {
         return Err("--kib must be positive".into());
     }
@@ -100,6 +106,12 @@ fn child_out(out: &Path) -> PathBuf {
 
 fn run(p: Params) -> Result<(), String> {
     if p.child {
+        let _held = match &p.hold {
+            Some(dev) => {
+                Some(std::fs::File::open(dev).map_err(|e| format!("{}: {e}", dev.display()))?)
+            }
+            None => None,
+        };
         let digest = compute(&p, 2, |done| {
             if done == 2 {
                 // The parent waits for this before saying the tree is ready.
@@ -111,7 +123,11 @@ fn run(p: Params) -> Result<(), String> {
     // Fails only when already a session leader, which is as good.
     let _ = nix::unistd::setsid();
     let child_out = child_out(&p.out);
-    let mut child = Command::new(std::env::current_exe().map_err(|e| e.to_string())?)
+    let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+    if let Some(dev) = &p.hold {
+        cmd.arg("--hold").arg(dev);
+    }
+    let mut child = cmd
         .arg(&child_out)
         .args(["--child", "--steps", &p.steps.to_string()])
         .args(["--step-ms", &p.step_ms.to_string()])
