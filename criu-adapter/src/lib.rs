@@ -85,6 +85,40 @@ const LOG_TAIL_LINES: usize = 25;
 #[derive(Debug, Clone)]
 pub struct Criu {
     binary: PathBuf,
+    plugin_dir: Option<PathBuf>,
+}
+
+/// The environment variable naming the directory of CRIU plugins to load (possum's
+/// `libpossum_criu_plugin.so`); an empty value loads none. See [`Criu::plugin_dir`].
+pub const PLUGIN_DIR_ENV: &str = "POSSUM_CRIU_PLUGIN_DIR";
+
+/// The file name of possum's CRIU plugin.
+pub const PLUGIN_FILE: &str = "libpossum_criu_plugin.so";
+
+/// The directory beside the running executable where possum looks for its CRIU plugin.
+pub const PLUGIN_SUBDIR: &str = "criu-plugins";
+
+/// The plugin directory CRIU is given: `env` (the value of [`PLUGIN_DIR_ENV`]) when set (none
+/// when empty), else `<exe's directory>/criu-plugins` when `has_plugin` says it holds
+/// [`PLUGIN_FILE`].
+pub fn resolve_plugin_dir(
+    env: Option<std::ffi::OsString>,
+    exe: Option<&Path>,
+    has_plugin: impl Fn(&Path) -> bool,
+) -> Option<PathBuf> {
+    if let Some(v) = env {
+        return (!v.is_empty()).then(|| PathBuf::from(v));
+    }
+    let dir = exe?.parent()?.join(PLUGIN_SUBDIR);
+    has_plugin(&dir.join(PLUGIN_FILE)).then_some(dir)
+}
+
+/// [`resolve_plugin_dir`] for this process.
+pub fn default_plugin_dir() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok();
+    resolve_plugin_dir(std::env::var_os(PLUGIN_DIR_ENV), exe.as_deref(), |p| {
+        p.is_file()
+    })
 }
 
 /// CRIU's log verbosity.
@@ -274,11 +308,29 @@ impl Criu {
         Err(CriuError::NotFound { searched })
     }
 
-    /// Uses `binary` (the wrapper or criu itself) without checking it.
+    /// Uses `binary` (the wrapper or criu itself) without checking it, with the plugin directory
+    /// of [`default_plugin_dir`].
     pub fn with_binary(binary: impl Into<PathBuf>) -> Self {
         Self {
             binary: binary.into(),
+            plugin_dir: default_plugin_dir(),
         }
+    }
+
+    /// Uses `dir` as CRIU's plugin directory (`None`: CRIU's own default).
+    #[must_use]
+    pub fn with_plugin_dir(mut self, dir: Option<PathBuf>) -> Self {
+        self.plugin_dir = dir;
+        self
+    }
+
+    /// The directory of plugins CRIU loads for every request (CRIU loads every `*.so` in it):
+    /// `$POSSUM_CRIU_PLUGIN_DIR` (none if empty), else `criu-plugins/` beside the running
+    /// executable if it holds `libpossum_criu_plugin.so`, else none (CRIU then loads
+    /// `$CRIU_LIBS_DIR`, else `/usr/lib/criu/`). CRIU's RPC has no `libdir` option, so the
+    /// worker gets it as `CRIU_LIBS_DIR`, which CRIU reads when no `libdir` is set.
+    pub fn plugin_dir(&self) -> Option<&Path> {
+        self.plugin_dir.as_deref()
     }
 
     /// The binary run for each request.
@@ -411,7 +463,7 @@ impl Criu {
         req: CriuReq,
         log: Option<&Path>,
     ) -> Result<CriuResp, CriuError> {
-        let mut worker = swrk::Worker::spawn(&self.binary, op)?;
+        let mut worker = swrk::Worker::spawn(&self.binary, op, self.plugin_dir.as_deref())?;
         let answer = worker.request(&req);
         let status = worker.finish();
         let resp = answer?;
@@ -595,6 +647,46 @@ mod tests {
                 assert_eq!(op, "version");
                 assert!(status.contains('3'), "{status}");
                 assert!(output.starts_with("no luck: swrk "), "{output}");
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_plugin_dir_comes_from_the_environment_or_beside_the_executable() {
+        let exe = Path::new("/opt/possum/bin/possum");
+        let beside = Path::new("/opt/possum/bin/criu-plugins");
+        let yes = |p: &Path| p == beside.join(PLUGIN_FILE);
+        let no = |_: &Path| false;
+        assert_eq!(
+            resolve_plugin_dir(Some("/x/plugins".into()), Some(exe), no),
+            Some(PathBuf::from("/x/plugins"))
+        );
+        // An empty value loads no plugin, even with one beside the executable.
+        assert_eq!(resolve_plugin_dir(Some("".into()), Some(exe), yes), None);
+        assert_eq!(
+            resolve_plugin_dir(None, Some(exe), yes),
+            Some(beside.to_path_buf())
+        );
+        assert_eq!(resolve_plugin_dir(None, Some(exe), no), None);
+        assert_eq!(resolve_plugin_dir(None, None, yes), None);
+    }
+
+    #[test]
+    fn the_worker_gets_the_plugin_dir_as_criu_libs_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("criu");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\necho \"libs=${CRIU_LIBS_DIR:-unset}\" >&2\nexit 3\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let criu = Criu::with_binary(&fake).with_plugin_dir(Some("/some/plugins".into()));
+        assert_eq!(criu.plugin_dir(), Some(Path::new("/some/plugins")));
+        match criu.version() {
+            Err(CriuError::WorkerDied { output, .. }) => {
+                assert!(output.starts_with("libs=/some/plugins"), "{output}")
             }
             other => panic!("unexpected {other:?}"),
         }

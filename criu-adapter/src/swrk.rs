@@ -41,8 +41,13 @@ pub(crate) struct Worker {
 }
 
 impl Worker {
-    /// Starts `binary swrk <fd>` for the request `op` (named in errors).
-    pub(crate) fn spawn(binary: &Path, op: &'static str) -> Result<Self, CriuError> {
+    /// Starts `binary swrk <fd>` for the request `op` (named in errors), loading the plugins in
+    /// `plugin_dir` (as `CRIU_LIBS_DIR`) when given.
+    pub(crate) fn spawn(
+        binary: &Path,
+        op: &'static str,
+        plugin_dir: Option<&Path>,
+    ) -> Result<Self, CriuError> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
             SockType::SeqPacket,
@@ -74,6 +79,9 @@ impl Worker {
             .stdin(Stdio::null())
             .stdout(output.try_clone().map_err(io_err)?)
             .stderr(output.try_clone().map_err(io_err)?);
+        if let Some(dir) = plugin_dir {
+            cmd.env("CRIU_LIBS_DIR", dir);
+        }
         // SAFETY: the closure runs in the forked child before exec. It only calls fcntl(2), which
         // is async-signal-safe, through nix's thin wrapper (no allocation, no locks), on a
         // descriptor number copied before the fork that is open in the child (it was open here,
@@ -90,7 +98,7 @@ impl Worker {
             source,
         })?;
         drop(theirs);
-        tracing::debug!(pid = child.id(), binary = %binary.display(), op, "started criu swrk");
+        tracing::debug!(pid = child.id(), binary = %binary.display(), op, ?plugin_dir, "started criu swrk");
         Ok(Self {
             child,
             sock: ours,

@@ -382,3 +382,53 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
         "plugin stand-in round trip: {dev_s} held by child {child_pid} restored as {placeholder}"
     ));
 }
+
+/// possum's own CRIU driver (`possum-criu`, CRIU's RPC, which has no `libdir` option) loads the
+/// plugin from its plugin directory (`POSSUM_CRIU_PLUGIN_DIR`, or `criu-plugins/` beside the
+/// executable), as `possum checkpoint` / `possum restore` do.
+#[test]
+fn possum_criu_loads_the_plugin_from_its_plugin_dir() {
+    use possum_criu::{DumpOptions, RestoreOptions};
+    let test = "possum_criu_loads_the_plugin_from_its_plugin_dir";
+    let Some(criu) = criu_or_skip(test) else {
+        return;
+    };
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let libdir = tmp.path().join("plugins");
+    std::fs::create_dir(&libdir).unwrap();
+    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
+    let criu = criu.with_plugin_dir(Some(libdir));
+
+    let mut tree = start_tree(tmp.path(), "dumped", None);
+    let child_pid: i32 = wait_for_file(&tree.ready, TIMEOUT).trim().parse().unwrap();
+    let images = tmp.path().join("images");
+    let dump = criu
+        .dump(&DumpOptions {
+            log_level: possum_criu::LogLevel::Debug,
+            ..DumpOptions::new(tree.pid, &images)
+        })
+        .unwrap();
+    tree.child.wait().unwrap();
+    wait_for_exit(child_pid, Some(TIMEOUT)).unwrap();
+    let log = std::fs::read_to_string(&dump.log).unwrap();
+    assert!(
+        log.contains("possum-criu-plugin: init (stage dump"),
+        "the plugin was not loaded:\n{log}"
+    );
+    assert!(log.contains("claimed 0 mappings and 0 open files"), "{log}");
+    let restored = criu
+        .restore(&RestoreOptions {
+            log_level: possum_criu::LogLevel::Debug,
+            ..RestoreOptions::new(&images)
+        })
+        .unwrap();
+    let log = std::fs::read_to_string(&restored.log).unwrap();
+    assert!(
+        log.contains("possum-criu-plugin: init (stage restore"),
+        "{log}"
+    );
+    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored tree {exit}");
+    assert!(std::fs::read_to_string(&tree.out).is_ok());
+}
