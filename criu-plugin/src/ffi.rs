@@ -58,8 +58,8 @@ use nix::sys::stat::Mode;
 
 use crate::record::{Records, RECORD_FILE};
 use crate::{
-    decide_pause, interpret_driver, maps, placeholder_name, restore_claims_vma, stage_name, Claim,
-    CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
+    decide_pause, interpret_driver, libcuda_candidates, maps, placeholder_name, restore_claims_vma,
+    stage_name, Claim, CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
 };
 
 /// `CRIU_PLUGIN_GEN_VERSION(a, b, c)`: `((a) << 16) + ((b) << 8) + (c)`.
@@ -353,45 +353,56 @@ impl Cuda {
     }
 }
 
-/// Loads libcuda (`$POSSUM_LIBCUDA`, else `libcuda.so.1`) and runs `cuInit(0)`, once.
+/// Loads libcuda (the first of [`libcuda_candidates`] that loads) and runs `cuInit(0)`, once.
 fn libcuda() -> Result<&'static Cuda, String> {
     static CUDA: OnceLock<Result<Cuda, String>> = OnceLock::new();
     CUDA.get_or_init(|| {
-        let name = std::env::var_os("POSSUM_LIBCUDA")
-            .filter(|v| !v.is_empty())
-            .unwrap_or_else(|| "libcuda.so.1".into());
-        let shown = Path::new(&name).display().to_string();
-        // SAFETY: loading the NVIDIA driver library runs its initialisers, which is what it is
-        // for; it is leaked below, so never unloaded.
-        let lib = unsafe { libloading::Library::new(&name) }
-            .map_err(|e| format!("cannot load {shown}: {e}"))?;
-        let lib: &'static libloading::Library = Box::leak(Box::new(lib));
-        // SAFETY: the types are cuda.h's for these names; the library is never unloaded.
-        let init = unsafe { lib.get::<CuInitFn>(b"cuInit\0") }
-            .map_err(|_| format!("{shown} has no cuInit: not a CUDA driver library"))?;
-        // SAFETY: as above.
-        let get_state = unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetState\0") }
-            .map_err(|_| {
-                format!(
-                    "{shown} has no cuCheckpointProcessGetState (NVIDIA driver 570 or newer \
-                     needed)"
-                )
-            })?;
-        // SAFETY: as above.
-        let get_restore_tid =
-            unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetRestoreThreadId\0") }.ok();
-        // SAFETY: cuInit(0) is the documented first call of the driver API.
-        let r = unsafe { init(0) };
-        if r != 0 {
-            return Err(format!("cuInit(0) failed in {shown}: CUresult {r}"));
+        let candidates = libcuda_candidates(
+            std::env::var_os("POSSUM_LIBCUDA"),
+            std::env::var_os("LD_LIBRARY_PATH"),
+        );
+        let mut errors = Vec::new();
+        for name in &candidates {
+            // SAFETY: loading the NVIDIA driver library runs its initialisers, which is what it
+            // is for; it is leaked below, so never unloaded.
+            match unsafe { libloading::Library::new(name) } {
+                Ok(lib) => return load_cuda(Box::leak(Box::new(lib)), &name.display().to_string()),
+                Err(e) => errors.push(e.to_string()),
+            }
         }
-        Ok(Cuda {
-            get_state: *get_state,
-            get_restore_tid: get_restore_tid.map(|f| *f),
-        })
+        Err(format!(
+            "cannot load NVIDIA's libcuda.so.1 (set POSSUM_LIBCUDA): {}",
+            errors.join("; ")
+        ))
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+/// Resolves the queries in `lib` (named `shown`) and runs `cuInit(0)`.
+fn load_cuda(lib: &'static libloading::Library, shown: &str) -> Result<Cuda, String> {
+    // SAFETY: the types are cuda.h's for these names; the library is never unloaded.
+    let init = unsafe { lib.get::<CuInitFn>(b"cuInit\0") }
+        .map_err(|_| format!("{shown} has no cuInit: not a CUDA driver library"))?;
+    // SAFETY: as above.
+    let get_state =
+        unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetState\0") }.map_err(|_| {
+            format!(
+                "{shown} has no cuCheckpointProcessGetState (NVIDIA driver 570 or newer needed)"
+            )
+        })?;
+    // SAFETY: as above.
+    let get_restore_tid =
+        unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetRestoreThreadId\0") }.ok();
+    // SAFETY: cuInit(0) is the documented first call of the driver API.
+    let r = unsafe { init(0) };
+    if r != 0 {
+        return Err(format!("cuInit(0) failed in {shown}: CUresult {r}"));
+    }
+    Ok(Cuda {
+        get_state: *get_state,
+        get_restore_tid: get_restore_tid.map(|f| *f),
+    })
 }
 
 /// What the NVIDIA driver says about `pid`'s CUDA context.

@@ -103,6 +103,39 @@ pub fn is_nvidia_path(path: &Path) -> bool {
     path.to_str().is_some_and(|s| s.starts_with("/dev/nvidia"))
 }
 
+/// Where the plugin looks for NVIDIA's driver library, in order: `$POSSUM_LIBCUDA` alone when
+/// set; else `libcuda.so.1` (the loader's search), then `libcuda.so.1` in each directory of
+/// `$LD_LIBRARY_PATH` and in the usual driver directories. The explicit paths matter when criu
+/// runs through another loader (`scripts/install-criu.sh`'s wrapper passes `--library-path`,
+/// which replaces `LD_LIBRARY_PATH` in the loader's search).
+pub fn libcuda_candidates(
+    possum_libcuda: Option<std::ffi::OsString>,
+    ld_library_path: Option<std::ffi::OsString>,
+) -> Vec<PathBuf> {
+    if let Some(v) = possum_libcuda.filter(|v| !v.is_empty()) {
+        return vec![PathBuf::from(v)];
+    }
+    let mut out = vec![PathBuf::from("libcuda.so.1")];
+    let dirs = ld_library_path
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default();
+    for d in dirs.into_iter().chain(
+        [
+            "/usr/local/nvidia/lib64",
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+        ]
+        .map(PathBuf::from),
+    ) {
+        let c = d.join("libcuda.so.1");
+        if d.is_absolute() && !out.contains(&c) {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// What the NVIDIA driver says about a process's CUDA context.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CudaContext {
@@ -606,6 +639,26 @@ mod tests {
         assert!(!u.has_nvidia(&t));
         let d = decide_pause(&u, &t, || panic!("asked the driver"));
         assert!(matches!(d, PauseDecision::Claim(_)), "{d:?}");
+    }
+
+    #[test]
+    fn libcuda_is_looked_for_where_the_driver_puts_it() {
+        assert_eq!(
+            libcuda_candidates(Some("/x/libcuda.so".into()), Some("/a".into())),
+            [PathBuf::from("/x/libcuda.so")]
+        );
+        let c = libcuda_candidates(Some("".into()), Some("/a:rel:/usr/lib64".into()));
+        assert_eq!(c[0], PathBuf::from("libcuda.so.1"));
+        assert_eq!(c[1], PathBuf::from("/a/libcuda.so.1"));
+        assert_eq!(c[2], PathBuf::from("/usr/lib64/libcuda.so.1"));
+        assert!(c.contains(&PathBuf::from("/usr/local/nvidia/lib64/libcuda.so.1")));
+        assert_eq!(
+            c.iter()
+                .filter(|p| p.ends_with("lib64/libcuda.so.1"))
+                .count(),
+            2,
+            "no duplicates: {c:?}"
+        );
     }
 
     #[test]
