@@ -119,7 +119,9 @@ def device_use(pid):
         for line in open(f"/proc/{pid}/maps"):
             if "/dev/nvidia" in line:
                 out["nvidia_maps"] += 1
-                out.setdefault("nvidia_map_sample", line.split()[0] + " " + line.split()[1] + " " + line.split()[-1])
+                if len(out.setdefault("nvidia_map_lines", [])) < 24:
+                    f = line.split()
+                    out["nvidia_map_lines"].append(f"{f[0]} {f[1]} {f[-1]}")
             if "possum-placeholder" in line:
                 out["placeholder_maps"] += 1
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -183,9 +185,14 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
         emit(row)
         return row
     row["workers_at_checkpoint"] = tree_use(p.pid)
-    env_save = os.environ.get("POSSUM_CRIU_PLUGIN_DIR")
     if kind in ("baseline", "driver", "possum"):
-        os.environ["POSSUM_CRIU_PLUGIN_DIR"] = "" if kind == "baseline" else PLUGINS
+        # possum-criu passes POSSUM_CRIU_PLUGIN_DIR to CRIU as CRIU_LIBS_DIR; CRIU_LIBS_DIR itself
+        # too, for a possum built before that (its swrk worker inherits the environment).
+        if kind == "baseline":
+            os.environ["POSSUM_CRIU_PLUGIN_DIR"] = ""
+            os.environ.pop("CRIU_LIBS_DIR", None)
+        else:
+            os.environ["POSSUM_CRIU_PLUGIN_DIR"] = os.environ["CRIU_LIBS_DIR"] = PLUGINS
         ck = ckpt.checkpoint(p.pid, img, "possum" if with_possum else "driver", leave=True)
         ok_ck = ck["rc"] == 0
         row["checkpoint"] = {"rc": ck["rc"], "wall_ms": round(ck["wall_ms"]),
@@ -236,8 +243,8 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
         rs = ckpt.restore(img)
         rs = {"rc": rs["rc"], "wall_ms": round(rs["wall_ms"]), "figures": (rs["json"] or {}).get("figures"),
               "stderr": rs["stderr"][-1500:] if rs["rc"] else None}
-    if env_save is None:
-        os.environ.pop("POSSUM_CRIU_PLUGIN_DIR", None)
+    for v in ("POSSUM_CRIU_PLUGIN_DIR", "CRIU_LIBS_DIR"):
+        os.environ.pop(v, None)
     row["restore"] = rs
     if rs["rc"] == 0:
         row["workers_after_restore"] = tree_use(p.pid)
