@@ -248,7 +248,7 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
     row["restore"] = rs
     if rs["rc"] == 0:
         row["workers_after_restore"] = tree_use(p.pid)
-    restore_lines = plugin_lines(img, "restore.log")
+    restore_lines = plugin_lines(img, "restore*.log")
     save_log_lines(f"{name}.restore", restore_lines)
     row["restore_plugin_lines"] = [l for l in restore_lines if "possum-criu-plugin" in l][:6]
     gone = ckpt.wait_gone(p.pid, 600) if rs["rc"] == 0 else True
@@ -297,7 +297,9 @@ def markdown(rows, info, wall_s, skipped):
         rs = r.get("restore") or {}
         note = ""
         if r.get("expected_failure"):
-            note = "expected failure: " + "; ".join((r.get("dump_errors") or [])[:2])[:300]
+            errs = [l for l in (r.get("dump_errors") or []) if "RLIMIT_NOFILE" not in l]
+            errs = errs or [l for l in (ck.get("stderr") or "").splitlines() if "Error" in l]
+            note = "expected failure: " + "; ".join(errs[:2])[:400]
         elif not r.get("ok"):
             note = (r.get("why") or (ck.get("stderr") or rs.get("stderr") or r.get("err") or ""))[-300:]
         note = note.replace("|", "/").replace("\n", " ")
