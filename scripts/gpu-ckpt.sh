@@ -48,10 +48,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--stage" ]; then
-    cargo build --release -p possum-interposer -p possum || exit 1
+    cargo build --release -p possum-interposer -p possum -p possum-criu-plugin || exit 1
     mkdir -p .gpu
-    cp target/release/libpossum.so target/release/possum .gpu/
-    strip .gpu/possum && strip --strip-debug .gpu/libpossum.so
+    cp target/release/libpossum.so target/release/possum target/release/libpossum_criu_plugin.so .gpu/
+    strip .gpu/possum && strip --strip-debug .gpu/libpossum.so .gpu/libpossum_criu_plugin.so
     [ -d .gpu/criu-debs ] || bash scripts/install-criu.sh --download-only .gpu/criu-debs || exit 1
     du -sh .gpu/*
     exit 0

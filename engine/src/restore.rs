@@ -2,11 +2,14 @@
 //!
 //! `begin` checks that the image matches the job's released buffers (same ids, addresses, sizes),
 //! installs the session and returns. Background restorer threads walk the buffers in prefetch order
-//! (the order the job first touched them after the checkpoint's T0), each mapping new physical memory
-//! at the buffer's old address and copying the chunks in through the staging pool (chunk integrity is
-//! checked as it is read). Before an operation that touches (reads or writes) a buffer not yet back,
-//! the hook restores exactly that buffer on the calling thread through the high-priority stream, or
-//! waits for the restorer already doing it, and makes the operation's stream wait for it.
+//! (the order the job first touched them after the checkpoint's T0): the first thread to reach a
+//! buffer maps new physical memory at its old address, then every restorer takes its chunks one at a
+//! time and copies them in through the staging pool (chunk integrity is checked as it is read), so
+//! the buffers come back in rank order, each at the speed of all restorers together. Before an
+//! operation that touches (reads or writes) a buffer not yet back, the hook asks for exactly that
+//! buffer: it becomes *urgent*, every restorer takes its next chunk from it before anything else,
+//! the hook's own thread copies chunks of it too (through the high-priority stream), and the hook
+//! returns once its last chunk is on the device.
 //!
 //! Restore always completes: the last restorer finalises the session whether or not anyone waits.
 //! A buffer that cannot be restored (corrupt chunk, device too small) fails the operations that touch
@@ -29,22 +32,69 @@ use crate::store::ChunkSource;
 /// How many chunk copies one thread keeps in flight.
 const DEPTH: usize = 2;
 
-enum RsState<D: Device> {
+enum RsState {
     Pending,
+    /// Mapped; its chunks are being copied in (by any thread).
     Busy,
-    Restored(D::Event),
+    Restored,
     Failed(String),
     /// The job freed it before it was restored.
     Freed,
 }
 
-struct RsSlot<D: Device> {
+struct RsSlot {
     buf: Buffer,
     chunks: Vec<(u64, u64)>,
-    state: Mutex<RsState<D>>,
+    state: Mutex<RsState>,
     cv: Condvar,
-    /// Its restore event has completed.
+    /// Restored (a lock-free check for the hook).
     done: AtomicBool,
+    /// Mapped: its chunks may be claimed.
+    mapped: AtomicBool,
+    /// The next chunk to claim.
+    next_chunk: AtomicUsize,
+    /// Chunks claimed but not yet on the device, plus the not yet claimed ones.
+    left: AtomicUsize,
+    /// The first chunk error, if any.
+    error: Mutex<Option<EngineError>>,
+    /// A hook asked for it (it counts as restored on demand).
+    wanted: AtomicBool,
+}
+
+impl RsSlot {
+    fn new(buf: Buffer, chunks: Vec<(u64, u64)>) -> Self {
+        let n = chunks.len();
+        RsSlot {
+            buf,
+            chunks,
+            state: Mutex::new(RsState::Pending),
+            cv: Condvar::new(),
+            done: AtomicBool::new(false),
+            mapped: AtomicBool::new(false),
+            next_chunk: AtomicUsize::new(0),
+            left: AtomicUsize::new(n),
+            error: Mutex::new(None),
+            wanted: AtomicBool::new(false),
+        }
+    }
+
+    /// Claims the next chunk to copy, if the buffer is mapped and one is left.
+    fn claim(&self) -> Option<usize> {
+        if !self.mapped.load(Ordering::Acquire) {
+            return None;
+        }
+        let c = self.next_chunk.fetch_add(1, Ordering::Relaxed);
+        (c < self.chunks.len()).then_some(c)
+    }
+
+    fn error_for(&self, e: EngineError) -> EngineError {
+        EngineError::RestoreBuffer {
+            id: self.buf.id(),
+            va: self.buf.va(),
+            size: self.buf.size(),
+            source: Box::new(e),
+        }
+    }
 }
 
 /// What a restore did.
@@ -60,6 +110,8 @@ pub struct RestoreReport {
     pub on_demand: u64,
     /// Buffers restored by the background prefetcher.
     pub prefetched: u64,
+    /// Chunks of buffers wanted on demand that the restorer threads copied (helping the hook).
+    pub helped_chunks: u64,
     /// Hook calls that blocked the job's thread.
     pub hook_blocked: u64,
     /// Their total time.
@@ -75,10 +127,17 @@ pub(crate) struct RestoreSession<D: Device> {
     dev: Arc<D>,
     pool: Arc<StagingPool<D>>,
     source: Arc<dyn ChunkSource>,
-    slots: Vec<RsSlot<D>>,
+    slots: Vec<RsSlot>,
     index: HashMap<u64, usize>,
     order: Vec<usize>,
+    /// The prefetch frontier: the position in `order` of the first buffer that may still have
+    /// chunks to claim.
     next: AtomicUsize,
+    /// Buffers hooks wait for, served before the frontier.
+    urgent: Mutex<Vec<usize>>,
+    /// Wakes a restorer sleeping out `prefetch_delay` when a buffer becomes urgent.
+    urgent_cv: Condvar,
+    helped: AtomicU64,
     prio: D::Stream,
     error: Mutex<Option<String>>,
     bytes: AtomicU64,
@@ -87,8 +146,28 @@ pub(crate) struct RestoreSession<D: Device> {
     blocked: BlockedTime,
     counters: Arc<Counters>,
     started: Instant,
-    /// Test hook: the prefetcher waits this long before each buffer.
+    /// Test hook: the prefetcher waits this long before starting each buffer of the frontier
+    /// (urgent buffers are served at once).
     prefetch_delay: Duration,
+}
+
+/// What a worker does next.
+enum Next {
+    /// Copy chunk `.1` of slot `.0`.
+    Chunk(usize, usize),
+    /// Wait for the copies in flight first.
+    Drain,
+    /// Nothing left for this worker.
+    Done,
+}
+
+/// Who is copying.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Worker {
+    /// A background restorer.
+    Restorer,
+    /// A hook helping with the one buffer it waits for.
+    Hook(usize),
 }
 
 impl<D: Device> RestoreSession<D> {
@@ -138,13 +217,7 @@ impl<D: Device> RestoreSession<D> {
                         why: format!("chunks cover {expect} of {} bytes", r.size),
                     });
                 }
-                slots.push(RsSlot {
-                    buf,
-                    chunks,
-                    state: Mutex::new(RsState::Pending),
-                    cv: Condvar::new(),
-                    done: AtomicBool::new(false),
-                });
+                slots.push(RsSlot::new(buf, chunks));
             }
             let in_image: std::collections::HashSet<u64> = recs.iter().map(|r| r.id).collect();
             let missing = reg
@@ -175,6 +248,9 @@ impl<D: Device> RestoreSession<D> {
             index,
             order,
             next: AtomicUsize::new(0),
+            urgent: Mutex::new(Vec::new()),
+            urgent_cv: Condvar::new(),
+            helped: AtomicU64::new(0),
             prio: inner.prio.clone(),
             error: Mutex::new(None),
             bytes: AtomicU64::new(0),
@@ -234,101 +310,6 @@ impl<D: Device> RestoreSession<D> {
         }
     }
 
-    /// Maps the buffer's memory again and copies its chunks in; returns an event for the copies.
-    fn restore_slot(&self, slot: &RsSlot<D>, stream: &D::Stream) -> Result<D::Event, EngineError> {
-        let b = &slot.buf;
-        let wrap = |e: EngineError| EngineError::RestoreBuffer {
-            id: b.id(),
-            va: b.va(),
-            size: b.size(),
-            source: Box::new(e),
-        };
-        self.dev
-            .map(b.va(), b.mapped_size())
-            .map_err(|e| wrap(e.into()))?;
-        let r = self.copy_in(slot, stream);
-        match r {
-            Ok(ev) => {
-                b.set_residency(Residency::Mapped);
-                self.bytes.fetch_add(b.size(), Ordering::Relaxed);
-                Ok(ev)
-            }
-            Err(e) => {
-                let _ = self.dev.unmap(b.va(), b.mapped_size());
-                Err(wrap(e))
-            }
-        }
-    }
-
-    fn copy_in(&self, slot: &RsSlot<D>, stream: &D::Stream) -> Result<D::Event, EngineError> {
-        let b = &slot.buf;
-        let mut inflight: VecDeque<D::Pending> = VecDeque::with_capacity(DEPTH + 1);
-        let mut result = Ok(());
-        for &(off, len) in &slot.chunks {
-            let ulen =
-                usize::try_from(len).map_err(|_| EngineError::Failed("chunk too large".into()))?;
-            // Reuse this thread's oldest copy's buffer when at depth or when the pool is empty:
-            // waiting on the pool while holding buffers in flight could deadlock restorers.
-            let pooled = if inflight.len() >= DEPTH || ulen > self.pool.chunk() {
-                None
-            } else {
-                self.pool.try_get()
-            };
-            let mut hb = match (pooled, inflight.pop_front()) {
-                (Some(hb), oldest) => {
-                    if let Some(p) = oldest {
-                        inflight.push_front(p);
-                    }
-                    hb
-                }
-                (None, Some(p)) => match p.wait() {
-                    Ok(hb) if hb.len() >= ulen => hb,
-                    Ok(hb) => {
-                        self.recycle(hb);
-                        self.take_buf(ulen)?
-                    }
-                    Err(e) => {
-                        result = Err(e.into());
-                        break;
-                    }
-                },
-                (None, None) => self.take_buf(ulen)?,
-            };
-            if let Err(e) = self
-                .source
-                .read_chunk(b.id(), off, &mut hb.as_mut_slice()[..ulen])
-            {
-                self.recycle(hb);
-                result = Err(e.into());
-                break;
-            }
-            match self.dev.copy_h2d(stream, hb, b.va().add(off), len) {
-                Ok(p) => inflight.push_back(p),
-                Err(e) => {
-                    result = Err(e.into());
-                    break;
-                }
-            }
-        }
-        let ev = match result {
-            Ok(()) => self.dev.record_event(stream).map_err(EngineError::from),
-            Err(e) => Err(e),
-        };
-        for p in inflight {
-            match p.wait() {
-                Ok(hb) => self.recycle(hb),
-                Err(e) => {
-                    // The staging buffer went with the failed copy: keep the pool at its size.
-                    if let Ok(nb) = self.dev.alloc_host(self.pool.chunk()) {
-                        self.pool.put(nb);
-                    }
-                    return Err(e.into());
-                }
-            }
-        }
-        ev
-    }
-
     /// A staging buffer of at least `len` bytes: from the pool, or a one-off for an image written
     /// with larger chunks than this engine's.
     fn take_buf(&self, len: usize) -> Result<D::HostBuf, DeviceError> {
@@ -339,81 +320,274 @@ impl<D: Device> RestoreSession<D> {
         }
     }
 
-    /// Claims slot `i` for this thread, or returns its state if someone else has it.
-    fn ensure(
-        &self,
-        i: usize,
-        stream: &D::Stream,
-        on_demand: bool,
-    ) -> (Result<Option<D::Event>, EngineError>, bool) {
+    /// Starts slot `i` if it is pending: maps its memory (under its lock, so no chunk is claimed
+    /// before). Returns whether it is now being copied in.
+    fn start(&self, i: usize, by_hook: bool) -> bool {
         let slot = &self.slots[i];
-        let mut blocked = false;
-        {
-            let mut st = slot.state.lock();
-            loop {
-                match &*st {
-                    RsState::Restored(ev) => return (Ok(Some(ev.clone())), blocked),
-                    RsState::Failed(e) => {
-                        return (
-                            Err(EngineError::RestoreBuffer {
-                                id: slot.buf.id(),
-                                va: slot.buf.va(),
-                                size: slot.buf.size(),
-                                source: Box::new(EngineError::Failed(e.clone())),
-                            }),
-                            blocked,
-                        )
-                    }
-                    RsState::Freed => return (Ok(None), blocked),
-                    RsState::Busy if on_demand => {
-                        blocked = true;
-                        slot.cv.wait(&mut st);
-                    }
-                    RsState::Busy => return (Ok(None), false),
-                    RsState::Pending => {
-                        *st = RsState::Busy;
-                        break;
-                    }
-                }
-            }
+        let mut st = slot.state.lock();
+        match &*st {
+            RsState::Busy => return true,
+            RsState::Pending => {}
+            _ => return false,
         }
-        let r = self.restore_slot(slot, stream);
-        let (state, out) = match r {
-            Ok(ev) => {
-                if on_demand {
+        if by_hook {
+            slot.wanted.store(true, Ordering::Relaxed);
+        }
+        let b = &slot.buf;
+        if let Err(e) = self.dev.map(b.va(), b.mapped_size()) {
+            let e = slot.error_for(e.into());
+            self.fail(&e);
+            *st = RsState::Failed(e.to_string());
+            drop(st);
+            slot.cv.notify_all();
+            return false;
+        }
+        *st = RsState::Busy;
+        slot.mapped.store(true, Ordering::Release);
+        if slot.chunks.is_empty() {
+            drop(st);
+            self.complete(i);
+        }
+        true
+    }
+
+    /// The last chunk of slot `i` is on the device (or failed): the slot is restored, or failed
+    /// and released again.
+    fn complete(&self, i: usize) {
+        let slot = &self.slots[i];
+        let b = &slot.buf;
+        let err = slot.error.lock().take();
+        let state = match err {
+            None => {
+                b.set_residency(Residency::Mapped);
+                self.bytes.fetch_add(b.size(), Ordering::Relaxed);
+                if slot.wanted.load(Ordering::Relaxed) {
                     self.on_demand.fetch_add(1, Ordering::Relaxed);
                 } else {
                     self.prefetched.fetch_add(1, Ordering::Relaxed);
                 }
-                (RsState::Restored(ev.clone()), Ok(Some(ev)))
+                slot.done.store(true, Ordering::Release);
+                RsState::Restored
             }
-            Err(e) => {
+            Some(e) => {
+                let _ = self.dev.unmap(b.va(), b.mapped_size());
+                let e = slot.error_for(e);
                 self.fail(&e);
-                (RsState::Failed(e.to_string()), Err(e))
+                RsState::Failed(e.to_string())
             }
         };
         *slot.state.lock() = state;
         slot.cv.notify_all();
-        (out, true)
+        // A restorer sleeping out the prefetch delay on this slot moves on (it checks the slot's
+        // state under the same lock before sleeping: no wake-up is lost).
+        drop(self.urgent.lock());
+        self.urgent_cv.notify_all();
     }
 
-    /// A background restorer: takes buffers in prefetch order until none is left.
-    fn prefetch(&self, stream: &D::Stream) {
+    /// One chunk of slot `i` is done with (copied, or failed with `err`).
+    fn chunk_done(&self, i: usize, err: Option<EngineError>) {
+        let slot = &self.slots[i];
+        if let Some(e) = err {
+            slot.error.lock().get_or_insert(e);
+        }
+        if slot.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.complete(i);
+        }
+    }
+
+    /// The next chunk a worker copies: for a hook, of its own buffer; for a restorer, of an urgent
+    /// buffer first, else of the frontier (starting buffers in prefetch order). `idle`: the worker
+    /// has no copy in flight (only then may it sleep out the prefetch delay: a copy in flight
+    /// finishes its buffer only when its worker waits for it).
+    fn next_chunk(&self, who: Worker, idle: bool) -> Next {
+        if let Worker::Hook(i) = who {
+            return match self.slots[i].claim() {
+                Some(c) => Next::Chunk(i, c),
+                None => Next::Done,
+            };
+        }
         loop {
-            let k = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(&i) = self.order.get(k) else { return };
-            if !self.prefetch_delay.is_zero() {
-                std::thread::sleep(self.prefetch_delay);
+            {
+                let mut urgent = self.urgent.lock();
+                while let Some(&i) = urgent.first() {
+                    if let Some(c) = self.slots[i].claim() {
+                        self.helped.fetch_add(1, Ordering::Relaxed);
+                        return Next::Chunk(i, c);
+                    }
+                    urgent.remove(0);
+                }
             }
-            // Errors are recorded in the slot and the session; go on with the other buffers.
-            let _ = self.ensure(i, stream, false);
+            let k = self.next.load(Ordering::Acquire);
+            let Some(&i) = self.order.get(k) else {
+                return Next::Done;
+            };
+            if let Some(c) = self.slots[i].claim() {
+                return Next::Chunk(i, c);
+            }
+            let pending = |s: &RsSlot| matches!(*s.state.lock(), RsState::Pending);
+            if pending(&self.slots[i]) {
+                if !self.prefetch_delay.is_zero() {
+                    if !idle {
+                        return Next::Drain;
+                    }
+                    let mut urgent = self.urgent.lock();
+                    if urgent.is_empty() && pending(&self.slots[i]) {
+                        self.urgent_cv.wait_for(&mut urgent, self.prefetch_delay);
+                    }
+                    if !urgent.is_empty() {
+                        continue;
+                    }
+                }
+                if self.start(i, false) {
+                    continue;
+                }
+            }
+            // Started meanwhile by another thread (mapped under the lock `pending` waited for)?
+            if let Some(c) = self.slots[i].claim() {
+                return Next::Chunk(i, c);
+            }
+            // Every chunk of it is claimed (or it is done, failed or freed): move the frontier on.
+            let _ = self
+                .next
+                .compare_exchange(k, k + 1, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// Copies chunks until `who` has none left to take, keeping `DEPTH` copies in flight.
+    fn copy_chunks(&self, stream: &D::Stream, who: Worker) {
+        let mut inflight: VecDeque<(usize, D::Pending)> = VecDeque::with_capacity(DEPTH + 1);
+        loop {
+            let (i, c) = match self.next_chunk(who, inflight.is_empty()) {
+                Next::Chunk(i, c) => (i, c),
+                Next::Drain => {
+                    self.drain(&mut inflight);
+                    continue;
+                }
+                Next::Done => break,
+            };
+            let slot = &self.slots[i];
+            let (off, len) = slot.chunks[c];
+            let Ok(ulen) = usize::try_from(len) else {
+                self.chunk_done(i, Some(EngineError::Failed("chunk too large".into())));
+                continue;
+            };
+            // Reuse this thread's oldest copy's buffer when at depth or when the pool is empty:
+            // waiting on the pool while holding buffers in flight could deadlock restorers.
+            let pooled = if inflight.len() >= DEPTH || ulen > self.pool.chunk() {
+                None
+            } else {
+                self.pool.try_get()
+            };
+            let hb = match pooled {
+                Some(hb) => Ok(hb),
+                None => match inflight.pop_front() {
+                    Some((j, p)) => match p.wait() {
+                        Ok(hb) => {
+                            self.chunk_done(j, None);
+                            if hb.len() >= ulen {
+                                Ok(hb)
+                            } else {
+                                self.recycle(hb);
+                                self.take_buf(ulen)
+                            }
+                        }
+                        Err(e) => {
+                            self.chunk_done(j, Some(e.into()));
+                            self.replace_lost_buffer();
+                            self.take_buf(ulen)
+                        }
+                    },
+                    None => self.take_buf(ulen),
+                },
+            };
+            let mut hb = match hb {
+                Ok(hb) => hb,
+                Err(e) => {
+                    self.chunk_done(i, Some(e.into()));
+                    continue;
+                }
+            };
+            if let Err(e) =
+                self.source
+                    .read_chunk(slot.buf.id(), off, &mut hb.as_mut_slice()[..ulen])
+            {
+                self.recycle(hb);
+                self.chunk_done(i, Some(e.into()));
+                continue;
+            }
+            match self.dev.copy_h2d(stream, hb, slot.buf.va().add(off), len) {
+                Ok(p) => inflight.push_back((i, p)),
+                Err(e) => {
+                    self.replace_lost_buffer();
+                    self.chunk_done(i, Some(e.into()));
+                }
+            }
+        }
+        self.drain(&mut inflight);
+    }
+
+    /// Waits for every copy in flight.
+    fn drain(&self, inflight: &mut VecDeque<(usize, D::Pending)>) {
+        for (j, p) in inflight.drain(..) {
+            match p.wait() {
+                Ok(hb) => {
+                    self.recycle(hb);
+                    self.chunk_done(j, None);
+                }
+                Err(e) => {
+                    self.replace_lost_buffer();
+                    self.chunk_done(j, Some(e.into()));
+                }
+            }
+        }
+    }
+
+    /// A staging buffer went with a failed copy: keep the pool at its size.
+    fn replace_lost_buffer(&self) {
+        if let Ok(nb) = self.dev.alloc_host(self.pool.chunk()) {
+            self.pool.put(nb);
+        }
+    }
+
+    /// A background restorer: copies chunks until every buffer is started and claimed.
+    fn prefetch(&self, stream: &D::Stream) {
+        self.copy_chunks(stream, Worker::Restorer);
+    }
+
+    /// Brings slot `i` back for a hook: makes it urgent, copies chunks of it on this thread too,
+    /// and waits until it is restored. Returns whether the thread was held up.
+    fn want(&self, i: usize) -> Result<bool, EngineError> {
+        let slot = &self.slots[i];
+        if slot.done.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        slot.wanted.store(true, Ordering::Relaxed);
+        if self.start(i, true) {
+            {
+                let mut urgent = self.urgent.lock();
+                if !urgent.contains(&i) {
+                    urgent.push(i);
+                }
+            }
+            self.urgent_cv.notify_all();
+            self.copy_chunks(&self.prio, Worker::Hook(i));
+        }
+        let mut st = slot.state.lock();
+        loop {
+            match &*st {
+                RsState::Busy | RsState::Pending => slot.cv.wait(&mut st),
+                RsState::Restored | RsState::Freed => return Ok(true),
+                RsState::Failed(e) => {
+                    return Err(slot.error_for(EngineError::Failed(e.clone())));
+                }
+            }
         }
     }
 
     /// The hook during this session.
     pub(crate) fn before_op(
         &self,
-        stream: &D::Stream,
+        _stream: &D::Stream,
         access: Access<'_>,
     ) -> Result<(), EngineError> {
         let t = Instant::now();
@@ -422,20 +596,7 @@ impl<D: Device> RestoreSession<D> {
             let Some(&i) = self.index.get(&b.id()) else {
                 return Ok(());
             };
-            let slot = &self.slots[i];
-            if slot.done.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            let (r, bl) = self.ensure(i, &self.prio, true);
-            blocked |= bl;
-            if let Some(ev) = r? {
-                if self.dev.event_query(&ev)? {
-                    slot.done.store(true, Ordering::Release);
-                } else {
-                    self.dev.wait_event(stream, &ev)?;
-                    self.counters.stream_waits.fetch_add(1, Ordering::Relaxed);
-                }
-            }
+            blocked |= self.want(i)?;
             Ok(())
         };
         let r = match access {
@@ -460,35 +621,24 @@ impl<D: Device> RestoreSession<D> {
         loop {
             match &*st {
                 RsState::Busy => slot.cv.wait(&mut st),
-                RsState::Restored(ev) => return Ok(self.dev.event_synchronize(ev)?),
                 RsState::Pending => {
                     // Never restore a buffer that is being freed.
                     *st = RsState::Freed;
+                    drop(st);
+                    slot.cv.notify_all();
                     return Ok(());
                 }
-                RsState::Failed(_) | RsState::Freed => return Ok(()),
+                RsState::Restored | RsState::Failed(_) | RsState::Freed => return Ok(()),
             }
         }
     }
 
-    /// After the prefetchers are done: waits for buffers restored on demand and for every copy.
+    /// After the prefetchers are done: waits for buffers still being copied in by hooks.
     fn finish(&self) -> Result<RestoreReport, EngineError> {
         for slot in &self.slots {
-            let ev = {
-                let mut st = slot.state.lock();
-                while matches!(*st, RsState::Busy | RsState::Pending) {
-                    slot.cv.wait(&mut st);
-                }
-                match &*st {
-                    RsState::Restored(ev) => Some(ev.clone()),
-                    _ => None,
-                }
-            };
-            if let Some(ev) = ev {
-                if let Err(e) = self.dev.event_synchronize(&ev) {
-                    self.fail(&e.into());
-                }
-                slot.done.store(true, Ordering::Release);
+            let mut st = slot.state.lock();
+            while matches!(*st, RsState::Busy | RsState::Pending) {
+                slot.cv.wait(&mut st);
             }
         }
         if let Some(e) = self.error.lock().clone() {
@@ -501,6 +651,7 @@ impl<D: Device> RestoreSession<D> {
             elapsed: self.started.elapsed(),
             on_demand: self.on_demand.load(Ordering::Relaxed),
             prefetched: self.prefetched.load(Ordering::Relaxed),
+            helped_chunks: self.helped.load(Ordering::Relaxed),
             hook_blocked,
             hook_blocked_total,
             hook_blocked_max,

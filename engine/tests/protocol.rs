@@ -696,3 +696,115 @@ fn a_held_final_copy_keeps_the_precopys_prefetch_order() {
         store.buffers()
     );
 }
+
+/// A source whose reads of one buffer's chunks each wait (at most `patience`) until chunks of that
+/// buffer have been read by two different threads: a restore that copies a wanted buffer on one
+/// thread only is then seen (one reader) instead of passing by luck.
+struct TwoReaders {
+    inner: Arc<MemStore>,
+    watched: u64,
+    readers: parking_lot::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+    cv: parking_lot::Condvar,
+    patience: Duration,
+}
+
+impl ChunkSource for TwoReaders {
+    fn buffers(&self) -> Vec<possum_engine::store::BufferRecord> {
+        self.inner.buffers()
+    }
+    fn chunks(&self, buffer: u64) -> Vec<(u64, u64)> {
+        self.inner.chunks(buffer)
+    }
+    fn read_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
+        if buffer == self.watched {
+            let mut r = self.readers.lock();
+            r.insert(std::thread::current().id());
+            self.cv.notify_all();
+            if r.len() < 2 {
+                let _ = self.cv.wait_for(&mut r, self.patience);
+            }
+        }
+        self.inner.read_chunk(buffer, offset, dst)
+    }
+    fn meta(&self, key: &str) -> Option<String> {
+        self.inner.meta(key)
+    }
+}
+
+#[test]
+fn every_restorer_helps_with_a_buffer_an_operation_waits_for() {
+    use possum_engine::device::{Device, StreamPriority};
+    // Restorers that would sleep a minute before each buffer of their own: only a buffer that an
+    // operation waits for (urgent) gets them at once.
+    let cfg = EngineConfig {
+        prefetch_delay: Duration::from_secs(60),
+        restore_threads: 3,
+        ..small_cfg(4096, 8, 0)
+    };
+    let e = engine(cfg);
+    let dev = Arc::clone(e.device());
+    let stream = dev.create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(stream.clone());
+    let bufs: Vec<_> = [4096u64, 64 * 4096, 8192]
+        .iter()
+        .enumerate()
+        .map(|(i, &size)| {
+            let b = e.alloc(size).unwrap();
+            let bytes: Vec<u8> = (0..size).map(|k| (k as u8) ^ (i as u8 * 37)).collect();
+            dev.write_now(b.va(), &bytes).unwrap();
+            (b, bytes)
+        })
+        .collect();
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    let big = bufs[1].0.clone();
+    let source = Arc::new(TwoReaders {
+        inner: store,
+        watched: big.id(),
+        readers: Default::default(),
+        cv: Default::default(),
+        patience: Duration::from_secs(20),
+    });
+    let rs = e.restore(source.clone()).unwrap();
+    // The job's operation on the big buffer: the hook waits for it, helped by the restorers.
+    drop(
+        e.before_op(
+            &stream,
+            Access::Known {
+                reads: &[],
+                writes: std::slice::from_ref(&big),
+            },
+        )
+        .unwrap(),
+    );
+    assert!(
+        source.readers.lock().len() >= 2,
+        "the wanted buffer's chunks were copied by one thread only"
+    );
+    // The rest, on demand too (the restorers are still sleeping out their delay).
+    for (b, _) in [&bufs[0], &bufs[2]] {
+        let all = [b.clone()];
+        drop(
+            e.before_op(
+                &stream,
+                Access::Known {
+                    reads: &all,
+                    writes: &[],
+                },
+            )
+            .unwrap(),
+        );
+    }
+    let rr = rs.wait().unwrap();
+    assert!(rr.helped_chunks >= 1, "{rr:?}");
+    assert_eq!((rr.on_demand, rr.prefetched), (3, 0), "{rr:?}");
+    for (b, bytes) in &bufs {
+        assert_eq!(&dev.read_now(b.va(), b.size()).unwrap(), bytes);
+    }
+}

@@ -514,7 +514,7 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
                         json!({
                         "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
                         "ms": ms(r.elapsed), "on_demand": r.on_demand, "prefetched": r.prefetched,
-                        "hook_blocked": r.hook_blocked, "hook_blocked_ms": ms(r.hook_blocked_total),
+                        "helped_chunks": r.helped_chunks, "hook_blocked": r.hook_blocked, "hook_blocked_ms": ms(r.hook_blocked_total),
                         })
                     }
                     Err(err) => {
