@@ -83,7 +83,6 @@ struct WriteJob<D: Device> {
 }
 
 struct Shared<D: Device> {
-    dev: Arc<D>,
     /// Taken (dropped) when the session ends, so the caller can commit the sink after `wait`.
     sink: RwLock<Option<Arc<dyn ChunkSink>>>,
     pool: Arc<StagingPool<D>>,
@@ -126,10 +125,8 @@ impl<D: Device> Shared<D> {
                 }
                 Err(e) => {
                     self.fail(e);
-                    // The staging buffer went down with the copy: replace it so the pool keeps its size.
-                    if let Ok(b) = self.dev.alloc_host(self.pool.chunk()) {
-                        self.pool.put(b);
-                    }
+                    // The staging buffer went down with the copy: the pool may replace it.
+                    self.pool.lost();
                 }
             }
             let mut n = self.outstanding.lock();
@@ -251,7 +248,6 @@ impl<D: Device> CkptSession<D> {
         inner.fence_job_streams()?;
         let (writer_tx, writer_rx) = unbounded();
         let shared = Arc::new(Shared {
-            dev: Arc::clone(&inner.dev),
             sink: RwLock::new(Some(sink)),
             pool: Arc::clone(&inner.pool),
             outstanding: Mutex::new(0),
@@ -330,7 +326,7 @@ impl<D: Device> CkptSession<D> {
         let mut off = 0;
         while off < size {
             let len = chunk.min(size - off);
-            let hb = self.shared.pool.get();
+            let hb = self.shared.pool.get()?;
             let pending = self.dev.copy_d2h(stream, src.add(off), hb, len)?;
             *self.shared.outstanding.lock() += 1;
             let sent = match self.writer_tx.lock().as_ref() {

@@ -350,7 +350,7 @@ impl<D: Device> Engine<D> {
     /// An engine over `dev`. Allocates its staging buffers and streams.
     pub fn new(dev: Arc<D>, cfg: EngineConfig) -> Result<Self, EngineError> {
         let pool = Arc::new(StagingPool::new(
-            &*dev,
+            Arc::clone(&dev),
             cfg.chunk_size,
             cfg.staging_buffers.max(2),
         )?);
@@ -607,6 +607,14 @@ impl<D: Device> Engine<D> {
         }
         self.inner.gate.open();
         r
+    }
+
+    /// Frees the staging buffers (pinned host memory) once every one is back, waiting at most
+    /// `timeout`; they are allocated again when copies need them. For a released job about to be
+    /// dumped by CRIU: its image then does not carry them. Returns the bytes freed, `None` if a
+    /// buffer was still out (nothing freed).
+    pub fn park_staging(&self, timeout: Duration) -> Option<u64> {
+        self.inner.pool.park(timeout)
     }
 
     /// Starts restoring released buffers from `source`: returns at once; operations that touch a

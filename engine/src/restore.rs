@@ -314,7 +314,7 @@ impl<D: Device> RestoreSession<D> {
     /// with larger chunks than this engine's.
     fn take_buf(&self, len: usize) -> Result<D::HostBuf, DeviceError> {
         if len <= self.pool.chunk() {
-            Ok(self.pool.get())
+            self.pool.get()
         } else {
             self.dev.alloc_host(len)
         }
@@ -542,11 +542,9 @@ impl<D: Device> RestoreSession<D> {
         }
     }
 
-    /// A staging buffer went with a failed copy: keep the pool at its size.
+    /// A staging buffer went with a failed copy: the pool may replace it.
     fn replace_lost_buffer(&self) {
-        if let Ok(nb) = self.dev.alloc_host(self.pool.chunk()) {
-            self.pool.put(nb);
-        }
+        self.pool.lost();
     }
 
     /// A background restorer: copies chunks until every buffer is started and claimed.

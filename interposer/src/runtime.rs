@@ -33,6 +33,10 @@ pub struct Config {
     pub validation: ValidationConfig,
     /// Pinned staging per device engine, MiB (`POSSUM_STAGING_MIB`, default 256).
     pub staging_mib: u64,
+    /// Free the staging memory when the job's buffers are released for the driver's checkpoint
+    /// and CRIU, so the CRIU image does not carry it; it is allocated again as the restore needs
+    /// it (`POSSUM_STAGING_PARK`, default on).
+    pub staging_park: bool,
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
     /// default 6): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     pub writers: usize,
@@ -93,6 +97,7 @@ impl Config {
             manage: flag("POSSUM_MANAGE", true),
             validation,
             staging_mib,
+            staging_park: flag("POSSUM_STAGING_PARK", true),
             writers,
             restorers,
             dag: flag("POSSUM_DAG", true),
@@ -1379,7 +1384,7 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
+            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "staging_park": self.cfg.staging_park, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
                        "dag": self.cfg.dag, "warnings": self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),

@@ -305,7 +305,7 @@ fn release_inner() -> Result<Value, String> {
         }));
     }
     let copied = ms(t.elapsed());
-    let (bytes, done) = release_engines(&engines)?;
+    let (bytes, done, staging_freed) = release_engines(&engines, true)?;
     // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
     // wait in a callback stay there (paused) until the resume.
     let td = Instant::now();
@@ -313,21 +313,38 @@ fn release_inner() -> Result<Value, String> {
         crate::cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
     }
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
+                   "staging_freed_bytes": staging_freed,
                    "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
     note_last("release", v.clone());
     Ok(v)
 }
 
-/// Releases every engine's buffers (the job paused); (bytes, devices). On a failure the job stays
+/// Releases every engine's buffers (the job paused). On a failure the job stays
 /// paused if some engine was released (only its image can bring it back: the caller resumes).
-fn release_engines(engines: &[Arc<DevEngine>]) -> Result<(u64, Vec<usize>), String> {
+/// With `park_staging`, each engine's staging memory is freed too (only with the job held at the op
+/// gate: its threads are outside the driver; parked threads may hold a driver lock that freeing
+/// pinned memory needs); (bytes, devices, staging bytes freed).
+fn release_engines(
+    engines: &[Arc<DevEngine>],
+    park_staging: bool,
+) -> Result<(u64, Vec<usize>, u64), String> {
     let mut bytes = 0u64;
+    let mut staging_freed = 0u64;
     let mut done = Vec::new();
+    let park = park_staging && crate::runtime::state().cfg.staging_park;
     for e in engines {
         match e.engine.release() {
             Ok(b) => {
                 bytes += b;
                 done.push(e.ordinal);
+                // The pinned staging would be in CRIU's image (and restored page by page):
+                // freed now, allocated again as the restore's copies need it.
+                if park {
+                    staging_freed += e
+                        .engine
+                        .park_staging(std::time::Duration::from_secs(5))
+                        .unwrap_or(0);
+                }
             }
             Err(err) => {
                 // Released engines stay released: only their images can bring them back, so
@@ -341,7 +358,7 @@ fn release_engines(engines: &[Arc<DevEngine>]) -> Result<(u64, Vec<usize>), Stri
             }
         }
     }
-    Ok((bytes, done))
+    Ok((bytes, done, staging_freed))
 }
 
 /// A sink that reports progress to the hold's watchdog.
@@ -422,8 +439,9 @@ fn release_held(
         f["image_buffers"] = json!(summary.buffers.len());
     }
     let copied = ms(t.elapsed());
-    let (bytes, done) = release_engines(&engines)?;
+    let (bytes, done, staging_freed) = release_engines(&engines, false)?;
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
+                   "staging_freed_bytes": staging_freed,
                    "devices": done, "held": "threads parked", "parked": parked,
                    "attempts": attempts, "ms": ms(t.elapsed())});
     note_last("release", v.clone());

@@ -459,6 +459,11 @@ fn session_test(resolve: &str, via: Via) {
     assert_eq!(fin[0]["image_buffers"], 3, "{r}");
     assert_eq!(r["released_bytes"], 3 * GRANULE, "{r}");
     assert_eq!(r["devices"], serde_json::json!([0]), "{r}");
+    // The pinned staging is freed for CRIU's dump (the restore below allocates it again).
+    assert!(
+        r["staging_freed_bytes"].as_u64().unwrap_or(0) > 0,
+        "staging not freed: {r}"
+    );
     assert!(images.join("gpu-0").join("manifest.pb").is_file());
     assert!(
         temp_images(&images).is_empty(),
