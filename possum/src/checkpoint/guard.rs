@@ -71,6 +71,11 @@ impl Guard {
         cmd.arg("checkpoint-guard")
             .arg("--pid")
             .arg(a.pid.to_string())
+            .args(
+                a.children
+                    .iter()
+                    .flat_map(|c| ["--child".to_string(), c.to_string()]),
+            )
             .arg("--tmp")
             .arg(&a.tmp)
             .arg("--final-dir")
@@ -111,6 +116,9 @@ impl Guard {
 pub struct GuardArgs {
     #[arg(long)]
     pub pid: i32,
+    /// Other CUDA processes of the job's tree, checkpointed by the driver with it.
+    #[arg(long = "child")]
+    pub children: Vec<i32>,
     #[arg(long)]
     pub tmp: PathBuf,
     #[arg(long)]
@@ -162,7 +170,12 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
     // still gets it undone: the driver's own state says what is left to do.
     if has(Step::Locking) && !has(Step::Unlocked) {
         match DriverCheckpoint::load() {
-            Ok(drv) => undo_driver(&drv, a.pid, &say),
+            Ok(drv) => {
+                undo_driver(&drv, a.pid, &say);
+                for &c in &a.children {
+                    undo_driver(&drv, c, &say);
+                }
+            }
             Err(e) => say(&format!("cannot load the driver: {e}")),
         }
     }

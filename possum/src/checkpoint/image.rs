@@ -35,6 +35,10 @@ pub struct Manifest {
     /// could not be asked): a restore refuses a GPU with less free memory.
     #[serde(default)]
     pub gpu_memory: Vec<GpuUse>,
+    /// The other CUDA processes of the job's tree (descendants of `pid`), checkpointed by the
+    /// driver with it: a restore restores and unlocks each after CRIU's restore.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cuda_children: Vec<i32>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):

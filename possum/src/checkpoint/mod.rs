@@ -27,6 +27,7 @@
 mod guard;
 mod image;
 mod restore;
+mod tree;
 
 pub use guard::{guard, GuardArgs};
 pub use restore::{restore, RestoreArgs};
@@ -420,6 +421,12 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             probe_driver_lock(drv, pid)?;
         }
     }
+    // The other CUDA processes of the job's tree: locked and checkpointed by the driver with the
+    // root (one T0 for all, before CRIU dumps any), restored and unlocked with it.
+    let children = match &side {
+        Some((_, drv)) => tree::cuda_descendants(drv, pid)?,
+        None => Vec::new(),
+    };
     let managed: u64 = status
         .as_ref()
         .and_then(|s| s["possum"]["engines"].as_array())
@@ -440,6 +447,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let mut guard = Guard::start(&GuardArgs {
         pid,
+        children: children.clone(),
         tmp: tmp.clone(),
         final_dir: a.dir.clone(),
         socket_dir: sockets.clone(),
@@ -461,6 +469,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         criu_dir,
         gpu_dir: (a.engine == EngineKind::Possum).then(|| "gpu".into()),
         gpu_memory: gpu_memory.clone(),
+        cuda_children: children.clone(),
         figures: Value::Null,
         check: None,
     };
@@ -495,7 +504,19 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                     e
                 }
             })?;
-        clock.time("driver_checkpoint", || Ok(drv.checkpoint(pid)?))?;
+        for &c in &children {
+            clock
+                .time("driver_lock", || Ok(drv.lock(c, LOCK_TIMEOUT_MS)?))
+                .map_err(|e| e.context(format!("locking process {c} of the job's tree")))?;
+        }
+        clock.time("driver_checkpoint", || {
+            drv.checkpoint(pid)?;
+            for &c in &children {
+                drv.checkpoint(c)
+                    .map_err(|e| anyhow::anyhow!("process {c} of the job's tree: {e}"))?;
+            }
+            Ok(())
+        })?;
         let criu_dir = tmp.join("criu");
         let mut opts = DumpOptions::new(pid, &criu_dir);
         opts.leave_running = true;
@@ -542,8 +563,20 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let after = (|| -> Result<()> {
         if a.leave_running || a.gpu_only {
             if let Some((_, drv)) = &side {
-                clock.time("driver_restore", || Ok(drv.restore(pid, &[])?))?;
-                clock.time("driver_unlock", || Ok(drv.unlock(pid)?))?;
+                clock.time("driver_restore", || {
+                    drv.restore(pid, &[])?;
+                    for &c in &children {
+                        drv.restore(c, &[])?;
+                    }
+                    Ok(())
+                })?;
+                clock.time("driver_unlock", || {
+                    drv.unlock(pid)?;
+                    for &c in &children {
+                        drv.unlock(c)?;
+                    }
+                    Ok(())
+                })?;
                 guard.step(Step::Unlocked);
             }
             if a.engine == EngineKind::Possum {
@@ -602,7 +635,8 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         ),
     };
     let out = json!({
-        "pid": pid, "engine": a.engine, "dir": a.dir, "leave_running": a.leave_running,
+        "pid": pid, "cuda_children": children, "engine": a.engine, "dir": a.dir,
+        "leave_running": a.leave_running,
         "hooks": hooks.as_ref().and_then(|h| h.mode.clone()),
         "hold": hold,
         "figures": fig, "engine_report": engine_report, "release_report": release_report,

@@ -59,8 +59,21 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
     let mut resumed = serde_json::Value::Null;
     let r = (|| -> Result<()> {
-        clock.time("driver_restore", || Ok(drv.restore(pid, &pairs)?))?;
-        clock.time("driver_unlock", || Ok(drv.unlock(pid)?))?;
+        clock.time("driver_restore", || {
+            drv.restore(pid, &pairs)?;
+            for &c in &m.cuda_children {
+                drv.restore(c, &pairs)
+                    .map_err(|e| anyhow::anyhow!("process {c} of the job's tree: {e}"))?;
+            }
+            Ok(())
+        })?;
+        clock.time("driver_unlock", || {
+            drv.unlock(pid)?;
+            for &c in &m.cuda_children {
+                drv.unlock(c)?;
+            }
+            Ok(())
+        })?;
         if let Some(gpu) = &img.gpu {
             let req = Request::Resume {
                 dir: Some(gpu.display().to_string()),
