@@ -51,6 +51,13 @@ struct Job {
 
 impl Job {
     fn start(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
+        let mut job = Job::spawn(dir, name, lib, &[]);
+        job.expect("ready");
+        job
+    }
+
+    /// The job started with `env` added, before its first answer.
+    fn spawn(dir: &Path, name: &str, lib: Option<&Path>, env: &[(&str, &str)]) -> Job {
         let fifo = dir.join(format!("{name}.cmds"));
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
         let cmds = OpenOptions::new()
@@ -73,6 +80,7 @@ impl Job {
             .env("FAKE_CMDS", &fifo)
             .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(append(&out))
             .stderr(append(&stderr));
@@ -82,16 +90,32 @@ impl Job {
         }
         let child = cmd.spawn().unwrap();
         let pid = child.id() as i32;
-        let mut job = Job {
+        Job {
             child: Some(child),
             pid,
             cmds,
             out,
             stderr,
             seen: 0,
-        };
-        job.expect("ready");
-        job
+        }
+    }
+
+    /// The job's next answer, whatever it is, within [`WAIT`].
+    fn next(&mut self) -> String {
+        let t = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+            if let Some(l) = text
+                .split_inclusive('\n')
+                .nth(self.seen)
+                .filter(|l| l.ends_with('\n'))
+            {
+                self.seen += 1;
+                return l.trim_end().to_string();
+            }
+            assert!(t.elapsed() < WAIT, "no answer from the job within {WAIT:?}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     fn log(&self) -> String {
@@ -357,4 +381,111 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         v["figures"]["stall_ms"],
         t0.elapsed()
     ));
+}
+
+/// `possum checkpoint --leave-running --json` of `pid` into `img`: its JSON.
+fn checkpoint_left_running(dir: &Path, pid: i32, img: &Path, job: &Job) -> Value {
+    let out = possum(dir)
+        .args(["checkpoint", &pid.to_string(), "--leave-running", "--json"])
+        .arg("-D")
+        .arg(img)
+        .arg("--socket-dir")
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\njob's stderr:\n{}",
+        text(&out),
+        job.log()
+    );
+    serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim())
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)))
+}
+
+#[test]
+fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
+    if criu_or_skip("entry_checkpoint tree").is_none() {
+        return;
+    }
+    let Some(lib) = common::find_libpossum() else {
+        say("entry_checkpoint tree: SKIPPED: libpossum.so not built (cargo test --workspace builds it)");
+        return;
+    };
+    possum_criu::set_child_subreaper().unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("possum-tree-ckpt-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
+    if !common::build_fake_gpu_from(
+        &interposer,
+        dir,
+        "tests/fake/fake_session_job.c",
+        "fake_session_job",
+    ) {
+        return;
+    }
+    // The job starts a second CUDA process (its own context in the fake driver).
+    let mut job = Job::spawn(dir, "tree", Some(&lib), &[("FAKE_CHILD", "1")]);
+    let line = job.next();
+    let child: i32 = line
+        .strip_prefix("child ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no child line: {line:?}"));
+    job.expect("ready");
+    job.run("step 3", "done 3");
+
+    let v = checkpoint_left_running(dir, job.pid, &dir.join("img1"), &job);
+    assert_eq!(v["cuda_children"], serde_json::json!([child]), "{v}");
+    // Both are running again in the driver: a second checkpoint of the tree is accepted (one left
+    // locked or checkpointed would be refused, named).
+    job.run("step 2", "done 5");
+    let v = checkpoint_left_running(dir, job.pid, &dir.join("img2"), &job);
+    assert_eq!(v["cuda_children"], serde_json::json!([child]), "{v}");
+    job.run("step 1", "done 6");
+
+    // Both killed, the tree restored from the second image: the parent goes on from step 5, the
+    // child is back (CRIU restores it under its pid) and running in the driver again.
+    let pid = job.pid;
+    let mut parent = job.child.take().unwrap();
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    parent.kill().unwrap();
+    parent.wait().unwrap();
+    let _ = possum_criu::wait_for_exit(child, Some(WAIT));
+    let out = possum(dir)
+        .args(["restore", "--json", "-D"])
+        .arg(dir.join("img2"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\njob's stderr:\n{}",
+        text(&out),
+        job.log()
+    );
+    assert!(
+        std::path::Path::new(&format!("/proc/{child}")).exists(),
+        "the child was not restored"
+    );
+    // The restored answers: from the image's step 5 on.
+    job.seen = std::fs::read_to_string(&job.out)
+        .unwrap_or_default()
+        .lines()
+        .count();
+    job.run("step 1", "done 6");
+    let v = checkpoint_left_running(dir, pid, &dir.join("img3"), &job);
+    assert_eq!(v["cuda_children"], serde_json::json!([child]), "{v}");
+    job.run("exit", "bye");
+    let exit = possum_criu::wait_for_exit(pid, Some(WAIT)).unwrap();
+    job.pid = 0;
+    assert!(
+        exit.success(),
+        "restored job: {exit}; stderr:\n{}",
+        job.log()
+    );
 }

@@ -35,6 +35,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include "fake_abi.h"
 
@@ -168,7 +170,27 @@ static void via_entry(void) {
     drv_dtoh = (int (*)(void *, uint64_t, size_t))f2;
 }
 
+/* FAKE_CHILD=1: the job starts a second process of itself (fork + exec, as a CUDA job's helper
+ * process is started) that makes its own context and then only waits: a process tree with two
+ * CUDA processes. It prints "child PID" before "ready" and is killed at "exit". */
+static pid_t start_child(void) {
+    pid_t c = fork();
+    if (c < 0) die("fork");
+    if (c == 0) {
+        setenv("FAKE_IS_CHILD", "1", 1);
+        unsetenv("FAKE_CMDS");
+        execl("/proc/self/exe", "fake_session_job", (char *)NULL);
+        _exit(127);
+    }
+    return c;
+}
+
 int main(void) {
+    if (getenv("FAKE_IS_CHILD")) {
+        via_entry();
+        for (;;) pause();
+    }
+    pid_t child = getenv("FAKE_CHILD") ? start_child() : 0;
     const char *cmds = getenv("FAKE_CMDS");
     if (cmds && !freopen(cmds, "r+", stdin)) die("FAKE_CMDS");
     const char *via = getenv("FAKE_VIA");
@@ -183,6 +205,7 @@ int main(void) {
     uint32_t *a = alloc_filled(NA, init_a), *b = alloc_filled(NB, init_b), *c = alloc_filled(NC, init_c);
     uint32_t *d = NULL;
     uint32_t s = 0;
+    if (child) printf("child %d\n", (int)child);
     puts("ready");
     fflush(stdout);
     char line[4096];
@@ -208,6 +231,7 @@ int main(void) {
         }
         fflush(stdout);
     }
+    if (child) kill(child, SIGKILL);
     if (cudaFree(a) || cudaFree(b) || cudaFree(c) || (d && cudaFree(d))) die("cudaFree");
     puts("bye");
     return 0;
