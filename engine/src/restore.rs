@@ -430,11 +430,15 @@ impl<D: Device> RestoreSession<D> {
                     if !idle {
                         return Next::Drain;
                     }
+                    // Sleep out the delay unless a buffer becomes urgent (or this one is taken
+                    // meanwhile); other wake-ups sleep on.
+                    let deadline = Instant::now() + self.prefetch_delay;
                     let mut urgent = self.urgent.lock();
-                    if urgent.is_empty() && pending(&self.slots[i]) {
-                        self.urgent_cv.wait_for(&mut urgent, self.prefetch_delay);
-                    }
-                    if !urgent.is_empty() {
+                    while urgent.is_empty()
+                        && pending(&self.slots[i])
+                        && !self.urgent_cv.wait_until(&mut urgent, deadline).timed_out()
+                    {}
+                    if !urgent.is_empty() || !pending(&self.slots[i]) {
                         continue;
                     }
                 }
