@@ -10,6 +10,13 @@
 #   (there) bash scripts/gpu-tree.sh [--trials N] [--kinds K,K] [--steps N] [--sleep-ms MS]
 #                                    [--budget-s S] [--seed N]
 #
+# Two CUDA processes (issue 15, "a tree with two CUDA processes, one GPU, 10 bit-exact trials"):
+#
+#   (there) OUT=.gpu/out-tree2 bash scripts/gpu-tree.sh --kinds tree2
+#
+# runs 10 trials (--trials N) of workloads/gpu/tree2.py, alternating tree2-driver (b2) and
+# tree2-possum (c2), 40 steps, 50 ms sleep, one reference run; about 20-30 s a trial.
+#
 # Kinds (--kinds, default baseline,driver,possum,criu):
 #   baseline  `possum checkpoint --engine driver --leave-running` without the plugin
 #             (POSSUM_CRIU_PLUGIN_DIR=""): expected to fail in CRIU on the first worker; the error
@@ -23,12 +30,25 @@
 #             with nothing checkpointing the CUDA process first: the plugin must refuse it, naming
 #             the pid and its devices (a live CUDA context). One trial. (Checkpointing a CUDA
 #             process from the plugin itself, as a container engine would need, is not done.)
-#   Trials alternate persistent and non-persistent workers and are checkpointed at a random
-#   step. A trial that would end after --budget-s (default 420) is not started.
+#   tree2-driver  (b2) workloads/gpu/tree2.py: a parent and the one child it execs, both training on
+#             GPU 0, logging to LOG and LOG.child. `possum checkpoint --engine driver --leave-running`
+#             (with the plugin) once both logs have k steps: both logs must end bit-identical to a
+#             reference run; then, the job over, `possum restore`: both restored processes must
+#             write the reference's lines from the step each resumed at. N trials.
+#   tree2-possum  (c2) the same, the job under LD_PRELOAD=.gpu/libpossum.so (the child inherits it),
+#             `possum checkpoint` with no engine flag. N trials.
+#   tree2     both of the above, --trials N in all, alternating (tree2-driver first). Each row has
+#             the checkpoint's --json `figures` and `cuda_children`, the image manifest's
+#             `cuda_children`, and possum's stderr verbatim when it fails.
+#   Trials of the loader kinds alternate persistent and non-persistent workers; every trial is
+#   checkpointed at a random step. A trial that would end after --budget-s (default 420) is not started.
 # Results: $OUT (or .gpu/out)/tree.jsonl (one row per trial), tree.md, tree-logs.tgz (the jobs'
 # stderr and the plugin's lines of CRIU's logs). Without a GPU it says SKIPPED and exits 0.
 # GPU_TREE_CPU=1 (CPU self-check of this script, PYTHON=a python with torch): no GPU needed, the
-# job runs with --device cpu, kind criu only (there CRIU must dump and restore the tree).
+# job runs with --device cpu, kind criu only (there CRIU must dump and restore the tree). With
+# --kinds tree2 there: tree2-det (tree2.py run again with no checkpoint: both logs identical to
+# the reference run's) and N trials of tree2-criu (plain CRIU dump --leave-running / restore of the
+# two-process CPU job, checked as tree2-driver). Nothing of CUDA is checkpointed on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cpu=${GPU_TREE_CPU:-0}
@@ -81,9 +101,9 @@ def emit(row):
         f.write(json.dumps(row) + "\n")
 
 
-def start(name, steps, persistent, sleep_ms, possum_loaded):
+def start(name, steps, persistent, sleep_ms, possum_loaded, job="loader"):
     log = os.path.join(WORK, f"{name}.log")
-    for p in (log, log + ".1"):
+    for p in (log, log + ".1", log + ".child", log + ".child.1"):
         if os.path.exists(p):
             os.remove(p)
     env = ckpt.job_env(possum_loaded)
@@ -93,9 +113,9 @@ def start(name, steps, persistent, sleep_ms, possum_loaded):
     env["TMPDIR"] = os.path.join(WORK, f"tmp-{name}")
     shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     os.makedirs(env["TMPDIR"])
-    cmd = [PY, os.path.join(ROOT, "workloads/gpu/loader.py"), "--steps", str(steps), "--log", log,
+    cmd = [PY, os.path.join(ROOT, f"workloads/gpu/{job}.py"), "--steps", str(steps), "--log", log,
            "--sleep-ms", str(sleep_ms), "--device", "cpu" if CPU else "cuda"]
-    if persistent:
+    if persistent and job == "loader":
         cmd.append("--persistent")
     err = open(os.path.join(WORK, f"{name}.err"), "a")
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env,
@@ -163,11 +183,16 @@ def criu(*args, timeout=300):
 REF = {}
 
 
-def references(steps, sleep_ms, flags):
+def references(steps, sleep_ms, flags, tree2_steps=None):
     procs = [(pf, *start(f"ref-{'p' if pf else 'np'}", steps, pf, 0, False)) for pf in flags]
+    if tree2_steps:
+        procs.append(("tree2", *start("ref-tree2", tree2_steps, False, 0, False, job="tree2")))
     for pf, p, log in procs:
         p.wait()
         REF[pf] = ckpt.key(ckpt.read_log(log))
+        if pf == "tree2":
+            REF["tree2.child"] = ckpt.key(ckpt.read_log(log + ".child"))
+            REF["tree2_exit"] = p.returncode
 
 
 def trial(n, kind, persistent, k, steps, sleep_ms):
@@ -269,6 +294,168 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
     return row
 
 
+def resumed_match(second, ref):
+    """A restored process's log against the reference: its lines must be the reference's from the
+    step it resumed at (its first step line); with no step line (it was past its last step when
+    checkpointed) the reference's last lines. Returns (resumed step, identical)."""
+    s0 = second[0].get("step") if second and "step" in second[0] else None
+    if not second:
+        return None, False
+    if s0 is None:
+        return None, second == ref[-len(second):]
+    return s0, second == ref[s0:]
+
+
+def manifest_children(img):
+    try:
+        with open(os.path.join(img, "possum.json")) as f:
+            return json.load(f).get("cuda_children")
+    except (OSError, ValueError) as e:
+        return f"? ({e})"
+
+
+def kill_pids(pids):
+    """Kills and reaps what is left of a job (a restored process whose parent is gone is
+    reparented here, the subreaper)."""
+    for pid in pids:
+        if ckpt.alive(pid):
+            ckpt.kill_job(None, pid)
+        else:
+            ckpt.wait_gone(pid, 1)
+
+
+JOB_END_S = 120  # a tree2 job checkpointed at step k ends in seconds; longer: hung, killed
+
+
+def trial_tree2(n, kind, k, steps, sleep_ms):
+    """A trial of workloads/gpu/tree2.py (two CUDA processes): tree2-driver, tree2-possum, or on
+    a CPU tree2-criu (plain CRIU) and tree2-det (no checkpoint)."""
+    name = f"trial-{n}-{kind}"
+    img = os.path.join(WORK, f"img-{n}")
+    shutil.rmtree(img, ignore_errors=True)
+    refs = {"parent": REF["tree2"], "child": REF["tree2.child"]}
+    t0 = time.time()
+    with_possum = kind == "tree2-possum"
+    p, log = start(name, steps, False, sleep_ms, with_possum, job="tree2")
+    logs = {"parent": log, "child": log + ".child"}
+    row = {"trial": n, "kind": kind, "job": "tree2", "persistent": None, "k": k, "steps": steps}
+    errf = os.path.join(WORK, f"{name}.err")
+
+    def fail(why):
+        kill_pids([p.pid] + children(p.pid))
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        row.update(ok=False, why=why, err=open(errf).read()[-1500:], wall_s=round(time.time() - t0, 1))
+        emit(row)
+        shutil.rmtree(img, ignore_errors=True)
+        return row
+
+    if kind == "tree2-det":
+        try:
+            p.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            return fail("job did not end in 600 s")
+        row["job_exit"] = p.returncode
+        row["identical"] = {w: ckpt.key(ckpt.read_log(l)) == refs[w] for w, l in logs.items()}
+        row["lines"] = {w: len(ckpt.read_log(l)) for w, l in logs.items()}
+        row["leave_running_identical"] = all(row["identical"].values())
+        row["ok"] = row["leave_running_identical"] and p.returncode == 0 and all(row["lines"].values())
+        row["wall_s"] = round(time.time() - t0, 1)
+        emit(row)
+        return row
+    # Both processes past step k (the child starts its steps with the parent's, see tree2.py).
+    if not (ckpt.wait_lines(logs["parent"], k, 300, p) and ckpt.wait_lines(logs["child"], k, 300, p)):
+        return fail("job did not reach step k in both processes")
+    kids = children(p.pid)
+    row["child_pids"] = kids
+    row["lines_before_checkpoint"] = {w: len(ckpt.read_log(l)) for w, l in logs.items()}
+    row["procs_at_checkpoint"] = [device_use(x) for x in [p.pid] + kids]
+    os.environ["POSSUM_CRIU_PLUGIN_DIR"] = os.environ["CRIU_LIBS_DIR"] = PLUGINS
+    if kind == "tree2-criu":
+        os.makedirs(img, exist_ok=True)
+        t = time.time()
+        ck = criu("dump", "-t", str(p.pid), "-D", img, "--libdir", PLUGINS, "--leave-running",
+                  "-o", "dump.log", "-v4")
+        ok_ck = ck["rc"] == 0
+        row["checkpoint"] = {"rc": ck["rc"], "wall_ms": round(1e3 * (time.time() - t)),
+                             "stderr": ck["stderr"] if ck["rc"] else None}
+    else:
+        ck = ckpt.checkpoint(p.pid, img, "possum" if with_possum else "driver", leave=True)
+        ok_ck = ck["rc"] == 0
+        js = ck["json"] or {}
+        row["checkpoint"] = {"rc": ck["rc"], "wall_ms": round(ck["wall_ms"]), "figures": js.get("figures"),
+                             "cuda_children": js.get("cuda_children"), "json_error": js.get("error"),
+                             "stderr": ck["stderr"] if ck["rc"] else None,
+                             "stdout_tail": ck["stdout"][-1500:] if ck["rc"] and not js else None}
+        if ok_ck:
+            row["manifest_cuda_children"] = manifest_children(img)
+    dump_lines = plugin_lines(img, "dump.log")
+    save_log_lines(f"{name}.dump", dump_lines)
+    row["dump_plugin_lines"] = [l for l in dump_lines if "possum-criu-plugin" in l][:12]
+    if not ok_ck:
+        row["dump_errors"] = [l for l in dump_lines if "Error" in l or "Can't" in l or "refusing" in l][:8]
+    row["procs_after_checkpoint"] = [device_use(x) for x in [p.pid] + kids]
+    try:
+        p.wait(timeout=JOB_END_S)  # the job's last steps take seconds: a job left stopped is killed
+    except subprocess.TimeoutExpired:
+        row["left_running_hung"] = True
+        p.kill(); p.wait()
+    kill_pids(kids)
+    row["job_exit"] = p.returncode
+    first = {w: ckpt.key(ckpt.read_log(l)) for w, l in logs.items()}
+    row["leave_running"] = {w: first[w] == refs[w] for w in logs}
+    row["leave_running_identical"] = all(row["leave_running"].values()) and p.returncode == 0
+    if not ok_ck:
+        for v in ("POSSUM_CRIU_PLUGIN_DIR", "CRIU_LIBS_DIR"):
+            os.environ.pop(v, None)
+        row.update(ok=False, err=open(errf).read()[-1500:], wall_s=round(time.time() - t0, 1))
+        emit(row)
+        shutil.rmtree(img, ignore_errors=True)
+        return row
+    for l in logs.values():
+        ckpt.keep_log(l)
+    if kind == "tree2-criu":
+        t = time.time()
+        rs = criu("restore", "-D", img, "--libdir", PLUGINS, "-o", "restore.log", "-v4", "--restore-detached")
+        rs["wall_ms"] = round(1e3 * (time.time() - t))
+    else:
+        rs = ckpt.restore(img)
+        js = rs["json"] or {}
+        rs = {"rc": rs["rc"], "wall_ms": round(rs["wall_ms"]), "figures": js.get("figures"),
+              "json_error": js.get("error"), "stderr": rs["stderr"] if rs["rc"] else None}
+    for v in ("POSSUM_CRIU_PLUGIN_DIR", "CRIU_LIBS_DIR"):
+        os.environ.pop(v, None)
+    row["restore"] = rs
+    if rs["rc"] == 0:
+        row["procs_after_restore"] = [device_use(x) for x in [p.pid] + kids]
+    restore_lines = plugin_lines(img, "restore*.log")
+    save_log_lines(f"{name}.restore", restore_lines)
+    row["restore_plugin_lines"] = [l for l in restore_lines if "possum-criu-plugin" in l][:6]
+    # The restored parent waits for the restored child, then exits (a zombie here, reaped).
+    gone = ckpt.wait_gone(p.pid, JOB_END_S) if rs["rc"] == 0 else True
+    if not gone:
+        row["restored_hung"] = True
+    kill_pids([p.pid] + kids)
+    second = {w: ckpt.key(ckpt.read_log(l)) for w, l in logs.items()}
+    row["resumed_at_step"], row["restored"] = {}, {}
+    for w in logs:
+        row["resumed_at_step"][w], row["restored"][w] = resumed_match(second[w], refs[w])
+    row["restored_identical"] = all(row["restored"].values())
+    row["ok"] = row["leave_running_identical"] and row["restored_identical"] and rs["rc"] == 0 and gone
+    if not row["ok"]:
+        row["err"] = open(errf).read()[-1500:]
+        row["first_diff"] = {}
+        for w in logs:
+            s0 = row["resumed_at_step"][w] or 0
+            row["first_diff"][w] = next(((i, a, b) for i, (a, b) in enumerate(zip(second[w], refs[w][s0:])) if a != b), None)
+    row["wall_s"] = round(time.time() - t0, 1)
+    emit(row)
+    shutil.rmtree(img, ignore_errors=True)
+    return row
+
+
 def env_info():
     info = {"cpu_self_check": CPU, "python": sys.version.split()[0]}
     for what, cmd in (("criu", [CRIU, "--version"]), ("driver", ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
@@ -303,7 +490,12 @@ def markdown(rows, info, wall_s, skipped):
         elif not r.get("ok"):
             note = (r.get("why") or (ck.get("stderr") or rs.get("stderr") or r.get("err") or ""))[-300:]
         note = note.replace("|", "/").replace("\n", " ")
-        out.append(f"| {r['trial']} | {r['kind']} | {'persistent' if r['persistent'] else 'per epoch'} | {r['k']} "
+        workers = "tree2 (2 CUDA procs)" if r.get("job") == "tree2" else ("persistent" if r["persistent"] else "per epoch")
+        if r.get("job") == "tree2" and r.get("resumed_at_step"):
+            note = (note + " resumed at " + json.dumps(r["resumed_at_step"])).strip()
+        if r.get("job") == "tree2" and (r.get("checkpoint") or {}).get("cuda_children") is not None:
+            note = (note + " cuda_children " + json.dumps(ck["cuda_children"])).strip()
+        out.append(f"| {r['trial']} | {r['kind']} | {workers} | {r['k']} "
                    f"| rc {ck.get('rc')} ({ck.get('wall_ms')} ms) | {('rc %s (%s ms)' % (rs.get('rc'), rs.get('wall_ms'))) if rs else '-'} "
                    f"| {r.get('leave_running_identical')} | {r.get('restored_identical', '-')} | {r.get('ok')} | {note} |")
     by = {}
@@ -321,6 +513,8 @@ def main():
     ap.add_argument("--kinds", default="criu" if CPU else "baseline,driver,possum,criu")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--sleep-ms", type=float, default=40)
+    ap.add_argument("--tree2-steps", type=int, default=None, help="steps of tree2.py (default 40; 24 on a CPU)")
+    ap.add_argument("--tree2-sleep-ms", type=float, default=50)
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--seed", type=int, default=15)
     a = ap.parse_args()
@@ -331,31 +525,55 @@ def main():
     t0 = time.time()
     info = env_info()
     print(json.dumps({"env": info}), flush=True)
-    kinds = a.kinds.split(",")
+    kinds, counts = [], {}
+    for kind in a.kinds.split(","):
+        if kind == "tree2":  # --trials in all, alternating
+            two = ["tree2-driver", "tree2-possum"]
+            if CPU:
+                kinds.append("tree2-det"); counts["tree2-det"] = 1
+                kinds.append("tree2-criu"); counts["tree2-criu"] = a.trials
+                continue
+            kinds += two
+            counts[two[0]], counts[two[1]] = (a.trials + 1) // 2, a.trials // 2
+        else:
+            kinds.append(kind)
+    TREE2 = ("tree2-driver", "tree2-possum", "tree2-criu", "tree2-det")
+    bad = [k for k in kinds if k in ("tree2-criu", "tree2-det") and not CPU]
+    if bad:
+        ap.error(f"{bad}: CPU self-check kinds (GPU_TREE_CPU=1)")
+    t2_steps = a.tree2_steps or (24 if CPU else 40)
     rng = random.Random(a.seed)
     plan = []
     for kind in kinds:
-        n = 1 if kind in ("baseline",) or (kind == "criu" and not CPU) else a.trials
-        plan += [(kind, i % 2 == 0) for i in range(n)]
+        n = counts.get(kind, 1 if kind in ("baseline", "tree2-det") or (kind == "criu" and not CPU) else a.trials)
+        plan += [(kind, None if kind in TREE2 else i % 2 == 0, i) for i in range(n)]
     # The one-off kinds first, then the repeated ones round-robin, so that a budget cut leaves
     # some of each.
-    once = [x for x in plan if x[0] == "baseline" or (x[0] == "criu" and not CPU)]
+    once = [x for x in plan if x[0] in ("baseline", "tree2-det") or (x[0] == "criu" and not CPU)]
     queues = {k: [x for x in plan if x[0] == k and x not in once] for k in kinds}
     order = list(once)
     while any(queues.values()):
         for k in kinds:
             if queues[k]:
                 order.append(queues[k].pop(0))
-    references(a.steps, a.sleep_ms, sorted({pf for _, pf in order}))
+    references(a.steps, a.sleep_ms, sorted({pf for k, pf, _ in order if k not in TREE2}),
+               t2_steps if any(k in TREE2 for k, _, _ in order) else None)
+    if "tree2" in REF:
+        print(json.dumps({"tree2_reference": {"lines": len(REF["tree2"]), "child_lines": len(REF["tree2.child"]),
+                                              "exit": REF["tree2_exit"]}}), flush=True)
     rows, skipped, cost = [], 0, None
-    for n, (kind, persistent) in enumerate(order):
+    for n, (kind, persistent, _) in enumerate(order):
         elapsed = time.time() - t0
         if cost is not None and elapsed + cost > a.budget_s:
             skipped += 1
             continue
-        k = rng.randint(8, a.steps - 12)
         t = time.time()
-        rows.append(trial(n, kind, persistent, k, a.steps, a.sleep_ms))
+        if kind in TREE2:
+            k = rng.randint(8, t2_steps - 12)
+            rows.append(trial_tree2(n, kind, k, t2_steps, a.tree2_sleep_ms))
+        else:
+            k = rng.randint(8, a.steps - 12)
+            rows.append(trial(n, kind, persistent, k, a.steps, a.sleep_ms))
         cost = max(cost or 0, time.time() - t)
         with open(os.path.join(OUT, "tree.md"), "w") as f:
             f.write(markdown(rows, info, time.time() - t0, skipped))
