@@ -243,33 +243,37 @@ fn restored_buffers(pid: u32, sockets: &Path) -> Value {
     }
 }
 
+/// What a test of this file needs: CRIU, libpossum.so, the fake driver and the job built into a
+/// temporary directory (returned with libpossum's path); `None` (said why) to skip. The restored
+/// job is detached from CRIU and from `possum restore`: this process becomes a subreaper that
+/// adopts it, so it can be reaped and its exit status checked.
+fn setup(test: &str, prefix: &str) -> Option<(tempfile::TempDir, PathBuf)> {
+    criu_or_skip(test)?;
+    let Some(lib) = common::find_libpossum() else {
+        say(&format!(
+            "{test}: SKIPPED: libpossum.so not built (cargo test --workspace builds it)"
+        ));
+        return None;
+    };
+    possum_criu::set_child_subreaper().unwrap();
+    let tmp = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
+    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
+    common::build_fake_gpu_from(
+        &interposer,
+        tmp.path(),
+        "tests/fake/fake_session_job.c",
+        "fake_session_job",
+    )
+    .then_some((tmp, lib))
+}
+
 #[test]
 fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     let t0 = Instant::now();
-    if criu_or_skip("entry_checkpoint").is_none() {
-        return;
-    }
-    let Some(lib) = common::find_libpossum() else {
-        say("entry_checkpoint: SKIPPED: libpossum.so not built (cargo test --workspace builds it)");
+    let Some((tmp, lib)) = setup("entry_checkpoint", "possum-entry-ckpt-") else {
         return;
     };
-    // The restored job is detached from CRIU and from `possum restore`: adopted here, it can be
-    // reaped and its exit status checked.
-    possum_criu::set_child_subreaper().unwrap();
-    let tmp = tempfile::Builder::new()
-        .prefix("possum-entry-ckpt-")
-        .tempdir()
-        .unwrap();
     let dir = tmp.path();
-    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
-    if !common::build_fake_gpu_from(
-        &interposer,
-        dir,
-        "tests/fake/fake_session_job.c",
-        "fake_session_job",
-    ) {
-        return;
-    }
 
     // The reference: the same commands, without possum.
     let mut reference = Job::start(dir, "reference", None);
@@ -405,28 +409,10 @@ fn checkpoint_left_running(dir: &Path, pid: i32, img: &Path, job: &Job) -> Value
 
 #[test]
 fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
-    if criu_or_skip("entry_checkpoint tree").is_none() {
-        return;
-    }
-    let Some(lib) = common::find_libpossum() else {
-        say("entry_checkpoint tree: SKIPPED: libpossum.so not built (cargo test --workspace builds it)");
+    let Some((tmp, lib)) = setup("entry_checkpoint tree", "possum-tree-ckpt-") else {
         return;
     };
-    possum_criu::set_child_subreaper().unwrap();
-    let tmp = tempfile::Builder::new()
-        .prefix("possum-tree-ckpt-")
-        .tempdir()
-        .unwrap();
     let dir = tmp.path();
-    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
-    if !common::build_fake_gpu_from(
-        &interposer,
-        dir,
-        "tests/fake/fake_session_job.c",
-        "fake_session_job",
-    ) {
-        return;
-    }
     // The job starts a second CUDA process (its own context in the fake driver).
     let mut job = Job::spawn(dir, "tree", Some(&lib), &[("FAKE_CHILD", "1")]);
     let line = job.next();
