@@ -437,7 +437,8 @@ impl<D: Device> RestoreSession<D> {
                     while urgent.is_empty()
                         && pending(&self.slots[i])
                         && !self.urgent_cv.wait_until(&mut urgent, deadline).timed_out()
-                    {}
+                    {
+                    }
                     if !urgent.is_empty() || !pending(&self.slots[i]) {
                         continue;
                     }
