@@ -113,12 +113,45 @@ pub fn resolve_plugin_dir(
     has_plugin(&dir.join(PLUGIN_FILE)).then_some(dir)
 }
 
-/// [`resolve_plugin_dir`] for this process.
+/// [`resolve_plugin_dir`] for this process; failing that, the plugin built beside the executable
+/// (`cargo build` puts `libpossum_criu_plugin.so` next to `possum`, in a directory CRIU must not
+/// load whole: libpossum.so is there too) copied into a directory of its own ([`stage_plugin`]).
 pub fn default_plugin_dir() -> Option<PathBuf> {
+    let env = std::env::var_os(PLUGIN_DIR_ENV);
     let exe = std::env::current_exe().ok();
-    resolve_plugin_dir(std::env::var_os(PLUGIN_DIR_ENV), exe.as_deref(), |p| {
-        p.is_file()
-    })
+    if let Some(dir) = resolve_plugin_dir(env.clone(), exe.as_deref(), |p| p.is_file()) {
+        return Some(dir);
+    }
+    if env.is_some() {
+        return None;
+    }
+    let beside = exe?.parent()?.join(PLUGIN_FILE);
+    let own = std::env::temp_dir().join(format!("possum-criu-plugins-{}", nix::unistd::geteuid()));
+    stage_plugin(&beside, &own).ok()
+}
+
+/// Copies the plugin `file` into `dir` (created, only the plugin in it), unless the copy there is
+/// already of the same size and not older; returns `dir`.
+pub fn stage_plugin(file: &Path, dir: &Path) -> std::io::Result<PathBuf> {
+    let src = std::fs::metadata(file)?;
+    if !src.is_file() {
+        return Err(std::io::Error::other(format!(
+            "{} is not a file",
+            file.display()
+        )));
+    }
+    std::fs::create_dir_all(dir)?;
+    let dst = dir.join(PLUGIN_FILE);
+    let fresh = std::fs::metadata(&dst).is_ok_and(|d| {
+        d.len() == src.len() && matches!((d.modified(), src.modified()), (Ok(a), Ok(b)) if a >= b)
+    });
+    if !fresh {
+        // Through a temporary name: a concurrent CRIU never loads a half-written plugin.
+        let tmp = dir.join(format!(".{PLUGIN_FILE}.{}", std::process::id()));
+        std::fs::copy(file, &tmp)?;
+        std::fs::rename(&tmp, &dst)?;
+    }
+    Ok(dir.to_path_buf())
 }
 
 /// CRIU's log verbosity.
@@ -670,6 +703,31 @@ mod tests {
         );
         assert_eq!(resolve_plugin_dir(None, Some(exe), no), None);
         assert_eq!(resolve_plugin_dir(None, None, yes), None);
+    }
+
+    #[test]
+    fn a_plugin_beside_the_executable_is_staged_into_a_directory_of_its_own() {
+        let tmp = tempfile::tempdir().unwrap();
+        let built = tmp.path().join("release");
+        std::fs::create_dir_all(&built).unwrap();
+        std::fs::write(built.join(PLUGIN_FILE), b"plugin v1").unwrap();
+        std::fs::write(built.join("libpossum.so"), b"not a plugin").unwrap();
+        let own = tmp.path().join("plugins");
+        assert_eq!(stage_plugin(&built.join(PLUGIN_FILE), &own).unwrap(), own);
+        let names: Vec<_> = std::fs::read_dir(&own)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(PLUGIN_FILE)]);
+        assert_eq!(std::fs::read(own.join(PLUGIN_FILE)).unwrap(), b"plugin v1");
+        // A rebuilt plugin (another size) replaces the copy.
+        std::fs::write(built.join(PLUGIN_FILE), b"plugin v2, longer").unwrap();
+        stage_plugin(&built.join(PLUGIN_FILE), &own).unwrap();
+        assert_eq!(
+            std::fs::read(own.join(PLUGIN_FILE)).unwrap(),
+            b"plugin v2, longer"
+        );
+        assert!(stage_plugin(&built.join("missing.so"), &own).is_err());
     }
 
     #[test]
