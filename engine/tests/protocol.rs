@@ -345,15 +345,21 @@ fn restore_on_a_device_too_small_names_the_buffer() {
     drop(hog);
 }
 
-/// A source whose chunks of one buffer are corrupt.
-struct Corrupt(Arc<MemStore>, u64);
+/// An image in memory whose chunk reads go through `before` first (an error from it is the read's).
+struct OnRead<F> {
+    inner: Arc<MemStore>,
+    before: F,
+}
 
-impl ChunkSource for Corrupt {
+impl<F> ChunkSource for OnRead<F>
+where
+    F: Fn(u64, u64) -> Result<(), possum_engine::image::ImageError> + Send + Sync,
+{
     fn buffers(&self) -> Vec<possum_engine::store::BufferRecord> {
-        self.0.buffers()
+        self.inner.buffers()
     }
     fn chunks(&self, buffer: u64) -> Vec<(u64, u64)> {
-        self.0.chunks(buffer)
+        self.inner.chunks(buffer)
     }
     fn read_chunk(
         &self,
@@ -361,13 +367,28 @@ impl ChunkSource for Corrupt {
         offset: u64,
         dst: &mut [u8],
     ) -> Result<(), possum_engine::image::ImageError> {
-        if buffer == self.1 {
-            return Err(possum_engine::image::ImageError::MissingChunk { buffer, offset });
-        }
-        self.0.read_chunk(buffer, offset, dst)
+        (self.before)(buffer, offset)?;
+        self.inner.read_chunk(buffer, offset, dst)
     }
     fn meta(&self, key: &str) -> Option<String> {
-        self.0.meta(key)
+        self.inner.meta(key)
+    }
+}
+
+/// A source whose chunks of buffer `bad` are corrupt.
+fn corrupt(
+    inner: Arc<MemStore>,
+    bad: u64,
+) -> OnRead<impl Fn(u64, u64) -> Result<(), possum_engine::image::ImageError> + Send + Sync> {
+    OnRead {
+        inner,
+        before: move |buffer, offset| {
+            if buffer == bad {
+                Err(possum_engine::image::ImageError::MissingChunk { buffer, offset })
+            } else {
+                Ok(())
+            }
+        },
     }
 }
 
@@ -380,7 +401,7 @@ fn a_corrupt_buffer_fails_the_operations_that_need_it_and_only_those() {
     e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
     e.release().unwrap();
     let bad = job.buffers()[3].id();
-    let rs = e.restore(Arc::new(Corrupt(store, bad))).unwrap();
+    let rs = e.restore(Arc::new(corrupt(store, bad))).unwrap();
     job.reset_deps();
     let ok = possum_workloads::program::Op {
         stream: 0,
@@ -697,42 +718,23 @@ fn a_held_final_copy_keeps_the_precopys_prefetch_order() {
     );
 }
 
-/// A source whose reads of one buffer's chunks each wait (at most `patience`) until chunks of that
-/// buffer have been read by two different threads: a restore that copies a wanted buffer on one
-/// thread only is then seen (one reader) instead of passing by luck.
-struct TwoReaders {
-    inner: Arc<MemStore>,
-    watched: u64,
-    readers: parking_lot::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
+/// The threads that read chunks of one buffer: each read waits (at most `patience`) until two
+/// different threads have read chunks of it, so a restore that copies a wanted buffer on one
+/// thread only is seen (one reader) instead of passing by luck.
+#[derive(Default)]
+struct Readers {
+    seen: parking_lot::Mutex<std::collections::HashSet<std::thread::ThreadId>>,
     cv: parking_lot::Condvar,
-    patience: Duration,
 }
 
-impl ChunkSource for TwoReaders {
-    fn buffers(&self) -> Vec<possum_engine::store::BufferRecord> {
-        self.inner.buffers()
-    }
-    fn chunks(&self, buffer: u64) -> Vec<(u64, u64)> {
-        self.inner.chunks(buffer)
-    }
-    fn read_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        dst: &mut [u8],
-    ) -> Result<(), possum_engine::image::ImageError> {
-        if buffer == self.watched {
-            let mut r = self.readers.lock();
-            r.insert(std::thread::current().id());
-            self.cv.notify_all();
-            if r.len() < 2 {
-                let _ = self.cv.wait_for(&mut r, self.patience);
-            }
+impl Readers {
+    fn read(&self, patience: Duration) {
+        let mut r = self.seen.lock();
+        r.insert(std::thread::current().id());
+        self.cv.notify_all();
+        if r.len() < 2 {
+            let _ = self.cv.wait_for(&mut r, patience);
         }
-        self.inner.read_chunk(buffer, offset, dst)
-    }
-    fn meta(&self, key: &str) -> Option<String> {
-        self.inner.meta(key)
     }
 }
 
@@ -764,14 +766,19 @@ fn every_restorer_helps_with_a_buffer_an_operation_waits_for() {
     e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
     e.release().unwrap();
     let big = bufs[1].0.clone();
-    let source = Arc::new(TwoReaders {
+    let watched = big.id();
+    let readers = Arc::new(Readers::default());
+    let seen = Arc::clone(&readers);
+    let source = Arc::new(OnRead {
         inner: store,
-        watched: big.id(),
-        readers: Default::default(),
-        cv: Default::default(),
-        patience: Duration::from_secs(20),
+        before: move |buffer, _| {
+            if buffer == watched {
+                seen.read(Duration::from_secs(20));
+            }
+            Ok(())
+        },
     });
-    let rs = e.restore(source.clone()).unwrap();
+    let rs = e.restore(source).unwrap();
     // The job's operation on the big buffer: the hook waits for it, helped by the restorers.
     drop(
         e.before_op(
@@ -784,7 +791,7 @@ fn every_restorer_helps_with_a_buffer_an_operation_waits_for() {
         .unwrap(),
     );
     assert!(
-        source.readers.lock().len() >= 2,
+        readers.seen.lock().len() >= 2,
         "the wanted buffer's chunks were copied by one thread only"
     );
     // The rest, on demand too (the restorers are still sleeping out their delay).
