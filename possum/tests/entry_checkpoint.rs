@@ -348,6 +348,10 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     let mut child = job.child.take().unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
+    // The directory of the job's bound sockets (libpossum's control socket) is gone, as after a
+    // job that cleaned up or on another machine: the restore makes it again for CRIU.
+    let sockets = dir.join("sockets");
+    std::fs::remove_dir_all(&sockets).unwrap();
     let t = Instant::now();
     let out = possum(dir)
         .args(["restore", "--json", "-D"])
@@ -364,6 +368,11 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     let r: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim())
         .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
     assert_eq!(r["pid"], pid, "{r}");
+    assert_eq!(
+        r["recreated_socket_dirs"],
+        serde_json::json!([sockets]),
+        "{r}"
+    );
     let got = after_checkpoint(&mut job, dir, "restored");
     same(&got[0], &want[0], "restored, after step 9 and the malloc");
     same(&got[1], &want[1], "restored, after step 12");

@@ -39,6 +39,10 @@ pub struct Manifest {
     /// driver with it: a restore restores and unlocks each after CRIU's restore.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cuda_children: Vec<i32>,
+    /// The directories the tree's unix sockets were bound in: a restore creates those missing
+    /// (CRIU binds the sockets there again).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub socket_dirs: Vec<PathBuf>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):

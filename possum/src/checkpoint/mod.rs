@@ -436,6 +436,11 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 .sum()
         })
         .unwrap_or(0);
+    let socket_dirs = {
+        let mut tree = tree::descendants(pid);
+        tree.push(pid);
+        tree::socket_dirs(&tree)
+    };
     let shell_job = nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
         .map(|sid| sid.as_raw() != pid)
         .unwrap_or(false);
@@ -470,6 +475,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         gpu_dir: (a.engine == EngineKind::Possum).then(|| "gpu".into()),
         gpu_memory: gpu_memory.clone(),
         cuda_children: children.clone(),
+        socket_dirs: socket_dirs.clone(),
         figures: Value::Null,
         check: None,
     };

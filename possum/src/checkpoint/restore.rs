@@ -1,6 +1,7 @@
 //! `possum restore`.
 
 use std::fs;
+use std::os::unix::fs::DirBuilderExt as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -51,6 +52,19 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         // The killed job's socket file is still there; the restored job listens on it again.
         let _ = fs::remove_file(possum_control::socket_path(&sockets, pid as u32));
     }
+    // CRIU binds the tree's unix sockets at their paths again: their directories must exist
+    // (a job that ended, or another machine, may not have them).
+    let mut recreated = Vec::new();
+    for d in &m.socket_dirs {
+        if !d.exists() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(d)
+                .with_context(|| format!("creating {} for the job's sockets", d.display()))?;
+            recreated.push(d.clone());
+        }
+    }
     let mut clock = Clock::default();
     let mut opts = RestoreOptions::new(&img.criu);
     opts.shell_job = m.shell_job;
@@ -91,7 +105,8 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     }
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
-    let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig});
+    let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig,
+                     "recreated_socket_dirs": recreated});
     if a.json {
         println!("{out}");
     } else {

@@ -97,9 +97,86 @@ pub fn cuda_descendants(drv: &DriverCheckpoint, root: i32) -> anyhow::Result<Vec
     Ok(out)
 }
 
+/// The directories of the filesystem paths that `pids`' unix sockets are bound to (a socket's
+/// `sun_path`, from `/proc/net/unix`; abstract ones aside), sorted. CRIU binds a listening socket
+/// at its path again at the restore, in a directory that must exist: a job that ended (or a restore
+/// on another machine) may have removed it, e.g. Python multiprocessing's `pymp-*` directories,
+/// where DataLoader workers' sockets live.
+pub fn socket_dirs(pids: &[i32]) -> Vec<std::path::PathBuf> {
+    let mut inodes = std::collections::HashSet::new();
+    for pid in pids {
+        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.filter_map(Result::ok) {
+            if let Some(ino) = fs::read_link(fd.path()).ok().and_then(|t| socket_inode(&t)) {
+                inodes.insert(ino);
+            }
+        }
+    }
+    let table = fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let mut dirs: Vec<std::path::PathBuf> = unix_paths(&table)
+        .into_iter()
+        .filter(|(ino, _)| inodes.contains(ino))
+        .filter_map(|(_, path)| Path::new(&path).parent().map(Path::to_path_buf))
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
+}
+
+/// The inode of a descriptor's target `socket:[INODE]`.
+fn socket_inode(target: &Path) -> Option<u64> {
+    target
+        .to_str()?
+        .strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+/// (inode, path) of every socket bound to a filesystem path in a `/proc/net/unix` table
+/// (`Num RefCount Protocol Flags Type St Inode Path`).
+fn unix_paths(table: &str) -> Vec<(u64, String)> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let ino = f.get(6)?.parse().ok()?;
+            let path = f.get(7)?;
+            path.starts_with('/').then(|| (ino, path.to_string()))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bound_socket_paths_are_read_from_the_unix_table() {
+        let table = "Num       RefCount Protocol Flags    Type St Inode Path\n\
+            0000000000000000: 00000002 00000000 00010000 0001 01 4242 /tmp/pymp-x/listener-1\n\
+            0000000000000000: 00000002 00000000 00010000 0001 01 4243 @abstract\n\
+            0000000000000000: 00000003 00000000 00000000 0001 03 4244\n";
+        assert_eq!(
+            unix_paths(table),
+            vec![(4242, "/tmp/pymp-x/listener-1".to_string())]
+        );
+        assert_eq!(socket_inode(Path::new("socket:[4242]")), Some(4242));
+        assert_eq!(socket_inode(Path::new("/dev/null")), None);
+    }
+
+    #[test]
+    fn the_directory_of_a_bound_socket_of_this_process_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("pymp-test");
+        fs::create_dir(&sub).unwrap();
+        let _l = std::os::unix::net::UnixListener::bind(sub.join("listener")).unwrap();
+        let found = socket_dirs(&[std::process::id() as i32]);
+        assert!(found.contains(&sub), "{found:?}");
+    }
 
     #[test]
     fn ppid_survives_odd_command_names() {
