@@ -322,16 +322,13 @@ impl<D: Device> RestoreSession<D> {
 
     /// Starts slot `i` if it is pending: maps its memory (under its lock, so no chunk is claimed
     /// before). Returns whether it is now being copied in.
-    fn start(&self, i: usize, by_hook: bool) -> bool {
+    fn start(&self, i: usize) -> bool {
         let slot = &self.slots[i];
         let mut st = slot.state.lock();
         match &*st {
             RsState::Busy => return true,
             RsState::Pending => {}
             _ => return false,
-        }
-        if by_hook {
-            slot.wanted.store(true, Ordering::Relaxed);
         }
         let b = &slot.buf;
         if let Err(e) = self.dev.map(b.va(), b.mapped_size()) {
@@ -443,7 +440,7 @@ impl<D: Device> RestoreSession<D> {
                         continue;
                     }
                 }
-                if self.start(i, false) {
+                if self.start(i) {
                     continue;
                 }
             }
@@ -565,7 +562,7 @@ impl<D: Device> RestoreSession<D> {
             return Ok(false);
         }
         slot.wanted.store(true, Ordering::Relaxed);
-        if self.start(i, true) {
+        if self.start(i) {
             {
                 let mut urgent = self.urgent.lock();
                 if !urgent.contains(&i) {

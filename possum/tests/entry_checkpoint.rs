@@ -287,28 +287,8 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     // The default path: no engine flag; the job stays running.
     let img = dir.join("img");
     let t = Instant::now();
-    let out = possum(dir)
-        .args([
-            "checkpoint",
-            &job.pid.to_string(),
-            "--leave-running",
-            "--json",
-        ])
-        .arg("-D")
-        .arg(&img)
-        .arg("--socket-dir")
-        .arg(dir.join("sockets"))
-        .output()
-        .unwrap();
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
     let checkpoint_time = t.elapsed();
-    assert!(
-        out.status.success(),
-        "{}\njob's stderr:\n{}",
-        text(&out),
-        job.log()
-    );
-    let v: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim())
-        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
     assert_eq!(v["engine"], "possum", "{v}");
     assert_eq!(v["hooks"], "entry", "{v}");
     assert_eq!(v["leave_running"], true, "{v}");
@@ -353,20 +333,11 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     let sockets = dir.join("sockets");
     std::fs::remove_dir_all(&sockets).unwrap();
     let t = Instant::now();
-    let out = possum(dir)
-        .args(["restore", "--json", "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    let restore_time = t.elapsed();
-    assert!(
-        out.status.success(),
-        "{}\njob's stderr:\n{}",
-        text(&out),
-        job.log()
+    let r = json_of(
+        possum(dir).args(["restore", "--json", "-D"]).arg(&img),
+        &job,
     );
-    let r: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim())
-        .unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let restore_time = t.elapsed();
     assert_eq!(r["pid"], pid, "{r}");
     assert_eq!(
         r["recreated_socket_dirs"],
@@ -398,14 +369,21 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
 
 /// `possum checkpoint --leave-running --json` of `pid` into `img`: its JSON.
 fn checkpoint_left_running(dir: &Path, pid: i32, img: &Path, job: &Job) -> Value {
-    let out = possum(dir)
-        .args(["checkpoint", &pid.to_string(), "--leave-running", "--json"])
-        .arg("-D")
-        .arg(img)
-        .arg("--socket-dir")
-        .arg(dir.join("sockets"))
-        .output()
-        .unwrap();
+    json_of(
+        possum(dir)
+            .args(["checkpoint", &pid.to_string(), "--leave-running", "--json"])
+            .arg("-D")
+            .arg(img)
+            .arg("--socket-dir")
+            .arg(dir.join("sockets")),
+        job,
+    )
+}
+
+/// Runs a `possum ... --json` command, which must succeed (else: its output and `job`'s stderr),
+/// and returns its JSON.
+fn json_of(cmd: &mut Command, job: &Job) -> Value {
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "{}\njob's stderr:\n{}",
@@ -452,16 +430,11 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
     parent.kill().unwrap();
     parent.wait().unwrap();
     let _ = possum_criu::wait_for_exit(child, Some(WAIT));
-    let out = possum(dir)
-        .args(["restore", "--json", "-D"])
-        .arg(dir.join("img2"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}\njob's stderr:\n{}",
-        text(&out),
-        job.log()
+    json_of(
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(dir.join("img2")),
+        &job,
     );
     assert!(
         std::path::Path::new(&format!("/proc/{child}")).exists(),
