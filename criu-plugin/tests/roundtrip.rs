@@ -113,6 +113,27 @@ fn criu_run_env(criu: &Criu, args: &[&std::ffi::OsStr], env: &[(&str, &Path)], l
     }
 }
 
+/// `criu restore` (detached) of `images` with the plugins of `libdir`; returns its log.
+fn restore_with_plugin(criu: &Criu, images: &Path, libdir: &Path) -> String {
+    let log = images.join("restore.log");
+    criu_run(
+        criu,
+        &[
+            "restore".as_ref(),
+            "-D".as_ref(),
+            images.as_os_str(),
+            "--libdir".as_ref(),
+            libdir.as_os_str(),
+            "-o".as_ref(),
+            "restore.log".as_ref(),
+            "-v4".as_ref(),
+            "--restore-detached".as_ref(),
+        ],
+        &log,
+    );
+    std::fs::read_to_string(&log).unwrap()
+}
+
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 #[test]
@@ -180,23 +201,7 @@ fn criu_loads_the_plugin_and_round_trips_a_process_tree() {
     );
     assert!(!dump.contains("refusing"), "the plugin refused something");
 
-    let restore_log = images.join("restore.log");
-    criu_run(
-        &criu,
-        &[
-            "restore".as_ref(),
-            "-D".as_ref(),
-            images.as_os_str(),
-            "--libdir".as_ref(),
-            libdir.as_os_str(),
-            "-o".as_ref(),
-            "restore.log".as_ref(),
-            "-v4".as_ref(),
-            "--restore-detached".as_ref(),
-        ],
-        &restore_log,
-    );
-    let restore = std::fs::read_to_string(&restore_log).unwrap();
+    let restore = restore_with_plugin(&criu, &images, &libdir);
     assert!(
         restore.contains("possum-criu-plugin: init (stage restore"),
         "the plugin's init line is not in the restore log:\n{restore}"
@@ -344,23 +349,7 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
     assert!(records.contains(&format!(" {dev_s}\n")), "{records}");
 
     // The restore needs no environment: the plugin's records say which file is its own.
-    let restore_log = images.join("restore.log");
-    criu_run(
-        &criu,
-        &[
-            "restore".as_ref(),
-            "-D".as_ref(),
-            images.as_os_str(),
-            "--libdir".as_ref(),
-            libdir.as_os_str(),
-            "-o".as_ref(),
-            "restore.log".as_ref(),
-            "-v4".as_ref(),
-            "--restore-detached".as_ref(),
-        ],
-        &restore_log,
-    );
-    let restore = std::fs::read_to_string(&restore_log).unwrap();
+    let restore = restore_with_plugin(&criu, &images, &libdir);
     assert!(
         restore.contains(&format!("open file {dev_s}")) && restore.contains("placeholder memfd"),
         "{restore}"
