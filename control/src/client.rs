@@ -75,30 +75,74 @@ pub fn request(
     if !Path::new("/proc").join(pid.to_string()).exists() {
         return Err(ControlError::NoProcess(pid));
     }
-    let path = socket_path(dir, pid);
-    let stream = match UnixStream::connect(&path) {
-        Ok(s) => s,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            return Err(ControlError::NotLoaded { pid, path })
-        }
-        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-            return Err(ControlError::Stale { pid, path })
-        }
-        Err(source) => return Err(ControlError::Io { path, source }),
-    };
+    request_at(pid, &socket_path(dir, pid), req, timeout)
+}
+
+/// Connects to process `pid`'s control socket at `path` (which may be reached through
+/// `/proc/PID/root` for a job in another mount namespace, or named by the job's own pid in
+/// another pid namespace): `pid` only names the process in errors.
+fn connect(pid: u32, path: &Path) -> Result<UnixStream, ControlError> {
+    match UnixStream::connect(path) {
+        Ok(s) => Ok(s),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ControlError::NotLoaded {
+            pid,
+            path: path.to_path_buf(),
+        }),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Err(ControlError::Stale {
+            pid,
+            path: path.to_path_buf(),
+        }),
+        Err(source) => Err(ControlError::Io {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// The request's line, newline included.
+fn request_line(req: &Request) -> Result<Vec<u8>, ControlError> {
+    let mut line = serde_json::to_vec(req).map_err(|e| ControlError::Protocol(e.to_string()))?;
+    line.push(b'\n');
+    Ok(line)
+}
+
+/// Sends `req` to the control socket at `path` without waiting for the reply: for a job that
+/// cannot answer now (stopped by CRIU, which resumes it only after the caller is done) and
+/// answers once it runs again. The connection is closed at once; the job's server reads the
+/// request already queued on it and discards its reply.
+pub fn send_only(pid: u32, path: &Path, req: &Request) -> Result<(), ControlError> {
+    let stream = connect(pid, path)?;
+    let line = request_line(req)?;
+    // A Unix socket's buffer takes a request line without the job reading it.
+    stream
+        .set_write_timeout(Some(Duration::from_secs(5)))
+        .and_then(|()| (&stream).write_all(&line))
+        .map_err(|source| ControlError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// [`request`] to the control socket at `path` of process `pid` (`pid` names it in errors).
+pub fn request_at(
+    pid: u32,
+    path: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<Value, ControlError> {
+    let stream = connect(pid, path)?;
     let fail = |source: io::Error| match source.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
             ControlError::Timeout { pid, timeout }
         }
         _ => ControlError::Io {
-            path: path.clone(),
+            path: path.to_path_buf(),
             source,
         },
     };
     let deadline = Instant::now() + timeout;
 
-    let mut line = serde_json::to_vec(req).map_err(|e| ControlError::Protocol(e.to_string()))?;
-    line.push(b'\n');
+    let line = request_line(req)?;
     if timeout.is_zero() {
         return Err(ControlError::Timeout { pid, timeout });
     }

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use client::{request, ControlError};
+pub use client::{request, request_at, send_only, ControlError};
 pub use server::{remove_socket_of_this_process, Handler, Server};
 
 /// The environment variable naming the socket directory.

@@ -49,14 +49,15 @@ use std::os::fd::{AsRawFd as _, FromRawFd as _, IntoRawFd as _, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{mpsc, OnceLock, PoisonError};
+use std::sync::{mpsc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag, SealFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nix::sys::stat::Mode;
 
-use crate::record::{Records, RECORD_FILE};
+use crate::live::{self, Driver, JobSocket, Live};
+use crate::record::{Record, Records, RECORD_FILE};
 use crate::{
     decide_pause, interpret_driver, libcuda_candidates, maps, placeholder_name, restore_claims_vma,
     stage_name, Claim, CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
@@ -191,6 +192,7 @@ const fn hooks() -> [*const c_void; CR_PLUGIN_HOOK_MAX] {
     h[CR_PLUGIN_HOOK_HANDLE_DEVICE_VMA] = handle_device_vma as *const c_void;
     h[CR_PLUGIN_HOOK_UPDATE_VMA_MAP] = update_vma_map as *const c_void;
     h[CR_PLUGIN_HOOK_PAUSE_DEVICES] = pause_devices as *const c_void;
+    h[CR_PLUGIN_HOOK_RESUME_DEVICES_LATE] = resume_devices_late as *const c_void;
     h
 }
 
@@ -276,9 +278,38 @@ static STAGE: AtomicI32 = AtomicI32::new(-1);
 /// Whether this dump has written its records yet (the first write truncates the file).
 static RECORDS_STARTED: AtomicBool = AtomicBool::new(false);
 
+/// `void set_compel_interrupt_only_mode(void)`, exported by the criu binary (CRIU 4.0 and newer,
+/// `seize.c`): with `--freeze-cgroup`, CRIU then stops the tree's tasks one by one with ptrace
+/// instead of freezing the cgroup first, so that `PAUSE_DEVICES` of every process runs while it
+/// still runs (possum's release needs the job's control thread) and a CUDA restore thread can
+/// be let run on its own while its process is stopped. NVIDIA's CRIU plugin sets it likewise.
+type SetInterruptOnly = unsafe extern "C" fn();
+
+/// Sets [`SetInterruptOnly`] when CRIU has it.
+fn set_interrupt_only_mode() -> bool {
+    let Some(sym) = criu_symbol(c"set_compel_interrupt_only_mode") else {
+        return false;
+    };
+    // SAFETY: the criu binary's function has this signature; it only sets a flag.
+    unsafe { std::mem::transmute::<*mut c_void, SetInterruptOnly>(sym)() };
+    true
+}
+
 extern "C" fn plugin_init(stage: c_int) -> c_int {
     guard("init", -1, || {
         STAGE.store(stage, Ordering::Relaxed);
+        // Only on a machine with NVIDIA GPUs: elsewhere CRIU freezes as it always does.
+        if stage == CR_PLUGIN_STAGE_DUMP
+            && Path::new("/proc/driver/nvidia/gpus").is_dir()
+            && set_interrupt_only_mode()
+        {
+            log(
+                LOG_INFO,
+                &format!(
+                    "{LOG_PREFIX} CRIU stops the tree's tasks one by one (interrupt-only mode)"
+                ),
+            );
+        }
         log(
             LOG_INFO,
             &format!(
@@ -293,6 +324,9 @@ extern "C" fn plugin_init(stage: c_int) -> c_int {
 
 extern "C" fn plugin_exit(stage: c_int, ret: c_int) {
     guard("exit", (), || {
+        if stage == CR_PLUGIN_STAGE_DUMP {
+            resume_after_dump(ret);
+        }
         let s = STATE.lock().unwrap_or_else(PoisonError::into_inner);
         let claimed = if stage == CR_PLUGIN_STAGE_RESTORE {
             String::new()
@@ -333,11 +367,54 @@ type CuInitFn = unsafe extern "C" fn(c_uint) -> c_int;
 /// of driver 570 and newer.
 type CuPidQueryFn = unsafe extern "C" fn(c_int, *mut c_int) -> c_int;
 
-/// libcuda's two queries, loaded once and never unloaded (after `cuInit` the driver's threads
-/// must outlive every use).
+/// `CUresult cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock}(int pid, <Args> *args)`: each
+/// `CUcheckpoint*Args` is 64 bytes (cuda.h), zero but for the lock's first field, `timeoutMs`
+/// (restore: no GPU pairs, each GPU onto itself).
+type CuPidActionFn = unsafe extern "C" fn(c_int, *mut [u64; 8]) -> c_int;
+
+/// libcuda's queries and actions, loaded once and never unloaded (after `cuInit` the driver's
+/// threads must outlive every use).
 struct Cuda {
     get_state: CuPidQueryFn,
     get_restore_tid: Option<CuPidQueryFn>,
+    /// Lock, checkpoint, restore, unlock; `None` when the library lacks one of them.
+    actions: Option<[CuPidActionFn; 4]>,
+}
+
+impl Cuda {
+    fn act(&self, which: usize, pid: i32, first: u32) -> Result<(), i32> {
+        let Some(actions) = &self.actions else {
+            return Err(CUDA_ERROR_NOT_FOUND);
+        };
+        let mut args = [0u64; 8];
+        args[0] = u64::from(first);
+        // SAFETY: the function has this type (cuda.h) and `args` is a zeroed 64-byte argument
+        // block (the lock's timeout in its first 32 bits, little-endian) outliving the call.
+        let r = unsafe { actions[which](pid, &mut args) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(r)
+        }
+    }
+}
+
+/// `CUDA_ERROR_NOT_FOUND`: what the plugin answers for a call its libcuda does not have.
+const CUDA_ERROR_NOT_FOUND: i32 = 500;
+
+impl Driver for Cuda {
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), i32> {
+        self.act(0, pid, timeout_ms)
+    }
+    fn checkpoint(&self, pid: i32) -> Result<(), i32> {
+        self.act(1, pid, 0)
+    }
+    fn restore(&self, pid: i32) -> Result<(), i32> {
+        self.act(2, pid, 0)
+    }
+    fn unlock(&self, pid: i32) -> Result<(), i32> {
+        self.act(3, pid, 0)
+    }
 }
 
 impl Cuda {
@@ -394,6 +471,16 @@ fn load_cuda(lib: &'static libloading::Library, shown: &str) -> Result<Cuda, Str
     // SAFETY: as above.
     let get_restore_tid =
         unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetRestoreThreadId\0") }.ok();
+    let action = |name: &[u8]| {
+        // SAFETY: as above.
+        unsafe { lib.get::<CuPidActionFn>(name) }.ok().map(|f| *f)
+    };
+    let actions = [
+        action(b"cuCheckpointProcessLock\0"),
+        action(b"cuCheckpointProcessCheckpoint\0"),
+        action(b"cuCheckpointProcessRestore\0"),
+        action(b"cuCheckpointProcessUnlock\0"),
+    ];
     // SAFETY: cuInit(0) is the documented first call of the driver API.
     let r = unsafe { init(0) };
     if r != 0 {
@@ -402,6 +489,10 @@ fn load_cuda(lib: &'static libloading::Library, shown: &str) -> Result<Cuda, Str
     Ok(Cuda {
         get_state: *get_state,
         get_restore_tid: get_restore_tid.map(|f| *f),
+        actions: match actions {
+            [Some(a), Some(b), Some(c), Some(d)] => Some([a, b, c, d]),
+            _ => None,
+        },
     })
 }
 
@@ -444,7 +535,11 @@ extern "C" fn pause_devices(pid: c_int) -> c_int {
     guard("pause_devices", -libc::EFAULT, || {
         let devices = Devices::from_env();
         let usage = Usage::scan(pid, &devices);
-        let decision = decide_pause(&usage, &devices, || probe_cuda_context(pid));
+        let socket = JobSocket::find(pid);
+        let stage = STAGE.load(Ordering::Relaxed);
+        let decision = decide_pause(&usage, &devices, socket.is_some(), stage, || {
+            probe_cuda_context(pid)
+        });
         let ret = match &decision {
             PauseDecision::NotMine => -libc::ENOTSUP,
             PauseDecision::Claim(why) => {
@@ -458,6 +553,7 @@ extern "C" fn pause_devices(pid: c_int) -> c_int {
                 // Other plugins may still want the process: not "handled".
                 -libc::ENOTSUP
             }
+            PauseDecision::Checkpoint => checkpoint_live(pid, socket),
             PauseDecision::Refuse(msg) => {
                 log(LOG_ERROR, msg);
                 -libc::EPERM
@@ -469,6 +565,220 @@ extern "C" fn pause_devices(pid: c_int) -> c_int {
             .paused(usage, &decision);
         ret
     })
+}
+
+/// The CUDA processes this dump checkpointed, to bring back at its end when the tree runs on.
+static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
+
+/// CRIU's images directory, as a path (the job writes and reads its GPU image there).
+fn image_dir_path() -> Result<PathBuf, String> {
+    let fd = image_dir().ok_or("no CRIU images directory (criu_get_image_dir)")?;
+    std::fs::read_link(format!("/proc/self/fd/{fd}"))
+        .map_err(|e| format!("the images directory's path: {e}"))
+}
+
+/// [`live::checkpoint`] of `pid`, with CRIU's freezing timer stopped meanwhile (a pre-copy of
+/// many GiB would outlast `--timeout`, whose alarm ends CRIU without undoing anything): 0, or a
+/// negative errno after logging why.
+fn checkpoint_live(pid: i32, socket: Option<JobSocket>) -> c_int {
+    let t = std::time::Instant::now();
+    let r = image_dir_path().and_then(|images| {
+        let cuda = libcuda()?;
+        let left = nix::unistd::alarm::cancel();
+        let r = live::checkpoint(pid, &images, socket, cuda);
+        if let Some(secs) = left {
+            nix::unistd::alarm::set(secs);
+        }
+        r
+    });
+    match r {
+        Ok(l) => {
+            log(
+                LOG_INFO,
+                &format!(
+                    "{LOG_PREFIX} pid {pid}: checkpointed its CUDA context in {:.0} ms: {}",
+                    t.elapsed().as_secs_f64() * 1e3,
+                    l.describe()
+                ),
+            );
+            let gpu_dir = l
+                .possum
+                .as_ref()
+                .and_then(|(_, d)| d.file_name())
+                .map(|n| n.to_string_lossy().into_owned());
+            LIVE.lock().unwrap_or_else(PoisonError::into_inner).push(l);
+            match write_records(&[Record::Cuda { pid, gpu_dir }]) {
+                Ok(()) => 0,
+                Err(e) => {
+                    log(LOG_ERROR, &format!("{LOG_PREFIX} {e}"));
+                    -libc::EIO
+                }
+            }
+        }
+        Err(e) => {
+            log(
+                LOG_ERROR,
+                &format!("{LOG_PREFIX} cannot checkpoint pid {pid}'s CUDA context: {e}"),
+            );
+            -libc::EPERM
+        }
+    }
+}
+
+/// At the end of a dump: the processes this plugin checkpointed are brought back when the tree
+/// runs on (the dump failed, or `--leave-running`; from CRIU's RPC the plugin cannot tell, and
+/// brings them back: a tree CRIU then kills loses nothing by it).
+fn resume_after_dump(ret: c_int) {
+    let lives = std::mem::take(&mut *LIVE.lock().unwrap_or_else(PoisonError::into_inner));
+    if lives.is_empty() {
+        return;
+    }
+    let cmdline = std::fs::read("/proc/self/cmdline").unwrap_or_default();
+    if ret == 0 && live::leave_running_from_cmdline(&cmdline) == Some(false) {
+        log(
+            LOG_INFO,
+            &format!(
+                "{LOG_PREFIX} {} CUDA process(es) left checkpointed: CRIU ends the tree",
+                lives.len()
+            ),
+        );
+        return;
+    }
+    for l in &lives {
+        resume_stopped(l);
+    }
+}
+
+/// [`live::resume`] of a process CRIU holds stopped: its CUDA restore thread is let run for the
+/// driver's calls. 0, or -1 after logging why.
+fn resume_stopped(l: &Live) -> c_int {
+    let r = libcuda().and_then(|cuda| {
+        let tid = cuda
+            .get_restore_tid
+            .and_then(|f| Cuda::query(f, l.pid).ok())
+            .unwrap_or(l.pid);
+        live::resume(l, cuda, &mut |f| with_thread_running(tid, f))
+    });
+    match r {
+        Ok(line) => {
+            log(LOG_INFO, &line);
+            0
+        }
+        Err(e) => {
+            log(
+                LOG_ERROR,
+                &format!("{LOG_PREFIX} bringing back pid {}: {e}", l.pid),
+            );
+            -1
+        }
+    }
+}
+
+/// `CR_PLUGIN_HOOK__RESUME_DEVICES_LATE`: `int (int pid)`, in `criu restore`'s main process,
+/// with the restored tree still stopped: brings back a CUDA process the plugin checkpointed.
+extern "C" fn resume_devices_late(pid: c_int) -> c_int {
+    guard("resume_devices_late", -libc::EFAULT, || {
+        let records = restore_records();
+        let Some(gpu_dir) = records.cuda(pid) else {
+            return -libc::ENOTSUP;
+        };
+        let possum = match gpu_dir {
+            None => None,
+            Some(name) => {
+                let found = image_dir_path().and_then(|images| {
+                    let dir = images.join(name);
+                    live::job_sees(pid, &dir)?;
+                    let socket = JobSocket::find(pid).ok_or_else(|| {
+                        "the restored process has no possum control socket".to_string()
+                    })?;
+                    Ok((socket, dir))
+                });
+                match found {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        log(
+                            LOG_ERROR,
+                            &format!("{LOG_PREFIX} cannot bring back pid {pid}: {e}"),
+                        );
+                        return -1;
+                    }
+                }
+            }
+        };
+        resume_stopped(&Live { pid, possum })
+    })
+}
+
+/// Runs `f` while thread `tid`, stopped by CRIU (this process traces it), runs: NVIDIA's driver
+/// restores a process through its own CUDA restore thread. The thread runs with every signal
+/// but `SIGTRAP` blocked and no ptrace options, and is stopped again afterwards with CRIU's
+/// options and its signal mask back. A thread this process does not trace (`ESRCH`) runs
+/// already: `f` is just called.
+fn with_thread_running(tid: i32, f: &mut dyn FnMut() -> Result<(), String>) -> Result<(), String> {
+    use nix::errno::Errno;
+    use nix::sys::ptrace;
+    use nix::unistd::Pid;
+    let pid = Pid::from_raw(tid);
+    let sigmask = |req: libc::c_uint, mask: &mut u64| -> Result<(), Errno> {
+        // SAFETY: PTRACE_{GET,SET}SIGMASK take the size of the kernel's sigset (8 bytes) as
+        // `addr` and a pointer to one as `data`; `mask` is valid for reads and writes.
+        let r = unsafe {
+            libc::ptrace(
+                req,
+                tid,
+                std::mem::size_of::<u64>(),
+                std::ptr::from_mut(mask),
+            )
+        };
+        Errno::result(r).map(drop)
+    };
+    let mut saved = 0u64;
+    match sigmask(libc::PTRACE_GETSIGMASK, &mut saved) {
+        Ok(()) => {}
+        Err(Errno::ESRCH) => return f(),
+        Err(e) => return Err(format!("ptrace(GETSIGMASK) of thread {tid}: {e}")),
+    }
+    let step = |what: &str, r: Result<(), Errno>| {
+        r.map_err(|e| format!("letting CUDA's restore thread {tid} run: {what}: {e}"))
+    };
+    let mut block = !(1u64 << (libc::SIGTRAP - 1));
+    step(
+        "blocking its signals",
+        sigmask(libc::PTRACE_SETSIGMASK, &mut block),
+    )?;
+    step(
+        "clearing ptrace options",
+        ptrace::setoptions(pid, ptrace::Options::empty()),
+    )?;
+    step("continuing it", ptrace::cont(pid, None))?;
+    log(
+        LOG_INFO,
+        &format!("{LOG_PREFIX} CUDA's restore thread {tid} runs while CRIU holds its process"),
+    );
+    let out = f();
+    // Stopped again, as CRIU left it.
+    let stopped = ptrace::interrupt(pid).and_then(|()| loop {
+        match nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::__WALL))? {
+            nix::sys::wait::WaitStatus::Exited(..) | nix::sys::wait::WaitStatus::Signaled(..) => {
+                break Err(Errno::ESRCH)
+            }
+            nix::sys::wait::WaitStatus::Stopped(..)
+            | nix::sys::wait::WaitStatus::PtraceEvent(..)
+            | nix::sys::wait::WaitStatus::PtraceSyscall(..) => break Ok(()),
+            _ => continue,
+        }
+    });
+    let back = stopped
+        .and_then(|()| {
+            ptrace::setoptions(
+                pid,
+                ptrace::Options::from_bits_truncate(libc::PTRACE_O_SUSPEND_SECCOMP)
+                    | ptrace::Options::PTRACE_O_TRACESYSGOOD,
+            )
+        })
+        .and_then(|()| sigmask(libc::PTRACE_SETSIGMASK, &mut saved));
+    let back = back.map_err(|e| format!("stopping CUDA's restore thread {tid} again: {e}"));
+    out.and(back)
 }
 
 /// Appends `records` to the images' [`RECORD_FILE`] (truncated by the first write of a dump).
@@ -743,6 +1053,7 @@ mod tests {
                 CR_PLUGIN_HOOK_RESTORE_EXT_FILE,
                 CR_PLUGIN_HOOK_HANDLE_DEVICE_VMA,
                 CR_PLUGIN_HOOK_UPDATE_VMA_MAP,
+                CR_PLUGIN_HOOK_RESUME_DEVICES_LATE,
                 CR_PLUGIN_HOOK_PAUSE_DEVICES,
             ]
         );

@@ -28,6 +28,7 @@
 #![deny(unsafe_code)]
 
 pub mod ffi;
+pub mod live;
 pub mod maps;
 pub mod record;
 
@@ -257,22 +258,30 @@ impl Usage {
 /// The plugin's decision about a process at `PAUSE_DEVICES`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PauseDecision {
-    /// No mapping or descriptor of the plugin's devices.
+    /// No mapping or descriptor of the plugin's devices, and no CUDA context of its own to
+    /// checkpoint.
     NotMine,
     /// Its device mappings and descriptors will be claimed; why that is safe.
     Claim(String),
+    /// A running CUDA process: the plugin checkpoints it ([`live::checkpoint`]) before CRIU
+    /// dumps it.
+    Checkpoint,
     /// The dump must fail: the line to log.
     Refuse(String),
 }
 
-/// Decides about the process of `usage`. `probe` asks the NVIDIA driver about its CUDA context;
-/// it is called only when the process uses an NVIDIA device.
+/// Decides about the process of `usage` in CRIU's `stage`. `possum_loaded`: the process has a
+/// possum control socket (a CUDA process without NVIDIA device files exists only on the test
+/// driver). `probe` asks the NVIDIA driver about its CUDA context; it is called only when the
+/// process uses an NVIDIA device or has possum loaded.
 pub fn decide_pause(
     usage: &Usage,
     devices: &Devices,
+    possum_loaded: bool,
+    stage: i32,
     probe: impl FnOnce() -> CudaContext,
 ) -> PauseDecision {
-    if usage.is_empty() {
+    if usage.is_empty() && !possum_loaded {
         return PauseDecision::NotMine;
     }
     let pid = usage.pid;
@@ -288,18 +297,39 @@ pub fn decide_pause(
             run.path
         ));
     }
-    if !usage.has_nvidia(devices) {
+    if !usage.is_empty() && !usage.has_nvidia(devices) {
         return PauseDecision::Claim("the test stand-in device (no CUDA context check)".into());
     }
-    let uses = usage.summary();
+    let uses = if usage.is_empty() {
+        "no NVIDIA device file".to_string()
+    } else {
+        usage.summary()
+    };
     match probe() {
+        CudaContext::None(_) if usage.is_empty() => PauseDecision::NotMine,
         CudaContext::None(why) => PauseDecision::Claim(format!("no CUDA context: {why}")),
+        CudaContext::Present(state) if state == "running" => {
+            if stage == ffi::CR_PLUGIN_STAGE_PRE_DUMP {
+                PauseDecision::Refuse(format!(
+                    "{LOG_PREFIX} refusing pid {pid}: it has a running CUDA context, and CRIU's \
+                     pre-dump cannot include GPU state; dump it with `criu dump` (the plugin \
+                     checkpoints its GPU state then)"
+                ))
+            } else {
+                PauseDecision::Checkpoint
+            }
+        }
+        // Checkpointed before CRIU was run (`possum checkpoint`, NVIDIA's cuda-checkpoint): its
+        // GPU state is not in the process any more, and whoever did it brings it back.
+        CudaContext::Present(state) if state == "checkpointed" && usage.is_empty() => {
+            PauseDecision::NotMine
+        }
         CudaContext::Present(state) => PauseDecision::Refuse(format!(
-            "{LOG_PREFIX} refusing pid {pid}: it has a CUDA context (driver state: {state}) and \
-             uses {uses}; the plugin only handles the NVIDIA mappings and descriptors a process \
-             without a CUDA context inherited (a forked DataLoader worker): checkpoint the CUDA \
-             process with `possum checkpoint` (or NVIDIA's cuda-checkpoint) before CRIU dumps it"
+            "{LOG_PREFIX} refusing pid {pid}: its CUDA context is {state} in NVIDIA's driver \
+             (another checkpoint holds it, or left it so) and it uses {uses}; let that \
+             checkpoint finish (`possum status {pid}`), then dump again"
         )),
+        CudaContext::Unknown(_) if usage.is_empty() => PauseDecision::NotMine,
         CudaContext::Unknown(why) => PauseDecision::Refuse(format!(
             "{LOG_PREFIX} refusing pid {pid}: it uses {uses}, and the plugin cannot tell whether \
              it has a CUDA context: {why}"
@@ -506,6 +536,8 @@ pub fn stage_name(stage: i32) -> &'static str {
 mod tests {
     use super::*;
 
+    const DUMP: i32 = ffi::CR_PLUGIN_STAGE_DUMP;
+
     fn nv() -> Devices {
         Devices::default()
     }
@@ -575,8 +607,30 @@ mod tests {
             &nv(),
         );
         assert!(u.is_empty());
-        let d = decide_pause(&u, &nv(), || panic!("asked the driver"));
+        let d = decide_pause(&u, &nv(), false, DUMP, || panic!("asked the driver"));
         assert_eq!(d, PauseDecision::NotMine);
+        // With possum loaded (its socket), the driver is asked: a running context is
+        // checkpointed, none or one already checkpointed is not the plugin's business.
+        for (probe, want) in [
+            (
+                CudaContext::Present("running".into()),
+                PauseDecision::Checkpoint,
+            ),
+            (
+                CudaContext::Present("checkpointed".into()),
+                PauseDecision::NotMine,
+            ),
+            (
+                CudaContext::None("CUresult 3".into()),
+                PauseDecision::NotMine,
+            ),
+            (
+                CudaContext::Unknown("no libcuda".into()),
+                PauseDecision::NotMine,
+            ),
+        ] {
+            assert_eq!(decide_pause(&u, &nv(), true, DUMP, || probe), want);
+        }
     }
 
     #[test]
@@ -587,7 +641,7 @@ mod tests {
             "/dev/nvidia-uvm (2 mappings), /dev/nvidia0 (1 descriptor), \
              /dev/nvidiactl (1 mapping, 1 descriptor)"
         );
-        let d = decide_pause(&u, &nv(), || {
+        let d = decide_pause(&u, &nv(), false, DUMP, || {
             interpret_driver(Err(3), None, |_| unreachable!())
         });
         let PauseDecision::Claim(why) = d else {
@@ -597,26 +651,39 @@ mod tests {
     }
 
     #[test]
-    fn a_process_with_a_cuda_context_or_an_unknown_one_is_refused_naming_pid_and_devices() {
+    fn a_running_cuda_process_is_checkpointed_and_others_refused_naming_pid_and_devices() {
         let u = worker_usage();
-        for (probe, want) in [
+        let d = decide_pause(&u, &nv(), false, DUMP, || {
+            CudaContext::Present("running".into())
+        });
+        assert_eq!(d, PauseDecision::Checkpoint);
+        for (probe, stage, want) in [
             (
                 CudaContext::Present("running".into()),
-                "driver state: running",
+                ffi::CR_PLUGIN_STAGE_PRE_DUMP,
+                "pre-dump",
             ),
-            (CudaContext::Present("checkpointed".into()), "checkpointed"),
+            (CudaContext::Present("locked".into()), DUMP, "is locked"),
+            (
+                CudaContext::Present("checkpointed".into()),
+                DUMP,
+                "is checkpointed",
+            ),
             (
                 CudaContext::Unknown("no libcuda.so.1".into()),
+                DUMP,
                 "no libcuda.so.1",
             ),
         ] {
-            let PauseDecision::Refuse(msg) = decide_pause(&u, &nv(), || probe) else {
-                panic!("not refused")
+            let PauseDecision::Refuse(msg) = decide_pause(&u, &nv(), true, stage, || probe) else {
+                panic!("not refused: {want}")
             };
             assert!(msg.starts_with(LOG_PREFIX), "{msg}");
             assert!(msg.contains("pid 42"), "{msg}");
-            assert!(msg.contains("/dev/nvidia-uvm (2 mappings)"), "{msg}");
             assert!(msg.contains(want), "{msg}");
+            if !msg.contains("pre-dump") {
+                assert!(msg.contains("/dev/nvidia-uvm (2 mappings)"), "{msg}");
+            }
         }
     }
 
@@ -624,7 +691,8 @@ mod tests {
     fn a_private_device_mapping_is_refused() {
         let m = maps::parse("200400000-200600000 rw-p 00000000 00:05 1032 /dev/nvidia-uvm\n");
         let u = Usage::from_parts(5, &m, Vec::new(), &nv());
-        let PauseDecision::Refuse(msg) = decide_pause(&u, &nv(), || unreachable!()) else {
+        let PauseDecision::Refuse(msg) = decide_pause(&u, &nv(), false, DUMP, || unreachable!())
+        else {
             panic!("not refused")
         };
         assert!(msg.contains("pid 5") && msg.contains("private"), "{msg}");
@@ -637,7 +705,7 @@ mod tests {
         };
         let u = Usage::from_parts(9, &[], vec!["/dev/hwrng".into()], &t);
         assert!(!u.has_nvidia(&t));
-        let d = decide_pause(&u, &t, || panic!("asked the driver"));
+        let d = decide_pause(&u, &t, false, DUMP, || panic!("asked the driver"));
         assert!(matches!(d, PauseDecision::Claim(_)), "{d:?}");
     }
 

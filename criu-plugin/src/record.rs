@@ -7,6 +7,9 @@
 //! ```text
 //! vma PID 0xSTART-0xEND PERMS PATH     a claimed mapping (informative; restore goes by PATH)
 //! file ID PATH                         a claimed open file, ID in hex as CRIU numbers it
+//! cuda PID possum DIR                  a CUDA process the plugin checkpointed, possum's GPU
+//!                                      image in DIR (a directory of the images directory)
+//! cuda PID driver                      the same, by NVIDIA's driver checkpoint alone
 //! ```
 
 use std::fmt;
@@ -37,6 +40,13 @@ pub enum Record {
         /// The device.
         path: String,
     },
+    /// A CUDA process the plugin checkpointed ([`crate::live`]): the restore brings it back.
+    Cuda {
+        /// The dumped process.
+        pid: i32,
+        /// possum's GPU image directory (a name in the images directory), when possum was loaded.
+        gpu_dir: Option<String>,
+    },
 }
 
 impl fmt::Display for Record {
@@ -50,6 +60,11 @@ impl fmt::Display for Record {
                 path,
             } => write!(f, "vma {pid} {start:#x}-{end:#x} {perms} {path}"),
             Record::File { id, path } => write!(f, "file {id:#x} {path}"),
+            Record::Cuda {
+                pid,
+                gpu_dir: Some(d),
+            } => write!(f, "cuda {pid} possum {d}"),
+            Record::Cuda { pid, gpu_dir: None } => write!(f, "cuda {pid} driver"),
         }
     }
 }
@@ -80,6 +95,16 @@ impl Record {
                     path: path.to_string(),
                 })
             }
+            "cuda" => {
+                let mut it = rest.splitn(3, ' ');
+                let pid = it.next()?.parse().ok()?;
+                let gpu_dir = match (it.next()?, it.next()) {
+                    ("possum", Some(d)) if !d.is_empty() && !d.contains('/') => Some(d.to_string()),
+                    ("driver", None) => None,
+                    _ => return None,
+                };
+                Some(Record::Cuda { pid, gpu_dir })
+            }
             _ => None,
         }
     }
@@ -103,6 +128,15 @@ impl Records {
     pub fn file(&self, id: u32) -> Option<&str> {
         self.0.iter().find_map(|r| match r {
             Record::File { id: i, path } if *i == id => Some(path.as_str()),
+            _ => None,
+        })
+    }
+
+    /// The CUDA process `pid` the plugin checkpointed: `Some(gpu_dir)` (possum's GPU image
+    /// directory, when possum was loaded), `None` when it did not checkpoint it.
+    pub fn cuda(&self, pid: i32) -> Option<Option<&str>> {
+        self.0.iter().find_map(|r| match r {
+            Record::Cuda { pid: p, gpu_dir } if *p == pid => Some(gpu_dir.as_deref()),
             _ => None,
         })
     }
@@ -133,11 +167,20 @@ mod tests {
                 id: 0x1b,
                 path: "/dev/nvidiactl".into(),
             },
+            Record::Cuda {
+                pid: 42,
+                gpu_dir: Some("possum-gpu-42".into()),
+            },
+            Record::Cuda {
+                pid: 43,
+                gpu_dir: None,
+            },
         ];
         let text: String = recs.iter().map(|r| format!("{r}\n")).collect();
         assert_eq!(
             text,
-            "vma 42 0x200600000-0x200800000 rw-s /dev/nvidia-uvm\nfile 0x1b /dev/nvidiactl\n"
+            "vma 42 0x200600000-0x200800000 rw-s /dev/nvidia-uvm\nfile 0x1b /dev/nvidiactl\n\
+             cuda 42 possum possum-gpu-42\ncuda 43 driver\n"
         );
         let parsed = Records::parse(&format!("# a comment\n{text}something else\n"));
         assert_eq!(parsed.0, recs);
@@ -145,5 +188,10 @@ mod tests {
         assert_eq!(parsed.file(0x1c), None);
         assert!(parsed.has_vma_of("/dev/nvidia-uvm"));
         assert!(!parsed.has_vma_of("/dev/nvidiactl"));
+        assert_eq!(parsed.cuda(42), Some(Some("possum-gpu-42")));
+        assert_eq!(parsed.cuda(43), Some(None));
+        assert_eq!(parsed.cuda(44), None);
+        // A directory outside the images directory is not read.
+        assert_eq!(Records::parse("cuda 5 possum ../x\ncuda 6 possum\n").0, []);
     }
 }

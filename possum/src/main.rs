@@ -70,6 +70,12 @@ enum Cmd {
     /// back first, then runs on. The GPU must have the free memory the job used (--device picks
     /// another GPU).
     Restore(checkpoint::RestoreArgs),
+    /// Lets a job whose GPU buffers possum released run on, its buffers coming back on demand
+    /// from GPU_DIR: what the CRIU plugin sends a job it checkpointed, when it could not.
+    ///
+    /// Needed only after a `criu dump`/`criu restore` with possum's plugin whose log says
+    /// "possum's resume could not be sent"; `possum checkpoint`/`restore` do it themselves.
+    Resume(checkpoint::ResumeArgs),
     /// Detaches CUPTI from a job, or attaches it again (diagnostics).
     #[command(hide = true)]
     Cupti(checkpoint::CuptiArgs),
@@ -116,6 +122,7 @@ fn main() -> ExitCode {
         Cmd::Restore(a) => checkpoint::restore(&a).map(check),
         Cmd::CheckpointGuard(a) => checkpoint::guard(&a).map(check),
         Cmd::Cupti(a) => checkpoint::cupti(&a).map(check),
+        Cmd::Resume(a) => checkpoint::resume(&a).map(check),
     };
     match r {
         Ok(code) => ExitCode::from(code),

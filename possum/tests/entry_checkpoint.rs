@@ -457,3 +457,161 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
         job.log()
     );
 }
+
+/// Runs `criu` (the binary `possum checkpoint` would use) with `args` and the fake driver's
+/// environment, as a container engine would run it; panics with the end of its log on failure.
+fn plain_criu(dir: &Path, images: &Path, args: &[&std::ffi::OsStr], log: &str, job: &Job) {
+    let criu = possum_criu::Criu::locate().unwrap();
+    let out = Command::new(criu.binary())
+        .args(args)
+        .args([
+            "-D".as_ref(),
+            images.as_os_str(),
+            "-v4".as_ref(),
+            "-o".as_ref(),
+            log.as_ref(),
+        ])
+        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
+        .env("FAKE_CKPT_IN_PROCESS", "1")
+        .env_remove("LD_PRELOAD")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = std::fs::read_to_string(images.join(log)).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "criu {args:?} failed: {}\n{}\njob's stderr:\n{}",
+        self::text(&out),
+        text.lines()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n"),
+        job.log()
+    );
+}
+
+/// The plugin built beside `possum` (cargo builds the workspace's cdylib there), alone in a
+/// directory of its own (CRIU loads every `.so` of `--libdir`).
+fn plugin_dir(dir: &Path) -> Option<PathBuf> {
+    let built = Path::new(env!("CARGO_BIN_EXE_possum")).with_file_name(possum_criu::PLUGIN_FILE);
+    if !built.is_file() {
+        return None;
+    }
+    let libdir = dir.join("plugins");
+    std::fs::create_dir_all(&libdir).unwrap();
+    std::fs::copy(&built, libdir.join(possum_criu::PLUGIN_FILE)).unwrap();
+    Some(libdir)
+}
+
+/// Issue 15: plain `criu dump --libdir` (what a container engine runs) of a possum job, left
+/// running, then `criu restore --libdir`, with no `possum` command: the plugin releases possum's
+/// buffers into the images (possum-gpu-PID), takes the driver's checkpoint, brings the job back
+/// at the end of the dump, and at the restore. Both go on bit-exact.
+#[test]
+fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
+    let Some((tmp, lib)) = setup("entry_checkpoint plain criu", "possum-plain-criu-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let Some(libdir) = plugin_dir(dir) else {
+        panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
+    };
+    let mut reference = Job::start(dir, "reference", None);
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+
+    let mut job = Job::start(dir, "job", Some(&lib));
+    job.run("step 5", "done 5");
+    let pid = job.pid;
+    let images = dir.join("images");
+    std::fs::create_dir(&images).unwrap();
+    let pid_s = pid.to_string();
+    plain_criu(
+        dir,
+        &images,
+        &[
+            "dump".as_ref(),
+            "-t".as_ref(),
+            pid_s.as_ref(),
+            "-R".as_ref(),
+            "--libdir".as_ref(),
+            libdir.as_os_str(),
+        ],
+        "dump.log",
+        &job,
+    );
+    let log = std::fs::read_to_string(images.join("dump.log")).unwrap();
+    assert!(
+        log.contains(&format!("pid {pid}: checkpointed its CUDA context")),
+        "{log}"
+    );
+    assert!(log.contains("possum's resume from"), "{log}");
+    // The fake driver's restore thread is the job's main thread, stopped by CRIU: let run for
+    // the driver's restore, stopped again for CRIU.
+    assert!(log.contains("restore thread"), "{log}");
+    let records = std::fs::read_to_string(images.join("possum-criu-plugin.txt")).unwrap();
+    assert!(
+        records.contains(&format!("cuda {pid} possum possum-gpu-{pid}")),
+        "{records}"
+    );
+    let gpu = images.join(format!("possum-gpu-{pid}"));
+    assert!(
+        count_files(&gpu, ".bin") > 0,
+        "no GPU data in {}",
+        gpu.display()
+    );
+
+    // Left running: the plugin's resume reached it once CRIU let it go.
+    let got = after_checkpoint(&mut job, dir, "left");
+    same(
+        &got[0],
+        &want[0],
+        "left running, after step 9 and the malloc",
+    );
+    same(&got[1], &want[1], "left running, after step 12");
+
+    // Killed, then `criu restore --libdir`: the plugin restores the driver's state and resumes
+    // possum from the images.
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    plain_criu(
+        dir,
+        &images,
+        &[
+            "restore".as_ref(),
+            "--restore-detached".as_ref(),
+            "--libdir".as_ref(),
+            libdir.as_os_str(),
+        ],
+        "restore.log",
+        &job,
+    );
+    let log = std::fs::read_to_string(images.join("restore.log")).unwrap();
+    assert!(
+        log.contains(&format!("pid {pid}: driver restored and unlocked")),
+        "{log}"
+    );
+    assert!(log.contains("restore thread"), "{log}");
+    if std::env::var_os("POSSUM_TEST_SHOW_LOG").is_some() {
+        say(&log);
+    }
+    let got = after_checkpoint(&mut job, dir, "restored");
+    same(&got[0], &want[0], "restored, after step 9 and the malloc");
+    same(&got[1], &want[1], "restored, after step 12");
+    let back = restored_buffers(pid as u32, &dir.join("sockets"));
+    assert_eq!(back["buffers"], 3, "{back}");
+    job.run("exit", "bye");
+    let exit = possum_criu::wait_for_exit(pid, Some(WAIT)).unwrap();
+    job.pid = 0;
+    assert!(
+        exit.success(),
+        "restored job: {exit}; stderr:\n{}",
+        job.log()
+    );
+}

@@ -697,6 +697,37 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     Ok(true)
 }
 
+/// Arguments of `possum resume`.
+#[derive(Args, Debug)]
+pub struct ResumeArgs {
+    /// The job.
+    pub pid: i32,
+    /// possum's GPU image of the job (`IMAGES/possum-gpu-PID` after a `criu dump` with possum's
+    /// plugin).
+    pub gpu_dir: PathBuf,
+    /// Directory of the job's control socket (default: $POSSUM_SOCKET_DIR, else /tmp/possum).
+    #[arg(long, value_name = "DIR")]
+    pub socket_dir: Option<PathBuf>,
+}
+
+/// `possum resume PID GPU_DIR`: the job's buffers back on demand from GPU_DIR, its GPU
+/// operations let go.
+pub fn resume(a: &ResumeArgs) -> Result<bool> {
+    let dir = socket_dir_of(a.socket_dir.as_ref());
+    let gpu = fs::canonicalize(&a.gpu_dir)
+        .with_context(|| format!("the GPU image {}", a.gpu_dir.display()))?;
+    let req = Request::Resume {
+        dir: Some(gpu.display().to_string()),
+    };
+    ask(a.pid, &dir, &req)?;
+    println!(
+        "possum: process {} runs on; its GPU buffers come back from {}",
+        a.pid,
+        gpu.display()
+    );
+    Ok(true)
+}
+
 /// Arguments of the hidden `possum cupti` (diagnostics).
 #[derive(Args, Debug)]
 pub struct CuptiArgs {

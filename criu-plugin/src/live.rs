@@ -1,0 +1,513 @@
+//! CUDA processes the plugin checkpoints itself, so that plain `criu dump --libdir DIR` (and a
+//! container engine driving CRIU) can checkpoint a GPU job without `possum checkpoint`.
+//!
+//! ```text
+//! PAUSE_DEVICES(pid), the process still running     possum loaded in it (its control socket):
+//!   checkpoint{IMAGES/possum-gpu-PID} ─────────────▶ pre-copy while it runs
+//!   release ───────────────────────────────────────▶ T0: operations held, rest copied, released
+//!   driver lock + checkpoint (the residue; without possum: every buffer)
+//!   record "cuda PID ..." in possum-criu-plugin.txt
+//! CRIU dumps the process (no NVIDIA mapping is left in it)
+//! exit(DUMP) when the job runs on (--leave-running, or the dump failed), the process stopped:
+//!   driver restore + unlock (its restore thread let run for it) ─ resume{dir} sent, answered
+//!   once CRIU lets the job go
+//! RESUME_DEVICES_LATE(pid) at `criu restore`, the process stopped:
+//!   driver restore + unlock (likewise) ─ resume{IMAGES/possum-gpu-PID} sent
+//! ```
+//!
+//! The job's GPU operations stay held (possum's op gate, or the driver's lock) until the resume
+//! is answered, so nothing runs on a GPU state that is not back. A process the driver already
+//! reports checkpointed (what `possum checkpoint` does before it runs CRIU) is left alone: the
+//! CLI restores it. The decisions are safe functions over a [`Driver`] (NVIDIA's
+//! `cuCheckpointProcess*`, loaded in [`crate::ffi`]) and a [`JobSocket`].
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use possum_control::{ControlError, Request};
+
+use crate::LOG_PREFIX;
+
+/// The directory of a process's GPU image, under CRIU's images directory.
+pub fn gpu_dir_name(pid: i32) -> String {
+    format!("possum-gpu-{pid}")
+}
+
+/// How long the driver's lock may wait for the job's submitted GPU work.
+pub const LOCK_TIMEOUT_MS: u32 = 30_000;
+
+/// How long the plugin waits for the job's answers (a pre-copy of many GiB takes a while).
+const JOB_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// NVIDIA's checkpoint API for other processes (`cuCheckpointProcess*`); errors are `CUresult`s.
+pub trait Driver {
+    /// `cuCheckpointProcessLock` with a timeout.
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), i32>;
+    /// `cuCheckpointProcessCheckpoint`.
+    fn checkpoint(&self, pid: i32) -> Result<(), i32>;
+    /// `cuCheckpointProcessRestore` (onto the same GPUs).
+    fn restore(&self, pid: i32) -> Result<(), i32>;
+    /// `cuCheckpointProcessUnlock`.
+    fn unlock(&self, pid: i32) -> Result<(), i32>;
+}
+
+/// A job's possum control socket, as the plugin reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobSocket {
+    /// The process (as CRIU knows it).
+    pub pid: i32,
+    /// The socket, through `/proc/PID/root` (the job may be in another mount namespace) and
+    /// named by the job's own pid (it may be in another pid namespace).
+    pub path: PathBuf,
+}
+
+impl JobSocket {
+    /// The socket of `pid` if it has one: in the job's `POSSUM_SOCKET_DIR` (from its
+    /// environment at exec), else this process's, else `/tmp/possum`.
+    pub fn find(pid: i32) -> Option<JobSocket> {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let dir = socket_dir_in(&environ).unwrap_or_else(possum_control::socket_dir);
+        let ns_pid = innermost_pid(&status).unwrap_or(pid);
+        let path = proc_root(pid, &possum_control::socket_path(&dir, ns_pid as u32));
+        path.exists().then_some(JobSocket { pid, path })
+    }
+
+    fn ask(&self, req: &Request) -> Result<serde_json::Value, ControlError> {
+        possum_control::request_at(self.pid as u32, &self.path, req, JOB_TIMEOUT)
+    }
+}
+
+/// `POSSUM_SOCKET_DIR` in a `/proc/PID/environ` (NUL-separated), when set and not empty.
+pub fn socket_dir_in(environ: &[u8]) -> Option<PathBuf> {
+    environ
+        .split(|&b| b == 0)
+        .filter_map(|kv| kv.strip_prefix(b"POSSUM_SOCKET_DIR="))
+        .rfind(|v| !v.is_empty())
+        .map(|v| PathBuf::from(String::from_utf8_lossy(v).into_owned()))
+}
+
+/// The process's pid in its own pid namespace: the last of `NSpid:` in `/proc/PID/status`.
+pub fn innermost_pid(status: &str) -> Option<i32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
+/// `path` as process `pid` sees it (through `/proc/PID/root`).
+pub fn proc_root(pid: i32, path: &Path) -> PathBuf {
+    let rel = path.strip_prefix("/").unwrap_or(path);
+    Path::new(&format!("/proc/{pid}/root")).join(rel)
+}
+
+/// A CUDA process the plugin has checkpointed (or is restoring), with what it needs to resume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Live {
+    /// The process.
+    pub pid: i32,
+    /// possum's part, when possum is loaded in it: its socket and its GPU image directory (the
+    /// same path for the job and for CRIU).
+    pub possum: Option<(JobSocket, PathBuf)>,
+}
+
+impl Live {
+    /// One line for the log: what was done.
+    pub fn describe(&self) -> String {
+        match &self.possum {
+            Some((_, dir)) => format!(
+                "possum's buffers saved to {} and released, then NVIDIA's driver checkpoint",
+                dir.display()
+            ),
+            None => "NVIDIA's driver checkpoint (possum is not loaded in it)".into(),
+        }
+    }
+}
+
+/// Whether the job `pid` sees `dir` (CRIU's view) as the same directory: the job writes and
+/// reads its GPU image there itself.
+pub fn job_sees(pid: i32, dir: &Path) -> Result<(), String> {
+    let ours = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let theirs = std::fs::metadata(proc_root(pid, dir));
+    match theirs {
+        Ok(m) if (m.dev(), m.ino()) == (ours.dev(), ours.ino()) => Ok(()),
+        _ => Err(format!(
+            "process {pid} does not see CRIU's images directory {} at that path (another mount \
+             namespace: a container); possum in the job writes its GPU buffers there itself, so \
+             mount the images directory into the job's namespace at the same path",
+            dir.display()
+        )),
+    }
+}
+
+/// The sequence at `PAUSE_DEVICES` for a running CUDA process: possum's pre-copy and release
+/// when possum is loaded (its GPU image under `images`), then the driver's lock and checkpoint.
+/// On a failure, what was done is undone (the job runs on) and the error names the step.
+pub fn checkpoint(
+    pid: i32,
+    images: &Path,
+    socket: Option<JobSocket>,
+    driver: &dyn Driver,
+) -> Result<Live, String> {
+    let possum = match socket {
+        Some(s) => {
+            job_sees(pid, images)?;
+            let dir = images.join(gpu_dir_name(pid));
+            let req = Request::Checkpoint {
+                dir: dir.display().to_string(),
+            };
+            s.ask(&req)
+                .map_err(|e| format!("possum's pre-copy in process {pid}: {e}"))?;
+            if let Err(e) = s.ask(&Request::Release) {
+                let undo = resume_now(&s, &dir);
+                return Err(format!(
+                    "possum's release in process {pid}: {e}{}",
+                    undone(undo)
+                ));
+            }
+            Some((s, dir))
+        }
+        None => None,
+    };
+    let live = Live { pid, possum };
+    let undo_possum = |live: &Live| match &live.possum {
+        Some((s, dir)) => resume_now(s, dir),
+        None => Ok(()),
+    };
+    if let Err(r) = driver.lock(pid, LOCK_TIMEOUT_MS) {
+        return Err(format!(
+            "NVIDIA's driver could not lock process {pid} (CUresult {r}){}",
+            undone(undo_possum(&live))
+        ));
+    }
+    if let Err(r) = driver.checkpoint(pid) {
+        let unlock = driver
+            .unlock(pid)
+            .map_err(|u| format!("unlocking it: CUresult {u}"));
+        return Err(format!(
+            "NVIDIA's driver checkpoint of process {pid} failed (CUresult {r}){}",
+            undone(unlock.and_then(|()| undo_possum(&live)))
+        ));
+    }
+    Ok(live)
+}
+
+/// Resumes possum in a job that runs (a failed checkpoint's undo), waiting for its answer.
+fn resume_now(s: &JobSocket, dir: &Path) -> Result<(), String> {
+    s.ask(&Request::Resume {
+        dir: Some(dir.display().to_string()),
+    })
+    .map(|_| ())
+    .map_err(|e| format!("resuming possum: {e}"))
+}
+
+fn undone(r: Result<(), String>) -> String {
+    match r {
+        Ok(()) => "; undone, the job runs on".into(),
+        Err(e) => format!("; undoing it failed too ({e}): the job may stay paused"),
+    }
+}
+
+/// A driver step to run while the process's CUDA restore thread runs.
+pub type Step<'a> = &'a mut dyn FnMut() -> Result<(), String>;
+
+/// Runs a [`Step`] with the restore thread let run (CRIU holds the process stopped).
+pub type WithRestoreThread<'a> = &'a mut dyn FnMut(Step<'_>) -> Result<(), String>;
+
+/// Brings a checkpointed process back: the driver's restore and unlock, run by
+/// `with_restore_thread` (which lets the process's CUDA restore thread run meanwhile: CRIU holds
+/// the process stopped), then possum's resume sent to the job, which answers it once CRIU lets
+/// it go. `gpu_dir` overrides where the job reads its GPU image (a restore from another images
+/// directory).
+pub fn resume(
+    live: &Live,
+    driver: &dyn Driver,
+    with_restore_thread: WithRestoreThread<'_>,
+) -> Result<String, String> {
+    let pid = live.pid;
+    with_restore_thread(&mut || {
+        driver
+            .restore(pid)
+            .map_err(|r| format!("NVIDIA's driver restore of process {pid}: CUresult {r}"))?;
+        driver
+            .unlock(pid)
+            .map_err(|r| format!("NVIDIA's driver unlock of process {pid}: CUresult {r}"))
+    })?;
+    match &live.possum {
+        Some((s, dir)) => {
+            let req = Request::Resume {
+                dir: Some(dir.display().to_string()),
+            };
+            possum_control::send_only(pid as u32, &s.path, &req).map_err(|e| {
+                format!(
+                    "process {pid} is back in the driver, but possum's resume could not be sent \
+                     ({e}): its GPU operations stay held; send it with `possum resume {pid} \
+                     {}`",
+                    dir.display()
+                )
+            })?;
+            Ok(format!(
+                "{LOG_PREFIX} pid {pid}: driver restored and unlocked; possum's resume from {} \
+                 sent (answered once CRIU lets the process run)",
+                dir.display()
+            ))
+        }
+        None => Ok(format!(
+            "{LOG_PREFIX} pid {pid}: driver restored and unlocked"
+        )),
+    }
+}
+
+/// Whether CRIU's command line (`/proc/self/cmdline`, NUL-separated) asks the dumped tree to
+/// run on after the dump: `Some(true)` for `dump ... -R`/`--leave-running`, `Some(false)` for a
+/// `dump` without it, `None` when CRIU serves requests (`swrk`, `service`: the options came over
+/// RPC, which the plugin cannot see).
+pub fn leave_running_from_cmdline(cmdline: &[u8]) -> Option<bool> {
+    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+    if !args.iter().any(|a| *a == b"dump") {
+        return None;
+    }
+    Some(args.iter().any(|a| {
+        *a == b"--leave-running"
+            || (a.len() > 1 && a[0] == b'-' && a[1] != b'-' && a[1..].contains(&b'R'))
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::sync::{Arc, Mutex};
+
+    /// A driver that logs its calls and fails the ones named in `fail`.
+    #[derive(Default)]
+    struct Mock {
+        calls: RefCell<Vec<String>>,
+        fail: Vec<&'static str>,
+    }
+
+    impl Mock {
+        fn call(&self, what: &'static str, pid: i32) -> Result<(), i32> {
+            self.calls.borrow_mut().push(format!("{what} {pid}"));
+            if self.fail.contains(&what) {
+                Err(999)
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    impl Driver for Mock {
+        fn lock(&self, pid: i32, _: u32) -> Result<(), i32> {
+            self.call("lock", pid)
+        }
+        fn checkpoint(&self, pid: i32) -> Result<(), i32> {
+            self.call("checkpoint", pid)
+        }
+        fn restore(&self, pid: i32) -> Result<(), i32> {
+            self.call("restore", pid)
+        }
+        fn unlock(&self, pid: i32) -> Result<(), i32> {
+            self.call("unlock", pid)
+        }
+    }
+
+    /// A possum control server in this process that logs the commands it gets; `fail` makes
+    /// the one of that name answer an error.
+    fn job(
+        dir: &Path,
+        fail: Option<&'static str>,
+    ) -> (possum_control::Server, Arc<Mutex<Vec<String>>>) {
+        let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&seen);
+        let handler = move |req: Request| {
+            let name = match &req {
+                Request::Checkpoint { .. } => "checkpoint",
+                Request::Release => "release",
+                Request::Resume { .. } => "resume",
+                _ => "other",
+            };
+            log.lock().unwrap().push(format!("{req:?}"));
+            if fail == Some(name) {
+                serde_json::json!({"error": format!("{name} refused")})
+            } else {
+                serde_json::json!({})
+            }
+        };
+        (
+            possum_control::Server::start(dir, Arc::new(handler)).unwrap(),
+            seen,
+        )
+    }
+
+    fn me() -> i32 {
+        std::process::id() as i32
+    }
+
+    fn socket(dir: &Path) -> JobSocket {
+        JobSocket {
+            pid: me(),
+            path: possum_control::socket_path(dir, me() as u32),
+        }
+    }
+
+    #[test]
+    fn a_possum_job_is_released_before_the_driver_locks_and_checkpoints_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (_server, seen) = job(&tmp.path().join("s"), None);
+        let images = tmp.path().join("images");
+        std::fs::create_dir(&images).unwrap();
+        let d = Mock::default();
+        let live = checkpoint(me(), &images, Some(socket(&tmp.path().join("s"))), &d).unwrap();
+        let gpu = images.join(gpu_dir_name(me()));
+        assert_eq!(live.possum.as_ref().map(|p| &p.1), Some(&gpu));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                format!("Checkpoint {{ dir: {:?} }}", gpu.display().to_string()),
+                "Release".to_string()
+            ]
+        );
+        assert_eq!(
+            *d.calls.borrow(),
+            [format!("lock {}", me()), format!("checkpoint {}", me())]
+        );
+
+        // Back: the driver first (with the restore thread running), then possum's resume.
+        let mut ran = 0;
+        let line = resume(&live, &d, &mut |f| {
+            ran += 1;
+            f()
+        })
+        .unwrap();
+        assert_eq!(ran, 1);
+        assert!(line.contains("resume from"), "{line}");
+        assert_eq!(
+            d.calls.borrow()[2..],
+            [format!("restore {}", me()), format!("unlock {}", me())]
+        );
+        let t = std::time::Instant::now();
+        while seen.lock().unwrap().len() < 3 {
+            assert!(t.elapsed() < Duration::from_secs(10), "no resume arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            seen.lock().unwrap()[2].starts_with("Resume"),
+            "{:?}",
+            seen.lock().unwrap()
+        );
+    }
+
+    #[test]
+    fn a_failed_step_is_undone_and_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let images = tmp.path().join("images");
+        std::fs::create_dir(&images).unwrap();
+        // The driver's checkpoint fails: the job is unlocked and possum resumed.
+        let (_server, seen) = job(&tmp.path().join("s"), None);
+        let d = Mock {
+            fail: vec!["checkpoint"],
+            ..Mock::default()
+        };
+        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s"))), &d).unwrap_err();
+        assert!(
+            e.contains("driver checkpoint") && e.contains("undone"),
+            "{e}"
+        );
+        assert_eq!(
+            d.calls.borrow().last().unwrap(),
+            &format!("unlock {}", me())
+        );
+        assert!(seen.lock().unwrap().last().unwrap().starts_with("Resume"));
+        drop(_server);
+
+        // The release fails: possum is resumed, the driver never touched.
+        let (_server, seen) = job(&tmp.path().join("s2"), Some("release"));
+        let d = Mock::default();
+        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s2"))), &d).unwrap_err();
+        assert!(
+            e.contains("release") && e.contains("release refused"),
+            "{e}"
+        );
+        assert!(d.calls.borrow().is_empty());
+        assert!(seen.lock().unwrap().last().unwrap().starts_with("Resume"));
+
+        // Without possum: the lock fails, nothing else is tried.
+        let d = Mock {
+            fail: vec!["lock"],
+            ..Mock::default()
+        };
+        let e = checkpoint(me(), &images, None, &d).unwrap_err();
+        assert!(
+            e.contains("could not lock") && e.contains("CUresult 999"),
+            "{e}"
+        );
+        assert_eq!(d.calls.borrow().len(), 1);
+    }
+
+    #[test]
+    fn a_job_that_cannot_see_the_images_directory_is_refused_before_anything_is_done() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = Mock::default();
+        let e = checkpoint(
+            me(),
+            &tmp.path().join("missing"),
+            Some(socket(tmp.path())),
+            &d,
+        )
+        .unwrap_err();
+        assert!(e.contains("missing"), "{e}");
+        assert!(d.calls.borrow().is_empty());
+    }
+
+    #[test]
+    fn the_socket_is_found_from_the_jobs_environment_and_namespace() {
+        assert_eq!(
+            socket_dir_in(b"A=1\0POSSUM_SOCKET_DIR=/run/x\0B=2\0"),
+            Some(PathBuf::from("/run/x"))
+        );
+        assert_eq!(socket_dir_in(b"POSSUM_SOCKET_DIR=\0"), None);
+        assert_eq!(socket_dir_in(b""), None);
+        assert_eq!(innermost_pid("Name:\tx\nNSpid:\t4242\t7\n"), Some(7));
+        assert_eq!(innermost_pid("Name:\tx\n"), None);
+        assert_eq!(
+            proc_root(5, Path::new("/tmp/possum/possum-7.sock")),
+            PathBuf::from("/proc/5/root/tmp/possum/possum-7.sock")
+        );
+        // This process has no socket in a fresh directory: none found.
+        assert_eq!(
+            JobSocket::find(me()).filter(|s| s.path.starts_with("/nonexistent")),
+            None
+        );
+    }
+
+    #[test]
+    fn leave_running_is_read_from_criu_s_command_line() {
+        let cl = |s: &str| s.replace(' ', "\0").into_bytes();
+        assert_eq!(
+            leave_running_from_cmdline(&cl("criu dump -t 5 -D d -R")),
+            Some(true)
+        );
+        assert_eq!(
+            leave_running_from_cmdline(&cl("criu dump -t 5 --leave-running")),
+            Some(true)
+        );
+        assert_eq!(
+            leave_running_from_cmdline(&cl("criu dump -vR -t 5")),
+            Some(true)
+        );
+        assert_eq!(
+            leave_running_from_cmdline(&cl("criu dump -t 5 -D d")),
+            Some(false)
+        );
+        assert_eq!(
+            leave_running_from_cmdline(&cl("criu dump --root /R")),
+            Some(false)
+        );
+        assert_eq!(leave_running_from_cmdline(&cl("criu swrk 3")), None);
+    }
+}
