@@ -27,9 +27,12 @@
 #   possum    the job under LD_PRELOAD=.gpu/libpossum.so, `possum checkpoint` with no engine flag,
 #             with the plugin, checked as `driver`. N trials.
 #   criu      plain `criu dump -t PID --libdir DIR --leave-running` / `criu restore --libdir DIR`
-#             with nothing checkpointing the CUDA process first: the plugin must refuse it, naming
-#             the pid and its devices (a live CUDA context). One trial. (Checkpointing a CUDA
-#             process from the plugin itself, as a container engine would need, is not done.)
+#             (what a container engine runs), no possum command: the plugin takes NVIDIA's
+#             driver checkpoint of the CUDA process itself at PAUSE_DEVICES and brings it back at
+#             the end of the dump and at the restore (criu-plugin/src/live.rs). Checked as
+#             `driver`. N trials.
+#   criu-possum  the same, the job under LD_PRELOAD=.gpu/libpossum.so: the plugin runs possum's
+#             pre-copy and release first (the GPU image in IMAGES/possum-gpu-PID). N trials.
 #   tree2-driver  (b2) workloads/gpu/tree2.py: a parent and the one child it execs, both training on
 #             GPU 0, logging to LOG and LOG.child. `possum checkpoint --engine driver --leave-running`
 #             (with the plugin) once both logs have k steps: both logs must end bit-identical to a
@@ -37,6 +40,8 @@
 #             write the reference's lines from the step each resumed at. N trials.
 #   tree2-possum  (c2) the same, the job under LD_PRELOAD=.gpu/libpossum.so (the child inherits it),
 #             `possum checkpoint` with no engine flag. N trials.
+#   tree2-criu, tree2-criu-possum  tree2.py by plain criu (as `criu`, `criu-possum`): the plugin
+#             checkpoints both CUDA processes, each with possum's sequence when possum is loaded.
 #   tree2     both of the above, --trials N in all, alternating (tree2-driver first). Each row has
 #             the checkpoint's --json `figures` and `cuda_children`, the image manifest's
 #             `cuda_children`, and possum's stderr verbatim when it fails.
@@ -201,7 +206,8 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
     shutil.rmtree(img, ignore_errors=True)
     ref = REF[persistent]
     t0 = time.time()
-    with_possum = kind == "possum"
+    with_possum = kind in ("possum", "criu-possum")
+    plain = kind in ("criu", "criu-possum")
     p, log = start(name, steps, persistent, sleep_ms, with_possum)
     row = {"trial": n, "kind": kind, "persistent": persistent, "k": k, "steps": steps}
     if not ckpt.wait_lines(log, k, 300, p):
@@ -231,6 +237,7 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
         ok_ck = ck["rc"] == 0
         row["checkpoint"] = {"rc": ck["rc"], "wall_ms": round(1e3 * (time.time() - t)),
                              "stderr": ck["stderr"] if ck["rc"] else None}
+    row["lines_after_dump"] = len(ckpt.read_log(log))
     dump_lines = plugin_lines(img, "dump.log")
     save_log_lines(f"{name}.dump", dump_lines)
     row["dump_plugin_lines"] = [l for l in dump_lines if "possum-criu-plugin" in l][:12]
@@ -246,7 +253,7 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
     row["leave_running_identical"] = first == ref
     row["job_exit"] = p.returncode
     if not ok_ck:
-        expected_fail = kind == "baseline" or (kind == "criu" and not CPU)
+        expected_fail = kind == "baseline"
         row.update(ok=expected_fail and row["leave_running_identical"] and p.returncode == 0,
                    expected_failure=expected_fail, wall_s=round(time.time() - t0, 1))
         emit(row)
@@ -260,7 +267,7 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
     for d in missing:
         os.makedirs(os.path.join(tmp, d))
     row["recreated_tmp_dirs"] = missing
-    if kind == "criu":
+    if plain:
         t = time.time()
         rs = criu("restore", "-D", img, "--libdir", PLUGINS, "-o", "restore.log", "-v4", "--restore-detached")
         rs["wall_ms"] = round(1e3 * (time.time() - t))
@@ -280,9 +287,9 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
     if not gone:
         ckpt.kill_job(None, p.pid)
     second = ckpt.key(ckpt.read_log(log))
-    s0 = second[0].get("step") if second and "step" in second[0] else None
-    row["resumed_at_step"] = s0
-    row["restored_identical"] = bool(second) and s0 is not None and second == ref[s0:]
+    row["resumed_at_step"], row["restored_identical"] = resumed_match(
+        second, ref, row["lines_after_dump"] >= len(ref))
+    s0 = row["resumed_at_step"]
     row["ok"] = row["leave_running_identical"] and row["restored_identical"] and rs["rc"] == 0
     if not row["ok"]:
         row["err"] = open(os.path.join(WORK, f"{name}.err")).read()[-1500:]
@@ -294,13 +301,15 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
     return row
 
 
-def resumed_match(second, ref):
+def resumed_match(second, ref, complete_at_dump=False):
     """A restored process's log against the reference: its lines must be the reference's from the
     step it resumed at (its first step line); with no step line (it was past its last step when
-    checkpointed) the reference's last lines. Returns (resumed step, identical)."""
+    checkpointed) the reference's last lines; with none at all, it must have written its whole
+    log before the dump ended (`complete_at_dump`: it was dumped while exiting). Returns
+    (resumed step, identical)."""
     s0 = second[0].get("step") if second and "step" in second[0] else None
     if not second:
-        return None, False
+        return None, complete_at_dump
     if s0 is None:
         return None, second == ref[-len(second):]
     return s0, second == ref[s0:]
@@ -335,7 +344,8 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
     shutil.rmtree(img, ignore_errors=True)
     refs = {"parent": REF["tree2"], "child": REF["tree2.child"]}
     t0 = time.time()
-    with_possum = kind == "tree2-possum"
+    with_possum = kind in ("tree2-possum", "tree2-criu-possum")
+    plain = kind in ("tree2-criu", "tree2-criu-possum")
     p, log = start(name, steps, False, sleep_ms, with_possum, job="tree2")
     logs = {"parent": log, "child": log + ".child"}
     row = {"trial": n, "kind": kind, "job": "tree2", "persistent": None, "k": k, "steps": steps}
@@ -373,7 +383,7 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
     row["lines_before_checkpoint"] = {w: len(ckpt.read_log(l)) for w, l in logs.items()}
     row["procs_at_checkpoint"] = [device_use(x) for x in [p.pid] + kids]
     os.environ["POSSUM_CRIU_PLUGIN_DIR"] = os.environ["CRIU_LIBS_DIR"] = PLUGINS
-    if kind == "tree2-criu":
+    if plain:
         os.makedirs(img, exist_ok=True)
         t = time.time()
         ck = criu("dump", "-t", str(p.pid), "-D", img, "--libdir", PLUGINS, "--leave-running",
@@ -396,6 +406,7 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
     row["dump_plugin_lines"] = [l for l in dump_lines if "possum-criu-plugin" in l][:12]
     if not ok_ck:
         row["dump_errors"] = [l for l in dump_lines if "Error" in l or "Can't" in l or "refusing" in l][:8]
+    row["lines_after_dump"] = {w: len(ckpt.read_log(l)) for w, l in logs.items()}
     row["procs_after_checkpoint"] = [device_use(x) for x in [p.pid] + kids]
     try:
         p.wait(timeout=JOB_END_S)  # the job's last steps take seconds: a job left stopped is killed
@@ -416,7 +427,7 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
         return row
     for l in logs.values():
         ckpt.keep_log(l)
-    if kind == "tree2-criu":
+    if plain:
         t = time.time()
         rs = criu("restore", "-D", img, "--libdir", PLUGINS, "-o", "restore.log", "-v4", "--restore-detached")
         rs["wall_ms"] = round(1e3 * (time.time() - t))
@@ -441,7 +452,8 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
     second = {w: ckpt.key(ckpt.read_log(l)) for w, l in logs.items()}
     row["resumed_at_step"], row["restored"] = {}, {}
     for w in logs:
-        row["resumed_at_step"][w], row["restored"][w] = resumed_match(second[w], refs[w])
+        row["resumed_at_step"][w], row["restored"][w] = resumed_match(
+            second[w], refs[w], row["lines_after_dump"][w] >= len(refs[w]))
     row["restored_identical"] = all(row["restored"].values())
     row["ok"] = row["leave_running_identical"] and row["restored_identical"] and rs["rc"] == 0 and gone
     if not row["ok"]:
@@ -537,19 +549,19 @@ def main():
             counts[two[0]], counts[two[1]] = (a.trials + 1) // 2, a.trials // 2
         else:
             kinds.append(kind)
-    TREE2 = ("tree2-driver", "tree2-possum", "tree2-criu", "tree2-det")
-    bad = [k for k in kinds if k in ("tree2-criu", "tree2-det") and not CPU]
+    TREE2 = ("tree2-driver", "tree2-possum", "tree2-criu", "tree2-criu-possum", "tree2-det")
+    bad = [k for k in kinds if k == "tree2-det" and not CPU]
     if bad:
         ap.error(f"{bad}: CPU self-check kinds (GPU_TREE_CPU=1)")
     t2_steps = a.tree2_steps or (24 if CPU else 40)
     rng = random.Random(a.seed)
     plan = []
     for kind in kinds:
-        n = counts.get(kind, 1 if kind in ("baseline", "tree2-det") or (kind == "criu" and not CPU) else a.trials)
+        n = counts.get(kind, 1 if kind in ("baseline", "tree2-det") else a.trials)
         plan += [(kind, None if kind in TREE2 else i % 2 == 0, i) for i in range(n)]
     # The one-off kinds first, then the repeated ones round-robin, so that a budget cut leaves
     # some of each.
-    once = [x for x in plan if x[0] in ("baseline", "tree2-det") or (x[0] == "criu" and not CPU)]
+    once = [x for x in plan if x[0] in ("baseline", "tree2-det")]
     queues = {k: [x for x in plan if x[0] == k and x not in once] for k in kinds}
     order = list(once)
     while any(queues.values()):

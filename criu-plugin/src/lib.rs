@@ -1,5 +1,9 @@
 //! `libpossum_criu_plugin.so`: possum's plugin for CRIU 4.x.
 //!
+//! A live CUDA process is checkpointed by the plugin itself at `PAUSE_DEVICES` and brought back
+//! after the dump or at restore ([`live`]), so plain `criu dump|restore --libdir` (a container
+//! engine) checkpoints a GPU job. Below, the other half.
+//!
 //! Jobs are process trees: a DataLoader worker forked from a CUDA process inherits its NVIDIA
 //! device mappings (`/dev/nvidia*`, `/dev/nvidiactl`, `/dev/nvidia-uvm`) and open descriptors of
 //! those devices, without having a CUDA context of its own, and CRIU cannot dump a
@@ -10,9 +14,9 @@
 //!   and descriptors are listed from `/proc`; a process with none is not the plugin's business
 //!   ("not mine", `-ENOTSUP`). One with some is asked about: if the NVIDIA driver says it has no
 //!   CUDA context (`cuCheckpointProcessGetState` fails for it, through libcuda loaded with
-//!   `dlopen`), its mappings and descriptors will be claimed; otherwise (a live or a checkpointed
-//!   CUDA context, no libcuda, no answer, a private mapping) the dump is refused with one line
-//!   naming the pid and the devices.
+//!   `dlopen`), its mappings and descriptors will be claimed; a running CUDA context is
+//!   checkpointed ([`live`]); otherwise (a context another checkpoint holds, no libcuda, no
+//!   answer, a private mapping) the dump is refused with one line naming the pid and the devices.
 //! - `HANDLE_DEVICE_VMA` / `DUMP_EXT_FILE`: the NVIDIA mappings and descriptors of the processes
 //!   accepted at pause time are claimed, one log line each, and noted in the plugin's own file in
 //!   the images ([`record`]). CRIU dumps no contents of a shared device mapping.
