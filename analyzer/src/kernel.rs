@@ -6,7 +6,7 @@
 //! [`KernelModel::classify`]) use atomics only; [`KernelModel::opaque_reason`] clones a string and
 //! is meant for reports.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use serde::Serialize;
@@ -27,6 +27,12 @@ pub struct ValidationConfig {
     pub sample_bytes: u64,
     /// The sampled bytes are spread over this many windows.
     pub windows: u32,
+    /// While some slot that named a buffer has no verdict yet (neither read-only nor seen
+    /// changed), launches whose number is a power of two are validated too, up to this launch
+    /// number; 0 = never. A slot gets a verdict only from validated launches that find a buffer
+    /// behind it, and the first ones may not (the word named nothing then, or a constant buffer):
+    /// without this it stayed read-write for good, and every launch marked its buffer written.
+    pub recheck_until: u64,
 }
 
 impl Default for ValidationConfig {
@@ -37,20 +43,23 @@ impl Default for ValidationConfig {
             readonly_after: 2,
             sample_bytes: 256 * 1024,
             windows: 16,
+            recheck_until: 1024,
         }
     }
 }
 
 impl ValidationConfig {
-    /// Parses `"first=3,every=1000,readonly_after=2,sample=262144,windows=16"`: any subset of
-    /// the keys, the rest keep their defaults. `off` sets `first=0,every=0` (validation never
-    /// runs). The error names the key or item at fault.
+    /// Parses `"first=3,every=1000,readonly_after=2,sample=262144,windows=16,recheck=1024"`:
+    /// any subset of the keys, the rest keep their defaults. `off` sets
+    /// `first=0,every=0,recheck=0` (validation never runs). The error names the key or item at
+    /// fault.
     pub fn from_env_str(s: &str) -> Result<Self, String> {
         let mut cfg = Self::default();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
             if item == "off" {
                 cfg.first_launches = 0;
                 cfg.every = 0;
+                cfg.recheck_until = 0;
                 continue;
             }
             let Some((key, value)) = item.split_once('=') else {
@@ -64,10 +73,12 @@ impl ValidationConfig {
                 "readonly_after" => cfg.readonly_after = value.parse().map_err(bad)?,
                 "sample" => cfg.sample_bytes = value.parse().map_err(bad)?,
                 "windows" => cfg.windows = value.parse().map_err(bad)?,
+                "recheck" => cfg.recheck_until = value.parse().map_err(bad)?,
                 _ => {
                     return Err(format!(
-                        "unknown key `{key}` (known: first, every, readonly_after, sample, windows, off)"
-                    ))
+                    "unknown key `{key}` (known: first, every, readonly_after, sample, windows, \
+                         recheck, off)"
+                ))
                 }
             }
         }
@@ -130,6 +141,9 @@ pub struct Validation {
     pub slot_unchanged: SlotSet,
     /// A slot whose buffer holds a live device pointer: (slot index, the pointer value found).
     pub pointer_table: Option<(usize, u64)>,
+    /// Every slot that named a buffer at this launch (whatever the verdict): one with none keeps
+    /// its kernel validated again ([`ValidationConfig::recheck_until`]).
+    pub slot_named: SlotSet,
 }
 
 /// The outcome of [`KernelModel::record_validation`].
@@ -191,6 +205,8 @@ pub struct KernelModel {
     /// `slots` as runs (what a launch reads).
     runs: Vec<SlotRun>,
     validated: AtomicU64,
+    /// Validations that changed a slot's verdict ([`Self::speculation_version`]).
+    spec_changes: AtomicU64,
     resolved: AtomicU64,
     /// Set (once, to the first reason given) when the kernel becomes opaque: the kernel is opaque
     /// exactly when this is set.
@@ -201,6 +217,11 @@ pub struct KernelModel {
     ro_mask: Vec<AtomicU64>,
     /// Per slot: validated launches that saw its buffer unchanged.
     unchanged: Vec<AtomicU32>,
+    /// Slots seen naming a buffer (a bit per slot): at a validation or a resolution.
+    named: Vec<AtomicU64>,
+    /// Some slot of `named` has no verdict yet (neither read-only nor read-write): launches are
+    /// validated again ([`ValidationConfig::recheck_until`]).
+    undecided: AtomicBool,
 }
 
 impl KernelModel {
@@ -240,11 +261,14 @@ impl KernelModel {
             slots,
             launches: AtomicU64::new(0),
             validated: AtomicU64::new(0),
+            spec_changes: AtomicU64::new(0),
             resolved: AtomicU64::new(0),
             opaque_reason,
             rw_mask: bits(),
             ro_mask: bits(),
             unchanged,
+            named: bits(),
+            undecided: AtomicBool::new(false),
         }
     }
 
@@ -307,15 +331,55 @@ impl KernelModel {
     /// `every` (when `every > 0`).
     pub fn next_launch(&self, cfg: &ValidationConfig) -> (u64, bool) {
         let n = self.launches.fetch_add(1, Ordering::Relaxed);
-        let due = n < u64::from(cfg.first_launches) || n.checked_rem(cfg.every) == Some(0);
+        let due = n < u64::from(cfg.first_launches)
+            || n.checked_rem(cfg.every) == Some(0)
+            || (n.is_power_of_two()
+                && n <= cfg.recheck_until
+                && self.undecided.load(Ordering::Relaxed));
         (n, due && !self.is_opaque())
     }
 
-    /// Changes whenever the kernel's speculation may have changed (a validation was recorded,
+    /// Notes that slot `slot_index` named a buffer at a launch (resolved off the memo, or
+    /// validated): while it has no verdict, launches are validated again
+    /// ([`ValidationConfig::recheck_until`]).
+    pub fn note_named(&self, slot_index: usize) {
+        let (w, bit) = (slot_index / 64, 1u64 << (slot_index % 64));
+        let Some(named) = self.named.get(w) else {
+            return;
+        };
+        if named.fetch_or(bit, Ordering::AcqRel) & bit == 0 && !self.decided(slot_index) {
+            self.undecided.store(true, Ordering::Release);
+        }
+    }
+
+    /// Whether slot `slot_index` has a verdict: read-only, or seen changed.
+    fn decided(&self, slot_index: usize) -> bool {
+        let (w, bit) = (slot_index / 64, 1u64 << (slot_index % 64));
+        let rw = self.rw_mask.get(w).map_or(0, |m| m.load(Ordering::Acquire));
+        rw & bit != 0 || self.is_readonly(slot_index)
+    }
+
+    /// Recomputes [`Self::undecided`] from the masks.
+    fn update_undecided(&self) {
+        let open = (0..self.named.len()).any(|w| {
+            let named = self.named[w].load(Ordering::Acquire);
+            let rw = self.rw_mask[w].load(Ordering::Acquire);
+            named & !rw & !self.readonly_word(w) != 0
+        });
+        self.undecided.store(open, Ordering::Release);
+    }
+
+    /// Whether some slot that named a buffer has no verdict yet.
+    pub fn has_undecided_slots(&self) -> bool {
+        self.undecided.load(Ordering::Acquire)
+    }
+
+    /// Changes whenever the kernel's speculation changed (a validation changed a slot's verdict,
     /// or the kernel was made opaque): a cache of buffer sets derived from it is stale when this
-    /// differs. Lock-free.
+    /// differs; a validation that changed nothing (a recheck) leaves the caches valid.
+    /// Lock-free.
     pub fn speculation_version(&self) -> u64 {
-        (self.validated.load(Ordering::Acquire) << 1) | u64::from(self.is_opaque())
+        (self.spec_changes.load(Ordering::Acquire) << 1) | u64::from(self.is_opaque())
     }
 
     /// Whether the kernel is treated as touching every buffer.
@@ -368,9 +432,10 @@ impl KernelModel {
     /// kernel was already opaque.
     pub fn record_validation(&self, v: &Validation, cfg: &ValidationConfig) -> Verdict {
         let n = self.unchanged.len();
+        let mut verdicts_changed = false;
         for i in v.slot_changed.iter().take_while(|&i| i < n) {
             let bit = 1u64 << (i % 64);
-            self.rw_mask[i / 64].fetch_or(bit, Ordering::AcqRel);
+            verdicts_changed |= self.rw_mask[i / 64].fetch_or(bit, Ordering::AcqRel) & bit == 0;
             self.ro_mask[i / 64].fetch_and(!bit, Ordering::AcqRel);
         }
         for i in v.slot_unchanged.iter().take_while(|&i| i < n) {
@@ -383,14 +448,21 @@ impl KernelModel {
                 .fetch_add(1, Ordering::AcqRel)
                 .saturating_add(1);
             if seen >= cfg.readonly_after {
-                self.ro_mask[i / 64].fetch_or(bit, Ordering::AcqRel);
+                verdicts_changed |= self.ro_mask[i / 64].fetch_or(bit, Ordering::AcqRel) & bit == 0;
             }
         }
+        for i in v.slot_named.iter().take_while(|&i| i < n) {
+            self.named[i / 64].fetch_or(1u64 << (i % 64), Ordering::AcqRel);
+        }
+        self.update_undecided();
         // A slot made read-write concurrently with the promotion above loses read-only status
         // through `is_readonly` checking rw_mask too.
         // Counted after the masks changed, so a reader that sees the new
         // `speculation_version` also sees the new masks.
         self.validated.fetch_add(1, Ordering::AcqRel);
+        if verdicts_changed {
+            self.spec_changes.fetch_add(1, Ordering::AcqRel);
+        }
 
         let reason = if !v.changed_untouched.is_empty() {
             let ids: Vec<String> = v.changed_untouched.iter().map(u64::to_string).collect();
@@ -557,13 +629,20 @@ mod tests {
                 every: 1000,
                 readonly_after: 4,
                 sample_bytes: 4096,
-                windows: 8
+                windows: 8,
+                recheck_until: 1024,
             }
+        );
+        assert_eq!(
+            ValidationConfig::from_env_str("recheck=0")
+                .unwrap()
+                .recheck_until,
+            0
         );
         let c = ValidationConfig::from_env_str(" every = 5 ").unwrap();
         assert_eq!((c.first_launches, c.every), (2, 5));
         let c = ValidationConfig::from_env_str("off").unwrap();
-        assert_eq!((c.first_launches, c.every), (0, 0));
+        assert_eq!((c.first_launches, c.every, c.recheck_until), (0, 0, 0));
         assert_eq!(
             ValidationConfig::from_env_str("").unwrap(),
             ValidationConfig::default()
@@ -622,6 +701,68 @@ mod tests {
             m.opaque_reason().as_deref(),
             Some("no parameter layout: error 500")
         );
+    }
+
+    /// A slot that named a buffer at only one of the first validated launches (PyTorch's
+    /// reduction: a config word that looks like an address inside a 1 GiB frozen tensor, while
+    /// the first launch's layout differed) has no verdict after them: launches are validated
+    /// again at powers of two until it has one, then no more. Without that it stayed read-write
+    /// and every launch marked the frozen tensor written (copied again at every pause).
+    #[test]
+    fn a_slot_without_a_verdict_gets_its_kernel_validated_again_until_it_has_one() {
+        let m = model(131);
+        let cfg = ValidationConfig::default();
+        let due = |m: &KernelModel| m.next_launch(&cfg).1;
+        assert!(due(&m) && due(&m), "launches 0 and 1");
+        // Launch 0 saw slot 3 unchanged, launch 1 slots 3 and 117.
+        let mut v = unchanged(1 << 3);
+        v.slot_named.insert(3);
+        m.record_validation(&v, &cfg);
+        let mut v = unchanged(1 << 3);
+        v.slot_unchanged.insert(117);
+        v.slot_named.insert(3);
+        v.slot_named.insert(117);
+        m.record_validation(&v, &cfg);
+        assert!(m.is_readonly(3) && !m.is_readonly(117));
+        assert!(m.has_undecided_slots());
+        // Launch 2 (a power of two) is validated again, launch 3 is not.
+        assert!(due(&m));
+        assert!(!due(&m));
+        let mut v = unchanged(0);
+        v.slot_unchanged.insert(117);
+        v.slot_named.insert(117);
+        m.record_validation(&v, &cfg);
+        assert!(m.is_readonly(117));
+        assert!(!m.has_undecided_slots());
+        // Launch 4: nothing left to decide.
+        assert!(!due(&m));
+        // A slot first named by a resolution (not a validation) reopens it; one that is decided
+        // does not.
+        m.note_named(117);
+        assert!(!m.has_undecided_slots());
+        m.note_named(50);
+        assert!(m.has_undecided_slots());
+        for _ in 5..8 {
+            assert!(!due(&m));
+        }
+        assert!(due(&m), "launch 8");
+        // Seen changed: decided (read-write for good), no more rechecks.
+        let mut v = changed(0);
+        v.slot_changed.insert(50);
+        v.slot_named.insert(50);
+        m.record_validation(&v, &cfg);
+        assert!(!m.has_undecided_slots());
+        // Never past recheck_until.
+        let m = model(1);
+        m.note_named(0);
+        let cfg = ValidationConfig {
+            recheck_until: 4,
+            ..Default::default()
+        };
+        let dues: Vec<u64> = (0..20)
+            .filter_map(|_| Some(m.next_launch(&cfg)).filter(|x| x.1).map(|x| x.0))
+            .collect();
+        assert_eq!(dues, [0, 1, 2, 4]);
     }
 
     /// A by-value struct of 131 words (PyTorch's reductions): a pointer at word 100 earns

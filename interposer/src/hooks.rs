@@ -178,6 +178,10 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             if !skip_captured(st, s) {
                 st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
                 let eng = engine_of(st, ctx);
+                label_op(|| {
+                    let name = crate::cbid::lookup(cbid).map_or("?", |c| c.name);
+                    format!("operation {name}")
+                });
                 hook(eng, admit(eng, s), s, Access::Opaque, None);
             }
         }
@@ -338,6 +342,55 @@ fn resolving(st: &State, guard: Option<&OpGuard<'_, CudaDevice>>) -> bool {
     r
 }
 
+/// `POSSUM_DEBUG_DIRTY=1` (diagnostics): while the engine tracks, each operation that marks a
+/// buffer written that was not marked yet is logged, with what the operation is (the first 400
+/// such lines): what a pre-copy leaves for the pause, and why.
+pub(crate) fn debug_dirty() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("POSSUM_DEBUG_DIRTY").is_some_and(|v| v == "1"))
+}
+
+thread_local! {
+    /// What the operation being hooked is, for [`debug_dirty`] (set only when it is on).
+    static OP_LABEL: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// Names the operation being hooked, for [`debug_dirty`].
+fn label_op(what: impl FnOnce() -> String) {
+    if debug_dirty() {
+        let _ = OP_LABEL.try_with(|l| *l.borrow_mut() = what());
+    }
+}
+
+/// Logs what `access` newly marks written ([`debug_dirty`]).
+fn log_newly_dirty(access: &Access<'_>) {
+    static LINES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let label = OP_LABEL
+        .try_with(|l| l.borrow().clone())
+        .unwrap_or_default();
+    let lines: Vec<String> = match access {
+        Access::Known { writes, .. } => writes
+            .iter()
+            .filter(|b| !b.is_dirty())
+            .map(|b| {
+                format!(
+                    "dirty: {label} writes buffer {} ({:.1} MiB)",
+                    b.id(),
+                    b.size() as f64 / f64::from(1u32 << 20)
+                )
+            })
+            .collect(),
+        Access::Opaque => vec![format!("dirty: opaque {label}: every buffer")],
+    };
+    for l in lines {
+        if LINES.fetch_add(1, Ordering::Relaxed) < 400 {
+            // Asked for explicitly: on stderr whatever POSSUM_VERBOSE says.
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "possum: {l}");
+        }
+    }
+}
+
 /// The hook's second half for an operation `admit` let in with `guard`: while the engine
 /// tracks, it checks `access` (the operation may wait or be refused); the guard (and a launch's
 /// validation) is kept for the exit callback.
@@ -351,6 +404,9 @@ fn hook(
     if let (Some(e), Some(g)) = (eng, &guard) {
         if g.tracking() {
             let _r = Reentry::enter();
+            if debug_dirty() {
+                log_newly_dirty(&access);
+            }
             if let Err(err) = e.with_stream(stream, |s| g.check(s, access)) {
                 let st = state();
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
@@ -415,6 +471,9 @@ fn resolve_slots(
             Resolved::None => continue,
             Resolved::Unmanaged(..) => unmanaged = true,
             Resolved::Managed(b, d) if Some(*d) == dev => {
+                if !ro {
+                    model.note_named(i);
+                }
                 push_buffer(b, ro, &mut sets.reads, &mut sets.writes)
             }
             Resolved::Managed(..) => {}
@@ -682,6 +741,38 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
             } else {
                 m.sets.access()
             };
+            label_op(|| {
+                // Which of the launch's words name each buffer it newly marks written, and
+                // whether their slots are speculated read-only.
+                let mut fresh = Vec::new();
+                args.read_slots(model.slot_runs(), &mut fresh);
+                let mut why = String::new();
+                if let Access::Known { writes, .. } = &access {
+                    for b in writes.iter().filter(|b| !b.is_dirty()) {
+                        let slots: Vec<String> = fresh
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, &w)| b.contains(possum_engine::device::DevPtr(w)))
+                            .map(|(i, &w)| {
+                                let ro = if model.is_readonly(i) { "ro" } else { "rw" };
+                                format!("{i}:{ro}+{:#x}", w - b.va().0)
+                            })
+                            .collect();
+                        why.push_str(&format!(
+                            " [buffer {} at {:#x}: slots {}]",
+                            b.id(),
+                            b.va().0,
+                            slots.join(",")
+                        ));
+                    }
+                }
+                format!(
+                    "kernel {} (launch {}, memo {}){why}",
+                    model.name().unwrap_or("?"),
+                    n,
+                    if hit { "hit" } else { "miss" }
+                )
+            });
             let before = (validate_now && !opaque)
                 .then(|| validate::begin(st, eng, model, words))
                 .flatten();
@@ -756,6 +847,7 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
         } else {
             sets.access()
         };
+        label_op(|| "graph launch".to_string());
         hook(eng, guard, stream, access, None);
     });
 }
@@ -792,6 +884,10 @@ fn copy_like(
     let (rd, wr) = SCRATCH
         .try_with(|s| look(ranges_at(&mut s.borrow_mut().ranges, st, st.generation())))
         .unwrap_or_else(|_| look(&st.ranges()));
+    label_op(|| {
+        let what = if src.is_some() { "copy" } else { "memset" };
+        format!("{what} to {dst:#x}")
+    });
     // At most one buffer each way; one both read and written is only in `writes`.
     let written = managed_on(&wr, dev);
     let read = managed_on(&rd, dev).filter(|b| written.map_or(true, |w| w.id() != b.id()));

@@ -305,6 +305,7 @@ pub fn finish(st: &State, b: Before) {
         }
         for (i, k) in b.slot_keys.iter().enumerate() {
             if let Some(k) = k {
+                v.slot_named.insert(i);
                 if changed_keys.contains(k) {
                     v.slot_changed.insert(i);
                 } else if !constant_keys.contains(k) {
@@ -327,6 +328,18 @@ pub fn finish(st: &State, b: Before) {
                 }
             }
         }
+        if crate::hooks::debug_dirty() {
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr(),
+                "possum: validation detail: changed keys {changed_keys:?} constant keys \
+                 {constant_keys:?}; shared windows {:?}",
+                b.slot_windows
+                    .iter()
+                    .map(|w| (w.0, w.1, w.2))
+                    .collect::<Vec<_>>()
+            );
+        }
         v.changed_untouched = changed_keys
             .into_iter()
             .filter(|k| !b.slot_keys.contains(&Some(*k)))
@@ -337,6 +350,23 @@ pub fn finish(st: &State, b: Before) {
     match r {
         Ok(v) => {
             c.validations.fetch_add(1, Ordering::Relaxed);
+            if crate::hooks::debug_dirty() {
+                use std::io::Write as _;
+                let keyed: Vec<String> = b
+                    .slot_keys
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, k)| k.map(|k| format!("{i}->{k}")))
+                    .collect();
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "possum: validation: kernel {}: changed {:?} unchanged {:?} slots {}",
+                    b.model.name().unwrap_or("?"),
+                    v.slot_changed.iter().collect::<Vec<_>>(),
+                    v.slot_unchanged.iter().collect::<Vec<_>>(),
+                    keyed.join(" ")
+                );
+            }
             if let Verdict::Opaque(why) = b.model.record_validation(&v, &st.cfg.validation) {
                 c.kernels_made_opaque.fetch_add(1, Ordering::Relaxed);
                 crate::log(&format!(
