@@ -400,8 +400,18 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
         return;
     };
     let dir = tmp.path();
-    // The job starts a second CUDA process (its own context in the fake driver).
-    let mut job = Job::spawn(dir, "tree", Some(&lib), &[("FAKE_CHILD", "1")]);
+    // The job starts a second CUDA process (its own context in the fake driver, libpossum.so
+    // loaded in it too, a buffer E it bumps and writes out on SIGUSR1).
+    let child_dump = dir.join("child-e.bin");
+    let mut job = Job::spawn(
+        dir,
+        "tree",
+        Some(&lib),
+        &[
+            ("FAKE_CHILD", "1"),
+            ("FAKE_CHILD_DUMP", child_dump.to_str().unwrap()),
+        ],
+    );
     let line = job.next();
     let child: i32 = line
         .strip_prefix("child ")
@@ -409,14 +419,38 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
         .unwrap_or_else(|| panic!("no child line: {line:?}"));
     job.expect("ready");
     job.run("step 3", "done 3");
+    assert_eq!(
+        child_e(child, &child_dump, &job),
+        expected_e(1),
+        "child, before"
+    );
 
     let v = checkpoint_left_running(dir, job.pid, &dir.join("img1"), &job);
     assert_eq!(v["cuda_children"], serde_json::json!([child]), "{v}");
+    // possum's engine in the child too: its buffer was saved into the image, released, and is
+    // back on demand in the child left running.
+    assert_eq!(v["possum_children"], serde_json::json!([child]), "{v}");
+    let child_img = dir.join("img1").join(format!("gpu-{child}"));
+    assert!(
+        count_files(&child_img, ".bin") > 0,
+        "no GPU data of the child in {}",
+        child_img.display()
+    );
+    assert_eq!(
+        child_e(child, &child_dump, &job),
+        expected_e(2),
+        "child, left running"
+    );
     // Both are running again in the driver: a second checkpoint of the tree is accepted (one left
     // locked or checkpointed would be refused, named).
     job.run("step 2", "done 5");
     let v = checkpoint_left_running(dir, job.pid, &dir.join("img2"), &job);
     assert_eq!(v["cuda_children"], serde_json::json!([child]), "{v}");
+    assert_eq!(
+        child_e(child, &child_dump, &job),
+        expected_e(3),
+        "child, left running"
+    );
     job.run("step 1", "done 6");
 
     // Both killed, the tree restored from the second image: the parent goes on from step 5, the
@@ -439,6 +473,13 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
     assert!(
         std::path::Path::new(&format!("/proc/{child}")).exists(),
         "the child was not restored"
+    );
+    // The restored child's buffer is the one of the second image (two bumps), back from
+    // possum's image of the child.
+    assert_eq!(
+        child_e(child, &child_dump, &job),
+        expected_e(3),
+        "child, restored"
     );
     // The restored answers: from the image's step 5 on.
     job.seen = std::fs::read_to_string(&job.out)
@@ -505,6 +546,42 @@ fn plugin_dir(dir: &Path) -> Option<PathBuf> {
     std::fs::create_dir_all(&libdir).unwrap();
     std::fs::copy(&built, libdir.join(possum_criu::PLUGIN_FILE)).unwrap();
     Some(libdir)
+}
+
+/// The fake job's child's buffer E after its `k`th SIGUSR1 (each bumps it: E[i] += i * n + 1 for
+/// n = 1..k), as the bytes it writes.
+fn expected_e(k: u32) -> Vec<u8> {
+    (0..1u32 << 16)
+        .flat_map(|i| {
+            let mut e = 0xe000_0000u32.wrapping_add(3u32.wrapping_mul(i));
+            for n in 1..=k {
+                e = e.wrapping_add(i.wrapping_mul(n)).wrapping_add(1);
+            }
+            e.to_le_bytes()
+        })
+        .collect()
+}
+
+/// Has the fake job's child bump and write out its buffer E (SIGUSR1), and returns it.
+fn child_e(child: i32, path: &Path, job: &Job) -> Vec<u8> {
+    let _ = std::fs::remove_file(path);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child),
+        nix::sys::signal::Signal::SIGUSR1,
+    )
+    .unwrap();
+    let t = Instant::now();
+    loop {
+        if let Ok(b) = std::fs::read(path) {
+            return b;
+        }
+        assert!(
+            t.elapsed() < WAIT,
+            "the child did not write its buffer; job's stderr:\n{}",
+            job.log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Issue 15: plain `criu dump --libdir` (what a container engine runs) of a possum job, left

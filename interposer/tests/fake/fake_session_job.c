@@ -171,8 +171,14 @@ static void via_entry(void) {
 }
 
 /* FAKE_CHILD=1: the job starts a second process of itself (fork + exec, as a CUDA job's helper
- * process is started) that makes its own context and then only waits: a process tree with two
- * CUDA processes. It prints "child PID" before "ready" and is killed at "exit". */
+ * process is started) that makes its own context and a buffer E and then waits: a process tree
+ * with two CUDA processes. On SIGUSR1 the child first bumps E with a kernel, then writes it
+ * (a DtoH copy) to $FAKE_CHILD_DUMP (through a temporary name: the file appears complete). It
+ * prints "child PID" before "ready" and is killed at "exit". */
+#define NE NC
+static uint32_t init_e(size_t i) { return 0xe0000000u + (uint32_t)(3 * i); }
+static volatile sig_atomic_t child_dump_wanted;
+static void on_usr1(int sig) { (void)sig; child_dump_wanted = 1; }
 static pid_t start_child(void) {
     pid_t c = fork();
     if (c < 0) die("fork");
@@ -188,7 +194,25 @@ static pid_t start_child(void) {
 int main(void) {
     if (getenv("FAKE_IS_CHILD")) {
         via_entry();
-        for (;;) pause();
+        uint32_t *e = alloc_filled(NE, init_e);
+        uint32_t n = 0;
+        signal(SIGUSR1, on_usr1);
+        for (;;) {
+            /* Polled, not pause(): the signal may be handled on one of possum's threads. */
+            usleep(2000);
+            if (!child_dump_wanted) continue;
+            child_dump_wanted = 0;
+            const char *path = getenv("FAKE_CHILD_DUMP");
+            if (!path) continue;
+            void *args[] = {&e, &n};
+            ++n;
+            launch(&bump, args);
+            char tmp[4096];
+            snprintf(tmp, sizeof tmp, "%s.tmp", path);
+            size_t ns[] = {NE};
+            dump(tmp, &e, ns, 1);
+            if (rename(tmp, path)) die("rename");
+        }
     }
     pid_t child = getenv("FAKE_CHILD") ? start_child() : 0;
     const char *cmds = getenv("FAKE_CMDS");

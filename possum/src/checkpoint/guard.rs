@@ -11,7 +11,7 @@ use clap::Args;
 use possum_control::Request;
 use possum_cuda::checkpoint::{DriverCheckpoint, ProcessState};
 
-use super::image::MANIFEST;
+use super::image::{child_gpu_dir, MANIFEST};
 use super::{alive, JOB_TIMEOUT};
 
 /// What `possum checkpoint` tells its guard, each before it is taken (so that a `possum` killed
@@ -76,6 +76,11 @@ impl Guard {
                     .iter()
                     .flat_map(|c| ["--child".to_string(), c.to_string()]),
             )
+            .args(
+                a.possum_children
+                    .iter()
+                    .flat_map(|c| ["--possum-child".to_string(), c.to_string()]),
+            )
             .arg("--tmp")
             .arg(&a.tmp)
             .arg("--final-dir")
@@ -119,6 +124,9 @@ pub struct GuardArgs {
     /// Other CUDA processes of the job's tree, checkpointed by the driver with it.
     #[arg(long = "child")]
     pub children: Vec<i32>,
+    /// Those of them whose buffers possum released too (their images in `gpu-PID/`).
+    #[arg(long = "possum-child")]
+    pub possum_children: Vec<i32>,
     #[arg(long)]
     pub tmp: PathBuf,
     #[arg(long)]
@@ -142,27 +150,33 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
     // Killed between the rename and telling the guard: the image is named all the same.
     let committed =
         has(Step::Committed) || (!a.tmp.exists() && a.final_dir.join(MANIFEST).is_file());
+    // Every process whose buffers possum may have released, with its images' directory.
+    let released: Vec<(i32, String)> = std::iter::once((a.pid, "gpu".to_string()))
+        .chain(a.possum_children.iter().map(|&c| (c, child_gpu_dir(c))))
+        .collect();
     let resume = || {
         if has(Step::Releasing) && !has(Step::Resumed) {
             let dir = if committed { &a.final_dir } else { &a.tmp };
-            let req = Request::Resume {
-                dir: Some(dir.join("gpu").display().to_string()),
-            };
-            // The job answers one request at a time; a session step still running in it (a
-            // release possum did not wait for) says it is busy: ask again until it is done.
-            let t = Instant::now();
-            loop {
-                match possum_control::request(a.pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
-                    Ok(_) => say("job resumed"),
-                    Err(possum_control::ControlError::Remote(m))
-                        if m.contains("busy") && t.elapsed() < JOB_TIMEOUT =>
-                    {
-                        std::thread::sleep(Duration::from_millis(50));
-                        continue;
+            for (pid, gpu) in &released {
+                let req = Request::Resume {
+                    dir: Some(dir.join(gpu).display().to_string()),
+                };
+                // The job answers one request at a time; a session step still running in it (a
+                // release possum did not wait for) says it is busy: ask again until it is done.
+                let t = Instant::now();
+                loop {
+                    match possum_control::request(*pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
+                        Ok(_) => say(&format!("process {pid} resumed")),
+                        Err(possum_control::ControlError::Remote(m))
+                            if m.contains("busy") && t.elapsed() < JOB_TIMEOUT =>
+                        {
+                            std::thread::sleep(Duration::from_millis(50));
+                            continue;
+                        }
+                        Err(e) => say(&format!("resume of process {pid} failed: {e}")),
                     }
-                    Err(e) => say(&format!("resume failed: {e}")),
+                    break;
                 }
-                break;
             }
         }
     };
@@ -193,7 +207,9 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
         // The GPU images may still be read on demand by the resumed job: keep them until it has
         // them all, then remove the directory.
         if has(Step::Releasing) && !has(Step::Resumed) {
-            wait_restored(a);
+            for (pid, _) in &released {
+                wait_restored(*pid, &a.socket_dir);
+            }
         }
         let _ = fs::remove_dir_all(&a.tmp);
     }
@@ -228,13 +244,13 @@ fn undo_driver(drv: &DriverCheckpoint, pid: i32, say: &dyn Fn(&str)) {
     }
 }
 
-/// Waits (bounded) until the job's on-demand restore has finished reading its images.
-fn wait_restored(a: &GuardArgs) {
+/// Waits (bounded) until process `pid`'s on-demand restore has finished reading its images.
+fn wait_restored(pid: i32, socket_dir: &std::path::Path) {
     let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(600) && alive(a.pid) {
+    while t.elapsed() < Duration::from_secs(600) && alive(pid) {
         match possum_control::request(
-            a.pid as u32,
-            &a.socket_dir,
+            pid as u32,
+            socket_dir,
             &Request::Status,
             Duration::from_secs(10),
         ) {

@@ -39,6 +39,10 @@ pub struct Manifest {
     /// driver with it: a restore restores and unlocks each after CRIU's restore.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cuda_children: Vec<i32>,
+    /// Those of `cuda_children` with possum loaded: their buffers were saved and released by
+    /// possum like the root's, each into `gpu-PID/`; a restore resumes each from it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub possum_children: Vec<i32>,
     /// The directories the tree's unix sockets were bound in: a restore creates those missing
     /// (CRIU binds the sockets there again).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -306,24 +310,36 @@ pub fn open_image(dir: &Path) -> Result<Image> {
     }
     let gpu = m.gpu_dir.as_ref().map(|g| dir.join(g));
     if let Some(gpu) = &gpu {
-        let mut n = 0;
-        for e in
-            fs::read_dir(gpu).with_context(|| format!("{}: GPU images missing", gpu.display()))?
-        {
-            let e = e?;
-            possum_engine::image::Image::open(&e.path())
-                .with_context(|| format!("GPU image {}", e.path().display()))?;
-            n += 1;
-        }
-        if n == 0 {
+        if check_gpu_images(gpu)? == 0 {
             bail!("{}: no GPU image", gpu.display());
         }
+    }
+    // A child's may be empty: a process that had no buffer yet.
+    for &c in &m.possum_children {
+        check_gpu_images(&dir.join(child_gpu_dir(c)))?;
     }
     Ok(Image {
         manifest: m,
         criu,
         gpu,
     })
+}
+
+/// The directory of child `pid`'s GPU images in an image directory.
+pub fn child_gpu_dir(pid: i32) -> String {
+    format!("gpu-{pid}")
+}
+
+/// Opens every engine image under `gpu` (one per device): how many there are.
+fn check_gpu_images(gpu: &Path) -> Result<usize> {
+    let mut n = 0;
+    for e in fs::read_dir(gpu).with_context(|| format!("{}: GPU images missing", gpu.display()))? {
+        let e = e?;
+        possum_engine::image::Image::open(&e.path())
+            .with_context(|| format!("GPU image {}", e.path().display()))?;
+        n += 1;
+    }
+    Ok(n)
 }
 
 #[cfg(test)]

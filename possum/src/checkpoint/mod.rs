@@ -47,7 +47,8 @@ use serde_json::{json, Value};
 
 use guard::{Guard, Step};
 use image::{
-    dir_bytes, manifest_text, occupied, smi, sync_tree, Manifest, MANIFEST, MANIFEST_VERSION,
+    child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, Manifest, MANIFEST,
+    MANIFEST_VERSION,
 };
 
 /// How long the driver lock may wait for the job's submitted work.
@@ -193,6 +194,38 @@ fn job_error(pid: i32, e: ControlError) -> anyhow::Error {
 
 fn ask(pid: i32, dir: &Path, req: &Request) -> Result<Value> {
     possum_control::request(pid as u32, dir, req, JOB_TIMEOUT).map_err(|e| job_error(pid, e))
+}
+
+/// Which of `children` have possum loaded: a control socket in `sockets` that answers. One with
+/// managed memory is refused, as the root is; one whose socket does not answer is an error.
+fn possum_in(children: &[i32], sockets: &Path) -> Result<Vec<i32>> {
+    let mut out = Vec::new();
+    for &c in children {
+        match possum_control::request(c as u32, sockets, &Request::Status, Duration::from_secs(30))
+        {
+            Ok(status) => {
+                refuse_managed(c, &status, false)
+                    .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
+                out.push(c);
+            }
+            Err(ControlError::NotLoaded { .. }) => {}
+            Err(e) => return Err(job_error(c, e).context(format!("process {c} of the job's tree"))),
+        }
+    }
+    Ok(out)
+}
+
+/// Resumes possum in each of `children` from its GPU images under `dir`, timed as `resume`.
+fn resume_children(children: &[i32], dir: &Path, sockets: &Path, clock: &mut Clock) -> Result<()> {
+    for &c in children {
+        let req = Request::Resume {
+            dir: Some(dir.join(child_gpu_dir(c)).display().to_string()),
+        };
+        clock
+            .time("resume", || ask(c, sockets, &req))
+            .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
+    }
+    Ok(())
 }
 
 /// The temporary sibling of `dir` a checkpoint is written under.
@@ -427,6 +460,12 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         Some((_, drv)) => tree::cuda_descendants(drv, pid)?,
         None => Vec::new(),
     };
+    // Those with possum loaded (a control socket in the same directory): their buffers are
+    // saved and released by possum like the root's.
+    let possum_children = match a.engine {
+        EngineKind::Possum => possum_in(&children, &sockets)?,
+        EngineKind::Driver => Vec::new(),
+    };
     let managed: u64 = status
         .as_ref()
         .and_then(|s| s["possum"]["engines"].as_array())
@@ -453,6 +492,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let mut guard = Guard::start(&GuardArgs {
         pid,
         children: children.clone(),
+        possum_children: possum_children.clone(),
         tmp: tmp.clone(),
         final_dir: a.dir.clone(),
         socket_dir: sockets.clone(),
@@ -475,6 +515,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         gpu_dir: (a.engine == EngineKind::Possum).then(|| "gpu".into()),
         gpu_memory: gpu_memory.clone(),
         cuda_children: children.clone(),
+        possum_children: possum_children.clone(),
         socket_dirs: socket_dirs.clone(),
         figures: Value::Null,
         check: None,
@@ -489,11 +530,22 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 dir: gpu.display().to_string(),
             };
             engine_report = clock.time("engine_snapshot", || ask(pid, &sockets, &req))?;
+            for &c in &possum_children {
+                let req = Request::Checkpoint {
+                    dir: tmp.join(child_gpu_dir(c)).display().to_string(),
+                };
+                clock.time("engine_snapshot", || ask(c, &sockets, &req))?;
+            }
             if !held {
                 bar.finish();
             }
             guard.step(Step::Releasing);
             release_report = clock.time("release", || ask(pid, &sockets, &Request::Release))?;
+            for &c in &possum_children {
+                clock
+                    .time("release", || ask(c, &sockets, &Request::Release))
+                    .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
+            }
             bar.finish();
         }
         let Some((criu, drv)) = &side else {
@@ -590,6 +642,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                     dir: Some(a.dir.join("gpu").display().to_string()),
                 };
                 resume_report = clock.time("resume", || ask(pid, &sockets, &req))?;
+                resume_children(&possum_children, &a.dir, &sockets, &mut clock)?;
                 guard.step(Step::Resumed);
             }
         } else {
@@ -641,7 +694,8 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         ),
     };
     let out = json!({
-        "pid": pid, "cuda_children": children, "engine": a.engine, "dir": a.dir,
+        "pid": pid, "cuda_children": children, "possum_children": possum_children,
+        "engine": a.engine, "dir": a.dir,
         "leave_running": a.leave_running,
         "hooks": hooks.as_ref().and_then(|h| h.mode.clone()),
         "hold": hold,

@@ -13,7 +13,7 @@ use possum_cuda::checkpoint::DriverCheckpoint;
 use serde_json::json;
 
 use super::image::{open_image, plan_gpus};
-use super::{alive, ask, kill_job, ms, Clock};
+use super::{alive, ask, kill_job, ms, resume_children, Clock};
 
 #[derive(Args, Debug)]
 pub struct RestoreArgs {
@@ -49,8 +49,10 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
     let sockets = a.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
     if img.gpu.is_some() {
-        // The killed job's socket file is still there; the restored job listens on it again.
-        let _ = fs::remove_file(possum_control::socket_path(&sockets, pid as u32));
+        // The killed job's socket files are still there; the restored job listens on them again.
+        for p in std::iter::once(&pid).chain(&m.possum_children) {
+            let _ = fs::remove_file(possum_control::socket_path(&sockets, *p as u32));
+        }
     }
     // CRIU binds the tree's unix sockets at their paths again: their directories must exist
     // (a job that ended, or another machine, may not have them).
@@ -93,6 +95,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
                 dir: Some(gpu.display().to_string()),
             };
             resumed = clock.time("resume", || ask(pid, &sockets, &req))?;
+            resume_children(&m.possum_children, &a.dir, &sockets, &mut clock)?;
         }
         Ok(())
     })();
