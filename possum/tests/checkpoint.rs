@@ -424,7 +424,7 @@ fn the_guard_does_nothing_after_done_and_undoes_otherwise() {
     let (out, tmp_left) = run("releasing\n");
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(!tmp_left, "undone: the temporary images are removed");
-    assert!(text(&out).contains("job resumed"), "{}", text(&out));
+    assert!(text(&out).contains("resumed"), "{}", text(&out));
     assert!(job
         .seen
         .lock()
