@@ -396,7 +396,8 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
         ok_ck = ck["rc"] == 0
         js = ck["json"] or {}
         row["checkpoint"] = {"rc": ck["rc"], "wall_ms": round(ck["wall_ms"]), "figures": js.get("figures"),
-                             "cuda_children": js.get("cuda_children"), "json_error": js.get("error"),
+                             "cuda_children": js.get("cuda_children"),
+                             "possum_children": js.get("possum_children"), "json_error": js.get("error"),
                              "stderr": ck["stderr"] if ck["rc"] else None,
                              "stdout_tail": ck["stdout"][-1500:] if ck["rc"] and not js else None}
         if ok_ck:
