@@ -535,13 +535,16 @@ fn plain_criu(dir: &Path, images: &Path, args: &[&std::ffi::OsStr], log: &str, j
     );
 }
 
-/// The plugin built beside `possum` (cargo builds the workspace's cdylib there), alone in a
-/// directory of its own (CRIU loads every `.so` of `--libdir`).
+/// The plugin cargo built for this run (`cargo test` builds the workspace's cdylib into
+/// `<target>/<profile>/deps/` beside this test's executable; `cargo build` copies it up a
+/// level), alone in a directory of its own (CRIU loads every `.so` of `--libdir`).
 fn plugin_dir(dir: &Path) -> Option<PathBuf> {
-    let built = Path::new(env!("CARGO_BIN_EXE_possum")).with_file_name(possum_criu::PLUGIN_FILE);
-    if !built.is_file() {
-        return None;
-    }
+    let exe = std::env::current_exe().ok()?;
+    let deps = exe.parent()?;
+    let built = [deps, deps.parent()?]
+        .iter()
+        .map(|d| d.join(possum_criu::PLUGIN_FILE))
+        .find(|p| p.is_file())?;
     let libdir = dir.join("plugins");
     std::fs::create_dir_all(&libdir).unwrap();
     std::fs::copy(&built, libdir.join(possum_criu::PLUGIN_FILE)).unwrap();
