@@ -705,7 +705,11 @@ extern "C" fn resume_devices_late(pid: c_int) -> c_int {
                 }
             }
         };
-        resume_stopped(&Live { pid, possum })
+        resume_stopped(&Live {
+            pid,
+            possum,
+            steps: live::Steps::default(),
+        })
     })
 }
 

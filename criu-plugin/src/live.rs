@@ -106,25 +106,52 @@ pub fn proc_root(pid: i32, path: &Path) -> PathBuf {
 }
 
 /// A CUDA process the plugin has checkpointed (or is restoring), with what it needs to resume.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Live {
     /// The process.
     pub pid: i32,
     /// possum's part, when possum is loaded in it: its socket and its GPU image directory (the
     /// same path for the job and for CRIU).
     pub possum: Option<(JobSocket, PathBuf)>,
+    /// The checkpoint's steps and their milliseconds, in order.
+    pub steps: Steps,
+}
+
+/// Steps and their milliseconds, in order: the figures in the plugin's log lines.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Steps(pub Vec<(&'static str, f64)>);
+
+impl Steps {
+    /// Runs `f` as step `name`, timed.
+    pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let t = std::time::Instant::now();
+        let r = f();
+        self.0.push((name, t.elapsed().as_secs_f64() * 1e3));
+        r
+    }
+
+    /// `pre-copy 12 ms, release 3 ms, ...`.
+    pub fn line(&self) -> String {
+        self.0
+            .iter()
+            .map(|(n, ms)| format!("{n} {ms:.0} ms"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl Live {
-    /// One line for the log: what was done.
+    /// One line for the log: what was done, with each step's time (the job is held from the
+    /// release on, or from the driver's lock without possum).
     pub fn describe(&self) -> String {
-        match &self.possum {
+        let what = match &self.possum {
             Some((_, dir)) => format!(
                 "possum's buffers saved to {} and released, then NVIDIA's driver checkpoint",
                 dir.display()
             ),
             None => "NVIDIA's driver checkpoint (possum is not loaded in it)".into(),
-        }
+        };
+        format!("{what} ({})", self.steps.line())
     }
 }
 
@@ -153,6 +180,7 @@ pub fn checkpoint(
     socket: Option<JobSocket>,
     driver: &dyn Driver,
 ) -> Result<Live, String> {
+    let mut steps = Steps::default();
     let possum = match socket {
         Some(s) => {
             job_sees(pid, images)?;
@@ -160,9 +188,10 @@ pub fn checkpoint(
             let req = Request::Checkpoint {
                 dir: dir.display().to_string(),
             };
-            s.ask(&req)
+            steps
+                .time("pre-copy", || s.ask(&req))
                 .map_err(|e| format!("possum's pre-copy in process {pid}: {e}"))?;
-            if let Err(e) = s.ask(&Request::Release) {
+            if let Err(e) = steps.time("release", || s.ask(&Request::Release)) {
                 let undo = resume_now(&s, &dir);
                 return Err(format!(
                     "possum's release in process {pid}: {e}{}",
@@ -173,27 +202,26 @@ pub fn checkpoint(
         }
         None => None,
     };
-    let live = Live { pid, possum };
-    let undo_possum = |live: &Live| match &live.possum {
+    let undo_possum = |possum: &Option<(JobSocket, PathBuf)>| match possum {
         Some((s, dir)) => resume_now(s, dir),
         None => Ok(()),
     };
-    if let Err(r) = driver.lock(pid, LOCK_TIMEOUT_MS) {
+    if let Err(r) = steps.time("driver lock", || driver.lock(pid, LOCK_TIMEOUT_MS)) {
         return Err(format!(
             "NVIDIA's driver could not lock process {pid} (CUresult {r}){}",
-            undone(undo_possum(&live))
+            undone(undo_possum(&possum))
         ));
     }
-    if let Err(r) = driver.checkpoint(pid) {
+    if let Err(r) = steps.time("driver checkpoint", || driver.checkpoint(pid)) {
         let unlock = driver
             .unlock(pid)
             .map_err(|u| format!("unlocking it: CUresult {u}"));
         return Err(format!(
             "NVIDIA's driver checkpoint of process {pid} failed (CUresult {r}){}",
-            undone(unlock.and_then(|()| undo_possum(&live)))
+            undone(unlock.and_then(|()| undo_possum(&possum)))
         ));
     }
-    Ok(live)
+    Ok(Live { pid, possum, steps })
 }
 
 /// Resumes possum in a job that runs (a failed checkpoint's undo), waiting for its answer.
@@ -229,14 +257,16 @@ pub fn resume(
     with_restore_thread: WithRestoreThread<'_>,
 ) -> Result<String, String> {
     let pid = live.pid;
+    let mut steps = Steps::default();
     with_restore_thread(&mut || {
-        driver
-            .restore(pid)
+        steps
+            .time("driver restore", || driver.restore(pid))
             .map_err(|r| format!("NVIDIA's driver restore of process {pid}: CUresult {r}"))?;
-        driver
-            .unlock(pid)
+        steps
+            .time("driver unlock", || driver.unlock(pid))
             .map_err(|r| format!("NVIDIA's driver unlock of process {pid}: CUresult {r}"))
     })?;
+    let took = steps.line();
     match &live.possum {
         Some((s, dir)) => {
             let req = Request::Resume {
@@ -251,13 +281,13 @@ pub fn resume(
                 )
             })?;
             Ok(format!(
-                "{LOG_PREFIX} pid {pid}: driver restored and unlocked; possum's resume from {} \
-                 sent (answered once CRIU lets the process run)",
+                "{LOG_PREFIX} pid {pid}: driver restored and unlocked ({took}); possum's resume \
+                 from {} sent (answered once CRIU lets the process run)",
                 dir.display()
             ))
         }
         None => Ok(format!(
-            "{LOG_PREFIX} pid {pid}: driver restored and unlocked"
+            "{LOG_PREFIX} pid {pid}: driver restored and unlocked ({took})"
         )),
     }
 }
@@ -376,6 +406,12 @@ mod tests {
             *d.calls.borrow(),
             [format!("lock {}", me()), format!("checkpoint {}", me())]
         );
+        let names: Vec<&str> = live.steps.0.iter().map(|s| s.0).collect();
+        assert_eq!(
+            names,
+            ["pre-copy", "release", "driver lock", "driver checkpoint"]
+        );
+        assert!(live.describe().contains("release "), "{}", live.describe());
 
         // Back: the driver first (with the restore thread running), then possum's resume.
         let mut ran = 0;
