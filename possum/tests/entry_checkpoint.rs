@@ -181,6 +181,18 @@ fn after_checkpoint(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
     [mid, end]
 }
 
+/// The commands after the checkpoint run by `job` (named `tag`), which must give exactly the
+/// reference's buffers `want` (`what` says which run it is).
+fn goes_on_like(job: &mut Job, dir: &Path, tag: &str, want: &[Vec<u8>; 2], what: &str) {
+    let got = after_checkpoint(job, dir, tag);
+    same(
+        &got[0],
+        &want[0],
+        &format!("{what}, after step 9 and the malloc"),
+    );
+    same(&got[1], &want[1], &format!("{what}, after step 12"));
+}
+
 fn possum(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
     c.env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
@@ -315,13 +327,7 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     );
 
     // Left running: it goes on with exactly the reference's data.
-    let got = after_checkpoint(&mut job, dir, "left");
-    same(
-        &got[0],
-        &want[0],
-        "left running, after step 9 and the malloc",
-    );
-    same(&got[1], &want[1], "left running, after step 12");
+    goes_on_like(&mut job, dir, "left", &want, "left running");
 
     // Killed, then restored from the image: it goes on from step 5 as the reference did.
     let pid = job.pid;
@@ -344,9 +350,7 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         serde_json::json!([sockets]),
         "{r}"
     );
-    let got = after_checkpoint(&mut job, dir, "restored");
-    same(&got[0], &want[0], "restored, after step 9 and the malloc");
-    same(&got[1], &want[1], "restored, after step 12");
+    goes_on_like(&mut job, dir, "restored", &want, "restored");
     // The buffers came back from possum's image (CRIU's has none: they were released before
     // the dump), all three of them.
     let back = restored_buffers(pid as u32, &dir.join("sockets"));
@@ -567,6 +571,13 @@ fn expected_e(k: u32) -> Vec<u8> {
 
 /// Has the fake job's child bump and write out its buffer E (SIGUSR1), and returns it.
 fn child_e(child: i32, path: &Path, job: &Job) -> Vec<u8> {
+    // Not before the child takes the signal (it would end it).
+    let ready = path.with_extension("bin.ready");
+    let t = Instant::now();
+    while !ready.exists() {
+        assert!(t.elapsed() < WAIT, "the child never got ready");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let _ = std::fs::remove_file(path);
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child),
@@ -647,13 +658,7 @@ fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
     );
 
     // Left running: the plugin's resume reached it once CRIU let it go.
-    let got = after_checkpoint(&mut job, dir, "left");
-    same(
-        &got[0],
-        &want[0],
-        "left running, after step 9 and the malloc",
-    );
-    same(&got[1], &want[1], "left running, after step 12");
+    goes_on_like(&mut job, dir, "left", &want, "left running");
 
     // Killed, then `criu restore --libdir`: the plugin restores the driver's state and resumes
     // possum from the images.
@@ -681,9 +686,7 @@ fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
     if std::env::var_os("POSSUM_TEST_SHOW_LOG").is_some() {
         say(&log);
     }
-    let got = after_checkpoint(&mut job, dir, "restored");
-    same(&got[0], &want[0], "restored, after step 9 and the malloc");
-    same(&got[1], &want[1], "restored, after step 12");
+    goes_on_like(&mut job, dir, "restored", &want, "restored");
     let back = restored_buffers(pid as u32, &dir.join("sockets"));
     assert_eq!(back["buffers"], 3, "{back}");
     job.run("exit", "bye");

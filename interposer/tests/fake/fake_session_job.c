@@ -173,8 +173,9 @@ static void via_entry(void) {
 /* FAKE_CHILD=1: the job starts a second process of itself (fork + exec, as a CUDA job's helper
  * process is started) that makes its own context and a buffer E and then waits: a process tree
  * with two CUDA processes. On SIGUSR1 the child first bumps E with a kernel, then writes it
- * (a DtoH copy) to $FAKE_CHILD_DUMP (through a temporary name: the file appears complete). It
- * prints "child PID" before "ready" and is killed at "exit". */
+ * (a DtoH copy) to $FAKE_CHILD_DUMP (through a temporary name: the file appears complete); it
+ * creates $FAKE_CHILD_DUMP.ready once it takes SIGUSR1. The job prints "child PID" before
+ * "ready" and kills the child at "exit". */
 #define NE NC
 static uint32_t init_e(size_t i) { return 0xe0000000u + (uint32_t)(3 * i); }
 static volatile sig_atomic_t child_dump_wanted;
@@ -197,6 +198,14 @@ int main(void) {
         uint32_t *e = alloc_filled(NE, init_e);
         uint32_t n = 0;
         signal(SIGUSR1, on_usr1);
+        /* Ready for SIGUSR1 (before, it would end the child): $FAKE_CHILD_DUMP.ready. */
+        const char *ready = getenv("FAKE_CHILD_DUMP");
+        if (ready) {
+            char p[4096];
+            snprintf(p, sizeof p, "%s.ready", ready);
+            FILE *f = fopen(p, "w");
+            if (!f || fclose(f)) die("ready file");
+        }
         for (;;) {
             /* Polled, not pause(): the signal may be handled on one of possum's threads. */
             usleep(2000);
