@@ -106,17 +106,80 @@ fn request_line(req: &Request) -> Result<Vec<u8>, ControlError> {
     Ok(line)
 }
 
+/// Writes `line` on `stream`, the directory `dir` (if any) passed with its first bytes
+/// (`SCM_RIGHTS`).
+fn send_line(
+    stream: &UnixStream,
+    line: &[u8],
+    dir: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let Some(dir) = dir else {
+        return (&*stream).write_all(line);
+    };
+    let fds = [dir.as_raw_fd()];
+    let cmsg = [ControlMessage::ScmRights(&fds)];
+    let iov = [io::IoSlice::new(line)];
+    let n = loop {
+        match sendmsg::<()>(
+            stream.as_raw_fd(),
+            &iov,
+            &cmsg,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) => break n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    (&*stream).write_all(&line[n..])
+}
+
+/// [`request_at`] with a directory passed along (`SCM_RIGHTS`): the request's `dir` is relative
+/// to it, and the job reaches it even where its path does not exist for the job (another mount
+/// namespace).
+pub fn request_with_dir(
+    pid: u32,
+    path: &Path,
+    req: &Request,
+    timeout: Duration,
+    dir: std::os::fd::BorrowedFd<'_>,
+) -> Result<Value, ControlError> {
+    exchange(pid, path, req, timeout, Some(dir))
+}
+
+/// [`send_only`] with a directory passed along, as [`request_with_dir`].
+pub fn send_only_with_dir(
+    pid: u32,
+    path: &Path,
+    req: &Request,
+    dir: std::os::fd::BorrowedFd<'_>,
+) -> Result<(), ControlError> {
+    send(pid, path, req, Some(dir))
+}
+
 /// Sends `req` to the control socket at `path` without waiting for the reply: for a job that
 /// cannot answer now (stopped by CRIU, which resumes it only after the caller is done) and
 /// answers once it runs again. The connection is closed at once; the job's server reads the
 /// request already queued on it and discards its reply.
 pub fn send_only(pid: u32, path: &Path, req: &Request) -> Result<(), ControlError> {
+    send(pid, path, req, None)
+}
+
+fn send(
+    pid: u32,
+    path: &Path,
+    req: &Request,
+    dir: Option<std::os::fd::BorrowedFd<'_>>,
+) -> Result<(), ControlError> {
     let stream = connect(pid, path)?;
     let line = request_line(req)?;
     // A Unix socket's buffer takes a request line without the job reading it.
     stream
         .set_write_timeout(Some(Duration::from_secs(5)))
-        .and_then(|()| (&stream).write_all(&line))
+        .and_then(|()| send_line(&stream, &line, dir))
         .map_err(|source| ControlError::Io {
             path: path.to_path_buf(),
             source,
@@ -129,6 +192,16 @@ pub fn request_at(
     path: &Path,
     req: &Request,
     timeout: Duration,
+) -> Result<Value, ControlError> {
+    exchange(pid, path, req, timeout, None)
+}
+
+fn exchange(
+    pid: u32,
+    path: &Path,
+    req: &Request,
+    timeout: Duration,
+    dir: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> Result<Value, ControlError> {
     let stream = connect(pid, path)?;
     let fail = |source: io::Error| match source.kind() {
@@ -147,7 +220,7 @@ pub fn request_at(
         return Err(ControlError::Timeout { pid, timeout });
     }
     stream.set_write_timeout(Some(timeout)).map_err(fail)?;
-    (&stream).write_all(&line).map_err(fail)?;
+    send_line(&stream, &line, dir).map_err(fail)?;
 
     let mut reply = Vec::new();
     let mut chunk = vec![0u8; 64 * 1024];

@@ -13,9 +13,16 @@
 //! reserved for that. An unknown `cmd`, a line that is not JSON, a request over 64 KiB and a
 //! handler that panics all get such a reply.
 //!
-//! The server side ([`Server`]) runs inside arbitrary jobs, so this crate has no global state,
-//! prints nothing and needs only std, serde and serde_json. The client side is [`request`].
-#![forbid(unsafe_code)]
+//! A request may carry a directory descriptor (`SCM_RIGHTS`, [`request_with_dir`],
+//! [`send_only_with_dir`]): its `dir` is then relative to that directory, which the job reaches
+//! as `/proc/self/fd/N` even where the path does not exist for it (a job in a container, its
+//! images written where the checkpointer put them).
+//!
+//! The server side ([`Server`]) runs inside arbitrary jobs, so this crate prints nothing and has
+//! one piece of global state: the last few directories passed with requests, kept open. The
+//! client side is [`request`]. The one `unsafe` is taking ownership of a received descriptor
+//! (`server::read_line`).
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod client;
@@ -25,7 +32,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use client::{request, request_at, send_only, ControlError};
+pub use client::{
+    request, request_at, request_with_dir, send_only, send_only_with_dir, ControlError,
+};
 pub use server::{remove_socket_of_this_process, Handler, Server};
 
 /// The environment variable naming the socket directory.

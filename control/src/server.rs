@@ -2,6 +2,7 @@
 
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -144,12 +145,47 @@ fn serve(listener: UnixListener, handler: Handler, stop: Arc<AtomicBool>) {
     }
 }
 
+/// How many directories passed with requests stay open (the newest ones).
+const PASSED_DIRS_KEPT: usize = 4;
+
+/// Directories passed with requests ([`crate::request_with_dir`]), newest last: the handler
+/// reaches them through `/proc/self/fd/N`, so each stays open until [`PASSED_DIRS_KEPT`] newer
+/// ones have come (a checkpoint's images are written, and read back on demand, after the
+/// request that named them is answered).
+static PASSED_DIRS: std::sync::Mutex<std::collections::VecDeque<OwnedFd>> =
+    std::sync::Mutex::new(std::collections::VecDeque::new());
+
+/// A request that came with a directory descriptor names its directory relative to it: its
+/// `dir` becomes `/proc/self/fd/N/dir` (`N` the descriptor this process received, kept open).
+fn rebase(req: Request, passed: Option<OwnedFd>) -> Request {
+    let Some(fd) = passed else {
+        return req;
+    };
+    let base = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    let mut kept = PASSED_DIRS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    kept.push_back(fd);
+    while kept.len() > PASSED_DIRS_KEPT {
+        kept.pop_front();
+    }
+    let under = |d: &str| format!("{base}/{}", d.trim_start_matches('/'));
+    match req {
+        Request::Checkpoint { dir } => Request::Checkpoint { dir: under(&dir) },
+        Request::Resume { dir: Some(dir) } => Request::Resume {
+            dir: Some(under(&dir)),
+        },
+        other => other,
+    }
+}
+
 /// Reads one request line, answers it with one reply line, and shuts the write side.
 fn exchange(stream: &UnixStream, handler: &Handler) -> io::Result<()> {
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
-    let reply = match read_line(stream) {
-        Ok(Some(line)) => answer(&line, handler),
+    let mut passed = None;
+    let reply = match read_line(stream, &mut passed) {
+        Ok(Some(line)) => answer(&line, passed, handler),
         Ok(None) => error_reply(format!(
             "request longer than {MAX_REQUEST_BYTES} bytes refused"
         )),
@@ -173,12 +209,49 @@ fn exchange(stream: &UnixStream, handler: &Handler) -> io::Result<()> {
 }
 
 /// The request line without its newline (a final line without one is accepted), or `None` when
-/// it is longer than `MAX_REQUEST_BYTES`.
-fn read_line(stream: &UnixStream) -> io::Result<Option<Vec<u8>>> {
-    let limit = u64::try_from(MAX_REQUEST_BYTES).unwrap_or(u64::MAX) + 1;
-    let mut r = BufReader::new(stream.take(limit));
-    let mut line = Vec::new();
-    r.read_until(b'\n', &mut line)?;
+/// it is longer than `MAX_REQUEST_BYTES`. A descriptor sent with the line's first bytes
+/// (`SCM_RIGHTS`) lands in `passed` (only one is taken; any more are closed).
+#[allow(unsafe_code)]
+fn read_line(stream: &UnixStream, passed: &mut Option<OwnedFd>) -> io::Result<Option<Vec<u8>>> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut line = vec![0u8; 4096];
+    let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+    let n = loop {
+        let mut iov = [io::IoSliceMut::new(&mut line)];
+        match recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(msg) => {
+                for c in msg.cmsgs().into_iter().flatten() {
+                    if let ControlMessageOwned::ScmRights(fds) = c {
+                        for fd in fds {
+                            // SAFETY: the kernel just installed `fd` in this process for us
+                            // (SCM_RIGHTS); nothing else owns it.
+                            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+                            if passed.is_none() {
+                                *passed = Some(owned);
+                            }
+                        }
+                    }
+                }
+                break msg.bytes;
+            }
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    line.truncate(n);
+    if !line.contains(&b'\n') && n > 0 {
+        let limit = u64::try_from(MAX_REQUEST_BYTES + 1 - n.min(MAX_REQUEST_BYTES)).unwrap_or(0);
+        let mut r = BufReader::new(stream.take(limit));
+        r.read_until(b'\n', &mut line)?;
+    }
+    if let Some(end) = line.iter().position(|&b| b == b'\n') {
+        line.truncate(end + 1);
+    }
     if line.last() == Some(&b'\n') {
         line.pop();
     } else if line.len() > MAX_REQUEST_BYTES {
@@ -187,9 +260,9 @@ fn read_line(stream: &UnixStream) -> io::Result<Option<Vec<u8>>> {
     Ok(Some(line))
 }
 
-fn answer(line: &[u8], handler: &Handler) -> Value {
+fn answer(line: &[u8], passed: Option<OwnedFd>, handler: &Handler) -> Value {
     let req = match serde_json::from_slice::<Request>(line) {
-        Ok(r) => r,
+        Ok(r) => rebase(r, passed),
         Err(e) => return error_reply(format!("bad request: {e}")),
     };
     catch_unwind(AssertUnwindSafe(|| handler(req)))

@@ -201,3 +201,65 @@ fn slow_handler_times_out() {
     let e = request(me(), tmp.path(), &Request::Ping, Duration::from_millis(200)).unwrap_err();
     assert!(matches!(e, ControlError::Timeout { .. }), "{e:?}");
 }
+
+/// A directory passed with a request (SCM_RIGHTS) is where its `dir` lies: the handler gets
+/// `/proc/self/fd/N/<dir>`, usable as a path (a job writes its GPU images there even when the
+/// directory's own path does not exist for it), and it stays open after the answer.
+#[test]
+fn a_directory_passed_with_a_request_is_where_its_dir_lies() {
+    use std::os::fd::AsFd;
+    let tmp = tempfile::tempdir().unwrap();
+    let sock = tmp.path().join("sock");
+    let images = tmp.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let handler = |req: Request| match req {
+        // Only under a passed directory: a relative `dir` would land in the test's cwd.
+        Request::Checkpoint { dir } | Request::Resume { dir: Some(dir) }
+            if dir.starts_with("/proc/self/fd/") =>
+        {
+            let made = std::fs::create_dir_all(&dir)
+                .and_then(|()| std::fs::write(format!("{dir}/written"), b"x"));
+            json!({"dir": dir, "made": made.is_ok()})
+        }
+        Request::Checkpoint { dir } => json!({ "dir": dir }),
+        _ => json!({}),
+    };
+    let _server = Server::start(&sock, Arc::new(handler)).unwrap();
+    let dirfd = std::fs::File::open(&images).unwrap();
+    let path = socket_path(&sock, me());
+    let req = Request::Checkpoint {
+        dir: "possum-gpu-7".into(),
+    };
+    let v = possum_control::request_with_dir(me(), &path, &req, T, dirfd.as_fd()).unwrap();
+    let dir = v["dir"].as_str().unwrap();
+    assert!(
+        dir.starts_with("/proc/self/fd/") && dir.ends_with("/possum-gpu-7"),
+        "{v}"
+    );
+    assert_eq!(v["made"], true, "{v}");
+    assert!(images.join("possum-gpu-7/written").is_file());
+    // Still open after the answer (the job reads its images back later).
+    drop(dirfd);
+    assert!(std::path::Path::new(dir).join("written").is_file());
+    // Without one, the request is as sent.
+    let v = request(me(), &sock, &req, T).unwrap();
+    assert_eq!(v["dir"], "possum-gpu-7", "{v}");
+    // send_only passes one too.
+    possum_control::send_only_with_dir(
+        me(),
+        &path,
+        &Request::Resume {
+            dir: Some("again".into()),
+        },
+        std::fs::File::open(&images).unwrap().as_fd(),
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    while !images.join("again/written").is_file() {
+        assert!(
+            t.elapsed() < T,
+            "the resume sent without waiting never came"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -604,7 +604,7 @@ fn checkpoint_live(pid: i32, socket: Option<JobSocket>) -> c_int {
             let gpu_dir = l
                 .possum
                 .as_ref()
-                .and_then(|(_, d)| d.file_name())
+                .and_then(|p| p.dir.file_name())
                 .map(|n| n.to_string_lossy().into_owned());
             LIVE.lock().unwrap_or_else(PoisonError::into_inner).push(l);
             match write_records(&[Record::Cuda { pid, gpu_dir }]) {
@@ -686,12 +686,10 @@ extern "C" fn resume_devices_late(pid: c_int) -> c_int {
             None => None,
             Some(name) => {
                 let found = image_dir_path().and_then(|images| {
-                    let dir = images.join(name);
-                    live::job_sees(pid, &dir)?;
                     let socket = JobSocket::find(pid).ok_or_else(|| {
                         "the restored process has no possum control socket".to_string()
                     })?;
-                    Ok((socket, dir))
+                    Ok(live::PossumPart::new(socket, images.join(name)))
                 });
                 match found {
                     Ok(p) => Some(p),

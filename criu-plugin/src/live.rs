@@ -79,6 +79,73 @@ impl JobSocket {
     }
 }
 
+/// possum's part of a CUDA process the plugin checkpointed: its socket and its GPU image
+/// directory, which the job reaches by path or, where that path does not exist for it (a job in
+/// another mount namespace: a container), through the images directory's descriptor passed with
+/// each request (`possum_control::request_with_dir`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PossumPart {
+    /// The job's control socket.
+    pub socket: JobSocket,
+    /// The GPU image directory, as CRIU sees it (`IMAGES/possum-gpu-PID`).
+    pub dir: PathBuf,
+    /// Whether requests pass the images directory rather than name the path.
+    pub pass_dir: bool,
+}
+
+/// Set (to 1) in CRIU's environment, the plugin passes the images directory to the job even
+/// where the job sees its path (how the CPU tests exercise what a container needs).
+pub const PASS_DIR_ENV: &str = "POSSUM_CRIU_PLUGIN_PASS_DIR";
+
+impl PossumPart {
+    /// The part for `dir`, deciding how the job reaches it.
+    pub fn new(socket: JobSocket, dir: PathBuf) -> PossumPart {
+        let forced = std::env::var_os(PASS_DIR_ENV).is_some_and(|v| v == "1");
+        // The images directory, which exists (the GPU image directory is made by the job).
+        let images = dir.parent().unwrap_or(Path::new("/"));
+        let pass_dir = forced || job_sees(socket.pid, images).is_err();
+        PossumPart {
+            socket,
+            dir,
+            pass_dir,
+        }
+    }
+
+    /// The request `make(dir)`, `dir` as the job reaches it, sent (and its answer awaited,
+    /// unless `send_only`).
+    fn send(
+        &self,
+        make: impl FnOnce(String) -> Request,
+        send_only: bool,
+    ) -> Result<serde_json::Value, ControlError> {
+        use std::os::fd::AsFd;
+        let (pid, path) = (self.socket.pid as u32, &self.socket.path);
+        if !self.pass_dir {
+            let req = make(self.dir.display().to_string());
+            return if send_only {
+                possum_control::send_only(pid, path, &req).map(|()| serde_json::Value::Null)
+            } else {
+                possum_control::request_at(pid, path, &req, JOB_TIMEOUT)
+            };
+        }
+        let (parent, name) = match (self.dir.parent(), self.dir.file_name()) {
+            (Some(p), Some(n)) => (p, n.to_string_lossy().into_owned()),
+            _ => (Path::new("/"), self.dir.display().to_string()),
+        };
+        let images = std::fs::File::open(parent).map_err(|source| ControlError::Io {
+            path: parent.to_path_buf(),
+            source,
+        })?;
+        let req = make(name);
+        if send_only {
+            possum_control::send_only_with_dir(pid, path, &req, images.as_fd())
+                .map(|()| serde_json::Value::Null)
+        } else {
+            possum_control::request_with_dir(pid, path, &req, JOB_TIMEOUT, images.as_fd())
+        }
+    }
+}
+
 /// `POSSUM_SOCKET_DIR` in a `/proc/PID/environ` (NUL-separated), when set and not empty.
 pub fn socket_dir_in(environ: &[u8]) -> Option<PathBuf> {
     environ
@@ -112,7 +179,7 @@ pub struct Live {
     pub pid: i32,
     /// possum's part, when possum is loaded in it: its socket and its GPU image directory (the
     /// same path for the job and for CRIU).
-    pub possum: Option<(JobSocket, PathBuf)>,
+    pub possum: Option<PossumPart>,
     /// The checkpoint's steps and their milliseconds, in order.
     pub steps: Steps,
 }
@@ -145,9 +212,14 @@ impl Live {
     /// release on, or from the driver's lock without possum).
     pub fn describe(&self) -> String {
         let what = match &self.possum {
-            Some((_, dir)) => format!(
-                "possum's buffers saved to {} and released, then NVIDIA's driver checkpoint",
-                dir.display()
+            Some(p) => format!(
+                "possum's buffers saved to {}{} and released, then NVIDIA's driver checkpoint",
+                p.dir.display(),
+                if p.pass_dir {
+                    " (the images directory passed to the job)"
+                } else {
+                    ""
+                }
             ),
             None => "NVIDIA's driver checkpoint (possum is not loaded in it)".into(),
         };
@@ -156,7 +228,8 @@ impl Live {
 }
 
 /// Whether the job `pid` sees `dir` (CRIU's view) as the same directory: the job writes and
-/// reads its GPU image there itself.
+/// reads its GPU image there itself, by path when it does, else through a passed descriptor
+/// ([`PossumPart`]).
 pub fn job_sees(pid: i32, dir: &Path) -> Result<(), String> {
     let ours = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let theirs = std::fs::metadata(proc_root(pid, dir));
@@ -183,27 +256,25 @@ pub fn checkpoint(
     let mut steps = Steps::default();
     let possum = match socket {
         Some(s) => {
-            job_sees(pid, images)?;
-            let dir = images.join(gpu_dir_name(pid));
-            let req = Request::Checkpoint {
-                dir: dir.display().to_string(),
-            };
+            let part = PossumPart::new(s, images.join(gpu_dir_name(pid)));
             steps
-                .time("pre-copy", || s.ask(&req))
+                .time("pre-copy", || {
+                    part.send(|dir| Request::Checkpoint { dir }, false)
+                })
                 .map_err(|e| format!("possum's pre-copy in process {pid}: {e}"))?;
-            if let Err(e) = steps.time("release", || s.ask(&Request::Release)) {
-                let undo = resume_now(&s, &dir);
+            if let Err(e) = steps.time("release", || part.socket.ask(&Request::Release)) {
+                let undo = resume_now(&part);
                 return Err(format!(
                     "possum's release in process {pid}: {e}{}",
                     undone(undo)
                 ));
             }
-            Some((s, dir))
+            Some(part)
         }
         None => None,
     };
-    let undo_possum = |possum: &Option<(JobSocket, PathBuf)>| match possum {
-        Some((s, dir)) => resume_now(s, dir),
+    let undo_possum = |possum: &Option<PossumPart>| match possum {
+        Some(p) => resume_now(p),
         None => Ok(()),
     };
     if let Err(r) = steps.time("driver lock", || driver.lock(pid, LOCK_TIMEOUT_MS)) {
@@ -225,12 +296,10 @@ pub fn checkpoint(
 }
 
 /// Resumes possum in a job that runs (a failed checkpoint's undo), waiting for its answer.
-fn resume_now(s: &JobSocket, dir: &Path) -> Result<(), String> {
-    s.ask(&Request::Resume {
-        dir: Some(dir.display().to_string()),
-    })
-    .map(|_| ())
-    .map_err(|e| format!("resuming possum: {e}"))
+fn resume_now(p: &PossumPart) -> Result<(), String> {
+    p.send(|dir| Request::Resume { dir: Some(dir) }, false)
+        .map(|_| ())
+        .map_err(|e| format!("resuming possum: {e}"))
 }
 
 fn undone(r: Result<(), String>) -> String {
@@ -268,22 +337,21 @@ pub fn resume(
     })?;
     let took = steps.line();
     match &live.possum {
-        Some((s, dir)) => {
-            let req = Request::Resume {
-                dir: Some(dir.display().to_string()),
-            };
-            possum_control::send_only(pid as u32, &s.path, &req).map_err(|e| {
-                format!(
-                    "process {pid} is back in the driver, but possum's resume could not be sent \
-                     ({e}): its GPU operations stay held; send it with `possum resume {pid} \
-                     {}`",
-                    dir.display()
-                )
-            })?;
+        Some(p) => {
+            p.send(|dir| Request::Resume { dir: Some(dir) }, true)
+                .map_err(|e| {
+                    format!(
+                        "process {pid} is back in the driver, but possum's resume could not be \
+                         sent ({e}): its GPU operations stay held; send it with `possum resume \
+                         {pid} {}`",
+                        p.dir.display()
+                    )
+                })?;
             Ok(format!(
                 "{LOG_PREFIX} pid {pid}: driver restored and unlocked ({took}); possum's resume \
-                 from {} sent (answered once CRIU lets the process run)",
-                dir.display()
+                 from {}{} sent (answered once CRIU lets the process run)",
+                p.dir.display(),
+                if p.pass_dir { " (passed)" } else { "" }
             ))
         }
         None => Ok(format!(
@@ -394,7 +462,8 @@ mod tests {
         let d = Mock::default();
         let live = checkpoint(me(), &images, Some(socket(&tmp.path().join("s"))), &d).unwrap();
         let gpu = images.join(gpu_dir_name(me()));
-        assert_eq!(live.possum.as_ref().map(|p| &p.1), Some(&gpu));
+        assert_eq!(live.possum.as_ref().map(|p| &p.dir), Some(&gpu));
+        assert_eq!(live.possum.as_ref().map(|p| p.pass_dir), Some(false));
         assert_eq!(
             *seen.lock().unwrap(),
             [
@@ -485,19 +554,54 @@ mod tests {
         assert_eq!(d.calls.borrow().len(), 1);
     }
 
+    /// A job that does not see the images directory's path gets the directory itself with each
+    /// request, and the request's `dir` relative to it.
     #[test]
-    fn a_job_that_cannot_see_the_images_directory_is_refused_before_anything_is_done() {
+    fn the_images_directory_is_passed_where_the_job_cannot_see_it() {
         let tmp = tempfile::tempdir().unwrap();
+        let (_server, seen) = job(&tmp.path().join("s"), None);
+        let images = tmp.path().join("images");
+        std::fs::create_dir(&images).unwrap();
+        let part = PossumPart {
+            socket: socket(&tmp.path().join("s")),
+            dir: images.join("possum-gpu-9"),
+            pass_dir: true,
+        };
+        resume_now(&part).unwrap();
+        let got = seen.lock().unwrap().clone();
+        assert!(
+            got[0].starts_with("Resume { dir: Some(\"/proc/self/fd/")
+                && got[0].ends_with("/possum-gpu-9\") }"),
+            "{got:?}"
+        );
+        assert!(Live {
+            pid: 9,
+            possum: Some(part),
+            steps: Steps::default()
+        }
+        .describe()
+        .contains("passed to the job"));
+    }
+
+    #[test]
+    fn an_images_directory_that_cannot_be_opened_fails_before_the_driver_is_touched() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (_server, seen) = job(&tmp.path().join("s"), None);
         let d = Mock::default();
         let e = checkpoint(
             me(),
             &tmp.path().join("missing"),
-            Some(socket(tmp.path())),
+            Some(socket(&tmp.path().join("s"))),
             &d,
         )
         .unwrap_err();
         assert!(e.contains("missing"), "{e}");
         assert!(d.calls.borrow().is_empty());
+        assert!(
+            seen.lock().unwrap().is_empty(),
+            "{:?}",
+            seen.lock().unwrap()
+        );
     }
 
     #[test]

@@ -505,10 +505,21 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
 
 /// Runs `criu` (the binary `possum checkpoint` would use) with `args` and the fake driver's
 /// environment, as a container engine would run it; panics with the end of its log on failure.
-fn plain_criu(dir: &Path, images: &Path, args: &[&std::ffi::OsStr], log: &str, job: &Job) {
+fn plain_criu(
+    dir: &Path,
+    images: &Path,
+    args: &[&std::ffi::OsStr],
+    log: &str,
+    job: &Job,
+    pass_dir: bool,
+) {
     let criu = possum_criu::Criu::locate().unwrap();
     let out = Command::new(criu.binary())
         .args(args)
+        .env(
+            "POSSUM_CRIU_PLUGIN_PASS_DIR",
+            if pass_dir { "1" } else { "0" },
+        )
         .args([
             "-D".as_ref(),
             images.as_os_str(),
@@ -604,6 +615,17 @@ fn child_e(child: i32, path: &Path, job: &Job) -> Vec<u8> {
 /// at the end of the dump, and at the restore. Both go on bit-exact.
 #[test]
 fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
+    plain_criu_round_trip(false);
+}
+
+/// The same with the images directory passed to the job with each request, as for a job in a
+/// container, which does not see CRIU's images directory at its path.
+#[test]
+fn plain_criu_passes_the_images_directory_to_a_job_that_cannot_see_it() {
+    plain_criu_round_trip(true);
+}
+
+fn plain_criu_round_trip(pass_dir: bool) {
     let Some((tmp, lib)) = setup("entry_checkpoint plain criu", "possum-plain-criu-") else {
         return;
     };
@@ -635,6 +657,7 @@ fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
         ],
         "dump.log",
         &job,
+        pass_dir,
     );
     let log = std::fs::read_to_string(images.join("dump.log")).unwrap();
     assert!(
@@ -642,6 +665,11 @@ fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
         "{log}"
     );
     assert!(log.contains("possum's resume from"), "{log}");
+    assert_eq!(
+        log.contains("the images directory passed to the job"),
+        pass_dir,
+        "{log}"
+    );
     // The fake driver's restore thread is the job's main thread, stopped by CRIU: let run for
     // the driver's restore, stopped again for CRIU.
     assert!(log.contains("restore thread"), "{log}");
@@ -653,8 +681,12 @@ fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
     let gpu = images.join(format!("possum-gpu-{pid}"));
     assert!(
         count_files(&gpu, ".bin") > 0,
-        "no GPU data in {}",
-        gpu.display()
+        "no GPU data in {}: the images directory holds {:?}; job's stderr:\n{}",
+        gpu.display(),
+        std::fs::read_dir(&images)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+            .unwrap_or_default(),
+        job.log()
     );
 
     // Left running: the plugin's resume reached it once CRIU let it go.
@@ -676,6 +708,7 @@ fn plain_criu_with_the_plugin_checkpoints_and_restores_a_possum_job() {
         ],
         "restore.log",
         &job,
+        pass_dir,
     );
     let log = std::fs::read_to_string(images.join("restore.log")).unwrap();
     assert!(
