@@ -193,6 +193,22 @@ fn goes_on_like(job: &mut Job, dir: &Path, tag: &str, want: &[Vec<u8>; 2], what:
     same(&got[1], &want[1], &format!("{what}, after step 12"));
 }
 
+/// The restored `job` goes on like the reference (`want`), its three buffers back from possum's
+/// image (CRIU's has none: they were released before the dump), and exits cleanly.
+fn restored_goes_on(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2]) {
+    goes_on_like(job, dir, "restored", want, "restored");
+    let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
+    assert_eq!(back["buffers"], 3, "{back}");
+    job.run("exit", "bye");
+    let exit = possum_criu::wait_for_exit(job.pid, Some(WAIT)).unwrap();
+    job.pid = 0;
+    assert!(
+        exit.success(),
+        "restored job: {exit}; stderr:\n{}",
+        job.log()
+    );
+}
+
 fn possum(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
     c.env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
@@ -350,19 +366,7 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         serde_json::json!([sockets]),
         "{r}"
     );
-    goes_on_like(&mut job, dir, "restored", &want, "restored");
-    // The buffers came back from possum's image (CRIU's has none: they were released before
-    // the dump), all three of them.
-    let back = restored_buffers(pid as u32, &dir.join("sockets"));
-    assert_eq!(back["buffers"], 3, "{back}");
-    job.run("exit", "bye");
-    let exit = possum_criu::wait_for_exit(pid, Some(WAIT)).unwrap();
-    job.pid = 0;
-    assert!(
-        exit.success(),
-        "restored job: {exit}; stderr:\n{}",
-        job.log()
-    );
+    restored_goes_on(&mut job, dir, &want);
     say(&format!(
         "entry_checkpoint: checkpoint {checkpoint_time:?} (stall {} ms, hold: {hold}), restore \
          {restore_time:?}, whole test {:?}",
@@ -503,51 +507,49 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
     );
 }
 
-/// Runs `criu` (the binary `possum checkpoint` would use) with `args` and the fake driver's
-/// environment, as a container engine would run it; panics with the end of its log on failure.
-fn plain_criu(
-    dir: &Path,
-    images: &Path,
-    args: &[&std::ffi::OsStr],
-    log: &str,
-    job: &Job,
+/// `criu` (the binary `possum checkpoint` would use) run as a container engine would, with
+/// possum's plugin (`libdir`) and the fake driver's environment, on the images in `images`.
+struct PlainCriu<'a> {
+    dir: &'a Path,
+    images: PathBuf,
+    libdir: PathBuf,
+    /// Have the plugin pass the images directory to the job (POSSUM_CRIU_PLUGIN_PASS_DIR).
     pass_dir: bool,
-) {
-    let criu = possum_criu::Criu::locate().unwrap();
-    let out = Command::new(criu.binary())
-        .args(args)
-        .env(
-            "POSSUM_CRIU_PLUGIN_PASS_DIR",
-            if pass_dir { "1" } else { "0" },
-        )
-        .args([
-            "-D".as_ref(),
-            images.as_os_str(),
-            "-v4".as_ref(),
-            "-o".as_ref(),
-            log.as_ref(),
-        ])
-        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
-        .env("FAKE_CKPT_IN_PROCESS", "1")
-        .env_remove("LD_PRELOAD")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let text = std::fs::read_to_string(images.join(log)).unwrap_or_default();
-    assert!(
-        out.status.success(),
-        "criu {args:?} failed: {}\n{}\njob's stderr:\n{}",
-        self::text(&out),
-        text.lines()
-            .rev()
-            .take(40)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect::<Vec<_>>()
-            .join("\n"),
-        job.log()
-    );
+}
+
+impl PlainCriu<'_> {
+    /// Runs `criu ARGS --libdir LIBDIR -D IMAGES -v4 -o LOG`, which must succeed (else: the end
+    /// of its log and `job`'s stderr); returns its log.
+    fn run(&self, args: &[&str], log: &str, job: &Job) -> String {
+        let criu = possum_criu::Criu::locate().unwrap();
+        let out = Command::new(criu.binary())
+            .args(args)
+            .arg("--libdir")
+            .arg(&self.libdir)
+            .arg("-D")
+            .arg(&self.images)
+            .args(["-v4", "-o", log])
+            .env(
+                "POSSUM_CRIU_PLUGIN_PASS_DIR",
+                if self.pass_dir { "1" } else { "0" },
+            )
+            .env("POSSUM_LIBCUDA", self.dir.join("libcuda.so.1"))
+            .env("FAKE_CKPT_IN_PROCESS", "1")
+            .env_remove("LD_PRELOAD")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = std::fs::read_to_string(self.images.join(log)).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(40).collect();
+        assert!(
+            out.status.success(),
+            "criu {args:?} failed: {}\n{}\njob's stderr:\n{}",
+            self::text(&out),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
+            job.log()
+        );
+        text
+    }
 }
 
 /// The plugin cargo built for this run (`cargo test` builds the workspace's cdylib into
@@ -643,23 +645,13 @@ fn plain_criu_round_trip(pass_dir: bool) {
     let pid = job.pid;
     let images = dir.join("images");
     std::fs::create_dir(&images).unwrap();
-    let pid_s = pid.to_string();
-    plain_criu(
+    let criu = PlainCriu {
         dir,
-        &images,
-        &[
-            "dump".as_ref(),
-            "-t".as_ref(),
-            pid_s.as_ref(),
-            "-R".as_ref(),
-            "--libdir".as_ref(),
-            libdir.as_os_str(),
-        ],
-        "dump.log",
-        &job,
+        images: images.clone(),
+        libdir,
         pass_dir,
-    );
-    let log = std::fs::read_to_string(images.join("dump.log")).unwrap();
+    };
+    let log = criu.run(&["dump", "-t", &pid.to_string(), "-R"], "dump.log", &job);
     assert!(
         log.contains(&format!("pid {pid}: checkpointed its CUDA context")),
         "{log}"
@@ -697,20 +689,7 @@ fn plain_criu_round_trip(pass_dir: bool) {
     let mut child = job.child.take().unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
-    plain_criu(
-        dir,
-        &images,
-        &[
-            "restore".as_ref(),
-            "--restore-detached".as_ref(),
-            "--libdir".as_ref(),
-            libdir.as_os_str(),
-        ],
-        "restore.log",
-        &job,
-        pass_dir,
-    );
-    let log = std::fs::read_to_string(images.join("restore.log")).unwrap();
+    let log = criu.run(&["restore", "--restore-detached"], "restore.log", &job);
     assert!(
         log.contains(&format!("pid {pid}: driver restored and unlocked")),
         "{log}"
@@ -719,15 +698,5 @@ fn plain_criu_round_trip(pass_dir: bool) {
     if std::env::var_os("POSSUM_TEST_SHOW_LOG").is_some() {
         say(&log);
     }
-    goes_on_like(&mut job, dir, "restored", &want, "restored");
-    let back = restored_buffers(pid as u32, &dir.join("sockets"));
-    assert_eq!(back["buffers"], 3, "{back}");
-    job.run("exit", "bye");
-    let exit = possum_criu::wait_for_exit(pid, Some(WAIT)).unwrap();
-    job.pid = 0;
-    assert!(
-        exit.success(),
-        "restored job: {exit}; stderr:\n{}",
-        job.log()
-    );
+    restored_goes_on(&mut job, dir, &want);
 }
