@@ -433,6 +433,31 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
         "child, before"
     );
 
+    // A checkpoint that fails after both processes' buffers were released (the driver refuses
+    // the lock): the guard resumes both, the child's buffer comes back, no image is left.
+    let out = possum(dir)
+        .env("FAKE_CKPT_LOCK_UNSUPPORTED", "1")
+        .args([
+            "checkpoint",
+            &job.pid.to_string(),
+            "--leave-running",
+            "--json",
+        ])
+        .arg("-D")
+        .arg(dir.join("img0"))
+        .arg("--socket-dir")
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("the job runs on"), "{}", text(&out));
+    assert!(!dir.join("img0").exists());
+    assert_eq!(
+        child_e(child, &child_dump, &job),
+        expected_e(2),
+        "child, after a failed checkpoint"
+    );
+
     let v = checkpoint_left_running(dir, job.pid, &dir.join("img1"), &job);
     assert_eq!(v["cuda_children"], serde_json::json!([child]), "{v}");
     // possum's engine in the child too: its buffer was saved into the image, released, and is
@@ -446,7 +471,7 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
     );
     assert_eq!(
         child_e(child, &child_dump, &job),
-        expected_e(2),
+        expected_e(3),
         "child, left running"
     );
     // Both are running again in the driver: a second checkpoint of the tree is accepted (one left
@@ -456,7 +481,7 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
     assert_eq!(v["cuda_children"], serde_json::json!([child]), "{v}");
     assert_eq!(
         child_e(child, &child_dump, &job),
-        expected_e(3),
+        expected_e(4),
         "child, left running"
     );
     job.run("step 1", "done 6");
@@ -486,7 +511,7 @@ fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
     // possum's image of the child.
     assert_eq!(
         child_e(child, &child_dump, &job),
-        expected_e(3),
+        expected_e(4),
         "child, restored"
     );
     // The restored answers: from the image's step 5 on.
