@@ -52,11 +52,15 @@ pub fn start_if_asked() {
                     "t": t, "on": on, "switch_ms": t0.elapsed().as_secs_f64() * 1e3,
                     "error": r.err(),
                 });
+                // One write(2) of the whole line: `writeln!` on a File writes each formatted
+                // piece with its own call, and a job exiting between two of them left a torn
+                // last line (`{"error":`) that the readers could not parse.
+                let text = format!("{line}\n");
                 let written = std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(&log)
-                    .and_then(|mut f| writeln!(f, "{line}"));
+                    .and_then(|mut f| f.write_all(text.as_bytes()));
                 if written.is_err() {
                     crate::log(&format!("POSSUM_AB_LOG {log}: cannot write; A/B test ends"));
                     let _ = switch(true);
