@@ -18,8 +18,10 @@
 //! The job's GPU operations stay held (possum's op gate, or the driver's lock) until the resume
 //! is answered, so nothing runs on a GPU state that is not back. A process the driver already
 //! reports checkpointed (what `possum checkpoint` does before it runs CRIU) is left alone: the
-//! CLI restores it. The decisions are safe functions over a [`Driver`] (NVIDIA's
-//! `cuCheckpointProcess*`, loaded in [`crate::ffi`]) and a [`JobSocket`].
+//! CLI restores it. A job that does not see CRIU's images directory at its path (a container)
+//! gets the directory itself with each request ([`PossumPart`]). The decisions are safe
+//! functions over a [`Driver`] (NVIDIA's `cuCheckpointProcess*`, loaded in [`crate::ffi`]) and a
+//! [`JobSocket`].
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -318,8 +320,8 @@ pub type WithRestoreThread<'a> = &'a mut dyn FnMut(Step<'_>) -> Result<(), Strin
 /// Brings a checkpointed process back: the driver's restore and unlock, run by
 /// `with_restore_thread` (which lets the process's CUDA restore thread run meanwhile: CRIU holds
 /// the process stopped), then possum's resume sent to the job, which answers it once CRIU lets
-/// it go. `gpu_dir` overrides where the job reads its GPU image (a restore from another images
-/// directory).
+/// it go (naming its GPU image directory by path, or relative to the images directory passed
+/// with the request, [`PossumPart`]).
 pub fn resume(
     live: &Live,
     driver: &dyn Driver,
