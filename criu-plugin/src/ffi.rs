@@ -56,12 +56,13 @@ use nix::fcntl::{fcntl, FcntlArg, OFlag, SealFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nix::sys::stat::Mode;
 
-use crate::live::{self, Driver, JobSocket, Live};
+use crate::live::{self, JobSocket, Live};
 use crate::record::{Record, Records, RECORD_FILE};
 use crate::{
     decide_pause, interpret_driver, libcuda_candidates, maps, placeholder_name, restore_claims_vma,
     stage_name, Claim, CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
 };
+use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
 
 /// `CRIU_PLUGIN_GEN_VERSION(a, b, c)`: `((a) << 16) + ((b) << 8) + (c)`.
 pub const fn criu_plugin_gen_version(a: c_uint, b: c_uint, c: c_uint) -> c_uint {
@@ -360,79 +361,10 @@ fn char_major(mode: libc::mode_t, rdev: libc::dev_t) -> Option<u32> {
 /// question includes loading libcuda and `cuInit`).
 const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// `CUresult cuInit(unsigned int)`
-type CuInitFn = unsafe extern "C" fn(c_uint) -> c_int;
-/// `CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)` (the enum read as an
-/// `int`) and `CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)`, both in libcuda
-/// of driver 570 and newer.
-type CuPidQueryFn = unsafe extern "C" fn(c_int, *mut c_int) -> c_int;
-
-/// `CUresult cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock}(int pid, <Args> *args)`: each
-/// `CUcheckpoint*Args` is 64 bytes (cuda.h), zero but for the lock's first field, `timeoutMs`
-/// (restore: no GPU pairs, each GPU onto itself).
-type CuPidActionFn = unsafe extern "C" fn(c_int, *mut [u64; 8]) -> c_int;
-
-/// libcuda's queries and actions, loaded once and never unloaded (after `cuInit` the driver's
-/// threads must outlive every use).
-struct Cuda {
-    get_state: CuPidQueryFn,
-    get_restore_tid: Option<CuPidQueryFn>,
-    /// Lock, checkpoint, restore, unlock; `None` when the library lacks one of them.
-    actions: Option<[CuPidActionFn; 4]>,
-}
-
-impl Cuda {
-    fn act(&self, which: usize, pid: i32, first: u32) -> Result<(), i32> {
-        let Some(actions) = &self.actions else {
-            return Err(CUDA_ERROR_NOT_FOUND);
-        };
-        let mut args = [0u64; 8];
-        args[0] = u64::from(first);
-        // SAFETY: the function has this type (cuda.h) and `args` is a zeroed 64-byte argument
-        // block (the lock's timeout in its first 32 bits, little-endian) outliving the call.
-        let r = unsafe { actions[which](pid, &mut args) };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(r)
-        }
-    }
-}
-
-/// `CUDA_ERROR_NOT_FOUND`: what the plugin answers for a call its libcuda does not have.
-const CUDA_ERROR_NOT_FOUND: i32 = 500;
-
-impl Driver for Cuda {
-    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), i32> {
-        self.act(0, pid, timeout_ms)
-    }
-    fn checkpoint(&self, pid: i32) -> Result<(), i32> {
-        self.act(1, pid, 0)
-    }
-    fn restore(&self, pid: i32) -> Result<(), i32> {
-        self.act(2, pid, 0)
-    }
-    fn unlock(&self, pid: i32) -> Result<(), i32> {
-        self.act(3, pid, 0)
-    }
-}
-
-impl Cuda {
-    fn query(f: CuPidQueryFn, pid: i32) -> Result<i32, i32> {
-        let mut out: c_int = -1;
-        // SAFETY: the function has this type (cuda.h), and `out` outlives the call.
-        let r = unsafe { f(pid, &mut out) };
-        if r == 0 {
-            Ok(out)
-        } else {
-            Err(r)
-        }
-    }
-}
-
-/// Loads libcuda (the first of [`libcuda_candidates`] that loads) and runs `cuInit(0)`, once.
-fn libcuda() -> Result<&'static Cuda, String> {
-    static CUDA: OnceLock<Result<Cuda, String>> = OnceLock::new();
+/// possum-cuda's binding of the driver's checkpoint API, from the first of
+/// [`libcuda_candidates`] that loads (`cuInit(0)` run), once, never unloaded.
+fn libcuda() -> Result<&'static DriverCheckpoint, String> {
+    static CUDA: OnceLock<Result<DriverCheckpoint, String>> = OnceLock::new();
     CUDA.get_or_init(|| {
         let candidates = libcuda_candidates(
             std::env::var_os("POSSUM_LIBCUDA"),
@@ -440,11 +372,12 @@ fn libcuda() -> Result<&'static Cuda, String> {
         );
         let mut errors = Vec::new();
         for name in &candidates {
-            // SAFETY: loading the NVIDIA driver library runs its initialisers, which is what it
-            // is for; it is leaked below, so never unloaded.
-            match unsafe { libloading::Library::new(name) } {
-                Ok(lib) => return load_cuda(Box::leak(Box::new(lib)), &name.display().to_string()),
-                Err(e) => errors.push(e.to_string()),
+            match DriverCheckpoint::load_from(&name.to_string_lossy()) {
+                Ok(d) => return Ok(d),
+                // Not there: the next candidate. Anything else (no checkpoint API, `cuInit`
+                // failing) is the answer.
+                Err(e @ DriverCkptError::Load { .. }) => errors.push(e.to_string()),
+                Err(e) => return Err(e.to_string()),
             }
         }
         Err(format!(
@@ -456,57 +389,17 @@ fn libcuda() -> Result<&'static Cuda, String> {
     .map_err(Clone::clone)
 }
 
-/// Resolves the queries in `lib` (named `shown`) and runs `cuInit(0)`.
-fn load_cuda(lib: &'static libloading::Library, shown: &str) -> Result<Cuda, String> {
-    // SAFETY: the types are cuda.h's for these names; the library is never unloaded.
-    let init = unsafe { lib.get::<CuInitFn>(b"cuInit\0") }
-        .map_err(|_| format!("{shown} has no cuInit: not a CUDA driver library"))?;
-    // SAFETY: as above.
-    let get_state =
-        unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetState\0") }.map_err(|_| {
-            format!(
-                "{shown} has no cuCheckpointProcessGetState (NVIDIA driver 570 or newer needed)"
-            )
-        })?;
-    // SAFETY: as above.
-    let get_restore_tid =
-        unsafe { lib.get::<CuPidQueryFn>(b"cuCheckpointProcessGetRestoreThreadId\0") }.ok();
-    let action = |name: &[u8]| {
-        // SAFETY: as above.
-        unsafe { lib.get::<CuPidActionFn>(name) }.ok().map(|f| *f)
-    };
-    let actions = [
-        action(b"cuCheckpointProcessLock\0"),
-        action(b"cuCheckpointProcessCheckpoint\0"),
-        action(b"cuCheckpointProcessRestore\0"),
-        action(b"cuCheckpointProcessUnlock\0"),
-    ];
-    // SAFETY: cuInit(0) is the documented first call of the driver API.
-    let r = unsafe { init(0) };
-    if r != 0 {
-        return Err(format!("cuInit(0) failed in {shown}: CUresult {r}"));
-    }
-    Ok(Cuda {
-        get_state: *get_state,
-        get_restore_tid: get_restore_tid.map(|f| *f),
-        actions: match actions {
-            [Some(a), Some(b), Some(c), Some(d)] => Some([a, b, c, d]),
-            _ => None,
-        },
-    })
-}
-
 /// What the NVIDIA driver says about `pid`'s CUDA context.
 fn ask_driver(pid: i32) -> CudaContext {
     let cuda = match libcuda() {
         Ok(c) => c,
         Err(e) => return CudaContext::Unknown(e),
     };
-    let state = Cuda::query(cuda.get_state, pid);
-    let tid = match (state, cuda.get_restore_tid) {
-        (Ok(_), Some(f)) => Some(Cuda::query(f, pid)),
-        _ => None,
-    };
+    let code = |e: DriverCkptError| e.code().unwrap_or(-1);
+    let state = cuda.state(pid).map_err(code);
+    let tid = state
+        .is_ok()
+        .then(|| cuda.restore_thread_id(pid).map_err(code));
     interpret_driver(state, tid, |t| {
         Path::new(&format!("/proc/{pid}/task/{t}")).exists()
     })
@@ -653,10 +546,7 @@ fn resume_after_dump(ret: c_int) {
 /// driver's calls. 0, or -1 after logging why.
 fn resume_stopped(l: &Live) -> c_int {
     let r = libcuda().and_then(|cuda| {
-        let tid = cuda
-            .get_restore_tid
-            .and_then(|f| Cuda::query(f, l.pid).ok())
-            .unwrap_or(l.pid);
+        let tid = cuda.restore_thread_id(l.pid).unwrap_or(l.pid);
         live::resume(l, cuda, &mut |f| with_thread_running(tid, f))
     });
     match r {

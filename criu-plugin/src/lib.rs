@@ -13,8 +13,8 @@
 //! - `PAUSE_DEVICES` (once per process, before CRIU freezes it): the process's NVIDIA mappings
 //!   and descriptors are listed from `/proc`; a process with none is not the plugin's business
 //!   ("not mine", `-ENOTSUP`). One with some is asked about: if the NVIDIA driver says it has no
-//!   CUDA context (`cuCheckpointProcessGetState` fails for it, through libcuda loaded with
-//!   `dlopen`), its mappings and descriptors will be claimed; a running CUDA context is
+//!   CUDA context (`cuCheckpointProcessGetState` fails for it, through possum-cuda's
+//!   `DriverCheckpoint`), its mappings and descriptors will be claimed; a running CUDA context is
 //!   checkpointed ([`live`]); otherwise (a context another checkpoint holds, no libcuda, no
 //!   answer, a private mapping) the dump is refused with one line naming the pid and the devices.
 //! - `HANDLE_DEVICE_VMA` / `DUMP_EXT_FILE`: the NVIDIA mappings and descriptors of the processes
@@ -41,6 +41,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use maps::{MapEntry, Run};
+use possum_cuda::checkpoint::ProcessState;
 
 /// The prefix of every line this plugin logs.
 pub const LOG_PREFIX: &str = "possum-criu-plugin:";
@@ -152,17 +153,6 @@ pub enum CudaContext {
     Unknown(String),
 }
 
-/// The name of a `CUprocessState`.
-pub fn process_state_name(state: i32) -> String {
-    match state {
-        0 => "running".into(),
-        1 => "locked".into(),
-        2 => "checkpointed".into(),
-        3 => "failed".into(),
-        s => format!("state {s}"),
-    }
-}
-
 /// Interprets the driver's answers about `pid`: `state` is `cuCheckpointProcessGetState`'s (the
 /// state, or the failing `CUresult`); `restore_tid` is `cuCheckpointProcessGetRestoreThreadId`'s
 /// when asked. A failing state query means no CUDA context (driver 580 answers
@@ -170,7 +160,7 @@ pub fn process_state_name(state: i32) -> String {
 /// restore thread that `thread_exists` says is not in the process is a forked copy of a CUDA
 /// process's memory, not a context (`fork` copies no thread).
 pub fn interpret_driver(
-    state: Result<i32, i32>,
+    state: Result<ProcessState, i32>,
     restore_tid: Option<Result<i32, i32>>,
     thread_exists: impl FnOnce(i32) -> bool,
 ) -> CudaContext {
@@ -179,7 +169,7 @@ pub fn interpret_driver(
             "the driver reports none (cuCheckpointProcessGetState: CUresult {code})"
         )),
         Ok(s) => {
-            let name = process_state_name(s);
+            let name = s.to_string();
             match restore_tid {
                 Some(Ok(tid)) if !thread_exists(tid) => CudaContext::None(format!(
                     "the driver reports state {name}, but its CUDA restore thread {tid} is not \
@@ -740,19 +730,21 @@ mod tests {
             CudaContext::None(_)
         ));
         assert_eq!(
-            interpret_driver(Ok(0), Some(Ok(77)), |t| t == 77),
+            interpret_driver(Ok(ProcessState::Running), Some(Ok(77)), |t| t == 77),
             CudaContext::Present("running".into())
         );
         assert_eq!(
-            interpret_driver(Ok(2), None, |_| true),
+            interpret_driver(Ok(ProcessState::Checkpointed), None, |_| true),
             CudaContext::Present("checkpointed".into())
         );
-        let CudaContext::None(why) = interpret_driver(Ok(0), Some(Ok(77)), |_| false) else {
+        let CudaContext::None(why) =
+            interpret_driver(Ok(ProcessState::Running), Some(Ok(77)), |_| false)
+        else {
             panic!("a forked copy taken for a context")
         };
         assert!(why.contains("restore thread 77"), "{why}");
         assert_eq!(
-            interpret_driver(Ok(1), Some(Err(3)), |_| false),
+            interpret_driver(Ok(ProcessState::Locked), Some(Err(3)), |_| false),
             CudaContext::Present("locked".into())
         );
     }

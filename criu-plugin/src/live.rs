@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use possum_control::{ControlError, Request};
+use possum_cuda::checkpoint::DriverCheckpoint;
 
 use crate::LOG_PREFIX;
 
@@ -42,16 +43,32 @@ pub const LOCK_TIMEOUT_MS: u32 = 30_000;
 /// How long the plugin waits for the job's answers (a pre-copy of many GiB takes a while).
 const JOB_TIMEOUT: Duration = Duration::from_secs(3600);
 
-/// NVIDIA's checkpoint API for other processes (`cuCheckpointProcess*`); errors are `CUresult`s.
+/// NVIDIA's checkpoint API for other processes (`cuCheckpointProcess*`), as the plugin uses it:
+/// possum-cuda's [`DriverCheckpoint`], or a test's stand-in. Errors are the driver's text.
 pub trait Driver {
     /// `cuCheckpointProcessLock` with a timeout.
-    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), i32>;
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), String>;
     /// `cuCheckpointProcessCheckpoint`.
-    fn checkpoint(&self, pid: i32) -> Result<(), i32>;
+    fn checkpoint(&self, pid: i32) -> Result<(), String>;
     /// `cuCheckpointProcessRestore` (onto the same GPUs).
-    fn restore(&self, pid: i32) -> Result<(), i32>;
+    fn restore(&self, pid: i32) -> Result<(), String>;
     /// `cuCheckpointProcessUnlock`.
-    fn unlock(&self, pid: i32) -> Result<(), i32>;
+    fn unlock(&self, pid: i32) -> Result<(), String>;
+}
+
+impl Driver for DriverCheckpoint {
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), String> {
+        DriverCheckpoint::lock(self, pid, timeout_ms).map_err(|e| e.to_string())
+    }
+    fn checkpoint(&self, pid: i32) -> Result<(), String> {
+        DriverCheckpoint::checkpoint(self, pid).map_err(|e| e.to_string())
+    }
+    fn restore(&self, pid: i32) -> Result<(), String> {
+        DriverCheckpoint::restore(self, pid, &[]).map_err(|e| e.to_string())
+    }
+    fn unlock(&self, pid: i32) -> Result<(), String> {
+        DriverCheckpoint::unlock(self, pid).map_err(|e| e.to_string())
+    }
 }
 
 /// A job's possum control socket, as the plugin reaches it.
@@ -281,16 +298,14 @@ pub fn checkpoint(
     };
     if let Err(r) = steps.time("driver lock", || driver.lock(pid, LOCK_TIMEOUT_MS)) {
         return Err(format!(
-            "NVIDIA's driver could not lock process {pid} (CUresult {r}){}",
+            "NVIDIA's driver could not lock process {pid} ({r}){}",
             undone(undo_possum(&possum))
         ));
     }
     if let Err(r) = steps.time("driver checkpoint", || driver.checkpoint(pid)) {
-        let unlock = driver
-            .unlock(pid)
-            .map_err(|u| format!("unlocking it: CUresult {u}"));
+        let unlock = driver.unlock(pid).map_err(|u| format!("unlocking it: {u}"));
         return Err(format!(
-            "NVIDIA's driver checkpoint of process {pid} failed (CUresult {r}){}",
+            "NVIDIA's driver checkpoint of process {pid} failed ({r}){}",
             undone(unlock.and_then(|()| undo_possum(&possum)))
         ));
     }
@@ -332,10 +347,10 @@ pub fn resume(
     with_restore_thread(&mut || {
         steps
             .time("driver restore", || driver.restore(pid))
-            .map_err(|r| format!("NVIDIA's driver restore of process {pid}: CUresult {r}"))?;
+            .map_err(|r| format!("NVIDIA's driver restore of process {pid}: {r}"))?;
         steps
             .time("driver unlock", || driver.unlock(pid))
-            .map_err(|r| format!("NVIDIA's driver unlock of process {pid}: CUresult {r}"))
+            .map_err(|r| format!("NVIDIA's driver unlock of process {pid}: {r}"))
     })?;
     let took = steps.line();
     match &live.possum {
@@ -391,10 +406,10 @@ mod tests {
     }
 
     impl Mock {
-        fn call(&self, what: &'static str, pid: i32) -> Result<(), i32> {
+        fn call(&self, what: &'static str, pid: i32) -> Result<(), String> {
             self.calls.borrow_mut().push(format!("{what} {pid}"));
             if self.fail.contains(&what) {
-                Err(999)
+                Err(format!("mock {what} of pid {pid} failed (CUresult 999)"))
             } else {
                 Ok(())
             }
@@ -402,16 +417,16 @@ mod tests {
     }
 
     impl Driver for Mock {
-        fn lock(&self, pid: i32, _: u32) -> Result<(), i32> {
+        fn lock(&self, pid: i32, _: u32) -> Result<(), String> {
             self.call("lock", pid)
         }
-        fn checkpoint(&self, pid: i32) -> Result<(), i32> {
+        fn checkpoint(&self, pid: i32) -> Result<(), String> {
             self.call("checkpoint", pid)
         }
-        fn restore(&self, pid: i32) -> Result<(), i32> {
+        fn restore(&self, pid: i32) -> Result<(), String> {
             self.call("restore", pid)
         }
-        fn unlock(&self, pid: i32) -> Result<(), i32> {
+        fn unlock(&self, pid: i32) -> Result<(), String> {
             self.call("unlock", pid)
         }
     }
