@@ -28,7 +28,7 @@
 //! Anything else gets "not mine" (`-ENOTSUP`, what CRIU's `run_plugins` treats as "no plugin
 //! handles it"), so CRIU behaves as without the plugin for processes without NVIDIA mappings.
 //!
-//! All `unsafe` (the C ABI, libcuda) is in [`ffi`]; the decisions are safe functions here.
+//! All `unsafe` (the C ABI, ptrace) is in [`ffi`]; the decisions are safe functions here.
 #![deny(unsafe_code)]
 
 pub mod ffi;
