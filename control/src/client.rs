@@ -75,7 +75,7 @@ pub fn request(
     if !Path::new("/proc").join(pid.to_string()).exists() {
         return Err(ControlError::NoProcess(pid));
     }
-    request_at(pid, &socket_path(dir, pid), req, timeout)
+    request_at(pid, &socket_path(dir, pid), req, timeout, None)
 }
 
 /// Connects to process `pid`'s control socket at `path` (which may be reached through
@@ -137,38 +137,11 @@ fn send_line(
     (&*stream).write_all(&line[n..])
 }
 
-/// [`request_at`] with a directory passed along (`SCM_RIGHTS`): the request's `dir` is relative
-/// to it, and the job reaches it even where its path does not exist for the job (another mount
-/// namespace).
-pub fn request_with_dir(
-    pid: u32,
-    path: &Path,
-    req: &Request,
-    timeout: Duration,
-    dir: std::os::fd::BorrowedFd<'_>,
-) -> Result<Value, ControlError> {
-    exchange(pid, path, req, timeout, Some(dir))
-}
-
-/// [`send_only`] with a directory passed along, as [`request_with_dir`].
-pub fn send_only_with_dir(
-    pid: u32,
-    path: &Path,
-    req: &Request,
-    dir: std::os::fd::BorrowedFd<'_>,
-) -> Result<(), ControlError> {
-    send(pid, path, req, Some(dir))
-}
-
 /// Sends `req` to the control socket at `path` without waiting for the reply: for a job that
 /// cannot answer now (stopped by CRIU, which resumes it only after the caller is done) and
 /// answers once it runs again. The connection is closed at once; the job's server reads the
-/// request already queued on it and discards its reply.
-pub fn send_only(pid: u32, path: &Path, req: &Request) -> Result<(), ControlError> {
-    send(pid, path, req, None)
-}
-
-fn send(
+/// request already queued on it and discards its reply. `dir` as for [`request_at`].
+pub fn send_only(
     pid: u32,
     path: &Path,
     req: &Request,
@@ -187,16 +160,10 @@ fn send(
 }
 
 /// [`request`] to the control socket at `path` of process `pid` (`pid` names it in errors).
+/// With `dir`, that directory is passed along (`SCM_RIGHTS`): the request's `dir` is relative to
+/// it, and the job reaches it even where its path does not exist for the job (another mount
+/// namespace).
 pub fn request_at(
-    pid: u32,
-    path: &Path,
-    req: &Request,
-    timeout: Duration,
-) -> Result<Value, ControlError> {
-    exchange(pid, path, req, timeout, None)
-}
-
-fn exchange(
     pid: u32,
     path: &Path,
     req: &Request,

@@ -13,8 +13,8 @@
 //! reserved for that. An unknown `cmd`, a line that is not JSON, a request over 64 KiB and a
 //! handler that panics all get such a reply.
 //!
-//! A request may carry a directory descriptor (`SCM_RIGHTS`, [`request_with_dir`],
-//! [`send_only_with_dir`]): its `dir` is then relative to that directory, which the job reaches
+//! A request may carry a directory descriptor (`SCM_RIGHTS`, the `dir` argument of
+//! [`request_at`] and [`send_only`]): its `dir` is then relative to that directory, which the job reaches
 //! as `/proc/self/fd/N` even where the path does not exist for it (a job in a container, its
 //! images written where the checkpointer put them).
 //!
@@ -32,9 +32,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use client::{
-    request, request_at, request_with_dir, send_only, send_only_with_dir, ControlError,
-};
+pub use client::{request, request_at, send_only, ControlError};
 pub use server::{remove_socket_of_this_process, Handler, Server};
 
 /// The environment variable naming the socket directory.
@@ -95,6 +93,16 @@ pub enum Request {
         /// The directory given to `Checkpoint`.
         dir: Option<String>,
     },
+}
+
+impl Request {
+    /// The image directory the request names, if any (`checkpoint`, `resume`).
+    pub fn dir_mut(&mut self) -> Option<&mut String> {
+        match self {
+            Request::Checkpoint { dir } | Request::Resume { dir: Some(dir) } => Some(dir),
+            _ => None,
+        }
+    }
 }
 
 /// The error reply `{"error": msg}`.

@@ -148,7 +148,7 @@ fn serve(listener: UnixListener, handler: Handler, stop: Arc<AtomicBool>) {
 /// How many directories passed with requests stay open (the newest ones).
 const PASSED_DIRS_KEPT: usize = 4;
 
-/// Directories passed with requests ([`crate::request_with_dir`]), newest last: the handler
+/// Directories passed with requests ([`crate::request_at`]'s `dir`), newest last: the handler
 /// reaches them through `/proc/self/fd/N`, so each stays open until [`PASSED_DIRS_KEPT`] newer
 /// ones have come (a checkpoint's images are written, and read back on demand, after the
 /// request that named them is answered).
@@ -157,7 +157,7 @@ static PASSED_DIRS: std::sync::Mutex<std::collections::VecDeque<OwnedFd>> =
 
 /// A request that came with a directory descriptor names its directory relative to it: its
 /// `dir` becomes `/proc/self/fd/N/dir` (`N` the descriptor this process received, kept open).
-fn rebase(req: Request, passed: Option<OwnedFd>) -> Request {
+fn rebase(mut req: Request, passed: Option<OwnedFd>) -> Request {
     let Some(fd) = passed else {
         return req;
     };
@@ -169,14 +169,10 @@ fn rebase(req: Request, passed: Option<OwnedFd>) -> Request {
     while kept.len() > PASSED_DIRS_KEPT {
         kept.pop_front();
     }
-    let under = |d: &str| format!("{base}/{}", d.trim_start_matches('/'));
-    match req {
-        Request::Checkpoint { dir } => Request::Checkpoint { dir: under(&dir) },
-        Request::Resume { dir: Some(dir) } => Request::Resume {
-            dir: Some(under(&dir)),
-        },
-        other => other,
+    if let Some(dir) = req.dir_mut() {
+        *dir = format!("{base}/{}", dir.trim_start_matches('/'));
     }
+    req
 }
 
 /// Reads one request line, answers it with one reply line, and shuts the write side.

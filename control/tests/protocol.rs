@@ -230,7 +230,7 @@ fn a_directory_passed_with_a_request_is_where_its_dir_lies() {
     let req = Request::Checkpoint {
         dir: "possum-gpu-7".into(),
     };
-    let v = possum_control::request_with_dir(me(), &path, &req, T, dirfd.as_fd()).unwrap();
+    let v = possum_control::request_at(me(), &path, &req, T, Some(dirfd.as_fd())).unwrap();
     let dir = v["dir"].as_str().unwrap();
     assert!(
         dir.starts_with("/proc/self/fd/") && dir.ends_with("/possum-gpu-7"),
@@ -245,13 +245,13 @@ fn a_directory_passed_with_a_request_is_where_its_dir_lies() {
     let v = request(me(), &sock, &req, T).unwrap();
     assert_eq!(v["dir"], "possum-gpu-7", "{v}");
     // send_only passes one too.
-    possum_control::send_only_with_dir(
+    possum_control::send_only(
         me(),
         &path,
         &Request::Resume {
             dir: Some("again".into()),
         },
-        std::fs::File::open(&images).unwrap().as_fd(),
+        Some(std::fs::File::open(&images).unwrap().as_fd()),
     )
     .unwrap();
     let t = std::time::Instant::now();

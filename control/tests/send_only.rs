@@ -38,7 +38,7 @@ fn a_request_sent_without_waiting_is_answered_into_the_void_and_the_server_goes_
     let resume = Request::Resume {
         dir: Some("/images/possum-gpu-1".into()),
     };
-    send_only(me, &socket_path(&dir, me), &resume).unwrap();
+    send_only(me, &socket_path(&dir, me), &resume, None).unwrap();
     let t = Instant::now();
     while seen.lock().unwrap().is_empty() {
         assert!(

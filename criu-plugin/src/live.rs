@@ -94,14 +94,14 @@ impl JobSocket {
     }
 
     fn ask(&self, req: &Request) -> Result<serde_json::Value, ControlError> {
-        possum_control::request_at(self.pid as u32, &self.path, req, JOB_TIMEOUT)
+        possum_control::request_at(self.pid as u32, &self.path, req, JOB_TIMEOUT, None)
     }
 }
 
 /// possum's part of a CUDA process the plugin checkpointed: its socket and its GPU image
 /// directory, which the job reaches by path or, where that path does not exist for it (a job in
 /// another mount namespace: a container), through the images directory's descriptor passed with
-/// each request (`possum_control::request_with_dir`).
+/// each request (`possum_control::request_at`'s `dir`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PossumPart {
     /// The job's control socket.
@@ -139,28 +139,27 @@ impl PossumPart {
     ) -> Result<serde_json::Value, ControlError> {
         use std::os::fd::AsFd;
         let (pid, path) = (self.socket.pid as u32, &self.socket.path);
-        if !self.pass_dir {
-            let req = make(self.dir.display().to_string());
-            return if send_only {
-                possum_control::send_only(pid, path, &req).map(|()| serde_json::Value::Null)
-            } else {
-                possum_control::request_at(pid, path, &req, JOB_TIMEOUT)
-            };
-        }
-        let (parent, name) = match (self.dir.parent(), self.dir.file_name()) {
-            (Some(p), Some(n)) => (p, n.to_string_lossy().into_owned()),
-            _ => (Path::new("/"), self.dir.display().to_string()),
+        // Passed: the images directory itself, the request's `dir` relative to it.
+        let images = match (self.pass_dir, self.dir.parent()) {
+            (true, Some(parent)) => {
+                Some(
+                    std::fs::File::open(parent).map_err(|source| ControlError::Io {
+                        path: parent.to_path_buf(),
+                        source,
+                    })?,
+                )
+            }
+            _ => None,
         };
-        let images = std::fs::File::open(parent).map_err(|source| ControlError::Io {
-            path: parent.to_path_buf(),
-            source,
-        })?;
-        let req = make(name);
+        let dir = match (&images, self.dir.file_name()) {
+            (Some(_), Some(name)) => name.to_string_lossy().into_owned(),
+            _ => self.dir.display().to_string(),
+        };
+        let fd = images.as_ref().map(AsFd::as_fd);
         if send_only {
-            possum_control::send_only_with_dir(pid, path, &req, images.as_fd())
-                .map(|()| serde_json::Value::Null)
+            possum_control::send_only(pid, path, &make(dir), fd).map(|()| serde_json::Value::Null)
         } else {
-            possum_control::request_with_dir(pid, path, &req, JOB_TIMEOUT, images.as_fd())
+            possum_control::request_at(pid, path, &make(dir), JOB_TIMEOUT, fd)
         }
     }
 }
