@@ -181,8 +181,27 @@ def save_log_lines(tag, lines):
 
 
 def criu(*args, timeout=300):
+    t = time.time()
     r = subprocess.run([CRIU, *args], capture_output=True, text=True, timeout=timeout)
-    return {"rc": r.returncode, "stderr": r.stderr.strip()[-1500:]}
+    return {"rc": r.returncode, "wall_ms": round(1e3 * (time.time() - t)),
+            "stderr": r.stderr.strip()[-1500:]}
+
+
+def plain_dump(pid, img):
+    """Plain `criu dump --leave-running` of the tree `pid` with the plugin (what a container
+    engine runs): the row's `checkpoint` entry."""
+    os.makedirs(img, exist_ok=True)
+    ck = criu("dump", "-t", str(pid), "-D", img, "--libdir", PLUGINS, "--leave-running",
+              "-o", "dump.log", "-v4")
+    if ck["rc"] == 0:
+        ck["stderr"] = None
+    return ck
+
+
+def plain_restore(img):
+    """Plain `criu restore --libdir` (detached) of `img`."""
+    return criu("restore", "-D", img, "--libdir", PLUGINS, "-o", "restore.log", "-v4",
+                "--restore-detached")
 
 
 REF = {}
@@ -230,13 +249,8 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
                              "figures": (ck["json"] or {}).get("figures"),
                              "stderr": ck["stderr"][-1500:] if ck["rc"] else None}
     else:
-        os.makedirs(img, exist_ok=True)
-        t = time.time()
-        ck = criu("dump", "-t", str(p.pid), "-D", img, "--libdir", PLUGINS, "--leave-running",
-                  "-o", "dump.log", "-v4")
-        ok_ck = ck["rc"] == 0
-        row["checkpoint"] = {"rc": ck["rc"], "wall_ms": round(1e3 * (time.time() - t)),
-                             "stderr": ck["stderr"] if ck["rc"] else None}
+        row["checkpoint"] = plain_dump(p.pid, img)
+        ok_ck = row["checkpoint"]["rc"] == 0
     row["lines_after_dump"] = len(ckpt.read_log(log))
     dump_lines = plugin_lines(img, "dump.log")
     save_log_lines(f"{name}.dump", dump_lines)
@@ -268,9 +282,7 @@ def trial(n, kind, persistent, k, steps, sleep_ms):
         os.makedirs(os.path.join(tmp, d))
     row["recreated_tmp_dirs"] = missing
     if plain:
-        t = time.time()
-        rs = criu("restore", "-D", img, "--libdir", PLUGINS, "-o", "restore.log", "-v4", "--restore-detached")
-        rs["wall_ms"] = round(1e3 * (time.time() - t))
+        rs = plain_restore(img)
     else:
         rs = ckpt.restore(img)
         rs = {"rc": rs["rc"], "wall_ms": round(rs["wall_ms"]), "figures": (rs["json"] or {}).get("figures"),
@@ -384,13 +396,8 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
     row["procs_at_checkpoint"] = [device_use(x) for x in [p.pid] + kids]
     os.environ["POSSUM_CRIU_PLUGIN_DIR"] = os.environ["CRIU_LIBS_DIR"] = PLUGINS
     if plain:
-        os.makedirs(img, exist_ok=True)
-        t = time.time()
-        ck = criu("dump", "-t", str(p.pid), "-D", img, "--libdir", PLUGINS, "--leave-running",
-                  "-o", "dump.log", "-v4")
-        ok_ck = ck["rc"] == 0
-        row["checkpoint"] = {"rc": ck["rc"], "wall_ms": round(1e3 * (time.time() - t)),
-                             "stderr": ck["stderr"] if ck["rc"] else None}
+        row["checkpoint"] = plain_dump(p.pid, img)
+        ok_ck = row["checkpoint"]["rc"] == 0
     else:
         ck = ckpt.checkpoint(p.pid, img, "possum" if with_possum else "driver", leave=True)
         ok_ck = ck["rc"] == 0
@@ -429,9 +436,7 @@ def trial_tree2(n, kind, k, steps, sleep_ms):
     for l in logs.values():
         ckpt.keep_log(l)
     if plain:
-        t = time.time()
-        rs = criu("restore", "-D", img, "--libdir", PLUGINS, "-o", "restore.log", "-v4", "--restore-detached")
-        rs["wall_ms"] = round(1e3 * (time.time() - t))
+        rs = plain_restore(img)
     else:
         rs = ckpt.restore(img)
         js = rs["json"] or {}
