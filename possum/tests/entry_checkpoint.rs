@@ -181,6 +181,18 @@ fn after_checkpoint(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
     [mid, end]
 }
 
+/// The reference run (the commands without possum, to their end: the buffers to expect), then
+/// the job under libpossum.so (`lib`) at step 5, ready to be checkpointed.
+fn reference_then_job(dir: &Path, lib: &Path) -> ([Vec<u8>; 2], Job) {
+    let mut reference = Job::start(dir, "reference", None);
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+    let mut job = Job::start(dir, "job", Some(lib));
+    job.run("step 5", "done 5");
+    (want, job)
+}
+
 /// The commands after the checkpoint run by `job` (named `tag`), which must give exactly the
 /// reference's buffers `want` (`what` says which run it is).
 fn goes_on_like(job: &mut Job, dir: &Path, tag: &str, want: &[Vec<u8>; 2], what: &str) {
@@ -303,14 +315,7 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     };
     let dir = tmp.path();
 
-    // The reference: the same commands, without possum.
-    let mut reference = Job::start(dir, "reference", None);
-    reference.run("step 5", "done 5");
-    let want = after_checkpoint(&mut reference, dir, "reference");
-    reference.run("exit", "bye");
-
-    let mut job = Job::start(dir, "job", Some(&lib));
-    job.run("step 5", "done 5");
+    let (want, mut job) = reference_then_job(dir, &lib);
 
     // The default path: no engine flag; the job stays running.
     let img = dir.join("img");
@@ -660,13 +665,7 @@ fn plain_criu_round_trip(pass_dir: bool) {
     let Some(libdir) = plugin_dir(dir) else {
         panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
     };
-    let mut reference = Job::start(dir, "reference", None);
-    reference.run("step 5", "done 5");
-    let want = after_checkpoint(&mut reference, dir, "reference");
-    reference.run("exit", "bye");
-
-    let mut job = Job::start(dir, "job", Some(&lib));
-    job.run("step 5", "done 5");
+    let (want, mut job) = reference_then_job(dir, &lib);
     let pid = job.pid;
     let images = dir.join("images");
     std::fs::create_dir(&images).unwrap();
