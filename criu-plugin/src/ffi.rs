@@ -59,8 +59,8 @@ use nix::sys::stat::Mode;
 use crate::live::{self, JobSocket, Live};
 use crate::record::{Record, Records, RECORD_FILE};
 use crate::{
-    decide_pause, interpret_driver, libcuda_candidates, maps, placeholder_name, restore_claims_vma,
-    stage_name, Claim, CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
+    decide_pause, libcuda_candidates, maps, placeholder_name, restore_claims_vma, stage_name,
+    Claim, CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
 };
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
 
@@ -391,18 +391,10 @@ fn libcuda() -> Result<&'static DriverCheckpoint, String> {
 
 /// What the NVIDIA driver says about `pid`'s CUDA context.
 fn ask_driver(pid: i32) -> CudaContext {
-    let cuda = match libcuda() {
-        Ok(c) => c,
-        Err(e) => return CudaContext::Unknown(e),
-    };
-    let code = |e: DriverCkptError| e.code().unwrap_or(-1);
-    let state = cuda.state(pid).map_err(code);
-    let tid = state
-        .is_ok()
-        .then(|| cuda.restore_thread_id(pid).map_err(code));
-    interpret_driver(state, tid, |t| {
-        Path::new(&format!("/proc/{pid}/task/{t}")).exists()
-    })
+    match libcuda() {
+        Ok(cuda) => cuda.own_context_of(pid).into(),
+        Err(e) => CudaContext::Unknown(e),
+    }
 }
 
 /// [`ask_driver`] on a thread of its own, given up after [`PROBE_TIMEOUT`].

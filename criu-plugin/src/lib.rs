@@ -41,7 +41,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use maps::{MapEntry, Run};
-use possum_cuda::checkpoint::ProcessState;
+use possum_cuda::checkpoint::{own_context, OwnContext, ProcessState};
 
 /// The prefix of every line this plugin logs.
 pub const LOG_PREFIX: &str = "possum-criu-plugin:";
@@ -153,30 +153,21 @@ pub enum CudaContext {
     Unknown(String),
 }
 
-/// Interprets the driver's answers about `pid`: `state` is `cuCheckpointProcessGetState`'s (the
-/// state, or the failing `CUresult`); `restore_tid` is `cuCheckpointProcessGetRestoreThreadId`'s
-/// when asked. A failing state query means no CUDA context (driver 580 answers
-/// `CUDA_ERROR_NOT_INITIALIZED`, 3, for a process that never initialised CUDA). A state with a
-/// restore thread that `thread_exists` says is not in the process is a forked copy of a CUDA
-/// process's memory, not a context (`fork` copies no thread).
+/// The driver's answers about a process as the plugin's [`CudaContext`] (possum-cuda's
+/// [`own_context`], the one reading of them possum's CLI uses too).
 pub fn interpret_driver(
     state: Result<ProcessState, i32>,
     restore_tid: Option<Result<i32, i32>>,
     thread_exists: impl FnOnce(i32) -> bool,
 ) -> CudaContext {
-    match state {
-        Err(code) => CudaContext::None(format!(
-            "the driver reports none (cuCheckpointProcessGetState: CUresult {code})"
-        )),
-        Ok(s) => {
-            let name = s.to_string();
-            match restore_tid {
-                Some(Ok(tid)) if !thread_exists(tid) => CudaContext::None(format!(
-                    "the driver reports state {name}, but its CUDA restore thread {tid} is not \
-                     in the process (a forked copy)"
-                )),
-                _ => CudaContext::Present(name),
-            }
+    CudaContext::from(own_context(state, restore_tid, thread_exists))
+}
+
+impl From<OwnContext> for CudaContext {
+    fn from(c: OwnContext) -> CudaContext {
+        match c {
+            OwnContext::None(why) => CudaContext::None(why),
+            OwnContext::Present(s) => CudaContext::Present(s.to_string()),
         }
     }
 }

@@ -160,6 +160,38 @@ impl fmt::Display for ProcessState {
     }
 }
 
+/// What the driver's answers about a process say of its own CUDA context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OwnContext {
+    /// It has none; why (the driver's code, or a restore thread that is not its own).
+    None(String),
+    /// It has one, in this state.
+    Present(ProcessState),
+}
+
+/// Interprets the driver's answers about `pid`: `state` is `cuCheckpointProcessGetState`'s (the
+/// state, or the failing `CUresult`); `restore_tid` is `cuCheckpointProcessGetRestoreThreadId`'s
+/// when asked. A failing state query means no CUDA context (driver 580 answers
+/// `CUDA_ERROR_NOT_INITIALIZED`, 3, for a process that never initialised CUDA). A state with a
+/// restore thread that `thread_exists` says is not in the process is a forked copy of a CUDA
+/// process's memory (a DataLoader worker), not a context: `fork` copies no thread.
+pub fn own_context(
+    state: Result<ProcessState, i32>,
+    restore_tid: Option<Result<i32, i32>>,
+    thread_exists: impl FnOnce(i32) -> bool,
+) -> OwnContext {
+    match (state, restore_tid) {
+        (Err(code), _) => OwnContext::None(format!(
+            "the driver reports none (cuCheckpointProcessGetState: CUresult {code})"
+        )),
+        (Ok(s), Some(Ok(tid))) if !thread_exists(tid) => OwnContext::None(format!(
+            "the driver reports state {s}, but its CUDA restore thread {tid} is not in the \
+             process (a forked copy)"
+        )),
+        (Ok(s), _) => OwnContext::Present(s),
+    }
+}
+
 /// Why a driver checkpoint call could not be made or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverCkptError {
@@ -389,6 +421,19 @@ impl DriverCheckpoint {
         let r = unsafe { (self.get_state)(pid, &mut v) };
         self.check("cuCheckpointProcessGetState", pid, r)?;
         Ok(ProcessState::from_raw(v))
+    }
+
+    /// Process `pid`'s own CUDA context, as the driver reports it ([`own_context`], the restore
+    /// thread looked up in `/proc/PID/task`).
+    pub fn own_context_of(&self, pid: i32) -> OwnContext {
+        let code = |e: DriverCkptError| e.code().unwrap_or(-1);
+        let state = self.state(pid).map_err(code);
+        let tid = state
+            .is_ok()
+            .then(|| self.restore_thread_id(pid).map_err(code));
+        own_context(state, tid, |t| {
+            std::path::Path::new(&format!("/proc/{pid}/task/{t}")).exists()
+        })
     }
 
     /// The thread id of the target's CUDA restore thread

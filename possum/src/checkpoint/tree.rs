@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
 
-use possum_cuda::checkpoint::{DriverCheckpoint, ProcessState};
+use possum_cuda::checkpoint::{DriverCheckpoint, OwnContext, ProcessState};
 
 /// The parent of each process, from `/proc/PID/stat` (`proc` is `/proc`, or a stand-in in tests).
 fn parents(proc: &Path) -> HashMap<i32, i32> {
@@ -64,19 +64,11 @@ pub enum Member {
     Cuda(ProcessState),
 }
 
-/// Whether thread `tid` belongs to process `pid`.
-fn has_thread(pid: i32, tid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
-}
-
 /// The driver's view of process `pid`.
 pub fn member(drv: &DriverCheckpoint, pid: i32) -> Member {
-    match drv.state(pid) {
-        Err(_) => Member::NoCuda,
-        Ok(state) => match drv.restore_thread_id(pid) {
-            Ok(tid) if !has_thread(pid, tid) => Member::NoCuda,
-            _ => Member::Cuda(state),
-        },
+    match drv.own_context_of(pid) {
+        OwnContext::None(_) => Member::NoCuda,
+        OwnContext::Present(state) => Member::Cuda(state),
     }
 }
 
