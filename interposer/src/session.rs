@@ -184,7 +184,7 @@ fn note_last(key: &str, v: Value) {
 
 /// `Checkpoint{dir}`: every engine's buffers at one T0 each, copied while the job runs.
 pub fn checkpoint(dir: &str) -> Value {
-    if let Err(e) = absolute(dir) {
+    if let Err(e) = absolute(Path::new(dir)) {
         return reply(Err(e));
     }
     reply(checkpoint_inner(Path::new(dir)).inspect_err(|_| stop_tracking(&engines())))
@@ -193,13 +193,14 @@ pub fn checkpoint(dir: &str) -> Value {
 /// A request's image directory must be absolute: a relative one would be the job's working
 /// directory's business (a client that meant it relative to a directory it passed, talking to a
 /// library too old to take one, would have the job write its images there).
-fn absolute(dir: &str) -> Result<(), String> {
-    if Path::new(dir).is_absolute() {
+fn absolute(dir: &Path) -> Result<(), String> {
+    if dir.is_absolute() {
         Ok(())
     } else {
         Err(format!(
-            "image directory {dir:?} is not absolute (a directory passed with the request makes \
-             it relative to that one)"
+            "image directory {} is not absolute (a directory passed with the request makes \
+             it relative to that one)",
+            dir.display()
         ))
     }
 }
@@ -504,7 +505,7 @@ pub fn resume(dir: Option<&str>) -> Value {
 
 fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
     if let Some(d) = dir {
-        absolute(&d.to_string_lossy())?;
+        absolute(d)?;
     }
     let _b = Busy::take("resume")?;
     let t = Instant::now();
