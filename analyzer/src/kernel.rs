@@ -347,6 +347,10 @@ impl KernelModel {
         let Some(named) = self.named.get(w) else {
             return;
         };
+        // A plain load first: resolutions of a hot kernel would otherwise all write one line.
+        if named.load(Ordering::Relaxed) & bit != 0 {
+            return;
+        }
         if named.fetch_or(bit, Ordering::AcqRel) & bit == 0 && !self.decided(slot_index) {
             self.undecided.store(true, Ordering::Release);
         }
