@@ -70,6 +70,9 @@ pub enum DeviceError {
     /// An earlier asynchronous operation on this stream failed; the stream is unusable.
     #[error("stream failed: {0}")]
     StreamFailed(String),
+    /// The backend cannot do this (e.g. `detach` without a memory owner outside the process).
+    #[error("not supported by this device: {0}")]
+    Unsupported(&'static str),
     /// A call into the backend's driver failed.
     #[error("{call} failed: {message} (code {code})")]
     Backend {
@@ -134,6 +137,29 @@ pub trait Device: Send + Sync + Debug + 'static {
     fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
     /// Unmaps and frees the physical memory at `va`; the reservation stays, the contents are gone.
     fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
+
+    /// Whether [`detach`](Device::detach) keeps memory: the physical memory under possum's mappings
+    /// is owned outside this process (a keeper) and outlives this process's handles to it.
+    fn keeps_memory(&self) -> bool {
+        false
+    }
+    /// Unmaps the mapping at `va` and drops this process's handle to its memory, which lives on
+    /// with its contents where it is owned (a keeper) until [`reattach`](Device::reattach) maps
+    /// it there again. For NVIDIA's driver checkpoint, which must not see that memory in the
+    /// process. No work of the process may be in flight on it.
+    fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let _ = (va, size);
+        Err(DeviceError::Unsupported("detach"))
+    }
+    /// Maps the memory [`detach`](Device::detach) kept at `va` again, contents intact.
+    fn reattach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let _ = (va, size);
+        Err(DeviceError::Unsupported("reattach"))
+    }
+    /// Closes connections to the memory's owner (reopened when next needed), so that a process
+    /// dump (CRIU) of a job whose buffers are released or detached finds none. A no-op where
+    /// memory is the process's own.
+    fn disconnect(&self) {}
 
     /// Allocates host memory for copies.
     fn alloc_host(&self, len: usize) -> DeviceResult<Self::HostBuf>;

@@ -180,6 +180,8 @@ pub(crate) enum Phase<D: Device> {
     Idle,
     Checkpoint(Arc<CkptSession<D>>),
     Released,
+    /// Every buffer detached: its memory kept, contents intact, by the device's owner.
+    Detached,
     Restore(Arc<RestoreSession<D>>),
 }
 
@@ -189,6 +191,7 @@ impl<D: Device> Phase<D> {
             Phase::Idle => "idle",
             Phase::Checkpoint(_) => "checkpoint",
             Phase::Released => "released",
+            Phase::Detached => "detached",
             Phase::Restore(_) => "restore",
         }
     }
@@ -200,6 +203,7 @@ impl<D: Device> Clone for Phase<D> {
             Phase::Idle => Phase::Idle,
             Phase::Checkpoint(s) => Phase::Checkpoint(Arc::clone(s)),
             Phase::Released => Phase::Released,
+            Phase::Detached => Phase::Detached,
             Phase::Restore(s) => Phase::Restore(Arc::clone(s)),
         }
     }
@@ -290,7 +294,7 @@ impl<D: Device> OpGuard<'_, D> {
             Phase::Idle => {}
             Phase::Checkpoint(s) => s.before_op(stream, access)?,
             Phase::Restore(s) => s.before_op(stream, access)?,
-            Phase::Released => {
+            Phase::Released | Phase::Detached => {
                 let reg;
                 let all: Vec<Buffer>;
                 let touched: &[Buffer] = match access {
@@ -306,7 +310,7 @@ impl<D: Device> OpGuard<'_, D> {
                 };
                 if let Some(b) = touched
                     .iter()
-                    .find(|b| b.residency() == Residency::Released)
+                    .find(|b| b.residency() != Residency::Mapped)
                 {
                     return Err(EngineError::Released {
                         id: b.id(),
@@ -427,11 +431,17 @@ impl<D: Device> Engine<D> {
         match phase {
             Phase::Checkpoint(s) => s.settle_before_free(&buf)?,
             Phase::Restore(s) => s.settle_before_free(&buf)?,
-            Phase::Idle | Phase::Released => {}
+            Phase::Idle | Phase::Released | Phase::Detached => {}
         }
         self.inner.reg.write().remove(va);
-        if buf.residency() == Residency::Mapped {
-            self.inner.dev.unmap(va, buf.mapped_size())?;
+        match buf.residency() {
+            Residency::Mapped => self.inner.dev.unmap(va, buf.mapped_size())?,
+            // Its memory is kept elsewhere: mapped again only to be freed there.
+            Residency::Detached => {
+                self.inner.dev.reattach(va, buf.mapped_size())?;
+                self.inner.dev.unmap(va, buf.mapped_size())?;
+            }
+            Residency::Released => {}
         }
         self.inner.dev.unreserve(va, buf.mapped_size())?;
         Ok(())
@@ -604,9 +614,76 @@ impl<D: Device> Engine<D> {
         })();
         if r.is_ok() {
             self.inner.set_phase(Phase::Released);
+            // Nothing of the memory's owner for a process dump to find.
+            self.inner.dev.disconnect();
         }
         self.inner.gate.open();
         r
+    }
+
+    /// Detaches every buffer: unmapped in this process, its memory (contents intact) kept by the
+    /// device's owner, a keeper ([`Device::keeps_memory`]), so that NVIDIA's driver checkpoint of
+    /// the process has no buffer to copy. Waits for everything queued on the device first; the
+    /// job must not be issuing operations (an operation touching a detached buffer fails). On a
+    /// failure the buffers detached so far are attached again. Returns the bytes detached.
+    pub fn detach(&self) -> Result<u64, EngineError> {
+        if !self.inner.dev.keeps_memory() {
+            return Err(DeviceError::Unsupported("detach: the device's memory is this process's own").into());
+        }
+        self.start_session("detach")?;
+        self.inner.gate.close();
+        let r = (|| {
+            self.synchronize_device()?;
+            let mut bytes = 0;
+            let reg = self.inner.reg.read();
+            for b in reg.iter() {
+                if b.residency() != Residency::Mapped {
+                    continue;
+                }
+                if let Err(e) = self.inner.dev.detach(b.va(), b.mapped_size()) {
+                    for d in reg.iter().filter(|d| d.residency() == Residency::Detached) {
+                        if self.inner.dev.reattach(d.va(), d.mapped_size()).is_ok() {
+                            d.set_residency(Residency::Mapped);
+                        }
+                    }
+                    return Err(e.into());
+                }
+                b.set_residency(Residency::Detached);
+                bytes += b.mapped_size();
+            }
+            Ok(bytes)
+        })();
+        if r.is_ok() {
+            self.inner.set_phase(Phase::Detached);
+            self.inner.dev.disconnect();
+        }
+        self.inner.gate.open();
+        r
+    }
+
+    /// Maps every detached buffer again, contents as they were at [`Engine::detach`], and ends
+    /// the detached phase. A failure leaves the rest detached (call it again). Returns the bytes
+    /// attached.
+    pub fn reattach(&self) -> Result<u64, EngineError> {
+        {
+            let p = self.inner.phase.read();
+            if !matches!(&*p, Phase::Detached) {
+                return Err(EngineError::Busy {
+                    wanted: "reattach (buffers must be detached first)",
+                    current: p.name(),
+                });
+            }
+        }
+        let mut bytes = 0;
+        for b in self.inner.reg.read().iter() {
+            if b.residency() == Residency::Detached {
+                self.inner.dev.reattach(b.va(), b.mapped_size())?;
+                b.set_residency(Residency::Mapped);
+                bytes += b.mapped_size();
+            }
+        }
+        self.inner.set_phase(Phase::Idle);
+        Ok(bytes)
     }
 
     /// Frees the staging buffers (pinned host memory) once every one is back, waiting at most

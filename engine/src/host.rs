@@ -45,6 +45,11 @@ struct Space {
     next_va: AtomicU64,
     reservations: Mutex<BTreeMap<u64, u64>>,
     mappings: RwLock<BTreeMap<u64, Mapping>>,
+    /// With a simulated keeper: memory detached from its mapping, by address, kept with its
+    /// contents (still counted in `used`).
+    kept: Option<Mutex<BTreeMap<u64, Mapping>>>,
+    /// Times `disconnect` was called.
+    disconnects: AtomicU64,
 }
 
 impl Space {
@@ -184,6 +189,29 @@ pub struct HostDevice {
 impl HostDevice {
     /// A device with `capacity` bytes of "device memory".
     pub fn new(capacity: u64) -> Self {
+        Self::with_space(capacity, false)
+    }
+
+    /// A device whose memory is kept by a simulated keeper: [`Device::detach`] keeps a mapping's
+    /// memory and contents, [`Device::reattach`] maps it again.
+    pub fn keeping(capacity: u64) -> Self {
+        Self::with_space(capacity, true)
+    }
+
+    /// Times [`Device::disconnect`] was called.
+    pub fn disconnects(&self) -> u64 {
+        self.space.disconnects.load(Ordering::Relaxed)
+    }
+
+    /// Bytes kept detached now.
+    pub fn kept_bytes(&self) -> u64 {
+        self.space
+            .kept
+            .as_ref()
+            .map_or(0, |k| k.lock().values().map(|m| m.size).sum())
+    }
+
+    fn with_space(capacity: u64, keeps: bool) -> Self {
         HostDevice {
             space: Arc::new(Space {
                 capacity,
@@ -191,6 +219,8 @@ impl HostDevice {
                 next_va: AtomicU64::new(VA_BASE),
                 reservations: Mutex::new(BTreeMap::new()),
                 mappings: RwLock::new(BTreeMap::new()),
+                kept: keeps.then(|| Mutex::new(BTreeMap::new())),
+                disconnects: AtomicU64::new(0),
             }),
             next_stream: Arc::new(AtomicU64::new(0)),
             streams: Arc::new(Mutex::new(Vec::new())),
@@ -478,6 +508,57 @@ impl Device for HostDevice {
                 why: "not a mapping of that size",
             }),
         }
+    }
+
+    fn keeps_memory(&self) -> bool {
+        self.space.kept.is_some()
+    }
+
+    fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let kept = self
+            .space
+            .kept
+            .as_ref()
+            .ok_or(DeviceError::Unsupported("detach"))?;
+        let mut maps = self.space.mappings.write();
+        match maps.get(&va.0) {
+            Some(m) if m.size == size => {
+                let m = maps.remove(&va.0).expect("checked above");
+                kept.lock().insert(va.0, m);
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "not a mapping of that size",
+            }),
+        }
+    }
+
+    fn reattach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let kept = self
+            .space
+            .kept
+            .as_ref()
+            .ok_or(DeviceError::Unsupported("reattach"))?;
+        let mut maps = self.space.mappings.write();
+        let mut k = kept.lock();
+        match k.get(&va.0) {
+            Some(m) if m.size == size => {
+                let m = k.remove(&va.0).expect("checked above");
+                maps.insert(va.0, m);
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "no memory kept for it",
+            }),
+        }
+    }
+
+    fn disconnect(&self) {
+        self.space.disconnects.fetch_add(1, Ordering::Relaxed);
     }
 
     fn alloc_host(&self, len: usize) -> DeviceResult<HostBuf> {

@@ -14,6 +14,9 @@ pub enum Residency {
     Mapped = 0,
     /// Physical memory was dropped; the address is kept, the contents are in an image.
     Released = 1,
+    /// Not mapped in this process, but kept with its contents by the memory's owner (a keeper):
+    /// [`crate::Engine::reattach`] maps it again.
+    Detached = 2,
 }
 
 /// What the engine knows of one buffer.
@@ -51,10 +54,10 @@ impl Buffer {
     }
     /// Whether it has physical memory now.
     pub fn residency(&self) -> Residency {
-        if self.0.residency.load(Ordering::Acquire) == Residency::Mapped as u8 {
-            Residency::Mapped
-        } else {
-            Residency::Released
+        match self.0.residency.load(Ordering::Acquire) {
+            x if x == Residency::Mapped as u8 => Residency::Mapped,
+            x if x == Residency::Detached as u8 => Residency::Detached,
+            _ => Residency::Released,
         }
     }
     pub(crate) fn set_residency(&self, r: Residency) {

@@ -815,3 +815,78 @@ fn every_restorer_helps_with_a_buffer_an_operation_waits_for() {
         assert_eq!(&dev.read_now(b.va(), b.size()).unwrap(), bytes);
     }
 }
+
+/// The keeper's checkpoint (issue 14): at T0 the buffers are detached (memory kept, nothing
+/// copied), then attached again, and the T0 state drains to the image while the job runs on.
+#[test]
+fn a_detached_then_drained_checkpoint_is_the_state_at_t0() {
+    for seed in 0..24u64 {
+        let p = demo_program(seed);
+        let k = (seed as usize * 7) % p.ops.len();
+        let dev = Arc::new(HostDevice::keeping(1 << 30));
+        let e = Engine::new(dev.clone(), small_cfg(4096, 2, (seed % 2) * (1 << 20))).unwrap();
+        let mut job = HostJob::new(&e, &p).unwrap().lazy_hook(seed % 3 == 0);
+        let mut at_t0 = Reference::new(&p);
+        at_t0.run_all(&p.ops[..k]);
+        let mut at_end = at_t0.clone();
+        at_end.run_all(&p.ops[k..]);
+        for op in &p.ops[..k] {
+            job.issue(op).unwrap();
+        }
+        let detached = e.detach().unwrap();
+        assert_eq!(detached, dev.kept_bytes(), "seed {seed}");
+        assert_eq!(dev.disconnects(), 1, "seed {seed}");
+        assert_eq!(e.stats().phase, "detached");
+        assert_eq!(e.stats().resident_bytes, 0);
+        if k < p.ops.len() {
+            let err = job.issue(&p.ops[k]).unwrap_err();
+            assert!(matches!(err, EngineError::Released { .. }), "{err}");
+        }
+        assert_eq!(e.reattach().unwrap(), detached);
+        assert_eq!(dev.kept_bytes(), 0);
+        let store = Arc::new(MemStore::new());
+        let ck = e.checkpoint(store.clone(), false).unwrap();
+        for op in &p.ops[k..] {
+            job.issue(op).unwrap();
+        }
+        ck.wait().unwrap();
+        job.sync().unwrap();
+        assert!(
+            image_of(&store, &job) == at_t0.bufs,
+            "seed {seed}: drained image differs from the state at T0"
+        );
+        assert!(
+            job.contents().unwrap() == at_end.bufs,
+            "seed {seed}: the job's own run differs from the reference"
+        );
+    }
+}
+
+#[test]
+fn detach_needs_a_device_that_keeps_memory_and_changes_nothing_without_one() {
+    let p = demo_program(5);
+    let e = engine(small_cfg(4096, 2, 0));
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let err = e.detach().unwrap_err();
+    assert!(err.to_string().contains("not supported"), "{err}");
+    assert!(!e.session_active());
+    job.issue(&p.ops[0]).unwrap();
+    job.sync().unwrap();
+    let err = e.reattach().unwrap_err();
+    assert!(matches!(err, EngineError::Busy { .. }), "{err}");
+}
+
+#[test]
+fn a_buffer_freed_while_detached_leaves_nothing_kept() {
+    let dev = Arc::new(HostDevice::keeping(1 << 30));
+    let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+    let a = e.alloc(1 << 16).unwrap();
+    let b = e.alloc(1 << 16).unwrap();
+    dev.write_now(b.va(), &[7u8; 16]).unwrap();
+    e.detach().unwrap();
+    e.free(a.va()).unwrap();
+    assert_eq!(dev.kept_bytes(), b.mapped_size());
+    e.reattach().unwrap();
+    assert_eq!(dev.read_now(b.va(), 16).unwrap(), vec![7u8; 16]);
+    assert_eq!(dev.mapped_bytes(), b.mapped_size());
+}
