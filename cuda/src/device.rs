@@ -13,6 +13,8 @@ use possum_engine::device::{
 use crate::driver::{
     self, CUcontext, Context, CudaEvent, CudaPending, CudaStream, PhysMem, PinnedBuf,
 };
+use crate::owner::{owner_error, MemoryOwner};
+use std::os::fd::AsFd;
 
 /// What [`probe`] found: a driver and at least one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +47,10 @@ struct Tables {
     reservations: BTreeMap<u64, u64>,
     /// Mapping start -> the physical memory mapped there (which knows its size).
     mappings: BTreeMap<u64, PhysMem>,
+    /// Mapping start -> the owner's id of its memory (memory from a [`MemoryOwner`]).
+    owned: BTreeMap<u64, u64>,
+    /// Detached mapping start -> (owner's id, size): kept by the owner, mapped nowhere here.
+    detached: BTreeMap<u64, (u64, u64)>,
 }
 
 fn invalid(va: u64, len: u64, why: &'static str) -> DeviceError {
@@ -131,6 +137,8 @@ pub struct CudaDevice {
     /// (least, greatest) stream priority of the context.
     priorities: (i32, i32),
     tables: Mutex<Tables>,
+    /// Where buffer memory comes from when another process owns it (a keeper).
+    owner: Option<Arc<dyn MemoryOwner>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -167,7 +175,37 @@ impl CudaDevice {
             recommended_granularity,
             priorities,
             tables: Mutex::new(Tables::default()),
+            owner: None,
         })
+    }
+
+    /// Takes the memory of every mapping made from now on from `owner` (a keeper), so that
+    /// [`Device::detach`] can keep it across NVIDIA's driver checkpoint.
+    pub fn with_owner(mut self, owner: Arc<dyn MemoryOwner>) -> CudaDevice {
+        self.owner = Some(owner);
+        self
+    }
+
+    /// The memory of `size` bytes for a new mapping: created here, or by the owner (imported).
+    fn new_memory(&self, size: u64) -> DeviceResult<(PhysMem, Option<u64>)> {
+        let Some(owner) = &self.owner else {
+            return PhysMem::create(&self.ctx, size).map(|m| (m, None));
+        };
+        let o = owner.create(size)?;
+        if o.size != size {
+            let _ = owner.free(o.id);
+            return Err(owner_error(
+                "keeper alloc",
+                format!("asked {size} bytes, the keeper made {}", o.size),
+            ));
+        }
+        match PhysMem::import(&self.ctx, o.fd.as_fd(), size) {
+            Ok(m) => Ok((m, Some(o.id))),
+            Err(e) => {
+                let _ = owner.free(o.id);
+                Err(e)
+            }
+        }
     }
 
     /// The device ordinal this was opened with.
@@ -307,8 +345,8 @@ impl Device for CudaDevice {
         if t.touches_mapping(va.0, end) {
             return Err(invalid(va.0, size, "overlaps a mapping"));
         }
-        let mem = match PhysMem::create(&self.ctx, size) {
-            Ok(mem) => mem,
+        let (mem, id) = match self.new_memory(size) {
+            Ok(x) => x,
             Err(e) if driver::is_out_of_memory(&e) => {
                 let free = driver::mem_get_info().map(|(free, _)| free).unwrap_or(0);
                 return Err(DeviceError::OutOfMemory {
@@ -318,8 +356,17 @@ impl Device for CudaDevice {
             }
             Err(e) => return Err(e),
         };
-        mem.map_at(va.0)?;
+        if let Err(e) = mem.map_at(va.0) {
+            drop(mem);
+            if let (Some(owner), Some(id)) = (&self.owner, id) {
+                let _ = owner.free(id);
+            }
+            return Err(e);
+        }
         t.mappings.insert(va.0, mem);
+        if let Some(id) = id {
+            t.owned.insert(va.0, id);
+        }
         Ok(())
     }
 
@@ -333,7 +380,79 @@ impl Device for CudaDevice {
         }
         driver::unmap(va.0, size)?;
         let mem = t.mappings.remove(&va.0).expect("checked above");
+        let released = mem.release();
+        if let (Some(owner), Some(id)) = (&self.owner, t.owned.remove(&va.0)) {
+            owner.free(id)?;
+        }
+        released
+    }
+
+    fn keeps_memory(&self) -> bool {
+        self.owner.is_some()
+    }
+
+    fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let owner = self
+            .owner
+            .as_ref()
+            .ok_or(DeviceError::Unsupported("detach"))?;
+        self.ctx.bind()?;
+        let mut t = self.tables.lock();
+        match (t.mappings.get(&va.0), t.owned.get(&va.0)) {
+            (Some(m), Some(_)) if m.size() == size => {}
+            (Some(_), Some(_)) => {
+                return Err(invalid(va.0, size, "size differs from the mapping's"))
+            }
+            _ => {
+                return Err(invalid(
+                    va.0,
+                    size,
+                    "not the start of a mapping of kept memory",
+                ))
+            }
+        }
+        let id = t.owned[&va.0];
+        // The owner keeps it first: a connection lost from here on does not free it.
+        owner.keep(id)?;
+        driver::unmap(va.0, size)?;
+        let mem = t.mappings.remove(&va.0).expect("checked above");
+        t.owned.remove(&va.0);
+        t.detached.insert(va.0, (id, size));
+        // The driver's checkpoint must find no handle to it in this process either.
         mem.release()
+    }
+
+    fn reattach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let owner = self
+            .owner
+            .as_ref()
+            .ok_or(DeviceError::Unsupported("reattach"))?;
+        self.ctx.bind()?;
+        let mut t = self.tables.lock();
+        let id = match t.detached.get(&va.0) {
+            Some(&(id, n)) if n == size => id,
+            Some(_) => {
+                return Err(invalid(
+                    va.0,
+                    size,
+                    "size differs from the detached mapping's",
+                ))
+            }
+            None => return Err(invalid(va.0, size, "nothing detached there")),
+        };
+        let fd = owner.reclaim(id)?;
+        let mem = PhysMem::import(&self.ctx, fd.as_fd(), size)?;
+        mem.map_at(va.0)?;
+        t.detached.remove(&va.0);
+        t.mappings.insert(va.0, mem);
+        t.owned.insert(va.0, id);
+        Ok(())
+    }
+
+    fn disconnect(&self) {
+        if let Some(owner) = &self.owner {
+            owner.disconnect();
+        }
     }
 
     fn alloc_host(&self, len: usize) -> DeviceResult<PinnedBuf> {

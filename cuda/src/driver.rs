@@ -419,6 +419,31 @@ impl PhysMem {
         })
     }
 
+    /// Imports `size` bytes of memory another process created and exported as the POSIX file
+    /// descriptor `fd` (`cuMemImportFromShareableHandle`; a keeper's). The fd stays the caller's:
+    /// the driver takes its own reference to the memory.
+    pub fn import(
+        ctx: &Arc<Context>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        size: u64,
+    ) -> DeviceResult<PhysMem> {
+        use std::os::fd::AsRawFd;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // For POSIX_FILE_DESCRIPTOR the driver takes the fd itself in the pointer argument.
+        let os_handle = fd.as_raw_fd() as isize as *mut c_void;
+        call!(cuMemImportFromShareableHandle(
+            &mut handle,
+            os_handle,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        ))?;
+        Ok(PhysMem {
+            handle,
+            size,
+            released: false,
+            ctx: ctx.clone(),
+        })
+    }
+
     /// Size in bytes.
     pub fn size(&self) -> u64 {
         self.size

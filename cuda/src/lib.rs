@@ -21,6 +21,7 @@ pub mod checkpoint;
 mod device;
 mod driver;
 pub mod introspect;
+pub mod owner;
 pub mod share;
 
 pub use device::{probe, CudaDevice, DriverInfo};

@@ -308,10 +308,7 @@ impl<D: Device> OpGuard<'_, D> {
                         &all
                     }
                 };
-                if let Some(b) = touched
-                    .iter()
-                    .find(|b| b.residency() != Residency::Mapped)
-                {
+                if let Some(b) = touched.iter().find(|b| b.residency() != Residency::Mapped) {
                     return Err(EngineError::Released {
                         id: b.id(),
                         va: b.va(),
@@ -628,7 +625,10 @@ impl<D: Device> Engine<D> {
     /// failure the buffers detached so far are attached again. Returns the bytes detached.
     pub fn detach(&self) -> Result<u64, EngineError> {
         if !self.inner.dev.keeps_memory() {
-            return Err(DeviceError::Unsupported("detach: the device's memory is this process's own").into());
+            return Err(DeviceError::Unsupported(
+                "detach: the device's memory is this process's own",
+            )
+            .into());
         }
         self.start_session("detach")?;
         self.inner.gate.close();

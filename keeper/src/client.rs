@@ -59,15 +59,7 @@ impl Keeper {
     /// Allocates `size` bytes (rounded up to the granularity): the allocation and its fd, to
     /// import with `possum_cuda::share::ShareDevice::import`.
     pub fn alloc(&mut self, size: u64) -> Result<(Allocated, OwnedFd), KeeperError> {
-        let (v, mut fds) = self.ask("alloc", &Request::Alloc { size })?;
-        let a: Allocated = parse("alloc", v)?;
-        if fds.len() != 1 {
-            return Err(KeeperError::Protocol {
-                request: "alloc",
-                detail: format!("{} descriptors came with the reply, not 1", fds.len()),
-            });
-        }
-        Ok((a, fds.remove(0)))
+        self.ask_fd("alloc", &Request::Alloc { size })
     }
 
     /// Frees allocation `id`.
@@ -86,10 +78,32 @@ impl Keeper {
             .map(drop)
     }
 
+    /// Takes retained allocation `id` back for this connection: a new fd for it.
+    pub fn reclaim(&mut self, id: u64) -> Result<(Allocated, OwnedFd), KeeperError> {
+        self.ask_fd("reclaim", &Request::Reclaim { id })
+    }
+
     /// The keeper's accounting.
     pub fn stats(&mut self) -> Result<Stats, KeeperError> {
         let (v, _) = self.ask("stats", &Request::Stats)?;
         parse("stats", v)
+    }
+
+    /// A request answered with an allocation and exactly one fd.
+    fn ask_fd(
+        &mut self,
+        request: &'static str,
+        req: &Request,
+    ) -> Result<(Allocated, OwnedFd), KeeperError> {
+        let (v, mut fds) = self.ask(request, req)?;
+        let a: Allocated = parse(request, v)?;
+        if fds.len() != 1 {
+            return Err(KeeperError::Protocol {
+                request,
+                detail: format!("{} descriptors came with the reply, not 1", fds.len()),
+            });
+        }
+        Ok((a, fds.remove(0)))
     }
 
     fn ask(

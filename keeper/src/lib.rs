@@ -12,22 +12,26 @@
 //! client ── {"cmd":"free","id":I}\n      ──▶ {"ok":true}\n
 //! client ── {"cmd":"retain","id":I}\n    ──▶ {"ok":true}\n   kept when the client's connection ends
 //! client ── {"cmd":"release_retained","id":I}\n ──▶ {"ok":true}\n   frees a retained allocation
+//! client ── {"cmd":"reclaim","id":I}\n   ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)
 //! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total
 //! ```
 //!
 //! `alloc` rounds the size up to the device's granularity (the reply says the size made). A failed
 //! request is answered `{"error":"..."}` and the connection goes on. When a connection closes, the
 //! allocations it made are freed, except those it retained, which stay (counted as `retained`)
-//! until some client of the same uid sends `release_retained`.
+//! until some client of the same uid sends `release_retained` or takes them back (`reclaim`), or
+//! the process that retained them is gone (checked every [`ORPHAN_CHECK`]): a job that retains
+//! its memory for a driver checkpoint and dies before it reclaims it leaves nothing behind.
 //!
-//! Nothing uses the keeper yet: the job's side (importing its buffers from the keeper) is the rest
-//! of issue 14. The only `unsafe` is in the private `fdpass` module (taking ownership of the
+//! The job's side is [`KeeperMemory`], the `possum_cuda::owner::MemoryOwner` a job's
+//! `CudaDevice` takes its buffers' memory from. The only `unsafe` is in the private `fdpass` module (taking ownership of the
 //! descriptors `recvmsg` received).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod client;
 mod fdpass;
+mod memory;
 mod server;
 
 use std::collections::BTreeMap;
@@ -36,7 +40,11 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 pub use client::Keeper;
+pub use memory::KeeperMemory;
 pub use server::Server;
+
+/// How often the keeper looks for retained allocations whose process is gone.
+pub const ORPHAN_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The longest request line the keeper reads, newline excluded.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
@@ -62,6 +70,12 @@ pub enum Request {
     },
     /// Free a retained allocation.
     ReleaseRetained {
+        /// The allocation.
+        id: u64,
+    },
+    /// Take a retained allocation back: it becomes this connection's (no longer retained), and
+    /// the reply carries a new fd for it, like `alloc`'s.
+    Reclaim {
         /// The allocation.
         id: u64,
     },

@@ -43,6 +43,8 @@ struct Alloc {
     /// (connection, pid) of the client that made it, while that connection lasts.
     owner: Option<(u64, i32)>,
     retained: bool,
+    /// The pid that retained it: once that process is gone, an orphan is freed.
+    retained_by: i32,
 }
 
 impl Server {
@@ -77,8 +79,19 @@ impl Server {
         &self.inner.path
     }
 
-    /// Accepts clients for ever, one thread each. Returns only if accepting fails.
+    /// Accepts clients for ever, one thread each (and one that frees orphans whose process is
+    /// gone, every [`crate::ORPHAN_CHECK`]). Returns only if accepting fails.
     pub fn serve(&self) -> Result<(), KeeperError> {
+        let weak = Arc::downgrade(&self.inner);
+        let _ = std::thread::Builder::new()
+            .name("possum-keeper-orphans".to_string())
+            .spawn(move || loop {
+                std::thread::sleep(crate::ORPHAN_CHECK);
+                match weak.upgrade() {
+                    Some(inner) => inner.free_orphans_of_dead(),
+                    None => return,
+                }
+            });
         loop {
             let (stream, _) = match self.inner.listener.accept() {
                 Ok(s) => s,
@@ -228,6 +241,7 @@ impl Inner {
                         mem,
                         owner: Some((conn, pid)),
                         retained: false,
+                        retained_by: 0,
                     },
                 );
                 let a = Allocated { id, size: rounded };
@@ -245,7 +259,26 @@ impl Inner {
                     .get_mut(&id)
                     .ok_or(KeeperError::NoSuchAllocation(id))?;
                 a.retained = true;
+                a.retained_by = pid;
                 Ok((ok, None))
+            }
+            Request::Reclaim { id } => {
+                let mut st = self.lock();
+                let a = st
+                    .allocs
+                    .get_mut(&id)
+                    .ok_or(KeeperError::NoSuchAllocation(id))?;
+                if !a.retained {
+                    return Err(KeeperError::NotRetained(id));
+                }
+                let fd = a.mem.export()?;
+                a.retained = false;
+                a.owner = Some((conn, pid));
+                let r = Allocated {
+                    id,
+                    size: a.mem.size(),
+                };
+                Ok((json!(r), Some(fd)))
             }
             Request::ReleaseRetained { id } => {
                 let mut st = self.lock();
@@ -279,6 +312,22 @@ impl Inner {
         });
     }
 
+    /// Frees retained allocations no connection holds whose retaining process is gone.
+    fn free_orphans_of_dead(&self) {
+        let gone: Vec<Alloc> = {
+            let mut st = self.lock();
+            let dead: Vec<u64> = st
+                .allocs
+                .iter()
+                .filter(|(_, a)| a.owner.is_none() && a.retained && !alive(a.retained_by))
+                .map(|(&id, _)| id)
+                .collect();
+            dead.iter().filter_map(|id| st.allocs.remove(id)).collect()
+        };
+        // The memory is released outside the lock.
+        drop(gone);
+    }
+
     fn stats(&self) -> Stats {
         let st = self.lock();
         let mut s = Stats::default();
@@ -295,6 +344,24 @@ impl Inner {
             }
         }
         s
+    }
+}
+
+/// Whether process `pid` exists (a zombie counts as gone).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// Frees the orphans of processes that are gone now (tests: without waiting for the thread).
+impl Server {
+    #[doc(hidden)]
+    pub fn free_orphans_now(&self) {
+        self.inner.free_orphans_of_dead();
     }
 }
 

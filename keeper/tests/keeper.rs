@@ -285,3 +285,124 @@ fn a_client_of_another_uid_is_refused() {
     let mut k = Keeper::connect(server.path()).unwrap();
     assert_eq!(k.stats().unwrap().total, Usage::default());
 }
+
+/// A job's engine on a `CudaDevice` whose memory the keeper owns (`KeeperMemory`): its buffers
+/// are the keeper's allocations; detached, they stay in the keeper (retained, the connection
+/// closed) with their contents; attached again, the data is intact and the keeper counts them
+/// as the job's again; freed, the keeper frees them.
+#[test]
+fn an_engine_detaches_its_buffers_into_the_keeper_and_back() {
+    if !inner_or_spawn("an_engine_detaches_its_buffers_into_the_keeper_and_back") {
+        return;
+    }
+    use possum_engine::device::{Device, HostBuffer, StreamPriority, Transfer};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let owner = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
+    let dev = Arc::new(
+        possum_cuda::CudaDevice::new(0)
+            .unwrap()
+            .with_owner(Arc::new(owner)),
+    );
+    assert!(dev.keeps_memory());
+    let e =
+        possum_engine::Engine::new(dev.clone(), possum_engine::EngineConfig::default()).unwrap();
+    let a = e.alloc(MIB4).unwrap();
+    let b = e.alloc(2 * MIB4 - 4096).unwrap();
+    let me = std::process::id() as i32;
+    let two = Usage {
+        allocations: 2,
+        bytes: 3 * MIB4,
+    };
+    assert_eq!(server.stats().clients.get(&me), Some(&two));
+    let s = dev.create_stream(StreamPriority::Normal).unwrap();
+    let write = |va, id: u64, len: u64| {
+        let mut h = dev.alloc_host(len as usize).unwrap();
+        h.as_mut_slice()[..len as usize].copy_from_slice(&pattern(id, len));
+        dev.copy_h2d(&s, h, va, len).unwrap().wait().unwrap();
+    };
+    let read = |va, len: u64| {
+        let h = dev.alloc_host(len as usize).unwrap();
+        let h = dev.copy_d2h(&s, va, h, len).unwrap().wait().unwrap();
+        h.as_slice()[..len as usize].to_vec()
+    };
+    write(a.va(), 1, MIB4);
+    write(b.va(), 2, b.size());
+
+    assert_eq!(e.detach().unwrap(), 3 * MIB4);
+    // The connection is closed; the keeper holds both, retained.
+    wait_total(&server, two);
+    let t = Instant::now();
+    while server.stats().retained != two {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            server.stats()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(server.stats().clients.is_empty());
+    // This process is alive: its orphans stay.
+    server.free_orphans_now();
+    assert_eq!(server.stats().retained, two);
+
+    assert_eq!(e.reattach().unwrap(), 3 * MIB4);
+    assert_eq!(read(a.va(), MIB4), pattern(1, MIB4));
+    assert_eq!(read(b.va(), b.size()), pattern(2, b.size()));
+    let s2 = server.stats();
+    assert_eq!(s2.clients.get(&me), Some(&two), "{s2:?}");
+    assert_eq!(s2.retained, Usage::default());
+
+    e.free(a.va()).unwrap();
+    e.free(b.va()).unwrap();
+    wait_total(&server, Usage::default());
+}
+
+/// Memory a client retained and never took back is freed once that client's process is gone.
+#[test]
+fn retained_memory_of_a_dead_process_is_freed() {
+    if !inner_or_spawn("retained_memory_of_a_dead_process_is_freed") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let mut c = Client::spawn(&mut client_cmd(&server));
+    let (kept, _) = c.alloc(MIB4);
+    assert_eq!(c.ask(&format!("retain {kept}")), format!("retained {kept}"));
+    // Another connection of the same uid may take it back while it is retained.
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let (a, _fd) = k.reclaim(kept).unwrap();
+    assert_eq!((a.id, a.size), (kept, MIB4));
+    assert!(matches!(k.reclaim(kept), Err(KeeperError::Remote { .. })));
+    k.retain(kept).unwrap();
+    drop(k);
+    c.exit();
+    // Its retainer (this process, through `k`) lives: kept.
+    std::thread::sleep(Duration::from_millis(100));
+    server.free_orphans_now();
+    assert_eq!(server.stats().retained.allocations, 1);
+
+    let mut c = Client::spawn(&mut client_cmd(&server));
+    let (gone, _) = c.alloc(MIB4);
+    assert_eq!(c.ask(&format!("retain {gone}")), format!("retained {gone}"));
+    c.exit();
+    let t = Instant::now();
+    loop {
+        server.free_orphans_now();
+        if server.stats().retained.allocations == 1 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            server.stats()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        server.read(kept, 0, MIB4 as usize).unwrap(),
+        pattern(kept, MIB4)
+    );
+    assert!(server.read(gone, 0, 16).is_err());
+}

@@ -1,0 +1,47 @@
+//! [`MemoryOwner`]: memory for a [`crate::CudaDevice`]'s buffers owned by another process (the
+//! keeper, issue 14), so that a buffer can be *detached* for NVIDIA's driver checkpoint (unmapped,
+//! this process's handle released) while its memory and contents stay on the GPU, and attached
+//! again after it in about a millisecond.
+//!
+//! The trait is implemented by `possum-keeper`'s client; this crate only consumes it, so the
+//! device does not depend on how the owner is reached.
+
+use std::fmt;
+use std::os::fd::OwnedFd;
+
+use possum_engine::device::{DeviceError, DeviceResult};
+
+/// New memory from the owner.
+#[derive(Debug)]
+pub struct Owned {
+    /// The owner's id for it.
+    pub id: u64,
+    /// Its size (the size asked, rounded up to the owner's granularity).
+    pub size: u64,
+    /// A POSIX fd to import it with (`cuMemImportFromShareableHandle`).
+    pub fd: OwnedFd,
+}
+
+/// Where a device's buffer memory comes from when another process owns it.
+pub trait MemoryOwner: Send + Sync + fmt::Debug {
+    /// Creates `size` bytes on the device.
+    fn create(&self, size: u64) -> DeviceResult<Owned>;
+    /// Frees memory `id`.
+    fn free(&self, id: u64) -> DeviceResult<()>;
+    /// Keeps memory `id`, contents and all, past this process's connection, until
+    /// [`reclaim`](MemoryOwner::reclaim).
+    fn keep(&self, id: u64) -> DeviceResult<()>;
+    /// Takes kept memory back: a new fd for it.
+    fn reclaim(&self, id: u64) -> DeviceResult<OwnedFd>;
+    /// Closes the connection to the owner (the next call opens one again).
+    fn disconnect(&self);
+}
+
+/// An owner's failure as a device error.
+pub fn owner_error(what: &'static str, message: impl Into<String>) -> DeviceError {
+    DeviceError::Backend {
+        call: what,
+        code: -1,
+        message: message.into(),
+    }
+}
