@@ -93,13 +93,34 @@ pub enum Request {
         /// The directory given to `Checkpoint`.
         dir: Option<String>,
     },
+    /// Like `Checkpoint`, for a checkpoint after which the job runs on: where the job's buffer
+    /// memory is kept by a keeper, nothing is copied before the release (the reply says
+    /// `"kept": true`): `Release` then only detaches the buffers (their memory stays on the
+    /// GPU), and `ResumeAndSave` saves them as they were at the release while the job runs on.
+    /// Where it is not kept, this is `Checkpoint` (`"kept": false`).
+    CheckpointKept {
+        /// Directory of the images.
+        dir: String,
+    },
+    /// `Resume`, and for a kept checkpoint: start saving the buffers, as they were at the
+    /// release, into the images under `dir` while the job runs (`Saved` waits for it).
+    ResumeAndSave {
+        /// The directory given to `CheckpointKept`.
+        dir: String,
+    },
+    /// Waits until the saving `ResumeAndSave` started is done and its images committed; answers
+    /// its figures (an error if it failed, or if none was started).
+    Saved,
 }
 
 impl Request {
     /// The image directory the request names, if any (`checkpoint`, `resume`).
     pub fn dir_mut(&mut self) -> Option<&mut String> {
         match self {
-            Request::Checkpoint { dir } | Request::Resume { dir: Some(dir) } => Some(dir),
+            Request::Checkpoint { dir }
+            | Request::CheckpointKept { dir }
+            | Request::ResumeAndSave { dir }
+            | Request::Resume { dir: Some(dir) } => Some(dir),
             _ => None,
         }
     }

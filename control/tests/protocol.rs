@@ -24,7 +24,12 @@ fn dummy(req: Request) -> Value {
         Request::Status => json!({"phase": "idle", "buffers": 3}),
         Request::Trace => panic!("dummy handler: no trace"),
         Request::Checkpoint { dir } => json!({ "dir": dir }),
-        Request::Release | Request::Resume { .. } | Request::Cupti { .. } => {
+        Request::Release
+        | Request::Resume { .. }
+        | Request::Cupti { .. }
+        | Request::CheckpointKept { .. }
+        | Request::ResumeAndSave { .. }
+        | Request::Saved => {
             json!({"error": "nothing to release"})
         }
     }

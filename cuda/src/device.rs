@@ -191,7 +191,15 @@ impl CudaDevice {
         let Some(owner) = &self.owner else {
             return PhysMem::create(&self.ctx, size).map(|m| (m, None));
         };
-        let o = owner.create(size)?;
+        // An owner out of reach (its keeper gone, as for a job restored where none runs):
+        // the memory is this process's own, and is copied at a checkpoint like any.
+        let o = match owner.create(size) {
+            Ok(o) => o,
+            Err(e) if owner.unreachable(&e) => {
+                return PhysMem::create(&self.ctx, size).map(|m| (m, None));
+            }
+            Err(e) => return Err(e),
+        };
         if o.size != size {
             let _ = owner.free(o.id);
             return Err(owner_error(
@@ -388,7 +396,12 @@ impl Device for CudaDevice {
     }
 
     fn keeps_memory(&self) -> bool {
-        self.owner.is_some()
+        // Every mapping's memory must be the owner's (some may have been made while it was out
+        // of reach).
+        self.owner.is_some() && {
+            let t = self.tables.lock();
+            t.mappings.len() == t.owned.len()
+        }
     }
 
     fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
@@ -446,6 +459,22 @@ impl Device for CudaDevice {
         t.detached.remove(&va.0);
         t.mappings.insert(va.0, mem);
         t.owned.insert(va.0, id);
+        Ok(())
+    }
+
+    fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let owner = self
+            .owner
+            .as_ref()
+            .ok_or(DeviceError::Unsupported("forget"))?;
+        let mut t = self.tables.lock();
+        match t.detached.get(&va.0) {
+            Some(&(_, n)) if n == size => {}
+            _ => return Err(invalid(va.0, size, "nothing detached there")),
+        }
+        let (id, _) = t.detached.remove(&va.0).expect("checked above");
+        // Its memory may be gone already (the keeper freed it): nothing left to do then.
+        let _ = owner.free(id);
         Ok(())
     }
 

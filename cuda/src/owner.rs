@@ -35,7 +35,13 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     fn reclaim(&self, id: u64) -> DeviceResult<OwnedFd>;
     /// Closes the connection to the owner (the next call opens one again).
     fn disconnect(&self);
+    /// Whether `e` (from this owner) says the owner cannot be reached at all, rather than that
+    /// it refused a request: the device then makes the memory itself.
+    fn unreachable(&self, e: &DeviceError) -> bool;
 }
+
+/// The code of an owner's failure to be reached at all.
+pub const UNREACHABLE: i64 = -2;
 
 /// An owner's failure as a device error.
 pub fn owner_error(what: &'static str, message: impl Into<String>) -> DeviceError {

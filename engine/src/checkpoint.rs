@@ -292,7 +292,7 @@ impl<D: Device> CkptSession<D> {
             shadow_budget: if mode == CopyMode::Precopy {
                 0
             } else {
-                inner.cfg.shadow_budget
+                inner.shadow_budget.load(Ordering::SeqCst)
             },
             shadow_used: AtomicU64::new(0),
             shadow_peak: AtomicU64::new(0),

@@ -156,6 +156,13 @@ pub trait Device: Send + Sync + Debug + 'static {
         let _ = (va, size);
         Err(DeviceError::Unsupported("reattach"))
     }
+    /// Forgets the memory [`detach`](Device::detach) kept at `va` (gone, or not wanted: the job
+    /// was restored from an image elsewhere), asking its owner to free it if it still has it;
+    /// the address is then reserved with nothing kept, as after [`unmap`](Device::unmap).
+    fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let _ = (va, size);
+        Err(DeviceError::Unsupported("forget"))
+    }
     /// Closes connections to the memory's owner (reopened when next needed), so that a process
     /// dump (CRIU) of a job whose buffers are released or detached finds none. A no-op where
     /// memory is the process's own.

@@ -220,6 +220,8 @@ pub(crate) struct Inner<D: Device> {
     pub tracking: AtomicBool,
     /// T0 also waits for the whole device ([`Engine::set_device_fence`]).
     pub device_fence: AtomicBool,
+    /// Shadow memory a checkpoint may use ([`Engine::set_shadow_budget`]; starts as the config's).
+    pub shadow_budget: AtomicU64,
     pub dev: Arc<D>,
     pub cfg: EngineConfig,
     pub reg: RwLock<Registry>,
@@ -359,6 +361,7 @@ impl<D: Device> Engine<D> {
             .map(|_| dev.create_stream(StreamPriority::Normal))
             .collect::<Result<Vec<_>, _>>()?;
         let prio = dev.create_stream(StreamPriority::High)?;
+        let shadow_budget = cfg.shadow_budget;
         Ok(Engine {
             inner: Arc::new(Inner {
                 dev,
@@ -369,6 +372,7 @@ impl<D: Device> Engine<D> {
                 active: AtomicBool::new(false),
                 tracking: AtomicBool::new(false),
                 device_fence: AtomicBool::new(false),
+                shadow_budget: AtomicU64::new(shadow_budget),
                 gate: Gate::default(),
                 pool,
                 copy_streams,
@@ -579,6 +583,12 @@ impl<D: Device> Engine<D> {
         self.inner.device_fence.store(on, Ordering::SeqCst);
     }
 
+    /// Sets the device memory the next checkpoints may use for shadow copies (copy-on-write by a
+    /// device-to-device copy); 0 disables shadows.
+    pub fn set_shadow_budget(&self, bytes: u64) {
+        self.inner.shadow_budget.store(bytes, Ordering::SeqCst);
+    }
+
     /// Waits until the device is idle: the job's streams possum knows, then everything queued on
     /// the device by anyone. For a job whose operations possum does not see (no hooks), held at
     /// the CPU level: what it had queued must be done before its buffers are copied.
@@ -707,6 +717,35 @@ impl<D: Device> Engine<D> {
             }
         }
         RestoreSession::begin(&self.inner, source)
+    }
+
+    /// Gives up on the memory detached buffers had kept (the keeper no longer has it, or a
+    /// restored job comes back from its image instead): every buffer becomes released, as after
+    /// [`Engine::release`], for [`Engine::restore`] from an image. Buffers attached again
+    /// meanwhile are released too. Only in the detached phase.
+    pub fn drop_detached(&self) -> Result<(), EngineError> {
+        {
+            let p = self.inner.phase.read();
+            if !matches!(&*p, Phase::Detached) {
+                return Err(EngineError::Busy {
+                    wanted: "drop detached buffers (they must be detached)",
+                    current: p.name(),
+                });
+            }
+        }
+        for b in self.inner.reg.read().iter() {
+            match b.residency() {
+                // The keeper may have lost it already: nothing more to free.
+                Residency::Detached => {
+                    let _ = self.inner.dev.forget(b.va(), b.mapped_size());
+                }
+                Residency::Mapped => self.inner.dev.unmap(b.va(), b.mapped_size())?,
+                Residency::Released => {}
+            }
+            b.set_residency(Residency::Released);
+        }
+        self.inner.set_phase(Phase::Released);
+        Ok(())
     }
 
     /// Current counters.

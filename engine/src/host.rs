@@ -211,6 +211,18 @@ impl HostDevice {
             .map_or(0, |k| k.lock().values().map(|m| m.size).sum())
     }
 
+    /// Simulates the keeper losing what it kept (its process gone): `reattach` then fails.
+    #[doc(hidden)]
+    pub fn lose_kept(&self) {
+        if let Some(k) = &self.space.kept {
+            let n: u64 = std::mem::take(&mut *k.lock())
+                .values()
+                .map(|m| m.size)
+                .sum();
+            self.space.used.fetch_sub(n, Ordering::Relaxed);
+        }
+    }
+
     fn with_space(capacity: u64, keeps: bool) -> Self {
         HostDevice {
             space: Arc::new(Space {
@@ -547,6 +559,25 @@ impl Device for HostDevice {
             Some(m) if m.size == size => {
                 let m = k.remove(&va.0).expect("checked above");
                 maps.insert(va.0, m);
+                Ok(())
+            }
+            _ => Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "no memory kept for it",
+            }),
+        }
+    }
+
+    fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let kept = self
+            .space
+            .kept
+            .as_ref()
+            .ok_or(DeviceError::Unsupported("forget"))?;
+        match kept.lock().remove(&va.0) {
+            Some(m) if m.size == size => {
+                self.space.used.fetch_sub(size, Ordering::Relaxed);
                 Ok(())
             }
             _ => Err(DeviceError::InvalidAddress {

@@ -890,3 +890,36 @@ fn a_buffer_freed_while_detached_leaves_nothing_kept() {
     assert_eq!(dev.read_now(b.va(), 16).unwrap(), vec![7u8; 16]);
     assert_eq!(dev.mapped_bytes(), b.mapped_size());
 }
+
+/// A detached job whose keeper lost its memory (or a job restored elsewhere) comes back from the
+/// image: reattach fails, the buffers are dropped to released and restored on demand.
+#[test]
+fn detached_buffers_the_keeper_lost_come_back_from_the_image() {
+    let p = demo_program(11);
+    let k = 25;
+    let dev = Arc::new(HostDevice::keeping(1 << 30));
+    let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let mut want = Reference::new(&p);
+    want.run_all(&p.ops);
+    for op in &p.ops[..k] {
+        job.issue(op).unwrap();
+    }
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.detach().unwrap();
+    dev.lose_kept();
+    assert!(e.reattach().is_err());
+    assert!(e.restore(store.clone()).is_err(), "restore while detached");
+    e.drop_detached().unwrap();
+    assert_eq!(e.stats().phase, "released");
+    assert_eq!(dev.mapped_bytes(), 0);
+    job.reset_deps();
+    let rs = e.restore(store).unwrap();
+    for op in &p.ops[k..] {
+        job.issue(op).unwrap();
+    }
+    job.sync().unwrap();
+    rs.wait().unwrap();
+    assert!(job.contents().unwrap() == want.bufs);
+}

@@ -29,9 +29,12 @@ pub fn start() {
                 Some(st) => st.trace_json(),
                 None => possum_control::error_reply("the job has not used CUDA yet"),
             },
-            Request::Checkpoint { dir } => crate::session::checkpoint(&dir),
+            Request::Checkpoint { dir } => crate::session::checkpoint(&dir, false),
+            Request::CheckpointKept { dir } => crate::session::checkpoint(&dir, true),
             Request::Release => crate::session::release(),
-            Request::Resume { dir } => crate::session::resume(dir.as_deref()),
+            Request::Resume { dir } => crate::session::resume(dir.as_deref(), false),
+            Request::ResumeAndSave { dir } => crate::session::resume(Some(&dir), true),
+            Request::Saved => crate::session::saved(),
             Request::Cupti { attach } => {
                 let r = if attach {
                     crate::cupti_attach()

@@ -107,6 +107,29 @@ impl Config {
     }
 }
 
+/// The keeper of device `ordinal`'s memory, if `POSSUM_KEEPER` names a keeper's directory
+/// (`possum run --keeper`). One that cannot be reached is logged and the job goes on without it.
+fn keeper_of(ordinal: usize) -> Option<Arc<dyn possum_cuda::owner::MemoryOwner>> {
+    let dir = std::env::var_os("POSSUM_KEEPER").filter(|d| !d.is_empty())?;
+    let path = std::path::Path::new(&dir).join(format!("keeper-{ordinal}.sock"));
+    match possum_keeper::KeeperMemory::connect(&path) {
+        Ok(k) => {
+            crate::log(&format!(
+                "device {ordinal}: buffer memory kept by the keeper at {}",
+                path.display()
+            ));
+            Some(Arc::new(k))
+        }
+        Err(e) => {
+            crate::log(&format!(
+                "device {ordinal}: no keeper ({e}); buffer memory is the job's own, so a \
+                 checkpoint copies it while the job is held"
+            ));
+            None
+        }
+    }
+}
+
 /// A device's engine and the job streams it knows.
 #[derive(Debug)]
 pub struct DevEngine {
@@ -926,6 +949,10 @@ impl State {
                 return Err(format!("the CUDA runtime failed to initialise (error {r})"));
             }
             let dev = CudaDevice::new(ordinal).map_err(|e| e.to_string())?;
+            let dev = match keeper_of(ordinal) {
+                Some(owner) => dev.with_owner(owner),
+                None => dev,
+            };
             let chunk = 8usize << 20;
             let cfg = EngineConfig {
                 chunk_size: chunk,

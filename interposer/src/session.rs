@@ -50,6 +50,26 @@ static OPEN: Mutex<Option<Open>> = Mutex::new(None);
 struct Open {
     dir: PathBuf,
     writers: Vec<(usize, Arc<ImageWriter>)>,
+    /// A kept checkpoint: the buffers' memory stays with the keeper at the release (detached,
+    /// nothing copied); `ResumeAndSave` saves them after the job runs again.
+    kept: bool,
+}
+
+/// Saving a kept checkpoint's buffers while the job runs (`ResumeAndSave` to `Saved`).
+#[derive(Debug, Clone)]
+enum Saving {
+    Idle,
+    Running,
+    Done(Value),
+    Failed(String),
+}
+
+static SAVING: Mutex<Saving> = Mutex::new(Saving::Idle);
+static SAVED_CV: Condvar = Condvar::new();
+
+fn set_saving(s: Saving) {
+    *SAVING.lock() = s;
+    SAVED_CV.notify_all();
 }
 /// How many times a held release tries before giving up (each attempt ended by the watchdog).
 const HOLD_ATTEMPTS: u32 = 3;
@@ -107,6 +127,12 @@ pub fn status_json() -> Value {
         "busy": *BUSY.lock(),
         "pause_waits": PAUSE_WAITS.load(Ordering::Relaxed),
         "pause_wait_ms": PAUSE_WAIT_NS.load(Ordering::Relaxed) as f64 / 1e6,
+        "saving": match &*SAVING.lock() {
+            Saving::Idle => Value::Null,
+            Saving::Running => json!("running"),
+            Saving::Done(_) => json!("done"),
+            Saving::Failed(e) => json!({"failed": e}),
+        },
         "last": LAST.lock().clone(),
     })
 }
@@ -183,11 +209,13 @@ fn note_last(key: &str, v: Value) {
 }
 
 /// `Checkpoint{dir}`: every engine's buffers at one T0 each, copied while the job runs.
-pub fn checkpoint(dir: &str) -> Value {
+/// `CheckpointKept{dir}` (`keep`): nothing copied now where every engine's memory is kept by a
+/// keeper (see [`release_kept`]).
+pub fn checkpoint(dir: &str, keep: bool) -> Value {
     if let Err(e) = absolute(Path::new(dir)) {
         return reply(Err(e));
     }
-    reply(checkpoint_inner(Path::new(dir)).inspect_err(|_| stop_tracking(&engines())))
+    reply(checkpoint_inner(Path::new(dir), keep).inspect_err(|_| stop_tracking(&engines())))
 }
 
 /// A request's image directory must be absolute: a relative one would be the job's working
@@ -216,8 +244,15 @@ fn stop_tracking(engines: &[Arc<DevEngine>]) {
     }
 }
 
-fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
+fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
     let _b = Busy::take("checkpoint")?;
+    if matches!(*SAVING.lock(), Saving::Running) {
+        return Err(
+            "the last checkpoint's buffers are still being saved; try again when \
+                    `possum checkpoint` has returned"
+                .into(),
+        );
+    }
     if crate::ab::running() {
         return Err(
             "POSSUM_AB_MS is set: possum's callbacks are switched off and on for an A/B \
@@ -237,7 +272,22 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
     // Without hooks nothing marks buffers dirty: no pre-copy, everything is copied at the release
     // with the job's threads parked (`release_held`).
     let hooks = crate::hooks_live();
-    for e in engines() {
+    let all = engines();
+    // Kept: every engine's buffer memory is the keeper's, and the hooks see the operations
+    // that write buffers (the save runs while the job does).
+    let kept = keep
+        && hooks
+        && !all.is_empty()
+        && all.iter().all(|e| {
+            use possum_engine::device::Device;
+            e.engine.device().keeps_memory()
+        });
+    for e in all {
+        // A kept checkpoint's images are made at the save, after CRIU's dump: an image file
+        // open during the dump would be in CRIU's image, to be reopened at its restore.
+        if kept {
+            continue;
+        }
         let writer = new_writer(dir, e.ordinal)?;
         if !hooks {
             open.push((e.ordinal, writer));
@@ -263,8 +313,9 @@ fn checkpoint_inner(dir: &Path) -> Result<Value, String> {
     *OPEN.lock() = Some(Open {
         dir: dir.to_path_buf(),
         writers: open,
+        kept,
     });
-    let v = json!({"precopy": out, "hooks": hooks, "ms": ms(t.elapsed())});
+    let v = json!({"precopy": out, "hooks": hooks, "kept": kept, "ms": ms(t.elapsed())});
     *LAST.lock() = json!({"checkpoint": v});
     Ok(v)
 }
@@ -280,11 +331,19 @@ fn release_inner() -> Result<Value, String> {
         return Err("the job is already paused (released)".into());
     }
     let t = Instant::now();
-    let Open { dir, writers: open } = OPEN.lock().take().unwrap_or(Open {
+    let Open {
+        dir,
+        writers: open,
+        kept,
+    } = OPEN.lock().take().unwrap_or(Open {
         dir: PathBuf::new(),
         writers: Vec::new(),
+        kept: false,
     });
     let engines = engines();
+    if kept {
+        return release_kept(dir, open, &engines, t);
+    }
     if engines
         .iter()
         .any(|e| !open.iter().any(|(o, _)| *o == e.ordinal))
@@ -333,6 +392,61 @@ fn release_inner() -> Result<Value, String> {
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
                    "staging_freed_bytes": staging_freed,
                    "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
+    note_last("release", v.clone());
+    Ok(v)
+}
+
+/// `Release` of a kept checkpoint: pause the job's GPU operations (T0) and detach every
+/// engine's buffers, their memory left with the keeper, contents as at T0; nothing is copied.
+/// The images stay open for `ResumeAndSave`. On a failure every buffer is attached again and
+/// the job goes on.
+fn release_kept(
+    dir: PathBuf,
+    open: Vec<(usize, Arc<ImageWriter>)>,
+    engines: &[Arc<DevEngine>],
+    t: Instant,
+) -> Result<Value, String> {
+    set_paused(true);
+    let mut bytes = 0u64;
+    let mut done: Vec<&Arc<DevEngine>> = Vec::new();
+    for e in engines {
+        match e.engine.detach() {
+            Ok(b) => {
+                bytes += b;
+                done.push(e);
+            }
+            Err(err) => {
+                for d in &done {
+                    if let Err(again) = d.engine.reattach() {
+                        crate::log(&format!("device {}: reattach: {again}", d.ordinal));
+                    }
+                }
+                stop_tracking(engines);
+                unpause_job();
+                return Err(format!("device {}: detach: {err}", e.ordinal));
+            }
+        }
+    }
+    let detached_ms = ms(t.elapsed());
+    // The pinned staging would be in CRIU's image: freed, allocated again for the save.
+    let mut staging_freed = 0;
+    if crate::runtime::state().cfg.staging_park {
+        for e in engines {
+            staging_freed += e
+                .engine
+                .park_staging(std::time::Duration::from_secs(5))
+                .unwrap_or(0);
+        }
+    }
+    *OPEN.lock() = Some(Open {
+        dir,
+        writers: open,
+        kept: true,
+    });
+    let v = json!({"kept_bytes": bytes, "detach_ms": detached_ms, "final_copy_ms": 0.0,
+                   "released_bytes": 0, "staging_freed_bytes": staging_freed,
+                   "devices": engines.iter().map(|e| e.ordinal).collect::<Vec<_>>(),
+                   "ms": ms(t.elapsed())});
     note_last("release", v.clone());
     Ok(v)
 }
@@ -498,17 +612,59 @@ fn copy_all(
     Ok(out)
 }
 
-/// `Resume{dir}`: install each released engine's on-demand restore from `dir`, then unpause.
-pub fn resume(dir: Option<&str>) -> Value {
-    reply(resume_inner(dir.map(Path::new)))
+/// `Resume{dir}`: attach each detached engine's buffers again, install each released engine's
+/// on-demand restore from `dir`, then unpause. `ResumeAndSave{dir}` (`save`): for a kept
+/// checkpoint into `dir`, also start saving the buffers as they were at the release, while the
+/// job runs ([`saved`] waits for it).
+pub fn resume(dir: Option<&str>, save: bool) -> Value {
+    reply(resume_inner(dir.map(Path::new), save))
 }
 
-fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
+fn resume_inner(dir: Option<&Path>, save: bool) -> Result<Value, String> {
     if let Some(d) = dir {
         absolute(d)?;
     }
     let _b = Busy::take("resume")?;
     let t = Instant::now();
+    // Detached buffers first: their memory is on the GPU, kept by the keeper.
+    // Where the keeper no longer has them (a job restored from its image after the original
+    // ran on and took them back, or the keeper gone), they come back from the image instead.
+    let mut attached = Vec::new();
+    let mut from_image = Vec::new();
+    for e in engines() {
+        if e.engine.stats().phase != "detached" {
+            continue;
+        }
+        match e.engine.reattach() {
+            Ok(_) => attached.push(e.ordinal),
+            Err(err) => {
+                crate::log(&format!(
+                    "device {}: the keeper no longer has its buffers ({err}); they come back \
+                     from the image",
+                    e.ordinal
+                ));
+                e.engine.drop_detached().map_err(|err| {
+                    format!("device {}: dropping its detached buffers: {err}", e.ordinal)
+                })?;
+                from_image.push(e.ordinal);
+            }
+        }
+    }
+    let attach_ms = ms(t.elapsed());
+    let open = OPEN.lock().take();
+    let saving = match (save, open) {
+        (false, _) => Vec::new(),
+        (true, Some(o)) if o.kept && Some(o.dir.as_path()) == dir => start_save(&o.dir),
+        (true, _) => {
+            let why = format!(
+                "no kept checkpoint into {} to save",
+                dir.map(|d| d.display().to_string()).unwrap_or_default()
+            );
+            set_saving(Saving::Failed(why.clone()));
+            crate::log(&why);
+            Vec::new()
+        }
+    };
     // Without hooks no operation waits for its buffers: they are all back before this answers.
     let hooks = crate::hooks_live();
     let mut out = Vec::new();
@@ -566,8 +722,119 @@ fn resume_inner(dir: Option<&Path>) -> Result<Value, String> {
             });
         out.push(ordinal);
     }
+    let saving_devices: Vec<usize> = saving.iter().map(|(o, _, _)| *o).collect();
     unpause_job();
-    Ok(json!({"restoring": out, "on_demand": hooks, "ms": ms(t.elapsed())}))
+    if !saving.is_empty() {
+        let _ = std::thread::Builder::new()
+            .name("possum-save-wait".into())
+            .spawn(move || finish_save(saving));
+    }
+    Ok(
+        json!({"restoring": out, "on_demand": hooks, "attached": attached,
+              "kept_memory_gone": from_image,
+              "attach_ms": attach_ms, "saving": saving_devices, "ms": ms(t.elapsed())}),
+    )
+}
+
+type Saves = Vec<(
+    usize,
+    Arc<ImageWriter>,
+    possum_engine::checkpoint::CheckpointHandle,
+)>;
+
+/// With the job still paused (its buffers as at the release): starts every engine's checkpoint
+/// into a new image under `dir`, a concurrent one (copy-on-write ahead of the job's writes).
+fn start_save(dir: &Path) -> Saves {
+    set_saving(Saving::Running);
+    let engines = engines();
+    let mut started = Vec::new();
+    for e in &engines {
+        let ordinal = e.ordinal;
+        e.engine.set_shadow_budget(shadow_budget(e));
+        let begun = new_writer(dir, ordinal).and_then(|writer| {
+            let sink: Arc<dyn ChunkSink> = writer.clone();
+            e.engine
+                .checkpoint(sink, false)
+                .map(|h| (writer, h))
+                .map_err(|err| err.to_string())
+        });
+        match begun {
+            Ok((writer, h)) => started.push((ordinal, writer, h)),
+            Err(err) => {
+                // The others run to their end (their images are thrown away).
+                let why = format!("device {ordinal}: saving: {err}");
+                crate::log(&why);
+                for (_, _, h) in started.drain(..) {
+                    let _ = h.wait();
+                }
+                stop_tracking(&engines);
+                set_saving(Saving::Failed(why));
+                return Vec::new();
+            }
+        }
+    }
+    started
+}
+
+/// Device memory a save may use for shadow copies: `POSSUM_SHADOW_MIB` if set, else half of
+/// what is free on the device beyond 2 GiB.
+fn shadow_budget(e: &DevEngine) -> u64 {
+    use possum_engine::device::Device;
+    if let Some(mib) = std::env::var("POSSUM_SHADOW_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        return mib << 20;
+    }
+    let free = e.engine.device().memory_info().map_or(0, |(free, _)| free);
+    free.saturating_sub(2 << 30) / 2
+}
+
+/// Waits for the saves, commits their images, and says so to [`saved`].
+fn finish_save(saves: Saves) {
+    let t = Instant::now();
+    let mut out = Vec::new();
+    let mut failed = None;
+    for (ordinal, writer, h) in saves {
+        match h.wait() {
+            Ok(r) => match commit(ordinal, writer) {
+                Ok(summary) => out.push(json!({
+                    "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
+                    "ms": ms(r.elapsed), "cow_priority": r.cow_priority,
+                    "cow_shadow": r.cow_shadow, "shadow_peak": r.shadow_peak,
+                    "image_bytes": summary.data_file_bytes,
+                    "gb_per_s": r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9,
+                })),
+                Err(e) => failed = failed.or(Some(e)),
+            },
+            Err(e) => failed = failed.or(Some(format!("device {ordinal}: saving: {e}"))),
+        }
+    }
+    stop_tracking(&engines());
+    match failed {
+        Some(why) => {
+            crate::log(&format!("saving the kept checkpoint failed: {why}"));
+            set_saving(Saving::Failed(why));
+        }
+        None => {
+            let v = json!({"saved": out, "ms": ms(t.elapsed())});
+            note_last("saved", v.clone());
+            set_saving(Saving::Done(v));
+        }
+    }
+}
+
+/// `Saved`: waits until the save `ResumeAndSave` started is over; its figures, or why it failed.
+pub fn saved() -> Value {
+    let mut g = SAVING.lock();
+    while matches!(*g, Saving::Running) {
+        SAVED_CV.wait(&mut g);
+    }
+    reply(match &*g {
+        Saving::Done(v) => Ok(v.clone()),
+        Saving::Failed(e) => Err(e.clone()),
+        Saving::Idle | Saving::Running => Err("no save was started in this job".into()),
+    })
 }
 
 /// Operations the job enqueued on a per-thread default stream so far.

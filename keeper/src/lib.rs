@@ -74,7 +74,7 @@ pub enum Request {
         id: u64,
     },
     /// Take a retained allocation back: it becomes this connection's (no longer retained), and
-    /// the reply carries a new fd for it, like `alloc`'s.
+    /// the reply carries a new fd for it, like `alloc`'s. Only the process that retained it may.
     Reclaim {
         /// The allocation.
         id: u64,
@@ -171,7 +171,8 @@ pub enum KeeperError {
     /// No allocation has this id (or it is not in the state the request needs).
     #[error("no allocation {0}")]
     NoSuchAllocation(u64),
-    /// `release_retained` of an allocation that is not retained.
-    #[error("allocation {0} is not retained")]
+    /// `release_retained` of an allocation that is not retained (or `reclaim` of one another
+    /// process retained).
+    #[error("allocation {0} is not retained (by this process)")]
     NotRetained(u64),
 }

@@ -4,8 +4,8 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-use possum_cuda::owner::{owner_error, MemoryOwner, Owned};
-use possum_engine::device::DeviceResult;
+use possum_cuda::owner::{owner_error, MemoryOwner, Owned, UNREACHABLE};
+use possum_engine::device::{DeviceError, DeviceResult};
 
 use crate::{Keeper, KeeperError};
 
@@ -43,7 +43,11 @@ impl KeeperMemory {
         let mut g: MutexGuard<'_, Option<Keeper>> =
             self.conn.lock().unwrap_or_else(|p| p.into_inner());
         if g.is_none() {
-            let k = Keeper::connect(&self.path).map_err(|e| owner_error(what, e.to_string()))?;
+            let k = Keeper::connect(&self.path).map_err(|e| DeviceError::Backend {
+                call: what,
+                code: UNREACHABLE,
+                message: e.to_string(),
+            })?;
             *g = Some(k);
         }
         let k = g.as_mut().expect("connected above");
@@ -81,5 +85,9 @@ impl MemoryOwner for KeeperMemory {
 
     fn disconnect(&self) {
         *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn unreachable(&self, e: &DeviceError) -> bool {
+        matches!(e, DeviceError::Backend { code, .. } if *code == UNREACHABLE)
     }
 }

@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use possum_cuda::share::{ShareDevice, SharedMem};
@@ -25,7 +25,11 @@ pub struct Server {
 struct Inner {
     listener: UnixListener,
     path: PathBuf,
-    dev: ShareDevice,
+    /// The device, opened at the first request that needs it (a keeper serving every GPU of a
+    /// machine makes a context only on those its jobs use).
+    dev: OnceLock<ShareDevice>,
+    ordinal: usize,
+    dev_init: Mutex<()>,
     uid: u32,
     next_conn: AtomicU64,
     state: Mutex<State>,
@@ -50,7 +54,13 @@ struct Alloc {
 impl Server {
     /// Opens device `device` and listens at `path` (a stale socket file there is replaced).
     pub fn bind(path: &Path, device: usize) -> Result<Server, KeeperError> {
-        let dev = ShareDevice::open(device)?;
+        let s = Self::bind_lazy(path, device)?;
+        s.inner.dev()?;
+        Ok(s)
+    }
+
+    /// Listens at `path` for device `device`, which is opened at the first request that needs it.
+    pub fn bind_lazy(path: &Path, device: usize) -> Result<Server, KeeperError> {
         let sock_err = |op, source| KeeperError::Socket {
             path: path.to_path_buf(),
             op,
@@ -66,7 +76,9 @@ impl Server {
             inner: Arc::new(Inner {
                 listener,
                 path: path.to_path_buf(),
-                dev,
+                dev: OnceLock::new(),
+                ordinal: device,
+                dev_init: Mutex::new(()),
                 uid: nix::unistd::geteuid().as_raw(),
                 next_conn: AtomicU64::new(1),
                 state: Mutex::new(State::default()),
@@ -122,7 +134,7 @@ impl Server {
 
     /// (free, total) bytes of the keeper's device, as the driver says.
     pub fn device_mem_info(&self) -> Result<(u64, u64), KeeperError> {
-        Ok(self.inner.dev.mem_info()?)
+        Ok(self.inner.dev()?.mem_info()?)
     }
 
     /// Reads `len` bytes at `offset` of allocation `id`, through a mapping of the keeper's own.
@@ -132,7 +144,7 @@ impl Server {
             .allocs
             .get(&id)
             .ok_or(KeeperError::NoSuchAllocation(id))?;
-        let res = self.inner.dev.reserve(a.mem.size())?;
+        let res = self.inner.dev()?.reserve(a.mem.size())?;
         let m = a.mem.map(&res, 0)?;
         let mut out = vec![0u8; len];
         m.read(offset, &mut out)?;
@@ -141,6 +153,18 @@ impl Server {
 }
 
 impl Inner {
+    fn dev(&self) -> Result<&ShareDevice, KeeperError> {
+        if let Some(d) = self.dev.get() {
+            return Ok(d);
+        }
+        let _g = self.dev_init.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = self.dev.get() {
+            return Ok(d);
+        }
+        let d = ShareDevice::open(self.ordinal)?;
+        Ok(self.dev.get_or_init(|| d))
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -222,7 +246,8 @@ impl Inner {
         let ok = json!({ "ok": true });
         match req {
             Request::Alloc { size } => {
-                let g = self.dev.granularity();
+                let dev = self.dev()?;
+                let g = dev.granularity();
                 let rounded =
                     size.max(1)
                         .checked_next_multiple_of(g)
@@ -230,7 +255,7 @@ impl Inner {
                             request: "alloc",
                             detail: format!("size {size} too large"),
                         })?;
-                let mem = self.dev.create(rounded)?;
+                let mem = dev.create(rounded)?;
                 let fd = mem.export()?;
                 let mut st = self.lock();
                 st.next_id += 1;
@@ -268,7 +293,9 @@ impl Inner {
                     .allocs
                     .get_mut(&id)
                     .ok_or(KeeperError::NoSuchAllocation(id))?;
-                if !a.retained {
+                // Only the process that retained it takes it back (a job restored by CRIU has
+                // its pid again).
+                if !a.retained || a.retained_by != pid {
                     return Err(KeeperError::NotRetained(id));
                 }
                 let fd = a.mem.export()?;

@@ -43,6 +43,11 @@ pub struct RunArgs {
     /// Removed (possum no longer uses CUPTI by default); kept only to say so (`crate::parse`).
     #[arg(long, hide = true)]
     pub no_cupti: bool,
+    /// Keep the job's GPU buffers in a keeper process (started here, ended with the job): a
+    /// checkpoint that leaves the job running then holds it only for the driver's checkpoint and
+    /// CRIU, its buffers left on the GPU, and saves them while it runs on (sets POSSUM_KEEPER).
+    #[arg(long)]
+    pub keeper: bool,
     /// Print the job's pid and control socket on stderr.
     #[arg(short, long)]
     pub verbose: bool,
@@ -116,6 +121,20 @@ pub fn run(a: &RunArgs) -> Result<u8> {
         cmd.env("POSSUM_TRACE", t);
     }
 
+    let keeper = if a.keeper {
+        match start_keeper(&exe, &socket_dir) {
+            Ok(k) => {
+                cmd.env(KEEPER_ENV, &k.dir);
+                Some(k)
+            }
+            Err(e) => {
+                eprintln!("possum: no keeper ({e:#}); the job runs without one");
+                None
+            }
+        }
+    } else {
+        None
+    };
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot execute `{}`", prog.to_string_lossy()))?;
@@ -128,7 +147,51 @@ pub fn run(a: &RunArgs) -> Result<u8> {
     }
     forward_signals(child.id());
     let status = child.wait().context("waiting for the job")?;
+    drop(keeper);
     Ok(exit_code(status))
+}
+
+/// The environment variable naming the keeper's socket directory (libpossum.so reads it).
+const KEEPER_ENV: &str = "POSSUM_KEEPER";
+
+/// A keeper started for one job; ended (and its directory removed) when dropped.
+struct KeeperChild {
+    child: std::process::Child,
+    dir: PathBuf,
+}
+
+impl Drop for KeeperChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Starts `possum keeper --dir` for the job (its own process group: a Ctrl-C at the terminal
+/// reaches the job, not the memory it keeps) and waits until it listens.
+fn start_keeper(exe: &Path, socket_dir: &Path) -> Result<KeeperChild> {
+    use std::io::BufRead;
+    let dir = socket_dir.join(format!("keeper-{}", std::process::id()));
+    let mut cmd = Command::new(exe);
+    cmd.arg("keeper")
+        .arg("--dir")
+        .arg(&dir)
+        .arg("--while-alive")
+        .arg(std::process::id().to_string())
+        .stdout(std::process::Stdio::piped());
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd.spawn().context("starting `possum keeper`")?;
+    let out = child.stdout.take().context("the keeper's stdout")?;
+    let k = KeeperChild { child, dir };
+    let mut line = String::new();
+    std::io::BufReader::new(out)
+        .read_line(&mut line)
+        .context("waiting for the keeper")?;
+    if line.trim() != "ready" {
+        bail!("the keeper exited before it was ready (see its message above)");
+    }
+    Ok(k)
 }
 
 /// `--lib`, else `$POSSUM_LIB` (each used as given: not found is an error), else libpossum.so

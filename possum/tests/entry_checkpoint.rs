@@ -724,3 +724,89 @@ fn plain_criu_round_trip(pass_dir: bool) {
     }
     restored_goes_on(&mut job, dir, &want);
 }
+
+/// `possum run --keeper`'s path (issue 14): the job's buffer memory is a keeper's (`possum
+/// keeper --dir`, `POSSUM_KEEPER`), so `possum checkpoint --leave-running` holds the job without
+/// copying anything (its buffers detached, left with the keeper through the driver's checkpoint
+/// and CRIU's dump), resumes it, and saves the buffers as they were at the hold while it runs on.
+/// The job goes on bit-exact; killed and restored from that image, it goes on bit-exact again
+/// (so the image is the state at the hold); the keeper then holds only the restored job's memory.
+#[test]
+fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
+    let Some((tmp, lib)) = setup("keeper_checkpoint", "possum-keeper-ckpt-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let keeper_dir = dir.join("keeper");
+    let mut keeper = possum(dir)
+        .args(["keeper", "--dir"])
+        .arg(&keeper_dir)
+        .env("LD_LIBRARY_PATH", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(keeper.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    let _keeper = Kill(keeper);
+    assert_eq!(ready.trim(), "ready");
+    let keeper_sock = keeper_dir.join("keeper-0.sock");
+
+    let mut reference = Job::start(dir, "reference", None);
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+    let keeper_env = keeper_dir.to_str().unwrap();
+    let mut job = Job::spawn(dir, "job", Some(&lib), &[("POSSUM_KEEPER", keeper_env)]);
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    let held = |k: &mut possum_keeper::Keeper, pid: i32| {
+        k.stats().unwrap().clients.get(&pid).map_or(0, |u| u.bytes)
+    };
+    let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
+    let before = held(&mut k, job.pid);
+    assert!(
+        before >= 3 * (2 << 20),
+        "the keeper holds {before} bytes of the job's"
+    );
+
+    let img = dir.join("img");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    assert_eq!(v["kept"], serde_json::json!([job.pid]), "{v}");
+    let rel = &v["release_report"];
+    assert_eq!(rel["released_bytes"], 0, "{v}");
+    assert_eq!(rel["kept_bytes"], before, "{v}");
+    assert!(v["hold"].as_str().unwrap_or("").contains("keeper"), "{v}");
+    let saved = &v["saved_report"][0]["report"]["saved"][0];
+    assert_eq!(saved["buffers"], 3, "{v}");
+    assert!(img.join("gpu/gpu-0").is_dir());
+    assert!(count_files(&img.join("gpu"), ".bin") > 0, "no GPU data");
+    // The job holds its memory from the keeper again, the same amount.
+    assert_eq!(held(&mut k, job.pid), before);
+    assert_eq!(k.stats().unwrap().retained.allocations, 0);
+
+    goes_on_like(&mut job, dir, "left", &want, "left running");
+
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::fs::remove_dir_all(dir.join("sockets")).unwrap();
+    let r = json_of(
+        possum(dir).args(["restore", "--json", "-D"]).arg(&img),
+        &job,
+    );
+    assert_eq!(r["pid"], job.pid, "{r}");
+    restored_goes_on(&mut job, dir, &want);
+    drop(k);
+}

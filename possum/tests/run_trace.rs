@@ -291,7 +291,10 @@ fn trace_and_status_ask_the_job() {
             Request::Checkpoint { .. }
             | Request::Release
             | Request::Resume { .. }
-            | Request::Cupti { .. } => json!({"error": "not in this test"}),
+            | Request::Cupti { .. }
+            | Request::CheckpointKept { .. }
+            | Request::ResumeAndSave { .. }
+            | Request::Saved => json!({"error": "not in this test"}),
         }),
     )
     .unwrap();

@@ -228,6 +228,74 @@ fn resume_children(children: &[i32], dir: &Path, sockets: &Path, clock: &mut Clo
     Ok(())
 }
 
+/// A kept checkpoint after the CRIU dump: the driver restores and unlocks the tree, every
+/// possum process resumes from its GPU images under `tmp` (the kept ones attach their buffers
+/// and start saving them as of the hold), then waits until the saves are committed. (resume
+/// report of the root, saved reports.)
+#[allow(clippy::too_many_arguments)]
+fn resume_and_save(
+    side: &Option<(Criu, DriverCheckpoint)>,
+    pid: i32,
+    children: &[i32],
+    possum_children: &[i32],
+    kept: &[i32],
+    tmp: &Path,
+    sockets: &Path,
+    clock: &mut Clock,
+    guard: &mut Guard,
+) -> Result<(Value, Value)> {
+    if let Some((_, drv)) = side {
+        clock.time("driver_restore", || {
+            for &p in std::iter::once(&pid).chain(children) {
+                drv.restore(p, &[])?;
+            }
+            Ok(())
+        })?;
+        clock.time("driver_unlock", || {
+            for &p in std::iter::once(&pid).chain(children) {
+                drv.unlock(p)?;
+            }
+            Ok(())
+        })?;
+        guard.step(Step::Unlocked);
+    }
+    let mut root_report = Value::Null;
+    for &p in std::iter::once(&pid).chain(possum_children) {
+        let gpu = if p == pid {
+            tmp.join("gpu")
+        } else {
+            tmp.join(child_gpu_dir(p))
+        };
+        let dir = gpu.display().to_string();
+        let req = if kept.contains(&p) {
+            Request::ResumeAndSave { dir }
+        } else {
+            Request::Resume { dir: Some(dir) }
+        };
+        let r = clock
+            .time("resume", || ask(p, sockets, &req))
+            .map_err(|e| e.context(format!("resuming process {p}")))?;
+        if p == pid {
+            root_report = r;
+        }
+    }
+    guard.step(Step::Resumed);
+    let mut saved = Vec::new();
+    for &p in kept {
+        let r = clock
+            .time("saved", || {
+                possum_control::request(p as u32, sockets, &Request::Saved, SAVE_TIMEOUT)
+                    .map_err(|e| job_error(p, e))
+            })
+            .map_err(|e| e.context(format!("saving the GPU buffers of process {p}")))?;
+        saved.push(json!({"pid": p, "report": r}));
+    }
+    Ok((root_report, Value::Array(saved)))
+}
+
+/// How long `possum checkpoint` waits for a kept checkpoint's buffers to be saved.
+const SAVE_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// The temporary sibling of `dir` a checkpoint is written under.
 fn temp_sibling(dir: &Path) -> Result<PathBuf> {
     let name = dir
@@ -501,6 +569,9 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let mut engine_report = Value::Null;
     let mut release_report = Value::Null;
     let mut resume_report = Value::Null;
+    let mut saved_report = Value::Null;
+    // Processes whose checkpoint is kept (their buffers saved after the resume).
+    let mut kept: Vec<i32> = Vec::new();
     let manifest = |criu_dir: Option<String>| Manifest {
         possum_image: MANIFEST_VERSION,
         engine: a.engine,
@@ -526,15 +597,29 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             // The bar follows the copy: the pre-copy, or (a held job) the release.
             let show = !a.json && std::io::stderr().is_terminal();
             let mut bar = ProgressBar::start(show, managed, gpu.clone());
-            let req = Request::Checkpoint {
-                dir: gpu.display().to_string(),
+            // A job left running whose buffer memory a keeper holds: nothing copied before the
+            // hold, its buffers saved after it runs again (`kept`).
+            let snapshot = |dir: PathBuf| {
+                let dir = dir.display().to_string();
+                if a.leave_running && !a.gpu_only {
+                    Request::CheckpointKept { dir }
+                } else {
+                    Request::Checkpoint { dir }
+                }
             };
-            engine_report = clock.time("engine_snapshot", || ask(pid, &sockets, &req))?;
+            engine_report = clock.time("engine_snapshot", || {
+                ask(pid, &sockets, &snapshot(gpu.clone()))
+            })?;
+            if engine_report["kept"] == json!(true) {
+                kept.push(pid);
+            }
             for &c in &possum_children {
-                let req = Request::Checkpoint {
-                    dir: tmp.join(child_gpu_dir(c)).display().to_string(),
-                };
-                clock.time("engine_snapshot", || ask(c, &sockets, &req))?;
+                let r = clock.time("engine_snapshot", || {
+                    ask(c, &sockets, &snapshot(tmp.join(child_gpu_dir(c))))
+                })?;
+                if r["kept"] == json!(true) {
+                    kept.push(c);
+                }
             }
             if !held {
                 bar.finish();
@@ -593,6 +678,34 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             )));
         }
     };
+    // A kept checkpoint's GPU images are complete only once saved, after the job runs again:
+    // it resumes from the temporary directory first, and the image is named after the save.
+    let kept_any = !kept.is_empty();
+    if kept_any {
+        let after = resume_and_save(
+            &side,
+            pid,
+            &children,
+            &possum_children,
+            &kept,
+            &tmp,
+            &sockets,
+            &mut clock,
+            &mut guard,
+        );
+        match after {
+            Ok((resumed, saved)) => {
+                resume_report = resumed;
+                saved_report = saved;
+            }
+            Err(e) => {
+                guard.undo();
+                return Err(e.context(
+                    "checkpoint failed after the job was held; the job runs on, no image was written",
+                ));
+            }
+        }
+    }
     // The image is complete: name it.
     let commit = clock.time("commit", || {
         // The figures are added once known (below); the image is complete without them.
@@ -619,6 +732,9 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     }
     guard.step(Step::Committed);
     let after = (|| -> Result<()> {
+        if kept_any {
+            return Ok(());
+        }
         if a.leave_running || a.gpu_only {
             if let Some((_, drv)) = &side {
                 clock.time("driver_restore", || {
@@ -666,17 +782,20 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let stall_criu = clock.get("criu_dump");
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
+    // A kept checkpoint names its image after the job runs again: not part of the stall.
+    let stall_commit = if kept_any {
+        Duration::ZERO
+    } else {
+        clock.get("commit")
+    };
     fig.insert(
         "stall_ms".into(),
-        json!(ms(stall_engine
-            + stall_driver
-            + stall_criu
-            + clock.get("commit"))),
+        json!(ms(stall_engine + stall_driver + stall_criu + stall_commit)),
     );
     fig.insert(
         "stall_breakdown_ms".into(),
         json!({"engine": ms(stall_engine), "driver": ms(stall_driver), "criu": ms(stall_criu),
-               "commit": ms(clock.get("commit"))}),
+               "commit": ms(stall_commit)}),
     );
     fig.insert("image_bytes".into(), json!(criu_bytes + gpu_bytes));
     fig.insert("criu_image_bytes".into(), json!(criu_bytes));
@@ -684,6 +803,11 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let (copied, copied_bytes) = copied_at_release(&release_report);
     let hold = match (a.engine, &hooks) {
         (EngineKind::Driver, _) | (_, None) => "driver lock".to_string(),
+        (EngineKind::Possum, Some(_)) if kept_any => {
+            "op gate: buffers left on the GPU with the keeper while held (nothing copied), \
+             saved as of the hold while the job ran on"
+                .to_string()
+        }
         (EngineKind::Possum, Some(h)) if !h.live => {
             "threads parked (hooks off): every buffer copied while held".to_string()
         }
@@ -700,6 +824,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         "hooks": hooks.as_ref().and_then(|h| h.mode.clone()),
         "hold": hold,
         "figures": fig, "engine_report": engine_report, "release_report": release_report,
+        "kept": kept, "saved_report": saved_report, "resume_report": resume_report,
     });
     // The figures also go into the image (best effort: the image is already complete).
     manifest.figures = out.clone();
@@ -730,7 +855,13 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             f("commit_ms"),
             f("total_ms")
         );
-        if a.engine == EngineKind::Possum && held {
+        if kept_any {
+            println!(
+                "  GPU buffers stayed on the GPU with the keeper while held; saved while the job \
+                 ran on ({:.0} ms after it resumed)",
+                f("saved_ms")
+            );
+        } else if a.engine == EngineKind::Possum && held {
             println!(
                 "  hooks off: the job's threads were parked, and every GPU buffer ({copied}, {}) \
                  was copied while they were",
