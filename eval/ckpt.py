@@ -99,8 +99,9 @@ def job_spec(spec):
     return job, {"PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF.get(alloc, alloc)}
 
 
-ENGINE_BASES = ("possum", "possum-hold", "driver", "gpu-only", "none", "possum-none")
-ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine flag), possum-hold "
+ENGINE_BASES = ("possum", "possum-keeper", "possum-hold", "driver", "gpu-only", "none", "possum-none")
+ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine flag), possum-keeper "
+               "(the same, the job's buffer memory kept by a keeper: `possum run --keeper`), possum-hold "
                "(POSSUM_HOOKS=off), driver, gpu-only; suffix -cupti (job with POSSUM_HOOKS=cupti), "
                "-frozen (extra state only read); none, possum-none (no checkpoint)")
 
@@ -121,12 +122,34 @@ def variant(name):
     env = {}
     if rest == "possum-hold":
         env["POSSUM_HOOKS"] = "off"
+    if rest == "possum-keeper":
+        env["POSSUM_KEEPER"] = KEEPER_DIR
     if cupti:
         env["POSSUM_HOOKS"] = "cupti"
         env["POSSUM_CUPTI"] = os.environ.get("CKPT_JOB_CUPTI") or CUPTI
-    ckpt = {"possum": "possum", "possum-hold": "possum", "driver": "driver", "gpu-only": "gpu-only"}.get(rest)
+    ckpt = {"possum": "possum", "possum-keeper": "possum", "possum-hold": "possum", "driver": "driver", "gpu-only": "gpu-only"}.get(rest)
     return {"name": name, "base": rest, "ckpt": ckpt, "possum": rest not in ("driver", "none"),
             "env": env, "frozen": frozen}
+
+
+KEEPER_DIR = os.path.join(WORK, "keeper")
+KEEPER = []
+
+
+def ensure_keeper():
+    """One keeper for the whole run (`possum keeper --dir`, what `possum run --keeper` starts per
+    job), serving every job of a possum-keeper variant; ended at exit."""
+    if KEEPER and KEEPER[0].poll() is None:
+        return
+    shutil.rmtree(KEEPER_DIR, ignore_errors=True)
+    k = subprocess.Popen([POSSUM, "keeper", "--dir", KEEPER_DIR], stdout=subprocess.PIPE,
+                         stderr=open(os.path.join(WORK, "keeper.err"), "a"), text=True,
+                         start_new_session=True)
+    line = k.stdout.readline().strip()
+    if line != "ready":
+        raise RuntimeError(f"the keeper did not start: {open(os.path.join(WORK, 'keeper.err')).read()[-800:]}")
+    KEEPER[:] = [k]
+    atexit.register(lambda: (k.kill(), k.wait()))
 
 
 def job_env(possum_loaded, extra=None):
@@ -138,6 +161,9 @@ def job_env(possum_loaded, extra=None):
         env["LD_PRELOAD"] = SO
         env["POSSUM_SOCKET_DIR"] = SOCK
     env.update(extra or {})
+    if possum_loaded and os.environ.get("CKPT_JOB_ENV"):
+        # Extra possum variables for every job under possum ("K=V,K=V"), for tuning runs.
+        env.update(kv.split("=", 1) for kv in os.environ["CKPT_JOB_ENV"].split(",") if "=" in kv)
     return env
 
 
@@ -158,6 +184,8 @@ def start(name, spec, steps, possum, hold=0.0, sleep_ms=0.0, frozen=False, env=N
             os.remove(p)
     job, alloc = job_spec(spec)
     e = job_env(possum, {**alloc, **((env or {}) if possum else {})})
+    if "POSSUM_KEEPER" in e:
+        ensure_keeper()
     err = open(os.path.join(WORK, f"{name}.err"), "a")
     cmd = job_cmd(job, steps, log, hold, sleep_ms) + (["--ballast-frozen"] if frozen else [])
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
@@ -301,7 +329,8 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     at = sum(1 for r in read_log(log) if "step" in r)
     cj = ck["json"] or {}
     row["checkpoint"] = {"rc": ck["rc"], "hooks": cj.get("hooks"), "hold": cj.get("hold"),
-                         "figures": cj.get("figures"), "stderr": ck["stderr"] if ck["rc"] else None}
+                         "kept": cj.get("kept"), "figures": cj.get("figures"),
+                         "stderr": ck["stderr"] if ck["rc"] else None}
     try:
         p.wait(timeout=600)
     except subprocess.TimeoutExpired:
@@ -652,7 +681,8 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
         rows = read_log(log)
         stall, normal = stall_of(rows, t0, t1)
         row["timeline"] = timeline(rows, t0, t1)
-        if v["ckpt"] in ("gpu-only", "possum") and ck["rc"] == 0:
+        kept_ck = bool((ck["json"] or {}).get("kept"))
+        if v["ckpt"] in ("gpu-only", "possum") and ck["rc"] == 0 and not kept_ck:
             # The on-demand restore's own figures (bytes, time) after the left-running
             # checkpoint, once it has finished.
             row["engine_restore"], _ = restore_back(pid, timeout=120, poll_s=0.2)
@@ -665,6 +695,12 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
             row["hold_attempts_ended"] = len(rel.get("attempts") or [])
             row["parked_threads"] = (rel.get("parked") or {}).get("threads")
         figs = cj.get("figures") or {}
+        if cj.get("kept"):
+            # The keeper's path: nothing copied while held; the save ran after the resume.
+            saved = [((x.get("report") or {}).get("saved") or [{}])[0] for x in cj.get("saved_report") or []]
+            row["kept"] = {"kept_bytes": rel.get("kept_bytes"), "detach_ms": rel.get("detach_ms"),
+                           "attach_ms": (cj.get("resume_report") or {}).get("attach_ms"),
+                           "saved_ms": (cj.get("figures") or {}).get("saved_ms"), "save": saved}
         row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
                    possum_stall_ms=figs.get("stall_ms"), stall_parts_ms=figs.get("stall_breakdown_ms"),
                    hooks=cj.get("hooks"), hold=cj.get("hold"),
