@@ -29,6 +29,9 @@ driver refuses such a job), a `-frozen` suffix makes the extra state only read
   FIGURES_ENGINES by default; OUT/figures.json and OUT/figures.md, saved after every run.
 - errors: the error cases of `possum checkpoint`/`restore`: each must fail with a clear message,
   leave the job running and leave no image.
+- repeat: `--repeat N` (50) checkpoints with --leave-running of one MLP holding --gib (first value)
+  under the first of --engines (default possum-keeper): the GPU memory of the job and of the
+  keeper after each (nvidia-smi), to see that nothing grows. OUT/ckpt-repeat.jsonl.
 - probe: which variants of a possum'd job NVIDIA's driver checkpoint accepts (hooks entry/off,
   CUPTI subscribed with none/one/all callbacks, unsubscribed or finalized before the lock).
 - bench: the figures over a plan of (workload, GiB) cells x engines x reps as one document,
@@ -1146,6 +1149,56 @@ def migrate(a):
     return ok
 
 
+def gpu_memory_mib():
+    """{pid: MiB of GPU memory} of every compute process, from nvidia-smi."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    mem = {}
+    for line in out.strip().splitlines():
+        p, m = [x.strip() for x in line.split(",")]
+        mem[int(p)] = int(m)
+    return mem
+
+
+def repeat(a):
+    """`--repeat N` checkpoints (--leave-running) of one MLP holding --gib (first value) under the
+    first of --engines (default possum-keeper): after each, the GPU memory of the job and of the
+    keeper (nvidia-smi), the stall and the save. Growth is the last minus the first."""
+    engine = (a.engines or "possum-keeper").split(",")[0]
+    v = variant(engine)
+    gib = float(a.gib.split(",")[0])
+    name = f"repeat-{engine}"
+    img = os.path.join(WORK, f"img-{name}")
+    proc, log = start(name, "mlp", 10 ** 6, possum=v["possum"], hold=gib, sleep_ms=1, frozen=v["frozen"], env=v["env"])
+    pid = proc.pid
+    ok = wait_lines(log, 50, 300, proc, pid)
+    keeper = KEEPER[0].pid if KEEPER else None
+    base = gpu_memory_mib()
+    emit("repeat", {"i": 0, "engine": engine, "gib": gib, "job_mib": base.get(pid), "keeper_mib": base.get(keeper)})
+    n_ok = 0
+    for i in range(1, a.repeat + 1):
+        if not ok:
+            break
+        shutil.rmtree(img, ignore_errors=True)
+        t0 = time.time()
+        ck = checkpoint(pid, img, v["ckpt"], leave=True)
+        t1 = time.time()
+        at = sum(1 for r in read_log(log) if "step" in r)
+        ok = ck["rc"] == 0 and wait_lines(log, at + 20, 60, proc, pid)
+        mem = gpu_memory_mib()
+        cj = ck["json"] or {}
+        figs = cj.get("figures") or {}
+        n_ok += bool(ok)
+        emit("repeat", {"i": i, "ok": ok, "job_mib": mem.get(pid), "keeper_mib": mem.get(keeper),
+                        "stall_ms": figs.get("stall_ms"), "saved_ms": figs.get("saved_ms"),
+                        "total_ms": 1e3 * (t1 - t0), "kept": cj.get("kept"),
+                        "err": ck["stderr"][-600:] if ck["rc"] else None})
+    kill_job(proc, pid)
+    shutil.rmtree(img, ignore_errors=True)
+    print(f"repeat ({engine}, {gib:g} GiB): {n_ok}/{a.repeat} checkpoints ok", flush=True)
+    return n_ok == a.repeat
+
+
 def smoke(a):
     """One MLP trial per engine of --engines (checkpoint at step 20 with --leave-running, then the
     killed image restored)."""
@@ -1170,7 +1223,8 @@ def mode_defaults(a):
 
 def parser():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench", "probe", "migrate"])
+    ap.add_argument("mode", choices=["smoke", "correctness", "figures", "errors", "bench", "probe", "migrate", "repeat"])
+    ap.add_argument("--repeat", type=int, default=50, help="repeat: checkpoints of one job")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(GPU, "out"))
     ap.add_argument("--trials", default="20", help="correctness: trials per engine, comma-separated")
     ap.add_argument("--jobs", default=None,
@@ -1220,7 +1274,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     atexit.register(kill_live)
     ok = {"smoke": smoke, "correctness": correctness, "figures": figures, "errors": errors,
-          "bench": bench, "probe": probe, "migrate": migrate}[a.mode](a)
+          "bench": bench, "probe": probe, "migrate": migrate, "repeat": repeat}[a.mode](a)
     return 0 if ok in (None, True) else 1
 
 

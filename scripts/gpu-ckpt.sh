@@ -60,7 +60,7 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "SKIPPED: no GPU (nvidia-smi -L failed)"
     exit 0
 fi
-mode=${1:?usage: gpu-ckpt.sh --stage | smoke | correctness | figures | errors | bench | probe | migrate}
+mode=${1:?usage: gpu-ckpt.sh --stage | smoke | correctness | figures | errors | bench | probe | migrate | repeat}
 shift
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="$PATH:/usr/local/cuda/bin"
