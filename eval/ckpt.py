@@ -1212,6 +1212,8 @@ def mode_defaults(a):
     """Fills what a mode's defaults depend on: the engines (figures: FIGURES_ENGINES; bench,
     smoke, migrate: driver,possum; correctness: --engine unless --engines), the plan (figures: FIGURES_PLAN; bench: DEFAULT_PLAN) and the
     correctness jobs (CORRECTNESS_JOBS)."""
+    if a.engines is None and a.mode == "repeat":
+        a.engines = "possum-keeper"
     if a.engines is None and a.mode != "correctness":
         a.engines = FIGURES_ENGINES if a.mode == "figures" else "driver,possum"
     if a.bench_plan is None and not a.bench_jobs:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `possum run --keeper` end to end on the GPU machine (issue 14), from the build in .gpu/ (see
+# gpu-ckpt.sh --stage): an MLP holding 2 GiB started with `possum run --keeper` (which starts a
+# keeper for it), checkpointed with `possum checkpoint --leave-running` (kept: nothing copied
+# while held, saved after it runs on); the job must end with the lines of a run without possum,
+# and `possum run` must end its keeper with it. Writes $OUT/keeper-run.json (or .gpu/out/).
+# Without a GPU it says SKIPPED and exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
+prefix=/tmp/possum-criu
+[ -x "$prefix/bin/criu" ] || bash scripts/install-criu.sh --from-debs .gpu/criu-debs --prefix "$prefix" > /tmp/install-criu.log 2>&1 \
+    || { cat /tmp/install-criu.log; exit 1; }
+export POSSUM_CRIU="$prefix/bin/criu"
+res="${OUT:-.gpu/out}"; mkdir -p "$res"
+W=/dev/shm/possum-keeper-run; rm -rf "$W"; mkdir -p "$W/sockets"
+job=(python3 workloads/gpu/jobs.py mlp --steps 600 --hold-gib 2 --sleep-ms 10)
+"${job[@]}" --log "$W/ref.log" 2> "$W/ref.err"
+setsid .gpu/possum run --keeper --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job.log" 2> "$W/job.err" &
+run=$!
+for _ in $(seq 600); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
+pid=$(pgrep -f -n "jobs.py mlp --steps 600 --hold-gib 2 --sleep-ms 10 --log $W/job.log")
+keeper=$(pgrep -f -n "possum keeper --dir $W/sockets/keeper-")
+.gpu/possum checkpoint "$pid" -D "$W/img" --leave-running --json --socket-dir "$W/sockets" > "$W/ck.json" 2> "$W/ck.err"
+ck=$?
+wait "$run"; rc=$?
+sleep 1
+python3 - "$W" "$ck" "$rc" "$keeper" "$res/keeper-run.json" <<'PY'
+import json, os, sys
+w, ck, rc, keeper, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+rows = lambda p: [{k: v for k, v in json.loads(l).items() if k != "t"} for l in open(p) if l.strip()]
+ref, got = rows(f"{w}/ref.log"), rows(f"{w}/job.log")
+cj = json.load(open(f"{w}/ck.json")) if ck == 0 else {}
+doc = {"checkpoint_rc": ck, "run_rc": rc, "identical": ref == got, "lines": [len(ref), len(got)],
+       "kept": cj.get("kept"), "hold": cj.get("hold"), "figures": cj.get("figures"),
+       "keeper_gone_after_job": bool(keeper) and not os.path.exists(f"/proc/{keeper}"),
+       "keeper_pid": keeper, "ck_err": open(f"{w}/ck.err").read()[-800:],
+       "job_err": open(f"{w}/job.err").read()[-800:]}
+json.dump(doc, open(out, "w"), indent=1)
+print(json.dumps({k: doc[k] for k in ("checkpoint_rc", "run_rc", "identical", "lines", "kept", "keeper_gone_after_job")}))
+sys.exit(0 if ck == 0 and rc == 0 and doc["identical"] and doc["keeper_gone_after_job"] else 1)
+PY
