@@ -390,7 +390,9 @@ impl Device for CudaDevice {
         let mem = t.mappings.remove(&va.0).expect("checked above");
         let released = mem.release();
         if let (Some(owner), Some(id)) = (&self.owner, t.owned.remove(&va.0)) {
-            owner.free(id)?;
+            // Best effort: a keeper that is gone has freed it already (with this process's
+            // handle released, nothing refers to it any more).
+            let _ = owner.free(id);
         }
         released
     }
@@ -398,10 +400,16 @@ impl Device for CudaDevice {
     fn keeps_memory(&self) -> bool {
         // Every mapping's memory must be the owner's (some may have been made while it was out
         // of reach).
-        self.owner.is_some() && {
+        let Some(owner) = &self.owner else {
+            return false;
+        };
+        let all_owned = {
             let t = self.tables.lock();
             t.mappings.len() == t.owned.len()
-        }
+        };
+        // A keeper that died keeps nothing: the memory lives on only through this process's
+        // handles to it, which a detach would drop.
+        all_owned && owner.alive()
     }
 
     fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {

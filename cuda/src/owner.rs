@@ -35,6 +35,8 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     fn reclaim(&self, id: u64) -> DeviceResult<OwnedFd>;
     /// Closes the connection to the owner (the next call opens one again).
     fn disconnect(&self);
+    /// Whether the owner answers now (a connection is opened if none is).
+    fn alive(&self) -> bool;
     /// Whether `e` (from this owner) says the owner cannot be reached at all, rather than that
     /// it refused a request: the device then makes the memory itself.
     fn unreachable(&self, e: &DeviceError) -> bool;

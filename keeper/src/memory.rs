@@ -87,6 +87,10 @@ impl MemoryOwner for KeeperMemory {
         *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
+    fn alive(&self) -> bool {
+        self.with("keeper stats", |k| k.stats()).is_ok()
+    }
+
     fn unreachable(&self, e: &DeviceError) -> bool {
         matches!(e, DeviceError::Backend { code, .. } if *code == UNREACHABLE)
     }

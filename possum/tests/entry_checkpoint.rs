@@ -737,30 +737,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
         return;
     };
     let dir = tmp.path();
-    let keeper_dir = dir.join("keeper");
-    let mut keeper = possum(dir)
-        .args(["keeper", "--dir"])
-        .arg(&keeper_dir)
-        .env("LD_LIBRARY_PATH", dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    struct Kill(Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(keeper.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    let _keeper = Kill(keeper);
-    assert_eq!(ready.trim(), "ready");
+    let (_keeper, keeper_dir) = start_keeper(dir);
     let keeper_sock = keeper_dir.join("keeper-0.sock");
 
     let mut reference = Job::start(dir, "reference", None);
@@ -809,4 +786,127 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     assert_eq!(r["pid"], job.pid, "{r}");
     restored_goes_on(&mut job, dir, &want);
     drop(k);
+}
+
+/// A keeper process ended when dropped.
+struct KeeperProcess(Child);
+
+impl Drop for KeeperProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `possum keeper --dir DIR/keeper` on the fake driver, once it is ready: (the process, DIR/keeper).
+fn start_keeper(dir: &Path) -> (KeeperProcess, PathBuf) {
+    let keeper_dir = dir.join("keeper");
+    let mut keeper = possum(dir)
+        .args(["keeper", "--dir"])
+        .arg(&keeper_dir)
+        .env("LD_LIBRARY_PATH", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(keeper.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    (KeeperProcess(keeper), keeper_dir)
+}
+
+/// Faults around a kept checkpoint (issue 14): `possum checkpoint --leave-running` of a job whose
+/// memory a keeper holds, killed at moments spread over the whole checkpoint (before the hold,
+/// with the buffers detached and the driver's and CRIU's steps running, while the buffers are
+/// saved): the job always goes on, and DIR is absent or a complete image. Then the keeper itself
+/// is killed: the job goes on on the memory it had mapped, and its next checkpoint copies
+/// instead. At the end the job's data are exactly those of a run without possum.
+#[test]
+fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
+    let Some((tmp, lib)) = setup("keeper_faults", "possum-keeper-faults-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (keeper, keeper_dir) = start_keeper(dir);
+    let delays = [0u64, 30, 60, 100, 150, 200, 250, 300, 400, 500, 700];
+    let steps_between = 5 + delays.len() + 1;
+    let mut reference = Job::start(dir, "reference", None);
+    reference.run(
+        &format!("step {steps_between}"),
+        &format!("done {steps_between}"),
+    );
+    reference.run("step 3", &format!("done {}", steps_between + 3));
+    let want = reference.dump(&dir.join("reference-faults.bin"));
+    reference.run("exit", "bye");
+
+    let mut job = Job::spawn(
+        dir,
+        "job",
+        Some(&lib),
+        &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap())],
+    );
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    let mut done = 5;
+    let mut outcomes = Vec::new();
+    for (i, delay_ms) in delays.into_iter().enumerate() {
+        let img = dir.join(format!("img-{i}"));
+        let mut c = possum(dir)
+            .args([
+                "checkpoint",
+                &job.pid.to_string(),
+                "--leave-running",
+                "--json",
+                "-D",
+            ])
+            .arg(&img)
+            .arg("--socket-dir")
+            .arg(dir.join("sockets"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let _ = c.kill();
+        let _ = c.wait();
+        done += 1;
+        // The job answers: it was resumed (by the guard, if possum died while it was held).
+        job.run("step 1", &format!("done {done}"));
+        assert!(
+            !img.exists() || img.join("possum.json").is_file(),
+            "killed after {delay_ms} ms: an incomplete image under DIR's name"
+        );
+        outcomes.push(format!(
+            "{delay_ms} ms: {}",
+            if img.exists() { "image" } else { "none" }
+        ));
+    }
+    say(&format!(
+        "keeper_faults: possum killed after {}",
+        outcomes.join(", ")
+    ));
+
+    // The keeper killed while the job runs: it goes on, and a checkpoint copies its buffers.
+    drop(keeper);
+    done += 1;
+    job.run("step 1", &format!("done {done}"));
+    assert_eq!(done, steps_between);
+    let img = dir.join("img-after-keeper");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    assert_eq!(v["kept"], serde_json::json!([]), "{v}");
+    assert!(
+        v["release_report"]["released_bytes"].as_u64().unwrap_or(0) > 0,
+        "{v}"
+    );
+    job.run("step 3", &format!("done {}", steps_between + 3));
+    let got = job.dump(&dir.join("job-faults.bin"));
+    same(
+        &got,
+        &want,
+        "after the faults and a checkpoint without the keeper",
+    );
 }
