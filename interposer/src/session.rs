@@ -173,8 +173,11 @@ fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
 /// A new image of device `ordinal` under `dir`. No fsync: the commit happens while the job is
 /// paused; `possum checkpoint` makes the whole image durable once the job runs again.
 fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
+    // A data file per writer thread: on tmpfs, writes to one file are serialized (its inode
+    // lock), so fewer files than writers caps the copy (measured: 4 files, 12 writers, 9.5 GB/s).
     let opts = WriterOptions {
         fsync: false,
+        data_files: crate::runtime::state().cfg.writers,
         ..WriterOptions::default()
     };
     ImageWriter::create(&engine_image_dir(dir, ordinal), opts)
