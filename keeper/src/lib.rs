@@ -17,11 +17,13 @@
 //! ```
 //!
 //! `alloc` rounds the size up to the device's granularity (the reply says the size made). A failed
-//! request is answered `{"error":"..."}` and the connection goes on. When a connection closes, the
-//! allocations it made are freed, except those it retained, which stay (counted as `retained`)
-//! until some client of the same uid sends `release_retained` or takes them back (`reclaim`), or
-//! the process that retained them is gone (checked every [`ORPHAN_CHECK`]): a job that retains
-//! its memory for a driver checkpoint and dies before it reclaims it leaves nothing behind.
+//! request is answered `{"error":"..."}` and the connection goes on. An allocation belongs to the
+//! process that made it (the peer's pid), not to a connection: a client may connect for each
+//! request (a job does, so that no connection of its is open when it forks or is dumped). It is
+//! freed by `free`, or by `release_retained` once retained, or once its process is gone (checked
+//! every [`ORPHAN_CHECK`]). `retain` marks it held by no handle in its process (detached for a
+//! driver checkpoint); only that process may `reclaim` it (a job restored by CRIU has its pid
+//! again).
 //!
 //! The job's side is [`KeeperMemory`], the `possum_cuda::owner::MemoryOwner` a job's
 //! `CudaDevice` takes its buffers' memory from. The only `unsafe` is in the private `fdpass` module (taking ownership of the
@@ -63,7 +65,7 @@ pub enum Request {
         /// The allocation.
         id: u64,
     },
-    /// Keep an allocation when this client's connection ends (for a checkpoint).
+    /// Mark an allocation held by no handle in its process (detached for a checkpoint).
     Retain {
         /// The allocation.
         id: u64,
@@ -117,9 +119,9 @@ impl Usage {
 /// The reply to `stats`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {
-    /// Per connected client's pid: what it holds (its retained allocations included).
+    /// Per owning process: what it holds (its retained allocations included).
     pub clients: BTreeMap<i32, Usage>,
-    /// Retained allocations whose client has gone.
+    /// Retained allocations (of any process).
     pub retained: Usage,
     /// Everything the keeper holds.
     pub total: Usage,

@@ -2,29 +2,27 @@
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 
 use possum_cuda::owner::{owner_error, MemoryOwner, Owned, UNREACHABLE};
 use possum_engine::device::{DeviceError, DeviceResult};
 
 use crate::{Keeper, KeeperError};
 
-/// A connection to the keeper at a socket path, opened when first needed and again after
-/// [`MemoryOwner::disconnect`] (a job closes it before CRIU dumps it, so that its image holds no
-/// socket to the keeper).
+/// The keeper at a socket path, reached by a new connection for each request: no connection of
+/// the job's outlives a request, so none is inherited by a process it forks (a DataLoader worker)
+/// or found in its image by CRIU. The keeper owns the memory by the job's pid, not by connection.
 #[derive(Debug)]
 pub struct KeeperMemory {
     path: PathBuf,
-    conn: Mutex<Option<Keeper>>,
 }
 
 impl KeeperMemory {
-    /// Connects to the keeper at `path` now, so that a keeper that is not there is known at once.
+    /// Checks that the keeper at `path` answers now, so that a keeper that is not there is known
+    /// at once.
     pub fn connect(path: &Path) -> Result<KeeperMemory, KeeperError> {
-        let k = Keeper::connect(path)?;
+        Keeper::connect(path)?;
         Ok(KeeperMemory {
             path: path.to_path_buf(),
-            conn: Mutex::new(Some(k)),
         })
     }
 
@@ -33,30 +31,18 @@ impl KeeperMemory {
         &self.path
     }
 
-    /// Runs `f` on the connection (opened again if closed). A failed connection is dropped, so
-    /// the next call opens a new one.
+    /// Runs `f` on a new connection.
     fn with<T>(
         &self,
         what: &'static str,
         f: impl FnOnce(&mut Keeper) -> Result<T, KeeperError>,
     ) -> DeviceResult<T> {
-        let mut g: MutexGuard<'_, Option<Keeper>> =
-            self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        if g.is_none() {
-            let k = Keeper::connect(&self.path).map_err(|e| DeviceError::Backend {
-                call: what,
-                code: UNREACHABLE,
-                message: e.to_string(),
-            })?;
-            *g = Some(k);
-        }
-        let k = g.as_mut().expect("connected above");
-        f(k).map_err(|e| {
-            if matches!(e, KeeperError::Io { .. } | KeeperError::Protocol { .. }) {
-                *g = None;
-            }
-            owner_error(what, e.to_string())
-        })
+        let mut k = Keeper::connect(&self.path).map_err(|e| DeviceError::Backend {
+            call: what,
+            code: UNREACHABLE,
+            message: e.to_string(),
+        })?;
+        f(&mut k).map_err(|e| owner_error(what, e.to_string()))
     }
 }
 
@@ -83,9 +69,8 @@ impl MemoryOwner for KeeperMemory {
             .map(|(_, fd)| fd)
     }
 
-    fn disconnect(&self) {
-        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    }
+    /// Nothing to close: no connection outlives a request.
+    fn disconnect(&self) {}
 
     fn alive(&self) -> bool {
         self.with("keeper stats", |k| k.stats()).is_ok()

@@ -4,7 +4,6 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
@@ -31,7 +30,6 @@ struct Inner {
     ordinal: usize,
     dev_init: Mutex<()>,
     uid: u32,
-    next_conn: AtomicU64,
     state: Mutex<State>,
 }
 
@@ -44,11 +42,10 @@ struct State {
 #[derive(Debug)]
 struct Alloc {
     mem: SharedMem,
-    /// (connection, pid) of the client that made it, while that connection lasts.
-    owner: Option<(u64, i32)>,
+    /// The process that made it (or took it back): it is freed once that process is gone.
+    pid: i32,
+    /// No handle to it in `pid` now (detached for a checkpoint); only `pid` may reclaim it.
     retained: bool,
-    /// The pid that retained it: once that process is gone, an orphan is freed.
-    retained_by: i32,
 }
 
 impl Server {
@@ -80,7 +77,6 @@ impl Server {
                 ordinal: device,
                 dev_init: Mutex::new(()),
                 uid: nix::unistd::geteuid().as_raw(),
-                next_conn: AtomicU64::new(1),
                 state: Mutex::new(State::default()),
             }),
         })
@@ -170,7 +166,6 @@ impl Inner {
     }
 
     fn connection(&self, stream: UnixStream) {
-        let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let pid = match getsockopt(&stream, PeerCredentials) {
             Ok(c) if c.uid() == self.uid => c.pid(),
             Ok(c) => {
@@ -190,12 +185,11 @@ impl Inner {
         };
         let hello = json!({ "keeper": 1, "pid": std::process::id() });
         if reply(&stream, &hello, None).is_ok() {
-            self.requests(&stream, conn, pid);
+            self.requests(&stream, pid);
         }
-        self.disconnected(conn);
     }
 
-    fn requests(&self, stream: &UnixStream, conn: u64, pid: i32) {
+    fn requests(&self, stream: &UnixStream, pid: i32) {
         let mut reader = BufReader::new(stream);
         loop {
             let mut line = Vec::new();
@@ -223,7 +217,7 @@ impl Inner {
                     continue;
                 }
             };
-            let sent = match self.handle(req, conn, pid) {
+            let sent = match self.handle(req, pid) {
                 Ok((v, Some(mem_fd))) => {
                     use std::os::fd::AsFd;
                     reply(stream, &v, Some(mem_fd.as_fd()))
@@ -240,7 +234,6 @@ impl Inner {
     fn handle(
         &self,
         req: Request,
-        conn: u64,
         pid: i32,
     ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
         let ok = json!({ "ok": true });
@@ -264,9 +257,8 @@ impl Inner {
                     id,
                     Alloc {
                         mem,
-                        owner: Some((conn, pid)),
+                        pid,
                         retained: false,
-                        retained_by: 0,
                     },
                 );
                 let a = Allocated { id, size: rounded };
@@ -284,7 +276,6 @@ impl Inner {
                     .get_mut(&id)
                     .ok_or(KeeperError::NoSuchAllocation(id))?;
                 a.retained = true;
-                a.retained_by = pid;
                 Ok((ok, None))
             }
             Request::Reclaim { id } => {
@@ -295,12 +286,11 @@ impl Inner {
                     .ok_or(KeeperError::NoSuchAllocation(id))?;
                 // Only the process that retained it takes it back (a job restored by CRIU has
                 // its pid again).
-                if !a.retained || a.retained_by != pid {
+                if !a.retained || a.pid != pid {
                     return Err(KeeperError::NotRetained(id));
                 }
                 let fd = a.mem.export()?;
                 a.retained = false;
-                a.owner = Some((conn, pid));
                 let r = Allocated {
                     id,
                     size: a.mem.size(),
@@ -323,30 +313,14 @@ impl Inner {
         }
     }
 
-    /// Frees what connection `conn` allocated and did not retain; its retained allocations are
-    /// orphaned (counted as `retained`).
-    fn disconnected(&self, conn: u64) {
-        let mut st = self.lock();
-        st.allocs.retain(|_, a| {
-            if !matches!(a.owner, Some((c, _)) if c == conn) {
-                return true;
-            }
-            if a.retained {
-                a.owner = None;
-                return true;
-            }
-            false
-        });
-    }
-
-    /// Frees retained allocations no connection holds whose retaining process is gone.
+    /// Frees the allocations whose process is gone.
     fn free_orphans_of_dead(&self) {
         let gone: Vec<Alloc> = {
             let mut st = self.lock();
             let dead: Vec<u64> = st
                 .allocs
                 .iter()
-                .filter(|(_, a)| a.owner.is_none() && a.retained && !alive(a.retained_by))
+                .filter(|(_, a)| !alive(a.pid))
                 .map(|(&id, _)| id)
                 .collect();
             dead.iter().filter_map(|id| st.allocs.remove(id)).collect()
@@ -361,13 +335,12 @@ impl Inner {
         for a in st.allocs.values() {
             let size = a.mem.size();
             s.total.add(size);
-            match a.owner {
-                Some((_, pid)) => s
-                    .clients
-                    .entry(pid)
-                    .or_insert_with(Usage::default)
-                    .add(size),
-                None => s.retained.add(size),
+            s.clients
+                .entry(a.pid)
+                .or_insert_with(Usage::default)
+                .add(size);
+            if a.retained {
+                s.retained.add(size);
             }
         }
         s
