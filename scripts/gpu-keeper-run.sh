@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `possum run --keeper` end to end on the GPU machine (issue 14), from the build in .gpu/ (see
-# gpu-ckpt.sh --stage): an MLP holding 2 GiB started with `possum run --keeper` (which starts a
+# `possum run` (with its default keeper) end to end on the GPU machine (issue 14), from the build in .gpu/ (see
+# gpu-ckpt.sh --stage): an MLP holding 2 GiB started with `possum run` (which by default starts a
 # keeper for it), checkpointed with `possum checkpoint --leave-running` (kept: nothing copied
 # while held, saved after it runs on); the job must end with the lines of a run without possum,
 # and `possum run` must end its keeper with it. Writes $OUT/keeper-run.json (or .gpu/out/).
@@ -16,7 +16,7 @@ res="${OUT:-.gpu/out}"; mkdir -p "$res"
 W=/dev/shm/possum-keeper-run; rm -rf "$W"; mkdir -p "$W/sockets"
 job=(python3 workloads/gpu/jobs.py mlp --steps 600 --hold-gib 2 --sleep-ms 10)
 "${job[@]}" --log "$W/ref.log" 2> "$W/ref.err"
-setsid .gpu/possum run --keeper --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job.log" 2> "$W/job.err" &
+setsid .gpu/possum run --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job.log" 2> "$W/job.err" &
 run=$!
 for _ in $(seq 600); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
 pid=$(pgrep -f -n "jobs.py mlp --steps 600 --hold-gib 2 --sleep-ms 10 --log $W/job.log")

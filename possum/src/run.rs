@@ -43,10 +43,15 @@ pub struct RunArgs {
     /// Removed (possum no longer uses CUPTI by default); kept only to say so (`crate::parse`).
     #[arg(long, hide = true)]
     pub no_cupti: bool,
-    /// Keep the job's GPU buffers in a keeper process (started here, ended with the job): a
-    /// checkpoint that leaves the job running then holds it only for the driver's checkpoint and
-    /// CRIU, its buffers left on the GPU, and saves them while it runs on (sets POSSUM_KEEPER).
+    /// Do not keep the job's GPU buffer memory in a keeper. By default `possum run` starts one
+    /// for the job (ended with it; or uses the one $POSSUM_KEEPER names), so that a checkpoint
+    /// that leaves the job running holds it only for the driver's checkpoint and CRIU, its
+    /// buffers left on the GPU, and saves them while it runs on. The keeper's own CUDA context
+    /// takes about 0.5 GiB of GPU memory.
     #[arg(long)]
+    pub no_keeper: bool,
+    /// The default (a keeper for the job); kept so that scripts that ask for it still run.
+    #[arg(long, hide = true, conflicts_with = "no_keeper")]
     pub keeper: bool,
     /// Print the job's pid and control socket on stderr.
     #[arg(short, long)]
@@ -121,23 +126,37 @@ pub fn run(a: &RunArgs) -> Result<u8> {
         cmd.env("POSSUM_TRACE", t);
     }
 
-    let keeper = if a.keeper {
+    // A keeper already serving (a long-lived one named by $POSSUM_KEEPER) is the job's as it
+    // inherits the variable; else one is started for the job.
+    let serving = std::env::var_os(KEEPER_ENV).is_some_and(|d| !d.is_empty());
+    // Said once the job has started (a job that cannot start gets only that error).
+    let mut keeper_note = None;
+    let keeper = if a.no_keeper {
+        cmd.env_remove(KEEPER_ENV);
+        None
+    } else if serving {
+        None
+    } else {
         match start_keeper(&exe, &socket_dir) {
             Ok(k) => {
                 cmd.env(KEEPER_ENV, &k.dir);
                 Some(k)
             }
             Err(e) => {
-                eprintln!("possum: no keeper ({e:#}); the job runs without one");
+                keeper_note = Some(format!(
+                    "possum: no keeper for the job ({e:#}); its checkpoints copy its GPU buffers \
+                     while it is held"
+                ));
                 None
             }
         }
-    } else {
-        None
     };
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot execute `{}`", prog.to_string_lossy()))?;
+    if let Some(n) = keeper_note {
+        eprintln!("{n}");
+    }
     if a.verbose {
         eprintln!(
             "possum: job pid {}, control socket {}",
@@ -168,10 +187,14 @@ impl Drop for KeeperChild {
     }
 }
 
+/// How long `possum run` waits for the keeper it started to listen.
+const KEEPER_START: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Starts `possum keeper --dir` for the job (its own process group: a Ctrl-C at the terminal
-/// reaches the job, not the memory it keeps) and waits until it listens.
+/// reaches the job, not the memory it keeps) and waits until it listens; its error, if it ends
+/// instead, in the returned one.
 fn start_keeper(exe: &Path, socket_dir: &Path) -> Result<KeeperChild> {
-    use std::io::BufRead;
+    use std::io::{BufRead, Read};
     let dir = socket_dir.join(format!("keeper-{}", std::process::id()));
     let mut cmd = Command::new(exe);
     cmd.arg("keeper")
@@ -179,19 +202,33 @@ fn start_keeper(exe: &Path, socket_dir: &Path) -> Result<KeeperChild> {
         .arg(&dir)
         .arg("--while-alive")
         .arg(std::process::id().to_string())
-        .stdout(std::process::Stdio::piped());
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let mut child = cmd.spawn().context("starting `possum keeper`")?;
     let out = child.stdout.take().context("the keeper's stdout")?;
+    let mut err = child.stderr.take().context("the keeper's stderr")?;
     let k = KeeperChild { child, dir };
-    let mut line = String::new();
-    std::io::BufReader::new(out)
-        .read_line(&mut line)
-        .context("waiting for the keeper")?;
-    if line.trim() != "ready" {
-        bail!("the keeper exited before it was ready (see its message above)");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    match rx.recv_timeout(KEEPER_START) {
+        Ok(line) if line.trim() == "ready" => {
+            // Its later messages (it prints none while it serves) are not waited for.
+            std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+            Ok(k)
+        }
+        Ok(_) => {
+            let mut why = String::new();
+            let _ = err.read_to_string(&mut why);
+            let why = why.trim().trim_start_matches("possum: error: ");
+            bail!("it did not start: {why}")
+        }
+        Err(_) => bail!("it did not listen within {KEEPER_START:?}"),
     }
-    Ok(k)
 }
 
 /// `--lib`, else `$POSSUM_LIB` (each used as given: not found is an error), else libpossum.so
