@@ -104,7 +104,7 @@ def job_spec(spec):
 
 ENGINE_BASES = ("possum", "possum-keeper", "possum-hold", "driver", "gpu-only", "none", "possum-none")
 ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine flag), possum-keeper "
-               "(the same, the job's buffer memory kept by a keeper: `possum run --keeper`), possum-hold "
+               "(the same, the job's buffer memory kept by a keeper: `possum run`'s default), possum-hold "
                "(POSSUM_HOOKS=off), driver, gpu-only; suffix -cupti (job with POSSUM_HOOKS=cupti), "
                "-frozen (extra state only read); none, possum-none (no checkpoint)")
 
@@ -140,7 +140,7 @@ KEEPER = []
 
 
 def ensure_keeper():
-    """One keeper for the whole run (`possum keeper --dir`, what `possum run --keeper` starts per
+    """One keeper for the whole run (`possum keeper --dir`, what `possum run` starts per
     job), serving every job of a possum-keeper variant; ended at exit."""
     if KEEPER and KEEPER[0].poll() is None:
         return

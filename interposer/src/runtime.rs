@@ -112,7 +112,7 @@ impl Config {
 }
 
 /// The keeper of device `ordinal`'s memory, if `POSSUM_KEEPER` names a keeper's directory
-/// (`possum run --keeper`). One that cannot be reached is logged and the job goes on without it.
+/// (`possum run` sets it unless `--no-keeper`). One that cannot be reached is logged and the job goes on without it.
 fn keeper_of(ordinal: usize) -> Option<Arc<dyn possum_cuda::owner::MemoryOwner>> {
     let dir = std::env::var_os("POSSUM_KEEPER").filter(|d| !d.is_empty())?;
     let path = std::path::Path::new(&dir).join(format!("keeper-{ordinal}.sock"));

@@ -725,7 +725,7 @@ fn plain_criu_round_trip(pass_dir: bool) {
     restored_goes_on(&mut job, dir, &want);
 }
 
-/// `possum run --keeper`'s path (issue 14): the job's buffer memory is a keeper's (`possum
+/// `possum run`'s default path (issue 14): the job's buffer memory is a keeper's (`possum
 /// keeper --dir`, `POSSUM_KEEPER`), so `possum checkpoint --leave-running` holds the job without
 /// copying anything (its buffers detached, left with the keeper through the driver's checkpoint
 /// and CRIU's dump), resumes it, and saves the buffers as they were at the hold while it runs on.
