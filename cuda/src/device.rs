@@ -139,6 +139,10 @@ pub struct CudaDevice {
     tables: Mutex<Tables>,
     /// Where buffer memory comes from when another process owns it (a keeper).
     owner: Option<Arc<dyn MemoryOwner>>,
+    /// The device's UUID, to check the owner's memory is on it.
+    uuid: [u8; 16],
+    /// Why the owner is no longer asked for memory (its memory was on another device).
+    owner_refused: Mutex<Option<String>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -167,6 +171,7 @@ impl CudaDevice {
         let granularity = driver::alloc_granularity(dev, false)?;
         let recommended_granularity = driver::alloc_granularity(dev, true)?;
         let priorities = ctx.stream_priority_range()?;
+        let uuid = driver::device_uuid(dev)?;
         Ok(CudaDevice {
             ctx,
             ordinal,
@@ -176,6 +181,8 @@ impl CudaDevice {
             priorities,
             tables: Mutex::new(Tables::default()),
             owner: None,
+            uuid,
+            owner_refused: Mutex::new(None),
         })
     }
 
@@ -186,9 +193,35 @@ impl CudaDevice {
         self
     }
 
+    /// What the memory's owner holds for this process (a keeper), if the memory has one; with
+    /// how many of this device's mappings are the owner's and how many its own.
+    pub fn owner_status(&self) -> Option<(crate::owner::OwnerStatus, usize, usize)> {
+        let owner = self.owner.as_ref()?;
+        if let Some(why) = self.owner_refused.lock().clone() {
+            let st = crate::owner::OwnerStatus {
+                name: format!("keeper not used: {why}"),
+                ..crate::owner::OwnerStatus::default()
+            };
+            let t = self.tables.lock();
+            return Some((st, t.owned.len(), t.mappings.len() - t.owned.len()));
+        }
+        let (owned, all) = {
+            let t = self.tables.lock();
+            (
+                t.owned.len() + t.detached.len(),
+                t.mappings.len() + t.detached.len(),
+            )
+        };
+        Some((owner.status(), owned, all - owned))
+    }
+
     /// The memory of `size` bytes for a new mapping: created here, or by the owner (imported).
     fn new_memory(&self, size: u64) -> DeviceResult<(PhysMem, Option<u64>)> {
-        let Some(owner) = &self.owner else {
+        let Some(owner) = self
+            .owner
+            .as_ref()
+            .filter(|_| self.owner_refused.lock().is_none())
+        else {
             return PhysMem::create(&self.ctx, size).map(|m| (m, None));
         };
         // An owner out of reach (its keeper gone, as for a job restored where none runs):
@@ -200,6 +233,16 @@ impl CudaDevice {
             }
             Err(e) => return Err(e),
         };
+        if o.device.is_some_and(|u| u != self.uuid) {
+            // Another GPU's memory (the keeper sees other devices than the job: another
+            // CUDA_VISIBLE_DEVICES): it would be reached over the interconnect, if at all.
+            let _ = owner.free(o.id);
+            *self.owner_refused.lock() = Some(format!(
+                "the keeper's memory is on another GPU than this device ({})",
+                self.name
+            ));
+            return PhysMem::create(&self.ctx, size).map(|m| (m, None));
+        }
         if o.size != size {
             let _ = owner.free(o.id);
             return Err(owner_error(
@@ -403,6 +446,9 @@ impl Device for CudaDevice {
         let Some(owner) = &self.owner else {
             return false;
         };
+        if self.owner_refused.lock().is_some() {
+            return false;
+        }
         let all_owned = {
             let t = self.tables.lock();
             t.mappings.len() == t.owned.len()

@@ -41,6 +41,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetName",
+    "cuDeviceGetUuid_v2",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
@@ -231,6 +232,16 @@ pub fn device_name(dev: CUdevice) -> DeviceResult<String> {
         .map(|&c| c as u8)
         .collect();
     Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The device's UUID (`cuDeviceGetUuid_v2`): the same in every process, whatever each one's
+/// `CUDA_VISIBLE_DEVICES` makes its ordinal.
+pub fn device_uuid(dev: CUdevice) -> DeviceResult<[u8; 16]> {
+    let mut u = sys::CUuuid {
+        bytes: [0 as std::ffi::c_char; 16],
+    };
+    call!(cuDeviceGetUuid_v2(&mut u, dev))?;
+    Ok(u.bytes.map(|b| b as u8))
 }
 
 /// A retained primary context: the one the CUDA runtime (and so PyTorch) uses on the same device, so

@@ -20,6 +20,23 @@ pub struct Owned {
     pub size: u64,
     /// A POSIX fd to import it with (`cuMemImportFromShareableHandle`).
     pub fd: OwnedFd,
+    /// The UUID of the device it is on, when the owner says.
+    pub device: Option<[u8; 16]>,
+}
+
+/// What an owner says of itself, for `possum status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OwnerStatus {
+    /// Where it is (a keeper's socket).
+    pub name: String,
+    /// Whether it answered.
+    pub reachable: bool,
+    /// Allocations it holds for this process, and their bytes.
+    pub allocations: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Of those, the bytes detached now (kept while this process holds no handle to them).
+    pub retained_bytes: u64,
 }
 
 /// Where a device's buffer memory comes from when another process owns it.
@@ -37,6 +54,8 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     fn disconnect(&self);
     /// Whether the owner answers now (a connection is opened if none is).
     fn alive(&self) -> bool;
+    /// What it holds for this process.
+    fn status(&self) -> OwnerStatus;
     /// Whether `e` (from this owner) says the owner cannot be reached at all, rather than that
     /// it refused a request: the device then makes the memory itself.
     fn unreachable(&self, e: &DeviceError) -> bool;

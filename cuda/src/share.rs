@@ -86,6 +86,11 @@ impl ShareDevice {
         driver::mem_get_info()
     }
 
+    /// The device's UUID (the same in every process whatever its ordinal there).
+    pub fn uuid(&self) -> DeviceResult<[u8; 16]> {
+        driver::device_uuid(self.ctx.device())
+    }
+
     /// Creates `size` bytes (a multiple of [`granularity`](Self::granularity)) of physical memory
     /// exportable as a POSIX fd.
     pub fn create(&self, size: u64) -> DeviceResult<SharedMem> {

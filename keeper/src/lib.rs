@@ -48,6 +48,11 @@ pub use server::Server;
 /// How often the keeper looks for retained allocations whose process is gone.
 pub const ORPHAN_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// A device UUID as 32 hex digits.
+pub fn uuid_hex(u: &[u8; 16]) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The longest request line the keeper reads, newline excluded.
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
@@ -92,12 +97,15 @@ impl From<possum_engine::device::DeviceError> for KeeperError {
 }
 
 /// The reply to `alloc` (the fd comes with it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Allocated {
     /// The allocation's id, for `free`, `retain` and `release_retained`.
     pub id: u64,
     /// Its size: the size asked, rounded up to the granularity.
     pub size: u64,
+    /// The UUID of the device it is on (32 hex digits), for the client to check it is its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
 }
 
 /// A count of allocations and their bytes.

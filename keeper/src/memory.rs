@@ -3,7 +3,7 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
-use possum_cuda::owner::{owner_error, MemoryOwner, Owned, UNREACHABLE};
+use possum_cuda::owner::{owner_error, MemoryOwner, Owned, OwnerStatus, UNREACHABLE};
 use possum_engine::device::{DeviceError, DeviceResult};
 
 use crate::{Keeper, KeeperError};
@@ -49,10 +49,18 @@ impl KeeperMemory {
 impl MemoryOwner for KeeperMemory {
     fn create(&self, size: u64) -> DeviceResult<Owned> {
         let (a, fd) = self.with("keeper alloc", |k| k.alloc(size))?;
+        let device = a.device.as_deref().and_then(|h| {
+            let mut u = [0u8; 16];
+            for (i, b) in u.iter_mut().enumerate() {
+                *b = u8::from_str_radix(h.get(2 * i..2 * i + 2)?, 16).ok()?;
+            }
+            Some(u)
+        });
         Ok(Owned {
             id: a.id,
             size: a.size,
             fd,
+            device,
         })
     }
 
@@ -74,6 +82,26 @@ impl MemoryOwner for KeeperMemory {
 
     fn alive(&self) -> bool {
         self.with("keeper stats", |k| k.stats()).is_ok()
+    }
+
+    fn status(&self) -> OwnerStatus {
+        let mut st = OwnerStatus {
+            name: format!("keeper {} (does not answer)", self.path.display()),
+            ..OwnerStatus::default()
+        };
+        if let Ok(s) = self.with("keeper stats", |k| k.stats()) {
+            st.reachable = true;
+            st.name = format!("keeper {}", self.path.display());
+            let mine = s
+                .clients
+                .get(&(std::process::id() as i32))
+                .copied()
+                .unwrap_or_default();
+            st.allocations = mine.allocations;
+            st.bytes = mine.bytes;
+            st.retained_bytes = s.retained.bytes.min(mine.bytes);
+        }
+        st
     }
 
     fn unreachable(&self, e: &DeviceError) -> bool {

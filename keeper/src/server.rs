@@ -261,7 +261,11 @@ impl Inner {
                         retained: false,
                     },
                 );
-                let a = Allocated { id, size: rounded };
+                let a = Allocated {
+                    id,
+                    size: rounded,
+                    device: dev.uuid().ok().map(|u| crate::uuid_hex(&u)),
+                };
                 Ok((json!(a), Some(fd)))
             }
             Request::Free { id } => {
@@ -294,6 +298,7 @@ impl Inner {
                 let r = Allocated {
                     id,
                     size: a.mem.size(),
+                    device: None,
                 };
                 Ok((json!(r), Some(fd)))
             }

@@ -55,6 +55,27 @@ fn managed(v: &Value) -> String {
             gib(n("resident_bytes")),
             g["phase"].as_str().unwrap_or("?")
         ));
+        let k = &e["keeper"];
+        if k.is_object() {
+            let n = |key: &str| k[key].as_u64().unwrap_or(0);
+            if k["reachable"] == true {
+                s.push_str(&format!(
+                    "    memory kept by {}: {} allocations, {} ({} detached); {} of the engine's \
+                     mappings there, {} its own\n",
+                    k["name"].as_str().unwrap_or("a keeper"),
+                    n("allocations"),
+                    gib(n("bytes")),
+                    gib(n("retained_bytes")),
+                    n("mappings_kept"),
+                    n("mappings_own")
+                ));
+            } else {
+                s.push_str(&format!(
+                    "    {}: a checkpoint copies this device's buffers\n",
+                    k["name"].as_str().unwrap_or("the keeper does not answer")
+                ));
+            }
+        }
     }
     let u = &p["unmanaged"];
     if u.is_object() {

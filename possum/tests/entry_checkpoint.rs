@@ -757,6 +757,18 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
         before >= 3 * (2 << 20),
         "the keeper holds {before} bytes of the job's"
     );
+    // `possum status` says so.
+    let out = possum(dir)
+        .args(["status", &job.pid.to_string(), "--socket-dir"])
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    let st = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        st.contains(&format!("memory kept by keeper {}", keeper_sock.display()))
+            && st.contains("3 of the engine's mappings there, 0 its own"),
+        "{st}"
+    );
 
     let img = dir.join("img");
     let v = checkpoint_left_running(dir, job.pid, &img, &job);
@@ -800,11 +812,17 @@ impl Drop for KeeperProcess {
 
 /// `possum keeper --dir DIR/keeper` on the fake driver, once it is ready: (the process, DIR/keeper).
 fn start_keeper(dir: &Path) -> (KeeperProcess, PathBuf) {
+    start_keeper_with(dir, &[])
+}
+
+/// [`start_keeper`] with `env` added to the keeper's environment.
+fn start_keeper_with(dir: &Path, env: &[(&str, &str)]) -> (KeeperProcess, PathBuf) {
     let keeper_dir = dir.join("keeper");
     let mut keeper = possum(dir)
         .args(["keeper", "--dir"])
         .arg(&keeper_dir)
         .env("LD_LIBRARY_PATH", dir)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -909,4 +927,50 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
         &want,
         "after the faults and a checkpoint without the keeper",
     );
+}
+
+/// A keeper whose device 0 is not the job's (another `CUDA_VISIBLE_DEVICES`; here the fake
+/// driver's UUIDs differ): the job does not use its memory (it would be another GPU's), says so in
+/// `possum status`, and its checkpoint copies; the job goes on bit-exact.
+#[test]
+fn a_keeper_on_another_gpu_is_not_used() {
+    let Some((tmp, lib)) = setup("keeper_other_gpu", "possum-keeper-other-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper_with(dir, &[("FAKE_UUID_SALT", "x")]);
+    let (want, _) = {
+        let mut reference = Job::start(dir, "reference", None);
+        reference.run("step 5", "done 5");
+        let want = after_checkpoint(&mut reference, dir, "reference");
+        reference.run("exit", "bye");
+        (want, ())
+    };
+    let mut job = Job::spawn(
+        dir,
+        "job",
+        Some(&lib),
+        &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap())],
+    );
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    let out = possum(dir)
+        .args(["status", &job.pid.to_string(), "--socket-dir"])
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    let st = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        st.contains("keeper not used: the keeper's memory is on another GPU"),
+        "{st}"
+    );
+    let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
+    assert_eq!(
+        k.stats().unwrap().total.allocations,
+        0,
+        "the job's memory is its own"
+    );
+    let v = checkpoint_left_running(dir, job.pid, &dir.join("img"), &job);
+    assert_eq!(v["kept"], serde_json::json!([]), "{v}");
+    goes_on_like(&mut job, dir, "left", &want, "left running");
 }
