@@ -8,7 +8,8 @@
 //! - `--socket PATH [--device N]`: one device, opened at once.
 //!
 //! It runs until it is killed (SIGTERM's default action ends it; socket files are replaced at the
-//! next start), or, with `--while-alive PID`, until that process is gone.
+//! next start), or, with `--while-alive PID`, until that process is gone (`possum restore` starts
+//! one so for a restored job whose keeper is gone).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,7 +28,8 @@ pub struct KeeperArgs {
     /// With --socket: the CUDA device whose memory it holds.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub device: usize,
-    /// Exit once process PID is gone (checked every second).
+    /// Exit once process PID is gone (checked every second); a PID that does not exist yet (a
+    /// process CRIU is about to restore) is waited for up to a minute.
     #[arg(long, value_name = "PID")]
     pub while_alive: Option<i32>,
 }
@@ -68,10 +70,14 @@ pub fn run(a: &KeeperArgs) -> Result<bool> {
             .context("starting the keeper's thread")?;
     }
     println!("ready");
+    let started = std::time::Instant::now();
+    let mut seen = false;
     loop {
         std::thread::sleep(Duration::from_secs(1));
         if let Some(pid) = a.while_alive {
-            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let alive = std::path::Path::new(&format!("/proc/{pid}")).exists();
+            seen |= alive;
+            if !alive && (seen || started.elapsed() > Duration::from_secs(60)) {
                 return Ok(true);
             }
         }

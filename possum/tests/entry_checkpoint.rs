@@ -208,9 +208,19 @@ fn goes_on_like(job: &mut Job, dir: &Path, tag: &str, want: &[Vec<u8>; 2], what:
 /// The restored `job` goes on like the reference (`want`), its three buffers back from possum's
 /// image (CRIU's has none: they were released before the dump), and exits cleanly.
 fn restored_goes_on(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2]) {
+    restored_goes_on_before_exit(job, dir, want);
+    finish_restored(job);
+}
+
+/// [`restored_goes_on`] up to the job's exit.
+fn restored_goes_on_before_exit(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2]) {
     goes_on_like(job, dir, "restored", want, "restored");
     let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
     assert_eq!(back["buffers"], 3, "{back}");
+}
+
+/// The restored `job` exits cleanly when asked.
+fn finish_restored(job: &mut Job) {
     job.run("exit", "bye");
     let exit = possum_criu::wait_for_exit(job.pid, Some(WAIT)).unwrap();
     job.pid = 0;
@@ -737,7 +747,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
         return;
     };
     let dir = tmp.path();
-    let (_keeper, keeper_dir) = start_keeper(dir);
+    let (keeper, keeper_dir) = start_keeper(dir);
     let keeper_sock = keeper_dir.join("keeper-0.sock");
 
     let mut reference = Job::start(dir, "reference", None);
@@ -791,13 +801,29 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     child.kill().unwrap();
     child.wait().unwrap();
     std::fs::remove_dir_all(dir.join("sockets")).unwrap();
+    // The keeper ended with the job (as `possum run`'s does): the restore starts one where the
+    // job looks for it, and the restored job's memory is that keeper's.
+    drop(k);
+    drop(keeper);
     let r = json_of(
-        possum(dir).args(["restore", "--json", "-D"]).arg(&img),
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(&img)
+            // For the keeper it starts: the fake driver.
+            .env("LD_LIBRARY_PATH", dir),
         &job,
     );
     assert_eq!(r["pid"], job.pid, "{r}");
-    restored_goes_on(&mut job, dir, &want);
-    drop(k);
+    assert_eq!(r["keeper_started"], serde_json::json!(keeper_dir), "{r}");
+    let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
+    restored_goes_on_before_exit(&mut job, dir, &want);
+    // Its buffers, and the one its `malloc` command added (a 2 MiB granule).
+    assert_eq!(
+        held(&mut k, job.pid),
+        before + (2 << 20),
+        "the restored job's memory is the new keeper's"
+    );
+    finish_restored(&mut job);
 }
 
 /// A keeper process ended when dropped.

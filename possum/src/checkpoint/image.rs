@@ -47,12 +47,27 @@ pub struct Manifest {
     /// (CRIU binds the sockets there again).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub socket_dirs: Vec<PathBuf>,
+    /// The keeper the job's buffer memory came from (its `POSSUM_KEEPER`), and the job's
+    /// `CUDA_VISIBLE_DEVICES`: a restore starts a keeper there if none answers, seeing the
+    /// devices the job sees, so that the restored job keeps its memory in one again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keeper: Option<KeeperOfJob>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
     /// a change that leaves valid JSON is caught too. Absent in images of earlier versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
+}
+
+/// Where a job's keeper was ([`Manifest::keeper`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeeperOfJob {
+    /// Its socket directory.
+    pub dir: PathBuf,
+    /// The job's `CUDA_VISIBLE_DEVICES`, if set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_visible_devices: Option<String>,
 }
 
 /// The check of `m` ([`Manifest::check`] ignored).

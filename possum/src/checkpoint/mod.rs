@@ -47,8 +47,8 @@ use serde_json::{json, Value};
 
 use guard::{Guard, Step};
 use image::{
-    child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, Manifest, MANIFEST,
-    MANIFEST_VERSION,
+    child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, KeeperOfJob, Manifest,
+    MANIFEST, MANIFEST_VERSION,
 };
 
 /// How long the driver lock may wait for the job's submitted work.
@@ -291,6 +291,23 @@ fn resume_and_save(
         saved.push(json!({"pid": p, "report": r}));
     }
     Ok((root_report, Value::Array(saved)))
+}
+
+/// The job's `POSSUM_KEEPER` and `CUDA_VISIBLE_DEVICES`, from its environment.
+fn keeper_of(pid: i32) -> Option<KeeperOfJob> {
+    let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let var = |name: &str| {
+        env.split(|&b| b == 0).find_map(|kv| {
+            kv.strip_prefix(name.as_bytes())
+                .and_then(|r| r.strip_prefix(b"="))
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        })
+    };
+    let dir = var("POSSUM_KEEPER").filter(|d| !d.is_empty())?;
+    Some(KeeperOfJob {
+        dir: PathBuf::from(dir),
+        cuda_visible_devices: var("CUDA_VISIBLE_DEVICES"),
+    })
 }
 
 /// How long `possum checkpoint` waits for a kept checkpoint's buffers to be saved.
@@ -572,6 +589,15 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let mut saved_report = Value::Null;
     // Processes whose checkpoint is kept (their buffers saved after the resume).
     let mut kept: Vec<i32> = Vec::new();
+    // Where the job's keeper is, if its buffer memory is a keeper's (for the restore).
+    let keeper_of_job = status
+        .as_ref()
+        .filter(|s| {
+            s["possum"]["engines"]
+                .as_array()
+                .is_some_and(|es| es.iter().any(|e| e["keeper"].is_object()))
+        })
+        .and_then(|_| keeper_of(pid));
     let manifest = |criu_dir: Option<String>| Manifest {
         possum_image: MANIFEST_VERSION,
         engine: a.engine,
@@ -588,6 +614,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         cuda_children: children.clone(),
         possum_children: possum_children.clone(),
         socket_dirs: socket_dirs.clone(),
+        keeper: keeper_of_job.clone(),
         figures: Value::Null,
         check: None,
     };

@@ -73,6 +73,13 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     opts.ext_unix_sk = true;
     opts.log_file = format!("restore-{}.log", std::process::id());
     clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
+    // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
+    // resumes (when the GPUs are the job's own: the keeper sees the job's CUDA_VISIBLE_DEVICES).
+    // Started after CRIU's restore, so that it cannot take the job's PID.
+    let keeper_started = match (&m.keeper, a.device) {
+        (Some(k), None) => clock.time("keeper", || Ok(start_keeper_for(k, pid)))?,
+        _ => None,
+    };
     let mut resumed = serde_json::Value::Null;
     let r = (|| -> Result<()> {
         clock.time("driver_restore", || {
@@ -109,7 +116,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig,
-                     "recreated_socket_dirs": recreated});
+                     "recreated_socket_dirs": recreated, "keeper_started": keeper_started});
     if a.json {
         println!("{out}");
     } else {
@@ -129,4 +136,47 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         );
     }
     Ok(true)
+}
+
+/// Starts `possum keeper --dir` where the restored job `pid` looks for its keeper, unless one
+/// answers there: detached (its own session), seeing the job's `CUDA_VISIBLE_DEVICES`, ending
+/// when the job does. Its directory once it listens; `None` if none was needed or it did not
+/// start (the job then uses memory of its own, and says so in `possum status`).
+fn start_keeper_for(k: &super::image::KeeperOfJob, pid: i32) -> Option<std::path::PathBuf> {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    if possum_keeper::Keeper::connect(&k.dir.join("keeper-0.sock")).is_ok() {
+        return None;
+    }
+    let exe = std::env::current_exe().ok()?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("keeper")
+        .arg("--dir")
+        .arg(&k.dir)
+        .arg("--while-alive")
+        .arg(pid.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    match &k.cuda_visible_devices {
+        Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
+        None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
+    };
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd.spawn().ok()?;
+    let out = child.stdout.take()?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let ready = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .is_ok_and(|l| l.trim() == "ready");
+    if !ready {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    ready.then(|| k.dir.clone())
 }
