@@ -151,8 +151,12 @@ pub struct CheckpointReport {
     pub elapsed: Duration,
     /// Buffers saved early by a priority device-to-host copy because the job was about to write them.
     pub cow_priority: u64,
-    /// Buffers saved early by a shadow device-to-device copy.
+    /// Buffers saved early by a shadow device-to-device copy (those of the snapshot at T0
+    /// included).
     pub cow_shadow: u64,
+    /// Of those, the buffers copied into shadows at T0 ([`crate::Engine::checkpoint_snapshot`]),
+    /// before the job ran on.
+    pub snapshot_shadows: u64,
     /// Peak shadow memory in use.
     pub shadow_peak: u64,
     /// Hook calls that blocked the job's thread during this checkpoint.
@@ -185,6 +189,7 @@ pub(crate) struct CkptSession<D: Device> {
     touch_seq: AtomicU32,
     cow_priority: AtomicU64,
     cow_shadow: AtomicU64,
+    snapshot_shadows: AtomicU64,
     blocked: BlockedTime,
     stream_waits: AtomicU64,
     counters: Arc<Counters>,
@@ -196,11 +201,15 @@ impl<D: Device> CkptSession<D> {
         inner: &Arc<Inner<D>>,
         sink: Arc<dyn ChunkSink>,
         mode: CopyMode,
+        snapshot: bool,
     ) -> Result<CheckpointHandle, EngineError> {
         inner.gate.close();
         let r = Self::fix_t0(inner, sink, mode);
         inner.gate.open();
         let session = r?;
+        if snapshot {
+            session.snapshot_into_shadows();
+        }
         let inner = Arc::clone(inner);
         let join = std::thread::Builder::new()
             .name("possum-copier".into())
@@ -300,6 +309,7 @@ impl<D: Device> CkptSession<D> {
             touch_seq: AtomicU32::new(0),
             cow_priority: AtomicU64::new(0),
             cow_shadow: AtomicU64::new(0),
+            snapshot_shadows: AtomicU64::new(0),
             blocked: BlockedTime::default(),
             stream_waits: AtomicU64::new(0),
             counters: Arc::clone(&inner.counters),
@@ -421,6 +431,54 @@ impl<D: Device> CkptSession<D> {
         let ev = self.enqueue_chunks(id, va, size, &self.prio)?;
         self.cow_priority.fetch_add(1, Ordering::Relaxed);
         Ok(CkState::Saved(ev))
+    }
+
+    /// Copies every buffer not saved yet into a shadow while the budget allows, in the slots'
+    /// order (device to device, on the priority stream, after the T0 fences): the image then
+    /// holds those buffers as of T0 whatever the job does next, whether or not the hooks see its
+    /// writes. For a caller that still holds the job (its operations cannot race this).
+    fn snapshot_into_shadows(&self) {
+        for slot in &self.slots {
+            if self.shadow_used.load(Ordering::Acquire) + slot.buf.mapped_size()
+                > self.shadow_budget
+            {
+                break;
+            }
+            {
+                let mut st = slot.state.lock();
+                if !matches!(*st, CkState::Pending) {
+                    continue;
+                }
+                *st = CkState::Busy;
+            }
+            let mapped = slot.buf.mapped_size();
+            let used = self.shadow_used.fetch_add(mapped, Ordering::AcqRel) + mapped;
+            let shadow = (used <= self.shadow_budget)
+                .then(|| self.alloc_shadow(mapped))
+                .flatten();
+            let Some(shadow) = shadow else {
+                self.shadow_used.fetch_sub(mapped, Ordering::AcqRel);
+                self.settle(slot, CkState::Pending);
+                break;
+            };
+            self.shadow_peak.fetch_max(used, Ordering::Relaxed);
+            let copied = self
+                .dev
+                .copy_d2d(&self.prio, slot.buf.va(), shadow, slot.buf.size())
+                .and_then(|()| self.dev.record_event(&self.prio));
+            match copied {
+                Ok(ready) => {
+                    self.cow_shadow.fetch_add(1, Ordering::Relaxed);
+                    self.snapshot_shadows.fetch_add(1, Ordering::Relaxed);
+                    self.settle(slot, CkState::Shadowed { shadow, ready });
+                }
+                Err(e) => {
+                    self.shared.fail(EngineError::from(e));
+                    self.settle(slot, CkState::Abandoned);
+                    return;
+                }
+            }
+        }
     }
 
     fn alloc_shadow(&self, mapped: u64) -> Option<DevPtr> {
@@ -627,6 +685,7 @@ impl<D: Device> CkptSession<D> {
             elapsed: self.started.elapsed(),
             cow_priority: self.cow_priority.load(Ordering::Relaxed),
             cow_shadow: self.cow_shadow.load(Ordering::Relaxed),
+            snapshot_shadows: self.snapshot_shadows.load(Ordering::Relaxed),
             shadow_peak: self.shadow_peak.load(Ordering::Relaxed),
             hook_blocked,
             hook_blocked_total,

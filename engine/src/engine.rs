@@ -543,7 +543,20 @@ impl<D: Device> Engine<D> {
         } else {
             CopyMode::Cow
         };
-        CkptSession::begin(&self.inner, sink, mode)
+        CkptSession::begin(&self.inner, sink, mode, false)
+    }
+
+    /// [`Engine::checkpoint`] of every buffer that also copies, before it returns, every buffer
+    /// into a device-side shadow while the shadow budget ([`Engine::set_shadow_budget`]) allows:
+    /// those buffers are saved as of T0 whatever the job does next, seen by the hooks or not
+    /// (the rest by copy-on-write as usual). For a caller that holds the job until this returns
+    /// (a kept checkpoint's save: the job is still paused).
+    pub fn checkpoint_snapshot(
+        &self,
+        sink: Arc<dyn ChunkSink>,
+    ) -> Result<CheckpointHandle, EngineError> {
+        self.start_session("checkpoint")?;
+        CkptSession::begin(&self.inner, sink, CopyMode::Cow, true)
     }
 
     /// Marks every buffer as written, so that the next pre-copy round (or `checkpoint(sink, true)`)
@@ -558,7 +571,7 @@ impl<D: Device> Engine<D> {
     /// by itself: finish with `checkpoint(sink, true)`.
     pub fn precopy_round(&self, sink: Arc<dyn ChunkSink>) -> Result<RoundReport, EngineError> {
         self.start_session("pre-copy round")?;
-        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy)?;
+        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy, false)?;
         let r = h.wait()?;
         let dirty_after = self
             .inner

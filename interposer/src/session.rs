@@ -746,7 +746,9 @@ type Saves = Vec<(
 )>;
 
 /// With the job still paused (its buffers as at the release): starts every engine's checkpoint
-/// into a new image under `dir`, a concurrent one (copy-on-write ahead of the job's writes).
+/// into a new image under `dir`, a concurrent one: every buffer the shadow budget allows is
+/// copied device to device now, before the job runs (its image is then the state at T0 whatever
+/// the job writes, seen by the hooks or not), the rest by copy-on-write ahead of the job's writes.
 fn start_save(dir: &Path) -> Saves {
     set_saving(Saving::Running);
     let engines = engines();
@@ -757,7 +759,7 @@ fn start_save(dir: &Path) -> Saves {
         let begun = new_writer(dir, ordinal).and_then(|writer| {
             let sink: Arc<dyn ChunkSink> = writer.clone();
             e.engine
-                .checkpoint(sink, false)
+                .checkpoint_snapshot(sink)
                 .map(|h| (writer, h))
                 .map_err(|err| err.to_string())
         });
@@ -779,8 +781,9 @@ fn start_save(dir: &Path) -> Saves {
     started
 }
 
-/// Device memory a save may use for shadow copies: `POSSUM_SHADOW_MIB` if set, else half of
-/// what is free on the device beyond 2 GiB.
+/// Device memory a save may use for shadow copies (first the snapshot of every buffer at T0,
+/// then copy-on-write): `POSSUM_SHADOW_MIB` if set, else three quarters of what is free on the
+/// device beyond 4 GiB (room left for the job's own allocations meanwhile).
 fn shadow_budget(e: &DevEngine) -> u64 {
     use possum_engine::device::Device;
     if let Some(mib) = std::env::var("POSSUM_SHADOW_MIB")
@@ -790,7 +793,7 @@ fn shadow_budget(e: &DevEngine) -> u64 {
         return mib << 20;
     }
     let free = e.engine.device().memory_info().map_or(0, |(free, _)| free);
-    free.saturating_sub(2 << 30) / 2
+    free.saturating_sub(4 << 30) / 4 * 3
 }
 
 /// Waits for the saves, commits their images, and says so to [`saved`].
@@ -805,6 +808,7 @@ fn finish_save(saves: Saves) {
                     "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
                     "ms": ms(r.elapsed), "cow_priority": r.cow_priority,
                     "cow_shadow": r.cow_shadow, "shadow_peak": r.shadow_peak,
+                    "snapshot_shadows": r.snapshot_shadows,
                     "image_bytes": summary.data_file_bytes,
                     "gb_per_s": r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9,
                 })),

@@ -789,6 +789,8 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     assert!(v["hold"].as_str().unwrap_or("").contains("keeper"), "{v}");
     let saved = &v["saved_report"][0]["report"]["saved"][0];
     assert_eq!(saved["buffers"], 3, "{v}");
+    // Every buffer copied into a shadow at the hold, before the job ran on.
+    assert_eq!(saved["snapshot_shadows"], 3, "{v}");
     assert!(img.join("gpu/gpu-0").is_dir());
     assert!(count_files(&img.join("gpu"), ".bin") > 0, "no GPU data");
     // The job holds its memory from the keeper again, the same amount.
