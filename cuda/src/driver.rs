@@ -422,12 +422,17 @@ impl PhysMem {
             &prop,
             0
         ))?;
-        Ok(PhysMem {
+        Ok(PhysMem::owning(handle, size, ctx))
+    }
+
+    /// The value owning `handle` (released on drop).
+    fn owning(handle: sys::CUmemGenericAllocationHandle, size: u64, ctx: &Arc<Context>) -> Self {
+        PhysMem {
             handle,
             size,
             released: false,
             ctx: ctx.clone(),
-        })
+        }
     }
 
     /// Imports `size` bytes of memory another process created and exported as the POSIX file
@@ -447,12 +452,7 @@ impl PhysMem {
             os_handle,
             sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         ))?;
-        Ok(PhysMem {
-            handle,
-            size,
-            released: false,
-            ctx: ctx.clone(),
-        })
+        Ok(PhysMem::owning(handle, size, ctx))
     }
 
     /// Size in bytes.

@@ -889,14 +889,7 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
     let want = reference.dump(&dir.join("reference-faults.bin"));
     reference.run("exit", "bye");
 
-    let mut job = Job::spawn(
-        dir,
-        "job",
-        Some(&lib),
-        &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap())],
-    );
-    job.expect("ready");
-    job.run("step 5", "done 5");
+    let mut job = keeper_job(dir, &lib, &keeper_dir);
     let mut done = 5;
     let mut outcomes = Vec::new();
     for (i, delay_ms) in delays.into_iter().enumerate() {
@@ -974,14 +967,7 @@ fn a_keeper_on_another_gpu_is_not_used() {
         reference.run("exit", "bye");
         (want, ())
     };
-    let mut job = Job::spawn(
-        dir,
-        "job",
-        Some(&lib),
-        &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap())],
-    );
-    job.expect("ready");
-    job.run("step 5", "done 5");
+    let mut job = keeper_job(dir, &lib, &keeper_dir);
     let out = possum(dir)
         .args(["status", &job.pid.to_string(), "--socket-dir"])
         .arg(dir.join("sockets"))
@@ -1001,4 +987,18 @@ fn a_keeper_on_another_gpu_is_not_used() {
     let v = checkpoint_left_running(dir, job.pid, &dir.join("img"), &job);
     assert_eq!(v["kept"], serde_json::json!([]), "{v}");
     goes_on_like(&mut job, dir, "left", &want, "left running");
+}
+
+/// fake_session_job under libpossum.so (`lib`) with its memory from the keeper at `keeper_dir`,
+/// at step 5.
+fn keeper_job(dir: &Path, lib: &Path, keeper_dir: &Path) -> Job {
+    let mut job = Job::spawn(
+        dir,
+        "job",
+        Some(lib),
+        &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap())],
+    );
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    job
 }
