@@ -682,8 +682,21 @@ fn resume_inner(dir: Option<&Path>, save: bool) -> Result<Value, String> {
             ));
         };
         let path = engine_image_dir(dir, e.ordinal);
-        let img = Image::open(&path)
-            .map_err(|err| format!("device {}: cannot open its image: {err}", e.ordinal))?;
+        let img = Image::open(&path).map_err(|err| {
+            if from_image.contains(&e.ordinal) {
+                // Kept, lost by the keeper, and not saved anywhere.
+                format!(
+                    "device {}: the GPU buffers of this job were left with its keeper during \
+                     the checkpoint, and the keeper no longer has them (it ended, or was \
+                     killed), while no image holds them ({err}): the job's GPU state is lost; \
+                     it stays paused so that it computes nothing wrong (end it, and restore it \
+                     from an earlier image)",
+                    e.ordinal
+                )
+            } else {
+                format!("device {}: cannot open its image: {err}", e.ordinal)
+            }
+        })?;
         let h = e
             .engine
             .restore(Arc::new(img))

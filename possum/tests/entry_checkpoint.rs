@@ -1002,3 +1002,29 @@ fn keeper_job(dir: &Path, lib: &Path, keeper_dir: &Path) -> Job {
     job.run("step 5", "done 5");
     job
 }
+
+/// The keeper killed while a kept checkpoint holds the job (its buffers detached: only the
+/// keeper has them, no image yet): the resume fails with an error that says the job's GPU state
+/// is lost, and the job stays paused rather than compute on with memory that is gone.
+#[test]
+fn a_keeper_lost_during_a_kept_hold_is_said_and_the_job_stays_paused() {
+    let Some((tmp, lib)) = setup("keeper_lost_in_hold", "possum-keeper-lost-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (keeper, keeper_dir) = start_keeper(dir);
+    let job = keeper_job(dir, &lib, &keeper_dir);
+    let sockets = dir.join("sockets");
+    let ask = |req: &possum_control::Request| {
+        possum_control::request(job.pid as u32, &sockets, req, WAIT)
+    };
+    let gpu = dir.join("img-gpu").display().to_string();
+    let r = ask(&possum_control::Request::CheckpointKept { dir: gpu.clone() }).unwrap();
+    assert_eq!(r["kept"], true, "{r}");
+    ask(&possum_control::Request::Release).unwrap();
+    drop(keeper);
+    let err = ask(&possum_control::Request::ResumeAndSave { dir: gpu }).unwrap_err();
+    assert!(err.to_string().contains("GPU state is lost"), "{err}");
+    let st = ask(&possum_control::Request::Status).unwrap();
+    assert_eq!(st["possum"]["session"]["paused"], true, "{st}");
+}
