@@ -739,8 +739,10 @@ fn plain_criu_round_trip(pass_dir: bool) {
 /// keeper --dir`, `POSSUM_KEEPER`), so `possum checkpoint --leave-running` holds the job without
 /// copying anything (its buffers detached, left with the keeper through the driver's checkpoint
 /// and CRIU's dump), resumes it, and saves the buffers as they were at the hold while it runs on.
-/// The job goes on bit-exact; killed and restored from that image, it goes on bit-exact again
-/// (so the image is the state at the hold); the keeper then holds only the restored job's memory.
+/// The job goes on bit-exact, its memory the keeper's again. Killed, its keeper ended too, and
+/// restored from that image: `possum restore` starts a keeper where the job looks for one, and
+/// the restored job goes on bit-exact (so the image is the state at the hold) with its memory
+/// in that keeper.
 #[test]
 fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     let Some((tmp, lib)) = setup("keeper_checkpoint", "possum-keeper-ckpt-") else {
