@@ -434,10 +434,18 @@ impl<D: Device> CkptSession<D> {
     }
 
     /// Copies every buffer not saved yet into a shadow while the budget allows, in the slots'
-    /// order (device to device, on the priority stream, after the T0 fences): the image then
-    /// holds those buffers as of T0 whatever the job does next, whether or not the hooks see its
-    /// writes. For a caller that still holds the job (its operations cannot race this).
+    /// order (device to device, on the priority stream, after the T0 fences), and waits for the
+    /// copies: the image then holds those buffers as of T0 whatever the job does next, whether or
+    /// not the hooks see its writes (an unseen write is not ordered after a copy still queued,
+    /// hence the wait). For a caller that still holds the job (its operations cannot race this).
     fn snapshot_into_shadows(&self) {
+        self.enqueue_snapshot();
+        if let Err(e) = self.dev.synchronize(&self.prio) {
+            self.shared.fail(EngineError::from(e));
+        }
+    }
+
+    fn enqueue_snapshot(&self) {
         for slot in &self.slots {
             if self.shadow_used.load(Ordering::Acquire) + slot.buf.mapped_size()
                 > self.shadow_budget

@@ -546,8 +546,9 @@ impl<D: Device> Engine<D> {
         CkptSession::begin(&self.inner, sink, mode, false)
     }
 
-    /// [`Engine::checkpoint`] of every buffer that also copies, before it returns, every buffer
-    /// into a device-side shadow while the shadow budget ([`Engine::set_shadow_budget`]) allows:
+    /// [`Engine::checkpoint`] of every buffer that also copies, before it returns (the copies
+    /// done), every buffer into a device-side shadow while the shadow budget
+    /// ([`Engine::set_shadow_budget`]) allows:
     /// those buffers are saved as of T0 whatever the job does next, seen by the hooks or not
     /// (the rest by copy-on-write as usual). For a caller that holds the job until this returns
     /// (a kept checkpoint's save: the job is still paused).
