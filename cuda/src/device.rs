@@ -13,7 +13,7 @@ use possum_engine::device::{
 use crate::driver::{
     self, CUcontext, Context, CudaEvent, CudaPending, CudaStream, PhysMem, PinnedBuf,
 };
-use crate::owner::{owner_error, MemoryOwner};
+use crate::owner::{is_unreachable, owner_error, MemoryOwner, OwnerStatus};
 use std::os::fd::AsFd;
 
 /// What [`probe`] found: a driver and at least one device.
@@ -195,16 +195,8 @@ impl CudaDevice {
 
     /// What the memory's owner holds for this process (a keeper), if the memory has one; with
     /// how many of this device's mappings are the owner's and how many its own.
-    pub fn owner_status(&self) -> Option<(crate::owner::OwnerStatus, usize, usize)> {
+    pub fn owner_status(&self) -> Option<(OwnerStatus, usize, usize)> {
         let owner = self.owner.as_ref()?;
-        if let Some(why) = self.owner_refused.lock().clone() {
-            let st = crate::owner::OwnerStatus {
-                name: format!("keeper not used: {why}"),
-                ..crate::owner::OwnerStatus::default()
-            };
-            let t = self.tables.lock();
-            return Some((st, t.owned.len(), t.mappings.len() - t.owned.len()));
-        }
         let (owned, all) = {
             let t = self.tables.lock();
             (
@@ -212,23 +204,38 @@ impl CudaDevice {
                 t.mappings.len() + t.detached.len(),
             )
         };
-        Some((owner.status(), owned, all - owned))
+        let st = match self.owner_refused.lock().clone() {
+            Some(why) => OwnerStatus {
+                name: format!("keeper not used: {why}"),
+                ..OwnerStatus::default()
+            },
+            None => owner.status(),
+        };
+        Some((st, owned, all - owned))
+    }
+
+    /// The owner new memory comes from: none, or one found to be on another device.
+    fn usable_owner(&self) -> Option<&Arc<dyn MemoryOwner>> {
+        self.owner
+            .as_ref()
+            .filter(|_| self.owner_refused.lock().is_none())
+    }
+
+    /// The owner, for an operation only memory from one has (`what`).
+    fn owner_for(&self, what: &'static str) -> DeviceResult<&Arc<dyn MemoryOwner>> {
+        self.owner.as_ref().ok_or(DeviceError::Unsupported(what))
     }
 
     /// The memory of `size` bytes for a new mapping: created here, or by the owner (imported).
     fn new_memory(&self, size: u64) -> DeviceResult<(PhysMem, Option<u64>)> {
-        let Some(owner) = self
-            .owner
-            .as_ref()
-            .filter(|_| self.owner_refused.lock().is_none())
-        else {
+        let Some(owner) = self.usable_owner() else {
             return PhysMem::create(&self.ctx, size).map(|m| (m, None));
         };
         // An owner out of reach (its keeper gone, as for a job restored where none runs):
         // the memory is this process's own, and is copied at a checkpoint like any.
         let o = match owner.create(size) {
             Ok(o) => o,
-            Err(e) if owner.unreachable(&e) => {
+            Err(e) if is_unreachable(&e) => {
                 return PhysMem::create(&self.ctx, size).map(|m| (m, None));
             }
             Err(e) => return Err(e),
@@ -443,12 +450,9 @@ impl Device for CudaDevice {
     fn keeps_memory(&self) -> bool {
         // Every mapping's memory must be the owner's (some may have been made while it was out
         // of reach).
-        let Some(owner) = &self.owner else {
+        let Some(owner) = self.usable_owner() else {
             return false;
         };
-        if self.owner_refused.lock().is_some() {
-            return false;
-        }
         let all_owned = {
             let t = self.tables.lock();
             t.mappings.len() == t.owned.len()
@@ -459,10 +463,7 @@ impl Device for CudaDevice {
     }
 
     fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let owner = self
-            .owner
-            .as_ref()
-            .ok_or(DeviceError::Unsupported("detach"))?;
+        let owner = self.owner_for("detach")?;
         self.ctx.bind()?;
         let mut t = self.tables.lock();
         match (t.mappings.get(&va.0), t.owned.get(&va.0)) {
@@ -479,7 +480,7 @@ impl Device for CudaDevice {
             }
         }
         let id = t.owned[&va.0];
-        // The owner keeps it first: a connection lost from here on does not free it.
+        // Marked kept first: from here on only this process may take it back.
         owner.keep(id)?;
         driver::unmap(va.0, size)?;
         let mem = t.mappings.remove(&va.0).expect("checked above");
@@ -490,10 +491,7 @@ impl Device for CudaDevice {
     }
 
     fn reattach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let owner = self
-            .owner
-            .as_ref()
-            .ok_or(DeviceError::Unsupported("reattach"))?;
+        let owner = self.owner_for("reattach")?;
         self.ctx.bind()?;
         let mut t = self.tables.lock();
         let id = match t.detached.get(&va.0) {
@@ -517,10 +515,7 @@ impl Device for CudaDevice {
     }
 
     fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let owner = self
-            .owner
-            .as_ref()
-            .ok_or(DeviceError::Unsupported("forget"))?;
+        let owner = self.owner_for("forget")?;
         let mut t = self.tables.lock();
         match t.detached.get(&va.0) {
             Some(&(_, n)) if n == size => {}
@@ -530,12 +525,6 @@ impl Device for CudaDevice {
         // Its memory may be gone already (the keeper freed it): nothing left to do then.
         let _ = owner.free(id);
         Ok(())
-    }
-
-    fn disconnect(&self) {
-        if let Some(owner) = &self.owner {
-            owner.disconnect();
-        }
     }
 
     fn alloc_host(&self, len: usize) -> DeviceResult<PinnedBuf> {

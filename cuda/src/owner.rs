@@ -45,24 +45,34 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     fn create(&self, size: u64) -> DeviceResult<Owned>;
     /// Frees memory `id`.
     fn free(&self, id: u64) -> DeviceResult<()>;
-    /// Keeps memory `id`, contents and all, past this process's connection, until
-    /// [`reclaim`](MemoryOwner::reclaim).
+    /// Keeps memory `id`, contents and all, while this process holds no handle to it (detached),
+    /// until [`reclaim`](MemoryOwner::reclaim).
     fn keep(&self, id: u64) -> DeviceResult<()>;
     /// Takes kept memory back: a new fd for it.
     fn reclaim(&self, id: u64) -> DeviceResult<OwnedFd>;
-    /// Closes the connection to the owner (the next call opens one again).
-    fn disconnect(&self);
     /// Whether the owner answers now (a connection is opened if none is).
     fn alive(&self) -> bool;
     /// What it holds for this process.
     fn status(&self) -> OwnerStatus;
-    /// Whether `e` (from this owner) says the owner cannot be reached at all, rather than that
-    /// it refused a request: the device then makes the memory itself.
-    fn unreachable(&self, e: &DeviceError) -> bool;
 }
 
-/// The code of an owner's failure to be reached at all.
-pub const UNREACHABLE: i64 = -2;
+/// The code of an owner's failure to be reached at all ([`unreachable_error`]).
+const UNREACHABLE: i64 = -2;
+
+/// An owner that cannot be reached at all, as a device error: the device then makes the memory
+/// itself ([`is_unreachable`]), where a refusal of the owner's ([`owner_error`]) is an error.
+pub fn unreachable_error(what: &'static str, message: impl Into<String>) -> DeviceError {
+    DeviceError::Backend {
+        call: what,
+        code: UNREACHABLE,
+        message: message.into(),
+    }
+}
+
+/// Whether `e` is an [`unreachable_error`].
+pub fn is_unreachable(e: &DeviceError) -> bool {
+    matches!(e, DeviceError::Backend { code, .. } if *code == UNREACHABLE)
+}
 
 /// An owner's failure as a device error.
 pub fn owner_error(what: &'static str, message: impl Into<String>) -> DeviceError {

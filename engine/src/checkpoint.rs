@@ -409,25 +409,10 @@ impl<D: Device> CkptSession<D> {
     /// Saves a claimed slot ahead of the copier: into a shadow if the budget allows, else by a
     /// priority device-to-host copy.
     fn save_now(&self, slot: &CkSlot<D>) -> Result<CkState<D>, EngineError> {
-        let (id, va, size, mapped) = (
-            slot.buf.id(),
-            slot.buf.va(),
-            slot.buf.size(),
-            slot.buf.mapped_size(),
-        );
-        if self.shadow_budget > 0 {
-            let used = self.shadow_used.fetch_add(mapped, Ordering::AcqRel) + mapped;
-            if used <= self.shadow_budget {
-                if let Some(shadow) = self.alloc_shadow(mapped) {
-                    self.shadow_peak.fetch_max(used, Ordering::Relaxed);
-                    self.dev.copy_d2d(&self.prio, va, shadow, size)?;
-                    let ready = self.dev.record_event(&self.prio)?;
-                    self.cow_shadow.fetch_add(1, Ordering::Relaxed);
-                    return Ok(CkState::Shadowed { shadow, ready });
-                }
-            }
-            self.shadow_used.fetch_sub(mapped, Ordering::AcqRel);
+        if let Some(shadowed) = self.shadow(slot)? {
+            return Ok(shadowed);
         }
+        let (id, va, size) = (slot.buf.id(), slot.buf.va(), slot.buf.size());
         let ev = self.enqueue_chunks(id, va, size, &self.prio)?;
         self.cow_priority.fetch_add(1, Ordering::Relaxed);
         Ok(CkState::Saved(ev))
@@ -447,11 +432,6 @@ impl<D: Device> CkptSession<D> {
 
     fn enqueue_snapshot(&self) {
         for slot in &self.slots {
-            if self.shadow_used.load(Ordering::Acquire) + slot.buf.mapped_size()
-                > self.shadow_budget
-            {
-                break;
-            }
             {
                 let mut st = slot.state.lock();
                 if !matches!(*st, CkState::Pending) {
@@ -459,34 +439,46 @@ impl<D: Device> CkptSession<D> {
                 }
                 *st = CkState::Busy;
             }
-            let mapped = slot.buf.mapped_size();
-            let used = self.shadow_used.fetch_add(mapped, Ordering::AcqRel) + mapped;
-            let shadow = (used <= self.shadow_budget)
-                .then(|| self.alloc_shadow(mapped))
-                .flatten();
-            let Some(shadow) = shadow else {
-                self.shadow_used.fetch_sub(mapped, Ordering::AcqRel);
-                self.settle(slot, CkState::Pending);
-                break;
-            };
-            self.shadow_peak.fetch_max(used, Ordering::Relaxed);
-            let copied = self
-                .dev
-                .copy_d2d(&self.prio, slot.buf.va(), shadow, slot.buf.size())
-                .and_then(|()| self.dev.record_event(&self.prio));
-            match copied {
-                Ok(ready) => {
-                    self.cow_shadow.fetch_add(1, Ordering::Relaxed);
+            match self.shadow(slot) {
+                Ok(Some(shadowed)) => {
                     self.snapshot_shadows.fetch_add(1, Ordering::Relaxed);
-                    self.settle(slot, CkState::Shadowed { shadow, ready });
+                    self.settle(slot, shadowed);
+                }
+                // Over the budget: this one and the rest are left to copy-on-write.
+                Ok(None) => {
+                    self.settle(slot, CkState::Pending);
+                    break;
                 }
                 Err(e) => {
-                    self.shared.fail(EngineError::from(e));
+                    self.shared.fail(e);
                     self.settle(slot, CkState::Abandoned);
                     return;
                 }
             }
         }
+    }
+
+    /// Copies a claimed slot's buffer into a new shadow (device to device, on the priority
+    /// stream), if the shadow budget allows and the shadow can be made: its `Shadowed` state.
+    fn shadow(&self, slot: &CkSlot<D>) -> Result<Option<CkState<D>>, EngineError> {
+        let mapped = slot.buf.mapped_size();
+        if self.shadow_budget == 0 {
+            return Ok(None);
+        }
+        let used = self.shadow_used.fetch_add(mapped, Ordering::AcqRel) + mapped;
+        let shadow = (used <= self.shadow_budget)
+            .then(|| self.alloc_shadow(mapped))
+            .flatten();
+        let Some(shadow) = shadow else {
+            self.shadow_used.fetch_sub(mapped, Ordering::AcqRel);
+            return Ok(None);
+        };
+        self.shadow_peak.fetch_max(used, Ordering::Relaxed);
+        self.dev
+            .copy_d2d(&self.prio, slot.buf.va(), shadow, slot.buf.size())?;
+        let ready = self.dev.record_event(&self.prio)?;
+        self.cow_shadow.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(CkState::Shadowed { shadow, ready }))
     }
 
     fn alloc_shadow(&self, mapped: u64) -> Option<DevPtr> {

@@ -163,9 +163,10 @@ pub trait Device: Send + Sync + Debug + 'static {
         let _ = (va, size);
         Err(DeviceError::Unsupported("forget"))
     }
-    /// Closes connections to the memory's owner (reopened when next needed), so that a process
-    /// dump (CRIU) of a job whose buffers are released or detached finds none. A no-op where
-    /// memory is the process's own.
+    /// Closes any connection to the memory's owner (reopened when next needed), so that a process
+    /// dump (CRIU) of a job whose buffers are released or detached finds none; the engine calls
+    /// it after a release and a detach. A no-op by default: the CUDA backend reaches its keeper
+    /// by a new connection per request, so it has none open.
     fn disconnect(&self) {}
 
     /// Allocates host memory for copies.

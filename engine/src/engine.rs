@@ -689,15 +689,7 @@ impl<D: Device> Engine<D> {
     /// the detached phase. A failure leaves the rest detached (call it again). Returns the bytes
     /// attached.
     pub fn reattach(&self) -> Result<u64, EngineError> {
-        {
-            let p = self.inner.phase.read();
-            if !matches!(&*p, Phase::Detached) {
-                return Err(EngineError::Busy {
-                    wanted: "reattach (buffers must be detached first)",
-                    current: p.name(),
-                });
-            }
-        }
+        self.expect_detached("reattach (buffers must be detached first)")?;
         let mut bytes = 0;
         for b in self.inner.reg.read().iter() {
             if b.residency() == Residency::Detached {
@@ -738,15 +730,7 @@ impl<D: Device> Engine<D> {
     /// [`Engine::release`], for [`Engine::restore`] from an image. Buffers attached again
     /// meanwhile are released too. Only in the detached phase.
     pub fn drop_detached(&self) -> Result<(), EngineError> {
-        {
-            let p = self.inner.phase.read();
-            if !matches!(&*p, Phase::Detached) {
-                return Err(EngineError::Busy {
-                    wanted: "drop detached buffers (they must be detached)",
-                    current: p.name(),
-                });
-            }
-        }
+        self.expect_detached("drop detached buffers (they must be detached)")?;
         for b in self.inner.reg.read().iter() {
             match b.residency() {
                 // The keeper may have lost it already: nothing more to free.
@@ -760,6 +744,18 @@ impl<D: Device> Engine<D> {
         }
         self.inner.set_phase(Phase::Released);
         Ok(())
+    }
+
+    /// `Busy` (asking for `wanted`) unless every buffer is detached.
+    fn expect_detached(&self, wanted: &'static str) -> Result<(), EngineError> {
+        let p = self.inner.phase.read();
+        match &*p {
+            Phase::Detached => Ok(()),
+            other => Err(EngineError::Busy {
+                wanted,
+                current: other.name(),
+            }),
+        }
     }
 
     /// Current counters.

@@ -114,8 +114,8 @@ impl Config {
 /// The keeper of device `ordinal`'s memory, if `POSSUM_KEEPER` names a keeper's directory
 /// (`possum run` sets it unless `--no-keeper`). One that cannot be reached is logged and the job goes on without it.
 fn keeper_of(ordinal: usize) -> Option<Arc<dyn possum_cuda::owner::MemoryOwner>> {
-    let dir = std::env::var_os("POSSUM_KEEPER").filter(|d| !d.is_empty())?;
-    let path = std::path::Path::new(&dir).join(format!("keeper-{ordinal}.sock"));
+    let dir = std::env::var_os(possum_keeper::KEEPER_ENV).filter(|d| !d.is_empty())?;
+    let path = possum_keeper::socket_of(std::path::Path::new(&dir), ordinal);
     match possum_keeper::KeeperMemory::connect(&path) {
         Ok(k) => {
             crate::log(&format!(

@@ -345,7 +345,7 @@ fn release_inner() -> Result<Value, String> {
     });
     let engines = engines();
     if kept {
-        return release_kept(dir, open, &engines, t);
+        return release_kept(dir, &engines, t);
     }
     if engines
         .iter()
@@ -401,14 +401,9 @@ fn release_inner() -> Result<Value, String> {
 
 /// `Release` of a kept checkpoint: pause the job's GPU operations (T0) and detach every
 /// engine's buffers, their memory left with the keeper, contents as at T0; nothing is copied.
-/// The images stay open for `ResumeAndSave`. On a failure every buffer is attached again and
-/// the job goes on.
-fn release_kept(
-    dir: PathBuf,
-    open: Vec<(usize, Arc<ImageWriter>)>,
-    engines: &[Arc<DevEngine>],
-    t: Instant,
-) -> Result<Value, String> {
+/// The checkpoint stays open for `ResumeAndSave` (its images are made then). On a failure every
+/// buffer is attached again and the job goes on.
+fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<Value, String> {
     set_paused(true);
     let mut bytes = 0u64;
     let mut done: Vec<&Arc<DevEngine>> = Vec::new();
@@ -431,19 +426,14 @@ fn release_kept(
         }
     }
     let detached_ms = ms(t.elapsed());
-    // The pinned staging would be in CRIU's image: freed, allocated again for the save.
-    let mut staging_freed = 0;
-    if crate::runtime::state().cfg.staging_park {
-        for e in engines {
-            staging_freed += e
-                .engine
-                .park_staging(std::time::Duration::from_secs(5))
-                .unwrap_or(0);
-        }
-    }
+    let staging_freed: u64 = if crate::runtime::state().cfg.staging_park {
+        engines.iter().map(|e| free_staging(e)).sum()
+    } else {
+        0
+    };
     *OPEN.lock() = Some(Open {
         dir,
-        writers: open,
+        writers: Vec::new(),
         kept: true,
     });
     let v = json!({"kept_bytes": bytes, "detach_ms": detached_ms, "final_copy_ms": 0.0,
@@ -472,13 +462,8 @@ fn release_engines(
             Ok(b) => {
                 bytes += b;
                 done.push(e.ordinal);
-                // The pinned staging would be in CRIU's image (and restored page by page):
-                // freed now, allocated again as the restore's copies need it.
                 if park {
-                    staging_freed += e
-                        .engine
-                        .park_staging(std::time::Duration::from_secs(5))
-                        .unwrap_or(0);
+                    staging_freed += free_staging(e);
                 }
             }
             Err(err) => {
@@ -494,6 +479,14 @@ fn release_engines(
         }
     }
     Ok((bytes, done, staging_freed))
+}
+
+/// Frees `e`'s pinned staging, which would be in CRIU's image (and restored page by page); it is
+/// allocated again as the next copies need it. The bytes freed.
+fn free_staging(e: &DevEngine) -> u64 {
+    e.engine
+        .park_staging(std::time::Duration::from_secs(5))
+        .unwrap_or(0)
 }
 
 /// A sink that reports progress to the hold's watchdog.

@@ -37,7 +37,7 @@ mod memory;
 mod server;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -48,9 +48,27 @@ pub use server::Server;
 /// How often the keeper looks for retained allocations whose process is gone.
 pub const ORPHAN_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// The environment variable naming the directory of a keeper's sockets (`possum run` sets it
+/// for its job; libpossum.so reads it).
+pub const KEEPER_ENV: &str = "POSSUM_KEEPER";
+
+/// The socket of device `ordinal`'s keeper in a keeper's directory (`possum keeper --dir`).
+pub fn socket_of(dir: &Path, ordinal: usize) -> PathBuf {
+    dir.join(format!("keeper-{ordinal}.sock"))
+}
+
 /// A device UUID as 32 hex digits.
 pub fn uuid_hex(u: &[u8; 16]) -> String {
     u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The UUID [`uuid_hex`] wrote; `None` for anything else.
+pub fn uuid_from_hex(h: &str) -> Option<[u8; 16]> {
+    let mut u = [0u8; 16];
+    for (i, b) in u.iter_mut().enumerate() {
+        *b = u8::from_str_radix(h.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    (h.len() == 32).then_some(u)
 }
 
 /// The longest request line the keeper reads, newline excluded.

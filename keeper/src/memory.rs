@@ -3,8 +3,8 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
-use possum_cuda::owner::{owner_error, MemoryOwner, Owned, OwnerStatus, UNREACHABLE};
-use possum_engine::device::{DeviceError, DeviceResult};
+use possum_cuda::owner::{owner_error, unreachable_error, MemoryOwner, Owned, OwnerStatus};
+use possum_engine::device::DeviceResult;
 
 use crate::{Keeper, KeeperError};
 
@@ -37,11 +37,8 @@ impl KeeperMemory {
         what: &'static str,
         f: impl FnOnce(&mut Keeper) -> Result<T, KeeperError>,
     ) -> DeviceResult<T> {
-        let mut k = Keeper::connect(&self.path).map_err(|e| DeviceError::Backend {
-            call: what,
-            code: UNREACHABLE,
-            message: e.to_string(),
-        })?;
+        let mut k =
+            Keeper::connect(&self.path).map_err(|e| unreachable_error(what, e.to_string()))?;
         f(&mut k).map_err(|e| owner_error(what, e.to_string()))
     }
 }
@@ -49,18 +46,11 @@ impl KeeperMemory {
 impl MemoryOwner for KeeperMemory {
     fn create(&self, size: u64) -> DeviceResult<Owned> {
         let (a, fd) = self.with("keeper alloc", |k| k.alloc(size))?;
-        let device = a.device.as_deref().and_then(|h| {
-            let mut u = [0u8; 16];
-            for (i, b) in u.iter_mut().enumerate() {
-                *b = u8::from_str_radix(h.get(2 * i..2 * i + 2)?, 16).ok()?;
-            }
-            Some(u)
-        });
         Ok(Owned {
             id: a.id,
             size: a.size,
             fd,
-            device,
+            device: a.device.as_deref().and_then(crate::uuid_from_hex),
         })
     }
 
@@ -76,9 +66,6 @@ impl MemoryOwner for KeeperMemory {
         self.with("keeper reclaim", |k| k.reclaim(id))
             .map(|(_, fd)| fd)
     }
-
-    /// Nothing to close: no connection outlives a request.
-    fn disconnect(&self) {}
 
     fn alive(&self) -> bool {
         self.with("keeper stats", |k| k.stats()).is_ok()
@@ -102,9 +89,5 @@ impl MemoryOwner for KeeperMemory {
             st.retained_bytes = s.retained.bytes.min(mine.bytes);
         }
         st
-    }
-
-    fn unreachable(&self, e: &DeviceError) -> bool {
-        matches!(e, DeviceError::Backend { code, .. } if *code == UNREACHABLE)
     }
 }

@@ -128,6 +128,13 @@ impl Server {
         self.inner.stats()
     }
 
+    /// Frees the allocations of processes that are gone now, without waiting for the periodic
+    /// check (for tests).
+    #[doc(hidden)]
+    pub fn free_orphans_now(&self) {
+        self.inner.free_orphans_of_dead();
+    }
+
     /// (free, total) bytes of the keeper's device, as the driver says.
     pub fn device_mem_info(&self) -> Result<(u64, u64), KeeperError> {
         Ok(self.inner.dev()?.mem_info()?)
@@ -359,14 +366,6 @@ fn alive(pid: i32) -> bool {
             .rsplit_once(") ")
             .is_some_and(|(_, rest)| !rest.starts_with('Z')),
         Err(_) => false,
-    }
-}
-
-/// Frees the orphans of processes that are gone now (tests: without waiting for the thread).
-impl Server {
-    #[doc(hidden)]
-    pub fn free_orphans_now(&self) {
-        self.inner.free_orphans_of_dead();
     }
 }
 

@@ -11,11 +11,60 @@
 //! next start), or, with `--while-alive PID`, until that process is gone (`possum restore` starts
 //! one so for a restored job whose keeper is gone).
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+
+/// How long a caller of [`start`] waits for the keeper to listen.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Starts `possum keeper --dir DIR --while-alive PID` (this executable; `configure` may set its
+/// environment) in its own process group, so that a Ctrl-C at a terminal reaches a job and not
+/// the memory kept for it, and returns it once it listens. If it ends instead, its message is
+/// the error. Its output is not read afterwards (it writes nothing while it serves).
+pub fn start(dir: &Path, while_alive: i32, configure: impl FnOnce(&mut Command)) -> Result<Child> {
+    use std::io::{BufRead, Read};
+    let exe = std::env::current_exe().context("cannot find the possum executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("keeper")
+        .arg("--dir")
+        .arg(dir)
+        .arg("--while-alive")
+        .arg(while_alive.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    configure(&mut cmd);
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let mut child = cmd.spawn().context("starting `possum keeper`")?;
+    let out = child.stdout.take().context("the keeper's stdout")?;
+    let mut err = child.stderr.take().context("the keeper's stderr")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let failed = match rx.recv_timeout(START_TIMEOUT) {
+        Ok(line) if line.trim() == "ready" => return Ok(child),
+        Ok(_) => {
+            let mut why = String::new();
+            let _ = err.read_to_string(&mut why);
+            format!(
+                "it did not start: {}",
+                why.trim().trim_start_matches("possum: error: ")
+            )
+        }
+        Err(_) => format!("it did not listen within {START_TIMEOUT:?}"),
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    bail!(failed)
+}
 
 #[derive(Args, Debug)]
 pub struct KeeperArgs {
@@ -34,11 +83,6 @@ pub struct KeeperArgs {
     pub while_alive: Option<i32>,
 }
 
-/// The socket of device `ordinal`'s keeper under `dir` (what libpossum.so connects to).
-pub fn socket_of(dir: &Path, ordinal: usize) -> PathBuf {
-    dir.join(format!("keeper-{ordinal}.sock"))
-}
-
 pub fn run(a: &KeeperArgs) -> Result<bool> {
     let servers = match (&a.dir, &a.socket) {
         (Some(dir), _) => {
@@ -47,7 +91,7 @@ pub fn run(a: &KeeperArgs) -> Result<bool> {
                 .map_err(|e| anyhow::anyhow!("no CUDA device for a keeper: {e}"))?;
             (0..info.device_count)
                 .map(|n| {
-                    possum_keeper::Server::bind_lazy(&socket_of(dir, n), n)
+                    possum_keeper::Server::bind_lazy(&possum_keeper::socket_of(dir, n), n)
                         .with_context(|| format!("starting a keeper for device {n}"))
                 })
                 .collect::<Result<Vec<_>>>()?
@@ -57,25 +101,32 @@ pub fn run(a: &KeeperArgs) -> Result<bool> {
         (None, None) => bail!("give --dir DIR (every device) or --socket PATH (one device)"),
     };
     for s in &servers {
-        eprintln!("possum keeper: listening on {}", s.path().display());
+        let _ = writeln!(
+            std::io::stderr(),
+            "possum keeper: listening on {}",
+            s.path().display()
+        );
         let s = s.clone();
         std::thread::Builder::new()
             .name("possum-keeper-accept".into())
             .spawn(move || {
                 if let Err(e) = s.serve() {
-                    eprintln!("possum keeper: {e}");
+                    // Whoever started it may no longer read its stderr: never panic on it.
+                    let _ = writeln!(std::io::stderr(), "possum keeper: {e}");
                     std::process::exit(1);
                 }
             })
             .context("starting the keeper's thread")?;
     }
-    println!("ready");
+    // The starter reads this line, then no more of the output.
+    let _ = writeln!(std::io::stdout(), "ready");
+    let _ = std::io::stdout().flush();
     let started = std::time::Instant::now();
     let mut seen = false;
     loop {
         std::thread::sleep(Duration::from_secs(1));
         if let Some(pid) = a.while_alive {
-            let alive = std::path::Path::new(&format!("/proc/{pid}")).exists();
+            let alive = crate::checkpoint::alive(pid);
             seen |= alive;
             if !alive && (seen || started.elapsed() > Duration::from_secs(60)) {
                 return Ok(true);

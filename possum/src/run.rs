@@ -137,7 +137,7 @@ pub fn run(a: &RunArgs) -> Result<u8> {
     } else if serving {
         None
     } else {
-        match start_keeper(&exe, &socket_dir) {
+        match start_keeper(&socket_dir) {
             Ok(k) => {
                 cmd.env(KEEPER_ENV, &k.dir);
                 Some(k)
@@ -170,8 +170,7 @@ pub fn run(a: &RunArgs) -> Result<u8> {
     Ok(exit_code(status))
 }
 
-/// The environment variable naming the keeper's socket directory (libpossum.so reads it).
-const KEEPER_ENV: &str = "POSSUM_KEEPER";
+use possum_keeper::KEEPER_ENV;
 
 /// A keeper started for one job; ended (and its directory removed) when dropped.
 struct KeeperChild {
@@ -187,48 +186,12 @@ impl Drop for KeeperChild {
     }
 }
 
-/// How long `possum run` waits for the keeper it started to listen.
-const KEEPER_START: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Starts `possum keeper --dir` for the job (its own process group: a Ctrl-C at the terminal
-/// reaches the job, not the memory it keeps) and waits until it listens; its error, if it ends
-/// instead, in the returned one.
-fn start_keeper(exe: &Path, socket_dir: &Path) -> Result<KeeperChild> {
-    use std::io::{BufRead, Read};
+/// Starts a keeper for the job, at `SOCKET_DIR/keeper-<possum's pid>`, ending when possum does
+/// (or when dropped).
+fn start_keeper(socket_dir: &Path) -> Result<KeeperChild> {
     let dir = socket_dir.join(format!("keeper-{}", std::process::id()));
-    let mut cmd = Command::new(exe);
-    cmd.arg("keeper")
-        .arg("--dir")
-        .arg(&dir)
-        .arg("--while-alive")
-        .arg(std::process::id().to_string())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().context("starting `possum keeper`")?;
-    let out = child.stdout.take().context("the keeper's stdout")?;
-    let mut err = child.stderr.take().context("the keeper's stderr")?;
-    let k = KeeperChild { child, dir };
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = std::io::BufReader::new(out).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    match rx.recv_timeout(KEEPER_START) {
-        Ok(line) if line.trim() == "ready" => {
-            // Its later messages (it prints none while it serves) are not waited for.
-            std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-            Ok(k)
-        }
-        Ok(_) => {
-            let mut why = String::new();
-            let _ = err.read_to_string(&mut why);
-            let why = why.trim().trim_start_matches("possum: error: ");
-            bail!("it did not start: {why}")
-        }
-        Err(_) => bail!("it did not listen within {KEEPER_START:?}"),
-    }
+    let child = crate::keeper::start(&dir, std::process::id() as i32, |_| {})?;
+    Ok(KeeperChild { child, dir })
 }
 
 /// `--lib`, else `$POSSUM_LIB` (each used as given: not found is an error), else libpossum.so

@@ -130,7 +130,7 @@ impl Clock {
 }
 
 /// Whether process `pid` exists and is not a zombie.
-fn alive(pid: i32) -> bool {
+pub(crate) fn alive(pid: i32) -> bool {
     fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
         .and_then(|s| {
@@ -245,18 +245,7 @@ fn resume_and_save(
     guard: &mut Guard,
 ) -> Result<(Value, Value)> {
     if let Some((_, drv)) = side {
-        clock.time("driver_restore", || {
-            for &p in std::iter::once(&pid).chain(children) {
-                drv.restore(p, &[])?;
-            }
-            Ok(())
-        })?;
-        clock.time("driver_unlock", || {
-            for &p in std::iter::once(&pid).chain(children) {
-                drv.unlock(p)?;
-            }
-            Ok(())
-        })?;
+        driver_restore_and_unlock(drv, pid, children, clock)?;
         guard.step(Step::Unlocked);
     }
     let mut root_report = Value::Null;
@@ -293,6 +282,28 @@ fn resume_and_save(
     Ok((root_report, Value::Array(saved)))
 }
 
+/// The driver's restore, then unlock, of the job and the other CUDA processes of its tree, on
+/// the same GPUs; timed as `driver_restore` and `driver_unlock`.
+fn driver_restore_and_unlock(
+    drv: &DriverCheckpoint,
+    pid: i32,
+    children: &[i32],
+    clock: &mut Clock,
+) -> Result<()> {
+    clock.time("driver_restore", || {
+        for &p in std::iter::once(&pid).chain(children) {
+            drv.restore(p, &[])?;
+        }
+        Ok(())
+    })?;
+    clock.time("driver_unlock", || {
+        for &p in std::iter::once(&pid).chain(children) {
+            drv.unlock(p)?;
+        }
+        Ok(())
+    })
+}
+
 /// The job's `POSSUM_KEEPER` and `CUDA_VISIBLE_DEVICES`, from its environment.
 fn keeper_of(pid: i32) -> Option<KeeperOfJob> {
     let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
@@ -303,7 +314,7 @@ fn keeper_of(pid: i32) -> Option<KeeperOfJob> {
                 .map(|v| String::from_utf8_lossy(v).into_owned())
         })
     };
-    let dir = var("POSSUM_KEEPER").filter(|d| !d.is_empty())?;
+    let dir = var(possum_keeper::KEEPER_ENV).filter(|d| !d.is_empty())?;
     Some(KeeperOfJob {
         dir: PathBuf::from(dir),
         cuda_visible_devices: var("CUDA_VISIBLE_DEVICES"),
@@ -764,20 +775,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         }
         if a.leave_running || a.gpu_only {
             if let Some((_, drv)) = &side {
-                clock.time("driver_restore", || {
-                    drv.restore(pid, &[])?;
-                    for &c in &children {
-                        drv.restore(c, &[])?;
-                    }
-                    Ok(())
-                })?;
-                clock.time("driver_unlock", || {
-                    drv.unlock(pid)?;
-                    for &c in &children {
-                        drv.unlock(c)?;
-                    }
-                    Ok(())
-                })?;
+                driver_restore_and_unlock(drv, pid, &children, &mut clock)?;
                 guard.step(Step::Unlocked);
             }
             if a.engine == EngineKind::Possum {

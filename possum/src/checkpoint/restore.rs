@@ -138,45 +138,20 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     Ok(true)
 }
 
-/// Starts `possum keeper --dir` where the restored job `pid` looks for its keeper, unless one
-/// answers there: detached (its own session), seeing the job's `CUDA_VISIBLE_DEVICES`, ending
-/// when the job does. Its directory once it listens; `None` if none was needed or it did not
-/// start (the job then uses memory of its own, and says so in `possum status`).
+/// Starts a keeper where the restored job `pid` looks for its keeper, unless one answers there:
+/// seeing the job's `CUDA_VISIBLE_DEVICES`, ending when the job does, left running when possum
+/// exits. Its directory once it listens; `None` if none was needed or it did not start (the job
+/// then uses memory of its own, and says so in `possum status`).
 fn start_keeper_for(k: &super::image::KeeperOfJob, pid: i32) -> Option<std::path::PathBuf> {
-    use std::io::BufRead;
-    use std::process::{Command, Stdio};
-    if possum_keeper::Keeper::connect(&k.dir.join("keeper-0.sock")).is_ok() {
+    if possum_keeper::Keeper::connect(&possum_keeper::socket_of(&k.dir, 0)).is_ok() {
         return None;
     }
-    let exe = std::env::current_exe().ok()?;
-    let mut cmd = Command::new(exe);
-    cmd.arg("keeper")
-        .arg("--dir")
-        .arg(&k.dir)
-        .arg("--while-alive")
-        .arg(pid.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    match &k.cuda_visible_devices {
-        Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
-        None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
-    };
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().ok()?;
-    let out = child.stdout.take()?;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = std::io::BufReader::new(out).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let ready = rx
-        .recv_timeout(std::time::Duration::from_secs(30))
-        .is_ok_and(|l| l.trim() == "ready");
-    if !ready {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    ready.then(|| k.dir.clone())
+    crate::keeper::start(&k.dir, pid, |cmd| {
+        match &k.cuda_visible_devices {
+            Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
+            None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
+        };
+    })
+    .ok()
+    .map(|_| k.dir.clone())
 }
