@@ -106,16 +106,22 @@ ENGINE_BASES = ("possum", "possum-keeper", "possum-hold", "driver", "gpu-only", 
 ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine flag), possum-keeper "
                "(the same, the job's buffer memory kept by a keeper: `possum run`'s default), possum-hold "
                "(POSSUM_HOOKS=off), driver, gpu-only; suffix -cupti (job with POSSUM_HOOKS=cupti), "
-               "-frozen (extra state only read); none, possum-none (no checkpoint)")
+               "-kill (checkpoint and kill, not --leave-running; -kill-disk: --keep-on-gpu 0, so the "
+               "restore reads the image even with a keeper), -frozen (extra state only read); none, "
+               "possum-none (no checkpoint)")
 
 
 def variant(name):
     """What an engine name means: {name, base, ckpt: the `possum checkpoint` engine (possum,
     driver, gpu-only, or None for no checkpoint), possum: libpossum.so in the job, env: the job's
     possum variables, frozen}."""
-    rest, frozen, cupti = name, False, False
+    rest, frozen, cupti, kill, disk = name, False, False, False, False
     if rest.endswith("-frozen"):
         rest, frozen = rest[: -len("-frozen")], True
+    if rest.endswith("-disk"):
+        rest, disk = rest[: -len("-disk")], True
+    if rest.endswith("-kill"):
+        rest, kill = rest[: -len("-kill")], True
     if rest.endswith("-cupti"):
         rest, cupti = rest[: -len("-cupti")], True
     if rest not in ENGINE_BASES:
@@ -131,8 +137,10 @@ def variant(name):
         env["POSSUM_HOOKS"] = "cupti"
         env["POSSUM_CUPTI"] = os.environ.get("CKPT_JOB_CUPTI") or CUPTI
     ckpt = {"possum": "possum", "possum-keeper": "possum", "possum-hold": "possum", "driver": "driver", "gpu-only": "gpu-only"}.get(rest)
+    if disk and not kill:
+        raise ValueError(f"engine {name!r}: -disk goes with -kill (what a killed job's keeper keeps)")
     return {"name": name, "base": rest, "ckpt": ckpt, "possum": rest not in ("driver", "none"),
-            "env": env, "frozen": frozen}
+            "env": env, "frozen": frozen, "kill": kill, "disk": disk}
 
 
 KEEPER_DIR = os.path.join(WORK, "keeper")
@@ -676,16 +684,23 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
             }
         shutil.rmtree(img, ignore_errors=True)
         t0 = time.time()
-        ck = checkpoint(pid, img, v["ckpt"], leave=True)
+        if v["kill"]:
+            # Checkpoint and kill: the job does not run on; its keeper (if any) keeps its buffers
+            # for the restore unless -disk.
+            ck = checkpoint(pid, img, v["ckpt"], leave=False,
+                            extra=(["--keep-on-gpu", "0"] if v["disk"] else []))
+        else:
+            ck = checkpoint(pid, img, v["ckpt"], leave=True)
         t1 = time.time()
         # Steps after the checkpoint: on-demand restore in the background.
         n_at = sum(1 for r in read_log(log) if "step" in r)
-        wait_lines(log, n_at + lines, 120, proc, pid)
+        if not v["kill"]:
+            wait_lines(log, n_at + lines, 120, proc, pid)
         rows = read_log(log)
         stall, normal = stall_of(rows, t0, t1)
         row["timeline"] = timeline(rows, t0, t1)
         kept_ck = bool((ck["json"] or {}).get("kept"))
-        if v["ckpt"] in ("gpu-only", "possum") and ck["rc"] == 0 and not kept_ck:
+        if v["ckpt"] in ("gpu-only", "possum") and ck["rc"] == 0 and not kept_ck and not v["kill"]:
             # The on-demand restore's own figures (bytes, time) after the left-running
             # checkpoint, once it has finished.
             row["engine_restore"], _ = restore_back(pid, timeout=120, poll_s=0.2)
@@ -715,10 +730,17 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
             t2 = time.time()
             rs = restore(img)
             rf = (rs["json"] or {}).get("figures")
+            from_keeper = bool((rs["json"] or {}).get("gpu_from_keeper"))
+            row["gpu_from_keeper"] = from_keeper
+            if v["kill"]:
+                row["held_for_restore"] = rel.get("held_for_restore")
             if rs["rc"] == 0 and wait_lines(log, 1, 300):
                 first = next(r for r in read_log(log) if "t" in r)
                 row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
-                if v["possum"]:
+                if from_keeper:
+                    # Mapped again from the keeper: every buffer was back before the job ran.
+                    row["buffers_back_seen_ms"] = (rf or {}).get("total_ms")
+                elif v["possum"]:
                     # The restored job's own restore of its buffers (in the background when its
                     # hooks are live): when did the last one come back?
                     back, waited = restore_back(pid)
@@ -731,7 +753,8 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
                 row["restored_steps_seen"] = len(ts)
                 row["restored_first_steps_ms"] = 1e3 * (ts[-1] - ts[0]) if len(ts) > 1 else None
             row["restore"] = rf
-            row["buffers_back_ms"] = buffers_back_ms(v["ckpt"], rf, row.get("restore_buffers"))
+            row["buffers_back_ms"] = ((rf or {}).get("total_ms") if row.get("gpu_from_keeper")
+                                      else buffers_back_ms(v["ckpt"], rf, row.get("restore_buffers")))
             row["restore_err"] = rs["stderr"] if rs["rc"] else None
             row["ok"] = row["ok"] and rs["rc"] == 0 and restored
         emit(kind, row)

@@ -137,6 +137,18 @@ class Variants(unittest.TestCase):
             with self.assertRaises(ValueError):
                 ckpt.variant(bad)
 
+    def test_kill_and_disk(self):
+        k = ckpt.variant("possum-keeper-kill")
+        self.assertEqual((k["base"], k["kill"], k["disk"]), ("possum-keeper", True, False))
+        self.assertEqual(k["env"]["POSSUM_KEEPER"], ckpt.KEEPER_DIR)
+        d = ckpt.variant("possum-keeper-kill-disk-frozen")
+        self.assertEqual((d["base"], d["kill"], d["disk"], d["frozen"]), ("possum-keeper", True, True, True))
+        self.assertFalse(ckpt.variant("driver")["kill"])
+        self.assertTrue(ckpt.variant("driver-kill")["kill"])
+        for bad in ("possum-keeper-disk", "possum-kill-cupti-x"):
+            with self.assertRaises(ValueError):
+                ckpt.variant(bad)
+
     def test_job_env_drops_inherited_choices(self):
         saved = dict(os.environ)
         try:

@@ -80,6 +80,14 @@ pub enum Request {
     /// Hold every GPU operation of the job and drop its buffers' physical memory (addresses kept).
     /// Answers when nothing of the job runs on the GPU any more; the connection is closed first.
     Release,
+    /// `Release` for a checkpoint after which the job is killed: the same T0, final copy and
+    /// commit; then each engine whose buffer memory is a keeper's detaches its buffers instead
+    /// of freeing them, the memory kept by the keeper `hold_secs` after the job is gone, so that
+    /// a restore of the image on this host maps it instead of copying (others release).
+    ReleaseKeeping {
+        /// How long the keeper keeps the memory once the job is gone.
+        hold_secs: u64,
+    },
     /// Detach CUPTI from the job (`attach: false`) or attach it again (diagnostics: whether NVIDIA's
     /// driver checkpoint accepts the process without CUPTI).
     Cupti {

@@ -49,8 +49,24 @@ struct Tables {
     mappings: BTreeMap<u64, PhysMem>,
     /// Mapping start -> the owner's id of its memory (memory from a [`MemoryOwner`]).
     owned: BTreeMap<u64, u64>,
-    /// Detached mapping start -> (owner's id, size): kept by the owner, mapped nowhere here.
-    detached: BTreeMap<u64, (u64, u64)>,
+    /// Detached mapping start -> (owner's id, size, epoch): kept by the owner, mapped nowhere
+    /// here, taken back with the epoch of the detach that left it there.
+    detached: BTreeMap<u64, (u64, u64, u64)>,
+    /// The epoch and hold (seconds the owner keeps it after this process is gone) of the next
+    /// detaches ([`Device::begin_detach`]).
+    detaching: (u64, u64),
+}
+
+/// A new checkpoint epoch: unique in practice (the time, this process, a counter), never 0 (the
+/// epoch of memory never detached).
+fn new_epoch() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let e = nanos ^ (u64::from(std::process::id()) << 40) ^ COUNT.fetch_add(1, Ordering::Relaxed);
+    e.max(1)
 }
 
 fn invalid(va: u64, len: u64, why: &'static str) -> DeviceError {
@@ -462,6 +478,10 @@ impl Device for CudaDevice {
         all_owned && owner.alive()
     }
 
+    fn begin_detach(&self, hold_secs: u64) {
+        self.tables.lock().detaching = (new_epoch(), hold_secs);
+    }
+
     fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let owner = self.owner_for("detach")?;
         self.ctx.bind()?;
@@ -480,12 +500,13 @@ impl Device for CudaDevice {
             }
         }
         let id = t.owned[&va.0];
+        let (epoch, hold_secs) = t.detaching;
         // Marked kept first: from here on only this process may take it back.
-        owner.keep(id)?;
+        owner.keep(id, epoch, hold_secs)?;
         driver::unmap(va.0, size)?;
         let mem = t.mappings.remove(&va.0).expect("checked above");
         t.owned.remove(&va.0);
-        t.detached.insert(va.0, (id, size));
+        t.detached.insert(va.0, (id, size, epoch));
         // The driver's checkpoint must find no handle to it in this process either.
         mem.release()
     }
@@ -494,8 +515,8 @@ impl Device for CudaDevice {
         let owner = self.owner_for("reattach")?;
         self.ctx.bind()?;
         let mut t = self.tables.lock();
-        let id = match t.detached.get(&va.0) {
-            Some(&(id, n)) if n == size => id,
+        let (id, epoch) = match t.detached.get(&va.0) {
+            Some(&(id, n, epoch)) if n == size => (id, epoch),
             Some(_) => {
                 return Err(invalid(
                     va.0,
@@ -505,7 +526,7 @@ impl Device for CudaDevice {
             }
             None => return Err(invalid(va.0, size, "nothing detached there")),
         };
-        let fd = owner.reclaim(id)?;
+        let fd = owner.reclaim(id, epoch)?;
         let mem = PhysMem::import(&self.ctx, fd.as_fd(), size)?;
         mem.map_at(va.0)?;
         t.detached.remove(&va.0);
@@ -518,12 +539,13 @@ impl Device for CudaDevice {
         let owner = self.owner_for("forget")?;
         let mut t = self.tables.lock();
         match t.detached.get(&va.0) {
-            Some(&(_, n)) if n == size => {}
+            Some(&(_, n, _)) if n == size => {}
             _ => return Err(invalid(va.0, size, "nothing detached there")),
         }
-        let (id, _) = t.detached.remove(&va.0).expect("checked above");
-        // Its memory may be gone already (the keeper freed it): nothing left to do then.
-        let _ = owner.free(id);
+        let (id, _, epoch) = t.detached.remove(&va.0).expect("checked above");
+        // Its memory may be gone already (the keeper freed it), or kept under the same id by a
+        // later checkpoint of this process (this one restored from an older image): left alone.
+        let _ = owner.release_kept(id, epoch);
         Ok(())
     }
 

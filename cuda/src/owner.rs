@@ -46,10 +46,14 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     /// Frees memory `id`.
     fn free(&self, id: u64) -> DeviceResult<()>;
     /// Keeps memory `id`, contents and all, while this process holds no handle to it (detached),
-    /// until [`reclaim`](MemoryOwner::reclaim).
-    fn keep(&self, id: u64) -> DeviceResult<()>;
-    /// Takes kept memory back: a new fd for it.
-    fn reclaim(&self, id: u64) -> DeviceResult<OwnedFd>;
+    /// until [`reclaim`](MemoryOwner::reclaim) names the same `epoch` (one per checkpoint); and
+    /// for `hold_secs` after this process is gone (0: freed with it).
+    fn keep(&self, id: u64, epoch: u64, hold_secs: u64) -> DeviceResult<()>;
+    /// Takes kept memory back (kept with `epoch`): a new fd for it.
+    fn reclaim(&self, id: u64, epoch: u64) -> DeviceResult<OwnedFd>;
+    /// Frees kept memory, only if it is still kept with `epoch` (memory a later checkpoint of
+    /// this process kept under the same id is left alone).
+    fn release_kept(&self, id: u64, epoch: u64) -> DeviceResult<()>;
     /// Whether the owner answers now (a connection is opened if none is).
     fn alive(&self) -> bool;
     /// What it holds for this process.

@@ -143,6 +143,13 @@ pub trait Device: Send + Sync + Debug + 'static {
     fn keeps_memory(&self) -> bool {
         false
     }
+    /// Starts a detach of every buffer (before its [`detach`](Device::detach) calls): the memory
+    /// they leave with its owner is of one new checkpoint (taken back only by a process holding
+    /// that checkpoint's state: this one, or one restored from its image), and is kept
+    /// `hold_secs` after this process is gone (0: freed with it). A no-op where nothing is kept.
+    fn begin_detach(&self, hold_secs: u64) {
+        let _ = hold_secs;
+    }
     /// Unmaps the mapping at `va` and drops this process's handle to its memory, which lives on
     /// with its contents where it is owned (a keeper) until [`reattach`](Device::reattach) maps
     /// it there again. For NVIDIA's driver checkpoint, which must not see that memory in the

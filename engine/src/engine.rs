@@ -648,6 +648,12 @@ impl<D: Device> Engine<D> {
     /// job must not be issuing operations (an operation touching a detached buffer fails). On a
     /// failure the buffers detached so far are attached again. Returns the bytes detached.
     pub fn detach(&self) -> Result<u64, EngineError> {
+        self.detach_holding(0)
+    }
+
+    /// [`Engine::detach`], the memory kept `hold_secs` after this process is gone, for a restore
+    /// of its image on this host ([`Device::begin_detach`]): a job checkpointed and then killed.
+    pub fn detach_holding(&self, hold_secs: u64) -> Result<u64, EngineError> {
         if !self.inner.dev.keeps_memory() {
             return Err(DeviceError::Unsupported(
                 "detach: the device's memory is this process's own",
@@ -658,6 +664,7 @@ impl<D: Device> Engine<D> {
         self.inner.gate.close();
         let r = (|| {
             self.synchronize_device()?;
+            self.inner.dev.begin_detach(hold_secs);
             let mut bytes = 0;
             let reg = self.inner.reg.read();
             for b in reg.iter() {

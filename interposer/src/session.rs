@@ -324,11 +324,13 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
 }
 
 /// `Release`: pause the job's GPU operations, then release every engine's buffers.
-pub fn release() -> Value {
-    reply(release_inner())
+/// `ReleaseKeeping{hold_secs}` (`keep`): a keeper's buffers are detached instead, held for a
+/// restore on this host once the job is gone (see [`release_engines`]).
+pub fn release(keep: Option<u64>) -> Value {
+    reply(release_inner(keep))
 }
 
-fn release_inner() -> Result<Value, String> {
+fn release_inner(keep: Option<u64>) -> Result<Value, String> {
     let _b = Busy::take("release")?;
     if paused() {
         return Err("the job is already paused (released)".into());
@@ -385,7 +387,13 @@ fn release_inner() -> Result<Value, String> {
         }));
     }
     let copied = ms(t.elapsed());
-    let (bytes, done, staging_freed) = release_engines(&engines, true)?;
+    let (bytes, done, staging_freed) = release_engines(&engines, true, keep)?;
+    // Devices whose buffers stay on the GPU with the keeper for a restore (not freed).
+    let held: Vec<usize> = engines
+        .iter()
+        .filter(|e| e.engine.stats().phase == "detached")
+        .map(|e| e.ordinal)
+        .collect();
     // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
     // wait in a callback stay there (paused) until the resume.
     let td = Instant::now();
@@ -393,7 +401,7 @@ fn release_inner() -> Result<Value, String> {
         crate::cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
     }
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
-                   "staging_freed_bytes": staging_freed,
+                   "staging_freed_bytes": staging_freed, "held_for_restore": held,
                    "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
     note_last("release", v.clone());
     Ok(v)
@@ -448,17 +456,35 @@ fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<
 /// paused if some engine was released (only its image can bring it back: the caller resumes).
 /// With `park_staging`, each engine's staging memory is freed too (only with the job held at the op
 /// gate: its threads are outside the driver; parked threads may hold a driver lock that freeing
-/// pinned memory needs); (bytes, devices, staging bytes freed).
+/// pinned memory needs); (bytes, devices, staging bytes freed). With `keep` (the job is to be
+/// killed, its images committed): an engine whose memory is a keeper's detaches its buffers
+/// instead, their memory held `keep` seconds after the job is gone (a restore of the image on
+/// this host takes it back instead of copying); a resume before then attaches them again.
 fn release_engines(
     engines: &[Arc<DevEngine>],
     park_staging: bool,
+    keep: Option<u64>,
 ) -> Result<(u64, Vec<usize>, u64), String> {
+    use possum_engine::device::Device;
     let mut bytes = 0u64;
     let mut staging_freed = 0u64;
     let mut done = Vec::new();
     let park = park_staging && crate::runtime::state().cfg.staging_park;
     for e in engines {
-        match e.engine.release() {
+        let r = match keep {
+            Some(secs) if secs > 0 && e.engine.device().keeps_memory() => {
+                e.engine.detach_holding(secs).or_else(|err| {
+                    // Not kept after all: freed, as without a keeper (the image has them).
+                    crate::log(&format!(
+                        "device {}: detaching for the restore failed ({err}); released",
+                        e.ordinal
+                    ));
+                    e.engine.release()
+                })
+            }
+            _ => e.engine.release(),
+        };
+        match r {
             Ok(b) => {
                 bytes += b;
                 done.push(e.ordinal);
@@ -567,7 +593,7 @@ fn release_held(
         f["image_buffers"] = json!(summary.buffers.len());
     }
     let copied = ms(t.elapsed());
-    let (bytes, done, staging_freed) = release_engines(&engines, false)?;
+    let (bytes, done, staging_freed) = release_engines(&engines, false, None)?;
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
                    "staging_freed_bytes": staging_freed,
                    "devices": done, "held": "threads parked", "parked": parked,

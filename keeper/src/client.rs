@@ -67,20 +67,34 @@ impl Keeper {
         self.ask("free", &Request::Free { id }).map(drop)
     }
 
-    /// Keeps allocation `id` when this connection ends.
-    pub fn retain(&mut self, id: u64) -> Result<(), KeeperError> {
-        self.ask("retain", &Request::Retain { id }).map(drop)
+    /// Marks allocation `id` detached (no handle to it in this process), for checkpoint `epoch`;
+    /// kept `hold_secs` after this process is gone.
+    pub fn retain(&mut self, id: u64, epoch: u64, hold_secs: u64) -> Result<(), KeeperError> {
+        self.ask(
+            "retain",
+            &Request::Retain {
+                id,
+                epoch,
+                hold_secs,
+            },
+        )
+        .map(drop)
     }
 
     /// Frees retained allocation `id`.
     pub fn release_retained(&mut self, id: u64) -> Result<(), KeeperError> {
-        self.ask("release_retained", &Request::ReleaseRetained { id })
+        self.release_retained_of(id, None)
+    }
+
+    /// Frees retained allocation `id` if it was retained with `epoch` (any, if `None`).
+    pub fn release_retained_of(&mut self, id: u64, epoch: Option<u64>) -> Result<(), KeeperError> {
+        self.ask("release_retained", &Request::ReleaseRetained { id, epoch })
             .map(drop)
     }
 
-    /// Takes retained allocation `id` back for this connection: a new fd for it.
-    pub fn reclaim(&mut self, id: u64) -> Result<(Allocated, OwnedFd), KeeperError> {
-        self.ask_fd("reclaim", &Request::Reclaim { id })
+    /// Takes retained allocation `id` (of checkpoint `epoch`) back: a new fd for it.
+    pub fn reclaim(&mut self, id: u64, epoch: u64) -> Result<(Allocated, OwnedFd), KeeperError> {
+        self.ask_fd("reclaim", &Request::Reclaim { id, epoch })
     }
 
     /// The keeper's accounting.

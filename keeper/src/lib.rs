@@ -10,9 +10,9 @@
 //! keeper ── {"keeper":1,"pid":P}\n  or  {"error":"..."}\n (refused, then closed)
 //! client ── {"cmd":"alloc","size":N}\n   ──▶ {"id":I,"size":S}\n + the memory's fd (SCM_RIGHTS)
 //! client ── {"cmd":"free","id":I}\n      ──▶ {"ok":true}\n
-//! client ── {"cmd":"retain","id":I}\n    ──▶ {"ok":true}\n   kept when the client's connection ends
+//! client ── {"cmd":"retain","id":I,"epoch":E,"hold_secs":H}\n ──▶ {"ok":true}\n   detached: kept for pid
 //! client ── {"cmd":"release_retained","id":I}\n ──▶ {"ok":true}\n   frees a retained allocation
-//! client ── {"cmd":"reclaim","id":I}\n   ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)
+//! client ── {"cmd":"reclaim","id":I,"epoch":E}\n ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)
 //! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total
 //! ```
 //!
@@ -23,7 +23,11 @@
 //! freed by `free`, or by `release_retained` once retained, or once its process is gone (checked
 //! every [`ORPHAN_CHECK`]). `retain` marks it held by no handle in its process (detached for a
 //! driver checkpoint); only that process may `reclaim` it (a job restored by CRIU has its pid
-//! again).
+//! again), and only with the `epoch` it was retained with: each checkpoint detaches with a new
+//! epoch, recorded in the process's memory (and so in CRIU's image of it), so that a job restored
+//! from an older image never takes back memory holding a later state. A retained allocation with
+//! `hold_secs` outlives its process for that long (a job killed after its checkpoint: the memory
+//! stays on the GPU for a restore on this host), then is freed.
 //!
 //! The job's side is [`KeeperMemory`], the `possum_cuda::owner::MemoryOwner` a job's
 //! `CudaDevice` takes its buffers' memory from. The only `unsafe` is in the private `fdpass` module (taking ownership of the
@@ -92,17 +96,29 @@ pub enum Request {
     Retain {
         /// The allocation.
         id: u64,
+        /// The checkpoint's epoch: `reclaim` must name it.
+        #[serde(default)]
+        epoch: u64,
+        /// Keep it this long after its process is gone (0: freed with its process).
+        #[serde(default)]
+        hold_secs: u64,
     },
     /// Free a retained allocation.
     ReleaseRetained {
         /// The allocation.
         id: u64,
+        /// Only if retained with this epoch (any, if absent).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        epoch: Option<u64>,
     },
     /// Take a retained allocation back: it becomes this connection's (no longer retained), and
     /// the reply carries a new fd for it, like `alloc`'s. Only the process that retained it may.
     Reclaim {
         /// The allocation.
         id: u64,
+        /// The epoch it was retained with.
+        #[serde(default)]
+        epoch: u64,
     },
     /// The accounting.
     Stats,
@@ -149,6 +165,9 @@ pub struct Stats {
     pub clients: BTreeMap<i32, Usage>,
     /// Retained allocations (of any process).
     pub retained: Usage,
+    /// Of those, the ones whose process is gone, kept for a restore (`retain`'s `hold_secs`).
+    #[serde(default)]
+    pub held: Usage,
     /// Everything the keeper holds.
     pub total: Usage,
 }
@@ -203,4 +222,8 @@ pub enum KeeperError {
     /// process retained).
     #[error("allocation {0} is not retained (by this process)")]
     NotRetained(u64),
+    /// `reclaim` of an allocation retained by another checkpoint of the process (a later one:
+    /// its contents are not the state the caller was checkpointed with).
+    #[error("allocation {0} holds the state of another checkpoint of this process")]
+    OtherEpoch(u64),
 }

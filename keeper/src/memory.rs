@@ -58,13 +58,19 @@ impl MemoryOwner for KeeperMemory {
         self.with("keeper free", |k| k.free(id))
     }
 
-    fn keep(&self, id: u64) -> DeviceResult<()> {
-        self.with("keeper retain", |k| k.retain(id))
+    fn keep(&self, id: u64, epoch: u64, hold_secs: u64) -> DeviceResult<()> {
+        self.with("keeper retain", |k| k.retain(id, epoch, hold_secs))
     }
 
-    fn reclaim(&self, id: u64) -> DeviceResult<OwnedFd> {
-        self.with("keeper reclaim", |k| k.reclaim(id))
+    fn reclaim(&self, id: u64, epoch: u64) -> DeviceResult<OwnedFd> {
+        self.with("keeper reclaim", |k| k.reclaim(id, epoch))
             .map(|(_, fd)| fd)
+    }
+
+    fn release_kept(&self, id: u64, epoch: u64) -> DeviceResult<()> {
+        self.with("keeper release_retained", |k| {
+            k.release_retained_of(id, Some(epoch))
+        })
     }
 
     fn alive(&self) -> bool {

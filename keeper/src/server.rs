@@ -5,6 +5,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use possum_cuda::share::{ShareDevice, SharedMem};
@@ -46,6 +47,17 @@ struct Alloc {
     pid: i32,
     /// No handle to it in `pid` now (detached for a checkpoint); only `pid` may reclaim it.
     retained: bool,
+    /// The checkpoint it was retained for (`reclaim` must name it).
+    epoch: u64,
+    /// Retained: kept until then after `pid` is gone.
+    hold_until: Option<Instant>,
+}
+
+impl Alloc {
+    /// Whether it is kept for a restore although its process is gone (or may be).
+    fn held(&self, now: Instant) -> bool {
+        self.retained && self.hold_until.is_some_and(|t| t > now)
+    }
 }
 
 impl Server {
@@ -255,7 +267,16 @@ impl Inner {
                             request: "alloc",
                             detail: format!("size {size} too large"),
                         })?;
-                let mem = dev.create(rounded)?;
+                let mem = match dev.create(rounded) {
+                    Ok(m) => m,
+                    // Memory held for the restore of a job that is gone never keeps a live
+                    // job from its memory: dropped, and the allocation tried again.
+                    Err(e) if self.drop_held_of_dead() > 0 => {
+                        held_dropped_note(&e);
+                        dev.create(rounded)?
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 let fd = mem.export()?;
                 let mut st = self.lock();
                 st.next_id += 1;
@@ -266,6 +287,8 @@ impl Inner {
                         mem,
                         pid,
                         retained: false,
+                        epoch: 0,
+                        hold_until: None,
                     },
                 );
                 let a = Allocated {
@@ -280,16 +303,27 @@ impl Inner {
                 removed.ok_or(KeeperError::NoSuchAllocation(id))?;
                 Ok((ok, None))
             }
-            Request::Retain { id } => {
+            Request::Retain {
+                id,
+                epoch,
+                hold_secs,
+            } => {
                 let mut st = self.lock();
                 let a = st
                     .allocs
                     .get_mut(&id)
                     .ok_or(KeeperError::NoSuchAllocation(id))?;
+                if a.pid != pid {
+                    return Err(KeeperError::NoSuchAllocation(id));
+                }
                 a.retained = true;
+                a.epoch = epoch;
+                a.hold_until = (hold_secs > 0)
+                    .then(|| Instant::now().checked_add(Duration::from_secs(hold_secs)))
+                    .flatten();
                 Ok((ok, None))
             }
-            Request::Reclaim { id } => {
+            Request::Reclaim { id, epoch } => {
                 let mut st = self.lock();
                 let a = st
                     .allocs
@@ -300,8 +334,12 @@ impl Inner {
                 if !a.retained || a.pid != pid {
                     return Err(KeeperError::NotRetained(id));
                 }
+                if a.epoch != epoch {
+                    return Err(KeeperError::OtherEpoch(id));
+                }
                 let fd = a.mem.export()?;
                 a.retained = false;
+                a.hold_until = None;
                 let r = Allocated {
                     id,
                     size: a.mem.size(),
@@ -309,11 +347,14 @@ impl Inner {
                 };
                 Ok((json!(r), Some(fd)))
             }
-            Request::ReleaseRetained { id } => {
+            Request::ReleaseRetained { id, epoch } => {
                 let mut st = self.lock();
                 match st.allocs.get(&id) {
                     None => return Err(KeeperError::NoSuchAllocation(id)),
                     Some(a) if !a.retained => return Err(KeeperError::NotRetained(id)),
+                    Some(a) if epoch.is_some_and(|e| e != a.epoch) => {
+                        return Err(KeeperError::OtherEpoch(id))
+                    }
                     Some(_) => {}
                 }
                 let removed = st.allocs.remove(&id);
@@ -325,14 +366,31 @@ impl Inner {
         }
     }
 
-    /// Frees the allocations whose process is gone.
+    /// Frees the allocations held for the restore of a process that is gone; how many.
+    fn drop_held_of_dead(&self) -> usize {
+        let gone: Vec<Alloc> = {
+            let mut st = self.lock();
+            let ids: Vec<u64> = st
+                .allocs
+                .iter()
+                .filter(|(_, a)| a.retained && a.hold_until.is_some() && !alive(a.pid))
+                .map(|(&id, _)| id)
+                .collect();
+            ids.iter().filter_map(|id| st.allocs.remove(id)).collect()
+        };
+        gone.len()
+    }
+
+    /// Frees the allocations whose process is gone, but those held for a restore until their
+    /// hold ends.
     fn free_orphans_of_dead(&self) {
+        let now = Instant::now();
         let gone: Vec<Alloc> = {
             let mut st = self.lock();
             let dead: Vec<u64> = st
                 .allocs
                 .iter()
-                .filter(|(_, a)| !alive(a.pid))
+                .filter(|(_, a)| !a.held(now) && !alive(a.pid))
                 .map(|(&id, _)| id)
                 .collect();
             dead.iter().filter_map(|id| st.allocs.remove(id)).collect()
@@ -342,6 +400,7 @@ impl Inner {
     }
 
     fn stats(&self) -> Stats {
+        let now = Instant::now();
         let st = self.lock();
         let mut s = Stats::default();
         for a in st.allocs.values() {
@@ -353,6 +412,9 @@ impl Inner {
                 .add(size);
             if a.retained {
                 s.retained.add(size);
+            }
+            if a.held(now) && !alive(a.pid) {
+                s.held.add(size);
             }
         }
         s
@@ -367,6 +429,16 @@ fn alive(pid: i32) -> bool {
             .is_some_and(|(_, rest)| !rest.starts_with('Z')),
         Err(_) => false,
     }
+}
+
+/// Says on stderr that held memory was dropped for a new allocation.
+fn held_dropped_note(e: &possum_engine::device::DeviceError) {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "possum keeper: an allocation failed ({e}); memory held for the restore of jobs that \
+         are gone was freed for it"
+    );
 }
 
 fn reply(

@@ -203,6 +203,51 @@ fn client_memory_is_shared_accounted_and_freed_on_exit() {
     );
 }
 
+/// Memory retained with a hold (a job checkpointed, then killed) outlives its process for a
+/// restore, contents intact, where memory retained without one goes with its process; it is
+/// taken back only with the epoch it was retained with.
+#[test]
+fn held_memory_outlives_its_process_and_is_reclaimed_only_with_its_epoch() {
+    if !inner_or_spawn("held_memory_outlives_its_process_and_is_reclaimed_only_with_its_epoch") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let mut c = Client::spawn(&mut client_cmd(&server));
+    let (held, _) = c.alloc(MIB4);
+    let (plain, _) = c.alloc(MIB4);
+    assert_eq!(c.ask(&format!("hold {held} 600")), format!("held {held}"));
+    assert_eq!(
+        c.ask(&format!("retain {plain}")),
+        format!("retained {plain}")
+    );
+    // The test client retains with epoch 7: another epoch is refused, and the memory stays
+    // retained.
+    let other = c.ask(&format!("reclaim {held} 8"));
+    assert!(other.contains("another checkpoint"), "{other}");
+    let one = Usage {
+        allocations: 1,
+        bytes: MIB4,
+    };
+    // Its process alive, nothing is "held" yet.
+    assert_eq!(server.stats().held, Usage::default());
+    c.exit();
+    wait_total(&server, one);
+    let s = server.stats();
+    assert_eq!(s.held, one, "{s:?}");
+    assert_eq!(s.retained, one, "{s:?}");
+    assert_eq!(
+        server.read(held, 0, MIB4 as usize).unwrap(),
+        pattern(held, MIB4),
+        "held memory keeps its contents"
+    );
+    assert!(server.read(plain, 0, 16).is_err(), "freed with its process");
+    // Released explicitly, it goes.
+    let mut k = Keeper::connect(server.path()).unwrap();
+    k.release_retained(held).unwrap();
+    wait_total(&server, Usage::default());
+}
+
 /// Memory belongs to the process that made it, not to a connection: it survives the connection
 /// (the client connects again and sees it), and is freed by `free`, by `release_retained` once
 /// retained, or once that process is gone; only that process reclaims what it retained.
@@ -243,7 +288,10 @@ fn memory_lives_as_long_as_its_process_and_retained_memory_until_released() {
 
     // Another process (this one, same uid) may not reclaim it, but may release it.
     let mut k = Keeper::connect(server.path()).unwrap();
-    assert!(matches!(k.reclaim(kept), Err(KeeperError::Remote { .. })));
+    assert!(matches!(
+        k.reclaim(kept, 7),
+        Err(KeeperError::Remote { .. })
+    ));
     assert!(
         matches!(k.release_retained(other), Err(KeeperError::Remote { .. })),
         "not retained"

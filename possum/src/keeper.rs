@@ -8,8 +8,11 @@
 //! - `--socket PATH [--device N]`: one device, opened at once.
 //!
 //! It runs until it is killed (SIGTERM's default action ends it; socket files are replaced at the
-//! next start), or, with `--while-alive PID`, until that process is gone (`possum restore` starts
-//! one so for a restored job whose keeper is gone).
+//! next start), or, with `--while-alive PID`, until that process is gone and it holds no memory
+//! (`possum run` starts it so; `possum restore` too for a restored job whose keeper is gone):
+//! a job killed by `possum checkpoint` leaves its buffers held for a restore on this host
+//! (`--keep-on-gpu`), and the keeper serves until they are freed or taken back, then as long as
+//! the restored job lives.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -118,19 +121,46 @@ pub fn run(a: &KeeperArgs) -> Result<bool> {
             })
             .context("starting the keeper's thread")?;
     }
+    // Seen before `ready`: a process that ends right after its keeper listens is known to have
+    // lived (not one yet to come, which is waited for).
+    let mut seen = a.while_alive.is_some_and(crate::checkpoint::alive);
     // The starter reads this line, then no more of the output.
     let _ = writeln!(std::io::stdout(), "ready");
     let _ = std::io::stdout().flush();
     let started = std::time::Instant::now();
-    let mut seen = false;
     loop {
         std::thread::sleep(Duration::from_secs(1));
         if let Some(pid) = a.while_alive {
             let alive = crate::checkpoint::alive(pid);
             seen |= alive;
-            if !alive && (seen || started.elapsed() > Duration::from_secs(60)) {
+            // Memory it still holds (a killed job's buffers held for its restore here, or a
+            // job restored since) keeps it serving until that is freed too.
+            let holds = servers.iter().any(|s| s.stats().total.allocations > 0);
+            if !alive && !holds && (seen || started.elapsed() > Duration::from_secs(60)) {
+                for s in &servers {
+                    let _ = std::fs::remove_file(s.path());
+                }
+                if let Some(dir) = &a.dir {
+                    // Only if empty: nothing but its sockets was there.
+                    let _ = std::fs::remove_dir(dir);
+                }
                 return Ok(true);
             }
         }
     }
+}
+
+/// Memory the keeper at `dir` holds for the restore of jobs that are gone (bytes), if it answers.
+pub fn held_bytes(dir: &Path) -> Option<u64> {
+    let mut held = 0;
+    // One socket per device, numbered from 0.
+    for n in 0.. {
+        let sock = possum_keeper::socket_of(dir, n);
+        if !sock.exists() {
+            break;
+        }
+        let mut k = possum_keeper::Keeper::connect(&sock).ok()?;
+        held += k.stats().ok()?.held.bytes;
+    }
+    Some(held)
 }

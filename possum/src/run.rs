@@ -180,6 +180,12 @@ struct KeeperChild {
 
 impl Drop for KeeperChild {
     fn drop(&mut self) {
+        // A job killed by `possum checkpoint` may have left its GPU buffers with the keeper for
+        // a restore on this host (`--keep-on-gpu`): the keeper then stays, and ends by itself
+        // once they are freed or the restored job is gone.
+        if crate::keeper::held_bytes(&self.dir).is_some_and(|b| b > 0) {
+            return;
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);

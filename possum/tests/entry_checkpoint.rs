@@ -1030,3 +1030,211 @@ fn a_keeper_lost_during_a_kept_hold_is_said_and_the_job_stays_paused() {
     let st = ask(&possum_control::Request::Status).unwrap();
     assert_eq!(st["possum"]["session"]["paused"], true, "{st}");
 }
+
+/// `possum checkpoint` (no --leave-running) of `job` into `img`, with `extra` flags: its JSON,
+/// once the job it killed is reaped (its pid free for a restore).
+fn checkpoint_and_kill(dir: &Path, job: &mut Job, img: &Path, extra: &[&str]) -> Value {
+    let v = json_of(
+        possum(dir)
+            .args(["checkpoint", &job.pid.to_string(), "--json"])
+            .args(extra)
+            .arg("-D")
+            .arg(img)
+            .arg("--socket-dir")
+            .arg(dir.join("sockets")),
+        job,
+    );
+    match job.child.take() {
+        Some(mut c) => {
+            c.wait().unwrap();
+        }
+        None => {
+            possum_criu::wait_for_exit(job.pid, Some(WAIT)).unwrap();
+        }
+    }
+    v
+}
+
+/// Checkpoint and kill of a job whose memory a keeper holds (issue 14, item 3): the image is
+/// complete, and the keeper keeps the job's buffers on the GPU after it is gone, so that its
+/// restore on this host maps them instead of copying (zero-copy). That memory is taken back
+/// only by a job holding that checkpoint's state: a restore of an older image comes back from
+/// its image, and leaves the later checkpoint's memory alone. Both restored jobs compute exactly
+/// what a run without possum does.
+#[test]
+fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() {
+    let Some((tmp, lib)) = setup("keeper_kill_restore", "possum-keeper-kill-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper(dir);
+    let keeper_sock = keeper_dir.join("keeper-0.sock");
+    let mut reference = Job::start(dir, "reference", None);
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+    let mut job = keeper_job(dir, &lib, &keeper_dir);
+    let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
+    let before = k.stats().unwrap().clients[&job.pid].bytes;
+
+    // Killed: the image is complete, and the keeper holds the buffers for a restore.
+    let img1 = dir.join("img1");
+    let v = checkpoint_and_kill(dir, &mut job, &img1, &[]);
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    assert!(
+        count_files(&img1.join("gpu"), ".bin") > 0,
+        "no GPU data in the image"
+    );
+    let s = k.stats().unwrap();
+    assert_eq!(s.held.bytes, before, "held for the restore: {s:?}");
+    let restore = |img: &Path, job: &Job| {
+        json_of(
+            possum(dir)
+                .args(["restore", "--json", "-D"])
+                .arg(img)
+                .env("LD_LIBRARY_PATH", dir),
+            job,
+        )
+    };
+    let r = restore(&img1, &job);
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    assert_eq!(
+        r["resume_report"]["attached"],
+        serde_json::json!([0]),
+        "{r}"
+    );
+    assert_eq!(r["keeper_started"], Value::Null, "the keeper answered: {r}");
+    let s = k.stats().unwrap();
+    assert_eq!(s.retained.bytes, 0, "taken back: {s:?}");
+    assert_eq!(s.clients[&job.pid].bytes, before, "{s:?}");
+    goes_on_like(
+        &mut job,
+        dir,
+        "zero-copy",
+        &want,
+        "restored from the keeper's memory",
+    );
+
+    // At its end, checkpointed and killed again (its memory held with a new epoch), then the
+    // *first* image restored: its buffers must come from that image, not from the later memory
+    // (which would not compute what the reference did).
+    let img2 = dir.join("img2");
+    let v = checkpoint_and_kill(dir, &mut job, &img2, &[]);
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    let later = k.stats().unwrap().held.bytes;
+    assert_eq!(
+        later,
+        before + (2 << 20),
+        "with the buffer its malloc added"
+    );
+    let r = restore(&img1, &job);
+    assert_eq!(r["gpu_from_keeper"], false, "an older image: {r}");
+    assert_eq!(
+        r["resume_report"]["kept_memory_gone"],
+        serde_json::json!([0]),
+        "{r}"
+    );
+    let s = k.stats().unwrap();
+    assert_eq!(
+        s.retained.bytes, later,
+        "the later checkpoint's memory is still held: {s:?}"
+    );
+    goes_on_like(
+        &mut job,
+        dir,
+        "restored",
+        &want,
+        "restored from the older image",
+    );
+
+    // `--keep-on-gpu 0`: freed with the job, and the restore copies from the image.
+    let img3 = dir.join("img3");
+    let v = checkpoint_and_kill(dir, &mut job, &img3, &["--keep-on-gpu", "0"]);
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([]),
+        "{v}"
+    );
+    let r = restore(&img3, &job);
+    assert_eq!(r["gpu_from_keeper"], false, "{r}");
+    finish_restored(&mut job);
+}
+
+/// A keeper started for a process (`--while-alive PID`, as `possum run` and `possum restore`
+/// start one) outlives it while it holds a killed job's buffers for a restore, serves the
+/// restored job, and ends (its sockets and directory gone) once that job is gone too.
+#[test]
+fn a_keeper_holding_memory_for_a_restore_outlives_the_process_it_was_started_for() {
+    let Some((tmp, lib)) = setup("keeper_outlives", "possum-keeper-outlives-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let mut sleeper = Command::new("sleep").arg("600").spawn().unwrap();
+    let keeper_dir = dir.join("keeper");
+    let mut keeper = possum(dir)
+        .args(["keeper", "--dir"])
+        .arg(&keeper_dir)
+        .args(["--while-alive", &sleeper.id().to_string()])
+        .env("LD_LIBRARY_PATH", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(keeper.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let keeper = KeeperProcess(keeper);
+    let mut job = keeper_job(dir, &lib, &keeper_dir);
+    let img = dir.join("img");
+    checkpoint_and_kill(dir, &mut job, &img, &[]);
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    // Two of its checks (every second) and an orphan sweep later, it still serves.
+    std::thread::sleep(Duration::from_secs(3));
+    let mut kp = keeper;
+    assert!(kp.0.try_wait().unwrap().is_none(), "the keeper ended");
+    let sock = keeper_dir.join("keeper-0.sock");
+    let held = possum_keeper::Keeper::connect(&sock)
+        .unwrap()
+        .stats()
+        .unwrap()
+        .held;
+    assert!(held.bytes > 0, "{held:?}");
+    let r = json_of(
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(&img)
+            .env("LD_LIBRARY_PATH", dir),
+        &job,
+    );
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    job.run("step 1", "done 6");
+    finish_restored(&mut job);
+    // The restored job gone, its memory is freed (an orphan sweep) and the keeper ends.
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = kp.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t.elapsed() < WAIT,
+            "the keeper did not end: it holds {:?}",
+            possum_keeper::Keeper::connect(&sock).and_then(|mut k| k.stats())
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(!keeper_dir.exists(), "its directory is removed");
+}

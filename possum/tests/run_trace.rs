@@ -290,6 +290,7 @@ fn trace_and_status_ask_the_job() {
             Request::Ping => json!({}),
             Request::Checkpoint { .. }
             | Request::Release
+            | Request::ReleaseKeeping { .. }
             | Request::Resume { .. }
             | Request::Cupti { .. }
             | Request::CheckpointKept { .. }

@@ -49,8 +49,21 @@ fn main() {
             }
             ["retain", id] => {
                 let id = id.parse().expect("id");
-                k.retain(id).expect("retain");
+                k.retain(id, 7, 0).expect("retain");
                 println!("retained {id}");
+            }
+            ["hold", id, secs] => {
+                let id = id.parse().expect("id");
+                k.retain(id, 7, secs.parse().expect("secs"))
+                    .expect("retain");
+                println!("held {id}");
+            }
+            ["reclaim", id, epoch] => {
+                let id: u64 = id.parse().expect("id");
+                match k.reclaim(id, epoch.parse().expect("epoch")) {
+                    Ok(_) => println!("reclaimed {id}"),
+                    Err(e) => println!("refused: {e}"),
+                }
             }
             ["stats"] => println!(
                 "{}",

@@ -88,6 +88,13 @@ pub struct CheckpointArgs {
     /// Replace an existing image at DIR (the old one is removed only once the new one is complete).
     #[arg(long)]
     pub force: bool,
+    /// When the job is killed (no --leave-running) and its GPU memory is a keeper's (`possum
+    /// run`'s default): the keeper keeps the job's GPU buffers on the GPU this many seconds after
+    /// it is gone, so that `possum restore` on this host maps them instead of copying them back
+    /// from the image (the image is complete either way). The keeper frees them sooner if a
+    /// live job needs the memory. 0: freed with the job.
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    pub keep_on_gpu: u64,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
@@ -663,10 +670,19 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 bar.finish();
             }
             guard.step(Step::Releasing);
-            release_report = clock.time("release", || ask(pid, &sockets, &Request::Release))?;
+            // A job to be killed whose memory a keeper holds: its buffers stay on the GPU with
+            // the keeper for a restore here (the image is committed before the release).
+            let release = if !a.leave_running && !a.gpu_only && keeper_of_job.is_some() {
+                Request::ReleaseKeeping {
+                    hold_secs: a.keep_on_gpu,
+                }
+            } else {
+                Request::Release
+            };
+            release_report = clock.time("release", || ask(pid, &sockets, &release))?;
             for &c in &possum_children {
                 clock
-                    .time("release", || ask(c, &sockets, &Request::Release))
+                    .time("release", || ask(c, &sockets, &release))
                     .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
             }
             bar.finish();
@@ -902,6 +918,16 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         }
         if resume_report["on_demand"] == json!(true) {
             println!("  the job runs on; its GPU buffers come back on demand");
+        }
+        if release_report["held_for_restore"]
+            .as_array()
+            .is_some_and(|d| !d.is_empty())
+        {
+            println!(
+                "  its GPU buffers stay on the GPU with its keeper for {} s: `possum restore` on \
+                 this host maps them again instead of copying them from the image",
+                a.keep_on_gpu
+            );
         }
     }
     Ok(true)

@@ -115,8 +115,13 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     }
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
+    // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
+    let from_keeper = resumed["attached"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty());
     let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig,
-                     "recreated_socket_dirs": recreated, "keeper_started": keeper_started});
+                     "recreated_socket_dirs": recreated, "keeper_started": keeper_started,
+                     "gpu_from_keeper": from_keeper, "resume_report": resumed});
     if a.json {
         println!("{out}");
     } else {
@@ -130,6 +135,8 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
             ms(clock.get("resume")),
             match (&img.gpu, resumed["on_demand"].as_bool()) {
                 (None, _) => "",
+                (Some(_), _) if from_keeper =>
+                    "; its GPU buffers were still on the GPU with the keeper: mapped again, nothing copied",
                 (Some(_), Some(false)) => "; every GPU buffer was back before it ran on (hooks off)",
                 (Some(_), _) => "; GPU buffers come back on demand",
             }
