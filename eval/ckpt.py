@@ -336,11 +336,17 @@ def trial(spec, engine, k, steps, sleep_ms, n):
         return False
     if v["possum"]:
         row["status"] = status_summary(job_status(p.pid))
-    ck = checkpoint(p.pid, img, v["ckpt"], leave=True)
+    if v["kill"]:
+        # Checkpoint and kill: nothing runs on; only the restored run is compared.
+        ck = checkpoint(p.pid, img, v["ckpt"], leave=False,
+                        extra=(["--keep-on-gpu", "0"] if v["disk"] else []))
+    else:
+        ck = checkpoint(p.pid, img, v["ckpt"], leave=True)
     at = sum(1 for r in read_log(log) if "step" in r)
     cj = ck["json"] or {}
     row["checkpoint"] = {"rc": ck["rc"], "hooks": cj.get("hooks"), "hold": cj.get("hold"),
                          "kept": cj.get("kept"), "figures": cj.get("figures"),
+                         "held_for_restore": (cj.get("release_report") or {}).get("held_for_restore"),
                          "stderr": ck["stderr"] if ck["rc"] else None}
     try:
         p.wait(timeout=600)
@@ -348,7 +354,8 @@ def trial(spec, engine, k, steps, sleep_ms, n):
         p.kill()
         p.wait()
     first = key(read_log(log))
-    row["leave_running_identical"] = first == ref
+    # A killed job's log is a prefix of the reference's (its steps up to the checkpoint).
+    row["leave_running_identical"] = first == ref[:len(first)] if v["kill"] else first == ref
     row["job_exit"] = p.returncode
     if ck["rc"] != 0:
         row.update(ok=False, why="checkpoint failed", wall_s=time.time() - t_trial)
@@ -367,6 +374,7 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     keep_log(log)
     rs = restore(img)
     row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
+                      "gpu_from_keeper": (rs["json"] or {}).get("gpu_from_keeper"),
                       "stderr": rs["stderr"] if rs["rc"] else None}
     pid = p.pid
     gone = wait_gone(pid, 600) if rs["rc"] == 0 else True
