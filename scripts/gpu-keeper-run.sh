@@ -4,8 +4,11 @@
 # keeper for it), checkpointed with `possum checkpoint --leave-running` (kept: nothing copied
 # while held, saved after it runs on); the job must end with the lines of a run without possum,
 # and `possum run` must end its keeper with it. Then a second run is checkpointed and killed, and
-# restored: `possum restore` starts a keeper for it, the restored job writes the reference's lines
-# and `possum status` shows its memory kept. Writes $OUT/keeper-run.json (or .gpu/out/).
+# restored: its keeper, started by `possum run`, stays after `possum run` ends because it holds
+# the killed job's buffers (--keep-on-gpu); `possum restore` finds it (starts none) and the
+# restored job maps its buffers from it (zero-copy), writes the reference's lines, and `possum
+# status` shows its memory kept; once the restored job ends, the keeper ends too.
+# Writes $OUT/keeper-run.json (or .gpu/out/).
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +36,7 @@ setsid .gpu/possum run --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job2.l
 run2=$!
 for _ in $(seq 600); do [ "$(wc -l < "$W/job2.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
 pid2=$(pgrep -f -n "jobs.py mlp --steps 600 --hold-gib 2 --sleep-ms 10 --log $W/job2.log")
+keeper2=$(pgrep -f -n "possum keeper --dir $W/sockets/keeper-")
 .gpu/possum checkpoint "$pid2" -D "$W/img2" --json --socket-dir "$W/sockets" > "$W/ck2.json" 2> "$W/ck2.err"
 ck2=$?
 wait "$run2"
@@ -43,10 +47,12 @@ rs2=$?
 sleep 3
 .gpu/possum status "$pid2" --socket-dir "$W/sockets" > "$W/status2.txt" 2>&1
 for _ in $(seq 600); do [ -e "/proc/$pid2" ] || break; sleep 0.1; done
-python3 - "$W" "$ck" "$rc" "$keeper" "$res/keeper-run.json" "$ck2" "$rs2" <<'PY'
+# The keeper of the second run ends once the restored job is gone (an orphan sweep, then its check).
+for _ in $(seq 100); do [ -n "$keeper2" ] && [ -e "/proc/$keeper2" ] || break; sleep 0.1; done
+python3 - "$W" "$ck" "$rc" "$keeper" "$res/keeper-run.json" "$ck2" "$rs2" "$keeper2" <<'PY'
 import json, os, sys
 w, ck, rc, keeper, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-ck2, rs2 = int(sys.argv[6]), int(sys.argv[7])
+ck2, rs2, keeper2 = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
 rows = lambda p: [{k: v for k, v in json.loads(l).items() if k != "t"} for l in open(p) if l.strip()]
 ref, got = rows(f"{w}/ref.log"), rows(f"{w}/job.log")
 cj = json.load(open(f"{w}/ck.json")) if ck == 0 else {}
@@ -63,6 +69,9 @@ rs = json.load(open(f"{w}/rs2.json")) if rs2 == 0 else {}
 status2 = open(f"{w}/status2.txt").read()
 doc["kill_restore"] = {
     "checkpoint_rc": ck2, "restore_rc": rs2, "keeper_started": rs.get("keeper_started"),
+    "gpu_from_keeper": rs.get("gpu_from_keeper"),
+    "held_for_restore": ((json.load(open(f"{w}/ck2.json")) if ck2 == 0 else {}).get("release_report") or {}).get("held_for_restore"),
+    "keeper_gone_after_restored_job": bool(keeper2) and not os.path.exists(f"/proc/{keeper2}"),
     "before_identical": first == ref[:len(first)],
     "restored_identical": bool(second) and s0 is not None and second == ref[s0:],
     "lines": [len(first), len(second)], "restore_figures": rs.get("figures"),
@@ -71,6 +80,7 @@ doc["kill_restore"] = {
 json.dump(doc, open(out, "w"), indent=1)
 kr = doc["kill_restore"]
 print(json.dumps({**{k: doc[k] for k in ("checkpoint_rc", "run_rc", "identical", "lines", "kept", "keeper_gone_after_job")}, "kill_restore": kr}))
-ok2 = ck2 == 0 and rs2 == 0 and kr["keeper_started"] and kr["before_identical"] and kr["restored_identical"]
+ok2 = (ck2 == 0 and rs2 == 0 and kr["gpu_from_keeper"] and not kr["keeper_started"]
+       and kr["keeper_gone_after_restored_job"] and kr["before_identical"] and kr["restored_identical"])
 sys.exit(0 if ck == 0 and rc == 0 and doc["identical"] and doc["keeper_gone_after_job"] and ok2 else 1)
 PY
