@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where a restore's time goes (issue 14: restore to the first step from a keeper-held image): an
 # MLP holding 8 GiB under libpossum.so with a keeper, checkpointed and killed (its buffers held by
-# the keeper), then restored; keeps CRIU's dump and restore logs (timestamped lines), possum's
-# JSON, and the job's memory by kind before the checkpoint (smaps_rollup, the largest mappings).
-# From the build in .gpu/ (gpu-ckpt.sh --stage). Writes $OUT/diag-restore/ (or .gpu/out/).
+# the keeper), then restored with CRIU logging everything (POSSUM_CRIU_LOG_LEVEL=4); keeps CRIU's
+# dump and restore logs (timestamped lines), possum's JSON, and the job's memory by kind before the
+# checkpoint (smaps_rollup, the largest mappings), as one archive.
+# From the build in .gpu/ (gpu-ckpt.sh --stage). Writes $OUT/diag-restore.tgz (or .gpu/out/).
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ W=/dev/shm/possum-diag-restore; rm -rf "$W"; mkdir -p "$W/sockets"
 keeper=$!
 for _ in $(seq 100); do grep -q ready "$W/keeper.out" 2>/dev/null && break; sleep 0.1; done
 POSSUM_KEEPER="$W/keeper" POSSUM_SOCKET_DIR="$W/sockets" LD_PRELOAD="$PWD/.gpu/libpossum.so" setsid \
-    python3 workloads/gpu/jobs.py mlp --steps 1000000 --hold-gib 8 --sleep-ms 1 --log "$W/job.log" 2> "$W/job.err" &
+    python3 workloads/gpu/jobs.py mlp --steps 1000000 --hold-gib 8 --sleep-ms 1 --log "$W/job.log" > /dev/null 2> "$W/job.err" &
 pid=$!
 for _ in $(seq 900); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
 cat "/proc/$pid/smaps_rollup" > "$res/smaps_rollup.txt" 2>&1
@@ -32,12 +33,14 @@ du -sh "$W/img"/* > "$res/image-sizes.txt" 2>&1
 ls -la "$W/img/criu" | sort -k5 -n | tail -15 >> "$res/image-sizes.txt"
 cp "$W/job.log" "$W/job.log.1"; : > "$W/job.log"
 t0=$(date +%s.%N)
-.gpu/possum restore -D "$W/img" --json > "$res/restore.json" 2> "$res/restore.err"
+POSSUM_CRIU_LOG_LEVEL=4 .gpu/possum restore -D "$W/img" --json > "$res/restore.json" 2> "$res/restore.err"
 for _ in $(seq 300); do [ -s "$W/job.log" ] && break; sleep 0.01; done
 t1=$(date +%s.%N)
-echo "restore to first step line: $(echo "$t1 - $t0" | bc) s" > "$res/first-step.txt"
+python3 -c "import sys; print('restore to first step line: %.3f s' % (float(sys.argv[2]) - float(sys.argv[1])))" "$t0" "$t1" > "$res/first-step.txt"
 cp "$W"/img/criu/*.log "$res/" 2>/dev/null
 kill -9 "$pid" 2>/dev/null; kill "$keeper" 2>/dev/null
 sleep 1
 cat "$res/first-step.txt" "$res/vma-count.txt"; head -12 "$res/smaps_rollup.txt"; head -8 "$res/largest-anon.txt"
 python3 -c "import json,sys; r=json.load(open('$res/restore.json')); print(r.get('figures'), r.get('gpu_from_keeper'))"
+# One file back (the device tool brings back a few files per call).
+(cd "$res/.." && tar czf diag-restore.tgz diag-restore && rm -rf diag-restore)

@@ -32,7 +32,8 @@ wait "$run"; rc=$?
 sleep 1
 # Then: the same job checkpointed and killed at step 100, and restored: `possum restore` starts a
 # keeper where the job looks for one, and the restored job's memory is that keeper's.
-setsid .gpu/possum run --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job2.log" 2> "$W/job2.err" &
+# Its stdout to a file: a pipe to this script would be restored by CRIU without its reader.
+setsid .gpu/possum run --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job2.log" > "$W/job2.out" 2> "$W/job2.err" &
 run2=$!
 for _ in $(seq 600); do [ "$(wc -l < "$W/job2.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
 pid2=$(pgrep -f -n "jobs.py mlp --steps 600 --hold-gib 2 --sleep-ms 10 --log $W/job2.log")
@@ -76,7 +77,8 @@ doc["kill_restore"] = {
     "restored_identical": bool(second) and s0 is not None and second == ref[s0:],
     "lines": [len(first), len(second)], "restore_figures": rs.get("figures"),
     "status_keeper_line": [l.strip() for l in status2.splitlines() if "keeper" in l],
-    "errors": open(f"{w}/ck2.err").read()[-600:] + open(f"{w}/rs2.err").read()[-600:]}
+    "errors": open(f"{w}/ck2.err").read()[-600:] + open(f"{w}/rs2.err").read()[-600:],
+    "job_err": open(f"{w}/job2.err").read()[-1200:]}
 json.dump(doc, open(out, "w"), indent=1)
 kr = doc["kill_restore"]
 print(json.dumps({**{k: doc[k] for k in ("checkpoint_rc", "run_rc", "identical", "lines", "kept", "keeper_gone_after_job")}, "kill_restore": kr}))

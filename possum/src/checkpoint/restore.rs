@@ -72,6 +72,9 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
     opts.log_file = format!("restore-{}.log", std::process::id());
+    if let Some(l) = criu_log_level() {
+        opts.log_level = l;
+    }
     clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (when the GPUs are the job's own: the keeper sees the job's CUDA_VISIBLE_DEVICES).
@@ -143,6 +146,18 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         );
     }
     Ok(true)
+}
+
+/// CRIU's log level from `POSSUM_CRIU_LOG_LEVEL` (1 errors .. 4 everything), for a diagnosis.
+fn criu_log_level() -> Option<possum_criu::LogLevel> {
+    use possum_criu::LogLevel::*;
+    match std::env::var("POSSUM_CRIU_LOG_LEVEL").ok()?.trim() {
+        "1" => Some(Error),
+        "2" => Some(Warn),
+        "3" => Some(Info),
+        "4" => Some(Debug),
+        _ => None,
+    }
 }
 
 /// Starts a keeper where the restored job `pid` looks for its keeper, unless one answers there:

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Faults around NVIDIA's driver lock on the GPU (issue 14, item 6): an MLP holding 2 GiB under
+# libpossum.so whose memory a keeper holds; `possum checkpoint` SIGKILLed at delays spread over a
+# whole checkpoint (before the hold, while the buffers are detached, inside the driver's lock and
+# checkpoint, during CRIU's dump, during the save), both with --leave-running (kept) and without
+# (the killed job's buffers held for a restore). After each kill the guard must undo what was
+# done: the job runs again (not paused, RUNNING in the driver) and DIR is absent or a complete
+# image; a checkpoint that completed before the kill landed (a killed job is restored from it).
+# At the end the job must have written exactly the lines of a run without possum.
+# From the build in .gpu/ (gpu-ckpt.sh --stage). Writes $OUT/faults.json (or .gpu/out/).
+# Without a GPU it says SKIPPED and exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
+prefix=/tmp/possum-criu
+[ -x "$prefix/bin/criu" ] || bash scripts/install-criu.sh --from-debs .gpu/criu-debs --prefix "$prefix" > /tmp/install-criu.log 2>&1 \
+    || { cat /tmp/install-criu.log; exit 1; }
+export POSSUM_CRIU="$prefix/bin/criu"
+res="${OUT:-.gpu/out}"; mkdir -p "$res"
+W=/dev/shm/possum-faults; rm -rf "$W"; mkdir -p "$W/sockets"
+P=.gpu/possum
+job=(python3 workloads/gpu/jobs.py mlp --steps 5000 --hold-gib 2 --sleep-ms 10)
+"${job[@]}" --log "$W/ref.log" > /dev/null 2> "$W/ref.err" &
+ref=$!
+$P keeper --dir "$W/keeper" > "$W/keeper.out" 2> "$W/keeper.err" &
+keeper=$!
+for _ in $(seq 100); do grep -q ready "$W/keeper.out" 2>/dev/null && break; sleep 0.1; done
+POSSUM_KEEPER="$W/keeper" POSSUM_SOCKET_DIR="$W/sockets" LD_PRELOAD="$PWD/.gpu/libpossum.so" setsid \
+    "${job[@]}" --log "$W/job.log" > /dev/null 2> "$W/job.err" &
+pid=$!
+for _ in $(seq 900); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 50 ] && break; sleep 0.1; done
+: > "$W/trials.jsonl"
+n=0
+for mode in leave kill; do
+    for d in 0.05 0.3 0.6 0.9 1.2 1.5 1.8 2.2 2.8; do
+        n=$((n + 1)); img="$W/img-$n"
+        flags=(--json --socket-dir "$W/sockets"); [ "$mode" = leave ] && flags+=(--leave-running)
+        $P checkpoint "$pid" -D "$img" "${flags[@]}" > "$W/ck-$n.json" 2> "$W/ck-$n.err" &
+        ck=$!
+        sleep "$d"; kill -9 "$ck" 2>/dev/null; wait "$ck" 2>/dev/null; rc=$?
+        # The guard undoes in the background: wait until the job runs again (or is gone).
+        state=unknown
+        for _ in $(seq 300); do
+            [ -e "/proc/$pid" ] || { state=gone; break; }
+            s=$($P status "$pid" --json --socket-dir "$W/sockets" 2>/dev/null)
+            if [ -n "$s" ] && python3 -c "import json,sys; s=json.loads(sys.argv[1]); p=s.get('possum') or {}; sys.exit(0 if (p.get('session') or {}).get('paused') is False and (p.get('session') or {}).get('busy') is None else 1)" "$s"; then
+                state=running; break
+            fi
+            sleep 0.1
+        done
+        lines=$(wc -l < "$W/job.log")
+        sleep 0.5
+        grows=$([ "$(wc -l < "$W/job.log")" -gt "$lines" ] && echo true || echo false)
+        complete=false; [ -f "$img/possum.json" ] && complete=true
+        exists=false; [ -e "$img" ] && exists=true
+        restored=null
+        if [ "$state" = gone ]; then
+            # Killed by a checkpoint that completed: restore it and go on.
+            wait "$pid" 2>/dev/null
+            cp "$W/job.log" "$W/job.log.$n"
+            $P restore -D "$img" --json > "$W/rs-$n.json" 2> "$W/rs-$n.err" && restored=true || restored=false
+            for _ in $(seq 100); do [ "$(wc -l < "$W/job.log")" -gt "$lines" ] && break; sleep 0.1; done
+            state=$([ -e "/proc/$pid" ] && echo restored || echo lost)
+            grows=$([ "$(wc -l < "$W/job.log")" -gt "$lines" ] && echo true || echo false)
+        fi
+        echo "{\"n\": $n, \"mode\": \"$mode\", \"kill_after_s\": $d, \"cli_rc\": $rc, \"job\": \"$state\", \"job_runs_on\": $grows, \"image_exists\": $exists, \"image_complete\": $complete, \"restored\": $restored}" | tee -a "$W/trials.jsonl"
+        [ "$complete" = true ] || [ "$exists" = false ] || echo "  DIR $img exists and is not complete"
+        rm -rf "$img"
+    done
+done
+wait "$ref"
+sleep 3
+# Temporary directories of checkpoints that did not complete: the guards remove them.
+ls -a "$W" | grep "^\.img-" > "$W/leftovers.txt"
+for _ in $(seq 1200); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
+kill "$keeper" 2>/dev/null
+python3 - "$W" "$res/faults.json" <<'PY'
+import json, sys
+w, out = sys.argv[1], sys.argv[2]
+rows = lambda p: [{k: v for k, v in json.loads(l).items() if k != "t"} for l in open(p) if l.strip()]
+ref = rows(f"{w}/ref.log")
+trials = [json.loads(l) for l in open(f"{w}/trials.jsonl") if l.strip()]
+# The job's steps: its log, after a restore the restored run's lines continue it (steps from the
+# image's step on, so a step may appear twice: the later line is the restored run's).
+got = {}
+import glob, os
+for p in sorted(glob.glob(f"{w}/job.log.*"), key=lambda p: int(p.rsplit(".", 1)[1])) + [f"{w}/job.log"]:
+    for r in rows(p):
+        if "step" in r:
+            got[r["step"]] = r
+final = [r for r in ref if "step" not in r]
+steps_ok = all(got.get(r["step"]) == r for r in ref if "step" in r)
+ok = all(t["job"] in ("running", "restored") and t["job_runs_on"] and (t["image_complete"] or not t["image_exists"])
+         for t in trials)
+leftovers = [l.strip() for l in open(f"{w}/leftovers.txt") if l.strip()]
+ok = ok and not leftovers
+doc = {"trials": trials, "all_trials_ok": ok, "temp_leftovers": leftovers, "job_steps_identical_to_reference": steps_ok,
+       "steps": [len(got), sum(1 for r in ref if "step" in r)],
+       "job_err": open(f"{w}/job.err").read()[-1500:]}
+json.dump(doc, open(out, "w"), indent=1)
+print(json.dumps({k: doc[k] for k in ("all_trials_ok", "job_steps_identical_to_reference", "steps")}))
+sys.exit(0 if ok and steps_ok else 1)
+PY
