@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# How fast this machine writes into a memory-backed directory (/dev/shm), the ceiling of a drain
+# there (issue 14, item 7: the drain's D2H copy runs at 55 GB/s pinned; the writes follow it):
+# N threads each pwrite 64 MiB blocks into a file of its own, 16 GiB in all, fresh files (tmpfs
+# pages allocated as they are written) and the same files again (pages already there).
+# Writes $OUT/tmpfs-write.txt (or .gpu/out/). Runs anywhere (no GPU needed).
+set -uo pipefail
+res="${OUT:-.gpu/out}"; mkdir -p "$res"
+python3 - "$res/tmpfs-write.txt" <<'PY'
+import os, sys, threading, time
+out = open(sys.argv[1], "w")
+def say(s):
+    print(s, flush=True); out.write(s + "\n"); out.flush()
+say(f"cores {os.cpu_count()}; /dev/shm: {os.statvfs('/dev/shm').f_bavail * os.statvfs('/dev/shm').f_frsize / 2**30:.0f} GiB free")
+block = os.urandom(1 << 20) * 64
+total = 16 << 30
+for threads in (1, 4, 8, 12, 16):
+    per = total // threads
+    paths = [f"/dev/shm/possum-tmpfs-{i}" for i in range(threads)]
+    def run(path, fresh):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if fresh else 0), 0o600)
+        off = 0
+        while off < per:
+            off += os.pwrite(fd, block, off)
+        os.close(fd)
+    for fresh in (True, False):
+        ts = [threading.Thread(target=run, args=(p, fresh)) for p in paths]
+        t = time.perf_counter()
+        for x in ts: x.start()
+        for x in ts: x.join()
+        dt = time.perf_counter() - t
+        say(f"{threads:2d} threads, {'fresh files' if fresh else 'rewrite   '}: {total / dt / 1e9:5.1f} GB/s")
+    for p in paths:
+        os.remove(p)
+PY
