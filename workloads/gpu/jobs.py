@@ -109,12 +109,21 @@ def multistream(steps):
     streams = [torch.cuda.Stream() for _ in range(3)]
     a = [torch.randn(512, 512, device="cuda") for _ in range(3)]
     for s in range(steps):
+        # Each stream reads only the last step's tensors (made before the streams waited on
+        # the current stream), never one another stream is writing: a result that depends on
+        # the streams' timing would make the job's output differ from run to run (it did:
+        # stream 2 read the new a[0] while stream 0 wrote it).
+        old = list(a)
+        new = []
         for i, st in enumerate(streams):
             st.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(st):
-                a[i] = torch.tanh(a[i] @ a[(i + 1) % 3] * 0.01)
+                new.append(torch.tanh(old[i] @ old[(i + 1) % 3] * 0.01))
         for st in streams:
             torch.cuda.current_stream().wait_stream(st)
+        # Rebound only once every stream is waited for: the old tensors are freed after their
+        # last reads are ordered before anything that may reuse their memory.
+        a = new
         yield s, sum(t.sum() for t in a), lambda: a
 
 JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "triton": triton_job, "graph": graph, "multistream": multistream}
