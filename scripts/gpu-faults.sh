@@ -6,7 +6,9 @@
 # (the killed job's buffers held for a restore). After each kill the guard must undo what was
 # done: the job runs again (not paused, RUNNING in the driver) and DIR is absent or a complete
 # image; a checkpoint that completed before the kill landed (a killed job is restored from it).
-# At the end the job must have written exactly the lines of a run without possum.
+# Then the keeper itself is SIGKILLed while a kept checkpoint holds the job (3 times): the
+# checkpoint must complete, a new keeper having taken the memory over from `possum checkpoint`'s
+# fds. At the end the job must have written exactly the lines of a run without possum.
 # From the build in .gpu/ (gpu-ckpt.sh --stage). Writes $OUT/faults.json (or .gpu/out/).
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
@@ -19,7 +21,7 @@ export POSSUM_CRIU="$prefix/bin/criu"
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 W=/dev/shm/possum-faults; rm -rf "$W"; mkdir -p "$W/sockets"
 P=.gpu/possum
-job=(python3 workloads/gpu/jobs.py mlp --steps 5000 --hold-gib 2 --sleep-ms 10)
+job=(python3 workloads/gpu/jobs.py mlp --steps 8000 --hold-gib 2 --sleep-ms 10)
 "${job[@]}" --log "$W/ref.log" > /dev/null 2> "$W/ref.err" &
 ref=$!
 $P keeper --dir "$W/keeper" > "$W/keeper.out" 2> "$W/keeper.err" &
@@ -68,12 +70,35 @@ for mode in leave kill; do
         rm -rf "$img"
     done
 done
+# The keeper SIGKILLed while a kept checkpoint holds the job (its buffers detached: only the
+# keeper had a handle to them): `possum checkpoint` holds fds of that memory, starts a new keeper
+# in the same directory and hands it the memory; the job must go on, its steps exact.
+for i in 1 2 3; do
+    n=$((n + 1)); img="$W/img-$n"
+    $P checkpoint "$pid" -D "$img" --leave-running --json --socket-dir "$W/sockets" > "$W/ck-$n.json" 2> "$W/ck-$n.err" &
+    ck=$!
+    for _ in $(seq 400); do
+        s=$($P status "$pid" --json --socket-dir "$W/sockets" 2>/dev/null)
+        [ -n "$s" ] && python3 -c "import json,sys; sys.exit(0 if ((json.loads(sys.argv[1]).get('possum') or {}).get('session') or {}).get('paused') else 1)" "$s" && break
+        sleep 0.005
+    done
+    sleep 0.05
+    kp=$(pgrep -f -o "possum keeper --dir $W/keeper")
+    kill -9 $kp 2>/dev/null
+    wait "$ck"; rc=$?
+    lines=$(wc -l < "$W/job.log"); sleep 0.5
+    grows=$([ "$(wc -l < "$W/job.log")" -gt "$lines" ] && echo true || echo false)
+    revived=$(python3 -c "import json,sys; print(json.dumps((json.load(open(sys.argv[1])).get('keeper_handles')) if sys.argv[2] == '0' else None))" "$W/ck-$n.json" "$rc" 2>/dev/null || echo null)
+    complete=false; [ -f "$img/possum.json" ] && complete=true
+    echo "{\"n\": $n, \"mode\": \"keeper killed in the hold\", \"killed_keeper\": \"$kp\", \"cli_rc\": $rc, \"job\": \"$([ -e /proc/$pid ] && echo running || echo gone)\", \"job_runs_on\": $grows, \"image_exists\": $([ -e "$img" ] && echo true || echo false), \"image_complete\": $complete, \"keeper_handles\": $revived, \"err\": $(tail -c 400 "$W/ck-$n.err" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" | tee -a "$W/trials.jsonl"
+    rm -rf "$img"
+done
 wait "$ref"
 sleep 3
 # Temporary directories of checkpoints that did not complete: the guards remove them.
 ls -a "$W" | grep "^\.img-" > "$W/leftovers.txt"
 for _ in $(seq 1200); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
-kill "$keeper" 2>/dev/null
+pkill -f "possum keeper --dir $W/keeper" 2>/dev/null
 python3 - "$W" "$res/faults.json" <<'PY'
 import json, sys
 w, out = sys.argv[1], sys.argv[2]
@@ -92,6 +117,10 @@ final = [r for r in ref if "step" not in r]
 steps_ok = all(got.get(r["step"]) == r for r in ref if "step" in r)
 ok = all(t["job"] in ("running", "restored") and t["job_runs_on"] and (t["image_complete"] or not t["image_exists"])
          for t in trials)
+# A keeper killed in the hold: the checkpoint completes, a new keeper having taken the memory over.
+revived = [t for t in trials if t["mode"] == "keeper killed in the hold"]
+ok = ok and all(t["cli_rc"] == 0 and t["image_complete"] and (t.get("keeper_handles") or {}).get("keeper_restarted")
+                for t in revived)
 leftovers = [l.strip() for l in open(f"{w}/leftovers.txt") if l.strip()]
 ok = ok and not leftovers
 doc = {"trials": trials, "all_trials_ok": ok, "temp_leftovers": leftovers, "job_steps_identical_to_reference": steps_ok,

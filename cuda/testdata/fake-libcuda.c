@@ -286,6 +286,8 @@ int cuCheckpointProcessLock(int pid, void* args){
   return ckpt_step(pid, 0, timeout==1? -1 : 1, 0); }
 int cuCheckpointProcessCheckpoint(int pid, void* args){
   if(args && !zeroed(args, 0)) return 1;
+  // FAKE_CKPT_DELAY_MS: a checkpoint that takes that long (tests that act while the job is held).
+  const char* delay=getenv("FAKE_CKPT_DELAY_MS"); if(delay) usleep(1000*atoi(delay));
   return ckpt_step(pid, 1, 2, 0); }
 int cuCheckpointProcessRestore(int pid, void* args){
   if(args){  // gpuPairs at 0, gpuPairsCount at 8, reserved from 12

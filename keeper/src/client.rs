@@ -1,13 +1,13 @@
 //! The client side: [`Keeper`].
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::{fdpass, Allocated, KeeperError, Request, Stats};
+use crate::{fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, Stats};
 
 /// A connection to a keeper. Dropping it (or the process ending) frees what it allocated, except
 /// what it retained.
@@ -95,6 +95,39 @@ impl Keeper {
     /// Takes retained allocation `id` (of checkpoint `epoch`) back: a new fd for it.
     pub fn reclaim(&mut self, id: u64, epoch: u64) -> Result<(Allocated, OwnedFd), KeeperError> {
         self.ask_fd("reclaim", &Request::Reclaim { id, epoch })
+    }
+
+    /// The allocations process `pid` has retained.
+    pub fn retained(&mut self, pid: i32) -> Result<Vec<RetainedAlloc>, KeeperError> {
+        let (v, _) = self.ask("retained", &Request::Retained { pid })?;
+        parse::<Retained>("retained", v).map(|r| r.allocs)
+    }
+
+    /// A new fd for retained allocation `id` (its state unchanged).
+    pub fn dup(&mut self, id: u64) -> Result<OwnedFd, KeeperError> {
+        self.ask_fd("dup", &Request::Dup { id }).map(|(_, fd)| fd)
+    }
+
+    /// Hands this keeper retained allocation `a` of another (which died) through `fd`.
+    pub fn adopt(&mut self, a: &RetainedAlloc, fd: BorrowedFd<'_>) -> Result<(), KeeperError> {
+        let mut line =
+            serde_json::to_vec(&Request::Adopt(a.clone())).map_err(|e| KeeperError::Protocol {
+                request: "adopt",
+                detail: e.to_string(),
+            })?;
+        line.push(b'\n');
+        fdpass::send(&self.stream, &line, Some(fd)).map_err(|source| KeeperError::Io {
+            op: "adopt",
+            source,
+        })?;
+        let (v, _) = self.read_reply("adopt")?;
+        if let Some(e) = v.get("error") {
+            return Err(KeeperError::Remote {
+                request: "adopt",
+                message: e.as_str().unwrap_or("(no message)").to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// The keeper's accounting.

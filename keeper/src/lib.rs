@@ -122,6 +122,44 @@ pub enum Request {
     },
     /// The accounting.
     Stats,
+    /// The allocations process `pid` retained ([`Retained`]): for someone who keeps them alive
+    /// while the job holds no handle to them (`possum checkpoint`, during a kept hold).
+    Retained {
+        /// Whose.
+        pid: i32,
+    },
+    /// A new fd for a retained allocation (reply like `alloc`'s), its state unchanged: held by
+    /// the caller, it keeps the memory alive should this keeper die.
+    Dup {
+        /// The allocation.
+        id: u64,
+    },
+    /// Take over a retained allocation of another keeper (one that died), from the fd that
+    /// comes with the request: the same id, owner and epoch, so the job's `reclaim` finds it.
+    Adopt(RetainedAlloc),
+}
+
+/// One retained allocation, as `retained` lists it and `adopt` takes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetainedAlloc {
+    /// Its id.
+    pub id: u64,
+    /// Its size.
+    pub size: u64,
+    /// The checkpoint epoch it was retained with.
+    pub epoch: u64,
+    /// What is left of its hold after its process is gone, seconds (0: none).
+    pub hold_secs: u64,
+    /// The process it belongs to (in `adopt`; `retained` lists one process's).
+    #[serde(default)]
+    pub pid: i32,
+}
+
+/// The reply to `retained`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retained {
+    /// The allocations.
+    pub allocs: Vec<RetainedAlloc>,
 }
 
 impl From<possum_engine::device::DeviceError> for KeeperError {

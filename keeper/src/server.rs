@@ -1,7 +1,6 @@
 //! The keeper's side: [`Server`].
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -11,7 +10,10 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use possum_cuda::share::{ShareDevice, SharedMem};
 use serde_json::{json, Value};
 
-use crate::{fdpass, Allocated, KeeperError, Request, Stats, Usage, MAX_REQUEST_BYTES};
+use crate::{
+    fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, Stats, Usage,
+    MAX_REQUEST_BYTES,
+};
 
 /// A keeper: a listening socket and the memory it holds. Cheap to clone (shared); run
 /// [`serve`](Server::serve) on one thread and look at it ([`stats`](Server::stats),
@@ -209,24 +211,23 @@ impl Inner {
     }
 
     fn requests(&self, stream: &UnixStream, pid: i32) {
-        let mut reader = BufReader::new(stream);
+        let mut pending = Vec::new();
         loop {
-            let mut line = Vec::new();
-            let limit = MAX_REQUEST_BYTES as u64 + 1;
-            match (&mut reader).take(limit).read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            if line.last() != Some(&b'\n') {
-                let _ = reply(
-                    stream,
-                    &json!({ "error": format!("request over {MAX_REQUEST_BYTES} bytes or cut short") }),
-                    None,
-                );
-                return;
-            }
-            line.pop();
-            let req: Request = match serde_json::from_slice(&line) {
+            // A request may come with a descriptor (`adopt`); any others are closed unread.
+            let mut fds = Vec::new();
+            let line = match fdpass::recv_line(stream, &mut pending, &mut fds, MAX_REQUEST_BYTES) {
+                Ok(Some(l)) => l,
+                Ok(None) => return,
+                Err(e) => {
+                    let _ = reply(
+                        stream,
+                        &json!({ "error": format!("request over {MAX_REQUEST_BYTES} bytes or cut short ({e})") }),
+                        None,
+                    );
+                    return;
+                }
+            };
+            let req: Request = match serde_json::from_str(&line) {
                 Ok(r) => r,
                 Err(e) => {
                     let msg = format!("bad request: {e}");
@@ -236,7 +237,7 @@ impl Inner {
                     continue;
                 }
             };
-            let sent = match self.handle(req, pid) {
+            let sent = match self.handle(req, pid, fds) {
                 Ok((v, Some(mem_fd))) => {
                     use std::os::fd::AsFd;
                     reply(stream, &v, Some(mem_fd.as_fd()))
@@ -254,9 +255,81 @@ impl Inner {
         &self,
         req: Request,
         pid: i32,
+        mut fds: Vec<std::os::fd::OwnedFd>,
     ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
         let ok = json!({ "ok": true });
         match req {
+            Request::Retained { pid: of } => {
+                let now = Instant::now();
+                let st = self.lock();
+                let allocs: Vec<RetainedAlloc> = st
+                    .allocs
+                    .iter()
+                    .filter(|(_, a)| a.retained && a.pid == of)
+                    .map(|(&id, a)| RetainedAlloc {
+                        id,
+                        size: a.mem.size(),
+                        epoch: a.epoch,
+                        hold_secs: a
+                            .hold_until
+                            .map_or(0, |t| t.saturating_duration_since(now).as_secs()),
+                        pid: a.pid,
+                    })
+                    .collect();
+                Ok((json!(Retained { allocs }), None))
+            }
+            Request::Dup { id } => {
+                let st = self.lock();
+                let a = st
+                    .allocs
+                    .get(&id)
+                    .ok_or(KeeperError::NoSuchAllocation(id))?;
+                if !a.retained {
+                    return Err(KeeperError::NotRetained(id));
+                }
+                let fd = a.mem.export()?;
+                let r = Allocated {
+                    id,
+                    size: a.mem.size(),
+                    device: None,
+                };
+                Ok((json!(r), Some(fd)))
+            }
+            Request::Adopt(a) => {
+                if fds.len() != 1 {
+                    return Err(KeeperError::Protocol {
+                        request: "adopt",
+                        detail: format!("{} descriptors came with it, not 1", fds.len()),
+                    });
+                }
+                let fd = fds.remove(0);
+                let dev = self.dev()?;
+                let mem = {
+                    use std::os::fd::AsFd;
+                    dev.import(fd.as_fd(), a.size)?
+                };
+                let mut st = self.lock();
+                if st.allocs.contains_key(&a.id) {
+                    return Err(KeeperError::Protocol {
+                        request: "adopt",
+                        detail: format!("allocation {} exists here already", a.id),
+                    });
+                }
+                st.next_id = st.next_id.max(a.id);
+                st.allocs.insert(
+                    a.id,
+                    Alloc {
+                        mem,
+                        pid: a.pid,
+                        retained: true,
+                        epoch: a.epoch,
+                        hold_until: (a.hold_secs > 0)
+                            .then(|| Instant::now().checked_add(Duration::from_secs(a.hold_secs)))
+                            .flatten(),
+                    },
+                );
+                Ok((ok, None))
+            }
             Request::Alloc { size } => {
                 let dev = self.dev()?;
                 let g = dev.granularity();

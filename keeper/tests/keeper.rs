@@ -248,6 +248,62 @@ fn held_memory_outlives_its_process_and_is_reclaimed_only_with_its_epoch() {
     wait_total(&server, Usage::default());
 }
 
+/// Another keeper takes over retained allocations from fds a third process held (`possum
+/// checkpoint` during a kept hold, after the job's keeper died): the same id, owner, epoch and
+/// contents, retained there; an id it already has is refused.
+#[test]
+fn a_second_keeper_adopts_retained_memory_from_held_fds() {
+    if !inner_or_spawn("a_second_keeper_adopts_retained_memory_from_held_fds") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let first = keeper(dir.path());
+    let mut c = Client::spawn(&mut client_cmd(&first));
+    let (kept, _) = c.alloc(MIB4);
+    let (_other, _) = c.alloc(MIB4);
+    assert_eq!(c.ask(&format!("hold {kept} 600")), format!("held {kept}"));
+    let mut k = Keeper::connect(first.path()).unwrap();
+    let listed = k.retained(c.pid).unwrap();
+    assert_eq!(listed.len(), 1, "only the retained one: {listed:?}");
+    let a = listed[0].clone();
+    assert_eq!((a.id, a.size, a.epoch, a.pid), (kept, MIB4, 7, c.pid));
+    assert!(a.hold_secs > 500 && a.hold_secs <= 600, "{a:?}");
+    let fd = k.dup(kept).unwrap();
+
+    let dir2 = tempfile::tempdir().unwrap();
+    let second = keeper(dir2.path());
+    let mut k2 = Keeper::connect(second.path()).unwrap();
+    k2.adopt(&a, std::os::fd::AsFd::as_fd(&fd)).unwrap();
+    drop(fd);
+    assert_eq!(
+        second.read(kept, 0, MIB4 as usize).unwrap(),
+        pattern(kept, MIB4),
+        "the adopted memory has its contents"
+    );
+    let s = second.stats();
+    assert_eq!(s.retained.bytes, MIB4, "{s:?}");
+    assert_eq!(s.clients.get(&c.pid).map(|u| u.bytes), Some(MIB4), "{s:?}");
+    let there = k2.retained(c.pid).unwrap();
+    assert_eq!(there.len(), 1, "{there:?}");
+    assert_eq!(
+        (there[0].id, there[0].size, there[0].epoch, there[0].pid),
+        (a.id, a.size, a.epoch, a.pid)
+    );
+    assert!(there[0].hold_secs > 500, "the hold goes on: {there:?}");
+    let fd = k.dup(kept).unwrap();
+    assert!(
+        matches!(
+            k2.adopt(&a, std::os::fd::AsFd::as_fd(&fd)),
+            Err(KeeperError::Remote { .. })
+        ),
+        "the same id twice"
+    );
+    // A new allocation there gets an id past the adopted one.
+    let (b, _fd) = k2.alloc(MIB4).unwrap();
+    assert!(b.id > kept, "{} after {kept}", b.id);
+    c.exit();
+}
+
 /// Memory belongs to the process that made it, not to a connection: it survives the connection
 /// (the client connects again and sees it), and is freed by `free`, by `release_retained` once
 /// retained, or once that process is gone; only that process reclaims what it retained.

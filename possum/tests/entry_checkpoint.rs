@@ -1238,3 +1238,83 @@ fn a_keeper_holding_memory_for_a_restore_outlives_the_process_it_was_started_for
     assert!(status.success(), "{status}");
     assert!(!keeper_dir.exists(), "its directory is removed");
 }
+
+/// The keeper killed while a kept `possum checkpoint --leave-running` holds the job (its buffers
+/// detached: the keeper was the only process with a handle to them): `possum checkpoint` held fds
+/// of that memory, starts a new keeper in the same directory, hands it the memory, and the job
+/// attaches its buffers from there and computes exactly as a run without possum.
+#[test]
+fn a_keeper_killed_during_a_kept_hold_is_replaced_and_nothing_is_lost() {
+    let Some((tmp, lib)) = setup("keeper_killed_in_hold", "possum-keeper-revive-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (keeper, keeper_dir) = start_keeper(dir);
+    let mut reference = Job::start(dir, "reference", None);
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+    let mut job = keeper_job(dir, &lib, &keeper_dir);
+    let sockets = dir.join("sockets");
+    let img = dir.join("img");
+    let ck = possum(dir)
+        .args([
+            "checkpoint",
+            &job.pid.to_string(),
+            "--leave-running",
+            "--json",
+            "-D",
+        ])
+        .arg(&img)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        // The driver's checkpoint takes 1.5 s: time to kill the keeper while the job is held.
+        .env("FAKE_CKPT_DELAY_MS", "1500")
+        .env("LD_LIBRARY_PATH", dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    loop {
+        let st = possum_control::request(
+            job.pid as u32,
+            &sockets,
+            &possum_control::Request::Status,
+            WAIT,
+        )
+        .unwrap();
+        if st["possum"]["session"]["paused"] == true {
+            break;
+        }
+        assert!(t.elapsed() < WAIT, "the job was never held: {st}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Its fds taken (a few ms after the release), the keeper dies with the buffers detached.
+    std::thread::sleep(Duration::from_millis(200));
+    drop(keeper);
+    let out = ck.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}\n{}", text(&out), job.log());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kh = &v["keeper_handles"];
+    assert_eq!(kh["keeper_restarted"], true, "{v}");
+    assert_eq!(kh["adopted"], kh["handles_held"], "{v}");
+    assert!(kh["handles_held"].as_u64().unwrap_or(0) >= 3, "{v}");
+    assert!(img.join("possum.json").is_file(), "the image is complete");
+    goes_on_like(
+        &mut job,
+        dir,
+        "revived",
+        &want,
+        "left running, its keeper replaced",
+    );
+    // The new keeper serves the job where the old one did.
+    let s = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock"))
+        .unwrap()
+        .stats()
+        .unwrap();
+    assert!(
+        s.clients.get(&job.pid).is_some_and(|u| u.allocations >= 4),
+        "{s:?}"
+    );
+}

@@ -25,6 +25,7 @@
 //! and its `possum.json` are in [`image`]; the restore in [`restore`].
 
 mod guard;
+mod held;
 mod image;
 mod restore;
 mod tree;
@@ -636,6 +637,8 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         figures: Value::Null,
         check: None,
     };
+    // During a kept hold: fds of the memory the job detached, in case its keeper dies meanwhile.
+    let mut held_thread: Option<std::thread::JoinHandle<held::HeldHandles>> = None;
     let r = (|| -> Result<(Manifest, u64, u64)> {
         if a.engine == EngineKind::Possum {
             let gpu = tmp.join("gpu");
@@ -686,6 +689,13 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                     .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
             }
             bar.finish();
+            // Taken while the driver and CRIU work (a few ms), not before them.
+            if let (false, Some(k)) = (kept.is_empty(), &keeper_of_job) {
+                let (dir, pids) = (k.dir.clone(), kept.clone());
+                held_thread = Some(std::thread::spawn(move || {
+                    held::HeldHandles::collect(&dir, &pids)
+                }));
+            }
         }
         let Some((criu, drv)) = &side else {
             let gpu_bytes = dir_bytes(&tmp.join("gpu"));
@@ -735,7 +745,13 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     // A kept checkpoint's GPU images are complete only once saved, after the job runs again:
     // it resumes from the temporary directory first, and the image is named after the save.
     let kept_any = !kept.is_empty();
+    let handles = held_thread.take().and_then(|t| t.join().ok());
+    let mut keeper_handles = Value::Null;
     if kept_any {
+        // A keeper that died during the hold: a new one takes the memory over from our fds.
+        if let (Some(h), Some(k)) = (&handles, &keeper_of_job) {
+            keeper_handles = clock.time("keeper_check", || Ok(h.revive(k, pid)))?;
+        }
         let after = resume_and_save(
             &side,
             pid,
@@ -815,7 +831,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     // Durable only now, with the job running again: nothing was fsynced while it was paused.
     clock.time("sync", || sync_tree(&a.dir))?;
 
-    let stall_engine = clock.get("release") + clock.get("resume");
+    let stall_engine = clock.get("release") + clock.get("keeper_check") + clock.get("resume");
     let stall_driver = clock.get("driver_lock")
         + clock.get("driver_checkpoint")
         + clock.get("driver_restore")
@@ -866,7 +882,10 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         "hold": hold,
         "figures": fig, "engine_report": engine_report, "release_report": release_report,
         "kept": kept, "saved_report": saved_report, "resume_report": resume_report,
+        "keeper_handles": keeper_handles,
     });
+    // Held until the job has its memory again (and the save is committed).
+    drop(handles);
     // The figures also go into the image (best effort: the image is already complete).
     manifest.figures = out.clone();
     if let Ok(text) = manifest_text(&manifest) {

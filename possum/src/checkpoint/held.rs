@@ -1,0 +1,118 @@
+//! During a kept hold (issue 14, item 6), `possum checkpoint` holds a second reference to every
+//! buffer the job detached: an fd of each retained allocation, from the keeper (`dup`). Should
+//! the keeper die while the job holds no handle to its memory, those fds keep the memory alive,
+//! and before the job attaches its buffers again a new keeper is started in the same directory
+//! and takes them over (`adopt`: the same ids, owner and epochs), so the job's `reclaim` finds
+//! them there. Without them the job's GPU state would be lost with the keeper.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use super::image::KeeperOfJob;
+
+/// Device sockets of a keeper directory (`keeper-0.sock`, `keeper-1.sock`, ... while they exist).
+fn sockets(dir: &Path) -> Vec<PathBuf> {
+    (0..)
+        .map(|n| possum_keeper::socket_of(dir, n))
+        .take_while(|p| p.exists())
+        .collect()
+}
+
+/// The fds of the retained allocations of some processes, per keeper socket.
+#[derive(Debug, Default)]
+pub(super) struct HeldHandles {
+    held: Vec<(PathBuf, possum_keeper::RetainedAlloc, OwnedFd)>,
+    /// Sockets that did not answer, or allocations whose fd could not be had.
+    missed: Vec<String>,
+}
+
+impl HeldHandles {
+    /// Asks the keeper at `dir` for an fd of every allocation `pids` retained.
+    pub(super) fn collect(dir: &Path, pids: &[i32]) -> HeldHandles {
+        let mut h = HeldHandles::default();
+        for sock in sockets(dir) {
+            let mut k = match possum_keeper::Keeper::connect(&sock) {
+                Ok(k) => k,
+                Err(e) => {
+                    h.missed.push(format!("{}: {e}", sock.display()));
+                    continue;
+                }
+            };
+            for &pid in pids {
+                let allocs = match k.retained(pid) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        h.missed.push(format!("{} pid {pid}: {e}", sock.display()));
+                        continue;
+                    }
+                };
+                for a in allocs {
+                    match k.dup(a.id) {
+                        Ok(fd) => h.held.push((sock.clone(), a, fd)),
+                        Err(e) => h
+                            .missed
+                            .push(format!("{} id {}: {e}", sock.display(), a.id)),
+                    }
+                }
+            }
+        }
+        h
+    }
+
+    /// If the keeper that holds them no longer answers, starts one in its directory (for the
+    /// job `pid`, seeing the job's `CUDA_VISIBLE_DEVICES`) and hands it every allocation. What was
+    /// done, for the checkpoint's JSON.
+    pub(super) fn revive(&self, keeper: &KeeperOfJob, pid: i32) -> Value {
+        let gone: Vec<&PathBuf> = {
+            let mut socks: Vec<&PathBuf> = self.held.iter().map(|(s, _, _)| s).collect();
+            socks.dedup();
+            socks
+                .into_iter()
+                .filter(|s| possum_keeper::Keeper::connect(s).is_err())
+                .collect()
+        };
+        let mut out = json!({"handles_held": self.held.len(), "missed": self.missed,
+                             "keeper_restarted": false});
+        if gone.is_empty() {
+            return out;
+        }
+        let started = crate::keeper::start(&keeper.dir, pid, |cmd| {
+            match &keeper.cuda_visible_devices {
+                Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
+                None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
+            };
+        });
+        let child = match started {
+            Ok(c) => c,
+            Err(e) => {
+                out["keeper_restart_error"] = json!(format!("{e:#}"));
+                return out;
+            }
+        };
+        // It serves on without us (ending with the job); nobody reads its output now.
+        drop(child);
+        out["keeper_restarted"] = json!(true);
+        let mut adopted = 0;
+        let mut errors = Vec::new();
+        for sock in gone {
+            let mut k = match possum_keeper::Keeper::connect(sock) {
+                Ok(k) => k,
+                Err(e) => {
+                    errors.push(format!("{}: {e}", sock.display()));
+                    continue;
+                }
+            };
+            for (_, a, fd) in self.held.iter().filter(|(s, _, _)| s == sock) {
+                match k.adopt(a, fd.as_fd()) {
+                    Ok(()) => adopted += 1,
+                    Err(e) => errors.push(format!("{} id {}: {e}", sock.display(), a.id)),
+                }
+            }
+        }
+        out["adopted"] = json!(adopted);
+        out["adopt_errors"] = json!(errors);
+        out
+    }
+}
