@@ -21,7 +21,14 @@ export POSSUM_CRIU="$prefix/bin/criu"
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 W=/dev/shm/possum-faults; rm -rf "$W"; mkdir -p "$W/sockets"
 P=.gpu/possum
-job=(python3 workloads/gpu/jobs.py mlp --steps 8000 --hold-gib 2 --sleep-ms 10)
+# FAULT_MODES (default "leave kill") and FAULT_DELAYS choose the kills of `possum checkpoint`;
+# FAULT_KEEPER (default 3) how many times the keeper is killed in a hold; FAULT_STEPS the job's.
+modes=${FAULT_MODES-leave kill}
+delays=${FAULT_DELAYS:-0.05 0.3 0.6 0.9 1.2 1.5 1.8 2.2 2.8}
+keeper_kills=${FAULT_KEEPER:-3}
+job=(python3 workloads/gpu/jobs.py mlp --steps "${FAULT_STEPS:-8000}" --hold-gib 2 --sleep-ms 10)
+log="$res/faults.log"; : > "$log"
+say() { echo "$(date +%T.%N | cut -c1-12) $*" | tee -a "$log"; }
 "${job[@]}" --log "$W/ref.log" > /dev/null 2> "$W/ref.err" &
 ref=$!
 $P keeper --dir "$W/keeper" > "$W/keeper.out" 2> "$W/keeper.err" &
@@ -33,8 +40,10 @@ pid=$!
 for _ in $(seq 900); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 50 ] && break; sleep 0.1; done
 : > "$W/trials.jsonl"
 n=0
-for mode in leave kill; do
-    for d in 0.05 0.3 0.6 0.9 1.2 1.5 1.8 2.2 2.8; do
+say "job $pid started"
+for mode in $modes; do
+    for d in $delays; do
+        say "trial $((n + 1)): $mode, possum checkpoint killed after $d s"
         n=$((n + 1)); img="$W/img-$n"
         flags=(--json --socket-dir "$W/sockets"); [ "$mode" = leave ] && flags+=(--leave-running)
         $P checkpoint "$pid" -D "$img" "${flags[@]}" > "$W/ck-$n.json" 2> "$W/ck-$n.err" &
@@ -44,7 +53,7 @@ for mode in leave kill; do
         state=unknown
         for _ in $(seq 300); do
             [ -e "/proc/$pid" ] || { state=gone; break; }
-            s=$($P status "$pid" --json --socket-dir "$W/sockets" 2>/dev/null)
+            s=$(timeout 3 $P status "$pid" --json --socket-dir "$W/sockets" 2>/dev/null)
             if [ -n "$s" ] && python3 -c "import json,sys; s=json.loads(sys.argv[1]); p=s.get('possum') or {}; sys.exit(0 if (p.get('session') or {}).get('paused') is False and (p.get('session') or {}).get('busy') is None else 1)" "$s"; then
                 state=running; break
             fi
@@ -73,19 +82,22 @@ done
 # The keeper SIGKILLed while a kept checkpoint holds the job (its buffers detached: only the
 # keeper had a handle to them): `possum checkpoint` holds fds of that memory, starts a new keeper
 # in the same directory and hands it the memory; the job must go on, its steps exact.
-for i in 1 2 3; do
+for i in $(seq "$keeper_kills"); do
     n=$((n + 1)); img="$W/img-$n"
-    $P checkpoint "$pid" -D "$img" --leave-running --json --socket-dir "$W/sockets" > "$W/ck-$n.json" 2> "$W/ck-$n.err" &
+    say "trial $n: the keeper killed in a kept hold"
+    timeout 120 $P checkpoint "$pid" -D "$img" --leave-running --json --socket-dir "$W/sockets" > "$W/ck-$n.json" 2> "$W/ck-$n.err" &
     ck=$!
     for _ in $(seq 400); do
-        s=$($P status "$pid" --json --socket-dir "$W/sockets" 2>/dev/null)
+        s=$(timeout 3 $P status "$pid" --json --socket-dir "$W/sockets" 2>/dev/null)
         [ -n "$s" ] && python3 -c "import json,sys; sys.exit(0 if ((json.loads(sys.argv[1]).get('possum') or {}).get('session') or {}).get('paused') else 1)" "$s" && break
         sleep 0.005
     done
     sleep 0.05
     kp=$(pgrep -f -o "possum keeper --dir $W/keeper")
+    say "  held; killing keeper $kp"
     kill -9 $kp 2>/dev/null
     wait "$ck"; rc=$?
+    say "  possum checkpoint: rc $rc; $(tail -c 300 "$W/ck-$n.err" | tr '\n' ' ')"
     lines=$(wc -l < "$W/job.log"); sleep 0.5
     grows=$([ "$(wc -l < "$W/job.log")" -gt "$lines" ] && echo true || echo false)
     revived=$(python3 -c "import json,sys; print(json.dumps((json.load(open(sys.argv[1])).get('keeper_handles')) if sys.argv[2] == '0' else None))" "$W/ck-$n.json" "$rc" 2>/dev/null || echo null)
@@ -93,11 +105,14 @@ for i in 1 2 3; do
     echo "{\"n\": $n, \"mode\": \"keeper killed in the hold\", \"killed_keeper\": \"$kp\", \"cli_rc\": $rc, \"job\": \"$([ -e /proc/$pid ] && echo running || echo gone)\", \"job_runs_on\": $grows, \"image_exists\": $([ -e "$img" ] && echo true || echo false), \"image_complete\": $complete, \"keeper_handles\": $revived, \"err\": $(tail -c 400 "$W/ck-$n.err" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" | tee -a "$W/trials.jsonl"
     rm -rf "$img"
 done
+say "waiting for the reference"
 wait "$ref"
 sleep 3
 # Temporary directories of checkpoints that did not complete: the guards remove them.
 ls -a "$W" | grep "^\.img-" > "$W/leftovers.txt"
+say "waiting for the job's end"
 for _ in $(seq 1200); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
+say "done"
 pkill -f "possum keeper --dir $W/keeper" 2>/dev/null
 python3 - "$W" "$res/faults.json" <<'PY'
 import json, sys
