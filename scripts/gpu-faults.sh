@@ -96,6 +96,15 @@ for i in $(seq "$keeper_kills"); do
     kp=$(pgrep -f -o "possum keeper --dir $W/keeper")
     say "  held; killing keeper $kp"
     kill -9 $kp 2>/dev/null
+    # A checkpoint still running after 30 s: what each process waits in, for the log.
+    for _ in $(seq 300); do [ -e "/proc/$ck" ] || break; sleep 0.1; done
+    if [ -e "/proc/$ck" ]; then
+        say "  still running after 30 s:"
+        ps -eo pid,ppid,stat,wchan:32,etimes,args | grep -E "possum|jobs.py|criu" | grep -v grep | cut -c1-200 | tee -a "$log"
+        for p in $(pgrep -f "possum (checkpoint|keeper)") "$pid"; do
+            say "  $p: $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-80)"; cat /proc/$p/task/*/wchan 2>/dev/null | sort | uniq -c | tr '\n' ' ' | tee -a "$log"; echo | tee -a "$log"
+        done
+    fi
     wait "$ck"; rc=$?
     say "  possum checkpoint: rc $rc; $(tail -c 300 "$W/ck-$n.err" | tr '\n' ' ')"
     lines=$(wc -l < "$W/job.log"); sleep 0.5

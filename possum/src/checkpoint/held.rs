@@ -78,6 +78,7 @@ impl HeldHandles {
         if gone.is_empty() {
             return out;
         }
+        let t = std::time::Instant::now();
         let started = crate::keeper::start(&keeper.dir, pid, |cmd| {
             match &keeper.cuda_visible_devices {
                 Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
@@ -94,6 +95,7 @@ impl HeldHandles {
         // It serves on without us (ending with the job); nobody reads its output now.
         drop(child);
         out["keeper_restarted"] = json!(true);
+        out["keeper_start_ms"] = json!(t.elapsed().as_secs_f64() * 1e3);
         let mut adopted = 0;
         let mut errors = Vec::new();
         for sock in gone {
@@ -112,6 +114,7 @@ impl HeldHandles {
             }
         }
         out["adopted"] = json!(adopted);
+        out["adopt_ms"] = json!(t.elapsed().as_secs_f64() * 1e3);
         out["adopt_errors"] = json!(errors);
         out
     }

@@ -251,11 +251,15 @@ fn resume_and_save(
     sockets: &Path,
     clock: &mut Clock,
     guard: &mut Guard,
+    before_resume: impl FnOnce(&mut Clock) -> Result<()>,
 ) -> Result<(Value, Value)> {
     if let Some((_, drv)) = side {
         driver_restore_and_unlock(drv, pid, children, clock)?;
         guard.step(Step::Unlocked);
     }
+    // With the tree running again in the driver (a new CUDA process, a keeper, is not started
+    // while one is checkpointed), before any buffer is attached again.
+    before_resume(clock)?;
     let mut root_report = Value::Null;
     for &p in std::iter::once(&pid).chain(possum_children) {
         let gpu = if p == pid {
@@ -749,9 +753,12 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let mut keeper_handles = Value::Null;
     if kept_any {
         // A keeper that died during the hold: a new one takes the memory over from our fds.
-        if let (Some(h), Some(k)) = (&handles, &keeper_of_job) {
-            keeper_handles = clock.time("keeper_check", || Ok(h.revive(k, pid)))?;
-        }
+        let revive = |clock: &mut Clock| -> Result<()> {
+            if let (Some(h), Some(k)) = (&handles, &keeper_of_job) {
+                keeper_handles = clock.time("keeper_check", || Ok(h.revive(k, pid)))?;
+            }
+            Ok(())
+        };
         let after = resume_and_save(
             &side,
             pid,
@@ -762,6 +769,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             &sockets,
             &mut clock,
             &mut guard,
+            revive,
         );
         match after {
             Ok((resumed, saved)) => {
