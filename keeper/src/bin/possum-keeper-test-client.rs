@@ -4,7 +4,11 @@
 //!
 //! - `alloc N`: allocates N bytes, imports the fd, reserves and maps it, writes the pattern
 //!   `(i % 251) ^ id` over all of it, unmaps and drops its handle → `allocated ID SIZE`;
-//! - `retain ID` → `retained ID`; `stats` → the stats' JSON; `exit` (or end of input): exits.
+//! - `retain ID` → `retained ID`; `hold ID SECS` → `held ID` (retained with a hold; epoch 7);
+//! - `connect PATH`: another keeper from now on; `dup ID` → `duped ID` (the fd kept);
+//!   `adopt ID SIZE PID EPOCH HOLD` (with the last fd) → `adopted ID`;
+//!   `check ID EPOCH` → reclaims, imports, maps and reads it: `intact ID` or `differs ID`;
+//! - `stats` → the stats' JSON; `exit` (or end of input): exits.
 //!
 //! A refused connection prints `refused: <why>` and exits 3. Needs the driver (the fake one, in
 //! the tests) only for `alloc`.
@@ -28,6 +32,7 @@ fn main() {
     };
     println!("connected {}", std::process::id());
     let mut dev: Option<ShareDevice> = None;
+    let mut held: Vec<std::os::fd::OwnedFd> = Vec::new();
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let line = line.expect("stdin");
@@ -62,6 +67,55 @@ fn main() {
                 let id: u64 = id.parse().expect("id");
                 match k.reclaim(id, epoch.parse().expect("epoch")) {
                     Ok(_) => println!("reclaimed {id}"),
+                    Err(e) => println!("refused: {e}"),
+                }
+            }
+            ["connect", p] => {
+                k = Keeper::connect(std::path::Path::new(p)).expect("connect");
+                println!("connected {p}");
+            }
+            ["dup", id] => {
+                let id: u64 = id.parse().expect("id");
+                match k.dup(id) {
+                    Ok(fd) => {
+                        held.push(fd);
+                        println!("duped {id}");
+                    }
+                    Err(e) => println!("refused: {e}"),
+                }
+            }
+            ["adopt", id, size, pid, epoch, hold] => {
+                let a = possum_keeper::RetainedAlloc {
+                    id: id.parse().expect("id"),
+                    size: size.parse().expect("size"),
+                    pid: pid.parse().expect("pid"),
+                    epoch: epoch.parse().expect("epoch"),
+                    hold_secs: hold.parse().expect("hold"),
+                };
+                let fd = held.last().expect("dup first");
+                match k.adopt(&a, std::os::fd::AsFd::as_fd(fd)) {
+                    Ok(()) => println!("adopted {id}"),
+                    Err(e) => println!("refused: {e}"),
+                }
+            }
+            ["check", id, epoch] => {
+                let id: u64 = id.parse().expect("id");
+                match k.reclaim(id, epoch.parse().expect("epoch")) {
+                    Ok((a, fd)) => {
+                        let dev = dev.get_or_insert_with(|| ShareDevice::open(0).expect("device"));
+                        let mem = dev
+                            .import(std::os::fd::AsFd::as_fd(&fd), a.size)
+                            .expect("import");
+                        let res = dev.reserve(a.size).expect("reserve");
+                        let m = mem.map(&res, 0).expect("map");
+                        let mut got = vec![0u8; a.size as usize];
+                        m.read(0, &mut got).expect("read");
+                        let same = got
+                            .iter()
+                            .enumerate()
+                            .all(|(i, &b)| b == (i % 251) as u8 ^ id as u8);
+                        println!("{} {id}", if same { "intact" } else { "differs" });
+                    }
                     Err(e) => println!("refused: {e}"),
                 }
             }
