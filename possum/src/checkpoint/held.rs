@@ -4,6 +4,11 @@
 //! and before the job attaches its buffers again a new keeper is started in the same directory
 //! and takes them over (`adopt`: the same ids, owner and epochs), so the job's `reclaim` finds
 //! them there. Without them the job's GPU state would be lost with the keeper.
+//!
+//! Opt-in (`POSSUM_KEEPER_REVIVE=1`): it works on the fake driver (`possum/tests`), but on the
+//! H100 (driver 580, session 20) a checkpoint whose keeper was killed in the hold stalled for
+//! two minutes after the new keeper started, and the job's state was lost as without it; where it
+//! stalls was not found (`scripts/gpu-faults.sh`, `scripts/gpu-keeper-adopt.sh` to find out).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
