@@ -58,6 +58,14 @@ impl Job {
 
     /// The job started with `env` added, before its first answer.
     fn spawn(dir: &Path, name: &str, lib: Option<&Path>, env: &[(&str, &str)]) -> Job {
+        let mut cmd = common::fake_job_command(dir, "fake_session_job", lib);
+        cmd.envs(env.iter().copied());
+        Job::spawn_cmd(dir, name, cmd)
+    }
+
+    /// The job run by `cmd` (the job itself, or a command that starts it), before its first
+    /// answer; `pid` is `cmd`'s process.
+    fn spawn_cmd(dir: &Path, name: &str, mut cmd: Command) -> Job {
         let fifo = dir.join(format!("{name}.cmds"));
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
         let cmds = OpenOptions::new()
@@ -75,12 +83,10 @@ impl Job {
                 .open(p)
                 .unwrap()
         };
-        let mut cmd = common::fake_job_command(dir, "fake_session_job", lib);
         cmd.env("FAKE_VIA", "entry")
             .env("FAKE_CMDS", &fifo)
             .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
-            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(append(&out))
             .stderr(append(&stderr));
@@ -1318,4 +1324,83 @@ fn a_keeper_killed_during_a_kept_hold_is_replaced_and_nothing_is_lost() {
         s.clients.get(&job.pid).is_some_and(|u| u.allocations >= 4),
         "{s:?}"
     );
+}
+
+/// `possum run` (its keeper started by it) of a job that `possum checkpoint` then kills: `possum
+/// run` ends with the job, its keeper stays because it holds the job's buffers for a restore,
+/// `possum restore` finds it (starting none) and the restored job maps them from it; once the
+/// restored job is gone, the keeper ends and its directory goes.
+#[test]
+fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
+    let Some((tmp, lib)) = setup("run_keeper_kill", "possum-run-keeper-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let sockets = dir.join("sockets");
+    let mut cmd = possum(dir);
+    cmd.args(["run", "--lib"])
+        .arg(&lib)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .arg("--")
+        .arg(dir.join("fake_session_job"))
+        .env("LD_LIBRARY_PATH", dir)
+        .env_remove("POSSUM_KEEPER");
+    let mut job = Job::spawn_cmd(dir, "job", cmd);
+    job.expect("ready");
+    // The job is `possum run`'s child beside its keeper.
+    let run = job.pid;
+    let children = std::fs::read_to_string(format!("/proc/{run}/task/{run}/children")).unwrap();
+    job.pid = children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<i32>().ok())
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.contains("fake_session_job"))
+        })
+        .expect("the job among possum run's children");
+    job.run("step 5", "done 5");
+    let keeper_dir = sockets.join(format!("keeper-{run}"));
+    let sock = keeper_dir.join("keeper-0.sock");
+    let before = possum_keeper::Keeper::connect(&sock)
+        .unwrap()
+        .stats()
+        .unwrap()
+        .clients[&job.pid]
+        .bytes;
+
+    let img = dir.join("img");
+    // Waits for `possum run` too: it ends with the job.
+    let v = checkpoint_and_kill(dir, &mut job, &img, &[]);
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    let held = possum_keeper::Keeper::connect(&sock)
+        .expect("the keeper outlives possum run")
+        .stats()
+        .unwrap()
+        .held;
+    assert_eq!(held.bytes, before, "{held:?}");
+    let r = json_of(
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(&img)
+            .env("LD_LIBRARY_PATH", dir),
+        &job,
+    );
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    assert_eq!(r["keeper_started"], Value::Null, "{r}");
+    job.run("step 1", "done 6");
+    finish_restored(&mut job);
+    let t = Instant::now();
+    while keeper_dir.exists() {
+        assert!(
+            t.elapsed() < WAIT,
+            "the keeper did not end after the restored job"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(possum_keeper::Keeper::connect(&sock).is_err());
 }
