@@ -66,10 +66,7 @@ export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_P
 export PATH="$PATH:/usr/local/cuda/bin"
 # Jobs run with possum's default hooks (the driver's entry points): no POSSUM_HOOKS/POSSUM_CUPTI
 # from here (eval/ckpt.py sets them per engine variant and drops inherited ones).
-prefix=/tmp/possum-criu
-[ -x "$prefix/bin/criu" ] || bash scripts/install-criu.sh --from-debs .gpu/criu-debs --prefix "$prefix" > /tmp/install-criu.log 2>&1 \
-    || { cat /tmp/install-criu.log; exit 1; }
-export POSSUM_CRIU="$prefix/bin/criu"
+source scripts/gpu-criu.sh
 export POSSUM_CKPT_WORK="${POSSUM_CKPT_WORK:-/dev/shm/possum-ckpt}"
 mkdir -p "$POSSUM_CKPT_WORK"
 if [ "$mode" = correctness ] || [ "$mode" = smoke ]; then

@@ -12,9 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 if ! nvidia-smi -L >/dev/null 2>&1; then echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; fi
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-prefix=/tmp/possum-criu
-[ -x "$prefix/bin/criu" ] || bash scripts/install-criu.sh --from-debs .gpu/criu-debs --prefix "$prefix" > /tmp/install-criu.log 2>&1 || { cat /tmp/install-criu.log; exit 1; }
-export POSSUM_CRIU="$prefix/bin/criu"
+source scripts/gpu-criu.sh
 o="${OUT:-.gpu/out}"; mkdir -p "$o"
 for gib in ${GIBS:-8 32}; do
   W=/dev/shm/dirty-$gib; rm -rf $W; mkdir -p $W/s

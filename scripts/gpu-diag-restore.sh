@@ -9,10 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-prefix=/tmp/possum-criu
-[ -x "$prefix/bin/criu" ] || bash scripts/install-criu.sh --from-debs .gpu/criu-debs --prefix "$prefix" > /tmp/install-criu.log 2>&1 \
-    || { cat /tmp/install-criu.log; exit 1; }
-export POSSUM_CRIU="$prefix/bin/criu"
+source scripts/gpu-criu.sh
 res="${OUT:-.gpu/out}/diag-restore"; mkdir -p "$res"
 W=/dev/shm/possum-diag-restore; rm -rf "$W"; mkdir -p "$W/sockets"
 .gpu/possum keeper --dir "$W/keeper" > "$W/keeper.out" 2> "$W/keeper.err" &

@@ -75,10 +75,7 @@ if [ "$cpu" != 1 ]; then
             [ -e "$d/libcuda.so.1" ] && { export POSSUM_LIBCUDA="$d/libcuda.so.1"; break; }
         done
     fi
-    prefix=/tmp/possum-criu
-    [ -x "$prefix/bin/criu" ] || bash scripts/install-criu.sh --from-debs .gpu/criu-debs --prefix "$prefix" > /tmp/install-criu.log 2>&1 \
-        || { cat /tmp/install-criu.log; exit 1; }
-    export POSSUM_CRIU="$prefix/bin/criu"
+    source scripts/gpu-criu.sh
 fi
 export POSSUM_CRIU="${POSSUM_CRIU:-/opt/possum-criu/bin/criu}"
 "$POSSUM_CRIU" --version | head -1

@@ -110,24 +110,8 @@ impl Keeper {
 
     /// Hands this keeper retained allocation `a` of another (which died) through `fd`.
     pub fn adopt(&mut self, a: &RetainedAlloc, fd: BorrowedFd<'_>) -> Result<(), KeeperError> {
-        let mut line =
-            serde_json::to_vec(&Request::Adopt(a.clone())).map_err(|e| KeeperError::Protocol {
-                request: "adopt",
-                detail: e.to_string(),
-            })?;
-        line.push(b'\n');
-        fdpass::send(&self.stream, &line, Some(fd)).map_err(|source| KeeperError::Io {
-            op: "adopt",
-            source,
-        })?;
-        let (v, _) = self.read_reply("adopt")?;
-        if let Some(e) = v.get("error") {
-            return Err(KeeperError::Remote {
-                request: "adopt",
-                message: e.as_str().unwrap_or("(no message)").to_string(),
-            });
-        }
-        Ok(())
+        self.ask_with("adopt", &Request::Adopt(a.clone()), Some(fd))
+            .map(drop)
     }
 
     /// The keeper's accounting.
@@ -158,12 +142,22 @@ impl Keeper {
         request: &'static str,
         req: &Request,
     ) -> Result<(Value, Vec<OwnedFd>), KeeperError> {
+        self.ask_with(request, req, None)
+    }
+
+    /// A request, with `fd` attached if given: the reply and the descriptors that came with it.
+    fn ask_with(
+        &mut self,
+        request: &'static str,
+        req: &Request,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<(Value, Vec<OwnedFd>), KeeperError> {
         let mut line = serde_json::to_vec(req).map_err(|e| KeeperError::Protocol {
             request,
             detail: e.to_string(),
         })?;
         line.push(b'\n');
-        fdpass::send(&self.stream, &line, None).map_err(|source| KeeperError::Io {
+        fdpass::send(&self.stream, &line, fd).map_err(|source| KeeperError::Io {
             op: request,
             source,
         })?;

@@ -61,6 +61,15 @@ pub fn socket_of(dir: &Path, ordinal: usize) -> PathBuf {
     dir.join(format!("keeper-{ordinal}.sock"))
 }
 
+/// The device sockets in a keeper's directory: `keeper-0.sock`, `keeper-1.sock`, ... while they
+/// exist.
+pub fn sockets_in(dir: &Path) -> Vec<PathBuf> {
+    (0..)
+        .map(|n| socket_of(dir, n))
+        .take_while(|p| p.exists())
+        .collect()
+}
+
 /// A device UUID as 32 hex digits.
 pub fn uuid_hex(u: &[u8; 16]) -> String {
     u.iter().map(|b| format!("{b:02x}")).collect()

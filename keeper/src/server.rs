@@ -441,40 +441,37 @@ impl Inner {
 
     /// Frees the allocations held for the restore of a process that is gone; how many.
     fn drop_held_of_dead(&self) -> usize {
-        let gone: Vec<Alloc> = {
-            let mut st = self.lock();
-            let ids: Vec<u64> = st
-                .allocs
-                .iter()
-                .filter(|(_, a)| a.retained && a.hold_until.is_some() && !alive(a.pid))
-                .map(|(&id, _)| id)
-                .collect();
-            ids.iter().filter_map(|id| st.allocs.remove(id)).collect()
-        };
-        gone.len()
+        self.free_where(|a, alive| a.retained && a.hold_until.is_some() && !alive)
     }
 
     /// Frees the allocations whose process is gone, but those held for a restore until their
     /// hold ends.
     fn free_orphans_of_dead(&self) {
         let now = Instant::now();
-        let gone: Vec<Alloc> = {
+        self.free_where(|a, alive| !a.held(now) && !alive);
+    }
+
+    /// Frees the allocations `gone` picks, given each with whether its process is alive (asked
+    /// once per process); the memory is released outside the lock. How many.
+    fn free_where(&self, gone: impl Fn(&Alloc, bool) -> bool) -> usize {
+        let freed: Vec<Alloc> = {
             let mut st = self.lock();
-            let dead: Vec<u64> = st
+            let mut alive_of = Alives::default();
+            let ids: Vec<u64> = st
                 .allocs
                 .iter()
-                .filter(|(_, a)| !a.held(now) && !alive(a.pid))
+                .filter(|(_, a)| gone(a, alive_of.get(a.pid)))
                 .map(|(&id, _)| id)
                 .collect();
-            dead.iter().filter_map(|id| st.allocs.remove(id)).collect()
+            ids.iter().filter_map(|id| st.allocs.remove(id)).collect()
         };
-        // The memory is released outside the lock.
-        drop(gone);
+        freed.len()
     }
 
     fn stats(&self) -> Stats {
         let now = Instant::now();
         let st = self.lock();
+        let mut alive_of = Alives::default();
         let mut s = Stats::default();
         for a in st.allocs.values() {
             let size = a.mem.size();
@@ -486,11 +483,21 @@ impl Inner {
             if a.retained {
                 s.retained.add(size);
             }
-            if a.held(now) && !alive(a.pid) {
+            if a.held(now) && !alive_of.get(a.pid) {
                 s.held.add(size);
             }
         }
         s
+    }
+}
+
+/// [`alive`] asked once per process in one pass over the allocations.
+#[derive(Default)]
+struct Alives(BTreeMap<i32, bool>);
+
+impl Alives {
+    fn get(&mut self, pid: i32) -> bool {
+        *self.0.entry(pid).or_insert_with(|| alive(pid))
     }
 }
 

@@ -153,12 +153,7 @@ pub fn run(a: &KeeperArgs) -> Result<bool> {
 /// Memory the keeper at `dir` holds for the restore of jobs that are gone (bytes), if it answers.
 pub fn held_bytes(dir: &Path) -> Option<u64> {
     let mut held = 0;
-    // One socket per device, numbered from 0.
-    for n in 0.. {
-        let sock = possum_keeper::socket_of(dir, n);
-        if !sock.exists() {
-            break;
-        }
+    for sock in possum_keeper::sockets_in(dir) {
         let mut k = possum_keeper::Keeper::connect(&sock).ok()?;
         held += k.stats().ok()?.held.bytes;
     }

@@ -187,13 +187,20 @@ fn after_checkpoint(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
     [mid, end]
 }
 
-/// The reference run (the commands without possum, to their end: the buffers to expect), then
-/// the job under libpossum.so (`lib`) at step 5, ready to be checkpointed.
-fn reference_then_job(dir: &Path, lib: &Path) -> ([Vec<u8>; 2], Job) {
+/// The reference run: the job without possum, through step 5 and the commands after the
+/// checkpoint, to its end: the buffers to expect.
+fn reference_run(dir: &Path) -> [Vec<u8>; 2] {
     let mut reference = Job::start(dir, "reference", None);
     reference.run("step 5", "done 5");
     let want = after_checkpoint(&mut reference, dir, "reference");
     reference.run("exit", "bye");
+    want
+}
+
+/// The reference run ([`reference_run`]), then the job under libpossum.so (`lib`) at step 5,
+/// ready to be checkpointed.
+fn reference_then_job(dir: &Path, lib: &Path) -> ([Vec<u8>; 2], Job) {
+    let want = reference_run(dir);
     let mut job = Job::start(dir, "job", Some(lib));
     job.run("step 5", "done 5");
     (want, job)
@@ -396,15 +403,34 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     ));
 }
 
+/// `possum checkpoint PID --json -D IMG --socket-dir DIR/sockets`, with `extra` flags.
+fn checkpoint_cmd(dir: &Path, pid: i32, img: &Path, extra: &[&str]) -> Command {
+    let mut c = possum(dir);
+    c.args(["checkpoint", &pid.to_string(), "--json"])
+        .args(extra)
+        .arg("-D")
+        .arg(img)
+        .arg("--socket-dir")
+        .arg(dir.join("sockets"));
+    c
+}
+
 /// `possum checkpoint --leave-running --json` of `pid` into `img`: its JSON.
 fn checkpoint_left_running(dir: &Path, pid: i32, img: &Path, job: &Job) -> Value {
     json_of(
+        &mut checkpoint_cmd(dir, pid, img, &["--leave-running"]),
+        job,
+    )
+}
+
+/// `possum restore --json -D IMG` (the fake driver on LD_LIBRARY_PATH, for a keeper it starts),
+/// which must succeed: its JSON.
+fn restore_json(dir: &Path, img: &Path, job: &Job) -> Value {
+    json_of(
         possum(dir)
-            .args(["checkpoint", &pid.to_string(), "--leave-running", "--json"])
-            .arg("-D")
+            .args(["restore", "--json", "-D"])
             .arg(img)
-            .arg("--socket-dir")
-            .arg(dir.join("sockets")),
+            .env("LD_LIBRARY_PATH", dir),
         job,
     )
 }
@@ -758,10 +784,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     let (keeper, keeper_dir) = start_keeper(dir);
     let keeper_sock = keeper_dir.join("keeper-0.sock");
 
-    let mut reference = Job::start(dir, "reference", None);
-    reference.run("step 5", "done 5");
-    let want = after_checkpoint(&mut reference, dir, "reference");
-    reference.run("exit", "bye");
+    let want = reference_run(dir);
     let keeper_env = keeper_dir.to_str().unwrap();
     let mut job = Job::spawn(dir, "job", Some(&lib), &[("POSSUM_KEEPER", keeper_env)]);
     job.expect("ready");
@@ -815,14 +838,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     // job looks for it, and the restored job's memory is that keeper's.
     drop(k);
     drop(keeper);
-    let r = json_of(
-        possum(dir)
-            .args(["restore", "--json", "-D"])
-            .arg(&img)
-            // For the keeper it starts: the fake driver.
-            .env("LD_LIBRARY_PATH", dir),
-        &job,
-    );
+    let r = restore_json(dir, &img, &job);
     assert_eq!(r["pid"], job.pid, "{r}");
     assert_eq!(r["keeper_started"], serde_json::json!(keeper_dir), "{r}");
     let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
@@ -902,17 +918,7 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
     let mut outcomes = Vec::new();
     for (i, delay_ms) in delays.into_iter().enumerate() {
         let img = dir.join(format!("img-{i}"));
-        let mut c = possum(dir)
-            .args([
-                "checkpoint",
-                &job.pid.to_string(),
-                "--leave-running",
-                "--json",
-                "-D",
-            ])
-            .arg(&img)
-            .arg("--socket-dir")
-            .arg(dir.join("sockets"))
+        let mut c = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -1040,16 +1046,7 @@ fn a_keeper_lost_during_a_kept_hold_is_said_and_the_job_stays_paused() {
 /// `possum checkpoint` (no --leave-running) of `job` into `img`, with `extra` flags: its JSON,
 /// once the job it killed is reaped (its pid free for a restore).
 fn checkpoint_and_kill(dir: &Path, job: &mut Job, img: &Path, extra: &[&str]) -> Value {
-    let v = json_of(
-        possum(dir)
-            .args(["checkpoint", &job.pid.to_string(), "--json"])
-            .args(extra)
-            .arg("-D")
-            .arg(img)
-            .arg("--socket-dir")
-            .arg(dir.join("sockets")),
-        job,
-    );
+    let v = json_of(&mut checkpoint_cmd(dir, job.pid, img, extra), job);
     match job.child.take() {
         Some(mut c) => {
             c.wait().unwrap();
@@ -1075,10 +1072,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
     let dir = tmp.path();
     let (_keeper, keeper_dir) = start_keeper(dir);
     let keeper_sock = keeper_dir.join("keeper-0.sock");
-    let mut reference = Job::start(dir, "reference", None);
-    reference.run("step 5", "done 5");
-    let want = after_checkpoint(&mut reference, dir, "reference");
-    reference.run("exit", "bye");
+    let want = reference_run(dir);
     let mut job = keeper_job(dir, &lib, &keeper_dir);
     let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
@@ -1097,16 +1091,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
     );
     let s = k.stats().unwrap();
     assert_eq!(s.held.bytes, before, "held for the restore: {s:?}");
-    let restore = |img: &Path, job: &Job| {
-        json_of(
-            possum(dir)
-                .args(["restore", "--json", "-D"])
-                .arg(img)
-                .env("LD_LIBRARY_PATH", dir),
-            job,
-        )
-    };
-    let r = restore(&img1, &job);
+    let r = restore_json(dir, &img1, &job);
     assert_eq!(r["gpu_from_keeper"], true, "{r}");
     assert_eq!(
         r["resume_report"]["attached"],
@@ -1141,7 +1126,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
         before + (2 << 20),
         "with the buffer its malloc added"
     );
-    let r = restore(&img1, &job);
+    let r = restore_json(dir, &img1, &job);
     assert_eq!(r["gpu_from_keeper"], false, "an older image: {r}");
     assert_eq!(
         r["resume_report"]["kept_memory_gone"],
@@ -1169,7 +1154,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
         serde_json::json!([]),
         "{v}"
     );
-    let r = restore(&img3, &job);
+    let r = restore_json(dir, &img3, &job);
     assert_eq!(r["gpu_from_keeper"], false, "{r}");
     finish_restored(&mut job);
 }
@@ -1218,13 +1203,7 @@ fn a_keeper_holding_memory_for_a_restore_outlives_the_process_it_was_started_for
         .unwrap()
         .held;
     assert!(held.bytes > 0, "{held:?}");
-    let r = json_of(
-        possum(dir)
-            .args(["restore", "--json", "-D"])
-            .arg(&img)
-            .env("LD_LIBRARY_PATH", dir),
-        &job,
-    );
+    let r = restore_json(dir, &img, &job);
     assert_eq!(r["gpu_from_keeper"], true, "{r}");
     job.run("step 1", "done 6");
     finish_restored(&mut job);
@@ -1256,24 +1235,11 @@ fn a_keeper_killed_during_a_kept_hold_is_replaced_and_nothing_is_lost() {
     };
     let dir = tmp.path();
     let (keeper, keeper_dir) = start_keeper(dir);
-    let mut reference = Job::start(dir, "reference", None);
-    reference.run("step 5", "done 5");
-    let want = after_checkpoint(&mut reference, dir, "reference");
-    reference.run("exit", "bye");
+    let want = reference_run(dir);
     let mut job = keeper_job(dir, &lib, &keeper_dir);
     let sockets = dir.join("sockets");
     let img = dir.join("img");
-    let ck = possum(dir)
-        .args([
-            "checkpoint",
-            &job.pid.to_string(),
-            "--leave-running",
-            "--json",
-            "-D",
-        ])
-        .arg(&img)
-        .arg("--socket-dir")
-        .arg(&sockets)
+    let ck = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
         // The driver's checkpoint takes 1.5 s: time to kill the keeper while the job is held.
         .env("FAKE_CKPT_DELAY_MS", "1500")
         .env("POSSUM_KEEPER_REVIVE", "1")
@@ -1383,13 +1349,7 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
         .unwrap()
         .held;
     assert_eq!(held.bytes, before, "{held:?}");
-    let r = json_of(
-        possum(dir)
-            .args(["restore", "--json", "-D"])
-            .arg(&img)
-            .env("LD_LIBRARY_PATH", dir),
-        &job,
-    );
+    let r = restore_json(dir, &img, &job);
     assert_eq!(r["gpu_from_keeper"], true, "{r}");
     assert_eq!(r["keeper_started"], Value::Null, "{r}");
     job.run("step 1", "done 6");

@@ -41,15 +41,9 @@ fn main() {
             ["alloc", n] => {
                 let (a, fd) = k.alloc(n.parse().expect("size")).expect("alloc");
                 let dev = dev.get_or_insert_with(|| ShareDevice::open(0).expect("device"));
-                let mem = dev
-                    .import(std::os::fd::AsFd::as_fd(&fd), a.size)
-                    .expect("import");
-                let res = dev.reserve(a.size).expect("reserve");
-                let m = mem.map(&res, 0).expect("map");
-                let data: Vec<u8> = (0..a.size as usize)
-                    .map(|i| (i % 251) as u8 ^ a.id as u8)
-                    .collect();
-                m.write(0, &data).expect("write");
+                with_mapping(dev, &fd, a.size, |m| {
+                    m.write(0, &pattern(a.id, a.size)).expect("write")
+                });
                 println!("allocated {} {}", a.id, a.size);
             }
             ["retain", id] => {
@@ -103,17 +97,9 @@ fn main() {
                 match k.reclaim(id, epoch.parse().expect("epoch")) {
                     Ok((a, fd)) => {
                         let dev = dev.get_or_insert_with(|| ShareDevice::open(0).expect("device"));
-                        let mem = dev
-                            .import(std::os::fd::AsFd::as_fd(&fd), a.size)
-                            .expect("import");
-                        let res = dev.reserve(a.size).expect("reserve");
-                        let m = mem.map(&res, 0).expect("map");
                         let mut got = vec![0u8; a.size as usize];
-                        m.read(0, &mut got).expect("read");
-                        let same = got
-                            .iter()
-                            .enumerate()
-                            .all(|(i, &b)| b == (i % 251) as u8 ^ id as u8);
+                        with_mapping(dev, &fd, a.size, |m| m.read(0, &mut got).expect("read"));
+                        let same = got == pattern(id, a.size);
                         println!("{} {id}", if same { "intact" } else { "differs" });
                     }
                     Err(e) => println!("refused: {e}"),
@@ -128,4 +114,27 @@ fn main() {
         }
         std::io::stdout().flush().expect("stdout");
     }
+}
+
+/// The test pattern of allocation `id`: byte i is `(i % 251) ^ id`.
+fn pattern(id: u64, size: u64) -> Vec<u8> {
+    (0..size as usize)
+        .map(|i| (i % 251) as u8 ^ id as u8)
+        .collect()
+}
+
+/// Imports the memory of `fd` (`size` bytes), maps it at a new reservation and runs `f` on the
+/// mapping (unmapped and released after).
+fn with_mapping(
+    dev: &ShareDevice,
+    fd: &std::os::fd::OwnedFd,
+    size: u64,
+    f: impl FnOnce(&possum_cuda::share::Mapped<'_>),
+) {
+    let mem = dev
+        .import(std::os::fd::AsFd::as_fd(fd), size)
+        .expect("import");
+    let res = dev.reserve(size).expect("reserve");
+    let m = mem.map(&res, 0).expect("map");
+    f(&m);
 }

@@ -17,14 +17,6 @@ use serde_json::{json, Value};
 
 use super::image::KeeperOfJob;
 
-/// Device sockets of a keeper directory (`keeper-0.sock`, `keeper-1.sock`, ... while they exist).
-fn sockets(dir: &Path) -> Vec<PathBuf> {
-    (0..)
-        .map(|n| possum_keeper::socket_of(dir, n))
-        .take_while(|p| p.exists())
-        .collect()
-}
-
 /// The fds of the retained allocations of some processes, per keeper socket.
 #[derive(Debug, Default)]
 pub(super) struct HeldHandles {
@@ -37,7 +29,7 @@ impl HeldHandles {
     /// Asks the keeper at `dir` for an fd of every allocation `pids` retained.
     pub(super) fn collect(dir: &Path, pids: &[i32]) -> HeldHandles {
         let mut h = HeldHandles::default();
-        for sock in sockets(dir) {
+        for sock in possum_keeper::sockets_in(dir) {
             let mut k = match possum_keeper::Keeper::connect(&sock) {
                 Ok(k) => k,
                 Err(e) => {
