@@ -730,7 +730,8 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
         row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
                    possum_stall_ms=figs.get("stall_ms"), stall_parts_ms=figs.get("stall_breakdown_ms"),
                    hooks=cj.get("hooks"), hold=cj.get("hold"),
-                   release={k: rel.get(k) for k in ("final_copy_ms", "released_bytes", "ms", "held")} if rel else None,
+                   release={k: rel.get(k) for k in ("final_copy_ms", "released_bytes", "ms", "held",
+                                                    "context_trimmed_bytes", "staging_freed_bytes")} if rel else None,
                    checkpoint=figs or None, checkpoint_err=ck["stderr"] if ck["rc"] else None)
         restored = False
         if ck["rc"] == 0 and v["ckpt"] != "gpu-only":
@@ -915,9 +916,11 @@ def figures_md(doc):
            "lock + checkpoint + restore + unlock, CRIU = dump). Restore: from `possum restore`'s "
            "start; every buffer back: the restored job's own restore finished (`possum.session.last."
            "restore`).", "",
-           "| job | engine | GiB | state | hooks | stall | engine | driver | CRIU | ckpt total | restore to 1st step "
-           "| every buffer back | restore: CRIU / driver / resume | image GB | ok |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "Drain: a kept checkpoint's save of the GPU state after the job resumed (`saved_ms`), "
+           "and the GPU image's bytes over it.", "",
+           "| job | engine | GiB | state | hooks | stall | engine | driver | CRIU | ckpt total | drain (GB/s) "
+           "| restore to 1st step | every buffer back | restore: CRIU / driver / resume | image GB | ok |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc.get("runs") or []:
         if not r.get("engine"):
             continue
@@ -925,10 +928,13 @@ def figures_md(doc):
         rf = r.get("restore") or {}
         ck = r.get("checkpoint") or {}
         img = ck.get("image_bytes")
+        saved = ck.get("saved_ms")
+        gpu_bytes = sum(x.get("bytes") or 0 for x in (r.get("kept") or {}).get("save") or []) or ck.get("gpu_image_bytes")
+        drain = (f"{saved:.0f} ({gpu_bytes / saved / 1e6:.1f})" if saved and gpu_bytes else "")
         out.append(f"| {r.get('job')} | {r['engine']} | {r.get('gib', 0):g} | {r.get('state', '')[:6]} | "
                    f"{r.get('hooks') or (r.get('possum_before') or {}).get('hooks') or '-'} | "
                    f"{f0(r.get('stall_ms'))} | {f0(bd.get('engine'))} | {f0(bd.get('driver'))} | {f0(bd.get('criu'))} | "
-                   f"{f0(r.get('checkpoint_total_ms'))} | {f0(r.get('restore_to_first_step_ms'))} | "
+                   f"{f0(r.get('checkpoint_total_ms'))} | {drain} | {f0(r.get('restore_to_first_step_ms'))} | "
                    f"{f0(r.get('buffers_back_ms'))} | {f0(rf.get('criu_restore_ms'))} / "
                    f"{f0((rf.get('driver_restore_ms') or 0) + (rf.get('driver_unlock_ms') or 0)) if rf else ''} / "
                    f"{f0(rf.get('resume_ms'))} | {'' if img is None else f'{img / 1e9:.1f}'} | "

@@ -159,6 +159,8 @@ pub struct CudaDevice {
     uuid: [u8; 16],
     /// Why the owner is no longer asked for memory (its memory was on another device).
     owner_refused: Mutex<Option<String>>,
+    /// The stack size limit [`Device::trim_context`] lowered, to be set again.
+    trimmed_stack: Mutex<Option<usize>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -199,6 +201,7 @@ impl CudaDevice {
             owner: None,
             uuid,
             owner_refused: Mutex::new(None),
+            trimmed_stack: Mutex::new(None),
         })
     }
 
@@ -461,6 +464,34 @@ impl Device for CudaDevice {
             let _ = owner.free(id);
         }
         released
+    }
+
+    fn trim_context(&self) -> DeviceResult<u64> {
+        let mut trimmed = self.trimmed_stack.lock();
+        if trimmed.is_some() {
+            return Ok(0);
+        }
+        let stack = self.ctx.stack_limit()?;
+        if stack == 0 {
+            return Ok(0);
+        }
+        let (free0, _) = self.memory_info()?;
+        // 0: the driver keeps what the loaded kernels need and frees the rest; a kernel that
+        // needs more grows it again at its launch, and the untrim sets it back before any.
+        self.ctx.set_stack_limit(0)?;
+        *trimmed = Some(stack);
+        let (free1, _) = self.memory_info()?;
+        Ok(free1.saturating_sub(free0))
+    }
+
+    fn untrim_context(&self) -> DeviceResult<bool> {
+        let mut trimmed = self.trimmed_stack.lock();
+        let Some(stack) = *trimmed else {
+            return Ok(false);
+        };
+        self.ctx.set_stack_limit(stack)?;
+        *trimmed = None;
+        Ok(true)
     }
 
     fn keeps_memory(&self) -> bool {

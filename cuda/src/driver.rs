@@ -302,6 +302,26 @@ impl Context {
         check_async("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
+    /// The per-thread stack size the context reserves local memory for (`CU_LIMIT_STACK_SIZE`),
+    /// bytes.
+    pub fn stack_limit(&self) -> DeviceResult<usize> {
+        self.bind()?;
+        let mut v = 0usize;
+        call!(cuCtxGetLimit(
+            &mut v,
+            sys::CUlimit::CU_LIMIT_STACK_SIZE
+        ))?;
+        Ok(v)
+    }
+
+    /// Sets the per-thread stack size (`cuCtxSetLimit(CU_LIMIT_STACK_SIZE)`): the driver waits for
+    /// the context's work and reallocates its local memory for every thread the device can run
+    /// (on an H100, 1 KiB per thread is 264 MiB), the larger the more.
+    pub fn set_stack_limit(&self, bytes: usize) -> DeviceResult<()> {
+        self.bind()?;
+        call!(cuCtxSetLimit(sys::CUlimit::CU_LIMIT_STACK_SIZE, bytes))
+    }
+
     /// (least, greatest) stream priority. Greatest is numerically the smallest.
     pub fn stream_priority_range(&self) -> DeviceResult<(i32, i32)> {
         self.bind()?;

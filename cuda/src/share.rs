@@ -16,7 +16,7 @@
 
 use std::ffi::c_void;
 use std::fmt;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -108,7 +108,18 @@ impl ShareDevice {
             handle,
             size,
             ctx: self.ctx.clone(),
+            source: None,
         })
+    }
+
+    /// Imports `fd` like [`ShareDevice::import`] and keeps it: the driver refuses to export an
+    /// imported handle again (`cuMemExportToShareableHandle` answers CUDA_ERROR_INVALID_VALUE on
+    /// the H100, driver 580), so [`SharedMem::export`] of adopted memory hands out duplicates of
+    /// this fd instead, which import as the same memory.
+    pub fn adopt(&self, fd: OwnedFd, size: u64) -> DeviceResult<SharedMem> {
+        let mut mem = self.import(fd.as_fd(), size)?;
+        mem.source = Some(fd);
+        Ok(mem)
     }
 
     /// Imports memory another process (or this one) exported as `fd`; `size` is its size, as the
@@ -128,6 +139,7 @@ impl ShareDevice {
             handle,
             size,
             ctx: self.ctx.clone(),
+            source: None,
         })
     }
 
@@ -167,6 +179,8 @@ pub struct SharedMem {
     handle: sys::CUmemGenericAllocationHandle,
     size: u64,
     ctx: Arc<Context>,
+    /// The fd it was adopted from ([`ShareDevice::adopt`]), which `export` duplicates.
+    source: Option<OwnedFd>,
 }
 
 impl fmt::Debug for SharedMem {
@@ -187,6 +201,14 @@ impl SharedMem {
     /// A new POSIX fd for this memory (`cuMemExportToShareableHandle`), to pass to another
     /// process (SCM_RIGHTS), which imports it with [`ShareDevice::import`].
     pub fn export(&self) -> DeviceResult<OwnedFd> {
+        if let Some(fd) = &self.source {
+            return fd.try_clone().map_err(|e| {
+                invalid(
+                    "cuMemExportToShareableHandle",
+                    format!("duplicating the adopted fd: {e}"),
+                )
+            });
+        }
         self.ctx.bind()?;
         let mut fd: std::ffi::c_int = -1;
         call!(cuMemExportToShareableHandle(

@@ -88,7 +88,14 @@ int cuMemAllocFromPoolAsync_ptsz(ull* p, size_t n, void* pool, void* s){ return 
 int cuMemFreeAsync(ull p, void* s){ free((void*)p); return 0; }
 int cuMemFreeAsync_ptsz(ull p, void* s){ free((void*)p); return 0; }
 int cuMemAllocManaged(ull* p, size_t n, unsigned flags){ return fake_mem_alloc(p, n); }
-int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-used; *t=TOTAL; return 0; }
+// The context's local memory: 64 KiB of it per byte of the per-thread stack limit (1 KiB: 64 MiB),
+// counted as used. Fake kernels need their stack: a launch while it is 0 (trimmed for a
+// checkpoint) fails, so a resume that lets the job launch before setting it back is caught.
+static size_t stack_limit=1024;
+#define LMEM (stack_limit*65536)
+int cuCtxGetLimit(size_t* v, int which){ if(!cur) return 201; if(which!=0) return 1; *v=stack_limit; return 0; }
+int cuCtxSetLimit(int which, size_t v){ if(!cur) return 201; if(which!=0) return 1; stack_limit=v; return 0; }
+int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-used-LMEM; *t=TOTAL; return 0; }
 int cuMemGetAllocationGranularity(size_t* g, const void* p, int o){ *g=2u<<20; return 0; }
 int cuMemAddressReserve(ull* p, size_t size, size_t align, ull addr, ull flags){
   if(!cur) return 201;
@@ -112,7 +119,8 @@ int cuMemRelease(ull h){ struct h* x=(void*)(uintptr_t)h; close(x->fd); if(!x->i
 // created with it (else CUDA_ERROR_INVALID_VALUE, as the real driver answers).
 int cuMemExportToShareableHandle(void* out, ull h, int type, ull flags){
   struct h* x=(void*)(uintptr_t)h;
-  if(!out || !x || type!=1 || (x->htype & 1)==0) return 1;
+  // As driver 580 on the H100: an imported handle is not exported again (INVALID_VALUE).
+  if(!out || !x || type!=1 || (x->htype & 1)==0 || x->imported) return 1;
   int fd=fcntl(x->fd, F_DUPFD_CLOEXEC, 0); if(fd<0) return 2;
   *(int*)out=fd; return 0; }
 int cuMemImportFromShareableHandle(ull* h, void* os, int type){
@@ -193,6 +201,7 @@ static struct fake_kernel* fk(void* h){
   struct fake_kernel* k=h; return (k && (uintptr_t)k%8==0 && k->magic==FAKE_KERNEL_MAGIC)? k : 0; }
 static int launch(void* f, void** params){
   struct fake_kernel* k=fk(f); if(!k) return 400; if(!cur) return 201;
+  if(!stack_limit) return 701;
   if(k->run) k->run(params);
   return 0; }
 #define DIMS unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem
@@ -313,7 +322,7 @@ int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* st
   X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetStreamPriorityRange) X(cuCtxSynchronize) \
   X(cuCtxGetDevice) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocPitch_v2) X(cuMemAllocAsync) \
   X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
-  X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemAllocManaged) X(cuMemGetInfo_v2) \
+  X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemAllocManaged) X(cuMemGetInfo_v2) X(cuCtxGetLimit) X(cuCtxSetLimit) \
   X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) \
   X(cuMemRelease) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAddressRange_v2) \
   X(cuMemHostAlloc) X(cuMemFreeHost) X(cuStreamCreate) X(cuStreamCreateWithPriority) \

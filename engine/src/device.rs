@@ -170,6 +170,19 @@ pub trait Device: Send + Sync + Debug + 'static {
         let _ = (va, size);
         Err(DeviceError::Unsupported("forget"))
     }
+    /// Shrinks what the device's context holds besides the buffers, for NVIDIA's driver
+    /// checkpoint, which copies all of it to host memory (and CRIU then dumps and restores it):
+    /// the local memory reserved for thread stacks. Only while no work of the process can be
+    /// launched (the job held at the op gate). Bytes of device memory freed; 0 where nothing is
+    /// trimmed (already trimmed, or a backend without a context).
+    fn trim_context(&self) -> DeviceResult<u64> {
+        Ok(0)
+    }
+    /// Undoes [`trim_context`](Device::trim_context) before the job launches again; a no-op when
+    /// nothing is trimmed. Whether something was.
+    fn untrim_context(&self) -> DeviceResult<bool> {
+        Ok(false)
+    }
     /// Closes any connection to the memory's owner (reopened when next needed), so that a process
     /// dump (CRIU) of a job whose buffers are released or detached finds none; the engine calls
     /// it after a release and a detach. A no-op by default: the CUDA backend reaches its keeper

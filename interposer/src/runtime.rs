@@ -37,6 +37,11 @@ pub struct Config {
     /// and CRIU, so the CRIU image does not carry it; it is allocated again as the restore needs
     /// it (`POSSUM_STAGING_PARK`, default on).
     pub staging_park: bool,
+    /// Lower the context's stack reserve (`CU_LIMIT_STACK_SIZE`, 264 MiB of local memory on an
+    /// H100 at its default 1 KiB) while the job is held for the driver's checkpoint, which copies
+    /// it to host memory for CRIU to dump and restore; set back before the job launches again
+    /// (`POSSUM_TRIM_CONTEXT`, default on).
+    pub trim_context: bool,
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
     /// default the machine's cores, 2 to 12): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     pub writers: usize,
@@ -102,6 +107,7 @@ impl Config {
             validation,
             staging_mib,
             staging_park: flag("POSSUM_STAGING_PARK", true),
+            trim_context: flag("POSSUM_TRIM_CONTEXT", true),
             writers,
             restorers,
             dag: flag("POSSUM_DAG", true),
@@ -1421,7 +1427,7 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "staging_park": self.cfg.staging_park, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
+            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "staging_park": self.cfg.staging_park, "trim_context": self.cfg.trim_context, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
                        "dag": self.cfg.dag, "warnings": self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),

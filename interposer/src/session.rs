@@ -106,6 +106,7 @@ fn set_paused(p: bool) {
 
 /// Lets the job go on, however it was paused (in its CUDA calls, or its threads parked).
 fn unpause_job() {
+    untrim_contexts();
     set_paused(false);
     if park::held() {
         park::unpark_all();
@@ -388,6 +389,7 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
     }
     let copied = ms(t.elapsed());
     let (bytes, done, staging_freed) = release_engines(&engines, true, keep)?;
+    let trimmed = trim_contexts(&engines);
     // Devices whose buffers stay on the GPU with the keeper for a restore (not freed).
     let held: Vec<usize> = engines
         .iter()
@@ -401,7 +403,8 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
         crate::cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
     }
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
-                   "staging_freed_bytes": staging_freed, "held_for_restore": held,
+                   "staging_freed_bytes": staging_freed, "context_trimmed_bytes": trimmed,
+                   "held_for_restore": held,
                    "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
     note_last("release", v.clone());
     Ok(v)
@@ -439,6 +442,7 @@ fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<
     } else {
         0
     };
+    let trimmed = trim_contexts(engines);
     *OPEN.lock() = Some(Open {
         dir,
         writers: Vec::new(),
@@ -446,6 +450,7 @@ fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<
     });
     let v = json!({"kept_bytes": bytes, "detach_ms": detached_ms, "final_copy_ms": 0.0,
                    "released_bytes": 0, "staging_freed_bytes": staging_freed,
+                   "context_trimmed_bytes": trimmed,
                    "devices": engines.iter().map(|e| e.ordinal).collect::<Vec<_>>(),
                    "ms": ms(t.elapsed())});
     note_last("release", v.clone());
@@ -505,6 +510,37 @@ fn release_engines(
         }
     }
     Ok((bytes, done, staging_freed))
+}
+
+/// Trims every engine's context for the driver's checkpoint ([`Device::trim_context`]); only
+/// with the job held at the op gate (no launch can come until [`unpause_job`] sets it back) and
+/// `POSSUM_TRIM_CONTEXT` on. Best effort: a failure leaves that context as it was. Bytes freed.
+///
+/// [`Device::trim_context`]: possum_engine::device::Device::trim_context
+fn trim_contexts(engines: &[Arc<DevEngine>]) -> u64 {
+    use possum_engine::device::Device;
+    if !crate::runtime::state().cfg.trim_context {
+        return 0;
+    }
+    let mut freed = 0;
+    for e in engines {
+        match e.engine.device().trim_context() {
+            Ok(b) => freed += b,
+            Err(err) => crate::log(&format!("device {}: trimming its context: {err}", e.ordinal)),
+        }
+    }
+    freed
+}
+
+/// Sets back what [`trim_contexts`] lowered, before the job launches again. A failure is logged:
+/// the driver grows the stack again as a kernel needs it.
+fn untrim_contexts() {
+    use possum_engine::device::Device;
+    for e in engines() {
+        if let Err(err) = e.engine.device().untrim_context() {
+            crate::log(&format!("device {}: setting its context back: {err}", e.ordinal));
+        }
+    }
 }
 
 /// Frees `e`'s pinned staging, which would be in CRIU's image (and restored page by page); it is

@@ -304,10 +304,9 @@ impl Inner {
                 }
                 let fd = fds.remove(0);
                 let dev = self.dev()?;
-                let mem = {
-                    use std::os::fd::AsFd;
-                    dev.import(fd.as_fd(), a.size)?
-                };
+                // Adopted, not imported: the driver exports no imported handle again, and this
+                // keeper must hand the memory out (reclaim, dup) like its own.
+                let mem = dev.adopt(fd, a.size)?;
                 let mut st = self.lock();
                 if st.allocs.contains_key(&a.id) {
                     return Err(KeeperError::Protocol {

@@ -365,6 +365,14 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         v["release_report"]["released_bytes"].as_u64().unwrap_or(0) > 0,
         "the buffers were not released before the dump: {v}"
     );
+    // The context's stack reserve was lowered for the driver's checkpoint (the fake driver's
+    // 1 KiB per thread is 64 MiB); the fake's kernels fail while it is 0, so the job going on
+    // below shows it was set back before its next launch, here and after the restore.
+    assert_eq!(
+        v["release_report"]["context_trimmed_bytes"],
+        64 << 20,
+        "the context was not trimmed: {v}"
+    );
     assert!(
         v["figures"]["gpu_image_bytes"].as_u64().unwrap_or(0) >= 2 << 20,
         "{v}"
@@ -817,6 +825,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     let rel = &v["release_report"];
     assert_eq!(rel["released_bytes"], 0, "{v}");
     assert_eq!(rel["kept_bytes"], before, "{v}");
+    assert_eq!(rel["context_trimmed_bytes"], 64 << 20, "{v}");
     assert!(v["hold"].as_str().unwrap_or("").contains("keeper"), "{v}");
     let saved = &v["saved_report"][0]["report"]["saved"][0];
     assert_eq!(saved["buffers"], 3, "{v}");
