@@ -545,7 +545,7 @@ impl Device for CudaDevice {
     fn reattach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let owner = self.owner_for("reattach")?;
         self.ctx.bind()?;
-        let mut t = self.tables.lock();
+        let t = self.tables.lock();
         let (id, epoch) = match t.detached.get(&va.0) {
             Some(&(id, n, epoch)) if n == size => (id, epoch),
             Some(_) => {
@@ -557,9 +557,13 @@ impl Device for CudaDevice {
             }
             None => return Err(invalid(va.0, size, "nothing detached there")),
         };
+        // The keeper's answer and the mapping without the tables' lock: the engine reattaches
+        // several buffers at once (each address once).
+        drop(t);
         let fd = owner.reclaim(id, epoch)?;
         let mem = PhysMem::import(&self.ctx, fd.as_fd(), size)?;
         mem.map_at(va.0)?;
+        let mut t = self.tables.lock();
         t.detached.remove(&va.0);
         t.mappings.insert(va.0, mem);
         t.owned.insert(va.0, id);

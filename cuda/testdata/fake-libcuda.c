@@ -41,6 +41,8 @@ static const size_t TOTAL = 80ull<<30;
 struct h { int fd; size_t size; int htype; int imported; };
 struct m { ull va; size_t size; };
 static struct m maps[64];
+// Guards maps: possum maps buffers from several threads at once (reattach).
+static pthread_mutex_t maps_lock=PTHREAD_MUTEX_INITIALIZER;
 int cuGetErrorString(int e, const char** s){
   *s = e==100? "no CUDA-capable device is detected" : e==1? "invalid argument (fake)"
      : e==401? "illegal state (fake)" : "fake error";
@@ -134,15 +136,21 @@ int cuMemImportFromShareableHandle(ull* h, void* os, int type){
 int cuMemMap(ull p, size_t size, size_t off, ull h, ull f){
   struct h* x=(void*)(uintptr_t)h;
   if(mmap((void*)p, size, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, x->fd, off)==MAP_FAILED) return 1;
+  pthread_mutex_lock(&maps_lock);
   for(int i=0;i<64;i++) if(!maps[i].size){ maps[i].va=p; maps[i].size=size; break; }
+  pthread_mutex_unlock(&maps_lock);
   return 0; }
 int cuMemUnmap(ull p, size_t size){
   mmap((void*)p, size, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_FIXED|MAP_NORESERVE, -1, 0);
+  pthread_mutex_lock(&maps_lock);
   for(int i=0;i<64;i++) if(maps[i].va==p){ maps[i].size=0; maps[i].va=0; }
+  pthread_mutex_unlock(&maps_lock);
   return 0; }
 int cuMemSetAccess(ull p, size_t s, const void* d, size_t c){ return 0; }
 int cuMemGetAddressRange_v2(ull* b, size_t* s, ull p){
-  for(int i=0;i<64;i++) if(maps[i].size && p>=maps[i].va && p<maps[i].va+maps[i].size){ *b=maps[i].va; *s=maps[i].size; return 0; }
+  pthread_mutex_lock(&maps_lock);
+  for(int i=0;i<64;i++) if(maps[i].size && p>=maps[i].va && p<maps[i].va+maps[i].size){ *b=maps[i].va; *s=maps[i].size; pthread_mutex_unlock(&maps_lock); return 0; }
+  pthread_mutex_unlock(&maps_lock);
   return 1; }
 int cuMemHostAlloc(void** p, size_t n, unsigned f){ if(!cur) return 201; *p=malloc(n); memset(*p, 0x77, n); return *p?0:2; }
 int cuMemFreeHost(void* p){ free(p); return 0; }

@@ -20,7 +20,7 @@
 //! * [`Engine::release`] drops the physical memory of every buffer (the job must be quiet).
 //! * [`Engine::restore`] starts an on-demand restore; see [`crate::restore`].
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -57,6 +57,9 @@ pub struct EngineConfig {
     #[doc(hidden)]
     pub prefetch_delay: Duration,
 }
+
+/// Threads mapping detached buffers again in [`Engine::reattach`].
+const REATTACH_THREADS: usize = 8;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -697,16 +700,47 @@ impl<D: Device> Engine<D> {
     /// attached.
     pub fn reattach(&self) -> Result<u64, EngineError> {
         self.expect_detached("reattach (buffers must be detached first)")?;
-        let mut bytes = 0;
-        for b in self.inner.reg.read().iter() {
-            if b.residency() == Residency::Detached {
-                self.inner.dev.reattach(b.va(), b.mapped_size())?;
-                b.set_residency(Residency::Mapped);
-                bytes += b.mapped_size();
+        let todo: Vec<Buffer> = self
+            .inner
+            .reg
+            .read()
+            .iter()
+            .filter(|b| b.residency() == Residency::Detached)
+            .cloned()
+            .collect();
+        // Each buffer's memory is asked of its owner and mapped again, independently of the
+        // others: a few at a time (one after another, 16 buffers of 2 GiB took 104 ms on the
+        // H100, while the job waited). The first failure stops the rest; those done stay mapped.
+        let next = AtomicUsize::new(0);
+        let failed: parking_lot::Mutex<Option<DeviceError>> = parking_lot::Mutex::new(None);
+        let bytes = AtomicU64::new(0);
+        let work = || loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(b) = todo.get(i) else { break };
+            if failed.lock().is_some() {
+                break;
             }
+            match self.inner.dev.reattach(b.va(), b.mapped_size()) {
+                Ok(()) => {
+                    b.set_residency(Residency::Mapped);
+                    bytes.fetch_add(b.mapped_size(), Ordering::Relaxed);
+                }
+                Err(e) => {
+                    failed.lock().get_or_insert(e);
+                }
+            }
+        };
+        std::thread::scope(|s| {
+            for _ in 1..todo.len().min(REATTACH_THREADS) {
+                s.spawn(work);
+            }
+            work();
+        });
+        if let Some(e) = failed.into_inner() {
+            return Err(e.into());
         }
         self.inner.set_phase(Phase::Idle);
-        Ok(bytes)
+        Ok(bytes.into_inner())
     }
 
     /// Frees the staging buffers (pinned host memory) once every one is back, waiting at most
