@@ -82,7 +82,7 @@ done
 for i in $(seq "$keeper_kills"); do
     n=$((n + 1)); img="$W/img-$n"
     say "trial $n: the keeper killed in a kept hold"
-    POSSUM_KEEPER_REVIVE=1 timeout 120 $P checkpoint "$pid" -D "$img" --leave-running --json --socket-dir "$W/sockets" > "$W/ck-$n.json" 2> "$W/ck-$n.err" &
+    timeout 120 $P checkpoint "$pid" -D "$img" --leave-running --json --socket-dir "$W/sockets" > "$W/ck-$n.json" 2> "$W/ck-$n.err" &
     ck=$!
     for _ in $(seq 400); do
         s=$(timeout 3 $P status "$pid" --json --socket-dir "$W/sockets" 2>/dev/null)

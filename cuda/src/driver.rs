@@ -307,10 +307,7 @@ impl Context {
     pub fn stack_limit(&self) -> DeviceResult<usize> {
         self.bind()?;
         let mut v = 0usize;
-        call!(cuCtxGetLimit(
-            &mut v,
-            sys::CUlimit::CU_LIMIT_STACK_SIZE
-        ))?;
+        call!(cuCtxGetLimit(&mut v, sys::CUlimit::CU_LIMIT_STACK_SIZE))?;
         Ok(v)
     }
 

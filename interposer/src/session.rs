@@ -526,7 +526,10 @@ fn trim_contexts(engines: &[Arc<DevEngine>]) -> u64 {
     for e in engines {
         match e.engine.device().trim_context() {
             Ok(b) => freed += b,
-            Err(err) => crate::log(&format!("device {}: trimming its context: {err}", e.ordinal)),
+            Err(err) => crate::log(&format!(
+                "device {}: trimming its context: {err}",
+                e.ordinal
+            )),
         }
     }
     freed
@@ -538,7 +541,10 @@ fn untrim_contexts() {
     use possum_engine::device::Device;
     for e in engines() {
         if let Err(err) = e.engine.device().untrim_context() {
-            crate::log(&format!("device {}: setting its context back: {err}", e.ordinal));
+            crate::log(&format!(
+                "device {}: setting its context back: {err}",
+                e.ordinal
+            ));
         }
     }
 }

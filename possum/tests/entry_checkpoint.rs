@@ -1251,7 +1251,6 @@ fn a_keeper_killed_during_a_kept_hold_is_replaced_and_nothing_is_lost() {
     let ck = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
         // The driver's checkpoint takes 1.5 s: time to kill the keeper while the job is held.
         .env("FAKE_CKPT_DELAY_MS", "1500")
-        .env("POSSUM_KEEPER_REVIVE", "1")
         .env("LD_LIBRARY_PATH", dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -5,10 +5,11 @@
 //! and takes them over (`adopt`: the same ids, owner and epochs), so the job's `reclaim` finds
 //! them there. Without them the job's GPU state would be lost with the keeper.
 //!
-//! Opt-in (`POSSUM_KEEPER_REVIVE=1`): it works on the fake driver (`possum/tests`), but on the
-//! H100 (driver 580, session 20) a checkpoint whose keeper was killed in the hold stalled for
-//! two minutes after the new keeper started, and the job's state was lost as without it; where it
-//! stalls was not found (`scripts/gpu-faults.sh`, `scripts/gpu-keeper-adopt.sh` to find out).
+//! On by default (`POSSUM_KEEPER_REVIVE=0` turns it off). The new keeper keeps each adopted fd
+//! and hands out duplicates of it: driver 580 refuses to export an imported handle again
+//! (CUDA_ERROR_INVALID_VALUE), which is what made the takeover fail on the H100 in session 20;
+//! with that, the keeper killed in a kept hold on the H100 left the job running bit-exact
+//! (`scripts/gpu-faults.sh`, session 21).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};

@@ -693,9 +693,9 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                     .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
             }
             bar.finish();
-            // Taken while the driver and CRIU work (a few ms), not before them. Opt-in
-            // (`POSSUM_KEEPER_REVIVE=1`): on the H100 the takeover did not complete (docs/cli.md).
-            let revive = std::env::var_os("POSSUM_KEEPER_REVIVE").is_some_and(|v| v == "1");
+            // Taken while the driver and CRIU work (a few ms), not before them. On unless
+            // `POSSUM_KEEPER_REVIVE=0`.
+            let revive = std::env::var_os("POSSUM_KEEPER_REVIVE").is_none_or(|v| v != "0");
             if let (true, false, Some(k)) = (revive, kept.is_empty(), &keeper_of_job) {
                 let (dir, pids) = (k.dir.clone(), kept.clone());
                 held_thread = Some(std::thread::spawn(move || {
