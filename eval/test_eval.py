@@ -248,11 +248,13 @@ class Figures(unittest.TestCase):
              "stall_ms": 700.0, "stall_parts_ms": {"engine": 50, "driver": 400, "criu": 250},
              "checkpoint_total_ms": 5000, "restore_to_first_step_ms": 1300, "buffers_back_ms": 3900,
              "restore": {"criu_restore_ms": 700, "driver_restore_ms": 400, "driver_unlock_ms": 3, "resume_ms": 30},
-             "checkpoint": {"image_bytes": 36e9}},
+             "checkpoint": {"image_bytes": 36e9, "saved_ms": 1500},
+             "kept": {"save": [{"bytes": 30e9}, {"bytes": 6e9}]}},
             {"job": "mlp", "engine": "driver", "gib": 32.0, "ok": False, "why": "restored job stopped"}],
             "skipped": [{"job": "mlp", "engine": "possum-hold", "gib": 32.0, "why": "time budget"}]}
         md = ckpt.figures_md(doc)
-        self.assertIn("| mlp | possum-frozen | 32 | frozen | entry | 700 | 50 | 400 | 250 | 5000 | 1300 | 3900 | 700 / 403 / 30 | 36.0 | yes |", md)
+        # Drain: the saved bytes over saved_ms (36 GB in 1.5 s).
+        self.assertIn("| mlp | possum-frozen | 32 | frozen | entry | 700 | 50 | 400 | 250 | 5000 | 1500 (24.0) | 1300 | 3900 | 700 / 403 / 30 | 36.0 | yes |", md)
         self.assertIn("**NO** restored job stopped", md)
         self.assertIn("Not run: mlp possum-hold 32 GiB: time budget.", md)
         self.assertIn("- mlp possum-frozen: 32 GiB 700 / 1300", md)

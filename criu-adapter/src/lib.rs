@@ -239,6 +239,10 @@ pub struct RestoreOptions {
     pub log_file: String,
     /// The log's verbosity.
     pub log_level: LogLevel,
+    /// Files of the image replaced by descriptors of this process (CRIU's `--inherit-fd`): (the
+    /// image's name for it, e.g. `pipe:[12345]`, a descriptor here). The worker inherits each
+    /// for the restore; they stay this process's.
+    pub inherit_fds: Vec<(String, std::os::fd::RawFd)>,
 }
 
 impl RestoreOptions {
@@ -254,6 +258,7 @@ impl RestoreOptions {
             external: Vec::new(),
             log_file: "restore.log".into(),
             log_level: LogLevel::default(),
+            inherit_fds: Vec::new(),
         }
     }
 }
@@ -457,6 +462,36 @@ impl Criu {
         check_log_name(&opts.log_file)?;
         let images = open_images_dir(&opts.images_dir, false)?;
         let log = opts.images_dir.join(&opts.log_file);
+        // The worker's 0-2 are not ours: a descriptor there is handed over as a copy above 2.
+        let mut copies = Vec::new();
+        let mut inherit = Vec::new();
+        for (key, fd) in &opts.inherit_fds {
+            use std::os::fd::AsFd;
+            let std_fd = match fd {
+                0 => Some(std::io::stdin().as_fd().try_clone_to_owned()),
+                1 => Some(std::io::stdout().as_fd().try_clone_to_owned()),
+                2 => Some(std::io::stderr().as_fd().try_clone_to_owned()),
+                _ => None,
+            };
+            let fd = match std_fd {
+                None => *fd,
+                Some(copy) => {
+                    // A close-on-exec copy numbered above 2 (the worker clears the flag).
+                    let copy = copy.map_err(|source| CriuError::Io {
+                        what: format!("duplicating descriptor {fd} for CRIU's inherit_fd {key}"),
+                        source,
+                    })?;
+                    let raw = copy.as_raw_fd();
+                    copies.push(copy);
+                    raw
+                }
+            };
+            inherit.push(rpc::InheritFd {
+                key: key.clone(),
+                fd,
+            });
+        }
+        let inherited: Vec<std::os::fd::RawFd> = inherit.iter().map(|i| i.fd).collect();
         let rpc_opts = CriuOpts {
             images_dir_fd: images.as_raw_fd(),
             shell_job: Some(opts.shell_job),
@@ -467,13 +502,16 @@ impl Criu {
             external: opts.external.clone(),
             log_file: Some(opts.log_file.clone()),
             log_level: Some(opts.log_level as i32),
+            inherit_fd: inherit,
             ..Default::default()
         };
-        let resp = self.call(
+        let resp = self.call_inheriting(
             "restore",
             request(ReqType::Restore, Some(rpc_opts)),
             Some(&log),
+            &inherited,
         )?;
+        drop(copies);
         drop(images);
         let pid = match resp.restore {
             Some(r) if r.pid > 0 => r.pid,
@@ -496,7 +534,19 @@ impl Criu {
         req: CriuReq,
         log: Option<&Path>,
     ) -> Result<CriuResp, CriuError> {
-        let mut worker = swrk::Worker::spawn(&self.binary, op, self.plugin_dir.as_deref())?;
+        self.call_inheriting(op, req, log, &[])
+    }
+
+    /// [`call`](Self::call) with a worker that inherits `inherit` (descriptors above 2).
+    fn call_inheriting(
+        &self,
+        op: &'static str,
+        req: CriuReq,
+        log: Option<&Path>,
+        inherit: &[std::os::fd::RawFd],
+    ) -> Result<CriuResp, CriuError> {
+        let mut worker =
+            swrk::Worker::spawn(&self.binary, op, self.plugin_dir.as_deref(), inherit)?;
         let answer = worker.request(&req);
         let status = worker.finish();
         let resp = answer?;

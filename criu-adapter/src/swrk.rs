@@ -47,6 +47,7 @@ impl Worker {
         binary: &Path,
         op: &'static str,
         plugin_dir: Option<&Path>,
+        inherit: &[RawFd],
     ) -> Result<Self, CriuError> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
@@ -82,15 +83,20 @@ impl Worker {
         if let Some(dir) = plugin_dir {
             cmd.env("CRIU_LIBS_DIR", dir);
         }
+        // The descriptors the worker inherits: its socket, and those a restore hands the tree
+        // (`inherit_fd`, numbered above 2 by the caller). Copied before the fork.
+        let mut keep: Vec<RawFd> = vec![theirs_fd];
+        keep.extend(inherit.iter().copied().filter(|&fd| fd > 2));
         // SAFETY: the closure runs in the forked child before exec. It only calls fcntl(2), which
-        // is async-signal-safe, through nix's thin wrapper (no allocation, no locks), on a
-        // descriptor number copied before the fork that is open in the child (it was open here,
-        // close-on-exec only, when we forked).
+        // is async-signal-safe, through nix's thin wrapper (no allocation, no locks; `keep` was
+        // allocated before the fork and is only read), on descriptor numbers that are open in the
+        // child (they were open here, close-on-exec only, when we forked).
         unsafe {
             cmd.pre_exec(move || {
-                fcntl(theirs_fd, FcntlArg::F_SETFD(FdFlag::empty()))
-                    .map(drop)
-                    .map_err(io::Error::from)
+                for &fd in &keep {
+                    fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty())).map_err(io::Error::from)?;
+                }
+                Ok(())
             });
         }
         let child = cmd.spawn().map_err(|source| CriuError::Spawn {

@@ -65,7 +65,12 @@ impl Job {
 
     /// The job run by `cmd` (the job itself, or a command that starts it), before its first
     /// answer; `pid` is `cmd`'s process.
-    fn spawn_cmd(dir: &Path, name: &str, mut cmd: Command) -> Job {
+    fn spawn_cmd(dir: &Path, name: &str, cmd: Command) -> Job {
+        Job::spawn_cmd_to(dir, name, cmd, None)
+    }
+
+    /// [`Job::spawn_cmd`] with its stderr on `stderr` instead of the file `log` reads.
+    fn spawn_cmd_to(dir: &Path, name: &str, mut cmd: Command, stderr_to: Option<Stdio>) -> Job {
         let fifo = dir.join(format!("{name}.cmds"));
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
         let cmds = OpenOptions::new()
@@ -89,7 +94,10 @@ impl Job {
             .env("POSSUM_VERBOSE", "1")
             .stdin(Stdio::null())
             .stdout(append(&out))
-            .stderr(append(&stderr));
+            .stderr(match stderr_to {
+                Some(to) => to,
+                None => append(&stderr).into(),
+            });
         // SAFETY: setsid is async-signal-safe and touches no memory of this process.
         unsafe {
             cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
@@ -409,6 +417,72 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         v["figures"]["stall_ms"],
         t0.elapsed()
     ));
+}
+
+/// A job whose stderr is a pipe to a process outside it (`possum run job 2>&1 | tee log`): CRIU
+/// would restore that pipe with nobody reading it. The restored job writes to `possum
+/// restore`'s own stderr instead (CRIU's inherit_fd), and goes on bit-exact.
+#[test]
+fn a_restored_job_whose_stderr_was_a_pipe_writes_to_the_restore_s() {
+    let Some((tmp, lib)) = setup("stdio_pipe", "possum-stdio-pipe-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let want = reference_run(dir);
+    let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+    let mut cmd = common::fake_job_command(dir, "fake_session_job", Some(&lib));
+    cmd.env("FAKE_VIA", "entry");
+    let mut job = Job::spawn_cmd_to(dir, "job", cmd, Some(Stdio::from(wr)));
+    // The job's first stderr, read here (this process is outside the job's tree).
+    let first = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut File::from(rd), &mut s);
+        s
+    });
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    let img = dir.join("img");
+    let v = json_of(&mut checkpoint_cmd(dir, job.pid, &img, &[]), &job);
+    let mut child = job.child.take().unwrap();
+    child.wait().unwrap();
+    assert!(
+        first.join().unwrap().contains("possum:"),
+        "the job logged nothing before"
+    );
+    let m: Value =
+        serde_json::from_str(&std::fs::read_to_string(img.join("possum.json")).unwrap()).unwrap();
+    assert_eq!(m["stdio_pipes"][0][0], 2, "{m}\n{v}");
+    assert!(
+        m["stdio_pipes"][0][1]
+            .as_str()
+            .is_some_and(|k| k.starts_with("pipe:[")),
+        "{m}"
+    );
+    // The restore's stderr is a pipe too, read here while the restored job holds it.
+    let (rd2, wr2) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+    let restore = possum(dir)
+        .args(["restore", "--json", "-D"])
+        .arg(&img)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(wr2))
+        .spawn()
+        .unwrap();
+    let later = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut File::from(rd2), &mut s);
+        s
+    });
+    let out = restore.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["stdio_from_restore"], serde_json::json!([2]), "{r}");
+    restored_goes_on(&mut job, dir, &want);
+    // The job is gone: its end of the restore's stderr closed, the reader sees what it wrote.
+    let later = later.join().unwrap();
+    assert!(
+        later.contains("possum: "),
+        "the restored job's stderr did not reach the restore's: {later:?}"
+    );
 }
 
 /// `possum checkpoint PID --json -D IMG --socket-dir DIR/sockets`, with `extra` flags.

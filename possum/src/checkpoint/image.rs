@@ -47,6 +47,10 @@ pub struct Manifest {
     /// (CRIU binds the sockets there again).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub socket_dirs: Vec<PathBuf>,
+    /// The root's standard descriptors that were pipes to a process outside the tree: (fd,
+    /// `pipe:[INODE]`). A restore gives the job its own descriptor of that number instead.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stdio_pipes: Vec<(i32, String)>,
     /// The keeper the job's buffer memory came from (its `POSSUM_KEEPER`), and the job's
     /// `CUDA_VISIBLE_DEVICES`: a restore starts a keeper there if none answers, seeing the
     /// devices the job sees, so that the restored job keeps its memory in one again.

@@ -583,10 +583,13 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 .sum()
         })
         .unwrap_or(0);
-    let socket_dirs = {
+    let (socket_dirs, stdio_pipes) = {
         let mut tree = tree::descendants(pid);
         tree.push(pid);
-        tree::socket_dirs(&tree)
+        (
+            tree::socket_dirs(&tree),
+            tree::external_stdio_pipes(pid, &tree),
+        )
     };
     let shell_job = nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
         .map(|sid| sid.as_raw() != pid)
@@ -637,6 +640,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         cuda_children: children.clone(),
         possum_children: possum_children.clone(),
         socket_dirs: socket_dirs.clone(),
+        stdio_pipes: stdio_pipes.clone(),
         keeper: keeper_of_job.clone(),
         figures: Value::Null,
         check: None,

@@ -75,6 +75,19 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     if let Some(l) = criu_log_level() {
         opts.log_level = l;
     }
+    // The job's standard descriptors that were pipes to a process outside its tree (`possum run
+    // job | tee log`): CRIU would restore each with nobody at its other end, and the job's next
+    // write there would kill it (SIGPIPE); it gets this command's descriptor of that number.
+    let stdio_inherited: Vec<(i32, String)> = m
+        .stdio_pipes
+        .iter()
+        .filter(|(fd, _)| std::path::Path::new(&format!("/proc/self/fd/{fd}")).exists())
+        .cloned()
+        .collect();
+    opts.inherit_fds = stdio_inherited
+        .iter()
+        .map(|(fd, key)| (key.clone(), *fd))
+        .collect();
     clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (when the GPUs are the job's own: the keeper sees the job's CUDA_VISIBLE_DEVICES).
@@ -124,6 +137,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         .is_some_and(|a| !a.is_empty());
     let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig,
                      "recreated_socket_dirs": recreated, "keeper_started": keeper_started,
+                     "stdio_from_restore": stdio_inherited.iter().map(|(fd, _)| *fd).collect::<Vec<_>>(),
                      "gpu_from_keeper": from_keeper, "resume_report": resumed});
     if a.json {
         println!("{out}");

@@ -117,6 +117,53 @@ pub fn socket_dirs(pids: &[i32]) -> Vec<std::path::PathBuf> {
     dirs
 }
 
+/// The root's standard descriptors (0, 1, 2) that are pipes whose other end no process of the
+/// tree holds (`possum run job | tee log`): (fd, CRIU's name for the pipe, `pipe:[INODE]`).
+/// CRIU restores such a pipe with nobody at its other end (the job's next write to it would get
+/// SIGPIPE); the restore hands the job its own descriptor of that number instead.
+pub fn external_stdio_pipes(root: i32, tree: &[i32]) -> Vec<(i32, String)> {
+    let ends = |pid: i32| -> Vec<(String, i32)> {
+        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+            return Vec::new();
+        };
+        fds.filter_map(Result::ok)
+            .filter_map(|fd| {
+                let target = fs::read_link(fd.path()).ok()?.to_str()?.to_string();
+                target.starts_with("pipe:[").then_some(())?;
+                let info =
+                    fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_str()?))
+                        .ok()?;
+                Some((target, access_mode(&info)?))
+            })
+            .collect()
+    };
+    let mut all = Vec::new();
+    for &p in tree {
+        all.extend(ends(p));
+    }
+    (0..=2)
+        .filter_map(|fd| {
+            let target = fs::read_link(format!("/proc/{root}/fd/{fd}")).ok()?;
+            let target = target.to_str()?.to_string();
+            target.starts_with("pipe:[").then_some(())?;
+            let info = fs::read_to_string(format!("/proc/{root}/fdinfo/{fd}")).ok()?;
+            let mode = access_mode(&info)?;
+            // The other end inside the tree: CRIU restores the pipe whole.
+            let inside = all.iter().any(|(t, m)| *t == target && *m != mode);
+            (!inside).then_some((fd, target))
+        })
+        .collect()
+}
+
+/// O_ACCMODE of a `/proc/PID/fdinfo/FD` text's `flags:` line (octal).
+fn access_mode(fdinfo: &str) -> Option<i32> {
+    let flags = fdinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("flags:"))?
+        .trim();
+    i32::from_str_radix(flags, 8).ok().map(|f| f & 3)
+}
+
 /// The inode of a descriptor's target `socket:[INODE]`.
 fn socket_inode(target: &Path) -> Option<u64> {
     target
@@ -145,6 +192,51 @@ fn unix_paths(table: &str) -> Vec<(u64, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_access_mode_is_read_from_fdinfo() {
+        let info = "pos:\t0\nflags:\t02000001\nmnt_id:\t15\nino:\t7\n";
+        assert_eq!(access_mode(info), Some(1));
+        assert_eq!(access_mode("pos:\t0\nflags:\t0100002\n"), Some(2));
+        assert_eq!(access_mode("pos:\t0\n"), None);
+    }
+
+    /// A child whose stdout is a pipe this process reads: external; one whose stdin and stdout
+    /// are the two ends of one pipe: inside its tree.
+    #[test]
+    fn a_stdio_pipe_is_external_unless_the_tree_holds_its_other_end() {
+        use std::process::{Command, Stdio};
+        let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let mut c = Command::new("sleep")
+            .arg("30")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(wr))
+            .spawn()
+            .unwrap();
+        let pid = c.id() as i32;
+        let got = external_stdio_pipes(pid, &[pid]);
+        c.kill().unwrap();
+        c.wait().unwrap();
+        drop(rd);
+        // (Its stderr is this test's, which may be a pipe too.)
+        let out: Vec<_> = got.iter().filter(|(fd, _)| *fd < 2).collect();
+        assert_eq!(out.len(), 1, "{got:?}");
+        assert_eq!(out[0].0, 1);
+        assert!(out[0].1.starts_with("pipe:["), "{got:?}");
+
+        let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let mut c = Command::new("sleep")
+            .arg("30")
+            .stdin(Stdio::from(rd))
+            .stdout(Stdio::from(wr))
+            .spawn()
+            .unwrap();
+        let pid = c.id() as i32;
+        let got = external_stdio_pipes(pid, &[pid]);
+        c.kill().unwrap();
+        c.wait().unwrap();
+        assert!(got.iter().all(|(fd, _)| *fd == 2), "{got:?}");
+    }
 
     #[test]
     fn bound_socket_paths_are_read_from_the_unix_table() {
