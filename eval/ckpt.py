@@ -9,7 +9,8 @@ lines.
 
 Jobs: the workloads of workloads/gpu/jobs.py, `ptrtable` and `lcuda` (CUDA C, built by
 gpu-ckpt.sh), and a torch workload with an allocator setting: `JOB+expandable`
-(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or `JOB+async` (backend:cudaMallocAsync).
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or `JOB+async` (backend:cudaMallocAsync), or
+`JOB+vmm` (expandable segments served by possum: POSSUM_SERVE_VMM=1).
 
 Engines (variants; `ENGINE_HELP`): `possum` (the job under libpossum.so with its default hooks,
 the driver's entry points, and `possum checkpoint` with no engine flag), `possum-hold` (the job
@@ -86,6 +87,9 @@ def wait_gone(pid, timeout):
 
 # PYTORCH_CUDA_ALLOC_CONF of a job spec's allocator suffix (`mlp+expandable`).
 ALLOC_CONF = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
+# Suffixes with more than an allocator setting: `JOB+vmm` is expandable segments whose pieces
+# possum serves (POSSUM_SERVE_VMM=1, interposer/src/vmm.rs).
+ALLOC_ENV = {"vmm": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "POSSUM_SERVE_VMM": "1"}}
 # Jobs that are programs built by scripts/gpu-ckpt.sh into WORK (argv: steps, log, sleep ms).
 C_JOBS = ("ptrtable", "lcuda")
 CUPTI = "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13"
@@ -99,6 +103,8 @@ def job_spec(spec):
         return job, {}
     if job in C_JOBS:
         raise ValueError(f"{spec}: an allocator setting is for torch jobs")
+    if alloc in ALLOC_ENV:
+        return job, dict(ALLOC_ENV[alloc])
     return job, {"PYTORCH_CUDA_ALLOC_CONF": ALLOC_CONF.get(alloc, alloc)}
 
 
@@ -167,7 +173,8 @@ def job_env(possum_loaded, extra=None):
     """The job's environment: this process's, without the variables that choose possum's hooks
     or the allocator (a variant sets them), plus `extra`; libpossum.so preloaded if asked."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("POSSUM_HOOKS", "POSSUM_CUPTI", "PYTORCH_CUDA_ALLOC_CONF", "LD_PRELOAD")}
+           if k not in ("POSSUM_HOOKS", "POSSUM_CUPTI", "PYTORCH_CUDA_ALLOC_CONF", "POSSUM_SERVE_VMM",
+                        "LD_PRELOAD")}
     if possum_loaded:
         env["LD_PRELOAD"] = SO
         env["POSSUM_SOCKET_DIR"] = SOCK

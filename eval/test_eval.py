@@ -171,6 +171,8 @@ class Variants(unittest.TestCase):
         self.assertEqual(ckpt.job_spec("mlp"), ("mlp", {}))
         self.assertEqual(ckpt.job_spec("mlp+expandable"), ("mlp", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}))
         self.assertEqual(ckpt.job_spec("gpt2+async"), ("gpt2", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}))
+        self.assertEqual(ckpt.job_spec("gpt2+vmm"), ("gpt2", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                                                              "POSSUM_SERVE_VMM": "1"}))
         self.assertEqual(ckpt.job_spec("cnn+garbage_collection_threshold:0.6"),
                          ("cnn", {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}))
         with self.assertRaises(ValueError):

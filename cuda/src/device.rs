@@ -55,6 +55,9 @@ struct Tables {
     /// The epoch and hold (seconds the owner keeps it after this process is gone) of the next
     /// detaches ([`Device::begin_detach`]).
     detaching: (u64, u64),
+    /// Reservations that are the job's ([`Device::adopt_reservation`]): `unreserve` forgets them
+    /// and frees no address range.
+    adopted: std::collections::BTreeSet<u64>,
 }
 
 /// A new checkpoint epoch: unique in practice (the time, this process, a counter), never 0 (the
@@ -385,6 +388,25 @@ impl Device for CudaDevice {
         Ok(DevPtr(va))
     }
 
+    fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let g = self.granularity;
+        if size == 0 || size % g != 0 || va.0 % g != 0 {
+            return Err(invalid(
+                va.0,
+                size,
+                "start or size is not a multiple of the granularity",
+            ));
+        }
+        let end = end_of(va.0, size)?;
+        let mut t = self.tables.lock();
+        if t.touches_reservation(va.0, end) {
+            return Err(invalid(va.0, size, "overlaps a reservation of possum's"));
+        }
+        t.reservations.insert(va.0, size);
+        t.adopted.insert(va.0);
+        Ok(())
+    }
+
     fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         self.ctx.bind()?;
         let mut t = self.tables.lock();
@@ -398,7 +420,9 @@ impl Device for CudaDevice {
         if t.touches_mapping(va.0, va.0 + size) {
             return Err(invalid(va.0, size, "reservation still has mappings"));
         }
-        driver::address_free(va.0, size)?;
+        if !t.adopted.remove(&va.0) {
+            driver::address_free(va.0, size)?;
+        }
         t.reservations.remove(&va.0);
         Ok(())
     }

@@ -39,7 +39,7 @@ static const size_t TOTAL = 80ull<<30;
 // the exporter's memfd, so a mapping of it maps the same pages, across processes too) do not
 // count in `used`: the exporter's allocation does.
 struct h { int fd; size_t size; int htype; int imported; };
-struct m { ull va; size_t size; };
+struct m { ull va; size_t size; ull h; };
 static struct m maps[64];
 // Guards maps: possum maps buffers from several threads at once (reattach).
 static pthread_mutex_t maps_lock=PTHREAD_MUTEX_INITIALIZER;
@@ -137,7 +137,7 @@ int cuMemMap(ull p, size_t size, size_t off, ull h, ull f){
   struct h* x=(void*)(uintptr_t)h;
   if(mmap((void*)p, size, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, x->fd, off)==MAP_FAILED) return 1;
   pthread_mutex_lock(&maps_lock);
-  for(int i=0;i<64;i++) if(!maps[i].size){ maps[i].va=p; maps[i].size=size; break; }
+  for(int i=0;i<64;i++) if(!maps[i].size){ maps[i].va=p; maps[i].size=size; maps[i].h=h; break; }
   pthread_mutex_unlock(&maps_lock);
   return 0; }
 int cuMemUnmap(ull p, size_t size){
@@ -147,6 +147,17 @@ int cuMemUnmap(ull p, size_t size){
   pthread_mutex_unlock(&maps_lock);
   return 0; }
 int cuMemSetAccess(ull p, size_t s, const void* d, size_t c){ return 0; }
+// The handle mapped at an address (no reference counting: the fake's handles are freed by their
+// one cuMemRelease), and a plain device allocation's properties for any handle.
+int cuMemRetainAllocationHandle(ull* h, ull p){
+  int found=1;
+  pthread_mutex_lock(&maps_lock);
+  for(int i=0;i<64;i++) if(maps[i].size && p>=maps[i].va && p<maps[i].va+maps[i].size){ *h=maps[i].h; found=0; break; }
+  pthread_mutex_unlock(&maps_lock);
+  return found; }
+int cuMemGetAllocationPropertiesFromHandle(void* prop, ull h){
+  if(!prop || !h) return 1;
+  memset(prop, 0, 32); ((int*)prop)[0]=1; ((int*)prop)[2]=1; return 0; }
 int cuMemGetAddressRange_v2(ull* b, size_t* s, ull p){
   pthread_mutex_lock(&maps_lock);
   for(int i=0;i<64;i++) if(maps[i].size && p>=maps[i].va && p<maps[i].va+maps[i].size){ *b=maps[i].va; *s=maps[i].size; pthread_mutex_unlock(&maps_lock); return 0; }
@@ -333,6 +344,7 @@ int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* st
   X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemAllocManaged) X(cuMemGetInfo_v2) X(cuCtxGetLimit) X(cuCtxSetLimit) \
   X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) \
   X(cuMemRelease) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAddressRange_v2) \
+  X(cuMemRetainAllocationHandle) X(cuMemGetAllocationPropertiesFromHandle) \
   X(cuMemHostAlloc) X(cuMemFreeHost) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
   X(cuStreamGetPriority) X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamQuery) \
   X(cuStreamWaitEvent) X(cuStreamIsCapturing) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery) \

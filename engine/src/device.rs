@@ -135,6 +135,13 @@ pub trait Device: Send + Sync + Debug + 'static {
     fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
     /// Creates physical memory of `size` bytes and maps it at `va` (inside a reservation).
     fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
+    /// Takes `size` bytes at `va`, inside an address range someone else reserved (the job), as
+    /// a reservation of its own for [`map`](Device::map): [`unreserve`](Device::unreserve) of it
+    /// forgets it and leaves the range reserved. It must overlap no reservation of this device's.
+    fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let _ = (va, size);
+        Err(DeviceError::Unsupported("adopt_reservation"))
+    }
     /// Unmaps and frees the physical memory at `va`; the reservation stays, the contents are gone.
     fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()>;
 

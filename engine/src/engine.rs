@@ -287,6 +287,20 @@ impl<D: Device> OpGuard<'_, D> {
     pub fn check(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
         let inner = self.inner;
         inner.counters.hook_calls.fetch_add(1, Ordering::Relaxed);
+        // A member of a group stands for the whole group (see `Engine::alloc_at`).
+        let grouped;
+        let access = match access {
+            Access::Known { reads, writes }
+                if reads.iter().chain(writes).any(|b| b.group().is_some()) =>
+            {
+                grouped = with_groups(&inner.reg.read(), reads, writes);
+                Access::Known {
+                    reads: &grouped.0,
+                    writes: &grouped.1,
+                }
+            }
+            a => a,
+        };
         match access {
             Access::Known { writes, .. } => writes.iter().for_each(Buffer::mark_dirty),
             Access::Opaque => inner.reg.read().iter().for_each(Buffer::mark_dirty),
@@ -323,6 +337,34 @@ impl<D: Device> OpGuard<'_, D> {
         }
         Ok(())
     }
+}
+
+/// `reads` and `writes` with every member of their buffers' groups: (reads, writes), a buffer
+/// written not also among the reads.
+fn with_groups(reg: &Registry, reads: &[Buffer], writes: &[Buffer]) -> (Vec<Buffer>, Vec<Buffer>) {
+    let widen = |set: &[Buffer]| {
+        let mut out: Vec<Buffer> = Vec::with_capacity(set.len());
+        let mut seen = std::collections::HashSet::new();
+        for b in set {
+            let members = match b.group() {
+                Some(g) => reg.group(g),
+                None => std::slice::from_ref(b),
+            };
+            for m in members {
+                if seen.insert(m.id()) {
+                    out.push(m.clone());
+                }
+            }
+        }
+        out
+    };
+    let w = widen(writes);
+    let written: std::collections::HashSet<u64> = w.iter().map(Buffer::id).collect();
+    let r = widen(reads)
+        .into_iter()
+        .filter(|b| !written.contains(&b.id()))
+        .collect();
+    (r, w)
 }
 
 impl<D: Device> Drop for OpGuard<'_, D> {
@@ -419,6 +461,26 @@ impl<D: Device> Engine<D> {
             return Err(e.into());
         }
         Ok(self.inner.reg.write().insert(va, size, mapped))
+    }
+
+    /// Maps a managed, releasable buffer of `size` bytes at `va`, inside an address range the job
+    /// reserved itself (its `cuMemAddressReserve`), which stays the job's: freeing the buffer
+    /// unmaps it and leaves the range reserved. The buffer is a member of `group`: an operation
+    /// that touches one member is taken to touch them all (the job maps such a range piece by
+    /// piece, and its data may span pieces).
+    pub fn alloc_at(&self, va: DevPtr, size: u64, group: u64) -> Result<Buffer, EngineError> {
+        let g = self.inner.dev.granularity();
+        let mapped = size.max(1).div_ceil(g) * g;
+        self.inner.dev.adopt_reservation(va, mapped)?;
+        if let Err(e) = self.inner.dev.map(va, mapped) {
+            let _ = self.inner.dev.unreserve(va, mapped);
+            return Err(e.into());
+        }
+        Ok(self
+            .inner
+            .reg
+            .write()
+            .insert_in(va, size, mapped, Some(group)))
     }
 
     /// Frees the buffer starting at `va`. During a checkpoint, its contents are saved first.

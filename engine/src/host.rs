@@ -441,6 +441,32 @@ impl Device for HostDevice {
         Ok(DevPtr(va))
     }
 
+    fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        if size == 0 || !size.is_multiple_of(GRANULARITY) || !va.0.is_multiple_of(GRANULARITY) {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "start or size is not a multiple of the granularity",
+            });
+        }
+        let mut res = self.space.reservations.lock();
+        let overlaps = res
+            .range(..va.0 + size)
+            .next_back()
+            .is_some_and(|(s, l)| s + l > va.0);
+        if overlaps {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "overlaps a reservation",
+            });
+        }
+        // Nothing is reserved for it here (host addresses stand for device ones): it is only
+        // recorded, as the CUDA backend records the job's range.
+        res.insert(va.0, size);
+        Ok(())
+    }
+
     fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let maps = self.space.mappings.read();
         if maps.range(va.0..va.0 + size).next().is_some() {

@@ -29,6 +29,10 @@ pub struct BufferInfo {
     residency: AtomicU8,
     /// Written since the last pre-copy round took it.
     dirty: AtomicBool,
+    /// Buffers of one group are touched together: an operation that touches one is taken to
+    /// touch all (memory the job mapped itself, piece by piece, into one address range, where a
+    /// tensor may span pieces: [`Engine::alloc_at`](crate::Engine::alloc_at)).
+    group: Option<u64>,
 }
 
 /// A handle on a managed buffer, cheap to clone. Operations name the buffers they touch by these.
@@ -76,6 +80,10 @@ impl Buffer {
     pub fn is_dirty(&self) -> bool {
         self.0.dirty.load(Ordering::Relaxed)
     }
+    /// Its group, if it belongs to one (see [`Registry::group`]).
+    pub fn group(&self) -> Option<u64> {
+        self.0.group
+    }
     /// Whether `ptr` lies inside it.
     pub fn contains(&self, ptr: DevPtr) -> bool {
         ptr.0 >= self.0.va.0 && ptr.0 < self.0.va.0 + self.0.size.max(1)
@@ -88,11 +96,24 @@ pub struct Registry {
     by_va: BTreeMap<u64, Buffer>,
     by_id: HashMap<u64, Buffer>,
     next_id: u64,
+    /// Group -> its buffers.
+    groups: HashMap<u64, Vec<Buffer>>,
 }
 
 impl Registry {
     /// Registers a new buffer.
     pub fn insert(&mut self, va: DevPtr, size: u64, mapped_size: u64) -> Buffer {
+        self.insert_in(va, size, mapped_size, None)
+    }
+
+    /// Registers a new buffer, a member of `group` if given.
+    pub fn insert_in(
+        &mut self,
+        va: DevPtr,
+        size: u64,
+        mapped_size: u64,
+        group: Option<u64>,
+    ) -> Buffer {
         let id = self.next_id;
         self.next_id += 1;
         let b = Buffer(Arc::new(BufferInfo {
@@ -102,9 +123,13 @@ impl Registry {
             mapped_size,
             residency: AtomicU8::new(Residency::Mapped as u8),
             dirty: AtomicBool::new(true),
+            group,
         }));
         self.by_va.insert(va.0, b.clone());
         self.by_id.insert(id, b.clone());
+        if let Some(g) = group {
+            self.groups.entry(g).or_default().push(b.clone());
+        }
         b
     }
 
@@ -112,7 +137,20 @@ impl Registry {
     pub fn remove(&mut self, va: DevPtr) -> Option<Buffer> {
         let b = self.by_va.remove(&va.0)?;
         self.by_id.remove(&b.id());
+        if let Some(g) = b.group() {
+            if let Some(members) = self.groups.get_mut(&g) {
+                members.retain(|m| m.id() != b.id());
+                if members.is_empty() {
+                    self.groups.remove(&g);
+                }
+            }
+        }
         Some(b)
+    }
+
+    /// The buffers of `group` (none if it has none).
+    pub fn group(&self, group: u64) -> &[Buffer] {
+        self.groups.get(&group).map_or(&[], Vec::as_slice)
     }
 
     /// The buffer containing `ptr`.

@@ -965,3 +965,54 @@ fn a_snapshot_checkpoint_is_immune_to_writes_the_hooks_miss() {
         "unseen writes never reached the plain checkpoint: the test shows nothing"
     );
 }
+
+/// Buffers mapped piece by piece into an address range the job reserved (`alloc_at`, one
+/// group): an operation that names one piece is taken to touch them all (the job's data may span
+/// pieces), so a write to one puts every piece into the final copy, and a buffer outside the
+/// group stays out of it. A piece freed leaves its range to the job, to be mapped again.
+#[test]
+fn a_write_to_one_piece_of_a_group_copies_every_piece() {
+    use possum_engine::device::{DevPtr, Device, StreamPriority};
+    let e = Arc::new(engine(small_cfg(1 << 12, 4, 0)));
+    let s = e.device().create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(s.clone());
+    let g = e.device().granularity();
+    let base = DevPtr(0x7000_0000_0000);
+    let a = e.alloc_at(base, g, 1).unwrap();
+    let b = e.alloc_at(DevPtr(base.0 + g), g, 1).unwrap();
+    let other = e.alloc(g).unwrap();
+    assert!(e.alloc_at(base, g, 1).is_err(), "a range already taken");
+    let store = Arc::new(MemStore::default());
+    assert_eq!(e.precopy_round(store.clone()).unwrap().buffers, 3);
+    assert!(!a.is_dirty() && !b.is_dirty() && !other.is_dirty());
+    // Read through one piece: nothing written.
+    drop(
+        e.before_op(
+            &s,
+            Access::Known {
+                reads: std::slice::from_ref(&a),
+                writes: &[],
+            },
+        )
+        .unwrap(),
+    );
+    assert!(!a.is_dirty() && !b.is_dirty());
+    // Written through one piece: both pieces, not the other buffer.
+    drop(
+        e.before_op(
+            &s,
+            Access::Known {
+                reads: std::slice::from_ref(&other),
+                writes: std::slice::from_ref(&a),
+            },
+        )
+        .unwrap(),
+    );
+    assert!(a.is_dirty() && b.is_dirty() && !other.is_dirty());
+    let fin = e.checkpoint(store, true).unwrap().wait().unwrap();
+    assert_eq!(fin.buffers, 2);
+    e.free(b.va()).unwrap();
+    let again = e.alloc_at(DevPtr(base.0 + g), g, 1).unwrap();
+    assert_eq!(again.va(), b.va());
+    assert_eq!(again.group(), Some(1));
+}

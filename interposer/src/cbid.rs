@@ -395,6 +395,24 @@ pub const CALLBACKS: &[Callback] = &[
     cb("cuMemRelease", 550, Kind::Alloc, Shape::Count),
     cb("cuMemMap", 551, Kind::Alloc, Shape::Map),
     cb("cuMemUnmap", 552, Kind::Alloc, Shape::Unmap),
+    cb(
+        "cuMemExportToShareableHandle",
+        554,
+        Kind::Alloc,
+        Shape::Count,
+    ),
+    cb(
+        "cuMemGetAllocationPropertiesFromHandle",
+        557,
+        Kind::Alloc,
+        Shape::Count,
+    ),
+    cb(
+        "cuMemRetainAllocationHandle",
+        565,
+        Kind::Alloc,
+        Shape::Count,
+    ),
     cb("cuStreamCreate", 124, Kind::Stream, Shape::Count),
     cb(
         "cuStreamCreateWithPriority",

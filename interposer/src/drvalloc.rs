@@ -1,5 +1,7 @@
 //! The driver's allocation entry points, served by the engine like `cudaMalloc`:
-//! `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`. Their wrappers (`entry`, which hands
+//! `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`; and with `POSSUM_SERVE_VMM=1` the
+//! job's own virtual-memory mappings, `cuMemCreate`, `cuMemMap`, `cuMemUnmap`, `cuMemRelease`
+//! (`vmm.rs`). Their wrappers (`entry`, which hands
 //! them out for every way a job reaches the driver) ask these first; `None` sends the call on to
 //! the driver (allocations off, no current context, a failure), where the hooks track it as an
 //! allocation possum does not manage. One of the crate's modules with `unsafe` code.
@@ -90,5 +92,128 @@ pub unsafe fn serve_free(ptr: u64) -> Option<c_int> {
         Freed::Done => Some(SUCCESS),
         Freed::Failed => Some(INVALID_VALUE),
         Freed::NotManaged => None,
+    }
+}
+
+/// `cuMemCreate(handle, size, prop, flags)`: a token of possum's for plain device memory
+/// (`vmm.rs`); `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemCreate`: `handle` is null or valid for a write, `prop` null or a valid
+/// `CUmemAllocationProp` (32 bytes in CUDA 12 and 13).
+pub unsafe fn serve_create(
+    handle: *mut u64,
+    size: usize,
+    prop: *const u8,
+    flags: u64,
+) -> Option<c_int> {
+    if handle.is_null() || prop.is_null() {
+        return None;
+    }
+    // SAFETY: a valid CUmemAllocationProp by the caller's contract: 32 bytes.
+    let p = unsafe { std::slice::from_raw_parts(prop, 32) };
+    let word = |o: usize| u32::from_ne_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
+    // type PINNED (1); requestedHandleTypes NONE (0) or POSIX_FILE_DESCRIPTOR (1); location
+    // DEVICE (1) and its id; win32HandleMetaData null; allocFlags: compressionType,
+    // gpuDirectRDMACapable, usage all 0.
+    let plain = word(0) == 1
+        && word(4) <= 1
+        && word(8) == 1
+        && p[16..24].iter().all(|&b| b == 0)
+        && p[24..28].iter().all(|&b| b == 0)
+        && flags == 0;
+    let mut whole = [0u8; crate::vmm::PROP_LEN];
+    whole.copy_from_slice(p);
+    let ask = crate::vmm::Ask {
+        ordinal: word(12) as usize,
+        prop: whole,
+        plain,
+    };
+    match std::panic::catch_unwind(|| crate::vmm::create(size as u64, ask)).ok()?? {
+        Ok(token) => {
+            // SAFETY: non-null and valid by the caller's contract.
+            unsafe { handle.write(token) };
+            Some(SUCCESS)
+        }
+        Err(code) => Some(code),
+    }
+}
+
+/// `cuMemMap` of a token of possum's; `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemMap` (no pointer is read).
+pub unsafe fn serve_map(
+    va: u64,
+    size: usize,
+    offset: usize,
+    handle: u64,
+    flags: u64,
+) -> Option<c_int> {
+    if !crate::vmm::is_token(handle) {
+        return None;
+    }
+    std::panic::catch_unwind(|| crate::vmm::map(va, size as u64, offset as u64, handle, flags))
+        .unwrap_or(Some(INVALID_VALUE))
+}
+
+/// `cuMemUnmap` of pieces possum mapped; `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemUnmap` (no pointer is read).
+pub unsafe fn serve_unmap(va: u64, size: usize) -> Option<c_int> {
+    std::panic::catch_unwind(|| crate::vmm::unmap(va, size as u64)).unwrap_or(Some(INVALID_VALUE))
+}
+
+/// `cuMemRelease` of a token of possum's; `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemRelease` (no pointer is read).
+pub unsafe fn serve_release(handle: u64) -> Option<c_int> {
+    if !crate::vmm::is_token(handle) {
+        return None;
+    }
+    std::panic::catch_unwind(|| crate::vmm::release(handle)).unwrap_or(Some(INVALID_VALUE))
+}
+
+/// `cuMemExportToShareableHandle` of a token of possum's: refused; `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemExportToShareableHandle` (nothing is written for a token).
+pub unsafe fn serve_export(_out: u64, handle: u64, _kind: c_uint, _flags: u64) -> Option<c_int> {
+    crate::vmm::export(handle)
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle` of a token of possum's; `None`: the driver's.
+///
+/// # Safety
+/// As that function: `prop` is null or valid for writing a `CUmemAllocationProp` (32 bytes).
+pub unsafe fn serve_props(prop: *mut u8, handle: u64) -> Option<c_int> {
+    match crate::vmm::props(handle)? {
+        Ok(_) if prop.is_null() => Some(INVALID_VALUE),
+        Ok(p) => {
+            // SAFETY: non-null, valid for 32 bytes by the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), prop, p.len()) };
+            Some(SUCCESS)
+        }
+        Err(code) => Some(code),
+    }
+}
+
+/// `cuMemRetainAllocationHandle` of an address in a piece possum mapped; `None`: the driver's.
+///
+/// # Safety
+/// As that function: `handle` is null or valid for a write.
+pub unsafe fn serve_retain(handle: *mut u64, addr: u64) -> Option<c_int> {
+    if handle.is_null() {
+        return None;
+    }
+    match std::panic::catch_unwind(|| crate::vmm::retain(addr)).ok()?? {
+        Ok(token) => {
+            // SAFETY: non-null and valid by the caller's contract.
+            unsafe { handle.write(token) };
+            Some(SUCCESS)
+        }
+        Err(code) => Some(code),
     }
 }

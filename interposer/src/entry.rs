@@ -765,10 +765,13 @@ entry_points! {
     cuMemFreeAsync_ptsz = 601 (dptr: P, s: P);
     cuMemAllocFromPoolAsync = 611 (dptr: P, bytes: Z, pool: P, s: P);
     cuMemAllocFromPoolAsync_ptsz = 612 (dptr: P, bytes: Z, pool: P, s: P);
-    cuMemCreate = 549 (handle: P, size: Z, prop: P, flags: u64);
-    cuMemRelease = 550 (handle: P);
-    cuMemMap = 551 (va: P, size: Z, offset: Z, handle: P, flags: u64);
-    cuMemUnmap = 552 (va: P, size: Z);
+    cuMemCreate = 549 [serve serve_create] (handle: *mut u64, size: Z, prop: *const u8, flags: u64);
+    cuMemRelease = 550 [serve serve_release] (handle: P);
+    cuMemMap = 551 [serve serve_map] (va: P, size: Z, offset: Z, handle: P, flags: u64);
+    cuMemUnmap = 552 [serve serve_unmap] (va: P, size: Z);
+    cuMemExportToShareableHandle = 554 [serve serve_export] (out: P, handle: P, kind: U, flags: u64);
+    cuMemGetAllocationPropertiesFromHandle = 557 [serve serve_props] (prop: *mut u8, handle: P);
+    cuMemRetainAllocationHandle = 565 [serve serve_retain] (handle: *mut u64, addr: P);
     cuStreamCreate = 124 (s: P, flags: U);
     cuStreamCreateWithPriority = 367 (s: P, flags: U, prio: c_int);
     cuStreamDestroy_v2 = 326 (s: P);

@@ -98,6 +98,7 @@ mod session;
 pub mod stats;
 mod sys;
 mod validate;
+mod vmm;
 
 pub use sys::InitializeInjection;
 
@@ -352,6 +353,7 @@ pub fn stats_json() -> serde_json::Value {
     if let Some(st) = runtime::state_if_created() {
         v["possum"] = st.stats_json();
         v["possum"]["session"] = session::status_json();
+        v["possum"]["vmm"] = vmm::stats_json();
     }
     v
 }

@@ -42,6 +42,9 @@ pub struct Config {
     /// it to host memory for CRIU to dump and restore; set back before the job launches again
     /// (`POSSUM_TRIM_CONTEXT`, default on).
     pub trim_context: bool,
+    /// Serve the job's own virtual-memory mappings (`cuMemCreate` + `cuMemMap`: PyTorch's
+    /// expandable segments) with engine buffers (`POSSUM_SERVE_VMM`, default off; `vmm.rs`).
+    pub serve_vmm: bool,
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
     /// default the machine's cores, 2 to 12): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     pub writers: usize,
@@ -108,6 +111,7 @@ impl Config {
             staging_mib,
             staging_park: flag("POSSUM_STAGING_PARK", true),
             trim_context: flag("POSSUM_TRIM_CONTEXT", true),
+            serve_vmm: flag("POSSUM_SERVE_VMM", false),
             writers,
             restorers,
             dag: flag("POSSUM_DAG", true),
@@ -444,7 +448,7 @@ counters! {
     validation_ns: "Time spent validating (both sides of each launch).",
     validation_errors: "Validations abandoned because a read failed.",
     kernels_made_opaque: "Kernels a validation made opaque.",
-    managed_allocs: "cudaMalloc (and cuMemAlloc_v2, cuMemAllocPitch_v2) calls served by the engine.",
+    managed_allocs: "cudaMalloc (and cuMemAlloc_v2, cuMemAllocPitch_v2, cuMemMap of possum's handles) calls served by the engine.",
     managed_frees: "cudaFree (and cuMemFree_v2) calls of engine buffers.",
     fallback_allocs: "Allocation calls passed to libcudart or the driver.",
     unmanaged_allocs: "Allocations possum does not manage (seen through CUPTI, or found by the driver).",
@@ -1427,7 +1431,7 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "staging_park": self.cfg.staging_park, "trim_context": self.cfg.trim_context, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
+            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "staging_park": self.cfg.staging_park, "trim_context": self.cfg.trim_context, "serve_vmm": self.cfg.serve_vmm, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
                        "dag": self.cfg.dag, "warnings": self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),

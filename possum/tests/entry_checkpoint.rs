@@ -419,6 +419,134 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     ));
 }
 
+/// A job that maps its own virtual memory piece by piece (PyTorch's expandable segments:
+/// cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess), its buffer B spanning two
+/// pieces, with `POSSUM_SERVE_VMM=1`: the pieces are engine buffers at the job's addresses
+/// (its status counts them), released for the checkpoint and back after it, and the job goes
+/// on bit-exact left running and restored; at its end it unmaps and releases them (possum's
+/// handles) and frees its range.
+#[test]
+fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
+    let Some((tmp, lib)) = setup("entry_vmm", "possum-entry-vmm-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let env = [("FAKE_VMM", "1"), ("POSSUM_SERVE_VMM", "1")];
+    let mut reference = Job::spawn(dir, "reference", None, &env);
+    reference.expect("ready");
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+
+    let mut job_env = env.to_vec();
+    job_env.push(("FAKE_VMM_HANDLE_CHECKS", "1"));
+    let mut job = Job::spawn(dir, "job", Some(&lib), &job_env);
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    let sockets = dir.join("sockets");
+    let st = possum_control::request(
+        job.pid as u32,
+        &sockets,
+        &possum_control::Request::Status,
+        WAIT,
+    )
+    .unwrap();
+    let vmm = &st["possum"]["vmm"];
+    assert_eq!(vmm["pieces_mapped_now"], 2, "{st}");
+    assert_eq!(vmm["handles_live"], 2, "{st}");
+    // A and C (cudaMalloc) and B's two pieces.
+    assert_eq!(st["possum"]["engines"][0]["engine"]["buffers"], 4, "{st}");
+    assert_eq!(st["possum"]["unmanaged"]["allocations"], 0, "{st}");
+
+    let img = dir.join("img");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    assert!(
+        v["release_report"]["released_bytes"].as_u64().unwrap_or(0) >= 4 << 20,
+        "B's pieces were not released: {v}"
+    );
+    goes_on_like(&mut job, dir, "left", &want, "left running");
+
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["pid"], job.pid, "{r}");
+    goes_on_like(&mut job, dir, "restored", &want, "restored");
+    let back = restored_buffers(job.pid as u32, &sockets);
+    assert_eq!(back["buffers"], 4, "{back}");
+    // Its end: possum's handles unmapped and released, the range freed ("bye" only if all
+    // succeeded).
+    finish_restored(&mut job);
+}
+
+/// The same job with a keeper (`possum run`'s default): B's pieces are the keeper's memory, kept
+/// on the GPU through a kept `--leave-running` checkpoint (nothing copied while held) and
+/// through a checkpoint-and-kill whose restore maps them again at the job's addresses (zero-copy);
+/// bit-exact both times.
+#[test]
+fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
+    let Some((tmp, lib)) = setup("entry_vmm_keeper", "possum-entry-vmm-k-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper(dir);
+    let env = [
+        ("FAKE_VMM", "1"),
+        ("POSSUM_SERVE_VMM", "1"),
+        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+    ];
+    let mut reference = Job::spawn(dir, "reference", None, &env[..1]);
+    reference.expect("ready");
+    reference.run("step 5", "done 5");
+    let want = after_checkpoint(&mut reference, dir, "reference");
+    reference.run("exit", "bye");
+
+    let mut job = Job::spawn(dir, "job", Some(&lib), &env);
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
+    let before = k.stats().unwrap().clients[&job.pid].bytes;
+    assert!(
+        before >= 6 << 20,
+        "A, C and B's two pieces in the keeper: {before}"
+    );
+
+    let img = dir.join("img-kept");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    assert_eq!(v["kept"], serde_json::json!([job.pid]), "{v}");
+    assert_eq!(v["release_report"]["kept_bytes"], before, "{v}");
+    goes_on_like(&mut job, dir, "kept", &want, "kept, left running");
+
+    let img2 = dir.join("img-killed");
+    let v = checkpoint_and_kill(dir, &mut job, &img2, &[]);
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    let r = restore_json(dir, &img2, &job);
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    // The killed job had run the commands after the first checkpoint: its restored self ends
+    // as the reference did after them.
+    let end = job.dump(&dir.join("killed-end.bin"));
+    same(&end, &want[1], "restored from the keeper's memory");
+    finish_restored(&mut job);
+
+    // The kept image, saved while the job ran on: the state at its T0 (step 5), from the image
+    // (the keeper's memory of it was taken back long since).
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["gpu_from_keeper"], false, "{r}");
+    job.pid = r["pid"].as_i64().unwrap() as i32;
+    goes_on_like(
+        &mut job,
+        dir,
+        "kept-restored",
+        &want,
+        "the kept image restored",
+    );
+    finish_restored(&mut job);
+}
+
 /// A job whose stderr is a pipe to a process outside it (`possum run job 2>&1 | tee log`): CRIU
 /// would restore that pipe with nobody reading it. The restored job writes to `possum
 /// restore`'s own stderr instead (CRIU's inherit_fd), and goes on bit-exact.

@@ -21,6 +21,16 @@
  *   exit       cudaFree every buffer; answers "bye" and exits 0 (also at the end of stdin).
  * Anything failing answers "error ..." and exits 1.
  *
+ * FAKE_VMM=1 (with FAKE_VIA=entry): B is not a cudaMalloc but the job's own virtual memory, as
+ * PyTorch's expandable segments make it: a 4 MiB range reserved (cuMemAddressReserve), two 2 MiB
+ * pieces made and mapped there (cuMemCreate, cuMemMap, cuMemSetAccess), B starting 1.5 MiB in,
+ * so that it spans both pieces (every mix writes across the boundary through a pointer into the
+ * first); at exit the pieces are unmapped and released and the range freed. With
+ * FAKE_VMM_HANDLE_CHECKS=1 (a job whose handles possum serves) it also checks possum's answers for
+ * them: cuMemRetainAllocationHandle of an address in B gives the first piece's handle (released
+ * again), cuMemGetAllocationPropertiesFromHandle the properties it was made with, and
+ * cuMemExportToShareableHandle is refused (CUDA_ERROR_NOT_SUPPORTED).
+ *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
  * job CRIU dumps and restores (possum/tests/entry_checkpoint.rs): CRIU reopens the FIFO by its
@@ -69,6 +79,16 @@ typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned
 static launch_t drv_launch;
 static int (*drv_htod)(uint64_t, const void *, size_t);
 static int (*drv_dtoh)(void *, uint64_t, size_t);
+/* FAKE_VMM: the driver's virtual-memory functions and B's range. */
+static int (*drv_reserve)(uint64_t *, size_t, size_t, uint64_t, uint64_t);
+static int (*drv_addr_free)(uint64_t, size_t);
+static int (*drv_create)(uint64_t *, size_t, const void *, uint64_t);
+static int (*drv_release)(uint64_t);
+static int (*drv_map)(uint64_t, size_t, size_t, uint64_t, uint64_t);
+static int (*drv_unmap)(uint64_t, size_t);
+static int (*drv_set_access)(uint64_t, size_t, const void *, size_t);
+#define PIECE ((size_t)2 << 20)
+static uint64_t vmm_base, vmm_handles[2];
 
 static void die(const char *what) {
     printf("error %s\n", what);
@@ -120,6 +140,61 @@ static uint32_t *alloc_filled(size_t n, uint32_t (*f)(size_t)) {
     htod(d, h, n * 4);
     free(h);
     return d;
+}
+
+/* B in the job's own virtual memory (FAKE_VMM), filled as alloc_filled fills. */
+static uint32_t *vmm_filled(size_t n, uint32_t (*f)(size_t)) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) die("no driver");
+    drv_reserve = (int (*)(uint64_t *, size_t, size_t, uint64_t, uint64_t))dlsym(h, "cuMemAddressReserve");
+    drv_addr_free = (int (*)(uint64_t, size_t))dlsym(h, "cuMemAddressFree");
+    drv_create = (int (*)(uint64_t *, size_t, const void *, uint64_t))dlsym(h, "cuMemCreate");
+    drv_release = (int (*)(uint64_t))dlsym(h, "cuMemRelease");
+    drv_map = (int (*)(uint64_t, size_t, size_t, uint64_t, uint64_t))dlsym(h, "cuMemMap");
+    drv_unmap = (int (*)(uint64_t, size_t))dlsym(h, "cuMemUnmap");
+    drv_set_access = (int (*)(uint64_t, size_t, const void *, size_t))dlsym(h, "cuMemSetAccess");
+    if (!drv_reserve || !drv_addr_free || !drv_create || !drv_release || !drv_map || !drv_unmap ||
+        !drv_set_access)
+        die("no virtual-memory functions");
+    /* CUmemAllocationProp: pinned (1), no handle type, device (1) 0, nothing else. */
+    uint32_t prop[8] = {1, 0, 1, 0, 0, 0, 0, 0};
+    /* CUmemAccessDesc: device 0, read-write (3). */
+    uint32_t access[3] = {1, 0, 3};
+    if (drv_reserve(&vmm_base, 2 * PIECE, 0, 0, 0)) die("cuMemAddressReserve");
+    for (int i = 0; i < 2; i++) {
+        if (drv_create(&vmm_handles[i], PIECE, prop, 0)) die("cuMemCreate");
+        if (drv_map(vmm_base + i * PIECE, PIECE, 0, vmm_handles[i], 0)) die("cuMemMap");
+    }
+    if (drv_set_access(vmm_base, 2 * PIECE, access, 1)) die("cuMemSetAccess");
+    uint32_t *d = (uint32_t *)(uintptr_t)(vmm_base + PIECE * 3 / 4);
+    if (getenv("FAKE_VMM_HANDLE_CHECKS")) {
+        int (*retain)(uint64_t *, uint64_t) =
+            (int (*)(uint64_t *, uint64_t))dlsym(h, "cuMemRetainAllocationHandle");
+        int (*props)(void *, uint64_t) =
+            (int (*)(void *, uint64_t))dlsym(h, "cuMemGetAllocationPropertiesFromHandle");
+        int (*export)(void *, uint64_t, unsigned, uint64_t) =
+            (int (*)(void *, uint64_t, unsigned, uint64_t))dlsym(h, "cuMemExportToShareableHandle");
+        uint64_t got = 0;
+        uint32_t back[8] = {0};
+        int fd = -1;
+        if (!retain || !props || !export) die("no handle functions");
+        if (retain(&got, (uint64_t)(uintptr_t)d) || got != vmm_handles[0]) die("retain");
+        if (drv_release(got)) die("release of the retained handle");
+        if (props(back, vmm_handles[1]) || memcmp(back, prop, sizeof prop)) die("properties");
+        if (export(&fd, vmm_handles[0], 1, 0) != 801) die("export not refused");
+    }
+    uint32_t *hbuf = malloc(n * 4);
+    if (!hbuf) die("malloc");
+    for (size_t i = 0; i < n; i++) hbuf[i] = f(i);
+    htod(d, hbuf, n * 4);
+    free(hbuf);
+    return d;
+}
+
+static void vmm_free(void) {
+    for (int i = 0; i < 2; i++)
+        if (drv_unmap(vmm_base + i * PIECE, PIECE) || drv_release(vmm_handles[i])) die("cuMemUnmap");
+    if (drv_addr_free(vmm_base, 2 * PIECE)) die("cuMemAddressFree");
 }
 
 static uint32_t init_a(size_t i) { return (uint32_t)(7 * i + 1); }
@@ -235,7 +310,11 @@ int main(void) {
         fire = h ? (fire_fn)dlsym(h, "fake_cupti_fire") : NULL;
         if (!fire) die("no fake CUPTI");
     }
-    uint32_t *a = alloc_filled(NA, init_a), *b = alloc_filled(NB, init_b), *c = alloc_filled(NC, init_c);
+    int vmm = getenv("FAKE_VMM") != NULL;
+    if (vmm && !drv_launch) die("FAKE_VMM needs FAKE_VIA=entry");
+    uint32_t *a = alloc_filled(NA, init_a);
+    uint32_t *b = vmm ? vmm_filled(NB, init_b) : alloc_filled(NB, init_b);
+    uint32_t *c = alloc_filled(NC, init_c);
     uint32_t *d = NULL;
     uint32_t s = 0;
     if (child) printf("child %d\n", (int)child);
@@ -265,7 +344,11 @@ int main(void) {
         fflush(stdout);
     }
     if (child) kill(child, SIGKILL);
-    if (cudaFree(a) || cudaFree(b) || cudaFree(c) || (d && cudaFree(d))) die("cudaFree");
+    if (vmm)
+        vmm_free();
+    else if (cudaFree(b))
+        die("cudaFree");
+    if (cudaFree(a) || cudaFree(c) || (d && cudaFree(d))) die("cudaFree");
     puts("bye");
     return 0;
 }

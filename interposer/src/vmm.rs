@@ -1,0 +1,315 @@
+//! The virtual-memory calls a job makes to build its own growable address ranges, served by the
+//! engine (`POSSUM_SERVE_VMM=1`; off by default until measured on the GPU): PyTorch's expandable
+//! segments reserve a range (`cuMemAddressReserve`, left to the driver), then per piece make
+//! memory (`cuMemCreate`), map it (`cuMemMap`) and allow access (`cuMemSetAccess`, left to the
+//! driver: the range is mapped), and later unmap (`cuMemUnmap`) and release (`cuMemRelease`) it.
+//!
+//! Served, `cuMemCreate` makes no memory: it hands the job a *token*, a handle value of
+//! possum's ([`TOKEN_TAG`] in its top bits). `cuMemMap` of a token maps an engine buffer at the
+//! job's address ([`possum_engine::Engine::alloc_at`]): VA-stable and releasable like a
+//! `cudaMalloc` the engine serves, its memory from the keeper when there is one, so the driver's
+//! checkpoint finds none of it. The job's handle value stays valid across checkpoints because it
+//! is not the driver's. Every piece of a device is in one engine group ([`GROUP`]): a tensor
+//! may span pieces, so an operation that touches one is taken to touch all.
+//!
+//! Not served (passed to the driver as before): memory that is not plain device memory, asks for
+//! other handle types than a POSIX fd, compression or RDMA, a map of part of a handle or at an
+//! offset. Refused (`CUDA_ERROR_NOT_SUPPORTED`, said in the log): a token mapped twice, or again
+//! after its unmap (its contents would have to outlive the mapping), and a token given to a
+//! driver call possum does not wrap (the driver answers that it is not a handle).
+
+use std::collections::HashMap;
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use possum_engine::device::{DevPtr, Device};
+use possum_engine::EngineError;
+
+use crate::runtime::{state, Reentry};
+
+/// The top 16 bits of every token.
+pub const TOKEN_TAG: u64 = 0xb055 << 48;
+const TAG_MASK: u64 = 0xffff << 48;
+/// The engine group of every piece (one per device's engine).
+pub const GROUP: u64 = 1;
+
+const SUCCESS: c_int = 0;
+const INVALID_VALUE: c_int = 1;
+const OUT_OF_MEMORY: c_int = 2;
+const NOT_SUPPORTED: c_int = 801;
+
+/// A token's memory: its size, device, and where it is mapped.
+#[derive(Debug)]
+struct Token {
+    ordinal: usize,
+    size: u64,
+    mapped: Option<u64>,
+    /// Mapped once already (its contents went with the unmap).
+    used: bool,
+    /// The job's `CUmemAllocationProp`, for `cuMemGetAllocationPropertiesFromHandle`.
+    prop: [u8; PROP_LEN],
+    /// References: its `cuMemCreate`, and each `cuMemRetainAllocationHandle`; each
+    /// `cuMemRelease` drops one.
+    refs: u32,
+}
+
+/// Bytes of a `CUmemAllocationProp` (CUDA 12 and 13).
+pub const PROP_LEN: usize = 32;
+
+static TOKENS: Mutex<Option<HashMap<u64, Token>>> = Mutex::new(None);
+static NEXT: AtomicU64 = AtomicU64::new(1);
+static MAPPED: AtomicU64 = AtomicU64::new(0);
+static CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// Whether `handle` is one of possum's tokens.
+pub fn is_token(handle: u64) -> bool {
+    handle & TAG_MASK == TOKEN_TAG
+}
+
+/// The device memory `cuMemCreate` was asked for, as far as serving it goes.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask {
+    /// `CUmemAllocationProp::location.id` of a device location.
+    pub ordinal: usize,
+    /// The whole `CUmemAllocationProp`.
+    pub prop: [u8; PROP_LEN],
+    /// Plain pinned device memory, at most a POSIX fd asked for as handle type, no compression,
+    /// RDMA or usage flags, and `flags` 0: what the engine's memory is.
+    pub plain: bool,
+}
+
+/// `cuMemCreate` of `size` bytes: `Some(Ok(token))` served, `Some(Err(code))` answered with an
+/// error, `None` left to the driver.
+pub fn create(size: u64, ask: Ask) -> Option<Result<u64, c_int>> {
+    let st = state();
+    if !st.cfg.serve_vmm || !ask.plain || size == 0 || !st.managing() {
+        return None;
+    }
+    let _r = Reentry::enter();
+    let eng = st.engine_or_create(ask.ordinal, || SUCCESS).ok()?;
+    let dev = eng.engine.device();
+    if size % dev.granularity() != 0 {
+        return None; // the driver says what is wrong
+    }
+    // The memory is made at the map; an allocation that cannot fit fails here, as the driver's
+    // would (a job frees its cache and tries again on this answer, not on a failed map).
+    if let Ok((free, _)) = dev.memory_info() {
+        if free < size {
+            return Some(Err(OUT_OF_MEMORY));
+        }
+    }
+    let token = TOKEN_TAG | NEXT.fetch_add(1, Ordering::Relaxed);
+    TOKENS.lock().get_or_insert_with(HashMap::new).insert(
+        token,
+        Token {
+            ordinal: ask.ordinal,
+            size,
+            mapped: None,
+            used: false,
+            prop: ask.prop,
+            refs: 1,
+        },
+    );
+    CREATED.fetch_add(1, Ordering::Relaxed);
+    Some(Ok(token))
+}
+
+/// `cuMemMap(va, size, offset, handle, flags)` of a token: an engine buffer at `va`. `None`: not
+/// a token (the driver's).
+pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c_int> {
+    if !is_token(handle) {
+        return None;
+    }
+    let st = state();
+    crate::session::wait_if_paused();
+    let _r = Reentry::enter();
+    let mut tokens = TOKENS.lock();
+    let Some(t) = tokens.as_mut().and_then(|m| m.get_mut(&handle)) else {
+        return Some(INVALID_VALUE);
+    };
+    if offset != 0 || size != t.size || flags != 0 || t.mapped.is_some() || t.used {
+        crate::log(&format!(
+            "cuMemMap of possum's handle {handle:#x} ({} bytes) at {va:#x}, {size} bytes at \
+             offset {offset}: not supported (a handle is mapped once, whole; mapped before: {})",
+            t.size, t.used
+        ));
+        return Some(NOT_SUPPORTED);
+    }
+    let Some(eng) = st.engine(t.ordinal) else {
+        return Some(INVALID_VALUE);
+    };
+    match eng.engine.alloc_at(DevPtr(va), size, GROUP) {
+        Ok(_) => {
+            t.mapped = Some(va);
+            t.used = true;
+            drop(tokens);
+            MAPPED.fetch_add(1, Ordering::Relaxed);
+            st.counters.managed_allocs.fetch_add(1, Ordering::Relaxed);
+            st.allocations_changed(true);
+            Some(SUCCESS)
+        }
+        Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => Some(OUT_OF_MEMORY),
+        Err(e) => {
+            crate::log(&format!(
+                "cuMemMap of possum's handle {handle:#x} at {va:#x}: {e}"
+            ));
+            Some(INVALID_VALUE)
+        }
+    }
+}
+
+/// `cuMemUnmap(va, size)` of a range of pieces possum mapped: each one's buffer freed, contents
+/// and all (the driver's handle would keep them; a token is not mapped again, see [`map`]).
+/// `None`: no piece of possum's there (the driver's).
+pub fn unmap(va: u64, size: u64) -> Option<c_int> {
+    let st = state();
+    if !st.cfg.serve_vmm {
+        return None;
+    }
+    let end = va.checked_add(size)?;
+    let pieces_in = || {
+        st.engines().into_iter().find_map(|e| {
+            let pieces: Vec<_> = e
+                .engine
+                .buffers()
+                .into_iter()
+                .filter(|b| b.group() == Some(GROUP))
+                .filter(|b| b.va().0 < end && b.va().0 + b.mapped_size() > va)
+                .collect();
+            (!pieces.is_empty()).then_some((e, pieces))
+        })
+    };
+    pieces_in()?;
+    // Not while a checkpoint holds the job (its buffers may be released then).
+    crate::session::wait_if_paused();
+    let (eng, pieces) = pieces_in()?;
+    // The pieces must tile the range exactly, as the driver's mappings must.
+    let mut at = va;
+    let mut sorted = pieces.clone();
+    sorted.sort_by_key(|b| b.va().0);
+    for b in &sorted {
+        if b.va().0 != at {
+            break;
+        }
+        at += b.mapped_size();
+    }
+    if at != end {
+        crate::log(&format!(
+            "cuMemUnmap({va:#x}, {size}): not whole mappings of possum's ({} there)",
+            pieces.len()
+        ));
+        return Some(INVALID_VALUE);
+    }
+    let _r = Reentry::enter();
+    for b in &sorted {
+        if let Err(e) = eng.engine.free(b.va()) {
+            crate::log(&format!("cuMemUnmap({va:#x}, {size}): {e}"));
+            return Some(INVALID_VALUE);
+        }
+        st.to_dag(crate::runtime::DagMsg::Free(b.id()));
+        st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
+    }
+    if let Some(m) = TOKENS.lock().as_mut() {
+        for t in m.values_mut() {
+            if t.mapped.is_some_and(|a| a >= va && a < end) {
+                t.mapped = None;
+            }
+        }
+    }
+    st.allocations_changed(false);
+    Some(SUCCESS)
+}
+
+/// `cuMemRelease(handle)` of a token: one reference dropped; at the last, forgotten (a piece
+/// still mapped stays until its unmap). `None`: not a token.
+pub fn release(handle: u64) -> Option<c_int> {
+    if !is_token(handle) {
+        return None;
+    }
+    let mut tokens = TOKENS.lock();
+    let Some(m) = tokens.as_mut() else {
+        return Some(INVALID_VALUE);
+    };
+    let Some(t) = m.get_mut(&handle) else {
+        return Some(INVALID_VALUE);
+    };
+    t.refs -= 1;
+    if t.refs == 0 {
+        m.remove(&handle);
+    }
+    Some(SUCCESS)
+}
+
+/// `cuMemRetainAllocationHandle(addr)`: the token mapped at the piece holding `addr`, one more
+/// reference taken. `None`: no piece of possum's there (the driver's).
+pub fn retain(addr: u64) -> Option<Result<u64, c_int>> {
+    let st = state();
+    if !st.cfg.serve_vmm {
+        return None;
+    }
+    let piece = st.engines().into_iter().find_map(|e| {
+        e.engine
+            .lookup(DevPtr(addr))
+            .filter(|b| b.group() == Some(GROUP))
+            .map(|b| b.va().0)
+    })?;
+    let mut tokens = TOKENS.lock();
+    let found = tokens
+        .as_mut()
+        .and_then(|m| m.iter_mut().find(|(_, t)| t.mapped == Some(piece)));
+    Some(match found {
+        Some((&token, t)) => {
+            t.refs += 1;
+            Ok(token)
+        }
+        // Its token released while it stays mapped: the driver would still answer; possum
+        // cannot give a handle for it.
+        None => Err(INVALID_VALUE),
+    })
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle` of a token: the properties it was made with.
+/// `None`: not a token.
+pub fn props(handle: u64) -> Option<Result<[u8; PROP_LEN], c_int>> {
+    if !is_token(handle) {
+        return None;
+    }
+    let tokens = TOKENS.lock();
+    Some(
+        tokens
+            .as_ref()
+            .and_then(|m| m.get(&handle))
+            .map(|t| t.prop)
+            .ok_or(INVALID_VALUE),
+    )
+}
+
+/// `cuMemExportToShareableHandle` of a token: refused. Its memory is the engine's, made anew at
+/// each restore, so a handle another process held would not follow it (CUDA IPC of served
+/// memory is not supported; run such a job without `POSSUM_SERVE_VMM`). `None`: not a token.
+pub fn export(handle: u64) -> Option<c_int> {
+    if !is_token(handle) {
+        return None;
+    }
+    crate::log(&format!(
+        "cuMemExportToShareableHandle of possum's handle {handle:#x}: not supported (memory \
+         possum serves is not shared with other processes; POSSUM_SERVE_VMM=0 leaves it to the \
+         driver)"
+    ));
+    Some(NOT_SUPPORTED)
+}
+
+/// For `possum status`: tokens made and live, pieces mapped now and ever.
+pub fn stats_json() -> serde_json::Value {
+    let (live, mapped_now) = TOKENS.lock().as_ref().map_or((0, 0), |m| {
+        (m.len(), m.values().filter(|t| t.mapped.is_some()).count())
+    });
+    serde_json::json!({
+        "serving": state().cfg.serve_vmm,
+        "handles_made": CREATED.load(Ordering::Relaxed),
+        "handles_live": live,
+        "pieces_mapped_now": mapped_now,
+        "pieces_mapped": MAPPED.load(Ordering::Relaxed),
+    })
+}
