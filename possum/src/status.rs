@@ -77,6 +77,15 @@ fn managed(v: &Value) -> String {
             }
         }
     }
+    let vmm = &p["vmm"];
+    if vmm["serving"] == true {
+        s.push_str(&format!(
+            "  the job's own virtual memory (POSSUM_SERVE_VMM): {} pieces mapped as engine \
+             buffers, {} handles of possum's live\n",
+            vmm["pieces_mapped_now"].as_u64().unwrap_or(0),
+            vmm["handles_live"].as_u64().unwrap_or(0)
+        ));
+    }
     let u = &p["unmanaged"];
     if u.is_object() {
         s.push_str(&format!(
@@ -203,8 +212,13 @@ mod tests {
             "engines": [{"device": 0, "engine": {"buffers": 8, "bytes": 3u64 << 30,
                 "resident_bytes": 1u64 << 30, "dirty_bytes": 1u64 << 29, "phase": "released"}}],
             "unmanaged": {"allocations": 4, "bytes": 64u64 << 20},
+            "vmm": {"serving": true, "pieces_mapped_now": 2, "handles_live": 3},
             "session": {"paused": true, "busy": null, "cupti_attached": true}}});
         let s = summary(7, &v);
+        assert!(
+            s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles"),
+            "{s}"
+        );
         assert!(
             s.contains("device 0: 8 buffers, 3.00 GiB (1.00 GiB resident, 0.50 GiB written since"),
             "{s}"
