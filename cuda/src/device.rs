@@ -236,6 +236,19 @@ impl CudaDevice {
         Some((st, owned, all - owned))
     }
 
+    /// The end of `[va, va + size)`, which must start and end on the granularity.
+    fn granular_range(&self, va: DevPtr, size: u64) -> DeviceResult<u64> {
+        let g = self.granularity;
+        if size == 0 || size % g != 0 || va.0 % g != 0 {
+            return Err(invalid(
+                va.0,
+                size,
+                "start or size is not a multiple of the granularity",
+            ));
+        }
+        end_of(va.0, size)
+    }
+
     /// The owner new memory comes from: none, or one found to be on another device.
     fn usable_owner(&self) -> Option<&Arc<dyn MemoryOwner>> {
         self.owner
@@ -389,15 +402,7 @@ impl Device for CudaDevice {
     }
 
     fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let g = self.granularity;
-        if size == 0 || size % g != 0 || va.0 % g != 0 {
-            return Err(invalid(
-                va.0,
-                size,
-                "start or size is not a multiple of the granularity",
-            ));
-        }
-        let end = end_of(va.0, size)?;
+        let end = self.granular_range(va, size)?;
         let mut t = self.tables.lock();
         if t.touches_reservation(va.0, end) {
             return Err(invalid(va.0, size, "overlaps a reservation of possum's"));
@@ -429,15 +434,7 @@ impl Device for CudaDevice {
 
     fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         self.ctx.bind()?;
-        let g = self.granularity;
-        if size == 0 || size % g != 0 || va.0 % g != 0 {
-            return Err(invalid(
-                va.0,
-                size,
-                "start or size is not a multiple of the granularity",
-            ));
-        }
-        let end = end_of(va.0, size)?;
+        let end = self.granular_range(va, size)?;
         // Held across the driver calls, so two maps can't race for the same range.
         let mut t = self.tables.lock();
         if t.reservation_holding(va.0, end).is_none() {

@@ -198,20 +198,32 @@ fn after_checkpoint(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
 /// The reference run: the job without possum, through step 5 and the commands after the
 /// checkpoint, to its end: the buffers to expect.
 fn reference_run(dir: &Path) -> [Vec<u8>; 2] {
-    let mut reference = Job::start(dir, "reference", None);
-    reference.run("step 5", "done 5");
+    reference_run_with(dir, &[])
+}
+
+/// [`reference_run`] of the job started with `env` added.
+fn reference_run_with(dir: &Path, env: &[(&str, &str)]) -> [Vec<u8>; 2] {
+    let mut reference = job_at_step_5(dir, "reference", None, env);
     let want = after_checkpoint(&mut reference, dir, "reference");
     reference.run("exit", "bye");
     want
 }
 
+/// The job (under `lib` if given, with `env` added), ready, after its first 5 steps.
+fn job_at_step_5(dir: &Path, name: &str, lib: Option<&Path>, env: &[(&str, &str)]) -> Job {
+    let mut job = Job::spawn(dir, name, lib, env);
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    job
+}
+
 /// The reference run ([`reference_run`]), then the job under libpossum.so (`lib`) at step 5,
 /// ready to be checkpointed.
 fn reference_then_job(dir: &Path, lib: &Path) -> ([Vec<u8>; 2], Job) {
-    let want = reference_run(dir);
-    let mut job = Job::start(dir, "job", Some(lib));
-    job.run("step 5", "done 5");
-    (want, job)
+    (
+        reference_run(dir),
+        job_at_step_5(dir, "job", Some(lib), &[]),
+    )
 }
 
 /// The commands after the checkpoint run by `job` (named `tag`), which must give exactly the
@@ -432,17 +444,10 @@ fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
     };
     let dir = tmp.path();
     let env = [("FAKE_VMM", "1"), ("POSSUM_SERVE_VMM", "1")];
-    let mut reference = Job::spawn(dir, "reference", None, &env);
-    reference.expect("ready");
-    reference.run("step 5", "done 5");
-    let want = after_checkpoint(&mut reference, dir, "reference");
-    reference.run("exit", "bye");
-
+    let want = reference_run_with(dir, &env);
     let mut job_env = env.to_vec();
     job_env.push(("FAKE_VMM_HANDLE_CHECKS", "1"));
-    let mut job = Job::spawn(dir, "job", Some(&lib), &job_env);
-    job.expect("ready");
-    job.run("step 5", "done 5");
+    let mut job = job_at_step_5(dir, "job", Some(&lib), &job_env);
     let sockets = dir.join("sockets");
     let st = possum_control::request(
         job.pid as u32,
@@ -495,15 +500,8 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
         ("POSSUM_SERVE_VMM", "1"),
         ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
     ];
-    let mut reference = Job::spawn(dir, "reference", None, &env[..1]);
-    reference.expect("ready");
-    reference.run("step 5", "done 5");
-    let want = after_checkpoint(&mut reference, dir, "reference");
-    reference.run("exit", "bye");
-
-    let mut job = Job::spawn(dir, "job", Some(&lib), &env);
-    job.expect("ready");
-    job.run("step 5", "done 5");
+    let want = reference_run_with(dir, &env[..1]);
+    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
     let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
     assert!(
@@ -1217,15 +1215,12 @@ fn a_keeper_on_another_gpu_is_not_used() {
 /// fake_session_job under libpossum.so (`lib`) with its memory from the keeper at `keeper_dir`,
 /// at step 5.
 fn keeper_job(dir: &Path, lib: &Path, keeper_dir: &Path) -> Job {
-    let mut job = Job::spawn(
+    job_at_step_5(
         dir,
         "job",
         Some(lib),
         &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap())],
-    );
-    job.expect("ready");
-    job.run("step 5", "done 5");
-    job
+    )
 }
 
 /// The keeper killed while a kept checkpoint holds the job (its buffers detached: only the

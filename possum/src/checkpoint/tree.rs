@@ -122,37 +122,33 @@ pub fn socket_dirs(pids: &[i32]) -> Vec<std::path::PathBuf> {
 /// CRIU restores such a pipe with nobody at its other end (the job's next write to it would get
 /// SIGPIPE); the restore hands the job its own descriptor of that number instead.
 pub fn external_stdio_pipes(root: i32, tree: &[i32]) -> Vec<(i32, String)> {
-    let ends = |pid: i32| -> Vec<(String, i32)> {
-        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
-            return Vec::new();
-        };
-        fds.filter_map(Result::ok)
-            .filter_map(|fd| {
-                let target = fs::read_link(fd.path()).ok()?.to_str()?.to_string();
-                target.starts_with("pipe:[").then_some(())?;
-                let info =
-                    fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_str()?))
-                        .ok()?;
-                Some((target, access_mode(&info)?))
-            })
-            .collect()
-    };
     let mut all = Vec::new();
     for &p in tree {
-        all.extend(ends(p));
+        let Ok(fds) = fs::read_dir(format!("/proc/{p}/fd")) else {
+            continue;
+        };
+        all.extend(
+            fds.filter_map(Result::ok)
+                .filter_map(|fd| pipe_end(p, fd.file_name().to_str()?)),
+        );
     }
     (0..=2)
         .filter_map(|fd| {
-            let target = fs::read_link(format!("/proc/{root}/fd/{fd}")).ok()?;
-            let target = target.to_str()?.to_string();
-            target.starts_with("pipe:[").then_some(())?;
-            let info = fs::read_to_string(format!("/proc/{root}/fdinfo/{fd}")).ok()?;
-            let mode = access_mode(&info)?;
+            let (target, mode) = pipe_end(root, &fd.to_string())?;
             // The other end inside the tree: CRIU restores the pipe whole.
             let inside = all.iter().any(|(t, m)| *t == target && *m != mode);
             (!inside).then_some((fd, target))
         })
         .collect()
+}
+
+/// Descriptor `fd` of `pid`, if it is a pipe: (`pipe:[INODE]`, its access mode).
+fn pipe_end(pid: i32, fd: &str) -> Option<(String, i32)> {
+    let target = fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()?;
+    let target = target.to_str()?.to_string();
+    target.starts_with("pipe:[").then_some(())?;
+    let info = fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).ok()?;
+    Some((target, access_mode(&info)?))
 }
 
 /// O_ACCMODE of a `/proc/PID/fdinfo/FD` text's `flags:` line (octal).
