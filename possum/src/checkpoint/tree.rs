@@ -197,40 +197,40 @@ mod tests {
         assert_eq!(access_mode("pos:\t0\n"), None);
     }
 
-    /// A child whose stdout is a pipe this process reads: external; one whose stdin and stdout
-    /// are the two ends of one pipe: inside its tree.
-    #[test]
-    fn a_stdio_pipe_is_external_unless_the_tree_holds_its_other_end() {
-        use std::process::{Command, Stdio};
-        let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
-        let mut c = Command::new("sleep")
+    /// `external_stdio_pipes` of a `sleep` with this stdin and stdout.
+    fn pipes_of_sleep(
+        stdin: std::process::Stdio,
+        stdout: std::process::Stdio,
+    ) -> Vec<(i32, String)> {
+        let mut c = std::process::Command::new("sleep")
             .arg("30")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(wr))
+            .stdin(stdin)
+            .stdout(stdout)
             .spawn()
             .unwrap();
         let pid = c.id() as i32;
         let got = external_stdio_pipes(pid, &[pid]);
         c.kill().unwrap();
         c.wait().unwrap();
+        got
+    }
+
+    /// A child whose stdout is a pipe this process reads: external; one whose stdin and stdout
+    /// are the two ends of one pipe: inside its tree. (Its stderr is this test's, which may be a
+    /// pipe too.)
+    #[test]
+    fn a_stdio_pipe_is_external_unless_the_tree_holds_its_other_end() {
+        use std::process::Stdio;
+        let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let got = pipes_of_sleep(Stdio::null(), Stdio::from(wr));
         drop(rd);
-        // (Its stderr is this test's, which may be a pipe too.)
         let out: Vec<_> = got.iter().filter(|(fd, _)| *fd < 2).collect();
         assert_eq!(out.len(), 1, "{got:?}");
         assert_eq!(out[0].0, 1);
         assert!(out[0].1.starts_with("pipe:["), "{got:?}");
 
         let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
-        let mut c = Command::new("sleep")
-            .arg("30")
-            .stdin(Stdio::from(rd))
-            .stdout(Stdio::from(wr))
-            .spawn()
-            .unwrap();
-        let pid = c.id() as i32;
-        let got = external_stdio_pipes(pid, &[pid]);
-        c.kill().unwrap();
-        c.wait().unwrap();
+        let got = pipes_of_sleep(Stdio::from(rd), Stdio::from(wr));
         assert!(got.iter().all(|(fd, _)| *fd == 2), "{got:?}");
     }
 
