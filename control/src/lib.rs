@@ -115,6 +115,11 @@ pub enum Request {
     ResumeAndSave {
         /// The directory given to `CheckpointKept`.
         dir: String,
+        /// Device memory the save may use for shadow copies, MiB (`possum checkpoint
+        /// --shadow-budget`); absent: the job's default (`POSSUM_SHADOW_MIB`, else three
+        /// quarters of what is free beyond 4 GiB).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shadow_mib: Option<u64>,
     },
     /// Waits until the saving `ResumeAndSave` started is done and its images committed; answers
     /// its figures (an error if it failed, or if none was started).
@@ -127,7 +132,7 @@ impl Request {
         match self {
             Request::Checkpoint { dir }
             | Request::CheckpointKept { dir }
-            | Request::ResumeAndSave { dir }
+            | Request::ResumeAndSave { dir, .. }
             | Request::Resume { dir: Some(dir) } => Some(dir),
             _ => None,
         }
@@ -158,6 +163,23 @@ mod tests {
             serde_json::to_string(&Request::Resume { dir: None }).unwrap(),
             r#"{"cmd":"resume","dir":null}"#
         );
+        // A shadow budget is optional: a request without one (an older possum) still parses.
+        let r: Request = serde_json::from_str(r#"{"cmd":"resume_and_save","dir":"/x"}"#).unwrap();
+        let plain = Request::ResumeAndSave {
+            dir: "/x".into(),
+            shadow_mib: None,
+        };
+        assert_eq!(r, plain);
+        assert_eq!(
+            serde_json::to_string(&plain).unwrap(),
+            r#"{"cmd":"resume_and_save","dir":"/x"}"#
+        );
+        let budget = Request::ResumeAndSave {
+            dir: "/x".into(),
+            shadow_mib: Some(0),
+        };
+        let text = serde_json::to_string(&budget).unwrap();
+        assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), budget);
     }
 
     #[test]

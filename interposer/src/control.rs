@@ -33,8 +33,10 @@ pub fn start() {
             Request::CheckpointKept { dir } => crate::session::checkpoint(&dir, true),
             Request::Release => crate::session::release(None),
             Request::ReleaseKeeping { hold_secs } => crate::session::release(Some(hold_secs)),
-            Request::Resume { dir } => crate::session::resume(dir.as_deref(), false),
-            Request::ResumeAndSave { dir } => crate::session::resume(Some(&dir), true),
+            Request::Resume { dir } => crate::session::resume(dir.as_deref(), None),
+            Request::ResumeAndSave { dir, shadow_mib } => {
+                crate::session::resume(Some(&dir), Some(shadow_mib))
+            }
             Request::Saved => crate::session::saved(),
             Request::Cupti { attach } => {
                 let r = if attach {

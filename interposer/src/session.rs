@@ -677,14 +677,15 @@ fn copy_all(
 }
 
 /// `Resume{dir}`: attach each detached engine's buffers again, install each released engine's
-/// on-demand restore from `dir`, then unpause. `ResumeAndSave{dir}` (`save`): for a kept
-/// checkpoint into `dir`, also start saving the buffers as they were at the release, while the
-/// job runs ([`saved`] waits for it).
-pub fn resume(dir: Option<&str>, save: bool) -> Value {
+/// on-demand restore from `dir`, then unpause. `ResumeAndSave{dir, shadow_mib}` (`save` is
+/// `Some(shadow_mib)`): for a kept checkpoint into `dir`, also start saving the buffers as they
+/// were at the release, while the job runs ([`saved`] waits for it), with that shadow budget
+/// (MiB; `None`: [`shadow_budget`]'s).
+pub fn resume(dir: Option<&str>, save: Option<Option<u64>>) -> Value {
     reply(resume_inner(dir.map(Path::new), save))
 }
 
-fn resume_inner(dir: Option<&Path>, save: bool) -> Result<Value, String> {
+fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, String> {
     if let Some(d) = dir {
         absolute(d)?;
     }
@@ -717,9 +718,11 @@ fn resume_inner(dir: Option<&Path>, save: bool) -> Result<Value, String> {
     let attach_ms = ms(t.elapsed());
     let open = OPEN.lock().take();
     let saving = match (save, open) {
-        (false, _) => Vec::new(),
-        (true, Some(o)) if o.kept && Some(o.dir.as_path()) == dir => start_save(&o.dir),
-        (true, _) => {
+        (None, _) => Vec::new(),
+        (Some(shadow_mib), Some(o)) if o.kept && Some(o.dir.as_path()) == dir => {
+            start_save(&o.dir, shadow_mib)
+        }
+        (Some(_), _) => {
             let why = format!(
                 "no kept checkpoint into {} to save",
                 dir.map(|d| d.display().to_string()).unwrap_or_default()
@@ -823,13 +826,14 @@ type Saves = Vec<(
 /// into a new image under `dir`, a concurrent one: every buffer the shadow budget allows is
 /// copied device to device now, before the job runs (its image is then the state at T0 whatever
 /// the job writes, seen by the hooks or not), the rest by copy-on-write ahead of the job's writes.
-fn start_save(dir: &Path) -> Saves {
+fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
     set_saving(Saving::Running);
     let engines = engines();
     let mut started = Vec::new();
     for e in &engines {
         let ordinal = e.ordinal;
-        e.engine.set_shadow_budget(shadow_budget(e));
+        e.engine
+            .set_shadow_budget(shadow_mib.map_or_else(|| shadow_budget(e), |m| m << 20));
         let begun = new_writer(dir, ordinal).and_then(|writer| {
             let sink: Arc<dyn ChunkSink> = writer.clone();
             e.engine

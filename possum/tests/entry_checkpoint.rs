@@ -485,9 +485,9 @@ fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
 }
 
 /// The same job with a keeper (`possum run`'s default): B's pieces are the keeper's memory, kept
-/// on the GPU through a kept `--leave-running` checkpoint (nothing copied while held) and
-/// through a checkpoint-and-kill whose restore maps them again at the job's addresses (zero-copy);
-/// bit-exact both times.
+/// on the GPU through a kept `--leave-running` checkpoint (nothing copied while held; saved with
+/// `--shadow-budget 0`, by copy-on-write) and through a checkpoint-and-kill whose restore maps
+/// them again at the job's addresses (zero-copy); bit-exact both times, and the kept image too.
 #[test]
 fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
     let Some((tmp, lib)) = setup("entry_vmm_keeper", "possum-entry-vmm-k-") else {
@@ -509,10 +509,23 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
         "A, C and B's two pieces in the keeper: {before}"
     );
 
+    // No shadow budget: the save copies each buffer ahead of the job's writes instead (a write
+    // through one piece of B copies both first).
     let img = dir.join("img-kept");
-    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    let v = json_of(
+        &mut checkpoint_cmd(
+            dir,
+            job.pid,
+            &img,
+            &["--leave-running", "--shadow-budget", "0"],
+        ),
+        &job,
+    );
     assert_eq!(v["kept"], serde_json::json!([job.pid]), "{v}");
     assert_eq!(v["release_report"]["kept_bytes"], before, "{v}");
+    let saved = &v["saved_report"][0]["report"]["saved"][0];
+    assert_eq!(saved["snapshot_shadows"], 0, "{v}");
+    assert_eq!(saved["buffers"], 4, "{v}");
     goes_on_like(&mut job, dir, "kept", &want, "kept, left running");
 
     let img2 = dir.join("img-killed");
@@ -1243,7 +1256,11 @@ fn a_keeper_lost_during_a_kept_hold_is_said_and_the_job_stays_paused() {
     assert_eq!(r["kept"], true, "{r}");
     ask(&possum_control::Request::Release).unwrap();
     drop(keeper);
-    let err = ask(&possum_control::Request::ResumeAndSave { dir: gpu }).unwrap_err();
+    let err = ask(&possum_control::Request::ResumeAndSave {
+        dir: gpu,
+        shadow_mib: None,
+    })
+    .unwrap_err();
     assert!(err.to_string().contains("GPU state is lost"), "{err}");
     let st = ask(&possum_control::Request::Status).unwrap();
     assert_eq!(st["possum"]["session"]["paused"], true, "{st}");

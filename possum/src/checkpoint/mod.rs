@@ -96,6 +96,13 @@ pub struct CheckpointArgs {
     /// live job needs the memory. 0: freed with the job.
     #[arg(long, value_name = "SECS", default_value_t = 120)]
     pub keep_on_gpu: u64,
+    /// With --leave-running, when the job's GPU memory is a keeper's: device memory the save of
+    /// its buffers may use for copies made on the GPU (MiB). Buffers that fit are copied there
+    /// before the job runs on (1.5 TB/s) and saved from those copies; the rest are saved from the
+    /// job's memory, each copied first when the job is about to write it. Default: the job's
+    /// `POSSUM_SHADOW_MIB`, else three quarters of the GPU's free memory beyond 4 GiB.
+    #[arg(long, value_name = "MIB")]
+    pub shadow_budget: Option<u64>,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
@@ -238,8 +245,8 @@ fn resume_children(children: &[i32], dir: &Path, sockets: &Path, clock: &mut Clo
 
 /// A kept checkpoint after the CRIU dump: the driver restores and unlocks the tree, every
 /// possum process resumes from its GPU images under `tmp` (the kept ones attach their buffers
-/// and start saving them as of the hold), then waits until the saves are committed. (resume
-/// report of the root, saved reports.)
+/// and start saving them as of the hold, with `shadow_budget` MiB of device memory if given),
+/// then waits until the saves are committed. (resume report of the root, saved reports.)
 #[allow(clippy::too_many_arguments)]
 fn resume_and_save(
     side: &Option<(Criu, DriverCheckpoint)>,
@@ -247,6 +254,7 @@ fn resume_and_save(
     children: &[i32],
     possum_children: &[i32],
     kept: &[i32],
+    shadow_budget: Option<u64>,
     tmp: &Path,
     sockets: &Path,
     clock: &mut Clock,
@@ -269,7 +277,10 @@ fn resume_and_save(
         };
         let dir = gpu.display().to_string();
         let req = if kept.contains(&p) {
-            Request::ResumeAndSave { dir }
+            Request::ResumeAndSave {
+                dir,
+                shadow_mib: shadow_budget,
+            }
         } else {
             Request::Resume { dir: Some(dir) }
         };
@@ -771,6 +782,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             &children,
             &possum_children,
             &kept,
+            a.shadow_budget,
             &tmp,
             &sockets,
             &mut clock,
