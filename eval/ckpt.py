@@ -10,7 +10,8 @@ lines.
 Jobs: the workloads of workloads/gpu/jobs.py, `ptrtable` and `lcuda` (CUDA C, built by
 gpu-ckpt.sh), and a torch workload with an allocator setting: `JOB+expandable`
 (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or `JOB+async` (backend:cudaMallocAsync), or
-`JOB+vmm` (expandable segments served by possum: POSSUM_SERVE_VMM=1).
+`JOB+vmm` (expandable segments served by possum: POSSUM_SERVE_VMM=1), or `JOB+pools`
+(cudaMallocAsync served by possum: POSSUM_SERVE_POOLS=1).
 
 Engines (variants; `ENGINE_HELP`): `possum` (the job under libpossum.so with its default hooks,
 the driver's entry points, and `possum checkpoint` with no engine flag), `possum-hold` (the job
@@ -89,7 +90,10 @@ def wait_gone(pid, timeout):
 ALLOC_CONF = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
 # Suffixes with more than an allocator setting: `JOB+vmm` is expandable segments whose pieces
 # possum serves (POSSUM_SERVE_VMM=1, interposer/src/vmm.rs).
-ALLOC_ENV = {"vmm": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "POSSUM_SERVE_VMM": "1"}}
+# `JOB+pools` is backend:cudaMallocAsync whose allocations possum serves (POSSUM_SERVE_POOLS=1,
+# interposer/src/pools.rs).
+ALLOC_ENV = {"vmm": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "POSSUM_SERVE_VMM": "1"},
+             "pools": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "POSSUM_SERVE_POOLS": "1"}}
 # Jobs that are programs built by scripts/gpu-ckpt.sh into WORK (argv: steps, log, sleep ms).
 C_JOBS = ("ptrtable", "lcuda")
 CUPTI = "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13"
@@ -174,7 +178,7 @@ def job_env(possum_loaded, extra=None):
     or the allocator (a variant sets them), plus `extra`; libpossum.so preloaded if asked."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("POSSUM_HOOKS", "POSSUM_CUPTI", "PYTORCH_CUDA_ALLOC_CONF", "POSSUM_SERVE_VMM",
-                        "LD_PRELOAD")}
+                        "POSSUM_SERVE_POOLS", "LD_PRELOAD")}
     if possum_loaded:
         env["LD_PRELOAD"] = SO
         env["POSSUM_SOCKET_DIR"] = SOCK

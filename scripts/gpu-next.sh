@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What session 21 built and could not run on the GPU (its device time was spent), in one device
 # call of about 8 minutes (carry .gpu, staged by `bash scripts/gpu-ckpt.sh --stage`):
-#   1. torch's expandable segments served by possum (POSSUM_SERVE_VMM=1, off by default):
-#      correctness of mlp+vmm and gpt2+vmm, kept (--leave-running, the image restored too) and
-#      killed-and-restored from the keeper, against the same jobs with the driver copying their
-#      segments (mlp+expandable, gpt2+expandable): the stall of each is in the rows;
+#   1. torch's expandable segments and cudaMallocAsync served by possum (POSSUM_SERVE_VMM=1,
+#      POSSUM_SERVE_POOLS=1, both off by default): correctness of mlp/gpt2 +vmm and +pools, kept
+#      (--leave-running, the image restored too) and killed-and-restored from the keeper, against
+#      gpt2 with the driver copying that memory (+expandable, +async): the stall of each is in
+#      the rows;
 #   2. a job whose stdout is a pipe to the launching script, checkpointed, killed and restored:
 #      its restored self must keep writing to the restore's stdout (`stdio_from_restore`).
 # Writes $OUT/next-*.{jsonl,md,txt} (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
@@ -13,7 +14,8 @@ cd "$(dirname "$0")/.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 OUT="$res/vmm" timeout -k 5 420 bash scripts/gpu-ckpt.sh correctness --engines possum-keeper,possum-keeper-kill \
-    --jobs mlp+vmm,gpt2+vmm,mlp+expandable,gpt2+expandable --trials 4,4 --budget-s 400 > "$res/next-vmm.log" 2>&1
+    --jobs mlp+vmm,gpt2+vmm,mlp+pools,gpt2+pools,gpt2+expandable,gpt2+async --trials 6,4 --budget-s 400 \
+    > "$res/next-vmm.log" 2>&1
 for f in ckpt-correctness.jsonl correctness.md; do cp "$res/vmm/$f" "$res/next-vmm-$f" 2>/dev/null; done
 rm -rf "$res/vmm"
 source scripts/gpu-criu.sh

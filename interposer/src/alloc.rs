@@ -85,6 +85,18 @@ fn serve(
 pub fn free(ptr: u64) -> Freed {
     let st = state();
     crate::session::wait_if_paused();
+    // A block of a stream-ordered allocation possum serves (`pools.rs`).
+    if crate::pools::is_served(ptr) {
+        let _r = Reentry::enter();
+        if let Err(e) = introspect::ctx_synchronize() {
+            crate::log(&format!("cudaFree({ptr:#x}): {e}"));
+            return Freed::Failed;
+        }
+        return match crate::pools::free_now(ptr) {
+            Some(0) => Freed::Done,
+            _ => Freed::Failed,
+        };
+    }
     let Some((eng, id)) = st.engines().into_iter().find_map(|e| {
         let b = e.engine.lookup(DevPtr(ptr)).filter(|b| b.va().0 == ptr)?;
         Some((e, b.id()))

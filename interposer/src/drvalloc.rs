@@ -88,6 +88,14 @@ pub unsafe fn serve_free(ptr: u64) -> Option<c_int> {
     if ptr == 0 {
         return None;
     }
+    if crate::pools::is_served(ptr) {
+        // cuMemFree frees a stream-ordered block once the device is done with it; through
+        // `alloc::free`, which synchronises first, as for cudaFree.
+        return match std::panic::catch_unwind(|| alloc::free(ptr)).unwrap_or(Freed::Failed) {
+            Freed::Done => Some(SUCCESS),
+            _ => Some(INVALID_VALUE),
+        };
+    }
     match std::panic::catch_unwind(|| alloc::free(ptr)).unwrap_or(Freed::Failed) {
         Freed::Done => Some(SUCCESS),
         Freed::Failed => Some(INVALID_VALUE),
@@ -216,4 +224,70 @@ pub unsafe fn serve_retain(handle: *mut u64, addr: u64) -> Option<c_int> {
         }
         Err(code) => Some(code),
     }
+}
+
+/// The engine's name for a stream handle given to a call: for a `_ptsz` function, 0 is the
+/// calling thread's per-thread default stream.
+fn stream_of(raw: u64, ptsz: bool) -> u64 {
+    if ptsz && raw == 0 {
+        crate::decode::STREAM_PER_THREAD
+    } else {
+        raw
+    }
+}
+
+/// `cuMemAllocAsync` (`_ptsz`: `ptsz`) served from the engine (`pools.rs`); `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemAllocAsync`: `dptr` is null or valid for a write.
+unsafe fn alloc_async(dptr: *mut u64, bytes: usize, stream: u64, ptsz: bool) -> Option<c_int> {
+    if dptr.is_null() {
+        return None;
+    }
+    let ordinal = device()?;
+    let s = stream_of(stream, ptsz);
+    match std::panic::catch_unwind(|| crate::pools::alloc(ordinal, bytes as u64, s)).ok()?? {
+        Ok(ptr) => {
+            // SAFETY: non-null and valid by the caller's contract.
+            unsafe { dptr.write(ptr) };
+            Some(SUCCESS)
+        }
+        Err(code) => Some(code),
+    }
+}
+
+/// `cuMemAllocAsync`; see [`alloc_async`].
+///
+/// # Safety
+/// As `cuMemAllocAsync`.
+pub unsafe fn serve_alloc_async(dptr: *mut u64, bytes: usize, stream: u64) -> Option<c_int> {
+    // SAFETY: the caller's contract.
+    unsafe { alloc_async(dptr, bytes, stream, false) }
+}
+
+/// `cuMemAllocAsync_ptsz`; see [`alloc_async`].
+///
+/// # Safety
+/// As `cuMemAllocAsync_ptsz`.
+pub unsafe fn serve_alloc_async_ptsz(dptr: *mut u64, bytes: usize, stream: u64) -> Option<c_int> {
+    // SAFETY: the caller's contract.
+    unsafe { alloc_async(dptr, bytes, stream, true) }
+}
+
+/// `cuMemFreeAsync` of a block possum serves; `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemFreeAsync` (no pointer is read).
+pub unsafe fn serve_free_async(ptr: u64, stream: u64) -> Option<c_int> {
+    std::panic::catch_unwind(|| crate::pools::free_async(ptr, stream_of(stream, false)))
+        .unwrap_or(Some(INVALID_VALUE))
+}
+
+/// `cuMemFreeAsync_ptsz` of a block possum serves; `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemFreeAsync_ptsz` (no pointer is read).
+pub unsafe fn serve_free_async_ptsz(ptr: u64, stream: u64) -> Option<c_int> {
+    std::panic::catch_unwind(|| crate::pools::free_async(ptr, stream_of(stream, true)))
+        .unwrap_or(Some(INVALID_VALUE))
 }

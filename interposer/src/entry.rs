@@ -759,10 +759,10 @@ entry_points! {
     cuMemAllocPitch_v2 = 244 [serve serve_pitch] (dptr: *mut u64, pitch: *mut Z, w: Z, h: Z, elem: U);
     cuMemFree_v2 = 245 [serve serve_free] (dptr: u64);
     cuMemAllocManaged = 371 (dptr: P, bytes: Z, flags: U);
-    cuMemAllocAsync = 598 (dptr: P, bytes: Z, s: P);
-    cuMemAllocAsync_ptsz = 599 (dptr: P, bytes: Z, s: P);
-    cuMemFreeAsync = 600 (dptr: P, s: P);
-    cuMemFreeAsync_ptsz = 601 (dptr: P, s: P);
+    cuMemAllocAsync = 598 [serve serve_alloc_async] (dptr: *mut u64, bytes: Z, s: P);
+    cuMemAllocAsync_ptsz = 599 [serve serve_alloc_async_ptsz] (dptr: *mut u64, bytes: Z, s: P);
+    cuMemFreeAsync = 600 [serve serve_free_async] (dptr: P, s: P);
+    cuMemFreeAsync_ptsz = 601 [serve serve_free_async_ptsz] (dptr: P, s: P);
     cuMemAllocFromPoolAsync = 611 (dptr: P, bytes: Z, pool: P, s: P);
     cuMemAllocFromPoolAsync_ptsz = 612 (dptr: P, bytes: Z, pool: P, s: P);
     cuMemCreate = 549 [serve serve_create] (handle: *mut u64, size: Z, prop: *const u8, flags: u64);

@@ -93,6 +93,7 @@ pub mod entry;
 mod hooks;
 mod park;
 mod park_sys;
+mod pools;
 mod runtime;
 mod session;
 pub mod stats;
@@ -354,6 +355,7 @@ pub fn stats_json() -> serde_json::Value {
         v["possum"] = st.stats_json();
         v["possum"]["session"] = session::status_json();
         v["possum"]["vmm"] = vmm::stats_json();
+        v["possum"]["pools"] = pools::stats_json();
     }
     v
 }

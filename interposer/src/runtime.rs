@@ -45,6 +45,10 @@ pub struct Config {
     /// Serve the job's own virtual-memory mappings (`cuMemCreate` + `cuMemMap`: PyTorch's
     /// expandable segments) with engine buffers (`POSSUM_SERVE_VMM`, default off; `vmm.rs`).
     pub serve_vmm: bool,
+    /// Serve stream-ordered allocations (`cuMemAllocAsync`: `cudaMallocAsync`, PyTorch's
+    /// `backend:cudaMallocAsync`) from engine buffers (`POSSUM_SERVE_POOLS`, default off;
+    /// `pools.rs`).
+    pub serve_pools: bool,
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
     /// default the machine's cores, 2 to 12): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     pub writers: usize,
@@ -112,6 +116,7 @@ impl Config {
             staging_park: flag("POSSUM_STAGING_PARK", true),
             trim_context: flag("POSSUM_TRIM_CONTEXT", true),
             serve_vmm: flag("POSSUM_SERVE_VMM", false),
+            serve_pools: flag("POSSUM_SERVE_POOLS", false),
             writers,
             restorers,
             dag: flag("POSSUM_DAG", true),
@@ -1431,7 +1436,7 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "staging_park": self.cfg.staging_park, "trim_context": self.cfg.trim_context, "serve_vmm": self.cfg.serve_vmm, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
+            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "staging_park": self.cfg.staging_park, "trim_context": self.cfg.trim_context, "serve_vmm": self.cfg.serve_vmm, "serve_pools": self.cfg.serve_pools, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
                        "dag": self.cfg.dag, "warnings": self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),

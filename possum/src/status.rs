@@ -86,6 +86,17 @@ fn managed(v: &Value) -> String {
             vmm["handles_live"].as_u64().unwrap_or(0)
         ));
     }
+    let pools = &p["pools"];
+    if pools["serving"] == true {
+        s.push_str(&format!(
+            "  stream-ordered allocations (POSSUM_SERVE_POOLS): {} blocks, {} in {} engine \
+             slabs, {} waiting for their stream\n",
+            pools["blocks_live"].as_u64().unwrap_or(0),
+            gib(pools["bytes_live"].as_u64().unwrap_or(0)),
+            pools["slabs"].as_u64().unwrap_or(0),
+            pools["blocks_pending_free"].as_u64().unwrap_or(0)
+        ));
+    }
     let u = &p["unmanaged"];
     if u.is_object() {
         s.push_str(&format!(
@@ -213,10 +224,16 @@ mod tests {
                 "resident_bytes": 1u64 << 30, "dirty_bytes": 1u64 << 29, "phase": "released"}}],
             "unmanaged": {"allocations": 4, "bytes": 64u64 << 20},
             "vmm": {"serving": true, "pieces_mapped_now": 2, "handles_live": 3},
+            "pools": {"serving": true, "blocks_live": 5, "bytes_live": 1u64 << 30, "slabs": 2,
+                      "blocks_pending_free": 1},
             "session": {"paused": true, "busy": null, "cupti_attached": true}}});
         let s = summary(7, &v);
         assert!(
             s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles"),
+            "{s}"
+        );
+        assert!(
+            s.contains("(POSSUM_SERVE_POOLS): 5 blocks, 1.00 GiB in 2 engine slabs, 1 waiting"),
             "{s}"
         );
         assert!(

@@ -558,6 +558,66 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
     finish_restored(&mut job);
 }
 
+/// A job whose C and D are stream-ordered allocations (cuMemAllocAsync: cudaMallocAsync), with
+/// `POSSUM_SERVE_POOLS=1`: they are carved out of an engine buffer (a slab; its status counts
+/// them), a block freed in stream order (cuMemFreeAsync) is reused, and the job goes on
+/// bit-exact left running and restored, then frees them in stream order at its end.
+#[test]
+fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
+    let Some((tmp, lib)) = setup("entry_pools", "possum-entry-pools-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let env = [("FAKE_ASYNC", "1"), ("POSSUM_SERVE_POOLS", "1")];
+    let want = reference_run_with(dir, &env);
+    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let sockets = dir.join("sockets");
+    let status = |job: &Job| {
+        possum_control::request(
+            job.pid as u32,
+            &sockets,
+            &possum_control::Request::Status,
+            WAIT,
+        )
+        .unwrap()
+    };
+    let st = status(&job);
+    let pools = &st["possum"]["pools"];
+    assert_eq!(pools["serving"], true, "{st}");
+    assert_eq!(pools["slabs"], 1, "{st}");
+    assert_eq!(pools["blocks_live"], 1, "C: {st}");
+    // A and B (cudaMalloc) and the slab C is in.
+    assert_eq!(st["possum"]["engines"][0]["engine"]["buffers"], 3, "{st}");
+    assert_eq!(st["possum"]["unmanaged"]["allocations"], 0, "{st}");
+
+    let img = dir.join("img");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    assert!(
+        v["release_report"]["released_bytes"].as_u64().unwrap_or(0) >= 32 << 20,
+        "the slab was not released: {v}"
+    );
+    goes_on_like(&mut job, dir, "left", &want, "left running");
+    // D's block in the same slab; the block freed before it reused or pending, none leaked.
+    let st = status(&job);
+    let pools = &st["possum"]["pools"];
+    assert_eq!(pools["slabs"], 1, "{st}");
+    assert_eq!(pools["blocks_live"], 2, "C and D: {st}");
+    assert_eq!(
+        pools["allocations_served"], 3,
+        "C, the freed block, D: {st}"
+    );
+
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["pid"], job.pid, "{r}");
+    goes_on_like(&mut job, dir, "restored", &want, "restored");
+    let back = restored_buffers(job.pid as u32, &sockets);
+    assert_eq!(back["buffers"], 3, "{back}");
+    finish_restored(&mut job);
+}
+
 /// A job whose stderr is a pipe to a process outside it (`possum run job 2>&1 | tee log`): CRIU
 /// would restore that pipe with nobody reading it. The restored job writes to `possum
 /// restore`'s own stderr instead (CRIU's inherit_fd), and goes on bit-exact.

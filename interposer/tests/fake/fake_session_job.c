@@ -31,6 +31,11 @@
  * again), cuMemGetAllocationPropertiesFromHandle the properties it was made with, and
  * cuMemExportToShareableHandle is refused (CUDA_ERROR_NOT_SUPPORTED).
  *
+ * FAKE_ASYNC=1 (with FAKE_VIA=entry): C and D are stream-ordered allocations (cuMemAllocAsync on
+ * the default stream, as cudaMallocAsync makes them) instead of cudaMallocs; before D, a block
+ * of D's size is allocated and freed in stream order (cuMemFreeAsync), so D may reuse it; at exit
+ * C and D are freed with cuMemFreeAsync.
+ *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
  * job CRIU dumps and restores (possum/tests/entry_checkpoint.rs): CRIU reopens the FIFO by its
@@ -88,6 +93,9 @@ static int (*drv_map)(uint64_t, size_t, size_t, uint64_t, uint64_t);
 static int (*drv_unmap)(uint64_t, size_t);
 static int (*drv_set_access)(uint64_t, size_t, const void *, size_t);
 #define PIECE ((size_t)2 << 20)
+/* FAKE_ASYNC: the driver's stream-ordered allocation. */
+static int (*drv_alloc_async)(uint64_t *, size_t, void *);
+static int (*drv_free_async)(uint64_t, void *);
 static uint64_t vmm_base, vmm_handles[2];
 
 static void die(const char *what) {
@@ -136,6 +144,25 @@ static uint32_t *alloc_filled(size_t n, uint32_t (*f)(size_t)) {
     uint32_t *d, *h = malloc(n * 4);
     if (!h) die("malloc");
     if (cudaMalloc((void **)&d, n * 4)) die("cudaMalloc");
+    for (size_t i = 0; i < n; i++) h[i] = f(i);
+    htod(d, h, n * 4);
+    free(h);
+    return d;
+}
+
+/* FAKE_ASYNC: as alloc_filled, from cuMemAllocAsync on the default stream. */
+static uint32_t *async_filled(size_t n, uint32_t (*f)(size_t)) {
+    if (!drv_alloc_async) {
+        void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+        drv_alloc_async = lib ? (int (*)(uint64_t *, size_t, void *))dlsym(lib, "cuMemAllocAsync") : NULL;
+        drv_free_async = lib ? (int (*)(uint64_t, void *))dlsym(lib, "cuMemFreeAsync") : NULL;
+        if (!drv_alloc_async || !drv_free_async) die("no cuMemAllocAsync");
+    }
+    uint64_t p;
+    uint32_t *d, *h = malloc(n * 4);
+    if (!h) die("malloc");
+    if (drv_alloc_async(&p, n * 4, NULL)) die("cuMemAllocAsync");
+    d = (uint32_t *)(uintptr_t)p;
     for (size_t i = 0; i < n; i++) h[i] = f(i);
     htod(d, h, n * 4);
     free(h);
@@ -314,7 +341,9 @@ int main(void) {
     if (vmm && !drv_launch) die("FAKE_VMM needs FAKE_VIA=entry");
     uint32_t *a = alloc_filled(NA, init_a);
     uint32_t *b = vmm ? vmm_filled(NB, init_b) : alloc_filled(NB, init_b);
-    uint32_t *c = alloc_filled(NC, init_c);
+    int async = getenv("FAKE_ASYNC") != NULL;
+    if (async && !drv_launch) die("FAKE_ASYNC needs FAKE_VIA=entry");
+    uint32_t *c = async ? async_filled(NC, init_c) : alloc_filled(NC, init_c);
     uint32_t *d = NULL;
     uint32_t s = 0;
     if (child) printf("child %d\n", (int)child);
@@ -329,7 +358,13 @@ int main(void) {
             printf("done %u\n", s);
         } else if (!strcmp(line, "malloc")) {
             if (d) die("D already allocated");
-            d = alloc_filled(ND, init_d);
+            if (async) {
+                uint32_t *t = async_filled(ND, init_d);
+                if (drv_free_async((uint64_t)(uintptr_t)t, NULL)) die("cuMemFreeAsync");
+                d = async_filled(ND, init_d);
+            } else {
+                d = alloc_filled(ND, init_d);
+            }
             puts("malloced");
         } else if (!strncmp(line, "dump ", 5)) {
             uint32_t *bufs[] = {a, b, c, d};
@@ -348,7 +383,14 @@ int main(void) {
         vmm_free();
     else if (cudaFree(b))
         die("cudaFree");
-    if (cudaFree(a) || cudaFree(c) || (d && cudaFree(d))) die("cudaFree");
+    if (async) {
+        if (drv_free_async((uint64_t)(uintptr_t)c, NULL) ||
+            (d && drv_free_async((uint64_t)(uintptr_t)d, NULL)))
+            die("cuMemFreeAsync");
+    } else if (cudaFree(c) || (d && cudaFree(d))) {
+        die("cudaFree");
+    }
+    if (cudaFree(a)) die("cudaFree");
     puts("bye");
     return 0;
 }

@@ -1,0 +1,369 @@
+//! Stream-ordered allocation served by the engine (`POSSUM_SERVE_POOLS=1`; off by default until
+//! measured on the GPU): `cuMemAllocAsync` and `cuMemFreeAsync` (and their `_ptsz` forms), what
+//! `cudaMallocAsync` / `cudaFreeAsync` and PyTorch's `backend:cudaMallocAsync` use. Without it
+//! that memory is the driver's pool's, which NVIDIA's checkpoint copies while the job is held.
+//!
+//! Served, an allocation is carved out of a *slab*, an engine buffer of [`SLAB`] bytes (VA-stable,
+//! releasable, the keeper's memory when there is one), or is an engine buffer of its own from
+//! half a slab up. An allocation lies inside one buffer, so the hooks resolve a pointer into it
+//! to that buffer. A free is stream-ordered: an event is recorded on the freeing stream and the
+//! block is reused only once the event has completed (checked at the next allocations); a free
+//! on a stream being captured into a graph leaves the block unused for good (a graph's free
+//! runs when the graph does), said once in the log. An allocation on a capturing stream is the
+//! driver's (a graph allocation node). `cuMemFree_v2` / `cudaFree` of a block frees it at once
+//! (the caller synchronised). Empty slabs beyond [`SPARE_SLABS`] go back to the engine.
+//!
+//! Not served: `cuMemAllocFromPoolAsync` (a pool of the job's own, whose properties possum does
+//! not copy), and the pool calls themselves (`cuMemPoolTrimTo`, attributes), which go to the
+//! driver's pools, then empty.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use possum_cuda::CudaEvent;
+use possum_engine::device::{DevPtr, Device};
+use possum_engine::EngineError;
+
+use crate::runtime::{state, DevEngine, Reentry};
+
+/// Bytes of a slab.
+pub const SLAB: u64 = 32 << 20;
+/// Allocations are this aligned (the driver's pools give at least 256).
+const ALIGN: u64 = 512;
+/// Empty slabs kept for the next allocations, per device.
+const SPARE_SLABS: usize = 2;
+
+const SUCCESS: c_int = 0;
+const OUT_OF_MEMORY: c_int = 2;
+
+/// A served block: where it is and what holds it.
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    /// Its slab's address, or its own buffer's (`own`).
+    buffer: u64,
+    len: u64,
+    own: bool,
+}
+
+/// A slab: its free ranges (offset -> length) and the bytes in use.
+#[derive(Debug)]
+struct Slab {
+    free: BTreeMap<u64, u64>,
+    used: u64,
+}
+
+impl Slab {
+    /// An empty slab of `size` bytes.
+    fn new(size: u64) -> Slab {
+        Slab {
+            free: BTreeMap::from([(0, size)]),
+            used: 0,
+        }
+    }
+
+    /// `len` bytes from the first free range that holds them: their offset.
+    fn take(&mut self, len: u64) -> Option<u64> {
+        let (off, avail) = self
+            .free
+            .iter()
+            .find(|(_, &l)| l >= len)
+            .map(|(&o, &l)| (o, l))?;
+        self.free.remove(&off);
+        if avail > len {
+            self.free.insert(off + len, avail - len);
+        }
+        self.used += len;
+        Some(off)
+    }
+
+    /// `len` bytes at `off` free again, joined with the free ranges on either side.
+    fn put(&mut self, off: u64, len: u64) {
+        let (mut start, mut total) = (off, len);
+        if let Some((&o, &l)) = self.free.range(..off).next_back() {
+            if o + l == off {
+                self.free.remove(&o);
+                start = o;
+                total += l;
+            }
+        }
+        if let Some(l) = self.free.remove(&(off + len)) {
+            total += l;
+        }
+        self.free.insert(start, total);
+        self.used -= len;
+    }
+}
+
+/// One device's served memory.
+#[derive(Debug, Default)]
+struct DevicePool {
+    slabs: BTreeMap<u64, Slab>,
+    live: HashMap<u64, Block>,
+    /// Freed in stream order, reusable once the event completed (`None`: never).
+    pending: Vec<(Option<CudaEvent>, u64, Block)>,
+}
+
+static POOLS: Mutex<Option<HashMap<usize, DevicePool>>> = Mutex::new(None);
+static SERVED: AtomicU64 = AtomicU64::new(0);
+static LEAKED_SAID: AtomicBool = AtomicBool::new(false);
+
+/// `cuMemAllocAsync(size, stream)` on device `ordinal`: `Some(Ok(ptr))` served, `Some(Err(code))`
+/// answered with an error, `None` the driver's. `stream` is the raw handle as the engine names
+/// streams (the per-thread default stream already mapped).
+pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int>> {
+    let st = state();
+    if !st.cfg.serve_pools || size == 0 || !st.managing() {
+        return None;
+    }
+    if possum_cuda::introspect::is_capturing(stream).unwrap_or(true) {
+        return None;
+    }
+    crate::session::wait_if_paused();
+    let _r = Reentry::enter();
+    let eng = st.engine_or_create(ordinal, || SUCCESS).ok()?;
+    let len = size.checked_next_multiple_of(ALIGN)?;
+    let mut pools = POOLS.lock();
+    let pool = pools
+        .get_or_insert_with(HashMap::new)
+        .entry(ordinal)
+        .or_default();
+    reclaim(&eng, pool);
+    let made = if len >= SLAB / 2 {
+        eng.engine.alloc(len).map(|b| {
+            let va = b.va().0;
+            (
+                va,
+                Block {
+                    buffer: va,
+                    len,
+                    own: true,
+                },
+            )
+        })
+    } else {
+        carve(&eng, pool, len)
+    };
+    match made {
+        Ok((ptr, block)) => {
+            pool.live.insert(ptr, block);
+            drop(pools);
+            SERVED.fetch_add(1, Ordering::Relaxed);
+            if block.own {
+                st.counters.managed_allocs.fetch_add(1, Ordering::Relaxed);
+                st.allocations_changed(true);
+            }
+            Some(Ok(ptr))
+        }
+        Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => {
+            Some(Err(OUT_OF_MEMORY))
+        }
+        Err(e) => {
+            crate::log(&format!(
+                "cuMemAllocAsync of {size} bytes: {e}; the driver's pool serves it"
+            ));
+            None
+        }
+    }
+}
+
+/// `len` bytes from a slab with room, or from a new one: (address, block).
+fn carve(eng: &DevEngine, pool: &mut DevicePool, len: u64) -> Result<(u64, Block), EngineError> {
+    let fit = pool
+        .slabs
+        .iter_mut()
+        .find_map(|(&va, s)| s.take(len).map(|off| (va, off)));
+    let (slab_va, off) = match fit {
+        Some(f) => f,
+        None => {
+            let b = eng.engine.alloc(SLAB)?;
+            let va = b.va().0;
+            let mut s = Slab::new(SLAB);
+            let off = s
+                .take(len)
+                .expect("an empty slab holds less than half of it");
+            pool.slabs.insert(va, s);
+            state().allocations_changed(true);
+            state()
+                .counters
+                .managed_allocs
+                .fetch_add(1, Ordering::Relaxed);
+            (va, off)
+        }
+    };
+    Ok((
+        slab_va + off,
+        Block {
+            buffer: slab_va,
+            len,
+            own: false,
+        },
+    ))
+}
+
+/// Blocks whose free has completed go back to their slabs (or their buffers to the engine).
+fn reclaim(eng: &DevEngine, pool: &mut DevicePool) {
+    let dev = eng.engine.device();
+    let mut i = 0;
+    while i < pool.pending.len() {
+        let done = match &pool.pending[i].0 {
+            Some(ev) => dev.event_query(ev).unwrap_or(false),
+            None => false,
+        };
+        if done {
+            let (_, ptr, block) = pool.pending.swap_remove(i);
+            give_back(eng, pool, ptr, block);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+/// `block` at `ptr` free again.
+fn give_back(eng: &DevEngine, pool: &mut DevicePool, ptr: u64, block: Block) {
+    let st = state();
+    if block.own {
+        if let Err(e) = eng.engine.free(DevPtr(block.buffer)) {
+            crate::log(&format!("freeing a stream-ordered block at {ptr:#x}: {e}"));
+        }
+        st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
+        st.allocations_changed(false);
+        return;
+    }
+    let Some(s) = pool.slabs.get_mut(&block.buffer) else {
+        return;
+    };
+    s.put(ptr - block.buffer, block.len);
+    let empty: Vec<u64> = pool
+        .slabs
+        .iter()
+        .filter(|(_, s)| s.used == 0)
+        .map(|(&va, _)| va)
+        .collect();
+    for va in empty.into_iter().skip(SPARE_SLABS) {
+        if eng.engine.free(DevPtr(va)).is_ok() {
+            pool.slabs.remove(&va);
+            st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
+            st.allocations_changed(false);
+        }
+    }
+}
+
+/// Whether `ptr` is a block possum serves (live).
+pub fn is_served(ptr: u64) -> bool {
+    find(ptr).is_some()
+}
+
+/// The device of a served `ptr`, if it is one.
+fn find(ptr: u64) -> Option<usize> {
+    POOLS
+        .lock()
+        .as_ref()?
+        .iter()
+        .find(|(_, p)| p.live.contains_key(&ptr))
+        .map(|(&o, _)| o)
+}
+
+/// `cuMemFreeAsync(ptr, stream)` of a served block: reusable once `stream` reaches this point.
+/// `None`: not served here (the driver's).
+pub fn free_async(ptr: u64, stream: u64) -> Option<c_int> {
+    let ordinal = find(ptr)?;
+    let st = state();
+    let eng = st.engine(ordinal)?;
+    let _r = Reentry::enter();
+    let event = if possum_cuda::introspect::is_capturing(stream).unwrap_or(true) {
+        if !LEAKED_SAID.swap(true, Ordering::Relaxed) {
+            crate::log(
+                "cuMemFreeAsync of a block possum serves on a stream being captured into a graph: \
+                 the block is not reused (a graph's free runs when the graph does)",
+            );
+        }
+        None
+    } else {
+        let s = eng.stream(stream);
+        match eng.engine.device().record_event(&s) {
+            Ok(ev) => Some(ev),
+            Err(e) => {
+                crate::log(&format!(
+                    "cuMemFreeAsync({ptr:#x}): no event ({e}); waiting for the stream"
+                ));
+                let _ = eng.engine.device().synchronize(&s);
+                return free_now(ptr);
+            }
+        }
+    };
+    let mut pools = POOLS.lock();
+    let pool = pools.as_mut()?.get_mut(&ordinal)?;
+    let block = pool.live.remove(&ptr)?;
+    pool.pending.push((event, ptr, block));
+    Some(SUCCESS)
+}
+
+/// `cuMemFree_v2` / `cudaFree` of a served block (the caller has synchronised): free at once.
+/// `None`: not served here.
+pub fn free_now(ptr: u64) -> Option<c_int> {
+    let ordinal = find(ptr)?;
+    let eng = state().engine(ordinal)?;
+    let _r = Reentry::enter();
+    let mut pools = POOLS.lock();
+    let pool = pools.as_mut()?.get_mut(&ordinal)?;
+    let block = pool.live.remove(&ptr)?;
+    give_back(&eng, pool, ptr, block);
+    Some(SUCCESS)
+}
+
+/// For `possum status`: what is served now.
+pub fn stats_json() -> serde_json::Value {
+    let pools = POOLS.lock();
+    let (slabs, live, pending, bytes) = pools.as_ref().map_or((0, 0, 0, 0), |m| {
+        m.values().fold((0, 0, 0, 0u64), |(s, l, p, b), d| {
+            (
+                s + d.slabs.len(),
+                l + d.live.len(),
+                p + d.pending.len(),
+                b + d.live.values().map(|x| x.len).sum::<u64>(),
+            )
+        })
+    });
+    serde_json::json!({
+        "serving": state().cfg.serve_pools,
+        "allocations_served": SERVED.load(Ordering::Relaxed),
+        "slabs": slabs,
+        "blocks_live": live,
+        "blocks_pending_free": pending,
+        "bytes_live": bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// First fit, and freed ranges joined with their neighbours, so a slab emptied piece by piece
+    /// in any order is one free range again.
+    #[test]
+    fn a_slab_hands_out_first_fit_and_joins_what_is_freed() {
+        let mut s = Slab::new(4096);
+        let a = s.take(1024).unwrap();
+        let b = s.take(1024).unwrap();
+        let c = s.take(1024).unwrap();
+        assert_eq!((a, b, c), (0, 1024, 2048));
+        assert_eq!(s.used, 3072);
+        assert_eq!(s.take(2048), None, "1024 bytes left");
+        s.put(b, 1024);
+        assert_eq!(s.take(512), Some(1024), "the first range that fits");
+        s.put(1024, 512);
+        s.put(a, 1024);
+        assert_eq!(
+            s.free.get(&0),
+            Some(&2048),
+            "joined on both sides: {:?}",
+            s.free
+        );
+        s.put(c, 1024);
+        assert_eq!(s.free.len(), 1, "{:?}", s.free);
+        assert_eq!(s.free.get(&0), Some(&4096));
+        assert_eq!(s.used, 0);
+    }
+}
