@@ -101,8 +101,10 @@ impl Slab {
 struct DevicePool {
     slabs: BTreeMap<u64, Slab>,
     live: HashMap<u64, Block>,
-    /// Freed in stream order, reusable once the event completed (`None`: never).
-    pending: Vec<(Option<CudaEvent>, u64, Block)>,
+    /// Freed in stream order, reusable once the event completed.
+    pending: Vec<(CudaEvent, u64, Block)>,
+    /// Bytes freed on a capturing stream: never reused.
+    lost: u64,
 }
 
 static POOLS: Mutex<Option<HashMap<usize, DevicePool>>> = Mutex::new(None);
@@ -202,23 +204,25 @@ fn carve(eng: &DevEngine, pool: &mut DevicePool, len: u64) -> Result<(u64, Block
     ))
 }
 
-/// Blocks whose free has completed go back to their slabs (or their buffers to the engine).
+/// Blocks whose free has completed go back to their slabs (or their buffers to the engine),
+/// the oldest first, asking the driver about at most [`RECLAIM_QUERIES`] events per allocation.
 fn reclaim(eng: &DevEngine, pool: &mut DevicePool) {
     let dev = eng.engine.device();
     let mut i = 0;
-    while i < pool.pending.len() {
-        let done = match &pool.pending[i].0 {
-            Some(ev) => dev.event_query(ev).unwrap_or(false),
-            None => false,
-        };
-        if done {
-            let (_, ptr, block) = pool.pending.swap_remove(i);
+    let mut asked = 0;
+    while i < pool.pending.len() && asked < RECLAIM_QUERIES {
+        asked += 1;
+        if dev.event_query(&pool.pending[i].0).unwrap_or(false) {
+            let (_, ptr, block) = pool.pending.remove(i);
             give_back(eng, pool, ptr, block);
         } else {
             i += 1;
         }
     }
 }
+
+/// Events [`reclaim`] asks about per allocation.
+const RECLAIM_QUERIES: usize = 64;
 
 /// `block` at `ptr` free again.
 fn give_back(eng: &DevEngine, pool: &mut DevicePool, ptr: u64, block: Block) {
@@ -296,7 +300,10 @@ pub fn free_async(ptr: u64, stream: u64) -> Option<c_int> {
     let mut pools = POOLS.lock();
     let pool = pools.as_mut()?.get_mut(&ordinal)?;
     let block = pool.live.remove(&ptr)?;
-    pool.pending.push((event, ptr, block));
+    match event {
+        Some(ev) => pool.pending.push((ev, ptr, block)),
+        None => pool.lost += block.len,
+    }
     Some(SUCCESS)
 }
 
@@ -316,15 +323,17 @@ pub fn free_now(ptr: u64) -> Option<c_int> {
 /// For `possum status`: what is served now.
 pub fn stats_json() -> serde_json::Value {
     let pools = POOLS.lock();
-    let (slabs, live, pending, bytes) = pools.as_ref().map_or((0, 0, 0, 0), |m| {
-        m.values().fold((0, 0, 0, 0u64), |(s, l, p, b), d| {
-            (
-                s + d.slabs.len(),
-                l + d.live.len(),
-                p + d.pending.len(),
-                b + d.live.values().map(|x| x.len).sum::<u64>(),
-            )
-        })
+    let (slabs, live, pending, bytes, lost) = pools.as_ref().map_or((0, 0, 0, 0, 0), |m| {
+        m.values()
+            .fold((0, 0, 0, 0u64, 0u64), |(s, l, p, b, x), d| {
+                (
+                    s + d.slabs.len(),
+                    l + d.live.len(),
+                    p + d.pending.len(),
+                    b + d.live.values().map(|x| x.len).sum::<u64>(),
+                    x + d.lost,
+                )
+            })
     });
     serde_json::json!({
         "serving": state().cfg.serve_pools,
@@ -333,6 +342,7 @@ pub fn stats_json() -> serde_json::Value {
         "blocks_live": live,
         "blocks_pending_free": pending,
         "bytes_live": bytes,
+        "bytes_lost_to_captures": lost,
     })
 }
 
