@@ -34,9 +34,8 @@
 #       total, restore to the first step, time until every buffer is back (the restored job's
 #       possum.session.last.restore), image size. Saved after every run.
 #       -> $OUT/figures.json, $OUT/figures.md, $OUT/ckpt-figures.jsonl, $OUT/ckpt-logs.tgz
-#   Expandable segments served by possum (POSSUM_SERVE_VMM=1, off by default, not yet run on the
-#   GPU): bash scripts/gpu-ckpt.sh correctness --engines possum-keeper,possum-keeper-kill \
-#       --jobs mlp+vmm,gpt2+vmm --trials 4,2 (against mlp+expandable,gpt2+expandable: the stall)
+#   Expandable segments and cudaMallocAsync served by possum (POSSUM_SERVE_VMM=1 / _POOLS=1, off
+#   by default, not yet run on the GPU): job suffixes +vmm and +pools (scripts/gpu-next.sh).
 #   Engines (--engines): possum, possum-hold, driver, gpu-only; suffixes -frozen, -cupti (job with
 #   POSSUM_HOOKS=cupti, CUPTI at $CKPT_JOB_CUPTI or the torch venv's: only for --gpu-only/driver).
 #
