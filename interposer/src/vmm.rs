@@ -12,11 +12,12 @@
 //! is not the driver's. Every piece of a device is in one engine group ([`GROUP`]): a tensor
 //! may span pieces, so an operation that touches one is taken to touch all.
 //!
-//! Not served (passed to the driver as before): memory that is not plain device memory, asks for
-//! other handle types than a POSIX fd, compression or RDMA, a map of part of a handle or at an
-//! offset. Refused (`CUDA_ERROR_NOT_SUPPORTED`, said in the log): a token mapped twice, or again
-//! after its unmap (its contents would have to outlive the mapping), and a token given to a
-//! driver call possum does not wrap (the driver answers that it is not a handle).
+//! Tokens are answered for by `cuMemRelease`, `cuMemRetainAllocationHandle` (of an address in a
+//! piece) and `cuMemGetAllocationPropertiesFromHandle`. Not served (passed to the driver as
+//! before): memory that is not plain device memory, or that asks for other handle types than a
+//! POSIX fd, compression or RDMA. Refused (`CUDA_ERROR_NOT_SUPPORTED`, said in the log): a token
+//! mapped in part, at an offset, twice, or again after its unmap (its contents would have to
+//! outlive the mapping), and `cuMemExportToShareableHandle` of a token (CUDA IPC).
 
 use std::collections::HashMap;
 use std::ffi::c_int;
