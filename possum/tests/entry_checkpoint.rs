@@ -448,14 +448,7 @@ fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
     let mut job_env = env.to_vec();
     job_env.push(("FAKE_VMM_HANDLE_CHECKS", "1"));
     let mut job = job_at_step_5(dir, "job", Some(&lib), &job_env);
-    let sockets = dir.join("sockets");
-    let st = possum_control::request(
-        job.pid as u32,
-        &sockets,
-        &possum_control::Request::Status,
-        WAIT,
-    )
-    .unwrap();
+    let st = job_status(&job, dir);
     let vmm = &st["possum"]["vmm"];
     assert_eq!(vmm["pieces_mapped_now"], 2, "{st}");
     assert_eq!(vmm["handles_live"], 2, "{st}");
@@ -464,24 +457,60 @@ fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
     assert_eq!(st["possum"]["unmanaged"]["allocations"], 0, "{st}");
 
     let img = dir.join("img");
-    let v = checkpoint_left_running(dir, job.pid, &img, &job);
-    assert!(
-        v["release_report"]["released_bytes"].as_u64().unwrap_or(0) >= 4 << 20,
-        "B's pieces were not released: {v}"
-    );
-    goes_on_like(&mut job, dir, "left", &want, "left running");
+    left_running_after_releasing(dir, &mut job, &img, &want, 4 << 20);
 
+    // At its end, possum's handles unmapped and released and the range freed ("bye" only if
+    // all succeeded).
+    killed_restored_goes_on(dir, &mut job, &img, &want, 4);
+}
+
+/// `job`'s `possum status` (libpossum's own answer).
+fn job_status(job: &Job, dir: &Path) -> Value {
+    possum_control::request(
+        job.pid as u32,
+        &dir.join("sockets"),
+        &possum_control::Request::Status,
+        WAIT,
+    )
+    .unwrap()
+}
+
+/// `possum checkpoint --leave-running` of `job` into `img`, which released at least `bytes` of
+/// its buffers; the job then goes on like the reference (`want`).
+fn left_running_after_releasing(
+    dir: &Path,
+    job: &mut Job,
+    img: &Path,
+    want: &[Vec<u8>; 2],
+    bytes: u64,
+) {
+    let v = checkpoint_left_running(dir, job.pid, img, job);
+    let released = v["release_report"]["released_bytes"].as_u64().unwrap_or(0);
+    assert!(
+        released >= bytes,
+        "{released} bytes released, not {bytes}: {v}"
+    );
+    goes_on_like(job, dir, "left", want, "left running");
+}
+
+/// `job` killed, restored from `img`: it goes on like the reference (`want`), `buffers` of its
+/// buffers back from the image, and exits cleanly.
+fn killed_restored_goes_on(
+    dir: &Path,
+    job: &mut Job,
+    img: &Path,
+    want: &[Vec<u8>; 2],
+    buffers: u64,
+) {
     let mut child = job.child.take().unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
-    let r = restore_json(dir, &img, &job);
+    let r = restore_json(dir, img, job);
     assert_eq!(r["pid"], job.pid, "{r}");
-    goes_on_like(&mut job, dir, "restored", &want, "restored");
-    let back = restored_buffers(job.pid as u32, &sockets);
-    assert_eq!(back["buffers"], 4, "{back}");
-    // Its end: possum's handles unmapped and released, the range freed ("bye" only if all
-    // succeeded).
-    finish_restored(&mut job);
+    goes_on_like(job, dir, "restored", want, "restored");
+    let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
+    assert_eq!(back["buffers"], buffers, "{back}");
+    finish_restored(job);
 }
 
 /// The same job with a keeper (`possum run`'s default): B's pieces are the keeper's memory, kept
@@ -571,17 +600,7 @@ fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
     let env = [("FAKE_ASYNC", "1"), ("POSSUM_SERVE_POOLS", "1")];
     let want = reference_run_with(dir, &env);
     let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
-    let sockets = dir.join("sockets");
-    let status = |job: &Job| {
-        possum_control::request(
-            job.pid as u32,
-            &sockets,
-            &possum_control::Request::Status,
-            WAIT,
-        )
-        .unwrap()
-    };
-    let st = status(&job);
+    let st = job_status(&job, dir);
     let pools = &st["possum"]["pools"];
     assert_eq!(pools["serving"], true, "{st}");
     assert_eq!(pools["slabs"], 1, "{st}");
@@ -591,14 +610,9 @@ fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
     assert_eq!(st["possum"]["unmanaged"]["allocations"], 0, "{st}");
 
     let img = dir.join("img");
-    let v = checkpoint_left_running(dir, job.pid, &img, &job);
-    assert!(
-        v["release_report"]["released_bytes"].as_u64().unwrap_or(0) >= 32 << 20,
-        "the slab was not released: {v}"
-    );
-    goes_on_like(&mut job, dir, "left", &want, "left running");
+    left_running_after_releasing(dir, &mut job, &img, &want, 32 << 20);
     // D's block in the same slab; the block freed before it reused or pending, none leaked.
-    let st = status(&job);
+    let st = job_status(&job, dir);
     let pools = &st["possum"]["pools"];
     assert_eq!(pools["slabs"], 1, "{st}");
     assert_eq!(pools["blocks_live"], 2, "C and D: {st}");
@@ -607,15 +621,7 @@ fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
         "C, the freed block, D: {st}"
     );
 
-    let mut child = job.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let r = restore_json(dir, &img, &job);
-    assert_eq!(r["pid"], job.pid, "{r}");
-    goes_on_like(&mut job, dir, "restored", &want, "restored");
-    let back = restored_buffers(job.pid as u32, &sockets);
-    assert_eq!(back["buffers"], 3, "{back}");
-    finish_restored(&mut job);
+    killed_restored_goes_on(dir, &mut job, &img, &want, 3);
 }
 
 /// A job whose stderr is a pipe to a process outside it (`possum run job 2>&1 | tee log`): CRIU
