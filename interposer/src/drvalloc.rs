@@ -241,7 +241,7 @@ fn stream_of(raw: u64, ptsz: bool) -> u64 {
 /// # Safety
 /// As `cuMemAllocAsync`: `dptr` is null or valid for a write.
 unsafe fn alloc_async(dptr: *mut u64, bytes: usize, stream: u64, ptsz: bool) -> Option<c_int> {
-    if dptr.is_null() {
+    if dptr.is_null() || !crate::pools::serving() {
         return None;
     }
     let ordinal = device()?;

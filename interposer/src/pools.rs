@@ -254,6 +254,11 @@ fn give_back(eng: &DevEngine, pool: &mut DevicePool, ptr: u64, block: Block) {
     }
 }
 
+/// Whether stream-ordered allocations are served (`POSSUM_SERVE_POOLS=1`).
+pub fn serving() -> bool {
+    state().cfg.serve_pools
+}
+
 /// Whether `ptr` is a block possum serves (live).
 pub fn is_served(ptr: u64) -> bool {
     find(ptr).is_some()
