@@ -626,7 +626,8 @@ fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
 
 /// A job whose stderr is a pipe to a process outside it (`possum run job 2>&1 | tee log`): CRIU
 /// would restore that pipe with nobody reading it. The restored job writes to `possum
-/// restore`'s own stderr instead (CRIU's inherit_fd), and goes on bit-exact.
+/// restore`'s own stderr instead (CRIU's inherit_fd), or to /dev/null when that is a pipe too,
+/// and goes on bit-exact.
 #[test]
 fn a_restored_job_whose_stderr_was_a_pipe_writes_to_the_restore_s() {
     let Some((tmp, lib)) = setup("stdio_pipe", "possum-stdio-pipe-") else {
@@ -663,27 +664,48 @@ fn a_restored_job_whose_stderr_was_a_pipe_writes_to_the_restore_s() {
             .is_some_and(|k| k.starts_with("pipe:[")),
         "{m}"
     );
-    // The restore's stderr is a pipe too, read here while the restored job holds it.
+    // Restored by a command whose stderr is itself a pipe (a script capturing it): the job's
+    // gets /dev/null instead (the script would otherwise wait for the job's end); it runs on.
     let (rd2, wr2) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
-    let restore = possum(dir)
+    let out = possum(dir)
         .args(["restore", "--json", "-D"])
         .arg(&img)
         .stdout(Stdio::piped())
         .stderr(Stdio::from(wr2))
-        .spawn()
+        .output()
         .unwrap();
-    let later = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut File::from(rd2), &mut s);
-        s
-    });
-    let out = restore.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["stdio_discarded"], serde_json::json!([2]), "{r}");
+    assert_eq!(r["stdio_from_restore"], serde_json::json!([]), "{r}");
+    job.pid = r["pid"].as_i64().unwrap() as i32;
+    let mut got = String::new();
+    let _ = std::io::Read::read_to_string(&mut File::from(rd2), &mut got);
+    assert!(!got.contains("possum: restore done"), "{got}");
+    job.run("step 1", "done 6");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(job.pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    possum_criu::wait_for_exit(job.pid, Some(WAIT)).unwrap();
+
+    // Restored again, by a command whose stderr is a file (a terminal would do the same): the
+    // job's stderr is that file, and it goes on bit-exact.
+    let log = dir.join("restore.stderr");
+    let out = possum(dir)
+        .args(["restore", "--json", "-D"])
+        .arg(&img)
+        .stdout(Stdio::piped())
+        .stderr(File::create(&log).unwrap())
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["stdio_from_restore"], serde_json::json!([2]), "{r}");
+    job.pid = r["pid"].as_i64().unwrap() as i32;
     restored_goes_on(&mut job, dir, &want);
-    // The job is gone: its end of the restore's stderr closed, the reader sees what it wrote.
-    let later = later.join().unwrap();
+    let later = std::fs::read_to_string(&log).unwrap();
     assert!(
         later.contains("possum: "),
         "the restored job's stderr did not reach the restore's: {later:?}"

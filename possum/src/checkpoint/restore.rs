@@ -77,17 +77,9 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     }
     // The job's standard descriptors that were pipes to a process outside its tree (`possum run
     // job | tee log`): CRIU would restore each with nobody at its other end, and the job's next
-    // write there would kill it (SIGPIPE); it gets this command's descriptor of that number.
-    let stdio_inherited: Vec<(i32, String)> = m
-        .stdio_pipes
-        .iter()
-        .filter(|(fd, _)| std::path::Path::new(&format!("/proc/self/fd/{fd}")).exists())
-        .cloned()
-        .collect();
-    opts.inherit_fds = stdio_inherited
-        .iter()
-        .map(|(fd, key)| (key.clone(), *fd))
-        .collect();
+    // write there would kill it (SIGPIPE).
+    let stdio = StdioPlan::new(&m.stdio_pipes)?;
+    opts.inherit_fds = stdio.inherit.clone();
     clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (when the GPUs are the job's own: the keeper sees the job's CUDA_VISIBLE_DEVICES).
@@ -137,7 +129,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         .is_some_and(|a| !a.is_empty());
     let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig,
                      "recreated_socket_dirs": recreated, "keeper_started": keeper_started,
-                     "stdio_from_restore": stdio_inherited.iter().map(|(fd, _)| *fd).collect::<Vec<_>>(),
+                     "stdio_from_restore": stdio.from_restore, "stdio_discarded": stdio.discarded,
                      "gpu_from_keeper": from_keeper, "resume_report": resumed});
     if a.json {
         println!("{out}");
@@ -190,4 +182,52 @@ fn start_keeper_for(k: &super::image::KeeperOfJob, pid: i32) -> Option<std::path
     })
     .ok()
     .map(|_| k.dir.clone())
+}
+
+/// What a restored job's standard descriptors that were pipes to outside its tree become: this
+/// command's descriptor of the same number (a terminal, a file: where the user runs the restore),
+/// or `/dev/null` when that is itself a pipe or closed (a script capturing this command's output
+/// would otherwise wait for the job to end, and `--json` would mix the job's output into it).
+struct StdioPlan {
+    /// CRIU's `inherit_fd`: (the pipe's name in the image, a descriptor here).
+    inherit: Vec<(String, std::os::fd::RawFd)>,
+    /// The job's descriptors given this command's.
+    from_restore: Vec<i32>,
+    /// The job's descriptors given `/dev/null`.
+    discarded: Vec<i32>,
+    /// The `/dev/null`s, open until CRIU has restored the job.
+    _null: Vec<fs::File>,
+}
+
+impl StdioPlan {
+    fn new(pipes: &[(i32, String)]) -> Result<StdioPlan> {
+        use std::os::fd::AsRawFd;
+        let mut plan = StdioPlan {
+            inherit: Vec::new(),
+            from_restore: Vec::new(),
+            discarded: Vec::new(),
+            _null: Vec::new(),
+        };
+        for (fd, key) in pipes {
+            let ours = fs::read_link(format!("/proc/self/fd/{fd}")).ok();
+            let usable = ours
+                .as_ref()
+                .and_then(|t| t.to_str())
+                .is_some_and(|t| !t.starts_with("pipe:["));
+            if usable {
+                plan.inherit.push((key.clone(), *fd));
+                plan.from_restore.push(*fd);
+            } else {
+                let null = fs::OpenOptions::new()
+                    .read(*fd == 0)
+                    .write(*fd != 0)
+                    .open("/dev/null")
+                    .context("opening /dev/null for the job's standard descriptors")?;
+                plan.inherit.push((key.clone(), null.as_raw_fd()));
+                plan.discarded.push(*fd);
+                plan._null.push(null);
+            }
+        }
+        Ok(plan)
+    }
 }
