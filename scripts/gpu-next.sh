@@ -6,8 +6,9 @@
 #      (--leave-running, the image restored too) and killed-and-restored from the keeper, against
 #      gpt2 with the driver copying that memory (+expandable, +async): the stall of each is in
 #      the rows;
-#   2. a job whose stdout is a pipe to the launching script, checkpointed, killed and restored:
-#      its restored self must keep writing to the restore's stdout (`stdio_from_restore`).
+#   2. a job whose stdout is a pipe to the launching script, checkpointed, killed and restored
+#      with the restore's stdout a file: its restored self must keep writing there
+#      (`stdio_from_restore`).
 # Writes $OUT/next-*.{jsonl,md,txt} (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,8 @@ W=/dev/shm/possum-next-pipe; rm -rf "$W"; mkdir -p "$W/sockets"
     timeout 120 .gpu/possum checkpoint "$pid" -D "$W/img" --json --socket-dir "$W/sockets" > "$W/ck.json" 2> "$W/ck.err"
     echo "checkpoint rc $? ($(head -c 300 "$W/ck.err"))"
     wait 2>/dev/null
-    timeout 120 .gpu/possum restore -D "$W/img" --json 2> "$W/restore.err" | cat > "$W/after.out" &
+    # The restore's stdout a file (a pipe would give the job /dev/null instead).
+    timeout 120 .gpu/possum restore -D "$W/img" --json 2> "$W/restore.err" > "$W/after.out" &
     sleep 20
     echo "restore JSON: $(head -c 400 "$W/after.out")"
     echo "lines the restored job wrote into the restore's stdout: $(($(wc -l < "$W/after.out") - 1))"
