@@ -453,14 +453,31 @@ impl<D: Device> Engine<D> {
 
     /// Allocates a managed, releasable buffer of `size` bytes.
     pub fn alloc(&self, size: u64) -> Result<Buffer, EngineError> {
-        let g = self.inner.dev.granularity();
-        let mapped = size.max(1).div_ceil(g) * g;
+        let mapped = self.granular(size);
         let va = self.inner.dev.reserve(mapped)?;
+        self.map_reserved(va, size, mapped, None)
+    }
+
+    /// `size` rounded up to the device's mapping granularity (at least one granule).
+    fn granular(&self, size: u64) -> u64 {
+        let g = self.inner.dev.granularity();
+        size.max(1).div_ceil(g) * g
+    }
+
+    /// Maps memory in the reservation `[va, va + mapped)` and registers it as a buffer of `size`
+    /// bytes (a member of `group` if given); on a failure the reservation is given back.
+    fn map_reserved(
+        &self,
+        va: DevPtr,
+        size: u64,
+        mapped: u64,
+        group: Option<u64>,
+    ) -> Result<Buffer, EngineError> {
         if let Err(e) = self.inner.dev.map(va, mapped) {
             let _ = self.inner.dev.unreserve(va, mapped);
             return Err(e.into());
         }
-        Ok(self.inner.reg.write().insert(va, size, mapped))
+        Ok(self.inner.reg.write().insert_in(va, size, mapped, group))
     }
 
     /// Maps a managed, releasable buffer of `size` bytes at `va`, inside an address range the job
@@ -469,18 +486,9 @@ impl<D: Device> Engine<D> {
     /// that touches one member is taken to touch them all (the job maps such a range piece by
     /// piece, and its data may span pieces).
     pub fn alloc_at(&self, va: DevPtr, size: u64, group: u64) -> Result<Buffer, EngineError> {
-        let g = self.inner.dev.granularity();
-        let mapped = size.max(1).div_ceil(g) * g;
+        let mapped = self.granular(size);
         self.inner.dev.adopt_reservation(va, mapped)?;
-        if let Err(e) = self.inner.dev.map(va, mapped) {
-            let _ = self.inner.dev.unreserve(va, mapped);
-            return Err(e.into());
-        }
-        Ok(self
-            .inner
-            .reg
-            .write()
-            .insert_in(va, size, mapped, Some(group)))
+        self.map_reserved(va, size, mapped, Some(group))
     }
 
     /// Frees the buffer starting at `va`. During a checkpoint, its contents are saved first.
@@ -861,6 +869,11 @@ impl<D: Device> Engine<D> {
         }
     }
 
+    /// The phase's name, as [`Stats::phase`] has it, without counting anything.
+    pub fn phase(&self) -> &'static str {
+        self.inner.phase.read().name()
+    }
+
     /// Current counters.
     pub fn stats(&self) -> Stats {
         let reg = self.inner.reg.read();
@@ -881,7 +894,7 @@ impl<D: Device> Engine<D> {
             hook_blocked_ns: u64::try_from(total.as_nanos()).unwrap_or(u64::MAX),
             hook_blocked_max_ns: u64::try_from(max.as_nanos()).unwrap_or(u64::MAX),
             stream_waits: c.stream_waits.load(Ordering::Relaxed),
-            phase: self.inner.phase.read().name(),
+            phase: self.phase(),
             tracking: self.tracking(),
         }
     }

@@ -12,10 +12,13 @@ use std::ffi::{c_int, c_uint};
 
 use crate::alloc::{self, Freed, Malloc};
 
-/// `CUDA_SUCCESS`, `CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_OUT_OF_MEMORY`.
-const SUCCESS: c_int = 0;
-const INVALID_VALUE: c_int = 1;
-const OUT_OF_MEMORY: c_int = 2;
+/// The driver's `CUresult` codes the served calls answer with (`CUDA_SUCCESS`,
+/// `CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_OUT_OF_MEMORY`, `CUDA_ERROR_NOT_SUPPORTED`); also
+/// `vmm.rs`'s and `pools.rs`'s.
+pub(crate) const SUCCESS: c_int = 0;
+pub(crate) const INVALID_VALUE: c_int = 1;
+pub(crate) const OUT_OF_MEMORY: c_int = 2;
+pub(crate) const NOT_SUPPORTED: c_int = 801;
 /// Row pitch alignment of `cuMemAllocPitch` served here: a multiple of every GPU's texture pitch
 /// alignment (`CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT`, 32 to 512).
 const PITCH_ALIGN: usize = 512;
@@ -88,14 +91,7 @@ pub unsafe fn serve_free(ptr: u64) -> Option<c_int> {
     if ptr == 0 {
         return None;
     }
-    if crate::pools::is_served(ptr) {
-        // cuMemFree frees a stream-ordered block once the device is done with it; through
-        // `alloc::free`, which synchronises first, as for cudaFree.
-        return match std::panic::catch_unwind(|| alloc::free(ptr)).unwrap_or(Freed::Failed) {
-            Freed::Done => Some(SUCCESS),
-            _ => Some(INVALID_VALUE),
-        };
-    }
+    // `alloc::free` also frees the stream-ordered blocks possum serves (`pools.rs`).
     match std::panic::catch_unwind(|| alloc::free(ptr)).unwrap_or(Freed::Failed) {
         Freed::Done => Some(SUCCESS),
         Freed::Failed => Some(INVALID_VALUE),

@@ -26,6 +26,7 @@ use possum_cuda::CudaEvent;
 use possum_engine::device::{DevPtr, Device};
 use possum_engine::EngineError;
 
+use crate::drvalloc::{OUT_OF_MEMORY, SUCCESS};
 use crate::runtime::{state, DevEngine, Reentry};
 
 /// Bytes of a slab.
@@ -34,9 +35,6 @@ pub const SLAB: u64 = 32 << 20;
 const ALIGN: u64 = 512;
 /// Empty slabs kept for the next allocations, per device.
 const SPARE_SLABS: usize = 2;
-
-const SUCCESS: c_int = 0;
-const OUT_OF_MEMORY: c_int = 2;
 
 /// A served block: where it is and what holds it.
 #[derive(Debug, Clone, Copy)]

@@ -393,7 +393,7 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
     // Devices whose buffers stay on the GPU with the keeper for a restore (not freed).
     let held: Vec<usize> = engines
         .iter()
-        .filter(|e| e.engine.stats().phase == "detached")
+        .filter(|e| e.engine.phase() == "detached")
         .map(|e| e.ordinal)
         .collect();
     // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
@@ -697,7 +697,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
     let mut attached = Vec::new();
     let mut from_image = Vec::new();
     for e in engines() {
-        if e.engine.stats().phase != "detached" {
+        if e.engine.phase() != "detached" {
             continue;
         }
         match e.engine.reattach() {
@@ -736,7 +736,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
     let hooks = crate::hooks_live();
     let mut out = Vec::new();
     for e in engines() {
-        if e.engine.stats().phase != "released" {
+        if e.engine.phase() != "released" {
             continue;
         }
         let Some(dir) = dir else {

@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use possum_engine::device::{DevPtr, Device};
 use possum_engine::EngineError;
 
+use crate::drvalloc::{INVALID_VALUE, NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS};
 use crate::runtime::{state, Reentry};
 
 /// The top 16 bits of every token.
@@ -34,11 +35,6 @@ pub const TOKEN_TAG: u64 = 0xb055 << 48;
 const TAG_MASK: u64 = 0xffff << 48;
 /// The engine group of every piece (one per device's engine).
 pub const GROUP: u64 = 1;
-
-const SUCCESS: c_int = 0;
-const INVALID_VALUE: c_int = 1;
-const OUT_OF_MEMORY: c_int = 2;
-const NOT_SUPPORTED: c_int = 801;
 
 /// A token's memory: its size, device, and where it is mapped.
 #[derive(Debug)]

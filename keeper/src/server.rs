@@ -322,9 +322,7 @@ impl Inner {
                         pid: a.pid,
                         retained: true,
                         epoch: a.epoch,
-                        hold_until: (a.hold_secs > 0)
-                            .then(|| Instant::now().checked_add(Duration::from_secs(a.hold_secs)))
-                            .flatten(),
+                        hold_until: hold_until(a.hold_secs),
                     },
                 );
                 Ok((ok, None))
@@ -390,9 +388,7 @@ impl Inner {
                 }
                 a.retained = true;
                 a.epoch = epoch;
-                a.hold_until = (hold_secs > 0)
-                    .then(|| Instant::now().checked_add(Duration::from_secs(hold_secs)))
-                    .flatten();
+                a.hold_until = hold_until(hold_secs);
                 Ok((ok, None))
             }
             Request::Reclaim { id, epoch } => {
@@ -488,6 +484,13 @@ impl Inner {
         }
         s
     }
+}
+
+/// Until when memory held `secs` seconds after its process is gone is kept (0: not held).
+fn hold_until(secs: u64) -> Option<Instant> {
+    (secs > 0)
+        .then(|| Instant::now().checked_add(Duration::from_secs(secs)))
+        .flatten()
 }
 
 /// [`alive`] asked once per process in one pass over the allocations.

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::unistd::Pid;
+use possum_keeper::KEEPER_ENV;
 
 /// The environment variable naming libpossum.so (after `--lib`).
 const LIB_ENV: &str = "POSSUM_LIB";
@@ -169,8 +170,6 @@ pub fn run(a: &RunArgs) -> Result<u8> {
     drop(keeper);
     Ok(exit_code(status))
 }
-
-use possum_keeper::KEEPER_ENV;
 
 /// A keeper started for one job; ended (and its directory removed) when dropped.
 struct KeeperChild {

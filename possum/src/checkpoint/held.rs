@@ -77,13 +77,7 @@ impl HeldHandles {
             return out;
         }
         let t = std::time::Instant::now();
-        let started = crate::keeper::start(&keeper.dir, pid, |cmd| {
-            match &keeper.cuda_visible_devices {
-                Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
-                None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
-            };
-        });
-        let child = match started {
+        let child = match keeper.start_keeper(pid) {
             Ok(c) => c,
             Err(e) => {
                 out["keeper_restart_error"] = json!(format!("{e:#}"));

@@ -74,6 +74,19 @@ pub struct KeeperOfJob {
     pub cuda_visible_devices: Option<String>,
 }
 
+impl KeeperOfJob {
+    /// Starts a keeper in its directory for the job `pid` (ending when the job does), seeing the
+    /// devices the job sees, and returns it once it listens ([`crate::keeper::start`]).
+    pub fn start_keeper(&self, pid: i32) -> Result<std::process::Child> {
+        crate::keeper::start(&self.dir, pid, |cmd| {
+            match &self.cuda_visible_devices {
+                Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
+                None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
+            };
+        })
+    }
+}
+
 /// The check of `m` ([`Manifest::check`] ignored).
 fn manifest_check(m: &Manifest) -> Result<String> {
     let bare = Manifest {

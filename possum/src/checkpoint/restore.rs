@@ -174,14 +174,7 @@ fn start_keeper_for(k: &super::image::KeeperOfJob, pid: i32) -> Option<std::path
     if possum_keeper::Keeper::connect(&possum_keeper::socket_of(&k.dir, 0)).is_ok() {
         return None;
     }
-    crate::keeper::start(&k.dir, pid, |cmd| {
-        match &k.cuda_visible_devices {
-            Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
-            None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
-        };
-    })
-    .ok()
-    .map(|_| k.dir.clone())
+    k.start_keeper(pid).ok().map(|_| k.dir.clone())
 }
 
 /// What a restored job's standard descriptors that were pipes to outside its tree become: this
