@@ -10,8 +10,8 @@ lines.
 Jobs: the workloads of workloads/gpu/jobs.py, `ptrtable` and `lcuda` (CUDA C, built by
 gpu-ckpt.sh), and a torch workload with an allocator setting: `JOB+expandable`
 (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or `JOB+async` (backend:cudaMallocAsync), or
-`JOB+vmm` (expandable segments served by possum: POSSUM_SERVE_VMM=1), or `JOB+pools`
-(cudaMallocAsync served by possum: POSSUM_SERVE_POOLS=1).
+`JOB+vmm` / `JOB+pools` (expandable segments / cudaMallocAsync served by possum, its default, said
+explicitly), or `JOB+expandable-driver` / `JOB+async-driver` (that memory left to the driver).
 
 Engines (variants; `ENGINE_HELP`): `possum` (the job under libpossum.so with its default hooks,
 the driver's entry points, and `possum checkpoint` with no engine flag), `possum-hold` (the job
@@ -88,12 +88,15 @@ def wait_gone(pid, timeout):
 
 # PYTORCH_CUDA_ALLOC_CONF of a job spec's allocator suffix (`mlp+expandable`).
 ALLOC_CONF = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
-# Suffixes with more than an allocator setting: `JOB+vmm` is expandable segments whose pieces
-# possum serves (POSSUM_SERVE_VMM=1, interposer/src/vmm.rs).
-# `JOB+pools` is backend:cudaMallocAsync whose allocations possum serves (POSSUM_SERVE_POOLS=1,
-# interposer/src/pools.rs).
+# Suffixes with more than an allocator setting. libpossum serves both allocators by default
+# (interposer/src/vmm.rs, pools.rs), so `+expandable` and `+async` are served; `JOB+vmm` and
+# `JOB+pools` say so explicitly (POSSUM_SERVE_VMM=1 / POSSUM_SERVE_POOLS=1), and
+# `JOB+expandable-driver` / `JOB+async-driver` leave that memory to the driver (=0), whose
+# checkpoint then copies it: the comparison.
 ALLOC_ENV = {"vmm": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "POSSUM_SERVE_VMM": "1"},
-             "pools": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "POSSUM_SERVE_POOLS": "1"}}
+             "pools": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "POSSUM_SERVE_POOLS": "1"},
+             "expandable-driver": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "POSSUM_SERVE_VMM": "0"},
+             "async-driver": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "POSSUM_SERVE_POOLS": "0"}}
 # Jobs that are programs built by scripts/gpu-ckpt.sh into WORK (argv: steps, log, sleep ms).
 C_JOBS = ("ptrtable", "lcuda")
 CUPTI = "/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13"
@@ -360,7 +363,9 @@ def trial(spec, engine, k, steps, sleep_ms, n):
                          "held_for_restore": (cj.get("release_report") or {}).get("held_for_restore"),
                          "stderr": ck["stderr"] if ck["rc"] else None}
     try:
-        p.wait(timeout=600)
+        # A failed checkpoint may leave the job paused (its buffers released and not back): 30 s
+        # to go on, not the run's 600.
+        p.wait(timeout=600 if ck["rc"] == 0 else 30)
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()

@@ -174,6 +174,8 @@ class Variants(unittest.TestCase):
         self.assertEqual(ckpt.job_spec("gpt2+vmm"), ("gpt2", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                                                               "POSSUM_SERVE_VMM": "1"}))
         self.assertEqual(ckpt.job_spec("mlp+pools")[1]["POSSUM_SERVE_POOLS"], "1")
+        self.assertEqual(ckpt.job_spec("gpt2+async-driver"), ("gpt2", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync",
+                                                                       "POSSUM_SERVE_POOLS": "0"}))
         self.assertEqual(ckpt.job_spec("cnn+garbage_collection_threshold:0.6"),
                          ("cnn", {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}))
         with self.assertRaises(ValueError):

@@ -42,6 +42,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGet",
     "cuDeviceGetName",
     "cuDeviceGetUuid_v2",
+    "cuDeviceGetAttribute",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
@@ -349,7 +350,25 @@ fn device_location(dev: CUdevice) -> sys::CUmemLocation {
     }
 }
 
-/// Properties of plain device memory on `dev`: pinned (not migratable), no shareable handle.
+/// Whether `dev` supports GPUDirect RDMA on memory made with `cuMemCreate`
+/// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`); asked once per device, an
+/// error read as no.
+fn rdma_capable(dev: CUdevice) -> bool {
+    static ASKED: std::sync::Mutex<Vec<(CUdevice, bool)>> = std::sync::Mutex::new(Vec::new());
+    let mut asked = ASKED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, yes)) = asked.iter().find(|(d, _)| *d == dev) {
+        return yes;
+    }
+    let mut v = 0;
+    let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED;
+    let yes = call!(cuDeviceGetAttribute(&mut v, attr, dev)).is_ok() && v != 0;
+    asked.push((dev, yes));
+    yes
+}
+
+/// Properties of plain device memory on `dev`: pinned (not migratable), no shareable handle,
+/// GPUDirect RDMA capable where the device can be (as `cudaMalloc`'s memory is, and as PyTorch's
+/// expandable segments ask for theirs).
 fn device_alloc_prop(dev: CUdevice) -> sys::CUmemAllocationProp {
     device_alloc_prop_with(dev, sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE)
 }
@@ -366,7 +385,7 @@ pub(crate) fn device_alloc_prop_with(
         win32HandleMetaData: ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
             compressionType: 0,
-            gpuDirectRDMACapable: 0,
+            gpuDirectRDMACapable: u8::from(rdma_capable(dev)),
             usage: 0,
             reserved: [0; 4],
         },

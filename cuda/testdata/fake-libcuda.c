@@ -52,6 +52,9 @@ int cuDriverGetVersion(int* v){ *v=13000; return 0; }
 int cuDeviceGetCount(int* n){ *n=1; return 0; }
 int cuDeviceGet(int* d, int o){ if(o!=0) return 101; *d=0; return 0; }
 int cuDeviceGetName(char* n, int len, int d){ strncpy(n, "Fake GPU", len); return 0; }
+// Device attributes: only CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED (110), yes
+// as on the H100; any other is CUDA_ERROR_INVALID_VALUE.
+int cuDeviceGetAttribute(int* v, int attr, int d){ if(!v || d!=0 || attr!=110) return 1; *v=1; return 0; }
 // A UUID per ordinal (FAKE_UUID_SALT, when set, changes them: "another machine's" devices).
 int cuDeviceGetUuid_v2(unsigned char* u, int d){
   const char* salt = getenv("FAKE_UUID_SALT");
@@ -337,7 +340,7 @@ int cuCheckpointProcessGetRestoreThreadId(int pid, int* tid){
 int cuGetProcAddress(const char* sym, void** pfn, int ver, ull flags);
 int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status);
 #define EXPORTS(X) X(cuGetErrorString) X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) \
-  X(cuDeviceGet) X(cuDeviceGetName) X(cuDeviceGetUuid_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2) \
+  X(cuDeviceGet) X(cuDeviceGetName) X(cuDeviceGetAttribute) X(cuDeviceGetUuid_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2) \
   X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetStreamPriorityRange) X(cuCtxSynchronize) \
   X(cuCtxGetDevice) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocPitch_v2) X(cuMemAllocAsync) \
   X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \

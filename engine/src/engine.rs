@@ -492,7 +492,13 @@ impl<D: Device> Engine<D> {
     }
 
     /// Frees the buffer starting at `va`. During a checkpoint, its contents are saved first.
+    ///
+    /// The free is inside the op gate from the phase it reads to the unmap: a session fixing T0
+    /// (which closes the gate) then either picks the buffer before the free starts, and the free
+    /// waits for its copy, or after it is gone. The caller must not be inside the gate itself
+    /// (the interposer frees before any hook admits the call).
     pub fn free(&self, va: DevPtr) -> Result<(), EngineError> {
+        let _gate = self.enter_op();
         let buf = self
             .inner
             .reg

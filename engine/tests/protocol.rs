@@ -1016,3 +1016,42 @@ fn a_write_to_one_piece_of_a_group_copies_every_piece() {
     assert_eq!(again.va(), b.va());
     assert_eq!(again.group(), Some(1));
 }
+
+/// A buffer freed while a pre-copy round or checkpoint starts (cudaMallocAsync frees its large
+/// blocks all the time, `interposer/src/pools.rs`): either the session never sees it, or the free
+/// waits until its copy is done. Before the free entered the op gate, a free that had read the
+/// phase as idle could unmap a buffer the starting round had just picked, and the round's copy
+/// failed (on the H100: cuMemcpyDtoHAsync_v2 CUDA_ERROR_INVALID_VALUE in GPT-2's pre-copy).
+#[test]
+fn buffers_freed_while_rounds_start_never_fail_a_round() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let e = Arc::new(engine(small_cfg(1 << 12, 4, 0)));
+    let keep: Vec<_> = (0..2).map(|_| e.alloc(1 << 12).unwrap()).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn: Vec<_> = (0..2)
+        .map(|_| {
+            let (e, stop) = (e.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let b = e.alloc(1 << 12).unwrap();
+                    e.free(b.va()).unwrap();
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    for round in 0..300 {
+        let store = Arc::new(MemStore::default());
+        e.mark_all_dirty();
+        if let Err(err) = e.precopy_round(store) {
+            stop.store(true, Ordering::Relaxed);
+            panic!("round {round}: {err}");
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let freed: u64 = churn.into_iter().map(|t| t.join().unwrap()).sum();
+    assert!(freed > 0);
+    assert_eq!(e.buffers().len(), keep.len());
+}

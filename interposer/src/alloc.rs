@@ -40,7 +40,6 @@ pub fn malloc(
     init: impl FnOnce() -> i32,
 ) -> Malloc {
     let st = state();
-    crate::session::wait_if_paused();
     let m = serve(st, size, device, init);
     if m == Malloc::Fallback {
         st.counters.fallback_allocs.fetch_add(1, Ordering::Relaxed);
@@ -64,7 +63,12 @@ fn serve(
     let Ok(eng) = st.engine_or_create(ordinal, init) else {
         return Malloc::Fallback;
     };
-    match eng.engine.alloc(size) {
+    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`).
+    let made = {
+        let _g = crate::session::admit(&eng);
+        eng.engine.alloc(size)
+    };
+    match made {
         Ok(b) => {
             st.counters.managed_allocs.fetch_add(1, Ordering::Relaxed);
             st.allocations_changed(true);

@@ -118,13 +118,16 @@ pub unsafe fn serve_create(
     let p = unsafe { std::slice::from_raw_parts(prop, 32) };
     let word = |o: usize| u32::from_ne_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
     // type PINNED (1); requestedHandleTypes NONE (0) or POSIX_FILE_DESCRIPTOR (1); location
-    // DEVICE (1) and its id; win32HandleMetaData null; allocFlags: compressionType,
-    // gpuDirectRDMACapable, usage all 0.
+    // DEVICE (1) and its id; win32HandleMetaData null; allocFlags: compressionType 0,
+    // gpuDirectRDMACapable 0 or 1 (PyTorch asks for it where the device supports it, and the
+    // engine's memory has it there: possum-cuda's `device_alloc_prop`), usage 0.
     let plain = word(0) == 1
         && word(4) <= 1
         && word(8) == 1
         && p[16..24].iter().all(|&b| b == 0)
-        && p[24..28].iter().all(|&b| b == 0)
+        && p[24] == 0
+        && p[25] <= 1
+        && p[26..28].iter().all(|&b| b == 0)
         && flags == 0;
     let mut whole = [0u8; crate::vmm::PROP_LEN];
     whole.copy_from_slice(p);

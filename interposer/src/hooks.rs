@@ -281,7 +281,7 @@ pub fn pointer_query(ctx: u64, ptr: u64) {
     let Some(e) = engine_of(st, ctx) else {
         return;
     };
-    let g = e.engine.enter_op();
+    let g = crate::session::admit(e);
     if !g.tracking() {
         return;
     }
@@ -329,7 +329,7 @@ fn admit(eng: Option<&'static DevEngine>, stream: u64) -> Option<OpGuard<'static
             .fetch_add(1, Ordering::Relaxed);
     }
     e.with_stream(stream, |_| ());
-    Some(e.engine.enter_op())
+    Some(crate::session::admit(e))
 }
 
 /// Whether an admitted operation is resolved: while the engine tracks, or in a sampling window.

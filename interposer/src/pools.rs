@@ -120,16 +120,27 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
     if possum_cuda::introspect::is_capturing(stream).unwrap_or(true) {
         return None;
     }
-    crate::session::wait_if_paused();
     let _r = Reentry::enter();
     let eng = st.engine_or_create(ordinal, || SUCCESS).ok()?;
     let len = size.checked_next_multiple_of(ALIGN)?;
+    // Blocks whose free has completed first: freeing their buffers enters the engine's gate,
+    // which the admission below must not hold yet.
+    {
+        let mut pools = POOLS.lock();
+        let pool = pools
+            .get_or_insert_with(HashMap::new)
+            .entry(ordinal)
+            .or_default();
+        reclaim(&eng, pool);
+    }
+    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`): a slab made
+    // after T0 would be released without being in the image.
+    let _g = crate::session::admit(&eng);
     let mut pools = POOLS.lock();
     let pool = pools
         .get_or_insert_with(HashMap::new)
         .entry(ordinal)
         .or_default();
-    reclaim(&eng, pool);
     let made = if len >= SLAB / 2 {
         eng.engine.alloc(len).map(|b| {
             let va = b.va().0;

@@ -43,10 +43,10 @@ pub struct Config {
     /// (`POSSUM_TRIM_CONTEXT`, default on).
     pub trim_context: bool,
     /// Serve the job's own virtual-memory mappings (`cuMemCreate` + `cuMemMap`: PyTorch's
-    /// expandable segments) with engine buffers (`POSSUM_SERVE_VMM`, default off; `vmm.rs`).
+    /// expandable segments) with engine buffers (`POSSUM_SERVE_VMM`, default on; `vmm.rs`).
     pub serve_vmm: bool,
     /// Serve stream-ordered allocations (`cuMemAllocAsync`: `cudaMallocAsync`, PyTorch's
-    /// `backend:cudaMallocAsync`) from engine buffers (`POSSUM_SERVE_POOLS`, default off;
+    /// `backend:cudaMallocAsync`) from engine buffers (`POSSUM_SERVE_POOLS`, default on;
     /// `pools.rs`).
     pub serve_pools: bool,
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
@@ -115,8 +115,8 @@ impl Config {
             staging_mib,
             staging_park: flag("POSSUM_STAGING_PARK", true),
             trim_context: flag("POSSUM_TRIM_CONTEXT", true),
-            serve_vmm: flag("POSSUM_SERVE_VMM", false),
-            serve_pools: flag("POSSUM_SERVE_POOLS", false),
+            serve_vmm: flag("POSSUM_SERVE_VMM", true),
+            serve_pools: flag("POSSUM_SERVE_POOLS", true),
             writers,
             restorers,
             dag: flag("POSSUM_DAG", true),

@@ -30,6 +30,9 @@ use possum_engine::image::{Image, ImageWriter, WriterOptions};
 use possum_engine::store::ChunkSink;
 use serde_json::{json, Value};
 
+use possum_cuda::CudaDevice;
+use possum_engine::OpGuard;
+
 use crate::park;
 use crate::runtime::{state_if_created, DevEngine};
 
@@ -82,6 +85,27 @@ pub fn wait_if_paused() {
     }
 }
 
+/// Enters `e`'s op gate for an operation or an allocation of the job, never while the job is
+/// paused. A thread that passed [`wait_if_paused`] just before a pause began, and reaches the gate
+/// after the T0 that pause fixed (the session closes the gate for it), backs out and waits: what
+/// the job does after T0 must not reach the engine until the resume (an allocation made then
+/// would be released without being in the image; a launch would run on after T0 while the job
+/// is held). One that entered before the gate closed is waited for, and so is before T0.
+/// Hold the guard until the operation is enqueued or the buffer made; the caller must not be
+/// inside the gate already (so no [`possum_engine::Engine::free`] while holding it).
+pub fn admit(e: &DevEngine) -> OpGuard<'_, CudaDevice> {
+    loop {
+        wait_if_paused();
+        let g = e.engine.enter_op();
+        // SeqCst, as the gate's own operations: a thread that found the gate open after the
+        // session closed it (and opened it again) finds the pause that came before.
+        if !PAUSED.load(Ordering::SeqCst) {
+            return g;
+        }
+        drop(g);
+    }
+}
+
 #[cold]
 fn wait_slow() {
     let t = Instant::now();
@@ -98,7 +122,7 @@ fn wait_slow() {
 
 fn set_paused(p: bool) {
     let _g = PAUSE_LOCK.lock();
-    PAUSED.store(p, Ordering::Release);
+    PAUSED.store(p, Ordering::SeqCst);
     if !p {
         PAUSE_CV.notify_all();
     }

@@ -15,7 +15,9 @@
 //! Tokens are answered for by `cuMemRelease`, `cuMemRetainAllocationHandle` (of an address in a
 //! piece) and `cuMemGetAllocationPropertiesFromHandle`. Not served (passed to the driver as
 //! before): memory that is not plain device memory, or that asks for other handle types than a
-//! POSIX fd, compression or RDMA. Refused (`CUDA_ERROR_NOT_SUPPORTED`, said in the log): a token
+//! POSIX fd, or compression (`possum status` counts them, with the first one's properties).
+//! GPUDirect RDMA may be asked for: the engine's memory is RDMA capable where the device
+//! supports it. Refused (`CUDA_ERROR_NOT_SUPPORTED`, said in the log): a token
 //! mapped in part, at an offset, twice, or again after its unmap (its contents would have to
 //! outlive the mapping), and `cuMemExportToShareableHandle` of a token (CUDA IPC).
 
@@ -58,6 +60,9 @@ static TOKENS: Mutex<Option<HashMap<u64, Token>>> = Mutex::new(None);
 static NEXT: AtomicU64 = AtomicU64::new(1);
 static MAPPED: AtomicU64 = AtomicU64::new(0);
 static CREATED: AtomicU64 = AtomicU64::new(0);
+/// `cuMemCreate`s left to the driver while serving, and the first one's properties (so that
+/// `possum status` says why a job's pieces are the driver's).
+static LEFT: Mutex<(u64, Option<[u8; PROP_LEN]>)> = Mutex::new((0, None));
 
 /// Whether `handle` is one of possum's tokens.
 pub fn is_token(handle: u64) -> bool {
@@ -71,8 +76,8 @@ pub struct Ask {
     pub ordinal: usize,
     /// The whole `CUmemAllocationProp`.
     pub prop: [u8; PROP_LEN],
-    /// Plain pinned device memory, at most a POSIX fd asked for as handle type, no compression,
-    /// RDMA or usage flags, and `flags` 0: what the engine's memory is.
+    /// Plain pinned device memory, at most a POSIX fd asked for as handle type, no compression
+    /// or usage flags (RDMA capable or not), and `flags` 0: what the engine's memory is.
     pub plain: bool,
 }
 
@@ -80,7 +85,13 @@ pub struct Ask {
 /// error, `None` left to the driver.
 pub fn create(size: u64, ask: Ask) -> Option<Result<u64, c_int>> {
     let st = state();
-    if !st.cfg.serve_vmm || !ask.plain || size == 0 || !st.managing() {
+    if !st.cfg.serve_vmm || size == 0 || !st.managing() {
+        return None;
+    }
+    if !ask.plain {
+        let mut left = LEFT.lock();
+        left.0 += 1;
+        left.1.get_or_insert(ask.prop);
         return None;
     }
     let _r = Reentry::enter();
@@ -119,8 +130,17 @@ pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c
         return None;
     }
     let st = state();
-    crate::session::wait_if_paused();
     let _r = Reentry::enter();
+    let ordinal = TOKENS
+        .lock()
+        .as_ref()
+        .and_then(|m| m.get(&handle))
+        .map(|t| t.ordinal);
+    let Some(eng) = ordinal.and_then(|o| st.engine(o)) else {
+        return Some(INVALID_VALUE);
+    };
+    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`).
+    let _g = crate::session::admit(&eng);
     let mut tokens = TOKENS.lock();
     let Some(t) = tokens.as_mut().and_then(|m| m.get_mut(&handle)) else {
         return Some(INVALID_VALUE);
@@ -133,9 +153,6 @@ pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c
         ));
         return Some(NOT_SUPPORTED);
     }
-    let Some(eng) = st.engine(t.ordinal) else {
-        return Some(INVALID_VALUE);
-    };
     match eng.engine.alloc_at(DevPtr(va), size, GROUP) {
         Ok(_) => {
             t.mapped = Some(va);
@@ -302,11 +319,14 @@ pub fn stats_json() -> serde_json::Value {
     let (live, mapped_now) = TOKENS.lock().as_ref().map_or((0, 0), |m| {
         (m.len(), m.values().filter(|t| t.mapped.is_some()).count())
     });
+    let left = *LEFT.lock();
     serde_json::json!({
         "serving": state().cfg.serve_vmm,
         "handles_made": CREATED.load(Ordering::Relaxed),
         "handles_live": live,
         "pieces_mapped_now": mapped_now,
         "pieces_mapped": MAPPED.load(Ordering::Relaxed),
+        "left_to_driver": left.0,
+        "left_to_driver_first_prop": left.1.map(|p| p.iter().map(|b| format!("{b:02x}")).collect::<String>()),
     })
 }

@@ -56,8 +56,16 @@ const CALLS: &[(&str, &str, u64)] = &[
 ];
 
 /// Calls possum answers itself (engine buffers): they never reach the driver, so CUPTI would not
-/// see them, and the wrappers do not count them beside it.
-const SERVED: &[&str] = &["cuMemAlloc_v2", "cuMemFree_v2"];
+/// see them, and the wrappers do not count them beside it. The stream-ordered and VMM ones are
+/// served by default (`POSSUM_SERVE_POOLS`, `POSSUM_SERVE_VMM`).
+const SERVED: &[&str] = &[
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemAllocAsync",
+    "cuMemFreeAsync",
+    "cuMemCreate",
+    "cuMemMap",
+];
 
 /// Kernel launches among [`CALLS`].
 const LAUNCHES: u64 = 11;
@@ -193,8 +201,14 @@ fn assert_counts(stats: &Value, counted: bool) {
 }
 
 /// What every mode shares: the lookups answered with possum's wrappers (the pointer swap works
-/// whatever the hooks), allocations served by the engine.
+/// whatever the hooks), allocations served by the engine: the four `cuMemAlloc_v2` (freed), and
+/// unless `POSSUM_SERVE_POOLS=0` / `POSSUM_SERVE_VMM=0` the two `cuMemAllocAsync` (from one slab)
+/// and the VMM piece.
 fn assert_swapped_and_served(stats: &Value) {
+    assert_swapped_and_served_with(stats, true);
+}
+
+fn assert_swapped_and_served_with(stats: &Value, allocators_served: bool) {
     let e = &stats["entry"];
     // cuLaunchKernel, cuLaunchCooperativeKernel, cuMemcpyDtoH_v2, cuGetProcAddress_v2,
     // cuGetProcAddress.
@@ -204,14 +218,26 @@ fn assert_swapped_and_served(stats: &Value) {
     // cuCtxSynchronize, not wrapped (the unknown name failed: nothing to hand out).
     assert_eq!(e["passed_proc_address"], 1, "{stats}");
     assert_eq!(e["unmatched"], json!([]), "{stats}");
-    let c = &stats["possum"]["counters"];
-    assert_eq!(c["managed_allocs"], 4, "{stats}");
-    assert_eq!(c["managed_frees"], 4, "{stats}");
-    assert_eq!(c["fallback_allocs"], 0, "{stats}");
+    let p = &stats["possum"];
+    let c = &p["counters"];
     assert_eq!(
-        stats["possum"]["engines"][0]["engine"]["buffers"], 0,
+        c["managed_allocs"],
+        if allocators_served { 6 } else { 4 },
         "{stats}"
     );
+    assert_eq!(c["managed_frees"], 4, "{stats}");
+    assert_eq!(c["fallback_allocs"], 0, "{stats}");
+    // The pools' slab and the VMM piece.
+    let buffers = if allocators_served { 2 } else { 0 };
+    assert_eq!(p["engines"][0]["engine"]["buffers"], buffers, "{stats}");
+    assert_eq!(p["pools"]["serving"], allocators_served, "{stats}");
+    assert_eq!(p["vmm"]["serving"], allocators_served, "{stats}");
+    if allocators_served {
+        assert_eq!(p["pools"]["allocations_served"], 2, "{stats}");
+        assert_eq!(p["pools"]["blocks_live"], 1, "{stats}");
+        assert_eq!(p["vmm"]["pieces_mapped_now"], 1, "{stats}");
+        assert_eq!(p["vmm"]["left_to_driver"], 0, "{stats}");
+    }
 }
 
 /// By default the hooks run in the wrappers: every call counted under the name the job reached,
@@ -243,12 +269,34 @@ fn every_way_to_the_driver_is_seen_through_the_entry_points() {
     assert_eq!(stats["distinct_functions"], 2, "{stats}");
     assert_eq!(p["session"]["hooks_live"], true, "{stats}");
     assert_eq!(p["session"]["cupti_attached"], false, "{stats}");
+    // What possum does not serve: the managed memory, and a kernel on it.
+    assert_eq!(
+        p["unmanaged"]["by_kind"],
+        json!({"cuMemAllocManaged": {"allocations": 1, "bytes": N * 4}}),
+        "{stats}"
+    );
+    assert_eq!(c["unmanaged_allocs"], 1, "{stats}");
+    assert_eq!(c["launches_unmanaged"], 1, "{stats}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With `POSSUM_SERVE_POOLS=0` and `POSSUM_SERVE_VMM=0` the stream-ordered and VMM allocations
+/// stay the driver's, and possum tracks them by kind (as it does managed memory always).
+#[test]
+fn allocations_left_to_the_driver_are_tracked_by_kind() {
+    let Some(dir) = setup("unserved") else { return };
+    let stats = run_checked(
+        &dir,
+        &[("POSSUM_SERVE_POOLS", "0"), ("POSSUM_SERVE_VMM", "0")],
+    );
+    assert_counts(&stats, true);
+    assert_swapped_and_served_with(&stats, false);
+    let c = &stats["possum"]["counters"];
     // The allocations the job kept to the end: one of each kind possum does not serve (the
     // other cuMemAllocAsync was freed, and forgotten).
-    let u = &p["unmanaged"];
     let kb = N * 4;
     assert_eq!(
-        u["by_kind"],
+        stats["possum"]["unmanaged"]["by_kind"],
         json!({
             "cuMemAllocAsync": {"allocations": 1, "bytes": kb},
             "cuMemMap": {"allocations": 1, "bytes": 2 << 20},

@@ -85,6 +85,13 @@ fn managed(v: &Value) -> String {
             vmm["pieces_mapped_now"].as_u64().unwrap_or(0),
             vmm["handles_live"].as_u64().unwrap_or(0)
         ));
+        if let Some(n) = vmm["left_to_driver"].as_u64().filter(|&n| n > 0) {
+            s.push_str(&format!(
+                "    {n} cuMemCreate left to the driver (properties possum does not serve; the \
+                 first: {})\n",
+                vmm["left_to_driver_first_prop"].as_str().unwrap_or("?")
+            ));
+        }
     }
     let pools = &p["pools"];
     if pools["serving"] == true {
@@ -223,13 +230,18 @@ mod tests {
             "engines": [{"device": 0, "engine": {"buffers": 8, "bytes": 3u64 << 30,
                 "resident_bytes": 1u64 << 30, "dirty_bytes": 1u64 << 29, "phase": "released"}}],
             "unmanaged": {"allocations": 4, "bytes": 64u64 << 20},
-            "vmm": {"serving": true, "pieces_mapped_now": 2, "handles_live": 3},
+            "vmm": {"serving": true, "pieces_mapped_now": 2, "handles_live": 3,
+                    "left_to_driver": 1, "left_to_driver_first_prop": "0100"},
             "pools": {"serving": true, "blocks_live": 5, "bytes_live": 1u64 << 30, "slabs": 2,
                       "blocks_pending_free": 1},
             "session": {"paused": true, "busy": null, "cupti_attached": true}}});
         let s = summary(7, &v);
         assert!(
             s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles"),
+            "{s}"
+        );
+        assert!(
+            s.contains("1 cuMemCreate left to the driver (properties possum does not serve; the first: 0100)"),
             "{s}"
         );
         assert!(

@@ -452,6 +452,7 @@ fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
     let vmm = &st["possum"]["vmm"];
     assert_eq!(vmm["pieces_mapped_now"], 2, "{st}");
     assert_eq!(vmm["handles_live"], 2, "{st}");
+    assert_eq!(vmm["left_to_driver"], 0, "{st}");
     // A and C (cudaMalloc) and B's two pieces.
     assert_eq!(st["possum"]["engines"][0]["engine"]["buffers"], 4, "{st}");
     assert_eq!(st["possum"]["unmanaged"]["allocations"], 0, "{st}");

@@ -183,8 +183,9 @@ static uint32_t *vmm_filled(size_t n, uint32_t (*f)(size_t)) {
     if (!drv_reserve || !drv_addr_free || !drv_create || !drv_release || !drv_map || !drv_unmap ||
         !drv_set_access)
         die("no virtual-memory functions");
-    /* CUmemAllocationProp: pinned (1), no handle type, device (1) 0, nothing else. */
-    uint32_t prop[8] = {1, 0, 1, 0, 0, 0, 0, 0};
+    /* CUmemAllocationProp as PyTorch's expandable segments ask on an H100: pinned (1), a POSIX fd
+     * as handle type (1), device (1) 0, allocFlags.gpuDirectRDMACapable (byte 25) 1. */
+    uint32_t prop[8] = {1, 1, 1, 0, 0, 0, 0x100, 0};
     /* CUmemAccessDesc: device 0, read-write (3). */
     uint32_t access[3] = {1, 0, 3};
     if (drv_reserve(&vmm_base, 2 * PIECE, 0, 0, 0)) die("cuMemAddressReserve");
