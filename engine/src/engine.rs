@@ -230,6 +230,10 @@ pub(crate) struct Inner<D: Device> {
     pub reg: RwLock<Registry>,
     pub job_streams: RwLock<Vec<D::Stream>>,
     pub phase: RwLock<Phase<D>>,
+    /// Buffers the job freed while a checkpoint was being made (tracking on): its image may hold
+    /// them (copied before the free, as of T0), and the job no longer has them. A restore skips
+    /// them. Cleared when the next checkpoint starts tracking.
+    pub freed_since_tracking: parking_lot::Mutex<std::collections::HashSet<u64>>,
     pub pool: Arc<StagingPool<D>>,
     pub copy_streams: Vec<D::Stream>,
     pub prio: D::Stream,
@@ -414,6 +418,7 @@ impl<D: Device> Engine<D> {
                 reg: RwLock::new(Registry::default()),
                 job_streams: RwLock::new(Vec::new()),
                 phase: RwLock::new(Phase::Idle),
+                freed_since_tracking: Default::default(),
                 active: AtomicBool::new(false),
                 tracking: AtomicBool::new(false),
                 device_fence: AtomicBool::new(false),
@@ -508,10 +513,14 @@ impl<D: Device> Engine<D> {
             .cloned();
         let buf = buf.ok_or(EngineError::UnknownBuffer(va))?;
         let phase = self.inner.phase.read().clone();
+        let idle = matches!(phase, Phase::Idle);
         match phase {
             Phase::Checkpoint(s) => s.settle_before_free(&buf)?,
             Phase::Restore(s) => s.settle_before_free(&buf)?,
             Phase::Idle | Phase::Released | Phase::Detached => {}
+        }
+        if self.tracking() || !idle {
+            self.inner.freed_since_tracking.lock().insert(buf.id());
         }
         self.inner.reg.write().remove(va);
         match buf.residency() {
@@ -573,6 +582,7 @@ impl<D: Device> Engine<D> {
     /// was off went unrecorded. Called before a session closes the gate.
     fn start_tracking(&self) {
         if !self.inner.tracking.swap(true, Ordering::SeqCst) {
+            self.inner.freed_since_tracking.lock().clear();
             self.mark_all_dirty();
         }
     }

@@ -180,14 +180,20 @@ impl<D: Device> RestoreSession<D> {
         let mut slots = Vec::with_capacity(recs.len());
         {
             let reg = inner.reg.read();
+            let freed = inner.freed_since_tracking.lock().clone();
             for r in &recs {
-                let buf = reg
-                    .get(r.id)
-                    .cloned()
-                    .ok_or_else(|| EngineError::ImageMismatch {
+                let Some(buf) = reg.get(r.id).cloned() else {
+                    // Saved, then freed by the job while the checkpoint was being made (after
+                    // its copy, or after T0 by a thread already past the pause): nothing of the
+                    // job refers to it any more.
+                    if freed.contains(&r.id) {
+                        continue;
+                    }
+                    return Err(EngineError::ImageMismatch {
                         id: r.id,
                         why: "the job has no such buffer".into(),
-                    })?;
+                    });
+                };
                 if buf.va().0 != r.va || buf.size() != r.size {
                     return Err(EngineError::ImageMismatch {
                         id: r.id,

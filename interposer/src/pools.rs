@@ -120,6 +120,8 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
     if possum_cuda::introspect::is_capturing(stream).unwrap_or(true) {
         return None;
     }
+    // A paused job frees nothing (its buffers may be released, and in its image).
+    crate::session::wait_if_paused();
     let _r = Reentry::enter();
     let eng = st.engine_or_create(ordinal, || SUCCESS).ok()?;
     let len = size.checked_next_multiple_of(ALIGN)?;
