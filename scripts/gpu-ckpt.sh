@@ -34,8 +34,9 @@
 #       total, restore to the first step, time until every buffer is back (the restored job's
 #       possum.session.last.restore), image size. Saved after every run.
 #       -> $OUT/figures.json, $OUT/figures.md, $OUT/ckpt-figures.jsonl, $OUT/ckpt-logs.tgz
-#   Expandable segments and cudaMallocAsync served by possum (POSSUM_SERVE_VMM=1 / _POOLS=1, off
-#   by default, not yet run on the GPU): job suffixes +vmm and +pools (scripts/gpu-next.sh).
+#   Expandable segments and cudaMallocAsync are served by possum by default (`+expandable`,
+#   `+async`; `+vmm` / `+pools` say so explicitly); `+expandable-driver` / `+async-driver` leave
+#   that memory to the driver (POSSUM_SERVE_VMM=0 / POSSUM_SERVE_POOLS=0), for comparison.
 #   Engines (--engines): possum, possum-hold, driver, gpu-only; suffixes -frozen, -cupti (job with
 #   POSSUM_HOOKS=cupti, CUPTI at $CKPT_JOB_CUPTI or the torch venv's: only for --gpu-only/driver).
 #

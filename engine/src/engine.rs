@@ -232,7 +232,7 @@ pub(crate) struct Inner<D: Device> {
     pub phase: RwLock<Phase<D>>,
     /// Buffers the job freed while a checkpoint was being made (tracking on): its image may hold
     /// them (copied before the free, as of T0), and the job no longer has them. A restore skips
-    /// them. Cleared when the next checkpoint starts tracking.
+    /// them. Cleared when tracking stops (the restore is done) or starts again.
     pub freed_since_tracking: parking_lot::Mutex<std::collections::HashSet<u64>>,
     pub pool: Arc<StagingPool<D>>,
     pub copy_streams: Vec<D::Stream>,
@@ -595,6 +595,7 @@ impl<D: Device> Engine<D> {
         match &*p {
             Phase::Idle => {
                 self.inner.tracking.store(false, Ordering::SeqCst);
+                self.inner.freed_since_tracking.lock().clear();
                 Ok(())
             }
             other => Err(EngineError::Busy {

@@ -1,5 +1,5 @@
 //! The driver's allocation entry points, served by the engine like `cudaMalloc`:
-//! `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`; and with `POSSUM_SERVE_VMM=1` the
+//! `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`; and (unless `POSSUM_SERVE_VMM=0`) the
 //! job's own virtual-memory mappings, `cuMemCreate`, `cuMemMap`, `cuMemUnmap`, `cuMemRelease`
 //! (`vmm.rs`). Their wrappers (`entry`, which hands
 //! them out for every way a job reaches the driver) ask these first; `None` sends the call on to

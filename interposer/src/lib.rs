@@ -5,8 +5,8 @@
 //! [`entry::ENTRIES`], one per callback of [`cbid::CALLBACKS`]), and counts them and the distinct
 //! kernels launched; serves the job's `cudaMalloc`/`cudaFree` (`cudart`, `alloc`) and the driver's
 //! `cuMemAlloc_v2`/`cuMemAllocPitch_v2`/`cuMemFree_v2` (`drvalloc`) from the engine, and when
-//! asked the job's own virtual-memory mappings (`vmm`, `POSSUM_SERVE_VMM=1`) and stream-ordered
-//! allocations (`pools`, `POSSUM_SERVE_POOLS=1`); resolves each
+//! (unless turned off) the job's own virtual-memory mappings (`vmm`, `POSSUM_SERVE_VMM`) and
+//! stream-ordered allocations (`pools`, `POSSUM_SERVE_POOLS`); resolves each
 //! operation's buffers and calls the engine's hook before it (`hooks`); and answers the control
 //! socket, checkpoint sessions included (`control`, `session`). ARCHITECTURE.md ("interposer")
 //! has the design.

@@ -1,5 +1,5 @@
-//! Stream-ordered allocation served by the engine (`POSSUM_SERVE_POOLS=1`; off by default until
-//! measured on the GPU): `cuMemAllocAsync` and `cuMemFreeAsync` (and their `_ptsz` forms), what
+//! Stream-ordered allocation served by the engine (by default; `POSSUM_SERVE_POOLS=0` turns it
+//! off): `cuMemAllocAsync` and `cuMemFreeAsync` (and their `_ptsz` forms), what
 //! `cudaMallocAsync` / `cudaFreeAsync` and PyTorch's `backend:cudaMallocAsync` use. Without it
 //! that memory is the driver's pool's, which NVIDIA's checkpoint copies while the job is held.
 //!
@@ -265,7 +265,7 @@ fn give_back(eng: &DevEngine, pool: &mut DevicePool, ptr: u64, block: Block) {
     }
 }
 
-/// Whether stream-ordered allocations are served (`POSSUM_SERVE_POOLS=1`).
+/// Whether stream-ordered allocations are served (`POSSUM_SERVE_POOLS`, on by default).
 pub fn serving() -> bool {
     state().cfg.serve_pools
 }

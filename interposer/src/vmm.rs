@@ -1,5 +1,5 @@
 //! The virtual-memory calls a job makes to build its own growable address ranges, served by the
-//! engine (`POSSUM_SERVE_VMM=1`; off by default until measured on the GPU): PyTorch's expandable
+//! engine (by default; `POSSUM_SERVE_VMM=0` turns it off): PyTorch's expandable
 //! segments reserve a range (`cuMemAddressReserve`, left to the driver), then per piece make
 //! memory (`cuMemCreate`), map it (`cuMemMap`) and allow access (`cuMemSetAccess`, left to the
 //! driver: the range is mapped), and later unmap (`cuMemUnmap`) and release (`cuMemRelease`) it.
@@ -301,7 +301,7 @@ pub fn props(handle: u64) -> Option<Result<[u8; PROP_LEN], c_int>> {
 
 /// `cuMemExportToShareableHandle` of a token: refused. Its memory is the engine's, made anew at
 /// each restore, so a handle another process held would not follow it (CUDA IPC of served
-/// memory is not supported; run such a job without `POSSUM_SERVE_VMM`). `None`: not a token.
+/// memory is not supported; run such a job with `POSSUM_SERVE_VMM=0`). `None`: not a token.
 pub fn export(handle: u64) -> Option<c_int> {
     if !is_token(handle) {
         return None;
