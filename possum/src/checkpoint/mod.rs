@@ -851,7 +851,11 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     })();
     if let Err(e) = after {
         guard.undo();
-        return Err(e.context("the image is complete, but the job could not be resumed"));
+        return Err(e.context(format!(
+            "the image is complete, but the job could not be resumed: if it is still paused, \
+             end it and bring it back with `possum restore -D {}`",
+            a.dir.display()
+        )));
     }
     guard.done();
     // Durable only now, with the job running again: nothing was fsynced while it was paused.
