@@ -218,10 +218,15 @@ fn carve(eng: &DevEngine, pool: &mut DevicePool, len: u64) -> Result<(u64, Block
 /// Blocks whose free has completed go back to their slabs (or their buffers to the engine),
 /// the oldest first, asking the driver about at most [`RECLAIM_QUERIES`] events per allocation.
 fn reclaim(eng: &DevEngine, pool: &mut DevicePool) {
+    reclaim_some(eng, pool, RECLAIM_QUERIES);
+}
+
+/// [`reclaim`], asking about at most `queries` events.
+fn reclaim_some(eng: &DevEngine, pool: &mut DevicePool, queries: usize) {
     let dev = eng.engine.device();
     let mut i = 0;
     let mut asked = 0;
-    while i < pool.pending.len() && asked < RECLAIM_QUERIES {
+    while i < pool.pending.len() && asked < queries {
         asked += 1;
         if dev.event_query(&pool.pending[i].0).unwrap_or(false) {
             let (_, ptr, block) = pool.pending.remove(i);
@@ -291,6 +296,8 @@ pub fn free_async(ptr: u64, stream: u64) -> Option<c_int> {
     let ordinal = find(ptr)?;
     let st = state();
     let eng = st.engine(ordinal)?;
+    // A paused job does nothing on the GPU (the driver may hold its lock meanwhile).
+    crate::session::wait_if_paused();
     let _r = Reentry::enter();
     let event = if possum_cuda::introspect::is_capturing(stream).unwrap_or(true) {
         if !LEAKED_SAID.swap(true, Ordering::Relaxed) {
@@ -320,8 +327,14 @@ pub fn free_async(ptr: u64, stream: u64) -> Option<c_int> {
         Some(ev) => pool.pending.push((ev, ptr, block)),
         None => pool.lost += block.len,
     }
+    // A few of the oldest frees back too, so that a job freeing faster than it allocates does
+    // not pile them up (GPT-2 small had 446 waiting at one moment).
+    reclaim_some(&eng, pool, FREE_RECLAIM_QUERIES);
     Some(SUCCESS)
 }
+
+/// Events a `cuMemFreeAsync` asks about.
+const FREE_RECLAIM_QUERIES: usize = 4;
 
 /// `cuMemFree_v2` / `cudaFree` of a served block (the caller has synchronised): free at once.
 /// `None`: not served here.
