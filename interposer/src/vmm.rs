@@ -306,11 +306,18 @@ pub fn export(handle: u64) -> Option<c_int> {
     if !is_token(handle) {
         return None;
     }
-    crate::log(&format!(
-        "cuMemExportToShareableHandle of possum's handle {handle:#x}: not supported (memory \
-         possum serves is not shared with other processes; POSSUM_SERVE_VMM=0 leaves it to the \
-         driver)"
-    ));
+    // Said once whether or not POSSUM_VERBOSE is set: the job's own error (NCCL's, say, whose
+    // buffers are made this way and shared with its peers) would not say why.
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "possum: cuMemExportToShareableHandle of possum's handle {handle:#x}: not supported \
+             (memory possum serves is not shared with other processes); run this job with \
+             POSSUM_SERVE_VMM=0 to leave such memory to the driver"
+        );
+    }
     Some(NOT_SUPPORTED)
 }
 

@@ -453,6 +453,13 @@ fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
     assert_eq!(vmm["pieces_mapped_now"], 2, "{st}");
     assert_eq!(vmm["handles_live"], 2, "{st}");
     assert_eq!(vmm["left_to_driver"], 0, "{st}");
+    // The refused export (FAKE_VMM_HANDLE_CHECKS) is said on stderr, verbose or not, with the way out.
+    assert!(
+        job.log()
+            .contains("run this job with POSSUM_SERVE_VMM=0 to leave such memory to the driver"),
+        "{}",
+        job.log()
+    );
     // A and C (cudaMalloc) and B's two pieces.
     assert_eq!(st["possum"]["engines"][0]["engine"]["buffers"], 4, "{st}");
     assert_eq!(st["possum"]["unmanaged"]["allocations"], 0, "{st}");
