@@ -215,6 +215,19 @@ impl CudaDevice {
         self
     }
 
+    /// A POSIX fd of the memory mapped at `va` (a mapping's start), for another process to import
+    /// (CUDA IPC): its owner's (a keeper's) fd. Memory of this process's own has none
+    /// (`Unsupported`): it is made without a shareable handle type.
+    pub fn share(&self, va: DevPtr) -> DeviceResult<std::os::fd::OwnedFd> {
+        let id = self.tables.lock().owned.get(&va.0).copied();
+        match (self.owner.as_ref(), id) {
+            (Some(owner), Some(id)) => owner.share(id),
+            _ => Err(DeviceError::Unsupported(
+                "share: memory of this process's own, not a keeper's (no shareable handle)",
+            )),
+        }
+    }
+
     /// What the memory's owner holds for this process (a keeper), if the memory has one; with
     /// how many of this device's mappings are the owner's and how many its own.
     pub fn owner_status(&self) -> Option<(OwnerStatus, usize, usize)> {

@@ -54,6 +54,9 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     /// Frees kept memory, only if it is still kept with `epoch` (memory a later checkpoint of
     /// this process kept under the same id is left alone).
     fn release_kept(&self, id: u64, epoch: u64) -> DeviceResult<()>;
+    /// A new fd for memory `id` of this process's, in use, to hand to another process (CUDA
+    /// IPC of memory possum serves).
+    fn share(&self, id: u64) -> DeviceResult<OwnedFd>;
     /// Whether the owner answers now (a connection is opened if none is).
     fn alive(&self) -> bool;
     /// What it holds for this process.

@@ -183,12 +183,29 @@ pub unsafe fn serve_release(handle: u64) -> Option<c_int> {
     std::panic::catch_unwind(|| crate::vmm::release(handle)).unwrap_or(Some(INVALID_VALUE))
 }
 
-/// `cuMemExportToShareableHandle` of a token of possum's: refused; `None`: the driver's.
+/// `cuMemExportToShareableHandle` of a token of possum's: a POSIX fd of its memory, from the
+/// keeper that owns it (`vmm::export`); `None`: the driver's.
 ///
 /// # Safety
-/// As `cuMemExportToShareableHandle` (nothing is written for a token).
-pub unsafe fn serve_export(_out: u64, handle: u64, _kind: c_uint, _flags: u64) -> Option<c_int> {
-    crate::vmm::export(handle)
+/// As `cuMemExportToShareableHandle`: `out` is null or valid for writing the handle (an `int`
+/// for a POSIX fd).
+pub unsafe fn serve_export(out: u64, handle: u64, kind: c_uint, flags: u64) -> Option<c_int> {
+    let r = std::panic::catch_unwind(|| crate::vmm::export(handle, kind, flags))
+        .unwrap_or(Some(Err(INVALID_VALUE)))?;
+    Some(match r {
+        Ok(fd) if out != 0 => {
+            // SAFETY: non-null, valid for an int by the caller's contract (POSIX fd handles).
+            unsafe { (out as usize as *mut c_int).write(fd) };
+            SUCCESS
+        }
+        Ok(fd) => {
+            // Nowhere to put it: not the caller's, so closed here.
+            // SAFETY: `fd` was just made for this call and nobody else has it.
+            drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+            INVALID_VALUE
+        }
+        Err(code) => code,
+    })
 }
 
 /// `cuMemGetAllocationPropertiesFromHandle` of a token of possum's; `None`: the driver's.

@@ -17,13 +17,15 @@
 //! before): memory that is not plain device memory, or that asks for other handle types than a
 //! POSIX fd, or compression (`possum status` counts them, with the first one's properties).
 //! GPUDirect RDMA may be asked for: the engine's memory is RDMA capable where the device
-//! supports it. Refused (`CUDA_ERROR_NOT_SUPPORTED`, said in the log): a token
-//! mapped in part, at an offset, twice, or again after its unmap (its contents would have to
-//! outlive the mapping), and `cuMemExportToShareableHandle` of a token (CUDA IPC).
+//! supports it. `cuMemExportToShareableHandle` of a mapped token (CUDA IPC, e.g. NCCL's buffers
+//! shared with its peers) hands out a POSIX fd of its memory from the keeper ([`export`]).
+//! Refused (`CUDA_ERROR_NOT_SUPPORTED`, said in the log): a token mapped in part, at an offset,
+//! twice, or again after its unmap (its contents would have to outlive the mapping), and an
+//! export without a keeper (said on stderr).
 
 use std::collections::HashMap;
-use std::ffi::c_int;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ffi::{c_int, c_uint};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use possum_engine::device::{DevPtr, Device};
@@ -60,6 +62,8 @@ static TOKENS: Mutex<Option<HashMap<u64, Token>>> = Mutex::new(None);
 static NEXT: AtomicU64 = AtomicU64::new(1);
 static MAPPED: AtomicU64 = AtomicU64::new(0);
 static CREATED: AtomicU64 = AtomicU64::new(0);
+/// Handles exported (`cuMemExportToShareableHandle`) through the keeper.
+static SHARED: AtomicU64 = AtomicU64::new(0);
 /// `cuMemCreate`s left to the driver while serving, and the first one's properties (so that
 /// `possum status` says why a job's pieces are the driver's).
 static LEFT: Mutex<(u64, Option<[u8; PROP_LEN]>)> = Mutex::new((0, None));
@@ -299,26 +303,52 @@ pub fn props(handle: u64) -> Option<Result<[u8; PROP_LEN], c_int>> {
     )
 }
 
-/// `cuMemExportToShareableHandle` of a token: refused. Its memory is the engine's, made anew at
-/// each restore, so a handle another process held would not follow it (CUDA IPC of served
-/// memory is not supported; run such a job with `POSSUM_SERVE_VMM=0`). `None`: not a token.
-pub fn export(handle: u64) -> Option<c_int> {
+/// `cuMemExportToShareableHandle(handle, kind, flags)` of a token: for a piece mapped now whose
+/// memory is a keeper's (`possum run`'s default), a new POSIX fd of that memory from the keeper
+/// (`kind` 1, `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`), for the job to hand to another process
+/// (NCCL shares its buffers with its peers on one host so). The memory stays the same across
+/// possum's checkpoints left running (kept with the keeper while the job is held); a restore
+/// from an image makes it anew, and what another process imported before is not it. Refused
+/// (`CUDA_ERROR_NOT_SUPPORTED`, said once on stderr): a token not mapped, memory of the job's
+/// own (no keeper), another handle type. `None`: not a token.
+pub fn export(handle: u64, kind: c_uint, flags: u64) -> Option<Result<c_int, c_int>> {
     if !is_token(handle) {
         return None;
     }
-    // Said once whether or not POSSUM_VERBOSE is set: the job's own error (NCCL's, say, whose
-    // buffers are made this way and shared with its peers) would not say why.
-    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let st = state();
+    let _r = Reentry::enter();
+    let at = TOKENS
+        .lock()
+        .as_ref()
+        .and_then(|m| m.get(&handle))
+        .map(|t| (t.ordinal, t.mapped));
+    let Some((ordinal, mapped)) = at else {
+        return Some(Err(INVALID_VALUE));
+    };
+    let why = match (kind, flags, mapped, st.engine(ordinal)) {
+        (1, 0, Some(va), Some(eng)) => match eng.engine.device().share(DevPtr(va)) {
+            Ok(fd) => {
+                SHARED.fetch_add(1, Ordering::Relaxed);
+                return Some(Ok(std::os::fd::IntoRawFd::into_raw_fd(fd)));
+            }
+            Err(e) => e.to_string(),
+        },
+        (1, 0, None, _) => "the handle is not mapped".to_string(),
+        (1, _, _, _) => format!("flags {flags:#x}"),
+        _ => format!("handle type {kind} (possum hands out POSIX fds only)"),
+    };
+    // Said once whether or not POSSUM_VERBOSE is set: the job's own error (NCCL's, say) would
+    // not say why.
+    static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
         use std::io::Write;
         let _ = writeln!(
             std::io::stderr(),
             "possum: cuMemExportToShareableHandle of possum's handle {handle:#x}: not supported \
-             (memory possum serves is not shared with other processes); run this job with \
-             POSSUM_SERVE_VMM=0 to leave such memory to the driver"
+             ({why}); run this job with POSSUM_SERVE_VMM=0 to leave such memory to the driver"
         );
     }
-    Some(NOT_SUPPORTED)
+    Some(Err(NOT_SUPPORTED))
 }
 
 /// For `possum status`: tokens made and live, pieces mapped now and ever.
@@ -333,6 +363,7 @@ pub fn stats_json() -> serde_json::Value {
         "handles_live": live,
         "pieces_mapped_now": mapped_now,
         "pieces_mapped": MAPPED.load(Ordering::Relaxed),
+        "handles_shared": SHARED.load(Ordering::Relaxed),
         "left_to_driver": left.0,
         "left_to_driver_first_prop": left.1.map(|p| p.iter().map(|b| format!("{b:02x}")).collect::<String>()),
     })

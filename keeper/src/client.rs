@@ -108,6 +108,12 @@ impl Keeper {
         self.ask_fd("dup", &Request::Dup { id }).map(|(_, fd)| fd)
     }
 
+    /// A new fd for this process's allocation `id`, to hand to another process (CUDA IPC).
+    pub fn share(&mut self, id: u64) -> Result<OwnedFd, KeeperError> {
+        self.ask_fd("share", &Request::Share { id })
+            .map(|(_, fd)| fd)
+    }
+
     /// Hands this keeper retained allocation `a` of another (which died) through `fd`.
     pub fn adopt(&mut self, a: &RetainedAlloc, fd: BorrowedFd<'_>) -> Result<(), KeeperError> {
         self.ask_with("adopt", &Request::Adopt(a.clone()), Some(fd))

@@ -13,6 +13,7 @@
 //! client ── {"cmd":"retain","id":I,"epoch":E,"hold_secs":H}\n ──▶ {"ok":true}\n   detached: kept for pid
 //! client ── {"cmd":"release_retained","id":I}\n ──▶ {"ok":true}\n   frees a retained allocation
 //! client ── {"cmd":"reclaim","id":I,"epoch":E}\n ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)
+//! client ── {"cmd":"share","id":I}\n     ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)   CUDA IPC
 //! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total
 //! ```
 //!
@@ -140,6 +141,13 @@ pub enum Request {
     /// A new fd for a retained allocation (reply like `alloc`'s), its state unchanged: held by
     /// the caller, it keeps the memory alive should this keeper die.
     Dup {
+        /// The allocation.
+        id: u64,
+    },
+    /// A new fd for one of the caller's own allocations in use (reply like `alloc`'s), for the
+    /// job to hand to another process (CUDA IPC: `cuMemExportToShareableHandle` of memory
+    /// possum serves). Only the process it belongs to may ask.
+    Share {
         /// The allocation.
         id: u64,
     },

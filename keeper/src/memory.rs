@@ -73,6 +73,10 @@ impl MemoryOwner for KeeperMemory {
         })
     }
 
+    fn share(&self, id: u64) -> DeviceResult<OwnedFd> {
+        self.with("keeper share", |k| k.share(id))
+    }
+
     fn alive(&self) -> bool {
         self.with("keeper stats", |k| k.stats()).is_ok()
     }

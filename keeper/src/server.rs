@@ -295,6 +295,25 @@ impl Inner {
                 };
                 Ok((json!(r), Some(fd)))
             }
+            Request::Share { id } => {
+                let st = self.lock();
+                let a = st
+                    .allocs
+                    .get(&id)
+                    .ok_or(KeeperError::NoSuchAllocation(id))?;
+                // Another process's memory is not handed out here, nor memory whose process
+                // holds no handle to it (detached for a checkpoint).
+                if a.pid != pid || a.retained {
+                    return Err(KeeperError::NoSuchAllocation(id));
+                }
+                let fd = a.mem.export()?;
+                let r = Allocated {
+                    id,
+                    size: a.mem.size(),
+                    device: None,
+                };
+                Ok((json!(r), Some(fd)))
+            }
             Request::Adopt(a) => {
                 if fds.len() != 1 {
                     return Err(KeeperError::Protocol {

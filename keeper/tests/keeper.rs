@@ -477,3 +477,35 @@ fn an_engine_detaches_its_buffers_into_the_keeper_and_back() {
     e.free(b.va()).unwrap();
     wait_total(&server, Usage::default());
 }
+
+/// `share`: a new fd of one of the caller's own allocations in use (the job's
+/// `cuMemExportToShareableHandle` of memory possum serves), the same memory as the one the
+/// caller has; refused for another process's allocation, a retained one, or an unknown id.
+#[test]
+fn a_process_shares_only_its_own_memory_in_use() {
+    use std::os::unix::fs::FileExt;
+    if !inner_or_spawn("a_process_shares_only_its_own_memory_in_use") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let (a, fd) = k.alloc(MIB4).unwrap();
+    let shared = std::fs::File::from(k.share(a.id).unwrap());
+    std::fs::File::from(fd)
+        .write_all_at(b"possum", 4096)
+        .unwrap();
+    let mut back = [0u8; 6];
+    shared.read_exact_at(&mut back, 4096).unwrap();
+    assert_eq!(&back, b"possum", "the shared fd is the allocation's memory");
+
+    let mut other = Client::spawn(&mut client_cmd(&server));
+    let (theirs, _) = other.alloc(MIB4);
+    let err = k.share(theirs).unwrap_err().to_string();
+    assert!(err.contains("no allocation"), "{err}");
+    other.exit();
+    k.retain(a.id, 1, 0).unwrap();
+    let err = k.share(a.id).unwrap_err().to_string();
+    assert!(err.contains("no allocation"), "{err}");
+    assert!(k.share(999_999).is_err());
+}

@@ -446,7 +446,8 @@ fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
     let env = [("FAKE_VMM", "1"), ("POSSUM_SERVE_VMM", "1")];
     let want = reference_run_with(dir, &env);
     let mut job_env = env.to_vec();
-    job_env.push(("FAKE_VMM_HANDLE_CHECKS", "1"));
+    // No keeper: the export of a piece is refused (the memory is the job's own).
+    job_env.push(("FAKE_VMM_HANDLE_CHECKS", "refused"));
     let mut job = job_at_step_5(dir, "job", Some(&lib), &job_env);
     let st = job_status(&job, dir);
     let vmm = &st["possum"]["vmm"];
@@ -536,9 +537,13 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
         ("FAKE_VMM", "1"),
         ("POSSUM_SERVE_VMM", "1"),
         ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+        // The export of a piece: an fd of its memory from the keeper (checked in the job).
+        ("FAKE_VMM_HANDLE_CHECKS", "shared"),
     ];
     let want = reference_run_with(dir, &env[..1]);
     let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let st = job_status(&job, dir);
+    assert_eq!(st["possum"]["vmm"]["handles_shared"], 1, "{st}");
     let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
     assert!(

@@ -52,6 +52,7 @@
 #include <string.h>
 #include <signal.h>
 #include <unistd.h>
+#include <sys/mman.h>
 
 #include "fake_abi.h"
 
@@ -195,7 +196,8 @@ static uint32_t *vmm_filled(size_t n, uint32_t (*f)(size_t)) {
     }
     if (drv_set_access(vmm_base, 2 * PIECE, access, 1)) die("cuMemSetAccess");
     uint32_t *d = (uint32_t *)(uintptr_t)(vmm_base + PIECE * 3 / 4);
-    if (getenv("FAKE_VMM_HANDLE_CHECKS")) {
+    const char *checks = getenv("FAKE_VMM_HANDLE_CHECKS");
+    if (checks) {
         int (*retain)(uint64_t *, uint64_t) =
             (int (*)(uint64_t *, uint64_t))dlsym(h, "cuMemRetainAllocationHandle");
         int (*props)(void *, uint64_t) =
@@ -209,7 +211,21 @@ static uint32_t *vmm_filled(size_t n, uint32_t (*f)(size_t)) {
         if (retain(&got, (uint64_t)(uintptr_t)d) || got != vmm_handles[0]) die("retain");
         if (drv_release(got)) die("release of the retained handle");
         if (props(back, vmm_handles[1]) || memcmp(back, prop, sizeof prop)) die("properties");
-        if (export(&fd, vmm_handles[0], 1, 0) != 801) die("export not refused");
+        int r = export(&fd, vmm_handles[0], 1, 0);
+        if (!strcmp(checks, "shared")) {
+            /* Through the keeper: an fd of the piece's own memory (device memory is host memory
+             * in the fake driver, so the job's write through the piece's address shows in the
+             * fd's mapping; the word is below B's data). */
+            if (r || fd < 0) die("export through the keeper");
+            uint32_t *m = mmap(0, PIECE, PROT_READ, MAP_SHARED, fd, 0);
+            if (m == MAP_FAILED) die("mmap of the exported fd");
+            *(volatile uint32_t *)(uintptr_t)vmm_base = 0x5eed1234u;
+            if (m[0] != 0x5eed1234u) die("the exported fd is not the piece's memory");
+            munmap(m, PIECE);
+            close(fd);
+        } else if (r != 801) {
+            die("export not refused");
+        }
     }
     uint32_t *hbuf = malloc(n * 4);
     if (!hbuf) die("malloc");
