@@ -305,6 +305,45 @@ fn resume_and_save(
     Ok((root_report, Value::Array(saved)))
 }
 
+/// CRIU's dump of the held job, again (up to [`DUMP_TRIES`] times, [`DUMP_RETRY_WAIT`] apart)
+/// when it failed only because the job's control socket had a client connected at that moment
+/// (CRIU cannot dump one end of a stream connection whose other end is outside the tree): a
+/// `possum status` from elsewhere, or a client of an earlier checkpoint that died, whose
+/// exchange the job's control thread (not held) ends meanwhile. A failed dump leaves the tree
+/// as it was, still held.
+fn dump_retrying_transient(
+    criu: &possum_criu::Criu,
+    opts: &DumpOptions,
+    pid: i32,
+) -> Result<possum_criu::DumpReport> {
+    let sock = format!("possum-{pid}.sock");
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match criu.dump(opts) {
+            Ok(d) => return Ok(d),
+            Err(e) => {
+                let m = e.to_string();
+                let transient =
+                    m.contains("Can't dump half of stream unix connection") && m.contains(&sock);
+                if !transient || tries >= DUMP_TRIES {
+                    return Err(e.into());
+                }
+                eprintln!(
+                    "possum: CRIU's dump of process {pid} met a client connected to its control \
+                     socket; dumping again in {} ms",
+                    DUMP_RETRY_WAIT.as_millis()
+                );
+                std::thread::sleep(DUMP_RETRY_WAIT);
+            }
+        }
+    }
+}
+
+/// Dumps tried when the job's control socket had a client connected ([`dump_retrying_transient`]).
+const DUMP_TRIES: u32 = 3;
+const DUMP_RETRY_WAIT: Duration = Duration::from_millis(200);
+
 /// The driver's restore, then unlock, of the job and the other CUDA processes of its tree, on
 /// the same GPUs; timed as `driver_restore` and `driver_unlock`.
 fn driver_restore_and_unlock(
@@ -750,7 +789,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         opts.leave_running = true;
         opts.shell_job = shell_job;
         opts.ext_unix_sk = true;
-        let dump = clock.time("criu_dump", || Ok(criu.dump(&opts)?))?;
+        let dump = clock.time("criu_dump", || dump_retrying_transient(criu, &opts, pid))?;
         let gpu_bytes = dir_bytes(&tmp.join("gpu"));
         Ok((manifest(Some("criu".into())), dump.image_bytes, gpu_bytes))
     })();
