@@ -30,6 +30,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 typedef unsigned long long ull;
 static __thread void* cur;
 static size_t used;
@@ -190,10 +191,16 @@ int cuMemcpyHtoD_v2(ull d, const void* s, size_t n){ memcpy(H(d),s,n); return 0;
 int cuMemcpyHtoD_v2_ptds(ull d, const void* s, size_t n){ memcpy(H(d),s,n); return 0; }
 int cuMemcpyHtoDAsync_v2(ull d, const void* s, size_t n, void* st){ memcpy(H(d),s,n); return 0; }
 int cuMemcpyHtoDAsync_v2_ptsz(ull d, const void* s, size_t n, void* st){ memcpy(H(d),s,n); return 0; }
-int cuMemcpyDtoH_v2(void* d, ull s, size_t n){ memcpy(d,H(s),n); return 0; }
-int cuMemcpyDtoH_v2_ptds(void* d, ull s, size_t n){ memcpy(d,H(s),n); return 0; }
-int cuMemcpyDtoHAsync_v2(void* d, ull s, size_t n, void* st){ memcpy(d,H(s),n); return 0; }
-int cuMemcpyDtoHAsync_v2_ptsz(void* d, ull s, size_t n, void* st){ memcpy(d,H(s),n); return 0; }
+// Device-to-host reads of memory that is not mapped (freed, or never made) fail with
+// CUDA_ERROR_INVALID_VALUE as the real driver's do, instead of faulting: read through
+// process_vm_readv, which answers EFAULT for such a range.
+static int dtoh(void* d, ull s, size_t n){
+  struct iovec local={d,n}, remote={H(s),n};
+  return process_vm_readv(getpid(), &local, 1, &remote, 1, 0)==(ssize_t)n? 0 : 1; }
+int cuMemcpyDtoH_v2(void* d, ull s, size_t n){ return dtoh(d,s,n); }
+int cuMemcpyDtoH_v2_ptds(void* d, ull s, size_t n){ return dtoh(d,s,n); }
+int cuMemcpyDtoHAsync_v2(void* d, ull s, size_t n, void* st){ return dtoh(d,s,n); }
+int cuMemcpyDtoHAsync_v2_ptsz(void* d, ull s, size_t n, void* st){ return dtoh(d,s,n); }
 int cuMemcpyDtoD_v2(ull d, ull s, size_t n){ memmove(H(d),H(s),n); return 0; }
 int cuMemcpyDtoD_v2_ptds(ull d, ull s, size_t n){ memmove(H(d),H(s),n); return 0; }
 int cuMemcpyDtoDAsync_v2(ull d, ull s, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }

@@ -637,6 +637,85 @@ fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
     killed_restored_goes_on(dir, &mut job, &img, &want, 3);
 }
 
+/// A job with a thread that allocates and frees stream-ordered memory all the time (a block of
+/// 16 MiB, a buffer of possum's own each time, and a small one from a slab), as GPT-2 with
+/// cudaMallocAsync does: `possum checkpoint` with no flags, left running, then killed and
+/// restored, bit-exact both times. Its frees race every step of the checkpoint: the pre-copy
+/// rounds starting (on the H100 a round once copied a buffer freed under it), the hold (a buffer
+/// freed after T0 is in the image but not in the job: the restore skips it), and the pause (a
+/// thread past it must not allocate before the resume).
+#[test]
+fn a_job_freeing_all_the_time_is_checkpointed_and_restored_bit_exact() {
+    let Some((tmp, lib)) = setup("entry_churn", "possum-entry-churn-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let env = [("FAKE_ASYNC", "1"), ("FAKE_CHURN", "1")];
+    let want = reference_run_with(dir, &env);
+    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let img = dir.join("img-left");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    let served = job_status(&job, dir)["possum"]["pools"]["allocations_served"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(served > 100, "the churn ran: {served} served; {v}");
+    goes_on_like(&mut job, dir, "left", &want, "left running");
+
+    // The same job again (its buffers at step 5 are the reference's at step 5 once more).
+    let mut job = {
+        job.run("exit", "bye");
+        job_at_step_5(dir, "job2", Some(&lib), &env)
+    };
+    let img2 = dir.join("img-kill");
+    checkpoint_left_running(dir, job.pid, &img2, &job);
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let r = restore_json(dir, &img2, &job);
+    assert_eq!(r["pid"], job.pid, "{r}");
+    goes_on_like(&mut job, dir, "restored", &want, "restored");
+    finish_restored(&mut job);
+}
+
+/// [`a_job_freeing_all_the_time_is_checkpointed_and_restored_bit_exact`] with a keeper
+/// (`possum run`'s default): a kept checkpoint (its buffers drained while the job frees and
+/// allocates on), then a checkpoint-and-kill restored from the keeper's memory; bit-exact both
+/// times.
+#[test]
+fn a_job_freeing_all_the_time_is_kept_and_restored_from_its_keeper_bit_exact() {
+    let Some((tmp, lib)) = setup("entry_churn_keeper", "possum-entry-churn-k-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper(dir);
+    let env = [
+        ("FAKE_ASYNC", "1"),
+        ("FAKE_CHURN", "1"),
+        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+    ];
+    let want = reference_run_with(dir, &env[..2]);
+    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let v = checkpoint_left_running(dir, job.pid, &dir.join("img-kept"), &job);
+    assert_eq!(v["kept"], serde_json::json!([job.pid]), "{v}");
+    goes_on_like(&mut job, dir, "kept", &want, "kept, left running");
+
+    let mut job = {
+        job.run("exit", "bye");
+        job_at_step_5(dir, "job2", Some(&lib), &env)
+    };
+    let img = dir.join("img-killed");
+    let v = checkpoint_and_kill(dir, &mut job, &img, &[]);
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    goes_on_like(&mut job, dir, "restored", &want, "restored from the keeper");
+    finish_restored(&mut job);
+}
+
 /// A job whose stderr is a pipe to a process outside it (`possum run job 2>&1 | tee log`): CRIU
 /// would restore that pipe with nobody reading it. The restored job writes to `possum
 /// restore`'s own stderr instead (CRIU's inherit_fd), or to /dev/null when that is a pipe too,

@@ -26,15 +26,20 @@
  * pieces made and mapped there (cuMemCreate, cuMemMap, cuMemSetAccess), B starting 1.5 MiB in,
  * so that it spans both pieces (every mix writes across the boundary through a pointer into the
  * first); at exit the pieces are unmapped and released and the range freed. With
- * FAKE_VMM_HANDLE_CHECKS=1 (a job whose handles possum serves) it also checks possum's answers for
- * them: cuMemRetainAllocationHandle of an address in B gives the first piece's handle (released
- * again), cuMemGetAllocationPropertiesFromHandle the properties it was made with, and
- * cuMemExportToShareableHandle is refused (CUDA_ERROR_NOT_SUPPORTED).
+ * FAKE_VMM_HANDLE_CHECKS=refused or =shared (a job whose handles possum serves) it also checks
+ * possum's answers for them: cuMemRetainAllocationHandle of an address in B gives the first
+ * piece's handle (released again), cuMemGetAllocationPropertiesFromHandle the properties it was
+ * made with, and cuMemExportToShareableHandle is refused (CUDA_ERROR_NOT_SUPPORTED: no keeper),
+ * or (=shared, with a keeper) gives an fd of the first piece's memory.
  *
  * FAKE_ASYNC=1 (with FAKE_VIA=entry): C and D are stream-ordered allocations (cuMemAllocAsync on
  * the default stream, as cudaMallocAsync makes them) instead of cudaMallocs; before D, a block
  * of D's size is allocated and freed in stream order (cuMemFreeAsync), so D may reuse it; at exit
  * C and D are freed with cuMemFreeAsync.
+ *
+ * FAKE_CHURN=1 (with FAKE_ASYNC=1): a thread allocates and frees in stream order all the time
+ * (a 16 MiB block, a buffer of possum's of its own, and a 64 KiB one from a slab), as a
+ * cudaMallocAsync job does between its steps; nothing it touches is in the results.
  *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
@@ -46,6 +51,7 @@
  * callbacks go nowhere and the driver's functions are the fake driver's own: the same results,
  * computed without possum. */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -149,6 +155,22 @@ static uint32_t *alloc_filled(size_t n, uint32_t (*f)(size_t)) {
     htod(d, h, n * 4);
     free(h);
     return d;
+}
+
+/* FAKE_CHURN: stream-ordered allocations and frees, for ever (the async functions are set). */
+static void *churn(void *ctx) {
+    /* The main thread's context, current here too (as the runtime makes it for every thread). */
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+    int (*set_current)(void *) = lib ? (int (*)(void *))dlsym(lib, "cuCtxSetCurrent") : NULL;
+    if (!set_current || set_current(ctx)) die("churn cuCtxSetCurrent");
+    for (;;) {
+        uint64_t big, small;
+        if (drv_alloc_async(&big, (size_t)16 << 20, NULL)) die("churn cuMemAllocAsync");
+        if (drv_alloc_async(&small, (size_t)64 << 10, NULL)) die("churn cuMemAllocAsync");
+        if (drv_free_async(small, NULL)) die("churn cuMemFreeAsync");
+        if (drv_free_async(big, NULL)) die("churn cuMemFreeAsync");
+    }
+    return NULL;
 }
 
 /* FAKE_ASYNC: as alloc_filled, from cuMemAllocAsync on the default stream. */
@@ -361,6 +383,15 @@ int main(void) {
     int async = getenv("FAKE_ASYNC") != NULL;
     if (async && !drv_launch) die("FAKE_ASYNC needs FAKE_VIA=entry");
     uint32_t *c = async ? async_filled(NC, init_c) : alloc_filled(NC, init_c);
+    if (getenv("FAKE_CHURN")) {
+        pthread_t t;
+        void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+        int (*get_current)(void **) = lib ? (int (*)(void **))dlsym(lib, "cuCtxGetCurrent") : NULL;
+        void *ctx = NULL;
+        if (!async) die("FAKE_CHURN needs FAKE_ASYNC");
+        if (!get_current || get_current(&ctx) || !ctx) die("cuCtxGetCurrent");
+        if (pthread_create(&t, NULL, churn, ctx)) die("pthread_create");
+    }
     uint32_t *d = NULL;
     uint32_t s = 0;
     if (child) printf("child %d\n", (int)child);
