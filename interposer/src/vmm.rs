@@ -127,6 +127,15 @@ pub fn create(size: u64, ask: Ask) -> Option<Result<u64, c_int>> {
     Some(Ok(token))
 }
 
+/// Token `handle`'s device and where it is mapped now, if it is a live token.
+fn placed(handle: u64) -> Option<(usize, Option<u64>)> {
+    TOKENS
+        .lock()
+        .as_ref()
+        .and_then(|m| m.get(&handle))
+        .map(|t| (t.ordinal, t.mapped))
+}
+
 /// `cuMemMap(va, size, offset, handle, flags)` of a token: an engine buffer at `va`. `None`: not
 /// a token (the driver's).
 pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c_int> {
@@ -135,12 +144,7 @@ pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c
     }
     let st = state();
     let _r = Reentry::enter();
-    let ordinal = TOKENS
-        .lock()
-        .as_ref()
-        .and_then(|m| m.get(&handle))
-        .map(|t| t.ordinal);
-    let Some(eng) = ordinal.and_then(|o| st.engine(o)) else {
+    let Some(eng) = placed(handle).and_then(|(o, _)| st.engine(o)) else {
         return Some(INVALID_VALUE);
     };
     // Not while a checkpoint holds the job, nor across its T0 (`session::admit`).
@@ -317,12 +321,7 @@ pub fn export(handle: u64, kind: c_uint, flags: u64) -> Option<Result<c_int, c_i
     }
     let st = state();
     let _r = Reentry::enter();
-    let at = TOKENS
-        .lock()
-        .as_ref()
-        .and_then(|m| m.get(&handle))
-        .map(|t| (t.ordinal, t.mapped));
-    let Some((ordinal, mapped)) = at else {
+    let Some((ordinal, mapped)) = placed(handle) else {
         return Some(Err(INVALID_VALUE));
     };
     let why = match (kind, flags, mapped, st.engine(ordinal)) {

@@ -182,6 +182,28 @@ impl Inner {
         Ok(self.dev.get_or_init(|| d))
     }
 
+    /// A new fd of allocation `id` (its state unchanged), if `allowed` says so: the reply of
+    /// `dup` and `share`.
+    fn another_fd(
+        &self,
+        id: u64,
+        allowed: impl FnOnce(&Alloc) -> Result<(), KeeperError>,
+    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+        let st = self.lock();
+        let a = st
+            .allocs
+            .get(&id)
+            .ok_or(KeeperError::NoSuchAllocation(id))?;
+        allowed(a)?;
+        let fd = a.mem.export()?;
+        let r = Allocated {
+            id,
+            size: a.mem.size(),
+            device: None,
+        };
+        Ok((json!(r), Some(fd)))
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -278,42 +300,22 @@ impl Inner {
                     .collect();
                 Ok((json!(Retained { allocs }), None))
             }
-            Request::Dup { id } => {
-                let st = self.lock();
-                let a = st
-                    .allocs
-                    .get(&id)
-                    .ok_or(KeeperError::NoSuchAllocation(id))?;
-                if !a.retained {
-                    return Err(KeeperError::NotRetained(id));
+            Request::Dup { id } => self.another_fd(id, |a| {
+                if a.retained {
+                    Ok(())
+                } else {
+                    Err(KeeperError::NotRetained(id))
                 }
-                let fd = a.mem.export()?;
-                let r = Allocated {
-                    id,
-                    size: a.mem.size(),
-                    device: None,
-                };
-                Ok((json!(r), Some(fd)))
-            }
-            Request::Share { id } => {
-                let st = self.lock();
-                let a = st
-                    .allocs
-                    .get(&id)
-                    .ok_or(KeeperError::NoSuchAllocation(id))?;
-                // Another process's memory is not handed out here, nor memory whose process
-                // holds no handle to it (detached for a checkpoint).
-                if a.pid != pid || a.retained {
-                    return Err(KeeperError::NoSuchAllocation(id));
+            }),
+            // Another process's memory is not handed out here, nor memory whose process holds
+            // no handle to it (detached for a checkpoint).
+            Request::Share { id } => self.another_fd(id, |a| {
+                if a.pid == pid && !a.retained {
+                    Ok(())
+                } else {
+                    Err(KeeperError::NoSuchAllocation(id))
                 }
-                let fd = a.mem.export()?;
-                let r = Allocated {
-                    id,
-                    size: a.mem.size(),
-                    device: None,
-                };
-                Ok((json!(r), Some(fd)))
-            }
+            }),
             Request::Adopt(a) => {
                 if fds.len() != 1 {
                     return Err(KeeperError::Protocol {
