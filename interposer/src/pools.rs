@@ -99,13 +99,25 @@ impl Slab {
 struct DevicePool {
     slabs: BTreeMap<u64, Slab>,
     live: HashMap<u64, Block>,
-    /// Freed in stream order, reusable once the event completed.
-    pending: Vec<(CudaEvent, u64, Block)>,
+    /// Freed in stream order, reusable once the event completed, or at once by an allocation
+    /// of the same size on the stream it was freed on ([`Pending`]).
+    pending: Vec<Pending>,
     /// Bytes freed on a capturing stream: never reused.
     lost: u64,
 }
 
+/// A block freed in stream order (`cuMemFreeAsync`): where, and on which stream.
+#[derive(Debug)]
+struct Pending {
+    event: CudaEvent,
+    ptr: u64,
+    block: Block,
+    stream: u64,
+}
+
 static POOLS: Mutex<Option<HashMap<usize, DevicePool>>> = Mutex::new(None);
+/// Allocations served by a block freed on their stream (no wait, no new memory).
+static REUSED: AtomicU64 = AtomicU64::new(0);
 static SERVED: AtomicU64 = AtomicU64::new(0);
 static LEAKED_SAID: AtomicBool = AtomicBool::new(false);
 
@@ -125,14 +137,32 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
     let _r = Reentry::enter();
     let eng = st.engine_or_create(ordinal, || SUCCESS).ok()?;
     let len = size.checked_next_multiple_of(ALIGN)?;
-    // Blocks whose free has completed first: freeing their buffers enters the engine's gate,
-    // which the admission below must not hold yet.
     {
         let mut pools = POOLS.lock();
         let pool = pools
             .get_or_insert_with(HashMap::new)
             .entry(ordinal)
             .or_default();
+        // A block of this size freed on this same stream serves at once, as the driver's pool
+        // does: the stream orders the new use after the free. Not on the per-thread default
+        // stream, whose handle names another stream in each thread. (No engine buffer is made:
+        // this needs no admission.)
+        let same = (stream != crate::decode::STREAM_PER_THREAD)
+            .then(|| {
+                pool.pending
+                    .iter()
+                    .position(|p| p.stream == stream && p.block.len == len)
+            })
+            .flatten();
+        if let Some(i) = same {
+            let p = pool.pending.remove(i);
+            pool.live.insert(p.ptr, p.block);
+            SERVED.fetch_add(1, Ordering::Relaxed);
+            REUSED.fetch_add(1, Ordering::Relaxed);
+            return Some(Ok(p.ptr));
+        }
+        // Then blocks whose free has completed: freeing their buffers enters the engine's gate,
+        // which the admission below must not hold yet.
         reclaim(&eng, pool);
     }
     // Not while a checkpoint holds the job, nor across its T0 (`session::admit`): a slab made
@@ -228,9 +258,9 @@ fn reclaim_some(eng: &DevEngine, pool: &mut DevicePool, queries: usize) {
     let mut asked = 0;
     while i < pool.pending.len() && asked < queries {
         asked += 1;
-        if dev.event_query(&pool.pending[i].0).unwrap_or(false) {
-            let (_, ptr, block) = pool.pending.remove(i);
-            give_back(eng, pool, ptr, block);
+        if dev.event_query(&pool.pending[i].event).unwrap_or(false) {
+            let p = pool.pending.remove(i);
+            give_back(eng, pool, p.ptr, p.block);
         } else {
             i += 1;
         }
@@ -323,13 +353,19 @@ pub fn free_async(ptr: u64, stream: u64) -> Option<c_int> {
     let mut pools = POOLS.lock();
     let pool = pools.as_mut()?.get_mut(&ordinal)?;
     let block = pool.live.remove(&ptr)?;
+    // A few of the oldest frees back first, so that a job freeing faster than it allocates does
+    // not pile them up (GPT-2 small had 446 waiting at one moment); this one stays pending, for
+    // the next allocation of its size on its stream.
+    reclaim_some(&eng, pool, FREE_RECLAIM_QUERIES);
     match event {
-        Some(ev) => pool.pending.push((ev, ptr, block)),
+        Some(event) => pool.pending.push(Pending {
+            event,
+            ptr,
+            block,
+            stream,
+        }),
         None => pool.lost += block.len,
     }
-    // A few of the oldest frees back too, so that a job freeing faster than it allocates does
-    // not pile them up (GPT-2 small had 446 waiting at one moment).
-    reclaim_some(&eng, pool, FREE_RECLAIM_QUERIES);
     Some(SUCCESS)
 }
 
@@ -367,6 +403,7 @@ pub fn stats_json() -> serde_json::Value {
     serde_json::json!({
         "serving": state().cfg.serve_pools,
         "allocations_served": SERVED.load(Ordering::Relaxed),
+        "reused_on_their_stream": REUSED.load(Ordering::Relaxed),
         "slabs": slabs,
         "blocks_live": live,
         "blocks_pending_free": pending,

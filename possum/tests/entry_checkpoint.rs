@@ -633,6 +633,8 @@ fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
         pools["allocations_served"], 3,
         "C, the freed block, D: {st}"
     );
+    // D, the size of the block freed before it on the same stream, took that block at once.
+    assert_eq!(pools["reused_on_their_stream"], 1, "{st}");
 
     killed_restored_goes_on(dir, &mut job, &img, &want, 3);
 }

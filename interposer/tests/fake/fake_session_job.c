@@ -38,8 +38,9 @@
  * C and D are freed with cuMemFreeAsync.
  *
  * FAKE_CHURN=1 (with FAKE_ASYNC=1): a thread allocates and frees in stream order all the time
- * (a 16 MiB block, a buffer of possum's of its own, and a 64 KiB one from a slab), as a
- * cudaMallocAsync job does between its steps; nothing it touches is in the results.
+ * (a 16 MiB block, a buffer of possum's of its own, and a 64 KiB one from a slab, both freed on
+ * a stream of the thread's own, so that possum does not reuse them at once but frees them), as
+ * a cudaMallocAsync job does between its steps; nothing it touches is in the results.
  *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
@@ -163,12 +164,15 @@ static void *churn(void *ctx) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW);
     int (*set_current)(void *) = lib ? (int (*)(void *))dlsym(lib, "cuCtxSetCurrent") : NULL;
     if (!set_current || set_current(ctx)) die("churn cuCtxSetCurrent");
+    int (*stream_create)(void **, unsigned) = (int (*)(void **, unsigned))dlsym(lib, "cuStreamCreate");
+    void *other = NULL;
+    if (!stream_create || stream_create(&other, 0)) die("churn cuStreamCreate");
     for (;;) {
         uint64_t big, small;
         if (drv_alloc_async(&big, (size_t)16 << 20, NULL)) die("churn cuMemAllocAsync");
         if (drv_alloc_async(&small, (size_t)64 << 10, NULL)) die("churn cuMemAllocAsync");
-        if (drv_free_async(small, NULL)) die("churn cuMemFreeAsync");
-        if (drv_free_async(big, NULL)) die("churn cuMemFreeAsync");
+        if (drv_free_async(small, other)) die("churn cuMemFreeAsync");
+        if (drv_free_async(big, other)) die("churn cuMemFreeAsync");
     }
     return NULL;
 }
