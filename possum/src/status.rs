@@ -81,9 +81,10 @@ fn managed(v: &Value) -> String {
     if vmm["serving"] == true {
         s.push_str(&format!(
             "  the job's own virtual memory (POSSUM_SERVE_VMM): {} pieces mapped as engine \
-             buffers, {} handles of possum's live\n",
+             buffers, {} handles of possum's live, {} exported to other processes\n",
             vmm["pieces_mapped_now"].as_u64().unwrap_or(0),
-            vmm["handles_live"].as_u64().unwrap_or(0)
+            vmm["handles_live"].as_u64().unwrap_or(0),
+            vmm["handles_shared"].as_u64().unwrap_or(0)
         ));
         if let Some(n) = vmm["left_to_driver"].as_u64().filter(|&n| n > 0) {
             s.push_str(&format!(
@@ -97,11 +98,14 @@ fn managed(v: &Value) -> String {
     if pools["serving"] == true {
         s.push_str(&format!(
             "  stream-ordered allocations (POSSUM_SERVE_POOLS): {} blocks, {} in {} engine \
-             slabs, {} waiting for their stream\n",
+             slabs, {} waiting for their stream; {} of {} served by a block freed on their \
+             stream\n",
             pools["blocks_live"].as_u64().unwrap_or(0),
             gib(pools["bytes_live"].as_u64().unwrap_or(0)),
             pools["slabs"].as_u64().unwrap_or(0),
-            pools["blocks_pending_free"].as_u64().unwrap_or(0)
+            pools["blocks_pending_free"].as_u64().unwrap_or(0),
+            pools["reused_on_their_stream"].as_u64().unwrap_or(0),
+            pools["allocations_served"].as_u64().unwrap_or(0)
         ));
     }
     let u = &p["unmanaged"];
@@ -230,14 +234,15 @@ mod tests {
             "engines": [{"device": 0, "engine": {"buffers": 8, "bytes": 3u64 << 30,
                 "resident_bytes": 1u64 << 30, "dirty_bytes": 1u64 << 29, "phase": "released"}}],
             "unmanaged": {"allocations": 4, "bytes": 64u64 << 20},
-            "vmm": {"serving": true, "pieces_mapped_now": 2, "handles_live": 3,
+            "vmm": {"serving": true, "pieces_mapped_now": 2, "handles_live": 3, "handles_shared": 1,
                     "left_to_driver": 1, "left_to_driver_first_prop": "0100"},
             "pools": {"serving": true, "blocks_live": 5, "bytes_live": 1u64 << 30, "slabs": 2,
-                      "blocks_pending_free": 1},
+                      "blocks_pending_free": 1, "allocations_served": 9,
+                      "reused_on_their_stream": 4},
             "session": {"paused": true, "busy": null, "cupti_attached": true}}});
         let s = summary(7, &v);
         assert!(
-            s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles"),
+            s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles of possum's live, 1 exported to other processes"),
             "{s}"
         );
         assert!(
@@ -245,7 +250,7 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.contains("(POSSUM_SERVE_POOLS): 5 blocks, 1.00 GiB in 2 engine slabs, 1 waiting"),
+            s.contains("(POSSUM_SERVE_POOLS): 5 blocks, 1.00 GiB in 2 engine slabs, 1 waiting for their stream; 4 of 9 served by a block freed on their stream"),
             "{s}"
         );
         assert!(
