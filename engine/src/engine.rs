@@ -513,13 +513,13 @@ impl<D: Device> Engine<D> {
             .cloned();
         let buf = buf.ok_or(EngineError::UnknownBuffer(va))?;
         let phase = self.inner.phase.read().clone();
-        let idle = matches!(phase, Phase::Idle);
         match phase {
             Phase::Checkpoint(s) => s.settle_before_free(&buf)?,
             Phase::Restore(s) => s.settle_before_free(&buf)?,
             Phase::Idle | Phase::Released | Phase::Detached => {}
         }
-        if self.tracking() || !idle {
+        // Every phase but idle is a session's, which tracks from its start.
+        if self.tracking() {
             self.inner.freed_since_tracking.lock().insert(buf.id());
         }
         self.inner.reg.write().remove(va);

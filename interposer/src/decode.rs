@@ -109,7 +109,7 @@ impl<'a> RawCall<'a> {
 }
 
 /// A `_ptsz` call's stream: null there means the calling thread's per-thread default stream.
-fn per_thread_if_null(s: u64) -> u64 {
+pub(crate) fn per_thread_if_null(s: u64) -> u64 {
     if s == 0 {
         STREAM_PER_THREAD
     } else {

@@ -1,7 +1,10 @@
 //! The driver's allocation entry points, served by the engine like `cudaMalloc`:
-//! `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`; and (unless `POSSUM_SERVE_VMM=0`) the
-//! job's own virtual-memory mappings, `cuMemCreate`, `cuMemMap`, `cuMemUnmap`, `cuMemRelease`
-//! (`vmm.rs`). Their wrappers (`entry`, which hands
+//! `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`; unless `POSSUM_SERVE_VMM=0`, the
+//! job's own virtual-memory mappings (`cuMemCreate`, `cuMemMap`, `cuMemUnmap`, `cuMemRelease`,
+//! `cuMemRetainAllocationHandle`, `cuMemGetAllocationPropertiesFromHandle`,
+//! `cuMemExportToShareableHandle` of possum's handles: `vmm.rs`); unless `POSSUM_SERVE_POOLS=0`,
+//! stream-ordered allocations (`cuMemAllocAsync`, `cuMemFreeAsync` and their `_ptsz` forms:
+//! `pools.rs`). Their wrappers (`entry`, which hands
 //! them out for every way a job reaches the driver) ask these first; `None` sends the call on to
 //! the driver (allocations off, no current context, a failure), where the hooks track it as an
 //! allocation possum does not manage. One of the crate's modules with `unsafe` code.
@@ -243,10 +246,10 @@ pub unsafe fn serve_retain(handle: *mut u64, addr: u64) -> Option<c_int> {
 }
 
 /// The engine's name for a stream handle given to a call: for a `_ptsz` function, 0 is the
-/// calling thread's per-thread default stream.
+/// calling thread's per-thread default stream (`decode::per_thread_if_null`, as the hooks name it).
 fn stream_of(raw: u64, ptsz: bool) -> u64 {
-    if ptsz && raw == 0 {
-        crate::decode::STREAM_PER_THREAD
+    if ptsz {
+        crate::decode::per_thread_if_null(raw)
     } else {
         raw
     }

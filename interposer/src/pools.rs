@@ -6,9 +6,10 @@
 //! Served, an allocation is carved out of a *slab*, an engine buffer of [`SLAB`] bytes (VA-stable,
 //! releasable, the keeper's memory when there is one), or is an engine buffer of its own from
 //! half a slab up. An allocation lies inside one buffer, so the hooks resolve a pointer into it
-//! to that buffer. A free is stream-ordered: an event is recorded on the freeing stream and the
-//! block is reused only once the event has completed (checked at the next allocations); a free
-//! on a stream being captured into a graph leaves the block unused for good (a graph's free
+//! to that buffer. A free is stream-ordered: an event is recorded on the freeing stream; the
+//! block serves the next allocation of its size on that same stream at once (stream order, as
+//! in the driver's pool), and any other once the event has completed (checked at the next
+//! allocations and frees); a free on a stream being captured into a graph leaves the block unused for good (a graph's free
 //! runs when the graph does), said once in the log. An allocation on a capturing stream is the
 //! driver's (a graph allocation node). `cuMemFree_v2` / `cudaFree` of a block frees it at once
 //! (the caller synchronised). Empty slabs beyond [`SPARE_SLABS`] go back to the engine.
@@ -139,10 +140,7 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
     let len = size.checked_next_multiple_of(ALIGN)?;
     {
         let mut pools = POOLS.lock();
-        let pool = pools
-            .get_or_insert_with(HashMap::new)
-            .entry(ordinal)
-            .or_default();
+        let pool = pool_of(&mut pools, ordinal);
         // A block of this size freed on this same stream serves at once, as the driver's pool
         // does: the stream orders the new use after the free. Not on the per-thread default
         // stream, whose handle names another stream in each thread. (No engine buffer is made:
@@ -169,13 +167,9 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
     // after T0 would be released without being in the image.
     let _g = crate::session::admit(&eng);
     let mut pools = POOLS.lock();
-    let pool = pools
-        .get_or_insert_with(HashMap::new)
-        .entry(ordinal)
-        .or_default();
+    let pool = pool_of(&mut pools, ordinal);
     let made = if len >= SLAB / 2 {
-        eng.engine.alloc(len).map(|b| {
-            let va = b.va().0;
+        new_buffer(&eng, len).map(|va| {
             (
                 va,
                 Block {
@@ -191,12 +185,7 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
     match made {
         Ok((ptr, block)) => {
             pool.live.insert(ptr, block);
-            drop(pools);
             SERVED.fetch_add(1, Ordering::Relaxed);
-            if block.own {
-                st.counters.managed_allocs.fetch_add(1, Ordering::Relaxed);
-                st.allocations_changed(true);
-            }
             Some(Ok(ptr))
         }
         Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => {
@@ -211,6 +200,37 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
     }
 }
 
+/// `ordinal`'s pool, made on first use.
+fn pool_of(pools: &mut Option<HashMap<usize, DevicePool>>, ordinal: usize) -> &mut DevicePool {
+    pools
+        .get_or_insert_with(HashMap::new)
+        .entry(ordinal)
+        .or_default()
+}
+
+/// A new engine buffer of `len` bytes (a slab, or a block's own), counted as a managed
+/// allocation: its address.
+fn new_buffer(eng: &DevEngine, len: u64) -> Result<u64, EngineError> {
+    let va = eng.engine.alloc(len)?.va().0;
+    let st = state();
+    st.counters.managed_allocs.fetch_add(1, Ordering::Relaxed);
+    st.allocations_changed(true);
+    Ok(va)
+}
+
+/// Frees engine buffer `va` (a slab, or a block's own), counted as a managed free: whether it
+/// went (`what` names it in the log otherwise).
+fn drop_buffer(eng: &DevEngine, va: u64, what: &str) -> bool {
+    if let Err(e) = eng.engine.free(DevPtr(va)) {
+        crate::log(&format!("freeing {what} at {va:#x}: {e}"));
+        return false;
+    }
+    let st = state();
+    st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
+    st.allocations_changed(false);
+    true
+}
+
 /// `len` bytes from a slab with room, or from a new one: (address, block).
 fn carve(eng: &DevEngine, pool: &mut DevicePool, len: u64) -> Result<(u64, Block), EngineError> {
     let fit = pool
@@ -220,18 +240,12 @@ fn carve(eng: &DevEngine, pool: &mut DevicePool, len: u64) -> Result<(u64, Block
     let (slab_va, off) = match fit {
         Some(f) => f,
         None => {
-            let b = eng.engine.alloc(SLAB)?;
-            let va = b.va().0;
+            let va = new_buffer(eng, SLAB)?;
             let mut s = Slab::new(SLAB);
             let off = s
                 .take(len)
                 .expect("an empty slab holds less than half of it");
             pool.slabs.insert(va, s);
-            state().allocations_changed(true);
-            state()
-                .counters
-                .managed_allocs
-                .fetch_add(1, Ordering::Relaxed);
             (va, off)
         }
     };
@@ -272,13 +286,8 @@ const RECLAIM_QUERIES: usize = 64;
 
 /// `block` at `ptr` free again.
 fn give_back(eng: &DevEngine, pool: &mut DevicePool, ptr: u64, block: Block) {
-    let st = state();
     if block.own {
-        if let Err(e) = eng.engine.free(DevPtr(block.buffer)) {
-            crate::log(&format!("freeing a stream-ordered block at {ptr:#x}: {e}"));
-        }
-        st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
-        st.allocations_changed(false);
+        drop_buffer(eng, block.buffer, "a stream-ordered block");
         return;
     }
     let Some(s) = pool.slabs.get_mut(&block.buffer) else {
@@ -292,10 +301,8 @@ fn give_back(eng: &DevEngine, pool: &mut DevicePool, ptr: u64, block: Block) {
         .map(|(&va, _)| va)
         .collect();
     for va in empty.into_iter().skip(SPARE_SLABS) {
-        if eng.engine.free(DevPtr(va)).is_ok() {
+        if drop_buffer(eng, va, "an empty slab") {
             pool.slabs.remove(&va);
-            st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
-            st.allocations_changed(false);
         }
     }
 }

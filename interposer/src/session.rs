@@ -26,12 +26,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
+use possum_cuda::CudaDevice;
 use possum_engine::image::{Image, ImageWriter, WriterOptions};
 use possum_engine::store::ChunkSink;
-use serde_json::{json, Value};
-
-use possum_cuda::CudaDevice;
 use possum_engine::OpGuard;
+use serde_json::{json, Value};
 
 use crate::park;
 use crate::runtime::{state_if_created, DevEngine};

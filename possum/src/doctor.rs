@@ -51,11 +51,10 @@ fn huge_pages(enabled: &str, shmem: &str, mounts: &str) -> String {
                 .any(|o| o.starts_with("huge=") && o != "huge=never")
     });
     let hint = if devshm_huge || matches!(shm, "always" | "force") {
-        "tmpfs images get 2 MiB pages".to_string()
+        "tmpfs images get 2 MiB pages"
     } else {
         "for images in memory, a tmpfs mounted with huge=always drains faster \
          (mount -t tmpfs -o huge=always,size=... none DIR)"
-            .to_string()
     };
     format!(
         "transparent {thp}, shmem {shm}, /dev/shm huge: {}; {hint}",

@@ -316,7 +316,10 @@ fn dump_retrying_transient(
     opts: &DumpOptions,
     pid: i32,
 ) -> Result<possum_criu::DumpReport> {
-    let sock = format!("possum-{pid}.sock");
+    // The control socket's file name, as CRIU's log names it.
+    let sock = possum_control::socket_path(Path::new(""), pid as u32)
+        .display()
+        .to_string();
     let mut tries = 0;
     loop {
         tries += 1;
