@@ -604,6 +604,20 @@ impl Device for CudaDevice {
         Ok(())
     }
 
+    fn expect_kept(&self, va: DevPtr, size: u64, id: u64, epoch: u64) -> DeviceResult<()> {
+        self.owner_for("expect_kept")?;
+        let end = self.granular_range(va, size)?;
+        let mut t = self.tables.lock();
+        if t.reservation_holding(va.0, end).is_none() {
+            return Err(invalid(va.0, size, "not inside one reservation"));
+        }
+        if t.touches_mapping(va.0, end) || t.detached.contains_key(&va.0) {
+            return Err(invalid(va.0, size, "mapped or kept already"));
+        }
+        t.detached.insert(va.0, (id, size, epoch));
+        Ok(())
+    }
+
     fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let owner = self.owner_for("forget")?;
         let mut t = self.tables.lock();

@@ -143,6 +143,18 @@ impl ShareDevice {
         })
     }
 
+    /// Pinned host memory for copies into memory mapped here (the keeper loading an image).
+    pub fn pinned(&self, len: usize) -> DeviceResult<driver::PinnedBuf> {
+        self.ctx.bind()?;
+        driver::PinnedBuf::alloc(&self.ctx, len)
+    }
+
+    /// A stream of this context's, for such copies.
+    pub fn stream(&self) -> DeviceResult<driver::CudaStream> {
+        self.ctx.bind()?;
+        driver::CudaStream::create(&self.ctx, 0)
+    }
+
     /// Reserves `size` bytes of device address space (a multiple of the granularity).
     pub fn reserve(&self, size: u64) -> DeviceResult<Reservation> {
         self.check_size("cuMemAddressReserve", size)?;

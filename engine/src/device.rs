@@ -170,6 +170,14 @@ pub trait Device: Send + Sync + Debug + 'static {
         let _ = (va, size);
         Err(DeviceError::Unsupported("reattach"))
     }
+    /// Takes memory its owner prepared for this process ahead of a restore (a keeper that loaded
+    /// an image while CRIU restored the process) as the detached memory of `size` bytes at `va`:
+    /// kept under the owner's `id`, taken back with `epoch`. [`reattach`](Device::reattach) then
+    /// maps it, [`forget`](Device::forget) frees it. `va` must be neither mapped nor detached.
+    fn expect_kept(&self, va: DevPtr, size: u64, id: u64, epoch: u64) -> DeviceResult<()> {
+        let _ = (va, size, id, epoch);
+        Err(DeviceError::Unsupported("expect_kept"))
+    }
     /// Forgets the memory [`detach`](Device::detach) kept at `va` (gone, or not wanted: the job
     /// was restored from an image elsewhere), asking its owner to free it if it still has it;
     /// the address is then reserved with nothing kept, as after [`unmap`](Device::unmap).

@@ -31,7 +31,7 @@ use crate::device::{DevPtr, Device, DeviceError, StreamPriority};
 use crate::gate::Gate;
 use crate::image::ImageError;
 use crate::registry::{Buffer, Registry, Residency};
-use crate::restore::{RestoreHandle, RestoreSession};
+use crate::restore::{RestoreHandle, RestoreSession, Staged};
 use crate::session::BlockedTime;
 use crate::staging::StagingPool;
 use crate::store::{ChunkSink, ChunkSource};
@@ -841,16 +841,20 @@ impl<D: Device> Engine<D> {
     /// Starts restoring released buffers from `source`: returns at once; operations that touch a
     /// buffer not yet back wait for exactly that buffer, the rest stream in in prefetch order.
     pub fn restore(&self, source: Arc<dyn ChunkSource>) -> Result<RestoreHandle, EngineError> {
-        {
-            let p = self.inner.phase.read();
-            if !matches!(&*p, Phase::Released) {
-                return Err(EngineError::Busy {
-                    wanted: "restore (buffers must be released first)",
-                    current: p.name(),
-                });
-            }
-        }
-        RestoreSession::begin(&self.inner, source)
+        self.expect_released()?;
+        RestoreSession::begin(&self.inner, source, None)
+    }
+
+    /// [`Engine::restore`] where the device's memory owner has prepared the buffers' memory and
+    /// loads `source` into it itself ([`Staged`]): a staged buffer is mapped and waited for,
+    /// not copied; one the owner does not load is copied from `source` as without staging.
+    pub fn restore_staged(
+        &self,
+        source: Arc<dyn ChunkSource>,
+        staged: Arc<dyn Staged>,
+    ) -> Result<RestoreHandle, EngineError> {
+        self.expect_released()?;
+        RestoreSession::begin(&self.inner, source, Some(staged))
     }
 
     /// Gives up on the memory detached buffers had kept (the keeper no longer has it, or a
@@ -872,6 +876,18 @@ impl<D: Device> Engine<D> {
         }
         self.inner.set_phase(Phase::Released);
         Ok(())
+    }
+
+    /// `Busy` unless every buffer is released (a restore's precondition).
+    fn expect_released(&self) -> Result<(), EngineError> {
+        let p = self.inner.phase.read();
+        match &*p {
+            Phase::Released => Ok(()),
+            other => Err(EngineError::Busy {
+                wanted: "restore (buffers must be released first)",
+                current: other.name(),
+            }),
+        }
     }
 
     /// `Busy` (asking for `wanted`) unless every buffer is detached.

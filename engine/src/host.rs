@@ -595,6 +595,41 @@ impl Device for HostDevice {
         }
     }
 
+    /// The simulated keeper's prepared memory is zeroed; a test writes its contents once it is
+    /// mapped ([`HostDevice::write_now`]).
+    fn expect_kept(&self, va: DevPtr, size: u64, _id: u64, _epoch: u64) -> DeviceResult<()> {
+        let kept = self
+            .space
+            .kept
+            .as_ref()
+            .ok_or(DeviceError::Unsupported("expect_kept"))?;
+        let maps = self.space.mappings.read();
+        let mut k = kept.lock();
+        if maps.contains_key(&va.0) || k.contains_key(&va.0) {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len: size,
+                why: "mapped or kept already",
+            });
+        }
+        let used = self.space.used.load(Ordering::Relaxed);
+        if used + size > self.space.capacity {
+            return Err(DeviceError::OutOfMemory {
+                requested: size,
+                free: self.space.capacity.saturating_sub(used),
+            });
+        }
+        self.space.used.fetch_add(size, Ordering::Relaxed);
+        k.insert(
+            va.0,
+            Mapping {
+                size,
+                data: Arc::new(RwLock::new(vec![0u8; to_usize(size)].into_boxed_slice())),
+            },
+        );
+        Ok(())
+    }
+
     fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let kept = self
             .space

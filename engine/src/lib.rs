@@ -19,5 +19,5 @@ pub mod store;
 pub use checkpoint::{CheckpointHandle, CheckpointReport};
 pub use engine::{Access, Engine, EngineConfig, EngineError, OpGuard, RoundReport, Stats};
 pub use registry::{Buffer, Residency};
-pub use restore::{RestoreHandle, RestoreReport};
+pub use restore::{RestoreHandle, RestoreReport, Staged, StagedMemory};
 pub use session::SessionHandle;

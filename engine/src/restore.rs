@@ -11,6 +11,15 @@
 //! the hook's own thread copies chunks of it too (through the high-priority stream), and the hook
 //! returns once its last chunk is on the device.
 //!
+//! A restore may be *staged* ([`Staged`]): the device's memory owner (a keeper) has created the
+//! buffers' memory and is loading the image into it itself, started before the job existed (while
+//! CRIU restored the process). A staged buffer is then not copied here: the first thread to reach
+//! it maps the owner's memory at its address ([`Device::expect_kept`], then
+//! [`Device::reattach`]) and waits for the owner to report its contents loaded; a hook that needs
+//! it asks the owner for it at once (the owner loads it next). A buffer the owner could not load
+//! (a failed read, the owner gone), or whose memory cannot be mapped, is copied in from the image
+//! here as any other: staging changes where the bytes are copied, never what the job sees.
+//!
 //! Restore always completes: the last restorer finalises the session whether or not anyone waits.
 //! A buffer that cannot be restored (corrupt chunk, device too small) fails the operations that touch
 //! it with an error naming it, and leaves it released.
@@ -28,6 +37,29 @@ use crate::registry::{Buffer, Residency};
 use crate::session::{BlockedTime, SessionHandle};
 use crate::staging::StagingPool;
 use crate::store::ChunkSource;
+
+/// Memory the device's owner prepared for a restore, and loads the image into itself.
+pub trait Staged: Send + Sync {
+    /// The owner's memory prepared for buffer `buffer`: its id, the epoch to take it back with,
+    /// and its size (`None`: not staged).
+    fn memory_of(&self, buffer: u64) -> Option<StagedMemory>;
+    /// Blocks until the owner has loaded `buffer`'s contents into its memory (asking it to load
+    /// that buffer next). An error: the owner did not load it (the engine copies it itself).
+    fn wait_loaded(&self, buffer: u64) -> Result<(), String>;
+    /// The restore is over: memory staged and not taken may be freed.
+    fn finished(&self);
+}
+
+/// One buffer's memory in a [`Staged`] restore.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagedMemory {
+    /// The owner's id of the memory.
+    pub id: u64,
+    /// The epoch it is taken back with.
+    pub epoch: u64,
+    /// Its size in bytes (the buffer's mapped size).
+    pub size: u64,
+}
 
 /// How many chunk copies one thread keeps in flight.
 const DEPTH: usize = 2;
@@ -59,6 +91,12 @@ struct RsSlot {
     error: Mutex<Option<EngineError>>,
     /// A hook asked for it (it counts as restored on demand).
     wanted: AtomicBool,
+    /// Its memory is the owner's, loaded by the owner ([`Staged`]), until that falls through.
+    staged: AtomicBool,
+    /// A restorer waits for the owner to load it.
+    awaited: AtomicBool,
+    /// The owner's load was settled (loaded, or fallen back to copying), by exactly one thread.
+    settled: AtomicBool,
 }
 
 impl RsSlot {
@@ -75,6 +113,9 @@ impl RsSlot {
             left: AtomicUsize::new(n),
             error: Mutex::new(None),
             wanted: AtomicBool::new(false),
+            staged: AtomicBool::new(false),
+            awaited: AtomicBool::new(false),
+            settled: AtomicBool::new(false),
         }
     }
 
@@ -118,6 +159,12 @@ pub struct RestoreReport {
     pub hook_blocked_total: Duration,
     /// The longest one.
     pub hook_blocked_max: Duration,
+    /// Buffers whose memory the owner prepared and loaded ([`Staged`]): mapped, nothing copied
+    /// here.
+    pub staged: u64,
+    /// Staged buffers copied in here after all (the owner did not load them, or their memory
+    /// could not be mapped).
+    pub staged_fallback: u64,
 }
 
 /// A restore under way.
@@ -127,6 +174,9 @@ pub(crate) struct RestoreSession<D: Device> {
     dev: Arc<D>,
     pool: Arc<StagingPool<D>>,
     source: Arc<dyn ChunkSource>,
+    staged: Option<Arc<dyn Staged>>,
+    staged_done: AtomicU64,
+    staged_fallback: AtomicU64,
     slots: Vec<RsSlot>,
     index: HashMap<u64, usize>,
     order: Vec<usize>,
@@ -155,6 +205,8 @@ pub(crate) struct RestoreSession<D: Device> {
 enum Next {
     /// Copy chunk `.1` of slot `.0`.
     Chunk(usize, usize),
+    /// Wait for the owner to load staged slot `.0`.
+    Await(usize),
     /// Wait for the copies in flight first.
     Drain,
     /// Nothing left for this worker.
@@ -174,6 +226,7 @@ impl<D: Device> RestoreSession<D> {
     pub(crate) fn begin(
         inner: &Arc<Inner<D>>,
         source: Arc<dyn ChunkSource>,
+        staged: Option<Arc<dyn Staged>>,
     ) -> Result<RestoreHandle, EngineError> {
         let mut recs = source.buffers();
         recs.sort_unstable_by_key(|r| (r.prefetch_rank, r.id));
@@ -240,6 +293,17 @@ impl<D: Device> RestoreSession<D> {
                 });
             }
         }
+        // The image matches: the owner's prepared memory becomes each staged buffer's.
+        if let Some(st) = &staged {
+            for slot in &slots {
+                let b = &slot.buf;
+                let ok = st.memory_of(b.id()).is_some_and(|m| {
+                    m.size == b.mapped_size()
+                        && inner.dev.expect_kept(b.va(), m.size, m.id, m.epoch).is_ok()
+                });
+                slot.staged.store(ok, Ordering::Relaxed);
+            }
+        }
         let index = slots
             .iter()
             .enumerate()
@@ -250,6 +314,9 @@ impl<D: Device> RestoreSession<D> {
             dev: Arc::clone(&inner.dev),
             pool: Arc::clone(&inner.pool),
             source,
+            staged,
+            staged_done: AtomicU64::new(0),
+            staged_fallback: AtomicU64::new(0),
             slots,
             index,
             order,
@@ -337,7 +404,20 @@ impl<D: Device> RestoreSession<D> {
             _ => return false,
         }
         let b = &slot.buf;
-        if let Err(e) = self.dev.map(b.va(), b.mapped_size()) {
+        let mapped = if slot.staged.load(Ordering::Acquire) {
+            // The owner's memory, loaded (or being loaded) by the owner. If it cannot be mapped,
+            // new memory is, and the buffer is copied in here.
+            self.dev.reattach(b.va(), b.mapped_size()).or_else(|_| {
+                let _ = self.dev.forget(b.va(), b.mapped_size());
+                slot.staged.store(false, Ordering::Release);
+                slot.settled.store(true, Ordering::Release);
+                self.staged_fallback.fetch_add(1, Ordering::Relaxed);
+                self.dev.map(b.va(), b.mapped_size())
+            })
+        } else {
+            self.dev.map(b.va(), b.mapped_size())
+        };
+        if let Err(e) = mapped {
             let e = slot.error_for(e.into());
             self.fail(&e);
             *st = RsState::Failed(e.to_string());
@@ -346,6 +426,10 @@ impl<D: Device> RestoreSession<D> {
             return false;
         }
         *st = RsState::Busy;
+        if slot.staged.load(Ordering::Acquire) {
+            // Its chunks are not claimed: the owner loads them ([`Self::settle_staged`]).
+            return true;
+        }
         slot.mapped.store(true, Ordering::Release);
         if slot.chunks.is_empty() {
             drop(st);
@@ -398,6 +482,66 @@ impl<D: Device> RestoreSession<D> {
         }
     }
 
+    /// The owner's load of staged slot `i` is over (`r`): the slot is restored, or falls back to
+    /// being copied in here (its chunks claimable, first among the restorers' work). Only the
+    /// first call for a slot counts.
+    fn settle_staged(&self, i: usize, r: Result<(), String>) {
+        let slot = &self.slots[i];
+        if slot.settled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match r {
+            Ok(()) => {
+                self.staged_done.fetch_add(1, Ordering::Relaxed);
+                slot.left.store(0, Ordering::Release);
+                self.complete(i);
+            }
+            Err(_) => {
+                self.staged_fallback.fetch_add(1, Ordering::Relaxed);
+                slot.staged.store(false, Ordering::Release);
+                slot.mapped.store(true, Ordering::Release);
+                if slot.chunks.is_empty() {
+                    self.complete(i);
+                    return;
+                }
+                {
+                    let mut urgent = self.urgent.lock();
+                    if !urgent.contains(&i) {
+                        urgent.push(i);
+                    }
+                }
+                self.urgent_cv.notify_all();
+            }
+        }
+    }
+
+    /// Waits for the owner to load staged slot `i` and settles it.
+    fn await_staged(&self, i: usize) {
+        let r = match &self.staged {
+            Some(st) => st.wait_loaded(self.slots[i].buf.id()),
+            None => Err("not a staged restore".into()),
+        };
+        self.settle_staged(i, r);
+    }
+
+    /// At the frontier's slot `i`: if it is staged and no restorer waits for it yet, this one
+    /// maps it and waits (once it has no copy in flight).
+    fn staged_next(&self, i: usize, idle: bool) -> Option<Next> {
+        let slot = &self.slots[i];
+        if !slot.staged.load(Ordering::Acquire) || slot.awaited.load(Ordering::Acquire) {
+            return None;
+        }
+        if !idle {
+            return Some(Next::Drain);
+        }
+        if slot.awaited.swap(true, Ordering::AcqRel) || !self.start(i) {
+            return None;
+        }
+        slot.staged
+            .load(Ordering::Acquire)
+            .then_some(Next::Await(i))
+    }
+
     /// The next chunk a worker copies: for a hook, of its own buffer; for a restorer, of an urgent
     /// buffer first, else of the frontier (starting buffers in prefetch order). `idle`: the worker
     /// has no copy in flight (only then may it sleep out the prefetch delay: a copy in flight
@@ -424,6 +568,9 @@ impl<D: Device> RestoreSession<D> {
             let Some(&i) = self.order.get(k) else {
                 return Next::Done;
             };
+            if let Some(n) = self.staged_next(i, idle) {
+                return n;
+            }
             if let Some(c) = self.slots[i].claim() {
                 return Next::Chunk(i, c);
             }
@@ -469,6 +616,10 @@ impl<D: Device> RestoreSession<D> {
                 Next::Chunk(i, c) => (i, c),
                 Next::Drain => {
                     self.drain(&mut inflight);
+                    continue;
+                }
+                Next::Await(i) => {
+                    self.await_staged(i);
                     continue;
                 }
                 Next::Done => break,
@@ -568,6 +719,13 @@ impl<D: Device> RestoreSession<D> {
             return Ok(false);
         }
         slot.wanted.store(true, Ordering::Relaxed);
+        // Staged: the owner is asked for this buffer now (whoever else waits for it).
+        if slot.staged.load(Ordering::Acquire)
+            && self.start(i)
+            && !slot.settled.load(Ordering::Acquire)
+        {
+            self.await_staged(i);
+        }
         if self.start(i) {
             {
                 let mut urgent = self.urgent.lock();
@@ -628,7 +786,11 @@ impl<D: Device> RestoreSession<D> {
             match &*st {
                 RsState::Busy => slot.cv.wait(&mut st),
                 RsState::Pending => {
-                    // Never restore a buffer that is being freed.
+                    // Never restore a buffer that is being freed; memory the owner prepared
+                    // for it goes back.
+                    if slot.staged.load(Ordering::Acquire) {
+                        let _ = self.dev.forget(slot.buf.va(), slot.buf.mapped_size());
+                    }
                     *st = RsState::Freed;
                     drop(st);
                     slot.cv.notify_all();
@@ -647,6 +809,9 @@ impl<D: Device> RestoreSession<D> {
                 slot.cv.wait(&mut st);
             }
         }
+        if let Some(st) = &self.staged {
+            st.finished();
+        }
         if let Some(e) = self.error.lock().clone() {
             return Err(EngineError::Failed(format!("restore failed: {e}")));
         }
@@ -661,6 +826,8 @@ impl<D: Device> RestoreSession<D> {
             hook_blocked,
             hook_blocked_total,
             hook_blocked_max,
+            staged: self.staged_done.load(Ordering::Relaxed),
+            staged_fallback: self.staged_fallback.load(Ordering::Relaxed),
         })
     }
 }

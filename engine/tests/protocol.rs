@@ -1100,3 +1100,165 @@ fn buffers_freed_during_the_checkpoint_are_skipped_by_the_restore() {
     };
     assert!(matches!(err, EngineError::ImageMismatch { .. }), "{err}");
 }
+
+/// A memory owner that "loads" buffers from an image into memory it prepared (a keeper staging
+/// a restore), slowly, failing some.
+struct TestStaged {
+    dev: Arc<HostDevice>,
+    store: Arc<MemStore>,
+    /// Buffer id -> (va, mapped size).
+    bufs: std::collections::HashMap<u64, (u64, u64)>,
+    fail: std::collections::HashSet<u64>,
+    delay: Duration,
+    loaded: parking_lot::Mutex<std::collections::HashSet<u64>>,
+    waits: std::sync::atomic::AtomicU64,
+    finished: std::sync::atomic::AtomicBool,
+}
+
+impl possum_engine::Staged for TestStaged {
+    fn memory_of(&self, buffer: u64) -> Option<possum_engine::StagedMemory> {
+        self.bufs
+            .get(&buffer)
+            .map(|&(_, size)| possum_engine::StagedMemory {
+                id: buffer + 1000,
+                epoch: 7,
+                size,
+            })
+    }
+
+    fn wait_loaded(&self, buffer: u64) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        self.waits.fetch_add(1, Ordering::Relaxed);
+        let mut loaded = self.loaded.lock();
+        if loaded.contains(&buffer) {
+            return Ok(());
+        }
+        std::thread::sleep(self.delay);
+        if self.fail.contains(&buffer) {
+            return Err(format!("buffer {buffer}: the owner's read failed"));
+        }
+        // The owner writes through its own mapping; here the engine has mapped the memory at
+        // the buffer's address already (it waits only for mapped staged memory).
+        let (va, _) = self.bufs[&buffer];
+        let data = self.store.buffer_bytes(buffer).ok_or("not in the image")?;
+        self.dev
+            .write_now(possum_engine::device::DevPtr(va), &data)
+            .map_err(|e| e.to_string())?;
+        loaded.insert(buffer);
+        Ok(())
+    }
+
+    fn finished(&self) {
+        self.finished
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn a_staged_restore_maps_what_the_owner_loaded_and_copies_the_rest() {
+    let p = demo_program(11);
+    let k = 25;
+    let dev = Arc::new(HostDevice::keeping(1 << 30));
+    let cfg = EngineConfig {
+        restore_threads: 1,
+        ..small_cfg(4096, 2, 0)
+    };
+    let e = Engine::new(dev.clone(), cfg).unwrap();
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let mut want = Reference::new(&p);
+    want.run_all(&p.ops);
+    for op in &p.ops[..k] {
+        job.issue(op).unwrap();
+    }
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    let bufs: std::collections::HashMap<u64, (u64, u64)> = job
+        .buffers()
+        .iter()
+        .map(|b| (b.id(), (b.va().0, b.mapped_size())))
+        .collect();
+    // Two buffers the owner fails to load: copied from the image by the engine instead.
+    let fail: std::collections::HashSet<u64> =
+        job.buffers().iter().take(2).map(|b| b.id()).collect();
+    let staged = Arc::new(TestStaged {
+        dev: dev.clone(),
+        store: store.clone(),
+        bufs,
+        fail: fail.clone(),
+        delay: Duration::from_millis(15),
+        loaded: parking_lot::Mutex::new(Default::default()),
+        waits: Default::default(),
+        finished: Default::default(),
+    });
+    job.reset_deps();
+    let rs = e.restore_staged(store, staged.clone()).unwrap();
+    assert_eq!(
+        dev.kept_bytes(),
+        job.buffers().iter().map(|b| b.mapped_size()).sum::<u64>(),
+        "every buffer's memory is the owner's prepared memory"
+    );
+    for op in &p.ops[k..] {
+        job.issue(op).unwrap();
+    }
+    job.sync().unwrap();
+    let rr = rs.wait().unwrap();
+    assert!(
+        job.contents().unwrap() == want.bufs,
+        "the staged restore's run differs from an uninterrupted one"
+    );
+    assert_eq!(
+        rr.staged + rr.staged_fallback,
+        p.sizes.len() as u64,
+        "{rr:?}"
+    );
+    assert_eq!(rr.staged_fallback, fail.len() as u64, "{rr:?}");
+    assert_eq!(rr.on_demand + rr.prefetched, p.sizes.len() as u64, "{rr:?}");
+    assert!(
+        rr.on_demand >= 1,
+        "an operation waited for the owner: {rr:?}"
+    );
+    assert!(staged.finished.load(std::sync::atomic::Ordering::Relaxed));
+    assert_eq!(dev.kept_bytes(), 0, "nothing left kept");
+    assert_eq!(e.stats().phase, "idle");
+}
+
+#[test]
+fn a_staged_restore_with_memory_of_the_wrong_size_copies_everything() {
+    let p = demo_program(11);
+    let dev = Arc::new(HostDevice::keeping(1 << 30));
+    let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let mut want = Reference::new(&p);
+    want.run_all(&p.ops);
+    for op in &p.ops[..10] {
+        job.issue(op).unwrap();
+    }
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    let staged = Arc::new(TestStaged {
+        dev: dev.clone(),
+        store: store.clone(),
+        bufs: job
+            .buffers()
+            .iter()
+            .map(|b| (b.id(), (b.va().0, b.mapped_size() * 2)))
+            .collect(),
+        fail: Default::default(),
+        delay: Duration::ZERO,
+        loaded: parking_lot::Mutex::new(Default::default()),
+        waits: Default::default(),
+        finished: Default::default(),
+    });
+    job.reset_deps();
+    let rs = e.restore_staged(store, staged.clone()).unwrap();
+    for op in &p.ops[10..] {
+        job.issue(op).unwrap();
+    }
+    job.sync().unwrap();
+    let rr = rs.wait().unwrap();
+    assert!(job.contents().unwrap() == want.bufs);
+    assert_eq!((rr.staged, rr.staged_fallback), (0, 0), "{rr:?}");
+    assert_eq!(staged.waits.load(std::sync::atomic::Ordering::Relaxed), 0);
+}

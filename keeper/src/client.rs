@@ -7,7 +7,9 @@ use std::path::Path;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::{fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, Stats};
+use crate::{
+    fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, StageInfo, StagePlan, Stats,
+};
 
 /// A connection to a keeper. Dropping it (or the process ending) frees what it allocated, except
 /// what it retained.
@@ -118,6 +120,48 @@ impl Keeper {
     pub fn adopt(&mut self, a: &RetainedAlloc, fd: BorrowedFd<'_>) -> Result<(), KeeperError> {
         self.ask_with("adopt", &Request::Adopt(a.clone()), Some(fd))
             .map(drop)
+    }
+
+    /// Stages the restore of process `pid` from image directory `image` (one device's): the
+    /// keeper creates the buffers' memory and loads them in the background.
+    pub fn stage(
+        &mut self,
+        pid: i32,
+        image: &Path,
+        hold_secs: u64,
+    ) -> Result<StageInfo, KeeperError> {
+        let (v, _) = self.ask(
+            "stage",
+            &Request::Stage {
+                pid,
+                image: image.display().to_string(),
+                hold_secs,
+            },
+        )?;
+        parse("stage", v)
+    }
+
+    /// This process's stage of `image`, if the keeper has one.
+    pub fn staged(&mut self, image: &Path) -> Result<StagePlan, KeeperError> {
+        let (v, _) = self.ask(
+            "staged",
+            &Request::Staged {
+                image: image.display().to_string(),
+            },
+        )?;
+        parse("staged", v)
+    }
+
+    /// Waits until allocation `alloc` of stage `stage` is loaded (an error if its load failed).
+    pub fn stage_wait(&mut self, stage: u64, alloc: u64) -> Result<(), KeeperError> {
+        self.ask("stage_wait", &Request::StageWait { stage, alloc })
+            .map(drop)
+    }
+
+    /// Ends stage `stage`; how many allocations nobody took back were freed.
+    pub fn stage_end(&mut self, stage: u64) -> Result<u64, KeeperError> {
+        let (v, _) = self.ask("stage_end", &Request::StageEnd { stage })?;
+        Ok(v.get("freed").and_then(Value::as_u64).unwrap_or(0))
     }
 
     /// The keeper's accounting.

@@ -14,7 +14,11 @@
 //! client ── {"cmd":"release_retained","id":I}\n ──▶ {"ok":true}\n   frees a retained allocation
 //! client ── {"cmd":"reclaim","id":I,"epoch":E}\n ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)
 //! client ── {"cmd":"share","id":I}\n     ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)   CUDA IPC
-//! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total
+//! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total, stages
+//! client ── {"cmd":"stage","pid":P,"image":DIR,"hold_secs":H}\n ──▶ StageInfo   loads DIR for P
+//! client ── {"cmd":"staged","image":DIR}\n ──▶ StagePlan   the caller's stage of DIR
+//! client ── {"cmd":"stage_wait","stage":S,"alloc":A}\n ──▶ {"ok":true}\n once A is loaded
+//! client ── {"cmd":"stage_end","stage":S}\n ──▶ {"ok":true,"freed":N}\n
 //! ```
 //!
 //! `alloc` rounds the size up to the device's granularity (the reply says the size made). A failed
@@ -30,6 +34,10 @@
 //! `hold_secs` outlives its process for that long (a job killed after its checkpoint: the memory
 //! stays on the GPU for a restore on this host), then is freed.
 //!
+//! The `stage*` requests pre-load an image for a restore (the `stage` module): memory created
+//! for the restored job's pid, retained with a new epoch, and filled while CRIU restores the
+//! process; the job reclaims it as kept memory and waits only for what is still loading.
+//!
 //! The job's side is [`KeeperMemory`], the `possum_cuda::owner::MemoryOwner` a job's
 //! `CudaDevice` takes its buffers' memory from. The only `unsafe` is in the private `fdpass` module (taking ownership of the
 //! descriptors `recvmsg` received).
@@ -40,6 +48,7 @@ mod client;
 mod fdpass;
 mod memory;
 mod server;
+mod stage;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,7 +56,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use client::Keeper;
-pub use memory::KeeperMemory;
+pub use memory::{KeeperMemory, KeeperStage};
 pub use server::Server;
 
 /// How often the keeper looks for retained allocations whose process is gone.
@@ -154,6 +163,102 @@ pub enum Request {
     /// Take over a retained allocation of another keeper (one that died), from the fd that
     /// comes with the request: the same id, owner and epoch, so the job's `reclaim` finds it.
     Adopt(RetainedAlloc),
+    /// Load the possum image directory `image` (one device's: `gpu-N/`) into new memory for
+    /// process `pid`, which is being restored: one allocation per buffer, retained for `pid`
+    /// with a new epoch and held `hold_secs` (its process may not exist yet), filled in the
+    /// background in prefetch order. Answered with [`StageInfo`] once the memory exists. A
+    /// stage of `pid` already there is ended first.
+    Stage {
+        /// The process being restored.
+        pid: i32,
+        /// The image directory.
+        image: String,
+        /// Seconds the memory is kept while `pid` does not exist (before it is taken back).
+        #[serde(default)]
+        hold_secs: u64,
+    },
+    /// The caller's stage of `image`: [`StagePlan`].
+    Staged {
+        /// The image directory.
+        image: String,
+    },
+    /// Answers once allocation `alloc` of stage `stage` is loaded (it is loaded next if it is
+    /// still waiting), or with an error if its load failed.
+    StageWait {
+        /// The stage.
+        stage: u64,
+        /// The allocation.
+        alloc: u64,
+    },
+    /// Ends stage `stage`: loading stops, and its memory not taken back is freed.
+    StageEnd {
+        /// The stage.
+        stage: u64,
+    },
+}
+
+/// The reply to `stage`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageInfo {
+    /// The stage's id.
+    pub stage: u64,
+    /// The epoch its memory is retained with.
+    pub epoch: u64,
+    /// Buffers it loads.
+    pub buffers: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// One buffer of a stage.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagedBuffer {
+    /// The engine's id of the buffer (the image's).
+    pub buf: u64,
+    /// Its device address in the job.
+    pub va: u64,
+    /// Its size.
+    pub size: u64,
+    /// The allocation holding it.
+    pub alloc: u64,
+    /// The allocation's size (the buffer's, rounded up to the granularity).
+    pub alloc_size: u64,
+}
+
+/// The reply to `staged`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagePlan {
+    /// The stage's id.
+    pub stage: u64,
+    /// The epoch its memory is retained with (`reclaim` names it).
+    pub epoch: u64,
+    /// Its buffers, in the order they are loaded.
+    pub buffers: Vec<StagedBuffer>,
+}
+
+/// A stage, as `stats` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageStats {
+    /// The stage's id.
+    pub stage: u64,
+    /// The process it is for.
+    pub pid: i32,
+    /// The image directory.
+    pub image: String,
+    /// Buffers.
+    pub buffers: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Buffers loaded.
+    pub ready: u64,
+    /// Buffers whose load failed (or was ended).
+    pub failed: u64,
+    /// Bytes loaded.
+    pub loaded_bytes: u64,
+    /// Since it began, ms.
+    pub ms: f64,
+    /// When every buffer was loaded or failed, ms after it began.
+    pub done_ms: Option<f64>,
 }
 
 /// One retained allocation, as `retained` lists it and `adopt` takes it.
@@ -214,7 +319,7 @@ impl Usage {
 }
 
 /// The reply to `stats`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
     /// Per owning process: what it holds (its retained allocations included).
     pub clients: BTreeMap<i32, Usage>,
@@ -225,6 +330,9 @@ pub struct Stats {
     pub held: Usage,
     /// Everything the keeper holds.
     pub total: Usage,
+    /// Restores being staged.
+    #[serde(default)]
+    pub stages: Vec<StageStats>,
 }
 
 /// What failed, named.
@@ -240,6 +348,10 @@ pub enum KeeperError {
         /// The system's error.
         source: std::io::Error,
     },
+    /// A stage request that cannot be done (no such stage, an image that does not open, not
+    /// enough memory for it).
+    #[error("stage: {0}")]
+    Stage(String),
     /// Reading from or writing to a connection failed.
     #[error("keeper connection: {op}: {source}")]
     Io {

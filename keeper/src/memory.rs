@@ -43,6 +43,72 @@ impl KeeperMemory {
     }
 }
 
+impl KeeperMemory {
+    /// The keeper's stage of this process's restore from `image` (one device's image
+    /// directory), if it has one: the memory it prepared for each buffer, and its loads to wait
+    /// for ([`possum_engine::Staged`]).
+    pub fn staged(&self, image: &Path) -> Result<KeeperStage, KeeperError> {
+        let plan = Keeper::connect(&self.path)?.staged(image)?;
+        Ok(KeeperStage {
+            path: self.path.clone(),
+            stage: plan.stage,
+            epoch: plan.epoch,
+            buffers: plan.buffers.into_iter().map(|b| (b.buf, b)).collect(),
+        })
+    }
+}
+
+/// A keeper's stage of a restore, as the restoring engine uses it: a buffer's prepared memory is
+/// taken back like kept memory (its allocation, the stage's epoch), and waited for through a new
+/// connection per wait (a restorer and a hook may wait at once).
+#[derive(Debug)]
+pub struct KeeperStage {
+    path: PathBuf,
+    stage: u64,
+    epoch: u64,
+    buffers: std::collections::HashMap<u64, crate::StagedBuffer>,
+}
+
+impl KeeperStage {
+    /// The stage's id at its keeper.
+    pub fn id(&self) -> u64 {
+        self.stage
+    }
+
+    /// Buffers the keeper loads.
+    pub fn buffers(&self) -> usize {
+        self.buffers.len()
+    }
+}
+
+impl possum_engine::Staged for KeeperStage {
+    fn memory_of(&self, buffer: u64) -> Option<possum_engine::StagedMemory> {
+        self.buffers
+            .get(&buffer)
+            .map(|b| possum_engine::StagedMemory {
+                id: b.alloc,
+                epoch: self.epoch,
+                size: b.alloc_size,
+            })
+    }
+
+    fn wait_loaded(&self, buffer: u64) -> Result<(), String> {
+        let b = self
+            .buffers
+            .get(&buffer)
+            .ok_or_else(|| format!("buffer {buffer} is not staged"))?;
+        Keeper::connect(&self.path)
+            .and_then(|mut k| k.stage_wait(self.stage, b.alloc))
+            .map_err(|e| e.to_string())
+    }
+
+    fn finished(&self) {
+        if let Ok(mut k) = Keeper::connect(&self.path) {
+            let _ = k.stage_end(self.stage);
+        }
+    }
+}
+
 impl MemoryOwner for KeeperMemory {
     fn create(&self, size: u64) -> DeviceResult<Owned> {
         let (a, fd) = self.with("keeper alloc", |k| k.alloc(size))?;

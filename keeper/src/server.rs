@@ -10,9 +10,10 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use possum_cuda::share::{ShareDevice, SharedMem};
 use serde_json::{json, Value};
 
+use crate::stage::{self, Stage};
 use crate::{
-    fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, Stats, Usage,
-    MAX_REQUEST_BYTES,
+    fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, StageInfo, StagePlan,
+    StagedBuffer, Stats, Usage, MAX_REQUEST_BYTES,
 };
 
 /// A keeper: a listening socket and the memory it holds. Cheap to clone (shared); run
@@ -34,6 +35,9 @@ struct Inner {
     dev_init: Mutex<()>,
     uid: u32,
     state: Mutex<State>,
+    /// Restores being staged, by id ([`crate::stage`]).
+    stages: Mutex<BTreeMap<u64, Arc<Stage>>>,
+    next_stage: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +96,8 @@ impl Server {
                 dev_init: Mutex::new(()),
                 uid: nix::unistd::geteuid().as_raw(),
                 state: Mutex::new(State::default()),
+                stages: Mutex::new(BTreeMap::new()),
+                next_stage: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -208,7 +214,7 @@ impl Inner {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn connection(&self, stream: UnixStream) {
+    fn connection(self: &Arc<Self>, stream: UnixStream) {
         let pid = match getsockopt(&stream, PeerCredentials) {
             Ok(c) if c.uid() == self.uid => c.pid(),
             Ok(c) => {
@@ -232,7 +238,7 @@ impl Inner {
         }
     }
 
-    fn requests(&self, stream: &UnixStream, pid: i32) {
+    fn requests(self: &Arc<Self>, stream: &UnixStream, pid: i32) {
         let mut pending = Vec::new();
         loop {
             // A request may come with a descriptor (`adopt`); any others are closed unread.
@@ -274,7 +280,7 @@ impl Inner {
     }
 
     fn handle(
-        &self,
+        self: &Arc<Self>,
         req: Request,
         pid: i32,
         mut fds: Vec<std::os::fd::OwnedFd>,
@@ -452,6 +458,184 @@ impl Inner {
                 Ok((ok, None))
             }
             Request::Stats => Ok((json!(self.stats()), None)),
+            Request::Stage {
+                pid: of,
+                image,
+                hold_secs,
+            } => self.stage(of, &image, hold_secs),
+            Request::Staged { image } => {
+                let path = canonical(&image)?;
+                let s = self
+                    .lock_stages()
+                    .values()
+                    .find(|s| s.pid == pid && s.image == path)
+                    .cloned()
+                    .ok_or_else(|| {
+                        KeeperError::Stage(format!(
+                            "no stage of {} for process {pid}",
+                            path.display()
+                        ))
+                    })?;
+                let plan = StagePlan {
+                    stage: s.id,
+                    epoch: s.epoch,
+                    buffers: s.buffers.clone(),
+                };
+                Ok((json!(plan), None))
+            }
+            Request::StageWait { stage, alloc } => {
+                let s = self.stage_of(stage)?;
+                s.wait(alloc).map_err(KeeperError::Stage)?;
+                Ok((ok, None))
+            }
+            Request::StageEnd { stage } => {
+                self.stage_of(stage)?;
+                let freed = self.end_stage(stage);
+                Ok((json!({ "ok": true, "freed": freed }), None))
+            }
+        }
+    }
+
+    fn lock_stages(&self) -> MutexGuard<'_, BTreeMap<u64, Arc<Stage>>> {
+        self.stages.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn stage_of(&self, id: u64) -> Result<Arc<Stage>, KeeperError> {
+        self.lock_stages()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| KeeperError::Stage(format!("no stage {id}")))
+    }
+
+    /// `stage`: the image's buffers get memory for process `of` (all of it, or none), then
+    /// loader threads fill it.
+    fn stage(
+        self: &Arc<Self>,
+        of: i32,
+        image: &str,
+        hold_secs: u64,
+    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+        use possum_engine::store::ChunkSource;
+        let path = canonical(image)?;
+        let img = possum_engine::image::Image::open(&path)
+            .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
+        let earlier: Vec<u64> = self
+            .lock_stages()
+            .values()
+            .filter(|s| s.pid == of)
+            .map(|s| s.id)
+            .collect();
+        for id in earlier {
+            self.end_stage(id);
+        }
+        let dev = self.dev()?;
+        let g = dev.granularity();
+        let mut recs = img.buffers();
+        recs.sort_unstable_by_key(|r| (r.prefetch_rank, r.id));
+        let need: u64 = recs
+            .iter()
+            .map(|r| r.size.max(1).div_ceil(g).saturating_mul(g))
+            .sum();
+        let mut made = Vec::with_capacity(recs.len());
+        for r in &recs {
+            let size = r.size.max(1).div_ceil(g).saturating_mul(g);
+            let mem = match dev.create(size) {
+                Ok(m) => Ok(m),
+                Err(e) if self.drop_held_of_dead() > 0 => {
+                    held_dropped_note(&e);
+                    dev.create(size)
+                }
+                Err(e) => Err(e),
+            };
+            // On a failure what was made so far is dropped (freed) with `made`.
+            let mem = mem.map_err(|e| {
+                let free = dev.mem_info().map(|(f, _)| f).unwrap_or(0);
+                KeeperError::Stage(format!(
+                    "{}: its {} buffers need {need} bytes of GPU memory, {free} free: buffer {}                      ({size} bytes): {e}",
+                    path.display(),
+                    recs.len(),
+                    r.id
+                ))
+            })?;
+            made.push((r.clone(), mem, size));
+        }
+        let epoch = new_epoch();
+        let mut buffers = Vec::with_capacity(made.len());
+        {
+            let mut st = self.lock();
+            for (r, mem, size) in made {
+                st.next_id += 1;
+                let id = st.next_id;
+                st.allocs.insert(
+                    id,
+                    Alloc {
+                        mem,
+                        pid: of,
+                        retained: true,
+                        epoch,
+                        hold_until: hold_until(hold_secs.max(1)),
+                    },
+                );
+                buffers.push(StagedBuffer {
+                    buf: r.id,
+                    va: r.va,
+                    size: r.size,
+                    alloc: id,
+                    alloc_size: size,
+                });
+            }
+        }
+        let id = self
+            .next_stage
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let stage = Arc::new(Stage::new(id, of, epoch, path, buffers));
+        let info = StageInfo {
+            stage: id,
+            epoch,
+            buffers: stage.buffers.len() as u64,
+            bytes: stage.buffers.iter().map(|b| b.size).sum(),
+        };
+        self.lock_stages().insert(id, Arc::clone(&stage));
+        let img = Arc::new(img);
+        let knobs = stage::Knobs::from_env();
+        for _ in 0..knobs.threads().min(stage.buffers.len()) {
+            let mem: Arc<dyn stage::Memory> = self.clone();
+            let (s, i) = (Arc::clone(&stage), Arc::clone(&img));
+            std::thread::Builder::new()
+                .name("possum-keeper-stage".to_string())
+                .spawn(move || stage::loader(mem, s, i, knobs))
+                .map_err(|source| KeeperError::Io {
+                    op: "spawn a loader thread",
+                    source,
+                })?;
+        }
+        Ok((json!(info), None))
+    }
+
+    /// Ends stage `id` (if it is there) and frees its memory nobody took back; how many
+    /// allocations were freed.
+    fn end_stage(&self, id: u64) -> usize {
+        let Some(s) = self.lock_stages().remove(&id) else {
+            return 0;
+        };
+        s.end();
+        self.free_where(|a, _| a.retained && a.pid == s.pid && a.epoch == s.epoch)
+    }
+
+    /// Ends the stages whose process is gone and whose memory is all freed (held past its hold,
+    /// or freed with the restored process).
+    fn prune_stages(&self) {
+        let stages: Vec<Arc<Stage>> = self.lock_stages().values().cloned().collect();
+        for s in stages {
+            let left = self
+                .lock()
+                .allocs
+                .values()
+                .any(|a| a.pid == s.pid && a.epoch == s.epoch);
+            if !left && !alive(s.pid) {
+                self.end_stage(s.id);
+            }
         }
     }
 
@@ -465,6 +649,7 @@ impl Inner {
     fn free_orphans_of_dead(&self) {
         let now = Instant::now();
         self.free_where(|a, alive| !a.held(now) && !alive);
+        self.prune_stages();
     }
 
     /// Frees the allocations `gone` picks, given each with whether its process is alive (asked
@@ -503,8 +688,45 @@ impl Inner {
                 s.held.add(size);
             }
         }
+        drop(st);
+        s.stages = self.lock_stages().values().map(|x| x.stats()).collect();
         s
     }
+}
+
+impl stage::Memory for Inner {
+    fn device(&self) -> Result<&ShareDevice, String> {
+        self.dev().map_err(|e| e.to_string())
+    }
+
+    fn map<'r>(
+        &self,
+        alloc: u64,
+        res: &'r possum_cuda::share::Reservation,
+    ) -> Result<possum_cuda::share::Mapped<'r>, String> {
+        let st = self.lock();
+        let a = st
+            .allocs
+            .get(&alloc)
+            .ok_or_else(|| format!("its memory (allocation {alloc}) was freed"))?;
+        a.mem.map(res, 0).map_err(|e| e.to_string())
+    }
+}
+
+/// `image` made absolute and canonical, so that the job's name of it and the restore's agree.
+fn canonical(image: &str) -> Result<PathBuf, KeeperError> {
+    std::fs::canonicalize(image).map_err(|e| KeeperError::Stage(format!("{image}: {e}")))
+}
+
+/// A new checkpoint epoch for staged memory: unique in practice (the time, this process, a
+/// counter), never 0.
+fn new_epoch() -> u64 {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    (t ^ (u64::from(std::process::id()) << 40) ^ n.rotate_left(20)) | 1
 }
 
 /// Until when memory held `secs` seconds after its process is gone is kept (0: not held).

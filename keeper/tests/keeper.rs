@@ -509,3 +509,117 @@ fn a_process_shares_only_its_own_memory_in_use() {
     assert!(err.contains("no allocation"), "{err}");
     assert!(k.share(999_999).is_err());
 }
+
+/// Staging (issue 14 item 4): an engine's buffers checkpointed into an image on disk and
+/// released; the keeper loads the image into new memory for this process, and the engine's
+/// restore maps that memory and waits for the loads instead of copying. A buffer whose load
+/// fails (`POSSUM_KEEPER_STAGE_FAIL`) is copied by the engine from the image. The memory is this
+/// process's in use afterwards, nothing retained; a stage's memory nobody takes is freed by
+/// `stage_end`; an image that is not there is refused by name.
+#[test]
+fn a_staged_restore_maps_memory_the_keeper_loaded() {
+    if !inner_or_spawn("a_staged_restore_maps_memory_the_keeper_loaded") {
+        return;
+    }
+    use possum_engine::device::{Device, HostBuffer, StreamPriority, Transfer};
+    use possum_engine::image::{Image, ImageWriter, WriterOptions};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let owner = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
+    let dev = Arc::new(
+        possum_cuda::CudaDevice::new(0)
+            .unwrap()
+            .with_owner(Arc::new(owner)),
+    );
+    let cfg = possum_engine::EngineConfig {
+        chunk_size: 1 << 20,
+        ..possum_engine::EngineConfig::default()
+    };
+    let e = possum_engine::Engine::new(dev.clone(), cfg).unwrap();
+    let bufs: Vec<_> = [MIB4, 2 * MIB4 - 4096, 3 * MIB4]
+        .iter()
+        .map(|&n| e.alloc(n).unwrap())
+        .collect();
+    let s = dev.create_stream(StreamPriority::Normal).unwrap();
+    let write = |va, id: u64, len: u64| {
+        let mut h = dev.alloc_host(len as usize).unwrap();
+        h.as_mut_slice()[..len as usize].copy_from_slice(&pattern(id, len));
+        dev.copy_h2d(&s, h, va, len).unwrap().wait().unwrap();
+    };
+    let read = |va, len: u64| {
+        let h = dev.alloc_host(len as usize).unwrap();
+        let h = dev.copy_d2h(&s, va, h, len).unwrap().wait().unwrap();
+        h.as_slice()[..len as usize].to_vec()
+    };
+    let me = std::process::id() as i32;
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let missing = dir.path().join("no-such-image");
+    let err = k.stage(me, &missing, 60).unwrap_err().to_string();
+    assert!(err.contains("no-such-image"), "{err}");
+
+    for (round, fail) in [(1u64, None), (2, Some("0"))] {
+        for (i, b) in bufs.iter().enumerate() {
+            write(b.va(), round * 10 + i as u64, b.size());
+        }
+        let img = dir.path().join(format!("img-{round}/gpu-0"));
+        let w = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
+        e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
+        Arc::try_unwrap(w).unwrap().commit().unwrap();
+        e.release().unwrap();
+        match fail {
+            Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", n),
+            None => std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL"),
+        }
+        let info = k.stage(me, &img, 60).unwrap();
+        assert_eq!(info.buffers, 3);
+        let plan = possum_keeper::KeeperMemory::connect(server.path())
+            .unwrap()
+            .staged(&img)
+            .unwrap();
+        assert_eq!(plan.id(), info.stage);
+        let r = e
+            .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(
+            (r.staged, r.staged_fallback),
+            if fail.is_some() { (2, 1) } else { (3, 0) },
+            "{r:?}"
+        );
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(
+                read(b.va(), b.size()) == pattern(round * 10 + i as u64, b.size()),
+                "round {round}: buffer {i} restored wrong"
+            );
+        }
+        // Every buffer's memory is this process's in use: nothing retained, and no stage left
+        // (the restore's end ended it).
+        server.free_orphans_now();
+        let st = server.stats();
+        assert_eq!(st.retained, Usage::default(), "{st:?}");
+        assert_eq!(
+            st.clients.get(&me).map(|u| u.allocations),
+            Some(3),
+            "{st:?}"
+        );
+        assert!(st.stages.is_empty(), "{st:?}");
+    }
+    std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL");
+
+    // A stage nobody takes: its memory is freed when it is ended.
+    let img = dir.path().join("img-2/gpu-0");
+    let info = k.stage(me, &img, 60).unwrap();
+    assert_eq!(server.stats().retained.allocations, 3);
+    assert_eq!(k.stage_end(info.stage).unwrap(), 3);
+    assert_eq!(server.stats().retained, Usage::default());
+    assert!(
+        k.stage_wait(info.stage, 1).is_err(),
+        "an ended stage is gone"
+    );
+    for b in &bufs {
+        e.free(b.va()).unwrap();
+    }
+    wait_total(&server, Usage::default());
+}

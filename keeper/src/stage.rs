@@ -1,0 +1,361 @@
+//! Staging a restore (issue 14 item 4): the keeper loads a job's image into new GPU memory while
+//! CRIU restores the job's process, so that the restored job maps its buffers at once and waits
+//! only for those still loading.
+//!
+//! `stage` (from `possum restore`, before CRIU runs) opens the image, creates one allocation per
+//! buffer for the job's pid, retained with a new epoch and held `hold_secs` (the process does not
+//! exist yet), and starts loader threads that fill them in the image's prefetch order: each maps
+//! an allocation in a reservation of the keeper's own, reads the buffer's chunks (their checksums
+//! checked) into pinned buffers and copies them to the device, a few in flight per thread. The
+//! restored job asks `staged` for its image's plan (buffer -> allocation), takes each allocation
+//! back with `reclaim` like memory a checkpoint kept, and `stage_wait`s for an allocation before
+//! anything touches it: a waited-for buffer is loaded next. `stage_end` (the job's restore is
+//! over, or `possum restore` gave up) stops the loaders and frees what nobody took back.
+//!
+//! A buffer that fails to load (a checksum mismatch, a read error, its memory freed) is reported
+//! failed to whoever waits; the job then copies it from the image itself. A keeper that dies
+//! mid-load loses nothing either: the job holds the memory it mapped and copies what it was not
+//! told is loaded.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use possum_cuda::share::ShareDevice;
+use possum_cuda::{CudaPending, PinnedBuf};
+use possum_engine::device::{HostBuffer, Transfer};
+use possum_engine::image::Image;
+use possum_engine::store::ChunkSource;
+
+use crate::{StageStats, StagedBuffer};
+
+/// Copies one loader keeps in flight.
+const DEPTH: usize = 3;
+/// The pinned buffers' size (an image's chunks are at most this in practice: the engine writes
+/// 8 MiB chunks; a larger one gets a buffer of its own).
+const PINNED: usize = 8 << 20;
+/// Loader threads of one stage (`POSSUM_KEEPER_STAGE_THREADS`).
+const THREADS: usize = 8;
+
+/// One buffer's load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Status {
+    Waiting,
+    Loading,
+    Ready,
+    Failed(String),
+}
+
+#[derive(Debug)]
+struct Progress {
+    status: Vec<Status>,
+    /// The next buffer in prefetch order that may be waiting.
+    next: usize,
+    /// Buffers a job waits for, loaded before the rest.
+    urgent: VecDeque<usize>,
+    loaded_bytes: u64,
+    settled: usize,
+    failed: usize,
+    ended: bool,
+    done_after: Option<Duration>,
+}
+
+/// A restore being staged.
+#[derive(Debug)]
+pub(crate) struct Stage {
+    pub(crate) id: u64,
+    pub(crate) pid: i32,
+    pub(crate) epoch: u64,
+    pub(crate) image: PathBuf,
+    /// In prefetch order.
+    pub(crate) buffers: Vec<StagedBuffer>,
+    by_alloc: HashMap<u64, usize>,
+    progress: Mutex<Progress>,
+    cv: Condvar,
+    started: Instant,
+}
+
+impl Stage {
+    pub(crate) fn new(
+        id: u64,
+        pid: i32,
+        epoch: u64,
+        image: PathBuf,
+        buffers: Vec<StagedBuffer>,
+    ) -> Stage {
+        let n = buffers.len();
+        Stage {
+            id,
+            pid,
+            epoch,
+            image,
+            by_alloc: buffers
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (b.alloc, i))
+                .collect(),
+            buffers,
+            progress: Mutex::new(Progress {
+                status: vec![Status::Waiting; n],
+                next: 0,
+                urgent: VecDeque::new(),
+                loaded_bytes: 0,
+                settled: 0,
+                failed: 0,
+                ended: false,
+                done_after: (n == 0).then(Duration::default),
+            }),
+            cv: Condvar::new(),
+            started: Instant::now(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next buffer to load (a waited-for one first), marked loading; `None` when none is left.
+    fn pick(&self) -> Option<usize> {
+        let mut p = self.lock();
+        if p.ended {
+            return None;
+        }
+        let i = loop {
+            if let Some(i) = p.urgent.pop_front() {
+                if p.status[i] == Status::Waiting {
+                    break i;
+                }
+                continue;
+            }
+            while p.next < p.status.len() && p.status[p.next] != Status::Waiting {
+                p.next += 1;
+            }
+            if p.next == p.status.len() {
+                return None;
+            }
+            break p.next;
+        };
+        p.status[i] = Status::Loading;
+        Some(i)
+    }
+
+    fn settle(&self, i: usize, r: Result<(), String>) {
+        let mut p = self.lock();
+        if !matches!(p.status[i], Status::Waiting | Status::Loading) {
+            return;
+        }
+        p.status[i] = match r {
+            Ok(()) => {
+                p.loaded_bytes += self.buffers[i].size;
+                Status::Ready
+            }
+            Err(e) => {
+                p.failed += 1;
+                Status::Failed(e)
+            }
+        };
+        p.settled += 1;
+        if p.settled == p.status.len() {
+            p.done_after = Some(self.started.elapsed());
+        }
+        drop(p);
+        self.cv.notify_all();
+    }
+
+    /// Waits until allocation `alloc` is loaded (loaded next if it is still waiting).
+    pub(crate) fn wait(&self, alloc: u64) -> Result<(), String> {
+        let &i = self
+            .by_alloc
+            .get(&alloc)
+            .ok_or_else(|| format!("allocation {alloc} is not of stage {}", self.id))?;
+        let mut p = self.lock();
+        if p.status[i] == Status::Waiting && !p.urgent.contains(&i) {
+            p.urgent.push_back(i);
+        }
+        loop {
+            match &p.status[i] {
+                Status::Ready => return Ok(()),
+                Status::Failed(e) => return Err(e.clone()),
+                Status::Waiting | Status::Loading => {
+                    p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+                }
+            }
+        }
+    }
+
+    /// Stops loading: buffers not loaded yet are failed ("ended").
+    pub(crate) fn end(&self) {
+        let mut p = self.lock();
+        p.ended = true;
+        let mut n = 0;
+        for s in p.status.iter_mut() {
+            if *s == Status::Waiting {
+                *s = Status::Failed(String::from("the stage was ended before it was loaded"));
+                n += 1;
+            }
+        }
+        p.failed += n;
+        p.settled += n;
+        drop(p);
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn stats(&self) -> StageStats {
+        let p = self.lock();
+        StageStats {
+            stage: self.id,
+            pid: self.pid,
+            image: self.image.display().to_string(),
+            buffers: self.buffers.len() as u64,
+            bytes: self.buffers.iter().map(|b| b.size).sum(),
+            ready: p.status.iter().filter(|s| **s == Status::Ready).count() as u64,
+            failed: p.failed as u64,
+            loaded_bytes: p.loaded_bytes,
+            ms: ms(self.started.elapsed()),
+            done_ms: p.done_after.map(ms),
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Test knobs, read once per stage: `POSSUM_KEEPER_STAGE_DELAY_MS` (each buffer waits that long
+/// before it loads, so that a restored job meets buffers still loading) and
+/// `POSSUM_KEEPER_STAGE_FAIL=N` (the buffer at position N of the prefetch order fails to load).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Knobs {
+    delay: Duration,
+    fail: Option<usize>,
+    threads: usize,
+}
+
+impl Knobs {
+    pub(crate) fn from_env() -> Knobs {
+        let num = |k: &str| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        Knobs {
+            delay: Duration::from_millis(num("POSSUM_KEEPER_STAGE_DELAY_MS").unwrap_or(0)),
+            fail: num("POSSUM_KEEPER_STAGE_FAIL").and_then(|n| usize::try_from(n).ok()),
+            threads: num("POSSUM_KEEPER_STAGE_THREADS")
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(THREADS),
+        }
+    }
+
+    pub(crate) fn threads(&self) -> usize {
+        self.threads
+    }
+}
+
+/// What a loader needs of the keeper: its device, and a buffer's memory mapped for it.
+pub(crate) trait Memory: Send + Sync + 'static {
+    fn device(&self) -> Result<&ShareDevice, String>;
+    /// Maps allocation `alloc` (of `size` bytes) in `res`; an error if it is gone.
+    fn map<'r>(
+        &self,
+        alloc: u64,
+        res: &'r possum_cuda::share::Reservation,
+    ) -> Result<possum_cuda::share::Mapped<'r>, String>;
+}
+
+/// A loader thread: loads the stage's buffers until none is left.
+pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>, knobs: Knobs) {
+    let mut bufs: Vec<PinnedBuf> = Vec::new();
+    let stream = mem
+        .device()
+        .and_then(|d| d.stream().map_err(|e| e.to_string()));
+    while let Some(i) = stage.pick() {
+        if !knobs.delay.is_zero() {
+            std::thread::sleep(knobs.delay);
+        }
+        let r = match (&stream, knobs.fail == Some(i)) {
+            (_, true) => Err("failed on purpose (POSSUM_KEEPER_STAGE_FAIL)".to_string()),
+            (Err(e), _) => Err(format!("no stream to load with: {e}")),
+            (Ok(s), _) => load(&*mem, &stage.buffers[i], &image, s, &mut bufs),
+        };
+        stage.settle(i, r);
+    }
+}
+
+/// Loads one buffer: its chunks read into pinned buffers and copied to its memory, `DEPTH` in
+/// flight.
+fn load(
+    mem: &dyn Memory,
+    b: &StagedBuffer,
+    image: &Image,
+    stream: &possum_cuda::CudaStream,
+    free: &mut Vec<PinnedBuf>,
+) -> Result<(), String> {
+    let dev = mem.device()?;
+    let res = dev.reserve(b.alloc_size).map_err(|e| e.to_string())?;
+    let m = mem.map(b.alloc, &res)?;
+    let mut inflight: VecDeque<CudaPending> = VecDeque::new();
+    let mut failed = None;
+    for (off, len) in image.chunks(b.buf) {
+        let Ok(n) = usize::try_from(len) else {
+            failed = Some(format!("chunk at {off} too large"));
+            break;
+        };
+        let buf = if inflight.len() >= DEPTH {
+            match inflight.pop_front().map(Transfer::wait) {
+                Some(Ok(buf)) => Ok(buf),
+                Some(Err(e)) => Err(e.to_string()),
+                None => unreachable!("DEPTH > 0"),
+            }
+        } else {
+            free.pop()
+                .map_or_else(|| dev.pinned(PINNED.max(n)).map_err(|e| e.to_string()), Ok)
+        };
+        let mut buf = match buf {
+            Ok(b) if b.len() >= n => b,
+            Ok(b) => {
+                free.push(b);
+                match dev.pinned(n) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        failed = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        };
+        if let Err(e) = image.read_chunk(b.buf, off, &mut buf.as_mut_slice()[..n]) {
+            free.push(buf);
+            failed = Some(e.to_string());
+            break;
+        }
+        match stream.copy_h2d(buf, m.va() + off, n) {
+            Ok(p) => inflight.push_back(p),
+            Err(e) => {
+                failed = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    for p in inflight {
+        match p.wait() {
+            Ok(buf) if buf.len() == PINNED => free.push(buf),
+            Ok(_) => {}
+            Err(e) => {
+                failed.get_or_insert(e.to_string());
+            }
+        }
+    }
+    drop(m);
+    drop(res);
+    match failed {
+        None => Ok(()),
+        Some(e) => Err(format!("buffer {}: {e}", b.buf)),
+    }
+}
