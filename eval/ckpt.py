@@ -120,7 +120,9 @@ ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine fla
                "(the same, the job's buffer memory kept by a keeper: `possum run`'s default), possum-hold "
                "(POSSUM_HOOKS=off), driver, gpu-only; suffix -cupti (job with POSSUM_HOOKS=cupti), "
                "-kill (checkpoint and kill, not --leave-running; -kill-disk: --keep-on-gpu 0, so the "
-               "restore reads the image even with a keeper), -frozen (extra state only read); none, "
+               "restore reads the image even with a keeper, which loads it while CRIU restores the job; "
+               "-kill-disk-nostage: POSSUM_RESTORE_STAGE=0, the restored job copies it), -frozen "
+               "(extra state only read); none, "
                "possum-none (no checkpoint)")
 
 
@@ -128,7 +130,9 @@ def variant(name):
     """What an engine name means: {name, base, ckpt: the `possum checkpoint` engine (possum,
     driver, gpu-only, or None for no checkpoint), possum: libpossum.so in the job, env: the job's
     possum variables, frozen}."""
-    rest, frozen, cupti, kill, disk = name, False, False, False, False
+    rest, frozen, cupti, kill, disk, nostage = name, False, False, False, False, False
+    if rest.endswith("-nostage"):
+        rest, nostage = rest[: -len("-nostage")], True
     if rest.endswith("-frozen"):
         rest, frozen = rest[: -len("-frozen")], True
     if rest.endswith("-disk"):
@@ -152,8 +156,10 @@ def variant(name):
     ckpt = {"possum": "possum", "possum-keeper": "possum", "possum-hold": "possum", "driver": "driver", "gpu-only": "gpu-only"}.get(rest)
     if disk and not kill:
         raise ValueError(f"engine {name!r}: -disk goes with -kill (what a killed job's keeper keeps)")
+    if nostage and not disk:
+        raise ValueError(f"engine {name!r}: -nostage goes with -kill-disk (a restore from the image)")
     return {"name": name, "base": rest, "ckpt": ckpt, "possum": rest not in ("driver", "none"),
-            "env": env, "frozen": frozen, "kill": kill, "disk": disk}
+            "env": env, "frozen": frozen, "kill": kill, "disk": disk, "nostage": nostage}
 
 
 KEEPER_DIR = os.path.join(WORK, "keeper")
@@ -252,9 +258,10 @@ def wait_lines(log, n, timeout, proc=None, pid=None):
     return False
 
 
-def possum(*args, timeout=int(os.environ.get("CKPT_TIMEOUT", "900"))):
+def possum(*args, timeout=int(os.environ.get("CKPT_TIMEOUT", "900")), env=None):
     t = time.time()
-    r = subprocess.run([POSSUM, *args], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([POSSUM, *args], capture_output=True, text=True, timeout=timeout,
+                       env=None if env is None else {**os.environ, **env})
     out = None
     for line in r.stdout.splitlines():
         if line.startswith("{"):
@@ -291,9 +298,11 @@ def keep_log(log):
     open(log, "w").close()
 
 
-def restore(img, extra=()):
-    """`possum restore` of IMG (the job's log kept in place first: `keep_log`)."""
-    return possum("restore", "-D", img, "--json", *extra)
+def restore(img, extra=(), v=None):
+    """`possum restore` of IMG (the job's log kept in place first: `keep_log`); for variant `v`
+    -nostage, without the keeper's staging."""
+    env = {"POSSUM_RESTORE_STAGE": "0"} if v and v.get("nostage") else None
+    return possum("restore", "-D", img, "--json", *extra, env=env)
 
 
 REF = {}
@@ -388,9 +397,10 @@ def trial(spec, engine, k, steps, sleep_ms, n):
         shutil.rmtree(img, ignore_errors=True)
         return row["ok"]
     keep_log(log)
-    rs = restore(img)
+    rs = restore(img, v=v)
     row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
                       "gpu_from_keeper": (rs["json"] or {}).get("gpu_from_keeper"),
+                      "staged_buffers_mapped": (rs["json"] or {}).get("staged_buffers_mapped"),
                       "stderr": rs["stderr"] if rs["rc"] else None}
     pid = p.pid
     gone = wait_gone(pid, 600) if rs["rc"] == 0 else True
@@ -515,9 +525,11 @@ def correctness_md(rows, summary, wall_s):
         stall = (f"{f.get('stall_ms', 0):.0f} ({bd.get('engine', 0):.0f}/{bd.get('driver', 0):.0f}/{bd.get('criu', 0):.0f})"
                  if f else "")
         yn = lambda x: "yes" if x else ("**NO**" if x is not None else "")
+        staged = (r.get("restore") or {}).get("staged_buffers_mapped")
+        rms = f"{rf.get('total_ms', '')}" + (f" ({staged} staged)" if staged else "")
         out.append(f"| {r.get('trial')} | {r.get('job')} | {r.get('engine')} | {hooks} | {r.get('k')} | "
                    f"{yn(r.get('leave_running_identical'))} | {yn(r.get('restored_identical'))} | "
-                   f"{r.get('resumed_at_step', '')} | {stall} | {rf.get('total_ms', '')} | "
+                   f"{r.get('resumed_at_step', '')} | {stall} | {rms} | "
                    f"{r.get('wall_s', 0):.0f} | {'' if r.get('ok') else r.get('why') or 'differs'} |")
     return "\n".join(out) + "\n"
 
@@ -753,10 +765,12 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
         if ck["rc"] == 0 and v["ckpt"] != "gpu-only":
             keep_log(log)
             t2 = time.time()
-            rs = restore(img)
+            rs = restore(img, v=v)
             rf = (rs["json"] or {}).get("figures")
             from_keeper = bool((rs["json"] or {}).get("gpu_from_keeper"))
             row["gpu_from_keeper"] = from_keeper
+            row["staged"] = {k: (rs["json"] or {}).get(k)
+                             for k in ("staged", "stage_skipped", "staged_buffers_mapped")}
             if v["kill"]:
                 row["held_for_restore"] = rel.get("held_for_restore")
             if rs["rc"] == 0 and wait_lines(log, 1, 300):

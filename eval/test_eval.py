@@ -145,7 +145,10 @@ class Variants(unittest.TestCase):
         self.assertEqual((d["base"], d["kill"], d["disk"], d["frozen"]), ("possum-keeper", True, True, True))
         self.assertFalse(ckpt.variant("driver")["kill"])
         self.assertTrue(ckpt.variant("driver-kill")["kill"])
-        for bad in ("possum-keeper-disk", "possum-kill-cupti-x"):
+        n = ckpt.variant("possum-keeper-kill-disk-nostage")
+        self.assertEqual((n["base"], n["kill"], n["disk"], n["nostage"]), ("possum-keeper", True, True, True))
+        self.assertFalse(d["nostage"])
+        for bad in ("possum-keeper-disk", "possum-kill-cupti-x", "possum-keeper-kill-nostage"):
             with self.assertRaises(ValueError):
                 ckpt.variant(bad)
 

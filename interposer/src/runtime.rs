@@ -126,11 +126,19 @@ impl Config {
     }
 }
 
+/// The socket of device `ordinal`'s keeper, if `POSSUM_KEEPER` names a keeper's directory.
+pub fn keeper_socket(ordinal: usize) -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os(possum_keeper::KEEPER_ENV).filter(|d| !d.is_empty())?;
+    Some(possum_keeper::socket_of(
+        std::path::Path::new(&dir),
+        ordinal,
+    ))
+}
+
 /// The keeper of device `ordinal`'s memory, if `POSSUM_KEEPER` names a keeper's directory
 /// (`possum run` sets it unless `--no-keeper`). One that cannot be reached is logged and the job goes on without it.
 fn keeper_of(ordinal: usize) -> Option<Arc<dyn possum_cuda::owner::MemoryOwner>> {
-    let dir = std::env::var_os(possum_keeper::KEEPER_ENV).filter(|d| !d.is_empty())?;
-    let path = possum_keeper::socket_of(std::path::Path::new(&dir), ordinal);
+    let path = keeper_socket(ordinal)?;
     match possum_keeper::KeeperMemory::connect(&path) {
         Ok(k) => {
             crate::log(&format!(

@@ -758,6 +758,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
     // Without hooks no operation waits for its buffers: they are all back before this answers.
     let hooks = crate::hooks_live();
     let mut out = Vec::new();
+    let mut staged = Vec::new();
     for e in engines() {
         if e.engine.phase() != "released" {
             continue;
@@ -784,10 +785,16 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
                 format!("device {}: cannot open its image: {err}", e.ordinal)
             }
         })?;
-        let h = e
-            .engine
-            .restore(Arc::new(img))
-            .map_err(|err| format!("device {}: {err}", e.ordinal))?;
+        let img = Arc::new(img);
+        let h = match staged_restore(&e, &path) {
+            Some(stage) => {
+                staged.push(json!({"device": e.ordinal, "stage": stage.id(),
+                                   "buffers": stage.buffers()}));
+                e.engine.restore_staged(img, Arc::new(stage))
+            }
+            None => e.engine.restore(img),
+        }
+        .map_err(|err| format!("device {}: {err}", e.ordinal))?;
         let ordinal = e.ordinal;
         if !hooks {
             let r = h
@@ -797,7 +804,8 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
             note_last(
                 "restore",
                 json!({"device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
-                       "ms": ms(r.elapsed), "on_demand": false}),
+                       "ms": ms(r.elapsed), "on_demand": false, "staged": r.staged,
+                       "staged_fallback": r.staged_fallback}),
             );
             out.push(ordinal);
             continue;
@@ -813,6 +821,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
                         "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
                         "ms": ms(r.elapsed), "on_demand": r.on_demand, "prefetched": r.prefetched,
                         "helped_chunks": r.helped_chunks, "hook_blocked": r.hook_blocked, "hook_blocked_ms": ms(r.hook_blocked_total),
+                        "staged": r.staged, "staged_fallback": r.staged_fallback,
                         })
                     }
                     Err(err) => {
@@ -834,9 +843,40 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
     }
     Ok(
         json!({"restoring": out, "on_demand": hooks, "attached": attached,
-              "kept_memory_gone": from_image,
+              "kept_memory_gone": from_image, "staged": staged,
               "attach_ms": attach_ms, "saving": saving_devices, "ms": ms(t.elapsed())}),
     )
+}
+
+/// The keeper's stage of this process's restore from `image` (device `e`'s image directory),
+/// when `possum restore` had the keeper load it while CRIU restored the process: the buffers'
+/// memory is then the keeper's, loaded there, and the restore maps it instead of copying.
+/// `None` (the restore copies everything from the image) without a keeper serving the device's
+/// memory, or without such a stage.
+fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperStage> {
+    e.engine.device().owner_status()?;
+    let sock = crate::runtime::keeper_socket(e.ordinal)?;
+    let stage = possum_keeper::KeeperMemory::connect(&sock)
+        .and_then(|k| k.staged(image))
+        .map_err(|err| {
+            let err = err.to_string();
+            if !err.contains("no stage of") {
+                crate::log(&format!(
+                    "device {}: the keeper's stage of {} is not usable ({err}); the buffers come \
+                     from the image",
+                    e.ordinal,
+                    image.display()
+                ));
+            }
+        })
+        .ok()?;
+    crate::log(&format!(
+        "device {}: {} buffers staged by the keeper (stage {}): mapped, waited for while they load",
+        e.ordinal,
+        stage.buffers(),
+        stage.id()
+    ));
+    Some(stage)
 }
 
 type Saves = Vec<(

@@ -1768,3 +1768,80 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
     }
     assert!(possum_keeper::Keeper::connect(&sock).is_err());
 }
+
+/// A job checkpointed and killed whose keeper did not hold its memory (`--keep-on-gpu 0`),
+/// restored from its image (issue 14 item 4): `possum restore` has the keeper load the image
+/// into new memory while CRIU restores the process, and the restored job maps that memory and
+/// waits only for buffers still loading. The keeper here loads slowly (each buffer 150 ms
+/// later) and fails one buffer on purpose: the job meets buffers still loading, copies the
+/// failed one from the image itself, and computes exactly what a run without possum does. The
+/// stage is gone afterwards, nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
+#[test]
+fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
+    let Some((tmp, lib)) = setup("keeper_stage_restore", "possum-keeper-stage-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper_with(
+        dir,
+        &[
+            ("POSSUM_KEEPER_STAGE_DELAY_MS", "150"),
+            ("POSSUM_KEEPER_STAGE_FAIL", "1"),
+        ],
+    );
+    let keeper_sock = keeper_dir.join("keeper-0.sock");
+    let want = reference_run(dir);
+    let mut job = keeper_job(dir, &lib, &keeper_dir);
+    let img = dir.join("img");
+    checkpoint_and_kill(dir, &mut job, &img, &["--keep-on-gpu", "0"]);
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["gpu_from_keeper"], false, "{r}");
+    assert_eq!(r["stage_skipped"], Value::Null, "{r}");
+    let staged = &r["staged"][0];
+    assert_eq!(staged["error"], Value::Null, "{r}");
+    assert_eq!(staged["buffers"], 3, "{r}");
+    assert_eq!(r["staged_buffers_mapped"], 3, "{r}");
+    goes_on_like(
+        &mut job,
+        dir,
+        "staged",
+        &want,
+        "restored from memory its keeper loaded",
+    );
+    let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
+    assert_eq!(back["buffers"], 3, "{back}");
+    assert_eq!(back["staged"], 2, "{back}");
+    assert_eq!(back["staged_fallback"], 1, "{back}");
+    assert!(
+        back["hook_blocked"].as_u64().unwrap_or(0) > 0,
+        "the job waited for a buffer still loading: {back}"
+    );
+    let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
+    let s = k.stats().unwrap();
+    assert!(s.stages.is_empty(), "the restore ended its stage: {s:?}");
+    assert_eq!(s.retained.allocations, 0, "{s:?}");
+    // The three restored, and the one its malloc after step 9 added.
+    assert_eq!(s.clients[&job.pid].allocations, 4, "{s:?}");
+
+    // Turned off: the restore copies from the image.
+    let img2 = dir.join("img2");
+    checkpoint_and_kill(dir, &mut job, &img2, &["--keep-on-gpu", "0"]);
+    let r = json_of(
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(&img2)
+            .env("LD_LIBRARY_PATH", dir)
+            .env("POSSUM_RESTORE_STAGE", "0"),
+        &job,
+    );
+    assert!(
+        r["stage_skipped"]
+            .as_str()
+            .is_some_and(|s| s.contains("off")),
+        "{r}"
+    );
+    assert_eq!(r["staged_buffers_mapped"], 0, "{r}");
+    let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
+    assert_eq!(back["staged"], 0, "{back}");
+    finish_restored(&mut job);
+}

@@ -28,6 +28,7 @@ mod guard;
 mod held;
 mod image;
 mod restore;
+mod stage;
 mod tree;
 
 pub use guard::{guard, GuardArgs};

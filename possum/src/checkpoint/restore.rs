@@ -13,6 +13,7 @@ use possum_cuda::checkpoint::DriverCheckpoint;
 use serde_json::json;
 
 use super::image::{open_image, plan_gpus};
+use super::stage::{self, Staging};
 use super::{alive, ask, kill_job, ms, resume_children, Clock};
 
 #[derive(Args, Debug)]
@@ -80,12 +81,50 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     // write there would kill it (SIGPIPE).
     let stdio = StdioPlan::new(&m.stdio_pipes)?;
     opts.inherit_fds = stdio.inherit.clone();
-    clock.time("criu_restore", || Ok(criu.restore(&opts)?))?;
+    // The keeper loads the GPU images while CRIU restores the process (stage.rs).
+    let mut staging = None;
+    let stage_skipped = match stage::plan(m, img.gpu.as_deref(), a.device) {
+        Ok(kdir) => {
+            let gpu = img.gpu.as_deref().expect("plan checked it");
+            match clock.time("stage_begin", || Staging::begin(m, &a.dir, gpu, kdir)) {
+                Ok(s) => {
+                    staging = Some(s);
+                    None
+                }
+                Err(e) => Some(format!("the keeper could not be asked: {e:#}")),
+            }
+        }
+        Err(why) => Some(why),
+    };
+    if let Err(e) = clock.time("criu_restore", || Ok(criu.restore(&opts)?)) {
+        match staging.take() {
+            // The keeper started for the staging may hold a PID of the job's: without it, once
+            // more.
+            Some(s) if s.started_keeper() => {
+                s.abandon();
+                clock
+                    .time("criu_restore_again", || Ok(criu.restore(&opts)?))
+                    .map_err(|again| {
+                        again.context(format!(
+                            "CRIU's restore failed twice (first with a keeper started for \
+                             staging: {e:#})"
+                        ))
+                    })?;
+            }
+            Some(s) => {
+                s.abandon();
+                return Err(e);
+            }
+            None => return Err(e),
+        }
+    }
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (when the GPUs are the job's own: the keeper sees the job's CUDA_VISIBLE_DEVICES).
-    // Started after CRIU's restore, so that it cannot take the job's PID.
-    let keeper_started = match (&m.keeper, a.device) {
-        (Some(k), None) => clock.time("keeper", || Ok(start_keeper_for(k, pid)))?,
+    // Started after CRIU's restore, so that it cannot take the job's PID (unless the staging
+    // started it before).
+    let keeper_started = match (&m.keeper, a.device, &staging) {
+        (_, _, Some(s)) if s.started_keeper() => Some(s.keeper_dir().to_path_buf()),
+        (Some(k), None, _) => clock.time("keeper", || Ok(start_keeper_for(k, pid)))?,
         _ => None,
     };
     let mut resumed = serde_json::Value::Null;
@@ -117,10 +156,18 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     if let Err(e) = r {
         // A half-restored job is of no use to anyone: it must not linger, locked.
         let _ = kill_job(pid);
+        if let Some(s) = staging {
+            s.abandon();
+        }
         return Err(e.context(format!(
             "restore of process {pid} failed; the restored process was killed, the image is intact"
         )));
     }
+    let staged = staging.map(Staging::finish).unwrap_or_default();
+    // What the restored processes mapped from the keeper's stages, from their resume reports.
+    let staged_used = resumed["staged"].as_array().map_or(0, |a| {
+        a.iter().filter_map(|s| s["buffers"].as_u64()).sum::<u64>()
+    });
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
@@ -130,7 +177,9 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     let out = json!({"pid": pid, "engine": m.engine, "dir": a.dir, "figures": fig,
                      "recreated_socket_dirs": recreated, "keeper_started": keeper_started,
                      "stdio_from_restore": stdio.from_restore, "stdio_discarded": stdio.discarded,
-                     "gpu_from_keeper": from_keeper, "resume_report": resumed});
+                     "gpu_from_keeper": from_keeper, "staged": staged,
+                     "stage_skipped": stage_skipped, "staged_buffers_mapped": staged_used,
+                     "resume_report": resumed});
     if a.json {
         println!("{out}");
     } else {
@@ -146,6 +195,8 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
                 (None, _) => "",
                 (Some(_), _) if from_keeper =>
                     "; its GPU buffers were still on the GPU with the keeper: mapped again, nothing copied",
+                (Some(_), _) if staged_used > 0 =>
+                    "; its GPU buffers were loaded by the keeper while CRIU restored it: mapped, each waited for only while it still loads",
                 (Some(_), Some(false)) => "; every GPU buffer was back before it ran on (hooks off)",
                 (Some(_), _) => "; GPU buffers come back on demand",
             }

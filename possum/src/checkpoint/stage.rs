@@ -1,0 +1,205 @@
+//! `possum restore`'s staging (issue 14 item 4): before CRIU restores the job, the keeper that
+//! served its buffers' memory is asked to load the job's GPU images into new GPU memory
+//! (`possum_keeper`'s `stage`), so that the loading overlaps CRIU's and the driver's restore, and
+//! the restored job maps its buffers at once and waits only for those still loading.
+//!
+//! Nothing is staged (the restored job copies from the image as before) when it is turned off
+//! (`POSSUM_RESTORE_STAGE=0`), when the job had no keeper, for `--device` (another GPU), and when
+//! the keeper still holds the job's memory (a job killed on this host: mapped again, nothing
+//! loaded). A keeper that must be started for it is started before CRIU's restore: should CRIU
+//! then fail (the keeper's process could hold a PID the job needs), the keeper is stopped and
+//! CRIU tried once more, as without staging.
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::image::{child_gpu_dir, Manifest};
+
+/// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
+const HOLD_SECS: u64 = 120;
+
+/// One image's stage, as `possum restore --json` reports it.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct StageReport {
+    pub pid: i32,
+    pub device: usize,
+    pub image: PathBuf,
+    /// The keeper's stage id.
+    pub stage: Option<u64>,
+    pub buffers: u64,
+    pub bytes: u64,
+    /// How long the keeper took to take the request (open the image, create the memory); the
+    /// loads go on after it.
+    pub request_ms: f64,
+    /// Why it was not staged.
+    pub error: Option<String>,
+}
+
+/// Stages being set up while CRIU restores the job.
+pub(super) struct Staging {
+    dir: PathBuf,
+    started: Option<Child>,
+    thread: JoinHandle<Vec<StageReport>>,
+}
+
+/// Whether, and where, to stage: the keeper's directory, or why not.
+pub(super) fn plan(
+    m: &Manifest,
+    gpu: Option<&Path>,
+    device: Option<u32>,
+) -> Result<PathBuf, String> {
+    if std::env::var("POSSUM_RESTORE_STAGE").is_ok_and(|v| v.trim() == "0") {
+        return Err("off (POSSUM_RESTORE_STAGE=0)".into());
+    }
+    if gpu.is_none() {
+        return Err("the image has no GPU buffers of possum's".into());
+    }
+    let Some(k) = &m.keeper else {
+        return Err("the job had no keeper".into());
+    };
+    if device.is_some() {
+        return Err("not with --device".into());
+    }
+    let sock = possum_keeper::socket_of(&k.dir, 0);
+    if let Ok(mut keeper) = possum_keeper::Keeper::connect(&sock) {
+        if keeper.retained(m.pid).is_ok_and(|r| !r.is_empty()) {
+            return Err("the keeper still holds the job's memory".into());
+        }
+    }
+    Ok(k.dir.clone())
+}
+
+/// The GPU images to stage: (pid, device ordinal, image directory), for the job's root and each
+/// of its possum processes.
+fn images(m: &Manifest, dir: &Path, gpu: &Path) -> Vec<(i32, usize, PathBuf)> {
+    let roots = std::iter::once((m.pid, gpu.to_path_buf())).chain(
+        m.possum_children
+            .iter()
+            .map(|&c| (c, dir.join(child_gpu_dir(c)))),
+    );
+    let mut out = Vec::new();
+    for (pid, root) in roots {
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(n) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("gpu-"))
+                .and_then(|n| n.parse::<usize>().ok())
+            else {
+                continue;
+            };
+            out.push((pid, n, e.path()));
+        }
+    }
+    out.sort();
+    out
+}
+
+impl Staging {
+    /// Asks the keeper in `keeper_dir` (started here if none answers) to stage every GPU image
+    /// of the job's, on a thread of its own: returns at once.
+    pub(super) fn begin(
+        m: &Manifest,
+        dir: &Path,
+        gpu: &Path,
+        keeper_dir: PathBuf,
+    ) -> anyhow::Result<Staging> {
+        let tree: Vec<i32> = std::iter::once(m.pid)
+            .chain(m.cuda_children.iter().copied())
+            .chain(m.possum_children.iter().copied())
+            .collect();
+        let mut started = None;
+        if possum_keeper::Keeper::connect(&possum_keeper::socket_of(&keeper_dir, 0)).is_err() {
+            let k = m.keeper.as_ref().expect("plan checked it");
+            let mut child = k.start_keeper(m.pid)?;
+            // A keeper in a PID of the job's tree would make CRIU's restore fail: another one.
+            if tree.contains(&(child.id() as i32)) {
+                let _ = child.kill();
+                let _ = child.wait();
+                child = k.start_keeper(m.pid)?;
+            }
+            started = Some(child);
+        }
+        let todo = images(m, dir, gpu);
+        let kdir = keeper_dir.clone();
+        let thread = std::thread::Builder::new()
+            .name("possum-stage".into())
+            .spawn(move || {
+                todo.into_iter()
+                    .map(|(pid, device, image)| stage_one(&kdir, pid, device, image))
+                    .collect()
+            })?;
+        Ok(Staging {
+            dir: keeper_dir,
+            started,
+            thread,
+        })
+    }
+
+    /// Whether a keeper was started for the staging.
+    pub(super) fn started_keeper(&self) -> bool {
+        self.started.is_some()
+    }
+
+    /// The keeper's directory.
+    pub(super) fn keeper_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Waits for the stage requests (the loads go on in the keeper).
+    pub(super) fn finish(self) -> Vec<StageReport> {
+        self.thread.join().unwrap_or_default()
+    }
+
+    /// Gives up: every stage is ended (its memory freed), and a keeper started for it stopped.
+    pub(super) fn abandon(self) {
+        let dir = self.dir.clone();
+        let started = self.started;
+        let reports = self.thread.join().unwrap_or_default();
+        for r in reports {
+            if let Some(id) = r.stage {
+                if let Ok(mut k) =
+                    possum_keeper::Keeper::connect(&possum_keeper::socket_of(&dir, r.device))
+                {
+                    let _ = k.stage_end(id);
+                }
+            }
+        }
+        if let Some(mut c) = started {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn stage_one(keeper_dir: &Path, pid: i32, device: usize, image: PathBuf) -> StageReport {
+    let t = Instant::now();
+    let r = possum_keeper::Keeper::connect(&possum_keeper::socket_of(keeper_dir, device))
+        .and_then(|mut k| k.stage(pid, &image, HOLD_SECS));
+    let mut rep = StageReport {
+        pid,
+        device,
+        image,
+        stage: None,
+        buffers: 0,
+        bytes: 0,
+        request_ms: t.elapsed().as_secs_f64() * 1e3,
+        error: None,
+    };
+    match r {
+        Ok(info) => {
+            rep.stage = Some(info.stage);
+            rep.buffers = info.buffers;
+            rep.bytes = info.bytes;
+        }
+        Err(e) => rep.error = Some(e.to_string()),
+    }
+    rep
+}
