@@ -136,7 +136,10 @@ def run_ab(job, steps, period_ms, cpuset, skip_steps, extra_env=""):
 
 
 def ab_main(a, cpuset):
+    """The A/B over up to `a.pairs` processes, saved after each (a run cut short by a timeout
+    keeps what it measured)."""
     runs, t0 = [], time.time()
+    rc = 1
     for i in range(a.pairs):
         if time.time() - t0 > a.budget_s:
             print(f"stopping after {i} processes: --budget-s", flush=True)
@@ -148,6 +151,14 @@ def ab_main(a, cpuset):
         print(json.dumps({"process": i, "steps": run["steps"], "switches": run["switches"],
                           "pairs": len(run["pairs"]), "overhead_pct_median": run["overhead_pct_median"],
                           "rc": run["rc"]}), flush=True)
+        rc = ab_save(a, cpuset, runs, t0, quiet=True)
+    if runs:
+        rc = ab_save(a, cpuset, runs, t0)
+    return rc
+
+
+def ab_save(a, cpuset, runs, t0, quiet=False):
+    """Writes OUT/overhead-ab-JOB.json over `runs` (and prints the summary unless `quiet`)."""
     ratios = [100 * (on / off - 1) for r in runs for on, off in r["pairs"]]
     doc = {"job": a.job, "steps": a.steps, "ab_ms": a.ab_ms, "cpus": sorted(cpuset),
            "date": time.strftime("%Y-%m-%d"), "method": "A/B inside each process (POSSUM_AB_MS)",
@@ -162,9 +173,10 @@ def ab_main(a, cpuset):
                            "step_ms_on_median": statistics.median(on for r in runs for on, _ in r["pairs"]),
                            "step_ms_off_median": statistics.median(off for r in runs for _, off in r["pairs"])}
         o = doc["overhead"]
-        print(f"{a.job} A/B: {o['overhead_pct_median']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%, "
-              f"{o['pairs']} interval pairs in {o['processes']} processes; step "
-              f"{o['step_ms_off_median']:.3f} -> {o['step_ms_on_median']:.3f} ms)", flush=True)
+        if not quiet:
+            print(f"{a.job} A/B: {o['overhead_pct_median']:+.2f}% (95% CI {lo:+.2f}% .. {hi:+.2f}%, "
+                  f"{o['pairs']} interval pairs in {o['processes']} processes; step "
+                  f"{o['step_ms_off_median']:.3f} -> {o['step_ms_on_median']:.3f} ms)", flush=True)
     tag = "-" + a.ab_env.replace("=", "-").replace(",", "-").lower() if a.ab_env else ""
     with open(os.path.join(a.out, f"overhead-ab-{a.job}{tag}.json"), "w") as f:
         json.dump(doc, f, indent=1)

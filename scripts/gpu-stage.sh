@@ -15,6 +15,9 @@
 #       mlp, gpt2, cnn, triton, graph, multistream and the two served allocators: bit-exact from
 #       the restore on.
 #       -> $OUT/stage-correctness.{jsonl,md}
+#   bash scripts/gpu-stage.sh ab-gpt2       (~9 min)
+#       GPT-2 small's in-process A/B (issue 13's overhead), up to 12 processes in the budget.
+#       -> $OUT/overhead-ab-gpt2.json, ab-gpt2.log
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +36,8 @@ figures)
     cat "$res/stage-figures.md" 2>/dev/null || tail -20 "$res/stage-figures.log"
     ;;
 correctness)
-    CKPT_TIMEOUT=120 OUT="$res/c" timeout -k 5 400 bash scripts/gpu-ckpt.sh correctness \
-        --engines possum-keeper-kill-disk --trials 9 --seed 23 --budget-s 340 \
+    CKPT_TIMEOUT=120 OUT="$res/c" timeout -k 5 ${STAGE_TIMEOUT_S:-400} bash scripts/gpu-ckpt.sh correctness \
+        --engines possum-keeper-kill-disk --trials 9 --seed 23 --budget-s ${STAGE_BUDGET_S:-340} \
         --jobs mlp,gpt2+async,cnn,triton,gpt2,graph,multistream,mlp+expandable,gpt2+expandable \
         > "$res/stage-correctness.log" 2>&1
     cp "$res/c/ckpt-correctness.jsonl" "$res/stage-correctness.jsonl" 2>/dev/null
@@ -43,8 +46,17 @@ correctness)
     grep -h "trials identical" "$res/stage-correctness.log"
     cat "$res/stage-correctness.md" 2>/dev/null
     ;;
+ab-gpt2)
+    # Issue 13's overhead figure for GPT-2 small again, more processes (the A/B inside each
+    # process, hooks on and off in 1 s intervals; saved after every process).
+    export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    timeout -k 5 "${AB_TIMEOUT_S:-560}" python3 eval/overhead.py --ab --job gpt2 --pairs 12 \
+        --steps 500 --ab-ms 1000 --ab-skip 100 --budget-s "${AB_BUDGET_S:-470}" --out "$res" \
+        > "$res/ab-gpt2.log" 2>&1
+    tail -3 "$res/ab-gpt2.log"
+    ;;
 *)
-    echo "usage: gpu-stage.sh figures | correctness" >&2
+    echo "usage: gpu-stage.sh figures | correctness | ab-gpt2" >&2
     exit 2
     ;;
 esac

@@ -1174,3 +1174,41 @@ fn concurrent_rewrites_of_a_chunk_never_tear_it() {
         "the chunk is a mix of two writes"
     );
 }
+
+/// A chunk longer than the piece `read_chunk` reads at once: read whole and right, and a byte
+/// flipped in its last piece is still caught.
+#[test]
+fn a_chunk_read_in_pieces_is_checked_whole() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    let size = (3 << 20) + 5;
+    let w = ImageWriter::create(
+        &dir,
+        WriterOptions {
+            data_files: 1,
+            ..fast()
+        },
+    )
+    .unwrap();
+    w.add_buffer(rec(7, size, 0)).unwrap();
+    w.write_chunk(7, 0, &pattern(7, 0, size, 0)).unwrap();
+    w.commit().unwrap();
+    let img = Image::open(&dir).unwrap();
+    let mut dst = vec![0u8; size as usize];
+    img.read_chunk(7, 0, &mut dst).unwrap();
+    assert!(dst == pattern(7, 0, size, 0));
+    let m = manifest_of(&dir);
+    let c = &m.chunks[0];
+    flip_byte(
+        &dir.join(&m.files[c.file as usize].name),
+        c.file_offset + size - 2,
+    );
+    let e = Image::open(&dir)
+        .unwrap()
+        .read_chunk(7, 0, &mut dst)
+        .unwrap_err();
+    assert!(
+        matches!(e, ImageError::ChecksumMismatch { buffer: 7, .. }),
+        "{e:?}"
+    );
+}
