@@ -10,6 +10,7 @@
 #       (-nostage: POSSUM_RESTORE_STAGE=0, the restored job copies from the image itself); images
 #       on a huge-page tmpfs. Restore to the first step, every buffer back, restore parts.
 #       -> $OUT/stage-figures.{json,md}, stage-figures.jsonl
+#       (STAGE_ENGINES, STAGE_PLAN, STAGE_REPS change the engines, cells and reps.)
 #   bash scripts/gpu-stage.sh correctness   (~6 min)
 #       Checkpointed-and-killed trials restored through the staging, at random steps, over
 #       mlp, gpt2, cnn, triton, graph, multistream and the two served allocators: bit-exact from
@@ -27,8 +28,9 @@ case "${1:-}" in
 figures)
     POSSUM_CKPT_HUGE=1 POSSUM_WRITERS=16 POSSUM_STAGING_MIB=1024 CKPT_TIMEOUT=200 OUT="$res/f" \
         timeout -k 5 570 bash scripts/gpu-ckpt.sh figures \
-        --engines possum-keeper-kill-disk,possum-keeper-kill-disk-nostage \
-        --bench-plan mlp:1,8,32 --budget-s 520 > "$res/stage-figures.log" 2>&1
+        --engines "${STAGE_ENGINES:-possum-keeper-kill-disk,possum-keeper-kill-disk-nostage}" \
+        --bench-plan "${STAGE_PLAN:-mlp:1,8,32}" --reps "${STAGE_REPS:-1}" --budget-s 520 \
+        > "$res/stage-figures.log" 2>&1
     cp "$res/f/figures.json" "$res/stage-figures.json" 2>/dev/null
     cp "$res/f/figures.md" "$res/stage-figures.md" 2>/dev/null
     cp "$res/f/ckpt-figures.jsonl" "$res/stage-figures.jsonl" 2>/dev/null

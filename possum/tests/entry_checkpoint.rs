@@ -1845,3 +1845,44 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     assert_eq!(back["staged"], 0, "{back}");
     finish_restored(&mut job);
 }
+
+/// The keeper SIGKILLed while it loads a restored job's image (issue 14 item 6, for the
+/// staging): the job has already mapped what the keeper loaded and holds the memory of every
+/// buffer it took; what the keeper had not loaded it copies from the image itself, and it
+/// computes exactly what a run without possum does.
+#[test]
+fn a_keeper_killed_while_it_loads_a_restore_loses_nothing() {
+    let Some((tmp, lib)) = setup("keeper_stage_killed", "possum-keeper-stage-killed-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (keeper, keeper_dir) = start_keeper_with(
+        dir,
+        &[
+            ("POSSUM_KEEPER_STAGE_DELAY_MS", "1500"),
+            ("POSSUM_KEEPER_STAGE_THREADS", "1"),
+        ],
+    );
+    let want = reference_run(dir);
+    let mut job = keeper_job(dir, &lib, &keeper_dir);
+    let img = dir.join("img");
+    checkpoint_and_kill(dir, &mut job, &img, &["--keep-on-gpu", "0"]);
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["staged_buffers_mapped"], 3, "{r}");
+    // One buffer loads every 1.5 s: the keeper dies with some still waiting.
+    drop(keeper);
+    let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
+    assert_eq!(back["buffers"], 3, "{back}");
+    assert!(
+        back["staged_fallback"].as_u64().unwrap_or(0) >= 1,
+        "buffers the dead keeper had not loaded came from the image: {back}"
+    );
+    goes_on_like(
+        &mut job,
+        dir,
+        "staged-killed",
+        &want,
+        "restored while its keeper died loading",
+    );
+    finish_restored(&mut job);
+}
