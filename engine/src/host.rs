@@ -53,6 +53,22 @@ struct Space {
 }
 
 impl Space {
+    /// `size` bytes of new zeroed memory, counted as used; out of memory past the capacity.
+    fn new_mapping(&self, size: u64) -> DeviceResult<Mapping> {
+        let used = self.used.load(Ordering::Relaxed);
+        if used + size > self.capacity {
+            return Err(DeviceError::OutOfMemory {
+                requested: size,
+                free: self.capacity.saturating_sub(used),
+            });
+        }
+        self.used.fetch_add(size, Ordering::Relaxed);
+        Ok(Mapping {
+            size,
+            data: Arc::new(RwLock::new(vec![0u8; to_usize(size)].into_boxed_slice())),
+        })
+    }
+
     /// The mapping containing `[va, va+len)`, and the offset of `va` in it.
     fn find(&self, va: DevPtr, len: u64) -> DeviceResult<(Block, usize)> {
         let maps = self.mappings.read();
@@ -513,22 +529,7 @@ impl Device for HostDevice {
                 why: "already mapped",
             });
         }
-        let used = self.space.used.load(Ordering::Relaxed);
-        if used + size > self.space.capacity {
-            return Err(DeviceError::OutOfMemory {
-                requested: size,
-                free: self.space.capacity.saturating_sub(used),
-            });
-        }
-        self.space.used.fetch_add(size, Ordering::Relaxed);
-        let data = vec![0u8; to_usize(size)].into_boxed_slice();
-        maps.insert(
-            va.0,
-            Mapping {
-                size,
-                data: Arc::new(RwLock::new(data)),
-            },
-        );
+        maps.insert(va.0, self.space.new_mapping(size)?);
         Ok(())
     }
 
@@ -612,21 +613,7 @@ impl Device for HostDevice {
                 why: "mapped or kept already",
             });
         }
-        let used = self.space.used.load(Ordering::Relaxed);
-        if used + size > self.space.capacity {
-            return Err(DeviceError::OutOfMemory {
-                requested: size,
-                free: self.space.capacity.saturating_sub(used),
-            });
-        }
-        self.space.used.fetch_add(size, Ordering::Relaxed);
-        k.insert(
-            va.0,
-            Mapping {
-                size,
-                data: Arc::new(RwLock::new(vec![0u8; to_usize(size)].into_boxed_slice())),
-            },
-        );
+        k.insert(va.0, self.space.new_mapping(size)?);
         Ok(())
     }
 

@@ -46,6 +46,15 @@ struct State {
     allocs: BTreeMap<u64, Alloc>,
 }
 
+impl State {
+    /// Keeps `a` under a new id, which it returns.
+    fn insert(&mut self, a: Alloc) -> u64 {
+        self.next_id += 1;
+        self.allocs.insert(self.next_id, a);
+        self.next_id
+    }
+}
+
 #[derive(Debug)]
 struct Alloc {
     mem: SharedMem,
@@ -364,30 +373,15 @@ impl Inner {
                             request: "alloc",
                             detail: format!("size {size} too large"),
                         })?;
-                let mem = match dev.create(rounded) {
-                    Ok(m) => m,
-                    // Memory held for the restore of a job that is gone never keeps a live
-                    // job from its memory: dropped, and the allocation tried again.
-                    Err(e) if self.drop_held_of_dead() > 0 => {
-                        held_dropped_note(&e);
-                        dev.create(rounded)?
-                    }
-                    Err(e) => return Err(e.into()),
-                };
+                let mem = self.create(dev, rounded)?;
                 let fd = mem.export()?;
-                let mut st = self.lock();
-                st.next_id += 1;
-                let id = st.next_id;
-                st.allocs.insert(
-                    id,
-                    Alloc {
-                        mem,
-                        pid,
-                        retained: false,
-                        epoch: 0,
-                        hold_until: None,
-                    },
-                );
+                let id = self.lock().insert(Alloc {
+                    mem,
+                    pid,
+                    retained: false,
+                    epoch: 0,
+                    hold_until: None,
+                });
                 let a = Allocated {
                     id,
                     size: rounded,
@@ -539,16 +533,8 @@ impl Inner {
         let mut made = Vec::with_capacity(recs.len());
         for r in &recs {
             let size = r.size.max(1).div_ceil(g).saturating_mul(g);
-            let mem = match dev.create(size) {
-                Ok(m) => Ok(m),
-                Err(e) if self.drop_held_of_dead() > 0 => {
-                    held_dropped_note(&e);
-                    dev.create(size)
-                }
-                Err(e) => Err(e),
-            };
             // On a failure what was made so far is dropped (freed) with `made`.
-            let mem = mem.map_err(|e| {
+            let mem = self.create(dev, size).map_err(|e| {
                 let free = dev.mem_info().map(|(f, _)| f).unwrap_or(0);
                 KeeperError::Stage(format!(
                     "{}: its {} buffers need {need} bytes of GPU memory, {free} free: buffer {}                      ({size} bytes): {e}",
@@ -564,18 +550,13 @@ impl Inner {
         {
             let mut st = self.lock();
             for (r, mem, size) in made {
-                st.next_id += 1;
-                let id = st.next_id;
-                st.allocs.insert(
-                    id,
-                    Alloc {
-                        mem,
-                        pid: of,
-                        retained: true,
-                        epoch,
-                        hold_until: hold_until(hold_secs.max(1)),
-                    },
-                );
+                let id = st.insert(Alloc {
+                    mem,
+                    pid: of,
+                    retained: true,
+                    epoch,
+                    hold_until: hold_until(hold_secs.max(1)),
+                });
                 buffers.push(StagedBuffer {
                     buf: r.id,
                     va: r.va,
@@ -611,6 +592,23 @@ impl Inner {
                 })?;
         }
         Ok((json!(info), None))
+    }
+
+    /// `size` bytes of new memory. Memory held for the restore of a job that is gone never keeps
+    /// a live job from its memory: if the device has no room, that is dropped and the allocation
+    /// tried again.
+    fn create(
+        &self,
+        dev: &ShareDevice,
+        size: u64,
+    ) -> Result<possum_cuda::share::SharedMem, possum_engine::device::DeviceError> {
+        match dev.create(size) {
+            Err(e) if self.drop_held_of_dead() > 0 => {
+                held_dropped_note(&e);
+                dev.create(size)
+            }
+            r => r,
+        }
     }
 
     /// Ends stage `id` (if it is there) and frees its memory nobody took back; how many

@@ -419,24 +419,70 @@ fn a_client_of_another_uid_is_refused() {
 /// are the keeper's allocations; detached, they stay in the keeper (retained, the connection
 /// closed) with their contents; attached again, the data is intact and the keeper counts them
 /// as the job's again; freed, the keeper frees them.
+/// An engine whose device takes its memory from the keeper `server`, with a stream to write and
+/// read its buffers through.
+struct KeptEngine {
+    dev: std::sync::Arc<possum_cuda::CudaDevice>,
+    engine: possum_engine::Engine<possum_cuda::CudaDevice>,
+    stream: possum_cuda::CudaStream,
+}
+
+impl KeptEngine {
+    fn new(server: &Server, cfg: possum_engine::EngineConfig) -> KeptEngine {
+        use possum_engine::device::{Device, StreamPriority};
+        use std::sync::Arc;
+        let owner = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
+        let dev = Arc::new(
+            possum_cuda::CudaDevice::new(0)
+                .unwrap()
+                .with_owner(Arc::new(owner)),
+        );
+        let engine = possum_engine::Engine::new(dev.clone(), cfg).unwrap();
+        let stream = dev.create_stream(StreamPriority::Normal).unwrap();
+        KeptEngine {
+            dev,
+            engine,
+            stream,
+        }
+    }
+
+    /// Writes `pattern(id, len)` at `va`.
+    fn write(&self, va: possum_engine::device::DevPtr, id: u64, len: u64) {
+        use possum_engine::device::{Device, HostBuffer, Transfer};
+        let mut h = self.dev.alloc_host(len as usize).unwrap();
+        h.as_mut_slice()[..len as usize].copy_from_slice(&pattern(id, len));
+        self.dev
+            .copy_h2d(&self.stream, h, va, len)
+            .unwrap()
+            .wait()
+            .unwrap();
+    }
+
+    /// `len` bytes at `va`.
+    fn read(&self, va: possum_engine::device::DevPtr, len: u64) -> Vec<u8> {
+        use possum_engine::device::{Device, HostBuffer, Transfer};
+        let h = self.dev.alloc_host(len as usize).unwrap();
+        let h = self
+            .dev
+            .copy_d2h(&self.stream, va, h, len)
+            .unwrap()
+            .wait()
+            .unwrap();
+        h.as_slice()[..len as usize].to_vec()
+    }
+}
+
 #[test]
 fn an_engine_detaches_its_buffers_into_the_keeper_and_back() {
     if !inner_or_spawn("an_engine_detaches_its_buffers_into_the_keeper_and_back") {
         return;
     }
-    use possum_engine::device::{Device, HostBuffer, StreamPriority, Transfer};
-    use std::sync::Arc;
+    use possum_engine::device::Device;
     let dir = tempfile::tempdir().unwrap();
     let server = keeper(dir.path());
-    let owner = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
-    let dev = Arc::new(
-        possum_cuda::CudaDevice::new(0)
-            .unwrap()
-            .with_owner(Arc::new(owner)),
-    );
-    assert!(dev.keeps_memory());
-    let e =
-        possum_engine::Engine::new(dev.clone(), possum_engine::EngineConfig::default()).unwrap();
+    let k = KeptEngine::new(&server, possum_engine::EngineConfig::default());
+    assert!(k.dev.keeps_memory());
+    let e = &k.engine;
     let a = e.alloc(MIB4).unwrap();
     let b = e.alloc(2 * MIB4 - 4096).unwrap();
     let me = std::process::id() as i32;
@@ -445,19 +491,8 @@ fn an_engine_detaches_its_buffers_into_the_keeper_and_back() {
         bytes: 3 * MIB4,
     };
     assert_eq!(server.stats().clients.get(&me), Some(&two));
-    let s = dev.create_stream(StreamPriority::Normal).unwrap();
-    let write = |va, id: u64, len: u64| {
-        let mut h = dev.alloc_host(len as usize).unwrap();
-        h.as_mut_slice()[..len as usize].copy_from_slice(&pattern(id, len));
-        dev.copy_h2d(&s, h, va, len).unwrap().wait().unwrap();
-    };
-    let read = |va, len: u64| {
-        let h = dev.alloc_host(len as usize).unwrap();
-        let h = dev.copy_d2h(&s, va, h, len).unwrap().wait().unwrap();
-        h.as_slice()[..len as usize].to_vec()
-    };
-    write(a.va(), 1, MIB4);
-    write(b.va(), 2, b.size());
+    k.write(a.va(), 1, MIB4);
+    k.write(b.va(), 2, b.size());
 
     assert_eq!(e.detach().unwrap(), 3 * MIB4);
     // The keeper holds both, retained, this process's still (it is alive).
@@ -467,8 +502,8 @@ fn an_engine_detaches_its_buffers_into_the_keeper_and_back() {
     assert_eq!(s1.clients.get(&me), Some(&two), "{s1:?}");
 
     assert_eq!(e.reattach().unwrap(), 3 * MIB4);
-    assert_eq!(read(a.va(), MIB4), pattern(1, MIB4));
-    assert_eq!(read(b.va(), b.size()), pattern(2, b.size()));
+    assert_eq!(k.read(a.va(), MIB4), pattern(1, MIB4));
+    assert_eq!(k.read(b.va(), b.size()), pattern(2, b.size()));
     let s2 = server.stats();
     assert_eq!(s2.clients.get(&me), Some(&two), "{s2:?}");
     assert_eq!(s2.retained, Usage::default());
@@ -521,37 +556,22 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
     if !inner_or_spawn("a_staged_restore_maps_memory_the_keeper_loaded") {
         return;
     }
-    use possum_engine::device::{Device, HostBuffer, StreamPriority, Transfer};
     use possum_engine::image::{Image, ImageWriter, WriterOptions};
     use std::sync::Arc;
     let dir = tempfile::tempdir().unwrap();
     let server = keeper(dir.path());
-    let owner = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
-    let dev = Arc::new(
-        possum_cuda::CudaDevice::new(0)
-            .unwrap()
-            .with_owner(Arc::new(owner)),
+    let kept = KeptEngine::new(
+        &server,
+        possum_engine::EngineConfig {
+            chunk_size: 1 << 20,
+            ..possum_engine::EngineConfig::default()
+        },
     );
-    let cfg = possum_engine::EngineConfig {
-        chunk_size: 1 << 20,
-        ..possum_engine::EngineConfig::default()
-    };
-    let e = possum_engine::Engine::new(dev.clone(), cfg).unwrap();
+    let e = &kept.engine;
     let bufs: Vec<_> = [MIB4, 2 * MIB4 - 4096, 3 * MIB4]
         .iter()
         .map(|&n| e.alloc(n).unwrap())
         .collect();
-    let s = dev.create_stream(StreamPriority::Normal).unwrap();
-    let write = |va, id: u64, len: u64| {
-        let mut h = dev.alloc_host(len as usize).unwrap();
-        h.as_mut_slice()[..len as usize].copy_from_slice(&pattern(id, len));
-        dev.copy_h2d(&s, h, va, len).unwrap().wait().unwrap();
-    };
-    let read = |va, len: u64| {
-        let h = dev.alloc_host(len as usize).unwrap();
-        let h = dev.copy_d2h(&s, va, h, len).unwrap().wait().unwrap();
-        h.as_slice()[..len as usize].to_vec()
-    };
     let me = std::process::id() as i32;
     let mut k = Keeper::connect(server.path()).unwrap();
     let missing = dir.path().join("no-such-image");
@@ -560,7 +580,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
 
     for (round, fail) in [(1u64, None), (2, Some("0"))] {
         for (i, b) in bufs.iter().enumerate() {
-            write(b.va(), round * 10 + i as u64, b.size());
+            kept.write(b.va(), round * 10 + i as u64, b.size());
         }
         let img = dir.path().join(format!("img-{round}/gpu-0"));
         let w = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
@@ -590,7 +610,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
         );
         for (i, b) in bufs.iter().enumerate() {
             assert!(
-                read(b.va(), b.size()) == pattern(round * 10 + i as u64, b.size()),
+                kept.read(b.va(), b.size()) == pattern(round * 10 + i as u64, b.size()),
                 "round {round}: buffer {i} restored wrong"
             );
         }
