@@ -1886,3 +1886,45 @@ fn a_keeper_killed_while_it_loads_a_restore_loses_nothing() {
     );
     finish_restored(&mut job);
 }
+
+/// A stage the restored job does not take (here the job is told not to: `POSSUM_STAGED=0`, a
+/// diagnostic) is ended by `possum restore` once the job has resumed: no memory stays retained
+/// in the keeper for the live job, and the job comes back from its image.
+#[test]
+fn a_stage_the_restored_job_does_not_take_is_freed() {
+    let Some((tmp, lib)) = setup("keeper_stage_unused", "possum-keeper-stage-unused-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper(dir);
+    let want = reference_run(dir);
+    let mut job = job_at_step_5(
+        dir,
+        "job",
+        Some(&lib),
+        &[
+            ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+            ("POSSUM_STAGED", "0"),
+        ],
+    );
+    let img = dir.join("img");
+    checkpoint_and_kill(dir, &mut job, &img, &["--keep-on-gpu", "0"]);
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["staged"][0]["buffers"], 3, "{r}");
+    assert_eq!(r["staged"][0]["unused"], true, "{r}");
+    assert_eq!(r["staged_buffers_mapped"], 0, "{r}");
+    let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
+    let s = k.stats().unwrap();
+    assert_eq!(s.retained.allocations, 0, "{s:?}");
+    assert!(s.stages.is_empty(), "{s:?}");
+    goes_on_like(
+        &mut job,
+        dir,
+        "unused-stage",
+        &want,
+        "restored from its image, the stage unused",
+    );
+    let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
+    assert_eq!(back["staged"], 0, "{back}");
+    finish_restored(&mut job);
+}

@@ -232,16 +232,24 @@ fn possum_in(children: &[i32], sockets: &Path) -> Result<Vec<i32>> {
 }
 
 /// Resumes possum in each of `children` from its GPU images under `dir`, timed as `resume`.
-fn resume_children(children: &[i32], dir: &Path, sockets: &Path, clock: &mut Clock) -> Result<()> {
+fn resume_children(
+    children: &[i32],
+    dir: &Path,
+    sockets: &Path,
+    clock: &mut Clock,
+) -> Result<Vec<Value>> {
+    let mut replies = Vec::with_capacity(children.len());
     for &c in children {
         let req = Request::Resume {
             dir: Some(dir.join(child_gpu_dir(c)).display().to_string()),
         };
-        clock
-            .time("resume", || ask(c, sockets, &req))
-            .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
+        replies.push(
+            clock
+                .time("resume", || ask(c, sockets, &req))
+                .map_err(|e| e.context(format!("process {c} of the job's tree")))?,
+        );
     }
-    Ok(())
+    Ok(replies)
 }
 
 /// A kept checkpoint after the CRIU dump: the driver restores and unlocks the tree, every

@@ -128,6 +128,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         _ => None,
     };
     let mut resumed = serde_json::Value::Null;
+    let mut children_resumed = Vec::new();
     let r = (|| -> Result<()> {
         clock.time("driver_restore", || {
             drv.restore(pid, &pairs)?;
@@ -149,7 +150,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
                 dir: Some(gpu.display().to_string()),
             };
             resumed = clock.time("resume", || ask(pid, &sockets, &req))?;
-            resume_children(&m.possum_children, &a.dir, &sockets, &mut clock)?;
+            children_resumed = resume_children(&m.possum_children, &a.dir, &sockets, &mut clock)?;
         }
         Ok(())
     })();
@@ -163,7 +164,15 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
             "restore of process {pid} failed; the restored process was killed, the image is intact"
         )));
     }
-    let staged = staging.map(Staging::finish).unwrap_or_default();
+    // Stages a restored process did not take (its device without the keeper's memory, ...) are
+    // ended now: their memory would otherwise stay retained for a live process.
+    let used: Vec<u64> = std::iter::once(&resumed)
+        .chain(&children_resumed)
+        .filter_map(|r| r["staged"].as_array())
+        .flatten()
+        .filter_map(|s| s["stage"].as_u64())
+        .collect();
+    let staged = staging.map(|s| s.finish_keeping(&used)).unwrap_or_default();
     // What the restored processes mapped from the keeper's stages, from their resume reports.
     let staged_used = resumed["staged"].as_array().map_or(0, |a| {
         a.iter().filter_map(|s| s["buffers"].as_u64()).sum::<u64>()

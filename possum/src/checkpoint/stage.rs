@@ -37,6 +37,8 @@ pub(super) struct StageReport {
     pub request_ms: f64,
     /// Why it was not staged.
     pub error: Option<String>,
+    /// Staged, but the restored process did not take it (ended, its memory freed).
+    pub unused: bool,
 }
 
 /// Stages being set up while CRIU restores the job.
@@ -153,9 +155,22 @@ impl Staging {
         &self.dir
     }
 
-    /// Waits for the stage requests (the loads go on in the keeper).
-    pub(super) fn finish(self) -> Vec<StageReport> {
-        self.thread.join().unwrap_or_default()
+    /// Waits for the stage requests (the loads go on in the keeper) and ends the stages that
+    /// are not in `used` (no restored process took them): their memory is freed.
+    pub(super) fn finish_keeping(self, used: &[u64]) -> Vec<StageReport> {
+        let mut reports = self.thread.join().unwrap_or_default();
+        for r in &mut reports {
+            let Some(id) = r.stage.filter(|id| !used.contains(id)) else {
+                continue;
+            };
+            if let Ok(mut k) =
+                possum_keeper::Keeper::connect(&possum_keeper::socket_of(&self.dir, r.device))
+            {
+                let _ = k.stage_end(id);
+            }
+            r.unused = true;
+        }
+        reports
     }
 
     /// Gives up: every stage is ended (its memory freed), and a keeper started for it stopped.
@@ -192,6 +207,7 @@ fn stage_one(keeper_dir: &Path, pid: i32, device: usize, image: PathBuf) -> Stag
         bytes: 0,
         request_ms: t.elapsed().as_secs_f64() * 1e3,
         error: None,
+        unused: false,
     };
     match r {
         Ok(info) => {
