@@ -16,6 +16,11 @@
 #       mlp, gpt2, cnn, triton, graph, multistream and the two served allocators: bit-exact from
 #       the restore on.
 #       -> $OUT/stage-correctness.{jsonl,md}
+#   bash scripts/gpu-stage.sh run           (~2 min)
+#       `possum run` of an MLP holding 8 GiB, `possum checkpoint --keep-on-gpu 0` (killed, its
+#       keeper gone with it), `possum restore` (a keeper started before CRIU, loading the image):
+#       the restored job's lines equal a run without possum's, and no keeper is left after it.
+#       -> $OUT/stage-run.json
 #   bash scripts/gpu-stage.sh ab-gpt2       (~9 min)
 #       GPT-2 small's in-process A/B (issue 13's overhead), up to 12 processes in the budget.
 #       -> $OUT/overhead-ab-gpt2.json, ab-gpt2.log
@@ -48,6 +53,53 @@ correctness)
     grep -h "trials identical" "$res/stage-correctness.log"
     cat "$res/stage-correctness.md" 2>/dev/null
     ;;
+run)
+    # The user's path: `possum run` (its own keeper), `possum checkpoint --keep-on-gpu 0` (the
+    # job killed, its keeper ending with it: nothing held), then `possum restore`, which starts a
+    # keeper before CRIU and has it load the image; the restored job maps that memory and must
+    # write the reference's lines; its keeper ends with it.
+    source scripts/gpu-criu.sh
+    W=/dev/shm/possum-stage-run; rm -rf "$W"; mkdir -p "$W/sockets"
+    job=(python3 workloads/gpu/jobs.py mlp --steps 500 --hold-gib "${STAGE_RUN_GIB:-8}" --sleep-ms 10)
+    timeout 120 "${job[@]}" --log "$W/ref.log" 2> "$W/ref.err"
+    setsid .gpu/possum run --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job.log" > "$W/job.out" 2> "$W/job.err" &
+    run=$!
+    for _ in $(seq 900); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
+    pid=$(pgrep -f -n "jobs.py mlp --steps 500 .* --log $W/job.log")
+    timeout 200 .gpu/possum checkpoint "$pid" -D "$W/img" --keep-on-gpu 0 --json --socket-dir "$W/sockets" > "$W/ck.json" 2> "$W/ck.err"
+    ck=$?
+    wait "$run"
+    sleep 3
+    kept_before=$(pgrep -f "possum keeper --dir $W/sockets/keeper-" | wc -l)
+    cp "$W/job.log" "$W/job.log.1"; : > "$W/job.log"
+    timeout 200 .gpu/possum restore -D "$W/img" --json > "$W/rs.json" 2> "$W/rs.err"
+    rs=$?
+    for _ in $(seq 1200); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
+    sleep 4
+    kept_after=$(pgrep -f "possum keeper --dir $W/sockets/keeper-" | wc -l)
+    python3 - "$W" "$ck" "$rs" "$kept_before" "$kept_after" "$res/stage-run.json" <<'PY'
+import json, sys
+w, ck, rs, before, after, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+rows = lambda p: [{k: v for k, v in json.loads(l).items() if k != "t"} for l in open(p) if l.strip()]
+ref, first, second = rows(f"{w}/ref.log"), rows(f"{w}/job.log.1"), rows(f"{w}/job.log")
+s0 = second[0].get("step") if second else None
+r = json.load(open(f"{w}/rs.json")) if rs == 0 else {}
+doc = {"checkpoint_rc": ck, "restore_rc": rs, "keepers_before_restore": before,
+       "keepers_after_the_restored_job": after, "keeper_started": r.get("keeper_started"),
+       "staged": r.get("staged"), "stage_skipped": r.get("stage_skipped"),
+       "staged_buffers_mapped": r.get("staged_buffers_mapped"), "figures": r.get("figures"),
+       "before_identical": first == ref[:len(first)],
+       "restored_identical": bool(second) and s0 is not None and second == ref[s0:],
+       "lines": [len(ref), len(first), len(second)],
+       "errors": open(f"{w}/ck.err").read()[-600:] + open(f"{w}/rs.err").read()[-600:],
+       "job_err": open(f"{w}/job.err").read()[-1500:]}
+json.dump(doc, open(out, "w"), indent=1)
+print(json.dumps(doc)[:3000])
+ok = (ck == 0 and rs == 0 and before == 0 and after == 0 and doc["keeper_started"]
+      and (doc["staged_buffers_mapped"] or 0) > 0 and doc["before_identical"] and doc["restored_identical"])
+sys.exit(0 if ok else 1)
+PY
+    ;;
 ab-gpt2)
     # Issue 13's overhead figure for GPT-2 small again, more processes (the A/B inside each
     # process, hooks on and off in 1 s intervals; saved after every process).
@@ -58,7 +110,7 @@ ab-gpt2)
     tail -3 "$res/ab-gpt2.log"
     ;;
 *)
-    echo "usage: gpu-stage.sh figures | correctness | ab-gpt2" >&2
+    echo "usage: gpu-stage.sh figures | correctness | run | ab-gpt2" >&2
     exit 2
     ;;
 esac
