@@ -64,7 +64,7 @@ run)
     timeout 120 "${job[@]}" --log "$W/ref.log" 2> "$W/ref.err"
     setsid .gpu/possum run --socket-dir "$W/sockets" -- "${job[@]}" --log "$W/job.log" > "$W/job.out" 2> "$W/job.err" &
     run=$!
-    for _ in $(seq 900); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
+    for _ in $(seq 900); do [ "$(cat "$W/job.log" 2>/dev/null | wc -l)" -ge 100 ] && break; sleep 0.1; done
     pid=$(pgrep -f -n "jobs.py mlp --steps 500 .* --log $W/job.log")
     timeout 200 .gpu/possum checkpoint "$pid" -D "$W/img" --keep-on-gpu 0 --json --socket-dir "$W/sockets" > "$W/ck.json" 2> "$W/ck.err"
     ck=$?
