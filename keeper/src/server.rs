@@ -580,16 +580,25 @@ impl Inner {
         self.lock_stages().insert(id, Arc::clone(&stage));
         let img = Arc::new(img);
         let knobs = stage::Knobs::from_env();
+        let mut loaders = 0;
         for _ in 0..knobs.threads().min(stage.buffers.len()) {
             let mem: Arc<dyn stage::Memory> = self.clone();
             let (s, i) = (Arc::clone(&stage), Arc::clone(&img));
-            std::thread::Builder::new()
+            match std::thread::Builder::new()
                 .name("possum-keeper-stage".to_string())
                 .spawn(move || stage::loader(mem, s, i, knobs))
-                .map_err(|source| KeeperError::Io {
-                    op: "spawn a loader thread",
-                    source,
-                })?;
+            {
+                Ok(_) => loaders += 1,
+                // Fewer loaders load slower; none would leave every wait unanswered.
+                Err(source) if loaders == 0 => {
+                    self.end_stage(id);
+                    return Err(KeeperError::Io {
+                        op: "spawn a loader thread",
+                        source,
+                    });
+                }
+                Err(_) => break,
+            }
         }
         Ok((json!(info), None))
     }

@@ -275,11 +275,16 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
         if !knobs.delay.is_zero() {
             std::thread::sleep(knobs.delay);
         }
-        let r = match (&stream, knobs.fail == Some(i)) {
-            (_, true) => Err("failed on purpose (POSSUM_KEEPER_STAGE_FAIL)".to_string()),
-            (Err(e), _) => Err(format!("no stream to load with: {e}")),
-            (Ok(s), _) => load(&*mem, &stage.buffers[i], &image, s, &mut bufs),
-        };
+        // A panic fails this buffer (its copies in flight were waited for as they were
+        // dropped), never leaves it loading: someone may wait for it.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            match (&stream, knobs.fail == Some(i)) {
+                (_, true) => Err("failed on purpose (POSSUM_KEEPER_STAGE_FAIL)".to_string()),
+                (Err(e), _) => Err(format!("no stream to load with: {e}")),
+                (Ok(s), _) => load(&*mem, &stage.buffers[i], &image, s, &mut bufs),
+            }
+        }))
+        .unwrap_or_else(|_| Err("the keeper's loader panicked".to_string()));
         stage.settle(i, r);
     }
 }
