@@ -60,18 +60,6 @@ struct Tables {
     adopted: std::collections::BTreeSet<u64>,
 }
 
-/// A new checkpoint epoch: unique in practice (the time, this process, a counter), never 0 (the
-/// epoch of memory never detached).
-fn new_epoch() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let e = nanos ^ (u64::from(std::process::id()) << 40) ^ COUNT.fetch_add(1, Ordering::Relaxed);
-    e.max(1)
-}
-
 fn invalid(va: u64, len: u64, why: &'static str) -> DeviceError {
     DeviceError::InvalidAddress {
         va: DevPtr(va),
@@ -260,6 +248,11 @@ impl CudaDevice {
             ));
         }
         end_of(va.0, size)
+    }
+
+    /// Whether new memory comes from an owner (a keeper of this device's), without asking it.
+    pub fn has_usable_owner(&self) -> bool {
+        self.usable_owner().is_some()
     }
 
     /// The owner new memory comes from: none, or one found to be on another device.
@@ -544,7 +537,7 @@ impl Device for CudaDevice {
     }
 
     fn begin_detach(&self, hold_secs: u64) {
-        self.tables.lock().detaching = (new_epoch(), hold_secs);
+        self.tables.lock().detaching = (crate::owner::new_epoch(), hold_secs);
     }
 
     fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {

@@ -63,6 +63,18 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     fn status(&self) -> OwnerStatus;
 }
 
+/// A new checkpoint epoch, which memory an owner keeps is taken back with: unique in practice
+/// (the time, this process, a counter), never 0 (the epoch of memory never detached).
+pub fn new_epoch() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let e = nanos ^ (u64::from(std::process::id()) << 40) ^ COUNT.fetch_add(1, Ordering::Relaxed);
+    e.max(1)
+}
+
 /// The code of an owner's failure to be reached at all ([`unreachable_error`]).
 const UNREACHABLE: i64 = -2;
 

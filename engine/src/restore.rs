@@ -91,12 +91,11 @@ struct RsSlot {
     error: Mutex<Option<EngineError>>,
     /// A hook asked for it (it counts as restored on demand).
     wanted: AtomicBool,
-    /// Its memory is the owner's, loaded by the owner ([`Staged`]), until that falls through.
+    /// Its memory is the owner's and the owner's load of it is not settled yet ([`Staged`]):
+    /// cleared by exactly one thread, once it is loaded or falls back to being copied here.
     staged: AtomicBool,
     /// A restorer waits for the owner to load it.
     awaited: AtomicBool,
-    /// The owner's load was settled (loaded, or fallen back to copying), by exactly one thread.
-    settled: AtomicBool,
 }
 
 impl RsSlot {
@@ -115,7 +114,6 @@ impl RsSlot {
             wanted: AtomicBool::new(false),
             staged: AtomicBool::new(false),
             awaited: AtomicBool::new(false),
-            settled: AtomicBool::new(false),
         }
     }
 
@@ -410,7 +408,6 @@ impl<D: Device> RestoreSession<D> {
             self.dev.reattach(b.va(), b.mapped_size()).or_else(|_| {
                 let _ = self.dev.forget(b.va(), b.mapped_size());
                 slot.staged.store(false, Ordering::Release);
-                slot.settled.store(true, Ordering::Release);
                 self.staged_fallback.fetch_add(1, Ordering::Relaxed);
                 self.dev.map(b.va(), b.mapped_size())
             })
@@ -487,7 +484,7 @@ impl<D: Device> RestoreSession<D> {
     /// first call for a slot counts.
     fn settle_staged(&self, i: usize, r: Result<(), String>) {
         let slot = &self.slots[i];
-        if slot.settled.swap(true, Ordering::AcqRel) {
+        if !slot.staged.swap(false, Ordering::AcqRel) {
             return;
         }
         match r {
@@ -498,7 +495,6 @@ impl<D: Device> RestoreSession<D> {
             }
             Err(_) => {
                 self.staged_fallback.fetch_add(1, Ordering::Relaxed);
-                slot.staged.store(false, Ordering::Release);
                 slot.mapped.store(true, Ordering::Release);
                 if slot.chunks.is_empty() {
                     self.complete(i);
@@ -722,7 +718,7 @@ impl<D: Device> RestoreSession<D> {
         // Staged: the owner is asked for this buffer now (whoever else waits for it).
         if slot.staged.load(Ordering::Acquire)
             && self.start(i)
-            && !slot.settled.load(Ordering::Acquire)
+            && slot.staged.load(Ordering::Acquire)
         {
             self.await_staged(i);
         }

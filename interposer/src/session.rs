@@ -858,22 +858,21 @@ fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperSt
     if std::env::var("POSSUM_STAGED").is_ok_and(|v| v.trim() == "0") {
         return None;
     }
-    e.engine.device().owner_status()?;
+    if !e.engine.device().has_usable_owner() {
+        return None;
+    }
     let sock = crate::runtime::keeper_socket(e.ordinal)?;
     let stage = possum_keeper::KeeperMemory::connect(&sock)
         .and_then(|k| k.staged(image))
         .map_err(|err| {
-            let err = err.to_string();
-            if !err.contains("no stage of") {
-                crate::log(&format!(
-                    "device {}: the keeper's stage of {} is not usable ({err}); the buffers come \
-                     from the image",
-                    e.ordinal,
-                    image.display()
-                ));
-            }
+            crate::log(&format!(
+                "device {}: the keeper's stage of {} is not usable ({err}); the buffers come \
+                 from the image",
+                e.ordinal,
+                image.display()
+            ))
         })
-        .ok()?;
+        .ok()??;
     crate::log(&format!(
         "device {}: {} buffers staged by the keeper (stage {}): mapped, waited for while they load",
         e.ordinal,

@@ -142,7 +142,7 @@ impl Keeper {
     }
 
     /// This process's stage of `image`, if the keeper has one.
-    pub fn staged(&mut self, image: &Path) -> Result<StagePlan, KeeperError> {
+    pub fn staged(&mut self, image: &Path) -> Result<Option<StagePlan>, KeeperError> {
         let (v, _) = self.ask(
             "staged",
             &Request::Staged {

@@ -47,14 +47,14 @@ impl KeeperMemory {
     /// The keeper's stage of this process's restore from `image` (one device's image
     /// directory), if it has one: the memory it prepared for each buffer, and its loads to wait
     /// for ([`possum_engine::Staged`]).
-    pub fn staged(&self, image: &Path) -> Result<KeeperStage, KeeperError> {
+    pub fn staged(&self, image: &Path) -> Result<Option<KeeperStage>, KeeperError> {
         let plan = Keeper::connect(&self.path)?.staged(image)?;
-        Ok(KeeperStage {
+        Ok(plan.map(|plan| KeeperStage {
             path: self.path.clone(),
             stage: plan.stage,
             epoch: plan.epoch,
             buffers: plan.buffers.into_iter().map(|b| (b.buf, b)).collect(),
-        })
+        }))
     }
 }
 

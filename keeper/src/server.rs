@@ -457,24 +457,18 @@ impl Inner {
                 image,
                 hold_secs,
             } => self.stage(of, &image, hold_secs),
+            // `null` when there is none (not an error: most restores have none).
             Request::Staged { image } => {
                 let path = canonical(&image)?;
-                let s = self
+                let plan = self
                     .lock_stages()
                     .values()
                     .find(|s| s.pid == pid && s.image == path)
-                    .cloned()
-                    .ok_or_else(|| {
-                        KeeperError::Stage(format!(
-                            "no stage of {} for process {pid}",
-                            path.display()
-                        ))
-                    })?;
-                let plan = StagePlan {
-                    stage: s.id,
-                    epoch: s.epoch,
-                    buffers: s.buffers.clone(),
-                };
+                    .map(|s| StagePlan {
+                        stage: s.id,
+                        epoch: s.epoch,
+                        buffers: s.buffers.clone(),
+                    });
                 Ok((json!(plan), None))
             }
             Request::StageWait { stage, alloc } => {
@@ -526,18 +520,19 @@ impl Inner {
         let g = dev.granularity();
         let mut recs = img.buffers();
         recs.sort_unstable_by_key(|r| (r.prefetch_rank, r.id));
-        let need: u64 = recs
+        let sizes: Vec<u64> = recs
             .iter()
             .map(|r| r.size.max(1).div_ceil(g).saturating_mul(g))
-            .sum();
+            .collect();
+        let need: u64 = sizes.iter().sum();
         let mut made = Vec::with_capacity(recs.len());
-        for r in &recs {
-            let size = r.size.max(1).div_ceil(g).saturating_mul(g);
+        for (r, &size) in recs.iter().zip(&sizes) {
             // On a failure what was made so far is dropped (freed) with `made`.
             let mem = self.create(dev, size).map_err(|e| {
                 let free = dev.mem_info().map(|(f, _)| f).unwrap_or(0);
                 KeeperError::Stage(format!(
-                    "{}: its {} buffers need {need} bytes of GPU memory, {free} free: buffer {}                      ({size} bytes): {e}",
+                    "{}: its {} buffers need {need} bytes of GPU memory, {free} free: buffer {} \
+                     ({size} bytes): {e}",
                     path.display(),
                     recs.len(),
                     r.id
@@ -545,7 +540,7 @@ impl Inner {
             })?;
             made.push((r.clone(), mem, size));
         }
-        let epoch = new_epoch();
+        let epoch = possum_cuda::owner::new_epoch();
         let mut buffers = Vec::with_capacity(made.len());
         {
             let mut st = self.lock();
@@ -723,17 +718,6 @@ impl stage::Memory for Inner {
 /// `image` made absolute and canonical, so that the job's name of it and the restore's agree.
 fn canonical(image: &str) -> Result<PathBuf, KeeperError> {
     std::fs::canonicalize(image).map_err(|e| KeeperError::Stage(format!("{image}: {e}")))
-}
-
-/// A new checkpoint epoch for staged memory: unique in practice (the time, this process, a
-/// counter), never 0.
-fn new_epoch() -> u64 {
-    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    (t ^ (u64::from(std::process::id()) << 40) ^ n.rotate_left(20)) | 1
 }
 
 /// Until when memory held `secs` seconds after its process is gone is kept (0: not held).

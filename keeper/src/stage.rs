@@ -257,7 +257,7 @@ impl Knobs {
 /// What a loader needs of the keeper: its device, and a buffer's memory mapped for it.
 pub(crate) trait Memory: Send + Sync + 'static {
     fn device(&self) -> Result<&ShareDevice, String>;
-    /// Maps allocation `alloc` (of `size` bytes) in `res`; an error if it is gone.
+    /// Maps allocation `alloc` in `res`; an error if it is gone.
     fn map<'r>(
         &self,
         alloc: u64,
@@ -301,66 +301,67 @@ fn load(
     let dev = mem.device()?;
     let res = dev.reserve(b.alloc_size).map_err(|e| e.to_string())?;
     let m = mem.map(b.alloc, &res)?;
-    let mut inflight: VecDeque<CudaPending> = VecDeque::new();
-    let mut failed = None;
-    for (off, len) in image.chunks(b.buf) {
-        let Ok(n) = usize::try_from(len) else {
-            failed = Some(format!("chunk at {off} too large"));
-            break;
-        };
-        let buf = if inflight.len() >= DEPTH {
-            match inflight.pop_front().map(Transfer::wait) {
-                Some(Ok(buf)) => Ok(buf),
-                Some(Err(e)) => Err(e.to_string()),
-                None => unreachable!("DEPTH > 0"),
-            }
-        } else {
-            free.pop()
-                .map_or_else(|| dev.pinned(PINNED.max(n)).map_err(|e| e.to_string()), Ok)
-        };
-        let mut buf = match buf {
-            Ok(b) if b.len() >= n => b,
-            Ok(b) => {
-                free.push(b);
-                match dev.pinned(n) {
-                    Ok(b) => b,
-                    Err(e) => {
-                        failed = Some(e.to_string());
-                        break;
-                    }
-                }
-            }
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
-        };
-        if let Err(e) = image.read_chunk(b.buf, off, &mut buf.as_mut_slice()[..n]) {
-            free.push(buf);
-            failed = Some(e.to_string());
-            break;
-        }
-        match stream.copy_h2d(buf, m.va() + off, n) {
-            Ok(p) => inflight.push_back(p),
-            Err(e) => {
-                failed = Some(e.to_string());
-                break;
-            }
-        }
-    }
+    let mut inflight = VecDeque::new();
+    let sent = send_chunks(dev, b, image, stream, m.va(), free, &mut inflight);
+    // Every copy in flight is waited for, whatever failed: nothing of this load may land on the
+    // memory once the load is settled (the job may copy it in itself then).
+    let mut waited = Ok(());
     for p in inflight {
         match p.wait() {
             Ok(buf) if buf.len() == PINNED => free.push(buf),
             Ok(_) => {}
-            Err(e) => {
-                failed.get_or_insert(e.to_string());
-            }
+            Err(e) => waited = waited.and(Err(e.to_string())),
         }
     }
-    drop(m);
-    drop(res);
-    match failed {
-        None => Ok(()),
-        Some(e) => Err(format!("buffer {}: {e}", b.buf)),
+    sent.and(waited)
+        .map_err(|e| format!("buffer {}: {e}", b.buf))
+}
+
+/// Reads each chunk of `b` into a pinned buffer and queues its copy to `va` + its offset.
+fn send_chunks(
+    dev: &ShareDevice,
+    b: &StagedBuffer,
+    image: &Image,
+    stream: &possum_cuda::CudaStream,
+    va: u64,
+    free: &mut Vec<PinnedBuf>,
+    inflight: &mut VecDeque<CudaPending>,
+) -> Result<(), String> {
+    for (off, len) in image.chunks(b.buf) {
+        let n = usize::try_from(len).map_err(|_| format!("chunk at {off} too large"))?;
+        let mut buf = next_buf(dev, free, inflight, n)?;
+        if let Err(e) = image.read_chunk(b.buf, off, &mut buf.as_mut_slice()[..n]) {
+            free.push(buf);
+            return Err(e.to_string());
+        }
+        inflight.push_back(
+            stream
+                .copy_h2d(buf, va + off, n)
+                .map_err(|e| e.to_string())?,
+        );
     }
+    Ok(())
+}
+
+/// A pinned buffer of at least `n` bytes: the oldest copy's once `DEPTH` are in flight, else a
+/// free one, else a new one.
+fn next_buf(
+    dev: &ShareDevice,
+    free: &mut Vec<PinnedBuf>,
+    inflight: &mut VecDeque<CudaPending>,
+    n: usize,
+) -> Result<PinnedBuf, String> {
+    let buf = if inflight.len() >= DEPTH {
+        let oldest = inflight.pop_front().expect("DEPTH > 0 copies in flight");
+        oldest.wait().map_err(|e| e.to_string())?
+    } else if let Some(b) = free.pop() {
+        b
+    } else {
+        dev.pinned(PINNED.max(n)).map_err(|e| e.to_string())?
+    };
+    if buf.len() >= n {
+        return Ok(buf);
+    }
+    free.push(buf);
+    dev.pinned(n).map_err(|e| e.to_string())
 }

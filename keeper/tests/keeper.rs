@@ -596,7 +596,8 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
         let plan = possum_keeper::KeeperMemory::connect(server.path())
             .unwrap()
             .staged(&img)
-            .unwrap();
+            .unwrap()
+            .expect("a stage of this image for this process");
         assert_eq!(plan.id(), info.stage);
         let r = e
             .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
@@ -637,6 +638,14 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
     assert!(
         k.stage_wait(info.stage, 1).is_err(),
         "an ended stage is gone"
+    );
+    assert!(
+        possum_keeper::KeeperMemory::connect(server.path())
+            .unwrap()
+            .staged(&img)
+            .unwrap()
+            .is_none(),
+        "no stage of the image any more"
     );
     for b in &bufs {
         e.free(b.va()).unwrap();

@@ -85,6 +85,22 @@ impl KeeperOfJob {
             };
         })
     }
+
+    /// A keeper for the restore of job `pid` in its directory: `None` if one answers there
+    /// already, else one started ([`Self::start_keeper`]), again if its process took a PID of
+    /// `avoid` (PIDs CRIU is about to restore).
+    pub fn ensure_keeper(&self, pid: i32, avoid: &[i32]) -> Result<Option<std::process::Child>> {
+        if possum_keeper::Keeper::connect(&possum_keeper::socket_of(&self.dir, 0)).is_ok() {
+            return Ok(None);
+        }
+        let mut child = self.start_keeper(pid)?;
+        if avoid.contains(&(child.id() as i32)) {
+            let _ = child.kill();
+            let _ = child.wait();
+            child = self.start_keeper(pid)?;
+        }
+        Ok(Some(child))
+    }
 }
 
 /// The check of `m` ([`Manifest::check`] ignored).

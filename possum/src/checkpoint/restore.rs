@@ -164,19 +164,17 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
             "restore of process {pid} failed; the restored process was killed, the image is intact"
         )));
     }
-    // Stages a restored process did not take (its device without the keeper's memory, ...) are
-    // ended now: their memory would otherwise stay retained for a live process.
-    let used: Vec<u64> = std::iter::once(&resumed)
+    // The stages the restored processes took, from their resume reports. Those none took (a
+    // device without the keeper's memory, ...) are ended now: their memory would otherwise stay
+    // retained for a live process.
+    let taken: Vec<&serde_json::Value> = std::iter::once(&resumed)
         .chain(&children_resumed)
         .filter_map(|r| r["staged"].as_array())
         .flatten()
-        .filter_map(|s| s["stage"].as_u64())
         .collect();
+    let used: Vec<u64> = taken.iter().filter_map(|s| s["stage"].as_u64()).collect();
+    let staged_used: u64 = taken.iter().filter_map(|s| s["buffers"].as_u64()).sum();
     let staged = staging.map(|s| s.finish_keeping(&used)).unwrap_or_default();
-    // What the restored processes mapped from the keeper's stages, from their resume reports.
-    let staged_used = resumed["staged"].as_array().map_or(0, |a| {
-        a.iter().filter_map(|s| s["buffers"].as_u64()).sum::<u64>()
-    });
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
@@ -231,10 +229,10 @@ fn criu_log_level() -> Option<possum_criu::LogLevel> {
 /// exits. Its directory once it listens; `None` if none was needed or it did not start (the job
 /// then uses memory of its own, and says so in `possum status`).
 fn start_keeper_for(k: &super::image::KeeperOfJob, pid: i32) -> Option<std::path::PathBuf> {
-    if possum_keeper::Keeper::connect(&possum_keeper::socket_of(&k.dir, 0)).is_ok() {
-        return None;
-    }
-    k.start_keeper(pid).ok().map(|_| k.dir.clone())
+    k.ensure_keeper(pid, &[])
+        .ok()
+        .flatten()
+        .map(|_| k.dir.clone())
 }
 
 /// What a restored job's standard descriptors that were pipes to outside its tree become: this

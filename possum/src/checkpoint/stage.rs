@@ -117,18 +117,9 @@ impl Staging {
             .chain(m.cuda_children.iter().copied())
             .chain(m.possum_children.iter().copied())
             .collect();
-        let mut started = None;
-        if possum_keeper::Keeper::connect(&possum_keeper::socket_of(&keeper_dir, 0)).is_err() {
-            let k = m.keeper.as_ref().expect("plan checked it");
-            let mut child = k.start_keeper(m.pid)?;
-            // A keeper in a PID of the job's tree would make CRIU's restore fail: another one.
-            if tree.contains(&(child.id() as i32)) {
-                let _ = child.kill();
-                let _ = child.wait();
-                child = k.start_keeper(m.pid)?;
-            }
-            started = Some(child);
-        }
+        // A keeper in a PID of the job's tree would make CRIU's restore fail: it is avoided.
+        let k = m.keeper.as_ref().expect("plan checked it");
+        let started = k.ensure_keeper(m.pid, &tree)?;
         let todo = images(m, dir, gpu);
         let kdir = keeper_dir.clone();
         let thread = std::thread::Builder::new()
@@ -158,6 +149,20 @@ impl Staging {
     /// Waits for the stage requests (the loads go on in the keeper) and ends the stages that
     /// are not in `used` (no restored process took them): their memory is freed.
     pub(super) fn finish_keeping(self, used: &[u64]) -> Vec<StageReport> {
+        self.end_unused(used).0
+    }
+
+    /// Gives up: every stage is ended (its memory freed), and a keeper started for it stopped.
+    pub(super) fn abandon(self) {
+        if let (_, Some(mut c)) = self.end_unused(&[]) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the stage requests and ends every stage not in `used` (marked `unused`); the
+    /// reports, and the keeper started for the staging.
+    fn end_unused(self, used: &[u64]) -> (Vec<StageReport>, Option<Child>) {
         let mut reports = self.thread.join().unwrap_or_default();
         for r in &mut reports {
             let Some(id) = r.stage.filter(|id| !used.contains(id)) else {
@@ -170,27 +175,7 @@ impl Staging {
             }
             r.unused = true;
         }
-        reports
-    }
-
-    /// Gives up: every stage is ended (its memory freed), and a keeper started for it stopped.
-    pub(super) fn abandon(self) {
-        let dir = self.dir.clone();
-        let started = self.started;
-        let reports = self.thread.join().unwrap_or_default();
-        for r in reports {
-            if let Some(id) = r.stage {
-                if let Ok(mut k) =
-                    possum_keeper::Keeper::connect(&possum_keeper::socket_of(&dir, r.device))
-                {
-                    let _ = k.stage_end(id);
-                }
-            }
-        }
-        if let Some(mut c) = started {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        (reports, self.started)
     }
 }
 
