@@ -53,6 +53,12 @@ struct Space {
 }
 
 impl Space {
+    /// The simulated keeper's memory, for `what` (only on a device made with
+    /// [`HostDevice::keeping`]).
+    fn kept(&self, what: &'static str) -> DeviceResult<&Mutex<BTreeMap<u64, Mapping>>> {
+        self.kept.as_ref().ok_or(DeviceError::Unsupported(what))
+    }
+
     /// `size` bytes of new zeroed memory, counted as used; out of memory past the capacity.
     fn new_mapping(&self, size: u64) -> DeviceResult<Mapping> {
         let used = self.used.load(Ordering::Relaxed);
@@ -554,11 +560,7 @@ impl Device for HostDevice {
     }
 
     fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let kept = self
-            .space
-            .kept
-            .as_ref()
-            .ok_or(DeviceError::Unsupported("detach"))?;
+        let kept = self.space.kept("detach")?;
         let mut maps = self.space.mappings.write();
         match maps.get(&va.0) {
             Some(m) if m.size == size => {
@@ -575,11 +577,7 @@ impl Device for HostDevice {
     }
 
     fn reattach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let kept = self
-            .space
-            .kept
-            .as_ref()
-            .ok_or(DeviceError::Unsupported("reattach"))?;
+        let kept = self.space.kept("reattach")?;
         let mut maps = self.space.mappings.write();
         let mut k = kept.lock();
         match k.get(&va.0) {
@@ -599,11 +597,7 @@ impl Device for HostDevice {
     /// The simulated keeper's prepared memory is zeroed; a test writes its contents once it is
     /// mapped ([`HostDevice::write_now`]).
     fn expect_kept(&self, va: DevPtr, size: u64, _id: u64, _epoch: u64) -> DeviceResult<()> {
-        let kept = self
-            .space
-            .kept
-            .as_ref()
-            .ok_or(DeviceError::Unsupported("expect_kept"))?;
+        let kept = self.space.kept("expect_kept")?;
         let maps = self.space.mappings.read();
         let mut k = kept.lock();
         if maps.contains_key(&va.0) || k.contains_key(&va.0) {
@@ -618,11 +612,7 @@ impl Device for HostDevice {
     }
 
     fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let kept = self
-            .space
-            .kept
-            .as_ref()
-            .ok_or(DeviceError::Unsupported("forget"))?;
+        let kept = self.space.kept("forget")?;
         match kept.lock().remove(&va.0) {
             Some(m) if m.size == size => {
                 self.space.used.fetch_sub(size, Ordering::Relaxed);
