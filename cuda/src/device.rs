@@ -146,8 +146,9 @@ pub struct CudaDevice {
     tables: Mutex<Tables>,
     /// Where buffer memory comes from when another process owns it (a keeper).
     owner: Option<Arc<dyn MemoryOwner>>,
-    /// The device's UUID, to check the owner's memory is on it.
-    uuid: [u8; 16],
+    /// The device's UUID, to check the owner's memory is on it: another GPU's once a restore
+    /// moved the process there ([`CudaDevice::follow_move`]).
+    uuid: Mutex<[u8; 16]>,
     /// Why the owner is no longer asked for memory (its memory was on another device).
     owner_refused: Mutex<Option<String>>,
     /// The stack size limit [`Device::trim_context`] lowered, to be set again.
@@ -190,7 +191,7 @@ impl CudaDevice {
             priorities,
             tables: Mutex::new(Tables::default()),
             owner: None,
-            uuid,
+            uuid: Mutex::new(uuid),
             owner_refused: Mutex::new(None),
             trimmed_stack: Mutex::new(None),
         })
@@ -250,6 +251,30 @@ impl CudaDevice {
         end_of(va.0, size)
     }
 
+    /// The device's UUID now, when it is not the one this was opened on: NVIDIA's restore of the
+    /// process mapped its device to another GPU (`possum restore --device`), which the process
+    /// sees under the same ordinal.
+    pub fn moved(&self) -> Option<[u8; 16]> {
+        let now = driver::device_uuid(self.ctx.device()).ok()?;
+        (now != *self.uuid.lock()).then_some(now)
+    }
+
+    /// Takes [`moved`](Self::moved)'s answer: the device is `uuid` from now on. `owner_serves`:
+    /// the owner now gives memory on it (it followed the move); else new memory is this
+    /// process's own.
+    pub fn follow_move(&self, uuid: [u8; 16], owner_serves: bool) {
+        *self.uuid.lock() = uuid;
+        *self.owner_refused.lock() = (!owner_serves && self.owner.is_some())
+            .then(|| "no keeper of the job's serves the GPU it was restored on".to_string());
+    }
+
+    /// The epoch of this device's last detach (the one [`Device::begin_detach`] began), while
+    /// buffers are detached: the keeper holds their memory under it.
+    pub fn detached_epoch(&self) -> Option<u64> {
+        let t = self.tables.lock();
+        (!t.detached.is_empty()).then_some(t.detaching.0)
+    }
+
     /// Whether new memory comes from an owner (a keeper of this device's), without asking it.
     pub fn has_usable_owner(&self) -> bool {
         self.usable_owner().is_some()
@@ -281,7 +306,7 @@ impl CudaDevice {
             }
             Err(e) => return Err(e),
         };
-        if o.device.is_some_and(|u| u != self.uuid) {
+        if o.device.is_some_and(|u| u != *self.uuid.lock()) {
             // Another GPU's memory (the keeper sees other devices than the job: another
             // CUDA_VISIBLE_DEVICES): it would be reached over the interconnect, if at all.
             let _ = owner.free(o.id);
@@ -560,7 +585,7 @@ impl Device for CudaDevice {
         let id = t.owned[&va.0];
         let (epoch, hold_secs) = t.detaching;
         // Marked kept first: from here on only this process may take it back.
-        owner.keep(id, epoch, hold_secs)?;
+        owner.keep(id, epoch, hold_secs, va.0)?;
         driver::unmap(va.0, size)?;
         let mem = t.mappings.remove(&va.0).expect("checked above");
         t.owned.remove(&va.0);

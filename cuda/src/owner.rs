@@ -47,8 +47,9 @@ pub trait MemoryOwner: Send + Sync + fmt::Debug {
     fn free(&self, id: u64) -> DeviceResult<()>;
     /// Keeps memory `id`, contents and all, while this process holds no handle to it (detached),
     /// until [`reclaim`](MemoryOwner::reclaim) names the same `epoch` (one per checkpoint); and
-    /// for `hold_secs` after this process is gone (0: freed with it).
-    fn keep(&self, id: u64, epoch: u64, hold_secs: u64) -> DeviceResult<()>;
+    /// for `hold_secs` after this process is gone (0: freed with it). `va` is where this
+    /// process mapped it (a restore onto another device matches the image's buffers to it).
+    fn keep(&self, id: u64, epoch: u64, hold_secs: u64, va: u64) -> DeviceResult<()>;
     /// Takes kept memory back (kept with `epoch`): a new fd for it.
     fn reclaim(&self, id: u64, epoch: u64) -> DeviceResult<OwnedFd>;
     /// Frees kept memory, only if it is still kept with `epoch` (memory a later checkpoint of

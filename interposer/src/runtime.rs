@@ -142,7 +142,7 @@ pub fn keeper_socket(ordinal: usize) -> Option<std::path::PathBuf> {
 
 /// The keeper of device `ordinal`'s memory, if `POSSUM_KEEPER` names a keeper's directory
 /// (`possum run` sets it unless `--no-keeper`). One that cannot be reached is logged and the job goes on without it.
-fn keeper_of(ordinal: usize) -> Option<Arc<dyn possum_cuda::owner::MemoryOwner>> {
+fn keeper_of(ordinal: usize) -> Option<Arc<possum_keeper::KeeperMemory>> {
     let path = keeper_socket(ordinal)?;
     match possum_keeper::KeeperMemory::connect(&path) {
         Ok(k) => {
@@ -176,6 +176,8 @@ pub struct DevEngine {
     /// Validation's reads: a pinned bounce buffer and a stream of possum's, made at the first
     /// validation ([`crate::validate`]).
     pub validation_io: Mutex<Option<(PinnedBuf, CudaStream)>>,
+    /// The keeper the engine's buffer memory comes from (the device's owner), if any.
+    pub keeper: Option<Arc<possum_keeper::KeeperMemory>>,
 }
 
 thread_local! {
@@ -981,8 +983,9 @@ impl State {
                 return Err(format!("the CUDA runtime failed to initialise (error {r})"));
             }
             let dev = CudaDevice::new(ordinal).map_err(|e| e.to_string())?;
-            let dev = match keeper_of(ordinal) {
-                Some(owner) => dev.with_owner(owner),
+            let keeper = keeper_of(ordinal);
+            let dev = match &keeper {
+                Some(k) => dev.with_owner(k.clone()),
                 None => dev,
             };
             let chunk = (self.cfg.chunk_mib as usize) << 20;
@@ -993,16 +996,19 @@ impl State {
                 restore_threads: self.cfg.restorers,
                 ..EngineConfig::default()
             };
-            Engine::new(Arc::new(dev), cfg).map_err(|e| e.to_string())
+            Engine::new(Arc::new(dev), cfg)
+                .map(|e| (e, keeper))
+                .map_err(|e| e.to_string())
         })();
         match made {
-            Ok(engine) => {
+            Ok((engine, keeper)) => {
                 let de = Arc::new(DevEngine {
                     ordinal,
                     engine,
                     streams: RwLock::new(HashMap::default()),
                     streams_epoch: AtomicU64::new(0),
                     validation_io: Mutex::new(None),
+                    keeper,
                 });
                 let _ = cell.set(de.clone());
                 crate::log(&format!(

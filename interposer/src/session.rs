@@ -419,6 +419,15 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
         .filter(|e| e.engine.phase() == "detached")
         .map(|e| e.ordinal)
         .collect();
+    // The epochs the keeper holds them under: a restore onto another GPU copies that memory
+    // only if it is still this checkpoint's (`possum.json` records them).
+    let held_epochs: Vec<Value> = engines
+        .iter()
+        .filter_map(|e| {
+            let epoch = e.engine.device().detached_epoch()?;
+            Some(json!({"device": e.ordinal, "epoch": epoch}))
+        })
+        .collect();
     // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
     // wait in a callback stay there (paused) until the resume.
     let td = Instant::now();
@@ -427,7 +436,7 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
     }
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
                    "staging_freed_bytes": staging_freed, "context_trimmed_bytes": trimmed,
-                   "held_for_restore": held,
+                   "held_for_restore": held, "held_epochs": held_epochs,
                    "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
     note_last("release", v.clone());
     Ok(v)
@@ -714,6 +723,10 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
     }
     let _b = Busy::take("resume")?;
     let t = Instant::now();
+    // A process restored onto another GPU (`possum restore --device`): its buffers' memory
+    // comes from the keeper's socket serving that GPU from now on; what the old GPU's keeper
+    // still holds of them is let go, and they come back from that socket's stage or the image.
+    let moved = follow_moves();
     // Detached buffers first: their memory is on the GPU, kept by the keeper.
     // Where the keeper no longer has them (a job restored from its image after the original
     // ran on and took them back, or the keeper gone), they come back from the image instead.
@@ -843,7 +856,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
     }
     Ok(
         json!({"restoring": out, "on_demand": hooks, "attached": attached,
-              "kept_memory_gone": from_image, "staged": staged,
+              "kept_memory_gone": from_image, "staged": staged, "moved": moved,
               "attach_ms": attach_ms, "saving": saving_devices, "ms": ms(t.elapsed())}),
     )
 }
@@ -861,9 +874,10 @@ fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperSt
     if !e.engine.device().has_usable_owner() {
         return None;
     }
-    let sock = crate::runtime::keeper_socket(e.ordinal)?;
-    let stage = possum_keeper::KeeperMemory::connect(&sock)
-        .and_then(|k| k.staged(image))
+    let stage = e
+        .keeper
+        .as_ref()?
+        .staged(image)
         .map_err(|err| {
             crate::log(&format!(
                 "device {}: the keeper's stage of {} is not usable ({err}); the buffers come \
@@ -880,6 +894,45 @@ fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperSt
         stage.id()
     ));
     Some(stage)
+}
+
+/// Every engine whose device is another GPU than it was opened on (NVIDIA's restore mapped it
+/// elsewhere): its detached buffers are dropped (their memory on the old GPU let go: the
+/// keeper there frees it once nothing maps it, a stage copying it from there included), its
+/// keeper follows it to the socket serving the new GPU (or its new memory is its own), and
+/// its buffers are restored from the image like released ones. The moves, for the reply.
+fn follow_moves() -> Vec<Value> {
+    let mut out = Vec::new();
+    for e in engines() {
+        let dev = e.engine.device();
+        let Some(uuid) = dev.moved() else {
+            continue;
+        };
+        let dropped = e.engine.phase() == "detached";
+        if dropped {
+            if let Err(err) = e.engine.drop_detached() {
+                crate::log(&format!(
+                    "device {}: dropping the buffers kept on the old GPU: {err}",
+                    e.ordinal
+                ));
+            }
+        }
+        let socket = e.keeper.as_ref().and_then(|k| k.follow_device(&uuid));
+        dev.follow_move(uuid, socket.is_some());
+        crate::log(&format!(
+            "device {}: restored onto GPU {}; its keeper: {}",
+            e.ordinal,
+            possum_keeper::uuid_hex(&uuid),
+            socket
+                .as_ref()
+                .map_or("none serves it".to_string(), |s| s.display().to_string())
+        ));
+        out.push(
+            json!({"device": e.ordinal, "uuid": possum_keeper::uuid_hex(&uuid),
+                        "keeper": socket, "kept_dropped": dropped}),
+        );
+    }
+    out
 }
 
 type Saves = Vec<(

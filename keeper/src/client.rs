@@ -8,8 +8,22 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::{
-    fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, StageInfo, StagePlan, Stats,
+    fdpass, Allocated, DeviceInfo, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
+    StageInfo, StagePlan, Stats,
 };
+
+/// The socket in keeper directory `dir` (`possum keeper --dir`: `keeper-N.sock`, one per device
+/// it sees) that serves the device with UUID `uuid` (32 hex digits), asked of each; `None` if
+/// none does (the keeper sees other devices: another `CUDA_VISIBLE_DEVICES`) or none answers.
+/// A process's device ordinals need not be the keeper's: a job restored onto another GPU keeps
+/// its ordinal for a device the keeper numbers otherwise.
+pub fn keeper_for_device(dir: &Path, uuid: &str) -> Option<std::path::PathBuf> {
+    crate::sockets_in(dir).into_iter().find(|s| {
+        Keeper::connect(s)
+            .and_then(|mut k| k.device())
+            .is_ok_and(|d| d.uuid.eq_ignore_ascii_case(uuid))
+    })
+}
 
 /// A connection to a keeper. Dropping it (or the process ending) frees what it allocated, except
 /// what it retained.
@@ -72,12 +86,25 @@ impl Keeper {
     /// Marks allocation `id` detached (no handle to it in this process), for checkpoint `epoch`;
     /// kept `hold_secs` after this process is gone.
     pub fn retain(&mut self, id: u64, epoch: u64, hold_secs: u64) -> Result<(), KeeperError> {
+        self.retain_at(id, epoch, hold_secs, None)
+    }
+
+    /// [`retain`](Self::retain), saying the device address this process mapped it at (a stage
+    /// on another device matches the image's buffers to it).
+    pub fn retain_at(
+        &mut self,
+        id: u64,
+        epoch: u64,
+        hold_secs: u64,
+        va: Option<u64>,
+    ) -> Result<(), KeeperError> {
         self.ask(
             "retain",
             &Request::Retain {
                 id,
                 epoch,
                 hold_secs,
+                va,
             },
         )
         .map(drop)
@@ -123,12 +150,14 @@ impl Keeper {
     }
 
     /// Stages the restore of process `pid` from image directory `image` (one device's): the
-    /// keeper creates the buffers' memory and loads them in the background.
+    /// keeper creates the buffers' memory and loads them in the background; from `from`'s
+    /// memory (another device's keeper) where it holds them, else from the image.
     pub fn stage(
         &mut self,
         pid: i32,
         image: &Path,
         hold_secs: u64,
+        from: Option<PeerSource>,
     ) -> Result<StageInfo, KeeperError> {
         let (v, _) = self.ask(
             "stage",
@@ -136,9 +165,16 @@ impl Keeper {
                 pid,
                 image: image.display().to_string(),
                 hold_secs,
+                from,
             },
         )?;
         parse("stage", v)
+    }
+
+    /// The device this keeper socket serves.
+    pub fn device(&mut self) -> Result<DeviceInfo, KeeperError> {
+        let (v, _) = self.ask("device", &Request::Device)?;
+        parse("device", v)
     }
 
     /// This process's stage of `image`, if the keeper has one.

@@ -10,15 +10,16 @@
 //! keeper ── {"keeper":1,"pid":P}\n  or  {"error":"..."}\n (refused, then closed)
 //! client ── {"cmd":"alloc","size":N}\n   ──▶ {"id":I,"size":S}\n + the memory's fd (SCM_RIGHTS)
 //! client ── {"cmd":"free","id":I}\n      ──▶ {"ok":true}\n
-//! client ── {"cmd":"retain","id":I,"epoch":E,"hold_secs":H}\n ──▶ {"ok":true}\n   detached: kept for pid
+//! client ── {"cmd":"retain","id":I,"epoch":E,"hold_secs":H,"va":V}\n ──▶ {"ok":true}\n   detached: kept for pid
 //! client ── {"cmd":"release_retained","id":I}\n ──▶ {"ok":true}\n   frees a retained allocation
 //! client ── {"cmd":"reclaim","id":I,"epoch":E}\n ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)
 //! client ── {"cmd":"share","id":I}\n     ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)   CUDA IPC
 //! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total, stages
-//! client ── {"cmd":"stage","pid":P,"image":DIR,"hold_secs":H}\n ──▶ StageInfo   loads DIR for P
+//! client ── {"cmd":"stage","pid":P,"image":DIR,"hold_secs":H,"from":F}\n ──▶ StageInfo   loads DIR for P
 //! client ── {"cmd":"staged","image":DIR}\n ──▶ StagePlan   the caller's stage of DIR
 //! client ── {"cmd":"stage_wait","stage":S,"alloc":A}\n ──▶ {"ok":true}\n once A is loaded
 //! client ── {"cmd":"stage_end","stage":S}\n ──▶ {"ok":true,"freed":N}\n
+//! client ── {"cmd":"device"}\n            ──▶ {"uuid":"<32 hex>","ordinal":N}\n
 //! ```
 //!
 //! `alloc` rounds the size up to the device's granularity (the reply says the size made). A failed
@@ -36,7 +37,10 @@
 //!
 //! The `stage*` requests pre-load an image for a restore (the `stage` module): memory created
 //! for the restored job's pid, retained with a new epoch, and filled while CRIU restores the
-//! process; the job reclaims it as kept memory and waits only for what is still loading.
+//! process; the job reclaims it as kept memory and waits only for what is still loading. A stage
+//! `from` another device's keeper (`possum restore --device` of a job whose memory is still kept)
+//! copies each buffer device to device from that memory ([`PeerSource`]) instead of reading the
+//! image.
 //!
 //! The job's side is [`KeeperMemory`], the `possum_cuda::owner::MemoryOwner` a job's
 //! `CudaDevice` takes its buffers' memory from. The only `unsafe` is in the private `fdpass` module (taking ownership of the
@@ -55,7 +59,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use client::Keeper;
+pub use client::{keeper_for_device, Keeper};
 pub use memory::{KeeperMemory, KeeperStage};
 pub use server::Server;
 
@@ -121,6 +125,10 @@ pub enum Request {
         /// Keep it this long after its process is gone (0: freed with its process).
         #[serde(default)]
         hold_secs: u64,
+        /// The device address the process mapped it at: a stage on another device finds a
+        /// buffer's memory by it ([`PeerSource`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        va: Option<u64>,
     },
     /// Free a retained allocation.
     ReleaseRetained {
@@ -176,6 +184,11 @@ pub enum Request {
         /// Seconds the memory is kept while `pid` does not exist (before it is taken back).
         #[serde(default)]
         hold_secs: u64,
+        /// Copy the buffers from the memory another keeper (another device's) still holds for
+        /// `pid` instead of reading them from the image, where it has them: `possum restore
+        /// --device` of a job killed with its memory kept.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from: Option<PeerSource>,
     },
     /// The caller's stage of `image`: [`StagePlan`].
     Staged {
@@ -195,6 +208,29 @@ pub enum Request {
         /// The stage.
         stage: u64,
     },
+    /// The device this socket serves ([`DeviceInfo`]); opens it if it is not open yet.
+    Device,
+}
+
+/// Where a stage copies buffers from device to device ([`Request::Stage`]'s `from`): the
+/// memory the keeper at `socket` holds for the process, retained with `epoch` (the image's: a
+/// later checkpoint's memory is never taken for it), matched to the image's buffers by address
+/// and size.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerSource {
+    /// The socket of the keeper holding the memory (another device's).
+    pub socket: String,
+    /// The epoch the memory was retained with.
+    pub epoch: u64,
+}
+
+/// The reply to `device`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// The device's UUID (32 hex digits).
+    pub uuid: String,
+    /// Its ordinal in the keeper's process.
+    pub ordinal: usize,
 }
 
 /// The reply to `stage`.
@@ -208,6 +244,10 @@ pub struct StageInfo {
     pub buffers: u64,
     /// Their bytes.
     pub bytes: u64,
+    /// Of the buffers, those copied from another device's memory ([`PeerSource`]); the rest
+    /// are read from the image.
+    #[serde(default)]
+    pub peer: u64,
 }
 
 /// One buffer of a stage.
@@ -251,6 +291,12 @@ pub struct StageStats {
     pub bytes: u64,
     /// Buffers loaded.
     pub ready: u64,
+    /// Buffers copied from another device's memory (counted in `ready` too).
+    #[serde(default)]
+    pub peer_copied: u64,
+    /// Bytes copied from another device's memory.
+    #[serde(default)]
+    pub peer_bytes: u64,
     /// Buffers whose load failed (or was ended).
     pub failed: u64,
     /// Bytes loaded.
@@ -275,6 +321,9 @@ pub struct RetainedAlloc {
     /// The process it belongs to (in `adopt`; `retained` lists one process's).
     #[serde(default)]
     pub pid: i32,
+    /// The device address its process mapped it at, when the process said (`retain`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub va: Option<u64>,
 }
 
 /// The reply to `retained`.

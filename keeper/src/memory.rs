@@ -13,7 +13,9 @@ use crate::{Keeper, KeeperError};
 /// or found in its image by CRIU. The keeper owns the memory by the job's pid, not by connection.
 #[derive(Debug)]
 pub struct KeeperMemory {
-    path: PathBuf,
+    /// The socket; another of the same keeper directory's once the process's device moved
+    /// ([`KeeperMemory::follow_device`]).
+    path: std::sync::RwLock<PathBuf>,
 }
 
 impl KeeperMemory {
@@ -22,13 +24,24 @@ impl KeeperMemory {
     pub fn connect(path: &Path) -> Result<KeeperMemory, KeeperError> {
         Keeper::connect(path)?;
         Ok(KeeperMemory {
-            path: path.to_path_buf(),
+            path: std::sync::RwLock::new(path.to_path_buf()),
         })
     }
 
     /// The keeper's socket.
-    pub fn path(&self) -> &Path {
-        &self.path
+    pub fn path(&self) -> PathBuf {
+        self.path.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The process's device is now the one with UUID `uuid` (a job restored onto another GPU
+    /// keeps its device ordinal): its memory comes from the socket of the same keeper directory
+    /// that serves that device from now on. The socket, or `None` (left as it was) if none
+    /// serves it.
+    pub fn follow_device(&self, uuid: &[u8; 16]) -> Option<PathBuf> {
+        let dir = self.path().parent()?.to_path_buf();
+        let sock = crate::keeper_for_device(&dir, &crate::uuid_hex(uuid))?;
+        *self.path.write().unwrap_or_else(|p| p.into_inner()) = sock.clone();
+        Some(sock)
     }
 
     /// Runs `f` on a new connection.
@@ -38,7 +51,7 @@ impl KeeperMemory {
         f: impl FnOnce(&mut Keeper) -> Result<T, KeeperError>,
     ) -> DeviceResult<T> {
         let mut k =
-            Keeper::connect(&self.path).map_err(|e| unreachable_error(what, e.to_string()))?;
+            Keeper::connect(&self.path()).map_err(|e| unreachable_error(what, e.to_string()))?;
         f(&mut k).map_err(|e| owner_error(what, e.to_string()))
     }
 }
@@ -48,9 +61,10 @@ impl KeeperMemory {
     /// directory), if it has one: the memory it prepared for each buffer, and its loads to wait
     /// for ([`possum_engine::Staged`]).
     pub fn staged(&self, image: &Path) -> Result<Option<KeeperStage>, KeeperError> {
-        let plan = Keeper::connect(&self.path)?.staged(image)?;
+        let path = self.path();
+        let plan = Keeper::connect(&path)?.staged(image)?;
         Ok(plan.map(|plan| KeeperStage {
-            path: self.path.clone(),
+            path,
             stage: plan.stage,
             epoch: plan.epoch,
             buffers: plan.buffers.into_iter().map(|b| (b.buf, b)).collect(),
@@ -124,8 +138,10 @@ impl MemoryOwner for KeeperMemory {
         self.with("keeper free", |k| k.free(id))
     }
 
-    fn keep(&self, id: u64, epoch: u64, hold_secs: u64) -> DeviceResult<()> {
-        self.with("keeper retain", |k| k.retain(id, epoch, hold_secs))
+    fn keep(&self, id: u64, epoch: u64, hold_secs: u64, va: u64) -> DeviceResult<()> {
+        self.with("keeper retain", |k| {
+            k.retain_at(id, epoch, hold_secs, Some(va))
+        })
     }
 
     fn reclaim(&self, id: u64, epoch: u64) -> DeviceResult<OwnedFd> {
@@ -149,12 +165,12 @@ impl MemoryOwner for KeeperMemory {
 
     fn status(&self) -> OwnerStatus {
         let mut st = OwnerStatus {
-            name: format!("keeper {} (does not answer)", self.path.display()),
+            name: format!("keeper {} (does not answer)", self.path().display()),
             ..OwnerStatus::default()
         };
         if let Ok(s) = self.with("keeper stats", |k| k.stats()) {
             st.reachable = true;
-            st.name = format!("keeper {}", self.path.display());
+            st.name = format!("keeper {}", self.path().display());
             let mine = s
                 .clients
                 .get(&(std::process::id() as i32))

@@ -12,8 +12,8 @@ use serde_json::{json, Value};
 
 use crate::stage::{self, Stage};
 use crate::{
-    fdpass, Allocated, KeeperError, Request, Retained, RetainedAlloc, StageInfo, StagePlan,
-    StagedBuffer, Stats, Usage, MAX_REQUEST_BYTES,
+    fdpass, Allocated, DeviceInfo, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
+    StageInfo, StagePlan, StagedBuffer, Stats, Usage, MAX_REQUEST_BYTES,
 };
 
 /// A keeper: a listening socket and the memory it holds. Cheap to clone (shared); run
@@ -66,6 +66,8 @@ struct Alloc {
     epoch: u64,
     /// Retained: kept until then after `pid` is gone.
     hold_until: Option<Instant>,
+    /// Where `pid` mapped it, as its `retain` said (a stage on another device matches by it).
+    va: Option<u64>,
 }
 
 impl Alloc {
@@ -311,6 +313,7 @@ impl Inner {
                             .hold_until
                             .map_or(0, |t| t.saturating_duration_since(now).as_secs()),
                         pid: a.pid,
+                        va: a.va,
                     })
                     .collect();
                 Ok((json!(Retained { allocs }), None))
@@ -359,6 +362,7 @@ impl Inner {
                         retained: true,
                         epoch: a.epoch,
                         hold_until: hold_until(a.hold_secs),
+                        va: a.va,
                     },
                 );
                 Ok((ok, None))
@@ -381,6 +385,7 @@ impl Inner {
                     retained: false,
                     epoch: 0,
                     hold_until: None,
+                    va: None,
                 });
                 let a = Allocated {
                     id,
@@ -398,6 +403,7 @@ impl Inner {
                 id,
                 epoch,
                 hold_secs,
+                va,
             } => {
                 let mut st = self.lock();
                 let a = st
@@ -410,6 +416,7 @@ impl Inner {
                 a.retained = true;
                 a.epoch = epoch;
                 a.hold_until = hold_until(hold_secs);
+                a.va = va;
                 Ok((ok, None))
             }
             Request::Reclaim { id, epoch } => {
@@ -456,7 +463,16 @@ impl Inner {
                 pid: of,
                 image,
                 hold_secs,
-            } => self.stage(of, &image, hold_secs),
+                from,
+            } => self.stage(of, &image, hold_secs, from.as_ref()),
+            Request::Device => {
+                let dev = self.dev()?;
+                let info = DeviceInfo {
+                    uuid: crate::uuid_hex(&dev.uuid()?),
+                    ordinal: self.ordinal,
+                };
+                Ok((json!(info), None))
+            }
             // `null` when there is none (not an error: most restores have none).
             Request::Staged { image } => {
                 let path = canonical(&image)?;
@@ -496,12 +512,13 @@ impl Inner {
     }
 
     /// `stage`: the image's buffers get memory for process `of` (all of it, or none), then
-    /// loader threads fill it.
+    /// loader threads fill it: from `from`'s memory where it has a buffer's, else from the image.
     fn stage(
         self: &Arc<Self>,
         of: i32,
         image: &str,
         hold_secs: u64,
+        from: Option<&PeerSource>,
     ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
         use possum_engine::store::ChunkSource;
         let path = canonical(image)?;
@@ -540,6 +557,12 @@ impl Inner {
             })?;
             made.push((r.clone(), mem, size));
         }
+        // The other device's memory of each buffer, imported here (the copies read it over the
+        // interconnect); a buffer without one is read from the image.
+        let peers = match from {
+            Some(f) => peer_sources(dev, of, f, &recs, &sizes),
+            None => Vec::new(),
+        };
         let epoch = possum_cuda::owner::new_epoch();
         let mut buffers = Vec::with_capacity(made.len());
         {
@@ -551,6 +574,7 @@ impl Inner {
                     retained: true,
                     epoch,
                     hold_until: hold_until(hold_secs.max(1)),
+                    va: Some(r.va),
                 });
                 buffers.push(StagedBuffer {
                     buf: r.id,
@@ -565,12 +589,13 @@ impl Inner {
             .next_stage
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             + 1;
-        let stage = Arc::new(Stage::new(id, of, epoch, path, buffers));
+        let stage = Arc::new(Stage::new(id, of, epoch, path, buffers, peers));
         let info = StageInfo {
             stage: id,
             epoch,
             buffers: stage.buffers.len() as u64,
             bytes: stage.buffers.iter().map(|b| b.size).sum(),
+            peer: stage.peer_buffers() as u64,
         };
         self.lock_stages().insert(id, Arc::clone(&stage));
         let img = Arc::new(img);
@@ -713,6 +738,40 @@ impl stage::Memory for Inner {
             .ok_or_else(|| format!("its memory (allocation {alloc}) was freed"))?;
         a.mem.map(res, 0).map_err(|e| e.to_string())
     }
+}
+
+/// The memory of each of `recs` (sizes `sizes`, rounded to the granularity) that the keeper at
+/// `from.socket` holds for process `of`, retained with `from.epoch`, at the buffer's address
+/// and of its size: a new fd of it (`dup`) imported on `dev`. `None` for a buffer it does not
+/// have (or that fails to import): that one is read from the image. Several buffers, or none,
+/// may be taken from it; a keeper that does not answer gives none.
+fn peer_sources(
+    dev: &ShareDevice,
+    of: i32,
+    from: &PeerSource,
+    recs: &[possum_engine::store::BufferRecord],
+    sizes: &[u64],
+) -> Vec<Option<SharedMem>> {
+    let none = || (0..recs.len()).map(|_| None).collect();
+    let Ok(mut k) = crate::Keeper::connect(Path::new(&from.socket)) else {
+        return none();
+    };
+    let Ok(held) = k.retained(of) else {
+        return none();
+    };
+    let at: BTreeMap<u64, &RetainedAlloc> = held
+        .iter()
+        .filter(|a| a.epoch == from.epoch)
+        .filter_map(|a| Some((a.va?, a)))
+        .collect();
+    recs.iter()
+        .zip(sizes)
+        .map(|(r, &size)| {
+            let a = at.get(&r.va).filter(|a| a.size == size)?;
+            let fd = k.dup(a.id).ok()?;
+            dev.import(std::os::fd::AsFd::as_fd(&fd), size).ok()
+        })
+        .collect()
 }
 
 /// `image` made absolute and canonical, so that the job's name of it and the restore's agree.

@@ -12,6 +12,11 @@
 //! anything touches it: a waited-for buffer is loaded next. `stage_end` (the job's restore is
 //! over, or `possum restore` gave up) stops the loaders and frees what nobody took back.
 //!
+//! A stage `from` another device's keeper (`possum restore --device` of a job killed with its
+//! memory kept on its old GPU) has that memory of a buffer imported here: the loader copies it
+//! device to device (one copy, read over the interconnect from the other GPU) instead of
+//! reading the image; a buffer it has no memory of, or whose copy fails, is read from the image.
+//!
 //! A buffer that fails to load (a checksum mismatch, a read error, its memory freed) is reported
 //! failed to whoever waits; the job then copies it from the image itself. A keeper that dies
 //! mid-load loses nothing either: the job holds the memory it mapped and copies what it was not
@@ -22,7 +27,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use possum_cuda::share::ShareDevice;
+use possum_cuda::share::{ShareDevice, SharedMem};
 use possum_cuda::{CudaPending, PinnedBuf};
 use possum_engine::device::{HostBuffer, Transfer};
 use possum_engine::image::Image;
@@ -55,6 +60,9 @@ struct Progress {
     /// Buffers a job waits for, loaded before the rest.
     urgent: VecDeque<usize>,
     loaded_bytes: u64,
+    /// Buffers, and bytes, copied from another device's memory.
+    peer_copied: u64,
+    peer_bytes: u64,
     settled: usize,
     failed: usize,
     ended: bool,
@@ -71,6 +79,8 @@ pub(crate) struct Stage {
     /// In prefetch order.
     pub(crate) buffers: Vec<StagedBuffer>,
     by_alloc: HashMap<u64, usize>,
+    /// Per buffer, another device's memory holding it (taken by the loader that copies it).
+    peers: Mutex<Vec<Option<SharedMem>>>,
     progress: Mutex<Progress>,
     cv: Condvar,
     started: Instant,
@@ -83,8 +93,10 @@ impl Stage {
         epoch: u64,
         image: PathBuf,
         buffers: Vec<StagedBuffer>,
+        mut peers: Vec<Option<SharedMem>>,
     ) -> Stage {
         let n = buffers.len();
+        peers.resize_with(n, || None);
         Stage {
             id,
             pid,
@@ -96,11 +108,14 @@ impl Stage {
                 .map(|(i, b)| (b.alloc, i))
                 .collect(),
             buffers,
+            peers: Mutex::new(peers),
             progress: Mutex::new(Progress {
                 status: vec![Status::Waiting; n],
                 next: 0,
                 urgent: VecDeque::new(),
                 loaded_bytes: 0,
+                peer_copied: 0,
+                peer_bytes: 0,
                 settled: 0,
                 failed: 0,
                 ended: false,
@@ -113,6 +128,27 @@ impl Stage {
 
     fn lock(&self) -> MutexGuard<'_, Progress> {
         self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Buffers with another device's memory to copy from.
+    pub(crate) fn peer_buffers(&self) -> usize {
+        self.lock_peers().iter().filter(|p| p.is_some()).count()
+    }
+
+    fn lock_peers(&self) -> MutexGuard<'_, Vec<Option<SharedMem>>> {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Buffer `i`'s memory on another device, if it has one (once: the caller copies it).
+    fn take_peer(&self, i: usize) -> Option<SharedMem> {
+        self.lock_peers().get_mut(i).and_then(Option::take)
+    }
+
+    /// Buffer `i` was copied from another device's memory.
+    fn note_peer(&self, i: usize) {
+        let mut p = self.lock();
+        p.peer_copied += 1;
+        p.peer_bytes += self.buffers[i].size;
     }
 
     /// The next buffer to load (a waited-for one first), marked loading; `None` when none is left.
@@ -186,6 +222,8 @@ impl Stage {
 
     /// Stops loading: buffers not loaded yet are failed ("ended").
     pub(crate) fn end(&self) {
+        // The other device's memory is not held for buffers nobody will copy now.
+        self.lock_peers().iter_mut().for_each(|p| *p = None);
         let mut p = self.lock();
         p.ended = true;
         let mut n = 0;
@@ -210,6 +248,8 @@ impl Stage {
             buffers: self.buffers.len() as u64,
             bytes: self.buffers.iter().map(|b| b.size).sum(),
             ready: p.status.iter().filter(|s| **s == Status::Ready).count() as u64,
+            peer_copied: p.peer_copied,
+            peer_bytes: p.peer_bytes,
             failed: p.failed as u64,
             loaded_bytes: p.loaded_bytes,
             ms: ms(self.started.elapsed()),
@@ -281,12 +321,48 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
             match (&stream, knobs.fail == Some(i)) {
                 (_, true) => Err("failed on purpose (POSSUM_KEEPER_STAGE_FAIL)".to_string()),
                 (Err(e), _) => Err(format!("no stream to load with: {e}")),
-                (Ok(s), _) => load(&*mem, &stage.buffers[i], &image, s, &mut bufs),
+                (Ok(s), _) => {
+                    let b = &stage.buffers[i];
+                    // From the other device's memory if it has this buffer; the image if not,
+                    // or if that copy fails.
+                    match stage.take_peer(i).map(|src| copy_peer(&*mem, b, &src, s)) {
+                        Some(Ok(())) => {
+                            stage.note_peer(i);
+                            Ok(())
+                        }
+                        _ => load(&*mem, b, &image, s, &mut bufs),
+                    }
+                }
             }
         }))
         .unwrap_or_else(|_| Err("the keeper's loader panicked".to_string()));
         stage.settle(i, r);
     }
+}
+
+/// Copies buffer `b` from `src` (its memory on another device, imported here) into its memory:
+/// both mapped in reservations of this device's with access for it, one device-to-device copy,
+/// waited for. The source is released by the caller afterwards.
+fn copy_peer(
+    mem: &dyn Memory,
+    b: &StagedBuffer,
+    src: &SharedMem,
+    stream: &possum_cuda::CudaStream,
+) -> Result<(), String> {
+    let dev = mem.device()?;
+    let err =
+        |e: possum_engine::device::DeviceError| format!("buffer {} from the other GPU: {e}", b.buf);
+    let (dst_res, src_res) = (
+        dev.reserve(b.alloc_size).map_err(err)?,
+        dev.reserve(src.size()).map_err(err)?,
+    );
+    let dst = mem.map(b.alloc, &dst_res)?;
+    let from = src.map(&src_res, 0).map_err(err)?;
+    stream
+        .copy_d2d(from.va(), dst.va(), b.alloc_size.min(src.size()))
+        .map_err(err)?;
+    // Waited for before the mappings go (and before the buffer is called loaded).
+    stream.synchronize().map_err(err)
 }
 
 /// Loads one buffer: its chunks read into pinned buffers and copied to its memory, `DEPTH` in

@@ -85,6 +85,7 @@ fn main() {
                     pid: pid.parse().expect("pid"),
                     epoch: epoch.parse().expect("epoch"),
                     hold_secs: hold.parse().expect("hold"),
+                    va: None,
                 };
                 let fd = held.last().expect("dup first");
                 match k.adopt(&a, std::os::fd::AsFd::as_fd(fd)) {

@@ -56,12 +56,47 @@ pub struct Manifest {
     /// devices the job sees, so that the restored job keeps its memory in one again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keeper: Option<KeeperOfJob>,
+    /// The buffers' memory left on the GPU with the keeper for this image's restore (a job
+    /// killed with `--keep-on-gpu`): per process and device, the epoch it is kept under. A
+    /// restore onto another GPU copies that memory there only while it is still this
+    /// checkpoint's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<HeldMemory>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
     /// a change that leaves valid JSON is caught too. Absent in images of earlier versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
+}
+
+/// Memory a keeper holds for a restore ([`Manifest::held`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldMemory {
+    /// The process.
+    pub pid: i32,
+    /// Its device ordinal (its image `gpu-N`).
+    pub device: usize,
+    /// The epoch the keeper holds it under.
+    pub epoch: u64,
+}
+
+impl HeldMemory {
+    /// The entries of a job's `release` reply (`held_epochs`) for process `pid`.
+    pub fn from_release(pid: i32, reply: &Value) -> Vec<HeldMemory> {
+        reply["held_epochs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|h| {
+                Some(HeldMemory {
+                    pid,
+                    device: usize::try_from(h["device"].as_u64()?).ok()?,
+                    epoch: h["epoch"].as_u64()?,
+                })
+            })
+            .collect()
+    }
 }
 
 /// Where a job's keeper was ([`Manifest::keeper`]).

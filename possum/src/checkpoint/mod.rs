@@ -49,8 +49,8 @@ use serde_json::{json, Value};
 
 use guard::{Guard, Step};
 use image::{
-    child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, KeeperOfJob, Manifest,
-    MANIFEST, MANIFEST_VERSION,
+    child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, HeldMemory, KeeperOfJob,
+    Manifest, MANIFEST, MANIFEST_VERSION,
 };
 
 /// How long the driver lock may wait for the job's submitted work.
@@ -673,6 +673,8 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let mut clock = Clock::default();
     let mut engine_report = Value::Null;
     let mut release_report = Value::Null;
+    // What the keeper holds for the restore, by epoch (a job killed with its memory kept).
+    let mut held_memory: Vec<HeldMemory> = Vec::new();
     let mut resume_report = Value::Null;
     let mut saved_report = Value::Null;
     // Processes whose checkpoint is kept (their buffers saved after the resume).
@@ -704,6 +706,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         socket_dirs: socket_dirs.clone(),
         stdio_pipes: stdio_pipes.clone(),
         keeper: keeper_of_job.clone(),
+        held: Vec::new(),
         figures: Value::Null,
         check: None,
     };
@@ -753,10 +756,12 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
                 Request::Release
             };
             release_report = clock.time("release", || ask(pid, &sockets, &release))?;
+            held_memory = HeldMemory::from_release(pid, &release_report);
             for &c in &possum_children {
-                clock
+                let r = clock
                     .time("release", || ask(c, &sockets, &release))
                     .map_err(|e| e.context(format!("process {c} of the job's tree")))?;
+                held_memory.extend(HeldMemory::from_release(c, &r));
             }
             bar.finish();
             // Taken while the driver and CRIU work (a few ms), not before them. On unless
@@ -806,7 +811,10 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         Ok((manifest(Some("criu".into())), dump.image_bytes, gpu_bytes))
     })();
     let (mut manifest, criu_bytes, gpu_bytes) = match r {
-        Ok(x) => x,
+        Ok((mut m, c, g)) => {
+            m.held = std::mem::take(&mut held_memory);
+            (m, c, g)
+        }
         Err(e) => {
             guard.undo();
             return Err(e.context(format!(

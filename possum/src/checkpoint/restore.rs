@@ -83,10 +83,12 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     opts.inherit_fds = stdio.inherit.clone();
     // The keeper loads the GPU images while CRIU restores the process (stage.rs).
     let mut staging = None;
-    let stage_skipped = match stage::plan(m, img.gpu.as_deref(), a.device) {
-        Ok(kdir) => {
+    // `--device`: the job's GPU moves to another (the driver's first pair).
+    let moved = pairs.first().copied().filter(|(old, new)| old != new);
+    let stage_skipped = match stage::plan(m, img.gpu.as_deref(), moved) {
+        Ok(plan) => {
             let gpu = img.gpu.as_deref().expect("plan checked it");
-            match clock.time("stage_begin", || Staging::begin(m, &a.dir, gpu, kdir)) {
+            match clock.time("stage_begin", || Staging::begin(m, &a.dir, gpu, plan)) {
                 Ok(s) => {
                     staging = Some(s);
                     None
@@ -119,12 +121,12 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         }
     }
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
-    // resumes (when the GPUs are the job's own: the keeper sees the job's CUDA_VISIBLE_DEVICES).
-    // Started after CRIU's restore, so that it cannot take the job's PID (unless the staging
-    // started it before).
-    let keeper_started = match (&m.keeper, a.device, &staging) {
-        (_, _, Some(s)) if s.started_keeper() => Some(s.keeper_dir().to_path_buf()),
-        (Some(k), None, _) => clock.time("keeper", || Ok(start_keeper_for(k, pid)))?,
+    // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
+    // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
+    // take the job's PID (unless the staging started it before).
+    let keeper_started = match (&m.keeper, &staging) {
+        (_, Some(s)) if s.started_keeper() => Some(s.keeper_dir().to_path_buf()),
+        (Some(k), _) => clock.time("keeper", || Ok(start_keeper_for(k, pid)))?,
         _ => None,
     };
     let mut resumed = serde_json::Value::Null;
@@ -175,6 +177,12 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     let used: Vec<u64> = taken.iter().filter_map(|s| s["stage"].as_u64()).collect();
     let staged_used: u64 = taken.iter().filter_map(|s| s["buffers"].as_u64()).sum();
     let staged = staging.map(|s| s.finish_keeping(&used)).unwrap_or_default();
+    // Buffers copied GPU to GPU from the job's old GPU (`--device`) into the stages it took.
+    let peer_copied: u64 = staged
+        .iter()
+        .filter(|s| !s.unused)
+        .map(|s| s.peer_buffers)
+        .sum();
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
@@ -185,6 +193,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
                      "recreated_socket_dirs": recreated, "keeper_started": keeper_started,
                      "stdio_from_restore": stdio.from_restore, "stdio_discarded": stdio.discarded,
                      "gpu_from_keeper": from_keeper, "staged": staged,
+                     "peer_buffers": peer_copied,
                      "stage_skipped": stage_skipped, "staged_buffers_mapped": staged_used,
                      "resume_report": resumed});
     if a.json {
@@ -202,6 +211,8 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
                 (None, _) => "",
                 (Some(_), _) if from_keeper =>
                     "; its GPU buffers were still on the GPU with the keeper: mapped again, nothing copied",
+                (Some(_), _) if peer_copied > 0 =>
+                    "; its GPU buffers were copied GPU to GPU from the keeper's memory on its old GPU while CRIU restored it: mapped, each waited for only while it still loads",
                 (Some(_), _) if staged_used > 0 =>
                     "; its GPU buffers were loaded by the keeper while CRIU restored it: mapped, each waited for only while it still loads",
                 (Some(_), Some(false)) => "; every GPU buffer was back before it ran on (hooks off)",

@@ -4,11 +4,17 @@
 //! the restored job maps its buffers at once and waits only for those still loading.
 //!
 //! Nothing is staged (the restored job copies from the image as before) when it is turned off
-//! (`POSSUM_RESTORE_STAGE=0`), when the job had no keeper, for `--device` (another GPU), and when
-//! the keeper still holds the job's memory (a job killed on this host: mapped again, nothing
+//! (`POSSUM_RESTORE_STAGE=0`), when the job had no keeper, and when the keeper still holds the
+//! job's memory on the GPU it is restored on (a job killed on this host: mapped again, nothing
 //! loaded). A keeper that must be started for it is started before CRIU's restore: should CRIU
 //! then fail (the keeper's process could hold a PID the job needs), the keeper is stopped and
 //! CRIU tried once more, as without staging.
+//!
+//! With `--device` (another GPU of this host) the stage is asked of the keeper's socket that
+//! serves the target GPU (found by UUID: the job keeps its device ordinal, the keeper numbers
+//! GPUs its own way), and where the job's old GPU still holds its memory (killed with
+//! `--keep-on-gpu`, under the epoch `possum.json` recorded), the stage copies each buffer from
+//! there, GPU to GPU (issue 14 item 5), instead of reading the image.
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -18,6 +24,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::image::{child_gpu_dir, Manifest};
+use possum_keeper::{uuid_hex, PeerSource};
 
 /// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
 const HOLD_SECS: u64 = 120;
@@ -28,6 +35,12 @@ pub(super) struct StageReport {
     pub pid: i32,
     pub device: usize,
     pub image: PathBuf,
+    /// The keeper socket asked (the one serving the GPU the job is restored on).
+    pub socket: Option<PathBuf>,
+    /// The keeper socket of the job's old GPU it copies from (`--device`), if any.
+    pub from: Option<String>,
+    /// Buffers copied GPU to GPU from there (the rest are read from the image).
+    pub peer_buffers: u64,
     /// The keeper's stage id.
     pub stage: Option<u64>,
     pub buffers: u64,
@@ -48,12 +61,20 @@ pub(super) struct Staging {
     thread: JoinHandle<Vec<StageReport>>,
 }
 
-/// Whether, and where, to stage: the keeper's directory, or why not.
+/// Where to stage: the keeper's directory, and for `--device` the move (the job's GPU's UUID,
+/// the target's).
+pub(super) struct Plan {
+    dir: PathBuf,
+    moved: Option<([u8; 16], [u8; 16])>,
+}
+
+/// Whether, and where, to stage (`moved`: `--device` maps the job's GPU to another, as the
+/// driver's restore is told), or why not.
 pub(super) fn plan(
     m: &Manifest,
     gpu: Option<&Path>,
-    device: Option<u32>,
-) -> Result<PathBuf, String> {
+    moved: Option<([u8; 16], [u8; 16])>,
+) -> Result<Plan, String> {
     if std::env::var("POSSUM_RESTORE_STAGE").is_ok_and(|v| v.trim() == "0") {
         return Err("off (POSSUM_RESTORE_STAGE=0)".into());
     }
@@ -63,16 +84,18 @@ pub(super) fn plan(
     let Some(k) = &m.keeper else {
         return Err("the job had no keeper".into());
     };
-    if device.is_some() {
-        return Err("not with --device".into());
-    }
     let sock = possum_keeper::socket_of(&k.dir, 0);
-    if let Ok(mut keeper) = possum_keeper::Keeper::connect(&sock) {
-        if keeper.retained(m.pid).is_ok_and(|r| !r.is_empty()) {
-            return Err("the keeper still holds the job's memory".into());
+    if moved.is_none() {
+        if let Ok(mut keeper) = possum_keeper::Keeper::connect(&sock) {
+            if keeper.retained(m.pid).is_ok_and(|r| !r.is_empty()) {
+                return Err("the keeper still holds the job's memory".into());
+            }
         }
     }
-    Ok(k.dir.clone())
+    Ok(Plan {
+        dir: k.dir.clone(),
+        moved,
+    })
 }
 
 /// The GPU images to stage: (pid, device ordinal, image directory), for the job's root and each
@@ -111,8 +134,12 @@ impl Staging {
         m: &Manifest,
         dir: &Path,
         gpu: &Path,
-        keeper_dir: PathBuf,
+        plan: Plan,
     ) -> anyhow::Result<Staging> {
+        let Plan {
+            dir: keeper_dir,
+            moved,
+        } = plan;
         let tree: Vec<i32> = std::iter::once(m.pid)
             .chain(m.cuda_children.iter().copied())
             .chain(m.possum_children.iter().copied())
@@ -122,11 +149,27 @@ impl Staging {
         let started = k.ensure_keeper(m.pid, &tree)?;
         let todo = images(m, dir, gpu);
         let kdir = keeper_dir.clone();
+        let held = m.held.clone();
         let thread = std::thread::Builder::new()
             .name("possum-stage".into())
             .spawn(move || {
                 todo.into_iter()
-                    .map(|(pid, device, image)| stage_one(&kdir, pid, device, image))
+                    .map(|(pid, device, image)| {
+                        let (socket, from) = match moved {
+                            None => (Ok(possum_keeper::socket_of(&kdir, device)), None),
+                            Some((old, new)) => {
+                                let epoch = held
+                                    .iter()
+                                    .find(|h| h.pid == pid && h.device == device)
+                                    .map(|h| h.epoch);
+                                (
+                                    target_socket(&kdir, &new),
+                                    peer_of(&kdir, &old, device, epoch),
+                                )
+                            }
+                        };
+                        stage_one(socket, from, pid, device, image)
+                    })
                     .collect()
             })?;
         Ok(Staging {
@@ -165,12 +208,11 @@ impl Staging {
     fn end_unused(self, used: &[u64]) -> (Vec<StageReport>, Option<Child>) {
         let mut reports = self.thread.join().unwrap_or_default();
         for r in &mut reports {
-            let Some(id) = r.stage.filter(|id| !used.contains(id)) else {
+            let (Some(id), Some(sock)) = (r.stage.filter(|id| !used.contains(id)), &r.socket)
+            else {
                 continue;
             };
-            if let Ok(mut k) =
-                possum_keeper::Keeper::connect(&possum_keeper::socket_of(&self.dir, r.device))
-            {
+            if let Ok(mut k) = possum_keeper::Keeper::connect(sock) {
                 let _ = k.stage_end(id);
             }
             r.unused = true;
@@ -179,14 +221,51 @@ impl Staging {
     }
 }
 
-fn stage_one(keeper_dir: &Path, pid: i32, device: usize, image: PathBuf) -> StageReport {
+/// The socket in `dir` serving the GPU with UUID `uuid` (the one the job is restored on).
+fn target_socket(dir: &Path, uuid: &[u8; 16]) -> Result<PathBuf, String> {
+    possum_keeper::keeper_for_device(dir, &uuid_hex(uuid)).ok_or_else(|| {
+        format!(
+            "no socket of the keeper in {} serves GPU {} (it sees the job's \
+             CUDA_VISIBLE_DEVICES)",
+            dir.display(),
+            uuid_hex(uuid)
+        )
+    })
+}
+
+/// Where the stage of device `device`'s image copies from: the keeper socket of the job's old
+/// GPU (UUID `old`; else `keeper-<device>.sock`), if `possum.json` recorded the epoch its
+/// memory was kept under (`epoch`); the keeper there copies only what it still holds of it.
+fn peer_of(dir: &Path, old: &[u8; 16], device: usize, epoch: Option<u64>) -> Option<PeerSource> {
+    let epoch = epoch?;
+    let socket = possum_keeper::keeper_for_device(dir, &uuid_hex(old))
+        .unwrap_or_else(|| possum_keeper::socket_of(dir, device));
+    Some(PeerSource {
+        socket: socket.display().to_string(),
+        epoch,
+    })
+}
+
+fn stage_one(
+    socket: Result<PathBuf, String>,
+    from: Option<PeerSource>,
+    pid: i32,
+    device: usize,
+    image: PathBuf,
+) -> StageReport {
     let t = Instant::now();
-    let r = possum_keeper::Keeper::connect(&possum_keeper::socket_of(keeper_dir, device))
-        .and_then(|mut k| k.stage(pid, &image, HOLD_SECS));
+    let r = socket.clone().and_then(|s| {
+        possum_keeper::Keeper::connect(&s)
+            .and_then(|mut k| k.stage(pid, &image, HOLD_SECS, from.clone()))
+            .map_err(|e| e.to_string())
+    });
     let mut rep = StageReport {
         pid,
         device,
         image,
+        socket: socket.ok(),
+        from: from.map(|f| f.socket),
+        peer_buffers: 0,
         stage: None,
         buffers: 0,
         bytes: 0,
@@ -199,8 +278,9 @@ fn stage_one(keeper_dir: &Path, pid: i32, device: usize, image: PathBuf) -> Stag
             rep.stage = Some(info.stage);
             rep.buffers = info.buffers;
             rep.bytes = info.bytes;
+            rep.peer_buffers = info.peer;
         }
-        Err(e) => rep.error = Some(e.to_string()),
+        Err(e) => rep.error = Some(e),
     }
     rep
 }
