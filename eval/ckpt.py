@@ -300,8 +300,12 @@ def keep_log(log):
 
 def restore(img, extra=(), v=None):
     """`possum restore` of IMG (the job's log kept in place first: `keep_log`); for variant `v`
-    -nostage, without the keeper's staging."""
+    -nostage, without the keeper's staging. CKPT_RESTORE_DEVICE=N: onto GPU N (`--device`), for
+    figures of a move to another GPU."""
     env = {"POSSUM_RESTORE_STAGE": "0"} if v and v.get("nostage") else None
+    dev = os.environ.get("CKPT_RESTORE_DEVICE")
+    if dev and "--device" not in extra:
+        extra = (*extra, "--device", dev)
     return possum("restore", "-D", img, "--json", *extra, env=env)
 
 
@@ -770,12 +774,14 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
             from_keeper = bool((rs["json"] or {}).get("gpu_from_keeper"))
             row["gpu_from_keeper"] = from_keeper
             row["staged"] = {k: (rs["json"] or {}).get(k)
-                             for k in ("staged", "stage_skipped", "staged_buffers_mapped")}
+                             for k in ("staged", "stage_skipped", "staged_buffers_mapped", "peer_buffers")}
             if v["kill"]:
                 row["held_for_restore"] = rel.get("held_for_restore")
             if rs["rc"] == 0 and wait_lines(log, 1, 300):
                 first = next(r for r in read_log(log) if "t" in r)
                 row["restore_to_first_step_ms"] = 1e3 * (first["t"] - t2)
+                if os.environ.get("CKPT_RESTORE_DEVICE"):
+                    row["gpu_after"] = gpu_of(pid)
                 if from_keeper:
                     # Mapped again from the keeper: every buffer was back before the job ran.
                     row["buffers_back_seen_ms"] = (rf or {}).get("total_ms")
@@ -1179,7 +1185,8 @@ def migrate(a):
             ok = False
             continue
         row["gpu_before"] = gpu_of(p.pid)
-        ck = checkpoint(p.pid, img, v["ckpt"], leave=False)
+        ck = checkpoint(p.pid, img, v["ckpt"], leave=False,
+                        extra=(["--keep-on-gpu", "0"] if v["disk"] else []))
         # possum killed the job; reap it (a zombie child keeps its PID, which CRIU needs).
         try:
             p.wait(timeout=30)
@@ -1194,9 +1201,13 @@ def migrate(a):
             ok = False
             continue
         keep_log(log)
-        rs = restore(img, extra=("--device", "1"))
-        row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
-                          "stderr": rs["stderr"] if rs["rc"] else None}
+        rs = restore(img, extra=("--device", "1"), v=v)
+        rj = rs["json"] or {}
+        row["restore"] = {"rc": rs["rc"], "figures": rj.get("figures"),
+                          "stderr": rs["stderr"] if rs["rc"] else None,
+                          **{k: rj.get(k) for k in ("peer_buffers", "staged_buffers_mapped",
+                                                    "stage_skipped", "staged", "gpu_from_keeper")},
+                          "moved": (rj.get("resume_report") or {}).get("moved")}
         if rs["rc"] == 0:
             wait_lines(log, 5, 120)
             row["gpu_after"] = gpu_of(p.pid)

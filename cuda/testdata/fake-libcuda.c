@@ -6,6 +6,12 @@
 //   cc -O2 -shared -fPIC -Wl,-Bsymbolic -o /tmp/fakecuda/libcuda.so.1 cuda/testdata/fake-libcuda.c
 //   LD_LIBRARY_PATH=/tmp/fakecuda cargo test -p possum-cuda
 //   FAKE_CUDA_NODEV=1 ...   makes cuInit fail with CUDA_ERROR_NO_DEVICE (the skip path)
+//   FAKE_CUDA_DEVICES=N ... N devices (default 1, at most 8): ordinals 0..N-1, each with its own
+//                           primary context and UUID; their memory is one host pool
+// The driver's GPU remapping is emulated too: a device ordinal o of a process is physical device
+// remap[o] (itself unless a restore remapped it), whose UUID cuDeviceGetUuid_v2 answers; a
+// cuCheckpointProcessRestore with gpuPairs (old UUID -> new UUID) remaps the restored process's
+// ordinals, so that it sees another GPU under the same ordinal as after NVIDIA's restore.
 // It also has the checkpoint API (cuCheckpointProcess*, possum_cuda::checkpoint) as a state machine
 // per pid (FAKE_CKPT_IN_PROCESS=1: kept in the process itself, see below); fake-libcuda-nockpt.c
 // is a driver without it.
@@ -50,20 +56,38 @@ int cuGetErrorString(int e, const char** s){
   return 0; }
 int cuInit(unsigned f){ return getenv("FAKE_CUDA_NODEV") ? 100 : 0; }
 int cuDriverGetVersion(int* v){ *v=13000; return 0; }
-int cuDeviceGetCount(int* n){ *n=1; return 0; }
-int cuDeviceGet(int* d, int o){ if(o!=0) return 101; *d=0; return 0; }
+// The devices: FAKE_CUDA_DEVICES of them (1 to MAXDEV; 1 when unset or out of range). A device
+// handle (CUdevice) is its ordinal; an ordinal out of range is CUDA_ERROR_INVALID_DEVICE (101).
+#define MAXDEV 8
+static int ndev(void){
+  const char* e=getenv("FAKE_CUDA_DEVICES"); int n=e? atoi(e) : 1;
+  return n<1? 1 : n>MAXDEV? MAXDEV : n; }
+static int bad_dev(int d){ return d<0 || d>=ndev(); }
+int cuDeviceGetCount(int* n){ *n=ndev(); return 0; }
+int cuDeviceGet(int* d, int o){ if(bad_dev(o)) return 101; *d=o; return 0; }
 int cuDeviceGetName(char* n, int len, int d){ strncpy(n, "Fake GPU", len); return 0; }
 // Device attributes: only CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED (110), yes
 // as on the H100; any other is CUDA_ERROR_INVALID_VALUE.
-int cuDeviceGetAttribute(int* v, int attr, int d){ if(!v || d!=0 || attr!=110) return 1; *v=1; return 0; }
-// A UUID per ordinal (FAKE_UUID_SALT, when set, changes them: "another machine's" devices).
-int cuDeviceGetUuid_v2(unsigned char* u, int d){
+int cuDeviceGetAttribute(int* v, int attr, int d){ if(!v || bad_dev(d) || attr!=110) return 1; *v=1; return 0; }
+// The physical device behind each ordinal of this process: itself, unless a restore of the
+// process with gpuPairs remapped it (cuCheckpointProcessRestore, written into the restored
+// process's copy of this array).
+static volatile int remap[MAXDEV]={0,1,2,3,4,5,6,7};
+// Physical device p's UUID: bytes 0xf0+i+p*16 (device 0: f0..ff, device 1: 00..0f, ...);
+// FAKE_UUID_SALT, when set, changes them ("another machine's" devices).
+static void uuid_of(unsigned char* u, int p){
   const char* salt = getenv("FAKE_UUID_SALT");
-  for (int i = 0; i < 16; i++) u[i] = (unsigned char)(0xf0 + i + d * 16 + (salt ? salt[0] : 0));
+  for (int i = 0; i < 16; i++) u[i] = (unsigned char)(0xf0 + i + p * 16 + (salt ? salt[0] : 0));
+}
+// The UUID of the physical device ordinal d is now.
+int cuDeviceGetUuid_v2(unsigned char* u, int d){
+  if(bad_dev(d)) return 101;
+  uuid_of(u, remap[d]);
   return 0;
 }
-static int ctxobj;
-int cuDevicePrimaryCtxRetain(void** c, int d){ *c=&ctxobj; return 0; }
+// One primary context per device: cuCtxGetDevice answers the current one's.
+static int ctxobj[MAXDEV];
+int cuDevicePrimaryCtxRetain(void** c, int d){ if(!c || bad_dev(d)) return 101; *c=&ctxobj[d]; return 0; }
 int cuDevicePrimaryCtxRelease_v2(int d){ return 0; }
 int cuCtxGetCurrent(void** c){ *c=cur; return 0; }
 int cuCtxSetCurrent(void* c){ cur=c; return 0; }
@@ -249,7 +273,9 @@ int cuFuncGetParamInfo(void* f, size_t i, size_t* off, size_t* size){
 int cuKernelGetParamInfo(void* f, size_t i, size_t* off, size_t* size){ return 400; }
 int cuFuncGetName(const char** n, void* f){ struct fake_kernel* k=fk(f); if(!k) return 400; *n=k->name; return 0; }
 int cuKernelGetName(const char** n, void* f){ return 400; }
-int cuCtxGetDevice(int* d){ if(!cur) return 201; *d=0; return 0; }
+int cuCtxGetDevice(int* d){
+  if(!cur) return 201;
+  int i=(int)((int*)cur-ctxobj); *d = (int*)cur>=ctxobj && i<MAXDEV? i : 0; return 0; }
 int cuStreamIsCapturing(void* s, int* st){ *st=0; return 0; }
 int cuGraphGetNodes(void* g, void** n, size_t* c){ return 1; }
 int cuGraphNodeGetType(void* n, int* t){ return 1; }
@@ -269,10 +295,11 @@ int cuGraphMemsetNodeGetParams(void* n, void* p){ return 1; }
 static pthread_mutex_t ckpt_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct { int pid; int state; } ckpt[64];
 static volatile int ckpt_self;
-// The address of `ckpt_self` in process pid (this library's file mapped at offset 0 there), or 0.
-static unsigned long ckpt_remote(int pid){
+// The address of this library's variable `var` (`ckpt_self`, `remap`) in process pid (this
+// library's file mapped at offset 0 there), or 0.
+static unsigned long remote_addr(int pid, const volatile void* var){
   Dl_info di; struct stat me;
-  if(!dladdr((void*)&ckpt_self, &di) || stat(di.dli_fname, &me)) return 0;
+  if(!dladdr((const void*)var, &di) || stat(di.dli_fname, &me)) return 0;
   char path[64]; snprintf(path, sizeof path, "/proc/%d/maps", pid);
   FILE* f=fopen(path, "r"); if(!f) return 0;
   char line[4096]; unsigned long base=0;
@@ -281,7 +308,7 @@ static unsigned long ckpt_remote(int pid){
     if(sscanf(line, "%lx-%lx %7s %lx %15s %lu", &lo, &hi, perms, &off, dev, &ino)==6
        && off==0 && ino==(unsigned long)me.st_ino) base=lo; }
   fclose(f);
-  return base? base + ((uintptr_t)&ckpt_self - (uintptr_t)di.dli_fbase) : 0; }
+  return base? base + ((uintptr_t)var - (uintptr_t)di.dli_fbase) : 0; }
 static int ckpt_step_in_process(int pid, unsigned long at, int from, int to, int* out){
   char path[64]; snprintf(path, sizeof path, "/proc/%d/mem", pid);
   int fd=open(path, O_RDWR), st=0, r=0;
@@ -296,7 +323,7 @@ static int ckpt_step_in_process(int pid, unsigned long at, int from, int to, int
 static int ckpt_step(int pid, int from, int to, int* out){
   if(pid<=0 || kill(pid, 0)!=0) return 1;
   if(getenv("FAKE_CKPT_IN_PROCESS")){
-    unsigned long at=ckpt_remote(pid);
+    unsigned long at=remote_addr(pid, &ckpt_self);
     if(at) return ckpt_step_in_process(pid, at, from, to, out); }
   pthread_mutex_lock(&ckpt_mu);
   int slot=-1, free_slot=-1;
@@ -327,11 +354,41 @@ int cuCheckpointProcessCheckpoint(int pid, void* args){
   // FAKE_CKPT_DELAY_MS: a checkpoint that takes that long (tests that act while the job is held).
   const char* delay=getenv("FAKE_CKPT_DELAY_MS"); if(delay) usleep(1000*atoi(delay));
   return ckpt_step(pid, 1, 2, 0); }
+// gpuPairs (each CUcheckpointGpuPair: the old UUID's 16 bytes, then the new one's) remap the
+// restored process's GPUs, with FAKE_CKPT_IN_PROCESS only (in its copy of `remap`, through
+// /proc/PID/mem): each ordinal whose physical device has a pair's old UUID is the physical device
+// with that pair's new UUID from then on (all pairs taken against the mapping before the
+// restore: a pair of swaps swaps). A new UUID of no device (of the MAXDEV) is
+// CUDA_ERROR_INVALID_VALUE, the process left CHECKPOINTED.
+struct remote_remap { int fd; unsigned long at; int to[MAXDEV]; };
+static int remap_plan(int pid, const unsigned char* pairs, unsigned n, struct remote_remap* r){
+  r->fd=-1;
+  if(!n || !getenv("FAKE_CKPT_IN_PROCESS") || !(r->at=remote_addr(pid, remap))) return 0;
+  char path[64]; snprintf(path, sizeof path, "/proc/%d/mem", pid);
+  if((r->fd=open(path, O_RDWR))<0) return 2;
+  if(pread(r->fd, r->to, sizeof r->to, r->at)!=sizeof r->to){ close(r->fd); r->fd=-1; return 2; }
+  int from[MAXDEV]; memcpy(from, r->to, sizeof from);
+  for(int o=0;o<MAXDEV;o++){
+    unsigned char now[16], u[16]; uuid_of(now, from[o]);
+    for(unsigned k=0;k<n;k++){
+      const unsigned char* pair=pairs+32*k;
+      if(memcmp(pair, now, 16)) continue;
+      int p=0; while(p<MAXDEV && (uuid_of(u, p), memcmp(pair+16, u, 16))) p++;
+      if(p==MAXDEV){ close(r->fd); r->fd=-1; return 1; }
+      r->to[o]=p; break; } }
+  return 0; }
 int cuCheckpointProcessRestore(int pid, void* args){
+  const unsigned char* pairs=0; unsigned n=0;
   if(args){  // gpuPairs at 0, gpuPairsCount at 8, reserved from 12
-    void* pairs=*(void**)args; unsigned n=*(unsigned*)((char*)args+8);
+    pairs=*(const unsigned char**)args; n=*(unsigned*)((char*)args+8);
     if(!zeroed(args, 12) || (n==0)!=(pairs==0)) return 1; }
-  return ckpt_step(pid, 2, 1, 0); }
+  if(pid<=0 || kill(pid, 0)!=0) return 1;
+  struct remote_remap rm;
+  int r=remap_plan(pid, pairs, n, &rm);
+  if(!r) r=ckpt_step(pid, 2, 1, 0);
+  if(!r && rm.fd>=0 && pwrite(rm.fd, rm.to, sizeof rm.to, rm.at)!=sizeof rm.to) r=2;
+  if(rm.fd>=0) close(rm.fd);
+  return r; }
 int cuCheckpointProcessUnlock(int pid, void* args){
   if(args && !zeroed(args, 0)) return 1;
   return ckpt_step(pid, 1, 0, 0); }

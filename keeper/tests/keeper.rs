@@ -575,7 +575,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
     let me = std::process::id() as i32;
     let mut k = Keeper::connect(server.path()).unwrap();
     let missing = dir.path().join("no-such-image");
-    let err = k.stage(me, &missing, 60).unwrap_err().to_string();
+    let err = k.stage(me, &missing, 60, None).unwrap_err().to_string();
     assert!(err.contains("no-such-image"), "{err}");
 
     for (round, fail) in [(1u64, None), (2, Some("0"))] {
@@ -591,7 +591,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
             Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", n),
             None => std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL"),
         }
-        let info = k.stage(me, &img, 60).unwrap();
+        let info = k.stage(me, &img, 60, None).unwrap();
         assert_eq!(info.buffers, 3);
         let plan = possum_keeper::KeeperMemory::connect(server.path())
             .unwrap()
@@ -631,7 +631,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
 
     // A stage nobody takes: its memory is freed when it is ended.
     let img = dir.path().join("img-2/gpu-0");
-    let info = k.stage(me, &img, 60).unwrap();
+    let info = k.stage(me, &img, 60, None).unwrap();
     assert_eq!(server.stats().retained.allocations, 3);
     assert_eq!(k.stage_end(info.stage).unwrap(), 3);
     assert_eq!(server.stats().retained, Usage::default());

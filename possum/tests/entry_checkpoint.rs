@@ -1451,7 +1451,12 @@ fn a_keeper_lost_during_a_kept_hold_is_said_and_the_job_stays_paused() {
 /// `possum checkpoint` (no --leave-running) of `job` into `img`, with `extra` flags: its JSON,
 /// once the job it killed is reaped (its pid free for a restore).
 fn checkpoint_and_kill(dir: &Path, job: &mut Job, img: &Path, extra: &[&str]) -> Value {
-    let v = json_of(&mut checkpoint_cmd(dir, job.pid, img, extra), job);
+    killing_checkpoint(&mut checkpoint_cmd(dir, job.pid, img, extra), job)
+}
+
+/// [`checkpoint_and_kill`] by the checkpoint command `cmd`.
+fn killing_checkpoint(cmd: &mut Command, job: &mut Job) -> Value {
+    let v = json_of(cmd, job);
     match job.child.take() {
         Some(mut c) => {
             c.wait().unwrap();
@@ -1927,4 +1932,218 @@ fn a_stage_the_restored_job_does_not_take_is_freed() {
     let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
     assert_eq!(back["staged"], 0, "{back}");
     finish_restored(&mut job);
+}
+
+/// The fake driver's GPUs of `FAKE_CUDA_DEVICES=2` as nvidia-smi names them (device 0's UUID is
+/// bytes f0..ff, device 1's 00..0f).
+const FAKE_GPU0: &str = "GPU-f0f1f2f3-f4f5-f6f7-f8f9-fafbfcfdfeff";
+const FAKE_GPU1: &str = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f";
+
+/// A stand-in for nvidia-smi (`POSSUM_NVIDIA_SMI`) on the fake driver's two GPUs: the GPUs with
+/// room for any job, and as its compute apps the lines of `DIR/smi-apps` (written by the test
+/// once it knows the job's pid: the script itself is never rewritten while it may be run).
+fn two_gpu_smi(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join("nvidia-smi");
+    let apps = dir.join("smi-apps");
+    std::fs::write(&apps, "").unwrap();
+    std::fs::write(
+        &p,
+        format!(
+            "#!/bin/sh\ncase \"$1\" in\n  --query-gpu=*) echo '0, {FAKE_GPU0}, 70000'; echo '1, \
+             {FAKE_GPU1}, 70000';;\n  --query-compute-apps=*) cat '{}';;\nesac\n",
+            apps.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Another test's child may hold the script's write descriptor across a fork for a moment
+    // (ETXTBSY): wait until it runs.
+    for _ in 0..100 {
+        match Command::new(&p).arg("--probe").output() {
+            Err(e) if e.raw_os_error() == Some(26) => std::thread::sleep(Duration::from_millis(20)),
+            _ => break,
+        }
+    }
+    p
+}
+
+/// A job on the first of two fake GPUs, checkpointed and killed with its memory held by its
+/// keeper (`possum keeper`, a socket per GPU), ready for `possum restore --device 1`.
+struct KilledOnGpu0 {
+    tmp: tempfile::TempDir,
+    _keeper: KeeperProcess,
+    keeper_dir: PathBuf,
+    smi: PathBuf,
+    want: [Vec<u8>; 2],
+    job: Job,
+    img: PathBuf,
+}
+
+const TWO_GPUS: (&str, &str) = ("FAKE_CUDA_DEVICES", "2");
+
+fn killed_on_gpu_0(test: &str, prefix: &str) -> Option<KilledOnGpu0> {
+    let (tmp, lib) = setup(test, prefix)?;
+    let dir = tmp.path();
+    let (keeper, keeper_dir) = start_keeper_with(dir, &[TWO_GPUS]);
+    assert!(
+        keeper_dir.join("keeper-1.sock").exists(),
+        "the keeper serves both GPUs"
+    );
+    let smi = two_gpu_smi(dir);
+    let want = reference_run_with(dir, &[TWO_GPUS]);
+    let mut job = job_at_step_5(
+        dir,
+        "job",
+        Some(&lib),
+        &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap()), TWO_GPUS],
+    );
+    std::fs::write(
+        dir.join("smi-apps"),
+        format!("{}, {FAKE_GPU0}, 300\n", job.pid),
+    )
+    .unwrap();
+    let img = dir.join("img");
+    let v = killing_checkpoint(
+        checkpoint_cmd(dir, job.pid, &img, &[]).env("POSSUM_NVIDIA_SMI", &smi),
+        &mut job,
+    );
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    let held = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock"))
+        .unwrap()
+        .retained(job.pid)
+        .unwrap();
+    assert_eq!(held.len(), 3, "GPU 0's keeper holds the job's buffers");
+    Some(KilledOnGpu0 {
+        tmp,
+        _keeper: keeper,
+        keeper_dir,
+        smi,
+        want,
+        job,
+        img,
+    })
+}
+
+impl KilledOnGpu0 {
+    /// `possum restore --json -D IMG --device 1`, with `env` added: its JSON.
+    fn restore_on_gpu_1(&self, env: &[(&str, &str)]) -> Value {
+        let dir = self.tmp.path();
+        json_of(
+            possum(dir)
+                .args(["restore", "--json", "--device", "1", "-D"])
+                .arg(&self.img)
+                .env("LD_LIBRARY_PATH", dir)
+                .env("POSSUM_NVIDIA_SMI", &self.smi)
+                .env(TWO_GPUS.0, TWO_GPUS.1)
+                .envs(env.iter().copied()),
+            &self.job,
+        )
+    }
+
+    /// The keeper of GPU `n`.
+    fn keeper(&self, n: usize) -> possum_keeper::Keeper {
+        possum_keeper::Keeper::connect(&self.keeper_dir.join(format!("keeper-{n}.sock"))).unwrap()
+    }
+
+    /// The restored job followed its device to GPU 1: the memory GPU 0's keeper held for it is
+    /// let go, and its resume says so.
+    fn moved_to_gpu_1(&self, r: &Value) {
+        let moved = &r["resume_report"]["moved"][0];
+        assert_eq!(moved["kept_dropped"], true, "{r}");
+        assert!(
+            moved["keeper"]
+                .as_str()
+                .is_some_and(|s| s.ends_with("keeper-1.sock")),
+            "{r}"
+        );
+        let mut k0 = self.keeper(0);
+        assert_eq!(
+            k0.retained(self.job.pid).unwrap(),
+            Vec::new(),
+            "GPU 0's memory of the job is let go"
+        );
+        let s = k0.stats().unwrap();
+        assert!(
+            s.clients.get(&self.job.pid).is_none_or(|u| u.bytes == 0),
+            "{s:?}"
+        );
+        assert_eq!(s.held.bytes, 0, "{s:?}");
+    }
+
+    /// The restored job goes on exactly as the reference, its buffers (and its later malloc's)
+    /// from GPU 1's keeper, and exits cleanly.
+    fn goes_on_on_gpu_1(&mut self) -> Value {
+        let dir = self.tmp.path().to_path_buf();
+        restored_goes_on_before_exit(&mut self.job, &dir, &self.want);
+        let back = restored_buffers(self.job.pid as u32, &dir.join("sockets"));
+        let s = self.keeper(1).stats().unwrap();
+        assert!(s.stages.is_empty(), "{s:?}");
+        assert_eq!(s.retained.allocations, 0, "{s:?}");
+        // The three restored, and the one its malloc after step 9 added.
+        assert_eq!(s.clients[&self.job.pid].allocations, 4, "{s:?}");
+        finish_restored(&mut self.job);
+        back
+    }
+}
+
+/// `possum restore --device 1` of a job killed by its checkpoint on GPU 0 while its keeper holds
+/// its buffers there (issue 14 item 5): the keeper's socket serving GPU 1 stages the image from
+/// GPU 0's memory, copying each buffer GPU to GPU; the driver's restore maps the job's device to
+/// GPU 1 (the fake driver's remapping), the job follows it to that socket, takes the stage and
+/// lets GPU 0's memory go, and computes exactly what a run without possum does.
+#[test]
+fn a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu() {
+    let Some(mut t) = killed_on_gpu_0("keeper_peer_restore", "possum-keeper-peer-") else {
+        return;
+    };
+    let r = t.restore_on_gpu_1(&[]);
+    assert_eq!(r["stage_skipped"], Value::Null, "{r}");
+    let staged = &r["staged"][0];
+    assert_eq!(staged["error"], Value::Null, "{r}");
+    assert_eq!(staged["buffers"], 3, "{r}");
+    assert_eq!(staged["peer_buffers"], 3, "every buffer from GPU 0: {r}");
+    assert_eq!(r["peer_buffers"], 3, "{r}");
+    assert_eq!(r["staged_buffers_mapped"], 3, "{r}");
+    assert!(
+        staged["socket"]
+            .as_str()
+            .is_some_and(|s| s.ends_with("keeper-1.sock")),
+        "{r}"
+    );
+    assert!(
+        staged["from"]
+            .as_str()
+            .is_some_and(|s| s.ends_with("keeper-0.sock")),
+        "{r}"
+    );
+    t.moved_to_gpu_1(&r);
+    let back = t.goes_on_on_gpu_1();
+    assert_eq!(back["staged"], 3, "{back}");
+}
+
+/// [`a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu`] with staging off
+/// (`POSSUM_RESTORE_STAGE=0`): the job, moved to GPU 1, lets GPU 0's memory go and copies its
+/// buffers from the image into memory of GPU 1's keeper.
+#[test]
+fn a_job_restored_onto_another_gpu_without_staging_comes_back_from_its_image() {
+    let Some(mut t) = killed_on_gpu_0("keeper_peer_unstaged", "possum-keeper-peer-off-") else {
+        return;
+    };
+    let r = t.restore_on_gpu_1(&[("POSSUM_RESTORE_STAGE", "0")]);
+    assert!(
+        r["stage_skipped"]
+            .as_str()
+            .is_some_and(|s| s.contains("off")),
+        "{r}"
+    );
+    assert_eq!(r["peer_buffers"], 0, "{r}");
+    assert_eq!(r["staged_buffers_mapped"], 0, "{r}");
+    t.moved_to_gpu_1(&r);
+    let back = t.goes_on_on_gpu_1();
+    assert_eq!(back["staged"], 0, "{back}");
 }

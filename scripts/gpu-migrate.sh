@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Issue 14 item 5 on a two-GPU machine (kind nvidia-h100-x2 or nvidia-h200-x2; carry .gpu, staged
+# here by `bash scripts/gpu-ckpt.sh --stage`): `possum restore --device 1` of a job that ran on
+# GPU 0, checkpointed and killed while its keeper held its buffers (`--keep-on-gpu`, the
+# default): the keeper's socket for GPU 1 copies each buffer GPU to GPU from the memory the
+# keeper still holds on GPU 0, while CRIU restores the process, instead of reading the image.
+#   bash scripts/gpu-migrate.sh all        (~9 min, one device call)
+#     1. topology: nvidia-smi topo -m (NVLink or PCIe between the two GPUs) -> $OUT/migrate-topo.txt
+#     2. correctness (`eval/ckpt.py migrate`): the MLP on GPU 0, checkpointed and killed, restored
+#        with --device 1 under possum-keeper-kill (kept memory copied GPU to GPU),
+#        possum-keeper-kill-disk (--keep-on-gpu 0: the keeper on GPU 1 loads the image), possum
+#        (no keeper: the job copies from the image) and driver: it must run on GPU 1 and write
+#        the reference's lines from the checkpointed step on.
+#        -> $OUT/migrate-correctness.jsonl
+#     3. figures (`eval/ckpt.py figures`, CKPT_RESTORE_DEVICE=1): the MLP holding 1, 8 and 32 GiB
+#        written every step, checkpointed and killed, restored onto GPU 1: restore to the first
+#        step and until every buffer is back, for possum-keeper-kill (GPU to GPU),
+#        possum-keeper-kill-disk (image staged by the keeper) and driver-kill; then
+#        possum-keeper-kill restored on its own GPU (no --device: mapped again) for comparison.
+#        -> $OUT/migrate-figures.{json,md,jsonl}, migrate-same.{json,md}
+# Without two GPUs it says SKIPPED and exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "${n:-0}" -ge 2 ] || { echo "SKIPPED: needs two GPUs (nvidia-smi -L lists ${n:-0})"; exit 0; }
+res="${OUT:-.gpu/out}"; mkdir -p "$res"; res=$(cd "$res" && pwd)
+budget_end=$(( $(date +%s) + ${MIGRATE_BUDGET_S:-560} ))
+left() { echo $(( budget_end - $(date +%s) )); }
+case "${1:-all}" in
+all)
+    nvidia-smi topo -m > "$res/migrate-topo.txt" 2>&1
+    nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv >> "$res/migrate-topo.txt" 2>&1
+    cat "$res/migrate-topo.txt"
+    OUT="$res/c" CKPT_TIMEOUT=150 timeout -k 5 $(( $(left) > 200 ? 200 : $(left) )) bash scripts/gpu-ckpt.sh migrate \
+        --engines "${MIGRATE_ENGINES:-possum-keeper-kill,possum-keeper-kill-disk,possum,driver}" \
+        > "$res/migrate-correctness.log" 2>&1
+    cp "$res/c/ckpt-migrate.jsonl" "$res/migrate-correctness.jsonl" 2>/dev/null
+    python3 - "$res/migrate-correctness.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); rs = r.get("restore") or {}
+    print(f"migrate {r.get('engine')}: ok={r.get('ok')} gpu {r.get('gpu_before')} -> {r.get('gpu_after')}, "
+          f"resumed at step {r.get('resumed_at_step')}, identical={r.get('restored_identical')}, "
+          f"peer_buffers={rs.get('peer_buffers')} staged_mapped={rs.get('staged_buffers_mapped')} "
+          f"moved={rs.get('moved')} skipped={rs.get('stage_skipped')} err={(rs.get('stderr') or '')[-300:]}")
+PY
+    rm -rf "$res/c"
+    POSSUM_CKPT_HUGE=1 CKPT_RESTORE_DEVICE=1 OUT="$res/f" CKPT_TIMEOUT=200 timeout -k 5 $(( $(left) - 70 )) \
+        bash scripts/gpu-ckpt.sh figures \
+        --engines "${MIGRATE_FIG_ENGINES:-possum-keeper-kill,possum-keeper-kill-disk,driver-kill}" \
+        --bench-plan "${MIGRATE_PLAN:-mlp:1,8,32}" --reps 1 --budget-s $(( $(left) - 90 )) \
+        > "$res/migrate-figures.log" 2>&1
+    cp "$res/f/figures.json" "$res/migrate-figures.json" 2>/dev/null
+    cp "$res/f/figures.md" "$res/migrate-figures.md" 2>/dev/null
+    cp "$res/f/ckpt-figures.jsonl" "$res/migrate-figures.jsonl" 2>/dev/null
+    cat "$res/migrate-figures.md" 2>/dev/null || tail -20 "$res/migrate-figures.log"
+    rm -rf "$res/f"
+    if [ "$(left)" -gt 60 ]; then
+        POSSUM_CKPT_HUGE=1 OUT="$res/s" CKPT_TIMEOUT=120 timeout -k 5 $(( $(left) - 5 )) bash scripts/gpu-ckpt.sh figures \
+            --engines possum-keeper-kill --bench-plan "${MIGRATE_PLAN:-mlp:1,8,32}" --reps 1 \
+            --budget-s $(( $(left) - 15 )) > "$res/migrate-same.log" 2>&1
+        cp "$res/s/figures.json" "$res/migrate-same.json" 2>/dev/null
+        cp "$res/s/figures.md" "$res/migrate-same.md" 2>/dev/null
+        cat "$res/migrate-same.md" 2>/dev/null || tail -20 "$res/migrate-same.log"
+        rm -rf "$res/s"
+    fi
+    ;;
+*)
+    echo "usage: gpu-migrate.sh all"; exit 2 ;;
+esac
