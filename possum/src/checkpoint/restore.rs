@@ -29,7 +29,8 @@ pub struct RestoreArgs {
     pub socket_dir: Option<PathBuf>,
     /// Restore onto this GPU (its index as nvidia-smi numbers it) instead of the one the job ran
     /// on: the driver's restore maps the old GPU's UUID to this one's. A single-GPU job (an image of
-    /// either engine).
+    /// either engine). Buffers its keeper still holds on the old GPU (killed with --keep-on-gpu)
+    /// are copied GPU to GPU by the keeper while CRIU restores the job.
     #[arg(long, value_name = "GPU")]
     pub device: Option<u32>,
 }
