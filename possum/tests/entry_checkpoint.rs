@@ -1982,10 +1982,13 @@ struct KilledOnGpu0 {
 
 const TWO_GPUS: (&str, &str) = ("FAKE_CUDA_DEVICES", "2");
 
-fn killed_on_gpu_0(test: &str, prefix: &str) -> Option<KilledOnGpu0> {
+fn killed_on_gpu_0(test: &str, prefix: &str, keeper_env: &[(&str, &str)]) -> Option<KilledOnGpu0> {
     let (tmp, lib) = setup(test, prefix)?;
     let dir = tmp.path();
-    let (keeper, keeper_dir) = start_keeper_with(dir, &[TWO_GPUS]);
+    let env: Vec<(&str, &str)> = std::iter::once(TWO_GPUS)
+        .chain(keeper_env.iter().copied())
+        .collect();
+    let (keeper, keeper_dir) = start_keeper_with(dir, &env);
     assert!(
         keeper_dir.join("keeper-1.sock").exists(),
         "the keeper serves both GPUs"
@@ -2098,7 +2101,7 @@ impl KilledOnGpu0 {
 /// lets GPU 0's memory go, and computes exactly what a run without possum does.
 #[test]
 fn a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu() {
-    let Some(mut t) = killed_on_gpu_0("keeper_peer_restore", "possum-keeper-peer-") else {
+    let Some(mut t) = killed_on_gpu_0("keeper_peer_restore", "possum-keeper-peer-", &[]) else {
         return;
     };
     let r = t.restore_on_gpu_1(&[]);
@@ -2131,7 +2134,8 @@ fn a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu() {
 /// buffers from the image into memory of GPU 1's keeper.
 #[test]
 fn a_job_restored_onto_another_gpu_without_staging_comes_back_from_its_image() {
-    let Some(mut t) = killed_on_gpu_0("keeper_peer_unstaged", "possum-keeper-peer-off-") else {
+    let Some(mut t) = killed_on_gpu_0("keeper_peer_unstaged", "possum-keeper-peer-off-", &[])
+    else {
         return;
     };
     let r = t.restore_on_gpu_1(&[("POSSUM_RESTORE_STAGE", "0")]);
@@ -2146,4 +2150,36 @@ fn a_job_restored_onto_another_gpu_without_staging_comes_back_from_its_image() {
     t.moved_to_gpu_1(&r);
     let back = t.goes_on_on_gpu_1();
     assert_eq!(back["staged"], 0, "{back}");
+}
+
+/// The keeper SIGKILLed while it copies a moved job's buffers GPU to GPU (issue 14 item 6): its
+/// memory on both GPUs goes with it, yet nothing is lost: the restored job, already mapping the
+/// buffers the stage made, copies those the keeper had not loaded from its image (complete for
+/// a killed job) and goes on bit-exact.
+#[test]
+fn a_keeper_killed_while_it_copies_a_moved_job_loses_nothing() {
+    let Some(mut t) = killed_on_gpu_0(
+        "keeper_peer_killed",
+        "possum-keeper-peer-killed-",
+        &[
+            ("POSSUM_KEEPER_STAGE_DELAY_MS", "1500"),
+            ("POSSUM_KEEPER_STAGE_THREADS", "1"),
+        ],
+    ) else {
+        return;
+    };
+    let r = t.restore_on_gpu_1(&[]);
+    assert_eq!(r["peer_buffers"], 3, "{r}");
+    assert_eq!(r["staged_buffers_mapped"], 3, "{r}");
+    // One buffer is copied every 1.5 s: the keeper dies with some still waiting.
+    drop(t._keeper);
+    let dir = t.tmp.path().to_path_buf();
+    let back = restored_buffers(t.job.pid as u32, &dir.join("sockets"));
+    assert_eq!(back["buffers"], 3, "{back}");
+    assert!(
+        back["staged_fallback"].as_u64().unwrap_or(0) >= 1,
+        "buffers the dead keeper had not copied came from the image: {back}"
+    );
+    restored_goes_on_before_exit(&mut t.job, &dir, &t.want);
+    finish_restored(&mut t.job);
 }
