@@ -10,11 +10,49 @@
 # DRAIN_GIB (32) GiB only read (possum-keeper-frozen) and written every step (possum-keeper),
 # checkpointed --leave-running with a keeper, images on a huge-page tmpfs, 16 writers.
 # -> $OUT/drain-C-S.{md,jsonl}, drain.txt (one line per run: save ms, GB/s)
+#   bash scripts/gpu-drain.sh disk      (about 4 minutes)
+# The drain to the local disk (item 7's second half: at the disk's speed): the disk's own write
+# speed first (dd of 4 GiB with O_DIRECT, and buffered then fsynced), then the same kept
+# checkpoints with the images under DRAIN_DISK_DIR (/var/tmp) at DRAIN_DISK_GIB (8,16) GiB, the
+# default chunks and staging; the save includes the fsync of the data files.
+# -> $OUT/drain-disk.{md,jsonl}, drain.txt
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
 res="${OUT:-.gpu/out}"; mkdir -p "$res"; res=$(cd "$res" && pwd)
+summary() {
+    python3 - "$1" "$2" <<'PY' | tee -a "$res/drain.txt"
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    if not r.get("engine"):
+        continue
+    ck = r.get("checkpoint") or {}
+    saved = ck.get("saved_ms")
+    b = sum(x.get("bytes") or 0 for x in (r.get("kept") or {}).get("save") or []) or ck.get("gpu_image_bytes")
+    gbs = f"{b / saved / 1e6:.1f}" if saved and b else "?"
+    print(f"{sys.argv[2]}: {r['engine']} {r.get('gib')} GiB: "
+          f"stall {r.get('stall_ms') or 0:.0f} ms, saved {saved} ms, {gbs} GB/s, ok {r.get('ok')}")
+PY
+}
+if [ "${1:-}" = disk ]; then
+    d="${DRAIN_DISK_DIR:-/var/tmp}/possum-drain"; rm -rf "$d"; mkdir -p "$d"
+    { df -h "$d"; findmnt -T "$d" -o SOURCE,FSTYPE,OPTIONS | tail -1
+      dd if=/dev/zero of="$d/dd" bs=8M count=512 oflag=direct 2>&1 | tail -1 | sed 's/^/O_DIRECT 4 GiB: /'
+      rm -f "$d/dd"; sync
+      dd if=/dev/zero of="$d/dd" bs=8M count=512 conv=fsync 2>&1 | tail -1 | sed 's/^/buffered + fsync 4 GiB: /'
+      rm -f "$d/dd"; sync; } 2>&1 | tee -a "$res/drain.txt"
+    POSSUM_CKPT_WORK="$d/ckpt" CKPT_TIMEOUT=300 OUT="$res/d" CKPT_JOB_ENV="POSSUM_WRITERS=16" \
+        timeout -k 5 "${DRAIN_STEP_S:-400}" bash scripts/gpu-ckpt.sh figures \
+        --engines "${DRAIN_ENGINES:-possum-keeper}" --bench-plan "mlp:${DRAIN_DISK_GIB:-8,16}" \
+        --budget-s 380 > "$res/drain-disk.log" 2>&1
+    cp "$res/d/figures.md" "$res/drain-disk.md" 2>/dev/null
+    cp "$res/d/ckpt-figures.jsonl" "$res/drain-disk.jsonl" 2>/dev/null
+    rm -rf "$res/d" "$d"
+    summary "$res/drain-disk.jsonl" "disk $(findmnt -T "${DRAIN_DISK_DIR:-/var/tmp}" -o FSTYPE -n)"
+    exit 0
+fi
 for cfg in ${DRAIN_CONFIGS:-8:1024 2:64 1:32}; do
     c=${cfg%%:*}; s=${cfg##*:}
     POSSUM_CKPT_HUGE=1 CKPT_TIMEOUT=200 OUT="$res/d" \
@@ -25,17 +63,5 @@ for cfg in ${DRAIN_CONFIGS:-8:1024 2:64 1:32}; do
     cp "$res/d/figures.md" "$res/drain-$c-$s.md" 2>/dev/null
     cp "$res/d/ckpt-figures.jsonl" "$res/drain-$c-$s.jsonl" 2>/dev/null
     rm -rf "$res/d"
-    python3 - "$res/drain-$c-$s.jsonl" "$c" "$s" <<'PY' | tee -a "$res/drain.txt"
-import json, sys
-for l in open(sys.argv[1]):
-    r = json.loads(l)
-    if not r.get("engine"):
-        continue
-    ck = r.get("checkpoint") or {}
-    saved = ck.get("saved_ms")
-    b = sum(x.get("bytes") or 0 for x in (r.get("kept") or {}).get("save") or []) or ck.get("gpu_image_bytes")
-    gbs = f"{b / saved / 1e6:.1f}" if saved and b else "?"
-    print(f"chunk {sys.argv[2]} MiB, staging {sys.argv[3]} MiB: {r['engine']} {r.get('gib')} GiB: "
-          f"stall {r.get('stall_ms') or 0:.0f} ms, saved {saved} ms, {gbs} GB/s, ok {r.get('ok')}")
-PY
+    summary "$res/drain-$c-$s.jsonl" "chunk $c MiB, staging $s MiB"
 done
