@@ -1939,19 +1939,23 @@ fn a_stage_the_restored_job_does_not_take_is_freed() {
 const FAKE_GPU0: &str = "GPU-f0f1f2f3-f4f5-f6f7-f8f9-fafbfcfdfeff";
 const FAKE_GPU1: &str = "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f";
 
-/// A stand-in for nvidia-smi (`POSSUM_NVIDIA_SMI`) on the fake driver's two GPUs: the GPUs with
-/// room for any job, and as its compute apps the lines of `DIR/smi-apps` (written by the test
-/// once it knows the job's pid: the script itself is never rewritten while it may be run).
+/// A stand-in for nvidia-smi (`POSSUM_NVIDIA_SMI`) on the fake driver's two GPUs: GPU 0 with
+/// room for any job, GPU 1 with the MiB free that `DIR/smi-free1` says (70000 unless a test
+/// writes less), and as its compute apps the lines of `DIR/smi-apps` (written by the test once
+/// it knows the job's pid: the script itself is never rewritten while it may be run).
 fn two_gpu_smi(dir: &Path) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let p = dir.join("nvidia-smi");
     let apps = dir.join("smi-apps");
+    let free1 = dir.join("smi-free1");
     std::fs::write(&apps, "").unwrap();
+    std::fs::write(&free1, "70000").unwrap();
     std::fs::write(
         &p,
         format!(
-            "#!/bin/sh\ncase \"$1\" in\n  --query-gpu=*) echo '0, {FAKE_GPU0}, 70000'; echo '1, \
-             {FAKE_GPU1}, 70000';;\n  --query-compute-apps=*) cat '{}';;\nesac\n",
+            "#!/bin/sh\ncase \"$1\" in\n  --query-gpu=*) echo '0, {FAKE_GPU0}, 70000'; echo \"1, \
+             {FAKE_GPU1}, $(cat '{}')\";;\n  --query-compute-apps=*) cat '{}';;\nesac\n",
+            free1.display(),
             apps.display()
         ),
     )
@@ -2181,5 +2185,50 @@ fn a_keeper_killed_while_it_copies_a_moved_job_loses_nothing() {
         "buffers the dead keeper had not copied came from the image: {back}"
     );
     restored_goes_on_before_exit(&mut t.job, &dir, &t.want);
+    finish_restored(&mut t.job);
+}
+
+/// `possum restore --device 1` onto a GPU with room for the job's own memory (what nvidia-smi
+/// counted as the job's) but not for the buffers its keeper held: refused before anything is
+/// done, naming both; the image and the memory the keeper holds on GPU 0 are left as they were,
+/// and the job is then restored on its own GPU from that memory.
+#[test]
+fn a_move_to_a_gpu_without_room_for_the_kept_buffers_is_refused() {
+    let Some(mut t) = killed_on_gpu_0("keeper_peer_no_room", "possum-keeper-peer-room-", &[])
+    else {
+        return;
+    };
+    let dir = t.tmp.path().to_path_buf();
+    // The job counted 300 MiB; its buffers (in the keeper) need more than 1 MiB beyond that.
+    std::fs::write(dir.join("smi-free1"), "301").unwrap();
+    let out = possum(&dir)
+        .args(["restore", "--json", "--device", "1", "-D"])
+        .arg(&t.img)
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("POSSUM_NVIDIA_SMI", &t.smi)
+        .env(TWO_GPUS.0, TWO_GPUS.1)
+        .output()
+        .unwrap();
+    let msg = text(&out);
+    assert!(!out.status.success(), "{msg}");
+    assert!(
+        msg.contains("too little memory") && msg.contains("buffers its keeper held"),
+        "{msg}"
+    );
+    let held = t.keeper(0).retained(t.job.pid).unwrap();
+    assert_eq!(
+        held.len(),
+        3,
+        "GPU 0 still holds the job's buffers: {held:?}"
+    );
+    let r = restore_json(&dir, &t.img, &t.job);
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    goes_on_like(
+        &mut t.job,
+        &dir,
+        "no-room",
+        &t.want,
+        "restored on its own GPU after the refused move",
+    );
     finish_restored(&mut t.job);
 }

@@ -241,8 +241,14 @@ fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
 }
 
 /// Checks the GPUs the restore will use (the job's own, or `--device`) for free memory, and
-/// returns the driver's UUID remapping (empty: the same GPUs).
-pub(super) fn plan_gpus(m: &Manifest, device: Option<u32>) -> Result<Vec<([u8; 16], [u8; 16])>> {
+/// returns the driver's UUID remapping (empty: the same GPUs). `kept_mib`: the job's buffers
+/// that another process (its keeper) held, which nvidia-smi did not count as the job's: a move
+/// to another GPU needs room for them there too.
+pub(super) fn plan_gpus(
+    m: &Manifest,
+    device: Option<u32>,
+    kept_mib: u64,
+) -> Result<Vec<([u8; 16], [u8; 16])>> {
     if m.gpu_memory.is_empty() {
         if device.is_some() {
             bail!(
@@ -286,10 +292,19 @@ pub(super) fn plan_gpus(m: &Manifest, device: Option<u32>) -> Result<Vec<([u8; 1
     let Some((_, target, free)) = gpus.iter().find(|(i, _, _)| *i == d) else {
         bail!("there is no GPU {d} here");
     };
-    room(target, *free, used.mib)?;
     if *target == used.uuid {
+        room(target, *free, used.mib)?;
         return Ok(Vec::new());
     }
+    if kept_mib > 0 && *free < used.mib + kept_mib {
+        bail!(
+            "GPU {target} has too little memory: {free} MiB free, the job needs {} MiB there \
+             ({} MiB of its own, {kept_mib} MiB of buffers its keeper held)",
+            used.mib + kept_mib,
+            used.mib
+        );
+    }
+    room(target, *free, used.mib)?;
     // NVIDIA's restore wants every GPU the process saw mapped (one pair per GPU; a single pair on
     // a two-GPU machine is CUDA_ERROR_INVALID_VALUE, measured on 2 H200s): the job's GPU and the
     // target swap places, every other GPU of this machine maps to itself. A GPU the image names
@@ -345,6 +360,8 @@ pub(super) fn sync_tree(dir: &Path) -> Result<()> {
 /// A checked image directory: its description and where its parts are.
 #[derive(Debug)]
 pub struct Image {
+    /// The image directory.
+    pub dir: PathBuf,
     pub manifest: Manifest,
     /// CRIU's images.
     pub criu: PathBuf,
@@ -402,10 +419,35 @@ pub fn open_image(dir: &Path) -> Result<Image> {
         check_gpu_images(&dir.join(child_gpu_dir(c)))?;
     }
     Ok(Image {
+        dir: dir.to_path_buf(),
         manifest: m,
         criu,
         gpu,
     })
+}
+
+impl Image {
+    /// The bytes of the buffers in its GPU images (every process's), in MiB rounded up.
+    pub fn buffer_mib(&self) -> Result<u64> {
+        use possum_engine::store::ChunkSource;
+        let roots = self.gpu.iter().cloned().chain(
+            self.manifest
+                .possum_children
+                .iter()
+                .map(|&c| self.dir.join(child_gpu_dir(c))),
+        );
+        let mut bytes = 0u64;
+        for root in roots {
+            let Ok(entries) = fs::read_dir(&root) else {
+                continue;
+            };
+            for e in entries {
+                let img = possum_engine::image::Image::open(&e?.path())?;
+                bytes += img.buffers().iter().map(|b| b.size).sum::<u64>();
+            }
+        }
+        Ok(bytes.div_ceil(1 << 20))
+    }
 }
 
 /// The directory of child `pid`'s GPU images in an image directory.

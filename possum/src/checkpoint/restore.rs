@@ -46,7 +46,13 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
              free (kill the original first, or restore on another machine)"
         );
     }
-    let pairs = plan_gpus(m, a.device)?;
+    // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them.
+    let kept_mib = if m.keeper.is_some() {
+        img.buffer_mib()?
+    } else {
+        0
+    };
+    let pairs = plan_gpus(m, a.device, kept_mib)?;
     let criu = Criu::locate().context("CRIU is needed for the CPU side")?;
     let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
     let sockets = a.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
