@@ -405,8 +405,11 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     row["restore"] = {"rc": rs["rc"], "figures": (rs["json"] or {}).get("figures"),
                       "gpu_from_keeper": (rs["json"] or {}).get("gpu_from_keeper"),
                       "staged_buffers_mapped": (rs["json"] or {}).get("staged_buffers_mapped"),
+                      "peer_buffers": (rs["json"] or {}).get("peer_buffers"),
                       "stderr": rs["stderr"] if rs["rc"] else None}
     pid = p.pid
+    if rs["rc"] == 0 and os.environ.get("CKPT_RESTORE_DEVICE"):
+        row["gpu_after"] = gpu_of(pid)
     gone = wait_gone(pid, 600) if rs["rc"] == 0 else True
     if not gone:
         kill_job(None, pid)

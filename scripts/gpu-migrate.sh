@@ -18,6 +18,12 @@
 #        possum-keeper-kill-disk (image staged by the keeper) and driver-kill; then
 #        possum-keeper-kill restored on its own GPU (no --device: mapped again) for comparison.
 #        -> $OUT/migrate-figures.{json,md,jsonl}, migrate-same.{json,md}
+#   bash scripts/gpu-migrate.sh trials     (~6 min)
+#     Random-step trials (`eval/ckpt.py correctness`, CKPT_RESTORE_DEVICE=1) of every workload
+#     and both served allocators under possum-keeper-kill: each job checkpointed and killed on
+#     GPU 0 with its memory kept, restored onto GPU 1 (its buffers copied GPU to GPU), and its
+#     output from the restore on compared with the reference's.
+#     -> $OUT/migrate-trials.{jsonl,md}
 # Without two GPUs it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +71,25 @@ PY
         rm -rf "$res/s"
     fi
     ;;
+trials)
+    CKPT_RESTORE_DEVICE=1 OUT="$res/t" CKPT_TIMEOUT=150 timeout -k 5 $(( $(left) - 5 )) \
+        bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-kill \
+        --trials "${MIGRATE_TRIALS:-10}" --seed "${MIGRATE_SEED:-24}" --budget-s $(( $(left) - 40 )) \
+        --jobs "${MIGRATE_JOBS:-mlp,cnn,gpt2,triton,graph,multistream,ptrtable,lcuda,mlp+expandable,gpt2+async}" \
+        > "$res/migrate-trials.log" 2>&1
+    cp "$res/t/ckpt-correctness.jsonl" "$res/migrate-trials.jsonl" 2>/dev/null
+    cp "$res/t/correctness.md" "$res/migrate-trials.md" 2>/dev/null
+    rm -rf "$res/t"
+    grep -h "trials identical" "$res/migrate-trials.log"
+    python3 - "$res/migrate-trials.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); rs = r.get("restore") or {}
+    print(f"{r.get('job')} k={r.get('k')}: ok={r.get('ok')} gpu_after={r.get('gpu_after')} "
+          f"peer_buffers={rs.get('peer_buffers')} mapped={rs.get('staged_buffers_mapped')} "
+          f"identical={r.get('restored_identical')} err={(rs.get('stderr') or '')[-200:]}")
+PY
+    ;;
 *)
-    echo "usage: gpu-migrate.sh all"; exit 2 ;;
+    echo "usage: gpu-migrate.sh all | trials"; exit 2 ;;
 esac
