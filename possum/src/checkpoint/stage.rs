@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::image::{child_gpu_dir, Manifest};
+use super::image::{child_gpu_dir, HeldMemory, Manifest};
 use possum_keeper::{uuid_hex, PeerSource};
 
 /// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
@@ -155,19 +155,7 @@ impl Staging {
             .spawn(move || {
                 todo.into_iter()
                     .map(|(pid, device, image)| {
-                        let (socket, from) = match moved {
-                            None => (Ok(possum_keeper::socket_of(&kdir, device)), None),
-                            Some((old, new)) => {
-                                let epoch = held
-                                    .iter()
-                                    .find(|h| h.pid == pid && h.device == device)
-                                    .map(|h| h.epoch);
-                                (
-                                    target_socket(&kdir, &new),
-                                    peer_of(&kdir, &old, device, epoch),
-                                )
-                            }
-                        };
+                        let (socket, from) = stage_target(&kdir, moved, &held, pid, device);
                         stage_one(socket, from, pid, device, image)
                     })
                     .collect()
@@ -219,6 +207,25 @@ impl Staging {
         }
         (reports, self.started)
     }
+}
+
+/// Where device `device`'s image of process `pid` is staged: the keeper socket in `dir` (for a
+/// move, the one serving the target GPU), and for a move the memory it copies from.
+fn stage_target(
+    dir: &Path,
+    moved: Option<([u8; 16], [u8; 16])>,
+    held: &[HeldMemory],
+    pid: i32,
+    device: usize,
+) -> (Result<PathBuf, String>, Option<PeerSource>) {
+    let Some((old, new)) = moved else {
+        return (Ok(possum_keeper::socket_of(dir, device)), None);
+    };
+    let epoch = held
+        .iter()
+        .find(|h| h.pid == pid && h.device == device)
+        .map(|h| h.epoch);
+    (target_socket(dir, &new), peer_of(dir, &old, device, epoch))
 }
 
 /// The socket in `dir` serving the GPU with UUID `uuid` (the one the job is restored on).
