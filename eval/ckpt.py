@@ -46,7 +46,7 @@ driver refuses such a job), a `-frozen` suffix makes the extra state only read
   turns it into the table, the plots and README's Results section (issue 5).
 Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as it goes.
 """
-import argparse, atexit, json, os, random, shutil, signal, statistics, subprocess, sys, time
+import argparse, atexit, glob, json, os, random, shutil, signal, socket, statistics, subprocess, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
@@ -164,6 +164,35 @@ def variant(name):
 
 KEEPER_DIR = os.path.join(WORK, "keeper")
 KEEPER = []
+
+
+def keeper_stats(sock):
+    """The `stats` of the keeper socket `sock` (its protocol: a greeting line, then one JSON line
+    per request); None if it does not answer."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(sock)
+            f = s.makefile("rwb")
+            f.readline()
+            f.write(b'{"cmd":"stats"}\n')
+            f.flush()
+            return json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+
+
+def stage_ended(pid):
+    """The run's keeper's last ended stage of process `pid` (any device's socket), with its load's
+    GB/s: how long the keeper took to load (or copy GPU to GPU) a restore's buffers."""
+    for sock in sorted(glob.glob(os.path.join(KEEPER_DIR, "keeper-*.sock"))):
+        st = keeper_stats(sock) or {}
+        for s in reversed(st.get("stages_ended") or []):
+            if s.get("pid") == pid:
+                done = s.get("done_ms")
+                return {**s, "socket": os.path.basename(sock),
+                        "gb_per_s": s["loaded_bytes"] / done / 1e6 if done else None}
+    return None
 
 
 def ensure_keeper():
@@ -795,6 +824,14 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
                     row["restore_buffers"] = back
                     if back is not None:
                         row["buffers_back_seen_ms"] = 1e3 * (time.time() - t2)
+                    if v["base"] == "possum-keeper":
+                        # What the keeper's stage took to load (or copy GPU to GPU) the buffers
+                        # (ended by the job as its restore finishes: asked again for a moment).
+                        for _ in range(10):
+                            row["stage_ended"] = stage_ended(pid)
+                            if row["stage_ended"]:
+                                break
+                            time.sleep(0.2)
                 restored = wait_lines(log, lines, 120, pid=pid)
                 rows2 = read_log(log)
                 ts = [r["t"] for r in rows2 if "t" in r]

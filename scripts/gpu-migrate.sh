@@ -18,6 +18,10 @@
 #        possum-keeper-kill-disk (image staged by the keeper) and driver-kill; then
 #        possum-keeper-kill restored on its own GPU (no --device: mapped again) for comparison.
 #        -> $OUT/migrate-figures.{json,md,jsonl}, migrate-same.{json,md}
+#   bash scripts/gpu-migrate.sh figures    (~3 min)
+#     Step 3 alone for the keeper's variants at 8 and 32 GiB (MIGRATE_FIG_ENGINES, MIGRATE_PLAN),
+#     with what each restore's stage took (`stages_ended` of the keeper's stats): bytes copied GPU
+#     to GPU or loaded from the image, and GB/s. -> $OUT/migrate-figures.*, migrate-stages.txt
 #   bash scripts/gpu-migrate.sh trials     (~6 min)
 #     Random-step trials (`eval/ckpt.py correctness`, CKPT_RESTORE_DEVICE=1) of every workload
 #     and both served allocators under possum-keeper-kill: each job checkpointed and killed on
@@ -32,6 +36,27 @@ n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 res="${OUT:-.gpu/out}"; mkdir -p "$res"; res=$(cd "$res" && pwd)
 budget_end=$(( $(date +%s) + ${MIGRATE_BUDGET_S:-560} ))
 left() { echo $(( budget_end - $(date +%s) )); }
+# The figures of a move: engines $1, plan $2 (eval/ckpt.py figures, CKPT_RESTORE_DEVICE=1), and
+# the keeper's stage of each restore (loaded or copied bytes, time, GB/s).
+figures() {
+    POSSUM_CKPT_HUGE=1 CKPT_RESTORE_DEVICE=1 OUT="$res/f" CKPT_TIMEOUT=200 timeout -k 5 $(( $(left) - 70 )) \
+        bash scripts/gpu-ckpt.sh figures --engines "$1" --bench-plan "$2" --reps 1 \
+        --budget-s $(( $(left) - 90 )) > "$res/migrate-figures.log" 2>&1
+    cp "$res/f/figures.json" "$res/migrate-figures.json" 2>/dev/null
+    cp "$res/f/figures.md" "$res/migrate-figures.md" 2>/dev/null
+    cp "$res/f/ckpt-figures.jsonl" "$res/migrate-figures.jsonl" 2>/dev/null
+    cat "$res/migrate-figures.md" 2>/dev/null || tail -20 "$res/migrate-figures.log"
+    rm -rf "$res/f"
+    python3 - "$res/migrate-figures.jsonl" <<'PY' | tee "$res/migrate-stages.txt"
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); s = r.get("stage_ended") or {}
+    if s:
+        print(f"{r['engine']} {r['gib']} GiB: stage on {s.get('socket')}: {s.get('ready')} buffers "
+              f"({s.get('peer_copied')} GPU to GPU, {s.get('peer_bytes')} B), {s.get('loaded_bytes')} B "
+              f"loaded in {s.get('done_ms')} ms: {s.get('gb_per_s') or 0:.1f} GB/s")
+PY
+}
 case "${1:-all}" in
 all)
     nvidia-smi topo -m > "$res/migrate-topo.txt" 2>&1
@@ -51,16 +76,7 @@ for l in open(sys.argv[1]):
           f"moved={rs.get('moved')} skipped={rs.get('stage_skipped')} err={(rs.get('stderr') or '')[-300:]}")
 PY
     rm -rf "$res/c"
-    POSSUM_CKPT_HUGE=1 CKPT_RESTORE_DEVICE=1 OUT="$res/f" CKPT_TIMEOUT=200 timeout -k 5 $(( $(left) - 70 )) \
-        bash scripts/gpu-ckpt.sh figures \
-        --engines "${MIGRATE_FIG_ENGINES:-possum-keeper-kill,possum-keeper-kill-disk,driver-kill}" \
-        --bench-plan "${MIGRATE_PLAN:-mlp:1,8,32}" --reps 1 --budget-s $(( $(left) - 90 )) \
-        > "$res/migrate-figures.log" 2>&1
-    cp "$res/f/figures.json" "$res/migrate-figures.json" 2>/dev/null
-    cp "$res/f/figures.md" "$res/migrate-figures.md" 2>/dev/null
-    cp "$res/f/ckpt-figures.jsonl" "$res/migrate-figures.jsonl" 2>/dev/null
-    cat "$res/migrate-figures.md" 2>/dev/null || tail -20 "$res/migrate-figures.log"
-    rm -rf "$res/f"
+    figures "${MIGRATE_FIG_ENGINES:-possum-keeper-kill,possum-keeper-kill-disk,driver-kill}" "${MIGRATE_PLAN:-mlp:1,8,32}"
     if [ "$(left)" -gt 60 ]; then
         POSSUM_CKPT_HUGE=1 OUT="$res/s" CKPT_TIMEOUT=120 timeout -k 5 $(( $(left) - 5 )) bash scripts/gpu-ckpt.sh figures \
             --engines possum-keeper-kill --bench-plan "${MIGRATE_PLAN:-mlp:1,8,32}" --reps 1 \
@@ -70,6 +86,9 @@ PY
         cat "$res/migrate-same.md" 2>/dev/null || tail -20 "$res/migrate-same.log"
         rm -rf "$res/s"
     fi
+    ;;
+figures)
+    figures "${MIGRATE_FIG_ENGINES:-possum-keeper-kill,possum-keeper-kill-disk}" "${MIGRATE_PLAN:-mlp:8,32}"
     ;;
 trials)
     CKPT_RESTORE_DEVICE=1 OUT="$res/t" CKPT_TIMEOUT=150 timeout -k 5 $(( $(left) - 5 )) \
@@ -91,5 +110,5 @@ for l in open(sys.argv[1]):
 PY
     ;;
 *)
-    echo "usage: gpu-migrate.sh all | trials"; exit 2 ;;
+    echo "usage: gpu-migrate.sh all | figures | trials"; exit 2 ;;
 esac

@@ -382,7 +382,14 @@ pub struct Stats {
     /// Restores being staged.
     #[serde(default)]
     pub stages: Vec<StageStats>,
+    /// The last [`ENDED_STAGES_KEPT`] stages ended (taken by their job, or given up), oldest
+    /// first, as they stood when ended: what a restore's loading took.
+    #[serde(default)]
+    pub stages_ended: Vec<StageStats>,
 }
+
+/// How many ended stages `stats` still shows.
+pub const ENDED_STAGES_KEPT: usize = 16;
 
 /// What failed, named.
 #[derive(Debug, thiserror::Error)]

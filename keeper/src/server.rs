@@ -37,6 +37,8 @@ struct Inner {
     state: Mutex<State>,
     /// Restores being staged, by id ([`crate::stage`]).
     stages: Mutex<BTreeMap<u64, Arc<Stage>>>,
+    /// The last stages ended, as they stood then (`stats`' `stages_ended`).
+    ended: Mutex<std::collections::VecDeque<crate::StageStats>>,
     next_stage: std::sync::atomic::AtomicU64,
 }
 
@@ -108,6 +110,7 @@ impl Server {
                 uid: nix::unistd::geteuid().as_raw(),
                 state: Mutex::new(State::default()),
                 stages: Mutex::new(BTreeMap::new()),
+                ended: Mutex::new(std::collections::VecDeque::new()),
                 next_stage: std::sync::atomic::AtomicU64::new(0),
             }),
         })
@@ -647,6 +650,13 @@ impl Inner {
             return 0;
         };
         s.end();
+        {
+            let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
+            if ended.len() == crate::ENDED_STAGES_KEPT {
+                ended.pop_front();
+            }
+            ended.push_back(s.stats());
+        }
         self.free_where(|a, _| a.retained && a.pid == s.pid && a.epoch == s.epoch)
     }
 
@@ -717,6 +727,13 @@ impl Inner {
         }
         drop(st);
         s.stages = self.lock_stages().values().map(|x| x.stats()).collect();
+        s.stages_ended = self
+            .ended
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect();
         s
     }
 }

@@ -634,7 +634,10 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
     let info = k.stage(me, &img, 60, None).unwrap();
     assert_eq!(server.stats().retained.allocations, 3);
     assert_eq!(k.stage_end(info.stage).unwrap(), 3);
-    assert_eq!(server.stats().retained, Usage::default());
+    let st = server.stats();
+    assert_eq!(st.retained, Usage::default());
+    let last = st.stages_ended.last().expect("the ended stage is shown");
+    assert_eq!((last.stage, last.buffers), (info.stage, 3), "{st:?}");
     assert!(
         k.stage_wait(info.stage, 1).is_err(),
         "an ended stage is gone"

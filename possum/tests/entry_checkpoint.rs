@@ -2131,6 +2131,14 @@ fn a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu() {
     t.moved_to_gpu_1(&r);
     let back = t.goes_on_on_gpu_1();
     assert_eq!(back["staged"], 3, "{back}");
+    let st = t.keeper(1).stats().unwrap();
+    let ended = st.stages_ended.last().expect("the stage, ended by the job");
+    assert_eq!(
+        (ended.peer_copied, ended.ready, ended.failed),
+        (3, 3, 0),
+        "every buffer copied from GPU 0: {st:?}"
+    );
+    assert!(ended.peer_bytes > 0 && ended.done_ms.is_some(), "{st:?}");
 }
 
 /// [`a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu`] with staging off
