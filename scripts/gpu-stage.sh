@@ -21,6 +21,9 @@
 #       keeper gone with it), `possum restore` (a keeper started before CRIU, loading the image):
 #       the restored job's lines equal a run without possum's, and no keeper is left after it.
 #       -> $OUT/stage-run.json
+#   bash scripts/gpu-stage.sh threads       (~6 min)
+#       The keeper's loader threads (8, 16, 24: STAGE_THREADS) against the staging's GB/s and the
+#       restore to the first step, MLP at 32 GiB. -> $OUT/stage-threads.txt
 #   bash scripts/gpu-stage.sh ab-gpt2       (~9 min)
 #       GPT-2 small's in-process A/B (issue 13's overhead), up to 12 processes in the budget.
 #       -> $OUT/overhead-ab-gpt2.json, ab-gpt2.log
@@ -52,6 +55,25 @@ correctness)
     rm -rf "$res/c"
     grep -h "trials identical" "$res/stage-correctness.log"
     cat "$res/stage-correctness.md" 2>/dev/null
+    ;;
+threads)
+    # The keeper's loader threads (POSSUM_KEEPER_STAGE_THREADS, default 8) against the staging's
+    # speed: the MLP holding 32 GiB, killed with --keep-on-gpu 0, restored through the staging,
+    # for each count in STAGE_THREADS ("8 16 24"); the keeper's ended stage gives the load's GB/s.
+    for t in ${STAGE_THREADS:-8 16 24}; do
+        POSSUM_KEEPER_STAGE_THREADS=$t POSSUM_CKPT_HUGE=1 CKPT_TIMEOUT=200 OUT="$res/t$t" \
+            timeout -k 5 170 bash scripts/gpu-ckpt.sh figures --engines possum-keeper-kill-disk \
+            --bench-plan "${STAGE_PLAN:-mlp:32}" --reps 1 --budget-s 150 > "$res/stage-threads-$t.log" 2>&1
+        python3 - "$res/t$t/ckpt-figures.jsonl" "$t" <<'PY' | tee -a "$res/stage-threads.txt"
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l); s = r.get("stage_ended") or {}
+    print(f"{sys.argv[2]} loader threads, {r.get('gib')} GiB: first step {r.get('restore_to_first_step_ms') or 0:.0f} ms, "
+          f"every buffer back {r.get('buffers_back_ms') or 0:.0f} ms, stage {s.get('loaded_bytes')} B in "
+          f"{s.get('done_ms')} ms ({s.get('gb_per_s') or 0:.1f} GB/s), failed {s.get('failed')}")
+PY
+        rm -rf "$res/t$t"
+    done
     ;;
 run)
     # The user's path: `possum run` (its own keeper), `possum checkpoint --keep-on-gpu 0` (the
@@ -110,7 +132,7 @@ ab-gpt2)
     tail -3 "$res/ab-gpt2.log"
     ;;
 *)
-    echo "usage: gpu-stage.sh figures | correctness | run | ab-gpt2" >&2
+    echo "usage: gpu-stage.sh figures | correctness | threads | run | ab-gpt2" >&2
     exit 2
     ;;
 esac
