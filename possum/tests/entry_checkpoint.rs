@@ -2240,3 +2240,61 @@ fn a_move_to_a_gpu_without_room_for_the_kept_buffers_is_refused() {
     );
     finish_restored(&mut t.job);
 }
+
+/// A job moved to GPU 1 by `possum restore --device 1`, then checkpointed and killed there
+/// (its memory held by the keeper's socket for GPU 1, which its process now uses under its old
+/// ordinal 0), is restored on GPU 1 without `--device` from that memory: mapped again, nothing
+/// staged (the keeper's socket is found by the GPU's UUID, not by the job's ordinal, which
+/// would name GPU 0's socket and load the whole image there for nothing).
+#[test]
+fn a_moved_job_checkpointed_again_is_restored_from_the_new_gpu_s_memory() {
+    let Some(mut t) = killed_on_gpu_0("keeper_peer_again", "possum-keeper-peer-again-", &[]) else {
+        return;
+    };
+    let r = t.restore_on_gpu_1(&[]);
+    assert_eq!(r["peer_buffers"], 3, "{r}");
+    t.moved_to_gpu_1(&r);
+    let dir = t.tmp.path().to_path_buf();
+    std::fs::write(
+        dir.join("smi-apps"),
+        format!("{}, {FAKE_GPU1}, 300\n", t.job.pid),
+    )
+    .unwrap();
+    let img2 = dir.join("img2");
+    let v = killing_checkpoint(
+        checkpoint_cmd(&dir, t.job.pid, &img2, &[]).env("POSSUM_NVIDIA_SMI", &t.smi),
+        &mut t.job,
+    );
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    assert_eq!(t.keeper(1).retained(t.job.pid).unwrap().len(), 3);
+    let r = json_of(
+        possum(&dir)
+            .args(["restore", "--json", "-D"])
+            .arg(&img2)
+            .env("LD_LIBRARY_PATH", &dir)
+            .env("POSSUM_NVIDIA_SMI", &t.smi)
+            .env(TWO_GPUS.0, TWO_GPUS.1),
+        &t.job,
+    );
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    assert_eq!(r["staged"], serde_json::json!([]), "nothing staged: {r}");
+    assert!(
+        r["stage_skipped"]
+            .as_str()
+            .is_some_and(|s| s.contains("still holds")),
+        "{r}"
+    );
+    assert_eq!(r["resume_report"]["moved"], serde_json::json!([]), "{r}");
+    goes_on_like(
+        &mut t.job,
+        &dir,
+        "moved-again",
+        &t.want,
+        "moved, checkpointed again and restored on GPU 1",
+    );
+    finish_restored(&mut t.job);
+}

@@ -223,7 +223,7 @@ pub(super) mod smi {
 }
 
 /// The 16 bytes of a GPU UUID as nvidia-smi prints it (`GPU-8a9c1d2e-...`).
-fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
+pub(super) fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
     let hex: String = s
         .trim_start_matches("GPU-")
         .chars()

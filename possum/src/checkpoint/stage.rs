@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::image::{child_gpu_dir, HeldMemory, Manifest};
+use super::image::{child_gpu_dir, uuid_bytes, Manifest};
 use possum_keeper::{uuid_hex, PeerSource};
 
 /// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
@@ -84,7 +84,7 @@ pub(super) fn plan(
     let Some(k) = &m.keeper else {
         return Err("the job had no keeper".into());
     };
-    let sock = possum_keeper::socket_of(&k.dir, 0);
+    let sock = job_socket(m, &k.dir, 0);
     if moved.is_none() {
         if let Ok(mut keeper) = possum_keeper::Keeper::connect(&sock) {
             if keeper.retained(m.pid).is_ok_and(|r| !r.is_empty()) {
@@ -149,13 +149,13 @@ impl Staging {
         let started = k.ensure_keeper(m.pid, &tree)?;
         let todo = images(m, dir, gpu);
         let kdir = keeper_dir.clone();
-        let held = m.held.clone();
+        let m = m.clone();
         let thread = std::thread::Builder::new()
             .name("possum-stage".into())
             .spawn(move || {
                 todo.into_iter()
                     .map(|(pid, device, image)| {
-                        let (socket, from) = stage_target(&kdir, moved, &held, pid, device);
+                        let (socket, from) = stage_target(&m, &kdir, moved, pid, device);
                         stage_one(socket, from, pid, device, image)
                     })
                     .collect()
@@ -212,20 +212,34 @@ impl Staging {
 /// Where device `device`'s image of process `pid` is staged: the keeper socket in `dir` (for a
 /// move, the one serving the target GPU), and for a move the memory it copies from.
 fn stage_target(
+    m: &Manifest,
     dir: &Path,
     moved: Option<([u8; 16], [u8; 16])>,
-    held: &[HeldMemory],
     pid: i32,
     device: usize,
 ) -> (Result<PathBuf, String>, Option<PeerSource>) {
     let Some((old, new)) = moved else {
-        return (Ok(possum_keeper::socket_of(dir, device)), None);
+        return (Ok(job_socket(m, dir, device)), None);
     };
-    let epoch = held
+    let epoch = m
+        .held
         .iter()
         .find(|h| h.pid == pid && h.device == device)
         .map(|h| h.epoch);
     (target_socket(dir, &new), peer_of(dir, &old, device, epoch))
+}
+
+/// The socket in keeper directory `dir` serving device `device` of the job on the GPU it ran on:
+/// for a single-GPU job the one serving that GPU's UUID (a job moved by an earlier `--device`
+/// restore keeps an ordinal the keeper numbers otherwise), else `keeper-<device>.sock`.
+fn job_socket(m: &Manifest, dir: &Path, device: usize) -> PathBuf {
+    let by_uuid = match m.gpu_memory.as_slice() {
+        [one] => uuid_bytes(&one.uuid)
+            .ok()
+            .and_then(|u| possum_keeper::keeper_for_device(dir, &uuid_hex(&u))),
+        _ => None,
+    };
+    by_uuid.unwrap_or_else(|| possum_keeper::socket_of(dir, device))
 }
 
 /// The socket in `dir` serving the GPU with UUID `uuid` (the one the job is restored on).
