@@ -427,24 +427,46 @@ pub fn open_image(dir: &Path) -> Result<Image> {
 }
 
 impl Image {
-    /// The bytes of the buffers in its GPU images (every process's), in MiB rounded up.
-    pub fn buffer_mib(&self) -> Result<u64> {
-        use possum_engine::store::ChunkSource;
-        let roots = self.gpu.iter().cloned().chain(
+    /// Its engine images: (pid, device ordinal, directory), for the job's root (`gpu/gpu-N`)
+    /// and each of its possum processes (`gpu-PID/gpu-N`), sorted.
+    pub fn gpu_images(&self) -> Vec<(i32, usize, PathBuf)> {
+        let Some(gpu) = &self.gpu else {
+            return Vec::new();
+        };
+        let roots = std::iter::once((self.manifest.pid, gpu.clone())).chain(
             self.manifest
                 .possum_children
                 .iter()
-                .map(|&c| self.dir.join(child_gpu_dir(c))),
+                .map(|&c| (c, self.dir.join(child_gpu_dir(c)))),
         );
-        let mut bytes = 0u64;
-        for root in roots {
+        let mut out = Vec::new();
+        for (pid, root) in roots {
             let Ok(entries) = fs::read_dir(&root) else {
                 continue;
             };
-            for e in entries {
-                let img = possum_engine::image::Image::open(&e?.path())?;
-                bytes += img.buffers().iter().map(|b| b.size).sum::<u64>();
+            for e in entries.flatten() {
+                let name = e.file_name();
+                let Some(n) = name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix("gpu-"))
+                    .and_then(|n| n.parse::<usize>().ok())
+                else {
+                    continue;
+                };
+                out.push((pid, n, e.path()));
             }
+        }
+        out.sort();
+        out
+    }
+
+    /// The bytes of the buffers in its engine images (every process's), in MiB rounded up.
+    pub fn buffer_mib(&self) -> Result<u64> {
+        use possum_engine::store::ChunkSource;
+        let mut bytes = 0u64;
+        for (_, _, path) in self.gpu_images() {
+            let img = possum_engine::image::Image::open(&path)?;
+            bytes += img.buffers().iter().map(|b| b.size).sum::<u64>();
         }
         Ok(bytes.div_ceil(1 << 20))
     }

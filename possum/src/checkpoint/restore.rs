@@ -90,19 +90,16 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     opts.inherit_fds = stdio.inherit.clone();
     // The keeper loads the GPU images while CRIU restores the process (stage.rs).
     let mut staging = None;
-    // `--device`: the job's GPU moves to another (the driver's first pair).
-    let moved = pairs.first().copied().filter(|(old, new)| old != new);
+    // `--device`: the job's GPU moves to another (the driver's first pair; none for its own).
+    let moved = pairs.first().copied();
     let stage_skipped = match stage::plan(m, img.gpu.as_deref(), moved) {
-        Ok(plan) => {
-            let gpu = img.gpu.as_deref().expect("plan checked it");
-            match clock.time("stage_begin", || Staging::begin(m, &a.dir, gpu, plan)) {
-                Ok(s) => {
-                    staging = Some(s);
-                    None
-                }
-                Err(e) => Some(format!("the keeper could not be asked: {e:#}")),
+        Ok(plan) => match clock.time("stage_begin", || Staging::begin(&img, plan)) {
+            Ok(s) => {
+                staging = Some(s);
+                None
             }
-        }
+            Err(e) => Some(format!("the keeper could not be asked: {e:#}")),
+        },
         Err(why) => Some(why),
     };
     if let Err(e) = clock.time("criu_restore", || Ok(criu.restore(&opts)?)) {

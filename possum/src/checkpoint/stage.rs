@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::image::{child_gpu_dir, uuid_bytes, Manifest};
+use super::image::{uuid_bytes, Image, Manifest};
 use possum_keeper::{uuid_hex, PeerSource};
 
 /// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
@@ -84,9 +84,8 @@ pub(super) fn plan(
     let Some(k) = &m.keeper else {
         return Err("the job had no keeper".into());
     };
-    let sock = job_socket(m, &k.dir, 0);
     if moved.is_none() {
-        if let Ok(mut keeper) = possum_keeper::Keeper::connect(&sock) {
+        if let Ok(mut keeper) = possum_keeper::Keeper::connect(&job_socket(m, &k.dir, 0)) {
             if keeper.retained(m.pid).is_ok_and(|r| !r.is_empty()) {
                 return Err("the keeper still holds the job's memory".into());
             }
@@ -98,44 +97,11 @@ pub(super) fn plan(
     })
 }
 
-/// The GPU images to stage: (pid, device ordinal, image directory), for the job's root and each
-/// of its possum processes.
-fn images(m: &Manifest, dir: &Path, gpu: &Path) -> Vec<(i32, usize, PathBuf)> {
-    let roots = std::iter::once((m.pid, gpu.to_path_buf())).chain(
-        m.possum_children
-            .iter()
-            .map(|&c| (c, dir.join(child_gpu_dir(c)))),
-    );
-    let mut out = Vec::new();
-    for (pid, root) in roots {
-        let Ok(entries) = std::fs::read_dir(&root) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let Some(n) = name
-                .to_str()
-                .and_then(|n| n.strip_prefix("gpu-"))
-                .and_then(|n| n.parse::<usize>().ok())
-            else {
-                continue;
-            };
-            out.push((pid, n, e.path()));
-        }
-    }
-    out.sort();
-    out
-}
-
 impl Staging {
     /// Asks the keeper in `keeper_dir` (started here if none answers) to stage every GPU image
     /// of the job's, on a thread of its own: returns at once.
-    pub(super) fn begin(
-        m: &Manifest,
-        dir: &Path,
-        gpu: &Path,
-        plan: Plan,
-    ) -> anyhow::Result<Staging> {
+    pub(super) fn begin(img: &Image, plan: Plan) -> anyhow::Result<Staging> {
+        let m = &img.manifest;
         let Plan {
             dir: keeper_dir,
             moved,
@@ -147,7 +113,7 @@ impl Staging {
         // A keeper in a PID of the job's tree would make CRIU's restore fail: it is avoided.
         let k = m.keeper.as_ref().expect("plan checked it");
         let started = k.ensure_keeper(m.pid, &tree)?;
-        let todo = images(m, dir, gpu);
+        let todo = img.gpu_images();
         let kdir = keeper_dir.clone();
         let m = m.clone();
         let thread = std::thread::Builder::new()
