@@ -69,9 +69,10 @@ enum Cmd {
     /// rest are prefetched. A job that ran with hooks off (`POSSUM_HOOKS=off`) gets every buffer
     /// back first, then runs on. The GPU must have the free memory the job used (--device picks
     /// another GPU). A job whose memory was a keeper's maps it again if the keeper still holds
-    /// it (nothing copied); otherwise the keeper loads the image into GPU memory while CRIU
-    /// restores the process, and the job waits only for buffers still loading
-    /// (`POSSUM_RESTORE_STAGE=0`: the job copies them itself).
+    /// it (nothing copied; with --device the keeper copies it GPU to GPU first); otherwise the
+    /// keeper loads the image into GPU memory while CRIU restores the process, and the job waits
+    /// only for buffers still loading (`POSSUM_RESTORE_STAGE=0`: the job copies them itself).
+    /// A move needs room on the new GPU for the buffers the keeper held too.
     Restore(checkpoint::RestoreArgs),
     /// Lets a job whose GPU buffers possum released run on, its buffers coming back on demand
     /// from GPU_DIR: what the CRIU plugin sends a job it checkpointed, when it could not.
