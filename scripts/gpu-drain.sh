@@ -6,7 +6,8 @@
 # eval/results/README.md, session 21). One device call (carry .gpu, staged by
 # `bash scripts/gpu-ckpt.sh --stage`), about 4 minutes:
 #   bash scripts/gpu-drain.sh
-# For each CHUNK_MIB:STAGING_MIB of DRAIN_CONFIGS (default "8:1024 2:64 1:32"), the MLP holding
+# For each CHUNK_MIB:STAGING_MIB[:WRITE_PIECE_KIB] of DRAIN_CONFIGS (default "8:256:1024
+# 8:256:2048 8:256:4096": the write piece, session 25, 1 MiB before), the MLP holding
 # DRAIN_GIB (32) GiB only read (possum-keeper-frozen) and written every step (possum-keeper),
 # checkpointed --leave-running with a keeper, images on a huge-page tmpfs, 16 writers.
 # -> $OUT/drain-C-S.{md,jsonl}, drain.txt (one line per run: save ms, GB/s)
@@ -53,15 +54,15 @@ if [ "${1:-}" = disk ]; then
     summary "$res/drain-disk.jsonl" "disk $(findmnt -T "${DRAIN_DISK_DIR:-/var/tmp}" -o FSTYPE -n)"
     exit 0
 fi
-for cfg in ${DRAIN_CONFIGS:-8:1024 2:64 1:32}; do
-    c=${cfg%%:*}; s=${cfg##*:}
+for cfg in ${DRAIN_CONFIGS:-8:256:1024 8:256:2048 8:256:4096}; do
+    IFS=: read -r c s p <<< "$cfg"; p=${p:-2048}
     POSSUM_CKPT_HUGE=1 CKPT_TIMEOUT=200 OUT="$res/d" \
-        CKPT_JOB_ENV="POSSUM_WRITERS=16,POSSUM_STAGING_MIB=$s,POSSUM_CHUNK_MIB=$c" \
+        CKPT_JOB_ENV="POSSUM_WRITERS=16,POSSUM_STAGING_MIB=$s,POSSUM_CHUNK_MIB=$c,POSSUM_WRITE_PIECE_KIB=$p" \
         timeout -k 5 "${DRAIN_STEP_S:-170}" bash scripts/gpu-ckpt.sh figures \
         --engines "${DRAIN_ENGINES:-possum-keeper-frozen,possum-keeper}" \
-        --bench-plan "mlp:${DRAIN_GIB:-32}" --budget-s 150 > "$res/drain-$c-$s.log" 2>&1
-    cp "$res/d/figures.md" "$res/drain-$c-$s.md" 2>/dev/null
-    cp "$res/d/ckpt-figures.jsonl" "$res/drain-$c-$s.jsonl" 2>/dev/null
+        --bench-plan "mlp:${DRAIN_GIB:-32}" --budget-s 150 > "$res/drain-$c-$s-$p.log" 2>&1
+    cp "$res/d/figures.md" "$res/drain-$c-$s-$p.md" 2>/dev/null
+    cp "$res/d/ckpt-figures.jsonl" "$res/drain-$c-$s-$p.jsonl" 2>/dev/null
     rm -rf "$res/d"
-    summary "$res/drain-$c-$s.jsonl" "chunk $c MiB, staging $s MiB"
+    summary "$res/drain-$c-$s-$p.jsonl" "chunk $c MiB, staging $s MiB, write piece $p KiB"
 done

@@ -55,6 +55,9 @@ pub struct Config {
     /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
     /// default the machine's cores, 2 to 12): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     pub writers: usize,
+    /// Bytes a writer checksums and writes at a time (`POSSUM_WRITE_PIECE_KIB`, default 2048:
+    /// one huge page of a huge-page tmpfs, which a write then fills whole).
+    pub write_piece: usize,
     /// Threads restoring buffers from an image, per device engine (`POSSUM_RESTORERS`, default 6).
     pub restorers: usize,
     /// Record the DAG (`POSSUM_DAG`, default on).
@@ -102,6 +105,13 @@ impl Config {
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get()) as u64;
         let writers =
             num("POSSUM_WRITERS", cores.clamp(2, 12), &mut warnings).clamp(1, 64) as usize;
+        let write_piece = num(
+            "POSSUM_WRITE_PIECE_KIB",
+            (possum_engine::image::DEFAULT_WRITE_PIECE >> 10) as u64,
+            &mut warnings,
+        )
+        .clamp(4, 64 << 10) as usize
+            * 1024;
         let restorers = num("POSSUM_RESTORERS", 6, &mut warnings).clamp(1, 64) as usize;
         let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
         let resolve = match var("POSSUM_RESOLVE") {
@@ -123,6 +133,7 @@ impl Config {
             serve_vmm: flag("POSSUM_SERVE_VMM", true),
             serve_pools: flag("POSSUM_SERVE_POOLS", true),
             writers,
+            write_piece,
             restorers,
             dag: flag("POSSUM_DAG", true),
             dag_window,

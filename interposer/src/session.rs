@@ -202,6 +202,7 @@ fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
     let opts = WriterOptions {
         fsync: false,
         data_files: crate::runtime::state().cfg.writers,
+        write_piece: crate::runtime::state().cfg.write_piece,
         ..WriterOptions::default()
     };
     ImageWriter::create(&engine_image_dir(dir, ordinal), opts)

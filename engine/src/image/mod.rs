@@ -63,7 +63,7 @@ mod tests;
 
 pub use manifest::{check_coverage, CoverageError};
 pub use reader::Image;
-pub use writer::{ImageWriter, WriterOptions};
+pub use writer::{ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE};
 
 /// The format major version this build writes and the only one it reads.
 pub const FORMAT_MAJOR: u32 = 1;

@@ -20,9 +20,15 @@ use super::{
 };
 use crate::store::{BufferRecord, ChunkSink};
 
-/// Bytes per write of a chunk: CRC'd and written while still in the core's cache (L2 is 2 MiB on
-/// the H100 machine's Xeons).
-const WRITE_PIECE: usize = 1 << 20;
+/// Bytes per write of a chunk by default: CRC'd and written while still in the core's cache (L2
+/// is 2 MiB on the H100 machine's Xeons), and one huge page of a huge-page tmpfs: a write that
+/// fills a new 2 MiB page whole is copied once, one that fills half of it has the kernel zero the
+/// other half first (written twice).
+pub const DEFAULT_WRITE_PIECE: usize = 2 << 20;
+
+/// A chunk at least this long starts at a multiple of it in its data file (the gap before it is
+/// a hole), so that its pieces fill whole huge pages.
+const CHUNK_ALIGN: u64 = 2 << 20;
 
 /// How an [`ImageWriter`] behaves.
 #[derive(Clone, Debug)]
@@ -37,6 +43,9 @@ pub struct WriterOptions {
     /// fsync the data files, the manifest and the directories on commit. Turn off only for tests and
     /// benchmarks: without it a crash can leave an image whose files are incomplete. Default: true.
     pub fsync: bool,
+    /// Bytes CRC'd and written at a time (clamped to 4 KiB ..= 64 MiB). Default:
+    /// [`DEFAULT_WRITE_PIECE`].
+    pub write_piece: usize,
 }
 
 impl Default for WriterOptions {
@@ -45,6 +54,7 @@ impl Default for WriterOptions {
             force: false,
             data_files: 4,
             fsync: true,
+            write_piece: DEFAULT_WRITE_PIECE,
         }
     }
 }
@@ -58,6 +68,29 @@ struct Lane {
     file: File,
     /// Bytes reserved so far (the next chunk goes here).
     end: AtomicU64,
+}
+
+impl Lane {
+    /// Reserves `len` bytes at the end of this file and returns where they start: a multiple of
+    /// [`CHUNK_ALIGN`] for a chunk that long, else right at the end.
+    fn reserve(&self, len: u64) -> u64 {
+        if len < CHUNK_ALIGN {
+            return self.end.fetch_add(len, Ordering::Relaxed);
+        }
+        let mut end = self.end.load(Ordering::Relaxed);
+        loop {
+            let at = end.next_multiple_of(CHUNK_ALIGN);
+            match self.end.compare_exchange_weak(
+                end,
+                at + len,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return at,
+                Err(now) => end = now,
+            }
+        }
+    }
 }
 
 /// A chunk recorded in the manifest-to-be, with the sequence number of the call that wrote it.
@@ -375,7 +408,7 @@ impl ChunkSink for ImageWriter {
             Some(place) => place,
             None => {
                 let i = lane_slot() % self.lanes.len();
-                (i, self.lanes[i].end.fetch_add(len, Ordering::Relaxed))
+                (i, self.lanes[i].reserve(len))
             }
         };
         let lane = &self.lanes[lane_idx];
@@ -384,9 +417,10 @@ impl ChunkSink for ImageWriter {
         // by the host's memory traffic: the copy engine's write, the CRC's read, the copy into
         // the file's pages and their zeroing; this takes one read away).
         let mut crc = 0u32;
+        let piece = self.opts.write_piece.clamp(4 << 10, 64 << 20);
         let written = data
-            .chunks(WRITE_PIECE)
-            .zip((file_offset..).step_by(WRITE_PIECE))
+            .chunks(piece)
+            .zip((file_offset..).step_by(piece))
             .try_for_each(|(piece, at)| {
                 crc = crc32c::crc32c_append(crc, piece);
                 lane.file.write_all_at(piece, at)

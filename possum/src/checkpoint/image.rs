@@ -248,6 +248,7 @@ pub(super) fn plan_gpus(
     m: &Manifest,
     device: Option<u32>,
     kept_mib: u64,
+    gpus: impl FnOnce() -> Option<Vec<(u32, String, u64)>>,
 ) -> Result<Vec<([u8; 16], [u8; 16])>> {
     if m.gpu_memory.is_empty() {
         if device.is_some() {
@@ -258,7 +259,7 @@ pub(super) fn plan_gpus(
         }
         return Ok(Vec::new());
     }
-    let Some(gpus) = smi::gpus() else {
+    let Some(gpus) = gpus() else {
         if device.is_some() {
             bail!("--device needs nvidia-smi, which cannot be asked here");
         }

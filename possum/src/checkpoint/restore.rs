@@ -12,7 +12,7 @@ use possum_criu::{Criu, RestoreOptions};
 use possum_cuda::checkpoint::DriverCheckpoint;
 use serde_json::json;
 
-use super::image::{open_image, plan_gpus};
+use super::image::{open_image, plan_gpus, smi};
 use super::stage::{self, Staging};
 use super::{alive, ask, kill_job, ms, resume_children, Clock};
 
@@ -46,15 +46,22 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
              free (kill the original first, or restore on another machine)"
         );
     }
+    // nvidia-smi (tens of ms) answers while the rest is made ready; its verdict still comes
+    // before anything is started.
+    let gpus = (!m.gpu_memory.is_empty()).then(|| std::thread::spawn(smi::gpus));
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them.
     let kept_mib = if m.keeper.is_some() {
         img.buffer_mib()?
     } else {
         0
     };
-    let pairs = plan_gpus(m, a.device, kept_mib)?;
-    let criu = Criu::locate().context("CRIU is needed for the CPU side")?;
-    let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed")?;
+    let criu = Criu::locate().context("CRIU is needed for the CPU side");
+    let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed");
+    let pairs = plan_gpus(m, a.device, kept_mib, || {
+        gpus.and_then(|t| t.join().ok()).flatten()
+    })?;
+    let (criu, drv) = (criu?, drv?);
+    let prepared = t_all.elapsed();
     let sockets = a.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
     if img.gpu.is_some() {
         // The killed job's socket files are still there; the restored job listens on them again.
@@ -188,6 +195,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         .map(|s| s.peer_buffers)
         .sum();
     let mut fig = clock.json();
+    fig.insert("prepare_ms".into(), json!(ms(prepared)));
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
     let from_keeper = resumed["attached"]

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Issue 14 item 7 (a drain of 40 GB/s into a memory-backed directory): can the drain DMA straight
+# into the image file's pages, all of it after T0, and beat the write() path (26-30 GB/s)?
+# Session 24's probe measured the parts one at a time and single-threaded (4 GiB on a huge=always
+# tmpfs: fault-in 709 ms, cudaHostRegister 165 ms, D2H 55 GB/s). Here the whole pipeline runs as
+# a drain would, DRAIN GiB (default 32) from one device tensor into one fresh file on a huge=always
+# tmpfs, by T threads each taking chunks of C MiB in turn:
+#   fault the chunk in (MADV_POPULATE_WRITE: the kernel zeroes its pages), cudaHostRegister it,
+#   cudaMemcpyAsync D2H on the thread's own stream, synchronize, checksum it (zlib.crc32, a read
+#   pass; the engine's CRC32C is faster per core), cudaHostUnregister it;
+# the time from the first fault to the last checksum is the drain; the file is checked against
+# the tensor after. Also the same with the file's pages already there (a recycled image file),
+# and plain multi-threaded pwrite from pinned staging for comparison.
+# Writes $OUT/probe-inplace.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
+res="${OUT:-.gpu/out}"; mkdir -p "$res"
+huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
+mountpoint -q "$huge" || mount -t tmpfs -o size=70g,huge=always possum-huge "$huge" || exit 1
+python3 - "$res/probe-inplace.txt" "$huge" "${DRAIN:-32}" <<'PY'
+import ctypes, mmap, os, sys, threading, time, zlib
+import torch
+out = open(sys.argv[1], "a")
+def say(s):
+    print(s, flush=True); out.write(s + "\n"); out.flush()
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+MADV_POPULATE_WRITE = 23
+cudart = torch.cuda.cudart()
+G, M = 1 << 30, 1 << 20
+size = int(sys.argv[3]) * G
+g = torch.empty(size, dtype=torch.uint8, device="cuda")
+for o in range(0, size, G):
+    g[o:o + G].view(torch.int64).copy_(torch.arange(o // 8, (o + G) // 8, device="cuda", dtype=torch.int64) * 2654435761)
+torch.cuda.synchronize()
+say(f"cores {os.cpu_count()}; {size // G} GiB; {sys.argv[2]} huge=always tmpfs")
+path = f"{sys.argv[2]}/img"
+
+def in_place(threads, chunk, crc, fresh, register=True):
+    if fresh and os.path.exists(path):
+        os.remove(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    base = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    n = size // chunk
+    nxt = [0]; lock = threading.Lock(); parts = {"fault": 0.0, "reg": 0.0, "dma": 0.0, "crc": 0.0, "unreg": 0.0}
+    errs = []
+    def worker():
+        s = torch.cuda.Stream()
+        while True:
+            with lock:
+                i = nxt[0]; nxt[0] += 1
+            if i >= n:
+                return
+            p = base + i * chunk
+            t0 = time.perf_counter()
+            if libc.madvise(p, chunk, MADV_POPULATE_WRITE) != 0:
+                errs.append(f"madvise errno {ctypes.get_errno()}"); return
+            t1 = time.perf_counter()
+            rc = int(cudart.cudaHostRegister(p, chunk, 0)) if register else 0
+            if rc:
+                errs.append(f"register rc {rc}"); return
+            t2 = time.perf_counter()
+            host = torch.frombuffer((ctypes.c_char * chunk).from_address(p), dtype=torch.uint8)
+            with torch.cuda.stream(s):
+                host.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=register)
+            s.synchronize()
+            t3 = time.perf_counter()
+            if crc:
+                zlib.crc32(memoryview((ctypes.c_char * chunk).from_address(p)))
+            t4 = time.perf_counter()
+            if register:
+                cudart.cudaHostUnregister(p)
+            t5 = time.perf_counter()
+            with lock:
+                for k, d in (("fault", t1 - t0), ("reg", t2 - t1), ("dma", t3 - t2), ("crc", t4 - t3), ("unreg", t5 - t4)):
+                    parts[k] += d
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    t = time.perf_counter()
+    for x in ts: x.start()
+    for x in ts: x.join()
+    dt = time.perf_counter() - t
+    host = torch.frombuffer((ctypes.c_char * size).from_address(base), dtype=torch.uint8)
+    ok = not errs and bool(torch.equal(host[:: 4096].cuda(), g[:: 4096]))
+    del host
+    libc.munmap(base, size); os.close(fd)
+    share = ", ".join(f"{k} {v / threads * 1e3:.0f}" for k, v in parts.items())
+    say(f"in place{'' if register else ' (no register, pageable copy)'}, {'fresh file' if fresh else 'pages there'}, "
+        f"{threads} threads, {chunk // M} MiB chunks, crc {crc}: {dt * 1e3:.0f} ms, {size / dt / 1e9:.1f} GB/s, "
+        f"data {ok} {errs[:1]}; per thread ms: {share}")
+
+def via_staging(threads, chunk):
+    if os.path.exists(path):
+        os.remove(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    n = size // chunk; nxt = [0]; lock = threading.Lock()
+    def worker():
+        s = torch.cuda.Stream()
+        st = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+        mv = memoryview(st.numpy())
+        while True:
+            with lock:
+                i = nxt[0]; nxt[0] += 1
+            if i >= n:
+                return
+            with torch.cuda.stream(s):
+                st.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=True)
+            s.synchronize()
+            zlib.crc32(mv)
+            os.pwrite(fd, mv, i * chunk)
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    t = time.perf_counter()
+    for x in ts: x.start()
+    for x in ts: x.join()
+    dt = time.perf_counter() - t
+    os.close(fd)
+    say(f"staging + pwrite, fresh file, {threads} threads, {chunk // M} MiB chunks, crc True: "
+        f"{dt * 1e3:.0f} ms, {size / dt / 1e9:.1f} GB/s")
+
+via_staging(16, 64 * M)
+for threads, chunk in ((16, 64 * M), (16, 256 * M), (24, 64 * M), (8, 256 * M)):
+    in_place(threads, chunk, True, True)
+in_place(16, 64 * M, False, True)
+in_place(16, 64 * M, True, False)
+in_place(16, 256 * M, True, False)
+in_place(16, 64 * M, True, True, register=False)
+os.remove(path)
+PY
+umount "$huge" 2>/dev/null || true
