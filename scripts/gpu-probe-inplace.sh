@@ -21,17 +21,10 @@ mountpoint -q "$huge" || mount -t tmpfs -o size=70g,huge=always possum-huge "$hu
 python3 - "$res/probe-inplace.txt" "$huge" "${DRAIN:-32}" <<'PY'
 import ctypes, mmap, os, sys, threading, time, zlib
 import torch
-out = open(sys.argv[1], "a")
-def say(s):
-    print(s, flush=True); out.write(s + "\n"); out.flush()
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-MADV_POPULATE_WRITE = 23
+sys.path.insert(0, "scripts")
+from probe_host import G, M, MADV_POPULATE_WRITE, PROT_RW, libc, reporter
+say = reporter(sys.argv[1], "a")
 cudart = torch.cuda.cudart()
-G, M = 1 << 30, 1 << 20
 size = int(sys.argv[3]) * G
 g = torch.empty(size, dtype=torch.uint8, device="cuda")
 for o in range(0, size, G):
@@ -45,7 +38,7 @@ def in_place(threads, chunk, crc, fresh, register=True):
         os.remove(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, size)
-    base = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    base = libc.mmap(None, size, PROT_RW, mmap.MAP_SHARED, fd, 0)
     n = size // chunk
     nxt = [0]; lock = threading.Lock(); parts = {"fault": 0.0, "reg": 0.0, "dma": 0.0, "crc": 0.0, "unreg": 0.0}
     errs = []

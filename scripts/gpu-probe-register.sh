@@ -23,19 +23,10 @@ mountpoint -q "$tlb" || mount -t hugetlbfs -o pagesize=2M none "$tlb" || echo "n
 python3 - "$res/probe-register.txt" "$huge" "$tlb" <<'PY'
 import ctypes, mmap, os, sys, time
 import torch
-out = open(sys.argv[1], "w")
-def say(s):
-    print(s, flush=True); out.write(s + "\n"); out.flush()
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-PROT = mmap.PROT_READ | mmap.PROT_WRITE
-MADV_POPULATE_WRITE = 23
-MAP_HUGETLB = 0x40000
+sys.path.insert(0, "scripts")
+from probe_host import G, MADV_POPULATE_WRITE, MAP_HUGETLB, MAP_FAILED, PROT_RW as PROT, libc, reporter
+say = reporter(sys.argv[1])
 cudart = torch.cuda.cudart()
-G = 1 << 30
 size = 4 * G
 g = torch.empty(size, dtype=torch.uint8, device="cuda").fill_(7)
 torch.cuda.synchronize()
@@ -79,7 +70,7 @@ for label, path in (("huge=always tmpfs file", f"{sys.argv[2]}/reg"), ("hugetlbf
         fd, p = file_map(path, prealloc=not path.startswith(sys.argv[3]))
     except OSError as e:
         say(f"{label}: {e}"); continue
-    if p in (None, ctypes.c_void_p(-1).value):
+    if p in (None, MAP_FAILED):
         say(f"{label}: mmap failed errno {ctypes.get_errno()}"); os.close(fd); continue
     say(f"{label}: aligned 2M {p % (2 << 20) == 0}")
     probe(label, p)
@@ -87,7 +78,7 @@ for label, path in (("huge=always tmpfs file", f"{sys.argv[2]}/reg"), ("hugetlbf
 for label, flags in (("anonymous MAP_HUGETLB", mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB),
                      ("anonymous 4 KiB", mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)):
     p = libc.mmap(None, size, PROT, flags, -1, 0)
-    if p in (None, ctypes.c_void_p(-1).value):
+    if p in (None, MAP_FAILED):
         say(f"{label}: mmap failed errno {ctypes.get_errno()}"); continue
     probe(label, p)
     libc.munmap(p, size)
