@@ -248,7 +248,14 @@ pub struct StageInfo {
     /// are read from the image.
     #[serde(default)]
     pub peer: u64,
+    /// Why buffers that were to be copied from another device are read from the image instead,
+    /// one line each, the first [`PEER_MISSES_SAID`] (`buffers - peer` of them in all).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peer_misses: Vec<String>,
 }
+
+/// How many reasons a stage's reply gives for buffers not copied from another device.
+pub const PEER_MISSES_SAID: usize = 8;
 
 /// One buffer of a stage.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

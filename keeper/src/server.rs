@@ -11,6 +11,7 @@ use possum_cuda::share::{ShareDevice, SharedMem};
 use serde_json::{json, Value};
 
 use crate::stage::{self, Stage};
+use crate::PEER_MISSES_SAID;
 use crate::{
     fdpass, Allocated, DeviceInfo, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
     StageInfo, StagePlan, StagedBuffer, Stats, Usage, MAX_REQUEST_BYTES,
@@ -562,9 +563,17 @@ impl Inner {
         }
         // The other device's memory of each buffer, imported here (the copies read it over the
         // interconnect); a buffer without one is read from the image.
-        let peers = match from {
-            Some(f) => peer_sources(dev, of, f, &recs, &sizes),
-            None => Vec::new(),
+        let (peers, peer_misses) = match from {
+            Some(f) => {
+                let found = peer_sources(dev, of, f, &recs, &sizes);
+                let misses: Vec<String> = found
+                    .iter()
+                    .filter_map(|r| r.as_ref().err())
+                    .cloned()
+                    .collect();
+                (found.into_iter().map(Result::ok).collect(), misses)
+            }
+            None => (Vec::new(), Vec::new()),
         };
         let epoch = possum_cuda::owner::new_epoch();
         let mut buffers = Vec::with_capacity(made.len());
@@ -599,7 +608,19 @@ impl Inner {
             buffers: stage.buffers.len() as u64,
             bytes: stage.buffers.iter().map(|b| b.size).sum(),
             peer: stage.peer_buffers() as u64,
+            peer_misses: peer_misses.iter().take(PEER_MISSES_SAID).cloned().collect(),
         };
+        if !peer_misses.is_empty() {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "possum keeper: stage {id} of process {of}: {} of {} buffers read from the image, \
+                 not copied from the other GPU; first: {}",
+                peer_misses.len(),
+                stage.buffers.len(),
+                peer_misses[0]
+            );
+        }
         self.lock_stages().insert(id, Arc::clone(&stage));
         let img = Arc::new(img);
         let knobs = stage::Knobs::from_env();
@@ -768,25 +789,57 @@ fn peer_sources(
     from: &PeerSource,
     recs: &[possum_engine::store::BufferRecord],
     sizes: &[u64],
-) -> Vec<Option<SharedMem>> {
-    let none = || (0..recs.len()).map(|_| None).collect();
-    let Ok(mut k) = crate::Keeper::connect(Path::new(&from.socket)) else {
-        return none();
+) -> Vec<Result<SharedMem, String>> {
+    let all = |why: String| (0..recs.len()).map(|_| Err(why.clone())).collect();
+    let mut k = match crate::Keeper::connect(Path::new(&from.socket)) {
+        Ok(k) => k,
+        Err(e) => return all(format!("{} not reached: {e}", from.socket)),
     };
-    let Ok(held) = k.retained(of) else {
-        return none();
+    let held = match k.retained(of) {
+        Ok(h) => h,
+        Err(e) => {
+            return all(format!(
+                "{}: its retained memory not listed: {e}",
+                from.socket
+            ))
+        }
     };
-    let at: BTreeMap<u64, &RetainedAlloc> = held
-        .iter()
-        .filter(|a| a.epoch == from.epoch)
-        .filter_map(|a| Some((a.va?, a)))
-        .collect();
+    // The process's allocations by address, the checkpoint's epoch first: a miss then says
+    // what is there instead.
+    let mut at: BTreeMap<u64, &RetainedAlloc> = BTreeMap::new();
+    for a in &held {
+        let Some(va) = a.va else { continue };
+        let e = at.entry(va).or_insert(a);
+        if a.epoch == from.epoch {
+            *e = a;
+        }
+    }
     recs.iter()
         .zip(sizes)
         .map(|(r, &size)| {
-            let a = at.get(&r.va).filter(|a| a.size == size)?;
-            let fd = k.dup(a.id).ok()?;
-            dev.import(std::os::fd::AsFd::as_fd(&fd), size).ok()
+            let a = at.get(&r.va).ok_or_else(|| {
+                format!(
+                    "buffer {} at {:#x}: nothing of process {of} retained there",
+                    r.id, r.va
+                )
+            })?;
+            if a.epoch != from.epoch {
+                return Err(format!(
+                    "buffer {} at {:#x}: retained with epoch {}, the checkpoint's was {}",
+                    r.id, r.va, a.epoch, from.epoch
+                ));
+            }
+            if a.size != size {
+                return Err(format!(
+                    "buffer {} at {:#x}: {} bytes retained there, {size} needed",
+                    r.id, r.va, a.size
+                ));
+            }
+            let fd = k
+                .dup(a.id)
+                .map_err(|e| format!("buffer {} at {:#x}: dup: {e}", r.id, r.va))?;
+            dev.import(std::os::fd::AsFd::as_fd(&fd), size)
+                .map_err(|e| format!("buffer {} at {:#x}: import: {e}", r.id, r.va))
         })
         .collect()
 }

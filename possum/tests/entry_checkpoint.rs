@@ -2141,6 +2141,49 @@ fn a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu() {
     assert!(ended.peer_bytes > 0 && ended.done_ms.is_some(), "{st:?}");
 }
 
+/// A moved job one of whose kept buffers GPU 0's keeper no longer holds (freed before the
+/// restore): the other two are copied GPU to GPU, that one is read from the image, and the
+/// restore says which and why (the keeper's reason, in the stage's `peer_misses`); the job goes
+/// on exactly as the reference.
+#[test]
+fn a_moved_job_s_buffer_gone_from_its_old_gpu_is_read_from_the_image_and_said_why() {
+    let Some(mut t) = killed_on_gpu_0("keeper_peer_miss", "possum-keeper-peer-miss-", &[]) else {
+        return;
+    };
+    let mut k0 = t.keeper(0);
+    let held = k0.retained(t.job.pid).unwrap();
+    assert_eq!(held.len(), 3, "{held:?}");
+    let gone = &held[1];
+    k0.release_retained(gone.id).unwrap();
+    let r = t.restore_on_gpu_1(&[]);
+    let staged = &r["staged"][0];
+    assert_eq!(staged["error"], Value::Null, "{r}");
+    assert_eq!(
+        (&staged["buffers"], &staged["peer_buffers"]),
+        (&Value::from(3), &Value::from(2)),
+        "{r}"
+    );
+    let misses = staged["peer_misses"].as_array().expect("the reason given");
+    assert_eq!(misses.len(), 1, "{r}");
+    let why = misses[0].as_str().unwrap();
+    let va = format!("{:#x}", gone.va.expect("retained with its address"));
+    assert!(
+        why.contains(&va) && why.contains("nothing of process") && why.contains("retained there"),
+        "{why}"
+    );
+    assert_eq!(r["staged_buffers_mapped"], 3, "{r}");
+    t.moved_to_gpu_1(&r);
+    let back = t.goes_on_on_gpu_1();
+    assert_eq!(back["staged"], 3, "{back}");
+    let st = t.keeper(1).stats().unwrap();
+    let ended = st.stages_ended.last().expect("the stage, ended by the job");
+    assert_eq!(
+        (ended.peer_copied, ended.ready, ended.failed),
+        (2, 3, 0),
+        "{st:?}"
+    );
+}
+
 /// [`a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu`] with staging off
 /// (`POSSUM_RESTORE_STAGE=0`): the job, moved to GPU 1, lets GPU 0's memory go and copies its
 /// buffers from the image into memory of GPU 1's keeper.

@@ -231,6 +231,19 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
                 (Some(_), _) => "; GPU buffers come back on demand",
             }
         );
+        for s in staged
+            .iter()
+            .filter(|s| !s.unused && !s.peer_misses.is_empty())
+        {
+            eprintln!(
+                "possum: {} of the {} buffers of {} were read from the image, not copied from the \
+                 old GPU; {}",
+                s.buffers - s.peer_buffers,
+                s.buffers,
+                s.image.display(),
+                s.peer_misses.join("; ")
+            );
+        }
     }
     Ok(true)
 }

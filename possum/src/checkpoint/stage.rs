@@ -41,6 +41,10 @@ pub(super) struct StageReport {
     pub from: Option<String>,
     /// Buffers copied GPU to GPU from there (the rest are read from the image).
     pub peer_buffers: u64,
+    /// Why buffers that were to be copied GPU to GPU are read from the image instead (the
+    /// keeper's first few reasons).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peer_misses: Vec<String>,
     /// The keeper's stage id.
     pub stage: Option<u64>,
     pub buffers: u64,
@@ -253,6 +257,7 @@ fn stage_one(
         socket: socket.ok(),
         from: from.map(|f| f.socket),
         peer_buffers: 0,
+        peer_misses: Vec::new(),
         stage: None,
         buffers: 0,
         bytes: 0,
@@ -266,6 +271,7 @@ fn stage_one(
             rep.buffers = info.buffers;
             rep.bytes = info.bytes;
             rep.peer_buffers = info.peer;
+            rep.peer_misses = info.peer_misses;
         }
         Err(e) => rep.error = Some(e),
     }
