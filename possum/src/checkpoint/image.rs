@@ -331,14 +331,21 @@ pub(super) fn occupied(path: &Path) -> bool {
     }
 }
 
+/// The bytes the files under `path` hold: each file's length, or what it occupies when that is
+/// less (a data file's holes before chunks aligned to 2 MiB are not image bytes; a small file on
+/// a huge-page tmpfs occupies a whole 2 MiB page, but holds only its length).
 pub(super) fn dir_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
     let Ok(rd) = fs::read_dir(path) else {
         return 0;
     };
     rd.flatten()
         .map(|e| match e.file_type() {
             Ok(t) if t.is_dir() => dir_bytes(&e.path()),
-            Ok(_) => e.metadata().map(|m| m.len()).unwrap_or(0),
+            Ok(_) => e
+                .metadata()
+                .map(|m| m.len().min(m.blocks().saturating_mul(512)))
+                .unwrap_or(0),
             Err(_) => 0,
         })
         .sum()
@@ -493,6 +500,19 @@ fn check_gpu_images(gpu: &Path) -> Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file with a hole counts what it holds, not its length; nested directories are summed.
+    #[test]
+    fn image_bytes_leave_holes_out() {
+        use std::os::unix::fs::FileExt;
+        let tmp = tempfile::tempdir().unwrap();
+        fs::create_dir(tmp.path().join("gpu")).unwrap();
+        let sparse = fs::File::create(tmp.path().join("gpu/data-000.bin")).unwrap();
+        sparse.write_all_at(&[7u8; 4096], 8 << 20).unwrap();
+        fs::write(tmp.path().join("manifest"), [1u8; 100]).unwrap();
+        let n = dir_bytes(tmp.path());
+        assert!((4096 + 100..=4 * 4096 + 100).contains(&n), "{n}");
+    }
 
     #[test]
     fn gpu_uuids_are_parsed() {
