@@ -542,6 +542,43 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
         t.contains("is not on this machine") && t.contains("--device"),
         "{t}"
     );
+    // A job whose 8 MiB of buffers were its keeper's, which no longer holds them (no keeper
+    // answers): on its own GPU they are made again, so it needs room for them beside its own
+    // 9000 MiB, refused by name before anything is done.
+    use possum_engine::store::{BufferRecord, ChunkSink};
+    let w = possum_engine::image::ImageWriter::create(
+        &img.join("gpu/gpu-0"),
+        possum_engine::image::WriterOptions {
+            fsync: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    w.add_buffer(BufferRecord {
+        id: 1,
+        va: 0x7f00_0000_0000,
+        size: 8 << 20,
+        prefetch_rank: 0,
+    })
+    .unwrap();
+    w.write_chunk(1, 0, &vec![7u8; 8 << 20]).unwrap();
+    w.commit().unwrap();
+    let mut kept: Value = serde_json::from_str(&m(A)).unwrap();
+    kept["engine"] = json!("possum");
+    kept["gpu_dir"] = json!("gpu");
+    kept["keeper"] = json!({"dir": tmp.path().join("no-keeper")});
+    std::fs::write(img.join("possum.json"), kept.to_string()).unwrap();
+    let out = restore(&fake_smi(tmp.path(), 9005));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains("9005 MiB free")
+            && t.contains("needs 9008 MiB")
+            && t.contains("8 MiB of buffers its keeper no longer holds"),
+        "{t}"
+    );
+    let out = restore(&fake_smi(tmp.path(), 9010));
+    assert!(text(&out).contains("CRIU"), "{}", text(&out));
 }
 
 #[test]

@@ -244,12 +244,22 @@ pub(super) fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
 /// returns the driver's UUID remapping (empty: the same GPUs). `kept_mib`: the job's buffers
 /// that another process (its keeper) held, which nvidia-smi did not count as the job's: a move
 /// to another GPU needs room for them there too.
+/// The buffers of a job whose memory was its keeper's, for the room checks of a restore.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct KeptBuffers {
+    /// Their MiB (0 for a job without a keeper: nvidia-smi counted them as the job's).
+    pub mib: u64,
+    /// The keeper still holds them (mapped again on the job's own GPU, nothing made).
+    pub held: bool,
+}
+
 pub(super) fn plan_gpus(
     m: &Manifest,
     device: Option<u32>,
-    kept_mib: u64,
+    kept: KeptBuffers,
     gpus: impl FnOnce() -> Option<Vec<(u32, String, u64)>>,
 ) -> Result<Vec<([u8; 16], [u8; 16])>> {
+    let kept_mib = kept.mib;
     if m.gpu_memory.is_empty() {
         if device.is_some() {
             bail!(
@@ -272,6 +282,24 @@ pub(super) fn plan_gpus(
         }
         Ok(())
     };
+    // On its own GPU, a single-GPU job's buffers that its keeper no longer holds are made again
+    // there (nvidia-smi counted them as the keeper's, not in the job's MiB).
+    let own_gpu = |uuid: &str, free: u64, used: u64| -> Result<()> {
+        let again = if m.gpu_memory.len() == 1 && !kept.held {
+            kept.mib
+        } else {
+            0
+        };
+        if again > 0 && free < used + again {
+            bail!(
+                "GPU {uuid} has too little memory: {free} MiB free, the job needs {} MiB there \
+                 ({used} MiB of its own, {again} MiB of buffers its keeper no longer holds, made \
+                 again)",
+                used + again
+            );
+        }
+        room(uuid, free, used)
+    };
     let Some(d) = device else {
         for u in &m.gpu_memory {
             let Some((_, _, free)) = gpus.iter().find(|(_, id, _)| *id == u.uuid) else {
@@ -280,7 +308,7 @@ pub(super) fn plan_gpus(
                     u.uuid
                 );
             };
-            room(&u.uuid, *free, u.mib)?;
+            own_gpu(&u.uuid, *free, u.mib)?;
         }
         return Ok(Vec::new());
     };
@@ -294,7 +322,7 @@ pub(super) fn plan_gpus(
         bail!("there is no GPU {d} here");
     };
     if *target == used.uuid {
-        room(target, *free, used.mib)?;
+        own_gpu(target, *free, used.mib)?;
         return Ok(Vec::new());
     }
     if kept_mib > 0 && *free < used.mib + kept_mib {

@@ -12,7 +12,7 @@ use possum_criu::{Criu, RestoreOptions};
 use possum_cuda::checkpoint::DriverCheckpoint;
 use serde_json::json;
 
-use super::image::{open_image, plan_gpus, smi};
+use super::image::{open_image, plan_gpus, smi, KeptBuffers};
 use super::stage::{self, Staging};
 use super::{alive, ask, kill_job, ms, resume_children, Clock};
 
@@ -49,15 +49,19 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     // nvidia-smi (tens of ms) answers while the rest is made ready; its verdict still comes
     // before anything is started.
     let gpus = (!m.gpu_memory.is_empty()).then(|| std::thread::spawn(smi::gpus));
-    // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them.
-    let kept_mib = if m.keeper.is_some() {
-        img.buffer_mib()?
+    // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
+    // and so does a restore on the job's own GPU unless the keeper still holds them there.
+    let kept = if m.keeper.is_some() {
+        KeptBuffers {
+            mib: img.buffer_mib()?,
+            held: stage::keeper_holds(m),
+        }
     } else {
-        0
+        KeptBuffers::default()
     };
     let criu = Criu::locate().context("CRIU is needed for the CPU side");
     let drv = DriverCheckpoint::load().context("NVIDIA's driver checkpoint is needed");
-    let pairs = plan_gpus(m, a.device, kept_mib, || {
+    let pairs = plan_gpus(m, a.device, kept, || {
         gpus.and_then(|t| t.join().ok()).flatten()
     })?;
     let (criu, drv) = (criu?, drv?);

@@ -88,12 +88,8 @@ pub(super) fn plan(
     let Some(k) = &m.keeper else {
         return Err("the job had no keeper".into());
     };
-    if moved.is_none() {
-        if let Ok(mut keeper) = possum_keeper::Keeper::connect(&job_socket(m, &k.dir, 0)) {
-            if keeper.retained(m.pid).is_ok_and(|r| !r.is_empty()) {
-                return Err("the keeper still holds the job's memory".into());
-            }
-        }
+    if moved.is_none() && keeper_holds(m) {
+        return Err("the keeper still holds the job's memory".into());
     }
     Ok(Plan {
         dir: k.dir.clone(),
@@ -197,6 +193,17 @@ fn stage_target(
         .find(|h| h.pid == pid && h.device == device)
         .map(|h| h.epoch);
     (target_socket(dir, &new), peer_of(dir, &old, device, epoch))
+}
+
+/// Whether the job's keeper still holds memory of the job (device 0's socket: a job killed on
+/// this host with `--keep-on-gpu`, within its hold): a restore on its own GPU maps it again.
+pub(super) fn keeper_holds(m: &Manifest) -> bool {
+    let Some(k) = &m.keeper else {
+        return false;
+    };
+    possum_keeper::Keeper::connect(&job_socket(m, &k.dir, 0))
+        .and_then(|mut keeper| keeper.retained(m.pid))
+        .is_ok_and(|r| !r.is_empty())
 }
 
 /// The socket in keeper directory `dir` serving device `device` of the job on the GPU it ran on:
