@@ -435,6 +435,9 @@ def trial(spec, engine, k, steps, sleep_ms, n):
                       "gpu_from_keeper": (rs["json"] or {}).get("gpu_from_keeper"),
                       "staged_buffers_mapped": (rs["json"] or {}).get("staged_buffers_mapped"),
                       "peer_buffers": (rs["json"] or {}).get("peer_buffers"),
+                      # Why buffers to be copied from the old GPU were read from the image.
+                      "peer_misses": [w for st in (rs["json"] or {}).get("staged") or []
+                                      for w in st.get("peer_misses") or []],
                       "stderr": rs["stderr"] if rs["rc"] else None}
     pid = p.pid
     if rs["rc"] == 0 and os.environ.get("CKPT_RESTORE_DEVICE"):
@@ -561,8 +564,12 @@ def correctness_md(rows, summary, wall_s):
         stall = (f"{f.get('stall_ms', 0):.0f} ({bd.get('engine', 0):.0f}/{bd.get('driver', 0):.0f}/{bd.get('criu', 0):.0f})"
                  if f else "")
         yn = lambda x: "yes" if x else ("**NO**" if x is not None else "")
-        staged = (r.get("restore") or {}).get("staged_buffers_mapped")
-        rms = f"{rf.get('total_ms', '')}" + (f" ({staged} staged)" if staged else "")
+        rs = r.get("restore") or {}
+        staged, peer, misses = rs.get("staged_buffers_mapped"), rs.get("peer_buffers"), rs.get("peer_misses")
+        rms = (f"{rf.get('total_ms', '')}" + (f" ({staged} staged" + (f", {peer} GPU to GPU" if peer else "")
+                                              + ")" if staged else "")
+               + (f"; not copied: {misses[0]}" + (f" (+{len(misses) - 1})" if len(misses) > 1 else "")
+                  if misses else ""))
         out.append(f"| {r.get('trial')} | {r.get('job')} | {r.get('engine')} | {hooks} | {r.get('k')} | "
                    f"{yn(r.get('leave_running_identical'))} | {yn(r.get('restored_identical'))} | "
                    f"{r.get('resumed_at_step', '')} | {stall} | {rms} | "

@@ -208,11 +208,16 @@ class Correctness(unittest.TestCase):
                  "checkpoint": {"hooks": "entry", "figures": {"stall_ms": 900, "stall_breakdown_ms":
                                 {"engine": 100, "driver": 500, "criu": 300}}},
                  "restore": {"figures": {"total_ms": 1200}}, "wall_s": 18},
-                {"trial": 1, "job": "gpt2+async", "engine": "possum", "k": 9, "ok": False, "why": "checkpoint failed"}]
+                {"trial": 1, "job": "gpt2+async", "engine": "possum", "k": 9, "ok": False, "why": "checkpoint failed"},
+                {"trial": 2, "job": "gpt2+async", "engine": "possum-keeper-kill", "k": 3, "ok": True,
+                 "restore": {"figures": {"total_ms": 900}, "staged_buffers_mapped": 68, "peer_buffers": 58,
+                             "peer_misses": ["buffer 7 at 0x7f00: nothing retained there", "buffer 9 ..."]}}]
         md = ckpt.correctness_md(rows, [{"engine": "possum", "ok": 1, "ran": 2, "asked": 3, "skipped": ["x"]}], 30)
         self.assertIn("possum: 1/2 bit-identical both ways (1 of 3 not started", md)
         self.assertIn("| 0 | mlp | possum | entry | 5 | yes | yes | 6 | 900 (100/500/300) | 1200 |", md)
         self.assertIn("checkpoint failed", md)
+        # A move's buffers read from the image instead of copied GPU to GPU say why (the first).
+        self.assertIn("| 900 (68 staged, 58 GPU to GPU); not copied: buffer 7 at 0x7f00: nothing retained there (+1) |", md)
 
 
 class Figures(unittest.TestCase):
