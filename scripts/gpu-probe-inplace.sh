@@ -38,50 +38,56 @@ torch.cuda.synchronize()
 say(f"cores {os.cpu_count()}; {size // G} GiB; {sys.argv[2]} huge=always tmpfs")
 path = f"{sys.argv[2]}/img"
 
+def in_threads(threads, n, work, init=lambda: None):
+    """Chunks 0..n taken in turn by `threads` threads, each with a stream of its own and what
+    `init` makes: work(i, stream, state) per chunk (False ends the thread); the wall seconds."""
+    nxt = [0]; lock = threading.Lock()
+    def worker():
+        s, state = torch.cuda.Stream(), init()
+        while True:
+            with lock:
+                i = nxt[0]; nxt[0] += 1
+            if i >= n or work(i, s, state) is False:
+                return
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    t = time.perf_counter()
+    for x in ts: x.start()
+    for x in ts: x.join()
+    return time.perf_counter() - t
+
 def in_place(threads, chunk, crc, fresh, register=True):
     if fresh and os.path.exists(path):
         os.remove(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, size)
     base = libc.mmap(None, size, PROT_RW, mmap.MAP_SHARED, fd, 0)
-    n = size // chunk
-    nxt = [0]; lock = threading.Lock(); parts = {"fault": 0.0, "reg": 0.0, "dma": 0.0, "crc": 0.0, "unreg": 0.0}
+    lock = threading.Lock(); parts = {"fault": 0.0, "reg": 0.0, "dma": 0.0, "crc": 0.0, "unreg": 0.0}
     errs = []
-    def worker():
-        s = torch.cuda.Stream()
-        while True:
-            with lock:
-                i = nxt[0]; nxt[0] += 1
-            if i >= n:
-                return
-            p = base + i * chunk
-            t0 = time.perf_counter()
-            if libc.madvise(p, chunk, MADV_POPULATE_WRITE) != 0:
-                errs.append(f"madvise errno {ctypes.get_errno()}"); return
-            t1 = time.perf_counter()
-            rc = int(cudart.cudaHostRegister(p, chunk, 0)) if register else 0
-            if rc:
-                errs.append(f"register rc {rc}"); return
-            t2 = time.perf_counter()
-            host = torch.frombuffer((ctypes.c_char * chunk).from_address(p), dtype=torch.uint8)
-            with torch.cuda.stream(s):
-                host.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=register)
-            s.synchronize()
-            t3 = time.perf_counter()
-            if crc:
-                zlib.crc32(memoryview((ctypes.c_char * chunk).from_address(p)))
-            t4 = time.perf_counter()
-            if register:
-                cudart.cudaHostUnregister(p)
-            t5 = time.perf_counter()
-            with lock:
-                for k, d in (("fault", t1 - t0), ("reg", t2 - t1), ("dma", t3 - t2), ("crc", t4 - t3), ("unreg", t5 - t4)):
-                    parts[k] += d
-    ts = [threading.Thread(target=worker) for _ in range(threads)]
-    t = time.perf_counter()
-    for x in ts: x.start()
-    for x in ts: x.join()
-    dt = time.perf_counter() - t
+    def work(i, s, _):
+        p = base + i * chunk
+        t0 = time.perf_counter()
+        if libc.madvise(p, chunk, MADV_POPULATE_WRITE) != 0:
+            errs.append(f"madvise errno {ctypes.get_errno()}"); return False
+        t1 = time.perf_counter()
+        rc = int(cudart.cudaHostRegister(p, chunk, 0)) if register else 0
+        if rc:
+            errs.append(f"register rc {rc}"); return False
+        t2 = time.perf_counter()
+        host = torch.frombuffer((ctypes.c_char * chunk).from_address(p), dtype=torch.uint8)
+        with torch.cuda.stream(s):
+            host.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=register)
+        s.synchronize()
+        t3 = time.perf_counter()
+        if crc:
+            zlib.crc32(memoryview((ctypes.c_char * chunk).from_address(p)))
+        t4 = time.perf_counter()
+        if register:
+            cudart.cudaHostUnregister(p)
+        t5 = time.perf_counter()
+        with lock:
+            for k, d in (("fault", t1 - t0), ("reg", t2 - t1), ("dma", t3 - t2), ("crc", t4 - t3), ("unreg", t5 - t4)):
+                parts[k] += d
+    dt = in_threads(threads, size // chunk, work)
     host = torch.frombuffer((ctypes.c_char * size).from_address(base), dtype=torch.uint8)
     ok = not errs and bool(torch.equal(host[:: 4096].cuda(), g[:: 4096]))
     del host
@@ -95,26 +101,17 @@ def via_staging(threads, chunk):
     if os.path.exists(path):
         os.remove(path)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    n = size // chunk; nxt = [0]; lock = threading.Lock()
-    def worker():
-        s = torch.cuda.Stream()
+    def init():
         st = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
-        mv = memoryview(st.numpy())
-        while True:
-            with lock:
-                i = nxt[0]; nxt[0] += 1
-            if i >= n:
-                return
-            with torch.cuda.stream(s):
-                st.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=True)
-            s.synchronize()
-            zlib.crc32(mv)
-            os.pwrite(fd, mv, i * chunk)
-    ts = [threading.Thread(target=worker) for _ in range(threads)]
-    t = time.perf_counter()
-    for x in ts: x.start()
-    for x in ts: x.join()
-    dt = time.perf_counter() - t
+        return st, memoryview(st.numpy())
+    def work(i, s, state):
+        st, mv = state
+        with torch.cuda.stream(s):
+            st.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=True)
+        s.synchronize()
+        zlib.crc32(mv)
+        os.pwrite(fd, mv, i * chunk)
+    dt = in_threads(threads, size // chunk, work, init)
     os.close(fd)
     say(f"staging + pwrite, fresh file, {threads} threads, {chunk // M} MiB chunks, crc True: "
         f"{dt * 1e3:.0f} ms, {size / dt / 1e9:.1f} GB/s")
@@ -140,28 +137,16 @@ def ahead():
     say(f"ahead: {size // G} GiB file faulted in {t_fault * 1e3:.0f} ms, registered in "
         f"{(time.perf_counter() - t) * 1e3:.0f} ms (rc {rc}), before the clock; checksum {kind}")
     def run(threads, chunk, dma, check):
-        n = size // chunk
-        nxt = [0]; lock = threading.Lock()
-        def worker():
-            s = torch.cuda.Stream()
-            while True:
-                with lock:
-                    i = nxt[0]; nxt[0] += 1
-                if i >= n:
-                    return
-                p = base + i * chunk
-                if dma:
-                    host = torch.frombuffer((ctypes.c_char * chunk).from_address(p), dtype=torch.uint8)
-                    with torch.cuda.stream(s):
-                        host.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=True)
-                    s.synchronize()
-                if check:
-                    crc(memoryview((ctypes.c_char * chunk).from_address(p)))
-        ts = [threading.Thread(target=worker) for _ in range(threads)]
-        t = time.perf_counter()
-        for x in ts: x.start()
-        for x in ts: x.join()
-        dt = time.perf_counter() - t
+        def work(i, s, _):
+            p = base + i * chunk
+            if dma:
+                host = torch.frombuffer((ctypes.c_char * chunk).from_address(p), dtype=torch.uint8)
+                with torch.cuda.stream(s):
+                    host.copy_(g[i * chunk:(i + 1) * chunk], non_blocking=True)
+                s.synchronize()
+            if check:
+                crc(memoryview((ctypes.c_char * chunk).from_address(p)))
+        dt = in_threads(threads, size // chunk, work)
         say(f"ahead, {threads} threads, {chunk // M} MiB chunks, {'D2H' if dma else ''}"
             f"{' + ' if dma and check else ''}{'CRC' if check else ''}: {dt * 1e3:.0f} ms, {size / dt / 1e9:.1f} GB/s")
     for threads, chunk in ((8, 64 * M), (16, 64 * M), (16, 256 * M), (24, 64 * M)):

@@ -2082,6 +2082,27 @@ impl KilledOnGpu0 {
         assert_eq!(s.held.bytes, 0, "{s:?}");
     }
 
+    /// [`Self::moved_to_gpu_1`] and [`Self::goes_on_on_gpu_1`] after a restore (`r`) whose job
+    /// took the stage of its 3 buffers, `peer` of them copied from GPU 0 and none failed: the
+    /// stage as GPU 1's keeper ended it.
+    fn moved_and_staged(&mut self, r: &Value, peer: u64) -> possum_keeper::StageStats {
+        self.moved_to_gpu_1(r);
+        let back = self.goes_on_on_gpu_1();
+        assert_eq!(back["staged"], 3, "{back}");
+        let st = self.keeper(1).stats().unwrap();
+        let ended = st
+            .stages_ended
+            .last()
+            .expect("the stage, ended by the job")
+            .clone();
+        assert_eq!(
+            (ended.peer_copied, ended.ready, ended.failed),
+            (peer, 3, 0),
+            "{peer} copied from GPU 0: {st:?}"
+        );
+        ended
+    }
+
     /// The restored job goes on exactly as the reference, its buffers (and its later malloc's)
     /// from GPU 1's keeper, and exits cleanly.
     fn goes_on_on_gpu_1(&mut self) -> Value {
@@ -2128,17 +2149,8 @@ fn a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu() {
             .is_some_and(|s| s.ends_with("keeper-0.sock")),
         "{r}"
     );
-    t.moved_to_gpu_1(&r);
-    let back = t.goes_on_on_gpu_1();
-    assert_eq!(back["staged"], 3, "{back}");
-    let st = t.keeper(1).stats().unwrap();
-    let ended = st.stages_ended.last().expect("the stage, ended by the job");
-    assert_eq!(
-        (ended.peer_copied, ended.ready, ended.failed),
-        (3, 3, 0),
-        "every buffer copied from GPU 0: {st:?}"
-    );
-    assert!(ended.peer_bytes > 0 && ended.done_ms.is_some(), "{st:?}");
+    let ended = t.moved_and_staged(&r, 3);
+    assert!(ended.peer_bytes > 0 && ended.done_ms.is_some(), "{ended:?}");
 }
 
 /// A moved job one of whose kept buffers GPU 0's keeper no longer holds (freed before the
@@ -2172,16 +2184,7 @@ fn a_moved_job_s_buffer_gone_from_its_old_gpu_is_read_from_the_image_and_said_wh
         "{why}"
     );
     assert_eq!(r["staged_buffers_mapped"], 3, "{r}");
-    t.moved_to_gpu_1(&r);
-    let back = t.goes_on_on_gpu_1();
-    assert_eq!(back["staged"], 3, "{back}");
-    let st = t.keeper(1).stats().unwrap();
-    let ended = st.stages_ended.last().expect("the stage, ended by the job");
-    assert_eq!(
-        (ended.peer_copied, ended.ready, ended.failed),
-        (2, 3, 0),
-        "{st:?}"
-    );
+    t.moved_and_staged(&r, 2);
 }
 
 /// [`a_job_restored_onto_another_gpu_gets_its_kept_memory_copied_gpu_to_gpu`] with staging off
