@@ -209,6 +209,14 @@ def ensure_keeper():
         raise RuntimeError(f"the keeper did not start: {open(os.path.join(WORK, 'keeper.err')).read()[-800:]}")
     KEEPER[:] = [k]
     atexit.register(lambda: (k.kill(), k.wait()))
+    # A keeper with spare image memory (POSSUM_KEEPER_SPARE_DIR/_MIB, issue 14 item 7) makes it
+    # in the background: the first checkpoint waits for it (up to 180 s).
+    if os.environ.get("POSSUM_KEEPER_SPARE_DIR"):
+        err = os.path.join(WORK, "keeper.err")
+        t = time.time()
+        while time.time() - t < 180 and "spare image memory" not in open(err).read():
+            time.sleep(0.2)
+        print(f"keeper: {[l for l in open(err).read().splitlines() if 'spare' in l][-1:]}", flush=True)
 
 
 def job_env(possum_loaded, extra=None):

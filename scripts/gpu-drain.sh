@@ -17,6 +17,13 @@
 # checkpoints with the images under DRAIN_DISK_DIR (/var/tmp) at DRAIN_DISK_GIB (8,16) GiB, the
 # default chunks and staging; the save includes the fsync of the data files.
 # -> $OUT/drain-disk.{md,jsonl}, drain.txt
+#   bash scripts/gpu-drain.sh spare     (about 6 minutes)
+# The drain into the keeper's spare image memory (session 25: the keeper makes a file on the
+# images' huge-page tmpfs, faulted in and registered with CUDA ahead, and copies the snapshot's
+# shadows into it at the copy engine's speed; `POSSUM_KEEPER_SPARE_DIR/_MIB`), the MLP holding
+# DRAIN_GIB (32) GiB read only and written every step, 2 reps, against the same without a spare
+# (`POSSUM_SPARE_DRAIN=0`), DRAIN_SPARE_MIB (36864) MiB of spare.
+# -> $OUT/drain-spare-{on,off}.{md,jsonl}, drain.txt (the save's GB/s and the shadows the keeper saved)
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,10 +40,32 @@ for l in open(sys.argv[1]):
     saved = ck.get("saved_ms")
     b = sum(x.get("bytes") or 0 for x in (r.get("kept") or {}).get("save") or []) or ck.get("gpu_image_bytes")
     gbs = f"{b / saved / 1e6:.1f}" if saved and b else "?"
+    by_keeper = sum(x.get("shadows_saved_by_keeper") or 0 for x in (r.get("kept") or {}).get("save") or [])
     print(f"{sys.argv[2]}: {r['engine']} {r.get('gib')} GiB: "
-          f"stall {r.get('stall_ms') or 0:.0f} ms, saved {saved} ms, {gbs} GB/s, ok {r.get('ok')}")
+          f"stall {r.get('stall_ms') or 0:.0f} ms, saved {saved} ms, {gbs} GB/s, "
+          f"shadows saved by the keeper {by_keeper}, ok {r.get('ok')}")
 PY
 }
+if [ "${1:-}" = spare ]; then
+    huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
+    mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge" || exit 1
+    for mode in on off; do
+        rm -rf "$huge/spares"; mkdir -p "$huge/spares"
+        drain=1; [ "$mode" = off ] && drain=0
+        POSSUM_CKPT_HUGE=1 CKPT_TIMEOUT=240 OUT="$res/d" POSSUM_KEEPER_SPARE_DIR="$huge/spares" \
+            POSSUM_KEEPER_SPARE_MIB="${DRAIN_SPARE_MIB:-36864}" \
+            CKPT_JOB_ENV="POSSUM_WRITERS=16,POSSUM_SPARE_DRAIN=$drain" \
+            timeout -k 5 "${DRAIN_STEP_S:-280}" bash scripts/gpu-ckpt.sh figures \
+            --engines "${DRAIN_ENGINES:-possum-keeper-frozen,possum-keeper}" \
+            --bench-plan "mlp:${DRAIN_GIB:-32}" --reps 2 --budget-s 260 > "$res/drain-spare-$mode.log" 2>&1
+        cp "$res/d/figures.md" "$res/drain-spare-$mode.md" 2>/dev/null
+        cp "$res/d/ckpt-figures.jsonl" "$res/drain-spare-$mode.jsonl" 2>/dev/null
+        rm -rf "$res/d"
+        summary "$res/drain-spare-$mode.jsonl" "spare $mode"
+    done
+    rm -rf "$huge/spares"
+    exit 0
+fi
 if [ "${1:-}" = disk ]; then
     d="${DRAIN_DISK_DIR:-/var/tmp}/possum-drain"; rm -rf "$d"; mkdir -p "$d"
     { df -h "$d"; findmnt -T "$d" -o SOURCE,FSTYPE,OPTIONS | tail -1

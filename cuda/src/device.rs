@@ -275,6 +275,12 @@ impl CudaDevice {
         (!t.detached.is_empty()).then_some(t.detaching.0)
     }
 
+    /// The owner's id of the memory mapped at `va` (the start of a mapping), if it is the
+    /// owner's (a keeper's): what the keeper knows it by (its spare image memory copies it).
+    pub fn owned_id(&self, va: u64) -> Option<u64> {
+        self.tables.lock().owned.get(&va).copied()
+    }
+
     /// Whether new memory comes from an owner (a keeper of this device's), without asking it.
     pub fn has_usable_owner(&self) -> bool {
         self.usable_owner().is_some()

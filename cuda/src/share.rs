@@ -375,3 +375,144 @@ impl Drop for Mapped<'_> {
         }
     }
 }
+
+/// A file mapped shared, its pages faulted in and registered with CUDA (page-locked: the copy
+/// engine writes them directly, at full speed), for image memory prepared ahead of a drain (the
+/// keeper's spare). Unregistered and unmapped on drop; the file itself stays. Fills of
+/// overlapping ranges at once are refused.
+pub struct RegisteredFile {
+    ptr: *mut u8,
+    len: usize,
+    ctx: Arc<Context>,
+    /// The ranges being filled now.
+    busy: parking_lot::Mutex<Vec<(usize, usize)>>,
+}
+
+// SAFETY: `ptr` is a shared mapping this value owns until drop; the bytes are only touched by
+// `fill`, whose ranges are claimed exclusively in `busy` first.
+unsafe impl Send for RegisteredFile {}
+// SAFETY: as above.
+unsafe impl Sync for RegisteredFile {}
+
+impl fmt::Debug for RegisteredFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegisteredFile")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl ShareDevice {
+    /// Maps the first `len` bytes of `file` (which must be at least that long) shared, faults
+    /// them in and registers them with CUDA.
+    pub fn register_file(&self, file: &std::fs::File, len: u64) -> DeviceResult<RegisteredFile> {
+        let len = to_usize("mmap", len)?;
+        if len == 0 {
+            return Err(invalid("mmap", "an empty file".into()));
+        }
+        // SAFETY: a fresh shared mapping of an open file, at an address the kernel picks; its
+        // pages are faulted in now (MAP_POPULATE), so registration finds them present.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(invalid(
+                "mmap",
+                format!("{len} bytes: {}", std::io::Error::last_os_error()),
+            ));
+        }
+        let unmap = || {
+            // SAFETY: the mapping just made, not used since.
+            unsafe { libc::munmap(ptr, len) };
+        };
+        if let Err(e) = self.ctx.bind() {
+            unmap();
+            return Err(e);
+        }
+        if let Err(e) = call!(cuMemHostRegister_v2(ptr, len, 0)) {
+            unmap();
+            return Err(e);
+        }
+        Ok(RegisteredFile {
+            ptr: ptr.cast(),
+            len,
+            ctx: Arc::clone(&self.ctx),
+            busy: parking_lot::Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl RegisteredFile {
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// Whether it is empty (never: `register_file` refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `len` bytes of `src` from `src_offset` into the file at `at` (synchronous,
+    /// `cuMemcpyDtoH_v2` into the registered pages), then hands the bytes to `check` (a
+    /// checksum) while the range is still this call's.
+    pub fn fill<R>(
+        &self,
+        at: u64,
+        src: &Mapped<'_>,
+        src_offset: u64,
+        len: usize,
+        check: impl FnOnce(&[u8]) -> R,
+    ) -> DeviceResult<R> {
+        let start = to_usize("cuMemcpyDtoH_v2", at)?;
+        let end = match start.checked_add(len) {
+            Some(end) if end <= self.len && len > 0 => end,
+            _ => {
+                return Err(invalid(
+                    "cuMemcpyDtoH_v2",
+                    format!("{len} bytes at {at} outside the {}-byte file", self.len),
+                ))
+            }
+        };
+        let s = src.range("cuMemcpyDtoH_v2", src_offset, len)?;
+        {
+            let mut busy = self.busy.lock();
+            if busy.iter().any(|&(a, b)| start < b && a < end) {
+                return Err(invalid(
+                    "cuMemcpyDtoH_v2",
+                    format!("bytes {start}..{end} of the file are being filled already"),
+                ));
+            }
+            busy.push((start, end));
+        }
+        let r = (|| {
+            self.ctx.bind()?;
+            // SAFETY: `start..end` lies inside the mapping (checked) and is this call's alone
+            // (claimed in `busy`); the destination is registered, the source a live mapping.
+            let dst = unsafe { self.ptr.add(start) };
+            call!(cuMemcpyDtoH_v2(dst.cast(), s, len))?;
+            // SAFETY: as above; the copy has completed (synchronous), nothing else writes there.
+            let bytes = unsafe { std::slice::from_raw_parts(dst, len) };
+            Ok(check(bytes))
+        })();
+        self.busy.lock().retain(|&r| r != (start, end));
+        r
+    }
+}
+
+impl Drop for RegisteredFile {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            let _ = call!(cuMemHostUnregister(self.ptr.cast()));
+        }
+        // SAFETY: the mapping this value made; no fill is running (they borrow `self`).
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}

@@ -193,6 +193,11 @@ int cuMemGetAddressRange_v2(ull* b, size_t* s, ull p){
   return 1; }
 int cuMemHostAlloc(void** p, size_t n, unsigned f){ if(!cur) return 201; *p=malloc(n); memset(*p, 0x77, n); return *p?0:2; }
 int cuMemFreeHost(void* p){ free(p); return 0; }
+/* Host memory registered with the "device": nothing to pin here (DtoH copies reach any host
+ * memory); counted, so a test can see registrations undone. */
+static int host_registered;
+int cuMemHostRegister_v2(void* p, size_t n, unsigned f){ if(!cur) return 201; if(!p||!n) return 1; host_registered++; return 0; }
+int cuMemHostUnregister(void* p){ if(!p) return 1; host_registered--; return 0; }
 int cuStreamCreate(void** s, unsigned f){ int* x=malloc(sizeof(int)); *x=0; *s=x; return 0; }
 int cuStreamCreateWithPriority(void** s, unsigned f, int prio){ int* x=malloc(sizeof(int)); *x=prio; *s=x; return 0; }
 int cuStreamGetPriority(void* s, int* p){ *p = s? *(int*)s : 0; return 0; }
@@ -412,7 +417,7 @@ int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* st
   X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemCreate) \
   X(cuMemRelease) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemGetAddressRange_v2) \
   X(cuMemRetainAllocationHandle) X(cuMemGetAllocationPropertiesFromHandle) \
-  X(cuMemHostAlloc) X(cuMemFreeHost) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
+  X(cuMemHostAlloc) X(cuMemFreeHost) X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuStreamCreate) X(cuStreamCreateWithPriority) \
   X(cuStreamGetPriority) X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamQuery) \
   X(cuStreamWaitEvent) X(cuStreamIsCapturing) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery) \
   X(cuEventSynchronize) X(cuEventDestroy_v2) X(cuMemcpy) X(cuMemcpy_ptds) X(cuMemcpyAsync) \

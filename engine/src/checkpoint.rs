@@ -38,7 +38,7 @@ use crate::engine::{Access, Counters, EngineError, Inner, Phase};
 use crate::registry::Buffer;
 use crate::session::{BlockedTime, SessionHandle};
 use crate::staging::StagingPool;
-use crate::store::{BufferRecord, ChunkSink};
+use crate::store::{BufferRecord, ChunkSink, ShadowSaver};
 
 /// Which buffers a session takes, and whether writes must wait for them.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -159,6 +159,8 @@ pub struct CheckpointReport {
     pub snapshot_shadows: u64,
     /// Peak shadow memory in use.
     pub shadow_peak: u64,
+    /// Of the shadows, those saved by the [`ShadowSaver`] (the keeper's spare image memory).
+    pub shadows_saved_elsewhere: u64,
     /// Hook calls that blocked the job's thread during this checkpoint.
     pub hook_blocked: u64,
     /// Their total time.
@@ -194,6 +196,9 @@ pub(crate) struct CkptSession<D: Device> {
     stream_waits: AtomicU64,
     counters: Arc<Counters>,
     started: Instant,
+    /// Saves shadows without the staging, when given.
+    shadow_saver: Option<Arc<dyn ShadowSaver>>,
+    saved_elsewhere: AtomicU64,
 }
 
 impl<D: Device> CkptSession<D> {
@@ -202,9 +207,10 @@ impl<D: Device> CkptSession<D> {
         sink: Arc<dyn ChunkSink>,
         mode: CopyMode,
         snapshot: bool,
+        shadow_saver: Option<Arc<dyn ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
         inner.gate.close();
-        let r = Self::fix_t0(inner, sink, mode);
+        let r = Self::fix_t0(inner, sink, mode, shadow_saver);
         inner.gate.open();
         let session = r?;
         if snapshot {
@@ -227,6 +233,7 @@ impl<D: Device> CkptSession<D> {
         inner: &Arc<Inner<D>>,
         sink: Arc<dyn ChunkSink>,
         mode: CopyMode,
+        shadow_saver: Option<Arc<dyn ShadowSaver>>,
     ) -> Result<Arc<Self>, EngineError> {
         let bufs: Vec<Buffer> = {
             let reg = inner.reg.read();
@@ -314,6 +321,8 @@ impl<D: Device> CkptSession<D> {
             stream_waits: AtomicU64::new(0),
             counters: Arc::clone(&inner.counters),
             started: Instant::now(),
+            shadow_saver,
+            saved_elsewhere: AtomicU64::new(0),
         });
         inner.set_phase(Phase::Checkpoint(Arc::clone(&session)));
         Ok(session)
@@ -481,6 +490,31 @@ impl<D: Device> CkptSession<D> {
         Ok(Some(CkState::Shadowed { shadow, ready }))
     }
 
+    /// Saves buffer `id`'s shadow through the [`ShadowSaver`], if there is one, once its copy
+    /// (`ready`) has completed: whether it did. A failure is logged and leaves the shadow to the
+    /// staging.
+    fn save_elsewhere(&self, id: u64, shadow: DevPtr, size: u64, ready: &D::Event) -> bool {
+        let Some(saver) = &self.shadow_saver else {
+            return false;
+        };
+        let r = self
+            .dev
+            .event_synchronize(ready)
+            .map_err(|e| e.to_string())
+            .and_then(|()| saver.save(id, shadow, size));
+        match r {
+            Ok(()) => {
+                self.shared.bytes.fetch_add(size, Ordering::Relaxed);
+                self.saved_elsewhere.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                tracing::warn!("buffer {id}'s shadow saved through the staging instead: {e}");
+                false
+            }
+        }
+    }
+
     fn alloc_shadow(&self, mapped: u64) -> Option<DevPtr> {
         let va = self.dev.reserve(mapped).ok()?;
         if self.dev.map(va, mapped).is_err() {
@@ -617,6 +651,9 @@ impl<D: Device> CkptSession<D> {
                     }
                 },
                 Next::FromShadow(shadow, ready) => {
+                    if self.save_elsewhere(id, shadow, size, &ready) {
+                        continue;
+                    }
                     let r = self
                         .dev
                         .wait_event(stream, &ready)
@@ -687,6 +724,7 @@ impl<D: Device> CkptSession<D> {
             cow_shadow: self.cow_shadow.load(Ordering::Relaxed),
             snapshot_shadows: self.snapshot_shadows.load(Ordering::Relaxed),
             shadow_peak: self.shadow_peak.load(Ordering::Relaxed),
+            shadows_saved_elsewhere: self.saved_elsewhere.load(Ordering::Relaxed),
             hook_blocked,
             hook_blocked_total,
             hook_blocked_max,

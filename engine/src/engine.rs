@@ -633,7 +633,7 @@ impl<D: Device> Engine<D> {
         } else {
             CopyMode::Cow
         };
-        CkptSession::begin(&self.inner, sink, mode, false)
+        CkptSession::begin(&self.inner, sink, mode, false, None)
     }
 
     /// [`Engine::checkpoint`] of every buffer that also copies, before it returns (the copies
@@ -646,8 +646,18 @@ impl<D: Device> Engine<D> {
         &self,
         sink: Arc<dyn ChunkSink>,
     ) -> Result<CheckpointHandle, EngineError> {
+        self.checkpoint_snapshot_with(sink, None)
+    }
+
+    /// [`Engine::checkpoint_snapshot`] whose shadows are saved by `saver` when given (the
+    /// keeper's spare image memory), each through the staging should that fail.
+    pub fn checkpoint_snapshot_with(
+        &self,
+        sink: Arc<dyn ChunkSink>,
+        saver: Option<Arc<dyn crate::store::ShadowSaver>>,
+    ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
-        CkptSession::begin(&self.inner, sink, CopyMode::Cow, true)
+        CkptSession::begin(&self.inner, sink, CopyMode::Cow, true, saver)
     }
 
     /// Marks every buffer as written, so that the next pre-copy round (or `checkpoint(sink, true)`)
@@ -662,7 +672,7 @@ impl<D: Device> Engine<D> {
     /// by itself: finish with `checkpoint(sink, true)`.
     pub fn precopy_round(&self, sink: Arc<dyn ChunkSink>) -> Result<RoundReport, EngineError> {
         self.start_session("pre-copy round")?;
-        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy, false)?;
+        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy, false, None)?;
         let r = h.wait()?;
         let dirty_after = self
             .inner

@@ -966,6 +966,70 @@ fn a_snapshot_checkpoint_is_immune_to_writes_the_hooks_miss() {
     );
 }
 
+/// A snapshot checkpoint with a [`ShadowSaver`] (the keeper's spare image memory in possum):
+/// every shadow goes through it, none through the staging, and the image is still the state at
+/// T0 whatever the job writes meanwhile; a saver that fails leaves the shadows to the staging,
+/// with the same image.
+#[test]
+fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
+    use possum_engine::device::DevPtr;
+    use possum_engine::store::ShadowSaver;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    struct Saver {
+        dev: Arc<HostDevice>,
+        store: Arc<MemStore>,
+        fail: bool,
+        saved: AtomicU64,
+    }
+    impl ShadowSaver for Saver {
+        fn save(&self, buffer: u64, shadow: DevPtr, size: u64) -> Result<(), String> {
+            if self.fail {
+                return Err("failed on purpose".into());
+            }
+            let bytes = self.dev.read_now(shadow, size).map_err(|e| e.to_string())?;
+            self.store
+                .write_chunk(buffer, 0, &bytes)
+                .map_err(|e| e.to_string())?;
+            self.saved.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+    }
+    for fail in [false, true] {
+        let dev = Arc::new(HostDevice::keeping(1 << 30));
+        let e = Engine::new(dev.clone(), small_cfg(1 << 20, 2, 0)).unwrap();
+        let bufs: Vec<_> = (0..6).map(|_| e.alloc(1 << 18).unwrap()).collect();
+        for (i, b) in bufs.iter().enumerate() {
+            dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
+        }
+        let store = Arc::new(MemStore::new());
+        let saver = Arc::new(Saver {
+            dev: dev.clone(),
+            store: store.clone(),
+            fail,
+            saved: AtomicU64::new(0),
+        });
+        e.set_shadow_budget(64 << 20);
+        let h = e
+            .checkpoint_snapshot_with(store.clone(), Some(saver.clone()))
+            .unwrap();
+        for b in &bufs {
+            dev.write_now(b.va(), &vec![0xee; 1 << 18]).unwrap();
+        }
+        let r = h.wait().unwrap();
+        assert_eq!(r.snapshot_shadows, 6);
+        let elsewhere = if fail { 0 } else { 6 };
+        assert_eq!(r.shadows_saved_elsewhere, elsewhere, "fail {fail}");
+        assert_eq!(saver.saved.load(Ordering::Relaxed), elsewhere);
+        assert_eq!(r.bytes, 6 << 18);
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(
+                store.buffer_bytes(b.id()).unwrap() == vec![i as u8 + 1; 1 << 18],
+                "buffer {i} (fail {fail}) is not as of T0"
+            );
+        }
+    }
+}
+
 /// Buffers mapped piece by piece into an address range the job reserved (`alloc_at`, one
 /// group): an operation that names one piece is taken to touch them all (the job's data may span
 /// pieces), so a write to one puts every piece into the final copy, and a buffer outside the

@@ -848,7 +848,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
             });
         out.push(ordinal);
     }
-    let saving_devices: Vec<usize> = saving.iter().map(|(o, _, _)| *o).collect();
+    let saving_devices: Vec<usize> = saving.iter().map(|(o, ..)| *o).collect();
     unpause_job();
     if !saving.is_empty() {
         let _ = std::thread::Builder::new()
@@ -940,7 +940,118 @@ type Saves = Vec<(
     usize,
     Arc<ImageWriter>,
     possum_engine::checkpoint::CheckpointHandle,
+    Option<Arc<SpareSaver>>,
 )>;
+
+/// A kept checkpoint's shadows saved into the keeper's spare image memory (issue 14 item 7):
+/// the spare file is one of the image's data files, the keeper copies each shadow (its memory)
+/// into it at the copy engine's speed and checksums it, and the chunks are recorded here.
+pub(crate) struct SpareSaver {
+    keeper: parking_lot::Mutex<possum_keeper::Keeper>,
+    drain: u64,
+    file: u32,
+    len: u64,
+    next: std::sync::atomic::AtomicU64,
+    chunk: u64,
+    writer: Arc<ImageWriter>,
+    dev: Arc<possum_cuda::CudaDevice>,
+    ended: std::sync::atomic::AtomicBool,
+}
+
+impl SpareSaver {
+    /// Borrows the spare of `keeper` for `writer`'s image, if it has one on that filesystem (a
+    /// keeper run with `POSSUM_KEEPER_SPARE_DIR` and `POSSUM_KEEPER_SPARE_MIB`): `None`, said
+    /// once, if not. `POSSUM_SPARE_DRAIN=0` never asks.
+    fn borrow(e: &DevEngine, writer: &Arc<ImageWriter>, chunk: u64) -> Option<Arc<SpareSaver>> {
+        if std::env::var("POSSUM_SPARE_DRAIN").is_ok_and(|v| v.trim() == "0") {
+            return None;
+        }
+        let path = e.keeper.as_ref()?.path();
+        let mut keeper = possum_keeper::Keeper::connect(&path).ok()?;
+        let lease = match keeper.spare_take(writer.temp_dir()) {
+            Ok(l) => l,
+            Err(err) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    crate::log(&format!(
+                        "device {}: kept checkpoints saved through the staging: {err}",
+                        e.ordinal
+                    ))
+                });
+                return None;
+            }
+        };
+        let file = match writer.adopt_file(Path::new(&lease.path)) {
+            Ok(f) => f,
+            Err(err) => {
+                crate::log(&format!(
+                    "device {}: the keeper's spare not taken: {err}",
+                    e.ordinal
+                ));
+                let _ = keeper.spare_end(lease.drain);
+                return None;
+            }
+        };
+        Some(Arc::new(SpareSaver {
+            keeper: parking_lot::Mutex::new(keeper),
+            drain: lease.drain,
+            file,
+            len: lease.len,
+            next: std::sync::atomic::AtomicU64::new(0),
+            chunk,
+            writer: Arc::clone(writer),
+            dev: Arc::clone(e.engine.device()),
+            ended: std::sync::atomic::AtomicBool::new(false),
+        }))
+    }
+
+    /// Gives the spare back (once): the keeper unmaps it; the file is the image's.
+    fn end(&self) {
+        if !self.ended.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            if let Err(err) = self.keeper.lock().spare_end(self.drain) {
+                crate::log(&format!("giving the keeper's spare back: {err}"));
+            }
+        }
+    }
+}
+
+impl possum_engine::store::ShadowSaver for SpareSaver {
+    fn save(
+        &self,
+        buffer: u64,
+        shadow: possum_engine::device::DevPtr,
+        size: u64,
+    ) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        let alloc = self
+            .dev
+            .owned_id(shadow.0)
+            .ok_or_else(|| format!("the shadow at {:#x} is not the keeper's memory", shadow.0))?;
+        // Each shadow on a 2 MiB boundary of the file (whole huge pages).
+        let at = self
+            .next
+            .fetch_add(size.next_multiple_of(2 << 20), Ordering::Relaxed);
+        if at.saturating_add(size) > self.len {
+            return Err(format!("the spare ({} bytes) is full", self.len));
+        }
+        let crcs = self
+            .keeper
+            .lock()
+            .spare_fill(self.drain, alloc, 0, size, at, self.chunk)
+            .map_err(|e| e.to_string())?;
+        if crcs.len() as u64 != size.div_ceil(self.chunk) {
+            return Err(format!("{} checksums for {size} bytes", crcs.len()));
+        }
+        for (k, crc) in crcs.into_iter().enumerate() {
+            let off = k as u64 * self.chunk;
+            let len = self.chunk.min(size - off);
+            self.writer
+                .record_chunk(buffer, off, len, self.file, at + off, crc)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
 
 /// With the job still paused (its buffers as at the release): starts every engine's checkpoint
 /// into a new image under `dir`, a concurrent one: every buffer the shadow budget allows is
@@ -954,21 +1065,34 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
         let ordinal = e.ordinal;
         e.engine
             .set_shadow_budget(shadow_mib.map_or_else(|| shadow_budget(e), |m| m << 20));
+        let chunk = crate::runtime::state().cfg.chunk_mib << 20;
         let begun = new_writer(dir, ordinal).and_then(|writer| {
             let sink: Arc<dyn ChunkSink> = writer.clone();
-            e.engine
-                .checkpoint_snapshot(sink)
-                .map(|h| (writer, h))
-                .map_err(|err| err.to_string())
+            let spare = SpareSaver::borrow(e, &writer, chunk);
+            let saver = spare
+                .clone()
+                .map(|s| s as Arc<dyn possum_engine::store::ShadowSaver>);
+            match e.engine.checkpoint_snapshot_with(sink, saver) {
+                Ok(h) => Ok((writer, h, spare)),
+                Err(err) => {
+                    if let Some(s) = &spare {
+                        s.end();
+                    }
+                    Err(err.to_string())
+                }
+            }
         });
         match begun {
-            Ok((writer, h)) => started.push((ordinal, writer, h)),
+            Ok((writer, h, spare)) => started.push((ordinal, writer, h, spare)),
             Err(err) => {
                 // The others run to their end (their images are thrown away).
                 let why = format!("device {ordinal}: saving: {err}");
                 crate::log(&why);
-                for (_, _, h) in started.drain(..) {
+                for (_, _, h, spare) in started.drain(..) {
                     let _ = h.wait();
+                    if let Some(s) = spare {
+                        s.end();
+                    }
                 }
                 stop_tracking(&engines);
                 set_saving(Saving::Failed(why));
@@ -999,14 +1123,21 @@ fn finish_save(saves: Saves) {
     let t = Instant::now();
     let mut out = Vec::new();
     let mut failed = None;
-    for (ordinal, writer, h) in saves {
-        match h.wait() {
+    for (ordinal, writer, h, spare) in saves {
+        let r = h.wait();
+        // The keeper lets go of the spare (unmapped) before the image cuts and renames it.
+        if let Some(s) = &spare {
+            s.end();
+        }
+        drop(spare);
+        match r {
             Ok(r) => match commit(ordinal, writer) {
                 Ok(summary) => out.push(json!({
                     "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
                     "ms": ms(r.elapsed), "cow_priority": r.cow_priority,
                     "cow_shadow": r.cow_shadow, "shadow_peak": r.shadow_peak,
                     "snapshot_shadows": r.snapshot_shadows,
+                    "shadows_saved_by_keeper": r.shadows_saved_elsewhere,
                     "image_bytes": summary.data_file_bytes,
                     "gb_per_s": r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9,
                 })),

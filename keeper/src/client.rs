@@ -171,6 +171,51 @@ impl Keeper {
         parse("stage", v)
     }
 
+    /// Borrows the keeper's spare image memory for a drain into `dir`'s filesystem.
+    pub fn spare_take(&mut self, dir: &Path) -> Result<crate::SpareLease, KeeperError> {
+        let (v, _) = self.ask(
+            "spare_take",
+            &Request::SpareTake {
+                dir: dir.display().to_string(),
+            },
+        )?;
+        parse("spare_take", v)
+    }
+
+    /// Has the keeper copy `len` bytes of this process's allocation `alloc` from `offset` into
+    /// drain `drain`'s spare at `at`: each `piece`'s CRC32C.
+    pub fn spare_fill(
+        &mut self,
+        drain: u64,
+        alloc: u64,
+        offset: u64,
+        len: u64,
+        at: u64,
+        piece: u64,
+    ) -> Result<Vec<u32>, KeeperError> {
+        let (v, _) = self.ask(
+            "spare_fill",
+            &Request::SpareFill {
+                drain,
+                alloc,
+                offset,
+                len,
+                at,
+                piece,
+            },
+        )?;
+        serde_json::from_value(v["crcs"].clone()).map_err(|e| KeeperError::Protocol {
+            request: "spare_fill",
+            detail: e.to_string(),
+        })
+    }
+
+    /// Ends drain `drain`'s loan of the spare.
+    pub fn spare_end(&mut self, drain: u64) -> Result<(), KeeperError> {
+        self.ask("spare_end", &Request::SpareEnd { drain })
+            .map(drop)
+    }
+
     /// The device this keeper socket serves.
     pub fn device(&mut self) -> Result<DeviceInfo, KeeperError> {
         let (v, _) = self.ask("device", &Request::Device)?;

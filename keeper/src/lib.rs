@@ -52,6 +52,7 @@ mod client;
 mod fdpass;
 mod memory;
 mod server;
+mod spare;
 mod stage;
 
 use std::collections::BTreeMap;
@@ -210,6 +211,46 @@ pub enum Request {
     },
     /// The device this socket serves ([`DeviceInfo`]); opens it if it is not open yet.
     Device,
+    /// Lend the spare image memory to a drain into image directory `dir` ([`SpareLease`]):
+    /// refused unless a spare is ready on `dir`'s filesystem (`spare.rs`).
+    SpareTake {
+        /// The image's directory (its temporary one): the spare must be on its filesystem.
+        dir: String,
+    },
+    /// Copy `len` bytes of the caller's allocation `alloc` from `offset` into drain `drain`'s
+    /// spare at `at`, `piece` bytes at a time: the reply `{"crcs": [..]}` has each piece's
+    /// CRC32C, in order.
+    SpareFill {
+        /// The drain ([`SpareLease::drain`]).
+        drain: u64,
+        /// The caller's allocation.
+        alloc: u64,
+        /// Where in it.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// Where in the spare.
+        at: u64,
+        /// Bytes per checksum.
+        piece: u64,
+    },
+    /// End drain `drain`'s loan: the spare is unregistered and unmapped (the file is the
+    /// caller's now), and another is made.
+    SpareEnd {
+        /// The drain.
+        drain: u64,
+    },
+}
+
+/// The reply to `spare_take`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpareLease {
+    /// The drain's id (`spare_fill`, `spare_end` name it).
+    pub drain: u64,
+    /// The spare file: the caller renames it into its image.
+    pub path: String,
+    /// Its length.
+    pub len: u64,
 }
 
 /// Where a stage copies buffers from device to device ([`Request::Stage`]'s `from`): the
@@ -415,6 +456,9 @@ pub enum KeeperError {
     /// enough memory for it).
     #[error("stage: {0}")]
     Stage(String),
+    /// Spare image memory: none configured or ready, or a fill that failed.
+    #[error("spare image memory: {0}")]
+    Spare(String),
     /// Reading from or writing to a connection failed.
     #[error("keeper connection: {op}: {source}")]
     Io {

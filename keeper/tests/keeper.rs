@@ -655,3 +655,111 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
     }
     wait_total(&server, Usage::default());
 }
+
+/// Spare image memory (issue 14 item 7): a keeper with `POSSUM_KEEPER_SPARE_*` makes a spare
+/// file in that directory; a drain into that filesystem takes it, has the keeper copy its own
+/// allocation into it (the bytes and each piece's CRC32C as the caller's), gives it back, and a
+/// new spare is made. Another process's allocation is refused, a directory on another
+/// filesystem too, and a drain that is not lent is named.
+#[test]
+fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
+    use std::os::unix::fs::FileExt;
+    if !inner_or_spawn("a_drain_copies_its_memory_into_the_keeper_s_spare") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let spares = dir.path().join("spares");
+    std::fs::create_dir(&spares).unwrap();
+    // A stale spare of a keeper that is gone is removed when the first spare is made.
+    std::fs::write(spares.join(".possum-spare-999999999-1"), b"stale").unwrap();
+    std::env::set_var("POSSUM_KEEPER_SPARE_DIR", &spares);
+    std::env::set_var("POSSUM_KEEPER_SPARE_MIB", "16");
+    let server = keeper(dir.path());
+    std::env::remove_var("POSSUM_KEEPER_SPARE_DIR");
+    std::env::remove_var("POSSUM_KEEPER_SPARE_MIB");
+    let spare_files = || -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&spares)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    };
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let t = Instant::now();
+    let lease = loop {
+        match k.spare_take(dir.path()) {
+            Ok(l) => break l,
+            Err(e) => {
+                assert!(t.elapsed() < Duration::from_secs(10), "no spare: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    assert_eq!(lease.len, 16 << 20);
+    assert_eq!(
+        spare_files(),
+        vec![PathBuf::from(&lease.path)],
+        "the stale one is gone"
+    );
+    // The caller takes the file (renamed into its image), then the keeper fills it.
+    let taken = dir.path().join("data-keeper.bin");
+    std::fs::rename(&lease.path, &taken).unwrap();
+    let (a, fd) = k.alloc(MIB4).unwrap();
+    let data = pattern(7, MIB4);
+    std::fs::File::from(fd).write_all_at(&data, 0).unwrap();
+    let crcs = k
+        .spare_fill(lease.drain, a.id, 4096, 3 << 20, 1 << 20, 1 << 20)
+        .unwrap();
+    let want: Vec<u32> = data[4096..4096 + (3 << 20)]
+        .chunks(1 << 20)
+        .map(crc32c::crc32c)
+        .collect();
+    assert_eq!(crcs, want);
+    let mut back = vec![0u8; 3 << 20];
+    std::fs::File::open(&taken)
+        .unwrap()
+        .read_exact_at(&mut back, 1 << 20)
+        .unwrap();
+    assert!(
+        back == data[4096..4096 + (3 << 20)],
+        "the file holds the bytes"
+    );
+    // Out of the spare, or overlapping nothing wrong but too long: refused by name.
+    let err = k
+        .spare_fill(lease.drain, a.id, 0, 1 << 20, 16 << 20, 1 << 20)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("outside"), "{err}");
+    let mut other = Client::spawn(&mut client_cmd(&server));
+    let (theirs, _) = other.alloc(MIB4);
+    let err = k
+        .spare_fill(lease.drain, theirs, 0, 4096, 0, 4096)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no allocation"), "{err}");
+    other.exit();
+    k.spare_end(lease.drain).unwrap();
+    let err = k
+        .spare_fill(lease.drain, a.id, 0, 4096, 0, 4096)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not lent") || err.contains("no spare is lent"),
+        "{err}"
+    );
+    assert!(k.spare_end(lease.drain).is_err());
+    // Given back, the file stays the caller's, and another spare is made.
+    assert!(taken.exists());
+    let t = Instant::now();
+    while spare_files().is_empty() {
+        assert!(t.elapsed() < Duration::from_secs(10), "no new spare");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A directory on another filesystem (or none) gets no spare.
+    let err = k.spare_take(Path::new("/proc")).unwrap_err().to_string();
+    assert!(
+        err.contains("another filesystem") || err.contains("being made"),
+        "{err}"
+    );
+}

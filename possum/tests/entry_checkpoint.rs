@@ -1256,6 +1256,77 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     finish_restored(&mut job);
 }
 
+/// A kept checkpoint whose keeper keeps spare image memory (`POSSUM_KEEPER_SPARE_*`, issue 14
+/// item 7): the snapshot's shadows are copied by the keeper into its spare, which becomes one of
+/// the image's data files (cut to what it holds), none through the staging; the keeper makes
+/// another spare; the job goes on bit-exact, and killed, it is restored from that image
+/// bit-exact (so the keeper's copies and checksums are the state at the hold).
+#[test]
+fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
+    let Some((tmp, lib)) = setup("keeper_spare", "possum-keeper-spare-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let spares = dir.join("spares");
+    std::fs::create_dir(&spares).unwrap();
+    let (keeper, keeper_dir) = start_keeper_with(
+        dir,
+        &[
+            ("POSSUM_KEEPER_SPARE_DIR", spares.to_str().unwrap()),
+            ("POSSUM_KEEPER_SPARE_MIB", "64"),
+        ],
+    );
+    let spare_files = || std::fs::read_dir(&spares).unwrap().flatten().count();
+    let t = Instant::now();
+    while spare_files() == 0 {
+        assert!(t.elapsed() < Duration::from_secs(20), "no spare made");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let want = reference_run(dir);
+    let keeper_env = keeper_dir.to_str().unwrap();
+    let mut job = Job::spawn(dir, "job", Some(&lib), &[("POSSUM_KEEPER", keeper_env)]);
+    job.expect("ready");
+    job.run("step 5", "done 5");
+    let img = dir.join("img");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    let saved = &v["saved_report"][0]["report"]["saved"][0];
+    assert_eq!(saved["snapshot_shadows"], 3, "{v}");
+    assert_eq!(saved["shadows_saved_by_keeper"], 3, "{v}");
+    // The lanes, and the spare renamed in after them, cut to its 3 buffers (each on a 2 MiB
+    // boundary): far less than the 64 MiB it was.
+    let gpu = img.join("gpu/gpu-0");
+    let mut sizes: Vec<(String, u64)> = std::fs::read_dir(&gpu)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".bin"))
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                e.metadata().unwrap().len(),
+            )
+        })
+        .collect();
+    sizes.sort();
+    let (_, spare_len) = sizes.last().unwrap().clone();
+    assert!(spare_len > 0 && spare_len <= 6 << 20, "{sizes:?}");
+    // Another spare is made for the next checkpoint.
+    let t = Instant::now();
+    while spare_files() == 0 {
+        assert!(t.elapsed() < Duration::from_secs(20), "no new spare");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    goes_on_like(&mut job, dir, "left", &want, "left running");
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::fs::remove_dir_all(dir.join("sockets")).unwrap();
+    drop(keeper);
+    let r = restore_json(dir, &img, &job);
+    assert_eq!(r["pid"], job.pid, "{r}");
+    restored_goes_on_before_exit(&mut job, dir, &want);
+    finish_restored(&mut job);
+}
+
 /// A keeper process ended when dropped.
 struct KeeperProcess(Child);
 

@@ -1261,3 +1261,62 @@ fn a_chunk_read_in_pieces_is_checked_whole() {
         "{e:?}"
     );
 }
+
+/// A data file written by someone else (the keeper's spare): adopted into the image, its chunks
+/// recorded with their CRCs, cut to their end at commit; the image reads back whole, and a
+/// record naming a file that was not adopted, or a wrong CRC, is caught.
+#[test]
+fn adopted_files_hold_chunks_written_elsewhere() {
+    use std::os::unix::fs::FileExt;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    let w = ImageWriter::create(
+        &dir,
+        WriterOptions {
+            data_files: 1,
+            ..fast()
+        },
+    )
+    .unwrap();
+    w.add_buffer(rec(1, 3000, 0)).unwrap();
+    w.add_buffer(rec(2, 5000, 1)).unwrap();
+    w.write_chunk(1, 0, &pattern(1, 0, 3000, 0)).unwrap();
+    // The spare: 1 MiB, buffer 2 written at 4096 in two chunks.
+    let spare = root.path().join("spare");
+    let f = fs::File::create(&spare).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let b2 = pattern(2, 0, 5000, 0);
+    f.write_all_at(&b2, 4096).unwrap();
+    let file = w.adopt_file(&spare).unwrap();
+    assert_eq!(file, 1);
+    assert!(!spare.exists(), "renamed into the image");
+    let err = w.record_chunk(2, 0, 2000, 0, 4096, 0).unwrap_err();
+    assert!(err.to_string().contains("not adopted"), "{err}");
+    w.record_chunk(2, 0, 2000, file, 4096, crc32c::crc32c(&b2[..2000]))
+        .unwrap();
+    w.record_chunk(2, 2000, 3000, file, 6096, crc32c::crc32c(&b2[2000..]))
+        .unwrap();
+    w.commit().unwrap();
+    let m = manifest_of(&dir);
+    assert_eq!(m.files[1].len, 9096, "cut to its last chunk's end");
+    assert_eq!(
+        fs::metadata(dir.join(&m.files[1].name)).unwrap().len(),
+        9096
+    );
+    let img = Image::open(&dir).unwrap();
+    img.verify().unwrap();
+    let mut got = vec![0u8; 5000];
+    img.read_chunk(2, 0, &mut got[..2000]).unwrap();
+    img.read_chunk(2, 2000, &mut got[2000..]).unwrap();
+    assert!(got == b2);
+    // A wrong CRC recorded is caught when read.
+    let dir2 = root.path().join("img2");
+    let w = ImageWriter::create(&dir2, fast()).unwrap();
+    w.add_buffer(rec(2, 5000, 0)).unwrap();
+    let f = fs::File::create(&spare).unwrap();
+    f.write_all_at(&b2, 0).unwrap();
+    let file = w.adopt_file(&spare).unwrap();
+    w.record_chunk(2, 0, 5000, file, 0, 12345).unwrap();
+    w.commit().unwrap();
+    assert!(Image::open(&dir2).unwrap().verify().is_err());
+}

@@ -128,6 +128,18 @@ pub struct ImageWriter {
     created: SystemTime,
     /// Set once the temporary directory has been renamed into place (or is gone).
     done: bool,
+    /// Data files written by someone else (the keeper's spare image memory), after the lanes:
+    /// [`ImageWriter::adopt_file`], [`ImageWriter::record_chunk`].
+    adopted: Mutex<Vec<Adopted>>,
+}
+
+/// A data file this writer did not write: its name and path here, and the end of the last
+/// chunk recorded in it (its length in the image).
+#[derive(Debug)]
+struct Adopted {
+    name: String,
+    path: PathBuf,
+    end: u64,
 }
 
 /// A fresh suffix for temporary names: pid, time and a process-wide counter.
@@ -206,6 +218,7 @@ impl ImageWriter {
             seq: AtomicU64::new(0),
             created: SystemTime::now(),
             done: false,
+            adopted: Mutex::new(Vec::new()),
         };
         for i in 0..lanes_wanted {
             let name = format!("data-{i:03}.bin");
@@ -235,6 +248,97 @@ impl ImageWriter {
         &self.tmp_dir
     }
 
+    /// Makes the file at `from` (on this image's filesystem) one of its data files, renamed into
+    /// its temporary directory, for chunks someone else writes there ([`Self::record_chunk`]):
+    /// its index. Only the recorded chunks' bytes count; it is cut to their end at commit.
+    pub fn adopt_file(&self, from: &Path) -> Result<u32, ImageError> {
+        let mut adopted = self.adopted.lock();
+        let index = self.lanes.len() + adopted.len();
+        if index >= MAX_DATA_FILES {
+            return Err(ImageError::io(
+                from,
+                std::io::Error::other(format!("an image has at most {MAX_DATA_FILES} data files")),
+            ));
+        }
+        let name = format!("data-{index:03}.bin");
+        let path = self.tmp_dir.join(&name);
+        fs::rename(from, &path).map_err(|e| ImageError::io(&path, e))?;
+        adopted.push(Adopted { name, path, end: 0 });
+        Ok(index as u32)
+    }
+
+    /// Records the chunk of `buffer` at `offset`, `len` bytes that someone else wrote at
+    /// `file_offset` of adopted data file `file` with CRC32C `crc`; a later record of the same
+    /// place wins over earlier ones (and over chunks written here before it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+        file: u32,
+        file_offset: u64,
+        crc: u32,
+    ) -> Result<(), ImageError> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        if len == 0 || len > MAX_CHUNK_LEN {
+            return Err(ImageError::ChunkBadLength {
+                image: self.final_dir.clone(),
+                buffer,
+                offset,
+                len,
+                max: MAX_CHUNK_LEN,
+            });
+        }
+        {
+            let mut adopted = self.adopted.lock();
+            let Some(a) = (file as usize)
+                .checked_sub(self.lanes.len())
+                .and_then(|k| adopted.get_mut(k))
+            else {
+                return Err(ImageError::io(
+                    &self.tmp_dir,
+                    std::io::Error::other(format!("data file {file} was not adopted")),
+                ));
+            };
+            a.end = a.end.max(file_offset.saturating_add(len));
+        }
+        let mut state = self.state.lock();
+        let Some(rec) = state.buffers.get(&buffer) else {
+            return Err(ImageError::UnknownBuffer { buffer });
+        };
+        if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
+            return Err(ImageError::ChunkOutOfRange {
+                buffer,
+                offset,
+                len,
+            });
+        }
+        let mine = Recorded {
+            seq,
+            chunk: ChunkMsg {
+                buffer,
+                offset,
+                len,
+                file,
+                file_offset,
+                crc32c: crc,
+            },
+            rewriting: false,
+        };
+        match state.chunks.entry((buffer, offset)) {
+            Entry::Vacant(v) => {
+                v.insert(mine);
+            }
+            Entry::Occupied(mut o) => {
+                if o.get().seq < seq {
+                    o.insert(mine);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Finishes the image: checks that every buffer is covered exactly by its chunks (refusing with
     /// [`ImageError::BadCoverage`] otherwise), writes `manifest.pb`, fsyncs the data files, the
     /// manifest and the directory, and renames the temporary directory to the final name.
@@ -252,6 +356,17 @@ impl ImageWriter {
                 lane.file
                     .sync_all()
                     .map_err(|e| ImageError::io(&lane.path, e))?;
+            }
+        }
+        for a in self.adopted.lock().iter() {
+            // Its length is what its chunks need (a spare is made larger than a drain fills).
+            let f = OpenOptions::new()
+                .write(true)
+                .open(&a.path)
+                .map_err(|e| ImageError::io(&a.path, e))?;
+            f.set_len(a.end).map_err(|e| ImageError::io(&a.path, e))?;
+            if self.opts.fsync {
+                f.sync_all().map_err(|e| ImageError::io(&a.path, e))?;
             }
         }
         let bytes = encode_framed(&manifest, FORMAT_MAJOR, FORMAT_MINOR);
@@ -291,6 +406,10 @@ impl ImageWriter {
                 len,
             });
         }
+        files.extend(self.adopted.lock().iter().map(|a| DataFileMsg {
+            name: a.name.clone(),
+            len: a.end,
+        }));
         Ok(Manifest {
             major: FORMAT_MAJOR,
             minor: FORMAT_MINOR,
