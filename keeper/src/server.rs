@@ -510,7 +510,7 @@ impl Inner {
             Request::SpareTake { dir } => {
                 let lease = self
                     .spares()?
-                    .take(Path::new(&dir))
+                    .take(Path::new(&dir), pid)
                     .map_err(KeeperError::Spare)?;
                 Ok((json!(lease), None))
             }
@@ -522,7 +522,10 @@ impl Inner {
                 at,
                 piece,
             } => {
-                let spare = self.spares()?.lent(drain).map_err(KeeperError::Spare)?;
+                let spare = self
+                    .spares()?
+                    .lent(drain, pid)
+                    .map_err(KeeperError::Spare)?;
                 let dev = self.dev()?;
                 let size = {
                     let st = self.lock();
@@ -541,7 +544,7 @@ impl Inner {
             }
             Request::SpareEnd { drain } => {
                 let sp = self.spares()?;
-                if !sp.end(drain) {
+                if !sp.end(drain, pid) {
                     return Err(KeeperError::Spare(format!(
                         "no spare is lent to drain {drain}"
                     )));
@@ -784,10 +787,18 @@ impl Inner {
 
     /// Frees the allocations whose process is gone, but those held for a restore until their
     /// hold ends.
-    fn free_orphans_of_dead(&self) {
+    fn free_orphans_of_dead(self: &Arc<Self>) {
         let now = Instant::now();
         self.free_where(|a, alive| !a.held(now) && !alive);
         self.prune_stages();
+        // Spares lent to a drain whose process died: unmapped, and another made.
+        if self
+            .spares
+            .as_ref()
+            .is_some_and(|sp| sp.end_gone(alive) > 0)
+        {
+            self.replenish_spare();
+        }
     }
 
     /// Frees the allocations `gone` picks, given each with whether its process is alive (asked

@@ -91,7 +91,8 @@ struct State {
     making: bool,
     /// Why the last one could not be made.
     error: Option<String>,
-    lent: BTreeMap<u64, Arc<Spare>>,
+    /// Lent spares by drain, with the process that took each.
+    lent: BTreeMap<u64, (i32, Arc<Spare>)>,
     next: u64,
 }
 
@@ -194,8 +195,8 @@ impl Spares {
         }
     }
 
-    /// Lends the ready spare to a drain into `image_dir`'s filesystem.
-    pub(crate) fn take(&self, image_dir: &Path) -> Result<SpareLease, String> {
+    /// Lends the ready spare to a drain of process `pid` into `image_dir`'s filesystem.
+    pub(crate) fn take(&self, image_dir: &Path, pid: i32) -> Result<SpareLease, String> {
         let fs_dev = std::fs::metadata(image_dir)
             .map_err(|e| format!("{}: {e}", image_dir.display()))?
             .dev();
@@ -219,24 +220,34 @@ impl Spares {
             path: s.path.display().to_string(),
             len: s.reg.len(),
         };
-        st.lent.insert(drain, Arc::new(s));
+        st.lent.insert(drain, (pid, Arc::new(s)));
         Ok(lease)
     }
 
-    /// The spare lent to `drain`.
-    pub(crate) fn lent(&self, drain: u64) -> Result<Arc<SpareFile>, String> {
-        self.lock()
-            .lent
-            .get(&drain)
-            .cloned()
-            .map(SpareFile)
-            .map(Arc::new)
-            .ok_or_else(|| format!("no spare is lent to drain {drain}"))
+    /// The spare lent to `drain` of process `pid`.
+    pub(crate) fn lent(&self, drain: u64, pid: i32) -> Result<SpareFile, String> {
+        match self.lock().lent.get(&drain) {
+            Some((p, s)) if *p == pid => Ok(SpareFile(Arc::clone(s))),
+            _ => Err(format!("no spare is lent to drain {drain}")),
+        }
     }
 
-    /// Ends `drain`'s loan: the memory is unregistered and unmapped once no fill uses it.
-    pub(crate) fn end(&self, drain: u64) -> bool {
-        self.lock().lent.remove(&drain).is_some()
+    /// Ends `drain`'s loan (process `pid`'s): the memory is unregistered and unmapped once no
+    /// fill uses it.
+    pub(crate) fn end(&self, drain: u64, pid: i32) -> bool {
+        let mut st = self.lock();
+        match st.lent.get(&drain) {
+            Some((p, _)) if *p == pid => st.lent.remove(&drain).is_some(),
+            _ => false,
+        }
+    }
+
+    /// Ends the loans of processes that are gone (a job that died while draining): how many.
+    pub(crate) fn end_gone(&self, alive: impl Fn(i32) -> bool) -> usize {
+        let mut st = self.lock();
+        let before = st.lent.len();
+        st.lent.retain(|_, (pid, _)| alive(*pid));
+        before - st.lent.len()
     }
 }
 

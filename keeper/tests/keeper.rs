@@ -762,4 +762,32 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
         err.contains("another filesystem") || err.contains("being made"),
         "{err}"
     );
+    // A process that takes the spare and dies without giving it back: the keeper ends the loan
+    // (the spare unmapped, its file removed) and makes another.
+    let mut taker = Client::spawn(&mut client_cmd(&server));
+    let t = Instant::now();
+    let lent = loop {
+        // The new spare's file exists before it is registered: asked until it is ready.
+        let r = taker.ask(&format!("spare_take {}", dir.path().display()));
+        if r.starts_with("lent ") || t.elapsed() > Duration::from_secs(10) {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(lent.starts_with("lent "), "{lent}");
+    let path = lent.split_whitespace().nth(2).unwrap().to_string();
+    taker.exit();
+    server.free_orphans_now();
+    assert!(
+        !Path::new(&path).exists(),
+        "the dead drain's spare is removed"
+    );
+    let t = Instant::now();
+    while spare_files().is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no spare after the dead drain"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

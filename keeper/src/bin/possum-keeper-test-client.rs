@@ -46,6 +46,10 @@ fn main() {
                 });
                 println!("allocated {} {}", a.id, a.size);
             }
+            ["spare_take", dir] => match k.spare_take(std::path::Path::new(dir)) {
+                Ok(l) => println!("lent {} {}", l.drain, l.path),
+                Err(e) => println!("refused {e}"),
+            },
             ["retain", id] => {
                 let id = id.parse().expect("id");
                 k.retain(id, 7, 0).expect("retain");
