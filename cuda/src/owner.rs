@@ -37,6 +37,8 @@ pub struct OwnerStatus {
     pub bytes: u64,
     /// Of those, the bytes detached now (kept while this process holds no handle to them).
     pub retained_bytes: u64,
+    /// Its spare image memory, in words, if it keeps some (a keeper's `POSSUM_KEEPER_SPARE_*`).
+    pub spare: Option<String>,
 }
 
 /// Where a device's buffer memory comes from when another process owns it.

@@ -1430,7 +1430,7 @@ impl State {
                 let keeper = e.engine.device().owner_status().map(|(k, owned, own)| {
                     json!({"name": k.name, "reachable": k.reachable, "allocations": k.allocations,
                            "bytes": k.bytes, "retained_bytes": k.retained_bytes,
-                           "mappings_kept": owned, "mappings_own": own})
+                           "spare": k.spare, "mappings_kept": owned, "mappings_own": own})
                 });
                 json!({"device": e.ordinal, "name": e.engine.device().device_name(),
                        "streams": e.streams.read().len(), "engine": e.engine.stats(),

@@ -434,6 +434,25 @@ pub struct Stats {
     /// first, as they stood when ended: what a restore's loading took.
     #[serde(default)]
     pub stages_ended: Vec<StageStats>,
+    /// Its spare image memory, when it keeps some (`POSSUM_KEEPER_SPARE_*`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spare: Option<SpareStats>,
+}
+
+/// The keeper's spare image memory, as `stats` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpareStats {
+    /// Where spares are made.
+    pub dir: String,
+    /// A spare's size.
+    pub bytes: u64,
+    /// One is ready (made and registered) for the next drain.
+    pub ready: bool,
+    /// Spares lent to drains now.
+    pub lent: u64,
+    /// Why the last one could not be made, if it could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// How many ended stages `stats` still shows.

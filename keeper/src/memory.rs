@@ -179,6 +179,20 @@ impl MemoryOwner for KeeperMemory {
             st.allocations = mine.allocations;
             st.bytes = mine.bytes;
             st.retained_bytes = s.retained.bytes.min(mine.bytes);
+            st.spare = s.spare.map(|sp| {
+                format!(
+                    "{} MiB in {} ({}{}){}",
+                    sp.bytes >> 20,
+                    sp.dir,
+                    if sp.ready { "ready" } else { "not ready" },
+                    if sp.lent > 0 {
+                        ", one lent to a drain"
+                    } else {
+                        ""
+                    },
+                    sp.error.map(|e| format!("; {e}")).unwrap_or_default()
+                )
+            });
         }
         st
     }

@@ -846,6 +846,7 @@ impl Inner {
             .iter()
             .cloned()
             .collect();
+        s.spare = self.spares.as_ref().map(|sp| sp.stats());
         s
     }
 }

@@ -242,6 +242,18 @@ impl Spares {
         }
     }
 
+    /// What `stats` shows.
+    pub(crate) fn stats(&self) -> crate::SpareStats {
+        let st = self.lock();
+        crate::SpareStats {
+            dir: self.cfg.dir.display().to_string(),
+            bytes: self.cfg.bytes,
+            ready: st.ready.is_some(),
+            lent: st.lent.len() as u64,
+            error: st.error.clone(),
+        }
+    }
+
     /// Ends the loans of processes that are gone (a job that died while draining): how many.
     pub(crate) fn end_gone(&self, alive: impl Fn(i32) -> bool) -> usize {
         let mut st = self.lock();

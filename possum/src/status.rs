@@ -69,6 +69,11 @@ fn managed(v: &Value) -> String {
                     n("mappings_kept"),
                     n("mappings_own")
                 ));
+                if let Some(sp) = k["spare"].as_str() {
+                    s.push_str(&format!(
+                        "    spare image memory of that keeper (kept checkpoints drain into it): {sp}\n"
+                    ));
+                }
             } else {
                 s.push_str(&format!(
                     "    {}: a checkpoint copies this device's buffers\n",

@@ -1276,17 +1276,43 @@ fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
             ("POSSUM_KEEPER_SPARE_MIB", "64"),
         ],
     );
-    let spare_files = || std::fs::read_dir(&spares).unwrap().flatten().count();
-    let t = Instant::now();
-    while spare_files() == 0 {
-        assert!(t.elapsed() < Duration::from_secs(20), "no spare made");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let spare_ready = || {
+        let t = Instant::now();
+        loop {
+            let st = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock"))
+                .and_then(|mut k| k.stats())
+                .unwrap();
+            let sp = st.spare.expect("the keeper says what spare it keeps");
+            if sp.ready {
+                assert_eq!((sp.bytes, sp.lent), (64 << 20, 0), "{sp:?}");
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "no spare made: {sp:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    spare_ready();
     let want = reference_run(dir);
     let keeper_env = keeper_dir.to_str().unwrap();
     let mut job = Job::spawn(dir, "job", Some(&lib), &[("POSSUM_KEEPER", keeper_env)]);
     job.expect("ready");
     job.run("step 5", "done 5");
+    // `possum status` says what spare the job's keeper keeps.
+    let out = possum(dir)
+        .args(["status", &job.pid.to_string(), "--socket-dir"])
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    let st = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        st.contains("spare image memory of that keeper")
+            && st.contains("64 MiB in")
+            && st.contains("(ready)"),
+        "{st}"
+    );
     let img = dir.join("img");
     let v = checkpoint_left_running(dir, job.pid, &img, &job);
     let saved = &v["saved_report"][0]["report"]["saved"][0];
@@ -1310,11 +1336,7 @@ fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
     let (_, spare_len) = sizes.last().unwrap().clone();
     assert!(spare_len > 0 && spare_len <= 6 << 20, "{sizes:?}");
     // Another spare is made for the next checkpoint.
-    let t = Instant::now();
-    while spare_files() == 0 {
-        assert!(t.elapsed() < Duration::from_secs(20), "no new spare");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    spare_ready();
     goes_on_like(&mut job, dir, "left", &want, "left running");
     let mut child = job.child.take().unwrap();
     child.kill().unwrap();
