@@ -703,6 +703,11 @@ impl<D: Device> Engine<D> {
         self.inner.shadow_budget.store(bytes, Ordering::SeqCst);
     }
 
+    /// The shadow budget the next checkpoints get ([`Engine::set_shadow_budget`]).
+    pub fn shadow_budget(&self) -> u64 {
+        self.inner.shadow_budget.load(Ordering::SeqCst)
+    }
+
     /// Waits until the device is idle: the job's streams possum knows, then everything queued on
     /// the device by anyone. For a job whose operations possum does not see (no hooks), held at
     /// the CPU level: what it had queued must be done before its buffers are copied.

@@ -953,7 +953,8 @@ pub(crate) struct SpareSaver {
     len: u64,
     next: std::sync::atomic::AtomicU64,
     chunk: u64,
-    writer: Arc<ImageWriter>,
+    /// The image (not kept alive by this: its writer must be the only one left to commit).
+    writer: std::sync::Weak<ImageWriter>,
     dev: Arc<possum_cuda::CudaDevice>,
     ended: std::sync::atomic::AtomicBool,
 }
@@ -963,7 +964,10 @@ impl SpareSaver {
     /// keeper run with `POSSUM_KEEPER_SPARE_DIR` and `POSSUM_KEEPER_SPARE_MIB`): `None`, said
     /// once, if not. `POSSUM_SPARE_DRAIN=0` never asks.
     fn borrow(e: &DevEngine, writer: &Arc<ImageWriter>, chunk: u64) -> Option<Arc<SpareSaver>> {
-        if std::env::var("POSSUM_SPARE_DRAIN").is_ok_and(|v| v.trim() == "0") {
+        // Only shadows go through it: without a shadow budget it would be taken for nothing.
+        if std::env::var("POSSUM_SPARE_DRAIN").is_ok_and(|v| v.trim() == "0")
+            || e.engine.shadow_budget() == 0
+        {
             return None;
         }
         let path = e.keeper.as_ref()?.path();
@@ -999,7 +1003,7 @@ impl SpareSaver {
             len: lease.len,
             next: std::sync::atomic::AtomicU64::new(0),
             chunk,
-            writer: Arc::clone(writer),
+            writer: Arc::downgrade(writer),
             dev: Arc::clone(e.engine.device()),
             ended: std::sync::atomic::AtomicBool::new(false),
         }))
@@ -1042,10 +1046,11 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
         if crcs.len() as u64 != size.div_ceil(self.chunk) {
             return Err(format!("{} checksums for {size} bytes", crcs.len()));
         }
+        let writer = self.writer.upgrade().ok_or("the image is gone")?;
         for (k, crc) in crcs.into_iter().enumerate() {
             let off = k as u64 * self.chunk;
             let len = self.chunk.min(size - off);
-            self.writer
+            writer
                 .record_chunk(buffer, off, len, self.file, at + off, crc)
                 .map_err(|e| e.to_string())?;
         }
