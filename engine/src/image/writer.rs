@@ -142,6 +142,21 @@ struct Adopted {
     end: u64,
 }
 
+/// That `len` bytes at `offset` of `buffer` lie in a buffer declared in `state`.
+fn check_range(state: &State, buffer: u64, offset: u64, len: u64) -> Result<(), ImageError> {
+    let Some(rec) = state.buffers.get(&buffer) else {
+        return Err(ImageError::UnknownBuffer { buffer });
+    };
+    if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
+        return Err(ImageError::ChunkOutOfRange {
+            buffer,
+            offset,
+            len,
+        });
+    }
+    Ok(())
+}
+
 /// A fresh suffix for temporary names: pid, time and a process-wide counter.
 fn nonce() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -304,16 +319,7 @@ impl ImageWriter {
             a.end = a.end.max(file_offset.saturating_add(len));
         }
         let mut state = self.state.lock();
-        let Some(rec) = state.buffers.get(&buffer) else {
-            return Err(ImageError::UnknownBuffer { buffer });
-        };
-        if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
-            return Err(ImageError::ChunkOutOfRange {
-                buffer,
-                offset,
-                len,
-            });
-        }
+        check_range(&state, buffer, offset, len)?;
         let mine = Recorded {
             seq,
             chunk: ChunkMsg {
@@ -495,19 +501,7 @@ impl ChunkSink for ImageWriter {
                 max: MAX_CHUNK_LEN,
             });
         }
-        {
-            let state = self.state.lock();
-            let Some(rec) = state.buffers.get(&buffer) else {
-                return Err(ImageError::UnknownBuffer { buffer });
-            };
-            if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
-                return Err(ImageError::ChunkOutOfRange {
-                    buffer,
-                    offset,
-                    len,
-                });
-            }
-        }
+        check_range(&self.state.lock(), buffer, offset, len)?;
 
         // A chunk written again (a later pre-copy round, the final copy) of the same length goes
         // where it was: the image stays the size of the buffers, and a second round writes into
