@@ -376,7 +376,7 @@ impl Drop for Mapped<'_> {
     }
 }
 
-/// A file mapped shared, its pages faulted in and registered with CUDA (page-locked: the copy
+/// A file mapped shared, its pages faulted in for writing and registered with CUDA (page-locked: the copy
 /// engine writes them directly, at full speed), for image memory prepared ahead of a drain (the
 /// keeper's spare). Unregistered and unmapped on drop; the file itself stays. Fills of
 /// overlapping ranges at once are refused.
@@ -410,14 +410,13 @@ impl ShareDevice {
         if len == 0 {
             return Err(invalid("mmap", "an empty file".into()));
         }
-        // SAFETY: a fresh shared mapping of an open file, at an address the kernel picks; its
-        // pages are faulted in now (MAP_POPULATE), so registration finds them present.
+        // SAFETY: a fresh shared mapping of an open file, at an address the kernel picks.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED,
                 file.as_raw_fd(),
                 0,
             )
@@ -428,6 +427,11 @@ impl ShareDevice {
                 format!("{len} bytes: {}", std::io::Error::last_os_error()),
             ));
         }
+        // Its pages allocated (and zeroed) now, for writing, as a drain will: registration then
+        // finds them present. A kernel without MADV_POPULATE_WRITE (before 5.14) leaves that to
+        // the registration.
+        // SAFETY: the mapping just made, `len` bytes.
+        unsafe { libc::madvise(ptr, len, libc::MADV_POPULATE_WRITE) };
         let unmap = || {
             // SAFETY: the mapping just made, not used since.
             unsafe { libc::munmap(ptr, len) };
