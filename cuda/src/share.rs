@@ -464,11 +464,13 @@ impl RegisteredFile {
         self.len == 0
     }
 
-    /// Copies `len` bytes of `src` from `src_offset` into the file at `at` (synchronous,
-    /// `cuMemcpyDtoH_v2` into the registered pages), then hands the bytes to `check` (a
-    /// checksum) while the range is still this call's.
+    /// Copies `len` bytes of `src` from `src_offset` into the file at `at` (into the registered
+    /// pages, on `stream`, waited for; several threads, each with a stream of its own, keep the
+    /// copy engine busy), then hands the bytes to `check` (a checksum) while the range is still
+    /// this call's.
     pub fn fill<R>(
         &self,
+        stream: &driver::CudaStream,
         at: u64,
         src: &Mapped<'_>,
         src_offset: u64,
@@ -501,7 +503,8 @@ impl RegisteredFile {
             // SAFETY: `start..end` lies inside the mapping (checked) and is this call's alone
             // (claimed in `busy`); the destination is registered, the source a live mapping.
             let dst = unsafe { self.ptr.add(start) };
-            call!(cuMemcpyDtoH_v2(dst.cast(), s, len))?;
+            call!(cuMemcpyDtoHAsync_v2(dst.cast(), s, len, stream.raw()))?;
+            stream.synchronize()?;
             // SAFETY: as above; the copy has completed (synchronous), nothing else writes there.
             let bytes = unsafe { std::slice::from_raw_parts(dst, len) };
             Ok(check(bytes))

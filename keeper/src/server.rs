@@ -538,7 +538,7 @@ impl Inner {
                 let mapped =
                     stage::Memory::map(&**self, alloc, &res).map_err(KeeperError::Spare)?;
                 let crcs = spare
-                    .fill(&mapped, offset, len, at, piece, spare_threads())
+                    .fill(dev, &mapped, offset, len, at, piece, spare_threads())
                     .map_err(KeeperError::Spare)?;
                 Ok((json!({ "crcs": crcs }), None))
             }

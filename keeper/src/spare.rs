@@ -269,8 +269,10 @@ pub(crate) struct SpareFile(Arc<Spare>);
 impl SpareFile {
     /// Copies `len` bytes of `src` from `offset` into the file at `at`, `piece` bytes at a time
     /// from `threads` threads: each piece's CRC32C, in order.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn fill(
         &self,
+        dev: &ShareDevice,
         src: &Mapped<'_>,
         offset: u64,
         len: u64,
@@ -287,19 +289,27 @@ impl SpareFile {
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|s| {
             for _ in 0..threads.clamp(1, n.max(1)) {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if i >= n {
-                        return;
+                s.spawn(|| {
+                    // A stream per thread: its copies queue beside the others'.
+                    let stream = dev.stream();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= n {
+                            return;
+                        }
+                        let off = i as u64 * piece;
+                        let plen = piece.min(len - off) as usize;
+                        let r = stream
+                            .as_ref()
+                            .map_err(|e| format!("no stream: {e}"))
+                            .and_then(|st| {
+                                self.0
+                                    .reg
+                                    .fill(st, at + off, src, offset + off, plen, crc32c::crc32c)
+                                    .map_err(|e| e.to_string())
+                            });
+                        *crcs[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
                     }
-                    let off = i as u64 * piece;
-                    let plen = piece.min(len - off) as usize;
-                    let r = self
-                        .0
-                        .reg
-                        .fill(at + off, src, offset + off, plen, crc32c::crc32c)
-                        .map_err(|e| e.to_string());
-                    *crcs[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
                 });
             }
         });
