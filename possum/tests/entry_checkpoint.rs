@@ -1870,8 +1870,9 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
 /// A job checkpointed and killed whose keeper did not hold its memory (`--keep-on-gpu 0`),
 /// restored from its image (issue 14 item 4): `possum restore` has the keeper load the image
 /// into new memory while CRIU restores the process, and the restored job maps that memory and
-/// waits only for buffers still loading. The keeper here loads slowly (each buffer 150 ms
-/// later) and fails one buffer on purpose: the job meets buffers still loading, copies the
+/// waits only for buffers still loading. The keeper here loads slowly (one loader, each buffer
+/// 400 ms later: the last one well after CRIU's restore, however loaded the machine) and fails
+/// one buffer on purpose: the job meets buffers still loading, copies the
 /// failed one from the image itself, and computes exactly what a run without possum does. The
 /// stage is gone afterwards, nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
 #[test]
@@ -1883,7 +1884,8 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     let (_keeper, keeper_dir) = start_keeper_with(
         dir,
         &[
-            ("POSSUM_KEEPER_STAGE_DELAY_MS", "150"),
+            ("POSSUM_KEEPER_STAGE_DELAY_MS", "400"),
+            ("POSSUM_KEEPER_STAGE_THREADS", "1"),
             ("POSSUM_KEEPER_STAGE_FAIL", "1"),
         ],
     );
