@@ -1009,13 +1009,21 @@ impl SpareSaver {
         }))
     }
 
-    /// Gives the spare back (once): the keeper unmaps it; the file is the image's.
+    /// Gives the spare back (once; dropping it does too): the keeper unmaps it; the file is the
+    /// image's.
     fn end(&self) {
         if !self.ended.swap(true, std::sync::atomic::Ordering::SeqCst) {
             if let Err(err) = self.keeper.lock().spare_end(self.drain) {
                 crate::log(&format!("giving the keeper's spare back: {err}"));
             }
         }
+    }
+}
+
+impl Drop for SpareSaver {
+    /// A spare not given back on the way (an error path) is given back now.
+    fn drop(&mut self) {
+        self.end();
     }
 }
 
@@ -1041,7 +1049,14 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
         let crcs = self
             .keeper
             .lock()
-            .spare_fill(self.drain, alloc, 0, size, at, self.chunk)
+            .spare_fill(&possum_keeper::SpareFill {
+                drain: self.drain,
+                alloc,
+                offset: 0,
+                len: size,
+                at,
+                piece: self.chunk,
+            })
             .map_err(|e| e.to_string())?;
         if crcs.len() as u64 != size.div_ceil(self.chunk) {
             return Err(format!("{} checksums for {size} bytes", crcs.len()));
@@ -1077,15 +1092,11 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
             let saver = spare
                 .clone()
                 .map(|s| s as Arc<dyn possum_engine::store::ShadowSaver>);
-            match e.engine.checkpoint_snapshot_with(sink, saver) {
-                Ok(h) => Ok((writer, h, spare)),
-                Err(err) => {
-                    if let Some(s) = &spare {
-                        s.end();
-                    }
-                    Err(err.to_string())
-                }
-            }
+            // On an error the spare is given back as it is dropped.
+            e.engine
+                .checkpoint_snapshot_with(sink, saver)
+                .map(|h| (writer, h, spare))
+                .map_err(|err| err.to_string())
         });
         match begun {
             Ok((writer, h, spare)) => started.push((ordinal, writer, h, spare)),
@@ -1093,11 +1104,9 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
                 // The others run to their end (their images are thrown away).
                 let why = format!("device {ordinal}: saving: {err}");
                 crate::log(&why);
-                for (_, _, h, spare) in started.drain(..) {
+                // Each spare is given back as it is dropped, after its save has ended.
+                for (_, _, h, _spare) in started.drain(..) {
                     let _ = h.wait();
-                    if let Some(s) = spare {
-                        s.end();
-                    }
                 }
                 stop_tracking(&engines);
                 set_saving(Saving::Failed(why));
@@ -1131,10 +1140,9 @@ fn finish_save(saves: Saves) {
     for (ordinal, writer, h, spare) in saves {
         let r = h.wait();
         // The keeper lets go of the spare (unmapped) before the image cuts and renames it.
-        if let Some(s) = &spare {
+        if let Some(s) = spare {
             s.end();
         }
-        drop(spare);
         match r {
             Ok(r) => match commit(ordinal, writer) {
                 Ok(summary) => out.push(json!({

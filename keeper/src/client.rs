@@ -182,32 +182,11 @@ impl Keeper {
         parse("spare_take", v)
     }
 
-    /// Has the keeper copy `len` bytes of this process's allocation `alloc` from `offset` into
-    /// drain `drain`'s spare at `at`: each `piece`'s CRC32C.
-    pub fn spare_fill(
-        &mut self,
-        drain: u64,
-        alloc: u64,
-        offset: u64,
-        len: u64,
-        at: u64,
-        piece: u64,
-    ) -> Result<Vec<u32>, KeeperError> {
-        let (v, _) = self.ask(
-            "spare_fill",
-            &Request::SpareFill {
-                drain,
-                alloc,
-                offset,
-                len,
-                at,
-                piece,
-            },
-        )?;
-        serde_json::from_value(v["crcs"].clone()).map_err(|e| KeeperError::Protocol {
-            request: "spare_fill",
-            detail: e.to_string(),
-        })
+    /// Has the keeper copy part of this process's allocation into a drain's spare: each
+    /// piece's CRC32C.
+    pub fn spare_fill(&mut self, fill: &crate::SpareFill) -> Result<Vec<u32>, KeeperError> {
+        let (v, _) = self.ask("spare_fill", &Request::SpareFill(fill.clone()))?;
+        parse::<crate::SpareFilled>("spare_fill", v).map(|f| f.crcs)
     }
 
     /// Ends drain `drain`'s loan of the spare.

@@ -217,29 +217,40 @@ pub enum Request {
         /// The image's directory (its temporary one): the spare must be on its filesystem.
         dir: String,
     },
-    /// Copy `len` bytes of the caller's allocation `alloc` from `offset` into drain `drain`'s
-    /// spare at `at`, `piece` bytes at a time: the reply `{"crcs": [..]}` has each piece's
-    /// CRC32C, in order.
-    SpareFill {
-        /// The drain ([`SpareLease::drain`]).
-        drain: u64,
-        /// The caller's allocation.
-        alloc: u64,
-        /// Where in it.
-        offset: u64,
-        /// Bytes.
-        len: u64,
-        /// Where in the spare.
-        at: u64,
-        /// Bytes per checksum.
-        piece: u64,
-    },
+    /// Copy part of the caller's allocation into a drain's spare ([`SpareFill`]): the reply
+    /// ([`SpareFilled`]) has each piece's CRC32C, in order.
+    SpareFill(SpareFill),
     /// End drain `drain`'s loan: the spare is unregistered and unmapped (the file is the
     /// caller's now), and another is made.
     SpareEnd {
         /// The drain.
         drain: u64,
     },
+}
+
+/// `spare_fill`: `len` bytes of the caller's allocation `alloc` from `offset`, copied into drain
+/// `drain`'s spare at `at`, checksummed `piece` bytes at a time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpareFill {
+    /// The drain ([`SpareLease::drain`]).
+    pub drain: u64,
+    /// The caller's allocation.
+    pub alloc: u64,
+    /// Where in it.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Where in the spare.
+    pub at: u64,
+    /// Bytes per checksum.
+    pub piece: u64,
+}
+
+/// The reply to `spare_fill`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpareFilled {
+    /// Each piece's CRC32C, in order.
+    pub crcs: Vec<u32>,
 }
 
 /// The reply to `spare_take`.

@@ -514,33 +514,26 @@ impl Inner {
                     .map_err(KeeperError::Spare)?;
                 Ok((json!(lease), None))
             }
-            Request::SpareFill {
-                drain,
-                alloc,
-                offset,
-                len,
-                at,
-                piece,
-            } => {
+            Request::SpareFill(f) => {
                 let spare = self
                     .spares()?
-                    .lent(drain, pid)
+                    .lent(f.drain, pid)
                     .map_err(KeeperError::Spare)?;
                 let dev = self.dev()?;
                 let size = {
                     let st = self.lock();
-                    match st.allocs.get(&alloc) {
+                    match st.allocs.get(&f.alloc) {
                         Some(a) if a.pid == pid => a.mem.size(),
-                        _ => return Err(KeeperError::NoSuchAllocation(alloc)),
+                        _ => return Err(KeeperError::NoSuchAllocation(f.alloc)),
                     }
                 };
                 let res = dev.reserve(size)?;
                 let mapped =
-                    stage::Memory::map(&**self, alloc, &res).map_err(KeeperError::Spare)?;
+                    stage::Memory::map(&**self, f.alloc, &res).map_err(KeeperError::Spare)?;
                 let crcs = spare
-                    .fill(dev, &mapped, offset, len, at, piece, spare_threads())
+                    .fill(dev, &mapped, &f, spare_threads())
                     .map_err(KeeperError::Spare)?;
-                Ok((json!({ "crcs": crcs }), None))
+                Ok((json!(crate::SpareFilled { crcs }), None))
             }
             Request::SpareEnd { drain } => {
                 let sp = self.spares()?;
@@ -792,11 +785,7 @@ impl Inner {
         self.free_where(|a, alive| !a.held(now) && !alive);
         self.prune_stages();
         // Spares lent to a drain whose process died: unmapped, and another made.
-        if self
-            .spares
-            .as_ref()
-            .is_some_and(|sp| sp.end_gone(alive) > 0)
-        {
+        if self.spares.as_ref().is_some_and(|sp| sp.end_gone() > 0) {
             self.replenish_spare();
         }
     }
@@ -959,7 +948,7 @@ impl Alives {
 }
 
 /// Whether process `pid` exists (a zombie counts as gone).
-fn alive(pid: i32) -> bool {
+pub(crate) fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => stat
             .rsplit_once(") ")

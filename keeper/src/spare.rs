@@ -78,7 +78,7 @@ fn remove_stale(dir: &Path) {
         else {
             continue;
         };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+        if pid != std::process::id() && !crate::server::alive(pid as i32) {
             let _ = std::fs::remove_file(e.path());
         }
     }
@@ -225,9 +225,9 @@ impl Spares {
     }
 
     /// The spare lent to `drain` of process `pid`.
-    pub(crate) fn lent(&self, drain: u64, pid: i32) -> Result<SpareFile, String> {
+    pub(crate) fn lent(&self, drain: u64, pid: i32) -> Result<Arc<Spare>, String> {
         match self.lock().lent.get(&drain) {
-            Some((p, s)) if *p == pid => Ok(SpareFile(Arc::clone(s))),
+            Some((p, s)) if *p == pid => Ok(Arc::clone(s)),
             _ => Err(format!("no spare is lent to drain {drain}")),
         }
     }
@@ -255,31 +255,31 @@ impl Spares {
     }
 
     /// Ends the loans of processes that are gone (a job that died while draining): how many.
-    pub(crate) fn end_gone(&self, alive: impl Fn(i32) -> bool) -> usize {
+    pub(crate) fn end_gone(&self) -> usize {
         let mut st = self.lock();
         let before = st.lent.len();
-        st.lent.retain(|_, (pid, _)| alive(*pid));
+        st.lent.retain(|_, (pid, _)| crate::server::alive(*pid));
         before - st.lent.len()
     }
 }
 
-/// A lent spare, for `fill`.
-pub(crate) struct SpareFile(Arc<Spare>);
-
-impl SpareFile {
-    /// Copies `len` bytes of `src` from `offset` into the file at `at`, `piece` bytes at a time
-    /// from `threads` threads: each piece's CRC32C, in order.
-    #[allow(clippy::too_many_arguments)]
+impl Spare {
+    /// Copies `fill.len` bytes of `src` from `fill.offset` into the file at `fill.at`,
+    /// `fill.piece` bytes at a time from `threads` threads: each piece's CRC32C, in order.
     pub(crate) fn fill(
         &self,
         dev: &ShareDevice,
         src: &Mapped<'_>,
-        offset: u64,
-        len: u64,
-        at: u64,
-        piece: u64,
+        fill: &crate::SpareFill,
         threads: usize,
     ) -> Result<Vec<u32>, String> {
+        let crate::SpareFill {
+            offset,
+            len,
+            at,
+            piece,
+            ..
+        } = *fill;
         if piece == 0 {
             return Err("pieces of 0 bytes".into());
         }
@@ -303,8 +303,7 @@ impl SpareFile {
                             .as_ref()
                             .map_err(|e| format!("no stream: {e}"))
                             .and_then(|st| {
-                                self.0
-                                    .reg
+                                self.reg
                                     .fill(st, at + off, src, offset + off, plen, crc32c::crc32c)
                                     .map_err(|e| e.to_string())
                             });

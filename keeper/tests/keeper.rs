@@ -705,11 +705,19 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
     // The caller takes the file (renamed into its image), then the keeper fills it.
     let taken = dir.path().join("data-keeper.bin");
     std::fs::rename(&lease.path, &taken).unwrap();
+    let fill = |alloc, offset, len, at, piece| possum_keeper::SpareFill {
+        drain: lease.drain,
+        alloc,
+        offset,
+        len,
+        at,
+        piece,
+    };
     let (a, fd) = k.alloc(MIB4).unwrap();
     let data = pattern(7, MIB4);
     std::fs::File::from(fd).write_all_at(&data, 0).unwrap();
     let crcs = k
-        .spare_fill(lease.drain, a.id, 4096, 3 << 20, 1 << 20, 1 << 20)
+        .spare_fill(&fill(a.id, 4096, 3 << 20, 1 << 20, 1 << 20))
         .unwrap();
     let want: Vec<u32> = data[4096..4096 + (3 << 20)]
         .chunks(1 << 20)
@@ -725,23 +733,23 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
         back == data[4096..4096 + (3 << 20)],
         "the file holds the bytes"
     );
-    // Out of the spare, or overlapping nothing wrong but too long: refused by name.
+    // Out of the spare: refused by name.
     let err = k
-        .spare_fill(lease.drain, a.id, 0, 1 << 20, 16 << 20, 1 << 20)
+        .spare_fill(&fill(a.id, 0, 1 << 20, 16 << 20, 1 << 20))
         .unwrap_err()
         .to_string();
     assert!(err.contains("outside"), "{err}");
     let mut other = Client::spawn(&mut client_cmd(&server));
     let (theirs, _) = other.alloc(MIB4);
     let err = k
-        .spare_fill(lease.drain, theirs, 0, 4096, 0, 4096)
+        .spare_fill(&fill(theirs, 0, 4096, 0, 4096))
         .unwrap_err()
         .to_string();
     assert!(err.contains("no allocation"), "{err}");
     other.exit();
     k.spare_end(lease.drain).unwrap();
     let err = k
-        .spare_fill(lease.drain, a.id, 0, 4096, 0, 4096)
+        .spare_fill(&fill(a.id, 0, 4096, 0, 4096))
         .unwrap_err()
         .to_string();
     assert!(

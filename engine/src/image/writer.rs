@@ -142,19 +142,33 @@ struct Adopted {
     end: u64,
 }
 
-/// That `len` bytes at `offset` of `buffer` lie in a buffer declared in `state`.
-fn check_range(state: &State, buffer: u64, offset: u64, len: u64) -> Result<(), ImageError> {
-    let Some(rec) = state.buffers.get(&buffer) else {
-        return Err(ImageError::UnknownBuffer { buffer });
+/// Records `chunk`, written by call `seq` (`in_place`: over the place recorded for it), unless
+/// a later call recorded its place already: that one's bytes win, these are garbage. Bytes
+/// written over the recorded place are this call's whatever the order, and the call rewriting
+/// it lets go of its flag (an appending call may have recorded another place meanwhile, which a
+/// third may be rewriting).
+fn settle(state: &mut State, seq: u64, chunk: ChunkMsg, in_place: bool) {
+    let mine = Recorded {
+        seq,
+        chunk,
+        rewriting: false,
     };
-    if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
-        return Err(ImageError::ChunkOutOfRange {
-            buffer,
-            offset,
-            len,
-        });
+    match state.chunks.entry((mine.chunk.buffer, mine.chunk.offset)) {
+        Entry::Vacant(v) => {
+            v.insert(mine);
+        }
+        Entry::Occupied(mut o) => {
+            let r = o.get_mut();
+            let same_place =
+                r.chunk.file == mine.chunk.file && r.chunk.file_offset == mine.chunk.file_offset;
+            if in_place && same_place {
+                r.rewriting = false;
+            }
+            if r.seq < seq || same_place {
+                *r = mine;
+            }
+        }
     }
-    Ok(())
 }
 
 /// A fresh suffix for temporary names: pid, time and a process-wide counter.
@@ -296,15 +310,8 @@ impl ImageWriter {
         crc: u32,
     ) -> Result<(), ImageError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        if len == 0 || len > MAX_CHUNK_LEN {
-            return Err(ImageError::ChunkBadLength {
-                image: self.final_dir.clone(),
-                buffer,
-                offset,
-                len,
-                max: MAX_CHUNK_LEN,
-            });
-        }
+        let mut state = self.state.lock();
+        self.check_chunk(&state, buffer, offset, len)?;
         {
             let mut adopted = self.adopted.lock();
             let Some(a) = (file as usize)
@@ -318,29 +325,45 @@ impl ImageWriter {
             };
             a.end = a.end.max(file_offset.saturating_add(len));
         }
-        let mut state = self.state.lock();
-        check_range(&state, buffer, offset, len)?;
-        let mine = Recorded {
-            seq,
-            chunk: ChunkMsg {
+        let chunk = ChunkMsg {
+            buffer,
+            offset,
+            len,
+            file,
+            file_offset,
+            crc32c: crc,
+        };
+        settle(&mut state, seq, chunk, false);
+        Ok(())
+    }
+
+    /// That a chunk of `len` bytes at `offset` of `buffer` may be recorded: a length the format
+    /// allows, inside a buffer declared in `state`.
+    fn check_chunk(
+        &self,
+        state: &State,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), ImageError> {
+        if len == 0 || len > MAX_CHUNK_LEN {
+            return Err(ImageError::ChunkBadLength {
+                image: self.final_dir.clone(),
                 buffer,
                 offset,
                 len,
-                file,
-                file_offset,
-                crc32c: crc,
-            },
-            rewriting: false,
+                max: MAX_CHUNK_LEN,
+            });
+        }
+        let Some(rec) = state.buffers.get(&buffer) else {
+            return Err(ImageError::UnknownBuffer { buffer });
         };
-        match state.chunks.entry((buffer, offset)) {
-            Entry::Vacant(v) => {
-                v.insert(mine);
-            }
-            Entry::Occupied(mut o) => {
-                if o.get().seq < seq {
-                    o.insert(mine);
-                }
-            }
+        if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
+            return Err(ImageError::ChunkOutOfRange {
+                buffer,
+                offset,
+                len,
+            });
         }
         Ok(())
     }
@@ -492,16 +515,7 @@ impl ChunkSink for ImageWriter {
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let len = data.len() as u64;
-        if len == 0 || len > MAX_CHUNK_LEN {
-            return Err(ImageError::ChunkBadLength {
-                image: self.final_dir.clone(),
-                buffer,
-                offset,
-                len,
-                max: MAX_CHUNK_LEN,
-            });
-        }
-        check_range(&self.state.lock(), buffer, offset, len)?;
+        self.check_chunk(&self.state.lock(), buffer, offset, len)?;
 
         // A chunk written again (a later pre-copy round, the final copy) of the same length goes
         // where it was: the image stays the size of the buffers, and a second round writes into
@@ -560,32 +574,7 @@ impl ChunkSink for ImageWriter {
             file_offset,
             crc32c: crc,
         };
-        let mut state = self.state.lock();
-        let mine = Recorded {
-            seq,
-            chunk,
-            rewriting: false,
-        };
-        match state.chunks.entry((buffer, offset)) {
-            Entry::Vacant(v) => {
-                v.insert(mine);
-            }
-            Entry::Occupied(mut o) => {
-                let r = o.get_mut();
-                // Only the call rewriting the recorded place holds its flag (an appending call
-                // may have recorded another place meanwhile, which a third may be rewriting).
-                let same_place = r.chunk.file == mine.chunk.file
-                    && r.chunk.file_offset == mine.chunk.file_offset;
-                if in_place.is_some() && same_place {
-                    r.rewriting = false;
-                }
-                // A later call already recorded this place: its bytes win, ours are garbage. But
-                // bytes written over the recorded place (in place) are ours whatever the order.
-                if r.seq < seq || same_place {
-                    *r = mine;
-                }
-            }
-        }
+        settle(&mut self.state.lock(), seq, chunk, in_place.is_some());
         Ok(())
     }
 

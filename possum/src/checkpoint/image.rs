@@ -240,10 +240,6 @@ pub(super) fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
     Ok(out)
 }
 
-/// Checks the GPUs the restore will use (the job's own, or `--device`) for free memory, and
-/// returns the driver's UUID remapping (empty: the same GPUs). `kept_mib`: the job's buffers
-/// that another process (its keeper) held, which nvidia-smi did not count as the job's: a move
-/// to another GPU needs room for them there too.
 /// The buffers of a job whose memory was its keeper's, for the room checks of a restore.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct KeptBuffers {
@@ -253,13 +249,17 @@ pub(super) struct KeptBuffers {
     pub held: bool,
 }
 
+/// Checks the GPUs the restore will use (the job's own, or `--device`) for free memory, and
+/// returns the driver's UUID remapping (empty: the same GPUs). `kept`: the job's buffers that
+/// another process (its keeper) held, which nvidia-smi did not count as the job's: a move to
+/// another GPU needs room for them there too, and so does a single-GPU job's own GPU unless the
+/// keeper still holds them. `gpus`: nvidia-smi's answer ([`smi::gpus`]), asked only if needed.
 pub(super) fn plan_gpus(
     m: &Manifest,
     device: Option<u32>,
     kept: KeptBuffers,
     gpus: impl FnOnce() -> Option<Vec<(u32, String, u64)>>,
 ) -> Result<Vec<([u8; 16], [u8; 16])>> {
-    let kept_mib = kept.mib;
     if m.gpu_memory.is_empty() {
         if device.is_some() {
             bail!(
@@ -276,29 +276,35 @@ pub(super) fn plan_gpus(
         eprintln!("possum: nvidia-smi cannot be asked: free GPU memory not checked");
         return Ok(Vec::new());
     };
-    let room = |uuid: &str, free: u64, need: u64| -> Result<()> {
-        if free < need {
-            bail!("GPU {uuid} has too little memory: {free} MiB free, the job used {need} MiB");
+    // Room on GPU `uuid` for the job's own `own` MiB and `extra` MiB more (`what`).
+    let room = |uuid: &str, free: u64, own: u64, extra: u64, what: &str| -> Result<()> {
+        if extra > 0 && free < own + extra {
+            bail!(
+                "GPU {uuid} has too little memory: {free} MiB free, the job needs {} MiB there \
+                 ({own} MiB of its own, {extra} MiB of {what})",
+                own + extra
+            );
+        }
+        if free < own {
+            bail!("GPU {uuid} has too little memory: {free} MiB free, the job used {own} MiB");
         }
         Ok(())
     };
     // On its own GPU, a single-GPU job's buffers that its keeper no longer holds are made again
     // there (nvidia-smi counted them as the keeper's, not in the job's MiB).
-    let own_gpu = |uuid: &str, free: u64, used: u64| -> Result<()> {
-        let again = if m.gpu_memory.len() == 1 && !kept.held {
-            kept.mib
-        } else {
-            0
-        };
-        if again > 0 && free < used + again {
-            bail!(
-                "GPU {uuid} has too little memory: {free} MiB free, the job needs {} MiB there \
-                 ({used} MiB of its own, {again} MiB of buffers its keeper no longer holds, made \
-                 again)",
-                used + again
-            );
-        }
-        room(uuid, free, used)
+    let again = if m.gpu_memory.len() == 1 && !kept.held {
+        kept.mib
+    } else {
+        0
+    };
+    let own_gpu = |uuid: &str, free: u64, used: u64| {
+        room(
+            uuid,
+            free,
+            used,
+            again,
+            "buffers its keeper no longer holds, made again",
+        )
     };
     let Some(d) = device else {
         for u in &m.gpu_memory {
@@ -325,15 +331,7 @@ pub(super) fn plan_gpus(
         own_gpu(target, *free, used.mib)?;
         return Ok(Vec::new());
     }
-    if kept_mib > 0 && *free < used.mib + kept_mib {
-        bail!(
-            "GPU {target} has too little memory: {free} MiB free, the job needs {} MiB there \
-             ({} MiB of its own, {kept_mib} MiB of buffers its keeper held)",
-            used.mib + kept_mib,
-            used.mib
-        );
-    }
-    room(target, *free, used.mib)?;
+    room(target, *free, used.mib, kept.mib, "buffers its keeper held")?;
     // NVIDIA's restore wants every GPU the process saw mapped (one pair per GPU; a single pair on
     // a two-GPU machine is CUDA_ERROR_INVALID_VALUE, measured on 2 H200s): the job's GPU and the
     // target swap places, every other GPU of this machine maps to itself. A GPU the image names

@@ -103,7 +103,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     let mut staging = None;
     // `--device`: the job's GPU moves to another (the driver's first pair; none for its own).
     let moved = pairs.first().copied();
-    let stage_skipped = match stage::plan(m, img.gpu.as_deref(), moved) {
+    let stage_skipped = match stage::plan(m, img.gpu.as_deref(), moved, kept.held) {
         Ok(plan) => match clock.time("stage_begin", || Staging::begin(&img, plan)) {
             Ok(s) => {
                 staging = Some(s);

@@ -73,11 +73,13 @@ pub(super) struct Plan {
 }
 
 /// Whether, and where, to stage (`moved`: `--device` maps the job's GPU to another, as the
-/// driver's restore is told), or why not.
+/// driver's restore is told; `held`: the job's keeper still holds its memory, [`keeper_holds`]),
+/// or why not.
 pub(super) fn plan(
     m: &Manifest,
     gpu: Option<&Path>,
     moved: Option<([u8; 16], [u8; 16])>,
+    held: bool,
 ) -> Result<Plan, String> {
     if std::env::var("POSSUM_RESTORE_STAGE").is_ok_and(|v| v.trim() == "0") {
         return Err("off (POSSUM_RESTORE_STAGE=0)".into());
@@ -88,7 +90,7 @@ pub(super) fn plan(
     let Some(k) = &m.keeper else {
         return Err("the job had no keeper".into());
     };
-    if moved.is_none() && keeper_holds(m) {
+    if moved.is_none() && held {
         return Err("the keeper still holds the job's memory".into());
     }
     Ok(Plan {
