@@ -8,6 +8,8 @@
 //! - `connect PATH`: another keeper from now on; `dup ID` → `duped ID` (the fd kept);
 //!   `adopt ID SIZE PID EPOCH HOLD` (with the last fd) → `adopted ID`;
 //!   `check ID EPOCH` → reclaims, imports, maps and reads it: `intact ID` or `differs ID`;
+//! - `spare_take DIR` → `lent DRAIN PATH` (the keeper's spare, never given back) or
+//!   `refused <why>`;
 //! - `stats` → the stats' JSON; `exit` (or end of input): exits.
 //!
 //! A refused connection prints `refused: <why>` and exits 3. Needs the driver (the fake one, in
