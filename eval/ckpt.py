@@ -318,13 +318,34 @@ def ckpt_flags(engine):
     return {"possum": [], "driver": ["--engine", "driver"], "gpu-only": ["--gpu-only"]}[engine]
 
 
+SPARES_TAKEN = [0]
+
+
+def wait_spare():
+    """With a keeper making spare image memory: waits (up to 120 s) until it has made one more
+    than the drains took, so that each kept checkpoint of a run finds one, as checkpoints minutes
+    apart would. The seconds waited."""
+    if not (KEEPER and os.environ.get("POSSUM_KEEPER_SPARE_DIR")):
+        return 0.0
+    err, t = os.path.join(WORK, "keeper.err"), time.time()
+    while time.time() - t < 120 and \
+            open(err).read().count("spare image memory ready") <= SPARES_TAKEN[0]:
+        time.sleep(0.1)
+    return time.time() - t
+
+
 def checkpoint(pid, img, engine, leave=True, extra=()):
     """`possum checkpoint` of `pid` into `img`; `engine`: possum, driver or gpu-only."""
     args = ["checkpoint", str(pid), "-D", img, "--json", "--socket-dir", SOCK]
     args += ckpt_flags(engine)
     if leave:
         args.append("--leave-running")
-    return possum(*args, *extra)
+    wait_spare()
+    r = possum(*args, *extra)
+    saves = ((r.get("json") or {}).get("kept") or {}).get("save") or []
+    if any(x.get("shadows_saved_by_keeper") for x in saves):
+        SPARES_TAKEN[0] += 1
+    return r
 
 
 def keep_log(log):

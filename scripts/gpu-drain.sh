@@ -22,7 +22,9 @@
 # images' huge-page tmpfs, faulted in and registered with CUDA ahead, and copies the snapshot's
 # shadows into it at the copy engine's speed; `POSSUM_KEEPER_SPARE_DIR/_MIB`), the MLP holding
 # DRAIN_GIB (32) GiB read only and written every step, 2 reps, against the same without a spare
-# (`POSSUM_SPARE_DRAIN=0`), DRAIN_SPARE_MIB (36864) MiB of spare.
+# (`POSSUM_SPARE_DRAIN=0`), DRAIN_SPARE_MIB (36864) MiB of spare: DRAIN_SPARE_REPS (3) reps
+# with it (each checkpoint waits for the keeper's next spare, as checkpoints minutes apart
+# would find it), 1 without.
 # -> $OUT/drain-spare-{on,off}.{md,jsonl}, drain.txt (the save's GB/s and the shadows the keeper saved)
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
@@ -51,13 +53,14 @@ if [ "${1:-}" = spare ]; then
     mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge" || exit 1
     for mode in on off; do
         rm -rf "$huge/spares"; mkdir -p "$huge/spares"
-        drain=1; [ "$mode" = off ] && drain=0
+        drain=1 reps=${DRAIN_SPARE_REPS:-3}; [ "$mode" = off ] && drain=0 reps=1
         POSSUM_CKPT_HUGE=1 CKPT_TIMEOUT=240 OUT="$res/d" POSSUM_KEEPER_SPARE_DIR="$huge/spares" \
             POSSUM_KEEPER_SPARE_MIB="${DRAIN_SPARE_MIB:-36864}" \
             CKPT_JOB_ENV="POSSUM_WRITERS=16,POSSUM_SPARE_DRAIN=$drain" \
             timeout -k 5 "${DRAIN_STEP_S:-280}" bash scripts/gpu-ckpt.sh figures \
             --engines "${DRAIN_ENGINES:-possum-keeper-frozen,possum-keeper}" \
-            --bench-plan "mlp:${DRAIN_GIB:-32}" --reps 2 --budget-s 260 > "$res/drain-spare-$mode.log" 2>&1
+            --bench-plan "mlp:${DRAIN_GIB:-32}" --reps "$reps" --budget-s 260 > "$res/drain-spare-$mode.log" 2>&1
+        grep -h "spare" "$huge"/possum-ckpt/keeper.err 2>/dev/null | tail -8 | sed "s/^/$mode: /" >> "$res/drain.txt"
         cp "$res/d/figures.md" "$res/drain-spare-$mode.md" 2>/dev/null
         cp "$res/d/ckpt-figures.jsonl" "$res/drain-spare-$mode.jsonl" 2>/dev/null
         rm -rf "$res/d"

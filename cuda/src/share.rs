@@ -341,16 +341,7 @@ impl Mapped<'_> {
     }
 
     fn range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64> {
-        match offset.checked_add(len as u64) {
-            Some(end) if end <= self.size => Ok(self.va + offset),
-            _ => Err(invalid(
-                call,
-                format!(
-                    "{len} bytes at offset {offset} outside the {}-byte mapping",
-                    self.size
-                ),
-            )),
-        }
+        span(call, self.va, self.size, offset, len)
     }
 
     /// Copies `data` to the device at `offset` (synchronous, `cuMemcpyHtoD_v2`).
@@ -368,7 +359,81 @@ impl Mapped<'_> {
     }
 }
 
+impl DeviceRange for Mapped<'_> {
+    fn device_range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64> {
+        self.range(call, offset, len)
+    }
+}
+
 impl Drop for Mapped<'_> {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            let _ = driver::unmap(self.va, self.size);
+        }
+    }
+}
+
+/// The device address of `len` bytes at `offset` of a mapping of `size` bytes at `va`.
+fn span(call: &'static str, va: u64, size: u64, offset: u64, len: usize) -> DeviceResult<u64> {
+    match offset.checked_add(len as u64) {
+        Some(end) if end <= size => Ok(va + offset),
+        _ => Err(invalid(
+            call,
+            format!("{len} bytes at offset {offset} outside the {size}-byte mapping"),
+        )),
+    }
+}
+
+/// Device memory a copy can read: a checked address for `len` bytes at `offset`.
+pub trait DeviceRange {
+    /// The device address of `len` bytes at `offset`, or an error naming `call` if they are not
+    /// all inside.
+    fn device_range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64>;
+}
+
+/// Memory mapped at an address range of its own (reserved for it): unmapped, then the range
+/// freed, on drop. Unlike [`Mapped`] it borrows nothing, so other threads may hold it.
+pub struct OwnedMapping {
+    va: u64,
+    size: u64,
+    ctx: Arc<Context>,
+    /// Freed after the unmap (fields drop after `drop` ran).
+    _res: Reservation,
+}
+
+impl fmt::Debug for OwnedMapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedMapping")
+            .field("va", &format_args!("{:#x}", self.va))
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl ShareDevice {
+    /// Maps all of `mem` at a new address range (read/write for the device).
+    pub fn map_owned(&self, mem: &SharedMem) -> DeviceResult<OwnedMapping> {
+        let res = self.reserve(mem.size())?;
+        let mapped = mem.map(&res, 0)?;
+        let (va, size) = (mapped.va, mapped.size);
+        // The mapping now lives as long as the returned value, which unmaps it.
+        std::mem::forget(mapped);
+        Ok(OwnedMapping {
+            va,
+            size,
+            ctx: Arc::clone(&self.ctx),
+            _res: res,
+        })
+    }
+}
+
+impl DeviceRange for OwnedMapping {
+    fn device_range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64> {
+        span(call, self.va, self.size, offset, len)
+    }
+}
+
+impl Drop for OwnedMapping {
     fn drop(&mut self) {
         if self.ctx.bind().is_ok() {
             let _ = driver::unmap(self.va, self.size);
@@ -378,11 +443,17 @@ impl Drop for Mapped<'_> {
 
 /// A file mapped shared, its pages faulted in for writing and registered with CUDA (page-locked: the copy
 /// engine writes them directly, at full speed), for image memory prepared ahead of a drain (the
-/// keeper's spare). Unregistered and unmapped on drop; the file itself stays. Fills of
-/// overlapping ranges at once are refused.
+/// keeper's spare). Registered a step at a time (each `cuMemHostRegister` of a few GiB holds the
+/// driver for long: other processes' memory calls on the GPU wait meanwhile), so a copy that
+/// crosses a step is split there. Unregistered and unmapped on drop; the file itself stays.
+/// Fills of overlapping ranges at once are refused.
 pub struct RegisteredFile {
     ptr: *mut u8,
     len: usize,
+    /// Bytes per registration (the last may be shorter).
+    step: usize,
+    /// Bytes registered from the start (all of `len` once made).
+    registered: usize,
     ctx: Arc<Context>,
     /// The ranges being filled now.
     busy: parking_lot::Mutex<Vec<(usize, usize)>>,
@@ -398,18 +469,27 @@ impl fmt::Debug for RegisteredFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RegisteredFile")
             .field("len", &self.len)
+            .field("step", &self.step)
             .finish()
     }
 }
 
 impl ShareDevice {
     /// Maps the first `len` bytes of `file` (which must be at least that long) shared, faults
-    /// them in and registers them with CUDA.
-    pub fn register_file(&self, file: &std::fs::File, len: u64) -> DeviceResult<RegisteredFile> {
+    /// them in and registers them with CUDA, `step` bytes at a time (rounded up to whole 2 MiB),
+    /// calling `before_step` before each (it may wait, e.g. while a checkpoint holds the GPU).
+    pub fn register_file(
+        &self,
+        file: &std::fs::File,
+        len: u64,
+        step: u64,
+        mut before_step: impl FnMut(),
+    ) -> DeviceResult<RegisteredFile> {
         let len = to_usize("mmap", len)?;
         if len == 0 {
             return Err(invalid("mmap", "an empty file".into()));
         }
+        let step = to_usize("mmap", step.max(1).next_multiple_of(2 << 20))?;
         // SAFETY: a fresh shared mapping of an open file, at an address the kernel picks.
         let ptr = unsafe {
             libc::mmap(
@@ -427,29 +507,30 @@ impl ShareDevice {
                 format!("{len} bytes: {}", std::io::Error::last_os_error()),
             ));
         }
-        // Its pages allocated (and zeroed) now, for writing, as a drain will: registration then
-        // finds them present. A kernel without MADV_POPULATE_WRITE (before 5.14) leaves that to
-        // the registration.
-        // SAFETY: the mapping just made, `len` bytes.
-        unsafe { libc::madvise(ptr, len, libc::MADV_POPULATE_WRITE) };
-        let unmap = || {
-            // SAFETY: the mapping just made, not used since.
-            unsafe { libc::munmap(ptr, len) };
-        };
-        if let Err(e) = self.ctx.bind() {
-            unmap();
-            return Err(e);
-        }
-        if let Err(e) = call!(cuMemHostRegister_v2(ptr, len, 0)) {
-            unmap();
-            return Err(e);
-        }
-        Ok(RegisteredFile {
+        // From here on, a failure drops it: what was registered is unregistered, then unmapped.
+        let mut reg = RegisteredFile {
             ptr: ptr.cast(),
             len,
+            step,
+            registered: 0,
             ctx: Arc::clone(&self.ctx),
             busy: parking_lot::Mutex::new(Vec::new()),
-        })
+        };
+        while reg.registered < len {
+            before_step();
+            let n = step.min(len - reg.registered);
+            // SAFETY: inside the mapping just made.
+            let at = unsafe { reg.ptr.add(reg.registered) };
+            // Its pages allocated (and zeroed) now, for writing, as a drain will: registration
+            // then finds them present. A kernel without MADV_POPULATE_WRITE (before 5.14)
+            // leaves that to the registration.
+            // SAFETY: `n` bytes of the mapping, not used by anything else yet.
+            unsafe { libc::madvise(at.cast(), n, libc::MADV_POPULATE_WRITE) };
+            self.ctx.bind()?;
+            call!(cuMemHostRegister_v2(at.cast(), n, 0))?;
+            reg.registered += n;
+        }
+        Ok(reg)
     }
 }
 
@@ -472,7 +553,7 @@ impl RegisteredFile {
         &self,
         stream: &driver::CudaStream,
         at: u64,
-        src: &Mapped<'_>,
+        src: &dyn DeviceRange,
         src_offset: u64,
         len: usize,
         check: impl FnOnce(&[u8]) -> R,
@@ -487,7 +568,7 @@ impl RegisteredFile {
                 ))
             }
         };
-        let s = src.range("cuMemcpyDtoH_v2", src_offset, len)?;
+        let s = src.device_range("cuMemcpyDtoH_v2", src_offset, len)?;
         {
             let mut busy = self.busy.lock();
             if busy.iter().any(|&(a, b)| start < b && a < end) {
@@ -500,13 +581,25 @@ impl RegisteredFile {
         }
         let r = (|| {
             self.ctx.bind()?;
-            // SAFETY: `start..end` lies inside the mapping (checked) and is this call's alone
-            // (claimed in `busy`); the destination is registered, the source a live mapping.
-            let dst = unsafe { self.ptr.add(start) };
-            call!(cuMemcpyDtoHAsync_v2(dst.cast(), s, len, stream.raw()))?;
+            // One copy per registration the range touches.
+            let mut pos = start;
+            while pos < end {
+                let piece_end = end.min((pos / self.step + 1) * self.step);
+                // SAFETY: `pos..piece_end` lies inside the mapping (checked) and is this call's
+                // alone (claimed in `busy`); the destination is registered, the source a live
+                // mapping.
+                let dst = unsafe { self.ptr.add(pos) };
+                call!(cuMemcpyDtoHAsync_v2(
+                    dst.cast(),
+                    s + (pos - start) as u64,
+                    piece_end - pos,
+                    stream.raw()
+                ))?;
+                pos = piece_end;
+            }
             stream.synchronize()?;
-            // SAFETY: as above; the copy has completed (synchronous), nothing else writes there.
-            let bytes = unsafe { std::slice::from_raw_parts(dst, len) };
+            // SAFETY: as above; the copies have completed, nothing else writes there.
+            let bytes = unsafe { std::slice::from_raw_parts(self.ptr.add(start), len) };
             Ok(check(bytes))
         })();
         self.busy.lock().retain(|&r| r != (start, end));
@@ -517,7 +610,11 @@ impl RegisteredFile {
 impl Drop for RegisteredFile {
     fn drop(&mut self) {
         if self.ctx.bind().is_ok() {
-            let _ = call!(cuMemHostUnregister(self.ptr.cast()));
+            for off in (0..self.registered).step_by(self.step) {
+                // SAFETY: each registration's start, inside the mapping.
+                let p = unsafe { self.ptr.add(off) };
+                let _ = call!(cuMemHostUnregister(p.cast()));
+            }
         }
         // SAFETY: the mapping this value made; no fill is running (they borrow `self`).
         unsafe { libc::munmap(self.ptr.cast(), self.len) };

@@ -40,6 +40,10 @@ use crate::session::{BlockedTime, SessionHandle};
 use crate::staging::StagingPool;
 use crate::store::{BufferRecord, ChunkSink, ShadowSaver};
 
+/// Threads handing shadows to the [`ShadowSaver`] at once (its copies of one queue behind
+/// another's: no gap while one's last piece is copied).
+const SHADOW_SAVERS: usize = 3;
+
 /// Which buffers a session takes, and whether writes must wait for them.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum CopyMode {
@@ -490,6 +494,23 @@ impl<D: Device> CkptSession<D> {
         Ok(Some(CkState::Shadowed { shadow, ready }))
     }
 
+    /// Saves slot `i`'s shadow (made ready by `ready`): through the [`ShadowSaver`] if there is
+    /// one and it takes it, else through the staging on `stream`.
+    fn save_shadow(&self, i: usize, shadow: DevPtr, ready: &D::Event, stream: &D::Stream) {
+        let (id, size) = (self.slots[i].buf.id(), self.slots[i].buf.size());
+        if self.save_elsewhere(id, shadow, size, ready) {
+            return;
+        }
+        let r = self
+            .dev
+            .wait_event(stream, ready)
+            .map_err(EngineError::from)
+            .and_then(|()| self.enqueue_chunks(id, shadow, size, stream));
+        if let Err(e) = r {
+            self.shared.fail(e);
+        }
+    }
+
     /// Saves buffer `id`'s shadow through the [`ShadowSaver`], if there is one, once its copy
     /// (`ready`) has completed: whether it did. A failure is logged and leaves the shadow to the
     /// staging.
@@ -613,59 +634,73 @@ impl<D: Device> CkptSession<D> {
     /// The copier: saves every slot nobody saved yet, then waits for the writers.
     fn run(&self) -> Result<CheckpointReport, EngineError> {
         let n = self.copy_streams.len();
-        for (i, slot) in self.slots.iter().enumerate() {
-            if self.failed() {
-                break;
-            }
-            let stream = &self.copy_streams[i % n];
-            enum Next<E> {
-                Copy,
-                FromShadow(DevPtr, E),
-                Skip,
-            }
-            let next = {
-                let mut st = slot.state.lock();
-                // A hook may be saving it right now, perhaps into a shadow that still has to reach
-                // the image: wait for it to settle, then look again.
-                while matches!(*st, CkState::Busy) {
-                    slot.cv.wait(&mut st);
+        std::thread::scope(|scope| {
+            // Shadows the saver takes are handed to a few threads, so that the saver always has
+            // the next one queued behind the one it is copying (each waits for its copy).
+            let (to_savers, savers_rx) = unbounded::<(usize, DevPtr, D::Event)>();
+            if self.shadow_saver.is_some() {
+                for _ in 0..SHADOW_SAVERS {
+                    let rx = savers_rx.clone();
+                    scope.spawn(move || {
+                        for (i, shadow, ready) in rx {
+                            self.save_shadow(i, shadow, &ready, &self.copy_streams[i % n]);
+                        }
+                    });
                 }
-                match &*st {
-                    CkState::Pending => {
-                        *st = CkState::Busy;
-                        Next::Copy
-                    }
-                    CkState::Shadowed { shadow, ready, .. } => {
-                        Next::FromShadow(*shadow, ready.clone())
-                    }
-                    _ => Next::Skip,
-                }
-            };
-            let (id, size) = (slot.buf.id(), slot.buf.size());
-            match next {
-                Next::Copy => match self.enqueue_chunks(id, slot.buf.va(), size, stream) {
-                    Ok(ev) => self.settle(slot, CkState::Saved(ev)),
-                    Err(e) => {
-                        self.shared.fail(e);
-                        self.settle(slot, CkState::Abandoned);
-                    }
-                },
-                Next::FromShadow(shadow, ready) => {
-                    if self.save_elsewhere(id, shadow, size, &ready) {
-                        continue;
-                    }
-                    let r = self
-                        .dev
-                        .wait_event(stream, &ready)
-                        .map_err(EngineError::from)
-                        .and_then(|()| self.enqueue_chunks(id, shadow, size, stream));
-                    if let Err(e) = r {
-                        self.shared.fail(e);
-                    }
-                }
-                Next::Skip => {}
             }
-        }
+            drop(savers_rx);
+            for (i, slot) in self.slots.iter().enumerate() {
+                if self.failed() {
+                    break;
+                }
+                let stream = &self.copy_streams[i % n];
+                enum Next<E> {
+                    Copy,
+                    FromShadow(DevPtr, E),
+                    Skip,
+                }
+                let next = {
+                    let mut st = slot.state.lock();
+                    // A hook may be saving it right now, perhaps into a shadow that still has to
+                    // reach the image: wait for it to settle, then look again.
+                    while matches!(*st, CkState::Busy) {
+                        slot.cv.wait(&mut st);
+                    }
+                    match &*st {
+                        CkState::Pending => {
+                            *st = CkState::Busy;
+                            Next::Copy
+                        }
+                        CkState::Shadowed { shadow, ready, .. } => {
+                            Next::FromShadow(*shadow, ready.clone())
+                        }
+                        _ => Next::Skip,
+                    }
+                };
+                let (id, size) = (slot.buf.id(), slot.buf.size());
+                match next {
+                    Next::Copy => match self.enqueue_chunks(id, slot.buf.va(), size, stream) {
+                        Ok(ev) => self.settle(slot, CkState::Saved(ev)),
+                        Err(e) => {
+                            self.shared.fail(e);
+                            self.settle(slot, CkState::Abandoned);
+                        }
+                    },
+                    Next::FromShadow(shadow, ready) => {
+                        if self.shadow_saver.is_some() {
+                            // Only if the savers are gone (they never are before this drop).
+                            if let Err(e) = to_savers.send((i, shadow, ready)) {
+                                let (i, shadow, ready) = e.into_inner();
+                                self.save_shadow(i, shadow, &ready, stream);
+                            }
+                        } else {
+                            self.save_shadow(i, shadow, &ready, stream);
+                        }
+                    }
+                    Next::Skip => {}
+                }
+            }
+        });
         // Every copy is enqueued: once the engine's streams drain, the device memory is captured.
         for s in self.copy_streams.iter().chain(std::iter::once(&self.prio)) {
             if let Err(e) = self.dev.synchronize(s) {

@@ -947,7 +947,10 @@ type Saves = Vec<(
 /// the spare file is one of the image's data files, the keeper copies each shadow (its memory)
 /// into it at the copy engine's speed and checksums it, and the chunks are recorded here.
 pub(crate) struct SpareSaver {
-    keeper: parking_lot::Mutex<possum_keeper::Keeper>,
+    /// Connections to the keeper not in use (each save takes one, or makes one: saves run at
+    /// once).
+    keepers: parking_lot::Mutex<Vec<possum_keeper::Keeper>>,
+    path: std::path::PathBuf,
     drain: u64,
     file: u32,
     len: u64,
@@ -997,7 +1000,8 @@ impl SpareSaver {
             }
         };
         Some(Arc::new(SpareSaver {
-            keeper: parking_lot::Mutex::new(keeper),
+            keepers: parking_lot::Mutex::new(vec![keeper]),
+            path,
             drain: lease.drain,
             file,
             len: lease.len,
@@ -1009,11 +1013,19 @@ impl SpareSaver {
         }))
     }
 
+    /// A connection to the keeper: one not in use, or a new one.
+    fn keeper(&self) -> Result<possum_keeper::Keeper, possum_keeper::KeeperError> {
+        match self.keepers.lock().pop() {
+            Some(k) => Ok(k),
+            None => possum_keeper::Keeper::connect(&self.path),
+        }
+    }
+
     /// Gives the spare back (once; dropping it does too): the keeper unmaps it; the file is the
     /// image's.
     fn end(&self) {
         if !self.ended.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            if let Err(err) = self.keeper.lock().spare_end(self.drain) {
+            if let Err(err) = self.keeper().and_then(|mut k| k.spare_end(self.drain)) {
                 crate::log(&format!("giving the keeper's spare back: {err}"));
             }
         }
@@ -1046,9 +1058,8 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
         if at.saturating_add(size) > self.len {
             return Err(format!("the spare ({} bytes) is full", self.len));
         }
-        let crcs = self
-            .keeper
-            .lock()
+        let mut keeper = self.keeper().map_err(|e| e.to_string())?;
+        let crcs = keeper
             .spare_fill(&possum_keeper::SpareFill {
                 drain: self.drain,
                 alloc,
@@ -1058,6 +1069,7 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
                 piece: self.chunk,
             })
             .map_err(|e| e.to_string())?;
+        self.keepers.lock().push(keeper);
         if crcs.len() as u64 != size.div_ceil(self.chunk) {
             return Err(format!("{} checksums for {size} bytes", crcs.len()));
         }

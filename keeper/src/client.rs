@@ -224,6 +224,14 @@ impl Keeper {
         Ok(v.get("freed").and_then(Value::as_u64).unwrap_or(0))
     }
 
+    /// Has the keeper free now the memory of processes that are gone (but what is held for a
+    /// restore): how many allocations, and their bytes.
+    pub fn reap(&mut self) -> Result<(u64, u64), KeeperError> {
+        let (v, _) = self.ask("reap", &Request::Reap)?;
+        let n = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+        Ok((n("freed"), n("freed_bytes")))
+    }
+
     /// The keeper's accounting.
     pub fn stats(&mut self) -> Result<Stats, KeeperError> {
         let (v, _) = self.ask("stats", &Request::Stats)?;

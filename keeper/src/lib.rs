@@ -158,6 +158,9 @@ pub enum Request {
     },
     /// The accounting.
     Stats,
+    /// Free now what the periodic check ([`ORPHAN_CHECK`]) would: the memory of processes that
+    /// are gone, but what is held for a restore. `{"ok":true,"freed":N,"freed_bytes":B}`.
+    Reap,
     /// The allocations process `pid` retained ([`Retained`]): for someone who keeps them alive
     /// while the job holds no handle to them (`possum checkpoint`, during a kept hold).
     Retained {

@@ -137,7 +137,9 @@ impl Server {
             .spawn(move || loop {
                 std::thread::sleep(crate::ORPHAN_CHECK);
                 match weak.upgrade() {
-                    Some(inner) => inner.free_orphans_of_dead(),
+                    Some(inner) => {
+                        let _ = inner.free_orphans_of_dead();
+                    }
                     None => return,
                 }
             });
@@ -222,12 +224,38 @@ impl Inner {
                 let sp = Arc::clone(&sp);
                 move || {
                     let t = Instant::now();
-                    let r = me.dev().map_err(|e| e.to_string()).and_then(|d| sp.make(d));
+                    let r = me
+                        .dev()
+                        .map_err(|e| e.to_string())
+                        .and_then(|d| sp.make(d, || me.wait_until_quiet()));
                     sp.made(r, t.elapsed());
                 }
             });
         if let Err(e) = spawned {
             sp.made(Err(format!("no thread to make it: {e}")), Duration::ZERO);
+        }
+    }
+
+    /// Waits (up to a minute) while a job this keeper serves is being checkpointed (memory
+    /// retained by a live process), drained into a spare or restored (a stage loading): making
+    /// a spare meanwhile would slow them (the driver serializes registrations with the job's own
+    /// memory calls, and the kernel zeroing new pages takes memory bandwidth).
+    fn wait_until_quiet(&self) {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(60) {
+            let held = {
+                let st = self.lock();
+                let mut alive_of = Alives::default();
+                st.allocs
+                    .values()
+                    .any(|a| a.retained && alive_of.get(a.pid))
+            };
+            let lent = self.spares.as_ref().is_some_and(|sp| sp.any_lent());
+            let staging = self.lock_stages().values().any(|x| !x.is_done());
+            if !(held || lent || staging) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -501,6 +529,13 @@ impl Inner {
                 Ok((ok, None))
             }
             Request::Stats => Ok((json!(self.stats()), None)),
+            Request::Reap => {
+                let (freed, freed_bytes) = self.free_orphans_of_dead();
+                Ok((
+                    json!({"ok": true, "freed": freed, "freed_bytes": freed_bytes}),
+                    None,
+                ))
+            }
             Request::Stage {
                 pid: of,
                 image,
@@ -515,33 +550,33 @@ impl Inner {
                 Ok((json!(lease), None))
             }
             Request::SpareFill(f) => {
-                let spare = self
-                    .spares()?
-                    .lent(f.drain, pid)
-                    .map_err(KeeperError::Spare)?;
+                let sp = self.spares()?;
+                let spare = sp.lent(f.drain, pid).map_err(KeeperError::Spare)?;
                 let dev = self.dev()?;
-                let size = {
+                let src = {
                     let st = self.lock();
                     match st.allocs.get(&f.alloc) {
-                        Some(a) if a.pid == pid => a.mem.size(),
+                        Some(a) if a.pid == pid => dev.map_owned(&a.mem)?,
                         _ => return Err(KeeperError::NoSuchAllocation(f.alloc)),
                     }
                 };
-                let res = dev.reserve(size)?;
-                let mapped =
-                    stage::Memory::map(&**self, f.alloc, &res).map_err(KeeperError::Spare)?;
-                let crcs = spare
-                    .fill(dev, &mapped, &f, spare_threads())
+                let crcs = sp
+                    .fill(dev, &spare, &Arc::new(src), &f)
                     .map_err(KeeperError::Spare)?;
                 Ok((json!(crate::SpareFilled { crcs }), None))
             }
             Request::SpareEnd { drain } => {
                 let sp = self.spares()?;
-                if !sp.end(drain, pid) {
+                let Some(spare) = sp.end(drain, pid) else {
                     return Err(KeeperError::Spare(format!(
                         "no spare is lent to drain {drain}"
                     )));
-                }
+                };
+                // Unregistering and unmapping tens of GiB takes most of a second: not on the
+                // drain's path (the file is the image's already).
+                let _ = std::thread::Builder::new()
+                    .name("possum-keeper-spare-end".to_string())
+                    .spawn(move || drop(spare));
                 self.replenish_spare();
                 Ok((ok, None))
             }
@@ -755,6 +790,7 @@ impl Inner {
             ended.push_back(s.stats());
         }
         self.free_where(|a, _| a.retained && a.pid == s.pid && a.epoch == s.epoch)
+            .0
     }
 
     /// Ends the stages whose process is gone and whose memory is all freed (held past its hold,
@@ -776,23 +812,25 @@ impl Inner {
     /// Frees the allocations held for the restore of a process that is gone; how many.
     fn drop_held_of_dead(&self) -> usize {
         self.free_where(|a, alive| a.retained && a.hold_until.is_some() && !alive)
+            .0
     }
 
     /// Frees the allocations whose process is gone, but those held for a restore until their
-    /// hold ends.
-    fn free_orphans_of_dead(self: &Arc<Self>) {
+    /// hold ends: how many, and their bytes.
+    fn free_orphans_of_dead(self: &Arc<Self>) -> (usize, u64) {
         let now = Instant::now();
-        self.free_where(|a, alive| !a.held(now) && !alive);
+        let freed = self.free_where(|a, alive| !a.held(now) && !alive);
         self.prune_stages();
         // Spares lent to a drain whose process died: unmapped, and another made.
         if self.spares.as_ref().is_some_and(|sp| sp.end_gone() > 0) {
             self.replenish_spare();
         }
+        freed
     }
 
     /// Frees the allocations `gone` picks, given each with whether its process is alive (asked
-    /// once per process); the memory is released outside the lock. How many.
-    fn free_where(&self, gone: impl Fn(&Alloc, bool) -> bool) -> usize {
+    /// once per process); the memory is released outside the lock. How many, and their bytes.
+    fn free_where(&self, gone: impl Fn(&Alloc, bool) -> bool) -> (usize, u64) {
         let freed: Vec<Alloc> = {
             let mut st = self.lock();
             let mut alive_of = Alives::default();
@@ -804,7 +842,7 @@ impl Inner {
                 .collect();
             ids.iter().filter_map(|id| st.allocs.remove(id)).collect()
         };
-        freed.len()
+        (freed.len(), freed.iter().map(|a| a.mem.size()).sum())
     }
 
     fn stats(&self) -> Stats {
@@ -975,14 +1013,4 @@ fn reply(
     let mut line = serde_json::to_vec(v)?;
     line.push(b'\n');
     fdpass::send(stream, &line, fd)
-}
-
-/// Threads copying into a spare per `spare_fill` (`POSSUM_KEEPER_SPARE_THREADS`, default 16: the
-/// copy engine and the checksums overlap; 16 threads reached 53.7 GB/s on the H100, session 25).
-fn spare_threads() -> usize {
-    std::env::var("POSSUM_KEEPER_SPARE_THREADS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(16usize)
-        .clamp(1, 64)
 }

@@ -17,9 +17,9 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
-use possum_cuda::share::{Mapped, RegisteredFile, ShareDevice};
+use possum_cuda::share::{OwnedMapping, RegisteredFile, ShareDevice};
 
 use crate::SpareLease;
 
@@ -28,6 +28,11 @@ use crate::SpareLease;
 pub(crate) struct SpareConfig {
     pub dir: PathBuf,
     pub bytes: u64,
+    /// Registered this much at a time (`POSSUM_KEEPER_SPARE_STEP_MIB`, default 1024).
+    pub step: u64,
+    /// Threads copying into spares (`POSSUM_KEEPER_SPARE_THREADS`, default 16: the copy engine
+    /// and the checksums overlap; 16 threads reached 53.7 GB/s on the H100, session 25).
+    pub threads: usize,
 }
 
 impl SpareConfig {
@@ -39,9 +44,18 @@ impl SpareConfig {
             .trim()
             .parse()
             .ok()?;
+        let num = |var: &str, default: u64| {
+            std::env::var(var)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(default)
+        };
         (mib > 0).then(|| SpareConfig {
             dir: PathBuf::from(dir),
             bytes: mib << 20,
+            step: num("POSSUM_KEEPER_SPARE_STEP_MIB", 1024) << 20,
+            threads: num("POSSUM_KEEPER_SPARE_THREADS", 16).min(64) as usize,
         })
     }
 }
@@ -100,6 +114,8 @@ struct State {
 pub(crate) struct Spares {
     cfg: SpareConfig,
     state: Mutex<State>,
+    /// The threads filling spares, started by the first fill.
+    pool: OnceLock<Result<FillPool, String>>,
 }
 
 impl std::fmt::Debug for Spares {
@@ -113,6 +129,7 @@ impl Spares {
         Spares {
             cfg,
             state: Mutex::new(State::default()),
+            pool: OnceLock::new(),
         }
     }
 
@@ -153,8 +170,14 @@ impl Spares {
         }
     }
 
-    /// Makes one on `dev` (slow: the file's pages are faulted in and registered).
-    pub(crate) fn make(&self, dev: &ShareDevice) -> Result<Spare, String> {
+    /// Makes one on `dev` (slow: the file's pages are faulted in and registered), a step at a
+    /// time, calling `before_step` before each (the keeper waits there while a job it serves is
+    /// being checkpointed, restored or drained, not to slow them).
+    pub(crate) fn make(
+        &self,
+        dev: &ShareDevice,
+        before_step: impl FnMut(),
+    ) -> Result<Spare, String> {
         let n = {
             let mut st = self.lock();
             st.next += 1;
@@ -178,7 +201,7 @@ impl Spares {
             .map_err(|e| fail("size", &e))
             .and_then(|()| file.metadata().map_err(|e| fail("stat", &e)))
             .and_then(|m| {
-                dev.register_file(&file, self.cfg.bytes)
+                dev.register_file(&file, self.cfg.bytes, self.cfg.step, before_step)
                     .map(|reg| (m.dev(), reg))
                     .map_err(|e| fail("map and register", &e))
             });
@@ -232,14 +255,19 @@ impl Spares {
         }
     }
 
-    /// Ends `drain`'s loan (process `pid`'s): the memory is unregistered and unmapped once no
-    /// fill uses it.
-    pub(crate) fn end(&self, drain: u64, pid: i32) -> bool {
+    /// Ends `drain`'s loan (process `pid`'s): the spare, unregistered and unmapped once the
+    /// caller and every fill let go of it (slow: the caller drops it off the reply's path).
+    pub(crate) fn end(&self, drain: u64, pid: i32) -> Option<Arc<Spare>> {
         let mut st = self.lock();
         match st.lent.get(&drain) {
-            Some((p, _)) if *p == pid => st.lent.remove(&drain).is_some(),
-            _ => false,
+            Some((p, _)) if *p == pid => st.lent.remove(&drain).map(|(_, s)| s),
+            _ => None,
         }
+    }
+
+    /// Whether a drain has a spare now.
+    pub(crate) fn any_lent(&self) -> bool {
+        !self.lock().lent.is_empty()
     }
 
     /// What `stats` shows.
@@ -263,15 +291,17 @@ impl Spares {
     }
 }
 
-impl Spare {
-    /// Copies `fill.len` bytes of `src` from `fill.offset` into the file at `fill.at`,
-    /// `fill.piece` bytes at a time from `threads` threads: each piece's CRC32C, in order.
+impl Spares {
+    /// Copies `fill.len` bytes of `src` from `fill.offset` into `spare` at `fill.at`, `fill.piece`
+    /// bytes at a time, on the keeper's fill threads (the pieces of fills asked at once queue
+    /// behind each other: the copy engine never waits for one fill's last piece): each piece's
+    /// CRC32C, in order.
     pub(crate) fn fill(
         &self,
         dev: &ShareDevice,
-        src: &Mapped<'_>,
+        spare: &Arc<Spare>,
+        src: &Arc<OwnedMapping>,
         fill: &crate::SpareFill,
-        threads: usize,
     ) -> Result<Vec<u32>, String> {
         let crate::SpareFill {
             offset,
@@ -283,41 +313,105 @@ impl Spare {
         if piece == 0 {
             return Err("pieces of 0 bytes".into());
         }
+        let pool = self
+            .pool
+            .get_or_init(|| FillPool::start(dev, self.cfg.threads))
+            .as_ref()
+            .map_err(Clone::clone)?;
         let n = len.div_ceil(piece) as usize;
-        let crcs: Vec<Mutex<Option<Result<u32, String>>>> =
-            (0..n).map(|_| Mutex::new(None)).collect();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        std::thread::scope(|s| {
-            for _ in 0..threads.clamp(1, n.max(1)) {
-                s.spawn(|| {
-                    // A stream per thread: its copies queue beside the others'.
-                    let stream = dev.stream();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        if i >= n {
-                            return;
-                        }
-                        let off = i as u64 * piece;
-                        let plen = piece.min(len - off) as usize;
-                        let r = stream
-                            .as_ref()
-                            .map_err(|e| format!("no stream: {e}"))
-                            .and_then(|st| {
-                                self.reg
-                                    .fill(st, at + off, src, offset + off, plen, crc32c::crc32c)
-                                    .map_err(|e| e.to_string())
-                            });
-                        *crcs[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-                    }
-                });
-            }
+        let done = Arc::new(Pieces {
+            state: Mutex::new((vec![None; n], n)),
+            cv: Condvar::new(),
         });
-        crcs.into_iter()
-            .map(|c| {
-                c.into_inner()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .unwrap_or_else(|| Err("a piece was not copied".into()))
-            })
+        for index in 0..n {
+            let off = index as u64 * piece;
+            let p = Piece {
+                spare: Arc::clone(spare),
+                src: Arc::clone(src),
+                src_offset: offset + off,
+                at: at + off,
+                len: piece.min(len - off) as usize,
+                index,
+                done: Arc::clone(&done),
+            };
+            if pool.tx.send(p).is_err() {
+                // No thread takes it: settle this one and the rest as failed.
+                for i in index..n {
+                    done.settle(i, Err("the fill threads are gone".into()));
+                }
+                break;
+            }
+        }
+        let mut st = done.state.lock().unwrap_or_else(|p| p.into_inner());
+        while st.1 > 0 {
+            st = done.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        std::mem::take(&mut st.0)
+            .into_iter()
+            .map(|c| c.unwrap_or_else(|| Err("a piece was not copied".into())))
             .collect()
+    }
+}
+
+/// One piece of a fill, for a fill thread.
+struct Piece {
+    spare: Arc<Spare>,
+    src: Arc<OwnedMapping>,
+    src_offset: u64,
+    at: u64,
+    len: usize,
+    index: usize,
+    done: Arc<Pieces>,
+}
+
+/// A piece's checksum, or why it has none; `None` while it is being copied.
+type PieceResult = Option<Result<u32, String>>;
+
+/// A fill's pieces: each one's checksum (or why not), and how many are still being copied.
+struct Pieces {
+    state: Mutex<(Vec<PieceResult>, usize)>,
+    cv: Condvar,
+}
+
+impl Pieces {
+    fn settle(&self, index: usize, r: Result<u32, String>) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.0[index] = Some(r);
+        st.1 -= 1;
+        if st.1 == 0 {
+            self.cv.notify_all();
+        }
+    }
+}
+
+/// The keeper's fill threads, each with a stream of its own (their copies queue beside each
+/// other's on the copy engine); they end when the pool is dropped.
+struct FillPool {
+    tx: crossbeam_channel::Sender<Piece>,
+}
+
+impl FillPool {
+    fn start(dev: &ShareDevice, threads: usize) -> Result<FillPool, String> {
+        let (tx, rx) = crossbeam_channel::unbounded::<Piece>();
+        for i in 0..threads.max(1) {
+            let stream = dev
+                .stream()
+                .map_err(|e| format!("no stream for the fill threads: {e}"))?;
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("possum-keeper-fill-{i}"))
+                .spawn(move || {
+                    for p in rx {
+                        let r = p
+                            .spare
+                            .reg
+                            .fill(&stream, p.at, &*p.src, p.src_offset, p.len, crc32c::crc32c)
+                            .map_err(|e| e.to_string());
+                        p.done.settle(p.index, r);
+                    }
+                })
+                .map_err(|e| format!("no fill thread: {e}"))?;
+        }
+        Ok(FillPool { tx })
     }
 }

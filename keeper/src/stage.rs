@@ -239,6 +239,11 @@ impl Stage {
         self.cv.notify_all();
     }
 
+    /// Whether every buffer has settled (loaded, failed or ended).
+    pub(crate) fn is_done(&self) -> bool {
+        self.lock().done_after.is_some()
+    }
+
     pub(crate) fn stats(&self) -> StageStats {
         let p = self.lock();
         StageStats {

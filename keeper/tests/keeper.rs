@@ -538,7 +538,15 @@ fn a_process_shares_only_its_own_memory_in_use() {
     let (theirs, _) = other.alloc(MIB4);
     let err = k.share(theirs).unwrap_err().to_string();
     assert!(err.contains("no allocation"), "{err}");
+    let their_pid = other.pid;
     other.exit();
+    // Its memory is freed when asked (`reap`, what a restore asks first), not only at the next
+    // periodic check.
+    k.reap().unwrap();
+    assert!(
+        !k.stats().unwrap().clients.contains_key(&their_pid),
+        "a dead process's memory is freed by reap"
+    );
     k.retain(a.id, 1, 0).unwrap();
     let err = k.share(a.id).unwrap_err().to_string();
     assert!(err.contains("no allocation"), "{err}");
@@ -674,9 +682,12 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
     std::fs::write(spares.join(".possum-spare-999999999-1"), b"stale").unwrap();
     std::env::set_var("POSSUM_KEEPER_SPARE_DIR", &spares);
     std::env::set_var("POSSUM_KEEPER_SPARE_MIB", "16");
+    // Registered 4 MiB at a time: a fill across a step is split there.
+    std::env::set_var("POSSUM_KEEPER_SPARE_STEP_MIB", "4");
     let server = keeper(dir.path());
     std::env::remove_var("POSSUM_KEEPER_SPARE_DIR");
     std::env::remove_var("POSSUM_KEEPER_SPARE_MIB");
+    std::env::remove_var("POSSUM_KEEPER_SPARE_STEP_MIB");
     let spare_files = || -> Vec<PathBuf> {
         let mut v: Vec<PathBuf> = std::fs::read_dir(&spares)
             .unwrap()
@@ -716,23 +727,39 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
     let (a, fd) = k.alloc(MIB4).unwrap();
     let data = pattern(7, MIB4);
     std::fs::File::from(fd).write_all_at(&data, 0).unwrap();
-    let crcs = k
-        .spare_fill(&fill(a.id, 4096, 3 << 20, 1 << 20, 1 << 20))
-        .unwrap();
+    // Two fills at once, from two connections (they share the keeper's fill threads); the
+    // first crosses the 4 MiB registration step.
+    let (b, fd) = k.alloc(MIB4).unwrap();
+    let data_b = pattern(8, MIB4);
+    std::fs::File::from(fd).write_all_at(&data_b, 0).unwrap();
+    let mut k2 = Keeper::connect(server.path()).unwrap();
+    let (crcs, crcs_b) = std::thread::scope(|sc| {
+        let second = sc.spawn(|| k2.spare_fill(&fill(b.id, 0, MIB4, 8 << 20, 1 << 20)));
+        let first = k.spare_fill(&fill(a.id, 4096, 3 << 20, 3 << 20, 1 << 20));
+        (first.unwrap(), second.join().unwrap().unwrap())
+    });
     let want: Vec<u32> = data[4096..4096 + (3 << 20)]
         .chunks(1 << 20)
         .map(crc32c::crc32c)
         .collect();
     assert_eq!(crcs, want);
+    let want_b: Vec<u32> = data_b.chunks(1 << 20).map(crc32c::crc32c).collect();
+    assert_eq!(crcs_b, want_b);
     let mut back = vec![0u8; 3 << 20];
     std::fs::File::open(&taken)
         .unwrap()
-        .read_exact_at(&mut back, 1 << 20)
+        .read_exact_at(&mut back, 3 << 20)
         .unwrap();
     assert!(
         back == data[4096..4096 + (3 << 20)],
         "the file holds the bytes"
     );
+    let mut back_b = vec![0u8; MIB4 as usize];
+    std::fs::File::open(&taken)
+        .unwrap()
+        .read_exact_at(&mut back_b, 8 << 20)
+        .unwrap();
+    assert!(back_b == data_b, "the file holds the second fill's bytes");
     // Out of the spare: refused by name.
     let err = k
         .spare_fill(&fill(a.id, 0, 1 << 20, 16 << 20, 1 << 20))
@@ -746,7 +773,15 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("no allocation"), "{err}");
+    let their_pid = other.pid;
     other.exit();
+    // Its memory is freed when asked (`reap`, what a restore asks first), not only at the next
+    // periodic check.
+    k.reap().unwrap();
+    assert!(
+        !k.stats().unwrap().clients.contains_key(&their_pid),
+        "a dead process's memory is freed by reap"
+    );
     k.spare_end(lease.drain).unwrap();
     let err = k
         .spare_fill(&fill(a.id, 0, 4096, 0, 4096))
@@ -798,4 +833,46 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The keeper makes a spare only while none of its jobs is being checkpointed: memory retained
+/// by a live process (the job's hold) delays the next spare until the memory is taken back.
+#[test]
+fn a_spare_is_made_only_outside_a_hold() {
+    if !inner_or_spawn("a_spare_is_made_only_outside_a_hold") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::env::set_var("POSSUM_KEEPER_SPARE_DIR", dir.path());
+    std::env::set_var("POSSUM_KEEPER_SPARE_MIB", "8");
+    let server = keeper(dir.path());
+    std::env::remove_var("POSSUM_KEEPER_SPARE_DIR");
+    std::env::remove_var("POSSUM_KEEPER_SPARE_MIB");
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let take = |k: &mut Keeper| {
+        let t = Instant::now();
+        loop {
+            match k.spare_take(dir.path()) {
+                Ok(l) => return l,
+                Err(e) => {
+                    assert!(t.elapsed() < Duration::from_secs(10), "no spare: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    };
+    let first = take(&mut k);
+    // This process holds: its allocation retained (as at a checkpoint's release).
+    let (a, fd) = k.alloc(MIB4).unwrap();
+    drop(fd);
+    k.retain(a.id, 1, 0).unwrap();
+    k.spare_end(first.drain).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let err = k.spare_take(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("being made"), "{err}");
+    // The hold ends: the spare is made.
+    drop(k.reclaim(a.id, 1).unwrap());
+    let second = take(&mut k);
+    assert_ne!(second.path, first.path);
+    k.spare_end(second.drain).unwrap();
 }

@@ -47,8 +47,18 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         );
     }
     // nvidia-smi (tens of ms) answers while the rest is made ready; its verdict still comes
-    // before anything is started.
-    let gpus = (!m.gpu_memory.is_empty()).then(|| std::thread::spawn(smi::gpus));
+    // before anything is started. Its keeper first frees the memory of processes that are gone
+    // (the job's, killed a moment ago, is otherwise freed within the keeper's periodic check,
+    // and nvidia-smi would count it as taken).
+    let keeper_dir = m.keeper.as_ref().map(|k| k.dir.clone());
+    let gpus = (!m.gpu_memory.is_empty()).then(|| {
+        std::thread::spawn(move || {
+            if let Some(dir) = keeper_dir {
+                stage::reap(&dir);
+            }
+            smi::gpus()
+        })
+    });
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
     // and so does a restore on the job's own GPU unless the keeper still holds them there.
     let kept = if m.keeper.is_some() {

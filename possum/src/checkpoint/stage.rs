@@ -197,6 +197,14 @@ fn stage_target(
     (target_socket(dir, &new), peer_of(dir, &old, device, epoch))
 }
 
+/// Has each keeper socket in `dir` free now the memory of processes that are gone (a keeper
+/// that does not answer is left alone: the room check then says what is short).
+pub(super) fn reap(dir: &Path) {
+    for s in possum_keeper::sockets_in(dir) {
+        let _ = possum_keeper::Keeper::connect(&s).and_then(|mut k| k.reap());
+    }
+}
+
 /// Whether the job's keeper still holds memory of the job (device 0's socket: a job killed on
 /// this host with `--keep-on-gpu`, within its hold): a restore on its own GPU maps it again.
 pub(super) fn keeper_holds(m: &Manifest) -> bool {
