@@ -201,6 +201,9 @@ def ensure_keeper():
     if KEEPER and KEEPER[0].poll() is None:
         return
     shutil.rmtree(KEEPER_DIR, ignore_errors=True)
+    err_path = os.path.join(WORK, "keeper.err")
+    KEEPER_ERR_AT[0] = os.path.getsize(err_path) if os.path.exists(err_path) else 0
+    SPARES_TAKEN[0] = 0
     k = subprocess.Popen([POSSUM, "keeper", "--dir", KEEPER_DIR], stdout=subprocess.PIPE,
                          stderr=open(os.path.join(WORK, "keeper.err"), "a"), text=True,
                          start_new_session=True)
@@ -212,11 +215,10 @@ def ensure_keeper():
     # A keeper with spare image memory (POSSUM_KEEPER_SPARE_DIR/_MIB, issue 14 item 7) makes it
     # in the background: the first checkpoint waits for it (up to 180 s).
     if os.environ.get("POSSUM_KEEPER_SPARE_DIR"):
-        err = os.path.join(WORK, "keeper.err")
         t = time.time()
-        while time.time() - t < 180 and "spare image memory" not in open(err).read():
+        while time.time() - t < 180 and "spare image memory" not in keeper_said():
             time.sleep(0.2)
-        print(f"keeper: {[l for l in open(err).read().splitlines() if 'spare' in l][-1:]}", flush=True)
+        print(f"keeper: {[l for l in keeper_said().splitlines() if 'spare' in l][-1:]}", flush=True)
 
 
 def job_env(possum_loaded, extra=None):
@@ -319,6 +321,20 @@ def ckpt_flags(engine):
 
 
 SPARES_TAKEN = [0]
+# Where this run's keeper began writing its stderr (keeper.err is appended to).
+KEEPER_ERR_AT = [0]
+
+
+def keeper_said():
+    """What this run's keeper wrote on its stderr so far."""
+    with open(os.path.join(WORK, "keeper.err")) as f:
+        f.seek(KEEPER_ERR_AT[0])
+        return f.read()
+
+
+def saved_reports(cj):
+    """Each device's save report in a kept checkpoint's `possum checkpoint --json` (`cj`)."""
+    return [((x.get("report") or {}).get("saved") or [{}])[0] for x in (cj or {}).get("saved_report") or []]
 
 
 def wait_spare():
@@ -327,9 +343,8 @@ def wait_spare():
     apart would. The seconds waited."""
     if not (KEEPER and os.environ.get("POSSUM_KEEPER_SPARE_DIR")):
         return 0.0
-    err, t = os.path.join(WORK, "keeper.err"), time.time()
-    while time.time() - t < 120 and \
-            open(err).read().count("spare image memory ready") <= SPARES_TAKEN[0]:
+    t = time.time()
+    while time.time() - t < 120 and keeper_said().count("spare image memory ready") <= SPARES_TAKEN[0]:
         time.sleep(0.1)
     return time.time() - t
 
@@ -342,8 +357,7 @@ def checkpoint(pid, img, engine, leave=True, extra=()):
         args.append("--leave-running")
     wait_spare()
     r = possum(*args, *extra)
-    saves = ((r.get("json") or {}).get("kept") or {}).get("save") or []
-    if any(x.get("shadows_saved_by_keeper") for x in saves):
+    if any(x.get("shadows_saved_by_keeper") for x in saved_reports(r.get("json"))):
         SPARES_TAKEN[0] += 1
     return r
 
@@ -432,6 +446,8 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     row["checkpoint"] = {"rc": ck["rc"], "hooks": cj.get("hooks"), "hold": cj.get("hold"),
                          "kept": cj.get("kept"), "figures": cj.get("figures"),
                          "held_for_restore": (cj.get("release_report") or {}).get("held_for_restore"),
+                         "shadows_saved_by_keeper": sum(x.get("shadows_saved_by_keeper") or 0
+                                                        for x in saved_reports(cj)),
                          "stderr": ck["stderr"] if ck["rc"] else None}
     try:
         # A failed checkpoint may leave the job paused (its buffers released and not back): 30 s
@@ -823,7 +839,7 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
         figs = cj.get("figures") or {}
         if cj.get("kept"):
             # The keeper's path: nothing copied while held; the save ran after the resume.
-            saved = [((x.get("report") or {}).get("saved") or [{}])[0] for x in cj.get("saved_report") or []]
+            saved = saved_reports(cj)
             row["kept"] = {"kept_bytes": rel.get("kept_bytes"), "detach_ms": rel.get("detach_ms"),
                            "attach_ms": (cj.get("resume_report") or {}).get("attach_ms"),
                            "saved_ms": (cj.get("figures") or {}).get("saved_ms"), "save": saved}

@@ -26,6 +26,11 @@
 # with it (each checkpoint waits for the keeper's next spare, as checkpoints minutes apart
 # would find it), 1 without.
 # -> $OUT/drain-spare-{on,off}.{md,jsonl}, drain.txt (the save's GB/s and the shadows the keeper saved)
+#   bash scripts/gpu-drain.sh spare-trials   (about 9 minutes)
+# Random-step bit-exact trials (`gpu-ckpt.sh correctness`) of every workload checkpointed
+# --leave-running with a keeper whose spare (TRIALS_SPARE_MIB, 8192) takes the drain's shadows:
+# TRIALS_N (24) trials, seed TRIALS_SEED (26), engines TRIALS_ENGINES (possum-keeper).
+# -> $OUT/spare-trials.{md,jsonl}, drain.txt (how many were identical, and used the spare)
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +72,28 @@ if [ "${1:-}" = spare ]; then
         summary "$res/drain-spare-$mode.jsonl" "spare $mode"
     done
     rm -rf "$huge/spares"
+    exit 0
+fi
+if [ "${1:-}" = spare-trials ]; then
+    huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
+    mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge" || exit 1
+    rm -rf "$huge/spares"; mkdir -p "$huge/spares"
+    POSSUM_CKPT_HUGE=1 OUT="$res/t" POSSUM_KEEPER_SPARE_DIR="$huge/spares" \
+        POSSUM_KEEPER_SPARE_MIB="${TRIALS_SPARE_MIB:-8192}" \
+        timeout -k 5 "${TRIALS_STEP_S:-560}" bash scripts/gpu-ckpt.sh correctness \
+        --engines "${TRIALS_ENGINES:-possum-keeper}" --trials "${TRIALS_N:-24}" \
+        --seed "${TRIALS_SEED:-26}" --budget-s "${TRIALS_BUDGET_S:-500}" > "$res/spare-trials.log" 2>&1
+    cp "$res/t/ckpt-correctness.jsonl" "$res/spare-trials.jsonl" 2>/dev/null
+    cp "$res/t/correctness.md" "$res/spare-trials.md" 2>/dev/null
+    rm -rf "$res/t" "$huge/spares"
+    python3 - "$res/spare-trials.jsonl" <<'PY' | tee -a "$res/drain.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in rows if r.get("trial") is not None]
+used = sum(1 for r in rows if ((r.get("checkpoint") or {}).get("shadows_saved_by_keeper") or 0) > 0)
+ok = sum(1 for r in rows if r.get("ok"))
+print(f"spare trials: {ok}/{len(rows)} bit-identical both ways; the spare saved shadows in {used}")
+PY
     exit 0
 fi
 if [ "${1:-}" = disk ]; then

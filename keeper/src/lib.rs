@@ -20,6 +20,7 @@
 //! client ── {"cmd":"stage_wait","stage":S,"alloc":A}\n ──▶ {"ok":true}\n once A is loaded
 //! client ── {"cmd":"stage_end","stage":S}\n ──▶ {"ok":true,"freed":N}\n
 //! client ── {"cmd":"device"}\n            ──▶ {"uuid":"<32 hex>","ordinal":N}\n
+//! client ── {"cmd":"reap"}\n              ──▶ {"ok":true,"freed":N,"freed_bytes":B}\n
 //! client ── {"cmd":"spare_take","dir":DIR}\n ──▶ SpareLease   the spare image file, lent
 //! client ── {"cmd":"spare_fill",..SpareFill}\n ──▶ SpareFilled  the caller's memory copied in
 //! client ── {"cmd":"spare_end","drain":D}\n ──▶ {"ok":true}\n   given back, another made
@@ -47,8 +48,9 @@
 //!
 //! The `spare*` requests lend spare image memory (the `spare` module, with
 //! `POSSUM_KEEPER_SPARE_DIR`/`_MIB`): a file on the images' filesystem the keeper faulted in and
-//! registered with CUDA ahead, into which it copies a kept checkpoint's snapshot of the caller's
-//! own memory at the copy engine's speed; the image adopts the file as a data file.
+//! registered with CUDA ahead (a GiB at a time, while no job is held, drained or staged), into
+//! which its fill threads copy a kept checkpoint's snapshot of the caller's own memory at the copy
+//! engine's speed; the image adopts the file as a data file.
 //!
 //! The job's side is [`KeeperMemory`], the `possum_cuda::owner::MemoryOwner` a job's
 //! `CudaDevice` takes its buffers' memory from. The only `unsafe` is in the private `fdpass` module (taking ownership of the

@@ -236,20 +236,15 @@ impl Inner {
         }
     }
 
-    /// Waits (up to a minute) while a job this keeper serves is being checkpointed (memory
-    /// retained by a live process), drained into a spare or restored (a stage loading): making
-    /// a spare meanwhile would slow them (the driver serializes registrations with the job's own
-    /// memory calls, and the kernel zeroing new pages takes memory bandwidth).
+    /// Waits (up to a minute) while a job this keeper serves is being checkpointed or killed and
+    /// kept for a restore (memory retained: its image may still be written from it, or its
+    /// restore be under way), drained into a spare or restored (a stage loading): making a spare
+    /// meanwhile would slow them (the driver serializes registrations with the job's own memory
+    /// calls, and the kernel zeroing new pages takes memory bandwidth).
     fn wait_until_quiet(&self) {
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(60) {
-            let held = {
-                let st = self.lock();
-                let mut alive_of = Alives::default();
-                st.allocs
-                    .values()
-                    .any(|a| a.retained && alive_of.get(a.pid))
-            };
+            let held = self.lock().allocs.values().any(|a| a.retained);
             let lent = self.spares.as_ref().is_some_and(|sp| sp.any_lent());
             let staging = self.lock_stages().values().any(|x| !x.is_done());
             if !(held || lent || staging) {

@@ -7,12 +7,15 @@
 //!
 //! Off unless `POSSUM_KEEPER_SPARE_DIR` names a directory and `POSSUM_KEEPER_SPARE_MIB` a size.
 //! One spare at a time: made in the background once the device is open and again after each
-//! drain took the last one. A drain takes it (`spare_take`, refused unless the image directory
+//! drain took the last one, registered a step (1 GiB) at a time and only while the keeper is
+//! quiet (no job held, drained into a spare or staged: `Inner::wait_until_quiet`), since each
+//! registration holds the driver against the job's own memory calls. A drain takes it (`spare_take`, refused unless the image directory
 //! is on the spare's filesystem, so that the file can be renamed into the image), has the keeper
 //! copy the job's memory into it (`spare_fill`: the job's own allocations only, each piece
-//! checksummed while it is still in the cache) and gives it back (`spare_end`): the keeper
-//! unregisters and unmaps it, and the file is the image's (renamed by the job) or gone (an
-//! abandoned image takes it with it).
+//! checksummed while it is still in the cache, on a pool of fill threads shared by every fill so
+//! that fills asked at once queue with no gap) and gives it back (`spare_end`): the keeper
+//! unregisters and unmaps it in the background, and the file is the image's (renamed by the
+//! job) or gone (an abandoned image takes it with it).
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
