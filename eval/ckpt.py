@@ -373,11 +373,16 @@ def keep_log(log):
 def restore(img, extra=(), v=None):
     """`possum restore` of IMG (the job's log kept in place first: `keep_log`); for variant `v`
     -nostage, without the keeper's staging. CKPT_RESTORE_DEVICE=N: onto GPU N (`--device`), for
-    figures of a move to another GPU."""
+    figures of a move to another GPU. CKPT_DROP_CACHES=1: the page cache dropped first (a
+    restore from an image on disk reads the disk, not what the checkpoint left cached)."""
     env = {"POSSUM_RESTORE_STAGE": "0"} if v and v.get("nostage") else None
     dev = os.environ.get("CKPT_RESTORE_DEVICE")
     if dev and "--device" not in extra:
         extra = (*extra, "--device", dev)
+    if os.environ.get("CKPT_DROP_CACHES") == "1":
+        subprocess.run(["sync"], check=False)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
     return possum("restore", "-D", img, "--json", *extra, env=env)
 
 

@@ -15,7 +15,8 @@
 # The drain to the local disk (item 7's second half: at the disk's speed): the disk's own write
 # speed first (dd of 4 GiB with O_DIRECT, and buffered then fsynced), then the same kept
 # checkpoints with the images under DRAIN_DISK_DIR (/var/tmp) at DRAIN_DISK_GIB (8,16) GiB, the
-# default chunks and staging; the save includes the fsync of the data files.
+# default chunks and staging; the save includes the fsync of the data files. DRAIN_DISK_COLD=1
+# drops the page cache before each restore (the restore then reads the disk).
 # -> $OUT/drain-disk.{md,jsonl}, drain.txt
 #   bash scripts/gpu-drain.sh spare     (about 6 minutes)
 # The drain into the keeper's spare image memory (session 25: the keeper makes a file on the
@@ -104,6 +105,7 @@ if [ "${1:-}" = disk ]; then
       dd if=/dev/zero of="$d/dd" bs=8M count=512 conv=fsync 2>&1 | tail -1 | sed 's/^/buffered + fsync 4 GiB: /'
       rm -f "$d/dd"; sync; } 2>&1 | tee -a "$res/drain.txt"
     POSSUM_CKPT_WORK="$d/ckpt" CKPT_TIMEOUT=300 OUT="$res/d" CKPT_JOB_ENV="POSSUM_WRITERS=16" \
+        CKPT_DROP_CACHES="${DRAIN_DISK_COLD:-0}" \
         timeout -k 5 "${DRAIN_STEP_S:-400}" bash scripts/gpu-ckpt.sh figures \
         --engines "${DRAIN_ENGINES:-possum-keeper}" --bench-plan "mlp:${DRAIN_DISK_GIB:-8,16}" \
         --budget-s 380 > "$res/drain-disk.log" 2>&1
