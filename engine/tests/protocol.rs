@@ -980,17 +980,24 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
         store: Arc<MemStore>,
         fail: bool,
         saved: AtomicU64,
+        in_flight: AtomicU64,
+        most_at_once: AtomicU64,
     }
     impl ShadowSaver for Saver {
         fn save(&self, buffer: u64, shadow: DevPtr, size: u64) -> Result<(), String> {
             if self.fail {
                 return Err("failed on purpose".into());
             }
+            let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_at_once.fetch_max(now, Ordering::SeqCst);
+            // Long enough that saves handed out together overlap.
+            std::thread::sleep(std::time::Duration::from_millis(30));
             let bytes = self.dev.read_now(shadow, size).map_err(|e| e.to_string())?;
             self.store
                 .write_chunk(buffer, 0, &bytes)
                 .map_err(|e| e.to_string())?;
             self.saved.fetch_add(1, Ordering::Relaxed);
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
             Ok(())
         }
     }
@@ -1007,6 +1014,8 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
             store: store.clone(),
             fail,
             saved: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            most_at_once: AtomicU64::new(0),
         });
         e.set_shadow_budget(64 << 20);
         let h = e
@@ -1020,6 +1029,14 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
         let elsewhere = if fail { 0 } else { 6 };
         assert_eq!(r.shadows_saved_elsewhere, elsewhere, "fail {fail}");
         assert_eq!(saver.saved.load(Ordering::Relaxed), elsewhere);
+        if !fail {
+            // Shadows are handed to the saver from several threads (its copies queue behind
+            // each other's): never one at a time.
+            assert!(
+                saver.most_at_once.load(Ordering::SeqCst) > 1,
+                "the saver was given one shadow at a time"
+            );
+        }
         assert_eq!(r.bytes, 6 << 18);
         for (i, b) in bufs.iter().enumerate() {
             assert!(
