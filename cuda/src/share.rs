@@ -359,12 +359,6 @@ impl Mapped<'_> {
     }
 }
 
-impl DeviceRange for Mapped<'_> {
-    fn device_range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64> {
-        self.range(call, offset, len)
-    }
-}
-
 impl Drop for Mapped<'_> {
     fn drop(&mut self) {
         if self.ctx.bind().is_ok() {
@@ -384,27 +378,18 @@ fn span(call: &'static str, va: u64, size: u64, offset: u64, len: usize) -> Devi
     }
 }
 
-/// Device memory a copy can read: a checked address for `len` bytes at `offset`.
-pub trait DeviceRange {
-    /// The device address of `len` bytes at `offset`, or an error naming `call` if they are not
-    /// all inside.
-    fn device_range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64>;
-}
-
 /// Memory mapped at an address range of its own (reserved for it): unmapped, then the range
 /// freed, on drop. Unlike [`Mapped`] it borrows nothing, so other threads may hold it.
 pub struct OwnedMapping {
-    va: u64,
+    /// Mapped from its start; freed after the unmap (fields drop after `drop` ran).
+    res: Reservation,
     size: u64,
-    ctx: Arc<Context>,
-    /// Freed after the unmap (fields drop after `drop` ran).
-    _res: Reservation,
 }
 
 impl fmt::Debug for OwnedMapping {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OwnedMapping")
-            .field("va", &format_args!("{:#x}", self.va))
+            .field("va", &format_args!("{:#x}", self.res.va))
             .field("size", &self.size)
             .finish()
     }
@@ -414,29 +399,26 @@ impl ShareDevice {
     /// Maps all of `mem` at a new address range (read/write for the device).
     pub fn map_owned(&self, mem: &SharedMem) -> DeviceResult<OwnedMapping> {
         let res = self.reserve(mem.size())?;
-        let mapped = mem.map(&res, 0)?;
-        let (va, size) = (mapped.va, mapped.size);
-        // The mapping now lives as long as the returned value, which unmaps it.
-        std::mem::forget(mapped);
+        // The mapping is undone by the returned value's drop instead of this `Mapped`'s (which
+        // borrows `res`, moved into it).
+        std::mem::forget(mem.map(&res, 0)?);
         Ok(OwnedMapping {
-            va,
-            size,
-            ctx: Arc::clone(&self.ctx),
-            _res: res,
+            res,
+            size: mem.size(),
         })
     }
 }
 
-impl DeviceRange for OwnedMapping {
-    fn device_range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64> {
-        span(call, self.va, self.size, offset, len)
+impl OwnedMapping {
+    fn range(&self, call: &'static str, offset: u64, len: usize) -> DeviceResult<u64> {
+        span(call, self.res.va, self.size, offset, len)
     }
 }
 
 impl Drop for OwnedMapping {
     fn drop(&mut self) {
-        if self.ctx.bind().is_ok() {
-            let _ = driver::unmap(self.va, self.size);
+        if self.res.ctx.bind().is_ok() {
+            let _ = driver::unmap(self.res.va, self.size);
         }
     }
 }
@@ -553,7 +535,7 @@ impl RegisteredFile {
         &self,
         stream: &driver::CudaStream,
         at: u64,
-        src: &dyn DeviceRange,
+        src: &OwnedMapping,
         src_offset: u64,
         len: usize,
         check: impl FnOnce(&[u8]) -> R,
@@ -568,7 +550,7 @@ impl RegisteredFile {
                 ))
             }
         };
-        let s = src.device_range("cuMemcpyDtoH_v2", src_offset, len)?;
+        let s = src.range("cuMemcpyDtoH_v2", src_offset, len)?;
         {
             let mut busy = self.busy.lock();
             if busy.iter().any(|&(a, b)| start < b && a < end) {

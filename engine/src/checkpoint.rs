@@ -687,13 +687,9 @@ impl<D: Device> CkptSession<D> {
                         }
                     },
                     Next::FromShadow(shadow, ready) => {
-                        if self.shadow_saver.is_some() {
-                            // Only if the savers are gone (they never are before this drop).
-                            if let Err(e) = to_savers.send((i, shadow, ready)) {
-                                let (i, shadow, ready) = e.into_inner();
-                                self.save_shadow(i, shadow, &ready, stream);
-                            }
-                        } else {
+                        // Without a saver no thread receives: saved here, through the staging.
+                        if let Err(e) = to_savers.send((i, shadow, ready)) {
+                            let (i, shadow, ready) = e.into_inner();
                             self.save_shadow(i, shadow, &ready, stream);
                         }
                     }

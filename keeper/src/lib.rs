@@ -48,7 +48,7 @@
 //!
 //! The `spare*` requests lend spare image memory (the `spare` module, with
 //! `POSSUM_KEEPER_SPARE_DIR`/`_MIB`): a file on the images' filesystem the keeper faulted in and
-//! registered with CUDA ahead (a GiB at a time, while no job is held, drained or staged), into
+//! registered with CUDA ahead (a GiB at a time, while no memory is retained, no spare lent and no stage loading), into
 //! which its fill threads copy a kept checkpoint's snapshot of the caller's own memory at the copy
 //! engine's speed; the image adopts the file as a data file.
 //!

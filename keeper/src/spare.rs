@@ -8,10 +8,10 @@
 //! Off unless `POSSUM_KEEPER_SPARE_DIR` names a directory and `POSSUM_KEEPER_SPARE_MIB` a size.
 //! One spare at a time: made in the background once the device is open and again after each
 //! drain took the last one, registered a step (1 GiB) at a time and only while the keeper is
-//! quiet (no job held, drained into a spare or staged: `Inner::wait_until_quiet`), since each
-//! registration holds the driver against the job's own memory calls. A drain takes it (`spare_take`, refused unless the image directory
-//! is on the spare's filesystem, so that the file can be renamed into the image), has the keeper
-//! copy the job's memory into it (`spare_fill`: the job's own allocations only, each piece
+//! quiet (no memory retained, no spare lent, no stage loading: `Inner::wait_until_quiet`), since
+//! each registration holds the driver against the job's own memory calls. A drain takes it
+//! (`spare_take`, refused unless the image directory is on the spare's filesystem, so that the
+//! file can be renamed into the image), has the keeper copy the job's memory into it (`spare_fill`: the job's own allocations only, each piece
 //! checksummed while it is still in the cache, on a pool of fill threads shared by every fill so
 //! that fills asked at once queue with no gap) and gives it back (`spare_end`): the keeper
 //! unregisters and unmaps it in the background, and the file is the image's (renamed by the
@@ -292,9 +292,6 @@ impl Spares {
         st.lent.retain(|_, (pid, _)| crate::server::alive(*pid));
         before - st.lent.len()
     }
-}
-
-impl Spares {
     /// Copies `fill.len` bytes of `src` from `fill.offset` into `spare` at `fill.at`, `fill.piece`
     /// bytes at a time, on the keeper's fill threads (the pieces of fills asked at once queue
     /// behind each other: the copy engine never waits for one fill's last piece): each piece's
@@ -323,7 +320,10 @@ impl Spares {
             .map_err(Clone::clone)?;
         let n = len.div_ceil(piece) as usize;
         let done = Arc::new(Pieces {
-            state: Mutex::new((vec![None; n], n)),
+            progress: Mutex::new(Progress {
+                crcs: vec![None; n],
+                left: n,
+            }),
             cv: Condvar::new(),
         });
         for index in 0..n {
@@ -345,11 +345,11 @@ impl Spares {
                 break;
             }
         }
-        let mut st = done.state.lock().unwrap_or_else(|p| p.into_inner());
-        while st.1 > 0 {
+        let mut st = done.progress.lock().unwrap_or_else(|p| p.into_inner());
+        while st.left > 0 {
             st = done.cv.wait(st).unwrap_or_else(|p| p.into_inner());
         }
-        std::mem::take(&mut st.0)
+        std::mem::take(&mut st.crcs)
             .into_iter()
             .map(|c| c.unwrap_or_else(|| Err("a piece was not copied".into())))
             .collect()
@@ -367,21 +367,25 @@ struct Piece {
     done: Arc<Pieces>,
 }
 
-/// A piece's checksum, or why it has none; `None` while it is being copied.
-type PieceResult = Option<Result<u32, String>>;
-
-/// A fill's pieces: each one's checksum (or why not), and how many are still being copied.
+/// A fill's pieces as the fill threads settle them.
 struct Pieces {
-    state: Mutex<(Vec<PieceResult>, usize)>,
+    progress: Mutex<Progress>,
     cv: Condvar,
+}
+
+struct Progress {
+    /// Each piece's checksum, or why it has none; `None` while it is being copied.
+    crcs: Vec<Option<Result<u32, String>>>,
+    /// Pieces not settled yet.
+    left: usize,
 }
 
 impl Pieces {
     fn settle(&self, index: usize, r: Result<u32, String>) {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        st.0[index] = Some(r);
-        st.1 -= 1;
-        if st.1 == 0 {
+        let mut st = self.progress.lock().unwrap_or_else(|p| p.into_inner());
+        st.crcs[index] = Some(r);
+        st.left -= 1;
+        if st.left == 0 {
             self.cv.notify_all();
         }
     }
@@ -408,7 +412,7 @@ impl FillPool {
                         let r = p
                             .spare
                             .reg
-                            .fill(&stream, p.at, &*p.src, p.src_offset, p.len, crc32c::crc32c)
+                            .fill(&stream, p.at, &p.src, p.src_offset, p.len, crc32c::crc32c)
                             .map_err(|e| e.to_string());
                         p.done.settle(p.index, r);
                     }

@@ -71,6 +71,38 @@ fn keeper(dir: &Path) -> Server {
     server
 }
 
+/// A keeper in `dir` keeping spares of `mib` MiB in `spares`, with `env` besides
+/// (`POSSUM_KEEPER_SPARE_*`, read as it binds).
+fn keeper_with_spares(dir: &Path, spares: &Path, mib: u64, env: &[(&str, &str)]) -> Server {
+    let mib = mib.to_string();
+    let vars = [
+        ("POSSUM_KEEPER_SPARE_DIR", spares.to_str().unwrap()),
+        ("POSSUM_KEEPER_SPARE_MIB", mib.as_str()),
+    ];
+    for (k, v) in vars.iter().chain(env) {
+        std::env::set_var(k, v);
+    }
+    let server = keeper(dir);
+    for (k, _) in vars.iter().chain(env) {
+        std::env::remove_var(k);
+    }
+    server
+}
+
+/// The keeper's spare, lent to a drain into `dir`: asked until one is ready (10 s at most).
+fn take_spare(k: &mut Keeper, dir: &Path) -> possum_keeper::SpareLease {
+    let t = Instant::now();
+    loop {
+        match k.spare_take(dir) {
+            Ok(l) => return l,
+            Err(e) => {
+                assert!(t.elapsed() < Duration::from_secs(10), "no spare: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
 struct Client {
     child: Child,
     stdin: ChildStdin,
@@ -680,14 +712,13 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
     std::fs::create_dir(&spares).unwrap();
     // A stale spare of a keeper that is gone is removed when the first spare is made.
     std::fs::write(spares.join(".possum-spare-999999999-1"), b"stale").unwrap();
-    std::env::set_var("POSSUM_KEEPER_SPARE_DIR", &spares);
-    std::env::set_var("POSSUM_KEEPER_SPARE_MIB", "16");
     // Registered 4 MiB at a time: a fill across a step is split there.
-    std::env::set_var("POSSUM_KEEPER_SPARE_STEP_MIB", "4");
-    let server = keeper(dir.path());
-    std::env::remove_var("POSSUM_KEEPER_SPARE_DIR");
-    std::env::remove_var("POSSUM_KEEPER_SPARE_MIB");
-    std::env::remove_var("POSSUM_KEEPER_SPARE_STEP_MIB");
+    let server = keeper_with_spares(
+        dir.path(),
+        &spares,
+        16,
+        &[("POSSUM_KEEPER_SPARE_STEP_MIB", "4")],
+    );
     let spare_files = || -> Vec<PathBuf> {
         let mut v: Vec<PathBuf> = std::fs::read_dir(&spares)
             .unwrap()
@@ -697,16 +728,7 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
         v
     };
     let mut k = Keeper::connect(server.path()).unwrap();
-    let t = Instant::now();
-    let lease = loop {
-        match k.spare_take(dir.path()) {
-            Ok(l) => break l,
-            Err(e) => {
-                assert!(t.elapsed() < Duration::from_secs(10), "no spare: {e}");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    };
+    let lease = take_spare(&mut k, dir.path());
     assert_eq!(lease.len, 16 << 20);
     assert_eq!(
         spare_files(),
@@ -843,25 +865,9 @@ fn a_spare_is_made_only_outside_a_hold() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    std::env::set_var("POSSUM_KEEPER_SPARE_DIR", dir.path());
-    std::env::set_var("POSSUM_KEEPER_SPARE_MIB", "8");
-    let server = keeper(dir.path());
-    std::env::remove_var("POSSUM_KEEPER_SPARE_DIR");
-    std::env::remove_var("POSSUM_KEEPER_SPARE_MIB");
+    let server = keeper_with_spares(dir.path(), dir.path(), 8, &[]);
     let mut k = Keeper::connect(server.path()).unwrap();
-    let take = |k: &mut Keeper| {
-        let t = Instant::now();
-        loop {
-            match k.spare_take(dir.path()) {
-                Ok(l) => return l,
-                Err(e) => {
-                    assert!(t.elapsed() < Duration::from_secs(10), "no spare: {e}");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        }
-    };
-    let first = take(&mut k);
+    let first = take_spare(&mut k, dir.path());
     // This process holds: its allocation retained (as at a checkpoint's release).
     let (a, fd) = k.alloc(MIB4).unwrap();
     drop(fd);
@@ -872,7 +878,7 @@ fn a_spare_is_made_only_outside_a_hold() {
     assert!(err.contains("being made"), "{err}");
     // The hold ends: the spare is made.
     drop(k.reclaim(a.id, 1).unwrap());
-    let second = take(&mut k);
+    let second = take_spare(&mut k, dir.path());
     assert_ne!(second.path, first.path);
     k.spare_end(second.drain).unwrap();
 }
