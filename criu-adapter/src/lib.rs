@@ -55,6 +55,9 @@
 
 pub mod doctor;
 mod error;
+pub mod hostmem;
+pub mod images;
+mod mapped;
 mod process;
 pub mod rpc;
 mod swrk;

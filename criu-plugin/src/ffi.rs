@@ -311,6 +311,9 @@ extern "C" fn plugin_init(stage: c_int) -> c_int {
                 ),
             );
         }
+        if stage == CR_PLUGIN_STAGE_RESTORE {
+            claim_inventory_entry();
+        }
         log(
             LOG_INFO,
             &format!(
@@ -321,6 +324,31 @@ extern "C" fn plugin_init(stage: c_int) -> c_int {
         );
         0
     })
+}
+
+/// `bool check_and_remove_inventory_plugin(const char *name, size_t n)`, exported by CRIU 4.x
+/// (`image.h`).
+type CheckInventoryPlugin = unsafe extern "C" fn(*const c_char, usize) -> bool;
+
+/// Takes possum off the list of plugins the images require (CRIU 4.x fails a restore whose
+/// inventory names a plugin no loaded plugin claimed: `Missing required plugin: possum`).
+/// `possum checkpoint` puts it there when it moves memory out of CRIU's images
+/// (`possum_criu::hostmem`), which only this plugin writes back.
+fn claim_inventory_entry() {
+    let Some(sym) = criu_symbol(c"check_and_remove_inventory_plugin") else {
+        return; // a CRIU without required plugins
+    };
+    // SAFETY: CRIU 4.x's `check_and_remove_inventory_plugin` has this signature (image.h).
+    let check = unsafe { std::mem::transmute::<*mut c_void, CheckInventoryPlugin>(sym) };
+    let name = CR_PLUGIN_DESC.0.name;
+    // SAFETY: `name` is our descriptor's NUL-terminated static name; CRIU compares `n` bytes.
+    let listed = unsafe { check(name, CStr::from_ptr(name).to_bytes().len()) };
+    if listed {
+        log(
+            LOG_INFO,
+            &format!("{LOG_PREFIX} the images require this plugin (possum's host memory)"),
+        );
+    }
 }
 
 extern "C" fn plugin_exit(stage: c_int, ret: c_int) {
@@ -560,6 +588,9 @@ fn resume_stopped(l: &Live) -> c_int {
 /// with the restored tree still stopped: brings back a CUDA process the plugin checkpointed.
 extern "C" fn resume_devices_late(pid: c_int) -> c_int {
     guard("resume_devices_late", -libc::EFAULT, || {
+        if let Err(e) = fill_host_memory(pid) {
+            return e;
+        }
         let records = restore_records();
         let Some(gpu_dir) = records.cuda(pid) else {
             return -libc::ENOTSUP;
@@ -591,6 +622,43 @@ extern "C" fn resume_devices_late(pid: c_int) -> c_int {
             steps: live::Steps::default(),
         })
     })
+}
+
+/// Writes back the memory `possum checkpoint` took out of CRIU's images of `pid`
+/// (`possum_criu::hostmem`), while CRIU holds the process stopped, from several threads. A
+/// process whose memory cannot be written back is killed: it must not run with memory missing.
+fn fill_host_memory(pid: c_int) -> Result<(), c_int> {
+    use possum_criu::hostmem;
+    let images = image_dir_path().map_err(|e| {
+        log(
+            LOG_ERROR,
+            &format!("{LOG_PREFIX} pid {pid}: cannot look for possum's host memory: {e}"),
+        );
+        -1
+    })?;
+    let image_pid = hostmem::namespace_pid(pid).unwrap_or(pid as u32);
+    match hostmem::fill(&images, image_pid, pid, hostmem::default_threads()) {
+        Ok(None) => Ok(()),
+        Ok(Some(r)) => {
+            log(LOG_INFO, &format!("{LOG_PREFIX} {}", r.log_line(pid)));
+            Ok(())
+        }
+        Err(e) => {
+            log(
+                LOG_ERROR,
+                &format!(
+                    "{LOG_PREFIX} pid {pid}: cannot restore the memory possum keeps beside \
+                     CRIU's images: {e}; killing the process so that it does not run with \
+                     memory missing"
+                ),
+            );
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            Err(-1)
+        }
+    }
 }
 
 /// Runs `f` while thread `tid`, stopped by CRIU (this process traces it), runs: NVIDIA's driver

@@ -43,6 +43,10 @@ struct Tree {
 }
 
 fn start_tree(dir: &Path, name: &str, hold: Option<&Path>) -> Tree {
+    start_tree_kib(dir, name, hold, 1024)
+}
+
+fn start_tree_kib(dir: &Path, name: &str, hold: Option<&Path>, kib: usize) -> Tree {
     let out = dir.join(format!("{name}.out"));
     let ready = dir.join(format!("{name}.ready"));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_plugin-testee"));
@@ -51,7 +55,14 @@ fn start_tree(dir: &Path, name: &str, hold: Option<&Path>) -> Tree {
     }
     let child = cmd
         .arg(&out)
-        .args(["--steps", "40", "--step-ms", "50", "--kib", "1024"])
+        .args([
+            "--steps",
+            "40",
+            "--step-ms",
+            "50",
+            "--kib",
+            &kib.to_string(),
+        ])
         .arg("--ready")
         .arg(&ready)
         .stdin(Stdio::null())
@@ -420,4 +431,100 @@ fn possum_criu_loads_the_plugin_from_its_plugin_dir() {
     let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
     assert!(exit.success(), "restored tree {exit}");
     assert!(std::fs::read_to_string(&tree.out).is_ok());
+}
+
+/// `possum_criu::hostmem`: the bulk of each process's private memory taken out of CRIU's images
+/// after the dump and written back by the plugin at restore (`RESUME_DEVICES_LATE`, the tree
+/// still stopped), from several threads. The restored tree's results equal an uninterrupted
+/// run's; with the moved data missing, the restore fails and nothing of the tree runs on.
+#[test]
+fn memory_split_out_of_criu_images_is_written_back_by_the_plugin() {
+    use possum_criu::hostmem;
+    use possum_criu::{DumpOptions, RestoreOptions};
+    let test = "memory_split_out_of_criu_images_is_written_back_by_the_plugin";
+    let Some(criu) = criu_or_skip(test) else {
+        return;
+    };
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let libdir = tmp.path().join("plugins");
+    std::fs::create_dir(&libdir).unwrap();
+    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
+    let criu = criu.with_plugin_dir(Some(libdir));
+    const KIB: usize = 32 << 10;
+
+    let mut reference = start_tree_kib(tmp.path(), "reference", None, KIB);
+    let mut tree = start_tree_kib(tmp.path(), "dumped", None, KIB);
+    let child_pid: i32 = wait_for_file(&tree.ready, TIMEOUT).trim().parse().unwrap();
+    let images = tmp.path().join("images");
+    criu.dump(&DumpOptions::new(tree.pid, &images)).unwrap();
+    tree.child.wait().unwrap();
+    wait_for_exit(child_pid, Some(TIMEOUT)).unwrap();
+
+    let report = hostmem::split(&images, &hostmem::SplitOptions::default()).unwrap();
+    let pids: Vec<u32> = report.split.iter().map(|t| t.pid).collect();
+    assert!(
+        pids.contains(&(tree.pid as u32)) && pids.contains(&(child_pid as u32)),
+        "both processes should be split: {report:?}"
+    );
+    for t in &report.split {
+        assert!(t.moved_bytes >= (KIB as u64) << 10, "{t:?}");
+        assert!(images
+            .join(format!("possum-hostmem-{}.pages", t.pid))
+            .is_file());
+    }
+    // Without possum's plugin CRIU refuses the images (the split named it required), when it
+    // loads plugins at all (with no plugin directory CRIU checks nothing: `possum restore`
+    // refuses such a restore itself).
+    let empty = tmp.path().join("no-plugins");
+    std::fs::create_dir(&empty).unwrap();
+    let bare = criu.clone().with_plugin_dir(Some(empty));
+    let e = bare
+        .restore(&RestoreOptions::new(&images))
+        .expect_err("a split image restored without possum's plugin");
+    assert!(
+        e.to_string().contains("Missing required plugin: possum"),
+        "{e}"
+    );
+    // Without the moved data the restore fails, and no process of the tree runs on.
+    let data = images.join(format!("possum-hostmem-{child_pid}.pages"));
+    let aside = tmp.path().join("aside.pages");
+    std::fs::rename(&data, &aside).unwrap();
+    let failed = criu.restore(&RestoreOptions::new(&images));
+    for p in [tree.pid, child_pid] {
+        let _ = wait_for_exit(p, Some(TIMEOUT));
+    }
+    let log = std::fs::read_to_string(images.join("restore.log")).unwrap_or_default();
+    assert!(
+        log.contains("cannot restore the memory possum keeps"),
+        "the plugin should say why:\n{log}"
+    );
+    match failed {
+        Err(e) => say(&format!("{test}: without the data: {e}")),
+        Ok(r) => {
+            // CRIU ignores the hook's error; the process it restored was killed before it ran.
+            assert!(
+                wait_for_exit(r.pid, Some(TIMEOUT)).map_or(true, |e| !e.success()),
+                "the restored tree ran without its memory"
+            );
+        }
+    }
+    assert!(!tree.out.exists(), "the tree ran on without its memory");
+
+    std::fs::rename(&aside, &data).unwrap();
+    let restored = criu.restore(&RestoreOptions::new(&images)).unwrap();
+    let log = std::fs::read_to_string(&restored.log).unwrap();
+    let filled = log.matches("host memory filled").count();
+    assert_eq!(filled, 2, "both processes filled by the plugin:\n{log}");
+    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored tree {exit}");
+    assert!(reference.child.wait().unwrap().success());
+    assert_eq!(
+        std::fs::read_to_string(&tree.out).unwrap(),
+        std::fs::read_to_string(&reference.out).unwrap()
+    );
+    say(&format!(
+        "{test}: {} MiB moved out of CRIU's images, restored by the plugin",
+        report.moved_bytes() >> 20
+    ));
 }

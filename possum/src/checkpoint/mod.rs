@@ -352,6 +352,41 @@ fn dump_retrying_transient(
     }
 }
 
+/// [`possum_criu::hostmem::split`] of CRIU's images in `criu_dir`, timed as `hostmem_split`; off
+/// with `POSSUM_HOSTMEM_SPLIT=0` or without possum's CRIU plugin (which writes it back). A failure leaves the images whole (CRIU restores them itself)
+/// and is said on stderr. What was moved, as JSON.
+fn split_host_memory(criu: &possum_criu::Criu, criu_dir: &Path, clock: &mut Clock) -> Value {
+    use possum_criu::hostmem;
+    if std::env::var("POSSUM_HOSTMEM_SPLIT").as_deref() == Ok("0") {
+        return json!({"off": "POSSUM_HOSTMEM_SPLIT=0"});
+    }
+    // Only possum's CRIU plugin writes split memory back: no plugin here, no split.
+    let plugin = criu
+        .plugin_dir()
+        .is_some_and(|d| d.join(possum_criu::PLUGIN_FILE).is_file());
+    if !plugin {
+        return json!({"off": "no CRIU plugin"});
+    }
+    let r = clock.time("hostmem_split", || {
+        Ok(hostmem::split(criu_dir, &hostmem::SplitOptions::default())?)
+    });
+    match r {
+        Ok(rep) => json!({
+            "moved_bytes": rep.moved_bytes(),
+            "kept_bytes": rep.split.iter().map(|t| t.kept_bytes).sum::<u64>(),
+            "processes": rep.split.iter().map(|t| t.pid).collect::<Vec<_>>(),
+            "left": rep.left.iter().map(|(p, why)| json!({"pid": p, "why": why})).collect::<Vec<_>>(),
+        }),
+        Err(e) => {
+            let e = format!("{e:#}");
+            eprintln!(
+                "possum: CRIU restores the job's memory itself (splitting its images failed: {e})"
+            );
+            json!({"error": e})
+        }
+    }
+}
+
 /// Dumps tried when the job's control socket had a client connected ([`dump_retrying_transient`]).
 const DUMP_TRIES: u32 = 3;
 const DUMP_RETRY_WAIT: Duration = Duration::from_millis(200);
@@ -861,6 +896,16 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
             }
         }
     }
+    // The bulk of the job's private memory out of CRIU's images, for possum's plugin to write
+    // back in parallel at restore (`possum_criu::hostmem`). Not while a job left running without
+    // a keeper is still held (it would lengthen its stall); not for the driver engine (the
+    // baseline stays plain CRIU).
+    let mut hostmem = Value::Null;
+    if let (EngineKind::Possum, Some((criu, _))) = (a.engine, &side) {
+        if kept_any || !a.leave_running {
+            hostmem = split_host_memory(criu, &tmp.join("criu"), &mut clock);
+        }
+    }
     // The image is complete: name it.
     let commit = clock.time("commit", || {
         // The figures are added once known (below); the image is complete without them.
@@ -943,6 +988,7 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         json!({"engine": ms(stall_engine), "driver": ms(stall_driver), "criu": ms(stall_criu),
                "commit": ms(stall_commit)}),
     );
+    fig.insert("hostmem".into(), hostmem);
     fig.insert("image_bytes".into(), json!(criu_bytes + gpu_bytes));
     fig.insert("criu_image_bytes".into(), json!(criu_bytes));
     fig.insert("gpu_image_bytes".into(), json!(gpu_bytes));

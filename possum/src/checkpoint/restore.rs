@@ -2,7 +2,7 @@
 
 use std::fs;
 use std::os::unix::fs::DirBuilderExt as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -75,6 +75,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         gpus.and_then(|t| t.join().ok()).flatten()
     })?;
     let (criu, drv) = (criu?, drv?);
+    refuse_split_without_plugin(&img.criu, &criu)?;
     let prepared = t_all.elapsed();
     let sockets = a.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
     if img.gpu.is_some() {
@@ -209,6 +210,20 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         .map(|s| s.peer_buffers)
         .sum();
     let mut fig = clock.json();
+    // possum's plugin wrote the memory taken out of CRIU's images back (part of CRIU's time).
+    let fills = std::fs::read_to_string(img.criu.join(&opts.log_file))
+        .map(|log| possum_criu::hostmem::fills_in_log(&log))
+        .unwrap_or_default();
+    if !fills.is_empty() {
+        fig.insert(
+            "hostmem_fill_ms".into(),
+            json!(fills.iter().map(|f| f.2).sum::<f64>()),
+        );
+        fig.insert(
+            "hostmem_fill_bytes".into(),
+            json!(fills.iter().map(|f| f.1).sum::<u64>()),
+        );
+    }
     fig.insert("prepare_ms".into(), json!(ms(prepared)));
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
@@ -260,6 +275,30 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         }
     }
     Ok(true)
+}
+
+/// Memory `possum checkpoint` took out of CRIU's images is written back only by possum's CRIU
+/// plugin, and CRIU checks that a required plugin is loaded only when it loads plugins at all.
+fn refuse_split_without_plugin(criu_dir: &Path, criu: &Criu) -> Result<()> {
+    let split = fs::read_dir(criu_dir)
+        .with_context(|| format!("reading {}", criu_dir.display()))?
+        .filter_map(|e| e.ok())
+        .any(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.starts_with("possum-hostmem-") && n.ends_with(".idx")
+        });
+    let plugin = criu
+        .plugin_dir()
+        .is_some_and(|d| d.join(possum_criu::PLUGIN_FILE).is_file());
+    if split && !plugin {
+        bail!(
+            "{} holds memory only possum's CRIU plugin restores, and no plugin was found              (POSSUM_CRIU_PLUGIN_DIR, or criu-plugins/{} beside the possum executable)",
+            criu_dir.display(),
+            possum_criu::PLUGIN_FILE
+        );
+    }
+    Ok(())
 }
 
 /// CRIU's log level from `POSSUM_CRIU_LOG_LEVEL` (1 errors .. 4 everything), for a diagnosis.

@@ -1,0 +1,883 @@
+//! The job's private memory restored by possum, in parallel, instead of by CRIU's restorer.
+//!
+//! CRIU's restorer fills a restored process's private memory with `preadv` from one thread, one
+//! 4 KiB page fault at a time (with THP `madvise` it applies the process's `MADV_HUGEPAGE` only
+//! afterwards): about 2 GB/s on the H100 machines, ~550 ms for a PyTorch job's 1.1 GB, most of a
+//! keeper-held restore. `process_vm_writev` from 16 threads of another process fills the same
+//! memory at ~20 GB/s (session 27's probe).
+//!
+//! [`split`], after CRIU's dump: for each process of the tree, the pages of its plain private
+//! anonymous writable mappings (heap, malloc arenas, thread stacks, the driver's checkpoint
+//! residue) are taken out of CRIU's pagemap. CRIU's pagemap and a new, smaller `pages-N.img`
+//! keep the rest; the original pages file stays as `possum-hostmem-PID.pages` and
+//! `possum-hostmem-PID.idx` says which of its bytes go where ([`Index`], CRC32C-checked). CRIU
+//! then maps those mappings empty at restore. The inventory then names possum's plugin as
+//! required, so that CRIU refuses to restore the images without it.
+//!
+//! [`fill`], at restore, while CRIU still holds the restored process stopped (possum's CRIU
+//! plugin, `RESUME_DEVICES_LATE`): writes those bytes back into the process with
+//! `process_vm_writev` from several threads, before it runs an instruction. A fill that fails
+//! leaves the process to be killed by the caller: it never runs with memory missing.
+//!
+//! Left to CRIU (never split): mappings another process of the tree has at the same addresses
+//! (CRIU shares their pages copy-on-write between parent and child: splitting would unshare
+//! them), grow-down stacks, locked, huge-TLB, shared, file-backed, special and plugin mappings,
+//! read-only ones (`process_vm_writev` honours protections), the pages holding a thread's rseq
+//! area (CRIU writes into them after its restorer ran), and any pagemap of a pre-dump chain or
+//! with pages not present.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{self, Write as _};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::images::{
+    self, image_path, status, CoreEntry, ImageError, MmEntry, Pagemap, PagemapEntry, PstreeEntry,
+    VmaEntry, CORE_MAGIC, MM_MAGIC, PAGE_SIZE, PE_PARENT, PE_PRESENT, PSTREE_MAGIC,
+};
+
+/// The plugin name CRIU records in the inventory when possum's plugin was loaded at dump time.
+pub const PLUGIN_NAME: &str = "possum";
+
+/// Index magic and version.
+const INDEX_MAGIC: &[u8; 8] = b"PSMHOST1";
+const INDEX_VERSION: u32 = 1;
+
+/// A process's pages smaller than this stay with CRIU (not worth a second file).
+pub const DEFAULT_MIN_BYTES: u64 = 4 << 20;
+
+/// The unit of work of one `process_vm_writev` call.
+const FILL_CHUNK: u64 = 8 << 20;
+
+/// What can go wrong splitting an image or filling a process.
+#[derive(Debug, thiserror::Error)]
+pub enum HostMemError {
+    /// A CRIU image could not be read or is malformed.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// possum's index of moved pages is corrupt or does not match its data file.
+    #[error("{}: {detail}", path.display())]
+    Index {
+        /// The index.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Writing into the restored process failed.
+    #[error(
+        "writing {len} bytes at {addr:#x} into restored process {pid}: {detail} \
+         (its memory is incomplete)"
+    )]
+    Fill {
+        /// The process.
+        pid: i32,
+        /// Where.
+        addr: u64,
+        /// How much.
+        len: u64,
+        /// Why.
+        detail: String,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> HostMemError + '_ {
+    move |source| HostMemError::Io {
+        path: path.into(),
+        source,
+    }
+}
+
+/// One run of moved bytes: `len` bytes at `vaddr` in the process are at `offset` in the data file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// Address in the process.
+    pub vaddr: u64,
+    /// Offset in the data file.
+    pub offset: u64,
+    /// Length (whole pages).
+    pub len: u64,
+}
+
+/// `possum-hostmem-PID.idx`: where a process's moved pages are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Index {
+    /// The data file's name, in the same directory.
+    pub data_file: String,
+    /// The data file's size when split.
+    pub data_len: u64,
+    /// The runs, in address order.
+    pub ranges: Vec<Range>,
+}
+
+impl Index {
+    /// Total bytes moved.
+    pub fn bytes(&self) -> u64 {
+        self.ranges.iter().map(|r| r.len).sum()
+    }
+
+    /// The file's bytes: magic, version, data file name and size, the runs, CRC32C of it all.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(40 + self.data_file.len() + 24 * self.ranges.len());
+        out.extend_from_slice(INDEX_MAGIC);
+        out.extend_from_slice(&INDEX_VERSION.to_le_bytes());
+        out.extend_from_slice(&(self.data_file.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.data_file.as_bytes());
+        out.extend_from_slice(&self.data_len.to_le_bytes());
+        out.extend_from_slice(&(self.ranges.len() as u64).to_le_bytes());
+        for r in &self.ranges {
+            for v in [r.vaddr, r.offset, r.len] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Parses and checks an index read from `path`.
+    pub fn decode(bytes: &[u8], path: &Path) -> Result<Index, HostMemError> {
+        let bad = |detail: &str| HostMemError::Index {
+            path: path.into(),
+            detail: detail.into(),
+        };
+        if bytes.len() < INDEX_MAGIC.len() + 4 || &bytes[..8] != INDEX_MAGIC {
+            return Err(bad("not a possum host-memory index"));
+        }
+        let (body, crc) = bytes.split_at(bytes.len() - 4);
+        let crc = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
+        if crc32c::crc32c(body) != crc {
+            return Err(bad("checksum mismatch (the index is corrupt)"));
+        }
+        let mut at = 8;
+        let mut take = |n: usize| -> Result<&[u8], HostMemError> {
+            let s = body.get(at..at + n).ok_or_else(|| bad("cut short"))?;
+            at += n;
+            Ok(s)
+        };
+        let u32_at = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
+        let u64_at = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
+        let version = u32_at(take(4)?);
+        if version != INDEX_VERSION {
+            return Err(bad(&format!(
+                "version {version}; this possum reads version {INDEX_VERSION}"
+            )));
+        }
+        let name_len = u32_at(take(4)?) as usize;
+        let data_file = String::from_utf8(take(name_len)?.to_vec())
+            .map_err(|_| bad("data file name is not UTF-8"))?;
+        if data_file.contains('/') || data_file.is_empty() {
+            return Err(bad("data file name is not a plain file name"));
+        }
+        let data_len = u64_at(take(8)?);
+        let count = u64_at(take(8)?);
+        let mut ranges = Vec::new();
+        for _ in 0..count {
+            let r = Range {
+                vaddr: u64_at(take(8)?),
+                offset: u64_at(take(8)?),
+                len: u64_at(take(8)?),
+            };
+            if r.offset.checked_add(r.len).is_none_or(|end| end > data_len)
+                || !r.vaddr.is_multiple_of(PAGE_SIZE)
+                || !r.len.is_multiple_of(PAGE_SIZE)
+            {
+                return Err(bad(&format!(
+                    "run {r:?} outside the data file or unaligned"
+                )));
+            }
+            ranges.push(r);
+        }
+        if at != body.len() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(Index {
+            data_file,
+            data_len,
+            ranges,
+        })
+    }
+}
+
+/// `DIR/possum-hostmem-PID.idx`.
+pub fn index_path(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("possum-hostmem-{pid}.idx"))
+}
+
+/// The name of the data file of `pid`'s moved pages.
+fn data_name(pid: u32) -> String {
+    format!("possum-hostmem-{pid}.pages")
+}
+
+/// Reads `DIR/possum-hostmem-PID.idx`, if there is one.
+pub fn read_index(dir: &Path, pid: u32) -> Result<Option<Index>, HostMemError> {
+    let path = index_path(dir, pid);
+    match fs::read(&path) {
+        Ok(b) => Index::decode(&b, &path).map(Some),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io_err(&path)(e)),
+    }
+}
+
+/// How [`split`] chooses.
+#[derive(Debug, Clone)]
+pub struct SplitOptions {
+    /// A process whose movable pages are fewer bytes than this is left to CRIU.
+    pub min_bytes: u64,
+}
+
+impl Default for SplitOptions {
+    fn default() -> Self {
+        SplitOptions {
+            min_bytes: DEFAULT_MIN_BYTES,
+        }
+    }
+}
+
+/// What [`split`] did with one process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskSplit {
+    /// The process (image PID).
+    pub pid: u32,
+    /// Bytes now restored by possum.
+    pub moved_bytes: u64,
+    /// Bytes left to CRIU.
+    pub kept_bytes: u64,
+    /// Runs in the index.
+    pub ranges: usize,
+}
+
+/// What [`split`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SplitReport {
+    /// Processes split.
+    pub split: Vec<TaskSplit>,
+    /// Processes (or, PID 0, the whole image) left alone, and why.
+    pub left: Vec<(u32, String)>,
+    /// Time taken.
+    pub time: Duration,
+}
+
+impl SplitReport {
+    /// Bytes moved over all processes.
+    pub fn moved_bytes(&self) -> u64 {
+        self.split.iter().map(|t| t.moved_bytes).sum()
+    }
+}
+
+/// Whether possum may fill `v` itself (see the module's doc for what stays with CRIU).
+fn movable_vma(v: &VmaEntry) -> bool {
+    let want = status::REGULAR | status::ANON_PRIVATE;
+    let special = status::STACK
+        | status::VSYSCALL
+        | status::VDSO
+        | status::VVAR
+        | status::AIORING
+        | status::SHSTK
+        | status::SYSVIPC
+        | status::SOCKET
+        | status::MEMFD
+        | status::FILE_PRIVATE
+        | status::FILE_SHARED
+        | status::ANON_SHARED
+        | status::EXT_PLUGIN
+        | status::UNSUPP;
+    let flags = v.flags as i32;
+    v.status & want == want
+        && v.status & special == 0
+        && flags & libc::MAP_PRIVATE != 0
+        && flags & libc::MAP_ANONYMOUS != 0
+        && flags & (libc::MAP_GROWSDOWN | libc::MAP_LOCKED | libc::MAP_HUGETLB) == 0
+        && v.prot & libc::PROT_WRITE as u32 != 0
+        && v.end > v.start
+}
+
+/// Sorted disjoint intervals minus `holes` (sorted by start, may overlap).
+fn subtract(intervals: Vec<(u64, u64)>, holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for (mut s, e) in intervals {
+        for &(hs, he) in holes {
+            if he <= s || hs >= e {
+                continue;
+            }
+            if hs > s {
+                out.push((s, hs));
+            }
+            s = s.max(he);
+        }
+        if s < e {
+            out.push((s, e));
+        }
+    }
+    out
+}
+
+/// The pagemap of one process cut along `movable` (sorted disjoint intervals): the runs CRIU
+/// keeps (with their offsets in the old pages file) and the runs possum moves.
+fn cut(entries: &[PagemapEntry], movable: &[(u64, u64)]) -> (Vec<(PagemapEntry, u64)>, Vec<Range>) {
+    let mut kept = Vec::new();
+    let mut moved: Vec<Range> = Vec::new();
+    let mut src = 0u64;
+    for e in entries {
+        let (a, b) = (e.vaddr, e.vaddr + e.len());
+        let mut cur = a;
+        while cur < b {
+            // The first movable interval ending after `cur`.
+            let i = movable.partition_point(|&(_, end)| end <= cur);
+            let (inside, end) = match movable.get(i) {
+                Some(&(s, e2)) if s <= cur => (true, e2.min(b)),
+                Some(&(s, _)) => (false, s.min(b)),
+                None => (false, b),
+            };
+            let off = src + (cur - a);
+            let len = end - cur;
+            if inside {
+                match moved.last_mut() {
+                    Some(r) if r.vaddr + r.len == cur && r.offset + r.len == off => r.len += len,
+                    _ => moved.push(Range {
+                        vaddr: cur,
+                        offset: off,
+                        len,
+                    }),
+                }
+            } else {
+                let piece = PagemapEntry {
+                    vaddr: cur,
+                    nr_pages: u32::try_from(len / PAGE_SIZE).expect("a piece of an entry"),
+                    in_parent: e.in_parent,
+                    flags: e.flags,
+                };
+                kept.push((piece, off));
+            }
+            cur = end;
+        }
+        src += e.len();
+    }
+    (kept, moved)
+}
+
+/// Splits the images in `dir` (a CRIU dump directory) so that possum restores the bulk of each
+/// process's private memory itself ([`fill`]). Processes that cannot be split are left as CRIU
+/// wrote them and named in the report. An error leaves the process being split as CRIU wrote it
+/// (those split before it stay split: the images restore either way).
+pub fn split(dir: &Path, opts: &SplitOptions) -> Result<SplitReport, HostMemError> {
+    let start = Instant::now();
+    let mut report = SplitReport::default();
+    let tree: Vec<PstreeEntry> = images::read_messages(&dir.join("pstree.img"), PSTREE_MAGIC)?;
+    let mut mms = Vec::new();
+    for t in &tree {
+        let path = image_path(dir, "mm", t.pid);
+        if !path.exists() {
+            continue; // a zombie: no memory
+        }
+        let mm: Vec<MmEntry> = images::read_messages(&path, MM_MAGIC)?;
+        mms.push((t, mm.into_iter().next().unwrap_or_default()));
+    }
+    // Mappings at the same addresses in two processes: CRIU shares their pages.
+    let mut seen: HashMap<(u64, u64), usize> = HashMap::new();
+    for (_, mm) in &mms {
+        for v in &mm.vmas {
+            *seen.entry((v.start, v.end)).or_default() += 1;
+        }
+    }
+    let mut next_pages_id = max_pages_id(dir)? + 1;
+    let mut required = false;
+    for (t, mm) in &mms {
+        let movable: Vec<(u64, u64)> = mm
+            .vmas
+            .iter()
+            .filter(|v| movable_vma(v) && seen[&(v.start, v.end)] == 1)
+            .map(|v| (v.start, v.end))
+            .collect();
+        let mut holes = Vec::new();
+        for &tid in &t.threads {
+            let path = image_path(dir, "core", tid);
+            let core: Vec<CoreEntry> = images::read_messages(&path, CORE_MAGIC)?;
+            let rseq = core
+                .first()
+                .and_then(|c| c.thread_core.as_ref())
+                .and_then(|tc| tc.rseq_entry.as_ref());
+            if let Some(r) = rseq.filter(|r| r.rseq_abi_pointer != 0) {
+                let s = r.rseq_abi_pointer & !(PAGE_SIZE - 1);
+                let e = (r.rseq_abi_pointer + u64::from(r.rseq_abi_size.max(32)) + PAGE_SIZE - 1)
+                    & !(PAGE_SIZE - 1);
+                holes.push((s, e));
+            }
+        }
+        holes.sort_unstable();
+        let movable = subtract(movable, &holes);
+        if movable.is_empty() {
+            report
+                .left
+                .push((t.pid, "no mapping possum may fill".into()));
+            continue;
+        }
+        if !required {
+            // Before any memory leaves CRIU's images: a restore without possum's plugin fails.
+            images::require_plugin(dir, PLUGIN_NAME)?;
+            required = true;
+        }
+        match split_task(dir, t.pid, &movable, opts, next_pages_id)? {
+            Ok(s) => {
+                next_pages_id += 1;
+                report.split.push(s);
+            }
+            Err(why) => report.left.push((t.pid, why)),
+        }
+    }
+    report.time = start.elapsed();
+    Ok(report)
+}
+
+/// The largest `N` of the `pages-N.img` in `dir`.
+fn max_pages_id(dir: &Path) -> Result<u32, HostMemError> {
+    let mut max = 0;
+    for e in fs::read_dir(dir).map_err(io_err(dir))? {
+        let e = e.map_err(io_err(dir))?;
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if let Some(id) = name
+            .strip_prefix("pages-")
+            .and_then(|r| r.strip_suffix(".img"))
+            .and_then(|n| n.parse::<u32>().ok())
+        {
+            max = max.max(id);
+        }
+    }
+    Ok(max)
+}
+
+/// Splits one process: `Ok(Err(why))` when it is left to CRIU.
+fn split_task(
+    dir: &Path,
+    pid: u32,
+    movable: &[(u64, u64)],
+    opts: &SplitOptions,
+    new_id: u32,
+) -> Result<Result<TaskSplit, String>, HostMemError> {
+    let pm_path = image_path(dir, "pagemap", pid);
+    let pm = Pagemap::read(&pm_path)?;
+    if let Some(e) = pm
+        .entries
+        .iter()
+        .find(|e| e.effective_flags() & PE_PARENT != 0 || e.effective_flags() & PE_PRESENT == 0)
+    {
+        return Ok(Err(format!(
+            "its pagemap has a run not in this image (flags {:#x} at {:#x})",
+            e.effective_flags(),
+            e.vaddr
+        )));
+    }
+    let old_pages = image_path(dir, "pages", pm.head.pages_id);
+    let present: u64 = pm.entries.iter().map(PagemapEntry::len).sum();
+    let old_len = fs::metadata(&old_pages).map_err(io_err(&old_pages))?.len();
+    if old_len != present {
+        return Ok(Err(format!(
+            "{} has {old_len} bytes, its pagemap {present}",
+            old_pages.display()
+        )));
+    }
+    let (kept, moved) = cut(&pm.entries, movable);
+    let moved_bytes: u64 = moved.iter().map(|r| r.len).sum();
+    if moved_bytes < opts.min_bytes.max(1) {
+        return Ok(Err(format!(
+            "{moved_bytes} bytes could be moved, fewer than {}",
+            opts.min_bytes
+        )));
+    }
+    let new_pages = image_path(dir, "pages", new_id);
+    let index_file = index_path(dir, pid);
+    let data = dir.join(data_name(pid));
+    let new_pm_tmp = dir.join(format!("pagemap-{pid}.img.possum-tmp"));
+    let written = (|| -> Result<u64, HostMemError> {
+        let src = File::open(&old_pages).map_err(io_err(&old_pages))?;
+        let mut out = File::create_new(&new_pages).map_err(io_err(&new_pages))?;
+        let mut buf = vec![0u8; 4 << 20];
+        let mut kept_bytes = 0;
+        for (e, off) in &kept {
+            let mut done = 0;
+            while done < e.len() {
+                let n = (e.len() - done).min(buf.len() as u64) as usize;
+                src.read_exact_at(&mut buf[..n], off + done)
+                    .map_err(io_err(&old_pages))?;
+                out.write_all(&buf[..n]).map_err(io_err(&new_pages))?;
+                done += n as u64;
+            }
+            kept_bytes += e.len();
+        }
+        out.sync_all().map_err(io_err(&new_pages))?;
+        let index = Index {
+            data_file: data_name(pid),
+            data_len: old_len,
+            ranges: moved.clone(),
+        };
+        write_synced(&index_file, &index.encode())?;
+        let new_pm = Pagemap {
+            head: images::PagemapHead { pages_id: new_id },
+            entries: kept.iter().map(|(e, _)| e.clone()).collect(),
+        };
+        write_synced(&new_pm_tmp, &new_pm.encode())?;
+        Ok(kept_bytes)
+    })();
+    let clean = || {
+        for p in [&new_pages, &index_file, &new_pm_tmp] {
+            let _ = fs::remove_file(p);
+        }
+    };
+    let kept_bytes = written.inspect_err(|_| clean())?;
+    // The old pages file becomes possum's data file, then the new pagemap replaces CRIU's; a
+    // failure puts the old file back, leaving the images as CRIU wrote them.
+    if let Err(e) = fs::rename(&old_pages, &data) {
+        clean();
+        return Err(io_err(&old_pages)(e));
+    }
+    if let Err(e) = fs::rename(&new_pm_tmp, &pm_path) {
+        let _ = fs::rename(&data, &old_pages);
+        clean();
+        return Err(io_err(&pm_path)(e));
+    }
+    Ok(Ok(TaskSplit {
+        pid,
+        moved_bytes,
+        kept_bytes,
+        ranges: moved.len(),
+    }))
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), HostMemError> {
+    let mut f = File::create(path).map_err(io_err(path))?;
+    f.write_all(bytes).map_err(io_err(path))?;
+    f.sync_all().map_err(io_err(path))
+}
+
+/// The PID `pid` has in its innermost PID namespace (the PID it had in the dumped tree when
+/// CRIU restored it into a new namespace), from `/proc/PID/status`'s `NSpid`.
+pub fn namespace_pid(pid: i32) -> Option<u32> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|l| l.split_whitespace().last())
+        .and_then(|p| p.parse().ok())
+}
+
+/// What [`fill`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FillReport {
+    /// Bytes written.
+    pub bytes: u64,
+    /// Runs.
+    pub ranges: usize,
+    /// Threads used.
+    pub threads: usize,
+    /// Time taken.
+    pub time: Duration,
+}
+
+impl FillReport {
+    /// The line possum's plugin logs for it (after its prefix), which [`fills_in_log`] reads.
+    pub fn log_line(&self, pid: i32) -> String {
+        format!(
+            "pid {pid}: host memory filled: {} bytes, {} runs, {:.1} ms, {} threads",
+            self.bytes,
+            self.ranges,
+            self.time.as_secs_f64() * 1e3,
+            self.threads
+        )
+    }
+}
+
+/// A fill a CRIU restore log reports: (pid, bytes, milliseconds).
+pub fn fills_in_log(log: &str) -> Vec<(i32, u64, f64)> {
+    log.lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("pid ")?;
+            let (pid, rest) = rest.split_once(": host memory filled: ")?;
+            let (bytes, rest) = rest.split_once(" bytes, ")?;
+            let (_, rest) = rest.split_once(" runs, ")?;
+            let (ms, _) = rest.split_once(" ms")?;
+            Some((pid.parse().ok()?, bytes.parse().ok()?, ms.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Threads for [`fill`]: `POSSUM_HOSTMEM_THREADS`, else the CPUs available, at most 16.
+pub fn default_threads() -> usize {
+    std::env::var("POSSUM_HOSTMEM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(4)
+                .min(16)
+        })
+}
+
+/// Writes the pages [`split`] moved out of process `image_pid`'s CRIU image in `dir` into the
+/// restored process `pid` (stopped: nothing of it may run before this returns). `Ok(None)`:
+/// nothing was split for it.
+pub fn fill(
+    dir: &Path,
+    image_pid: u32,
+    pid: i32,
+    threads: usize,
+) -> Result<Option<FillReport>, HostMemError> {
+    let start = Instant::now();
+    let Some(index) = read_index(dir, image_pid)? else {
+        return Ok(None);
+    };
+    let data_path = dir.join(&index.data_file);
+    let file = File::open(&data_path).map_err(io_err(&data_path))?;
+    let len = file.metadata().map_err(io_err(&data_path))?.len();
+    if len != index.data_len {
+        return Err(HostMemError::Index {
+            path: data_path,
+            detail: format!(
+                "has {len} bytes, the index says {} (truncated or replaced)",
+                index.data_len
+            ),
+        });
+    }
+    let source = crate::mapped::MappedFile::map(&file, len).map_err(io_err(&data_path))?;
+    let src = source.bytes();
+    // Work: the runs cut into chunks, taken in order by the threads.
+    let mut work = Vec::new();
+    for r in &index.ranges {
+        let mut done = 0;
+        while done < r.len {
+            let n = (r.len - done).min(FILL_CHUNK);
+            work.push(Range {
+                vaddr: r.vaddr + done,
+                offset: r.offset + done,
+                len: n,
+            });
+            done += n;
+        }
+    }
+    let threads = threads.clamp(1, work.len().max(1));
+    let next = AtomicUsize::new(0);
+    let first_error = std::sync::Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(w) = work.get(i) else { break };
+                let from = &src[w.offset as usize..(w.offset + w.len) as usize];
+                if let Err(e) = write_remote(pid, w.vaddr, from) {
+                    // Stop everyone: the process will not run anyway.
+                    next.store(work.len(), Ordering::Relaxed);
+                    first_error.lock().expect("no panics").get_or_insert(e);
+                    break;
+                }
+            });
+        }
+    });
+    if let Some(e) = first_error.into_inner().expect("no panics") {
+        return Err(e);
+    }
+    Ok(Some(FillReport {
+        bytes: index.bytes(),
+        ranges: index.ranges.len(),
+        threads,
+        time: start.elapsed(),
+    }))
+}
+
+/// `process_vm_writev` of `from` to `addr` in `pid`, until all is written.
+fn write_remote(pid: i32, addr: u64, from: &[u8]) -> Result<(), HostMemError> {
+    use nix::sys::uio::{process_vm_writev, RemoteIoVec};
+    let mut done = 0usize;
+    while done < from.len() {
+        let local = [io::IoSlice::new(&from[done..])];
+        let remote = [RemoteIoVec {
+            base: addr as usize + done,
+            len: from.len() - done,
+        }];
+        let fail = |detail: String| HostMemError::Fill {
+            pid,
+            addr: addr + done as u64,
+            len: (from.len() - done) as u64,
+            detail,
+        };
+        match process_vm_writev(nix::unistd::Pid::from_raw(pid), &local, &remote) {
+            Ok(0) => return Err(fail("nothing written (not mapped writable there)".into())),
+            Ok(n) => done += n,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(fail(format!("process_vm_writev: {e}"))),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pe(vaddr: u64, pages: u32) -> PagemapEntry {
+        PagemapEntry {
+            vaddr,
+            nr_pages: pages,
+            in_parent: None,
+            flags: Some(PE_PRESENT),
+        }
+    }
+
+    const P: u64 = PAGE_SIZE;
+
+    #[test]
+    fn runs_are_cut_at_mapping_boundaries_with_their_file_offsets() {
+        // Runs: [0x10,0x20) pages, [0x30,0x34) pages. Movable: [0x12,0x18), [0x1c,0x32).
+        let entries = vec![pe(0x10 * P, 0x10), pe(0x30 * P, 4)];
+        let movable = vec![(0x12 * P, 0x18 * P), (0x1c * P, 0x32 * P)];
+        let (kept, moved) = cut(&entries, &movable);
+        let kept: Vec<(u64, u32, u64)> = kept
+            .iter()
+            .map(|(e, off)| (e.vaddr / P, e.nr_pages, off / P))
+            .collect();
+        assert_eq!(kept, vec![(0x10, 2, 0), (0x18, 4, 8), (0x32, 2, 0x12)]);
+        let moved: Vec<(u64, u64, u64)> = moved
+            .iter()
+            .map(|r| (r.vaddr / P, r.offset / P, r.len / P))
+            .collect();
+        // [0x1c,0x20) at offset 0xc and [0x30,0x32) at 0x10 are contiguous in the file but
+        // not in memory: two runs.
+        assert_eq!(moved, vec![(0x12, 2, 6), (0x1c, 0xc, 4), (0x30, 0x10, 2)]);
+        let total: u64 = kept.iter().map(|k| u64::from(k.1)).sum::<u64>()
+            + moved.iter().map(|m| m.2).sum::<u64>();
+        assert_eq!(total, 0x14);
+    }
+
+    #[test]
+    fn adjacent_runs_merge_and_holes_are_cut_out() {
+        let entries = vec![pe(0, 4), pe(4 * P, 4)];
+        let (kept, moved) = cut(&entries, &[(0, 8 * P)]);
+        assert!(kept.is_empty());
+        assert_eq!(
+            moved,
+            vec![Range {
+                vaddr: 0,
+                offset: 0,
+                len: 8 * P
+            }]
+        );
+        let with_hole = subtract(vec![(0, 8 * P), (10 * P, 12 * P)], &[(3 * P, 4 * P)]);
+        assert_eq!(
+            with_hole,
+            vec![(0, 3 * P), (4 * P, 8 * P), (10 * P, 12 * P)]
+        );
+        assert_eq!(subtract(vec![(0, P)], &[(0, P)]), vec![]);
+    }
+
+    #[test]
+    fn only_plain_private_anonymous_writable_mappings_move() {
+        let anon = VmaEntry {
+            start: 0,
+            end: P,
+            prot: (libc::PROT_READ | libc::PROT_WRITE) as u32,
+            flags: (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32,
+            status: status::REGULAR | status::ANON_PRIVATE,
+            madv: None,
+        };
+        assert!(movable_vma(&anon));
+        let heap = VmaEntry {
+            status: anon.status | status::HEAP,
+            ..anon.clone()
+        };
+        assert!(movable_vma(&heap));
+        for not in [
+            VmaEntry {
+                prot: libc::PROT_READ as u32,
+                ..anon.clone()
+            },
+            VmaEntry {
+                flags: anon.flags | libc::MAP_GROWSDOWN as u32,
+                ..anon.clone()
+            },
+            VmaEntry {
+                status: anon.status | status::STACK,
+                ..anon.clone()
+            },
+            VmaEntry {
+                status: status::REGULAR | status::FILE_PRIVATE,
+                flags: libc::MAP_PRIVATE as u32,
+                ..anon.clone()
+            },
+            VmaEntry {
+                status: status::REGULAR | status::ANON_SHARED,
+                flags: (libc::MAP_SHARED | libc::MAP_ANONYMOUS) as u32,
+                ..anon.clone()
+            },
+            VmaEntry {
+                status: anon.status | status::VDSO,
+                ..anon.clone()
+            },
+        ] {
+            assert!(!movable_vma(&not), "{not:?}");
+        }
+    }
+
+    #[test]
+    fn fill_lines_are_read_back_from_a_log() {
+        let r = FillReport {
+            bytes: 1 << 30,
+            ranges: 12,
+            threads: 16,
+            time: Duration::from_micros(54_321),
+        };
+        let log = format!(
+            "(00.1) other line\n(00.2) possum-criu-plugin: {}\n(00.3) pid 9: host memory lost\n",
+            r.log_line(4242)
+        );
+        assert_eq!(fills_in_log(&log), vec![(4242, 1 << 30, 54.3)]);
+    }
+
+    #[test]
+    fn the_index_round_trips_and_corruption_is_caught() {
+        let idx = Index {
+            data_file: "possum-hostmem-7.pages".into(),
+            data_len: 16 * P,
+            ranges: vec![
+                Range {
+                    vaddr: 0x7f00_0000_0000,
+                    offset: 0,
+                    len: 4 * P,
+                },
+                Range {
+                    vaddr: 0x10_0000,
+                    offset: 8 * P,
+                    len: 8 * P,
+                },
+            ],
+        };
+        let path = Path::new("possum-hostmem-7.idx");
+        let bytes = idx.encode();
+        assert_eq!(Index::decode(&bytes, path).unwrap(), idx);
+        assert_eq!(idx.bytes(), 12 * P);
+        let mut bad = bytes.clone();
+        bad[30] ^= 1;
+        let e = Index::decode(&bad, path).unwrap_err().to_string();
+        assert!(e.contains("checksum"), "{e}");
+        let e = Index::decode(b"garbage!garbage!", path)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a possum host-memory index"), "{e}");
+        // A run past the data file is refused even with a good checksum.
+        let past = Index {
+            data_len: 4 * P,
+            ..idx
+        };
+        let e = Index::decode(&past.encode(), path).unwrap_err().to_string();
+        assert!(e.contains("outside the data file"), "{e}");
+    }
+}

@@ -1,0 +1,68 @@
+//! A read-only shared mapping of a whole file: the one `unsafe` of [`crate::hostmem`].
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+
+/// `len` bytes of a file mapped `PROT_READ`, `MAP_SHARED` (its page cache, no copy).
+#[derive(Debug)]
+pub struct MappedFile {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and owned by this value; reading it from several threads is
+// reading shared immutable memory.
+unsafe impl Send for MappedFile {}
+// SAFETY: as above.
+unsafe impl Sync for MappedFile {}
+
+impl MappedFile {
+    /// Maps the first `len` bytes of `file` (which must have at least that many: reading past a
+    /// file's end through a mapping raises `SIGBUS`, so callers check the size first).
+    pub fn map(file: &File, len: u64) -> io::Result<MappedFile> {
+        let len = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        if len == 0 {
+            return Ok(MappedFile {
+                ptr: std::ptr::null_mut(),
+                len: 0,
+            });
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (no address given), of a descriptor we
+        // hold open for the call; the result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(MappedFile { ptr, len })
+    }
+
+    /// The mapped bytes. The file must not shrink while they are read (possum's image files
+    /// are not changed once written).
+    pub fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` is a live mapping of `len` readable bytes until `drop`, which needs
+        // `&mut self`, so it outlives the returned borrow.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
+    }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: unmapping exactly the mapping `map` made; no borrow of it outlives `self`.
+            unsafe { libc::munmap(self.ptr, self.len) };
+        }
+    }
+}
