@@ -827,6 +827,190 @@ mod tests {
         }
     }
 
+    /// A dump directory written by hand: process 10 (threads 10 and 11, 11 with an rseq area in
+    /// mapping D) and its child 20, which has mapping B at the same addresses.
+    fn synthetic_dump(dir: &Path) -> Vec<u8> {
+        use crate::images::{
+            encode_image, InventoryEntry, PagemapHead, PluginsEntry, RseqEntry, ThreadCoreEntry,
+            INVENTORY_MAGIC,
+        };
+        use prost::Message as _;
+        let write = |name: &str, magic: u32, msgs: Vec<Vec<u8>>| {
+            fs::write(dir.join(name), encode_image(magic, &msgs)).unwrap();
+        };
+        write(
+            "inventory.img",
+            INVENTORY_MAGIC,
+            vec![InventoryEntry {
+                img_version: 2,
+                plugins_entry: Some(PluginsEntry::default()),
+            }
+            .encode_to_vec()],
+        );
+        write(
+            "pstree.img",
+            PSTREE_MAGIC,
+            vec![
+                PstreeEntry {
+                    pid: 10,
+                    ppid: 0,
+                    threads: vec![10, 11],
+                }
+                .encode_to_vec(),
+                PstreeEntry {
+                    pid: 20,
+                    ppid: 10,
+                    threads: vec![20],
+                }
+                .encode_to_vec(),
+            ],
+        );
+        let anon = |start: u64, pages: u64| VmaEntry {
+            start,
+            end: start + pages * P,
+            prot: (libc::PROT_READ | libc::PROT_WRITE) as u32,
+            flags: (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u32,
+            status: status::REGULAR | status::ANON_PRIVATE,
+            madv: None,
+        };
+        let file = VmaEntry {
+            flags: libc::MAP_PRIVATE as u32,
+            status: status::REGULAR | status::FILE_PRIVATE,
+            ..anon(0x300 * P, 1)
+        };
+        let vmas10 = vec![
+            anon(0x100 * P, 64),
+            anon(0x200 * P, 16),
+            file,
+            anon(0x400 * P, 8),
+        ];
+        let mm = |vmas| vec![MmEntry { vmas }.encode_to_vec()];
+        write("mm-10.img", MM_MAGIC, mm(vmas10));
+        write("mm-20.img", MM_MAGIC, mm(vec![anon(0x200 * P, 16)]));
+        let core = |rseq: Option<u64>| {
+            vec![CoreEntry {
+                thread_core: Some(ThreadCoreEntry {
+                    rseq_entry: rseq.map(|p| RseqEntry {
+                        rseq_abi_pointer: p,
+                        rseq_abi_size: 32,
+                    }),
+                }),
+            }
+            .encode_to_vec()]
+        };
+        write("core-10.img", CORE_MAGIC, core(None));
+        write("core-11.img", CORE_MAGIC, core(Some(0x403 * P + 0x10)));
+        write("core-20.img", CORE_MAGIC, core(None));
+        let runs = [(0x100, 64), (0x200, 16), (0x300, 1), (0x400, 8)];
+        let pm = Pagemap {
+            head: PagemapHead { pages_id: 1 },
+            entries: runs.iter().map(|&(a, n)| pe(a * P, n)).collect(),
+        };
+        fs::write(dir.join("pagemap-10.img"), pm.encode()).unwrap();
+        // Page k of the file is filled with its page number's low byte, plus 1.
+        let pages: Vec<u8> = (0..89u64)
+            .flat_map(|k| std::iter::repeat_n(k as u8 + 1, P as usize))
+            .collect();
+        fs::write(dir.join("pages-1.img"), &pages).unwrap();
+        let pm20 = Pagemap {
+            head: PagemapHead { pages_id: 2 },
+            entries: vec![pe(0x200 * P, 16)],
+        };
+        fs::write(dir.join("pagemap-20.img"), pm20.encode()).unwrap();
+        fs::write(dir.join("pages-2.img"), vec![7u8; 16 * P as usize]).unwrap();
+        pages
+    }
+
+    #[test]
+    fn a_split_moves_private_memory_and_leaves_shared_file_and_rseq_pages_to_criu() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let pages = synthetic_dump(dir);
+        let page_of = |vaddr: u64| -> u64 {
+            // The file offset of a page of process 10 in the original pages file.
+            let runs = [(0x100u64, 64u64), (0x200, 16), (0x300, 1), (0x400, 8)];
+            let mut off = 0;
+            for (a, n) in runs {
+                if vaddr >= a * P && vaddr < (a + n) * P {
+                    return off + (vaddr - a * P);
+                }
+                off += n * P;
+            }
+            panic!("{vaddr:#x} not in the pagemap")
+        };
+        let report = split(dir, &SplitOptions { min_bytes: 1 }).unwrap();
+        assert_eq!(
+            report.split,
+            vec![TaskSplit {
+                pid: 10,
+                moved_bytes: 71 * P,
+                kept_bytes: 18 * P,
+                ranges: 3,
+            }]
+        );
+        assert_eq!(report.left.len(), 1, "{report:?}");
+        assert_eq!(report.left[0].0, 20);
+        // CRIU keeps the shared mapping B, the file page and the rseq page, in a new pages file.
+        let pm = Pagemap::read(&dir.join("pagemap-10.img")).unwrap();
+        assert_eq!(pm.head.pages_id, 3);
+        let kept: Vec<(u64, u32)> = pm
+            .entries
+            .iter()
+            .map(|e| (e.vaddr / P, e.nr_pages))
+            .collect();
+        assert_eq!(kept, vec![(0x200, 16), (0x300, 1), (0x403, 1)]);
+        let new_pages = fs::read(dir.join("pages-3.img")).unwrap();
+        let mut want = Vec::new();
+        for e in &pm.entries {
+            let off = page_of(e.vaddr) as usize;
+            want.extend_from_slice(&pages[off..off + e.len() as usize]);
+        }
+        assert_eq!(new_pages, want);
+        // possum's data file is CRIU's old pages file; every moved byte is where the index says.
+        assert!(!dir.join("pages-1.img").exists());
+        let data = fs::read(dir.join("possum-hostmem-10.pages")).unwrap();
+        assert_eq!(data, pages);
+        let index = read_index(dir, 10).unwrap().unwrap();
+        let runs: Vec<(u64, u64)> = index
+            .ranges
+            .iter()
+            .map(|r| (r.vaddr / P, r.len / P))
+            .collect();
+        assert_eq!(runs, vec![(0x100, 64), (0x400, 3), (0x404, 4)]);
+        for r in &index.ranges {
+            for k in 0..r.len / P {
+                let at = (r.offset + k * P) as usize;
+                assert_eq!(data[at], pages[page_of(r.vaddr + k * P) as usize]);
+            }
+        }
+        // The child is untouched; the images now need possum's plugin.
+        assert_eq!(
+            fs::read(dir.join("pages-2.img")).unwrap(),
+            vec![7u8; 16 * P as usize]
+        );
+        assert!(read_index(dir, 20).unwrap().is_none());
+        assert!(!crate::images::require_plugin(dir, PLUGIN_NAME).unwrap());
+    }
+
+    #[test]
+    fn a_pagemap_of_a_pre_dump_chain_is_left_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        synthetic_dump(dir);
+        let path = dir.join("pagemap-10.img");
+        let mut pm = Pagemap::read(&path).unwrap();
+        pm.entries[0].flags = Some(PE_PARENT);
+        fs::write(&path, pm.encode()).unwrap();
+        let report = split(dir, &SplitOptions { min_bytes: 1 }).unwrap();
+        assert!(report.split.is_empty(), "{report:?}");
+        assert!(report
+            .left
+            .iter()
+            .any(|(p, why)| *p == 10 && why.contains("not in this image")));
+        assert_eq!(Pagemap::read(&path).unwrap(), pm);
+        assert!(dir.join("pages-1.img").exists());
+    }
+
     #[test]
     fn fill_lines_are_read_back_from_a_log() {
         let r = FillReport {

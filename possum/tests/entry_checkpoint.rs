@@ -1871,7 +1871,8 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
 /// restored from its image (issue 14 item 4): `possum restore` has the keeper load the image
 /// into new memory while CRIU restores the process, and the restored job maps that memory and
 /// waits only for buffers still loading. The keeper here loads slowly (one loader, each buffer
-/// 400 ms later: the last one well after CRIU's restore, however loaded the machine) and fails
+/// 1 s later: the last one well after CRIU's restore, however loaded the machine; 400 ms was
+/// not enough once in CI, the restore there taking 1.2 s) and fails
 /// one buffer on purpose: the job meets buffers still loading, copies the
 /// failed one from the image itself, and computes exactly what a run without possum does. The
 /// stage is gone afterwards, nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
@@ -1884,7 +1885,7 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     let (_keeper, keeper_dir) = start_keeper_with(
         dir,
         &[
-            ("POSSUM_KEEPER_STAGE_DELAY_MS", "400"),
+            ("POSSUM_KEEPER_STAGE_DELAY_MS", "1000"),
             ("POSSUM_KEEPER_STAGE_THREADS", "1"),
             ("POSSUM_KEEPER_STAGE_FAIL", "1"),
         ],
