@@ -501,20 +501,8 @@ fn split_task(
     let new_pm_tmp = dir.join(format!("pagemap-{pid}.img.possum-tmp"));
     let written = (|| -> Result<u64, HostMemError> {
         let src = File::open(&old_pages).map_err(io_err(&old_pages))?;
-        let mut out = File::create_new(&new_pages).map_err(io_err(&new_pages))?;
-        let mut buf = vec![0u8; 4 << 20];
-        let mut kept_bytes = 0;
-        for (e, off) in &kept {
-            let mut done = 0;
-            while done < e.len() {
-                let n = (e.len() - done).min(buf.len() as u64) as usize;
-                src.read_exact_at(&mut buf[..n], off + done)
-                    .map_err(io_err(&old_pages))?;
-                out.write_all(&buf[..n]).map_err(io_err(&new_pages))?;
-                done += n as u64;
-            }
-            kept_bytes += e.len();
-        }
+        let out = File::create_new(&new_pages).map_err(io_err(&new_pages))?;
+        let kept_bytes = copy_pieces(&src, &old_pages, &out, &new_pages, &kept)?;
         out.sync_all().map_err(io_err(&new_pages))?;
         let index = Index {
             data_file: data_name(pid),
@@ -552,6 +540,56 @@ fn split_task(
         kept_bytes,
         ranges: moved.len(),
     }))
+}
+
+/// Copies the runs CRIU keeps (`(run, offset in src)`) one after another into `out`, in
+/// pieces of at most [`FILL_CHUNK`] spread over a few threads (a tree's parent keeps hundreds
+/// of MB its children share: 170 ms from one thread on the H100 machine). Bytes copied.
+fn copy_pieces(
+    src: &File,
+    src_path: &Path,
+    out: &File,
+    out_path: &Path,
+    kept: &[(PagemapEntry, u64)],
+) -> Result<u64, HostMemError> {
+    let mut pieces = Vec::new();
+    let mut to = 0u64;
+    for (e, from) in kept {
+        let mut done = 0;
+        while done < e.len() {
+            let n = (e.len() - done).min(FILL_CHUNK);
+            pieces.push((from + done, to + done, n));
+            done += n;
+        }
+        to += e.len();
+    }
+    out.set_len(to).map_err(io_err(out_path))?;
+    let next = AtomicUsize::new(0);
+    let threads = default_threads().min(8).min(pieces.len()).max(1);
+    let results: Vec<Result<(), HostMemError>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut buf = vec![0u8; FILL_CHUNK as usize];
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(from, at, n)) = pieces.get(i) else {
+                            return Ok(());
+                        };
+                        let b = &mut buf[..n as usize];
+                        src.read_exact_at(b, from).map_err(io_err(src_path))?;
+                        out.write_all_at(b, at).map_err(io_err(out_path))?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("no panics"))
+            .collect()
+    });
+    results.into_iter().collect::<Result<(), _>>()?;
+    Ok(to)
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), HostMemError> {

@@ -41,7 +41,8 @@ fn selected(setting: &str) -> Option<&str> {
 /// threads against 31 for 4 KiB pages; eval/results/README.md, session 21). CRIU restores a
 /// process's memory before it applies the process's `madvise` bits, so unless THP is `always` it
 /// faults the memory in 4 KiB at a time (the MLP's 1.1 GB: CRIU's restore 0.42-0.51 s with
-/// `always`, 0.65-0.72 s with `madvise`, same machine; session 25).
+/// `always`, 0.65-0.72 s with `madvise`, same machine; session 25). Since session 27 possum's
+/// CRIU plugin writes most of a `possum checkpoint` image's memory back itself (hostmem).
 fn huge_pages(enabled: &str, shmem: &str, mounts: &str) -> String {
     let thp = selected(enabled).unwrap_or("unknown");
     let shm = selected(shmem).unwrap_or("unknown");
@@ -63,7 +64,9 @@ fn huge_pages(enabled: &str, shmem: &str, mounts: &str) -> String {
         ""
     } else {
         "; CRIU restores a job's memory faster with transparent huge pages `always` \
-         (echo always > /sys/kernel/mm/transparent_hugepage/enabled)"
+         (echo always > /sys/kernel/mm/transparent_hugepage/enabled): what possum's CRIU \
+         plugin does not write back itself (`--engine driver` images, memory a forked worker \
+         shares)"
     };
     format!(
         "transparent {thp}, shmem {shm}, /dev/shm huge: {}; {hint}{restore_hint}",

@@ -898,11 +898,12 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     }
     // The bulk of the job's private memory out of CRIU's images, for possum's plugin to write
     // back in parallel at restore (`possum_criu::hostmem`). Not while a job left running without
-    // a keeper is still held (it would lengthen its stall); not for the driver engine (the
-    // baseline stays plain CRIU).
+    // a keeper is still held (it would lengthen its stall) unless `POSSUM_HOSTMEM_SPLIT=always`;
+    // not for the driver engine (the baseline stays plain CRIU).
     let mut hostmem = Value::Null;
     if let (EngineKind::Possum, Some((criu, _))) = (a.engine, &side) {
-        if kept_any || !a.leave_running {
+        let always = std::env::var("POSSUM_HOSTMEM_SPLIT").as_deref() == Ok("always");
+        if kept_any || !a.leave_running || always {
             hostmem = split_host_memory(criu, &tmp.join("criu"), &mut clock);
         }
     }
@@ -970,7 +971,13 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         + clock.get("driver_checkpoint")
         + clock.get("driver_restore")
         + clock.get("driver_unlock");
-    let stall_criu = clock.get("criu_dump");
+    // A split while a job left running without a keeper is still held is part of its stall.
+    let split_in_hold = if !kept_any && a.leave_running {
+        clock.get("hostmem_split")
+    } else {
+        Duration::ZERO
+    };
+    let stall_criu = clock.get("criu_dump") + split_in_hold;
     let mut fig = clock.json();
     fig.insert("total_ms".into(), json!(ms(t_all.elapsed())));
     // A kept checkpoint names its image after the job runs again: not part of the stall.
