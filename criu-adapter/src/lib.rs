@@ -632,6 +632,10 @@ fn log_tail(log: &Path) -> String {
     lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
 }
 
+/// How possum's CRIU plugin starts a line about an error that fails CRIU's run (the plugin's
+/// other lines start `possum-criu-plugin:`).
+pub const PLUGIN_ERROR: &str = "Error (possum-criu-plugin):";
+
 /// Errors CRIU logs and then carries on regardless: `criu restore` logs this one on the machines
 /// measured so far, as its first error, and succeeds.
 const BENIGN_ERRORS: &[&str] = &["Can't setup RLIMIT_NOFILE for self"];
@@ -639,6 +643,13 @@ const BENIGN_ERRORS: &[&str] = &["Can't setup RLIMIT_NOFILE for self"];
 /// CRIU's `cr_errmsg` is the first error it logged. When that one is benign, the first other
 /// `Error (...)` line of the log's tail says more.
 fn first_real_error(errmsg: Option<String>, log_tail: &str) -> Option<String> {
+    // possum's plugin failing is the cause of what CRIU reports after it.
+    if let Some(l) = log_tail
+        .lines()
+        .find_map(|l| l.find(PLUGIN_ERROR).map(|i| &l[i..]))
+    {
+        return Some(l.to_owned());
+    }
     let benign = |m: &str| BENIGN_ERRORS.iter().any(|b| m.contains(b));
     match errmsg {
         Some(m) if !benign(&m) => Some(m),
@@ -666,6 +677,18 @@ fn dir_bytes(dir: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_plugins_error_is_the_cause() {
+        let tail = "(00.10) possum-criu-plugin: pid 7: host memory filled: 1 bytes\n\
+                    (00.11) Error (possum-criu-plugin): pid 8: cannot restore the memory\n\
+                    (00.12) Error (criu/cr-restore.c:1916): Unable to detach 8: No such process\n";
+        let errmsg = Some("Error (criu/cr-restore.c:1916): Unable to detach 8".into());
+        assert_eq!(
+            first_real_error(errmsg, tail).as_deref(),
+            Some("Error (possum-criu-plugin): pid 8: cannot restore the memory")
+        );
+    }
 
     #[test]
     fn a_benign_first_error_gives_way_to_the_next_one() {

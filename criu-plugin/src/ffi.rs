@@ -647,9 +647,10 @@ fn fill_host_memory(pid: c_int) -> Result<(), c_int> {
             log(
                 LOG_ERROR,
                 &format!(
-                    "{LOG_PREFIX} pid {pid}: cannot restore the memory possum keeps beside \
-                     CRIU's images: {e}; killing the process so that it does not run with \
-                     memory missing"
+                    "{} pid {pid}: cannot restore the memory possum keeps beside CRIU's \
+                     images: {e}; killing the process so that it does not run with memory \
+                     missing",
+                    possum_criu::PLUGIN_ERROR
                 ),
             );
             let _ = nix::sys::signal::kill(

@@ -383,6 +383,15 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
     ));
 }
 
+/// `criu` loading this build's plugin from a directory of its own under `dir` (over CRIU's RPC,
+/// as `possum checkpoint` / `possum restore` drive it).
+fn with_plugin_dir(criu: Criu, dir: &Path) -> Criu {
+    let libdir = dir.join("plugins");
+    std::fs::create_dir(&libdir).unwrap();
+    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
+    criu.with_plugin_dir(Some(libdir))
+}
+
 /// possum's own CRIU driver (`possum-criu`, CRIU's RPC, which has no `libdir` option) loads the
 /// plugin from its plugin directory (`POSSUM_CRIU_PLUGIN_DIR`, or `criu-plugins/` beside the
 /// executable), as `possum checkpoint` / `possum restore` do.
@@ -395,10 +404,7 @@ fn possum_criu_loads_the_plugin_from_its_plugin_dir() {
     };
     set_child_subreaper().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let libdir = tmp.path().join("plugins");
-    std::fs::create_dir(&libdir).unwrap();
-    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
-    let criu = criu.with_plugin_dir(Some(libdir));
+    let criu = with_plugin_dir(criu, tmp.path());
 
     let mut tree = start_tree(tmp.path(), "dumped", None);
     let child_pid: i32 = wait_for_file(&tree.ready, TIMEOUT).trim().parse().unwrap();
@@ -447,10 +453,7 @@ fn memory_split_out_of_criu_images_is_written_back_by_the_plugin() {
     };
     set_child_subreaper().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let libdir = tmp.path().join("plugins");
-    std::fs::create_dir(&libdir).unwrap();
-    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
-    let criu = criu.with_plugin_dir(Some(libdir));
+    let criu = with_plugin_dir(criu, tmp.path());
     const KIB: usize = 32 << 10;
 
     let mut reference = start_tree_kib(tmp.path(), "reference", None, KIB);
@@ -500,7 +503,13 @@ fn memory_split_out_of_criu_images_is_written_back_by_the_plugin() {
         "the plugin should say why:\n{log}"
     );
     match failed {
-        Err(e) => say(&format!("{test}: without the data: {e}")),
+        Err(e) => {
+            assert!(
+                e.to_string().contains("Error (possum-criu-plugin): pid"),
+                "the plugin's error first: {e}"
+            );
+            say(&format!("{test}: without the data: {e}"));
+        }
         Ok(r) => {
             // CRIU ignores the hook's error; the process it restored was killed before it ran.
             assert!(

@@ -371,3 +371,30 @@ impl StdioPlan {
         Ok(plan)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_image_is_refused_without_possums_plugin() {
+        let tmp = tempfile::tempdir().unwrap();
+        let criu_dir = tmp.path().join("criu");
+        fs::create_dir(&criu_dir).unwrap();
+        let plugins = tmp.path().join("plugins");
+        fs::create_dir(&plugins).unwrap();
+        let none = Criu::with_binary("/bin/true").with_plugin_dir(None);
+        let empty = none.clone().with_plugin_dir(Some(plugins.clone()));
+        // Not split: no plugin needed.
+        refuse_split_without_plugin(&criu_dir, &none).unwrap();
+        fs::write(criu_dir.join("possum-hostmem-42.idx"), b"x").unwrap();
+        for criu in [&none, &empty] {
+            let e = refuse_split_without_plugin(&criu_dir, criu)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("only possum's CRIU plugin restores"), "{e}");
+        }
+        fs::write(plugins.join(possum_criu::PLUGIN_FILE), b"").unwrap();
+        refuse_split_without_plugin(&criu_dir, &empty).unwrap();
+    }
+}
