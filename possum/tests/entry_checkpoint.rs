@@ -1566,7 +1566,8 @@ fn killing_checkpoint(cmd: &mut Command, job: &mut Job) -> Value {
 /// restore on this host maps them instead of copying (zero-copy). That memory is taken back
 /// only by a job holding that checkpoint's state: a restore of an older image comes back from
 /// its image, and leaves the later checkpoint's memory alone. Both restored jobs compute exactly
-/// what a run without possum does.
+/// what a run without possum does. The job's private memory goes through possum's CRIU plugin
+/// (`possum_criu::hostmem`), not CRIU's restorer.
 #[test]
 fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() {
     let Some((tmp, lib)) = setup("keeper_kill_restore", "possum-keeper-kill-") else {
@@ -1595,6 +1596,10 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
     let s = k.stats().unwrap();
     assert_eq!(s.held.bytes, before, "held for the restore: {s:?}");
     let r = restore_json(dir, &img1, &job);
+    // The job's private memory left CRIU's images and came back through possum's CRIU plugin.
+    let moved = v["figures"]["hostmem"]["moved_bytes"].as_u64().unwrap_or(0);
+    assert!(moved > 0, "not split: {}", v["figures"]["hostmem"]);
+    assert_eq!(r["figures"]["hostmem_fill_bytes"], moved, "{r}");
     assert_eq!(r["gpu_from_keeper"], true, "{r}");
     assert_eq!(
         r["resume_report"]["attached"],
