@@ -838,6 +838,18 @@ fn restore_json(dir: &Path, img: &Path, job: &Job) -> Value {
     )
 }
 
+/// [`restore_json`] with possum's CRIU plugin from `libdir` (what a split image needs).
+fn restore_json_plugin(dir: &Path, img: &Path, job: &Job, libdir: &Path) -> Value {
+    json_of(
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(img)
+            .env("LD_LIBRARY_PATH", dir)
+            .env("POSSUM_CRIU_PLUGIN_DIR", libdir),
+        job,
+    )
+}
+
 /// Runs a `possum ... --json` command, which must succeed (else: its output and `job`'s stderr),
 /// and returns its JSON.
 fn json_of(cmd: &mut Command, job: &Job) -> Value {
@@ -1581,9 +1593,16 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
     let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
 
-    // Killed: the image is complete, and the keeper holds the buffers for a restore.
+    // Killed: the image is complete, and the keeper holds the buffers for a restore. With
+    // possum's CRIU plugin (`cargo test` leaves it in deps/, where `possum` does not look).
+    let Some(libdir) = plugin_dir(dir) else {
+        panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
+    };
     let img1 = dir.join("img1");
-    let v = checkpoint_and_kill(dir, &mut job, &img1, &[]);
+    let v = killing_checkpoint(
+        checkpoint_cmd(dir, job.pid, &img1, &[]).env("POSSUM_CRIU_PLUGIN_DIR", &libdir),
+        &mut job,
+    );
     assert_eq!(
         v["release_report"]["held_for_restore"],
         serde_json::json!([0]),
@@ -1595,7 +1614,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
     );
     let s = k.stats().unwrap();
     assert_eq!(s.held.bytes, before, "held for the restore: {s:?}");
-    let r = restore_json(dir, &img1, &job);
+    let r = restore_json_plugin(dir, &img1, &job, &libdir);
     // The job's private memory left CRIU's images and came back through possum's CRIU plugin.
     let moved = v["figures"]["hostmem"]["moved_bytes"].as_u64().unwrap_or(0);
     assert!(moved > 0, "not split: {}", v["figures"]["hostmem"]);
@@ -1634,7 +1653,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
         before + (2 << 20),
         "with the buffer its malloc added"
     );
-    let r = restore_json(dir, &img1, &job);
+    let r = restore_json_plugin(dir, &img1, &job, &libdir);
     assert_eq!(r["gpu_from_keeper"], false, "an older image: {r}");
     assert_eq!(
         r["resume_report"]["kept_memory_gone"],
