@@ -219,6 +219,18 @@ fn data_name(pid: u32) -> String {
     format!("possum-hostmem-{pid}.pages")
 }
 
+/// Whether some process's memory in the CRIU images in `dir` was split (an index is there).
+pub fn is_split(dir: &Path) -> Result<bool, HostMemError> {
+    for e in fs::read_dir(dir).map_err(io_err(dir))? {
+        let name = e.map_err(io_err(dir))?.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("possum-hostmem-") && name.ends_with(".idx") {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// Reads `DIR/possum-hostmem-PID.idx`, if there is one.
 pub fn read_index(dir: &Path, pid: u32) -> Result<Option<Index>, HostMemError> {
     let path = index_path(dir, pid);
@@ -552,44 +564,94 @@ fn copy_pieces(
     out_path: &Path,
     kept: &[(PagemapEntry, u64)],
 ) -> Result<u64, HostMemError> {
-    let mut pieces = Vec::new();
     let mut to = 0u64;
-    for (e, from) in kept {
-        let mut done = 0;
-        while done < e.len() {
-            let n = (e.len() - done).min(FILL_CHUNK);
-            pieces.push((from + done, to + done, n));
-            done += n;
-        }
-        to += e.len();
-    }
+    let runs: Vec<Piece> = kept
+        .iter()
+        .map(|(e, from)| {
+            let run = Piece {
+                from: *from,
+                to,
+                len: e.len(),
+            };
+            to += e.len();
+            run
+        })
+        .collect();
     out.set_len(to).map_err(io_err(out_path))?;
-    let next = AtomicUsize::new(0);
-    let threads = default_threads().min(8).min(pieces.len()).max(1);
-    let results: Vec<Result<(), HostMemError>> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut buf = vec![0u8; FILL_CHUNK as usize];
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(&(from, at, n)) = pieces.get(i) else {
-                            return Ok(());
-                        };
-                        let b = &mut buf[..n as usize];
-                        src.read_exact_at(b, from).map_err(io_err(src_path))?;
-                        out.write_all_at(b, at).map_err(io_err(out_path))?;
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("no panics"))
-            .collect()
-    });
-    results.into_iter().collect::<Result<(), _>>()?;
+    on_threads(
+        &cut_pieces(runs),
+        default_threads().min(8),
+        || vec![0u8; FILL_CHUNK as usize],
+        |buf, p| {
+            let b = &mut buf[..p.len as usize];
+            src.read_exact_at(b, p.from).map_err(io_err(src_path))?;
+            out.write_all_at(b, p.to).map_err(io_err(out_path))
+        },
+    )?;
     Ok(to)
+}
+
+/// `len` bytes from `from` to `to` (file offsets, or a data file's offset and an address).
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    from: u64,
+    to: u64,
+    len: u64,
+}
+
+/// `runs` cut into pieces of at most [`FILL_CHUNK`], the unit of work of [`on_threads`].
+fn cut_pieces(runs: impl IntoIterator<Item = Piece>) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    for r in runs {
+        let mut done = 0;
+        while done < r.len {
+            let len = (r.len - done).min(FILL_CHUNK);
+            pieces.push(Piece {
+                from: r.from + done,
+                to: r.to + done,
+                len,
+            });
+            done += len;
+        }
+    }
+    pieces
+}
+
+/// `f` over every piece, from up to `threads` threads taking them in order, each with its own
+/// scratch from `scratch`; after a failure no piece is started, and the first error is returned.
+/// The threads used.
+fn on_threads<S>(
+    pieces: &[Piece],
+    threads: usize,
+    scratch: impl Fn() -> S + Sync,
+    f: impl Fn(&mut S, &Piece) -> Result<(), HostMemError> + Sync,
+) -> Result<usize, HostMemError> {
+    let threads = threads.clamp(1, pieces.len().max(1));
+    let next = AtomicUsize::new(0);
+    let first_error = std::sync::Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut scratch = scratch();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(p) = pieces.get(i) else { break };
+                    if let Err(e) = f(&mut scratch, p) {
+                        next.store(pieces.len(), Ordering::Relaxed);
+                        first_error
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(threads),
+    }
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), HostMemError> {
@@ -689,41 +751,18 @@ pub fn fill(
     }
     let source = crate::mapped::MappedFile::map(&file, len).map_err(io_err(&data_path))?;
     let src = source.bytes();
-    // Work: the runs cut into chunks, taken in order by the threads.
-    let mut work = Vec::new();
-    for r in &index.ranges {
-        let mut done = 0;
-        while done < r.len {
-            let n = (r.len - done).min(FILL_CHUNK);
-            work.push(Range {
-                vaddr: r.vaddr + done,
-                offset: r.offset + done,
-                len: n,
-            });
-            done += n;
-        }
-    }
-    let threads = threads.clamp(1, work.len().max(1));
-    let next = AtomicUsize::new(0);
-    let first_error = std::sync::Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(w) = work.get(i) else { break };
-                let from = &src[w.offset as usize..(w.offset + w.len) as usize];
-                if let Err(e) = write_remote(pid, w.vaddr, from) {
-                    // Stop everyone: the process will not run anyway.
-                    next.store(work.len(), Ordering::Relaxed);
-                    first_error.lock().expect("no panics").get_or_insert(e);
-                    break;
-                }
-            });
-        }
-    });
-    if let Some(e) = first_error.into_inner().expect("no panics") {
-        return Err(e);
-    }
+    // The process will not run anyway once a piece fails: the others are not started.
+    let pieces = cut_pieces(index.ranges.iter().map(|r| Piece {
+        from: r.offset,
+        to: r.vaddr,
+        len: r.len,
+    }));
+    let threads = on_threads(
+        &pieces,
+        threads,
+        || (),
+        |(), p| write_remote(pid, p.to, &src[p.from as usize..(p.from + p.len) as usize]),
+    )?;
     Ok(Some(FillReport {
         bytes: index.bytes(),
         ranges: index.ranges.len(),
@@ -976,7 +1015,9 @@ mod tests {
             }
             panic!("{vaddr:#x} not in the pagemap")
         };
+        assert!(!is_split(dir).unwrap());
         let report = split(dir, &SplitOptions { min_bytes: 1 }).unwrap();
+        assert!(is_split(dir).unwrap());
         assert_eq!(
             report.split,
             vec![TaskSplit {

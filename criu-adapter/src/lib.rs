@@ -374,6 +374,13 @@ impl Criu {
         self.plugin_dir.as_deref()
     }
 
+    /// Whether CRIU gets possum's plugin ([`PLUGIN_FILE`] in [`Criu::plugin_dir`]): only it
+    /// restores images [`hostmem::split`] split.
+    pub fn has_possum_plugin(&self) -> bool {
+        self.plugin_dir()
+            .is_some_and(|d| d.join(PLUGIN_FILE).is_file())
+    }
+
     /// The binary run for each request.
     pub fn binary(&self) -> &Path {
         &self.binary

@@ -89,6 +89,15 @@ fn keeper_with_spares(dir: &Path, spares: &Path, mib: u64, env: &[(&str, &str)])
     server
 }
 
+/// Waits until `cond` holds (10 s at most; then fails saying `what`).
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < Duration::from_secs(10), "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The keeper's spare, lent to a drain into `dir`: asked until one is ready (10 s at most).
 fn take_spare(k: &mut Keeper, dir: &Path) -> possum_keeper::SpareLease {
     let t = Instant::now();
@@ -816,11 +825,7 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
     assert!(k.spare_end(lease.drain).is_err());
     // Given back, the file stays the caller's, and another spare is made.
     assert!(taken.exists());
-    let t = Instant::now();
-    while spare_files().is_empty() {
-        assert!(t.elapsed() < Duration::from_secs(10), "no new spare");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until("no new spare", || !spare_files().is_empty());
     // A directory on another filesystem (or none) gets no spare.
     let err = k.spare_take(Path::new("/proc")).unwrap_err().to_string();
     assert!(
@@ -847,14 +852,9 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
         !Path::new(&path).exists(),
         "the dead drain's spare is removed"
     );
-    let t = Instant::now();
-    while spare_files().is_empty() {
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no spare after the dead drain"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until("no spare after the dead drain", || {
+        !spare_files().is_empty()
+    });
 }
 
 /// The keeper makes a spare only while none of its jobs is being checkpointed: memory retained

@@ -361,10 +361,7 @@ fn split_host_memory(criu: &possum_criu::Criu, criu_dir: &Path, clock: &mut Cloc
         return json!({"off": "POSSUM_HOSTMEM_SPLIT=0"});
     }
     // Only possum's CRIU plugin writes split memory back: no plugin here, no split.
-    let plugin = criu
-        .plugin_dir()
-        .is_some_and(|d| d.join(possum_criu::PLUGIN_FILE).is_file());
-    if !plugin {
+    if !criu.has_possum_plugin() {
         return json!({"off": "no CRIU plugin"});
     }
     let r = clock.time("hostmem_split", || {

@@ -280,20 +280,10 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
 /// Memory `possum checkpoint` took out of CRIU's images is written back only by possum's CRIU
 /// plugin, and CRIU checks that a required plugin is loaded only when it loads plugins at all.
 fn refuse_split_without_plugin(criu_dir: &Path, criu: &Criu) -> Result<()> {
-    let split = fs::read_dir(criu_dir)
-        .with_context(|| format!("reading {}", criu_dir.display()))?
-        .filter_map(|e| e.ok())
-        .any(|e| {
-            let n = e.file_name();
-            let n = n.to_string_lossy();
-            n.starts_with("possum-hostmem-") && n.ends_with(".idx")
-        });
-    let plugin = criu
-        .plugin_dir()
-        .is_some_and(|d| d.join(possum_criu::PLUGIN_FILE).is_file());
-    if split && !plugin {
+    if !criu.has_possum_plugin() && possum_criu::hostmem::is_split(criu_dir)? {
         bail!(
-            "{} holds memory only possum's CRIU plugin restores, and no plugin was found              (POSSUM_CRIU_PLUGIN_DIR, or criu-plugins/{} beside the possum executable)",
+            "{} holds memory only possum's CRIU plugin restores, and no plugin was found \
+             (POSSUM_CRIU_PLUGIN_DIR, or criu-plugins/{} beside the possum executable)",
             criu_dir.display(),
             possum_criu::PLUGIN_FILE
         );
