@@ -21,13 +21,28 @@
 #
 # Environment: POSSUM_CRIU_PREFIX (default prefix), POSSUM_CRIU_MIRROR, POSSUM_CRIU_SECURITY_MIRROR,
 # POSSUM_CRIU_SUITE, POSSUM_CRIU_KEYRING (override the Debian source).
+#
+# Trust: the package lists are verified against debian-trixie-archive-keyring.gpg beside this
+# script, Debian 13's archive keys as shipped by Debian 12's debian-archive-keyring
+# 2023.3+deb12u2, so hosts without Debian's keyring (Ubuntu) need nothing more:
+#   04B5 4C3C DCA7 9751 B16B  C6B5 2256 29DF 75B1 88BD  Archive Automatic Signing Key (13/trixie)
+#   5E04 A1E3 223A 19A2 0706  E20F 9904 613D 4CCE 68C6  Security Archive Automatic Signing Key (13/trixie)
+#   4158 7F7D B8C7 74BC CF13  1416 762F 67A0 B2C3 9DE4  Stable Release Key (13/trixie)
+# Without that file (the script copied alone), /usr/share/keyrings/debian-archive-keyring.gpg.
 set -euo pipefail
 
 prefix=${POSSUM_CRIU_PREFIX:-/opt/possum-criu}
 suite=${POSSUM_CRIU_SUITE:-trixie}
 mirror=${POSSUM_CRIU_MIRROR:-http://deb.debian.org/debian}
 security_mirror=${POSSUM_CRIU_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
-keyring=${POSSUM_CRIU_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}
+shipped_keyring=$(dirname "$(readlink -f -- "$0")")/debian-trixie-archive-keyring.gpg
+if [ -n "${POSSUM_CRIU_KEYRING:-}" ]; then
+    keyring=$POSSUM_CRIU_KEYRING
+elif [ "$suite" = trixie ] && [ -r "$shipped_keyring" ]; then
+    keyring=$shipped_keyring
+else
+    keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+fi
 download_only=""
 from_debs=""
 strict=0
@@ -101,10 +116,12 @@ download_debs() {
     work=$(mktemp -d /tmp/possum-criu-apt.XXXXXX)
     mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/etc/apt.conf.d" "$work/etc/preferences.d" "$work/etc/sources.list.d"
     : >"$work/status"
+    # A copy, so that a path with spaces cannot break the source lines below.
+    cp "$keyring" "$work/keyring.gpg"
     cat >"$work/etc/sources.list" <<EOF
-deb [signed-by=$keyring] $mirror $suite main
-deb [signed-by=$keyring] $mirror $suite-updates main
-deb [signed-by=$keyring] $security_mirror $suite-security main
+deb [signed-by=$work/keyring.gpg] $mirror $suite main
+deb [signed-by=$work/keyring.gpg] $mirror $suite-updates main
+deb [signed-by=$work/keyring.gpg] $security_mirror $suite-security main
 EOF
     # Only this file configures apt: the host's apt.conf.d is not read (Dir::Etc::Parts), so its
     # hooks (e.g. an appstream refresh after update) do not run. Proxy settings are carried over.
@@ -130,7 +147,7 @@ EOF
     apt-get -q update >"$work/update.log" 2>&1 || {
         cat "$work/update.log" >&2
         if grep -q NO_PUBKEY "$work/update.log"; then
-            die "$keyring lacks Debian's $suite keys: upgrade debian-archive-keyring (bookworm's 2023.3+deb12u1 or later has them)"
+            die "$keyring lacks the keys that sign Debian's $suite lists (set POSSUM_CRIU_KEYRING to a keyring holding them)"
         fi
         die "apt-get update of the private $suite source failed"
     }
