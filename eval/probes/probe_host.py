@@ -1,6 +1,6 @@
-"""What the GPU probes (scripts/gpu-probe-*.sh) share: a line-by-line report and libc's memory calls.
+"""What the GPU probes (eval/probes/gpu-probe-*.sh) share: a line-by-line report and libc's memory calls.
 
-Imported by the probes' Python from the repository root (`sys.path.insert(0, "scripts")`).
+Imported by the probes' Python from the repository root (`sys.path.insert(0, "eval/probes")`).
 """
 import ctypes
 import mmap

@@ -7,7 +7,7 @@
 # From the build in .gpu/ (gpu-ckpt.sh --stage). Writes $OUT/diag-restore.tgz (or .gpu/out/).
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
 source scripts/gpu-criu.sh
 res="${OUT:-.gpu/out}/diag-restore"; mkdir -p "$res"

@@ -8,7 +8,7 @@
 # cudaHostAlloc'd memory; and the same with 4 threads each registering and filling 1 GiB of it.
 # Writes $OUT/probe-filedma.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 dir=/tmp/possum-huge-tmpfs; mkdir -p "$dir"

@@ -6,10 +6,10 @@
 # `possum checkpoint --leave-running`, and the lines go to $OUT/dirty-GIB.txt with the
 # checkpoint's JSON and a summary (what the release copied, the reduce kernels' read-only slots).
 #   (here)  bash scripts/gpu-ckpt.sh --stage
-#   (there) OUT=... GIBS="8 32" bash scripts/gpu-diag-dirty.sh        (~1 min for both)
-# Results of session 18: eval/results/2026-11-24-h100-s18-diag-dirty-before.txt.
+#   (there) OUT=... GIBS="8 32" bash eval/probes/gpu-diag-dirty.sh        (~1 min for both)
+# Results of session 18: eval/results/2026-11-24-h100-diag-dirty-before.txt.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 if ! nvidia-smi -L >/dev/null 2>&1; then echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; fi
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 source scripts/gpu-criu.sh

@@ -11,7 +11,7 @@
 # each with the time to fault it in, to register, D2H GB/s into it, and to unregister.
 # Writes $OUT/probe-register.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
@@ -23,7 +23,7 @@ mountpoint -q "$tlb" || mount -t hugetlbfs -o pagesize=2M none "$tlb" || echo "n
 python3 - "$res/probe-register.txt" "$huge" "$tlb" <<'PY'
 import ctypes, mmap, os, sys, time
 import torch
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "eval/probes")
 from probe_host import G, MADV_POPULATE_WRITE, MAP_HUGETLB, MAP_FAILED, PROT_RW as PROT, libc, reporter
 say = reporter(sys.argv[1])
 cudart = torch.cuda.cudart()

@@ -17,7 +17,7 @@
 # from .gpu/wheels when carried; zlib's CRC otherwise), and each half alone.
 # Writes $OUT/probe-inplace.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
@@ -26,7 +26,7 @@ wheels=$(mktemp -d); for w in .gpu/wheels/*.whl; do [ -f "$w" ] && python3 -m zi
 PYTHONPATH="$wheels" python3 - "$res/probe-inplace.txt" "$huge" "${DRAIN:-32}" "${1:-${PROBE_MODE:-fresh}}" <<'PY'
 import ctypes, mmap, os, sys, threading, time, zlib
 import torch
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "eval/probes")
 from probe_host import G, M, MADV_POPULATE_WRITE, PROT_RW, libc, reporter
 say = reporter(sys.argv[1], "a")
 cudart = torch.cuda.cudart()

@@ -7,7 +7,7 @@
 # VMA by VMA here (crit). One archive: $OUT/diag-memory.tgz (or .gpu/out/).
 # From the build in .gpu/ (gpu-ckpt.sh --stage). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
 source scripts/gpu-criu.sh
 res="${OUT:-.gpu/out}/diag-memory"; mkdir -p "$res"
