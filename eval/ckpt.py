@@ -1,4 +1,4 @@
-"""Checkpoint/restore of live GPU jobs on the GPU machine (issue 4): correctness and figures.
+"""Checkpoint/restore of live GPU jobs on the GPU machine: correctness and figures.
 
     python3 eval/ckpt.py smoke|correctness|figures|errors|bench|probe|migrate [--out DIR] [options]
 
@@ -37,13 +37,13 @@ driver refuses such a job), a `-frozen` suffix makes the extra state only read
 - probe: which variants of a possum'd job NVIDIA's driver checkpoint accepts (hooks entry/off,
   CUPTI subscribed with none/one/all callbacks, unsubscribed or finalized before the lock).
 - bench: the figures over a plan of (workload, GiB) cells x engines x reps as one document,
-  OUT/bench.json (issue 5: `--engines driver,possum --reps 2`, plan DEFAULT_PLAN; `--bench-plan
+  OUT/bench.json (`--engines driver,possum --reps 2`, plan DEFAULT_PLAN; `--bench-plan
   full --shard K/3` for a third of the whole matrix; `none`/`possum-none` are runs without any
   checkpoint, without/with possum loaded). A cell's reps are one job lineage: checkpoint with
   --leave-running, kill, restore, go on with the restored process (`chain`), so a rep costs no
   fresh start. With the step-time timeline around each checkpoint, the steady-state step time,
   the time from a fresh start to the first step, and possum's restore figures; eval/report.py
-  turns it into the table, the plots and README's Results section (issue 5).
+  turns it into the table, the plots and the results files (eval/results/).
 Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as it goes.
 """
 import argparse, atexit, glob, json, os, random, shutil, signal, socket, statistics, subprocess, sys, time
@@ -212,7 +212,7 @@ def ensure_keeper():
         raise RuntimeError(f"the keeper did not start: {open(os.path.join(WORK, 'keeper.err')).read()[-800:]}")
     KEEPER[:] = [k]
     atexit.register(lambda: (k.kill(), k.wait()))
-    # A keeper with spare image memory (POSSUM_KEEPER_SPARE_DIR/_MIB, issue 14 item 7) makes it
+    # A keeper with spare image memory (POSSUM_KEEPER_SPARE_DIR/_MIB) makes it
     # in the background: the first checkpoint waits for it (up to 180 s).
     if os.environ.get("POSSUM_KEEPER_SPARE_DIR"):
         t = time.time()
@@ -653,7 +653,7 @@ def job_status(pid):
         return None
 
 
-# Issue 5's default: every workload at 1 GiB, the MLP's sizes 8 and 32 GiB too (what fits in 10
+# The bench's default: every workload at 1 GiB, the MLP's sizes 8 and 32 GiB too (what fits in 10
 # minutes of GPU time, see eval/results/README.md).
 DEFAULT_PLAN = "mlp:1,8,32 cnn:1 gpt2:1 triton:1 graph:1 multistream:1"
 # The whole matrix (`--bench-plan full --shard K/3`: three invocations).
@@ -963,7 +963,7 @@ def plan_cells(a):
 
 
 def bench(a, name="bench"):
-    """Issue 5's matrix in one go: sizes x engines x reps, each run giving the stall timeline and
+    """The bench's matrix in one go: sizes x engines x reps, each run giving the stall timeline and
     its parts, checkpoint total, image size, restore to the first step, time until every buffer
     is back, restore throughput; the step time before the checkpoint with and without possum
     loaded (steady-state overhead); the time from a fresh start to the first step (cold start).
@@ -1026,7 +1026,7 @@ def plan_cost(a, cells, engines):
     return sum(cell_cost(e, g, cell_reps(a, e, g)) for _, g in cells for e in engines)
 
 
-# Issue 6's figures: the MLP at 1, 8 and 32 GiB of extra state, written every step or only read
+# The figures: the MLP at 1, 8 and 32 GiB of extra state, written every step or only read
 # (frozen), checkpointed by possum (entry hooks), by today's hold path (POSSUM_HOOKS=off) and by
 # the driver baseline: about 7 minutes on the H100 (`plan_cost`).
 FIGURES_PLAN = "mlp:1,8,32"
@@ -1262,7 +1262,7 @@ def gpu_of(pid):
 
 
 def migrate(a):
-    """Issue 4's `possum restore --device`: a job on GPU 0 checkpointed (killed), restored on GPU 1;
+    """`possum restore --device`: a job on GPU 0 checkpointed (killed), restored on GPU 1;
     it must run there and write the reference's lines from the checkpointed step on. Needs two
     GPUs (kind nvidia-h200-x2)."""
     ok = True

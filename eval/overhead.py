@@ -1,4 +1,4 @@
-"""Steady-state overhead of libpossum.so on one job, as a statistic (issue 3).
+"""Steady-state overhead of libpossum.so on one job, as a statistic.
 
     python3 eval/overhead.py [--job mlp] [--pairs 12] [--steps 800] [--cpus 2-5] [--out DIR]
                              [--modes plain,possum,possum-hooksoff,possum-cupti,possum-nodag]

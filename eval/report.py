@@ -1,6 +1,6 @@
-"""Tables and plots from a `python3 eval/ckpt.py bench` run (issue 5).
+"""Tables and plots from a `python3 eval/ckpt.py bench` run.
 
-    python3 eval/report.py BENCH_JSON [--results eval/results] [--readme README.md] [--suffix -s10]
+    python3 eval/report.py BENCH_JSON [--results eval/results] [--readme FILE] [--suffix -bench]
 
 Writes, next to each other in --results, named <date>-<gpu>:
   .json            the run itself (copied)
@@ -8,8 +8,8 @@ Writes, next to each other in --results, named <date>-<gpu>:
                    ratios against the baseline (`driver`), which are the headline
   -stall-<G>g.png  step time around the checkpoint, one line per engine (needs matplotlib)
   -bars.png        one panel per metric, engines side by side per size (needs matplotlib)
-and with --readme replaces the part of README.md between `<!-- results:begin -->` and
-`<!-- results:end -->` with the table (the README's Results section is generated, never typed).
+and with --readme replaces the part of FILE between `<!-- results:begin -->` and
+`<!-- results:end -->` with the table (a results section generated, never typed).
 """
 import argparse, json, os, re, shutil, statistics, sys
 
@@ -172,7 +172,7 @@ def table(doc, summary):
                  "state (the size of possum's GPU image of the same case) over the time the driver, or "
                  "possum's resume, took to put it back. "
                  "`possum`: the full checkpoint (CRIU + driver residue + possum's buffers); until "
-                 "session 11 of a job held by parking its threads (CUPTI off), from session 16 of a "
+                 "2026-11-23 of a job held by parking its threads (CUPTI off), from 2026-11-24 of a "
                  "job seen through the driver's entry points and held at possum's op gate "
                  "(eval/results/README.md); `possum-hold`: the thread-parking hold "
                  "(`POSSUM_HOOKS=off`); "

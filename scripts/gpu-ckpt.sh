@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4 checks on the GPU machine: checkpoint/restore of live GPU jobs, with the build and CRIU's
+# Checks on the GPU machine: checkpoint/restore of live GPU jobs, with the build and CRIU's
 # packages carried in .gpu/ (eval/ckpt.py does the work; its docstring says what each mode does).
 #
 # Device plan for the entry points' issue (H100, .gpu carried; three calls of at most 10 minutes,
@@ -40,12 +40,12 @@
 #   Engines (--engines): possum, possum-hold, driver, gpu-only; suffixes -frozen, -cupti (job with
 #   POSSUM_HOOKS=cupti, CUPTI at $CKPT_JOB_CUPTI or the torch venv's: only for --gpu-only/driver).
 #
-#   issue 5: bash scripts/gpu-ckpt.sh bench --engines driver,possum --reps 2   (the default plan:
+#   bench: bash scripts/gpu-ckpt.sh bench --engines driver,possum --reps 2   (the default plan:
 #           every workload at 1 GiB, the MLP at 8 and 32 too; --bench-plan "JOB:GIB,.. ..." for others;
 #           the whole matrix as three invocations: --bench-plan full --shard 1/3 (2/3, 3/3))
-#   issue 4 --device (kind nvidia-h200-x2): bash scripts/gpu-ckpt.sh migrate --engines driver,possum
-#   (here)  python3 eval/report.py FILES_AT/bench.json --readme README.md   (after `bench`: the
-#           table, plots and README's Results section; issue 5)
+#   --device (kind nvidia-h200-x2): bash scripts/gpu-ckpt.sh migrate --engines driver,possum
+#   (here)  python3 eval/report.py FILES_AT/bench.json   (after `bench`: the table and plots into
+#           eval/results/; --readme FILE also fills FILE's results markers)
 # POSSUM_CKPT_HUGE=1 puts the images on a huge-page tmpfs (below); POSSUM_CKPT_WORK names another
 # directory for them.
 # Results: $OUT (or .gpu/out)/ckpt-MODE.jsonl and the files above; the jobs' logs (stderr, step

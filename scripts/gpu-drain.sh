@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 14 item 7 on the H100: the drain of a kept checkpoint (its GPU state saved into a
+# On the H100: the drain of a kept checkpoint (its GPU state saved into a
 # memory-backed directory after the job runs on) with smaller copy chunks and less staging, so
 # that a chunk the copy engine wrote into pinned staging may still be in the CPU's cache when a
 # writer checksums and writes it (fewer passes over host memory, which bounds the drain:
-# eval/results/README.md, session 21). One device call (carry .gpu, staged by
+# eval/results/README.md, 2026-11-25). One device call (carry .gpu, staged by
 # `bash scripts/gpu-ckpt.sh --stage`), about 4 minutes:
 #   bash scripts/gpu-drain.sh
 # For each CHUNK_MIB:STAGING_MIB[:WRITE_PIECE_KIB] of DRAIN_CONFIGS (default "8:256:1024
-# 8:256:2048 8:256:4096": the write piece, session 25, 1 MiB before), the MLP holding
+# 8:256:2048 8:256:4096": the write piece; 1 MiB before 2026-11-27), the MLP holding
 # DRAIN_GIB (32) GiB only read (possum-keeper-frozen) and written every step (possum-keeper),
 # checkpointed --leave-running with a keeper, images on a huge-page tmpfs, 16 writers.
 # -> $OUT/drain-C-S.{md,jsonl}, drain.txt (one line per run: save ms, GB/s)
@@ -19,7 +19,7 @@
 # drops the page cache before each restore (the restore then reads the disk).
 # -> $OUT/drain-disk.{md,jsonl}, drain.txt
 #   bash scripts/gpu-drain.sh spare     (about 6 minutes)
-# The drain into the keeper's spare image memory (session 25: the keeper makes a file on the
+# The drain into the keeper's spare image memory (the keeper makes a file on the
 # images' huge-page tmpfs, faulted in and registered with CUDA ahead, and copies the snapshot's
 # shadows into it at the copy engine's speed; `POSSUM_KEEPER_SPARE_DIR/_MIB`), the MLP holding
 # DRAIN_GIB (32) GiB read only and written every step, 2 reps, against the same without a spare

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Faults around NVIDIA's driver lock on the GPU (issue 14, item 6): an MLP holding 2 GiB under
+# Faults around NVIDIA's driver lock on the GPU: an MLP holding 2 GiB under
 # libpossum.so whose memory a keeper holds; `possum checkpoint` SIGKILLed at delays spread over a
 # whole checkpoint (before the hold, while the buffers are detached, inside the driver's lock and
 # checkpoint, during CRIU's dump, during the save), both with --leave-running (kept) and without

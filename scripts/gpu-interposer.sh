@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 3 checks on the GPU machine, from the repo root, with the build in .gpu/ (libpossum.so,
+# libpossum.so's checks on the GPU machine, from the repo root, with the build in .gpu/ (libpossum.so,
 # possum).
 #
 # Device plan for the entry points' issue (H100, .gpu carried; three calls of at most 10 minutes,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `possum run` (with its default keeper) end to end on the GPU machine (issue 14), from the build in .gpu/ (see
+# `possum run` (with its default keeper) end to end on the GPU machine, from the build in .gpu/ (see
 # gpu-ckpt.sh --stage): an MLP holding 2 GiB started with `possum run` (which by default starts a
 # keeper for it), checkpointed with `possum checkpoint --leave-running` (kept: nothing copied
 # while held, saved after it runs on); the job must end with the lines of a run without possum,

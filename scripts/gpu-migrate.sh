@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 item 5 on a two-GPU machine (kind nvidia-h100-x2 or nvidia-h200-x2; carry .gpu, staged
+# Migration on a two-GPU machine (kind nvidia-h100-x2 or nvidia-h200-x2; carry .gpu, staged
 # here by `bash scripts/gpu-ckpt.sh --stage`): `possum restore --device 1` of a job that ran on
 # GPU 0, checkpointed and killed while its keeper held its buffers (`--keep-on-gpu`, the
 # default): the keeper's socket for GPU 1 copies each buffer GPU to GPU from the memory the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 3 on the GPU machine: outputs with and without libpossum.so still bit-identical (MLP,
+# libpossum.so's overhead on the GPU machine: outputs with and without libpossum.so still bit-identical (MLP,
 # GPT-2 small), the allocation and hook counters of a possum run, then the steady-state overhead
 # as a statistic.
 #   (here)  bash scripts/gpu-ckpt.sh --stage

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 item 4 on the H100: the keeper loads a job's image into GPU memory while CRIU restores
+# Staged restore on the H100: the keeper loads a job's image into GPU memory while CRIU restores
 # the process (`possum restore`'s staging), and the restored job maps that memory and waits only
 # for buffers still loading. Two device calls of at most 10 minutes (carry .gpu, staged by
 # `bash scripts/gpu-ckpt.sh --stage`):
@@ -25,7 +25,7 @@
 #       The keeper's loader threads (8, 16, 24: STAGE_THREADS) against the staging's GB/s and the
 #       restore to the first step, MLP at 32 GiB. -> $OUT/stage-threads.txt
 #   bash scripts/gpu-stage.sh ab-gpt2       (~9 min)
-#       GPT-2 small's in-process A/B (issue 13's overhead), up to 12 processes in the budget.
+#       GPT-2 small's in-process A/B (the served allocators' overhead), up to 12 processes in the budget.
 #       -> $OUT/overhead-ab-gpt2.json, ab-gpt2.log
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
@@ -123,7 +123,7 @@ sys.exit(0 if ok else 1)
 PY
     ;;
 ab-gpt2)
-    # Issue 13's overhead figure for GPT-2 small again, more processes (the A/B inside each
+    # The overhead figure for GPT-2 small again, more processes (the A/B inside each
     # process, hooks on and off in 1 s intervals; saved after every process).
     export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     timeout -k 5 "${AB_TIMEOUT_S:-560}" python3 eval/overhead.py --ab --job gpt2 --pairs 12 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15 trials on the GPU machine: checkpoint/restore of a training job whose DataLoader has
+# Process-tree trials on the GPU machine: checkpoint/restore of a training job whose DataLoader has
 # worker processes (workloads/gpu/loader.py, 2 workers forked from the CUDA process, persistent or
 # not), with possum's CRIU plugin (libpossum_criu_plugin.so, criu-plugin/README.md) claiming the
 # NVIDIA mappings and descriptors the workers inherited. Builds nothing: the build is staged in
@@ -10,7 +10,7 @@
 #   (there) bash scripts/gpu-tree.sh [--trials N] [--kinds K,K] [--steps N] [--sleep-ms MS]
 #                                    [--budget-s S] [--seed N]
 #
-# Two CUDA processes (issue 15, "a tree with two CUDA processes, one GPU, 10 bit-exact trials"):
+# Two CUDA processes ("a tree with two CUDA processes, one GPU, 10 bit-exact trials"):
 #
 #   (there) OUT=.gpu/out-tree2 bash scripts/gpu-tree.sh --kinds tree2
 #
@@ -489,7 +489,7 @@ def env_info():
 
 
 def markdown(rows, info, wall_s, skipped):
-    out = ["# Issue 15: checkpoint of a DataLoader job with worker processes (scripts/gpu-tree.sh)", "",
+    out = ["# Checkpoint of a DataLoader job with worker processes (scripts/gpu-tree.sh)", "",
            f"Environment: {json.dumps(info)}", "",
            f"Wall time {wall_s:.0f} s; trials not started for the budget: {skipped}.", "",
            "| trial | kind | workers | k | checkpoint | restore | leave-running identical | restored identical | ok | note |",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Diagnostic (issue 13, session 18): which operations mark buffers written while a pre-copy runs,
+# Diagnostic: which operations mark buffers written while a pre-copy runs,
 # for the MLP holding frozen ballast (workloads/gpu/jobs.py --ballast-frozen). The job runs with
 # POSSUM_DEBUG_DIRTY=1 (libpossum logs each operation that marks a buffer written that was not
 # marked yet, with the slots whose words name it, and each validation's verdicts), gets a full
@@ -7,7 +7,7 @@
 # checkpoint's JSON and a summary (what the release copied, the reduce kernels' read-only slots).
 #   (here)  bash scripts/gpu-ckpt.sh --stage
 #   (there) OUT=... GIBS="8 32" bash eval/probes/gpu-diag-dirty.sh        (~1 min for both)
-# Results of session 18: eval/results/2026-11-24-h100-diag-dirty-before.txt.
+# Result: eval/results/2026-11-24-h100-diag-dirty-before.txt.
 set -u
 cd "$(dirname "$0")/../.."
 if ! nvidia-smi -L >/dev/null 2>&1; then echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; fi

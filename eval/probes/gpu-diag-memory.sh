@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What CRIU dumps of a possum job (issue 14: the stall's CRIU share, and the restore's, are the
+# What CRIU dumps of a possum job (the stall's CRIU share, and the restore's, are the
 # process's host memory, 1.35 GB for the MLP whatever its GPU state): the MLP holding 1 GiB under
 # libpossum.so with a keeper, its full smaps and GPU memory (nvidia-smi) before a kept checkpoint,
 # the same for the MLP without possum, then `possum checkpoint --leave-running` keeping CRIU's

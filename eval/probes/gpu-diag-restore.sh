@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a restore's time goes (issue 14: restore to the first step from a keeper-held image): an
+# Where a restore's time goes (restore to the first step from a keeper-held image): an
 # MLP holding 8 GiB under libpossum.so with a keeper, checkpointed and killed (its buffers held by
 # the keeper), then restored with CRIU logging everything (POSSUM_CRIU_LOG_LEVEL=4); keeps CRIU's
 # dump and restore logs (timestamped lines), possum's JSON, and the job's memory by kind before the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Does memory survive its keeper through fds a third process holds, on the real driver (issue 14,
-# item 6)? A keeper A; client C1 allocates 64 MiB there (a pattern written), and retains it with
+# Does memory survive its keeper through fds a third process holds, on the real driver?
+# A keeper A; client C1 allocates 64 MiB there (a pattern written), and retains it with
 # a hold; client C2 takes an fd of it (`dup`); A is SIGKILLed; a keeper B starts; C2 hands B the
 # memory (`adopt`: B imports the fd); C1 takes it back from B (`check`: reclaim, import, map,
 # read the pattern). Each step bounded (20 s); every answer logged with its time.

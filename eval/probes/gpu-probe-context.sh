@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # How much of a torch job's CUDA context the driver's checkpoint copies to the host, and what
-# shrinks it (issue 14: after possum releases its buffers the MLP's process still used 614 MiB of
+# shrinks it (after possum releases its buffers the MLP's process still used 614 MiB of
 # GPU memory; the driver's checkpoint turned it into a 655 MB anonymous mapping that CRIU dumps
 # and restores, about half of the 1.35 GB CRIU image). A torch MLP (cuBLAS) runs 30 steps, then
 # for each variant: the context's limits (cuCtxGetLimit), its GPU memory (nvidia-smi), and a driver

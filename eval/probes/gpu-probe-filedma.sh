@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Can the drain DMA straight into its image file (issue 14, item 7: 40 GB/s into a memory-backed
+# Can the drain DMA straight into its image file (target: 40 GB/s into a memory-backed
 # directory)? Today a chunk crosses host memory three times (the D2H copy into pinned staging,
 # the CRC's read, the write's copy into the file's pages) and the drain reached 24 GB/s into a
 # huge-page tmpfs whose own write ceiling is 42.6 GB/s. Here a 4 GiB file in such a tmpfs is

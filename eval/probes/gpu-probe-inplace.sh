@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 14 item 7 (a drain of 40 GB/s into a memory-backed directory): can the drain DMA straight
+# Target: a drain of 40 GB/s into a memory-backed directory: can the drain DMA straight
 # into the image file's pages, all of it after T0, and beat the write() path (26-30 GB/s)?
-# Session 24's probe measured the parts one at a time and single-threaded (4 GiB on a huge=always
+# gpu-probe-register.sh measured the parts one at a time and single-threaded (4 GiB on a huge=always
 # tmpfs: fault-in 709 ms, cudaHostRegister 165 ms, D2H 55 GB/s). Here the whole pipeline runs as
 # a drain would, DRAIN GiB (default 32) from one device tensor into one fresh file on a huge=always
 # tmpfs, by T threads each taking chunks of C MiB in turn:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The host's memory bandwidth on the GPU machine (issue 14, item 7: a drain into tmpfs moves
+# The host's memory bandwidth on the GPU machine (a drain into tmpfs moves
 # each byte through host memory several times: the copy engine's write into pinned staging, the
 # CRC's read, the write's copy into the file's pages, their zeroing). torch CPU tensors of 4 GiB
 # on every core: write (fill), read (sum), copy (read + write), 3 repetitions each.

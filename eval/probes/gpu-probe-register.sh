@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 14 item 7 (a drain of 40 GB/s into a memory-backed directory): the drain through write()
+# Target: a drain of 40 GB/s into a memory-backed directory. The drain through write()
 # is bound by host memory (each byte: the copy engine's write into pinned staging, the checksum's
 # read, the write's copy into the file's pages), 26-30 GB/s on the H100. DMA straight into the
 # file's pages runs at 55 GB/s, but registering them with CUDA cost 0.8-1.0 s per 4 GiB on a
-# huge-page tmpfs (session 21). This probe asks whether the page size is what registration pays
+# huge-page tmpfs (gpu-probe-filedma.sh). This probe asks whether the page size is what registration pays
 # for: cudaHostRegister of 4 GiB of
 #   - a huge=always tmpfs file, pre-faulted (MADV_POPULATE_WRITE), its huge pages counted;
 #   - a hugetlbfs file (2 MiB pages, the pool set here);

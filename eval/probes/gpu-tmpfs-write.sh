@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # How fast this machine writes into a memory-backed directory (/dev/shm), the ceiling of a drain
-# there (issue 14, item 7: the drain's D2H copy runs at 55 GB/s pinned; the writes follow it):
+# there (the drain's D2H copy runs at 55 GB/s pinned; the writes follow it):
 # N threads each pwrite 64 MiB blocks into a file of its own, 16 GiB in all, fresh files (tmpfs
 # pages allocated as they are written) and the same files again (pages already there).
 # With --huge, the same into a tmpfs mounted with huge=always (2 MiB pages: a page allocated and
