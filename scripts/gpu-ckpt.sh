@@ -2,8 +2,8 @@
 # Checks on the GPU machine: checkpoint/restore of live GPU jobs, with the build and CRIU's
 # packages carried in .gpu/ (eval/ckpt.py does the work; its docstring says what each mode does).
 #
-# Device plan for the entry points' issue (H100, .gpu carried; three calls of at most 10 minutes,
-# about 23 minutes of device time; each writes at most 7 files under $OUT):
+# A full check of the default hooks fits three device calls of at most 10 minutes each
+# (about 23 minutes of device time; each writes at most 7 files under $OUT):
 #   A (~8.5 min): bash scripts/gpu-interposer.sh coverage; AB=1 bash scripts/gpu-overhead.sh
 #       -> coverage.{json,md}, coverage-logs.tgz, overhead-check.json, overhead-ab-{mlp,gpt2}.json, overhead-logs.tgz
 #   B (~8 min):   timeout -k 5 590 bash scripts/gpu-ckpt.sh correctness --trials 20 --budget-s 540
@@ -15,7 +15,7 @@
 #   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe | migrate
 #           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --engines a,b --gib 8,32 --reps N --budget-s S ...)
 #
-# The entry points' issue, on the H100 (carry .gpu; each line one device call of at most 10 minutes):
+# The modes, on the H100 (carry .gpu; each line one device call of at most 10 minutes):
 #   bash scripts/gpu-ckpt.sh correctness --trials 20 --budget-s 540                    (~8 min)
 #       `possum checkpoint` with no engine flag of jobs under libpossum.so with its default hooks
 #       (the driver's entry points), each checkpointed at a random step with --leave-running (the
@@ -29,7 +29,7 @@
 #   bash scripts/gpu-ckpt.sh figures --budget-s 540                                   (~7 min)
 #       The MLP at 1, 8 and 32 GiB of extra state x engines possum (entry hooks), possum-frozen
 #       (state only read: --ballast-frozen), driver (--engine driver), possum-hold (POSSUM_HOOKS=off:
-#       today's hold path), one rep each (estimated 390 s; cells that no longer fit the budget
+#       the parking hold), one rep each (estimated 390 s; cells that no longer fit the budget
 #       are skipped and listed): stall seen by the job and its parts (engine/driver/CRIU), checkpoint
 #       total, restore to the first step, time until every buffer is back (the restored job's
 #       possum.session.last.restore), image size. Saved after every run.

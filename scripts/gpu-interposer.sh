@@ -2,8 +2,8 @@
 # libpossum.so's checks on the GPU machine, from the repo root, with the build in .gpu/ (libpossum.so,
 # possum).
 #
-# Device plan for the entry points' issue (H100, .gpu carried; three calls of at most 10 minutes,
-# about 23 minutes of device time; each writes at most 7 files under $OUT):
+# A full check of the default hooks fits three device calls of at most 10 minutes each
+# (about 23 minutes of device time; each writes at most 7 files under $OUT):
 #   A (~8.5 min): bash scripts/gpu-interposer.sh coverage; AB=1 bash scripts/gpu-overhead.sh
 #       -> coverage.{json,md}, coverage-logs.tgz, overhead-check.json, overhead-ab-{mlp,gpt2}.json, overhead-logs.tgz
 #   B (~8 min):   timeout -k 5 590 bash scripts/gpu-ckpt.sh correctness --trials 20 --budget-s 540
@@ -24,7 +24,7 @@
 #       wrappers' counts = CUPTI's, name by name). Runs PAR (8) processes at a time; budget
 #       COVERAGE_BUDGET_S (300 s).
 #       -> $OUT/coverage.json, $OUT/coverage.md, $OUT/coverage-logs.tgz
-#   (there) bash scripts/gpu-interposer.sh    # the full issue-3 run (below); REPS=3 JOBS="mlp cnn ..." BREAKDOWN="mlp" STEPS=N to vary
+#   (there) bash scripts/gpu-interposer.sh    # the full run (below); REPS=3 JOBS="mlp cnn ..." BREAKDOWN="mlp" STEPS=N to vary
 #
 # The full run: every workload with and without libpossum.so (LD_PRELOAD; CUDA_INJECTION64_PATH
 # for one), outputs compared bit for bit; possum's launch counts beside torch.profiler's; buffer
