@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 
 mod checkpoint;
+mod config;
 mod criu_demo;
 mod demo;
 mod doctor;
@@ -15,6 +16,10 @@ mod status;
 mod trace;
 
 /// possum: concurrent checkpoint and restore of GPU processes.
+///
+/// Start a GPU job under possum (`possum run python train.py`), checkpoint it while it runs
+/// (`possum checkpoint PID -D DIR`, with `--leave-running` to let it go on), and restore it
+/// (`possum restore -D DIR`). `possum doctor` says whether this machine can checkpoint.
 #[derive(Parser, Debug)]
 #[command(name = "possum", version, about)]
 struct Cli {
@@ -24,16 +29,27 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Runs a multi-stream job, checkpoints it concurrently mid-run, releases its memory, restores it
-    /// on demand, continues, and checks the result bit for bit against an uninterrupted run.
+    /// Shows a concurrent checkpoint and on-demand restore end to end without a GPU: runs a
+    /// multi-stream job, checkpoints it mid-run, releases its memory, restores it, continues,
+    /// and checks the result bit for bit against an uninterrupted run.
     Demo(demo::DemoArgs),
-    /// Reports CRIU, kernel features, GPU and driver.
-    Doctor,
-    /// Runs a keeper: a process that owns GPU memory and hands it to jobs as shareable handles
-    /// over a Unix socket, with per-client accounting, until it is killed (SIGTERM). The first
-    /// part of issue 14: nothing uses it yet.
+    /// Checks what a checkpoint needs on this machine (privileges, CRIU, kernel, GPU, NVIDIA's
+    /// driver and its checkpoint API, possum's CRIU plugin and libpossum.so); exits 1 if a
+    /// checkpoint could not work here.
+    ///
+    /// Prints one line per check: `ok`, `FAIL` (a checkpoint cannot work: the reason and what to
+    /// do) or `warn` (it works, but slower or with less). Exit code 0 only if nothing FAILs.
+    Doctor(doctor::DoctorArgs),
+    /// Runs a keeper: the process that owns the GPU memory of jobs' buffers, so that a checkpoint
+    /// leaves that memory on the GPU; `possum run` starts one for its job.
+    ///
+    /// It hands the memory to jobs as shareable handles over a Unix socket (clients of its own
+    /// user only), with per-client accounting. A job finds it through `POSSUM_KEEPER=DIR`. It
+    /// runs until it is killed (SIGTERM), or with --while-alive until that process is gone and
+    /// it holds no memory for a restore.
     Keeper(keeper::KeeperArgs),
-    /// Runs a job with libpossum.so preloaded (and so a control socket); exits with its status.
+    /// Runs a job under possum (libpossum.so preloaded, a keeper for its GPU memory); exits with
+    /// the job's status.
     ///
     /// libpossum.so serves the job's cudaMalloc from possum's engine and sees every GPU operation
     /// by wrapping the CUDA driver's entry points, so `possum checkpoint` can pre-copy while the
@@ -116,7 +132,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Demo(a) if a.criu => criu_demo::run(&a).map(check),
         Cmd::Demo(a) => demo::run(&a).map(check),
-        Cmd::Doctor => doctor::run().map(check),
+        Cmd::Doctor(a) => doctor::run(&a).map(check),
         Cmd::Keeper(a) => keeper::run(&a).map(check),
         Cmd::DemoChild(a) => criu_demo::child(&a).map(check),
         Cmd::Run(a) => run::run(&a),
