@@ -71,7 +71,8 @@ pub fn start(dir: &Path, while_alive: i32, configure: impl FnOnce(&mut Command))
 
 #[derive(Args, Debug)]
 pub struct KeeperArgs {
-    /// Serve every visible device, device N at DIR/keeper-N.sock (the directory is created).
+    /// Serve every visible device, device N at DIR/keeper-N.sock (the directory is created, mode
+    /// 0700).
     #[arg(long, value_name = "DIR", conflicts_with = "socket")]
     pub dir: Option<PathBuf>,
     /// The Unix socket to listen on, for one device (an old socket file there is replaced).

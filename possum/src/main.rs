@@ -257,4 +257,110 @@ mod tests {
         );
         assert!(!help("run").contains("no-cupti"), "{}", help("run"));
     }
+
+    /// The synopsis of docs/cli.md (its first `text` block): per subcommand (`""` for `possum`
+    /// itself), the long and short flags its lines name. A line `possum SUB ...` starts a
+    /// subcommand's lines; an indented line continues the one before.
+    fn synopsis() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/cli.md"))
+            .expect("docs/cli.md");
+        let block = doc
+            .split("```text\n")
+            .nth(1)
+            .and_then(|b| b.split("```").next())
+            .expect("a text block in docs/cli.md");
+        let mut subs =
+            std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+        let mut current = String::new();
+        for line in block.lines() {
+            let words = if let Some(rest) = line.strip_prefix("possum ") {
+                let sub = rest.split_whitespace().next().unwrap_or_default();
+                current = if sub.starts_with('-') {
+                    String::new()
+                } else {
+                    sub.to_string()
+                };
+                rest
+            } else {
+                assert!(
+                    line.starts_with(' '),
+                    "a synopsis line neither `possum ...` nor indented: {line}"
+                );
+                line
+            };
+            let flags = subs.entry(current.clone()).or_default();
+            for w in words.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')) {
+                let long = w.len() > 2 && w.starts_with("--");
+                let short = w.len() == 2 && w.starts_with('-') && w != "--";
+                if long || short {
+                    flags.insert(w.to_string());
+                }
+            }
+        }
+        subs
+    }
+
+    /// Per subcommand (`""` for `possum` itself), the long and short flags clap knows, and
+    /// whether each is shown in --help.
+    fn clap_flags() -> std::collections::BTreeMap<String, Vec<(String, bool)>> {
+        let mut cmd = Cli::command();
+        cmd.build();
+        let flags = |c: &clap::Command| {
+            let mut v = Vec::new();
+            for a in c.get_arguments() {
+                let shown = !a.is_hide_set();
+                if let Some(l) = a.get_long() {
+                    v.push((format!("--{l}"), shown));
+                }
+                for l in a.get_all_aliases().unwrap_or_default() {
+                    v.push((format!("--{l}"), false));
+                }
+                if let Some(c) = a.get_short() {
+                    v.push((format!("-{c}"), shown));
+                }
+            }
+            v
+        };
+        let mut out = std::collections::BTreeMap::new();
+        out.insert(String::new(), flags(&cmd));
+        for sub in cmd.get_subcommands() {
+            if !sub.is_hide_set() && sub.get_name() != "help" {
+                out.insert(sub.get_name().to_string(), flags(sub));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_synopsis_of_docs_cli_md_matches_the_command_line() {
+        let doc = synopsis();
+        let clap = clap_flags();
+        // Every command and every flag --help shows is in the synopsis.
+        for (sub, flags) in &clap {
+            let named = doc
+                .get(sub)
+                .unwrap_or_else(|| panic!("docs/cli.md's synopsis has no `possum {sub}`"));
+            for (flag, shown) in flags {
+                let help = flag == "--help" || flag == "-h";
+                if *shown && (!help || sub.is_empty()) {
+                    assert!(
+                        named.contains(flag),
+                        "docs/cli.md's synopsis of `possum {sub}` lacks {flag}"
+                    );
+                }
+            }
+        }
+        // Everything the synopsis names exists.
+        for (sub, flags) in &doc {
+            let known = clap
+                .get(sub)
+                .unwrap_or_else(|| panic!("docs/cli.md names `possum {sub}`, which is no command"));
+            for flag in flags {
+                assert!(
+                    known.iter().any(|(f, _)| f == flag),
+                    "docs/cli.md's synopsis of `possum {sub}` names {flag}, which it does not take"
+                );
+            }
+        }
+    }
 }
