@@ -21,7 +21,7 @@ mod trace;
 /// (`possum checkpoint PID -D DIR`, with `--leave-running` to let it go on), and restore it
 /// (`possum restore -D DIR`). `possum doctor` says whether this machine can checkpoint.
 #[derive(Parser, Debug)]
-#[command(name = "possum", version, about)]
+#[command(name = "possum", version)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -168,6 +168,16 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(Cli::try_parse_from(["possum", "demo", "--steps", "x"]).is_err());
+        // `-D` is `--images-dir`, as for checkpoint and restore; `--dir` still works, unshown.
+        for flag in ["-D", "--images-dir", "--dir"] {
+            match Cli::try_parse_from(["possum", "demo", flag, "/tmp/i"])
+                .unwrap()
+                .cmd
+            {
+                Cmd::Demo(a) => assert_eq!(a.dir.as_deref(), Some(std::path::Path::new("/tmp/i"))),
+                other => panic!("{other:?}"),
+            }
+        }
         assert!(Cli::try_parse_from(["possum", "frobnicate"]).is_err());
     }
 
