@@ -712,16 +712,7 @@ pub fn fills_in_log(log: &str) -> Vec<(i32, u64, f64)> {
 
 /// Threads for [`fill`]: `POSSUM_HOSTMEM_THREADS`, else the CPUs available, at most 16.
 pub fn default_threads() -> usize {
-    std::env::var("POSSUM_HOSTMEM_THREADS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|&n: &usize| n > 0)
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(4)
-                .min(16)
-        })
+    crate::config::Config::from_env().hostmem_threads()
 }
 
 /// Writes the pages [`split`] moved out of process `image_pid`'s CRIU image in `dir` into the

@@ -53,6 +53,7 @@
 //! Host feature checks for `possum doctor` are in [`doctor`].
 #![warn(missing_docs)]
 
+pub mod config;
 pub mod doctor;
 mod error;
 pub mod hostmem;
@@ -75,8 +76,7 @@ pub use process::{set_child_subreaper, wait_for_exit, ProcessExit};
 
 use rpc::{CriuOpts, CriuReq, CriuResp, ReqType};
 
-/// The environment variable naming the CRIU binary to use.
-pub const CRIU_ENV: &str = "POSSUM_CRIU";
+pub use config::{CRIU_ENV, PLUGIN_DIR_ENV};
 
 /// Where `scripts/install-criu.sh` puts its wrapper by default.
 pub const DEFAULT_CRIU: &str = "/opt/possum-criu/bin/criu";
@@ -90,10 +90,6 @@ pub struct Criu {
     binary: PathBuf,
     plugin_dir: Option<PathBuf>,
 }
-
-/// The environment variable naming the directory of CRIU plugins to load (possum's
-/// `libpossum_criu_plugin.so`); an empty value loads none. See [`Criu::plugin_dir`].
-pub const PLUGIN_DIR_ENV: &str = "POSSUM_CRIU_PLUGIN_DIR";
 
 /// The file name of possum's CRIU plugin.
 pub const PLUGIN_FILE: &str = "libpossum_criu_plugin.so";
@@ -120,7 +116,9 @@ pub fn resolve_plugin_dir(
 /// (`cargo build` puts `libpossum_criu_plugin.so` next to `possum`, in a directory CRIU must not
 /// load whole: libpossum.so is there too) copied into a directory of its own ([`stage_plugin`]).
 pub fn default_plugin_dir() -> Option<PathBuf> {
-    let env = std::env::var_os(PLUGIN_DIR_ENV);
+    let env = config::Config::from_env()
+        .plugin_dir
+        .map(|d| d.map(PathBuf::into_os_string).unwrap_or_default());
     let exe = std::env::current_exe().ok();
     if let Some(dir) = resolve_plugin_dir(env.clone(), exe.as_deref(), |p| p.is_file()) {
         return Some(dir);
@@ -327,8 +325,7 @@ impl Criu {
     /// Finds the CRIU binary: `$POSSUM_CRIU` (which must then be executable), then
     /// [`DEFAULT_CRIU`], then `criu` on `PATH`.
     pub fn locate() -> Result<Self, CriuError> {
-        if let Some(path) = std::env::var_os(CRIU_ENV).filter(|v| !v.is_empty()) {
-            let path = PathBuf::from(path);
+        if let Some(path) = config::Config::from_env().criu {
             return if is_executable(&path) {
                 Ok(Self::with_binary(path))
             } else {

@@ -395,7 +395,9 @@ fn libcuda() -> Result<&'static DriverCheckpoint, String> {
     static CUDA: OnceLock<Result<DriverCheckpoint, String>> = OnceLock::new();
     CUDA.get_or_init(|| {
         let candidates = libcuda_candidates(
-            std::env::var_os("POSSUM_LIBCUDA"),
+            crate::config::Config::from_env()
+                .libcuda
+                .map(std::path::PathBuf::into_os_string),
             std::env::var_os("LD_LIBRARY_PATH"),
         );
         let mut errors = Vec::new();

@@ -31,6 +31,7 @@
 //! All `unsafe` (the C ABI, ptrace) is in [`ffi`]; the decisions are safe functions here.
 #![deny(unsafe_code)]
 
+pub mod config;
 pub mod ffi;
 pub mod live;
 pub mod maps;
@@ -53,7 +54,7 @@ pub const NVIDIA_MAJOR: u32 = 195;
 
 /// Test only: a device path the plugin treats like an NVIDIA device, without asking the NVIDIA
 /// driver about the process (a CPU machine has no NVIDIA device to test with).
-pub const TEST_DEVICE_ENV: &str = "POSSUM_CRIU_PLUGIN_TEST_DEVICE";
+pub use config::TEST_DEVICE_ENV;
 
 /// The prefix of the name of every placeholder memfd (`/proc/PID/fd` shows
 /// `/memfd:possum-placeholder:/dev/nvidiactl (deleted)`).
@@ -79,9 +80,7 @@ impl Devices {
     /// NVIDIA devices, plus the stand-in named by [`TEST_DEVICE_ENV`] if set.
     pub fn from_env() -> Devices {
         Devices {
-            stand_in: std::env::var_os(TEST_DEVICE_ENV)
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from),
+            stand_in: config::Config::from_env().test_device,
         }
     }
 

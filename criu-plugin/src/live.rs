@@ -114,12 +114,12 @@ pub struct PossumPart {
 
 /// Set (to 1) in CRIU's environment, the plugin passes the images directory to the job even
 /// where the job sees its path (how the CPU tests exercise what a container needs).
-pub const PASS_DIR_ENV: &str = "POSSUM_CRIU_PLUGIN_PASS_DIR";
+pub use crate::config::PASS_DIR_ENV;
 
 impl PossumPart {
     /// The part for `dir`, deciding how the job reaches it.
     pub fn new(socket: JobSocket, dir: PathBuf) -> PossumPart {
-        let forced = std::env::var_os(PASS_DIR_ENV).is_some_and(|v| v == "1");
+        let forced = crate::config::Config::from_env().force_pass_dir;
         // The images directory, which exists (the GPU image directory is made by the job).
         let images = dir.parent().unwrap_or(Path::new("/"));
         let pass_dir = forced || job_sees(socket.pid, images).is_err();

@@ -118,8 +118,7 @@ type UnlockFn = unsafe extern "C" fn(c_int, *mut UnlockArgs) -> CuResult;
 type GetStateFn = unsafe extern "C" fn(c_int, *mut c_int) -> CuResult;
 type GetRestoreThreadIdFn = unsafe extern "C" fn(c_int, *mut c_int) -> CuResult;
 
-/// The environment variable naming the driver library to load instead of `libcuda.so.1`.
-pub const LIBCUDA_ENV: &str = "POSSUM_LIBCUDA";
+pub use crate::config::LIBCUDA_ENV;
 
 /// A process's state as the driver's checkpoint API sees it (`CUprocessState`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -318,11 +317,8 @@ impl DriverCheckpoint {
     /// Loads the driver named by `POSSUM_LIBCUDA`, else `libcuda.so.1`, checks it has the
     /// checkpoint API and runs `cuInit(0)`. See [`load_from`](Self::load_from).
     pub fn load() -> Result<DriverCheckpoint, DriverCkptError> {
-        let lib = std::env::var(LIBCUDA_ENV)
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| "libcuda.so.1".to_string());
-        DriverCheckpoint::load_from(&lib)
+        let lib = crate::config::Config::from_env().libcuda;
+        DriverCheckpoint::load_from(&lib.to_string_lossy())
     }
 
     /// Loads the driver `lib` (a `dlopen` name or a path; kept loaded for the life of the process),

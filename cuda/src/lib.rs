@@ -18,6 +18,7 @@
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
+pub mod config;
 mod device;
 mod driver;
 pub mod introspect;

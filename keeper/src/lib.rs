@@ -59,6 +59,7 @@
 #![warn(missing_docs)]
 
 mod client;
+pub mod config;
 mod fdpass;
 mod memory;
 mod server;

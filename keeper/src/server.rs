@@ -115,7 +115,7 @@ impl Server {
                 stages: Mutex::new(BTreeMap::new()),
                 ended: Mutex::new(std::collections::VecDeque::new()),
                 next_stage: std::sync::atomic::AtomicU64::new(0),
-                spares: crate::spare::SpareConfig::from_env()
+                spares: crate::spare::SpareConfig::from_config(&crate::config::Config::from_env())
                     .map(|c| Arc::new(crate::spare::Spares::new(c))),
             }),
         })

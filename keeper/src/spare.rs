@@ -34,31 +34,19 @@ pub(crate) struct SpareConfig {
     /// Registered this much at a time (`POSSUM_KEEPER_SPARE_STEP_MIB`, default 1024).
     pub step: u64,
     /// Threads copying into spares (`POSSUM_KEEPER_SPARE_THREADS`, default 16: the copy engine
-    /// and the checksums overlap; 16 threads reached 53.7 GB/s on the H100, session 25).
+    /// and the checksums overlap; 16 threads reached 53.7 GB/s on an H100).
     pub threads: usize,
 }
 
 impl SpareConfig {
-    /// `POSSUM_KEEPER_SPARE_DIR` and `POSSUM_KEEPER_SPARE_MIB`, both set (the size above 0).
-    pub(crate) fn from_env() -> Option<SpareConfig> {
-        let dir = std::env::var_os("POSSUM_KEEPER_SPARE_DIR").filter(|d| !d.is_empty())?;
-        let mib: u64 = std::env::var("POSSUM_KEEPER_SPARE_MIB")
-            .ok()?
-            .trim()
-            .parse()
-            .ok()?;
-        let num = |var: &str, default: u64| {
-            std::env::var(var)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .filter(|&n| n > 0)
-                .unwrap_or(default)
-        };
-        (mib > 0).then(|| SpareConfig {
-            dir: PathBuf::from(dir),
-            bytes: mib << 20,
-            step: num("POSSUM_KEEPER_SPARE_STEP_MIB", 1024) << 20,
-            threads: num("POSSUM_KEEPER_SPARE_THREADS", 16).min(64) as usize,
+    /// The spare `config` asks for, if any ([`crate::config`]).
+    pub(crate) fn from_config(config: &crate::config::Config) -> Option<SpareConfig> {
+        let (dir, bytes) = config.spare.clone()?;
+        Some(SpareConfig {
+            dir,
+            bytes,
+            step: config.spare_step_bytes,
+            threads: config.spare_threads,
         })
     }
 }

@@ -40,8 +40,6 @@ const DEPTH: usize = 3;
 /// The pinned buffers' size (an image's chunks are at most this in practice: the engine writes
 /// 8 MiB chunks; a larger one gets a buffer of its own).
 const PINNED: usize = 8 << 20;
-/// Loader threads of one stage (`POSSUM_KEEPER_STAGE_THREADS`).
-const THREADS: usize = 8;
 
 /// One buffer's load.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -279,18 +277,11 @@ pub(crate) struct Knobs {
 
 impl Knobs {
     pub(crate) fn from_env() -> Knobs {
-        let num = |k: &str| {
-            std::env::var(k)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        };
+        let c = crate::config::Config::from_env();
         Knobs {
-            delay: Duration::from_millis(num("POSSUM_KEEPER_STAGE_DELAY_MS").unwrap_or(0)),
-            fail: num("POSSUM_KEEPER_STAGE_FAIL").and_then(|n| usize::try_from(n).ok()),
-            threads: num("POSSUM_KEEPER_STAGE_THREADS")
-                .and_then(|n| usize::try_from(n).ok())
-                .filter(|&n| n > 0)
-                .unwrap_or(THREADS),
+            delay: c.stage_delay,
+            fail: c.stage_fail,
+            threads: c.stage_threads,
         }
     }
 

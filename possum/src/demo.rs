@@ -27,8 +27,9 @@ pub struct DemoArgs {
     /// Streams of the job.
     #[arg(long, default_value_t = 3)]
     pub streams: usize,
-    /// Where to write the image (default: a temporary directory, removed afterwards).
-    #[arg(long, short = 'D')]
+    /// Where to write the image (default: a temporary directory, removed afterwards). With
+    /// --criu: the working directory, kept (CRIU's images and logs, the child's logs).
+    #[arg(short = 'D', long = "images-dir", value_name = "DIR", alias = "dir")]
     pub dir: Option<PathBuf>,
     /// Device memory for shadow copies during the checkpoint, MiB (0: priority copies only).
     #[arg(long, default_value_t = 0)]
@@ -37,7 +38,8 @@ pub struct DemoArgs {
     /// checkpoint capture everything at copy speed while the image drains to disk behind it.
     #[arg(long, default_value_t = 256)]
     pub staging_mib: usize,
-    /// Dump the job with CRIU instead (a child process, `--leave-running` and kill), restore it, compare.
+    /// Run the job in a child process and dump it with CRIU instead (once left running, once
+    /// killed), restore it and compare (needs root and CRIU 4.x; `--shadow-mib` is ignored).
     #[arg(long)]
     pub criu: bool,
 }

@@ -1,5 +1,5 @@
 //! `possum keeper`: runs a keeper (possum-keeper), the process that owns the GPU memory of jobs'
-//! buffers so that a checkpoint leaves it on the GPU (issue 14).
+//! buffers so that a checkpoint leaves it on the GPU.
 //!
 //! - `--dir DIR`: serves every visible device, device N at `DIR/keeper-N.sock` (a job started
 //!   with `POSSUM_KEEPER=DIR` takes its buffers' memory there). Each device is opened at its
@@ -71,7 +71,8 @@ pub fn start(dir: &Path, while_alive: i32, configure: impl FnOnce(&mut Command))
 
 #[derive(Args, Debug)]
 pub struct KeeperArgs {
-    /// Serve every visible device, device N at DIR/keeper-N.sock (the directory is created).
+    /// Serve every visible device, device N at DIR/keeper-N.sock (the directory is created, mode
+    /// 0700).
     #[arg(long, value_name = "DIR", conflicts_with = "socket")]
     pub dir: Option<PathBuf>,
     /// The Unix socket to listen on, for one device (an old socket file there is replaced).
@@ -89,15 +90,31 @@ pub struct KeeperArgs {
 pub fn run(a: &KeeperArgs) -> Result<bool> {
     let servers = match (&a.dir, &a.socket) {
         (Some(dir), _) => {
-            std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
-            let info = possum_cuda::probe()
-                .map_err(|e| anyhow::anyhow!("no CUDA device for a keeper: {e}"))?;
-            (0..info.device_count)
-                .map(|n| {
-                    possum_keeper::Server::bind_lazy(&possum_keeper::socket_of(dir, n), n)
-                        .with_context(|| format!("starting a keeper for device {n}"))
-                })
-                .collect::<Result<Vec<_>>>()?
+            let created = !dir.exists();
+            create_private_dir(dir)?;
+            let bound = possum_cuda::probe()
+                .map_err(|e| anyhow::anyhow!("no CUDA device for a keeper: {e}"))
+                .and_then(|info| {
+                    (0..info.device_count)
+                        .map(|n| {
+                            possum_keeper::Server::bind_lazy(&possum_keeper::socket_of(dir, n), n)
+                                .with_context(|| format!("starting a keeper for device {n}"))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                });
+            match bound {
+                Ok(servers) => servers,
+                Err(e) => {
+                    if created {
+                        // Only if empty: nothing but what this keeper made was there.
+                        for sock in possum_keeper::sockets_in(dir) {
+                            let _ = std::fs::remove_file(sock);
+                        }
+                        let _ = std::fs::remove_dir(dir);
+                    }
+                    return Err(e);
+                }
+            }
         }
         (None, Some(socket)) => vec![possum_keeper::Server::bind(socket, a.device)
             .with_context(|| format!("starting a keeper on device {}", a.device))?],
@@ -148,6 +165,16 @@ pub fn run(a: &KeeperArgs) -> Result<bool> {
             }
         }
     }
+}
+
+/// Creates `dir` and any missing parents, mode 0700 (only its owner may reach a keeper's sockets).
+pub fn create_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))
 }
 
 /// Memory the keeper at `dir` holds for the restore of jobs that are gone (bytes), if it answers.

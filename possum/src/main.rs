@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 
 mod checkpoint;
+mod config;
 mod criu_demo;
 mod demo;
 mod doctor;
@@ -15,8 +16,12 @@ mod status;
 mod trace;
 
 /// possum: concurrent checkpoint and restore of GPU processes.
+///
+/// Start a GPU job under possum (`possum run python train.py`), checkpoint it while it runs
+/// (`possum checkpoint PID -D DIR`, with `--leave-running` to let it go on), and restore it
+/// (`possum restore -D DIR`). `possum doctor` says whether this machine can checkpoint.
 #[derive(Parser, Debug)]
-#[command(name = "possum", version, about)]
+#[command(name = "possum", version)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -24,16 +29,27 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Runs a multi-stream job, checkpoints it concurrently mid-run, releases its memory, restores it
-    /// on demand, continues, and checks the result bit for bit against an uninterrupted run.
+    /// Shows a concurrent checkpoint and on-demand restore end to end without a GPU: runs a
+    /// multi-stream job, checkpoints it mid-run, releases its memory, restores it, continues,
+    /// and checks the result bit for bit against an uninterrupted run.
     Demo(demo::DemoArgs),
-    /// Reports CRIU, kernel features, GPU and driver.
-    Doctor,
-    /// Runs a keeper: a process that owns GPU memory and hands it to jobs as shareable handles
-    /// over a Unix socket, with per-client accounting, until it is killed (SIGTERM). The first
-    /// part of issue 14: nothing uses it yet.
+    /// Checks what a checkpoint needs on this machine (privileges, CRIU, kernel, GPU, NVIDIA's
+    /// driver and its checkpoint API, possum's CRIU plugin and libpossum.so); exits 1 if a
+    /// checkpoint could not work here.
+    ///
+    /// Prints one line per check: `ok`, `FAIL` (a checkpoint cannot work: the reason and what to
+    /// do) or `warn` (it works, but slower or with less). Exit code 0 only if nothing FAILs.
+    Doctor(doctor::DoctorArgs),
+    /// Runs a keeper: the process that owns the GPU memory of jobs' buffers, so that a checkpoint
+    /// leaves that memory on the GPU; `possum run` starts one for its job.
+    ///
+    /// It hands the memory to jobs as shareable handles over a Unix socket (clients of its own
+    /// user only), with per-client accounting. A job finds it through `POSSUM_KEEPER=DIR`. It
+    /// runs until it is killed (SIGTERM), or with --while-alive until that process is gone and
+    /// it holds no memory for a restore.
     Keeper(keeper::KeeperArgs),
-    /// Runs a job with libpossum.so preloaded (and so a control socket); exits with its status.
+    /// Runs a job under possum (libpossum.so preloaded, a keeper for its GPU memory); exits with
+    /// the job's status.
     ///
     /// libpossum.so serves the job's cudaMalloc from possum's engine and sees every GPU operation
     /// by wrapping the CUDA driver's entry points, so `possum checkpoint` can pre-copy while the
@@ -116,7 +132,7 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Demo(a) if a.criu => criu_demo::run(&a).map(check),
         Cmd::Demo(a) => demo::run(&a).map(check),
-        Cmd::Doctor => doctor::run().map(check),
+        Cmd::Doctor(a) => doctor::run(&a).map(check),
         Cmd::Keeper(a) => keeper::run(&a).map(check),
         Cmd::DemoChild(a) => criu_demo::child(&a).map(check),
         Cmd::Run(a) => run::run(&a),
@@ -152,6 +168,16 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(Cli::try_parse_from(["possum", "demo", "--steps", "x"]).is_err());
+        // `-D` is `--images-dir`, as for checkpoint and restore; `--dir` still works, unshown.
+        for flag in ["-D", "--images-dir", "--dir"] {
+            match Cli::try_parse_from(["possum", "demo", flag, "/tmp/i"])
+                .unwrap()
+                .cmd
+            {
+                Cmd::Demo(a) => assert_eq!(a.dir.as_deref(), Some(std::path::Path::new("/tmp/i"))),
+                other => panic!("{other:?}"),
+            }
+        }
         assert!(Cli::try_parse_from(["possum", "frobnicate"]).is_err());
     }
 
@@ -240,5 +266,111 @@ mod tests {
             help("checkpoint")
         );
         assert!(!help("run").contains("no-cupti"), "{}", help("run"));
+    }
+
+    /// The synopsis of docs/cli.md (its first `text` block): per subcommand (`""` for `possum`
+    /// itself), the long and short flags its lines name. A line `possum SUB ...` starts a
+    /// subcommand's lines; an indented line continues the one before.
+    fn synopsis() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/cli.md"))
+            .expect("docs/cli.md");
+        let block = doc
+            .split("```text\n")
+            .nth(1)
+            .and_then(|b| b.split("```").next())
+            .expect("a text block in docs/cli.md");
+        let mut subs =
+            std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+        let mut current = String::new();
+        for line in block.lines() {
+            let words = if let Some(rest) = line.strip_prefix("possum ") {
+                let sub = rest.split_whitespace().next().unwrap_or_default();
+                current = if sub.starts_with('-') {
+                    String::new()
+                } else {
+                    sub.to_string()
+                };
+                rest
+            } else {
+                assert!(
+                    line.starts_with(' '),
+                    "a synopsis line neither `possum ...` nor indented: {line}"
+                );
+                line
+            };
+            let flags = subs.entry(current.clone()).or_default();
+            for w in words.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')) {
+                let long = w.len() > 2 && w.starts_with("--");
+                let short = w.len() == 2 && w.starts_with('-') && w != "--";
+                if long || short {
+                    flags.insert(w.to_string());
+                }
+            }
+        }
+        subs
+    }
+
+    /// Per subcommand (`""` for `possum` itself), the long and short flags clap knows, and
+    /// whether each is shown in --help.
+    fn clap_flags() -> std::collections::BTreeMap<String, Vec<(String, bool)>> {
+        let mut cmd = Cli::command();
+        cmd.build();
+        let flags = |c: &clap::Command| {
+            let mut v = Vec::new();
+            for a in c.get_arguments() {
+                let shown = !a.is_hide_set();
+                if let Some(l) = a.get_long() {
+                    v.push((format!("--{l}"), shown));
+                }
+                for l in a.get_all_aliases().unwrap_or_default() {
+                    v.push((format!("--{l}"), false));
+                }
+                if let Some(c) = a.get_short() {
+                    v.push((format!("-{c}"), shown));
+                }
+            }
+            v
+        };
+        let mut out = std::collections::BTreeMap::new();
+        out.insert(String::new(), flags(&cmd));
+        for sub in cmd.get_subcommands() {
+            if !sub.is_hide_set() && sub.get_name() != "help" {
+                out.insert(sub.get_name().to_string(), flags(sub));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_synopsis_of_docs_cli_md_matches_the_command_line() {
+        let doc = synopsis();
+        let clap = clap_flags();
+        // Every command and every flag --help shows is in the synopsis.
+        for (sub, flags) in &clap {
+            let named = doc
+                .get(sub)
+                .unwrap_or_else(|| panic!("docs/cli.md's synopsis has no `possum {sub}`"));
+            for (flag, shown) in flags {
+                let help = flag == "--help" || flag == "-h";
+                if *shown && (!help || sub.is_empty()) {
+                    assert!(
+                        named.contains(flag),
+                        "docs/cli.md's synopsis of `possum {sub}` lacks {flag}"
+                    );
+                }
+            }
+        }
+        // Everything the synopsis names exists.
+        for (sub, flags) in &doc {
+            let known = clap
+                .get(sub)
+                .unwrap_or_else(|| panic!("docs/cli.md names `possum {sub}`, which is no command"));
+            for flag in flags {
+                assert!(
+                    known.iter().any(|(f, _)| f == flag),
+                    "docs/cli.md's synopsis of `possum {sub}` names {flag}, which it does not take"
+                );
+            }
+        }
     }
 }

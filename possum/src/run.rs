@@ -5,14 +5,12 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
 
+use crate::config::{Config, KEEPER_ENV};
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::unistd::Pid;
-use possum_keeper::KEEPER_ENV;
 
-/// The environment variable naming libpossum.so (after `--lib`).
-const LIB_ENV: &str = "POSSUM_LIB";
 const LIB_NAME: &str = "libpossum.so";
 
 #[derive(Args, Debug)]
@@ -101,7 +99,8 @@ impl RunArgs {
 /// Runs the job; returns its exit code (128 + signal when a signal killed it).
 pub fn run(a: &RunArgs) -> Result<u8> {
     let exe = std::env::current_exe().context("cannot find the possum executable")?;
-    let lib = find_lib(a.lib.as_deref(), std::env::var_os(LIB_ENV), &exe)?;
+    let config = Config::from_env();
+    let lib = find_lib(a.lib.as_deref(), config.lib.clone(), &exe)?;
     let lib = std::fs::canonicalize(&lib).with_context(|| format!("{}", lib.display()))?;
     let preload = ld_preload(&lib, std::env::var_os("LD_PRELOAD"))?;
 
@@ -129,7 +128,7 @@ pub fn run(a: &RunArgs) -> Result<u8> {
 
     // A keeper already serving (a long-lived one named by $POSSUM_KEEPER) is the job's as it
     // inherits the variable; else one is started for the job.
-    let serving = std::env::var_os(KEEPER_ENV).is_some_and(|d| !d.is_empty());
+    let serving = config.keeper.is_some();
     // Said once the job has started (a job that cannot start gets only that error).
     let mut keeper_note = None;
     let keeper = if a.no_keeper {
@@ -191,21 +190,31 @@ impl Drop for KeeperChild {
     }
 }
 
-/// Starts a keeper for the job, at `SOCKET_DIR/keeper-<possum's pid>`, ending when possum does
-/// (or when dropped).
+/// Starts a keeper for the job, at `SOCKET_DIR/keeper-<possum's pid>` (mode 0700), ending when
+/// possum does (or when dropped). A keeper that does not start leaves no directory behind.
 fn start_keeper(socket_dir: &Path) -> Result<KeeperChild> {
     let dir = socket_dir.join(format!("keeper-{}", std::process::id()));
-    let child = crate::keeper::start(&dir, std::process::id() as i32, |_| {})?;
-    Ok(KeeperChild { child, dir })
+    crate::keeper::create_private_dir(&dir)?;
+    match crate::keeper::start(&dir, std::process::id() as i32, |_| {}) {
+        Ok(child) => Ok(KeeperChild { child, dir }),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Err(e)
+        }
+    }
 }
 
 /// `--lib`, else `$POSSUM_LIB` (each used as given: not found is an error), else libpossum.so
 /// beside `exe`, else `../lib/libpossum.so` relative to `exe`'s directory.
-fn find_lib(explicit: Option<&Path>, env: Option<OsString>, exe: &Path) -> Result<PathBuf> {
+pub(crate) fn find_lib(
+    explicit: Option<&Path>,
+    env: Option<PathBuf>,
+    exe: &Path,
+) -> Result<PathBuf> {
     let (tried, why) = if let Some(p) = explicit {
         (vec![p.to_path_buf()], "--lib")
-    } else if let Some(p) = env.filter(|p| !p.is_empty()) {
-        (vec![PathBuf::from(p)], "$POSSUM_LIB")
+    } else if let Some(p) = env {
+        (vec![p], "$POSSUM_LIB")
     } else {
         let dir = exe.parent().unwrap_or(Path::new("."));
         (
@@ -306,20 +315,17 @@ mod tests {
         );
 
         std::fs::write(lib.join(LIB_NAME), b"").unwrap();
-        let found = find_lib(None, Some("".into()), &exe).unwrap();
+        let found = find_lib(None, None, &exe).unwrap();
         assert_eq!(found, bin.join("..").join("lib").join(LIB_NAME));
         std::fs::write(bin.join(LIB_NAME), b"").unwrap();
         assert_eq!(find_lib(None, None, &exe).unwrap(), bin.join(LIB_NAME));
 
         let other = tmp.path().join("other.so");
-        let e = find_lib(None, Some(other.clone().into()), &exe).unwrap_err();
+        let e = find_lib(None, Some(other.clone()), &exe).unwrap_err();
         assert!(e.to_string().contains("$POSSUM_LIB"), "{e}");
         std::fs::write(&other, b"").unwrap();
-        assert_eq!(
-            find_lib(None, Some(other.clone().into()), &exe).unwrap(),
-            other
-        );
-        let e = find_lib(Some(Path::new("/nope.so")), Some(other.into()), &exe).unwrap_err();
+        assert_eq!(find_lib(None, Some(other.clone()), &exe).unwrap(), other);
+        let e = find_lib(Some(Path::new("/nope.so")), Some(other), &exe).unwrap_err();
         assert!(e.to_string().contains("/nope.so"), "{e}");
     }
 

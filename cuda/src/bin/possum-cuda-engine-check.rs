@@ -78,7 +78,7 @@ fn main() -> ExitCode {
     };
     if let Err(why) = possum_cuda::probe() {
         println!("SKIPPED: no CUDA device ({why})");
-        let required = std::env::var("POSSUM_REQUIRE_GPU").is_ok_and(|v| v == "1");
+        let required = possum_cuda::config::Config::from_env().require_gpu;
         return if required {
             ExitCode::from(1)
         } else {

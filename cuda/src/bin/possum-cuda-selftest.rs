@@ -577,7 +577,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let require = std::env::var("POSSUM_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let require = possum_cuda::config::Config::from_env().require_gpu;
     let info = match probe() {
         Ok(info) => info,
         Err(why) => {

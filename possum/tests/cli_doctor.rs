@@ -1,0 +1,130 @@
+//! `possum doctor` end to end: one line per check, and exit code 1 when a checkpoint cannot work.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn doctor(envs: &[(&str, &Path)], json: bool) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_possum"));
+    cmd.arg("doctor");
+    if json {
+        cmd.arg("--json");
+    }
+    // No device for the driver, on any machine.
+    cmd.env("CUDA_VISIBLE_DEVICES", "");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The line of check `name`: its verdict and detail.
+fn line<'a>(out: &'a str, name: &str) -> (&'a str, &'a str) {
+    let l = out
+        .lines()
+        .find(|l| l.starts_with(&format!("{name:<20} ")))
+        .unwrap_or_else(|| panic!("no `{name}` line in:\n{out}"));
+    let rest = l[20..].trim_start();
+    let (verdict, why) = rest.split_once(' ').unwrap_or((rest, ""));
+    (verdict, why.trim())
+}
+
+/// The fake driver (cuda/testdata/fake-libcuda.c), built into `dir`; `None` without a C compiler.
+fn fake_libcuda(dir: &Path) -> Option<PathBuf> {
+    let lib = dir.join("libcuda.so.1");
+    Command::new("cc")
+        .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
+        .arg(&lib)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../cuda/testdata/fake-libcuda.c"
+        ))
+        .status()
+        .is_ok_and(|s| s.success())
+        .then_some(lib)
+}
+
+#[test]
+fn without_a_gpu_or_driver_doctor_fails_and_says_why() {
+    let out = doctor(
+        &[("POSSUM_LIBCUDA", Path::new("/nonexistent/libcuda.so.1"))],
+        false,
+    );
+    let s = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{s}");
+    let (verdict, why) = line(&s, "gpu");
+    assert_eq!(verdict, "FAIL", "{s}");
+    assert!(why.contains("no GPU"), "{s}");
+    let (verdict, why) = line(&s, "driver checkpoint");
+    assert_eq!(verdict, "FAIL", "{s}");
+    assert!(why.contains("/nonexistent/libcuda.so.1"), "{s}");
+    for name in [
+        "privileges",
+        "criu",
+        "criu check",
+        "kernel",
+        "checkpoint/restore",
+        "criu plugin",
+        "libpossum.so",
+        "huge pages",
+    ] {
+        let (verdict, _) = line(&s, name);
+        assert!(["ok", "warn", "FAIL"].contains(&verdict), "{name}: {s}");
+    }
+    assert!(
+        s.contains("a checkpoint cannot work on this machine"),
+        "{s}"
+    );
+}
+
+#[test]
+fn the_fake_driver_has_the_checkpoint_api_and_libpossum_is_found() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(lib) = fake_libcuda(tmp.path()) else {
+        eprintln!("SKIPPED: no C compiler for the fake driver");
+        return;
+    };
+    let libpossum = tmp.path().join("libpossum.so");
+    std::fs::write(&libpossum, b"").unwrap();
+    let out = doctor(
+        &[("POSSUM_LIBCUDA", &lib), ("POSSUM_LIB", &libpossum)],
+        false,
+    );
+    let s = text(&out);
+    let (verdict, why) = line(&s, "driver checkpoint");
+    assert_eq!(verdict, "ok", "{s}");
+    assert!(
+        why.contains("cuCheckpointProcess*") && why.contains(&lib.display().to_string()),
+        "{s}"
+    );
+    let (verdict, why) = line(&s, "libpossum.so");
+    assert_eq!(verdict, "ok", "{s}");
+    assert_eq!(why, libpossum.display().to_string(), "{s}");
+    // Still no GPU: a checkpoint cannot work.
+    assert_eq!(line(&s, "gpu").0, "FAIL", "{s}");
+    assert_eq!(out.status.code(), Some(1), "{s}");
+}
+
+#[test]
+fn json_lists_every_check() {
+    let out = doctor(
+        &[("POSSUM_LIBCUDA", Path::new("/nonexistent/libcuda.so.1"))],
+        true,
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["ok"], false, "{j}");
+    let checks = j["checks"].as_array().unwrap();
+    let gpu = checks.iter().find(|c| c["name"] == "gpu").unwrap();
+    assert_eq!(gpu["verdict"], "fail", "{j}");
+    assert!(checks
+        .iter()
+        .all(|c| ["ok", "warn", "fail"].contains(&c["verdict"].as_str().unwrap())));
+}

@@ -1,0 +1,75 @@
+//! `possum run`'s keeper directory: private while the job runs, gone once `possum run` is.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+/// `possum run` of a job that prints its keeper directory's mode (when it has one), with its
+/// control sockets under `sockets`; returns (exit status, stdout, stderr).
+fn run_job(sockets: &std::path::Path, envs: &[(&str, &str)]) -> (i32, String, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    // Any file will do: the loader says it cannot preload it and the job runs on.
+    let lib = tmp.path().join("libpossum.so");
+    std::fs::write(&lib, b"").unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_possum"));
+    cmd.args(["run", "--lib"])
+        .arg(&lib)
+        .arg("--socket-dir")
+        .arg(sockets)
+        .args([
+            "sh",
+            "-c",
+            r#"if [ -n "$POSSUM_KEEPER" ]; then stat -c 'mode %a' "$POSSUM_KEEPER"; fi; exit 3"#,
+        ])
+        .env_remove("POSSUM_KEEPER");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn keeper_dirs(sockets: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(sockets)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("keeper-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_keeper_that_cannot_start_leaves_no_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sockets = tmp.path().join("sockets");
+    // No device for the driver: the keeper cannot start, on any machine.
+    let (code, stdout, stderr) = run_job(&sockets, &[("CUDA_VISIBLE_DEVICES", "")]);
+    assert_eq!(code, 3, "{stdout}{stderr}");
+    assert!(stderr.contains("no keeper for the job"), "{stderr}");
+    assert!(!stdout.contains("mode"), "{stdout}");
+    assert_eq!(keeper_dirs(&sockets), Vec::<String>::new());
+}
+
+#[test]
+fn a_keeper_directory_is_private_and_removed_at_exit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sockets = tmp.path().join("sockets");
+    let (code, stdout, stderr) = run_job(&sockets, &[]);
+    assert_eq!(code, 3, "{stdout}{stderr}");
+    if stderr.contains("no keeper for the job") {
+        // No GPU here: nothing is left behind either.
+        assert!(!stdout.contains("mode"), "{stdout}");
+    } else {
+        assert!(stdout.contains("mode 700"), "{stdout}{stderr}");
+    }
+    assert_eq!(keeper_dirs(&sockets), Vec::<String>::new());
+    // The socket directory itself (made for the keeper) is private too.
+    if let Ok(m) = std::fs::metadata(&sockets) {
+        assert_eq!(m.permissions().mode() & 0o777, 0o700);
+    }
+}
