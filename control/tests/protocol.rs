@@ -309,10 +309,6 @@ fn a_process_with_possum_but_no_socket_is_not_started() {
             && text.contains("first CUDA call"),
         "{text}"
     );
-    assert!(
-        possum_control::has_possum_mapped(pid)
-            || !std::path::Path::new(&format!("/proc/{pid}")).exists()
-    );
     // This test process has no libpossum.so: not loaded, as before.
     assert!(!possum_control::has_possum_mapped(me()));
 }
