@@ -42,6 +42,15 @@ impl<R> Serialize for Reply<R> {
     }
 }
 
+/// A field sent as `null` reads as its default, as one that is absent does.
+fn null_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Option::<T>::deserialize(d).map(Option::unwrap_or_default)
+}
+
 /// The answer to `Status` (what `possum status` prints): the fields a checkpoint reads.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default)]
@@ -59,10 +68,13 @@ pub struct StatusReply {
 #[serde(default)]
 pub struct PossumStatus {
     /// One per device possum manages.
+    #[serde(deserialize_with = "null_default")]
     pub engines: Vec<EngineStatus>,
     /// GPU memory the job has that possum does not manage.
+    #[serde(deserialize_with = "null_default")]
     pub unmanaged: Unmanaged,
     /// The checkpoint session in the job.
+    #[serde(deserialize_with = "null_default")]
     pub session: SessionStatus,
 }
 
@@ -71,8 +83,10 @@ pub struct PossumStatus {
 #[serde(default)]
 pub struct EngineStatus {
     /// Its device ordinal.
+    #[serde(deserialize_with = "null_default")]
     pub device: usize,
     /// The engine's figures.
+    #[serde(deserialize_with = "null_default")]
     pub engine: EngineFigures,
     /// The keeper its buffers' memory comes from, if any.
     pub keeper: Option<KeeperStatus>,
@@ -105,10 +119,13 @@ pub struct KeeperStatus {
 #[serde(default)]
 pub struct Unmanaged {
     /// Allocations.
+    #[serde(deserialize_with = "null_default")]
     pub allocations: u64,
     /// Their bytes.
+    #[serde(deserialize_with = "null_default")]
     pub bytes: u64,
     /// By the entry point that made them (`cuMemAllocManaged`, ...).
+    #[serde(deserialize_with = "null_default")]
     pub by_kind: BTreeMap<String, Allocations>,
 }
 
@@ -117,8 +134,10 @@ pub struct Unmanaged {
 #[serde(default)]
 pub struct Allocations {
     /// How many.
+    #[serde(deserialize_with = "null_default")]
     pub allocations: u64,
     /// Their bytes.
+    #[serde(deserialize_with = "null_default")]
     pub bytes: u64,
 }
 
@@ -127,13 +146,16 @@ pub struct Allocations {
 #[serde(default)]
 pub struct SessionStatus {
     /// The job's GPU operations are held.
+    #[serde(deserialize_with = "null_default")]
     pub paused: bool,
     /// CUPTI's callbacks are subscribed.
+    #[serde(deserialize_with = "null_default")]
     pub cupti_attached: bool,
     /// possum sees the job's operations now (absent from libraries older than the entry points'
     /// hooks).
     pub hooks_live: Option<bool>,
     /// The last figures of each session step.
+    #[serde(deserialize_with = "null_default")]
     pub last: SessionLast,
 }
 
@@ -150,10 +172,12 @@ pub struct SessionLast {
 #[serde(default)]
 pub struct CheckpointReply {
     /// The pre-copy, per device.
+    #[serde(deserialize_with = "null_default")]
     pub precopy: Vec<DeviceCopy>,
     /// possum sees the job's operations (a pre-copy was made).
     pub hooks: Option<bool>,
     /// A kept checkpoint: nothing copied yet, the buffers saved after the job runs again.
+    #[serde(deserialize_with = "null_default")]
     pub kept: bool,
     /// Milliseconds.
     pub ms: Option<f64>,
@@ -164,10 +188,13 @@ pub struct CheckpointReply {
 #[serde(default)]
 pub struct DeviceCopy {
     /// The device ordinal.
+    #[serde(deserialize_with = "null_default")]
     pub device: usize,
     /// Buffers copied.
+    #[serde(deserialize_with = "null_default")]
     pub buffers: u64,
     /// Bytes copied.
+    #[serde(deserialize_with = "null_default")]
     pub bytes: u64,
     /// Milliseconds.
     pub ms: Option<f64>,
@@ -180,14 +207,18 @@ pub struct ReleaseReply {
     /// The copy made while held, per device (what was written since the pre-copy, or everything
     /// for a job whose threads were parked).
     #[serde(rename = "final")]
+    #[serde(deserialize_with = "null_default")]
     pub finals: Vec<DeviceCopy>,
     /// Bytes of GPU memory released.
+    #[serde(deserialize_with = "null_default")]
     pub released_bytes: u64,
     /// A kept checkpoint: bytes detached, left with the keeper.
     pub kept_bytes: Option<u64>,
     /// Devices whose buffers stay on the GPU with the keeper for a restore.
+    #[serde(deserialize_with = "null_default")]
     pub held_for_restore: Vec<usize>,
     /// The epochs the keeper holds them under.
+    #[serde(deserialize_with = "null_default")]
     pub held_epochs: Vec<HeldEpoch>,
     /// How the job was held, when not at the op gate (`threads parked`).
     pub held: Option<String>,
@@ -218,14 +249,18 @@ pub struct HeldEpoch {
 #[serde(default)]
 pub struct ResumeReply {
     /// Devices whose buffers come back from the image.
+    #[serde(deserialize_with = "null_default")]
     pub restoring: Vec<usize>,
     /// Whether they come back on demand (false: every buffer was back before the job ran on).
     pub on_demand: Option<bool>,
     /// Devices whose buffers the keeper still held: mapped again, nothing copied.
+    #[serde(deserialize_with = "null_default")]
     pub attached: Vec<usize>,
     /// The keeper's stages the restore took (loaded while CRIU restored the job).
+    #[serde(deserialize_with = "null_default")]
     pub staged: Vec<StageTaken>,
     /// Devices whose kept buffers are being saved.
+    #[serde(deserialize_with = "null_default")]
     pub saving: Vec<usize>,
     /// Milliseconds.
     pub ms: Option<f64>,
@@ -236,10 +271,13 @@ pub struct ResumeReply {
 #[serde(default)]
 pub struct StageTaken {
     /// The device ordinal.
+    #[serde(deserialize_with = "null_default")]
     pub device: usize,
     /// The stage's id at the keeper.
+    #[serde(deserialize_with = "null_default")]
     pub stage: u64,
     /// Buffers it holds.
+    #[serde(deserialize_with = "null_default")]
     pub buffers: u64,
 }
 
@@ -248,6 +286,7 @@ pub struct StageTaken {
 #[serde(default)]
 pub struct SavedReply {
     /// Per device.
+    #[serde(deserialize_with = "null_default")]
     pub saved: Vec<DeviceCopy>,
     /// Milliseconds.
     pub ms: Option<f64>,
@@ -258,6 +297,7 @@ pub struct SavedReply {
 #[serde(default)]
 pub struct CuptiReply {
     /// CUPTI's callbacks are subscribed now.
+    #[serde(deserialize_with = "null_default")]
     pub cupti_attached: bool,
 }
 
@@ -285,6 +325,15 @@ mod tests {
         assert_eq!(p.unmanaged.by_kind["cuMemAllocManaged"].bytes, 64);
         assert_eq!(p.session.hooks_live, Some(true));
         assert!(p.session.last.restore.is_some());
+        // Fields sent as null (a session with no step yet) read as their defaults.
+        let fresh =
+            json!({"possum": {"engines": null, "session": {"last": null, "cupti_attached": null}}});
+        let p = Reply::<StatusReply>::parse(fresh)
+            .unwrap()
+            .body
+            .possum
+            .unwrap();
+        assert!(p.engines.is_empty() && p.session.last.restore.is_none());
         // A job that has not used CUDA yet: no `possum`.
         let s: StatusReply = Reply::parse(json!({"pid": 7, "hooks": "entry"}))
             .unwrap()
