@@ -147,6 +147,46 @@ impl CheckpointReport {
     }
 }
 
+/// Checkpoints the job `p` names into `p.dir`, in phases: plan, pre-copy, cut, freeze, dump
+/// (with the job held), then the save of a kept checkpoint, the split of host memory, commit,
+/// resume-or-kill and report. A failure after the plan is undone by the guard.
+pub fn checkpoint(
+    p: &CheckpointParams,
+    progress: &mut dyn Progress,
+) -> Result<CheckpointReport, CheckpointError> {
+    let t_all = Instant::now();
+    let plan = plan(p)?;
+    let mut run = Run::start(plan)?;
+    let held = (|| -> Result<(), HoldError> {
+        run.precopy(progress)?;
+        run.cut(progress)?;
+        run.freeze()?;
+        run.dump()?;
+        Ok(())
+    })();
+    if let Err(source) = held {
+        run.guard.undo();
+        return Err(CheckpointError::Held { pid: p.pid, source });
+    }
+    if let Err(e) = run.save_kept() {
+        run.guard.undo();
+        return Err(CheckpointError::KeptSave(e));
+    }
+    run.split_host_memory();
+    if let Err(source) = run.commit() {
+        run.guard.undo();
+        let dir = p.dir.clone();
+        return Err(CheckpointError::Commit { dir, source });
+    }
+    run.guard.step(Step::Committed);
+    if let Err(source) = run.resume_or_kill() {
+        run.guard.undo();
+        let dir = p.dir.clone();
+        return Err(CheckpointError::Resume { dir, source });
+    }
+    Ok(run.report(t_all)?)
+}
+
 /// A checkpoint that failed, by the phase that failed and with what became of the job.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -446,46 +486,6 @@ pub enum ReportError {
     /// fsync.
     #[error(transparent)]
     Sync(anyhow::Error),
-}
-
-/// Checkpoints the job `p` names into `p.dir`, in phases: plan, pre-copy, cut, freeze, dump
-/// (with the job held), then the save of a kept checkpoint, the split of host memory, commit,
-/// resume-or-kill and report. A failure after the plan is undone by the guard.
-pub fn checkpoint(
-    p: &CheckpointParams,
-    progress: &mut dyn Progress,
-) -> Result<CheckpointReport, CheckpointError> {
-    let t_all = Instant::now();
-    let plan = plan(p)?;
-    let mut run = Run::start(plan)?;
-    let held = (|| -> Result<(), HoldError> {
-        run.precopy(progress)?;
-        run.cut(progress)?;
-        run.freeze()?;
-        run.dump()?;
-        Ok(())
-    })();
-    if let Err(source) = held {
-        run.guard.undo();
-        return Err(CheckpointError::Held { pid: p.pid, source });
-    }
-    if let Err(e) = run.save_kept() {
-        run.guard.undo();
-        return Err(CheckpointError::KeptSave(e));
-    }
-    run.split_host_memory();
-    if let Err(source) = run.commit() {
-        run.guard.undo();
-        let dir = p.dir.clone();
-        return Err(CheckpointError::Commit { dir, source });
-    }
-    run.guard.step(Step::Committed);
-    if let Err(source) = run.resume_or_kill() {
-        run.guard.undo();
-        let dir = p.dir.clone();
-        return Err(CheckpointError::Resume { dir, source });
-    }
-    Ok(run.report(t_all)?)
 }
 
 /// How possum sees a job's GPU operations, from its status.

@@ -82,3 +82,55 @@ pub fn ask_within<R: DeserializeOwned>(
     possum_control::request_reply(pid as u32, sockets, req, timeout)
         .map_err(|e| JobError::of(pid, e))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    /// Each control error says what to do once, and a process that has possum but no socket yet
+    /// is not told to use the driver engine.
+    #[test]
+    fn job_errors_say_what_to_do() {
+        let path = PathBuf::from("/s/possum-7.sock");
+        let e = JobError::of(
+            7,
+            ControlError::NotLoaded {
+                pid: 7,
+                path: path.clone(),
+            },
+        );
+        assert!(e.is_without_possum());
+        let t = e.to_string();
+        assert_eq!(t.matches("does not have possum loaded").count(), 1, "{t}");
+        assert!(
+            t.ends_with("or checkpoint it without possum with `--engine driver`"),
+            "{t}"
+        );
+        let e = JobError::of(
+            7,
+            ControlError::NotStarted {
+                pid: 7,
+                path: path.clone(),
+            },
+        );
+        assert!(e.is_without_possum());
+        let t = e.to_string();
+        assert!(
+            t.contains("has not used the GPU yet") && !t.contains("--engine"),
+            "{t}"
+        );
+        let e = JobError::of(7, ControlError::Stale { pid: 7, path });
+        assert!(!e.is_without_possum());
+        assert!(e
+            .to_string()
+            .contains("possum does not answer in process 7"));
+        let e = JobError::of(7, ControlError::Remote("busy".into()));
+        assert_eq!(
+            e.to_string(),
+            "process 7: possum in the job answered with an error: busy"
+        );
+        // The control error is part of the message, not a source printed again after it.
+        assert!(std::error::Error::source(&e).is_none());
+    }
+}

@@ -71,6 +71,65 @@ pub struct RestoreReport {
     pub has_gpu: bool,
 }
 
+/// Restores the job of the image `p.dir` names, in phases: open, prepare, stage, CRIU's
+/// restore, keeper, driver and resume, report. A failure after CRIU's restore kills the
+/// restored process; the image is never changed.
+pub fn restore(p: &RestoreParams) -> Result<RestoreReport, RestoreError> {
+    let t_all = Instant::now();
+    let img = open_image(&p.dir)?;
+    let m = &img.manifest;
+    if alive(m.pid) {
+        return Err(RestoreError::Running { pid: m.pid });
+    }
+    let ready = prepare(p, &img)?;
+    let mut figures = RestoreFigures {
+        prepare: t_all.elapsed(),
+        ..RestoreFigures::default()
+    };
+    let (mut staging, stage_skipped) = begin_staging(p, &img, &ready, &mut figures);
+    criu_restore(&ready, &mut staging, &mut figures)?;
+    // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
+    // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
+    // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
+    // take the job's PID (unless the staging started it before).
+    let keeper_started = match (&m.keeper, &staging) {
+        (_, Some(s)) if s.started_keeper() => Some(s.keeper_dir().to_path_buf()),
+        (Some(k), _) => timed(&mut figures.keeper, || start_keeper_for(p, k, m.pid)),
+        _ => None,
+    };
+    let resumed = match resume(p, &img, &ready, &mut figures) {
+        Ok(r) => r,
+        Err(source) => {
+            // A half-restored job is of no use to anyone: it must not linger, locked.
+            let _ = kill_job(m.pid);
+            if let Some(s) = staging {
+                s.abandon();
+            }
+            return Err(RestoreError::Resume { pid: m.pid, source });
+        }
+    };
+    let mut report = RestoreReport {
+        pid: m.pid,
+        engine: m.engine,
+        dir: p.dir.clone(),
+        figures,
+        recreated_socket_dirs: ready.recreated,
+        keeper_started,
+        stdio_from_restore: ready.stdio.from_restore,
+        stdio_discarded: ready.stdio.discarded,
+        gpu_from_keeper: false,
+        staged: Vec::new(),
+        peer_buffers: 0,
+        stage_skipped,
+        staged_buffers_mapped: 0,
+        resume_report: None,
+        has_gpu: img.gpu.is_some(),
+    };
+    report.account(resumed, staging, &img.criu.join(&ready.opts.log_file));
+    report.figures.total = t_all.elapsed();
+    Ok(report)
+}
+
 /// A restore that failed, by the phase that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
@@ -155,65 +214,6 @@ pub enum PrepareError {
     /// `/dev/null` could not be opened.
     #[error("opening /dev/null for the job's standard descriptors")]
     DevNull(#[source] std::io::Error),
-}
-
-/// Restores the job of the image `p.dir` names, in phases: open, prepare, stage, CRIU's
-/// restore, keeper, driver and resume, report. A failure after CRIU's restore kills the
-/// restored process; the image is never changed.
-pub fn restore(p: &RestoreParams) -> Result<RestoreReport, RestoreError> {
-    let t_all = Instant::now();
-    let img = open_image(&p.dir)?;
-    let m = &img.manifest;
-    if alive(m.pid) {
-        return Err(RestoreError::Running { pid: m.pid });
-    }
-    let ready = prepare(p, &img)?;
-    let mut figures = RestoreFigures {
-        prepare: t_all.elapsed(),
-        ..RestoreFigures::default()
-    };
-    let (mut staging, stage_skipped) = begin_staging(p, &img, &ready, &mut figures);
-    criu_restore(&ready, &mut staging, &mut figures)?;
-    // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
-    // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
-    // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
-    // take the job's PID (unless the staging started it before).
-    let keeper_started = match (&m.keeper, &staging) {
-        (_, Some(s)) if s.started_keeper() => Some(s.keeper_dir().to_path_buf()),
-        (Some(k), _) => timed(&mut figures.keeper, || start_keeper_for(p, k, m.pid)),
-        _ => None,
-    };
-    let resumed = match resume(p, &img, &ready, &mut figures) {
-        Ok(r) => r,
-        Err(source) => {
-            // A half-restored job is of no use to anyone: it must not linger, locked.
-            let _ = kill_job(m.pid);
-            if let Some(s) = staging {
-                s.abandon();
-            }
-            return Err(RestoreError::Resume { pid: m.pid, source });
-        }
-    };
-    let mut report = RestoreReport {
-        pid: m.pid,
-        engine: m.engine,
-        dir: p.dir.clone(),
-        figures,
-        recreated_socket_dirs: ready.recreated,
-        keeper_started,
-        stdio_from_restore: ready.stdio.from_restore,
-        stdio_discarded: ready.stdio.discarded,
-        gpu_from_keeper: false,
-        staged: Vec::new(),
-        peer_buffers: 0,
-        stage_skipped,
-        staged_buffers_mapped: 0,
-        resume_report: None,
-        has_gpu: img.gpu.is_some(),
-    };
-    report.account(resumed, staging, &img.criu.join(&ready.opts.log_file));
-    report.figures.total = t_all.elapsed();
-    Ok(report)
 }
 
 /// What the prepare phase made ready.
