@@ -113,8 +113,10 @@ impl CheckpointArgs {
 /// `possum checkpoint`.
 pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let params = a.params()?;
-    let show = !a.json && std::io::stderr().is_terminal();
-    let mut bar = ProgressBar(None, show);
+    let mut bar = ProgressBar {
+        show: !a.json && std::io::stderr().is_terminal(),
+        running: None,
+    };
     let report = possum_sequence::checkpoint(&params, &mut bar)?;
     drop(bar);
     if a.json {
@@ -221,30 +223,31 @@ fn progress_bar(total: u64, watch: PathBuf, stop: std::sync::mpsc::Receiver<()>)
     }
 }
 
-/// [`progress_bar`] on its own thread while the sequence copies the job's buffers (when shown:
-/// on a terminal, without --json), ended when told or dropped.
-struct ProgressBar(
-    Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>,
-    bool,
-);
+/// [`progress_bar`] on its own thread while the sequence copies the job's buffers, ended when
+/// told or dropped.
+struct ProgressBar {
+    /// Whether to show it (on a terminal, without --json); once ended, it is not shown again.
+    show: bool,
+    running: Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>,
+}
 
 impl Progress for ProgressBar {
     fn copying(&mut self, total: u64, dir: &Path) {
-        if !self.1 || self.0.is_some() {
+        if !self.show || self.running.is_some() {
             return;
         }
         let (tx, rx) = std::sync::mpsc::channel();
         let watch = dir.to_path_buf();
         let thread = std::thread::spawn(move || progress_bar(total, watch, rx));
-        self.0 = Some((tx, thread));
+        self.running = Some((tx, thread));
     }
 
     fn copied(&mut self) {
-        if let Some((tx, thread)) = self.0.take() {
+        if let Some((tx, thread)) = self.running.take() {
             drop(tx);
             let _ = thread.join();
         }
-        self.1 = false;
+        self.show = false;
     }
 }
 
