@@ -22,7 +22,7 @@ use crate::image::{
 };
 use crate::job::{ask, ask_within, JobError};
 use crate::process::{alive, kill_job, lock_pid, LockError};
-use crate::{tree, Engine};
+use crate::{tree, Engine, Observer};
 
 /// How long the driver lock may wait for the job's submitted work.
 const LOCK_TIMEOUT_MS: u32 = 30_000;
@@ -67,23 +67,6 @@ pub struct CheckpointParams {
     pub possum_exe: PathBuf,
     /// What the environment says.
     pub env: Environment,
-}
-
-/// Told how the copy of the job's buffers goes (a progress bar).
-pub trait Progress {
-    /// The copy of `total` bytes into `dir` begins.
-    fn copying(&mut self, total: u64, dir: &Path);
-    /// It is over (may be told more than once).
-    fn copied(&mut self);
-}
-
-/// No progress shown.
-#[derive(Debug, Default)]
-pub struct NoProgress;
-
-impl Progress for NoProgress {
-    fn copying(&mut self, _: u64, _: &Path) {}
-    fn copied(&mut self) {}
 }
 
 /// A checkpoint made: what the command prints.
@@ -149,19 +132,20 @@ impl CheckpointReport {
 
 /// Checkpoints the job `p` names into `p.dir`, in phases: plan, pre-copy, cut, freeze, dump
 /// (with the job held), then the save of a kept checkpoint, the split of host memory, commit,
-/// resume-or-kill and report. A failure after the plan is undone by the guard.
+/// resume-or-kill and report. A failure after the plan is undone by the guard. `obs` is told how
+/// the copy goes, and what the user should know.
 pub fn checkpoint(
     p: &CheckpointParams,
-    progress: &mut dyn Progress,
+    obs: &mut dyn Observer,
 ) -> Result<CheckpointReport, CheckpointError> {
     let t_all = Instant::now();
     let plan = plan(p)?;
     let mut run = Run::start(plan)?;
     let held = (|| -> Result<(), HoldError> {
-        run.precopy(progress)?;
-        run.cut(progress)?;
+        run.precopy(obs)?;
+        run.cut(obs)?;
         run.freeze()?;
-        run.dump()?;
+        run.dump(obs)?;
         Ok(())
     })();
     if let Err(source) = held {
@@ -172,7 +156,7 @@ pub fn checkpoint(
         run.guard.undo();
         return Err(CheckpointError::KeptSave(e));
     }
-    run.split_host_memory();
+    run.split_host_memory(obs);
     if let Err(source) = run.commit() {
         run.guard.undo();
         let dir = p.dir.clone();
@@ -815,12 +799,12 @@ impl<'a> Run<'a> {
 
     /// Pre-copy: every buffer copied into the image while the job runs (a job left running
     /// whose memory a keeper holds: nothing copied now, `kept`). Engine possum only.
-    fn precopy(&mut self, progress: &mut dyn Progress) -> Result<(), PrecopyError> {
+    fn precopy(&mut self, obs: &mut dyn Observer) -> Result<(), PrecopyError> {
         if !self.by_possum() {
             return Ok(());
         }
         let p = self.params();
-        progress.copying(self.plan.managed, &self.tmp.join("gpu"));
+        obs.copying(self.plan.managed, &self.tmp.join("gpu"));
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
             let req = if p.leave_running && !p.gpu_only {
@@ -839,7 +823,7 @@ impl<'a> Run<'a> {
             }
         }
         if !self.parked() {
-            progress.copied();
+            obs.copied();
         }
         Ok(())
     }
@@ -847,7 +831,7 @@ impl<'a> Run<'a> {
     /// Cut (T0): the job's GPU operations held (at the op gate, or its threads parked), what
     /// was written since the pre-copy copied, the images committed and the buffers' memory
     /// released (a job to be killed whose memory a keeper holds: left with the keeper).
-    fn cut(&mut self, progress: &mut dyn Progress) -> Result<(), CutError> {
+    fn cut(&mut self, obs: &mut dyn Observer) -> Result<(), CutError> {
         if !self.by_possum() {
             return Ok(());
         }
@@ -873,7 +857,7 @@ impl<'a> Run<'a> {
             self.held_memory
                 .extend(HeldMemory::from_release(c, &r.body));
         }
-        progress.copied();
+        obs.copied();
         // Taken while the driver and CRIU work (a few ms), not before them.
         if let (true, false, Some(k)) =
             (p.env.keeper_revive, self.kept.is_empty(), &self.plan.keeper)
@@ -922,7 +906,7 @@ impl<'a> Run<'a> {
     }
 
     /// Dump: CRIU dumps the held tree (`--leave-running`: it stays held, for the phases after).
-    fn dump(&mut self) -> Result<(), CriuError> {
+    fn dump(&mut self, obs: &mut dyn Observer) -> Result<(), CriuError> {
         if let Some((criu, _)) = &self.plan.side {
             let p = self.params();
             let mut opts = DumpOptions::new(p.pid, self.tmp.join("criu"));
@@ -930,7 +914,7 @@ impl<'a> Run<'a> {
             opts.shell_job = self.plan.shell_job;
             opts.ext_unix_sk = true;
             let dump = timed(&mut self.figures.criu_dump, || {
-                dump_retrying_transient(criu, &opts, p.pid)
+                dump_retrying_transient(criu, &opts, p.pid, obs)
             })?;
             self.criu_bytes = dump.image_bytes;
             self.dumped = true;
@@ -993,7 +977,7 @@ impl<'a> Run<'a> {
     /// without a keeper is still held (it would lengthen its stall) unless
     /// `POSSUM_HOSTMEM_SPLIT=always`; not for the driver engine (the baseline stays plain CRIU).
     /// A failure leaves the images whole (CRIU restores them itself) and is said on stderr.
-    fn split_host_memory(&mut self) {
+    fn split_host_memory(&mut self, obs: &mut dyn Observer) {
         use possum_criu::hostmem;
         let p = self.params();
         let (Some((criu, _)), true) = (&self.plan.side, self.by_possum()) else {
@@ -1034,10 +1018,9 @@ impl<'a> Run<'a> {
             },
             Err(e) => {
                 let e = format!("{:#}", anyhow::Error::from(e));
-                eprintln!(
-                    "possum: CRIU restores the job's memory itself (splitting its images failed: \
-                     {e})"
-                );
+                obs.note(&format!(
+                    "CRIU restores the job's memory itself (splitting its images failed: {e})"
+                ));
                 HostmemFigures::Failed { error: e }
             }
         });
@@ -1224,6 +1207,7 @@ fn dump_retrying_transient(
     criu: &Criu,
     opts: &DumpOptions,
     pid: i32,
+    obs: &mut dyn Observer,
 ) -> Result<possum_criu::DumpReport, CriuError> {
     // The control socket's file name, as CRIU's log names it.
     let sock = possum_control::socket_path(Path::new(""), pid as u32)
@@ -1241,11 +1225,11 @@ fn dump_retrying_transient(
                 if !transient || tries >= DUMP_TRIES {
                     return Err(e);
                 }
-                eprintln!(
-                    "possum: CRIU's dump of process {pid} met a client connected to its control \
-                     socket; dumping again in {} ms",
+                obs.note(&format!(
+                    "CRIU's dump of process {pid} met a client connected to its control socket; \
+                     dumping again in {} ms",
                     DUMP_RETRY_WAIT.as_millis()
-                );
+                ));
                 std::thread::sleep(DUMP_RETRY_WAIT);
             }
         }

@@ -139,8 +139,8 @@ pub struct GuardPlan {
 }
 
 /// The guard: reads the steps done from `steps` (the checkpoint's pipe); at end of input without
-/// `done`, undoes them. Whether there was nothing to undo.
-pub fn guard(a: &GuardPlan, steps: impl BufRead) -> bool {
+/// `done`, undoes them, telling `tell` what it does. Whether there was nothing to undo.
+pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     let mut seen = Vec::new();
     for line in steps.lines() {
         let Ok(line) = line else { break };
@@ -150,7 +150,7 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead) -> bool {
     if has(Step::Done) {
         return true;
     }
-    let say = |m: &str| eprintln!("possum: undoing the checkpoint of process {}: {m}", a.pid);
+    let say = |m: &str| tell(&format!("undoing the checkpoint of process {}: {m}", a.pid));
     // Killed between the rename and telling the guard: the image is named all the same.
     let committed =
         has(Step::Committed) || (!a.tmp.exists() && a.final_dir.join(MANIFEST).is_file());

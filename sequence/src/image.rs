@@ -266,6 +266,7 @@ pub(crate) fn plan_gpus(
     device: Option<u32>,
     kept: KeptBuffers,
     gpus: impl FnOnce() -> Option<Vec<(u32, String, u64)>>,
+    obs: &mut dyn crate::Observer,
 ) -> Result<Vec<([u8; 16], [u8; 16])>> {
     if m.gpu_memory.is_empty() {
         if device.is_some() {
@@ -280,7 +281,7 @@ pub(crate) fn plan_gpus(
         if device.is_some() {
             bail!("--device needs nvidia-smi, which cannot be asked here");
         }
-        eprintln!("possum: nvidia-smi cannot be asked: free GPU memory not checked");
+        obs.note("nvidia-smi cannot be asked: free GPU memory not checked");
         return Ok(Vec::new());
     };
     // Room on GPU `uuid` for the job's own `own` MiB and `extra` MiB more (`what`).

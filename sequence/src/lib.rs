@@ -55,14 +55,36 @@ mod stage;
 pub mod tree;
 
 pub use checkpoint::{
-    checkpoint, CheckpointError, CheckpointParams, CheckpointReport, NoProgress, Progress,
-    ResumeError,
+    checkpoint, CheckpointError, CheckpointParams, CheckpointReport, ResumeError,
 };
 pub use config::{Environment, HostmemSplit};
 pub use restore::{restore, RestoreError, RestoreParams, RestoreReport};
 pub use stage::StageReport;
 
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
+
+/// Told how a sequence goes: the copy of the job's buffers (for a progress bar), and what the
+/// user should know that is not an error (the sequences print nothing themselves).
+pub trait Observer {
+    /// The copy of `total` bytes of the job's buffers into `dir` begins.
+    fn copying(&mut self, total: u64, dir: &Path);
+    /// It is over (may be told more than once).
+    fn copied(&mut self);
+    /// Something the user should know (a step taken again, a check that could not be made).
+    fn note(&mut self, what: &str);
+}
+
+/// An [`Observer`] that shows nothing and drops the notes.
+#[derive(Debug, Default)]
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn copying(&mut self, _: u64, _: &Path) {}
+    fn copied(&mut self) {}
+    fn note(&mut self, _: &str) {}
+}
 
 /// Who takes a checkpoint's GPU side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

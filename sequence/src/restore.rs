@@ -18,7 +18,7 @@ use crate::image::{open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, K
 use crate::job::ask;
 use crate::process::{alive, kill_job};
 use crate::stage::{self, StageReport, Staging};
-use crate::{Engine, ResumeError};
+use crate::{Engine, Observer, ResumeError};
 
 /// What to restore, and how (`possum restore`'s flags, with the environment).
 #[derive(Debug, Clone)]
@@ -73,15 +73,15 @@ pub struct RestoreReport {
 
 /// Restores the job of the image `p.dir` names, in phases: open, prepare, stage, CRIU's
 /// restore, keeper, driver and resume, report. A failure after CRIU's restore kills the
-/// restored process; the image is never changed.
-pub fn restore(p: &RestoreParams) -> Result<RestoreReport, RestoreError> {
+/// restored process; the image is never changed. `obs` is told what the user should know.
+pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreReport, RestoreError> {
     let t_all = Instant::now();
     let img = open_image(&p.dir)?;
     let m = &img.manifest;
     if alive(m.pid) {
         return Err(RestoreError::Running { pid: m.pid });
     }
-    let ready = prepare(p, &img)?;
+    let ready = prepare(p, &img, obs)?;
     let mut figures = RestoreFigures {
         prepare: t_all.elapsed(),
         ..RestoreFigures::default()
@@ -233,7 +233,7 @@ struct Ready {
 /// rest is made ready; its verdict still comes before anything is started), the job's old
 /// control sockets removed, the directories of its tree's sockets made again, and its standard
 /// descriptors planned. Nothing of the job is started.
-fn prepare(p: &RestoreParams, img: &Image) -> Result<Ready, PrepareError> {
+fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Ready, PrepareError> {
     let m = &img.manifest;
     let gpus = (!m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
@@ -248,10 +248,8 @@ fn prepare(p: &RestoreParams, img: &Image) -> Result<Ready, PrepareError> {
     };
     let criu = Criu::locate().map_err(PrepareError::NoCriu);
     let drv = DriverCheckpoint::load_from(&p.env.libcuda).map_err(PrepareError::NoDriver);
-    let pairs = plan_gpus(m, p.device, kept, || {
-        gpus.and_then(|t| t.join().ok()).flatten()
-    })
-    .map_err(PrepareError::Gpus)?;
+    let smi = || gpus.and_then(|t| t.join().ok()).flatten();
+    let pairs = plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?;
     let (criu, drv) = (criu?, drv?);
     refuse_split_without_plugin(&img.criu, &criu)?;
     let sockets = p.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());

@@ -19,7 +19,7 @@ use possum_sequence::figures::ms;
 use possum_sequence::guard::GuardPlan;
 use possum_sequence::image::dir_bytes;
 use possum_sequence::job::ask;
-use possum_sequence::{CheckpointParams, CheckpointReport, Engine, Environment, Progress};
+use possum_sequence::{CheckpointParams, CheckpointReport, Engine, Environment, Observer};
 use serde::{Deserialize, Serialize};
 
 pub(crate) use possum_sequence::process::alive;
@@ -231,7 +231,7 @@ struct ProgressBar {
     running: Option<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)>,
 }
 
-impl Progress for ProgressBar {
+impl Observer for ProgressBar {
     fn copying(&mut self, total: u64, dir: &Path) {
         if !self.show || self.running.is_some() {
             return;
@@ -248,6 +248,10 @@ impl Progress for ProgressBar {
             let _ = thread.join();
         }
         self.show = false;
+    }
+
+    fn note(&mut self, what: &str) {
+        eprintln!("possum: {what}");
     }
 }
 
@@ -288,9 +292,11 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
         socket_dir: a.socket_dir.clone(),
         libcuda: Environment::read().libcuda,
     };
+    let tell = |m: &str| eprintln!("possum: {m}");
     Ok(possum_sequence::guard::guard(
         &plan,
         std::io::stdin().lock(),
+        &tell,
     ))
 }
 

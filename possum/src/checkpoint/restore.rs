@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use possum_sequence::figures::ms;
-use possum_sequence::{Environment, RestoreParams, RestoreReport};
+use possum_sequence::{Environment, Observer, RestoreParams, RestoreReport};
 
 #[derive(Args, Debug)]
 pub struct RestoreArgs {
@@ -35,13 +35,24 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         possum_exe: std::env::current_exe().context("finding possum's own binary")?,
         env: Environment::read(),
     };
-    let report = possum_sequence::restore(&params)?;
+    let report = possum_sequence::restore(&params, &mut Notes)?;
     if a.json {
         println!("{}", serde_json::to_value(&report)?);
     } else {
         print_restore(&report);
     }
     Ok(true)
+}
+
+/// The restore's notes, on stderr.
+struct Notes;
+
+impl Observer for Notes {
+    fn copying(&mut self, _: u64, _: &std::path::Path) {}
+    fn copied(&mut self) {}
+    fn note(&mut self, what: &str) {
+        eprintln!("possum: {what}");
+    }
 }
 
 /// What `possum restore` prints without --json.
