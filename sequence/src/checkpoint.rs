@@ -311,9 +311,9 @@ pub enum PlanError {
         #[source]
         source: DriverCkptError,
     },
-    /// The job's tree could not be read.
+    /// A process of the job's tree is held by another checkpoint.
     #[error(transparent)]
-    Tree(anyhow::Error),
+    Tree(#[from] tree::NotRunning),
     /// The image directory's name has no last component.
     #[error("{}: not a directory name", dir.display())]
     NotADirectoryName {

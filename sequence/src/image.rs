@@ -5,7 +5,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -229,8 +229,73 @@ pub mod smi {
     }
 }
 
+/// The driver's GPU remapping for a restore: (the UUID the job saw, the GPU's it gets).
+pub type UuidPairs = Vec<([u8; 16], [u8; 16])>;
+
+/// Why the GPUs cannot take the restored job ([`plan_gpus`]).
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// `--device` for an image that does not record the job's GPU.
+    #[error(
+        "the image does not record which GPU the job used (nvidia-smi was not available when it \
+         was checkpointed): --device cannot be honoured"
+    )]
+    NotRecorded,
+    /// `--device` without nvidia-smi.
+    #[error("--device needs nvidia-smi, which cannot be asked here")]
+    NoSmi,
+    /// Too little free memory for the job's own memory and more.
+    #[error(
+        "GPU {uuid} has too little memory: {free} MiB free, the job needs {} MiB there ({own} MiB \
+         of its own, {extra} MiB of {what})",
+        own + extra
+    )]
+    TooLittleFor {
+        /// The GPU.
+        uuid: String,
+        /// Its free MiB.
+        free: u64,
+        /// The job's own MiB.
+        own: u64,
+        /// MiB more.
+        extra: u64,
+        /// Of what.
+        what: &'static str,
+    },
+    /// Too little free memory for what the job used.
+    #[error("GPU {uuid} has too little memory: {free} MiB free, the job used {own} MiB")]
+    TooLittle {
+        /// The GPU.
+        uuid: String,
+        /// Its free MiB.
+        free: u64,
+        /// The job's MiB.
+        own: u64,
+    },
+    /// The job's GPU is elsewhere.
+    #[error("the GPU the job ran on ({uuid}) is not on this machine: choose one with --device")]
+    NotHere {
+        /// The GPU.
+        uuid: String,
+    },
+    /// `--device` for a job of several GPUs.
+    #[error("the job used {0} GPUs; --device moves a job that used one")]
+    SeveralGpus(usize),
+    /// `--device` names no GPU here.
+    #[error("there is no GPU {0} here")]
+    NoSuchGpu(u32),
+    /// nvidia-smi's answer holds something that is not a GPU UUID.
+    #[error(transparent)]
+    Uuid(#[from] NotAUuid),
+}
+
+/// A string that is not a GPU UUID.
+#[derive(Debug, thiserror::Error)]
+#[error("not a GPU UUID: {0}")]
+pub struct NotAUuid(pub String);
+
 /// The 16 bytes of a GPU UUID as nvidia-smi prints it (`GPU-8a9c1d2e-...`).
-pub(crate) fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
+pub(crate) fn uuid_bytes(s: &str) -> Result<[u8; 16], NotAUuid> {
     let hex: String = s
         .trim_start_matches("GPU-")
         .chars()
@@ -238,11 +303,10 @@ pub(crate) fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
         .collect();
     let mut out = [0u8; 16];
     if hex.len() != 32 || !hex.is_ascii() {
-        bail!("not a GPU UUID: {s}");
+        return Err(NotAUuid(s.to_string()));
     }
     for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
-            .map_err(|_| anyhow!("not a GPU UUID: {s}"))?;
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| NotAUuid(s.to_string()))?;
     }
     Ok(out)
 }
@@ -267,34 +331,34 @@ pub(crate) fn plan_gpus(
     kept: KeptBuffers,
     gpus: impl FnOnce() -> Option<Vec<(u32, String, u64)>>,
     obs: &mut dyn crate::Observer,
-) -> Result<Vec<([u8; 16], [u8; 16])>> {
+) -> Result<UuidPairs, GpuError> {
     if m.gpu_memory.is_empty() {
         if device.is_some() {
-            bail!(
-                "the image does not record which GPU the job used (nvidia-smi was not available \
-                 when it was checkpointed): --device cannot be honoured"
-            );
+            return Err(GpuError::NotRecorded);
         }
         return Ok(Vec::new());
     }
     let Some(gpus) = gpus() else {
         if device.is_some() {
-            bail!("--device needs nvidia-smi, which cannot be asked here");
+            return Err(GpuError::NoSmi);
         }
         obs.note("nvidia-smi cannot be asked: free GPU memory not checked");
         return Ok(Vec::new());
     };
     // Room on GPU `uuid` for the job's own `own` MiB and `extra` MiB more (`what`).
-    let room = |uuid: &str, free: u64, own: u64, extra: u64, what: &str| -> Result<()> {
+    let room = |uuid: &str, free: u64, own: u64, extra: u64, what: &'static str| {
+        let uuid = uuid.to_string();
         if extra > 0 && free < own + extra {
-            bail!(
-                "GPU {uuid} has too little memory: {free} MiB free, the job needs {} MiB there \
-                 ({own} MiB of its own, {extra} MiB of {what})",
-                own + extra
-            );
+            return Err(GpuError::TooLittleFor {
+                uuid,
+                free,
+                own,
+                extra,
+                what,
+            });
         }
         if free < own {
-            bail!("GPU {uuid} has too little memory: {free} MiB free, the job used {own} MiB");
+            return Err(GpuError::TooLittle { uuid, free, own });
         }
         Ok(())
     };
@@ -317,23 +381,18 @@ pub(crate) fn plan_gpus(
     let Some(d) = device else {
         for u in &m.gpu_memory {
             let Some((_, _, free)) = gpus.iter().find(|(_, id, _)| *id == u.uuid) else {
-                bail!(
-                    "the GPU the job ran on ({}) is not on this machine: choose one with --device",
-                    u.uuid
-                );
+                let uuid = u.uuid.clone();
+                return Err(GpuError::NotHere { uuid });
             };
             own_gpu(&u.uuid, *free, u.mib)?;
         }
         return Ok(Vec::new());
     };
     let [used] = m.gpu_memory.as_slice() else {
-        bail!(
-            "the job used {} GPUs; --device moves a job that used one",
-            m.gpu_memory.len()
-        );
+        return Err(GpuError::SeveralGpus(m.gpu_memory.len()));
     };
     let Some((_, target, free)) = gpus.iter().find(|(i, _, _)| *i == d) else {
-        bail!("there is no GPU {d} here");
+        return Err(GpuError::NoSuchGpu(d));
     };
     if *target == used.uuid {
         own_gpu(target, *free, used.mib)?;

@@ -14,7 +14,9 @@ use serde::Serialize;
 
 use crate::config::Environment;
 use crate::figures::{timed, RestoreFigures};
-use crate::image::{open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, KeptBuffers};
+use crate::image::{
+    open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, KeptBuffers, UuidPairs,
+};
 use crate::job::ask;
 use crate::process::{alive, kill_job};
 use crate::stage::{self, StageReport, Staging};
@@ -184,7 +186,7 @@ pub enum PrepareError {
     NoDriver(#[source] DriverCkptError),
     /// The GPUs (free memory, `--device`).
     #[error(transparent)]
-    Gpus(anyhow::Error),
+    Gpus(#[from] crate::image::GpuError),
     /// The image's GPU images could not be read.
     #[error(transparent)]
     Buffers(anyhow::Error),
@@ -221,7 +223,7 @@ struct Ready {
     criu: Criu,
     drv: DriverCheckpoint,
     /// The driver's GPU remapping (`--device`; empty: the same GPUs).
-    pairs: Vec<([u8; 16], [u8; 16])>,
+    pairs: UuidPairs,
     kept: KeptBuffers,
     sockets: PathBuf,
     recreated: Vec<PathBuf>,
