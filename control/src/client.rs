@@ -5,9 +5,10 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::{socket_path, Request};
+use crate::{socket_path, Reply, Request};
 
 /// Why a request to a job failed.
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +25,18 @@ pub enum ControlError {
         /// The process.
         pid: u32,
         /// Where its socket would be.
+        path: PathBuf,
+    },
+    /// The process has libpossum.so loaded but no control socket yet: the socket appears at the
+    /// job's first CUDA call, and it has made none.
+    #[error(
+        "process {pid} runs with possum but has not used the GPU yet: its control socket {} appears at its first CUDA call; ask again once the job has started using CUDA",
+        path.display()
+    )]
+    NotStarted {
+        /// The process.
+        pid: u32,
+        /// Where its socket will be.
         path: PathBuf,
     },
     /// The socket file exists but nobody accepts connections on it.
@@ -65,7 +78,8 @@ pub enum ControlError {
 /// Sends `req` to process `pid`'s control socket in `dir` and returns its reply.
 ///
 /// `timeout` bounds the whole exchange after connecting. A reply `{"error": ...}` becomes
-/// [`ControlError::Remote`].
+/// [`ControlError::Remote`]. A process without a socket is [`ControlError::NotStarted`] if it has
+/// libpossum.so loaded, else [`ControlError::NotLoaded`].
 pub fn request(
     pid: u32,
     dir: &Path,
@@ -75,7 +89,46 @@ pub fn request(
     if !Path::new("/proc").join(pid.to_string()).exists() {
         return Err(ControlError::NoProcess(pid));
     }
-    request_at(pid, &socket_path(dir, pid), req, timeout, None)
+    match request_at(pid, &socket_path(dir, pid), req, timeout, None) {
+        Err(ControlError::NotLoaded { pid, path }) if has_possum_mapped(pid) => {
+            Err(ControlError::NotStarted { pid, path })
+        }
+        r => r,
+    }
+}
+
+/// [`request`], its reply read as `R` ([`Reply::parse`]), the job's JSON kept beside it.
+pub fn request_reply<R: DeserializeOwned>(
+    pid: u32,
+    dir: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<Reply<R>, ControlError> {
+    Reply::parse(request(pid, dir, req, timeout)?)
+}
+
+/// [`request`], its reply read as `R`.
+pub fn request_typed<R: DeserializeOwned>(
+    pid: u32,
+    dir: &Path,
+    req: &Request,
+    timeout: Duration,
+) -> Result<R, ControlError> {
+    request_reply(pid, dir, req, timeout).map(|r| r.body)
+}
+
+/// The file name of the library that serves the control socket in a job.
+pub const LIBRARY_FILE: &str = "libpossum.so";
+
+/// Whether process `pid` has [`LIBRARY_FILE`] mapped (`/proc/PID/maps`).
+pub fn has_possum_mapped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| {
+        maps.lines().any(|l| {
+            l.rsplit('/')
+                .next()
+                .is_some_and(|file| file.trim_end() == LIBRARY_FILE)
+        })
+    })
 }
 
 /// Connects to process `pid`'s control socket at `path` (which may be reached through

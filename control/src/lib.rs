@@ -20,19 +20,24 @@
 //!
 //! The server side ([`Server`]) runs inside arbitrary jobs, so this crate prints nothing and has
 //! one piece of global state: the last few directories passed with requests, kept open. The
-//! client side is [`request`]. The one `unsafe` is taking ownership of a received descriptor
-//! (`server::read_line`).
+//! client side is [`request`]; [`reply`] has the replies as types ([`request_typed`]). The one
+//! `unsafe` is taking ownership of a received descriptor (`server::read_line`).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod client;
+pub mod reply;
 mod server;
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use client::{request, request_at, send_only, ControlError};
+pub use client::{
+    has_possum_mapped, request, request_at, request_reply, request_typed, send_only, ControlError,
+    LIBRARY_FILE,
+};
+pub use reply::Reply;
 pub use server::{remove_socket_of_this_process, Handler, Server};
 
 /// The environment variable naming the socket directory.

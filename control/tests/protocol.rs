@@ -269,3 +269,46 @@ fn a_directory_passed_with_a_request_is_where_its_dir_lies() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// A process with libpossum.so mapped but no control socket (it has not used CUDA yet) is told
+/// apart from one without possum: the error says so, and what to do.
+#[test]
+fn a_process_with_possum_but_no_socket_is_not_started() {
+    use std::io::Read;
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = tmp.path().join(possum_control::LIBRARY_FILE);
+    std::fs::write(&lib, [0u8; 4096]).unwrap();
+    // A process that maps a file of that name, as the dynamic loader maps the preloaded library.
+    let mut child = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import mmap, sys, time\n\
+             f = open(sys.argv[1], 'rb')\n\
+             m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n\
+             print('ready', flush=True)\n\
+             time.sleep(60)\n",
+        ])
+        .arg(&lib)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut ready = [0u8; 5];
+    child.stdout.take().unwrap().read_exact(&mut ready).unwrap();
+    assert_eq!(&ready, b"ready");
+    let pid = child.id();
+    let e = request(pid, tmp.path(), &Request::Ping, T).unwrap_err();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        matches!(e, ControlError::NotStarted { pid: p, .. } if p == pid),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    assert!(
+        text.contains("runs with possum but has not used the GPU yet")
+            && text.contains("first CUDA call"),
+        "{text}"
+    );
+    // This test process has no libpossum.so: not loaded, as before.
+    assert!(!possum_control::has_possum_mapped(me()));
+}

@@ -441,11 +441,38 @@ fn restore_names_what_is_wrong_with_an_image() {
     let out = restore(&img);
     assert_eq!(out.status.code(), Some(2));
     assert!(
-        text(&out).contains("not a complete possum image"),
+        text(&out).contains(&format!(
+            "there is no image at {}: the directory does not exist",
+            img.display()
+        )),
         "{}",
         text(&out)
     );
     std::fs::create_dir_all(img.join("criu")).unwrap();
+    let out = restore(&img);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("not a complete possum image (no possum.json)"),
+        "{}",
+        text(&out)
+    );
+    // Random bytes: corrupt, not missing; the file and the parse error are named.
+    std::fs::write(
+        img.join("possum.json"),
+        [0x8fu8, 0xff, 0x00, 0x13, 0x37, 0xc3],
+    )
+    .unwrap();
+    let out = restore(&img);
+    assert_eq!(out.status.code(), Some(2));
+    let t = text(&out);
+    assert!(
+        t.contains(&format!(
+            "{} is corrupt: not a possum image's description: ",
+            img.join("possum.json").display()
+        )) && t.contains("line 1"),
+        "{t}"
+    );
+    assert!(!t.contains("no possum.json"), "{t}");
     std::fs::write(img.join("possum.json"), "{\"possum_image\": 1, \"engi").unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("is corrupt"), "{}", text(&out));

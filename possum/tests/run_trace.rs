@@ -389,3 +389,51 @@ fn retry_busy(f: impl Fn() -> std::io::Result<std::process::Output>) -> std::pro
     }
     f().unwrap()
 }
+
+/// A job started with `possum run` that has made no CUDA call has no control socket yet: a
+/// checkpoint and a status say it runs with possum but has not used the GPU (not that possum is
+/// not loaded), and what to do.
+#[test]
+fn a_job_that_has_not_used_the_gpu_yet_is_told_apart_from_one_without_possum() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut job = run_job(tmp.path(), &["sh", "-c", "echo $$; exec sleep 60"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(job.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let pid: u32 = line.trim().parse().unwrap();
+    let t = std::time::Instant::now();
+    while !possum_control::has_possum_mapped(pid) && t.elapsed().as_secs() < 10 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let checkpoint = possum()
+        .args(["checkpoint", &pid.to_string(), "--socket-dir"])
+        .arg(tmp.path())
+        .arg("-D")
+        .arg(tmp.path().join("img"))
+        .output()
+        .unwrap();
+    let status = possum()
+        .args(["status", &pid.to_string(), "--socket-dir"])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
+    let _ = Command::new("kill").arg(pid.to_string()).status();
+    let _ = job.wait();
+    for out in [&checkpoint, &status] {
+        assert_eq!(out.status.code(), Some(2), "{}", show(out));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(&format!(
+                "process {pid} runs with possum but has not used the GPU yet"
+            )) && err.contains("ask again once the job has started using CUDA"),
+            "{err}"
+        );
+        assert!(!err.contains("does not have possum loaded"), "{err}");
+    }
+    assert!(!tmp.path().join("img").exists());
+}

@@ -5,11 +5,11 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::EngineKind;
+use crate::Engine;
 
 /// The image's own description, `DIR/possum.json`.
 pub const MANIFEST: &str = "possum.json";
@@ -21,7 +21,7 @@ pub const MANIFEST_VERSION: u32 = 1;
 pub struct Manifest {
     /// [`MANIFEST_VERSION`].
     pub possum_image: u32,
-    pub engine: EngineKind,
+    pub engine: Engine,
     pub pid: i32,
     pub shell_job: bool,
     pub socket_dir: PathBuf,
@@ -83,17 +83,12 @@ pub struct HeldMemory {
 
 impl HeldMemory {
     /// The entries of a job's `release` reply (`held_epochs`) for process `pid`.
-    pub fn from_release(pid: i32, reply: &Value) -> Vec<HeldMemory> {
-        reply["held_epochs"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|h| {
-                Some(HeldMemory {
-                    pid,
-                    device: usize::try_from(h["device"].as_u64()?).ok()?,
-                    epoch: h["epoch"].as_u64()?,
-                })
+    pub fn from_release(pid: i32, reply: &possum_control::reply::ReleaseReply) -> Vec<HeldMemory> {
+        (reply.held_epochs.iter())
+            .map(|h| HeldMemory {
+                pid,
+                device: h.device,
+                epoch: h.epoch,
             })
             .collect()
     }
@@ -110,10 +105,11 @@ pub struct KeeperOfJob {
 }
 
 impl KeeperOfJob {
-    /// Starts a keeper in its directory for the job `pid` (ending when the job does), seeing the
-    /// devices the job sees, and returns it once it listens ([`crate::keeper::start`]).
-    pub fn start_keeper(&self, pid: i32) -> Result<std::process::Child> {
-        crate::keeper::start(&self.dir, pid, |cmd| {
+    /// Starts a keeper (`exe keeper`, `exe` the possum executable) in its directory for the job
+    /// `pid` (ending when the job does), seeing the devices the job sees, and returns it once it
+    /// listens ([`crate::process::start_keeper`]).
+    pub fn start_keeper(&self, exe: &Path, pid: i32) -> Result<std::process::Child> {
+        crate::process::start_keeper(exe, &self.dir, pid, |cmd| {
             match &self.cuda_visible_devices {
                 Some(v) => cmd.env("CUDA_VISIBLE_DEVICES", v),
                 None => cmd.env_remove("CUDA_VISIBLE_DEVICES"),
@@ -124,22 +120,27 @@ impl KeeperOfJob {
     /// A keeper for the restore of job `pid` in its directory: `None` if one answers there
     /// already, else one started ([`Self::start_keeper`]), again if its process took a PID of
     /// `avoid` (PIDs CRIU is about to restore).
-    pub fn ensure_keeper(&self, pid: i32, avoid: &[i32]) -> Result<Option<std::process::Child>> {
+    pub fn ensure_keeper(
+        &self,
+        exe: &Path,
+        pid: i32,
+        avoid: &[i32],
+    ) -> Result<Option<std::process::Child>> {
         if possum_keeper::Keeper::connect(&possum_keeper::socket_of(&self.dir, 0)).is_ok() {
             return Ok(None);
         }
-        let mut child = self.start_keeper(pid)?;
+        let mut child = self.start_keeper(exe, pid)?;
         if avoid.contains(&(child.id() as i32)) {
             let _ = child.kill();
             let _ = child.wait();
-            child = self.start_keeper(pid)?;
+            child = self.start_keeper(exe, pid)?;
         }
         Ok(Some(child))
     }
 }
 
 /// The check of `m` ([`Manifest::check`] ignored).
-fn manifest_check(m: &Manifest) -> Result<String> {
+fn manifest_check(m: &Manifest) -> serde_json::Result<String> {
     let bare = Manifest {
         check: None,
         ..m.clone()
@@ -151,12 +152,12 @@ fn manifest_check(m: &Manifest) -> Result<String> {
 }
 
 /// `possum.json`'s text for `m`, with its check.
-pub fn manifest_text(m: &Manifest) -> Result<String> {
+pub fn manifest_text(m: &Manifest) -> serde_json::Result<String> {
     let checked = Manifest {
         check: Some(manifest_check(m)?),
         ..m.clone()
     };
-    Ok(serde_json::to_string_pretty(&checked)?)
+    serde_json::to_string_pretty(&checked)
 }
 
 /// GPU memory used by a process on one GPU.
@@ -168,13 +169,13 @@ pub struct GpuUse {
     pub mib: u64,
 }
 
-/// What nvidia-smi (`$POSSUM_NVIDIA_SMI`, else `nvidia-smi` on PATH) says about GPU memory.
-pub(super) mod smi {
+/// What nvidia-smi (`bin`: [`Environment::nvidia_smi`](crate::Environment::nvidia_smi)) says
+/// about GPU memory.
+pub mod smi {
     use super::GpuUse;
     use std::process::Command;
 
-    fn query(args: &[&str]) -> Option<Vec<Vec<String>>> {
-        let bin = std::env::var("POSSUM_NVIDIA_SMI").unwrap_or_else(|_| "nvidia-smi".into());
+    fn query(bin: &str, args: &[&str]) -> Option<Vec<Vec<String>>> {
         let out = Command::new(bin).args(args).output().ok()?;
         if !out.status.success() {
             return None;
@@ -189,11 +190,14 @@ pub(super) mod smi {
     }
 
     /// The memory `pid` uses on each GPU; None when nvidia-smi cannot be asked.
-    pub fn process_usage(pid: i32) -> Option<Vec<GpuUse>> {
-        let rows = query(&[
-            "--query-compute-apps=pid,gpu_uuid,used_memory",
-            "--format=csv,noheader,nounits",
-        ])?;
+    pub fn process_usage(bin: &str, pid: i32) -> Option<Vec<GpuUse>> {
+        let rows = query(
+            bin,
+            &[
+                "--query-compute-apps=pid,gpu_uuid,used_memory",
+                "--format=csv,noheader,nounits",
+            ],
+        )?;
         Some(
             rows.iter()
                 .filter(|r| r.len() >= 3 && r[0] == pid.to_string())
@@ -208,11 +212,14 @@ pub(super) mod smi {
     }
 
     /// The GPUs here: (index, UUID, free MiB); None when nvidia-smi cannot be asked.
-    pub fn gpus() -> Option<Vec<(u32, String, u64)>> {
-        let rows = query(&[
-            "--query-gpu=index,uuid,memory.free",
-            "--format=csv,noheader,nounits",
-        ])?;
+    pub fn gpus(bin: &str) -> Option<Vec<(u32, String, u64)>> {
+        let rows = query(
+            bin,
+            &[
+                "--query-gpu=index,uuid,memory.free",
+                "--format=csv,noheader,nounits",
+            ],
+        )?;
         Some(
             rows.iter()
                 .filter(|r| r.len() >= 3)
@@ -222,8 +229,73 @@ pub(super) mod smi {
     }
 }
 
+/// The driver's GPU remapping for a restore: (the UUID the job saw, the GPU's it gets).
+pub type UuidPairs = Vec<([u8; 16], [u8; 16])>;
+
+/// Why the GPUs cannot take the restored job ([`plan_gpus`]).
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// `--device` for an image that does not record the job's GPU.
+    #[error(
+        "the image does not record which GPU the job used (nvidia-smi was not available when it \
+         was checkpointed): --device cannot be honoured"
+    )]
+    NotRecorded,
+    /// `--device` without nvidia-smi.
+    #[error("--device needs nvidia-smi, which cannot be asked here")]
+    NoSmi,
+    /// Too little free memory for the job's own memory and more.
+    #[error(
+        "GPU {uuid} has too little memory: {free} MiB free, the job needs {} MiB there ({own} MiB \
+         of its own, {extra} MiB of {what})",
+        own + extra
+    )]
+    TooLittleFor {
+        /// The GPU.
+        uuid: String,
+        /// Its free MiB.
+        free: u64,
+        /// The job's own MiB.
+        own: u64,
+        /// MiB more.
+        extra: u64,
+        /// Of what.
+        what: &'static str,
+    },
+    /// Too little free memory for what the job used.
+    #[error("GPU {uuid} has too little memory: {free} MiB free, the job used {own} MiB")]
+    TooLittle {
+        /// The GPU.
+        uuid: String,
+        /// Its free MiB.
+        free: u64,
+        /// The job's MiB.
+        own: u64,
+    },
+    /// The job's GPU is elsewhere.
+    #[error("the GPU the job ran on ({uuid}) is not on this machine: choose one with --device")]
+    NotHere {
+        /// The GPU.
+        uuid: String,
+    },
+    /// `--device` for a job of several GPUs.
+    #[error("the job used {0} GPUs; --device moves a job that used one")]
+    SeveralGpus(usize),
+    /// `--device` names no GPU here.
+    #[error("there is no GPU {0} here")]
+    NoSuchGpu(u32),
+    /// nvidia-smi's answer holds something that is not a GPU UUID.
+    #[error(transparent)]
+    Uuid(#[from] NotAUuid),
+}
+
+/// A string that is not a GPU UUID.
+#[derive(Debug, thiserror::Error)]
+#[error("not a GPU UUID: {0}")]
+pub struct NotAUuid(pub String);
+
 /// The 16 bytes of a GPU UUID as nvidia-smi prints it (`GPU-8a9c1d2e-...`).
-pub(super) fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
+pub(crate) fn uuid_bytes(s: &str) -> Result<[u8; 16], NotAUuid> {
     let hex: String = s
         .trim_start_matches("GPU-")
         .chars()
@@ -231,18 +303,17 @@ pub(super) fn uuid_bytes(s: &str) -> Result<[u8; 16]> {
         .collect();
     let mut out = [0u8; 16];
     if hex.len() != 32 || !hex.is_ascii() {
-        bail!("not a GPU UUID: {s}");
+        return Err(NotAUuid(s.to_string()));
     }
     for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
-            .map_err(|_| anyhow!("not a GPU UUID: {s}"))?;
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| NotAUuid(s.to_string()))?;
     }
     Ok(out)
 }
 
 /// The buffers of a job whose memory was its keeper's, for the room checks of a restore.
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct KeptBuffers {
+pub(crate) struct KeptBuffers {
     /// Their MiB (0 for a job without a keeper: nvidia-smi counted them as the job's).
     pub mib: u64,
     /// The keeper still holds them (mapped again on the job's own GPU, nothing made).
@@ -254,39 +325,40 @@ pub(super) struct KeptBuffers {
 /// another process (its keeper) held, which nvidia-smi did not count as the job's: a move to
 /// another GPU needs room for them there too, and so does a single-GPU job's own GPU unless the
 /// keeper still holds them. `gpus`: nvidia-smi's answer ([`smi::gpus`]), asked only if needed.
-pub(super) fn plan_gpus(
+pub(crate) fn plan_gpus(
     m: &Manifest,
     device: Option<u32>,
     kept: KeptBuffers,
     gpus: impl FnOnce() -> Option<Vec<(u32, String, u64)>>,
-) -> Result<Vec<([u8; 16], [u8; 16])>> {
+    obs: &mut dyn crate::Observer,
+) -> Result<UuidPairs, GpuError> {
     if m.gpu_memory.is_empty() {
         if device.is_some() {
-            bail!(
-                "the image does not record which GPU the job used (nvidia-smi was not available \
-                 when it was checkpointed): --device cannot be honoured"
-            );
+            return Err(GpuError::NotRecorded);
         }
         return Ok(Vec::new());
     }
     let Some(gpus) = gpus() else {
         if device.is_some() {
-            bail!("--device needs nvidia-smi, which cannot be asked here");
+            return Err(GpuError::NoSmi);
         }
-        eprintln!("possum: nvidia-smi cannot be asked: free GPU memory not checked");
+        obs.note("nvidia-smi cannot be asked: free GPU memory not checked");
         return Ok(Vec::new());
     };
     // Room on GPU `uuid` for the job's own `own` MiB and `extra` MiB more (`what`).
-    let room = |uuid: &str, free: u64, own: u64, extra: u64, what: &str| -> Result<()> {
+    let room = |uuid: &str, free: u64, own: u64, extra: u64, what: &'static str| {
+        let uuid = uuid.to_string();
         if extra > 0 && free < own + extra {
-            bail!(
-                "GPU {uuid} has too little memory: {free} MiB free, the job needs {} MiB there \
-                 ({own} MiB of its own, {extra} MiB of {what})",
-                own + extra
-            );
+            return Err(GpuError::TooLittleFor {
+                uuid,
+                free,
+                own,
+                extra,
+                what,
+            });
         }
         if free < own {
-            bail!("GPU {uuid} has too little memory: {free} MiB free, the job used {own} MiB");
+            return Err(GpuError::TooLittle { uuid, free, own });
         }
         Ok(())
     };
@@ -309,23 +381,18 @@ pub(super) fn plan_gpus(
     let Some(d) = device else {
         for u in &m.gpu_memory {
             let Some((_, _, free)) = gpus.iter().find(|(_, id, _)| *id == u.uuid) else {
-                bail!(
-                    "the GPU the job ran on ({}) is not on this machine: choose one with --device",
-                    u.uuid
-                );
+                let uuid = u.uuid.clone();
+                return Err(GpuError::NotHere { uuid });
             };
             own_gpu(&u.uuid, *free, u.mib)?;
         }
         return Ok(Vec::new());
     };
     let [used] = m.gpu_memory.as_slice() else {
-        bail!(
-            "the job used {} GPUs; --device moves a job that used one",
-            m.gpu_memory.len()
-        );
+        return Err(GpuError::SeveralGpus(m.gpu_memory.len()));
     };
     let Some((_, target, free)) = gpus.iter().find(|(i, _, _)| *i == d) else {
-        bail!("there is no GPU {d} here");
+        return Err(GpuError::NoSuchGpu(d));
     };
     if *target == used.uuid {
         own_gpu(target, *free, used.mib)?;
@@ -350,7 +417,7 @@ pub(super) fn plan_gpus(
 }
 
 /// Whether `path` exists as anything but an empty directory.
-pub(super) fn occupied(path: &Path) -> bool {
+pub(crate) fn occupied(path: &Path) -> bool {
     match fs::read_dir(path) {
         Ok(mut d) => d.next().is_some(),
         Err(e) => e.kind() != std::io::ErrorKind::NotFound,
@@ -360,7 +427,7 @@ pub(super) fn occupied(path: &Path) -> bool {
 /// The bytes the files under `path` hold: each file's length, or what it occupies when that is
 /// less (a data file's holes before chunks aligned to 2 MiB are not image bytes; a small file on
 /// a huge-page tmpfs occupies a whole 2 MiB page, but holds only its length).
-pub(super) fn dir_bytes(path: &Path) -> u64 {
+pub fn dir_bytes(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     let Ok(rd) = fs::read_dir(path) else {
         return 0;
@@ -378,7 +445,7 @@ pub(super) fn dir_bytes(path: &Path) -> u64 {
 }
 
 /// fsyncs every file and directory under `dir`.
-pub(super) fn sync_tree(dir: &Path) -> Result<()> {
+pub(crate) fn sync_tree(dir: &Path) -> Result<()> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let e = e?;
         if e.file_type()?.is_dir() {
@@ -403,54 +470,125 @@ pub struct Image {
     pub gpu: Option<PathBuf>,
 }
 
+/// What is wrong with an image directory ([`open_image`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// The directory does not exist.
+    #[error("there is no image at {}: the directory does not exist", dir.display())]
+    NoDirectory {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// It has no `possum.json` (a checkpoint that did not complete, or not an image).
+    #[error("{} is not a complete possum image (no {MANIFEST})", dir.display())]
+    NoManifest {
+        /// The directory.
+        dir: PathBuf,
+        /// Why it could not be read.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `possum.json` is not a possum image's description.
+    #[error("{} is corrupt: not a possum image's description", path.display())]
+    Unreadable {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+        /// The parse error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// `possum.json` was changed after it was written.
+    #[error(
+        "{} is corrupt: its content does not match its check (changed after it was written)",
+        path.display()
+    )]
+    CheckMismatch {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+    },
+    /// Another format version.
+    #[error("{}: image format {version} (this possum reads {MANIFEST_VERSION})", path.display())]
+    Version {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+        /// The image's version.
+        version: u32,
+    },
+    /// A `--gpu-only` image.
+    #[error(
+        "{} holds only GPU buffers (written with --gpu-only): there is no process to restore",
+        dir.display()
+    )]
+    GpuOnly {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// CRIU's part is missing.
+    #[error("{}: CRIU's images are missing or partial (no inventory.img)", criu.display())]
+    CriuPartial {
+        /// CRIU's images.
+        criu: PathBuf,
+    },
+    /// possum's GPU images are missing.
+    #[error("{}: no GPU image", gpu.display())]
+    NoGpuImage {
+        /// The GPU images' directory.
+        gpu: PathBuf,
+    },
+    /// A GPU image does not open.
+    #[error(transparent)]
+    GpuImage(anyhow::Error),
+}
+
 /// Reads and checks `DIR/possum.json` and what it names.
-pub fn open_image(dir: &Path) -> Result<Image> {
+pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
+    if !dir.exists() {
+        return Err(ImageError::NoDirectory {
+            dir: dir.to_path_buf(),
+        });
+    }
     let path = dir.join(MANIFEST);
-    let text = fs::read_to_string(&path).with_context(|| {
-        format!(
-            "{} is not a complete possum image (no {MANIFEST})",
-            dir.display()
-        )
+    let bytes = fs::read(&path).map_err(|source| ImageError::NoManifest {
+        dir: dir.to_path_buf(),
+        source,
     })?;
-    let m: Manifest =
-        serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))?;
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|source| ImageError::Unreadable {
+        path: path.clone(),
+        source,
+    })?;
     if let Some(check) = &m.check {
-        if *check != manifest_check(&m)? {
-            bail!(
-                "{} is corrupt: its content does not match its check (changed after it was written)",
-                path.display()
-            );
+        let unreadable = |source| ImageError::Unreadable {
+            path: path.clone(),
+            source,
+        };
+        if *check != manifest_check(&m).map_err(unreadable)? {
+            return Err(ImageError::CheckMismatch { path });
         }
     }
     if m.possum_image != MANIFEST_VERSION {
-        bail!(
-            "{}: image format {} (this possum reads {MANIFEST_VERSION})",
-            path.display(),
-            m.possum_image
-        );
+        return Err(ImageError::Version {
+            path,
+            version: m.possum_image,
+        });
     }
     let Some(criu_dir) = &m.criu_dir else {
-        bail!(
-            "{} holds only GPU buffers (written with --gpu-only): there is no process to restore",
-            dir.display()
-        );
+        return Err(ImageError::GpuOnly {
+            dir: dir.to_path_buf(),
+        });
     };
     let criu = dir.join(criu_dir);
     if !criu.join("inventory.img").is_file() {
-        bail!(
-            "{}: CRIU's images are missing or partial (no inventory.img)",
-            criu.display()
-        );
+        return Err(ImageError::CriuPartial { criu });
     }
     let gpu = m.gpu_dir.as_ref().map(|g| dir.join(g));
     if let Some(gpu) = &gpu {
-        if check_gpu_images(gpu)? == 0 {
-            bail!("{}: no GPU image", gpu.display());
+        if check_gpu_images(gpu).map_err(ImageError::GpuImage)? == 0 {
+            return Err(ImageError::NoGpuImage { gpu: gpu.clone() });
         }
     }
     // A child's may be empty: a process that had no buffer yet.
     for &c in &m.possum_children {
-        check_gpu_images(&dir.join(child_gpu_dir(c)))?;
+        check_gpu_images(&dir.join(child_gpu_dir(c))).map_err(ImageError::GpuImage)?;
     }
     Ok(Image {
         dir: dir.to_path_buf(),
@@ -538,6 +676,25 @@ mod tests {
         fs::write(tmp.path().join("manifest"), [1u8; 100]).unwrap();
         let n = dir_bytes(tmp.path());
         assert!((4096 + 100..=4 * 4096 + 100).contains(&n), "{n}");
+    }
+
+    /// A missing directory and a `possum.json` of random bytes each say what is wrong.
+    #[test]
+    fn a_missing_directory_and_a_garbled_manifest_are_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let none = tmp.path().join("none");
+        let e = open_image(&none).unwrap_err();
+        assert!(matches!(e, ImageError::NoDirectory { .. }), "{e:?}");
+        let empty = tmp.path().join("empty");
+        fs::create_dir(&empty).unwrap();
+        let e = open_image(&empty).unwrap_err();
+        assert!(matches!(e, ImageError::NoManifest { .. }), "{e:?}");
+        fs::write(empty.join(MANIFEST), [0xffu8, 0x00, 0x9c, 0x42, 0x17]).unwrap();
+        let e = open_image(&empty).unwrap_err();
+        assert!(matches!(e, ImageError::Unreadable { .. }), "{e:?}");
+        assert!(e
+            .to_string()
+            .contains(&empty.join(MANIFEST).display().to_string()));
     }
 
     #[test]

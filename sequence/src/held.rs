@@ -1,4 +1,4 @@
-//! During a kept hold (issue 14, item 6), `possum checkpoint` holds a second reference to every
+//! During a kept hold, `possum checkpoint` holds a second reference to every
 //! buffer the job detached: an fd of each retained allocation, from the keeper (`dup`). Should
 //! the keeper die while the job holds no handle to its memory, those fds keep the memory alive,
 //! and before the job attaches its buffers again a new keeper is started in the same directory
@@ -7,20 +7,19 @@
 //!
 //! On by default (`POSSUM_KEEPER_REVIVE=0` turns it off). The new keeper keeps each adopted fd
 //! and hands out duplicates of it: driver 580 refuses to export an imported handle again
-//! (CUDA_ERROR_INVALID_VALUE), which is what made the takeover fail on the H100 in session 20;
-//! with that, the keeper killed in a kept hold on the H100 left the job running bit-exact
-//! (`scripts/gpu-faults.sh`, session 21).
+//! (CUDA_ERROR_INVALID_VALUE); with that, a keeper killed in a kept hold leaves the job running
+//! bit-exact (`scripts/gpu-faults.sh`).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use super::image::KeeperOfJob;
+use crate::image::KeeperOfJob;
 
 /// The fds of the retained allocations of some processes, per keeper socket.
 #[derive(Debug, Default)]
-pub(super) struct HeldHandles {
+pub(crate) struct HeldHandles {
     held: Vec<(PathBuf, possum_keeper::RetainedAlloc, OwnedFd)>,
     /// Sockets that did not answer, or allocations whose fd could not be had.
     missed: Vec<String>,
@@ -28,7 +27,7 @@ pub(super) struct HeldHandles {
 
 impl HeldHandles {
     /// Asks the keeper at `dir` for an fd of every allocation `pids` retained.
-    pub(super) fn collect(dir: &Path, pids: &[i32]) -> HeldHandles {
+    pub(crate) fn collect(dir: &Path, pids: &[i32]) -> HeldHandles {
         let mut h = HeldHandles::default();
         for sock in possum_keeper::sockets_in(dir) {
             let mut k = match possum_keeper::Keeper::connect(&sock) {
@@ -62,7 +61,7 @@ impl HeldHandles {
     /// If the keeper that holds them no longer answers, starts one in its directory (for the
     /// job `pid`, seeing the job's `CUDA_VISIBLE_DEVICES`) and hands it every allocation. What was
     /// done, for the checkpoint's JSON.
-    pub(super) fn revive(&self, keeper: &KeeperOfJob, pid: i32) -> Value {
+    pub(crate) fn revive(&self, keeper: &KeeperOfJob, exe: &Path, pid: i32) -> Value {
         let gone: Vec<&PathBuf> = {
             let mut socks: Vec<&PathBuf> = self.held.iter().map(|(s, _, _)| s).collect();
             socks.dedup();
@@ -77,7 +76,7 @@ impl HeldHandles {
             return out;
         }
         let t = std::time::Instant::now();
-        let child = match keeper.start_keeper(pid) {
+        let child = match keeper.start_keeper(exe, pid) {
             Ok(c) => c,
             Err(e) => {
                 out["keeper_restart_error"] = json!(format!("{e:#}"));

@@ -72,18 +72,30 @@ pub fn member(drv: &DriverCheckpoint, pid: i32) -> Member {
     }
 }
 
+/// A process of the job's tree that the driver holds in another state than running.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "process {pid} (in the job's process tree under {root}) is {state} in the CUDA driver: \
+     another checkpoint holds it, or it was left so by one"
+)]
+pub struct NotRunning {
+    /// The process.
+    pub pid: i32,
+    /// The root of the tree.
+    pub root: i32,
+    /// Its state.
+    pub state: ProcessState,
+}
+
 /// The CUDA processes among `root`'s descendants, or an error naming one the driver holds in
 /// another state than running (another checkpoint has it, or left it so).
-pub fn cuda_descendants(drv: &DriverCheckpoint, root: i32) -> anyhow::Result<Vec<i32>> {
+pub fn cuda_descendants(drv: &DriverCheckpoint, root: i32) -> Result<Vec<i32>, NotRunning> {
     let mut out = Vec::new();
     for pid in descendants(root) {
         match member(drv, pid) {
             Member::NoCuda => {}
             Member::Cuda(ProcessState::Running) => out.push(pid),
-            Member::Cuda(other) => anyhow::bail!(
-                "process {pid} (in the job's process tree under {root}) is {other} in the CUDA \
-                 driver: another checkpoint holds it, or it was left so by one"
-            ),
+            Member::Cuda(state) => return Err(NotRunning { pid, root, state }),
         }
     }
     Ok(out)

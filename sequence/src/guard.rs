@@ -2,22 +2,21 @@
 
 use std::fs;
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use clap::Args;
 use possum_control::Request;
 use possum_cuda::checkpoint::{DriverCheckpoint, ProcessState};
 
-use super::image::{child_gpu_dir, MANIFEST};
-use super::{alive, JOB_TIMEOUT};
+use crate::image::{child_gpu_dir, MANIFEST};
+use crate::job::JOB_TIMEOUT;
+use crate::process::alive;
 
 /// What `possum checkpoint` tells its guard, each before it is taken (so that a `possum` killed
 /// inside a step still gets it undone), one name per line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Step {
+pub enum Step {
     /// The job is about to be held and its buffers released.
     Releasing,
     /// The driver is about to lock (and then checkpoint) the job.
@@ -59,14 +58,15 @@ impl Step {
 }
 
 /// The guard process's end: each step is reported to it before it is taken.
-pub(super) struct Guard {
+#[derive(Debug)]
+pub struct Guard {
     child: Child,
     pipe: Option<ChildStdin>,
 }
 
 impl Guard {
-    pub(super) fn start(a: &GuardArgs) -> Result<Guard> {
-        let exe = std::env::current_exe().context("finding possum's own binary")?;
+    /// Starts `exe checkpoint-guard` (`exe`: the possum executable) for the checkpoint `a`.
+    pub fn start(exe: &Path, a: &GuardPlan) -> std::io::Result<Guard> {
         let mut cmd = Command::new(exe);
         cmd.arg("checkpoint-guard")
             .arg("--pid")
@@ -90,12 +90,13 @@ impl Guard {
             .stdin(Stdio::piped());
         // Its own process group: a Ctrl-C at the terminal stops possum, not the guard.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let mut child = cmd.spawn().context("starting the checkpoint guard")?;
+        let mut child = cmd.spawn()?;
         let pipe = child.stdin.take();
         Ok(Guard { child, pipe })
     }
 
-    pub(super) fn step(&mut self, step: Step) {
+    /// Tells the guard that `step` is about to be taken.
+    pub fn step(&mut self, step: Step) {
         if let Some(p) = self.pipe.as_mut() {
             let _ = writeln!(p, "{}", step.name());
             let _ = p.flush();
@@ -103,50 +104,53 @@ impl Guard {
     }
 
     /// Success: the guard has nothing to undo.
-    pub(super) fn done(mut self) {
+    pub fn done(mut self) {
         self.step(Step::Done);
         self.pipe = None;
         let _ = self.child.wait();
     }
 
     /// Failure: the guard undoes what was done; returns when it has.
-    pub(super) fn undo(mut self) {
+    pub fn undo(mut self) {
         self.pipe = None;
         let _ = self.child.wait();
     }
 }
 
-/// Arguments of the hidden `possum checkpoint-guard`.
-#[derive(Args, Debug, Clone)]
-pub struct GuardArgs {
-    #[arg(long)]
+/// What a guard undoes: the checkpoint of `pid` (the arguments of the hidden `possum
+/// checkpoint-guard`, which [`Guard::start`] passes on its command line).
+#[derive(Debug, Clone)]
+pub struct GuardPlan {
+    /// The job.
     pub pid: i32,
-    /// Other CUDA processes of the job's tree, checkpointed by the driver with it.
-    #[arg(long = "child")]
+    /// Other CUDA processes of the job's tree, checkpointed by the driver with it (`--child`).
     pub children: Vec<i32>,
-    /// Those of them whose buffers possum released too (their images in `gpu-PID/`).
-    #[arg(long = "possum-child")]
+    /// Those of them whose buffers possum released too, their images in `gpu-PID/`
+    /// (`--possum-child`).
     pub possum_children: Vec<i32>,
-    #[arg(long)]
+    /// The temporary image directory (`--tmp`).
     pub tmp: PathBuf,
-    #[arg(long)]
+    /// The image's name once complete (`--final-dir`).
     pub final_dir: PathBuf,
-    #[arg(long)]
+    /// The job's control socket directory (`--socket-dir`).
     pub socket_dir: PathBuf,
+    /// The driver library (`POSSUM_LIBCUDA`).
+    pub libcuda: String,
 }
 
-/// The guard: reads the steps done from stdin; at end of input without `done`, undoes them.
-pub fn guard(a: &GuardArgs) -> Result<bool> {
+/// The guard: reads the steps done from `steps` (the checkpoint's pipe); at end of input without
+/// `done`, undoes them, telling `tell` what it does. Whether there was nothing to undo.
+pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     let mut seen = Vec::new();
-    for line in std::io::stdin().lock().lines() {
+    for line in steps.lines() {
         let Ok(line) = line else { break };
         seen.extend(Step::parse(line.trim()));
     }
     let has = |s: Step| seen.contains(&s);
     if has(Step::Done) {
-        return Ok(true);
+        return true;
     }
-    let say = |m: &str| eprintln!("possum: undoing the checkpoint of process {}: {m}", a.pid);
+    let say = |m: &str| tell(&format!("undoing the checkpoint of process {}: {m}", a.pid));
     // Killed between the rename and telling the guard: the image is named all the same.
     let committed =
         has(Step::Committed) || (!a.tmp.exists() && a.final_dir.join(MANIFEST).is_file());
@@ -183,7 +187,7 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
     // Steps are announced before they are taken, so a `possum` killed inside a driver call
     // still gets it undone: the driver's own state says what is left to do.
     if has(Step::Locking) && !has(Step::Unlocked) {
-        match DriverCheckpoint::load() {
+        match DriverCheckpoint::load_from(&a.libcuda) {
             Ok(drv) => {
                 undo_driver(&drv, a.pid, &say);
                 for &c in &a.children {
@@ -213,7 +217,7 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
         }
         let _ = fs::remove_dir_all(&a.tmp);
     }
-    Ok(false)
+    false
 }
 
 /// Brings process `pid` back to RUNNING in the driver from wherever a checkpoint left it.
@@ -245,16 +249,22 @@ fn undo_driver(drv: &DriverCheckpoint, pid: i32, say: &dyn Fn(&str)) {
 }
 
 /// Waits (bounded) until process `pid`'s on-demand restore has finished reading its images.
-fn wait_restored(pid: i32, socket_dir: &std::path::Path) {
+fn wait_restored(pid: i32, socket_dir: &Path) {
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(600) && alive(pid) {
-        match possum_control::request(
+        match possum_control::request_typed::<possum_control::reply::StatusReply>(
             pid as u32,
             socket_dir,
             &Request::Status,
             Duration::from_secs(10),
         ) {
-            Ok(v) if !v["possum"]["session"]["last"]["restore"].is_null() => return,
+            Ok(s)
+                if s.possum
+                    .as_ref()
+                    .is_some_and(|p| p.session.last.restore.is_some()) =>
+            {
+                return
+            }
             Ok(_) => {}
             Err(_) => return,
         }

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::image::{uuid_bytes, Image, Manifest};
+use crate::image::{uuid_bytes, Image, Manifest};
 use possum_keeper::{uuid_hex, PeerSource};
 
 /// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
@@ -31,7 +31,7 @@ const HOLD_SECS: u64 = 120;
 
 /// One image's stage, as `possum restore --json` reports it.
 #[derive(Debug, Clone, Serialize)]
-pub(super) struct StageReport {
+pub struct StageReport {
     pub pid: i32,
     pub device: usize,
     pub image: PathBuf,
@@ -59,7 +59,7 @@ pub(super) struct StageReport {
 }
 
 /// Stages being set up while CRIU restores the job.
-pub(super) struct Staging {
+pub(crate) struct Staging {
     dir: PathBuf,
     started: Option<Child>,
     thread: JoinHandle<Vec<StageReport>>,
@@ -67,21 +67,22 @@ pub(super) struct Staging {
 
 /// Where to stage: the keeper's directory, and for `--device` the move (the job's GPU's UUID,
 /// the target's).
-pub(super) struct Plan {
+pub(crate) struct Plan {
     dir: PathBuf,
     moved: Option<([u8; 16], [u8; 16])>,
 }
 
 /// Whether, and where, to stage (`moved`: `--device` maps the job's GPU to another, as the
-/// driver's restore is told; `held`: the job's keeper still holds its memory, [`keeper_holds`]),
-/// or why not.
-pub(super) fn plan(
+/// driver's restore is told; `held`: the job's keeper still holds its memory, [`keeper_holds`];
+/// `on`: [`Environment::restore_stage`](crate::Environment::restore_stage)), or why not.
+pub(crate) fn plan(
     m: &Manifest,
     gpu: Option<&Path>,
     moved: Option<([u8; 16], [u8; 16])>,
     held: bool,
+    on: bool,
 ) -> Result<Plan, String> {
-    if std::env::var("POSSUM_RESTORE_STAGE").is_ok_and(|v| v.trim() == "0") {
+    if !on {
         return Err("off (POSSUM_RESTORE_STAGE=0)".into());
     }
     if gpu.is_none() {
@@ -102,7 +103,7 @@ pub(super) fn plan(
 impl Staging {
     /// Asks the keeper in `keeper_dir` (started here if none answers) to stage every GPU image
     /// of the job's, on a thread of its own: returns at once.
-    pub(super) fn begin(img: &Image, plan: Plan) -> anyhow::Result<Staging> {
+    pub(crate) fn begin(img: &Image, plan: Plan, exe: &Path) -> anyhow::Result<Staging> {
         let m = &img.manifest;
         let Plan {
             dir: keeper_dir,
@@ -114,7 +115,7 @@ impl Staging {
             .collect();
         // A keeper in a PID of the job's tree would make CRIU's restore fail: it is avoided.
         let k = m.keeper.as_ref().expect("plan checked it");
-        let started = k.ensure_keeper(m.pid, &tree)?;
+        let started = k.ensure_keeper(exe, m.pid, &tree)?;
         let todo = img.gpu_images();
         let kdir = keeper_dir.clone();
         let m = m.clone();
@@ -136,23 +137,23 @@ impl Staging {
     }
 
     /// Whether a keeper was started for the staging.
-    pub(super) fn started_keeper(&self) -> bool {
+    pub(crate) fn started_keeper(&self) -> bool {
         self.started.is_some()
     }
 
     /// The keeper's directory.
-    pub(super) fn keeper_dir(&self) -> &Path {
+    pub(crate) fn keeper_dir(&self) -> &Path {
         &self.dir
     }
 
     /// Waits for the stage requests (the loads go on in the keeper) and ends the stages that
     /// are not in `used` (no restored process took them): their memory is freed.
-    pub(super) fn finish_keeping(self, used: &[u64]) -> Vec<StageReport> {
+    pub(crate) fn finish_keeping(self, used: &[u64]) -> Vec<StageReport> {
         self.end_unused(used).0
     }
 
     /// Gives up: every stage is ended (its memory freed), and a keeper started for it stopped.
-    pub(super) fn abandon(self) {
+    pub(crate) fn abandon(self) {
         if let (_, Some(mut c)) = self.end_unused(&[]) {
             let _ = c.kill();
             let _ = c.wait();
@@ -199,7 +200,7 @@ fn stage_target(
 
 /// Has each keeper socket in `dir` free now the memory of processes that are gone (a keeper
 /// that does not answer is left alone: the room check then says what is short).
-pub(super) fn reap(dir: &Path) {
+pub(crate) fn reap(dir: &Path) {
     for s in possum_keeper::sockets_in(dir) {
         let _ = possum_keeper::Keeper::connect(&s).and_then(|mut k| k.reap());
     }
@@ -207,7 +208,7 @@ pub(super) fn reap(dir: &Path) {
 
 /// Whether the job's keeper still holds memory of the job (device 0's socket: a job killed on
 /// this host with `--keep-on-gpu`, within its hold): a restore on its own GPU maps it again.
-pub(super) fn keeper_holds(m: &Manifest) -> bool {
+pub(crate) fn keeper_holds(m: &Manifest) -> bool {
     let Some(k) = &m.keeper else {
         return false;
     };

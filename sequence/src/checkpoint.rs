@@ -1,0 +1,1237 @@
+//! The checkpoint sequence: [`checkpoint`] and its phases (see the crate's documentation).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use possum_control::reply::{CheckpointReply, ReleaseReply, ResumeReply, SavedReply, StatusReply};
+use possum_control::{Reply, Request};
+use possum_criu::{Criu, CriuError, DumpOptions};
+use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::{Environment, HostmemSplit};
+use crate::figures::{timed, CheckpointFigures, HostmemFigures, LeftWhole};
+use crate::guard::{Guard, GuardPlan, Step};
+use crate::held::HeldHandles;
+use crate::image::{
+    child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, GpuUse, HeldMemory,
+    KeeperOfJob, Manifest, MANIFEST, MANIFEST_VERSION,
+};
+use crate::job::{ask, ask_within, JobError};
+use crate::process::{alive, kill_job, lock_pid, LockError};
+use crate::{tree, Engine, Observer};
+
+/// How long the driver lock may wait for the job's submitted work.
+const LOCK_TIMEOUT_MS: u32 = 30_000;
+/// How long the probe's lock may wait for the job's GPU work (a refusal is immediate).
+const PROBE_LOCK_MS: u32 = 2_000;
+/// How long a checkpoint waits for a kept checkpoint's buffers to be saved.
+const SAVE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Dumps tried when the job's control socket had a client connected ([`dump_retrying_transient`]).
+const DUMP_TRIES: u32 = 3;
+const DUMP_RETRY_WAIT: Duration = Duration::from_millis(200);
+/// The driver's `CUDA_ERROR_NOT_SUPPORTED`: its checkpoint refuses the process.
+const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+
+/// What to do when NVIDIA's driver refuses to lock a job because CUPTI is subscribed in it.
+const CUPTI_REFUSED: &str = "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI \
+     has subscribed in, and this job runs with CUPTI (`possum run --cupti`, POSSUM_HOOKS=cupti: a \
+     diagnostic): start it with `possum run JOB` (without --cupti) for a full possum checkpoint, \
+     or use --engine driver (or --gpu-only for possum's GPU side)";
+
+/// What to checkpoint, and how (`possum checkpoint`'s flags, with the environment).
+#[derive(Debug, Clone)]
+pub struct CheckpointParams {
+    /// The process (the root of its tree).
+    pub pid: i32,
+    /// The image directory (must not exist or be empty, unless `force`).
+    pub dir: PathBuf,
+    /// The job runs on after the checkpoint (else it is killed once the image is complete).
+    pub leave_running: bool,
+    /// Who takes the GPU side.
+    pub engine: Engine,
+    /// Only possum's GPU side: no driver checkpoint, no CRIU.
+    pub gpu_only: bool,
+    /// Replace an existing image at `dir` (once the new one is complete).
+    pub force: bool,
+    /// A killed job's buffers stay on the GPU with its keeper this many seconds.
+    pub keep_on_gpu: u64,
+    /// Device memory (MiB) a kept checkpoint's save may use for copies on the GPU.
+    pub shadow_budget: Option<u64>,
+    /// The job's control socket directory.
+    pub sockets: PathBuf,
+    /// The possum executable (started as the checkpoint's guard and as a keeper).
+    pub possum_exe: PathBuf,
+    /// What the environment says.
+    pub env: Environment,
+}
+
+/// A checkpoint made: what the command prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckpointReport {
+    /// The job.
+    pub pid: i32,
+    /// The other CUDA processes of its tree.
+    pub cuda_children: Vec<i32>,
+    /// Those with possum loaded.
+    pub possum_children: Vec<i32>,
+    /// Who took the GPU side.
+    pub engine: Engine,
+    /// The image directory.
+    pub dir: PathBuf,
+    /// Whether the job runs on.
+    pub leave_running: bool,
+    /// The job's hook mode (`entry`, `cupti`, `off`).
+    pub hooks: Option<String>,
+    /// How the job was held, in words.
+    pub hold: String,
+    /// The figures.
+    pub figures: CheckpointFigures,
+    /// The root's answer to the pre-copy.
+    pub engine_report: Option<Reply<CheckpointReply>>,
+    /// The root's answer to the release.
+    pub release_report: Option<Reply<ReleaseReply>>,
+    /// Processes whose checkpoint was kept (buffers saved after the job ran again).
+    pub kept: Vec<i32>,
+    /// Their saves.
+    pub saved_report: Option<Vec<SavedOf>>,
+    /// The root's answer to the resume.
+    pub resume_report: Option<Reply<ResumeReply>>,
+    /// A kept hold: what became of the keeper's memory handles (opaque).
+    pub keeper_handles: Value,
+    /// The job's threads were parked (hooks off): every buffer was copied while held.
+    #[serde(skip)]
+    pub parked: bool,
+}
+
+/// The save of process `pid`'s kept buffers.
+#[derive(Debug, Clone, Serialize)]
+pub struct SavedOf {
+    /// The process.
+    pub pid: i32,
+    /// Its answer to `Saved`.
+    pub report: Reply<SavedReply>,
+}
+
+impl CheckpointReport {
+    /// The buffers and bytes the release copied while the job was held.
+    pub fn copied_at_release(&self) -> (u64, u64) {
+        self.release_report
+            .as_ref()
+            .map_or((0, 0), |r| r.body.copied())
+    }
+
+    /// Whether the job's checkpoint was kept (its buffers saved after it ran again).
+    pub fn kept_any(&self) -> bool {
+        !self.kept.is_empty()
+    }
+}
+
+/// Checkpoints the job `p` names into `p.dir`, in phases: plan, pre-copy, cut, freeze, dump
+/// (with the job held), then the save of a kept checkpoint, the split of host memory, commit,
+/// resume-or-kill and report. A failure after the plan is undone by the guard. `obs` is told how
+/// the copy goes, and what the user should know.
+pub fn checkpoint(
+    p: &CheckpointParams,
+    obs: &mut dyn Observer,
+) -> Result<CheckpointReport, CheckpointError> {
+    let t_all = Instant::now();
+    let plan = plan(p)?;
+    let mut run = Run::start(plan)?;
+    let held = (|| -> Result<(), HoldError> {
+        run.precopy(obs)?;
+        run.cut(obs)?;
+        run.freeze()?;
+        run.dump(obs)?;
+        Ok(())
+    })();
+    if let Err(source) = held {
+        run.guard.undo();
+        return Err(CheckpointError::Held { pid: p.pid, source });
+    }
+    if let Err(e) = run.save_kept() {
+        run.guard.undo();
+        return Err(CheckpointError::KeptSave(e));
+    }
+    run.split_host_memory(obs);
+    if let Err(source) = run.commit() {
+        run.guard.undo();
+        let dir = p.dir.clone();
+        return Err(CheckpointError::Commit { dir, source });
+    }
+    run.guard.step(Step::Committed);
+    if let Err(source) = run.resume_or_kill() {
+        run.guard.undo();
+        let dir = p.dir.clone();
+        return Err(CheckpointError::Resume { dir, source });
+    }
+    Ok(run.report(t_all)?)
+}
+
+/// A checkpoint that failed, by the phase that failed and with what became of the job.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Nothing was done.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// While the job was held; the guard let it run on.
+    #[error("checkpoint of process {pid} failed; the job runs on, no image was written")]
+    Held {
+        /// The job.
+        pid: i32,
+        /// What failed.
+        #[source]
+        source: HoldError,
+    },
+    /// A kept checkpoint, once the job ran again.
+    #[error("checkpoint failed after the job was held; the job runs on, no image was written")]
+    KeptSave(#[source] ResumeError),
+    /// Naming the image.
+    #[error("naming the image {} failed; the job runs on", dir.display())]
+    Commit {
+        /// The image directory.
+        dir: PathBuf,
+        /// What failed.
+        #[source]
+        source: CommitError,
+    },
+    /// Letting the job run on (or killing it) once the image was complete.
+    #[error(
+        "the image is complete, but the job could not be resumed: if it is still paused, end it \
+         and bring it back with `possum restore -D {}`",
+        dir.display()
+    )]
+    Resume {
+        /// The image directory.
+        dir: PathBuf,
+        /// What failed.
+        #[source]
+        source: ResumeError,
+    },
+    /// The image could not be made durable.
+    #[error(transparent)]
+    Report(#[from] ReportError),
+}
+
+/// The plan failed: nothing was done.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The process is gone.
+    #[error("no process {pid} (is it still running?)")]
+    NoProcess {
+        /// The process.
+        pid: i32,
+    },
+    /// The image directory holds something.
+    #[error(
+        "{} exists and is not empty: choose another directory, or --force to replace it (the \
+         old image is removed only once the new one is complete)",
+        dir.display()
+    )]
+    Occupied {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// The job's possum did not answer.
+    #[error(transparent)]
+    Job(#[from] JobError),
+    /// The job has managed memory.
+    #[error(
+        "process {pid} has managed memory (cuMemAllocManaged: {allocations} allocations, {}): \
+         {}",
+        gib(*bytes),
+        if *gpu_only {
+            "possum's engine does not save managed memory, so --gpu-only cannot save this job's \
+             GPU state (nor can NVIDIA's driver checkpoint, which does not support managed \
+             memory); nothing was done"
+        } else {
+            "NVIDIA's driver checkpoint does not support managed (unified) memory, and possum's \
+             engine does not save it, so this job cannot be checkpointed; nothing was done"
+        }
+    )]
+    Managed {
+        /// The process.
+        pid: i32,
+        /// Its managed allocations.
+        allocations: u64,
+        /// Their bytes.
+        bytes: u64,
+        /// `--gpu-only` was asked.
+        gpu_only: bool,
+    },
+    /// A process of the job's tree cannot be checkpointed.
+    #[error("process {pid} of the job's tree")]
+    Child {
+        /// The process.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: Box<PlanError>,
+    },
+    /// No CRIU.
+    #[error("CRIU is needed for the CPU side")]
+    NoCriu(#[source] CriuError),
+    /// No driver checkpoint.
+    #[error("NVIDIA's driver checkpoint is needed")]
+    NoDriver(#[source] DriverCkptError),
+    /// Another checkpoint of the process runs.
+    #[error(transparent)]
+    Lock(#[from] LockError),
+    /// The driver holds the process in another state.
+    #[error(
+        "process {pid} is {state} in the CUDA driver: another checkpoint holds it, or it was left \
+         so by one (see `possum status {pid}`)"
+    )]
+    NotRunning {
+        /// The process.
+        pid: i32,
+        /// Its state.
+        state: ProcessState,
+    },
+    /// The driver does not know the process.
+    #[error("process {pid}: {error} (does it use CUDA?)")]
+    NotCuda {
+        /// The process.
+        pid: i32,
+        /// The driver's answer.
+        error: DriverCkptError,
+    },
+    /// The driver refuses a process CUPTI has subscribed in.
+    #[error("{CUPTI_REFUSED}")]
+    CuptiRefused(#[source] DriverCkptError),
+    /// The probe's unlock failed.
+    #[error("unlocking process {pid} after probing the driver's lock")]
+    ProbeUnlock {
+        /// The process.
+        pid: i32,
+        /// The driver's answer.
+        #[source]
+        source: DriverCkptError,
+    },
+    /// A process of the job's tree is held by another checkpoint.
+    #[error(transparent)]
+    Tree(#[from] tree::NotRunning),
+    /// The image directory's name has no last component.
+    #[error("{}: not a directory name", dir.display())]
+    NotADirectoryName {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// The temporary directory could not be made.
+    #[error("creating {}", dir.display())]
+    TempDir {
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The guard did not start.
+    #[error("starting the checkpoint guard")]
+    Guard(#[source] std::io::Error),
+}
+
+/// What failed while the job was held (pre-copy, cut, freeze, dump).
+#[derive(Debug, thiserror::Error)]
+pub enum HoldError {
+    /// The pre-copy.
+    #[error(transparent)]
+    Precopy(#[from] PrecopyError),
+    /// The cut.
+    #[error(transparent)]
+    Cut(#[from] CutError),
+    /// The freeze.
+    #[error(transparent)]
+    Freeze(#[from] FreezeError),
+    /// CRIU's dump.
+    #[error(transparent)]
+    Dump(#[from] CriuError),
+}
+
+/// The pre-copy failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PrecopyError {
+    /// A process's possum refused or failed it.
+    #[error(transparent)]
+    Job(#[from] JobError),
+}
+
+/// The cut (hold, final copy, release) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CutError {
+    /// The root's possum refused or failed it.
+    #[error(transparent)]
+    Job(#[from] JobError),
+    /// Another process's.
+    #[error("process {pid} of the job's tree")]
+    Child {
+        /// The process.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: JobError,
+    },
+}
+
+/// The freeze (the driver's lock and checkpoint) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FreezeError {
+    /// The driver refused the root.
+    #[error(transparent)]
+    Driver(#[from] DriverCkptError),
+    /// The driver refuses a process CUPTI has subscribed in.
+    #[error("{CUPTI_REFUSED}")]
+    CuptiRefused(#[source] DriverCkptError),
+    /// The driver did not lock another process.
+    #[error("locking process {pid} of the job's tree")]
+    LockChild {
+        /// The process.
+        pid: i32,
+        /// The driver's answer.
+        #[source]
+        source: DriverCkptError,
+    },
+    /// The driver did not checkpoint another process.
+    #[error("process {pid} of the job's tree: {error}")]
+    CheckpointChild {
+        /// The process.
+        pid: i32,
+        /// The driver's answer.
+        error: DriverCkptError,
+    },
+}
+
+/// The job could not run on (or be killed).
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    /// The driver's restore or unlock.
+    #[error(transparent)]
+    Driver(#[from] DriverCkptError),
+    /// The driver's restore of another process of the tree.
+    #[error("process {pid} of the job's tree: {error}")]
+    DriverChild {
+        /// The process.
+        pid: i32,
+        /// The driver's answer.
+        error: DriverCkptError,
+    },
+    /// The root's possum did not resume.
+    #[error(transparent)]
+    Job(#[from] JobError),
+    /// A process's possum did not resume.
+    #[error("resuming process {pid}")]
+    Process {
+        /// The process.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: JobError,
+    },
+    /// Another process's possum did not resume.
+    #[error("process {pid} of the job's tree")]
+    Child {
+        /// The process.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: JobError,
+    },
+    /// A kept checkpoint's save failed.
+    #[error("saving the GPU buffers of process {pid}")]
+    Save {
+        /// The process.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: JobError,
+    },
+    /// The job could not be killed.
+    #[error(transparent)]
+    Kill(#[from] nix::Error),
+}
+
+/// Naming the image failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    /// Writing `possum.json` or renaming.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// `possum.json` could not be made.
+    #[error(transparent)]
+    Manifest(#[from] serde_json::Error),
+}
+
+/// The report failed: the image could not be made durable.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// fsync.
+    #[error(transparent)]
+    Sync(anyhow::Error),
+}
+
+/// How possum sees a job's GPU operations, from its status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct JobHooks {
+    /// possum sees its operations now (entry points or CUPTI): pre-copy, hold at the op gate,
+    /// on-demand restore. Otherwise a checkpoint parks its threads.
+    live: bool,
+    /// CUPTI's callbacks are subscribed (NVIDIA's driver then refuses the checkpoint).
+    cupti: bool,
+    /// `entry`, `cupti` or `off` (POSSUM_HOOKS); none from libraries older than the entry points.
+    mode: Option<String>,
+}
+
+impl JobHooks {
+    fn of(status: &StatusReply) -> JobHooks {
+        let session = status.possum.as_ref().map(|p| &p.session);
+        let cupti = session.is_some_and(|s| s.cupti_attached);
+        JobHooks {
+            // Libraries older than the entry points' hooks had only CUPTI's.
+            live: session.and_then(|s| s.hooks_live).unwrap_or(cupti),
+            cupti,
+            mode: status.hooks.clone(),
+        }
+    }
+
+    /// What saw the job's operations, in words.
+    fn seen_by(&self) -> &'static str {
+        match self.mode.as_deref() {
+            Some("entry") => "the driver's entry points",
+            _ if self.cupti => "CUPTI callbacks",
+            Some("cupti") => "CUPTI callbacks",
+            _ => "possum's hooks",
+        }
+    }
+}
+
+/// What the plan found: everything the later phases need, asked before anything changes.
+struct Plan<'a> {
+    p: &'a CheckpointParams,
+    /// possum's view of the job's hooks (engine possum).
+    hooks: Option<JobHooks>,
+    /// The process side: CRIU and the driver checkpoint (none for `--gpu-only`).
+    side: Option<(Criu, DriverCheckpoint)>,
+    /// The other CUDA processes of the tree, and those of them with possum loaded.
+    children: Vec<i32>,
+    possum_children: Vec<i32>,
+    /// The bytes of the job's managed buffers (for the progress bar).
+    managed: u64,
+    /// The job's keeper, if its buffer memory is a keeper's.
+    keeper: Option<KeeperOfJob>,
+    shell_job: bool,
+    socket_dirs: Vec<PathBuf>,
+    stdio_pipes: Vec<(i32, String)>,
+    gpu_memory: Vec<GpuUse>,
+    /// One checkpoint of the process at a time.
+    _lock: nix::fcntl::Flock<fs::File>,
+}
+
+/// Plan: checks that the job can be checkpointed and finds what its checkpoint involves (its
+/// hooks, the process side, the CUDA processes of its tree, its keeper). Nothing is changed.
+fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
+    let pid = p.pid;
+    if pid <= 0 || !alive(pid) {
+        return Err(PlanError::NoProcess { pid });
+    }
+    if occupied(&p.dir) && !p.force {
+        return Err(PlanError::Occupied { dir: p.dir.clone() });
+    }
+    let status = match p.engine {
+        Engine::Possum => Some(ask::<StatusReply>(pid, &p.sockets, &Request::Status)?.body),
+        Engine::Driver => None,
+    };
+    if let Some(s) = &status {
+        refuse_managed(pid, s, p.gpu_only)?;
+    }
+    let side = if p.gpu_only {
+        None
+    } else {
+        let criu = Criu::locate().map_err(PlanError::NoCriu)?;
+        let drv = DriverCheckpoint::load_from(&p.env.libcuda).map_err(PlanError::NoDriver)?;
+        Some((criu, drv))
+    };
+    // With its hooks live (the driver's entry points, or CUPTI's callbacks), possum holds the
+    // job's operations at its op gate after a pre-copy; without them it parks the job's threads
+    // instead and copies every buffer while they are parked.
+    let hooks = status.as_ref().map(JobHooks::of);
+    let lock = lock_pid(&p.sockets, pid)?;
+    if let Some((_, drv)) = &side {
+        check_driver_state(p, drv, hooks.as_ref().is_some_and(|h| h.cupti))?;
+    }
+    // The other CUDA processes of the job's tree: locked and checkpointed by the driver with the
+    // root (one T0 for all, before CRIU dumps any), restored and unlocked with it.
+    let children = match &side {
+        Some((_, drv)) => tree::cuda_descendants(drv, pid).map_err(PlanError::Tree)?,
+        None => Vec::new(),
+    };
+    // Those with possum loaded (a control socket in the same directory): their buffers are
+    // saved and released by possum like the root's.
+    let possum_children = match p.engine {
+        Engine::Possum => possum_in(&children, &p.sockets)?,
+        Engine::Driver => Vec::new(),
+    };
+    let engines = status
+        .iter()
+        .flat_map(|s| s.possum.iter())
+        .flat_map(|p| &p.engines);
+    let managed = engines.clone().filter_map(|e| e.engine.bytes).sum();
+    let has_keeper = engines.clone().any(|e| e.keeper.is_some());
+    let mut tree = tree::descendants(pid);
+    tree.push(pid);
+    Ok(Plan {
+        p,
+        hooks,
+        side,
+        children,
+        possum_children,
+        managed,
+        keeper: has_keeper.then(|| keeper_of(pid)).flatten(),
+        shell_job: nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
+            .is_ok_and(|sid| sid.as_raw() != pid),
+        socket_dirs: tree::socket_dirs(&tree),
+        stdio_pipes: tree::external_stdio_pipes(pid, &tree),
+        // What the job uses on the GPU now, for the restore's check.
+        gpu_memory: smi::process_usage(&p.env.nvidia_smi, pid).unwrap_or_default(),
+        _lock: lock,
+    })
+}
+
+/// The driver must see the job running (not held by another checkpoint); a job with CUPTI is
+/// probed first: the driver says only at the lock that it refuses such a process, and a full
+/// checkpoint would otherwise pause it, copy and release its buffers and bring them back for
+/// nothing. A lock that cannot be had now (a timeout) is left for the freeze to report.
+fn check_driver_state(
+    p: &CheckpointParams,
+    drv: &DriverCheckpoint,
+    cupti: bool,
+) -> Result<(), PlanError> {
+    let pid = p.pid;
+    match drv.state(pid) {
+        Ok(ProcessState::Running) => {}
+        Ok(state) => return Err(PlanError::NotRunning { pid, state }),
+        Err(error) => return Err(PlanError::NotCuda { pid, error }),
+    }
+    if p.engine != Engine::Possum || !cupti {
+        return Ok(());
+    }
+    match drv.lock(pid, PROBE_LOCK_MS) {
+        Ok(()) => drv
+            .unlock(pid)
+            .map_err(|source| PlanError::ProbeUnlock { pid, source }),
+        Err(e) if e.code() == Some(CUDA_ERROR_NOT_SUPPORTED) => Err(PlanError::CuptiRefused(e)),
+        Err(_) => Ok(()),
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// Refuses a job with managed (unified) memory, before anything is done: NVIDIA's driver
+/// checkpoint does not support it, and possum's engine does not save it.
+fn refuse_managed(pid: i32, status: &StatusReply, gpu_only: bool) -> Result<(), PlanError> {
+    let managed = status
+        .possum
+        .as_ref()
+        .and_then(|p| p.unmanaged.by_kind.get("cuMemAllocManaged"));
+    match managed {
+        Some(m) if m.allocations > 0 => Err(PlanError::Managed {
+            pid,
+            allocations: m.allocations,
+            bytes: m.bytes,
+            gpu_only,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Which of `children` have possum loaded: a control socket in `sockets` that answers. One with
+/// managed memory is refused, as the root is; one whose socket does not answer is an error.
+fn possum_in(children: &[i32], sockets: &Path) -> Result<Vec<i32>, PlanError> {
+    let child = |pid, e: PlanError| PlanError::Child {
+        pid,
+        source: Box::new(e),
+    };
+    let mut out = Vec::new();
+    for &c in children {
+        let timeout = Duration::from_secs(30);
+        match ask_within::<StatusReply>(c, sockets, &Request::Status, timeout) {
+            Ok(status) => {
+                refuse_managed(c, &status.body, false).map_err(|e| child(c, e))?;
+                out.push(c);
+            }
+            Err(e) if e.is_without_possum() => {}
+            Err(e) => return Err(child(c, e.into())),
+        }
+    }
+    Ok(out)
+}
+
+/// The job's `POSSUM_KEEPER` and `CUDA_VISIBLE_DEVICES`, from its environment.
+fn keeper_of(pid: i32) -> Option<KeeperOfJob> {
+    let env = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let var = |name: &str| {
+        env.split(|&b| b == 0).find_map(|kv| {
+            kv.strip_prefix(name.as_bytes())
+                .and_then(|r| r.strip_prefix(b"="))
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        })
+    };
+    let dir = var(possum_keeper::KEEPER_ENV).filter(|d| !d.is_empty())?;
+    Some(KeeperOfJob {
+        dir: PathBuf::from(dir),
+        cuda_visible_devices: var("CUDA_VISIBLE_DEVICES"),
+    })
+}
+
+/// The temporary sibling of `dir` a checkpoint is written under.
+fn temp_sibling(dir: &Path) -> Result<PathBuf, PlanError> {
+    let name = dir
+        .file_name()
+        .ok_or_else(|| PlanError::NotADirectoryName {
+            dir: dir.to_path_buf(),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+    let parent = parent.unwrap_or(Path::new("."));
+    fs::create_dir_all(parent).map_err(|source| PlanError::TempDir {
+        dir: parent.to_path_buf(),
+        source,
+    })?;
+    Ok(parent.join(format!(".{name}.possum-tmp-{}", std::process::id())))
+}
+
+/// A checkpoint under way: the plan, its guard, and what each phase found.
+struct Run<'a> {
+    plan: Plan<'a>,
+    /// The image's temporary directory (named `p.dir` at the commit).
+    tmp: PathBuf,
+    guard: Guard,
+    figures: CheckpointFigures,
+    engine_report: Option<Reply<CheckpointReply>>,
+    release_report: Option<Reply<ReleaseReply>>,
+    resume_report: Option<Reply<ResumeReply>>,
+    saved_report: Option<Vec<SavedOf>>,
+    /// Processes whose checkpoint is kept (their buffers saved after the resume).
+    kept: Vec<i32>,
+    /// What the keeper holds for the restore, by epoch (a job killed with its memory kept).
+    held_memory: Vec<HeldMemory>,
+    /// During a kept hold: fds of the memory the job detached, in case its keeper dies.
+    held_thread: Option<JoinHandle<HeldHandles>>,
+    handles: Option<HeldHandles>,
+    keeper_handles: Value,
+    /// CRIU's dump was made into `tmp/criu`.
+    dumped: bool,
+    /// The image's description, once committed.
+    manifest: Option<Manifest>,
+    criu_bytes: u64,
+    gpu_bytes: u64,
+}
+
+impl<'a> Run<'a> {
+    /// Makes the temporary image directory and starts the guard.
+    fn start(plan: Plan<'a>) -> Result<Run<'a>, PlanError> {
+        let p = plan.p;
+        let tmp = temp_sibling(&p.dir)?;
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir_all(&tmp).map_err(|source| PlanError::TempDir {
+            dir: tmp.clone(),
+            source,
+        })?;
+        let guard_plan = GuardPlan {
+            pid: p.pid,
+            children: plan.children.clone(),
+            possum_children: plan.possum_children.clone(),
+            tmp: tmp.clone(),
+            final_dir: p.dir.clone(),
+            socket_dir: p.sockets.clone(),
+            libcuda: p.env.libcuda.clone(),
+        };
+        let guard = Guard::start(&p.possum_exe, &guard_plan).map_err(PlanError::Guard)?;
+        Ok(Run {
+            plan,
+            tmp,
+            guard,
+            figures: CheckpointFigures::default(),
+            engine_report: None,
+            release_report: None,
+            resume_report: None,
+            saved_report: None,
+            kept: Vec::new(),
+            held_memory: Vec::new(),
+            held_thread: None,
+            handles: None,
+            keeper_handles: Value::Null,
+            dumped: false,
+            manifest: None,
+            criu_bytes: 0,
+            gpu_bytes: 0,
+        })
+    }
+
+    fn params(&self) -> &'a CheckpointParams {
+        self.plan.p
+    }
+
+    /// possum takes the GPU side.
+    fn by_possum(&self) -> bool {
+        self.params().engine == Engine::Possum
+    }
+
+    /// The job's threads are parked (hooks off): its buffers are copied at the cut.
+    fn parked(&self) -> bool {
+        self.plan.hooks.as_ref().is_some_and(|h| !h.live)
+    }
+
+    /// Every process whose buffers possum checkpoints, the root first, each with its GPU
+    /// images' directory under `dir`.
+    fn possum_processes(&self, dir: &Path) -> Vec<(i32, PathBuf)> {
+        let root = (self.params().pid, dir.join("gpu"));
+        let children = self.plan.possum_children.iter();
+        std::iter::once(root)
+            .chain(children.map(|&c| (c, dir.join(child_gpu_dir(c)))))
+            .collect()
+    }
+
+    /// Pre-copy: every buffer copied into the image while the job runs (a job left running
+    /// whose memory a keeper holds: nothing copied now, `kept`). Engine possum only.
+    fn precopy(&mut self, obs: &mut dyn Observer) -> Result<(), PrecopyError> {
+        if !self.by_possum() {
+            return Ok(());
+        }
+        let p = self.params();
+        obs.copying(self.plan.managed, &self.tmp.join("gpu"));
+        for (pid, gpu) in self.possum_processes(&self.tmp) {
+            let dir = gpu.display().to_string();
+            let req = if p.leave_running && !p.gpu_only {
+                Request::CheckpointKept { dir }
+            } else {
+                Request::Checkpoint { dir }
+            };
+            let r = timed(&mut self.figures.engine_snapshot, || {
+                ask::<CheckpointReply>(pid, &p.sockets, &req)
+            })?;
+            if r.body.kept {
+                self.kept.push(pid);
+            }
+            if pid == p.pid {
+                self.engine_report = Some(r);
+            }
+        }
+        if !self.parked() {
+            obs.copied();
+        }
+        Ok(())
+    }
+
+    /// Cut (T0): the job's GPU operations held (at the op gate, or its threads parked), what
+    /// was written since the pre-copy copied, the images committed and the buffers' memory
+    /// released (a job to be killed whose memory a keeper holds: left with the keeper).
+    fn cut(&mut self, obs: &mut dyn Observer) -> Result<(), CutError> {
+        if !self.by_possum() {
+            return Ok(());
+        }
+        let p = self.params();
+        self.guard.step(Step::Releasing);
+        let release = if !p.leave_running && !p.gpu_only && self.plan.keeper.is_some() {
+            Request::ReleaseKeeping {
+                hold_secs: p.keep_on_gpu,
+            }
+        } else {
+            Request::Release
+        };
+        let r = timed(&mut self.figures.release, || {
+            ask::<ReleaseReply>(p.pid, &p.sockets, &release)
+        })?;
+        self.held_memory = HeldMemory::from_release(p.pid, &r.body);
+        self.release_report = Some(r);
+        for &c in &self.plan.possum_children {
+            let r = timed(&mut self.figures.release, || {
+                ask::<ReleaseReply>(c, &p.sockets, &release)
+            })
+            .map_err(|source| CutError::Child { pid: c, source })?;
+            self.held_memory
+                .extend(HeldMemory::from_release(c, &r.body));
+        }
+        obs.copied();
+        // Taken while the driver and CRIU work (a few ms), not before them.
+        if let (true, false, Some(k)) =
+            (p.env.keeper_revive, self.kept.is_empty(), &self.plan.keeper)
+        {
+            let (dir, pids) = (k.dir.clone(), self.kept.clone());
+            self.held_thread = Some(std::thread::spawn(move || {
+                HeldHandles::collect(&dir, &pids)
+            }));
+        }
+        Ok(())
+    }
+
+    /// Freeze: the driver locks every CUDA process of the tree and checkpoints what possum does
+    /// not manage (contexts, other memory). Not for `--gpu-only`.
+    fn freeze(&mut self) -> Result<(), FreezeError> {
+        let Some((_, drv)) = &self.plan.side else {
+            return Ok(());
+        };
+        let pid = self.params().pid;
+        let cupti = self.by_possum() && self.plan.hooks.as_ref().is_some_and(|h| h.cupti);
+        self.guard.step(Step::Locking);
+        timed(&mut self.figures.driver_lock, || {
+            drv.lock(pid, LOCK_TIMEOUT_MS)
+        })
+        .map_err(|e| {
+            if cupti && e.code() == Some(CUDA_ERROR_NOT_SUPPORTED) {
+                FreezeError::CuptiRefused(e)
+            } else {
+                FreezeError::Driver(e)
+            }
+        })?;
+        for &c in &self.plan.children {
+            timed(&mut self.figures.driver_lock, || {
+                drv.lock(c, LOCK_TIMEOUT_MS)
+            })
+            .map_err(|source| FreezeError::LockChild { pid: c, source })?;
+        }
+        timed(&mut self.figures.driver_checkpoint, || {
+            drv.checkpoint(pid)?;
+            for &c in &self.plan.children {
+                drv.checkpoint(c)
+                    .map_err(|error| FreezeError::CheckpointChild { pid: c, error })?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Dump: CRIU dumps the held tree (`--leave-running`: it stays held, for the phases after).
+    fn dump(&mut self, obs: &mut dyn Observer) -> Result<(), CriuError> {
+        if let Some((criu, _)) = &self.plan.side {
+            let p = self.params();
+            let mut opts = DumpOptions::new(p.pid, self.tmp.join("criu"));
+            opts.leave_running = true;
+            opts.shell_job = self.plan.shell_job;
+            opts.ext_unix_sk = true;
+            let dump = timed(&mut self.figures.criu_dump, || {
+                dump_retrying_transient(criu, &opts, p.pid, obs)
+            })?;
+            self.criu_bytes = dump.image_bytes;
+            self.dumped = true;
+        }
+        self.gpu_bytes = dir_bytes(&self.tmp.join("gpu"));
+        Ok(())
+    }
+
+    /// Save of a kept checkpoint: its GPU images are complete only once saved, after the job
+    /// runs again. The driver restores and unlocks the tree, a keeper that died during the hold
+    /// is revived, every possum process resumes from its images under the temporary directory
+    /// (the kept ones saving their buffers as of the hold), and the saves are waited for.
+    fn save_kept(&mut self) -> Result<(), ResumeError> {
+        self.handles = self.held_thread.take().and_then(|t| t.join().ok());
+        if self.kept.is_empty() {
+            return Ok(());
+        }
+        let p = self.params();
+        self.driver_restore_and_unlock()?;
+        // With the tree running again in the driver (a new CUDA process, a keeper, is not
+        // started while one is checkpointed), before any buffer is attached again.
+        if let (Some(h), Some(k)) = (&self.handles, &self.plan.keeper) {
+            self.keeper_handles = timed(&mut self.figures.keeper_check, || {
+                h.revive(k, &p.possum_exe, p.pid)
+            });
+        }
+        for (pid, gpu) in self.possum_processes(&self.tmp) {
+            let dir = gpu.display().to_string();
+            let req = if self.kept.contains(&pid) {
+                Request::ResumeAndSave {
+                    dir,
+                    shadow_mib: p.shadow_budget,
+                }
+            } else {
+                Request::Resume { dir: Some(dir) }
+            };
+            let r = timed(&mut self.figures.resume, || {
+                ask::<ResumeReply>(pid, &p.sockets, &req)
+            })
+            .map_err(|source| ResumeError::Process { pid, source })?;
+            if pid == p.pid {
+                self.resume_report = Some(r);
+            }
+        }
+        self.guard.step(Step::Resumed);
+        let mut saved = Vec::new();
+        for &pid in &self.kept {
+            let report = timed(&mut self.figures.saved, || {
+                ask_within::<SavedReply>(pid, &p.sockets, &Request::Saved, SAVE_TIMEOUT)
+            })
+            .map_err(|source| ResumeError::Save { pid, source })?;
+            saved.push(SavedOf { pid, report });
+        }
+        self.saved_report = Some(saved);
+        Ok(())
+    }
+
+    /// Split: the bulk of the job's private memory out of CRIU's images, for possum's plugin to
+    /// write back in parallel at restore (`possum_criu::hostmem`). Not while a job left running
+    /// without a keeper is still held (it would lengthen its stall) unless
+    /// `POSSUM_HOSTMEM_SPLIT=always`; not for the driver engine (the baseline stays plain CRIU).
+    /// A failure leaves the images whole (CRIU restores them itself) and is said on stderr.
+    fn split_host_memory(&mut self, obs: &mut dyn Observer) {
+        use possum_criu::hostmem;
+        let p = self.params();
+        let (Some((criu, _)), true) = (&self.plan.side, self.by_possum()) else {
+            return;
+        };
+        let always = p.env.hostmem_split == HostmemSplit::Always;
+        if self.kept.is_empty() && p.leave_running && !always {
+            return;
+        }
+        if p.env.hostmem_split == HostmemSplit::Off {
+            self.figures.hostmem = Some(HostmemFigures::Off {
+                off: "POSSUM_HOSTMEM_SPLIT=0",
+            });
+            return;
+        }
+        // Only possum's CRIU plugin writes split memory back: no plugin here, no split.
+        if !criu.has_possum_plugin() {
+            self.figures.hostmem = Some(HostmemFigures::Off {
+                off: "no CRIU plugin",
+            });
+            return;
+        }
+        let criu_dir = self.tmp.join("criu");
+        let r = timed(&mut self.figures.hostmem_split, || {
+            hostmem::split(&criu_dir, &hostmem::SplitOptions::default())
+        });
+        self.figures.hostmem = Some(match r {
+            Ok(rep) => HostmemFigures::Split {
+                moved_bytes: rep.moved_bytes(),
+                kept_bytes: rep.split.iter().map(|t| t.kept_bytes).sum(),
+                processes: rep.split.iter().map(|t| t.pid).collect(),
+                left: (rep.left.iter())
+                    .map(|(pid, why)| LeftWhole {
+                        pid: *pid,
+                        why: why.to_string(),
+                    })
+                    .collect(),
+            },
+            Err(e) => {
+                let e = format!("{:#}", anyhow::Error::from(e));
+                obs.note(&format!(
+                    "CRIU restores the job's memory itself (splitting its images failed: {e})"
+                ));
+                HostmemFigures::Failed { error: e }
+            }
+        });
+    }
+
+    /// The image's description (its figures are added at the report).
+    fn manifest(&mut self) -> Manifest {
+        let p = self.params();
+        Manifest {
+            possum_image: MANIFEST_VERSION,
+            engine: p.engine,
+            pid: p.pid,
+            shell_job: self.plan.shell_job,
+            socket_dir: p.sockets.clone(),
+            created: SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            criu_dir: self.dumped.then(|| "criu".into()),
+            gpu_dir: (p.engine == Engine::Possum).then(|| "gpu".into()),
+            gpu_memory: self.plan.gpu_memory.clone(),
+            cuda_children: self.plan.children.clone(),
+            possum_children: self.plan.possum_children.clone(),
+            socket_dirs: self.plan.socket_dirs.clone(),
+            stdio_pipes: self.plan.stdio_pipes.clone(),
+            keeper: self.plan.keeper.clone(),
+            held: std::mem::take(&mut self.held_memory),
+            figures: Value::Null,
+            check: None,
+        }
+    }
+
+    /// Commit: `possum.json` written and the image named (`--force`: the old one removed only
+    /// now). Fails if DIR appeared meanwhile and is not empty: nothing is overwritten.
+    fn commit(&mut self) -> Result<(), CommitError> {
+        let manifest = self.manifest();
+        let manifest = self.manifest.insert(manifest);
+        let (tmp, dir, force) = (&self.tmp, &self.plan.p.dir, self.plan.p.force);
+        timed(&mut self.figures.commit, || {
+            fs::write(tmp.join(MANIFEST), manifest_text(manifest)?)?;
+            fs::File::open(tmp)?.sync_all()?;
+            if force && dir.exists() {
+                let old = tmp.with_extension("old");
+                fs::rename(dir, &old)?;
+                fs::rename(tmp, dir)?;
+                let _ = fs::remove_dir_all(&old);
+            } else {
+                let _ = fs::remove_dir(dir);
+                fs::rename(tmp, dir)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Resume or kill: with `--leave-running` (or `--gpu-only`) the driver restores and unlocks
+    /// the tree and possum resumes each process from the named image, its buffers back on
+    /// demand; otherwise the job is killed. A kept checkpoint has resumed already.
+    fn resume_or_kill(&mut self) -> Result<(), ResumeError> {
+        let p = self.params();
+        if !self.kept.is_empty() {
+            return Ok(());
+        }
+        if !p.leave_running && !p.gpu_only {
+            return timed(&mut self.figures.kill, || kill_job(p.pid)).map_err(Into::into);
+        }
+        self.driver_restore_and_unlock()?;
+        if !self.by_possum() {
+            return Ok(());
+        }
+        for (pid, gpu) in self.possum_processes(&p.dir) {
+            let req = Request::Resume {
+                dir: Some(gpu.display().to_string()),
+            };
+            let r = timed(&mut self.figures.resume, || {
+                ask::<ResumeReply>(pid, &p.sockets, &req)
+            });
+            match r {
+                Ok(r) if pid == p.pid => self.resume_report = Some(r),
+                Ok(_) => {}
+                Err(e) if pid == p.pid => return Err(e.into()),
+                Err(source) => return Err(ResumeError::Child { pid, source }),
+            }
+        }
+        self.guard.step(Step::Resumed);
+        Ok(())
+    }
+
+    /// The driver's restore, then unlock, of the job and the other CUDA processes of its tree,
+    /// on the same GPUs (none for `--gpu-only`).
+    fn driver_restore_and_unlock(&mut self) -> Result<(), DriverCkptError> {
+        let Some((_, drv)) = &self.plan.side else {
+            return Ok(());
+        };
+        let tree: Vec<i32> = std::iter::once(self.params().pid)
+            .chain(self.plan.children.iter().copied())
+            .collect();
+        timed(&mut self.figures.driver_restore, || {
+            tree.iter().try_for_each(|&p| drv.restore(p, &[]))
+        })?;
+        timed(&mut self.figures.driver_unlock, || {
+            tree.iter().try_for_each(|&p| drv.unlock(p))
+        })?;
+        self.guard.step(Step::Unlocked);
+        Ok(())
+    }
+
+    /// Report: the guard let go, the image made durable (nothing was fsynced while the job was
+    /// held), the figures accounted and written into the image too (best effort: the image is
+    /// already complete).
+    fn report(mut self, t_all: Instant) -> Result<CheckpointReport, ReportError> {
+        let p = self.params();
+        let hold = self.hold_in_words();
+        let parked = self.parked();
+        self.guard.done();
+        timed(&mut self.figures.sync, || sync_tree(&p.dir)).map_err(ReportError::Sync)?;
+        let kept = !self.kept.is_empty();
+        self.figures.total = t_all.elapsed();
+        self.figures.account_stall(kept, !kept && p.leave_running);
+        self.figures.criu_image_bytes = self.criu_bytes;
+        self.figures.gpu_image_bytes = self.gpu_bytes;
+        self.figures.image_bytes = self.criu_bytes + self.gpu_bytes;
+        let manifest = self.manifest.take();
+        let report = CheckpointReport {
+            pid: p.pid,
+            cuda_children: self.plan.children,
+            possum_children: self.plan.possum_children,
+            engine: p.engine,
+            dir: p.dir.clone(),
+            leave_running: p.leave_running,
+            hooks: self.plan.hooks.and_then(|h| h.mode),
+            hold,
+            figures: self.figures,
+            engine_report: self.engine_report,
+            release_report: self.release_report,
+            kept: self.kept,
+            saved_report: self.saved_report,
+            resume_report: self.resume_report,
+            keeper_handles: self.keeper_handles,
+            parked,
+        };
+        // Held until the job has its memory again (and the save is committed).
+        drop(self.handles);
+        if let Some(mut manifest) = manifest {
+            manifest.figures = serde_json::to_value(&report).unwrap_or_default();
+            if let Ok(text) = manifest_text(&manifest) {
+                let _ = fs::write(p.dir.join(MANIFEST), text);
+            }
+        }
+        Ok(report)
+    }
+
+    /// How the job was held, in words.
+    fn hold_in_words(&self) -> String {
+        let copied = self
+            .release_report
+            .as_ref()
+            .map_or(0, |r| r.body.copied().0);
+        match (self.params().engine, &self.plan.hooks) {
+            (Engine::Driver, _) | (_, None) => "driver lock".to_string(),
+            (Engine::Possum, Some(_)) if !self.kept.is_empty() => {
+                "op gate: buffers left on the GPU with the keeper while held (nothing copied), \
+                 saved as of the hold while the job ran on"
+                    .to_string()
+            }
+            (Engine::Possum, Some(h)) if !h.live => {
+                "threads parked (hooks off): every buffer copied while held".to_string()
+            }
+            (Engine::Possum, Some(h)) => format!(
+                "op gate ({}): pre-copy while the job ran, then {copied} buffers written since \
+                 copied while held",
+                h.seen_by()
+            ),
+        }
+    }
+}
+
+/// CRIU's dump of the held job, again (up to [`DUMP_TRIES`] times, [`DUMP_RETRY_WAIT`] apart)
+/// when it failed only because the job's control socket had a client connected at that moment
+/// (CRIU cannot dump one end of a stream connection whose other end is outside the tree): a
+/// `possum status` from elsewhere, or a client of an earlier checkpoint that died, whose
+/// exchange the job's control thread (not held) ends meanwhile. A failed dump leaves the tree
+/// as it was, still held.
+fn dump_retrying_transient(
+    criu: &Criu,
+    opts: &DumpOptions,
+    pid: i32,
+    obs: &mut dyn Observer,
+) -> Result<possum_criu::DumpReport, CriuError> {
+    // The control socket's file name, as CRIU's log names it.
+    let sock = possum_control::socket_path(Path::new(""), pid as u32)
+        .display()
+        .to_string();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match criu.dump(opts) {
+            Ok(d) => return Ok(d),
+            Err(e) => {
+                let m = e.to_string();
+                let transient =
+                    m.contains("Can't dump half of stream unix connection") && m.contains(&sock);
+                if !transient || tries >= DUMP_TRIES {
+                    return Err(e);
+                }
+                obs.note(&format!(
+                    "CRIU's dump of process {pid} met a client connected to its control socket; \
+                     dumping again in {} ms",
+                    DUMP_RETRY_WAIT.as_millis()
+                ));
+                std::thread::sleep(DUMP_RETRY_WAIT);
+            }
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! The figures of a checkpoint and of a restore: how long each phase took and what it moved,
+//! serialized under the keys `possum checkpoint --json` and `possum restore --json` print
+//! (`<step>_ms` in milliseconds, a step absent when it was not taken).
+
+use std::time::{Duration, Instant};
+
+use serde::{Serialize, Serializer};
+
+/// Milliseconds, to the microsecond.
+pub fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Runs `f`, adding the time it took to `slot` (a step taken several times, once per process of
+/// the job's tree, sums them).
+pub fn timed<T>(slot: &mut Option<Duration>, f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let r = f();
+    *slot = Some(slot.unwrap_or_default() + t.elapsed());
+    r
+}
+
+fn opt_ms<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(ms(d.unwrap_or_default()))
+}
+
+fn as_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(ms(*d))
+}
+
+/// A step's time, `None` when it was not taken.
+type Step = Option<Duration>;
+
+/// A checkpoint's figures (`figures` in its JSON).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CheckpointFigures {
+    /// The pre-copy (or, for a kept checkpoint, the engines' preparation) of every process.
+    #[serde(rename = "engine_snapshot_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_snapshot: Step,
+    /// The cut: the job held, what was written since copied, the buffers' memory released.
+    #[serde(rename = "release_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub release: Step,
+    /// A kept hold: the check that the keeper still answers (and its revival if not).
+    #[serde(rename = "keeper_check_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keeper_check: Step,
+    /// The driver's lock of every CUDA process of the tree.
+    #[serde(rename = "driver_lock_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_lock: Step,
+    /// The driver's checkpoint (its residue: contexts, memory possum does not manage).
+    #[serde(rename = "driver_checkpoint_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_checkpoint: Step,
+    /// CRIU's dump.
+    #[serde(rename = "criu_dump_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_dump: Step,
+    /// The job's private memory taken out of CRIU's images.
+    #[serde(rename = "hostmem_split_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hostmem_split: Step,
+    /// The driver's restore.
+    #[serde(rename = "driver_restore_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_restore: Step,
+    /// The driver's unlock.
+    #[serde(rename = "driver_unlock_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_unlock: Step,
+    /// possum's resume of every process.
+    #[serde(rename = "resume_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume: Step,
+    /// A kept checkpoint: the save of the buffers after the job runs again.
+    #[serde(rename = "saved_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub saved: Step,
+    /// `possum.json` written and the image named.
+    #[serde(rename = "commit_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub commit: Step,
+    /// The job killed.
+    #[serde(rename = "kill_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kill: Step,
+    /// The image made durable (fsync), with the job running again.
+    #[serde(rename = "sync_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync: Step,
+    /// The whole command.
+    #[serde(rename = "total_ms", serialize_with = "as_ms")]
+    pub total: Duration,
+    /// How long the job's GPU operations were held.
+    #[serde(rename = "stall_ms", serialize_with = "as_ms")]
+    pub stall: Duration,
+    /// The stall by who held it.
+    #[serde(rename = "stall_breakdown_ms")]
+    pub stall_breakdown: StallBreakdown,
+    /// What the split of the job's memory moved (null when none was made).
+    pub hostmem: Option<HostmemFigures>,
+    /// Bytes of the image: CRIU's and possum's GPU images.
+    pub image_bytes: u64,
+    /// Bytes of CRIU's images.
+    pub criu_image_bytes: u64,
+    /// Bytes of possum's GPU images.
+    pub gpu_image_bytes: u64,
+}
+
+/// Who held the job, how long.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct StallBreakdown {
+    /// possum's release, keeper check and resume.
+    #[serde(serialize_with = "as_ms")]
+    pub engine: Duration,
+    /// The driver's lock, checkpoint, restore and unlock.
+    #[serde(serialize_with = "as_ms")]
+    pub driver: Duration,
+    /// CRIU's dump (and a split made while held).
+    #[serde(serialize_with = "as_ms")]
+    pub criu: Duration,
+    /// Naming the image while held.
+    #[serde(serialize_with = "as_ms")]
+    pub commit: Duration,
+}
+
+impl CheckpointFigures {
+    /// The stall, from the steps taken: `kept` (the image named after the job ran again) and
+    /// `split_in_hold` (a split made while a job left running without a keeper was held).
+    pub fn account_stall(&mut self, kept: bool, split_in_hold: bool) {
+        let t = |d: Step| d.unwrap_or_default();
+        let b = StallBreakdown {
+            engine: t(self.release) + t(self.keeper_check) + t(self.resume),
+            driver: t(self.driver_lock)
+                + t(self.driver_checkpoint)
+                + t(self.driver_restore)
+                + t(self.driver_unlock),
+            criu: t(self.criu_dump)
+                + if split_in_hold {
+                    t(self.hostmem_split)
+                } else {
+                    Duration::ZERO
+                },
+            commit: if kept { Duration::ZERO } else { t(self.commit) },
+        };
+        self.stall = b.engine + b.driver + b.criu + b.commit;
+        self.stall_breakdown = b;
+    }
+}
+
+/// What the split of the job's private memory out of CRIU's images did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum HostmemFigures {
+    /// Not made, and why.
+    Off {
+        /// Why.
+        off: &'static str,
+    },
+    /// Made.
+    Split {
+        /// Bytes moved out of CRIU's images.
+        moved_bytes: u64,
+        /// Bytes left in them.
+        kept_bytes: u64,
+        /// The processes split.
+        processes: Vec<u32>,
+        /// Processes left whole, and why.
+        left: Vec<LeftWhole>,
+    },
+    /// It failed: the images are whole (CRIU restores them itself).
+    Failed {
+        /// Why.
+        error: String,
+    },
+}
+
+/// A process whose memory the split left in CRIU's images.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LeftWhole {
+    /// The process.
+    pub pid: u32,
+    /// Why.
+    pub why: String,
+}
+
+/// A restore's figures (`figures` in its JSON).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RestoreFigures {
+    /// The keeper asked to load the GPU images while CRIU restores the process.
+    #[serde(rename = "stage_begin_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stage_begin: Step,
+    /// CRIU's restore.
+    #[serde(rename = "criu_restore_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_restore: Step,
+    /// CRIU's restore, again without the keeper started for the staging.
+    #[serde(rename = "criu_restore_again_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_restore_again: Step,
+    /// A keeper started for the restored job.
+    #[serde(rename = "keeper_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keeper: Step,
+    /// The driver's restore.
+    #[serde(rename = "driver_restore_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_restore: Step,
+    /// The driver's unlock.
+    #[serde(rename = "driver_unlock_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_unlock: Step,
+    /// possum's resume of every process.
+    #[serde(rename = "resume_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume: Step,
+    /// possum's CRIU plugin writing back the memory taken out of CRIU's images (part of CRIU's
+    /// time), from CRIU's log.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hostmem_fill_ms: Option<f64>,
+    /// The bytes it wrote back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hostmem_fill_bytes: Option<u64>,
+    /// Everything before the first process is started (checks of the image and the GPUs).
+    #[serde(rename = "prepare_ms", serialize_with = "as_ms")]
+    pub prepare: Duration,
+    /// The whole command.
+    #[serde(rename = "total_ms", serialize_with = "as_ms")]
+    pub total: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The keys are those the JSON of the checkpoint always had: steps not taken are absent.
+    #[test]
+    fn checkpoint_figures_keep_their_keys() {
+        let mut f = CheckpointFigures::default();
+        timed(&mut f.release, || ());
+        f.release = Some(Duration::from_micros(1500));
+        f.resume = Some(Duration::from_millis(2));
+        f.commit = Some(Duration::from_millis(3));
+        f.total = Duration::from_millis(10);
+        f.account_stall(false, false);
+        f.hostmem = Some(HostmemFigures::Off {
+            off: "no CRIU plugin",
+        });
+        let v = serde_json::to_value(&f).unwrap();
+        assert_eq!(v["release_ms"], json!(1.5));
+        assert_eq!(v["stall_ms"], json!(6.5));
+        assert_eq!(
+            v["stall_breakdown_ms"],
+            json!({"engine": 3.5, "driver": 0.0, "criu": 0.0, "commit": 3.0})
+        );
+        assert_eq!(v["hostmem"], json!({"off": "no CRIU plugin"}));
+        assert!(v.get("criu_dump_ms").is_none());
+        let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+        assert_eq!(
+            keys,
+            [
+                "commit_ms",
+                "criu_image_bytes",
+                "gpu_image_bytes",
+                "hostmem",
+                "image_bytes",
+                "release_ms",
+                "resume_ms",
+                "stall_breakdown_ms",
+                "stall_ms",
+                "total_ms"
+            ]
+        );
+        // A kept checkpoint names its image after the job runs again: not part of the stall.
+        f.account_stall(true, false);
+        assert_eq!(serde_json::to_value(f).unwrap()["stall_ms"], json!(3.5));
+    }
+
+    #[test]
+    fn restore_figures_keep_their_keys() {
+        let f = RestoreFigures {
+            criu_restore: Some(Duration::from_millis(4)),
+            hostmem_fill_bytes: Some(7),
+            hostmem_fill_ms: Some(1.25),
+            ..RestoreFigures::default()
+        };
+        let v = serde_json::to_value(f).unwrap();
+        assert_eq!(
+            v,
+            json!({"criu_restore_ms": 4.0, "hostmem_fill_ms": 1.25, "hostmem_fill_bytes": 7,
+                   "prepare_ms": 0.0, "total_ms": 0.0})
+        );
+    }
+}

@@ -1,0 +1,98 @@
+//! The checkpoint and restore of a GPU process as a sequence of named phases, shared by the
+//! `possum` command line, the CRIU plugin and migration.
+//!
+//! ```text
+//! checkpoint (engine possum)                      job (libpossum.so)
+//!   plan         status, tree, driver state ─────▶ (nothing changes)
+//!   pre-copy     checkpoint{tmp/gpu} ────────────▶ every buffer copied while it runs
+//!   cut          release ────────────────────────▶ T0: GPU operations held; what was written
+//!                                                  since copied, images committed, memory dropped
+//!   freeze       driver lock + checkpoint (the residue: contexts, memory possum does not manage)
+//!   save         CRIU dump (the job stays held); a kept checkpoint resumes the job and saves its
+//!                buffers as of T0; host memory split out of CRIU's images
+//!   commit       possum.json written, tmp renamed to DIR
+//!   resume/kill  --leave-running: driver restore + unlock, resume{DIR/gpu} ▶ runs on, buffers
+//!                back on demand; otherwise the job is killed
+//!   report       the guard let go, the image fsynced, the figures
+//! restore
+//!   open ─ prepare (GPUs, CRIU, sockets) ─ stage (keeper loads the images) ─ CRIU restore ─
+//!   keeper ─ driver restore + unlock ─ resume{DIR/gpu} ▶ runs; buffers back on demand ─ report
+//! ```
+//!
+//! What each phase guarantees, and the ordering rules:
+//! - **plan** ([`checkpoint::checkpoint`]'s first step) changes nothing: a job that cannot be
+//!   checkpointed (managed memory, CUPTI under NVIDIA's driver, held by another checkpoint) is
+//!   refused before it is paused. It holds `possum-PID.lock`: one checkpoint of a process at a
+//!   time.
+//! - From the **cut** on, a guard process ([`guard`]) is told each step before it is taken and,
+//!   if the checkpoint fails or its caller dies (even by SIGKILL), undoes what was done: the job
+//!   runs on and no image appears under DIR's name.
+//! - The **freeze** locks every CUDA process of the tree before any is checkpointed (one T0),
+//!   and CRIU dumps only after the driver has checkpointed them all.
+//! - The image is written under a temporary sibling of DIR and named only at the **commit**,
+//!   complete; nothing is fsynced while the job is held (the **report** does it after).
+//! - A kept checkpoint (a job left running whose memory a keeper holds) copies nothing while
+//!   held: its buffers are saved after the job runs again, and the image is named after that.
+//! - A restore starts nothing before its checks (the image, the GPUs' room, CRIU's plugin);
+//!   a failure after CRIU's restore kills the restored process; the image is never changed.
+//!
+//! Each phase has its error type (`PlanError`, `HoldError` of the pre-copy, cut, freeze and
+//! dump, `ResumeError`, `CommitError`, ...), each message naming what failed; the figures are
+//! [`figures::CheckpointFigures`] and [`figures::RestoreFigures`]; the parameters
+//! [`CheckpointParams`] and [`RestoreParams`], with the environment read once
+//! ([`Environment::read`]).
+
+pub mod checkpoint;
+pub mod config;
+pub mod figures;
+pub mod guard;
+mod held;
+pub mod image;
+pub mod job;
+pub mod process;
+pub mod restore;
+mod stage;
+pub mod tree;
+
+pub use checkpoint::{
+    checkpoint, CheckpointError, CheckpointParams, CheckpointReport, ResumeError,
+};
+pub use config::{Environment, HostmemSplit};
+pub use restore::{restore, RestoreError, RestoreParams, RestoreReport};
+pub use stage::StageReport;
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// Told how a sequence goes: the copy of the job's buffers (for a progress bar), and what the
+/// user should know that is not an error (the sequences print nothing themselves).
+pub trait Observer {
+    /// The copy of `total` bytes of the job's buffers into `dir` begins.
+    fn copying(&mut self, total: u64, dir: &Path);
+    /// It is over (may be told more than once).
+    fn copied(&mut self);
+    /// Something the user should know (a step taken again, a check that could not be made).
+    fn note(&mut self, what: &str);
+}
+
+/// An [`Observer`] that shows nothing and drops the notes.
+#[derive(Debug, Default)]
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn copying(&mut self, _: u64, _: &Path) {}
+    fn copied(&mut self) {}
+    fn note(&mut self, _: &str) {}
+}
+
+/// Who takes a checkpoint's GPU side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// possum: buffers pre-copied while the job runs; the job held for what it wrote since, the
+    /// driver's residue and CRIU; buffers back on demand.
+    Possum,
+    /// The baseline: CRIU + NVIDIA's driver checkpoint, nothing of possum's.
+    Driver,
+}

@@ -1,0 +1,552 @@
+//! The restore sequence: [`restore`] and its phases (see the crate's documentation).
+
+use std::fs;
+use std::os::unix::fs::DirBuilderExt as _;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use possum_control::reply::ResumeReply;
+use possum_control::{Reply, Request};
+use possum_criu::{Criu, CriuError, RestoreOptions};
+use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
+use serde::Serialize;
+
+use crate::config::Environment;
+use crate::figures::{timed, RestoreFigures};
+use crate::image::{
+    open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, KeptBuffers, UuidPairs,
+};
+use crate::job::ask;
+use crate::process::{alive, kill_job};
+use crate::stage::{self, StageReport, Staging};
+use crate::{Engine, Observer, ResumeError};
+
+/// What to restore, and how (`possum restore`'s flags, with the environment).
+#[derive(Debug, Clone)]
+pub struct RestoreParams {
+    /// The image directory.
+    pub dir: PathBuf,
+    /// The job's control socket directory (default: the one it had when checkpointed).
+    pub socket_dir: Option<PathBuf>,
+    /// Restore onto this GPU (nvidia-smi's index) instead of the one the job ran on.
+    pub device: Option<u32>,
+    /// The possum executable (started as a keeper).
+    pub possum_exe: PathBuf,
+    /// What the environment says.
+    pub env: Environment,
+}
+
+/// A restore made: what the command prints.
+#[derive(Debug, Serialize)]
+pub struct RestoreReport {
+    /// The job.
+    pub pid: i32,
+    /// Who took the GPU side at the checkpoint.
+    pub engine: Engine,
+    /// The image directory.
+    pub dir: PathBuf,
+    /// The figures.
+    pub figures: RestoreFigures,
+    /// Directories of the tree's unix sockets made again.
+    pub recreated_socket_dirs: Vec<PathBuf>,
+    /// A keeper started for the restored job (its directory).
+    pub keeper_started: Option<PathBuf>,
+    /// The job's standard descriptors given this command's.
+    pub stdio_from_restore: Vec<i32>,
+    /// Those given `/dev/null`.
+    pub stdio_discarded: Vec<i32>,
+    /// The keeper still held the job's buffers: mapped again, nothing copied.
+    pub gpu_from_keeper: bool,
+    /// The keeper's stages of the GPU images.
+    pub staged: Vec<StageReport>,
+    /// Buffers copied GPU to GPU from the job's old GPU (`--device`).
+    pub peer_buffers: u64,
+    /// Why nothing was staged.
+    pub stage_skipped: Option<String>,
+    /// Buffers of the stages the restored processes took.
+    pub staged_buffers_mapped: u64,
+    /// The root's answer to the resume.
+    pub resume_report: Option<Reply<ResumeReply>>,
+    /// The image has possum's GPU images (engine possum).
+    #[serde(skip)]
+    pub has_gpu: bool,
+}
+
+/// Restores the job of the image `p.dir` names, in phases: open, prepare, stage, CRIU's
+/// restore, keeper, driver and resume, report. A failure after CRIU's restore kills the
+/// restored process; the image is never changed. `obs` is told what the user should know.
+pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreReport, RestoreError> {
+    let t_all = Instant::now();
+    let img = open_image(&p.dir)?;
+    let m = &img.manifest;
+    if alive(m.pid) {
+        return Err(RestoreError::Running { pid: m.pid });
+    }
+    let ready = prepare(p, &img, obs)?;
+    let mut figures = RestoreFigures {
+        prepare: t_all.elapsed(),
+        ..RestoreFigures::default()
+    };
+    let (mut staging, stage_skipped) = begin_staging(p, &img, &ready, &mut figures);
+    criu_restore(&ready, &mut staging, &mut figures)?;
+    // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
+    // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
+    // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
+    // take the job's PID (unless the staging started it before).
+    let keeper_started = match (&m.keeper, &staging) {
+        (_, Some(s)) if s.started_keeper() => Some(s.keeper_dir().to_path_buf()),
+        (Some(k), _) => timed(&mut figures.keeper, || start_keeper_for(p, k, m.pid)),
+        _ => None,
+    };
+    let resumed = match resume(p, &img, &ready, &mut figures) {
+        Ok(r) => r,
+        Err(source) => {
+            // A half-restored job is of no use to anyone: it must not linger, locked.
+            let _ = kill_job(m.pid);
+            if let Some(s) = staging {
+                s.abandon();
+            }
+            return Err(RestoreError::Resume { pid: m.pid, source });
+        }
+    };
+    let mut report = RestoreReport {
+        pid: m.pid,
+        engine: m.engine,
+        dir: p.dir.clone(),
+        figures,
+        recreated_socket_dirs: ready.recreated,
+        keeper_started,
+        stdio_from_restore: ready.stdio.from_restore,
+        stdio_discarded: ready.stdio.discarded,
+        gpu_from_keeper: false,
+        staged: Vec::new(),
+        peer_buffers: 0,
+        stage_skipped,
+        staged_buffers_mapped: 0,
+        resume_report: None,
+        has_gpu: img.gpu.is_some(),
+    };
+    report.account(resumed, staging, &img.criu.join(&ready.opts.log_file));
+    report.figures.total = t_all.elapsed();
+    Ok(report)
+}
+
+/// A restore that failed, by the phase that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// The image is not one to restore.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// Its PID is taken.
+    #[error(
+        "process {pid} is running: CRIU restores the job under its old PID, which must be free \
+         (kill the original first, or restore on another machine)"
+    )]
+    Running {
+        /// The job's PID.
+        pid: i32,
+    },
+    /// What the restore needs is missing, or the GPUs cannot take the job.
+    #[error(transparent)]
+    Prepare(#[from] PrepareError),
+    /// CRIU's restore.
+    #[error(transparent)]
+    Criu(#[from] CriuError),
+    /// CRIU's restore, twice.
+    #[error("CRIU's restore failed twice (first with a keeper started for staging: {first})")]
+    CriuTwice {
+        /// The first failure.
+        first: String,
+        /// The second.
+        #[source]
+        source: CriuError,
+    },
+    /// The GPU side: the restored process was killed.
+    #[error(
+        "restore of process {pid} failed; the restored process was killed, the image is intact"
+    )]
+    Resume {
+        /// The job.
+        pid: i32,
+        /// What failed.
+        #[source]
+        source: ResumeError,
+    },
+}
+
+/// The restore cannot start: nothing was done.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// No CRIU.
+    #[error("CRIU is needed for the CPU side")]
+    NoCriu(#[source] CriuError),
+    /// No driver checkpoint.
+    #[error("NVIDIA's driver checkpoint is needed")]
+    NoDriver(#[source] DriverCkptError),
+    /// The GPUs (free memory, `--device`).
+    #[error(transparent)]
+    Gpus(#[from] crate::image::GpuError),
+    /// The image's GPU images could not be read.
+    #[error(transparent)]
+    Buffers(anyhow::Error),
+    /// Memory only possum's CRIU plugin restores, and no plugin.
+    #[error(
+        "{} holds memory only possum's CRIU plugin restores, and no plugin was found \
+         (POSSUM_CRIU_PLUGIN_DIR, or criu-plugins/{} beside the possum executable)",
+        criu_dir.display(),
+        possum_criu::PLUGIN_FILE
+    )]
+    NoPlugin {
+        /// CRIU's images.
+        criu_dir: PathBuf,
+    },
+    /// CRIU's images could not be read.
+    #[error(transparent)]
+    Split(#[from] possum_criu::hostmem::HostMemError),
+    /// A directory of the tree's sockets could not be made.
+    #[error("creating {} for the job's sockets", dir.display())]
+    SocketDir {
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `/dev/null` could not be opened.
+    #[error("opening /dev/null for the job's standard descriptors")]
+    DevNull(#[source] std::io::Error),
+}
+
+/// What the prepare phase made ready.
+struct Ready {
+    criu: Criu,
+    drv: DriverCheckpoint,
+    /// The driver's GPU remapping (`--device`; empty: the same GPUs).
+    pairs: UuidPairs,
+    kept: KeptBuffers,
+    sockets: PathBuf,
+    recreated: Vec<PathBuf>,
+    stdio: StdioPlan,
+    opts: RestoreOptions,
+}
+
+/// Prepare: CRIU and the driver found, the GPUs checked for room (nvidia-smi answers while the
+/// rest is made ready; its verdict still comes before anything is started), the job's old
+/// control sockets removed, the directories of its tree's sockets made again, and its standard
+/// descriptors planned. Nothing of the job is started.
+fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Ready, PrepareError> {
+    let m = &img.manifest;
+    let gpus = (!m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
+    // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
+    // and so does a restore on the job's own GPU unless the keeper still holds them there.
+    let kept = if m.keeper.is_some() {
+        KeptBuffers {
+            mib: img.buffer_mib().map_err(PrepareError::Buffers)?,
+            held: stage::keeper_holds(m),
+        }
+    } else {
+        KeptBuffers::default()
+    };
+    let criu = Criu::locate().map_err(PrepareError::NoCriu);
+    let drv = DriverCheckpoint::load_from(&p.env.libcuda).map_err(PrepareError::NoDriver);
+    let smi = || gpus.and_then(|t| t.join().ok()).flatten();
+    let pairs = plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?;
+    let (criu, drv) = (criu?, drv?);
+    refuse_split_without_plugin(&img.criu, &criu)?;
+    let sockets = p.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
+    if img.gpu.is_some() {
+        // The killed job's socket files are still there; the restored job listens on them again.
+        for pid in std::iter::once(&m.pid).chain(&m.possum_children) {
+            let _ = fs::remove_file(possum_control::socket_path(&sockets, *pid as u32));
+        }
+    }
+    let recreated = recreate_socket_dirs(&m.socket_dirs)?;
+    let stdio = StdioPlan::new(&m.stdio_pipes).map_err(PrepareError::DevNull)?;
+    let mut opts = RestoreOptions::new(&img.criu);
+    opts.shell_job = m.shell_job;
+    opts.ext_unix_sk = true;
+    opts.log_file = format!("restore-{}.log", std::process::id());
+    if let Some(l) = p.env.criu_log_level {
+        opts.log_level = l;
+    }
+    opts.inherit_fds = stdio.inherit.clone();
+    Ok(Ready {
+        criu,
+        drv,
+        pairs,
+        kept,
+        sockets,
+        recreated,
+        stdio,
+        opts,
+    })
+}
+
+/// Memory `possum checkpoint` took out of CRIU's images is written back only by possum's CRIU
+/// plugin, and CRIU checks that a required plugin is loaded only when it loads plugins at all.
+fn refuse_split_without_plugin(criu_dir: &Path, criu: &Criu) -> Result<(), PrepareError> {
+    if !criu.has_possum_plugin() && possum_criu::hostmem::is_split(criu_dir)? {
+        return Err(PrepareError::NoPlugin {
+            criu_dir: criu_dir.to_path_buf(),
+        });
+    }
+    Ok(())
+}
+
+/// nvidia-smi's GPUs, asked on a thread (tens of ms). The job's keeper first frees the memory of
+/// processes that are gone (the job's, killed a moment ago, is otherwise freed within the
+/// keeper's periodic check, and nvidia-smi would count it as taken).
+fn ask_gpus(
+    keeper: Option<&KeeperOfJob>,
+    env: &Environment,
+) -> JoinHandle<Option<Vec<(u32, String, u64)>>> {
+    let keeper_dir = keeper.map(|k| k.dir.clone());
+    let smi_bin = env.nvidia_smi.clone();
+    std::thread::spawn(move || {
+        if let Some(dir) = keeper_dir {
+            stage::reap(&dir);
+        }
+        smi::gpus(&smi_bin)
+    })
+}
+
+/// CRIU binds the tree's unix sockets at their paths again: their directories must exist (a
+/// job that ended, or another machine, may not have them). Those made.
+fn recreate_socket_dirs(dirs: &[PathBuf]) -> Result<Vec<PathBuf>, PrepareError> {
+    let mut recreated = Vec::new();
+    for d in dirs.iter().filter(|d| !d.exists()) {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(d)
+            .map_err(|source| PrepareError::SocketDir {
+                dir: d.clone(),
+                source,
+            })?;
+        recreated.push(d.clone());
+    }
+    Ok(recreated)
+}
+
+/// Stage: the keeper loads the GPU images while CRIU restores the process. The staging, or why
+/// there is none.
+fn begin_staging(
+    p: &RestoreParams,
+    img: &Image,
+    ready: &Ready,
+    figures: &mut RestoreFigures,
+) -> (Option<Staging>, Option<String>) {
+    // `--device`: the job's GPU moves to another (the driver's first pair; none for its own).
+    let moved = ready.pairs.first().copied();
+    let on = p.env.restore_stage;
+    match stage::plan(
+        &img.manifest,
+        img.gpu.as_deref(),
+        moved,
+        ready.kept.held,
+        on,
+    ) {
+        Ok(plan) => match timed(&mut figures.stage_begin, || {
+            Staging::begin(img, plan, &p.possum_exe)
+        }) {
+            Ok(s) => (Some(s), None),
+            Err(e) => (None, Some(format!("the keeper could not be asked: {e:#}"))),
+        },
+        Err(why) => (None, Some(why)),
+    }
+}
+
+/// CRIU's restore of the process tree. A keeper started for the staging may hold a PID of the
+/// job's: without it, once more.
+fn criu_restore(
+    ready: &Ready,
+    staging: &mut Option<Staging>,
+    figures: &mut RestoreFigures,
+) -> Result<(), RestoreError> {
+    let Err(e) = timed(&mut figures.criu_restore, || {
+        ready.criu.restore(&ready.opts)
+    }) else {
+        return Ok(());
+    };
+    match staging.take() {
+        Some(s) if s.started_keeper() => {
+            s.abandon();
+            let first = format!("{:#}", anyhow::Error::from(e));
+            timed(&mut figures.criu_restore_again, || {
+                ready.criu.restore(&ready.opts)
+            })
+            .map_err(|source| RestoreError::CriuTwice { first, source })?;
+            Ok(())
+        }
+        Some(s) => {
+            s.abandon();
+            Err(e.into())
+        }
+        None => Err(e.into()),
+    }
+}
+
+/// Starts a keeper where the restored job `pid` looks for its keeper, unless one answers there:
+/// seeing the job's `CUDA_VISIBLE_DEVICES`, ending when the job does, left running when possum
+/// exits. Its directory once it listens; `None` if none was needed or it did not start (the job
+/// then uses memory of its own, and says so in `possum status`).
+fn start_keeper_for(p: &RestoreParams, k: &KeeperOfJob, pid: i32) -> Option<PathBuf> {
+    k.ensure_keeper(&p.possum_exe, pid, &[])
+        .ok()
+        .flatten()
+        .map(|_| k.dir.clone())
+}
+
+/// The restored tree's GPU side: the driver restores (onto the GPUs of `--device`) and unlocks
+/// each CUDA process, and possum resumes each of its processes from the GPU images, their
+/// buffers back on demand. The answers of the root, then of the others.
+fn resume(
+    p: &RestoreParams,
+    img: &Image,
+    ready: &Ready,
+    figures: &mut RestoreFigures,
+) -> Result<Vec<Reply<ResumeReply>>, ResumeError> {
+    let m = &img.manifest;
+    let drv = &ready.drv;
+    timed(&mut figures.driver_restore, || {
+        drv.restore(m.pid, &ready.pairs)?;
+        for &c in &m.cuda_children {
+            drv.restore(c, &ready.pairs)
+                .map_err(|error| ResumeError::DriverChild { pid: c, error })?;
+        }
+        Ok::<_, ResumeError>(())
+    })?;
+    timed(&mut figures.driver_unlock, || {
+        std::iter::once(&m.pid)
+            .chain(&m.cuda_children)
+            .try_for_each(|&pid| drv.unlock(pid))
+    })?;
+    let Some(gpu) = &img.gpu else {
+        return Ok(Vec::new());
+    };
+    let mut replies = Vec::new();
+    let processes = std::iter::once((m.pid, gpu.clone())).chain(
+        (m.possum_children.iter()).map(|&c| (c, p.dir.join(crate::image::child_gpu_dir(c)))),
+    );
+    for (pid, dir) in processes {
+        let req = Request::Resume {
+            dir: Some(dir.display().to_string()),
+        };
+        let r = timed(&mut figures.resume, || {
+            ask::<ResumeReply>(pid, &ready.sockets, &req)
+        });
+        match r {
+            Ok(r) => replies.push(r),
+            Err(e) if pid == m.pid => return Err(e.into()),
+            Err(source) => return Err(ResumeError::Child { pid, source }),
+        }
+    }
+    Ok(replies)
+}
+
+impl RestoreReport {
+    /// Report: the stages the restored processes took, from their resume answers (those none
+    /// took, a device without the keeper's memory, ..., are ended now: their memory would
+    /// otherwise stay retained for a live process), and what possum's CRIU plugin wrote back
+    /// (from CRIU's log `log`).
+    fn account(&mut self, resumed: Vec<Reply<ResumeReply>>, staging: Option<Staging>, log: &Path) {
+        let taken: Vec<_> = resumed.iter().flat_map(|r| &r.body.staged).collect();
+        let used: Vec<u64> = taken.iter().map(|s| s.stage).collect();
+        self.staged_buffers_mapped = taken.iter().map(|s| s.buffers).sum();
+        self.staged = staging.map(|s| s.finish_keeping(&used)).unwrap_or_default();
+        // Buffers copied GPU to GPU from the job's old GPU (`--device`) into the stages it took.
+        self.peer_buffers = (self.staged.iter())
+            .filter(|s| !s.unused)
+            .map(|s| s.peer_buffers)
+            .sum();
+        let fills = fs::read_to_string(log)
+            .map(|log| possum_criu::hostmem::fills_in_log(&log))
+            .unwrap_or_default();
+        if !fills.is_empty() {
+            self.figures.hostmem_fill_ms = Some(fills.iter().map(|f| f.2).sum());
+            self.figures.hostmem_fill_bytes = Some(fills.iter().map(|f| f.1).sum());
+        }
+        self.resume_report = resumed.into_iter().next();
+        // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
+        self.gpu_from_keeper = self
+            .resume_report
+            .as_ref()
+            .is_some_and(|r| !r.body.attached.is_empty());
+    }
+}
+
+/// What a restored job's standard descriptors that were pipes to outside its tree become: this
+/// command's descriptor of the same number (a terminal, a file: where the user runs the restore),
+/// or `/dev/null` when that is itself a pipe or closed (a script capturing this command's output
+/// would otherwise wait for the job to end, and `--json` would mix the job's output into it).
+#[derive(Debug)]
+struct StdioPlan {
+    /// CRIU's `inherit_fd`: (the pipe's name in the image, a descriptor here).
+    inherit: Vec<(String, std::os::fd::RawFd)>,
+    /// The job's descriptors given this command's.
+    from_restore: Vec<i32>,
+    /// The job's descriptors given `/dev/null`.
+    discarded: Vec<i32>,
+    /// The `/dev/null`s, open until CRIU has restored the job.
+    _null: Vec<fs::File>,
+}
+
+impl StdioPlan {
+    fn new(pipes: &[(i32, String)]) -> std::io::Result<StdioPlan> {
+        use std::os::fd::AsRawFd;
+        let mut plan = StdioPlan {
+            inherit: Vec::new(),
+            from_restore: Vec::new(),
+            discarded: Vec::new(),
+            _null: Vec::new(),
+        };
+        for (fd, key) in pipes {
+            let ours = fs::read_link(format!("/proc/self/fd/{fd}")).ok();
+            let usable = ours
+                .as_ref()
+                .and_then(|t| t.to_str())
+                .is_some_and(|t| !t.starts_with("pipe:["));
+            if usable {
+                plan.inherit.push((key.clone(), *fd));
+                plan.from_restore.push(*fd);
+            } else {
+                let null = fs::OpenOptions::new()
+                    .read(*fd == 0)
+                    .write(*fd != 0)
+                    .open("/dev/null")?;
+                plan.inherit.push((key.clone(), null.as_raw_fd()));
+                plan.discarded.push(*fd);
+                plan._null.push(null);
+            }
+        }
+        Ok(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_split_image_is_refused_without_possums_plugin() {
+        let tmp = tempfile::tempdir().unwrap();
+        let criu_dir = tmp.path().join("criu");
+        fs::create_dir(&criu_dir).unwrap();
+        let plugins = tmp.path().join("plugins");
+        fs::create_dir(&plugins).unwrap();
+        let none = Criu::with_binary("/bin/true").with_plugin_dir(None);
+        let empty = none.clone().with_plugin_dir(Some(plugins.clone()));
+        // Not split: no plugin needed.
+        refuse_split_without_plugin(&criu_dir, &none).unwrap();
+        fs::write(criu_dir.join("possum-hostmem-42.idx"), b"x").unwrap();
+        for criu in [&none, &empty] {
+            let e = refuse_split_without_plugin(&criu_dir, criu)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("only possum's CRIU plugin restores"), "{e}");
+        }
+        fs::write(plugins.join(possum_criu::PLUGIN_FILE), b"").unwrap();
+        refuse_split_without_plugin(&criu_dir, &empty).unwrap();
+    }
+}
