@@ -16,58 +16,10 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-
-/// How long a caller of [`start`] waits for the keeper to listen.
-const START_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Starts `possum keeper --dir DIR --while-alive PID` (this executable; `configure` may set its
-/// environment) in its own process group, so that a Ctrl-C at a terminal reaches a job and not
-/// the memory kept for it, and returns it once it listens. If it ends instead, its message is
-/// the error. Its output is not read afterwards (it writes nothing while it serves).
-pub fn start(dir: &Path, while_alive: i32, configure: impl FnOnce(&mut Command)) -> Result<Child> {
-    use std::io::{BufRead, Read};
-    let exe = std::env::current_exe().context("cannot find the possum executable")?;
-    let mut cmd = Command::new(exe);
-    cmd.arg("keeper")
-        .arg("--dir")
-        .arg(dir)
-        .arg("--while-alive")
-        .arg(while_alive.to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    configure(&mut cmd);
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    let mut child = cmd.spawn().context("starting `possum keeper`")?;
-    let out = child.stdout.take().context("the keeper's stdout")?;
-    let mut err = child.stderr.take().context("the keeper's stderr")?;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = std::io::BufReader::new(out).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let failed = match rx.recv_timeout(START_TIMEOUT) {
-        Ok(line) if line.trim() == "ready" => return Ok(child),
-        Ok(_) => {
-            let mut why = String::new();
-            let _ = err.read_to_string(&mut why);
-            format!(
-                "it did not start: {}",
-                why.trim().trim_start_matches("possum: error: ")
-            )
-        }
-        Err(_) => format!("it did not listen within {START_TIMEOUT:?}"),
-    };
-    let _ = child.kill();
-    let _ = child.wait();
-    bail!(failed)
-}
 
 #[derive(Args, Debug)]
 pub struct KeeperArgs {

@@ -195,7 +195,8 @@ impl Drop for KeeperChild {
 fn start_keeper(socket_dir: &Path) -> Result<KeeperChild> {
     let dir = socket_dir.join(format!("keeper-{}", std::process::id()));
     crate::keeper::create_private_dir(&dir)?;
-    match crate::keeper::start(&dir, std::process::id() as i32, |_| {}) {
+    let exe = std::env::current_exe().context("cannot find the possum executable")?;
+    match possum_sequence::process::start_keeper(&exe, &dir, std::process::id() as i32, |_| {}) {
         Ok(child) => Ok(KeeperChild { child, dir }),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
