@@ -61,6 +61,29 @@ pub struct StatusReply {
     pub hooks: Option<String>,
     /// What possum manages; absent until the job has used CUDA.
     pub possum: Option<PossumStatus>,
+    /// The entry points' statistics (with `hooks` = `entry`).
+    pub entry: Option<EntryStats>,
+}
+
+/// How the driver's entry points were handed out (`Status`'s `entry`).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct EntryStats {
+    /// Entry points possum wraps.
+    #[serde(deserialize_with = "null_default")]
+    pub wrapped: u64,
+    /// Wrappers handed out by `cuGetProcAddress`.
+    #[serde(deserialize_with = "null_default")]
+    pub swapped_proc_address: u64,
+    /// Wrappers handed out by `dlsym`.
+    #[serde(deserialize_with = "null_default")]
+    pub swapped_dlsym: u64,
+    /// Other `cuGetProcAddress` answers, passed through.
+    #[serde(deserialize_with = "null_default")]
+    pub passed_proc_address: u64,
+    /// Unknown versions of wrapped names.
+    #[serde(deserialize_with = "null_default")]
+    pub unmatched: Vec<Value>,
 }
 
 /// `Status`'s `possum`: the engines and the session.
@@ -71,11 +94,63 @@ pub struct PossumStatus {
     #[serde(deserialize_with = "null_default")]
     pub engines: Vec<EngineStatus>,
     /// GPU memory the job has that possum does not manage.
-    #[serde(deserialize_with = "null_default")]
-    pub unmanaged: Unmanaged,
+    pub unmanaged: Option<Unmanaged>,
     /// The checkpoint session in the job.
+    pub session: Option<SessionStatus>,
+    /// The job's own virtual-memory mappings possum serves (`POSSUM_SERVE_VMM`).
+    pub vmm: Option<VmmStatus>,
+    /// Stream-ordered allocations possum serves (`POSSUM_SERVE_POOLS`).
+    pub pools: Option<PoolsStatus>,
+}
+
+/// `Status`'s `possum.vmm`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct VmmStatus {
+    /// possum serves them.
     #[serde(deserialize_with = "null_default")]
-    pub session: SessionStatus,
+    pub serving: bool,
+    /// Pieces mapped as engine buffers now.
+    #[serde(deserialize_with = "null_default")]
+    pub pieces_mapped_now: u64,
+    /// possum's handles alive.
+    #[serde(deserialize_with = "null_default")]
+    pub handles_live: u64,
+    /// Handles exported to other processes.
+    #[serde(deserialize_with = "null_default")]
+    pub handles_shared: u64,
+    /// `cuMemCreate` calls left to the driver (properties possum does not serve).
+    #[serde(deserialize_with = "null_default")]
+    pub left_to_driver: u64,
+    /// The first of those calls' properties.
+    pub left_to_driver_first_prop: Option<String>,
+}
+
+/// `Status`'s `possum.pools`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct PoolsStatus {
+    /// possum serves them.
+    #[serde(deserialize_with = "null_default")]
+    pub serving: bool,
+    /// Blocks alive.
+    #[serde(deserialize_with = "null_default")]
+    pub blocks_live: u64,
+    /// Their bytes.
+    #[serde(deserialize_with = "null_default")]
+    pub bytes_live: u64,
+    /// Engine slabs they live in.
+    #[serde(deserialize_with = "null_default")]
+    pub slabs: u64,
+    /// Blocks freed, waiting for their stream.
+    #[serde(deserialize_with = "null_default")]
+    pub blocks_pending_free: u64,
+    /// Allocations served by a block freed on their stream.
+    #[serde(deserialize_with = "null_default")]
+    pub reused_on_their_stream: u64,
+    /// Allocations served.
+    #[serde(deserialize_with = "null_default")]
+    pub allocations_served: u64,
 }
 
 /// One device's engine in `Status`.
@@ -98,6 +173,19 @@ pub struct EngineStatus {
 pub struct EngineFigures {
     /// The bytes of its buffers.
     pub bytes: Option<u64>,
+    /// Its buffers.
+    #[serde(deserialize_with = "null_default")]
+    pub buffers: u64,
+    /// Bytes backed by GPU memory now.
+    #[serde(deserialize_with = "null_default")]
+    pub resident_bytes: u64,
+    /// Bytes written since the last pre-copy.
+    #[serde(deserialize_with = "null_default")]
+    pub dirty_bytes: u64,
+    /// Writes are recorded (a checkpoint open to its restore); absent from older libraries.
+    pub tracking: Option<bool>,
+    /// The engine's phase.
+    pub phase: Option<String>,
 }
 
 /// The keeper serving an engine's buffer memory.
@@ -112,6 +200,14 @@ pub struct KeeperStatus {
     pub allocations: Option<u64>,
     /// Their bytes.
     pub bytes: Option<u64>,
+    /// Bytes of memory detached from the job and retained for it.
+    pub retained_bytes: Option<u64>,
+    /// The engine's mappings of the keeper's memory.
+    pub mappings_kept: Option<u64>,
+    /// The engine's mappings of its own memory.
+    pub mappings_own: Option<u64>,
+    /// The keeper's spare image memory, in words.
+    pub spare: Option<String>,
 }
 
 /// GPU memory possum does not manage.
@@ -148,6 +244,8 @@ pub struct SessionStatus {
     /// The job's GPU operations are held.
     #[serde(deserialize_with = "null_default")]
     pub paused: bool,
+    /// The session step running now, if any.
+    pub busy: Option<String>,
     /// CUPTI's callbacks are subscribed.
     #[serde(deserialize_with = "null_default")]
     pub cupti_attached: bool,
@@ -322,9 +420,11 @@ mod tests {
         assert_eq!(s.hooks.as_deref(), Some("entry"));
         assert_eq!(p.engines[0].engine.bytes, Some(4096));
         assert!(p.engines[0].keeper.is_some() && p.engines[1].keeper.is_none());
-        assert_eq!(p.unmanaged.by_kind["cuMemAllocManaged"].bytes, 64);
-        assert_eq!(p.session.hooks_live, Some(true));
-        assert!(p.session.last.restore.is_some());
+        assert_eq!(p.unmanaged.unwrap().by_kind["cuMemAllocManaged"].bytes, 64);
+        let session = p.session.unwrap();
+        assert_eq!(session.hooks_live, Some(true));
+        assert!(session.last.restore.is_some());
+        assert_eq!(session.busy, None);
         // Fields sent as null (a session with no step yet) read as their defaults.
         let fresh =
             json!({"possum": {"engines": null, "session": {"last": null, "cupti_attached": null}}});
@@ -333,7 +433,8 @@ mod tests {
             .body
             .possum
             .unwrap();
-        assert!(p.engines.is_empty() && p.session.last.restore.is_none());
+        assert!(p.engines.is_empty() && p.session.unwrap().last.restore.is_none());
+        assert!(p.unmanaged.is_none() && p.vmm.is_none() && p.pools.is_none());
         // A job that has not used CUDA yet: no `possum`.
         let s: StatusReply = Reply::parse(json!({"pid": 7, "hooks": "entry"}))
             .unwrap()

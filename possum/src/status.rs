@@ -2,7 +2,9 @@
 
 use anyhow::Result;
 use clap::Args;
+use possum_control::reply::{KeeperStatus, SessionStatus, StatusReply};
 use possum_control::Request;
+use serde::Deserialize;
 use serde_json::Value;
 
 use crate::trace::{ask, JobArgs};
@@ -35,97 +37,66 @@ fn gib(b: u64) -> String {
 /// What possum manages, in words: per device engine its buffers, bytes, resident and dirty bytes
 /// and phase; the allocations it does not manage, by driver call; whether a checkpoint holds the
 /// job; how possum sees its operations.
-fn managed(v: &Value) -> String {
-    let p = &v["possum"];
+fn managed(v: &StatusReply) -> String {
+    let Some(p) = &v.possum else {
+        return String::new();
+    };
     let mut s = String::new();
-    for e in p["engines"].as_array().into_iter().flatten() {
-        let g = &e["engine"];
-        let n = |k: &str| g[k].as_u64().unwrap_or(0);
+    for e in &p.engines {
+        let g = &e.engine;
         // Writes are recorded only while the engine tracks (a checkpoint open to its restore).
-        let written = if g["tracking"] == false {
+        let written = if g.tracking == Some(false) {
             "writes not tracked: no checkpoint open".to_string()
         } else {
-            format!("{} written since the last pre-copy", gib(n("dirty_bytes")))
+            format!("{} written since the last pre-copy", gib(g.dirty_bytes))
         };
         s.push_str(&format!(
             "  device {}: {} buffers, {} ({} resident, {written}), phase {}\n",
-            e["device"],
-            n("buffers"),
-            gib(n("bytes")),
-            gib(n("resident_bytes")),
-            g["phase"].as_str().unwrap_or("?")
+            e.device,
+            g.buffers,
+            gib(g.bytes.unwrap_or(0)),
+            gib(g.resident_bytes),
+            g.phase.as_deref().unwrap_or("?")
         ));
-        let k = &e["keeper"];
-        if k.is_object() {
-            let n = |key: &str| k[key].as_u64().unwrap_or(0);
-            if k["reachable"] == true {
-                s.push_str(&format!(
-                    "    memory kept by {}: {} allocations, {} ({} detached); {} of the engine's \
-                     mappings there, {} its own\n",
-                    k["name"].as_str().unwrap_or("a keeper"),
-                    n("allocations"),
-                    gib(n("bytes")),
-                    gib(n("retained_bytes")),
-                    n("mappings_kept"),
-                    n("mappings_own")
-                ));
-                if let Some(sp) = k["spare"].as_str() {
-                    s.push_str(&format!(
-                        "    spare image memory of that keeper (kept checkpoints drain into it): {sp}\n"
-                    ));
-                }
-            } else {
-                s.push_str(&format!(
-                    "    {}: a checkpoint copies this device's buffers\n",
-                    k["name"].as_str().unwrap_or("the keeper does not answer")
-                ));
-            }
+        if let Some(k) = &e.keeper {
+            s.push_str(&keeper(k));
         }
     }
-    let vmm = &p["vmm"];
-    if vmm["serving"] == true {
+    if let Some(vmm) = p.vmm.as_ref().filter(|v| v.serving) {
         s.push_str(&format!(
             "  the job's own virtual memory (POSSUM_SERVE_VMM): {} pieces mapped as engine \
              buffers, {} handles of possum's live, {} exported to other processes\n",
-            vmm["pieces_mapped_now"].as_u64().unwrap_or(0),
-            vmm["handles_live"].as_u64().unwrap_or(0),
-            vmm["handles_shared"].as_u64().unwrap_or(0)
+            vmm.pieces_mapped_now, vmm.handles_live, vmm.handles_shared
         ));
-        if let Some(n) = vmm["left_to_driver"].as_u64().filter(|&n| n > 0) {
+        if vmm.left_to_driver > 0 {
             s.push_str(&format!(
-                "    {n} cuMemCreate left to the driver (properties possum does not serve; the \
+                "    {} cuMemCreate left to the driver (properties possum does not serve; the \
                  first: {})\n",
-                vmm["left_to_driver_first_prop"].as_str().unwrap_or("?")
+                vmm.left_to_driver,
+                vmm.left_to_driver_first_prop.as_deref().unwrap_or("?")
             ));
         }
     }
-    let pools = &p["pools"];
-    if pools["serving"] == true {
+    if let Some(pools) = p.pools.as_ref().filter(|p| p.serving) {
         s.push_str(&format!(
             "  stream-ordered allocations (POSSUM_SERVE_POOLS): {} blocks, {} in {} engine \
              slabs, {} waiting for their stream; {} of {} served by a block freed on their \
              stream\n",
-            pools["blocks_live"].as_u64().unwrap_or(0),
-            gib(pools["bytes_live"].as_u64().unwrap_or(0)),
-            pools["slabs"].as_u64().unwrap_or(0),
-            pools["blocks_pending_free"].as_u64().unwrap_or(0),
-            pools["reused_on_their_stream"].as_u64().unwrap_or(0),
-            pools["allocations_served"].as_u64().unwrap_or(0)
+            pools.blocks_live,
+            gib(pools.bytes_live),
+            pools.slabs,
+            pools.blocks_pending_free,
+            pools.reused_on_their_stream,
+            pools.allocations_served
         ));
     }
-    let u = &p["unmanaged"];
-    if u.is_object() {
+    if let Some(u) = &p.unmanaged {
         s.push_str(&format!(
             "  not managed: {} allocations, {} (the driver's checkpoint takes them)\n",
-            u["allocations"].as_u64().unwrap_or(0),
-            gib(u["bytes"].as_u64().unwrap_or(0))
+            u.allocations,
+            gib(u.bytes)
         ));
-        let mut kinds: Vec<(&String, &Value)> = u["by_kind"]
-            .as_object()
-            .map(|m| m.iter().collect())
-            .unwrap_or_default();
-        kinds.sort_by_key(|(k, _)| k.as_str());
-        for (kind, k) in kinds {
+        for (kind, k) in &u.by_kind {
             let managed = if kind == "cuMemAllocManaged" {
                 " (managed memory: no checkpoint can save it)"
             } else {
@@ -133,40 +104,66 @@ fn managed(v: &Value) -> String {
             };
             s.push_str(&format!(
                 "    {kind}: {} allocations, {}{managed}\n",
-                k["allocations"].as_u64().unwrap_or(0),
-                gib(k["bytes"].as_u64().unwrap_or(0))
+                k.allocations,
+                gib(k.bytes)
             ));
         }
     }
-    let ss = &p["session"];
-    if ss.is_object() {
+    if let Some(ss) = &p.session {
         s.push_str(&format!(
             "  checkpoint: {}; CUPTI {}\n",
-            if ss["paused"] == true {
+            if ss.paused {
                 "holding the job (released)"
             } else {
-                ss["busy"].as_str().unwrap_or("none running")
+                ss.busy.as_deref().unwrap_or("none running")
             },
-            if ss["cupti_attached"] == true {
+            if ss.cupti_attached {
                 "attached"
             } else {
                 "not attached"
             }
         ));
-        s.push_str(&hooks(v));
+        s.push_str(&hooks(v, ss));
+    }
+    s
+}
+
+/// The keeper an engine's memory comes from: what it holds, or that it does not answer.
+fn keeper(k: &KeeperStatus) -> String {
+    let n = |x: Option<u64>| x.unwrap_or(0);
+    if k.reachable != Some(true) {
+        return format!(
+            "    {}: a checkpoint copies this device's buffers\n",
+            k.name.as_deref().unwrap_or("the keeper does not answer")
+        );
+    }
+    let mut s = format!(
+        "    memory kept by {}: {} allocations, {} ({} detached); {} of the engine's mappings \
+         there, {} its own\n",
+        k.name.as_deref().unwrap_or("a keeper"),
+        n(k.allocations),
+        gib(n(k.bytes)),
+        gib(n(k.retained_bytes)),
+        n(k.mappings_kept),
+        n(k.mappings_own)
+    );
+    if let Some(sp) = &k.spare {
+        s.push_str(&format!(
+            "    spare image memory of that keeper (kept checkpoints drain into it): {sp}\n"
+        ));
     }
     s
 }
 
 /// How possum sees the job's operations (`hooks`, `possum.session.hooks_live`), and what that
 /// means for a checkpoint; the entry points' statistics when they are wrapped.
-fn hooks(v: &Value) -> String {
-    let ss = &v["possum"]["session"];
-    let cupti = ss["cupti_attached"] == true;
+fn hooks(v: &StatusReply, ss: &SessionStatus) -> String {
+    let cupti = ss.cupti_attached;
     // Libraries older than the entry points' hooks had only CUPTI's.
-    let live = ss["hooks_live"].as_bool().unwrap_or(cupti);
-    let mode = v["hooks"]
-        .as_str()
+    let live = ss.hooks_live.unwrap_or(cupti);
+    let mode = v
+        .hooks
+        .as_deref()
         .unwrap_or(if cupti { "cupti" } else { "?" });
     let what = match (live, cupti) {
         (_, true) => {
@@ -183,17 +180,15 @@ fn hooks(v: &Value) -> String {
         }
     };
     let mut s = format!("  hooks: {mode} ({what})\n");
-    let e = &v["entry"];
-    if mode == "entry" && e.is_object() {
-        let n = |k: &str| e[k].as_u64().unwrap_or(0);
-        let unmatched = e["unmatched"].as_array().map_or(0, Vec::len);
+    if let Some(e) = v.entry.as_ref().filter(|_| mode == "entry") {
         s.push_str(&format!(
             "    entry points: {} wrapped; handed out {} times by cuGetProcAddress, {} by dlsym; \
-             {} other cuGetProcAddress answers; {unmatched} unknown versions of wrapped names\n",
-            n("wrapped"),
-            n("swapped_proc_address"),
-            n("swapped_dlsym"),
-            n("passed_proc_address"),
+             {} other cuGetProcAddress answers; {} unknown versions of wrapped names\n",
+            e.wrapped,
+            e.swapped_proc_address,
+            e.swapped_dlsym,
+            e.passed_proc_address,
+            e.unmatched.len()
         ));
     }
     s
@@ -203,7 +198,9 @@ fn hooks(v: &Value) -> String {
 /// columns: scalars as they are, arrays as a count, objects as compact JSON.
 fn summary(pid: u32, v: &Value) -> String {
     let mut s = format!("possum status: process {pid}\n");
-    s.push_str(&managed(v));
+    // The typed view for the words; the job's JSON itself for the key lines. A reply that does
+    // not fit the typed view still gets its key lines.
+    s.push_str(&managed(&StatusReply::deserialize(v).unwrap_or_default()));
     let Value::Object(m) = v else {
         s.push_str(&format!("  {v}\n"));
         return s;

@@ -486,7 +486,7 @@ struct JobHooks {
 
 impl JobHooks {
     fn of(status: &StatusReply) -> JobHooks {
-        let session = status.possum.as_ref().map(|p| &p.session);
+        let session = status.possum.as_ref().and_then(|p| p.session.as_ref());
         let cupti = session.is_some_and(|s| s.cupti_attached);
         JobHooks {
             // Libraries older than the entry points' hooks had only CUPTI's.
@@ -636,7 +636,8 @@ fn refuse_managed(pid: i32, status: &StatusReply, gpu_only: bool) -> Result<(), 
     let managed = status
         .possum
         .as_ref()
-        .and_then(|p| p.unmanaged.by_kind.get("cuMemAllocManaged"));
+        .and_then(|p| p.unmanaged.as_ref())
+        .and_then(|u| u.by_kind.get("cuMemAllocManaged"));
     match managed {
         Some(m) if m.allocations > 0 => Err(PlanError::Managed {
             pid,

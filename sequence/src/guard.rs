@@ -261,7 +261,8 @@ fn wait_restored(pid: i32, socket_dir: &Path) {
             Ok(s)
                 if s.possum
                     .as_ref()
-                    .is_some_and(|p| p.session.last.restore.is_some()) =>
+                    .and_then(|p| p.session.as_ref())
+                    .is_some_and(|s| s.last.restore.is_some()) =>
             {
                 return
             }
