@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock};
-use possum_analyzer::dag::{BufRef, Dag, KernelRef, DEFAULT_WINDOW};
+use possum_analyzer::dag::{BufRef, Dag, KernelRef};
 use possum_analyzer::intervals::IntervalMap;
-use possum_analyzer::kernel::{KernelModel, ValidationConfig};
+use possum_analyzer::kernel::KernelModel;
 use possum_analyzer::layout::{Param, ParamLayout};
 use possum_cuda::introspect::{self, GraphNode};
 use possum_cuda::{CudaDevice, CudaStream, PinnedBuf};
@@ -24,131 +24,12 @@ use possum_engine::registry::{Buffer, Residency};
 use possum_engine::{Engine, EngineConfig};
 use serde_json::{json, Value};
 
-/// Settings read from the environment once.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// Serve `cudaMalloc` from the engine (`POSSUM_MANAGE`, default on).
-    pub manage: bool,
-    /// Validation of speculations (`POSSUM_VALIDATE`, e.g. `first=2,every=0`; `off`).
-    pub validation: ValidationConfig,
-    /// Pinned staging per device engine, MiB (`POSSUM_STAGING_MIB`, default 256).
-    pub staging_mib: u64,
-    /// The unit of the engine's copies and of its images' chunks, MiB (`POSSUM_CHUNK_MIB`,
-    /// default 8, 1 to 64).
-    pub chunk_mib: u64,
-    /// Free the staging memory when the job's buffers are released for the driver's checkpoint
-    /// and CRIU, so the CRIU image does not carry it; it is allocated again as the restore needs
-    /// it (`POSSUM_STAGING_PARK`, default on).
-    pub staging_park: bool,
-    /// Lower the context's stack reserve (`CU_LIMIT_STACK_SIZE`, 264 MiB of local memory on an
-    /// H100 at its default 1 KiB) while the job is held for the driver's checkpoint, which copies
-    /// it to host memory for CRIU to dump and restore; set back before the job launches again
-    /// (`POSSUM_TRIM_CONTEXT`, default on).
-    pub trim_context: bool,
-    /// Serve the job's own virtual-memory mappings (`cuMemCreate` + `cuMemMap`: PyTorch's
-    /// expandable segments) with engine buffers (`POSSUM_SERVE_VMM`, default on; `vmm.rs`).
-    pub serve_vmm: bool,
-    /// Serve stream-ordered allocations (`cuMemAllocAsync`: `cudaMallocAsync`, PyTorch's
-    /// `backend:cudaMallocAsync`) from engine buffers (`POSSUM_SERVE_POOLS`, default on;
-    /// `pools.rs`).
-    pub serve_pools: bool,
-    /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
-    /// default the machine's cores, 2 to 12): what bounds the copy while the job is held, for a fast GPU and a slow sink.
-    pub writers: usize,
-    /// Bytes a writer checksums and writes at a time (`POSSUM_WRITE_PIECE_KIB`, default 2048:
-    /// one huge page of a huge-page tmpfs, which a write then fills whole).
-    pub write_piece: usize,
-    /// Threads restoring buffers from an image, per device engine (`POSSUM_RESTORERS`, default 6).
-    pub restorers: usize,
-    /// Record the DAG (`POSSUM_DAG`, default on).
-    pub dag: bool,
-    /// Launches kept in the DAG's window (`POSSUM_DAG_WINDOW`).
-    pub dag_window: usize,
-    /// Which operations have their buffers resolved (`POSSUM_RESOLVE`).
-    pub resolve: ResolveMode,
-    /// Diagnostics (`POSSUM_LAYOUTS=cubin`): kernels' parameter layouts from loaded modules'
-    /// `.nv.info` only, never from the driver (tests the fallback on a real job).
-    pub layouts_from_cubin_only: bool,
-    /// Problems with the variables above (reported in the statistics).
-    pub warnings: Vec<String>,
-}
-
-impl Config {
-    fn from_env() -> Config {
-        let mut warnings = Vec::new();
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let flag = |k: &str, default: bool| match var(k).as_deref() {
-            None => default,
-            Some("0" | "off" | "false" | "no") => false,
-            Some(_) => true,
-        };
-        let validation = match var("POSSUM_VALIDATE") {
-            None => ValidationConfig::default(),
-            Some(s) => ValidationConfig::from_env_str(&s).unwrap_or_else(|e| {
-                warnings.push(format!("POSSUM_VALIDATE: {e}; using the default"));
-                ValidationConfig::default()
-            }),
-        };
-        let num = |k: &str, default: u64, warnings: &mut Vec<String>| match var(k) {
-            None => default,
-            Some(s) => s.parse().unwrap_or_else(|_| {
-                warnings.push(format!("{k}={s} is not a number; using {default}"));
-                default
-            }),
-        };
-        // Measured on the H100 (8 GiB, image in tmpfs): 2 writers, 2 restorers, 32 MiB: 2.2 s
-        // copy + 1.7 s restore while held; 6, 6, 256 MiB: 1.0 s + 0.8 s.
-        let staging_mib = num("POSSUM_STAGING_MIB", 256, &mut warnings).max(16);
-        let chunk_mib = num("POSSUM_CHUNK_MIB", 8, &mut warnings).clamp(1, 64);
-        // Measured on the H100 (kept checkpoint of 8 GiB saved into tmpfs while the job runs, one
-        // data file per writer): 6 writers 3.9 GB/s, 12 writers 15.3 GB/s, 16 13.2 GB/s.
-        let cores = std::thread::available_parallelism().map_or(4, |n| n.get()) as u64;
-        let writers =
-            num("POSSUM_WRITERS", cores.clamp(2, 12), &mut warnings).clamp(1, 64) as usize;
-        let write_piece = num(
-            "POSSUM_WRITE_PIECE_KIB",
-            (possum_engine::image::DEFAULT_WRITE_PIECE >> 10) as u64,
-            &mut warnings,
-        )
-        .clamp(4, 64 << 10) as usize
-            * 1024;
-        let restorers = num("POSSUM_RESTORERS", 6, &mut warnings).clamp(1, 64) as usize;
-        let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
-        let resolve = match var("POSSUM_RESOLVE") {
-            None => ResolveMode::default(),
-            Some(v) => ResolveMode::parse(&v).unwrap_or_else(|e| {
-                warnings.push(format!("POSSUM_RESOLVE={v}: {e}; using the default"));
-                ResolveMode::default()
-            }),
-        };
-        Config {
-            resolve,
-            layouts_from_cubin_only: var("POSSUM_LAYOUTS").as_deref() == Some("cubin"),
-            manage: flag("POSSUM_MANAGE", true),
-            validation,
-            staging_mib,
-            chunk_mib,
-            staging_park: flag("POSSUM_STAGING_PARK", true),
-            trim_context: flag("POSSUM_TRIM_CONTEXT", true),
-            serve_vmm: flag("POSSUM_SERVE_VMM", true),
-            serve_pools: flag("POSSUM_SERVE_POOLS", true),
-            writers,
-            write_piece,
-            restorers,
-            dag: flag("POSSUM_DAG", true),
-            dag_window,
-            warnings,
-        }
-    }
-}
+use crate::config::Config;
 
 /// The socket of device `ordinal`'s keeper, if `POSSUM_KEEPER` names a keeper's directory.
 pub fn keeper_socket(ordinal: usize) -> Option<std::path::PathBuf> {
-    let dir = std::env::var_os(possum_keeper::KEEPER_ENV).filter(|d| !d.is_empty())?;
-    Some(possum_keeper::socket_of(
-        std::path::Path::new(&dir),
-        ordinal,
-    ))
+    let dir = crate::config::get().user.keeper.as_deref()?;
+    Some(possum_keeper::socket_of(dir, ordinal))
 }
 
 /// The keeper of device `ordinal`'s memory, if `POSSUM_KEEPER` names a keeper's directory
@@ -157,14 +38,14 @@ fn keeper_of(ordinal: usize) -> Option<Arc<possum_keeper::KeeperMemory>> {
     let path = keeper_socket(ordinal)?;
     match possum_keeper::KeeperMemory::connect(&path) {
         Ok(k) => {
-            crate::log(&format!(
+            crate::log::log(&format!(
                 "device {ordinal}: buffer memory kept by the keeper at {}",
                 path.display()
             ));
             Some(Arc::new(k))
         }
         Err(e) => {
-            crate::log(&format!(
+            crate::log::log(&format!(
                 "device {ordinal}: no keeper ({e}); buffer memory is the job's own, so a \
                  checkpoint copies it while the job is held"
             ));
@@ -495,77 +376,6 @@ counters! {
     layouts_from_cubin: "Kernels whose parameter layout came from a module's .nv.info (the driver gave none).",
 }
 
-/// Which operations have their buffers resolved (the launch path's main cost, measured at 2.5
-/// to 2.9 µs a launch on the H100 for GPT-2 small). The engine needs them only while it is
-/// tracking (a checkpoint open through its restore): those are always resolved. Outside that
-/// time, resolution feeds only the DAG and the statistics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResolveMode {
-    /// Every operation (`always`).
-    Always,
-    /// While the engine tracks, and otherwise `window` consecutive launches in every `period`
-    /// (`sample` or `sample:W/P`; P a power of two): the DAG and statistics see recent runs of
-    /// launches at a fraction of the cost.
-    Sampled {
-        /// Launches resolved in a row.
-        window: u64,
-        /// Launches from one window's start to the next's.
-        period: u64,
-    },
-    /// Only while the engine tracks (`sessions`).
-    Sessions,
-}
-
-impl Default for ResolveMode {
-    fn default() -> Self {
-        // 1 in 32: a window of 4096 launches holds a few training steps of GPT-2 small.
-        ResolveMode::Sampled {
-            window: 4096,
-            period: 1 << 17,
-        }
-    }
-}
-
-impl ResolveMode {
-    /// Parses `POSSUM_RESOLVE`'s value.
-    pub fn parse(s: &str) -> Result<ResolveMode, String> {
-        match s {
-            "always" => Ok(ResolveMode::Always),
-            "sessions" => Ok(ResolveMode::Sessions),
-            "sample" => Ok(ResolveMode::default()),
-            _ => {
-                let spec = s.strip_prefix("sample:").ok_or(
-                    "expected always, sessions, sample or sample:W/P (W launches in every P)",
-                )?;
-                let (w, p) = spec.split_once('/').ok_or("sample:W/P needs a '/'")?;
-                let num = |x: &str| {
-                    x.trim()
-                        .parse::<u64>()
-                        .map_err(|_| format!("{x:?} is not a number"))
-                };
-                let (window, period) = (num(w)?, num(p)?);
-                if !period.is_power_of_two() || window == 0 || window > period {
-                    return Err(format!(
-                        "sample:{window}/{period}: P must be a power of two and 0 < W <= P"
-                    ));
-                }
-                Ok(ResolveMode::Sampled { window, period })
-            }
-        }
-    }
-
-    /// Whether the launch with process-wide index `n` is in a sampling window (the engine's
-    /// tracking aside).
-    #[inline]
-    pub fn sampled(self, n: u64) -> bool {
-        match self {
-            ResolveMode::Always => true,
-            ResolveMode::Sampled { window, period } => n & (period - 1) < window,
-            ResolveMode::Sessions => false,
-        }
-    }
-}
-
 /// The process-wide state. `repr(C)`, aligned: what every launch touches (`captures`, `dag_gap`,
 /// the first counters) comes first, on one cache line.
 #[derive(Debug)]
@@ -577,8 +387,8 @@ pub struct State {
     dag_gap: AtomicBool,
     /// Counters.
     pub counters: Counters,
-    /// Settings.
-    pub cfg: Config,
+    /// The settings ([`crate::config::get`]).
+    pub cfg: &'static Config,
     /// Per device ordinal, its engine once made (never removed: the launch path reads it without
     /// a lock or a reference count). Made under `engines_made`.
     engines: Box<[OnceLock<Arc<DevEngine>>]>,
@@ -628,16 +438,26 @@ pub fn state_if_created() -> Option<&'static State> {
     STATE.get()
 }
 
-/// The state, created on first use (which also starts the control socket).
+/// What runs once the state is made: the control socket's start (registered by the set-up, which
+/// sits above the socket's handlers).
+static ON_CREATED: OnceLock<fn()> = OnceLock::new();
+
+/// Runs `f` whenever the state's creation is asked for (the first callers; it must be idempotent).
+pub fn on_created(f: fn()) {
+    let _ = ON_CREATED.set(f);
+}
+
+/// The state, created on first use (which also runs [`on_created`]'s function: the control
+/// socket).
 pub fn state() -> &'static State {
     if let Some(s) = STATE.get() {
         return s;
     }
     let s = STATE.get_or_init(|| {
-        let cfg = Config::from_env();
-        let window = cfg.dag_window;
+        let cfg = crate::config::get();
+        let window = cfg.tuning.dag_window;
         let (tx, rx) = crossbeam_channel::bounded(DAG_QUEUE);
-        let dag_tx = cfg.dag.then_some(tx);
+        let dag_tx = cfg.tuning.dag.then_some(tx);
         State {
             dag_tx,
             dag_rx: rx,
@@ -682,7 +502,9 @@ pub fn state() -> &'static State {
                 });
         });
     }
-    crate::control::start();
+    if let Some(f) = ON_CREATED.get() {
+        f();
+    }
     s
 }
 
@@ -772,7 +594,7 @@ pub enum DagMsg {
     Free(u64),
     /// A kernel became opaque.
     Opaque(u64),
-    /// Operations went unresolved since the last record ([`ResolveMode`]): no dependency spans
+    /// Operations went unresolved since the last record ([`crate::config::ResolveMode`]): no dependency spans
     /// the gap.
     Gap,
 }
@@ -999,12 +821,12 @@ impl State {
                 Some(k) => dev.with_owner(k.clone()),
                 None => dev,
             };
-            let chunk = (self.cfg.chunk_mib as usize) << 20;
+            let chunk = (self.cfg.tuning.chunk_mib as usize) << 20;
             let cfg = EngineConfig {
                 chunk_size: chunk,
-                staging_buffers: ((self.cfg.staging_mib << 20) / chunk as u64) as usize,
-                writer_threads: self.cfg.writers,
-                restore_threads: self.cfg.restorers,
+                staging_buffers: ((self.cfg.tuning.staging_mib << 20) / chunk as u64) as usize,
+                writer_threads: self.cfg.tuning.writers(),
+                restore_threads: self.cfg.tuning.restorers,
                 ..EngineConfig::default()
             };
             Engine::new(Arc::new(dev), cfg)
@@ -1022,7 +844,7 @@ impl State {
                     keeper,
                 });
                 let _ = cell.set(de.clone());
-                crate::log(&format!(
+                crate::log::log(&format!(
                     "device {ordinal}: allocations are served by the engine"
                 ));
                 Ok(de)
@@ -1036,7 +858,7 @@ impl State {
 
     /// Stops serving allocations from the engine, for `why` (logged once).
     pub fn disable_managing(&self, why: String) {
-        crate::log(&format!(
+        crate::log::log(&format!(
             "allocations are left to libcudart from now on: {why}"
         ));
         *self.managing_off.lock() = Some(why);
@@ -1045,7 +867,7 @@ impl State {
 
     /// Whether `cudaMalloc` should be tried on the engine.
     pub fn managing(&self) -> bool {
-        self.cfg.manage && !self.managing_disabled.load(Ordering::Relaxed)
+        self.cfg.user.manage && !self.managing_disabled.load(Ordering::Relaxed)
     }
 
     /// Notes that allocations changed (`added`: one appeared, else one went away).
@@ -1100,7 +922,7 @@ impl State {
     #[inline]
     pub fn resolve_now(&self, tracking: bool) -> bool {
         tracking
-            || self.cfg.resolve.sampled(
+            || self.cfg.tuning.resolve.sampled(
                 self.counters
                     .launches
                     .load(Ordering::Relaxed)
@@ -1262,7 +1084,7 @@ impl State {
         }
         let _r = Reentry::enter();
         let name = introspect::kernel_name(handle);
-        let layout = if self.cfg.layouts_from_cubin_only {
+        let layout = if self.cfg.diag.layouts_from_cubin_only {
             Err("not asked (POSSUM_LAYOUTS=cubin)".to_string())
         } else {
             introspect::param_layout(handle)
@@ -1466,8 +1288,8 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "chunk_mib": self.cfg.chunk_mib, "staging_park": self.cfg.staging_park, "trim_context": self.cfg.trim_context, "serve_vmm": self.cfg.serve_vmm, "serve_pools": self.cfg.serve_pools, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
-                       "dag": self.cfg.dag, "warnings": self.cfg.warnings},
+            "config": {"validation": format!("{:?}", self.cfg.tuning.validation), "staging_mib": self.cfg.tuning.staging_mib, "chunk_mib": self.cfg.tuning.chunk_mib, "staging_park": self.cfg.tuning.staging_park, "trim_context": self.cfg.tuning.trim_context, "serve_vmm": self.cfg.tuning.serve_vmm, "serve_pools": self.cfg.tuning.serve_pools, "writers": self.cfg.tuning.writers(), "restorers": self.cfg.tuning.restorers,
+                       "dag": self.cfg.tuning.dag, "warnings": &self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),
                           "by_kind": by_kind.iter().map(|(k, (n, b))| (k.to_string(), json!({"allocations": n, "bytes": b}))).collect::<serde_json::Map<_, _>>()},
@@ -1514,28 +1336,6 @@ fn slot_words(model: &KernelModel, params: &[Vec<u8>]) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn resolve_modes_parse_and_sample() {
-        assert_eq!(ResolveMode::parse("always"), Ok(ResolveMode::Always));
-        assert_eq!(ResolveMode::parse("sessions"), Ok(ResolveMode::Sessions));
-        assert_eq!(ResolveMode::parse("sample"), Ok(ResolveMode::default()));
-        let m = ResolveMode::parse("sample:2/8").unwrap();
-        let hits: Vec<u64> = (0..20).filter(|&n| m.sampled(n)).collect();
-        assert_eq!(hits, vec![0, 1, 8, 9, 16, 17]);
-        assert!((0..100).all(|n| ResolveMode::Always.sampled(n)));
-        assert!(!(0..100).any(|n| ResolveMode::Sessions.sampled(n)));
-        for bad in [
-            "sample:3/6",
-            "sample:0/8",
-            "sample:9/8",
-            "sample:x/8",
-            "sample:8",
-            "often",
-        ] {
-            assert!(ResolveMode::parse(bad).is_err(), "{bad}");
-        }
-    }
 
     fn ranges(v: &[(u64, u64)]) -> Ranges {
         Ranges::new(

@@ -57,7 +57,7 @@ impl<'a> Reader<'a> {
                     (Ok(b), Ok(s)) => *g = Some((b, s)),
                     (b, s) => {
                         let err = b.err().or(s.err()).map(|e| e.to_string());
-                        crate::log(&format!(
+                        crate::log::log(&format!(
                             "validation reads one copy at a time: {}",
                             err.unwrap_or_default()
                         ));
@@ -170,7 +170,7 @@ fn sums_of(
     let mut owner = Vec::new();
     let mut sums = Vec::new();
     for (t, (start, len)) in targets.enumerate() {
-        let cfg = &st.cfg.validation;
+        let cfg = &st.cfg.tuning.validation;
         for (off, l) in sample_windows(len, cfg.sample_bytes, cfg.windows) {
             ranges.push((start + off, l as usize));
             owner.push(t);
@@ -239,7 +239,7 @@ pub fn begin(
                     .map(|(_, &wj)| wj)
                     .min()
                     .unwrap_or(s + l);
-                let n = own_window(s, next - s, w, st.cfg.validation.sample_bytes);
+                let n = own_window(s, next - s, w, st.cfg.tuning.validation.sample_bytes);
                 (shared && n > 0).then_some((i, w, n))
             })
             .collect();
@@ -275,7 +275,7 @@ pub fn begin(
             st.counters
                 .validation_errors
                 .fetch_add(1, Ordering::Relaxed);
-            crate::log(&format!("validation skipped: {e}"));
+            crate::log::log(&format!("validation skipped: {e}"));
             None
         }
     }
@@ -328,7 +328,7 @@ pub fn finish(st: &State, b: Before) {
                 }
             }
         }
-        if crate::hooks::debug_dirty() {
+        if crate::config::get().diag.debug_dirty {
             use std::io::Write as _;
             let _ = writeln!(
                 std::io::stderr(),
@@ -350,7 +350,7 @@ pub fn finish(st: &State, b: Before) {
     match r {
         Ok(v) => {
             c.validations.fetch_add(1, Ordering::Relaxed);
-            if crate::hooks::debug_dirty() {
+            if crate::config::get().diag.debug_dirty {
                 use std::io::Write as _;
                 let keyed: Vec<String> = b
                     .slot_keys
@@ -367,9 +367,9 @@ pub fn finish(st: &State, b: Before) {
                     keyed.join(" ")
                 );
             }
-            if let Verdict::Opaque(why) = b.model.record_validation(&v, &st.cfg.validation) {
+            if let Verdict::Opaque(why) = b.model.record_validation(&v, &st.cfg.tuning.validation) {
                 c.kernels_made_opaque.fetch_add(1, Ordering::Relaxed);
-                crate::log(&format!(
+                crate::log::log(&format!(
                     "kernel {} is opaque from now on: {why}",
                     b.model.name().unwrap_or("?")
                 ));
@@ -378,7 +378,7 @@ pub fn finish(st: &State, b: Before) {
         }
         Err(e) => {
             c.validation_errors.fetch_add(1, Ordering::Relaxed);
-            crate::log(&format!("validation abandoned: {e}"));
+            crate::log::log(&format!("validation abandoned: {e}"));
         }
     }
     c.validation_ns.fetch_add(
