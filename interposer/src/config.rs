@@ -8,8 +8,10 @@
 //! with, so the variables read later (the park, restore and save settings) would give the same
 //! answer. Nothing else in the crate reads the environment.
 //!
-//! A value that cannot be parsed leaves the default and, for the settings that always said so,
-//! a line in [`Config::warnings`] (the statistics' `possum.config.warnings`).
+//! A value that cannot be parsed leaves the default; for the tuning numbers and modes
+//! (`POSSUM_VALIDATE`, `POSSUM_RESOLVE`, the sizes and thread counts) also a line in
+//! [`Config::warnings`] (the statistics' `possum.config.warnings`), for `POSSUM_HOOKS` in
+//! [`User::hooks_error`] (said on stderr by the set-up).
 
 use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
@@ -34,12 +36,8 @@ pub enum Hooks {
 }
 
 impl Hooks {
-    /// From `POSSUM_HOOKS` (`entry`, `cupti`, `off`/`0`; unset: `entry`).
-    pub fn from_env() -> Result<Hooks, String> {
-        Hooks::parse(std::env::var("POSSUM_HOOKS").ok().as_deref())
-    }
-
-    /// From `POSSUM_HOOKS`'s value (`None`: unset, or not UTF-8).
+    /// From `POSSUM_HOOKS`'s value (`entry`, `cupti`, `off`/`0`; `None`, unset or not UTF-8:
+    /// `entry`).
     fn parse(v: Option<&str>) -> Result<Hooks, String> {
         match v {
             None | Some("") | Some("entry") => Ok(Hooks::Entry),
@@ -313,7 +311,15 @@ impl Config {
         let is_zero_trimmed = |k: &str| text(k).is_some_and(|v| v.trim() == "0");
 
         let mut warnings = Vec::new();
-        let mut num = |k: &str, default: u64| match var(k) {
+        let validation = match var("POSSUM_VALIDATE") {
+            None => ValidationConfig::default(),
+            Some(s) => ValidationConfig::from_env_str(&s).unwrap_or_else(|e| {
+                warnings.push(format!("POSSUM_VALIDATE: {e}; using the default"));
+                ValidationConfig::default()
+            }),
+        };
+        // A number, or `default` and a warning.
+        let num = |k: &str, default: u64, warnings: &mut Vec<String>| match var(k) {
             None => default,
             Some(s) => s.parse().unwrap_or_else(|_| {
                 warnings.push(format!("{k}={s} is not a number; using {default}"));
@@ -322,33 +328,28 @@ impl Config {
         };
         // Measured on the H100 (8 GiB, image in tmpfs): 2 writers, 2 restorers, 32 MiB: 2.2 s
         // copy + 1.7 s restore while held; 6, 6, 256 MiB: 1.0 s + 0.8 s.
-        let staging_mib = num("POSSUM_STAGING_MIB", 256).max(16);
-        let chunk_mib = num("POSSUM_CHUNK_MIB", 8).clamp(1, 64);
-        let write_piece = num(
-            "POSSUM_WRITE_PIECE_KIB",
-            (possum_engine::image::DEFAULT_WRITE_PIECE >> 10) as u64,
-        )
-        .clamp(4, 64 << 10) as usize
-            * 1024;
-        let restorers = num("POSSUM_RESTORERS", 6).clamp(1, 64) as usize;
-        let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64) as usize;
-        let writers_set = var("POSSUM_WRITERS").map(|s| match s.parse::<u64>() {
-            Ok(n) => n.clamp(1, 64) as usize,
-            Err(_) => {
+        let staging_mib = num("POSSUM_STAGING_MIB", 256, &mut warnings).max(16);
+        let chunk_mib = num("POSSUM_CHUNK_MIB", 8, &mut warnings).clamp(1, 64);
+        // The default needs the machine's cores, asked only when used ([`Tuning::writers`]).
+        let writers_set = match var("POSSUM_WRITERS").map(|s| s.parse::<u64>().map_err(|_| s)) {
+            None => None,
+            Some(Ok(n)) => Some(n.clamp(1, 64) as usize),
+            Some(Err(s)) => {
                 warnings.push(format!(
                     "POSSUM_WRITERS={s} is not a number; using the machine's cores (2 to 12)"
                 ));
-                0
+                None
             }
-        });
-        let writers_set = writers_set.filter(|&n| n > 0);
-        let validation = match var("POSSUM_VALIDATE") {
-            None => ValidationConfig::default(),
-            Some(s) => ValidationConfig::from_env_str(&s).unwrap_or_else(|e| {
-                warnings.push(format!("POSSUM_VALIDATE: {e}; using the default"));
-                ValidationConfig::default()
-            }),
         };
+        let write_piece = num(
+            "POSSUM_WRITE_PIECE_KIB",
+            (possum_engine::image::DEFAULT_WRITE_PIECE >> 10) as u64,
+            &mut warnings,
+        )
+        .clamp(4, 64 << 10) as usize
+            * 1024;
+        let restorers = num("POSSUM_RESTORERS", 6, &mut warnings).clamp(1, 64) as usize;
+        let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
         let resolve = match var("POSSUM_RESOLVE") {
             None => ResolveMode::default(),
             Some(v) => ResolveMode::parse(&v).unwrap_or_else(|e| {
@@ -622,6 +623,10 @@ mod tests {
             assert!(w.contains(name), "{name} not in {w}");
         }
         assert_eq!(c.warnings.len(), 4);
+        assert!(
+            w.starts_with("POSSUM_VALIDATE"),
+            "in the order the statistics always had"
+        );
     }
 
     #[test]

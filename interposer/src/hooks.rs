@@ -29,10 +29,8 @@ use possum_engine::{Access, Buffer, OpGuard};
 
 use crate::cbid::{Shape, StreamAt};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
-use crate::runtime::{
-    state, DagMsg, DagOp, DagSets, DevEngine, Ranges, Reentry, Resolved, SetsRef, SnapNode, State,
-    WordHash,
-};
+use crate::ranges::{Ranges, Resolved, WordHash};
+use crate::runtime::{state, DagMsg, DagOp, DagSets, DevEngine, Reentry, SetsRef, SnapNode, State};
 use crate::validate;
 
 /// What an entry callback leaves for the exit callback.

@@ -102,6 +102,7 @@ mod mode;
 mod park;
 mod park_sys;
 mod pools;
+mod ranges;
 mod runtime;
 mod session;
 pub mod stats;

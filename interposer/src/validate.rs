@@ -27,7 +27,8 @@ use possum_analyzer::kernel::{
 use possum_cuda::{introspect, CudaStream, PinnedBuf};
 use possum_engine::device::{Device, HostBuffer, StreamPriority};
 
-use crate::runtime::{DevEngine, Reentry, Resolved, State};
+use crate::ranges::Resolved;
+use crate::runtime::{DevEngine, Reentry, State};
 
 /// Bytes scanned for device pointers behind each pointer parameter.
 const TABLE_SCAN: u64 = 4096;

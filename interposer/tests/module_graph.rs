@@ -338,6 +338,45 @@ fn components(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
     walk.out
 }
 
+/// The files by layer: a file's layer is one above the highest of the files it names outside its
+/// own component (0: names none). For the message only.
+fn layers(graph: &BTreeMap<String, BTreeSet<String>>, comps: &[Vec<String>]) -> Vec<Vec<String>> {
+    let comp_of: BTreeMap<&str, usize> = comps
+        .iter()
+        .enumerate()
+        .flat_map(|(i, c)| c.iter().map(move |f| (f.as_str(), i)))
+        .collect();
+    // Tarjan's components come out dependencies first: each one's successors are levelled
+    // before it.
+    let mut level = vec![0usize; comps.len()];
+    for (i, c) in comps.iter().enumerate() {
+        level[i] = c
+            .iter()
+            .flat_map(|f| &graph[f])
+            .map(|g| comp_of[g.as_str()])
+            .filter(|&j| j != i)
+            .map(|j| level[j] + 1)
+            .max()
+            .unwrap_or(0);
+    }
+    let mut out: Vec<Vec<String>> = Vec::new();
+    for (i, c) in comps.iter().enumerate() {
+        if out.len() <= level[i] {
+            out.resize(level[i] + 1, Vec::new());
+        }
+        let name = if c.len() > 1 {
+            format!("{{{}}}", c.join(", "))
+        } else {
+            c[0].clone()
+        };
+        out[level[i]].push(name);
+    }
+    for l in &mut out {
+        l.sort();
+    }
+    out
+}
+
 /// The file graph of `dir/*.rs`.
 fn graph_of(dir: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -403,6 +442,9 @@ fn no_import_cycle_spans_more_than_three_files() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let graph = graph_of(&src);
     let comps = components(&graph);
+    for (level, files) in layers(&graph, &comps).iter().enumerate() {
+        println!("layer {level}: {}", files.join(" "));
+    }
     let mut failed = Vec::new();
     for c in comps.iter().filter(|c| c.len() > 1) {
         println!("cycle of {} files: {}", c.len(), c.join(", "));
