@@ -63,7 +63,7 @@ fn serve(
     let Ok(eng) = st.engine_or_create(ordinal, init) else {
         return Malloc::Fallback;
     };
-    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`).
+    // Not while a checkpoint holds the job, nor across its T0 (`gate::admit`).
     let made = {
         let _g = crate::gate::admit(&eng);
         eng.engine.alloc(size)

@@ -163,7 +163,7 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
         // which the admission below must not hold yet.
         reclaim(&eng, pool);
     }
-    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`): a slab made
+    // Not while a checkpoint holds the job, nor across its T0 (`gate::admit`): a slab made
     // after T0 would be released without being in the image.
     let _g = crate::gate::admit(&eng);
     let mut pools = POOLS.lock();

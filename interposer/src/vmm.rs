@@ -147,7 +147,7 @@ pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c
     let Some(eng) = placed(handle).and_then(|(o, _)| st.engine(o)) else {
         return Some(INVALID_VALUE);
     };
-    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`).
+    // Not while a checkpoint holds the job, nor across its T0 (`gate::admit`).
     let _g = crate::gate::admit(&eng);
     let mut tokens = TOKENS.lock();
     let Some(t) = tokens.as_mut().and_then(|m| m.get_mut(&handle)) else {
