@@ -116,7 +116,7 @@ pub fn free(ptr: u64) -> Freed {
         Ok(()) => {
             st.allocations_changed(false);
             st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
-            st.to_dag(crate::runtime::DagMsg::Free(id));
+            st.to_dag(crate::dag::DagMsg::Free(id));
             Freed::Done
         }
         Err(e) => {

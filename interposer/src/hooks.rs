@@ -28,9 +28,10 @@ use possum_cuda::CudaDevice;
 use possum_engine::{Access, Buffer, OpGuard};
 
 use crate::cbid::{Shape, StreamAt};
+use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
 use crate::ranges::{Ranges, Resolved, WordHash};
-use crate::runtime::{state, DagMsg, DagOp, DagSets, DevEngine, Reentry, SetsRef, SnapNode, State};
+use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
 use crate::validate;
 
 /// What an entry callback leaves for the exit callback.

@@ -91,6 +91,7 @@ mod config;
 mod control;
 mod cudart;
 mod cupti;
+mod dag;
 mod decode;
 mod drvalloc;
 pub mod entry;

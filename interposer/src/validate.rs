@@ -374,7 +374,7 @@ pub fn finish(st: &State, b: Before) {
                     "kernel {} is opaque from now on: {why}",
                     b.model.name().unwrap_or("?")
                 ));
-                st.to_dag(crate::runtime::DagMsg::Opaque(b.model.handle()));
+                st.to_dag(crate::dag::DagMsg::Opaque(b.model.handle()));
             }
         }
         Err(e) => {

@@ -229,7 +229,7 @@ pub fn unmap(va: u64, size: u64) -> Option<c_int> {
             crate::log::log(&format!("cuMemUnmap({va:#x}, {size}): {e}"));
             return Some(INVALID_VALUE);
         }
-        st.to_dag(crate::runtime::DagMsg::Free(b.id()));
+        st.to_dag(crate::dag::DagMsg::Free(b.id()));
         st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
     }
     if let Some(m) = TOKENS.lock().as_mut() {
