@@ -13,7 +13,7 @@
 
 use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 static RUNNING: AtomicBool = AtomicBool::new(false);
 
@@ -25,14 +25,7 @@ pub fn running() -> bool {
 /// Starts the `possum-ab` thread when `POSSUM_AB_MS` and `POSSUM_AB_LOG` are set (after CUPTI
 /// was attached).
 pub fn start_if_asked() {
-    let ms = std::env::var("POSSUM_AB_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .filter(|&ms| ms > 0);
-    let log = std::env::var("POSSUM_AB_LOG")
-        .ok()
-        .filter(|p| !p.is_empty());
-    let (Some(ms), Some(log)) = (ms, log) else {
+    let Some(crate::config::AbTest { every, log }) = crate::config::get().diag.ab.clone() else {
         return;
     };
     RUNNING.store(true, Ordering::Relaxed);
@@ -41,7 +34,7 @@ pub fn start_if_asked() {
         .spawn(move || {
             let mut on = true;
             loop {
-                std::thread::sleep(Duration::from_millis(ms));
+                std::thread::sleep(every);
                 let t0 = std::time::Instant::now();
                 let r = switch(!on);
                 on = !on;
@@ -62,7 +55,7 @@ pub fn start_if_asked() {
                     .open(&log)
                     .and_then(|mut f| f.write_all(text.as_bytes()));
                 if written.is_err() {
-                    crate::log(&format!("POSSUM_AB_LOG {log}: cannot write; A/B test ends"));
+                    crate::log::log(&format!("POSSUM_AB_LOG {log}: cannot write; A/B test ends"));
                     let _ = switch(true);
                     return;
                 }
@@ -75,10 +68,11 @@ pub fn start_if_asked() {
 
 /// Switches possum's hooks on or off: the entry points' mode, or CUPTI's subscription.
 fn switch(on: bool) -> Result<(), String> {
-    use crate::entry::{mode, set_mode, Mode};
-    match (mode(), on) {
-        (Mode::Count, true) => crate::cupti_attach(),
-        (Mode::Count, false) => crate::cupti_detach(),
+    use crate::mode::{after_set_up, set_mode, Mode};
+    // The set-up started this test: the mode is known.
+    match (after_set_up(), on) {
+        (Mode::Count, true) => crate::cupti::cupti_attach(),
+        (Mode::Count, false) => crate::cupti::cupti_detach(),
         (_, true) => {
             set_mode(Mode::Hooks);
             Ok(())

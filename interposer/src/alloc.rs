@@ -63,9 +63,9 @@ fn serve(
     let Ok(eng) = st.engine_or_create(ordinal, init) else {
         return Malloc::Fallback;
     };
-    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`).
+    // Not while a checkpoint holds the job, nor across its T0 (`gate::admit`).
     let made = {
-        let _g = crate::session::admit(&eng);
+        let _g = crate::gate::admit(&eng);
         eng.engine.alloc(size)
     };
     match made {
@@ -76,7 +76,7 @@ fn serve(
         }
         Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => Malloc::OutOfMemory,
         Err(e) => {
-            crate::log(&format!(
+            crate::log::log(&format!(
                 "engine allocation of {size} bytes failed ({e}); using libcudart"
             ));
             Malloc::Fallback
@@ -88,12 +88,12 @@ fn serve(
 /// unmaps and frees the reservation.
 pub fn free(ptr: u64) -> Freed {
     let st = state();
-    crate::session::wait_if_paused();
+    crate::gate::wait_if_paused();
     // A block of a stream-ordered allocation possum serves (`pools.rs`).
     if crate::pools::is_served(ptr) {
         let _r = Reentry::enter();
         if let Err(e) = introspect::ctx_synchronize() {
-            crate::log(&format!("cudaFree({ptr:#x}): {e}"));
+            crate::log::log(&format!("cudaFree({ptr:#x}): {e}"));
             return Freed::Failed;
         }
         return match crate::pools::free_now(ptr) {
@@ -109,18 +109,18 @@ pub fn free(ptr: u64) -> Freed {
     };
     let _r = Reentry::enter();
     if let Err(e) = introspect::ctx_synchronize() {
-        crate::log(&format!("cudaFree({ptr:#x}): {e}"));
+        crate::log::log(&format!("cudaFree({ptr:#x}): {e}"));
         return Freed::Failed;
     }
     match eng.engine.free(DevPtr(ptr)) {
         Ok(()) => {
             st.allocations_changed(false);
             st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
-            st.to_dag(crate::runtime::DagMsg::Free(id));
+            st.to_dag(crate::dag::DagMsg::Free(id));
             Freed::Done
         }
         Err(e) => {
-            crate::log(&format!("cudaFree({ptr:#x}): {e}"));
+            crate::log::log(&format!("cudaFree({ptr:#x}): {e}"));
             Freed::Failed
         }
     }

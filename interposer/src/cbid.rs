@@ -274,6 +274,14 @@ const fn opaque_copy(name: &'static str, id: u32, stream: StreamAt) -> Callback 
 /// Upper bound (exclusive) on the ids in [`CALLBACKS`]; sizes the counter array.
 pub const ID_LIMIT: usize = 1024;
 
+/// The driver's `CUresult` codes possum's served calls answer with (`CUDA_SUCCESS`,
+/// `CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_OUT_OF_MEMORY`, `CUDA_ERROR_NOT_SUPPORTED`): the
+/// allocation entry points of `drvalloc.rs`, `vmm.rs` and `pools.rs`.
+pub(crate) const SUCCESS: std::ffi::c_int = 0;
+pub(crate) const INVALID_VALUE: std::ffi::c_int = 1;
+pub(crate) const OUT_OF_MEMORY: std::ffi::c_int = 2;
+pub(crate) const NOT_SUPPORTED: std::ffi::c_int = 801;
+
 use StreamAt::{Config, ConfigPt, Legacy, PerThread, Word, WordPt};
 
 /// Every callback possum enables. `_ptsz` / `_ptds` are the per-thread-default-stream variants.

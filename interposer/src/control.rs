@@ -1,61 +1,68 @@
 //! The control socket inside the job (`possum-control`'s server): `possum status PID` and
 //! `possum trace PID` ask it. Started when the job first uses CUDA, not at load, so a process
 //! that never touches CUDA gets no thread and no socket. `POSSUM_CONTROL=0` turns it off.
+//!
+//! The top of the crate's layers with `session.rs`: the handlers call the checkpoint sessions, the
+//! state and CUPTI; the set-up starts the server and hands it what `Status` answers.
 
 use std::sync::{Arc, Once};
 
 use parking_lot::Mutex;
 use possum_control::{Request, Server};
-use serde_json::json;
+use serde_json::{json, Value};
 
+use crate::config;
+use crate::cupti::{cupti_attach, cupti_attached, cupti_detach};
+use crate::log::log;
 use crate::runtime::state_if_created;
+use crate::session;
 
 static SERVER: Mutex<Option<Server>> = Mutex::new(None);
 static START: Once = Once::new();
 
-/// Starts the server (once).
-pub fn start() {
-    if std::env::var_os("POSSUM_CONTROL").is_some_and(|v| v == "0") {
+/// Starts the server (once), answering `Status` with `status()` (the statistics).
+pub fn start(status: fn() -> Value) {
+    if !config::get().user.control {
         return;
     }
     START.call_once(|| {
-        let dir = possum_control::socket_dir();
-        let handler = Arc::new(|req: Request| match req {
+        let dir = config::get().user.socket_dir.clone();
+        let handler = Arc::new(move |req: Request| match req {
             Request::Ping => {
                 json!({"pid": std::process::id(), "possum": env!("CARGO_PKG_VERSION")})
             }
-            Request::Status => crate::stats_json(),
+            Request::Status => status(),
             Request::Trace => match state_if_created() {
                 Some(st) => st.trace_json(),
                 None => possum_control::error_reply("the job has not used CUDA yet"),
             },
-            Request::Checkpoint { dir } => crate::session::checkpoint(&dir, false),
-            Request::CheckpointKept { dir } => crate::session::checkpoint(&dir, true),
-            Request::Release => crate::session::release(None),
-            Request::ReleaseKeeping { hold_secs } => crate::session::release(Some(hold_secs)),
-            Request::Resume { dir } => crate::session::resume(dir.as_deref(), None),
+            Request::Checkpoint { dir } => session::checkpoint(&dir, false),
+            Request::CheckpointKept { dir } => session::checkpoint(&dir, true),
+            Request::Release => session::release(None),
+            Request::ReleaseKeeping { hold_secs } => session::release(Some(hold_secs)),
+            Request::Resume { dir } => session::resume(dir.as_deref(), None),
             Request::ResumeAndSave { dir, shadow_mib } => {
-                crate::session::resume(Some(&dir), Some(shadow_mib))
+                session::resume(Some(&dir), Some(shadow_mib))
             }
-            Request::Saved => crate::session::saved(),
+            Request::Saved => session::saved(),
             Request::Cupti { attach } => {
                 let r = if attach {
-                    crate::cupti_attach()
+                    cupti_attach()
                 } else {
-                    crate::cupti_detach()
+                    cupti_detach()
                 };
                 match r {
-                    Ok(()) => json!({"cupti_attached": crate::cupti_attached()}),
+                    Ok(()) => json!({"cupti_attached": cupti_attached()}),
                     Err(e) => possum_control::error_reply(e),
                 }
             }
         });
         match Server::start(&dir, handler) {
             Ok(s) => {
-                crate::log(&format!("control socket {}", s.path().display()));
+                log(&format!("control socket {}", s.path().display()));
                 *SERVER.lock() = Some(s);
             }
-            Err(e) => crate::log(&format!("no control socket in {}: {e}", dir.display())),
+            Err(e) => log(&format!("no control socket in {}: {e}", dir.display())),
         }
     });
 }

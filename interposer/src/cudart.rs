@@ -1,6 +1,5 @@
 //! The CUDA runtime's allocation entry points, exported so that `LD_PRELOAD` puts them in front
-//! of libcudart's: `cudaMalloc` and `cudaFree`. The third (and last) module of this crate with
-//! `unsafe` code.
+//! of libcudart's: `cudaMalloc` and `cudaFree`. One of the crate's modules with `unsafe` code.
 //!
 //! A job that links libcudart dynamically (PyTorch does, through libtorch_cuda's RPATH) resolves
 //! `cudaMalloc` to the first definition in the global scope, which is this library's. The wrappers

@@ -1,5 +1,5 @@
-//! Reading a driver call's parameters inside a CUPTI callback: the second module of this crate with
-//! `unsafe` code (with `sys` and `cudart`).
+//! Reading a driver call's parameters inside a CUPTI callback or a wrapper: one of the crate's
+//! modules with `unsafe` code.
 //!
 //! CUPTI hands the callback a pointer to the call's `cu<name>_params` struct, valid for the
 //! duration of the callback. [`RawCall`] wraps it with the lifetime of the callback, so nothing read

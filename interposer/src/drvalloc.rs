@@ -15,13 +15,8 @@ use std::ffi::{c_int, c_uint};
 
 use crate::alloc::{self, Freed, Malloc};
 
-/// The driver's `CUresult` codes the served calls answer with (`CUDA_SUCCESS`,
-/// `CUDA_ERROR_INVALID_VALUE`, `CUDA_ERROR_OUT_OF_MEMORY`, `CUDA_ERROR_NOT_SUPPORTED`); also
-/// `vmm.rs`'s and `pools.rs`'s.
-pub(crate) const SUCCESS: c_int = 0;
-pub(crate) const INVALID_VALUE: c_int = 1;
-pub(crate) const OUT_OF_MEMORY: c_int = 2;
-pub(crate) const NOT_SUPPORTED: c_int = 801;
+use crate::cbid::{INVALID_VALUE, OUT_OF_MEMORY, SUCCESS};
+
 /// Row pitch alignment of `cuMemAllocPitch` served here: a multiple of every GPU's texture pitch
 /// alignment (`CU_DEVICE_ATTRIBUTE_TEXTURE_PITCH_ALIGNMENT`, 32 to 512).
 const PITCH_ALIGN: usize = 512;

@@ -1,6 +1,6 @@
 //! The driver's entry points, wrapped: how possum sees every launch, copy, memset, graph launch
 //! and allocation of the job without CUPTI. One of the crate's modules with `unsafe` code (with
-//! `sys`, `decode`, `cudart`, `drvalloc` and `park_sys`).
+//! `sys`, `load`, `decode`, `cudart`, `drvalloc` and `park_sys`).
 //!
 //! A job reaches the driver three ways, and each hands it possum's wrapper instead of the
 //! driver's function:
@@ -44,41 +44,16 @@ type CuResult = c_int;
 /// `CUDA_ERROR_NOT_INITIALIZED`: a wrapper whose driver function cannot be found (no libcuda).
 const NOT_INITIALIZED: CuResult = 3;
 
-/// How the wrappers behave (see [`Mode`]); 0 until [`crate::init`] has run.
-static MODE: AtomicU8 = AtomicU8::new(0);
+pub use crate::mode::{set_mode, Mode};
 
-/// What the wrappers do with a call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Mode {
-    /// The hooks run in the wrappers (the default).
-    Hooks = 1,
-    /// CUPTI's callbacks run the hooks; the wrappers count calls only.
-    Count = 2,
-    /// The wrappers call the driver and nothing else (`POSSUM_HOOKS=off`, or an A/B test's off
-    /// interval).
-    Off = 3,
-}
-
-/// Sets what the wrappers do from now on.
-pub fn set_mode(m: Mode) {
-    MODE.store(m as u8, Ordering::Release);
-}
-
-/// What the wrappers do now.
+/// What the wrappers do now, running the set-up ([`crate::init`]) first if it has not run.
 pub fn mode() -> Mode {
-    match MODE.load(Ordering::Acquire) {
-        0 => {
+    match crate::mode::current() {
+        Some(m) => m,
+        None => {
             crate::init();
-            match MODE.load(Ordering::Acquire) {
-                2 => Mode::Count,
-                3 => Mode::Off,
-                _ => Mode::Hooks,
-            }
+            crate::mode::after_set_up()
         }
-        2 => Mode::Count,
-        3 => Mode::Off,
-        _ => Mode::Hooks,
     }
 }
 
@@ -213,7 +188,7 @@ fn driver_handle() -> usize {
     if h != 0 {
         return h;
     }
-    let name = std::env::var("POSSUM_LIBCUDA").unwrap_or_else(|_| "libcuda.so.1".into());
+    let name = crate::config::get().user.libcuda.as_str();
     let Ok(cname) = std::ffi::CString::new(name) else {
         return 0;
     };

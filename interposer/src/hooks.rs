@@ -11,7 +11,7 @@
 //!
 //! [`Engine::enter_op`]: possum_engine::Engine::enter_op
 //! [`OpGuard::check`]: possum_engine::OpGuard::check
-//! [`ResolveMode`]: crate::runtime::ResolveMode
+//! [`ResolveMode`]: crate::config::ResolveMode
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
@@ -28,11 +28,10 @@ use possum_cuda::CudaDevice;
 use possum_engine::{Access, Buffer, OpGuard};
 
 use crate::cbid::{Shape, StreamAt};
+use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
 use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
-use crate::runtime::{
-    state, DagMsg, DagOp, DagSets, DevEngine, Ranges, Reentry, Resolved, SetsRef, SnapNode, State,
-    WordHash,
-};
+use crate::ranges::{Ranges, Resolved, WordHash};
+use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
 use crate::validate;
 
 /// What an entry callback leaves for the exit callback.
@@ -135,7 +134,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
     crate::stats::record(cbid);
     if shape.is_operation() {
         // A checkpoint may have released the buffers: wait for them to come back first.
-        crate::session::wait_if_paused();
+        crate::gate::wait_if_paused();
     }
     match shape {
         Shape::Launch {
@@ -276,12 +275,12 @@ pub fn pointer_query(ctx: u64, ptr: u64) {
     if crate::runtime::ignore_this_thread() {
         return;
     }
-    crate::session::wait_if_paused();
+    crate::gate::wait_if_paused();
     let st = state();
     let Some(e) = engine_of(st, ctx) else {
         return;
     };
-    let g = crate::session::admit(e);
+    let g = crate::gate::admit(e);
     if !g.tracking() {
         return;
     }
@@ -294,7 +293,7 @@ pub fn pointer_query(ctx: u64, ptr: u64) {
             };
             if let Err(err) = e.with_stream(0, |s| g.check(s, access)) {
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
-                crate::log(&format!("pointer query: {err}"));
+                crate::log::log(&format!("pointer query: {err}"));
             }
         }
     }
@@ -329,7 +328,7 @@ fn admit(eng: Option<&'static DevEngine>, stream: u64) -> Option<OpGuard<'static
             .fetch_add(1, Ordering::Relaxed);
     }
     e.with_stream(stream, |_| ());
-    Some(crate::session::admit(e))
+    Some(crate::gate::admit(e))
 }
 
 /// Whether an admitted operation is resolved: while the engine tracks, or in a sampling window.
@@ -345,9 +344,8 @@ fn resolving(st: &State, guard: Option<&OpGuard<'_, CudaDevice>>) -> bool {
 /// `POSSUM_DEBUG_DIRTY=1` (diagnostics): while the engine tracks, each operation that marks a
 /// buffer written that was not marked yet is logged, with what the operation is (the first 400
 /// such lines): what a pre-copy leaves for the pause, and why.
-pub(crate) fn debug_dirty() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("POSSUM_DEBUG_DIRTY").is_some_and(|v| v == "1"))
+fn debug_dirty() -> bool {
+    crate::config::get().diag.debug_dirty
 }
 
 thread_local! {
@@ -410,7 +408,7 @@ fn hook(
             if let Err(err) = e.with_stream(stream, |s| g.check(s, access)) {
                 let st = state();
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
-                crate::log(&format!("hook: {err}"));
+                crate::log::log(&format!("hook: {err}"));
             }
         }
     }
@@ -478,7 +476,7 @@ fn resolve_slots(
             }
             Resolved::Managed(..) => {}
         }
-        if st.cfg.dag {
+        if st.cfg.tuning.dag {
             if let Some(br) = r.buf_ref() {
                 let list = if ro {
                     &mut sets.dag_reads
@@ -641,11 +639,11 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
     let n = c.launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
     let guard = admit(eng, stream);
-    let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.resolve.sampled(n);
+    let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.tuning.resolve.sampled(n);
     let _ = MEMO.try_with(move |memo| {
         let mut memo = memo.borrow_mut();
         let (model, ways) = Ways::current(memo.entry(func).or_default(), st, func);
-        let (_, due) = model.next_launch(&st.cfg.validation);
+        let (_, due) = model.next_launch(&st.cfg.tuning.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
@@ -708,7 +706,7 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
                 m.generation = if discovered { u64::MAX } else { generation };
                 m.version = version;
                 m.unmanaged = unmanaged;
-                if st.cfg.dag {
+                if st.cfg.tuning.dag {
                     if m.dag != 0 {
                         st.to_dag(DagMsg::Forget(m.dag));
                     }
@@ -729,7 +727,7 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
             if m.unmanaged {
                 c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
             }
-            if st.cfg.dag {
+            if st.cfg.tuning.dag {
                 st.to_dag(DagMsg::Launch {
                     op: DagOp::Kernel(func),
                     stream,
@@ -833,7 +831,7 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
                     DagOp::Memset
                 }
             };
-            if st.cfg.dag {
+            if st.cfg.tuning.dag {
                 st.to_dag(DagMsg::Launch {
                     op: kref,
                     stream,
@@ -891,7 +889,7 @@ fn copy_like(
     // At most one buffer each way; one both read and written is only in `writes`.
     let written = managed_on(&wr, dev);
     let read = managed_on(&rd, dev).filter(|b| written.map_or(true, |w| w.id() != b.id()));
-    if st.cfg.dag && (rd.key().is_some() || wr.key().is_some()) {
+    if st.cfg.tuning.dag && (rd.key().is_some() || wr.key().is_some()) {
         st.to_dag(DagMsg::Launch {
             op: if src.is_some() {
                 DagOp::Memcpy

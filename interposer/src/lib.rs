@@ -87,15 +87,23 @@
 mod ab;
 mod alloc;
 pub mod cbid;
+mod config;
 mod control;
 mod cudart;
+mod cupti;
+mod dag;
 mod decode;
 mod drvalloc;
 pub mod entry;
+mod gate;
 mod hooks;
+mod load;
+mod log;
+mod mode;
 mod park;
 mod park_sys;
 mod pools;
+mod ranges;
 mod runtime;
 mod session;
 pub mod stats;
@@ -103,12 +111,12 @@ mod sys;
 mod validate;
 mod vmm;
 
-pub use sys::InitializeInjection;
+pub use config::Hooks;
+pub use load::InitializeInjection;
 
-use std::io::Write as _;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Once, OnceLock};
+use std::sync::Once;
 
+use log::log;
 use stats::Setup;
 
 /// Where CUPTI is looked for when `POSSUM_CUPTI` is not set, in order.
@@ -122,64 +130,33 @@ pub const DEFAULT_CUPTI: &[&str] = &[
 ];
 
 static INIT: Once = Once::new();
-static SETUP: OnceLock<Setup> = OnceLock::new();
-static STATS_PATH: OnceLock<Option<String>> = OnceLock::new();
-static VERBOSE: AtomicBool = AtomicBool::new(false);
 
 /// Sets the interposer up: loads CUPTI, subscribes, enables the callbacks, registers the
 /// statistics writer. Runs once per process, whichever entry point calls it first; never panics
 /// out (the entry points catch), never prints unless `POSSUM_VERBOSE=1`.
 pub fn init() {
     INIT.call_once(|| {
+        // The control socket starts with possum's state (the job's first use of CUDA), which
+        // sits below the socket's handlers: it calls up through this.
+        runtime::on_created(start_control);
         let setup = set_up();
-        let _ = SETUP.set(setup);
+        cupti::set_setup(setup);
+        if runtime::state_if_created().is_some() {
+            start_control();
+        }
     });
 }
 
-/// How possum sees the job's GPU operations (`POSSUM_HOOKS`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Hooks {
-    /// The driver's entry points, wrapped (`entry`, the default): what a full checkpoint needs.
-    #[default]
-    Entry,
-    /// CUPTI's callbacks (`cupti`, diagnostics): NVIDIA's driver 580 then refuses to checkpoint
-    /// the process; the entry points only count what they see, as a cross-check.
-    Cupti,
-    /// Nothing hooked (`off`): allocations are still served; a checkpoint holds the job by
-    /// parking its threads.
-    Off,
-}
-
-impl Hooks {
-    /// From `POSSUM_HOOKS` (`entry`, `cupti`, `off`/`0`; unset: `entry`).
-    pub fn from_env() -> Result<Hooks, String> {
-        match std::env::var("POSSUM_HOOKS").as_deref() {
-            Err(_) | Ok("") | Ok("entry") => Ok(Hooks::Entry),
-            Ok("cupti") => Ok(Hooks::Cupti),
-            Ok("off") | Ok("0") => Ok(Hooks::Off),
-            Ok(other) => Err(format!(
-                "POSSUM_HOOKS={other} is not one of entry, cupti, off; using entry"
-            )),
-        }
-    }
-
-    /// Its name in the statistics.
-    pub fn name(self) -> &'static str {
-        match self {
-            Hooks::Entry => "entry",
-            Hooks::Cupti => "cupti",
-            Hooks::Off => "off",
-        }
-    }
+/// Starts the control socket, its `Status` answered with [`stats_json`].
+fn start_control() {
+    control::start(stats_json);
 }
 
 fn set_up() -> Setup {
     // First: the entry points' wrappers must know their mode before anything below calls the
     // driver (CUPTI's loading does), or they would run this set-up again.
-    let (mut hooks, mut bad) = match Hooks::from_env() {
-        Ok(h) => (h, None),
-        Err(e) => (Hooks::Entry, Some(e)),
-    };
+    let cfg = config::get();
+    let (mut hooks, mut bad) = (cfg.user.hooks, cfg.user.hooks_error.clone());
     if hooks == Hooks::Entry && !entry::interposing() {
         // Not in the global scope (CUDA_INJECTION64_PATH alone): the job never gets the
         // wrappers, so nothing could be held at the op gate. A checkpoint parks threads instead.
@@ -189,23 +166,18 @@ fn set_up() -> Setup {
                 .into(),
         );
     }
-    entry::set_mode(match hooks {
-        Hooks::Entry => entry::Mode::Hooks,
-        Hooks::Cupti => entry::Mode::Count,
-        Hooks::Off => entry::Mode::Off,
+    mode::set_mode(match hooks {
+        Hooks::Entry => mode::Mode::Hooks,
+        Hooks::Cupti => mode::Mode::Count,
+        Hooks::Off => mode::Mode::Off,
     });
-    VERBOSE.store(
-        std::env::var_os("POSSUM_VERBOSE").is_some_and(|v| v == "1"),
-        Ordering::Relaxed,
-    );
+    log::set_verbose(cfg.user.verbose);
     if let Some(e) = bad {
         log(&e);
     }
-    let stats_path = std::env::var("POSSUM_STATS").ok().filter(|p| !p.is_empty());
-    if !sys::register_at_exit() {
+    if !load::register_at_exit() {
         log("atexit failed; POSSUM_STATS and POSSUM_TRACE will not be written");
     }
-    let _ = STATS_PATH.set(stats_path);
 
     match hooks {
         Hooks::Entry => {
@@ -227,9 +199,9 @@ fn set_up() -> Setup {
         }
         Hooks::Cupti => {}
     }
-    let candidates: Vec<String> = match std::env::var("POSSUM_CUPTI") {
-        Ok(p) if !p.is_empty() && p != "off" && p != "1" => vec![p],
-        _ => DEFAULT_CUPTI.iter().map(|s| s.to_string()).collect(),
+    let candidates: Vec<String> = match &cfg.user.cupti {
+        Some(p) => vec![p.clone()],
+        None => DEFAULT_CUPTI.iter().map(|s| s.to_string()).collect(),
     };
     let (cupti, path) = match sys::Cupti::load(&candidates) {
         Ok(c) => c,
@@ -244,7 +216,7 @@ fn set_up() -> Setup {
             };
         }
     };
-    let (sub, failed) = cupti.attach(enabled_callbacks());
+    let (sub, failed) = cupti.attach(cupti::enabled_callbacks());
     if let Err(why) = sub {
         log(&format!(
             "CUPTI at {path} loaded but {why}; launches will not be seen"
@@ -256,7 +228,7 @@ fn set_up() -> Setup {
             ..Setup::default()
         };
     }
-    let enabled = enabled_callbacks().count() - failed.len();
+    let enabled = cupti::enabled_callbacks().count() - failed.len();
     let error = (!failed.is_empty()).then(|| format!("not enabled: {}", failed.join(", ")));
     log(&format!(
         "CUPTI at {path}: {enabled} of {} driver callbacks enabled{}",
@@ -276,74 +248,6 @@ fn set_up() -> Setup {
     }
 }
 
-/// Whether possum sees the job's GPU operations now (through the entry points, or CUPTI): then
-/// a checkpoint pre-copies while the job runs, holds it at the op gate and restores on demand;
-/// otherwise it parks the job's threads and copies everything while they are held.
-pub(crate) fn hooks_live() -> bool {
-    entry::mode() == entry::Mode::Hooks || cupti_attached()
-}
-
-/// Detaches CUPTI (NVIDIA's driver checkpoint refuses a process it is attached to):
-/// `POSSUM_DETACH` = `unsubscribe` (default), `finalize` (also `cuptiFinalize`) or `none`.
-pub(crate) fn cupti_detach() -> Result<(), String> {
-    let mode = std::env::var("POSSUM_DETACH").unwrap_or_default();
-    match (sys::Cupti::get(), mode.as_str()) {
-        (None, _) | (_, "none") => Ok(()),
-        (Some(c), m) => c.detach(m == "finalize"),
-    }
-}
-
-/// The callbacks to enable: all of them, or with `POSSUM_CALLBACKS` (diagnostics) `none`
-/// (subscribe only) or a comma-separated list of driver function names.
-fn enabled_callbacks() -> impl Iterator<Item = u32> + Clone {
-    let only: Option<Vec<String>> = std::env::var("POSSUM_CALLBACKS")
-        .ok()
-        .filter(|v| !v.is_empty())
-        .map(|v| v.split(',').map(str::to_string).collect());
-    cbid::CALLBACKS
-        .iter()
-        .filter(move |c| {
-            only.as_ref()
-                .map_or(true, |o| o.iter().any(|n| n == c.name))
-        })
-        .map(|c| c.id)
-}
-
-/// Whether CUPTI's callbacks are subscribed now.
-pub(crate) fn cupti_attached() -> bool {
-    sys::Cupti::get().is_some_and(|c| c.attached())
-}
-
-/// Subscribes CUPTI again after [`cupti_detach`] (its callbacks enabled as at start).
-pub(crate) fn cupti_attach() -> Result<(), String> {
-    let Some(c) = sys::Cupti::get() else {
-        return Ok(());
-    };
-    let (sub, mut failed) = c.attach(enabled_callbacks());
-    sub?;
-    // Callbacks this CUPTI refused at start as well are no news.
-    let at_start = SETUP
-        .get()
-        .and_then(|s| s.error.clone())
-        .unwrap_or_default();
-    failed.retain(|f| !at_start.contains(f.as_str()));
-    if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "callbacks not enabled again: {}",
-            failed.join(", ")
-        ))
-    }
-}
-
-/// One line on stderr, only with `POSSUM_VERBOSE=1`. Write errors are ignored.
-pub(crate) fn log(msg: &str) {
-    if VERBOSE.load(Ordering::Relaxed) {
-        let _ = writeln!(std::io::stderr(), "possum: {msg}");
-    }
-}
-
 /// The statistics so far, as one JSON object (keys in the crate documentation). Before [`init`]
 /// has run, `"cupti"` is false and `"cupti_error"` says so.
 pub fn stats_json() -> serde_json::Value {
@@ -351,7 +255,7 @@ pub fn stats_json() -> serde_json::Value {
         error: Some("not initialised".into()),
         ..Setup::default()
     };
-    let mut v = stats::to_json(std::process::id(), SETUP.get().unwrap_or(&not_set_up));
+    let mut v = stats::to_json(std::process::id(), cupti::setup().unwrap_or(&not_set_up));
     v["entry"] = entry::stats_json();
     if let Some(st) = runtime::state_if_created() {
         v["possum"] = st.stats_json();
@@ -367,13 +271,12 @@ fn calls_seen() -> u64 {
     cbid::Kind::ALL.iter().map(|&k| stats::total(k)).sum()
 }
 
-/// The `atexit` handler's body: removes the control socket, writes `POSSUM_TRACE` and
+/// The `atexit` handler's body (`load.rs`): removes the control socket, writes `POSSUM_TRACE` and
 /// `POSSUM_STATS` (see the crate documentation).
 fn write_stats_at_exit() {
     control::stop();
     if let Some(st) = runtime::state_if_created() {
-        if let Some(path) = std::env::var_os("POSSUM_TRACE").filter(|p| !p.is_empty()) {
-            let path = std::path::PathBuf::from(path);
+        if let Some(path) = config::get().user.trace.clone() {
             let mut trace = st.trace_json();
             let dot = trace
                 .as_object_mut()
@@ -386,7 +289,7 @@ fn write_stats_at_exit() {
             write_atomically(std::path::Path::new(&dot_path), dot.as_bytes());
         }
     }
-    let Some(Some(path)) = STATS_PATH.get() else {
+    let Some(path) = &config::get().user.stats else {
         return;
     };
     let pid = std::process::id();

@@ -46,24 +46,15 @@ pub fn held() -> bool {
     park_sys::holding()
 }
 
-fn env_ms(key: &str, default: u64) -> Duration {
-    Duration::from_millis(
-        std::env::var(key)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default),
-    )
-}
-
 /// How long threads get to park (`POSSUM_PARK_TIMEOUT_MS`, default 2000).
 pub fn park_timeout() -> Duration {
-    env_ms("POSSUM_PARK_TIMEOUT_MS", 2000)
+    crate::config::get().tuning.park_timeout
 }
 
 /// How long held work may go without progress (`POSSUM_PARK_WATCHDOG_MS`, default 1000: the
 /// copy beats once per chunk, so a second without one is a stall, not a slow copy).
 pub fn watchdog_limit() -> Duration {
-    env_ms("POSSUM_PARK_WATCHDOG_MS", 1000)
+    crate::config::get().tuning.park_watchdog
 }
 
 /// The threads of this process: (id, name).
@@ -93,22 +84,14 @@ fn blocks(tid: i32, sig: i32) -> bool {
 
 fn skip_prefixes() -> Vec<String> {
     let mut v: Vec<String> = SKIP.iter().map(|s| s.to_string()).collect();
-    if let Ok(more) = std::env::var("POSSUM_PARK_SKIP") {
-        v.extend(
-            more.split(',')
-                .filter(|s| !s.is_empty())
-                .map(str::to_string),
-        );
-    }
+    v.extend(crate::config::get().tuning.park_skip.iter().cloned());
     v
 }
 
 /// Parks every thread of the job (not the caller, not [`SKIP`]'s) and returns once all of them
 /// are parked: `{"threads", "names", "ms", "signal"}`. On failure nothing stays parked.
 pub fn park_all(timeout: Duration) -> Result<Value, String> {
-    let preferred = std::env::var("POSSUM_PARK_SIGNAL")
-        .ok()
-        .and_then(|v| v.parse().ok());
+    let preferred = crate::config::get().tuning.park_signal;
     let sig = park_sys::signal(preferred).map_err(|e| format!("cannot hold the job: {e}"))?;
     park_sys::hold();
     signal_until_parked(sig, timeout).inspect_err(|_| unpark_all())
@@ -223,7 +206,7 @@ impl Watchdog {
                         last = now;
                         since = Instant::now();
                     } else if since.elapsed() > limit {
-                        crate::log(&format!(
+                        crate::log::log(&format!(
                             "no progress for {} ms with the job held: ending the hold",
                             limit.as_millis()
                         ));

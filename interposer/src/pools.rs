@@ -27,7 +27,7 @@ use possum_cuda::CudaEvent;
 use possum_engine::device::{DevPtr, Device};
 use possum_engine::EngineError;
 
-use crate::drvalloc::{OUT_OF_MEMORY, SUCCESS};
+use crate::cbid::{OUT_OF_MEMORY, SUCCESS};
 use crate::runtime::{state, DevEngine, Reentry};
 
 /// Bytes of a slab.
@@ -127,14 +127,14 @@ static LEAKED_SAID: AtomicBool = AtomicBool::new(false);
 /// streams (the per-thread default stream already mapped).
 pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int>> {
     let st = state();
-    if !st.cfg.serve_pools || size == 0 || !st.managing() {
+    if !st.cfg.tuning.serve_pools || size == 0 || !st.managing() {
         return None;
     }
     if possum_cuda::introspect::is_capturing(stream).unwrap_or(true) {
         return None;
     }
     // A paused job frees nothing (its buffers may be released, and in its image).
-    crate::session::wait_if_paused();
+    crate::gate::wait_if_paused();
     let _r = Reentry::enter();
     let eng = st.engine_or_create(ordinal, || SUCCESS).ok()?;
     let len = size.checked_next_multiple_of(ALIGN)?;
@@ -163,9 +163,9 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
         // which the admission below must not hold yet.
         reclaim(&eng, pool);
     }
-    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`): a slab made
+    // Not while a checkpoint holds the job, nor across its T0 (`gate::admit`): a slab made
     // after T0 would be released without being in the image.
-    let _g = crate::session::admit(&eng);
+    let _g = crate::gate::admit(&eng);
     let mut pools = POOLS.lock();
     let pool = pool_of(&mut pools, ordinal);
     let made = if len >= SLAB / 2 {
@@ -192,7 +192,7 @@ pub fn alloc(ordinal: usize, size: u64, stream: u64) -> Option<Result<u64, c_int
             Some(Err(OUT_OF_MEMORY))
         }
         Err(e) => {
-            crate::log(&format!(
+            crate::log::log(&format!(
                 "cuMemAllocAsync of {size} bytes: {e}; the driver's pool serves it"
             ));
             None
@@ -222,7 +222,7 @@ fn new_buffer(eng: &DevEngine, len: u64) -> Result<u64, EngineError> {
 /// went (`what` names it in the log otherwise).
 fn drop_buffer(eng: &DevEngine, va: u64, what: &str) -> bool {
     if let Err(e) = eng.engine.free(DevPtr(va)) {
-        crate::log(&format!("freeing {what} at {va:#x}: {e}"));
+        crate::log::log(&format!("freeing {what} at {va:#x}: {e}"));
         return false;
     }
     let st = state();
@@ -309,7 +309,7 @@ fn give_back(eng: &DevEngine, pool: &mut DevicePool, ptr: u64, block: Block) {
 
 /// Whether stream-ordered allocations are served (`POSSUM_SERVE_POOLS`, on by default).
 pub fn serving() -> bool {
-    state().cfg.serve_pools
+    state().cfg.tuning.serve_pools
 }
 
 /// Whether `ptr` is a block possum serves (live).
@@ -334,11 +334,11 @@ pub fn free_async(ptr: u64, stream: u64) -> Option<c_int> {
     let st = state();
     let eng = st.engine(ordinal)?;
     // A paused job does nothing on the GPU (the driver may hold its lock meanwhile).
-    crate::session::wait_if_paused();
+    crate::gate::wait_if_paused();
     let _r = Reentry::enter();
     let event = if possum_cuda::introspect::is_capturing(stream).unwrap_or(true) {
         if !LEAKED_SAID.swap(true, Ordering::Relaxed) {
-            crate::log(
+            crate::log::log(
                 "cuMemFreeAsync of a block possum serves on a stream being captured into a graph: \
                  the block is not reused (a graph's free runs when the graph does)",
             );
@@ -349,7 +349,7 @@ pub fn free_async(ptr: u64, stream: u64) -> Option<c_int> {
         match eng.engine.device().record_event(&s) {
             Ok(ev) => Some(ev),
             Err(e) => {
-                crate::log(&format!(
+                crate::log::log(&format!(
                     "cuMemFreeAsync({ptr:#x}): no event ({e}); waiting for the stream"
                 ));
                 let _ = eng.engine.device().synchronize(&s);
@@ -408,7 +408,7 @@ pub fn stats_json() -> serde_json::Value {
             })
     });
     serde_json::json!({
-        "serving": state().cfg.serve_pools,
+        "serving": state().cfg.tuning.serve_pools,
         "allocations_served": SERVED.load(Ordering::Relaxed),
         "reused_on_their_stream": REUSED.load(Ordering::Relaxed),
         "slabs": slabs,

@@ -13,142 +13,25 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock};
-use possum_analyzer::dag::{BufRef, Dag, KernelRef, DEFAULT_WINDOW};
+use possum_analyzer::dag::{Dag, KernelRef};
 use possum_analyzer::intervals::IntervalMap;
-use possum_analyzer::kernel::{KernelModel, ValidationConfig};
+use possum_analyzer::kernel::KernelModel;
 use possum_analyzer::layout::{Param, ParamLayout};
 use possum_cuda::introspect::{self, GraphNode};
 use possum_cuda::{CudaDevice, CudaStream, PinnedBuf};
 use possum_engine::device::DevPtr;
-use possum_engine::registry::{Buffer, Residency};
+use possum_engine::registry::Residency;
 use possum_engine::{Engine, EngineConfig};
 use serde_json::{json, Value};
 
-/// Settings read from the environment once.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// Serve `cudaMalloc` from the engine (`POSSUM_MANAGE`, default on).
-    pub manage: bool,
-    /// Validation of speculations (`POSSUM_VALIDATE`, e.g. `first=2,every=0`; `off`).
-    pub validation: ValidationConfig,
-    /// Pinned staging per device engine, MiB (`POSSUM_STAGING_MIB`, default 256).
-    pub staging_mib: u64,
-    /// The unit of the engine's copies and of its images' chunks, MiB (`POSSUM_CHUNK_MIB`,
-    /// default 8, 1 to 64).
-    pub chunk_mib: u64,
-    /// Free the staging memory when the job's buffers are released for the driver's checkpoint
-    /// and CRIU, so the CRIU image does not carry it; it is allocated again as the restore needs
-    /// it (`POSSUM_STAGING_PARK`, default on).
-    pub staging_park: bool,
-    /// Lower the context's stack reserve (`CU_LIMIT_STACK_SIZE`, 264 MiB of local memory on an
-    /// H100 at its default 1 KiB) while the job is held for the driver's checkpoint, which copies
-    /// it to host memory for CRIU to dump and restore; set back before the job launches again
-    /// (`POSSUM_TRIM_CONTEXT`, default on).
-    pub trim_context: bool,
-    /// Serve the job's own virtual-memory mappings (`cuMemCreate` + `cuMemMap`: PyTorch's
-    /// expandable segments) with engine buffers (`POSSUM_SERVE_VMM`, default on; `vmm.rs`).
-    pub serve_vmm: bool,
-    /// Serve stream-ordered allocations (`cuMemAllocAsync`: `cudaMallocAsync`, PyTorch's
-    /// `backend:cudaMallocAsync`) from engine buffers (`POSSUM_SERVE_POOLS`, default on;
-    /// `pools.rs`).
-    pub serve_pools: bool,
-    /// Threads writing a checkpoint's chunks to its image, per device engine (`POSSUM_WRITERS`,
-    /// default the machine's cores, 2 to 12): what bounds the copy while the job is held, for a fast GPU and a slow sink.
-    pub writers: usize,
-    /// Bytes a writer checksums and writes at a time (`POSSUM_WRITE_PIECE_KIB`, default 2048:
-    /// one huge page of a huge-page tmpfs, which a write then fills whole).
-    pub write_piece: usize,
-    /// Threads restoring buffers from an image, per device engine (`POSSUM_RESTORERS`, default 6).
-    pub restorers: usize,
-    /// Record the DAG (`POSSUM_DAG`, default on).
-    pub dag: bool,
-    /// Launches kept in the DAG's window (`POSSUM_DAG_WINDOW`).
-    pub dag_window: usize,
-    /// Which operations have their buffers resolved (`POSSUM_RESOLVE`).
-    pub resolve: ResolveMode,
-    /// Diagnostics (`POSSUM_LAYOUTS=cubin`): kernels' parameter layouts from loaded modules'
-    /// `.nv.info` only, never from the driver (tests the fallback on a real job).
-    pub layouts_from_cubin_only: bool,
-    /// Problems with the variables above (reported in the statistics).
-    pub warnings: Vec<String>,
-}
-
-impl Config {
-    fn from_env() -> Config {
-        let mut warnings = Vec::new();
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-        let flag = |k: &str, default: bool| match var(k).as_deref() {
-            None => default,
-            Some("0" | "off" | "false" | "no") => false,
-            Some(_) => true,
-        };
-        let validation = match var("POSSUM_VALIDATE") {
-            None => ValidationConfig::default(),
-            Some(s) => ValidationConfig::from_env_str(&s).unwrap_or_else(|e| {
-                warnings.push(format!("POSSUM_VALIDATE: {e}; using the default"));
-                ValidationConfig::default()
-            }),
-        };
-        let num = |k: &str, default: u64, warnings: &mut Vec<String>| match var(k) {
-            None => default,
-            Some(s) => s.parse().unwrap_or_else(|_| {
-                warnings.push(format!("{k}={s} is not a number; using {default}"));
-                default
-            }),
-        };
-        // Measured on the H100 (8 GiB, image in tmpfs): 2 writers, 2 restorers, 32 MiB: 2.2 s
-        // copy + 1.7 s restore while held; 6, 6, 256 MiB: 1.0 s + 0.8 s.
-        let staging_mib = num("POSSUM_STAGING_MIB", 256, &mut warnings).max(16);
-        let chunk_mib = num("POSSUM_CHUNK_MIB", 8, &mut warnings).clamp(1, 64);
-        // Measured on the H100 (kept checkpoint of 8 GiB saved into tmpfs while the job runs, one
-        // data file per writer): 6 writers 3.9 GB/s, 12 writers 15.3 GB/s, 16 13.2 GB/s.
-        let cores = std::thread::available_parallelism().map_or(4, |n| n.get()) as u64;
-        let writers =
-            num("POSSUM_WRITERS", cores.clamp(2, 12), &mut warnings).clamp(1, 64) as usize;
-        let write_piece = num(
-            "POSSUM_WRITE_PIECE_KIB",
-            (possum_engine::image::DEFAULT_WRITE_PIECE >> 10) as u64,
-            &mut warnings,
-        )
-        .clamp(4, 64 << 10) as usize
-            * 1024;
-        let restorers = num("POSSUM_RESTORERS", 6, &mut warnings).clamp(1, 64) as usize;
-        let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
-        let resolve = match var("POSSUM_RESOLVE") {
-            None => ResolveMode::default(),
-            Some(v) => ResolveMode::parse(&v).unwrap_or_else(|e| {
-                warnings.push(format!("POSSUM_RESOLVE={v}: {e}; using the default"));
-                ResolveMode::default()
-            }),
-        };
-        Config {
-            resolve,
-            layouts_from_cubin_only: var("POSSUM_LAYOUTS").as_deref() == Some("cubin"),
-            manage: flag("POSSUM_MANAGE", true),
-            validation,
-            staging_mib,
-            chunk_mib,
-            staging_park: flag("POSSUM_STAGING_PARK", true),
-            trim_context: flag("POSSUM_TRIM_CONTEXT", true),
-            serve_vmm: flag("POSSUM_SERVE_VMM", true),
-            serve_pools: flag("POSSUM_SERVE_POOLS", true),
-            writers,
-            write_piece,
-            restorers,
-            dag: flag("POSSUM_DAG", true),
-            dag_window,
-            warnings,
-        }
-    }
-}
+use crate::config::Config;
+use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
+use crate::ranges::{Ranges, Resolved};
 
 /// The socket of device `ordinal`'s keeper, if `POSSUM_KEEPER` names a keeper's directory.
 pub fn keeper_socket(ordinal: usize) -> Option<std::path::PathBuf> {
-    let dir = std::env::var_os(possum_keeper::KEEPER_ENV).filter(|d| !d.is_empty())?;
-    Some(possum_keeper::socket_of(
-        std::path::Path::new(&dir),
-        ordinal,
-    ))
+    let dir = crate::config::get().user.keeper.as_deref()?;
+    Some(possum_keeper::socket_of(dir, ordinal))
 }
 
 /// The keeper of device `ordinal`'s memory, if `POSSUM_KEEPER` names a keeper's directory
@@ -157,14 +40,14 @@ fn keeper_of(ordinal: usize) -> Option<Arc<possum_keeper::KeeperMemory>> {
     let path = keeper_socket(ordinal)?;
     match possum_keeper::KeeperMemory::connect(&path) {
         Ok(k) => {
-            crate::log(&format!(
+            crate::log::log(&format!(
                 "device {ordinal}: buffer memory kept by the keeper at {}",
                 path.display()
             ));
             Some(Arc::new(k))
         }
         Err(e) => {
-            crate::log(&format!(
+            crate::log::log(&format!(
                 "device {ordinal}: no keeper ({e}); buffer memory is the job's own, so a \
                  checkpoint copies it while the job is held"
             ));
@@ -247,164 +130,6 @@ impl DevEngine {
         if self.streams.write().remove(&raw).is_some() {
             self.engine
                 .unregister_streams(|s| s.raw() as usize as u64 == raw);
-        }
-    }
-}
-
-/// From the lowest start of a known allocation to the highest end: a word outside it points into
-/// none, whatever its value.
-#[derive(Debug, Clone, Copy)]
-pub struct Span {
-    lo: u64,
-    len: u64,
-}
-
-impl Span {
-    /// `w` if it lies in the span, else 0: a launch's words differing only outside it (scalars,
-    /// seeds, sizes) name the same buffers.
-    #[inline]
-    pub fn canon(self, w: u64) -> u64 {
-        if w.wrapping_sub(self.lo) < self.len {
-            w
-        } else {
-            0
-        }
-    }
-}
-
-/// A 128-bit hash of a launch's (canonical) words, by which the launch path finds the memo entry
-/// of an earlier launch with the same words without keeping or comparing the words themselves
-/// (they are read once, where the job wrote them; a memo entry is then two cache lines, not the
-/// kilobytes of a by-value struct). Four independent lanes (word `i` goes to lane `i % 4`), each
-/// step a bijection of the lane for a given word, so sequences differing in one word always
-/// differ; the lanes and the count are mixed into 128 bits at the end.
-#[derive(Debug, Clone)]
-pub struct WordHash {
-    lanes: [u64; 4],
-    n: u64,
-}
-
-impl Default for WordHash {
-    fn default() -> Self {
-        Self {
-            lanes: [
-                0x243f_6a88_85a3_08d3,
-                0x1319_8a2e_0370_7344,
-                0xa409_3822_299f_31d0,
-                0x082e_fa98_ec4e_6c89,
-            ],
-            n: 0,
-        }
-    }
-}
-
-impl WordHash {
-    /// Adds the next word.
-    #[inline]
-    pub fn push(&mut self, w: u64) {
-        let l = &mut self.lanes[(self.n & 3) as usize];
-        *l = (*l ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
-        self.n += 1;
-    }
-
-    /// The hash of the words pushed.
-    pub fn finish(&self) -> u128 {
-        fn mix(mut z: u64) -> u64 {
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-        // Each half depends on every lane: the memo's index is keyed by the low half alone, and
-        // a kernel with one or two words leaves lanes untouched (with the low half made of two
-        // lanes only, every buffer set of a one-pointer kernel had the same key, measured).
-        let [a, b, c, d] = self.lanes;
-        let hi = mix(a ^ mix(b ^ mix(c ^ mix(d ^ self.n))));
-        let lo =
-            mix(d.rotate_left(47)
-                ^ mix(c.rotate_left(31) ^ mix(b.rotate_left(17) ^ mix(a ^ !self.n))));
-        (u128::from(hi) << 64) | u128::from(lo)
-    }
-
-    /// The hash of `words`, each first passed through `span` ([`Span::canon`]).
-    pub fn of_canonical(words: &[u64], span: Span) -> u128 {
-        let mut h = WordHash::default();
-        for &w in words {
-            h.push(span.canon(w));
-        }
-        h.finish()
-    }
-}
-
-/// Every allocation possum knows, sorted: what launches resolve their words against, without a
-/// lock per word. Rebuilt (copy on write) after allocations change.
-#[derive(Debug, Default)]
-pub struct Ranges {
-    starts: Vec<u64>,
-    entries: Vec<(u64, Resolved)>,
-    /// The allocations' neighbourhoods: clusters of ranges less than [`HULL_GAP`] apart, widened
-    /// by that much on each side. Only a word inside one is worth asking the driver about.
-    hulls: Vec<(u64, u64)>,
-    /// The highest end of any range.
-    max_end: u64,
-}
-
-/// See [`Ranges`]'s `hulls`.
-const HULL_GAP: u64 = 4 << 30;
-
-impl Ranges {
-    fn new(mut v: Vec<(u64, u64, Resolved)>) -> Ranges {
-        v.sort_by_key(|e| e.0);
-        let mut hulls: Vec<(u64, u64)> = Vec::new();
-        for &(s, e, _) in &v {
-            match hulls.last_mut() {
-                Some(h) if s <= h.1.saturating_add(HULL_GAP) => h.1 = h.1.max(e),
-                _ => hulls.push((s, e)),
-            }
-        }
-        Ranges {
-            max_end: v.iter().map(|e| e.1).max().unwrap_or(0),
-            starts: v.iter().map(|e| e.0).collect(),
-            entries: v.into_iter().map(|(_, end, r)| (end, r)).collect(),
-            hulls: hulls
-                .into_iter()
-                .map(|(s, e)| (s.saturating_sub(HULL_GAP), e.saturating_add(HULL_GAP)))
-                .collect(),
-        }
-    }
-
-    /// Whether `w` is near enough to a known allocation to be a device pointer worth asking
-    /// the driver about.
-    pub fn near(&self, w: u64) -> bool {
-        self.hulls.iter().any(|&(s, e)| w >= s && w < e)
-    }
-
-    /// The span every known allocation lies in (see [`Span`]).
-    pub fn span(&self) -> Span {
-        let lo = self.starts.first().copied().unwrap_or(u64::MAX);
-        Span {
-            lo,
-            len: self.max_end.saturating_sub(lo),
-        }
-    }
-
-    /// What `w` points into (never anything for 0: no allocation starts at address 0).
-    pub fn lookup(&self, w: u64) -> Resolved {
-        let below = match self.starts.first() {
-            Some(&lo) => w < lo,
-            None => true,
-        };
-        if below || w >= self.max_end {
-            return Resolved::None;
-        }
-        let i = self.starts.partition_point(|&s| s <= w);
-        if i == 0 {
-            return Resolved::None;
-        }
-        let (end, r) = &self.entries[i - 1];
-        if w < *end {
-            r.clone()
-        } else {
-            Resolved::None
         }
     }
 }
@@ -495,77 +220,6 @@ counters! {
     layouts_from_cubin: "Kernels whose parameter layout came from a module's .nv.info (the driver gave none).",
 }
 
-/// Which operations have their buffers resolved (the launch path's main cost, measured at 2.5
-/// to 2.9 µs a launch on the H100 for GPT-2 small). The engine needs them only while it is
-/// tracking (a checkpoint open through its restore): those are always resolved. Outside that
-/// time, resolution feeds only the DAG and the statistics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResolveMode {
-    /// Every operation (`always`).
-    Always,
-    /// While the engine tracks, and otherwise `window` consecutive launches in every `period`
-    /// (`sample` or `sample:W/P`; P a power of two): the DAG and statistics see recent runs of
-    /// launches at a fraction of the cost.
-    Sampled {
-        /// Launches resolved in a row.
-        window: u64,
-        /// Launches from one window's start to the next's.
-        period: u64,
-    },
-    /// Only while the engine tracks (`sessions`).
-    Sessions,
-}
-
-impl Default for ResolveMode {
-    fn default() -> Self {
-        // 1 in 32: a window of 4096 launches holds a few training steps of GPT-2 small.
-        ResolveMode::Sampled {
-            window: 4096,
-            period: 1 << 17,
-        }
-    }
-}
-
-impl ResolveMode {
-    /// Parses `POSSUM_RESOLVE`'s value.
-    pub fn parse(s: &str) -> Result<ResolveMode, String> {
-        match s {
-            "always" => Ok(ResolveMode::Always),
-            "sessions" => Ok(ResolveMode::Sessions),
-            "sample" => Ok(ResolveMode::default()),
-            _ => {
-                let spec = s.strip_prefix("sample:").ok_or(
-                    "expected always, sessions, sample or sample:W/P (W launches in every P)",
-                )?;
-                let (w, p) = spec.split_once('/').ok_or("sample:W/P needs a '/'")?;
-                let num = |x: &str| {
-                    x.trim()
-                        .parse::<u64>()
-                        .map_err(|_| format!("{x:?} is not a number"))
-                };
-                let (window, period) = (num(w)?, num(p)?);
-                if !period.is_power_of_two() || window == 0 || window > period {
-                    return Err(format!(
-                        "sample:{window}/{period}: P must be a power of two and 0 < W <= P"
-                    ));
-                }
-                Ok(ResolveMode::Sampled { window, period })
-            }
-        }
-    }
-
-    /// Whether the launch with process-wide index `n` is in a sampling window (the engine's
-    /// tracking aside).
-    #[inline]
-    pub fn sampled(self, n: u64) -> bool {
-        match self {
-            ResolveMode::Always => true,
-            ResolveMode::Sampled { window, period } => n & (period - 1) < window,
-            ResolveMode::Sessions => false,
-        }
-    }
-}
-
 /// The process-wide state. `repr(C)`, aligned: what every launch touches (`captures`, `dag_gap`,
 /// the first counters) comes first, on one cache line.
 #[derive(Debug)]
@@ -577,7 +231,8 @@ pub struct State {
     dag_gap: AtomicBool,
     /// Counters.
     pub counters: Counters,
-    /// Settings.
+    /// The settings: a copy of [`crate::config::get`]'s, inline, so that the launch path reads
+    /// them from the state's own lines.
     pub cfg: Config,
     /// Per device ordinal, its engine once made (never removed: the launch path reads it without
     /// a lock or a reference count). Made under `engines_made`.
@@ -628,16 +283,26 @@ pub fn state_if_created() -> Option<&'static State> {
     STATE.get()
 }
 
-/// The state, created on first use (which also starts the control socket).
+/// What runs once the state is made: the control socket's start (registered by the set-up, which
+/// sits above the socket's handlers).
+static ON_CREATED: OnceLock<fn()> = OnceLock::new();
+
+/// Runs `f` whenever the state's creation is asked for (the first callers; it must be idempotent).
+pub fn on_created(f: fn()) {
+    let _ = ON_CREATED.set(f);
+}
+
+/// The state, created on first use (which also runs [`on_created`]'s function: the control
+/// socket).
 pub fn state() -> &'static State {
     if let Some(s) = STATE.get() {
         return s;
     }
     let s = STATE.get_or_init(|| {
-        let cfg = Config::from_env();
-        let window = cfg.dag_window;
+        let cfg = crate::config::get().clone();
+        let window = cfg.tuning.dag_window;
         let (tx, rx) = crossbeam_channel::bounded(DAG_QUEUE);
-        let dag_tx = cfg.dag.then_some(tx);
+        let dag_tx = cfg.tuning.dag.then_some(tx);
         State {
             dag_tx,
             dag_rx: rx,
@@ -682,7 +347,9 @@ pub fn state() -> &'static State {
                 });
         });
     }
-    crate::control::start();
+    if let Some(f) = ON_CREATED.get() {
+        f();
+    }
     s
 }
 
@@ -723,85 +390,11 @@ pub fn flush_dag() {
     }
 }
 
-/// A short list of buffers, inline up to 4.
-/// The buffers of an operation as the DAG records them: built once per distinct operation and
-/// shared (a launch repeating its kernel's last buffer sets sends the same `Arc`, not a copy).
-#[derive(Debug, Default)]
-pub struct DagSets {
-    /// Buffers read.
-    pub reads: Vec<BufRef>,
-    /// Buffers written.
-    pub writes: Vec<BufRef>,
-}
-
-impl DagSets {
-    /// The sets from two lists.
-    pub fn new(reads: &[BufRef], writes: &[BufRef]) -> Arc<DagSets> {
-        Arc::new(DagSets {
-            reads: reads.to_vec(),
-            writes: writes.to_vec(),
-        })
-    }
-}
-
-/// What the `possum-dag` thread records. Launches queue these in a per-thread batch (no
-/// allocation, no shared cache line per launch); a full batch goes to the thread in one send.
-#[derive(Debug)]
-pub enum DagMsg {
-    /// A launch.
-    Launch {
-        /// What ran.
-        op: DagOp,
-        /// On which stream.
-        stream: u64,
-        /// Its buffers.
-        sets: SetsRef,
-    },
-    /// The buffer sets of a launch-path memo entry, under `id` until [`DagMsg::Forget`]: the
-    /// entry's launches then send only the id (no reference count touched by two threads per
-    /// launch).
-    Define {
-        /// The id ([`State::next_dag_id`]).
-        id: u64,
-        /// The sets.
-        sets: Arc<DagSets>,
-    },
-    /// A memo entry's sets are no longer used.
-    Forget(u64),
-    /// A managed buffer was freed.
-    Free(u64),
-    /// A kernel became opaque.
-    Opaque(u64),
-    /// Operations went unresolved since the last record ([`ResolveMode`]): no dependency spans
-    /// the gap.
-    Gap,
-}
-
-/// The buffers of a [`DagMsg::Launch`].
-#[derive(Debug)]
-pub enum SetsRef {
-    /// Those [`DagMsg::Define`]d under this id.
-    Memo(u64),
-    /// These (an operation seen once: a copy, a graph node).
-    Once(Arc<DagSets>),
-}
-
 /// What the `possum-dag` thread holds: the DAG and the memo entries' sets by id.
 #[derive(Debug)]
 pub struct DagSide {
     dag: Dag,
     sets: HashMap<u64, Arc<DagSets>>,
-}
-
-/// The operation of a [`DagMsg::Launch`].
-#[derive(Debug, Clone, Copy)]
-pub enum DagOp {
-    /// A kernel, by handle (its name and state are looked up when recorded).
-    Kernel(u64),
-    /// A copy.
-    Memcpy,
-    /// A memset.
-    Memset,
 }
 
 fn apply(st: &State, side: &mut DagSide, m: DagMsg) {
@@ -902,49 +495,6 @@ pub fn ignore_this_thread() -> bool {
         .unwrap_or(true)
 }
 
-/// What a parameter word points into.
-#[derive(Debug, Clone)]
-pub enum Resolved {
-    /// A managed buffer of the engine of device `.1`.
-    Managed(Buffer, usize),
-    /// An allocation possum does not manage: (start, len).
-    Unmanaged(u64, u64),
-    /// Nothing known.
-    None,
-}
-
-impl Resolved {
-    /// The key validation and the DAG use: a managed buffer's id, or an unmanaged range's start
-    /// with the top bit set.
-    pub fn key(&self) -> Option<u64> {
-        match self {
-            Resolved::Managed(b, _) => Some(b.id()),
-            Resolved::Unmanaged(s, _) => Some(s | 1 << 63),
-            Resolved::None => None,
-        }
-    }
-
-    /// (start, len) of what was found.
-    pub fn range(&self) -> Option<(u64, u64)> {
-        match self {
-            Resolved::Managed(b, _) => Some((b.va().0, b.size())),
-            Resolved::Unmanaged(s, l) => Some((*s, *l)),
-            Resolved::None => None,
-        }
-    }
-
-    /// For the DAG.
-    pub fn buf_ref(&self) -> Option<BufRef> {
-        let (va, size) = self.range()?;
-        Some(BufRef {
-            id: self.key()?,
-            va,
-            size,
-            managed: matches!(self, Resolved::Managed(..)),
-        })
-    }
-}
-
 impl State {
     /// The engine of device `ordinal`, if possum manages allocations there.
     pub fn engine(&self, ordinal: usize) -> Option<Arc<DevEngine>> {
@@ -999,12 +549,12 @@ impl State {
                 Some(k) => dev.with_owner(k.clone()),
                 None => dev,
             };
-            let chunk = (self.cfg.chunk_mib as usize) << 20;
+            let chunk = (self.cfg.tuning.chunk_mib as usize) << 20;
             let cfg = EngineConfig {
                 chunk_size: chunk,
-                staging_buffers: ((self.cfg.staging_mib << 20) / chunk as u64) as usize,
-                writer_threads: self.cfg.writers,
-                restore_threads: self.cfg.restorers,
+                staging_buffers: ((self.cfg.tuning.staging_mib << 20) / chunk as u64) as usize,
+                writer_threads: self.cfg.tuning.writers(),
+                restore_threads: self.cfg.tuning.restorers,
                 ..EngineConfig::default()
             };
             Engine::new(Arc::new(dev), cfg)
@@ -1022,7 +572,7 @@ impl State {
                     keeper,
                 });
                 let _ = cell.set(de.clone());
-                crate::log(&format!(
+                crate::log::log(&format!(
                     "device {ordinal}: allocations are served by the engine"
                 ));
                 Ok(de)
@@ -1036,7 +586,7 @@ impl State {
 
     /// Stops serving allocations from the engine, for `why` (logged once).
     pub fn disable_managing(&self, why: String) {
-        crate::log(&format!(
+        crate::log::log(&format!(
             "allocations are left to libcudart from now on: {why}"
         ));
         *self.managing_off.lock() = Some(why);
@@ -1045,7 +595,7 @@ impl State {
 
     /// Whether `cudaMalloc` should be tried on the engine.
     pub fn managing(&self) -> bool {
-        self.cfg.manage && !self.managing_disabled.load(Ordering::Relaxed)
+        self.cfg.user.manage && !self.managing_disabled.load(Ordering::Relaxed)
     }
 
     /// Notes that allocations changed (`added`: one appeared, else one went away).
@@ -1100,7 +650,7 @@ impl State {
     #[inline]
     pub fn resolve_now(&self, tracking: bool) -> bool {
         tracking
-            || self.cfg.resolve.sampled(
+            || self.cfg.tuning.resolve.sampled(
                 self.counters
                     .launches
                     .load(Ordering::Relaxed)
@@ -1262,7 +812,7 @@ impl State {
         }
         let _r = Reentry::enter();
         let name = introspect::kernel_name(handle);
-        let layout = if self.cfg.layouts_from_cubin_only {
+        let layout = if self.cfg.diag.layouts_from_cubin_only {
             Err("not asked (POSSUM_LAYOUTS=cubin)".to_string())
         } else {
             introspect::param_layout(handle)
@@ -1466,8 +1016,8 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.validation), "staging_mib": self.cfg.staging_mib, "chunk_mib": self.cfg.chunk_mib, "staging_park": self.cfg.staging_park, "trim_context": self.cfg.trim_context, "serve_vmm": self.cfg.serve_vmm, "serve_pools": self.cfg.serve_pools, "writers": self.cfg.writers, "restorers": self.cfg.restorers,
-                       "dag": self.cfg.dag, "warnings": self.cfg.warnings},
+            "config": {"validation": format!("{:?}", self.cfg.tuning.validation), "staging_mib": self.cfg.tuning.staging_mib, "chunk_mib": self.cfg.tuning.chunk_mib, "staging_park": self.cfg.tuning.staging_park, "trim_context": self.cfg.tuning.trim_context, "serve_vmm": self.cfg.tuning.serve_vmm, "serve_pools": self.cfg.tuning.serve_pools, "writers": self.cfg.tuning.writers(), "restorers": self.cfg.tuning.restorers,
+                       "dag": self.cfg.tuning.dag, "warnings": &self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),
                           "by_kind": by_kind.iter().map(|(k, (n, b))| (k.to_string(), json!({"allocations": n, "bytes": b}))).collect::<serde_json::Map<_, _>>()},
@@ -1509,111 +1059,4 @@ fn slot_words(model: &KernelModel, params: &[Vec<u8>]) -> Vec<u64> {
                 .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
         })
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn resolve_modes_parse_and_sample() {
-        assert_eq!(ResolveMode::parse("always"), Ok(ResolveMode::Always));
-        assert_eq!(ResolveMode::parse("sessions"), Ok(ResolveMode::Sessions));
-        assert_eq!(ResolveMode::parse("sample"), Ok(ResolveMode::default()));
-        let m = ResolveMode::parse("sample:2/8").unwrap();
-        let hits: Vec<u64> = (0..20).filter(|&n| m.sampled(n)).collect();
-        assert_eq!(hits, vec![0, 1, 8, 9, 16, 17]);
-        assert!((0..100).all(|n| ResolveMode::Always.sampled(n)));
-        assert!(!(0..100).any(|n| ResolveMode::Sessions.sampled(n)));
-        for bad in [
-            "sample:3/6",
-            "sample:0/8",
-            "sample:9/8",
-            "sample:x/8",
-            "sample:8",
-            "often",
-        ] {
-            assert!(ResolveMode::parse(bad).is_err(), "{bad}");
-        }
-    }
-
-    fn ranges(v: &[(u64, u64)]) -> Ranges {
-        Ranges::new(
-            v.iter()
-                .map(|&(s, l)| (s, s + l, Resolved::Unmanaged(s, l)))
-                .collect(),
-        )
-    }
-
-    #[test]
-    fn words_outside_every_allocation_do_not_change_the_hash() {
-        let r = ranges(&[(0x7f00_0000_0000, 0x10_0000), (0x7f00_0100_0000, 0x1000)]);
-        let span = r.span();
-        let a = 0x7f00_0000_0040;
-        let b = 0x7f00_0100_0008;
-        // A step count and a seed outside the span: canonical 0, the same hash.
-        let base = WordHash::of_canonical(&[a, 7, b, 0xdead_beef], span);
-        assert_eq!(base, WordHash::of_canonical(&[a, 8, b, 0x1234], span));
-        assert_eq!(span.canon(7), 0);
-        assert_eq!(span.canon(a), a);
-        // A pointer moved, swapped, or one word more: another hash.
-        assert_ne!(base, WordHash::of_canonical(&[a + 8, 7, b, 0], span));
-        assert_ne!(base, WordHash::of_canonical(&[b, 7, a, 0], span));
-        assert_ne!(base, WordHash::of_canonical(&[a, 7, b, 0, 0], span));
-        // Both halves change with a one-word launch's word (the memo's index keys on the low
-        // half).
-        let one = WordHash::of_canonical(&[a], span);
-        let other = WordHash::of_canonical(&[a + 8], span);
-        assert_ne!(one as u64, other as u64);
-        assert_ne!((one >> 64) as u64, (other >> 64) as u64);
-        // Any single word changed inside the span changes the hash (each lane step is a
-        // bijection of the lane for a given word).
-        let words: Vec<u64> = (0..40).map(|i| a + 8 * i).collect();
-        let h = WordHash::of_canonical(&words, span);
-        for i in 0..words.len() {
-            let mut w = words.clone();
-            w[i] += 8;
-            assert_ne!(h, WordHash::of_canonical(&w, span), "word {i}");
-        }
-    }
-
-    #[test]
-    fn lookup_finds_the_containing_allocation_only() {
-        let r = ranges(&[(0x7f00_0040_0000, 0x20_0000), (0x7f00_0000_0000, 0x1000)]);
-        assert!(matches!(
-            r.lookup(0x7f00_0000_0000),
-            Resolved::Unmanaged(0x7f00_0000_0000, 0x1000)
-        ));
-        assert!(matches!(
-            r.lookup(0x7f00_0000_0fff),
-            Resolved::Unmanaged(..)
-        ));
-        assert!(matches!(r.lookup(0x7f00_0000_1000), Resolved::None));
-        assert!(matches!(
-            r.lookup(0x7f00_0050_0000),
-            Resolved::Unmanaged(0x7f00_0040_0000, _)
-        ));
-        assert!(matches!(r.lookup(0x7f00_0060_0000), Resolved::None));
-        assert!(matches!(r.lookup(12), Resolved::None));
-        assert!(matches!(r.lookup(u64::MAX), Resolved::None));
-        assert!(matches!(
-            ranges(&[]).lookup(0x7f00_0000_0000),
-            Resolved::None
-        ));
-        assert_eq!(
-            r.lookup(0x7f00_0000_0010).key(),
-            Some(0x7f00_0000_0000 | 1 << 63)
-        );
-    }
-
-    #[test]
-    fn near_covers_the_neighbourhood_of_allocations() {
-        let r = ranges(&[(0x7f00_0000_0000, 0x1000), (0x3_0000_0000, 0x20_0000)]);
-        assert!(r.near(0x7f00_0000_2000));
-        assert!(r.near(0x7f00_0000_0000 - (1 << 30)));
-        assert!(!r.near(0x7f00_0000_0000 + (8 << 30)));
-        assert!(r.near(0x3_0000_0000 + (2 << 30)));
-        assert!(!r.near(0x10));
-        assert!(!r.near(0x0303_0303_0303_0303));
-    }
 }

@@ -21,26 +21,20 @@
 //! the driver did anything for that call.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
-use possum_cuda::CudaDevice;
 use possum_engine::image::{Image, ImageWriter, WriterOptions};
 use possum_engine::store::ChunkSink;
-use possum_engine::OpGuard;
 use serde_json::{json, Value};
 
-use crate::park;
+use crate::config;
+use crate::cupti::{cupti_attached, cupti_detach, hooks_live};
+use crate::log::log;
 use crate::runtime::{state_if_created, DevEngine};
+use crate::{ab, gate, park};
 
-static PAUSED: AtomicBool = AtomicBool::new(false);
-static PAUSE_LOCK: Mutex<()> = Mutex::new(());
-static PAUSE_CV: Condvar = Condvar::new();
-/// Operations that waited for a resume, and for how long in total.
-static PAUSE_WAITS: AtomicU64 = AtomicU64::new(0);
-static PAUSE_WAIT_NS: AtomicU64 = AtomicU64::new(0);
 /// One session at a time (a second `possum checkpoint` is refused).
 static BUSY: Mutex<Option<&'static str>> = Mutex::new(None);
 /// The last session's figures, for `possum status`.
@@ -76,61 +70,10 @@ fn set_saving(s: Saving) {
 /// How many times a held release tries before giving up (each attempt ended by the watchdog).
 const HOLD_ATTEMPTS: u32 = 3;
 
-/// Blocks the calling thread while the job is paused (one atomic load when it is not).
-#[inline]
-pub fn wait_if_paused() {
-    if PAUSED.load(Ordering::Acquire) {
-        wait_slow();
-    }
-}
-
-/// Enters `e`'s op gate for an operation or an allocation of the job, never while the job is
-/// paused. A thread that passed [`wait_if_paused`] just before a pause began, and reaches the gate
-/// after the T0 that pause fixed (the session closes the gate for it), backs out and waits: what
-/// the job does after T0 must not reach the engine until the resume (an allocation made then
-/// would be released without being in the image; a launch would run on after T0 while the job
-/// is held). One that entered before the gate closed is waited for, and so is before T0.
-/// Hold the guard until the operation is enqueued or the buffer made; the caller must not be
-/// inside the gate already (so no [`possum_engine::Engine::free`] while holding it).
-pub fn admit(e: &DevEngine) -> OpGuard<'_, CudaDevice> {
-    loop {
-        wait_if_paused();
-        let g = e.engine.enter_op();
-        // SeqCst, as the gate's own operations: a thread that found the gate open after the
-        // session closed it (and opened it again) finds the pause that came before.
-        if !PAUSED.load(Ordering::SeqCst) {
-            return g;
-        }
-        drop(g);
-    }
-}
-
-#[cold]
-fn wait_slow() {
-    let t = Instant::now();
-    let mut g = PAUSE_LOCK.lock();
-    while PAUSED.load(Ordering::Acquire) {
-        PAUSE_CV.wait(&mut g);
-    }
-    PAUSE_WAITS.fetch_add(1, Ordering::Relaxed);
-    PAUSE_WAIT_NS.fetch_add(
-        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
-        Ordering::Relaxed,
-    );
-}
-
-fn set_paused(p: bool) {
-    let _g = PAUSE_LOCK.lock();
-    PAUSED.store(p, Ordering::SeqCst);
-    if !p {
-        PAUSE_CV.notify_all();
-    }
-}
-
 /// Lets the job go on, however it was paused (in its CUDA calls, or its threads parked).
 fn unpause_job() {
     untrim_contexts();
-    set_paused(false);
+    gate::set_paused(false);
     if park::held() {
         park::unpark_all();
     }
@@ -138,19 +81,20 @@ fn unpause_job() {
 
 /// Whether the job is paused now.
 pub fn paused() -> bool {
-    PAUSED.load(Ordering::Acquire) || park::held()
+    gate::is_paused() || park::held()
 }
 
 /// The session's state for `possum status`.
 pub fn status_json() -> Value {
+    let (waits, wait_ns) = gate::waits();
     json!({
         "paused": paused(),
         "threads_parked": park::held().then(|| crate::park_sys::parked().len()),
-        "cupti_attached": crate::cupti_attached(),
-        "hooks_live": crate::hooks_live(),
+        "cupti_attached": cupti_attached(),
+        "hooks_live": hooks_live(),
         "busy": *BUSY.lock(),
-        "pause_waits": PAUSE_WAITS.load(Ordering::Relaxed),
-        "pause_wait_ms": PAUSE_WAIT_NS.load(Ordering::Relaxed) as f64 / 1e6,
+        "pause_waits": waits,
+        "pause_wait_ms": wait_ns as f64 / 1e6,
         "saving": match &*SAVING.lock() {
             Saving::Idle => Value::Null,
             Saving::Running => json!("running"),
@@ -201,8 +145,8 @@ fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
     // lock), so fewer files than writers caps the copy (measured: 4 files, 12 writers, 9.5 GB/s).
     let opts = WriterOptions {
         fsync: false,
-        data_files: crate::runtime::state().cfg.writers,
-        write_piece: crate::runtime::state().cfg.write_piece,
+        data_files: config::get().tuning.writers(),
+        write_piece: config::get().tuning.write_piece,
         ..WriterOptions::default()
     };
     ImageWriter::create(&engine_image_dir(dir, ordinal), opts)
@@ -267,7 +211,7 @@ fn absolute(dir: &Path) -> Result<(), String> {
 fn stop_tracking(engines: &[Arc<DevEngine>]) {
     for e in engines {
         if let Err(err) = e.engine.stop_tracking() {
-            crate::log(&format!("device {}: tracking stays on: {err}", e.ordinal));
+            log(&format!("device {}: tracking stays on: {err}", e.ordinal));
         }
     }
 }
@@ -281,7 +225,7 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
                 .into(),
         );
     }
-    if crate::ab::running() {
+    if ab::running() {
         return Err(
             "POSSUM_AB_MS is set: possum's callbacks are switched off and on for an A/B \
                     test of their cost, so launches go unseen; no checkpoint of this job"
@@ -299,7 +243,7 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
     let mut open = Vec::new();
     // Without hooks nothing marks buffers dirty: no pre-copy, everything is copied at the release
     // with the job's threads parked (`release_held`).
-    let hooks = crate::hooks_live();
+    let hooks = hooks_live();
     let all = engines();
     // Kept: every engine's buffer memory is the keeper's, and the hooks see the operations
     // that write buffers (the save runs while the job does).
@@ -380,10 +324,10 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
     {
         return Err("no checkpoint in progress for every device: send checkpoint first".into());
     }
-    if !crate::hooks_live() {
+    if !hooks_live() {
         return release_held(&dir, open, engines, t);
     }
-    set_paused(true);
+    gate::set_paused(true);
     // T0: the job is paused. The buffers written since the pre-copy go into the same images.
     // A failure here leaves every buffer in place: unpause before answering.
     let unpause = |m: String| {
@@ -432,8 +376,8 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
     // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
     // wait in a callback stay there (paused) until the resume.
     let td = Instant::now();
-    if std::env::var_os("POSSUM_DETACH").is_some() {
-        crate::cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
+    if config::get().diag.detach.is_some() {
+        cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
     }
     let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
                    "staging_freed_bytes": staging_freed, "context_trimmed_bytes": trimmed,
@@ -448,7 +392,7 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
 /// The checkpoint stays open for `ResumeAndSave` (its images are made then). On a failure every
 /// buffer is attached again and the job goes on.
 fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<Value, String> {
-    set_paused(true);
+    gate::set_paused(true);
     let mut bytes = 0u64;
     let mut done: Vec<&Arc<DevEngine>> = Vec::new();
     for e in engines {
@@ -460,7 +404,7 @@ fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<
             Err(err) => {
                 for d in &done {
                     if let Err(again) = d.engine.reattach() {
-                        crate::log(&format!("device {}: reattach: {again}", d.ordinal));
+                        log(&format!("device {}: reattach: {again}", d.ordinal));
                     }
                 }
                 stop_tracking(engines);
@@ -470,7 +414,7 @@ fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<
         }
     }
     let detached_ms = ms(t.elapsed());
-    let staging_freed: u64 = if crate::runtime::state().cfg.staging_park {
+    let staging_freed: u64 = if config::get().tuning.staging_park {
         engines.iter().map(|e| free_staging(e)).sum()
     } else {
         0
@@ -507,13 +451,13 @@ fn release_engines(
     let mut bytes = 0u64;
     let mut staging_freed = 0u64;
     let mut done = Vec::new();
-    let park = park_staging && crate::runtime::state().cfg.staging_park;
+    let park = park_staging && config::get().tuning.staging_park;
     for e in engines {
         let r = match keep {
             Some(secs) if secs > 0 && e.engine.device().keeps_memory() => {
                 e.engine.detach_holding(secs).or_else(|err| {
                     // Not kept after all: freed, as without a keeper (the image has them).
-                    crate::log(&format!(
+                    log(&format!(
                         "device {}: detaching for the restore failed ({err}); released",
                         e.ordinal
                     ));
@@ -552,14 +496,14 @@ fn release_engines(
 /// [`Device::trim_context`]: possum_engine::device::Device::trim_context
 fn trim_contexts(engines: &[Arc<DevEngine>]) -> u64 {
     use possum_engine::device::Device;
-    if !crate::runtime::state().cfg.trim_context {
+    if !config::get().tuning.trim_context {
         return 0;
     }
     let mut freed = 0;
     for e in engines {
         match e.engine.device().trim_context() {
             Ok(b) => freed += b,
-            Err(err) => crate::log(&format!(
+            Err(err) => log(&format!(
                 "device {}: trimming its context: {err}",
                 e.ordinal
             )),
@@ -574,7 +518,7 @@ fn untrim_contexts() {
     use possum_engine::device::Device;
     for e in engines() {
         if let Err(err) = e.engine.device().untrim_context() {
-            crate::log(&format!(
+            log(&format!(
                 "device {}: setting its context back: {err}",
                 e.ordinal
             ));
@@ -740,7 +684,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
         match e.engine.reattach() {
             Ok(_) => attached.push(e.ordinal),
             Err(err) => {
-                crate::log(&format!(
+                log(&format!(
                     "device {}: the keeper no longer has its buffers ({err}); they come back \
                      from the image",
                     e.ordinal
@@ -765,12 +709,12 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
                 dir.map(|d| d.display().to_string()).unwrap_or_default()
             );
             set_saving(Saving::Failed(why.clone()));
-            crate::log(&why);
+            log(&why);
             Vec::new()
         }
     };
     // Without hooks no operation waits for its buffers: they are all back before this answers.
-    let hooks = crate::hooks_live();
+    let hooks = hooks_live();
     let mut out = Vec::new();
     let mut staged = Vec::new();
     for e in engines() {
@@ -839,11 +783,11 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
                         })
                     }
                     Err(err) => {
-                        crate::log(&format!("restore of device {ordinal} failed: {err}"));
+                        log(&format!("restore of device {ordinal} failed: {err}"));
                         json!({"device": ordinal, "error": err.to_string()})
                     }
                 };
-                crate::log(&format!("restore done: {v}"));
+                log(&format!("restore done: {v}"));
                 note_last("restore", v);
             });
         out.push(ordinal);
@@ -869,7 +813,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
 /// memory, or without such a stage.
 fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperStage> {
     // A diagnostic: the job copies from its image as if nothing were staged.
-    if std::env::var("POSSUM_STAGED").is_ok_and(|v| v.trim() == "0") {
+    if !config::get().diag.use_stage {
         return None;
     }
     if !e.engine.device().has_usable_owner() {
@@ -880,7 +824,7 @@ fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperSt
         .as_ref()?
         .staged(image)
         .map_err(|err| {
-            crate::log(&format!(
+            log(&format!(
                 "device {}: the keeper's stage of {} is not usable ({err}); the buffers come \
                  from the image",
                 e.ordinal,
@@ -888,7 +832,7 @@ fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperSt
             ))
         })
         .ok()??;
-    crate::log(&format!(
+    log(&format!(
         "device {}: {} buffers staged by the keeper (stage {}): mapped, waited for while they load",
         e.ordinal,
         stage.buffers(),
@@ -912,7 +856,7 @@ fn follow_moves() -> Vec<Value> {
         let dropped = e.engine.phase() == "detached";
         if dropped {
             if let Err(err) = e.engine.drop_detached() {
-                crate::log(&format!(
+                log(&format!(
                     "device {}: dropping the buffers kept on the old GPU: {err}",
                     e.ordinal
                 ));
@@ -920,7 +864,7 @@ fn follow_moves() -> Vec<Value> {
         }
         let socket = e.keeper.as_ref().and_then(|k| k.follow_device(&uuid));
         dev.follow_move(uuid, socket.is_some());
-        crate::log(&format!(
+        log(&format!(
             "device {}: restored onto GPU {}; its keeper: {}",
             e.ordinal,
             possum_keeper::uuid_hex(&uuid),
@@ -968,9 +912,7 @@ impl SpareSaver {
     /// once, if not. `POSSUM_SPARE_DRAIN=0` never asks.
     fn borrow(e: &DevEngine, writer: &Arc<ImageWriter>, chunk: u64) -> Option<Arc<SpareSaver>> {
         // Only shadows go through it: without a shadow budget it would be taken for nothing.
-        if std::env::var("POSSUM_SPARE_DRAIN").is_ok_and(|v| v.trim() == "0")
-            || e.engine.shadow_budget() == 0
-        {
+        if !config::get().diag.spare_drain || e.engine.shadow_budget() == 0 {
             return None;
         }
         let path = e.keeper.as_ref()?.path();
@@ -980,7 +922,7 @@ impl SpareSaver {
             Err(err) => {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| {
-                    crate::log(&format!(
+                    log(&format!(
                         "device {}: kept checkpoints saved through the staging: {err}",
                         e.ordinal
                     ))
@@ -991,7 +933,7 @@ impl SpareSaver {
         let file = match writer.adopt_file(Path::new(&lease.path)) {
             Ok(f) => f,
             Err(err) => {
-                crate::log(&format!(
+                log(&format!(
                     "device {}: the keeper's spare not taken: {err}",
                     e.ordinal
                 ));
@@ -1026,7 +968,7 @@ impl SpareSaver {
     fn end(&self) {
         if !self.ended.swap(true, std::sync::atomic::Ordering::SeqCst) {
             if let Err(err) = self.keeper().and_then(|mut k| k.spare_end(self.drain)) {
-                crate::log(&format!("giving the keeper's spare back: {err}"));
+                log(&format!("giving the keeper's spare back: {err}"));
             }
         }
     }
@@ -1097,7 +1039,7 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
         let ordinal = e.ordinal;
         e.engine
             .set_shadow_budget(shadow_mib.map_or_else(|| shadow_budget(e), |m| m << 20));
-        let chunk = crate::runtime::state().cfg.chunk_mib << 20;
+        let chunk = config::get().tuning.chunk_mib << 20;
         let begun = new_writer(dir, ordinal).and_then(|writer| {
             let sink: Arc<dyn ChunkSink> = writer.clone();
             let spare = SpareSaver::borrow(e, &writer, chunk);
@@ -1115,7 +1057,7 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
             Err(err) => {
                 // The others run to their end (their images are thrown away).
                 let why = format!("device {ordinal}: saving: {err}");
-                crate::log(&why);
+                log(&why);
                 // Each spare is given back as it is dropped, after its save has ended.
                 for (_, _, h, _spare) in started.drain(..) {
                     let _ = h.wait();
@@ -1134,10 +1076,7 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
 /// device beyond 4 GiB (room left for the job's own allocations meanwhile).
 fn shadow_budget(e: &DevEngine) -> u64 {
     use possum_engine::device::Device;
-    if let Some(mib) = std::env::var("POSSUM_SHADOW_MIB")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
+    if let Some(mib) = config::get().tuning.shadow_mib {
         return mib << 20;
     }
     let free = e.engine.device().memory_info().map_or(0, |(free, _)| free);
@@ -1174,7 +1113,7 @@ fn finish_save(saves: Saves) {
     stop_tracking(&engines());
     match failed {
         Some(why) => {
-            crate::log(&format!("saving the kept checkpoint failed: {why}"));
+            log(&format!("saving the kept checkpoint failed: {why}"));
             set_saving(Saving::Failed(why));
         }
         None => {

@@ -83,7 +83,7 @@ pub fn total(kind: Kind) -> u64 {
 #[derive(Debug, Clone, Default)]
 pub struct Setup {
     /// How possum sees the job's operations.
-    pub hooks: crate::Hooks,
+    pub hooks: crate::config::Hooks,
     /// Whether CUPTI was loaded and the subscription made.
     pub cupti: bool,
     /// The CUPTI library that was loaded.
@@ -161,7 +161,7 @@ mod tests {
     fn json_is_valid_and_complete() {
         record(514);
         let setup = Setup {
-            hooks: crate::Hooks::Entry,
+            hooks: crate::config::Hooks::Entry,
             cupti: false,
             cupti_path: None,
             error: Some("not \"found\"\n".into()),

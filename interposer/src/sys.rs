@@ -1,11 +1,8 @@
-//! The unsafe layer towards CUPTI and the loader: one of the crate's modules with `unsafe` code
-//! (with `decode`, `cudart`, `drvalloc` and `park_sys`).
+//! The unsafe layer towards CUPTI: one of the crate's modules with `unsafe` code (with `load`,
+//! `entry`, `decode`, `cudart`, `drvalloc` and `park_sys`).
 //!
 //! - CUPTI is loaded with `dlopen` (libloading) at run time and never unloaded; only the three
 //!   functions used are looked up. Nothing of CUDA is needed to build or to load the library.
-//! - The entry points the loader and the CUDA driver call: the ELF constructor (for `LD_PRELOAD`),
-//!   `InitializeInjection` (for `CUDA_INJECTION64_PATH`) and the `atexit` handler. Each wraps the
-//!   safe code in `catch_unwind`: a panic must never cross into C.
 //! - The CUPTI callback, which reads the fields of `CUpti_CallbackData` it needs, counts the call
 //!   ([`crate::stats::record`]) and hands it, wrapped in a [`crate::decode::RawCall`], to the safe
 //!   [`crate::hooks::on_call`].
@@ -327,36 +324,4 @@ unsafe extern "C" fn callback(
     let _ = catch_unwind(AssertUnwindSafe(|| {
         crate::hooks::on_call(enter, cbid, ctx as usize as u64, &call)
     }));
-}
-
-/// The `LD_PRELOAD` entry point: the dynamic loader runs every `.init_array` entry when the
-/// library is loaded. Left out of unit-test builds, so that tests see only what they record.
-#[cfg(all(target_os = "linux", not(test)))]
-#[used]
-#[link_section = ".init_array"]
-static INIT_ARRAY: extern "C" fn() = constructor;
-
-#[cfg(all(target_os = "linux", not(test)))]
-extern "C" fn constructor() {
-    let _ = catch_unwind(crate::init);
-}
-
-/// The `CUDA_INJECTION64_PATH` entry point: libcuda loads the library named there during `cuInit`
-/// and calls this. Returns 1 (success) whatever happens: possum must never fail the job's `cuInit`.
-#[no_mangle]
-pub extern "C" fn InitializeInjection() -> c_int {
-    let _ = catch_unwind(crate::init);
-    1
-}
-
-extern "C" fn at_exit() {
-    let _ = catch_unwind(crate::write_stats_at_exit);
-}
-
-/// Registers the statistics writer to run at `exit()`. `false` if `atexit` refused.
-pub fn register_at_exit() -> bool {
-    // SAFETY: `at_exit` is a plain `extern "C" fn()` that never unwinds. glibc's `atexit` records
-    // the calling shared object, so the handler also runs (and is dropped) if this library is ever
-    // unloaded, before its code goes away.
-    unsafe { libc::atexit(at_exit) == 0 }
 }

@@ -27,7 +27,8 @@ use possum_analyzer::kernel::{
 use possum_cuda::{introspect, CudaStream, PinnedBuf};
 use possum_engine::device::{Device, HostBuffer, StreamPriority};
 
-use crate::runtime::{DevEngine, Reentry, Resolved, State};
+use crate::ranges::Resolved;
+use crate::runtime::{DevEngine, Reentry, State};
 
 /// Bytes scanned for device pointers behind each pointer parameter.
 const TABLE_SCAN: u64 = 4096;
@@ -57,7 +58,7 @@ impl<'a> Reader<'a> {
                     (Ok(b), Ok(s)) => *g = Some((b, s)),
                     (b, s) => {
                         let err = b.err().or(s.err()).map(|e| e.to_string());
-                        crate::log(&format!(
+                        crate::log::log(&format!(
                             "validation reads one copy at a time: {}",
                             err.unwrap_or_default()
                         ));
@@ -170,7 +171,7 @@ fn sums_of(
     let mut owner = Vec::new();
     let mut sums = Vec::new();
     for (t, (start, len)) in targets.enumerate() {
-        let cfg = &st.cfg.validation;
+        let cfg = &st.cfg.tuning.validation;
         for (off, l) in sample_windows(len, cfg.sample_bytes, cfg.windows) {
             ranges.push((start + off, l as usize));
             owner.push(t);
@@ -239,7 +240,7 @@ pub fn begin(
                     .map(|(_, &wj)| wj)
                     .min()
                     .unwrap_or(s + l);
-                let n = own_window(s, next - s, w, st.cfg.validation.sample_bytes);
+                let n = own_window(s, next - s, w, st.cfg.tuning.validation.sample_bytes);
                 (shared && n > 0).then_some((i, w, n))
             })
             .collect();
@@ -275,7 +276,7 @@ pub fn begin(
             st.counters
                 .validation_errors
                 .fetch_add(1, Ordering::Relaxed);
-            crate::log(&format!("validation skipped: {e}"));
+            crate::log::log(&format!("validation skipped: {e}"));
             None
         }
     }
@@ -328,7 +329,7 @@ pub fn finish(st: &State, b: Before) {
                 }
             }
         }
-        if crate::hooks::debug_dirty() {
+        if crate::config::get().diag.debug_dirty {
             use std::io::Write as _;
             let _ = writeln!(
                 std::io::stderr(),
@@ -350,7 +351,7 @@ pub fn finish(st: &State, b: Before) {
     match r {
         Ok(v) => {
             c.validations.fetch_add(1, Ordering::Relaxed);
-            if crate::hooks::debug_dirty() {
+            if crate::config::get().diag.debug_dirty {
                 use std::io::Write as _;
                 let keyed: Vec<String> = b
                     .slot_keys
@@ -367,18 +368,18 @@ pub fn finish(st: &State, b: Before) {
                     keyed.join(" ")
                 );
             }
-            if let Verdict::Opaque(why) = b.model.record_validation(&v, &st.cfg.validation) {
+            if let Verdict::Opaque(why) = b.model.record_validation(&v, &st.cfg.tuning.validation) {
                 c.kernels_made_opaque.fetch_add(1, Ordering::Relaxed);
-                crate::log(&format!(
+                crate::log::log(&format!(
                     "kernel {} is opaque from now on: {why}",
                     b.model.name().unwrap_or("?")
                 ));
-                st.to_dag(crate::runtime::DagMsg::Opaque(b.model.handle()));
+                st.to_dag(crate::dag::DagMsg::Opaque(b.model.handle()));
             }
         }
         Err(e) => {
             c.validation_errors.fetch_add(1, Ordering::Relaxed);
-            crate::log(&format!("validation abandoned: {e}"));
+            crate::log::log(&format!("validation abandoned: {e}"));
         }
     }
     c.validation_ns.fetch_add(

@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use possum_engine::device::{DevPtr, Device};
 use possum_engine::EngineError;
 
-use crate::drvalloc::{INVALID_VALUE, NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS};
+use crate::cbid::{INVALID_VALUE, NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS};
 use crate::runtime::{state, Reentry};
 
 /// The top 16 bits of every token.
@@ -89,7 +89,7 @@ pub struct Ask {
 /// error, `None` left to the driver.
 pub fn create(size: u64, ask: Ask) -> Option<Result<u64, c_int>> {
     let st = state();
-    if !st.cfg.serve_vmm || size == 0 || !st.managing() {
+    if !st.cfg.tuning.serve_vmm || size == 0 || !st.managing() {
         return None;
     }
     if !ask.plain {
@@ -147,14 +147,14 @@ pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c
     let Some(eng) = placed(handle).and_then(|(o, _)| st.engine(o)) else {
         return Some(INVALID_VALUE);
     };
-    // Not while a checkpoint holds the job, nor across its T0 (`session::admit`).
-    let _g = crate::session::admit(&eng);
+    // Not while a checkpoint holds the job, nor across its T0 (`gate::admit`).
+    let _g = crate::gate::admit(&eng);
     let mut tokens = TOKENS.lock();
     let Some(t) = tokens.as_mut().and_then(|m| m.get_mut(&handle)) else {
         return Some(INVALID_VALUE);
     };
     if offset != 0 || size != t.size || flags != 0 || t.mapped.is_some() || t.used {
-        crate::log(&format!(
+        crate::log::log(&format!(
             "cuMemMap of possum's handle {handle:#x} ({} bytes) at {va:#x}, {size} bytes at \
              offset {offset}: not supported (a handle is mapped once, whole; mapped before: {})",
             t.size, t.used
@@ -173,7 +173,7 @@ pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c
         }
         Err(EngineError::Device(e)) if possum_cuda::is_out_of_memory(&e) => Some(OUT_OF_MEMORY),
         Err(e) => {
-            crate::log(&format!(
+            crate::log::log(&format!(
                 "cuMemMap of possum's handle {handle:#x} at {va:#x}: {e}"
             ));
             Some(INVALID_VALUE)
@@ -186,7 +186,7 @@ pub fn map(va: u64, size: u64, offset: u64, handle: u64, flags: u64) -> Option<c
 /// `None`: no piece of possum's there (the driver's).
 pub fn unmap(va: u64, size: u64) -> Option<c_int> {
     let st = state();
-    if !st.cfg.serve_vmm {
+    if !st.cfg.tuning.serve_vmm {
         return None;
     }
     let end = va.checked_add(size)?;
@@ -204,7 +204,7 @@ pub fn unmap(va: u64, size: u64) -> Option<c_int> {
     };
     pieces_in()?;
     // Not while a checkpoint holds the job (its buffers may be released then).
-    crate::session::wait_if_paused();
+    crate::gate::wait_if_paused();
     let (eng, pieces) = pieces_in()?;
     // The pieces must tile the range exactly, as the driver's mappings must.
     let mut at = va;
@@ -217,7 +217,7 @@ pub fn unmap(va: u64, size: u64) -> Option<c_int> {
         at += b.mapped_size();
     }
     if at != end {
-        crate::log(&format!(
+        crate::log::log(&format!(
             "cuMemUnmap({va:#x}, {size}): not whole mappings of possum's ({} there)",
             pieces.len()
         ));
@@ -226,10 +226,10 @@ pub fn unmap(va: u64, size: u64) -> Option<c_int> {
     let _r = Reentry::enter();
     for b in &sorted {
         if let Err(e) = eng.engine.free(b.va()) {
-            crate::log(&format!("cuMemUnmap({va:#x}, {size}): {e}"));
+            crate::log::log(&format!("cuMemUnmap({va:#x}, {size}): {e}"));
             return Some(INVALID_VALUE);
         }
-        st.to_dag(crate::runtime::DagMsg::Free(b.id()));
+        st.to_dag(crate::dag::DagMsg::Free(b.id()));
         st.counters.managed_frees.fetch_add(1, Ordering::Relaxed);
     }
     if let Some(m) = TOKENS.lock().as_mut() {
@@ -267,7 +267,7 @@ pub fn release(handle: u64) -> Option<c_int> {
 /// reference taken. `None`: no piece of possum's there (the driver's).
 pub fn retain(addr: u64) -> Option<Result<u64, c_int>> {
     let st = state();
-    if !st.cfg.serve_vmm {
+    if !st.cfg.tuning.serve_vmm {
         return None;
     }
     let piece = st.engines().into_iter().find_map(|e| {
@@ -357,7 +357,7 @@ pub fn stats_json() -> serde_json::Value {
     });
     let left = *LEFT.lock();
     serde_json::json!({
-        "serving": state().cfg.serve_vmm,
+        "serving": state().cfg.tuning.serve_vmm,
         "handles_made": CREATED.load(Ordering::Relaxed),
         "handles_live": live,
         "pieces_mapped_now": mapped_now,

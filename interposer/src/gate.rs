@@ -1,0 +1,90 @@
+//! The op gate's pause: where a checkpoint holds the job's GPU operations.
+//!
+//! Owns the pause flag (set by a checkpoint session's release, cleared at its resume), the
+//! waiting it imposes on the job's threads ([`wait_if_paused`], [`admit`]) and the counts of
+//! those waits. The hooks and the allocators call it before each operation; the session
+//! (`session.rs`) sets and clears it.
+//!
+//! Invariant: while paused, no thread of the job enters an operation (the pause is checked first,
+//! and again inside the engine's gate), so the job never touches a released buffer.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+use possum_cuda::CudaDevice;
+use possum_engine::OpGuard;
+
+use crate::runtime::DevEngine;
+
+static PAUSED: AtomicBool = AtomicBool::new(false);
+static PAUSE_LOCK: Mutex<()> = Mutex::new(());
+static PAUSE_CV: Condvar = Condvar::new();
+/// Operations that waited for a resume, and for how long in total.
+static PAUSE_WAITS: AtomicU64 = AtomicU64::new(0);
+static PAUSE_WAIT_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Blocks the calling thread while the job is paused (one atomic load when it is not).
+#[inline]
+pub fn wait_if_paused() {
+    if PAUSED.load(Ordering::Acquire) {
+        wait_slow();
+    }
+}
+
+/// Enters `e`'s op gate for an operation or an allocation of the job, never while the job is
+/// paused. A thread that passed [`wait_if_paused`] just before a pause began, and reaches the gate
+/// after the T0 that pause fixed (the session closes the gate for it), backs out and waits: what
+/// the job does after T0 must not reach the engine until the resume (an allocation made then
+/// would be released without being in the image; a launch would run on after T0 while the job
+/// is held). One that entered before the gate closed is waited for, and so is before T0.
+/// Hold the guard until the operation is enqueued or the buffer made; the caller must not be
+/// inside the gate already (so no [`possum_engine::Engine::free`] while holding it).
+pub fn admit(e: &DevEngine) -> OpGuard<'_, CudaDevice> {
+    loop {
+        wait_if_paused();
+        let g = e.engine.enter_op();
+        // SeqCst, as the gate's own operations: a thread that found the gate open after the
+        // session closed it (and opened it again) finds the pause that came before.
+        if !PAUSED.load(Ordering::SeqCst) {
+            return g;
+        }
+        drop(g);
+    }
+}
+
+#[cold]
+fn wait_slow() {
+    let t = Instant::now();
+    let mut g = PAUSE_LOCK.lock();
+    while PAUSED.load(Ordering::Acquire) {
+        PAUSE_CV.wait(&mut g);
+    }
+    PAUSE_WAITS.fetch_add(1, Ordering::Relaxed);
+    PAUSE_WAIT_NS.fetch_add(
+        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
+}
+
+/// Pauses the job's operations, or lets them go on (waking those that wait).
+pub fn set_paused(p: bool) {
+    let _g = PAUSE_LOCK.lock();
+    PAUSED.store(p, Ordering::SeqCst);
+    if !p {
+        PAUSE_CV.notify_all();
+    }
+}
+
+/// Whether the job's operations are paused now.
+pub fn is_paused() -> bool {
+    PAUSED.load(Ordering::Acquire)
+}
+
+/// Operations that waited for a resume, and for how long in total (ns).
+pub fn waits() -> (u64, u64) {
+    (
+        PAUSE_WAITS.load(Ordering::Relaxed),
+        PAUSE_WAIT_NS.load(Ordering::Relaxed),
+    )
+}
