@@ -32,18 +32,16 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn every_seed_passes_the_manifest_target() {
     let seeds = files(&corpus());
     assert!(seeds.len() >= 6, "the seed corpus is missing");
-    let mut valid = 0;
     for (name, bytes) in &seeds {
         fuzz::manifest(bytes);
-        valid += usize::from(check_manifest(Path::new(name), bytes).is_ok());
+        // The valid seeds (written by the image writer) are accepted, the corrupt ones and bare
+        // payloads refused. (Inputs a local fuzzing run added, named by their hash, are only run.)
+        if name.starts_with("valid") {
+            check_manifest(Path::new(name), bytes).unwrap();
+        } else if name.contains('-') {
+            check_manifest(Path::new(name), bytes).unwrap_err();
+        }
     }
-    // The valid seeds (written by the image writer) are accepted, the corrupt ones refused.
-    assert_eq!(
-        valid,
-        seeds.iter().filter(|(n, _)| n.starts_with("valid")).count(),
-        "{:?}",
-        seeds.iter().map(|(n, _)| n).collect::<Vec<_>>()
-    );
 }
 
 /// A committed image with `buffers` (id, size), cut into `chunk`-byte chunks; its `manifest.pb`.
