@@ -3,18 +3,21 @@
 //! asks for on demand while the restore goes on. The device here records every host-to-device
 //! copy, so the tests see what was written to device memory, not only what the engine reports.
 
+use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use possum_engine::device::{DevPtr, Device, DeviceResult, HostBuffer, StreamPriority};
 use possum_engine::host::{HostBuf, HostDevice, HostEvent, HostPending, HostStream};
 use possum_engine::image::{Image, ImageWriter, WriterOptions};
-use possum_engine::{Access, Buffer, Engine, EngineConfig, Residency};
+use possum_engine::store::ChunkSource;
+use possum_engine::{Access, Buffer, Engine, EngineConfig, Residency, Staged, StagedMemory};
 
-/// The host device, with a record of every host-to-device copy: (destination, bytes).
+/// The host device, with a record of every host-to-device copy (and of every write by the
+/// memory's owner in a staged restore): (destination, bytes).
 #[derive(Debug)]
 struct Recording {
     dev: HostDevice,
@@ -22,6 +25,14 @@ struct Recording {
 }
 
 impl Recording {
+    /// A write into device memory by its owner (a keeper loading a staged restore), recorded.
+    fn owner_write(&self, va: u64, bytes: &[u8]) -> Result<(), String> {
+        self.h2d.lock().push((va, bytes.to_vec()));
+        self.dev
+            .write_now(DevPtr(va), bytes)
+            .map_err(|e| e.to_string())
+    }
+
     /// Whether any copy wrote a byte of `va .. va + len`.
     fn wrote_into(&self, va: u64, len: u64) -> bool {
         self.h2d
@@ -60,6 +71,24 @@ impl Device for Recording {
     }
     fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         self.dev.unmap(va, size)
+    }
+    fn keeps_memory(&self) -> bool {
+        self.dev.keeps_memory()
+    }
+    fn begin_detach(&self, hold_secs: u64) {
+        self.dev.begin_detach(hold_secs)
+    }
+    fn detach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.dev.detach(va, size)
+    }
+    fn reattach(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.dev.reattach(va, size)
+    }
+    fn expect_kept(&self, va: DevPtr, size: u64, id: u64, epoch: u64) -> DeviceResult<()> {
+        self.dev.expect_kept(va, size, id, epoch)
+    }
+    fn forget(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.dev.forget(va, size)
     }
     fn alloc_host(&self, len: usize) -> DeviceResult<HostBuf> {
         self.dev.alloc_host(len)
@@ -141,8 +170,12 @@ struct Setup {
 /// A job of `n` buffers checkpointed into an image on disk, then released; the chunk at offset
 /// `CHUNK` of buffer `bad` has one byte flipped in the image's data file.
 fn checkpointed(n: usize, bad: usize, prefetch_delay: Duration) -> Setup {
+    checkpointed_on(HostDevice::new(64 << 20), n, bad, prefetch_delay)
+}
+
+fn checkpointed_on(dev: HostDevice, n: usize, bad: usize, prefetch_delay: Duration) -> Setup {
     let dev = Arc::new(Recording {
-        dev: HostDevice::new(64 << 20),
+        dev,
         h2d: Mutex::new(Vec::new()),
     });
     let engine = Engine::new(
@@ -323,4 +356,111 @@ fn the_same_image_intact_restores() {
             contents(b.id())
         );
     }
+}
+
+/// The device's owner loading a staged restore as the keeper does: each chunk read from the image
+/// (its checksum checked) before it is written to the memory; the first failure ends the load.
+struct Owner {
+    dev: Arc<Recording>,
+    image: Arc<Image>,
+    /// Buffer id -> (address, mapped size).
+    bufs: HashMap<u64, (u64, u64)>,
+    /// The job's own thread has asked for its buffer: until then a restorer asking waits, so
+    /// that the test sees the job's thread meet the corrupt chunk itself.
+    job_asked: Mutex<bool>,
+    job_asked_cv: Condvar,
+}
+
+impl Staged for Owner {
+    fn memory_of(&self, buffer: u64) -> Option<StagedMemory> {
+        let &(_, size) = self.bufs.get(&buffer)?;
+        Some(StagedMemory {
+            id: buffer + 100,
+            epoch: 1,
+            size,
+        })
+    }
+
+    fn wait_loaded(&self, buffer: u64) -> Result<(), String> {
+        let restorer = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("possum-restorer"));
+        if restorer {
+            let mut asked = self.job_asked.lock();
+            while !*asked {
+                self.job_asked_cv.wait(&mut asked);
+            }
+        }
+        let r = self.load(buffer);
+        if !restorer {
+            *self.job_asked.lock() = true;
+            self.job_asked_cv.notify_all();
+        }
+        r
+    }
+
+    fn finished(&self) {}
+}
+
+impl Owner {
+    fn load(&self, buffer: u64) -> Result<(), String> {
+        let &(va, _) = self.bufs.get(&buffer).ok_or("not staged")?;
+        for (off, len) in self.image.chunks(buffer) {
+            let mut bytes = vec![0u8; len as usize];
+            self.image
+                .read_chunk(buffer, off, &mut bytes)
+                .map_err(|e| e.to_string())?;
+            self.dev.owner_write(va + off, &bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// A staged restore (the keeper loads the image into the job's memory while CRIU restores the
+/// process): the owner's load stops at the corrupt chunk, the engine falls back to copying the
+/// buffer itself, its own read of the chunk fails too, and the job's operation fails naming the
+/// chunk; neither the owner nor the engine wrote the corrupt bytes to device memory.
+#[test]
+fn a_corrupt_chunk_in_a_staged_restore_never_reaches_the_device() {
+    let s = checkpointed_on(
+        HostDevice::keeping(64 << 20),
+        1,
+        0,
+        Duration::from_secs(600),
+    );
+    let e = &s.engine;
+    let bad = &s.buffers[0];
+    let image = open(&s.image);
+    let owner = Arc::new(Owner {
+        dev: Arc::clone(e.device()),
+        image: Arc::clone(&image),
+        bufs: HashMap::from([(bad.id(), (bad.va().0, bad.mapped_size()))]),
+        job_asked: Mutex::new(false),
+        job_asked_cv: Condvar::new(),
+    });
+    let rs = e.restore_staged(image, owner).unwrap();
+    let stream = e.device().create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(stream.clone());
+    let err = match e.before_op(
+        &stream,
+        Access::Known {
+            reads: std::slice::from_ref(bad),
+            writes: &[],
+        },
+    ) {
+        Ok(_) => panic!("an operation on the corrupt buffer was let through"),
+        Err(err) => err.to_string(),
+    };
+    names_the_chunk(&err, bad);
+    assert!(
+        !e.device().wrote_into(bad.va().0 + CHUNK, CHUNK),
+        "a corrupt chunk was written to the device"
+    );
+    assert!(
+        e.device().wrote_into(bad.va().0, CHUNK),
+        "the owner loaded the chunk before the corrupt one"
+    );
+    assert_eq!(bad.residency(), Residency::Released);
+    let err = rs.wait().unwrap_err().to_string();
+    names_the_chunk(&err, bad);
 }
