@@ -121,9 +121,11 @@ pub struct Index {
 }
 
 impl Index {
-    /// Total bytes moved.
+    /// Total bytes moved (saturating: a corrupt index's runs may add up past `u64::MAX`).
     pub fn bytes(&self) -> u64 {
-        self.ranges.iter().map(|r| r.len).sum()
+        self.ranges
+            .iter()
+            .fold(0u64, |sum, r| sum.saturating_add(r.len))
     }
 
     /// The file's bytes: magic, version, data file name and size, the runs, CRC32C of it all.
@@ -176,12 +178,19 @@ impl Index {
         let name_len = u32_at(take(4)?) as usize;
         let data_file = String::from_utf8(take(name_len)?.to_vec())
             .map_err(|_| bad("data file name is not UTF-8"))?;
-        if data_file.contains('/') || data_file.is_empty() {
+        if data_file.is_empty()
+            || data_file == "."
+            || data_file == ".."
+            || data_file.contains(['/', '\0'])
+        {
             return Err(bad("data file name is not a plain file name"));
         }
         let data_len = u64_at(take(8)?);
         let count = u64_at(take(8)?);
         let mut ranges = Vec::new();
+        // The runs are disjoint pieces of the data file, so together they are no longer than it:
+        // this bounds the work a fill plans (and `bytes`) whatever the index says.
+        let mut total = 0u64;
         for _ in 0..count {
             let r = Range {
                 vaddr: u64_at(take(8)?),
@@ -189,13 +198,22 @@ impl Index {
                 len: u64_at(take(8)?),
             };
             if r.offset.checked_add(r.len).is_none_or(|end| end > data_len)
+                || r.vaddr.checked_add(r.len).is_none()
                 || !r.vaddr.is_multiple_of(PAGE_SIZE)
                 || !r.len.is_multiple_of(PAGE_SIZE)
             {
                 return Err(bad(&format!(
-                    "run {r:?} outside the data file or unaligned"
+                    "run {r:?} outside the data file or the address space, or unaligned"
                 )));
             }
+            total = match total.checked_add(r.len) {
+                Some(t) if t <= data_len => t,
+                _ => {
+                    return Err(bad(&format!(
+                        "runs add up to more than the data file's {data_len} bytes"
+                    )))
+                }
+            };
             ranges.push(r);
         }
         if at != body.len() {
@@ -1133,5 +1151,42 @@ mod tests {
         };
         let e = Index::decode(&past.encode(), path).unwrap_err().to_string();
         assert!(e.contains("outside the data file"), "{e}");
+    }
+
+    /// Indexes that checksum right but would make a fill plan without bound, overflow an
+    /// address or name a file that is not a plain one are refused.
+    #[test]
+    fn a_well_checksummed_index_is_still_checked() {
+        let path = Path::new("possum-hostmem-7.idx");
+        let run = |vaddr, offset, len| Range { vaddr, offset, len };
+        let refused = |idx: Index| Index::decode(&idx.encode(), path).unwrap_err().to_string();
+        // The same 4 pages of the file, a million times: more than the file holds.
+        let e = refused(Index {
+            data_file: "p".into(),
+            data_len: 4 * P,
+            ranges: vec![run(0, 0, 4 * P); 1 << 20],
+        });
+        assert!(e.contains("add up to more than"), "{e}");
+        let e = refused(Index {
+            data_file: "p".into(),
+            data_len: u64::MAX,
+            ranges: vec![run(u64::MAX - P + 1, 0, 2 * P)],
+        });
+        assert!(e.contains("address space"), "{e}");
+        for name in ["..", ".", "a/b", "a\0b", ""] {
+            let e = refused(Index {
+                data_file: name.into(),
+                data_len: 0,
+                ranges: vec![],
+            });
+            assert!(e.contains("not a plain file name"), "{name:?}: {e}");
+        }
+        // Runs that together reach exactly the file's end are fine.
+        let ok = Index {
+            data_file: "p".into(),
+            data_len: 8 * P,
+            ranges: vec![run(0, 4 * P, 4 * P), run(8 * P, 0, 4 * P)],
+        };
+        assert_eq!(Index::decode(&ok.encode(), path).unwrap().bytes(), 8 * P);
     }
 }

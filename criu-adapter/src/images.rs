@@ -237,12 +237,19 @@ pub fn read_entries(path: &Path, magic: u32) -> Result<Vec<Vec<u8>>, ImageError>
         path: path.into(),
         source,
     })?;
+    parse_entries(&data, magic, path)
+}
+
+/// [`read_entries`] on an image's bytes already in memory (`path` names it in errors only). Each
+/// entry is a slice of `data`: nothing is allocated beyond `data`'s size, whatever the lengths
+/// say.
+pub fn parse_entries(data: &[u8], magic: u32, path: &Path) -> Result<Vec<Vec<u8>>, ImageError> {
     let bad = |detail: String| ImageError::Malformed {
         path: path.into(),
         detail,
     };
     let word = |at: usize| -> Option<u32> {
-        data.get(at..at + 4)
+        data.get(at..at.checked_add(4)?)
             .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
     };
     let mut at = 0;
@@ -260,8 +267,9 @@ pub fn read_entries(path: &Path, magic: u32) -> Result<Vec<Vec<u8>>, ImageError>
     while at < data.len() {
         let len = word(at).ok_or_else(|| bad(format!("entry length cut short at byte {at}")))?;
         let len = len as usize;
-        let body = data
-            .get(at + 4..at + 4 + len)
+        let body = (at + 4)
+            .checked_add(len)
+            .and_then(|end| data.get(at + 4..end))
             .ok_or_else(|| bad(format!("entry of {len} bytes at byte {at} cut short")))?;
         entries.push(body.to_vec());
         at += 4 + len;
@@ -312,7 +320,16 @@ pub struct Pagemap {
 impl Pagemap {
     /// Reads `pagemap-PID.img`.
     pub fn read(path: &Path) -> Result<Pagemap, ImageError> {
-        let raw = read_entries(path, PAGEMAP_MAGIC)?;
+        let data = fs::read(path).map_err(|source| ImageError::Io {
+            path: path.into(),
+            source,
+        })?;
+        Pagemap::decode(&data, path)
+    }
+
+    /// [`Pagemap::read`] on the image's bytes already in memory (`path` names it in errors only).
+    pub fn decode(data: &[u8], path: &Path) -> Result<Pagemap, ImageError> {
+        let raw = parse_entries(data, PAGEMAP_MAGIC, path)?;
         let bad = |detail: String| ImageError::Malformed {
             path: path.into(),
             detail,
@@ -346,13 +363,37 @@ impl Pagemap {
 /// a restore without a plugin that claims it: `Missing required plugin: NAME`). Every other field
 /// of the inventory is kept byte for byte. Whether it was added (`false`: already there).
 pub fn require_plugin(dir: &Path, name: &str) -> Result<bool, ImageError> {
-    use prost::Message as _;
     let path = dir.join("inventory.img");
-    let bad = |detail: String| ImageError::Malformed {
+    let data = fs::read(&path).map_err(|source| ImageError::Io {
         path: path.clone(),
+        source,
+    })?;
+    let Some(rewritten) = with_plugin(&data, name, &path)? else {
+        return Ok(false);
+    };
+    let tmp = dir.join("inventory.img.possum-tmp");
+    let io = |source| ImageError::Io {
+        path: tmp.clone(),
+        source,
+    };
+    fs::write(&tmp, rewritten).map_err(io)?;
+    fs::rename(&tmp, &path).map_err(|source| ImageError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(true)
+}
+
+/// The bytes of the inventory image `data` with `name` among the plugins a restore needs, every
+/// other field kept byte for byte; `None` if it is there already (`path` names the image in
+/// errors only).
+pub fn with_plugin(data: &[u8], name: &str, path: &Path) -> Result<Option<Vec<u8>>, ImageError> {
+    use prost::Message as _;
+    let bad = |detail: String| ImageError::Malformed {
+        path: path.into(),
         detail,
     };
-    let entries = read_entries(&path, INVENTORY_MAGIC)?;
+    let entries = parse_entries(data, INVENTORY_MAGIC, path)?;
     let [inv] = entries.as_slice() else {
         return Err(bad(format!("{} entries, expected 1", entries.len())));
     };
@@ -363,32 +404,30 @@ pub fn require_plugin(dir: &Path, name: &str) -> Result<bool, ImageError> {
     while at < inv.len() {
         let start = at;
         let key = varint(inv, &mut at).ok_or_else(|| bad("truncated field key".into()))?;
-        let body = match key & 7 {
+        // How many bytes the field's value takes after its key (a varint: read already).
+        let skip = match key & 7 {
             0 => {
                 varint(inv, &mut at).ok_or_else(|| bad("truncated varint".into()))?;
-                None
+                0
             }
-            1 => {
-                at += 8;
-                None
-            }
-            5 => {
-                at += 4;
-                None
-            }
+            1 => 8,
+            5 => 4,
             2 => {
                 let len = varint(inv, &mut at).ok_or_else(|| bad("truncated length".into()))?;
-                let body_start = at;
-                at += usize::try_from(len).map_err(|_| bad("huge field".into()))?;
-                inv.get(body_start..at)
+                usize::try_from(len).map_err(|_| bad("huge field".into()))?
             }
             w => return Err(bad(format!("wire type {w} in the inventory"))),
         };
-        if at > inv.len() {
-            return Err(bad("truncated field".into()));
-        }
+        let body_start = at;
+        at = at
+            .checked_add(skip)
+            .filter(|&end| end <= inv.len())
+            .ok_or_else(|| bad("truncated field".into()))?;
         if key >> 3 == 12 {
-            let more = PluginsEntry::decode(body.unwrap_or_default())
+            if key & 7 != 2 {
+                return Err(bad(format!("plugins_entry with wire type {}", key & 7)));
+            }
+            let more = PluginsEntry::decode(&inv[body_start..at])
                 .map_err(|e| bad(format!("plugins_entry: {e}")))?;
             plugins.plugins.extend(more.plugins);
         } else {
@@ -396,7 +435,7 @@ pub fn require_plugin(dir: &Path, name: &str) -> Result<bool, ImageError> {
         }
     }
     if plugins.plugins.iter().any(|p| p == name) {
-        return Ok(false);
+        return Ok(None);
     }
     plugins.plugins.push(name.to_string());
     let field = InventoryEntry {
@@ -406,17 +445,7 @@ pub fn require_plugin(dir: &Path, name: &str) -> Result<bool, ImageError> {
     .encode_to_vec();
     // Skip the encoded img_version (field 1, varint 0: two bytes); keep field 12.
     kept.extend_from_slice(&field[2..]);
-    let tmp = dir.join("inventory.img.possum-tmp");
-    let io = |source| ImageError::Io {
-        path: tmp.clone(),
-        source,
-    };
-    fs::write(&tmp, encode_image(INVENTORY_MAGIC, &[kept])).map_err(io)?;
-    fs::rename(&tmp, &path).map_err(|source| ImageError::Io {
-        path: path.clone(),
-        source,
-    })?;
-    Ok(true)
+    Ok(Some(encode_image(INVENTORY_MAGIC, &[kept])))
 }
 
 /// A protobuf varint at `*at`, moving past it.
@@ -507,6 +536,31 @@ mod tests {
         fs::write(&path, bytes).unwrap();
         let back: Vec<InventoryEntry> = read_messages(&path, INVENTORY_MAGIC).unwrap();
         assert_eq!(back, vec![inv]);
+    }
+
+    /// A field whose length runs past the inventory (up to `u64::MAX`, where adding it to the
+    /// position would overflow) is refused as truncated, not followed.
+    #[test]
+    fn an_inventory_field_longer_than_the_inventory_is_refused() {
+        let path = Path::new("inventory.img");
+        for len in [u64::MAX, u64::MAX - 1, 1 << 63, 1000] {
+            // Field 13 (a string), then the length as a varint, then two bytes.
+            let mut field = vec![13 << 3 | 2];
+            let mut v = len;
+            while v >= 0x80 {
+                field.push((v as u8) | 0x80);
+                v >>= 7;
+            }
+            field.push(v as u8);
+            field.extend_from_slice(b"ab");
+            let image = encode_image(INVENTORY_MAGIC, &[field]);
+            let e = with_plugin(&image, "possum", path).unwrap_err().to_string();
+            assert!(e.contains("truncated field"), "{len}: {e}");
+        }
+        // A plugins entry that is not length-delimited is refused too.
+        let image = encode_image(INVENTORY_MAGIC, &[vec![12 << 3, 1]]);
+        let e = with_plugin(&image, "possum", path).unwrap_err().to_string();
+        assert!(e.contains("plugins_entry"), "{e}");
     }
 
     /// A fuller inventory, as CRIU writes it: fields possum does not declare survive.

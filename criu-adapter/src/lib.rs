@@ -56,6 +56,8 @@
 pub mod config;
 pub mod doctor;
 mod error;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod hostmem;
 pub mod images;
 mod mapped;

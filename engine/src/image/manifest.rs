@@ -133,13 +133,18 @@ pub(crate) fn from_unix_nanos(n: u64) -> SystemTime {
 
 /// `manifest.pb`'s bytes for `m`, with `major`/`minor` in the frame header.
 pub(crate) fn encode_framed(m: &Manifest, major: u32, minor: u32) -> Vec<u8> {
-    let payload = m.encode_to_vec();
+    frame(&m.encode_to_vec(), major, minor)
+}
+
+/// `payload` framed: header with `major`/`minor` and its length, then the payload, then the
+/// CRC32C of both.
+pub(crate) fn frame(payload: &[u8], major: u32, minor: u32) -> Vec<u8> {
     let mut out = Vec::with_capacity(payload.len() + (HEADER_LEN + TRAILER_LEN) as usize);
     out.extend_from_slice(&MANIFEST_MAGIC);
     out.extend_from_slice(&major.to_le_bytes());
     out.extend_from_slice(&minor.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(&payload);
+    out.extend_from_slice(payload);
     let crc = crc32c::crc32c(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
@@ -147,7 +152,8 @@ pub(crate) fn encode_framed(m: &Manifest, major: u32, minor: u32) -> Vec<u8> {
 
 /// Reads and checks the framing of `<image>/manifest.pb`, returning the header's (major, minor)
 /// and the decoded manifest. Checks, in order: presence, magic, major version, payload length cap,
-/// file length, checksum, decoding.
+/// file length, checksum, decoding. Nothing is allocated for the payload before its length is
+/// known to be at most [`MAX_MANIFEST_LEN`] and to match the file's.
 pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageError> {
     let path = image.join(MANIFEST_FILE);
     let mut file = match File::open(&path) {
@@ -160,29 +166,55 @@ pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageErr
         Err(e) => return Err(ImageError::io(path, e)),
     };
     let actual = file.metadata().map_err(|e| ImageError::io(&path, e))?.len();
+    let mut header = [0u8; HEADER_LEN as usize];
+    let have = read_up_to(&mut file, &mut header).map_err(|e| ImageError::io(&path, e))?;
+    let (major, minor, len) = check_header(image, &header[..have], actual)?;
+    // `len` is at most MAX_MANIFEST_LEN, so this allocation is bounded.
+    let mut rest = vec![0u8; (len + TRAILER_LEN) as usize];
+    file.read_exact(&mut rest)
+        .map_err(|e| ImageError::io(&path, e))?;
+    let m = check_payload(image, &header, &rest)?;
+    Ok((major, minor, m))
+}
+
+/// [`read_framed`] on the bytes of a `manifest.pb` already in memory (`image` names the image in
+/// errors only).
+pub(crate) fn decode_framed(
+    image: &Path,
+    bytes: &[u8],
+) -> Result<(u32, u32, Manifest), ImageError> {
+    let header = &bytes[..bytes.len().min(HEADER_LEN as usize)];
+    let (major, minor, _) = check_header(image, header, bytes.len() as u64)?;
+    // `check_header` made sure that `bytes` is exactly header, payload and trailer.
+    let m = check_payload(image, header, &bytes[header.len()..])?;
+    Ok((major, minor, m))
+}
+
+/// Checks the frame header (`header`: the file's first bytes, up to [`HEADER_LEN`]) against the
+/// file's length `actual`: magic, major version, payload length cap, exact file length. Returns
+/// (major, minor, payload length).
+fn check_header(image: &Path, header: &[u8], actual: u64) -> Result<(u32, u32, u64), ImageError> {
     let min_len = HEADER_LEN + TRAILER_LEN;
     let truncated = |expected: u64| ImageError::ManifestTruncated {
         image: image.to_path_buf(),
         expected,
         actual,
     };
-
-    let mut header = [0u8; HEADER_LEN as usize];
-    let have = read_up_to(&mut file, &mut header).map_err(|e| ImageError::io(&path, e))?;
-    if have < MANIFEST_MAGIC.len() {
+    let Some(magic) = header.get(..MANIFEST_MAGIC.len()) else {
         return Err(truncated(min_len));
-    }
-    if header[..8] != MANIFEST_MAGIC {
+    };
+    if magic != MANIFEST_MAGIC {
         return Err(ImageError::BadMagic {
             image: image.to_path_buf(),
-            found: header[..8].to_vec(),
+            found: magic.to_vec(),
         });
     }
-    if have < header.len() {
+    let Ok(header) = <&[u8; HEADER_LEN as usize]>::try_from(header) else {
         return Err(truncated(min_len));
-    }
-    let major = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-    let minor = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
+    };
+    let [.., m0, m1, m2, m3, n0, n1, n2, n3, l0, l1, l2, l3, l4, l5, l6, l7] = *header;
+    let major = u32::from_le_bytes([m0, m1, m2, m3]);
+    let minor = u32::from_le_bytes([n0, n1, n2, n3]);
     if major != FORMAT_MAJOR {
         return Err(ImageError::UnsupportedVersion {
             image: image.to_path_buf(),
@@ -190,7 +222,7 @@ pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageErr
             minor,
         });
     }
-    let len = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
+    let len = u64::from_le_bytes([l0, l1, l2, l3, l4, l5, l6, l7]);
     if len > MAX_MANIFEST_LEN {
         return Err(ImageError::ManifestTooLarge {
             image: image.to_path_buf(),
@@ -209,14 +241,22 @@ pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageErr
             actual,
         });
     }
+    Ok((major, minor, len))
+}
 
-    // `len` is at most MAX_MANIFEST_LEN, so this allocation is bounded.
-    let mut rest = vec![0u8; (len + TRAILER_LEN) as usize];
-    file.read_exact(&mut rest)
-        .map_err(|e| ImageError::io(&path, e))?;
-    let (payload, trailer) = rest.split_at(len as usize);
+/// Checks the CRC32C of `header` and `rest` (payload then the 4-byte trailer; [`check_header`]
+/// passed) and decodes the payload.
+fn check_payload(image: &Path, header: &[u8], rest: &[u8]) -> Result<Manifest, ImageError> {
+    let Some(split) = rest.len().checked_sub(TRAILER_LEN as usize) else {
+        return Err(ImageError::ManifestTruncated {
+            image: image.to_path_buf(),
+            expected: HEADER_LEN + TRAILER_LEN,
+            actual: (header.len() + rest.len()) as u64,
+        });
+    };
+    let (payload, trailer) = rest.split_at(split);
     let stored = u32::from_le_bytes(trailer.try_into().expect("4 bytes"));
-    let computed = crc32c::crc32c_append(crc32c::crc32c(&header), payload);
+    let computed = crc32c::crc32c_append(crc32c::crc32c(header), payload);
     if stored != computed {
         return Err(ImageError::ManifestChecksum {
             image: image.to_path_buf(),
@@ -224,11 +264,10 @@ pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageErr
             computed,
         });
     }
-    let m = Manifest::decode(payload).map_err(|source| ImageError::ManifestDecode {
+    Manifest::decode(payload).map_err(|source| ImageError::ManifestDecode {
         image: image.to_path_buf(),
         source,
-    })?;
-    Ok((major, minor, m))
+    })
 }
 
 /// Reads until `buf` is full or the file ends; returns how many bytes were read.
@@ -431,6 +470,35 @@ pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> 
         })?;
     }
     Ok(Index { buffers, chunks })
+}
+
+/// Checks a decoded manifest whose frame header said `major`.`minor`: the payload repeats the
+/// same version, and [`validate`] passes.
+pub(crate) fn check(
+    image: &Path,
+    major: u32,
+    minor: u32,
+    m: &Manifest,
+) -> Result<Index, ImageError> {
+    if (m.major, m.minor) != (major, minor) {
+        return Err(ImageError::ManifestInvalid {
+            image: image.to_path_buf(),
+            problem: format!(
+                "the header says format {major}.{minor} but the manifest says {}.{}",
+                m.major, m.minor
+            ),
+        });
+    }
+    validate(image, m)
+}
+
+/// Decodes and checks the bytes of a `manifest.pb` as [`Image::open`](super::Image::open) does
+/// (framing, version, checksum, decoding, consistency), without looking at any data file. `image`
+/// names the image in errors only.
+pub fn check_manifest(image: &Path, bytes: &[u8]) -> Result<ImageSummary, ImageError> {
+    let (major, minor, m) = decode_framed(image, bytes)?;
+    let index = check(image, major, minor, &m)?;
+    Ok(summarize(&m, &index))
 }
 
 /// The summary of a validated manifest.

@@ -54,6 +54,8 @@ use std::time::SystemTime;
 
 use crate::store::BufferRecord;
 
+#[doc(hidden)]
+pub mod fuzz;
 mod manifest;
 mod reader;
 mod writer;
@@ -61,7 +63,7 @@ mod writer;
 #[cfg(test)]
 mod tests;
 
-pub use manifest::{check_coverage, CoverageError};
+pub use manifest::{check_coverage, check_manifest, CoverageError};
 pub use reader::Image;
 pub use writer::{ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE};
 

@@ -50,16 +50,7 @@ impl Image {
     pub fn open(dir: &Path) -> Result<Image, ImageError> {
         fs::metadata(dir).map_err(|e| ImageError::io(dir, e))?;
         let (major, minor, manifest) = read_framed(dir)?;
-        if (manifest.major, manifest.minor) != (major, minor) {
-            return Err(ImageError::ManifestInvalid {
-                image: dir.to_path_buf(),
-                problem: format!(
-                    "the header says format {major}.{minor} but the manifest says {}.{}",
-                    manifest.major, manifest.minor
-                ),
-            });
-        }
-        let index = manifest::validate(dir, &manifest)?;
+        let index = manifest::check(dir, major, minor, &manifest)?;
 
         let mut files = Vec::with_capacity(manifest.files.len());
         for f in &manifest.files {

@@ -1320,3 +1320,41 @@ fn adopted_files_hold_chunks_written_elsewhere() {
     w.commit().unwrap();
     assert!(Image::open(&dir2).unwrap().verify().is_err());
 }
+
+/// `check_manifest` on a manifest's bytes agrees with `Image::open` on its directory.
+#[test]
+fn check_manifest_agrees_with_open() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = small_image(root.path());
+    let bytes = fs::read(dir.join(MANIFEST_FILE)).unwrap();
+    let summary = super::check_manifest(&dir, &bytes).unwrap();
+    assert_eq!(&summary, Image::open(&dir).unwrap().summary());
+
+    let mut flipped = bytes.clone();
+    flipped[30] ^= 1;
+    assert!(matches!(
+        super::check_manifest(&dir, &flipped),
+        Err(ImageError::ManifestChecksum { .. })
+    ));
+    assert!(matches!(
+        super::check_manifest(&dir, &bytes[..5]),
+        Err(ImageError::ManifestTruncated { .. })
+    ));
+    assert!(matches!(
+        super::check_manifest(&dir, &bytes[..bytes.len() - 1]),
+        Err(ImageError::ManifestTruncated { .. })
+    ));
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(matches!(
+        super::check_manifest(&dir, &longer),
+        Err(ImageError::ManifestTrailingBytes { .. })
+    ));
+    // A payload length near u64::MAX is refused before anything is allocated or added up.
+    let mut huge = bytes;
+    huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(matches!(
+        super::check_manifest(&dir, &huge),
+        Err(ImageError::ManifestTooLarge { .. })
+    ));
+}
