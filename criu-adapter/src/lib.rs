@@ -48,9 +48,11 @@
 //! - Every request has a deadline ([`Deadline`]; [`DumpOptions::deadline`],
 //!   [`RestoreOptions::deadline`]). Past it the worker and every task under it (for a restore,
 //!   the tasks it has created and not handed over yet) are killed, and the call fails with
-//!   [`CriuError::DeadlineExceeded`], naming the request, the deadline and the images. The worker
-//!   is also killed when the thread that started it ends (`PR_SET_PDEATHSIG`); tasks it was
-//!   restoring then are left behind, half restored (CRIU does not kill them when it dies).
+//!   [`CriuError::DeadlineExceeded`], naming the request, the deadline and the images. When this
+//!   process dies during a request, the worker is killed (`PR_SET_PDEATHSIG`) and so are the
+//!   tasks it was restoring (CRIU does not kill them when it dies: a guard process between this
+//!   one and the worker does), except with [`RestoreOptions::restore_sibling`], where the
+//!   half-restored tasks are left behind.
 //! - The install script's wrapper is fine in swrk mode: it `exec`s, so the worker keeps its PID
 //!   and inherited socket, and CRIU does not re-execute itself (`/proc/self/exe`, which is the
 //!   loader when the wrapper runs criu through trixie's `ld.so`) to dump or restore. The only
@@ -62,6 +64,7 @@
 pub mod config;
 pub mod doctor;
 mod error;
+mod guard;
 pub mod hostmem;
 pub mod images;
 mod mapped;
@@ -524,6 +527,7 @@ impl Criu {
                 limit,
                 images_dir: Some(&opts.images_dir),
                 adopted: &[],
+                guarded: true,
             },
         )?;
         drop(images);
@@ -610,6 +614,8 @@ impl Criu {
                 limit,
                 images_dir: Some(&opts.images_dir),
                 adopted: &dumped,
+                // The root is created as the worker's sibling: a guard would be its parent.
+                guarded: !opts.restore_sibling,
             },
         )?;
         drop(copies);
@@ -641,6 +647,7 @@ impl Criu {
             limit: Deadline::QUERY,
             images_dir,
             adopted: &[],
+            guarded: true,
         };
         self.call_inheriting(op, req, log, &[], scope)
     }
@@ -656,8 +663,13 @@ impl Criu {
         scope: Scope<'_>,
     ) -> Result<CriuResp, CriuError> {
         let deadline = Instant::now() + scope.limit;
-        let mut worker =
-            swrk::Worker::spawn(&self.binary, op, self.plugin_dir.as_deref(), inherit)?;
+        let mut worker = swrk::Worker::spawn(
+            &self.binary,
+            op,
+            self.plugin_dir.as_deref(),
+            inherit,
+            scope.guarded,
+        )?;
         let answer = match worker.request(&req, deadline) {
             Ok(Some(resp)) => Ok(resp),
             Ok(None) => {
@@ -721,6 +733,8 @@ struct Scope<'a> {
     images_dir: Option<&'a Path>,
     /// PIDs the request creates outside the worker's tree (children of this process).
     adopted: &'a [i32],
+    /// Whether the worker runs under a [guard](crate::guard).
+    guarded: bool,
 }
 
 impl Scope<'_> {

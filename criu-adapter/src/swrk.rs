@@ -12,8 +12,11 @@
 //! The worker's stdout and stderr go to an unlinked temporary file, read back for error messages
 //! (a loader that cannot find a library, a crash) when the worker ends without answering.
 //!
-//! Every wait on the worker has a deadline. The worker gets `SIGKILL` when the thread that
-//! started it ends (`PR_SET_PDEATHSIG`), so it does not outlive this process. Past a deadline,
+//! Every wait on the worker has a deadline. The worker gets `SIGKILL` when its parent ends
+//! (`PR_SET_PDEATHSIG`). Its parent is a [guard](crate::guard) that kills whatever it leaves
+//! behind when this process dies, except when the restored root is to be the worker's sibling
+//! (`rst_sibling`): the guard would then be its parent, so the worker is this process's child
+//! and dies with the thread that started it. Past a deadline,
 //! [`Worker::kill_tree`] stops the worker and every task under it (those a restore has created
 //! and not yet handed over, helpers it runs), walking `/proc/<pid>/task/<tid>/children` until no
 //! new task turns up, then kills them all: CRIU blocks every catchable signal, and a task it has
@@ -63,6 +66,8 @@ pub(crate) struct Worker {
     sock: OwnedFd,
     output: File,
     op: &'static str,
+    /// Whether `child` is the worker's guard rather than the worker.
+    guarded: bool,
 }
 
 impl Worker {
@@ -73,6 +78,7 @@ impl Worker {
         op: &'static str,
         plugin_dir: Option<&Path>,
         inherit: &[RawFd],
+        guarded: bool,
     ) -> Result<Self, CriuError> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
@@ -117,13 +123,19 @@ impl Worker {
         // prctl(2) and getppid(2), which are async-signal-safe, through nix's thin wrappers (no
         // allocation, no locks; `keep` was allocated before the fork and is only read, and the
         // errors are made from raw numbers), on descriptor numbers that are open in the child
-        // (they were open here, close-on-exec only, when we forked).
+        // (they were open here, close-on-exec only, when we forked), and `guard::split`, which
+        // is meant for exactly this place.
         unsafe {
             cmd.pre_exec(move || {
                 for &fd in &keep {
                     fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty())).map_err(io::Error::from)?;
                 }
-                // Die with the thread that started us; if it is already gone, do not start.
+                let parent = if guarded {
+                    crate::guard::split(parent)?
+                } else {
+                    parent
+                };
+                // Die with the parent; if it is already gone, do not start.
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
                 if nix::unistd::getppid() != parent {
                     return Err(io::Error::from_raw_os_error(libc::ESRCH));
@@ -142,10 +154,11 @@ impl Worker {
             sock: ours,
             output,
             op,
+            guarded,
         })
     }
 
-    /// The worker's PID.
+    /// The PID of the worker, or of its guard.
     pub(crate) fn pid(&self) -> i32 {
         i32::try_from(self.child.id()).unwrap_or(i32::MAX)
     }
@@ -202,7 +215,7 @@ impl Worker {
     /// Stops the worker and every task under it, plus those of `adopted` that are children of
     /// this process (a restored root CRIU created as the worker's sibling), kills them all, and
     /// reaps the worker and whichever of them are this process's children. Returns how many
-    /// tasks besides the worker were killed.
+    /// tasks besides the worker (and its guard) were killed.
     pub(crate) fn kill_tree(&mut self, adopted: &[i32]) -> usize {
         let worker = self.pid();
         let me = std::process::id() as i32;
@@ -217,7 +230,9 @@ impl Worker {
         for &p in &tasks {
             let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
         }
-        for _ in 0..STOP_PASSES {
+        // Under a guard, the worker is the guard's child.
+        let mut not_counted = 0;
+        for pass in 0..STOP_PASSES {
             let mut new = Vec::new();
             for parent in std::iter::once(worker).chain(tasks.iter().copied()) {
                 for c in children_of(parent) {
@@ -226,6 +241,12 @@ impl Worker {
                         new.push(c);
                     }
                 }
+            }
+            if pass == 0 && self.guarded {
+                not_counted = new
+                    .iter()
+                    .filter(|&&c| parent_of(c) == Some(worker))
+                    .count();
             }
             if new.is_empty() {
                 break;
@@ -249,7 +270,7 @@ impl Worker {
             op = self.op,
             "killed criu swrk and the tasks under it"
         );
-        tasks.len()
+        tasks.len().saturating_sub(not_counted)
     }
 
     /// Kills and reaps the worker alone.

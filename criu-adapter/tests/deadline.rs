@@ -110,6 +110,18 @@ fn children(pid: i32) -> Vec<i32> {
     out
 }
 
+/// The descendants of `pid`, parents first.
+fn descendants(pid: i32) -> Vec<i32> {
+    let mut out = children(pid);
+    let mut i = 0;
+    while i < out.len() {
+        let more = children(out[i]);
+        out.extend(more);
+        i += 1;
+    }
+    out
+}
+
 /// Whether `pid` is gone, reaping it first if it is a zombie child of ours.
 fn gone(pid: i32) -> bool {
     if parent(pid) == Some(std::process::id() as i32) {
@@ -190,6 +202,8 @@ fn restore_helper() {
     panic!("the restore was meant to hang until this process was killed: {r:?}");
 }
 
+/// A process that starts a restore and is killed with `SIGKILL` leaves nothing behind: neither
+/// the criu worker nor the task it was restoring.
 #[test]
 fn the_criu_worker_dies_with_the_process_that_started_it() {
     let _serial = serial();
@@ -211,34 +225,25 @@ fn the_criu_worker_dies_with_the_process_that_started_it() {
         .spawn()
         .unwrap();
     let helper_pid = helper.id() as i32;
-    // The worker is the helper's child; the task it restores keeps the dumped PID.
-    let mut worker = None;
+    // Under the helper: the guard, under it the worker, under that the task it restores (with
+    // the dumped PID).
+    let mut started = Vec::new();
     until(SETTLE, "the helper's restore to be under way", || {
-        worker = children(helper_pid).first().copied();
-        worker.is_some() && state(pid).is_some()
+        started = descendants(helper_pid);
+        started.contains(&pid)
     });
-    let worker = worker.unwrap();
+    assert!(started.len() >= 3, "{started:?}");
     kill(Pid::from_raw(helper_pid), Signal::SIGKILL).unwrap();
     helper.wait().unwrap();
-    // The worker got SIGKILL with its parent, and was reparented here (a subreaper) to be reaped.
-    until(SETTLE, "the criu worker to die with its parent", || {
-        gone(worker)
-    });
-    // The task it was restoring outlives it: CRIU does not take it down when it dies. It came
-    // here too; end it.
-    let left = state(pid);
-    say(&format!(
-        "after the helper and its criu worker died, the task criu was restoring is {}",
-        match left {
-            Some(s) => format!("still there (state {s}, parent {:?})", parent(pid)),
-            None => "gone".to_string(),
-        }
-    ));
-    if left.is_some() && parent(pid) == Some(std::process::id() as i32) {
-        kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap();
-        let _ = waitpid(Pid::from_raw(pid), None);
+    // Nothing the helper started outlives it (what is orphaned comes here to be reaped).
+    for p in started {
+        until(
+            SETTLE,
+            &format!("process {p} to die with the helper"),
+            || gone(p),
+        );
     }
-    until(SETTLE, "the restored task to go", || gone(pid));
+    assert!(live_children().is_empty(), "{:?}", live_children());
     assert!(matches!(
         waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)),
         Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD)
