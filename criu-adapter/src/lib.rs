@@ -975,6 +975,83 @@ mod tests {
     }
 
     #[test]
+    fn deadlines_grow_with_the_size() {
+        let d = Deadline {
+            base: Duration::from_secs(10),
+            per_gib: Duration::from_secs(4),
+        };
+        assert_eq!(d.for_bytes(0), Duration::from_secs(10));
+        assert_eq!(d.for_bytes(3 << 29), Duration::from_secs(16));
+        assert_eq!(d.for_bytes(u64::MAX), Duration::from_secs(10 + (4 << 34)));
+        let fixed = Deadline::fixed(Duration::from_secs(3));
+        assert_eq!(fixed.for_bytes(1 << 40), Duration::from_secs(3));
+        assert_eq!(DumpOptions::new(1, "/i").deadline, Deadline::DUMP);
+        assert_eq!(RestoreOptions::new("/i").deadline, Deadline::RESTORE);
+    }
+
+    /// A worker that never answers is killed at the deadline, with what it started, and the
+    /// error says so. (No CRIU needed: the worker is a script.)
+    #[test]
+    fn a_worker_that_never_answers_is_killed_at_the_deadline_with_its_children() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("criu");
+        let child_file = dir.path().join("child");
+        std::fs::write(
+            &fake,
+            format!(
+                "#!/bin/sh\nsleep 1000 &\necho $! > {}.tmp\nmv {0}.tmp {0}\nwait\n",
+                child_file.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let images = dir.path().join("images");
+        let opts = DumpOptions {
+            deadline: Deadline::fixed(Duration::from_secs(2)),
+            ..DumpOptions::new(std::process::id() as i32, &images)
+        };
+        let criu = Criu::with_binary(&fake).with_plugin_dir(None);
+        let err = criu.dump(&opts).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CriuError::DeadlineExceeded {
+                    op: "dump",
+                    killed: 1,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().starts_with(&format!(
+                "criu dump did not finish within 2 s (deadline), images in {}; it and the 1 task \
+                 it had started were killed",
+                images.display()
+            )),
+            "{err}"
+        );
+        let sleeper: i32 = std::fs::read_to_string(&child_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // Killed; reparented to init (or a subreaper) and reaped there.
+        let end = Instant::now() + Duration::from_secs(20);
+        while process::parent_of(sleeper).is_some()
+            && !std::fs::read_to_string(format!("/proc/{sleeper}/stat"))
+                .unwrap_or_default()
+                .contains(") Z ")
+        {
+            assert!(
+                Instant::now() < end,
+                "sleep {sleeper} outlived the deadline"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
     fn the_worker_gets_the_plugin_dir_as_criu_libs_dir() {
         let dir = tempfile::tempdir().unwrap();
         let fake = dir.path().join("criu");

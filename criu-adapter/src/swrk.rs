@@ -56,6 +56,9 @@ const POLL_SLICE: Duration = Duration::from_millis(200);
 /// children are waited for (a task in uninterruptible sleep dies only when it wakes).
 const REAP_WAIT: Duration = Duration::from_secs(5);
 
+/// How long a worker that closed its socket is given to exit.
+const EXIT_WAIT: Duration = Duration::from_secs(10);
+
 /// At most this many passes over the tree when stopping it (each pass stops what the last found).
 const STOP_PASSES: usize = 1000;
 
@@ -355,9 +358,14 @@ impl Worker {
     /// The error for a worker that closed its socket without answering: waits for it to exit
     /// and collects its output.
     fn died(&mut self) -> CriuError {
-        let status = match self.child.wait() {
-            Ok(s) => s.to_string(),
-            Err(e) => format!("cannot wait for it: {e}"),
+        // It closed its socket: it is exiting, or ends in a moment.
+        let status = match self.finish(Instant::now() + EXIT_WAIT) {
+            Ok(Some(s)) => s.to_string(),
+            Ok(None) => {
+                self.kill_tree(&[]);
+                format!("it closed its socket but still ran {EXIT_WAIT:?} later; killed")
+            }
+            Err(e) => e.to_string(),
         };
         CriuError::WorkerDied {
             op: self.op,
