@@ -10,7 +10,9 @@
 //! with the same status, and the tree the worker restored goes on up to this process (a
 //! subreaper) or init, as it would from the worker. When this process dies first (the guard's
 //! parent changes), the guard kills the worker and then every task that comes to it, until it has
-//! no children left.
+//! no children left. It ignores the signals that end a job (`SIGINT`, `SIGTERM`, ...): they end
+//! this process, and the guard cleans up after it. `SIGKILL` ends the guard, and the worker with
+//! it (`PR_SET_PDEATHSIG`), but not what the worker was restoring.
 //!
 //! This is the crate's only code that runs between `fork` and `exec`; every call here is one
 //! system call through `libc` or nix's thin wrappers, with no allocation and no locks.
@@ -25,6 +27,9 @@ use nix::unistd::{getpid, getppid, ForkResult, Pid};
 
 /// How often the guard looks at its parent and the worker.
 const TICK: Duration = Duration::from_millis(5);
+
+/// Descriptors closed one by one where close_range(2) is missing.
+const FALLBACK_CLOSE_FDS: i32 = 4096;
 
 /// At most this many rounds of killing what comes to the guard.
 const CLEANUP_ROUNDS: usize = 2000;
@@ -51,9 +56,29 @@ pub(crate) unsafe fn split(owner: Pid) -> io::Result<Pid> {
 /// The guard's life: relay the worker's end, or clean up after the owner's.
 fn watch(owner: Pid, worker: Pid) -> ! {
     // The guard keeps no descriptor: the worker's socket must close when the worker ends.
-    // SAFETY: close_range(2) only closes this process's descriptors, none of which the guard
-    // uses again.
-    unsafe { libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) };
+    // SAFETY: close_range(2) and close(2) only close this process's descriptors, none of which
+    // the guard uses again.
+    unsafe {
+        if libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) != 0 {
+            // Kernels before 5.9.
+            for fd in 0..FALLBACK_CLOSE_FDS {
+                libc::close(fd);
+            }
+        }
+    }
+    // Signals meant for this process's job (a terminal's ^C, a service manager's SIGTERM) end
+    // this process; the guard outlives it to clean up, then exits. Set here, after the worker's
+    // fork, so that CRIU keeps the dispositions it had.
+    for sig in [
+        libc::SIGINT,
+        libc::SIGQUIT,
+        libc::SIGHUP,
+        libc::SIGTERM,
+        libc::SIGTSTP,
+    ] {
+        // SAFETY: signal(2) setting a disposition of this process to "ignore".
+        unsafe { libc::signal(sig, libc::SIG_IGN) };
+    }
     loop {
         match waitpid(worker, Some(WaitPidFlag::WNOHANG)) {
             Ok(WaitStatus::Exited(_, code)) => exit(code),

@@ -4,6 +4,7 @@
 //! These need root and CRIU, like `roundtrip.rs`: without them a test says `SKIPPED` and passes,
 //! unless `POSSUM_REQUIRE_CRIU=1`. They run one at a time.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
@@ -202,8 +203,8 @@ fn restore_helper() {
     panic!("the restore was meant to hang until this process was killed: {r:?}");
 }
 
-/// A process that starts a restore and is killed with `SIGKILL` leaves nothing behind: neither
-/// the criu worker nor the task it was restoring.
+/// A process that starts a restore and is killed (`SIGKILL`; `SIGINT` to its process group, as
+/// a terminal's ^C) leaves nothing behind: neither the criu worker nor the task it was restoring.
 #[test]
 fn the_criu_worker_dies_with_the_process_that_started_it() {
     let _serial = serial();
@@ -213,6 +214,12 @@ fn the_criu_worker_dies_with_the_process_that_started_it() {
     set_child_subreaper().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let (images, pid) = damaged_images(&criu, tmp.path());
+    for signal in [Signal::SIGKILL, Signal::SIGINT] {
+        killed_mid_restore(&images, pid, signal);
+    }
+}
+
+fn killed_mid_restore(images: &Path, pid: i32, signal: Signal) {
     let mut helper = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -220,8 +227,9 @@ fn the_criu_worker_dies_with_the_process_that_started_it() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(HELPER_ENV, &images)
+        .env(HELPER_ENV, images)
         .stdin(Stdio::null())
+        .process_group(0)
         .spawn()
         .unwrap();
     let helper_pid = helper.id() as i32;
@@ -233,8 +241,12 @@ fn the_criu_worker_dies_with_the_process_that_started_it() {
         started.contains(&pid)
     });
     assert!(started.len() >= 3, "{started:?}");
-    kill(Pid::from_raw(helper_pid), Signal::SIGKILL).unwrap();
-    helper.wait().unwrap();
+    match signal {
+        Signal::SIGKILL => kill(Pid::from_raw(helper_pid), signal).unwrap(),
+        _ => kill(Pid::from_raw(-helper_pid), signal).unwrap(),
+    }
+    let status = helper.wait().unwrap();
+    say(&format!("helper killed by {signal}: {status}"));
     // Nothing the helper started outlives it (what is orphaned comes here to be reaped).
     for p in started {
         until(
