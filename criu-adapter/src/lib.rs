@@ -5,7 +5,8 @@
 //! exit. There is no long-lived CRIU service and no `libcriu`.
 //!
 //! ```no_run
-//! use possum_criu::{set_child_subreaper, wait_for_exit, Criu, DumpOptions, RestoreOptions};
+//! use possum_criu::{set_child_subreaper, wait_for_exit, Criu, Deadline, DumpOptions, RestoreOptions};
+//! use std::time::Duration;
 //! # fn main() -> Result<(), possum_criu::CriuError> {
 //! let criu = Criu::locate()?;
 //! let dump = criu.dump(&DumpOptions {
@@ -15,7 +16,11 @@
 //! println!("dumped in {:?}, {} bytes", dump.time, dump.image_bytes);
 //!
 //! set_child_subreaper()?; // so that the restored tree becomes our child
-//! let restored = criu.restore(&RestoreOptions::new("/var/tmp/ckpt"))?;
+//! let restored = criu.restore(&RestoreOptions {
+//!     // 1 minute, plus 10 s per GiB of images (the default is `Deadline::RESTORE`).
+//!     deadline: Deadline { base: Duration::from_secs(60), per_gib: Duration::from_secs(10) },
+//!     ..RestoreOptions::new("/var/tmp/ckpt")
+//! })?;
 //! let exit = wait_for_exit(restored.pid, None)?;
 //! # Ok(()) }
 //! ```
@@ -491,7 +496,9 @@ impl Criu {
     }
 
     /// Dumps the tree rooted at `opts.pid` into `opts.images_dir`. Fails early with
-    /// [`CriuError::NoSuchProcess`] or [`CriuError::Zombie`] when there is nothing to dump.
+    /// [`CriuError::NoSuchProcess`] or [`CriuError::Zombie`] when there is nothing to dump, and
+    /// with [`CriuError::DeadlineExceeded`] when CRIU runs past `opts.deadline` (scaled by the
+    /// tree's resident memory).
     pub fn dump(&self, opts: &DumpOptions) -> Result<DumpReport, CriuError> {
         let start = Instant::now();
         check_log_name(&opts.log_file)?;
@@ -543,7 +550,10 @@ impl Criu {
     }
 
     /// Restores the tree dumped in `opts.images_dir`. Returns once the tree runs and the criu
-    /// worker has exited (so the tree has been reparented; see [`set_child_subreaper`]).
+    /// worker has exited (so the tree has been reparented; see [`set_child_subreaper`]). Fails
+    /// with [`CriuError::DeadlineExceeded`] when CRIU runs past `opts.deadline` (scaled by the
+    /// size of the images; images whose pages file is cut short make CRIU wait forever), after
+    /// killing it and the tasks it had restored.
     pub fn restore(&self, opts: &RestoreOptions) -> Result<RestoreReport, CriuError> {
         let start = Instant::now();
         check_log_name(&opts.log_file)?;
