@@ -9,8 +9,9 @@
 //! async-signal-safe calls below. The guard waits for the worker; when the worker exits it exits
 //! with the same status, and the tree the worker restored goes on up to this process (a
 //! subreaper) or init, as it would from the worker. When this process dies first (the guard's
-//! parent changes), the guard kills the worker and then every task that comes to it, until it has
-//! no children left. It ignores the signals that end a job (`SIGINT`, `SIGTERM`, ...): they end
+//! parent changes), the guard kills the worker (a dump's at its deadline only: CRIU stopped
+//! midway may leave the dumped tree stopped or with its parasite code in it, so it is left to
+//! finish) and then every task that comes to it, until it has no children left. It ignores the signals that end a job (`SIGINT`, `SIGTERM`, ...): they end
 //! this process, and the guard cleans up after it. `SIGKILL` ends the guard, and the worker with
 //! it (`PR_SET_PDEATHSIG`), but not what the worker was restoring.
 //!
@@ -18,7 +19,7 @@
 //! system call through `libc` or nix's thin wrappers, with no allocation and no locks.
 
 use std::io;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::sys::signal::{kill, Signal};
@@ -36,12 +37,13 @@ const CLEANUP_ROUNDS: usize = 2000;
 
 /// Called in the child `Command` forked, before `exec`: forks the worker, which returns (with
 /// the guard's PID, its parent) to go on to `exec` CRIU; the guard never returns. `owner` is the
-/// process whose death the guard watches for.
+/// process whose death the guard watches for; once it is dead, the worker is left to finish
+/// until `grace` (when given) before it is killed.
 ///
 /// # Safety
 ///
 /// Only in a child between `fork` and `exec` (it forks again and ends the calling process).
-pub(crate) unsafe fn split(owner: Pid) -> io::Result<Pid> {
+pub(crate) unsafe fn split(owner: Pid, grace: Option<Instant>) -> io::Result<Pid> {
     let guard = getpid();
     // Orphans of the worker (the tasks it was restoring) come to the guard.
     nix::sys::prctl::set_child_subreaper(true).map_err(io::Error::from)?;
@@ -49,12 +51,12 @@ pub(crate) unsafe fn split(owner: Pid) -> io::Result<Pid> {
     // fork go on with async-signal-safe calls only.
     match unsafe { nix::unistd::fork() }.map_err(io::Error::from)? {
         ForkResult::Child => Ok(guard),
-        ForkResult::Parent { child } => watch(owner, child),
+        ForkResult::Parent { child } => watch(owner, child, grace),
     }
 }
 
 /// The guard's life: relay the worker's end, or clean up after the owner's.
-fn watch(owner: Pid, worker: Pid) -> ! {
+fn watch(owner: Pid, worker: Pid, grace: Option<Instant>) -> ! {
     // The guard keeps no descriptor: the worker's socket must close when the worker ends.
     // SAFETY: close_range(2) and close(2) only close this process's descriptors, none of which
     // the guard uses again.
@@ -86,7 +88,8 @@ fn watch(owner: Pid, worker: Pid) -> ! {
             Ok(_) | Err(Errno::EINTR) => {}
             Err(_) => exit(127),
         }
-        if getppid() != owner {
+        // Instant::now is clock_gettime(2), async-signal-safe.
+        if getppid() != owner && grace.is_none_or(|end| Instant::now() >= end) {
             let _ = kill(worker, Signal::SIGKILL);
             kill_children();
             exit(128 + libc::SIGKILL);

@@ -54,10 +54,11 @@
 //!   [`RestoreOptions::deadline`]). Past it the worker and every task under it (for a restore,
 //!   the tasks it has created and not handed over yet) are killed, and the call fails with
 //!   [`CriuError::DeadlineExceeded`], naming the request, the deadline and the images. When this
-//!   process dies during a request, the worker is killed (`PR_SET_PDEATHSIG`) and so are the
-//!   tasks it was restoring (CRIU does not kill them when it dies: a guard process between this
-//!   one and the worker does), except with [`RestoreOptions::restore_sibling`], where the
-//!   half-restored tasks are left behind.
+//!   process dies during a restore, the worker is killed and so are the tasks it was restoring
+//!   (CRIU does not kill them when it dies: a guard process between this one and the worker
+//!   does), except with [`RestoreOptions::restore_sibling`], where the worker dies with its
+//!   parent (`PR_SET_PDEATHSIG`) and the half-restored tasks are left behind. A dump is left to
+//!   finish (CRIU stopped midway may leave the dumped tree stopped), until its deadline.
 //! - The install script's wrapper is fine in swrk mode: it `exec`s, so the worker keeps its PID
 //!   and inherited socket, and CRIU does not re-execute itself (`/proc/self/exe`, which is the
 //!   loader when the wrapper runs criu through trixie's `ld.so`) to dump or restore. The only
@@ -534,7 +535,7 @@ impl Criu {
                 limit,
                 images_dir: Some(&opts.images_dir),
                 adopted: &[],
-                guarded: true,
+                on_owner_death: OwnerDeath::Finish,
             },
         )?;
         drop(images);
@@ -625,7 +626,11 @@ impl Criu {
                 images_dir: Some(&opts.images_dir),
                 adopted: &dumped,
                 // The root is created as the worker's sibling: a guard would be its parent.
-                guarded: !opts.restore_sibling,
+                on_owner_death: if opts.restore_sibling {
+                    OwnerDeath::DieWithParent
+                } else {
+                    OwnerDeath::Kill
+                },
             },
         )?;
         drop(copies);
@@ -657,7 +662,7 @@ impl Criu {
             limit: Deadline::QUERY,
             images_dir,
             adopted: &[],
-            guarded: true,
+            on_owner_death: OwnerDeath::Kill,
         };
         self.call_inheriting(op, req, log, &[], scope)
     }
@@ -678,7 +683,11 @@ impl Criu {
             op,
             self.plugin_dir.as_deref(),
             inherit,
-            scope.guarded,
+            match scope.on_owner_death {
+                OwnerDeath::DieWithParent => swrk::OnOwnerDeath::DiesWithParent,
+                OwnerDeath::Kill => swrk::OnOwnerDeath::KilledAtOnce,
+                OwnerDeath::Finish => swrk::OnOwnerDeath::FinishesBy(deadline),
+            },
         )?;
         let answer = match worker.request(&req, deadline) {
             Ok(Some(resp)) => Ok(resp),
@@ -743,8 +752,19 @@ struct Scope<'a> {
     images_dir: Option<&'a Path>,
     /// PIDs the request creates outside the worker's tree (children of this process).
     adopted: &'a [i32],
-    /// Whether the worker runs under a [guard](crate::guard).
-    guarded: bool,
+    /// What becomes of the worker if this process dies meanwhile.
+    on_owner_death: OwnerDeath,
+}
+
+/// What becomes of a request's worker if this process dies during it.
+#[derive(Debug, Clone, Copy)]
+enum OwnerDeath {
+    /// It dies with this process, without a guard (a restore whose root is its sibling).
+    DieWithParent,
+    /// Its guard kills it at once, and what it was restoring.
+    Kill,
+    /// It is left to finish until its deadline (a dump).
+    Finish,
 }
 
 impl Scope<'_> {

@@ -62,6 +62,19 @@ const EXIT_WAIT: Duration = Duration::from_secs(10);
 /// At most this many passes over the tree when stopping it (each pass stops what the last found).
 const STOP_PASSES: usize = 1000;
 
+/// What becomes of the worker when this process dies during a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnOwnerDeath {
+    /// Killed at once with its parent (`PR_SET_PDEATHSIG`), without a guard: what it was
+    /// restoring is left behind.
+    DiesWithParent,
+    /// Killed at once by its guard, with the tasks under it.
+    KilledAtOnce,
+    /// Left to finish until the deadline (a dump: CRIU killed midway may leave the tree stopped
+    /// or with its parasite in it), then killed by its guard, with the tasks under it.
+    FinishesBy(Instant),
+}
+
 /// A running `criu swrk`.
 #[derive(Debug)]
 pub(crate) struct Worker {
@@ -81,7 +94,7 @@ impl Worker {
         op: &'static str,
         plugin_dir: Option<&Path>,
         inherit: &[RawFd],
-        guarded: bool,
+        on_owner_death: OnOwnerDeath,
     ) -> Result<Self, CriuError> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
@@ -133,10 +146,10 @@ impl Worker {
                 for &fd in &keep {
                     fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty())).map_err(io::Error::from)?;
                 }
-                let parent = if guarded {
-                    crate::guard::split(parent)?
-                } else {
-                    parent
+                let parent = match on_owner_death {
+                    OnOwnerDeath::DiesWithParent => parent,
+                    OnOwnerDeath::KilledAtOnce => crate::guard::split(parent, None)?,
+                    OnOwnerDeath::FinishesBy(end) => crate::guard::split(parent, Some(end))?,
                 };
                 // Die with the parent; if it is already gone, do not start.
                 nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
@@ -157,7 +170,7 @@ impl Worker {
             sock: ours,
             output,
             op,
-            guarded,
+            guarded: on_owner_death != OnOwnerDeath::DiesWithParent,
         })
     }
 
