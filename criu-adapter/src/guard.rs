@@ -89,7 +89,7 @@ fn watch(owner: Pid, worker: Pid, grace: Option<Instant>) -> ! {
             Err(_) => exit(127),
         }
         // Instant::now is clock_gettime(2), async-signal-safe.
-        if getppid() != owner && grace.is_none_or(|end| Instant::now() >= end) {
+        if getppid() != owner && !matches!(grace, Some(end) if Instant::now() < end) {
             let _ = kill(worker, Signal::SIGKILL);
             kill_children();
             exit(128 + libc::SIGKILL);
