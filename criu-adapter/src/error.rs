@@ -114,6 +114,29 @@ pub enum CriuError {
         /// How long it was waited for.
         timeout: Duration,
     },
+    /// CRIU did not finish a request in time: the worker, and every task under it (those a
+    /// restore had created and not handed over yet, helpers), were killed.
+    #[error(
+        "criu {op} did not finish within {} (deadline){}; {}{}",
+        seconds(*deadline),
+        images_dir.as_ref().map(|d| format!(", images in {}", d.display())).unwrap_or_default(),
+        what_was_killed(op, *killed),
+        log_detail(log.as_ref(), log_tail)
+    )]
+    DeadlineExceeded {
+        /// The request (`dump`, `restore`, ...).
+        op: &'static str,
+        /// How long it was given.
+        deadline: Duration,
+        /// The images directory of a dump or restore.
+        images_dir: Option<PathBuf>,
+        /// How many tasks besides the worker were killed.
+        killed: usize,
+        /// CRIU's log file for the request, when there is one.
+        log: Option<PathBuf>,
+        /// The last lines of that log (empty when unreadable).
+        log_tail: String,
+    },
     /// Another I/O error, with what was being done.
     #[error("{what}: {source}")]
     Io {
@@ -138,6 +161,36 @@ fn output_tail(output: &str) -> String {
     }
 }
 
+fn seconds(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}
+
+fn what_was_killed(op: &str, killed: usize) -> String {
+    let tasks = |n: usize| if n == 1 { "task" } else { "tasks" };
+    match (op, killed) {
+        ("restore", 0) => "it was killed before it had restored any task".into(),
+        ("restore", n) => format!("it and the {n} {} it had restored were killed", tasks(n)),
+        (_, 0) => "it was killed".into(),
+        (_, n) => format!("it and the {n} {} it had started were killed", tasks(n)),
+    }
+}
+
+fn log_detail(log: Option<&PathBuf>, log_tail: &str) -> String {
+    let Some(log) = log else {
+        return String::new();
+    };
+    let tail = log_tail.trim_end();
+    if tail.is_empty() {
+        format!("; see {}", log.display())
+    } else {
+        format!("; the end of {}:\n{tail}", log.display())
+    }
+}
+
 fn failure_detail(
     errno: Option<i32>,
     message: Option<&str>,
@@ -151,14 +204,7 @@ fn failure_detail(
     if let Some(m) = message.map(str::trim).filter(|m| !m.is_empty()) {
         let _ = write!(s, ": {m}");
     }
-    if let Some(log) = log {
-        let tail = log_tail.trim_end();
-        if tail.is_empty() {
-            let _ = write!(s, "; see {}", log.display());
-        } else {
-            let _ = write!(s, "; the end of {}:\n{tail}", log.display());
-        }
-    }
+    s.push_str(&log_detail(log, log_tail));
     s
 }
 
@@ -178,6 +224,35 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "criu dump failed (errno 3: No such process): Can't seize 42; the end of /img/dump.log:\nline 1\nline 2"
+        );
+    }
+
+    #[test]
+    fn a_missed_deadline_names_the_phase_the_deadline_and_the_images() {
+        let e = CriuError::DeadlineExceeded {
+            op: "restore",
+            deadline: Duration::from_secs(30),
+            images_dir: Some("/img".into()),
+            killed: 2,
+            log: Some("/img/restore.log".into()),
+            log_tail: String::new(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "criu restore did not finish within 30 s (deadline), images in /img; it and the 2 \
+             tasks it had restored were killed; see /img/restore.log"
+        );
+        let e = CriuError::DeadlineExceeded {
+            op: "dump",
+            deadline: Duration::from_millis(1500),
+            images_dir: Some("/img".into()),
+            killed: 0,
+            log: None,
+            log_tail: String::new(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "criu dump did not finish within 1.5 s (deadline), images in /img; it was killed"
         );
     }
 

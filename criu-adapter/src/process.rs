@@ -87,6 +87,57 @@ pub fn wait_for_exit(pid: i32, timeout: Option<Duration>) -> Result<ProcessExit,
     }
 }
 
+/// The resident memory of the tree rooted at `pid` (it and its descendants), in bytes; what
+/// cannot be read counts as nothing.
+pub(crate) fn tree_resident_bytes(pid: i32) -> u64 {
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|p| u64::try_from(p).ok())
+        .unwrap_or(4096);
+    let mut todo = vec![pid];
+    let mut seen = Vec::new();
+    let mut pages = 0u64;
+    while let Some(p) = todo.pop() {
+        if seen.contains(&p) {
+            continue;
+        }
+        seen.push(p);
+        pages += std::fs::read_to_string(format!("/proc/{p}/statm"))
+            .ok()
+            .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0u64);
+        todo.extend(children_of(p));
+    }
+    pages.saturating_mul(page)
+}
+
+/// The children of every thread of `pid` (none when it is gone).
+pub(crate) fn children_of(pid: i32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    let mut children = Vec::new();
+    for task in tasks.flatten() {
+        let Ok(list) = std::fs::read_to_string(task.path().join("children")) else {
+            continue;
+        };
+        children.extend(
+            list.split_whitespace()
+                .filter_map(|c| c.parse::<i32>().ok()),
+        );
+    }
+    children
+}
+
+/// The parent of `pid`, from `/proc/<pid>/stat`.
+pub(crate) fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the parenthesised command name (which may hold anything): state, then parent.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Fails unless `pid` names a live (non-zombie) process: CRIU's own error for a missing process
 /// is a line deep in its log.
 pub(crate) fn check_alive(pid: i32) -> Result<(), CriuError> {
@@ -171,6 +222,13 @@ mod tests {
             wait_for_exit(1, None),
             Err(CriuError::NotAChild { pid: 1 })
         ));
+    }
+
+    #[test]
+    fn this_process_has_resident_memory() {
+        let bytes = tree_resident_bytes(std::process::id() as i32);
+        assert!(bytes >= 4096, "{bytes}");
+        assert_eq!(tree_resident_bytes(i32::MAX), 0);
     }
 
     #[test]

@@ -11,6 +11,16 @@
 //!
 //! The worker's stdout and stderr go to an unlinked temporary file, read back for error messages
 //! (a loader that cannot find a library, a crash) when the worker ends without answering.
+//!
+//! Every wait on the worker has a deadline. The worker gets `SIGKILL` when its parent ends
+//! (`PR_SET_PDEATHSIG`). Its parent is a [guard](crate::guard) that kills whatever it leaves
+//! behind when this process dies, except when the restored root is to be the worker's sibling
+//! (`rst_sibling`): the guard would then be its parent, so the worker is this process's child
+//! and dies with the thread that started it. Past a deadline,
+//! [`Worker::kill_tree`] stops the worker and every task under it (those a restore has created
+//! and not yet handed over, helpers it runs), walking `/proc/<pid>/task/<tid>/children` until no
+//! new task turns up, then kills them all: CRIU blocks every catchable signal, and a task it has
+//! half restored does not end when CRIU does (it waits, or spins, for a stage that never comes).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom};
@@ -19,17 +29,51 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag};
-use nix::sys::socket::{recv, send, socketpair, AddressFamily, MsgFlags, SockFlag, SockType};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{kill, Signal};
+use nix::sys::socket::{
+    recv, send, shutdown, socketpair, AddressFamily, MsgFlags, Shutdown, SockFlag, SockType,
+};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
 use prost::Message;
 
+use crate::process::{children_of, parent_of};
 use crate::rpc::{CriuReq, CriuResp, ReqType};
 use crate::CriuError;
 
 /// How much of the worker's output an error message carries.
 const OUTPUT_TAIL_BYTES: u64 = 4096;
+
+/// The longest single sleep while waiting for the worker (it is woken early by an answer).
+const POLL_SLICE: Duration = Duration::from_millis(200);
+
+/// How long, after killing them, the tasks of [`Worker::kill_tree`] that are this process's
+/// children are waited for (a task in uninterruptible sleep dies only when it wakes).
+const REAP_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a worker that closed its socket is given to exit.
+const EXIT_WAIT: Duration = Duration::from_secs(10);
+
+/// At most this many passes over the tree when stopping it (each pass stops what the last found).
+const STOP_PASSES: usize = 1000;
+
+/// What becomes of the worker when this process dies during a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnOwnerDeath {
+    /// Killed at once with its parent (`PR_SET_PDEATHSIG`), without a guard: what it was
+    /// restoring is left behind.
+    DiesWithParent,
+    /// Killed at once by its guard, with the tasks under it.
+    KilledAtOnce,
+    /// Left to finish until the deadline (a dump: CRIU killed midway may leave the tree stopped
+    /// or with its parasite in it), then killed by its guard, with the tasks under it.
+    FinishesBy(Instant),
+}
 
 /// A running `criu swrk`.
 #[derive(Debug)]
@@ -38,6 +82,8 @@ pub(crate) struct Worker {
     sock: OwnedFd,
     output: File,
     op: &'static str,
+    /// Whether `child` is the worker's guard rather than the worker.
+    guarded: bool,
 }
 
 impl Worker {
@@ -48,6 +94,7 @@ impl Worker {
         op: &'static str,
         plugin_dir: Option<&Path>,
         inherit: &[RawFd],
+        on_owner_death: OnOwnerDeath,
     ) -> Result<Self, CriuError> {
         let (ours, theirs) = socketpair(
             AddressFamily::Unix,
@@ -74,6 +121,7 @@ impl Worker {
             source: e,
         };
         let theirs_fd: RawFd = theirs.as_raw_fd();
+        let parent = nix::unistd::getpid();
         let mut cmd = Command::new(binary);
         cmd.arg("swrk")
             .arg(theirs_fd.to_string())
@@ -87,14 +135,26 @@ impl Worker {
         // (`inherit_fd`, numbered above 2 by the caller). Copied before the fork.
         let mut keep: Vec<RawFd> = vec![theirs_fd];
         keep.extend(inherit.iter().copied().filter(|&fd| fd > 2));
-        // SAFETY: the closure runs in the forked child before exec. It only calls fcntl(2), which
-        // is async-signal-safe, through nix's thin wrapper (no allocation, no locks; `keep` was
-        // allocated before the fork and is only read), on descriptor numbers that are open in the
-        // child (they were open here, close-on-exec only, when we forked).
+        // SAFETY: the closure runs in the forked child before exec. It only calls fcntl(2),
+        // prctl(2) and getppid(2), which are async-signal-safe, through nix's thin wrappers (no
+        // allocation, no locks; `keep` was allocated before the fork and is only read, and the
+        // errors are made from raw numbers), on descriptor numbers that are open in the child
+        // (they were open here, close-on-exec only, when we forked), and `guard::split`, which
+        // is meant for exactly this place.
         unsafe {
             cmd.pre_exec(move || {
                 for &fd in &keep {
                     fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty())).map_err(io::Error::from)?;
+                }
+                let parent = match on_owner_death {
+                    OnOwnerDeath::DiesWithParent => parent,
+                    OnOwnerDeath::KilledAtOnce => crate::guard::split(parent, None)?,
+                    OnOwnerDeath::FinishesBy(end) => crate::guard::split(parent, Some(end))?,
+                };
+                // Die with the parent; if it is already gone, do not start.
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
+                if nix::unistd::getppid() != parent {
+                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
                 }
                 Ok(())
             });
@@ -110,14 +170,27 @@ impl Worker {
             sock: ours,
             output,
             op,
+            guarded: on_owner_death != OnOwnerDeath::DiesWithParent,
         })
     }
 
-    /// Sends `req` and returns CRIU's answer. `NOTIFY` messages (action scripts) are
-    /// acknowledged as successful and skipped.
-    pub(crate) fn request(&mut self, req: &CriuReq) -> Result<CriuResp, CriuError> {
+    /// The PID of the worker, or of its guard.
+    pub(crate) fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).unwrap_or(i32::MAX)
+    }
+
+    /// Sends `req` and returns CRIU's answer, or `None` when none came by `deadline`. `NOTIFY`
+    /// messages (action scripts) are acknowledged as successful and skipped.
+    pub(crate) fn request(
+        &mut self,
+        req: &CriuReq,
+        deadline: Instant,
+    ) -> Result<Option<CriuResp>, CriuError> {
         self.send(req)?;
         loop {
+            if !self.readable_by(deadline)? {
+                return Ok(None);
+            }
             let resp = self.recv()?;
             if resp.r#type == ReqType::Notify as i32 {
                 tracing::debug!(notify = ?resp.notify, "criu notification");
@@ -128,18 +201,126 @@ impl Worker {
                 })?;
                 continue;
             }
-            return Ok(resp);
+            return Ok(Some(resp));
         }
     }
 
-    /// Waits for the worker to exit.
-    pub(crate) fn finish(mut self) -> Result<ExitStatus, CriuError> {
-        // Closing our end first lets a worker still waiting for a request exit.
-        drop(self.sock);
-        self.child.wait().map_err(|source| CriuError::Io {
-            what: format!("waiting for criu swrk (pid {})", self.child.id()),
-            source,
-        })
+    /// Waits for the worker to exit, or `None` when it still runs at `deadline`.
+    pub(crate) fn finish(&mut self, deadline: Instant) -> Result<Option<ExitStatus>, CriuError> {
+        // Shutting our end first lets a worker still waiting for a request exit.
+        let _ = shutdown(self.sock.as_raw_fd(), Shutdown::Both);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Ok(Some(status)),
+                Ok(None) => {}
+                Err(source) => {
+                    return Err(CriuError::Io {
+                        what: format!("waiting for criu swrk (pid {})", self.child.id()),
+                        source,
+                    })
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep((deadline - now).min(Duration::from_millis(5)));
+        }
+    }
+
+    /// Stops the worker and every task under it, plus those of `adopted` that are children of
+    /// this process (a restored root CRIU created as the worker's sibling), kills them all, and
+    /// reaps the worker and whichever of them are this process's children. Returns how many
+    /// tasks besides the worker (and its guard) were killed.
+    pub(crate) fn kill_tree(&mut self, adopted: &[i32]) -> usize {
+        let worker = self.pid();
+        let me = std::process::id() as i32;
+        // A stopped task neither forks nor reaps: its children stay put (alive, or zombies whose
+        // PIDs cannot be reused) while they are read and stopped in turn.
+        let _ = kill(Pid::from_raw(worker), Signal::SIGSTOP);
+        let mut tasks: Vec<i32> = adopted
+            .iter()
+            .copied()
+            .filter(|&p| p > 0 && p != worker && parent_of(p) == Some(me))
+            .collect();
+        for &p in &tasks {
+            let _ = kill(Pid::from_raw(p), Signal::SIGSTOP);
+        }
+        // Under a guard, the worker is the guard's child.
+        let mut not_counted = 0;
+        for pass in 0..STOP_PASSES {
+            let mut new = Vec::new();
+            for parent in std::iter::once(worker).chain(tasks.iter().copied()) {
+                for c in children_of(parent) {
+                    if c != worker && !tasks.contains(&c) && !new.contains(&c) {
+                        let _ = kill(Pid::from_raw(c), Signal::SIGSTOP);
+                        new.push(c);
+                    }
+                }
+            }
+            if pass == 0 && self.guarded {
+                not_counted = new
+                    .iter()
+                    .filter(|&&c| parent_of(c) == Some(worker))
+                    .count();
+            }
+            if new.is_empty() {
+                break;
+            }
+            tasks.extend(new);
+        }
+        for &p in &tasks {
+            let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The worker's end has reparented its children: those adopted by this process (a child
+        // subreaper) are reaped here.
+        let end = Instant::now() + REAP_WAIT;
+        for &p in &tasks {
+            reap(p, end);
+        }
+        tracing::warn!(
+            worker,
+            ?tasks,
+            op = self.op,
+            "killed criu swrk and the tasks under it"
+        );
+        tasks.len().saturating_sub(not_counted)
+    }
+
+    /// Kills and reaps the worker alone.
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Whether the socket has something to read (an answer, or the worker's end closing) by
+    /// `deadline`.
+    fn readable_by(&self, deadline: Instant) -> Result<bool, CriuError> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            // Whole milliseconds, rounded up so as not to wake just short of the deadline.
+            let slice = (left + Duration::from_micros(999)).min(POLL_SLICE);
+            let ms = u16::try_from(slice.as_millis()).unwrap_or(u16::MAX);
+            let mut fds = [PollFd::new(
+                std::os::fd::AsFd::as_fd(&self.sock),
+                PollFlags::POLLIN,
+            )];
+            match poll(&mut fds, PollTimeout::from(ms)) {
+                Ok(0) | Err(Errno::EINTR) => {}
+                Ok(_) => return Ok(true),
+                Err(e) => {
+                    return Err(CriuError::Socket {
+                        what: "poll",
+                        source: e.into(),
+                    })
+                }
+            }
+        }
     }
 
     fn send(&mut self, req: &CriuReq) -> Result<(), CriuError> {
@@ -190,14 +371,35 @@ impl Worker {
     /// The error for a worker that closed its socket without answering: waits for it to exit
     /// and collects its output.
     fn died(&mut self) -> CriuError {
-        let status = match self.child.wait() {
-            Ok(s) => s.to_string(),
-            Err(e) => format!("cannot wait for it: {e}"),
+        // It closed its socket: it is exiting, or ends in a moment.
+        let status = match self.finish(Instant::now() + EXIT_WAIT) {
+            Ok(Some(s)) => s.to_string(),
+            Ok(None) => {
+                self.kill_tree(&[]);
+                format!("it closed its socket but still ran {EXIT_WAIT:?} later; killed")
+            }
+            Err(e) => e.to_string(),
         };
         CriuError::WorkerDied {
             op: self.op,
             status,
             output: read_tail(&mut self.output),
+        }
+    }
+}
+
+/// Reaps `pid` if it is (or becomes, before `end`) a zombie child of this process.
+fn reap(pid: i32, end: Instant) {
+    loop {
+        match waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(Errno::EINTR) => {
+                if Instant::now() >= end {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // Exited, killed, or not this process's child.
+            _ => return,
         }
     }
 }
