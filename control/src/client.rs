@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::{socket_path, Reply, Request};
+use crate::{process_uid, secure_dir, socket_path, DirError, Reply, Request};
 
 /// Why a request to a job failed.
 #[derive(Debug, thiserror::Error)]
@@ -67,12 +67,53 @@ pub enum ControlError {
         #[source]
         source: io::Error,
     },
+    /// The socket directory breaks the rule ([`crate::secure_dir`]): the socket in it is not
+    /// asked.
+    #[error(transparent)]
+    Dir(#[from] DirError),
+    /// The socket is served by another process than the one asked.
+    #[error(
+        "the socket at {} is served by {}, not by {pid}: refused",
+        path.display(),
+        peer_name(*peer)
+    )]
+    WrongProcess {
+        /// The process asked.
+        pid: u32,
+        /// The socket.
+        path: PathBuf,
+        /// The process that listens on it (0: one this process cannot name).
+        peer: i32,
+    },
+    /// The socket is served by the process asked, but as another user than the process's.
+    #[error(
+        "the socket at {} is served as uid {peer_uid}, but process {pid} runs as uid {job_uid}: refused",
+        path.display()
+    )]
+    WrongUser {
+        /// The process asked.
+        pid: u32,
+        /// The socket.
+        path: PathBuf,
+        /// The user the socket's server listened as.
+        peer_uid: u32,
+        /// The process's effective uid.
+        job_uid: u32,
+    },
     /// The reply was not one line of JSON.
     #[error("bad reply on the control socket: {0}")]
     Protocol(String),
     /// The job answered `{"error": ...}`.
     #[error("possum in the job answered with an error: {0}")]
     Remote(String),
+}
+
+/// The process `SO_PEERCRED` names, in words.
+fn peer_name(peer: i32) -> String {
+    match peer {
+        0 => "a process outside this pid namespace".to_string(),
+        q => format!("process {q}"),
+    }
 }
 
 /// Sends `req` to process `pid`'s control socket in `dir` and returns its reply.
@@ -133,8 +174,70 @@ pub fn has_possum_mapped(pid: u32) -> bool {
 
 /// Connects to process `pid`'s control socket at `path` (which may be reached through
 /// `/proc/PID/root` for a job in another mount namespace, or named by the job's own pid in
-/// another pid namespace): `pid` only names the process in errors.
+/// another pid namespace), and makes sure that process `pid` serves it.
+///
+/// Before connecting, the socket's directory must pass [`secure_dir`], belonging to the job's
+/// user or to this process's. After, the listening socket's credentials (`SO_PEERCRED`, taken
+/// when the server listened: the process, not the thread, so a job's server thread is its pid)
+/// must name process `pid` (as this process's pid namespace names it), and the job's uid or
+/// root.
 fn connect(pid: u32, path: &Path) -> Result<UnixStream, ControlError> {
+    let job_uid = process_uid(pid).map_err(|_| ControlError::NoProcess(pid))?;
+    let me = nix::unistd::geteuid().as_raw();
+    let owners: Vec<u32> = if me == job_uid {
+        vec![job_uid]
+    } else {
+        vec![job_uid, me]
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        match secure_dir(dir, &owners) {
+            Ok(_) => {}
+            // No socket there: nothing to trust or to refuse.
+            Err(e) if e.is_missing() || path.symlink_metadata().is_err() => {
+                return Err(ControlError::NotLoaded {
+                    pid,
+                    path: path.to_path_buf(),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let stream = connect_path(pid, path)?;
+    check_peer(pid, job_uid, path, &stream)?;
+    Ok(stream)
+}
+
+/// Refuses a connection whose listener is not process `pid` running as `job_uid` (or root).
+fn check_peer(
+    pid: u32,
+    job_uid: u32,
+    path: &Path,
+    stream: &UnixStream,
+) -> Result<(), ControlError> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let cred = getsockopt(stream, PeerCredentials).map_err(|e| ControlError::Io {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })?;
+    if u32::try_from(cred.pid()).ok() != Some(pid) {
+        return Err(ControlError::WrongProcess {
+            pid,
+            path: path.to_path_buf(),
+            peer: cred.pid(),
+        });
+    }
+    if cred.uid() != job_uid && cred.uid() != 0 {
+        return Err(ControlError::WrongUser {
+            pid,
+            path: path.to_path_buf(),
+            peer_uid: cred.uid(),
+            job_uid,
+        });
+    }
+    Ok(())
+}
+
+fn connect_path(pid: u32, path: &Path) -> Result<UnixStream, ControlError> {
     match UnixStream::connect(path) {
         Ok(s) => Ok(s),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ControlError::NotLoaded {

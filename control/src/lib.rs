@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 mod client;
+mod dir;
 pub mod reply;
 mod server;
 
@@ -37,8 +38,9 @@ pub use client::{
     has_possum_mapped, request, request_at, request_reply, request_typed, send_only, ControlError,
     LIBRARY_FILE,
 };
+pub use dir::{prepare_dir, process_uid, secure_dir, DirError, SecureDir};
 pub use reply::Reply;
-pub use server::{remove_socket_of_this_process, Handler, Server};
+pub use server::{refused_connections, remove_socket_of_this_process, Handler, Server};
 
 /// The environment variable naming the socket directory.
 pub const SOCKET_DIR_ENV: &str = "POSSUM_SOCKET_DIR";
