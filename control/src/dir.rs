@@ -161,7 +161,7 @@ impl SecureDir {
 /// belonging to one of `owners`, with no access for group or others. Creates nothing and
 /// changes nothing (the client's check before it connects).
 pub fn secure_dir(path: &Path, owners: &[u32]) -> Result<SecureDir, DirError> {
-    check(path, owners, false)
+    check(path, owners, false, None)
 }
 
 /// [`secure_dir`] for the one who makes sockets or files in the directory: a missing directory
@@ -180,21 +180,23 @@ pub fn prepare_dir(path: &Path, owners: &[u32]) -> Result<SecureDir, DirError> {
             .create(parent)
             .map_err(io)?;
     }
-    match fs::DirBuilder::new().mode(0o700).create(path) {
-        Ok(()) => {
-            let me = nix::unistd::geteuid().as_raw();
-            if let Some(&owner) = owners.first().filter(|&&o| o != me) {
-                // Made by root for a job's user (a checkpoint's lock before the job's socket).
-                std::os::unix::fs::lchown(path, Some(owner), None).map_err(io)?;
-            }
-        }
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+    let me = nix::unistd::geteuid().as_raw();
+    let give = match fs::DirBuilder::new().mode(0o700).create(path) {
+        // Made by root for a job's user (a checkpoint's lock before the job's socket): the
+        // job's, so that the job may serve there.
+        Ok(()) => owners.first().copied().filter(|&o| o != me),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => None,
         Err(e) => return Err(io(e)),
-    }
-    check(path, owners, true)
+    };
+    check(path, owners, true, give)
 }
 
-fn check(path: &Path, owners: &[u32], tighten: bool) -> Result<SecureDir, DirError> {
+fn check(
+    path: &Path,
+    owners: &[u32],
+    tighten: bool,
+    give: Option<u32>,
+) -> Result<SecureDir, DirError> {
     let io = |source| DirError::Io {
         path: path.to_path_buf(),
         source,
@@ -225,7 +227,11 @@ fn check(path: &Path, owners: &[u32], tighten: bool) -> Result<SecureDir, DirErr
             },
             _ => io(e),
         })?;
-    let meta = dir.metadata().map_err(io)?;
+    let mut meta = dir.metadata().map_err(io)?;
+    if let Some(owner) = give.filter(|_| meta.uid() == nix::unistd::geteuid().as_raw()) {
+        std::os::unix::fs::fchown(&dir, Some(owner), None).map_err(io)?;
+        meta = dir.metadata().map_err(io)?;
+    }
     if !owners.contains(&meta.uid()) {
         return Err(DirError::Owner {
             path: path.to_path_buf(),

@@ -193,3 +193,34 @@ fn possum_status_refuses_a_socket_served_by_another_process() {
         show(&out)
     );
 }
+
+#[test]
+fn a_lock_directory_made_by_root_for_another_users_job_is_that_users() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: a job of another user needs root to start it");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let job = Sleeper(
+        Command::new("sleep")
+            .arg("60")
+            .uid(65534)
+            .gid(65534)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = job.0.id() as i32;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sockets");
+    let lock = lock_pid(&dir, pid).unwrap();
+    // The job's, private: the job may serve its socket there.
+    let meta = std::fs::symlink_metadata(&dir).unwrap();
+    assert_eq!((meta.uid(), meta.mode() & 0o777), (65534, 0o700));
+    assert!(possum_control::secure_dir(&dir, &[65534]).is_ok());
+    // The lock is root's, in it.
+    let meta = std::fs::symlink_metadata(lock_name(&dir, pid)).unwrap();
+    assert_eq!((meta.uid(), meta.is_file()), (0, true));
+    drop(lock);
+    drop(lock_pid(&dir, pid).unwrap());
+}
