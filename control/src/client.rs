@@ -120,7 +120,10 @@ fn peer_name(peer: i32) -> String {
 ///
 /// `timeout` bounds the whole exchange after connecting. A reply `{"error": ...}` becomes
 /// [`ControlError::Remote`]. A process without a socket is [`ControlError::NotStarted`] if it has
-/// libpossum.so loaded, else [`ControlError::NotLoaded`].
+/// libpossum.so loaded, else [`ControlError::NotLoaded`]. Nothing is sent unless `dir` passes
+/// [`crate::secure_dir`] for the job's user or this process's ([`ControlError::Dir`]) and the
+/// socket is served by process `pid` as the job's user or root
+/// ([`ControlError::WrongProcess`], [`ControlError::WrongUser`]).
 pub fn request(
     pid: u32,
     dir: &Path,
@@ -296,7 +299,8 @@ fn send_line(
 /// Sends `req` to the control socket at `path` without waiting for the reply: for a job that
 /// cannot answer now (stopped by CRIU, which resumes it only after the caller is done) and
 /// answers once it runs again. The connection is closed at once; the job's server reads the
-/// request already queued on it and discards its reply. `dir` as for [`request_at`].
+/// request already queued on it and discards its reply. `dir` as for [`request_at`]; the socket
+/// is checked as [`request_at`] checks it.
 pub fn send_only(
     pid: u32,
     path: &Path,
@@ -315,7 +319,9 @@ pub fn send_only(
         })
 }
 
-/// [`request`] to the control socket at `path` of process `pid` (`pid` names it in errors).
+/// [`request`] to the control socket at `path` of process `pid`: the socket's directory and
+/// server are checked as [`request`] checks them (the server must be process `pid`, as this
+/// process's pid namespace names it).
 /// With `dir`, that directory is passed along (`SCM_RIGHTS`): the request's `dir` is relative to
 /// it, and the job reaches it even where its path does not exist for the job (another mount
 /// namespace).
