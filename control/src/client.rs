@@ -195,8 +195,9 @@ fn connect(pid: u32, path: &Path) -> Result<UnixStream, ControlError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         match secure_dir(dir, &owners) {
             Ok(_) => {}
-            // No socket there: nothing to trust or to refuse.
-            Err(e) if e.is_missing() || path.symlink_metadata().is_err() => {
+            // No socket there: nothing to trust or to refuse (one that cannot be looked at,
+            // in another user's directory, is refused with the directory).
+            Err(e) if e.is_missing() || is_not_found(path.symlink_metadata()) => {
                 return Err(ControlError::NotLoaded {
                     pid,
                     path: path.to_path_buf(),
@@ -208,6 +209,10 @@ fn connect(pid: u32, path: &Path) -> Result<UnixStream, ControlError> {
     let stream = connect_path(pid, path)?;
     check_peer(pid, job_uid, path, &stream)?;
     Ok(stream)
+}
+
+fn is_not_found<T>(r: io::Result<T>) -> bool {
+    matches!(r, Err(e) if e.kind() == io::ErrorKind::NotFound)
 }
 
 /// Refuses a connection whose listener is not process `pid` running as `job_uid` (or root).
