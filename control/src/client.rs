@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::{socket_path, Reply, Request};
+use crate::{process_uid, secure_dir, socket_path, DirError, Reply, Request};
 
 /// Why a request to a job failed.
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +67,39 @@ pub enum ControlError {
         #[source]
         source: io::Error,
     },
+    /// The socket directory breaks the rule ([`crate::secure_dir`]): the socket in it is not
+    /// asked.
+    #[error(transparent)]
+    Dir(#[from] DirError),
+    /// The socket is served by another process than the one asked.
+    #[error(
+        "the socket at {} is served by {}, not by {pid}: refused",
+        path.display(),
+        peer_name(*peer)
+    )]
+    WrongProcess {
+        /// The process asked.
+        pid: u32,
+        /// The socket.
+        path: PathBuf,
+        /// The process that listens on it (0: one this process cannot name).
+        peer: i32,
+    },
+    /// The socket is served by the process asked, but as another user than the process's.
+    #[error(
+        "the socket at {} is served as uid {peer_uid}, but process {pid} runs as uid {job_uid}: refused",
+        path.display()
+    )]
+    WrongUser {
+        /// The process asked.
+        pid: u32,
+        /// The socket.
+        path: PathBuf,
+        /// The user the socket's server listened as.
+        peer_uid: u32,
+        /// The process's effective uid.
+        job_uid: u32,
+    },
     /// The reply was not one line of JSON.
     #[error("bad reply on the control socket: {0}")]
     Protocol(String),
@@ -75,11 +108,22 @@ pub enum ControlError {
     Remote(String),
 }
 
+/// The process `SO_PEERCRED` names, in words.
+fn peer_name(peer: i32) -> String {
+    match peer {
+        0 => "a process outside this pid namespace".to_string(),
+        q => format!("process {q}"),
+    }
+}
+
 /// Sends `req` to process `pid`'s control socket in `dir` and returns its reply.
 ///
 /// `timeout` bounds the whole exchange after connecting. A reply `{"error": ...}` becomes
 /// [`ControlError::Remote`]. A process without a socket is [`ControlError::NotStarted`] if it has
-/// libpossum.so loaded, else [`ControlError::NotLoaded`].
+/// libpossum.so loaded, else [`ControlError::NotLoaded`]. Nothing is sent unless `dir` passes
+/// [`crate::secure_dir`] for the job's user or this process's ([`ControlError::Dir`]) and the
+/// socket is served by process `pid` as the job's user or root
+/// ([`ControlError::WrongProcess`], [`ControlError::WrongUser`]).
 pub fn request(
     pid: u32,
     dir: &Path,
@@ -133,8 +177,75 @@ pub fn has_possum_mapped(pid: u32) -> bool {
 
 /// Connects to process `pid`'s control socket at `path` (which may be reached through
 /// `/proc/PID/root` for a job in another mount namespace, or named by the job's own pid in
-/// another pid namespace): `pid` only names the process in errors.
+/// another pid namespace), and makes sure that process `pid` serves it.
+///
+/// Before connecting, the socket's directory must pass [`secure_dir`], belonging to the job's
+/// user or to this process's. After, the listening socket's credentials (`SO_PEERCRED`, taken
+/// when the server listened: the process, not the thread, so a job's server thread is its pid)
+/// must name process `pid` (as this process's pid namespace names it), and the job's uid or
+/// root.
 fn connect(pid: u32, path: &Path) -> Result<UnixStream, ControlError> {
+    let job_uid = process_uid(pid).map_err(|_| ControlError::NoProcess(pid))?;
+    let me = nix::unistd::geteuid().as_raw();
+    let owners: Vec<u32> = if me == job_uid {
+        vec![job_uid]
+    } else {
+        vec![job_uid, me]
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        match secure_dir(dir, &owners) {
+            Ok(_) => {}
+            // No socket there: nothing to trust or to refuse (one that cannot be looked at,
+            // in another user's directory, is refused with the directory).
+            Err(e) if e.is_missing() || is_not_found(path.symlink_metadata()) => {
+                return Err(ControlError::NotLoaded {
+                    pid,
+                    path: path.to_path_buf(),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let stream = connect_path(pid, path)?;
+    check_peer(pid, job_uid, path, &stream)?;
+    Ok(stream)
+}
+
+fn is_not_found<T>(r: io::Result<T>) -> bool {
+    matches!(r, Err(e) if e.kind() == io::ErrorKind::NotFound)
+}
+
+/// Refuses a connection whose listener is not process `pid` running as `job_uid` (or root).
+fn check_peer(
+    pid: u32,
+    job_uid: u32,
+    path: &Path,
+    stream: &UnixStream,
+) -> Result<(), ControlError> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let cred = getsockopt(stream, PeerCredentials).map_err(|e| ControlError::Io {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })?;
+    if u32::try_from(cred.pid()).ok() != Some(pid) {
+        return Err(ControlError::WrongProcess {
+            pid,
+            path: path.to_path_buf(),
+            peer: cred.pid(),
+        });
+    }
+    if cred.uid() != job_uid && cred.uid() != 0 {
+        return Err(ControlError::WrongUser {
+            pid,
+            path: path.to_path_buf(),
+            peer_uid: cred.uid(),
+            job_uid,
+        });
+    }
+    Ok(())
+}
+
+fn connect_path(pid: u32, path: &Path) -> Result<UnixStream, ControlError> {
     match UnixStream::connect(path) {
         Ok(s) => Ok(s),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(ControlError::NotLoaded {
@@ -193,7 +304,8 @@ fn send_line(
 /// Sends `req` to the control socket at `path` without waiting for the reply: for a job that
 /// cannot answer now (stopped by CRIU, which resumes it only after the caller is done) and
 /// answers once it runs again. The connection is closed at once; the job's server reads the
-/// request already queued on it and discards its reply. `dir` as for [`request_at`].
+/// request already queued on it and discards its reply. `dir` as for [`request_at`]; the socket
+/// is checked as [`request_at`] checks it.
 pub fn send_only(
     pid: u32,
     path: &Path,
@@ -212,7 +324,9 @@ pub fn send_only(
         })
 }
 
-/// [`request`] to the control socket at `path` of process `pid` (`pid` names it in errors).
+/// [`request`] to the control socket at `path` of process `pid`: the socket's directory and
+/// server are checked as [`request`] checks them (the server must be process `pid`, as this
+/// process's pid namespace names it).
 /// With `dir`, that directory is passed along (`SCM_RIGHTS`): the request's `dir` is relative to
 /// it, and the job reaches it even where its path does not exist for the job (another mount
 /// namespace).

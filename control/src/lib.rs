@@ -18,6 +18,22 @@
 //! as `/proc/self/fd/N` even where the path does not exist for it (a job in a container, its
 //! images written where the checkpointer put them).
 //!
+//! Who is trusted (possum's checkpoint runs as root and talks to jobs of any user):
+//!
+//! - The socket directory must be a real directory, mode 0700, of the user using it
+//!   ([`secure_dir`]): the job's server takes only one of the job's own user ([`prepare_dir`]:
+//!   created if missing, tightened to 0700 if it lets others in), the client one of the job's
+//!   user or its own, and refuses anything else, saying how to fix it.
+//! - The client checks, after connecting, that the socket is served by the process asked
+//!   (`SO_PEERCRED`: the process that listened, so the job's server thread names the job) as
+//!   the job's effective user or root ([`ControlError::WrongProcess`],
+//!   [`ControlError::WrongUser`]).
+//! - The server answers only its own user and root; others get an error reply, counted
+//!   ([`refused_connections`]).
+//! - Files possum makes there (a checkpoint's lock: [`SecureDir::open_private_file`]) are
+//!   opened through the checked directory's descriptor, never through a symbolic link, and must
+//!   be private regular files with one link.
+//!
 //! The server side ([`Server`]) runs inside arbitrary jobs, so this crate prints nothing and has
 //! one piece of global state: the last few directories passed with requests, kept open. The
 //! client side is [`request`]; [`reply`] has the replies as types ([`request_typed`]). The one
@@ -26,6 +42,7 @@
 #![warn(missing_docs)]
 
 mod client;
+mod dir;
 pub mod reply;
 mod server;
 
@@ -37,8 +54,9 @@ pub use client::{
     has_possum_mapped, request, request_at, request_reply, request_typed, send_only, ControlError,
     LIBRARY_FILE,
 };
+pub use dir::{prepare_dir, process_uid, secure_dir, DirError, SecureDir};
 pub use reply::Reply;
-pub use server::{remove_socket_of_this_process, Handler, Server};
+pub use server::{refused_connections, remove_socket_of_this_process, Handler, Server};
 
 /// The environment variable naming the socket directory.
 pub const SOCKET_DIR_ENV: &str = "POSSUM_SOCKET_DIR";

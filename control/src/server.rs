@@ -3,18 +3,18 @@
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::{error_reply, socket_path, Request, MAX_REQUEST_BYTES};
+use crate::{error_reply, prepare_dir, socket_path, DirError, Request, MAX_REQUEST_BYTES};
 
 /// Answers one request. It runs on the `possum-control` thread; a panic in it is caught and
 /// answered with `{"error": "internal: handler panicked"}`.
@@ -37,21 +37,27 @@ pub struct Server {
 impl Server {
     /// Serves `socket_path(dir, std::process::id())`.
     ///
-    /// Creates `dir` (mode 0700) if it is missing. A socket file already at the path is removed
-    /// only if nobody answers on it; if someone does, this fails with `AddrInUse`.
+    /// `dir` must belong to this process's (effective) user ([`prepare_dir`]): it is created
+    /// (mode 0700) if it is missing and tightened to 0700 if it lets others in; one that is a
+    /// symbolic link, not a directory or another user's is refused (`PermissionDenied`, a
+    /// [`DirError`] inside). A socket file already at the path is removed only if it is a
+    /// socket of this user on which nobody answers; if someone does, this fails with
+    /// `AddrInUse`, and anything else there with `AlreadyExists`.
+    ///
+    /// Connections from other users than this process's and root are answered with an error
+    /// and counted ([`refused_connections`]); the handler never sees them.
     pub fn start(dir: &Path, handler: Handler) -> io::Result<Server> {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)?;
+        let me = nix::unistd::geteuid().as_raw();
+        prepare_dir(dir, &[me]).map_err(dir_error)?;
         let path = socket_path(dir, std::process::id());
-        remove_if_stale(&path)?;
+        remove_if_stale(&path, me)?;
+        // `bind` makes a new file: it never follows or reuses what is at the path.
         let listener = UnixListener::bind(&path)?;
         let meta = fs::symlink_metadata(&path)?;
         let stop = Arc::new(AtomicBool::new(false));
         let spawned = thread::Builder::new().name("possum-control".into()).spawn({
             let stop = Arc::clone(&stop);
-            move || serve(listener, handler, stop)
+            move || serve(listener, handler, stop, me)
         });
         if let Err(e) = spawned {
             let _ = fs::remove_file(&path);
@@ -108,13 +114,38 @@ pub fn remove_socket_of_this_process(dir: &Path) -> io::Result<()> {
     }
 }
 
-/// Removes a socket file at `path` on which nobody answers.
-fn remove_if_stale(path: &Path) -> io::Result<()> {
-    if let Err(e) = fs::symlink_metadata(path) {
-        return match e.kind() {
-            io::ErrorKind::NotFound => Ok(()),
-            _ => Err(e),
+/// A directory refused by the rule, as `start`'s error.
+fn dir_error(e: DirError) -> io::Error {
+    let kind = match &e {
+        DirError::Io { source, .. } | DirError::FileIo { source, .. } => source.kind(),
+        _ => io::ErrorKind::PermissionDenied,
+    };
+    io::Error::new(kind, e)
+}
+
+/// Removes a socket file of uid `me` at `path` on which nobody answers; anything else there is
+/// left, and refused.
+fn remove_if_stale(path: &Path, me: u32) -> io::Result<()> {
+    let meta = match fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !meta.file_type().is_socket() || meta.uid() != me {
+        let what = if meta.file_type().is_socket() {
+            format!("a socket of uid {}", meta.uid())
+        } else if meta.file_type().is_symlink() {
+            "a symbolic link".to_string()
+        } else {
+            "not a socket".to_string()
         };
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!(
+                "{} is {what}, not a stale socket of uid {me}: refused (remove it)",
+                path.display()
+            ),
+        ));
     }
     match UnixStream::connect(path) {
         Ok(_) => Err(io::Error::new(
@@ -126,7 +157,32 @@ fn remove_if_stale(path: &Path) -> io::Result<()> {
     }
 }
 
-fn serve(listener: UnixListener, handler: Handler, stop: Arc<AtomicBool>) {
+/// Connections refused because of their user, by every server of this process.
+static REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// How many connections the control servers of this process refused because their client
+/// was neither this process's user nor root.
+pub fn refused_connections() -> u64 {
+    REFUSED.load(Ordering::Relaxed)
+}
+
+/// Why a client is refused: `None` if it is of uid `me` or root (`SO_PEERCRED`: its
+/// credentials when it connected).
+fn refusal(stream: &UnixStream, me: u32) -> Option<String> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    match getsockopt(stream, PeerCredentials) {
+        Ok(c) if c.uid() == me || c.uid() == 0 => None,
+        Ok(c) => Some(format!(
+            "refused: this job answers only uid {me} and root, not uid {}",
+            c.uid()
+        )),
+        Err(e) => Some(format!(
+            "refused: the client's credentials are unknown ({e})"
+        )),
+    }
+}
+
+fn serve(listener: UnixListener, handler: Handler, stop: Arc<AtomicBool>, me: u32) {
     loop {
         let accepted = listener.accept();
         if stop.load(Ordering::SeqCst) {
@@ -135,7 +191,11 @@ fn serve(listener: UnixListener, handler: Handler, stop: Arc<AtomicBool>) {
         match accepted {
             // A failed exchange concerns that client only.
             Ok((stream, _)) => {
-                let _ = exchange(&stream, &handler);
+                let refused = refusal(&stream, me);
+                if refused.is_some() {
+                    REFUSED.fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = exchange(&stream, &handler, refused);
                 drop(stream);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -175,12 +235,34 @@ fn rebase(mut req: Request, passed: Option<OwnedFd>) -> Request {
     req
 }
 
-/// Reads one request line, answers it with one reply line, and shuts the write side.
-fn exchange(stream: &UnixStream, handler: &Handler) -> io::Result<()> {
+/// Reads one request line, answers it with one reply line, and shuts the write side. A
+/// `refused` client's request is read (so that the client gets the answer rather than a reset
+/// connection) and answered with the refusal.
+fn exchange(stream: &UnixStream, handler: &Handler, refused: Option<String>) -> io::Result<()> {
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     let mut passed = None;
-    let reply = match read_line(stream, &mut passed) {
+    let read = read_line(stream, &mut passed);
+    let reply = match (refused, read) {
+        (Some(why), _) => error_reply(why),
+        (None, read) => answer_read(read, passed, handler)?,
+    };
+    let mut out = serde_json::to_vec(&reply)
+        .unwrap_or_else(|_| br#"{"error":"internal: reply not serialisable"}"#.to_vec());
+    out.push(b'\n');
+    let mut w = stream;
+    // No shutdown: the client sees the end of the reply when the descriptor is closed (by the
+    // caller, right after), so once it has read to the end the job holds no connection to it.
+    w.write_all(&out)
+}
+
+/// The reply to what `read_line` read; an error other than a timeout ends the exchange.
+fn answer_read(
+    read: io::Result<Option<Vec<u8>>>,
+    passed: Option<OwnedFd>,
+    handler: &Handler,
+) -> io::Result<Value> {
+    Ok(match read {
         Ok(Some(line)) => answer(&line, passed, handler),
         Ok(None) => error_reply(format!(
             "request longer than {MAX_REQUEST_BYTES} bytes refused"
@@ -194,14 +276,7 @@ fn exchange(stream: &UnixStream, handler: &Handler) -> io::Result<()> {
             error_reply(format!("no request line within {} s", IO_TIMEOUT.as_secs()))
         }
         Err(e) => return Err(e),
-    };
-    let mut out = serde_json::to_vec(&reply)
-        .unwrap_or_else(|_| br#"{"error":"internal: reply not serialisable"}"#.to_vec());
-    out.push(b'\n');
-    let mut w = stream;
-    // No shutdown: the client sees the end of the reply when the descriptor is closed (by the
-    // caller, right after), so once it has read to the end the job holds no connection to it.
-    w.write_all(&out)
+    })
 }
 
 /// The request line without its newline (a final line without one is accepted), or `None` when

@@ -128,6 +128,8 @@ fn handler_panic_is_an_error_reply_and_the_server_goes_on() {
 #[test]
 fn stale_socket_is_reported_then_replaced() {
     let tmp = tempfile::tempdir().unwrap();
+    // A socket directory is private to its user (as the server makes it).
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     let path = socket_path(tmp.path(), me());
     drop(UnixListener::bind(&path).unwrap());
     assert!(path.exists());

@@ -35,17 +35,18 @@ pub fn kill_job(pid: i32) -> nix::Result<()> {
 /// Why the lock of a process's checkpoint could not be had.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// Its directory or file could not be made.
-    #[error("{what} {}", path.display())]
-    Io {
-        /// `creating`, `opening`.
-        what: &'static str,
-        /// The directory or file.
-        path: PathBuf,
+    /// The process's user could not be read.
+    #[error("the user of process {pid}")]
+    Owner {
+        /// The process.
+        pid: i32,
         /// Why.
         #[source]
         source: std::io::Error,
     },
+    /// The socket directory, or the lock file in it, is refused or could not be made.
+    #[error(transparent)]
+    Dir(#[from] possum_control::DirError),
     /// Another checkpoint holds it.
     #[error("a checkpoint of process {pid} is already running (lock {})", path.display())]
     Busy {
@@ -57,21 +58,22 @@ pub enum LockError {
 }
 
 /// Holds `possum-<pid>.lock` in the socket directory: one checkpoint of a process at a time.
+///
+/// The directory must pass `possum_control::prepare_dir` for the job's user or this process's
+/// (created for the job's user when missing); the lock file is opened there without following
+/// a symbolic link and must be a regular file of one of them with one link.
 pub fn lock_pid(dir: &Path, pid: i32) -> Result<nix::fcntl::Flock<fs::File>, LockError> {
     use nix::fcntl::{Flock, FlockArg};
-    let io = |what, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| LockError::Io { what, path, source }
-    };
-    fs::create_dir_all(dir).map_err(io("creating", dir))?;
-    let path = dir.join(format!("possum-{pid}.lock"));
-    let f = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io("opening", &path))?;
-    Flock::lock(f, FlockArg::LockExclusiveNonblock).map_err(|_| LockError::Busy { pid, path })
+    let job = possum_control::process_uid(pid as u32)
+        .map_err(|source| LockError::Owner { pid, source })?;
+    let me = nix::unistd::geteuid().as_raw();
+    let owners = if job == me { vec![job] } else { vec![job, me] };
+    let name = format!("possum-{pid}.lock");
+    let f = possum_control::prepare_dir(dir, &owners)?.open_private_file(&name)?;
+    Flock::lock(f, FlockArg::LockExclusiveNonblock).map_err(|_| LockError::Busy {
+        pid,
+        path: dir.join(name),
+    })
 }
 
 /// How long a caller of [`start_keeper`] waits for the keeper to listen.
