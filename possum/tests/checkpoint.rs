@@ -476,10 +476,15 @@ fn restore_names_what_is_wrong_with_an_image() {
     std::fs::write(img.join("possum.json"), "{\"possum_image\": 1, \"engi").unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("is corrupt"), "{}", text(&out));
-    let m = json!({"possum_image": 1, "engine": "driver", "pid": 1, "shell_job": false,
+    let m = json!({"possum_image": 1, "engine": "driver", "pid": free_pid(), "shell_job": false,
                    "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
                    "figures": null});
+    // Without its check, a description is refused whatever it says.
     std::fs::write(img.join("possum.json"), m.to_string()).unwrap();
+    let out = restore(&img);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("has no check"), "{}", text(&out));
+    std::fs::write(img.join("possum.json"), sealed(&m)).unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("partial"), "{}", text(&out));
     let mut m2 = m.clone();
@@ -487,6 +492,18 @@ fn restore_names_what_is_wrong_with_an_image() {
     std::fs::write(img.join("possum.json"), m2.to_string()).unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("image format 99"), "{}", text(&out));
+}
+
+/// `possum.json`'s text for the description `m`, with its check.
+fn sealed(m: &Value) -> String {
+    possum_sequence::image::manifest_text(&serde_json::from_value(m.clone()).unwrap()).unwrap()
+}
+
+/// A PID that is free: a reaped child's.
+fn free_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    c.wait().unwrap();
+    c.id()
 }
 
 /// A stand-in for nvidia-smi answering the two queries possum makes.
@@ -517,10 +534,11 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
     let mut c = Command::new("true").spawn().unwrap();
     c.wait().unwrap();
     let m = |uuid: &str| {
-        json!({"possum_image": 1, "engine": "driver", "pid": c.id(), "shell_job": false,
-               "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
-               "gpu_memory": [{"uuid": uuid, "mib": 9000}], "figures": null})
-        .to_string()
+        sealed(
+            &json!({"possum_image": 1, "engine": "driver", "pid": c.id(), "shell_job": false,
+                   "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
+                   "gpu_memory": [{"uuid": uuid, "mib": 9000}], "figures": null}),
+        )
     };
     let restore_on = |smi: &Path, device: Option<&str>| {
         let mut c = possum();
@@ -594,7 +612,7 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
     kept["engine"] = json!("possum");
     kept["gpu_dir"] = json!("gpu");
     kept["keeper"] = json!({"dir": tmp.path().join("no-keeper")});
-    std::fs::write(img.join("possum.json"), kept.to_string()).unwrap();
+    std::fs::write(img.join("possum.json"), sealed(&kept)).unwrap();
     let out = restore(&fake_smi(tmp.path(), 9005));
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let t = text(&out);

@@ -49,6 +49,7 @@ pub mod guard;
 mod held;
 pub mod image;
 pub mod job;
+pub mod places;
 pub mod process;
 pub mod restore;
 mod stage;

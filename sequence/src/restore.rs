@@ -1,7 +1,6 @@
 //! The restore sequence: [`restore`] and its phases (see the crate's documentation).
 
 use std::fs;
-use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -18,7 +17,8 @@ use crate::image::{
     open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, KeptBuffers, UuidPairs,
 };
 use crate::job::ask;
-use crate::process::{alive, kill_job};
+use crate::places::{PlaceError, Places};
+use crate::process::{alive, boot_ticks_now, Process, SignalError};
 use crate::stage::{self, StageReport, Staging};
 use crate::{Engine, Observer, ResumeError};
 
@@ -89,7 +89,7 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
         ..RestoreFigures::default()
     };
     let (mut staging, stage_skipped) = begin_staging(p, &img, &ready, &mut figures);
-    criu_restore(&ready, &mut staging, &mut figures)?;
+    let job = criu_restore(&ready, &mut staging, &mut figures)?;
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
     // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
@@ -102,8 +102,9 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
     let resumed = match resume(p, &img, &ready, &mut figures) {
         Ok(r) => r,
         Err(source) => {
-            // A half-restored job is of no use to anyone: it must not linger, locked.
-            let _ = kill_job(m.pid);
+            // A half-restored job is of no use to anyone: it must not linger, locked. Killed
+            // through the pidfd of the process CRIU restored, verified after its restore.
+            let _ = job.kill();
             if let Some(s) = staging {
                 s.abandon();
             }
@@ -111,7 +112,7 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
         }
     };
     let mut report = RestoreReport {
-        pid: m.pid,
+        pid: job.pid(),
         engine: m.engine,
         dir: p.dir.clone(),
         figures,
@@ -153,6 +154,16 @@ pub enum RestoreError {
     /// CRIU's restore.
     #[error(transparent)]
     Criu(#[from] CriuError),
+    /// The process CRIU reports as restored is not one possum can verify as the restored job:
+    /// it is left alone (never signalled).
+    #[error("CRIU's restore reported process {pid}, which is not verified as the restored job")]
+    NotRestored {
+        /// The PID CRIU reported.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: SignalError,
+    },
     /// CRIU's restore, twice.
     #[error("CRIU's restore failed twice (first with a keeper started for staging: {first})")]
     CriuTwice {
@@ -204,14 +215,21 @@ pub enum PrepareError {
     /// CRIU's images could not be read.
     #[error(transparent)]
     Split(#[from] possum_criu::hostmem::HostMemError),
-    /// A directory of the tree's sockets could not be made.
-    #[error("creating {} for the job's sockets", dir.display())]
-    SocketDir {
-        /// The directory.
-        dir: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
+    /// A host path the image names, which the restore does not act on (a stale socket that is
+    /// not one, a directory outside possum's places).
+    #[error(transparent)]
+    Place(#[from] PlaceError),
+    /// A file CRIU writes in the image's CRIU directory is not a plain file of the image.
+    #[error(
+        "{} is {kind}: CRIU writes it during the restore, and it must be absent or a plain file \
+         of the image",
+        path.display()
+    )]
+    CriuOutput {
+        /// The file.
+        path: PathBuf,
+        /// What it is.
+        kind: &'static str,
     },
     /// `/dev/null` could not be opened.
     #[error("opening /dev/null for the job's standard descriptors")]
@@ -237,6 +255,11 @@ struct Ready {
 /// descriptors planned. Nothing of the job is started.
 fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Ready, PrepareError> {
     let m = &img.manifest;
+    // The host directories the image names are used only where possum's own are allowed.
+    let places = Places::of_environment(p.socket_dir.as_deref());
+    if let Some(k) = &m.keeper {
+        places.check_dir("the keeper's directory", &k.dir)?;
+    }
     let gpus = (!m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
     // and so does a restore on the job's own GPU unless the keeper still holds them there.
@@ -258,15 +281,18 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     if img.gpu.is_some() {
         // The killed job's socket files are still there; the restored job listens on them again.
         for pid in std::iter::once(&m.pid).chain(&m.possum_children) {
-            let _ = fs::remove_file(possum_control::socket_path(&sockets, *pid as u32));
+            places.remove_stale_socket(&sockets, *pid)?;
         }
     }
-    let recreated = recreate_socket_dirs(&m.socket_dirs)?;
-    let stdio = StdioPlan::new(&m.stdio_pipes).map_err(PrepareError::DevNull)?;
     let mut opts = RestoreOptions::new(&img.criu);
+    opts.log_file = format!("restore-{}.log", std::process::id());
+    for name in [opts.log_file.as_str(), CRIU_STATS] {
+        refuse_criu_output_link(&img.criu.join(name))?;
+    }
+    let recreated = recreate_socket_dirs(&m.socket_dirs, &places)?;
+    let stdio = StdioPlan::new(&m.stdio_pipes).map_err(PrepareError::DevNull)?;
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
-    opts.log_file = format!("restore-{}.log", std::process::id());
     if let Some(l) = p.env.criu_log_level {
         opts.log_level = l;
     }
@@ -311,20 +337,41 @@ fn ask_gpus(
     })
 }
 
+/// The statistics file CRIU writes in its images directory at the end of a restore.
+const CRIU_STATS: &str = "stats-restore";
+
+/// CRIU (as root) creates or truncates its log and statistics in the image's CRIU directory,
+/// following links: each must be absent, or a regular file with no other name (a link, or a
+/// hard link to a file elsewhere, would have CRIU write over that file).
+fn refuse_criu_output_link(path: &Path) -> Result<(), PrepareError> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let kind = if meta.file_type().is_symlink() {
+        "a symbolic link"
+    } else if !meta.file_type().is_file() {
+        "not a regular file"
+    } else if meta.nlink() > 1 {
+        "a file with other names (hard links)"
+    } else {
+        return Ok(());
+    };
+    Err(PrepareError::CriuOutput {
+        path: path.to_path_buf(),
+        kind,
+    })
+}
+
 /// CRIU binds the tree's unix sockets at their paths again: their directories must exist (a
-/// job that ended, or another machine, may not have them). Those made.
-fn recreate_socket_dirs(dirs: &[PathBuf]) -> Result<Vec<PathBuf>, PrepareError> {
+/// job that ended, or another machine, may not have them). Those missing are made where
+/// [`Places`] allows (else the restore is refused, naming the directory). Those made.
+fn recreate_socket_dirs(dirs: &[PathBuf], places: &Places) -> Result<Vec<PathBuf>, PrepareError> {
     let mut recreated = Vec::new();
     for d in dirs.iter().filter(|d| !d.exists()) {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(d)
-            .map_err(|source| PrepareError::SocketDir {
-                dir: d.clone(),
-                source,
-            })?;
-        recreated.push(d.clone());
+        if places.create_dir("the directory of the job's sockets", d)? {
+            recreated.push(d.clone());
+        }
     }
     Ok(recreated)
 }
@@ -358,33 +405,38 @@ fn begin_staging(
 }
 
 /// CRIU's restore of the process tree. A keeper started for the staging may hold a PID of the
-/// job's: without it, once more.
+/// job's: without it, once more. The restored root, held by a pidfd once verified to be the
+/// process CRIU restored ([`Process::restored`]): every signal of the restore goes through it.
 fn criu_restore(
     ready: &Ready,
     staging: &mut Option<Staging>,
     figures: &mut RestoreFigures,
-) -> Result<(), RestoreError> {
-    let Err(e) = timed(&mut figures.criu_restore, || {
+) -> Result<Process, RestoreError> {
+    let since = boot_ticks_now();
+    let report = match timed(&mut figures.criu_restore, || {
         ready.criu.restore(&ready.opts)
-    }) else {
-        return Ok(());
+    }) {
+        Ok(r) => r,
+        Err(e) => match staging.take() {
+            Some(s) if s.started_keeper() => {
+                s.abandon();
+                let first = format!("{:#}", anyhow::Error::from(e));
+                timed(&mut figures.criu_restore_again, || {
+                    ready.criu.restore(&ready.opts)
+                })
+                .map_err(|source| RestoreError::CriuTwice { first, source })?
+            }
+            Some(s) => {
+                s.abandon();
+                return Err(e.into());
+            }
+            None => return Err(e.into()),
+        },
     };
-    match staging.take() {
-        Some(s) if s.started_keeper() => {
-            s.abandon();
-            let first = format!("{:#}", anyhow::Error::from(e));
-            timed(&mut figures.criu_restore_again, || {
-                ready.criu.restore(&ready.opts)
-            })
-            .map_err(|source| RestoreError::CriuTwice { first, source })?;
-            Ok(())
-        }
-        Some(s) => {
-            s.abandon();
-            Err(e.into())
-        }
-        None => Err(e.into()),
-    }
+    Process::restored(report.pid, since).map_err(|source| RestoreError::NotRestored {
+        pid: report.pid,
+        source,
+    })
 }
 
 /// Starts a keeper where the restored job `pid` looks for its keeper, unless one answers there:
