@@ -142,66 +142,48 @@ impl Places {
         std::path::absolute(dir).is_ok_and(|d| self.sockets.contains(&d))
     }
 
-    /// Removes the stale control socket of process `pid` in `dir`, if there is one: only from
-    /// one of possum's socket directories, only a socket owned by the directory's owner or root.
-    /// Whether one was removed.
+    /// Removes the stale control socket of process `pid` in `dir`, if there is one
+    /// ([`Self::stale_socket`]). Whether one was removed.
     pub fn remove_stale_socket(&self, dir: &Path, pid: i32) -> Result<bool, PlaceError> {
+        match self.stale_socket(dir, pid)? {
+            Some(s) => s.remove().map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// The stale control socket of process `pid` in `dir`, if there is one, checked as one
+    /// possum may remove: in one of possum's socket directories (not reached through a
+    /// symbolic link), a socket, owned by the directory's owner or root. Anything else there is
+    /// refused, naming what it is.
+    pub fn stale_socket(&self, dir: &Path, pid: i32) -> Result<Option<StaleSocket>, PlaceError> {
         let path = possum_control::socket_path(dir, pid as u32);
-        let name = format!("possum-{pid}.sock");
-        let io = |what, path: &Path| {
-            let path = path.to_path_buf();
-            move |e: Errno| PlaceError::Io {
-                what,
-                path,
-                source: e.into(),
-            }
-        };
         let dirfd = match open_dir(dir) {
             Ok(fd) => fd,
-            Err(Errno::NOENT) => return Ok(false),
+            Err(Errno::NOENT) => return Ok(None),
             Err(Errno::LOOP | Errno::NOTDIR) => {
                 return Err(PlaceError::NotASocket {
                     path: dir.to_path_buf(),
                     kind: "a symbolic link or not a directory",
                 })
             }
-            Err(e) => return Err(io("opening", dir)(e)),
+            Err(e) => return Err(io_error("opening", dir)(e)),
         };
-        let st = match rustix::fs::statat(&dirfd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(st) => st,
-            Err(Errno::NOENT) => return Ok(false),
-            Err(e) => return Err(io("reading", &path)(e)),
+        let stale = StaleSocket {
+            dirfd,
+            name: format!("possum-{pid}.sock"),
+            path,
         };
+        if !stale.check()? {
+            return Ok(None);
+        }
         if !self.is_socket_dir(dir) {
             return Err(PlaceError::NotSocketDir {
-                path,
+                path: stale.path,
                 dir: dir.to_path_buf(),
                 allowed: self.sockets.clone(),
             });
         }
-        let kind = match FileType::from_raw_mode(st.st_mode) {
-            FileType::Socket => None,
-            FileType::Symlink => Some("a symbolic link"),
-            FileType::RegularFile => Some("a regular file"),
-            FileType::Directory => Some("a directory"),
-            _ => Some("not a socket"),
-        };
-        if let Some(kind) = kind {
-            return Err(PlaceError::NotASocket { path, kind });
-        }
-        let dir_uid = rustix::fs::fstat(&dirfd)
-            .map_err(io("reading", dir))?
-            .st_uid;
-        if st.st_uid != dir_uid && st.st_uid != 0 {
-            return Err(PlaceError::Owner {
-                path,
-                uid: st.st_uid,
-                dir_uid,
-            });
-        }
-        rustix::fs::unlinkat(&dirfd, name.as_str(), AtFlags::empty())
-            .map_err(io("removing", &path))?;
-        Ok(true)
+        Ok(Some(stale))
     }
 
     /// Checks that possum may make `dir` (for `what`) or use it as made: under one of the
@@ -237,14 +219,7 @@ impl Places {
         else {
             return Err(not_allowed());
         };
-        let io = |what, path: &Path| {
-            let path = path.to_path_buf();
-            move |e: Errno| PlaceError::Io {
-                what,
-                path,
-                source: e.into(),
-            }
-        };
+        let io = io_error;
         // The root itself is trusted (it may be a link: /tmp to a larger disk).
         let mut fd = match rustix::fs::open(root, dir_flags(), Mode::empty()) {
             Ok(fd) => fd,
@@ -280,6 +255,76 @@ impl Places {
             };
         }
         Ok(made)
+    }
+}
+
+/// A stale control socket possum may remove ([`Places::stale_socket`]), held by its directory.
+#[derive(Debug)]
+pub struct StaleSocket {
+    dirfd: OwnedFd,
+    name: String,
+    path: PathBuf,
+}
+
+impl StaleSocket {
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether it is there: a socket owned by its directory's owner or root (anything else is
+    /// refused).
+    fn check(&self) -> Result<bool, PlaceError> {
+        let path = &self.path;
+        let st =
+            match rustix::fs::statat(&self.dirfd, self.name.as_str(), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                Err(Errno::NOENT) => return Ok(false),
+                Err(e) => return Err(io_error("reading", path)(e)),
+            };
+        let kind = match FileType::from_raw_mode(st.st_mode) {
+            FileType::Socket => None,
+            FileType::Symlink => Some("a symbolic link"),
+            FileType::RegularFile => Some("a regular file"),
+            FileType::Directory => Some("a directory"),
+            _ => Some("not a socket"),
+        };
+        if let Some(kind) = kind {
+            return Err(PlaceError::NotASocket {
+                path: path.clone(),
+                kind,
+            });
+        }
+        let dir_uid = rustix::fs::fstat(&self.dirfd)
+            .map_err(io_error("reading", path))?
+            .st_uid;
+        if st.st_uid != dir_uid && st.st_uid != 0 {
+            return Err(PlaceError::Owner {
+                path: path.clone(),
+                uid: st.st_uid,
+                dir_uid,
+            });
+        }
+        Ok(true)
+    }
+
+    /// Removes it, checked once more.
+    pub fn remove(self) -> Result<(), PlaceError> {
+        if self.check()? {
+            rustix::fs::unlinkat(&self.dirfd, self.name.as_str(), AtFlags::empty())
+                .map_err(io_error("removing", &self.path))?;
+        }
+        Ok(())
+    }
+}
+
+/// A failed system call on `path`, doing `what`.
+fn io_error(what: &'static str, path: &Path) -> impl FnOnce(Errno) -> PlaceError {
+    let path = path.to_path_buf();
+    move |e| PlaceError::Io {
+        what,
+        path,
+        source: e.into(),
     }
 }
 

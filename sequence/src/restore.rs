@@ -249,17 +249,16 @@ struct Ready {
     opts: RestoreOptions,
 }
 
-/// Prepare: CRIU and the driver found, the GPUs checked for room (nvidia-smi answers while the
-/// rest is made ready; its verdict still comes before anything is started), the job's old
-/// control sockets removed, the directories of its tree's sockets made again, and its standard
-/// descriptors planned. Nothing of the job is started.
+/// Prepare: the host paths the image names checked ([`HostPlan`]: nothing is done on the host
+/// for an image that names a place possum must not act on), CRIU and the driver found, the GPUs
+/// checked for room (nvidia-smi answers while the rest is made ready; its verdict still comes
+/// before anything is started), the job's old control sockets removed, the directories of its
+/// tree's sockets made again, and its standard descriptors planned. Nothing of the job is
+/// started.
 fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Ready, PrepareError> {
     let m = &img.manifest;
     // The host directories the image names are used only where possum's own are allowed.
-    let places = Places::of_environment(p.socket_dir.as_deref());
-    if let Some(k) = &m.keeper {
-        places.check_dir("the keeper's directory", &k.dir)?;
-    }
+    let host = HostPlan::check(p, img)?;
     let gpus = (!m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
     // and so does a restore on the job's own GPU unless the keeper still holds them there.
@@ -277,20 +276,19 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     let pairs = plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?;
     let (criu, drv) = (criu?, drv?);
     refuse_split_without_plugin(&img.criu, &criu)?;
-    let sockets = p.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
-    if img.gpu.is_some() {
-        // The killed job's socket files are still there; the restored job listens on them again.
-        for pid in std::iter::once(&m.pid).chain(&m.possum_children) {
-            places.remove_stale_socket(&sockets, *pid)?;
+    // The killed job's socket files are still there; the restored job listens on them again.
+    for s in host.stale {
+        s.remove()?;
+    }
+    let mut recreated = Vec::new();
+    for d in &host.missing_dirs {
+        if host.places.create_dir(SOCKETS_DIR, d)? {
+            recreated.push(d.clone());
         }
     }
-    let mut opts = RestoreOptions::new(&img.criu);
-    opts.log_file = format!("restore-{}.log", std::process::id());
-    for name in [opts.log_file.as_str(), CRIU_STATS] {
-        refuse_criu_output_link(&img.criu.join(name))?;
-    }
-    let recreated = recreate_socket_dirs(&m.socket_dirs, &places)?;
     let stdio = StdioPlan::new(&m.stdio_pipes).map_err(PrepareError::DevNull)?;
+    let mut opts = RestoreOptions::new(&img.criu);
+    opts.log_file = host.criu_log;
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
     if let Some(l) = p.env.criu_log_level {
@@ -302,7 +300,7 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         drv,
         pairs,
         kept,
-        sockets,
+        sockets: host.sockets,
         recreated,
         stdio,
         opts,
@@ -363,17 +361,58 @@ fn refuse_criu_output_link(path: &Path) -> Result<(), PrepareError> {
     })
 }
 
-/// CRIU binds the tree's unix sockets at their paths again: their directories must exist (a
-/// job that ended, or another machine, may not have them). Those missing are made where
-/// [`Places`] allows (else the restore is refused, naming the directory). Those made.
-fn recreate_socket_dirs(dirs: &[PathBuf], places: &Places) -> Result<Vec<PathBuf>, PrepareError> {
-    let mut recreated = Vec::new();
-    for d in dirs.iter().filter(|d| !d.exists()) {
-        if places.create_dir("the directory of the job's sockets", d)? {
-            recreated.push(d.clone());
+/// What a restore does on the host for the image, checked before anything is done: the host
+/// directories `possum.json` names are acted on only as [`Places`] allows.
+struct HostPlan {
+    places: Places,
+    /// The job's control socket directory (`--socket-dir`, else the one recorded).
+    sockets: PathBuf,
+    /// The stale control sockets of the job's possum processes, to remove.
+    stale: Vec<crate::places::StaleSocket>,
+    /// The directories of the tree's sockets that are missing, to make (CRIU binds the tree's
+    /// unix sockets at their paths again: a job that ended, or another machine, may not have
+    /// them).
+    missing_dirs: Vec<PathBuf>,
+    /// CRIU's log's name in the image's CRIU directory.
+    criu_log: String,
+}
+
+/// What the directories of the tree's sockets are, in messages.
+const SOCKETS_DIR: &str = "the directory of the job's sockets";
+
+impl HostPlan {
+    fn check(p: &RestoreParams, img: &Image) -> Result<HostPlan, PrepareError> {
+        let m = &img.manifest;
+        let places = Places::of_environment(p.socket_dir.as_deref());
+        if let Some(k) = &m.keeper {
+            places.check_dir("the keeper's directory", &k.dir)?;
         }
+        let sockets = p.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
+        let mut stale = Vec::new();
+        if img.gpu.is_some() {
+            for pid in std::iter::once(&m.pid).chain(&m.possum_children) {
+                stale.extend(places.stale_socket(&sockets, *pid)?);
+            }
+        }
+        let missing_dirs: Vec<PathBuf> = (m.socket_dirs.iter())
+            .filter(|d| !d.exists())
+            .cloned()
+            .collect();
+        for d in &missing_dirs {
+            places.check_dir(SOCKETS_DIR, d)?;
+        }
+        let criu_log = format!("restore-{}.log", std::process::id());
+        for name in [criu_log.as_str(), CRIU_STATS] {
+            refuse_criu_output_link(&img.criu.join(name))?;
+        }
+        Ok(HostPlan {
+            places,
+            sockets,
+            stale,
+            missing_dirs,
+            criu_log,
+        })
     }
-    Ok(recreated)
 }
 
 /// Stage: the keeper loads the GPU images while CRIU restores the process. The staging, or why
