@@ -374,6 +374,39 @@ fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     );
 }
 
+/// `--hmac-key`: the complete image gets its possum.hmac under the key, which authenticates
+/// it; a key that is not one refuses the checkpoint before anything is done.
+#[test]
+fn a_checkpoint_with_a_key_authenticates_its_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let job = fake_job(tmp.path(), false);
+    let img = tmp.path().join("img");
+    let key = tmp.path().join("key");
+    std::fs::write(&key, "too short").unwrap();
+    let checkpoint = || {
+        possum()
+            .args(["checkpoint", &me(), "--gpu-only", "--socket-dir"])
+            .arg(&job.sockets)
+            .arg("-D")
+            .arg(&img)
+            .arg("--hmac-key")
+            .arg(&key)
+            .output()
+            .unwrap()
+    };
+    let out = checkpoint();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("holds 9 bytes"), "{}", text(&out));
+    assert!(!img.exists() && job.seen.lock().unwrap().is_empty());
+    std::fs::write(&key, [5u8; 48]).unwrap();
+    let out = checkpoint();
+    assert!(out.status.success(), "{}", text(&out));
+    let k = possum_sequence::auth::HmacKey::read(&key).unwrap();
+    possum_sequence::auth::verify(&img, &k).unwrap();
+    std::fs::write(img.join("gpu/extra"), "x").unwrap();
+    assert!(possum_sequence::auth::verify(&img, &k).is_err());
+}
+
 #[test]
 fn a_failed_release_is_undone_and_leaves_no_image() {
     let tmp = tempfile::tempdir().unwrap();

@@ -294,3 +294,48 @@ fn directories_the_image_names_are_made_only_in_possums_places() {
     assert!(t.contains("stats-restore is a symbolic link"), "{t}");
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "precious");
 }
+
+/// `--hmac-key`: an image sealed under the key passes (the restore goes on, to CRIU, absent
+/// here); one changed anywhere, one without `possum.hmac` and one sealed under another key are
+/// refused before possum.json is even read.
+#[test]
+fn an_authenticated_image_is_refused_if_changed_or_sealed_with_another_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img");
+    let m = possum_image(&img, free_pid() as i64, &tmp.path().join("sockets"));
+    std::fs::write(img.join("possum.json"), sealed(&m)).unwrap();
+    let key = tmp.path().join("key");
+    std::fs::write(&key, [7u8; 32]).unwrap();
+    let other = tmp.path().join("other-key");
+    std::fs::write(&other, [8u8; 32]).unwrap();
+    let restore = |k: &Path| {
+        let out = possum()
+            .args(["restore", "-D"])
+            .arg(&img)
+            .arg("--hmac-key")
+            .arg(k)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        text(&out)
+    };
+    let t = restore(&key);
+    assert!(t.contains("has no possum.hmac"), "{t}");
+    let read = |p: &Path| possum_sequence::auth::HmacKey::read(p).unwrap();
+    possum_sequence::auth::seal(&img, &read(&key)).unwrap();
+    let t = restore(&key);
+    assert!(t.contains("CRIU is needed"), "authenticated, then on: {t}");
+    let t = restore(&other);
+    assert!(t.contains("does not match its possum.hmac"), "{t}");
+    // One byte of a GPU image's data changed (its own CRC would catch it only when read).
+    let data = img.join("gpu/gpu-0/data-000.bin");
+    let mut bytes = std::fs::read(&data).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&data, &bytes).unwrap();
+    let t = restore(&key);
+    assert!(t.contains("does not match its possum.hmac"), "{t}");
+    // A key that is too short is refused by name.
+    std::fs::write(&other, "short").unwrap();
+    let t = restore(&other);
+    assert!(t.contains("holds 5 bytes"), "{t}");
+}

@@ -42,6 +42,7 @@
 //! [`CheckpointParams`] and [`RestoreParams`], with the environment read once
 //! ([`Environment::read`]).
 
+pub mod auth;
 pub mod checkpoint;
 pub mod config;
 pub mod figures;

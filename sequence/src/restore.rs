@@ -35,6 +35,9 @@ pub struct RestoreParams {
     pub possum_exe: PathBuf,
     /// What the environment says.
     pub env: Environment,
+    /// `--hmac-key`: the image must be authenticated under this key ([`crate::auth`]), checked
+    /// before anything else of it is read.
+    pub hmac_key: Option<crate::auth::HmacKey>,
 }
 
 /// A restore made: what the command prints.
@@ -78,6 +81,12 @@ pub struct RestoreReport {
 /// restored process; the image is never changed. `obs` is told what the user should know.
 pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreReport, RestoreError> {
     let t_all = Instant::now();
+    if let Some(key) = &p.hmac_key {
+        if !p.dir.exists() {
+            return Err(ImageError::NoDirectory { dir: p.dir.clone() }.into());
+        }
+        crate::auth::verify(&p.dir, key)?;
+    }
     let img = open_image(&p.dir)?;
     let m = &img.manifest;
     if alive(m.pid) {
@@ -139,6 +148,9 @@ pub enum RestoreError {
     /// The image is not one to restore.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// `--hmac-key`: the image is not authenticated under the key.
+    #[error(transparent)]
+    Auth(#[from] crate::auth::AuthError),
     /// Its PID is taken.
     #[error(
         "process {pid} is running: CRIU restores the job under its old PID, which must be free \
