@@ -61,6 +61,16 @@ pub enum SignalError {
         #[source]
         source: std::io::Error,
     },
+    /// Another PID than the job's (CRIU restores a job under its old PID).
+    #[error(
+        "process {pid} is not the job's PID {job}: it is not the restored job, and is left alone"
+    )]
+    NotTheJob {
+        /// The process.
+        pid: i32,
+        /// The job's PID.
+        job: i32,
+    },
     /// It started before the moment given: not the process that was meant.
     #[error(
         "process {pid} started before the restore began (at tick {started}, the restore at \
@@ -114,12 +124,15 @@ impl Process {
         Ok(Process { pid, fd })
     }
 
-    /// Opens the process CRIU reports as restored, `pid`, and verifies that it is the one:
-    /// it started at or after `since` (clock ticks since boot, [`boot_ticks_now`] taken before
-    /// CRIU's restore began), which a process that held the PID before cannot have. Read after
-    /// the pidfd is open, so that the process checked is the one held (or, if it has ended
-    /// since, the pidfd reaches nothing).
-    pub fn restored(pid: i32, since: u64) -> Result<Process, SignalError> {
+    /// Opens the process CRIU reports as restored, `pid`, and verifies that it is the job
+    /// `job`: the same PID (CRIU restores a job under its old one), started at or after `since`
+    /// (clock ticks since boot, [`boot_ticks_now`] taken before CRIU's restore began), which a
+    /// process that held the PID before cannot have. Read after the pidfd is open, so that the
+    /// process checked is the one held (or, if it has ended since, the pidfd reaches nothing).
+    pub fn restored(pid: i32, job: i32, since: u64) -> Result<Process, SignalError> {
+        if pid != job {
+            return Err(SignalError::NotTheJob { pid, job });
+        }
         let p = Process::open(pid)?;
         let stat = stat_of(pid).ok_or_else(|| SignalError::Open {
             pid,
@@ -305,11 +318,15 @@ mod tests {
         // At least one clock tick (10 ms at 100 Hz) between its start and the mark.
         std::thread::sleep(Duration::from_millis(50));
         let since = boot_ticks_now();
-        let e = Process::restored(before.id() as i32, since).unwrap_err();
+        let b = before.id() as i32;
+        let e = Process::restored(b, b, since).unwrap_err();
         assert!(matches!(e, SignalError::Older { .. }), "{e:?}");
         assert!(before.try_wait().unwrap().is_none(), "left alone");
         let mut after = Command::new("sleep").arg("100").spawn().unwrap();
-        let p = Process::restored(after.id() as i32, since).unwrap();
+        let a = after.id() as i32;
+        let e = Process::restored(a, b, since).unwrap_err();
+        assert!(matches!(e, SignalError::NotTheJob { .. }), "{e:?}");
+        let p = Process::restored(a, a, since).unwrap();
         assert_eq!(p.pid(), after.id() as i32);
         p.kill().unwrap();
         let status = after.wait().unwrap();

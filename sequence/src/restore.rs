@@ -98,7 +98,7 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
         ..RestoreFigures::default()
     };
     let (mut staging, stage_skipped) = begin_staging(p, &img, &ready, &mut figures);
-    let job = criu_restore(&ready, &mut staging, &mut figures)?;
+    let job = criu_restore(&ready, m.pid, &mut staging, &mut figures)?;
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
     // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
@@ -457,9 +457,11 @@ fn begin_staging(
 
 /// CRIU's restore of the process tree. A keeper started for the staging may hold a PID of the
 /// job's: without it, once more. The restored root, held by a pidfd once verified to be the
-/// process CRIU restored ([`Process::restored`]): every signal of the restore goes through it.
+/// process CRIU restored as the job `job` ([`Process::restored`]): every signal of the restore
+/// goes through it.
 fn criu_restore(
     ready: &Ready,
+    job: i32,
     staging: &mut Option<Staging>,
     figures: &mut RestoreFigures,
 ) -> Result<Process, RestoreError> {
@@ -484,7 +486,7 @@ fn criu_restore(
             None => return Err(e.into()),
         },
     };
-    Process::restored(report.pid, since).map_err(|source| RestoreError::NotRestored {
+    Process::restored(report.pid, job, since).map_err(|source| RestoreError::NotRestored {
         pid: report.pid,
         source,
     })
