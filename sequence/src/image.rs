@@ -283,8 +283,15 @@ impl Manifest {
                 return Err(InvalidManifest::OwnPid { field, pid });
             }
         }
-        let host = std::iter::once(("socket_dir", &self.socket_dir))
-            .chain(self.socket_dirs.iter().map(|d| ("socket_dirs", d)))
+        // `socket_dir` may be relative (as `--socket-dir` was given): it is used for nothing
+        // destructive unless it is one of possum's socket directories.
+        if !is_host_path(&self.socket_dir) && !is_plain_relative(&self.socket_dir) {
+            return Err(InvalidManifest::HostPath {
+                field: "socket_dir".into(),
+                value: self.socket_dir.clone(),
+            });
+        }
+        let host = (self.socket_dirs.iter().map(|d| ("socket_dirs", d)))
             .chain(self.keeper.iter().map(|k| ("keeper.dir", &k.dir)));
         for (field, d) in host {
             if !is_host_path(d) {
@@ -394,6 +401,12 @@ fn is_host_path(p: &Path) -> bool {
     use std::path::Component;
     let mut c = p.components();
     c.next() == Some(Component::RootDir) && c.all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// Whether `p` is plain names (no `/` at the start, no `..` or `.`).
+fn is_plain_relative(p: &Path) -> bool {
+    use std::path::Component;
+    p.components().next().is_some() && p.components().all(|c| matches!(c, Component::Normal(_)))
 }
 
 /// `dir/value` for the image's field `field`: `value` plain relative names, and (if it exists)

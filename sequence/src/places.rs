@@ -213,18 +213,34 @@ impl Places {
         if !plain_absolute(&abs) {
             return Err(not_allowed());
         }
-        let Some((root, rest)) = (self.roots.iter())
+        // The deepest root that exists (the others may not: /run/user, a socket directory not
+        // made yet); the root itself is trusted, and may be a link (/tmp to a larger disk).
+        let mut under: Vec<(&PathBuf, &Path)> = (self.roots.iter())
             .filter_map(|r| Some((r, abs.strip_prefix(r).ok()?)))
-            .find(|(_, rest)| rest.components().next().is_some())
-        else {
+            .filter(|(_, rest)| rest.components().next().is_some())
+            .collect();
+        if under.is_empty() {
             return Err(not_allowed());
-        };
+        }
+        under.sort_by_key(|(r, _)| std::cmp::Reverse(r.as_os_str().len()));
         let io = io_error;
-        // The root itself is trusted (it may be a link: /tmp to a larger disk).
-        let mut fd = match rustix::fs::open(root, dir_flags(), Mode::empty()) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT) if !create => return Ok(false),
-            Err(e) => return Err(io("opening", root)(e)),
+        let root_flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+        let mut opened = None;
+        for (root, rest) in under {
+            match rustix::fs::open(root, root_flags, Mode::empty()) {
+                Ok(fd) => {
+                    opened = Some((fd, root, rest));
+                    break;
+                }
+                Err(Errno::NOENT) => continue,
+                Err(e) => return Err(io("opening", root)(e)),
+            }
+        }
+        let Some((mut fd, root, rest)) = opened else {
+            if create {
+                return Err(not_allowed());
+            }
+            return Ok(false);
         };
         let mut at = root.clone();
         let mut made = false;
@@ -436,5 +452,10 @@ mod tests {
         assert!(p
             .check_dir("the keeper's directory", Path::new("/etc/k"))
             .is_err());
+        // Under a root that does not exist yet, inside another: walked from the one that does.
+        let nested = Places::new(vec![], vec![root.join("later"), root.clone()]);
+        let d = root.join("later/x");
+        assert!(nested.create_dir("the socket directory", &d).unwrap());
+        assert!(d.is_dir());
     }
 }
