@@ -821,8 +821,8 @@ pub enum ImageError {
     },
     /// `possum.json` has no check: it cannot be told from an edited one.
     #[error(
-        "{} has no check (`check`): every image possum writes has one, so this description was \
-         edited or not written by possum, and is refused",
+        "{} has no check (`check`): every image possum writes has one, so this description is \
+         corrupt, edited or not possum's, and is refused",
         path.display()
     )]
     NoCheck {
