@@ -374,6 +374,39 @@ fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     );
 }
 
+/// `--hmac-key`: the complete image gets its possum.hmac under the key, which authenticates
+/// it; a key that is not one refuses the checkpoint before anything is done.
+#[test]
+fn a_checkpoint_with_a_key_authenticates_its_image() {
+    let tmp = tempfile::tempdir().unwrap();
+    let job = fake_job(tmp.path(), false);
+    let img = tmp.path().join("img");
+    let key = tmp.path().join("key");
+    std::fs::write(&key, "too short").unwrap();
+    let checkpoint = || {
+        possum()
+            .args(["checkpoint", &me(), "--gpu-only", "--socket-dir"])
+            .arg(&job.sockets)
+            .arg("-D")
+            .arg(&img)
+            .arg("--hmac-key")
+            .arg(&key)
+            .output()
+            .unwrap()
+    };
+    let out = checkpoint();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("holds 9 bytes"), "{}", text(&out));
+    assert!(!img.exists() && job.seen.lock().unwrap().is_empty());
+    std::fs::write(&key, [5u8; 48]).unwrap();
+    let out = checkpoint();
+    assert!(out.status.success(), "{}", text(&out));
+    let k = possum_sequence::auth::HmacKey::read(&key).unwrap();
+    possum_sequence::auth::verify(&img, &k).unwrap();
+    std::fs::write(img.join("gpu/extra"), "x").unwrap();
+    assert!(possum_sequence::auth::verify(&img, &k).is_err());
+}
+
 #[test]
 fn a_failed_release_is_undone_and_leaves_no_image() {
     let tmp = tempfile::tempdir().unwrap();
@@ -476,10 +509,15 @@ fn restore_names_what_is_wrong_with_an_image() {
     std::fs::write(img.join("possum.json"), "{\"possum_image\": 1, \"engi").unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("is corrupt"), "{}", text(&out));
-    let m = json!({"possum_image": 1, "engine": "driver", "pid": 1, "shell_job": false,
+    let m = json!({"possum_image": 1, "engine": "driver", "pid": free_pid(), "shell_job": false,
                    "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
                    "figures": null});
+    // Without its check, a description is refused whatever it says.
     std::fs::write(img.join("possum.json"), m.to_string()).unwrap();
+    let out = restore(&img);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("has no check"), "{}", text(&out));
+    std::fs::write(img.join("possum.json"), sealed(&m)).unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("partial"), "{}", text(&out));
     let mut m2 = m.clone();
@@ -487,6 +525,18 @@ fn restore_names_what_is_wrong_with_an_image() {
     std::fs::write(img.join("possum.json"), m2.to_string()).unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("image format 99"), "{}", text(&out));
+}
+
+/// `possum.json`'s text for the description `m`, with its check.
+fn sealed(m: &Value) -> String {
+    possum_sequence::image::manifest_text(&serde_json::from_value(m.clone()).unwrap()).unwrap()
+}
+
+/// A PID that is free: a reaped child's.
+fn free_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    c.wait().unwrap();
+    c.id()
 }
 
 /// A stand-in for nvidia-smi answering the two queries possum makes.
@@ -517,10 +567,11 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
     let mut c = Command::new("true").spawn().unwrap();
     c.wait().unwrap();
     let m = |uuid: &str| {
-        json!({"possum_image": 1, "engine": "driver", "pid": c.id(), "shell_job": false,
-               "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
-               "gpu_memory": [{"uuid": uuid, "mib": 9000}], "figures": null})
-        .to_string()
+        sealed(
+            &json!({"possum_image": 1, "engine": "driver", "pid": c.id(), "shell_job": false,
+                   "socket_dir": "/tmp", "created": 0, "criu_dir": "criu", "gpu_dir": null,
+                   "gpu_memory": [{"uuid": uuid, "mib": 9000}], "figures": null}),
+        )
     };
     let restore_on = |smi: &Path, device: Option<&str>| {
         let mut c = possum();
@@ -594,7 +645,7 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
     kept["engine"] = json!("possum");
     kept["gpu_dir"] = json!("gpu");
     kept["keeper"] = json!({"dir": tmp.path().join("no-keeper")});
-    std::fs::write(img.join("possum.json"), kept.to_string()).unwrap();
+    std::fs::write(img.join("possum.json"), sealed(&kept)).unwrap();
     let out = restore(&fake_smi(tmp.path(), 9005));
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let t = text(&out);

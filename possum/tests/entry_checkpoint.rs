@@ -266,7 +266,9 @@ fn finish_restored(job: &mut Job) {
 
 fn possum(dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
-    c.env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
+    // The jobs' socket directory is possum's too (a restore removes a stale socket only there).
+    c.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
         .env("FAKE_CKPT_IN_PROCESS", "1")
         .env_remove("LD_PRELOAD");
     c

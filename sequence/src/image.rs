@@ -65,7 +65,8 @@ pub struct Manifest {
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
-    /// a change that leaves valid JSON is caught too. Absent in images of earlier versions.
+    /// a change that leaves valid JSON is caught too. Every image possum writes has it; a
+    /// restore refuses a description without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
 }
@@ -158,6 +159,319 @@ pub fn manifest_text(m: &Manifest) -> serde_json::Result<String> {
         ..m.clone()
     };
     serde_json::to_string_pretty(&checked)
+}
+
+/// The largest `possum.json` read (its lists are bounded far below this).
+pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+/// At most this many processes in each list of a job's tree.
+pub const MAX_PROCESSES: usize = 4096;
+/// At most this many GPUs.
+pub const MAX_GPUS: usize = 64;
+/// At most this many directories of the tree's sockets.
+pub const MAX_SOCKET_DIRS: usize = 1024;
+/// At most this many MiB of GPU memory per GPU (1 PiB).
+pub const MAX_GPU_MIB: u64 = 1 << 30;
+/// The longest string field (a GPU UUID, `CUDA_VISIBLE_DEVICES`, a pipe's name).
+pub const MAX_TEXT: usize = 4096;
+
+/// What in a `possum.json` a restore must not act on ([`Manifest::validate`]).
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidManifest {
+    /// A path inside the image that is absolute.
+    #[error("{field} is {value:?}: a path inside the image must be relative")]
+    Absolute {
+        /// The field.
+        field: String,
+        /// Its value.
+        value: String,
+    },
+    /// A path inside the image with `..` (or `.`, or empty).
+    #[error("{field} is {value:?}: a path inside the image is plain names, without `..` or `.`")]
+    NotPlain {
+        /// The field.
+        field: String,
+        /// Its value.
+        value: String,
+    },
+    /// A path inside the image that resolves (through a symbolic link) to somewhere else.
+    #[error("{field} ({}) leads outside the image, to {}", path.display(), resolved.display())]
+    Outside {
+        /// The field.
+        field: String,
+        /// The path in the image.
+        path: PathBuf,
+        /// Where it leads.
+        resolved: PathBuf,
+    },
+    /// A host path (a socket or keeper directory) that is relative or not normalized.
+    #[error("{field} is {}: a directory of the host must be an absolute path without `..` or `.`", value.display())]
+    HostPath {
+        /// The field.
+        field: String,
+        /// Its value.
+        value: PathBuf,
+    },
+    /// A PID that names no single ordinary process (≤ 1: a group, init, every process).
+    #[error("{field} is {pid}: a process of a job has a PID greater than 1")]
+    Pid {
+        /// The field.
+        field: String,
+        /// Its value.
+        pid: i32,
+    },
+    /// possum's own PID or its parent's.
+    #[error("{field} is {pid}: that is this possum process or its parent")]
+    OwnPid {
+        /// The field.
+        field: String,
+        /// Its value.
+        pid: i32,
+    },
+    /// A list longer than any job has.
+    #[error("{field} has {n} entries: at most {max}")]
+    TooMany {
+        /// The field.
+        field: &'static str,
+        /// Its length.
+        n: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// A number or string larger than any possum writes.
+    #[error("{field} is too large ({value}; at most {max})")]
+    TooLarge {
+        /// The field.
+        field: String,
+        /// Its value (a string's length).
+        value: u64,
+        /// The bound.
+        max: u64,
+    },
+    /// A standard descriptor that is not one.
+    #[error("stdio_pipes names descriptor {0}: only the standard descriptors 0, 1 and 2 are")]
+    NotStdio(i32),
+}
+
+impl Manifest {
+    /// Checks everything a restore acts on before it acts on any of it: the paths inside the
+    /// image (`criu_dir`, `gpu_dir`, each `gpu-PID/` of `possum_children`, the `gpu-N/` images
+    /// in them) are plain relative names that stay inside `dir` once symbolic links are
+    /// resolved; the host directories (`socket_dir`, `socket_dirs`, `keeper.dir`) are absolute
+    /// and normalized (where a restore may act in them is its own rule); every PID is > 1 and
+    /// neither possum's nor its parent's; lists, sizes and strings are bounded.
+    pub fn validate(&self, dir: &Path) -> Result<(), InvalidManifest> {
+        self.validate_bounds()?;
+        let me = std::process::id() as i32;
+        let parent = nix::unistd::getppid().as_raw();
+        let pids = std::iter::once(("pid".to_string(), self.pid))
+            .chain(
+                self.cuda_children
+                    .iter()
+                    .map(|&p| ("cuda_children".into(), p)),
+            )
+            .chain(
+                self.possum_children
+                    .iter()
+                    .map(|&p| ("possum_children".into(), p)),
+            )
+            .chain(self.held.iter().map(|h| ("held.pid".into(), h.pid)));
+        for (field, pid) in pids {
+            if pid <= 1 {
+                return Err(InvalidManifest::Pid { field, pid });
+            }
+            if pid == me || pid == parent {
+                return Err(InvalidManifest::OwnPid { field, pid });
+            }
+        }
+        // `socket_dir` may be relative (as `--socket-dir` was given): it is used for nothing
+        // destructive unless it is one of possum's socket directories.
+        if !is_host_path(&self.socket_dir) && !is_plain_relative(&self.socket_dir) {
+            return Err(InvalidManifest::HostPath {
+                field: "socket_dir".into(),
+                value: self.socket_dir.clone(),
+            });
+        }
+        let host = (self.socket_dirs.iter().map(|d| ("socket_dirs", d)))
+            .chain(self.keeper.iter().map(|k| ("keeper.dir", &k.dir)));
+        for (field, d) in host {
+            if !is_host_path(d) {
+                return Err(InvalidManifest::HostPath {
+                    field: field.into(),
+                    value: d.clone(),
+                });
+            }
+        }
+        let root = dir.canonicalize().map_err(|_| InvalidManifest::Outside {
+            field: "the image directory".into(),
+            path: dir.to_path_buf(),
+            resolved: PathBuf::new(),
+        })?;
+        let mut gpu_dirs = Vec::new();
+        if let Some(c) = &self.criu_dir {
+            inside(&root, dir, "criu_dir", c)?;
+        }
+        if let Some(g) = &self.gpu_dir {
+            gpu_dirs.push(("gpu_dir".to_string(), inside(&root, dir, "gpu_dir", g)?));
+        }
+        for &c in &self.possum_children {
+            let field = format!("possum_children ({})", child_gpu_dir(c));
+            gpu_dirs.push((
+                field.clone(),
+                inside(&root, dir, &field, &child_gpu_dir(c))?,
+            ));
+        }
+        // Each device's image in them too (the engine then opens only plain names in it).
+        for (field, g) in gpu_dirs {
+            let Ok(rd) = fs::read_dir(&g) else { continue };
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                inside(&root, &g, &format!("{field}/{name}"), &name)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bounds on lists, numbers and strings.
+    fn validate_bounds(&self) -> Result<(), InvalidManifest> {
+        let lists = [
+            ("cuda_children", self.cuda_children.len(), MAX_PROCESSES),
+            ("possum_children", self.possum_children.len(), MAX_PROCESSES),
+            ("gpu_memory", self.gpu_memory.len(), MAX_GPUS),
+            ("held", self.held.len(), MAX_PROCESSES * MAX_GPUS),
+            ("socket_dirs", self.socket_dirs.len(), MAX_SOCKET_DIRS),
+            ("stdio_pipes", self.stdio_pipes.len(), 3),
+        ];
+        for (field, n, max) in lists {
+            if n > max {
+                return Err(InvalidManifest::TooMany { field, n, max });
+            }
+        }
+        let too_large = |field: &str, value: u64, max: u64| {
+            (value > max).then(|| InvalidManifest::TooLarge {
+                field: field.to_string(),
+                value,
+                max,
+            })
+        };
+        let text = |field: &str, t: &str| too_large(field, t.len() as u64, MAX_TEXT as u64);
+        for g in &self.gpu_memory {
+            if let Some(e) = too_large("gpu_memory.mib", g.mib, MAX_GPU_MIB)
+                .or_else(|| text("gpu_memory.uuid", &g.uuid))
+            {
+                return Err(e);
+            }
+        }
+        for h in &self.held {
+            if let Some(e) = too_large("held.device", h.device as u64, MAX_GPUS as u64 - 1) {
+                return Err(e);
+            }
+        }
+        for (fd, key) in &self.stdio_pipes {
+            if !(0..=2).contains(fd) {
+                return Err(InvalidManifest::NotStdio(*fd));
+            }
+            if let Some(e) = text("stdio_pipes", key) {
+                return Err(e);
+            }
+        }
+        let strings = (self.keeper.iter())
+            .filter_map(|k| k.cuda_visible_devices.as_deref())
+            .map(|v| ("keeper.cuda_visible_devices", v))
+            .chain(self.criu_dir.as_deref().map(|c| ("criu_dir", c)))
+            .chain(self.gpu_dir.as_deref().map(|g| ("gpu_dir", g)));
+        for (field, v) in strings {
+            if let Some(e) = text(field, v) {
+                return Err(e);
+            }
+        }
+        let paths = std::iter::once(&self.socket_dir)
+            .chain(&self.socket_dirs)
+            .chain(self.keeper.iter().map(|k| &k.dir));
+        for p in paths {
+            if let Some(e) = too_large("a directory", p.as_os_str().len() as u64, MAX_TEXT as u64) {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `p` is absolute and normalized: `/` and plain names, no `..` or `.`.
+fn is_host_path(p: &Path) -> bool {
+    use std::path::Component;
+    let mut c = p.components();
+    c.next() == Some(Component::RootDir) && c.all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// Whether `p` is plain names (no `/` at the start, no `..` or `.`).
+fn is_plain_relative(p: &Path) -> bool {
+    use std::path::Component;
+    p.components().next().is_some() && p.components().all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// `dir/value` for the image's field `field`: `value` plain relative names, and (if it exists)
+/// resolving inside `root` (the image directory, resolved).
+fn inside(root: &Path, dir: &Path, field: &str, value: &str) -> Result<PathBuf, InvalidManifest> {
+    use std::path::Component;
+    let rel = Path::new(value);
+    if rel.is_absolute() {
+        return Err(InvalidManifest::Absolute {
+            field: field.into(),
+            value: value.into(),
+        });
+    }
+    if value.is_empty() || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(InvalidManifest::NotPlain {
+            field: field.into(),
+            value: value.into(),
+        });
+    }
+    let path = dir.join(rel);
+    if fs::symlink_metadata(&path).is_err() {
+        // Nothing there: what needs it says it is missing.
+        return Ok(path);
+    }
+    match path.canonicalize() {
+        Ok(resolved) if resolved.starts_with(root) => Ok(path),
+        resolved => Err(InvalidManifest::Outside {
+            field: field.into(),
+            resolved: resolved
+                .or_else(|_| fs::read_link(&path))
+                .unwrap_or_default(),
+            path,
+        }),
+    }
+}
+
+/// Why a bounded read failed.
+enum Bounded {
+    Io(std::io::Error),
+    Large(u64),
+}
+
+/// The bytes of `path`, refused past [`MAX_MANIFEST_BYTES`] (before anything is allocated for
+/// them).
+fn read_bounded(path: &Path) -> Result<Vec<u8>, Bounded> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Non-blocking: a FIFO in its place must not hang the restore.
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(Bounded::Io)?;
+    if !f.metadata().map_err(Bounded::Io)?.is_file() {
+        return Err(Bounded::Io(std::io::Error::other("not a regular file")));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_MANIFEST_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(Bounded::Io)?;
+    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+        let len = fs::metadata(path).map_or(bytes.len() as u64, |m| m.len());
+        return Err(Bounded::Large(len));
+    }
+    Ok(bytes)
 }
 
 /// GPU memory used by a process on one GPU.
@@ -497,6 +811,32 @@ pub enum ImageError {
         #[source]
         source: serde_json::Error,
     },
+    /// `possum.json` is larger than any possum writes.
+    #[error("{} is corrupt: {len} bytes (a possum image's description is at most {MAX_MANIFEST_BYTES})", path.display())]
+    TooLarge {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+        /// Its length.
+        len: u64,
+    },
+    /// `possum.json` has no check: it cannot be told from an edited one.
+    #[error(
+        "{} has no check (`check`): every image possum writes has one, so this description is \
+         corrupt, edited or not possum's, and is refused",
+        path.display()
+    )]
+    NoCheck {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+    },
+    /// `possum.json` names something a restore must not act on.
+    #[error("{} is refused: {why}", path.display())]
+    Invalid {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+        /// What is wrong.
+        why: InvalidManifest,
+    },
     /// `possum.json` was changed after it was written.
     #[error(
         "{} is corrupt: its content does not match its check (changed after it was written)",
@@ -540,7 +880,8 @@ pub enum ImageError {
     GpuImage(anyhow::Error),
 }
 
-/// Reads and checks `DIR/possum.json` and what it names.
+/// Reads and checks `DIR/possum.json` and what it names: its format version, its check (which
+/// it must have) and [`Manifest::validate`], before anything it names is used.
 pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
     if !dir.exists() {
         return Err(ImageError::NoDirectory {
@@ -548,34 +889,44 @@ pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
         });
     }
     let path = dir.join(MANIFEST);
-    let bytes = fs::read(&path).map_err(|source| ImageError::NoManifest {
-        dir: dir.to_path_buf(),
-        source,
+    let bytes = read_bounded(&path).map_err(|e| match e {
+        Bounded::Io(source) => ImageError::NoManifest {
+            dir: dir.to_path_buf(),
+            source,
+        },
+        Bounded::Large(len) => ImageError::TooLarge {
+            path: path.clone(),
+            len,
+        },
     })?;
     let m: Manifest = serde_json::from_slice(&bytes).map_err(|source| ImageError::Unreadable {
         path: path.clone(),
         source,
     })?;
-    if let Some(check) = &m.check {
-        let unreadable = |source| ImageError::Unreadable {
-            path: path.clone(),
-            source,
-        };
-        if *check != manifest_check(&m).map_err(unreadable)? {
-            return Err(ImageError::CheckMismatch { path });
-        }
-    }
     if m.possum_image != MANIFEST_VERSION {
         return Err(ImageError::Version {
             path,
             version: m.possum_image,
         });
     }
+    let Some(check) = &m.check else {
+        return Err(ImageError::NoCheck { path });
+    };
+    let unreadable = |source| ImageError::Unreadable {
+        path: path.clone(),
+        source,
+    };
+    if *check != manifest_check(&m).map_err(unreadable)? {
+        return Err(ImageError::CheckMismatch { path });
+    }
     let Some(criu_dir) = &m.criu_dir else {
         return Err(ImageError::GpuOnly {
             dir: dir.to_path_buf(),
         });
     };
+    if let Err(why) = m.validate(dir) {
+        return Err(ImageError::Invalid { path, why });
+    }
     let criu = dir.join(criu_dir);
     if !criu.join("inventory.img").is_file() {
         return Err(ImageError::CriuPartial { criu });
@@ -695,6 +1046,147 @@ mod tests {
         assert!(e
             .to_string()
             .contains(&empty.join(MANIFEST).display().to_string()));
+    }
+
+    /// A description of a job in `dir`, its CRIU images there.
+    fn manifest(dir: &Path) -> Manifest {
+        fs::create_dir_all(dir.join("criu")).unwrap();
+        fs::write(dir.join("criu/inventory.img"), "x").unwrap();
+        Manifest {
+            possum_image: MANIFEST_VERSION,
+            engine: Engine::Driver,
+            pid: 4242,
+            shell_job: false,
+            socket_dir: "/tmp/possum".into(),
+            created: 0,
+            criu_dir: Some("criu".into()),
+            gpu_dir: None,
+            gpu_memory: Vec::new(),
+            cuda_children: Vec::new(),
+            possum_children: Vec::new(),
+            socket_dirs: Vec::new(),
+            stdio_pipes: Vec::new(),
+            keeper: None,
+            held: Vec::new(),
+            figures: Value::Null,
+            check: None,
+        }
+    }
+
+    /// `open_image`'s verdict on `m` written with its check.
+    fn open_sealed(dir: &Path, m: &Manifest) -> Result<Image, ImageError> {
+        fs::write(dir.join(MANIFEST), manifest_text(m).unwrap()).unwrap();
+        open_image(dir)
+    }
+
+    #[test]
+    fn a_description_without_its_check_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = manifest(tmp.path());
+        open_sealed(tmp.path(), &m).unwrap();
+        fs::write(
+            tmp.path().join(MANIFEST),
+            serde_json::to_string(&m).unwrap(),
+        )
+        .unwrap();
+        let e = open_image(tmp.path()).unwrap_err();
+        assert!(matches!(e, ImageError::NoCheck { .. }), "{e:?}");
+        assert!(e.to_string().contains("has no check"), "{e}");
+    }
+
+    #[test]
+    fn pids_that_are_not_a_single_process_of_a_job_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let me = std::process::id() as i32;
+        let parent = nix::unistd::getppid().as_raw();
+        for pid in [-1, 0, 1, me, parent, i32::MIN] {
+            let mut m = manifest(tmp.path());
+            m.pid = pid;
+            let e = open_sealed(tmp.path(), &m).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    ImageError::Invalid {
+                        why: InvalidManifest::Pid { .. } | InvalidManifest::OwnPid { .. },
+                        ..
+                    }
+                ),
+                "{pid}: {e:?}"
+            );
+            let mut m = manifest(tmp.path());
+            m.cuda_children = vec![77, pid];
+            assert!(open_sealed(tmp.path(), &m).is_err(), "child {pid}");
+            let mut m = manifest(tmp.path());
+            m.possum_children = vec![pid];
+            assert!(open_sealed(tmp.path(), &m).is_err(), "possum child {pid}");
+        }
+    }
+
+    #[test]
+    fn paths_that_leave_the_image_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("img");
+        let outside = tmp.path().join("outside");
+        fs::create_dir_all(outside.join("criu")).unwrap();
+        fs::write(outside.join("criu/inventory.img"), "x").unwrap();
+        let refused = |criu: &str, gpu: Option<&str>| {
+            let mut m = manifest(&img);
+            m.criu_dir = Some(criu.into());
+            m.gpu_dir = gpu.map(Into::into);
+            open_sealed(&img, &m).unwrap_err().to_string()
+        };
+        let e = refused(&outside.join("criu").display().to_string(), None);
+        assert!(e.contains("must be relative"), "{e}");
+        let e = refused("../outside/criu", None);
+        assert!(e.contains("without `..`"), "{e}");
+        let e = refused("criu", Some("/etc"));
+        assert!(
+            e.contains("gpu_dir") && e.contains("must be relative"),
+            "{e}"
+        );
+        std::os::unix::fs::symlink(outside.join("criu"), img.join("link")).unwrap();
+        let e = refused("link", None);
+        assert!(e.contains("leads outside the image"), "{e}");
+        // A device image inside a GPU directory that is a link out.
+        fs::create_dir_all(img.join("gpu")).unwrap();
+        std::os::unix::fs::symlink(&outside, img.join("gpu/gpu-0")).unwrap();
+        let e = refused("criu", Some("gpu"));
+        assert!(e.contains("gpu_dir/gpu-0") && e.contains("outside"), "{e}");
+        // Host directories: absolute and normalized.
+        let mut m = manifest(&img);
+        m.socket_dirs = vec!["/tmp/../etc".into()];
+        let e = open_sealed(&img, &m).unwrap_err().to_string();
+        assert!(e.contains("socket_dirs"), "{e}");
+        let mut m = manifest(&img);
+        m.keeper = Some(KeeperOfJob {
+            dir: "relative/k".into(),
+            cuda_visible_devices: None,
+        });
+        assert!(open_sealed(&img, &m).is_err());
+    }
+
+    #[test]
+    fn lists_and_sizes_are_bounded() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = manifest(tmp.path());
+        m.cuda_children = (2..2 + MAX_PROCESSES as i32 + 1).collect();
+        let e = open_sealed(tmp.path(), &m).unwrap_err().to_string();
+        assert!(e.contains("cuda_children has 4097 entries"), "{e}");
+        let mut m = manifest(tmp.path());
+        m.gpu_memory = vec![GpuUse {
+            uuid: "GPU-x".into(),
+            mib: u64::MAX,
+        }];
+        let e = open_sealed(tmp.path(), &m).unwrap_err().to_string();
+        assert!(e.contains("gpu_memory.mib is too large"), "{e}");
+        let mut m = manifest(tmp.path());
+        m.stdio_pipes = vec![(9, "pipe:[1]".into())];
+        assert!(open_sealed(tmp.path(), &m).is_err());
+        // A description larger than any possum writes is not even parsed.
+        let f = fs::File::create(tmp.path().join(MANIFEST)).unwrap();
+        f.set_len(MAX_MANIFEST_BYTES + 1).unwrap();
+        let e = open_image(tmp.path()).unwrap_err();
+        assert!(matches!(e, ImageError::TooLarge { .. }), "{e:?}");
     }
 
     #[test]

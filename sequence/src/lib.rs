@@ -33,8 +33,11 @@
 //!   complete; nothing is fsynced while the job is held (the **report** does it after).
 //! - A kept checkpoint (a job left running whose memory a keeper holds) copies nothing while
 //!   held: its buffers are saved after the job runs again, and the image is named after that.
-//! - A restore starts nothing before its checks (the image, the GPUs' room, CRIU's plugin);
-//!   a failure after CRIU's restore kills the restored process; the image is never changed.
+//! - A restore starts nothing before its checks (the image, untrusted: `possum.json`'s check
+//!   and what it names, [`image::Manifest::validate`]; the host paths it names, [`places`];
+//!   the GPUs' room, CRIU's plugin); a failure after CRIU's restore kills the restored process
+//!   through a pidfd verified to be it ([`process::Process::restored`]), never by a PID read
+//!   from a file; the image is never changed.
 //!
 //! Each phase has its error type (`PlanError`, `HoldError` of the pre-copy, cut, freeze and
 //! dump, `ResumeError`, `CommitError`, ...), each message naming what failed; the figures are
@@ -42,6 +45,7 @@
 //! [`CheckpointParams`] and [`RestoreParams`], with the environment read once
 //! ([`Environment::read`]).
 
+pub mod auth;
 pub mod checkpoint;
 pub mod config;
 pub mod figures;
@@ -49,6 +53,7 @@ pub mod guard;
 mod held;
 pub mod image;
 pub mod job;
+pub mod places;
 pub mod process;
 pub mod restore;
 mod stage;

@@ -10,26 +10,191 @@ use anyhow::{bail, Context, Result};
 
 /// Whether process `pid` exists and is not a zombie.
 pub fn alive(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(false)
+    pid > 0 && stat_of(pid).is_some_and(|s| s.state != 'Z')
 }
 
-/// SIGKILLs process `pid` and waits (bounded) until it is gone.
-pub fn kill_job(pid: i32) -> nix::Result<()> {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )?;
-    let t = Instant::now();
-    while alive(pid) && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(5));
+/// What `/proc/PID/stat` says of a process: its state and when it started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProcStat {
+    /// The state letter (`R`, `S`, `Z`, ...).
+    state: char,
+    /// When it started, in clock ticks since boot.
+    start_ticks: u64,
+}
+
+/// `/proc/PID/stat` of process `pid`, if it exists.
+fn stat_of(pid: i32) -> Option<ProcStat> {
+    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: fields are counted
+    // after its last `)`. Field 3 is the state, 22 the start time.
+    let (_, rest) = s.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(ProcStat {
+        state: fields.first()?.chars().next()?,
+        start_ticks: fields.get(19)?.parse().ok()?,
+    })
+}
+
+/// The boot-time clock now, in the clock ticks `/proc/PID/stat` counts start times in.
+pub fn boot_ticks_now() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+    let hz = rustix::param::clock_ticks_per_second();
+    let ns = (t.tv_sec as u128) * 1_000_000_000 + t.tv_nsec as u128;
+    (ns * hz as u128 / 1_000_000_000) as u64
+}
+
+/// Why a process is not one possum may signal.
+#[derive(Debug, thiserror::Error)]
+pub enum SignalError {
+    /// PIDs 0, 1 and negative ones name a group, init or every process.
+    #[error("refusing to signal process {0}: not a single ordinary process")]
+    NotAProcess(i32),
+    /// possum itself or its parent.
+    #[error("refusing to signal process {0}: possum's own process or its parent")]
+    Possum(i32),
+    /// No such process (any more).
+    #[error("process {pid} cannot be opened")]
+    Open {
+        /// The process.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another PID than the job's (CRIU restores a job under its old PID).
+    #[error(
+        "process {pid} is not the job's PID {job}: it is not the restored job, and is left alone"
+    )]
+    NotTheJob {
+        /// The process.
+        pid: i32,
+        /// The job's PID.
+        job: i32,
+    },
+    /// It started before the moment given: not the process that was meant.
+    #[error(
+        "process {pid} started before the restore began (at tick {started}, the restore at \
+         {since}): it is not the restored process, and is left alone"
+    )]
+    Older {
+        /// The process.
+        pid: i32,
+        /// Its start, in clock ticks since boot.
+        started: u64,
+        /// The moment it had to start after.
+        since: u64,
+    },
+    /// The signal could not be sent.
+    #[error("signalling process {pid}")]
+    Send {
+        /// The process.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A process held by a pidfd: a signal sent through it reaches that process or none (never
+/// another that took its PID since).
+#[derive(Debug)]
+pub struct Process {
+    pid: i32,
+    fd: std::os::fd::OwnedFd,
+}
+
+impl Process {
+    /// Opens process `pid`: a single ordinary process (PID > 1), neither possum nor its parent.
+    pub fn open(pid: i32) -> Result<Process, SignalError> {
+        if pid <= 1 {
+            return Err(SignalError::NotAProcess(pid));
+        }
+        let me = std::process::id() as i32;
+        let parent = rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get());
+        if pid == me || pid == parent {
+            return Err(SignalError::Possum(pid));
+        }
+        let raw = rustix::process::Pid::from_raw(pid).ok_or(SignalError::NotAProcess(pid))?;
+        let fd = rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()).map_err(
+            |e| SignalError::Open {
+                pid,
+                source: e.into(),
+            },
+        )?;
+        Ok(Process { pid, fd })
     }
-    Ok(())
+
+    /// Opens the process CRIU reports as restored, `pid`, and verifies that it is the job
+    /// `job`: the same PID (CRIU restores a job under its old one), started at or after `since`
+    /// (clock ticks since boot, [`boot_ticks_now`] taken before CRIU's restore began), which a
+    /// process that held the PID before cannot have. Read after the pidfd is open, so that the
+    /// process checked is the one held (or, if it has ended since, the pidfd reaches nothing).
+    pub fn restored(pid: i32, job: i32, since: u64) -> Result<Process, SignalError> {
+        if pid != job {
+            return Err(SignalError::NotTheJob { pid, job });
+        }
+        let p = Process::open(pid)?;
+        let stat = stat_of(pid).ok_or_else(|| SignalError::Open {
+            pid,
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        })?;
+        if stat.start_ticks < since {
+            return Err(SignalError::Older {
+                pid,
+                started: stat.start_ticks,
+                since,
+            });
+        }
+        Ok(p)
+    }
+
+    /// Its PID.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// SIGKILLs it through its pidfd and waits (bounded) until it has ended.
+    pub fn kill(&self) -> Result<(), SignalError> {
+        use rustix::event::{poll, PollFd, PollFlags};
+        match rustix::process::pidfd_send_signal(&self.fd, rustix::process::Signal::KILL) {
+            Ok(()) => {}
+            // Ended already.
+            Err(rustix::io::Errno::SRCH) => return Ok(()),
+            Err(e) => {
+                return Err(SignalError::Send {
+                    pid: self.pid,
+                    source: e.into(),
+                })
+            }
+        }
+        // A pidfd reads ready once its process has ended.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            let mut fds = [PollFd::new(&self.fd, PollFlags::IN)];
+            let ms = rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 100_000_000,
+            };
+            match poll(&mut fds, Some(&ms)) {
+                Ok(n) if n > 0 => return Ok(()),
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(_) => break,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// SIGKILLs process `pid` (through a pidfd, never a PID of 1 or less, nor possum or its parent)
+/// and waits (bounded) until it is gone.
+pub fn kill_job(pid: i32) -> nix::Result<()> {
+    let errno = |e: SignalError| match e {
+        SignalError::Open { source, .. } | SignalError::Send { source, .. } => {
+            nix::errno::Errno::from_raw(source.raw_os_error().unwrap_or(nix::libc::ESRCH))
+        }
+        _ => nix::errno::Errno::EPERM,
+    };
+    Process::open(pid).and_then(|p| p.kill()).map_err(errno)
 }
 
 /// Why the lock of a process's checkpoint could not be had.
@@ -125,4 +290,52 @@ pub fn start_keeper(
     let _ = child.kill();
     let _ = child.wait();
     bail!(failed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_group_init_or_possum_is_ever_opened_for_a_signal() {
+        let me = std::process::id() as i32;
+        let parent = nix::unistd::getppid().as_raw();
+        for pid in [i32::MIN, -1, 0, 1] {
+            assert!(
+                matches!(Process::open(pid), Err(SignalError::NotAProcess(p)) if p == pid),
+                "{pid}"
+            );
+            assert!(kill_job(pid).is_err(), "{pid}");
+        }
+        for pid in [me, parent] {
+            assert!(matches!(Process::open(pid), Err(SignalError::Possum(_))));
+        }
+    }
+
+    /// A process that started before the restore began is not taken for the restored one (and
+    /// is not signalled); one started after is, and is killed through its pidfd.
+    #[test]
+    fn only_a_process_started_after_the_mark_is_taken_for_the_restored_one() {
+        let mut before = Command::new("sleep").arg("100").spawn().unwrap();
+        // At least one clock tick (10 ms at 100 Hz) between its start and the mark.
+        std::thread::sleep(Duration::from_millis(50));
+        let since = boot_ticks_now();
+        let b = before.id() as i32;
+        let e = Process::restored(b, b, since).unwrap_err();
+        assert!(matches!(e, SignalError::Older { .. }), "{e:?}");
+        assert!(before.try_wait().unwrap().is_none(), "left alone");
+        let mut after = Command::new("sleep").arg("100").spawn().unwrap();
+        let a = after.id() as i32;
+        let e = Process::restored(a, b, since).unwrap_err();
+        assert!(matches!(e, SignalError::NotTheJob { .. }), "{e:?}");
+        let p = Process::restored(a, a, since).unwrap();
+        assert_eq!(p.pid(), after.id() as i32);
+        p.kill().unwrap();
+        let status = after.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(9));
+        assert!(before.try_wait().unwrap().is_none(), "the other still runs");
+        before.kill().unwrap();
+        before.wait().unwrap();
+    }
 }

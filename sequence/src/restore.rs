@@ -1,7 +1,6 @@
 //! The restore sequence: [`restore`] and its phases (see the crate's documentation).
 
 use std::fs;
-use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -18,7 +17,8 @@ use crate::image::{
     open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, KeptBuffers, UuidPairs,
 };
 use crate::job::ask;
-use crate::process::{alive, kill_job};
+use crate::places::{PlaceError, Places};
+use crate::process::{alive, boot_ticks_now, Process, SignalError};
 use crate::stage::{self, StageReport, Staging};
 use crate::{Engine, Observer, ResumeError};
 
@@ -35,6 +35,9 @@ pub struct RestoreParams {
     pub possum_exe: PathBuf,
     /// What the environment says.
     pub env: Environment,
+    /// `--hmac-key`: the image must be authenticated under this key ([`crate::auth`]), checked
+    /// before anything else of it is read.
+    pub hmac_key: Option<crate::auth::HmacKey>,
 }
 
 /// A restore made: what the command prints.
@@ -78,6 +81,12 @@ pub struct RestoreReport {
 /// restored process; the image is never changed. `obs` is told what the user should know.
 pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreReport, RestoreError> {
     let t_all = Instant::now();
+    if let Some(key) = &p.hmac_key {
+        if !p.dir.exists() {
+            return Err(ImageError::NoDirectory { dir: p.dir.clone() }.into());
+        }
+        crate::auth::verify(&p.dir, key)?;
+    }
     let img = open_image(&p.dir)?;
     let m = &img.manifest;
     if alive(m.pid) {
@@ -89,7 +98,7 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
         ..RestoreFigures::default()
     };
     let (mut staging, stage_skipped) = begin_staging(p, &img, &ready, &mut figures);
-    criu_restore(&ready, &mut staging, &mut figures)?;
+    let job = criu_restore(&ready, m.pid, &mut staging, &mut figures)?;
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
     // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
@@ -102,8 +111,9 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
     let resumed = match resume(p, &img, &ready, &mut figures) {
         Ok(r) => r,
         Err(source) => {
-            // A half-restored job is of no use to anyone: it must not linger, locked.
-            let _ = kill_job(m.pid);
+            // A half-restored job is of no use to anyone: it must not linger, locked. Killed
+            // through the pidfd of the process CRIU restored, verified after its restore.
+            let _ = job.kill();
             if let Some(s) = staging {
                 s.abandon();
             }
@@ -111,7 +121,7 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
         }
     };
     let mut report = RestoreReport {
-        pid: m.pid,
+        pid: job.pid(),
         engine: m.engine,
         dir: p.dir.clone(),
         figures,
@@ -138,6 +148,9 @@ pub enum RestoreError {
     /// The image is not one to restore.
     #[error(transparent)]
     Image(#[from] ImageError),
+    /// `--hmac-key`: the image is not authenticated under the key.
+    #[error(transparent)]
+    Auth(#[from] crate::auth::AuthError),
     /// Its PID is taken.
     #[error(
         "process {pid} is running: CRIU restores the job under its old PID, which must be free \
@@ -153,6 +166,16 @@ pub enum RestoreError {
     /// CRIU's restore.
     #[error(transparent)]
     Criu(#[from] CriuError),
+    /// The process CRIU reports as restored is not one possum can verify as the restored job:
+    /// it is left alone (never signalled).
+    #[error("CRIU's restore reported process {pid}, which is not verified as the restored job")]
+    NotRestored {
+        /// The PID CRIU reported.
+        pid: i32,
+        /// Why.
+        #[source]
+        source: SignalError,
+    },
     /// CRIU's restore, twice.
     #[error("CRIU's restore failed twice (first with a keeper started for staging: {first})")]
     CriuTwice {
@@ -204,14 +227,21 @@ pub enum PrepareError {
     /// CRIU's images could not be read.
     #[error(transparent)]
     Split(#[from] possum_criu::hostmem::HostMemError),
-    /// A directory of the tree's sockets could not be made.
-    #[error("creating {} for the job's sockets", dir.display())]
-    SocketDir {
-        /// The directory.
-        dir: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
+    /// A host path the image names, which the restore does not act on (a stale socket that is
+    /// not one, a directory outside possum's places).
+    #[error(transparent)]
+    Place(#[from] PlaceError),
+    /// A file CRIU writes in the image's CRIU directory is not a plain file of the image.
+    #[error(
+        "{} is {kind}: CRIU writes it during the restore, and it must be absent or a plain file \
+         of the image",
+        path.display()
+    )]
+    CriuOutput {
+        /// The file.
+        path: PathBuf,
+        /// What it is.
+        kind: &'static str,
     },
     /// `/dev/null` could not be opened.
     #[error("opening /dev/null for the job's standard descriptors")]
@@ -231,12 +261,16 @@ struct Ready {
     opts: RestoreOptions,
 }
 
-/// Prepare: CRIU and the driver found, the GPUs checked for room (nvidia-smi answers while the
-/// rest is made ready; its verdict still comes before anything is started), the job's old
-/// control sockets removed, the directories of its tree's sockets made again, and its standard
-/// descriptors planned. Nothing of the job is started.
+/// Prepare: the host paths the image names checked ([`HostPlan`]: nothing is done on the host
+/// for an image that names a place possum must not act on), CRIU and the driver found, the GPUs
+/// checked for room (nvidia-smi answers while the rest is made ready; its verdict still comes
+/// before anything is started), the job's old control sockets removed, the directories of its
+/// tree's sockets made again, and its standard descriptors planned. Nothing of the job is
+/// started.
 fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Ready, PrepareError> {
     let m = &img.manifest;
+    // The host directories the image names are used only where possum's own are allowed.
+    let host = HostPlan::check(p, img)?;
     let gpus = (!m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
     // and so does a restore on the job's own GPU unless the keeper still holds them there.
@@ -254,19 +288,21 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     let pairs = plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?;
     let (criu, drv) = (criu?, drv?);
     refuse_split_without_plugin(&img.criu, &criu)?;
-    let sockets = p.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
-    if img.gpu.is_some() {
-        // The killed job's socket files are still there; the restored job listens on them again.
-        for pid in std::iter::once(&m.pid).chain(&m.possum_children) {
-            let _ = fs::remove_file(possum_control::socket_path(&sockets, *pid as u32));
+    // The killed job's socket files are still there; the restored job listens on them again.
+    for s in host.stale {
+        s.remove()?;
+    }
+    let mut recreated = Vec::new();
+    for d in &host.missing_dirs {
+        if host.places.create_dir(SOCKETS_DIR, d)? {
+            recreated.push(d.clone());
         }
     }
-    let recreated = recreate_socket_dirs(&m.socket_dirs)?;
     let stdio = StdioPlan::new(&m.stdio_pipes).map_err(PrepareError::DevNull)?;
     let mut opts = RestoreOptions::new(&img.criu);
+    opts.log_file = host.criu_log;
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
-    opts.log_file = format!("restore-{}.log", std::process::id());
     if let Some(l) = p.env.criu_log_level {
         opts.log_level = l;
     }
@@ -276,7 +312,7 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         drv,
         pairs,
         kept,
-        sockets,
+        sockets: host.sockets,
         recreated,
         stdio,
         opts,
@@ -311,22 +347,84 @@ fn ask_gpus(
     })
 }
 
-/// CRIU binds the tree's unix sockets at their paths again: their directories must exist (a
-/// job that ended, or another machine, may not have them). Those made.
-fn recreate_socket_dirs(dirs: &[PathBuf]) -> Result<Vec<PathBuf>, PrepareError> {
-    let mut recreated = Vec::new();
-    for d in dirs.iter().filter(|d| !d.exists()) {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(d)
-            .map_err(|source| PrepareError::SocketDir {
-                dir: d.clone(),
-                source,
-            })?;
-        recreated.push(d.clone());
+/// The statistics file CRIU writes in its images directory at the end of a restore.
+const CRIU_STATS: &str = "stats-restore";
+
+/// CRIU (as root) creates or truncates its log and statistics in the image's CRIU directory,
+/// following links: each must be absent, or a regular file with no other name (a link, or a
+/// hard link to a file elsewhere, would have CRIU write over that file).
+fn refuse_criu_output_link(path: &Path) -> Result<(), PrepareError> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let kind = if meta.file_type().is_symlink() {
+        "a symbolic link"
+    } else if !meta.file_type().is_file() {
+        "not a regular file"
+    } else if meta.nlink() > 1 {
+        "a file with other names (hard links)"
+    } else {
+        return Ok(());
+    };
+    Err(PrepareError::CriuOutput {
+        path: path.to_path_buf(),
+        kind,
+    })
+}
+
+/// What a restore does on the host for the image, checked before anything is done: the host
+/// directories `possum.json` names are acted on only as [`Places`] allows.
+struct HostPlan {
+    places: Places,
+    /// The job's control socket directory (`--socket-dir`, else the one recorded).
+    sockets: PathBuf,
+    /// The stale control sockets of the job's possum processes, to remove.
+    stale: Vec<crate::places::StaleSocket>,
+    /// The directories of the tree's sockets that are missing, to make (CRIU binds the tree's
+    /// unix sockets at their paths again: a job that ended, or another machine, may not have
+    /// them).
+    missing_dirs: Vec<PathBuf>,
+    /// CRIU's log's name in the image's CRIU directory.
+    criu_log: String,
+}
+
+/// What the directories of the tree's sockets are, in messages.
+const SOCKETS_DIR: &str = "the directory of the job's sockets";
+
+impl HostPlan {
+    fn check(p: &RestoreParams, img: &Image) -> Result<HostPlan, PrepareError> {
+        let m = &img.manifest;
+        let places = Places::of_environment(p.socket_dir.as_deref());
+        if let Some(k) = &m.keeper {
+            places.check_dir("the keeper's directory", &k.dir)?;
+        }
+        let sockets = p.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
+        let mut stale = Vec::new();
+        if img.gpu.is_some() {
+            for pid in std::iter::once(&m.pid).chain(&m.possum_children) {
+                stale.extend(places.stale_socket(&sockets, *pid)?);
+            }
+        }
+        let missing_dirs: Vec<PathBuf> = (m.socket_dirs.iter())
+            .filter(|d| !d.exists())
+            .cloned()
+            .collect();
+        for d in &missing_dirs {
+            places.check_dir(SOCKETS_DIR, d)?;
+        }
+        let criu_log = format!("restore-{}.log", std::process::id());
+        for name in [criu_log.as_str(), CRIU_STATS] {
+            refuse_criu_output_link(&img.criu.join(name))?;
+        }
+        Ok(HostPlan {
+            places,
+            sockets,
+            stale,
+            missing_dirs,
+            criu_log,
+        })
     }
-    Ok(recreated)
 }
 
 /// Stage: the keeper loads the GPU images while CRIU restores the process. The staging, or why
@@ -358,33 +456,40 @@ fn begin_staging(
 }
 
 /// CRIU's restore of the process tree. A keeper started for the staging may hold a PID of the
-/// job's: without it, once more.
+/// job's: without it, once more. The restored root, held by a pidfd once verified to be the
+/// process CRIU restored as the job `job` ([`Process::restored`]): every signal of the restore
+/// goes through it.
 fn criu_restore(
     ready: &Ready,
+    job: i32,
     staging: &mut Option<Staging>,
     figures: &mut RestoreFigures,
-) -> Result<(), RestoreError> {
-    let Err(e) = timed(&mut figures.criu_restore, || {
+) -> Result<Process, RestoreError> {
+    let since = boot_ticks_now();
+    let report = match timed(&mut figures.criu_restore, || {
         ready.criu.restore(&ready.opts)
-    }) else {
-        return Ok(());
+    }) {
+        Ok(r) => r,
+        Err(e) => match staging.take() {
+            Some(s) if s.started_keeper() => {
+                s.abandon();
+                let first = format!("{:#}", anyhow::Error::from(e));
+                timed(&mut figures.criu_restore_again, || {
+                    ready.criu.restore(&ready.opts)
+                })
+                .map_err(|source| RestoreError::CriuTwice { first, source })?
+            }
+            Some(s) => {
+                s.abandon();
+                return Err(e.into());
+            }
+            None => return Err(e.into()),
+        },
     };
-    match staging.take() {
-        Some(s) if s.started_keeper() => {
-            s.abandon();
-            let first = format!("{:#}", anyhow::Error::from(e));
-            timed(&mut figures.criu_restore_again, || {
-                ready.criu.restore(&ready.opts)
-            })
-            .map_err(|source| RestoreError::CriuTwice { first, source })?;
-            Ok(())
-        }
-        Some(s) => {
-            s.abandon();
-            Err(e.into())
-        }
-        None => Err(e.into()),
-    }
+    Process::restored(report.pid, job, since).map_err(|source| RestoreError::NotRestored {
+        pid: report.pid,
+        source,
+    })
 }
 
 /// Starts a keeper where the restored job `pid` looks for its keeper, unless one answers there:

@@ -85,6 +85,11 @@ pub struct CheckpointArgs {
     /// Directory of the job's control socket (default: $POSSUM_SOCKET_DIR, else /tmp/possum).
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
+    /// Authenticate the image with the key in FILE (32 bytes or more, shared with the hosts that
+    /// restore it): once the image is complete, DIR/possum.hmac gets the HMAC-SHA256 of all of
+    /// it, which `possum restore --hmac-key FILE` checks.
+    #[arg(long, value_name = "FILE")]
+    pub hmac_key: Option<PathBuf>,
 }
 
 fn socket_dir_of(a: Option<&PathBuf>) -> PathBuf {
@@ -113,12 +118,24 @@ impl CheckpointArgs {
 /// `possum checkpoint`.
 pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     let params = a.params()?;
+    // Read before anything is done: a key that is not one refuses the checkpoint.
+    let key = (a.hmac_key.as_deref())
+        .map(possum_sequence::auth::HmacKey::read)
+        .transpose()?;
     let mut bar = ProgressBar {
         show: !a.json && std::io::stderr().is_terminal(),
         running: None,
     };
     let report = possum_sequence::checkpoint(&params, &mut bar)?;
     drop(bar);
+    if let Some(key) = &key {
+        possum_sequence::auth::seal(&report.dir, key).with_context(|| {
+            format!(
+                "the image {} is complete but could not be authenticated",
+                report.dir.display()
+            )
+        })?;
+    }
     if a.json {
         println!("{}", serde_json::to_value(&report)?);
     } else {

@@ -24,6 +24,11 @@ pub struct RestoreArgs {
     /// are copied GPU to GPU by the keeper while CRIU restores the job.
     #[arg(long, value_name = "GPU")]
     pub device: Option<u32>,
+    /// Restore only an image authenticated under the key in FILE (checkpointed with the same
+    /// --hmac-key): the whole image is checked against its possum.hmac before anything else of
+    /// it is read, and refused if anything in it changed.
+    #[arg(long, value_name = "FILE")]
+    pub hmac_key: Option<PathBuf>,
 }
 
 /// `possum restore`.
@@ -34,6 +39,9 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         device: a.device,
         possum_exe: std::env::current_exe().context("finding possum's own binary")?,
         env: Environment::read(),
+        hmac_key: (a.hmac_key.as_deref())
+            .map(possum_sequence::auth::HmacKey::read)
+            .transpose()?,
     };
     let report = possum_sequence::restore(&params, &mut Notes)?;
     if a.json {
