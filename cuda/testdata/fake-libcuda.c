@@ -337,6 +337,10 @@ int cuLaunchKernelEx_ptsz(const void* config, void* f, void** params, void** ext
 int cuLaunch(void* f){ return launch(f, 0); }
 int cuLaunchGrid(void* f, int w, int h){ return launch(f, 0); }
 int cuLaunchGridAsync(void* f, int w, int h, void* s){ return launch(f, 0); }
+// CUDA_LAUNCH_PARAMS (7 words): the function first, kernelParams last; each launched in turn.
+int cuLaunchCooperativeKernelMultiDevice(const ull* lp, unsigned n, unsigned f){
+  for(unsigned i=0;i<n;i++){ int r=launch((void*)(uintptr_t)lp[7*i], (void**)(uintptr_t)lp[7*i+6]); if(r) return r; }
+  return 0; }
 int cuGraphLaunch(void* exec, void* s){ return exec? 0 : 400; }
 int cuGraphLaunch_ptsz(void* exec, void* s){ return exec? 0 : 400; }
 int cuFuncGetParamInfo(void* f, size_t i, size_t* off, size_t* size){
