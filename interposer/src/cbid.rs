@@ -321,6 +321,9 @@ const fn opaque_copy(name: &'static str, id: u32, stream: StreamAt) -> Callback 
     cb(name, id, Kind::Copy, Shape::OpaqueOp { stream })
 }
 
+/// `cuLaunchCooperativeKernelMultiDevice`: a launch on several devices at once.
+pub const MULTI_DEVICE_LAUNCH: u32 = 480;
+
 /// Upper bound (exclusive) on the ids in [`CALLBACKS`]; sizes the counter array.
 pub const ID_LIMIT: usize = 1024;
 
@@ -915,6 +918,10 @@ mod tests {
         assert_eq!(id("cuMemAlloc_v2"), 243);
         assert_eq!(id("cuMemCreate"), 549);
         assert_eq!(id("cuStreamCreateWithPriority"), 367);
+        assert_eq!(
+            id("cuLaunchCooperativeKernelMultiDevice"),
+            MULTI_DEVICE_LAUNCH
+        );
     }
 
     #[test]

@@ -92,6 +92,15 @@ struct Foreign {
     write: bool,
 }
 
+/// What an operation touches on other devices than its own.
+#[derive(Clone, Copy)]
+enum Others<'a> {
+    /// These buffers (none, mostly).
+    Listed(&'a [Foreign]),
+    /// Anything: a launch on several devices whose buffers possum does not know.
+    Every,
+}
+
 /// Adds `b` (of device `dev`) to `foreign`, once; written wins over read.
 fn push_foreign(foreign: &mut Vec<Foreign>, dev: usize, b: &Buffer, write: bool) {
     if let Some(f) = foreign.iter_mut().find(|f| f.buf.id() == b.id()) {
@@ -211,7 +220,13 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
                     let name = crate::cbid::lookup(cbid).map_or("?", |c| c.name);
                     format!("operation {name}")
                 });
-                hook(eng, admit(eng, s), s, Access::Opaque, &[], None);
+                // A launch on several devices may write anything on any of them.
+                let others = if cbid == crate::cbid::MULTI_DEVICE_LAUNCH {
+                    Others::Every
+                } else {
+                    Others::Listed(&[])
+                };
+                hook(eng, admit(eng, s), s, Access::Opaque, others, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -427,7 +442,7 @@ fn hook(
     guard: Option<OpGuard<'static, CudaDevice>>,
     stream: u64,
     access: Access<'_>,
-    foreign: &[Foreign],
+    others: Others<'_>,
     validation: Option<validate::Before>,
 ) {
     if let (Some(e), Some(g)) = (eng, &guard) {
@@ -443,7 +458,7 @@ fn hook(
             }
         }
     }
-    let others = hook_foreign(eng, guard.is_some(), stream, foreign);
+    let others = hook_foreign(eng, guard.is_some(), stream, others);
     keep(guard, others, validation);
 }
 
@@ -453,17 +468,25 @@ fn hook(
 /// admitted before any pause, and must not wait for one while holding it), else through the
 /// pause ([`crate::gate::admit`]). While that engine tracks, its buffers are checked on the job's
 /// stream (which it then fences at its T0 too). Returns the guards, kept until the exit callback.
+///
+/// With [`Others::Every`] (an operation that runs on several devices and whose buffers possum
+/// does not know), every other engine takes it as touching all its buffers.
 fn hook_foreign(
     own: Option<&DevEngine>,
     admitted: bool,
     stream: u64,
-    foreign: &[Foreign],
+    others: Others<'_>,
 ) -> Vec<OpGuard<'static, CudaDevice>> {
-    if foreign.is_empty() {
-        return Vec::new();
-    }
+    let foreign = match others {
+        Others::Listed([]) => return Vec::new(),
+        Others::Listed(f) => f,
+        Others::Every => &[],
+    };
     let st = state();
-    let mut devs: Vec<usize> = foreign.iter().map(|f| f.dev).collect();
+    let mut devs: Vec<usize> = match others {
+        Others::Listed(_) => foreign.iter().map(|f| f.dev).collect(),
+        Others::Every => st.engines().iter().map(|e| e.ordinal).collect(),
+    };
     devs.sort_unstable();
     devs.dedup();
     let mut guards = Vec::with_capacity(devs.len());
@@ -484,9 +507,12 @@ fn hook_foreign(
             let (w, r): (Vec<&Foreign>, Vec<&Foreign>) = mine.partition(|f| f.write);
             let writes: Vec<Buffer> = w.into_iter().map(|f| f.buf.clone()).collect();
             let reads: Vec<Buffer> = r.into_iter().map(|f| f.buf.clone()).collect();
-            let access = Access::Known {
-                reads: &reads,
-                writes: &writes,
+            let access = match others {
+                Others::Listed(_) => Access::Known {
+                    reads: &reads,
+                    writes: &writes,
+                },
+                Others::Every => Access::Opaque,
             };
             let _r = Reentry::enter();
             if debug_dirty() {
@@ -867,7 +893,14 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
             let before = (validate_now && !opaque)
                 .then(|| validate::begin(st, eng, model, words))
                 .flatten();
-            hook(eng, guard, stream, access, &m.sets.foreign, before);
+            hook(
+                eng,
+                guard,
+                stream,
+                access,
+                Others::Listed(&m.sets.foreign),
+                before,
+            );
         });
     });
 }
@@ -882,7 +915,14 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
     let guard = admit(eng, stream);
     let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
         c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
-        hook(eng, guard, stream, Access::Opaque, &[], None);
+        hook(
+            eng,
+            guard,
+            stream,
+            Access::Opaque,
+            Others::Listed(&[]),
+            None,
+        );
         return;
     };
     if !resolving(st, guard.as_ref()) {
@@ -945,7 +985,14 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
             sets.access()
         };
         label_op(|| "graph launch".to_string());
-        hook(eng, guard, stream, access, &sets.foreign, None);
+        hook(
+            eng,
+            guard,
+            stream,
+            access,
+            Others::Listed(&sets.foreign),
+            None,
+        );
     });
 }
 
@@ -1019,7 +1066,7 @@ fn copy_like(
             reads: read.map_or(&[], std::slice::from_ref),
             writes: written.map_or(&[], std::slice::from_ref),
         },
-        &foreign,
+        Others::Listed(&foreign),
         None,
     );
 }
@@ -1052,7 +1099,14 @@ fn write_op(
     if !call.write_spans(at, &mut writes, &mut reads) {
         st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
         label_op(|| format!("operation {}", name()));
-        hook(eng, admit(eng, s), s, Access::Opaque, &[], None);
+        hook(
+            eng,
+            admit(eng, s),
+            s,
+            Access::Opaque,
+            Others::Listed(&[]),
+            None,
+        );
         return;
     }
     let guard = admit(eng, s);
@@ -1111,7 +1165,14 @@ fn write_op(
             sets: SetsRef::Once(DagSets::new(&sets.dag_reads, &sets.dag_writes)),
         });
     }
-    hook(eng, guard, s, sets.access(), &sets.foreign, None);
+    hook(
+        eng,
+        guard,
+        s,
+        sets.access(),
+        Others::Listed(&sets.foreign),
+        None,
+    );
 }
 
 /// The managed buffer `r` resolved to, if it belongs to device `dev`.

@@ -219,15 +219,23 @@ fn setup(name: &str) -> Option<PathBuf> {
 
 /// One session around `op NAME`: checkpoint (the pre-copy), the write of 1 (marked: it must be in
 /// the image), release (T0), the write of 2 sent while paused (held: no answer), resume (it goes
-/// on). Checks the image of device `device` holds `want(1)` at `va`.
-fn session(job: &mut Job, ctl: &Ctl, images: &Path, name: &str, device: u32, va: u64, want: u32) {
+/// on). Checks the image of device `device` holds `want(1)` at `va`; returns the release's reply.
+fn session(
+    job: &mut Job,
+    ctl: &Ctl,
+    images: &Path,
+    name: &str,
+    device: u32,
+    va: u64,
+    want: u32,
+) -> Value {
     let r = ctl.ok(&Request::Checkpoint {
         dir: images.to_str().unwrap().to_string(),
     });
     assert_eq!(r["hooks"], true, "{r}");
     job.send(&format!("op {name} 1"));
     job.expect(&format!("did {name}"));
-    ctl.ok(&Request::Release);
+    let released = ctl.ok(&Request::Release);
     job.send(&format!("op {name} 2"));
     job.assert_silent();
     let got = image_word(&images.join(format!("gpu-{device}")), va);
@@ -243,6 +251,7 @@ fn session(job: &mut Job, ctl: &Ctl, images: &Path, name: &str, device: u32, va:
     });
     job.expect(&format!("did {name}"));
     ctl.wait_restored();
+    released
 }
 
 /// Every newly wrapped writing function on one device: marked before T0, held after it.
@@ -296,6 +305,22 @@ fn a_peer_copy_is_marked_on_the_destinations_device() {
         // Device 0's image holds the source's buffers; X is untouched by the copy.
         assert_eq!(image_word(&images.join("gpu-0"), x), 0);
     }
+    // A launch on several devices, whose buffers possum does not know: every device's engine
+    // takes it as writing all its buffers (Z too, on device 1, though this one writes X only).
+    let images = dir.join("images-multi");
+    let r = session(
+        &mut job,
+        &ctl,
+        &images,
+        "cuLaunchCooperativeKernelMultiDevice",
+        0,
+        x,
+        1,
+    );
+    let fin = r["final"].as_array().unwrap();
+    let on = |d: u64| fin.iter().find(|f| f["device"] == d).unwrap()["buffers"].clone();
+    assert_eq!(on(0), 2, "X and Y marked on device 0: {r}");
+    assert_eq!(on(1), 1, "Z marked on device 1: {r}");
     assert_eq!(ctl.hook_errors(), 0);
     job.send("exit");
     job.expect("bye");
