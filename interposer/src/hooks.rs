@@ -24,7 +24,7 @@ use rustc_hash::FxHashMap as HashMap;
 use possum_analyzer::dag::BufRef;
 use possum_analyzer::kernel::{KernelModel, SlotAccess};
 use possum_cuda::introspect;
-use possum_cuda::CudaDevice;
+use possum_cuda::{CudaDevice, CudaStream};
 use possum_engine::{Access, Buffer, OpGuard};
 
 use crate::cbid::{Shape, StreamAt, WriteAt};
@@ -467,7 +467,7 @@ fn hook(
 /// engine's gate is entered: directly when the operation holds its own device's gate (it was
 /// admitted before any pause, and must not wait for one while holding it), else through the
 /// pause ([`crate::gate::admit`]). While that engine tracks, its buffers are checked on the job's
-/// stream (which it then fences at its T0 too). Returns the guards, kept until the exit callback.
+/// stream. Returns the guards, kept until the exit callback.
 ///
 /// With [`Others::Every`] (an operation that runs on several devices and whose buffers possum
 /// does not know), every other engine takes it as touching all its buffers.
@@ -518,7 +518,16 @@ fn hook_foreign(
             if debug_dirty() {
                 log_newly_dirty(&access);
             }
-            if let Err(err) = e.with_stream(stream, |s| g.check(s, access)) {
+            // The job's stream as its own device's engine knows it: the other engine makes it
+            // wait for its copies (an event of one device waited for on another's stream), but
+            // does not take it among the streams it fences (an event is recorded only on a
+            // stream of its own context).
+            let check = |s: &CudaStream| g.check(s, access);
+            let r = match own {
+                Some(o) => o.with_stream(stream, check),
+                None => e.with_stream(stream, check),
+            };
+            if let Err(err) = r {
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
                 crate::log::log(&format!("hook (device {d}): {err}"));
             }
