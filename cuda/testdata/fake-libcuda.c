@@ -272,6 +272,14 @@ int cuMemcpy3DPeer(const ull* p){ return copy3d(p); }
 int cuMemcpy3DPeer_ptds(const ull* p){ return copy3d(p); }
 int cuMemcpy3DPeerAsync(const ull* p, void* st){ return copy3d(p); }
 int cuMemcpy3DPeerAsync_ptsz(const ull* p, void* st){ return copy3d(p); }
+// (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs[, failIdx], hStream)
+static int copy_batch(const ull* d, const ull* s, const size_t* n, size_t count){
+  for(size_t i=0;i<count;i++) memmove(H(d[i]),H(s[i]),n[i]);
+  return 0; }
+int cuMemcpyBatchAsync(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, size_t* f, void* st){ return copy_batch(d,s,n,c); }
+int cuMemcpyBatchAsync_ptsz(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, size_t* f, void* st){ return copy_batch(d,s,n,c); }
+int cuMemcpyBatchAsync_v2(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, void* st){ return copy_batch(d,s,n,c); }
+int cuMemcpyBatchAsync_v2_ptsz(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, void* st){ return copy_batch(d,s,n,c); }
 int cuMemcpyWithAttributesAsync(ull d, ull s, size_t n, void* attr, void* st){ memmove(H(d),H(s),n); return 0; }
 int cuMemcpyWithAttributesAsync_ptsz(ull d, ull s, size_t n, void* attr, void* st){ memmove(H(d),H(s),n); return 0; }
 static void set2d(ull d, size_t pitch, unsigned v, size_t elem, size_t w, size_t h){

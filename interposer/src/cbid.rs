@@ -105,6 +105,9 @@ pub enum WriteAt {
     Copy2D,
     /// A `CUDA_MEMCPY3D` or `CUDA_MEMCPY3D_PEER` descriptor (the same words) at word 0.
     Copy3D,
+    /// `cuMemcpyBatchAsync*(dsts, srcs, sizes, count, ...)`: `count` copies, each of `sizes[i]`
+    /// bytes from `srcs[i]` to `dsts[i]` (either may be a host address).
+    CopyBatch,
     /// `cuStreamBatchMemOp*(stream, count, paramArray, flags)`: each write-value operation's
     /// value; an operation of a kind possum does not know makes the call opaque.
     BatchMemOp,
@@ -336,7 +339,7 @@ pub(crate) const OUT_OF_MEMORY: std::ffi::c_int = 2;
 pub(crate) const NOT_SUPPORTED: std::ffi::c_int = 801;
 
 use StreamAt::{Config, ConfigPt, Legacy, PerThread, Word, WordPt};
-use WriteAt::{BatchMemOp, Copy2D, Copy3D, Pitched, Span, Value};
+use WriteAt::{BatchMemOp, Copy2D, Copy3D, CopyBatch, Pitched, Span, Value};
 
 /// Every callback possum enables. `_ptsz` / `_ptds` are the per-thread-default-stream variants.
 pub const CALLBACKS: &[Callback] = &[
@@ -378,11 +381,23 @@ pub const CALLBACKS: &[Callback] = &[
     copy("cuMemcpyPeerAsync", 319, 0, 2, 4, Word(5)),
     copy("cuMemcpyPeerAsync_ptsz", 426, 0, 2, 4, WordPt(5)),
     // (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, failIdx, hStream)
-    opaque_copy("cuMemcpyBatchAsync", 776, Word(8)),
-    opaque_copy("cuMemcpyBatchAsync_ptsz", 777, WordPt(8)),
+    write("cuMemcpyBatchAsync", 776, Kind::Copy, CopyBatch, Word(8)),
+    write(
+        "cuMemcpyBatchAsync_ptsz",
+        777,
+        Kind::Copy,
+        CopyBatch,
+        WordPt(8),
+    ),
     // (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, hStream)
-    opaque_copy("cuMemcpyBatchAsync_v2", 796, Word(7)),
-    opaque_copy("cuMemcpyBatchAsync_v2_ptsz", 797, WordPt(7)),
+    write("cuMemcpyBatchAsync_v2", 796, Kind::Copy, CopyBatch, Word(7)),
+    write(
+        "cuMemcpyBatchAsync_v2_ptsz",
+        797,
+        Kind::Copy,
+        CopyBatch,
+        WordPt(7),
+    ),
     // (const CUDA_MEMCPY2D/3D/3D_PEER *pCopy[, hStream])
     write("cuMemcpy2D_v2", 287, Kind::Copy, Copy2D, Legacy),
     write("cuMemcpy2D_v2_ptds", 405, Kind::Copy, Copy2D, PerThread),

@@ -229,6 +229,31 @@ impl RawCall<'_> {
                 reads.extend(side_span(&d, &src, w, h, z));
                 writes.extend(side_span(&d, &dst, w, h, z));
             }
+            WriteAt::CopyBatch => {
+                // (dsts, srcs, sizes, count, ...)
+                let (dsts, srcs, sizes) = (
+                    self.word(0) as usize as *const u64,
+                    self.word(1) as usize as *const u64,
+                    self.word(2) as usize as *const u64,
+                );
+                let count = self.word(3) as usize;
+                if count > 0 && (dsts.is_null() || srcs.is_null() || sizes.is_null()) {
+                    return false;
+                }
+                for i in 0..count {
+                    // SAFETY: `dsts`, `srcs` and `sizes` are arrays of `count` 8-byte
+                    // `CUdeviceptr`s and `size_t`s (the call's contract), valid during the call.
+                    let (d, s, n) = unsafe {
+                        (
+                            dsts.add(i).read_unaligned(),
+                            srcs.add(i).read_unaligned(),
+                            sizes.add(i).read_unaligned(),
+                        )
+                    };
+                    writes.push((d, n));
+                    reads.push((s, n));
+                }
+            }
             WriteAt::BatchMemOp => {
                 // (stream, count, paramArray, flags)
                 let count = self.word(1) as u32 as usize;
@@ -615,6 +640,19 @@ mod tests {
         let (ok, w, _) = spans(&[d3.as_ptr() as u64], WriteAt::Copy3D);
         assert!(ok && w.is_empty());
         assert!(!spans(&[0], WriteAt::Copy3D).0);
+        // cuMemcpyBatchAsync_v2(dsts, srcs, sizes, 2, ...)
+        let (dsts, srcs, sizes) = ([0x5000u64, 0x6000], [0x7000u64, 0x8000], [16u64, 32]);
+        let call = [
+            dsts.as_ptr() as u64,
+            srcs.as_ptr() as u64,
+            sizes.as_ptr() as u64,
+            2,
+        ];
+        let (ok, w, r) = spans(&call, WriteAt::CopyBatch);
+        assert!(ok);
+        assert_eq!(w, vec![(0x5000, 16), (0x6000, 32)]);
+        assert_eq!(r, vec![(0x7000, 16), (0x8000, 32)]);
+        assert!(!spans(&[0, 0, 0, 1], WriteAt::CopyBatch).0);
         // cuStreamBatchMemOp(stream, 3, ops, 0): a 32-bit write, a wait, a 64-bit write.
         let mut ops = [0u64; 18];
         ops[0] = MEMOP_WRITE_32 as u64;

@@ -1095,7 +1095,10 @@ fn write_op(
     if skip_captured(st, s) {
         return;
     }
-    let copy = matches!(at, WriteAt::Span { .. } | WriteAt::Copy2D | WriteAt::Copy3D);
+    let copy = matches!(
+        at,
+        WriteAt::Span { .. } | WriteAt::Copy2D | WriteAt::Copy3D | WriteAt::CopyBatch
+    );
     let c = &st.counters;
     if copy {
         c.copies.fetch_add(1, Ordering::Relaxed);

@@ -36,6 +36,7 @@ const OPS: &[(&str, Word)] = &[
     ("cuMemcpy3DPeerAsync", same),
     ("cuMemcpyAtoD_v2", same),
     ("cuMemcpyWithAttributesAsync", same),
+    ("cuMemcpyBatchAsync_v2", same),
     ("cuMemsetD2D8_v2", bytes),
     ("cuMemsetD2D16_v2", halves),
     ("cuMemsetD2D32_v2", same),

@@ -34,6 +34,7 @@ int cuMemcpyPeerAsync(ull, void *, ull, void *, size_t, void *);
 int cuMemcpy3DPeer(const ull *);
 int cuMemcpy3DPeerAsync(const ull *, void *);
 int cuMemcpyAtoD_v2(ull, void *, size_t, size_t);
+int cuMemcpyBatchAsync_v2(const ull *, const ull *, const size_t *, size_t, void *, size_t *, size_t, void *);
 int cuMemcpyWithAttributesAsync(ull, ull, size_t, void *, void *);
 int cuMemsetD2D8_v2(ull, size_t, unsigned char, size_t, size_t);
 int cuMemsetD2D16_v2(ull, size_t, unsigned short, size_t, size_t);
@@ -99,7 +100,11 @@ static void op(const char *name, unsigned v) {
     else if (!strcmp(name, "cuMemcpy3DPeer")) { desc3d(d, X, Y); CHECK(cuMemcpy3DPeer(d)); }
     else if (!strcmp(name, "cuMemcpy3DPeerAsync")) { desc3d(d, X, Y); CHECK(cuMemcpy3DPeerAsync(d, NULL)); }
     else if (!strcmp(name, "cuMemcpyAtoD_v2")) CHECK(cuMemcpyAtoD_v2(X, host, 0, sizeof host));
-    else if (!strcmp(name, "cuMemcpyWithAttributesAsync")) CHECK(cuMemcpyWithAttributesAsync(X, Y, 64, NULL, NULL));
+    else if (!strcmp(name, "cuMemcpyBatchAsync_v2")) {
+        ull dsts[1] = {X}, srcs[1] = {Y};
+        size_t sizes[1] = {64};
+        CHECK(cuMemcpyBatchAsync_v2(dsts, srcs, sizes, 1, NULL, NULL, 0, NULL));
+    } else if (!strcmp(name, "cuMemcpyWithAttributesAsync")) CHECK(cuMemcpyWithAttributesAsync(X, Y, 64, NULL, NULL));
     else if (!strcmp(name, "cuMemsetD2D8_v2")) CHECK(cuMemsetD2D8_v2(X, 256, (unsigned char)v, 16, 4));
     else if (!strcmp(name, "cuMemsetD2D16_v2")) CHECK(cuMemsetD2D16_v2(X, 256, (unsigned short)v, 8, 4));
     else if (!strcmp(name, "cuMemsetD2D32_v2")) CHECK(cuMemsetD2D32_v2(X, 256, v, 4, 4));
