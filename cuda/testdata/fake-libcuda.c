@@ -268,6 +268,24 @@ static int copy3d(const ull* w){
   for(ull z=0;z<w[24];z++) for(ull y=0;y<w[23];y++)
     memmove(d + (z*w[21]+y)*w[20], s + (z*w[10]+y)*w[9], w[22]);
   return 0; }
+int cuMemcpy3D_v2(const ull* p){ return copy3d(p); }
+int cuMemcpy3D_v2_ptds(const ull* p){ return copy3d(p); }
+int cuMemcpy3DAsync_v2(const ull* p, void* st){ return copy3d(p); }
+int cuMemcpy3DAsync_v2_ptsz(const ull* p, void* st){ return copy3d(p); }
+// CUDA_MEMCPY2D (16 words): as a 3D copy of one slice.
+static int copy2d(const ull* w){
+  if(!w) return 1;
+  ull d[25]={0};
+  memcpy(d, w, 2*8); memcpy(d+4, w+2, 4*8); d[9]=w[6];
+  memcpy(d+11, w+7, 2*8); memcpy(d+15, w+9, 4*8); d[20]=w[13];
+  d[22]=w[14]; d[23]=w[15]; d[24]=1;
+  return copy3d(d); }
+int cuMemcpy2D_v2(const ull* p){ return copy2d(p); }
+int cuMemcpy2D_v2_ptds(const ull* p){ return copy2d(p); }
+int cuMemcpy2DUnaligned_v2(const ull* p){ return copy2d(p); }
+int cuMemcpy2DUnaligned_v2_ptds(const ull* p){ return copy2d(p); }
+int cuMemcpy2DAsync_v2(const ull* p, void* st){ return copy2d(p); }
+int cuMemcpy2DAsync_v2_ptsz(const ull* p, void* st){ return copy2d(p); }
 int cuMemcpy3DPeer(const ull* p){ return copy3d(p); }
 int cuMemcpy3DPeer_ptds(const ull* p){ return copy3d(p); }
 int cuMemcpy3DPeerAsync(const ull* p, void* st){ return copy3d(p); }

@@ -32,6 +32,8 @@ type Word = fn(u32) -> u32;
 const OPS: &[(&str, Word)] = &[
     ("cuMemcpyPeer", same),
     ("cuMemcpyPeerAsync", same),
+    ("cuMemcpy2D_v2", same),
+    ("cuMemcpy3D_v2", same),
     ("cuMemcpy3DPeer", same),
     ("cuMemcpy3DPeerAsync", same),
     ("cuMemcpyAtoD_v2", same),

@@ -31,6 +31,8 @@ int cuMemAlloc_v2(ull *, size_t);
 int cuMemsetD32_v2(ull, unsigned, size_t);
 int cuMemcpyPeer(ull, void *, ull, void *, size_t);
 int cuMemcpyPeerAsync(ull, void *, ull, void *, size_t, void *);
+int cuMemcpy2D_v2(const ull *);
+int cuMemcpy3D_v2(const ull *);
 int cuMemcpy3DPeer(const ull *);
 int cuMemcpy3DPeerAsync(const ull *, void *);
 int cuMemcpyAtoD_v2(ull, void *, size_t, size_t);
@@ -98,6 +100,13 @@ static void op(const char *name, unsigned v) {
     else if (!strcmp(name, "cuMemcpyPeerAsync")) CHECK(cuMemcpyPeerAsync(X, ctx0, Y, ctx0, 64, NULL));
     else if (!strcmp(name, "cuMemcpyPeerAsync1")) CHECK(cuMemcpyPeerAsync(Z, ctx1, Y, ctx0, 64, NULL));
     else if (!strcmp(name, "cuMemcpy3DPeer")) { desc3d(d, X, Y); CHECK(cuMemcpy3DPeer(d)); }
+    else if (!strcmp(name, "cuMemcpy3D_v2")) { desc3d(d, X, Y); d[8] = d[19] = 0; CHECK(cuMemcpy3D_v2(d)); }
+    else if (!strcmp(name, "cuMemcpy2D_v2")) {
+        /* CUDA_MEMCPY2D: device Y to device X, 64 bytes by 2 rows, pitch 128. */
+        memset(d, 0, 16 * 8);
+        d[2] = 2, d[4] = Y, d[6] = 128, d[9] = 2, d[11] = X, d[13] = 128, d[14] = 64, d[15] = 2;
+        CHECK(cuMemcpy2D_v2(d));
+    }
     else if (!strcmp(name, "cuMemcpy3DPeerAsync")) { desc3d(d, X, Y); CHECK(cuMemcpy3DPeerAsync(d, NULL)); }
     else if (!strcmp(name, "cuMemcpyAtoD_v2")) CHECK(cuMemcpyAtoD_v2(X, host, 0, sizeof host));
     else if (!strcmp(name, "cuMemcpyBatchAsync_v2")) {
