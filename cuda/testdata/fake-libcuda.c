@@ -248,6 +248,94 @@ int cuMemsetD16Async(ull d, unsigned short v, size_t n, void* st){ set16(d,v,n);
 int cuMemsetD16Async_ptsz(ull d, unsigned short v, size_t n, void* st){ set16(d,v,n); return 0; }
 int cuMemsetD32Async(ull d, unsigned v, size_t n, void* st){ set32(d,v,n); return 0; }
 int cuMemsetD32Async_ptsz(ull d, unsigned v, size_t n, void* st){ set32(d,v,n); return 0; }
+// Peer copies (every device's memory is this process's), pitched copies and memsets, copies
+// from arrays (a CUarray here is a pointer to its bytes) and stream memory operations.
+int cuMemcpyPeer(ull d, void* dc, ull s, void* sc, size_t n){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyPeer_ptds(ull d, void* dc, ull s, void* sc, size_t n){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyPeerAsync(ull d, void* dc, ull s, void* sc, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyPeerAsync_ptsz(ull d, void* dc, ull s, void* sc, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyAtoD_v2(ull d, void* a, size_t off, size_t n){ memmove(H(d),(char*)a+off,n); return 0; }
+int cuMemcpyAtoD_v2_ptds(ull d, void* a, size_t off, size_t n){ memmove(H(d),(char*)a+off,n); return 0; }
+// CUDA_MEMCPY3D and CUDA_MEMCPY3D_PEER (the same 25 words; the memory type in the low half of
+// words 4 and 15): host, device or unified sides; arrays are not supported (1).
+static char* side3d(const ull* w, int base){
+  unsigned t=(unsigned)w[base+4]; ull p = t==1? w[base+5] : (t==2||t==4)? w[base+6] : 0;
+  if(!p) return 0;
+  return (char*)H(p) + w[base+0] + w[base+1]*w[base+9] + w[base+2]*w[base+10]*w[base+9]; }
+static int copy3d(const ull* w){
+  if(!w) return 1;
+  char* s=side3d(w,0); char* d=side3d(w,11); if(!s||!d) return 1;
+  for(ull z=0;z<w[24];z++) for(ull y=0;y<w[23];y++)
+    memmove(d + (z*w[21]+y)*w[20], s + (z*w[10]+y)*w[9], w[22]);
+  return 0; }
+int cuMemcpy3D_v2(const ull* p){ return copy3d(p); }
+int cuMemcpy3D_v2_ptds(const ull* p){ return copy3d(p); }
+int cuMemcpy3DAsync_v2(const ull* p, void* st){ return copy3d(p); }
+int cuMemcpy3DAsync_v2_ptsz(const ull* p, void* st){ return copy3d(p); }
+// CUDA_MEMCPY2D (16 words): as a 3D copy of one slice.
+static int copy2d(const ull* w){
+  if(!w) return 1;
+  ull d[25]={0};
+  memcpy(d, w, 2*8); memcpy(d+4, w+2, 4*8); d[9]=w[6];
+  memcpy(d+11, w+7, 2*8); memcpy(d+15, w+9, 4*8); d[20]=w[13];
+  d[22]=w[14]; d[23]=w[15]; d[24]=1;
+  return copy3d(d); }
+int cuMemcpy2D_v2(const ull* p){ return copy2d(p); }
+int cuMemcpy2D_v2_ptds(const ull* p){ return copy2d(p); }
+int cuMemcpy2DUnaligned_v2(const ull* p){ return copy2d(p); }
+int cuMemcpy2DUnaligned_v2_ptds(const ull* p){ return copy2d(p); }
+int cuMemcpy2DAsync_v2(const ull* p, void* st){ return copy2d(p); }
+int cuMemcpy2DAsync_v2_ptsz(const ull* p, void* st){ return copy2d(p); }
+int cuMemcpy3DPeer(const ull* p){ return copy3d(p); }
+int cuMemcpy3DPeer_ptds(const ull* p){ return copy3d(p); }
+int cuMemcpy3DPeerAsync(const ull* p, void* st){ return copy3d(p); }
+int cuMemcpy3DPeerAsync_ptsz(const ull* p, void* st){ return copy3d(p); }
+// (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs[, failIdx], hStream)
+static int copy_batch(const ull* d, const ull* s, const size_t* n, size_t count){
+  for(size_t i=0;i<count;i++) memmove(H(d[i]),H(s[i]),n[i]);
+  return 0; }
+int cuMemcpyBatchAsync(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, size_t* f, void* st){ return copy_batch(d,s,n,c); }
+int cuMemcpyBatchAsync_ptsz(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, size_t* f, void* st){ return copy_batch(d,s,n,c); }
+int cuMemcpyBatchAsync_v2(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, void* st){ return copy_batch(d,s,n,c); }
+int cuMemcpyBatchAsync_v2_ptsz(const ull* d, const ull* s, const size_t* n, size_t c, void* a, size_t* ai, size_t na, void* st){ return copy_batch(d,s,n,c); }
+int cuMemcpyWithAttributesAsync(ull d, ull s, size_t n, void* attr, void* st){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyWithAttributesAsync_ptsz(ull d, ull s, size_t n, void* attr, void* st){ memmove(H(d),H(s),n); return 0; }
+static void set2d(ull d, size_t pitch, unsigned v, size_t elem, size_t w, size_t h){
+  for(size_t y=0;y<h;y++){ char* row=(char*)H(d)+y*pitch;
+    for(size_t x=0;x<w;x++) memcpy(row+x*elem, &v, elem); } }
+#define SET2D(name, T, E) \
+  int name(ull d, size_t p, T v, size_t w, size_t h){ set2d(d,p,v,E,w,h); return 0; } \
+  int name##_ptds(ull d, size_t p, T v, size_t w, size_t h){ set2d(d,p,v,E,w,h); return 0; }
+#define SET2DASYNC(name, T, E) \
+  int name(ull d, size_t p, T v, size_t w, size_t h, void* s){ set2d(d,p,v,E,w,h); return 0; } \
+  int name##_ptsz(ull d, size_t p, T v, size_t w, size_t h, void* s){ set2d(d,p,v,E,w,h); return 0; }
+SET2D(cuMemsetD2D8_v2, unsigned char, 1)
+SET2D(cuMemsetD2D16_v2, unsigned short, 2)
+SET2D(cuMemsetD2D32_v2, unsigned, 4)
+SET2DASYNC(cuMemsetD2D8Async, unsigned char, 1)
+SET2DASYNC(cuMemsetD2D16Async, unsigned short, 2)
+SET2DASYNC(cuMemsetD2D32Async, unsigned, 4)
+int cuStreamWriteValue32(void* s, ull a, unsigned v, unsigned f){ *(unsigned*)H(a)=v; return 0; }
+int cuStreamWriteValue32_ptsz(void* s, ull a, unsigned v, unsigned f){ *(unsigned*)H(a)=v; return 0; }
+int cuStreamWriteValue32_v2(void* s, ull a, unsigned v, unsigned f){ *(unsigned*)H(a)=v; return 0; }
+int cuStreamWriteValue32_v2_ptsz(void* s, ull a, unsigned v, unsigned f){ *(unsigned*)H(a)=v; return 0; }
+int cuStreamWriteValue64(void* s, ull a, ull v, unsigned f){ memcpy(H(a),&v,8); return 0; }
+int cuStreamWriteValue64_ptsz(void* s, ull a, ull v, unsigned f){ memcpy(H(a),&v,8); return 0; }
+int cuStreamWriteValue64_v2(void* s, ull a, ull v, unsigned f){ memcpy(H(a),&v,8); return 0; }
+int cuStreamWriteValue64_v2_ptsz(void* s, ull a, ull v, unsigned f){ memcpy(H(a),&v,8); return 0; }
+// CUstreamBatchMemOpParams: 48 bytes, the operation first, the address at byte 8 and the value
+// at 16; writes (2: 32-bit, 5: 64-bit) are done, waits (1, 4), flush (3) and barrier (6) are
+// nothing here; anything else is refused (1).
+static int batch(unsigned n, const ull* ops){
+  for(unsigned i=0;i<n;i++){ const ull* o=ops+6*i; unsigned t=(unsigned)o[0];
+    if(t==2) *(unsigned*)H(o[1])=(unsigned)o[2];
+    else if(t==5) memcpy(H(o[1]),&o[2],8);
+    else if(t!=1 && t!=3 && t!=4 && t!=6) return 1; }
+  return 0; }
+int cuStreamBatchMemOp(void* s, unsigned n, const ull* ops, unsigned f){ return batch(n,ops); }
+int cuStreamBatchMemOp_ptsz(void* s, unsigned n, const ull* ops, unsigned f){ return batch(n,ops); }
+int cuStreamBatchMemOp_v2(void* s, unsigned n, const ull* ops, unsigned f){ return batch(n,ops); }
+int cuStreamBatchMemOp_v2_ptsz(void* s, unsigned n, const ull* ops, unsigned f){ return batch(n,ops); }
 // Introspection (possum_cuda::introspect) and launches. A kernel "handle" is a pointer to a
 // struct fake_kernel { uint64_t magic; const char *name; int n; size_t off[8]; size_t size[8];
 // void (*run)(void **params); } made by the test program; anything else is an invalid handle. A
@@ -270,6 +358,15 @@ int cuLaunchCooperativeKernel_ptsz(void* f, DIMS, void* s, void** params){ retur
 // CUlaunchConfig: grid and block dimensions, sharedMemBytes, then hStream at byte 32 (unused here).
 int cuLaunchKernelEx(const void* config, void* f, void** params, void** extra){ return config? launch(f, params) : 1; }
 int cuLaunchKernelEx_ptsz(const void* config, void* f, void** params, void** extra){ return config? launch(f, params) : 1; }
+// Legacy launches: the arguments were set by cuParamSet*, which this driver lacks: the kernel
+// runs with none (NULL params).
+int cuLaunch(void* f){ return launch(f, 0); }
+int cuLaunchGrid(void* f, int w, int h){ return launch(f, 0); }
+int cuLaunchGridAsync(void* f, int w, int h, void* s){ return launch(f, 0); }
+// CUDA_LAUNCH_PARAMS (7 words): the function first, kernelParams last; each launched in turn.
+int cuLaunchCooperativeKernelMultiDevice(const ull* lp, unsigned n, unsigned f){
+  for(unsigned i=0;i<n;i++){ int r=launch((void*)(uintptr_t)lp[7*i], (void**)(uintptr_t)lp[7*i+6]); if(r) return r; }
+  return 0; }
 int cuGraphLaunch(void* exec, void* s){ return exec? 0 : 400; }
 int cuGraphLaunch_ptsz(void* exec, void* s){ return exec? 0 : 400; }
 int cuFuncGetParamInfo(void* f, size_t i, size_t* off, size_t* size){

@@ -17,7 +17,7 @@ use possum_analyzer::layout::SlotRun;
 
 use possum_cuda::{CudaDevice, CudaStream};
 
-use crate::cbid::StreamAt;
+use crate::cbid::{StreamAt, WriteAt};
 
 /// `CU_STREAM_PER_THREAD`.
 pub const STREAM_PER_THREAD: u64 = 2;
@@ -106,6 +106,214 @@ impl<'a> RawCall<'a> {
             _life: PhantomData,
         }
     }
+}
+
+/// A range of device addresses an operation touches: (start, length in bytes).
+pub type Span = (u64, u64);
+
+/// `CU_MEMORYTYPE_DEVICE`, `CU_MEMORYTYPE_UNIFIED`: a copy descriptor's side whose
+/// `*Device` field is the address.
+const MEMORYTYPE_DEVICE: u64 = 2;
+const MEMORYTYPE_UNIFIED: u64 = 4;
+
+/// Where one side of a copy descriptor is, as 8-byte words of the struct: x in bytes, y, z (if
+/// 3D), memory type, device address, pitch, allocation height (if 3D).
+struct Side {
+    x: usize,
+    y: usize,
+    z: Option<usize>,
+    kind: usize,
+    dev: usize,
+    pitch: usize,
+    height: Option<usize>,
+}
+
+/// `CUDA_MEMCPY2D`'s sides and its (width in bytes, height) words.
+const COPY2D: (Side, Side, [usize; 2]) = (
+    Side {
+        x: 0,
+        y: 1,
+        z: None,
+        kind: 2,
+        dev: 4,
+        pitch: 6,
+        height: None,
+    },
+    Side {
+        x: 7,
+        y: 8,
+        z: None,
+        kind: 9,
+        dev: 11,
+        pitch: 13,
+        height: None,
+    },
+    [14, 15],
+);
+/// `CUDA_MEMCPY3D`'s and `CUDA_MEMCPY3D_PEER`'s (the same words: `reserved0/1` where the peer
+/// struct has its contexts) sides and (width in bytes, height, depth) words.
+const COPY3D: (Side, Side, [usize; 3]) = (
+    Side {
+        x: 0,
+        y: 1,
+        z: Some(2),
+        kind: 4,
+        dev: 6,
+        pitch: 9,
+        height: Some(10),
+    },
+    Side {
+        x: 11,
+        y: 12,
+        z: Some(13),
+        kind: 15,
+        dev: 17,
+        pitch: 20,
+        height: Some(21),
+    },
+    [22, 23, 24],
+);
+
+/// The bytes a pitched box covers, from its first byte: `depth` slices of `height` rows of
+/// `width` bytes, rows `pitch` apart and slices `rows * pitch` apart (0 for an empty box).
+pub fn pitched_len(width: u64, height: u64, depth: u64, pitch: u64, rows: u64) -> u64 {
+    if width == 0 || height == 0 || depth == 0 {
+        return 0;
+    }
+    let slices = (depth - 1).saturating_mul(rows).saturating_mul(pitch);
+    let lines = (height - 1).saturating_mul(pitch);
+    slices.saturating_add(lines).saturating_add(width)
+}
+
+/// `CU_STREAM_MEM_OP_*`: the batch operations that write (`WRITE_VALUE_32/64`) and those that
+/// touch no memory possum tracks (waits read a value; flush, barrier).
+const MEMOP_WAIT_32: u32 = 1;
+const MEMOP_WRITE_32: u32 = 2;
+const MEMOP_FLUSH: u32 = 3;
+const MEMOP_WAIT_64: u32 = 4;
+const MEMOP_WRITE_64: u32 = 5;
+const MEMOP_BARRIER: u32 = 6;
+/// `sizeof(CUstreamBatchMemOpParams)`.
+const MEMOP_SIZE: usize = 48;
+
+impl RawCall<'_> {
+    /// The device ranges an operation of [`Shape::Write`](crate::cbid::Shape::Write) at `at`
+    /// writes (into `writes`) and reads (into `reads`); host and array sides give none. `false`
+    /// when the call cannot be decoded (an unknown batch operation, a null descriptor): then it
+    /// must be taken as touching everything.
+    pub fn write_spans(&self, at: WriteAt, writes: &mut Vec<Span>, reads: &mut Vec<Span>) -> bool {
+        match at {
+            WriteAt::Span { ptr, bytes } => writes.push((self.word(ptr), self.word(bytes))),
+            WriteAt::Value { ptr, size } => writes.push((self.word(ptr), size)),
+            WriteAt::Pitched { elem } => {
+                // (dstDevice, dstPitch, value, Width, Height)
+                let width = self.word(3).saturating_mul(elem);
+                let len = pitched_len(width, self.word(4), 1, self.word(1), 1);
+                writes.push((self.word(0), len));
+            }
+            WriteAt::Copy2D => {
+                let (src, dst, [w, h]) = COPY2D;
+                let Some(d) = self.descriptor(0) else {
+                    return false;
+                };
+                let (w, h) = (d(w), d(h));
+                reads.extend(side_span(&d, &src, w, h, 1));
+                writes.extend(side_span(&d, &dst, w, h, 1));
+            }
+            WriteAt::Copy3D => {
+                let (src, dst, [w, h, z]) = COPY3D;
+                let Some(d) = self.descriptor(0) else {
+                    return false;
+                };
+                let (w, h, z) = (d(w), d(h), d(z));
+                reads.extend(side_span(&d, &src, w, h, z));
+                writes.extend(side_span(&d, &dst, w, h, z));
+            }
+            WriteAt::CopyBatch => {
+                // (dsts, srcs, sizes, count, ...)
+                let (dsts, srcs, sizes) = (
+                    self.word(0) as usize as *const u64,
+                    self.word(1) as usize as *const u64,
+                    self.word(2) as usize as *const u64,
+                );
+                let count = self.word(3) as usize;
+                if count > 0 && (dsts.is_null() || srcs.is_null() || sizes.is_null()) {
+                    return false;
+                }
+                for i in 0..count {
+                    // SAFETY: `dsts`, `srcs` and `sizes` are arrays of `count` 8-byte
+                    // `CUdeviceptr`s and `size_t`s (the call's contract), valid during the call.
+                    let (d, s, n) = unsafe {
+                        (
+                            dsts.add(i).read_unaligned(),
+                            srcs.add(i).read_unaligned(),
+                            sizes.add(i).read_unaligned(),
+                        )
+                    };
+                    writes.push((d, n));
+                    reads.push((s, n));
+                }
+            }
+            WriteAt::BatchMemOp => {
+                // (stream, count, paramArray, flags)
+                let count = self.word(1) as u32 as usize;
+                let ops = self.word(2) as usize as *const u8;
+                if ops.is_null() && count > 0 {
+                    return false;
+                }
+                for i in 0..count {
+                    // SAFETY: `paramArray` holds `count` 48-byte `CUstreamBatchMemOpParams`
+                    // (the call's contract), valid during the call; each starts with its
+                    // operation (a 32-bit enum) and a write's address is at byte 8.
+                    let (op, addr) = unsafe {
+                        let p = ops.add(i * MEMOP_SIZE);
+                        (
+                            p.cast::<u32>().read_unaligned(),
+                            p.add(8).cast::<u64>().read_unaligned(),
+                        )
+                    };
+                    match op {
+                        MEMOP_WRITE_32 => writes.push((addr, 4)),
+                        MEMOP_WRITE_64 => writes.push((addr, 8)),
+                        MEMOP_WAIT_32 | MEMOP_WAIT_64 | MEMOP_FLUSH | MEMOP_BARRIER => {}
+                        _ => return false,
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Word `i`'s pointer to a copy descriptor, as a reader of its 8-byte words (`None` if
+    /// null).
+    fn descriptor(&self, i: usize) -> Option<impl Fn(usize) -> u64 + '_> {
+        let p = self.word(i) as usize as *const u64;
+        if p.is_null() {
+            return None;
+        }
+        Some(move |w: usize| {
+            // SAFETY: word `i` is the call's `const CUDA_MEMCPY2D/3D/3D_PEER *`, valid during
+            // the call; the words read are those of [`COPY2D`] / [`COPY3D`], all inside the
+            // struct the shape names.
+            unsafe { p.add(w).read_unaligned() }
+        })
+    }
+}
+
+/// One side of a copy descriptor read with `d`: its device range for a box of `w` bytes by `h`
+/// rows by `z` slices, or `None` for a host or array side.
+fn side_span(d: &impl Fn(usize) -> u64, s: &Side, w: u64, h: u64, z: u64) -> Option<Span> {
+    let kind = d(s.kind) & 0xffff_ffff;
+    if kind != MEMORYTYPE_DEVICE && kind != MEMORYTYPE_UNIFIED {
+        return None;
+    }
+    let pitch = d(s.pitch);
+    let rows = s.height.map_or(0, d);
+    let start = d(s.dev)
+        .wrapping_add(s.z.map_or(0, d).wrapping_mul(rows).wrapping_mul(pitch))
+        .wrapping_add(d(s.y).wrapping_mul(pitch))
+        .wrapping_add(d(s.x));
+    Some((start, pitched_len(w, h, z, pitch, rows)))
 }
 
 /// A `_ptsz` call's stream: null there means the calling thread's per-thread default stream.
@@ -254,6 +462,7 @@ mod tests {
                 | crate::cbid::Shape::Copy { stream, .. }
                 | crate::cbid::Shape::Memset { stream, .. }
                 | crate::cbid::Shape::OpaqueOp { stream }
+                | crate::cbid::Shape::Write { stream, .. }
                 | crate::cbid::Shape::GraphLaunch { stream } => stream,
                 _ => continue,
             };
@@ -363,5 +572,101 @@ mod tests {
         // SAFETY: as above, with a null out-pointer.
         let call = unsafe { RawCall::new(null.as_ptr().cast(), std::ptr::null()) };
         assert_eq!(call.deref(0), None);
+    }
+
+    /// The ranges of each kind of [`WriteAt`]: pitched boxes from their descriptors, a value,
+    /// batch write operations; host and array sides give none, an unknown batch operation or a
+    /// null descriptor makes the call undecodable.
+    #[test]
+    fn write_spans_cover_pitched_boxes_values_and_batch_writes() {
+        let spans = |words: &[u64], at: WriteAt| {
+            // SAFETY: `words` is the params struct (and what its words point at outlives it).
+            let call = unsafe { RawCall::new(words.as_ptr().cast(), std::ptr::null()) };
+            let (mut w, mut r) = (Vec::new(), Vec::new());
+            let ok = call.write_spans(at, &mut w, &mut r);
+            (ok, w, r)
+        };
+        // cuMemsetD2D32_v2(dst, pitch 256, value, width 10 elements, height 3)
+        let (ok, w, r) = spans(&[0x1000, 256, 7, 10, 3], WriteAt::Pitched { elem: 4 });
+        assert!(ok && r.is_empty());
+        assert_eq!(w, vec![(0x1000, 2 * 256 + 40)]);
+        // cuMemsetD2D8_v2 of height 0: nothing.
+        let (_, w, _) = spans(&[0x1000, 256, 7, 10, 0], WriteAt::Pitched { elem: 1 });
+        assert_eq!(w, vec![(0x1000, 0)]);
+        // cuStreamWriteValue64(stream, addr, value, flags)
+        let (_, w, _) = spans(&[5, 0x2000, 1, 0], WriteAt::Value { ptr: 1, size: 8 });
+        assert_eq!(w, vec![(0x2000, 8)]);
+        // CUDA_MEMCPY2D: device source at (x 4, y 1), pitch 512; device destination at (x 8,
+        // y 2), pitch 1024; 100 bytes by 5 rows.
+        let mut d2 = [0u64; 16];
+        d2[..7].copy_from_slice(&[4, 1, MEMORYTYPE_DEVICE, 0, 0x10_0000, 0, 512]);
+        d2[7..16].copy_from_slice(&[8, 2, MEMORYTYPE_UNIFIED, 0, 0x20_0000, 0, 1024, 100, 5]);
+        let (ok, w, r) = spans(&[d2.as_ptr() as u64], WriteAt::Copy2D);
+        assert!(ok);
+        assert_eq!(r, vec![(0x10_0000 + 512 + 4, 4 * 512 + 100)]);
+        assert_eq!(w, vec![(0x20_0000 + 2 * 1024 + 8, 4 * 1024 + 100)]);
+        // A host source gives no read.
+        d2[2] = 1;
+        let (_, _, r) = spans(&[d2.as_ptr() as u64], WriteAt::Copy2D);
+        assert!(r.is_empty());
+        // CUDA_MEMCPY3D_PEER: host source; device destination at (x 0, y 1, z 2), pitch 64,
+        // 8 rows a slice; 16 bytes by 2 rows by 3 slices.
+        let mut d3 = [0u64; 25];
+        d3[4] = 1;
+        d3[11..25].copy_from_slice(&[
+            0,
+            1,
+            2,
+            0,
+            MEMORYTYPE_DEVICE,
+            0,
+            0x40_0000,
+            0,
+            0,
+            64,
+            8,
+            16,
+            2,
+            3,
+        ]);
+        let (ok, w, r) = spans(&[d3.as_ptr() as u64], WriteAt::Copy3D);
+        assert!(ok && r.is_empty());
+        assert_eq!(
+            w,
+            vec![(0x40_0000 + 2 * 8 * 64 + 64, (2 * 8 + 1) * 64 + 16)]
+        );
+        // An array destination: nothing written that possum tracks.
+        d3[15] = 3;
+        let (ok, w, _) = spans(&[d3.as_ptr() as u64], WriteAt::Copy3D);
+        assert!(ok && w.is_empty());
+        assert!(!spans(&[0], WriteAt::Copy3D).0);
+        // cuMemcpyBatchAsync_v2(dsts, srcs, sizes, 2, ...)
+        let (dsts, srcs, sizes) = ([0x5000u64, 0x6000], [0x7000u64, 0x8000], [16u64, 32]);
+        let call = [
+            dsts.as_ptr() as u64,
+            srcs.as_ptr() as u64,
+            sizes.as_ptr() as u64,
+            2,
+        ];
+        let (ok, w, r) = spans(&call, WriteAt::CopyBatch);
+        assert!(ok);
+        assert_eq!(w, vec![(0x5000, 16), (0x6000, 32)]);
+        assert_eq!(r, vec![(0x7000, 16), (0x8000, 32)]);
+        assert!(!spans(&[0, 0, 0, 1], WriteAt::CopyBatch).0);
+        // cuStreamBatchMemOp(stream, 3, ops, 0): a 32-bit write, a wait, a 64-bit write.
+        let mut ops = [0u64; 18];
+        ops[0] = MEMOP_WRITE_32 as u64;
+        ops[1] = 0x3000;
+        ops[6] = MEMOP_WAIT_32 as u64;
+        ops[7] = 0x3100;
+        ops[12] = MEMOP_WRITE_64 as u64;
+        ops[13] = 0x3200;
+        let call = [1, 3, ops.as_ptr() as u64, 0];
+        let (ok, w, _) = spans(&call, WriteAt::BatchMemOp);
+        assert!(ok);
+        assert_eq!(w, vec![(0x3000, 4), (0x3200, 8)]);
+        ops[6] = 8; // an operation possum does not know (an atomic reduction)
+        let call = [1, 3, ops.as_ptr() as u64, 0];
+        assert!(!spans(&call, WriteAt::BatchMemOp).0);
     }
 }

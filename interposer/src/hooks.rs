@@ -24,12 +24,12 @@ use rustc_hash::FxHashMap as HashMap;
 use possum_analyzer::dag::BufRef;
 use possum_analyzer::kernel::{KernelModel, SlotAccess};
 use possum_cuda::introspect;
-use possum_cuda::CudaDevice;
+use possum_cuda::{CudaDevice, CudaStream};
 use possum_engine::{Access, Buffer, OpGuard};
 
-use crate::cbid::{Shape, StreamAt};
+use crate::cbid::{Shape, StreamAt, WriteAt};
 use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
-use crate::decode::{KernelArgs, RawCall, STREAM_PER_THREAD};
+use crate::decode::{KernelArgs, RawCall, Span, STREAM_PER_THREAD};
 use crate::ranges::{Ranges, Resolved, WordHash};
 use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
 use crate::validate;
@@ -38,6 +38,8 @@ use crate::validate;
 #[derive(Default)]
 struct Pending {
     guard: Option<OpGuard<'static, CudaDevice>>,
+    /// Guards of the other devices whose buffers the operation writes or reads.
+    others: Vec<OpGuard<'static, CudaDevice>>,
     validation: Option<validate::Before>,
     /// For a timed launch: the entry side's time, to which the exit side's is added.
     timed: Option<Duration>,
@@ -48,6 +50,7 @@ struct Pending {
 impl Pending {
     const EMPTY: Pending = Pending {
         guard: None,
+        others: Vec::new(),
         validation: None,
         timed: None,
         tick: 0,
@@ -57,6 +60,7 @@ impl Pending {
     fn take(&mut self) -> Pending {
         Pending {
             guard: self.guard.take(),
+            others: std::mem::take(&mut self.others),
             validation: self.validation.take(),
             timed: self.timed.take(),
             tick: self.tick,
@@ -68,19 +72,53 @@ impl Pending {
 const TIME_EVERY: u32 = 16;
 
 /// An operation's buffers: managed ones of its device for the hook (deduplicated, a buffer both
-/// read and written only in `writes`), and every known allocation for the DAG.
+/// read and written only in `writes`), managed ones of other devices (`foreign`: a peer copy, a
+/// kernel writing another GPU's memory), and every known allocation for the DAG.
 #[derive(Default)]
 struct BufferSets {
     reads: Vec<Buffer>,
     writes: Vec<Buffer>,
+    foreign: Vec<Foreign>,
     dag_reads: Vec<BufRef>,
     dag_writes: Vec<BufRef>,
+}
+
+/// A managed buffer of another device than the operation's own, which it reads or writes: it is
+/// hooked by that device's engine (where its dirty mark and copy-before-write are).
+#[derive(Clone)]
+struct Foreign {
+    dev: usize,
+    buf: Buffer,
+    write: bool,
+}
+
+/// What an operation touches on other devices than its own.
+#[derive(Clone, Copy)]
+enum Others<'a> {
+    /// These buffers (none, mostly).
+    Listed(&'a [Foreign]),
+    /// Anything: a launch on several devices whose buffers possum does not know.
+    Every,
+}
+
+/// Adds `b` (of device `dev`) to `foreign`, once; written wins over read.
+fn push_foreign(foreign: &mut Vec<Foreign>, dev: usize, b: &Buffer, write: bool) {
+    if let Some(f) = foreign.iter_mut().find(|f| f.buf.id() == b.id()) {
+        f.write |= write;
+        return;
+    }
+    foreign.push(Foreign {
+        dev,
+        buf: b.clone(),
+        write,
+    });
 }
 
 impl BufferSets {
     fn clear(&mut self) {
         self.reads.clear();
         self.writes.clear();
+        self.foreign.clear();
         self.dag_reads.clear();
         self.dag_writes.clear();
     }
@@ -172,6 +210,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         Shape::Memset { dst, stream, .. } => {
             copy_like(st, ctx, stream, call, None, call.word(dst));
         }
+        Shape::Write { at, stream } => write_op(st, ctx, cbid, at, stream, call),
         Shape::OpaqueOp { stream } => {
             let s = call.stream(stream);
             if !skip_captured(st, s) {
@@ -181,7 +220,13 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
                     let name = crate::cbid::lookup(cbid).map_or("?", |c| c.name);
                     format!("operation {name}")
                 });
-                hook(eng, admit(eng, s), s, Access::Opaque, None);
+                // A launch on several devices may write anything on any of them.
+                let others = if cbid == crate::cbid::MULTI_DEVICE_LAUNCH {
+                    Others::Every
+                } else {
+                    Others::Listed(&[])
+                };
+                hook(eng, admit(eng, s), s, Access::Opaque, others, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -397,6 +442,7 @@ fn hook(
     guard: Option<OpGuard<'static, CudaDevice>>,
     stream: u64,
     access: Access<'_>,
+    others: Others<'_>,
     validation: Option<validate::Before>,
 ) {
     if let (Some(e), Some(g)) = (eng, &guard) {
@@ -412,14 +458,95 @@ fn hook(
             }
         }
     }
-    keep(guard, validation);
+    let others = hook_foreign(eng, guard.is_some(), stream, others);
+    keep(guard, others, validation);
 }
 
-/// Keeps an admitted operation's guard (and validation) until the exit callback.
-fn keep(guard: Option<OpGuard<'static, CudaDevice>>, validation: Option<validate::Before>) {
+/// The buffers of other devices than its own that an operation touches (`foreign`), hooked by
+/// their own engines: a write lands on the buffer's device, and is marked there. Each such
+/// engine's gate is entered: directly when the operation holds its own device's gate (it was
+/// admitted before any pause, and must not wait for one while holding it), else through the
+/// pause ([`crate::gate::admit`]). While that engine tracks, its buffers are checked on the job's
+/// stream. Returns the guards, kept until the exit callback.
+///
+/// With [`Others::Every`] (an operation that runs on several devices and whose buffers possum
+/// does not know), every other engine takes it as touching all its buffers.
+fn hook_foreign(
+    own: Option<&DevEngine>,
+    admitted: bool,
+    stream: u64,
+    others: Others<'_>,
+) -> Vec<OpGuard<'static, CudaDevice>> {
+    let foreign = match others {
+        Others::Listed([]) => return Vec::new(),
+        Others::Listed(f) => f,
+        Others::Every => &[],
+    };
+    let st = state();
+    let mut devs: Vec<usize> = match others {
+        Others::Listed(_) => foreign.iter().map(|f| f.dev).collect(),
+        Others::Every => st.engines().iter().map(|e| e.ordinal).collect(),
+    };
+    devs.sort_unstable();
+    devs.dedup();
+    let mut guards = Vec::with_capacity(devs.len());
+    for d in devs {
+        if own.is_some_and(|e| e.ordinal == d) {
+            continue;
+        }
+        let Some(e) = st.engine_ref(d).map(|e| &**e) else {
+            continue;
+        };
+        let g = if admitted {
+            e.engine.enter_op()
+        } else {
+            crate::gate::admit(e)
+        };
+        if g.tracking() {
+            let mine = foreign.iter().filter(|f| f.dev == d);
+            let (w, r): (Vec<&Foreign>, Vec<&Foreign>) = mine.partition(|f| f.write);
+            let writes: Vec<Buffer> = w.into_iter().map(|f| f.buf.clone()).collect();
+            let reads: Vec<Buffer> = r.into_iter().map(|f| f.buf.clone()).collect();
+            let access = match others {
+                Others::Listed(_) => Access::Known {
+                    reads: &reads,
+                    writes: &writes,
+                },
+                Others::Every => Access::Opaque,
+            };
+            let _r = Reentry::enter();
+            if debug_dirty() {
+                log_newly_dirty(&access);
+            }
+            // The job's stream as its own device's engine knows it: the other engine makes it
+            // wait for its copies (an event of one device waited for on another's stream), but
+            // does not take it among the streams it fences (an event is recorded only on a
+            // stream of its own context).
+            let check = |s: &CudaStream| g.check(s, access);
+            let r = match own {
+                Some(o) => o.with_stream(stream, check),
+                None => e.with_stream(stream, check),
+            };
+            if let Err(err) = r {
+                st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
+                crate::log::log(&format!("hook (device {d}): {err}"));
+            }
+        }
+        guards.push(g);
+    }
+    guards
+}
+
+/// Keeps an admitted operation's guards (and validation) until the exit callback.
+fn keep(
+    guard: Option<OpGuard<'static, CudaDevice>>,
+    others: Vec<OpGuard<'static, CudaDevice>>,
+    validation: Option<validate::Before>,
+) {
     let _ = PENDING.try_with(|p| {
         let mut p = p.borrow_mut();
         p.guard = guard;
+        p.others = others;
         p.validation = validation;
     });
 }
@@ -474,7 +601,8 @@ fn resolve_slots(
                 }
                 push_buffer(b, ro, &mut sets.reads, &mut sets.writes)
             }
-            Resolved::Managed(..) => {}
+            // Another device's buffer (peer access): hooked by its own engine.
+            Resolved::Managed(b, d) => push_foreign(&mut sets.foreign, *d, b, !ro),
         }
         if st.cfg.tuning.dag {
             if let Some(br) = r.buf_ref() {
@@ -649,7 +777,7 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
         if !resolve && !validate_now {
             st.note_unresolved();
-            keep(guard, None);
+            keep(guard, Vec::new(), None);
             return;
         }
         c.launches_examined.fetch_add(1, Ordering::Relaxed);
@@ -774,7 +902,14 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
             let before = (validate_now && !opaque)
                 .then(|| validate::begin(st, eng, model, words))
                 .flatten();
-            hook(eng, guard, stream, access, before);
+            hook(
+                eng,
+                guard,
+                stream,
+                access,
+                Others::Listed(&m.sets.foreign),
+                before,
+            );
         });
     });
 }
@@ -789,11 +924,18 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
     let guard = admit(eng, stream);
     let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
         c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
-        hook(eng, guard, stream, Access::Opaque, None);
+        hook(
+            eng,
+            guard,
+            stream,
+            Access::Opaque,
+            Others::Listed(&[]),
+            None,
+        );
         return;
     };
     if !resolving(st, guard.as_ref()) {
-        keep(guard, None);
+        keep(guard, Vec::new(), None);
         return;
     }
     let _ = SCRATCH.try_with(move |s| {
@@ -823,9 +965,15 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
                 }
                 SnapNode::Memset { dst } => {
                     let r = ranges.lookup(*dst);
-                    // Only this engine's buffers, as for kernel nodes and copies.
-                    if let Some(b) = managed_on(&r, eng.map(|e| e.ordinal)) {
-                        push_buffer(b, false, &mut sets.reads, &mut sets.writes);
+                    // This engine's buffers; another device's are hooked by its own engine.
+                    match (&r, eng.map(|e| e.ordinal)) {
+                        (Resolved::Managed(b, d), own) if Some(*d) == own => {
+                            push_buffer(b, false, &mut sets.reads, &mut sets.writes);
+                        }
+                        (Resolved::Managed(b, d), _) => {
+                            push_foreign(&mut sets.foreign, *d, b, true)
+                        }
+                        _ => {}
                     }
                     sets.dag_writes.extend(r.buf_ref());
                     DagOp::Memset
@@ -846,7 +994,14 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
             sets.access()
         };
         label_op(|| "graph launch".to_string());
-        hook(eng, guard, stream, access, None);
+        hook(
+            eng,
+            guard,
+            stream,
+            access,
+            Others::Listed(&sets.foreign),
+            None,
+        );
     });
 }
 
@@ -873,7 +1028,7 @@ fn copy_like(
     let eng = engine_of(st, ctx);
     let guard = admit(eng, s);
     if !resolving(st, guard.as_ref()) {
-        keep(guard, None);
+        keep(guard, Vec::new(), None);
         return;
     }
     let dev = eng.map(|e| e.ordinal);
@@ -889,6 +1044,15 @@ fn copy_like(
     // At most one buffer each way; one both read and written is only in `writes`.
     let written = managed_on(&wr, dev);
     let read = managed_on(&rd, dev).filter(|b| written.map_or(true, |w| w.id() != b.id()));
+    // Another device's buffers (a peer copy): hooked by their own engines.
+    let mut foreign = Vec::new();
+    for (r, write) in [(&wr, true), (&rd, false)] {
+        if let Resolved::Managed(b, d) = r {
+            if Some(*d) != dev {
+                push_foreign(&mut foreign, *d, b, write);
+            }
+        }
+    }
     if st.cfg.tuning.dag && (rd.key().is_some() || wr.key().is_some()) {
         st.to_dag(DagMsg::Launch {
             op: if src.is_some() {
@@ -911,6 +1075,114 @@ fn copy_like(
             reads: read.map_or(&[], std::slice::from_ref),
             writes: written.map_or(&[], std::slice::from_ref),
         },
+        Others::Listed(&foreign),
+        None,
+    );
+}
+
+/// An operation of [`Shape::Write`] (2D/3D and peer copies, 2D memsets, stream memory
+/// operations): the device ranges its params name ([`RawCall::write_spans`]) resolved to the
+/// buffers they lie in, of whichever device, written or read; one it cannot decode is opaque.
+fn write_op(
+    st: &'static State,
+    ctx: u64,
+    cbid: u32,
+    at: WriteAt,
+    stream: StreamAt,
+    call: &RawCall<'_>,
+) {
+    let s = call.stream(stream);
+    if skip_captured(st, s) {
+        return;
+    }
+    let copy = matches!(
+        at,
+        WriteAt::Span { .. } | WriteAt::Copy2D | WriteAt::Copy3D | WriteAt::CopyBatch
+    );
+    let c = &st.counters;
+    if copy {
+        c.copies.fetch_add(1, Ordering::Relaxed);
+    } else {
+        c.memsets.fetch_add(1, Ordering::Relaxed);
+    }
+    let eng = engine_of(st, ctx);
+    let name = || crate::cbid::lookup(cbid).map_or("?", |c| c.name);
+    let (mut writes, mut reads) = (Vec::new(), Vec::new());
+    if !call.write_spans(at, &mut writes, &mut reads) {
+        st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
+        label_op(|| format!("operation {}", name()));
+        hook(
+            eng,
+            admit(eng, s),
+            s,
+            Access::Opaque,
+            Others::Listed(&[]),
+            None,
+        );
+        return;
+    }
+    let guard = admit(eng, s);
+    if !resolving(st, guard.as_ref()) {
+        keep(guard, Vec::new(), None);
+        return;
+    }
+    let dev = eng.map(|e| e.ordinal);
+    let look = |r: &Ranges| {
+        let side = |spans: &[Span]| -> Vec<Resolved> {
+            let mut out: Vec<Resolved> = Vec::new();
+            for &(start, len) in spans.iter().filter(|sp| sp.1 > 0) {
+                // A range lies in one allocation; its last byte is looked up too, so that one
+                // that runs into the next buffer marks both.
+                for a in [start, start.saturating_add(len - 1)] {
+                    let r = r.lookup(a);
+                    if r.key().is_some() && !out.iter().any(|x| x.key() == r.key()) {
+                        out.push(r);
+                    }
+                }
+            }
+            out
+        };
+        (side(&reads), side(&writes))
+    };
+    let (rd, wr) = SCRATCH
+        .try_with(|sc| look(ranges_at(&mut sc.borrow_mut().ranges, st, st.generation())))
+        .unwrap_or_else(|_| look(&st.ranges()));
+    label_op(|| format!("{} to {:#x}", name(), writes.first().map_or(0, |w| w.0)));
+    let mut sets = BufferSets::default();
+    for (side, write) in [(&wr, true), (&rd, false)] {
+        for r in side.iter() {
+            match r {
+                Resolved::Managed(b, d) if Some(*d) == dev => {
+                    push_buffer(b, !write, &mut sets.reads, &mut sets.writes);
+                }
+                Resolved::Managed(b, d) => push_foreign(&mut sets.foreign, *d, b, write),
+                _ => {}
+            }
+            if let Some(br) = r.buf_ref() {
+                let list = if write {
+                    &mut sets.dag_writes
+                } else {
+                    &mut sets.dag_reads
+                };
+                if !list.iter().any(|x| x.id == br.id) {
+                    list.push(br);
+                }
+            }
+        }
+    }
+    if st.cfg.tuning.dag && !(sets.dag_reads.is_empty() && sets.dag_writes.is_empty()) {
+        st.to_dag(DagMsg::Launch {
+            op: if copy { DagOp::Memcpy } else { DagOp::Memset },
+            stream: s,
+            sets: SetsRef::Once(DagSets::new(&sets.dag_reads, &sets.dag_writes)),
+        });
+    }
+    hook(
+        eng,
+        guard,
+        s,
+        sets.access(),
+        Others::Listed(&sets.foreign),
         None,
     );
 }

@@ -1,0 +1,331 @@
+//! The driver's less common writing functions, each through a checkpoint session on the fake GPU
+//! (`tests/fake/fake_writes_job.c`, which calls them by name: possum's wrappers under
+//! `LD_PRELOAD`): a write made after the pre-copy and before T0 (the release) is marked, so it is
+//! in the image; the same function called while the job is paused is held in possum's wrapper
+//! until the resume, so what it writes after T0 is not in the image (and never touches a released
+//! buffer). A peer copy into a second device's buffer is marked on that device's engine and is in
+//! that device's image.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use possum_control::{request, Request};
+use possum_engine::image::Image;
+use possum_engine::store::ChunkSource;
+use serde_json::Value;
+
+mod common;
+use common::{build_fake_gpu_linked, fake_job_command, libpossum, lines_of};
+
+/// Bound on every wait for something that should happen: generous, as only a bug makes it expire.
+const WAIT: Duration = Duration::from_secs(10);
+/// How long a paused job is watched for an answer it must not give.
+const STILL: Duration = Duration::from_millis(200);
+
+/// The u32 word a function leaves for the value `v` (< 256) it was given.
+type Word = fn(u32) -> u32;
+
+/// The functions the job writes through on device 0, and the u32 word each leaves at X.
+const OPS: &[(&str, Word)] = &[
+    ("cuMemcpyPeer", same),
+    ("cuMemcpyPeerAsync", same),
+    ("cuMemcpy2D_v2", same),
+    ("cuMemcpy3D_v2", same),
+    ("cuMemcpy3DPeer", same),
+    ("cuMemcpy3DPeerAsync", same),
+    ("cuMemcpyAtoD_v2", same),
+    ("cuMemcpyWithAttributesAsync", same),
+    ("cuMemcpyBatchAsync_v2", same),
+    ("cuMemsetD2D8_v2", bytes),
+    ("cuMemsetD2D16_v2", halves),
+    ("cuMemsetD2D32_v2", same),
+    ("cuMemsetD2D8Async", bytes),
+    ("cuMemsetD2D16Async", halves),
+    ("cuMemsetD2D32Async", same),
+    ("cuStreamWriteValue32", same),
+    ("cuStreamWriteValue32_v2", same),
+    ("cuStreamWriteValue64", same),
+    ("cuStreamWriteValue64_v2", same),
+    ("cuStreamBatchMemOp", same),
+    ("cuStreamBatchMemOp_v2", same),
+    ("cuLaunch", same),
+    ("cuLaunchGrid", same),
+    ("cuLaunchGridAsync", same),
+    ("cuLaunchCooperativeKernelMultiDevice", same),
+];
+
+fn same(v: u32) -> u32 {
+    v
+}
+fn bytes(v: u32) -> u32 {
+    0x0101_0101 * v
+}
+fn halves(v: u32) -> u32 {
+    0x0001_0001 * v
+}
+
+/// The job: its stdin, its stdout lines, its stderr file; killed when dropped.
+struct Job {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    stderr: PathBuf,
+    /// X and Y on device 0, Z on device 1 (0 without it).
+    x: u64,
+    z: u64,
+}
+
+impl Job {
+    fn start(dir: &Path, devices: u32) -> Job {
+        let stderr = dir.join(format!("job-{devices}.stderr"));
+        let lib = libpossum();
+        let mut cmd = fake_job_command(dir, "fake_writes_job", Some(&lib));
+        cmd.env("FAKE_CUDA_DEVICES", devices.to_string())
+            .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+            .env("POSSUM_VERBOSE", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let mut child = cmd.spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let lines = lines_of(child.stdout.take().unwrap());
+        let mut job = Job {
+            child,
+            stdin,
+            lines,
+            stderr,
+            x: 0,
+            z: 0,
+        };
+        let ready = job.next();
+        let words: Vec<u64> = ready
+            .strip_prefix("ready ")
+            .unwrap_or_else(|| panic!("{ready:?}; stderr:\n{}", job.log()))
+            .split(' ')
+            .map(|w| u64::from_str_radix(w, 16).unwrap())
+            .collect();
+        job.x = words[0];
+        job.z = words[2];
+        job
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn send(&mut self, cmd: &str) {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    fn next(&mut self) -> String {
+        self.lines
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|e| panic!("no answer from the job ({e:?}); stderr:\n{}", self.log()))
+    }
+
+    fn expect(&mut self, want: &str) {
+        let got = self.next();
+        assert_eq!(got, want, "stderr:\n{}", self.log());
+    }
+
+    /// Asserts that the job answers nothing for [`STILL`] (it is held).
+    fn assert_silent(&self) {
+        match self.lines.recv_timeout(STILL) {
+            Err(RecvTimeoutError::Timeout) => {}
+            other => panic!(
+                "the paused job answered ({other:?}): its call was not held; stderr:\n{}",
+                self.log()
+            ),
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Ctl {
+    pid: u32,
+    sockets: PathBuf,
+}
+
+impl Ctl {
+    fn ok(&self, req: &Request) -> Value {
+        request(self.pid, &self.sockets, req, WAIT).unwrap_or_else(|e| panic!("{req:?}: {e}"))
+    }
+
+    /// Polls the status until every engine is idle again after a resume.
+    fn wait_restored(&self) {
+        let t = Instant::now();
+        loop {
+            let v = self.ok(&Request::Status);
+            let engines = v["possum"]["engines"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if !engines.is_empty() && engines.iter().all(|e| e["engine"]["phase"] == "idle") {
+                return;
+            }
+            assert!(t.elapsed() < WAIT, "restore not done: {v}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn hook_errors(&self) -> u64 {
+        self.ok(&Request::Status)["possum"]["counters"]["hook_errors"]
+            .as_u64()
+            .unwrap()
+    }
+}
+
+/// The u32 word at `va` in the image `dir` (the buffer that holds it).
+fn image_word(dir: &Path, va: u64) -> u32 {
+    let img = Image::open(dir).unwrap();
+    img.verify().unwrap();
+    let b = img
+        .buffers()
+        .into_iter()
+        .find(|b| b.va <= va && va < b.va + b.size)
+        .unwrap_or_else(|| panic!("no buffer at {va:#x} in {}", dir.display()));
+    let off = va - b.va;
+    let (c_off, c_len) = img
+        .chunks(b.id)
+        .into_iter()
+        .find(|&(o, l)| o <= off && off < o + l)
+        .unwrap();
+    let mut data = vec![0u8; c_len as usize];
+    img.read_chunk(b.id, c_off, &mut data).unwrap();
+    let i = (off - c_off) as usize;
+    u32::from_le_bytes(data[i..i + 4].try_into().unwrap())
+}
+
+fn setup(name: &str) -> Option<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("possum-fakewrites-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let built = build_fake_gpu_linked(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+        &dir,
+        "tests/fake/fake_writes_job.c",
+        "fake_writes_job",
+        &["-l:libcuda.so.1"],
+    );
+    built.then_some(dir)
+}
+
+/// One session around `op NAME`: checkpoint (the pre-copy), the write of 1 (marked: it must be in
+/// the image), release (T0), the write of 2 sent while paused (held: no answer), resume (it goes
+/// on). Checks the image of device `device` holds `want(1)` at `va`; returns the release's reply.
+fn session(
+    job: &mut Job,
+    ctl: &Ctl,
+    images: &Path,
+    name: &str,
+    device: u32,
+    va: u64,
+    want: u32,
+) -> Value {
+    let r = ctl.ok(&Request::Checkpoint {
+        dir: images.to_str().unwrap().to_string(),
+    });
+    assert_eq!(r["hooks"], true, "{r}");
+    job.send(&format!("op {name} 1"));
+    job.expect(&format!("did {name}"));
+    let released = ctl.ok(&Request::Release);
+    job.send(&format!("op {name} 2"));
+    job.assert_silent();
+    let got = image_word(&images.join(format!("gpu-{device}")), va);
+    assert_eq!(
+        got,
+        want,
+        "{name}: the image holds {got:#x} at {va:#x}, not the write made before T0 ({want:#x}); \
+         the pre-copy saw the previous value, a write after T0 would be {:#x}",
+        want * 2
+    );
+    ctl.ok(&Request::Resume {
+        dir: Some(images.to_str().unwrap().to_string()),
+    });
+    job.expect(&format!("did {name}"));
+    ctl.wait_restored();
+    released
+}
+
+/// Every newly wrapped writing function on one device: marked before T0, held after it.
+#[test]
+fn writes_through_each_function_are_marked_and_held() {
+    let Some(dir) = setup("one") else { return };
+    let mut job = Job::start(&dir, 1);
+    let ctl = Ctl {
+        pid: job.child.id(),
+        sockets: dir.join("sockets"),
+    };
+    let x = job.x;
+    for (i, (name, want)) in OPS.iter().enumerate() {
+        let images = dir.join(format!("images-{i}"));
+        session(&mut job, &ctl, &images, name, 0, x, want(1));
+    }
+    assert_eq!(ctl.hook_errors(), 0);
+    let v = ctl.ok(&Request::Status);
+    // Each function called twice, counted once each time (the held call too).
+    assert_eq!(v["memsets"]["cuMemsetD2D8_v2"], 2, "{v}");
+    assert_eq!(v["memsets"]["cuStreamWriteValue64_v2"], 2, "{v}");
+    assert_eq!(v["copies"]["cuMemcpy3DPeer"], 2, "{v}");
+    assert_eq!(v["launches"]["cuLaunchGridAsync"], 2, "{v}");
+    job.send("exit");
+    job.expect("bye");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A peer copy from device 0's buffer into device 1's, issued from device 0's context: the write
+/// lands on device 1's buffer, is marked by device 1's engine and is in device 1's image; while
+/// paused it is held.
+#[test]
+fn a_peer_copy_is_marked_on_the_destinations_device() {
+    let Some(dir) = setup("two") else { return };
+    let mut job = Job::start(&dir, 2);
+    assert_ne!(job.z, 0, "no buffer on device 1");
+    let ctl = Ctl {
+        pid: job.child.id(),
+        sockets: dir.join("sockets"),
+    };
+    let v = ctl.ok(&Request::Status);
+    assert_eq!(
+        v["possum"]["engines"].as_array().map(Vec::len),
+        Some(2),
+        "{v}"
+    );
+    let (x, z) = (job.x, job.z);
+    for (i, name) in ["cuMemcpyPeer1", "cuMemcpyPeerAsync1"].iter().enumerate() {
+        let images = dir.join(format!("images-{i}"));
+        session(&mut job, &ctl, &images, name, 1, z, 1);
+        // Device 0's image holds the source's buffers; X is untouched by the copy.
+        assert_eq!(image_word(&images.join("gpu-0"), x), 0);
+    }
+    // A launch on several devices, whose buffers possum does not know: every device's engine
+    // takes it as writing all its buffers (Z too, on device 1, though this one writes X only).
+    let images = dir.join("images-multi");
+    let r = session(
+        &mut job,
+        &ctl,
+        &images,
+        "cuLaunchCooperativeKernelMultiDevice",
+        0,
+        x,
+        1,
+    );
+    let fin = r["final"].as_array().unwrap();
+    let on = |d: u64| fin.iter().find(|f| f["device"] == d).unwrap()["buffers"].clone();
+    assert_eq!(on(0), 2, "X and Y marked on device 0: {r}");
+    assert_eq!(on(1), 1, "Z marked on device 1: {r}");
+    assert_eq!(ctl.hook_errors(), 0);
+    job.send("exit");
+    job.expect("bye");
+    let _ = std::fs::remove_dir_all(&dir);
+}
