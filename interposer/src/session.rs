@@ -1185,3 +1185,26 @@ fn per_thread_ops() -> u64 {
 fn reply(r: Result<Value, String>) -> Value {
     r.unwrap_or_else(possum_control::error_reply)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fault of the write path between a checkpoint's start and its commit undoes it: the
+    /// release and the save check [`no_faults_since_open`] before they commit an image.
+    #[test]
+    fn a_fault_after_the_checkpoint_began_undoes_it() {
+        gate::note_fault("before the checkpoint");
+        // What `checkpoint_inner` does as it opens a checkpoint.
+        FAULTS_AT_OPEN.store(gate::faults().0, Ordering::SeqCst);
+        assert_eq!(no_faults_since_open(), Ok(()), "an older fault counts not");
+        gate::note_fault("hook: the engine refused a write");
+        let e = no_faults_since_open().unwrap_err();
+        assert!(e.contains("checkpoint undone"), "{e}");
+        assert!(e.contains("1 fault(s)"), "{e}");
+        assert!(e.contains("the engine refused a write"), "{e}");
+        let v = status_json();
+        assert!(v["write_path_faults"].as_u64().unwrap() >= 2, "{v}");
+        assert_eq!(v["last_fault"], "hook: the engine refused a write", "{v}");
+    }
+}
