@@ -338,11 +338,15 @@ impl KernelModel {
 
     /// Counts a launch: returns its number (0-based) and whether to validate it, which is when
     /// the kernel is not opaque and the number is below `first_launches` or a multiple of
-    /// `every` (when `every > 0`).
+    /// `every` (when `every > 0`), or a power of two while no validation was recorded yet (with
+    /// `first_launches > 0`), or one while a slot awaits a verdict (`recheck_until`).
     pub fn next_launch(&self, cfg: &ValidationConfig) -> (u64, bool) {
         let n = self.launches.fetch_add(1, Ordering::Relaxed);
         let due = n < u64::from(cfg.first_launches)
             || n.checked_rem(cfg.every) == Some(0)
+            // Its first launches were not validated (the device was being copied then, or a
+            // read failed): again at powers of two until one is.
+            || (cfg.first_launches > 0 && n.is_power_of_two() && !self.is_validated())
             || (n.is_power_of_two()
                 && n <= cfg.recheck_until
                 && cfg.readonly_after > 0
@@ -681,6 +685,28 @@ mod tests {
         );
     }
 
+    /// A kernel whose first launches were not validated (they ran while a checkpoint copied) is
+    /// validated at its next launch numbered by a power of two, and then no more.
+    #[test]
+    fn a_kernel_whose_first_launches_went_unvalidated_is_validated_later() {
+        let m = model(1);
+        let cfg = ValidationConfig::default();
+        // Launches 0 and 1 were due but skipped (not recorded).
+        assert!(m.next_launch(&cfg).1 && m.next_launch(&cfg).1);
+        assert!(m.next_launch(&cfg).1, "launch 2");
+        assert!(!m.next_launch(&cfg).1, "launch 3");
+        assert!(m.next_launch(&cfg).1, "launch 4");
+        m.record_validation(&Validation::default(), &cfg);
+        assert!(
+            (5..20).all(|_| !m.next_launch(&cfg).1),
+            "validated: no more"
+        );
+        // With validation off, never.
+        let m = model(1);
+        let off = ValidationConfig::from_env_str("off").unwrap();
+        assert!((0..20).all(|_| !m.next_launch(&off).1));
+    }
+
     /// A kernel is validated once a validation was recorded, whatever it found.
     #[test]
     fn validated_once_a_validation_is_recorded() {
@@ -751,6 +777,8 @@ mod tests {
             every: 3,
             ..Default::default()
         };
+        // Validated already (else powers of two would be validated too: below).
+        m.record_validation(&Validation::default(), &cfg);
         let got: Vec<_> = (0..7).map(|_| m.next_launch(&cfg)).collect();
         assert_eq!(
             got,
@@ -843,6 +871,7 @@ mod tests {
         assert!(!m.has_undecided_slots());
         // Never past recheck_until.
         let m = model(1);
+        m.record_validation(&Validation::default(), &observed());
         m.note_named(0);
         let cfg = ValidationConfig {
             recheck_until: 4,
