@@ -13,11 +13,11 @@ use std::process::{Child, ChildStdin, Stdio};
 use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
-use possum_control::{request, Request};
+use possum_control::{request, ControlError, Request};
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu, fake_job_command, libpossum, lines_of};
+use common::{build_fake_gpu, cc, fake_job_command, libpossum, lines_of};
 
 /// Bound on every wait for a reply or an answer of the job: only a bug makes it expire (whole
 /// 64 MiB buffers are checksummed on each validated launch, in a debug build).
@@ -85,6 +85,14 @@ impl Job {
     fn ask(&self, dir: &Path, req: &Request) -> Value {
         request(self.child.id(), &dir.join("sockets"), req, WAIT)
             .unwrap_or_else(|e| panic!("{req:?}: {e}; stderr:\n{}", self.log()))
+    }
+
+    /// The job's error message for `req`, which must be refused.
+    fn refused(&self, dir: &Path, req: &Request) -> String {
+        match request(self.child.id(), &dir.join("sockets"), req, WAIT) {
+            Err(ControlError::Remote(m)) => m,
+            other => panic!("{req:?} should have failed, got {other:?}"),
+        }
     }
 }
 
@@ -261,4 +269,90 @@ fn a_destroyed_stream_is_fenced() {
     let c = &o.possum["counters"];
     assert_eq!(c["streams_retired"], 2, "{c}");
     assert_eq!(c["hook_errors"], 0, "{c}");
+}
+
+/// possum's fence of a stream the job destroys fails (the driver's event record and stream
+/// synchronisation fail then: `tests/fake/fake_failing_libcuda.c`): a fault of the write path
+/// during the checkpoint, which the release undoes instead of committing an image that might
+/// not be T0's. The job runs on, and the next checkpoint (no fault since it began) is whole.
+#[test]
+fn a_fault_on_the_write_path_undoes_the_checkpoint() {
+    let dir =
+        std::env::temp_dir().join(format!("possum-fakevalidate-fault-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    if !build_fake_gpu(&dir, "tests/fake/fake_validate_job.c", "fake_validate_job") {
+        return;
+    }
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let shim = here.join("tests/fake/fake_failing_libcuda.c");
+    assert!(cc(&[
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-Wl,-Bsymbolic",
+        "-o",
+        dir.join("libcuda.so.1").to_str().unwrap(),
+        shim.to_str().unwrap(),
+    ]));
+    let cmds = ["step 1", "doomed", "step 1", "step 1"];
+    let mut reference = Job::start(&dir, "reference", false, &[]);
+    for cmd in cmds {
+        assert!(reference.run(cmd).starts_with("done"), "{cmd}");
+    }
+    let want = reference.dump(&dir.join("reference.bin"));
+    drop(reference);
+
+    let mut job = Job::start(&dir, "possum", true, &[]);
+    assert_eq!(job.run(cmds[0]), "done 1");
+    let images = dir.join("images");
+    let r = job.ask(
+        &dir,
+        &Request::Checkpoint {
+            dir: images.to_str().unwrap().into(),
+        },
+    );
+    assert_eq!(r["precopy"][0]["buffers"], 4, "{r}");
+    assert_eq!(job.run(cmds[1]), "done 2");
+    let m = job.refused(&dir, &Request::Release);
+    assert!(
+        m.contains("checkpoint undone") && m.contains("destroying stream"),
+        "{m}"
+    );
+    assert!(!images.join("gpu-0").exists(), "an image was committed");
+    let st = job.ask(&dir, &Request::Status);
+    let session = &st["possum"]["session"];
+    assert_eq!(session["paused"], false, "{session}");
+    assert_eq!(session["write_path_faults"], 1, "{session}");
+    assert_eq!(
+        st["possum"]["engines"][0]["engine"]["tracking"], false,
+        "{st}"
+    );
+    // The job runs on; a new checkpoint saw no fault: committed, and resumed from, whole.
+    assert_eq!(job.run(cmds[2]), "done 3");
+    let images2 = dir.join("images2");
+    let images2_s = images2.to_str().unwrap().to_string();
+    job.ask(
+        &dir,
+        &Request::Checkpoint {
+            dir: images2_s.clone(),
+        },
+    );
+    assert_eq!(job.run(cmds[3]), "done 4");
+    job.ask(&dir, &Request::Release);
+    assert!(images2.join("gpu-0").join("manifest.pb").is_file());
+    job.ask(
+        &dir,
+        &Request::Resume {
+            dir: Some(images2_s),
+        },
+    );
+    let got = job.dump(&dir.join("possum.bin"));
+    let n = (2 * BIG + SMALL) as usize;
+    assert!(
+        got[..n] == want[..n],
+        "the resumed job differs from the reference"
+    );
+    drop(job);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -17,6 +17,9 @@
  *   late N     N launches of late with s = ++steps; answers "done S".
  *   stream     a stream created, poke launched on it with s = ++steps, the stream destroyed;
  *              answers "done S".
+ *   doomed     as stream, but the driver's fences fail while the stream is destroyed (the
+ *              driver's fake_fail_fences, when it has one: tests/fake/fake_failing_libcuda.c);
+ *              answers "done S".
  *   dump PATH  X, Y, F, T read back (DtoH) and written to PATH in that order; "dumped".
  *   exit       frees everything; "bye".
  * Anything failing answers "error ..." and exits 1. */
@@ -129,13 +132,18 @@ int main(void) {
                 launch(&late, NULL, a);
             }
             printf("done %u\n", s);
-        } else if (!strcmp(line, "stream")) {
+        } else if (!strcmp(line, "stream") || !strcmp(line, "doomed")) {
+            void (*fail)(int) = (void (*)(int))dlsym(h, "fake_fail_fences");
+            int doomed = !strcmp(line, "doomed");
+            if (doomed && !fail) die("no fake_fail_fences");
             void *st = NULL;
             if (drv_stream_create(&st, 0)) die("cuStreamCreate");
             ++s;
             void *a[] = {&x, &y, &s};
             launch(&poke, st, a);
+            if (doomed) fail(1);
             if (drv_stream_destroy(st)) die("cuStreamDestroy_v2");
+            if (doomed) fail(0);
             printf("done %u\n", s);
         } else if (!strncmp(line, "dump ", 5)) {
             FILE *out = fopen(line + 5, "wb");
