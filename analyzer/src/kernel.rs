@@ -13,6 +13,9 @@ use serde::Serialize;
 
 use crate::layout::{slot_runs, ParamLayout, Slot, SlotRun};
 
+/// [`ValidationConfig::sample_bytes`] that reads whole buffers.
+pub const WHOLE: u64 = u64::MAX;
+
 /// How often launches are validated, and how read-only speculation is earned.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ValidationConfig {
@@ -21,9 +24,15 @@ pub struct ValidationConfig {
     /// Then validate every Kth launch (launch numbers divisible by K); 0 = never.
     pub every: u64,
     /// A slot whose buffer was unchanged across this many validated launches (and never seen
-    /// changed) is speculated read-only.
+    /// changed) is speculated read-only. 0 (the default): never; every slot that names a buffer
+    /// counts as a write of it. Observation cannot prove that a kernel never writes a slot's
+    /// buffer (a write that happens only on some launches, such as an overflow flag, or that
+    /// writes the value already there, looks like no write on the launches validated), so
+    /// read-only speculation is opt-in, its residual risk accepted by whoever sets this.
     pub readonly_after: u32,
-    /// Bytes checksummed per buffer.
+    /// Bytes checksummed per buffer: [`WHOLE`] (the default, `sample=all`) reads every byte of
+    /// every buffer on both sides of a validated launch; a number samples that many bytes per
+    /// buffer in [`Self::windows`] windows, which can miss a write outside them.
     pub sample_bytes: u64,
     /// The sampled bytes are spread over this many windows.
     pub windows: u32,
@@ -40,8 +49,8 @@ impl Default for ValidationConfig {
         Self {
             first_launches: 2,
             every: 0,
-            readonly_after: 2,
-            sample_bytes: 256 * 1024,
+            readonly_after: 0,
+            sample_bytes: WHOLE,
             windows: 16,
             recheck_until: 1024,
         }
@@ -50,7 +59,7 @@ impl Default for ValidationConfig {
 
 impl ValidationConfig {
     /// Parses `"first=3,every=1000,readonly_after=2,sample=262144,windows=16,recheck=1024"`:
-    /// any subset of the keys, the rest keep their defaults. `off` sets
+    /// any subset of the keys, the rest keep their defaults (`sample=all`: whole buffers). `off` sets
     /// `first=0,every=0,recheck=0` (validation never runs). The error names the key or item at
     /// fault.
     pub fn from_env_str(s: &str) -> Result<Self, String> {
@@ -71,6 +80,7 @@ impl ValidationConfig {
                 "first" => cfg.first_launches = value.parse().map_err(bad)?,
                 "every" => cfg.every = value.parse().map_err(bad)?,
                 "readonly_after" => cfg.readonly_after = value.parse().map_err(bad)?,
+                "sample" if value == "all" => cfg.sample_bytes = WHOLE,
                 "sample" => cfg.sample_bytes = value.parse().map_err(bad)?,
                 "windows" => cfg.windows = value.parse().map_err(bad)?,
                 "recheck" => cfg.recheck_until = value.parse().map_err(bad)?,
@@ -328,13 +338,18 @@ impl KernelModel {
 
     /// Counts a launch: returns its number (0-based) and whether to validate it, which is when
     /// the kernel is not opaque and the number is below `first_launches` or a multiple of
-    /// `every` (when `every > 0`).
+    /// `every` (when `every > 0`), or a power of two while no validation was recorded yet (with
+    /// `first_launches > 0`), or one while a slot awaits a verdict (`recheck_until`).
     pub fn next_launch(&self, cfg: &ValidationConfig) -> (u64, bool) {
         let n = self.launches.fetch_add(1, Ordering::Relaxed);
         let due = n < u64::from(cfg.first_launches)
             || n.checked_rem(cfg.every) == Some(0)
+            // Its first launches were not validated (the device was being copied then, or a
+            // read failed): again at powers of two until one is.
+            || (cfg.first_launches > 0 && n.is_power_of_two() && !self.is_validated())
             || (n.is_power_of_two()
                 && n <= cfg.recheck_until
+                && cfg.readonly_after > 0
                 && self.undecided.load(Ordering::Relaxed));
         (n, due && !self.is_opaque())
     }
@@ -386,6 +401,14 @@ impl KernelModel {
         (self.spec_changes.load(Ordering::Acquire) << 1) | u64::from(self.is_opaque())
     }
 
+    /// Whether at least one validation was recorded: until then nothing is known of what the
+    /// kernel reaches beyond the buffers its parameters name (a pointer table, a pointer it
+    /// computes), so a launch while a checkpoint is open treats it as touching every buffer.
+    #[inline]
+    pub fn is_validated(&self) -> bool {
+        self.validated.load(Ordering::Acquire) > 0
+    }
+
     /// Whether the kernel is treated as touching every buffer.
     pub fn is_opaque(&self) -> bool {
         self.opaque_reason.get().is_some()
@@ -428,7 +451,7 @@ impl KernelModel {
     ///   kernel opaque (returned as [`Verdict::Opaque`]);
     /// - slots in `slot_changed` become read-write forever;
     /// - slots in `slot_unchanged` (and not in `slot_changed`) count one more unchanged launch and
-    ///   become read-only once they reach `cfg.readonly_after`;
+    ///   become read-only once they reach `cfg.readonly_after` (never when it is 0);
     /// - slots in neither mask (e.g. a buffer that was all one byte value before the launch and
     ///   unchanged after: a fill of that value would look the same) are left as they were.
     ///
@@ -451,7 +474,7 @@ impl KernelModel {
             let seen = self.unchanged[i]
                 .fetch_add(1, Ordering::AcqRel)
                 .saturating_add(1);
-            if seen >= cfg.readonly_after {
+            if cfg.readonly_after > 0 && seen >= cfg.readonly_after {
                 verdicts_changed |= self.ro_mask[i / 64].fetch_or(bit, Ordering::AcqRel) & bit == 0;
             }
         }
@@ -604,6 +627,14 @@ mod tests {
         KernelModel::new(7, Some("k".into()), Some(ParamLayout::new(params)))
     }
 
+    /// Read-only speculation on (opt-in): read-only after two unchanged validated launches.
+    fn observed() -> ValidationConfig {
+        ValidationConfig {
+            readonly_after: 2,
+            ..Default::default()
+        }
+    }
+
     /// A validation that saw the buffers of the slots in `mask` unchanged.
     fn unchanged(mask: u64) -> Validation {
         Validation {
@@ -618,6 +649,86 @@ mod tests {
             slot_changed: SlotSet::from_mask(mask),
             ..Default::default()
         }
+    }
+
+    /// The defaults read whole buffers and never speculate read-only: however many validated
+    /// launches saw a slot's buffer unchanged, a later launch that writes it (an overflow flag
+    /// set only on some steps) is counted as a write; nor are kernels rechecked for verdicts
+    /// that are never given.
+    #[test]
+    fn by_default_nothing_is_read_only() {
+        let cfg = ValidationConfig::default();
+        assert_eq!(cfg.sample_bytes, WHOLE);
+        assert_eq!(cfg.readonly_after, 0);
+        assert_eq!(
+            sample_windows(64 << 20, cfg.sample_bytes, cfg.windows),
+            [(0, 64 << 20)]
+        );
+        let m = model(2);
+        for _ in 0..100 {
+            let mut v = unchanged(0b11);
+            v.slot_named.insert(0);
+            v.slot_named.insert(1);
+            m.record_validation(&v, &cfg);
+        }
+        assert!(!m.is_readonly(0) && !m.is_readonly(1));
+        assert_eq!(m.classify(0), SlotAccess::ReadWrite);
+        assert_eq!(m.stats().readonly_slots, 0);
+        let dues = (0..64).filter(|_| m.next_launch(&cfg).1).count();
+        assert_eq!(dues, 2, "only the first launches");
+        assert_eq!(
+            ValidationConfig::from_env_str("sample=all,readonly_after=3").unwrap(),
+            ValidationConfig {
+                readonly_after: 3,
+                ..Default::default()
+            }
+        );
+    }
+
+    /// A kernel whose first launches were not validated (they ran while a checkpoint copied) is
+    /// validated at its next launch numbered by a power of two, and then no more.
+    #[test]
+    fn a_kernel_whose_first_launches_went_unvalidated_is_validated_later() {
+        let m = model(1);
+        let cfg = ValidationConfig::default();
+        // Launches 0 and 1 were due but skipped (not recorded).
+        assert!(m.next_launch(&cfg).1 && m.next_launch(&cfg).1);
+        assert!(m.next_launch(&cfg).1, "launch 2");
+        assert!(!m.next_launch(&cfg).1, "launch 3");
+        assert!(m.next_launch(&cfg).1, "launch 4");
+        m.record_validation(&Validation::default(), &cfg);
+        assert!(
+            (5..20).all(|_| !m.next_launch(&cfg).1),
+            "validated: no more"
+        );
+        // With validation off, never.
+        let m = model(1);
+        let off = ValidationConfig::from_env_str("off").unwrap();
+        assert!((0..20).all(|_| !m.next_launch(&off).1));
+    }
+
+    /// A kernel is validated once a validation was recorded, whatever it found.
+    #[test]
+    fn validated_once_a_validation_is_recorded() {
+        let m = model(1);
+        assert!(!m.is_validated());
+        m.next_launch(&ValidationConfig::default());
+        assert!(!m.is_validated(), "a launch is no validation");
+        m.record_validation(&Validation::default(), &ValidationConfig::default());
+        assert!(m.is_validated());
+    }
+
+    /// With read-only speculation on, a slot seen written once (a data-dependent write caught on
+    /// one validated launch) is read-write for good, whatever the launches after show.
+    #[test]
+    fn a_write_seen_once_is_never_forgotten() {
+        let m = model(1);
+        let cfg = observed();
+        m.record_validation(&changed(1), &cfg);
+        for _ in 0..10 {
+            m.record_validation(&unchanged(1), &cfg);
+        }
+        assert!(!m.is_readonly(0));
     }
 
     #[test]
@@ -666,6 +777,8 @@ mod tests {
             every: 3,
             ..Default::default()
         };
+        // Validated already (else powers of two would be validated too: below).
+        m.record_validation(&Validation::default(), &cfg);
         let got: Vec<_> = (0..7).map(|_| m.next_launch(&cfg)).collect();
         assert_eq!(
             got,
@@ -715,7 +828,7 @@ mod tests {
     #[test]
     fn a_slot_without_a_verdict_gets_its_kernel_validated_again_until_it_has_one() {
         let m = model(131);
-        let cfg = ValidationConfig::default();
+        let cfg = observed();
         let due = |m: &KernelModel| m.next_launch(&cfg).1;
         assert!(due(&m) && due(&m), "launches 0 and 1");
         // Launch 0 saw slot 3 unchanged, launch 1 slots 3 and 117.
@@ -758,10 +871,11 @@ mod tests {
         assert!(!m.has_undecided_slots());
         // Never past recheck_until.
         let m = model(1);
+        m.record_validation(&Validation::default(), &observed());
         m.note_named(0);
         let cfg = ValidationConfig {
             recheck_until: 4,
-            ..Default::default()
+            ..observed()
         };
         let dues: Vec<u64> = (0..20)
             .filter_map(|_| Some(m.next_launch(&cfg)).filter(|x| x.1).map(|x| x.0))
@@ -775,7 +889,7 @@ mod tests {
     #[test]
     fn slots_past_64_earn_readonly_too() {
         let m = model(131);
-        let cfg = ValidationConfig::default(); // readonly_after = 2
+        let cfg = observed(); // readonly_after = 2
         let mut v = Validation::default();
         v.slot_unchanged.insert(100);
         v.slot_unchanged.insert(3);
@@ -817,7 +931,7 @@ mod tests {
     #[test]
     fn readonly_is_earned_and_lost_for_good() {
         let m = model(3);
-        let cfg = ValidationConfig::default(); // readonly_after = 2
+        let cfg = observed(); // readonly_after = 2
         let v = Validation {
             slot_changed: SlotSet::from_mask(0b100),
             ..unchanged(0b011)
@@ -951,7 +1065,7 @@ mod tests {
         // Slot 0 unchanged every time; slot 1 in neither mask (constant and unchanged): it never
         // earns read-only, and its count does not advance towards it.
         let m = model(2);
-        let cfg = ValidationConfig::default(); // readonly_after = 2
+        let cfg = observed(); // readonly_after = 2
         let v = unchanged(0b01);
         for _ in 0..4 {
             assert_eq!(m.record_validation(&v, &cfg), Verdict::Consistent);

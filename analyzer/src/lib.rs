@@ -9,16 +9,18 @@
 //! driver or, failing that, from the cubin's `.nv.info.<kernel>` section ([`nvinfo`]). Every
 //! pointer-sized word of every parameter, including the words inside by-value structs, is a
 //! [`Slot`]. A slot whose value falls inside a live allocation (an [`IntervalMap`] look-up) names
-//! that buffer. Each named buffer is taken as read-write, unless validation has shown that slot's
-//! buffer unchanged across `readonly_after` validated launches and never changed: then it is
-//! speculated read-only ([`KernelModel::is_readonly`]). Buffers no slot names are predicted
-//! untouched.
+//! that buffer. Each named buffer is taken as read-write, unless read-only speculation is on
+//! (`readonly_after` > 0; off by default: observation cannot prove that a later launch does not
+//! write) and validation has shown that slot's buffer unchanged across `readonly_after` validated
+//! launches and never changed: then it is speculated read-only ([`KernelModel::is_readonly`]).
+//! Buffers no slot names are predicted untouched once a validation checked the kernel
+//! ([`KernelModel::is_validated`]).
 //!
 //! # Validation
 //!
 //! The first launches of each kernel (and then every Kth, per [`ValidationConfig`]) are checked:
-//! the interposer checksums sampled windows ([`sample_windows`], [`checksum`]) of every buffer not
-//! named, and of the named ones, before and after the launch, and looks for device pointers inside
+//! the interposer checksums every buffer, named or not, whole (or, when asked, sampled windows:
+//! [`sample_windows`], [`checksum`]) before and after the launch, and looks for device pointers inside
 //! the named buffers ([`find_pointers`]). The result ([`Validation`]) goes to
 //! [`KernelModel::record_validation`]. A change in an unnamed buffer, or a pointer table behind a
 //! named one, makes the kernel **opaque** for good: it is then treated as touching every buffer.

@@ -579,12 +579,22 @@ impl<D: Device> CkptSession<D> {
             let (ev, b) = self.make_safe(i);
             blocked |= b;
             if let Some(ev) = ev {
-                if self.dev.event_query(&ev)? {
-                    slot.safe.store(true, Ordering::Release);
-                } else {
+                // Without the query's answer or the stream's wait, the job's write may run
+                // before the buffer's copy has read it: the checkpoint fails (closed).
+                let ordered = self.dev.event_query(&ev).and_then(|done| {
+                    if done {
+                        slot.safe.store(true, Ordering::Release);
+                        return Ok(());
+                    }
                     self.dev.wait_event(stream, &ev)?;
                     self.stream_waits.fetch_add(1, Ordering::Relaxed);
                     self.counters.stream_waits.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                });
+                if let Err(e) = ordered {
+                    let e = EngineError::from(e);
+                    self.shared.fail(&e);
+                    return Err(e);
                 }
             }
             Ok(())

@@ -7,6 +7,11 @@
 //!
 //! Invariant: while paused, no thread of the job enters an operation (the pause is checked first,
 //! and again inside the engine's gate), so the job never touches a released buffer.
+//!
+//! Also the faults of the write path ([`note_fault`]): an error or a panic in a hook, after which
+//! the operation runs although its buffers may not have been saved or marked written. The session
+//! counts them from a checkpoint's start to its commit, and a checkpoint that saw one is undone
+//! (no image; the job runs on): it fails closed.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
@@ -23,6 +28,23 @@ static PAUSE_CV: Condvar = Condvar::new();
 /// Operations that waited for a resume, and for how long in total.
 static PAUSE_WAITS: AtomicU64 = AtomicU64::new(0);
 static PAUSE_WAIT_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Faults of the write path since the library was loaded, and the last one's description.
+static FAULTS: AtomicU64 = AtomicU64::new(0);
+static LAST_FAULT: Mutex<Option<String>> = Mutex::new(None);
+
+/// Notes a fault of the write path: an operation goes on (or went on) although the hook could
+/// not do its part for it. A checkpoint open now is not committed.
+pub fn note_fault(what: &str) {
+    *LAST_FAULT.lock() = Some(what.to_string());
+    FAULTS.fetch_add(1, Ordering::SeqCst);
+    crate::log::log(&format!("fault on the write path: {what}"));
+}
+
+/// Faults of the write path so far, and the last one's description.
+pub fn faults() -> (u64, Option<String>) {
+    (FAULTS.load(Ordering::SeqCst), LAST_FAULT.lock().clone())
+}
 
 /// Blocks the calling thread while the job is paused (one atomic load when it is not).
 #[inline]

@@ -164,6 +164,9 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         return;
     }
     let st = state();
+    // A panic below leaves the operation to run with whatever the hook did so far: counted as a
+    // fault, which fails a checkpoint that is open (its image is not committed).
+    let _panic = PanicFault;
     let shape = crate::cbid::shape(cbid);
     if !enter {
         on_exit(st, cbid, shape, call);
@@ -232,9 +235,13 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
         Shape::Unmap => st.remove_unmanaged(call.word(0)),
         Shape::StreamDestroy => {
+            // Work still queued on the stream runs on after it is destroyed: a later T0 must
+            // wait for it (see `DevEngine::retire_stream`).
             let raw = call.word(0);
             for e in st.engines() {
-                e.forget_stream(raw);
+                if let Err(err) = e.retire_stream(raw) {
+                    crate::gate::note_fault(&format!("destroying stream {raw:#x}: {err}"));
+                }
             }
         }
         Shape::CaptureBegin => {
@@ -248,6 +255,17 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         | Shape::Map
         | Shape::ProcAddress
         | Shape::Count => {}
+    }
+}
+
+/// Notes a fault ([`crate::gate::note_fault`]) if dropped while the hook's thread unwinds.
+struct PanicFault;
+
+impl Drop for PanicFault {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            crate::gate::note_fault("a panic in possum's hook");
+        }
     }
 }
 
@@ -452,9 +470,11 @@ fn hook(
                 log_newly_dirty(&access);
             }
             if let Err(err) = e.with_stream(stream, |s| g.check(s, access)) {
+                // The operation runs anyway (refusing it would break the job), perhaps before
+                // the buffers it writes were saved: the checkpoint open now must not commit.
                 let st = state();
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
-                crate::log::log(&format!("hook: {err}"));
+                crate::gate::note_fault(&format!("hook: {err}"));
             }
         }
     }
@@ -767,7 +787,8 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
     let n = c.launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);
     let guard = admit(eng, stream);
-    let resolve = guard.as_ref().is_some_and(OpGuard::tracking) || st.cfg.tuning.resolve.sampled(n);
+    let tracking = guard.as_ref().is_some_and(OpGuard::tracking);
+    let resolve = tracking || st.cfg.tuning.resolve.sampled(n);
     let _ = MEMO.try_with(move |memo| {
         let mut memo = memo.borrow_mut();
         let (model, ways) = Ways::current(memo.entry(func).or_default(), st, func);
@@ -846,7 +867,14 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
                 }
                 identified = !discovered;
             }
-            let opaque = model.is_opaque();
+            // A kernel never validated (first seen while a checkpoint copies, or validation off or
+            // failed) may reach buffers its parameters do not name: while the engine tracks, it
+            // touches every buffer.
+            let unproven = tracking && !model.is_validated() && !model.is_opaque();
+            if unproven {
+                c.launches_unvalidated.fetch_add(1, Ordering::Relaxed);
+            }
+            let opaque = model.is_opaque() || unproven;
             if opaque {
                 c.launches_opaque.fetch_add(1, Ordering::Relaxed);
             } else if identified {
@@ -899,7 +927,7 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
                     if hit { "hit" } else { "miss" }
                 )
             });
-            let before = (validate_now && !opaque)
+            let before = (validate_now && !model.is_opaque())
                 .then(|| validate::begin(st, eng, model, words))
                 .flatten();
             hook(
@@ -951,7 +979,9 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
             sets.dag_writes.clear();
             let kref = match node {
                 SnapNode::Kernel { model, words } => {
-                    opaque |= model.is_opaque();
+                    // A kernel seen only in graphs is never validated: it may reach buffers its
+                    // parameters do not name.
+                    opaque |= model.is_opaque() || !model.is_validated();
                     resolve_slots(
                         st,
                         &mut ranges,

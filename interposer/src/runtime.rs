@@ -70,6 +70,9 @@ pub struct DevEngine {
     /// Validation's reads: a pinned bounce buffer and a stream of possum's, made at the first
     /// validation ([`crate::validate`]).
     pub validation_io: Mutex<Option<(PinnedBuf, CudaStream)>>,
+    /// possum's stream that waits for the work the job left on the streams it destroyed
+    /// ([`Self::retire_stream`]), made at the first such destruction.
+    retired: Mutex<Option<CudaStream>>,
     /// The keeper the engine's buffer memory comes from (the device's owner), if any.
     pub keeper: Option<Arc<possum_keeper::KeeperMemory>>,
 }
@@ -122,6 +125,46 @@ impl DevEngine {
             .ok()
             .flatten()
             .unwrap_or_else(|| f.take().expect("not called: TLS gone")(&self.stream(raw)))
+    }
+
+    /// The job is destroying its stream `raw`; work queued on it still runs. A T0 after this must
+    /// wait for that work as it would have while the stream lived: an event recorded on the
+    /// stream now is waited for by possum's retirement stream (registered as a job stream, so
+    /// every T0 fences it), and only then is the stream forgotten. If the event cannot be had,
+    /// the stream is synchronised instead; if that fails too, the error is returned (the caller
+    /// fails the checkpoint open now, if any) and the stream is still forgotten (it is going).
+    pub fn retire_stream(&self, raw: u64) -> Result<(), String> {
+        use possum_engine::device::{Device, StreamPriority};
+        if !self.streams.read().contains_key(&raw) {
+            // Never used by a hooked operation: nothing of the job's to fence.
+            self.forget_stream(raw);
+            return Ok(());
+        }
+        let _r = Reentry::enter();
+        let dev = self.engine.device();
+        let job = self.stream(raw);
+        let fenced = (|| -> Result<(), String> {
+            let mut retired = self.retired.lock();
+            if retired.is_none() {
+                let s = dev
+                    .create_stream(StreamPriority::Normal)
+                    .map_err(|e| e.to_string())?;
+                self.engine.register_stream(s.clone());
+                *retired = Some(s);
+            }
+            let ev = dev.record_event(&job).map_err(|e| e.to_string())?;
+            let retired = retired.as_ref().expect("just made");
+            dev.wait_event(retired, &ev).map_err(|e| e.to_string())
+        })();
+        let r = fenced.or_else(|why| {
+            dev.synchronize(&job)
+                .map_err(|e| format!("{why}; synchronising it: {e}"))
+        });
+        if let Some(st) = state_if_created() {
+            st.counters.streams_retired.fetch_add(1, Ordering::Relaxed);
+        }
+        self.forget_stream(raw);
+        r
     }
 
     /// Forgets the job's stream `raw` (it is being destroyed).
@@ -190,7 +233,8 @@ counters! {
     launches_identified: "Launches of non-opaque kernels that named no allocation unknown to possum (unknown ones are looked for on validated launches only).",
     validated_launches_identified: "Validated launches of non-opaque kernels whose every parameter word the driver knows as a device address was in an allocation possum tracked.",
     launches_unmanaged: "Launches that touched an allocation possum does not manage.",
-    launches_opaque: "Launches of opaque kernels.",
+    launches_opaque: "Launches of opaque kernels (never-validated kernels while a checkpoint was open included).",
+    launches_unvalidated: "Launches, while a checkpoint was open, of kernels no validation had checked yet (first seen then, validation off or failed): treated as touching every buffer.",
     pointer_words: "Parameter words that named an allocation.",
     captured_launches: "Launches (and copies, memsets) captured into a graph rather than run.",
     graph_launches: "Graph launches.",
@@ -210,7 +254,8 @@ counters! {
     unmanaged_allocs: "Allocations possum does not manage (seen through CUPTI, or found by the driver).",
     discovered_allocs: "Allocations no hook saw, found by asking the driver about a parameter word (validated launches).",
     launches_discovered: "Validated launches that named an allocation no hook saw (found by the driver then).",
-    hook_errors: "Hook calls the engine refused (the operation ran anyway).",
+    hook_errors: "Hook calls the engine refused (the operation ran anyway; a checkpoint open then is not committed).",
+    streams_retired: "Job streams destroyed: the work queued on each is fenced by a stream of possum's that waits for it.",
     memo_hits: "Launches whose buffer sets came from an earlier launch of the kernel with the same words.",
     timed_launches: "Launches whose time in possum's callbacks (entry and exit) was measured (1 in 16).",
     timed_launch_ns: "Time those launches spent in possum's callbacks (validation excluded).",
@@ -569,6 +614,7 @@ impl State {
                     streams: RwLock::new(HashMap::default()),
                     streams_epoch: AtomicU64::new(0),
                     validation_io: Mutex::new(None),
+                    retired: Mutex::new(None),
                     keeper,
                 });
                 let _ = cell.set(de.clone());

@@ -21,6 +21,7 @@
 //! the driver did anything for that call.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -39,6 +40,9 @@ use crate::{ab, gate, park};
 static BUSY: Mutex<Option<&'static str>> = Mutex::new(None);
 /// The last session's figures, for `possum status`.
 static LAST: Mutex<Value> = Mutex::new(Value::Null);
+/// The write path's fault count ([`gate::faults`]) when the checkpoint in progress began: one
+/// more at its commit and the checkpoint is undone ([`no_faults_since_open`]).
+static FAULTS_AT_OPEN: AtomicU64 = AtomicU64::new(0);
 /// The checkpoint in progress: from `Checkpoint` (pre-copy) to `Release` (the dirty rest, commit).
 static OPEN: Mutex<Option<Open>> = Mutex::new(None);
 
@@ -87,6 +91,7 @@ pub fn paused() -> bool {
 /// The session's state for `possum status`.
 pub fn status_json() -> Value {
     let (waits, wait_ns) = gate::waits();
+    let (faults, last_fault) = gate::faults();
     json!({
         "paused": paused(),
         "threads_parked": park::held().then(|| crate::park_sys::parked().len()),
@@ -95,6 +100,8 @@ pub fn status_json() -> Value {
         "busy": *BUSY.lock(),
         "pause_waits": waits,
         "pause_wait_ms": wait_ns as f64 / 1e6,
+        "write_path_faults": faults,
+        "last_fault": last_fault,
         "saving": match &*SAVING.lock() {
             Saving::Idle => Value::Null,
             Saving::Running => json!("running"),
@@ -152,6 +159,22 @@ fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
     ImageWriter::create(&engine_image_dir(dir, ordinal), opts)
         .map(Arc::new)
         .map_err(|e| format!("device {ordinal}: {e}"))
+}
+
+/// Whether the write path saw no fault since the checkpoint in progress began: an error or a
+/// panic in a hook let an operation run whose written buffers may not have been saved (or marked
+/// written), so the image might not be T0's. With one, the checkpoint fails closed: its images
+/// are not committed, the job runs on.
+fn no_faults_since_open() -> Result<(), String> {
+    let (n, last) = gate::faults();
+    let since = n.saturating_sub(FAULTS_AT_OPEN.load(Ordering::SeqCst));
+    if since == 0 {
+        return Ok(());
+    }
+    Err(format!(
+        "checkpoint undone: {since} fault(s) on the write path since it began (the last: {});          its image might not hold the buffers as they were at T0, so none is written and the          job runs on",
+        last.unwrap_or_default()
+    ))
 }
 
 /// Commits device `ordinal`'s image (its writer no longer shared with a copy).
@@ -237,6 +260,8 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
     }
     // A checkpoint whose `possum` went away before its release: its images are abandoned.
     *OPEN.lock() = None;
+    // Faults from now to the commit undo this checkpoint.
+    FAULTS_AT_OPEN.store(gate::faults().0, Ordering::SeqCst);
     let t = Instant::now();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
@@ -349,6 +374,10 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
             .and_then(|h| h.wait());
         e.engine.set_device_fence(false);
         let r = r.map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
+        no_faults_since_open().map_err(|e| {
+            stop_tracking(&engines);
+            unpause(e)
+        })?;
         let summary = commit(ordinal, writer).map_err(unpause)?;
         finals.push(json!({
             "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
@@ -606,6 +635,10 @@ fn release_held(
     })?;
     // Committed only now, with the threads still parked: an attempt the watchdog ended left
     // nothing under the images' names.
+    no_faults_since_open().inspect_err(|_| {
+        stop_tracking(&engines);
+        unpause_job();
+    })?;
     for ((ordinal, writer), f) in open.into_iter().zip(finals.iter_mut()) {
         let summary = commit(ordinal, writer).inspect_err(|_| unpause_job())?;
         f["image_bytes"] = json!(summary.data_file_bytes);
@@ -1094,6 +1127,9 @@ fn finish_save(saves: Saves) {
         if let Some(s) = spare {
             s.end();
         }
+        let r = r
+            .map_err(|e| format!("device {ordinal}: saving: {e}"))
+            .and_then(|r| no_faults_since_open().map(|()| r));
         match r {
             Ok(r) => match commit(ordinal, writer) {
                 Ok(summary) => out.push(json!({
@@ -1107,7 +1143,7 @@ fn finish_save(saves: Saves) {
                 })),
                 Err(e) => failed = failed.or(Some(e)),
             },
-            Err(e) => failed = failed.or(Some(format!("device {ordinal}: saving: {e}"))),
+            Err(e) => failed = failed.or(Some(e)),
         }
     }
     stop_tracking(&engines());
@@ -1148,4 +1184,27 @@ fn per_thread_ops() -> u64 {
 
 fn reply(r: Result<Value, String>) -> Value {
     r.unwrap_or_else(possum_control::error_reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fault of the write path between a checkpoint's start and its commit undoes it: the
+    /// release and the save check [`no_faults_since_open`] before they commit an image.
+    #[test]
+    fn a_fault_after_the_checkpoint_began_undoes_it() {
+        gate::note_fault("before the checkpoint");
+        // What `checkpoint_inner` does as it opens a checkpoint.
+        FAULTS_AT_OPEN.store(gate::faults().0, Ordering::SeqCst);
+        assert_eq!(no_faults_since_open(), Ok(()), "an older fault counts not");
+        gate::note_fault("hook: the engine refused a write");
+        let e = no_faults_since_open().unwrap_err();
+        assert!(e.contains("checkpoint undone"), "{e}");
+        assert!(e.contains("1 fault(s)"), "{e}");
+        assert!(e.contains("the engine refused a write"), "{e}");
+        let v = status_json();
+        assert!(v["write_path_faults"].as_u64().unwrap() >= 2, "{v}");
+        assert_eq!(v["last_fault"], "hook: the engine refused a write", "{v}");
+    }
 }

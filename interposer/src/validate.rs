@@ -1,7 +1,8 @@
 //! Validation of a launch's speculated buffer sets, on both sides of the launch.
 //!
-//! Before: the device is synchronised, then sampled windows of every readable buffer (managed
-//! and unmanaged) are checksummed, and the first 4 KiB behind each pointer the launch was passed
+//! Before: the device is synchronised, then every readable buffer (managed and unmanaged) is
+//! checksummed whole (`POSSUM_VALIDATE=sample=N`: sampled windows of N bytes instead, which can
+//! miss a write outside them), and the first 4 KiB behind each pointer the launch was passed
 //! are scanned for live device pointers (a pointer table: the kernel may reach buffers its
 //! parameters do not name). After (on the call's exit): the device is synchronised again, the same
 //! windows are checksummed, and [`KernelModel::record_validation`] judges: a change in a buffer
@@ -13,9 +14,11 @@
 //! The windows and scans of one side are read together: copies queued on a stream of possum's
 //! into a pinned buffer, one wait per 8 MiB ([`Reader`]), not one synchronous copy each.
 //!
-//! Sampling can miss a write to a window it did not read; `POSSUM_VALIDATE=sample=N` reads more.
-//! Work on other streams during the launch can only add changes, which makes a kernel opaque
-//! wrongly but safely.
+//! The whole-buffer checksums see any change a launch made, but only on that launch: a write
+//! that happens only on some launches, or that writes the bytes already there, is not seen, which
+//! is why read-only speculation is off unless `readonly_after` is set (see
+//! [`possum_analyzer::kernel::ValidationConfig::readonly_after`]). Work on other streams during
+//! the launch can only add changes, which makes a kernel opaque wrongly but safely.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -126,6 +129,11 @@ fn runs(ranges: &[(u64, usize)], cap: usize) -> Vec<std::ops::Range<usize>> {
     out
 }
 
+/// `[off, off + len)` cut into consecutive pieces of at most `max` bytes (`max` > 0).
+fn pieces(off: u64, len: u64, max: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..len.div_ceil(max)).map(move |k| (off + k * max, max.min(len - k * max)))
+}
+
 /// `len` bytes at device address `src`, read synchronously into `scratch`.
 fn read_one(scratch: &mut Vec<u8>, src: u64, len: usize) -> Result<&[u8], String> {
     scratch.resize(len, 0);
@@ -173,8 +181,11 @@ fn sums_of(
     for (t, (start, len)) in targets.enumerate() {
         let cfg = &st.cfg.tuning.validation;
         for (off, l) in sample_windows(len, cfg.sample_bytes, cfg.windows) {
-            ranges.push((start + off, l as usize));
-            owner.push(t);
+            // A whole buffer is read a bounce buffer at a time.
+            for (p, pl) in pieces(off, l, BOUNCE as u64) {
+                ranges.push((start + p, pl as usize));
+                owner.push(t);
+            }
         }
         sums.push((0xcbf2_9ce4_8422_2325u64, None::<u8>, true));
     }
@@ -400,6 +411,19 @@ mod tests {
         assert_eq!(own_window(0x1000, 0x1000, 0x2000, 256), 0);
         assert_eq!(own_window(0x1000, 0x1000, 0x1000, 0), 8);
         assert_eq!(own_window(0x1000, 0x100, 0x10fc, 256), 4);
+    }
+
+    #[test]
+    fn whole_buffers_are_read_in_pieces() {
+        use super::pieces;
+        let p: Vec<_> = pieces(16, 20, 8).collect();
+        assert_eq!(p, [(16, 8), (24, 8), (32, 4)]);
+        assert_eq!(pieces(0, 8, 8).collect::<Vec<_>>(), [(0, 8)]);
+        assert_eq!(pieces(0, 0, 8).count(), 0);
+        // Every byte of a 64 MiB buffer, in 8 MiB reads.
+        let p: Vec<_> = pieces(0, 64 << 20, super::BOUNCE as u64).collect();
+        assert_eq!(p.len(), 8);
+        assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), 64 << 20);
     }
 
     #[test]

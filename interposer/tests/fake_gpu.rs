@@ -87,7 +87,8 @@ fn a_job_on_a_fake_gpu() {
     };
     let stats = dir.join("stats.json");
     let trace = dir.join("trace.json");
-    let stderr = run_ok::<&str>(&dir, &[], &[]);
+    // Read-only speculation is opt-in (`readonly_after`): on here, to see it earned.
+    let stderr = run_ok::<&str>(&dir, &[], &[("POSSUM_VALIDATE", "readonly_after=2")]);
     assert!(
         stderr.contains("device 0: allocations are served by the engine"),
         "{stderr}"
@@ -175,7 +176,11 @@ fn a_slot_sharing_an_allocation_is_judged_by_its_own_window() {
     let Some(dir) = fake_gpu_dir("possum-fakegpu-shared") else {
         return;
     };
-    run_ok(&dir, &["shared"], &[("POSSUM_VALIDATE", "first=4")]);
+    run_ok(
+        &dir,
+        &["shared"],
+        &[("POSSUM_VALIDATE", "first=4,readonly_after=2")],
+    );
     let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];
     assert_eq!(c["validations"], 8, "{v}");
@@ -199,7 +204,11 @@ fn writes_of_a_constant_earn_no_readonly() {
     let Some(dir) = fake_gpu_dir("possum-fakegpu-fill") else {
         return;
     };
-    run_ok(&dir, &["fill"], &[("POSSUM_VALIDATE", "first=4")]);
+    run_ok(
+        &dir,
+        &["fill"],
+        &[("POSSUM_VALIDATE", "first=4,readonly_after=2")],
+    );
 
     let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];

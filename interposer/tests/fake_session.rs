@@ -65,8 +65,11 @@ impl Job {
                 .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
                 .env("FAKE_CUPTI_NO_AUTOFIRE", "1"),
         };
+        // Read-only speculation on (opt-in): A, only read by the job's steps, is then not taken
+        // as written, and the release copies only what the steps write.
         cmd.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
+            .env("POSSUM_VALIDATE", "readonly_after=2")
             .env("POSSUM_RESOLVE", resolve)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
