@@ -33,7 +33,7 @@ status=0
 : > "$work/check.jsonl"
 for job in "mlp 60" "gpt2 6"; do
     set -- $job
-    POSSUM_STATS="$work/$1-stats.json" LD_PRELOAD="$PWD/.gpu/libpossum.so" POSSUM_SOCKET_DIR=/tmp \
+    POSSUM_STATS="$work/$1-stats.json" LD_PRELOAD="$PWD/.gpu/libpossum.so" POSSUM_SOCKET_DIR="$work/sockets" \
         python3 workloads/gpu/jobs.py "$1" --steps "$2" > "$work/$1-possum.txt" 2> "$work/$1-possum.err"
     python3 workloads/gpu/jobs.py "$1" --steps "$2" > "$work/$1-plain.txt" 2> "$work/$1-plain.err"
     same=false

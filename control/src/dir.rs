@@ -56,6 +56,17 @@ pub enum DirError {
         /// Those it may belong to.
         allowed: Vec<u32>,
     },
+    /// The directory is shared (the sticky bit, as /tmp has): it cannot be a socket directory.
+    #[error(
+        "socket directory {} is a shared directory (mode {mode:04o}, sticky): choose a directory of its own, such as /tmp/possum (POSSUM_SOCKET_DIR or --socket-dir)",
+        path.display()
+    )]
+    Shared {
+        /// The directory.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// Others than its owner have access to the directory.
     #[error(
         "socket directory {} has mode {mode:04o}: nobody but its owner may have access to it; `chmod 700 {}` (or remove it: `rm -r {}`)",
@@ -242,6 +253,14 @@ fn check(
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
         let mine = meta.uid() == nix::unistd::geteuid().as_raw();
+        // A shared directory (the sticky bit: /tmp, /var/tmp, /dev/shm) is never tightened: it
+        // is everyone's, and cannot be a socket directory.
+        if mode & 0o1000 != 0 {
+            return Err(DirError::Shared {
+                path: path.to_path_buf(),
+                mode,
+            });
+        }
         if !(tighten && mine) {
             return Err(DirError::Mode {
                 path: path.to_path_buf(),
@@ -281,6 +300,19 @@ mod tests {
 
     fn me() -> u32 {
         nix::unistd::geteuid().as_raw()
+    }
+
+    #[test]
+    fn a_shared_sticky_directory_is_refused_and_left_as_it_is() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("shared");
+        fs::create_dir(&d).unwrap();
+        fs::set_permissions(&d, fs::Permissions::from_mode(0o1777)).unwrap();
+        let e = prepare_dir(&d, &[me()]).unwrap_err();
+        assert!(matches!(e, DirError::Shared { mode: 0o1777, .. }), "{e}");
+        assert!(!e.to_string().contains("chmod"), "{e}");
+        let mode = fs::metadata(&d).unwrap().mode() & 0o7777;
+        assert_eq!(mode, 0o1777, "a shared directory was changed");
     }
 
     #[test]
