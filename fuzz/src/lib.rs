@@ -1,6 +1,7 @@
-//! The fuzz targets' entry points that live here (those of the engine and the CRIU adapter live in
-//! their crates, `possum_engine::image::fuzz` and `possum_criu::fuzz`), and a test that runs every
-//! seed of every target through its entry point, without libFuzzer, on a stable toolchain.
+//! The fuzz targets' entry points that live here (those of the engine, the CRIU adapter and the
+//! sequence live in their crates: `possum_engine::image::fuzz`, `possum_criu::fuzz`,
+//! `possum_sequence::fuzz`), and a test that runs every seed of every target through its entry
+//! point, without libFuzzer, on a stable toolchain.
 
 use possum_control::{Request, MAX_REQUEST_BYTES};
 
@@ -25,11 +26,12 @@ pub fn control_request(data: &[u8]) {
 pub type Target = fn(&[u8]);
 
 /// Each target and its entry point.
-pub const TARGETS: [(&str, Target); 4] = [
+pub const TARGETS: [(&str, Target); 5] = [
     ("manifest", possum_engine::image::fuzz::manifest),
     ("hostmem_index", possum_criu::fuzz::hostmem_index),
     ("criu_image", possum_criu::fuzz::criu_image),
     ("control_request", control_request),
+    ("possum_json", possum_sequence::fuzz::possum_json),
 ];
 
 #[cfg(test)]

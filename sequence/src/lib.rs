@@ -49,6 +49,8 @@ pub mod auth;
 pub mod checkpoint;
 pub mod config;
 pub mod figures;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod guard;
 mod held;
 pub mod image;

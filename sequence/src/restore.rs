@@ -183,7 +183,7 @@ pub enum RestoreError {
         first: String,
         /// The second.
         #[source]
-        source: CriuError,
+        source: Box<CriuError>,
     },
     /// The GPU side: the restored process was killed.
     #[error(
@@ -477,7 +477,10 @@ fn criu_restore(
                 timed(&mut figures.criu_restore_again, || {
                     ready.criu.restore(&ready.opts)
                 })
-                .map_err(|source| RestoreError::CriuTwice { first, source })?
+                .map_err(|source| RestoreError::CriuTwice {
+                    first,
+                    source: Box::new(source),
+                })?
             }
             Some(s) => {
                 s.abandon();
