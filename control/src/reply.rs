@@ -336,7 +336,11 @@ pub struct DeviceCopy {
 }
 
 /// The answer to `Release` and `ReleaseKeeping`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+///
+/// Written as the job has always written it: a kept checkpoint's release (`kept_bytes`) copies
+/// nothing and holds nothing for a restore, so `final`, `held_for_restore` and `held_epochs` are
+/// left out of it when empty; so are the last two from a release with the threads parked (`held`).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default)]
 pub struct ReleaseReply {
     /// The copy made while held, per device (what was written since the pre-copy, or everything
@@ -391,6 +395,66 @@ impl ReleaseReply {
         self.finals
             .iter()
             .fold((0, 0), |(n, b), f| (n + f.buffers, b + f.bytes))
+    }
+}
+
+/// [`ReleaseReply`] as written: the lists a release of its kind never fills left out.
+#[derive(Serialize)]
+struct ReleaseWire<'a> {
+    #[serde(rename = "final", skip_serializing_if = "Option::is_none")]
+    finals: Option<&'a [DeviceCopy]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    final_copy_ms: Option<f64>,
+    released_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kept_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    staging_freed_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    context_trimmed_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held_for_restore: Option<&'a [usize]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held_epochs: Option<&'a [HeldEpoch]>,
+    devices: &'a [usize],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detach_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parked: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attempts: Option<&'a [HoldAttempt]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ms: Option<f64>,
+}
+
+/// `list`, written if `always` or if not empty.
+fn written_if<T>(list: &[T], always: bool) -> Option<&[T]> {
+    (always || !list.is_empty()).then_some(list)
+}
+
+impl Serialize for ReleaseReply {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let kept = self.kept_bytes.is_some();
+        let at_gate = !kept && self.held.is_none();
+        ReleaseWire {
+            finals: written_if(&self.finals, !kept),
+            final_copy_ms: self.final_copy_ms,
+            released_bytes: self.released_bytes,
+            kept_bytes: self.kept_bytes,
+            staging_freed_bytes: self.staging_freed_bytes,
+            context_trimmed_bytes: self.context_trimmed_bytes,
+            held_for_restore: written_if(&self.held_for_restore, at_gate),
+            held_epochs: written_if(&self.held_epochs, at_gate),
+            devices: &self.devices,
+            detach_ms: self.detach_ms,
+            held: self.held.as_deref(),
+            parked: self.parked.as_ref(),
+            attempts: self.attempts.as_deref(),
+            ms: self.ms,
+        }
+        .serialize(s)
     }
 }
 
@@ -770,6 +834,76 @@ mod tests {
         assert_eq!(
             serde_json::to_value(&precopy).unwrap(),
             json!({"device": 0, "buffers": 2, "bytes": 20, "ms": 1.0, "dirty_after": 0})
+        );
+    }
+
+    /// Each kind of release is written with the keys the job has always sent for it.
+    #[test]
+    fn each_kind_of_release_keeps_its_keys() {
+        let keys = |r: &ReleaseReply| -> Vec<String> {
+            let j = round_trip(r);
+            j.as_object().unwrap().keys().cloned().collect()
+        };
+        // At the op gate, nothing held for a restore: the empty lists are sent.
+        let gate = ReleaseReply {
+            final_copy_ms: Some(1.0),
+            staging_freed_bytes: Some(0),
+            context_trimmed_bytes: Some(0),
+            detach_ms: Some(0.0),
+            ms: Some(1.0),
+            ..ReleaseReply::default()
+        };
+        let j = serde_json::to_value(&gate).unwrap();
+        assert_eq!(j["final"], json!([]));
+        assert_eq!(j["held_for_restore"], json!([]));
+        assert_eq!(j["held_epochs"], json!([]));
+        assert_eq!(keys(&gate).len(), 10, "{j}");
+        // A kept checkpoint's release: no copy, nothing held.
+        let kept = ReleaseReply {
+            kept_bytes: Some(300),
+            ..gate.clone()
+        };
+        let mut k = keys(&kept);
+        k.sort();
+        assert_eq!(
+            k,
+            [
+                "context_trimmed_bytes",
+                "detach_ms",
+                "devices",
+                "final_copy_ms",
+                "kept_bytes",
+                "ms",
+                "released_bytes",
+                "staging_freed_bytes"
+            ]
+        );
+        // The threads parked: the copy, no lists of what is held for a restore.
+        let parked = ReleaseReply {
+            finals: vec![copy_with_every_field(0)],
+            final_copy_ms: Some(1.0),
+            staging_freed_bytes: Some(0),
+            held: Some("threads parked".into()),
+            parked: Some(json!({"threads": 2})),
+            attempts: Some(Vec::new()),
+            ms: Some(1.0),
+            ..ReleaseReply::default()
+        };
+        let mut k = keys(&parked);
+        k.sort();
+        assert_eq!(
+            k,
+            [
+                "attempts",
+                "devices",
+                "final",
+                "final_copy_ms",
+                "held",
+                "ms",
+                "parked",
+                "released_bytes",
+                "staging_freed_bytes"
+            ]
         );
     }
 
