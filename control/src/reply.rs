@@ -1,10 +1,13 @@
-//! The replies the command line reads, as types.
+//! The replies to the control requests, as types: libpossum.so builds its answers to the session
+//! requests from them, and the command line reads them.
 //!
 //! Each type parses what libpossum.so answers to one [`Request`](crate::Request): every field is
 //! optional or defaulted (`#[serde(default)]`), so a reply from an older or newer library, with
 //! fields missing or added, still parses; unknown fields are ignored. Only the fields a reader
-//! uses are typed. A reply that is passed on verbatim (`possum checkpoint --json` embeds the
-//! job's reports) is read as a [`Reply`], which keeps the job's JSON beside the typed view.
+//! uses are typed in [`StatusReply`]; the session replies type every field the job sends, an
+//! optional one left out when it is `None`. A reply that is passed on verbatim (`possum
+//! checkpoint --json` embeds the job's reports) is read as a [`Reply`], which keeps the job's
+//! JSON beside the typed view.
 
 use std::collections::BTreeMap;
 
@@ -52,7 +55,7 @@ where
 }
 
 /// The answer to `Status` (what `possum status` prints): the fields a checkpoint reads.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct StatusReply {
     /// The job's pid.
@@ -66,7 +69,7 @@ pub struct StatusReply {
 }
 
 /// How the driver's entry points were handed out (`Status`'s `entry`).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct EntryStats {
     /// Entry points possum wraps.
@@ -87,7 +90,7 @@ pub struct EntryStats {
 }
 
 /// `Status`'s `possum`: the engines and the session.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct PossumStatus {
     /// One per device possum manages.
@@ -104,7 +107,7 @@ pub struct PossumStatus {
 }
 
 /// `Status`'s `possum.vmm`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct VmmStatus {
     /// possum serves them.
@@ -127,7 +130,7 @@ pub struct VmmStatus {
 }
 
 /// `Status`'s `possum.pools`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct PoolsStatus {
     /// possum serves them.
@@ -154,7 +157,7 @@ pub struct PoolsStatus {
 }
 
 /// One device's engine in `Status`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct EngineStatus {
     /// Its device ordinal.
@@ -168,7 +171,7 @@ pub struct EngineStatus {
 }
 
 /// An engine's figures (the fields read).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct EngineFigures {
     /// The bytes of its buffers.
@@ -189,7 +192,7 @@ pub struct EngineFigures {
 }
 
 /// The keeper serving an engine's buffer memory.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct KeeperStatus {
     /// Its socket.
@@ -211,7 +214,7 @@ pub struct KeeperStatus {
 }
 
 /// GPU memory possum does not manage.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct Unmanaged {
     /// Allocations.
@@ -226,7 +229,7 @@ pub struct Unmanaged {
 }
 
 /// A count of allocations and their bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct Allocations {
     /// How many.
@@ -238,7 +241,7 @@ pub struct Allocations {
 }
 
 /// The job's checkpoint session, in `Status`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct SessionStatus {
     /// The job's GPU operations are held.
@@ -258,7 +261,7 @@ pub struct SessionStatus {
 }
 
 /// The last figures of the session's steps (kept opaque: only their presence is read).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct SessionLast {
     /// The last restore's figures, once it has finished.
@@ -266,23 +269,26 @@ pub struct SessionLast {
 }
 
 /// The answer to `Checkpoint` and `CheckpointKept`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct CheckpointReply {
     /// The pre-copy, per device.
     #[serde(deserialize_with = "null_default")]
     pub precopy: Vec<DeviceCopy>,
     /// possum sees the job's operations (a pre-copy was made).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub hooks: Option<bool>,
     /// A kept checkpoint: nothing copied yet, the buffers saved after the job runs again.
     #[serde(deserialize_with = "null_default")]
     pub kept: bool,
     /// Milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ms: Option<f64>,
 }
 
-/// A copy of one device's buffers.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+/// A copy of one device's buffers (a pre-copy, a copy while held, or a save). The optional
+/// figures are those of the copy that has them.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct DeviceCopy {
     /// The device ordinal.
@@ -295,10 +301,45 @@ pub struct DeviceCopy {
     #[serde(deserialize_with = "null_default")]
     pub bytes: u64,
     /// Milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ms: Option<f64>,
+    /// A pre-copy: buffers written again while it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dirty_after: Option<u64>,
+    /// A copy with the threads parked: milliseconds waiting for the device's work first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_ms: Option<f64>,
+    /// A save: buffers copied ahead of the job's writes to them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cow_priority: Option<u64>,
+    /// A save: buffers shadowed on the device before the job wrote them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cow_shadow: Option<u64>,
+    /// A save: the most bytes of shadows at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow_peak: Option<u64>,
+    /// A save: buffers shadowed at its start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshot_shadows: Option<u64>,
+    /// A save: shadows the keeper saved into its spare image memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadows_saved_by_keeper: Option<u64>,
+    /// A save: its rate, in GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gb_per_s: Option<f64>,
+    /// The committed image's data bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_bytes: Option<u64>,
+    /// The committed image's buffers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_buffers: Option<u64>,
 }
 
 /// The answer to `Release` and `ReleaseKeeping`.
+///
+/// Written as the job has always written it: a kept checkpoint's release (`kept_bytes`) copies
+/// nothing and holds nothing for a restore, so `final`, `held_for_restore` and `held_epochs` are
+/// left out of it when empty; so are the last two from a release with the threads parked (`held`).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(default)]
 pub struct ReleaseReply {
@@ -307,20 +348,44 @@ pub struct ReleaseReply {
     #[serde(rename = "final")]
     #[serde(deserialize_with = "null_default")]
     pub finals: Vec<DeviceCopy>,
+    /// Milliseconds from the release to the images committed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_copy_ms: Option<f64>,
     /// Bytes of GPU memory released.
     #[serde(deserialize_with = "null_default")]
     pub released_bytes: u64,
     /// A kept checkpoint: bytes detached, left with the keeper.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub kept_bytes: Option<u64>,
+    /// Bytes of pinned staging memory freed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub staging_freed_bytes: Option<u64>,
+    /// Bytes freed by trimming the contexts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_trimmed_bytes: Option<u64>,
     /// Devices whose buffers stay on the GPU with the keeper for a restore.
     #[serde(deserialize_with = "null_default")]
     pub held_for_restore: Vec<usize>,
     /// The epochs the keeper holds them under.
     #[serde(deserialize_with = "null_default")]
     pub held_epochs: Vec<HeldEpoch>,
+    /// Devices released (or detached).
+    #[serde(deserialize_with = "null_default")]
+    pub devices: Vec<usize>,
+    /// Milliseconds detaching (CUPTI, or a kept checkpoint's buffers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detach_ms: Option<f64>,
     /// How the job was held, when not at the op gate (`threads parked`).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub held: Option<String>,
+    /// With the threads parked: how they were parked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parked: Option<Value>,
+    /// With the threads parked: the holds the watchdog ended before the one that copied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<Vec<HoldAttempt>>,
     /// Milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ms: Option<f64>,
 }
 
@@ -333,8 +398,83 @@ impl ReleaseReply {
     }
 }
 
+/// [`ReleaseReply`] as written: the lists a release of its kind never fills left out.
+#[derive(Serialize)]
+struct ReleaseWire<'a> {
+    #[serde(rename = "final", skip_serializing_if = "Option::is_none")]
+    finals: Option<&'a [DeviceCopy]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    final_copy_ms: Option<f64>,
+    released_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kept_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    staging_freed_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    context_trimmed_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held_for_restore: Option<&'a [usize]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held_epochs: Option<&'a [HeldEpoch]>,
+    devices: &'a [usize],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detach_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parked: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attempts: Option<&'a [HoldAttempt]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ms: Option<f64>,
+}
+
+/// `list`, written if `always` or if not empty.
+fn written_if<T>(list: &[T], always: bool) -> Option<&[T]> {
+    (always || !list.is_empty()).then_some(list)
+}
+
+impl Serialize for ReleaseReply {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let kept = self.kept_bytes.is_some();
+        let at_gate = !kept && self.held.is_none();
+        ReleaseWire {
+            finals: written_if(&self.finals, !kept),
+            final_copy_ms: self.final_copy_ms,
+            released_bytes: self.released_bytes,
+            kept_bytes: self.kept_bytes,
+            staging_freed_bytes: self.staging_freed_bytes,
+            context_trimmed_bytes: self.context_trimmed_bytes,
+            held_for_restore: written_if(&self.held_for_restore, at_gate),
+            held_epochs: written_if(&self.held_epochs, at_gate),
+            devices: &self.devices,
+            detach_ms: self.detach_ms,
+            held: self.held.as_deref(),
+            parked: self.parked.as_ref(),
+            attempts: self.attempts.as_deref(),
+            ms: self.ms,
+        }
+        .serialize(s)
+    }
+}
+
+/// A hold of the job's parked threads that did not copy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct HoldAttempt {
+    /// Its number, from 1.
+    #[serde(deserialize_with = "null_default")]
+    pub attempt: u32,
+    /// The watchdog ended it (a parked thread held a lock the copy needed).
+    #[serde(deserialize_with = "null_default")]
+    pub ended_by_watchdog: bool,
+    /// Milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ms: Option<f64>,
+}
+
 /// A device's memory a keeper holds for a restore, and the epoch it is held under.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 pub struct HeldEpoch {
     /// The device ordinal.
     pub device: usize,
@@ -343,29 +483,57 @@ pub struct HeldEpoch {
 }
 
 /// The answer to `Resume` and `ResumeAndSave`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct ResumeReply {
     /// Devices whose buffers come back from the image.
     #[serde(deserialize_with = "null_default")]
     pub restoring: Vec<usize>,
     /// Whether they come back on demand (false: every buffer was back before the job ran on).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub on_demand: Option<bool>,
     /// Devices whose buffers the keeper still held: mapped again, nothing copied.
     #[serde(deserialize_with = "null_default")]
     pub attached: Vec<usize>,
+    /// Devices whose kept buffers the keeper no longer had: they come back from the image.
+    #[serde(deserialize_with = "null_default")]
+    pub kept_memory_gone: Vec<usize>,
     /// The keeper's stages the restore took (loaded while CRIU restored the job).
     #[serde(deserialize_with = "null_default")]
     pub staged: Vec<StageTaken>,
+    /// Devices now another GPU than the job had (a restore onto another GPU).
+    #[serde(deserialize_with = "null_default")]
+    pub moved: Vec<DeviceMoved>,
+    /// Milliseconds attaching kept buffers again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attach_ms: Option<f64>,
     /// Devices whose kept buffers are being saved.
     #[serde(deserialize_with = "null_default")]
     pub saving: Vec<usize>,
     /// Milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ms: Option<f64>,
 }
 
+/// A device restored onto another GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct DeviceMoved {
+    /// The device ordinal.
+    #[serde(deserialize_with = "null_default")]
+    pub device: usize,
+    /// The GPU it is now, by UUID.
+    #[serde(deserialize_with = "null_default")]
+    pub uuid: String,
+    /// The keeper's socket serving that GPU; `null` where none does.
+    pub keeper: Option<String>,
+    /// The buffers kept on the old GPU were let go.
+    #[serde(deserialize_with = "null_default")]
+    pub kept_dropped: bool,
+}
+
 /// A keeper's stage a restored device took.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct StageTaken {
     /// The device ordinal.
@@ -380,18 +548,19 @@ pub struct StageTaken {
 }
 
 /// The answer to `Saved`.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct SavedReply {
     /// Per device.
     #[serde(deserialize_with = "null_default")]
     pub saved: Vec<DeviceCopy>,
     /// Milliseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ms: Option<f64>,
 }
 
 /// The answer to `Cupti`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct CuptiReply {
     /// CUPTI's callbacks are subscribed now.
@@ -467,6 +636,275 @@ mod tests {
             .unwrap()
             .body;
         assert!(c.kept);
+    }
+
+    /// Serializes `v`, reads it back, and checks both the value and that nothing was dropped
+    /// (the JSON written again is the JSON read).
+    fn round_trip<R>(v: &R) -> Value
+    where
+        R: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug,
+    {
+        let j = serde_json::to_value(v).unwrap();
+        let back: R = Reply::parse(j.clone()).unwrap().body;
+        assert_eq!(&back, v, "{j}");
+        assert_eq!(serde_json::to_value(&back).unwrap(), j);
+        j
+    }
+
+    fn copy_with_every_field(device: usize) -> DeviceCopy {
+        DeviceCopy {
+            device,
+            buffers: 3,
+            bytes: 300,
+            ms: Some(1.5),
+            dirty_after: Some(1),
+            sync_ms: Some(0.25),
+            cow_priority: Some(2),
+            cow_shadow: Some(4),
+            shadow_peak: Some(4096),
+            snapshot_shadows: Some(5),
+            shadows_saved_by_keeper: Some(6),
+            gb_per_s: Some(12.5),
+            image_bytes: Some(512),
+            image_buffers: Some(3),
+        }
+    }
+
+    /// Every session reply, with every field set, reads back as itself.
+    #[test]
+    fn session_replies_round_trip_with_every_field_set() {
+        let j = round_trip(&CheckpointReply {
+            precopy: vec![copy_with_every_field(0), copy_with_every_field(1)],
+            hooks: Some(true),
+            kept: true,
+            ms: Some(4.0),
+        });
+        assert_eq!(j["precopy"][1]["shadows_saved_by_keeper"], 6);
+        let j = round_trip(&ReleaseReply {
+            finals: vec![copy_with_every_field(0)],
+            final_copy_ms: Some(1.0),
+            released_bytes: 300,
+            kept_bytes: Some(200),
+            staging_freed_bytes: Some(64),
+            context_trimmed_bytes: Some(32),
+            held_for_restore: vec![0],
+            held_epochs: vec![HeldEpoch {
+                device: 0,
+                epoch: 9,
+            }],
+            devices: vec![0, 1],
+            detach_ms: Some(0.5),
+            held: Some("threads parked".into()),
+            parked: Some(json!({"threads": 4})),
+            attempts: Some(vec![HoldAttempt {
+                attempt: 1,
+                ended_by_watchdog: true,
+                ms: Some(20.0),
+            }]),
+            ms: Some(3.0),
+        });
+        assert_eq!(j["final"][0]["image_buffers"], 3);
+        assert_eq!(j["attempts"][0]["ended_by_watchdog"], true);
+        let j = round_trip(&ResumeReply {
+            restoring: vec![0],
+            on_demand: Some(true),
+            attached: vec![1],
+            kept_memory_gone: vec![2],
+            staged: vec![StageTaken {
+                device: 0,
+                stage: 5,
+                buffers: 2,
+            }],
+            moved: vec![
+                DeviceMoved {
+                    device: 0,
+                    uuid: "0a1b".into(),
+                    keeper: Some("/k/keeper-1.sock".into()),
+                    kept_dropped: true,
+                },
+                DeviceMoved {
+                    device: 1,
+                    uuid: "2c3d".into(),
+                    keeper: None,
+                    kept_dropped: false,
+                },
+            ],
+            attach_ms: Some(0.1),
+            saving: vec![0, 1],
+            ms: Some(2.0),
+        });
+        // A device no keeper serves on its new GPU: `keeper` is sent, as null.
+        assert_eq!(j["moved"][1]["keeper"], Value::Null);
+        round_trip(&SavedReply {
+            saved: vec![copy_with_every_field(0)],
+            ms: Some(9.0),
+        });
+        round_trip(&CuptiReply {
+            cupti_attached: true,
+        });
+    }
+
+    /// `Status`'s types, with every field set, read back as themselves.
+    #[test]
+    fn the_status_reply_round_trips_with_every_field_set() {
+        let engine = EngineStatus {
+            device: 1,
+            engine: EngineFigures {
+                bytes: Some(4096),
+                buffers: 2,
+                resident_bytes: 1024,
+                dirty_bytes: 512,
+                tracking: Some(true),
+                phase: Some("live".into()),
+            },
+            keeper: Some(KeeperStatus {
+                name: Some("/k/keeper-0.sock".into()),
+                reachable: Some(true),
+                allocations: Some(2),
+                bytes: Some(4096),
+                retained_bytes: Some(0),
+                mappings_kept: Some(2),
+                mappings_own: Some(0),
+                spare: Some("1 GiB".into()),
+            }),
+        };
+        let counted = Allocations {
+            allocations: 1,
+            bytes: 64,
+        };
+        round_trip(&StatusReply {
+            pid: Some(7),
+            hooks: Some("entry".into()),
+            possum: Some(PossumStatus {
+                engines: vec![engine],
+                unmanaged: Some(Unmanaged {
+                    allocations: 1,
+                    bytes: 64,
+                    by_kind: BTreeMap::from([("cuMemAllocManaged".to_string(), counted)]),
+                }),
+                session: Some(SessionStatus {
+                    paused: true,
+                    busy: Some("release".into()),
+                    cupti_attached: true,
+                    hooks_live: Some(true),
+                    last: SessionLast {
+                        restore: Some(json!({"device": 0})),
+                    },
+                }),
+                vmm: Some(VmmStatus {
+                    serving: true,
+                    pieces_mapped_now: 1,
+                    handles_live: 2,
+                    handles_shared: 3,
+                    left_to_driver: 4,
+                    left_to_driver_first_prop: Some("type 1".into()),
+                }),
+                pools: Some(PoolsStatus {
+                    serving: true,
+                    blocks_live: 1,
+                    bytes_live: 2,
+                    slabs: 3,
+                    blocks_pending_free: 4,
+                    reused_on_their_stream: 5,
+                    allocations_served: 6,
+                }),
+            }),
+            entry: Some(EntryStats {
+                wrapped: 40,
+                swapped_proc_address: 10,
+                swapped_dlsym: 2,
+                passed_proc_address: 100,
+                unmatched: vec![json!("cuFoo_v9")],
+            }),
+        });
+    }
+
+    /// The job leaves out an optional figure it has not got (a pre-copy's entry has no image
+    /// figures), as its hand-built replies did.
+    #[test]
+    fn an_absent_optional_figure_is_left_out() {
+        let precopy = DeviceCopy {
+            device: 0,
+            buffers: 2,
+            bytes: 20,
+            ms: Some(1.0),
+            dirty_after: Some(0),
+            ..DeviceCopy::default()
+        };
+        assert_eq!(
+            serde_json::to_value(&precopy).unwrap(),
+            json!({"device": 0, "buffers": 2, "bytes": 20, "ms": 1.0, "dirty_after": 0})
+        );
+    }
+
+    /// Each kind of release is written with the keys the job has always sent for it.
+    #[test]
+    fn each_kind_of_release_keeps_its_keys() {
+        let keys = |r: &ReleaseReply| -> Vec<String> {
+            let j = round_trip(r);
+            j.as_object().unwrap().keys().cloned().collect()
+        };
+        // At the op gate, nothing held for a restore: the empty lists are sent.
+        let gate = ReleaseReply {
+            final_copy_ms: Some(1.0),
+            staging_freed_bytes: Some(0),
+            context_trimmed_bytes: Some(0),
+            detach_ms: Some(0.0),
+            ms: Some(1.0),
+            ..ReleaseReply::default()
+        };
+        let j = serde_json::to_value(&gate).unwrap();
+        assert_eq!(j["final"], json!([]));
+        assert_eq!(j["held_for_restore"], json!([]));
+        assert_eq!(j["held_epochs"], json!([]));
+        assert_eq!(keys(&gate).len(), 10, "{j}");
+        // A kept checkpoint's release: no copy, nothing held.
+        let kept = ReleaseReply {
+            kept_bytes: Some(300),
+            ..gate.clone()
+        };
+        let mut k = keys(&kept);
+        k.sort();
+        assert_eq!(
+            k,
+            [
+                "context_trimmed_bytes",
+                "detach_ms",
+                "devices",
+                "final_copy_ms",
+                "kept_bytes",
+                "ms",
+                "released_bytes",
+                "staging_freed_bytes"
+            ]
+        );
+        // The threads parked: the copy, no lists of what is held for a restore.
+        let parked = ReleaseReply {
+            finals: vec![copy_with_every_field(0)],
+            final_copy_ms: Some(1.0),
+            staging_freed_bytes: Some(0),
+            held: Some("threads parked".into()),
+            parked: Some(json!({"threads": 2})),
+            attempts: Some(Vec::new()),
+            ms: Some(1.0),
+            ..ReleaseReply::default()
+        };
+        let mut k = keys(&parked);
+        k.sort();
+        assert_eq!(
+            k,
+            [
+                "attempts",
+                "devices",
+                "final",
+                "final_copy_ms",
+                "held",
+                "ms",
+                "parked",
+                "released_bytes",
+                "staging_freed_bytes"
+            ]
+        );
     }
 
     /// A reply of the wrong shape is a protocol error naming the type, not a silent default.

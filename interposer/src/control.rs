@@ -8,6 +8,7 @@
 use std::sync::{Arc, Once};
 
 use parking_lot::Mutex;
+use possum_control::reply::CuptiReply;
 use possum_control::{Request, Server};
 use serde_json::{json, Value};
 
@@ -52,7 +53,9 @@ pub fn start(status: fn() -> Value) {
                     cupti_detach()
                 };
                 match r {
-                    Ok(()) => json!({"cupti_attached": cupti_attached()}),
+                    Ok(()) => session::to_json(&CuptiReply {
+                        cupti_attached: cupti_attached(),
+                    }),
                     Err(e) => possum_control::error_reply(e),
                 }
             }

@@ -26,8 +26,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
+use possum_control::reply::{
+    CheckpointReply, DeviceCopy, DeviceMoved, HeldEpoch, HoldAttempt, ReleaseReply, ResumeReply,
+    SavedReply, StageTaken,
+};
 use possum_engine::image::{Image, ImageWriter, WriterOptions};
 use possum_engine::store::ChunkSink;
+use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::config;
@@ -60,7 +65,7 @@ struct Open {
 enum Saving {
     Idle,
     Running,
-    Done(Value),
+    Done(SavedReply),
     Failed(String),
 }
 
@@ -208,7 +213,7 @@ fn note_last(key: &str, v: Value) {
 /// keeper (see [`release_kept`]).
 pub fn checkpoint(dir: &str, keep: bool) -> Value {
     if let Err(e) = absolute(Path::new(dir)) {
-        return reply(Err(e));
+        return reply::<CheckpointReply>(Err(e));
     }
     reply(checkpoint_inner(Path::new(dir), keep).inspect_err(|_| stop_tracking(&engines())))
 }
@@ -239,7 +244,7 @@ fn stop_tracking(engines: &[Arc<DevEngine>]) {
     }
 }
 
-fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
+fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     let _b = Busy::take("checkpoint")?;
     if matches!(*SAVING.lock(), Saving::Running) {
         return Err(
@@ -298,13 +303,14 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
             .engine
             .precopy_round(sink)
             .map_err(|err| format!("device {}: pre-copy: {err}", e.ordinal))?;
-        out.push(json!({
-            "device": e.ordinal,
-            "buffers": r.buffers,
-            "bytes": r.bytes,
-            "ms": ms(r.elapsed),
-            "dirty_after": r.dirty_after,
-        }));
+        out.push(DeviceCopy {
+            device: e.ordinal,
+            buffers: r.buffers as u64,
+            bytes: r.bytes,
+            ms: Some(ms(r.elapsed)),
+            dirty_after: Some(r.dirty_after as u64),
+            ..DeviceCopy::default()
+        });
         open.push((e.ordinal, writer));
     }
     *OPEN.lock() = Some(Open {
@@ -312,8 +318,13 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<Value, String> {
         writers: open,
         kept,
     });
-    let v = json!({"precopy": out, "hooks": hooks, "kept": kept, "ms": ms(t.elapsed())});
-    *LAST.lock() = json!({"checkpoint": v});
+    let v = CheckpointReply {
+        precopy: out,
+        hooks: Some(hooks),
+        kept,
+        ms: Some(ms(t.elapsed())),
+    };
+    *LAST.lock() = json!({"checkpoint": to_json(&v)});
     Ok(v)
 }
 
@@ -324,7 +335,7 @@ pub fn release(keep: Option<u64>) -> Value {
     reply(release_inner(keep))
 }
 
-fn release_inner(keep: Option<u64>) -> Result<Value, String> {
+fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
     let _b = Busy::take("release")?;
     if paused() {
         return Err("the job is already paused (released)".into());
@@ -379,10 +390,15 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
             unpause(e)
         })?;
         let summary = commit(ordinal, writer).map_err(unpause)?;
-        finals.push(json!({
-            "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
-            "image_bytes": summary.data_file_bytes, "image_buffers": summary.buffers.len(),
-        }));
+        finals.push(DeviceCopy {
+            device: ordinal,
+            buffers: r.buffers as u64,
+            bytes: r.bytes,
+            ms: Some(ms(r.elapsed)),
+            image_bytes: Some(summary.data_file_bytes),
+            image_buffers: Some(summary.buffers.len() as u64),
+            ..DeviceCopy::default()
+        });
     }
     let copied = ms(t.elapsed());
     let (bytes, done, staging_freed) = release_engines(&engines, true, keep)?;
@@ -395,11 +411,14 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
         .collect();
     // The epochs the keeper holds them under: a restore onto another GPU copies that memory
     // only if it is still this checkpoint's (`possum.json` records them).
-    let held_epochs: Vec<Value> = engines
+    let held_epochs: Vec<HeldEpoch> = engines
         .iter()
         .filter_map(|e| {
             let epoch = e.engine.device().detached_epoch()?;
-            Some(json!({"device": e.ordinal, "epoch": epoch}))
+            Some(HeldEpoch {
+                device: e.ordinal,
+                epoch,
+            })
         })
         .collect();
     // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
@@ -408,11 +427,20 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
     if config::get().diag.detach.is_some() {
         cupti_detach().map_err(|e| format!("detaching CUPTI: {e}"))?;
     }
-    let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
-                   "staging_freed_bytes": staging_freed, "context_trimmed_bytes": trimmed,
-                   "held_for_restore": held, "held_epochs": held_epochs,
-                   "devices": done, "detach_ms": ms(td.elapsed()), "ms": ms(t.elapsed())});
-    note_last("release", v.clone());
+    let v = ReleaseReply {
+        finals,
+        final_copy_ms: Some(copied),
+        released_bytes: bytes,
+        staging_freed_bytes: Some(staging_freed),
+        context_trimmed_bytes: Some(trimmed),
+        held_for_restore: held,
+        held_epochs,
+        devices: done,
+        detach_ms: Some(ms(td.elapsed())),
+        ms: Some(ms(t.elapsed())),
+        ..ReleaseReply::default()
+    };
+    note_last("release", to_json(&v));
     Ok(v)
 }
 
@@ -420,7 +448,11 @@ fn release_inner(keep: Option<u64>) -> Result<Value, String> {
 /// engine's buffers, their memory left with the keeper, contents as at T0; nothing is copied.
 /// The checkpoint stays open for `ResumeAndSave` (its images are made then). On a failure every
 /// buffer is attached again and the job goes on.
-fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<Value, String> {
+fn release_kept(
+    dir: PathBuf,
+    engines: &[Arc<DevEngine>],
+    t: Instant,
+) -> Result<ReleaseReply, String> {
     gate::set_paused(true);
     let mut bytes = 0u64;
     let mut done: Vec<&Arc<DevEngine>> = Vec::new();
@@ -454,12 +486,18 @@ fn release_kept(dir: PathBuf, engines: &[Arc<DevEngine>], t: Instant) -> Result<
         writers: Vec::new(),
         kept: true,
     });
-    let v = json!({"kept_bytes": bytes, "detach_ms": detached_ms, "final_copy_ms": 0.0,
-                   "released_bytes": 0, "staging_freed_bytes": staging_freed,
-                   "context_trimmed_bytes": trimmed,
-                   "devices": engines.iter().map(|e| e.ordinal).collect::<Vec<_>>(),
-                   "ms": ms(t.elapsed())});
-    note_last("release", v.clone());
+    let v = ReleaseReply {
+        kept_bytes: Some(bytes),
+        detach_ms: Some(detached_ms),
+        final_copy_ms: Some(0.0),
+        released_bytes: 0,
+        staging_freed_bytes: Some(staging_freed),
+        context_trimmed_bytes: Some(trimmed),
+        devices: engines.iter().map(|e| e.ordinal).collect(),
+        ms: Some(ms(t.elapsed())),
+        ..ReleaseReply::default()
+    };
+    note_last("release", to_json(&v));
     Ok(v)
 }
 
@@ -599,7 +637,7 @@ fn release_held(
     mut open: Vec<(usize, Arc<ImageWriter>)>,
     engines: Vec<Arc<DevEngine>>,
     t: Instant,
-) -> Result<Value, String> {
+) -> Result<ReleaseReply, String> {
     let mut attempts = Vec::new();
     let mut finals = None;
     let mut parked = Value::Null;
@@ -619,8 +657,11 @@ fn release_held(
         let copied = copy_all(&engines, &open);
         let fired = dog.stop();
         if fired {
-            attempts.push(json!({"attempt": attempt, "ended_by_watchdog": true,
-                                 "ms": ms(tc.elapsed())}));
+            attempts.push(HoldAttempt {
+                attempt,
+                ended_by_watchdog: true,
+                ms: Some(ms(tc.elapsed())),
+            });
             continue;
         }
         finals = Some(copied.inspect_err(|_| unpause_job())?);
@@ -641,16 +682,24 @@ fn release_held(
     })?;
     for ((ordinal, writer), f) in open.into_iter().zip(finals.iter_mut()) {
         let summary = commit(ordinal, writer).inspect_err(|_| unpause_job())?;
-        f["image_bytes"] = json!(summary.data_file_bytes);
-        f["image_buffers"] = json!(summary.buffers.len());
+        f.image_bytes = Some(summary.data_file_bytes);
+        f.image_buffers = Some(summary.buffers.len() as u64);
     }
     let copied = ms(t.elapsed());
     let (bytes, done, staging_freed) = release_engines(&engines, false, None)?;
-    let v = json!({"final": finals, "final_copy_ms": copied, "released_bytes": bytes,
-                   "staging_freed_bytes": staging_freed,
-                   "devices": done, "held": "threads parked", "parked": parked,
-                   "attempts": attempts, "ms": ms(t.elapsed())});
-    note_last("release", v.clone());
+    let v = ReleaseReply {
+        finals,
+        final_copy_ms: Some(copied),
+        released_bytes: bytes,
+        staging_freed_bytes: Some(staging_freed),
+        devices: done,
+        held: Some("threads parked".into()),
+        parked: Some(parked),
+        attempts: Some(attempts),
+        ms: Some(ms(t.elapsed())),
+        ..ReleaseReply::default()
+    };
+    note_last("release", to_json(&v));
     Ok(v)
 }
 
@@ -659,7 +708,7 @@ fn release_held(
 fn copy_all(
     engines: &[Arc<DevEngine>],
     open: &[(usize, Arc<ImageWriter>)],
-) -> Result<Vec<Value>, String> {
+) -> Result<Vec<DeviceCopy>, String> {
     let mut out = Vec::new();
     for (ordinal, writer) in open {
         let Some(e) = engines.iter().find(|e| e.ordinal == *ordinal) else {
@@ -678,10 +727,14 @@ fn copy_all(
             .and_then(|h| h.wait())
             .map_err(|err| format!("device {ordinal}: copy: {err}"))?;
         park::beat();
-        out.push(json!({
-            "device": ordinal, "buffers": r.buffers, "bytes": r.bytes, "ms": ms(r.elapsed),
-            "sync_ms": sync_ms,
-        }));
+        out.push(DeviceCopy {
+            device: *ordinal,
+            buffers: r.buffers as u64,
+            bytes: r.bytes,
+            ms: Some(ms(r.elapsed)),
+            sync_ms: Some(sync_ms),
+            ..DeviceCopy::default()
+        });
     }
     Ok(out)
 }
@@ -695,7 +748,7 @@ pub fn resume(dir: Option<&str>, save: Option<Option<u64>>) -> Value {
     reply(resume_inner(dir.map(Path::new), save))
 }
 
-fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, String> {
+fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeReply, String> {
     if let Some(d) = dir {
         absolute(d)?;
     }
@@ -779,8 +832,11 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
         let img = Arc::new(img);
         let h = match staged_restore(&e, &path) {
             Some(stage) => {
-                staged.push(json!({"device": e.ordinal, "stage": stage.id(),
-                                   "buffers": stage.buffers()}));
+                staged.push(StageTaken {
+                    device: e.ordinal,
+                    stage: stage.id(),
+                    buffers: stage.buffers() as u64,
+                });
                 e.engine.restore_staged(img, Arc::new(stage))
             }
             None => e.engine.restore(img),
@@ -832,11 +888,17 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<Value, 
             .name("possum-save-wait".into())
             .spawn(move || finish_save(saving));
     }
-    Ok(
-        json!({"restoring": out, "on_demand": hooks, "attached": attached,
-              "kept_memory_gone": from_image, "staged": staged, "moved": moved,
-              "attach_ms": attach_ms, "saving": saving_devices, "ms": ms(t.elapsed())}),
-    )
+    Ok(ResumeReply {
+        restoring: out,
+        on_demand: Some(hooks),
+        attached,
+        kept_memory_gone: from_image,
+        staged,
+        moved,
+        attach_ms: Some(attach_ms),
+        saving: saving_devices,
+        ms: Some(ms(t.elapsed())),
+    })
 }
 
 /// The keeper's stage of this process's restore from `image` (device `e`'s image directory),
@@ -879,7 +941,7 @@ fn staged_restore(e: &DevEngine, image: &Path) -> Option<possum_keeper::KeeperSt
 /// keeper there frees it once nothing maps it, a stage copying it from there included), its
 /// keeper follows it to the socket serving the new GPU (or its new memory is its own), and
 /// its buffers are restored from the image like released ones. The moves, for the reply.
-fn follow_moves() -> Vec<Value> {
+fn follow_moves() -> Vec<DeviceMoved> {
     let mut out = Vec::new();
     for e in engines() {
         let dev = e.engine.device();
@@ -905,10 +967,12 @@ fn follow_moves() -> Vec<Value> {
                 .as_ref()
                 .map_or("none serves it".to_string(), |s| s.display().to_string())
         ));
-        out.push(
-            json!({"device": e.ordinal, "uuid": possum_keeper::uuid_hex(&uuid),
-                        "keeper": socket, "kept_dropped": dropped}),
-        );
+        out.push(DeviceMoved {
+            device: e.ordinal,
+            uuid: possum_keeper::uuid_hex(&uuid),
+            keeper: socket.map(|s| s.to_string_lossy().into_owned()),
+            kept_dropped: dropped,
+        });
     }
     out
 }
@@ -1132,15 +1196,20 @@ fn finish_save(saves: Saves) {
             .and_then(|r| no_faults_since_open().map(|()| r));
         match r {
             Ok(r) => match commit(ordinal, writer) {
-                Ok(summary) => out.push(json!({
-                    "device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
-                    "ms": ms(r.elapsed), "cow_priority": r.cow_priority,
-                    "cow_shadow": r.cow_shadow, "shadow_peak": r.shadow_peak,
-                    "snapshot_shadows": r.snapshot_shadows,
-                    "shadows_saved_by_keeper": r.shadows_saved_elsewhere,
-                    "image_bytes": summary.data_file_bytes,
-                    "gb_per_s": r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9,
-                })),
+                Ok(summary) => out.push(DeviceCopy {
+                    device: ordinal,
+                    buffers: r.buffers as u64,
+                    bytes: r.bytes,
+                    ms: Some(ms(r.elapsed)),
+                    cow_priority: Some(r.cow_priority),
+                    cow_shadow: Some(r.cow_shadow),
+                    shadow_peak: Some(r.shadow_peak),
+                    snapshot_shadows: Some(r.snapshot_shadows),
+                    shadows_saved_by_keeper: Some(r.shadows_saved_elsewhere),
+                    image_bytes: Some(summary.data_file_bytes),
+                    gb_per_s: Some(r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9),
+                    ..DeviceCopy::default()
+                }),
                 Err(e) => failed = failed.or(Some(e)),
             },
             Err(e) => failed = failed.or(Some(e)),
@@ -1153,8 +1222,11 @@ fn finish_save(saves: Saves) {
             set_saving(Saving::Failed(why));
         }
         None => {
-            let v = json!({"saved": out, "ms": ms(t.elapsed())});
-            note_last("saved", v.clone());
+            let v = SavedReply {
+                saved: out,
+                ms: Some(ms(t.elapsed())),
+            };
+            note_last("saved", to_json(&v));
             set_saving(Saving::Done(v));
         }
     }
@@ -1182,8 +1254,15 @@ fn per_thread_ops() -> u64 {
     })
 }
 
-fn reply(r: Result<Value, String>) -> Value {
-    r.unwrap_or_else(possum_control::error_reply)
+/// A reply as the JSON sent: `r`'s, or its error's.
+fn reply<R: Serialize>(r: Result<R, String>) -> Value {
+    r.map_or_else(possum_control::error_reply, |v| to_json(&v))
+}
+
+/// A reply type's JSON (serializing one cannot fail: every key is a string, every value plain
+/// data).
+pub(crate) fn to_json<R: Serialize>(r: &R) -> Value {
+    serde_json::to_value(r).unwrap_or_else(|e| possum_control::error_reply(e.to_string()))
 }
 
 #[cfg(test)]
