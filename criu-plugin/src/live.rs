@@ -25,10 +25,10 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use possum_control::{ControlError, Request};
+use possum_control::ControlError;
 use possum_cuda::checkpoint::DriverCheckpoint;
+use possum_sequence::job::{self, JobError, To};
 
 use crate::LOG_PREFIX;
 
@@ -39,9 +39,6 @@ pub fn gpu_dir_name(pid: i32) -> String {
 
 /// How long the driver's lock may wait for the job's submitted GPU work.
 pub const LOCK_TIMEOUT_MS: u32 = 30_000;
-
-/// How long the plugin waits for the job's answers (a pre-copy of many GiB takes a while).
-const JOB_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// NVIDIA's checkpoint API for other processes (`cuCheckpointProcess*`), as the plugin uses it:
 /// possum-cuda's [`DriverCheckpoint`], or a test's stand-in. Errors are the driver's text.
@@ -93,8 +90,12 @@ impl JobSocket {
         path.exists().then_some(JobSocket { pid, path })
     }
 
-    fn ask(&self, req: &Request) -> Result<serde_json::Value, ControlError> {
-        possum_control::request_at(self.pid as u32, &self.path, req, JOB_TIMEOUT, None)
+    /// How the sequence's steps reach this socket (no directory passed).
+    fn to(&self) -> To<'_> {
+        To::Socket {
+            path: &self.path,
+            dir: None,
+        }
     }
 }
 
@@ -130,15 +131,13 @@ impl PossumPart {
         }
     }
 
-    /// The request `make(dir)`, `dir` as the job reaches it, sent (and its answer awaited,
-    /// unless `send_only`).
-    fn send(
+    /// Runs `step`, one of the sequence's per-process requests, for this job with `dir` as
+    /// the job reaches it; the control client's error when it fails.
+    fn step<T>(
         &self,
-        make: impl FnOnce(String) -> Request,
-        send_only: bool,
-    ) -> Result<serde_json::Value, ControlError> {
+        step: impl FnOnce(i32, To<'_>, String) -> Result<T, JobError>,
+    ) -> Result<T, ControlError> {
         use std::os::fd::AsFd;
-        let (pid, path) = (self.socket.pid as u32, &self.socket.path);
         // Passed: the images directory itself, the request's `dir` relative to it.
         let images = match (self.pass_dir, self.dir.parent()) {
             (true, Some(parent)) => {
@@ -155,12 +154,11 @@ impl PossumPart {
             (Some(_), Some(name)) => name.to_string_lossy().into_owned(),
             _ => self.dir.display().to_string(),
         };
-        let fd = images.as_ref().map(AsFd::as_fd);
-        if send_only {
-            possum_control::send_only(pid, path, &make(dir), fd).map(|()| serde_json::Value::Null)
-        } else {
-            possum_control::request_at(pid, path, &make(dir), JOB_TIMEOUT, fd)
-        }
+        let to = To::Socket {
+            path: &self.socket.path,
+            dir: images.as_ref().map(AsFd::as_fd),
+        };
+        step(self.socket.pid, to, dir).map_err(JobError::into_control)
     }
 }
 
@@ -277,10 +275,13 @@ pub fn checkpoint(
             let part = PossumPart::new(s, images.join(gpu_dir_name(pid)));
             steps
                 .time("pre-copy", || {
-                    part.send(|dir| Request::Checkpoint { dir }, false)
+                    part.step(|pid, to, dir| job::precopy(pid, to, dir, false))
                 })
                 .map_err(|e| format!("possum's pre-copy in process {pid}: {e}"))?;
-            if let Err(e) = steps.time("release", || part.socket.ask(&Request::Release)) {
+            let release = steps.time("release", || {
+                job::cut(pid, part.socket.to(), None).map_err(JobError::into_control)
+            });
+            if let Err(e) = release {
                 let undo = resume_now(&part);
                 return Err(format!(
                     "possum's release in process {pid}: {e}{}",
@@ -313,7 +314,7 @@ pub fn checkpoint(
 
 /// Resumes possum in a job that runs (a failed checkpoint's undo), waiting for its answer.
 fn resume_now(p: &PossumPart) -> Result<(), String> {
-    p.send(|dir| Request::Resume { dir: Some(dir) }, false)
+    p.step(|pid, to, dir| job::resume(pid, to, dir, None))
         .map(|_| ())
         .map_err(|e| format!("resuming possum: {e}"))
 }
@@ -354,15 +355,14 @@ pub fn resume(
     let took = steps.line();
     match &live.possum {
         Some(p) => {
-            p.send(|dir| Request::Resume { dir: Some(dir) }, true)
-                .map_err(|e| {
-                    format!(
-                        "process {pid} is back in the driver, but possum's resume could not be \
+            p.step(job::resume_sent).map_err(|e| {
+                format!(
+                    "process {pid} is back in the driver, but possum's resume could not be \
                          sent ({e}): its GPU operations stay held; send it with `possum resume \
                          {pid} {}`",
-                        p.dir.display()
-                    )
-                })?;
+                    p.dir.display()
+                )
+            })?;
             Ok(format!(
                 "{LOG_PREFIX} pid {pid}: driver restored and unlocked ({took}); possum's resume \
                  from {}{} sent (answered once CRIU lets the process run)",
@@ -394,8 +394,10 @@ pub fn leave_running_from_cmdline(cmdline: &[u8]) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use possum_control::Request;
     use std::cell::RefCell;
     use std::sync::{Arc, Mutex};
+    use std::time::Duration;
 
     /// A driver that logs its calls and fails the ones named in `fail`.
     #[derive(Default)]

@@ -20,7 +20,7 @@ use crate::image::{
     child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, GpuUse, HeldMemory,
     KeeperOfJob, Manifest, MANIFEST, MANIFEST_VERSION,
 };
-use crate::job::{ask, ask_within, JobError};
+use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
 use crate::{tree, Engine, Observer};
 
@@ -808,13 +808,9 @@ impl<'a> Run<'a> {
         obs.copying(self.plan.managed, &self.tmp.join("gpu"));
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
-            let req = if p.leave_running && !p.gpu_only {
-                Request::CheckpointKept { dir }
-            } else {
-                Request::Checkpoint { dir }
-            };
+            let kept = p.leave_running && !p.gpu_only;
             let r = timed(&mut self.figures.engine_snapshot, || {
-                ask::<CheckpointReply>(pid, &p.sockets, &req)
+                job::precopy(pid, To::Sockets(&p.sockets), dir, kept)
             })?;
             if r.body.kept {
                 self.kept.push(pid);
@@ -838,21 +834,16 @@ impl<'a> Run<'a> {
         }
         let p = self.params();
         self.guard.step(Step::Releasing);
-        let release = if !p.leave_running && !p.gpu_only && self.plan.keeper.is_some() {
-            Request::ReleaseKeeping {
-                hold_secs: p.keep_on_gpu,
-            }
-        } else {
-            Request::Release
-        };
+        let keeping = (!p.leave_running && !p.gpu_only && self.plan.keeper.is_some())
+            .then_some(p.keep_on_gpu);
         let r = timed(&mut self.figures.release, || {
-            ask::<ReleaseReply>(p.pid, &p.sockets, &release)
+            job::cut(p.pid, To::Sockets(&p.sockets), keeping)
         })?;
         self.held_memory = HeldMemory::from_release(p.pid, &r.body);
         self.release_report = Some(r);
         for &c in &self.plan.possum_children {
             let r = timed(&mut self.figures.release, || {
-                ask::<ReleaseReply>(c, &p.sockets, &release)
+                job::cut(c, To::Sockets(&p.sockets), keeping)
             })
             .map_err(|source| CutError::Child { pid: c, source })?;
             self.held_memory
@@ -944,16 +935,9 @@ impl<'a> Run<'a> {
         }
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
-            let req = if self.kept.contains(&pid) {
-                Request::ResumeAndSave {
-                    dir,
-                    shadow_mib: p.shadow_budget,
-                }
-            } else {
-                Request::Resume { dir: Some(dir) }
-            };
+            let save = self.kept.contains(&pid).then_some(p.shadow_budget);
             let r = timed(&mut self.figures.resume, || {
-                ask::<ResumeReply>(pid, &p.sockets, &req)
+                job::resume(pid, To::Sockets(&p.sockets), dir, save)
             })
             .map_err(|source| ResumeError::Process { pid, source })?;
             if pid == p.pid {
@@ -1092,11 +1076,9 @@ impl<'a> Run<'a> {
             return Ok(());
         }
         for (pid, gpu) in self.possum_processes(&p.dir) {
-            let req = Request::Resume {
-                dir: Some(gpu.display().to_string()),
-            };
+            let dir = gpu.display().to_string();
             let r = timed(&mut self.figures.resume, || {
-                ask::<ResumeReply>(pid, &p.sockets, &req)
+                job::resume(pid, To::Sockets(&p.sockets), dir, None)
             });
             match r {
                 Ok(r) if pid == p.pid => self.resume_report = Some(r),

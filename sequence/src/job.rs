@@ -1,8 +1,10 @@
 //! Asking a job's possum (its control socket), with what the user should do when it cannot.
 
+use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::time::Duration;
 
+use possum_control::reply::{CheckpointReply, ReleaseReply, ResumeReply};
 use possum_control::{ControlError, Reply, Request};
 use serde::de::DeserializeOwned;
 
@@ -61,6 +63,15 @@ impl JobError {
     pub fn is_without_possum(&self) -> bool {
         matches!(self, JobError::NotLoaded(_) | JobError::NotStarted(_))
     }
+
+    /// What the control client said, without what this error adds for the CLI's user (the
+    /// CRIU plugin names the step and the process itself).
+    pub fn into_control(self) -> ControlError {
+        match self {
+            JobError::NotLoaded(e) | JobError::NotStarted(e) | JobError::NoProcess(e) => e,
+            JobError::Stale { error, .. } | JobError::Failed { error, .. } => error,
+        }
+    }
 }
 
 /// Asks process `pid` (socket directory `sockets`) with [`JOB_TIMEOUT`]; its reply as `R`.
@@ -81,6 +92,97 @@ pub fn ask_within<R: DeserializeOwned>(
 ) -> Result<Reply<R>, JobError> {
     possum_control::request_reply(pid as u32, sockets, req, timeout)
         .map_err(|e| JobError::of(pid, e))
+}
+
+/// How a request reaches a job's possum.
+#[derive(Debug, Clone, Copy)]
+pub enum To<'a> {
+    /// Its socket in this socket directory (the CLI's).
+    Sockets(&'a Path),
+    /// The socket at this path (reached through `/proc/PID/root` by the CRIU plugin), with a
+    /// directory passed along when `dir` is set: the request's `dir` is then relative to it.
+    Socket {
+        /// The socket.
+        path: &'a Path,
+        /// The directory passed with the request (`SCM_RIGHTS`).
+        dir: Option<BorrowedFd<'a>>,
+    },
+}
+
+/// Asks process `pid` through `to` with [`JOB_TIMEOUT`]; its reply as `R`.
+pub fn ask_to<R: DeserializeOwned>(
+    pid: i32,
+    to: To<'_>,
+    req: &Request,
+) -> Result<Reply<R>, JobError> {
+    match to {
+        To::Sockets(sockets) => ask(pid, sockets, req),
+        To::Socket { path, dir } => {
+            possum_control::request_at(pid as u32, path, req, JOB_TIMEOUT, dir)
+                .and_then(Reply::parse)
+                .map_err(|e| JobError::of(pid, e))
+        }
+    }
+}
+
+/// Sends `req` to process `pid` through `to` without waiting for its answer.
+pub fn send_to(pid: i32, to: To<'_>, req: &Request) -> Result<(), JobError> {
+    let (path, dir) = match to {
+        To::Sockets(sockets) => (possum_control::socket_path(sockets, pid as u32), None),
+        To::Socket { path, dir } => (path.to_path_buf(), dir),
+    };
+    possum_control::send_only(pid as u32, &path, req, dir).map_err(|e| JobError::of(pid, e))
+}
+
+/// Pre-copy of one process: its possum copies every buffer into `dir` while the job runs
+/// (`kept`: a job left running whose memory a keeper holds copies nothing now).
+pub fn precopy(
+    pid: i32,
+    to: To<'_>,
+    dir: String,
+    kept: bool,
+) -> Result<Reply<CheckpointReply>, JobError> {
+    let req = if kept {
+        Request::CheckpointKept { dir }
+    } else {
+        Request::Checkpoint { dir }
+    };
+    ask_to(pid, to, &req)
+}
+
+/// Cut of one process (T0): its GPU operations held, what was written since the pre-copy
+/// copied and the buffers' memory released (`keeping`: left with the keeper, which holds it
+/// that many seconds once the job is gone).
+pub fn cut(pid: i32, to: To<'_>, keeping: Option<u64>) -> Result<Reply<ReleaseReply>, JobError> {
+    let req = match keeping {
+        Some(hold_secs) => Request::ReleaseKeeping { hold_secs },
+        None => Request::Release,
+    };
+    ask_to(pid, to, &req)
+}
+
+/// Resume of one process: its buffers back from `dir` and its GPU operations let run
+/// (`save`: a kept checkpoint saved while the job runs on, with that shadow budget in MiB).
+pub fn resume(
+    pid: i32,
+    to: To<'_>,
+    dir: String,
+    save: Option<Option<u64>>,
+) -> Result<Reply<ResumeReply>, JobError> {
+    ask_to(pid, to, &resume_request(dir, save))
+}
+
+/// [`resume`] sent without waiting for the answer: for a job that cannot answer now (stopped
+/// by CRIU, which lets it run only after the sender is done) and answers once it runs.
+pub fn resume_sent(pid: i32, to: To<'_>, dir: String) -> Result<(), JobError> {
+    send_to(pid, to, &resume_request(dir, None))
+}
+
+fn resume_request(dir: String, save: Option<Option<u64>>) -> Request {
+    match save {
+        Some(shadow_mib) => Request::ResumeAndSave { dir, shadow_mib },
+        None => Request::Resume { dir: Some(dir) },
+    }
 }
 
 #[cfg(test)]
