@@ -21,7 +21,10 @@
 //! CLI restores it. A job that does not see CRIU's images directory at its path (a container)
 //! gets the directory itself with each request ([`PossumPart`]). The decisions are safe
 //! functions over a [`Driver`] (NVIDIA's `cuCheckpointProcess*`, loaded in [`crate::ffi`]) and a
-//! [`JobSocket`].
+//! [`JobSocket`]. The requests to the job are the checkpoint sequence's own per-process steps
+//! ([`possum_sequence::job::precopy`], [`cut`](possum_sequence::job::cut),
+//! [`resume`](possum_sequence::job::resume), [`resume_sent`](possum_sequence::job::resume_sent)),
+//! the ones `possum checkpoint` runs, with typed replies.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -102,7 +105,7 @@ impl JobSocket {
 /// possum's part of a CUDA process the plugin checkpointed: its socket and its GPU image
 /// directory, which the job reaches by path or, where that path does not exist for it (a job in
 /// another mount namespace: a container), through the images directory's descriptor passed with
-/// each request (`possum_control::request_at`'s `dir`).
+/// each request ([`To::Socket`]'s `dir`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PossumPart {
     /// The job's control socket.

@@ -189,6 +189,62 @@ fn resume_request(dir: String, save: Option<Option<u64>>) -> Request {
 mod tests {
     use super::*;
     use std::path::PathBuf;
+    use std::sync::{Arc, Mutex};
+
+    /// Each step sends its request, through the socket directory or at the socket's path, and
+    /// reads the job's reply as its type; a job's error keeps the control client's text.
+    #[test]
+    fn the_per_process_steps_send_their_requests() {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&seen);
+        let handler = move |req: Request| {
+            log.lock().unwrap().push(format!("{req:?}"));
+            match req {
+                Request::Release => serde_json::json!({"error": "release refused"}),
+                Request::Checkpoint { .. } => serde_json::json!({"kept": false}),
+                _ => serde_json::json!({}),
+            }
+        };
+        let _server = possum_control::Server::start(tmp.path(), Arc::new(handler)).unwrap();
+        let me = std::process::id() as i32;
+        let path = possum_control::socket_path(tmp.path(), me as u32);
+        let at = To::Socket {
+            path: &path,
+            dir: None,
+        };
+        let by_dir = To::Sockets(tmp.path());
+
+        assert!(!precopy(me, at, "/i/gpu".into(), false).unwrap().body.kept);
+        precopy(me, by_dir, "/i/gpu".into(), true).unwrap();
+        let e = cut(me, by_dir, None).unwrap_err();
+        assert!(matches!(e, JobError::Failed { .. }), "{e}");
+        assert_eq!(
+            e.into_control().to_string(),
+            "possum in the job answered with an error: release refused"
+        );
+        cut(me, at, Some(30)).unwrap();
+        resume(me, by_dir, "/i/gpu".into(), Some(Some(64))).unwrap();
+        resume(me, at, "/i/gpu".into(), None).unwrap();
+        resume_sent(me, by_dir, "/i/gpu".into()).unwrap();
+        let t = std::time::Instant::now();
+        while seen.lock().unwrap().len() < 7 {
+            assert!(t.elapsed() < Duration::from_secs(10), "no resume arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                "Checkpoint { dir: \"/i/gpu\" }",
+                "CheckpointKept { dir: \"/i/gpu\" }",
+                "Release",
+                "ReleaseKeeping { hold_secs: 30 }",
+                "ResumeAndSave { dir: \"/i/gpu\", shadow_mib: Some(64) }",
+                "Resume { dir: Some(\"/i/gpu\") }",
+                "Resume { dir: Some(\"/i/gpu\") }",
+            ]
+        );
+    }
 
     /// Each control error says what to do once, and a process that has possum but no socket yet
     /// is not told to use the driver engine.
