@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use possum_control::reply::ResumeReply;
-use possum_control::{Reply, Request};
+use possum_control::Reply;
 use possum_criu::{Criu, CriuError, RestoreOptions};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
 use serde::Serialize;
@@ -16,7 +16,7 @@ use crate::figures::{timed, RestoreFigures};
 use crate::image::{
     open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, KeptBuffers, UuidPairs,
 };
-use crate::job::ask;
+use crate::job::{self, To};
 use crate::places::{PlaceError, Places};
 use crate::process::{alive, boot_ticks_now, Process, SignalError};
 use crate::stage::{self, StageReport, Staging};
@@ -538,11 +538,9 @@ fn resume(
         (m.possum_children.iter()).map(|&c| (c, p.dir.join(crate::image::child_gpu_dir(c)))),
     );
     for (pid, dir) in processes {
-        let req = Request::Resume {
-            dir: Some(dir.display().to_string()),
-        };
+        let dir = dir.display().to_string();
         let r = timed(&mut figures.resume, || {
-            ask::<ResumeReply>(pid, &ready.sockets, &req)
+            job::resume(pid, To::Sockets(&ready.sockets), dir, None)
         });
         match r {
             Ok(r) => replies.push(r),
