@@ -46,7 +46,7 @@ driver refuses such a job), a `-frozen` suffix makes the extra state only read
   turns it into the table, the plots and the results files (eval/results/).
 Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as it goes.
 """
-import argparse, atexit, glob, json, os, random, shutil, signal, socket, statistics, subprocess, sys, time
+import argparse, atexit, concurrent.futures, glob, json, os, random, shutil, signal, socket, statistics, subprocess, sys, threading, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
@@ -57,11 +57,15 @@ SOCK = os.path.join(WORK, "sockets")
 OUT = None
 
 
+EMIT_LOCK = threading.Lock()
+
+
 def emit(kind, row):
     row = {"kind": kind, **row}
-    print(json.dumps(row), flush=True)
-    with open(os.path.join(OUT, f"ckpt-{kind}.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    with EMIT_LOCK:
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(OUT, f"ckpt-{kind}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def alive(pid):
@@ -122,7 +126,8 @@ ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine fla
                "-kill (checkpoint and kill, not --leave-running; -kill-disk: --keep-on-gpu 0, so the "
                "restore reads the image even with a keeper, which loads it while CRIU restores the job; "
                "-kill-disk-nostage: POSSUM_RESTORE_STAGE=0, the restored job copies it), -frozen "
-               "(extra state only read); none, "
+               "(extra state only read), -spec (read-only speculation on: POSSUM_VALIDATE=readonly_after=2), "
+               "-noshadow (--shadow-budget 0: a kept save copies every buffer on write, none first); none, "
                "possum-none (no checkpoint)")
 
 
@@ -131,6 +136,11 @@ def variant(name):
     driver, gpu-only, or None for no checkpoint), possum: libpossum.so in the job, env: the job's
     possum variables, frozen}."""
     rest, frozen, cupti, kill, disk, nostage = name, False, False, False, False, False
+    noshadow = spec = False
+    if rest.endswith("-noshadow"):
+        rest, noshadow = rest[: -len("-noshadow")], True
+    if rest.endswith("-spec"):
+        rest, spec = rest[: -len("-spec")], True
     if rest.endswith("-nostage"):
         rest, nostage = rest[: -len("-nostage")], True
     if rest.endswith("-frozen"):
@@ -150,6 +160,10 @@ def variant(name):
         env["POSSUM_HOOKS"] = "off"
     if rest == "possum-keeper":
         env["POSSUM_KEEPER"] = KEEPER_DIR
+    if spec:
+        # Read-only speculation on: a kernel's slot seen unwritten twice is taken as read-only,
+        # each such verdict proven by comparing whole buffers.
+        env["POSSUM_VALIDATE"] = "readonly_after=2"
     if cupti:
         env["POSSUM_HOOKS"] = "cupti"
         env["POSSUM_CUPTI"] = os.environ.get("CKPT_JOB_CUPTI") or CUPTI
@@ -158,8 +172,11 @@ def variant(name):
         raise ValueError(f"engine {name!r}: -disk goes with -kill (what a killed job's keeper keeps)")
     if nostage and not disk:
         raise ValueError(f"engine {name!r}: -nostage goes with -kill-disk (a restore from the image)")
+    if (noshadow or spec) and ckpt != "possum":
+        raise ValueError(f"engine {name!r}: -spec and -noshadow are for possum's own engine")
     return {"name": name, "base": rest, "ckpt": ckpt, "possum": rest not in ("driver", "none"),
-            "env": env, "frozen": frozen, "kill": kill, "disk": disk, "nostage": nostage}
+            "env": env, "frozen": frozen, "kill": kill, "disk": disk, "nostage": nostage,
+            "noshadow": noshadow}
 
 
 KEEPER_DIR = os.path.join(WORK, "keeper")
@@ -440,12 +457,13 @@ def trial(spec, engine, k, steps, sleep_ms, n):
         return False
     if v["possum"]:
         row["status"] = status_summary(job_status(p.pid))
+    shadow = ["--shadow-budget", "0"] if v["noshadow"] else []
     if v["kill"]:
         # Checkpoint and kill: nothing runs on; only the restored run is compared.
         ck = checkpoint(p.pid, img, v["ckpt"], leave=False,
-                        extra=(["--keep-on-gpu", "0"] if v["disk"] else []))
+                        extra=(["--keep-on-gpu", "0"] if v["disk"] else []) + shadow)
     else:
-        ck = checkpoint(p.pid, img, v["ckpt"], leave=True)
+        ck = checkpoint(p.pid, img, v["ckpt"], leave=True, extra=shadow)
     at = sum(1 for r in read_log(log) if "step" in r)
     cj = ck["json"] or {}
     row["checkpoint"] = {"rc": ck["rc"], "hooks": cj.get("hooks"), "hold": cj.get("hold"),
@@ -516,10 +534,10 @@ def trial(spec, engine, k, steps, sleep_ms, n):
 
 
 JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "triton": 200, "graph": 200, "multistream": 300,
-             "ptrtable": 60, "lcuda": 200}
+             "ptrtable": 60, "lcuda": 200, "fewbytes": 80, "amp": 120, "twodev": 80}
 JOB_SLEEP = {"mlp": 10, "cnn": 10, "gpt2": 20, "triton": 10, "graph": 10, "multistream": 10,
-             "ptrtable": 20, "lcuda": 10}
-# Every workload, then torch's other allocators (issue: the entry points' hooks).
+             "ptrtable": 20, "lcuda": 10, "fewbytes": 20, "amp": 10, "twodev": 20}
+# Every workload, then torch's other allocators.
 CORRECTNESS_JOBS = "mlp,cnn,gpt2,triton,graph,multistream,ptrtable,lcuda,mlp+expandable,mlp+async," \
                    "gpt2+expandable,gpt2+async"
 # Rough seconds of one trial on the H100 (a fresh start, the steps twice, checkpoint, restore).
@@ -566,13 +584,27 @@ def correctness(a):
         n_trials = trials[min(e, len(trials) - 1)]
         ok = ran = 0
         skipped = []
-        for n, (spec, k) in enumerate(trial_plan(jobs, n_trials, a.seed + e)):
-            if time.time() - t0 + trial_cost(spec) > a.budget_s:
-                skipped.append(spec)
-                continue
+        if variant(engine)["base"] == "possum-keeper":
+            ensure_keeper()  # before any trial thread starts a job
+        # --parallel N: N trials at a time (independent jobs, images and checkpoints); a trial is
+        # not started when it would end after --budget-s at the pace so far.
+        par = max(1, a.parallel)
+
+        def one(n, spec, k):
+            if time.time() - t0 + trial_cost(spec) * (1 if par == 1 else 1.5) > a.budget_s:
+                return None
             steps = JOB_STEPS[job_spec(spec)[0]]
-            ok += trial(spec, engine, k, steps, JOB_SLEEP[job_spec(spec)[0]], 100 * e + n)
-            ran += 1
+            return trial(spec, engine, k, steps, JOB_SLEEP[job_spec(spec)[0]], 100 * e + n)
+
+        plan = trial_plan(jobs, n_trials, a.seed + e)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=par) as pool:
+            results = list(pool.map(lambda nk: one(nk[0], *nk[1]), enumerate(plan)))
+        for (spec, _), r in zip(plan, results):
+            if r is None:
+                skipped.append(spec)
+            else:
+                ok += r
+                ran += 1
         if skipped:
             print(f"correctness ({engine}): {len(skipped)} trials not started (--budget-s {a.budget_s:.0f}): "
                   f"{','.join(skipped)}", flush=True)
@@ -1408,6 +1440,7 @@ def parser():
                     help=f"correctness: job specs (JOB or JOB+expandable / JOB+async), default {CORRECTNESS_JOBS}")
     ap.add_argument("--engine", default="possum", help="correctness (unless --engines): " + ENGINE_HELP)
     ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--parallel", type=int, default=1, help="correctness: trials run at a time")
     ap.add_argument("--gib", default="8,32")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("POSSUM_BENCH_BUDGET_S", 560)),

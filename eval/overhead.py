@@ -132,7 +132,9 @@ def run_ab(job, steps, period_ms, cpuset, skip_steps, extra_env=""):
     return {"rc": r.returncode, "wall_s": time.time() - t, "steps": len(ts), "switches": len(sw),
             "switch_errors": sorted({x["error"] for x in sw if x.get("error")}),
             "switch_ms_median": statistics.median([x["switch_ms"] for x in sw]) if sw else None,
-            "pairs": pairs, "err": r.stderr[-500:] if r.returncode else None}
+            "pairs": pairs, "err": r.stderr[-500:] if r.returncode else None,
+            # Without a pair, the raw times, to see why (steps and switches on one clock?).
+            **({} if pairs else {"raw": {"step_t": ts, "switches": sw}})}
 
 
 def ab_main(a, cpuset):

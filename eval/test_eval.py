@@ -152,6 +152,18 @@ class Variants(unittest.TestCase):
             with self.assertRaises(ValueError):
                 ckpt.variant(bad)
 
+    def test_speculation_and_no_shadows(self):
+        v = ckpt.variant("possum-keeper-spec-noshadow")
+        self.assertEqual((v["base"], v["noshadow"], v["env"]["POSSUM_VALIDATE"]),
+                         ("possum-keeper", True, "readonly_after=2"))
+        self.assertEqual(v["env"]["POSSUM_KEEPER"], ckpt.KEEPER_DIR)
+        n = ckpt.variant("possum-keeper-noshadow")
+        self.assertEqual((n["noshadow"], "POSSUM_VALIDATE" in n["env"]), (True, False))
+        self.assertFalse(ckpt.variant("possum-keeper")["noshadow"])
+        for bad in ("driver-noshadow", "driver-spec", "possum-noshadow-spec"):
+            with self.assertRaises(ValueError):
+                ckpt.variant(bad)
+
     def test_job_env_drops_inherited_choices(self):
         saved = dict(os.environ)
         try:

@@ -1,14 +1,15 @@
-"""Deterministic GPU jobs for possum's interposer checks (issue 3).
+"""Deterministic GPU jobs for possum's interposer and checkpoint checks.
 
     python3 jobs.py JOB [--steps N] [--profile] [--log FILE] [--hold-gib G] [--sleep-ms MS]
 
 JOB: mlp (MLP + Adam), cnn (cuDNN convolutions), gpt2 (GPT-2 small from a transformers config,
 random weights, AMP), triton (a Triton kernel), graph (CUDA graph capture and replay),
-multistream (work on several streams). Prints one JSON line per step with the loss's exact bits,
-then one with a SHA-256 of every parameter and, with --profile, the number of kernels, copies and
+multistream (work on several streams), fewbytes (single elements written at fixed offsets of
+large buffers), amp (fp16 with a GradScaler and overflow steps), twodev (one process, two GPUs).
+Prints one JSON line per step with the loss's exact bits, then one with a SHA-256 of every parameter and, with --profile, the number of kernels, copies and
 memsets torch.profiler saw (an independent count to compare with possum's). Nothing is downloaded.
 
-For checkpoint tests (issue 4): --log FILE appends one line per step (step, loss bits, wall time),
+For checkpoint tests: --log FILE appends one line per step (step, loss bits, wall time),
 opening and closing the file each time, so a checkpointed and restored process holds no descriptor
 of it; --hold-gib G keeps G GiB of extra state on the GPU (1 GiB tensors, one of them updated per
 step, all of them in the final digest); --sleep-ms paces the steps.
@@ -126,7 +127,70 @@ def multistream(steps):
         a = new
         yield s, sum(t.sum() for t in a), lambda: a
 
-JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "triton": triton_job, "graph": graph, "multistream": multistream}
+def fewbytes(steps):
+    """Writes of a few bytes at fixed offsets of large buffers: four 64 MiB buffers, each given
+    one element (4 bytes) at a fixed offset every step, two more on some steps only, and a flag
+    written only on every fifth step (like AMP's found_inf); a small model gives the loss, which
+    reads every one of those elements, so a stale byte in an image shows in the next step."""
+    n = 16 << 20
+    bufs = [torch.zeros(n, device="cuda") for _ in range(4)]
+    offs = [0, 12345, n // 2 + 7, n - 1]
+    flag = torch.zeros(1, device="cuda")
+    lin = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, device="cuda")
+    for s in range(steps):
+        for i, (b, o) in enumerate(zip(bufs, offs)):
+            b[o:o + 1].add_(s + 1)
+            if s % (i + 2) == 0:
+                q = (o + 4096) % (n - 2)
+                b[q:q + 2].mul_(0.5).add_(1.0)
+        if s % 5 == 3:
+            flag.fill_(float(s))
+        probe = sum(b[o] + b[(o + 4096) % (n - 2)] for b, o in zip(bufs, offs))
+        loss = (lin(x) ** 2).mean() + 1e-3 * probe + 1e-3 * flag[0]
+        opt.zero_grad(); loss.backward(); opt.step()
+        yield s, loss, lambda: bufs + [flag] + list(lin.parameters())
+
+def amp(steps):
+    """Mixed precision with a GradScaler and overflow steps: every seventh step's input is scaled
+    so that fp16 gradients overflow (the scaler writes found_inf, skips the step and lowers its
+    scale); a short growth interval makes the scale grow back, and overflow again, often."""
+    m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 16, growth_interval=3)
+    x, y = torch.randn(64, 256, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+    for s in range(steps):
+        xs = x * (1e4 if s % 7 == 5 else 1.0)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(m(xs), y)
+        opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        yield s, loss, lambda: list(m.parameters()) + [scaler._scale, scaler._growth_tracker]
+
+def twodev(steps):
+    """One process, two GPUs: each step computes on both, copies activations between them both
+    ways (peer copies when the GPUs can reach each other), and writes single elements at fixed
+    offsets of a 64 MiB buffer on each GPU, one of them from the other GPU's data."""
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("twodev needs two GPUs")
+    d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
+    a = torch.randn(512, 512, device=d0)
+    b = torch.zeros(512, 512, device=d1)
+    n = 16 << 20
+    big0, big1 = torch.zeros(n, device=d0), torch.zeros(n, device=d1)
+    for s in range(steps):
+        a2 = torch.tanh(a @ a * 0.01)
+        b.copy_(a2)
+        b2 = torch.tanh(b @ b * 0.01)
+        a.copy_(b2)
+        big0[12345:12346].copy_(b2[0, :1])
+        big0[n - 1:n].add_(s + 1)
+        big1[777:778].add_(b2[1, 1])
+        loss = a.sum() + big0[12345] + big0[n - 1] + big1[777].to(d0)
+        yield s, loss, lambda: [a, b, big0, big1]
+
+JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "triton": triton_job, "graph": graph, "multistream": multistream,
+        "fewbytes": fewbytes, "amp": amp, "twodev": twodev}
 
 def main():
     p = argparse.ArgumentParser()

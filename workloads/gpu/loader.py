@@ -1,4 +1,4 @@
-"""A deterministic training job whose DataLoader has worker processes (issue 15).
+"""A deterministic training job whose DataLoader has worker processes.
 
     python3 loader.py [--steps N] [--log FILE] [--sleep-ms MS] [--persistent] [--workers W]
                       [--device cuda|cpu] [--batch B] [--items N]

@@ -1,4 +1,4 @@
-"""A deterministic job of two CUDA processes on one GPU (issue 15: a process tree to checkpoint).
+"""A deterministic job of two CUDA processes on one GPU (a process tree to checkpoint).
 
     python3 tree2.py [--steps N] [--log FILE] [--sleep-ms MS] [--device cuda|cpu]
 
