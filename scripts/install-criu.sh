@@ -49,34 +49,26 @@ strict=0
 force=0
 stamp_name=.possum-criu-installed
 
-say() { printf 'install-criu: %s\n' "$*"; }
-warn() { printf 'install-criu: WARNING: %s\n' "$*" >&2; }
-die() {
-    printf 'install-criu: error: %s\n' "$*" >&2
-    exit 1
-}
-usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+SCRIPT=install-criu
+# shellcheck source=scripts/install-lib.sh
+source "$(dirname "$(readlink -f -- "$0")")/install-lib.sh"
 
 while [ $# -gt 0 ]; do
     case $1 in
-    --prefix)
-        [ $# -ge 2 ] || die "--prefix needs a directory"
-        prefix=$2
-        shift 2
+    --prefix | --prefix=*)
+        option_value --prefix "a directory" "$@"
+        prefix=$VALUE
+        shift "$TAKEN"
         ;;
-    --prefix=*)
-        prefix=${1#*=}
-        shift
+    --download-only | --download-only=*)
+        option_value --download-only "a directory" "$@"
+        download_only=$VALUE
+        shift "$TAKEN"
         ;;
-    --download-only)
-        [ $# -ge 2 ] || die "--download-only needs a directory"
-        download_only=$2
-        shift 2
-        ;;
-    --from-debs)
-        [ $# -ge 2 ] || die "--from-debs needs a directory"
-        from_debs=$2
-        shift 2
+    --from-debs | --from-debs=*)
+        option_value --from-debs "a directory" "$@"
+        from_debs=$VALUE
+        shift "$TAKEN"
         ;;
     --strict)
         strict=1
@@ -94,11 +86,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ -z "$download_only" ] || [ -z "$from_debs" ] || die "--download-only and --from-debs exclude each other"
-case $prefix in
-/*) ;;
-*) prefix=$PWD/$prefix ;;
-esac
-prefix=${prefix%/}
+prefix=$(absolute "$prefix")
 
 work=""
 debs_tmp=""

@@ -17,22 +17,16 @@ set -euo pipefail
 prefix=${POSSUM_PREFIX:-/usr/local}
 profile=release
 
-die() {
-    printf 'install: error: %s\n' "$*" >&2
-    exit 1
-}
-usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; }
+SCRIPT=install
+# shellcheck source=scripts/install-lib.sh
+source "$(dirname "$(readlink -f -- "$0")")/install-lib.sh"
 
 while [ $# -gt 0 ]; do
     case $1 in
-    --prefix)
-        [ $# -ge 2 ] || die "--prefix needs a directory"
-        prefix=$2
-        shift 2
-        ;;
-    --prefix=*)
-        prefix=${1#*=}
-        shift
+    --prefix | --prefix=*)
+        option_value --prefix "a directory" "$@"
+        prefix=$VALUE
+        shift "$TAKEN"
         ;;
     --debug)
         profile=debug
@@ -45,18 +39,14 @@ while [ $# -gt 0 ]; do
     *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
-case $prefix in
-/*) ;;
-*) prefix=$PWD/$prefix ;;
-esac
-prefix=${prefix%/}
+prefix=$(absolute "$prefix")
 
 cd "$(dirname "$0")/.."
 command -v cargo >/dev/null || die "cargo not found on PATH (install Rust: https://rustup.rs)"
 
 flags=()
 [ "$profile" = release ] && flags=(--release)
-echo "install: building possum, libpossum.so and the CRIU plugin ($profile)"
+say "building possum, libpossum.so and the CRIU plugin ($profile)"
 cargo build "${flags[@]}" -p possum -p possum-interposer -p possum-criu-plugin
 
 target=${CARGO_TARGET_DIR:-target}/$profile
@@ -70,7 +60,7 @@ while [ ! -e "$probe" ]; do probe=$(dirname "$probe"); done
 as=()
 if [ ! -w "$probe" ] || { [ -e "$prefix/bin" ] && [ ! -w "$prefix/bin" ]; }; then
     command -v sudo >/dev/null || die "$prefix is not writable and sudo is not available"
-    echo "install: $prefix is not writable; copying with sudo"
+    say "$prefix is not writable; copying with sudo"
     as=(sudo)
 fi
 
@@ -80,9 +70,9 @@ fi
 "${as[@]}" install -D -m 0644 "$target/libpossum_criu_plugin.so" \
     "$prefix/bin/criu-plugins/libpossum_criu_plugin.so"
 
-echo "install: installed $prefix/bin/possum, $prefix/lib/libpossum.so and" \
+say "installed $prefix/bin/possum, $prefix/lib/libpossum.so and" \
     "$prefix/bin/criu-plugins/libpossum_criu_plugin.so"
 case ":$PATH:" in
 *":$prefix/bin:"*) ;;
-*) echo "install: note: $prefix/bin is not on PATH" ;;
+*) say "note: $prefix/bin is not on PATH" ;;
 esac
