@@ -3,14 +3,26 @@
  * memory on device 0 (cuMemAddressReserve, cuMemCreate, cuMemMap, then cuMemSetAccess for device 0
  * only), all called as a program linked against libcuda would (the global scope: libpossum's
  * functions when preloaded). Prints the devices the fake driver says may access each one
- * (fake_access_mask, bit d: device d), one line each, then "done"; "error ..." and exit 1 on a
- * failure. */
+ * (fake_access_mask, bit d: device d), one line each; again for each line "again" on stdin
+ * (after possum released and restored the memory, say); "done" at the end of stdin. "error ..."
+ * and exit 1 on a failure. */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef unsigned long long ull;
+
+static unsigned (*mask)(ull);
+static int allocs;
+static ull alloc_at[2], piece;
+
+static void report(void) {
+    for (int d = 0; d < allocs; d++) printf("alloc on %d mask %u\n", d, mask(alloc_at[d]));
+    printf("piece mask %u\n", mask(piece));
+    fflush(stdout);
+}
 
 static void die(const char *what, int r) {
     printf("error %s %d\n", what, r);
@@ -26,7 +38,7 @@ static void *fn(const char *name) {
 int main(void) {
     void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     if (!drv) die("no fake driver", -1);
-    unsigned (*mask)(ull) = (unsigned (*)(ull))dlsym(drv, "fake_access_mask");
+    mask = (unsigned (*)(ull))dlsym(drv, "fake_access_mask");
     if (!mask) die("no fake_access_mask", -1);
     int (*init)(unsigned) = fn("cuInit");
     int (*count)(int *) = fn("cuDeviceGetCount");
@@ -45,11 +57,9 @@ int main(void) {
     for (int d = 0; d < n && d < 2; d++)
         if ((r = retain(&ctx[d], d))) die("cuDevicePrimaryCtxRetain", r);
 
-    for (int d = 0; d < n && d < 2; d++) {
-        ull a = 0;
+    for (int d = 0; d < n && d < 2; d++, allocs++) {
         if ((r = set(ctx[d]))) die("cuCtxSetCurrent", r);
-        if ((r = alloc(&a, 1 << 20))) die("cuMemAlloc_v2", r);
-        printf("alloc on %d mask %u\n", d, mask(a));
+        if ((r = alloc(&alloc_at[d], 1 << 20))) die("cuMemAlloc_v2", r);
     }
 
     /* CUmemAllocationProp as PyTorch's expandable segments ask on an H100: pinned (1), a POSIX fd
@@ -65,7 +75,11 @@ int main(void) {
     if ((r = create(&h, g, prop, 0))) die("cuMemCreate", r);
     if ((r = map(base, g, 0, h, 0))) die("cuMemMap", r);
     if ((r = set_access(base, g, access, 1))) die("cuMemSetAccess", r);
-    printf("piece mask %u\n", mask(base));
+    piece = base;
+    report();
+    char line[64];
+    while (fgets(line, sizeof line, stdin))
+        if (!strcmp(line, "again\n")) report();
     puts("done");
     return 0;
 }
