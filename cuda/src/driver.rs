@@ -390,10 +390,18 @@ fn access_descs(dev: CUdevice) -> Vec<sys::CUmemAccessDesc> {
 /// without them: a host whose peers can't be granted still maps memory.
 pub(crate) fn set_access(va: u64, size: usize, dev: CUdevice) -> DeviceResult<()> {
     let descs = access_descs(dev);
-    if descs.len() > 1 && call!(cuMemSetAccess(va, size, descs.as_ptr(), descs.len())).is_ok() {
+    let set = |count: usize| {
+        // SAFETY: the library is loaded (every path here starts at `load`); the driver reads
+        // `count` descriptors from `descs`, which holds at least that many (`dev`'s is first)
+        // and outlives the call. A wrong `va` is refused by the driver, not host memory.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(va, size, descs.as_ptr(), count)
+        })
+    };
+    if descs.len() > 1 && set(descs.len()).is_ok() {
         return Ok(());
     }
-    call!(cuMemSetAccess(va, size, descs.as_ptr(), 1))
+    set(1)
 }
 
 /// Whether `dev` supports GPUDirect RDMA on memory made with `cuMemCreate`
