@@ -43,6 +43,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGetName",
     "cuDeviceGetUuid_v2",
     "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
@@ -350,6 +351,59 @@ fn device_location(dev: CUdevice) -> sys::CUmemLocation {
     }
 }
 
+/// The other devices of the process that can reach memory on `dev` (`cuDeviceCanAccessPeer`),
+/// asked once per device; an error read as no.
+fn peers_of(dev: CUdevice) -> Vec<CUdevice> {
+    static ASKED: std::sync::Mutex<Vec<(CUdevice, Vec<CUdevice>)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut asked = ASKED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, peers)) = asked.iter().find(|(d, _)| *d == dev) {
+        return peers.clone();
+    }
+    let count = device_count().unwrap_or(0);
+    let peers: Vec<CUdevice> = (0..count)
+        .filter_map(|ordinal| device_get(ordinal).ok())
+        .filter(|&d| d != dev)
+        .filter(|&d| {
+            let mut can = 0;
+            call!(cuDeviceCanAccessPeer(&mut can, d, dev)).is_ok() && can != 0
+        })
+        .collect();
+    asked.push((dev, peers.clone()));
+    peers
+}
+
+/// Read/write access for memory on `dev`: `dev` itself first, then every peer device that can
+/// reach it ([`peers_of`]), as `cudaMalloc`'s memory is reachable once peer access is enabled.
+fn access_descs(dev: CUdevice) -> Vec<sys::CUmemAccessDesc> {
+    std::iter::once(dev)
+        .chain(peers_of(dev))
+        .map(|d| sys::CUmemAccessDesc {
+            location: device_location(d),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect()
+}
+
+/// Gives `[va, va + size)`, memory on `dev` just mapped, read/write access for `dev` and its peer
+/// devices ([`access_descs`]). Where the driver refuses the peers, `dev` alone gets access, as
+/// without them: a host whose peers can't be granted still maps memory.
+pub(crate) fn set_access(va: u64, size: usize, dev: CUdevice) -> DeviceResult<()> {
+    let descs = access_descs(dev);
+    let set = |count: usize| {
+        // SAFETY: the library is loaded (every path here starts at `load`); the driver reads
+        // `count` descriptors from `descs`, which holds at least that many (`dev`'s is first)
+        // and outlives the call. A wrong `va` is refused by the driver, not host memory.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(va, size, descs.as_ptr(), count)
+        })
+    };
+    if descs.len() > 1 && set(descs.len()).is_ok() {
+        return Ok(());
+    }
+    set(1)
+}
+
 /// Whether `dev` supports GPUDirect RDMA on memory made with `cuMemCreate`
 /// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`); asked once per device, an
 /// error read as no.
@@ -496,16 +550,12 @@ impl PhysMem {
         self.size
     }
 
-    /// Maps all of it at `va` (inside a reservation) and gives the context's device read/write access.
-    /// On failure nothing stays mapped.
+    /// Maps all of it at `va` (inside a reservation) and gives the context's device and its peer
+    /// devices read/write access ([`set_access`]). On failure nothing stays mapped.
     pub fn map_at(&self, va: u64) -> DeviceResult<()> {
         let size = to_usize("cuMemMap", self.size)?;
         call!(cuMemMap(va, size, 0, self.handle, 0))?;
-        let access = sys::CUmemAccessDesc {
-            location: device_location(self.ctx.dev),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        if let Err(e) = call!(cuMemSetAccess(va, size, &access, 1)) {
+        if let Err(e) = set_access(va, size, self.ctx.dev) {
             let _ = unmap(va, self.size);
             return Err(e);
         }

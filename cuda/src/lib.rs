@@ -3,7 +3,9 @@
 //!
 //! - Memory: virtual address ranges are reserved (`cuMemAddressReserve`) and physical memory is
 //!   mapped under them (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`) or released (`cuMemUnmap` +
-//!   `cuMemRelease`) without the addresses changing.
+//!   `cuMemRelease`) without the addresses changing. A mapping is reachable from its device and
+//!   from every peer device that can reach it (`cuDeviceCanAccessPeer`), as `cudaMalloc`'s memory
+//!   is once peer access is enabled.
 //! - Copies: between pinned host buffers ([`PinnedBuf`], `cuMemHostAlloc`) and the device, queued on
 //!   streams; a [`CudaPending`] owns the host buffer until the copy is complete.
 //! - Context: the device's *primary* context, the one the CUDA runtime and so PyTorch use, made

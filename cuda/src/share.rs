@@ -10,8 +10,8 @@
 //!   (`cuMemExportToShareableHandle`). Dropped: `cuMemRelease` (the memory lives on while another
 //!   handle or a mapping refers to it, in this process or another).
 //! - [`Reservation`] and [`Mapped`]: an address range (`cuMemAddressReserve`) and a handle mapped
-//!   in it with read/write access for the device; a mapping borrows its reservation, so it is
-//!   always unmapped before the range is freed.
+//!   in it with read/write access for the device and its peer devices; a mapping borrows its
+//!   reservation, so it is always unmapped before the range is freed.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
@@ -240,8 +240,8 @@ impl SharedMem {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Maps all of it at `offset` in `res` with read/write access for the device. On failure
-    /// nothing stays mapped.
+    /// Maps all of it at `offset` in `res` with read/write access for the device and its peer
+    /// devices. On failure nothing stays mapped.
     pub fn map<'r>(&self, res: &'r Reservation, offset: u64) -> DeviceResult<Mapped<'r>> {
         let end = offset.checked_add(self.size);
         if !matches!(end, Some(e) if e <= res.size) {
@@ -257,14 +257,7 @@ impl SharedMem {
         let va = res.va + offset;
         let size = to_usize("cuMemMap", self.size)?;
         call!(cuMemMap(va, size, 0, self.handle, 0))?;
-        let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.ctx.device(),
-            },
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        if let Err(e) = call!(cuMemSetAccess(va, size, &access, 1)) {
+        if let Err(e) = driver::set_access(va, size, self.ctx.device()) {
             let _ = driver::unmap(va, self.size);
             return Err(e);
         }

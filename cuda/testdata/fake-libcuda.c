@@ -7,7 +7,10 @@
 //   LD_LIBRARY_PATH=/tmp/fakecuda cargo test -p possum-cuda
 //   FAKE_CUDA_NODEV=1 ...   makes cuInit fail with CUDA_ERROR_NO_DEVICE (the skip path)
 //   FAKE_CUDA_DEVICES=N ... N devices (default 1, at most 8): ordinals 0..N-1, each with its own
-//                           primary context and UUID; their memory is one host pool
+//                           primary context and UUID; their memory is one host pool, and each
+//                           reaches the others' (cuDeviceCanAccessPeer)
+//   FAKE_CUDA_PEERS_REFUSED=1 ... cuMemSetAccess refuses more than one descriptor
+//                           (CUDA_ERROR_INVALID_VALUE), as a host whose peers can't be granted
 // The driver's GPU remapping is emulated too: a device ordinal o of a process is physical device
 // remap[o] (itself unless a restore remapped it), whose UUID cuDeviceGetUuid_v2 answers; a
 // cuCheckpointProcessRestore with gpuPairs (old UUID -> new UUID) remaps the restored process's
@@ -46,7 +49,8 @@ static const size_t TOTAL = 80ull<<30;
 // the exporter's memfd, so a mapping of it maps the same pages, across processes too) do not
 // count in `used`: the exporter's allocation does.
 struct h { int fd; size_t size; int htype; int imported; };
-struct m { ull va; size_t size; ull h; };
+// A mapping; `access`: the devices cuMemSetAccess gave access to it (bit d: device d).
+struct m { ull va; size_t size; ull h; unsigned access; };
 static struct m maps[64];
 // Guards maps: possum maps buffers from several threads at once (reattach).
 static pthread_mutex_t maps_lock=PTHREAD_MUTEX_INITIALIZER;
@@ -69,6 +73,10 @@ int cuDeviceGetName(char* n, int len, int d){ strncpy(n, "Fake GPU", len); retur
 // Device attributes: only CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED (110), yes
 // as on the H100; any other is CUDA_ERROR_INVALID_VALUE.
 int cuDeviceGetAttribute(int* v, int attr, int d){ if(!v || bad_dev(d) || attr!=110) return 1; *v=1; return 0; }
+// Every pair of distinct devices can reach each other's memory.
+int cuDeviceCanAccessPeer(int* can, int d, int peer){
+  if(!can || bad_dev(d) || bad_dev(peer)) return 101;
+  *can = d!=peer; return 0; }
 // The physical device behind each ordinal of this process: itself, unless a restore of the
 // process with gpuPairs remapped it (cuCheckpointProcessRestore, written into the restored
 // process's copy of this array).
@@ -165,7 +173,7 @@ int cuMemMap(ull p, size_t size, size_t off, ull h, ull f){
   struct h* x=(void*)(uintptr_t)h;
   if(mmap((void*)p, size, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, x->fd, off)==MAP_FAILED) return 1;
   pthread_mutex_lock(&maps_lock);
-  for(int i=0;i<64;i++) if(!maps[i].size){ maps[i].va=p; maps[i].size=size; maps[i].h=h; break; }
+  for(int i=0;i<64;i++) if(!maps[i].size){ maps[i].va=p; maps[i].size=size; maps[i].h=h; maps[i].access=0; break; }
   pthread_mutex_unlock(&maps_lock);
   return 0; }
 int cuMemUnmap(ull p, size_t size){
@@ -174,7 +182,29 @@ int cuMemUnmap(ull p, size_t size){
   for(int i=0;i<64;i++) if(maps[i].va==p){ maps[i].size=0; maps[i].va=0; }
   pthread_mutex_unlock(&maps_lock);
   return 0; }
-int cuMemSetAccess(ull p, size_t s, const void* d, size_t c){ return 0; }
+// CUmemAccessDesc: location type (1: device), location id, flags (0: PROT_NONE, which takes the
+// device's access away). Each descriptor must name a device of this process, else
+// CUDA_ERROR_INVALID_VALUE; the devices named are recorded on every mapping in [p, p+s).
+struct access_desc { int type, id, flags; };
+int cuMemSetAccess(ull p, size_t s, const void* d, size_t c){
+  const struct access_desc* a=d;
+  if((c && !a) || (c>1 && getenv("FAKE_CUDA_PEERS_REFUSED"))) return 1;
+  for(size_t k=0;k<c;k++) if(a[k].type!=1 || bad_dev(a[k].id)) return 1;
+  pthread_mutex_lock(&maps_lock);
+  for(int i=0;i<64;i++){
+    if(!maps[i].size || maps[i].va>=p+s || maps[i].va+maps[i].size<=p) continue;
+    for(size_t k=0;k<c;k++){
+      if(a[k].flags) maps[i].access |= 1u<<a[k].id; else maps[i].access &= ~(1u<<a[k].id); } }
+  pthread_mutex_unlock(&maps_lock);
+  return 0; }
+// For tests: the devices with access to the mapping holding `va` (bit d: device d); 0 where
+// nothing is mapped.
+unsigned fake_access_mask(ull va){
+  unsigned mask=0;
+  pthread_mutex_lock(&maps_lock);
+  for(int i=0;i<64;i++) if(maps[i].size && va>=maps[i].va && va<maps[i].va+maps[i].size){ mask=maps[i].access; break; }
+  pthread_mutex_unlock(&maps_lock);
+  return mask; }
 // The handle mapped at an address (no reference counting: the fake's handles are freed by their
 // one cuMemRelease), and a plain device allocation's properties for any handle.
 int cuMemRetainAllocationHandle(ull* h, ull p){
@@ -506,7 +536,7 @@ int cuCheckpointProcessGetRestoreThreadId(int pid, int* tid){
 int cuGetProcAddress(const char* sym, void** pfn, int ver, ull flags);
 int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status);
 #define EXPORTS(X) X(cuGetErrorString) X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) \
-  X(cuDeviceGet) X(cuDeviceGetName) X(cuDeviceGetAttribute) X(cuDeviceGetUuid_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2) \
+  X(cuDeviceGet) X(cuDeviceGetName) X(cuDeviceGetAttribute) X(cuDeviceCanAccessPeer) X(cuDeviceGetUuid_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2) \
   X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetStreamPriorityRange) X(cuCtxSynchronize) \
   X(cuCtxGetDevice) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAllocPitch_v2) X(cuMemAllocAsync) \
   X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
