@@ -328,6 +328,45 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     Ok(v)
 }
 
+/// T0's cross-device fence, with the job paused: waits for every operation of the job let in
+/// before the pause to be enqueued (on every engine's gate), then for everything queued on
+/// every device the job used to be done. A stream of one device may write another's buffers (a
+/// peer copy, a kernel through peer access), which that device's own T0 fence (events on its
+/// own job streams) does not order: after this, no work queued before the pause is left on any
+/// device, so every engine's T0 that follows sees all of it. A process on one device needs none
+/// (its engine's own fence covers its streams): nothing is waited for then.
+fn fence_all_devices(engines: &[Arc<DevEngine>]) -> Result<(), String> {
+    let used = state_if_created()
+        .map(|st| st.devices_used())
+        .unwrap_or_default();
+    if used.len() <= 1 && engines.len() <= 1 {
+        return Ok(());
+    }
+    for e in engines {
+        e.engine.wait_ops_enqueued();
+    }
+    for e in engines {
+        e.engine
+            .synchronize_device()
+            .map_err(|err| format!("device {}: waiting for its queued work: {err}", e.ordinal))?;
+    }
+    // A device the job used without possum managing memory there: its primary context.
+    for d in used
+        .into_iter()
+        .filter(|d| !engines.iter().any(|e| e.ordinal == *d))
+    {
+        sync_primary_context(d)
+            .map_err(|err| format!("device {d}: waiting for its queued work: {err}"))?;
+    }
+    Ok(())
+}
+
+/// Waits for everything queued in device `ordinal`'s primary context.
+fn sync_primary_context(ordinal: usize) -> Result<(), String> {
+    let _r = crate::runtime::Reentry::enter();
+    possum_cuda::introspect::primary_ctx_synchronize(ordinal).map_err(|e| e.to_string())
+}
+
 /// `Release`: pause the job's GPU operations, then release every engine's buffers.
 /// `ReleaseKeeping{hold_secs}` (`keep`): a keeper's buffers are detached instead, held for a
 /// restore on this host once the job is gone (see [`release_engines`]).
@@ -370,6 +409,8 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
         unpause_job();
         m
     };
+    // What any device queued before the pause is done before any engine fixes its T0.
+    fence_all_devices(&engines).map_err(unpause)?;
     let mut finals = Vec::new();
     for (ordinal, writer) in open {
         let Some(e) = engines.iter().find(|e| e.ordinal == ordinal) else {
@@ -454,6 +495,12 @@ fn release_kept(
     t: Instant,
 ) -> Result<ReleaseReply, String> {
     gate::set_paused(true);
+    // What any device queued before the pause is done before any engine detaches its buffers.
+    if let Err(err) = fence_all_devices(engines) {
+        stop_tracking(engines);
+        unpause_job();
+        return Err(err);
+    }
     let mut bytes = 0u64;
     let mut done: Vec<&Arc<DevEngine>> = Vec::new();
     for e in engines {
@@ -703,14 +750,15 @@ fn release_held(
     Ok(v)
 }
 
-/// With the job held: drains every device, then copies every buffer into its image (not
-/// committed). One entry per device.
+/// With the job held: drains every device (all of them first: a stream of one may write
+/// another's buffers), then copies every buffer into its image (not committed). One entry per
+/// device.
 fn copy_all(
     engines: &[Arc<DevEngine>],
     open: &[(usize, Arc<ImageWriter>)],
 ) -> Result<Vec<DeviceCopy>, String> {
-    let mut out = Vec::new();
-    for (ordinal, writer) in open {
+    let mut synced = Vec::new();
+    for (ordinal, _) in open {
         let Some(e) = engines.iter().find(|e| e.ordinal == *ordinal) else {
             continue;
         };
@@ -719,7 +767,28 @@ fn copy_all(
             .synchronize_device()
             .map_err(|err| format!("device {ordinal}: waiting for the job's GPU work: {err}"))?;
         park::beat();
-        let sync_ms = ms(ts.elapsed());
+        synced.push((*ordinal, ms(ts.elapsed())));
+    }
+    let used = state_if_created()
+        .map(|st| st.devices_used())
+        .unwrap_or_default();
+    for d in used
+        .into_iter()
+        .filter(|d| !engines.iter().any(|e| e.ordinal == *d))
+    {
+        sync_primary_context(d)
+            .map_err(|err| format!("device {d}: waiting for the job's GPU work: {err}"))?;
+        park::beat();
+    }
+    let mut out = Vec::new();
+    for (ordinal, writer) in open {
+        let Some(e) = engines.iter().find(|e| e.ordinal == *ordinal) else {
+            continue;
+        };
+        let sync_ms = synced
+            .iter()
+            .find(|(o, _)| o == ordinal)
+            .map_or(0.0, |s| s.1);
         let sink: Arc<dyn ChunkSink> = Arc::new(Beating(writer.clone()));
         let r = e
             .engine

@@ -80,9 +80,15 @@ struct Job {
 
 impl Job {
     fn start(dir: &Path, devices: u32) -> Job {
+        Job::start_with(dir, devices, &[])
+    }
+
+    /// [`Job::start`] with `env` set for the job too.
+    fn start_with(dir: &Path, devices: u32, env: &[(&str, &str)]) -> Job {
         let stderr = dir.join(format!("job-{devices}.stderr"));
         let lib = libpossum();
         let mut cmd = fake_job_command(dir, "fake_writes_job", Some(&lib));
+        cmd.envs(env.iter().copied());
         cmd.env("FAKE_CUDA_DEVICES", devices.to_string())
             .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
@@ -320,6 +326,67 @@ fn a_peer_copy_is_marked_on_the_destinations_device() {
         x,
         1,
     );
+    let fin = r["final"].as_array().unwrap();
+    let on = |d: u64| fin.iter().find(|f| f["device"] == d).unwrap()["buffers"].clone();
+    assert_eq!(on(0), 2, "X and Y marked on device 0: {r}");
+    assert_eq!(on(1), 1, "Z marked on device 1: {r}");
+    assert_eq!(ctl.hook_errors(), 0);
+    job.send("exit");
+    job.expect("bye");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The engines of a two-device job (X on device 0, Z on device 1), and its control.
+fn two_devices(dir: &Path, env: &[(&str, &str)]) -> (Job, Ctl) {
+    let job = Job::start_with(dir, 2, env);
+    assert_ne!(job.z, 0, "no buffer on device 1");
+    let ctl = Ctl {
+        pid: job.child.id(),
+        sockets: dir.join("sockets"),
+    };
+    let v = ctl.ok(&Request::Status);
+    assert_eq!(
+        v["possum"]["engines"].as_array().map(Vec::len),
+        Some(2),
+        "{v}"
+    );
+    (job, ctl)
+}
+
+/// A peer copy into device 0's X queued on a stream of device 1's just before T0 (the fake
+/// driver runs it only when that stream or device is synchronized, as a GPU that has not got to
+/// it yet): T0 waits for the work every device queued before the pause, so device 0's image
+/// holds what the copy wrote, not X as it was before.
+#[test]
+fn a_copy_queued_on_another_device_before_t0_is_in_the_image() {
+    let Some(dir) = setup("queued") else { return };
+    let (mut job, ctl) = two_devices(&dir, &[("FAKE_CUDA_QUEUE", "1")]);
+    let x = job.x;
+    for round in 0..2 {
+        let images = dir.join(format!("images-{round}"));
+        let r = session(&mut job, &ctl, &images, "queued", 0, x, 1);
+        let fin = r["final"].as_array().unwrap();
+        let on0 = fin.iter().find(|f| f["device"] == 0).unwrap();
+        assert!(on0["buffers"].as_u64().unwrap() >= 1, "X marked: {r}");
+        // Device 1's image holds Z as filled before the copy.
+        assert_eq!(image_word(&images.join("gpu-1"), job.z), 1);
+    }
+    assert_eq!(ctl.hook_errors(), 0);
+    job.send("exit");
+    job.expect("bye");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A legacy launch from device 1's context (its arguments unknown to possum: opaque) that
+/// writes device 0's X: every device's engine takes it as writing all its buffers, so X is in
+/// device 0's image as written before T0; while paused it is held.
+#[test]
+fn an_opaque_launch_on_another_device_marks_every_device() {
+    let Some(dir) = setup("opaque1") else { return };
+    let (mut job, ctl) = two_devices(&dir, &[]);
+    let x = job.x;
+    let images = dir.join("images");
+    let r = session(&mut job, &ctl, &images, "cuLaunch1", 0, x, 1);
     let fin = r["final"].as_array().unwrap();
     let on = |d: u64| fin.iter().find(|f| f["device"] == d).unwrap()["buffers"].clone();
     assert_eq!(on(0), 2, "X and Y marked on device 0: {r}");
