@@ -94,6 +94,7 @@ mod cupti;
 mod dag;
 mod decode;
 mod drvalloc;
+mod elfsym;
 pub mod entry;
 mod gate;
 mod hooks;
