@@ -542,7 +542,8 @@ int cuCheckpointProcessGetRestoreThreadId(int pid, int* tid){
 // introduced it (3020, CUDA 3.2, for most: cuMemAlloc, cuMemcpyHtoD, cuMemsetD32...), then with
 // flags & 2 (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) its _ptsz or _ptds export if it has
 // one; "cuGetProcAddress" is cuGetProcAddress_v2 from 12000 (CUDA 12.0) on. An unknown name is
-// CUDA_ERROR_NOT_FOUND (500), with status CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND (1).
+// CUDA_ERROR_NOT_FOUND (500), with status CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND (1). One name
+// has an unexported answer at a version past CUDA 13 (memset_d32_next).
 int cuGetProcAddress(const char* sym, void** pfn, int ver, ull flags);
 int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status);
 #define EXPORTS(X) X(cuGetErrorString) X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) \
@@ -583,9 +584,13 @@ static int v2_since(const char* sym){
     {"cuGraphKernelNodeGetParams", 12000}, {"cuGetProcAddress", 12000}};
   for(size_t i=0;i<sizeof later/sizeof later[0];i++) if(!strcmp(later[i].name, sym)) return later[i].ver;
   return 3020; }
+// "cuMemsetD32" at version 14000 or later: a variant this driver does not export, as a newer
+// driver answers a newer version of a function (it writes as cuMemsetD32_v2 does).
+static int memset_d32_next(ull d, unsigned v, size_t n){ set32(d,v,n); return 0; }
 static void* proc_address(const char* sym, int ver, ull flags){
   char name[128], pt[136];
   if(!sym || strlen(sym)>=sizeof name-3) return 0;
+  if(ver>=14000 && !strcmp(sym, "cuMemsetD32")) return (void*)memset_d32_next;
   snprintf(name, sizeof name, "%s_v2", sym);
   if(!export_of(name) || ver<v2_since(sym)) snprintf(name, sizeof name, "%s", sym);
   if(flags & 2)

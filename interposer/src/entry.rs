@@ -19,7 +19,10 @@
 //!   names in [`ENTRIES`], and swapped for the wrapper of the very function it is: the
 //!   per-thread-stream (`_ptsz`/`_ptds`) variant for a per-thread lookup, and the wrapper of
 //!   `cuGetProcAddress` itself when libcudart asks for "cuGetProcAddress". A pointer that is not
-//!   one of them is handed out unchanged (counted by name: `possum status` shows it).
+//!   one of them is handed out unchanged (counted by name: `possum status` shows it); if its
+//!   name is one of a function that writes device memory ([`crate::writers::needs_wrapper`]),
+//!   possum no longer trusts its hooks to see every write, and checkpoints hold the job's
+//!   threads for their whole copy.
 //!
 //! Each wrapper lays its arguments out as the `cu<name>_params` struct CUPTI would have passed
 //! (the arguments in order, C layout) and calls the same [`crate::hooks::on_call`] on entry and on
@@ -565,6 +568,13 @@ unsafe fn swap_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int
     }
     // SAFETY: NUL-terminated (the contract).
     let name = unsafe { CStr::from_ptr(symbol) }.to_string_lossy();
+    // A function that may write device memory, handed out without a wrapper: the hooks will not
+    // see what it writes.
+    if crate::writers::needs_wrapper(&name) {
+        crate::gate::note_unwrapped_writer(format!(
+            "{name} (cuGetProcAddress version {version}, flags {flags:#x})"
+        ));
+    }
     let prefix = format!("{name}_");
     if ENTRIES
         .iter()
@@ -943,6 +953,7 @@ pub fn stats_json() -> Value {
         "swapped_proc_address": SWAPPED_PROC.load(Ordering::Relaxed),
         "passed_proc_address": PASSED_PROC.load(Ordering::Relaxed),
         "unmatched": unmatched,
+        "unwrapped_writers": crate::gate::unwrapped_writers(),
         "seen_beside_cupti": seen,
     })
 }

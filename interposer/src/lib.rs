@@ -111,6 +111,7 @@ pub mod stats;
 mod sys;
 mod validate;
 mod vmm;
+pub mod writers;
 
 pub use config::Hooks;
 pub use load::InitializeInjection;

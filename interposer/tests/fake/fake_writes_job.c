@@ -17,7 +17,9 @@
  *               (device 0's): cuLaunch1 (the legacy launch) and queued (Z filled with V, then
  *               a cuMemcpyPeerAsync from Z to X on a stream of device 1's: with
  *               FAKE_CUDA_QUEUE=1 the fake driver queues it until that stream or device is
- *               synchronized).
+ *               synchronized). And next: X filled with V through the cuMemsetD32 that
+ *               cuGetProcAddress_v2 answers at version 14000 (on the fake driver a function it
+ *               does not export, which possum cannot match to a wrapper).
  *   exit        answers "bye" and exits 0.
  * Anything failing answers "error ..." and exits 1. */
 #include <stdint.h>
@@ -33,6 +35,7 @@ int cuDeviceGetCount(int *);
 int cuDevicePrimaryCtxRetain(void **, int);
 int cuCtxSetCurrent(void *);
 int cuStreamCreate(void **, unsigned);
+int cuGetProcAddress_v2(const char *, void **, int, ull, int *);
 int cuMemAlloc_v2(ull *, size_t);
 int cuMemsetD32_v2(ull, unsigned, size_t);
 int cuMemcpyPeer(ull, void *, ull, void *, size_t);
@@ -114,6 +117,12 @@ static void op(const char *name, unsigned v) {
             CHECK(cuMemcpyPeerAsync(X, ctx0, Z, ctx1, 64, q1));
         }
         CHECK(cuCtxSetCurrent(ctx0));
+    }
+    else if (!strcmp(name, "next")) {
+        int (*f)(ull, unsigned, size_t) = 0;
+        int st = 0;
+        CHECK(cuGetProcAddress_v2("cuMemsetD32", (void **)&f, 14000, 0, &st));
+        CHECK(f(X, v, SIZE / 4));
     }
     else if (!strcmp(name, "cuMemcpyPeer")) CHECK(cuMemcpyPeer(X, ctx0, Y, ctx0, 64));
     else if (!strcmp(name, "cuMemcpyPeer1")) CHECK(cuMemcpyPeer(Z, ctx1, Y, ctx0, 64));
