@@ -452,3 +452,35 @@ fn a_writer_handed_out_unwrapped_makes_checkpoints_hold_the_job() {
     job.expect("bye");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A held checkpoint (the job's threads parked for the whole copy, here because the job took a
+/// writing function unwrapped) of a two-device job: the copy waits for the work every device
+/// queued, so a peer copy into device 0's X queued on a stream of device 1's before T0 is in
+/// device 0's image.
+#[test]
+fn a_held_copy_waits_for_every_devices_queued_work() {
+    let Some(dir) = setup("heldqueued") else {
+        return;
+    };
+    let (mut job, ctl) = two_devices(&dir, &[("FAKE_CUDA_QUEUE", "1")]);
+    job.send("op next 5");
+    job.expect("did next");
+    let images = dir.join("images");
+    let d = images.to_str().unwrap().to_string();
+    let r = ctl.ok(&Request::Checkpoint { dir: d.clone() });
+    assert_eq!(r["hooks"], false, "{r}");
+    job.send("op queued 1");
+    job.expect("did queued");
+    let released = ctl.ok(&Request::Release);
+    assert_eq!(released["held"], "threads parked", "{released}");
+    assert_eq!(image_word(&images.join("gpu-0"), job.x), 1, "{released}");
+    assert_eq!(image_word(&images.join("gpu-1"), job.z), 1, "{released}");
+    let resume = Request::Resume { dir: Some(d) };
+    if let Err(e) = request(ctl.pid, &ctl.sockets, &resume, WAIT) {
+        panic!("{resume:?}: {e}; the job's stderr:\n{}", job.log());
+    }
+    ctl.wait_restored();
+    job.send("exit");
+    job.expect("bye");
+    let _ = std::fs::remove_dir_all(&dir);
+}
