@@ -150,6 +150,14 @@ pub fn ctx_synchronize() -> DeviceResult<()> {
     check_async("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
 }
 
+/// Blocks until everything queued in device `ordinal`'s primary context has completed (that
+/// context is then current on the calling thread).
+pub fn primary_ctx_synchronize(ordinal: usize) -> DeviceResult<()> {
+    ensure_loaded()?;
+    let ctx = crate::driver::Context::retain_primary(crate::driver::device_get(ordinal)?)?;
+    ctx.synchronize()
+}
+
 /// Copies `dst.len()` bytes of device memory at `src` into `dst`, synchronously (the copy is
 /// complete when this returns; it is ordered after the legacy default stream's work).
 pub fn read_device(src: u64, dst: &mut [u8]) -> DeviceResult<()> {

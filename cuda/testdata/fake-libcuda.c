@@ -11,6 +11,8 @@
 //                           reaches the others' (cuDeviceCanAccessPeer)
 //   FAKE_CUDA_PEERS_REFUSED=1 ... cuMemSetAccess refuses more than one descriptor
 //                           (CUDA_ERROR_INVALID_VALUE), as a host whose peers can't be granted
+//   FAKE_CUDA_QUEUE=1 ...   a cuMemcpyPeerAsync on a stream of the job's is queued until its
+//                           stream or device is synchronized (see run_queued)
 // The driver's GPU remapping is emulated too: a device ordinal o of a process is physical device
 // remap[o] (itself unless a restore remapped it), whose UUID cuDeviceGetUuid_v2 answers; a
 // cuCheckpointProcessRestore with gpuPairs (old UUID -> new UUID) remaps the restored process's
@@ -104,9 +106,12 @@ int cuCtxGetStreamPriorityRange(int* l, int* g){ *l=0; *g=-5; return 0; }
 // stand for a thread stopped inside a driver call (possum's park watchdog is tested with it).
 static pthread_mutex_t driver_mu = PTHREAD_MUTEX_INITIALIZER;
 void fake_driver_hold(int on){ if(on) pthread_mutex_lock(&driver_mu); else pthread_mutex_unlock(&driver_mu); }
+static void run_queued(void* st, int dev);
+static int cur_dev(void);
 int cuCtxSynchronize(void){
   if(!cur) return 201;
   pthread_mutex_lock(&driver_mu); pthread_mutex_unlock(&driver_mu);
+  run_queued(0, cur_dev());
   return 0; }
 // cuMemAlloc and friends (host memory): device memory is host memory here.
 static int fake_mem_alloc(ull* p, size_t n){
@@ -228,11 +233,38 @@ int cuMemFreeHost(void* p){ free(p); return 0; }
 static int host_registered;
 int cuMemHostRegister_v2(void* p, size_t n, unsigned f){ if(!cur) return 201; if(!p||!n) return 1; host_registered++; return 0; }
 int cuMemHostUnregister(void* p){ if(!p) return 1; host_registered--; return 0; }
-int cuStreamCreate(void** s, unsigned f){ int* x=malloc(sizeof(int)); *x=0; *s=x; return 0; }
-int cuStreamCreateWithPriority(void** s, unsigned f, int prio){ int* x=malloc(sizeof(int)); *x=prio; *s=x; return 0; }
+// A stream: its priority, and the device of the context it was made in (-1: none current).
+static int cur_dev(void){ return cur? (int)((int*)cur-ctxobj) : -1; }
+static void* new_stream(int prio){ int* x=malloc(2*sizeof(int)); x[0]=prio; x[1]=cur_dev(); return x; }
+int cuStreamCreate(void** s, unsigned f){ *s=new_stream(0); return 0; }
+int cuStreamCreateWithPriority(void** s, unsigned f, int prio){ *s=new_stream(prio); return 0; }
 int cuStreamGetPriority(void* s, int* p){ *p = s? *(int*)s : 0; return 0; }
-int cuStreamDestroy_v2(void* s){ free(s); return 0; }
-int cuStreamSynchronize(void* s){ return 0; }
+// FAKE_CUDA_QUEUE=1: a cuMemcpyPeerAsync on a stream the job made is queued, as on a GPU that
+// runs it later, instead of done at once: it is done when its stream (cuStreamSynchronize) or its
+// stream's device (cuCtxSynchronize there) is synchronized, and nothing else waits for it (events
+// are no-ops). A stream destroyed with work queued keeps it queued on its device.
+struct queued { void* st; int dev; ull d, s; size_t n; };
+static struct queued queue[64];
+static int nqueued;
+static pthread_mutex_t queue_lock=PTHREAD_MUTEX_INITIALIZER;
+static int queue_on(void){ return getenv("FAKE_CUDA_QUEUE")!=0; }
+// Does the queued copies of stream `st` (any stream when null) on device `dev` (any when -1).
+static void run_queued(void* st, int dev){
+  pthread_mutex_lock(&queue_lock);
+  int k=0;
+  for(int i=0;i<nqueued;i++){
+    struct queued q=queue[i];
+    if((!st || q.st==st) && (dev<0 || q.dev==dev)) memmove((void*)(uintptr_t)q.d,(void*)(uintptr_t)q.s,q.n);
+    else queue[k++]=q;
+  }
+  nqueued=k;
+  pthread_mutex_unlock(&queue_lock); }
+int cuStreamDestroy_v2(void* s){
+  pthread_mutex_lock(&queue_lock);
+  for(int i=0;i<nqueued;i++) if(queue[i].st==s) queue[i].st=0;
+  pthread_mutex_unlock(&queue_lock);
+  free(s); return 0; }
+int cuStreamSynchronize(void* s){ if(s) run_queued(s, -1); return 0; }
 int cuStreamQuery(void* s){ return 0; }
 int cuStreamWaitEvent(void* s, void* e, unsigned f){ return 0; }
 int cuEventCreate(void** e, unsigned f){ *e=malloc(8); return 0; }
@@ -282,7 +314,15 @@ int cuMemsetD32Async_ptsz(ull d, unsigned v, size_t n, void* st){ set32(d,v,n); 
 // from arrays (a CUarray here is a pointer to its bytes) and stream memory operations.
 int cuMemcpyPeer(ull d, void* dc, ull s, void* sc, size_t n){ memmove(H(d),H(s),n); return 0; }
 int cuMemcpyPeer_ptds(ull d, void* dc, ull s, void* sc, size_t n){ memmove(H(d),H(s),n); return 0; }
-int cuMemcpyPeerAsync(ull d, void* dc, ull s, void* sc, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
+int cuMemcpyPeerAsync(ull d, void* dc, ull s, void* sc, size_t n, void* st){
+  if(st && queue_on()){
+    pthread_mutex_lock(&queue_lock);
+    int full = nqueued==64;
+    if(!full) queue[nqueued++] = (struct queued){st, ((int*)st)[1], d, s, n};
+    pthread_mutex_unlock(&queue_lock);
+    return full? 2 : 0;
+  }
+  memmove(H(d),H(s),n); return 0; }
 int cuMemcpyPeerAsync_ptsz(ull d, void* dc, ull s, void* sc, size_t n, void* st){ memmove(H(d),H(s),n); return 0; }
 int cuMemcpyAtoD_v2(ull d, void* a, size_t off, size_t n){ memmove(H(d),(char*)a+off,n); return 0; }
 int cuMemcpyAtoD_v2_ptds(ull d, void* a, size_t off, size_t n){ memmove(H(d),(char*)a+off,n); return 0; }
@@ -532,7 +572,8 @@ int cuCheckpointProcessGetRestoreThreadId(int pid, int* tid){
 // introduced it (3020, CUDA 3.2, for most: cuMemAlloc, cuMemcpyHtoD, cuMemsetD32...), then with
 // flags & 2 (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) its _ptsz or _ptds export if it has
 // one; "cuGetProcAddress" is cuGetProcAddress_v2 from 12000 (CUDA 12.0) on. An unknown name is
-// CUDA_ERROR_NOT_FOUND (500), with status CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND (1).
+// CUDA_ERROR_NOT_FOUND (500), with status CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND (1). One name
+// has an unexported answer at a version past CUDA 13 (memset_d32_next).
 int cuGetProcAddress(const char* sym, void** pfn, int ver, ull flags);
 int cuGetProcAddress_v2(const char* sym, void** pfn, int ver, ull flags, int* status);
 #define EXPORTS(X) X(cuGetErrorString) X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) \
@@ -573,9 +614,13 @@ static int v2_since(const char* sym){
     {"cuGraphKernelNodeGetParams", 12000}, {"cuGetProcAddress", 12000}};
   for(size_t i=0;i<sizeof later/sizeof later[0];i++) if(!strcmp(later[i].name, sym)) return later[i].ver;
   return 3020; }
+// "cuMemsetD32" at version 14000 or later: a variant this driver does not export, as a newer
+// driver answers a newer version of a function (it writes as cuMemsetD32_v2 does).
+static int memset_d32_next(ull d, unsigned v, size_t n){ set32(d,v,n); return 0; }
 static void* proc_address(const char* sym, int ver, ull flags){
   char name[128], pt[136];
   if(!sym || strlen(sym)>=sizeof name-3) return 0;
+  if(ver>=14000 && !strcmp(sym, "cuMemsetD32")) return (void*)memset_d32_next;
   snprintf(name, sizeof name, "%s_v2", sym);
   if(!export_of(name) || ver<v2_since(sym)) snprintf(name, sizeof name, "%s", sym);
   if(flags & 2)

@@ -572,6 +572,15 @@ impl<D: Device> Engine<D> {
         OpGuard { inner: &self.inner }
     }
 
+    /// Waits until no operation admitted by [`Engine::enter_op`] is between its hook and its
+    /// enqueue (the gate is closed for that wait, then opened). For a caller that holds the job
+    /// from entering new operations: afterwards everything the job's hooks let in is on a stream.
+    /// The caller must not be inside the gate itself.
+    pub fn wait_ops_enqueued(&self) {
+        self.inner.gate.close();
+        self.inner.gate.open();
+    }
+
     /// Whether operations' buffer sets are needed now (a session started and
     /// [`Engine::stop_tracking`] was not called since).
     pub fn tracking(&self) -> bool {

@@ -1,6 +1,6 @@
 //! The driver's entry points, wrapped: how possum sees every launch, copy, memset, graph launch
 //! and allocation of the job without CUPTI. One of the crate's modules with `unsafe` code (with
-//! `sys`, `load`, `decode`, `cudart`, `drvalloc` and `park_sys`).
+//! `sys`, `load`, `decode`, `cudart`, `drvalloc`, `elfsym` and `park_sys`).
 //!
 //! A job reaches the driver three ways, and each hands it possum's wrapper instead of the
 //! driver's function:
@@ -8,9 +8,9 @@
 //! - **exported symbols**: a program linked against libcuda binds `cuLaunchKernel` (and every
 //!   other name in [`ENTRIES`]) to the first definition in the global scope, this library's under
 //!   `LD_PRELOAD`; `dlsym(RTLD_DEFAULT, ..)` finds the same;
-//! - **`dlsym` on a handle** (libcudart, cuBLAS, Triton `dlopen` libcuda): this library defines
-//!   `dlsym`; when a lookup on an explicit handle returns a driver function possum wraps, the
-//!   caller gets the wrapper. possum's own lookups (cudarc, libloading) get the driver's function:
+//! - **`dlsym` or `dlvsym` on a handle** (libcudart, cuBLAS, Triton `dlopen` libcuda): this
+//!   library defines both; when a lookup on an explicit handle returns a driver function possum
+//!   wraps, the caller gets the wrapper. possum's own lookups (cudarc, libloading) get the driver's function:
 //!   the caller's address is compared with this library's. `RTLD_DEFAULT` and `RTLD_NEXT` go
 //!   straight to glibc's `dlsym` with the caller's own return address (their meaning depends
 //!   on who asks);
@@ -19,7 +19,10 @@
 //!   names in [`ENTRIES`], and swapped for the wrapper of the very function it is: the
 //!   per-thread-stream (`_ptsz`/`_ptds`) variant for a per-thread lookup, and the wrapper of
 //!   `cuGetProcAddress` itself when libcudart asks for "cuGetProcAddress". A pointer that is not
-//!   one of them is handed out unchanged (counted by name: `possum status` shows it).
+//!   one of them is handed out unchanged (counted by name: `possum status` shows it); if its
+//!   name is one of a function that writes device memory ([`crate::writers::needs_wrapper`]),
+//!   possum no longer trusts its hooks to see every write, and checkpoints hold the job's
+//!   threads for their whole copy.
 //!
 //! Each wrapper lays its arguments out as the `cu<name>_params` struct CUPTI would have passed
 //! (the arguments in order, C layout) and calls the same [`crate::hooks::on_call`] on entry and on
@@ -60,7 +63,7 @@ pub fn mode() -> Mode {
 /// Calls seen by the wrappers in [`Mode::Count`], per callback id (CUPTI counts the rest).
 static SEEN: [AtomicU64; crate::cbid::ID_LIMIT] =
     [const { AtomicU64::new(0) }; crate::cbid::ID_LIMIT];
-/// Lookups answered with a wrapper: by `dlsym` on a handle, by `cuGetProcAddress`.
+/// Lookups answered with a wrapper: by `dlsym` or `dlvsym` on a handle, by `cuGetProcAddress`.
 static SWAPPED_DLSYM: AtomicU64 = AtomicU64::new(0);
 static SWAPPED_PROC: AtomicU64 = AtomicU64::new(0);
 /// `cuGetProcAddress` answers that are no function possum wraps (most of the driver's API).
@@ -365,6 +368,17 @@ pub unsafe extern "C" fn dlsym(_handle: *mut c_void, _symbol: *const c_char) -> 
 extern "C" fn possum_dlsym(handle: *mut c_void, name: *const c_char, caller: usize) -> *mut c_void {
     // SAFETY: glibc's dlsym with the caller's arguments.
     let p = unsafe { real_dlsym()(handle, name) };
+    // SAFETY: `name` is the caller's symbol name (dlsym's contract); `p` is the answer to it.
+    unsafe { handed_out(p, name, caller) }
+}
+
+/// What a lookup on an explicit handle hands the job for `name`, whose driver answer is `p`:
+/// possum's wrapper for a driver function possum wraps, unless `caller` (a return address) is
+/// in this library (possum's own lookups get the driver's function); else `p`.
+///
+/// # Safety
+/// `name` is null or NUL-terminated.
+unsafe fn handed_out(p: *mut c_void, name: *const c_char, caller: usize) -> *mut c_void {
     if p.is_null() || name.is_null() {
         return p;
     }
@@ -389,6 +403,98 @@ extern "C" fn possum_dlsym(handle: *mut c_void, name: *const c_char, caller: usi
         .compare_exchange(0, p as usize, Ordering::AcqRel, Ordering::Acquire);
     SWAPPED_DLSYM.fetch_add(1, Ordering::Relaxed);
     e.ours.cast_mut().cast()
+}
+
+// ---------------------------------------------------------------------------------------------
+// dlvsym
+
+type DlvsymFn = unsafe extern "C" fn(*mut c_void, *const c_char, *const c_char) -> *mut c_void;
+
+/// glibc's `dlvsym` (0 until first needed).
+static POSSUM_REAL_DLVSYM: AtomicUsize = AtomicUsize::new(0);
+
+/// glibc's `dlvsym`. This library defines `dlsym` and `dlvsym` both, ahead of libc in the
+/// global scope, so neither can find the other's original: it is read from the dynamic symbol
+/// tables of the loaded objects ([`crate::elfsym`]), the first object other than this library
+/// that defines `dlvsym` (libc.so.6; libdl.so.2 before glibc 2.34).
+extern "C" fn possum_find_dlvsym() -> usize {
+    let p = POSSUM_REAL_DLVSYM.load(Ordering::Acquire);
+    if p != 0 {
+        return p;
+    }
+    let p = crate::elfsym::first_definition(c"dlvsym", possum_find_dlvsym as *const () as usize);
+    if p != 0 {
+        POSSUM_REAL_DLVSYM.store(p, Ordering::Release);
+    }
+    p
+}
+
+fn real_dlvsym() -> DlvsymFn {
+    let p = possum_find_dlvsym();
+    assert!(p != 0, "possum: glibc's dlvsym not found");
+    // SAFETY: `p` is glibc's `dlvsym`, which has this signature.
+    unsafe { std::mem::transmute::<usize, DlvsymFn>(p) }
+}
+
+/// `void *dlvsym(void *handle, const char *symbol, const char *version)`: as [`dlsym`], for a
+/// lookup of a given version. RTLD_DEFAULT (0) and RTLD_NEXT (-1) go to glibc's by a tail jump
+/// (this library's own `dlvsym(RTLD_NEXT, "dlsym", ..)` included: glibc then searches the
+/// objects after this one); any other handle goes to `possum_dlvsym` with the caller's address
+/// as a fourth argument, which hands out possum's wrapper for a driver function it wraps.
+///
+/// # Safety
+/// As glibc's `dlvsym`.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[no_mangle]
+pub unsafe extern "C" fn dlvsym(
+    _handle: *mut c_void,
+    _symbol: *const c_char,
+    _version: *const c_char,
+) -> *mut c_void {
+    std::arch::naked_asm!(
+        "mov rax, qword ptr [rip + {real}]",
+        "test rax, rax",
+        "jnz 2f",
+        // First call: find glibc's dlvsym (arguments saved; three pushes realign the stack).
+        "push rdi",
+        "push rsi",
+        "push rdx",
+        "call {find}",
+        "pop rdx",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jz 3f",
+        "2:",
+        "test rdi, rdi",
+        "jz 4f",
+        "cmp rdi, -1",
+        "je 4f",
+        "mov rcx, qword ptr [rsp]",
+        "jmp {ours}",
+        "4:",
+        "jmp rax",
+        "3:",
+        "xor eax, eax",
+        "ret",
+        real = sym POSSUM_REAL_DLVSYM,
+        find = sym possum_find_dlvsym,
+        ours = sym possum_dlvsym,
+    )
+}
+
+/// `dlvsym` on an explicit handle, called from the `dlvsym` above with the caller's address.
+extern "C" fn possum_dlvsym(
+    handle: *mut c_void,
+    name: *const c_char,
+    version: *const c_char,
+    caller: usize,
+) -> *mut c_void {
+    // SAFETY: glibc's dlvsym with the caller's arguments.
+    let p = unsafe { real_dlvsym()(handle, name, version) };
+    // SAFETY: `name` is the caller's symbol name (dlvsym's contract); `p` is the answer to it.
+    unsafe { handed_out(p, name, caller) }
 }
 
 /// Whether `addr` (a return address) is in this library's code.
@@ -462,6 +568,13 @@ unsafe fn swap_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int
     }
     // SAFETY: NUL-terminated (the contract).
     let name = unsafe { CStr::from_ptr(symbol) }.to_string_lossy();
+    // A function that may write device memory, handed out without a wrapper: the hooks will not
+    // see what it writes.
+    if crate::writers::needs_wrapper(&name) {
+        crate::gate::note_unwrapped_writer(format!(
+            "{name} (cuGetProcAddress version {version}, flags {flags:#x})"
+        ));
+    }
     let prefix = format!("{name}_");
     if ENTRIES
         .iter()
@@ -840,6 +953,7 @@ pub fn stats_json() -> Value {
         "swapped_proc_address": SWAPPED_PROC.load(Ordering::Relaxed),
         "passed_proc_address": PASSED_PROC.load(Ordering::Relaxed),
         "unmatched": unmatched,
+        "unwrapped_writers": crate::gate::unwrapped_writers(),
         "seen_beside_cupti": seen,
     })
 }

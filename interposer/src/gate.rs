@@ -8,7 +8,8 @@
 //! Invariant: while paused, no thread of the job enters an operation (the pause is checked first,
 //! and again inside the engine's gate), so the job never touches a released buffer.
 //!
-//! Also the faults of the write path ([`note_fault`]): an error or a panic in a hook, after which
+//! Also the writing driver functions the job got unwrapped ([`note_unwrapped_writer`]), and the
+//! faults of the write path ([`note_fault`]): an error or a panic in a hook, after which
 //! the operation runs although its buffers may not have been saved or marked written. The session
 //! counts them from a checkpoint's start to its commit, and a checkpoint that saw one is undone
 //! (no image; the job runs on): it fails closed.
@@ -32,6 +33,30 @@ static PAUSE_WAIT_NS: AtomicU64 = AtomicU64::new(0);
 /// Faults of the write path since the library was loaded, and the last one's description.
 static FAULTS: AtomicU64 = AtomicU64::new(0);
 static LAST_FAULT: Mutex<Option<String>> = Mutex::new(None);
+
+/// Driver functions that write device memory which the job got without possum's wrapper (a
+/// `cuGetProcAddress` answer possum could not match to one), as "name (version, flags)": the
+/// hooks may miss what they write, so a checkpoint holds the job's threads for its whole copy
+/// instead of trusting the hooks (see `session.rs`).
+static UNWRAPPED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Notes that the job got the writing driver function `what` unwrapped (each one logged once).
+pub fn note_unwrapped_writer(what: String) {
+    let mut u = UNWRAPPED.lock();
+    if u.contains(&what) || u.len() >= 64 {
+        return;
+    }
+    crate::log::log(&format!(
+        "the job took {what}, a driver function that writes device memory, without possum's \
+         wrapper: checkpoints hold its threads for the whole copy"
+    ));
+    u.push(what);
+}
+
+/// The writing driver functions the job got unwrapped ([`note_unwrapped_writer`]).
+pub fn unwrapped_writers() -> Vec<String> {
+    UNWRAPPED.lock().clone()
+}
 
 /// Notes a fault of the write path: an operation goes on (or went on) although the hook could
 /// not do its part for it. A checkpoint open now is not committed.

@@ -223,13 +223,8 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
                     let name = crate::cbid::lookup(cbid).map_or("?", |c| c.name);
                     format!("operation {name}")
                 });
-                // A launch on several devices may write anything on any of them.
-                let others = if cbid == crate::cbid::MULTI_DEVICE_LAUNCH {
-                    Others::Every
-                } else {
-                    Others::Listed(&[])
-                };
-                hook(eng, admit(eng, s), s, Access::Opaque, others, None);
+                // Opaque: it may write anything on any device (`hook` tells every engine).
+                hook(eng, admit(eng, s), s, Access::Opaque, Others::Every, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -478,6 +473,14 @@ fn hook(
             }
         }
     }
+    // An operation whose buffers possum does not know may write any device's memory (a kernel
+    // or graph through peer access, a copy it cannot decode): every other engine takes it as
+    // writing all its buffers.
+    let others = if matches!(access, Access::Opaque) {
+        Others::Every
+    } else {
+        others
+    };
     let others = hook_foreign(eng, guard.is_some(), stream, others);
     keep(guard, others, validation);
 }
@@ -489,72 +492,93 @@ fn hook(
 /// pause ([`crate::gate::admit`]). While that engine tracks, its buffers are checked on the job's
 /// stream. Returns the guards, kept until the exit callback.
 ///
-/// With [`Others::Every`] (an operation that runs on several devices and whose buffers possum
-/// does not know), every other engine takes it as touching all its buffers.
+/// With [`Others::Every`] (an operation whose buffers possum does not know: it may write any
+/// device's memory through peer access), every other engine takes it as touching all its
+/// buffers. Nothing is allocated when there is no other engine.
 fn hook_foreign(
     own: Option<&DevEngine>,
     admitted: bool,
     stream: u64,
     others: Others<'_>,
 ) -> Vec<OpGuard<'static, CudaDevice>> {
-    let foreign = match others {
-        Others::Listed([]) => return Vec::new(),
-        Others::Listed(f) => f,
-        Others::Every => &[],
-    };
     let st = state();
-    let mut devs: Vec<usize> = match others {
-        Others::Listed(_) => foreign.iter().map(|f| f.dev).collect(),
-        Others::Every => st.engines().iter().map(|e| e.ordinal).collect(),
-    };
-    devs.sort_unstable();
-    devs.dedup();
-    let mut guards = Vec::with_capacity(devs.len());
-    for d in devs {
-        if own.is_some_and(|e| e.ordinal == d) {
-            continue;
-        }
-        let Some(e) = st.engine_ref(d).map(|e| &**e) else {
-            continue;
-        };
-        let g = if admitted {
-            e.engine.enter_op()
-        } else {
-            crate::gate::admit(e)
-        };
-        if g.tracking() {
-            let mine = foreign.iter().filter(|f| f.dev == d);
-            let (w, r): (Vec<&Foreign>, Vec<&Foreign>) = mine.partition(|f| f.write);
-            let writes: Vec<Buffer> = w.into_iter().map(|f| f.buf.clone()).collect();
-            let reads: Vec<Buffer> = r.into_iter().map(|f| f.buf.clone()).collect();
-            let access = match others {
-                Others::Listed(_) => Access::Known {
-                    reads: &reads,
-                    writes: &writes,
-                },
-                Others::Every => Access::Opaque,
-            };
-            let _r = Reentry::enter();
-            if debug_dirty() {
-                log_newly_dirty(&access);
-            }
-            // The job's stream as its own device's engine knows it: the other engine makes it
-            // wait for its copies (an event of one device waited for on another's stream), but
-            // does not take it among the streams it fences (an event is recorded only on a
-            // stream of its own context).
-            let check = |s: &CudaStream| g.check(s, access);
-            let r = match own {
-                Some(o) => o.with_stream(stream, check),
-                None => e.with_stream(stream, check),
-            };
-            if let Err(err) = r {
-                st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
-                crate::log::log(&format!("hook (device {d}): {err}"));
+    let mut guards = Vec::new();
+    match others {
+        Others::Listed([]) => {}
+        Others::Listed(foreign) => {
+            let mut devs: Vec<usize> = foreign.iter().map(|f| f.dev).collect();
+            devs.sort_unstable();
+            devs.dedup();
+            for d in devs {
+                if let Some(e) = st.engine_ref(d) {
+                    guards.extend(hook_other(st, e, own, admitted, stream, others));
+                }
             }
         }
-        guards.push(g);
+        Others::Every => {
+            for e in st.engine_refs() {
+                guards.extend(hook_other(st, e, own, admitted, stream, others));
+            }
+        }
     }
     guards
+}
+
+/// [`hook_foreign`] for engine `e`: its guard, or `None` for the operation's own engine.
+fn hook_other(
+    st: &'static State,
+    e: &'static DevEngine,
+    own: Option<&DevEngine>,
+    admitted: bool,
+    stream: u64,
+    others: Others<'_>,
+) -> Option<OpGuard<'static, CudaDevice>> {
+    let d = e.ordinal;
+    if own.is_some_and(|o| o.ordinal == d) {
+        return None;
+    }
+    let g = if admitted {
+        e.engine.enter_op()
+    } else {
+        crate::gate::admit(e)
+    };
+    if g.tracking() {
+        let (writes, reads): (Vec<Buffer>, Vec<Buffer>) = match others {
+            Others::Listed(foreign) => {
+                let mine = || foreign.iter().filter(|f| f.dev == d);
+                (
+                    mine().filter(|f| f.write).map(|f| f.buf.clone()).collect(),
+                    mine().filter(|f| !f.write).map(|f| f.buf.clone()).collect(),
+                )
+            }
+            Others::Every => (Vec::new(), Vec::new()),
+        };
+        let access = match others {
+            Others::Listed(_) => Access::Known {
+                reads: &reads,
+                writes: &writes,
+            },
+            Others::Every => Access::Opaque,
+        };
+        let _r = Reentry::enter();
+        if debug_dirty() {
+            log_newly_dirty(&access);
+        }
+        // The job's stream as its own device's engine knows it: the other engine makes it
+        // wait for its copies (an event of one device waited for on another's stream), but
+        // does not take it among the streams it fences (an event is recorded only on a
+        // stream of its own context).
+        let check = |s: &CudaStream| g.check(s, access);
+        let r = match own {
+            Some(o) => o.with_stream(stream, check),
+            None => e.with_stream(stream, check),
+        };
+        if let Err(err) = r {
+            st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
+            crate::log::log(&format!("hook (device {d}): {err}"));
+        }
+    }
+    Some(g)
 }
 
 /// Keeps an admitted operation's guards (and validation) until the exit callback.

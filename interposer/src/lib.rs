@@ -94,6 +94,7 @@ mod cupti;
 mod dag;
 mod decode;
 mod drvalloc;
+mod elfsym;
 pub mod entry;
 mod gate;
 mod hooks;
@@ -110,6 +111,7 @@ pub mod stats;
 mod sys;
 mod validate;
 mod vmm;
+pub mod writers;
 
 pub use config::Hooks;
 pub use load::InitializeInjection;

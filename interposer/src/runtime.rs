@@ -283,6 +283,11 @@ pub struct State {
     /// a lock or a reference count). Made under `engines_made`.
     engines: Box<[OnceLock<Arc<DevEngine>>]>,
     engines_made: Mutex<()>,
+    /// Device ordinals (below 64) the job's operations ran on, whether possum manages memory
+    /// there or not: a checkpoint's T0 waits for the work queued on each
+    /// ([`State::devices_used`]). Set where a thread's context is resolved anew (not per
+    /// operation).
+    devices_used: AtomicU64,
     managing_off: Mutex<Option<String>>,
     managing_disabled: AtomicBool,
     unmanaged: RwLock<IntervalMap<Unmanaged>>,
@@ -356,6 +361,7 @@ pub fn state() -> &'static State {
             cfg,
             engines: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
             engines_made: Mutex::new(()),
+            devices_used: AtomicU64::new(0),
             managing_off: Mutex::new(None),
             managing_disabled: AtomicBool::new(false),
             unmanaged: RwLock::new(IntervalMap::new()),
@@ -549,6 +555,11 @@ impl State {
     /// [`Self::engine`] borrowed: no lock, no reference count (the launch path's way).
     pub fn engine_ref(&self, ordinal: usize) -> Option<&Arc<DevEngine>> {
         self.engines.get(ordinal).and_then(OnceLock::get)
+    }
+
+    /// Every engine made, borrowed (nothing allocated).
+    pub fn engine_refs(&self) -> impl Iterator<Item = &Arc<DevEngine>> {
+        self.engines.iter().filter_map(OnceLock::get)
     }
 
     /// Every engine.
@@ -819,7 +830,32 @@ impl State {
         }
         let d = introspect::current_device().ok()?;
         let _ = THREAD.try_with(|t| t.ctx_device.set((ctx, d)));
+        self.note_device_used(d);
         Some(d)
+    }
+
+    /// Notes that the job's operations run on device `ordinal` ([`State::devices_used`]).
+    pub fn note_device_used(&self, ordinal: usize) {
+        if let Some(bit) = 1u64.checked_shl(ordinal as u32) {
+            if self.devices_used.load(Ordering::Relaxed) & bit == 0 {
+                self.devices_used.fetch_or(bit, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// The devices the job's operations ran on (noted as threads' contexts were resolved), and
+    /// every device possum has an engine for: those whose queued work a checkpoint's T0 waits
+    /// for.
+    pub fn devices_used(&self) -> Vec<usize> {
+        let bits = self.devices_used.load(Ordering::SeqCst);
+        let mut out: Vec<usize> = (0..64).filter(|d| bits & (1u64 << d) != 0).collect();
+        for e in self.engines() {
+            if !out.contains(&e.ordinal) {
+                out.push(e.ordinal);
+            }
+        }
+        out.sort_unstable();
+        out
     }
 
     /// Records an allocation possum does not manage.

@@ -58,6 +58,8 @@ struct Open {
     /// A kept checkpoint: the buffers' memory stays with the keeper at the release (detached,
     /// nothing copied); `ResumeAndSave` saves them after the job runs again.
     kept: bool,
+    /// The images hold a pre-copy (made trusting the hooks to mark what the job writes next).
+    precopied: bool,
 }
 
 /// Saving a kept checkpoint's buffers while the job runs (`ResumeAndSave` to `Saved`).
@@ -106,6 +108,7 @@ pub fn status_json() -> Value {
         "pause_waits": waits,
         "pause_wait_ms": wait_ns as f64 / 1e6,
         "write_path_faults": faults,
+        "unwrapped_writers": gate::unwrapped_writers(),
         "last_fault": last_fault,
         "saving": match &*SAVING.lock() {
             Saving::Idle => Value::Null,
@@ -179,6 +182,23 @@ fn no_faults_since_open() -> Result<(), String> {
     Err(format!(
         "checkpoint undone: {since} fault(s) on the write path since it began (the last: {});          its image might not hold the buffers as they were at T0, so none is written and the          job runs on",
         last.unwrap_or_default()
+    ))
+}
+
+/// Whether the job took no writing driver function without possum's wrapper beyond the
+/// `known` it had taken when a checkpoint trusting the hooks fixed its T0 (it is paused only at
+/// the wrapped calls: one taken since may have written while its buffers were copied). With one,
+/// the checkpoint is undone.
+fn no_unwrapped_writer_since(known: usize) -> Result<(), String> {
+    let now = gate::unwrapped_writers();
+    if now.len() <= known {
+        return Ok(());
+    }
+    Err(format!(
+        "checkpoint undone: while it was being made the job took {} without possum's wrapper, \
+         which possum may not see write; send checkpoint again (it holds the job's threads for \
+         the whole copy)",
+        now[known..].join(", ")
     ))
 }
 
@@ -272,8 +292,17 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     let mut out = Vec::new();
     let mut open = Vec::new();
     // Without hooks nothing marks buffers dirty: no pre-copy, everything is copied at the release
-    // with the job's threads parked (`release_held`).
-    let hooks = hooks_live();
+    // with the job's threads parked (`release_held`). So too when the job took a driver function
+    // that writes device memory without possum's wrapper: the hooks may miss its writes.
+    let unwrapped = gate::unwrapped_writers();
+    let hooks = hooks_live() && unwrapped.is_empty();
+    if hooks_live() && !hooks {
+        log(&format!(
+            "checkpoint with the job's threads held for the whole copy: it took {} without \
+             possum's wrapper",
+            unwrapped.join(", ")
+        ));
+    }
     let all = engines();
     // Kept: every engine's buffer memory is the keeper's, and the hooks see the operations
     // that write buffers (the save runs while the job does).
@@ -317,6 +346,7 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
         dir: dir.to_path_buf(),
         writers: open,
         kept,
+        precopied: hooks && !kept,
     });
     let v = CheckpointReply {
         precopy: out,
@@ -326,6 +356,45 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     };
     *LAST.lock() = json!({"checkpoint": to_json(&v)});
     Ok(v)
+}
+
+/// T0's cross-device fence, with the job paused: waits for every operation of the job let in
+/// before the pause to be enqueued (on every engine's gate), then for everything queued on
+/// every device the job used to be done. A stream of one device may write another's buffers (a
+/// peer copy, a kernel through peer access), which that device's own T0 fence (events on its
+/// own job streams) does not order: after this, no work queued before the pause is left on any
+/// device, so every engine's T0 that follows sees all of it. A process on one device needs none
+/// (its engine's own fence covers its streams): nothing is waited for then.
+fn fence_all_devices(engines: &[Arc<DevEngine>]) -> Result<(), String> {
+    let used = state_if_created()
+        .map(|st| st.devices_used())
+        .unwrap_or_default();
+    if used.len() <= 1 && engines.len() <= 1 {
+        return Ok(());
+    }
+    for e in engines {
+        e.engine.wait_ops_enqueued();
+    }
+    for e in engines {
+        e.engine
+            .synchronize_device()
+            .map_err(|err| format!("device {}: waiting for its queued work: {err}", e.ordinal))?;
+    }
+    // A device the job used without possum managing memory there: its primary context.
+    for d in used
+        .into_iter()
+        .filter(|d| !engines.iter().any(|e| e.ordinal == *d))
+    {
+        sync_primary_context(d)
+            .map_err(|err| format!("device {d}: waiting for its queued work: {err}"))?;
+    }
+    Ok(())
+}
+
+/// Waits for everything queued in device `ordinal`'s primary context.
+fn sync_primary_context(ordinal: usize) -> Result<(), String> {
+    let _r = crate::runtime::Reentry::enter();
+    possum_cuda::introspect::primary_ctx_synchronize(ordinal).map_err(|e| e.to_string())
 }
 
 /// `Release`: pause the job's GPU operations, then release every engine's buffers.
@@ -343,15 +412,29 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
     let t = Instant::now();
     let Open {
         dir,
-        writers: open,
+        writers: mut open,
         kept,
+        precopied,
     } = OPEN.lock().take().unwrap_or(Open {
         dir: PathBuf::new(),
         writers: Vec::new(),
         kept: false,
+        precopied: false,
     });
     let engines = engines();
+    // Writing driver functions the job took without possum's wrapper: its hooks may have missed
+    // writes, so its threads are held for the whole copy (never a pre-copy trusted to them).
+    let unwrapped = gate::unwrapped_writers();
     if kept {
+        if !unwrapped.is_empty() {
+            stop_tracking(&engines);
+            return Err(format!(
+                "checkpoint undone: since it began the job took {} without possum's wrapper, so \
+                 possum may not see what it writes; send checkpoint again (it holds the job's \
+                 threads for the whole copy)",
+                unwrapped.join(", ")
+            ));
+        }
         return release_kept(dir, &engines, t);
     }
     if engines
@@ -360,7 +443,20 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
     {
         return Err("no checkpoint in progress for every device: send checkpoint first".into());
     }
-    if !hooks_live() {
+    if !hooks_live() || !unwrapped.is_empty() {
+        if precopied {
+            log(&format!(
+                "release with the job's threads held for the whole copy: since the checkpoint \
+                 began it took {} without possum's wrapper (the pre-copy is dropped)",
+                unwrapped.join(", ")
+            ));
+            // The images with the pre-copy are dropped unfinished (their temporary directories
+            // go); every buffer goes into new ones.
+            open = engines
+                .iter()
+                .map(|e| Ok((e.ordinal, new_writer(&dir, e.ordinal)?)))
+                .collect::<Result<_, String>>()?;
+        }
         return release_held(&dir, open, engines, t);
     }
     gate::set_paused(true);
@@ -370,6 +466,8 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
         unpause_job();
         m
     };
+    // What any device queued before the pause is done before any engine fixes its T0.
+    fence_all_devices(&engines).map_err(unpause)?;
     let mut finals = Vec::new();
     for (ordinal, writer) in open {
         let Some(e) = engines.iter().find(|e| e.ordinal == ordinal) else {
@@ -385,10 +483,12 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
             .and_then(|h| h.wait());
         e.engine.set_device_fence(false);
         let r = r.map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
-        no_faults_since_open().map_err(|e| {
-            stop_tracking(&engines);
-            unpause(e)
-        })?;
+        no_faults_since_open()
+            .and_then(|()| no_unwrapped_writer_since(unwrapped.len()))
+            .map_err(|e| {
+                stop_tracking(&engines);
+                unpause(e)
+            })?;
         let summary = commit(ordinal, writer).map_err(unpause)?;
         finals.push(DeviceCopy {
             device: ordinal,
@@ -454,6 +554,12 @@ fn release_kept(
     t: Instant,
 ) -> Result<ReleaseReply, String> {
     gate::set_paused(true);
+    // What any device queued before the pause is done before any engine detaches its buffers.
+    if let Err(err) = fence_all_devices(engines) {
+        stop_tracking(engines);
+        unpause_job();
+        return Err(err);
+    }
     let mut bytes = 0u64;
     let mut done: Vec<&Arc<DevEngine>> = Vec::new();
     for e in engines {
@@ -485,6 +591,7 @@ fn release_kept(
         dir,
         writers: Vec::new(),
         kept: true,
+        precopied: false,
     });
     let v = ReleaseReply {
         kept_bytes: Some(bytes),
@@ -703,14 +810,15 @@ fn release_held(
     Ok(v)
 }
 
-/// With the job held: drains every device, then copies every buffer into its image (not
-/// committed). One entry per device.
+/// With the job held: drains every device (all of them first: a stream of one may write
+/// another's buffers), then copies every buffer into its image (not committed). One entry per
+/// device.
 fn copy_all(
     engines: &[Arc<DevEngine>],
     open: &[(usize, Arc<ImageWriter>)],
 ) -> Result<Vec<DeviceCopy>, String> {
-    let mut out = Vec::new();
-    for (ordinal, writer) in open {
+    let mut synced = Vec::new();
+    for (ordinal, _) in open {
         let Some(e) = engines.iter().find(|e| e.ordinal == *ordinal) else {
             continue;
         };
@@ -719,7 +827,28 @@ fn copy_all(
             .synchronize_device()
             .map_err(|err| format!("device {ordinal}: waiting for the job's GPU work: {err}"))?;
         park::beat();
-        let sync_ms = ms(ts.elapsed());
+        synced.push((*ordinal, ms(ts.elapsed())));
+    }
+    let used = state_if_created()
+        .map(|st| st.devices_used())
+        .unwrap_or_default();
+    for d in used
+        .into_iter()
+        .filter(|d| !engines.iter().any(|e| e.ordinal == *d))
+    {
+        sync_primary_context(d)
+            .map_err(|err| format!("device {d}: waiting for the job's GPU work: {err}"))?;
+        park::beat();
+    }
+    let mut out = Vec::new();
+    for (ordinal, writer) in open {
+        let Some(e) = engines.iter().find(|e| e.ordinal == *ordinal) else {
+            continue;
+        };
+        let sync_ms = synced
+            .iter()
+            .find(|(o, _)| o == ordinal)
+            .map_or(0.0, |s| s.1);
         let sink: Arc<dyn ChunkSink> = Arc::new(Beating(writer.clone()));
         let r = e
             .engine
@@ -800,7 +929,9 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeR
         }
     };
     // Without hooks no operation waits for its buffers: they are all back before this answers.
-    let hooks = hooks_live();
+    // So too when the job took a writing driver function without possum's wrapper: what it
+    // writes through it would not wait for its buffer.
+    let hooks = hooks_live() && gate::unwrapped_writers().is_empty();
     let mut out = Vec::new();
     let mut staged = Vec::new();
     for e in engines() {
@@ -1193,7 +1324,10 @@ fn finish_save(saves: Saves) {
         }
         let r = r
             .map_err(|e| format!("device {ordinal}: saving: {e}"))
-            .and_then(|r| no_faults_since_open().map(|()| r));
+            .and_then(|r| no_faults_since_open().map(|()| r))
+            // A kept checkpoint is released only while the job took no writing function
+            // unwrapped: one taken since may have written a buffer before it was saved.
+            .and_then(|r| no_unwrapped_writer_since(0).map(|()| r));
         match r {
             Ok(r) => match commit(ordinal, writer) {
                 Ok(summary) => out.push(DeviceCopy {

@@ -2,8 +2,9 @@
 //! launches, stream memory operations, graph launches and node changes, mappings, frees, imports,
 //! ...) is either wrapped by libpossum (`entry::ENTRIES`: held at the op gate during a
 //! checkpoint's pause and its destination marked written) or listed in [`NOT_WRAPPED`] with the
-//! reason it needs no wrapper. A driver function that appears unclassified fails the test, which
-//! prints the list.
+//! reason it needs no wrapper (both in `src/writers.rs`, which the library also asks about the
+//! functions `cuGetProcAddress` hands out). A driver function that appears unclassified fails
+//! the test, which prints the list.
 //!
 //! The driver's functions are `tests/data/cuda13-driver-functions.txt`, made from cudarc 0.19.10's
 //! bindings of cuda.h for CUDA 13.0 (`src/driver/sys/mod.rs`); where cargo's registry holds that
@@ -13,99 +14,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use possum::entry::ENTRIES;
-
-/// Name prefixes of the functions that may write device memory (or change what an operation
-/// writes); a name also counts when it is a graph's `*SetParams`.
-const WRITING: &[&str] = &[
-    "cuMemcpy",
-    "cuMemset",
-    "cuLaunch",
-    "cuStreamWriteValue",
-    "cuStreamWaitValue",
-    "cuStreamBatchMemOp",
-    "cuGraphLaunch",
-    "cuGraphUpload",
-    "cuGraphExecUpdate",
-    "cuGraphicsMap",
-    "cuGraphicsUnmap",
-    "cuMemMap",
-    "cuMemUnmap",
-    "cuMemFree",
-    "cuMemAlloc",
-    "cuMemCreate",
-    "cuMemRelease",
-    "cuMemPrefetch",
-    "cuMemDiscard",
-    "cuMemAdvise",
-    "cuMemBatchDecompress",
-    "cuMemHostRegister",
-    "cuMemImportFromShareableHandle",
-    "cuMemPoolImportPointer",
-    "cuIpcOpenMemHandle",
-    "cuImportExternalMemory",
-    "cuExternalMemory",
-    "cuSignalExternalSemaphores",
-    "cuWaitExternalSemaphores",
-    "cuDevicePrimaryCtxReset",
-    "cuCtxResetPersistingL2Cache",
-];
-
-const ARRAY: &str =
-    "a CUDA array is not linear device memory: possum neither serves nor images arrays";
-const GRAPH: &str = "changes a graph, not an instantiated one: what it writes is resolved when the graph is instantiated (cuGraphInstantiate*, wrapped) and launched (cuGraphLaunch, wrapped)";
-const MANAGED: &str = "acts on managed (unified) memory only, which possum does not serve or image";
-
-/// The writing-looking functions possum does not wrap, and why.
-const NOT_WRAPPED: &[(&str, &str)] = &[
-    ("cuMemcpyAtoH_v2", "writes host memory, from a CUDA array"),
-    ("cuMemcpyAtoHAsync_v2", "writes host memory, from a CUDA array"),
-    ("cuMemcpyDtoA_v2", ARRAY),
-    ("cuMemcpyHtoA_v2", ARRAY),
-    ("cuMemcpyHtoAAsync_v2", ARRAY),
-    ("cuMemcpyAtoA_v2", ARRAY),
-    ("cuLaunchHostFunc", "runs a host function in stream order: the driver writes no device memory (what the function does through the driver is seen there)"),
-    ("cuStreamWaitValue32_v2", "reads a value (waits for it), writes nothing"),
-    ("cuStreamWaitValue64_v2", "reads a value (waits for it), writes nothing"),
-    ("cuGraphUpload", "uploads an instantiated graph: its work runs at cuGraphLaunch (wrapped)"),
-    ("cuMemPrefetchAsync_v2", "migrates managed memory: contents unchanged"),
-    ("cuMemPrefetchBatchAsync", "migrates managed memory: contents unchanged"),
-    ("cuMemAdvise_v2", "a hint on managed memory: contents unchanged"),
-    ("cuMemDiscardBatchAsync", MANAGED),
-    ("cuMemDiscardAndPrefetchBatchAsync", MANAGED),
-    ("cuMemAllocHost_v2", "host memory"),
-    ("cuMemFreeHost", "host memory"),
-    ("cuMemHostRegister_v2", "pins host memory"),
-    ("cuGraphicsMapResources", "maps a graphics API's resources: memory possum does not serve"),
-    ("cuGraphicsUnmapResources", "unmaps a graphics API's resources: memory possum does not serve"),
-    ("cuImportExternalMemory", "imports another API's memory: not possum's, not in its image"),
-    ("cuExternalMemoryGetMappedBuffer", "maps imported external memory: not possum's, not in its image"),
-    ("cuExternalMemoryGetMappedMipmappedArray", ARRAY),
-    ("cuSignalExternalSemaphoresAsync", "signals semaphores: no device memory"),
-    ("cuWaitExternalSemaphoresAsync", "waits on semaphores: no device memory"),
-    ("cuIpcOpenMemHandle_v2", "maps another process's allocation: not this job's, not in its image"),
-    ("cuMemImportFromShareableHandle", "makes a handle: its memory is mapped with cuMemMap (wrapped)"),
-    ("cuMemPoolImportPointer", "another process's pool allocation: not this job's, not in its image"),
-    ("cuMemMapArrayAsync", ARRAY),
-    ("cuDevicePrimaryCtxReset_v2", "ends the device's context and every allocation in it: nothing is written"),
-    ("cuCtxResetPersistingL2Cache", "resets cache state, not memory contents"),
-    ("cuGraphMemcpyNodeSetParams", GRAPH),
-    ("cuGraphMemsetNodeSetParams", GRAPH),
-    ("cuGraphKernelNodeSetParams_v2", GRAPH),
-    ("cuGraphBatchMemOpNodeSetParams", GRAPH),
-    ("cuGraphHostNodeSetParams", GRAPH),
-    ("cuGraphNodeSetParams", GRAPH),
-    ("cuGraphExternalSemaphoresSignalNodeSetParams", GRAPH),
-    ("cuGraphExternalSemaphoresWaitNodeSetParams", GRAPH),
-    ("cuGraphExecHostNodeSetParams", "an instantiated graph's host node: no device write"),
-    ("cuGraphExecExternalSemaphoresSignalNodeSetParams", "an instantiated graph's semaphore node: no device memory"),
-    ("cuGraphExecExternalSemaphoresWaitNodeSetParams", "an instantiated graph's semaphore node: no device memory"),
-];
-
-fn writes(name: &str) -> bool {
-    WRITING.iter().any(|p| name.starts_with(p))
-        || (name.starts_with("cuGraph") && name.ends_with("SetParams"))
-        || (name.starts_with("cuGraph") && name.contains("SetParams_"))
-}
+use possum::writers::{writes, NOT_WRAPPED};
 
 fn data_file() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/cuda13-driver-functions.txt")

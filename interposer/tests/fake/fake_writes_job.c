@@ -13,6 +13,13 @@
  *               8-bit and 16-bit memsets, V's low byte or half repeated: V < 256 gives
  *               0x01010101 * V and 0x00010001 * V); copies take their source from Y (filled
  *               with V first, cuMemsetD32_v2) or from a host array; answers "did NAME".
+ *               Two more need device 1, each called from device 1's context and writing X
+ *               (device 0's): cuLaunch1 (the legacy launch) and queued (Z filled with V, then
+ *               a cuMemcpyPeerAsync from Z to X on a stream of device 1's: with
+ *               FAKE_CUDA_QUEUE=1 the fake driver queues it until that stream or device is
+ *               synchronized). And next: X filled with V through the cuMemsetD32 that
+ *               cuGetProcAddress_v2 answers at version 14000 (on the fake driver a function it
+ *               does not export, which possum cannot match to a wrapper).
  *   exit        answers "bye" and exits 0.
  * Anything failing answers "error ..." and exits 1. */
 #include <stdint.h>
@@ -27,6 +34,8 @@ int cuInit(unsigned);
 int cuDeviceGetCount(int *);
 int cuDevicePrimaryCtxRetain(void **, int);
 int cuCtxSetCurrent(void *);
+int cuStreamCreate(void **, unsigned);
+int cuGetProcAddress_v2(const char *, void **, int, ull, int *);
 int cuMemAlloc_v2(ull *, size_t);
 int cuMemsetD32_v2(ull, unsigned, size_t);
 int cuMemcpyPeer(ull, void *, ull, void *, size_t);
@@ -95,7 +104,27 @@ static void op(const char *name, unsigned v) {
     for (int i = 0; i < 16; i++) host[i] = v;
     if (!strncmp(name, "cuMemcpy", 8) && strcmp(name, "cuMemcpyAtoD_v2"))
         CHECK(cuMemsetD32_v2(Y, v, SIZE / 4));
-    if (!strcmp(name, "cuMemcpyPeer")) CHECK(cuMemcpyPeer(X, ctx0, Y, ctx0, 64));
+    if (!strcmp(name, "queued") || !strcmp(name, "cuLaunch1")) {
+        static void *q1;
+        if (!ctx1) die("no device 1");
+        CHECK(cuCtxSetCurrent(ctx1));
+        if (!strcmp(name, "cuLaunch1")) {
+            legacy_value = v;
+            CHECK(cuLaunch(&legacy));
+        } else {
+            if (!q1) CHECK(cuStreamCreate(&q1, 0));
+            CHECK(cuMemsetD32_v2(Z, v, SIZE / 4));
+            CHECK(cuMemcpyPeerAsync(X, ctx0, Z, ctx1, 64, q1));
+        }
+        CHECK(cuCtxSetCurrent(ctx0));
+    }
+    else if (!strcmp(name, "next")) {
+        int (*f)(ull, unsigned, size_t) = 0;
+        int st = 0;
+        CHECK(cuGetProcAddress_v2("cuMemsetD32", (void **)&f, 14000, 0, &st));
+        CHECK(f(X, v, SIZE / 4));
+    }
+    else if (!strcmp(name, "cuMemcpyPeer")) CHECK(cuMemcpyPeer(X, ctx0, Y, ctx0, 64));
     else if (!strcmp(name, "cuMemcpyPeer1")) CHECK(cuMemcpyPeer(Z, ctx1, Y, ctx0, 64));
     else if (!strcmp(name, "cuMemcpyPeerAsync")) CHECK(cuMemcpyPeerAsync(X, ctx0, Y, ctx0, 64, NULL));
     else if (!strcmp(name, "cuMemcpyPeerAsync1")) CHECK(cuMemcpyPeerAsync(Z, ctx1, Y, ctx0, 64, NULL));
