@@ -253,6 +253,12 @@ pub enum InvalidManifest {
 }
 
 impl Manifest {
+    /// The job's GPU memory at its checkpoint, all its GPUs together (nvidia-smi's count, as
+    /// `gpu_memory` records it; 0 when nvidia-smi said nothing), saturating.
+    pub fn gpu_memory_bytes(&self) -> u64 {
+        gpu_memory_bytes(&self.gpu_memory)
+    }
+
     /// Checks everything a restore acts on before it acts on any of it: the paths inside the
     /// image (`criu_dir`, `gpu_dir`, each `gpu-PID/` of `possum_children`, the `gpu-N/` images
     /// in them) are plain relative names that stay inside `dir` once symbolic links are
@@ -481,6 +487,11 @@ pub struct GpuUse {
     pub uuid: String,
     /// MiB.
     pub mib: u64,
+}
+
+/// The GPU memory of `uses`, all the GPUs together, in bytes (saturating).
+pub fn gpu_memory_bytes(uses: &[GpuUse]) -> u64 {
+    (uses.iter()).fold(0u64, |a, g| a.saturating_add(g.mib.saturating_mul(1 << 20)))
 }
 
 /// What nvidia-smi (`bin`: [`Environment::nvidia_smi`](crate::Environment::nvidia_smi)) says

@@ -283,7 +283,9 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         KeptBuffers::default()
     };
     let criu = Criu::locate().map_err(PrepareError::NoCriu);
-    let drv = DriverCheckpoint::load_from(&p.env.libcuda).map_err(PrepareError::NoDriver);
+    let drv = (p.env.driver_deadlines)
+        .load(&p.env.libcuda)
+        .map_err(PrepareError::NoDriver);
     let smi = || gpus.and_then(|t| t.join().ok()).flatten();
     let pairs = plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?;
     let (criu, drv) = (criu?, drv?);
@@ -517,10 +519,13 @@ fn resume(
 ) -> Result<Vec<Reply<ResumeReply>>, ResumeError> {
     let m = &img.manifest;
     let drv = &ready.drv;
+    // The job's GPU memory at its checkpoint (nvidia-smi's, all of its GPUs): what the driver
+    // moves back, for its deadline.
+    let limit = (p.env.driver_deadlines.restore).for_bytes(m.gpu_memory_bytes());
     timed(&mut figures.driver_restore, || {
-        drv.restore(m.pid, &ready.pairs)?;
+        drv.restore(m.pid, &ready.pairs, limit)?;
         for &c in &m.cuda_children {
-            drv.restore(c, &ready.pairs)
+            drv.restore(c, &ready.pairs, limit)
                 .map_err(|error| ResumeError::DriverChild { pid: c, error })?;
         }
         Ok::<_, ResumeError>(())
