@@ -145,7 +145,7 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         ..a.clone()
     };
     let spec = a.spec();
-    let tmp = tempfile::tempdir().context("creating a temporary directory")?;
+    let tmp = crate::scratch::Scratch::new()?;
     let dir = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     std::fs::create_dir_all(&dir)?;
     println!(

@@ -17,8 +17,8 @@ use crate::figures::{timed, CheckpointFigures, HostmemFigures, LeftWhole};
 use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
-    child_gpu_dir, dir_bytes, gpu_memory_bytes, manifest_text, occupied, smi, sync_tree, GpuUse,
-    HeldMemory, KeeperOfJob, Manifest, MANIFEST, MANIFEST_VERSION,
+    child_gpu_dir, dir_bytes, gpu_memory_bytes, manifest_text, occupied, smi, sync_tree,
+    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, MANIFEST_VERSION,
 };
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
@@ -503,6 +503,9 @@ pub enum ResumeError {
 /// Naming the image failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CommitError {
+    /// Making the image's files durable before its marker.
+    #[error("making the image durable")]
+    Sync(#[source] anyhow::Error),
     /// Writing `possum.json` or renaming.
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -572,6 +575,8 @@ struct Plan<'a> {
     socket_dirs: Vec<PathBuf>,
     stdio_pipes: Vec<(i32, String)>,
     gpu_memory: Vec<GpuUse>,
+    /// Whom the job runs as.
+    owner: Option<JobOwner>,
     /// One checkpoint of the process at a time.
     _lock: nix::fcntl::Flock<fs::File>,
 }
@@ -644,6 +649,7 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         stdio_pipes: tree::external_stdio_pipes(pid, &tree),
         // What the job uses on the GPU now, for the restore's check.
         gpu_memory: smi::process_usage(&p.env.nvidia_smi, pid).unwrap_or_default(),
+        owner: JobOwner::of_process(pid),
         _lock: lock,
     })
 }
@@ -1087,20 +1093,34 @@ impl<'a> Run<'a> {
             stdio_pipes: self.plan.stdio_pipes.clone(),
             keeper: self.plan.keeper.clone(),
             held: std::mem::take(&mut self.held_memory),
+            owner: self.plan.owner,
             figures: Value::Null,
             check: None,
         }
     }
 
-    /// Commit: `possum.json` written and the image named (`--force`: the old one removed only
-    /// now). Fails if DIR appeared meanwhile and is not empty: nothing is overwritten.
+    /// The job is still held, to be resumed after the commit (left running, not a kept
+    /// checkpoint, which resumed before).
+    fn held_until_resume(&self) -> bool {
+        let p = self.params();
+        (p.leave_running || p.gpu_only) && self.kept.is_empty()
+    }
+
+    /// Commit: the image's files made durable, then `possum.json`, the commit marker, written
+    /// atomically ([`write_marker`]) and the image named (`--force`: the old one removed only
+    /// now). Fails if DIR appeared meanwhile and is not empty: nothing is overwritten. While a
+    /// job left running is still held, the files are made durable by the report instead (the
+    /// job's stall would include it), which writes the marker again after them.
     fn commit(&mut self) -> Result<(), CommitError> {
+        let sync_first = !self.held_until_resume();
         let manifest = self.manifest();
         let manifest = self.manifest.insert(manifest);
         let (tmp, dir, force) = (&self.tmp, &self.plan.p.dir, self.plan.p.force);
         timed(&mut self.figures.commit, || {
-            fs::write(tmp.join(MANIFEST), manifest_text(manifest)?)?;
-            fs::File::open(tmp)?.sync_all()?;
+            if sync_first {
+                sync_tree(tmp).map_err(CommitError::Sync)?;
+            }
+            write_marker(tmp, &manifest_text(manifest)?)?;
             if force && dir.exists() {
                 let old = tmp.with_extension("old");
                 fs::rename(dir, &old)?;
@@ -1110,6 +1130,9 @@ impl<'a> Run<'a> {
                 let _ = fs::remove_dir(dir);
                 fs::rename(tmp, dir)?;
             }
+            // The new name made durable.
+            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+            fs::File::open(parent.unwrap_or(Path::new(".")))?.sync_all()?;
             Ok(())
         })
     }
@@ -1212,7 +1235,7 @@ impl<'a> Run<'a> {
         if let Some(mut manifest) = manifest {
             manifest.figures = serde_json::to_value(&report).unwrap_or_default();
             if let Ok(text) = manifest_text(&manifest) {
-                let _ = fs::write(p.dir.join(MANIFEST), text);
+                let _ = write_marker(&p.dir, &text);
             }
         }
         Ok(report)

@@ -13,6 +13,8 @@ use crate::Engine;
 
 /// The image's own description, `DIR/possum.json`.
 pub const MANIFEST: &str = "possum.json";
+/// Where [`MANIFEST`] is written before it is renamed into place.
+const MANIFEST_TMP: &str = ".possum.json.tmp";
 /// Format version of `possum.json`.
 pub const MANIFEST_VERSION: u32 = 1;
 
@@ -62,6 +64,11 @@ pub struct Manifest {
     /// checkpoint's.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub held: Vec<HeldMemory>,
+    /// The user and group the job ran as (effective ids): a restore makes the job's missing
+    /// socket directories theirs. None in images of older versions (then they are made as
+    /// the restoring user's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<JobOwner>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
@@ -69,6 +76,32 @@ pub struct Manifest {
     /// restore refuses a description without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
+}
+
+/// Whom a job ran as ([`Manifest::owner`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobOwner {
+    /// Effective user id.
+    pub uid: u32,
+    /// Effective group id.
+    pub gid: u32,
+}
+
+impl JobOwner {
+    /// Process `pid`'s effective ids (`/proc/PID/status`), `None` if they cannot be read.
+    pub fn of_process(pid: i32) -> Option<JobOwner> {
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let effective = |key: &str| {
+            (status.lines())
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|ids| ids.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        };
+        Some(JobOwner {
+            uid: effective("Uid:")?,
+            gid: effective("Gid:")?,
+        })
+    }
 }
 
 /// Memory a keeper holds for a restore ([`Manifest::held`]).
@@ -769,6 +802,20 @@ pub fn dir_bytes(path: &Path) -> u64 {
         .sum()
 }
 
+/// Writes `text` as `dir/possum.json`, the image's commit marker, atomically: into a temporary
+/// file of `dir`, fsynced, renamed over `possum.json`, `dir` fsynced. A reader finds the old
+/// marker or the new one, whole, never a part.
+pub(crate) fn write_marker(dir: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = dir.join(MANIFEST_TMP);
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    drop(f);
+    fs::rename(&tmp, dir.join(MANIFEST))?;
+    fs::File::open(dir)?.sync_all()
+}
+
 /// fsyncs every file and directory under `dir`.
 pub(crate) fn sync_tree(dir: &Path) -> Result<()> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
@@ -804,12 +851,23 @@ pub enum ImageError {
         /// The directory.
         dir: PathBuf,
     },
-    /// It has no `possum.json` (a checkpoint that did not complete, or not an image).
-    #[error("{} is not a complete possum image (no {MANIFEST})", dir.display())]
+    /// It has no `possum.json`, the commit marker a checkpoint writes last (a checkpoint that
+    /// did not finish, or not an image).
+    #[error(
+        "incomplete image: the checkpoint did not finish ({} has no {MANIFEST}, which a \
+         checkpoint writes last, once everything else is written)",
+        dir.display()
+    )]
     NoManifest {
         /// The directory.
         dir: PathBuf,
-        /// Why it could not be read.
+    },
+    /// `possum.json` could not be read.
+    #[error("reading {}", path.display())]
+    ManifestIo {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+        /// Why.
         #[source]
         source: std::io::Error,
     },
@@ -901,8 +959,11 @@ pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
     }
     let path = dir.join(MANIFEST);
     let bytes = read_bounded(&path).map_err(|e| match e {
-        Bounded::Io(source) => ImageError::NoManifest {
+        Bounded::Io(e) if e.kind() == std::io::ErrorKind::NotFound => ImageError::NoManifest {
             dir: dir.to_path_buf(),
+        },
+        Bounded::Io(source) => ImageError::ManifestIo {
+            path: path.clone(),
             source,
         },
         Bounded::Large(len) => ImageError::TooLarge {
@@ -1051,6 +1112,11 @@ mod tests {
         fs::create_dir(&empty).unwrap();
         let e = open_image(&empty).unwrap_err();
         assert!(matches!(e, ImageError::NoManifest { .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .starts_with("incomplete image: the checkpoint did not finish"),
+            "{e}"
+        );
         fs::write(empty.join(MANIFEST), [0xffu8, 0x00, 0x9c, 0x42, 0x17]).unwrap();
         let e = open_image(&empty).unwrap_err();
         assert!(matches!(e, ImageError::Unreadable { .. }), "{e:?}");
@@ -1079,6 +1145,7 @@ mod tests {
             stdio_pipes: Vec::new(),
             keeper: None,
             held: Vec::new(),
+            owner: None,
             figures: Value::Null,
             check: None,
         }
