@@ -531,10 +531,39 @@ pub fn gpu_memory_bytes(uses: &[GpuUse]) -> u64 {
 /// about GPU memory.
 pub mod smi {
     use super::GpuUse;
-    use std::process::Command;
+    use std::process::{Command, Output, Stdio};
+    use std::time::Duration;
+
+    /// How long nvidia-smi may take to answer (it can hang on a GPU in a bad state): then it
+    /// is killed and taken as not answering.
+    pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// `bin args`' output, if it ends within `limit` (else it is killed: `None`).
+    pub(crate) fn output_within(bin: &str, args: &[&str], limit: Duration) -> Option<Output> {
+        let child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).ok()?);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait_with_output());
+        });
+        match rx.recv_timeout(limit) {
+            Ok(out) => out.ok(),
+            Err(_) => {
+                // Not reaped yet (its thread reaps it once it ends): the PID is still its own.
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                None
+            }
+        }
+    }
 
     fn query(bin: &str, args: &[&str]) -> Option<Vec<Vec<String>>> {
-        let out = Command::new(bin).args(args).output().ok()?;
+        let out = output_within(bin, args, TIMEOUT)?;
         if !out.status.success() {
             return None;
         }
@@ -1087,6 +1116,34 @@ fn check_gpu_images(gpu: &Path) -> Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An nvidia-smi that hangs is killed at the deadline and taken as not answering.
+    #[test]
+    fn a_hung_nvidia_smi_is_no_answer() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let smi = tmp.path().join("nvidia-smi");
+        fs::write(&smi, "#!/bin/sh\nexec sleep 600\n").unwrap();
+        fs::set_permissions(&smi, fs::Permissions::from_mode(0o755)).unwrap();
+        let t = std::time::Instant::now();
+        let got = smi::output_within(
+            smi.to_str().unwrap(),
+            &[],
+            std::time::Duration::from_millis(200),
+        );
+        assert!(got.is_none());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "{:?}",
+            t.elapsed()
+        );
+        let echo = smi::output_within(
+            "/bin/echo",
+            &["1, GPU-x, 5"],
+            std::time::Duration::from_secs(60),
+        );
+        assert_eq!(echo.unwrap().stdout, b"1, GPU-x, 5\n");
+    }
 
     /// A file with a hole counts what it holds, not its length; nested directories are summed.
     #[test]
