@@ -14,7 +14,9 @@
 // ordinals, so that it sees another GPU under the same ordinal as after NVIDIA's restore.
 // It also has the checkpoint API (cuCheckpointProcess*, possum_cuda::checkpoint) as a state machine
 // per pid (FAKE_CKPT_IN_PROCESS=1: kept in the process itself, see below); fake-libcuda-nockpt.c
-// is a driver without it.
+// is a driver without it. FAKE_CKPT_HANG=cuCheckpointProcessCheckpoint[,...] makes those entry
+// points hang for ever (a hung driver), FAKE_CKPT_DELAY_MS slows the checkpoint,
+// FAKE_CKPT_LOCK_UNSUPPORTED refuses the lock.
 //
 // A job can really run on it: kernel launches (cuLaunchKernel and its variants) run the kernel's
 // host function at once (struct fake_kernel below), copies and memsets are done at once in host
