@@ -1130,9 +1130,10 @@ impl<'a> Run<'a> {
                 let _ = fs::remove_dir(dir);
                 fs::rename(tmp, dir)?;
             }
-            // The new name made durable.
+            // The new name made durable (best effort: the image is named now, whatever this
+            // says).
             let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
-            fs::File::open(parent.unwrap_or(Path::new(".")))?.sync_all()?;
+            let _ = fs::File::open(parent.unwrap_or(Path::new("."))).and_then(|d| d.sync_all());
             Ok(())
         })
     }

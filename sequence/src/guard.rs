@@ -10,7 +10,6 @@ use possum_control::Request;
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
 
 use crate::config::DriverDeadlines;
-
 use crate::image::{child_gpu_dir, MANIFEST};
 use crate::job::JOB_TIMEOUT;
 use crate::process::alive;
