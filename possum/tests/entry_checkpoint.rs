@@ -471,6 +471,20 @@ fn a_hung_driver_checkpoint_fails_at_its_deadline_and_the_job_runs_on() {
         .filter(|n| n.contains("possum-tmp"))
         .collect();
     assert!(left.is_empty(), "temporary images left: {left:?}");
+    // A state query that hangs stops the plan, before anything is done.
+    let out = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
+        .env("FAKE_CKPT_HANG", "cuCheckpointProcessGetState")
+        .env("POSSUM_DRIVER_DEADLINE_MS", "500")
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("the plan: the driver did not answer in time")
+            && said.contains("cuCheckpointProcessGetState for pid"),
+        "{said}"
+    );
+    assert!(!img.exists(), "an image was left: {said}");
     goes_on_like(
         &mut job,
         dir,

@@ -316,7 +316,7 @@ pub enum PlanError {
     },
     /// A process of the job's tree is held by another checkpoint.
     #[error(transparent)]
-    Tree(#[from] tree::NotRunning),
+    Tree(#[from] tree::TreeError),
     /// The image directory's name has no last component.
     #[error("{}: not a directory name", dir.display())]
     NotADirectoryName {
