@@ -56,15 +56,21 @@ pub trait Driver {
     fn unlock(&self, pid: i32) -> Result<(), String>;
 }
 
+/// The plugin's own deadline for the driver's checkpoint and restore: none. The plugin runs in
+/// CRIU, and CRIU's run is what has the deadline (possum's CRIU adapter kills the worker, the
+/// plugin's calls with it, at the dump's or restore's deadline, sized by the job's memory); the
+/// calls that move no memory keep possum-cuda's short deadline.
+const MOVING_CALLS_DEADLINE: std::time::Duration = std::time::Duration::MAX;
+
 impl Driver for DriverCheckpoint {
     fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), String> {
         DriverCheckpoint::lock(self, pid, timeout_ms).map_err(|e| e.to_string())
     }
     fn checkpoint(&self, pid: i32) -> Result<(), String> {
-        DriverCheckpoint::checkpoint(self, pid).map_err(|e| e.to_string())
+        DriverCheckpoint::checkpoint(self, pid, MOVING_CALLS_DEADLINE).map_err(|e| e.to_string())
     }
     fn restore(&self, pid: i32) -> Result<(), String> {
-        DriverCheckpoint::restore(self, pid, &[]).map_err(|e| e.to_string())
+        DriverCheckpoint::restore(self, pid, &[], MOVING_CALLS_DEADLINE).map_err(|e| e.to_string())
     }
     fn unlock(&self, pid: i32) -> Result<(), String> {
         DriverCheckpoint::unlock(self, pid).map_err(|e| e.to_string())

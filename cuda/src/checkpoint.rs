@@ -33,6 +33,16 @@
 //! `cuda.h`, with their sizes checked at compile time, and always passed zeroed except for the
 //! fields set on purpose.
 //!
+//! Every call has a deadline: it runs on a thread of its own while the caller waits at most
+//! that long for its answer ([`DriverCkptError::DeadlineExceeded`] after it). The driver gives
+//! no way to cancel a call, so one past its deadline is left to finish (or hang) on its thread,
+//! and the process the call was about is in whatever state the driver leaves it; the caller
+//! decides what to do (possum's checkpoint undoes what it did and reports the phase). The
+//! state, restore-thread and unlock queries have [`SHORT_DEADLINE`] (see
+//! [`DriverCheckpoint::with_short_deadline`]); a lock has its own timeout plus that; the
+//! checkpoint and restore, which move the process's GPU memory, have the deadline the caller
+//! gives, sized by that memory.
+//!
 //! This is the third module of this crate with `unsafe` code. Every function here is safe to call:
 //! the function pointers are resolved with the types cuda.h gives them and stay valid because the
 //! library is never unloaded; every pointer passed is to a local (or a slice) that outlives the
@@ -43,6 +53,8 @@ use std::ffi::{c_char, c_int, c_uint, CStr};
 use std::fmt;
 use std::mem::{offset_of, size_of, ManuallyDrop};
 use std::ptr;
+use std::sync::mpsc;
+use std::time::Duration;
 
 use libloading::Library;
 
@@ -119,6 +131,11 @@ type GetStateFn = unsafe extern "C" fn(c_int, *mut c_int) -> CuResult;
 type GetRestoreThreadIdFn = unsafe extern "C" fn(c_int, *mut c_int) -> CuResult;
 
 pub use crate::config::LIBCUDA_ENV;
+
+/// The deadline of the calls that move no memory (`cuCheckpointProcessGetState`,
+/// `cuCheckpointProcessGetRestoreThreadId`, `cuCheckpointProcessUnlock`), and what a lock gets
+/// beyond its own timeout.
+pub const SHORT_DEADLINE: Duration = Duration::from_secs(60);
 
 /// A process's state as the driver's checkpoint API sees it (`CUprocessState`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -235,6 +252,30 @@ pub enum DriverCkptError {
         /// The timeout given to the lock.
         timeout_ms: u32,
     },
+    /// A call did not return within its deadline. It is left running on a thread of its own
+    /// (the driver cannot cancel it); the process is in whatever state the driver leaves it.
+    #[error(
+        "{call} for pid {pid} did not return within {}: possum stopped waiting for the driver",
+        seconds(*after)
+    )]
+    DeadlineExceeded {
+        /// The driver entry point, e.g. `cuCheckpointProcessCheckpoint`.
+        call: &'static str,
+        /// The target process.
+        pid: i32,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// No thread could be started to make a call.
+    #[error("{call} for pid {pid}: cannot start a thread for the call: {reason}")]
+    Thread {
+        /// The driver entry point.
+        call: &'static str,
+        /// The target process.
+        pid: i32,
+        /// Why.
+        reason: String,
+    },
     /// A checkpoint call failed.
     #[error("{call} for pid {pid} failed: {text} ({})", code_label(*.code))]
     Call {
@@ -256,8 +297,21 @@ impl DriverCkptError {
         match self {
             DriverCkptError::Init { code, .. } | DriverCkptError::Call { code, .. } => Some(*code),
             DriverCkptError::LockTimeout { .. } => Some(CUDA_ERROR_NOT_READY),
-            DriverCkptError::Load { .. } | DriverCkptError::Unsupported { .. } => None,
+            DriverCkptError::Load { .. }
+            | DriverCkptError::Unsupported { .. }
+            | DriverCkptError::DeadlineExceeded { .. }
+            | DriverCkptError::Thread { .. } => None,
         }
+    }
+}
+
+/// `d` in seconds, as a person reads it (`1.5 s`, `120 s`).
+fn seconds(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0} s")
+    } else {
+        format!("{s:.3} s")
     }
 }
 
@@ -293,12 +347,15 @@ pub struct DriverCheckpoint {
     unlock: UnlockFn,
     get_state: GetStateFn,
     get_restore_thread_id: GetRestoreThreadIdFn,
+    /// The deadline of the calls that move no memory ([`SHORT_DEADLINE`] unless set).
+    short: Duration,
 }
 
 impl fmt::Debug for DriverCheckpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DriverCheckpoint")
             .field("lib", &self.lib_name)
+            .field("short_deadline", &self.short)
             .finish_non_exhaustive()
     }
 }
@@ -370,6 +427,7 @@ impl DriverCheckpoint {
             unlock,
             get_state,
             get_restore_thread_id,
+            short: SHORT_DEADLINE,
         };
         // SAFETY: `cuInit` takes flags by value (0 is the only valid value) and may be called any
         // number of times.
@@ -397,6 +455,17 @@ impl DriverCheckpoint {
         unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
     }
 
+    /// The deadline of the calls that move no memory, `limit` instead of [`SHORT_DEADLINE`].
+    pub fn with_short_deadline(mut self, limit: Duration) -> DriverCheckpoint {
+        self.short = limit;
+        self
+    }
+
+    /// The deadline of the calls that move no memory.
+    pub fn short_deadline(&self) -> Duration {
+        self.short
+    }
+
     fn check(&self, call: &'static str, pid: i32, r: CuResult) -> Result<(), DriverCkptError> {
         if r == CUDA_SUCCESS {
             Ok(())
@@ -410,12 +479,54 @@ impl DriverCheckpoint {
         }
     }
 
-    /// The target's state (`cuCheckpointProcessGetState`).
+    /// Runs `f` (one driver call) on a thread of its own and waits at most `limit` for what it
+    /// returns. Past `limit` the thread is left to finish on its own: the driver has no way to
+    /// cancel a call.
+    fn bounded<T: Send + 'static>(
+        call: &'static str,
+        pid: i32,
+        limit: Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, DriverCkptError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name("possum-driver-call".into())
+            .spawn(move || {
+                // The caller may have stopped waiting: then nobody wants the answer.
+                let _ = tx.send(f());
+            })
+            .map_err(|e| DriverCkptError::Thread {
+                call,
+                pid,
+                reason: e.to_string(),
+            })?;
+        match rx.recv_timeout(limit) {
+            Ok(v) => Ok(v),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(DriverCkptError::DeadlineExceeded {
+                call,
+                pid,
+                after: limit,
+            }),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(DriverCkptError::Thread {
+                call,
+                pid,
+                reason: "the call's thread ended without an answer".into(),
+            }),
+        }
+    }
+
+    /// The target's state (`cuCheckpointProcessGetState`), within the short deadline.
     pub fn state(&self, pid: i32) -> Result<ProcessState, DriverCkptError> {
-        let mut v: c_int = 0;
-        // SAFETY: `v` is a valid out-pointer to an `int`-sized local.
-        let r = unsafe { (self.get_state)(pid, &mut v) };
-        self.check("cuCheckpointProcessGetState", pid, r)?;
+        const CALL: &str = "cuCheckpointProcessGetState";
+        let get_state = self.get_state;
+        let (r, v) = Self::bounded(CALL, pid, self.short, move || {
+            let mut v: c_int = 0;
+            // SAFETY: `v` is a valid out-pointer to an `int`-sized local that outlives the call;
+            // the function pointer stays valid (the library is never unloaded).
+            let r = unsafe { get_state(pid, &mut v) };
+            (r, v)
+        })?;
+        self.check(CALL, pid, r)?;
         Ok(ProcessState::from_raw(v))
     }
 
@@ -433,41 +544,63 @@ impl DriverCheckpoint {
     }
 
     /// The thread id of the target's CUDA restore thread
-    /// (`cuCheckpointProcessGetRestoreThreadId`).
+    /// (`cuCheckpointProcessGetRestoreThreadId`), within the short deadline.
     pub fn restore_thread_id(&self, pid: i32) -> Result<i32, DriverCkptError> {
-        let mut tid: c_int = 0;
-        // SAFETY: `tid` is a valid out-pointer to a local `int`.
-        let r = unsafe { (self.get_restore_thread_id)(pid, &mut tid) };
-        self.check("cuCheckpointProcessGetRestoreThreadId", pid, r)?;
+        const CALL: &str = "cuCheckpointProcessGetRestoreThreadId";
+        let get = self.get_restore_thread_id;
+        let (r, tid) = Self::bounded(CALL, pid, self.short, move || {
+            let mut tid: c_int = 0;
+            // SAFETY: `tid` is a valid out-pointer to a local `int` that outlives the call; the
+            // function pointer stays valid (the library is never unloaded).
+            let r = unsafe { get(pid, &mut tid) };
+            (r, tid)
+        })?;
+        self.check(CALL, pid, r)?;
         Ok(tid)
     }
 
     /// Blocks further CUDA calls of `pid` and waits for its submitted work; `timeout_ms` 0 = no
     /// timeout. RUNNING → LOCKED; on a timeout the target stays RUNNING and this is
-    /// [`DriverCkptError::LockTimeout`].
+    /// [`DriverCkptError::LockTimeout`]. possum waits for the call `timeout_ms` plus the short
+    /// deadline.
     pub fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverCkptError> {
-        let mut args = LockArgs {
-            timeout_ms,
-            reserved0: 0,
-            reserved1: [0; 7],
-        };
-        // SAFETY: `args` is a valid, fully initialised `CUcheckpointLockArgs` that outlives the call.
-        let r = unsafe { (self.lock)(pid, &mut args) };
+        const CALL: &str = "cuCheckpointProcessLock";
+        let lock = self.lock;
+        let limit = self
+            .short
+            .saturating_add(Duration::from_millis(u64::from(timeout_ms)));
+        let r = Self::bounded(CALL, pid, limit, move || {
+            let mut args = LockArgs {
+                timeout_ms,
+                reserved0: 0,
+                reserved1: [0; 7],
+            };
+            // SAFETY: `args` is a valid, fully initialised `CUcheckpointLockArgs` that outlives
+            // the call; the function pointer stays valid (the library is never unloaded).
+            unsafe { lock(pid, &mut args) }
+        })?;
         if r == CUDA_ERROR_NOT_READY && timeout_ms > 0 {
             return Err(DriverCkptError::LockTimeout { pid, timeout_ms });
         }
-        self.check("cuCheckpointProcessLock", pid, r)
+        self.check(CALL, pid, r)
     }
 
     /// Device memory of `pid` to (its) host memory, its GPU released. LOCKED → CHECKPOINTED.
-    pub fn checkpoint(&self, pid: i32) -> Result<(), DriverCkptError> {
-        let mut args = CheckpointArgs { reserved: [0; 8] };
-        // SAFETY: `args` is a valid, zeroed `CUcheckpointCheckpointArgs` that outlives the call.
-        let r = unsafe { (self.checkpoint)(pid, &mut args) };
-        self.check("cuCheckpointProcessCheckpoint", pid, r)
+    /// possum waits for the call at most `limit` (size it by the process's GPU memory).
+    pub fn checkpoint(&self, pid: i32, limit: Duration) -> Result<(), DriverCkptError> {
+        const CALL: &str = "cuCheckpointProcessCheckpoint";
+        let checkpoint = self.checkpoint;
+        let r = Self::bounded(CALL, pid, limit, move || {
+            let mut args = CheckpointArgs { reserved: [0; 8] };
+            // SAFETY: `args` is a valid, zeroed `CUcheckpointCheckpointArgs` that outlives the
+            // call; the function pointer stays valid (the library is never unloaded).
+            unsafe { checkpoint(pid, &mut args) }
+        })?;
+        self.check(CALL, pid, r)
     }
 
-    /// Back onto the GPU(s). CHECKPOINTED → LOCKED.
+    /// Back onto the GPU(s). CHECKPOINTED → LOCKED. possum waits for the call at most `limit`
+    /// (size it by the process's GPU memory).
     ///
     /// `gpu_pairs` remaps GPUs, as (old UUID, new UUID) pairs (`CUcheckpointRestoreArgs::gpuPairs`,
     /// CUDA 13.0; the new GPU must be of the same chip type and have enough memory); empty means
@@ -477,6 +610,7 @@ impl DriverCheckpoint {
         &self,
         pid: i32,
         gpu_pairs: &[([u8; 16], [u8; 16])],
+        limit: Duration,
     ) -> Result<(), DriverCkptError> {
         const CALL: &str = "cuCheckpointProcessRestore";
         let mut pairs: Vec<GpuPair> = gpu_pairs
@@ -489,28 +623,38 @@ impl DriverCheckpoint {
             code: 1,
             text: format!("{} GPU pairs do not fit in an unsigned int", pairs.len()),
         })?;
-        let mut args = RestoreArgs {
-            gpu_pairs: if pairs.is_empty() {
-                ptr::null_mut()
-            } else {
-                pairs.as_mut_ptr()
-            },
-            gpu_pairs_count: count,
-            reserved: [0; 52 - size_of::<*mut GpuPair>()],
-            reserved1: 0,
-        };
-        // SAFETY: `args` is a valid `CUcheckpointRestoreArgs`, zeroed but for the pairs, which
-        // point at `count` initialised `CUcheckpointGpuPair`s in `pairs`; both outlive the call.
-        let r = unsafe { (self.restore)(pid, &mut args) };
+        let restore = self.restore;
+        let r = Self::bounded(CALL, pid, limit, move || {
+            let mut args = RestoreArgs {
+                gpu_pairs: if pairs.is_empty() {
+                    ptr::null_mut()
+                } else {
+                    pairs.as_mut_ptr()
+                },
+                gpu_pairs_count: count,
+                reserved: [0; 52 - size_of::<*mut GpuPair>()],
+                reserved1: 0,
+            };
+            // SAFETY: `args` is a valid `CUcheckpointRestoreArgs`, zeroed but for the pairs,
+            // which point at `count` initialised `CUcheckpointGpuPair`s in `pairs`; both are
+            // owned by this closure and outlive the call; the function pointer stays valid (the
+            // library is never unloaded).
+            unsafe { restore(pid, &mut args) }
+        })?;
         self.check(CALL, pid, r)
     }
 
-    /// Lets `pid`'s CUDA calls proceed. LOCKED → RUNNING.
+    /// Lets `pid`'s CUDA calls proceed. LOCKED → RUNNING. Within the short deadline.
     pub fn unlock(&self, pid: i32) -> Result<(), DriverCkptError> {
-        let mut args = UnlockArgs { reserved: [0; 8] };
-        // SAFETY: `args` is a valid, zeroed `CUcheckpointUnlockArgs` that outlives the call.
-        let r = unsafe { (self.unlock)(pid, &mut args) };
-        self.check("cuCheckpointProcessUnlock", pid, r)
+        const CALL: &str = "cuCheckpointProcessUnlock";
+        let unlock = self.unlock;
+        let r = Self::bounded(CALL, pid, self.short, move || {
+            let mut args = UnlockArgs { reserved: [0; 8] };
+            // SAFETY: `args` is a valid, zeroed `CUcheckpointUnlockArgs` that outlives the call;
+            // the function pointer stays valid (the library is never unloaded).
+            unsafe { unlock(pid, &mut args) }
+        })?;
+        self.check(CALL, pid, r)
     }
 }
 
@@ -536,6 +680,22 @@ mod tests {
              (CUDA_ERROR_ILLEGAL_STATE, CUresult 401)"
         );
         assert_eq!(e.code(), Some(401));
+    }
+
+    #[test]
+    fn a_deadline_names_the_call_the_pid_and_the_time() {
+        let e = DriverCkptError::DeadlineExceeded {
+            call: "cuCheckpointProcessRestore",
+            pid: 7,
+            after: Duration::from_secs(150),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cuCheckpointProcessRestore for pid 7 did not return within 150 s: possum stopped \
+             waiting for the driver"
+        );
+        assert_eq!(e.code(), None);
+        assert_eq!(seconds(Duration::from_millis(1500)), "1.500 s");
     }
 
     #[test]

@@ -19,7 +19,9 @@
 // ordinals, so that it sees another GPU under the same ordinal as after NVIDIA's restore.
 // It also has the checkpoint API (cuCheckpointProcess*, possum_cuda::checkpoint) as a state machine
 // per pid (FAKE_CKPT_IN_PROCESS=1: kept in the process itself, see below); fake-libcuda-nockpt.c
-// is a driver without it.
+// is a driver without it. FAKE_CKPT_HANG=cuCheckpointProcessCheckpoint[,...] makes those entry
+// points hang for ever (a hung driver), FAKE_CKPT_DELAY_MS slows the checkpoint,
+// FAKE_CKPT_LOCK_UNSUPPORTED refuses the lock.
 //
 // A job can really run on it: kernel launches (cuLaunchKernel and its variants) run the kernel's
 // host function at once (struct fake_kernel below), copies and memsets are done at once in host
@@ -513,6 +515,14 @@ static int ckpt_step(int pid, int from, int to, int* out){
   else r=2;
   pthread_mutex_unlock(&ckpt_mu);
   return r; }
+// FAKE_CKPT_HANG: a comma-separated list of checkpoint entry points (e.g.
+// "cuCheckpointProcessCheckpoint") that never return, as a hung driver's: the caller's thread
+// stays in the call, the process's checkpoint state unchanged.
+static void hang_if_asked(const char* call){
+  const char* h=getenv("FAKE_CKPT_HANG"); size_t n=strlen(call);
+  for(const char* p=h? strstr(h, call) : 0; p; p=strstr(p+1, call))
+    if((p==h || p[-1]==',') && (p[n]==0 || p[n]==','))
+      for(;;) pause(); }
 static int zeroed(const void* args, int from){
   const unsigned char* p=args; for(int i=from;i<64;i++) if(p[i]) return 0; return 1; }
 int cuCheckpointProcessLock(int pid, void* args){
@@ -520,11 +530,13 @@ int cuCheckpointProcessLock(int pid, void* args){
   if(args && !zeroed(args, 4)) return 1;
   // FAKE_CKPT_LOCK_UNSUPPORTED: driver 580's answer for a process CUPTI subscribed in.
   if(getenv("FAKE_CKPT_LOCK_UNSUPPORTED")) return 801;
+  hang_if_asked("cuCheckpointProcessLock");
   return ckpt_step(pid, 0, timeout==1? -1 : 1, 0); }
 int cuCheckpointProcessCheckpoint(int pid, void* args){
   if(args && !zeroed(args, 0)) return 1;
   // FAKE_CKPT_DELAY_MS: a checkpoint that takes that long (tests that act while the job is held).
   const char* delay=getenv("FAKE_CKPT_DELAY_MS"); if(delay) usleep(1000*atoi(delay));
+  hang_if_asked("cuCheckpointProcessCheckpoint");
   return ckpt_step(pid, 1, 2, 0); }
 // gpuPairs (each CUcheckpointGpuPair: the old UUID's 16 bytes, then the new one's) remap the
 // restored process's GPUs, with FAKE_CKPT_IN_PROCESS only (in its copy of `remap`, through
@@ -554,6 +566,7 @@ int cuCheckpointProcessRestore(int pid, void* args){
   if(args){  // gpuPairs at 0, gpuPairsCount at 8, reserved from 12
     pairs=*(const unsigned char**)args; n=*(unsigned*)((char*)args+8);
     if(!zeroed(args, 12) || (n==0)!=(pairs==0)) return 1; }
+  hang_if_asked("cuCheckpointProcessRestore");
   if(pid<=0 || kill(pid, 0)!=0) return 1;
   struct remote_remap rm;
   int r=remap_plan(pid, pairs, n, &rm);
@@ -563,8 +576,11 @@ int cuCheckpointProcessRestore(int pid, void* args){
   return r; }
 int cuCheckpointProcessUnlock(int pid, void* args){
   if(args && !zeroed(args, 0)) return 1;
+  hang_if_asked("cuCheckpointProcessUnlock");
   return ckpt_step(pid, 1, 0, 0); }
-int cuCheckpointProcessGetState(int pid, int* state){ return ckpt_step(pid, 0, 0, state); }
+int cuCheckpointProcessGetState(int pid, int* state){
+  hang_if_asked("cuCheckpointProcessGetState");
+  return ckpt_step(pid, 0, 0, state); }
 int cuCheckpointProcessGetRestoreThreadId(int pid, int* tid){
   int st; int r=ckpt_step(pid, 0, 0, &st); if(!r) *tid=pid; return r; }
 // cuGetProcAddress and _v2: this driver's exported function for a name, as the real driver

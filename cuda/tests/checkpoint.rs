@@ -14,12 +14,16 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
 use possum_cuda::{probe, CudaDevice};
 use possum_engine::device::{Device, HostBuffer, StreamPriority, Transfer};
 
 const HELPER_ENV: &str = "POSSUM_CKPT_HELPER";
+
+/// The deadline of the checkpoints and restores that are not about deadlines.
+const LONG: Duration = Duration::from_secs(120);
 
 /// Says on the terminal, past the harness's capture, that `test` was skipped and why.
 fn skipped(test: &str, why: &str) {
@@ -132,9 +136,9 @@ fn fake_full_cycle_on_own_pid() {
     for remap in [&[][..], &pairs[..]] {
         ck.lock(pid, 0).unwrap();
         assert_eq!(ck.state(pid).unwrap(), ProcessState::Locked);
-        ck.checkpoint(pid).unwrap();
+        ck.checkpoint(pid, LONG).unwrap();
         assert_eq!(ck.state(pid).unwrap(), ProcessState::Checkpointed);
-        ck.restore(pid, remap).unwrap();
+        ck.restore(pid, remap, LONG).unwrap();
         assert_eq!(ck.state(pid).unwrap(), ProcessState::Locked);
         ck.unlock(pid).unwrap();
         assert_eq!(ck.state(pid).unwrap(), ProcessState::Running);
@@ -149,14 +153,22 @@ fn fake_errors_name_the_call_and_pid() {
     };
     let target = Sleeper::spawn();
     let pid = target.pid();
-    let e = assert_call_error(ck.checkpoint(pid), "cuCheckpointProcessCheckpoint", pid);
+    let e = assert_call_error(
+        ck.checkpoint(pid, LONG),
+        "cuCheckpointProcessCheckpoint",
+        pid,
+    );
     assert_eq!(e.code(), Some(401));
     ck.lock(pid, 1000).unwrap();
     let e = assert_call_error(ck.lock(pid, 1000), "cuCheckpointProcessLock", pid);
     assert_eq!(e.code(), Some(401));
     assert!(e.to_string().contains("CUDA_ERROR_ILLEGAL_STATE"), "{e}");
     assert!(e.to_string().contains("illegal state (fake)"), "{e}");
-    assert_call_error(ck.restore(pid, &[]), "cuCheckpointProcessRestore", pid);
+    assert_call_error(
+        ck.restore(pid, &[], LONG),
+        "cuCheckpointProcessRestore",
+        pid,
+    );
     ck.unlock(pid).unwrap();
     // The fake times out a lock with a 1 ms timeout, as the real driver does: NOT_READY.
     let e = ck.lock(pid, 1).unwrap_err();
@@ -280,6 +292,78 @@ fn helper_load_from_env() {
     }
 }
 
+#[test]
+fn fake_a_hung_call_is_cut_off_at_its_deadline() {
+    let Some((full, _)) = fakes_or_skip("fake_a_hung_call_is_cut_off_at_its_deadline") else {
+        return;
+    };
+    let lib = full.to_str().unwrap();
+    let hang = [
+        ("POSSUM_LIBCUDA", lib),
+        (
+            "FAKE_CKPT_HANG",
+            "cuCheckpointProcessCheckpoint,cuCheckpointProcessGetState",
+        ),
+    ];
+    let out = run_helper("helper_hung_driver", "hang", &hang);
+    assert!(out.contains("HELPER cut off"), "{out}");
+}
+
+/// Child side of `fake_a_hung_call_is_cut_off_at_its_deadline`: the fake's checkpoint and state
+/// query hang (`FAKE_CKPT_HANG`); each call returns at its deadline with an error that names it,
+/// the pid and the deadline, and the calls that do not hang go on working.
+#[test]
+fn helper_hung_driver() {
+    if std::env::var(HELPER_ENV).as_deref() != Ok("hang") {
+        return;
+    }
+    let ck = DriverCheckpoint::load()
+        .expect("load the fake")
+        .with_short_deadline(Duration::from_millis(300));
+    assert_eq!(ck.short_deadline(), Duration::from_millis(300));
+    let target = Sleeper::spawn();
+    let pid = target.pid();
+    ck.lock(pid, 0).unwrap();
+    let limit = Duration::from_millis(200);
+    let e = ck.checkpoint(pid, limit).unwrap_err();
+    match &e {
+        DriverCkptError::DeadlineExceeded {
+            call,
+            pid: p,
+            after,
+        } => {
+            assert_eq!(*call, "cuCheckpointProcessCheckpoint");
+            assert_eq!(*p, pid);
+            assert_eq!(*after, limit);
+        }
+        other => panic!("expected DeadlineExceeded, got {other:?}"),
+    }
+    assert_eq!(e.code(), None);
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!(
+            "cuCheckpointProcessCheckpoint for pid {pid} did not return within 0.200 s"
+        )),
+        "{msg}"
+    );
+    let e = ck.state(pid).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DriverCkptError::DeadlineExceeded {
+                call: "cuCheckpointProcessGetState",
+                after,
+                ..
+            } if after == Duration::from_millis(300)
+        ),
+        "{e:?}"
+    );
+    // The hung checkpoint changed nothing: the process is still locked, and unlocks.
+    ck.unlock(pid).unwrap();
+    assert_call_error(ck.unlock(pid), "cuCheckpointProcessUnlock", pid);
+    println!("HELPER cut off: {msg}");
+}
+
 /// The real driver and a device, or `None` (said on stderr) without them.
 fn real_or_skip(test: &str) -> Option<DriverCheckpoint> {
     let require = std::env::var("POSSUM_REQUIRE_GPU").is_ok_and(|v| v == "1");
@@ -395,10 +479,14 @@ fn real_driver_checkpoints_a_cuda_child() {
     let t = std::time::Instant::now();
     ck.lock(pid, 10_000).unwrap();
     assert_eq!(ck.state(pid).unwrap(), ProcessState::Locked);
-    ck.checkpoint(pid).unwrap();
+    ck.checkpoint(pid, LONG).unwrap();
     assert_eq!(ck.state(pid).unwrap(), ProcessState::Checkpointed);
-    assert_call_error(ck.checkpoint(pid), "cuCheckpointProcessCheckpoint", pid);
-    ck.restore(pid, &[]).unwrap();
+    assert_call_error(
+        ck.checkpoint(pid, LONG),
+        "cuCheckpointProcessCheckpoint",
+        pid,
+    );
+    ck.restore(pid, &[], LONG).unwrap();
     assert_eq!(ck.state(pid).unwrap(), ProcessState::Locked);
     ck.unlock(pid).unwrap();
     assert_eq!(ck.state(pid).unwrap(), ProcessState::Running);

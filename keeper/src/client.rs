@@ -2,14 +2,15 @@
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::{
     fdpass, Allocated, DeviceInfo, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
-    StageInfo, StagePlan, Stats,
+    StageInfo, StagePlan, Stats, LOAD_TIMEOUT, REQUEST_TIMEOUT,
 };
 
 /// The socket in keeper directory `dir` (`possum keeper --dir`: `keeper-N.sock`, one per device
@@ -32,6 +33,11 @@ pub struct Keeper {
     stream: UnixStream,
     pending: Vec<u8>,
     keeper_pid: i32,
+    /// The socket, for errors.
+    path: PathBuf,
+    /// How long each request may wait for its answer (a `stage_wait`: `load_timeout`).
+    timeout: Duration,
+    load_timeout: Duration,
 }
 
 const MAX_REPLY: usize = 16 << 20;
@@ -39,7 +45,19 @@ const MAX_REPLY: usize = 16 << 20;
 impl Keeper {
     /// Connects and reads the keeper's greeting: [`KeeperError::Refused`] if it does not accept
     /// this process (another uid).
+    /// Every request waits at most [`REQUEST_TIMEOUT`] for its answer ([`LOAD_TIMEOUT`] for a
+    /// `stage_wait`): [`KeeperError::Timeout`] after it.
     pub fn connect(path: &Path) -> Result<Keeper, KeeperError> {
+        Keeper::connect_within(path, REQUEST_TIMEOUT, LOAD_TIMEOUT)
+    }
+
+    /// [`connect`](Self::connect), each request waiting at most `timeout` for its answer, a
+    /// `stage_wait` at most `load_timeout`.
+    pub fn connect_within(
+        path: &Path,
+        timeout: Duration,
+        load_timeout: Duration,
+    ) -> Result<Keeper, KeeperError> {
         let stream = UnixStream::connect(path).map_err(|source| KeeperError::Socket {
             path: path.to_path_buf(),
             op: "connect",
@@ -49,8 +67,12 @@ impl Keeper {
             stream,
             pending: Vec::new(),
             keeper_pid: 0,
+            path: path.to_path_buf(),
+            timeout,
+            load_timeout,
         };
-        let (hello, _) = k.read_reply("connect")?;
+        let deadline = deadline_after(timeout);
+        let (hello, _) = k.read_reply("connect", timeout, deadline)?;
         if let Some(e) = hello.get("error") {
             return Err(KeeperError::Refused(
                 e.as_str().unwrap_or("(no message)").to_string(),
@@ -275,11 +297,17 @@ impl Keeper {
             detail: e.to_string(),
         })?;
         line.push(b'\n');
-        fdpass::send(&self.stream, &line, fd).map_err(|source| KeeperError::Io {
-            op: request,
-            source,
-        })?;
-        let (v, fds) = self.read_reply(request)?;
+        let limit = match req {
+            Request::StageWait { .. } => self.load_timeout,
+            _ => self.timeout,
+        };
+        let deadline = deadline_after(limit);
+        let sent = self
+            .stream
+            .set_write_timeout(Some(limit))
+            .and_then(|()| fdpass::send(&self.stream, &line, fd));
+        sent.map_err(|source| self.io_error(request, limit, source))?;
+        let (v, fds) = self.read_reply(request, limit, deadline)?;
         if let Some(e) = v.get("error") {
             return Err(KeeperError::Remote {
                 request,
@@ -289,13 +317,46 @@ impl Keeper {
         Ok((v, fds))
     }
 
-    fn read_reply(&mut self, request: &'static str) -> Result<(Value, Vec<OwnedFd>), KeeperError> {
-        let mut fds = Vec::new();
-        let line = fdpass::recv_line(&self.stream, &mut self.pending, &mut fds, MAX_REPLY)
-            .map_err(|source| KeeperError::Io {
+    /// [`KeeperError::Timeout`] for a send or receive of `request` that ran out of its `limit`,
+    /// else [`KeeperError::Io`].
+    fn io_error(
+        &self,
+        request: &'static str,
+        limit: Duration,
+        source: std::io::Error,
+    ) -> KeeperError {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        if matches!(source.kind(), TimedOut | WouldBlock) {
+            KeeperError::Timeout {
+                path: self.path.clone(),
+                request,
+                after: limit,
+            }
+        } else {
+            KeeperError::Io {
                 op: request,
                 source,
-            })?
+            }
+        }
+    }
+
+    /// The answer to `request` (allowed `limit`, until `deadline`).
+    fn read_reply(
+        &mut self,
+        request: &'static str,
+        limit: Duration,
+        deadline: Instant,
+    ) -> Result<(Value, Vec<OwnedFd>), KeeperError> {
+        let mut fds = Vec::new();
+        let got = fdpass::recv_line(
+            &self.stream,
+            &mut self.pending,
+            &mut fds,
+            MAX_REPLY,
+            Some(deadline),
+        );
+        let line = got
+            .map_err(|source| self.io_error(request, limit, source))?
             .ok_or_else(|| KeeperError::Protocol {
                 request,
                 detail: "the keeper closed the connection".to_string(),
@@ -308,9 +369,89 @@ impl Keeper {
     }
 }
 
+/// `limit` from now (a day at most: an `Instant` cannot hold every `Duration`).
+fn deadline_after(limit: Duration) -> Instant {
+    Instant::now() + limit.min(Duration::from_secs(24 * 3600))
+}
+
 fn parse<T: DeserializeOwned>(request: &'static str, v: Value) -> Result<T, KeeperError> {
     serde_json::from_value(v.clone()).map_err(|e| KeeperError::Protocol {
         request,
         detail: format!("{e}: {v}"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::net::UnixListener;
+
+    /// A "keeper" at `dir/keeper.sock` that accepts one client, says `greeting` if given, then
+    /// never answers (it holds the connection until the test ends).
+    fn mute_keeper(dir: &Path, greeting: Option<&str>) -> PathBuf {
+        let path = dir.join("keeper.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let greeting = greeting.map(str::to_string);
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            if let Some(g) = greeting {
+                s.write_all(g.as_bytes()).unwrap();
+            }
+            std::thread::sleep(Duration::from_secs(60));
+            drop(s);
+        });
+        path
+    }
+
+    #[test]
+    fn a_keeper_that_never_greets_is_a_timeout_naming_the_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = mute_keeper(dir.path(), None);
+        let limit = Duration::from_millis(200);
+        let t = Instant::now();
+        let e = Keeper::connect_within(&path, limit, limit).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+        match &e {
+            KeeperError::Timeout {
+                path: p,
+                request,
+                after,
+            } => {
+                assert_eq!(p, &path);
+                assert_eq!(*request, "connect");
+                assert_eq!(*after, limit);
+            }
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "keeper socket {}: no answer to connect within 0.2 s (the keeper is hung or \
+                 overloaded)",
+                path.display()
+            )
+        );
+    }
+
+    #[test]
+    fn a_request_the_keeper_never_answers_is_a_timeout_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = mute_keeper(dir.path(), Some("{\"keeper\":1,\"pid\":1}\n"));
+        let limit = Duration::from_millis(200);
+        let mut k = Keeper::connect_within(&path, limit, Duration::from_millis(300)).unwrap();
+        assert_eq!(k.keeper_pid(), 1);
+        let e = k.stats().unwrap_err();
+        assert!(
+            matches!(&e, KeeperError::Timeout { request: "stats", after, .. } if *after == limit),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("no answer to stats"), "{e}");
+        let e = k.stage_wait(1, 1).unwrap_err();
+        assert!(
+            matches!(&e, KeeperError::Timeout { request: "stage_wait", after, .. }
+                if *after == Duration::from_millis(300)),
+            "{e:?}"
+        );
+    }
 }

@@ -6,6 +6,7 @@
 use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::Instant;
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 
@@ -37,13 +38,18 @@ pub(crate) fn send(
 }
 
 /// Reads one line (without its newline) and the descriptors that came with it. `pending` holds
-/// bytes read past a line, for the next call. `Ok(None)` at end of stream.
+/// bytes read past a line, for the next call. `Ok(None)` at end of stream. With a `deadline`,
+/// an error of kind [`io::ErrorKind::TimedOut`] once it has passed without a whole line (the
+/// stream's read timeout is set to what is left before each read); without one, the stream's
+/// read timeout is left as it is.
 pub(crate) fn recv_line(
     stream: &UnixStream,
     pending: &mut Vec<u8>,
     fds: &mut Vec<OwnedFd>,
     max: usize,
+    deadline: Option<Instant>,
 ) -> io::Result<Option<String>> {
+    let timed_out = || io::Error::new(io::ErrorKind::TimedOut, "no whole line in time");
     loop {
         if let Some(pos) = pending.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = pending.drain(..=pos).take(pos).collect();
@@ -57,6 +63,13 @@ pub(crate) fn recv_line(
                 format!("line longer than {max} bytes"),
             ));
         }
+        if let Some(end) = deadline {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(timed_out());
+            }
+            stream.set_read_timeout(Some(left))?;
+        }
         let mut chunk = [0u8; 4096];
         let mut space = nix::cmsg_space!([RawFd; 8]);
         let mut iov = [IoSliceMut::new(&mut chunk)];
@@ -68,6 +81,8 @@ pub(crate) fn recv_line(
         ) {
             Ok(m) => m,
             Err(nix::errno::Errno::EINTR) => continue,
+            // SO_RCVTIMEO passed.
+            Err(nix::errno::Errno::EAGAIN) if deadline.is_some() => return Err(timed_out()),
             Err(e) => return Err(e.into()),
         };
         let n = msg.bytes;

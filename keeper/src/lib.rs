@@ -1,4 +1,4 @@
-//! The keeper (issue 14, first part): a process that owns the physical GPU memory of the buffers
+//! The keeper: a process that owns the physical GPU memory of the buffers
 //! possum serves and hands it to jobs as VMM shareable handles, so that a job can unmap and release
 //! its handles before NVIDIA's driver checkpoint while the memory stays on the GPU.
 //!
@@ -25,6 +25,13 @@
 //! client ── {"cmd":"spare_fill",..SpareFill}\n ──▶ SpareFilled  the caller's memory copied in
 //! client ── {"cmd":"spare_end","drain":D}\n ──▶ {"ok":true}\n   given back, another made
 //! ```
+//!
+//! Every wait has a deadline. A client waits at most [`REQUEST_TIMEOUT`] for the greeting and
+//! for each answer (a `stage_wait`, which waits for a load: [`LOAD_TIMEOUT`]), then fails with
+//! [`KeeperError::Timeout`] naming the socket and the request. The keeper serves each connection
+//! on a thread of its own, so a client that stalls holds up nobody else; one that does not take
+//! its replies is dropped after [`REPLY_TIMEOUT`]. A connection may stay idle between requests
+//! as long as its client wants.
 //!
 //! `alloc` rounds the size up to the device's granularity (the reply says the size made). A failed
 //! request is answered `{"error":"..."}` and the connection goes on. An allocation belongs to the
@@ -77,6 +84,16 @@ pub use server::Server;
 
 /// How often the keeper looks for retained allocations whose process is gone.
 pub const ORPHAN_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long a client waits for the keeper's greeting and for each answer (and to send a
+/// request) before it gives up ([`KeeperError::Timeout`]).
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// How long a client's `stage_wait` waits for the keeper to load the allocation.
+pub const LOAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 * 60);
+
+/// How long the keeper waits for a client to take a reply before it drops the connection.
+pub const REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The environment variable naming the directory of a keeper's sockets (`possum run` sets it
 /// for its job; libpossum.so reads it).
@@ -503,6 +520,20 @@ pub enum KeeperError {
     /// Spare image memory: none configured or ready, or a fill that failed.
     #[error("spare image memory: {0}")]
     Spare(String),
+    /// The keeper did not answer a request (or take it) in time.
+    #[error(
+        "keeper socket {}: no answer to {request} within {} s (the keeper is hung or overloaded)",
+        path.display(),
+        after.as_secs_f64()
+    )]
+    Timeout {
+        /// The socket's path.
+        path: PathBuf,
+        /// The request's name (`connect` for the greeting).
+        request: &'static str,
+        /// The time waited.
+        after: std::time::Duration,
+    },
     /// Reading from or writing to a connection failed.
     #[error("keeper connection: {op}: {source}")]
     Io {

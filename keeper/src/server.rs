@@ -291,6 +291,8 @@ impl Inner {
     }
 
     fn connection(self: &Arc<Self>, stream: UnixStream) {
+        // A client that does not take its replies is dropped rather than holding its thread.
+        let _ = stream.set_write_timeout(Some(crate::REPLY_TIMEOUT));
         let pid = match getsockopt(&stream, PeerCredentials) {
             Ok(c) if c.uid() == self.uid => c.pid(),
             Ok(c) => {
@@ -319,7 +321,13 @@ impl Inner {
         loop {
             // A request may come with a descriptor (`adopt`); any others are closed unread.
             let mut fds = Vec::new();
-            let line = match fdpass::recv_line(stream, &mut pending, &mut fds, MAX_REQUEST_BYTES) {
+            let line = match fdpass::recv_line(
+                stream,
+                &mut pending,
+                &mut fds,
+                MAX_REQUEST_BYTES,
+                None,
+            ) {
                 Ok(Some(l)) => l,
                 Ok(None) => return,
                 Err(e) => {

@@ -882,3 +882,25 @@ fn a_spare_is_made_only_outside_a_hold() {
     assert_ne!(second.path, first.path);
     k.spare_end(second.drain).unwrap();
 }
+
+/// A client that connects and stalls (half a request, never finished; another that never says
+/// anything) holds up nobody else: each connection has its own thread, and the others are
+/// served meanwhile.
+#[test]
+fn a_client_that_stalls_holds_up_nobody_else() {
+    if !inner_or_spawn("a_client_that_stalls_holds_up_nobody_else") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let mut half = std::os::unix::net::UnixStream::connect(server.path()).unwrap();
+    half.write_all(br#"{"cmd":"sta"#).unwrap();
+    let _silent = std::os::unix::net::UnixStream::connect(server.path()).unwrap();
+    let limit = Duration::from_secs(10);
+    let mut k = Keeper::connect_within(server.path(), limit, limit).unwrap();
+    let (a, _fd) = k.alloc(MIB4).unwrap();
+    assert_eq!(a.size, MIB4);
+    assert_eq!(k.stats().unwrap().total.bytes, MIB4);
+    k.free(a.id).unwrap();
+    assert_eq!(k.stats().unwrap().total.bytes, 0);
+}

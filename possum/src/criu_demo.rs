@@ -34,6 +34,9 @@ pub struct ChildArgs {
     out: PathBuf,
 }
 
+/// How long a demo child (the original or a restored one) may take to finish its steps.
+const CHILD_TIMEOUT: Duration = Duration::from_secs(300);
+
 fn write_atomically(path: &Path, text: &str) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
@@ -130,7 +133,7 @@ fn ms(d: Duration) -> f64 {
 fn restore_and_finish(criu: &Criu, images: &Path, out: &Path) -> Result<(u64, Duration)> {
     let _ = std::fs::remove_file(out);
     let r = criu.restore(&RestoreOptions::new(images))?;
-    let st = possum_criu::wait_for_exit(r.pid, Some(Duration::from_secs(300)))?;
+    let st = possum_criu::wait_for_exit(r.pid, Some(CHILD_TIMEOUT))?;
     if !st.success() {
         bail!("the restored child {} ended badly: {st:?}", r.pid);
     }
@@ -145,7 +148,7 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         ..a.clone()
     };
     let spec = a.spec();
-    let tmp = tempfile::tempdir().context("creating a temporary directory")?;
+    let tmp = crate::scratch::Scratch::new()?;
     let dir = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     std::fs::create_dir_all(&dir)?;
     println!(
@@ -164,9 +167,9 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         leave_running: true,
         ..DumpOptions::new(pid_of(&c)?, &images1)
     })?;
-    let st = c.proc.wait()?;
+    let st = possum_criu::wait_for_exit(pid_of(&c)?, Some(CHILD_TIMEOUT))?;
     if !st.success() {
-        bail!("the original child ended badly after the dump: {st}");
+        bail!("the original child ended badly after the dump: {st:?}");
     }
     let original = read_digest(&c.out)?;
     let (restored1, r1) = restore_and_finish(&criu, &images1, &c.out)?;
@@ -176,7 +179,8 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     wait_progress(&mut c, a.at)?;
     let images2 = dir.join("images-kill");
     let d2 = criu.dump(&DumpOptions::new(pid_of(&c)?, &images2))?;
-    let _ = c.proc.wait();
+    // CRIU ended it after the dump.
+    let _ = possum_criu::wait_for_exit(pid_of(&c)?, Some(CHILD_TIMEOUT));
     let (restored2, r2) = restore_and_finish(&criu, &images2, &c.out)?;
 
     let bitexact = original == want && restored1 == want && restored2 == want;

@@ -91,7 +91,7 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     let dir = match &a.dir {
         Some(d) => d.clone(),
         None => {
-            tmp = tempfile::tempdir().context("creating a temporary directory")?;
+            tmp = crate::scratch::Scratch::new()?;
             tmp.path().join("image")
         }
     };

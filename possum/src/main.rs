@@ -12,6 +12,7 @@ mod demo;
 mod doctor;
 mod keeper;
 mod run;
+mod scratch;
 mod status;
 mod trace;
 

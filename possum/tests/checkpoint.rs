@@ -482,13 +482,28 @@ fn restore_names_what_is_wrong_with_an_image() {
         text(&out)
     );
     std::fs::create_dir_all(img.join("criu")).unwrap();
-    let out = restore(&img);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        text(&out).contains("not a complete possum image (no possum.json)"),
-        "{}",
-        text(&out)
-    );
+    // Everything but the commit marker (a checkpoint that did not finish): refused.
+    let unfinished = tmp.path().join("unfinished");
+    for f in [
+        "criu/inventory.img",
+        "criu/pstree.img",
+        "gpu/gpu-0/manifest.json",
+    ] {
+        std::fs::create_dir_all(unfinished.join(f).parent().unwrap()).unwrap();
+        std::fs::write(unfinished.join(f), b"x").unwrap();
+    }
+    for dir in [&img, &unfinished] {
+        let out = restore(dir);
+        assert_eq!(out.status.code(), Some(2));
+        assert!(
+            text(&out).contains(&format!(
+                "incomplete image: the checkpoint did not finish ({} has no possum.json",
+                dir.display()
+            )),
+            "{}",
+            text(&out)
+        );
+    }
     // Random bytes: corrupt, not missing; the file and the parse error are named.
     std::fs::write(
         img.join("possum.json"),

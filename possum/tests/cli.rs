@@ -144,6 +144,89 @@ fn demo_criu_round_trip_is_bit_exact() {
     assert_eq!(j["mode"], "criu");
 }
 
+/// `possum demo --criu` killed with SIGKILL mid-run leaves its scratch directory (its images
+/// and files) behind; the next possum that makes one removes it: nothing accumulates under
+/// `$TMPDIR/possum-scratch-UID`, and nothing else is left under `$TMPDIR`.
+#[test]
+fn a_demo_killed_mid_run_leaves_nothing_after_the_next_run() {
+    if !criu_usable() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let uid = nix::unistd::geteuid().as_raw();
+    let scratch = tmp.path().join(format!("possum-scratch-{uid}"));
+    let mut killed = possum()
+        .args([
+            "demo", "--criu", "--mib", "8", "--steps", "60", "--at", "50",
+        ])
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Its scratch directory, once its child runs there.
+    let t = std::time::Instant::now();
+    let dir = loop {
+        let found = std::fs::read_dir(&scratch)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .find(|d| d.join("leave.progress").exists());
+        if let Some(d) = found {
+            break d;
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(120),
+            "no scratch directory with a running demo child under {}",
+            scratch.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let children = std::fs::read_to_string(format!(
+        "/proc/{pid}/task/{pid}/children",
+        pid = killed.id()
+    ))
+    .unwrap_or_default();
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    for c in children.split_whitespace() {
+        let pid = nix::unistd::Pid::from_raw(c.parse().unwrap());
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+    }
+    assert!(
+        dir.is_dir(),
+        "SIGKILL leaves the directory: {}",
+        dir.display()
+    );
+    let out = possum()
+        .args(["demo", "--mib", "8", "--steps", "4", "--at", "1"])
+        .env("TMPDIR", tmp.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(!dir.exists(), "{} was not swept", dir.display());
+    let left: Vec<_> = std::fs::read_dir(&scratch)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "left under {}: {left:?}",
+        scratch.display()
+    );
+    // Under $TMPDIR itself: the scratch place, and the copy of possum's CRIU plugin CRIU
+    // loads (one, of a fixed name, made again by each run).
+    let mut top: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    top.retain(|n| n != &format!("possum-criu-plugins-{uid}"));
+    assert_eq!(top, vec![format!("possum-scratch-{uid}")]);
+}
+
 #[test]
 fn doctor_reports_criu_kernel_and_gpu() {
     let out = possum().arg("doctor").output().unwrap();

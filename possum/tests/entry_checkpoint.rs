@@ -433,6 +433,68 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     ));
 }
 
+/// A driver whose `cuCheckpointProcessCheckpoint` never returns (the fake's `FAKE_CKPT_HANG`):
+/// `possum checkpoint --leave-running` stops waiting at the driver's deadline (shortened here
+/// with `POSSUM_DRIVER_DEADLINE_MS`), fails naming the phase, the call and the pid, leaves no
+/// image, and the job runs on with exactly the reference's data (the guard unlocked it in the
+/// driver and resumed its buffers).
+#[test]
+fn a_hung_driver_checkpoint_fails_at_its_deadline_and_the_job_runs_on() {
+    let Some((tmp, lib)) = setup("entry_hung_driver", "possum-entry-hung-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (want, mut job) = reference_then_job(dir, &lib);
+    let img = dir.join("img");
+    let out = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
+        .env("FAKE_CKPT_HANG", "cuCheckpointProcessCheckpoint")
+        .env("POSSUM_DRIVER_DEADLINE_MS", "1000")
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    for want in [
+        "the job runs on, no image was written".to_string(),
+        "the freeze (the driver's lock and checkpoint of the job's tree)".to_string(),
+        format!(
+            "cuCheckpointProcessCheckpoint for pid {} did not return within 1 s",
+            job.pid
+        ),
+    ] {
+        assert!(said.contains(&want), "no {want:?} in:\n{said}");
+    }
+    assert!(!img.exists(), "an image was left: {said}");
+    let left: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("possum-tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary images left: {left:?}");
+    // A state query that hangs stops the plan, before anything is done.
+    let out = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
+        .env("FAKE_CKPT_HANG", "cuCheckpointProcessGetState")
+        .env("POSSUM_DRIVER_DEADLINE_MS", "500")
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("the plan: the driver did not answer in time")
+            && said.contains("cuCheckpointProcessGetState for pid"),
+        "{said}"
+    );
+    assert!(!img.exists(), "an image was left: {said}");
+    goes_on_like(
+        &mut job,
+        dir,
+        "left",
+        &want,
+        "after a hung driver checkpoint",
+    );
+    job.run("exit", "bye");
+}
+
 /// A job that maps its own virtual memory piece by piece (PyTorch's expandable segments:
 /// cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemSetAccess), its buffer B spanning two
 /// pieces, with `POSSUM_SERVE_VMM=1`: the pieces are engine buffers at the job's addresses

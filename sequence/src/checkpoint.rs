@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use possum_control::reply::{CheckpointReply, ReleaseReply, ResumeReply, SavedReply, StatusReply};
 use possum_control::{Reply, Request};
-use possum_criu::{Criu, CriuError, DumpOptions};
+use possum_criu::{Criu, CriuError, Deadline, DumpOptions};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
 use serde::Serialize;
 use serde_json::Value;
@@ -17,8 +17,8 @@ use crate::figures::{timed, CheckpointFigures, HostmemFigures, LeftWhole};
 use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
-    child_gpu_dir, dir_bytes, manifest_text, occupied, smi, sync_tree, GpuUse, HeldMemory,
-    KeeperOfJob, Manifest, MANIFEST, MANIFEST_VERSION,
+    child_gpu_dir, dir_bytes, gpu_memory_bytes, manifest_text, occupied, smi, sync_tree,
+    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, MANIFEST_VERSION,
 };
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
@@ -277,6 +277,9 @@ pub enum PlanError {
     /// No driver checkpoint.
     #[error("NVIDIA's driver checkpoint is needed")]
     NoDriver(#[source] DriverCkptError),
+    /// A driver call of the plan did not return within its deadline.
+    #[error("the plan: the driver did not answer in time")]
+    Driver(#[source] DriverCkptError),
     /// Another checkpoint of the process runs.
     #[error(transparent)]
     Lock(#[from] LockError),
@@ -313,7 +316,7 @@ pub enum PlanError {
     },
     /// A process of the job's tree is held by another checkpoint.
     #[error(transparent)]
-    Tree(#[from] tree::NotRunning),
+    Tree(#[from] tree::TreeError),
     /// The image directory's name has no last component.
     #[error("{}: not a directory name", dir.display())]
     NotADirectoryName {
@@ -344,7 +347,7 @@ pub enum HoldError {
     #[error(transparent)]
     Cut(#[from] CutError),
     /// The freeze.
-    #[error(transparent)]
+    #[error("the freeze (the driver's lock and checkpoint of the job's tree)")]
     Freeze(#[from] FreezeError),
     /// CRIU's dump.
     #[error(transparent)]
@@ -381,7 +384,10 @@ pub enum CutError {
 pub enum FreezeError {
     /// The driver refused the root.
     #[error(transparent)]
-    Driver(#[from] DriverCkptError),
+    Driver(DriverCkptError),
+    /// A driver call did not return within its deadline (the root's or another process's).
+    #[error("the driver did not answer in time")]
+    Deadline(#[source] DriverCkptError),
     /// The driver refuses a process CUPTI has subscribed in.
     #[error("{CUPTI_REFUSED}")]
     CuptiRefused(#[source] DriverCkptError),
@@ -404,12 +410,53 @@ pub enum FreezeError {
     },
 }
 
+impl From<DriverCkptError> for FreezeError {
+    /// [`FreezeError::Deadline`] for a call past its deadline, else [`FreezeError::Driver`].
+    fn from(e: DriverCkptError) -> FreezeError {
+        match e {
+            DriverCkptError::DeadlineExceeded { .. } => FreezeError::Deadline(e),
+            e => FreezeError::Driver(e),
+        }
+    }
+}
+
+impl FreezeError {
+    /// A call past its deadline of another process of the tree is the freeze's deadline too.
+    fn deadline_first(self) -> FreezeError {
+        match self {
+            FreezeError::LockChild { source: e, .. }
+            | FreezeError::CheckpointChild { error: e, .. }
+                if matches!(e, DriverCkptError::DeadlineExceeded { .. }) =>
+            {
+                FreezeError::Deadline(e)
+            }
+            other => other,
+        }
+    }
+}
+
+impl From<DriverCkptError> for ResumeError {
+    /// [`ResumeError::DriverDeadline`] for a call past its deadline, else
+    /// [`ResumeError::Driver`].
+    fn from(e: DriverCkptError) -> ResumeError {
+        match e {
+            DriverCkptError::DeadlineExceeded { .. } => ResumeError::DriverDeadline(e),
+            e => ResumeError::Driver(e),
+        }
+    }
+}
+
 /// The job could not run on (or be killed).
 #[derive(Debug, thiserror::Error)]
 pub enum ResumeError {
     /// The driver's restore or unlock.
     #[error(transparent)]
-    Driver(#[from] DriverCkptError),
+    Driver(DriverCkptError),
+    /// The driver's restore or unlock did not return within its deadline.
+    #[error(
+        "the driver's restore and unlock of the job's tree: the driver did not answer in time"
+    )]
+    DriverDeadline(#[source] DriverCkptError),
     /// The driver's restore of another process of the tree.
     #[error("process {pid} of the job's tree: {error}")]
     DriverChild {
@@ -456,6 +503,9 @@ pub enum ResumeError {
 /// Naming the image failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CommitError {
+    /// Making the image's files durable before its marker.
+    #[error("making the image durable")]
+    Sync(#[source] anyhow::Error),
     /// Writing `possum.json` or renaming.
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -525,6 +575,8 @@ struct Plan<'a> {
     socket_dirs: Vec<PathBuf>,
     stdio_pipes: Vec<(i32, String)>,
     gpu_memory: Vec<GpuUse>,
+    /// Whom the job runs as.
+    owner: Option<JobOwner>,
     /// One checkpoint of the process at a time.
     _lock: nix::fcntl::Flock<fs::File>,
 }
@@ -550,7 +602,9 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         None
     } else {
         let criu = Criu::locate().map_err(PlanError::NoCriu)?;
-        let drv = DriverCheckpoint::load_from(&p.env.libcuda).map_err(PlanError::NoDriver)?;
+        let drv = (p.env.driver_deadlines)
+            .load(&p.env.libcuda)
+            .map_err(PlanError::NoDriver)?;
         Some((criu, drv))
     };
     // With its hooks live (the driver's entry points, or CUPTI's callbacks), possum holds the
@@ -595,6 +649,7 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         stdio_pipes: tree::external_stdio_pipes(pid, &tree),
         // What the job uses on the GPU now, for the restore's check.
         gpu_memory: smi::process_usage(&p.env.nvidia_smi, pid).unwrap_or_default(),
+        owner: JobOwner::of_process(pid),
         _lock: lock,
     })
 }
@@ -612,6 +667,7 @@ fn check_driver_state(
     match drv.state(pid) {
         Ok(ProcessState::Running) => {}
         Ok(state) => return Err(PlanError::NotRunning { pid, state }),
+        Err(e @ DriverCkptError::DeadlineExceeded { .. }) => return Err(PlanError::Driver(e)),
         Err(error) => return Err(PlanError::NotCuda { pid, error }),
     }
     if p.engine != Engine::Possum || !cupti {
@@ -751,6 +807,8 @@ impl<'a> Run<'a> {
             final_dir: p.dir.clone(),
             socket_dir: p.sockets.clone(),
             libcuda: p.env.libcuda.clone(),
+            driver_deadlines: p.env.driver_deadlines,
+            gpu_bytes: gpu_memory_bytes(&plan.gpu_memory),
         };
         let guard = Guard::start(&p.possum_exe, &guard_plan).map_err(PlanError::Guard)?;
         Ok(Run {
@@ -878,20 +936,22 @@ impl<'a> Run<'a> {
             if cupti && e.code() == Some(CUDA_ERROR_NOT_SUPPORTED) {
                 FreezeError::CuptiRefused(e)
             } else {
-                FreezeError::Driver(e)
+                e.into()
             }
         })?;
         for &c in &self.plan.children {
             timed(&mut self.figures.driver_lock, || {
                 drv.lock(c, LOCK_TIMEOUT_MS)
             })
-            .map_err(|source| FreezeError::LockChild { pid: c, source })?;
+            .map_err(|source| FreezeError::LockChild { pid: c, source }.deadline_first())?;
         }
+        let limit = self.driver_limit(|d| d.checkpoint);
         timed(&mut self.figures.driver_checkpoint, || {
-            drv.checkpoint(pid)?;
+            drv.checkpoint(pid, limit)?;
             for &c in &self.plan.children {
-                drv.checkpoint(c)
-                    .map_err(|error| FreezeError::CheckpointChild { pid: c, error })?;
+                drv.checkpoint(c, limit).map_err(|error| {
+                    FreezeError::CheckpointChild { pid: c, error }.deadline_first()
+                })?;
             }
             Ok(())
         })
@@ -1033,20 +1093,34 @@ impl<'a> Run<'a> {
             stdio_pipes: self.plan.stdio_pipes.clone(),
             keeper: self.plan.keeper.clone(),
             held: std::mem::take(&mut self.held_memory),
+            owner: self.plan.owner,
             figures: Value::Null,
             check: None,
         }
     }
 
-    /// Commit: `possum.json` written and the image named (`--force`: the old one removed only
-    /// now). Fails if DIR appeared meanwhile and is not empty: nothing is overwritten.
+    /// The job is still held, to be resumed after the commit (left running, not a kept
+    /// checkpoint, which resumed before).
+    fn held_until_resume(&self) -> bool {
+        let p = self.params();
+        (p.leave_running || p.gpu_only) && self.kept.is_empty()
+    }
+
+    /// Commit: the image's files made durable, then `possum.json`, the commit marker, written
+    /// atomically ([`write_marker`]) and the image named (`--force`: the old one removed only
+    /// now). Fails if DIR appeared meanwhile and is not empty: nothing is overwritten. While a
+    /// job left running is still held, the files are made durable by the report instead (the
+    /// job's stall would include it), which writes the marker again after them.
     fn commit(&mut self) -> Result<(), CommitError> {
+        let sync_first = !self.held_until_resume();
         let manifest = self.manifest();
         let manifest = self.manifest.insert(manifest);
         let (tmp, dir, force) = (&self.tmp, &self.plan.p.dir, self.plan.p.force);
         timed(&mut self.figures.commit, || {
-            fs::write(tmp.join(MANIFEST), manifest_text(manifest)?)?;
-            fs::File::open(tmp)?.sync_all()?;
+            if sync_first {
+                sync_tree(tmp).map_err(CommitError::Sync)?;
+            }
+            write_marker(tmp, &manifest_text(manifest)?)?;
             if force && dir.exists() {
                 let old = tmp.with_extension("old");
                 fs::rename(dir, &old)?;
@@ -1056,6 +1130,10 @@ impl<'a> Run<'a> {
                 let _ = fs::remove_dir(dir);
                 fs::rename(tmp, dir)?;
             }
+            // The new name made durable (best effort: the image is named now, whatever this
+            // says).
+            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+            let _ = fs::File::open(parent.unwrap_or(Path::new("."))).and_then(|d| d.sync_all());
             Ok(())
         })
     }
@@ -1091,6 +1169,14 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
+    /// The deadline of a driver call that moves the job's GPU memory (`which` of the
+    /// environment's [`DriverDeadlines`](crate::DriverDeadlines)), sized by what nvidia-smi saw
+    /// the job use at the plan.
+    fn driver_limit(&self, which: impl Fn(&crate::DriverDeadlines) -> Deadline) -> Duration {
+        let bytes = gpu_memory_bytes(&self.plan.gpu_memory);
+        which(&self.params().env.driver_deadlines).for_bytes(bytes)
+    }
+
     /// The driver's restore, then unlock, of the job and the other CUDA processes of its tree,
     /// on the same GPUs (none for `--gpu-only`).
     fn driver_restore_and_unlock(&mut self) -> Result<(), DriverCkptError> {
@@ -1100,8 +1186,9 @@ impl<'a> Run<'a> {
         let tree: Vec<i32> = std::iter::once(self.params().pid)
             .chain(self.plan.children.iter().copied())
             .collect();
+        let limit = self.driver_limit(|d| d.restore);
         timed(&mut self.figures.driver_restore, || {
-            tree.iter().try_for_each(|&p| drv.restore(p, &[]))
+            tree.iter().try_for_each(|&p| drv.restore(p, &[], limit))
         })?;
         timed(&mut self.figures.driver_unlock, || {
             tree.iter().try_for_each(|&p| drv.unlock(p))
@@ -1149,7 +1236,7 @@ impl<'a> Run<'a> {
         if let Some(mut manifest) = manifest {
             manifest.figures = serde_json::to_value(&report).unwrap_or_default();
             if let Ok(text) = manifest_text(&manifest) {
-                let _ = fs::write(p.dir.join(MANIFEST), text);
+                let _ = write_marker(&p.dir, &text);
             }
         }
         Ok(report)

@@ -1,6 +1,52 @@
 //! The sequences' parameters from the environment, read in one place ([`Environment::read`]).
 
-use possum_criu::LogLevel;
+use std::time::Duration;
+
+use possum_criu::{Deadline, LogLevel};
+use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, SHORT_DEADLINE};
+
+/// `POSSUM_DRIVER_DEADLINE_MS`: one deadline for every call of the driver's checkpoint API, in
+/// place of the sized ones ([`DriverDeadlines`]); for tests and diagnosis.
+pub const DRIVER_DEADLINE_ENV: &str = "POSSUM_DRIVER_DEADLINE_MS";
+
+/// How long the sequences wait for each call of the driver's checkpoint API before they stop
+/// waiting and fail the phase (possum-cuda's `DriverCkptError::DeadlineExceeded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DriverDeadlines {
+    /// The calls that move no memory (state, unlock; a lock gets its own timeout plus this).
+    pub short: Duration,
+    /// `cuCheckpointProcessCheckpoint`, by the GPU memory of the process (CRIU's dump's rule).
+    pub checkpoint: Deadline,
+    /// `cuCheckpointProcessRestore`, by the GPU memory of the process (CRIU's restore's rule).
+    pub restore: Deadline,
+}
+
+impl Default for DriverDeadlines {
+    /// 60 s; 2 minutes plus 30 s per GiB for the checkpoint and the restore.
+    fn default() -> Self {
+        DriverDeadlines {
+            short: SHORT_DEADLINE,
+            checkpoint: Deadline::DUMP,
+            restore: Deadline::RESTORE,
+        }
+    }
+}
+
+impl DriverDeadlines {
+    /// `limit` for every call, whatever the size.
+    pub fn fixed(limit: Duration) -> DriverDeadlines {
+        DriverDeadlines {
+            short: limit,
+            checkpoint: Deadline::fixed(limit),
+            restore: Deadline::fixed(limit),
+        }
+    }
+
+    /// The driver `lib` loaded, its short deadline set.
+    pub fn load(&self, lib: &str) -> Result<DriverCheckpoint, DriverCkptError> {
+        DriverCheckpoint::load_from(lib).map(|d| d.with_short_deadline(self.short))
+    }
+}
 
 /// Whether a checkpoint takes the bulk of the job's private memory out of CRIU's images
 /// (`POSSUM_HOSTMEM_SPLIT`), for possum's CRIU plugin to write back in parallel at restore.
@@ -34,6 +80,9 @@ pub struct Environment {
     pub nvidia_smi: String,
     /// `POSSUM_LIBCUDA`, else `libcuda.so.1`: the driver whose checkpoint API is used.
     pub libcuda: String,
+    /// How long each driver checkpoint call may take ([`DriverDeadlines::default`];
+    /// `POSSUM_DRIVER_DEADLINE_MS`, above 0: that for every call).
+    pub driver_deadlines: DriverDeadlines,
 }
 
 impl Environment {
@@ -64,6 +113,12 @@ impl Environment {
             libcuda: var(possum_cuda::checkpoint::LIBCUDA_ENV)
                 .filter(|s| !s.is_empty())
                 .unwrap_or_else(|| "libcuda.so.1".into()),
+            driver_deadlines: var(DRIVER_DEADLINE_ENV)
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|&ms| ms > 0)
+                .map_or_else(DriverDeadlines::default, |ms| {
+                    DriverDeadlines::fixed(Duration::from_millis(ms))
+                }),
         }
     }
 }
@@ -80,6 +135,12 @@ mod tests {
         assert_eq!(none.criu_log_level, None);
         assert_eq!(none.nvidia_smi, "nvidia-smi");
         assert_eq!(none.libcuda, "libcuda.so.1");
+        assert_eq!(none.driver_deadlines, DriverDeadlines::default());
+        assert_eq!(
+            none.driver_deadlines.checkpoint.for_bytes(2 << 30),
+            Duration::from_secs(180)
+        );
+        assert_eq!(none.driver_deadlines.short, Duration::from_secs(60));
         let set = Environment::from_vars(|n| {
             Some(
                 match n {
@@ -96,5 +157,14 @@ mod tests {
         assert_eq!(set.criu_log_level, Some(LogLevel::Debug));
         assert_eq!(set.nvidia_smi, "0");
         assert_eq!(set.libcuda, "libcuda.so.1");
+        assert_eq!(
+            set.driver_deadlines,
+            DriverDeadlines::default(),
+            "0 is no value"
+        );
+        let short = Environment::from_vars(|n| (n == DRIVER_DEADLINE_ENV).then(|| "250".into()));
+        let d = short.driver_deadlines;
+        assert_eq!(d.short, Duration::from_millis(250));
+        assert_eq!(d.restore.for_bytes(100 << 30), Duration::from_millis(250));
     }
 }

@@ -7,8 +7,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use possum_control::Request;
-use possum_cuda::checkpoint::{DriverCheckpoint, ProcessState};
+use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
 
+use crate::config::DriverDeadlines;
 use crate::image::{child_gpu_dir, MANIFEST};
 use crate::job::JOB_TIMEOUT;
 use crate::process::alive;
@@ -87,6 +88,8 @@ impl Guard {
             .arg(&a.final_dir)
             .arg("--socket-dir")
             .arg(&a.socket_dir)
+            .arg("--gpu-bytes")
+            .arg(a.gpu_bytes.to_string())
             .stdin(Stdio::piped());
         // Its own process group: a Ctrl-C at the terminal stops possum, not the guard.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
@@ -136,6 +139,10 @@ pub struct GuardPlan {
     pub socket_dir: PathBuf,
     /// The driver library (`POSSUM_LIBCUDA`).
     pub libcuda: String,
+    /// How long each driver call may take (`POSSUM_DRIVER_DEADLINE_MS`).
+    pub driver_deadlines: DriverDeadlines,
+    /// The job's GPU memory, for the deadline of a driver restore (`--gpu-bytes`).
+    pub gpu_bytes: u64,
 }
 
 /// The guard: reads the steps done from `steps` (the checkpoint's pipe); at end of input without
@@ -187,11 +194,12 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     // Steps are announced before they are taken, so a `possum` killed inside a driver call
     // still gets it undone: the driver's own state says what is left to do.
     if has(Step::Locking) && !has(Step::Unlocked) {
-        match DriverCheckpoint::load_from(&a.libcuda) {
+        match a.driver_deadlines.load(&a.libcuda) {
             Ok(drv) => {
-                undo_driver(&drv, a.pid, &say);
+                let limit = a.driver_deadlines.restore.for_bytes(a.gpu_bytes);
+                undo_driver(&drv, a.pid, limit, &say);
                 for &c in &a.children {
-                    undo_driver(&drv, c, &say);
+                    undo_driver(&drv, c, limit, &say);
                 }
             }
             Err(e) => say(&format!("cannot load the driver: {e}")),
@@ -220,12 +228,16 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     false
 }
 
-/// Brings process `pid` back to RUNNING in the driver from wherever a checkpoint left it.
-fn undo_driver(drv: &DriverCheckpoint, pid: i32, say: &dyn Fn(&str)) {
+/// Brings process `pid` back to RUNNING in the driver from wherever a checkpoint left it (a
+/// driver restore waited for at most `limit`). A call past its deadline leaves the process as
+/// it is: a driver that hangs would hang again.
+fn undo_driver(drv: &DriverCheckpoint, pid: i32, limit: Duration, say: &dyn Fn(&str)) {
     for _ in 0..20 {
         let r = match drv.state(pid) {
             Ok(ProcessState::Running) => return,
-            Ok(ProcessState::Checkpointed) => drv.restore(pid, &[]).map(|()| "driver restore done"),
+            Ok(ProcessState::Checkpointed) => {
+                drv.restore(pid, &[], limit).map(|()| "driver restore done")
+            }
             Ok(ProcessState::Locked) => drv.unlock(pid).map(|()| "driver unlock done"),
             Ok(other) => {
                 say(&format!(
@@ -240,6 +252,10 @@ fn undo_driver(drv: &DriverCheckpoint, pid: i32, say: &dyn Fn(&str)) {
         };
         match r {
             Ok(m) => say(m),
+            Err(e @ DriverCkptError::DeadlineExceeded { .. }) => {
+                say(&format!("{e}; the process is left as it is"));
+                return;
+            }
             Err(e) => {
                 say(&format!("{e}"));
                 std::thread::sleep(Duration::from_millis(200));

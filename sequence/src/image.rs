@@ -13,6 +13,8 @@ use crate::Engine;
 
 /// The image's own description, `DIR/possum.json`.
 pub const MANIFEST: &str = "possum.json";
+/// Where [`MANIFEST`] is written before it is renamed into place.
+const MANIFEST_TMP: &str = ".possum.json.tmp";
 /// Format version of `possum.json`.
 pub const MANIFEST_VERSION: u32 = 1;
 
@@ -62,6 +64,11 @@ pub struct Manifest {
     /// checkpoint's.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub held: Vec<HeldMemory>,
+    /// The user and group the job ran as (effective ids): a restore makes the job's missing
+    /// socket directories theirs. None in images of older versions (then they are made as
+    /// the restoring user's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<JobOwner>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
@@ -69,6 +76,32 @@ pub struct Manifest {
     /// restore refuses a description without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
+}
+
+/// Whom a job ran as ([`Manifest::owner`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobOwner {
+    /// Effective user id.
+    pub uid: u32,
+    /// Effective group id.
+    pub gid: u32,
+}
+
+impl JobOwner {
+    /// Process `pid`'s effective ids (`/proc/PID/status`), `None` if they cannot be read.
+    pub fn of_process(pid: i32) -> Option<JobOwner> {
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let effective = |key: &str| {
+            (status.lines())
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|ids| ids.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        };
+        Some(JobOwner {
+            uid: effective("Uid:")?,
+            gid: effective("Gid:")?,
+        })
+    }
 }
 
 /// Memory a keeper holds for a restore ([`Manifest::held`]).
@@ -253,6 +286,12 @@ pub enum InvalidManifest {
 }
 
 impl Manifest {
+    /// The job's GPU memory at its checkpoint, all its GPUs together (nvidia-smi's count, as
+    /// `gpu_memory` records it; 0 when nvidia-smi said nothing), saturating.
+    pub fn gpu_memory_bytes(&self) -> u64 {
+        gpu_memory_bytes(&self.gpu_memory)
+    }
+
     /// Checks everything a restore acts on before it acts on any of it: the paths inside the
     /// image (`criu_dir`, `gpu_dir`, each `gpu-PID/` of `possum_children`, the `gpu-N/` images
     /// in them) are plain relative names that stay inside `dir` once symbolic links are
@@ -483,14 +522,48 @@ pub struct GpuUse {
     pub mib: u64,
 }
 
+/// The GPU memory of `uses`, all the GPUs together, in bytes (saturating).
+pub fn gpu_memory_bytes(uses: &[GpuUse]) -> u64 {
+    (uses.iter()).fold(0u64, |a, g| a.saturating_add(g.mib.saturating_mul(1 << 20)))
+}
+
 /// What nvidia-smi (`bin`: [`Environment::nvidia_smi`](crate::Environment::nvidia_smi)) says
 /// about GPU memory.
 pub mod smi {
     use super::GpuUse;
-    use std::process::Command;
+    use std::process::{Command, Output, Stdio};
+    use std::time::Duration;
+
+    /// How long nvidia-smi may take to answer (it can hang on a GPU in a bad state): then it
+    /// is killed and taken as not answering.
+    pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// `bin args`' output, if it ends within `limit` (else it is killed: `None`).
+    pub(crate) fn output_within(bin: &str, args: &[&str], limit: Duration) -> Option<Output> {
+        let child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).ok()?);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait_with_output());
+        });
+        match rx.recv_timeout(limit) {
+            Ok(out) => out.ok(),
+            Err(_) => {
+                // Not reaped yet (its thread reaps it once it ends): the PID is still its own.
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                None
+            }
+        }
+    }
 
     fn query(bin: &str, args: &[&str]) -> Option<Vec<Vec<String>>> {
-        let out = Command::new(bin).args(args).output().ok()?;
+        let out = output_within(bin, args, TIMEOUT)?;
         if !out.status.success() {
             return None;
         }
@@ -758,6 +831,20 @@ pub fn dir_bytes(path: &Path) -> u64 {
         .sum()
 }
 
+/// Writes `text` as `dir/possum.json`, the image's commit marker, atomically: into a temporary
+/// file of `dir`, fsynced, renamed over `possum.json`, `dir` fsynced. A reader finds the old
+/// marker or the new one, whole, never a part.
+pub(crate) fn write_marker(dir: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = dir.join(MANIFEST_TMP);
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    drop(f);
+    fs::rename(&tmp, dir.join(MANIFEST))?;
+    fs::File::open(dir)?.sync_all()
+}
+
 /// fsyncs every file and directory under `dir`.
 pub(crate) fn sync_tree(dir: &Path) -> Result<()> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
@@ -793,12 +880,23 @@ pub enum ImageError {
         /// The directory.
         dir: PathBuf,
     },
-    /// It has no `possum.json` (a checkpoint that did not complete, or not an image).
-    #[error("{} is not a complete possum image (no {MANIFEST})", dir.display())]
+    /// It has no `possum.json`, the commit marker a checkpoint writes last (a checkpoint that
+    /// did not finish, or not an image).
+    #[error(
+        "incomplete image: the checkpoint did not finish ({} has no {MANIFEST}, which a \
+         checkpoint writes last, once everything else is written)",
+        dir.display()
+    )]
     NoManifest {
         /// The directory.
         dir: PathBuf,
-        /// Why it could not be read.
+    },
+    /// `possum.json` could not be read.
+    #[error("reading {}", path.display())]
+    ManifestIo {
+        /// `DIR/possum.json`.
+        path: PathBuf,
+        /// Why.
         #[source]
         source: std::io::Error,
     },
@@ -890,8 +988,11 @@ pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
     }
     let path = dir.join(MANIFEST);
     let bytes = read_bounded(&path).map_err(|e| match e {
-        Bounded::Io(source) => ImageError::NoManifest {
+        Bounded::Io(e) if e.kind() == std::io::ErrorKind::NotFound => ImageError::NoManifest {
             dir: dir.to_path_buf(),
+        },
+        Bounded::Io(source) => ImageError::ManifestIo {
+            path: path.clone(),
             source,
         },
         Bounded::Large(len) => ImageError::TooLarge {
@@ -1016,6 +1117,34 @@ fn check_gpu_images(gpu: &Path) -> Result<usize> {
 mod tests {
     use super::*;
 
+    /// An nvidia-smi that hangs is killed at the deadline and taken as not answering.
+    #[test]
+    fn a_hung_nvidia_smi_is_no_answer() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let smi = tmp.path().join("nvidia-smi");
+        fs::write(&smi, "#!/bin/sh\nexec sleep 600\n").unwrap();
+        fs::set_permissions(&smi, fs::Permissions::from_mode(0o755)).unwrap();
+        let t = std::time::Instant::now();
+        let got = smi::output_within(
+            smi.to_str().unwrap(),
+            &[],
+            std::time::Duration::from_millis(200),
+        );
+        assert!(got.is_none());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "{:?}",
+            t.elapsed()
+        );
+        let echo = smi::output_within(
+            "/bin/echo",
+            &["1, GPU-x, 5"],
+            std::time::Duration::from_secs(60),
+        );
+        assert_eq!(echo.unwrap().stdout, b"1, GPU-x, 5\n");
+    }
+
     /// A file with a hole counts what it holds, not its length; nested directories are summed.
     #[test]
     fn image_bytes_leave_holes_out() {
@@ -1040,6 +1169,11 @@ mod tests {
         fs::create_dir(&empty).unwrap();
         let e = open_image(&empty).unwrap_err();
         assert!(matches!(e, ImageError::NoManifest { .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .starts_with("incomplete image: the checkpoint did not finish"),
+            "{e}"
+        );
         fs::write(empty.join(MANIFEST), [0xffu8, 0x00, 0x9c, 0x42, 0x17]).unwrap();
         let e = open_image(&empty).unwrap_err();
         assert!(matches!(e, ImageError::Unreadable { .. }), "{e:?}");
@@ -1068,6 +1202,7 @@ mod tests {
             stdio_pipes: Vec::new(),
             keeper: None,
             held: Vec::new(),
+            owner: None,
             figures: Value::Null,
             check: None,
         }

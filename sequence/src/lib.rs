@@ -64,7 +64,7 @@ pub mod tree;
 pub use checkpoint::{
     checkpoint, CheckpointError, CheckpointParams, CheckpointReport, ResumeError,
 };
-pub use config::{Environment, HostmemSplit};
+pub use config::{DriverDeadlines, Environment, HostmemSplit};
 pub use restore::{restore, RestoreError, RestoreParams, RestoreReport};
 pub use stage::StageReport;
 

@@ -189,21 +189,40 @@ impl Places {
     /// Checks that possum may make `dir` (for `what`) or use it as made: under one of the
     /// roots, and no component of its existing part a symbolic link.
     pub fn check_dir(&self, what: &'static str, dir: &Path) -> Result<(), PlaceError> {
-        self.walk(what, dir, false).map(|_| ())
+        self.walk(what, dir, None).map(|_| ())
     }
 
     /// Makes `dir` (for `what`, mode 0700) and its missing parents, unless it exists: only under
     /// one of the roots, never through a symbolic link. Whether it was made.
     pub fn create_dir(&self, what: &'static str, dir: &Path) -> Result<bool, PlaceError> {
+        self.create_dir_for(what, dir, None)
+    }
+
+    /// [`create_dir`](Self::create_dir), each directory made given to `owner` (uid, gid) when
+    /// one is named: a job's directory is the job's, as the job would have made it.
+    pub fn create_dir_for(
+        &self,
+        what: &'static str,
+        dir: &Path,
+        owner: Option<(u32, u32)>,
+    ) -> Result<bool, PlaceError> {
         if dir.exists() {
             return Ok(false);
         }
-        self.walk(what, dir, true)
+        self.walk(what, dir, Some(owner))
     }
 
     /// Walks from the root `dir` is under to `dir`, component by component, never following a
-    /// symbolic link, making those missing if `create`. Whether the last one was made.
-    fn walk(&self, what: &'static str, dir: &Path, create: bool) -> Result<bool, PlaceError> {
+    /// symbolic link, making those missing if `create` is given (each made one given to its
+    /// owner, if it names one). Whether the last one was made.
+    fn walk(
+        &self,
+        what: &'static str,
+        dir: &Path,
+        create: Option<Option<(u32, u32)>>,
+    ) -> Result<bool, PlaceError> {
+        let owner = create.flatten();
+        let create = create.is_some();
         let not_allowed = || PlaceError::NotAllowed {
             what,
             dir: dir.to_path_buf(),
@@ -269,6 +288,15 @@ impl Places {
                 }
                 Err(e) => return Err(io("opening", &at)(e)),
             };
+            if let (true, Some((uid, gid))) = (made, owner) {
+                // The directory just made, through its descriptor (never a path that may have
+                // changed since).
+                let (uid, gid) = (
+                    rustix::fs::Uid::from_raw(uid),
+                    rustix::fs::Gid::from_raw(gid),
+                );
+                rustix::fs::fchown(&fd, Some(uid), Some(gid)).map_err(io("giving", &at))?;
+            }
         }
         Ok(made)
     }

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::config::Environment;
 use crate::figures::{timed, RestoreFigures};
 use crate::image::{
-    open_image, plan_gpus, smi, Image, ImageError, KeeperOfJob, KeptBuffers, UuidPairs,
+    open_image, plan_gpus, smi, Image, ImageError, JobOwner, KeeperOfJob, KeptBuffers, UuidPairs,
 };
 use crate::job::{self, To};
 use crate::places::{PlaceError, Places};
@@ -283,7 +283,9 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         KeptBuffers::default()
     };
     let criu = Criu::locate().map_err(PrepareError::NoCriu);
-    let drv = DriverCheckpoint::load_from(&p.env.libcuda).map_err(PrepareError::NoDriver);
+    let drv = (p.env.driver_deadlines)
+        .load(&p.env.libcuda)
+        .map_err(PrepareError::NoDriver);
     let smi = || gpus.and_then(|t| t.join().ok()).flatten();
     let pairs = plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?;
     let (criu, drv) = (criu?, drv?);
@@ -292,12 +294,7 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     for s in host.stale {
         s.remove()?;
     }
-    let mut recreated = Vec::new();
-    for d in &host.missing_dirs {
-        if host.places.create_dir(SOCKETS_DIR, d)? {
-            recreated.push(d.clone());
-        }
-    }
+    let recreated = recreate_socket_dirs(&host.places, &host.missing_dirs, m.owner)?;
     let stdio = StdioPlan::new(&m.stdio_pipes).map_err(PrepareError::DevNull)?;
     let mut opts = RestoreOptions::new(&img.criu);
     opts.log_file = host.criu_log;
@@ -317,6 +314,24 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         stdio,
         opts,
     })
+}
+
+/// Makes the missing directories of the tree's sockets again (mode 0700, with their missing
+/// parents), each the job's (`owner`, from the image) as the job had made it: the restored job
+/// binds its sockets there as its own user. Those made.
+fn recreate_socket_dirs(
+    places: &Places,
+    missing: &[PathBuf],
+    owner: Option<JobOwner>,
+) -> Result<Vec<PathBuf>, PlaceError> {
+    let owner = owner.map(|o| (o.uid, o.gid));
+    let mut made = Vec::new();
+    for d in missing {
+        if places.create_dir_for(SOCKETS_DIR, d, owner)? {
+            made.push(d.clone());
+        }
+    }
+    Ok(made)
 }
 
 /// Memory `possum checkpoint` took out of CRIU's images is written back only by possum's CRIU
@@ -517,10 +532,13 @@ fn resume(
 ) -> Result<Vec<Reply<ResumeReply>>, ResumeError> {
     let m = &img.manifest;
     let drv = &ready.drv;
+    // The job's GPU memory at its checkpoint (nvidia-smi's, all of its GPUs): what the driver
+    // moves back, for its deadline.
+    let limit = (p.env.driver_deadlines.restore).for_bytes(m.gpu_memory_bytes());
     timed(&mut figures.driver_restore, || {
-        drv.restore(m.pid, &ready.pairs)?;
+        drv.restore(m.pid, &ready.pairs, limit)?;
         for &c in &m.cuda_children {
-            drv.restore(c, &ready.pairs)
+            drv.restore(c, &ready.pairs, limit)
                 .map_err(|error| ResumeError::DriverChild { pid: c, error })?;
         }
         Ok::<_, ResumeError>(())
@@ -633,6 +651,41 @@ impl StdioPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A missing socket directory of an image whose job ran as uid 65534 is made again as
+    /// that user's, mode 0700, its missing parent too; without an owner it is the restoring
+    /// user's.
+    #[test]
+    fn a_missing_socket_directory_is_made_again_as_the_job_s() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let places = Places::new(Vec::new(), vec![tmp.path().to_path_buf()]);
+        let parent = tmp.path().join("run");
+        let dir = parent.join("sockets");
+        let nobody = JobOwner {
+            uid: 65534,
+            gid: 65534,
+        };
+        let made = recreate_socket_dirs(&places, std::slice::from_ref(&dir), Some(nobody)).unwrap();
+        assert_eq!(made, vec![dir.clone()]);
+        for d in [&dir, &parent] {
+            let meta = fs::metadata(d).unwrap();
+            if nix::unistd::geteuid().is_root() {
+                assert_eq!((meta.uid(), meta.gid()), (65534, 65534), "{}", d.display());
+            }
+            assert_eq!(meta.mode() & 0o777, 0o700, "{}", d.display());
+        }
+        // There now: left as it is.
+        let again =
+            recreate_socket_dirs(&places, std::slice::from_ref(&dir), Some(nobody)).unwrap();
+        assert!(again.is_empty());
+        let mine = tmp.path().join("mine");
+        recreate_socket_dirs(&places, std::slice::from_ref(&mine), None).unwrap();
+        assert_eq!(
+            fs::metadata(&mine).unwrap().uid(),
+            nix::unistd::geteuid().as_raw()
+        );
+    }
 
     #[test]
     fn a_split_image_is_refused_without_possums_plugin() {

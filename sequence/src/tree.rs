@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
 
-use possum_cuda::checkpoint::{DriverCheckpoint, OwnContext, ProcessState};
+use possum_cuda::checkpoint::{
+    own_context, DriverCheckpoint, DriverCkptError, OwnContext, ProcessState,
+};
 
 /// The parent of each process, from `/proc/PID/stat` (`proc` is `/proc`, or a stand-in in tests).
 fn parents(proc: &Path) -> HashMap<i32, i32> {
@@ -64,12 +66,25 @@ pub enum Member {
     Cuda(ProcessState),
 }
 
-/// The driver's view of process `pid`.
-pub fn member(drv: &DriverCheckpoint, pid: i32) -> Member {
-    match drv.own_context_of(pid) {
+/// The driver's view of process `pid` (as [`DriverCheckpoint::own_context_of`]); a query that
+/// did not return within its deadline is an error, not "no CUDA".
+pub fn member(drv: &DriverCheckpoint, pid: i32) -> Result<Member, DriverCkptError> {
+    let state = match drv.state(pid) {
+        Err(e @ DriverCkptError::DeadlineExceeded { .. }) => return Err(e),
+        other => other,
+    };
+    let tid = match state.is_ok().then(|| drv.restore_thread_id(pid)) {
+        Some(Err(e @ DriverCkptError::DeadlineExceeded { .. })) => return Err(e),
+        other => other,
+    };
+    let code = |e: DriverCkptError| e.code().unwrap_or(-1);
+    let own = own_context(state.map_err(code), tid.map(|t| t.map_err(code)), |t| {
+        Path::new(&format!("/proc/{pid}/task/{t}")).exists()
+    });
+    Ok(match own {
         OwnContext::None(_) => Member::NoCuda,
         OwnContext::Present(state) => Member::Cuda(state),
-    }
+    })
 }
 
 /// A process of the job's tree that the driver holds in another state than running.
@@ -89,16 +104,34 @@ pub struct NotRunning {
 
 /// The CUDA processes among `root`'s descendants, or an error naming one the driver holds in
 /// another state than running (another checkpoint has it, or left it so).
-pub fn cuda_descendants(drv: &DriverCheckpoint, root: i32) -> Result<Vec<i32>, NotRunning> {
+pub fn cuda_descendants(drv: &DriverCheckpoint, root: i32) -> Result<Vec<i32>, TreeError> {
     let mut out = Vec::new();
     for pid in descendants(root) {
-        match member(drv, pid) {
+        let m = member(drv, pid).map_err(|source| TreeError::Deadline { pid, source })?;
+        match m {
             Member::NoCuda => {}
             Member::Cuda(ProcessState::Running) => out.push(pid),
-            Member::Cuda(state) => return Err(NotRunning { pid, root, state }),
+            Member::Cuda(state) => return Err(NotRunning { pid, root, state }.into()),
         }
     }
     Ok(out)
+}
+
+/// Why the CUDA processes of a job's tree could not be listed.
+#[derive(Debug, thiserror::Error)]
+pub enum TreeError {
+    /// One is held by another checkpoint.
+    #[error(transparent)]
+    NotRunning(#[from] NotRunning),
+    /// The driver did not answer about one in time.
+    #[error("process {pid} of the job's tree: the driver did not answer in time")]
+    Deadline {
+        /// The process.
+        pid: i32,
+        /// The driver's call past its deadline.
+        #[source]
+        source: DriverCkptError,
+    },
 }
 
 /// The directories of the filesystem paths that `pids`' unix sockets are bound to (a socket's

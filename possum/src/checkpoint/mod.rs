@@ -295,11 +295,15 @@ pub struct GuardArgs {
     pub final_dir: PathBuf,
     #[arg(long)]
     pub socket_dir: PathBuf,
+    /// The job's GPU memory (for the deadline of a driver restore).
+    #[arg(long, default_value_t = 0)]
+    pub gpu_bytes: u64,
 }
 
 /// `possum checkpoint-guard`: undoes a checkpoint whose `possum checkpoint` failed or died (its
 /// steps read from stdin).
 pub fn guard(a: &GuardArgs) -> Result<bool> {
+    let env = Environment::read();
     let plan = GuardPlan {
         pid: a.pid,
         children: a.children.clone(),
@@ -307,7 +311,9 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
         tmp: a.tmp.clone(),
         final_dir: a.final_dir.clone(),
         socket_dir: a.socket_dir.clone(),
-        libcuda: Environment::read().libcuda,
+        libcuda: env.libcuda,
+        driver_deadlines: env.driver_deadlines,
+        gpu_bytes: a.gpu_bytes,
     };
     let tell = |m: &str| eprintln!("possum: {m}");
     Ok(possum_sequence::guard::guard(
