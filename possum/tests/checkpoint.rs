@@ -307,6 +307,11 @@ fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     let tmp = tempfile::tempdir().unwrap();
     let job = fake_job(tmp.path(), false);
     let img = tmp.path().join("img");
+    // What a checkpoint into the same DIR left when it and its guard were killed: removed.
+    let mut gone = Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let stale = tmp.path().join(format!(".img.possum-tmp-{}", gone.id()));
+    std::fs::create_dir_all(stale.join("gpu")).unwrap();
     let out = possum()
         .args(["checkpoint", &me(), "--gpu-only", "--json", "--socket-dir"])
         .arg(&job.sockets)
@@ -333,6 +338,15 @@ fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     assert_eq!(m["gpu_dir"], "gpu");
     assert!(m["criu_dir"].is_null());
     assert!(img.join("gpu/gpu-0/data-000.bin").is_file());
+    assert!(
+        !img.join(".possum-lock").exists(),
+        "the lock stays out of the image"
+    );
+    assert!(
+        text(&out).contains(&format!("removed {}", stale.display())),
+        "{}",
+        text(&out)
+    );
     assert!(
         leftovers(tmp.path()).is_empty(),
         "{:?}",

@@ -22,6 +22,7 @@ use crate::image::{
 };
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
+use crate::temps::{self, TempLock};
 use crate::{tree, Engine, Observer};
 
 /// How long the driver lock may wait for the job's submitted work.
@@ -140,7 +141,7 @@ pub fn checkpoint(
 ) -> Result<CheckpointReport, CheckpointError> {
     let t_all = Instant::now();
     let plan = plan(p)?;
-    let mut run = Run::start(plan)?;
+    let mut run = Run::start(plan, obs)?;
     let held = (|| -> Result<(), HoldError> {
         run.precopy(obs)?;
         run.cut(obs)?;
@@ -759,7 +760,7 @@ fn temp_sibling(dir: &Path) -> Result<PathBuf, PlanError> {
         dir: parent.to_path_buf(),
         source,
     })?;
-    Ok(parent.join(format!(".{name}.possum-tmp-{}", std::process::id())))
+    Ok(parent.join(temps::temp_name(&name, std::process::id())))
 }
 
 /// A checkpoint under way: the plan, its guard, and what each phase found.
@@ -767,6 +768,8 @@ struct Run<'a> {
     plan: Plan<'a>,
     /// The image's temporary directory (named `p.dir` at the commit).
     tmp: PathBuf,
+    /// Its lock, shared with the guard (see [`temps`]).
+    _lock: TempLock,
     guard: Guard,
     figures: CheckpointFigures,
     engine_report: Option<Reply<CheckpointReply>>,
@@ -791,14 +794,25 @@ struct Run<'a> {
 
 impl<'a> Run<'a> {
     /// Makes the temporary image directory and starts the guard.
-    fn start(plan: Plan<'a>) -> Result<Run<'a>, PlanError> {
+    fn start(plan: Plan<'a>, obs: &mut dyn Observer) -> Result<Run<'a>, PlanError> {
         let p = plan.p;
         let tmp = temp_sibling(&p.dir)?;
         let _ = fs::remove_dir_all(&tmp);
-        fs::create_dir_all(&tmp).map_err(|source| PlanError::TempDir {
+        let temp_dir_error = |source| PlanError::TempDir {
             dir: tmp.clone(),
             source,
-        })?;
+        };
+        fs::create_dir_all(&tmp).map_err(temp_dir_error)?;
+        let lock = TempLock::take(&tmp).map_err(temp_dir_error)?;
+        if let (Some(parent), Some(name)) = (tmp.parent(), p.dir.file_name()) {
+            for old in temps::sweep(parent, &name.to_string_lossy(), &tmp) {
+                obs.note(&format!(
+                    "removed {}: a checkpoint's temporary directory that nothing uses any more \
+                     (its possum and guard are gone)",
+                    old.display()
+                ));
+            }
+        }
         let guard_plan = GuardPlan {
             pid: p.pid,
             children: plan.children.clone(),
@@ -810,10 +824,15 @@ impl<'a> Run<'a> {
             driver_deadlines: p.env.driver_deadlines,
             gpu_bytes: gpu_memory_bytes(&plan.gpu_memory),
         };
-        let guard = Guard::start(&p.possum_exe, &guard_plan).map_err(PlanError::Guard)?;
+        // The guard inherits the lock: the directory stays in use while it may undo.
+        let guard = lock
+            .inherited_by(|| Guard::start(&p.possum_exe, &guard_plan))
+            .and_then(|started| started)
+            .map_err(PlanError::Guard)?;
         Ok(Run {
             plan,
             tmp,
+            _lock: lock,
             guard,
             figures: CheckpointFigures::default(),
             engine_report: None,
@@ -1130,6 +1149,8 @@ impl<'a> Run<'a> {
                 let _ = fs::remove_dir(dir);
                 fs::rename(tmp, dir)?;
             }
+            // The lock file was the temporary directory's, not the image's.
+            let _ = fs::remove_file(dir.join(temps::LOCK_FILE));
             // The new name made durable (best effort: the image is named now, whatever this
             // says).
             let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());

@@ -59,6 +59,7 @@ pub mod places;
 pub mod process;
 pub mod restore;
 mod stage;
+mod temps;
 pub mod tree;
 
 pub use checkpoint::{

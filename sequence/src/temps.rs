@@ -1,0 +1,184 @@
+//! A checkpoint's temporary image directory (`.NAME.possum-tmp-PID`, beside DIR): who may still
+//! use it, and removing those nobody can.
+//!
+//! possum holds a shared lock on a file in it ([`TempLock`]); the guard inherits the lock's
+//! descriptor, so the lock lives while either process does (the guard may still resume the job
+//! from the directory after possum died). A later checkpoint into the same DIR removes each
+//! sibling temporary directory whose maker is gone and whose lock nobody holds ([`sweep`]):
+//! what is left after possum and its guard were both killed, or the machine went down.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{flock, FlockOperation};
+use rustix::io::{fcntl_getfd, fcntl_setfd, FdFlags};
+
+use crate::process;
+
+/// The lock file's name in a temporary directory.
+pub(crate) const LOCK_FILE: &str = ".possum-lock";
+
+/// The name of DIR's temporary sibling made by process `pid`.
+pub(crate) fn temp_name(dir_name: &str, pid: u32) -> String {
+    format!("{}{pid}", prefix(dir_name))
+}
+
+fn prefix(dir_name: &str) -> String {
+    format!(".{dir_name}.possum-tmp-")
+}
+
+/// The shared lock on a temporary directory, held while it lives.
+#[derive(Debug)]
+pub(crate) struct TempLock(File);
+
+impl TempLock {
+    /// Creates the lock file in `tmp` (not through a symlink) and takes its shared lock.
+    pub(crate) fn take(tmp: &Path) -> io::Result<TempLock> {
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(tmp.join(LOCK_FILE))?;
+        flock(&f, FlockOperation::LockShared)?;
+        Ok(TempLock(f))
+    }
+
+    /// Runs `spawn` with the lock's descriptor inherited by the processes it starts (the
+    /// guard), then closed on exec again.
+    pub(crate) fn inherited_by<T>(&self, spawn: impl FnOnce() -> T) -> io::Result<T> {
+        let fd = self.0.as_fd();
+        let flags = fcntl_getfd(fd)?;
+        fcntl_setfd(fd, flags - FdFlags::CLOEXEC)?;
+        let out = spawn();
+        fcntl_setfd(fd, flags | FdFlags::CLOEXEC)?;
+        Ok(out)
+    }
+}
+
+/// Removes the temporary siblings of `dir` (in `parent`, named `dir_name`) that nobody uses: made
+/// by a process that is gone, and whose lock nobody holds (or that has none: its maker died
+/// before taking it, so no guard was started). `own` is left alone. Returns what was removed.
+pub(crate) fn sweep(parent: &Path, dir_name: &str, own: &Path) -> Vec<PathBuf> {
+    let prefix = prefix(dir_name);
+    let Ok(entries) = fs::read_dir(parent) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<i32>() else {
+            continue;
+        };
+        let path = e.path();
+        // A directory itself, never a symlink to one.
+        let is_dir = fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
+        if !is_dir || path == own || process::alive(pid) || in_use(&path) {
+            continue;
+        }
+        if fs::remove_dir_all(&path).is_ok() {
+            removed.push(path);
+        }
+    }
+    removed
+}
+
+/// Whether someone holds the lock of temporary directory `tmp`.
+fn in_use(tmp: &Path) -> bool {
+    let f = match OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(tmp.join(LOCK_FILE))
+    {
+        Ok(f) => f,
+        Err(e) => return e.kind() != io::ErrorKind::NotFound,
+    };
+    flock(&f, FlockOperation::NonBlockingLockExclusive).is_err()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    /// A pid no process has now.
+    fn dead_pid() -> i32 {
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id() as i32;
+        c.wait().unwrap();
+        pid
+    }
+
+    #[test]
+    fn only_temporary_directories_nobody_uses_are_removed() {
+        let root = tempfile::tempdir().unwrap();
+        let parent = root.path();
+        let dead = dead_pid();
+        let mk = |name: String| {
+            let p = parent.join(name);
+            fs::create_dir(&p).unwrap();
+            fs::write(p.join("data"), b"x").unwrap();
+            p
+        };
+        // Left by a dead checkpoint with no lock holder: removed.
+        let stale = mk(temp_name("img", dead as u32));
+        TempLock::take(&stale).unwrap(); // dropped at once: nobody holds it
+                                         // Made by a dead process but still locked (its guard lives): kept.
+        let guarded = mk(format!("{}{}", prefix("img"), dead_pid()));
+        let held = TempLock::take(&guarded).unwrap();
+        // Without a lock file, maker dead: removed.
+        let unlocked = mk(format!("{}{}", prefix("img"), dead_pid()));
+        // A live maker: kept, whatever its lock.
+        let live = mk(temp_name("img", std::process::id()));
+        // Another image's temporary directory, the image itself, and a symlink: kept.
+        let other = mk(temp_name("other", dead as u32));
+        let image = mk("img".to_string());
+        let target = mk("elsewhere".to_string());
+        let link = parent.join(format!("{}{}", prefix("img"), dead_pid()));
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let own = parent.join(temp_name("img", 1));
+
+        let mut removed = sweep(parent, "img", &own);
+        removed.sort();
+        let mut want = vec![stale.clone(), unlocked.clone()];
+        want.sort();
+        assert_eq!(removed, want);
+        for kept in [&guarded, &live, &other, &image, &target] {
+            assert!(kept.join("data").exists(), "{} kept", kept.display());
+        }
+        assert!(fs::symlink_metadata(&link).is_ok(), "the symlink is left");
+        drop(held);
+        assert_eq!(sweep(parent, "img", &own), vec![guarded]);
+    }
+
+    #[test]
+    fn the_lock_outlives_its_maker_in_a_process_that_inherited_it() {
+        let root = tempfile::tempdir().unwrap();
+        let tmp = root.path().join(temp_name("img", 2));
+        fs::create_dir(&tmp).unwrap();
+        let lock = TempLock::take(&tmp).unwrap();
+        let mut child = lock
+            .inherited_by(|| Command::new("sleep").arg("30").spawn().unwrap())
+            .unwrap();
+        drop(lock);
+        assert!(in_use(&tmp), "the child holds the inherited lock");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!in_use(&tmp), "nobody holds it now");
+        // Closed on exec again: a process started after `inherited_by` does not hold it.
+        let lock = TempLock::take(&tmp).unwrap();
+        lock.inherited_by(|| ()).unwrap();
+        let mut later = Command::new("sleep").arg("30").spawn().unwrap();
+        drop(lock);
+        assert!(!in_use(&tmp));
+        later.kill().unwrap();
+        later.wait().unwrap();
+    }
+}
