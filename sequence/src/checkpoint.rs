@@ -768,7 +768,7 @@ struct Run<'a> {
     plan: Plan<'a>,
     /// The image's temporary directory (named `p.dir` at the commit).
     tmp: PathBuf,
-    /// Its lock, shared with the guard (see [`temps`]).
+    /// possum's lock on it (the guard takes its own: see [`temps`]).
     _lock: TempLock,
     guard: Guard,
     figures: CheckpointFigures,
@@ -824,11 +824,7 @@ impl<'a> Run<'a> {
             driver_deadlines: p.env.driver_deadlines,
             gpu_bytes: gpu_memory_bytes(&plan.gpu_memory),
         };
-        // The guard inherits the lock: the directory stays in use while it may undo.
-        let guard = lock
-            .inherited_by(|| Guard::start(&p.possum_exe, &guard_plan))
-            .and_then(|started| started)
-            .map_err(PlanError::Guard)?;
+        let guard = Guard::start(&p.possum_exe, &guard_plan).map_err(PlanError::Guard)?;
         Ok(Run {
             plan,
             tmp,

@@ -13,6 +13,7 @@ use crate::config::DriverDeadlines;
 use crate::image::{child_gpu_dir, MANIFEST};
 use crate::job::JOB_TIMEOUT;
 use crate::process::alive;
+use crate::temps::TempLock;
 
 /// What `possum checkpoint` tells its guard, each before it is taken (so that a `possum` killed
 /// inside a step still gets it undone), one name per line.
@@ -148,6 +149,9 @@ pub struct GuardPlan {
 /// The guard: reads the steps done from `steps` (the checkpoint's pipe); at end of input without
 /// `done`, undoes them, telling `tell` what it does. Whether there was nothing to undo.
 pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
+    // The temporary directory is in use while this guard may undo from it: a later checkpoint
+    // into the same DIR leaves it alone (`temps::sweep`). None if it is not there (yet).
+    let _in_use = TempLock::take(&a.tmp).ok();
     let mut seen = Vec::new();
     for line in steps.lines() {
         let Ok(line) = line else { break };

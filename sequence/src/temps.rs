@@ -1,20 +1,18 @@
 //! A checkpoint's temporary image directory (`.NAME.possum-tmp-PID`, beside DIR): who may still
 //! use it, and removing those nobody can.
 //!
-//! possum holds a shared lock on a file in it ([`TempLock`]); the guard inherits the lock's
-//! descriptor, so the lock lives while either process does (the guard may still resume the job
-//! from the directory after possum died). A later checkpoint into the same DIR removes each
-//! sibling temporary directory whose maker is gone and whose lock nobody holds ([`sweep`]):
-//! what is left after possum and its guard were both killed, or the machine went down.
+//! possum and its guard each hold a shared lock on a file in it ([`TempLock`]), so it is in use
+//! while either lives (the guard may still resume the job from the directory after possum
+//! died). A later checkpoint into the same DIR removes each sibling temporary directory whose
+//! maker is gone and whose lock nobody holds ([`sweep`]): what is left after possum and its
+//! guard were both killed, or the machine went down.
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::AsFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{flock, FlockOperation};
-use rustix::io::{fcntl_getfd, fcntl_setfd, FdFlags};
 
 use crate::process;
 
@@ -32,7 +30,10 @@ fn prefix(dir_name: &str) -> String {
 
 /// The shared lock on a temporary directory, held while it lives.
 #[derive(Debug)]
-pub(crate) struct TempLock(File);
+pub(crate) struct TempLock {
+    /// Holds the lock until dropped.
+    _file: File,
+}
 
 impl TempLock {
     /// Creates the lock file in `tmp` (not through a symlink) and takes its shared lock.
@@ -45,18 +46,7 @@ impl TempLock {
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(tmp.join(LOCK_FILE))?;
         flock(&f, FlockOperation::LockShared)?;
-        Ok(TempLock(f))
-    }
-
-    /// Runs `spawn` with the lock's descriptor inherited by the processes it starts (the
-    /// guard), then closed on exec again.
-    pub(crate) fn inherited_by<T>(&self, spawn: impl FnOnce() -> T) -> io::Result<T> {
-        let fd = self.0.as_fd();
-        let flags = fcntl_getfd(fd)?;
-        fcntl_setfd(fd, flags - FdFlags::CLOEXEC)?;
-        let out = spawn();
-        fcntl_setfd(fd, flags | FdFlags::CLOEXEC)?;
-        Ok(out)
+        Ok(TempLock { _file: f })
     }
 }
 
@@ -91,7 +81,7 @@ pub(crate) fn sweep(parent: &Path, dir_name: &str, own: &Path) -> Vec<PathBuf> {
 }
 
 /// Whether someone holds the lock of temporary directory `tmp`.
-fn in_use(tmp: &Path) -> bool {
+pub(crate) fn in_use(tmp: &Path) -> bool {
     let f = match OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_NOFOLLOW)
@@ -159,26 +149,68 @@ mod tests {
     }
 
     #[test]
-    fn the_lock_outlives_its_maker_in_a_process_that_inherited_it() {
+    fn a_directory_is_in_use_while_any_holder_keeps_its_lock() {
         let root = tempfile::tempdir().unwrap();
         let tmp = root.path().join(temp_name("img", 2));
         fs::create_dir(&tmp).unwrap();
-        let lock = TempLock::take(&tmp).unwrap();
-        let mut child = lock
-            .inherited_by(|| Command::new("sleep").arg("30").spawn().unwrap())
-            .unwrap();
-        drop(lock);
-        assert!(in_use(&tmp), "the child holds the inherited lock");
-        child.kill().unwrap();
-        child.wait().unwrap();
-        assert!(!in_use(&tmp), "nobody holds it now");
-        // Closed on exec again: a process started after `inherited_by` does not hold it.
-        let lock = TempLock::take(&tmp).unwrap();
-        lock.inherited_by(|| ()).unwrap();
-        let mut later = Command::new("sleep").arg("30").spawn().unwrap();
-        drop(lock);
+        assert!(!in_use(&tmp), "no lock file: nobody");
+        let possum = TempLock::take(&tmp).unwrap();
+        let guard = TempLock::take(&tmp).unwrap();
+        assert!(in_use(&tmp));
+        drop(possum);
+        assert!(in_use(&tmp), "the guard still holds it");
+        drop(guard);
         assert!(!in_use(&tmp));
-        later.kill().unwrap();
-        later.wait().unwrap();
+    }
+
+    /// Steps that, when the guard reads them, say whether the directory was in use then.
+    struct Watched<'a> {
+        tmp: &'a Path,
+        seen: &'a std::cell::Cell<Option<bool>>,
+        text: io::Cursor<&'static [u8]>,
+    }
+
+    impl io::Read for Watched<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.seen.get().is_none() {
+                self.seen.set(Some(in_use(self.tmp)));
+            }
+            self.text.read(buf)
+        }
+    }
+
+    #[test]
+    fn the_guard_holds_the_directory_while_it_may_undo() {
+        let root = tempfile::tempdir().unwrap();
+        let tmp = root.path().join(temp_name("img", 3));
+        fs::create_dir(&tmp).unwrap();
+        let plan = crate::guard::GuardPlan {
+            pid: dead_pid(),
+            children: Vec::new(),
+            possum_children: Vec::new(),
+            tmp: tmp.clone(),
+            final_dir: root.path().join("img"),
+            socket_dir: root.path().join("sockets"),
+            libcuda: String::new(),
+            driver_deadlines: Default::default(),
+            gpu_bytes: 0,
+        };
+        let seen = std::cell::Cell::new(None);
+        let steps = Watched {
+            tmp: &tmp,
+            seen: &seen,
+            text: io::Cursor::new(b"done\n"),
+        };
+        assert!(crate::guard::guard(
+            &plan,
+            io::BufReader::new(steps),
+            &|_| ()
+        ));
+        assert_eq!(
+            seen.get(),
+            Some(true),
+            "locked while the guard read its steps"
+        );
+        assert!(!in_use(&tmp), "released when it ended");
     }
 }
