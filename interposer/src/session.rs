@@ -996,7 +996,9 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeR
                 "restore",
                 json!({"device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
                        "ms": ms(r.elapsed), "on_demand": false, "staged": r.staged,
-                       "staged_fallback": r.staged_fallback}),
+                       "staged_fallback": r.staged_fallback,
+                       "job_waited_ms": ms(r.job_waited),
+                       "waited_on": waited_on(ordinal, &r.waited_on)}),
             );
             out.push(ordinal);
             continue;

@@ -250,6 +250,9 @@ fn restored_goes_on_before_exit(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2]) 
     goes_on_like(job, dir, "restored", want, "restored");
     let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
     assert_eq!(back["buffers"], 3, "{back}");
+    // Once every buffer is back: how long the job waited for them, and on which.
+    assert!(back["job_waited_ms"].as_f64().is_some(), "{back}");
+    assert!(back["waited_on"].as_array().is_some(), "{back}");
 }
 
 /// The restored `job` exits cleanly when asked.
@@ -423,6 +426,8 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     );
     let restore_time = t.elapsed();
     assert_eq!(r["pid"], pid, "{r}");
+    // Its buffers come back on demand as it runs: its waits on them are not known yet.
+    assert_eq!(r["figures"]["job_waited_ms"], Value::Null, "{r}");
     assert_eq!(
         r["recreated_socket_dirs"],
         serde_json::json!([sockets]),

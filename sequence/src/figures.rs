@@ -265,6 +265,11 @@ pub struct RestoreFigures {
     /// The whole command.
     #[serde(rename = "total_ms", serialize_with = "as_ms")]
     pub total: Duration,
+    /// How long the restored job waited for buffers not yet back: 0 when every buffer was back
+    /// before it ran again; `None` (null) while they come back on demand, not known when the
+    /// command returns (the job's `possum status` counts it once they are all back).
+    #[serde(rename = "job_waited_ms", serialize_with = "ms_or_null")]
+    pub job_waited: Option<Duration>,
 }
 
 #[cfg(test)]
@@ -337,7 +342,7 @@ mod tests {
         assert_eq!(
             v,
             json!({"criu_restore_ms": 4.0, "hostmem_fill_ms": 1.25, "hostmem_fill_bytes": 7,
-                   "prepare_ms": 0.0, "total_ms": 0.0})
+                   "prepare_ms": 0.0, "total_ms": 0.0, "job_waited_ms": null})
         );
     }
 }
