@@ -1440,3 +1440,31 @@ fn a_job_that_only_reads_during_a_checkpoint_never_waits() {
     assert!(rep.waited_on.is_empty(), "{rep:?}");
     job.sync().unwrap();
 }
+
+#[test]
+fn a_free_of_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
+    let p = demo_program(21);
+    // As above: the copier stalls in the first buffer; the freed one is saved into a shadow
+    // first, and the free waits for that copy.
+    let e = engine(small_cfg(1024, 2, 64 << 20));
+    let job = HostJob::new(&e, &p).unwrap();
+    let victim = job.buffers().iter().max_by_key(|b| b.va()).unwrap().clone();
+    let want = e.device().read_now(victim.va(), victim.size()).unwrap();
+    let store = Arc::new(MemStore::new());
+    let sink = Arc::new(GatedSink(
+        store.clone(),
+        Default::default(),
+        Default::default(),
+    ));
+    let ck = e.checkpoint(sink.clone(), false).unwrap();
+    e.free(victim.va()).unwrap();
+    sink.open();
+    let rep = ck.wait().unwrap();
+    assert_eq!(store.buffer_bytes(victim.id()).unwrap(), want);
+    assert_eq!(
+        rep.waited_on.iter().map(|w| w.id).collect::<Vec<_>>(),
+        vec![victim.id()],
+        "{rep:?}"
+    );
+    assert!(rep.job_waited > Duration::ZERO, "{rep:?}");
+}

@@ -331,6 +331,23 @@ mod tests {
     }
 
     #[test]
+    fn the_longest_waits_come_first_and_at_most_top() {
+        let w = |device, id, ms| WaitedOn {
+            device,
+            id,
+            va: id << 12,
+            size: 4096,
+            ms,
+        };
+        let all = vec![w(0, 1, 1.0), w(1, 2, 3.0), w(0, 3, 2.0), w(0, 4, 3.0)];
+        let top: Vec<(usize, u64)> = longest_waits(all, 3)
+            .iter()
+            .map(|w| (w.device, w.id))
+            .collect();
+        assert_eq!(top, [(0, 4), (1, 2), (0, 3)]);
+    }
+
+    #[test]
     fn restore_figures_keep_their_keys() {
         let f = RestoreFigures {
             criu_restore: Some(Duration::from_millis(4)),
