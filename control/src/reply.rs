@@ -333,6 +333,34 @@ pub struct DeviceCopy {
     /// The committed image's buffers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_buffers: Option<u64>,
+    /// A save: milliseconds the job waited on it after it ran again (its threads blocked by
+    /// copy-on-write, and its streams waiting for a buffer's copy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job_waited_ms: Option<f64>,
+    /// A save: the buffers the job waited on longest, longest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waited_on: Option<Vec<WaitedOn>>,
+}
+
+/// A buffer the job waited on, and how long.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct WaitedOn {
+    /// The device ordinal.
+    #[serde(deserialize_with = "null_default")]
+    pub device: usize,
+    /// The buffer's id.
+    #[serde(deserialize_with = "null_default")]
+    pub id: u64,
+    /// Its device address.
+    #[serde(deserialize_with = "null_default")]
+    pub va: u64,
+    /// Its size in bytes.
+    #[serde(deserialize_with = "null_default")]
+    pub size: u64,
+    /// Milliseconds the job waited on it.
+    #[serde(deserialize_with = "null_default")]
+    pub ms: f64,
 }
 
 /// The answer to `Release` and `ReleaseKeeping`.
@@ -667,6 +695,14 @@ mod tests {
             gb_per_s: Some(12.5),
             image_bytes: Some(512),
             image_buffers: Some(3),
+            job_waited_ms: Some(2.5),
+            waited_on: Some(vec![WaitedOn {
+                device,
+                id: 7,
+                va: 0x7000,
+                size: 4096,
+                ms: 2.5,
+            }]),
         }
     }
 

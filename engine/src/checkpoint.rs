@@ -36,7 +36,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::device::{DevPtr, Device, HostBuffer, Transfer};
 use crate::engine::{Access, Counters, EngineError, Inner, Phase};
 use crate::registry::Buffer;
-use crate::session::{BlockedTime, SessionHandle};
+use crate::session::{BlockedTime, JobWaits, SessionHandle, WaitedOn};
 use crate::staging::StagingPool;
 use crate::store::{BufferRecord, ChunkSink, ShadowSaver};
 
@@ -173,7 +173,16 @@ pub struct CheckpointReport {
     pub hook_blocked_max: Duration,
     /// Waits enqueued on the job's streams.
     pub stream_waits: u64,
+    /// The time the job waited on this checkpoint after T0: its threads blocked in the hook
+    /// (copy-on-write, a free of a buffer not yet read), plus, for each wait enqueued on one of
+    /// its streams, the time from the enqueue until the copy it waits for was seen complete.
+    pub job_waited: Duration,
+    /// The buffers the job waited on longest (at most [`crate::WAITED_ON_TOP`]), longest first.
+    pub waited_on: Vec<WaitedOn>,
 }
+
+/// A wait enqueued on a job's stream: the slot, when, and the event the stream waits for.
+type StreamWait<D> = (usize, Instant, <D as Device>::Event);
 
 /// A checkpoint under way.
 pub type CheckpointHandle = SessionHandle<CheckpointReport>;
@@ -198,6 +207,12 @@ pub(crate) struct CkptSession<D: Device> {
     snapshot_shadows: AtomicU64,
     blocked: BlockedTime,
     stream_waits: AtomicU64,
+    /// What the job waited on.
+    waits: JobWaits,
+    /// Waits enqueued on the job's streams, to the thread that times them (until the copies are
+    /// all complete).
+    stream_wait_tx: Mutex<Option<Sender<StreamWait<D>>>>,
+    stream_wait_rx: Mutex<Option<Receiver<StreamWait<D>>>>,
     counters: Arc<Counters>,
     started: Instant,
     /// Saves shadows without the staging, when given.
@@ -267,6 +282,7 @@ impl<D: Device> CkptSession<D> {
         }
         inner.fence_job_streams()?;
         let (writer_tx, writer_rx) = unbounded();
+        let (stream_wait_tx, stream_wait_rx) = unbounded();
         let shared = Arc::new(Shared {
             sink: RwLock::new(Some(sink)),
             pool: Arc::clone(&inner.pool),
@@ -323,6 +339,9 @@ impl<D: Device> CkptSession<D> {
             snapshot_shadows: AtomicU64::new(0),
             blocked: BlockedTime::default(),
             stream_waits: AtomicU64::new(0),
+            waits: JobWaits::default(),
+            stream_wait_tx: Mutex::new(Some(stream_wait_tx)),
+            stream_wait_rx: Mutex::new(Some(stream_wait_rx)),
             counters: Arc::clone(&inner.counters),
             started: Instant::now(),
             shadow_saver,
@@ -576,8 +595,12 @@ impl<D: Device> CkptSession<D> {
             if !write || slot.safe.load(Ordering::Acquire) {
                 return Ok(());
             }
+            let t_buf = Instant::now();
             let (ev, b) = self.make_safe(i);
-            blocked |= b;
+            if b {
+                blocked = true;
+                self.waits.record(&slot.buf, t_buf.elapsed());
+            }
             if let Some(ev) = ev {
                 // Without the query's answer or the stream's wait, the job's write may run
                 // before the buffer's copy has read it: the checkpoint fails (closed).
@@ -587,6 +610,9 @@ impl<D: Device> CkptSession<D> {
                         return Ok(());
                     }
                     self.dev.wait_event(stream, &ev)?;
+                    if let Some(tx) = self.stream_wait_tx.lock().as_ref() {
+                        let _ = tx.send((i, Instant::now(), ev.clone()));
+                    }
                     self.stream_waits.fetch_add(1, Ordering::Relaxed);
                     self.counters.stream_waits.fetch_add(1, Ordering::Relaxed);
                     Ok(())
@@ -633,16 +659,48 @@ impl<D: Device> CkptSession<D> {
 
     /// Before the job frees `buf`: its T0 contents must have been read.
     pub(crate) fn settle_before_free(&self, buf: &Buffer) -> Result<(), EngineError> {
-        if let Some(&i) = self.index.get(&buf.id()) {
-            if let (Some(ev), _) = self.make_safe(i) {
+        let Some(&i) = self.index.get(&buf.id()) else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let (ev, mut waited) = self.make_safe(i);
+        if let Some(ev) = ev {
+            if !self.dev.event_query(&ev)? {
                 self.dev.event_synchronize(&ev)?;
+                waited = true;
             }
+        }
+        if waited {
+            self.waits.record(&self.slots[i].buf, t.elapsed());
         }
         Ok(())
     }
 
+    /// Times the waits enqueued on the job's streams: each from its enqueue until its copy is
+    /// seen complete from here (in the order they were enqueued).
+    fn time_stream_waits(&self, rx: Receiver<StreamWait<D>>) {
+        for (i, since, ev) in rx {
+            if self.dev.event_synchronize(&ev).is_ok() {
+                self.waits.record(&self.slots[i].buf, since.elapsed());
+            }
+        }
+    }
+
     /// The copier: saves every slot nobody saved yet, then waits for the writers.
     fn run(&self) -> Result<CheckpointReport, EngineError> {
+        let rx = self.stream_wait_rx.lock().take();
+        let captured = std::thread::scope(|scope| {
+            if let Some(rx) = rx {
+                scope.spawn(move || self.time_stream_waits(rx));
+            }
+            self.copy_all()
+        });
+        self.finish(captured)
+    }
+
+    /// Enqueues the copy of every slot nobody saved yet and waits until the device memory is
+    /// captured: how long that took since T0. No wait is enqueued on a job's stream after it.
+    fn copy_all(&self) -> Duration {
         let n = self.copy_streams.len();
         std::thread::scope(|scope| {
             // Shadows the saver takes are handed to a few threads, so that the saver always has
@@ -713,7 +771,13 @@ impl<D: Device> CkptSession<D> {
                 self.shared.fail(e);
             }
         }
-        let captured = self.started.elapsed();
+        // Every copy has completed: a job's stream has nothing left to wait for.
+        self.stream_wait_tx.lock().take();
+        self.started.elapsed()
+    }
+
+    /// Waits for the writers and reports.
+    fn finish(&self, captured: Duration) -> Result<CheckpointReport, EngineError> {
         if self.failed() {
             for slot in &self.slots {
                 let mut st = slot.state.lock();
@@ -756,6 +820,7 @@ impl<D: Device> CkptSession<D> {
             return Err(EngineError::Failed(format!("checkpoint failed: {e}")));
         }
         let (hook_blocked, hook_blocked_total, hook_blocked_max) = self.blocked.totals();
+        let (job_waited, waited_on) = self.waits.report();
         Ok(CheckpointReport {
             buffers: self.slots.len(),
             bytes: self.shared.bytes.load(Ordering::Relaxed),
@@ -770,6 +835,8 @@ impl<D: Device> CkptSession<D> {
             hook_blocked_total,
             hook_blocked_max,
             stream_waits: self.stream_waits.load(Ordering::Relaxed),
+            job_waited,
+            waited_on,
         })
     }
 

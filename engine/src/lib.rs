@@ -20,4 +20,4 @@ pub use checkpoint::{CheckpointHandle, CheckpointReport};
 pub use engine::{Access, Engine, EngineConfig, EngineError, OpGuard, RoundReport, Stats};
 pub use registry::{Buffer, Residency};
 pub use restore::{RestoreHandle, RestoreReport, Staged, StagedMemory};
-pub use session::SessionHandle;
+pub use session::{SessionHandle, WaitedOn, WAITED_ON_TOP};

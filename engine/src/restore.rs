@@ -34,7 +34,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::device::{Device, DeviceError, HostBuffer, Transfer};
 use crate::engine::{Access, Counters, EngineError, Inner, Phase};
 use crate::registry::{Buffer, Residency};
-use crate::session::{BlockedTime, SessionHandle};
+use crate::session::{BlockedTime, JobWaits, SessionHandle, WaitedOn};
 use crate::staging::StagingPool;
 use crate::store::ChunkSource;
 
@@ -163,6 +163,11 @@ pub struct RestoreReport {
     /// Staged buffers copied in here after all (the owner did not load them, or their memory
     /// could not be mapped).
     pub staged_fallback: u64,
+    /// The time the job's threads waited in the hook for buffers not yet back (or still being
+    /// copied in when freed).
+    pub job_waited: Duration,
+    /// The buffers the job waited on longest (at most [`crate::WAITED_ON_TOP`]), longest first.
+    pub waited_on: Vec<WaitedOn>,
 }
 
 /// A restore under way.
@@ -192,6 +197,7 @@ pub(crate) struct RestoreSession<D: Device> {
     on_demand: AtomicU64,
     prefetched: AtomicU64,
     blocked: BlockedTime,
+    waits: JobWaits,
     counters: Arc<Counters>,
     started: Instant,
     /// Test hook: the prefetcher waits this long before starting each buffer of the frontier
@@ -328,6 +334,7 @@ impl<D: Device> RestoreSession<D> {
             on_demand: AtomicU64::new(0),
             prefetched: AtomicU64::new(0),
             blocked: BlockedTime::default(),
+            waits: JobWaits::default(),
             counters: Arc::clone(&inner.counters),
             started: Instant::now(),
             prefetch_delay: inner.cfg.prefetch_delay,
@@ -756,7 +763,11 @@ impl<D: Device> RestoreSession<D> {
             let Some(&i) = self.index.get(&b.id()) else {
                 return Ok(());
             };
-            blocked |= self.want(i)?;
+            let t_buf = Instant::now();
+            if self.want(i)? {
+                blocked = true;
+                self.waits.record(&self.slots[i].buf, t_buf.elapsed());
+            }
             Ok(())
         };
         let r = match access {
@@ -777,10 +788,16 @@ impl<D: Device> RestoreSession<D> {
             return Ok(());
         };
         let slot = &self.slots[i];
+        let t = Instant::now();
         let mut st = slot.state.lock();
         loop {
             match &*st {
-                RsState::Busy => slot.cv.wait(&mut st),
+                RsState::Busy => {
+                    slot.cv.wait(&mut st);
+                    if !matches!(*st, RsState::Busy) {
+                        self.waits.record(&slot.buf, t.elapsed());
+                    }
+                }
                 RsState::Pending => {
                     // Never restore a buffer that is being freed; memory the owner prepared
                     // for it goes back.
@@ -812,6 +829,7 @@ impl<D: Device> RestoreSession<D> {
             return Err(EngineError::Failed(format!("restore failed: {e}")));
         }
         let (hook_blocked, hook_blocked_total, hook_blocked_max) = self.blocked.totals();
+        let (job_waited, waited_on) = self.waits.report();
         Ok(RestoreReport {
             buffers: self.slots.len(),
             bytes: self.bytes.load(Ordering::Relaxed),
@@ -824,6 +842,8 @@ impl<D: Device> RestoreSession<D> {
             hook_blocked_max,
             staged: self.staged_done.load(Ordering::Relaxed),
             staged_fallback: self.staged_fallback.load(Ordering::Relaxed),
+            job_waited,
+            waited_on,
         })
     }
 }

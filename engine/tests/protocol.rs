@@ -244,6 +244,12 @@ fn an_operation_overtakes_the_prefetcher() {
         rr.on_demand >= 1,
         "the operation's buffer was restored on demand: {rr:?}"
     );
+    assert_eq!(
+        rr.waited_on.iter().map(|w| w.id).collect::<Vec<_>>(),
+        vec![last.id],
+        "the job waited on the buffer it wrote, only: {rr:?}"
+    );
+    assert!(rr.job_waited > Duration::ZERO, "{rr:?}");
     let mut r = Reference::new(&p);
     r.run(&op);
     assert_eq!(job.contents().unwrap(), r.bufs);
@@ -1342,4 +1348,123 @@ fn a_staged_restore_with_memory_of_the_wrong_size_copies_everything() {
     assert!(job.contents().unwrap() == want.bufs);
     assert_eq!((rr.staged, rr.staged_fallback), (0, 0), "{rr:?}");
     assert_eq!(staged.waits.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_write_to_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
+    let p = demo_program(19);
+    // Every buffer is several chunks: the copier stalls in the first buffer (lowest address) once
+    // both staging buffers wait at the closed sink; a write of another buffer is saved by a
+    // shadow and waits for it.
+    let e = engine(small_cfg(1024, 2, 64 << 20));
+    let mut job = HostJob::new(&e, &p).unwrap();
+    let before = job.contents().unwrap();
+    let idx = (0..job.buffers().len())
+        .max_by_key(|&i| job.buffers()[i].va())
+        .unwrap();
+    let target = job.buffers()[idx].clone();
+    let store = Arc::new(MemStore::new());
+    let sink = Arc::new(GatedSink(
+        store.clone(),
+        Default::default(),
+        Default::default(),
+    ));
+    let ck = e.checkpoint(sink.clone(), false).unwrap();
+    let op = possum_workloads::program::Op {
+        stream: 0,
+        reads: vec![],
+        writes: vec![idx],
+        salt: 7,
+    };
+    job.reset_deps();
+    job.issue(&op).unwrap();
+    job.sync().unwrap();
+    sink.open();
+    let rep = ck.wait().unwrap();
+    assert_eq!(
+        image_of(&store, &job),
+        before,
+        "the image is the state at T0"
+    );
+    assert_eq!(
+        rep.waited_on
+            .iter()
+            .map(|w| (w.id, w.va, w.size))
+            .collect::<Vec<_>>(),
+        vec![(target.id(), target.va().0, target.size())],
+        "{rep:?}"
+    );
+    assert!(rep.job_waited > Duration::ZERO, "{rep:?}");
+    assert!(rep.waited_on[0].waited > Duration::ZERO, "{rep:?}");
+    assert!(rep.job_waited >= rep.waited_on[0].waited, "{rep:?}");
+}
+
+#[test]
+fn a_job_that_only_reads_during_a_checkpoint_never_waits() {
+    let p = demo_program(20);
+    let e = engine(small_cfg(1024, 2, 0));
+    let job = HostJob::new(&e, &p).unwrap();
+    let before = job.contents().unwrap();
+    let store = Arc::new(MemStore::new());
+    let sink = Arc::new(GatedSink(
+        store.clone(),
+        Default::default(),
+        Default::default(),
+    ));
+    let ck = e.checkpoint(sink.clone(), false).unwrap();
+    // An operation that reads every buffer of the checkpoint while the copier is stalled, and
+    // writes only a buffer allocated after T0 (not in the checkpoint).
+    let extra = e.alloc(4096).unwrap();
+    let s = possum_engine::device::Device::create_stream(
+        &**e.device(),
+        possum_engine::device::StreamPriority::Normal,
+    )
+    .unwrap();
+    e.register_stream(s.clone());
+    let reads: Vec<_> = job.buffers().to_vec();
+    let writes = vec![extra.clone()];
+    let g = e
+        .before_op(
+            &s,
+            Access::Known {
+                reads: &reads,
+                writes: &writes,
+            },
+        )
+        .unwrap();
+    drop(g);
+    sink.open();
+    let rep = ck.wait().unwrap();
+    assert_eq!(image_of(&store, &job), before);
+    assert_eq!(rep.job_waited, Duration::ZERO, "{rep:?}");
+    assert!(rep.waited_on.is_empty(), "{rep:?}");
+    job.sync().unwrap();
+}
+
+#[test]
+fn a_free_of_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
+    let p = demo_program(21);
+    // As above: the copier stalls in the first buffer; the freed one is saved into a shadow
+    // first, and the free waits for that copy.
+    let e = engine(small_cfg(1024, 2, 64 << 20));
+    let job = HostJob::new(&e, &p).unwrap();
+    let victim = job.buffers().iter().max_by_key(|b| b.va()).unwrap().clone();
+    let want = e.device().read_now(victim.va(), victim.size()).unwrap();
+    let store = Arc::new(MemStore::new());
+    let sink = Arc::new(GatedSink(
+        store.clone(),
+        Default::default(),
+        Default::default(),
+    ));
+    let ck = e.checkpoint(sink.clone(), false).unwrap();
+    e.free(victim.va()).unwrap();
+    sink.open();
+    let rep = ck.wait().unwrap();
+    assert_eq!(store.buffer_bytes(victim.id()).unwrap(), want);
+    assert_eq!(
+        rep.waited_on.iter().map(|w| w.id).collect::<Vec<_>>(),
+        vec![victim.id()],
+        "{rep:?}"
+    );
+    assert!(rep.job_waited > Duration::ZERO, "{rep:?}");
 }

@@ -219,6 +219,19 @@ fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The buffers of device `device` a session's job waited on, as replies name them.
+fn waited_on(device: usize, w: &[possum_engine::WaitedOn]) -> Vec<possum_control::reply::WaitedOn> {
+    w.iter()
+        .map(|w| possum_control::reply::WaitedOn {
+            device,
+            id: w.id,
+            va: w.va,
+            size: w.size,
+            ms: ms(w.waited),
+        })
+        .collect()
+}
+
 /// Sets `key` of the last session's figures to `v`.
 fn note_last(key: &str, v: Value) {
     let mut last = LAST.lock();
@@ -983,7 +996,9 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeR
                 "restore",
                 json!({"device": ordinal, "buffers": r.buffers, "bytes": r.bytes,
                        "ms": ms(r.elapsed), "on_demand": false, "staged": r.staged,
-                       "staged_fallback": r.staged_fallback}),
+                       "staged_fallback": r.staged_fallback,
+                       "job_waited_ms": ms(r.job_waited),
+                       "waited_on": waited_on(ordinal, &r.waited_on)}),
             );
             out.push(ordinal);
             continue;
@@ -1000,6 +1015,8 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeR
                         "ms": ms(r.elapsed), "on_demand": r.on_demand, "prefetched": r.prefetched,
                         "helped_chunks": r.helped_chunks, "hook_blocked": r.hook_blocked, "hook_blocked_ms": ms(r.hook_blocked_total),
                         "staged": r.staged, "staged_fallback": r.staged_fallback,
+                        "job_waited_ms": ms(r.job_waited),
+                        "waited_on": waited_on(ordinal, &r.waited_on),
                         })
                     }
                     Err(err) => {
@@ -1342,6 +1359,8 @@ fn finish_save(saves: Saves) {
                     shadows_saved_by_keeper: Some(r.shadows_saved_elsewhere),
                     image_bytes: Some(summary.data_file_bytes),
                     gb_per_s: Some(r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9),
+                    job_waited_ms: Some(ms(r.job_waited)),
+                    waited_on: Some(waited_on(ordinal, &r.waited_on)),
                     ..DeviceCopy::default()
                 }),
                 Err(e) => failed = failed.or(Some(e)),

@@ -250,6 +250,9 @@ fn restored_goes_on_before_exit(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2]) 
     goes_on_like(job, dir, "restored", want, "restored");
     let back = restored_buffers(job.pid as u32, &dir.join("sockets"));
     assert_eq!(back["buffers"], 3, "{back}");
+    // Once every buffer is back: how long the job waited for them, and on which.
+    assert!(back["job_waited_ms"].as_f64().is_some(), "{back}");
+    assert!(back["waited_on"].as_array().is_some(), "{back}");
 }
 
 /// The restored `job` exits cleanly when asked.
@@ -376,6 +379,10 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         "{v}"
     );
     assert!(v["figures"]["criu_dump_ms"].as_f64().is_some(), "{v}");
+    // Its buffers come back on demand after it runs again: what it waits on them is not known
+    // when the command returns, and the stall is the hold.
+    assert_eq!(v["figures"]["job_waited_ms"], Value::Null, "{v}");
+    assert_eq!(v["figures"]["stall_ms"], v["figures"]["hold_ms"], "{v}");
     // The image: possum's manifest, the GPU image, CRIU's.
     assert!(img.join("possum.json").is_file());
     assert!(img.join("gpu/gpu-0").is_dir());
@@ -419,6 +426,8 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     );
     let restore_time = t.elapsed();
     assert_eq!(r["pid"], pid, "{r}");
+    // Its buffers come back on demand as it runs: its waits on them are not known yet.
+    assert_eq!(r["figures"]["job_waited_ms"], Value::Null, "{r}");
     assert_eq!(
         r["recreated_socket_dirs"],
         serde_json::json!([sockets]),
@@ -632,6 +641,7 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
     let saved = &v["saved_report"][0]["report"]["saved"][0];
     assert_eq!(saved["snapshot_shadows"], 0, "{v}");
     assert_eq!(saved["buffers"], 4, "{v}");
+    stall_is_hold_and_waits(&v);
     goes_on_like(&mut job, dir, "kept", &want, "kept, left running");
 
     let img2 = dir.join("img-killed");
@@ -763,6 +773,7 @@ fn a_job_freeing_all_the_time_is_kept_and_restored_from_its_keeper_bit_exact() {
     let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
     let v = checkpoint_left_running(dir, job.pid, &dir.join("img-kept"), &job);
     assert_eq!(v["kept"], serde_json::json!([job.pid]), "{v}");
+    stall_is_hold_and_waits(&v);
     goes_on_like(&mut job, dir, "kept", &want, "kept, left running");
 
     let mut job = {
@@ -871,6 +882,30 @@ fn a_restored_job_whose_stderr_was_a_pipe_writes_to_the_restore_s() {
 }
 
 /// `possum checkpoint PID --json -D IMG --socket-dir DIR/sockets`, with `extra` flags.
+/// A kept checkpoint's figures: the time the job waited on the saves (each device's
+/// `job_waited_ms`, known once saved) counted in the stall, with the hold.
+fn stall_is_hold_and_waits(v: &Value) {
+    let f = &v["figures"];
+    let ms = |x: &Value| {
+        x.as_f64()
+            .unwrap_or_else(|| panic!("not a number: {x} in {v}"))
+    };
+    let saves: f64 = v["saved_report"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["report"]["saved"].as_array().unwrap())
+        .map(|d| ms(&d["job_waited_ms"]))
+        .sum();
+    let waited = ms(&f["job_waited_ms"]);
+    assert!((waited - saves).abs() < 0.01, "{v}");
+    assert!(
+        (ms(&f["stall_ms"]) - (ms(&f["hold_ms"]) + waited)).abs() < 0.01,
+        "{v}"
+    );
+    assert!(f["waited_on"].is_array(), "{v}");
+}
+
 fn checkpoint_cmd(dir: &Path, pid: i32, img: &Path, extra: &[&str]) -> Command {
     let mut c = possum(dir);
     c.args(["checkpoint", &pid.to_string(), "--json"])

@@ -13,7 +13,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::config::{Environment, HostmemSplit};
-use crate::figures::{timed, CheckpointFigures, HostmemFigures, LeftWhole};
+use crate::figures::{
+    longest_waits, timed, CheckpointFigures, HostmemFigures, LeftWhole, WAITED_ON_TOP,
+};
 use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
@@ -1214,6 +1216,28 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
+    /// The time the job waited on possum after it ran again, and on which buffers: a kept
+    /// checkpoint's saves (known once saved); none for a job not left running or one whose
+    /// buffers were all back when it ran again; not known while they come back on demand.
+    fn account_job_waited(
+        f: &mut CheckpointFigures,
+        saved: Option<&[SavedOf]>,
+        resume: Option<&Reply<ResumeReply>>,
+        leave_running: bool,
+    ) {
+        if let Some(saved) = saved {
+            let copies = saved.iter().flat_map(|s| &s.report.body.saved);
+            let ms: f64 = copies.clone().filter_map(|c| c.job_waited_ms).sum();
+            let all = copies.flat_map(|c| c.waited_on.iter().flatten().cloned());
+            f.waited_on = longest_waits(all.collect(), WAITED_ON_TOP);
+            f.job_waited = Some(Duration::from_secs_f64(ms.max(0.0) / 1e3));
+            return;
+        }
+        let on_demand =
+            resume.is_some_and(|r| r.body.on_demand == Some(true) && !r.body.restoring.is_empty());
+        f.job_waited = (!leave_running || !on_demand).then_some(Duration::ZERO);
+    }
+
     /// Report: the guard let go, the image made durable (nothing was fsynced while the job was
     /// held), the figures accounted and written into the image too (best effort: the image is
     /// already complete).
@@ -1225,6 +1249,12 @@ impl<'a> Run<'a> {
         timed(&mut self.figures.sync, || sync_tree(&p.dir)).map_err(ReportError::Sync)?;
         let kept = !self.kept.is_empty();
         self.figures.total = t_all.elapsed();
+        Self::account_job_waited(
+            &mut self.figures,
+            self.saved_report.as_deref(),
+            self.resume_report.as_ref(),
+            p.leave_running,
+        );
         self.figures.account_stall(kept, !kept && p.leave_running);
         self.figures.criu_image_bytes = self.criu_bytes;
         self.figures.gpu_image_bytes = self.gpu_bytes;

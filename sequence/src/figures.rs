@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use possum_control::reply::WaitedOn;
 use serde::{Serialize, Serializer};
 
 /// Milliseconds, to the microsecond.
@@ -26,6 +27,13 @@ fn opt_ms<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> 
 
 fn as_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(ms(*d))
+}
+
+fn ms_or_null<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_f64(ms(*d)),
+        None => s.serialize_none(),
+    }
 }
 
 /// A step's time, `None` when it was not taken.
@@ -93,9 +101,20 @@ pub struct CheckpointFigures {
     /// The whole command.
     #[serde(rename = "total_ms", serialize_with = "as_ms")]
     pub total: Duration,
-    /// How long the job's GPU operations were held.
+    /// The stall the job saw: the hold, plus the time it waited on possum after it ran again
+    /// (as far as that is known when the command returns).
     #[serde(rename = "stall_ms", serialize_with = "as_ms")]
     pub stall: Duration,
+    /// How long the job's GPU operations were held.
+    #[serde(rename = "hold_ms", serialize_with = "as_ms")]
+    pub hold: Duration,
+    /// How long the job waited on possum after it ran again: its threads blocked and its streams
+    /// waiting while a kept checkpoint's buffers were saved. `None` (null) when not known when the
+    /// command returns (buffers still coming back on demand).
+    #[serde(rename = "job_waited_ms", serialize_with = "ms_or_null")]
+    pub job_waited: Option<Duration>,
+    /// The buffers the job waited on longest, longest first.
+    pub waited_on: Vec<WaitedOn>,
     /// The stall by who held it.
     #[serde(rename = "stall_breakdown_ms")]
     pub stall_breakdown: StallBreakdown,
@@ -107,6 +126,20 @@ pub struct CheckpointFigures {
     pub criu_image_bytes: u64,
     /// Bytes of possum's GPU images.
     pub gpu_image_bytes: u64,
+}
+
+/// How many buffers the figures name among those the job waited on.
+pub const WAITED_ON_TOP: usize = 8;
+
+/// The buffers waited on longest (at most `top`) of `all`, longest first.
+pub fn longest_waits(mut all: Vec<WaitedOn>, top: usize) -> Vec<WaitedOn> {
+    all.sort_by(|a, b| {
+        b.ms.total_cmp(&a.ms)
+            .then(a.device.cmp(&b.device))
+            .then(a.id.cmp(&b.id))
+    });
+    all.truncate(top);
+    all
 }
 
 /// Who held the job, how long.
@@ -127,8 +160,9 @@ pub struct StallBreakdown {
 }
 
 impl CheckpointFigures {
-    /// The stall, from the steps taken: `kept` (the image named after the job ran again) and
-    /// `split_in_hold` (a split made while a job left running without a keeper was held).
+    /// The hold, from the steps taken: `kept` (the image named after the job ran again) and
+    /// `split_in_hold` (a split made while a job left running without a keeper was held); the
+    /// stall, the hold and [`job_waited`](Self::job_waited).
     pub fn account_stall(&mut self, kept: bool, split_in_hold: bool) {
         let t = |d: Step| d.unwrap_or_default();
         let b = StallBreakdown {
@@ -145,7 +179,8 @@ impl CheckpointFigures {
                 },
             commit: if kept { Duration::ZERO } else { t(self.commit) },
         };
-        self.stall = b.engine + b.driver + b.criu + b.commit;
+        self.hold = b.engine + b.driver + b.criu + b.commit;
+        self.stall = self.hold + self.job_waited.unwrap_or_default();
         self.stall_breakdown = b;
     }
 }
@@ -230,6 +265,11 @@ pub struct RestoreFigures {
     /// The whole command.
     #[serde(rename = "total_ms", serialize_with = "as_ms")]
     pub total: Duration,
+    /// How long the restored job waited for buffers not yet back: 0 when every buffer was back
+    /// before it ran again; `None` (null) while they come back on demand, not known when the
+    /// command returns (the job's `possum status` counts it once they are all back).
+    #[serde(rename = "job_waited_ms", serialize_with = "ms_or_null")]
+    pub job_waited: Option<Duration>,
 }
 
 #[cfg(test)]
@@ -253,6 +293,8 @@ mod tests {
         let v = serde_json::to_value(&f).unwrap();
         assert_eq!(v["release_ms"], json!(1.5));
         assert_eq!(v["stall_ms"], json!(6.5));
+        assert_eq!(v["hold_ms"], json!(6.5));
+        assert_eq!(v["job_waited_ms"], json!(null));
         assert_eq!(
             v["stall_breakdown_ms"],
             json!({"engine": 3.5, "driver": 0.0, "criu": 0.0, "commit": 3.0})
@@ -266,18 +308,43 @@ mod tests {
                 "commit_ms",
                 "criu_image_bytes",
                 "gpu_image_bytes",
+                "hold_ms",
                 "hostmem",
                 "image_bytes",
+                "job_waited_ms",
                 "release_ms",
                 "resume_ms",
                 "stall_breakdown_ms",
                 "stall_ms",
-                "total_ms"
+                "total_ms",
+                "waited_on"
             ]
         );
-        // A kept checkpoint names its image after the job runs again: not part of the stall.
+        // A kept checkpoint names its image after the job runs again: not part of the stall;
+        // the time the job waited on its save is.
+        f.job_waited = Some(Duration::from_millis(2));
         f.account_stall(true, false);
-        assert_eq!(serde_json::to_value(f).unwrap()["stall_ms"], json!(3.5));
+        let v = serde_json::to_value(f).unwrap();
+        assert_eq!(v["hold_ms"], json!(3.5));
+        assert_eq!(v["job_waited_ms"], json!(2.0));
+        assert_eq!(v["stall_ms"], json!(5.5));
+    }
+
+    #[test]
+    fn the_longest_waits_come_first_and_at_most_top() {
+        let w = |device, id, ms| WaitedOn {
+            device,
+            id,
+            va: id << 12,
+            size: 4096,
+            ms,
+        };
+        let all = vec![w(0, 1, 1.0), w(1, 2, 3.0), w(0, 3, 2.0), w(0, 4, 3.0)];
+        let top: Vec<(usize, u64)> = longest_waits(all, 3)
+            .iter()
+            .map(|w| (w.device, w.id))
+            .collect();
+        assert_eq!(top, [(0, 4), (1, 2), (0, 3)]);
     }
 
     #[test]
@@ -292,7 +359,7 @@ mod tests {
         assert_eq!(
             v,
             json!({"criu_restore_ms": 4.0, "hostmem_fill_ms": 1.25, "hostmem_fill_bytes": 7,
-                   "prepare_ms": 0.0, "total_ms": 0.0})
+                   "prepare_ms": 0.0, "total_ms": 0.0, "job_waited_ms": null})
         );
     }
 }

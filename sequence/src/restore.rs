@@ -3,7 +3,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use possum_control::reply::ResumeReply;
 use possum_control::Reply;
@@ -591,6 +591,11 @@ impl RestoreReport {
             self.figures.hostmem_fill_ms = Some(fills.iter().map(|f| f.2).sum());
             self.figures.hostmem_fill_bytes = Some(fills.iter().map(|f| f.1).sum());
         }
+        // Buffers coming back on demand as the job runs: its waits for them are not known yet.
+        let on_demand = resumed
+            .iter()
+            .any(|r| r.body.on_demand == Some(true) && !r.body.restoring.is_empty());
+        self.figures.job_waited = (!on_demand).then_some(Duration::ZERO);
         self.resume_report = resumed.into_iter().next();
         // Buffers the keeper still held (a job killed on this host): mapped again, nothing copied.
         self.gpu_from_keeper = self

@@ -164,13 +164,24 @@ fn print_checkpoint(a: &CheckpointArgs, r: &CheckpointReport) {
     let b = &f.stall_breakdown;
     println!(
         "  job paused {:.0} ms (engine {:.0}, driver {:.0}, CRIU {:.0}, commit {:.0}); total {:.0} ms",
-        ms(f.stall),
+        ms(f.hold),
         ms(b.engine),
         ms(b.driver),
         ms(b.criu),
         step(f.commit),
         ms(f.total)
     );
+    match f.job_waited {
+        Some(w) if !w.is_zero() => println!(
+            "  then waited {:.0} ms on possum as it ran again: stall {:.0} ms",
+            ms(w),
+            ms(f.stall)
+        ),
+        Some(_) => {}
+        None => println!(
+            "  buffers coming back as the job runs again: its waits on them are not counted yet"
+        ),
+    }
     if r.kept_any() {
         println!(
             "  GPU buffers stayed on the GPU with the keeper while held; saved while the job \
