@@ -40,7 +40,7 @@ struct Pending {
     guard: Option<OpGuard<'static, CudaDevice>>,
     /// Guards of the other devices whose buffers the operation writes or reads.
     others: Vec<OpGuard<'static, CudaDevice>>,
-    validation: Option<validate::Before>,
+    validation: Option<Box<validate::Before>>,
     /// For a timed launch: the entry side's time, to which the exit side's is added.
     timed: Option<Duration>,
     /// Launches on this thread (one in [`TIME_EVERY`] is timed).
@@ -456,7 +456,7 @@ fn hook(
     stream: u64,
     access: Access<'_>,
     others: Others<'_>,
-    validation: Option<validate::Before>,
+    validation: Option<Box<validate::Before>>,
 ) {
     if let (Some(e), Some(g)) = (eng, &guard) {
         if g.tracking() {
@@ -585,7 +585,7 @@ fn hook_other(
 fn keep(
     guard: Option<OpGuard<'static, CudaDevice>>,
     others: Vec<OpGuard<'static, CudaDevice>>,
-    validation: Option<validate::Before>,
+    validation: Option<Box<validate::Before>>,
 ) {
     let _ = PENDING.try_with(|p| {
         let mut p = p.borrow_mut();
