@@ -272,7 +272,7 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
                     .fetch_add(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Relaxed);
             }
             if let Some(v) = p.validation {
-                validate::finish(st, v);
+                validate::finish(st, *v);
             }
         }
         Shape::CaptureEnd => {

@@ -295,8 +295,7 @@ pub fn begin(
 }
 
 /// The exit side: compares and records the verdict.
-pub fn finish(st: &State, b: Box<Before>) {
-    let b = *b;
+pub fn finish(st: &State, b: Before) {
     let eng = b.device.and_then(|d| st.engine_ref(d)).map(|e| &**e);
     let _r = Reentry::enter();
     let r = (|| -> Result<Validation, String> {
