@@ -5,7 +5,7 @@
  *   bump_table(float *const *table)       writes through a table of pointers (3 launches)
  *   scale(struct { const float *in; float *out; long n; })   pointers inside a by-value struct
  * plus one device-to-device copy. Prints "ok" and exits 0, or says what failed. Other modes:
- * `bench N` and `fill`, below. */
+ * `bench N`, `bench-entry N` and `fill`, below. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
