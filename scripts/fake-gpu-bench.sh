@@ -8,6 +8,8 @@
 # per-kernel memo (their non-pointer words change; canonical words hit), and with 24 buffer sets
 # and caches made cold between launches. Instruction counts, repeatable on any machine:
 #   VALGRIND=1 bash scripts/fake-gpu-bench.sh   (callgrind; then callgrind_annotate the output)
+# ENTRY=1: the launches go through the driver's cuLaunchKernel instead (`fake_job bench-entry`),
+# seen by possum's default entry-point hooks (no POSSUM_HOOKS, no CUPTI), as a GPU job's are.
 # Usage: bash scripts/fake-gpu-bench.sh [LAUNCHES_PER_KERNEL]   (default 100000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +25,13 @@ run() {
     local pre=()
     rm -f "$d/stats.json"
     [ -n "${VALGRIND:-}" ] && pre=(valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$d/callgrind.$label")
-    # The job fires the fake CUPTI's callbacks: possum must listen to CUPTI (POSSUM_HOOKS=cupti).
-    env POSSUM_HOOKS=cupti "$@" LD_PRELOAD="$PWD/target/release/libpossum.so" LD_LIBRARY_PATH="$d" POSSUM_CUPTI="$d/libfakecupti.so" \
+    # The job fires the fake CUPTI's callbacks: possum must listen to CUPTI (POSSUM_HOOKS=cupti);
+    # with ENTRY=1 it calls cuLaunchKernel, under possum's default hooks.
+    local hooks=(POSSUM_HOOKS=cupti) mode=bench
+    [ -n "${ENTRY:-}" ] && hooks=() mode=bench-entry
+    env "${hooks[@]}" "$@" LD_PRELOAD="$PWD/target/release/libpossum.so" LD_LIBRARY_PATH="$d" POSSUM_CUPTI="$d/libfakecupti.so" \
         FAKE_CUPTI_NO_AUTOFIRE=1 POSSUM_STATS="$d/stats.json" POSSUM_SOCKET_DIR="$d/sockets" \
-        "${pre[@]}" "$d/fake_job" bench "$n" > /dev/null
+        "${pre[@]}" "$d/fake_job" "$mode" "$n" > /dev/null
     python3 - "$d/stats.json" "$label" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))["possum"]["counters"]

@@ -351,7 +351,9 @@ impl KernelArgs<'_> {
     }
 
     /// Calls `f` with the 8-byte word of every slot, in order, where the job wrote them (no
-    /// copy): the words [`Self::read_slots`] gives. Same contract on `runs`.
+    /// copy): the words [`Self::read_slots`] gives. Same contract on `runs`. Inlined: the hot
+    /// caller folds the words into a hash kept in registers.
+    #[inline]
     pub fn for_each_slot(&self, runs: &[SlotRun], mut f: impl FnMut(u64)) {
         let (buf, size) = if self.params.is_null() {
             self.extra_buffer()

@@ -40,11 +40,9 @@ struct Pending {
     guard: Option<OpGuard<'static, CudaDevice>>,
     /// Guards of the other devices whose buffers the operation writes or reads.
     others: Vec<OpGuard<'static, CudaDevice>>,
-    validation: Option<validate::Before>,
+    validation: Option<Box<validate::Before>>,
     /// For a timed launch: the entry side's time, to which the exit side's is added.
     timed: Option<Duration>,
-    /// Launches on this thread (one in [`TIME_EVERY`] is timed).
-    tick: u32,
 }
 
 impl Pending {
@@ -53,22 +51,20 @@ impl Pending {
         others: Vec::new(),
         validation: None,
         timed: None,
-        tick: 0,
     };
 
-    /// What the entry callback left (the tick stays).
+    /// What the entry callback left.
     fn take(&mut self) -> Pending {
         Pending {
             guard: self.guard.take(),
             others: std::mem::take(&mut self.others),
             validation: self.validation.take(),
             timed: self.timed.take(),
-            tick: self.tick,
         }
     }
 }
 
-/// One launch in this many has its time in possum's callbacks measured.
+/// One launch in this many on a thread has its time in possum's callbacks measured.
 const TIME_EVERY: u32 = 16;
 
 /// An operation's buffers: managed ones of its device for the hook (deduplicated, a buffer both
@@ -160,14 +156,15 @@ thread_local! {
 
 /// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`.
 pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
-    if crate::runtime::ignore_this_thread() {
+    let shape = crate::cbid::shape(cbid);
+    let Some(tick) = crate::runtime::hooked_call(enter && matches!(shape, Shape::Launch { .. }))
+    else {
         return;
-    }
+    };
     let st = state();
     // A panic below leaves the operation to run with whatever the hook did so far: counted as a
     // fault, which fails a checkpoint that is open (its image is not committed).
     let _panic = PanicFault;
-    let shape = crate::cbid::shape(cbid);
     if !enter {
         on_exit(st, cbid, shape, call);
         return;
@@ -184,13 +181,6 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             params,
             extra,
         } => {
-            let tick = PENDING
-                .try_with(|p| {
-                    let mut p = p.borrow_mut();
-                    p.tick = p.tick.wrapping_add(1);
-                    p.tick
-                })
-                .unwrap_or(1);
             let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
             let f = call.word(func);
             let s = call.stream(stream);
@@ -282,7 +272,7 @@ fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
                     .fetch_add(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Relaxed);
             }
             if let Some(v) = p.validation {
-                validate::finish(st, v);
+                validate::finish(st, *v);
             }
         }
         Shape::CaptureEnd => {
@@ -456,7 +446,7 @@ fn hook(
     stream: u64,
     access: Access<'_>,
     others: Others<'_>,
-    validation: Option<validate::Before>,
+    validation: Option<Box<validate::Before>>,
 ) {
     if let (Some(e), Some(g)) = (eng, &guard) {
         if g.tracking() {
@@ -585,7 +575,7 @@ fn hook_other(
 fn keep(
     guard: Option<OpGuard<'static, CudaDevice>>,
     others: Vec<OpGuard<'static, CudaDevice>>,
-    validation: Option<validate::Before>,
+    validation: Option<Box<validate::Before>>,
 ) {
     let _ = PENDING.try_with(|p| {
         let mut p = p.borrow_mut();

@@ -56,11 +56,18 @@ impl Default for WordHash {
 }
 
 impl WordHash {
-    /// Adds the next word.
+    /// Adds the next word. The lane it goes to is always the first: the lanes then turn by one,
+    /// so that word `i` lands in lane `i % 4` once [`Self::finish`] turns them back (fixed
+    /// indices keep the lanes in registers in a loop of pushes).
     #[inline]
     pub fn push(&mut self, w: u64) {
-        let l = &mut self.lanes[(self.n & 3) as usize];
-        *l = (*l ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+        let [a, b, c, d] = self.lanes;
+        self.lanes = [
+            b,
+            c,
+            d,
+            (a ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29),
+        ];
         self.n += 1;
     }
 
@@ -71,10 +78,18 @@ impl WordHash {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         }
+        // Lane `i` (words `i`, `i + 4`, ...) back in place `i`.
+        let [w, x, y, z] = self.lanes;
+        let lanes = match self.n % 4 {
+            0 => [w, x, y, z],
+            1 => [z, w, x, y],
+            2 => [y, z, w, x],
+            _ => [x, y, z, w],
+        };
         // Each half depends on every lane: the memo's index is keyed by the low half alone, and
         // a kernel with one or two words leaves lanes untouched (with the low half made of two
         // lanes only, every buffer set of a one-pointer kernel had the same key, measured).
-        let [a, b, c, d] = self.lanes;
+        let [a, b, c, d] = lanes;
         let hi = mix(a ^ mix(b ^ mix(c ^ mix(d ^ self.n))));
         let lo =
             mix(d.rotate_left(47)
@@ -251,6 +266,27 @@ mod tests {
             let mut w = words.clone();
             w[i] += 8;
             assert_ne!(h, WordHash::of_canonical(&w, span), "word {i}");
+        }
+    }
+
+    #[test]
+    fn word_i_goes_to_lane_i_mod_4() {
+        // However many words were pushed, the lanes (turned back) are what folding word `i`
+        // into lane `i % 4` gives.
+        for n in 0..12u64 {
+            let words: Vec<u64> = (0..n).map(|i| 0x1000 + 8 * i).collect();
+            let mut h = WordHash::default();
+            for &w in &words {
+                h.push(w);
+            }
+            let mut lanes = h.lanes;
+            lanes.rotate_right((n % 4) as usize);
+            let mut want = WordHash::default().lanes;
+            for (i, &w) in words.iter().enumerate() {
+                let l = &mut want[i % 4];
+                *l = (*l ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+            }
+            assert_eq!(lanes, want, "{n} words");
         }
     }
 

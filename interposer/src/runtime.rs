@@ -498,6 +498,8 @@ struct ThreadFlags {
     kind: Cell<u8>,
     /// The last (context, device ordinal) this thread resolved.
     ctx_device: Cell<(u64, usize)>,
+    /// Launches this thread made (their entry callbacks), wrapping ([`hooked_call`]).
+    launches: Cell<u32>,
 }
 
 thread_local! {
@@ -506,6 +508,7 @@ thread_local! {
             in_possum: Cell::new(false),
             kind: Cell::new(0),
             ctx_device: Cell::new((u64::MAX, 0)),
+            launches: Cell::new(0),
         }
     };
 }
@@ -530,20 +533,36 @@ impl Drop for Reentry {
 /// Whether a callback on this thread must ignore the call: possum's own call, or one of possum's
 /// own threads (the engine's copier, writers and restorers, the control thread).
 pub fn ignore_this_thread() -> bool {
+    THREAD.try_with(ignores).unwrap_or(true)
+}
+
+/// [`ignore_this_thread`] for a callback, with the thread's launch count in the same look-up:
+/// `None` if the call is ignored; else the number of launch entries this thread made, counting
+/// this one when `launch_entry` (wrapping).
+pub fn hooked_call(launch_entry: bool) -> Option<u32> {
     THREAD
         .try_with(|t| {
-            if t.in_possum.get() {
-                return true;
+            if ignores(t) {
+                return None;
             }
-            if t.kind.get() == 0 {
-                let ours = std::thread::current()
-                    .name()
-                    .is_some_and(|n| n.starts_with("possum"));
-                t.kind.set(if ours { 2 } else { 1 });
-            }
-            t.kind.get() == 2
+            let n = t.launches.get().wrapping_add(u32::from(launch_entry));
+            t.launches.set(n);
+            Some(n)
         })
-        .unwrap_or(true)
+        .unwrap_or(None)
+}
+
+fn ignores(t: &ThreadFlags) -> bool {
+    if t.in_possum.get() {
+        return true;
+    }
+    if t.kind.get() == 0 {
+        let ours = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("possum"));
+        t.kind.set(if ours { 2 } else { 1 });
+    }
+    t.kind.get() == 2
 }
 
 impl State {

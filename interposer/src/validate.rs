@@ -200,13 +200,14 @@ fn sums_of(
 }
 
 /// The entry side, for a launch of `model` whose slots hold `words`. `None` (and the validation
-/// skipped, counted) if the device cannot be read.
+/// skipped, counted) if the device cannot be read. Boxed: it waits for the exit callback in the
+/// thread's pending state, which every launch moves (a validated launch is rare).
 pub fn begin(
     st: &State,
     eng: Option<&DevEngine>,
     model: &Arc<KernelModel>,
     words: &[u64],
-) -> Option<Before> {
+) -> Option<Box<Before>> {
     let started = Instant::now();
     let _r = Reentry::enter();
     let r = (|| -> Result<Before, String> {
@@ -282,7 +283,7 @@ pub fn begin(
         })
     })();
     match r {
-        Ok(b) => Some(b),
+        Ok(b) => Some(Box::new(b)),
         Err(e) => {
             st.counters
                 .validation_errors
