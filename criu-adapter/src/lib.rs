@@ -89,7 +89,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use error::CriuError;
-pub use process::{set_child_subreaper, wait_for_exit, ProcessExit};
+pub use process::{set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit};
 
 use rpc::{CriuOpts, CriuReq, CriuResp, ReqType};
 

@@ -89,7 +89,7 @@ pub fn wait_for_exit(pid: i32, timeout: Option<Duration>) -> Result<ProcessExit,
 
 /// The resident memory of the tree rooted at `pid` (it and its descendants), in bytes; what
 /// cannot be read counts as nothing.
-pub(crate) fn tree_resident_bytes(pid: i32) -> u64 {
+pub fn tree_resident_bytes(pid: i32) -> u64 {
     let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
         .ok()
         .flatten()

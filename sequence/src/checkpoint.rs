@@ -982,9 +982,12 @@ impl<'a> Run<'a> {
             opts.leave_running = true;
             opts.shell_job = self.plan.shell_job;
             opts.ext_unix_sk = true;
+            self.guard.step(Step::Dumping);
             let dump = timed(&mut self.figures.criu_dump, || {
                 dump_retrying_transient(criu, &opts, p.pid, obs)
-            })?;
+            });
+            self.guard.step(Step::Dumped);
+            let dump = dump?;
             self.criu_bytes = dump.image_bytes;
             self.dumped = true;
         }

@@ -7,6 +7,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use possum_control::Request;
+use possum_criu::{tree_resident_bytes, Deadline};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
 
 use crate::config::DriverDeadlines;
@@ -23,6 +24,10 @@ pub enum Step {
     Releasing,
     /// The driver is about to lock (and then checkpoint) the job.
     Locking,
+    /// CRIU is about to dump the job's tree.
+    Dumping,
+    /// CRIU's dump has ended (done or failed): it holds the tree no more.
+    Dumped,
     /// The image is complete under its final name.
     Committed,
     /// The driver has restored and unlocked the job.
@@ -34,9 +39,11 @@ pub enum Step {
 }
 
 impl Step {
-    const ALL: [Step; 6] = [
+    const ALL: [Step; 8] = [
         Step::Releasing,
         Step::Locking,
+        Step::Dumping,
+        Step::Dumped,
         Step::Committed,
         Step::Unlocked,
         Step::Resumed,
@@ -47,6 +54,8 @@ impl Step {
         match self {
             Step::Releasing => "releasing",
             Step::Locking => "locking",
+            Step::Dumping => "dumping",
+            Step::Dumped => "dumped",
             Step::Committed => "committed",
             Step::Unlocked => "unlocked",
             Step::Resumed => "resumed",
@@ -197,6 +206,20 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     };
     // Steps are announced before they are taken, so a `possum` killed inside a driver call
     // still gets it undone: the driver's own state says what is left to do.
+    // A dump possum did not see end goes on in CRIU's worker (left to finish: stopped midway
+    // it may leave its parasite in the tree): nothing is undone while it holds the tree.
+    if has(Step::Dumping) && !has(Step::Dumped) {
+        let tree: Vec<i32> = std::iter::once(a.pid)
+            .chain(a.children.iter().copied())
+            .collect();
+        let limit = Deadline::DUMP.for_bytes(tree_resident_bytes(a.pid)) + Duration::from_secs(10);
+        if !wait_untraced(&tree, limit) {
+            say(&format!(
+                "CRIU still holds the job's tree after {} s; undoing all the same",
+                limit.as_secs()
+            ));
+        }
+    }
     if has(Step::Locking) && !has(Step::Unlocked) {
         match a.driver_deadlines.load(&a.libcuda) {
             Ok(drv) => {
@@ -230,6 +253,34 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
         let _ = fs::remove_dir_all(&a.tmp);
     }
     false
+}
+
+/// Waits until no process of `tree` is traced (CRIU seizes every task it dumps and lets them go
+/// when it ends), at most `limit`; whether none is.
+fn wait_untraced(tree: &[i32], limit: Duration) -> bool {
+    let t = Instant::now();
+    loop {
+        if !tree.iter().any(|&p| traced(p)) {
+            return true;
+        }
+        if t.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether some process traces `pid` (`TracerPid` in /proc/PID/status; a process that is gone
+/// is not traced).
+fn traced(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("TracerPid:"))
+                .map(|v| v.trim() != "0")
+        })
+        .unwrap_or(false)
 }
 
 /// Brings process `pid` back to RUNNING in the driver from wherever a checkpoint left it (a
@@ -290,5 +341,41 @@ fn wait_restored(pid: i32, socket_dir: &Path) {
             Err(_) => return,
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::ptrace;
+    use nix::sys::wait::waitpid;
+    use nix::unistd::Pid;
+
+    #[test]
+    fn every_step_reads_back_from_its_name() {
+        for s in Step::ALL {
+            assert_eq!(Step::parse(s.name()), Some(s));
+        }
+        assert_eq!(Step::parse("dumpin"), None);
+    }
+
+    #[test]
+    fn a_traced_tree_is_waited_for_until_its_tracer_lets_go() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id() as i32;
+        assert!(!traced(pid));
+        assert!(wait_untraced(&[pid], Duration::ZERO));
+        ptrace::attach(Pid::from_raw(pid)).unwrap();
+        waitpid(Pid::from_raw(pid), None).unwrap();
+        assert!(traced(pid), "attached: traced");
+        assert!(!wait_untraced(
+            &[pid, std::process::id() as i32],
+            Duration::from_millis(200)
+        ));
+        ptrace::detach(Pid::from_raw(pid), None).unwrap();
+        assert!(wait_untraced(&[pid], Duration::from_secs(10)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!traced(pid), "a process that is gone is not traced");
     }
 }
