@@ -1958,12 +1958,12 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
 /// A job checkpointed and killed whose keeper did not hold its memory (`--keep-on-gpu 0`),
 /// restored from its image (issue 14 item 4): `possum restore` has the keeper load the image
 /// into new memory while CRIU restores the process, and the restored job maps that memory and
-/// waits only for buffers still loading. The keeper here loads slowly (one loader, each buffer
-/// 1 s later: the last one well after CRIU's restore, however loaded the machine; 400 ms was
-/// not enough once in CI, the restore there taking 1.2 s) and fails
-/// one buffer on purpose: the job meets buffers still loading, copies the
-/// failed one from the image itself, and computes exactly what a run without possum does. The
-/// stage is gone afterwards, nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
+/// waits only for buffers still loading. The keeper here loads nothing until two waits are
+/// pending at once (the job restores with one restorer thread, so the second is an operation's:
+/// the job meets a buffer still loading however long CRIU's restore took), then loads slowly
+/// (one loader) and fails one buffer on purpose: the job copies the failed one from the image
+/// itself, and computes exactly what a run without possum does. The stage is gone afterwards,
+/// nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
 #[test]
 fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     let Some((tmp, lib)) = setup("keeper_stage_restore", "possum-keeper-stage-") else {
@@ -1973,14 +1973,23 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     let (_keeper, keeper_dir) = start_keeper_with(
         dir,
         &[
-            ("POSSUM_KEEPER_STAGE_DELAY_MS", "1000"),
+            ("POSSUM_KEEPER_STAGE_DELAY_MS", "200"),
             ("POSSUM_KEEPER_STAGE_THREADS", "1"),
             ("POSSUM_KEEPER_STAGE_FAIL", "1"),
+            ("POSSUM_KEEPER_STAGE_HOLD_WAITERS", "2"),
         ],
     );
     let keeper_sock = keeper_dir.join("keeper-0.sock");
     let want = reference_run(dir);
-    let mut job = keeper_job(dir, &lib, &keeper_dir);
+    let mut job = job_at_step_5(
+        dir,
+        "job",
+        Some(&lib),
+        &[
+            ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+            ("POSSUM_RESTORERS", "1"),
+        ],
+    );
     let img = dir.join("img");
     checkpoint_and_kill(dir, &mut job, &img, &["--keep-on-gpu", "0"]);
     let r = restore_json(dir, &img, &job);
