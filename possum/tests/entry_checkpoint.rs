@@ -1499,6 +1499,9 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
         std::thread::sleep(Duration::from_millis(delay_ms));
         let _ = c.kill();
         let _ = c.wait();
+        // Its CRIU, if it had started one, runs on (orphaned, adopted by this process): the next
+        // checkpoint's CRIU could not attach to the job while it does.
+        wait_for_orphaned_criu();
         done += 1;
         // The job answers: it was resumed (by the guard, if possum died while it was held).
         job.run("step 1", &format!("done {done}"));
@@ -1535,6 +1538,48 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
         &want,
         "after the faults and a checkpoint without the keeper",
     );
+}
+
+/// Waits (at most [`WAIT`]) until no CRIU this process adopted runs: one a killed `possum`
+/// started goes on attached to its job until it is done.
+fn wait_for_orphaned_criu() {
+    let me = std::process::id();
+    let t = Instant::now();
+    loop {
+        let live = orphaned_criu(me);
+        if live.is_empty() {
+            return;
+        }
+        assert!(
+            t.elapsed() < WAIT,
+            "CRIU left by a killed possum still runs after {WAIT:?}: {live:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The live (not zombie) processes named `criu*` whose parent is `parent`.
+fn orphaned_criu(parent: u32) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            // `PID (COMM) STATE PPID ...`; COMM may hold spaces and parentheses.
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                return false;
+            };
+            let comm = &stat[open + 1..close];
+            let mut rest = stat[close + 1..].split_whitespace();
+            let state = rest.next().unwrap_or("Z");
+            let ppid = rest.next().and_then(|p| p.parse::<u32>().ok());
+            comm.starts_with("criu") && state != "Z" && ppid == Some(parent)
+        })
+        .collect()
 }
 
 /// A keeper whose device 0 is not the job's (another `CUDA_VISIBLE_DEVICES`; here the fake
