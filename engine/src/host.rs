@@ -50,6 +50,8 @@ struct Space {
     kept: Option<Mutex<BTreeMap<u64, Mapping>>>,
     /// Times `disconnect` was called.
     disconnects: AtomicU64,
+    /// Bytes of kept memory `reattach` mapped again, in all.
+    reattached: AtomicU64,
 }
 
 impl Space {
@@ -233,6 +235,11 @@ impl HostDevice {
             .map_or(0, |k| k.lock().values().map(|m| m.size).sum())
     }
 
+    /// Bytes of kept memory [`Device::reattach`] has mapped again since the device was made.
+    pub fn reattached_bytes(&self) -> u64 {
+        self.space.reattached.load(Ordering::Relaxed)
+    }
+
     /// Simulates the keeper losing what it kept (its process gone): `reattach` then fails.
     #[doc(hidden)]
     pub fn lose_kept(&self) {
@@ -255,6 +262,7 @@ impl HostDevice {
                 mappings: RwLock::new(BTreeMap::new()),
                 kept: keeps.then(|| Mutex::new(BTreeMap::new())),
                 disconnects: AtomicU64::new(0),
+                reattached: AtomicU64::new(0),
             }),
             next_stream: Arc::new(AtomicU64::new(0)),
             streams: Arc::new(Mutex::new(Vec::new())),
@@ -584,6 +592,7 @@ impl Device for HostDevice {
             Some(m) if m.size == size => {
                 let m = k.remove(&va.0).expect("checked above");
                 maps.insert(va.0, m);
+                self.space.reattached.fetch_add(size, Ordering::Relaxed);
                 Ok(())
             }
             _ => Err(DeviceError::InvalidAddress {

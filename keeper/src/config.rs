@@ -23,6 +23,8 @@ pub const STAGE_THREADS_ENV: &str = "POSSUM_KEEPER_STAGE_THREADS";
 pub const STAGE_DELAY_MS_ENV: &str = "POSSUM_KEEPER_STAGE_DELAY_MS";
 /// Test hook: the buffer at this position of a stage's load order fails to load.
 pub const STAGE_FAIL_ENV: &str = "POSSUM_KEEPER_STAGE_FAIL";
+/// Test hook: a stage loads nothing until this many waits for its buffers are pending at once.
+pub const STAGE_HOLD_WAITERS_ENV: &str = "POSSUM_KEEPER_STAGE_HOLD_WAITERS";
 
 /// Default of [`Config::spare_step_bytes`]: 1 GiB.
 const SPARE_STEP_MIB: u64 = 1024;
@@ -49,6 +51,9 @@ pub struct Config {
     pub stage_delay: Duration,
     /// Test hook: the position in load order of a buffer whose load fails on purpose.
     pub stage_fail: Option<usize>,
+    /// Test hook: how many waits must be pending at once before a stage loads anything (default
+    /// 0: it loads from the start).
+    pub stage_hold_waiters: usize,
 }
 
 impl Default for Config {
@@ -81,6 +86,7 @@ impl Config {
             stage_threads: count(STAGE_THREADS_ENV).unwrap_or(STAGE_THREADS),
             stage_delay: Duration::from_millis(num(STAGE_DELAY_MS_ENV).unwrap_or(0)),
             stage_fail: num(STAGE_FAIL_ENV).and_then(|n| usize::try_from(n).ok()),
+            stage_hold_waiters: count(STAGE_HOLD_WAITERS_ENV).unwrap_or(0),
         }
     }
 }
@@ -106,6 +112,7 @@ mod tests {
         assert_eq!(c.stage_threads, 8);
         assert_eq!(c.stage_delay, Duration::ZERO);
         assert_eq!(c.stage_fail, None);
+        assert_eq!(c.stage_hold_waiters, 0);
         assert_eq!(c, Config::default());
     }
 
@@ -119,6 +126,7 @@ mod tests {
             (STAGE_THREADS_ENV, "2"),
             (STAGE_DELAY_MS_ENV, "30"),
             (STAGE_FAIL_ENV, "0"),
+            (STAGE_HOLD_WAITERS_ENV, "2"),
         ]);
         assert_eq!(c.spare, Some((PathBuf::from("/dev/shm/s"), 64 << 20)));
         assert_eq!(c.spare_step_bytes, 4 << 20);
@@ -126,6 +134,7 @@ mod tests {
         assert_eq!(c.stage_threads, 2);
         assert_eq!(c.stage_delay, Duration::from_millis(30));
         assert_eq!(c.stage_fail, Some(0));
+        assert_eq!(c.stage_hold_waiters, 2);
     }
 
     #[test]
@@ -138,6 +147,7 @@ mod tests {
             (STAGE_THREADS_ENV, "0"),
             (STAGE_DELAY_MS_ENV, "soon"),
             (STAGE_FAIL_ENV, "x"),
+            (STAGE_HOLD_WAITERS_ENV, "-2"),
         ]);
         assert_eq!(c, Config::default());
         // A spare needs both its directory and a size above 0.

@@ -65,6 +65,10 @@ struct Progress {
     failed: usize,
     ended: bool,
     done_after: Option<Duration>,
+    /// Waits for its buffers pending now.
+    waiting: usize,
+    /// Whether loading may start (see [`Knobs`]'s `hold_waiters`).
+    released: bool,
 }
 
 /// A restore being staged.
@@ -118,6 +122,8 @@ impl Stage {
                 failed: 0,
                 ended: false,
                 done_after: (n == 0).then(Duration::default),
+                waiting: 0,
+                released: false,
             }),
             cv: Condvar::new(),
             started: Instant::now(),
@@ -150,8 +156,16 @@ impl Stage {
     }
 
     /// The next buffer to load (a waited-for one first), marked loading; `None` when none is left.
-    fn pick(&self) -> Option<usize> {
+    /// With `hold_waiters` above 0, nothing is picked before that many waits are pending at once.
+    fn pick(&self, hold_waiters: usize) -> Option<usize> {
         let mut p = self.lock();
+        while !p.released && !p.ended {
+            if p.waiting >= hold_waiters {
+                p.released = true;
+                break;
+            }
+            p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
         if p.ended {
             return None;
         }
@@ -207,15 +221,20 @@ impl Stage {
         if p.status[i] == Status::Waiting && !p.urgent.contains(&i) {
             p.urgent.push_back(i);
         }
-        loop {
+        p.waiting += 1;
+        // A loader holding back for waiters counts this one.
+        self.cv.notify_all();
+        let r = loop {
             match &p.status[i] {
-                Status::Ready => return Ok(()),
-                Status::Failed(e) => return Err(e.clone()),
+                Status::Ready => break Ok(()),
+                Status::Failed(e) => break Err(e.clone()),
                 Status::Waiting | Status::Loading => {
                     p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
                 }
             }
-        }
+        };
+        p.waiting -= 1;
+        r
     }
 
     /// Stops loading: buffers not loaded yet are failed ("ended").
@@ -267,12 +286,16 @@ fn ms(d: Duration) -> f64 {
 
 /// Test knobs, read once per stage: `POSSUM_KEEPER_STAGE_DELAY_MS` (each buffer waits that long
 /// before it loads, so that a restored job meets buffers still loading) and
-/// `POSSUM_KEEPER_STAGE_FAIL=N` (the buffer at position N of the prefetch order fails to load).
+/// `POSSUM_KEEPER_STAGE_FAIL=N` (the buffer at position N of the prefetch order fails to load)
+/// and `POSSUM_KEEPER_STAGE_HOLD_WAITERS=N` (nothing loads until N waits are pending at once: a
+/// job restoring with one restorer thread then meets a buffer still loading however slowly it
+/// was restored, its operation's wait being the second).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Knobs {
     delay: Duration,
     fail: Option<usize>,
     threads: usize,
+    hold_waiters: usize,
 }
 
 impl Knobs {
@@ -282,6 +305,7 @@ impl Knobs {
             delay: c.stage_delay,
             fail: c.stage_fail,
             threads: c.stage_threads,
+            hold_waiters: c.stage_hold_waiters,
         }
     }
 
@@ -307,7 +331,7 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
     let stream = mem
         .device()
         .and_then(|d| d.stream().map_err(|e| e.to_string()));
-    while let Some(i) = stage.pick() {
+    while let Some(i) = stage.pick(knobs.hold_waiters) {
         if !knobs.delay.is_zero() {
             std::thread::sleep(knobs.delay);
         }

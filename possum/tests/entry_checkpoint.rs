@@ -1534,6 +1534,9 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
         std::thread::sleep(Duration::from_millis(delay_ms));
         let _ = c.kill();
         let _ = c.wait();
+        // Its CRIU, if it had started one, runs on (orphaned, adopted by this process): the next
+        // checkpoint's CRIU could not attach to the job while it does.
+        wait_for_orphaned_criu();
         done += 1;
         // The job answers: it was resumed (by the guard, if possum died while it was held).
         job.run("step 1", &format!("done {done}"));
@@ -1570,6 +1573,48 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
         &want,
         "after the faults and a checkpoint without the keeper",
     );
+}
+
+/// Waits (at most [`WAIT`]) until no CRIU this process adopted runs: one a killed `possum`
+/// started goes on attached to its job until it is done.
+fn wait_for_orphaned_criu() {
+    let me = std::process::id();
+    let t = Instant::now();
+    loop {
+        let live = orphaned_criu(me);
+        if live.is_empty() {
+            return;
+        }
+        assert!(
+            t.elapsed() < WAIT,
+            "CRIU left by a killed possum still runs after {WAIT:?}: {live:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The live (not zombie) processes named `criu*` whose parent is `parent`.
+fn orphaned_criu(parent: u32) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            // `PID (COMM) STATE PPID ...`; COMM may hold spaces and parentheses.
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                return false;
+            };
+            let comm = &stat[open + 1..close];
+            let mut rest = stat[close + 1..].split_whitespace();
+            let state = rest.next().unwrap_or("Z");
+            let ppid = rest.next().and_then(|p| p.parse::<u32>().ok());
+            comm.starts_with("criu") && state != "Z" && ppid == Some(parent)
+        })
+        .collect()
 }
 
 /// A keeper whose device 0 is not the job's (another `CUDA_VISIBLE_DEVICES`; here the fake
@@ -1993,12 +2038,12 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
 /// A job checkpointed and killed whose keeper did not hold its memory (`--keep-on-gpu 0`),
 /// restored from its image (issue 14 item 4): `possum restore` has the keeper load the image
 /// into new memory while CRIU restores the process, and the restored job maps that memory and
-/// waits only for buffers still loading. The keeper here loads slowly (one loader, each buffer
-/// 1 s later: the last one well after CRIU's restore, however loaded the machine; 400 ms was
-/// not enough once in CI, the restore there taking 1.2 s) and fails
-/// one buffer on purpose: the job meets buffers still loading, copies the
-/// failed one from the image itself, and computes exactly what a run without possum does. The
-/// stage is gone afterwards, nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
+/// waits only for buffers still loading. The keeper here loads nothing until two waits are
+/// pending at once (the job restores with one restorer thread, so the second is an operation's:
+/// the job meets a buffer still loading however long CRIU's restore took), then loads slowly
+/// (one loader) and fails one buffer on purpose: the job copies the failed one from the image
+/// itself, and computes exactly what a run without possum does. The stage is gone afterwards,
+/// nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
 #[test]
 fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     let Some((tmp, lib)) = setup("keeper_stage_restore", "possum-keeper-stage-") else {
@@ -2008,14 +2053,23 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     let (_keeper, keeper_dir) = start_keeper_with(
         dir,
         &[
-            ("POSSUM_KEEPER_STAGE_DELAY_MS", "1000"),
+            ("POSSUM_KEEPER_STAGE_DELAY_MS", "200"),
             ("POSSUM_KEEPER_STAGE_THREADS", "1"),
             ("POSSUM_KEEPER_STAGE_FAIL", "1"),
+            ("POSSUM_KEEPER_STAGE_HOLD_WAITERS", "2"),
         ],
     );
     let keeper_sock = keeper_dir.join("keeper-0.sock");
     let want = reference_run(dir);
-    let mut job = keeper_job(dir, &lib, &keeper_dir);
+    let mut job = job_at_step_5(
+        dir,
+        "job",
+        Some(&lib),
+        &[
+            ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+            ("POSSUM_RESTORERS", "1"),
+        ],
+    );
     let img = dir.join("img");
     checkpoint_and_kill(dir, &mut job, &img, &["--keep-on-gpu", "0"]);
     let r = restore_json(dir, &img, &job);
