@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use possum_control::reply::ResumeReply;
 use possum_control::Request;
 use possum_criu::{tree_resident_bytes, Deadline};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
@@ -178,7 +179,9 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     let released: Vec<(i32, String)> = std::iter::once((a.pid, "gpu".to_string()))
         .chain(a.possum_children.iter().map(|&c| (c, child_gpu_dir(c))))
         .collect();
-    let resume = || {
+    // The processes resumed with buffers to bring back from the images on demand.
+    let resume = || -> Vec<i32> {
+        let mut on_demand = Vec::new();
         if has(Step::Releasing) && !has(Step::Resumed) {
             let dir = if committed { &a.final_dir } else { &a.tmp };
             for (pid, gpu) in &released {
@@ -190,7 +193,18 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
                 let t = Instant::now();
                 loop {
                     match possum_control::request(*pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
-                        Ok(_) => say(&format!("process {pid} resumed")),
+                        Ok(reply) => {
+                            say(&format!("process {pid} resumed"));
+                            // Kept buffers attached again, or every buffer back already: no
+                            // image is read after this. A reply not understood: waited for.
+                            let from_images = serde_json::from_value::<ResumeReply>(reply)
+                                .map_or(true, |r| {
+                                    !r.restoring.is_empty() && r.on_demand != Some(false)
+                                });
+                            if from_images {
+                                on_demand.push(*pid);
+                            }
+                        }
                         Err(possum_control::ControlError::Remote(m))
                             if m.contains("busy") && t.elapsed() < JOB_TIMEOUT =>
                         {
@@ -203,9 +217,8 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
                 }
             }
         }
+        on_demand
     };
-    // Steps are announced before they are taken, so a `possum` killed inside a driver call
-    // still gets it undone: the driver's own state says what is left to do.
     // A dump possum did not see end goes on in CRIU's worker (left to finish: stopped midway
     // it may leave its parasite in the tree): nothing is undone while it holds the tree.
     if has(Step::Dumping) && !has(Step::Dumped) {
@@ -220,6 +233,8 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
             ));
         }
     }
+    // Steps are announced before they are taken, so a `possum` killed inside a driver call
+    // still gets it undone: the driver's own state says what is left to do.
     if has(Step::Locking) && !has(Step::Unlocked) {
         match a.driver_deadlines.load(&a.libcuda) {
             Ok(drv) => {
@@ -232,7 +247,7 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
             Err(e) => say(&format!("cannot load the driver: {e}")),
         }
     }
-    resume();
+    let on_demand = resume();
     // --force moves the old image aside just before naming the new one.
     let old = a.tmp.with_extension("old");
     if old.exists() {
@@ -245,10 +260,8 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     if !committed {
         // The GPU images may still be read on demand by the resumed job: keep them until it has
         // them all, then remove the directory.
-        if has(Step::Releasing) && !has(Step::Resumed) {
-            for (pid, _) in &released {
-                wait_restored(*pid, &a.socket_dir);
-            }
+        for pid in &on_demand {
+            wait_restored(*pid, &a.socket_dir);
         }
         let _ = fs::remove_dir_all(&a.tmp);
     }
