@@ -96,6 +96,9 @@ impl RunArgs {
     }
 }
 
+/// libuv's switch for io_uring (`0`: epoll and a thread pool, which CRIU can dump).
+const UV_IO_URING_ENV: &str = "UV_USE_IO_URING";
+
 /// Runs the job; returns its exit code (128 + signal when a signal killed it).
 pub fn run(a: &RunArgs) -> Result<u8> {
     let exe = std::env::current_exe().context("cannot find the possum executable")?;
@@ -120,6 +123,12 @@ pub fn run(a: &RunArgs) -> Result<u8> {
     };
     if let Some(h) = a.hooks_env() {
         cmd.env(HOOKS_ENV, h);
+    }
+    // CRIU cannot dump an io_uring instance, and libuv (under torch's TCPStore, which torchrun's
+    // agent and every rank use) makes one when the kernel has io_uring: off unless the user
+    // chose otherwise.
+    if std::env::var_os(UV_IO_URING_ENV).is_none() {
+        cmd.env(UV_IO_URING_ENV, "0");
     }
     if let Some(t) = &a.trace {
         let t = std::path::absolute(t).with_context(|| format!("{}", t.display()))?;

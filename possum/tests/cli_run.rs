@@ -1,4 +1,5 @@
-//! `possum run`'s keeper directory: private while the job runs, gone once `possum run` is.
+//! `possum run`'s keeper directory: private while the job runs, gone once `possum run` is; the
+//! job's environment.
 
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
@@ -72,4 +73,39 @@ fn a_keeper_directory_is_private_and_removed_at_exit() {
     if let Ok(m) = std::fs::metadata(&sockets) {
         assert_eq!(m.permissions().mode() & 0o777, 0o700);
     }
+}
+
+/// `possum run` of `sh -c SCRIPT` (libpossum.so a stand-in, no keeper) with `envs` added; its
+/// stdout.
+fn run_script(script: &str, envs: &[(&str, &str)]) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = tmp.path().join("libpossum.so");
+    std::fs::write(&lib, b"").unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_possum"));
+    cmd.args(["run", "--no-keeper", "--lib"])
+        .arg(&lib)
+        .arg("--socket-dir")
+        .arg(tmp.path().join("sockets"))
+        .args(["sh", "-c", script])
+        .env_remove("UV_USE_IO_URING");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn the_job_runs_without_io_uring_in_libuv_unless_the_user_chose() {
+    let script = r#"echo "uring=${UV_USE_IO_URING-unset}""#;
+    assert_eq!(run_script(script, &[]).trim(), "uring=0");
+    assert_eq!(
+        run_script(script, &[("UV_USE_IO_URING", "1")]).trim(),
+        "uring=1"
+    );
 }
