@@ -8,8 +8,8 @@
 //! A kernel launch passes a packed parameter buffer whose layout ([`ParamLayout`]) comes from the
 //! driver or, failing that, from the cubin's `.nv.info.<kernel>` section ([`nvinfo`]); AMDGPU
 //! code objects' argument metadata gives the same layouts ([`amdgpu`], there for a HIP front end
-//! that is not built yet). Every pointer-sized word of every parameter, including the words inside by-value structs, is a
-//! [`Slot`]. A slot whose value falls inside a live allocation (an [`IntervalMap`] look-up) names
+//! that is not built yet). Every pointer-sized word of every parameter, including the words inside
+//! by-value structs, is a [`Slot`]. A slot whose value falls inside a live allocation (an [`IntervalMap`] look-up) names
 //! that buffer. Each named buffer is taken as read-write, unless read-only speculation is on
 //! (`readonly_after` > 0; off by default: observation cannot prove that a later launch does not
 //! write) and validation has shown that slot's buffer unchanged across `readonly_after` validated
