@@ -6,9 +6,10 @@
 //! # Speculation
 //!
 //! A kernel launch passes a packed parameter buffer whose layout ([`ParamLayout`]) comes from the
-//! driver or, failing that, from the cubin's `.nv.info.<kernel>` section ([`nvinfo`]). Every
-//! pointer-sized word of every parameter, including the words inside by-value structs, is a
-//! [`Slot`]. A slot whose value falls inside a live allocation (an [`IntervalMap`] look-up) names
+//! driver or, failing that, from the cubin's `.nv.info.<kernel>` section ([`nvinfo`]); AMDGPU
+//! code objects' argument metadata gives the same layouts ([`amdgpu`], there for a HIP front end
+//! that is not built yet). Every pointer-sized word of every parameter, including the words inside
+//! by-value structs, is a [`Slot`]. A slot whose value falls inside a live allocation (an [`IntervalMap`] look-up) names
 //! that buffer. Each named buffer is taken as read-write, unless read-only speculation is on
 //! (`readonly_after` > 0; off by default: observation cannot prove that a later launch does not
 //! write) and validation has shown that slot's buffer unchanged across `readonly_after` validated
@@ -35,12 +36,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod amdgpu;
 pub mod dag;
 pub mod intervals;
 pub mod kernel;
 pub mod layout;
 pub mod nvinfo;
 
+pub use amdgpu::{AmdgpuError, AmdgpuKernel, ArgKind, KernelArg};
 pub use dag::{BufRef, Dag, DepKind, EdgeKind, KernelRef, MEMCPY_HANDLE, MEMSET_HANDLE};
 pub use intervals::IntervalMap;
 pub use kernel::{

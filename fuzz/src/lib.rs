@@ -22,16 +22,35 @@ pub fn control_request(data: &[u8]) {
     }
 }
 
+/// An AMDGPU code object's kernel argument metadata (`possum_analyzer::amdgpu::kernels`). What
+/// reads keeps every argument inside its kernel's kernarg segment, and so its layout too.
+pub fn amdgpu_code_object(data: &[u8]) {
+    let Ok(kernels) = possum_analyzer::amdgpu::kernels(data) else {
+        return;
+    };
+    for k in kernels {
+        for a in &k.args {
+            assert!(
+                u64::from(a.offset) + u64::from(a.size) <= u64::from(k.kernarg_size),
+                "{}: argument past the kernarg segment",
+                k.name
+            );
+        }
+        assert!(k.layout().total_size() <= k.kernarg_size as usize);
+    }
+}
+
 /// A fuzz target's entry point: arbitrary bytes in, a panic only when a property fails.
 pub type Target = fn(&[u8]);
 
 /// Each target and its entry point.
-pub const TARGETS: [(&str, Target); 5] = [
+pub const TARGETS: [(&str, Target); 6] = [
     ("manifest", possum_engine::image::fuzz::manifest),
     ("hostmem_index", possum_criu::fuzz::hostmem_index),
     ("criu_image", possum_criu::fuzz::criu_image),
     ("control_request", control_request),
     ("possum_json", possum_sequence::fuzz::possum_json),
+    ("amdgpu_code_object", amdgpu_code_object),
 ];
 
 #[cfg(test)]

@@ -1,0 +1,496 @@
+//! The AMDGPU code object reader against code objects clang built (`tests/data/amdgpu/`), corrupt
+//! variants of them, and hand-made metadata.
+
+use possum_analyzer::amdgpu::{
+    kernels, Access, AddressSpace, AmdgpuError, AmdgpuKernel, ArgKind, MAX_ARGS,
+};
+use possum_analyzer::{Param, ParamLayout};
+use proptest::prelude::*;
+
+const GFX90A: &[u8] = include_bytes!("data/amdgpu/kernels-gfx90a.hsaco");
+const GFX908: &[u8] = include_bytes!("data/amdgpu/kernels-gfx908.hsaco");
+
+fn by_name<'k>(ks: &'k [AmdgpuKernel], name: &str) -> &'k AmdgpuKernel {
+    ks.iter()
+        .find(|k| k.name == name)
+        .unwrap_or_else(|| panic!("no kernel {name}"))
+}
+
+fn p(offset: u32, size: u32) -> Param {
+    Param { offset, size }
+}
+
+fn check_fixture(elf: &[u8]) {
+    let ks = kernels(elf).expect("fixture reads");
+    let mut names: Vec<&str> = ks.iter().map(|k| k.name.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["many_pointers", "scale_copy", "with_struct"]);
+
+    // scale_copy(const float* restrict in, float* restrict out, int n, float factor)
+    let k = by_name(&ks, "scale_copy");
+    assert_eq!(k.symbol, "scale_copy.kd");
+    assert_eq!(k.kernarg_size, 24);
+    assert_eq!(
+        k.layout(),
+        ParamLayout::new(vec![p(0, 8), p(8, 8), p(16, 4), p(20, 4)])
+    );
+    assert_eq!(k.global_buffers(), [0, 1]);
+    let args: Vec<_> = k.explicit_args().collect();
+    assert_eq!(
+        args[0].kind,
+        ArgKind::GlobalBuffer {
+            address_space: AddressSpace::Global,
+            is_const: true,
+            access: Some(Access::ReadOnly),
+        }
+    );
+    assert!(args[0].readonly_hint());
+    assert!(matches!(
+        args[1].kind,
+        ArgKind::GlobalBuffer {
+            address_space: AddressSpace::Global,
+            is_const: false,
+            access: None,
+        }
+    ));
+    assert!(!args[1].readonly_hint());
+    assert_eq!(args[2].kind, ArgKind::ByValue);
+    assert_eq!(args[3].kind, ArgKind::ByValue);
+    // Only the two pointers are 8-byte words.
+    let slots: Vec<u32> = k
+        .layout()
+        .pointer_slots()
+        .iter()
+        .map(|s| s.offset)
+        .collect();
+    assert_eq!(slots, [0, 8]);
+
+    // with_struct(float* data, params_t p): the struct { float; int; float* } is 16 bytes by
+    // value, and its words are slots too.
+    let k = by_name(&ks, "with_struct");
+    assert_eq!(k.kernarg_size, 24);
+    assert_eq!(k.layout(), ParamLayout::new(vec![p(0, 8), p(8, 16)]));
+    assert_eq!(k.global_buffers(), [0]);
+    assert_eq!(k.args[1].kind, ArgKind::ByValue);
+    let slots: Vec<u32> = k
+        .layout()
+        .pointer_slots()
+        .iter()
+        .map(|s| s.offset)
+        .collect();
+    assert_eq!(slots, [0, 8, 16]);
+
+    // many_pointers(const int* a, const int* b, int* c, int* d, long len)
+    let k = by_name(&ks, "many_pointers");
+    assert_eq!(k.kernarg_size, 40);
+    assert_eq!(
+        k.layout(),
+        ParamLayout::new(vec![p(0, 8), p(8, 8), p(16, 8), p(24, 8), p(32, 8)])
+    );
+    assert_eq!(k.global_buffers(), [0, 1, 2, 3]);
+    let hints: Vec<bool> = k.explicit_args().map(|a| a.readonly_hint()).collect();
+    assert_eq!(hints, [true, true, false, false, false]);
+    assert_eq!(k.args[4].kind, ArgKind::ByValue);
+    for k in &ks {
+        assert!(k.layout().total_size() <= k.kernarg_size as usize);
+    }
+}
+
+#[test]
+fn reads_gfx90a_code_object() {
+    check_fixture(GFX90A);
+}
+
+#[test]
+fn reads_gfx908_code_object() {
+    check_fixture(GFX908);
+}
+
+/// Offset of the metadata note's header in `elf` (found by its owner name).
+fn note_header(elf: &[u8]) -> usize {
+    let owner = elf
+        .windows(8)
+        .position(|w| w == b"AMDGPU\0\0")
+        .expect("note owner");
+    owner - 12
+}
+
+#[test]
+fn truncated_code_objects_give_typed_errors() {
+    for cut in [
+        0,
+        10,
+        63,
+        64,
+        200,
+        0x20c,
+        GFX90A.len() / 2,
+        GFX90A.len() - 1,
+    ] {
+        let err = kernels(&GFX90A[..cut]).unwrap_err();
+        if cut < 64 {
+            assert_eq!(err, AmdgpuError::NotElf64Le, "cut at {cut}");
+        } else {
+            // The section header table sits at the end of the file.
+            assert!(
+                matches!(err, AmdgpuError::OutOfBounds { .. }),
+                "cut at {cut}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn wrong_machine_is_refused() {
+    let mut elf = GFX90A.to_vec();
+    elf[0x12..0x14].copy_from_slice(&62u16.to_le_bytes()); // EM_X86_64
+    assert_eq!(kernels(&elf).unwrap_err(), AmdgpuError::NotAmdgpu(62));
+    let mut elf = GFX90A.to_vec();
+    elf[4] = 1; // ELFCLASS32
+    assert_eq!(kernels(&elf).unwrap_err(), AmdgpuError::NotElf64Le);
+}
+
+#[test]
+fn corrupt_notes_give_typed_errors() {
+    let at = note_header(GFX90A);
+    // A description size larger than the note section.
+    let mut elf = GFX90A.to_vec();
+    elf[at + 4] ^= 0x80;
+    elf[at + 5] ^= 0x40;
+    assert!(
+        matches!(kernels(&elf), Err(AmdgpuError::BadNote { .. })),
+        "{:?}",
+        kernels(&elf)
+    );
+    // Another note type: no metadata.
+    let mut elf = GFX90A.to_vec();
+    elf[at + 8] = 33;
+    assert_eq!(kernels(&elf).unwrap_err(), AmdgpuError::NoMetadata);
+    // The description's first byte: a reserved MessagePack tag.
+    let desc = at + 12 + 8;
+    let mut elf = GFX90A.to_vec();
+    elf[desc] = 0xc1;
+    assert!(matches!(
+        kernels(&elf),
+        Err(AmdgpuError::BadMsgpack { offset: 0, .. })
+    ));
+    // A top-level array instead of a map.
+    let mut elf = GFX90A.to_vec();
+    elf[desc] = 0x93;
+    assert!(kernels(&elf).is_err());
+}
+
+fn replace(elf: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let at = elf
+        .windows(from.len())
+        .position(|w| w == from)
+        .expect("pattern in fixture");
+    let mut out = elf.to_vec();
+    out[at..at + to.len()].copy_from_slice(to);
+    out
+}
+
+#[test]
+fn misshapen_metadata_names_the_problem() {
+    let elf = replace(GFX90A, b"amdhsa.kernels", b"amdhsa.kernelz");
+    assert_eq!(
+        kernels(&elf).unwrap_err(),
+        AmdgpuError::BadMetadata("no amdhsa.kernels".into())
+    );
+    let elf = replace(GFX90A, b".kernarg_segment_size", b".kernarg_segment_sizz");
+    let err = kernels(&elf).unwrap_err();
+    assert!(
+        matches!(&err, AmdgpuError::BadKernel { kernel, what }
+            if kernel == "scale_copy" && what.contains(".kernarg_segment_size")),
+        "{err}"
+    );
+    let elf = replace(GFX90A, b".value_kind", b".value_kinx");
+    let err = kernels(&elf).unwrap_err();
+    assert!(
+        matches!(&err, AmdgpuError::BadArg { kernel, index: 0, what }
+            if kernel == "scale_copy" && what.contains(".value_kind")),
+        "{err}"
+    );
+    let elf = replace(GFX90A, b"read_only", b"read_oops");
+    assert!(matches!(
+        kernels(&elf),
+        Err(AmdgpuError::BadArg { index: 0, .. })
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hand-made metadata in a minimal code object.
+
+/// A tiny MessagePack encoder for the shapes the tests need.
+enum M {
+    U(u64),
+    S(&'static str),
+    B(bool),
+    A(Vec<M>),
+    Map(Vec<(&'static str, M)>),
+    Raw(Vec<u8>),
+}
+
+fn enc(m: &M, out: &mut Vec<u8>) {
+    match m {
+        M::U(n) => {
+            out.push(0xcf);
+            out.extend_from_slice(&n.to_be_bytes());
+        }
+        M::S(s) => {
+            out.push(0xd9);
+            out.push(s.len() as u8);
+            out.extend_from_slice(s.as_bytes());
+        }
+        M::B(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
+        M::A(v) => {
+            out.push(0xdd);
+            out.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            v.iter().for_each(|x| enc(x, out));
+        }
+        M::Map(v) => {
+            out.push(0xdf);
+            out.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            for (k, x) in v {
+                enc(&M::S(k), out);
+                enc(x, out);
+            }
+        }
+        M::Raw(b) => out.extend_from_slice(b),
+    }
+}
+
+/// An ELF64 LE AMDGPU file with one `.note` section holding one AMDGPU metadata note.
+fn code_object(desc: &[u8]) -> Vec<u8> {
+    let mut note = Vec::new();
+    note.extend_from_slice(&7u32.to_le_bytes());
+    note.extend_from_slice(&(desc.len() as u32).to_le_bytes());
+    note.extend_from_slice(&32u32.to_le_bytes());
+    note.extend_from_slice(b"AMDGPU\0\0");
+    note.extend_from_slice(desc);
+    note.resize(note.len().next_multiple_of(4), 0);
+    let mut f = vec![0u8; 64];
+    f[..6].copy_from_slice(b"\x7fELF\x02\x01");
+    f[0x12..0x14].copy_from_slice(&224u16.to_le_bytes());
+    let note_off = f.len() as u64;
+    f.extend_from_slice(&note);
+    f.resize(f.len().next_multiple_of(8), 0);
+    let shoff = f.len() as u64;
+    f.extend_from_slice(&[0u8; 64]); // null section
+    let mut sh = [0u8; 64];
+    sh[4..8].copy_from_slice(&7u32.to_le_bytes()); // SHT_NOTE
+    sh[24..32].copy_from_slice(&note_off.to_le_bytes());
+    sh[32..40].copy_from_slice(&(note.len() as u64).to_le_bytes());
+    f.extend_from_slice(&sh);
+    f[0x28..0x30].copy_from_slice(&shoff.to_le_bytes());
+    f[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+    f[0x3c..0x3e].copy_from_slice(&2u16.to_le_bytes());
+    f
+}
+
+fn meta(kernels: Vec<M>) -> Vec<u8> {
+    let mut out = Vec::new();
+    enc(&M::Map(vec![("amdhsa.kernels", M::A(kernels))]), &mut out);
+    out
+}
+
+fn kernel(name: &'static str, size: u64, args: Vec<M>) -> M {
+    M::Map(vec![
+        (".name", M::S(name)),
+        (".symbol", M::S("k.kd")),
+        (".kernarg_segment_size", M::U(size)),
+        (".args", M::A(args)),
+    ])
+}
+
+fn arg(offset: u64, size: u64, kind: &'static str) -> M {
+    M::Map(vec![
+        (".offset", M::U(offset)),
+        (".size", M::U(size)),
+        (".value_kind", M::S(kind)),
+    ])
+}
+
+#[test]
+fn hidden_arguments_are_not_parameters() {
+    let desc = meta(vec![kernel(
+        "k",
+        64,
+        vec![
+            M::Map(vec![
+                (".offset", M::U(0)),
+                (".size", M::U(8)),
+                (".value_kind", M::S("global_buffer")),
+                (".address_space", M::S("constant")),
+                (".is_const", M::B(false)),
+                (".access", M::S("read_write")),
+                (".actual_access", M::S("write_only")),
+                (".name", M::S("out")),
+            ]),
+            arg(8, 4, "by_value"),
+            arg(16, 8, "hidden_global_offset_x"),
+            arg(24, 8, "hidden_hostcall_buffer"),
+        ],
+    )]);
+    let ks = kernels(&code_object(&desc)).unwrap();
+    let k = &ks[0];
+    assert_eq!(k.args.len(), 4);
+    assert_eq!(k.explicit_args().count(), 2);
+    assert_eq!(k.layout(), ParamLayout::new(vec![p(0, 8), p(8, 4)]));
+    assert_eq!(k.args[0].name.as_deref(), Some("out"));
+    assert_eq!(
+        k.args[0].kind,
+        ArgKind::GlobalBuffer {
+            address_space: AddressSpace::Constant,
+            is_const: false,
+            access: Some(Access::WriteOnly),
+        }
+    );
+    assert_eq!(k.args[2].kind, ArgKind::Hidden("global_offset_x".into()));
+}
+
+#[test]
+fn arguments_past_the_kernarg_segment_are_refused() {
+    let desc = meta(vec![kernel(
+        "k",
+        16,
+        vec![arg(0, 8, "by_value"), arg(12, 8, "by_value")],
+    )]);
+    let err = kernels(&code_object(&desc)).unwrap_err();
+    assert!(
+        matches!(&err, AmdgpuError::BadArg { kernel, index: 1, what }
+            if kernel == "k" && what.contains("past the kernarg segment")),
+        "{err}"
+    );
+    // An offset that overflows u32 arithmetic.
+    let desc = meta(vec![kernel(
+        "k",
+        16,
+        vec![arg(u32::MAX as u64, 8, "by_value")],
+    )]);
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadArg { index: 0, .. })
+    ));
+    // An offset beyond u32.
+    let desc = meta(vec![kernel("k", 16, vec![arg(1 << 40, 8, "by_value")])]);
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadArg { index: 0, .. })
+    ));
+    // A pointer argument that is not 8 bytes.
+    let desc = meta(vec![kernel("k", 16, vec![arg(0, 4, "global_buffer")])]);
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadArg { index: 0, .. })
+    ));
+}
+
+#[test]
+fn absurd_counts_are_refused() {
+    // An array claiming 2^32-1 elements in a few bytes.
+    let mut desc = Vec::new();
+    enc(
+        &M::Map(vec![(
+            "amdhsa.kernels",
+            M::Raw(vec![0xdd, 0xff, 0xff, 0xff, 0xff, 0x80]),
+        )]),
+        &mut desc,
+    );
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadMsgpack { .. })
+    ));
+    // A string longer than what is left.
+    let desc = vec![0x81, 0xdb, 0x7f, 0xff, 0xff, 0xff, b'a'];
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadMsgpack { .. })
+    ));
+    // Too many arguments (each well formed).
+    let args = (0..=MAX_ARGS as u64)
+        .map(|i| arg(i, 1, "by_value"))
+        .collect();
+    let desc = meta(vec![kernel("k", 4096, args)]);
+    let err = kernels(&code_object(&desc)).unwrap_err();
+    assert!(
+        matches!(&err, AmdgpuError::BadKernel { what, .. } if what.contains("more than")),
+        "{err}"
+    );
+    // Nesting deeper than any metadata needs.
+    let mut desc = vec![0x91; 10_000];
+    desc.push(0xc0);
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadMsgpack { .. })
+    ));
+    // A kernarg segment larger than any launch passes.
+    let desc = meta(vec![kernel("k", 1 << 30, vec![])]);
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadKernel { .. })
+    ));
+    // Two kernels of one name.
+    let desc = meta(vec![kernel("k", 8, vec![]), kernel("k", 8, vec![])]);
+    assert!(matches!(
+        kernels(&code_object(&desc)),
+        Err(AmdgpuError::BadMetadata(_))
+    ));
+}
+
+#[test]
+fn a_kernel_without_arguments_has_an_empty_layout() {
+    let mut desc = Vec::new();
+    enc(
+        &M::Map(vec![(
+            "amdhsa.kernels",
+            M::A(vec![M::Map(vec![
+                (".name", M::S("noargs")),
+                (".kernarg_segment_size", M::U(0)),
+            ])]),
+        )]),
+        &mut desc,
+    );
+    let ks = kernels(&code_object(&desc)).unwrap();
+    assert_eq!(ks[0].layout(), ParamLayout::default());
+    assert_eq!(ks[0].symbol, "");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Flipped, replaced or cut bytes of a real code object give a result or a typed error,
+    /// never a panic; a result still keeps every argument inside its kernarg segment.
+    #[test]
+    fn mutated_code_objects_never_panic(
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+        cut in any::<prop::sample::Index>(),
+        truncate in any::<bool>(),
+        in_note in any::<bool>(),
+    ) {
+        let mut elf = GFX90A.to_vec();
+        let note = note_header(GFX90A);
+        let (lo, hi) = if in_note { (note, note + 0x750) } else { (0, elf.len()) };
+        for (i, b) in edits {
+            let at = lo + i.index(hi - lo);
+            elf[at] = b;
+        }
+        if truncate {
+            elf.truncate(cut.index(elf.len()));
+        }
+        if let Ok(ks) = kernels(&elf) {
+            for k in ks {
+                for a in &k.args {
+                    prop_assert!(a.offset as u64 + a.size as u64 <= k.kernarg_size as u64);
+                }
+            }
+        }
+    }
+
+    /// Random bytes as the note description never panic.
+    #[test]
+    fn random_metadata_never_panics(desc in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = kernels(&code_object(&desc));
+    }
+}
