@@ -47,6 +47,7 @@ use std::collections::BTreeSet;
 
 use thiserror::Error;
 
+use crate::elfbytes::{range, u16_at, u32_at, u64_at};
 use crate::layout::{Param, ParamLayout};
 
 /// `e_machine` of AMDGPU code objects.
@@ -257,27 +258,11 @@ impl AmdgpuKernel {
 // Step 1: the ELF file and its notes.
 
 fn slice<'a>(data: &'a [u8], offset: u64, len: u64, what: &str) -> Result<&'a [u8], AmdgpuError> {
-    let oob = || AmdgpuError::OutOfBounds {
+    range(data, offset, len).ok_or_else(|| AmdgpuError::OutOfBounds {
         what: what.to_string(),
         offset,
         len: data.len(),
-    };
-    let start = usize::try_from(offset).map_err(|_| oob())?;
-    let len = usize::try_from(len).map_err(|_| oob())?;
-    let end = start.checked_add(len).ok_or_else(oob)?;
-    data.get(start..end).ok_or_else(oob)
-}
-
-fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([b[at], b[at + 1]])
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from(u32_at(b, at)) | (u64::from(u32_at(b, at + 4)) << 32)
+    })
 }
 
 /// The contents of the note sections (or, with no section headers, the note segments).

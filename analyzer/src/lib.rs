@@ -38,6 +38,7 @@
 
 pub mod amdgpu;
 pub mod dag;
+mod elfbytes;
 pub mod intervals;
 pub mod kernel;
 pub mod layout;

@@ -42,6 +42,7 @@ use std::collections::BTreeMap;
 
 use thiserror::Error;
 
+use crate::elfbytes::{range, u16_at, u32_at, u64_at};
 use crate::layout::{Param, ParamLayout};
 
 /// Why a cubin's parameter layouts could not be read.
@@ -94,27 +95,11 @@ const EIATTR_KPARAM_INFO_V2: u8 = 0x45;
 const SECTION_PREFIX: &str = ".nv.info.";
 
 fn slice<'a>(data: &'a [u8], offset: u64, len: u64, what: &str) -> Result<&'a [u8], NvInfoError> {
-    let oob = || NvInfoError::OutOfBounds {
+    range(data, offset, len).ok_or_else(|| NvInfoError::OutOfBounds {
         what: what.to_string(),
         offset,
         len: data.len(),
-    };
-    let start = usize::try_from(offset).map_err(|_| oob())?;
-    let len = usize::try_from(len).map_err(|_| oob())?;
-    let end = start.checked_add(len).ok_or_else(oob)?;
-    data.get(start..end).ok_or_else(oob)
-}
-
-fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([b[at], b[at + 1]])
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+    })
 }
 
 struct Section<'a> {
