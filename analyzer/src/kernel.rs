@@ -192,6 +192,12 @@ pub enum SlotAccess {
     ReadWrite,
 }
 
+/// Whether kernel `name` (mangled or not) is one of NCCL's collective or point-to-point kernels
+/// (`ncclDevKernel_AllReduce_Sum_f32_RING_LL`; `ncclKernel_...` in older NCCL).
+pub fn is_collective_name(name: &str) -> bool {
+    name.contains("ncclDevKernel") || name.contains("ncclKernel")
+}
+
 /// A snapshot of a kernel's counters, for reports.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct KernelStats {
@@ -224,6 +230,8 @@ pub struct KernelModel {
     launches: AtomicU64,
     /// Whether the model was made with a parameter layout.
     has_layout: bool,
+    /// Whether the kernel is one of NCCL's collectives ([`is_collective_name`]).
+    collective: bool,
     /// The model that replaces this one (it had no layout; one came later): launches move on to
     /// it ([`KernelModel::successor`]).
     successor: OnceLock<Arc<KernelModel>>,
@@ -282,6 +290,7 @@ impl KernelModel {
         }
         Self {
             has_layout: layout.is_some(),
+            collective: name.as_deref().is_some_and(is_collective_name),
             successor: OnceLock::new(),
             handle,
             name,
@@ -337,6 +346,12 @@ impl KernelModel {
     /// The kernel's name, when known.
     pub fn name(&self) -> Option<&str> {
         self.name.as_deref()
+    }
+
+    /// Whether the kernel is one of NCCL's collective or point-to-point kernels: a launch of it
+    /// waits on the GPU for the same launch in every peer rank.
+    pub fn is_collective(&self) -> bool {
+        self.collective
     }
 
     /// The layout's pointer slots ([`ParamLayout::pointer_slots`]); empty without a layout.
@@ -674,6 +689,19 @@ mod tests {
     /// launches saw a slot's buffer unchanged, a later launch that writes it (an overflow flag
     /// set only on some steps) is counted as a write; nor are kernels rechecked for verdicts
     /// that are never given.
+    #[test]
+    fn nccl_kernels_are_collectives_and_others_are_not() {
+        let m = |n: &str| KernelModel::new(1, Some(n.to_string()), None);
+        assert!(m(
+            "_Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernelArgsStorageILm4096EE"
+        )
+        .is_collective());
+        assert!(m("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t").is_collective());
+        assert!(!m("_Z13vectorAddKernelPfS_S_i").is_collective());
+        assert!(!m("ampere_sgemm_128x64_nn").is_collective());
+        assert!(!KernelModel::new(2, None, None).is_collective());
+    }
+
     #[test]
     fn by_default_nothing_is_read_only() {
         let cfg = ValidationConfig::default();

@@ -147,6 +147,29 @@ pub enum Request {
     /// Waits until the saving `ResumeAndSave` started is done and its images committed; answers
     /// its figures (an error if it failed, or if none was started).
     Saved,
+    /// For a cut across the ranks of a job: hold the job's collective launches (NCCL's kernels)
+    /// numbered `at` and after, counted from the job's first (absent: from the next one). A
+    /// launch held waits before it is admitted, so it holds nothing a `Release` waits for. The
+    /// barrier lifts itself after `lease_ms` unless the job's operations are paused by then
+    /// (a `Release` came); a `Resume` or `CollectiveLift` lifts it. Answers at once
+    /// ([`reply::CollectiveReply`]); an error if `at` is below what the job launched already.
+    CollectiveHold {
+        /// The first collective launch held (absent: the next one).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at: Option<u64>,
+        /// How long the barrier holds without a `Release`, ms.
+        lease_ms: u64,
+    },
+    /// Waits until the job has launched `at` collectives, at most `timeout_ms`; answers the
+    /// counts either way ([`reply::CollectiveReply`]: `launched` below `at` is a timeout).
+    CollectiveWait {
+        /// The number of collective launches waited for.
+        at: u64,
+        /// How long to wait, ms.
+        timeout_ms: u64,
+    },
+    /// Lifts the collective barrier, if any: the held launches go on.
+    CollectiveLift,
 }
 
 impl Request {

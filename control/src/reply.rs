@@ -258,6 +258,9 @@ pub struct SessionStatus {
     /// The last figures of each session step.
     #[serde(deserialize_with = "null_default")]
     pub last: SessionLast,
+    /// The job's collective launches (NCCL's kernels) and its barrier.
+    #[serde(deserialize_with = "null_default")]
+    pub collectives: CollectiveReply,
 }
 
 /// The last figures of the session's steps (kept opaque: only their presence is read).
@@ -596,6 +599,19 @@ pub struct CuptiReply {
     pub cupti_attached: bool,
 }
 
+/// The answer to `CollectiveHold`, `CollectiveWait` and `CollectiveLift`: the job's collective
+/// launches (NCCL's kernels) and its barrier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct CollectiveReply {
+    /// Collective launches let through since the job started.
+    pub launched: u64,
+    /// The first collective launch held, if a barrier is up.
+    pub barrier: Option<u64>,
+    /// Threads waiting at the barrier now.
+    pub held: u32,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -825,6 +841,11 @@ mod tests {
                     hooks_live: Some(true),
                     last: SessionLast {
                         restore: Some(json!({"device": 0})),
+                    },
+                    collectives: CollectiveReply {
+                        launched: 12,
+                        barrier: Some(12),
+                        held: 1,
                     },
                 }),
                 vmm: Some(VmmStatus {

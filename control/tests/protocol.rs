@@ -30,7 +30,10 @@ fn dummy(req: Request) -> Value {
         | Request::Cupti { .. }
         | Request::CheckpointKept { .. }
         | Request::ResumeAndSave { .. }
-        | Request::Saved => {
+        | Request::Saved
+        | Request::CollectiveHold { .. }
+        | Request::CollectiveWait { .. }
+        | Request::CollectiveLift => {
             json!({"error": "nothing to release"})
         }
     }

@@ -6,12 +6,14 @@
 //! state and CUPTI; the set-up starts the server and hands it what `Status` answers.
 
 use std::sync::{Arc, Once};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use possum_control::reply::CuptiReply;
 use possum_control::{Request, Server};
 use serde_json::{json, Value};
 
+use crate::collective;
 use crate::config;
 use crate::cupti::{cupti_attach, cupti_attached, cupti_detach};
 use crate::log::log;
@@ -46,6 +48,16 @@ pub fn start(status: fn() -> Value) {
                 session::resume(Some(&dir), Some(shadow_mib))
             }
             Request::Saved => session::saved(),
+            Request::CollectiveHold { at, lease_ms } => {
+                match collective::hold(at, Duration::from_millis(lease_ms)) {
+                    Ok(r) => session::to_json(&r),
+                    Err(e) => possum_control::error_reply(e),
+                }
+            }
+            Request::CollectiveWait { at, timeout_ms } => {
+                session::to_json(&collective::wait_for(at, Duration::from_millis(timeout_ms)))
+            }
+            Request::CollectiveLift => session::to_json(&collective::lift()),
             Request::Cupti { attach } => {
                 let r = if attach {
                     cupti_attach()

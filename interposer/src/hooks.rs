@@ -797,6 +797,18 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
         crate::stats::note_function(func as usize);
         return;
     }
+    // A collective (NCCL's kernels) passes the cut's barrier first, outside the op gate.
+    let collective = MEMO
+        .try_with(|memo| {
+            let mut memo = memo.borrow_mut();
+            Ways::current(memo.entry(func).or_default(), st, func)
+                .0
+                .is_collective()
+        })
+        .unwrap_or(false);
+    if collective {
+        crate::collective::pass();
+    }
     let c = &st.counters;
     let n = c.launches.fetch_add(1, Ordering::Relaxed);
     let eng = engine_of(st, ctx);

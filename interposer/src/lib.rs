@@ -87,6 +87,7 @@
 mod ab;
 mod alloc;
 pub mod cbid;
+mod collective;
 mod config;
 mod control;
 mod cudart;

@@ -88,6 +88,8 @@ fn unpause_job() {
     if park::held() {
         park::unpark_all();
     }
+    // A cut across ranks held the collective launches too.
+    crate::collective::lift();
 }
 
 /// Whether the job is paused now.
@@ -117,6 +119,7 @@ pub fn status_json() -> Value {
             Saving::Failed(e) => json!({"failed": e}),
         },
         "last": LAST.lock().clone(),
+        "collectives": to_json(&crate::collective::counts()),
     })
 }
 

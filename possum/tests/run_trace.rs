@@ -295,7 +295,10 @@ fn trace_and_status_ask_the_job() {
             | Request::Cupti { .. }
             | Request::CheckpointKept { .. }
             | Request::ResumeAndSave { .. }
-            | Request::Saved => json!({"error": "not in this test"}),
+            | Request::Saved
+            | Request::CollectiveHold { .. }
+            | Request::CollectiveWait { .. }
+            | Request::CollectiveLift => json!({"error": "not in this test"}),
         }),
     )
     .unwrap();

@@ -24,6 +24,7 @@ use crate::image::{
 };
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
+use crate::ranks::JobRanks;
 use crate::temps::{self, TempLock};
 use crate::{tree, Engine, Observer};
 
@@ -145,6 +146,7 @@ pub fn checkpoint(
     let plan = plan(p)?;
     let mut run = Run::start(plan, obs)?;
     let held = (|| -> Result<(), HoldError> {
+        run.hold_ranks(obs)?;
         run.precopy(obs)?;
         run.cut(obs)?;
         run.freeze()?;
@@ -380,6 +382,9 @@ pub enum CutError {
         #[source]
         source: JobError,
     },
+    /// The ranks of a multi-process job found no common collective boundary.
+    #[error(transparent)]
+    Ranks(#[from] crate::ranks::RanksError),
 }
 
 /// The freeze (the driver's lock and checkpoint) failed.
@@ -626,9 +631,11 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     };
     // Those with possum loaded (a control socket in the same directory): their buffers are
     // saved and released by possum like the root's.
-    let possum_children = match p.engine {
-        Engine::Possum => possum_in(&children, &p.sockets)?,
-        Engine::Driver => Vec::new(),
+    // With `--gpu-only` (no driver to ask), every descendant is looked at.
+    let possum_children = match (p.engine, &side) {
+        (Engine::Possum, Some(_)) => possum_in(&children, &p.sockets)?,
+        (Engine::Possum, None) => possum_in(&tree::descendants(pid), &p.sockets)?,
+        (Engine::Driver, _) => Vec::new(),
     };
     let engines = status
         .iter()
@@ -784,6 +791,8 @@ struct Run<'a> {
     held_memory: Vec<HeldMemory>,
     /// During a kept hold: fds of the memory the job detached, in case its keeper dies.
     held_thread: Option<JoinHandle<HeldHandles>>,
+    /// When the ranks' collective launches were first held ([`Run::hold_ranks`]).
+    ranks_held_since: Option<Instant>,
     handles: Option<HeldHandles>,
     keeper_handles: Value,
     /// CRIU's dump was made into `tmp/criu`.
@@ -840,6 +849,7 @@ impl<'a> Run<'a> {
             kept: Vec::new(),
             held_memory: Vec::new(),
             held_thread: None,
+            ranks_held_since: None,
             handles: None,
             keeper_handles: Value::Null,
             dumped: false,
@@ -871,6 +881,34 @@ impl<'a> Run<'a> {
         std::iter::once(root)
             .chain(children.map(|&c| (c, dir.join(child_gpu_dir(c)))))
             .collect()
+    }
+
+    /// Ranks: a tree of several processes with possum whose NCCL ranks first stand at one
+    /// collective boundary ([`crate::ranks`]), their collective launches held there until they
+    /// resume. Before the pre-copy: a rank waiting on a peer's collective (in a copy that waits
+    /// for it, say) would keep its pre-copy from starting; at the boundary, every collective
+    /// launched is joined. The job's other work goes on until it needs a held collective.
+    fn hold_ranks(&mut self, obs: &mut dyn Observer) -> Result<(), CutError> {
+        if !self.by_possum() || self.plan.possum_children.is_empty() {
+            return Ok(());
+        }
+        let p = self.params();
+        self.guard.step(Step::Cutting);
+        let pids: Vec<i32> = std::iter::once(p.pid)
+            .chain(self.plan.possum_children.iter().copied())
+            .collect();
+        let t = Instant::now();
+        if let Some(cut) = crate::ranks::cut(&pids, &JobRanks(&p.sockets), p.env.cut_deadline)? {
+            self.ranks_held_since = Some(t);
+            obs.note(&format!(
+                "ranks {:?} stand at collective {} (they had launched {:?}; {:.0} ms)",
+                cut.ranks,
+                cut.target,
+                cut.reached,
+                cut.waited.as_secs_f64() * 1e3
+            ));
+        }
+        Ok(())
     }
 
     /// Pre-copy: every buffer copied into the image while the job runs (a job left running
@@ -908,6 +946,9 @@ impl<'a> Run<'a> {
             return Ok(());
         }
         let p = self.params();
+        if let Some(t) = self.ranks_held_since {
+            self.figures.ranks_cut = Some(t.elapsed());
+        }
         self.guard.step(Step::Releasing);
         let keeping = (!p.leave_running && !p.gpu_only && self.plan.keeper.is_some())
             .then_some(p.keep_on_gpu);

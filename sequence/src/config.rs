@@ -83,7 +83,13 @@ pub struct Environment {
     /// How long each driver checkpoint call may take ([`DriverDeadlines::default`];
     /// `POSSUM_DRIVER_DEADLINE_MS`, above 0: that for every call).
     pub driver_deadlines: DriverDeadlines,
+    /// How long the ranks of a multi-process job may take to reach the cut's collective
+    /// boundary (`POSSUM_CUT_DEADLINE_MS`, above 0; default [`CUT_DEADLINE`]).
+    pub cut_deadline: Duration,
 }
+
+/// The default of [`Environment::cut_deadline`].
+pub const CUT_DEADLINE: Duration = Duration::from_secs(30);
 
 impl Environment {
     /// The values of this process's environment.
@@ -119,6 +125,10 @@ impl Environment {
                 .map_or_else(DriverDeadlines::default, |ms| {
                     DriverDeadlines::fixed(Duration::from_millis(ms))
                 }),
+            cut_deadline: var("POSSUM_CUT_DEADLINE_MS")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|&ms| ms > 0)
+                .map_or(CUT_DEADLINE, Duration::from_millis),
         }
     }
 }
@@ -133,6 +143,10 @@ mod tests {
         assert_eq!(none.hostmem_split, HostmemSplit::On);
         assert!(none.keeper_revive && none.restore_stage);
         assert_eq!(none.criu_log_level, None);
+        assert_eq!(none.cut_deadline, CUT_DEADLINE);
+        let set =
+            Environment::from_vars(|n| (n == "POSSUM_CUT_DEADLINE_MS").then(|| "1500".into()));
+        assert_eq!(set.cut_deadline, Duration::from_millis(1500));
         assert_eq!(none.nvidia_smi, "nvidia-smi");
         assert_eq!(none.libcuda, "libcuda.so.1");
         assert_eq!(none.driver_deadlines, DriverDeadlines::default());

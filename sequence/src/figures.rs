@@ -46,6 +46,11 @@ pub struct CheckpointFigures {
     #[serde(rename = "engine_snapshot_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine_snapshot: Step,
+    /// A job of several ranks: their collective launches held until every rank stood at the
+    /// same collective boundary ([`crate::ranks`]).
+    #[serde(rename = "ranks_cut_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks_cut: Step,
     /// The cut: the job held, what was written since copied, the buffers' memory released.
     #[serde(rename = "release_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -145,6 +150,9 @@ pub fn longest_waits(mut all: Vec<WaitedOn>, top: usize) -> Vec<WaitedOn> {
 /// Who held the job, how long.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct StallBreakdown {
+    /// The ranks of a multi-process job brought to one collective boundary.
+    #[serde(serialize_with = "as_ms")]
+    pub cut: Duration,
     /// possum's release, keeper check and resume.
     #[serde(serialize_with = "as_ms")]
     pub engine: Duration,
@@ -166,6 +174,7 @@ impl CheckpointFigures {
     pub fn account_stall(&mut self, kept: bool, split_in_hold: bool) {
         let t = |d: Step| d.unwrap_or_default();
         let b = StallBreakdown {
+            cut: t(self.ranks_cut),
             engine: t(self.release) + t(self.keeper_check) + t(self.resume),
             driver: t(self.driver_lock)
                 + t(self.driver_checkpoint)
@@ -179,7 +188,7 @@ impl CheckpointFigures {
                 },
             commit: if kept { Duration::ZERO } else { t(self.commit) },
         };
-        self.hold = b.engine + b.driver + b.criu + b.commit;
+        self.hold = b.cut + b.engine + b.driver + b.criu + b.commit;
         self.stall = self.hold + self.job_waited.unwrap_or_default();
         self.stall_breakdown = b;
     }

@@ -21,6 +21,8 @@ use crate::temps::TempLock;
 /// inside a step still gets it undone), one name per line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
+    /// The collective launches of the job's ranks are about to be held at one boundary.
+    Cutting,
     /// The job is about to be held and its buffers released.
     Releasing,
     /// The driver is about to lock (and then checkpoint) the job.
@@ -40,7 +42,8 @@ pub enum Step {
 }
 
 impl Step {
-    const ALL: [Step; 8] = [
+    const ALL: [Step; 9] = [
+        Step::Cutting,
         Step::Releasing,
         Step::Locking,
         Step::Dumping,
@@ -53,6 +56,7 @@ impl Step {
 
     fn name(self) -> &'static str {
         match self {
+            Step::Cutting => "cutting",
             Step::Releasing => "releasing",
             Step::Locking => "locking",
             Step::Dumping => "dumping",
@@ -248,6 +252,16 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
         }
     }
     let on_demand = resume();
+    // The ranks' collective barriers (a resume lifts them too; a process never released
+    // still has its up).
+    if has(Step::Cutting) && !has(Step::Resumed) {
+        for (pid, _) in &released {
+            let req = Request::CollectiveLift;
+            if possum_control::request(*pid as u32, &a.socket_dir, &req, LIFT_TIMEOUT).is_ok() {
+                say(&format!("process {pid}: collective launches let go"));
+            }
+        }
+    }
     // --force moves the old image aside just before naming the new one.
     let old = a.tmp.with_extension("old");
     if old.exists() {
@@ -267,6 +281,9 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     }
     false
 }
+
+/// How long the guard waits for a job to lift its collective barrier.
+const LIFT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Waits until no process of `tree` is traced (CRIU seizes every task it dumps and lets them go
 /// when it ends), at most `limit`; whether none is.

@@ -57,6 +57,7 @@ pub mod image;
 pub mod job;
 pub mod places;
 pub mod process;
+pub mod ranks;
 pub mod restore;
 mod stage;
 mod temps;

@@ -1,0 +1,167 @@
+//! The job's collective launches (NCCL's kernels), counted, and the barrier that holds them for a
+//! cut across the ranks of a multi-process job.
+//!
+//! Holding each rank at its own next operation deadlocks when one rank already launched a
+//! collective its peer will never join: the kernel waits on the GPU for ever, and so does the
+//! T0 that waits for it. A consistent cut is a collective boundary every rank reaches: possum
+//! (`sequence/`'s cut) puts a barrier at each rank's next collective ([`hold`] with no number),
+//! takes the largest count any rank reached as the target, moves every barrier there and waits
+//! ([`wait_for`]) until each rank has launched exactly that many. Every collective below the
+//! target was then launched by all ranks and completes; none above it is launched; each rank's
+//! T0 (`Release`) finds nothing on its streams that waits for a peer.
+//!
+//! Invariant: a launch is counted when it passes [`pass`], and it never passes while the count
+//! has reached the barrier. The held thread waits before the op gate admits the launch, so a
+//! `Release` of the rank never waits for it.
+//!
+//! Every wait has an end: a barrier lifts itself when its lease runs out, unless the job's
+//! operations are paused by then (a `Release` came: the resume lifts it).
+
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use possum_control::reply::CollectiveReply;
+
+#[derive(Debug)]
+struct Counts {
+    /// Collective launches let through.
+    launched: u64,
+    /// The first launch number held, and when the barrier lifts itself.
+    barrier: Option<(u64, Instant)>,
+    /// Threads waiting at the barrier.
+    held: u32,
+}
+
+static COUNTS: Mutex<Counts> = Mutex::new(Counts {
+    launched: 0,
+    barrier: None,
+    held: 0,
+});
+static CHANGED: Condvar = Condvar::new();
+
+/// Lets one collective launch through, counted: waits while the barrier holds the launch's
+/// number (until the barrier is moved, lifted, or its lease ends with the job not paused).
+pub fn pass() {
+    let mut c = COUNTS.lock();
+    while let Some((at, until)) = c.barrier {
+        if c.launched < at {
+            break;
+        }
+        if Instant::now() >= until && !crate::gate::is_paused() {
+            crate::log::log(&format!(
+                "the collective barrier at launch {at} was neither moved nor lifted within its \
+                 lease: lifted"
+            ));
+            c.barrier = None;
+            CHANGED.notify_all();
+            break;
+        }
+        c.held += 1;
+        // Woken by every change; the lease is looked at again at least once a second.
+        let wake = until.min(Instant::now() + Duration::from_secs(1));
+        CHANGED.wait_until(&mut c, wake);
+        c.held -= 1;
+    }
+    c.launched += 1;
+    CHANGED.notify_all();
+}
+
+fn reply(c: &Counts) -> CollectiveReply {
+    CollectiveReply {
+        launched: c.launched,
+        barrier: c.barrier.map(|(at, _)| at),
+        held: c.held,
+    }
+}
+
+/// Puts the barrier at launch `at` (`None`: the next launch), lifting itself after `lease`
+/// unless the job is paused then. `Err` if `at` is below the launches already let through.
+pub fn hold(at: Option<u64>, lease: Duration) -> Result<CollectiveReply, String> {
+    let mut c = COUNTS.lock();
+    let at = at.unwrap_or(c.launched);
+    if at < c.launched {
+        return Err(format!(
+            "the job launched {} collectives already, past the barrier asked for at {at}",
+            c.launched
+        ));
+    }
+    c.barrier = Some((at, Instant::now() + lease));
+    CHANGED.notify_all();
+    Ok(reply(&c))
+}
+
+/// Waits until `at` collectives were let through, at most `timeout`; the counts either way.
+pub fn wait_for(at: u64, timeout: Duration) -> CollectiveReply {
+    let end = Instant::now() + timeout;
+    let mut c = COUNTS.lock();
+    while c.launched < at && Instant::now() < end {
+        CHANGED.wait_until(&mut c, end);
+    }
+    reply(&c)
+}
+
+/// Lifts the barrier (the held launches go on); the counts.
+pub fn lift() -> CollectiveReply {
+    let mut c = COUNTS.lock();
+    c.barrier = None;
+    CHANGED.notify_all();
+    reply(&c)
+}
+
+/// The counts, for `Status`.
+pub fn counts() -> CollectiveReply {
+    reply(&COUNTS.lock())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    /// One test drives the process-wide counts through hold, move, wait, lease and lift (the
+    /// state is global: separate tests would race).
+    #[test]
+    fn the_barrier_holds_launches_at_its_number_until_moved_or_lifted() {
+        lift();
+        let base = counts().launched;
+        // A barrier at the next launch: a launching thread waits, counted as held.
+        let r = hold(None, Duration::from_secs(60)).unwrap();
+        assert_eq!((r.launched, r.barrier), (base, Some(base)));
+        let passed = Arc::new(AtomicU64::new(0));
+        let p = Arc::clone(&passed);
+        let t = std::thread::spawn(move || {
+            for _ in 0..3 {
+                pass();
+                p.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        while counts().held == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(passed.load(Ordering::SeqCst), 0);
+        // Moved two further: exactly two launches go through, the third waits.
+        hold(Some(base + 2), Duration::from_secs(60)).unwrap();
+        let r = wait_for(base + 2, Duration::from_secs(10));
+        assert_eq!(r.launched, base + 2);
+        while counts().held == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(passed.load(Ordering::SeqCst), 2);
+        // A wait for more than the barrier lets through times out with the counts.
+        let r = wait_for(base + 3, Duration::from_millis(50));
+        assert_eq!((r.launched, r.barrier), (base + 2, Some(base + 2)));
+        // A barrier below what was launched is refused.
+        assert!(hold(Some(base + 1), Duration::from_secs(60)).is_err());
+        // Lifted: the last launch goes.
+        let r = lift();
+        assert_eq!(r.barrier, None);
+        t.join().unwrap();
+        assert_eq!(counts().launched, base + 3);
+        // A lease that runs out with the job not paused lifts the barrier by itself.
+        hold(None, Duration::from_millis(30)).unwrap();
+        pass();
+        assert_eq!(counts().barrier, None);
+        assert_eq!(counts().launched, base + 4);
+    }
+}

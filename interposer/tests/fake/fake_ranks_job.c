@@ -1,0 +1,192 @@
+/* A job of two ranks doing "collectives" on the fake GPU (fake_ranks_job), as a torchrun job of
+ * two NCCL ranks does.
+ *
+ * The launcher (no FAKE_RANK) creates the shared file $FAKE_RANKS_SHM, starts two ranks (fork +
+ * exec of itself with FAKE_RANK=0 and 1: fresh processes, libpossum.so loaded in each), prints
+ * "ranks P0 P1" and waits for them; it exits 0 when both did, else 1. It makes a context and a
+ * small buffer too, so that possum answers in it (as in torchrun's agent).
+ *
+ * Each rank makes its context through the driver's entry points and a buffer W of NW words whose
+ * first three are a marker, its rank and the collectives it ran; then, for each step s below
+ * $FAKE_STEPS: the kernel `work` (W[i] = W[i] * 31 + s + rank for i >= 3), then the collective
+ * `ncclDevKernel_AllReduce_Sum_u32_fake`: it publishes this rank's checksum of W for collective k
+ * in the shared file and waits until the peer's is there (a real NCCL kernel waits on the GPU for
+ * its peer the same way: a rank whose peer never launches the same collective waits for ever),
+ * adds it into W[3] and counts it in W[2]. Then the step's line "s k digest" is appended to
+ * $FAKE_RANKS_LOG.<rank>, and the rank sleeps $FAKE_STEP_US.
+ *
+ * $FAKE_STALL_RANK / $FAKE_STALL_AT: that rank stops before the collective of that step (host
+ * work that never ends) while its peer goes on into the collective: a cut must not wait for it
+ * past its deadline. A collective whose peer never comes fails the rank after 60 s ("error
+ * collective K never joined"), so that a deadlock ends a test instead of hanging it. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fake_abi.h"
+
+#define NW ((size_t)1 << 16)
+#define SLOTS 1024
+#define MARKER 0xc011ec71u
+
+struct shared {
+    volatile uint64_t seq[2];
+    volatile uint32_t val[2][SLOTS];
+};
+static struct shared *shm;
+static int rank;
+
+typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        void *, void **, void **);
+static launch_t drv_launch;
+static int (*drv_htod)(uint64_t, const void *, size_t);
+static int (*drv_dtoh)(void *, uint64_t, size_t);
+
+static void die(const char *what) {
+    printf("error %s\n", what);
+    fflush(stdout);
+    exit(1);
+}
+
+static uint32_t checksum(const uint32_t *w) {
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < NW; i++) h = (h ^ w[i]) * 16777619u;
+    return h;
+}
+
+/* work(uint32_t *w, uint32_t s) */
+static void run_work(void **p) {
+    uint32_t *w = *(uint32_t **)p[0];
+    uint32_t s = *(uint32_t *)p[1];
+    for (size_t i = 3; i < NW; i++) w[i] = w[i] * 31u + s + (uint32_t)rank;
+}
+/* allreduce(uint32_t *w): the collective. */
+static void run_allreduce(void **p) {
+    uint32_t *w = *(uint32_t **)p[0];
+    uint64_t k = w[2];
+    int peer = 1 - rank;
+    shm->val[rank][k % SLOTS] = checksum(w);
+    __atomic_store_n(&shm->seq[rank], k + 1, __ATOMIC_RELEASE);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    while (__atomic_load_n(&shm->seq[peer], __ATOMIC_ACQUIRE) < k + 1) {
+        usleep(100);
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if (t.tv_sec - t0.tv_sec > 60) {
+            printf("error collective %llu never joined\n", (unsigned long long)k);
+            fflush(stdout);
+            _exit(3);
+        }
+    }
+    w[3] += shm->val[peer][k % SLOTS];
+    w[2] = (uint32_t)(k + 1);
+}
+static struct fake_kernel work = {FAKE_KERNEL_MAGIC, "work", 2, {0, 8}, {8, 4}, run_work};
+static struct fake_kernel allreduce = {FAKE_KERNEL_MAGIC, "ncclDevKernel_AllReduce_Sum_u32_fake", 1,
+                                       {0}, {8}, run_allreduce};
+
+static void launch(struct fake_kernel *k, void **args) {
+    if (drv_launch(k, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL)) die("cuLaunchKernel");
+}
+
+static void context(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) die("no driver");
+    int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
+    int (*retain)(void **, int) = (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain");
+    int (*set)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
+    drv_launch = (launch_t)dlsym(h, "cuLaunchKernel");
+    drv_htod = (int (*)(uint64_t, const void *, size_t))dlsym(h, "cuMemcpyHtoD_v2");
+    drv_dtoh = (int (*)(void *, uint64_t, size_t))dlsym(h, "cuMemcpyDtoH_v2");
+    void *ctx;
+    if (!init || !retain || !set || !drv_launch || !drv_htod || !drv_dtoh || init(0) ||
+        retain(&ctx, 0) || set(ctx))
+        die("context");
+}
+
+static void map_shared(int create) {
+    const char *path = getenv("FAKE_RANKS_SHM");
+    if (!path) die("FAKE_RANKS_SHM");
+    int fd = open(path, O_RDWR | (create ? O_CREAT | O_TRUNC : 0), 0600);
+    if (fd < 0 || (create && ftruncate(fd, sizeof(struct shared)))) die("shared file");
+    shm = mmap(NULL, sizeof(struct shared), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (shm == MAP_FAILED) die("mmap");
+    close(fd);
+}
+
+static int run_rank(void) {
+    context();
+    map_shared(0);
+    uint32_t *w, *h = malloc(NW * 4);
+    if (!h) die("malloc");
+    if (cudaMalloc((void **)&w, NW * 4)) die("cudaMalloc");
+    for (size_t i = 0; i < NW; i++) h[i] = (uint32_t)(i * 2654435761u) ^ (uint32_t)rank;
+    h[0] = MARKER;
+    h[1] = (uint32_t)rank;
+    h[2] = 0;
+    if (drv_htod((uint64_t)(uintptr_t)w, h, NW * 4)) die("htod");
+    long steps = atol(getenv("FAKE_STEPS") ? getenv("FAKE_STEPS") : "100");
+    long step_us = atol(getenv("FAKE_STEP_US") ? getenv("FAKE_STEP_US") : "1000");
+    int stall_rank = getenv("FAKE_STALL_RANK") ? atoi(getenv("FAKE_STALL_RANK")) : -1;
+    long stall_at = getenv("FAKE_STALL_AT") ? atol(getenv("FAKE_STALL_AT")) : -1;
+    char logp[4096];
+    snprintf(logp, sizeof logp, "%s.%d", getenv("FAKE_RANKS_LOG") ? getenv("FAKE_RANKS_LOG") : "/dev/null", rank);
+    for (long s = 0; s < steps; s++) {
+        uint32_t su = (uint32_t)s;
+        void *wa[] = {&w, &su};
+        launch(&work, wa);
+        if (rank == stall_rank && s == stall_at)
+            for (;;) pause();
+        void *ca[] = {&w};
+        launch(&allreduce, ca);
+        if (drv_dtoh(h, (uint64_t)(uintptr_t)w, NW * 4)) die("dtoh");
+        FILE *f = fopen(logp, "a");
+        if (!f) die("log");
+        fprintf(f, "%ld %u %08x\n", s, h[2], checksum(h));
+        if (fclose(f)) die("log close");
+        usleep((useconds_t)step_us);
+    }
+    return 0;
+}
+
+int main(void) {
+    if (getenv("FAKE_RANK")) {
+        rank = atoi(getenv("FAKE_RANK"));
+        return run_rank();
+    }
+    context();
+    /* A buffer of its own: possum answers in a process once it used CUDA. */
+    void *mine;
+    if (cudaMalloc(&mine, 4096)) die("cudaMalloc");
+    map_shared(1);
+    pid_t p[2];
+    for (int r = 0; r < 2; r++) {
+        p[r] = fork();
+        if (p[r] < 0) die("fork");
+        if (p[r] == 0) {
+            char v[8];
+            snprintf(v, sizeof v, "%d", r);
+            setenv("FAKE_RANK", v, 1);
+            execl("/proc/self/exe", "fake_ranks_job", (char *)NULL);
+            _exit(127);
+        }
+    }
+    printf("ranks %d %d\n", (int)p[0], (int)p[1]);
+    fflush(stdout);
+    int ok = 1;
+    for (int r = 0; r < 2; r++) {
+        int st;
+        if (waitpid(p[r], &st, 0) != p[r] || !WIFEXITED(st) || WEXITSTATUS(st)) ok = 0;
+    }
+    printf("%s\n", ok ? "done" : "failed");
+    fflush(stdout);
+    return ok ? 0 : 1;
+}

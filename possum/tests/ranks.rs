@@ -1,0 +1,264 @@
+//! A job of two ranks doing collectives (`interposer/tests/fake/fake_ranks_job.c` on the fake
+//! GPU: each rank's collective waits inside the driver until its peer launches the same one, as an
+//! NCCL kernel waits on the GPU) checkpointed with `possum checkpoint --gpu-only --leave-running`
+//! of the launcher: the ranks are first brought to one collective boundary, so the cut never
+//! deadlocks, both ranks' images stand at the same collective, and the job's output equals an
+//! uninterrupted run's. A rank that cannot reach the boundary, or dies during the cut, fails the
+//! checkpoint naming it, and every rank runs on with no barrier left.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+#[path = "../../interposer/tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+const MARKER: u32 = 0xc011_ec71;
+
+fn setup(test: &str) -> Option<(tempfile::TempDir, PathBuf)> {
+    let Some(lib) = common::find_libpossum() else {
+        eprintln!("{test}: SKIPPED: libpossum.so not built (cargo test --workspace builds it)");
+        return None;
+    };
+    let tmp = tempfile::Builder::new()
+        .prefix("possum-ranks-")
+        .tempdir()
+        .unwrap();
+    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
+    common::build_fake_gpu_from(
+        &interposer,
+        tmp.path(),
+        "tests/fake/fake_ranks_job.c",
+        "fake_ranks_job",
+    )
+    .then_some((tmp, lib))
+}
+
+/// The launcher and its two ranks.
+struct Ranks {
+    child: Child,
+    ranks: [i32; 2],
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        for r in self.ranks {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(r),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &Path, lib: Option<&Path>, log: &str, env: &[(&str, &str)]) -> Ranks {
+    let mut cmd = common::fake_job_command(dir, "fake_ranks_job", lib);
+    cmd.env("FAKE_RANKS_SHM", dir.join(format!("{log}.shm")))
+        .env("FAKE_RANKS_LOG", dir.join(log))
+        .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let pids: Vec<i32> = line
+        .strip_prefix("ranks ")
+        .unwrap_or_else(|| panic!("no ranks line: {line:?}"))
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    Ranks {
+        child,
+        ranks: [pids[0], pids[1]],
+    }
+}
+
+fn possum(dir: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
+    c.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
+        .env_remove("LD_PRELOAD");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn lines(p: &Path) -> Vec<String> {
+    std::fs::read_to_string(p)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn wait_lines(p: &Path, n: usize) {
+    let t = Instant::now();
+    while lines(p).len() < n {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{} stalled",
+            p.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Every (rank, collectives) the rank's buffer W records in the GPU images under `img`: the
+/// buffer starts with the marker, its rank and the collectives it ran.
+fn collectives_in_image(img: &Path) -> Vec<(u32, u32)> {
+    let mut found = Vec::new();
+    let mut stack = vec![img.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "bin") {
+                let b = std::fs::read(&p).unwrap();
+                let w = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
+                let mut i = 0;
+                while i + 12 <= b.len() {
+                    if w(i) == MARKER && w(i + 4) < 2 {
+                        found.push((w(i + 4), w(i + 8)));
+                    }
+                    i += 4;
+                }
+            }
+        }
+    }
+    found.sort_unstable();
+    found
+}
+
+#[test]
+fn ranks_are_cut_at_one_collective_boundary_and_run_on_bit_exact() {
+    let Some((tmp, lib)) = setup("ranks cut") else {
+        return;
+    };
+    let dir = tmp.path();
+    let steps = "300";
+    let env = [("FAKE_STEPS", steps), ("FAKE_STEP_US", "2000")];
+    // The reference: the same job without possum.
+    let mut reference = start(dir, None, "ref", &env);
+    assert!(reference.child.wait().unwrap().success());
+
+    let mut job = start(dir, Some(&lib), "job", &env);
+    let launcher = job.child.id() as i32;
+    for (n, at) in [(1, 20), (2, 90), (3, 160)] {
+        wait_lines(&dir.join("job.0"), at);
+        let img = dir.join(format!("img{n}"));
+        let out = possum(dir)
+            .args(["checkpoint", &launcher.to_string()])
+            .args(["--gpu-only", "--leave-running", "--json", "-D"])
+            .arg(&img)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "checkpoint {n}: {}", text(&out));
+        let v: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+        assert!(
+            v["figures"]["ranks_cut_ms"].is_number(),
+            "checkpoint {n}: no cut across ranks: {v}"
+        );
+        // Both ranks' buffers in the image, at the same collective.
+        let found = collectives_in_image(&img);
+        assert_eq!(found.len(), 2, "checkpoint {n}: {found:?}");
+        assert_eq!(found[0].0, 0);
+        assert_eq!(found[1].0, 1);
+        assert_eq!(
+            found[0].1, found[1].1,
+            "checkpoint {n}: the ranks' images stand at different collectives: {found:?}"
+        );
+    }
+    assert!(job.child.wait().unwrap().success());
+    for r in 0..2 {
+        let (got, want) = (
+            lines(&dir.join(format!("job.{r}"))),
+            lines(&dir.join(format!("ref.{r}"))),
+        );
+        assert_eq!(got.len(), 300, "rank {r}");
+        assert!(
+            got == want,
+            "rank {r}: the output differs from the run without possum"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_reaches_the_boundary_or_dies_fails_the_cut_naming_it() {
+    let Some((tmp, lib)) = setup("ranks stall") else {
+        return;
+    };
+    let dir = tmp.path();
+    // Rank 1 stops in host work before the collective of step 30; rank 0 goes on into that
+    // collective and waits there for it.
+    let env = [
+        ("FAKE_STEPS", "1000"),
+        ("FAKE_STEP_US", "1000"),
+        ("FAKE_STALL_RANK", "1"),
+        ("FAKE_STALL_AT", "30"),
+    ];
+    let job = start(dir, Some(&lib), "job", &env);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("job.1"), 30);
+    let checkpoint = |img: &str, deadline_ms: &str| {
+        possum(dir)
+            .env("POSSUM_CUT_DEADLINE_MS", deadline_ms)
+            .args(["checkpoint", &launcher.to_string()])
+            .args(["--gpu-only", "--leave-running", "-D"])
+            .arg(dir.join(img))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let out = checkpoint("img-behind", "1500").wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains(&format!("rank {} launched 30 of the 31", job.ranks[1])),
+        "{t}"
+    );
+    assert!(t.contains("the job runs on"), "{t}");
+    assert!(!dir.join("img-behind").exists());
+    // No barrier left in either rank.
+    for r in job.ranks {
+        let s = possum(dir)
+            .args(["status", &r.to_string(), "--json"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap();
+        assert!(
+            v["possum"]["session"]["collectives"]["barrier"].is_null(),
+            "rank {r}: {v}"
+        );
+    }
+
+    // The stalled rank killed while possum waits for it: the checkpoint fails at once, naming it.
+    let pending = checkpoint("img-dead", "60000");
+    std::thread::sleep(Duration::from_millis(800));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(job.ranks[1]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let out = pending.wait_with_output().unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains(&format!("rank {}", job.ranks[1])), "{t}");
+    assert!(!dir.join("img-dead").exists());
+}
