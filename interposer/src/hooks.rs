@@ -32,6 +32,7 @@ use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
 use crate::decode::{KernelArgs, RawCall, Span, STREAM_PER_THREAD};
 use crate::ranges::{Ranges, Resolved, WordHash};
 use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
+use crate::thread_state::ThreadState;
 use crate::validate;
 
 /// What an entry callback leaves for the exit callback.
@@ -111,6 +112,14 @@ fn push_foreign(foreign: &mut Vec<Foreign>, dev: usize, b: &Buffer, write: bool)
 }
 
 impl BufferSets {
+    const EMPTY: BufferSets = BufferSets {
+        reads: Vec::new(),
+        writes: Vec::new(),
+        foreign: Vec::new(),
+        dag_reads: Vec::new(),
+        dag_writes: Vec::new(),
+    };
+
     fn clear(&mut self) {
         self.reads.clear();
         self.writes.clear();
@@ -137,6 +146,14 @@ struct Scratch {
     ranges: Option<(u64, Arc<Ranges>)>,
 }
 
+impl Scratch {
+    const EMPTY: Scratch = Scratch {
+        words: Vec::new(),
+        sets: BufferSets::EMPTY,
+        ranges: None,
+    };
+}
+
 /// The allocation snapshot of `generation`, from the thread's `cache`.
 fn ranges_at<'a>(
     cache: &'a mut Option<(u64, Arc<Ranges>)>,
@@ -149,16 +166,56 @@ fn ranges_at<'a>(
     &cache.as_ref().expect("just set").1
 }
 
-thread_local! {
-    static PENDING: RefCell<Pending> = const { RefCell::new(Pending::EMPTY) };
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+/// The hooks' part of a thread's state ([`crate::thread_state`]), each item borrowed on its own.
+pub struct HookState {
+    /// What an operation's entry callback left for its exit callback.
+    pending: RefCell<Pending>,
+    /// Scratch space.
+    scratch: RefCell<Scratch>,
+    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
+    /// launches.
+    memo: RefCell<HashMap<u64, Ways>>,
+    /// What the operation being hooked is, for [`debug_dirty`] (set only when it is on).
+    label: RefCell<String>,
+}
+
+impl HookState {
+    /// Nothing kept yet.
+    pub const EMPTY: HookState = HookState {
+        pending: RefCell::new(Pending::EMPTY),
+        scratch: RefCell::new(Scratch::EMPTY),
+        memo: RefCell::new(HashMap::with_hasher(rustc_hash::FxBuildHasher)),
+        label: RefCell::new(String::new()),
+    };
+
+    /// Takes what it holds, leaving it empty (an item borrowed now is left as it is).
+    pub fn take(&self) -> HookState {
+        fn out<T: Default>(c: &RefCell<T>) -> RefCell<T> {
+            RefCell::new(c.try_borrow_mut().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default())
+        }
+        HookState {
+            pending: RefCell::new(
+                self.pending
+                    .try_borrow_mut()
+                    .map(|mut p| p.take())
+                    .unwrap_or_default(),
+            ),
+            scratch: out(&self.scratch),
+            memo: out(&self.memo),
+            label: out(&self.label),
+        }
+    }
 }
 
 /// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`.
 pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
+    crate::thread_state::with(|t| on_call_in(t, enter, cbid, ctx, call));
+}
+
+/// [`on_call`] with the calling thread's state `t`.
+fn on_call_in(t: &ThreadState, enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
     let shape = crate::cbid::shape(cbid);
-    let Some(tick) = crate::runtime::hooked_call(enter && matches!(shape, Shape::Launch { .. }))
-    else {
+    let Some(tick) = t.hooked_call(enter && matches!(shape, Shape::Launch { .. })) else {
         return;
     };
     let st = state();
@@ -166,7 +223,7 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
     // fault, which fails a checkpoint that is open (its image is not committed).
     let _panic = PanicFault;
     if !enter {
-        on_exit(st, cbid, shape, call);
+        on_exit(st, t, cbid, shape, call);
         return;
     }
     crate::stats::record(cbid);
@@ -184,37 +241,38 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
             let f = call.word(func);
             let s = call.stream(stream);
-            launch(st, ctx, f, s, &call.kernel_args(params, extra));
+            launch(st, t, ctx, f, s, &call.kernel_args(params, extra));
             if let Some(t0) = t0 {
-                let _ = PENDING.try_with(|p| {
-                    let mut p = p.borrow_mut();
-                    if p.validation.is_none() {
-                        p.timed = Some(t0.elapsed());
-                    }
-                });
+                let mut p = t.hooks.pending.borrow_mut();
+                if p.validation.is_none() {
+                    p.timed = Some(t0.elapsed());
+                }
             }
         }
-        Shape::GraphLaunch { stream } => graph_launch(st, ctx, call.word(0), call.stream(stream)),
+        Shape::GraphLaunch { stream } => {
+            graph_launch(st, t, ctx, call.word(0), call.stream(stream));
+        }
         Shape::Copy {
             dst, src, stream, ..
         } => {
-            copy_like(st, ctx, stream, call, Some(call.word(src)), call.word(dst));
+            copy_like(st, t, ctx, stream, call, Some(call.word(src)), call.word(dst));
         }
         Shape::Memset { dst, stream, .. } => {
-            copy_like(st, ctx, stream, call, None, call.word(dst));
+            copy_like(st, t, ctx, stream, call, None, call.word(dst));
         }
-        Shape::Write { at, stream } => write_op(st, ctx, cbid, at, stream, call),
+        Shape::Write { at, stream } => write_op(st, t, ctx, cbid, at, stream, call),
         Shape::OpaqueOp { stream } => {
             let s = call.stream(stream);
             if !skip_captured(st, s) {
                 st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
-                let eng = engine_of(st, ctx);
-                label_op(|| {
+                let eng = engine_of(st, t, ctx);
+                label_op(t, || {
                     let name = crate::cbid::lookup(cbid).map_or("?", |c| c.name);
                     format!("operation {name}")
                 });
                 // Opaque: it may write anything on any device (`hook` tells every engine).
-                hook(eng, admit(eng, s), s, Access::Opaque, Others::Every, None);
+                let guard = admit(t, eng, s);
+                hook(t, eng, guard, s, Access::Opaque, Others::Every, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -254,12 +312,10 @@ impl Drop for PanicFault {
     }
 }
 
-fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
+fn on_exit(st: &State, t: &ThreadState, cbid: u32, shape: Shape, call: &RawCall<'_>) {
     match shape {
         _ if shape.is_operation() => {
-            let p = PENDING
-                .try_with(|p| p.borrow_mut().take())
-                .unwrap_or_default();
+            let p = t.hooks.pending.borrow_mut().take();
             // Read the clock only for a timed launch: in a VM it may cost a system call.
             let t0 = p.timed.map(|_| Instant::now());
             // The operation is enqueued: let a checkpoint fix T0 again.
@@ -320,12 +376,16 @@ pub fn module_loaded(image: &[u8]) {
 /// tracks (a restore may be under way) the buffer is brought back as for an operation reading
 /// it on the legacy stream.
 pub fn pointer_query(ctx: u64, ptr: u64) {
-    if crate::runtime::ignore_this_thread() {
+    crate::thread_state::with(|t| pointer_query_in(t, ctx, ptr));
+}
+
+fn pointer_query_in(t: &ThreadState, ctx: u64, ptr: u64) {
+    if t.ignores() {
         return;
     }
     crate::gate::wait_if_paused();
     let st = state();
-    let Some(e) = engine_of(st, ctx) else {
+    let Some(e) = engine_of(st, t, ctx) else {
         return;
     };
     let g = crate::gate::admit(e);
@@ -339,7 +399,7 @@ pub fn pointer_query(ctx: u64, ptr: u64) {
                 reads: std::slice::from_ref(&b),
                 writes: &[],
             };
-            if let Err(err) = e.with_stream(0, |s| g.check(s, access)) {
+            if let Err(err) = e.with_stream(t, 0, |s| g.check(s, access)) {
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
                 crate::log::log(&format!("pointer query: {err}"));
             }
@@ -367,7 +427,11 @@ fn skip_captured(st: &State, stream: u64) -> bool {
 /// device, if possum manages allocations there): the stream is registered (a session fences
 /// every stream the job used) and the engine's gate entered. The guard's
 /// [`tracking`](OpGuard::tracking) says whether the engine needs the operation's buffers.
-fn admit(eng: Option<&'static DevEngine>, stream: u64) -> Option<OpGuard<'static, CudaDevice>> {
+fn admit(
+    t: &ThreadState,
+    eng: Option<&'static DevEngine>,
+    stream: u64,
+) -> Option<OpGuard<'static, CudaDevice>> {
     let e = eng?;
     if stream == STREAM_PER_THREAD {
         state()
@@ -375,7 +439,7 @@ fn admit(eng: Option<&'static DevEngine>, stream: u64) -> Option<OpGuard<'static
             .per_thread_stream_ops
             .fetch_add(1, Ordering::Relaxed);
     }
-    e.with_stream(stream, |_| ());
+    e.with_stream(t, stream, |_| ());
     Some(crate::gate::admit(e))
 }
 
@@ -396,24 +460,17 @@ fn debug_dirty() -> bool {
     crate::config::get().diag.debug_dirty
 }
 
-thread_local! {
-    /// What the operation being hooked is, for [`debug_dirty`] (set only when it is on).
-    static OP_LABEL: RefCell<String> = const { RefCell::new(String::new()) };
-}
-
 /// Names the operation being hooked, for [`debug_dirty`].
-fn label_op(what: impl FnOnce() -> String) {
+fn label_op(t: &ThreadState, what: impl FnOnce() -> String) {
     if debug_dirty() {
-        let _ = OP_LABEL.try_with(|l| *l.borrow_mut() = what());
+        *t.hooks.label.borrow_mut() = what();
     }
 }
 
 /// Logs what `access` newly marks written ([`debug_dirty`]).
-fn log_newly_dirty(access: &Access<'_>) {
+fn log_newly_dirty(t: &ThreadState, access: &Access<'_>) {
     static LINES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let label = OP_LABEL
-        .try_with(|l| l.borrow().clone())
-        .unwrap_or_default();
+    let label = t.hooks.label.borrow().clone();
     let lines: Vec<String> = match access {
         Access::Known { writes, .. } => writes
             .iter()
@@ -441,6 +498,7 @@ fn log_newly_dirty(access: &Access<'_>) {
 /// tracks, it checks `access` (the operation may wait or be refused); the guard (and a launch's
 /// validation) is kept for the exit callback.
 fn hook(
+    t: &ThreadState,
     eng: Option<&DevEngine>,
     guard: Option<OpGuard<'static, CudaDevice>>,
     stream: u64,
@@ -452,9 +510,9 @@ fn hook(
         if g.tracking() {
             let _r = Reentry::enter();
             if debug_dirty() {
-                log_newly_dirty(&access);
+                log_newly_dirty(t, &access);
             }
-            if let Err(err) = e.with_stream(stream, |s| g.check(s, access)) {
+            if let Err(err) = e.with_stream(t, stream, |s| g.check(s, access)) {
                 // The operation runs anyway (refusing it would break the job), perhaps before
                 // the buffers it writes were saved: the checkpoint open now must not commit.
                 let st = state();
@@ -471,8 +529,8 @@ fn hook(
     } else {
         others
     };
-    let others = hook_foreign(eng, guard.is_some(), stream, others);
-    keep(guard, others, validation);
+    let others = hook_foreign(t, eng, guard.is_some(), stream, others);
+    keep(t, guard, others, validation);
 }
 
 /// The buffers of other devices than its own that an operation touches (`foreign`), hooked by
@@ -486,6 +544,7 @@ fn hook(
 /// device's memory through peer access), every other engine takes it as touching all its
 /// buffers. Nothing is allocated when there is no other engine.
 fn hook_foreign(
+    t: &ThreadState,
     own: Option<&DevEngine>,
     admitted: bool,
     stream: u64,
@@ -501,13 +560,13 @@ fn hook_foreign(
             devs.dedup();
             for d in devs {
                 if let Some(e) = st.engine_ref(d) {
-                    guards.extend(hook_other(st, e, own, admitted, stream, others));
+                    guards.extend(hook_other(t, st, e, own, admitted, stream, others));
                 }
             }
         }
         Others::Every => {
             for e in st.engine_refs() {
-                guards.extend(hook_other(st, e, own, admitted, stream, others));
+                guards.extend(hook_other(t, st, e, own, admitted, stream, others));
             }
         }
     }
@@ -516,6 +575,7 @@ fn hook_foreign(
 
 /// [`hook_foreign`] for engine `e`: its guard, or `None` for the operation's own engine.
 fn hook_other(
+    t: &ThreadState,
     st: &'static State,
     e: &'static DevEngine,
     own: Option<&DevEngine>,
@@ -552,7 +612,7 @@ fn hook_other(
         };
         let _r = Reentry::enter();
         if debug_dirty() {
-            log_newly_dirty(&access);
+            log_newly_dirty(t, &access);
         }
         // The job's stream as its own device's engine knows it: the other engine makes it
         // wait for its copies (an event of one device waited for on another's stream), but
@@ -560,8 +620,8 @@ fn hook_other(
         // stream of its own context).
         let check = |s: &CudaStream| g.check(s, access);
         let r = match own {
-            Some(o) => o.with_stream(stream, check),
-            None => e.with_stream(stream, check),
+            Some(o) => o.with_stream(t, stream, check),
+            None => e.with_stream(t, stream, check),
         };
         if let Err(err) = r {
             st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
@@ -573,20 +633,19 @@ fn hook_other(
 
 /// Keeps an admitted operation's guards (and validation) until the exit callback.
 fn keep(
+    t: &ThreadState,
     guard: Option<OpGuard<'static, CudaDevice>>,
     others: Vec<OpGuard<'static, CudaDevice>>,
     validation: Option<Box<validate::Before>>,
 ) {
-    let _ = PENDING.try_with(|p| {
-        let mut p = p.borrow_mut();
-        p.guard = guard;
-        p.others = others;
-        p.validation = validation;
-    });
+    let mut p = t.hooks.pending.borrow_mut();
+    p.guard = guard;
+    p.others = others;
+    p.validation = validation;
 }
 
-fn engine_of(st: &'static State, ctx: u64) -> Option<&'static DevEngine> {
-    st.device_of(ctx)
+fn engine_of(st: &'static State, t: &ThreadState, ctx: u64) -> Option<&'static DevEngine> {
+    st.device_of(t, ctx)
         .and_then(|d| st.engine_ref(d))
         .map(|e| &**e)
 }
@@ -786,25 +845,26 @@ impl MemoSet {
     }
 }
 
-thread_local! {
-    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
-    /// launches.
-    static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
-}
-
-fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
+fn launch(
+    st: &'static State,
+    t: &ThreadState,
+    ctx: u64,
+    func: u64,
+    stream: u64,
+    args: &KernelArgs<'_>,
+) {
     if skip_captured(st, stream) {
         crate::stats::note_function(func as usize);
         return;
     }
     let c = &st.counters;
     let n = c.launches.fetch_add(1, Ordering::Relaxed);
-    let eng = engine_of(st, ctx);
-    let guard = admit(eng, stream);
+    let eng = engine_of(st, t, ctx);
+    let guard = admit(t, eng, stream);
     let tracking = guard.as_ref().is_some_and(OpGuard::tracking);
     let resolve = tracking || st.cfg.tuning.resolve.sampled(n);
-    let _ = MEMO.try_with(move |memo| {
-        let mut memo = memo.borrow_mut();
+    {
+        let mut memo = t.hooks.memo.borrow_mut();
         let (model, ways) = Ways::current(memo.entry(func).or_default(), st, func);
         let (_, due) = model.next_launch(&st.cfg.tuning.validation);
         // Validation reads every buffer: never while a session may have released some of them
@@ -812,15 +872,15 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
         if !resolve && !validate_now {
             st.note_unresolved();
-            keep(guard, Vec::new(), None);
+            keep(t, guard, Vec::new(), None);
             return;
         }
         c.launches_examined.fetch_add(1, Ordering::Relaxed);
         if guard.is_some() {
             c.launches_hooked.fetch_add(1, Ordering::Relaxed);
         }
-        let _ = SCRATCH.try_with(move |s| {
-            let mut s = s.borrow_mut();
+        {
+            let mut s = t.hooks.scratch.borrow_mut();
             let s = &mut *s;
             let generation = st.generation();
             let ranges = ranges_at(&mut s.ranges, st, generation);
@@ -909,7 +969,7 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
             } else {
                 m.sets.access()
             };
-            label_op(|| {
+            label_op(t, || {
                 // Which of the launch's words name each buffer it newly marks written, and
                 // whether their slots are speculated read-only.
                 let mut fresh = Vec::new();
@@ -945,6 +1005,7 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
                 .then(|| validate::begin(st, eng, model, words))
                 .flatten();
             hook(
+                t,
                 eng,
                 guard,
                 stream,
@@ -952,21 +1013,22 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
                 Others::Listed(&m.sets.foreign),
                 before,
             );
-        });
-    });
+        }
+    }
 }
 
-fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
+fn graph_launch(st: &'static State, t: &ThreadState, ctx: u64, exec: u64, stream: u64) {
     if skip_captured(st, stream) {
         return;
     }
     let c = &st.counters;
     c.graph_launches.fetch_add(1, Ordering::Relaxed);
-    let eng = engine_of(st, ctx);
-    let guard = admit(eng, stream);
+    let eng = engine_of(st, t, ctx);
+    let guard = admit(t, eng, stream);
     let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
         c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
         hook(
+            t,
             eng,
             guard,
             stream,
@@ -977,11 +1039,11 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
         return;
     };
     if !resolving(st, guard.as_ref()) {
-        keep(guard, Vec::new(), None);
+        keep(t, guard, Vec::new(), None);
         return;
     }
-    let _ = SCRATCH.try_with(move |s| {
-        let s = &mut *s.borrow_mut();
+    {
+        let s = &mut *t.hooks.scratch.borrow_mut();
         let mut ranges = ranges_at(&mut s.ranges, st, st.generation()).clone();
         let sets = &mut s.sets;
         sets.clear();
@@ -1037,8 +1099,9 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
         } else {
             sets.access()
         };
-        label_op(|| "graph launch".to_string());
+        label_op(t, || "graph launch".to_string());
         hook(
+            t,
             eng,
             guard,
             stream,
@@ -1046,13 +1109,14 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
             Others::Listed(&sets.foreign),
             None,
         );
-    });
+    }
 }
 
 /// A copy (`src` is `Some`) or memset: `dst` is written, `src` read; host addresses resolve to
 /// nothing.
 fn copy_like(
     st: &'static State,
+    t: &ThreadState,
     ctx: u64,
     stream: StreamAt,
     call: &RawCall<'_>,
@@ -1069,19 +1133,21 @@ fn copy_like(
     } else {
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
-    let eng = engine_of(st, ctx);
-    let guard = admit(eng, s);
+    let eng = engine_of(st, t, ctx);
+    let guard = admit(t, eng, s);
     if !resolving(st, guard.as_ref()) {
-        keep(guard, Vec::new(), None);
+        keep(t, guard, Vec::new(), None);
         return;
     }
     let dev = eng.map(|e| e.ordinal);
     let look = |r: &Ranges| (src.map_or(Resolved::None, |a| r.lookup(a)), r.lookup(dst));
-    // The thread's snapshot (no lock); the shared one while the thread's storage is torn down.
-    let (rd, wr) = SCRATCH
-        .try_with(|s| look(ranges_at(&mut s.borrow_mut().ranges, st, st.generation())))
-        .unwrap_or_else(|_| look(&st.ranges()));
-    label_op(|| {
+    // The thread's snapshot (no lock).
+    let (rd, wr) = look(ranges_at(
+        &mut t.hooks.scratch.borrow_mut().ranges,
+        st,
+        st.generation(),
+    ));
+    label_op(t, || {
         let what = if src.is_some() { "copy" } else { "memset" };
         format!("{what} to {dst:#x}")
     });
@@ -1112,6 +1178,7 @@ fn copy_like(
         });
     }
     hook(
+        t,
         eng,
         guard,
         s,
@@ -1129,6 +1196,7 @@ fn copy_like(
 /// buffers they lie in, of whichever device, written or read; one it cannot decode is opaque.
 fn write_op(
     st: &'static State,
+    t: &ThreadState,
     ctx: u64,
     cbid: u32,
     at: WriteAt,
@@ -1149,15 +1217,17 @@ fn write_op(
     } else {
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
-    let eng = engine_of(st, ctx);
+    let eng = engine_of(st, t, ctx);
     let name = || crate::cbid::lookup(cbid).map_or("?", |c| c.name);
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
     if !call.write_spans(at, &mut writes, &mut reads) {
         st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
-        label_op(|| format!("operation {}", name()));
+        label_op(t, || format!("operation {}", name()));
+        let guard = admit(t, eng, s);
         hook(
+            t,
             eng,
-            admit(eng, s),
+            guard,
             s,
             Access::Opaque,
             Others::Listed(&[]),
@@ -1165,9 +1235,9 @@ fn write_op(
         );
         return;
     }
-    let guard = admit(eng, s);
+    let guard = admit(t, eng, s);
     if !resolving(st, guard.as_ref()) {
-        keep(guard, Vec::new(), None);
+        keep(t, guard, Vec::new(), None);
         return;
     }
     let dev = eng.map(|e| e.ordinal);
@@ -1188,10 +1258,12 @@ fn write_op(
         };
         (side(&reads), side(&writes))
     };
-    let (rd, wr) = SCRATCH
-        .try_with(|sc| look(ranges_at(&mut sc.borrow_mut().ranges, st, st.generation())))
-        .unwrap_or_else(|_| look(&st.ranges()));
-    label_op(|| format!("{} to {:#x}", name(), writes.first().map_or(0, |w| w.0)));
+    let (rd, wr) = look(ranges_at(
+        &mut t.hooks.scratch.borrow_mut().ranges,
+        st,
+        st.generation(),
+    ));
+    label_op(t, || format!("{} to {:#x}", name(), writes.first().map_or(0, |w| w.0)));
     let mut sets = BufferSets::default();
     for (side, write) in [(&wr, true), (&rd, false)] {
         for r in side.iter() {
@@ -1222,6 +1294,7 @@ fn write_op(
         });
     }
     hook(
+        t,
         eng,
         guard,
         s,

@@ -109,6 +109,7 @@ mod runtime;
 mod session;
 pub mod stats;
 mod sys;
+mod thread_state;
 mod validate;
 mod vmm;
 pub mod writers;
