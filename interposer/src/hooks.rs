@@ -13,7 +13,7 @@
 //! [`OpGuard::check`]: possum_engine::OpGuard::check
 //! [`ResolveMode`]: crate::config::ResolveMode
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,10 +35,10 @@ use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
 use crate::thread_state::ThreadState;
 use crate::validate;
 
-/// What an entry callback leaves for the exit callback.
+/// What an entry callback leaves for the exit callback besides its own device's guard (rarely
+/// anything: [`HookState::more`] says when).
 #[derive(Default)]
 struct Pending {
-    guard: Option<OpGuard<'static, CudaDevice>>,
     /// Guards of the other devices whose buffers the operation writes or reads.
     others: Vec<OpGuard<'static, CudaDevice>>,
     validation: Option<Box<validate::Before>>,
@@ -48,21 +48,10 @@ struct Pending {
 
 impl Pending {
     const EMPTY: Pending = Pending {
-        guard: None,
         others: Vec::new(),
         validation: None,
         timed: None,
     };
-
-    /// What the entry callback left.
-    fn take(&mut self) -> Pending {
-        Pending {
-            guard: self.guard.take(),
-            others: std::mem::take(&mut self.others),
-            validation: self.validation.take(),
-            timed: self.timed.take(),
-        }
-    }
 }
 
 /// One launch in this many on a thread has its time in possum's callbacks measured.
@@ -168,7 +157,12 @@ fn ranges_at<'a>(
 
 /// The hooks' part of a thread's state ([`crate::thread_state`]), each item borrowed on its own.
 pub struct HookState {
-    /// What an operation's entry callback left for its exit callback.
+    /// The guard of the operation's own device that its entry callback left for its exit
+    /// callback (the gate is left when it is dropped).
+    guard: Cell<Option<OpGuard<'static, CudaDevice>>>,
+    /// Whether `pending` holds anything.
+    more: Cell<bool>,
+    /// The rest of what an operation's entry callback left for its exit callback.
     pending: RefCell<Pending>,
     /// Scratch space.
     scratch: RefCell<Scratch>,
@@ -182,6 +176,8 @@ pub struct HookState {
 impl HookState {
     /// Nothing kept yet.
     pub const EMPTY: HookState = HookState {
+        guard: Cell::new(None),
+        more: Cell::new(false),
         pending: RefCell::new(Pending::EMPTY),
         scratch: RefCell::new(Scratch::EMPTY),
         memo: RefCell::new(HashMap::with_hasher(rustc_hash::FxBuildHasher)),
@@ -194,12 +190,9 @@ impl HookState {
             RefCell::new(c.try_borrow_mut().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default())
         }
         HookState {
-            pending: RefCell::new(
-                self.pending
-                    .try_borrow_mut()
-                    .map(|mut p| p.take())
-                    .unwrap_or_default(),
-            ),
+            guard: Cell::new(self.guard.take()),
+            more: Cell::new(self.more.replace(false)),
+            pending: out(&self.pending),
             scratch: out(&self.scratch),
             memo: out(&self.memo),
             label: out(&self.label),
@@ -208,24 +201,45 @@ impl HookState {
 }
 
 /// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`.
+#[inline]
 pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
-    crate::thread_state::with(|t| on_call_in(t, enter, cbid, ctx, call));
+    crate::thread_state::with(|t| {
+        if enter {
+            on_entry(t, cbid, ctx, call);
+        } else {
+            on_exit_call(t, cbid, call);
+        }
+    });
 }
 
-/// [`on_call`] with the calling thread's state `t`.
-fn on_call_in(t: &ThreadState, enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
+/// An exit callback, with the calling thread's state `t`.
+fn on_exit_call(t: &ThreadState, cbid: u32, call: &RawCall<'_>) {
+    if t.ignores() {
+        return;
+    }
     let shape = crate::cbid::shape(cbid);
-    let Some(tick) = t.hooked_call(enter && matches!(shape, Shape::Launch { .. })) else {
+    if shape.is_operation() && !t.hooks.more.get() {
+        // Only its own device's guard to drop (most operations): the operation is enqueued, a
+        // checkpoint may fix T0 again.
+        drop(t.hooks.guard.take());
+        return;
+    }
+    let st = state();
+    // As in `on_entry`.
+    let _panic = PanicFault;
+    on_exit(st, t, cbid, shape, call);
+}
+
+/// An entry callback, with the calling thread's state `t`.
+fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
+    let shape = crate::cbid::shape(cbid);
+    let Some(tick) = t.hooked_call(matches!(shape, Shape::Launch { .. })) else {
         return;
     };
     let st = state();
     // A panic below leaves the operation to run with whatever the hook did so far: counted as a
     // fault, which fails a checkpoint that is open (its image is not committed).
     let _panic = PanicFault;
-    if !enter {
-        on_exit(st, t, cbid, shape, call);
-        return;
-    }
     crate::stats::record(cbid);
     if shape.is_operation() {
         // A checkpoint may have released the buffers: wait for them to come back first.
@@ -246,6 +260,7 @@ fn on_call_in(t: &ThreadState, enter: bool, cbid: u32, ctx: u64, call: &RawCall<
                 let mut p = t.hooks.pending.borrow_mut();
                 if p.validation.is_none() {
                     p.timed = Some(t0.elapsed());
+                    t.hooks.more.set(true);
                 }
             }
         }
@@ -315,11 +330,16 @@ impl Drop for PanicFault {
 fn on_exit(st: &State, t: &ThreadState, cbid: u32, shape: Shape, call: &RawCall<'_>) {
     match shape {
         _ if shape.is_operation() => {
-            let p = t.hooks.pending.borrow_mut().take();
+            let guard = t.hooks.guard.take();
+            let p = if t.hooks.more.replace(false) {
+                std::mem::take(&mut *t.hooks.pending.borrow_mut())
+            } else {
+                Pending::EMPTY
+            };
             // Read the clock only for a timed launch: in a VM it may cost a system call.
             let t0 = p.timed.map(|_| Instant::now());
             // The operation is enqueued: let a checkpoint fix T0 again.
-            drop(p.guard);
+            drop(guard);
             if let (Some(entry), Some(t0)) = (p.timed, t0) {
                 let ns = (entry + t0.elapsed()).as_nanos();
                 st.counters.timed_launches.fetch_add(1, Ordering::Relaxed);
@@ -439,7 +459,7 @@ fn admit(
             .per_thread_stream_ops
             .fetch_add(1, Ordering::Relaxed);
     }
-    e.with_stream(t, stream, |_| ());
+    e.note_stream(t, stream);
     Some(crate::gate::admit(e))
 }
 
@@ -632,16 +652,30 @@ fn hook_other(
 }
 
 /// Keeps an admitted operation's guards (and validation) until the exit callback.
+#[inline]
 fn keep(
     t: &ThreadState,
     guard: Option<OpGuard<'static, CudaDevice>>,
     others: Vec<OpGuard<'static, CudaDevice>>,
     validation: Option<Box<validate::Before>>,
 ) {
+    t.hooks.guard.set(guard);
+    if !others.is_empty() || validation.is_some() {
+        keep_more(t, others, validation);
+    }
+}
+
+/// [`keep`]'s rarer part: the guards of other devices, a validation.
+#[cold]
+fn keep_more(
+    t: &ThreadState,
+    others: Vec<OpGuard<'static, CudaDevice>>,
+    validation: Option<Box<validate::Before>>,
+) {
     let mut p = t.hooks.pending.borrow_mut();
-    p.guard = guard;
     p.others = others;
     p.validation = validation;
+    t.hooks.more.set(true);
 }
 
 fn engine_of(st: &'static State, t: &ThreadState, ctx: u64) -> Option<&'static DevEngine> {
@@ -865,7 +899,14 @@ fn launch(
     let resolve = tracking || st.cfg.tuning.resolve.sampled(n);
     {
         let mut memo = t.hooks.memo.borrow_mut();
-        let (model, ways) = Ways::current(memo.entry(func).or_default(), st, func);
+        let memo = &mut *memo;
+        // A look-up without the entry API's insertion path first: a thread launches a kernel for
+        // the first time once.
+        let w = match memo.get_mut(&func) {
+            Some(w) => w,
+            None => memo.entry(func).or_default(),
+        };
+        let (model, ways) = Ways::current(w, st, func);
         let (_, due) = model.next_launch(&st.cfg.tuning.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
@@ -875,145 +916,174 @@ fn launch(
             keep(t, guard, Vec::new(), None);
             return;
         }
-        c.launches_examined.fetch_add(1, Ordering::Relaxed);
-        if guard.is_some() {
-            c.launches_hooked.fetch_add(1, Ordering::Relaxed);
-        }
-        {
-            let mut s = t.hooks.scratch.borrow_mut();
-            let s = &mut *s;
-            let generation = st.generation();
-            let ranges = ranges_at(&mut s.ranges, st, generation);
-            let span = ranges.span();
-            let words = &mut s.words;
-            let version = model.speculation_version();
-            // The words are hashed where the job wrote them; they are copied out only to be
-            // resolved (a miss) or validated. A validated launch never reuses an entry.
-            let hash = (!validate_now).then(|| {
-                let mut h = WordHash::default();
-                args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
-                h.finish()
-            });
-            let found = hash.and_then(|h| ways.find(generation, version, h));
-            let hit = found.is_some();
-            let slot = found.unwrap_or_else(|| {
-                args.read_slots(model.slot_runs(), words);
-                ways.victim(hash.unwrap_or_else(|| WordHash::of_canonical(words, span)))
-            });
-            ways.last = slot;
-            let m = &mut ways.entries[slot];
-            // A reused entry needed no discovery (see `Memo`).
-            let mut identified = true;
-            if hit {
-                c.memo_hits.fetch_add(1, Ordering::Relaxed);
-            } else {
-                model.note_resolved();
-                m.sets.clear();
-                let (unmanaged, discovered) = resolve_slots(
-                    st,
-                    &mut ranges.clone(),
-                    validate_now,
-                    eng.map(|e| e.ordinal),
-                    model,
-                    words,
-                    &mut m.sets,
-                );
-                if discovered {
-                    c.launches_discovered.fetch_add(1, Ordering::Relaxed);
-                }
-                if validate_now && !discovered && !model.is_opaque() {
-                    c.validated_launches_identified
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                // Discovery changed the allocations: the next launch resolves again.
-                m.generation = if discovered { u64::MAX } else { generation };
-                m.version = version;
-                m.unmanaged = unmanaged;
-                if st.cfg.tuning.dag {
-                    if m.dag != 0 {
-                        st.to_dag(DagMsg::Forget(m.dag));
-                    }
-                    m.dag = st.next_dag_id();
-                    st.to_dag(DagMsg::Define {
-                        id: m.dag,
-                        sets: DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes),
-                    });
-                }
-                identified = !discovered;
+        resolve_launch(
+            st,
+            t,
+            eng,
+            guard,
+            (model, ways),
+            (func, stream, args),
+            (n, tracking, validate_now),
+        );
+    }
+}
+
+/// The rest of [`launch`] for one that is resolved (while the engine tracks, in a sampling
+/// window, or validated): `kernel` is its model and memo entries, `op` the function, stream and
+/// arguments, `when` the launch's process-wide number, whether the engine tracks and whether the
+/// launch is validated.
+#[inline(never)]
+fn resolve_launch(
+    st: &'static State,
+    t: &ThreadState,
+    eng: Option<&'static DevEngine>,
+    guard: Option<OpGuard<'static, CudaDevice>>,
+    kernel: (&Arc<KernelModel>, &mut MemoSet),
+    op: (u64, u64, &KernelArgs<'_>),
+    when: (u64, bool, bool),
+) {
+    let (model, ways) = kernel;
+    let (func, stream, args) = op;
+    let (n, tracking, validate_now) = when;
+    let c = &st.counters;
+    c.launches_examined.fetch_add(1, Ordering::Relaxed);
+    if guard.is_some() {
+        c.launches_hooked.fetch_add(1, Ordering::Relaxed);
+    }
+    {
+        let mut s = t.hooks.scratch.borrow_mut();
+        let s = &mut *s;
+        let generation = st.generation();
+        let ranges = ranges_at(&mut s.ranges, st, generation);
+        let span = ranges.span();
+        let words = &mut s.words;
+        let version = model.speculation_version();
+        // The words are hashed where the job wrote them; they are copied out only to be
+        // resolved (a miss) or validated. A validated launch never reuses an entry.
+        let hash = (!validate_now).then(|| {
+            let mut h = WordHash::default();
+            args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
+            h.finish()
+        });
+        let found = hash.and_then(|h| ways.find(generation, version, h));
+        let hit = found.is_some();
+        let slot = found.unwrap_or_else(|| {
+            args.read_slots(model.slot_runs(), words);
+            ways.victim(hash.unwrap_or_else(|| WordHash::of_canonical(words, span)))
+        });
+        ways.last = slot;
+        let m = &mut ways.entries[slot];
+        // A reused entry needed no discovery (see `Memo`).
+        let mut identified = true;
+        if hit {
+            c.memo_hits.fetch_add(1, Ordering::Relaxed);
+        } else {
+            model.note_resolved();
+            m.sets.clear();
+            let (unmanaged, discovered) = resolve_slots(
+                st,
+                &mut ranges.clone(),
+                validate_now,
+                eng.map(|e| e.ordinal),
+                model,
+                words,
+                &mut m.sets,
+            );
+            if discovered {
+                c.launches_discovered.fetch_add(1, Ordering::Relaxed);
             }
-            // A kernel never validated (first seen while a checkpoint copies, or validation off or
-            // failed) may reach buffers its parameters do not name: while the engine tracks, it
-            // touches every buffer.
-            let unproven = tracking && !model.is_validated() && !model.is_opaque();
-            if unproven {
-                c.launches_unvalidated.fetch_add(1, Ordering::Relaxed);
+            if validate_now && !discovered && !model.is_opaque() {
+                c.validated_launches_identified
+                    .fetch_add(1, Ordering::Relaxed);
             }
-            let opaque = model.is_opaque() || unproven;
-            if opaque {
-                c.launches_opaque.fetch_add(1, Ordering::Relaxed);
-            } else if identified {
-                c.launches_identified.fetch_add(1, Ordering::Relaxed);
-            }
-            if m.unmanaged {
-                c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
-            }
+            // Discovery changed the allocations: the next launch resolves again.
+            m.generation = if discovered { u64::MAX } else { generation };
+            m.version = version;
+            m.unmanaged = unmanaged;
             if st.cfg.tuning.dag {
-                st.to_dag(DagMsg::Launch {
-                    op: DagOp::Kernel(func),
-                    stream,
-                    sets: SetsRef::Memo(m.dag),
+                if m.dag != 0 {
+                    st.to_dag(DagMsg::Forget(m.dag));
+                }
+                m.dag = st.next_dag_id();
+                st.to_dag(DagMsg::Define {
+                    id: m.dag,
+                    sets: DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes),
                 });
             }
-            let access = if opaque {
-                Access::Opaque
-            } else {
-                m.sets.access()
-            };
-            label_op(t, || {
-                // Which of the launch's words name each buffer it newly marks written, and
-                // whether their slots are speculated read-only.
-                let mut fresh = Vec::new();
-                args.read_slots(model.slot_runs(), &mut fresh);
-                let mut why = String::new();
-                if let Access::Known { writes, .. } = &access {
-                    for b in writes.iter().filter(|b| !b.is_dirty()) {
-                        let slots: Vec<String> = fresh
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, &w)| b.contains(possum_engine::device::DevPtr(w)))
-                            .map(|(i, &w)| {
-                                let ro = if model.is_readonly(i) { "ro" } else { "rw" };
-                                format!("{i}:{ro}+{:#x}", w - b.va().0)
-                            })
-                            .collect();
-                        why.push_str(&format!(
-                            " [buffer {} at {:#x}: slots {}]",
-                            b.id(),
-                            b.va().0,
-                            slots.join(",")
-                        ));
-                    }
-                }
-                format!(
-                    "kernel {} (launch {}, memo {}){why}",
-                    model.name().unwrap_or("?"),
-                    n,
-                    if hit { "hit" } else { "miss" }
-                )
-            });
-            let before = (validate_now && !model.is_opaque())
-                .then(|| validate::begin(st, eng, model, words))
-                .flatten();
-            hook(
-                t,
-                eng,
-                guard,
-                stream,
-                access,
-                Others::Listed(&m.sets.foreign),
-                before,
-            );
+            identified = !discovered;
         }
+        // A kernel never validated (first seen while a checkpoint copies, or validation off or
+        // failed) may reach buffers its parameters do not name: while the engine tracks, it
+        // touches every buffer.
+        let unproven = tracking && !model.is_validated() && !model.is_opaque();
+        if unproven {
+            c.launches_unvalidated.fetch_add(1, Ordering::Relaxed);
+        }
+        let opaque = model.is_opaque() || unproven;
+        if opaque {
+            c.launches_opaque.fetch_add(1, Ordering::Relaxed);
+        } else if identified {
+            c.launches_identified.fetch_add(1, Ordering::Relaxed);
+        }
+        if m.unmanaged {
+            c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
+        }
+        if st.cfg.tuning.dag {
+            st.to_dag(DagMsg::Launch {
+                op: DagOp::Kernel(func),
+                stream,
+                sets: SetsRef::Memo(m.dag),
+            });
+        }
+        let access = if opaque {
+            Access::Opaque
+        } else {
+            m.sets.access()
+        };
+        label_op(t, || {
+            // Which of the launch's words name each buffer it newly marks written, and
+            // whether their slots are speculated read-only.
+            let mut fresh = Vec::new();
+            args.read_slots(model.slot_runs(), &mut fresh);
+            let mut why = String::new();
+            if let Access::Known { writes, .. } = &access {
+                for b in writes.iter().filter(|b| !b.is_dirty()) {
+                    let slots: Vec<String> = fresh
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &w)| b.contains(possum_engine::device::DevPtr(w)))
+                        .map(|(i, &w)| {
+                            let ro = if model.is_readonly(i) { "ro" } else { "rw" };
+                            format!("{i}:{ro}+{:#x}", w - b.va().0)
+                        })
+                        .collect();
+                    why.push_str(&format!(
+                        " [buffer {} at {:#x}: slots {}]",
+                        b.id(),
+                        b.va().0,
+                        slots.join(",")
+                    ));
+                }
+            }
+            format!(
+                "kernel {} (launch {}, memo {}){why}",
+                model.name().unwrap_or("?"),
+                n,
+                if hit { "hit" } else { "miss" }
+            )
+        });
+        let before = (validate_now && !model.is_opaque())
+            .then(|| validate::begin(st, eng, model, words))
+            .flatten();
+        hook(
+            t,
+            eng,
+            guard,
+            stream,
+            access,
+            Others::Listed(&m.sets.foreign),
+            before,
+        );
     }
 }
 

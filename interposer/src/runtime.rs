@@ -78,8 +78,6 @@ pub struct DevEngine {
     pub keeper: Option<Arc<possum_keeper::KeeperMemory>>,
 }
 
-/// A thread's last stream ([`DevEngine::with_stream`]): (device, raw handle, epoch, wrapper).
-pub type LastStream = (usize, u64, u64, CudaStream);
 
 impl DevEngine {
     /// The engine's wrapper of the job's stream `raw`, registering it (for T0 fences) on first
@@ -113,17 +111,32 @@ impl DevEngine {
         raw: u64,
         f: impl FnOnce(&CudaStream) -> R,
     ) -> R {
-        let epoch = self.streams_epoch.load(Ordering::Acquire);
+        let key = (self.ordinal, raw, self.streams_epoch.load(Ordering::Acquire));
         // Borrowed already only if `f` of an outer call operates on streams: then uncached.
         let Ok(mut c) = t.stream.try_borrow_mut() else {
             return f(&self.stream(raw));
         };
-        let hit =
-            matches!(&*c, Some((d, r, e, _)) if *d == self.ordinal && *r == raw && *e == epoch);
-        if !hit {
-            *c = Some((self.ordinal, raw, epoch, self.stream(raw)));
+        if c.is_none() || t.stream_key.get() != key {
+            *c = Some(self.stream(raw));
+            t.stream_key.set(key);
         }
-        f(&c.as_ref().expect("just filled").3)
+        f(c.as_ref().expect("just filled"))
+    }
+
+    /// Registers the job's stream `raw` ([`Self::stream`]) unless it is the last one the calling
+    /// thread (whose state is `t`) operated on: then it is registered already.
+    #[inline]
+    pub fn note_stream(&self, t: &ThreadState, raw: u64) {
+        let key = (self.ordinal, raw, self.streams_epoch.load(Ordering::Acquire));
+        if t.stream_key.get() != key {
+            self.note_stream_slow(t, raw);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn note_stream_slow(&self, t: &ThreadState, raw: u64) {
+        self.with_stream(t, raw, |_| ());
     }
 
     /// The job is destroying its stream `raw`; work queued on it still runs. A T0 after this must

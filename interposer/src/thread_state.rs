@@ -15,7 +15,7 @@ use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
 
 use crate::hooks::HookState;
-use crate::runtime::LastStream;
+use possum_cuda::CudaStream;
 
 /// A thread's state (see the module documentation).
 pub struct ThreadState {
@@ -29,8 +29,11 @@ pub struct ThreadState {
     launches: Cell<u32>,
     /// Whether [`OWNER`] is registered on this thread (it frees the heap parts at its exit).
     owned: Cell<bool>,
-    /// The last stream this thread operated on: (device, raw handle, epoch, wrapper).
-    pub stream: ManuallyDrop<RefCell<Option<LastStream>>>,
+    /// The last stream this thread operated on: (device, raw handle, the device's stream epoch)
+    /// ([`crate::runtime::DevEngine::with_stream`]).
+    pub stream_key: Cell<(usize, u64, u64)>,
+    /// Its wrapper (if still kept).
+    pub stream: ManuallyDrop<RefCell<Option<CudaStream>>>,
     /// The hooks' state.
     pub hooks: ManuallyDrop<HookState>,
 }
@@ -43,6 +46,7 @@ thread_local! {
             ctx_device: Cell::new((u64::MAX, 0)),
             launches: Cell::new(0),
             owned: Cell::new(false),
+            stream_key: Cell::new((usize::MAX, 0, 0)),
             stream: ManuallyDrop::new(RefCell::new(None)),
             hooks: ManuallyDrop::new(HookState::EMPTY),
         }
