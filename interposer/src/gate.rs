@@ -87,6 +87,7 @@ pub fn wait_if_paused() {
 /// is held). One that entered before the gate closed is waited for, and so is before T0.
 /// Hold the guard until the operation is enqueued or the buffer made; the caller must not be
 /// inside the gate already (so no [`possum_engine::Engine::free`] while holding it).
+#[inline]
 pub fn admit(e: &DevEngine) -> OpGuard<'_, CudaDevice> {
     loop {
         wait_if_paused();

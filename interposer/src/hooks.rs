@@ -13,7 +13,7 @@
 //! [`OpGuard::check`]: possum_engine::OpGuard::check
 //! [`ResolveMode`]: crate::config::ResolveMode
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,12 +32,13 @@ use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
 use crate::decode::{KernelArgs, RawCall, Span, STREAM_PER_THREAD};
 use crate::ranges::{Ranges, Resolved, WordHash};
 use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
+use crate::thread_state::ThreadState;
 use crate::validate;
 
-/// What an entry callback leaves for the exit callback.
+/// What an entry callback leaves for the exit callback besides its own device's guard (rarely
+/// anything: [`HookState::more`] says when).
 #[derive(Default)]
 struct Pending {
-    guard: Option<OpGuard<'static, CudaDevice>>,
     /// Guards of the other devices whose buffers the operation writes or reads.
     others: Vec<OpGuard<'static, CudaDevice>>,
     validation: Option<Box<validate::Before>>,
@@ -47,21 +48,10 @@ struct Pending {
 
 impl Pending {
     const EMPTY: Pending = Pending {
-        guard: None,
         others: Vec::new(),
         validation: None,
         timed: None,
     };
-
-    /// What the entry callback left.
-    fn take(&mut self) -> Pending {
-        Pending {
-            guard: self.guard.take(),
-            others: std::mem::take(&mut self.others),
-            validation: self.validation.take(),
-            timed: self.timed.take(),
-        }
-    }
 }
 
 /// One launch in this many on a thread has its time in possum's callbacks measured.
@@ -111,6 +101,14 @@ fn push_foreign(foreign: &mut Vec<Foreign>, dev: usize, b: &Buffer, write: bool)
 }
 
 impl BufferSets {
+    const EMPTY: BufferSets = BufferSets {
+        reads: Vec::new(),
+        writes: Vec::new(),
+        foreign: Vec::new(),
+        dag_reads: Vec::new(),
+        dag_writes: Vec::new(),
+    };
+
     fn clear(&mut self) {
         self.reads.clear();
         self.writes.clear();
@@ -137,6 +135,14 @@ struct Scratch {
     ranges: Option<(u64, Arc<Ranges>)>,
 }
 
+impl Scratch {
+    const EMPTY: Scratch = Scratch {
+        words: Vec::new(),
+        sets: BufferSets::EMPTY,
+        ranges: None,
+    };
+}
+
 /// The allocation snapshot of `generation`, from the thread's `cache`.
 fn ranges_at<'a>(
     cache: &'a mut Option<(u64, Arc<Ranges>)>,
@@ -149,26 +155,91 @@ fn ranges_at<'a>(
     &cache.as_ref().expect("just set").1
 }
 
-thread_local! {
-    static PENDING: RefCell<Pending> = const { RefCell::new(Pending::EMPTY) };
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+/// The hooks' part of a thread's state ([`crate::thread_state`]), each item borrowed on its own.
+pub struct HookState {
+    /// The guard of the operation's own device that its entry callback left for its exit
+    /// callback (the gate is left when it is dropped).
+    guard: Cell<Option<OpGuard<'static, CudaDevice>>>,
+    /// Whether `pending` holds anything.
+    more: Cell<bool>,
+    /// The rest of what an operation's entry callback left for its exit callback.
+    pending: RefCell<Pending>,
+    /// Scratch space.
+    scratch: RefCell<Scratch>,
+    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
+    /// launches.
+    memo: RefCell<HashMap<u64, Ways>>,
+    /// What the operation being hooked is, for [`debug_dirty`] (set only when it is on).
+    label: RefCell<String>,
+}
+
+impl HookState {
+    /// Nothing kept yet.
+    pub const EMPTY: HookState = HookState {
+        guard: Cell::new(None),
+        more: Cell::new(false),
+        pending: RefCell::new(Pending::EMPTY),
+        scratch: RefCell::new(Scratch::EMPTY),
+        memo: RefCell::new(HashMap::with_hasher(rustc_hash::FxBuildHasher)),
+        label: RefCell::new(String::new()),
+    };
+
+    /// Takes what it holds, leaving it empty (an item borrowed now is left as it is).
+    pub fn take(&self) -> HookState {
+        fn out<T: Default>(c: &RefCell<T>) -> RefCell<T> {
+            RefCell::new(c.try_borrow_mut().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default())
+        }
+        HookState {
+            guard: Cell::new(self.guard.take()),
+            more: Cell::new(self.more.replace(false)),
+            pending: out(&self.pending),
+            scratch: out(&self.scratch),
+            memo: out(&self.memo),
+            label: out(&self.label),
+        }
+    }
 }
 
 /// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`.
+#[inline]
 pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
+    crate::thread_state::with(|t| {
+        if enter {
+            on_entry(t, cbid, ctx, call);
+        } else {
+            on_exit_call(t, cbid, call);
+        }
+    });
+}
+
+/// An exit callback, with the calling thread's state `t`.
+fn on_exit_call(t: &ThreadState, cbid: u32, call: &RawCall<'_>) {
+    if t.ignores() {
+        return;
+    }
     let shape = crate::cbid::shape(cbid);
-    let Some(tick) = crate::runtime::hooked_call(enter && matches!(shape, Shape::Launch { .. }))
-    else {
+    if shape.is_operation() && !t.hooks.more.get() {
+        // Only its own device's guard to drop (most operations): the operation is enqueued, a
+        // checkpoint may fix T0 again.
+        drop(t.hooks.guard.take());
+        return;
+    }
+    let st = state();
+    // As in `on_entry`.
+    let _panic = PanicFault;
+    on_exit(st, t, cbid, shape, call);
+}
+
+/// An entry callback, with the calling thread's state `t`.
+fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
+    let shape = crate::cbid::shape(cbid);
+    let Some(tick) = t.hooked_call(matches!(shape, Shape::Launch { .. })) else {
         return;
     };
     let st = state();
     // A panic below leaves the operation to run with whatever the hook did so far: counted as a
     // fault, which fails a checkpoint that is open (its image is not committed).
     let _panic = PanicFault;
-    if !enter {
-        on_exit(st, cbid, shape, call);
-        return;
-    }
     crate::stats::record(cbid);
     if shape.is_operation() {
         // A checkpoint may have released the buffers: wait for them to come back first.
@@ -184,37 +255,39 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
             let f = call.word(func);
             let s = call.stream(stream);
-            launch(st, ctx, f, s, &call.kernel_args(params, extra));
+            launch(st, t, ctx, f, s, &call.kernel_args(params, extra));
             if let Some(t0) = t0 {
-                let _ = PENDING.try_with(|p| {
-                    let mut p = p.borrow_mut();
-                    if p.validation.is_none() {
-                        p.timed = Some(t0.elapsed());
-                    }
-                });
+                let mut p = t.hooks.pending.borrow_mut();
+                if p.validation.is_none() {
+                    p.timed = Some(t0.elapsed());
+                    t.hooks.more.set(true);
+                }
             }
         }
-        Shape::GraphLaunch { stream } => graph_launch(st, ctx, call.word(0), call.stream(stream)),
+        Shape::GraphLaunch { stream } => {
+            graph_launch(st, t, ctx, call.word(0), call.stream(stream));
+        }
         Shape::Copy {
             dst, src, stream, ..
         } => {
-            copy_like(st, ctx, stream, call, Some(call.word(src)), call.word(dst));
+            copy_like(st, t, ctx, stream, call, Some(call.word(src)), call.word(dst));
         }
         Shape::Memset { dst, stream, .. } => {
-            copy_like(st, ctx, stream, call, None, call.word(dst));
+            copy_like(st, t, ctx, stream, call, None, call.word(dst));
         }
-        Shape::Write { at, stream } => write_op(st, ctx, cbid, at, stream, call),
+        Shape::Write { at, stream } => write_op(st, t, ctx, cbid, at, stream, call),
         Shape::OpaqueOp { stream } => {
             let s = call.stream(stream);
             if !skip_captured(st, s) {
                 st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
-                let eng = engine_of(st, ctx);
-                label_op(|| {
+                let eng = engine_of(st, t, ctx);
+                label_op(t, || {
                     let name = crate::cbid::lookup(cbid).map_or("?", |c| c.name);
                     format!("operation {name}")
                 });
                 // Opaque: it may write anything on any device (`hook` tells every engine).
-                hook(eng, admit(eng, s), s, Access::Opaque, Others::Every, None);
+                let guard = admit(t, eng, s);
+                hook(t, eng, guard, s, Access::Opaque, Others::Every, None);
             }
         }
         Shape::Free { ptr } => st.remove_unmanaged(call.word(ptr)),
@@ -254,16 +327,19 @@ impl Drop for PanicFault {
     }
 }
 
-fn on_exit(st: &State, cbid: u32, shape: Shape, call: &RawCall<'_>) {
+fn on_exit(st: &State, t: &ThreadState, cbid: u32, shape: Shape, call: &RawCall<'_>) {
     match shape {
         _ if shape.is_operation() => {
-            let p = PENDING
-                .try_with(|p| p.borrow_mut().take())
-                .unwrap_or_default();
+            let guard = t.hooks.guard.take();
+            let p = if t.hooks.more.replace(false) {
+                std::mem::take(&mut *t.hooks.pending.borrow_mut())
+            } else {
+                Pending::EMPTY
+            };
             // Read the clock only for a timed launch: in a VM it may cost a system call.
             let t0 = p.timed.map(|_| Instant::now());
             // The operation is enqueued: let a checkpoint fix T0 again.
-            drop(p.guard);
+            drop(guard);
             if let (Some(entry), Some(t0)) = (p.timed, t0) {
                 let ns = (entry + t0.elapsed()).as_nanos();
                 st.counters.timed_launches.fetch_add(1, Ordering::Relaxed);
@@ -320,12 +396,16 @@ pub fn module_loaded(image: &[u8]) {
 /// tracks (a restore may be under way) the buffer is brought back as for an operation reading
 /// it on the legacy stream.
 pub fn pointer_query(ctx: u64, ptr: u64) {
-    if crate::runtime::ignore_this_thread() {
+    crate::thread_state::with(|t| pointer_query_in(t, ctx, ptr));
+}
+
+fn pointer_query_in(t: &ThreadState, ctx: u64, ptr: u64) {
+    if t.ignores() {
         return;
     }
     crate::gate::wait_if_paused();
     let st = state();
-    let Some(e) = engine_of(st, ctx) else {
+    let Some(e) = engine_of(st, t, ctx) else {
         return;
     };
     let g = crate::gate::admit(e);
@@ -339,7 +419,7 @@ pub fn pointer_query(ctx: u64, ptr: u64) {
                 reads: std::slice::from_ref(&b),
                 writes: &[],
             };
-            if let Err(err) = e.with_stream(0, |s| g.check(s, access)) {
+            if let Err(err) = e.with_stream(t, 0, |s| g.check(s, access)) {
                 st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
                 crate::log::log(&format!("pointer query: {err}"));
             }
@@ -367,7 +447,11 @@ fn skip_captured(st: &State, stream: u64) -> bool {
 /// device, if possum manages allocations there): the stream is registered (a session fences
 /// every stream the job used) and the engine's gate entered. The guard's
 /// [`tracking`](OpGuard::tracking) says whether the engine needs the operation's buffers.
-fn admit(eng: Option<&'static DevEngine>, stream: u64) -> Option<OpGuard<'static, CudaDevice>> {
+fn admit(
+    t: &ThreadState,
+    eng: Option<&'static DevEngine>,
+    stream: u64,
+) -> Option<OpGuard<'static, CudaDevice>> {
     let e = eng?;
     if stream == STREAM_PER_THREAD {
         state()
@@ -375,7 +459,7 @@ fn admit(eng: Option<&'static DevEngine>, stream: u64) -> Option<OpGuard<'static
             .per_thread_stream_ops
             .fetch_add(1, Ordering::Relaxed);
     }
-    e.with_stream(stream, |_| ());
+    e.note_stream(t, stream);
     Some(crate::gate::admit(e))
 }
 
@@ -396,24 +480,17 @@ fn debug_dirty() -> bool {
     crate::config::get().diag.debug_dirty
 }
 
-thread_local! {
-    /// What the operation being hooked is, for [`debug_dirty`] (set only when it is on).
-    static OP_LABEL: RefCell<String> = const { RefCell::new(String::new()) };
-}
-
 /// Names the operation being hooked, for [`debug_dirty`].
-fn label_op(what: impl FnOnce() -> String) {
+fn label_op(t: &ThreadState, what: impl FnOnce() -> String) {
     if debug_dirty() {
-        let _ = OP_LABEL.try_with(|l| *l.borrow_mut() = what());
+        *t.hooks.label.borrow_mut() = what();
     }
 }
 
 /// Logs what `access` newly marks written ([`debug_dirty`]).
-fn log_newly_dirty(access: &Access<'_>) {
+fn log_newly_dirty(t: &ThreadState, access: &Access<'_>) {
     static LINES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let label = OP_LABEL
-        .try_with(|l| l.borrow().clone())
-        .unwrap_or_default();
+    let label = t.hooks.label.borrow().clone();
     let lines: Vec<String> = match access {
         Access::Known { writes, .. } => writes
             .iter()
@@ -441,6 +518,7 @@ fn log_newly_dirty(access: &Access<'_>) {
 /// tracks, it checks `access` (the operation may wait or be refused); the guard (and a launch's
 /// validation) is kept for the exit callback.
 fn hook(
+    t: &ThreadState,
     eng: Option<&DevEngine>,
     guard: Option<OpGuard<'static, CudaDevice>>,
     stream: u64,
@@ -452,9 +530,9 @@ fn hook(
         if g.tracking() {
             let _r = Reentry::enter();
             if debug_dirty() {
-                log_newly_dirty(&access);
+                log_newly_dirty(t, &access);
             }
-            if let Err(err) = e.with_stream(stream, |s| g.check(s, access)) {
+            if let Err(err) = e.with_stream(t, stream, |s| g.check(s, access)) {
                 // The operation runs anyway (refusing it would break the job), perhaps before
                 // the buffers it writes were saved: the checkpoint open now must not commit.
                 let st = state();
@@ -471,8 +549,8 @@ fn hook(
     } else {
         others
     };
-    let others = hook_foreign(eng, guard.is_some(), stream, others);
-    keep(guard, others, validation);
+    let others = hook_foreign(t, eng, guard.is_some(), stream, others);
+    keep(t, guard, others, validation);
 }
 
 /// The buffers of other devices than its own that an operation touches (`foreign`), hooked by
@@ -486,6 +564,7 @@ fn hook(
 /// device's memory through peer access), every other engine takes it as touching all its
 /// buffers. Nothing is allocated when there is no other engine.
 fn hook_foreign(
+    t: &ThreadState,
     own: Option<&DevEngine>,
     admitted: bool,
     stream: u64,
@@ -501,13 +580,13 @@ fn hook_foreign(
             devs.dedup();
             for d in devs {
                 if let Some(e) = st.engine_ref(d) {
-                    guards.extend(hook_other(st, e, own, admitted, stream, others));
+                    guards.extend(hook_other(t, st, e, own, admitted, stream, others));
                 }
             }
         }
         Others::Every => {
             for e in st.engine_refs() {
-                guards.extend(hook_other(st, e, own, admitted, stream, others));
+                guards.extend(hook_other(t, st, e, own, admitted, stream, others));
             }
         }
     }
@@ -516,6 +595,7 @@ fn hook_foreign(
 
 /// [`hook_foreign`] for engine `e`: its guard, or `None` for the operation's own engine.
 fn hook_other(
+    t: &ThreadState,
     st: &'static State,
     e: &'static DevEngine,
     own: Option<&DevEngine>,
@@ -552,7 +632,7 @@ fn hook_other(
         };
         let _r = Reentry::enter();
         if debug_dirty() {
-            log_newly_dirty(&access);
+            log_newly_dirty(t, &access);
         }
         // The job's stream as its own device's engine knows it: the other engine makes it
         // wait for its copies (an event of one device waited for on another's stream), but
@@ -560,8 +640,8 @@ fn hook_other(
         // stream of its own context).
         let check = |s: &CudaStream| g.check(s, access);
         let r = match own {
-            Some(o) => o.with_stream(stream, check),
-            None => e.with_stream(stream, check),
+            Some(o) => o.with_stream(t, stream, check),
+            None => e.with_stream(t, stream, check),
         };
         if let Err(err) = r {
             st.counters.hook_errors.fetch_add(1, Ordering::Relaxed);
@@ -572,21 +652,34 @@ fn hook_other(
 }
 
 /// Keeps an admitted operation's guards (and validation) until the exit callback.
+#[inline]
 fn keep(
+    t: &ThreadState,
     guard: Option<OpGuard<'static, CudaDevice>>,
     others: Vec<OpGuard<'static, CudaDevice>>,
     validation: Option<Box<validate::Before>>,
 ) {
-    let _ = PENDING.try_with(|p| {
-        let mut p = p.borrow_mut();
-        p.guard = guard;
-        p.others = others;
-        p.validation = validation;
-    });
+    t.hooks.guard.set(guard);
+    if !others.is_empty() || validation.is_some() {
+        keep_more(t, others, validation);
+    }
 }
 
-fn engine_of(st: &'static State, ctx: u64) -> Option<&'static DevEngine> {
-    st.device_of(ctx)
+/// [`keep`]'s rarer part: the guards of other devices, a validation.
+#[cold]
+fn keep_more(
+    t: &ThreadState,
+    others: Vec<OpGuard<'static, CudaDevice>>,
+    validation: Option<Box<validate::Before>>,
+) {
+    let mut p = t.hooks.pending.borrow_mut();
+    p.others = others;
+    p.validation = validation;
+    t.hooks.more.set(true);
+}
+
+fn engine_of(st: &'static State, t: &ThreadState, ctx: u64) -> Option<&'static DevEngine> {
+    st.device_of(t, ctx)
         .and_then(|d| st.engine_ref(d))
         .map(|e| &**e)
 }
@@ -786,13 +879,14 @@ impl MemoSet {
     }
 }
 
-thread_local! {
-    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
-    /// launches.
-    static MEMO: RefCell<HashMap<u64, Ways>> = RefCell::new(HashMap::default());
-}
-
-fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArgs<'_>) {
+fn launch(
+    st: &'static State,
+    t: &ThreadState,
+    ctx: u64,
+    func: u64,
+    stream: u64,
+    args: &KernelArgs<'_>,
+) {
     if skip_captured(st, stream) {
         crate::stats::note_function(func as usize);
         return;
@@ -811,174 +905,212 @@ fn launch(st: &'static State, ctx: u64, func: u64, stream: u64, args: &KernelArg
     }
     let c = &st.counters;
     let n = c.launches.fetch_add(1, Ordering::Relaxed);
-    let eng = engine_of(st, ctx);
-    let guard = admit(eng, stream);
+    let eng = engine_of(st, t, ctx);
+    let guard = admit(t, eng, stream);
     let tracking = guard.as_ref().is_some_and(OpGuard::tracking);
     let resolve = tracking || st.cfg.tuning.resolve.sampled(n);
-    let _ = MEMO.try_with(move |memo| {
-        let mut memo = memo.borrow_mut();
-        let (model, ways) = Ways::current(memo.entry(func).or_default(), st, func);
+    {
+        let mut memo = t.hooks.memo.borrow_mut();
+        let memo = &mut *memo;
+        // A look-up without the entry API's insertion path first: a thread launches a kernel for
+        // the first time once.
+        let w = match memo.get_mut(&func) {
+            Some(w) => w,
+            None => memo.entry(func).or_default(),
+        };
+        let (model, ways) = Ways::current(w, st, func);
         let (_, due) = model.next_launch(&st.cfg.tuning.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
         if !resolve && !validate_now {
             st.note_unresolved();
-            keep(guard, Vec::new(), None);
+            keep(t, guard, Vec::new(), None);
             return;
         }
-        c.launches_examined.fetch_add(1, Ordering::Relaxed);
-        if guard.is_some() {
-            c.launches_hooked.fetch_add(1, Ordering::Relaxed);
-        }
-        let _ = SCRATCH.try_with(move |s| {
-            let mut s = s.borrow_mut();
-            let s = &mut *s;
-            let generation = st.generation();
-            let ranges = ranges_at(&mut s.ranges, st, generation);
-            let span = ranges.span();
-            let words = &mut s.words;
-            let version = model.speculation_version();
-            // The words are hashed where the job wrote them; they are copied out only to be
-            // resolved (a miss) or validated. A validated launch never reuses an entry.
-            let hash = (!validate_now).then(|| {
-                let mut h = WordHash::default();
-                args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
-                h.finish()
-            });
-            let found = hash.and_then(|h| ways.find(generation, version, h));
-            let hit = found.is_some();
-            let slot = found.unwrap_or_else(|| {
-                args.read_slots(model.slot_runs(), words);
-                ways.victim(hash.unwrap_or_else(|| WordHash::of_canonical(words, span)))
-            });
-            ways.last = slot;
-            let m = &mut ways.entries[slot];
-            // A reused entry needed no discovery (see `Memo`).
-            let mut identified = true;
-            if hit {
-                c.memo_hits.fetch_add(1, Ordering::Relaxed);
-            } else {
-                model.note_resolved();
-                m.sets.clear();
-                let (unmanaged, discovered) = resolve_slots(
-                    st,
-                    &mut ranges.clone(),
-                    validate_now,
-                    eng.map(|e| e.ordinal),
-                    model,
-                    words,
-                    &mut m.sets,
-                );
-                if discovered {
-                    c.launches_discovered.fetch_add(1, Ordering::Relaxed);
-                }
-                if validate_now && !discovered && !model.is_opaque() {
-                    c.validated_launches_identified
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                // Discovery changed the allocations: the next launch resolves again.
-                m.generation = if discovered { u64::MAX } else { generation };
-                m.version = version;
-                m.unmanaged = unmanaged;
-                if st.cfg.tuning.dag {
-                    if m.dag != 0 {
-                        st.to_dag(DagMsg::Forget(m.dag));
-                    }
-                    m.dag = st.next_dag_id();
-                    st.to_dag(DagMsg::Define {
-                        id: m.dag,
-                        sets: DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes),
-                    });
-                }
-                identified = !discovered;
-            }
-            // A kernel never validated (first seen while a checkpoint copies, or validation off or
-            // failed) may reach buffers its parameters do not name: while the engine tracks, it
-            // touches every buffer.
-            let unproven = tracking && !model.is_validated() && !model.is_opaque();
-            if unproven {
-                c.launches_unvalidated.fetch_add(1, Ordering::Relaxed);
-            }
-            let opaque = model.is_opaque() || unproven;
-            if opaque {
-                c.launches_opaque.fetch_add(1, Ordering::Relaxed);
-            } else if identified {
-                c.launches_identified.fetch_add(1, Ordering::Relaxed);
-            }
-            if m.unmanaged {
-                c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
-            }
-            if st.cfg.tuning.dag {
-                st.to_dag(DagMsg::Launch {
-                    op: DagOp::Kernel(func),
-                    stream,
-                    sets: SetsRef::Memo(m.dag),
-                });
-            }
-            let access = if opaque {
-                Access::Opaque
-            } else {
-                m.sets.access()
-            };
-            label_op(|| {
-                // Which of the launch's words name each buffer it newly marks written, and
-                // whether their slots are speculated read-only.
-                let mut fresh = Vec::new();
-                args.read_slots(model.slot_runs(), &mut fresh);
-                let mut why = String::new();
-                if let Access::Known { writes, .. } = &access {
-                    for b in writes.iter().filter(|b| !b.is_dirty()) {
-                        let slots: Vec<String> = fresh
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, &w)| b.contains(possum_engine::device::DevPtr(w)))
-                            .map(|(i, &w)| {
-                                let ro = if model.is_readonly(i) { "ro" } else { "rw" };
-                                format!("{i}:{ro}+{:#x}", w - b.va().0)
-                            })
-                            .collect();
-                        why.push_str(&format!(
-                            " [buffer {} at {:#x}: slots {}]",
-                            b.id(),
-                            b.va().0,
-                            slots.join(",")
-                        ));
-                    }
-                }
-                format!(
-                    "kernel {} (launch {}, memo {}){why}",
-                    model.name().unwrap_or("?"),
-                    n,
-                    if hit { "hit" } else { "miss" }
-                )
-            });
-            let before = (validate_now && !model.is_opaque())
-                .then(|| validate::begin(st, eng, model, words))
-                .flatten();
-            hook(
-                eng,
-                guard,
-                stream,
-                access,
-                Others::Listed(&m.sets.foreign),
-                before,
-            );
-        });
-    });
+        resolve_launch(
+            st,
+            t,
+            eng,
+            guard,
+            (model, ways),
+            (func, stream, args),
+            (n, tracking, validate_now),
+        );
+    }
 }
 
-fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
+/// The rest of [`launch`] for one that is resolved (while the engine tracks, in a sampling
+/// window, or validated): `kernel` is its model and memo entries, `op` the function, stream and
+/// arguments, `when` the launch's process-wide number, whether the engine tracks and whether the
+/// launch is validated.
+#[inline(never)]
+fn resolve_launch(
+    st: &'static State,
+    t: &ThreadState,
+    eng: Option<&'static DevEngine>,
+    guard: Option<OpGuard<'static, CudaDevice>>,
+    kernel: (&Arc<KernelModel>, &mut MemoSet),
+    op: (u64, u64, &KernelArgs<'_>),
+    when: (u64, bool, bool),
+) {
+    let (model, ways) = kernel;
+    let (func, stream, args) = op;
+    let (n, tracking, validate_now) = when;
+    let c = &st.counters;
+    c.launches_examined.fetch_add(1, Ordering::Relaxed);
+    if guard.is_some() {
+        c.launches_hooked.fetch_add(1, Ordering::Relaxed);
+    }
+    {
+        let mut s = t.hooks.scratch.borrow_mut();
+        let s = &mut *s;
+        let generation = st.generation();
+        let ranges = ranges_at(&mut s.ranges, st, generation);
+        let span = ranges.span();
+        let words = &mut s.words;
+        let version = model.speculation_version();
+        // The words are hashed where the job wrote them; they are copied out only to be
+        // resolved (a miss) or validated. A validated launch never reuses an entry.
+        let hash = (!validate_now).then(|| {
+            let mut h = WordHash::default();
+            args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
+            h.finish()
+        });
+        let found = hash.and_then(|h| ways.find(generation, version, h));
+        let hit = found.is_some();
+        let slot = found.unwrap_or_else(|| {
+            args.read_slots(model.slot_runs(), words);
+            ways.victim(hash.unwrap_or_else(|| WordHash::of_canonical(words, span)))
+        });
+        ways.last = slot;
+        let m = &mut ways.entries[slot];
+        // A reused entry needed no discovery (see `Memo`).
+        let mut identified = true;
+        if hit {
+            c.memo_hits.fetch_add(1, Ordering::Relaxed);
+        } else {
+            model.note_resolved();
+            m.sets.clear();
+            let (unmanaged, discovered) = resolve_slots(
+                st,
+                &mut ranges.clone(),
+                validate_now,
+                eng.map(|e| e.ordinal),
+                model,
+                words,
+                &mut m.sets,
+            );
+            if discovered {
+                c.launches_discovered.fetch_add(1, Ordering::Relaxed);
+            }
+            if validate_now && !discovered && !model.is_opaque() {
+                c.validated_launches_identified
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            // Discovery changed the allocations: the next launch resolves again.
+            m.generation = if discovered { u64::MAX } else { generation };
+            m.version = version;
+            m.unmanaged = unmanaged;
+            if st.cfg.tuning.dag {
+                if m.dag != 0 {
+                    st.to_dag(DagMsg::Forget(m.dag));
+                }
+                m.dag = st.next_dag_id();
+                st.to_dag(DagMsg::Define {
+                    id: m.dag,
+                    sets: DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes),
+                });
+            }
+            identified = !discovered;
+        }
+        // A kernel never validated (first seen while a checkpoint copies, or validation off or
+        // failed) may reach buffers its parameters do not name: while the engine tracks, it
+        // touches every buffer.
+        let unproven = tracking && !model.is_validated() && !model.is_opaque();
+        if unproven {
+            c.launches_unvalidated.fetch_add(1, Ordering::Relaxed);
+        }
+        let opaque = model.is_opaque() || unproven;
+        if opaque {
+            c.launches_opaque.fetch_add(1, Ordering::Relaxed);
+        } else if identified {
+            c.launches_identified.fetch_add(1, Ordering::Relaxed);
+        }
+        if m.unmanaged {
+            c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
+        }
+        if st.cfg.tuning.dag {
+            st.to_dag(DagMsg::Launch {
+                op: DagOp::Kernel(func),
+                stream,
+                sets: SetsRef::Memo(m.dag),
+            });
+        }
+        let access = if opaque {
+            Access::Opaque
+        } else {
+            m.sets.access()
+        };
+        label_op(t, || {
+            // Which of the launch's words name each buffer it newly marks written, and
+            // whether their slots are speculated read-only.
+            let mut fresh = Vec::new();
+            args.read_slots(model.slot_runs(), &mut fresh);
+            let mut why = String::new();
+            if let Access::Known { writes, .. } = &access {
+                for b in writes.iter().filter(|b| !b.is_dirty()) {
+                    let slots: Vec<String> = fresh
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &w)| b.contains(possum_engine::device::DevPtr(w)))
+                        .map(|(i, &w)| {
+                            let ro = if model.is_readonly(i) { "ro" } else { "rw" };
+                            format!("{i}:{ro}+{:#x}", w - b.va().0)
+                        })
+                        .collect();
+                    why.push_str(&format!(
+                        " [buffer {} at {:#x}: slots {}]",
+                        b.id(),
+                        b.va().0,
+                        slots.join(",")
+                    ));
+                }
+            }
+            format!(
+                "kernel {} (launch {}, memo {}){why}",
+                model.name().unwrap_or("?"),
+                n,
+                if hit { "hit" } else { "miss" }
+            )
+        });
+        let before = (validate_now && !model.is_opaque())
+            .then(|| validate::begin(st, eng, model, words))
+            .flatten();
+        hook(
+            t,
+            eng,
+            guard,
+            stream,
+            access,
+            Others::Listed(&m.sets.foreign),
+            before,
+        );
+    }
+}
+
+fn graph_launch(st: &'static State, t: &ThreadState, ctx: u64, exec: u64, stream: u64) {
     if skip_captured(st, stream) {
         return;
     }
     let c = &st.counters;
     c.graph_launches.fetch_add(1, Ordering::Relaxed);
-    let eng = engine_of(st, ctx);
-    let guard = admit(eng, stream);
+    let eng = engine_of(st, t, ctx);
+    let guard = admit(t, eng, stream);
     let Some(snap) = st.graph(exec).filter(|g| g.opaque.is_none()) else {
         c.graph_launches_opaque.fetch_add(1, Ordering::Relaxed);
         hook(
+            t,
             eng,
             guard,
             stream,
@@ -989,11 +1121,11 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
         return;
     };
     if !resolving(st, guard.as_ref()) {
-        keep(guard, Vec::new(), None);
+        keep(t, guard, Vec::new(), None);
         return;
     }
-    let _ = SCRATCH.try_with(move |s| {
-        let s = &mut *s.borrow_mut();
+    {
+        let s = &mut *t.hooks.scratch.borrow_mut();
         let mut ranges = ranges_at(&mut s.ranges, st, st.generation()).clone();
         let sets = &mut s.sets;
         sets.clear();
@@ -1049,8 +1181,9 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
         } else {
             sets.access()
         };
-        label_op(|| "graph launch".to_string());
+        label_op(t, || "graph launch".to_string());
         hook(
+            t,
             eng,
             guard,
             stream,
@@ -1058,13 +1191,14 @@ fn graph_launch(st: &'static State, ctx: u64, exec: u64, stream: u64) {
             Others::Listed(&sets.foreign),
             None,
         );
-    });
+    }
 }
 
 /// A copy (`src` is `Some`) or memset: `dst` is written, `src` read; host addresses resolve to
 /// nothing.
 fn copy_like(
     st: &'static State,
+    t: &ThreadState,
     ctx: u64,
     stream: StreamAt,
     call: &RawCall<'_>,
@@ -1081,19 +1215,21 @@ fn copy_like(
     } else {
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
-    let eng = engine_of(st, ctx);
-    let guard = admit(eng, s);
+    let eng = engine_of(st, t, ctx);
+    let guard = admit(t, eng, s);
     if !resolving(st, guard.as_ref()) {
-        keep(guard, Vec::new(), None);
+        keep(t, guard, Vec::new(), None);
         return;
     }
     let dev = eng.map(|e| e.ordinal);
     let look = |r: &Ranges| (src.map_or(Resolved::None, |a| r.lookup(a)), r.lookup(dst));
-    // The thread's snapshot (no lock); the shared one while the thread's storage is torn down.
-    let (rd, wr) = SCRATCH
-        .try_with(|s| look(ranges_at(&mut s.borrow_mut().ranges, st, st.generation())))
-        .unwrap_or_else(|_| look(&st.ranges()));
-    label_op(|| {
+    // The thread's snapshot (no lock).
+    let (rd, wr) = look(ranges_at(
+        &mut t.hooks.scratch.borrow_mut().ranges,
+        st,
+        st.generation(),
+    ));
+    label_op(t, || {
         let what = if src.is_some() { "copy" } else { "memset" };
         format!("{what} to {dst:#x}")
     });
@@ -1124,6 +1260,7 @@ fn copy_like(
         });
     }
     hook(
+        t,
         eng,
         guard,
         s,
@@ -1141,6 +1278,7 @@ fn copy_like(
 /// buffers they lie in, of whichever device, written or read; one it cannot decode is opaque.
 fn write_op(
     st: &'static State,
+    t: &ThreadState,
     ctx: u64,
     cbid: u32,
     at: WriteAt,
@@ -1161,15 +1299,17 @@ fn write_op(
     } else {
         c.memsets.fetch_add(1, Ordering::Relaxed);
     }
-    let eng = engine_of(st, ctx);
+    let eng = engine_of(st, t, ctx);
     let name = || crate::cbid::lookup(cbid).map_or("?", |c| c.name);
     let (mut writes, mut reads) = (Vec::new(), Vec::new());
     if !call.write_spans(at, &mut writes, &mut reads) {
         st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
-        label_op(|| format!("operation {}", name()));
+        label_op(t, || format!("operation {}", name()));
+        let guard = admit(t, eng, s);
         hook(
+            t,
             eng,
-            admit(eng, s),
+            guard,
             s,
             Access::Opaque,
             Others::Listed(&[]),
@@ -1177,9 +1317,9 @@ fn write_op(
         );
         return;
     }
-    let guard = admit(eng, s);
+    let guard = admit(t, eng, s);
     if !resolving(st, guard.as_ref()) {
-        keep(guard, Vec::new(), None);
+        keep(t, guard, Vec::new(), None);
         return;
     }
     let dev = eng.map(|e| e.ordinal);
@@ -1200,10 +1340,12 @@ fn write_op(
         };
         (side(&reads), side(&writes))
     };
-    let (rd, wr) = SCRATCH
-        .try_with(|sc| look(ranges_at(&mut sc.borrow_mut().ranges, st, st.generation())))
-        .unwrap_or_else(|_| look(&st.ranges()));
-    label_op(|| format!("{} to {:#x}", name(), writes.first().map_or(0, |w| w.0)));
+    let (rd, wr) = look(ranges_at(
+        &mut t.hooks.scratch.borrow_mut().ranges,
+        st,
+        st.generation(),
+    ));
+    label_op(t, || format!("{} to {:#x}", name(), writes.first().map_or(0, |w| w.0)));
     let mut sets = BufferSets::default();
     for (side, write) in [(&wr, true), (&rd, false)] {
         for r in side.iter() {
@@ -1234,6 +1376,7 @@ fn write_op(
         });
     }
     hook(
+        t,
         eng,
         guard,
         s,

@@ -110,6 +110,7 @@ mod runtime;
 mod session;
 pub mod stats;
 mod sys;
+mod thread_state;
 mod validate;
 mod vmm;
 pub mod writers;

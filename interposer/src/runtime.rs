@@ -6,7 +6,7 @@
 //! microseconds of one record; `POSSUM_DAG=0` turns recording off) and first sightings (a new
 //! kernel, stream or context), which take a write lock once.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 // Keys are handles and ids: the fast hash.
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,6 +27,7 @@ use serde_json::{json, Value};
 use crate::config::Config;
 use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
 use crate::ranges::{Ranges, Resolved};
+use crate::thread_state::ThreadState;
 
 /// The socket of device `ordinal`'s keeper, if `POSSUM_KEEPER` names a keeper's directory.
 pub fn keeper_socket(ordinal: usize) -> Option<std::path::PathBuf> {
@@ -77,10 +78,6 @@ pub struct DevEngine {
     pub keeper: Option<Arc<possum_keeper::KeeperMemory>>,
 }
 
-thread_local! {
-    /// The last stream this thread operated on: (device, raw handle, epoch, wrapper).
-    static LAST_STREAM: RefCell<Option<(usize, u64, u64, CudaStream)>> = const { RefCell::new(None) };
-}
 
 impl DevEngine {
     /// The engine's wrapper of the job's stream `raw`, registering it (for T0 fences) on first
@@ -105,26 +102,41 @@ impl DevEngine {
     }
 
     /// Calls `f` with the engine's wrapper of the job's stream `raw` ([`Self::stream`]), from the
-    /// calling thread's one-entry cache when it is the stream of its last operation (the launch
-    /// path's way: no lock, no reference count). `f` must not operate on streams itself.
-    pub fn with_stream<R>(&self, raw: u64, f: impl FnOnce(&CudaStream) -> R) -> R {
-        let epoch = self.streams_epoch.load(Ordering::Acquire);
-        // `f` goes into the closure only if the thread's TLS is still there (not torn down).
-        let mut f = Some(f);
-        let cached = LAST_STREAM.try_with(|c| {
-            let mut c = c.borrow_mut();
-            let hit =
-                matches!(&*c, Some((d, r, e, _)) if *d == self.ordinal && *r == raw && *e == epoch);
-            if !hit {
-                *c = Some((self.ordinal, raw, epoch, self.stream(raw)));
-            }
-            let s = &c.as_ref().expect("just filled").3;
-            f.take().map(|f| f(s))
-        });
-        cached
-            .ok()
-            .flatten()
-            .unwrap_or_else(|| f.take().expect("not called: TLS gone")(&self.stream(raw)))
+    /// one-entry cache of the calling thread (whose state is `t`) when it is the stream of its
+    /// last operation (the launch path's way: no lock, no reference count).
+    #[inline]
+    pub fn with_stream<R>(
+        &self,
+        t: &ThreadState,
+        raw: u64,
+        f: impl FnOnce(&CudaStream) -> R,
+    ) -> R {
+        let key = (self.ordinal, raw, self.streams_epoch.load(Ordering::Acquire));
+        // Borrowed already only if `f` of an outer call operates on streams: then uncached.
+        let Ok(mut c) = t.stream.try_borrow_mut() else {
+            return f(&self.stream(raw));
+        };
+        if c.is_none() || t.stream_key.get() != key {
+            *c = Some(self.stream(raw));
+            t.stream_key.set(key);
+        }
+        f(c.as_ref().expect("just filled"))
+    }
+
+    /// Registers the job's stream `raw` ([`Self::stream`]) unless it is the last one the calling
+    /// thread (whose state is `t`) operated on: then it is registered already.
+    #[inline]
+    pub fn note_stream(&self, t: &ThreadState, raw: u64) {
+        let key = (self.ordinal, raw, self.streams_epoch.load(Ordering::Acquire));
+        if t.stream_key.get() != key {
+            self.note_stream_slow(t, raw);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn note_stream_slow(&self, t: &ThreadState, raw: u64) {
+        self.with_stream(t, raw, |_| ());
     }
 
     /// The job is destroying its stream `raw`; work queued on it still runs. A T0 after this must
@@ -488,31 +500,6 @@ fn apply(st: &State, side: &mut DagSide, m: DagMsg) {
     }
 }
 
-/// What possum keeps per thread for every callback, in one thread-local (one address look-up
-/// where the calls are inlined together; a library's thread-locals each cost a call to
-/// `__tls_get_addr`). No destructor: usable until the thread is gone.
-struct ThreadFlags {
-    /// Set while possum itself calls the driver on this thread: callbacks then ignore the call.
-    in_possum: Cell<bool>,
-    /// 0: not yet known; 1: a job thread; 2: one of possum's own threads (named `possum-*`).
-    kind: Cell<u8>,
-    /// The last (context, device ordinal) this thread resolved.
-    ctx_device: Cell<(u64, usize)>,
-    /// Launches this thread made (their entry callbacks), wrapping ([`hooked_call`]).
-    launches: Cell<u32>,
-}
-
-thread_local! {
-    static THREAD: ThreadFlags = const {
-        ThreadFlags {
-            in_possum: Cell::new(false),
-            kind: Cell::new(0),
-            ctx_device: Cell::new((u64::MAX, 0)),
-            launches: Cell::new(0),
-        }
-    };
-}
-
 /// Marks the calling thread as inside possum until dropped.
 #[derive(Debug)]
 pub struct Reentry(bool);
@@ -520,49 +507,14 @@ pub struct Reentry(bool);
 impl Reentry {
     /// Enters (nesting is fine).
     pub fn enter() -> Reentry {
-        Reentry(THREAD.with(|t| t.in_possum.replace(true)))
+        Reentry(crate::thread_state::flags(|t| t.in_possum.replace(true)))
     }
 }
 
 impl Drop for Reentry {
     fn drop(&mut self) {
-        THREAD.with(|t| t.in_possum.set(self.0));
+        crate::thread_state::flags(|t| t.in_possum.set(self.0));
     }
-}
-
-/// Whether a callback on this thread must ignore the call: possum's own call, or one of possum's
-/// own threads (the engine's copier, writers and restorers, the control thread).
-pub fn ignore_this_thread() -> bool {
-    THREAD.try_with(ignores).unwrap_or(true)
-}
-
-/// [`ignore_this_thread`] for a callback, with the thread's launch count in the same look-up:
-/// `None` if the call is ignored; else the number of launch entries this thread made, counting
-/// this one when `launch_entry` (wrapping).
-pub fn hooked_call(launch_entry: bool) -> Option<u32> {
-    THREAD
-        .try_with(|t| {
-            if ignores(t) {
-                return None;
-            }
-            let n = t.launches.get().wrapping_add(u32::from(launch_entry));
-            t.launches.set(n);
-            Some(n)
-        })
-        .unwrap_or(None)
-}
-
-fn ignores(t: &ThreadFlags) -> bool {
-    if t.in_possum.get() {
-        return true;
-    }
-    if t.kind.get() == 0 {
-        let ours = std::thread::current()
-            .name()
-            .is_some_and(|n| n.starts_with("possum"));
-        t.kind.set(if ours { 2 } else { 1 });
-    }
-    t.kind.get() == 2
 }
 
 impl State {
@@ -841,14 +793,20 @@ impl State {
         }
     }
 
-    /// The device of the calling thread's current context `ctx` (cached per thread).
-    pub fn device_of(&self, ctx: u64) -> Option<usize> {
-        let (c, d) = THREAD.try_with(|t| t.ctx_device.get()).ok()?;
+    /// The device of the calling thread's current context `ctx` (cached in its state `t`).
+    #[inline]
+    pub fn device_of(&self, t: &ThreadState, ctx: u64) -> Option<usize> {
+        let (c, d) = t.ctx_device.get();
         if c == ctx {
             return Some(d);
         }
+        self.device_of_slow(t, ctx)
+    }
+
+    #[cold]
+    fn device_of_slow(&self, t: &ThreadState, ctx: u64) -> Option<usize> {
         let d = introspect::current_device().ok()?;
-        let _ = THREAD.try_with(|t| t.ctx_device.set((ctx, d)));
+        t.ctx_device.set((ctx, d));
         self.note_device_used(d);
         Some(d)
     }
