@@ -187,7 +187,11 @@ impl HookState {
     /// Takes what it holds, leaving it empty (an item borrowed now is left as it is).
     pub fn take(&self) -> HookState {
         fn out<T: Default>(c: &RefCell<T>) -> RefCell<T> {
-            RefCell::new(c.try_borrow_mut().map(|mut v| std::mem::take(&mut *v)).unwrap_or_default())
+            RefCell::new(
+                c.try_borrow_mut()
+                    .map(|mut v| std::mem::take(&mut *v))
+                    .unwrap_or_default(),
+            )
         }
         HookState {
             guard: Cell::new(self.guard.take()),
@@ -270,7 +274,15 @@ fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         Shape::Copy {
             dst, src, stream, ..
         } => {
-            copy_like(st, t, ctx, stream, call, Some(call.word(src)), call.word(dst));
+            copy_like(
+                st,
+                t,
+                ctx,
+                stream,
+                call,
+                Some(call.word(src)),
+                call.word(dst),
+            );
         }
         Shape::Memset { dst, stream, .. } => {
             copy_like(st, t, ctx, stream, call, None, call.word(dst));
@@ -891,16 +903,17 @@ fn launch(
         crate::stats::note_function(func as usize);
         return;
     }
+    let mut memo = t.hooks.memo.borrow_mut();
+    let memo = &mut *memo;
+    // A look-up without the entry API's insertion path first: a thread launches a kernel for the
+    // first time once.
+    let w = match memo.get_mut(&func) {
+        Some(w) => w,
+        None => memo.entry(func).or_default(),
+    };
+    let (model, ways) = Ways::current(w, st, func);
     // A collective (NCCL's kernels) passes the cut's barrier first, outside the op gate.
-    let collective = MEMO
-        .try_with(|memo| {
-            let mut memo = memo.borrow_mut();
-            Ways::current(memo.entry(func).or_default(), st, func)
-                .0
-                .is_collective()
-        })
-        .unwrap_or(false);
-    if collective {
+    if model.is_collective() {
         crate::collective::pass();
     }
     let c = &st.counters;
@@ -910,15 +923,6 @@ fn launch(
     let tracking = guard.as_ref().is_some_and(OpGuard::tracking);
     let resolve = tracking || st.cfg.tuning.resolve.sampled(n);
     {
-        let mut memo = t.hooks.memo.borrow_mut();
-        let memo = &mut *memo;
-        // A look-up without the entry API's insertion path first: a thread launches a kernel for
-        // the first time once.
-        let w = match memo.get_mut(&func) {
-            Some(w) => w,
-            None => memo.entry(func).or_default(),
-        };
-        let (model, ways) = Ways::current(w, st, func);
         let (_, due) = model.next_launch(&st.cfg.tuning.validation);
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
@@ -1306,15 +1310,7 @@ fn write_op(
         st.counters.opaque_ops.fetch_add(1, Ordering::Relaxed);
         label_op(t, || format!("operation {}", name()));
         let guard = admit(t, eng, s);
-        hook(
-            t,
-            eng,
-            guard,
-            s,
-            Access::Opaque,
-            Others::Listed(&[]),
-            None,
-        );
+        hook(t, eng, guard, s, Access::Opaque, Others::Listed(&[]), None);
         return;
     }
     let guard = admit(t, eng, s);
@@ -1345,7 +1341,9 @@ fn write_op(
         st,
         st.generation(),
     ));
-    label_op(t, || format!("{} to {:#x}", name(), writes.first().map_or(0, |w| w.0)));
+    label_op(t, || {
+        format!("{} to {:#x}", name(), writes.first().map_or(0, |w| w.0))
+    });
     let mut sets = BufferSets::default();
     for (side, write) in [(&wr, true), (&rd, false)] {
         for r in side.iter() {
