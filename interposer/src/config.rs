@@ -405,7 +405,7 @@ impl Config {
                 || PathBuf::from(possum_control::DEFAULT_SOCKET_DIR),
                 PathBuf::from,
             ),
-            control: !lookup("POSSUM_CONTROL").is_some_and(|v| v == OsStr::new("0")),
+            control: lookup("POSSUM_CONTROL").is_none_or(|v| v != OsStr::new("0")),
             manage: flag(var("POSSUM_MANAGE").as_deref(), true),
         };
 

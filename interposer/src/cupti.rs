@@ -49,7 +49,7 @@ pub fn enabled_callbacks() -> impl Iterator<Item = u32> + Clone {
     let only: Option<&'static Vec<String>> = config::get().diag.callbacks.as_ref();
     cbid::CALLBACKS
         .iter()
-        .filter(move |c| only.map_or(true, |o| o.iter().any(|n| n == c.name)))
+        .filter(move |c| only.is_none_or(|o| o.iter().any(|n| n == c.name)))
         .map(|c| c.id)
 }
 

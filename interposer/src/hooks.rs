@@ -175,14 +175,16 @@ pub struct HookState {
 
 impl HookState {
     /// Nothing kept yet.
-    pub const EMPTY: HookState = HookState {
-        guard: Cell::new(None),
-        more: Cell::new(false),
-        pending: RefCell::new(Pending::EMPTY),
-        scratch: RefCell::new(Scratch::EMPTY),
-        memo: RefCell::new(HashMap::with_hasher(rustc_hash::FxBuildHasher)),
-        label: RefCell::new(String::new()),
-    };
+    pub const fn empty() -> HookState {
+        HookState {
+            guard: Cell::new(None),
+            more: Cell::new(false),
+            pending: RefCell::new(Pending::EMPTY),
+            scratch: RefCell::new(Scratch::EMPTY),
+            memo: RefCell::new(HashMap::with_hasher(rustc_hash::FxBuildHasher)),
+            label: RefCell::new(String::new()),
+        }
+    }
 
     /// Takes what it holds, leaving it empty (an item borrowed now is left as it is).
     pub fn take(&self) -> HookState {
@@ -1239,7 +1241,7 @@ fn copy_like(
     });
     // At most one buffer each way; one both read and written is only in `writes`.
     let written = managed_on(&wr, dev);
-    let read = managed_on(&rd, dev).filter(|b| written.map_or(true, |w| w.id() != b.id()));
+    let read = managed_on(&rd, dev).filter(|b| written.is_none_or(|w| w.id() != b.id()));
     // Another device's buffers (a peer copy): hooked by their own engines.
     let mut foreign = Vec::new();
     for (r, write) in [(&wr, true), (&rd, false)] {

@@ -48,7 +48,7 @@ thread_local! {
             owned: Cell::new(false),
             stream_key: Cell::new((usize::MAX, 0, 0)),
             stream: ManuallyDrop::new(RefCell::new(None)),
-            hooks: ManuallyDrop::new(HookState::EMPTY),
+            hooks: ManuallyDrop::new(HookState::empty()),
         }
     };
     /// Frees the heap parts of [`STATE`] when the thread exits.

@@ -138,7 +138,7 @@ fn word_at(b: &[u8], i: usize, word: &str) -> bool {
     let w = word.as_bytes();
     b[i..].starts_with(w)
         && (i == 0 || !is_ident(b[i - 1]))
-        && b.get(i + w.len()).map_or(true, |&c| !is_ident(c))
+        && b.get(i + w.len()).is_none_or(|&c| !is_ident(c))
 }
 
 /// The first names of the entries of the `{..}` group starting at `b[i] == '{'`.

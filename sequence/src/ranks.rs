@@ -7,7 +7,8 @@
 //!
 //! 1. **barrier**: each process's collective launches are held from its next one on
 //!    (`CollectiveHold`); its reply says how many it launched. The ranks are the processes that
-//!    launched any, or that loaded NCCL; the others are let go at once.
+//!    launched any (a launcher such as torchrun's agent loads NCCL but launches none); the
+//!    others are let go at once.
 //! 2. **target**: the most any rank launched. Every collective below it was launched by some
 //!    rank, so its peers must launch it too; none above it is launched by anyone.
 //! 3. **run to the target**: each rank's barrier moves to the target and possum waits until it
@@ -76,13 +77,10 @@ pub enum RanksError {
     },
 }
 
-/// Where the job's control sockets are, and whether a process uses NCCL (it has `libnccl`
-/// mapped): the two things the cut asks of the outside.
+/// How the cut reaches each process's possum.
 pub trait Ranks {
     /// Asks process `pid`'s possum `req`, waiting at most `timeout`.
     fn ask(&self, pid: i32, req: &Request, timeout: Duration) -> Result<CollectiveReply, JobError>;
-    /// Whether process `pid` loaded NCCL.
-    fn uses_nccl(&self, pid: i32) -> bool;
 }
 
 /// The job's processes, reached through the socket directory `sockets`.
@@ -92,11 +90,6 @@ pub struct JobRanks<'a>(pub &'a Path);
 impl Ranks for JobRanks<'_> {
     fn ask(&self, pid: i32, req: &Request, timeout: Duration) -> Result<CollectiveReply, JobError> {
         ask_within(pid, self.0, req, timeout).map(|r| r.body)
-    }
-
-    fn uses_nccl(&self, pid: i32) -> bool {
-        std::fs::read_to_string(format!("/proc/{pid}/maps"))
-            .is_ok_and(|m| m.lines().any(|l| l.contains("libnccl")))
     }
 }
 
@@ -123,9 +116,7 @@ pub fn cut(
             up.push(pid);
             reached.push((pid, r.launched));
         }
-        let (in_cut, others): (Vec<_>, Vec<_>) = reached
-            .into_iter()
-            .partition(|&(pid, n)| n > 0 || ranks.uses_nccl(pid));
+        let (in_cut, others): (Vec<_>, Vec<_>) = reached.into_iter().partition(|&(_, n)| n > 0);
         for (pid, _) in others {
             lift(ranks, pid);
             up.retain(|&p| p != pid);
@@ -202,7 +193,6 @@ mod tests {
     struct Sim {
         /// Per rank: (launched, barrier, can_reach).
         ranks: Mutex<HashMap<i32, SimRank>>,
-        nccl: Vec<i32>,
         dead: Vec<i32>,
         asked: Mutex<Vec<String>>,
     }
@@ -256,9 +246,6 @@ mod tests {
                 held: 0,
             })
         }
-        fn uses_nccl(&self, pid: i32) -> bool {
-            self.nccl.contains(&pid)
-        }
     }
 
     #[test]
@@ -278,14 +265,14 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_that_loaded_nccl_but_launched_nothing_yet_is_a_rank() {
-        let mut sim = Sim::with(&[(10, 0, 100), (11, 2, 100)]);
-        sim.nccl = vec![10];
-        let cut = cut(&[10, 11], &sim, Duration::from_secs(5))
+    fn a_process_that_launched_no_collective_is_no_rank_and_is_let_go() {
+        // torchrun's agent: possum and NCCL loaded, no collective launched.
+        let sim = Sim::with(&[(1, 0, 0), (10, 4, 100), (11, 5, 100)]);
+        let cut = cut(&[1, 10, 11], &sim, Duration::from_secs(5))
             .unwrap()
             .unwrap();
-        assert_eq!((cut.ranks.clone(), cut.target), (vec![10, 11], 2));
-        assert_eq!(sim.ranks.lock().unwrap()[&10].0, 2);
+        assert_eq!((cut.ranks.clone(), cut.target), (vec![10, 11], 5));
+        assert_eq!(sim.barrier(1), None);
     }
 
     #[test]
