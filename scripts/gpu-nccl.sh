@@ -55,7 +55,7 @@ if [ "$mode" = probe ]; then
     t=$(date +%s.%N)
     timeout 300 "${job[@]}" --steps "$steps" --sleep-ms 40 --step-log "$work/ref.log" > "$work/ref.err" 2>&1
     echo "reference rc $? in $(python3 -c "import time;print(round(time.time()-$t,1))") s" >> "$res/nccl-probe.txt"
-    timeout 300 "$possum" run -v "${job[@]}" --steps "$steps" --sleep-ms 40 --step-log "$work/p.log" > "$work/p.err" 2>&1 &
+    POSSUM_VERBOSE=1 timeout 300 "$possum" run -v "${job[@]}" --steps "$steps" --sleep-ms 40 --step-log "$work/p.log" > "$work/p.err" 2>&1 &
     runner=$!
     wait_lines "$work/p.log.rank0" 120 20 || echo "job under possum made no 20 steps" >> "$res/nccl-probe.txt"
     tr=$(pgrep -f "python[0-9.]* [^ ]*torchrun --nproc_per_node=2 --master-port 29611" | head -1)

@@ -188,6 +188,11 @@ pub enum Shape {
     },
     /// `cuMemUnmap(ptr, size)`.
     Unmap,
+    /// `cuMemImportFromShareableHandle(handle*, osHandle, type)`: a handle of memory another
+    /// process shared (NCCL's peer buffers): its mappings are the driver's to checkpoint.
+    Import,
+    /// `cuMemRelease(handle)` of a handle of the driver's.
+    Release,
     /// `cuStreamDestroy(hStream)`.
     StreamDestroy,
     /// `cuStreamBeginCapture(hStream, ...)`.
@@ -706,7 +711,7 @@ pub const CALLBACKS: &[Callback] = &[
         Shape::Alloc { out: 0, bytes: 1 },
     ),
     cb("cuMemCreate", 549, Kind::Alloc, Shape::Count),
-    cb("cuMemRelease", 550, Kind::Alloc, Shape::Count),
+    cb("cuMemRelease", 550, Kind::Alloc, Shape::Release),
     cb("cuMemMap", 551, Kind::Alloc, Shape::Map),
     cb("cuMemUnmap", 552, Kind::Alloc, Shape::Unmap),
     cb(
@@ -714,6 +719,12 @@ pub const CALLBACKS: &[Callback] = &[
         554,
         Kind::Alloc,
         Shape::Count,
+    ),
+    cb(
+        "cuMemImportFromShareableHandle",
+        555,
+        Kind::Alloc,
+        Shape::Import,
     ),
     cb(
         "cuMemGetAllocationPropertiesFromHandle",

@@ -325,10 +325,16 @@ fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         | Shape::Alloc { .. }
         | Shape::AllocPitch
         | Shape::Map
+        | Shape::Import
+        | Shape::Release
         | Shape::ProcAddress
         | Shape::Count => {}
     }
 }
+
+/// The kind of an unmanaged range that maps memory another process shared (`possum status`'s
+/// `unmanaged.by_kind`): NVIDIA's driver cannot checkpoint a process that maps it.
+pub const IMPORTED: &str = "cuMemMap of imported memory";
 
 /// Notes a fault ([`crate::gate::note_fault`]) if dropped while the hook's thread unwinds.
 struct PanicFault;
@@ -384,7 +390,20 @@ fn on_exit(st: &State, t: &ThreadState, cbid: u32, shape: Shape, call: &RawCall<
                 st.add_unmanaged(va, pitch.saturating_mul(call.word(3)), "cuMemAllocPitch");
             }
         }
-        Shape::Map => st.add_unmanaged(call.word(0), call.word(1), "cuMemMap"),
+        Shape::Map => {
+            let kind = if st.is_imported(call.word(3)) {
+                IMPORTED
+            } else {
+                "cuMemMap"
+            };
+            st.add_unmanaged(call.word(0), call.word(1), kind);
+        }
+        Shape::Import => {
+            if let Some(h) = call.deref(0) {
+                st.note_imported(h, true);
+            }
+        }
+        Shape::Release => st.note_imported(call.word(0), false),
         Shape::GraphInstantiate => {
             if let Some(exec) = call.deref(0) {
                 st.instantiate_graph(exec, call.word(1));

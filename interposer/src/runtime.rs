@@ -305,6 +305,8 @@ pub struct State {
     managing_off: Mutex<Option<String>>,
     managing_disabled: AtomicBool,
     unmanaged: RwLock<IntervalMap<Unmanaged>>,
+    /// Live handles of memory another process shared (`cuMemImportFromShareableHandle`).
+    imported: parking_lot::Mutex<std::collections::HashSet<u64>>,
     kernels: RwLock<HashMap<u64, Arc<KernelModel>>>,
     /// Parameter layouts from the `.nv.info` of loaded modules, by kernel (mangled) name: the
     /// fallback where the driver gives none.
@@ -379,6 +381,7 @@ pub fn state() -> &'static State {
             managing_off: Mutex::new(None),
             managing_disabled: AtomicBool::new(false),
             unmanaged: RwLock::new(IntervalMap::new()),
+            imported: parking_lot::Mutex::new(std::collections::HashSet::new()),
             kernels: RwLock::new(HashMap::default()),
             cubin_layouts: RwLock::new(std::collections::HashMap::new()),
             graphs: RwLock::new(HashMap::default()),
@@ -847,6 +850,21 @@ impl State {
         self.counters
             .unmanaged_allocs
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Notes that handle `h` was imported from another process (`live`), or released.
+    pub fn note_imported(&self, h: u64, live: bool) {
+        let mut i = self.imported.lock();
+        if live {
+            i.insert(h);
+        } else {
+            i.remove(&h);
+        }
+    }
+
+    /// Whether handle `h` is one imported from another process.
+    pub fn is_imported(&self, h: u64) -> bool {
+        self.imported.lock().contains(&h)
     }
 
     /// Forgets the unmanaged allocation starting at `va`.

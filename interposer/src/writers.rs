@@ -74,7 +74,6 @@ pub const NOT_WRAPPED: &[(&str, &str)] = &[
     ("cuSignalExternalSemaphoresAsync", "signals semaphores: no device memory"),
     ("cuWaitExternalSemaphoresAsync", "waits on semaphores: no device memory"),
     ("cuIpcOpenMemHandle_v2", "maps another process's allocation: not this job's, not in its image"),
-    ("cuMemImportFromShareableHandle", "makes a handle: its memory is mapped with cuMemMap (wrapped)"),
     ("cuMemPoolImportPointer", "another process's pool allocation: not this job's, not in its image"),
     ("cuMemMapArrayAsync", ARRAY),
     ("cuDevicePrimaryCtxReset_v2", "ends the device's context and every allocation in it: nothing is written"),

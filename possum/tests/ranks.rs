@@ -262,3 +262,42 @@ fn a_rank_that_never_reaches_the_boundary_or_dies_fails_the_cut_naming_it() {
     assert!(t.contains(&format!("rank {}", job.ranks[1])), "{t}");
     assert!(!dir.join("img-dead").exists());
 }
+
+#[test]
+fn a_rank_that_maps_imported_memory_is_refused_before_anything_is_held() {
+    let Some((tmp, lib)) = setup("ranks imported") else {
+        return;
+    };
+    let dir = tmp.path();
+    // Rank 0 maps memory through a shareable handle, as NCCL maps its peers' buffers (the
+    // driver's own, POSSUM_SERVE_VMM=0, with no keeper to export possum's).
+    let env = [
+        ("FAKE_STEPS", "200"),
+        ("FAKE_STEP_US", "2000"),
+        ("FAKE_IMPORT", "1"),
+        ("POSSUM_SERVE_VMM", "0"),
+    ];
+    let mut job = start(dir, Some(&lib), "job", &env);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("job.0"), 20);
+    let out = possum(dir)
+        .args(["checkpoint", &launcher.to_string(), "--leave-running", "-D"])
+        .arg(dir.join("img"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains(&format!(
+            "process {} maps memory another process shared with it (1 mappings",
+            job.ranks[0]
+        )),
+        "{t}"
+    );
+    assert!(t.contains("nothing was done"), "{t}");
+    assert!(!dir.join("img").exists());
+    // Nothing was held: both ranks run to their end.
+    assert!(job.child.wait().unwrap().success());
+    assert_eq!(lines(&dir.join("job.0")).len(), 200);
+    assert_eq!(lines(&dir.join("job.1")).len(), 200);
+}

@@ -267,6 +267,22 @@ pub enum PlanError {
         /// `--gpu-only` was asked.
         gpu_only: bool,
     },
+    /// A process maps memory another process shared with it (NCCL's peer buffers).
+    #[error(
+        "process {pid} maps memory another process shared with it ({mappings} mappings, {}: the \
+         peer buffers of NCCL's ranks, say); NVIDIA's driver checkpoint cannot take such a \
+         process back (its restore fails and leaves the job stuck), so nothing was done; \
+         `--gpu-only` saves the job's GPU buffers without the driver's checkpoint",
+        gib(*bytes)
+    )]
+    Imported {
+        /// The process.
+        pid: i32,
+        /// Its mappings of imported memory.
+        mappings: u64,
+        /// Their bytes.
+        bytes: u64,
+    },
     /// A process of the job's tree cannot be checkpointed.
     #[error("process {pid} of the job's tree")]
     Child {
@@ -604,7 +620,7 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         Engine::Driver => None,
     };
     if let Some(s) = &status {
-        refuse_managed(pid, s, p.gpu_only)?;
+        refuse_unsupported_memory(pid, s, p.gpu_only)?;
     }
     let side = if p.gpu_only {
         None
@@ -633,8 +649,8 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     // saved and released by possum like the root's.
     // With `--gpu-only` (no driver to ask), every descendant is looked at.
     let possum_children = match (p.engine, &side) {
-        (Engine::Possum, Some(_)) => possum_in(&children, &p.sockets)?,
-        (Engine::Possum, None) => possum_in(&tree::descendants(pid), &p.sockets)?,
+        (Engine::Possum, Some(_)) => possum_in(&children, &p.sockets, p.gpu_only)?,
+        (Engine::Possum, None) => possum_in(&tree::descendants(pid), &p.sockets, p.gpu_only)?,
         (Engine::Driver, _) => Vec::new(),
     };
     let engines = status
@@ -698,26 +714,46 @@ fn gib(b: u64) -> String {
 
 /// Refuses a job with managed (unified) memory, before anything is done: NVIDIA's driver
 /// checkpoint does not support it, and possum's engine does not save it.
-fn refuse_managed(pid: i32, status: &StatusReply, gpu_only: bool) -> Result<(), PlanError> {
+fn refuse_unsupported_memory(
+    pid: i32,
+    status: &StatusReply,
+    gpu_only: bool,
+) -> Result<(), PlanError> {
     let managed = status
         .possum
         .as_ref()
         .and_then(|p| p.unmanaged.as_ref())
         .and_then(|u| u.by_kind.get("cuMemAllocManaged"));
-    match managed {
-        Some(m) if m.allocations > 0 => Err(PlanError::Managed {
+    if let Some(m) = managed.filter(|m| m.allocations > 0) {
+        return Err(PlanError::Managed {
             pid,
             allocations: m.allocations,
             bytes: m.bytes,
             gpu_only,
+        });
+    }
+    let imported = status
+        .possum
+        .as_ref()
+        .and_then(|p| p.unmanaged.as_ref())
+        .and_then(|u| u.by_kind.get(IMPORTED_KIND));
+    match imported {
+        Some(m) if m.allocations > 0 && !gpu_only => Err(PlanError::Imported {
+            pid,
+            mappings: m.allocations,
+            bytes: m.bytes,
         }),
         _ => Ok(()),
     }
 }
 
+/// The kind libpossum.so gives mappings of memory another process shared (`possum status`'s
+/// `unmanaged.by_kind`).
+const IMPORTED_KIND: &str = "cuMemMap of imported memory";
+
 /// Which of `children` have possum loaded: a control socket in `sockets` that answers. One with
 /// managed memory is refused, as the root is; one whose socket does not answer is an error.
-fn possum_in(children: &[i32], sockets: &Path) -> Result<Vec<i32>, PlanError> {
+fn possum_in(children: &[i32], sockets: &Path, gpu_only: bool) -> Result<Vec<i32>, PlanError> {
     let child = |pid, e: PlanError| PlanError::Child {
         pid,
         source: Box::new(e),
@@ -727,7 +763,7 @@ fn possum_in(children: &[i32], sockets: &Path) -> Result<Vec<i32>, PlanError> {
         let timeout = Duration::from_secs(30);
         match ask_within::<StatusReply>(c, sockets, &Request::Status, timeout) {
             Ok(status) => {
-                refuse_managed(c, &status.body, false).map_err(|e| child(c, e))?;
+                refuse_unsupported_memory(c, &status.body, gpu_only).map_err(|e| child(c, e))?;
                 out.push(c);
             }
             Err(e) if e.is_without_possum() => {}

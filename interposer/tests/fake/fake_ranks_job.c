@@ -15,6 +15,10 @@
  * adds it into W[3] and counts it in W[2]. Then the step's line "s k digest" is appended to
  * $FAKE_RANKS_LOG.<rank>, and the rank sleeps $FAKE_STEP_US.
  *
+ * $FAKE_IMPORT=1: rank 0 also maps memory through a shareable handle (cuMemCreate with a POSIX fd
+ * handle type, exported and imported again, the imported handle mapped), as NCCL maps its peers'
+ * buffers.
+ *
  * $FAKE_STALL_RANK / $FAKE_STALL_AT: that rank stops before the collective of that step (host
  * work that never ends) while its peer goes on into the collective: a cut must not wait for it
  * past its deadline. A collective whose peer never comes fails the rank after 60 s ("error
@@ -122,8 +126,27 @@ static void map_shared(int create) {
     close(fd);
 }
 
+static void map_imported(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    int (*create)(uint64_t *, size_t, const void *, uint64_t) = dlsym(h, "cuMemCreate");
+    int (*export)(void *, uint64_t, int, uint64_t) = dlsym(h, "cuMemExportToShareableHandle");
+    int (*import)(uint64_t *, void *, int) = dlsym(h, "cuMemImportFromShareableHandle");
+    int (*reserve)(uint64_t *, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemAddressReserve");
+    int (*map)(uint64_t, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemMap");
+    /* CUmemAllocationProp: pinned device memory on device 0, POSIX fd handles. */
+    int prop[8] = {1, 1, 1, 0, 0, 0, 0, 0};
+    uint64_t mine, theirs, va;
+    int fd;
+    size_t size = 2u << 20;
+    if (!create || !export || !import || !reserve || !map || create(&mine, size, prop, 0) ||
+        export(&fd, mine, 1, 0) || import(&theirs, (void *)(intptr_t)fd, 1) ||
+        reserve(&va, size, 0, 0, 0) || map(va, size, 0, theirs, 0))
+        die("imported memory");
+}
+
 static int run_rank(void) {
     context();
+    if (rank == 0 && getenv("FAKE_IMPORT")) map_imported();
     map_shared(0);
     uint32_t *w, *h = malloc(NW * 4);
     if (!h) die("malloc");
