@@ -76,6 +76,7 @@ mod guard;
 pub mod hostmem;
 pub mod images;
 mod mapped;
+pub mod no_uring;
 mod process;
 pub mod rpc;
 mod swrk;

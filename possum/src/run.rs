@@ -52,6 +52,12 @@ pub struct RunArgs {
     /// The default (a keeper for the job); kept so that scripts that ask for it still run.
     #[arg(long, hide = true, conflicts_with = "no_keeper")]
     pub keeper: bool,
+    /// Let the job use io_uring. By default `io_uring_setup` fails in the job with ENOSYS (a
+    /// seccomp filter, inherited by its children), as on a kernel without io_uring, so that
+    /// libuv (under torch's TCPStore: torchrun's agent and every rank) and others use epoll:
+    /// CRIU cannot checkpoint an io_uring instance.
+    #[arg(long)]
+    pub allow_io_uring: bool,
     /// Print the job's pid and control socket on stderr.
     #[arg(short, long)]
     pub verbose: bool,
@@ -126,9 +132,13 @@ pub fn run(a: &RunArgs) -> Result<u8> {
     }
     // CRIU cannot dump an io_uring instance, and libuv (under torch's TCPStore, which torchrun's
     // agent and every rank use) makes one when the kernel has io_uring: off unless the user
-    // chose otherwise.
-    if std::env::var_os(UV_IO_URING_ENV).is_none() {
-        cmd.env(UV_IO_URING_ENV, "0");
+    // chose otherwise. libuv 1.50 and later ignore the variable for the ring it always makes:
+    // io_uring_setup itself fails in the job.
+    if !a.allow_io_uring {
+        if std::env::var_os(UV_IO_URING_ENV).is_none() {
+            cmd.env(UV_IO_URING_ENV, "0");
+        }
+        possum_criu::no_uring::keep_off_io_uring(&mut cmd);
     }
     if let Some(t) = &a.trace {
         let t = std::path::absolute(t).with_context(|| format!("{}", t.display()))?;

@@ -100,6 +100,43 @@ fn run_script(script: &str, envs: &[(&str, &str)]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `io_uring_setup` in the job answers ENOSYS (the seccomp filter `possum run` installs), in its
+/// children too, unless `--allow-io-uring`.
+#[test]
+fn io_uring_setup_fails_in_the_job_unless_allowed() {
+    if Command::new("python3").arg("-V").output().is_err() {
+        eprintln!("SKIPPED: no python3 to call io_uring_setup");
+        return;
+    }
+    // io_uring_setup(1, NULL): ENOSYS (38) under the filter; EFAULT (14) on a kernel that has
+    // io_uring (EPERM or ENOSYS where it is turned off or absent).
+    let probe = "python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True); \
+                 r = l.syscall(425, 1, None); print(r, ctypes.get_errno())'";
+    let in_job = run_script(&format!("{probe}; sh -c \"{probe}\""), &[]);
+    assert_eq!(
+        in_job.lines().collect::<Vec<_>>(),
+        ["-1 38", "-1 38"],
+        "{in_job}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = tmp.path().join("libpossum.so");
+    std::fs::write(&lib, b"").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_possum"))
+        .args(["run", "--no-keeper", "--allow-io-uring", "--lib"])
+        .arg(&lib)
+        .arg("--socket-dir")
+        .arg(tmp.path().join("sockets"))
+        .args(["sh", "-c", probe])
+        .output()
+        .unwrap();
+    let bare = Command::new("sh").args(["-c", probe]).output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&bare.stdout),
+        "--allow-io-uring: the job's io_uring_setup is the kernel's"
+    );
+}
+
 #[test]
 fn the_job_runs_without_io_uring_in_libuv_unless_the_user_chose() {
     let script = r#"echo "uring=${UV_USE_IO_URING-unset}""#;
