@@ -40,14 +40,15 @@ static COUNTS: Mutex<Counts> = Mutex::new(Counts {
 static CHANGED: Condvar = Condvar::new();
 
 /// Lets one collective launch through, counted: waits while the barrier holds the launch's
-/// number (until the barrier is moved, lifted, or its lease ends with the job not paused).
-pub fn pass() {
+/// number (until the barrier is moved, lifted, or its lease ends while `paused()` says the job's
+/// operations are not paused).
+pub fn pass(paused: impl Fn() -> bool) {
     let mut c = COUNTS.lock();
     while let Some((at, until)) = c.barrier {
         if c.launched < at {
             break;
         }
-        if Instant::now() >= until && !crate::gate::is_paused() {
+        if Instant::now() >= until && !paused() {
             crate::log::log(&format!(
                 "the collective barrier at launch {at} was neither moved nor lifted within its \
                  lease: lifted"
@@ -132,7 +133,7 @@ mod tests {
         let p = Arc::clone(&passed);
         let t = std::thread::spawn(move || {
             for _ in 0..3 {
-                pass();
+                pass(|| false);
                 p.fetch_add(1, Ordering::SeqCst);
             }
         });
@@ -160,7 +161,7 @@ mod tests {
         assert_eq!(counts().launched, base + 3);
         // A lease that runs out with the job not paused lifts the barrier by itself.
         hold(None, Duration::from_millis(30)).unwrap();
-        pass();
+        pass(|| false);
         assert_eq!(counts().barrier, None);
         assert_eq!(counts().launched, base + 4);
     }

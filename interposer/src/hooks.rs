@@ -935,7 +935,7 @@ fn launch(
     let (model, ways) = Ways::current(w, st, func);
     // A collective (NCCL's kernels) passes the cut's barrier first, outside the op gate.
     if model.is_collective() {
-        crate::collective::pass();
+        crate::collective::pass(crate::gate::is_paused);
     }
     let c = &st.counters;
     let n = c.launches.fetch_add(1, Ordering::Relaxed);
