@@ -97,6 +97,7 @@ mod drvalloc;
 mod elfsym;
 pub mod entry;
 mod gate;
+mod hook_state;
 mod hooks;
 mod load;
 mod log;

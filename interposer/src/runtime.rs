@@ -78,7 +78,6 @@ pub struct DevEngine {
     pub keeper: Option<Arc<possum_keeper::KeeperMemory>>,
 }
 
-
 impl DevEngine {
     /// The engine's wrapper of the job's stream `raw`, registering it (for T0 fences) on first
     /// sight. The per-thread default stream is not registered: a fence recorded on it from
@@ -105,13 +104,12 @@ impl DevEngine {
     /// one-entry cache of the calling thread (whose state is `t`) when it is the stream of its
     /// last operation (the launch path's way: no lock, no reference count).
     #[inline]
-    pub fn with_stream<R>(
-        &self,
-        t: &ThreadState,
-        raw: u64,
-        f: impl FnOnce(&CudaStream) -> R,
-    ) -> R {
-        let key = (self.ordinal, raw, self.streams_epoch.load(Ordering::Acquire));
+    pub fn with_stream<R>(&self, t: &ThreadState, raw: u64, f: impl FnOnce(&CudaStream) -> R) -> R {
+        let key = (
+            self.ordinal,
+            raw,
+            self.streams_epoch.load(Ordering::Acquire),
+        );
         // Borrowed already only if `f` of an outer call operates on streams: then uncached.
         let Ok(mut c) = t.stream.try_borrow_mut() else {
             return f(&self.stream(raw));
@@ -127,7 +125,11 @@ impl DevEngine {
     /// thread (whose state is `t`) operated on: then it is registered already.
     #[inline]
     pub fn note_stream(&self, t: &ThreadState, raw: u64) {
-        let key = (self.ordinal, raw, self.streams_epoch.load(Ordering::Acquire));
+        let key = (
+            self.ordinal,
+            raw,
+            self.streams_epoch.load(Ordering::Acquire),
+        );
         if t.stream_key.get() != key {
             self.note_stream_slow(t, raw);
         }

@@ -14,7 +14,7 @@
 use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
 
-use crate::hooks::HookState;
+use crate::hook_state::HookState;
 use possum_cuda::CudaStream;
 
 /// A thread's state (see the module documentation).
@@ -48,7 +48,7 @@ thread_local! {
             owned: Cell::new(false),
             stream_key: Cell::new((usize::MAX, 0, 0)),
             stream: ManuallyDrop::new(RefCell::new(None)),
-            hooks: ManuallyDrop::new(HookState::EMPTY),
+            hooks: ManuallyDrop::new(HookState::new()),
         }
     };
     /// Frees the heap parts of [`STATE`] when the thread exits.
