@@ -71,19 +71,28 @@ fn ranges_at<'a>(
     &cache.as_ref().expect("just set").1
 }
 
-/// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`.
+/// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`:
+/// a launch's entry (most callbacks) in a function of its own (where a wrapper knows its
+/// callback id, the choice is made when it is compiled).
 #[inline]
 pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
-    crate::thread_state::with(|t| {
-        if enter {
-            on_entry(t, cbid, ctx, call);
-        } else {
-            on_exit_call(t, cbid, call);
-        }
-    });
+    if !enter {
+        crate::thread_state::with(|t| on_exit_call(t, cbid, call));
+        return;
+    }
+    match crate::cbid::shape(cbid) {
+        Shape::Launch {
+            func,
+            stream,
+            params,
+            extra,
+        } => on_launch_entry(cbid, ctx, call, (func, stream, params, extra)),
+        shape => on_other_entry(cbid, shape, ctx, call),
+    }
 }
 
 /// An exit callback, with the calling thread's state `t`.
+#[inline(never)]
 fn on_exit_call(t: &ThreadState, cbid: u32, call: &RawCall<'_>) {
     if t.ignores() {
         return;
@@ -96,17 +105,64 @@ fn on_exit_call(t: &ThreadState, cbid: u32, call: &RawCall<'_>) {
         return;
     }
     let st = state();
-    // As in `on_entry`.
+    // As in `other_entry`.
     let _panic = PanicFault;
     on_exit(st, t, cbid, shape, call);
 }
 
-/// An entry callback, with the calling thread's state `t`.
-fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
-    let shape = crate::cbid::shape(cbid);
-    let Some(tick) = t.hooked_call(matches!(shape, Shape::Launch { .. })) else {
+/// A launch's entry callback: `at` says where its function, stream, parameters and `extra` are
+/// ([`Shape::Launch`]).
+fn on_launch_entry(
+    cbid: u32,
+    ctx: u64,
+    call: &RawCall<'_>,
+    at: (usize, StreamAt, usize, Option<usize>),
+) {
+    crate::thread_state::with(|t| launch_entry(t, cbid, ctx, call, at));
+}
+
+/// [`on_launch_entry`] with the calling thread's state `t`.
+#[inline]
+fn launch_entry(
+    t: &ThreadState,
+    cbid: u32,
+    ctx: u64,
+    call: &RawCall<'_>,
+    at: (usize, StreamAt, usize, Option<usize>),
+) {
+    let Some(tick) = t.hooked_launch() else {
         return;
     };
+    let st = state();
+    // As in `other_entry`.
+    let _panic = PanicFault;
+    crate::stats::record(cbid);
+    // A checkpoint may have released the buffers: wait for them to come back first.
+    crate::gate::wait_if_paused();
+    let (func, stream, params, extra) = at;
+    let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
+    let f = call.word(func);
+    let s = call.stream(stream);
+    launch(st, t, ctx, f, s, &call.kernel_args(params, extra));
+    if let Some(t0) = t0 {
+        let mut p = t.hooks.pending.borrow_mut();
+        if p.validation.is_none() {
+            p.timed = Some(t0.elapsed());
+            t.hooks.more.set(true);
+        }
+    }
+}
+
+/// The entry callback of any other call than a launch, of shape `shape`.
+fn on_other_entry(cbid: u32, shape: Shape, ctx: u64, call: &RawCall<'_>) {
+    crate::thread_state::with(|t| other_entry(t, cbid, shape, ctx, call));
+}
+
+/// [`on_other_entry`] with the calling thread's state `t`.
+fn other_entry(t: &ThreadState, cbid: u32, shape: Shape, ctx: u64, call: &RawCall<'_>) {
+    if t.ignores() {
+        return;
+    }
     let st = state();
     // A panic below leaves the operation to run with whatever the hook did so far: counted as a
     // fault, which fails a checkpoint that is open (its image is not committed).
@@ -117,24 +173,6 @@ fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         crate::gate::wait_if_paused();
     }
     match shape {
-        Shape::Launch {
-            func,
-            stream,
-            params,
-            extra,
-        } => {
-            let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
-            let f = call.word(func);
-            let s = call.stream(stream);
-            launch(st, t, ctx, f, s, &call.kernel_args(params, extra));
-            if let Some(t0) = t0 {
-                let mut p = t.hooks.pending.borrow_mut();
-                if p.validation.is_none() {
-                    p.timed = Some(t0.elapsed());
-                    t.hooks.more.set(true);
-                }
-            }
-        }
         Shape::GraphLaunch { stream } => {
             graph_launch(st, t, ctx, call.word(0), call.stream(stream));
         }
@@ -185,7 +223,9 @@ fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             st.captures.fetch_add(1, Ordering::SeqCst);
         }
         Shape::GraphExecDestroy | Shape::GraphExecChanged => st.forget_graph(call.word(0)),
-        Shape::CaptureEnd
+        // Launches go to `on_launch_entry`.
+        Shape::Launch { .. }
+        | Shape::CaptureEnd
         | Shape::GraphInstantiate
         | Shape::Alloc { .. }
         | Shape::AllocPitch

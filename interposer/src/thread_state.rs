@@ -25,7 +25,7 @@ pub struct ThreadState {
     kind: Cell<u8>,
     /// The last (context, device ordinal) this thread resolved.
     pub ctx_device: Cell<(u64, usize)>,
-    /// Launches this thread made (their entry callbacks), wrapping ([`ThreadState::hooked_call`]).
+    /// Launches this thread made (their entry callbacks), wrapping ([`ThreadState::hooked_launch`]).
     launches: Cell<u32>,
     /// Whether [`OWNER`] is registered on this thread (it frees the heap parts at its exit).
     owned: Cell<bool>,
@@ -126,15 +126,15 @@ impl ThreadState {
         ours
     }
 
-    /// [`Self::ignores`] for a callback, with the thread's launch count: `None` if the call is
-    /// ignored; else the number of launch entries this thread made, counting this one when
-    /// `launch_entry` (wrapping).
+    /// [`Self::ignores`] for a launch's entry callback, with the thread's launch count: `None`
+    /// if the call is ignored; else the number of launch entries this thread made, this one
+    /// included (wrapping).
     #[inline]
-    pub fn hooked_call(&self, launch_entry: bool) -> Option<u32> {
+    pub fn hooked_launch(&self) -> Option<u32> {
         if self.ignores() {
             return None;
         }
-        let n = self.launches.get().wrapping_add(u32::from(launch_entry));
+        let n = self.launches.get().wrapping_add(1);
         self.launches.set(n);
         Some(n)
     }
