@@ -77,7 +77,8 @@ fn ranges_at<'a>(
 #[inline]
 pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
     if !enter {
-        crate::thread_state::with(|t| on_exit_call(t, cbid, call));
+        let operation = crate::cbid::shape(cbid).is_operation();
+        crate::thread_state::with(|t| on_exit_call(t, cbid, operation, call));
         return;
     }
     match crate::cbid::shape(cbid) {
@@ -91,19 +92,20 @@ pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
     }
 }
 
-/// An exit callback, with the calling thread's state `t`.
+/// An exit callback, with the calling thread's state `t`; `operation`: the call's shape is an
+/// operation's ([`Shape::is_operation`]).
 #[inline(never)]
-fn on_exit_call(t: &ThreadState, cbid: u32, call: &RawCall<'_>) {
+fn on_exit_call(t: &ThreadState, cbid: u32, operation: bool, call: &RawCall<'_>) {
     if t.ignores() {
         return;
     }
-    let shape = crate::cbid::shape(cbid);
-    if shape.is_operation() && !t.hooks.more.get() {
+    if operation && !t.hooks.more.get() {
         // Only its own device's guard to drop (most operations): the operation is enqueued, a
         // checkpoint may fix T0 again.
         drop(t.hooks.guard.take());
         return;
     }
+    let shape = crate::cbid::shape(cbid);
     let st = state();
     // As in `other_entry`.
     let _panic = PanicFault;
