@@ -582,7 +582,9 @@ fn keep(
     validation: Option<Box<validate::Before>>,
 ) {
     t.hooks.guard.set(guard);
-    if !others.is_empty() || validation.is_some() {
+    // (`more` is set here only if an operation's exit callback never came: its leftovers are
+    // replaced, as everything else it left.)
+    if !others.is_empty() || validation.is_some() || t.hooks.more.get() {
         keep_more(t, others, validation);
     }
 }
@@ -591,9 +593,13 @@ fn keep(
 #[inline]
 fn keep_guard(t: &ThreadState, guard: Option<OpGuard<'static, CudaDevice>>) {
     t.hooks.guard.set(guard);
+    if t.hooks.more.get() {
+        keep_more(t, Vec::new(), None);
+    }
 }
 
-/// [`keep`]'s rarer part: the guards of other devices, a validation.
+/// [`keep`]'s rarer part: the guards of other devices, a validation (and the slot's leftovers
+/// replaced).
 #[cold]
 fn keep_more(
     t: &ThreadState,
@@ -604,7 +610,8 @@ fn keep_more(
     p.others = others;
     p.validation = validation
         .map(|v| -> Box<dyn FnOnce()> { Box::new(move || validate::finish(state(), *v)) });
-    t.hooks.more.set(true);
+    let more = !p.others.is_empty() || p.validation.is_some() || p.timed.is_some();
+    t.hooks.more.set(more);
 }
 
 fn engine_of(st: &'static State, t: &ThreadState, ctx: u64) -> Option<&'static DevEngine> {
