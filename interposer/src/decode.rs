@@ -68,23 +68,27 @@ impl<'a> RawCall<'a> {
     }
 
     /// The call's stream handle.
+    #[inline]
     pub fn stream(&self, at: StreamAt) -> u64 {
         match at {
             StreamAt::Word(i) => self.word(i),
-            StreamAt::Config(i) => {
-                let cfg = self.word(i) as usize as *const u8;
-                if cfg.is_null() {
-                    return 0;
-                }
-                // SAFETY: word `i` is `const CUlaunchConfig *config`, valid during the call; its
-                // `hStream` follows seven `unsigned int`s, at byte 32.
-                unsafe { cfg.add(32).cast::<u64>().read_unaligned() }
-            }
+            StreamAt::Config(i) => self.config_stream(i),
             StreamAt::Legacy => 0,
             StreamAt::PerThread => STREAM_PER_THREAD,
-            StreamAt::WordPt(i) => per_thread_if_null(self.stream(StreamAt::Word(i))),
-            StreamAt::ConfigPt(i) => per_thread_if_null(self.stream(StreamAt::Config(i))),
+            StreamAt::WordPt(i) => per_thread_if_null(self.word(i)),
+            StreamAt::ConfigPt(i) => per_thread_if_null(self.config_stream(i)),
         }
+    }
+
+    /// The stream of the `CUlaunchConfig` in word `i`.
+    fn config_stream(&self, i: usize) -> u64 {
+        let cfg = self.word(i) as usize as *const u8;
+        if cfg.is_null() {
+            return 0;
+        }
+        // SAFETY: word `i` is `const CUlaunchConfig *config`, valid during the call; its
+        // `hStream` follows seven `unsigned int`s, at byte 32.
+        unsafe { cfg.add(32).cast::<u64>().read_unaligned() }
     }
 
     /// The call's `CUresult` (on exit), 0 for success.

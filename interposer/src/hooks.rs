@@ -13,15 +13,13 @@
 //! [`OpGuard::check`]: possum_engine::OpGuard::check
 //! [`ResolveMode`]: crate::config::ResolveMode
 
-use std::cell::{Cell, RefCell};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 // Keys are handles: the fast hash.
 use rustc_hash::FxHashMap as HashMap;
 
-use possum_analyzer::dag::BufRef;
 use possum_analyzer::kernel::{KernelModel, SlotAccess};
 use possum_cuda::introspect;
 use possum_cuda::{CudaDevice, CudaStream};
@@ -30,53 +28,14 @@ use possum_engine::{Access, Buffer, OpGuard};
 use crate::cbid::{Shape, StreamAt, WriteAt};
 use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
 use crate::decode::{KernelArgs, RawCall, Span, STREAM_PER_THREAD};
+use crate::hook_state::{BufferSets, Foreign, MemoSet, Pending, Ways};
 use crate::ranges::{Ranges, Resolved, WordHash};
 use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
 use crate::thread_state::ThreadState;
 use crate::validate;
 
-/// What an entry callback leaves for the exit callback besides its own device's guard (rarely
-/// anything: [`HookState::more`] says when).
-#[derive(Default)]
-struct Pending {
-    /// Guards of the other devices whose buffers the operation writes or reads.
-    others: Vec<OpGuard<'static, CudaDevice>>,
-    validation: Option<Box<validate::Before>>,
-    /// For a timed launch: the entry side's time, to which the exit side's is added.
-    timed: Option<Duration>,
-}
-
-impl Pending {
-    const EMPTY: Pending = Pending {
-        others: Vec::new(),
-        validation: None,
-        timed: None,
-    };
-}
-
 /// One launch in this many on a thread has its time in possum's callbacks measured.
 const TIME_EVERY: u32 = 16;
-
-/// An operation's buffers: managed ones of its device for the hook (deduplicated, a buffer both
-/// read and written only in `writes`), managed ones of other devices (`foreign`: a peer copy, a
-/// kernel writing another GPU's memory), and every known allocation for the DAG.
-#[derive(Default)]
-struct BufferSets {
-    reads: Vec<Buffer>,
-    writes: Vec<Buffer>,
-    foreign: Vec<Foreign>,
-    dag_reads: Vec<BufRef>,
-    dag_writes: Vec<BufRef>,
-}
-
-/// A managed buffer of another device than the operation's own, which it reads or writes: it is
-/// hooked by that device's engine (where its dirty mark and copy-before-write are).
-#[derive(Clone)]
-struct Foreign {
-    dev: usize,
-    buf: Buffer,
-    write: bool,
-}
 
 /// What an operation touches on other devices than its own.
 #[derive(Clone, Copy)]
@@ -100,49 +59,6 @@ fn push_foreign(foreign: &mut Vec<Foreign>, dev: usize, b: &Buffer, write: bool)
     });
 }
 
-impl BufferSets {
-    const EMPTY: BufferSets = BufferSets {
-        reads: Vec::new(),
-        writes: Vec::new(),
-        foreign: Vec::new(),
-        dag_reads: Vec::new(),
-        dag_writes: Vec::new(),
-    };
-
-    fn clear(&mut self) {
-        self.reads.clear();
-        self.writes.clear();
-        self.foreign.clear();
-        self.dag_reads.clear();
-        self.dag_writes.clear();
-    }
-
-    fn access(&self) -> Access<'_> {
-        Access::Known {
-            reads: &self.reads,
-            writes: &self.writes,
-        }
-    }
-}
-
-/// Per-thread scratch space, reused so the launch path does not allocate.
-#[derive(Default)]
-struct Scratch {
-    words: Vec<u64>,
-    sets: BufferSets,
-    /// The allocation snapshot and the generation it is current for (taken again only when the
-    /// generation moves: no lock per launch).
-    ranges: Option<(u64, Arc<Ranges>)>,
-}
-
-impl Scratch {
-    const EMPTY: Scratch = Scratch {
-        words: Vec::new(),
-        sets: BufferSets::EMPTY,
-        ranges: None,
-    };
-}
-
 /// The allocation snapshot of `generation`, from the thread's `cache`.
 fn ranges_at<'a>(
     cache: &'a mut Option<(u64, Arc<Ranges>)>,
@@ -155,93 +71,100 @@ fn ranges_at<'a>(
     &cache.as_ref().expect("just set").1
 }
 
-/// The hooks' part of a thread's state ([`crate::thread_state`]), each item borrowed on its own.
-pub struct HookState {
-    /// The guard of the operation's own device that its entry callback left for its exit
-    /// callback (the gate is left when it is dropped).
-    guard: Cell<Option<OpGuard<'static, CudaDevice>>>,
-    /// Whether `pending` holds anything.
-    more: Cell<bool>,
-    /// The rest of what an operation's entry callback left for its exit callback.
-    pending: RefCell<Pending>,
-    /// Scratch space.
-    scratch: RefCell<Scratch>,
-    /// Per kernel handle: its model and the last few distinct (words → buffer sets) of its
-    /// launches.
-    memo: RefCell<HashMap<u64, Ways>>,
-    /// What the operation being hooked is, for [`debug_dirty`] (set only when it is on).
-    label: RefCell<String>,
-}
-
-impl HookState {
-    /// Nothing kept yet.
-    pub const fn empty() -> HookState {
-        HookState {
-            guard: Cell::new(None),
-            more: Cell::new(false),
-            pending: RefCell::new(Pending::EMPTY),
-            scratch: RefCell::new(Scratch::EMPTY),
-            memo: RefCell::new(HashMap::with_hasher(rustc_hash::FxBuildHasher)),
-            label: RefCell::new(String::new()),
-        }
-    }
-
-    /// Takes what it holds, leaving it empty (an item borrowed now is left as it is).
-    pub fn take(&self) -> HookState {
-        fn out<T: Default>(c: &RefCell<T>) -> RefCell<T> {
-            RefCell::new(
-                c.try_borrow_mut()
-                    .map(|mut v| std::mem::take(&mut *v))
-                    .unwrap_or_default(),
-            )
-        }
-        HookState {
-            guard: Cell::new(self.guard.take()),
-            more: Cell::new(self.more.replace(false)),
-            pending: out(&self.pending),
-            scratch: out(&self.scratch),
-            memo: out(&self.memo),
-            label: out(&self.label),
-        }
-    }
-}
-
-/// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`.
+/// Handles one callback (`enter`: API entry, else exit) of callback id `cbid` in context `ctx`:
+/// a launch's entry (most callbacks) in a function of its own (where a wrapper knows its
+/// callback id, the choice is made when it is compiled).
 #[inline]
 pub fn on_call(enter: bool, cbid: u32, ctx: u64, call: &RawCall<'_>) {
-    crate::thread_state::with(|t| {
-        if enter {
-            on_entry(t, cbid, ctx, call);
-        } else {
-            on_exit_call(t, cbid, call);
-        }
-    });
+    if !enter {
+        let operation = crate::cbid::shape(cbid).is_operation();
+        crate::thread_state::with(|t| on_exit_call(t, cbid, operation, call));
+        return;
+    }
+    match crate::cbid::shape(cbid) {
+        Shape::Launch {
+            func,
+            stream,
+            params,
+            extra,
+        } => on_launch_entry(cbid, ctx, call, (func, stream, params, extra)),
+        shape => on_other_entry(cbid, shape, ctx, call),
+    }
 }
 
-/// An exit callback, with the calling thread's state `t`.
-fn on_exit_call(t: &ThreadState, cbid: u32, call: &RawCall<'_>) {
+/// An exit callback, with the calling thread's state `t`; `operation`: the call's shape is an
+/// operation's ([`Shape::is_operation`]).
+#[inline(never)]
+fn on_exit_call(t: &ThreadState, cbid: u32, operation: bool, call: &RawCall<'_>) {
     if t.ignores() {
         return;
     }
-    let shape = crate::cbid::shape(cbid);
-    if shape.is_operation() && !t.hooks.more.get() {
+    if operation && !t.hooks.more.get() {
         // Only its own device's guard to drop (most operations): the operation is enqueued, a
         // checkpoint may fix T0 again.
         drop(t.hooks.guard.take());
         return;
     }
+    let shape = crate::cbid::shape(cbid);
     let st = state();
-    // As in `on_entry`.
+    // As in `other_entry`.
     let _panic = PanicFault;
     on_exit(st, t, cbid, shape, call);
 }
 
-/// An entry callback, with the calling thread's state `t`.
-fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
-    let shape = crate::cbid::shape(cbid);
-    let Some(tick) = t.hooked_call(matches!(shape, Shape::Launch { .. })) else {
+/// A launch's entry callback: `at` says where its function, stream, parameters and `extra` are
+/// ([`Shape::Launch`]).
+fn on_launch_entry(
+    cbid: u32,
+    ctx: u64,
+    call: &RawCall<'_>,
+    at: (usize, StreamAt, usize, Option<usize>),
+) {
+    crate::thread_state::with(|t| launch_entry(t, cbid, ctx, call, at));
+}
+
+/// [`on_launch_entry`] with the calling thread's state `t`.
+#[inline]
+fn launch_entry(
+    t: &ThreadState,
+    cbid: u32,
+    ctx: u64,
+    call: &RawCall<'_>,
+    at: (usize, StreamAt, usize, Option<usize>),
+) {
+    let Some(tick) = t.hooked_launch() else {
         return;
     };
+    let st = state();
+    // As in `other_entry`.
+    let _panic = PanicFault;
+    crate::stats::record(cbid);
+    // A checkpoint may have released the buffers: wait for them to come back first.
+    crate::gate::wait_if_paused();
+    let (func, stream, params, extra) = at;
+    let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
+    let f = call.word(func);
+    let s = call.stream(stream);
+    launch(st, t, ctx, f, s, &call.kernel_args(params, extra));
+    if let Some(t0) = t0 {
+        let mut p = t.hooks.pending.borrow_mut();
+        if p.validation.is_none() {
+            p.timed = Some(t0.elapsed());
+            t.hooks.more.set(true);
+        }
+    }
+}
+
+/// The entry callback of any other call than a launch, of shape `shape`.
+fn on_other_entry(cbid: u32, shape: Shape, ctx: u64, call: &RawCall<'_>) {
+    crate::thread_state::with(|t| other_entry(t, cbid, shape, ctx, call));
+}
+
+/// [`on_other_entry`] with the calling thread's state `t`.
+fn other_entry(t: &ThreadState, cbid: u32, shape: Shape, ctx: u64, call: &RawCall<'_>) {
+    if t.ignores() {
+        return;
+    }
     let st = state();
     // A panic below leaves the operation to run with whatever the hook did so far: counted as a
     // fault, which fails a checkpoint that is open (its image is not committed).
@@ -252,24 +175,6 @@ fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
         crate::gate::wait_if_paused();
     }
     match shape {
-        Shape::Launch {
-            func,
-            stream,
-            params,
-            extra,
-        } => {
-            let t0 = (tick % TIME_EVERY == 0).then(Instant::now);
-            let f = call.word(func);
-            let s = call.stream(stream);
-            launch(st, t, ctx, f, s, &call.kernel_args(params, extra));
-            if let Some(t0) = t0 {
-                let mut p = t.hooks.pending.borrow_mut();
-                if p.validation.is_none() {
-                    p.timed = Some(t0.elapsed());
-                    t.hooks.more.set(true);
-                }
-            }
-        }
         Shape::GraphLaunch { stream } => {
             graph_launch(st, t, ctx, call.word(0), call.stream(stream));
         }
@@ -320,7 +225,9 @@ fn on_entry(t: &ThreadState, cbid: u32, ctx: u64, call: &RawCall<'_>) {
             st.captures.fetch_add(1, Ordering::SeqCst);
         }
         Shape::GraphExecDestroy | Shape::GraphExecChanged => st.forget_graph(call.word(0)),
-        Shape::CaptureEnd
+        // Launches go to `on_launch_entry`.
+        Shape::Launch { .. }
+        | Shape::CaptureEnd
         | Shape::GraphInstantiate
         | Shape::Alloc { .. }
         | Shape::AllocPitch
@@ -367,8 +274,8 @@ fn on_exit(st: &State, t: &ThreadState, cbid: u32, shape: Shape, call: &RawCall<
                     .timed_launch_ns
                     .fetch_add(u64::try_from(ns).unwrap_or(u64::MAX), Ordering::Relaxed);
             }
-            if let Some(v) = p.validation {
-                validate::finish(st, *v);
+            if let Some(finish) = p.validation {
+                finish();
             }
         }
         Shape::CaptureEnd => {
@@ -480,6 +387,7 @@ fn skip_captured(st: &State, stream: u64) -> bool {
 /// device, if possum manages allocations there): the stream is registered (a session fences
 /// every stream the job used) and the engine's gate entered. The guard's
 /// [`tracking`](OpGuard::tracking) says whether the engine needs the operation's buffers.
+#[inline]
 fn admit(
     t: &ThreadState,
     eng: Option<&'static DevEngine>,
@@ -693,12 +601,24 @@ fn keep(
     validation: Option<Box<validate::Before>>,
 ) {
     t.hooks.guard.set(guard);
-    if !others.is_empty() || validation.is_some() {
+    // (`more` is set here only if an operation's exit callback never came: its leftovers are
+    // replaced, as everything else it left.)
+    if !others.is_empty() || validation.is_some() || t.hooks.more.get() {
         keep_more(t, others, validation);
     }
 }
 
-/// [`keep`]'s rarer part: the guards of other devices, a validation.
+/// [`keep`] for an operation that has only its own device's guard to keep (one not resolved).
+#[inline]
+fn keep_guard(t: &ThreadState, guard: Option<OpGuard<'static, CudaDevice>>) {
+    t.hooks.guard.set(guard);
+    if t.hooks.more.get() {
+        keep_more(t, Vec::new(), None);
+    }
+}
+
+/// [`keep`]'s rarer part: the guards of other devices, a validation (and the slot's leftovers
+/// replaced).
 #[cold]
 fn keep_more(
     t: &ThreadState,
@@ -707,8 +627,10 @@ fn keep_more(
 ) {
     let mut p = t.hooks.pending.borrow_mut();
     p.others = others;
-    p.validation = validation;
-    t.hooks.more.set(true);
+    p.validation = validation
+        .map(|v| -> Box<dyn FnOnce()> { Box::new(move || validate::finish(state(), *v)) });
+    let more = !p.others.is_empty() || p.validation.is_some() || p.timed.is_some();
+    t.hooks.more.set(more);
 }
 
 fn engine_of(st: &'static State, t: &ThreadState, ctx: u64) -> Option<&'static DevEngine> {
@@ -798,56 +720,28 @@ fn push_buffer(b: &Buffer, read_only: bool, reads: &mut Vec<Buffer>, writes: &mu
     }
 }
 
-/// A kernel's buffer sets as its last launch on this thread resolved them: reused while the
-/// launch's words, the allocations and the kernel's speculation are all unchanged (a training
-/// loop launches the same kernels on the same buffers step after step).
-///
-/// An entry whose resolution needed discovery is never reused (its `generation` is `u64::MAX`),
-/// so a reused entry always named only allocations possum knew.
-#[derive(Default)]
-struct Memo {
-    generation: u64,
-    version: u64,
-    /// [`WordHash`] of the launch's canonical words.
-    hash: u128,
-    unmanaged: bool,
-    sets: BufferSets,
-    /// Id of `sets`' DAG lists ([`DagMsg::Define`]d when the entry is filled; 0: none), which
-    /// every launch matching this entry sends.
-    dag: u64,
-}
-
-impl Memo {
-    /// Whether this entry holds the buffer sets of a launch whose canonical words hash to
-    /// `hash` now.
-    fn matches(&self, generation: u64, version: u64, hash: u128) -> bool {
-        self.hash == hash && self.generation == generation && self.version == version
-    }
-}
-
-/// Memo entries kept per kernel and thread (replaced round-robin, their buffers reused, so a miss
-/// allocates nothing once the entries exist; found through a key index, so their number costs
-/// nothing per launch). A training step launches one kernel on many buffer sets (an elementwise
-/// kernel on most tensors of every layer): 8 gave GPT-2 small 8% hits and 32 gave 17% (measured).
-const MEMO_WAYS: usize = 256;
-
-/// A kernel's model and memo entries on one thread: the launch path's one lookup per launch.
-#[derive(Default)]
-struct Ways {
-    model: Option<Arc<KernelModel>>,
-    memo: MemoSet,
-}
-
 impl Ways {
     /// The kernel's current model (borrowed, not cloned: no reference count touched per
     /// launch) and memo entries: the model taken at the thread's first launch of `func`, or its
     /// successor once it was replaced (its layout came with a module loaded later; the entries
     /// made under the old one are dropped).
+    #[inline]
     fn current<'a>(
         w: &'a mut Ways,
         st: &State,
         func: u64,
     ) -> (&'a Arc<KernelModel>, &'a mut MemoSet) {
+        if !matches!(&w.model, Some(m) if m.successor().is_none()) {
+            Self::renew(w, st, func);
+        }
+        let model = w.model.as_ref().expect("just made");
+        (model, &mut w.memo)
+    }
+
+    /// [`Self::current`]'s model made (the thread's first launch of `func`) or replaced by its
+    /// successor.
+    #[cold]
+    fn renew(w: &mut Ways, st: &State, func: u64) {
         if let Some(next) = w.model.as_ref().and_then(|m| m.successor()).cloned() {
             for m in &w.memo.entries {
                 if m.dag != 0 {
@@ -857,58 +751,10 @@ impl Ways {
             w.memo = MemoSet::default();
             w.model = Some(next);
         }
-        let model = w.model.get_or_insert_with(|| {
+        if w.model.is_none() {
             crate::stats::note_function(func as usize);
-            st.kernel(func)
-        });
-        (model, &mut w.memo)
-    }
-}
-
-/// A kernel's memo entries on one thread.
-#[derive(Default)]
-struct MemoSet {
-    entries: Vec<Memo>,
-    /// Entry of each key (the latest one made with it).
-    index: HashMap<u64, usize>,
-    /// The entry the last launch used. It and the one after it are tried first: a step
-    /// launches a kernel on the same buffer sets in the same order, and entries are made in
-    /// that order.
-    last: usize,
-    next: usize,
-}
-
-impl MemoSet {
-    /// The entry matching `hash`, if any.
-    fn find(&self, generation: u64, version: u64, hash: u128) -> Option<usize> {
-        let n = self.entries.len();
-        if n == 0 {
-            return None;
+            w.model = Some(st.kernel(func));
         }
-        let likely = [self.last % n, (self.last + 1) % n];
-        likely
-            .into_iter()
-            .chain(self.index.get(&(hash as u64)).copied())
-            .find(|&i| self.entries[i].matches(generation, version, hash))
-    }
-
-    /// An entry to (re)fill for a launch with `hash` that matched none.
-    fn victim(&mut self, hash: u128) -> usize {
-        let i = if self.entries.len() < MEMO_WAYS {
-            self.entries.push(Memo::default());
-            self.entries.len() - 1
-        } else {
-            let i = self.next % MEMO_WAYS;
-            self.next = self.next.wrapping_add(1);
-            let old = self.entries[i].hash as u64;
-            if self.index.get(&old) == Some(&i) {
-                self.index.remove(&old);
-            }
-            i
-        };
-        self.entries[i].hash = hash;
-        self.index.insert(hash as u64, i);
-        i
     }
 }
 
@@ -925,7 +771,7 @@ fn launch(
         return;
     }
     let mut memo = t.hooks.memo.borrow_mut();
-    let memo = &mut *memo;
+    let memo = memo.get_or_insert_with(HashMap::default);
     // A look-up without the entry API's insertion path first: a thread launches a kernel for the
     // first time once.
     let w = match memo.get_mut(&func) {
@@ -950,7 +796,7 @@ fn launch(
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
         if !resolve && !validate_now {
             st.note_unresolved();
-            keep(t, guard, Vec::new(), None);
+            keep_guard(t, guard);
             return;
         }
         resolve_launch(
@@ -1146,7 +992,7 @@ fn graph_launch(st: &'static State, t: &ThreadState, ctx: u64, exec: u64, stream
         return;
     };
     if !resolving(st, guard.as_ref()) {
-        keep(t, guard, Vec::new(), None);
+        keep_guard(t, guard);
         return;
     }
     {
@@ -1243,7 +1089,7 @@ fn copy_like(
     let eng = engine_of(st, t, ctx);
     let guard = admit(t, eng, s);
     if !resolving(st, guard.as_ref()) {
-        keep(t, guard, Vec::new(), None);
+        keep_guard(t, guard);
         return;
     }
     let dev = eng.map(|e| e.ordinal);
@@ -1336,7 +1182,7 @@ fn write_op(
     }
     let guard = admit(t, eng, s);
     if !resolving(st, guard.as_ref()) {
-        keep(t, guard, Vec::new(), None);
+        keep_guard(t, guard);
         return;
     }
     let dev = eng.map(|e| e.ordinal);

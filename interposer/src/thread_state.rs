@@ -7,14 +7,15 @@
 //! thread-local access is a call to `__tls_get_addr`; a callback looks the state up once and
 //! passes it down. It has no destructor, so it is usable until the thread is gone (a driver call
 //! from another library's thread-local destructor, or from `exit` after the main thread's, is
-//! still seen as the job's or possum's own): what it owns on the heap is behind
+//! still told apart as possum's own or the job's): what it owns on the heap is behind
 //! [`ManuallyDrop`], and freed by a second, empty thread-local whose destructor empties the
-//! state (registered at the thread's first use). A callback after that starts afresh.
+//! state (registered at the thread's first use). A callback after that starts afresh (what it
+//! then keeps is left to the process's end).
 
 use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
 
-use crate::hooks::HookState;
+use crate::hook_state::HookState;
 use possum_cuda::CudaStream;
 
 /// A thread's state (see the module documentation).
@@ -25,7 +26,7 @@ pub struct ThreadState {
     kind: Cell<u8>,
     /// The last (context, device ordinal) this thread resolved.
     pub ctx_device: Cell<(u64, usize)>,
-    /// Launches this thread made (their entry callbacks), wrapping ([`ThreadState::hooked_call`]).
+    /// Launches this thread made (their entry callbacks), wrapping ([`ThreadState::hooked_launch`]).
     launches: Cell<u32>,
     /// Whether [`OWNER`] is registered on this thread (it frees the heap parts at its exit).
     owned: Cell<bool>,
@@ -48,7 +49,7 @@ thread_local! {
             owned: Cell::new(false),
             stream_key: Cell::new((usize::MAX, 0, 0)),
             stream: ManuallyDrop::new(RefCell::new(None)),
-            hooks: ManuallyDrop::new(HookState::empty()),
+            hooks: ManuallyDrop::new(HookState::new()),
         }
     };
     /// Frees the heap parts of [`STATE`] when the thread exits.
@@ -126,16 +127,77 @@ impl ThreadState {
         ours
     }
 
-    /// [`Self::ignores`] for a callback, with the thread's launch count: `None` if the call is
-    /// ignored; else the number of launch entries this thread made, counting this one when
-    /// `launch_entry` (wrapping).
+    /// [`Self::ignores`] for a launch's entry callback, with the thread's launch count: `None`
+    /// if the call is ignored; else the number of launch entries this thread made, this one
+    /// included (wrapping).
     #[inline]
-    pub fn hooked_call(&self, launch_entry: bool) -> Option<u32> {
+    pub fn hooked_launch(&self) -> Option<u32> {
         if self.ignores() {
             return None;
         }
-        let n = self.launches.get().wrapping_add(u32::from(launch_entry));
+        let n = self.launches.get().wrapping_add(1);
         self.launches.set(n);
         Some(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hook_state::Ways;
+    use possum_analyzer::kernel::KernelModel;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_thread_s_heap_parts_are_freed_at_its_exit() {
+        let model = Arc::new(KernelModel::without_layout(7, None, "a test".into()));
+        let kept = model.clone();
+        std::thread::spawn(move || {
+            with(|t| {
+                let mut memo = t.hooks.memo.borrow_mut();
+                let ways = memo.get_or_insert_with(Default::default);
+                ways.insert(
+                    7,
+                    Ways {
+                        model: Some(model),
+                        ..Ways::default()
+                    },
+                );
+            });
+        })
+        .join()
+        .unwrap();
+        // The thread's memo held the other reference: gone with the thread.
+        assert_eq!(Arc::strong_count(&kept), 1);
+    }
+
+    #[test]
+    fn launches_are_counted_and_possum_s_own_calls_ignored() {
+        std::thread::spawn(|| {
+            let first = flags(ThreadState::hooked_launch).unwrap();
+            assert_eq!(
+                flags(ThreadState::hooked_launch),
+                Some(first.wrapping_add(1))
+            );
+            // Inside possum's own call.
+            let was = flags(|t| t.in_possum.replace(true));
+            assert!(flags(ThreadState::ignores));
+            assert_eq!(flags(ThreadState::hooked_launch), None);
+            flags(|t| t.in_possum.set(was));
+            assert!(!flags(ThreadState::ignores));
+            assert_eq!(
+                flags(ThreadState::hooked_launch),
+                Some(first.wrapping_add(2))
+            );
+        })
+        .join()
+        .unwrap();
+        // One of possum's own threads: every call ignored.
+        std::thread::Builder::new()
+            .name("possum-test".into())
+            .spawn(|| assert_eq!(flags(ThreadState::hooked_launch), None))
+            .unwrap()
+            .join()
+            .unwrap();
     }
 }
