@@ -424,6 +424,35 @@ impl Dag {
         out
     }
 
+    /// Buffer ids in the order the job is predicted to write them next, soonest first. A training
+    /// loop repeats its launches: what followed the latest launch's previous occurrence in the
+    /// window (the same kernel writing the same buffers) is what comes next, so the writes of the
+    /// launches after that occurrence come first, in order, then those of the launches before
+    /// it. Without an earlier occurrence, the window's writes oldest first. Each id once.
+    pub fn predicted_writes(&self) -> Vec<u64> {
+        let Some(last) = self.launches.back() else {
+            return Vec::new();
+        };
+        let n = self.launches.len();
+        let start = self
+            .launches
+            .iter()
+            .take(n - 1)
+            .rposition(|l| l.kernel == last.kernel && l.writes == last.writes)
+            .map_or(0, |p| p + 1);
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        let after = self.launches.iter().skip(start);
+        for l in after.chain(self.launches.iter().take(start)) {
+            for &id in &l.writes {
+                if seen.insert(id) {
+                    out.push(id);
+                }
+            }
+        }
+        out
+    }
+
     fn oldest(&self) -> u64 {
         self.launches.front().map_or(self.next_seq, |l| l.seq)
     }
@@ -747,6 +776,28 @@ mod tests {
             .find(|x| x["name"] == "r")
             .unwrap();
         assert_eq!(r["launches"], 2);
+    }
+
+    #[test]
+    fn the_writes_after_the_last_launchs_previous_occurrence_are_predicted_first() {
+        let mut d = Dag::new(64);
+        assert!(d.predicted_writes().is_empty());
+        // A step: forward writes 1 then 2, backward writes 3, the optimizer 4 then 1 again.
+        let step = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 1)];
+        for (kernel, w) in step {
+            d.record_launch(&k(kernel, "k"), 7, &[], &[buf(w)]);
+        }
+        // No earlier occurrence of the last launch: the window's writes, oldest first.
+        assert_eq!(d.predicted_writes(), vec![1, 2, 3, 4]);
+        // The next step has begun (its first two launches): the backward's and the optimizer's
+        // writes come next, then the forward's.
+        for (kernel, w) in &step[..2] {
+            d.record_launch(&k(*kernel, "k"), 7, &[], &[buf(*w)]);
+        }
+        assert_eq!(d.predicted_writes(), vec![3, 4, 1, 2]);
+        // The same kernel writing other buffers is another point of the loop.
+        d.record_launch(&k(3, "k"), 7, &[], &[buf(9)]);
+        assert_eq!(d.predicted_writes()[0], 1, "{:?}", d.predicted_writes());
     }
 
     #[test]

@@ -155,6 +155,9 @@ pub struct CheckpointReport {
     pub elapsed: Duration,
     /// Buffers saved early by a priority device-to-host copy because the job was about to write them.
     pub cow_priority: u64,
+    /// Buffers copied first because the job was predicted to write them soon
+    /// ([`crate::Engine::set_save_order`]).
+    pub predicted_first: u64,
     /// Buffers saved early by a shadow device-to-device copy (those of the snapshot at T0
     /// included).
     pub cow_shadow: u64,
@@ -203,6 +206,7 @@ pub(crate) struct CkptSession<D: Device> {
     shadows: Mutex<Vec<(DevPtr, u64)>>,
     touch_seq: AtomicU32,
     cow_priority: AtomicU64,
+    predicted_first: u64,
     cow_shadow: AtomicU64,
     snapshot_shadows: AtomicU64,
     blocked: BlockedTime,
@@ -254,7 +258,7 @@ impl<D: Device> CkptSession<D> {
         mode: CopyMode,
         shadow_saver: Option<Arc<dyn ShadowSaver>>,
     ) -> Result<Arc<Self>, EngineError> {
-        let bufs: Vec<Buffer> = {
+        let mut bufs: Vec<Buffer> = {
             let reg = inner.reg.read();
             if let Some(b) = reg
                 .iter()
@@ -271,6 +275,15 @@ impl<D: Device> CkptSession<D> {
                     reg.iter().filter(|b| b.take_dirty()).cloned().collect()
                 }
             }
+        };
+        // The buffers the job will write soonest are copied first (the copier takes them in
+        // this order); the rest keep the registry's order.
+        let predicted = {
+            let order = inner.save_order.lock();
+            let rank: HashMap<u64, usize> =
+                order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+            bufs.sort_by_key(|b| rank.get(&b.id()).copied().unwrap_or(usize::MAX));
+            bufs.iter().filter(|b| rank.contains_key(&b.id())).count() as u64
         };
         for b in &bufs {
             sink.add_buffer(BufferRecord {
@@ -335,6 +348,7 @@ impl<D: Device> CkptSession<D> {
             shadows: Mutex::new(Vec::new()),
             touch_seq: AtomicU32::new(0),
             cow_priority: AtomicU64::new(0),
+            predicted_first: predicted,
             cow_shadow: AtomicU64::new(0),
             snapshot_shadows: AtomicU64::new(0),
             blocked: BlockedTime::default(),
@@ -827,6 +841,7 @@ impl<D: Device> CkptSession<D> {
             captured,
             elapsed: self.started.elapsed(),
             cow_priority: self.cow_priority.load(Ordering::Relaxed),
+            predicted_first: self.predicted_first,
             cow_shadow: self.cow_shadow.load(Ordering::Relaxed),
             snapshot_shadows: self.snapshot_shadows.load(Ordering::Relaxed),
             shadow_peak: self.shadow_peak.load(Ordering::Relaxed),

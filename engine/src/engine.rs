@@ -234,6 +234,8 @@ pub(crate) struct Inner<D: Device> {
     /// them (copied before the free, as of T0), and the job no longer has them. A restore skips
     /// them. Cleared when tracking stops (the restore is done) or starts again.
     pub freed_since_tracking: parking_lot::Mutex<std::collections::HashSet<u64>>,
+    /// Buffer ids in the order the job is predicted to write them ([`Engine::set_save_order`]).
+    pub save_order: parking_lot::Mutex<Vec<u64>>,
     pub pool: Arc<StagingPool<D>>,
     pub copy_streams: Vec<D::Stream>,
     pub prio: D::Stream,
@@ -419,6 +421,7 @@ impl<D: Device> Engine<D> {
                 job_streams: RwLock::new(Vec::new()),
                 phase: RwLock::new(Phase::Idle),
                 freed_since_tracking: Default::default(),
+                save_order: Default::default(),
                 active: AtomicBool::new(false),
                 tracking: AtomicBool::new(false),
                 device_fence: AtomicBool::new(false),
@@ -710,6 +713,14 @@ impl<D: Device> Engine<D> {
     /// device-to-device copy); 0 disables shadows.
     pub fn set_shadow_budget(&self, bytes: u64) {
         self.inner.shadow_budget.store(bytes, Ordering::SeqCst);
+    }
+
+    /// The order in which the job is predicted to write its buffers (ids, soonest first; from the
+    /// analyzer's DAG): the next checkpoints copy those buffers first, in that order, and the
+    /// others after them, so that a write the job makes soon finds its buffer saved already
+    /// rather than waiting for a copy-on-write. Ids of no buffer are ignored.
+    pub fn set_save_order(&self, ids: Vec<u64>) {
+        *self.inner.save_order.lock() = ids;
     }
 
     /// The shadow budget the next checkpoints get ([`Engine::set_shadow_budget`]).

@@ -1499,3 +1499,64 @@ fn a_free_of_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
     );
     assert!(rep.job_waited > Duration::ZERO, "{rep:?}");
 }
+
+/// Records the buffer of each chunk in the order the sink gets them.
+struct OrderSink(MemStore, std::sync::Mutex<Vec<u64>>);
+
+impl ChunkSink for OrderSink {
+    fn add_buffer(
+        &self,
+        rec: possum_engine::store::BufferRecord,
+    ) -> Result<(), possum_engine::image::ImageError> {
+        self.0.add_buffer(rec)
+    }
+    fn write_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
+        let mut seen = self.1.lock().unwrap();
+        if !seen.contains(&buffer) {
+            seen.push(buffer);
+        }
+        drop(seen);
+        self.0.write_chunk(buffer, offset, data)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
+        self.0.set_meta(key, value)
+    }
+}
+
+#[test]
+fn buffers_predicted_to_be_written_soonest_are_saved_first_in_that_order() {
+    let p = demo_program(22);
+    // One copy stream and one writer: the sink sees the buffers in the copier's order.
+    let cfg = EngineConfig {
+        copy_streams: 1,
+        writer_threads: 1,
+        ..small_cfg(1 << 20, 2, 0)
+    };
+    let e = engine(cfg);
+    let job = HostJob::new(&e, &p).unwrap();
+    let ids: Vec<u64> = job.buffers().iter().map(|b| b.id()).collect();
+    assert!(ids.len() >= 3, "{ids:?}");
+    let (last, mid) = (ids[ids.len() - 1], ids[ids.len() / 2]);
+    // The prediction names the last buffer, then one in the middle, then an id of no buffer.
+    e.set_save_order(vec![last, mid, u64::MAX]);
+    let before = job.contents().unwrap();
+    let sink = Arc::new(OrderSink(MemStore::new(), Default::default()));
+    let rep = e.checkpoint(sink.clone(), false).unwrap().wait().unwrap();
+    assert_eq!(rep.predicted_first, 2, "{rep:?}");
+    let order = sink.1.lock().unwrap().clone();
+    let mut want = vec![last, mid];
+    want.extend(ids.iter().filter(|&&i| i != last && i != mid));
+    assert_eq!(order, want);
+    assert_eq!(image_of(&sink.0, &job), before);
+    // Without a prediction: the registry's order.
+    e.set_save_order(Vec::new());
+    let sink = Arc::new(OrderSink(MemStore::new(), Default::default()));
+    let rep = e.checkpoint(sink.clone(), false).unwrap().wait().unwrap();
+    assert_eq!(rep.predicted_first, 0);
+    assert_eq!(*sink.1.lock().unwrap(), ids);
+}

@@ -1107,6 +1107,15 @@ impl State {
         })
     }
 
+    /// Buffer ids in the order the job is predicted to write them next (the DAG's window,
+    /// [`possum_analyzer::dag::Dag::predicted_writes`]): a checkpoint saves them first.
+    pub fn predicted_writes(&self) -> Vec<u64> {
+        flush_dag();
+        let mut side = self.dag.lock();
+        self.apply_batches(&mut side, self.dag_rx.try_iter());
+        side.dag.predicted_writes()
+    }
+
     /// The trace: statistics, per-kernel statistics, the DAG (JSON) and its DOT text.
     pub fn trace_json(&self) -> Value {
         let mut kernels: Vec<_> = self.kernels().iter().map(|k| k.stats()).collect();

@@ -1283,10 +1283,15 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
     set_saving(Saving::Running);
     let engines = engines();
     let mut started = Vec::new();
+    // What the job will write soonest is saved first (the DAG's prediction).
+    let order = crate::runtime::state_if_created()
+        .map(|st| st.predicted_writes())
+        .unwrap_or_default();
     for e in &engines {
         let ordinal = e.ordinal;
         e.engine
             .set_shadow_budget(shadow_mib.map_or_else(|| shadow_budget(e), |m| m << 20));
+        e.engine.set_save_order(order.clone());
         let chunk = config::get().tuning.chunk_mib << 20;
         let begun = new_writer(dir, ordinal).and_then(|writer| {
             let sink: Arc<dyn ChunkSink> = writer.clone();
