@@ -306,7 +306,7 @@ mod tests {
         assert_eq!(v["job_waited_ms"], json!(null));
         assert_eq!(
             v["stall_breakdown_ms"],
-            json!({"engine": 3.5, "driver": 0.0, "criu": 0.0, "commit": 3.0})
+            json!({"cut": 0.0, "engine": 3.5, "driver": 0.0, "criu": 0.0, "commit": 3.0})
         );
         assert_eq!(v["hostmem"], json!({"off": "no CRIU plugin"}));
         assert!(v.get("criu_dump_ms").is_none());
@@ -333,10 +333,17 @@ mod tests {
         // the time the job waited on its save is.
         f.job_waited = Some(Duration::from_millis(2));
         f.account_stall(true, false);
-        let v = serde_json::to_value(f).unwrap();
+        let v = serde_json::to_value(&f).unwrap();
         assert_eq!(v["hold_ms"], json!(3.5));
         assert_eq!(v["job_waited_ms"], json!(2.0));
         assert_eq!(v["stall_ms"], json!(5.5));
+        // The ranks of a multi-process job held at their collective boundary: part of the hold.
+        f.ranks_cut = Some(Duration::from_millis(4));
+        f.account_stall(true, false);
+        let v = serde_json::to_value(f).unwrap();
+        assert_eq!(v["ranks_cut_ms"], json!(4.0));
+        assert_eq!(v["stall_breakdown_ms"]["cut"], json!(4.0));
+        assert_eq!(v["hold_ms"], json!(7.5));
     }
 
     #[test]
