@@ -301,3 +301,57 @@ fn a_rank_that_maps_imported_memory_is_refused_before_anything_is_held() {
     assert_eq!(lines(&dir.join("job.0")).len(), 200);
     assert_eq!(lines(&dir.join("job.1")).len(), 200);
 }
+
+#[test]
+fn possum_killed_during_the_cut_leaves_no_barrier_behind() {
+    let Some((tmp, lib)) = setup("ranks guard") else {
+        return;
+    };
+    let dir = tmp.path();
+    // Rank 1 never reaches the boundary: possum waits in the cut until it is killed.
+    let env = [
+        ("FAKE_STEPS", "1000"),
+        ("FAKE_STEP_US", "1000"),
+        ("FAKE_STALL_RANK", "1"),
+        ("FAKE_STALL_AT", "30"),
+    ];
+    let job = start(dir, Some(&lib), "job", &env);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("job.1"), 30);
+    let mut ckpt = possum(dir)
+        .env("POSSUM_CUT_DEADLINE_MS", "60000")
+        .args(["checkpoint", &launcher.to_string()])
+        .args(["--gpu-only", "--leave-running", "-D"])
+        .arg(dir.join("img"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let barrier = |r: i32| -> serde_json::Value {
+        let s = possum(dir)
+            .args(["status", &r.to_string(), "--json"])
+            .output()
+            .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap();
+        v["possum"]["session"]["collectives"]["barrier"].clone()
+    };
+    // The barrier is up in rank 0 (at the boundary rank 1 never reaches) ...
+    let t = Instant::now();
+    while barrier(job.ranks[0]).is_null() {
+        assert!(t.elapsed() < Duration::from_secs(30), "no barrier went up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // ... until possum dies: its guard lifts it.
+    ckpt.kill().unwrap();
+    ckpt.wait().unwrap();
+    let t = Instant::now();
+    while !barrier(job.ranks[0]).is_null() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the barrier outlived possum"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!dir.join("img").exists());
+}
