@@ -522,16 +522,22 @@ fn a_second_checkpoint_while_one_runs_is_refused() {
     ck.wait().unwrap();
 }
 
-/// A sink that fails after some chunks: the checkpoint fails, the job does not.
-#[derive(Default)]
-struct FailingSink(MemStore, std::sync::atomic::AtomicUsize);
+/// A sink over a [`MemStore`] that calls `tap` with each chunk's buffer before storing it (an
+/// `Err` fails the write): the test sinks below are taps.
+struct TapSink<F> {
+    store: Arc<MemStore>,
+    tap: F,
+}
 
-impl ChunkSink for FailingSink {
+impl<F> ChunkSink for TapSink<F>
+where
+    F: Fn(u64) -> Result<(), possum_engine::image::ImageError> + Send + Sync,
+{
     fn add_buffer(
         &self,
         rec: possum_engine::store::BufferRecord,
     ) -> Result<(), possum_engine::image::ImageError> {
-        self.0.add_buffer(rec)
+        self.store.add_buffer(rec)
     }
     fn write_chunk(
         &self,
@@ -539,17 +545,29 @@ impl ChunkSink for FailingSink {
         offset: u64,
         data: &[u8],
     ) -> Result<(), possum_engine::image::ImageError> {
-        if self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 5 {
-            return Err(possum_engine::image::ImageError::Io {
-                path: "/full/disk".into(),
-                source: std::io::Error::other("No space left on device"),
-            });
-        }
-        self.0.write_chunk(buffer, offset, data)
+        (self.tap)(buffer)?;
+        self.store.write_chunk(buffer, offset, data)
     }
     fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
-        self.0.set_meta(key, value)
+        self.store.set_meta(key, value)
     }
+}
+
+/// A sink whose disk is full after a few chunks.
+fn failing_sink() -> Arc<dyn ChunkSink> {
+    let written = std::sync::atomic::AtomicUsize::new(0);
+    Arc::new(TapSink {
+        store: Arc::new(MemStore::new()),
+        tap: move |_| {
+            if written.fetch_add(1, std::sync::atomic::Ordering::Relaxed) > 5 {
+                return Err(possum_engine::image::ImageError::Io {
+                    path: "/full/disk".into(),
+                    source: std::io::Error::other("No space left on device"),
+                });
+            }
+            Ok(())
+        },
+    })
 }
 
 #[test]
@@ -557,9 +575,7 @@ fn a_full_disk_fails_the_checkpoint_and_not_the_job() {
     let p = demo_program(20);
     let e = engine(small_cfg(512, 2, 0));
     let mut job = HostJob::new(&e, &p).unwrap();
-    let ck = e
-        .checkpoint(Arc::new(FailingSink::default()), false)
-        .unwrap();
+    let ck = e.checkpoint(failing_sink(), false).unwrap();
     for op in &p.ops {
         job.issue(op).unwrap();
     }
@@ -632,37 +648,34 @@ fn the_device_fence_covers_streams_the_engine_cannot_fence() {
         .all(|&x| x == 0xab));
 }
 
-/// A sink whose chunks wait until the test opens it: a pre-copy round stays in progress while the
-/// test issues operations.
-struct GatedSink(Arc<MemStore>, std::sync::Mutex<bool>, std::sync::Condvar);
+/// What keeps a [`gated_sink`]'s chunks waiting until the test opens it.
+#[derive(Default)]
+struct Gate(std::sync::Mutex<bool>, std::sync::Condvar);
 
-impl GatedSink {
+impl Gate {
     fn open(&self) {
-        *self.1.lock().unwrap() = true;
-        self.2.notify_all();
+        *self.0.lock().unwrap() = true;
+        self.1.notify_all();
+    }
+    fn wait(&self) {
+        let open = self.0.lock().unwrap();
+        drop(self.1.wait_while(open, |o| !*o).unwrap());
     }
 }
 
-impl ChunkSink for GatedSink {
-    fn add_buffer(
-        &self,
-        rec: possum_engine::store::BufferRecord,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        self.0.add_buffer(rec)
-    }
-    fn write_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<(), possum_engine::image::ImageError> {
-        let open = self.1.lock().unwrap();
-        drop(self.2.wait_while(open, |o| !*o).unwrap());
-        self.0.write_chunk(buffer, offset, data)
-    }
-    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
-        self.0.set_meta(key, value)
-    }
+/// A sink over `store` whose chunks wait until the test opens its gate: a round stays in progress
+/// while the test issues operations.
+fn gated_sink(store: &Arc<MemStore>) -> (Arc<dyn ChunkSink>, Arc<Gate>) {
+    let gate = Arc::new(Gate::default());
+    let g = Arc::clone(&gate);
+    let sink = Arc::new(TapSink {
+        store: Arc::clone(store),
+        tap: move |_| {
+            g.wait();
+            Ok(())
+        },
+    });
+    (sink, gate)
 }
 
 /// The final copy of a held job sees no operation, so it ranks nothing: the prefetch ranks are the
@@ -676,11 +689,7 @@ fn a_held_final_copy_keeps_the_precopys_prefetch_order() {
     e.register_stream(s.clone());
     let bufs: Vec<_> = (0..4).map(|_| e.alloc(1 << 12).unwrap()).collect();
     let store = Arc::new(MemStore::default());
-    let sink = Arc::new(GatedSink(
-        store.clone(),
-        Default::default(),
-        Default::default(),
-    ));
+    let (sink, gate) = gated_sink(&store);
     let (e2, sink2) = (e.clone(), sink.clone());
     let round = std::thread::spawn(move || e2.precopy_round(sink2).unwrap());
     while !e.session_active() {
@@ -702,7 +711,7 @@ fn a_held_final_copy_keeps_the_precopys_prefetch_order() {
         };
         drop(e.before_op(&s, access).unwrap());
     }
-    sink.open();
+    gate.open();
     let r = round.join().unwrap();
     assert_eq!(r.buffers, 4);
     // The final copy, the job held: buffer 1 was written since.
@@ -1395,11 +1404,7 @@ fn a_write_to_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
         .unwrap();
     let target = job.buffers()[idx].clone();
     let store = Arc::new(MemStore::new());
-    let sink = Arc::new(GatedSink(
-        store.clone(),
-        Default::default(),
-        Default::default(),
-    ));
+    let (sink, gate) = gated_sink(&store);
     let ck = e.checkpoint(sink.clone(), false).unwrap();
     let op = possum_workloads::program::Op {
         stream: 0,
@@ -1410,7 +1415,7 @@ fn a_write_to_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
     job.reset_deps();
     job.issue(&op).unwrap();
     job.sync().unwrap();
-    sink.open();
+    gate.open();
     let rep = ck.wait().unwrap();
     assert_eq!(
         image_of(&store, &job),
@@ -1437,11 +1442,7 @@ fn a_job_that_only_reads_during_a_checkpoint_never_waits() {
     let job = HostJob::new(&e, &p).unwrap();
     let before = job.contents().unwrap();
     let store = Arc::new(MemStore::new());
-    let sink = Arc::new(GatedSink(
-        store.clone(),
-        Default::default(),
-        Default::default(),
-    ));
+    let (sink, gate) = gated_sink(&store);
     let ck = e.checkpoint(sink.clone(), false).unwrap();
     // An operation that reads every buffer of the checkpoint while the copier is stalled, and
     // writes only a buffer allocated after T0 (not in the checkpoint).
@@ -1464,7 +1465,7 @@ fn a_job_that_only_reads_during_a_checkpoint_never_waits() {
         )
         .unwrap();
     drop(g);
-    sink.open();
+    gate.open();
     let rep = ck.wait().unwrap();
     assert_eq!(image_of(&store, &job), before);
     assert_eq!(rep.job_waited, Duration::ZERO, "{rep:?}");
@@ -1482,14 +1483,10 @@ fn a_free_of_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
     let victim = job.buffers().iter().max_by_key(|b| b.va()).unwrap().clone();
     let want = e.device().read_now(victim.va(), victim.size()).unwrap();
     let store = Arc::new(MemStore::new());
-    let sink = Arc::new(GatedSink(
-        store.clone(),
-        Default::default(),
-        Default::default(),
-    ));
+    let (sink, gate) = gated_sink(&store);
     let ck = e.checkpoint(sink.clone(), false).unwrap();
     e.free(victim.va()).unwrap();
-    sink.open();
+    gate.open();
     let rep = ck.wait().unwrap();
     assert_eq!(store.buffer_bytes(victim.id()).unwrap(), want);
     assert_eq!(
@@ -1500,32 +1497,21 @@ fn a_free_of_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
     assert!(rep.job_waited > Duration::ZERO, "{rep:?}");
 }
 
-/// Records the buffer of each chunk in the order the sink gets them.
-struct OrderSink(MemStore, std::sync::Mutex<Vec<u64>>);
-
-impl ChunkSink for OrderSink {
-    fn add_buffer(
-        &self,
-        rec: possum_engine::store::BufferRecord,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        self.0.add_buffer(rec)
-    }
-    fn write_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<(), possum_engine::image::ImageError> {
-        let mut seen = self.1.lock().unwrap();
-        if !seen.contains(&buffer) {
-            seen.push(buffer);
-        }
-        drop(seen);
-        self.0.write_chunk(buffer, offset, data)
-    }
-    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
-        self.0.set_meta(key, value)
-    }
+/// A sink that records the buffer of each chunk in the order it gets them.
+fn order_sink(store: &Arc<MemStore>) -> (Arc<dyn ChunkSink>, Arc<std::sync::Mutex<Vec<u64>>>) {
+    let order: Arc<std::sync::Mutex<Vec<u64>>> = Arc::default();
+    let o = Arc::clone(&order);
+    let sink = Arc::new(TapSink {
+        store: Arc::clone(store),
+        tap: move |buffer| {
+            let mut seen = o.lock().unwrap();
+            if !seen.contains(&buffer) {
+                seen.push(buffer);
+            }
+            Ok(())
+        },
+    });
+    (sink, order)
 }
 
 #[test]
@@ -1545,18 +1531,19 @@ fn buffers_predicted_to_be_written_soonest_are_saved_first_in_that_order() {
     // The prediction names the last buffer, then one in the middle, then an id of no buffer.
     e.set_save_order(vec![last, mid, u64::MAX]);
     let before = job.contents().unwrap();
-    let sink = Arc::new(OrderSink(MemStore::new(), Default::default()));
-    let rep = e.checkpoint(sink.clone(), false).unwrap().wait().unwrap();
+    let store = Arc::new(MemStore::new());
+    let (sink, order) = order_sink(&store);
+    let rep = e.checkpoint(sink, false).unwrap().wait().unwrap();
     assert_eq!(rep.predicted_first, 2, "{rep:?}");
-    let order = sink.1.lock().unwrap().clone();
+    let order = order.lock().unwrap().clone();
     let mut want = vec![last, mid];
     want.extend(ids.iter().filter(|&&i| i != last && i != mid));
     assert_eq!(order, want);
-    assert_eq!(image_of(&sink.0, &job), before);
+    assert_eq!(image_of(&store, &job), before);
     // Without a prediction: the registry's order.
     e.set_save_order(Vec::new());
-    let sink = Arc::new(OrderSink(MemStore::new(), Default::default()));
-    let rep = e.checkpoint(sink.clone(), false).unwrap().wait().unwrap();
+    let (sink, order) = order_sink(&Arc::new(MemStore::new()));
+    let rep = e.checkpoint(sink, false).unwrap().wait().unwrap();
     assert_eq!(rep.predicted_first, 0);
-    assert_eq!(*sink.1.lock().unwrap(), ids);
+    assert_eq!(*order.lock().unwrap(), ids);
 }

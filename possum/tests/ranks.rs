@@ -116,6 +116,45 @@ fn wait_lines(p: &Path, n: usize) {
     }
 }
 
+/// The job with rank 1 stopped in host work before the collective of step 30 (rank 0 goes on
+/// into that collective and waits there for it), once rank 1 is there.
+fn stalled_job(dir: &Path, lib: &Path) -> Ranks {
+    let env = [
+        ("FAKE_STEPS", "1000"),
+        ("FAKE_STEP_US", "1000"),
+        ("FAKE_STALL_RANK", "1"),
+        ("FAKE_STALL_AT", "30"),
+    ];
+    let job = start(dir, Some(lib), "job", &env);
+    wait_lines(&dir.join("job.1"), 30);
+    job
+}
+
+/// `possum checkpoint --gpu-only --leave-running` of `launcher` into `dir/img`, started, with a
+/// cut deadline of `deadline_ms`.
+fn spawn_checkpoint(dir: &Path, launcher: u32, img: &str, deadline_ms: &str) -> Child {
+    possum(dir)
+        .env("POSSUM_CUT_DEADLINE_MS", deadline_ms)
+        .args(["checkpoint", &launcher.to_string()])
+        .args(["--gpu-only", "--leave-running", "-D"])
+        .arg(dir.join(img))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Rank `pid`'s collective barrier (`possum status`): null when none is up.
+fn barrier(dir: &Path, pid: i32) -> serde_json::Value {
+    let s = possum(dir)
+        .args(["status", &pid.to_string(), "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap();
+    v["possum"]["session"]["collectives"]["barrier"].clone()
+}
+
 /// Every (rank, collectives) the rank's buffer W records in the GPU images under `img`: the
 /// buffer starts with the marker, its rank and the collectives it ran.
 fn collectives_in_image(img: &Path) -> Vec<(u32, u32)> {
@@ -203,29 +242,11 @@ fn a_rank_that_never_reaches_the_boundary_or_dies_fails_the_cut_naming_it() {
         return;
     };
     let dir = tmp.path();
-    // Rank 1 stops in host work before the collective of step 30; rank 0 goes on into that
-    // collective and waits there for it.
-    let env = [
-        ("FAKE_STEPS", "1000"),
-        ("FAKE_STEP_US", "1000"),
-        ("FAKE_STALL_RANK", "1"),
-        ("FAKE_STALL_AT", "30"),
-    ];
-    let job = start(dir, Some(&lib), "job", &env);
-    let launcher = job.child.id() as i32;
-    wait_lines(&dir.join("job.1"), 30);
-    let checkpoint = |img: &str, deadline_ms: &str| {
-        possum(dir)
-            .env("POSSUM_CUT_DEADLINE_MS", deadline_ms)
-            .args(["checkpoint", &launcher.to_string()])
-            .args(["--gpu-only", "--leave-running", "-D"])
-            .arg(dir.join(img))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let out = checkpoint("img-behind", "1500").wait_with_output().unwrap();
+    let job = stalled_job(dir, &lib);
+    let launcher = job.child.id();
+    let out = spawn_checkpoint(dir, launcher, "img-behind", "1500")
+        .wait_with_output()
+        .unwrap();
     assert!(!out.status.success(), "{}", text(&out));
     let t = text(&out);
     assert!(
@@ -236,20 +257,11 @@ fn a_rank_that_never_reaches_the_boundary_or_dies_fails_the_cut_naming_it() {
     assert!(!dir.join("img-behind").exists());
     // No barrier left in either rank.
     for r in job.ranks {
-        let s = possum(dir)
-            .args(["status", &r.to_string(), "--json"])
-            .output()
-            .unwrap();
-        let v: serde_json::Value =
-            serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap();
-        assert!(
-            v["possum"]["session"]["collectives"]["barrier"].is_null(),
-            "rank {r}: {v}"
-        );
+        assert!(barrier(dir, r).is_null(), "rank {r}");
     }
 
     // The stalled rank killed while possum waits for it: the checkpoint fails at once, naming it.
-    let pending = checkpoint("img-dead", "60000");
+    let pending = spawn_checkpoint(dir, launcher, "img-dead", "60000");
     std::thread::sleep(Duration::from_millis(800));
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(job.ranks[1]),
@@ -309,36 +321,11 @@ fn possum_killed_during_the_cut_leaves_no_barrier_behind() {
     };
     let dir = tmp.path();
     // Rank 1 never reaches the boundary: possum waits in the cut until it is killed.
-    let env = [
-        ("FAKE_STEPS", "1000"),
-        ("FAKE_STEP_US", "1000"),
-        ("FAKE_STALL_RANK", "1"),
-        ("FAKE_STALL_AT", "30"),
-    ];
-    let job = start(dir, Some(&lib), "job", &env);
-    let launcher = job.child.id() as i32;
-    wait_lines(&dir.join("job.1"), 30);
-    let mut ckpt = possum(dir)
-        .env("POSSUM_CUT_DEADLINE_MS", "60000")
-        .args(["checkpoint", &launcher.to_string()])
-        .args(["--gpu-only", "--leave-running", "-D"])
-        .arg(dir.join("img"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let barrier = |r: i32| -> serde_json::Value {
-        let s = possum(dir)
-            .args(["status", &r.to_string(), "--json"])
-            .output()
-            .unwrap();
-        let v: serde_json::Value =
-            serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap();
-        v["possum"]["session"]["collectives"]["barrier"].clone()
-    };
+    let job = stalled_job(dir, &lib);
+    let mut ckpt = spawn_checkpoint(dir, job.child.id(), "img", "60000");
     // The barrier is up in rank 0 (at the boundary rank 1 never reaches) ...
     let t = Instant::now();
-    while barrier(job.ranks[0]).is_null() {
+    while barrier(dir, job.ranks[0]).is_null() {
         assert!(t.elapsed() < Duration::from_secs(30), "no barrier went up");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -346,7 +333,7 @@ fn possum_killed_during_the_cut_leaves_no_barrier_behind() {
     ckpt.kill().unwrap();
     ckpt.wait().unwrap();
     let t = Instant::now();
-    while !barrier(job.ranks[0]).is_null() {
+    while !barrier(dir, job.ranks[0]).is_null() {
         assert!(
             t.elapsed() < Duration::from_secs(30),
             "the barrier outlived possum"

@@ -20,22 +20,11 @@ all-reduces a checksum of every rank's parameters each step, so ranks that diver
 in one another's lines. A final line has the digest of the parameters ("final"). Two runs can
 be compared bit for bit from any step on.
 """
-import argparse, hashlib, json, os, sys, time
+import argparse, os, sys, time
+
+from steplog import digest, log_line
 
 FEATURES, HIDDEN, BATCH = 64, 512, 64
-
-
-def log_line(path, row):
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def train(a, rank, world):

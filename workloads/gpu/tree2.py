@@ -20,22 +20,11 @@ after the child has exited, with the child's exit status ("child_rc"), and exits
 if it is nonzero. Two runs can be compared bit for bit from any step on, as loader.py's and
 jobs.py's logs are. --sleep-ms paces the steps. --device cpu runs the same job without a GPU.
 """
-import argparse, hashlib, json, os, subprocess, sys, time
+import argparse, os, subprocess, sys, time
+
+from steplog import digest, log_line
 
 FEATURES, BATCH = 64, 64
-
-
-def log_line(path, row):
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def train(a, seed, log, ready_fd=None, wait_fd=None):
