@@ -124,6 +124,20 @@ fn managed(v: &StatusReply) -> String {
             }
         ));
         s.push_str(&hooks(v, ss));
+        let c = &ss.collectives;
+        if c.launched > 0 || c.barrier.is_some() {
+            s.push_str(&format!(
+                "  collectives (NCCL's kernels): {} launched{}\n",
+                c.launched,
+                match c.barrier {
+                    Some(at) => format!(
+                        "; held from launch {at} for a checkpoint's cut ({} threads waiting)",
+                        c.held
+                    ),
+                    None => String::new(),
+                }
+            ));
+        }
     }
     s
 }
@@ -241,8 +255,13 @@ mod tests {
             "pools": {"serving": true, "blocks_live": 5, "bytes_live": 1u64 << 30, "slabs": 2,
                       "blocks_pending_free": 1, "allocations_served": 9,
                       "reused_on_their_stream": 4},
-            "session": {"paused": true, "busy": null, "cupti_attached": true}}});
+            "session": {"paused": true, "busy": null, "cupti_attached": true,
+                        "collectives": {"launched": 41, "barrier": 42, "held": 1}}}});
         let s = summary(7, &v);
+        assert!(
+            s.contains("collectives (NCCL's kernels): 41 launched; held from launch 42 for a checkpoint's cut (1 threads waiting)"),
+            "{s}"
+        );
         assert!(
             s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles of possum's live, 1 exported to other processes"),
             "{s}"
@@ -288,6 +307,8 @@ mod tests {
                         "hooks_live": true}}});
         let s = summary(7, &v);
         assert!(s.contains("not managed: 3 allocations, 3.00 GiB"), "{s}");
+        // A job that launched no collective says nothing of them.
+        assert!(!s.contains("collectives"), "{s}");
         assert!(
             s.contains("    cuMemAllocManaged: 1 allocations, 1.00 GiB (managed memory"),
             "{s}"
