@@ -126,7 +126,7 @@ impl HmacKey {
         Ok(HmacKey(bytes))
     }
 
-    fn mac(&self) -> Hmac<Sha256> {
+    pub(crate) fn mac(&self) -> Hmac<Sha256> {
         // Any key length is valid for HMAC.
         Hmac::<Sha256>::new_from_slice(&self.0).expect("HMAC takes a key of any length")
     }

@@ -62,6 +62,7 @@ pub mod restore;
 mod stage;
 mod temps;
 pub mod tree;
+pub mod wire;
 
 pub use checkpoint::{
     checkpoint, CheckpointError, CheckpointParams, CheckpointReport, ResumeError,

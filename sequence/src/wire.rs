@@ -1,0 +1,1263 @@
+//! Moving a directory between hosts over one stream: how a checkpoint image travels from the host
+//! a job runs on to the host it is restored on (`possum migrate PID --to HOST:PORT` sends,
+//! `possum receive --listen ADDR:PORT -D DIR` receives).
+//!
+//! ```text
+//! sender ([`send_dir`])                              receiver ([`receive_dir`])
+//!                  ◀── hello: magic, version, receiver nonce (32 bytes)
+//!   proof: magic, version, sender nonce, HMAC(key, "possum-migrate-v1/client" ‖ rn ‖ sn) ──▶
+//!                  ◀── HMAC(key, "possum-migrate-v1/server" ‖ sn ‖ rn)
+//!   frames: Dir, File, Chunk.., EndFile, ..., Done ──▶  written under a temporary sibling of DEST
+//!                  ◀── Committed (DEST named) or Abort (why not)
+//! ```
+//!
+//! **Handshake** (step [`HandshakeError`]): both ends hold the same secret ([`HmacKey`], a file of
+//! at least 32 bytes) and each proves it to the other on fresh nonces from `/dev/urandom`, the
+//! tags compared in constant time. The receiver writes nothing after its hello to a sender that
+//! fails its proof; the sender sends no file to a receiver that fails its own.
+//!
+//! **Frames** (step [`FrameError`]): a 13-byte header, `kind: u8`, `length: u64` (little endian),
+//! `crc32c: u32` (little endian, of the payload), then `length` bytes of payload; a frame longer
+//! than [`MAX_FRAME`] is refused before anything is read of it. The kinds ([`Frame`]):
+//! - `Dir` and `File`: a JSON object `{"path": "a/b", "mode": 420}` (and `"size"` for a file), the
+//!   path relative, `/`-separated, UTF-8, with no empty, `.` or `..` component;
+//! - `Chunk`: the offset in the current file (`u64` LE) then the bytes, in order, at most
+//!   [`CHUNK_BYTES`] of them;
+//! - `EndFile`: empty; the file got exactly its size;
+//! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received;
+//! - `Abort`: why, as UTF-8 text.
+//!
+//! Invariants of a receive:
+//! - Nothing is written outside DEST's temporary sibling, which [`receive_dir`] creates itself
+//!   (mode 0700, never through a symbolic link) and fills only with directories and regular files
+//!   it creates (modes limited to `0o777`).
+//! - DEST appears only complete: every chunk's checksum checked, every file its size, the totals
+//!   those of `Done`, the files and directories fsynced, then the temporary directory renamed to
+//!   DEST (which must not exist, and is not replaced if it appears meanwhile). On any error the
+//!   temporary directory is removed and DEST is not created.
+//! - The sender's [`send_dir`] succeeds only when the receiver said `Committed` with its totals:
+//!   a migration may drop the source job only then.
+//!
+//! The stream is not encrypted, and the frames are checksummed, not authenticated: the image's
+//! own seal ([`crate::auth::seal`], checked by a restore given the key) is what proves it is the
+//! one checkpointed. Every read blocks at most as long as the stream lets it: set a read timeout
+//! (a [`TcpStream`] with [`set_timeouts`]) before calling these.
+
+use std::fs;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use hmac::Mac;
+use serde::{Deserialize, Serialize};
+
+use crate::auth::HmacKey;
+
+/// The protocol's version, in the hello and the proof.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The first bytes of the hello and the proof.
+const MAGIC: [u8; 8] = *b"POSSUMWR";
+/// A nonce's and an HMAC tag's length (bytes).
+const NONCE_BYTES: usize = 32;
+const TAG_BYTES: usize = 32;
+const CLIENT_LABEL: &[u8] = b"possum-migrate-v1/client";
+const SERVER_LABEL: &[u8] = b"possum-migrate-v1/server";
+/// The longest frame payload accepted (bytes).
+pub const MAX_FRAME: u64 = 64 << 20;
+/// The most file bytes a sender puts in one chunk.
+pub const CHUNK_BYTES: usize = 4 << 20;
+/// The longest abort reason sent (bytes).
+const MAX_REASON: usize = 4096;
+const HEADER_BYTES: usize = 13;
+
+/// Sets `stream`'s read and write timeouts to `timeout`: no read or write of a transfer then
+/// waits longer for the peer.
+pub fn set_timeouts(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.set_nodelay(true)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handshake
+
+/// Why the handshake failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// Reading or writing the stream (a timeout included).
+    #[error("{what} during the handshake")]
+    Io {
+        /// What was done.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The nonce from `/dev/urandom`.
+    #[error("reading a nonce from /dev/urandom")]
+    Nonce(#[source] io::Error),
+    /// The peer does not speak this protocol.
+    #[error("the peer is not a possum {peer}: its greeting has no possum magic")]
+    NotPossum {
+        /// The peer's role.
+        peer: &'static str,
+    },
+    /// The peer speaks another version.
+    #[error("the {peer} speaks protocol version {theirs}, this possum {ours}")]
+    Version {
+        /// The peer's role.
+        peer: &'static str,
+        /// This end's version.
+        ours: u32,
+        /// The peer's.
+        theirs: u32,
+    },
+    /// The peer's proof does not match the secret: another secret, or not a possum at all.
+    #[error(
+        "the {peer} failed authentication: its proof does not match this secret (the two hosts \
+         hold different secrets?)"
+    )]
+    PeerNotAuthenticated {
+        /// The peer's role.
+        peer: &'static str,
+    },
+    /// The receiver closed the connection after the sender's proof: it refused it.
+    #[error(
+        "the receiver closed the connection after this sender's proof: it refused its \
+         authentication (the two hosts hold different secrets?) or could not receive"
+    )]
+    Refused,
+}
+
+fn nonce() -> Result<[u8; NONCE_BYTES], HandshakeError> {
+    let mut n = [0u8; NONCE_BYTES];
+    fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut n))
+        .map_err(HandshakeError::Nonce)?;
+    Ok(n)
+}
+
+fn tag(key: &HmacKey, label: &[u8], first: &[u8], second: &[u8]) -> hmac::Hmac<sha2::Sha256> {
+    let mut mac = key.mac();
+    mac.update(label);
+    mac.update(first);
+    mac.update(second);
+    mac
+}
+
+fn hs_io(what: &'static str) -> impl FnOnce(io::Error) -> HandshakeError {
+    move |source| HandshakeError::Io { what, source }
+}
+
+/// The receiver's side of the handshake: sends its hello, checks the sender's proof (writing
+/// nothing more if it fails), answers its own.
+pub fn receiver_handshake<S: Read + Write>(
+    stream: &mut S,
+    key: &HmacKey,
+) -> Result<(), HandshakeError> {
+    let rn = nonce()?;
+    let mut hello = Vec::with_capacity(8 + 4 + NONCE_BYTES);
+    hello.extend_from_slice(&MAGIC);
+    hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    hello.extend_from_slice(&rn);
+    stream
+        .write_all(&hello)
+        .map_err(hs_io("sending the hello"))?;
+    stream.flush().map_err(hs_io("sending the hello"))?;
+
+    let mut proof = [0u8; 8 + 4 + NONCE_BYTES + TAG_BYTES];
+    stream
+        .read_exact(&mut proof)
+        .map_err(hs_io("reading the sender's proof"))?;
+    let (magic, rest) = proof.split_at(8);
+    let (version, rest) = rest.split_at(4);
+    let (sn, client_tag) = rest.split_at(NONCE_BYTES);
+    check_greeting(magic, version, "sender")?;
+    tag(key, CLIENT_LABEL, &rn, sn)
+        .verify_slice(client_tag)
+        .map_err(|_| HandshakeError::PeerNotAuthenticated { peer: "sender" })?;
+    let server_tag = tag(key, SERVER_LABEL, sn, &rn).finalize().into_bytes();
+    stream
+        .write_all(&server_tag)
+        .map_err(hs_io("sending the receiver's proof"))?;
+    stream
+        .flush()
+        .map_err(hs_io("sending the receiver's proof"))
+}
+
+/// The sender's side of the handshake: reads the hello, sends its proof, checks the receiver's.
+pub fn sender_handshake<S: Read + Write>(
+    stream: &mut S,
+    key: &HmacKey,
+) -> Result<(), HandshakeError> {
+    let mut hello = [0u8; 8 + 4 + NONCE_BYTES];
+    stream
+        .read_exact(&mut hello)
+        .map_err(hs_io("reading the receiver's hello"))?;
+    let (magic, rest) = hello.split_at(8);
+    let (version, rn) = rest.split_at(4);
+    check_greeting(magic, version, "receiver")?;
+    let sn = nonce()?;
+    let mut proof = Vec::with_capacity(8 + 4 + NONCE_BYTES + TAG_BYTES);
+    proof.extend_from_slice(&MAGIC);
+    proof.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    proof.extend_from_slice(&sn);
+    proof.extend_from_slice(&tag(key, CLIENT_LABEL, rn, &sn).finalize().into_bytes());
+    stream
+        .write_all(&proof)
+        .map_err(hs_io("sending the sender's proof"))?;
+    stream
+        .flush()
+        .map_err(hs_io("sending the sender's proof"))?;
+
+    let mut server_tag = [0u8; TAG_BYTES];
+    match stream.read_exact(&mut server_tag) {
+        Ok(()) => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+            ) =>
+        {
+            return Err(HandshakeError::Refused)
+        }
+        Err(e) => return Err(hs_io("reading the receiver's proof")(e)),
+    }
+    tag(key, SERVER_LABEL, &sn, rn)
+        .verify_slice(&server_tag)
+        .map_err(|_| HandshakeError::PeerNotAuthenticated { peer: "receiver" })
+}
+
+fn check_greeting(magic: &[u8], version: &[u8], peer: &'static str) -> Result<(), HandshakeError> {
+    if magic != MAGIC {
+        return Err(HandshakeError::NotPossum { peer });
+    }
+    let theirs = u32::from_le_bytes(version.try_into().expect("4 bytes"));
+    if theirs != PROTOCOL_VERSION {
+        return Err(HandshakeError::Version {
+            peer,
+            ours: PROTOCOL_VERSION,
+            theirs,
+        });
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Frames
+
+/// A directory's header.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DirHeader {
+    /// Its path, relative to the directory sent.
+    pub path: String,
+    /// Its permission bits.
+    pub mode: u32,
+}
+
+/// A file's header: the chunks that follow, up to `EndFile`, are its bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileHeader {
+    /// Its path, relative to the directory sent.
+    pub path: String,
+    /// Its length (bytes).
+    pub size: u64,
+    /// Its permission bits.
+    pub mode: u32,
+}
+
+/// The counts of a transfer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Regular files.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// One frame after the handshake.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Frame<'a> {
+    /// A directory to create.
+    Dir(DirHeader),
+    /// A file begins.
+    File(FileHeader),
+    /// The current file's bytes from `offset`.
+    Chunk {
+        /// Where in the file.
+        offset: u64,
+        /// The bytes.
+        data: &'a [u8],
+    },
+    /// The current file is complete.
+    EndFile,
+    /// Everything was sent.
+    Done(Totals),
+    /// The receiver named the directory.
+    Committed(Totals),
+    /// The peer gives up.
+    Abort {
+        /// Why.
+        reason: String,
+    },
+}
+
+const KIND_DIR: u8 = 1;
+const KIND_FILE: u8 = 2;
+const KIND_CHUNK: u8 = 3;
+const KIND_END_FILE: u8 = 4;
+const KIND_DONE: u8 = 5;
+const KIND_COMMITTED: u8 = 6;
+const KIND_ABORT: u8 = 7;
+
+/// Why a frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// Reading or writing the stream (a timeout included).
+    #[error("{what} a frame")]
+    Io {
+        /// What was done.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer closed the connection where a frame was due.
+    #[error("the peer closed the connection before the transfer was complete")]
+    Closed,
+    /// A frame over the cap.
+    #[error("a frame of {len} bytes: the largest accepted is {MAX_FRAME}")]
+    TooLarge {
+        /// Its announced length.
+        len: u64,
+    },
+    /// A kind this protocol does not have.
+    #[error("a frame of unknown kind {0}")]
+    UnknownKind(u8),
+    /// The payload does not match its checksum.
+    #[error("a {kind} frame of {len} bytes fails its checksum (crc32c {got:#010x}, sent {sent:#010x}): the data was damaged in transit")]
+    Checksum {
+        /// Its kind.
+        kind: &'static str,
+        /// Its length.
+        len: u64,
+        /// The checksum sent.
+        sent: u32,
+        /// The payload's.
+        got: u32,
+    },
+    /// A payload that is not its kind's.
+    #[error("a malformed {kind} frame: {why}")]
+    Malformed {
+        /// Its kind.
+        kind: &'static str,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+fn kind_name(kind: u8) -> &'static str {
+    match kind {
+        KIND_DIR => "Dir",
+        KIND_FILE => "File",
+        KIND_CHUNK => "Chunk",
+        KIND_END_FILE => "EndFile",
+        KIND_DONE => "Done",
+        KIND_COMMITTED => "Committed",
+        KIND_ABORT => "Abort",
+        _ => "unknown",
+    }
+}
+
+impl Frame<'_> {
+    fn name(&self) -> &'static str {
+        kind_name(self.kind())
+    }
+
+    fn kind(&self) -> u8 {
+        match self {
+            Frame::Dir(_) => KIND_DIR,
+            Frame::File(_) => KIND_FILE,
+            Frame::Chunk { .. } => KIND_CHUNK,
+            Frame::EndFile => KIND_END_FILE,
+            Frame::Done(_) => KIND_DONE,
+            Frame::Committed(_) => KIND_COMMITTED,
+            Frame::Abort { .. } => KIND_ABORT,
+        }
+    }
+}
+
+fn totals_bytes(t: &Totals) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&t.files.to_le_bytes());
+    b[8..].copy_from_slice(&t.bytes.to_le_bytes());
+    b
+}
+
+/// Writes `frame` to `w`.
+pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameError> {
+    let owned: Vec<u8>;
+    let offset: [u8; 8];
+    let totals: [u8; 16];
+    let parts: [&[u8]; 2] = match frame {
+        Frame::Dir(h) => {
+            owned = serde_json::to_vec(h).expect("a header serializes");
+            [&owned, &[]]
+        }
+        Frame::File(h) => {
+            owned = serde_json::to_vec(h).expect("a header serializes");
+            [&owned, &[]]
+        }
+        Frame::Chunk { offset: o, data } => {
+            offset = o.to_le_bytes();
+            [&offset, data]
+        }
+        Frame::EndFile => [&[], &[]],
+        Frame::Done(t) | Frame::Committed(t) => {
+            totals = totals_bytes(t);
+            [&totals, &[]]
+        }
+        Frame::Abort { reason } => {
+            let mut end = reason.len().min(MAX_REASON);
+            while !reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            [&reason.as_bytes()[..end], &[]]
+        }
+    };
+    let len = (parts[0].len() + parts[1].len()) as u64;
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge { len });
+    }
+    let crc = crc32c::crc32c_append(crc32c::crc32c(parts[0]), parts[1]);
+    let mut header = [0u8; HEADER_BYTES];
+    header[0] = frame.kind();
+    header[1..9].copy_from_slice(&len.to_le_bytes());
+    header[9..].copy_from_slice(&crc.to_le_bytes());
+    let io = |source| FrameError::Io {
+        what: "sending",
+        source,
+    };
+    w.write_all(&header).map_err(io)?;
+    for p in parts {
+        w.write_all(p).map_err(io)?;
+    }
+    Ok(())
+}
+
+/// Reads one frame from `r`, its payload into `buf` (which the frame borrows).
+pub fn read_frame<'b, R: Read>(r: &mut R, buf: &'b mut Vec<u8>) -> Result<Frame<'b>, FrameError> {
+    let mut header = [0u8; HEADER_BYTES];
+    // A close before a frame's first byte is the peer going away; within it, a truncation.
+    let mut got = 0;
+    while got < HEADER_BYTES {
+        match r.read(&mut header[got..]) {
+            Ok(0) => return Err(FrameError::Closed),
+            Ok(k) => got += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(FrameError::Io {
+                    what: "receiving",
+                    source,
+                })
+            }
+        }
+    }
+    let kind = header[0];
+    let len = u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"));
+    let sent = u32::from_le_bytes(header[9..].try_into().expect("4 bytes"));
+    if !(KIND_DIR..=KIND_ABORT).contains(&kind) {
+        return Err(FrameError::UnknownKind(kind));
+    }
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge { len });
+    }
+    buf.clear();
+    buf.resize(len as usize, 0);
+    r.read_exact(buf).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => FrameError::Closed,
+        _ => FrameError::Io {
+            what: "receiving",
+            source: e,
+        },
+    })?;
+    let got = crc32c::crc32c(buf);
+    let name = kind_name(kind);
+    if got != sent {
+        return Err(FrameError::Checksum {
+            kind: name,
+            len,
+            sent,
+            got,
+        });
+    }
+    let malformed = |why: String| FrameError::Malformed { kind: name, why };
+    let payload: &'b [u8] = buf;
+    let exact = |n: usize| {
+        if payload.len() == n {
+            Ok(())
+        } else {
+            Err(malformed(format!(
+                "{} bytes of payload, not {n}",
+                payload.len()
+            )))
+        }
+    };
+    Ok(match kind {
+        KIND_DIR => {
+            Frame::Dir(serde_json::from_slice(payload).map_err(|e| malformed(e.to_string()))?)
+        }
+        KIND_FILE => {
+            Frame::File(serde_json::from_slice(payload).map_err(|e| malformed(e.to_string()))?)
+        }
+        KIND_CHUNK => {
+            if payload.len() < 8 {
+                return Err(malformed("shorter than its offset".into()));
+            }
+            let (o, data) = payload.split_at(8);
+            Frame::Chunk {
+                offset: u64::from_le_bytes(o.try_into().expect("8 bytes")),
+                data,
+            }
+        }
+        KIND_END_FILE => {
+            exact(0)?;
+            Frame::EndFile
+        }
+        KIND_DONE | KIND_COMMITTED => {
+            exact(16)?;
+            let t = Totals {
+                files: u64::from_le_bytes(payload[..8].try_into().expect("8 bytes")),
+                bytes: u64::from_le_bytes(payload[8..].try_into().expect("8 bytes")),
+            };
+            if kind == KIND_DONE {
+                Frame::Done(t)
+            } else {
+                Frame::Committed(t)
+            }
+        }
+        _ => Frame::Abort {
+            reason: String::from_utf8_lossy(payload).into_owned(),
+        },
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sending
+
+/// What [`send_dir`] sent.
+#[derive(Clone, Copy, Debug)]
+pub struct SendReport {
+    /// Files and bytes, as the receiver counted them.
+    pub totals: Totals,
+    /// From the handshake to the receiver's `Committed`.
+    pub elapsed: Duration,
+}
+
+/// Why a directory could not be sent.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// Listing the directory.
+    #[error("reading the directory {}", path.display())]
+    List {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Something that is neither a regular file nor a directory.
+    #[error("{}: {what}, which is not sent (only regular files and directories are)", path.display())]
+    Unsupported {
+        /// The entry.
+        path: PathBuf,
+        /// What it is.
+        what: &'static str,
+    },
+    /// A name that is not UTF-8.
+    #[error("{}: its name is not UTF-8, which the transfer cannot carry", path.display())]
+    NotUtf8 {
+        /// The entry.
+        path: PathBuf,
+    },
+    /// Reading a file.
+    #[error("reading {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A file whose length changed while it was sent.
+    #[error("{} changed while it was sent ({listed} bytes when listed)", path.display())]
+    Changed {
+        /// The file.
+        path: PathBuf,
+        /// Its length when listed.
+        listed: u64,
+    },
+    /// A frame to or from the receiver.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The receiver gave up.
+    #[error("the receiver refused the transfer: {reason}")]
+    Rejected {
+        /// Its reason.
+        reason: String,
+    },
+    /// The receiver answered `Done` with something else than its confirmation.
+    #[error("the receiver answered the transfer's end with a {got} frame, not Committed")]
+    Unconfirmed {
+        /// What it sent.
+        got: &'static str,
+    },
+    /// The receiver counted other totals.
+    #[error(
+        "the receiver counted {} files and {} bytes, {} and {} were sent",
+        got.files, got.bytes, sent.files, sent.bytes
+    )]
+    Miscounted {
+        /// Sent.
+        sent: Totals,
+        /// Counted.
+        got: Totals,
+    },
+}
+
+/// Why a transfer failed, by step.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The handshake.
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    /// Sending.
+    #[error(transparent)]
+    Send(#[from] SendError),
+    /// Receiving.
+    #[error(transparent)]
+    Receive(#[from] ReceiveError),
+}
+
+/// An entry of the directory sent.
+#[derive(Debug)]
+enum Entry {
+    Dir(DirHeader),
+    File(FileHeader),
+}
+
+/// The entries under `root/rel`, sorted, each directory before what it holds.
+fn list(root: &Path, rel: &str, out: &mut Vec<Entry>) -> Result<(), SendError> {
+    let at = if rel.is_empty() {
+        root.to_path_buf()
+    } else {
+        root.join(rel)
+    };
+    let err = |source| SendError::List {
+        path: at.clone(),
+        source,
+    };
+    let mut entries = fs::read_dir(&at)
+        .map_err(err)?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(err)?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let path = e.path();
+        let name = e
+            .file_name()
+            .into_string()
+            .map_err(|_| SendError::NotUtf8 { path: path.clone() })?;
+        let r = if rel.is_empty() {
+            name
+        } else {
+            format!("{rel}/{name}")
+        };
+        // Not followed: a link is refused, not sent as what it points to.
+        let meta = fs::symlink_metadata(&path).map_err(|source| SendError::List {
+            path: path.clone(),
+            source,
+        })?;
+        let t = meta.file_type();
+        let mode = meta.permissions().mode() & 0o777;
+        if t.is_dir() {
+            out.push(Entry::Dir(DirHeader {
+                path: r.clone(),
+                mode,
+            }));
+            list(root, &r, out)?;
+        } else if t.is_file() {
+            out.push(Entry::File(FileHeader {
+                path: r,
+                size: meta.len(),
+                mode,
+            }));
+        } else {
+            let what = if t.is_symlink() {
+                "a symbolic link"
+            } else {
+                "neither a regular file nor a directory"
+            };
+            return Err(SendError::Unsupported { path, what });
+        }
+    }
+    Ok(())
+}
+
+/// Sends the directory `dir` (its regular files and directories, with their permission bits)
+/// over `stream` to a [`receive_dir`] holding the same `key`; returns once the receiver has
+/// named it, complete.
+///
+/// The handshake comes first; a failure after it (a symbolic link found, a file unreadable) is
+/// told to the receiver (`Abort`) before it is returned.
+pub fn send_dir<S: Read + Write>(
+    stream: &mut S,
+    key: &HmacKey,
+    dir: &Path,
+) -> Result<SendReport, WireError> {
+    sender_handshake(stream, key)?;
+    let start = Instant::now();
+    match send_entries(stream, dir) {
+        Ok(sent) => Ok(SendReport {
+            totals: confirmation(stream, sent)?,
+            elapsed: start.elapsed(),
+        }),
+        Err(e @ SendError::Frame(FrameError::Io { .. })) => {
+            // The receiver may have closed the connection after telling why.
+            let mut buf = Vec::new();
+            match read_frame(stream, &mut buf) {
+                Ok(Frame::Abort { reason }) => Err(SendError::Rejected { reason }.into()),
+                _ => Err(e.into()),
+            }
+        }
+        Err(e @ SendError::Frame(_)) => Err(e.into()),
+        Err(e) => {
+            let reason = format!("the sender failed: {}", chain(&e));
+            let _ = write_frame(stream, &Frame::Abort { reason });
+            let _ = stream.flush();
+            Err(e.into())
+        }
+    }
+}
+
+/// `e` with its sources, `: `-separated.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn send_entries<S: Write>(stream: &mut S, dir: &Path) -> Result<Totals, SendError> {
+    let mut entries = Vec::new();
+    list(dir, "", &mut entries)?;
+    let mut sent = Totals::default();
+    let mut buf = vec![0u8; CHUNK_BYTES];
+    for entry in entries {
+        match entry {
+            Entry::Dir(h) => write_frame(stream, &Frame::Dir(h))?,
+            Entry::File(h) => {
+                let path = dir.join(&h.path);
+                let read = |source| SendError::Read {
+                    path: path.clone(),
+                    source,
+                };
+                let mut f = fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(nix::libc::O_NOFOLLOW)
+                    .open(&path)
+                    .map_err(read)?;
+                let size = h.size;
+                write_frame(stream, &Frame::File(h))?;
+                let mut offset = 0u64;
+                while offset < size {
+                    let want = (size - offset).min(CHUNK_BYTES as u64) as usize;
+                    let k = read_full(&mut f, &mut buf[..want]).map_err(read)?;
+                    if k < want {
+                        return Err(SendError::Changed { path, listed: size });
+                    }
+                    write_frame(
+                        stream,
+                        &Frame::Chunk {
+                            offset,
+                            data: &buf[..k],
+                        },
+                    )?;
+                    offset += k as u64;
+                }
+                if f.metadata().map_err(read)?.len() != size {
+                    return Err(SendError::Changed { path, listed: size });
+                }
+                write_frame(stream, &Frame::EndFile)?;
+                sent.files += 1;
+                sent.bytes += size;
+            }
+        }
+    }
+    write_frame(stream, &Frame::Done(sent))?;
+    stream.flush().map_err(|source| FrameError::Io {
+        what: "sending",
+        source,
+    })?;
+    Ok(sent)
+}
+
+/// Reads into `buf` until it is full or the file ends; how much was read.
+fn read_full(f: &mut fs::File, buf: &mut [u8]) -> io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// The receiver's answer to `Done`.
+fn confirmation<S: Read>(stream: &mut S, sent: Totals) -> Result<Totals, SendError> {
+    let mut buf = Vec::new();
+    match read_frame(stream, &mut buf)? {
+        Frame::Committed(got) if got == sent => Ok(got),
+        Frame::Committed(got) => Err(SendError::Miscounted { sent, got }),
+        Frame::Abort { reason } => Err(SendError::Rejected { reason }),
+        other => Err(SendError::Unconfirmed { got: other.name() }),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Receiving
+
+/// What [`receive_dir`] received.
+#[derive(Clone, Copy, Debug)]
+pub struct ReceiveReport {
+    /// Files and bytes.
+    pub totals: Totals,
+    /// From the handshake to the directory named.
+    pub elapsed: Duration,
+}
+
+/// Why a directory could not be received (nothing is left of it).
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    /// The destination exists already.
+    #[error("{} exists: a directory is received only under a new name", dest.display())]
+    DestExists {
+        /// The destination.
+        dest: PathBuf,
+    },
+    /// A destination without a final name.
+    #[error("{}: not a directory name to receive into", dest.display())]
+    DestName {
+        /// The destination.
+        dest: PathBuf,
+    },
+    /// Creating, writing or naming what is received.
+    #[error("{what} {}", path.display())]
+    Io {
+        /// What was done.
+        what: &'static str,
+        /// On what.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A path the sender may not write.
+    #[error("the sender named the path {path:?}, which is refused: {why}")]
+    Path {
+        /// The path as sent.
+        path: String,
+        /// Why it is refused.
+        why: &'static str,
+    },
+    /// A frame that does not fit where it came.
+    #[error("the sender sent a {got} frame {context}")]
+    Unexpected {
+        /// What came.
+        got: &'static str,
+        /// Where.
+        context: &'static str,
+    },
+    /// A chunk not at the current end of its file.
+    #[error("{path}: a chunk at offset {offset}, where {expected} was due")]
+    OutOfOrder {
+        /// The file.
+        path: String,
+        /// The chunk's offset.
+        offset: u64,
+        /// The bytes received so far.
+        expected: u64,
+    },
+    /// A file whose bytes are not its size.
+    #[error("{path}: {got} bytes received, its size is {size}")]
+    Size {
+        /// The file.
+        path: String,
+        /// Its size as announced.
+        size: u64,
+        /// What came (or would have).
+        got: u64,
+    },
+    /// The sender's totals are not what came.
+    #[error(
+        "the sender counted {} files and {} bytes, {} and {} were received",
+        sent.files, sent.bytes, got.files, got.bytes
+    )]
+    Totals {
+        /// The sender's.
+        sent: Totals,
+        /// Received.
+        got: Totals,
+    },
+    /// A frame to or from the sender.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The sender gave up.
+    #[error("the sender aborted the transfer: {reason}")]
+    Aborted {
+        /// Its reason.
+        reason: String,
+    },
+}
+
+/// The directory being received: removed, with what it holds, unless committed.
+#[derive(Debug)]
+struct Staging {
+    path: PathBuf,
+    committed: bool,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            make_writable(&self.path);
+            let _ = fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// Gives the owner every right on the directories under `dir` (not followed through links), so
+/// that they can be removed whatever modes were set.
+fn make_writable(dir: &Path) {
+    let _ = fs::set_permissions(dir, fs::Permissions::from_mode(0o700));
+    let Ok(rd) = fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            make_writable(&e.path());
+        }
+    }
+}
+
+/// The components of a path the sender named; refused unless relative and plain.
+fn components(path: &str) -> Result<Vec<&str>, ReceiveError> {
+    let refuse = |why| ReceiveError::Path {
+        path: path.to_string(),
+        why,
+    };
+    if path.is_empty() {
+        return Err(refuse("it is empty"));
+    }
+    if path.starts_with('/') {
+        return Err(refuse("it is absolute"));
+    }
+    if path.contains('\0') {
+        return Err(refuse("it holds a NUL"));
+    }
+    let parts: Vec<&str> = path.split('/').collect();
+    for p in &parts {
+        match *p {
+            "" => return Err(refuse("it has an empty component")),
+            "." => return Err(refuse("it has a `.` component")),
+            ".." => return Err(refuse("it has a `..` component")),
+            _ => {}
+        }
+    }
+    Ok(parts)
+}
+
+/// Creates (or finds) the directory `root/parts..`, each component a directory this receive
+/// created, none a link or a file.
+fn ensure_dir(root: &Path, path: &str, parts: &[&str]) -> Result<PathBuf, ReceiveError> {
+    let mut at = root.to_path_buf();
+    for p in parts {
+        at.push(p);
+        match fs::symlink_metadata(&at) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(ReceiveError::Path {
+                    path: path.to_string(),
+                    why: "it goes through a file",
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&at)
+                    .map_err(|source| ReceiveError::Io {
+                        what: "creating",
+                        path: at.clone(),
+                        source,
+                    })?;
+            }
+            Err(source) => {
+                return Err(ReceiveError::Io {
+                    what: "reading",
+                    path: at,
+                    source,
+                })
+            }
+        }
+    }
+    Ok(at)
+}
+
+/// The file being received.
+#[derive(Debug)]
+struct Current {
+    path: String,
+    at: PathBuf,
+    file: fs::File,
+    size: u64,
+    got: u64,
+    mode: u32,
+}
+
+/// Receives a directory from a [`send_dir`] holding the same `key` over `stream`, as `dest`
+/// (which must not exist): written under a new temporary sibling of `dest`, named `dest` only
+/// when complete and checked; on any error nothing is left.
+///
+/// Once the handshake passed, a failure is told to the sender (`Abort`) before it is returned.
+pub fn receive_dir<S: Read + Write>(
+    stream: &mut S,
+    key: &HmacKey,
+    dest: &Path,
+) -> Result<ReceiveReport, WireError> {
+    let Some(name) = dest.file_name() else {
+        return Err(ReceiveError::DestName {
+            dest: dest.to_path_buf(),
+        }
+        .into());
+    };
+    if fs::symlink_metadata(dest).is_ok() {
+        return Err(ReceiveError::DestExists {
+            dest: dest.to_path_buf(),
+        }
+        .into());
+    }
+    receiver_handshake(stream, key)?;
+    let start = Instant::now();
+    let parent = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    match receive_into(stream, parent, name, dest) {
+        Ok(totals) => {
+            // The directory is named: the sender not hearing it changes nothing here.
+            let _ = write_frame(stream, &Frame::Committed(totals));
+            let _ = stream.flush();
+            Ok(ReceiveReport {
+                totals,
+                elapsed: start.elapsed(),
+            })
+        }
+        Err(e) => {
+            if !matches!(
+                e,
+                ReceiveError::Frame(FrameError::Io { .. } | FrameError::Closed)
+                    | ReceiveError::Aborted { .. }
+            ) {
+                let reason = format!("the receiver failed: {}", chain(&e));
+                let _ = write_frame(stream, &Frame::Abort { reason });
+                let _ = stream.flush();
+            }
+            Err(e.into())
+        }
+    }
+}
+
+fn receive_into<S: Read>(
+    stream: &mut S,
+    parent: &Path,
+    name: &std::ffi::OsStr,
+    dest: &Path,
+) -> Result<Totals, ReceiveError> {
+    let mut staging = {
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        let n = nonce().map_err(|e| match e {
+            HandshakeError::Nonce(source) => ReceiveError::Io {
+                what: "reading",
+                path: "/dev/urandom".into(),
+                source,
+            },
+            _ => unreachable!("a nonce fails only reading it"),
+        })?;
+        let hex: String = n[..6].iter().map(|b| format!("{b:02x}")).collect();
+        tmp_name.push(format!(".receiving-{hex}"));
+        let path = parent.join(tmp_name);
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|source| ReceiveError::Io {
+                what: "creating",
+                path: path.clone(),
+                source,
+            })?;
+        Staging {
+            path,
+            committed: false,
+        }
+    };
+    let root = staging.path.clone();
+    let mut dirs: Vec<(PathBuf, u32)> = Vec::new();
+    let mut current: Option<Current> = None;
+    let mut got = Totals::default();
+    let mut buf = Vec::new();
+    let sent = loop {
+        match read_frame(stream, &mut buf)? {
+            Frame::Dir(h) => {
+                if current.is_some() {
+                    return Err(unexpected("Dir", "inside a file"));
+                }
+                let parts = components(&h.path)?;
+                let at = ensure_dir(&root, &h.path, &parts)?;
+                dirs.push((at, h.mode & 0o777));
+            }
+            Frame::File(h) => {
+                if current.is_some() {
+                    return Err(unexpected("File", "inside a file"));
+                }
+                let parts = components(&h.path)?;
+                let (last, up) = parts.split_last().expect("a path has a component");
+                let at = ensure_dir(&root, &h.path, up)?.join(last);
+                // O_EXCL: never through a link, never a file twice.
+                let file = fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(nix::libc::O_NOFOLLOW)
+                    .open(&at)
+                    .map_err(|source| ReceiveError::Io {
+                        what: "creating",
+                        path: at.clone(),
+                        source,
+                    })?;
+                current = Some(Current {
+                    path: h.path,
+                    at,
+                    file,
+                    size: h.size,
+                    got: 0,
+                    mode: h.mode & 0o777,
+                });
+            }
+            Frame::Chunk { offset, data } => {
+                let Some(c) = current.as_mut() else {
+                    return Err(unexpected("Chunk", "outside a file"));
+                };
+                if offset != c.got {
+                    return Err(ReceiveError::OutOfOrder {
+                        path: c.path.clone(),
+                        offset,
+                        expected: c.got,
+                    });
+                }
+                let after = c.got + data.len() as u64;
+                if after > c.size {
+                    return Err(ReceiveError::Size {
+                        path: c.path.clone(),
+                        size: c.size,
+                        got: after,
+                    });
+                }
+                c.file.write_all(data).map_err(|source| ReceiveError::Io {
+                    what: "writing",
+                    path: c.at.clone(),
+                    source,
+                })?;
+                c.got = after;
+            }
+            Frame::EndFile => {
+                let Some(c) = current.take() else {
+                    return Err(unexpected("EndFile", "outside a file"));
+                };
+                if c.got != c.size {
+                    return Err(ReceiveError::Size {
+                        path: c.path,
+                        size: c.size,
+                        got: c.got,
+                    });
+                }
+                let io = |what| {
+                    let path = c.at.clone();
+                    move |source| ReceiveError::Io { what, path, source }
+                };
+                c.file
+                    .set_permissions(fs::Permissions::from_mode(c.mode))
+                    .map_err(io("setting the mode of"))?;
+                c.file.sync_all().map_err(io("syncing"))?;
+                got.files += 1;
+                got.bytes += c.size;
+            }
+            Frame::Done(t) => {
+                if current.is_some() {
+                    return Err(unexpected("Done", "inside a file"));
+                }
+                break t;
+            }
+            Frame::Abort { reason } => return Err(ReceiveError::Aborted { reason }),
+            Frame::Committed(_) => return Err(unexpected("Committed", "(a receiver's frame)")),
+        }
+    };
+    if sent != got {
+        return Err(ReceiveError::Totals { sent, got });
+    }
+    // Deepest first: a directory's mode may take away what its children's need.
+    dirs.push((root.clone(), 0o700));
+    dirs.sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
+    for (d, mode) in &dirs {
+        let io = |what| {
+            let path = d.clone();
+            move |source| ReceiveError::Io { what, path, source }
+        };
+        let f = fs::File::open(d).map_err(io("opening"))?;
+        f.sync_all().map_err(io("syncing"))?;
+        f.set_permissions(fs::Permissions::from_mode(*mode))
+            .map_err(io("setting the mode of"))?;
+    }
+    // Never replaces: a `dest` that appeared meanwhile stays, and this receive fails.
+    rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        &root,
+        rustix::fs::CWD,
+        dest,
+        rustix::fs::RenameFlags::NOREPLACE,
+    )
+    .map_err(|e| ReceiveError::Io {
+        what: "naming the received directory",
+        path: dest.to_path_buf(),
+        source: e.into(),
+    })?;
+    staging.committed = true;
+    if let Ok(p) = fs::File::open(parent) {
+        let _ = p.sync_all();
+    }
+    Ok(got)
+}
+
+fn unexpected(got: &'static str, context: &'static str) -> ReceiveError {
+    ReceiveError::Unexpected { got, context }
+}
