@@ -1261,3 +1261,558 @@ fn receive_into<S: Read>(
 fn unexpected(got: &'static str, context: &'static str) -> ReceiveError {
     ReceiveError::Unexpected { got, context }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::os::unix::net::UnixStream;
+    use std::thread;
+
+    const TIMEOUT: Duration = Duration::from_secs(20);
+
+    fn key(b: u8) -> HmacKey {
+        HmacKey::from_bytes(vec![b; 32]).unwrap()
+    }
+
+    fn pair() -> (UnixStream, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        for s in [&a, &b] {
+            s.set_read_timeout(Some(TIMEOUT)).unwrap();
+            s.set_write_timeout(Some(TIMEOUT)).unwrap();
+        }
+        (a, b)
+    }
+
+    fn random(n: usize) -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        fs::File::open("/dev/urandom")
+            .unwrap()
+            .read_exact(&mut v)
+            .unwrap();
+        v
+    }
+
+    /// Every entry under `d`: its path, mode, and bytes for a file.
+    fn snapshot(d: &Path) -> Vec<(String, u32, Option<Vec<u8>>)> {
+        fn walk(root: &Path, at: &Path, out: &mut Vec<(String, u32, Option<Vec<u8>>)>) {
+            for e in fs::read_dir(at).unwrap() {
+                let e = e.unwrap();
+                let p = e.path();
+                let rel = p.strip_prefix(root).unwrap().to_str().unwrap().to_string();
+                let m = fs::symlink_metadata(&p).unwrap();
+                let mode = m.permissions().mode() & 0o7777;
+                if m.is_dir() {
+                    out.push((rel, mode, None));
+                    walk(root, &p, out);
+                } else {
+                    out.push((rel, mode, Some(fs::read(&p).unwrap())));
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(d, d, &mut out);
+        out.sort();
+        out
+    }
+
+    fn names(d: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A source directory `tmp/src` and an empty `tmp/out` to receive into.
+    fn dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let src = tmp.path().join("src");
+        let out = tmp.path().join("out");
+        fs::create_dir(&src).unwrap();
+        fs::create_dir(&out).unwrap();
+        (tmp, src, out)
+    }
+
+    /// `send_dir` and `receive_dir` over loopback TCP, each with its key.
+    fn over_tcp(
+        send_key: HmacKey,
+        recv_key: HmacKey,
+        src: &Path,
+        dest: &Path,
+    ) -> (
+        Result<SendReport, WireError>,
+        Result<ReceiveReport, WireError>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let dest = dest.to_path_buf();
+        let receiver = thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            set_timeouts(&s, TIMEOUT).unwrap();
+            receive_dir(&mut s, &recv_key, &dest)
+        });
+        let mut s = TcpStream::connect(addr).unwrap();
+        set_timeouts(&s, TIMEOUT).unwrap();
+        let sent = send_dir(&mut s, &send_key, src);
+        drop(s);
+        (sent, receiver.join().unwrap())
+    }
+
+    #[test]
+    fn a_tree_arrives_bit_exact_with_its_modes() {
+        let (_tmp, src, out) = dirs();
+        fs::create_dir_all(src.join("criu")).unwrap();
+        fs::create_dir_all(src.join("gpu/gpu-0/empty")).unwrap();
+        fs::write(src.join("possum.json"), "{\"version\":1}").unwrap();
+        fs::write(src.join("criu/empty.img"), "").unwrap();
+        let big = src.join("gpu/gpu-0/data-000.bin");
+        fs::write(&big, random((5 << 20) + 12345)).unwrap();
+        fs::set_permissions(&big, fs::Permissions::from_mode(0o640)).unwrap();
+        fs::write(src.join("criu/run.sh"), "#!/bin/sh\n").unwrap();
+        fs::set_permissions(src.join("criu/run.sh"), fs::Permissions::from_mode(0o755)).unwrap();
+        fs::set_permissions(src.join("gpu"), fs::Permissions::from_mode(0o750)).unwrap();
+        fs::set_permissions(
+            src.join("gpu/gpu-0/empty"),
+            fs::Permissions::from_mode(0o500),
+        )
+        .unwrap();
+        let dest = out.join("image");
+
+        let (sent, received) = over_tcp(key(7), key(7), &src, &dest);
+        let sent = sent.unwrap();
+        let received = received.unwrap();
+        let bytes = 13 + (5 << 20) + 12345 + 10;
+        assert_eq!(sent.totals, Totals { files: 4, bytes });
+        assert_eq!(received.totals, sent.totals);
+        assert_eq!(snapshot(&dest), snapshot(&src));
+        assert_eq!(
+            fs::metadata(&dest).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        // Only the destination: no temporary directory left beside it.
+        assert_eq!(names(&out), ["image"]);
+        // A destination that exists is refused before the handshake.
+        let (sent, received) = over_tcp(key(7), key(7), &src, &dest);
+        assert!(sent.is_err());
+        assert!(
+            matches!(
+                received,
+                Err(WireError::Receive(ReceiveError::DestExists { .. }))
+            ),
+            "{received:?}"
+        );
+        assert_eq!(names(&out), ["image"]);
+        assert_eq!(snapshot(&dest), snapshot(&src));
+    }
+
+    #[test]
+    fn another_secret_on_either_side_is_refused_and_nothing_is_written() {
+        let (_tmp, src, out) = dirs();
+        fs::write(src.join("f"), "data").unwrap();
+        let dest = out.join("image");
+        let (sent, received) = over_tcp(key(1), key(2), &src, &dest);
+        let (sent, received) = (sent.unwrap_err(), received.unwrap_err());
+        assert!(
+            matches!(
+                received,
+                WireError::Handshake(HandshakeError::PeerNotAuthenticated { peer: "sender" })
+            ),
+            "{received:?}"
+        );
+        assert!(received.to_string().contains("failed authentication"));
+        // The receiver wrote nothing after its hello: the sender saw the connection close.
+        assert!(
+            matches!(sent, WireError::Handshake(HandshakeError::Refused)),
+            "{sent:?}"
+        );
+        assert!(sent.to_string().contains("authentication"), "{sent}");
+        assert!(names(&out).is_empty());
+
+        // A receiver that does not hold the secret: the sender refuses it and sends nothing.
+        let (mut a, mut b) = pair();
+        let impostor = thread::spawn(move || {
+            let mut hello = Vec::new();
+            hello.extend_from_slice(&MAGIC);
+            hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+            hello.extend_from_slice(&[5u8; NONCE_BYTES]);
+            b.write_all(&hello).unwrap();
+            let mut proof = [0u8; 8 + 4 + NONCE_BYTES + TAG_BYTES];
+            b.read_exact(&mut proof).unwrap();
+            b.write_all(
+                &tag(&key(9), SERVER_LABEL, &proof[12..44], &[5u8; NONCE_BYTES])
+                    .finalize()
+                    .into_bytes(),
+            )
+            .unwrap();
+            let mut rest = Vec::new();
+            b.read_to_end(&mut rest).unwrap();
+            rest
+        });
+        let e = send_dir(&mut a, &key(1), &src).unwrap_err();
+        drop(a);
+        assert!(
+            matches!(
+                e,
+                WireError::Handshake(HandshakeError::PeerNotAuthenticated { peer: "receiver" })
+            ),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().contains("receiver failed authentication"),
+            "{e}"
+        );
+        assert!(impostor.join().unwrap().is_empty());
+    }
+
+    /// Runs `receive_dir` into `dest` against a sender that passes the handshake and then writes
+    /// what `frames` writes; the receiver's error.
+    fn against(dest: &Path, frames: impl FnOnce(&mut UnixStream)) -> WireError {
+        let (mut a, mut b) = pair();
+        let d = dest.to_path_buf();
+        let receiver = thread::spawn(move || receive_dir(&mut b, &key(3), &d));
+        sender_handshake(&mut a, &key(3)).unwrap();
+        frames(&mut a);
+        drop(a);
+        receiver.join().unwrap().unwrap_err()
+    }
+
+    /// Writes a file's frames (not `Done`).
+    fn put(s: &mut UnixStream, path: &str, data: &[u8]) {
+        let h = FileHeader {
+            path: path.to_string(),
+            size: data.len() as u64,
+            mode: 0o644,
+        };
+        let _ = write_frame(s, &Frame::File(h));
+        let _ = write_frame(s, &Frame::Chunk { offset: 0, data });
+        let _ = write_frame(s, &Frame::EndFile);
+    }
+
+    /// One file and `Done`.
+    fn file(path: &str, data: &[u8]) -> impl FnOnce(&mut UnixStream) {
+        let path = path.to_string();
+        let data = data.to_vec();
+        move |s| {
+            put(s, &path, &data);
+            let bytes = data.len() as u64;
+            let _ = write_frame(s, &Frame::Done(Totals { files: 1, bytes }));
+        }
+    }
+
+    #[test]
+    fn paths_out_of_the_destination_are_refused_and_nothing_is_written() {
+        let (tmp, _src, out) = dirs();
+        let dest = out.join("image");
+        let outside = tmp.path().join("escaped");
+        let absolute = outside.to_str().unwrap().to_string();
+        for bad in [
+            "../escaped",
+            "a/../../escaped",
+            absolute.as_str(),
+            "",
+            "a//b",
+            "./a",
+            "a/.",
+        ] {
+            let e = against(&dest, file(bad, b"evil"));
+            assert!(
+                matches!(e, WireError::Receive(ReceiveError::Path { ref path, .. }) if path == bad),
+                "{bad:?}: {e:?}"
+            );
+            assert!(e.to_string().contains("refused"), "{e}");
+            assert!(names(&out).is_empty(), "{bad:?}");
+            assert!(!outside.exists());
+        }
+        // A directory named like that, too.
+        let e = against(&dest, |s| {
+            let _ = write_frame(
+                s,
+                &Frame::Dir(DirHeader {
+                    path: "../escaped".into(),
+                    mode: 0o755,
+                }),
+            );
+        });
+        assert!(
+            matches!(e, WireError::Receive(ReceiveError::Path { .. })),
+            "{e:?}"
+        );
+        assert!(!outside.exists());
+        // A path through a file the sender sent.
+        let e = against(&dest, |s| {
+            put(s, "f", b"x");
+            put(s, "f/g", b"y");
+        });
+        assert!(
+            matches!(
+                e,
+                WireError::Receive(ReceiveError::Path {
+                    why: "it goes through a file",
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
+        // A frame over the cap is refused before it is read.
+        let e = against(&dest, |s| {
+            let mut h = [0u8; HEADER_BYTES];
+            h[0] = KIND_CHUNK;
+            h[1..9].copy_from_slice(&(MAX_FRAME + 1).to_le_bytes());
+            let _ = s.write_all(&h);
+        });
+        assert!(
+            matches!(
+                e,
+                WireError::Receive(ReceiveError::Frame(FrameError::TooLarge { .. }))
+            ),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
+        // What is well formed is received.
+        against_ok(&dest, file("a/b/c", b"fine"));
+        assert_eq!(fs::read(dest.join("a/b/c")).unwrap(), b"fine");
+    }
+
+    fn against_ok(dest: &Path, frames: impl FnOnce(&mut UnixStream)) {
+        let (mut a, mut b) = pair();
+        let d = dest.to_path_buf();
+        let receiver = thread::spawn(move || receive_dir(&mut b, &key(3), &d));
+        sender_handshake(&mut a, &key(3)).unwrap();
+        frames(&mut a);
+        let mut buf = Vec::new();
+        assert!(matches!(
+            read_frame(&mut a, &mut buf).unwrap(),
+            Frame::Committed(_)
+        ));
+        receiver.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_connection_dropped_mid_file_fails_and_nothing_is_written() {
+        let (_tmp, _src, out) = dirs();
+        let dest = out.join("image");
+        let e = against(&dest, |s| {
+            let data = random(1 << 20);
+            write_frame(
+                s,
+                &Frame::File(FileHeader {
+                    path: "criu/pages-1.img".into(),
+                    size: 2 << 20,
+                    mode: 0o600,
+                }),
+            )
+            .unwrap();
+            write_frame(
+                s,
+                &Frame::Chunk {
+                    offset: 0,
+                    data: &data,
+                },
+            )
+            .unwrap();
+            // Half a frame, then the close.
+            let _ = s.write_all(&[KIND_CHUNK, 1, 0]);
+        });
+        assert!(
+            matches!(
+                e,
+                WireError::Receive(ReceiveError::Frame(FrameError::Closed))
+            ),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
+        // A file shorter than its size, ended: refused too.
+        let e = against(&dest, |s| {
+            let _ = write_frame(
+                s,
+                &Frame::File(FileHeader {
+                    path: "f".into(),
+                    size: 10,
+                    mode: 0o600,
+                }),
+            );
+            let _ = write_frame(
+                s,
+                &Frame::Chunk {
+                    offset: 0,
+                    data: b"12345",
+                },
+            );
+            let _ = write_frame(s, &Frame::EndFile);
+        });
+        assert!(
+            matches!(
+                e,
+                WireError::Receive(ReceiveError::Size {
+                    size: 10,
+                    got: 5,
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
+    }
+
+    #[test]
+    fn a_chunk_damaged_in_transit_is_detected_and_nothing_is_written() {
+        let (_tmp, src, out) = dirs();
+        fs::write(src.join("data.bin"), random(3 << 20)).unwrap();
+        let dest = out.join("image");
+        // sender <-> (a, pa) proxy (pb, b) <-> receiver; the proxy flips one byte of the first
+        // chunk's data.
+        let (mut a, pa) = pair();
+        let (pb, mut b) = pair();
+        let d = dest.clone();
+        let receiver = thread::spawn(move || receive_dir(&mut b, &key(4), &d));
+        let (mut pa2, mut pb2) = (pa.try_clone().unwrap(), pb.try_clone().unwrap());
+        let back = thread::spawn(move || {
+            let _ = io::copy(&mut pb2, &mut pa2);
+            let _ = pa2.shutdown(std::net::Shutdown::Both);
+            let _ = pb2.shutdown(std::net::Shutdown::Both);
+        });
+        let forth = thread::spawn(move || {
+            let (mut pa, mut pb) = (pa, pb);
+            // The proof is 76 bytes; the file's header frame is under 100: this is in its data.
+            let flip_at = 76 + 1_000_000;
+            let mut seen = 0usize;
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let k = match pa.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => k,
+                };
+                if (seen..seen + k).contains(&flip_at) {
+                    buf[flip_at - seen] ^= 0x40;
+                }
+                seen += k;
+                if pb.write_all(&buf[..k]).is_err() {
+                    break;
+                }
+            }
+            let _ = pa.shutdown(std::net::Shutdown::Both);
+            let _ = pb.shutdown(std::net::Shutdown::Both);
+        });
+        let sent = send_dir(&mut a, &key(4), &src);
+        drop(a);
+        let received = receiver.join().unwrap();
+        forth.join().unwrap();
+        back.join().unwrap();
+        assert!(sent.is_err(), "{sent:?}");
+        let e = received.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                WireError::Receive(ReceiveError::Frame(FrameError::Checksum {
+                    kind: "Chunk",
+                    ..
+                }))
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("checksum"), "{e}");
+        assert!(names(&out).is_empty());
+    }
+
+    #[test]
+    fn a_symbolic_link_in_the_source_is_refused_naming_it() {
+        let (_tmp, src, out) = dirs();
+        fs::create_dir(src.join("criu")).unwrap();
+        fs::write(src.join("criu/a.img"), "a").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", src.join("criu/link")).unwrap();
+        let dest = out.join("image");
+        let (sent, received) = over_tcp(key(5), key(5), &src, &dest);
+        let sent = sent.unwrap_err();
+        assert!(
+            matches!(
+                sent,
+                WireError::Send(SendError::Unsupported { ref path, .. }) if path.ends_with("criu/link")
+            ),
+            "{sent:?}"
+        );
+        assert!(
+            sent.to_string().contains("criu/link: a symbolic link"),
+            "{sent}"
+        );
+        // The receiver was told why.
+        let received = received.unwrap_err();
+        assert!(
+            matches!(
+                received,
+                WireError::Receive(ReceiveError::Aborted { ref reason }) if reason.contains("criu/link")
+            ),
+            "{received:?}"
+        );
+        assert!(names(&out).is_empty());
+    }
+
+    #[test]
+    fn a_silent_sender_times_out_and_nothing_is_written() {
+        let (_tmp, _src, out) = dirs();
+        let dest = out.join("image");
+        let (a, mut b) = pair();
+        b.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let e = receive_dir(&mut b, &key(6), &dest).unwrap_err();
+        drop(a);
+        assert!(
+            matches!(
+                e,
+                WireError::Handshake(HandshakeError::Io { ref source, .. })
+                    if matches!(source.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+            ),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
+    }
+
+    #[test]
+    fn frames_read_back_as_written() {
+        let frames = [
+            Frame::Dir(DirHeader {
+                path: "a".into(),
+                mode: 0o755,
+            }),
+            Frame::File(FileHeader {
+                path: "a/b".into(),
+                size: 3,
+                mode: 0o600,
+            }),
+            Frame::Chunk {
+                offset: 0,
+                data: b"abc",
+            },
+            Frame::EndFile,
+            Frame::Done(Totals { files: 1, bytes: 3 }),
+            Frame::Committed(Totals { files: 1, bytes: 3 }),
+            Frame::Abort {
+                reason: "why".into(),
+            },
+        ];
+        let mut wire = Vec::new();
+        for f in &frames {
+            write_frame(&mut wire, f).unwrap();
+        }
+        let mut r = &wire[..];
+        let mut buf = Vec::new();
+        for f in &frames {
+            assert_eq!(&read_frame(&mut r, &mut buf).unwrap(), f);
+        }
+        assert!(matches!(
+            read_frame(&mut r, &mut buf),
+            Err(FrameError::Closed)
+        ));
+        // A JSON header with a field it does not have is malformed.
+        let payload = br#"{"path":"a","mode":1,"owner":0}"#;
+        let mut w = vec![KIND_DIR];
+        w.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        w.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
+        w.extend_from_slice(payload);
+        assert!(matches!(
+            read_frame(&mut &w[..], &mut buf),
+            Err(FrameError::Malformed { kind: "Dir", .. })
+        ));
+    }
+}
