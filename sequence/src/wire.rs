@@ -131,12 +131,15 @@ pub enum HandshakeError {
     Refused,
 }
 
-fn nonce() -> Result<[u8; NONCE_BYTES], HandshakeError> {
-    let mut n = [0u8; NONCE_BYTES];
-    fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut n))
-        .map_err(HandshakeError::Nonce)?;
+/// `N` random bytes from `/dev/urandom`.
+fn random<const N: usize>() -> io::Result<[u8; N]> {
+    let mut n = [0u8; N];
+    fs::File::open("/dev/urandom")?.read_exact(&mut n)?;
     Ok(n)
+}
+
+fn nonce() -> Result<[u8; NONCE_BYTES], HandshakeError> {
+    random().map_err(HandshakeError::Nonce)
 }
 
 fn tag(key: &HmacKey, label: &[u8], first: &[u8], second: &[u8]) -> hmac::Hmac<sha2::Sha256> {
@@ -738,7 +741,7 @@ pub fn send_dir<S: Read + Write>(
         }
         Err(e @ SendError::Frame(_)) => Err(e.into()),
         Err(e) => {
-            let reason = format!("the sender failed: {}", chain(&e));
+            let reason = chain(&e);
             let _ = write_frame(stream, &Frame::Abort { reason });
             let _ = stream.flush();
             Err(e.into())
@@ -1079,7 +1082,7 @@ pub fn receive_dir<S: Read + Write>(
                 ReceiveError::Frame(FrameError::Io { .. } | FrameError::Closed)
                     | ReceiveError::Aborted { .. }
             ) {
-                let reason = format!("the receiver failed: {}", chain(&e));
+                let reason = chain(&e);
                 let _ = write_frame(stream, &Frame::Abort { reason });
                 let _ = stream.flush();
             }
@@ -1097,15 +1100,12 @@ fn receive_into<S: Read>(
     let mut staging = {
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(name);
-        let n = nonce().map_err(|e| match e {
-            HandshakeError::Nonce(source) => ReceiveError::Io {
-                what: "reading",
-                path: "/dev/urandom".into(),
-                source,
-            },
-            _ => unreachable!("a nonce fails only reading it"),
+        let n: [u8; 6] = random().map_err(|source| ReceiveError::Io {
+            what: "reading",
+            path: "/dev/urandom".into(),
+            source,
         })?;
-        let hex: String = n[..6].iter().map(|b| format!("{b:02x}")).collect();
+        let hex: String = n.iter().map(|b| format!("{b:02x}")).collect();
         tmp_name.push(format!(".receiving-{hex}"));
         let path = parent.join(tmp_name);
         fs::DirBuilder::new()
@@ -1284,7 +1284,7 @@ mod tests {
         (a, b)
     }
 
-    fn random(n: usize) -> Vec<u8> {
+    fn noise(n: usize) -> Vec<u8> {
         let mut v = vec![0u8; n];
         fs::File::open("/dev/urandom")
             .unwrap()
@@ -1368,7 +1368,7 @@ mod tests {
         fs::write(src.join("possum.json"), "{\"version\":1}").unwrap();
         fs::write(src.join("criu/empty.img"), "").unwrap();
         let big = src.join("gpu/gpu-0/data-000.bin");
-        fs::write(&big, random((5 << 20) + 12345)).unwrap();
+        fs::write(&big, noise((5 << 20) + 12345)).unwrap();
         fs::set_permissions(&big, fs::Permissions::from_mode(0o640)).unwrap();
         fs::write(src.join("criu/run.sh"), "#!/bin/sh\n").unwrap();
         fs::set_permissions(src.join("criu/run.sh"), fs::Permissions::from_mode(0o755)).unwrap();
@@ -1595,7 +1595,7 @@ mod tests {
         let (_tmp, _src, out) = dirs();
         let dest = out.join("image");
         let e = against(&dest, |s| {
-            let data = random(1 << 20);
+            let data = noise(1 << 20);
             write_frame(
                 s,
                 &Frame::File(FileHeader {
@@ -1660,7 +1660,7 @@ mod tests {
     #[test]
     fn a_chunk_damaged_in_transit_is_detected_and_nothing_is_written() {
         let (_tmp, src, out) = dirs();
-        fs::write(src.join("data.bin"), random(3 << 20)).unwrap();
+        fs::write(src.join("data.bin"), noise(3 << 20)).unwrap();
         let dest = out.join("image");
         // sender <-> (a, pa) proxy (pb, b) <-> receiver; the proxy flips one byte of the first
         // chunk's data.
