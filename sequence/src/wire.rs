@@ -7,14 +7,16 @@
 //!                  ◀── hello: magic, version, receiver nonce (32 bytes)
 //!   proof: magic, version, sender nonce, HMAC(key, "possum-migrate-v1/client" ‖ rn ‖ sn) ──▶
 //!                  ◀── HMAC(key, "possum-migrate-v1/server" ‖ sn ‖ rn)
-//!   frames: Dir, File, Chunk.., EndFile, ..., Done ──▶  written under a temporary sibling of DEST
-//!                  ◀── Committed (DEST named) or Abort (why not)
+//!   frames: Dir, File, Chunk.., EndFile, ..., Done + HMAC ──▶  under a temporary sibling of DEST
+//!                  ◀── Committed + HMAC (DEST named) or Abort (why not)
 //! ```
 //!
 //! **Handshake** (step [`HandshakeError`]): both ends hold the same secret ([`HmacKey`], a file of
 //! at least 32 bytes) and each proves it to the other on fresh nonces from `/dev/urandom`, the
 //! tags compared in constant time. The receiver writes nothing after its hello to a sender that
-//! fails its proof; the sender sends no file to a receiver that fails its own.
+//! fails its proof; the sender sends no file to a receiver that fails its own. Both then hold a
+//! [`Session`]: a key of this connection alone, HMAC(secret, "possum-migrate-v1/session" ‖ rn ‖
+//! sn).
 //!
 //! **Frames** (step [`FrameError`]): a 13-byte header, `kind: u8`, `length: u64` (little endian),
 //! `crc32c: u32` (little endian, of the payload), then `length` bytes of payload; a frame longer
@@ -24,24 +26,26 @@
 //! - `Chunk`: the offset in the current file (`u64` LE) then the bytes, in order, at most
 //!   [`CHUNK_BYTES`] of them;
 //! - `EndFile`: empty; the file got exactly its size;
-//! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received;
+//! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received, then a
+//!   32-byte HMAC under the session's key ([`Seal`]): `Done`'s of every frame before it (headers
+//!   and payloads) and the totals, `Committed`'s of `Done`'s HMAC and the totals received;
 //! - `Abort`: why, as UTF-8 text.
 //!
 //! Invariants of a receive:
 //! - Nothing is written outside DEST's temporary sibling, which [`receive_dir`] creates itself
 //!   (mode 0700, never through a symbolic link) and fills only with directories and regular files
 //!   it creates (modes limited to `0o777`).
-//! - DEST appears only complete: every chunk's checksum checked, every file its size, the totals
-//!   those of `Done`, the files and directories fsynced, then the temporary directory renamed to
-//!   DEST (which must not exist, and is not replaced if it appears meanwhile). On any error the
-//!   temporary directory is removed and DEST is not created.
-//! - The sender's [`send_dir`] succeeds only when the receiver said `Committed` with its totals:
-//!   a migration may drop the source job only then.
+//! - DEST appears only complete: every chunk's checksum checked, every file its size, `Done`'s
+//!   HMAC that of the frames received (nothing changed, left out or added between the two ends),
+//!   its totals those received, the files and directories fsynced, then the temporary directory
+//!   renamed to DEST (which must not exist, and is not replaced if it appears meanwhile). On any
+//!   error the temporary directory is removed and DEST is not created.
+//! - The sender's [`send_dir`] succeeds only when the receiver said `Committed` with its totals
+//!   and the session's HMAC: a migration may drop the source job only then.
 //!
-//! The stream is not encrypted, and the frames are checksummed, not authenticated: the image's
-//! own seal ([`crate::auth::seal`], checked by a restore given the key) is what proves it is the
-//! one checkpointed. Every read blocks at most as long as the stream lets it: set a read timeout
-//! (a [`TcpStream`] with [`set_timeouts`]) before calling these.
+//! The stream is not encrypted: whoever can read the network can read the image. Every read
+//! blocks at most as long as the stream lets it: set a read timeout (a [`TcpStream`] with
+//! [`set_timeouts`]) before calling these.
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -64,6 +68,10 @@ const NONCE_BYTES: usize = 32;
 const TAG_BYTES: usize = 32;
 const CLIENT_LABEL: &[u8] = b"possum-migrate-v1/client";
 const SERVER_LABEL: &[u8] = b"possum-migrate-v1/server";
+const SESSION_LABEL: &[u8] = b"possum-migrate-v1/session";
+const FRAMES_LABEL: &[u8] = b"possum-migrate-v1/frames";
+const DONE_LABEL: &[u8] = b"possum-migrate-v1/done";
+const COMMITTED_LABEL: &[u8] = b"possum-migrate-v1/committed";
 /// The longest frame payload accepted (bytes).
 pub const MAX_FRAME: u64 = 64 << 20;
 /// The most file bytes a sender puts in one chunk.
@@ -150,16 +158,62 @@ fn tag(key: &HmacKey, label: &[u8], first: &[u8], second: &[u8]) -> hmac::Hmac<s
     mac
 }
 
+/// What a handshake agreed on: a key of this connection alone (an HMAC of the secret and both
+/// nonces) and the HMAC under it of the frames so far, which `Done` and `Committed` carry.
+pub struct Session {
+    key: [u8; TAG_BYTES],
+    frames: hmac::Hmac<sha2::Sha256>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Session(..)")
+    }
+}
+
+impl Session {
+    fn new(secret: &HmacKey, rn: &[u8], sn: &[u8]) -> Session {
+        let key: [u8; TAG_BYTES] = tag(secret, SESSION_LABEL, rn, sn)
+            .finalize()
+            .into_bytes()
+            .into();
+        let mut frames = Self::keyed(&key);
+        frames.update(FRAMES_LABEL);
+        Session { key, frames }
+    }
+
+    fn keyed(key: &[u8; TAG_BYTES]) -> hmac::Hmac<sha2::Sha256> {
+        hmac::Hmac::new_from_slice(key).expect("HMAC takes a key of any length")
+    }
+
+    /// The HMAC `Done` carries: of the frames so far and the totals.
+    fn done(&self, totals: &Totals) -> hmac::Hmac<sha2::Sha256> {
+        let mut m = self.frames.clone();
+        m.update(DONE_LABEL);
+        m.update(&totals_bytes(totals));
+        m
+    }
+
+    /// The HMAC `Committed` carries: of `Done`'s and the totals received.
+    fn committed(&self, done: &[u8], totals: &Totals) -> hmac::Hmac<sha2::Sha256> {
+        let mut m = Self::keyed(&self.key);
+        m.update(COMMITTED_LABEL);
+        m.update(done);
+        m.update(&totals_bytes(totals));
+        m
+    }
+}
+
 fn hs_io(what: &'static str) -> impl FnOnce(io::Error) -> HandshakeError {
     move |source| HandshakeError::Io { what, source }
 }
 
 /// The receiver's side of the handshake: sends its hello, checks the sender's proof (writing
-/// nothing more if it fails), answers its own.
+/// nothing more if it fails), answers its own. The session authenticates the frames that follow.
 pub fn receiver_handshake<S: Read + Write>(
     stream: &mut S,
     key: &HmacKey,
-) -> Result<(), HandshakeError> {
+) -> Result<Session, HandshakeError> {
     let rn = nonce()?;
     let mut hello = Vec::with_capacity(8 + 4 + NONCE_BYTES);
     hello.extend_from_slice(&MAGIC);
@@ -187,14 +241,16 @@ pub fn receiver_handshake<S: Read + Write>(
         .map_err(hs_io("sending the receiver's proof"))?;
     stream
         .flush()
-        .map_err(hs_io("sending the receiver's proof"))
+        .map_err(hs_io("sending the receiver's proof"))?;
+    Ok(Session::new(key, &rn, sn))
 }
 
 /// The sender's side of the handshake: reads the hello, sends its proof, checks the receiver's.
+/// The session authenticates the frames that follow.
 pub fn sender_handshake<S: Read + Write>(
     stream: &mut S,
     key: &HmacKey,
-) -> Result<(), HandshakeError> {
+) -> Result<Session, HandshakeError> {
     let mut hello = [0u8; 8 + 4 + NONCE_BYTES];
     stream
         .read_exact(&mut hello)
@@ -232,7 +288,8 @@ pub fn sender_handshake<S: Read + Write>(
     }
     tag(key, SERVER_LABEL, &sn, rn)
         .verify_slice(&server_tag)
-        .map_err(|_| HandshakeError::PeerNotAuthenticated { peer: "receiver" })
+        .map_err(|_| HandshakeError::PeerNotAuthenticated { peer: "receiver" })?;
+    Ok(Session::new(key, rn, &sn))
 }
 
 fn check_greeting(magic: &[u8], version: &[u8], peer: &'static str) -> Result<(), HandshakeError> {
@@ -284,6 +341,15 @@ pub struct Totals {
     pub bytes: u64,
 }
 
+/// Totals and the session's HMAC that vouches for them (`Done`, `Committed`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seal {
+    /// Files and bytes.
+    pub totals: Totals,
+    /// The HMAC.
+    pub tag: [u8; TAG_BYTES],
+}
+
 /// One frame after the handshake.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Frame<'a> {
@@ -301,9 +367,9 @@ pub enum Frame<'a> {
     /// The current file is complete.
     EndFile,
     /// Everything was sent.
-    Done(Totals),
+    Done(Seal),
     /// The receiver named the directory.
-    Committed(Totals),
+    Committed(Seal),
     /// The peer gives up.
     Abort {
         /// Why.
@@ -396,6 +462,13 @@ impl Frame<'_> {
     }
 }
 
+fn seal_bytes(seal: &Seal) -> [u8; 16 + TAG_BYTES] {
+    let mut b = [0u8; 16 + TAG_BYTES];
+    b[..16].copy_from_slice(&totals_bytes(&seal.totals));
+    b[16..].copy_from_slice(&seal.tag);
+    b
+}
+
 fn totals_bytes(t: &Totals) -> [u8; 16] {
     let mut b = [0u8; 16];
     b[..8].copy_from_slice(&t.files.to_le_bytes());
@@ -405,9 +478,23 @@ fn totals_bytes(t: &Totals) -> [u8; 16] {
 
 /// Writes `frame` to `w`.
 pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameError> {
+    write_frame_to(w, frame, None)
+}
+
+/// Whether a frame of `kind` goes into the session's HMAC of the frames (those before `Done`).
+fn in_transcript(kind: u8) -> bool {
+    (KIND_DIR..=KIND_END_FILE).contains(&kind)
+}
+
+/// Writes `frame` to `w`, into `transcript` if it is one of the transfer's.
+fn write_frame_to<W: Write>(
+    w: &mut W,
+    frame: &Frame<'_>,
+    transcript: Option<&mut hmac::Hmac<sha2::Sha256>>,
+) -> Result<(), FrameError> {
     let owned: Vec<u8>;
     let offset: [u8; 8];
-    let totals: [u8; 16];
+    let sealed: [u8; 16 + TAG_BYTES];
     let parts: [&[u8]; 2] = match frame {
         Frame::Dir(h) => {
             owned = serde_json::to_vec(h).expect("a header serializes");
@@ -422,9 +509,9 @@ pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameEr
             [&offset, data]
         }
         Frame::EndFile => [&[], &[]],
-        Frame::Done(t) | Frame::Committed(t) => {
-            totals = totals_bytes(t);
-            [&totals, &[]]
+        Frame::Done(seal) | Frame::Committed(seal) => {
+            sealed = seal_bytes(seal);
+            [&sealed, &[]]
         }
         Frame::Abort { reason } => {
             let mut end = reason.len().min(MAX_REASON);
@@ -447,6 +534,11 @@ pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameEr
         what: "sending",
         source,
     };
+    if let Some(t) = transcript.filter(|_| in_transcript(header[0])) {
+        t.update(&header);
+        t.update(parts[0]);
+        t.update(parts[1]);
+    }
     w.write_all(&header).map_err(io)?;
     for p in parts {
         w.write_all(p).map_err(io)?;
@@ -456,6 +548,15 @@ pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameEr
 
 /// Reads one frame from `r`, its payload into `buf` (which the frame borrows).
 pub fn read_frame<'b, R: Read>(r: &mut R, buf: &'b mut Vec<u8>) -> Result<Frame<'b>, FrameError> {
+    read_frame_from(r, buf, None)
+}
+
+/// Reads one frame from `r`, into `transcript` if it is one of the transfer's.
+fn read_frame_from<'b, R: Read>(
+    r: &mut R,
+    buf: &'b mut Vec<u8>,
+    transcript: Option<&mut hmac::Hmac<sha2::Sha256>>,
+) -> Result<Frame<'b>, FrameError> {
     let mut header = [0u8; HEADER_BYTES];
     // A close before a frame's first byte is the peer going away; within it, a truncation.
     let mut got = 0;
@@ -500,6 +601,10 @@ pub fn read_frame<'b, R: Read>(r: &mut R, buf: &'b mut Vec<u8>) -> Result<Frame<
             got,
         });
     }
+    if let Some(t) = transcript.filter(|_| in_transcript(kind)) {
+        t.update(&header);
+        t.update(buf);
+    }
     let malformed = |why: String| FrameError::Malformed { kind: name, why };
     let payload: &'b [u8] = buf;
     let exact = |n: usize| {
@@ -534,15 +639,18 @@ pub fn read_frame<'b, R: Read>(r: &mut R, buf: &'b mut Vec<u8>) -> Result<Frame<
             Frame::EndFile
         }
         KIND_DONE | KIND_COMMITTED => {
-            exact(16)?;
-            let t = Totals {
-                files: u64::from_le_bytes(payload[..8].try_into().expect("8 bytes")),
-                bytes: u64::from_le_bytes(payload[8..].try_into().expect("8 bytes")),
+            exact(16 + TAG_BYTES)?;
+            let seal = Seal {
+                totals: Totals {
+                    files: u64::from_le_bytes(payload[..8].try_into().expect("8 bytes")),
+                    bytes: u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes")),
+                },
+                tag: payload[16..].try_into().expect("32 bytes"),
             };
             if kind == KIND_DONE {
-                Frame::Done(t)
+                Frame::Done(seal)
             } else {
-                Frame::Committed(t)
+                Frame::Committed(seal)
             }
         }
         _ => Frame::Abort {
@@ -615,6 +723,12 @@ pub enum SendError {
         /// Its reason.
         reason: String,
     },
+    /// A confirmation the receiver did not write.
+    #[error(
+        "the receiver's confirmation does not carry this session's HMAC: it was forged or changed \
+         in transit, and the transfer is not known to be complete"
+    )]
+    Forged,
     /// The receiver answered `Done` with something else than its confirmation.
     #[error("the receiver answered the transfer's end with a {got} frame, not Committed")]
     Unconfirmed {
@@ -724,11 +838,11 @@ pub fn send_dir<S: Read + Write>(
     key: &HmacKey,
     dir: &Path,
 ) -> Result<SendReport, WireError> {
-    sender_handshake(stream, key)?;
+    let mut session = sender_handshake(stream, key)?;
     let start = Instant::now();
-    match send_entries(stream, dir) {
-        Ok(sent) => Ok(SendReport {
-            totals: confirmation(stream, sent)?,
+    match send_entries(stream, &mut session, dir) {
+        Ok(done) => Ok(SendReport {
+            totals: confirmation(stream, &session, &done)?,
             elapsed: start.elapsed(),
         }),
         Err(e @ SendError::Frame(FrameError::Io { .. })) => {
@@ -761,14 +875,19 @@ fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-fn send_entries<S: Write>(stream: &mut S, dir: &Path) -> Result<Totals, SendError> {
+/// Sends the frames of `dir` and `Done`; what `Done` said.
+fn send_entries<S: Write>(
+    stream: &mut S,
+    session: &mut Session,
+    dir: &Path,
+) -> Result<Seal, SendError> {
     let mut entries = Vec::new();
     list(dir, "", &mut entries)?;
     let mut sent = Totals::default();
     let mut buf = vec![0u8; CHUNK_BYTES];
     for entry in entries {
         match entry {
-            Entry::Dir(h) => write_frame(stream, &Frame::Dir(h))?,
+            Entry::Dir(h) => write_frame_to(stream, &Frame::Dir(h), Some(&mut session.frames))?,
             Entry::File(h) => {
                 let path = dir.join(&h.path);
                 let read = |source| SendError::Read {
@@ -781,7 +900,7 @@ fn send_entries<S: Write>(stream: &mut S, dir: &Path) -> Result<Totals, SendErro
                     .open(&path)
                     .map_err(read)?;
                 let size = h.size;
-                write_frame(stream, &Frame::File(h))?;
+                write_frame_to(stream, &Frame::File(h), Some(&mut session.frames))?;
                 let mut offset = 0u64;
                 while offset < size {
                     let want = (size - offset).min(CHUNK_BYTES as u64) as usize;
@@ -789,30 +908,35 @@ fn send_entries<S: Write>(stream: &mut S, dir: &Path) -> Result<Totals, SendErro
                     if k < want {
                         return Err(SendError::Changed { path, listed: size });
                     }
-                    write_frame(
+                    write_frame_to(
                         stream,
                         &Frame::Chunk {
                             offset,
                             data: &buf[..k],
                         },
+                        Some(&mut session.frames),
                     )?;
                     offset += k as u64;
                 }
                 if f.metadata().map_err(read)?.len() != size {
                     return Err(SendError::Changed { path, listed: size });
                 }
-                write_frame(stream, &Frame::EndFile)?;
+                write_frame_to(stream, &Frame::EndFile, Some(&mut session.frames))?;
                 sent.files += 1;
                 sent.bytes += size;
             }
         }
     }
-    write_frame(stream, &Frame::Done(sent))?;
+    let done = Seal {
+        totals: sent,
+        tag: session.done(&sent).finalize().into_bytes().into(),
+    };
+    write_frame(stream, &Frame::Done(done))?;
     stream.flush().map_err(|source| FrameError::Io {
         what: "sending",
         source,
     })?;
-    Ok(sent)
+    Ok(done)
 }
 
 /// Reads into `buf` until it is full or the file ends; how much was read.
@@ -829,12 +953,27 @@ fn read_full(f: &mut fs::File, buf: &mut [u8]) -> io::Result<usize> {
     Ok(got)
 }
 
-/// The receiver's answer to `Done`.
-fn confirmation<S: Read>(stream: &mut S, sent: Totals) -> Result<Totals, SendError> {
+/// The receiver's answer to `Done`: its totals, once checked.
+fn confirmation<S: Read>(
+    stream: &mut S,
+    session: &Session,
+    done: &Seal,
+) -> Result<Totals, SendError> {
     let mut buf = Vec::new();
     match read_frame(stream, &mut buf)? {
-        Frame::Committed(got) if got == sent => Ok(got),
-        Frame::Committed(got) => Err(SendError::Miscounted { sent, got }),
+        Frame::Committed(c) => {
+            session
+                .committed(&done.tag, &c.totals)
+                .verify_slice(&c.tag)
+                .map_err(|_| SendError::Forged)?;
+            if c.totals != done.totals {
+                return Err(SendError::Miscounted {
+                    sent: done.totals,
+                    got: c.totals,
+                });
+            }
+            Ok(c.totals)
+        }
         Frame::Abort { reason } => Err(SendError::Rejected { reason }),
         other => Err(SendError::Unconfirmed { got: other.name() }),
     }
@@ -925,6 +1064,12 @@ pub enum ReceiveError {
         /// Received.
         got: Totals,
     },
+    /// Frames the sender did not write.
+    #[error(
+        "the frames received do not carry this session's HMAC: they were changed in transit \
+         (their checksums are no defence against a deliberate change)"
+    )]
+    Forged,
     /// A frame to or from the sender.
     #[error(transparent)]
     Frame(#[from] FrameError),
@@ -1060,16 +1205,25 @@ pub fn receive_dir<S: Read + Write>(
         }
         .into());
     }
-    receiver_handshake(stream, key)?;
+    let mut session = receiver_handshake(stream, key)?;
     let start = Instant::now();
     let parent = match dest.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    match receive_into(stream, parent, name, dest) {
-        Ok(totals) => {
+    match receive_into(stream, &mut session, parent, name, dest) {
+        Ok(done) => {
             // The directory is named: the sender not hearing it changes nothing here.
-            let _ = write_frame(stream, &Frame::Committed(totals));
+            let totals = done.totals;
+            let committed = Seal {
+                totals,
+                tag: session
+                    .committed(&done.tag, &totals)
+                    .finalize()
+                    .into_bytes()
+                    .into(),
+            };
+            let _ = write_frame(stream, &Frame::Committed(committed));
             let _ = stream.flush();
             Ok(ReceiveReport {
                 totals,
@@ -1091,12 +1245,15 @@ pub fn receive_dir<S: Read + Write>(
     }
 }
 
+/// Receives the frames into a temporary sibling of `dest`, then names it `dest`; what `Done`
+/// said, checked.
 fn receive_into<S: Read>(
     stream: &mut S,
+    session: &mut Session,
     parent: &Path,
     name: &std::ffi::OsStr,
     dest: &Path,
-) -> Result<Totals, ReceiveError> {
+) -> Result<Seal, ReceiveError> {
     let mut staging = {
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(name);
@@ -1127,7 +1284,7 @@ fn receive_into<S: Read>(
     let mut got = Totals::default();
     let mut buf = Vec::new();
     let sent = loop {
-        match read_frame(stream, &mut buf)? {
+        match read_frame_from(stream, &mut buf, Some(&mut session.frames))? {
             Frame::Dir(h) => {
                 if current.is_some() {
                     return Err(unexpected("Dir", "inside a file"));
@@ -1212,18 +1369,25 @@ fn receive_into<S: Read>(
                 got.files += 1;
                 got.bytes += c.size;
             }
-            Frame::Done(t) => {
+            Frame::Done(done) => {
                 if current.is_some() {
                     return Err(unexpected("Done", "inside a file"));
                 }
-                break t;
+                session
+                    .done(&done.totals)
+                    .verify_slice(&done.tag)
+                    .map_err(|_| ReceiveError::Forged)?;
+                break done;
             }
             Frame::Abort { reason } => return Err(ReceiveError::Aborted { reason }),
             Frame::Committed(_) => return Err(unexpected("Committed", "(a receiver's frame)")),
         }
     };
-    if sent != got {
-        return Err(ReceiveError::Totals { sent, got });
+    if sent.totals != got {
+        return Err(ReceiveError::Totals {
+            sent: sent.totals,
+            got,
+        });
     }
     // Deepest first: a directory's mode may take away what its children's need.
     dirs.push((root.clone(), 0o700));
@@ -1255,7 +1419,7 @@ fn receive_into<S: Read>(
     if let Ok(p) = fs::File::open(parent) {
         let _ = p.sync_all();
     }
-    Ok(got)
+    Ok(sent)
 }
 
 fn unexpected(got: &'static str, context: &'static str) -> ReceiveError {
@@ -1468,36 +1632,47 @@ mod tests {
 
     /// Runs `receive_dir` into `dest` against a sender that passes the handshake and then writes
     /// what `frames` writes; the receiver's error.
-    fn against(dest: &Path, frames: impl FnOnce(&mut UnixStream)) -> WireError {
+    fn against(dest: &Path, frames: impl FnOnce(&mut UnixStream, &mut Session)) -> WireError {
         let (mut a, mut b) = pair();
         let d = dest.to_path_buf();
         let receiver = thread::spawn(move || receive_dir(&mut b, &key(3), &d));
-        sender_handshake(&mut a, &key(3)).unwrap();
-        frames(&mut a);
+        let mut session = sender_handshake(&mut a, &key(3)).unwrap();
+        frames(&mut a, &mut session);
         drop(a);
         receiver.join().unwrap().unwrap_err()
     }
 
+    /// Writes a frame as a sender does.
+    fn send(s: &mut UnixStream, session: &mut Session, frame: &Frame<'_>) {
+        let _ = write_frame_to(s, frame, Some(&mut session.frames));
+    }
+
     /// Writes a file's frames (not `Done`).
-    fn put(s: &mut UnixStream, path: &str, data: &[u8]) {
+    fn put(s: &mut UnixStream, session: &mut Session, path: &str, data: &[u8]) {
         let h = FileHeader {
             path: path.to_string(),
             size: data.len() as u64,
             mode: 0o644,
         };
-        let _ = write_frame(s, &Frame::File(h));
-        let _ = write_frame(s, &Frame::Chunk { offset: 0, data });
-        let _ = write_frame(s, &Frame::EndFile);
+        send(s, session, &Frame::File(h));
+        send(s, session, &Frame::Chunk { offset: 0, data });
+        send(s, session, &Frame::EndFile);
+    }
+
+    /// Writes `Done`, sealed.
+    fn done(s: &mut UnixStream, session: &mut Session, totals: Totals) {
+        let tag = session.done(&totals).finalize().into_bytes().into();
+        let _ = write_frame(s, &Frame::Done(Seal { totals, tag }));
     }
 
     /// One file and `Done`.
-    fn file(path: &str, data: &[u8]) -> impl FnOnce(&mut UnixStream) {
+    fn file(path: &str, data: &[u8]) -> impl FnOnce(&mut UnixStream, &mut Session) {
         let path = path.to_string();
         let data = data.to_vec();
-        move |s| {
-            put(s, &path, &data);
+        move |s, session| {
+            put(s, session, &path, &data);
             let bytes = data.len() as u64;
-            let _ = write_frame(s, &Frame::Done(Totals { files: 1, bytes }));
+            done(s, session, Totals { files: 1, bytes });
         }
     }
 
@@ -1526,7 +1701,7 @@ mod tests {
             assert!(!outside.exists());
         }
         // A directory named like that, too.
-        let e = against(&dest, |s| {
+        let e = against(&dest, |s, _| {
             let _ = write_frame(
                 s,
                 &Frame::Dir(DirHeader {
@@ -1541,9 +1716,9 @@ mod tests {
         );
         assert!(!outside.exists());
         // A path through a file the sender sent.
-        let e = against(&dest, |s| {
-            put(s, "f", b"x");
-            put(s, "f/g", b"y");
+        let e = against(&dest, |s, session| {
+            put(s, session, "f", b"x");
+            put(s, session, "f/g", b"y");
         });
         assert!(
             matches!(
@@ -1557,7 +1732,7 @@ mod tests {
         );
         assert!(names(&out).is_empty());
         // A frame over the cap is refused before it is read.
-        let e = against(&dest, |s| {
+        let e = against(&dest, |s, _| {
             let mut h = [0u8; HEADER_BYTES];
             h[0] = KIND_CHUNK;
             h[1..9].copy_from_slice(&(MAX_FRAME + 1).to_le_bytes());
@@ -1576,12 +1751,12 @@ mod tests {
         assert_eq!(fs::read(dest.join("a/b/c")).unwrap(), b"fine");
     }
 
-    fn against_ok(dest: &Path, frames: impl FnOnce(&mut UnixStream)) {
+    fn against_ok(dest: &Path, frames: impl FnOnce(&mut UnixStream, &mut Session)) {
         let (mut a, mut b) = pair();
         let d = dest.to_path_buf();
         let receiver = thread::spawn(move || receive_dir(&mut b, &key(3), &d));
-        sender_handshake(&mut a, &key(3)).unwrap();
-        frames(&mut a);
+        let mut session = sender_handshake(&mut a, &key(3)).unwrap();
+        frames(&mut a, &mut session);
         let mut buf = Vec::new();
         assert!(matches!(
             read_frame(&mut a, &mut buf).unwrap(),
@@ -1594,7 +1769,7 @@ mod tests {
     fn a_connection_dropped_mid_file_fails_and_nothing_is_written() {
         let (_tmp, _src, out) = dirs();
         let dest = out.join("image");
-        let e = against(&dest, |s| {
+        let e = against(&dest, |s, _| {
             let data = noise(1 << 20);
             write_frame(
                 s,
@@ -1625,7 +1800,7 @@ mod tests {
         );
         assert!(names(&out).is_empty());
         // A file shorter than its size, ended: refused too.
-        let e = against(&dest, |s| {
+        let e = against(&dest, |s, _| {
             let _ = write_frame(
                 s,
                 &Frame::File(FileHeader {
@@ -1718,6 +1893,86 @@ mod tests {
     }
 
     #[test]
+    fn frames_changed_with_their_checksums_fixed_are_refused_by_their_hmac() {
+        let (_tmp, _src, out) = dirs();
+        let dest = out.join("image");
+        // What a man in the middle would send: another chunk, its checksum right.
+        let e = against(&dest, |s, session| {
+            let h = FileHeader {
+                path: "f".into(),
+                size: 4,
+                mode: 0o644,
+            };
+            send(s, session, &Frame::File(h));
+            let good = Frame::Chunk {
+                offset: 0,
+                data: b"good",
+            };
+            write_frame_to(&mut io::sink(), &good, Some(&mut session.frames)).unwrap();
+            let _ = write_frame(
+                s,
+                &Frame::Chunk {
+                    offset: 0,
+                    data: b"evil",
+                },
+            );
+            send(s, session, &Frame::EndFile);
+            done(s, session, Totals { files: 1, bytes: 4 });
+        });
+        assert!(
+            matches!(e, WireError::Receive(ReceiveError::Forged)),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("changed in transit"), "{e}");
+        assert!(names(&out).is_empty());
+        // A frame left out.
+        let e = against(&dest, |s, session| {
+            put(s, session, "a", b"1");
+            write_frame_to(
+                &mut io::sink(),
+                &Frame::Dir(DirHeader {
+                    path: "d".into(),
+                    mode: 0o755,
+                }),
+                Some(&mut session.frames),
+            )
+            .unwrap();
+            done(s, session, Totals { files: 1, bytes: 1 });
+        });
+        assert!(
+            matches!(e, WireError::Receive(ReceiveError::Forged)),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
+    }
+
+    #[test]
+    fn a_confirmation_without_the_sessions_hmac_fails_the_send() {
+        let (_tmp, src, _out) = dirs();
+        fs::write(src.join("f"), "data").unwrap();
+        let (mut a, mut b) = pair();
+        let receiver = thread::spawn(move || {
+            let mut session = receiver_handshake(&mut b, &key(8)).unwrap();
+            let mut buf = Vec::new();
+            loop {
+                let f = read_frame_from(&mut b, &mut buf, Some(&mut session.frames)).unwrap();
+                if let Frame::Done(d) = f {
+                    let forged = Seal {
+                        totals: d.totals,
+                        tag: [0; TAG_BYTES],
+                    };
+                    write_frame(&mut b, &Frame::Committed(forged)).unwrap();
+                    return;
+                }
+            }
+        });
+        let e = send_dir(&mut a, &key(8), &src).unwrap_err();
+        receiver.join().unwrap();
+        assert!(matches!(e, WireError::Send(SendError::Forged)), "{e:?}");
+        assert!(e.to_string().contains("not known to be complete"), "{e}");
+    }
+
+    #[test]
     fn a_symbolic_link_in_the_source_is_refused_naming_it() {
         let (_tmp, src, out) = dirs();
         fs::create_dir(src.join("criu")).unwrap();
@@ -1785,8 +2040,14 @@ mod tests {
                 data: b"abc",
             },
             Frame::EndFile,
-            Frame::Done(Totals { files: 1, bytes: 3 }),
-            Frame::Committed(Totals { files: 1, bytes: 3 }),
+            Frame::Done(Seal {
+                totals: Totals { files: 1, bytes: 3 },
+                tag: [7; TAG_BYTES],
+            }),
+            Frame::Committed(Seal {
+                totals: Totals { files: 1, bytes: 3 },
+                tag: [8; TAG_BYTES],
+            }),
             Frame::Abort {
                 reason: "why".into(),
             },
