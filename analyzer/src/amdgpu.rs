@@ -266,7 +266,7 @@ fn slice<'a>(data: &'a [u8], offset: u64, len: u64, what: &str) -> Result<&'a [u
 }
 
 /// The contents of the note sections (or, with no section headers, the note segments).
-fn note_areas(elf: &[u8]) -> Result<Vec<&[u8]>, AmdgpuError> {
+fn note_areas<'a>(elf: &'a [u8]) -> Result<Vec<&'a [u8]>, AmdgpuError> {
     let ehdr = slice(elf, 0, 64, "header").map_err(|_| AmdgpuError::NotElf64Le)?;
     if &ehdr[..4] != b"\x7fELF" || ehdr[4] != 2 || ehdr[5] != 1 {
         return Err(AmdgpuError::NotElf64Le);
@@ -275,50 +275,61 @@ fn note_areas(elf: &[u8]) -> Result<Vec<&[u8]>, AmdgpuError> {
     if machine != EM_AMDGPU {
         return Err(AmdgpuError::NotAmdgpu(machine));
     }
-    let table = |off: u64, entsize: u64, num: u64, min: u64, what: &str| {
-        if num > 0 && entsize < min {
+    // One header table (sections or segments): where its entries' fields are, in the ELF header
+    // and in an entry, and which entries are notes.
+    struct Table {
+        what: &'static str,
+        /// Offsets in the ELF header of the table's offset (u64), entry size and count (u16).
+        at: (usize, usize, usize),
+        /// Least entry size.
+        min: u64,
+        /// Offset and value of an entry's type (u32) that marks a note.
+        note: (usize, u32),
+        /// Offsets of an entry's file offset and size (u64).
+        range: (usize, usize),
+        item: &'static str,
+    }
+    let notes = |t: &Table, out: &mut Vec<&'a [u8]>| -> Result<u64, AmdgpuError> {
+        let (off, entsize, num) = (
+            u64_at(ehdr, t.at.0),
+            u64::from(u16_at(ehdr, t.at.1)),
+            u64::from(u16_at(ehdr, t.at.2)),
+        );
+        if num > 0 && entsize < t.min {
             return Err(AmdgpuError::BadHeader(format!(
-                "{what} entry size {entsize} < {min}"
+                "{} entry size {entsize} < {}",
+                t.what, t.min
             )));
         }
-        slice(elf, off, entsize * num, what)
-    };
-    let mut out = Vec::new();
-    let (shoff, shentsize, shnum) = (
-        u64_at(ehdr, 0x28),
-        u64::from(u16_at(ehdr, 0x3a)),
-        u64::from(u16_at(ehdr, 0x3c)),
-    );
-    let sht = table(shoff, shentsize, shnum, 64, "section header table")?;
-    for i in 0..shnum as usize {
-        let sh = &sht[i * shentsize as usize..][..64];
-        if u32_at(sh, 4) == SHT_NOTE {
-            out.push(slice(
-                elf,
-                u64_at(sh, 24),
-                u64_at(sh, 32),
-                &format!("note section {i}"),
-            )?);
-        }
-    }
-    if shnum == 0 {
-        let (phoff, phentsize, phnum) = (
-            u64_at(ehdr, 0x20),
-            u64::from(u16_at(ehdr, 0x36)),
-            u64::from(u16_at(ehdr, 0x38)),
-        );
-        let pht = table(phoff, phentsize, phnum, 56, "program header table")?;
-        for i in 0..phnum as usize {
-            let ph = &pht[i * phentsize as usize..][..56];
-            if u32_at(ph, 0) == PT_NOTE {
-                out.push(slice(
-                    elf,
-                    u64_at(ph, 8),
-                    u64_at(ph, 32),
-                    &format!("note segment {i}"),
-                )?);
+        let table = slice(elf, off, entsize * num, t.what)?;
+        for i in 0..num as usize {
+            let e = &table[i * entsize as usize..][..t.min as usize];
+            if u32_at(e, t.note.0) == t.note.1 {
+                let (o, n) = (u64_at(e, t.range.0), u64_at(e, t.range.1));
+                out.push(slice(elf, o, n, &format!("{} {i}", t.item))?);
             }
         }
+        Ok(num)
+    };
+    let mut out = Vec::new();
+    let sections = Table {
+        what: "section header table",
+        at: (0x28, 0x3a, 0x3c),
+        min: 64,
+        note: (4, SHT_NOTE),
+        range: (24, 32),
+        item: "note section",
+    };
+    if notes(&sections, &mut out)? == 0 {
+        let segments = Table {
+            what: "program header table",
+            at: (0x20, 0x36, 0x38),
+            min: 56,
+            note: (0, PT_NOTE),
+            range: (8, 32),
+            item: "note segment",
+        };
+        notes(&segments, &mut out)?;
     }
     Ok(out)
 }

@@ -213,6 +213,11 @@ pub struct KeeperStatus {
     pub spare: Option<String>,
 }
 
+/// The kind ([`Unmanaged::by_kind`]) of mappings of memory another process shared with the job
+/// (`cuMemImportFromShareableHandle`, then `cuMemMap`): NVIDIA's driver cannot restore a process
+/// that maps it.
+pub const IMPORTED_MAPPING: &str = "cuMemMap of imported memory";
+
 /// GPU memory possum does not manage.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(default)]

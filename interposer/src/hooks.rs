@@ -239,10 +239,6 @@ fn other_entry(t: &ThreadState, cbid: u32, shape: Shape, ctx: u64, call: &RawCal
     }
 }
 
-/// The kind of an unmanaged range that maps memory another process shared (`possum status`'s
-/// `unmanaged.by_kind`): NVIDIA's driver cannot checkpoint a process that maps it.
-pub const IMPORTED: &str = "cuMemMap of imported memory";
-
 /// Notes a fault ([`crate::gate::note_fault`]) if dropped while the hook's thread unwinds.
 struct PanicFault;
 
@@ -299,7 +295,7 @@ fn on_exit(st: &State, t: &ThreadState, cbid: u32, shape: Shape, call: &RawCall<
         }
         Shape::Map => {
             let kind = if st.is_imported(call.word(3)) {
-                IMPORTED
+                possum_control::reply::IMPORTED_MAPPING
             } else {
                 "cuMemMap"
             };

@@ -736,7 +736,7 @@ fn refuse_unsupported_memory(
         .possum
         .as_ref()
         .and_then(|p| p.unmanaged.as_ref())
-        .and_then(|u| u.by_kind.get(IMPORTED_KIND));
+        .and_then(|u| u.by_kind.get(possum_control::reply::IMPORTED_MAPPING));
     match imported {
         Some(m) if m.allocations > 0 && !gpu_only => Err(PlanError::Imported {
             pid,
@@ -746,10 +746,6 @@ fn refuse_unsupported_memory(
         _ => Ok(()),
     }
 }
-
-/// The kind libpossum.so gives mappings of memory another process shared (`possum status`'s
-/// `unmanaged.by_kind`).
-const IMPORTED_KIND: &str = "cuMemMap of imported memory";
 
 /// Which of `children` have possum loaded: a control socket in `sockets` that answers. One with
 /// managed memory is refused, as the root is; one whose socket does not answer is an error.
@@ -930,8 +926,10 @@ impl<'a> Run<'a> {
         }
         let p = self.params();
         self.guard.step(Step::Cutting);
-        let pids: Vec<i32> = std::iter::once(p.pid)
-            .chain(self.plan.possum_children.iter().copied())
+        let pids: Vec<i32> = self
+            .possum_processes(&self.tmp)
+            .into_iter()
+            .map(|(pid, _)| pid)
             .collect();
         let t = Instant::now();
         if let Some(cut) = crate::ranks::cut(&pids, &JobRanks(&p.sockets), p.env.cut_deadline)? {

@@ -208,6 +208,18 @@ fn hs_io(what: &'static str) -> impl FnOnce(io::Error) -> HandshakeError {
     move |source| HandshakeError::Io { what, source }
 }
 
+/// Writes one handshake message whole and flushes it (`what` names it in an error).
+fn hs_send<S: Write>(
+    stream: &mut S,
+    bytes: &[u8],
+    what: &'static str,
+) -> Result<(), HandshakeError> {
+    stream
+        .write_all(bytes)
+        .and_then(|()| stream.flush())
+        .map_err(hs_io(what))
+}
+
 /// The receiver's side of the handshake: sends its hello, checks the sender's proof (writing
 /// nothing more if it fails), answers its own. The session authenticates the frames that follow.
 pub fn receiver_handshake<S: Read + Write>(
@@ -219,10 +231,7 @@ pub fn receiver_handshake<S: Read + Write>(
     hello.extend_from_slice(&MAGIC);
     hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     hello.extend_from_slice(&rn);
-    stream
-        .write_all(&hello)
-        .map_err(hs_io("sending the hello"))?;
-    stream.flush().map_err(hs_io("sending the hello"))?;
+    hs_send(stream, &hello, "sending the hello")?;
 
     let mut proof = [0u8; 8 + 4 + NONCE_BYTES + TAG_BYTES];
     stream
@@ -236,12 +245,7 @@ pub fn receiver_handshake<S: Read + Write>(
         .verify_slice(client_tag)
         .map_err(|_| HandshakeError::PeerNotAuthenticated { peer: "sender" })?;
     let server_tag = tag(key, SERVER_LABEL, sn, &rn).finalize().into_bytes();
-    stream
-        .write_all(&server_tag)
-        .map_err(hs_io("sending the receiver's proof"))?;
-    stream
-        .flush()
-        .map_err(hs_io("sending the receiver's proof"))?;
+    hs_send(stream, &server_tag, "sending the receiver's proof")?;
     Ok(Session::new(key, &rn, sn))
 }
 
@@ -264,12 +268,7 @@ pub fn sender_handshake<S: Read + Write>(
     proof.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     proof.extend_from_slice(&sn);
     proof.extend_from_slice(&tag(key, CLIENT_LABEL, rn, &sn).finalize().into_bytes());
-    stream
-        .write_all(&proof)
-        .map_err(hs_io("sending the sender's proof"))?;
-    stream
-        .flush()
-        .map_err(hs_io("sending the sender's proof"))?;
+    hs_send(stream, &proof, "sending the sender's proof")?;
 
     let mut server_tag = [0u8; TAG_BYTES];
     match stream.read_exact(&mut server_tag) {
