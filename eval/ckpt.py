@@ -51,7 +51,8 @@ import argparse, atexit, concurrent.futures, glob, json, os, random, shutil, sig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
 POSSUM = os.path.join(GPU, "possum")
-SO = os.path.join(GPU, "libpossum.so")
+# CKPT_LIBPOSSUM: another build of libpossum.so for the jobs (an A/B of two builds in one run).
+SO = os.environ.get("CKPT_LIBPOSSUM") or os.path.join(GPU, "libpossum.so")
 WORK = os.environ.get("POSSUM_CKPT_WORK", "/dev/shm/possum-ckpt")
 SOCK = os.path.join(WORK, "sockets")
 OUT = None
@@ -275,6 +276,9 @@ def start(name, spec, steps, possum, hold=0.0, sleep_ms=0.0, frozen=False, env=N
         ensure_keeper()
     err = open(os.path.join(WORK, f"{name}.err"), "a")
     cmd = job_cmd(job, steps, log, hold, sleep_ms) + (["--ballast-frozen"] if frozen else [])
+    if job not in C_JOBS and os.environ.get("CKPT_HOST_BATCH_MIB"):
+        # Every step copies a batch from pinned host memory (`jobs.py --host-batch-mib`).
+        cmd += ["--host-batch-mib", os.environ["CKPT_HOST_BATCH_MIB"]]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=err, env=e, start_new_session=True,
                          cwd=ROOT)
@@ -400,6 +404,9 @@ def restore(img, extra=(), v=None):
         subprocess.run(["sync"], check=False)
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
+    if "--socket-dir" not in extra:
+        # The jobs' sockets are in SOCK (job_env): possum's socket directory for this restore.
+        extra = (*extra, "--socket-dir", SOCK)
     return possum("restore", "-D", img, "--json", *extra, env=env)
 
 
@@ -670,6 +677,24 @@ def stall_of(rows, t0, t1):
     return 1e3 * (worst - normal), 1e3 * normal
 
 
+def steps_during_save(rows, t0, t1, saved_ms, normal_ms):
+    """The job's steps while a kept checkpoint's save ran after it resumed (from the end of the
+    largest gap in [t0, t1], the hold, for `saved_ms`): their median time (ms), how many, and the
+    time the job lost from t0 to the save's end (every step's time beyond a normal step, the
+    hold's gap included)."""
+    ts = [r["t"] for r in rows if "t" in r]
+    gaps = [(ts[i + 1], ts[i + 1] - ts[i]) for i in range(len(ts) - 1) if t0 <= ts[i + 1] <= t1 + 60]
+    if not gaps or not saved_ms:
+        return {"median": None, "steps": 0, "lost_ms": None}
+    resumed = max(gaps, key=lambda g: g[1])[0]
+    end = resumed + saved_ms / 1e3
+    during = [1e3 * g for (t, g) in gaps if resumed < t <= end]
+    lost = sum(max(0.0, 1e3 * g - normal_ms) for (t, g) in gaps if t <= end)
+    med = statistics.median(during) if during else None
+    return {"median": med, "steps": len(during), "lost_ms": lost,
+            "ratio": med / normal_ms if med and normal_ms else None}
+
+
 def timeline(rows, t0, t1, before=1.0, after=3.0):
     """Step gaps around a checkpoint: [[seconds since t0, gap ms], ...] from t0-before to t1+after."""
     ts = [r["t"] for r in rows if "t" in r]
@@ -880,6 +905,7 @@ def chain(engine, gib, reps, kind="figures", job="mlp", in_budget=lambda: True, 
             row["kept"] = {"kept_bytes": rel.get("kept_bytes"), "detach_ms": rel.get("detach_ms"),
                            "attach_ms": (cj.get("resume_report") or {}).get("attach_ms"),
                            "saved_ms": (cj.get("figures") or {}).get("saved_ms"), "save": saved}
+            row["step_ms_during_save"] = steps_during_save(rows, t0, t1, row["kept"]["saved_ms"], normal)
         row.update(ok=ck["rc"] == 0, checkpoint_total_ms=1e3 * (t1 - t0), stall_ms=stall, normal_step_ms=normal,
                    possum_stall_ms=figs.get("stall_ms"), stall_parts_ms=figs.get("stall_breakdown_ms"),
                    hooks=cj.get("hooks"), hold=cj.get("hold"),

@@ -165,12 +165,38 @@ pub fn stage_plugin(file: &Path, dir: &Path) -> std::io::Result<PathBuf> {
         d.len() == src.len() && matches!((d.modified(), src.modified()), (Ok(a), Ok(b)) if a >= b)
     });
     if !fresh {
+        remove_stale_copies(dir);
         // Through a temporary name: a concurrent CRIU never loads a half-written plugin.
         let tmp = dir.join(format!(".{PLUGIN_FILE}.{}", std::process::id()));
-        std::fs::copy(file, &tmp)?;
-        std::fs::rename(&tmp, &dst)?;
+        let copied = std::fs::copy(file, &tmp).and_then(|_| std::fs::rename(&tmp, &dst));
+        if copied.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        copied?;
     }
     Ok(dir.to_path_buf())
+}
+
+/// Removes the temporary copies [`stage_plugin`] left in `dir` when the process making them
+/// was killed mid-copy (their names end in the copier's pid; a live copier's is kept).
+fn remove_stale_copies(dir: &Path) {
+    let prefix = format!(".{PLUGIN_FILE}.");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// How long a CRIU dump or restore may take before its worker (and whatever it started) is
@@ -1005,6 +1031,16 @@ mod tests {
             b"plugin v2, longer"
         );
         assert!(stage_plugin(&built.join("missing.so"), &own).is_err());
+        // A copy left by a copier that died (no such pid) goes at the next copy.
+        let dead = own.join(format!(".{PLUGIN_FILE}.{}", u32::MAX - 1));
+        std::fs::write(&dead, b"half").unwrap();
+        std::fs::write(built.join(PLUGIN_FILE), b"plugin v3, longer still").unwrap();
+        stage_plugin(&built.join(PLUGIN_FILE), &own).unwrap();
+        assert!(!dead.exists());
+        assert_eq!(
+            std::fs::read(own.join(PLUGIN_FILE)).unwrap(),
+            b"plugin v3, longer still"
+        );
     }
 
     #[test]

@@ -770,8 +770,13 @@ impl CudaStream {
         Ok(p)
     }
 
-    /// Blocks until all work queued so far has completed.
+    /// Blocks until all work queued so far has completed: on an event recorded at its end,
+    /// which blocks the thread rather than spinning ([`CudaEvent::record`]); if no event can be
+    /// made, on the stream itself.
     pub fn synchronize(&self) -> DeviceResult<()> {
+        if let Ok(ev) = CudaEvent::record(self) {
+            return ev.synchronize();
+        }
         // SAFETY: the stream handle is valid (owned, 0, or valid by `borrow_raw`'s contract).
         check_async("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(self.0.raw)
@@ -937,12 +942,17 @@ impl fmt::Debug for CudaEvent {
 
 impl CudaEvent {
     /// Creates an event and records it at the current end of `stream`.
+    ///
+    /// The event blocks a thread that synchronizes on it (`CU_EVENT_BLOCKING_SYNC`) instead of
+    /// spinning, whatever the context's scheduling flags: possum's background threads wait on
+    /// many copies at once, and spinning they would take CPUs from the job's own threads.
     pub fn record(stream: &CudaStream) -> DeviceResult<CudaEvent> {
         let ctx = &stream.0.ctx;
         let mut raw: sys::CUevent = ptr::null_mut();
         call!(cuEventCreate(
             &mut raw,
             sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+                | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
         ))?;
         let ev = CudaEvent(Arc::new(EventInner {
             raw,

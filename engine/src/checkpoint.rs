@@ -240,9 +240,11 @@ impl<D: Device> CkptSession<D> {
             session.snapshot_into_shadows();
         }
         let inner = Arc::clone(inner);
+        let nice = inner.cfg.background_nice;
         let join = std::thread::Builder::new()
             .name("possum-copier".into())
             .spawn(move || {
+                crate::engine::background_thread(nice);
                 let r = session.run();
                 inner.set_phase(Phase::Idle);
                 r
@@ -306,12 +308,16 @@ impl<D: Device> CkptSession<D> {
             bytes: AtomicU64::new(0),
         });
         let mut writers = Vec::new();
+        let nice = inner.cfg.background_nice;
         for i in 0..inner.cfg.writer_threads.max(1) {
             let (s, rx) = (Arc::clone(&shared), writer_rx.clone());
             writers.push(
                 std::thread::Builder::new()
                     .name(format!("possum-writer-{i}"))
-                    .spawn(move || s.writer(rx))
+                    .spawn(move || {
+                        crate::engine::background_thread(nice);
+                        s.writer(rx)
+                    })
                     .map_err(|e| {
                         EngineError::Failed(format!("cannot start a writer thread: {e}"))
                     })?,
@@ -731,17 +737,18 @@ impl<D: Device> CkptSession<D> {
                 }
             }
             drop(savers_rx);
+            // First the buffers the job may still have to wait for (not in a shadow), in the
+            // slots' order (the predicted writes first); then the shadows, which the job never
+            // waits for. A saver's shadows go to it at once: it copies them on its own
+            // streams into its own memory, beside the staging.
+            let mut shadowed = Vec::new();
+            let saver = self.shadow_saver.is_some();
             for (i, slot) in self.slots.iter().enumerate() {
                 if self.failed() {
                     break;
                 }
                 let stream = &self.copy_streams[i % n];
-                enum Next<E> {
-                    Copy,
-                    FromShadow(DevPtr, E),
-                    Skip,
-                }
-                let next = {
+                let copy = {
                     let mut st = slot.state.lock();
                     // A hook may be saving it right now, perhaps into a shadow that still has to
                     // reach the image: wait for it to settle, then look again.
@@ -751,31 +758,40 @@ impl<D: Device> CkptSession<D> {
                     match &*st {
                         CkState::Pending => {
                             *st = CkState::Busy;
-                            Next::Copy
+                            true
+                        }
+                        CkState::Shadowed { shadow, ready, .. } if saver => {
+                            if let Err(e) = to_savers.send((i, *shadow, ready.clone())) {
+                                shadowed.push(e.into_inner());
+                            }
+                            false
                         }
                         CkState::Shadowed { shadow, ready, .. } => {
-                            Next::FromShadow(*shadow, ready.clone())
+                            shadowed.push((i, *shadow, ready.clone()));
+                            false
                         }
-                        _ => Next::Skip,
+                        _ => false,
                     }
                 };
-                let (id, size) = (slot.buf.id(), slot.buf.size());
-                match next {
-                    Next::Copy => match self.enqueue_chunks(id, slot.buf.va(), size, stream) {
+                if copy {
+                    let (id, size) = (slot.buf.id(), slot.buf.size());
+                    match self.enqueue_chunks(id, slot.buf.va(), size, stream) {
                         Ok(ev) => self.settle(slot, CkState::Saved(ev)),
                         Err(e) => {
                             self.shared.fail(e);
                             self.settle(slot, CkState::Abandoned);
                         }
-                    },
-                    Next::FromShadow(shadow, ready) => {
-                        // Without a saver no thread receives: saved here, through the staging.
-                        if let Err(e) = to_savers.send((i, shadow, ready)) {
-                            let (i, shadow, ready) = e.into_inner();
-                            self.save_shadow(i, shadow, &ready, stream);
-                        }
                     }
-                    Next::Skip => {}
+                }
+            }
+            for (i, shadow, ready) in shadowed {
+                if self.failed() {
+                    break;
+                }
+                // Without a saver no thread receives: saved here, through the staging.
+                if let Err(e) = to_savers.send((i, shadow, ready)) {
+                    let (i, shadow, ready) = e.into_inner();
+                    self.save_shadow(i, shadow, &ready, &self.copy_streams[i % n]);
                 }
             }
         });

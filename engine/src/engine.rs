@@ -56,6 +56,22 @@ pub struct EngineConfig {
     /// the job overtake it.
     #[doc(hidden)]
     pub prefetch_delay: Duration,
+    /// The nice value the engine's background threads (the copier, the writers, the
+    /// restorers) take when they start, so that the job's own threads go first when the CPUs
+    /// are busy; 0 leaves them at the job's. On Linux a thread's nice value is its own.
+    pub background_nice: i32,
+}
+
+/// Gives the calling thread the nice value `nice` (nothing for 0). A failure (a nice value the
+/// process may not take) leaves the thread as it was: the work is the same, only scheduled
+/// differently.
+pub(crate) fn background_thread(nice: i32) {
+    if nice != 0 {
+        let tid = rustix::thread::gettid();
+        if let Err(e) = rustix::process::setpriority_process(Some(tid), nice) {
+            tracing::debug!("background thread keeps its nice value ({nice} refused: {e})");
+        }
+    }
 }
 
 /// Threads mapping detached buffers again in [`Engine::reattach`].
@@ -71,6 +87,7 @@ impl Default for EngineConfig {
             restore_threads: 2,
             shadow_budget: 0,
             prefetch_delay: Duration::ZERO,
+            background_nice: 0,
         }
     }
 }

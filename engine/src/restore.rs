@@ -344,13 +344,17 @@ impl<D: Device> RestoreSession<D> {
         inner.gate.open();
 
         let mut workers = Vec::new();
+        let nice = inner.cfg.background_nice;
         for t in 0..inner.cfg.restore_threads.max(1) {
             let s = Arc::clone(&session);
             let stream = inner.copy_streams[t % inner.copy_streams.len()].clone();
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("possum-restorer-{t}"))
-                    .spawn(move || s.prefetch(&stream))
+                    .spawn(move || {
+                        crate::engine::background_thread(nice);
+                        s.prefetch(&stream)
+                    })
                     .map_err(|e| {
                         EngineError::Failed(format!("cannot start a restorer thread: {e}"))
                     })?,

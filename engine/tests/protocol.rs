@@ -1597,3 +1597,71 @@ fn a_snapshot_shadows_the_buffers_predicted_to_be_written_first() {
     assert!(r.waited_on.is_empty(), "{r:?}");
     assert_eq!(r.job_waited, Duration::ZERO, "{r:?}");
 }
+
+/// The copier saves first what the job may still wait for: with room for two shadows at T0,
+/// the six buffers outside them reach the image first, in the predicted order, and the two
+/// shadows (which no write waits for) after them.
+#[test]
+fn buffers_outside_the_snapshot_s_shadows_are_saved_before_the_shadows() {
+    let mib = 1 << 20;
+    // One copy stream and one writer: the sink sees the buffers in the copier's order.
+    let cfg = EngineConfig {
+        copy_streams: 1,
+        writer_threads: 1,
+        ..small_cfg(mib, 2, 0)
+    };
+    let e = engine(cfg);
+    let bufs: Vec<_> = (0..8).map(|_| e.alloc(2 * mib as u64).unwrap()).collect();
+    let ids: Vec<u64> = bufs.iter().map(|b| b.id()).collect();
+    // Predicted: 7, 5, 2, then the rest in the registry's order.
+    e.set_save_order(vec![ids[7], ids[5], ids[2]]);
+    e.set_shadow_budget(2 * 2 * mib as u64);
+    let store = Arc::new(MemStore::new());
+    let (sink, order) = order_sink(&store);
+    let r = e.checkpoint_snapshot(sink).unwrap().wait().unwrap();
+    assert_eq!(r.snapshot_shadows, 2, "{r:?}");
+    let order = order.lock().unwrap().clone();
+    let mut want = vec![ids[2]];
+    want.extend([0, 1, 3, 4, 6].map(|i| ids[i]));
+    want.extend([ids[7], ids[5]]);
+    assert_eq!(order, want);
+}
+
+/// The nice value of the calling thread, from /proc.
+fn own_nice() -> i64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+    // After the command's closing parenthesis: state is field 3, nice field 19.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    rest.split(' ').nth(16).unwrap().parse().unwrap()
+}
+
+/// The engine's writers run at the configured nice value (the job's threads go first), and
+/// the calling thread keeps its own.
+#[test]
+fn background_threads_take_the_configured_nice_value() {
+    let mine = own_nice();
+    let cfg = EngineConfig {
+        background_nice: 7,
+        ..small_cfg(1 << 20, 2, 0)
+    };
+    let e = engine(cfg);
+    let p = demo_program(3);
+    let job = HostJob::new(&e, &p).unwrap();
+    let before = job.contents().unwrap();
+    let seen: Arc<std::sync::Mutex<Vec<i64>>> = Arc::default();
+    let s2 = Arc::clone(&seen);
+    let store = Arc::new(MemStore::new());
+    let sink = Arc::new(TapSink {
+        store: Arc::clone(&store),
+        tap: move |_| {
+            s2.lock().unwrap().push(own_nice());
+            Ok(())
+        },
+    });
+    e.checkpoint(sink, false).unwrap().wait().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert!(!seen.is_empty());
+    assert!(seen.iter().all(|&n| n == 7), "{seen:?}");
+    assert_eq!(own_nice(), mine);
+    assert_eq!(image_of(&store, &job), before);
+}

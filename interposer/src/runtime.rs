@@ -587,6 +587,7 @@ impl State {
                 staging_buffers: ((self.cfg.tuning.staging_mib << 20) / chunk as u64) as usize,
                 writer_threads: self.cfg.tuning.writers(),
                 restore_threads: self.cfg.tuning.restorers,
+                background_nice: self.cfg.tuning.background_nice,
                 ..EngineConfig::default()
             };
             Engine::new(Arc::new(dev), cfg)

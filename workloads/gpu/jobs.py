@@ -202,8 +202,16 @@ def main():
     p.add_argument("--sleep-ms", type=float, default=0)
     p.add_argument("--ballast-frozen", action="store_true",
                    help="the extra state is only read each step (like frozen weights), never written")
+    p.add_argument("--host-batch-mib", type=float, default=0,
+                   help="copy a batch of this many MiB from pinned host memory to the GPU every step "
+                        "(as a data loader does), into a buffer of its own")
     a = p.parse_args()
     setup()
+    inbox = host_batch = None
+    if a.host_batch_mib > 0:
+        n = max(1, int(a.host_batch_mib * (1 << 20)) // 4)
+        host_batch = torch.arange(n, dtype=torch.float32).pin_memory()
+        inbox = torch.empty(n, device="cuda")
     ballast = []
     if a.hold_gib > 0:
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -222,6 +230,8 @@ def main():
     times = []
     t = time.perf_counter()
     for s, loss, params in JOBS[a.job](a.steps):
+        if inbox is not None:
+            inbox.copy_(host_batch, non_blocking=True)
         if ballast and a.ballast_frozen:
             ballast[s % len(ballast)][:: 1 << 12].sum()
         elif ballast:
