@@ -44,6 +44,9 @@ pub struct MigrateArgs {
     /// Seconds the destination's restore may take before the job is restored here instead.
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     pub restore_timeout: u64,
+    /// Send the image at most this many bytes a second (default: as fast as the network goes).
+    #[arg(long, value_name = "BYTES_PER_S")]
+    pub max_rate: Option<u64>,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
@@ -139,6 +142,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
         to: a.to.clone(),
         key,
         deadlines: deadlines(a.timeout, Some(a.restore_timeout)),
+        max_rate: a.max_rate,
     };
     let report = migrate::migrate(&params, &mut Notes)?;
     if a.json {

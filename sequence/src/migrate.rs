@@ -6,7 +6,7 @@
 //! source ([`migrate`])                              destination ([`receive`])
 //!   checkpoint  the job held, its image committed into LOCAL_DIR (the job is not let go)
 //!   connect     TCP to HOST:PORT
-//!   send        handshake, LOCAL_DIR ──────────────▶ DIR/NAME, named only complete: Committed
+//!   send        handshake, LOCAL_DIR (at most --max-rate) ──────────────▶ DIR/NAME, named only complete: Committed
 //!   kill        the held job killed (its PIDs free), LOCAL_DIR kept
 //!   hand-off    Released ──────────────────────────▶ restore DIR/NAME (`possum restore`'s sequence)
 //!               ◀─────────────────── Outcome: Running (pid) or RestoreFailed (why)
@@ -82,6 +82,8 @@ pub struct MigrateParams {
     pub key: HmacKey,
     /// The deadlines.
     pub deadlines: Deadlines,
+    /// The most bytes a second the image is sent at (none: as fast as the network goes).
+    pub max_rate: Option<u64>,
 }
 
 /// Serializes a duration as milliseconds.
@@ -290,7 +292,13 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     timings.connect = t.elapsed();
 
     let t = Instant::now();
-    let (sent, mut session) = match send_dir_session(&mut stream, &p.key, held.dir()) {
+    let sending = match p.max_rate {
+        Some(rate) => {
+            send_dir_session(&mut wire::Paced::new(&mut stream, rate), &p.key, held.dir())
+        }
+        None => send_dir_session(&mut stream, &p.key, held.dir()),
+    };
+    let (sent, mut session) = match sending {
         Ok(s) => s,
         Err(source) => {
             drop(stream);

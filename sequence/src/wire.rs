@@ -97,6 +97,61 @@ pub fn set_timeouts(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
     stream.set_nodelay(true)
 }
 
+/// A stream whose writes go at most `rate` bytes a second (a token bucket, a twentieth of a
+/// second's worth of burst): what `possum migrate --max-rate` sends through. Reads pass through.
+#[derive(Debug)]
+pub struct Paced<S> {
+    inner: S,
+    rate: u64,
+    burst: u64,
+    start: Instant,
+    written: u64,
+}
+
+impl<S> Paced<S> {
+    /// `inner`, its writes paced at `rate` bytes a second (at least 1).
+    pub fn new(inner: S, rate: u64) -> Paced<S> {
+        let rate = rate.max(1);
+        Paced {
+            inner,
+            rate,
+            burst: (rate / 20).max(1),
+            start: Instant::now(),
+            written: 0,
+        }
+    }
+
+    /// The stream paced.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+}
+
+impl<S: Write> Write for Paced<S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = buf.len().min(self.burst as usize);
+        // When the bucket holds `n` bytes: `written + n - burst` bytes' worth after the start.
+        let due = (self.written + n as u64).saturating_sub(self.burst) as f64 / self.rate as f64;
+        let wait = Duration::from_secs_f64(due).saturating_sub(self.start.elapsed());
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+        let k = self.inner.write(&buf[..n])?;
+        self.written += k as u64;
+        Ok(k)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<S: Read> Read for Paced<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Handshake
 
@@ -2331,6 +2386,30 @@ mod tests {
             "{replayed:?}"
         );
         assert_eq!(fs::read(out.join("img/a")).unwrap(), b"image");
+    }
+
+    /// A paced stream writes everything, in bursts of at most a twentieth of its rate.
+    #[test]
+    fn a_paced_stream_writes_in_bursts_of_its_rate() {
+        #[derive(Default)]
+        struct Writes(Vec<usize>, Vec<u8>);
+        impl Write for Writes {
+            fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+                self.0.push(buf.len());
+                self.1.extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut p = Paced::new(Writes::default(), 2_000_000);
+        let data = noise(300_000);
+        p.write_all(&data).unwrap();
+        let w = p.get_mut();
+        assert_eq!(w.1, data);
+        assert_eq!(w.0.iter().max(), Some(&100_000), "{:?}", w.0);
+        assert_eq!(w.0.len(), 3, "{:?}", w.0);
     }
 
     #[test]
