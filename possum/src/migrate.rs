@@ -45,7 +45,7 @@ pub struct MigrateArgs {
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     pub restore_timeout: u64,
     /// Send the image at most this many bytes a second (default: as fast as the network goes).
-    #[arg(long, value_name = "BYTES_PER_S")]
+    #[arg(long, value_name = "BYTES_PER_S", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_rate: Option<u64>,
     /// Print the figures as JSON.
     #[arg(long)]

@@ -208,7 +208,14 @@ struct Receiver {
 impl Receiver {
     fn start(dir: &Path, key: &str, env: &[(&str, &str)]) -> Receiver {
         let mut child = possum(dir)
-            .args(["receive", "--json", "--listen", "127.0.0.1:0", "--timeout", "20"])
+            .args([
+                "receive",
+                "--json",
+                "--listen",
+                "127.0.0.1:0",
+                "--timeout",
+                "20",
+            ])
             .arg("--key-file")
             .arg(dir.join(key))
             .arg("-D")
@@ -238,7 +245,10 @@ impl Receiver {
     /// Its exit and stdout.
     fn finish(self) -> (std::process::ExitStatus, String) {
         let out = self.child.wait_with_output().unwrap();
-        (out.status, String::from_utf8_lossy(&out.stdout).into_owned())
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
     }
 }
 
@@ -276,7 +286,10 @@ fn failed_at(out: &Output, phase: &str) {
 fn goes_on_like(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2], what: &str) {
     let got = job.finish(dir, "job");
     assert!(got[0] == want[0], "{what}: the buffers after step 9 differ");
-    assert!(got[1] == want[1], "{what}: the buffers after step 12 differ");
+    assert!(
+        got[1] == want[1],
+        "{what}: the buffers after step 12 differ"
+    );
 }
 
 #[test]

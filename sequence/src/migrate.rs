@@ -169,7 +169,7 @@ impl std::fmt::Display for JobAt {
 pub enum MigrateError {
     /// The checkpoint at the source (its guard let the job run on).
     #[error("migration failed at the checkpoint; the job runs on at the source")]
-    Checkpoint(#[source] CheckpointError),
+    Checkpoint(#[source] Box<CheckpointError>),
     /// The connection to the destination.
     #[error("migration failed connecting to {to}; {job}")]
     Connect {
@@ -190,7 +190,7 @@ pub enum MigrateError {
         job: JobAt,
         /// Why.
         #[source]
-        source: WireError,
+        source: Box<WireError>,
     },
     /// Killing the held job at the source once the destination had the image.
     #[error("migration failed killing the job at the source; {job}")]
@@ -199,7 +199,7 @@ pub enum MigrateError {
         job: JobAt,
         /// Why.
         #[source]
-        source: CheckpointError,
+        source: Box<CheckpointError>,
     },
     /// `Released`, or the destination's `Outcome` (not in time, a dropped connection).
     #[error("migration failed waiting for the destination's restore; {job}")]
@@ -268,7 +268,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let mut timings = MigrateTimings::default();
     let local = p.checkpoint.dir.clone();
 
-    let held = checkpoint_held(&p.checkpoint, obs).map_err(MigrateError::Checkpoint)?;
+    let held =
+        checkpoint_held(&p.checkpoint, obs).map_err(|e| MigrateError::Checkpoint(Box::new(e)))?;
     timings.checkpoint = t_all.elapsed();
     let committed_at = Instant::now();
 
@@ -304,6 +305,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
             drop(stream);
             let job = let_go(held);
             let to = p.to.clone();
+            let source = Box::new(source);
             return Err(MigrateError::Send { to, job, source });
         }
     };
@@ -321,6 +323,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
             } else {
                 restore_here(&p.checkpoint, obs)
             };
+            let source = Box::new(source);
             return Err(MigrateError::Kill { job, source });
         }
     };
@@ -442,7 +445,7 @@ pub struct Received {
 pub enum ReceiveError {
     /// The handshake or the transfer.
     #[error("receiving the image failed")]
-    Transfer(#[source] WireError),
+    Transfer(#[source] Box<WireError>),
     /// `Released` did not come (the source lets its job go on, or restores it).
     #[error("the image arrived, but the source did not let its job go; the image is removed")]
     Release(#[source] HandoffError),
@@ -453,7 +456,7 @@ pub enum ReceiveError {
         dir: PathBuf,
         /// Why.
         #[source]
-        source: RestoreError,
+        source: Box<RestoreError>,
     },
 }
 
@@ -483,8 +486,8 @@ pub fn receive(
     let mut timings = ReceiveTimings::default();
     let dest = image_name(&p.dir);
     let t = Instant::now();
-    let (got, mut session) =
-        receive_dir_session(stream, &p.key, &dest).map_err(ReceiveError::Transfer)?;
+    let (got, mut session) = receive_dir_session(stream, &p.key, &dest)
+        .map_err(|e| ReceiveError::Transfer(Box::new(e)))?;
     timings.receive = t.elapsed();
 
     let t = Instant::now();
@@ -535,6 +538,7 @@ pub fn receive(
             let reason = chain(&source);
             let _ = send_outcome(stream, &mut session, &Outcome::RestoreFailed { reason });
             let _ = fs::remove_dir_all(&dest);
+            let source = Box::new(source);
             Err(ReceiveError::Restore { dir: dest, source })
         }
     }
