@@ -194,7 +194,9 @@ impl HeldCheckpoint<'_> {
                 source: e.into(),
             });
         }
-        Ok(self.run.report(self.t_all)?)
+        let mut report = self.run.report(self.t_all)?;
+        report.leave_running = false;
+        Ok(report)
     }
 }
 
