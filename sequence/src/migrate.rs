@@ -273,19 +273,11 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     timings.checkpoint = t_all.elapsed();
     let committed_at = Instant::now();
 
-    // Before the kill, a failure lets the job go on at the source.
-    let let_go = |held: crate::HeldCheckpoint<'_>| match held.resume() {
-        Ok(_) => JobAt::Source,
-        Err(e) => JobAt::Lost {
-            image: local.clone(),
-            why: chain(&e),
-        },
-    };
     let t = Instant::now();
     let mut stream = match connect(&p.to, p.deadlines.connect, p.deadlines.io) {
         Ok(s) => s,
         Err(source) => {
-            let job = let_go(held);
+            let job = let_go(held, obs);
             let to = p.to.clone();
             return Err(MigrateError::Connect { to, job, source });
         }
@@ -303,7 +295,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         Ok(s) => s,
         Err(source) => {
             drop(stream);
-            let job = let_go(held);
+            let job = let_go(held, obs);
             let to = p.to.clone();
             let source = Box::new(source);
             return Err(MigrateError::Send { to, job, source });
@@ -367,6 +359,25 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
             let job = restore_here(&p.checkpoint, obs);
             Err(MigrateError::Handoff { job, source })
         }
+    }
+}
+
+/// Before the kill: lets the held job go on at the source (its image is kept, its buffers come
+/// back from it).
+fn let_go(held: crate::HeldCheckpoint<'_>, obs: &mut dyn Observer) -> JobAt {
+    let image = held.dir().to_path_buf();
+    match held.resume() {
+        Ok(_) => {
+            obs.note(&format!(
+                "the job runs on here; its image {} stays while its buffers come back from it",
+                image.display()
+            ));
+            JobAt::Source
+        }
+        Err(e) => JobAt::Lost {
+            image,
+            why: chain(&e),
+        },
     }
 }
 
