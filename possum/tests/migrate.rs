@@ -1,8 +1,8 @@
 //! `possum migrate` to a `possum receive` over loopback, on the fake GPU stack of the
 //! interposer's tests with real CRIU (source and destination on this one host): the job moves and
 //! goes on with exactly the data of a run without possum; a wrong key, a receiver killed during
-//! the transfer and a restore that fails at the destination each leave the job running at the
-//! source, with exactly that data too.
+//! the transfer, a restore that fails at the destination and a destination gone after the
+//! source's kill each leave the job running at the source, with exactly that data too.
 //!
 //! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) is the one of
 //! entry_checkpoint.rs: commanded through a FIFO, answering into a file opened O_APPEND, which
@@ -399,6 +399,38 @@ fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
     assert!(!status.success());
     // The destination removed what it received; the source keeps its image.
     assert_eq!(names(&dir.join("received")), Vec::<String>::new());
+    assert!(dir.join("local/possum.json").is_file());
+    goes_on_like(&mut job, dir, &want, "restored at the source");
+}
+
+/// A destination that takes the image and the source's `Released`, then drops the connection
+/// without an answer (as one that died in its restore): the source restores the job itself.
+#[test]
+fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
+    use possum_sequence::auth::HmacKey;
+    use possum_sequence::wire;
+    let Some((tmp, want, mut job)) = setup("migrate_destination_gone") else {
+        return;
+    };
+    let dir = tmp.path();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let dest = dir.join("received/job");
+    let destination = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        wire::set_timeouts(&s, WAIT).unwrap();
+        let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
+        let (_, mut session) = wire::receive_dir_session(&mut s, &key, &dest).unwrap();
+        wire::await_released(&mut s, &mut session).unwrap();
+    });
+    let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
+    destination.join().unwrap();
+    failed_at(&out, "waiting for the destination's restore");
+    assert!(
+        text(&out).contains("restoring the job at the source"),
+        "{}",
+        text(&out)
+    );
     assert!(dir.join("local/possum.json").is_file());
     goes_on_like(&mut job, dir, &want, "restored at the source");
 }
