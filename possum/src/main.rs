@@ -11,6 +11,7 @@ mod criu_demo;
 mod demo;
 mod doctor;
 mod keeper;
+mod migrate;
 mod run;
 mod scratch;
 mod status;
@@ -97,6 +98,11 @@ enum Cmd {
     /// Needed only after a `criu dump`/`criu restore` with possum's plugin whose log says
     /// "possum's resume could not be sent"; `possum checkpoint`/`restore` do it themselves.
     Resume(checkpoint::ResumeArgs),
+    /// Move a running job to another host: checkpoint it and hold it, send its image to a
+    /// `possum receive` there, and end it here once it runs there (else it runs on here).
+    Migrate(migrate::MigrateArgs),
+    /// Receive jobs migrated by `possum migrate` and restore them on this host.
+    Receive(migrate::ReceiveArgs),
     /// Detaches CUPTI from a job, or attaches it again (diagnostics).
     #[command(hide = true)]
     Cupti(checkpoint::CuptiArgs),
@@ -144,6 +150,8 @@ fn main() -> ExitCode {
         Cmd::CheckpointGuard(a) => checkpoint::guard(&a).map(check),
         Cmd::Cupti(a) => checkpoint::cupti(&a).map(check),
         Cmd::Resume(a) => checkpoint::resume(&a).map(check),
+        Cmd::Migrate(a) => migrate::migrate(&a).map(check),
+        Cmd::Receive(a) => migrate::receive(&a).map(check),
     };
     match r {
         Ok(code) => ExitCode::from(code),

@@ -143,8 +143,88 @@ pub fn checkpoint(
     obs: &mut dyn Observer,
 ) -> Result<CheckpointReport, CheckpointError> {
     let t_all = Instant::now();
+    let mut run = hold_and_commit(p, obs, false)?;
+    if let Err(source) = run.resume_or_kill() {
+        run.guard.undo();
+        let dir = p.dir.clone();
+        return Err(CheckpointError::Resume { dir, source });
+    }
+    Ok(run.report(t_all)?)
+}
+
+/// A checkpoint committed with its job still held (a migration's: the image is sent before the
+/// job is let go): [`HeldCheckpoint::resume`] lets it run on, [`HeldCheckpoint::kill`] ends it.
+/// The guard still watches: if this process dies meanwhile, the job runs on.
+pub struct HeldCheckpoint<'a> {
+    run: Run<'a>,
+    t_all: Instant,
+}
+
+impl std::fmt::Debug for HeldCheckpoint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HeldCheckpoint({})", self.run.params().dir.display())
+    }
+}
+
+impl HeldCheckpoint<'_> {
+    /// The image, complete.
+    pub fn dir(&self) -> &Path {
+        &self.run.params().dir
+    }
+
+    /// Lets the job run on (the driver's restore and unlock, possum's resume): what
+    /// `leave_running` does after the commit.
+    pub fn resume(mut self) -> Result<CheckpointReport, CheckpointError> {
+        if let Err(source) = self.run.resume_or_kill() {
+            let dir = self.run.params().dir.clone();
+            self.run.guard.undo();
+            return Err(CheckpointError::Resume { dir, source });
+        }
+        Ok(self.run.report(self.t_all)?)
+    }
+
+    /// Kills the job, held as it is; the image stays.
+    pub fn kill(mut self) -> Result<CheckpointReport, CheckpointError> {
+        let pid = self.run.params().pid;
+        if let Err(e) = timed(&mut self.run.figures.kill, || kill_job(pid)) {
+            let dir = self.run.params().dir.clone();
+            self.run.guard.undo();
+            return Err(CheckpointError::Resume {
+                dir,
+                source: e.into(),
+            });
+        }
+        let mut report = self.run.report(self.t_all)?;
+        report.leave_running = false;
+        Ok(report)
+    }
+}
+
+/// Checkpoints the job `p` names into `p.dir` as [`checkpoint`] does with `leave_running`, up to
+/// the commit, and leaves it held there. No checkpoint is kept (the buffers are all saved while
+/// the job is held), so that the image is the job as it is when it is let go.
+pub fn checkpoint_held<'a>(
+    p: &'a CheckpointParams,
+    obs: &mut dyn Observer,
+) -> Result<HeldCheckpoint<'a>, CheckpointError> {
+    let t_all = Instant::now();
+    assert!(
+        p.leave_running && !p.gpu_only,
+        "a held checkpoint is one left running, of the whole process"
+    );
+    let run = hold_and_commit(p, obs, true)?;
+    Ok(HeldCheckpoint { run, t_all })
+}
+
+/// The phases up to the commit (the guard told of it); `held`: no kept checkpoint.
+fn hold_and_commit<'a>(
+    p: &'a CheckpointParams,
+    obs: &mut dyn Observer,
+    held: bool,
+) -> Result<Run<'a>, CheckpointError> {
     let plan = plan(p)?;
     let mut run = Run::start(plan, obs)?;
+    run.no_kept = held;
     let held = (|| -> Result<(), HoldError> {
         run.hold_ranks(obs)?;
         run.precopy(obs)?;
@@ -168,12 +248,7 @@ pub fn checkpoint(
         return Err(CheckpointError::Commit { dir, source });
     }
     run.guard.step(Step::Committed);
-    if let Err(source) = run.resume_or_kill() {
-        run.guard.undo();
-        let dir = p.dir.clone();
-        return Err(CheckpointError::Resume { dir, source });
-    }
-    Ok(run.report(t_all)?)
+    Ok(run)
 }
 
 /// A checkpoint that failed, by the phase that failed and with what became of the job.
@@ -833,6 +908,8 @@ struct Run<'a> {
     manifest: Option<Manifest>,
     criu_bytes: u64,
     gpu_bytes: u64,
+    /// No checkpoint kept: every buffer saved while the job is held ([`checkpoint_held`]).
+    no_kept: bool,
 }
 
 impl<'a> Run<'a> {
@@ -888,6 +965,7 @@ impl<'a> Run<'a> {
             manifest: None,
             criu_bytes: 0,
             gpu_bytes: 0,
+            no_kept: false,
         })
     }
 
@@ -955,7 +1033,7 @@ impl<'a> Run<'a> {
         obs.copying(self.plan.managed, &self.tmp.join("gpu"));
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
-            let kept = p.leave_running && !p.gpu_only;
+            let kept = p.leave_running && !p.gpu_only && !self.no_kept;
             let r = timed(&mut self.figures.engine_snapshot, || {
                 job::precopy(pid, To::Sockets(&p.sockets), dir, kept)
             })?;

@@ -55,6 +55,7 @@ pub mod guard;
 mod held;
 pub mod image;
 pub mod job;
+pub mod migrate;
 pub mod places;
 pub mod process;
 pub mod ranks;
@@ -65,7 +66,8 @@ pub mod tree;
 pub mod wire;
 
 pub use checkpoint::{
-    checkpoint, CheckpointError, CheckpointParams, CheckpointReport, ResumeError,
+    checkpoint, checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport,
+    HeldCheckpoint, ResumeError,
 };
 pub use config::{DriverDeadlines, Environment, HostmemSplit};
 pub use restore::{restore, RestoreError, RestoreParams, RestoreReport};

@@ -9,6 +9,8 @@
 //!                  ◀── HMAC(key, "possum-migrate-v1/server" ‖ sn ‖ rn)
 //!   frames: Dir, File, Chunk.., EndFile, ..., Done + HMAC ──▶  under a temporary sibling of DEST
 //!                  ◀── Committed + HMAC (DEST named) or Abort (why not)
+//!   (a migration) Released + HMAC: the source's job is gone ──▶
+//!                  ◀── Outcome + HMAC: running at the destination, or why not
 //! ```
 //!
 //! **Handshake** (step [`HandshakeError`]): both ends hold the same secret ([`HmacKey`], a file of
@@ -29,7 +31,12 @@
 //! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received, then a
 //!   32-byte HMAC under the session's key ([`Seal`]): `Done`'s of every frame before it (headers
 //!   and payloads) and the totals, `Committed`'s of `Done`'s HMAC and the totals received;
-//! - `Abort`: why, as UTF-8 text.
+//! - `Abort`: why, as UTF-8 text;
+//! - `Released` (a migration's, after `Committed`): a 32-byte HMAC under the session's key of
+//!   `Committed`'s: the source's job is gone, restore it;
+//! - `Outcome` (the answer to `Released`): `running: u8`, the restored `pid: i32` (LE), a 32-byte
+//!   HMAC under the session's key of `Released`'s and what precedes and follows it, then why the
+//!   restore failed, as UTF-8 text (empty when running).
 //!
 //! Invariants of a receive:
 //! - Nothing is written outside DEST's temporary sibling, which [`receive_dir`] creates itself
@@ -72,6 +79,8 @@ const SESSION_LABEL: &[u8] = b"possum-migrate-v1/session";
 const FRAMES_LABEL: &[u8] = b"possum-migrate-v1/frames";
 const DONE_LABEL: &[u8] = b"possum-migrate-v1/done";
 const COMMITTED_LABEL: &[u8] = b"possum-migrate-v1/committed";
+const RELEASED_LABEL: &[u8] = b"possum-migrate-v1/released";
+const OUTCOME_LABEL: &[u8] = b"possum-migrate-v1/outcome";
 /// The longest frame payload accepted (bytes).
 pub const MAX_FRAME: u64 = 64 << 20;
 /// The most file bytes a sender puts in one chunk.
@@ -86,6 +95,61 @@ pub fn set_timeouts(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     stream.set_nodelay(true)
+}
+
+/// A stream whose writes go at most `rate` bytes a second (a token bucket, a twentieth of a
+/// second's worth of burst): what `possum migrate --max-rate` sends through. Reads pass through.
+#[derive(Debug)]
+pub struct Paced<S> {
+    inner: S,
+    rate: u64,
+    burst: u64,
+    start: Instant,
+    written: u64,
+}
+
+impl<S> Paced<S> {
+    /// `inner`, its writes paced at `rate` bytes a second (at least 1).
+    pub fn new(inner: S, rate: u64) -> Paced<S> {
+        let rate = rate.max(1);
+        Paced {
+            inner,
+            rate,
+            burst: (rate / 20).max(1),
+            start: Instant::now(),
+            written: 0,
+        }
+    }
+
+    /// The stream paced.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+}
+
+impl<S: Write> Write for Paced<S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = buf.len().min(self.burst as usize);
+        // When the bucket holds `n` bytes: `written + n - burst` bytes' worth after the start.
+        let due = (self.written + n as u64).saturating_sub(self.burst) as f64 / self.rate as f64;
+        let wait = Duration::from_secs_f64(due).saturating_sub(self.start.elapsed());
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+        let k = self.inner.write(&buf[..n])?;
+        self.written += k as u64;
+        Ok(k)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl<S: Read> Read for Paced<S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -163,6 +227,9 @@ fn tag(key: &HmacKey, label: &[u8], first: &[u8], second: &[u8]) -> hmac::Hmac<s
 pub struct Session {
     key: [u8; TAG_BYTES],
     frames: hmac::Hmac<sha2::Sha256>,
+    /// The HMAC of the last frame of the exchange after the transfer (`Committed`, `Released`),
+    /// which the next one's covers.
+    last: [u8; TAG_BYTES],
 }
 
 impl std::fmt::Debug for Session {
@@ -179,7 +246,11 @@ impl Session {
             .into();
         let mut frames = Self::keyed(&key);
         frames.update(FRAMES_LABEL);
-        Session { key, frames }
+        Session {
+            key,
+            frames,
+            last: [0; TAG_BYTES],
+        }
     }
 
     fn keyed(key: &[u8; TAG_BYTES]) -> hmac::Hmac<sha2::Sha256> {
@@ -200,6 +271,25 @@ impl Session {
         m.update(COMMITTED_LABEL);
         m.update(done);
         m.update(&totals_bytes(totals));
+        m
+    }
+
+    /// The HMAC `Released` carries: of `Committed`'s.
+    fn released(&self) -> hmac::Hmac<sha2::Sha256> {
+        let mut m = Self::keyed(&self.key);
+        m.update(RELEASED_LABEL);
+        m.update(&self.last);
+        m
+    }
+
+    /// The HMAC `Outcome` carries: of `Released`'s and the outcome.
+    fn outcome(&self, running: u8, pid: i32, reason: &[u8]) -> hmac::Hmac<sha2::Sha256> {
+        let mut m = Self::keyed(&self.key);
+        m.update(OUTCOME_LABEL);
+        m.update(&self.last);
+        m.update(&[running]);
+        m.update(&pid.to_le_bytes());
+        m.update(reason);
         m
     }
 }
@@ -374,6 +464,53 @@ pub enum Frame<'a> {
         /// Why.
         reason: String,
     },
+    /// The source's job is gone: restore it (a migration, after `Committed`).
+    Released {
+        /// The session's HMAC of `Committed`'s.
+        tag: [u8; TAG_BYTES],
+    },
+    /// What became of the restore at the destination (the answer to `Released`).
+    Outcome {
+        /// What became of it.
+        outcome: Outcome,
+        /// The session's HMAC of `Released`'s and the outcome.
+        tag: [u8; TAG_BYTES],
+    },
+}
+
+/// What became of a migrated job's restore at the destination.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// It runs there, as this process.
+    Running {
+        /// The restored process.
+        pid: i32,
+    },
+    /// It could not be restored there.
+    RestoreFailed {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Outcome {
+    /// The fields on the wire: running, pid, the reason's bytes (cut at [`MAX_REASON`] on a
+    /// character boundary).
+    fn parts(&self) -> (u8, i32, &[u8]) {
+        match self {
+            Outcome::Running { pid } => (1, *pid, &[]),
+            Outcome::RestoreFailed { reason } => (0, 0, cut_reason(reason)),
+        }
+    }
+}
+
+/// `reason`'s bytes, at most [`MAX_REASON`] of them, cut on a character boundary.
+fn cut_reason(reason: &str) -> &[u8] {
+    let mut end = reason.len().min(MAX_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason.as_bytes()[..end]
 }
 
 const KIND_DIR: u8 = 1;
@@ -383,6 +520,8 @@ const KIND_END_FILE: u8 = 4;
 const KIND_DONE: u8 = 5;
 const KIND_COMMITTED: u8 = 6;
 const KIND_ABORT: u8 = 7;
+const KIND_RELEASED: u8 = 8;
+const KIND_OUTCOME: u8 = 9;
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -439,6 +578,8 @@ fn kind_name(kind: u8) -> &'static str {
         KIND_DONE => "Done",
         KIND_COMMITTED => "Committed",
         KIND_ABORT => "Abort",
+        KIND_RELEASED => "Released",
+        KIND_OUTCOME => "Outcome",
         _ => "unknown",
     }
 }
@@ -457,6 +598,8 @@ impl Frame<'_> {
             Frame::Done(_) => KIND_DONE,
             Frame::Committed(_) => KIND_COMMITTED,
             Frame::Abort { .. } => KIND_ABORT,
+            Frame::Released { .. } => KIND_RELEASED,
+            Frame::Outcome { .. } => KIND_OUTCOME,
         }
     }
 }
@@ -512,12 +655,16 @@ fn write_frame_to<W: Write>(
             sealed = seal_bytes(seal);
             [&sealed, &[]]
         }
-        Frame::Abort { reason } => {
-            let mut end = reason.len().min(MAX_REASON);
-            while !reason.is_char_boundary(end) {
-                end -= 1;
-            }
-            [&reason.as_bytes()[..end], &[]]
+        Frame::Abort { reason } => [cut_reason(reason), &[]],
+        Frame::Released { tag } => [tag, &[]],
+        Frame::Outcome { outcome, tag } => {
+            let (running, pid, reason) = outcome.parts();
+            let mut head = Vec::with_capacity(5 + TAG_BYTES);
+            head.push(running);
+            head.extend_from_slice(&pid.to_le_bytes());
+            head.extend_from_slice(tag);
+            owned = head;
+            [&owned, reason]
         }
     };
     let len = (parts[0].len() + parts[1].len()) as u64;
@@ -575,7 +722,7 @@ fn read_frame_from<'b, R: Read>(
     let kind = header[0];
     let len = u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"));
     let sent = u32::from_le_bytes(header[9..].try_into().expect("4 bytes"));
-    if !(KIND_DIR..=KIND_ABORT).contains(&kind) {
+    if !(KIND_DIR..=KIND_OUTCOME).contains(&kind) {
         return Err(FrameError::UnknownKind(kind));
     }
     if len > MAX_FRAME {
@@ -650,6 +797,29 @@ fn read_frame_from<'b, R: Read>(
                 Frame::Done(seal)
             } else {
                 Frame::Committed(seal)
+            }
+        }
+        KIND_RELEASED => {
+            exact(TAG_BYTES)?;
+            Frame::Released {
+                tag: payload.try_into().expect("32 bytes"),
+            }
+        }
+        KIND_OUTCOME => {
+            if payload.len() < 5 + TAG_BYTES {
+                return Err(malformed("shorter than its status and HMAC".into()));
+            }
+            let pid = i32::from_le_bytes(payload[1..5].try_into().expect("4 bytes"));
+            let reason = String::from_utf8(payload[5 + TAG_BYTES..].to_vec())
+                .map_err(|_| malformed("a reason that is not UTF-8".into()))?;
+            let outcome = match payload[0] {
+                1 if reason.is_empty() => Outcome::Running { pid },
+                0 => Outcome::RestoreFailed { reason },
+                _ => return Err(malformed("neither running nor failed".into())),
+            };
+            Frame::Outcome {
+                outcome,
+                tag: payload[5..5 + TAG_BYTES].try_into().expect("32 bytes"),
             }
         }
         _ => Frame::Abort {
@@ -837,13 +1007,27 @@ pub fn send_dir<S: Read + Write>(
     key: &HmacKey,
     dir: &Path,
 ) -> Result<SendReport, WireError> {
+    send_dir_session(stream, key, dir).map(|(report, _)| report)
+}
+
+/// [`send_dir`], and the session, for an exchange after the transfer ([`send_released`],
+/// [`await_outcome`]).
+pub fn send_dir_session<S: Read + Write>(
+    stream: &mut S,
+    key: &HmacKey,
+    dir: &Path,
+) -> Result<(SendReport, Session), WireError> {
     let mut session = sender_handshake(stream, key)?;
     let start = Instant::now();
     match send_entries(stream, &mut session, dir) {
-        Ok(done) => Ok(SendReport {
-            totals: confirmation(stream, &session, &done)?,
-            elapsed: start.elapsed(),
-        }),
+        Ok(done) => {
+            let totals = confirmation(stream, &mut session, &done)?;
+            let report = SendReport {
+                totals,
+                elapsed: start.elapsed(),
+            };
+            Ok((report, session))
+        }
         Err(e @ SendError::Frame(FrameError::Io { .. })) => {
             // The receiver may have closed the connection after telling why.
             let mut buf = Vec::new();
@@ -955,7 +1139,7 @@ fn read_full(f: &mut fs::File, buf: &mut [u8]) -> io::Result<usize> {
 /// The receiver's answer to `Done`: its totals, once checked.
 fn confirmation<S: Read>(
     stream: &mut S,
-    session: &Session,
+    session: &mut Session,
     done: &Seal,
 ) -> Result<Totals, SendError> {
     let mut buf = Vec::new();
@@ -965,6 +1149,7 @@ fn confirmation<S: Read>(
                 .committed(&done.tag, &c.totals)
                 .verify_slice(&c.tag)
                 .map_err(|_| SendError::Forged)?;
+            session.last = c.tag;
             if c.totals != done.totals {
                 return Err(SendError::Miscounted {
                     sent: done.totals,
@@ -1192,6 +1377,16 @@ pub fn receive_dir<S: Read + Write>(
     key: &HmacKey,
     dest: &Path,
 ) -> Result<ReceiveReport, WireError> {
+    receive_dir_session(stream, key, dest).map(|(report, _)| report)
+}
+
+/// [`receive_dir`], and the session, for an exchange after the transfer ([`await_released`],
+/// [`send_outcome`]).
+pub fn receive_dir_session<S: Read + Write>(
+    stream: &mut S,
+    key: &HmacKey,
+    dest: &Path,
+) -> Result<(ReceiveReport, Session), WireError> {
     let Some(name) = dest.file_name() else {
         return Err(ReceiveError::DestName {
             dest: dest.to_path_buf(),
@@ -1224,10 +1419,12 @@ pub fn receive_dir<S: Read + Write>(
             };
             let _ = write_frame(stream, &Frame::Committed(committed));
             let _ = stream.flush();
-            Ok(ReceiveReport {
+            session.last = committed.tag;
+            let report = ReceiveReport {
                 totals,
                 elapsed: start.elapsed(),
-            })
+            };
+            Ok((report, session))
         }
         Err(e) => {
             if !matches!(
@@ -1380,6 +1577,8 @@ fn receive_into<S: Read>(
             }
             Frame::Abort { reason } => return Err(ReceiveError::Aborted { reason }),
             Frame::Committed(_) => return Err(unexpected("Committed", "(a receiver's frame)")),
+            Frame::Outcome { .. } => return Err(unexpected("Outcome", "(a receiver's frame)")),
+            Frame::Released { .. } => return Err(unexpected("Released", "before Done")),
         }
     };
     if sent.totals != got {
@@ -1419,6 +1618,136 @@ fn receive_into<S: Read>(
         let _ = p.sync_all();
     }
     Ok(sent)
+}
+
+// ---------------------------------------------------------------------------------------------
+// After the transfer: a migration's hand-off
+
+/// Why the exchange after a transfer (`Released`, `Outcome`) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    /// A frame to or from the peer (a timeout, a dropped connection included).
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The peer gave up.
+    #[error("the peer aborted: {reason}")]
+    Aborted {
+        /// Its reason.
+        reason: String,
+    },
+    /// A frame that does not carry this session's HMAC.
+    #[error(
+        "the peer's {what} does not carry this session's HMAC: it was forged or changed in transit"
+    )]
+    Forged {
+        /// The frame.
+        what: &'static str,
+    },
+    /// Another frame than the one due.
+    #[error("the peer sent a {got} frame where {want} was due")]
+    Unexpected {
+        /// What came.
+        got: &'static str,
+        /// What was due.
+        want: &'static str,
+    },
+}
+
+/// Sends `Released` (the source's job is gone: the destination may restore it), after a
+/// [`send_dir_session`] that ended `Committed`.
+pub fn send_released<S: Write>(stream: &mut S, session: &mut Session) -> Result<(), FrameError> {
+    let tag: [u8; TAG_BYTES] = session.released().finalize().into_bytes().into();
+    write_frame(stream, &Frame::Released { tag })?;
+    stream.flush().map_err(|source| FrameError::Io {
+        what: "sending",
+        source,
+    })?;
+    session.last = tag;
+    Ok(())
+}
+
+/// Waits for `Released` after a [`receive_dir_session`] (as long as the stream's read timeout
+/// lets it), and checks its HMAC.
+pub fn await_released<S: Read>(stream: &mut S, session: &mut Session) -> Result<(), HandoffError> {
+    let mut buf = Vec::new();
+    match read_frame(stream, &mut buf)? {
+        Frame::Released { tag } => {
+            session
+                .released()
+                .verify_slice(&tag)
+                .map_err(|_| HandoffError::Forged { what: "Released" })?;
+            session.last = tag;
+            Ok(())
+        }
+        Frame::Abort { reason } => Err(HandoffError::Aborted { reason }),
+        other => Err(HandoffError::Unexpected {
+            got: other.name(),
+            want: "Released",
+        }),
+    }
+}
+
+/// Sends `Outcome`, the answer to [`await_released`].
+pub fn send_outcome<S: Write>(
+    stream: &mut S,
+    session: &mut Session,
+    outcome: &Outcome,
+) -> Result<(), FrameError> {
+    let (running, pid, reason) = outcome.parts();
+    let tag: [u8; TAG_BYTES] = session
+        .outcome(running, pid, reason)
+        .finalize()
+        .into_bytes()
+        .into();
+    write_frame(
+        stream,
+        &Frame::Outcome {
+            outcome: outcome.clone(),
+            tag,
+        },
+    )?;
+    stream.flush().map_err(|source| FrameError::Io {
+        what: "sending",
+        source,
+    })?;
+    session.last = tag;
+    Ok(())
+}
+
+/// Waits for `Outcome` after [`send_released`] (as long as the stream's read timeout lets it),
+/// and checks its HMAC.
+pub fn await_outcome<S: Read>(
+    stream: &mut S,
+    session: &mut Session,
+) -> Result<Outcome, HandoffError> {
+    let mut buf = Vec::new();
+    match read_frame(stream, &mut buf)? {
+        Frame::Outcome { outcome, tag } => {
+            let (running, pid, reason) = outcome.parts();
+            session
+                .outcome(running, pid, reason)
+                .verify_slice(&tag)
+                .map_err(|_| HandoffError::Forged { what: "Outcome" })?;
+            session.last = tag;
+            Ok(outcome)
+        }
+        Frame::Abort { reason } => Err(HandoffError::Aborted { reason }),
+        other => Err(HandoffError::Unexpected {
+            got: other.name(),
+            want: "Outcome",
+        }),
+    }
+}
+
+/// Tells the peer why this end gives up (`Abort`), best effort.
+pub fn send_abort<S: Write>(stream: &mut S, reason: &str) {
+    let _ = write_frame(
+        stream,
+        &Frame::Abort {
+            reason: reason.to_string(),
+        },
+    );
+    let _ = stream.flush();
 }
 
 fn unexpected(got: &'static str, context: &'static str) -> ReceiveError {
@@ -2022,6 +2351,67 @@ mod tests {
         assert!(names(&out).is_empty());
     }
 
+    /// After `Committed`: `Released` then `Outcome`, each checked under the session's key; one
+    /// from another session (a replay) is refused.
+    #[test]
+    fn the_hand_off_after_a_transfer_is_authenticated_by_the_session() {
+        let (_tmp, src, out) = dirs();
+        fs::write(src.join("a"), b"image").unwrap();
+        let (mut a, mut b) = pair();
+        let dest = out.join("img");
+        let receiver = thread::spawn(move || {
+            let (_, mut session) = receive_dir_session(&mut b, &key(1), &dest).unwrap();
+            await_released(&mut b, &mut session).unwrap();
+            let outcome = Outcome::RestoreFailed {
+                reason: "no CRIU here".into(),
+            };
+            send_outcome(&mut b, &mut session, &outcome).unwrap();
+            // Another session's Released (here: this one's, replayed) is refused.
+            await_released(&mut b, &mut session)
+        });
+        let (report, mut session) = send_dir_session(&mut a, &key(1), &src).unwrap();
+        assert_eq!(report.totals, Totals { files: 1, bytes: 5 });
+        let tag: [u8; TAG_BYTES] = session.released().finalize().into_bytes().into();
+        send_released(&mut a, &mut session).unwrap();
+        assert_eq!(
+            await_outcome(&mut a, &mut session).unwrap(),
+            Outcome::RestoreFailed {
+                reason: "no CRIU here".into()
+            }
+        );
+        write_frame(&mut a, &Frame::Released { tag }).unwrap();
+        let replayed = receiver.join().unwrap();
+        assert!(
+            matches!(replayed, Err(HandoffError::Forged { what: "Released" })),
+            "{replayed:?}"
+        );
+        assert_eq!(fs::read(out.join("img/a")).unwrap(), b"image");
+    }
+
+    /// A paced stream writes everything, in bursts of at most a twentieth of its rate.
+    #[test]
+    fn a_paced_stream_writes_in_bursts_of_its_rate() {
+        #[derive(Default)]
+        struct Writes(Vec<usize>, Vec<u8>);
+        impl Write for Writes {
+            fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+                self.0.push(buf.len());
+                self.1.extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut p = Paced::new(Writes::default(), 2_000_000);
+        let data = noise(300_000);
+        p.write_all(&data).unwrap();
+        let w = p.get_mut();
+        assert_eq!(w.1, data);
+        assert_eq!(w.0.iter().max(), Some(&100_000), "{:?}", w.0);
+        assert_eq!(w.0.len(), 3, "{:?}", w.0);
+    }
+
     #[test]
     fn frames_read_back_as_written() {
         let frames = [
@@ -2049,6 +2439,19 @@ mod tests {
             }),
             Frame::Abort {
                 reason: "why".into(),
+            },
+            Frame::Released {
+                tag: [9; TAG_BYTES],
+            },
+            Frame::Outcome {
+                outcome: Outcome::Running { pid: 4242 },
+                tag: [10; TAG_BYTES],
+            },
+            Frame::Outcome {
+                outcome: Outcome::RestoreFailed {
+                    reason: "no room".into(),
+                },
+                tag: [11; TAG_BYTES],
             },
         ];
         let mut wire = Vec::new();

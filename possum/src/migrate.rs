@@ -1,0 +1,246 @@
+//! `possum migrate` and `possum receive`: the command line of possum-sequence's migration
+//! (`possum_sequence::migrate`, whose documentation describes the phases): clap's arguments to
+//! its parameters, and what is printed.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use possum_sequence::auth::HmacKey;
+use possum_sequence::figures::ms;
+use possum_sequence::migrate::{
+    self, Deadlines, MigrateParams, MigrateReport, ReceiveParams, Received,
+};
+use possum_sequence::{CheckpointParams, Environment, Observer, RestoreParams};
+
+use crate::checkpoint::EngineKind;
+
+/// Arguments of `possum migrate`.
+#[derive(Args, Debug)]
+pub struct MigrateArgs {
+    /// The process to migrate (the root of its tree).
+    pub pid: i32,
+    /// The destination: a `possum receive` listening there.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub to: String,
+    /// The secret shared with the destination (a file of 32 bytes or more): each end proves it
+    /// holds it, and every frame of the transfer is authenticated under it.
+    #[arg(long, value_name = "FILE")]
+    pub key_file: PathBuf,
+    /// Where the job's image is written here first (must not exist; default: a new directory
+    /// under the temporary directory). Removed once the job runs at the destination; kept if
+    /// the job runs on here, whose buffers come back from it.
+    #[arg(short = 'D', long = "images-dir", value_name = "LOCAL_DIR")]
+    pub dir: Option<PathBuf>,
+    /// possum, or the baseline `driver` (CRIU + NVIDIA's driver checkpoint only).
+    #[arg(long, value_enum, default_value = "possum")]
+    pub engine: EngineKind,
+    /// Seconds each read or write of the transfer may wait for the destination (and the
+    /// connection, at most 10 of them).
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    pub timeout: u64,
+    /// Seconds the destination's restore may take before the job is restored here instead.
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    pub restore_timeout: u64,
+    /// Send the image at most this many bytes a second (default: as fast as the network goes).
+    #[arg(long, value_name = "BYTES_PER_S", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_rate: Option<u64>,
+    /// Print the figures as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Directory of the job's control socket (default: $POSSUM_SOCKET_DIR, else /tmp/possum).
+    #[arg(long, value_name = "DIR")]
+    pub socket_dir: Option<PathBuf>,
+}
+
+/// Arguments of `possum receive`.
+#[derive(Args, Debug)]
+pub struct ReceiveArgs {
+    /// The address to listen on (port 0: any free port, printed).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub listen: String,
+    /// The secret shared with the sources (a file of 32 bytes or more).
+    #[arg(long, value_name = "FILE")]
+    pub key_file: PathBuf,
+    /// The directory images are received into, each as a new directory `job-MILLIS` in it,
+    /// kept while the restored job runs (its buffers come back from it).
+    #[arg(short = 'D', long = "images-dir", value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Receive migrations one after the other until killed (default: one, then exit).
+    #[arg(long)]
+    pub serve: bool,
+    /// Seconds each read or write of a transfer may wait for the source, and the source may
+    /// take to let its job go once the image arrived.
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    pub timeout: u64,
+    /// Print each migration's figures as JSON (one line each).
+    #[arg(long)]
+    pub json: bool,
+    /// Directory of the restored job's control socket (default: the one it had at the source).
+    #[arg(long, value_name = "DIR")]
+    pub socket_dir: Option<PathBuf>,
+}
+
+/// The sequences' notes, on stderr.
+struct Notes;
+
+impl Observer for Notes {
+    fn copying(&mut self, _: u64, _: &std::path::Path) {}
+    fn copied(&mut self) {}
+    fn note(&mut self, what: &str) {
+        eprintln!("possum: {what}");
+    }
+}
+
+fn deadlines(timeout: u64, restore: Option<u64>) -> Deadlines {
+    let d = Deadlines::default();
+    let io = Duration::from_secs(timeout.max(1));
+    Deadlines {
+        connect: d.connect.min(io),
+        io,
+        release: io,
+        restore: restore.map_or(d.restore, |s| Duration::from_secs(s.max(1))),
+    }
+}
+
+fn read_key(path: &std::path::Path) -> Result<HmacKey> {
+    HmacKey::read(path).with_context(|| format!("the key file {}", path.display()))
+}
+
+/// A new local image directory under the temporary directory.
+fn local_dir(pid: i32) -> PathBuf {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis();
+    std::env::temp_dir().join(format!("possum-migrate-{pid}-{stamp}"))
+}
+
+/// `possum migrate`.
+pub fn migrate(a: &MigrateArgs) -> Result<bool> {
+    // Read before anything is done: a key that is not one refuses the migration.
+    let key = read_key(&a.key_file)?;
+    let params = MigrateParams {
+        checkpoint: CheckpointParams {
+            pid: a.pid,
+            dir: a.dir.clone().unwrap_or_else(|| local_dir(a.pid)),
+            leave_running: true,
+            engine: a.engine.into(),
+            gpu_only: false,
+            force: false,
+            keep_on_gpu: 0,
+            shadow_budget: None,
+            sockets: a
+                .socket_dir
+                .clone()
+                .unwrap_or_else(possum_control::socket_dir),
+            possum_exe: std::env::current_exe().context("finding possum's own binary")?,
+            env: Environment::read(),
+        },
+        to: a.to.clone(),
+        key,
+        deadlines: deadlines(a.timeout, Some(a.restore_timeout)),
+        max_rate: a.max_rate,
+    };
+    let report = migrate::migrate(&params, &mut Notes)?;
+    if a.json {
+        println!("{}", serde_json::to_value(&report)?);
+    } else {
+        print_migrate(&report);
+    }
+    Ok(true)
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+/// What `possum migrate` prints without --json.
+fn print_migrate(r: &MigrateReport) {
+    let t = &r.timings;
+    println!(
+        "possum: process {} migrated to {}, where it runs as process {}: {} files, {:.1} MiB",
+        r.pid,
+        r.to,
+        r.remote_pid,
+        r.files,
+        mib(r.bytes)
+    );
+    println!(
+        "  downtime {:.0} ms (checkpoint {:.0}, send {:.0}, kill {:.0}, restore there {:.0}); \
+         total {:.0} ms",
+        ms(t.downtime),
+        ms(t.checkpoint),
+        ms(t.send),
+        ms(t.kill),
+        ms(t.remote_restore),
+        ms(t.total)
+    );
+}
+
+/// What `possum receive` prints for a job received, without --json.
+fn print_received(r: &Received) {
+    let t = &r.timings;
+    println!(
+        "possum: process {} restored from {} ({} files, {:.1} MiB received in {:.0} ms, restored \
+         in {:.0} ms){}",
+        r.pid,
+        r.dir.display(),
+        r.files,
+        mib(r.bytes),
+        ms(t.receive),
+        ms(t.restore),
+        if r.source_told {
+            ""
+        } else {
+            "; the source was not told, and restores its own copy"
+        }
+    );
+}
+
+/// `possum receive`.
+pub fn receive(a: &ReceiveArgs) -> Result<bool> {
+    let key = read_key(&a.key_file)?;
+    std::fs::create_dir_all(&a.dir)
+        .with_context(|| format!("the images directory {}", a.dir.display()))?;
+    let params = ReceiveParams {
+        dir: a.dir.clone(),
+        key,
+        deadlines: deadlines(a.timeout, None),
+        restore: RestoreParams {
+            dir: PathBuf::new(),
+            socket_dir: a.socket_dir.clone(),
+            device: None,
+            possum_exe: std::env::current_exe().context("finding possum's own binary")?,
+            env: Environment::read(),
+            hmac_key: None,
+        },
+    };
+    let listener =
+        TcpListener::bind(&a.listen).with_context(|| format!("listening on {}", a.listen))?;
+    eprintln!(
+        "possum: receiving on {}",
+        listener.local_addr().context("the address listened on")?
+    );
+    loop {
+        let (mut stream, peer) = listener.accept().context("accepting a connection")?;
+        let got = possum_sequence::wire::set_timeouts(&stream, params.deadlines.io)
+            .context("setting the connection's timeouts")
+            .and_then(|()| {
+                migrate::receive(&mut stream, &params, &mut Notes)
+                    .with_context(|| format!("a migration from {peer}"))
+            });
+        drop(stream);
+        match got {
+            Ok(r) if a.json => println!("{}", serde_json::to_value(&r)?),
+            Ok(r) => print_received(&r),
+            Err(e) if a.serve => eprintln!("possum: error: {e:#}"),
+            Err(e) => return Err(e),
+        }
+        if !a.serve {
+            return Ok(true);
+        }
+    }
+}

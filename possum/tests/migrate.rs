@@ -1,0 +1,436 @@
+//! `possum migrate` to a `possum receive` over loopback, on the fake GPU stack of the
+//! interposer's tests with real CRIU (source and destination on this one host): the job moves and
+//! goes on with exactly the data of a run without possum; a wrong key, a receiver killed during
+//! the transfer, a restore that fails at the destination and a destination gone after the
+//! source's kill each leave the job running at the source, with exactly that data too.
+//!
+//! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) is the one of
+//! entry_checkpoint.rs: commanded through a FIFO, answering into a file opened O_APPEND, which
+//! CRIU reopens by path at a restore (here or "there": the same host).
+//!
+//! Needs root and CRIU: without either it prints `SKIPPED: ...` on stderr and passes; with
+//! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+#[path = "../../interposer/tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+#[path = "../../criu-adapter/tests/support/criu.rs"]
+mod criu_support;
+use criu_support::{criu_or_skip, say};
+
+/// Bound on every wait for something that should happen.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// fake_session_job in a session of its own, commanded through a FIFO, answering into a file.
+/// Its process is reaped as soon as it ends (a migration kills it, and its PID must be free for
+/// CRIU's restore); killed when dropped if it still runs.
+struct Job {
+    pid: i32,
+    cmds: File,
+    out: PathBuf,
+    stderr: PathBuf,
+    seen: usize,
+}
+
+impl Job {
+    fn start(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
+        let fifo = dir.join(format!("{name}.cmds"));
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let cmds = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
+        let out = dir.join(format!("{name}.out"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        let append = |p: &Path| {
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .unwrap()
+        };
+        let mut cmd = common::fake_job_command(dir, "fake_session_job", lib);
+        cmd.env("FAKE_VIA", "entry")
+            .env("FAKE_CMDS", &fifo)
+            .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+            .stdin(Stdio::null())
+            .stdout(append(&out))
+            .stderr(append(&stderr));
+        // SAFETY: setsid is async-signal-safe and touches no memory of this process.
+        unsafe {
+            cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
+        }
+        let mut child = cmd.spawn().unwrap();
+        let pid = child.id() as i32;
+        std::thread::spawn(move || child.wait());
+        let mut job = Job {
+            pid,
+            cmds,
+            out,
+            stderr,
+            seen: 0,
+        };
+        job.expect("ready");
+        job.run("step 5", "done 5");
+        job
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// The job's next answer, which must be `want`, within [`WAIT`].
+    fn expect(&mut self, want: &str) {
+        let t = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+            let lines: Vec<&str> = text.split_inclusive('\n').collect();
+            if let Some(l) = lines.get(self.seen).filter(|l| l.ends_with('\n')) {
+                assert_eq!(l.trim_end(), want, "job's stderr:\n{}", self.log());
+                self.seen += 1;
+                return;
+            }
+            assert!(
+                t.elapsed() < WAIT,
+                "no answer {want:?} from the job within {WAIT:?}; its answers:\n{text}\nstderr:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    fn run(&mut self, cmd: &str, want: &str) {
+        writeln!(self.cmds, "{cmd}").unwrap();
+        self.expect(want);
+    }
+
+    fn dump(&mut self, path: &Path) -> Vec<u8> {
+        self.run(&format!("dump {}", path.display()), "dumped");
+        std::fs::read(path).unwrap()
+    }
+
+    /// The commands after the migration (steps 6 to 12, a cudaMalloc, two dumps), then the
+    /// job's exit, which must be clean: the buffers after each dump.
+    fn finish(&mut self, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
+        self.run("step 4", "done 9");
+        self.run("malloc", "malloced");
+        let mid = self.dump(&dir.join(format!("{tag}-mid.bin")));
+        self.run("step 3", "done 12");
+        let end = self.dump(&dir.join(format!("{tag}-end.bin")));
+        self.run("exit", "bye");
+        // A restored job is this process's (a subreaper's) to reap; the original is reaped by
+        // its waiting thread.
+        let _ = possum_criu::wait_for_exit(self.pid, Some(WAIT));
+        self.pid = 0;
+        [mid, end]
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.pid > 0 {
+            let pid = nix::unistd::Pid::from_raw(self.pid);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = possum_criu::wait_for_exit(self.pid, Some(WAIT));
+        }
+    }
+}
+
+/// CRIU, libpossum.so, the fake driver and the job built into a temporary directory, the
+/// reference run's buffers and the job under libpossum at step 5; `None` (said why) to skip.
+fn setup(test: &str) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
+    criu_or_skip(test)?;
+    let Some(lib) = common::find_libpossum() else {
+        say(&format!(
+            "{test}: SKIPPED: libpossum.so not built (cargo test --workspace builds it)"
+        ));
+        return None;
+    };
+    possum_criu::set_child_subreaper().unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("possum-migrate-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
+    if !common::build_fake_gpu_from(
+        &interposer,
+        dir,
+        "tests/fake/fake_session_job.c",
+        "fake_session_job",
+    ) {
+        return None;
+    }
+    let want = Job::start(dir, "reference", None).finish(dir, "reference");
+    let job = Job::start(dir, "job", Some(&lib));
+    for (name, byte) in [("key", 1u8), ("other-key", 2)] {
+        std::fs::write(dir.join(name), [byte; 32]).unwrap();
+    }
+    std::fs::create_dir(dir.join("received")).unwrap();
+    Some((tmp, want, job))
+}
+
+fn possum(dir: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
+    c.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
+        .env("FAKE_CKPT_IN_PROCESS", "1")
+        .env_remove("LD_PRELOAD");
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A `possum receive` of one migration into `dir/received`, with `key`, and the address it
+/// listens on.
+struct Receiver {
+    child: Child,
+    addr: String,
+}
+
+impl Receiver {
+    fn start(dir: &Path, key: &str, env: &[(&str, &str)]) -> Receiver {
+        let mut child = possum(dir)
+            .args([
+                "receive",
+                "--json",
+                "--listen",
+                "127.0.0.1:0",
+                "--timeout",
+                "20",
+            ])
+            .arg("--key-file")
+            .arg(dir.join(key))
+            .arg("-D")
+            .arg(dir.join("received"))
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        stderr.read_line(&mut line).unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("possum: receiving on ")
+            .unwrap_or_else(|| panic!("possum receive said {line:?}"))
+            .to_string();
+        // The rest of its stderr, echoed (and never blocking it).
+        std::thread::spawn(move || {
+            for l in stderr.lines().map_while(Result::ok) {
+                say(&format!("possum receive: {l}"));
+            }
+        });
+        Receiver { child, addr }
+    }
+
+    /// Its exit and stdout.
+    fn finish(self) -> (std::process::ExitStatus, String) {
+        let out = self.child.wait_with_output().unwrap();
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+}
+
+fn migrate_cmd(dir: &Path, job: &Job, to: &str, key: &str) -> Command {
+    let mut c = possum(dir);
+    c.args(["migrate", &job.pid.to_string(), "--json", "--to", to])
+        .arg("--key-file")
+        .arg(dir.join(key))
+        .arg("-D")
+        .arg(dir.join("local"))
+        .arg("--socket-dir")
+        .arg(dir.join("sockets"));
+    c
+}
+
+/// The names in `dir`.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A failed `possum migrate`: exit 2, its error naming `phase`, the job running at the source.
+fn failed_at(out: &Output, phase: &str) {
+    let t = text(out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(t.contains(phase), "no {phase:?} in:\n{t}");
+    assert!(t.contains("the job runs on at the source"), "{t}");
+}
+
+/// The job, wherever it runs now, goes on with exactly the reference's buffers.
+fn goes_on_like(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2], what: &str) {
+    let got = job.finish(dir, "job");
+    assert!(got[0] == want[0], "{what}: the buffers after step 9 differ");
+    assert!(
+        got[1] == want[1],
+        "{what}: the buffers after step 12 differ"
+    );
+}
+
+#[test]
+fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
+    let Some((tmp, want, mut job)) = setup("migrate_loopback") else {
+        return;
+    };
+    let dir = tmp.path();
+    let receiver = Receiver::start(dir, "key", &[]);
+    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\njob:\n{}", text(&out), job.log());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (status, received) = receiver.finish();
+    assert!(status.success(), "{received}");
+    let r: Value = serde_json::from_str(received.trim()).unwrap();
+
+    // The same host: CRIU gave the job its PID again.
+    assert_eq!(v["pid"], job.pid, "{v}");
+    assert_eq!(v["remote_pid"], job.pid, "{v}");
+    assert_eq!(r["pid"], job.pid, "{r}");
+    assert_eq!((&v["files"], &v["bytes"]), (&r["files"], &r["bytes"]));
+    assert!(v["bytes"].as_u64().unwrap() > 2 << 20, "{v}");
+    let t = &v["timings"];
+    let downtime = t["downtime_ms"].as_f64().unwrap();
+    assert!(
+        downtime >= t["send_ms"].as_f64().unwrap() + t["remote_restore_ms"].as_f64().unwrap(),
+        "{v}"
+    );
+    assert_eq!(r["source_told"], true, "{r}");
+    // The local image is gone; the received one stays (the buffers come back from it).
+    assert!(!dir.join("local").exists());
+    let received = PathBuf::from(r["dir"].as_str().unwrap());
+    assert!(received.join("possum.json").is_file(), "{r}");
+    assert_eq!(names(&dir.join("received")).len(), 1);
+
+    goes_on_like(&mut job, dir, &want, "migrated");
+    say(&format!("migrate_loopback: {t}"));
+}
+
+#[test]
+fn a_wrong_key_is_refused_and_the_job_runs_on_at_the_source() {
+    let Some((tmp, want, mut job)) = setup("migrate_wrong_key") else {
+        return;
+    };
+    let dir = tmp.path();
+    let receiver = Receiver::start(dir, "key", &[]);
+    let out = migrate_cmd(dir, &job, &receiver.addr, "other-key")
+        .output()
+        .unwrap();
+    failed_at(&out, "sending the image");
+    let (status, _) = receiver.finish();
+    assert!(!status.success());
+    assert_eq!(names(&dir.join("received")), Vec::<String>::new());
+    goes_on_like(&mut job, dir, &want, "refused");
+}
+
+#[test]
+fn a_receiver_killed_during_the_transfer_leaves_the_job_running_at_the_source() {
+    let Some((tmp, want, mut job)) = setup("migrate_receiver_killed") else {
+        return;
+    };
+    let dir = tmp.path();
+    let mut receiver = Receiver::start(dir, "key", &[]);
+    // Slow enough (the image is some MiB) to be killed in the middle of it.
+    let migrate = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .args(["--max-rate", "1000000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let received = dir.join("received");
+    let t = Instant::now();
+    while !names(&received).iter().any(|n| n.contains(".receiving-")) {
+        assert!(t.elapsed() < WAIT, "the transfer did not begin");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    receiver.child.kill().unwrap();
+    let _ = receiver.finish();
+    let out = migrate.wait_with_output().unwrap();
+    failed_at(&out, "sending the image");
+    // Nothing was named at the destination: only the dead receiver's temporary directory.
+    assert!(
+        names(&received).iter().all(|n| n.contains(".receiving-")),
+        "{:?}",
+        names(&received)
+    );
+    goes_on_like(&mut job, dir, &want, "left at the source");
+}
+
+#[test]
+fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
+    let Some((tmp, want, mut job)) = setup("migrate_restore_fails") else {
+        return;
+    };
+    let dir = tmp.path();
+    // The destination cannot restore: its CRIU is missing.
+    let missing = dir.join("no-criu-here");
+    let receiver = Receiver::start(dir, "key", &[("POSSUM_CRIU", missing.to_str().unwrap())]);
+    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .output()
+        .unwrap();
+    failed_at(&out, "the destination could not restore the job");
+    assert!(text(&out).contains("no-criu-here"), "{}", text(&out));
+    let (status, _) = receiver.finish();
+    assert!(!status.success());
+    // The destination removed what it received; the source keeps its image.
+    assert_eq!(names(&dir.join("received")), Vec::<String>::new());
+    assert!(dir.join("local/possum.json").is_file());
+    goes_on_like(&mut job, dir, &want, "restored at the source");
+}
+
+/// A destination that takes the image and the source's `Released`, then drops the connection
+/// without an answer (as one that died in its restore): the source restores the job itself.
+#[test]
+fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
+    use possum_sequence::auth::HmacKey;
+    use possum_sequence::wire;
+    let Some((tmp, want, mut job)) = setup("migrate_destination_gone") else {
+        return;
+    };
+    let dir = tmp.path();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let dest = dir.join("received/job");
+    let destination = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        wire::set_timeouts(&s, WAIT).unwrap();
+        let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
+        let (_, mut session) = wire::receive_dir_session(&mut s, &key, &dest).unwrap();
+        wire::await_released(&mut s, &mut session).unwrap();
+    });
+    let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
+    destination.join().unwrap();
+    failed_at(&out, "waiting for the destination's restore");
+    assert!(
+        text(&out).contains("restoring the job at the source"),
+        "{}",
+        text(&out)
+    );
+    assert!(dir.join("local/possum.json").is_file());
+    goes_on_like(&mut job, dir, &want, "restored at the source");
+}

@@ -1,0 +1,556 @@
+//! Migration of a job to another host, stop and copy: `possum migrate PID --to HOST:PORT` on the
+//! source ([`migrate`]), `possum receive --listen ADDR:PORT -D DIR` on the destination
+//! ([`receive`]), over the authenticated transfer of [`crate::wire`].
+//!
+//! ```text
+//! source ([`migrate`])                              destination ([`receive`])
+//!   checkpoint  the job held, its image committed into LOCAL_DIR (the job is not let go)
+//!   connect     TCP to HOST:PORT
+//!   send        handshake, LOCAL_DIR (at most --max-rate) ──────────────▶ DIR/NAME, named only complete: Committed
+//!   kill        the held job killed (its PIDs free), LOCAL_DIR kept
+//!   hand-off    Released ──────────────────────────▶ restore DIR/NAME (`possum restore`'s sequence)
+//!               ◀─────────────────── Outcome: Running (pid) or RestoreFailed (why)
+//!   end         Running: LOCAL_DIR removed. Otherwise the job is restored here from LOCAL_DIR.
+//! ```
+//!
+//! What becomes of the job, by the phase that failed ([`MigrateError`]):
+//! - the checkpoint: the checkpoint's guard lets it run on, as `possum checkpoint` does;
+//! - before the kill (connect, handshake, send, a receiver's abort or a full disk there): it is
+//!   let go at the source and runs on; the receiver removed what it had of the image;
+//! - after the kill (no answer within the deadline, a dropped connection, RestoreFailed): it is
+//!   restored at the source from LOCAL_DIR, which is kept.
+//!
+//! The destination restores only after `Released`, which the source sends only once its job is
+//! gone: the job never runs at both ends from this exchange. One case is left to the operator: an
+//! `Outcome` Running lost on its way (the connection cut after the destination restored the job)
+//! has the source restore its job too; on one host the second restore fails (the PIDs are taken),
+//! on two hosts both copies run.
+//!
+//! Every wait has a deadline ([`Deadlines`]): the connection, each read or write of the transfer,
+//! the source's kill, and the destination's restore.
+
+use std::fs;
+use std::io;
+use std::net::{TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Serialize, Serializer};
+
+use crate::auth::HmacKey;
+use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
+use crate::restore::{restore, RestoreError, RestoreParams};
+use crate::wire::{
+    self, await_outcome, await_released, receive_dir_session, send_abort, send_dir_session,
+    send_outcome, send_released, FrameError, HandoffError, Outcome, WireError,
+};
+use crate::Observer;
+
+/// How long each wait of a migration may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// The TCP connection to the destination.
+    pub connect: Duration,
+    /// Each read and each write of the transfer (the handshake, a frame, `Committed`).
+    pub io: Duration,
+    /// The destination: from `Committed` to `Released` (the source's kill).
+    pub release: Duration,
+    /// The source: from `Released` to the destination's `Outcome` (its restore).
+    pub restore: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Deadlines {
+        Deadlines {
+            connect: Duration::from_secs(10),
+            io: Duration::from_secs(60),
+            release: Duration::from_secs(60),
+            restore: Duration::from_secs(300),
+        }
+    }
+}
+
+/// What to migrate, and where (`possum migrate`'s flags).
+#[derive(Debug, Clone)]
+pub struct MigrateParams {
+    /// The checkpoint at the source: its `dir` is the local image (which must not exist),
+    /// `leave_running` set (the job is held until the hand-off), not `gpu_only`.
+    pub checkpoint: CheckpointParams,
+    /// The destination, `HOST:PORT`.
+    pub to: String,
+    /// The secret both hosts hold.
+    pub key: HmacKey,
+    /// The deadlines.
+    pub deadlines: Deadlines,
+    /// The most bytes a second the image is sent at (none: as fast as the network goes).
+    pub max_rate: Option<u64>,
+}
+
+/// Serializes a duration as milliseconds.
+fn as_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(crate::figures::ms(*d))
+}
+
+/// How long each phase of a migration took at the source.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct MigrateTimings {
+    /// The checkpoint, up to the image committed with the job held.
+    #[serde(rename = "checkpoint_ms", serialize_with = "as_ms")]
+    pub checkpoint: Duration,
+    /// The connection.
+    #[serde(rename = "connect_ms", serialize_with = "as_ms")]
+    pub connect: Duration,
+    /// The handshake and the transfer, up to `Committed`.
+    #[serde(rename = "send_ms", serialize_with = "as_ms")]
+    pub send: Duration,
+    /// The job's kill (and the local image made durable).
+    #[serde(rename = "kill_ms", serialize_with = "as_ms")]
+    pub kill: Duration,
+    /// From `Released` to the destination's `Outcome` (its restore).
+    #[serde(rename = "remote_restore_ms", serialize_with = "as_ms")]
+    pub remote_restore: Duration,
+    /// The job not running: from its hold to its running at the destination.
+    #[serde(rename = "downtime_ms", serialize_with = "as_ms")]
+    pub downtime: Duration,
+    /// The whole migration.
+    #[serde(rename = "total_ms", serialize_with = "as_ms")]
+    pub total: Duration,
+}
+
+/// A migration made: what `possum migrate` prints.
+#[derive(Debug, Serialize)]
+pub struct MigrateReport {
+    /// The job at the source.
+    pub pid: i32,
+    /// The destination.
+    pub to: String,
+    /// The job at the destination.
+    pub remote_pid: i32,
+    /// Files of the image sent.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// The phases' timings.
+    pub timings: MigrateTimings,
+    /// The source's checkpoint.
+    pub checkpoint: CheckpointReport,
+}
+
+/// What became of the job when a migration failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobAt {
+    /// It runs on at the source (it was let go, or restored there from the local image).
+    Source,
+    /// Neither end runs it: its image is kept at the source.
+    Lost {
+        /// The local image.
+        image: PathBuf,
+        /// Why it could not be brought back.
+        why: String,
+    },
+}
+
+impl std::fmt::Display for JobAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobAt::Source => f.write_str("the job runs on at the source"),
+            JobAt::Lost { image, why } => write!(
+                f,
+                "the job could not be brought back at the source ({why}): its image is kept, \
+                 `possum restore -D {}` restores it",
+                image.display()
+            ),
+        }
+    }
+}
+
+/// A migration that failed, by the phase that failed, with what became of the job.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// The checkpoint at the source (its guard let the job run on).
+    #[error("migration failed at the checkpoint; the job runs on at the source")]
+    Checkpoint(#[source] Box<CheckpointError>),
+    /// The connection to the destination.
+    #[error("migration failed connecting to {to}; {job}")]
+    Connect {
+        /// The destination.
+        to: String,
+        /// What became of the job.
+        job: JobAt,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The handshake or the transfer (a wrong key, a receiver's abort, a full disk there).
+    #[error("migration failed sending the image to {to}; {job}")]
+    Send {
+        /// The destination.
+        to: String,
+        /// What became of the job.
+        job: JobAt,
+        /// Why.
+        #[source]
+        source: Box<WireError>,
+    },
+    /// Killing the held job at the source once the destination had the image.
+    #[error("migration failed killing the job at the source; {job}")]
+    Kill {
+        /// What became of the job.
+        job: JobAt,
+        /// Why.
+        #[source]
+        source: Box<CheckpointError>,
+    },
+    /// `Released`, or the destination's `Outcome` (not in time, a dropped connection).
+    #[error("migration failed waiting for the destination's restore; {job}")]
+    Handoff {
+        /// What became of the job.
+        job: JobAt,
+        /// Why.
+        #[source]
+        source: HandoffError,
+    },
+    /// The destination could not restore the job.
+    #[error("migration failed: the destination could not restore the job ({reason}); {job}")]
+    RemoteRestore {
+        /// Why, as the destination said.
+        reason: String,
+        /// What became of the job.
+        job: JobAt,
+    },
+}
+
+impl MigrateError {
+    /// What became of the job.
+    pub fn job(&self) -> JobAt {
+        match self {
+            MigrateError::Checkpoint(_) => JobAt::Source,
+            MigrateError::Connect { job, .. }
+            | MigrateError::Send { job, .. }
+            | MigrateError::Kill { job, .. }
+            | MigrateError::Handoff { job, .. }
+            | MigrateError::RemoteRestore { job, .. } => job.clone(),
+        }
+    }
+}
+
+/// `e` with its sources, `: `-separated.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Opens a connection to `to` within `deadline`, its reads and writes bounded by `io`.
+fn connect(to: &str, deadline: Duration, io: Duration) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
+    for addr in to.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&addr, deadline) {
+            Ok(s) => {
+                wire::set_timeouts(&s, io)?;
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// Migrates the job `p.checkpoint` names to the [`receive`] at `p.to`, in phases: checkpoint
+/// (held), connect, send, kill, hand-off. `obs` is told how the checkpoint and the restores go.
+pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateReport, MigrateError> {
+    let t_all = Instant::now();
+    let mut timings = MigrateTimings::default();
+    let local = p.checkpoint.dir.clone();
+
+    let held =
+        checkpoint_held(&p.checkpoint, obs).map_err(|e| MigrateError::Checkpoint(Box::new(e)))?;
+    timings.checkpoint = t_all.elapsed();
+    let committed_at = Instant::now();
+
+    let t = Instant::now();
+    let mut stream = match connect(&p.to, p.deadlines.connect, p.deadlines.io) {
+        Ok(s) => s,
+        Err(source) => {
+            let job = let_go(held, obs);
+            let to = p.to.clone();
+            return Err(MigrateError::Connect { to, job, source });
+        }
+    };
+    timings.connect = t.elapsed();
+
+    let t = Instant::now();
+    let sending = match p.max_rate {
+        Some(rate) => {
+            send_dir_session(&mut wire::Paced::new(&mut stream, rate), &p.key, held.dir())
+        }
+        None => send_dir_session(&mut stream, &p.key, held.dir()),
+    };
+    let (sent, mut session) = match sending {
+        Ok(s) => s,
+        Err(source) => {
+            drop(stream);
+            let job = let_go(held, obs);
+            let to = p.to.clone();
+            let source = Box::new(source);
+            return Err(MigrateError::Send { to, job, source });
+        }
+    };
+    timings.send = t.elapsed();
+
+    // The destination has the image: the job is killed here, its PIDs free for the restore.
+    let t = Instant::now();
+    let report = match held.kill() {
+        Ok(r) => r,
+        Err(source) => {
+            send_abort(&mut stream, "the source could not kill its job");
+            // The guard let the job go on, unless it was killed after all.
+            let job = if crate::process::alive(p.checkpoint.pid) {
+                JobAt::Source
+            } else {
+                restore_here(&p.checkpoint, obs)
+            };
+            let source = Box::new(source);
+            return Err(MigrateError::Kill { job, source });
+        }
+    };
+    timings.kill = t.elapsed();
+
+    // After the kill, a failure restores the job here.
+    let t = Instant::now();
+    let outcome = send_released(&mut stream, &mut session)
+        .map_err(HandoffError::from)
+        .and_then(|()| {
+            stream
+                .set_read_timeout(Some(p.deadlines.restore))
+                .map_err(|source| FrameError::Io {
+                    what: "waiting for",
+                    source,
+                })?;
+            await_outcome(&mut stream, &mut session)
+        });
+    timings.remote_restore = t.elapsed();
+    drop(stream);
+    match outcome {
+        Ok(Outcome::Running { pid: remote_pid }) => {
+            timings.downtime = report.figures.hold + committed_at.elapsed();
+            timings.total = t_all.elapsed();
+            let _ = fs::remove_dir_all(&local);
+            Ok(MigrateReport {
+                pid: p.checkpoint.pid,
+                to: p.to.clone(),
+                remote_pid,
+                files: sent.totals.files,
+                bytes: sent.totals.bytes,
+                timings,
+                checkpoint: report,
+            })
+        }
+        Ok(Outcome::RestoreFailed { reason }) => {
+            let job = restore_here(&p.checkpoint, obs);
+            Err(MigrateError::RemoteRestore { reason, job })
+        }
+        Err(source) => {
+            let job = restore_here(&p.checkpoint, obs);
+            Err(MigrateError::Handoff { job, source })
+        }
+    }
+}
+
+/// Before the kill: lets the held job go on at the source (its image is kept, its buffers come
+/// back from it).
+fn let_go(held: crate::HeldCheckpoint<'_>, obs: &mut dyn Observer) -> JobAt {
+    let image = held.dir().to_path_buf();
+    match held.resume() {
+        Ok(_) => {
+            obs.note(&format!(
+                "the job runs on here; its image {} stays while its buffers come back from it",
+                image.display()
+            ));
+            JobAt::Source
+        }
+        Err(e) => JobAt::Lost {
+            image,
+            why: chain(&e),
+        },
+    }
+}
+
+/// Restores the job at the source from its local image (kept either way).
+fn restore_here(c: &CheckpointParams, obs: &mut dyn Observer) -> JobAt {
+    obs.note(&format!(
+        "restoring the job at the source from {}",
+        c.dir.display()
+    ));
+    let params = RestoreParams {
+        dir: c.dir.clone(),
+        socket_dir: None,
+        device: None,
+        possum_exe: c.possum_exe.clone(),
+        env: c.env.clone(),
+        hmac_key: None,
+    };
+    match restore(&params, obs) {
+        Ok(_) => JobAt::Source,
+        Err(e) => JobAt::Lost {
+            image: c.dir.clone(),
+            why: chain(&e),
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The destination
+
+/// Where and how the destination receives (`possum receive`'s flags).
+#[derive(Debug, Clone)]
+pub struct ReceiveParams {
+    /// The directory images are received into, each as a new directory in it.
+    pub dir: PathBuf,
+    /// The secret both hosts hold.
+    pub key: HmacKey,
+    /// The deadlines.
+    pub deadlines: Deadlines,
+    /// The restore's parameters but its `dir` (the image received).
+    pub restore: RestoreParams,
+}
+
+/// How long each phase of a receive took.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ReceiveTimings {
+    /// The handshake and the transfer, up to `Committed`.
+    #[serde(rename = "receive_ms", serialize_with = "as_ms")]
+    pub receive: Duration,
+    /// From `Committed` to `Released` (the source's kill).
+    #[serde(rename = "release_ms", serialize_with = "as_ms")]
+    pub release: Duration,
+    /// The restore.
+    #[serde(rename = "restore_ms", serialize_with = "as_ms")]
+    pub restore: Duration,
+}
+
+/// A job received and running: what `possum receive` prints.
+#[derive(Debug, Serialize)]
+pub struct Received {
+    /// The image, kept (the job's buffers come back from it as it runs).
+    pub dir: PathBuf,
+    /// The job, running.
+    pub pid: i32,
+    /// Files received.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// The phases' timings.
+    pub timings: ReceiveTimings,
+    /// Whether the source heard that the job runs here (it restores its own otherwise).
+    pub source_told: bool,
+}
+
+/// A receive that failed, by phase (nothing of the image is left, and no job was restored).
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    /// The handshake or the transfer.
+    #[error("receiving the image failed")]
+    Transfer(#[source] Box<WireError>),
+    /// `Released` did not come (the source lets its job go on, or restores it).
+    #[error("the image arrived, but the source did not let its job go; the image is removed")]
+    Release(#[source] HandoffError),
+    /// The restore failed (the source was told, and restores its job).
+    #[error("restoring the job from {} failed; the source was told to restore its own", dir.display())]
+    Restore {
+        /// The image (removed).
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<RestoreError>,
+    },
+}
+
+/// A new name for an image under `dir`.
+fn image_name(dir: &Path) -> PathBuf {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let base = format!("job-{}", stamp.as_millis());
+    let mut at = dir.join(&base);
+    let mut k = 1;
+    while fs::symlink_metadata(&at).is_ok() {
+        at = dir.join(format!("{base}-{k}"));
+        k += 1;
+    }
+    at
+}
+
+/// Receives one migration on `stream` (its reads and writes bounded already): the image into a
+/// new directory of `p.dir`, then, once the source released its job, its restore, whose outcome
+/// the source is told.
+pub fn receive(
+    stream: &mut TcpStream,
+    p: &ReceiveParams,
+    obs: &mut dyn Observer,
+) -> Result<Received, ReceiveError> {
+    let mut timings = ReceiveTimings::default();
+    let dest = image_name(&p.dir);
+    let t = Instant::now();
+    let (got, mut session) = receive_dir_session(stream, &p.key, &dest)
+        .map_err(|e| ReceiveError::Transfer(Box::new(e)))?;
+    timings.receive = t.elapsed();
+
+    let t = Instant::now();
+    let released = stream
+        .set_read_timeout(Some(p.deadlines.release))
+        .map_err(|source| {
+            HandoffError::from(FrameError::Io {
+                what: "waiting for",
+                source,
+            })
+        })
+        .and_then(|()| await_released(stream, &mut session));
+    if let Err(e) = released {
+        let _ = fs::remove_dir_all(&dest);
+        return Err(ReceiveError::Release(e));
+    }
+    timings.release = t.elapsed();
+
+    let t = Instant::now();
+    let params = RestoreParams {
+        dir: dest.clone(),
+        ..p.restore.clone()
+    };
+    let restored = restore(&params, obs);
+    timings.restore = t.elapsed();
+    let _ = stream.set_write_timeout(Some(p.deadlines.io));
+    match restored {
+        Ok(r) => {
+            let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
+            if let Err(e) = &told {
+                obs.note(&format!(
+                    "the job runs here as process {}, but the source was not told ({}): it \
+                     restores its own copy",
+                    r.pid,
+                    chain(e)
+                ));
+            }
+            Ok(Received {
+                dir: dest,
+                pid: r.pid,
+                files: got.totals.files,
+                bytes: got.totals.bytes,
+                timings,
+                source_told: told.is_ok(),
+            })
+        }
+        Err(source) => {
+            let reason = chain(&source);
+            let _ = send_outcome(stream, &mut session, &Outcome::RestoreFailed { reason });
+            let _ = fs::remove_dir_all(&dest);
+            let source = Box::new(source);
+            Err(ReceiveError::Restore { dir: dest, source })
+        }
+    }
+}
