@@ -223,12 +223,31 @@ fn no_device_fails_at_init() {
     assert!(out.stdout.is_empty());
 }
 
-/// The explicit argument layouts of the kernels the runtime runs, as fake-libamdhip64.c's
-/// `kernels[]` packs them: (name, (offset, size) per argument, explicit bytes).
-const SIM_KERNELS: &[(&str, &[(u32, u32)], u32)] = &[
-    ("fill_u32", &[(0, 8), (8, 4), (12, 4)], 16),
-    ("axpy_f32", &[(0, 8), (8, 8), (16, 4), (20, 4)], 24),
-    ("copy_u32", &[(0, 8), (8, 8), (16, 4)], 20),
+/// A kernel the runtime runs, as fake-libamdhip64.c's `kernels[]` packs its arguments.
+struct SimKernel {
+    name: &'static str,
+    /// (offset, size) of each explicit argument.
+    args: &'static [(u32, u32)],
+    /// The explicit bytes a launch's `extra` buffer must hold.
+    explicit: u32,
+}
+
+const SIM_KERNELS: &[SimKernel] = &[
+    SimKernel {
+        name: "fill_u32",
+        args: &[(0, 8), (8, 4), (12, 4)],
+        explicit: 16,
+    },
+    SimKernel {
+        name: "axpy_f32",
+        args: &[(0, 8), (8, 8), (16, 4), (20, 4)],
+        explicit: 24,
+    },
+    SimKernel {
+        name: "copy_u32",
+        args: &[(0, 8), (8, 8), (16, 4)],
+        explicit: 20,
+    },
 ];
 
 #[test]
@@ -237,7 +256,8 @@ fn the_simulated_kernels_match_the_code_object() {
     let ks = kernels(&elf).expect("the code object reads");
     let names: Vec<&str> = ks.iter().map(|k| k.name.as_str()).collect();
     assert_eq!(names, ["fill_u32", "axpy_f32", "copy_u32"]);
-    for (k, (name, args, size)) in ks.iter().zip(SIM_KERNELS) {
+    for (k, sim) in ks.iter().zip(SIM_KERNELS) {
+        let (name, args, size) = (sim.name, sim.args, &sim.explicit);
         assert_eq!(k.name, *name);
         assert_eq!(
             k.layout(),
