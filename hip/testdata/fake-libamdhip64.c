@@ -23,7 +23,8 @@
 //   (hipStreamSynchronize, hipEventSynchronize, hipDeviceSynchronize, a hipStreamWaitEvent's
 //   op, the synchronous hipMemcpy, or any op on the null stream, which first drains every
 //   stream of its device as the legacy default stream does). A program that reads device memory
-//   without waiting sees stale bytes, as it could on a GPU. Everything runs on the calling thread.
+//   without waiting sees stale bytes, as it could on a GPU. Ops run on the thread that waits;
+//   one lock serialises every call, so calls from several threads are safe.
 // - Kernels: a code object passed to hipModuleLoadData (or registered with
 //   __hipRegisterFatBinary) must be an AMDGPU ELF file (e_machine 224); hipModuleGetFunction
 //   finds `<name>.kd` in its dynamic symbol table, and only the kernels in `kernels[]` below
@@ -59,7 +60,9 @@
 #define GRANULARITY (64ull << 10)
 #define ALIGN 256
 
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+// Guards all of the library's state. Recursive: a drain runs ops that free pool blocks, and
+// hipMallocAsync makes its pool under it.
+static pthread_mutex_t lock = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
 static __thread int cur_dev;
 static __thread hipError_t last_error;
 
@@ -467,6 +470,7 @@ static void run_op(struct op* o);
 
 // Runs `s`'s queued ops in order, up to and including `until` (all of them when null).
 static void drain(struct ihipStream_t* s, const struct op* until) {
+  pthread_mutex_lock(&lock);
   while (s->head) {
     struct op* o = s->head;
     s->head = o->next;
@@ -476,11 +480,14 @@ static void drain(struct ihipStream_t* s, const struct op* until) {
     free(o);
     if (last) break;
   }
+  pthread_mutex_unlock(&lock);
 }
 
 static void drain_all(int dev) {
+  pthread_mutex_lock(&lock);
   for (struct ihipStream_t* s = streams; s; s = s->next)
     if (s->dev == dev) drain(s, 0);
+  pthread_mutex_unlock(&lock);
 }
 
 // The op of `s` that records `e`'s number `seq`, if still queued.
@@ -506,25 +513,29 @@ static void run_op(struct op* o) {
 }
 
 static int valid_stream(struct ihipStream_t* s) {
-  if (!s) return 1;
-  for (struct ihipStream_t* t = streams; t; t = t->next) if (t == s) return 1;
-  return 0;
+  int found = !s;
+  pthread_mutex_lock(&lock);
+  for (struct ihipStream_t* t = streams; t && !found; t = t->next) found = t == s;
+  pthread_mutex_unlock(&lock);
+  return found;
 }
 
 // Queues `o` on `s`: recorded into the graph when `s` is capturing, run at once (after every
 // stream of the device) on the null stream.
 static hipError_t submit(struct ihipStream_t* s, struct op* o) {
   if (!valid_stream(s)) { free(o); return hipErrorInvalidHandle; }
+  pthread_mutex_lock(&lock);
   if (!s) {
     drain_all(cur_dev);
     run_op(o);
     free(o);
-    return hipSuccess;
+  } else {
+    o->next = 0;
+    struct op*** tail = s->capture ? &s->capture->tail : &s->tail;
+    **tail = o;
+    *tail = &o->next;
   }
-  o->next = 0;
-  struct op*** tail = s->capture ? &s->capture->tail : &s->tail;
-  **tail = o;
-  *tail = &o->next;
+  pthread_mutex_unlock(&lock);
   return hipSuccess;
 }
 
@@ -544,8 +555,10 @@ hipError_t hipStreamCreateWithPriority(hipStream_t* stream, unsigned int flags, 
   s->flags = flags;
   s->priority = priority;
   s->tail = &s->head;
+  pthread_mutex_lock(&lock);
   s->next = streams;
   streams = s;
+  pthread_mutex_unlock(&lock);
   *stream = s;
   RET(hipSuccess);
 }
@@ -563,10 +576,12 @@ hipError_t hipStreamSynchronize(hipStream_t s) {
 
 hipError_t hipStreamDestroy(hipStream_t s) {
   if (!s || !valid_stream(s)) RET(hipErrorInvalidHandle);
+  pthread_mutex_lock(&lock);
   drain(s, 0);
   struct ihipStream_t** ps = &streams;
   while (*ps != s) ps = &(*ps)->next;
   *ps = s->next;
+  pthread_mutex_unlock(&lock);
   free(s);
   RET(hipSuccess);
 }
@@ -589,15 +604,20 @@ hipError_t hipEventRecord(hipEvent_t e, hipStream_t s) {
   if (s && s->capture) RET(hipErrorStreamCaptureUnsupported);
   struct op* o = new_op(OP_RECORD);
   if (!o) RET(hipErrorOutOfMemory);
+  pthread_mutex_lock(&lock);
   o->event = e;
   o->seq = ++e->recorded;
   e->stream = s;
-  RET(submit(s, o));
+  hipError_t r = submit(s, o);
+  pthread_mutex_unlock(&lock);
+  RET(r);
 }
 
 hipError_t hipEventSynchronize(hipEvent_t e) {
   if (!e) RET(hipErrorInvalidHandle);
+  pthread_mutex_lock(&lock);
   if (e->done < e->recorded && e->stream) drain(e->stream, find_record(e->stream, e, e->recorded));
+  pthread_mutex_unlock(&lock);
   RET(hipSuccess);
 }
 
@@ -610,12 +630,18 @@ hipError_t hipEventDestroy(hipEvent_t e) {
 hipError_t hipStreamWaitEvent(hipStream_t s, hipEvent_t e, unsigned int flags) {
   if (!e || flags != 0) RET(hipErrorInvalidValue);
   if (s && s->capture) RET(hipErrorStreamCaptureUnsupported);
-  if (e->recorded == 0 || e->done >= e->recorded) RET(valid_stream(s) ? hipSuccess : hipErrorInvalidHandle);
-  struct op* o = new_op(OP_WAIT);
-  if (!o) RET(hipErrorOutOfMemory);
-  o->event = e;
-  o->seq = e->recorded;
-  RET(submit(s, o));
+  pthread_mutex_lock(&lock);
+  hipError_t r = hipSuccess;
+  struct op* o = 0;
+  if (e->recorded == 0 || e->done >= e->recorded) r = valid_stream(s) ? hipSuccess : hipErrorInvalidHandle;
+  else if (!(o = new_op(OP_WAIT))) r = hipErrorOutOfMemory;
+  else {
+    o->event = e;
+    o->seq = e->recorded;
+    r = submit(s, o);
+  }
+  pthread_mutex_unlock(&lock);
+  RET(r);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -792,16 +818,21 @@ hipError_t hipStreamBeginCapture(hipStream_t s, hipStreamCaptureMode mode) {
   struct ihipGraph* g = calloc(1, sizeof *g);
   if (!g) RET(hipErrorOutOfMemory);
   g->tail = &g->head;
+  pthread_mutex_lock(&lock);
   s->capture = g;
+  pthread_mutex_unlock(&lock);
   RET(hipSuccess);
 }
 
 hipError_t hipStreamEndCapture(hipStream_t s, hipGraph_t* graph) {
   if (!graph) RET(hipErrorInvalidValue);
   if (!s || !valid_stream(s)) RET(hipErrorInvalidHandle);
-  if (!s->capture) RET(hipErrorIllegalState);
-  *graph = s->capture;
+  pthread_mutex_lock(&lock);
+  struct ihipGraph* g = s->capture;
   s->capture = 0;
+  pthread_mutex_unlock(&lock);
+  if (!g) RET(hipErrorIllegalState);
+  *graph = g;
   RET(hipSuccess);
 }
 
@@ -848,13 +879,16 @@ hipError_t hipGraphLaunch(hipGraphExec_t x, hipStream_t s) {
   int ok;
   struct op* ops = copy_ops(x->head, &ok);
   if (!ok) RET(hipErrorOutOfMemory);
-  while (ops) {
+  hipError_t e = hipSuccess;
+  pthread_mutex_lock(&lock);
+  while (ops && e == hipSuccess) {
     struct op* n = ops->next;
-    hipError_t e = submit(s, ops);
-    if (e != hipSuccess) { free_ops(n); RET(e); }
+    e = submit(s, ops);
     ops = n;
   }
-  RET(hipSuccess);
+  pthread_mutex_unlock(&lock);
+  free_ops(ops);
+  RET(e);
 }
 
 hipError_t hipGraphExecDestroy(hipGraphExec_t x) {
