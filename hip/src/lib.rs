@@ -11,7 +11,8 @@
 //!   knows, as a real AMDGPU code object (code object v5) that programs load; the runtime runs
 //!   its own C version of each.
 //! - `testdata/hip-sim-job.c`: a HIP program (streams, pools, a captured graph, virtual memory
-//!   management) that prints a digest of what it reads back after each step.
+//!   management, several threads at once) that prints a digest of what it reads back after each
+//!   step.
 //!
 //! This crate builds them with the system C compiler (`cc`) into a directory of the caller's.
 
@@ -115,6 +116,7 @@ pub fn build_job(dir: &Path) -> Result<PathBuf, BuildError> {
             &lib_dir,
             &lib,
             &rpath,
+            "-lpthread",
         ],
     )?;
     Ok(out)

@@ -1,4 +1,4 @@
-// A HIP program for the simulated runtime (fake-libamdhip64.c): several streams, stream-ordered
+// A HIP program for the simulated runtime (fake-libamdhip64.c): several streams and threads, stream-ordered
 // and pool allocations, a captured graph replayed, virtual memory management, launches by
 // module and by registered stub. Written against HIP's API only (include/hip/hip_runtime_api.h),
 // so it is also a HIP program for a real GPU given the same code object.
@@ -8,6 +8,7 @@
 // It prints one line per step: the step's name and an FNV-1a 64 digest of the bytes it read back
 // (and a few plain values); possum-hip-sim's tests compare them with digests they compute
 // themselves. The last line lists the device addresses it was given, in order.
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +66,30 @@ static void module_copy(hipStream_t s, void* dst, const void* src, unsigned n) {
   void* extra[] = {HIP_LAUNCH_PARAM_BUFFER_POINTER, &args, HIP_LAUNCH_PARAM_BUFFER_SIZE, &size,
                    HIP_LAUNCH_PARAM_END};
   CHECK(hipModuleLaunchKernel(fn_copy, (n + BLOCK - 1) / BLOCK, 1, 1, BLOCK, 1, 1, 0, s, 0, extra));
+}
+
+// threads: each thread fills a buffer of its own on a stream of its own, many times over.
+struct worker { unsigned value; unsigned out[N]; };
+
+static void* work(void* arg) {
+  struct worker* w = arg;
+  hipStream_t s;
+  unsigned* buf;
+  CHECK(hipSetDevice(0));
+  CHECK(hipStreamCreate(&s));
+  CHECK(hipMallocAsync((void**)&buf, N * 4, s));
+  for (unsigned round = 0; round < 50; round++) {
+    module_fill(s, buf, w->value + round, N);
+    CHECK(hipMemcpyAsync(w->out, buf, N * 4, hipMemcpyDeviceToHost, s));
+    CHECK(hipStreamSynchronize(s));
+    if (w->out[N - 1] != w->value + round) {
+      fprintf(stderr, "thread %x: round %u read %x\n", w->value, round, w->out[N - 1]);
+      exit(1);
+    }
+  }
+  CHECK(hipFreeAsync(buf, s));
+  CHECK(hipStreamDestroy(s));
+  return 0;
 }
 
 int main(int argc, char** argv) {
@@ -261,6 +286,22 @@ int main(int argc, char** argv) {
   void* missing = &status;
   int missing_err = hipGetProcAddress("hipNoSuchCall", &missing, 604, 0, &status);
   printf("procaddress-missing %d %d %d\n", missing_err, status, missing == 0);
+
+  // threads: four at once.
+  {
+    static struct worker workers[4];
+    pthread_t t[4];
+    for (int i = 0; i < 4; i++) {
+      workers[i].value = 0x1000u * (unsigned)(i + 1);
+      if (pthread_create(&t[i], 0, work, &workers[i]) != 0) return 1;
+    }
+    unsigned long long d = 0;
+    for (int i = 0; i < 4; i++) {
+      pthread_join(t[i], 0);
+      d ^= fnv(workers[i].out, N * 4);
+    }
+    printf("threads %016llx\n", d);
+  }
 
   // errors: the codes of calls that must fail, and the last error.
   (void)hipGetLastError();

@@ -130,6 +130,15 @@ fn reference(devices: usize) -> Vec<String> {
     lines.push(format!("procaddress 0 {:016x}", fnv(&vec![0x5a; N * 4])));
     lines.push("procaddress-missing 1 1 1".into());
 
+    // threads: four threads' last fills (value + 49), their digests XORed.
+    let threads = (1..=4u32)
+        .map(|i| {
+            let words = vec![0x1000 * i + 49; N];
+            u64::from_str_radix(&digest_u32(&words), 16).unwrap()
+        })
+        .fold(0, |d, x| d ^ x);
+    lines.push(format!("threads {threads:016x}"));
+
     // errors: hipErrorInvalidDevice, hipErrorInvalidValue, hipErrorNotFound,
     // hipErrorInvalidImage; the last error, then none.
     lines.push("errors 101 1 500 200 200 0".into());
