@@ -1,7 +1,8 @@
 // A HIP program for the simulated runtime (fake-libamdhip64.c): several streams and threads,
 // stream-ordered and pool allocations, a captured graph replayed, virtual memory management,
-// launches by module and by registered stub. Written against HIP's API only (include/hip/hip_runtime_api.h),
-// so it is also a HIP program for a real GPU given the same code object.
+// launches by module and by registered stub. Written against HIP's API only
+// (include/hip/hip_runtime_api.h), so it is also a HIP program for a real GPU given the same code
+// object.
 //
 //   hip-sim-job KERNELS.hsaco
 //
