@@ -6,7 +6,6 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 
 use possum_analyzer::amdgpu::{kernels, ArgKind};
 use possum_analyzer::{Param, ParamLayout};
@@ -19,35 +18,24 @@ const N: usize = 3000;
 /// The runtime's allocation granularity (`GRANULARITY` in fake-libamdhip64.c).
 const GRANULARITY: usize = 64 << 10;
 
-/// The runtime and the program, built once per run into a directory left for the run's length;
-/// `None` without a C compiler.
-fn built() -> Option<&'static PathBuf> {
-    static BUILT: OnceLock<Option<(tempfile::TempDir, PathBuf)>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let dir = tempfile::Builder::new()
-                .prefix("possum-hip-sim-")
-                .tempdir()
-                .expect("temp dir");
-            match build_runtime(dir.path()).and_then(|_| build_job(dir.path())) {
-                Ok(job) => Some((dir, job)),
-                Err(BuildError::NoCompiler(_)) => None,
-                Err(e) => panic!("{e}"),
-            }
-        })
-        .as_ref()
-        .map(|(_, job)| job)
-}
-
-fn job_or_skip(test: &str) -> Option<&'static PathBuf> {
-    let job = built();
-    if job.is_none() {
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED: no C compiler to build the simulated HIP runtime [{test}]"
-        );
+/// The runtime and the program, built into a directory removed when it is dropped; `None` (said
+/// on stderr) without a C compiler.
+fn job_or_skip(test: &str) -> Option<(tempfile::TempDir, PathBuf)> {
+    let dir = tempfile::Builder::new()
+        .prefix("possum-hip-sim-")
+        .tempdir()
+        .expect("temp dir");
+    match build_runtime(dir.path()).and_then(|_| build_job(dir.path())) {
+        Ok(job) => Some((dir, job)),
+        Err(BuildError::NoCompiler(_)) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: no C compiler to build the simulated HIP runtime [{test}]"
+            );
+            None
+        }
+        Err(e) => panic!("{e}"),
     }
-    job
 }
 
 /// Runs the program on the simulated runtime with `env` (and nothing of this process's
@@ -168,14 +156,14 @@ fn split(out: &Output) -> (Vec<String>, Vec<u64>) {
 
 #[test]
 fn program_output_matches_the_reference() {
-    let Some(job) = job_or_skip("program_output_matches_the_reference") else {
+    let Some((_dir, job)) = job_or_skip("program_output_matches_the_reference") else {
         return;
     };
     let base = format!("{VA_BASE:#x}");
     for devices in [1, 2] {
         let n = devices.to_string();
         let out = run(
-            job,
+            &job,
             &[("FAKE_HIP_DEVICES", &n), ("FAKE_HIP_VA_BASE", &base)],
         );
         let (lines, _) = split(&out);
@@ -185,13 +173,13 @@ fn program_output_matches_the_reference() {
 
 #[test]
 fn device_addresses_are_the_same_in_every_run() {
-    let Some(job) = job_or_skip("device_addresses_are_the_same_in_every_run") else {
+    let Some((_dir, job)) = job_or_skip("device_addresses_are_the_same_in_every_run") else {
         return;
     };
     let base = format!("{VA_BASE:#x}");
     let env = [("FAKE_HIP_VA_BASE", base.as_str())];
-    let (_, first) = split(&run(job, &env));
-    let (_, second) = split(&run(job, &env));
+    let (_, first) = split(&run(&job, &env));
+    let (_, second) = split(&run(&job, &env));
     assert_eq!(first, second);
     // a, x, y, c, p1, p2, p3, gx, gy, gz, va (hip-sim-job.c's order).
     assert_eq!(first.len(), 11);
@@ -211,7 +199,7 @@ fn device_addresses_are_the_same_in_every_run() {
     }
 
     // The runtime's default arena base when none is given.
-    let (_, default) = split(&run(job, &[]));
+    let (_, default) = split(&run(&job, &[]));
     assert_eq!(default[0], 0x7e00_0000_0000);
     assert_eq!(
         default.iter().map(|a| a - default[0]).collect::<Vec<_>>(),
@@ -222,10 +210,10 @@ fn device_addresses_are_the_same_in_every_run() {
 
 #[test]
 fn no_device_fails_at_init() {
-    let Some(job) = job_or_skip("no_device_fails_at_init") else {
+    let Some((_dir, job)) = job_or_skip("no_device_fails_at_init") else {
         return;
     };
-    let out = run(job, &[("FAKE_HIP_NODEV", "1")]);
+    let out = run(&job, &[("FAKE_HIP_NODEV", "1")]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("hipInit(0): hipErrorNoDevice (100)"), "{err}");
