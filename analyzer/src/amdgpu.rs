@@ -37,9 +37,9 @@
 //! did: the grid's block counts, the work-group size and remainders (which v4 kernels read from
 //! the dispatch packet), the grid dimensions, and pointers to buffers the runtime owns (printf,
 //! hostcall, heap, queue; [`KernelArg::is_runtime_pointer`]). A kernel's metadata lists them with
-//! gaps between them, and `.kernarg_segment_size` covers them all (256 bytes past the explicit
-//! arguments for a kernel that uses any). Every explicit argument must end before the first
-//! hidden one starts.
+//! gaps between them, and `.kernarg_segment_size` covers them all (for the gfx942 fixtures, 256
+//! bytes from the first hidden argument, which starts 8-byte aligned after the explicit ones).
+//! Every explicit argument must end before the first hidden one starts.
 //!
 //! # What is trusted
 //!
