@@ -27,8 +27,19 @@
 //!
 //! Every other key is ignored. Source: LLVM's "User Guide for AMDGPU Backend" (`AMDGPUUsage`),
 //! sections on code object metadata (v3 to v5), read for the format; the code is written here.
-//! It was checked against code objects clang 14 built for gfx90a and gfx908
-//! (`tests/data/amdgpu/`).
+//! It was checked against code objects clang 14 built for gfx90a and gfx908 (code object v4)
+//! and clang 19 built for gfx942 (code object v5) (`tests/data/amdgpu/`).
+//!
+//! # Hidden arguments
+//!
+//! The runtime appends the `hidden_*` arguments after the explicit ones; a launch supplies only
+//! the explicit bytes ([`AmdgpuKernel::explicit_size`]). Code object v5 puts more there than v4
+//! did: the grid's block counts, the work-group size and remainders (which v4 kernels read from
+//! the dispatch packet), the grid dimensions, and pointers to buffers the runtime owns (printf,
+//! hostcall, heap, queue; [`KernelArg::is_runtime_pointer`]). A kernel's metadata lists them with
+//! gaps between them, and `.kernarg_segment_size` covers them all (for the gfx942 fixtures, 256
+//! bytes from the first hidden argument, which starts 8-byte aligned after the explicit ones).
+//! Every explicit argument must end before the first hidden one starts.
 //!
 //! # What is trusted
 //!
@@ -196,6 +207,12 @@ pub struct KernelArg {
 }
 
 impl KernelArg {
+    /// Whether this is a hidden argument holding a device address the runtime owns (its printf
+    /// or hostcall buffer, device heap, queue, ...): memory the application never allocated.
+    pub fn is_runtime_pointer(&self) -> bool {
+        matches!(&self.kind, ArgKind::Hidden(h) if RUNTIME_POINTERS.contains(&h.as_str()))
+    }
+
     /// A hint that the kernel does not write through this pointer argument: a `global_buffer`
     /// that is `const` or whose access is `read_only`. Only a hint: possum still validates.
     pub fn readonly_hint(&self) -> bool {
@@ -209,6 +226,18 @@ impl KernelArg {
         )
     }
 }
+
+/// The hidden argument kinds (without `hidden_`) that hold a device address of a buffer or
+/// queue the runtime allocated itself.
+const RUNTIME_POINTERS: &[&str] = &[
+    "printf_buffer",
+    "hostcall_buffer",
+    "multigrid_sync_arg",
+    "heap_v1",
+    "default_queue",
+    "completion_action",
+    "queue_ptr",
+];
 
 /// One kernel of a code object.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -242,6 +271,23 @@ impl AmdgpuKernel {
                 })
                 .collect(),
         )
+    }
+
+    /// The bytes of the kernarg segment a launch supplies: the end of the last explicit
+    /// argument (0 without any). The hidden arguments lie past it, up to
+    /// [`Self::kernarg_size`](AmdgpuKernel::kernarg_size).
+    pub fn explicit_size(&self) -> u32 {
+        self.explicit_args()
+            .map(|a| a.offset + a.size)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The hidden arguments, in metadata order.
+    pub fn hidden_args(&self) -> impl Iterator<Item = &KernelArg> {
+        self.args
+            .iter()
+            .filter(|a| matches!(a.kind, ArgKind::Hidden(_)))
     }
 
     /// Indices (into [`Self::explicit_args`]) of the `global_buffer` arguments.
@@ -714,6 +760,26 @@ fn kernel(index: usize, v: &Value) -> Result<AmdgpuKernel, AmdgpuError> {
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let first_hidden = args
+        .iter()
+        .filter(|a| matches!(a.kind, ArgKind::Hidden(_)))
+        .map(|a| a.offset)
+        .min();
+    if let Some(first_hidden) = first_hidden {
+        if let Some((index, a)) = args.iter().enumerate().find(|(_, a)| {
+            !matches!(a.kind, ArgKind::Hidden(_)) && a.offset + a.size > first_hidden
+        }) {
+            return Err(AmdgpuError::BadArg {
+                kernel: name,
+                index,
+                what: format!(
+                    "explicit argument at {}..{} reaches the hidden arguments at {first_hidden}",
+                    a.offset,
+                    a.offset + a.size
+                ),
+            });
+        }
+    }
     Ok(AmdgpuKernel {
         name,
         symbol,

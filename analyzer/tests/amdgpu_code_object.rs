@@ -9,6 +9,13 @@ use proptest::prelude::*;
 
 const GFX90A: &[u8] = include_bytes!("data/amdgpu/kernels-gfx90a.hsaco");
 const GFX908: &[u8] = include_bytes!("data/amdgpu/kernels-gfx908.hsaco");
+const GFX942: &[u8] = include_bytes!("data/amdgpu/kernels-gfx942.hsaco");
+const GFX942_IMPLICIT: &[u8] = include_bytes!("data/amdgpu/implicit-gfx942.hsaco");
+
+/// `EI_ABIVERSION` of an AMDHSA code object: 2 is code object v4, 3 is v5.
+fn abi_version(elf: &[u8]) -> u8 {
+    elf[8]
+}
 
 fn by_name<'k>(ks: &'k [AmdgpuKernel], name: &str) -> &'k AmdgpuKernel {
     ks.iter()
@@ -20,7 +27,9 @@ fn p(offset: u32, size: u32) -> Param {
     Param { offset, size }
 }
 
-fn check_fixture(elf: &[u8]) {
+/// `out_access`: what the compiler recorded for `scale_copy`'s `out` (clang 14 records nothing,
+/// clang 19 finds it write-only).
+fn check_fixture(elf: &[u8], out_access: Option<Access>) {
     let ks = kernels(elf).expect("fixture reads");
     let mut names: Vec<&str> = ks.iter().map(|k| k.name.as_str()).collect();
     names.sort_unstable();
@@ -45,14 +54,14 @@ fn check_fixture(elf: &[u8]) {
         }
     );
     assert!(args[0].readonly_hint());
-    assert!(matches!(
+    assert_eq!(
         args[1].kind,
         ArgKind::GlobalBuffer {
             address_space: AddressSpace::Global,
             is_const: false,
-            access: None,
+            access: out_access,
         }
-    ));
+    );
     assert!(!args[1].readonly_hint());
     assert_eq!(args[2].kind, ArgKind::ByValue);
     assert_eq!(args[3].kind, ArgKind::ByValue);
@@ -93,17 +102,141 @@ fn check_fixture(elf: &[u8]) {
     assert_eq!(k.args[4].kind, ArgKind::ByValue);
     for k in &ks {
         assert!(k.layout().total_size() <= k.kernarg_size as usize);
+        assert_eq!(
+            k.explicit_size(),
+            k.kernarg_size,
+            "{}: no hidden arguments",
+            k.name
+        );
+        assert_eq!(k.hidden_args().count(), 0);
     }
 }
 
 #[test]
 fn reads_gfx90a_code_object() {
-    check_fixture(GFX90A);
+    assert_eq!(abi_version(GFX90A), 2);
+    check_fixture(GFX90A, None);
 }
 
 #[test]
 fn reads_gfx908_code_object() {
-    check_fixture(GFX908);
+    assert_eq!(abi_version(GFX908), 2);
+    check_fixture(GFX908, None);
+}
+
+#[test]
+fn reads_gfx942_code_object_v5() {
+    assert_eq!(abi_version(GFX942), 3, "code object v5");
+    check_fixture(GFX942, Some(Access::WriteOnly));
+}
+
+/// `(value_kind without hidden_, offset, size)` of a kernel's hidden arguments.
+fn hidden(k: &AmdgpuKernel) -> Vec<(&str, u32, u32)> {
+    k.hidden_args()
+        .map(|a| match &a.kind {
+            ArgKind::Hidden(h) => (h.as_str(), a.offset, a.size),
+            other => panic!("{other:?} is not hidden"),
+        })
+        .collect()
+}
+
+/// The hidden arguments code object v5 gives a kernel that reads its work-group size, from
+/// the first (after the explicit ones at `start`) to `hidden_printf_buffer`.
+fn v5_hidden_prefix(start: u32) -> Vec<(&'static str, u32, u32)> {
+    vec![
+        ("block_count_x", start, 4),
+        ("block_count_y", start + 4, 4),
+        ("block_count_z", start + 8, 4),
+        ("group_size_x", start + 12, 2),
+        ("group_size_y", start + 14, 2),
+        ("group_size_z", start + 16, 2),
+        ("remainder_x", start + 18, 2),
+        ("remainder_y", start + 20, 2),
+        ("remainder_z", start + 22, 2),
+        ("global_offset_x", start + 40, 8),
+        ("global_offset_y", start + 48, 8),
+        ("global_offset_z", start + 56, 8),
+        ("grid_dims", start + 64, 2),
+        ("printf_buffer", start + 72, 8),
+    ]
+}
+
+#[test]
+fn reads_gfx942_hidden_arguments() {
+    assert_eq!(abi_version(GFX942_IMPLICIT), 3, "code object v5");
+    let ks = kernels(GFX942_IMPLICIT).expect("fixture reads");
+    let names: Vec<&str> = ks.iter().map(|k| k.name.as_str()).collect();
+    assert_eq!(names, ["sized_fill", "whole_implicit", "prints"]);
+
+    // sized_fill(int* out, int value, int n) reads only its work-group size, from the hidden
+    // arguments in v5; the metadata lists them up to the printf buffer.
+    let k = by_name(&ks, "sized_fill");
+    assert_eq!(k.kernarg_size, 272);
+    assert_eq!(k.explicit_size(), 16);
+    assert_eq!(
+        k.layout(),
+        ParamLayout::new(vec![p(0, 8), p(8, 4), p(12, 4)])
+    );
+    assert_eq!(k.global_buffers(), [0]);
+    let slots: Vec<u32> = k
+        .layout()
+        .pointer_slots()
+        .iter()
+        .map(|s| s.offset)
+        .collect();
+    assert_eq!(slots, [0]);
+    assert_eq!(hidden(k), v5_hidden_prefix(16));
+    let runtime: Vec<u32> = k
+        .args
+        .iter()
+        .filter(|a| a.is_runtime_pointer())
+        .map(|a| a.offset)
+        .collect();
+    assert_eq!(runtime, [88]);
+
+    // whole_implicit(const int* in, ulong* out) reads the whole implicit area: every hidden
+    // argument up to the queue pointer.
+    let k = by_name(&ks, "whole_implicit");
+    assert_eq!(k.kernarg_size, 272);
+    assert_eq!(k.explicit_size(), 16);
+    assert_eq!(k.layout(), ParamLayout::new(vec![p(0, 8), p(8, 8)]));
+    assert_eq!(k.global_buffers(), [0, 1]);
+    let hints: Vec<bool> = k.explicit_args().map(|a| a.readonly_hint()).collect();
+    assert_eq!(hints, [true, false]);
+    let slots: Vec<u32> = k
+        .layout()
+        .pointer_slots()
+        .iter()
+        .map(|s| s.offset)
+        .collect();
+    assert_eq!(slots, [0, 8], "hidden pointers are not parameter slots");
+    let mut all = v5_hidden_prefix(16);
+    all.extend([
+        ("hostcall_buffer", 96, 8),
+        ("multigrid_sync_arg", 104, 8),
+        ("heap_v1", 112, 8),
+        ("default_queue", 120, 8),
+        ("completion_action", 128, 8),
+        ("queue_ptr", 216, 8),
+    ]);
+    assert_eq!(hidden(k), all);
+    let runtime: Vec<u32> = k
+        .args
+        .iter()
+        .filter(|a| a.is_runtime_pointer())
+        .map(|a| a.offset)
+        .collect();
+    assert_eq!(runtime, [88, 96, 104, 112, 120, 128, 216]);
+    assert!(k.explicit_args().all(|a| !a.is_runtime_pointer()));
+
+    // prints(const float* x, int n): 12 explicit bytes, the hidden ones aligned to 16.
+    let k = by_name(&ks, "prints");
+    assert_eq!(k.kernarg_size, 272);
+    assert_eq!(k.explicit_size(), 12);
+    assert_eq!(k.layout(), ParamLayout::new(vec![p(0, 8), p(8, 4)]));
+    assert_eq!(k.layout().total_size(), 12);
+    assert_eq!(hidden(k)[0], ("block_count_x", 16, 4));
+    assert_eq!(hidden(k).len(), 20);
 }
 
 /// Offset of the metadata note's header in `elf` (found by its owner name).
@@ -348,6 +481,43 @@ fn hidden_arguments_are_not_parameters() {
         }
     );
     assert_eq!(k.args[2].kind, ArgKind::Hidden("global_offset_x".into()));
+}
+
+#[test]
+fn explicit_arguments_overlapping_the_hidden_ones_are_refused() {
+    let desc = meta(vec![kernel(
+        "k",
+        64,
+        vec![
+            arg(0, 8, "global_buffer"),
+            arg(8, 8, "hidden_block_count_x"),
+            arg(12, 8, "by_value"),
+        ],
+    )]);
+    match kernels(&code_object(&desc)) {
+        Err(AmdgpuError::BadArg {
+            kernel,
+            index,
+            what,
+        }) => {
+            assert_eq!(kernel, "k");
+            assert_eq!(index, 2);
+            assert!(what.contains("hidden"), "{what}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Explicit arguments that end where the hidden ones start are fine, in any order.
+    let desc = meta(vec![kernel(
+        "k",
+        64,
+        vec![
+            arg(16, 8, "hidden_block_count_x"),
+            arg(0, 8, "global_buffer"),
+            arg(8, 8, "by_value"),
+        ],
+    )]);
+    let ks = kernels(&code_object(&desc)).unwrap();
+    assert_eq!(ks[0].explicit_size(), 16);
 }
 
 #[test]

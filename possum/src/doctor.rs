@@ -4,6 +4,8 @@
 //! checkpoint cannot work here), with the evidence or what to do. The exit code is 1 when any
 //! check FAILs.
 
+use std::path::{Path, PathBuf};
+
 use anyhow::Result;
 use clap::Args;
 use possum_criu::doctor::{Feature, HostReport, Support};
@@ -90,6 +92,14 @@ fn checks(config: &Config) -> Vec<Check> {
         &read("/proc/self/status"),
     )];
     v.extend(criu_checks(&host));
+    let dirs = library_dirs(&std::env::var("LD_LIBRARY_PATH").unwrap_or_default());
+    v.push(runtimes(
+        &config.cuda.libcuda,
+        find_library(&config.cuda.libcuda, &dirs),
+        HIP_RUNTIME_NAMES
+            .iter()
+            .find_map(|n| find_library(Path::new(n), &dirs)),
+    ));
     v.push(gpu(possum_cuda::probe()));
     v.push(driver_checkpoint(
         &config.cuda.libcuda.display().to_string(),
@@ -184,6 +194,60 @@ fn criu_checks(host: &HostReport) -> Vec<Check> {
         feature("userfaultfd", &host.userfaultfd, Verdict::Warn),
         feature("soft-dirty", &host.soft_dirty, Verdict::Warn),
     ]
+}
+
+/// The names AMD's HIP runtime library goes by, in the order they are looked for.
+const HIP_RUNTIME_NAMES: &[&str] = &["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"];
+
+/// The directories a library's file name is looked for in: `ld_library_path`'s (the value of
+/// `LD_LIBRARY_PATH`), ROCm's, then the system's.
+fn library_dirs(ld_library_path: &str) -> Vec<PathBuf> {
+    ld_library_path
+        .split(':')
+        .filter(|d| !d.is_empty())
+        .chain([
+            "/opt/rocm/lib",
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+            "/lib/x86_64-linux-gnu",
+            "/lib64",
+        ])
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// `lib` when it is a path (has a `/`) naming a file; else the first file of that name in `dirs`.
+fn find_library(lib: &Path, dirs: &[PathBuf]) -> Option<PathBuf> {
+    if lib.to_string_lossy().contains('/') {
+        return lib.is_file().then(|| lib.to_path_buf());
+    }
+    dirs.iter().map(|d| d.join(lib)).find(|p| p.is_file())
+}
+
+/// The GPU runtimes found: NVIDIA's driver library `libcuda` (as configured; what possum
+/// checkpoints), and AMD's HIP runtime, which possum does not checkpoint yet.
+fn runtimes(libcuda: &Path, cuda: Option<PathBuf>, hip: Option<PathBuf>) -> Check {
+    let cuda_text = match &cuda {
+        Some(p) => format!("libcuda {}", p.display()),
+        None => format!("libcuda not found ({})", libcuda.display()),
+    };
+    let hip_text = match hip {
+        Some(p) => format!(
+            "libamdhip64 {} (possum does not checkpoint HIP processes yet)",
+            p.display()
+        ),
+        None => "libamdhip64 not found".to_string(),
+    };
+    check(
+        "gpu runtimes",
+        if cuda.is_some() {
+            Verdict::Ok
+        } else {
+            Verdict::Warn
+        },
+        format!("{cuda_text}; {hip_text}"),
+    )
 }
 
 /// A CUDA device, as the driver reports it.
@@ -326,6 +390,46 @@ fn huge_pages(enabled: &str, shmem: &str, mounts: &str) -> (bool, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn libraries_are_found_by_path_or_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        std::fs::write(b.join("libamdhip64.so.6"), b"").unwrap();
+        std::fs::write(a.join("libcuda.so.1"), b"").unwrap();
+        let dirs = library_dirs(&format!("{}::{}", a.display(), b.display()));
+        assert_eq!(dirs[..2], [a.clone(), b.clone()]);
+        assert!(dirs.contains(&PathBuf::from("/opt/rocm/lib")));
+        assert_eq!(
+            find_library(Path::new("libamdhip64.so.6"), &dirs),
+            Some(b.join("libamdhip64.so.6"))
+        );
+        assert_eq!(
+            find_library(Path::new("libamdhip64.so.5"), &dirs[..2]),
+            None
+        );
+        // A path is taken as it is, never looked up.
+        let cuda = a.join("libcuda.so.1");
+        assert_eq!(find_library(&cuda, &[]), Some(cuda.clone()));
+        assert_eq!(find_library(&b.join("libcuda.so.1"), &dirs), None);
+    }
+
+    #[test]
+    fn runtimes_say_which_were_found() {
+        let lib = Path::new("libcuda.so.1");
+        let c = runtimes(lib, Some("/x/libcuda.so.1".into()), None);
+        assert_eq!(c.verdict, Verdict::Ok);
+        assert_eq!(c.detail, "libcuda /x/libcuda.so.1; libamdhip64 not found");
+        let c = runtimes(lib, None, Some("/opt/rocm/lib/libamdhip64.so".into()));
+        assert_eq!(c.verdict, Verdict::Warn);
+        assert_eq!(
+            c.detail,
+            "libcuda not found (libcuda.so.1); libamdhip64 /opt/rocm/lib/libamdhip64.so \
+             (possum does not checkpoint HIP processes yet)"
+        );
+    }
 
     #[test]
     fn privileges_are_root_or_a_capability() {

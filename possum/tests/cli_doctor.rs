@@ -74,6 +74,7 @@ fn without_a_gpu_or_driver_doctor_fails_and_says_why() {
         "criu plugin",
         "libpossum.so",
         "huge pages",
+        "gpu runtimes",
     ] {
         let (verdict, _) = line(&s, name);
         assert!(["ok", "warn", "FAIL"].contains(&verdict), "{name}: {s}");
@@ -107,9 +108,42 @@ fn the_fake_driver_has_the_checkpoint_api_and_libpossum_is_found() {
     let (verdict, why) = line(&s, "libpossum.so");
     assert_eq!(verdict, "ok", "{s}");
     assert_eq!(why, libpossum.display().to_string(), "{s}");
+    // The configured libcuda is the one the runtimes check names.
+    let (verdict, why) = line(&s, "gpu runtimes");
+    assert_eq!(verdict, "ok", "{s}");
+    assert!(
+        why.starts_with(&format!("libcuda {};", lib.display())),
+        "{s}"
+    );
     // Still no GPU: a checkpoint cannot work.
     assert_eq!(line(&s, "gpu").0, "FAIL", "{s}");
     assert_eq!(out.status.code(), Some(1), "{s}");
+}
+
+#[test]
+fn a_hip_runtime_on_the_library_path_is_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hip = tmp.path().join("libamdhip64.so");
+    std::fs::write(&hip, b"").unwrap();
+    let out = doctor(
+        &[
+            ("POSSUM_LIBCUDA", Path::new("/nonexistent/libcuda.so.1")),
+            ("LD_LIBRARY_PATH", tmp.path()),
+        ],
+        false,
+    );
+    let s = text(&out);
+    let (verdict, why) = line(&s, "gpu runtimes");
+    assert_eq!(verdict, "warn", "{s}");
+    assert_eq!(
+        why,
+        format!(
+            "libcuda not found (/nonexistent/libcuda.so.1); libamdhip64 {} (possum does not \
+             checkpoint HIP processes yet)",
+            hip.display()
+        ),
+        "{s}"
+    );
 }
 
 #[test]
