@@ -26,7 +26,7 @@ the job's allocations and the wrappers' own call, there in both (`possum-hooksof
 `plain` above measures those). Results: OUT/overhead-ab-<job>.json.
 Runs from the repo root with the build in .gpu/ (scripts/gpu-interposer.sh --stage).
 """
-import argparse, json, os, random, shutil, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, random, shutil, statistics, subprocess, sys, tempfile, time, types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SO = os.path.join(ROOT, ".gpu", "libpossum.so")
@@ -55,10 +55,13 @@ def job_env():
 
 
 def run_job(job, steps, env, cpuset, *args):
-    """workloads/gpu/jobs.py JOB for `steps` steps with `env`, pinned to `cpuset`."""
-    return subprocess.run(["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
-                           *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: os.sched_setaffinity(0, cpuset), cwd=ROOT)
+    """workloads/gpu/jobs.py JOB for `steps` steps with `env`, pinned to `cpuset`, waited for:
+    its returncode, stderr and pid."""
+    p = subprocess.Popen(["python3", os.path.join(ROOT, "workloads/gpu/jobs.py"), job, "--steps", str(steps),
+                          *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, cpuset), cwd=ROOT)
+    _, err = p.communicate()
+    return types.SimpleNamespace(returncode=p.returncode, stderr=err, pid=p.pid)
 
 
 def run_once(job, steps, mode, cpuset):
@@ -126,7 +129,9 @@ def run_ab(job, steps, period_ms, cpuset, skip_steps, extra_env=""):
         except (OSError, ValueError):
             return []
     ts = [x["t"] for x in lines(log) if "t" in x]
-    sw = lines(ab)
+    # The job's own switches: its children (torch.compile's compiler workers) inherit
+    # POSSUM_AB_LOG and log theirs too (lines without a pid: a build from before it was logged).
+    sw = [x for x in lines(ab) if x.get("pid", r.pid) == r.pid]
     pairs = ab_pairs(ts, sw, skip_steps)
     shutil.rmtree(work, ignore_errors=True)
     return {"rc": r.returncode, "wall_s": time.time() - t, "steps": len(ts), "switches": len(sw),

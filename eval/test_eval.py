@@ -285,6 +285,22 @@ class Figures(unittest.TestCase):
         self.assertIn("- mlp possum-frozen: 32 GiB 700 / 1300", md)
 
 
+class StepsDuringSave(unittest.TestCase):
+    def test_the_steps_after_the_hold_for_the_save_and_the_time_lost(self):
+        # 10 ms steps, a 1 s hold after t=0.99, then 20 ms steps.
+        rows = [{"t": i * 0.01} for i in range(100)]
+        rows += [{"t": 2.0 + i * 0.02} for i in range(50)]
+        d = ckpt.steps_during_save(rows, 0.95, 2.5, 500, 10.0)
+        self.assertEqual(d["steps"], 25)
+        self.assertAlmostEqual(d["median"], 20.0, places=6)
+        self.assertAlmostEqual(d["ratio"], 2.0, places=6)
+        # The hold's gap beyond a step (1000 ms) and 25 steps 10 ms too long.
+        self.assertAlmostEqual(d["lost_ms"], 1250.0, places=3)
+
+    def test_nothing_to_say_without_a_save(self):
+        self.assertEqual(ckpt.steps_during_save([{"t": 0.0}, {"t": 1.0}], 0.0, 1.0, None, 10.0)["steps"], 0)
+
+
 class Coverage(unittest.TestCase):
     def stats(self, launches, nodes=0, captured=0, total=None, **kw):
         s = {"hooks": "entry", "total_launches": total if total is not None else launches + captured,

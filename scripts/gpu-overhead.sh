@@ -12,6 +12,9 @@
 #           GPT-2 <= 2%, MLP <= 5%. AB_CUPTI=1 adds GPT-2 under POSSUM_HOOKS=cupti (CUPTI's
 #           callbacks feed the hooks and are detached in the off intervals; +1 min);
 #           AB_ALWAYS=1 adds GPT-2 with every launch resolved (POSSUM_RESOLVE=always; +2.5 min).
+#           AB_SHORT=1 adds the short-step jobs: `graph` (a CUDA graph replayed) and `compiled`
+#           (torch.compile mode="reduce-overhead"), AB_SHORT_PROCS=2 processes of 100000 and
+#           20000 steps, 250 ms intervals, budget AB_SHORT_BUDGET=90 s per job. Target: <= 3%.
 #   (there) bash scripts/gpu-overhead.sh [PAIRS] [STEPS]   rounds of separate processes instead
 #           (eval/overhead.py: rotated rounds, pinned CPUs, bootstrap interval);
 #           MODES=plain,possum,possum-hooksoff,possum-cupti,possum-nodag for the breakdown
@@ -71,6 +74,14 @@ if [ -n "${AB:-}" ]; then
             --ab-ms 1000 --ab-skip 100 --budget-s "$budget" --out "$out" "$@" || status=1
     }
     ab_gpt2 "${AB_GPT2_PROCS:-6}" "${AB_GPT2_BUDGET:-200}"
+    # Short steps: the CUDA-graph job and the torch.compile reduce-overhead one (AB_SHORT=1).
+    if [ -n "${AB_SHORT:-}" ]; then
+        for js in graph:100000 compiled:20000; do
+            j=${js%%:*}
+            python3 eval/overhead.py --ab --job "$j" --pairs "${AB_SHORT_PROCS:-2}" --steps "${js##*:}" \
+                --ab-ms 250 --ab-skip 200 --budget-s "${AB_SHORT_BUDGET:-90}" --out "$out" || status=1
+        done
+    fi
     [ -n "${AB_ALWAYS:-}" ] && ab_gpt2 "${AB_GPT2_PROCS:-6}" 150 --ab-env POSSUM_RESOLVE=always
     # The CUPTI path (diagnostics): CUPTI's callbacks feed the hooks; detached in off intervals.
     [ -n "${AB_CUPTI:-}" ] && ab_gpt2 2 60 --ab-env POSSUM_HOOKS=cupti

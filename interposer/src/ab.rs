@@ -41,9 +41,11 @@ pub fn start_if_asked() {
                 let t = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .map_or(0.0, |d| d.as_secs_f64());
+                // The pid: a job's children (compiler workers) inherit the log and write
+                // their own switches to it.
                 let line = serde_json::json!({
                     "t": t, "on": on, "switch_ms": t0.elapsed().as_secs_f64() * 1e3,
-                    "error": r.err(),
+                    "error": r.err(), "pid": std::process::id(),
                 });
                 // One write(2) of the whole line: `writeln!` on a File writes each formatted
                 // piece with its own call, and a job exiting between two of them left a torn

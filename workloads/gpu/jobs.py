@@ -106,6 +106,21 @@ def graph(steps):
             x.copy_(out)
         yield s, out.sum(), lambda: [out, m.weight]
 
+def compiled(steps):
+    """An MLP trained with its forward and backward under torch.compile(mode="reduce-overhead"):
+    inductor's kernels replayed as CUDA graphs (cudagraph trees), short steps, the optimizer
+    eager."""
+    m = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                            torch.nn.ReLU(), torch.nn.Linear(1024, 10)).cuda()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 512, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
+    fwd = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(m(x), y), mode="reduce-overhead")
+    for s in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = fwd(x, y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        yield s, loss.detach().clone(), m.parameters
+
 def multistream(steps):
     streams = [torch.cuda.Stream() for _ in range(3)]
     a = [torch.randn(512, 512, device="cuda") for _ in range(3)]
@@ -189,7 +204,8 @@ def twodev(steps):
         loss = a.sum() + big0[12345] + big0[n - 1] + big1[777].to(d0)
         yield s, loss, lambda: [a, b, big0, big1]
 
-JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "triton": triton_job, "graph": graph, "multistream": multistream,
+JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "triton": triton_job, "graph": graph, "compiled": compiled,
+        "multistream": multistream,
         "fewbytes": fewbytes, "amp": amp, "twodev": twodev}
 
 def main():
