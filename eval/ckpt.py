@@ -276,6 +276,10 @@ def start(name, spec, steps, possum, hold=0.0, sleep_ms=0.0, frozen=False, env=N
         ensure_keeper()
     err = open(os.path.join(WORK, f"{name}.err"), "a")
     cmd = job_cmd(job, steps, log, hold, sleep_ms) + (["--ballast-frozen"] if frozen else [])
+    if job not in C_JOBS and os.environ.get("CKPT_BALLAST_READ_ALL") == "1":
+        # Every step reads all the extra state, as inference reads its weights: a restored job's
+        # first step needs every byte (the serverless cold start).
+        cmd += ["--ballast-read-all"]
     if job not in C_JOBS and os.environ.get("CKPT_HOST_BATCH_MIB"):
         # Every step copies a batch from pinned host memory (`jobs.py --host-batch-mib`).
         cmd += ["--host-batch-mib", os.environ["CKPT_HOST_BATCH_MIB"]]

@@ -47,7 +47,13 @@
 #   (here)  python3 eval/report.py FILES_AT/bench.json   (after `bench`: the table and plots into
 #           eval/results/; --readme FILE also fills FILE's results markers)
 # POSSUM_CKPT_HUGE=1 puts the images on a huge-page tmpfs (below); POSSUM_CKPT_WORK names another
-# directory for them.
+# directory for them. The jobs: CKPT_HOST_BATCH_MIB=N copies an N MiB batch from pinned memory
+# every step (figures then report the steps' time during a kept checkpoint's save against a
+# normal step); CKPT_BALLAST_READ_ALL=1 makes every step read all the extra state, as an
+# inference job reads its weights (the serverless cold start: `figures --engines
+# possum-keeper-frozen --bench-plan mlp:16` gives the fresh start to the first step and the
+# restore from the image to the first step); CKPT_LIBPOSSUM=PATH runs them under another build
+# of libpossum.so (an A/B of two builds in one run).
 # Results: $OUT (or .gpu/out)/ckpt-MODE.jsonl and the files above; the jobs' logs (stderr, step
 # logs) as ckpt-logs.tgz. Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail

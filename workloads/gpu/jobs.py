@@ -218,6 +218,9 @@ def main():
     p.add_argument("--sleep-ms", type=float, default=0)
     p.add_argument("--ballast-frozen", action="store_true",
                    help="the extra state is only read each step (like frozen weights), never written")
+    p.add_argument("--ballast-read-all", action="store_true",
+                   help="every step reads all of the extra state (like an inference job's weights): "
+                        "its first step needs every byte of it")
     p.add_argument("--host-batch-mib", type=float, default=0,
                    help="copy a batch of this many MiB from pinned host memory to the GPU every step "
                         "(as a data loader does), into a buffer of its own")
@@ -248,7 +251,9 @@ def main():
     for s, loss, params in JOBS[a.job](a.steps):
         if inbox is not None:
             inbox.copy_(host_batch, non_blocking=True)
-        if ballast and a.ballast_frozen:
+        if ballast and a.ballast_read_all:
+            loss = loss + sum(b.sum() for b in ballast) * 0
+        elif ballast and a.ballast_frozen:
             ballast[s % len(ballast)][:: 1 << 12].sum()
         elif ballast:
             ballast[s % len(ballast)].mul_(0.5).add_(loss.detach().float())
