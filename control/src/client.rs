@@ -164,13 +164,15 @@ pub fn request_typed<R: DeserializeOwned>(
 /// The file name of the library that serves the control socket in a job.
 pub const LIBRARY_FILE: &str = "libpossum.so";
 
-/// Whether process `pid` has [`LIBRARY_FILE`] mapped (`/proc/PID/maps`).
+/// Whether process `pid` has [`LIBRARY_FILE`] mapped (`/proc/PID/maps`), also one whose file was
+/// replaced or removed since it was loaded (the kernel then adds ` (deleted)` to its path).
 pub fn has_possum_mapped(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| {
         maps.lines().any(|l| {
-            l.rsplit('/')
-                .next()
-                .is_some_and(|file| file.trim_end() == LIBRARY_FILE)
+            l.rsplit('/').next().is_some_and(|file| {
+                let file = file.trim_end();
+                file.strip_suffix(" (deleted)").unwrap_or(file) == LIBRARY_FILE
+            })
         })
     })
 }

@@ -302,6 +302,9 @@ fn a_process_with_possum_but_no_socket_is_not_started() {
     assert_eq!(&ready, b"ready");
     let pid = child.id();
     let e = request(pid, tmp.path(), &Request::Ping, T).unwrap_err();
+    // Its file removed since (the kernel's maps say "(deleted)"): still mapped.
+    std::fs::remove_file(&lib).unwrap();
+    assert!(possum_control::has_possum_mapped(pid));
     let _ = child.kill();
     let _ = child.wait();
     assert!(
