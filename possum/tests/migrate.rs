@@ -11,9 +11,7 @@
 //! Needs root and CRIU: without either it prints `SKIPPED: ...` on stderr and passes; with
 //! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead.
 
-use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -31,120 +29,34 @@ use criu_support::{criu_or_skip, say};
 /// Bound on every wait for something that should happen.
 const WAIT: Duration = Duration::from_secs(30);
 
-/// fake_session_job in a session of its own, commanded through a FIFO, answering into a file.
-/// Its process is reaped as soon as it ends (a migration kills it, and its PID must be free for
-/// CRIU's restore); killed when dropped if it still runs.
-struct Job {
-    pid: i32,
-    cmds: File,
-    out: PathBuf,
-    stderr: PathBuf,
-    seen: usize,
+#[path = "support/session_job.rs"]
+#[allow(dead_code)]
+mod session_job;
+use session_job::Job;
+
+/// The job at step 5, its process reaped as soon as it ends (a migration kills it, and its PID
+/// must be free for CRIU's restore); killed when dropped if it still runs.
+fn start_job(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
+    let mut job = Job::start(dir, name, lib);
+    job.reap_in_background();
+    job.run("step 5", "done 5");
+    job
 }
 
-impl Job {
-    fn start(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
-        let fifo = dir.join(format!("{name}.cmds"));
-        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
-        let cmds = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&fifo)
-            .unwrap();
-        let out = dir.join(format!("{name}.out"));
-        let stderr = dir.join(format!("{name}.stderr"));
-        let append = |p: &Path| {
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .unwrap()
-        };
-        let mut cmd = common::fake_job_command(dir, "fake_session_job", lib);
-        cmd.env("FAKE_VIA", "entry")
-            .env("FAKE_CMDS", &fifo)
-            .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-            .stdin(Stdio::null())
-            .stdout(append(&out))
-            .stderr(append(&stderr));
-        // SAFETY: setsid is async-signal-safe and touches no memory of this process.
-        unsafe {
-            cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
-        }
-        let mut child = cmd.spawn().unwrap();
-        let pid = child.id() as i32;
-        std::thread::spawn(move || child.wait());
-        let mut job = Job {
-            pid,
-            cmds,
-            out,
-            stderr,
-            seen: 0,
-        };
-        job.expect("ready");
-        job.run("step 5", "done 5");
-        job
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    /// The job's next answer, which must be `want`, within [`WAIT`].
-    fn expect(&mut self, want: &str) {
-        let t = Instant::now();
-        loop {
-            let text = std::fs::read_to_string(&self.out).unwrap_or_default();
-            let lines: Vec<&str> = text.split_inclusive('\n').collect();
-            if let Some(l) = lines.get(self.seen).filter(|l| l.ends_with('\n')) {
-                assert_eq!(l.trim_end(), want, "job's stderr:\n{}", self.log());
-                self.seen += 1;
-                return;
-            }
-            assert!(
-                t.elapsed() < WAIT,
-                "no answer {want:?} from the job within {WAIT:?}; its answers:\n{text}\nstderr:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    fn run(&mut self, cmd: &str, want: &str) {
-        writeln!(self.cmds, "{cmd}").unwrap();
-        self.expect(want);
-    }
-
-    fn dump(&mut self, path: &Path) -> Vec<u8> {
-        self.run(&format!("dump {}", path.display()), "dumped");
-        std::fs::read(path).unwrap()
-    }
-
-    /// The commands after the migration (steps 6 to 12, a cudaMalloc, two dumps), then the
-    /// job's exit, which must be clean: the buffers after each dump.
-    fn finish(&mut self, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
-        self.run("step 4", "done 9");
-        self.run("malloc", "malloced");
-        let mid = self.dump(&dir.join(format!("{tag}-mid.bin")));
-        self.run("step 3", "done 12");
-        let end = self.dump(&dir.join(format!("{tag}-end.bin")));
-        self.run("exit", "bye");
-        // A restored job is this process's (a subreaper's) to reap; the original is reaped by
-        // its waiting thread.
-        let _ = possum_criu::wait_for_exit(self.pid, Some(WAIT));
-        self.pid = 0;
-        [mid, end]
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        if self.pid > 0 {
-            let pid = nix::unistd::Pid::from_raw(self.pid);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-            let _ = possum_criu::wait_for_exit(self.pid, Some(WAIT));
-        }
-    }
+/// The commands after the migration (steps 6 to 12, a cudaMalloc, two dumps), then the job's
+/// exit, which must be clean: the buffers after each dump.
+fn finish(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
+    job.run("step 4", "done 9");
+    job.run("malloc", "malloced");
+    let mid = job.dump(&dir.join(format!("{tag}-mid.bin")));
+    job.run("step 3", "done 12");
+    let end = job.dump(&dir.join(format!("{tag}-end.bin")));
+    job.run("exit", "bye");
+    // A restored job is this process's (a subreaper's) to reap; the original is reaped by its
+    // waiting thread.
+    let _ = possum_criu::wait_for_exit(job.pid, Some(WAIT));
+    job.pid = 0;
+    [mid, end]
 }
 
 /// CRIU, libpossum.so, the fake driver and the job built into a temporary directory, the
@@ -172,8 +84,8 @@ fn setup(test: &str) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
     ) {
         return None;
     }
-    let want = Job::start(dir, "reference", None).finish(dir, "reference");
-    let job = Job::start(dir, "job", Some(&lib));
+    let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
+    let job = start_job(dir, "job", Some(&lib));
     for (name, byte) in [("key", 1u8), ("other-key", 2)] {
         std::fs::write(dir.join(name), [byte; 32]).unwrap();
     }
@@ -284,7 +196,7 @@ fn failed_at(out: &Output, phase: &str) {
 
 /// The job, wherever it runs now, goes on with exactly the reference's buffers.
 fn goes_on_like(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2], what: &str) {
-    let got = job.finish(dir, "job");
+    let got = finish(job, dir, "job");
     assert!(got[0] == want[0], "{what}: the buffers after step 9 differ");
     assert!(
         got[1] == want[1],
