@@ -208,10 +208,9 @@ pub fn checkpoint_held<'a>(
     obs: &mut dyn Observer,
 ) -> Result<HeldCheckpoint<'a>, CheckpointError> {
     let t_all = Instant::now();
-    assert!(
-        p.leave_running && !p.gpu_only,
-        "a held checkpoint is one left running, of the whole process"
-    );
+    if !p.leave_running || p.gpu_only {
+        return Err(PlanError::NotHeldWhole { pid: p.pid }.into());
+    }
     let run = hold_and_commit(p, obs, true)?;
     Ok(HeldCheckpoint { run, t_all })
 }
@@ -302,6 +301,14 @@ pub enum PlanError {
     /// The process is gone.
     #[error("no process {pid} (is it still running?)")]
     NoProcess {
+        /// The process.
+        pid: i32,
+    },
+    /// A checkpoint left held (a migration's) asked to kill the job or to leave out the CPU side.
+    #[error(
+        "a checkpoint of process {pid} left held for a migration saves the whole process and          leaves it running until told otherwise: not with --gpu-only, nor killing it; nothing          was done"
+    )]
+    NotHeldWhole {
         /// The process.
         pid: i32,
     },
