@@ -1112,10 +1112,12 @@ def figures_md(doc):
            "start; every buffer back: the restored job's own restore finished (`possum.session.last."
            "restore`).", "",
            "Drain: a kept checkpoint's save of the GPU state after the job resumed (`saved_ms`), "
-           "and the GPU image's bytes over it.", "",
-           "| job | engine | GiB | state | hooks | stall | engine | driver | CRIU | ckpt total | drain (GB/s) "
-           "| restore to 1st step | every buffer back | restore: CRIU / driver / resume | image GB | ok |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "and the GPU image's bytes over it. Lost: every step's time beyond a normal step from the "
+           "checkpoint to the drain's end (the stall included); steps: their median time during the "
+           "drain over a normal step's.", "",
+           "| job | engine | GiB | state | hooks | stall | `stall_ms` | engine | driver | CRIU | ckpt total | drain (GB/s) "
+           "| lost | steps | restore to 1st step | every buffer back | restore: CRIU / driver / resume | image GB | ok |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc.get("runs") or []:
         if not r.get("engine"):
             continue
@@ -1126,10 +1128,14 @@ def figures_md(doc):
         saved = ck.get("saved_ms")
         gpu_bytes = sum(x.get("bytes") or 0 for x in (r.get("kept") or {}).get("save") or []) or ck.get("gpu_image_bytes")
         drain = (f"{saved:.0f} ({gpu_bytes / saved / 1e6:.1f})" if saved and gpu_bytes else "")
+        during = r.get("step_ms_during_save") or {}
+        ratio = during.get("ratio")
         out.append(f"| {r.get('job')} | {r['engine']} | {r.get('gib', 0):g} | {r.get('state', '')[:6]} | "
                    f"{r.get('hooks') or (r.get('possum_before') or {}).get('hooks') or '-'} | "
-                   f"{f0(r.get('stall_ms'))} | {f0(bd.get('engine'))} | {f0(bd.get('driver'))} | {f0(bd.get('criu'))} | "
-                   f"{f0(r.get('checkpoint_total_ms'))} | {drain} | {f0(r.get('restore_to_first_step_ms'))} | "
+                   f"{f0(r.get('stall_ms'))} | {f0(r.get('possum_stall_ms'))} | {f0(bd.get('engine'))} | "
+                   f"{f0(bd.get('driver'))} | {f0(bd.get('criu'))} | "
+                   f"{f0(r.get('checkpoint_total_ms'))} | {drain} | {f0(during.get('lost_ms'))} | "
+                   f"{'' if ratio is None else f'{ratio:.2f}x'} | {f0(r.get('restore_to_first_step_ms'))} | "
                    f"{f0(r.get('buffers_back_ms'))} | {f0(rf.get('criu_restore_ms'))} / "
                    f"{f0((rf.get('driver_restore_ms') or 0) + (rf.get('driver_unlock_ms') or 0)) if rf else ''} / "
                    f"{f0(rf.get('resume_ms'))} | {'' if img is None else f'{img / 1e9:.1f}'} | "

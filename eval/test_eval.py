@@ -270,7 +270,8 @@ class Figures(unittest.TestCase):
     def test_table(self):
         doc = {"date": "d", "gpu": "g", "wall_s": 10, "budget_s": 500, "runs": [
             {"job": "mlp", "engine": "possum-frozen", "gib": 32.0, "state": "frozen", "hooks": "entry", "ok": True,
-             "stall_ms": 700.0, "stall_parts_ms": {"engine": 50, "driver": 400, "criu": 250},
+             "stall_ms": 700.0, "possum_stall_ms": 690.0, "stall_parts_ms": {"engine": 50, "driver": 400, "criu": 250},
+             "step_ms_during_save": {"median": 6.6, "steps": 200, "lost_ms": 950.0, "ratio": 1.1},
              "checkpoint_total_ms": 5000, "restore_to_first_step_ms": 1300, "buffers_back_ms": 3900,
              "restore": {"criu_restore_ms": 700, "driver_restore_ms": 400, "driver_unlock_ms": 3, "resume_ms": 30},
              "checkpoint": {"image_bytes": 36e9, "saved_ms": 1500},
@@ -279,7 +280,8 @@ class Figures(unittest.TestCase):
             "skipped": [{"job": "mlp", "engine": "possum-hold", "gib": 32.0, "why": "time budget"}]}
         md = ckpt.figures_md(doc)
         # Drain: the saved bytes over saved_ms (36 GB in 1.5 s).
-        self.assertIn("| mlp | possum-frozen | 32 | frozen | entry | 700 | 50 | 400 | 250 | 5000 | 1500 (24.0) | 1300 | 3900 | 700 / 403 / 30 | 36.0 | yes |", md)
+        self.assertIn("| mlp | possum-frozen | 32 | frozen | entry | 700 | 690 | 50 | 400 | 250 | 5000 | 1500 (24.0) "
+                      "| 950 | 1.10x | 1300 | 3900 | 700 / 403 / 30 | 36.0 | yes |", md)
         self.assertIn("**NO** restored job stopped", md)
         self.assertIn("Not run: mlp possum-hold 32 GiB: time budget.", md)
         self.assertIn("- mlp possum-frozen: 32 GiB 700 / 1300", md)
