@@ -770,12 +770,16 @@ impl CudaStream {
         Ok(p)
     }
 
-    /// Blocks until all work queued so far has completed: on an event recorded at its end,
-    /// which blocks the thread rather than spinning ([`CudaEvent::record`]); if no event can be
-    /// made, on the stream itself.
+    /// Blocks until all work queued so far has completed. On a stream possum made, through an
+    /// event recorded at its end, which blocks the thread rather than spinning
+    /// ([`CudaEvent::record`]); on the job's own streams (which may be capturing a graph, where
+    /// a recorded event would become part of it), and if no event can be made, on the stream
+    /// itself.
     pub fn synchronize(&self) -> DeviceResult<()> {
-        if let Ok(ev) = CudaEvent::record(self) {
-            return ev.synchronize();
+        if self.0.owned {
+            if let Ok(ev) = CudaEvent::record(self) {
+                return ev.synchronize();
+            }
         }
         // SAFETY: the stream handle is valid (owned, 0, or valid by `borrow_raw`'s contract).
         check_async("cuStreamSynchronize", unsafe {
