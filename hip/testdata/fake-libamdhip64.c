@@ -463,7 +463,8 @@ struct op {
   unsigned char kernarg[MAX_KERNARG];
   struct ihipMemPoolHandle_t* pool; uintptr_t at;         // free
   struct ihipEvent_t* event;                              // record, wait
-  uint64_t seq;                                           // record: the event's record number
+  uint64_t seq;                                           // the event's record number
+  struct ihipStream_t* recorder;                          // wait: the stream of that record
   struct op* next;
 };
 
@@ -477,11 +478,20 @@ struct ihipStream_t {
   struct ihipGraph* capture;  // while capturing: the graph being recorded
   struct ihipStream_t* next;
 };
-struct ihipEvent_t { struct ihipStream_t* stream; uint64_t recorded, done; };
+// An event lives on, once destroyed, until no queued op refers to it (`refs`), as the
+// runtime lets an event be destroyed while its record or a wait for it is still queued.
+struct ihipEvent_t { struct ihipStream_t* stream; uint64_t recorded, done; int refs, destroyed; };
 
 static struct ihipStream_t* streams;  // every stream but the null one
 
 static void run_op(struct op* o);
+
+// Frees a run op, and the event it referred to if that was destroyed and is referred to no more.
+static void op_done(struct op* o) {
+  struct ihipEvent_t* e = (o->kind == OP_RECORD || o->kind == OP_WAIT) ? o->event : 0;
+  if (e && --e->refs == 0 && e->destroyed) free(e);
+  free(o);
+}
 
 // Runs `s`'s queued ops in order, up to and including `until` (all of them when null).
 static void drain(struct ihipStream_t* s, const struct op* until) {
@@ -492,7 +502,7 @@ static void drain(struct ihipStream_t* s, const struct op* until) {
     if (!s->head) s->tail = &s->head;
     int last = o == until;
     run_op(o);
-    free(o);
+    op_done(o);
     if (last) break;
   }
   pthread_mutex_unlock(&lock);
@@ -521,7 +531,7 @@ static void run_op(struct op* o) {
   case OP_RECORD: if (o->event->done < o->seq) o->event->done = o->seq; break;
   case OP_WAIT: {
     struct ihipEvent_t* e = o->event;
-    if (e->done < o->seq) drain(e->stream, find_record(e->stream, e, o->seq));
+    if (e->done < o->seq) drain(o->recorder, find_record(o->recorder, e, o->seq));
     break;
   }
   }
@@ -538,12 +548,12 @@ static int valid_stream(struct ihipStream_t* s) {
 // Queues `o` on `s`: recorded into the graph when `s` is capturing, run at once (after every
 // stream of the device) on the null stream.
 static hipError_t submit(struct ihipStream_t* s, struct op* o) {
-  if (!valid_stream(s)) { free(o); return hipErrorInvalidHandle; }
+  if (!valid_stream(s)) { op_done(o); return hipErrorInvalidHandle; }
   pthread_mutex_lock(&lock);
   if (!s) {
     drain_all(cur_dev);
     run_op(o);
-    free(o);
+    op_done(o);
   } else {
     o->next = 0;
     struct op*** tail = s->capture ? &s->capture->tail : &s->tail;
@@ -663,6 +673,7 @@ hipError_t hipEventRecord(hipEvent_t e, hipStream_t s) {
   o->event = e;
   o->seq = ++e->recorded;
   e->stream = s;
+  e->refs++;
   hipError_t r = submit(s, o);
   pthread_mutex_unlock(&lock);
   RET(r);
@@ -678,7 +689,9 @@ hipError_t hipEventSynchronize(hipEvent_t e) {
 
 hipError_t hipEventDestroy(hipEvent_t e) {
   if (!e) RET(hipErrorInvalidHandle);
-  free(e);
+  pthread_mutex_lock(&lock);
+  if (e->refs == 0) free(e); else e->destroyed = 1;
+  pthread_mutex_unlock(&lock);
   RET(hipSuccess);
 }
 
@@ -693,6 +706,8 @@ hipError_t hipStreamWaitEvent(hipStream_t s, hipEvent_t e, unsigned int flags) {
   else {
     o->event = e;
     o->seq = e->recorded;
+    o->recorder = e->stream;
+    e->refs++;
     r = submit(s, o);
   }
   pthread_mutex_unlock(&lock);

@@ -1,0 +1,670 @@
+//! The HIP backend on the simulated runtime: the `Device` contract (reservations, mappings,
+//! copies, events, priorities), the engine's real protocol over it (a job writing its buffers
+//! while a checkpoint runs, a restore into fresh memory at the same addresses, an on-demand
+//! restore), and the typed errors of a runtime that can't be used. Without a C compiler each
+//! test prints "SKIPPED: ..." and returns.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use possum_engine::device::{DevPtr, Device, DeviceError, HostBuffer, StreamPriority, Transfer};
+use possum_engine::store::{ChunkSink, ChunkSource, MemStore};
+use possum_engine::{Access, Buffer, Engine, EngineConfig};
+use possum_hip_sim::result::{HipPending, HipStream, Runtime};
+use possum_hip_sim::{build_runtime, BuildError, HipDevice, LoadError, OpenError};
+
+/// The simulated runtime, built once per test process. The library stays loaded for the
+/// process's life (`KEEP`): its arena is at a fixed address, which a second load could not take.
+fn runtime_or_skip(test: &str) -> Option<&'static Path> {
+    static BUILT: OnceLock<Option<(PathBuf, Arc<Runtime>)>> = OnceLock::new();
+    let built = BUILT.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hip-device-sim");
+        std::fs::create_dir_all(&dir).expect("target tmp dir");
+        match build_runtime(&dir) {
+            Ok(lib) => {
+                let keep = Runtime::load(&lib).expect("the simulated runtime loads");
+                Some((lib, keep))
+            }
+            Err(BuildError::NoCompiler(_)) => None,
+            Err(e) => panic!("{e}"),
+        }
+    });
+    match built {
+        Some((lib, _)) => Some(lib.as_path()),
+        None => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: no C compiler to build the simulated HIP runtime [{test}]"
+            );
+            None
+        }
+    }
+}
+
+fn device_or_skip(test: &str) -> Option<Arc<HipDevice>> {
+    let lib = runtime_or_skip(test)?;
+    Some(Arc::new(HipDevice::open(lib, 0).expect("device 0 opens")))
+}
+
+/// Bytes that differ by buffer, step and position.
+fn pattern(buf: usize, step: u64, len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ((buf as u64) << 32) ^ step.wrapping_mul(0x2545_f491);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Reads `len` bytes at `va` (after the stream's earlier work).
+fn read(dev: &HipDevice, s: &HipStream, va: DevPtr, len: u64) -> Vec<u8> {
+    let buf = dev.alloc_host(len as usize).unwrap();
+    let got = dev.copy_d2h(s, va, buf, len).unwrap().wait().unwrap();
+    got.as_slice()[..len as usize].to_vec()
+}
+
+/// Writes `bytes` at `va`, queued on `s`.
+fn write(dev: &HipDevice, s: &HipStream, va: DevPtr, bytes: &[u8]) -> HipPending {
+    let mut buf = dev.alloc_host(bytes.len()).unwrap();
+    buf.as_mut_slice().copy_from_slice(bytes);
+    dev.copy_h2d(s, buf, va, bytes.len() as u64).unwrap()
+}
+
+#[test]
+fn reservations_and_mappings_keep_their_addresses() {
+    let Some(dev) = device_or_skip("reservations_and_mappings_keep_their_addresses") else {
+        return;
+    };
+    let g = dev.granularity();
+    assert_eq!(g, 64 << 10, "the simulated runtime's granularity");
+    assert!(
+        dev.name().starts_with("hip:0 Simulated HIP device 0"),
+        "{}",
+        dev.name()
+    );
+    let (free, total) = dev.memory_info().unwrap();
+    assert!(free <= total && total > 0);
+
+    let va = dev.reserve(4 * g).unwrap();
+    assert_eq!(va.0 % g, 0);
+    let s = dev.create_stream(StreamPriority::Normal).unwrap();
+    // Nothing mapped yet: a copy there is refused before the runtime sees it.
+    let err = dev
+        .copy_d2h(&s, va, dev.alloc_host(16).unwrap(), 16)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DeviceError::InvalidAddress {
+                why: "not mapped",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // A mapping must lie inside the reservation, on the granularity.
+    assert!(matches!(
+        dev.map(va.add(g), 4 * g),
+        Err(DeviceError::InvalidAddress { .. })
+    ));
+    assert!(matches!(
+        dev.map(va.add(1), g),
+        Err(DeviceError::InvalidAddress { .. })
+    ));
+
+    dev.map(va, 2 * g).unwrap();
+    assert!(matches!(
+        dev.map(va.add(g), g),
+        Err(DeviceError::InvalidAddress {
+            why: "overlaps a mapping",
+            ..
+        })
+    ));
+    // A copy may not cross the end of the mapping.
+    let err = dev.copy_d2d(&s, va, va.add(2 * g - 8), 16).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DeviceError::InvalidAddress {
+                why: "crosses the end of a mapping",
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    let bytes = pattern(1, 1, (2 * g) as usize);
+    write(&dev, &s, va, &bytes).wait().unwrap();
+    assert_eq!(read(&dev, &s, va, 2 * g), bytes);
+    // A device-to-device copy inside the mapping, and a memset.
+    dev.copy_d2d(&s, va, va.add(g), 100).unwrap();
+    dev.memset_d8(&s, va, 0xa5, 10).unwrap();
+    let got = read(&dev, &s, va, 2 * g);
+    assert_eq!(&got[..10], &[0xa5; 10]);
+    assert_eq!(&got[10..g as usize], &bytes[10..g as usize]);
+    assert_eq!(&got[g as usize..g as usize + 100], &bytes[..100]);
+
+    // The reservation can't go while mapped; unmapped, the address stays reserved and maps
+    // again, to fresh (zeroed) memory.
+    assert!(matches!(
+        dev.unreserve(va, 4 * g),
+        Err(DeviceError::InvalidAddress { .. })
+    ));
+    assert!(matches!(
+        dev.unmap(va, g),
+        Err(DeviceError::InvalidAddress { .. })
+    ));
+    dev.unmap(va, 2 * g).unwrap();
+    assert!(matches!(
+        dev.copy_d2h(&s, va, dev.alloc_host(16).unwrap(), 16),
+        Err(DeviceError::InvalidAddress { .. })
+    ));
+    dev.map(va, 2 * g).unwrap();
+    assert_eq!(read(&dev, &s, va, 2 * g), vec![0; (2 * g) as usize]);
+    dev.unmap(va, 2 * g).unwrap();
+    dev.unreserve(va, 4 * g).unwrap();
+    assert!(matches!(
+        dev.unreserve(va, 4 * g),
+        Err(DeviceError::InvalidAddress { .. })
+    ));
+}
+
+#[test]
+fn a_host_buffer_too_small_is_refused() {
+    let Some(dev) = device_or_skip("a_host_buffer_too_small_is_refused") else {
+        return;
+    };
+    let g = dev.granularity();
+    let va = dev.reserve(g).unwrap();
+    dev.map(va, g).unwrap();
+    let s = dev.create_stream(StreamPriority::Normal).unwrap();
+    let err = dev
+        .copy_d2h(&s, va, dev.alloc_host(8).unwrap(), 16)
+        .unwrap_err();
+    assert!(
+        matches!(err, DeviceError::HostBufferTooSmall { need: 16, have: 8 }),
+        "{err}"
+    );
+    let err = dev
+        .copy_h2d(&s, dev.alloc_host(8).unwrap(), va, 16)
+        .unwrap_err();
+    assert!(
+        matches!(err, DeviceError::HostBufferTooSmall { need: 16, have: 8 }),
+        "{err}"
+    );
+}
+
+#[test]
+fn events_order_streams_and_report_completion() {
+    let Some(dev) = device_or_skip("events_order_streams_and_report_completion") else {
+        return;
+    };
+    let g = dev.granularity();
+    let va = dev.reserve(g).unwrap();
+    dev.map(va, g).unwrap();
+    let a = dev.create_stream(StreamPriority::Normal).unwrap();
+    let b = dev.create_stream(StreamPriority::High).unwrap();
+    // The simulated runtime runs queued work only when something waits for it, so the event is
+    // not complete until then.
+    let bytes = pattern(2, 0, g as usize);
+    let pending = write(&dev, &a, va, &bytes);
+    let ev = dev.record_event(&a).unwrap();
+    assert!(!dev.event_query(&ev).unwrap(), "nothing has waited yet");
+    // b's copy is ordered after a's write by the event alone.
+    dev.wait_event(&b, &ev).unwrap();
+    assert_eq!(read(&dev, &b, va, g), bytes);
+    assert!(dev.event_query(&ev).unwrap());
+    dev.event_synchronize(&ev).unwrap();
+    pending.wait().unwrap();
+    dev.synchronize(&a).unwrap();
+    dev.synchronize_device().unwrap();
+}
+
+#[test]
+fn streams_take_the_device_s_priorities() {
+    let Some(dev) = device_or_skip("streams_take_the_device_s_priorities") else {
+        return;
+    };
+    let (least, greatest) = dev.stream_priority_range();
+    assert_eq!(
+        (least, greatest),
+        (1, -1),
+        "ROCm's range, as the simulated runtime has it"
+    );
+    let normal = dev.create_stream(StreamPriority::Normal).unwrap();
+    let high = dev.create_stream(StreamPriority::High).unwrap();
+    assert_eq!(normal.priority().unwrap(), least);
+    assert_eq!(high.priority().unwrap(), greatest);
+}
+
+#[test]
+fn a_missing_runtime_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("libamdhip64.so.6");
+    let err = HipDevice::open(&path, 0).unwrap_err();
+    match &err {
+        OpenError::Load(LoadError::Open { path: p, .. }) => assert_eq!(p, &path),
+        other => panic!("unexpected {other:?}"),
+    }
+    let text = err.to_string();
+    assert!(
+        text.contains("cannot load the HIP runtime") && text.contains(&*path.to_string_lossy()),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_library_without_hip_s_entry_points_is_a_typed_error() {
+    if runtime_or_skip("a_library_without_hip_s_entry_points_is_a_typed_error").is_none() {
+        return;
+    }
+    // A library with only the first entry point.
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("not-hip.c");
+    std::fs::write(
+        &src,
+        "int hipInit(unsigned flags) { return flags ? 1 : 0; }\n",
+    )
+    .unwrap();
+    let lib = dir.path().join("libnot-hip.so");
+    let out = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = HipDevice::open(&lib, 0).unwrap_err();
+    match &err {
+        OpenError::Load(LoadError::MissingSymbol { path, symbol }) => {
+            assert_eq!(path, &lib);
+            assert_eq!(*symbol, "hipGetDeviceCount");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(
+        err.to_string().contains("has no hipGetDeviceCount"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_device_the_runtime_does_not_have_is_a_typed_error() {
+    let Some(lib) = runtime_or_skip("a_device_the_runtime_does_not_have_is_a_typed_error") else {
+        return;
+    };
+    let err = HipDevice::open(lib, 5).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            OpenError::NoDevice {
+                ordinal: 5,
+                count: 1
+            }
+        ),
+        "{err}"
+    );
+}
+
+/// A job on the HIP backend: its buffers allocated through the engine, one stream, and what each
+/// buffer holds once the stream's work has run.
+struct Job {
+    engine: Engine<HipDevice>,
+    dev: Arc<HipDevice>,
+    stream: HipStream,
+    bufs: Vec<Buffer>,
+    model: Vec<Vec<u8>>,
+    pending: Vec<HipPending>,
+}
+
+impl Job {
+    fn new(engine: &Engine<HipDevice>, sizes: &[u64]) -> Job {
+        let dev = Arc::clone(engine.device());
+        let stream = dev.create_stream(StreamPriority::Normal).unwrap();
+        engine.register_stream(stream.clone());
+        let bufs: Vec<Buffer> = sizes.iter().map(|&n| engine.alloc(n).unwrap()).collect();
+        let mut job = Job {
+            engine: engine.clone(),
+            dev,
+            stream,
+            model: bufs.iter().map(|b| vec![0; b.size() as usize]).collect(),
+            bufs,
+            pending: Vec::new(),
+        };
+        for i in 0..sizes.len() {
+            job.write(i, 0);
+        }
+        job.sync();
+        job
+    }
+
+    /// Writes buffer `i` whole with step `step`'s pattern, through the engine's hook.
+    fn write(&mut self, i: usize, step: u64) {
+        let b = self.bufs[i].clone();
+        let bytes = pattern(i, step, b.size() as usize);
+        let writes = [b.clone()];
+        let guard = self
+            .engine
+            .before_op(
+                &self.stream,
+                Access::Known {
+                    reads: &[],
+                    writes: &writes,
+                },
+            )
+            .unwrap();
+        self.pending
+            .push(write(&self.dev, &self.stream, b.va(), &bytes));
+        drop(guard);
+        self.model[i] = bytes;
+    }
+
+    /// Copies the start of buffer `src` over the start of buffer `dst` (a read and a write).
+    fn copy(&mut self, src: usize, dst: usize) {
+        let (s, d) = (self.bufs[src].clone(), self.bufs[dst].clone());
+        let n = s.size().min(d.size());
+        let (reads, writes) = ([s.clone()], [d.clone()]);
+        let guard = self
+            .engine
+            .before_op(
+                &self.stream,
+                Access::Known {
+                    reads: &reads,
+                    writes: &writes,
+                },
+            )
+            .unwrap();
+        self.dev.copy_d2d(&self.stream, s.va(), d.va(), n).unwrap();
+        drop(guard);
+        let head = self.model[src][..n as usize].to_vec();
+        self.model[dst][..n as usize].copy_from_slice(&head);
+    }
+
+    /// Sets the first `n` bytes of buffer `i` to `value`.
+    fn memset(&mut self, i: usize, value: u8, n: u64) {
+        let b = self.bufs[i].clone();
+        let writes = [b.clone()];
+        let guard = self
+            .engine
+            .before_op(
+                &self.stream,
+                Access::Known {
+                    reads: &[],
+                    writes: &writes,
+                },
+            )
+            .unwrap();
+        self.dev.memset_d8(&self.stream, b.va(), value, n).unwrap();
+        drop(guard);
+        self.model[i][..n as usize].fill(value);
+    }
+
+    /// One step of work: every other buffer rewritten, a copy and a memset.
+    fn step(&mut self, step: u64) {
+        let n = self.bufs.len();
+        for i in (step as usize % 2..n).step_by(2) {
+            self.write(i, step);
+        }
+        self.copy(step as usize % n, (step as usize + 3) % n);
+        self.memset((step as usize + 5) % n, step as u8, 1000);
+    }
+
+    fn sync(&mut self) {
+        for p in self.pending.drain(..) {
+            p.wait().unwrap();
+        }
+        self.dev.synchronize(&self.stream).unwrap();
+    }
+
+    /// Every buffer's bytes, read back through the device (after `sync`).
+    fn contents(&self) -> Vec<Vec<u8>> {
+        self.bufs
+            .iter()
+            .map(|b| read(&self.dev, &self.stream, b.va(), b.size()))
+            .collect()
+    }
+
+    fn image(&self, store: &MemStore) -> Vec<Vec<u8>> {
+        self.bufs
+            .iter()
+            .map(|b| store.buffer_bytes(b.id()).expect("buffer in image"))
+            .collect()
+    }
+}
+
+/// Sizes on and off the granularity, several chunks each.
+const SIZES: &[u64] = &[
+    64 << 10,
+    100_000,
+    3 << 16,
+    150_001,
+    1 << 18,
+    70_000,
+    128 << 10,
+    90_000,
+];
+
+fn cfg(shadow_budget: u64) -> EngineConfig {
+    EngineConfig {
+        chunk_size: 16 << 10,
+        staging_buffers: 3,
+        copy_streams: 2,
+        writer_threads: 2,
+        restore_threads: 2,
+        shadow_budget,
+        ..EngineConfig::default()
+    }
+}
+
+/// Checkpoints while the job keeps working, then releases every buffer and restores them into
+/// fresh memory at the same addresses.
+fn checkpoint_while_running_then_restore(shadow_budget: u64) {
+    let Some(dev) = device_or_skip("checkpoint_while_running_then_restore") else {
+        return;
+    };
+    let e = Engine::new(dev, cfg(shadow_budget)).unwrap();
+    let mut job = Job::new(&e, SIZES);
+    for step in 1..4 {
+        job.step(step);
+    }
+    job.sync();
+    let at_t0 = job.model.clone();
+    assert_eq!(job.contents(), at_t0, "the job's own writes");
+
+    let store = Arc::new(MemStore::new());
+    let ck = e.checkpoint(store.clone(), false).unwrap();
+    for step in 4..10 {
+        job.step(step);
+    }
+    let rep = ck.wait().unwrap();
+    job.sync();
+    assert_eq!(rep.buffers, SIZES.len());
+    assert_eq!(rep.bytes, SIZES.iter().sum::<u64>());
+    assert!(job.image(&store) == at_t0, "the image is the buffers at T0");
+    let at_end = job.model.clone();
+    assert!(
+        job.contents() == at_end,
+        "the job's writes after T0 are all there"
+    );
+
+    // Every buffer's memory dropped; the addresses stay reserved.
+    let vas: Vec<DevPtr> = job.bufs.iter().map(Buffer::va).collect();
+    e.release().unwrap();
+    for b in &job.bufs {
+        let err = job
+            .dev
+            .copy_d2h(&job.stream, b.va(), job.dev.alloc_host(16).unwrap(), 16)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DeviceError::InvalidAddress {
+                    why: "not mapped",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+    let rr = e.restore(store).unwrap().wait().unwrap();
+    assert_eq!(rr.on_demand + rr.prefetched, SIZES.len() as u64, "{rr:?}");
+    assert_eq!(job.bufs.iter().map(Buffer::va).collect::<Vec<_>>(), vas);
+    assert!(
+        job.contents() == at_t0,
+        "restored bit-exact at the same addresses"
+    );
+
+    // The job goes on from T0.
+    job.model = at_t0;
+    for step in 4..6 {
+        job.step(step);
+    }
+    job.sync();
+    assert!(job.contents() == job.model);
+}
+
+#[test]
+fn a_checkpoint_with_priority_copies_is_the_state_at_t0_and_restores_bit_exact() {
+    checkpoint_while_running_then_restore(0);
+}
+
+#[test]
+fn a_checkpoint_with_shadow_copies_is_the_state_at_t0_and_restores_bit_exact() {
+    checkpoint_while_running_then_restore(64 << 20);
+}
+
+/// A sink over a [`MemStore`] whose chunks wait until the test opens it: the checkpoint's copier
+/// stays in its first buffer while the job writes the others.
+struct GatedSink {
+    store: Arc<MemStore>,
+    open: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl GatedSink {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl ChunkSink for GatedSink {
+    fn add_buffer(
+        &self,
+        rec: possum_engine::store::BufferRecord,
+    ) -> Result<(), possum_engine::image::ImageError> {
+        self.store.add_buffer(rec)
+    }
+    fn write_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
+        drop(
+            self.cv
+                .wait_while(self.open.lock().unwrap(), |o| !*o)
+                .unwrap(),
+        );
+        self.store.write_chunk(buffer, offset, data)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
+        self.store.set_meta(key, value)
+    }
+}
+
+#[test]
+fn writes_to_buffers_not_yet_saved_are_shadowed_on_the_high_priority_stream() {
+    let Some(dev) = device_or_skip("writes_to_buffers_not_yet_saved_are_shadowed") else {
+        return;
+    };
+    let e = Engine::new(dev, cfg(64 << 20)).unwrap();
+    let mut job = Job::new(&e, SIZES);
+    job.step(1);
+    job.sync();
+    let at_t0 = job.model.clone();
+    let store = Arc::new(MemStore::new());
+    let sink = Arc::new(GatedSink {
+        store: store.clone(),
+        open: std::sync::Mutex::new(false),
+        cv: std::sync::Condvar::new(),
+    });
+    let ck = e.checkpoint(sink.clone(), false).unwrap();
+    // The copier is held at the sink in the first buffers (lowest addresses first): the two
+    // buffers at the highest addresses are saved by shadows before the job's writes reach them.
+    let mut top: Vec<usize> = (0..SIZES.len()).collect();
+    top.sort_by_key(|&i| std::cmp::Reverse(job.bufs[i].va()));
+    job.write(top[0], 2);
+    job.memset(top[1], 0x77, 5000);
+    job.write(top[0], 3);
+    job.sync();
+    sink.open();
+    let rep = ck.wait().unwrap();
+    assert_eq!(rep.cow_shadow, 2, "{rep:?}");
+    let mut waited: Vec<u64> = rep.waited_on.iter().map(|w| w.id).collect();
+    waited.sort_unstable();
+    let mut written = vec![job.bufs[top[0]].id(), job.bufs[top[1]].id()];
+    written.sort_unstable();
+    assert_eq!(
+        waited, written,
+        "the job waited for the buffers it wrote, only: {rep:?}"
+    );
+    assert!(job.image(&store) == at_t0, "the image is the buffers at T0");
+    assert!(job.contents() == job.model);
+}
+
+#[test]
+fn an_operation_overtakes_the_background_restorer() {
+    let Some(dev) = device_or_skip("an_operation_overtakes_the_background_restorer") else {
+        return;
+    };
+    let e = Engine::new(
+        dev,
+        EngineConfig {
+            prefetch_delay: Duration::from_millis(40),
+            restore_threads: 1,
+            ..cfg(0)
+        },
+    )
+    .unwrap();
+    let mut job = Job::new(&e, SIZES);
+    job.step(1);
+    job.sync();
+    let at_t0 = job.model.clone();
+    let store = Arc::new(MemStore::new());
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    e.release().unwrap();
+    // The buffer the background restorer reaches last.
+    let last = store
+        .buffers()
+        .into_iter()
+        .max_by_key(|r| (r.prefetch_rank, r.id))
+        .unwrap();
+    let idx = job.bufs.iter().position(|b| b.id() == last.id).unwrap();
+    let rs = e.restore(store.clone()).unwrap();
+    // The job's first operation writes part of it: it waits for that buffer (its T0 bytes under
+    // the part it does not write), not for the others.
+    job.model = at_t0;
+    job.memset(idx, 0x5a, 1000);
+    job.sync();
+    let rr = rs.wait().unwrap();
+    assert!(rr.on_demand >= 1, "restored on demand: {rr:?}");
+    assert_eq!(
+        rr.waited_on.iter().map(|w| w.id).collect::<Vec<_>>(),
+        vec![last.id],
+        "the job waited for the buffer it wrote, only: {rr:?}"
+    );
+    assert!(
+        job.contents() == job.model,
+        "restored bytes under the job's write"
+    );
+}
