@@ -684,3 +684,25 @@ impl Drop for HipPending {
         }
     }
 }
+
+/// What the simulated runtime lets a test observe ([`sys::SimHooks`]); nothing of HIP's.
+#[derive(Debug)]
+pub struct SimProbe {
+    hooks: sys::SimHooks,
+}
+
+impl SimProbe {
+    /// The hooks of the simulated runtime at `path`.
+    pub fn load(path: impl AsRef<Path>) -> Result<SimProbe, LoadError> {
+        Ok(SimProbe {
+            hooks: sys::SimHooks::load(path)?,
+        })
+    }
+
+    /// The `hipMemcpyAsync` calls queued so far, by every thread of the process, on streams of
+    /// `priority`.
+    pub fn copies_at_priority(&self, priority: i32) -> u64 {
+        // SAFETY: takes any value and reads a counter under the runtime's lock.
+        unsafe { (self.hooks.fakeHipCopiesAtPriority)(priority) }
+    }
+}

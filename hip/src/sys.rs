@@ -240,3 +240,45 @@ impl fmt::Debug for Api {
             .finish_non_exhaustive()
     }
 }
+
+/// The simulated runtime's own test hooks (not HIP's): what it lets a test observe.
+pub struct SimHooks {
+    /// `fakeHipCopiesAtPriority(priority)`: the `hipMemcpyAsync` calls queued so far on streams
+    /// of that priority.
+    pub fakeHipCopiesAtPriority: unsafe extern "C" fn(c_int) -> u64,
+    _lib: libloading::Library,
+}
+
+impl SimHooks {
+    /// Loads the simulated runtime at `path` (the same library a [`Api`] of the same path
+    /// shares: `dlopen` loads a library once) and looks its hooks up.
+    ///
+    /// `path` must be the simulated runtime (its initialisers run if it is not loaded yet).
+    pub fn load(path: impl AsRef<Path>) -> Result<SimHooks, LoadError> {
+        let path = path.as_ref().to_path_buf();
+        // SAFETY: as in `Api::load`: the library is the simulated runtime by this function's
+        // contract.
+        let lib = unsafe { libloading::Library::new(&path) }.map_err(|source| LoadError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        // SAFETY: the type is the one fake-libamdhip64.c defines; the pointer is used only
+        // while `lib` (moved into the value returned) stays loaded.
+        let copies =
+            *unsafe { lib.get::<unsafe extern "C" fn(c_int) -> u64>(b"fakeHipCopiesAtPriority\0") }
+                .map_err(|_| LoadError::MissingSymbol {
+                    path: path.clone(),
+                    symbol: "fakeHipCopiesAtPriority",
+                })?;
+        Ok(SimHooks {
+            fakeHipCopiesAtPriority: copies,
+            _lib: lib,
+        })
+    }
+}
+
+impl fmt::Debug for SimHooks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimHooks").finish_non_exhaustive()
+    }
+}

@@ -4,76 +4,16 @@
 //! restore), and the typed errors of a runtime that can't be used. Without a C compiler each
 //! test prints "SKIPPED: ..." and returns.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+mod common;
+
+use std::sync::Arc;
 use std::time::Duration;
 
-use possum_engine::device::{DevPtr, Device, DeviceError, HostBuffer, StreamPriority, Transfer};
-use possum_engine::store::{ChunkSink, ChunkSource, MemStore};
-use possum_engine::{Access, Buffer, Engine, EngineConfig};
-use possum_hip_sim::result::{HipPending, HipStream, Runtime};
-use possum_hip_sim::{build_runtime, BuildError, HipDevice, LoadError, OpenError};
-
-/// The simulated runtime, built once per test process. The library stays loaded for the
-/// process's life (`KEEP`): its arena is at a fixed address, which a second load could not take.
-fn runtime_or_skip(test: &str) -> Option<&'static Path> {
-    static BUILT: OnceLock<Option<(PathBuf, Arc<Runtime>)>> = OnceLock::new();
-    let built = BUILT.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hip-device-sim");
-        std::fs::create_dir_all(&dir).expect("target tmp dir");
-        match build_runtime(&dir) {
-            Ok(lib) => {
-                let keep = Runtime::load(&lib).expect("the simulated runtime loads");
-                Some((lib, keep))
-            }
-            Err(BuildError::NoCompiler(_)) => None,
-            Err(e) => panic!("{e}"),
-        }
-    });
-    match built {
-        Some((lib, _)) => Some(lib.as_path()),
-        None => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED: no C compiler to build the simulated HIP runtime [{test}]"
-            );
-            None
-        }
-    }
-}
-
-fn device_or_skip(test: &str) -> Option<Arc<HipDevice>> {
-    let lib = runtime_or_skip(test)?;
-    Some(Arc::new(HipDevice::open(lib, 0).expect("device 0 opens")))
-}
-
-/// Bytes that differ by buffer, step and position.
-fn pattern(buf: usize, step: u64, len: usize) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ((buf as u64) << 32) ^ step.wrapping_mul(0x2545_f491);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-/// Reads `len` bytes at `va` (after the stream's earlier work).
-fn read(dev: &HipDevice, s: &HipStream, va: DevPtr, len: u64) -> Vec<u8> {
-    let buf = dev.alloc_host(len as usize).unwrap();
-    let got = dev.copy_d2h(s, va, buf, len).unwrap().wait().unwrap();
-    got.as_slice()[..len as usize].to_vec()
-}
-
-/// Writes `bytes` at `va`, queued on `s`.
-fn write(dev: &HipDevice, s: &HipStream, va: DevPtr, bytes: &[u8]) -> HipPending {
-    let mut buf = dev.alloc_host(bytes.len()).unwrap();
-    buf.as_mut_slice().copy_from_slice(bytes);
-    dev.copy_h2d(s, buf, va, bytes.len() as u64).unwrap()
-}
+use common::{cfg, device_or_skip, pattern, read, runtime_or_skip, write, GatedSink, Job, SIZES};
+use possum_engine::device::{DevPtr, Device, DeviceError, StreamPriority, Transfer};
+use possum_engine::store::{ChunkSource, MemStore};
+use possum_engine::{Buffer, Engine, EngineConfig};
+use possum_hip_sim::{HipDevice, LoadError, OpenError};
 
 #[test]
 fn reservations_and_mappings_keep_their_addresses() {
@@ -315,156 +255,6 @@ fn a_device_the_runtime_does_not_have_is_a_typed_error() {
     );
 }
 
-/// A job on the HIP backend: its buffers allocated through the engine, one stream, and what each
-/// buffer holds once the stream's work has run.
-struct Job {
-    engine: Engine<HipDevice>,
-    dev: Arc<HipDevice>,
-    stream: HipStream,
-    bufs: Vec<Buffer>,
-    model: Vec<Vec<u8>>,
-    pending: Vec<HipPending>,
-}
-
-impl Job {
-    fn new(engine: &Engine<HipDevice>, sizes: &[u64]) -> Job {
-        let dev = Arc::clone(engine.device());
-        let stream = dev.create_stream(StreamPriority::Normal).unwrap();
-        engine.register_stream(stream.clone());
-        let bufs: Vec<Buffer> = sizes.iter().map(|&n| engine.alloc(n).unwrap()).collect();
-        let mut job = Job {
-            engine: engine.clone(),
-            dev,
-            stream,
-            model: bufs.iter().map(|b| vec![0; b.size() as usize]).collect(),
-            bufs,
-            pending: Vec::new(),
-        };
-        for i in 0..sizes.len() {
-            job.write(i, 0);
-        }
-        job.sync();
-        job
-    }
-
-    /// Writes buffer `i` whole with step `step`'s pattern, through the engine's hook.
-    fn write(&mut self, i: usize, step: u64) {
-        let b = self.bufs[i].clone();
-        let bytes = pattern(i, step, b.size() as usize);
-        let writes = [b.clone()];
-        let guard = self
-            .engine
-            .before_op(
-                &self.stream,
-                Access::Known {
-                    reads: &[],
-                    writes: &writes,
-                },
-            )
-            .unwrap();
-        self.pending
-            .push(write(&self.dev, &self.stream, b.va(), &bytes));
-        drop(guard);
-        self.model[i] = bytes;
-    }
-
-    /// Copies the start of buffer `src` over the start of buffer `dst` (a read and a write).
-    fn copy(&mut self, src: usize, dst: usize) {
-        let (s, d) = (self.bufs[src].clone(), self.bufs[dst].clone());
-        let n = s.size().min(d.size());
-        let (reads, writes) = ([s.clone()], [d.clone()]);
-        let guard = self
-            .engine
-            .before_op(
-                &self.stream,
-                Access::Known {
-                    reads: &reads,
-                    writes: &writes,
-                },
-            )
-            .unwrap();
-        self.dev.copy_d2d(&self.stream, s.va(), d.va(), n).unwrap();
-        drop(guard);
-        let head = self.model[src][..n as usize].to_vec();
-        self.model[dst][..n as usize].copy_from_slice(&head);
-    }
-
-    /// Sets the first `n` bytes of buffer `i` to `value`.
-    fn memset(&mut self, i: usize, value: u8, n: u64) {
-        let b = self.bufs[i].clone();
-        let writes = [b.clone()];
-        let guard = self
-            .engine
-            .before_op(
-                &self.stream,
-                Access::Known {
-                    reads: &[],
-                    writes: &writes,
-                },
-            )
-            .unwrap();
-        self.dev.memset_d8(&self.stream, b.va(), value, n).unwrap();
-        drop(guard);
-        self.model[i][..n as usize].fill(value);
-    }
-
-    /// One step of work: every other buffer rewritten, a copy and a memset.
-    fn step(&mut self, step: u64) {
-        let n = self.bufs.len();
-        for i in (step as usize % 2..n).step_by(2) {
-            self.write(i, step);
-        }
-        self.copy(step as usize % n, (step as usize + 3) % n);
-        self.memset((step as usize + 5) % n, step as u8, 1000);
-    }
-
-    fn sync(&mut self) {
-        for p in self.pending.drain(..) {
-            p.wait().unwrap();
-        }
-        self.dev.synchronize(&self.stream).unwrap();
-    }
-
-    /// Every buffer's bytes, read back through the device (after `sync`).
-    fn contents(&self) -> Vec<Vec<u8>> {
-        self.bufs
-            .iter()
-            .map(|b| read(&self.dev, &self.stream, b.va(), b.size()))
-            .collect()
-    }
-
-    fn image(&self, store: &MemStore) -> Vec<Vec<u8>> {
-        self.bufs
-            .iter()
-            .map(|b| store.buffer_bytes(b.id()).expect("buffer in image"))
-            .collect()
-    }
-}
-
-/// Sizes on and off the granularity, several chunks each.
-const SIZES: &[u64] = &[
-    64 << 10,
-    100_000,
-    3 << 16,
-    150_001,
-    1 << 18,
-    70_000,
-    128 << 10,
-    90_000,
-];
-
-fn cfg(shadow_budget: u64) -> EngineConfig {
-    EngineConfig {
-        chunk_size: 16 << 10,
-        staging_buffers: 3,
-        copy_streams: 2,
-        writer_threads: 2,
-        restore_threads: 2,
-        shadow_budget,
-        ..EngineConfig::default()
-    }
-}
-
 /// Checkpoints while the job keeps working, then releases every buffer and restores them into
 /// fresh memory at the same addresses.
 fn checkpoint_while_running_then_restore(shadow_budget: u64) {
@@ -542,46 +332,6 @@ fn a_checkpoint_with_shadow_copies_is_the_state_at_t0_and_restores_bit_exact() {
     checkpoint_while_running_then_restore(64 << 20);
 }
 
-/// A sink over a [`MemStore`] whose chunks wait until the test opens it: the checkpoint's copier
-/// stays in its first buffer while the job writes the others.
-struct GatedSink {
-    store: Arc<MemStore>,
-    open: std::sync::Mutex<bool>,
-    cv: std::sync::Condvar,
-}
-
-impl GatedSink {
-    fn open(&self) {
-        *self.open.lock().unwrap() = true;
-        self.cv.notify_all();
-    }
-}
-
-impl ChunkSink for GatedSink {
-    fn add_buffer(
-        &self,
-        rec: possum_engine::store::BufferRecord,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        self.store.add_buffer(rec)
-    }
-    fn write_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<(), possum_engine::image::ImageError> {
-        drop(
-            self.cv
-                .wait_while(self.open.lock().unwrap(), |o| !*o)
-                .unwrap(),
-        );
-        self.store.write_chunk(buffer, offset, data)
-    }
-    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
-        self.store.set_meta(key, value)
-    }
-}
-
 #[test]
 fn writes_to_buffers_not_yet_saved_are_shadowed_on_the_high_priority_stream() {
     let Some(dev) = device_or_skip("writes_to_buffers_not_yet_saved_are_shadowed") else {
@@ -593,11 +343,7 @@ fn writes_to_buffers_not_yet_saved_are_shadowed_on_the_high_priority_stream() {
     job.sync();
     let at_t0 = job.model.clone();
     let store = Arc::new(MemStore::new());
-    let sink = Arc::new(GatedSink {
-        store: store.clone(),
-        open: std::sync::Mutex::new(false),
-        cv: std::sync::Condvar::new(),
-    });
+    let sink = GatedSink::new(&store);
     let ck = e.checkpoint(sink.clone(), false).unwrap();
     // The copier is held at the sink in the first buffers (lowest addresses first): the two
     // buffers at the highest addresses are saved by shadows before the job's writes reach them.
