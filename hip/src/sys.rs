@@ -8,8 +8,8 @@
 //! the [`Api`] that holds them (it owns the library). Calling them is `unsafe`: [`crate::result`]
 //! does, with the arguments each call documents.
 //!
-//! Types are HIP's as `hip_runtime_api.h` declares them (ROCm 6 and 7 agree on every one used
-//! here); names keep HIP's spelling so they can be grepped for.
+//! Types are HIP's as `hip_runtime_api.h` declares them; names keep HIP's spelling so they can be
+//! grepped for.
 #![allow(
     unsafe_code,
     non_camel_case_types,

@@ -323,12 +323,12 @@ fn checkpoint_while_running_then_restore(shadow_budget: u64) {
 }
 
 #[test]
-fn a_checkpoint_with_priority_copies_is_the_state_at_t0_and_restores_bit_exact() {
+fn a_checkpoint_without_shadows_is_the_state_at_t0_and_restores_bit_exact() {
     checkpoint_while_running_then_restore(0);
 }
 
 #[test]
-fn a_checkpoint_with_shadow_copies_is_the_state_at_t0_and_restores_bit_exact() {
+fn a_checkpoint_with_shadows_is_the_state_at_t0_and_restores_bit_exact() {
     checkpoint_while_running_then_restore(64 << 20);
 }
 
