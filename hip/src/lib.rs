@@ -23,7 +23,9 @@
 //!   management, several threads at once) that prints a digest of what it reads back after each
 //!   step.
 //!
-//! This crate builds them with the system C compiler (`cc`) into a directory of the caller's.
+//! This crate builds them with the system C compiler (`cc`) into a directory of the caller's;
+//! [`result::SimProbe`] reads what the simulated runtime counts for tests (copies queued at each
+//! stream priority).
 
 #![deny(unsafe_code)]
 
