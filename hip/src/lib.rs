@@ -1,6 +1,15 @@
-//! A simulated HIP runtime for tests on machines without an AMD GPU, and a HIP program to run on
-//! it. Nothing here is possum itself: it is what possum's HIP front end is tested against, as
-//! `cuda/testdata/fake-libcuda.c` is for the CUDA one.
+//! possum's HIP backend, and a simulated HIP runtime to test it on machines without an AMD GPU.
+//!
+//! The backend is [`HipDevice`], the engine's `Device` trait over the HIP runtime API, in three
+//! layers as cudarc's are: [`sys`] (HIP's C types, and the entry points looked up in a runtime
+//! loaded from a path with `libloading`: `libamdhip64.so.6` or `.so.7` on a machine with ROCm,
+//! the simulated runtime in tests), [`result`] (each call wrapped to return a `DeviceResult`,
+//! and RAII types for streams, events, pinned host memory and physical memory) and [`device`]
+//! (safe code: the tables of reservations and mappings, and the trait). Only `sys` and `result`
+//! have `unsafe` code.
+//!
+//! The rest is what the backend and possum's HIP front end are tested against, as
+//! `cuda/testdata/fake-libcuda.c` is for the CUDA one:
 //!
 //! - `testdata/fake-libamdhip64.c`: the runtime, a C library exporting a subset of the HIP
 //!   runtime API (HIP's names, signatures and error codes) over host memory at addresses it
@@ -14,12 +23,23 @@
 //!   management, several threads at once) that prints a digest of what it reads back after each
 //!   step.
 //!
-//! This crate builds them with the system C compiler (`cc`) into a directory of the caller's.
+//! This crate builds them with the system C compiler (`cc`) into a directory of the caller's;
+//! [`result::SimProbe`] reads what the simulated runtime counts for tests (copies queued at each
+//! stream priority).
+
+#![deny(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use thiserror::Error;
+
+pub mod device;
+pub mod result;
+pub mod sys;
+
+pub use device::{HipDevice, OpenError};
+pub use sys::LoadError;
 
 /// The shared object name the runtime is built under (that of ROCm 6's runtime).
 pub const RUNTIME_SONAME: &str = "libamdhip64.so.6";

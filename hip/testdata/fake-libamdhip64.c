@@ -35,10 +35,22 @@
 // - Graphs: hipStreamBeginCapture..hipStreamEndCapture records the ops queued on the capturing
 //   stream (kernel arguments are copied at capture, as kernel nodes keep theirs); a graph
 //   launch queues a copy of them on the stream it is launched on.
+// - Pinned host memory: hipHostMalloc is page-aligned anonymous memory (every host byte is
+//   reachable by the simulated device anyway); hipHostFree takes only what hipHostMalloc gave.
+// - Events: hipEventQuery answers hipErrorNotReady until the ops before the record have run
+//   (it does not run them: nothing runs until something waits). hipEventCreateWithFlags
+//   checks the flags and otherwise ignores them.
+// - Stream priorities: hipDeviceGetStreamPriorityRange answers (1, -1) as ROCm's runtime does
+//   (low, high; smaller is more urgent), hipStreamCreateWithPriority clamps into that range and
+//   hipStreamGetPriority reads it back. Priorities change no order (ops run when waited for),
+//   but they are observable: fakeHipCopiesAtPriority(p) counts the hipMemcpyAsync calls queued
+//   so far on streams of priority p (a test hook of this library's, not HIP's).
+// - hipMemGetInfo reports the arena's untaken address space as free memory; hipDeviceGetName
+//   names the device "Simulated HIP device N".
 // - hipGetProcAddress answers with this library's own exported functions.
 //
 // What it does not simulate: real concurrency between streams (or with the host), stream
-// priorities (accepted, ignored), multi-stream capture (fork/join through events in a capture),
+// priorities' effect on scheduling, multi-stream capture (fork/join through events in a capture),
 // memory allocation inside a capture, peer access, IPC, managed memory, textures, any kernel not
 // in `kernels[]`, device code of any kind, timing, and the GPU's memory model. It proves nothing
 // about ROCm; it lets possum's HIP front end be built and tested on the CPU.
@@ -59,6 +71,8 @@
 #define POOL_SIZE (256ull << 20)
 #define GRANULARITY (64ull << 10)
 #define ALIGN 256
+#define PRIO_LOW 1
+#define PRIO_HIGH (-1)
 
 // Guards all of the library's state. Recursive: a drain runs ops that free pool blocks, and
 // hipMallocAsync makes its pool under it.
@@ -127,6 +141,7 @@ static const struct { hipError_t e; const char* name; const char* text; } errors
   {hipErrorInvalidHandle, "hipErrorInvalidHandle", "invalid resource handle"},
   {hipErrorIllegalState, "hipErrorIllegalState", "the operation cannot be performed in the present state"},
   {hipErrorNotFound, "hipErrorNotFound", "named symbol not found"},
+  {hipErrorNotReady, "hipErrorNotReady", "device not ready"},
   {hipErrorNotSupported, "hipErrorNotSupported", "operation not supported"},
   {hipErrorStreamCaptureUnsupported, "hipErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"},
   {hipErrorStreamCaptureUnmatched, "hipErrorStreamCaptureUnmatched", "capture was not initiated in this stream"},
@@ -448,7 +463,8 @@ struct op {
   unsigned char kernarg[MAX_KERNARG];
   struct ihipMemPoolHandle_t* pool; uintptr_t at;         // free
   struct ihipEvent_t* event;                              // record, wait
-  uint64_t seq;                                           // record: the event's record number
+  uint64_t seq;                                           // the event's record number
+  struct ihipStream_t* recorder;                          // wait: the stream of that record
   struct op* next;
 };
 
@@ -462,11 +478,20 @@ struct ihipStream_t {
   struct ihipGraph* capture;  // while capturing: the graph being recorded
   struct ihipStream_t* next;
 };
-struct ihipEvent_t { struct ihipStream_t* stream; uint64_t recorded, done; };
+// An event lives on, once destroyed, until no queued op refers to it (`refs`), as the
+// runtime lets an event be destroyed while its record or a wait for it is still queued.
+struct ihipEvent_t { struct ihipStream_t* stream; uint64_t recorded, done; int refs, destroyed; };
 
 static struct ihipStream_t* streams;  // every stream but the null one
 
 static void run_op(struct op* o);
+
+// Frees a run op, and the event it referred to if that was destroyed and is referred to no more.
+static void op_done(struct op* o) {
+  struct ihipEvent_t* e = (o->kind == OP_RECORD || o->kind == OP_WAIT) ? o->event : 0;
+  if (e && --e->refs == 0 && e->destroyed) free(e);
+  free(o);
+}
 
 // Runs `s`'s queued ops in order, up to and including `until` (all of them when null).
 static void drain(struct ihipStream_t* s, const struct op* until) {
@@ -477,7 +502,7 @@ static void drain(struct ihipStream_t* s, const struct op* until) {
     if (!s->head) s->tail = &s->head;
     int last = o == until;
     run_op(o);
-    free(o);
+    op_done(o);
     if (last) break;
   }
   pthread_mutex_unlock(&lock);
@@ -506,7 +531,7 @@ static void run_op(struct op* o) {
   case OP_RECORD: if (o->event->done < o->seq) o->event->done = o->seq; break;
   case OP_WAIT: {
     struct ihipEvent_t* e = o->event;
-    if (e->done < o->seq) drain(e->stream, find_record(e->stream, e, o->seq));
+    if (e->done < o->seq) drain(o->recorder, find_record(o->recorder, e, o->seq));
     break;
   }
   }
@@ -523,12 +548,12 @@ static int valid_stream(struct ihipStream_t* s) {
 // Queues `o` on `s`: recorded into the graph when `s` is capturing, run at once (after every
 // stream of the device) on the null stream.
 static hipError_t submit(struct ihipStream_t* s, struct op* o) {
-  if (!valid_stream(s)) { free(o); return hipErrorInvalidHandle; }
+  if (!valid_stream(s)) { op_done(o); return hipErrorInvalidHandle; }
   pthread_mutex_lock(&lock);
   if (!s) {
     drain_all(cur_dev);
     run_op(o);
-    free(o);
+    op_done(o);
   } else {
     o->next = 0;
     struct op*** tail = s->capture ? &s->capture->tail : &s->tail;
@@ -553,7 +578,7 @@ hipError_t hipStreamCreateWithPriority(hipStream_t* stream, unsigned int flags, 
   if (!s) RET(hipErrorOutOfMemory);
   s->dev = cur_dev;
   s->flags = flags;
-  s->priority = priority;
+  s->priority = priority > PRIO_LOW ? PRIO_LOW : priority < PRIO_HIGH ? PRIO_HIGH : priority;
   s->tail = &s->head;
   pthread_mutex_lock(&lock);
   s->next = streams;
@@ -561,6 +586,30 @@ hipError_t hipStreamCreateWithPriority(hipStream_t* stream, unsigned int flags, 
   pthread_mutex_unlock(&lock);
   *stream = s;
   RET(hipSuccess);
+}
+
+hipError_t hipDeviceGetStreamPriorityRange(int* leastPriority, int* greatestPriority) {
+  if (leastPriority) *leastPriority = PRIO_LOW;
+  if (greatestPriority) *greatestPriority = PRIO_HIGH;
+  RET(hipSuccess);
+}
+
+hipError_t hipStreamGetPriority(hipStream_t s, int* priority) {
+  if (!priority) RET(hipErrorInvalidValue);
+  if (!valid_stream(s)) RET(hipErrorInvalidHandle);
+  *priority = s ? s->priority : 0;
+  RET(hipSuccess);
+}
+
+// hipMemcpyAsync calls queued on streams of each priority (index: priority - PRIO_HIGH).
+static uint64_t copies_at[PRIO_LOW - PRIO_HIGH + 1];
+
+uint64_t fakeHipCopiesAtPriority(int priority) {
+  if (priority < PRIO_HIGH || priority > PRIO_LOW) return 0;
+  pthread_mutex_lock(&lock);
+  uint64_t n = copies_at[priority - PRIO_HIGH];
+  pthread_mutex_unlock(&lock);
+  return n;
 }
 
 hipError_t hipStreamCreate(hipStream_t* stream) {
@@ -599,6 +648,22 @@ hipError_t hipEventCreate(hipEvent_t* event) {
   RET(hipSuccess);
 }
 
+hipError_t hipEventCreateWithFlags(hipEvent_t* event, unsigned flags) {
+  unsigned known = hipEventBlockingSync | hipEventDisableTiming | hipEventInterprocess;
+  if (!event || (flags & ~known)) RET(hipErrorInvalidValue);
+  if ((flags & hipEventInterprocess) && !(flags & hipEventDisableTiming)) RET(hipErrorInvalidValue);
+  return hipEventCreate(event);
+}
+
+hipError_t hipEventQuery(hipEvent_t e) {
+  if (!e) RET(hipErrorInvalidHandle);
+  pthread_mutex_lock(&lock);
+  int done = e->done >= e->recorded;
+  pthread_mutex_unlock(&lock);
+  // Not an error of the caller's: not remembered for hipGetLastError.
+  return done ? hipSuccess : hipErrorNotReady;
+}
+
 hipError_t hipEventRecord(hipEvent_t e, hipStream_t s) {
   if (!e) RET(hipErrorInvalidHandle);
   if (s && s->capture) RET(hipErrorStreamCaptureUnsupported);
@@ -608,6 +673,7 @@ hipError_t hipEventRecord(hipEvent_t e, hipStream_t s) {
   o->event = e;
   o->seq = ++e->recorded;
   e->stream = s;
+  e->refs++;
   hipError_t r = submit(s, o);
   pthread_mutex_unlock(&lock);
   RET(r);
@@ -623,7 +689,9 @@ hipError_t hipEventSynchronize(hipEvent_t e) {
 
 hipError_t hipEventDestroy(hipEvent_t e) {
   if (!e) RET(hipErrorInvalidHandle);
-  free(e);
+  pthread_mutex_lock(&lock);
+  if (e->refs == 0) free(e); else e->destroyed = 1;
+  pthread_mutex_unlock(&lock);
   RET(hipSuccess);
 }
 
@@ -638,6 +706,8 @@ hipError_t hipStreamWaitEvent(hipStream_t s, hipEvent_t e, unsigned int flags) {
   else {
     o->event = e;
     o->seq = e->recorded;
+    o->recorder = e->stream;
+    e->refs++;
     r = submit(s, o);
   }
   pthread_mutex_unlock(&lock);
@@ -654,7 +724,14 @@ hipError_t hipMemcpyAsync(void* dst, const void* src, size_t n, hipMemcpyKind ki
   struct op* o = new_op(OP_COPY);
   if (!o) RET(hipErrorOutOfMemory);
   o->dst = dst; o->src = src; o->n = n;
-  RET(submit(s, o));
+  int prio = s && valid_stream(s) ? s->priority : 0;
+  hipError_t e = submit(s, o);
+  if (e == hipSuccess) {
+    pthread_mutex_lock(&lock);
+    copies_at[prio - PRIO_HIGH]++;
+    pthread_mutex_unlock(&lock);
+  }
+  RET(e);
 }
 
 hipError_t hipMemcpy(void* dst, const void* src, size_t n, hipMemcpyKind kind) {
@@ -906,13 +983,70 @@ hipError_t hipGraphDestroy(hipGraph_t g) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Pinned host memory, device properties.
+
+struct host_block { void* at; size_t size; struct host_block* next; };
+static struct host_block* host_blocks;
+
+hipError_t hipHostMalloc(void** ptr, size_t size, unsigned int flags) {
+  unsigned known = hipHostMallocPortable | hipHostMallocMapped | hipHostMallocWriteCombined |
+                   hipHostMallocNumaUser | hipHostMallocCoherent | hipHostMallocNonCoherent;
+  if (!ptr || (flags & ~known)) RET(hipErrorInvalidValue);
+  if ((flags & hipHostMallocCoherent) && (flags & hipHostMallocNonCoherent)) RET(hipErrorInvalidValue);
+  if (size == 0) { *ptr = 0; RET(hipSuccess); }
+  void* p = mmap(0, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  struct host_block* b = p != MAP_FAILED ? malloc(sizeof *b) : 0;
+  if (!b) { if (p != MAP_FAILED) munmap(p, size); RET(hipErrorOutOfMemory); }
+  pthread_mutex_lock(&lock);
+  *b = (struct host_block){p, size, host_blocks};
+  host_blocks = b;
+  pthread_mutex_unlock(&lock);
+  *ptr = p;
+  RET(hipSuccess);
+}
+
+// As the runtime's, it waits for the device first: a queued copy may still use the memory.
+hipError_t hipHostFree(void* ptr) {
+  if (!ptr) RET(hipSuccess);
+  drain_all(cur_dev);
+  pthread_mutex_lock(&lock);
+  struct host_block** pb = &host_blocks;
+  while (*pb && (*pb)->at != ptr) pb = &(*pb)->next;
+  struct host_block* b = *pb;
+  if (b) *pb = b->next;
+  pthread_mutex_unlock(&lock);
+  if (!b) RET(hipErrorInvalidValue);
+  munmap(b->at, b->size);
+  free(b);
+  RET(hipSuccess);
+}
+
+hipError_t hipMemGetInfo(size_t* free_bytes, size_t* total) {
+  if (!free_bytes || !total) RET(hipErrorInvalidValue);
+  pthread_mutex_lock(&lock);
+  *total = ARENA_SIZE;
+  *free_bytes = arena_base ? ARENA_SIZE - (arena_next - arena_base) : ARENA_SIZE;
+  pthread_mutex_unlock(&lock);
+  RET(hipSuccess);
+}
+
+hipError_t hipDeviceGetName(char* name, int len, hipDevice_t device) {
+  if (!name || len <= 0) RET(hipErrorInvalidValue);
+  if (device < 0 || device >= ndev()) RET(hipErrorInvalidDevice);
+  snprintf(name, (size_t)len, "Simulated HIP device %d", device);
+  RET(hipSuccess);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Virtual memory management.
 
 struct ihipMemGenericAllocationHandle { int fd; size_t size; int dev; };
 
 // Reserved ranges and mappings, so that unmaps and frees can be checked.
 struct range { uintptr_t at; size_t size; struct ihipMemGenericAllocationHandle* h; };
-static struct range reserved[64], mapped[256];
+#define NRESERVED 1024
+#define NMAPPED 1024
+static struct range reserved[NRESERVED], mapped[NMAPPED];
 
 static struct range* find_range(struct range* t, size_t n, uintptr_t at, size_t size) {
   for (size_t i = 0; i < n; i++) if (t[i].size && t[i].at == at && (!size || t[i].size == size)) return &t[i];
@@ -926,7 +1060,7 @@ static struct range* free_slot(struct range* t, size_t n) {
 
 // The reservation holding [at, at+size), if any.
 static struct range* reservation_of(uintptr_t at, size_t size) {
-  for (size_t i = 0; i < 64; i++) {
+  for (size_t i = 0; i < NRESERVED; i++) {
     struct range* r = &reserved[i];
     if (r->size && at >= r->at && at + size <= r->at + r->size && at + size > at) return r;
   }
@@ -934,7 +1068,7 @@ static struct range* reservation_of(uintptr_t at, size_t size) {
 }
 
 static int overlaps_mapping(uintptr_t at, size_t size) {
-  for (size_t i = 0; i < 256; i++) {
+  for (size_t i = 0; i < NMAPPED; i++) {
     struct range* m = &mapped[i];
     if (m->size && at < m->at + m->size && m->at < at + size) return 1;
   }
@@ -961,7 +1095,7 @@ hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment, void*
   if (!ptr || !size || size % GRANULARITY || flags || (alignment & (alignment - 1)))
     RET(hipErrorInvalidValue);
   pthread_mutex_lock(&lock);
-  struct range* r = free_slot(reserved, 64);
+  struct range* r = free_slot(reserved, NRESERVED);
   uintptr_t at = r ? arena_take(size, alignment ? alignment : GRANULARITY) : 0;
   if (at) *r = (struct range){at, size, 0};
   pthread_mutex_unlock(&lock);
@@ -972,7 +1106,7 @@ hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment, void*
 
 hipError_t hipMemAddressFree(void* ptr, size_t size) {
   pthread_mutex_lock(&lock);
-  struct range* r = find_range(reserved, 64, (uintptr_t)ptr, size);
+  struct range* r = find_range(reserved, NRESERVED, (uintptr_t)ptr, size);
   hipError_t e = !r ? hipErrorInvalidValue : overlaps_mapping(r->at, r->size) ? hipErrorIllegalState : hipSuccess;
   if (e == hipSuccess) r->size = 0;
   pthread_mutex_unlock(&lock);
@@ -1001,7 +1135,7 @@ hipError_t hipMemRelease(hipMemGenericAllocationHandle_t h) {
   if (!h) RET(hipErrorInvalidValue);
   pthread_mutex_lock(&lock);
   int in_use = 0;
-  for (size_t i = 0; i < 256; i++) if (mapped[i].size && mapped[i].h == h) in_use = 1;
+  for (size_t i = 0; i < NMAPPED; i++) if (mapped[i].size && mapped[i].h == h) in_use = 1;
   pthread_mutex_unlock(&lock);
   if (in_use) RET(hipErrorIllegalState);
   close(h->fd);
@@ -1017,7 +1151,7 @@ hipError_t hipMemMap(void* ptr, size_t size, size_t offset, hipMemGenericAllocat
     RET(hipErrorInvalidValue);
   pthread_mutex_lock(&lock);
   hipError_t e = hipSuccess;
-  struct range* slot = free_slot(mapped, 256);
+  struct range* slot = free_slot(mapped, NMAPPED);
   if (!reservation_of(at, size)) e = hipErrorInvalidValue;
   else if (overlaps_mapping(at, size)) e = hipErrorAlreadyMapped;
   else if (!slot) e = hipErrorOutOfMemory;
@@ -1044,7 +1178,7 @@ hipError_t hipMemSetAccess(void* ptr, size_t size, const hipMemAccessDesc* desc,
   // Every byte of the range must be mapped.
   pthread_mutex_lock(&lock);
   size_t covered = 0;
-  for (size_t i = 0; i < 256; i++) {
+  for (size_t i = 0; i < NMAPPED; i++) {
     struct range* m = &mapped[i];
     if (!m->size) continue;
     uintptr_t lo = m->at > at ? m->at : at, hi = m->at + m->size < at + size ? m->at + m->size : at + size;
@@ -1063,14 +1197,14 @@ hipError_t hipMemUnmap(void* ptr, size_t size) {
   pthread_mutex_lock(&lock);
   // Every mapping inside [at, at+size) goes; one that sticks out of it is an error.
   hipError_t e = hipErrorNotMapped;
-  for (size_t i = 0; i < 256; i++) {
+  for (size_t i = 0; i < NMAPPED; i++) {
     struct range* m = &mapped[i];
     if (!m->size || m->at + m->size <= at || m->at >= at + size) continue;
     if (m->at < at || m->at + m->size > at + size) { e = hipErrorInvalidValue; break; }
     e = hipSuccess;
   }
   if (e == hipSuccess) {
-    for (size_t i = 0; i < 256; i++) {
+    for (size_t i = 0; i < NMAPPED; i++) {
       struct range* m = &mapped[i];
       if (m->size && m->at >= at && m->at + m->size <= at + size) m->size = 0;
     }
@@ -1094,7 +1228,10 @@ hipError_t hipMemUnmap(void* ptr, size_t size) {
   X(hipModuleLaunchKernel) X(hipLaunchKernel) X(hipStreamBeginCapture) X(hipStreamEndCapture) \
   X(hipGraphInstantiate) X(hipGraphLaunch) X(hipGraphExecDestroy) X(hipGraphDestroy) \
   X(hipMemGetAllocationGranularity) X(hipMemAddressReserve) X(hipMemAddressFree) \
-  X(hipMemCreate) X(hipMemRelease) X(hipMemMap) X(hipMemUnmap) X(hipMemSetAccess)
+  X(hipMemCreate) X(hipMemRelease) X(hipMemMap) X(hipMemUnmap) X(hipMemSetAccess) \
+  X(hipHostMalloc) X(hipHostFree) X(hipMemGetInfo) X(hipDeviceGetName) \
+  X(hipDeviceGetStreamPriorityRange) X(hipStreamGetPriority) X(hipEventCreateWithFlags) \
+  X(hipEventQuery)
 #define ENTRY(n) {#n, (void*)n},
 static const struct { const char* name; void* f; } exports[] = { EXPORTS(ENTRY) };
 

@@ -63,8 +63,23 @@ typedef struct hipGraphNode* hipGraphNode_t;
 typedef struct hipGraphExec* hipGraphExec_t;
 typedef struct ihipMemGenericAllocationHandle* hipMemGenericAllocationHandle_t;
 
+typedef int hipDevice_t;
+
 #define hipStreamDefault 0x00
 #define hipStreamNonBlocking 0x01
+
+#define hipEventDefault 0x0
+#define hipEventBlockingSync 0x1
+#define hipEventDisableTiming 0x2
+#define hipEventInterprocess 0x4
+
+#define hipHostMallocDefault 0x0
+#define hipHostMallocPortable 0x1
+#define hipHostMallocMapped 0x2
+#define hipHostMallocWriteCombined 0x4
+#define hipHostMallocNumaUser 0x20000000
+#define hipHostMallocCoherent 0x40000000
+#define hipHostMallocNonCoherent 0x80000000
 
 // hipModuleLaunchKernel's `extra`: the explicit kernel arguments as one buffer.
 #define HIP_LAUNCH_PARAM_BUFFER_POINTER ((void*)0x01)
@@ -148,6 +163,8 @@ hipError_t hipSetDevice(int deviceId);
 hipError_t hipGetDevice(int* deviceId);
 hipError_t hipDeviceSynchronize(void);
 hipError_t hipGetLastError(void);
+hipError_t hipDeviceGetName(char* name, int len, hipDevice_t device);
+hipError_t hipDeviceGetStreamPriorityRange(int* leastPriority, int* greatestPriority);
 const char* hipGetErrorString(hipError_t hipError);
 const char* hipGetErrorName(hipError_t hipError);
 hipError_t hipGetProcAddress(const char* symbol, void** pfn, int hipVersion, uint64_t flags,
@@ -156,6 +173,9 @@ hipError_t hipGetProcAddress(const char* symbol, void** pfn, int hipVersion, uin
 // Memory.
 hipError_t hipMalloc(void** ptr, size_t size);
 hipError_t hipFree(void* ptr);
+hipError_t hipHostMalloc(void** ptr, size_t size, unsigned int flags);
+hipError_t hipHostFree(void* ptr);
+hipError_t hipMemGetInfo(size_t* free, size_t* total);
 hipError_t hipMallocAsync(void** dev_ptr, size_t size, hipStream_t stream);
 hipError_t hipFreeAsync(void* dev_ptr, hipStream_t stream);
 hipError_t hipMemPoolCreate(hipMemPool_t* mem_pool, const hipMemPoolProps* pool_props);
@@ -171,9 +191,12 @@ hipError_t hipMemsetAsync(void* dst, int value, size_t sizeBytes, hipStream_t st
 hipError_t hipStreamCreate(hipStream_t* stream);
 hipError_t hipStreamCreateWithPriority(hipStream_t* stream, unsigned int flags, int priority);
 hipError_t hipStreamDestroy(hipStream_t stream);
+hipError_t hipStreamGetPriority(hipStream_t stream, int* priority);
 hipError_t hipStreamSynchronize(hipStream_t stream);
 hipError_t hipStreamWaitEvent(hipStream_t stream, hipEvent_t event, unsigned int flags);
 hipError_t hipEventCreate(hipEvent_t* event);
+hipError_t hipEventCreateWithFlags(hipEvent_t* event, unsigned flags);
+hipError_t hipEventQuery(hipEvent_t event);
 hipError_t hipEventRecord(hipEvent_t event, hipStream_t stream);
 hipError_t hipEventSynchronize(hipEvent_t event);
 hipError_t hipEventDestroy(hipEvent_t event);

@@ -1,0 +1,443 @@
+//! [`HipDevice`]: the engine's [`Device`] trait on the HIP runtime API. Safe code over
+//! [`crate::result`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::c_int;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use possum_engine::device::{
+    DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
+};
+use thiserror::Error;
+
+use crate::result::{
+    is_out_of_memory, HipEvent, HipPending, HipStream, PhysMem, PinnedBuf, Runtime,
+};
+use crate::sys::LoadError;
+
+/// Why [`HipDevice::open`] failed, by step.
+#[derive(Debug, Error)]
+pub enum OpenError {
+    /// The runtime library could not be loaded, or lacks an entry point possum calls.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// `hipInit` failed (no driver, no device).
+    #[error("the HIP runtime did not start: {0}")]
+    Init(#[source] DeviceError),
+    /// The runtime sees no device of that ordinal.
+    #[error("no HIP device {ordinal}: the runtime sees {count}")]
+    NoDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// Devices the runtime sees.
+        count: usize,
+    },
+    /// A query of the device's properties failed.
+    #[error("cannot query HIP device {ordinal}: {source}")]
+    Query {
+        /// The device.
+        ordinal: usize,
+        /// The runtime's answer.
+        #[source]
+        source: DeviceError,
+    },
+}
+
+/// What possum has reserved and mapped through this device.
+#[derive(Debug, Default)]
+struct Tables {
+    /// Reservation start -> size.
+    reservations: BTreeMap<u64, u64>,
+    /// Mapping start -> the physical memory mapped there (which knows its size).
+    mappings: BTreeMap<u64, PhysMem>,
+    /// Reservations that are the job's ([`Device::adopt_reservation`]): `unreserve` forgets them
+    /// and frees no address range.
+    adopted: BTreeSet<u64>,
+}
+
+fn invalid(va: u64, len: u64, why: &'static str) -> DeviceError {
+    DeviceError::InvalidAddress {
+        va: DevPtr(va),
+        len,
+        why,
+    }
+}
+
+fn end_of(va: u64, len: u64) -> DeviceResult<u64> {
+    va.checked_add(len)
+        .ok_or_else(|| invalid(va, len, "range wraps around the address space"))
+}
+
+impl Tables {
+    /// The reservation holding all of `[va, end)`, if one does.
+    fn reservation_holding(&self, va: u64, end: u64) -> Option<(u64, u64)> {
+        let (&start, &size) = self.reservations.range(..=va).next_back()?;
+        (end <= start + size && va < start + size).then_some((start, size))
+    }
+
+    /// Whether any reservation overlaps `[va, end)` (`end > va`).
+    fn touches_reservation(&self, va: u64, end: u64) -> bool {
+        let before = self
+            .reservations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&s, &n)| s + n > va);
+        before || self.reservations.range(va..end).next().is_some()
+    }
+
+    /// Whether any mapping overlaps `[va, end)` (`end > va`).
+    fn touches_mapping(&self, va: u64, end: u64) -> bool {
+        let before = self
+            .mappings
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.size() > va);
+        before || self.mappings.range(va..end).next().is_some()
+    }
+
+    /// A copy may use `[va, va + len)` if it lies inside one of possum's mappings, or outside
+    /// every reservation of possum's (memory the job allocated itself, which the runtime checks).
+    fn check_copy_range(&self, va: u64, len: u64) -> DeviceResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let end = end_of(va, len)?;
+        if !self.touches_reservation(va, end) {
+            return Ok(());
+        }
+        let Some((&start, mem)) = self.mappings.range(..=va).next_back() else {
+            return Err(invalid(va, len, "not mapped"));
+        };
+        if start + mem.size() <= va {
+            return Err(invalid(va, len, "not mapped"));
+        }
+        if end > start + mem.size() {
+            return Err(invalid(va, len, "crosses the end of a mapping"));
+        }
+        Ok(())
+    }
+}
+
+/// One HIP device, through a runtime loaded from a path.
+///
+/// Every method makes the device current on the calling thread first (HIP's current device is
+/// per thread). Reservations and mappings made through this value are tracked; dropping it waits
+/// for the device (`hipDeviceSynchronize`, the job's work included) and then unmaps, releases and
+/// unreserves them all.
+///
+/// Copies to or from addresses inside possum's reservations must lie within one mapping;
+/// addresses outside them (the job's own allocations) are passed to the runtime unchecked.
+/// Unmapping memory that queued device work still uses is a caller bug (the GPU faults).
+pub struct HipDevice {
+    rt: Arc<Runtime>,
+    ordinal: usize,
+    name: String,
+    granularity: u64,
+    /// (least, greatest) stream priority of the device.
+    priorities: (i32, i32),
+    tables: Mutex<Tables>,
+}
+
+impl fmt::Debug for HipDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HipDevice")
+            .field("runtime", &self.rt.path())
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("granularity", &self.granularity)
+            .field("priorities", &self.priorities)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HipDevice {
+    /// Loads the HIP runtime at `runtime` (a path, or a bare soname such as
+    /// `libamdhip64.so.6` searched for on the library path), starts it and opens device
+    /// `ordinal`.
+    pub fn open(runtime: impl AsRef<Path>, ordinal: usize) -> Result<HipDevice, OpenError> {
+        let rt = Runtime::load(runtime)?;
+        rt.init().map_err(OpenError::Init)?;
+        let count = rt.device_count().map_err(OpenError::Init)?;
+        let dev = c_int::try_from(ordinal)
+            .ok()
+            .filter(|_| ordinal < count)
+            .ok_or(OpenError::NoDevice { ordinal, count })?;
+        let query = |source| OpenError::Query { ordinal, source };
+        rt.set_device(dev).map_err(query)?;
+        let name = rt.device_name(dev).map_err(query)?;
+        // The minimum granularity is the unit of mapping and so of release.
+        let granularity = rt.granularity(dev, false).map_err(query)?;
+        let priorities = rt.stream_priority_range().map_err(query)?;
+        Ok(HipDevice {
+            rt,
+            ordinal,
+            name,
+            granularity,
+            priorities,
+            tables: Mutex::new(Tables::default()),
+        })
+    }
+
+    /// The device ordinal this was opened with.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The runtime's name of the device.
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// (least, greatest) stream priority: `Normal` streams get the first, `High` ones the
+    /// second (numerically smaller is more urgent).
+    pub fn stream_priority_range(&self) -> (i32, i32) {
+        self.priorities
+    }
+
+    /// Makes the device current on the calling thread.
+    fn bind(&self) -> DeviceResult<()> {
+        // Checked in `open`: the ordinal fits.
+        self.rt.set_device(self.ordinal as c_int)
+    }
+
+    /// The end of `[va, va + size)`, which must start and end on the granularity.
+    fn granular_range(&self, va: DevPtr, size: u64) -> DeviceResult<u64> {
+        let g = self.granularity;
+        if size == 0 || size % g != 0 || va.0 % g != 0 {
+            return Err(invalid(
+                va.0,
+                size,
+                "start or size is not a multiple of the granularity",
+            ));
+        }
+        end_of(va.0, size)
+    }
+
+    /// Queues `len` bytes of `value` at `va`, in `stream` order.
+    pub fn memset_d8(
+        &self,
+        stream: &HipStream,
+        va: DevPtr,
+        value: u8,
+        len: u64,
+    ) -> DeviceResult<()> {
+        self.bind()?;
+        self.tables.lock().check_copy_range(va.0, len)?;
+        stream.memset_d8(va.0, value, len)
+    }
+
+    fn host_len(len: u64, have: usize) -> DeviceResult<usize> {
+        usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= have)
+            .ok_or(DeviceError::HostBufferTooSmall {
+                need: len,
+                have: have as u64,
+            })
+    }
+}
+
+impl Device for HipDevice {
+    type Stream = HipStream;
+    type Event = HipEvent;
+    type HostBuf = PinnedBuf;
+    type Pending = HipPending;
+
+    fn name(&self) -> String {
+        format!("hip:{} {}", self.ordinal, self.name)
+    }
+
+    fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    fn memory_info(&self) -> DeviceResult<(u64, u64)> {
+        self.bind()?;
+        self.rt.mem_get_info()
+    }
+
+    fn reserve(&self, size: u64) -> DeviceResult<DevPtr> {
+        if size == 0 || size % self.granularity != 0 {
+            return Err(invalid(
+                0,
+                size,
+                "size is not a positive multiple of the granularity",
+            ));
+        }
+        self.bind()?;
+        let va = self.rt.address_reserve(size, self.granularity)?;
+        self.tables.lock().reservations.insert(va, size);
+        Ok(DevPtr(va))
+    }
+
+    fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        let end = self.granular_range(va, size)?;
+        let mut t = self.tables.lock();
+        if t.touches_reservation(va.0, end) {
+            return Err(invalid(va.0, size, "overlaps a reservation of possum's"));
+        }
+        t.reservations.insert(va.0, size);
+        t.adopted.insert(va.0);
+        Ok(())
+    }
+
+    fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.bind()?;
+        let mut t = self.tables.lock();
+        if t.reservations.get(&va.0) != Some(&size) {
+            return Err(invalid(
+                va.0,
+                size,
+                "not a reservation (start and size must match)",
+            ));
+        }
+        if t.touches_mapping(va.0, va.0 + size) {
+            return Err(invalid(va.0, size, "reservation still has mappings"));
+        }
+        if !t.adopted.remove(&va.0) {
+            self.rt.address_free(va.0, size)?;
+        }
+        t.reservations.remove(&va.0);
+        Ok(())
+    }
+
+    fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.bind()?;
+        let end = self.granular_range(va, size)?;
+        // Held across the runtime's calls, so two maps can't race for the same range.
+        let mut t = self.tables.lock();
+        if t.reservation_holding(va.0, end).is_none() {
+            return Err(invalid(va.0, size, "not inside one reservation"));
+        }
+        if t.touches_mapping(va.0, end) {
+            return Err(invalid(va.0, size, "overlaps a mapping"));
+        }
+        let mem = match PhysMem::create(&self.rt, self.ordinal as c_int, size) {
+            Ok(m) => m,
+            Err(e) if is_out_of_memory(&e) => {
+                let free = self.rt.mem_get_info().map(|(free, _)| free).unwrap_or(0);
+                return Err(DeviceError::OutOfMemory {
+                    requested: size,
+                    free,
+                });
+            }
+            Err(e) => return Err(e),
+        };
+        mem.map_at(va.0)?;
+        t.mappings.insert(va.0, mem);
+        Ok(())
+    }
+
+    fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
+        self.bind()?;
+        let mut t = self.tables.lock();
+        match t.mappings.get(&va.0) {
+            Some(m) if m.size() == size => {}
+            Some(_) => return Err(invalid(va.0, size, "size differs from the mapping's")),
+            None => return Err(invalid(va.0, size, "not the start of a mapping")),
+        }
+        self.rt.unmap(va.0, size)?;
+        let mem = t.mappings.remove(&va.0).expect("checked above");
+        mem.release()
+    }
+
+    fn alloc_host(&self, len: usize) -> DeviceResult<PinnedBuf> {
+        self.bind()?;
+        PinnedBuf::alloc(&self.rt, len)
+    }
+
+    fn create_stream(&self, priority: StreamPriority) -> DeviceResult<HipStream> {
+        self.bind()?;
+        let p = match priority {
+            StreamPriority::Normal => self.priorities.0,
+            StreamPriority::High => self.priorities.1,
+        };
+        HipStream::create(&self.rt, p)
+    }
+
+    fn copy_d2h(
+        &self,
+        stream: &HipStream,
+        src: DevPtr,
+        dst: PinnedBuf,
+        len: u64,
+    ) -> DeviceResult<HipPending> {
+        let n = Self::host_len(len, dst.len())?;
+        self.tables.lock().check_copy_range(src.0, len)?;
+        stream.copy_d2h(src.0, dst, n)
+    }
+
+    fn copy_h2d(
+        &self,
+        stream: &HipStream,
+        src: PinnedBuf,
+        dst: DevPtr,
+        len: u64,
+    ) -> DeviceResult<HipPending> {
+        let n = Self::host_len(len, src.len())?;
+        self.tables.lock().check_copy_range(dst.0, len)?;
+        stream.copy_h2d(src, dst.0, n)
+    }
+
+    fn copy_d2d(&self, stream: &HipStream, src: DevPtr, dst: DevPtr, len: u64) -> DeviceResult<()> {
+        {
+            let t = self.tables.lock();
+            t.check_copy_range(src.0, len)?;
+            t.check_copy_range(dst.0, len)?;
+        }
+        stream.copy_d2d(src.0, dst.0, len)
+    }
+
+    fn record_event(&self, stream: &HipStream) -> DeviceResult<HipEvent> {
+        HipEvent::record(stream)
+    }
+
+    fn wait_event(&self, stream: &HipStream, event: &HipEvent) -> DeviceResult<()> {
+        stream.wait_event(event)
+    }
+
+    fn event_synchronize(&self, event: &HipEvent) -> DeviceResult<()> {
+        event.synchronize()
+    }
+
+    fn event_query(&self, event: &HipEvent) -> DeviceResult<bool> {
+        event.query()
+    }
+
+    fn synchronize(&self, stream: &HipStream) -> DeviceResult<()> {
+        stream.synchronize()
+    }
+
+    /// `hipDeviceSynchronize`: the job's work included.
+    fn synchronize_device(&self) -> DeviceResult<()> {
+        self.bind()?;
+        self.rt.synchronize_device()
+    }
+}
+
+impl Drop for HipDevice {
+    fn drop(&mut self) {
+        let t = self.tables.get_mut();
+        if t.mappings.is_empty() && t.reservations.is_empty() {
+            return;
+        }
+        if self.rt.set_device(self.ordinal as c_int).is_err() {
+            return;
+        }
+        // Nothing queued may still use the memory.
+        let _ = self.rt.synchronize_device();
+        for (va, mem) in std::mem::take(&mut t.mappings) {
+            let _ = self.rt.unmap(va, mem.size());
+            let _ = mem.release();
+        }
+        let adopted = std::mem::take(&mut t.adopted);
+        for (va, size) in std::mem::take(&mut t.reservations) {
+            if !adopted.contains(&va) {
+                let _ = self.rt.address_free(va, size);
+            }
+        }
+    }
+}

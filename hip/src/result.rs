@@ -1,0 +1,708 @@
+//! The middle layer: each HIP call possum makes, wrapped so that it returns a
+//! [`DeviceResult`], and RAII types for the runtime objects possum owns. The only module with
+//! `unsafe` code besides [`crate::sys`]. Rules it keeps:
+//!
+//! - Every call's answer goes through [`Runtime::check`] (or [`Runtime::check_async`]), so a
+//!   failure becomes a [`DeviceError`] naming the call, with HIP's code, name and description.
+//! - Every function here is safe to call, and its soundness does not depend on the caller.
+//!   Device addresses are not host memory here: a wrong one makes the runtime refuse the call
+//!   or the GPU fault; the layer above ([`crate::device`]) checks them against its own tables
+//!   first. (On the simulated runtime device memory *is* host memory, at addresses the runtime
+//!   chose in its own arena; the same checks keep copies inside it.)
+//! - Host memory the device reads or writes asynchronously belongs to a [`HipPending`] until the
+//!   copy is known to be complete; if that can't be established, the memory is leaked, never
+//!   freed.
+//! - HIP's current device is per thread: the layer above calls [`Runtime::set_device`] before
+//!   calls that act on "the current device".
+#![allow(unsafe_code)]
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::fmt;
+use std::path::Path;
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+
+use possum_engine::device::{DeviceError, DeviceResult, HostBuffer, Transfer};
+
+use crate::sys::{self, hipError_t, Api, LoadError};
+
+/// A loaded HIP runtime. Shared (`Arc`) by every object made through it, so the library stays
+/// loaded while any of them lives.
+#[derive(Debug)]
+pub struct Runtime {
+    api: Api,
+}
+
+/// A device address as HIP's `void*`.
+fn dptr(va: u64) -> *mut c_void {
+    va as usize as *mut c_void
+}
+
+macro_rules! call {
+    ($rt:expr, $f:ident ( $($arg:expr),* $(,)? )) => {{
+        let rt: &Runtime = $rt;
+        // SAFETY: the entry point was looked up with HIP's declared type (`sys::Api::load`);
+        // its arguments are plain values, device addresses (refused by the runtime, not host
+        // memory, when wrong), or pointers to locals of the declared types that outlive the
+        // call, as each call site shows.
+        rt.check(stringify!($f), unsafe { (rt.api.$f)($($arg),*) })
+    }};
+}
+
+impl Runtime {
+    /// Loads the HIP runtime at `path` ([`Api::load`]).
+    pub fn load(path: impl AsRef<Path>) -> Result<Arc<Runtime>, LoadError> {
+        Ok(Arc::new(Runtime {
+            api: Api::load(path)?,
+        }))
+    }
+
+    /// The path the runtime was loaded from.
+    pub fn path(&self) -> &Path {
+        self.api.path()
+    }
+
+    fn c_text(p: *const c_char) -> Option<String> {
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: HIP's hipGetErrorName/String return static NUL-terminated strings.
+        Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
+
+    /// HIP's name and description of `r`: "hipErrorOutOfMemory: out of memory".
+    pub fn describe(&self, r: hipError_t) -> String {
+        // SAFETY: both take any code and return a static string (or null).
+        let name = Self::c_text(unsafe { (self.api.hipGetErrorName)(r) });
+        // SAFETY: as above.
+        let text = Self::c_text(unsafe { (self.api.hipGetErrorString)(r) });
+        match (name, text) {
+            (Some(n), Some(t)) => format!("{n}: {t}"),
+            (Some(n), None) => n,
+            _ => format!("HIP error {r}"),
+        }
+    }
+
+    /// `Ok` for `hipSuccess`, else a [`DeviceError::Backend`] naming `call`.
+    pub fn check(&self, call: &'static str, r: hipError_t) -> DeviceResult<()> {
+        if r == sys::hipSuccess {
+            Ok(())
+        } else {
+            Err(DeviceError::Backend {
+                call,
+                code: i64::from(r),
+                message: self.describe(r),
+            })
+        }
+    }
+
+    /// Like [`check`](Self::check), for calls that wait for earlier asynchronous work: their
+    /// errors are that work's, so they become [`DeviceError::StreamFailed`].
+    pub fn check_async(&self, call: &'static str, r: hipError_t) -> DeviceResult<()> {
+        if r == sys::hipSuccess {
+            Ok(())
+        } else {
+            Err(DeviceError::StreamFailed(format!(
+                "{call}: {} (code {r})",
+                self.describe(r)
+            )))
+        }
+    }
+
+    /// `hipInit(0)`.
+    pub fn init(&self) -> DeviceResult<()> {
+        call!(self, hipInit(0))
+    }
+
+    /// Devices the runtime sees.
+    pub fn device_count(&self) -> DeviceResult<usize> {
+        let mut n: c_int = 0;
+        call!(self, hipGetDeviceCount(&mut n))?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
+    /// Makes `ordinal` the calling thread's current device.
+    pub fn set_device(&self, ordinal: c_int) -> DeviceResult<()> {
+        call!(self, hipSetDevice(ordinal))
+    }
+
+    /// The runtime's name of device `ordinal`.
+    pub fn device_name(&self, ordinal: c_int) -> DeviceResult<String> {
+        let mut buf = [0 as c_char; 256];
+        call!(
+            self,
+            hipDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, ordinal)
+        )?;
+        // The runtime NUL-terminates within `len`; the last byte is forced to NUL anyway.
+        buf[buf.len() - 1] = 0;
+        Ok(Self::c_text(buf.as_ptr()).unwrap_or_default())
+    }
+
+    /// Waits for everything queued on the current device, by anyone.
+    pub fn synchronize_device(&self) -> DeviceResult<()> {
+        // SAFETY: takes no arguments.
+        let r = unsafe { (self.api.hipDeviceSynchronize)() };
+        self.check_async("hipDeviceSynchronize", r)
+    }
+
+    /// (least, greatest) stream priority of the current device (smaller is more urgent).
+    pub fn stream_priority_range(&self) -> DeviceResult<(i32, i32)> {
+        let (mut least, mut greatest): (c_int, c_int) = (0, 0);
+        call!(
+            self,
+            hipDeviceGetStreamPriorityRange(&mut least, &mut greatest)
+        )?;
+        Ok((least, greatest))
+    }
+
+    /// (free, total) memory of the current device, in bytes.
+    pub fn mem_get_info(&self) -> DeviceResult<(u64, u64)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        call!(self, hipMemGetInfo(&mut free, &mut total))?;
+        Ok((free as u64, total as u64))
+    }
+
+    /// `hipMemGetAllocationGranularity` for plain memory on device `ordinal`.
+    pub fn granularity(&self, ordinal: c_int, recommended: bool) -> DeviceResult<u64> {
+        let prop = alloc_prop(ordinal);
+        let option = if recommended {
+            sys::hipMemAllocationGranularityRecommended
+        } else {
+            sys::hipMemAllocationGranularityMinimum
+        };
+        let mut g = 0usize;
+        call!(self, hipMemGetAllocationGranularity(&mut g, &prop, option))?;
+        Ok(g as u64)
+    }
+
+    /// Reserves `size` bytes of device address space aligned to `align`.
+    pub fn address_reserve(&self, size: u64, align: u64) -> DeviceResult<u64> {
+        let size = to_usize("hipMemAddressReserve", size)?;
+        let align = to_usize("hipMemAddressReserve", align)?;
+        let mut va: *mut c_void = ptr::null_mut();
+        call!(
+            self,
+            hipMemAddressReserve(&mut va, size, align, ptr::null_mut(), 0)
+        )?;
+        Ok(va as usize as u64)
+    }
+
+    /// Frees a reservation made by [`address_reserve`](Self::address_reserve). Nothing may be
+    /// mapped in it.
+    pub fn address_free(&self, va: u64, size: u64) -> DeviceResult<()> {
+        let size = to_usize("hipMemAddressFree", size)?;
+        call!(self, hipMemAddressFree(dptr(va), size))
+    }
+
+    /// Unmaps `[va, va + size)`. No queued work may still use it (the runtime waits for the
+    /// device; a GPU would fault on work that reaches it later).
+    pub fn unmap(&self, va: u64, size: u64) -> DeviceResult<()> {
+        let size = to_usize("hipMemUnmap", size)?;
+        call!(self, hipMemUnmap(dptr(va), size))
+    }
+}
+
+fn to_usize(call: &'static str, n: u64) -> DeviceResult<usize> {
+    usize::try_from(n).map_err(|_| DeviceError::Backend {
+        call,
+        code: 1,
+        message: format!("size {n} does not fit in usize"),
+    })
+}
+
+fn device_location(ordinal: c_int) -> sys::hipMemLocation {
+    sys::hipMemLocation {
+        type_: sys::hipMemLocationTypeDevice,
+        id: ordinal,
+    }
+}
+
+/// Plain device memory on `ordinal`: pinned (not migratable), no shareable handle.
+fn alloc_prop(ordinal: c_int) -> sys::hipMemAllocationProp {
+    sys::hipMemAllocationProp {
+        type_: sys::hipMemAllocationTypePinned,
+        requestedHandleType: sys::hipMemHandleTypeNone,
+        location: device_location(ordinal),
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::hipMemAllocationFlags::default(),
+    }
+}
+
+/// Whether `e` is the runtime saying it is out of memory.
+pub fn is_out_of_memory(e: &DeviceError) -> bool {
+    matches!(e, DeviceError::Backend { code, .. } if *code == i64::from(sys::hipErrorOutOfMemory))
+}
+
+/// Physical device memory (`hipMemCreate`), released on drop. A mapping holds its own reference
+/// in the runtime, so dropping this while mapped only drops possum's handle.
+pub struct PhysMem {
+    handle: sys::hipMemGenericAllocationHandle_t,
+    size: u64,
+    ordinal: c_int,
+    released: bool,
+    rt: Arc<Runtime>,
+}
+
+// SAFETY: the handle is an opaque value the runtime lets any thread use; it is never
+// dereferenced here.
+unsafe impl Send for PhysMem {}
+// SAFETY: as above; no method mutates through `&self`.
+unsafe impl Sync for PhysMem {}
+
+impl fmt::Debug for PhysMem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PhysMem")
+            .field("handle", &self.handle)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+impl PhysMem {
+    /// Creates `size` bytes of physical memory on device `ordinal`.
+    pub fn create(rt: &Arc<Runtime>, ordinal: c_int, size: u64) -> DeviceResult<PhysMem> {
+        let prop = alloc_prop(ordinal);
+        let mut handle: sys::hipMemGenericAllocationHandle_t = ptr::null_mut();
+        let n = to_usize("hipMemCreate", size)?;
+        call!(rt, hipMemCreate(&mut handle, n, &prop, 0))?;
+        Ok(PhysMem {
+            handle,
+            size,
+            ordinal,
+            released: false,
+            rt: rt.clone(),
+        })
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Maps all of it at `va` (inside a reservation) and gives its device read/write access. On
+    /// failure nothing stays mapped.
+    pub fn map_at(&self, va: u64) -> DeviceResult<()> {
+        let size = to_usize("hipMemMap", self.size)?;
+        call!(&self.rt, hipMemMap(dptr(va), size, 0, self.handle, 0))?;
+        let desc = sys::hipMemAccessDesc {
+            location: device_location(self.ordinal),
+            flags: sys::hipMemAccessFlagsProtReadWrite,
+        };
+        if let Err(e) = call!(&self.rt, hipMemSetAccess(dptr(va), size, &desc, 1)) {
+            let _ = self.rt.unmap(va, self.size);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Releases the handle, reporting the runtime's answer (dropping does the same, silently).
+    pub fn release(mut self) -> DeviceResult<()> {
+        self.released = true;
+        call!(&self.rt, hipMemRelease(self.handle))
+    }
+}
+
+impl Drop for PhysMem {
+    fn drop(&mut self) {
+        if !self.released {
+            let _ = call!(&self.rt, hipMemRelease(self.handle));
+        }
+    }
+}
+
+/// Pinned host memory from `hipHostMalloc`: usable for asynchronous copies. Zeroed when
+/// allocated; freed on drop.
+pub struct PinnedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    rt: Arc<Runtime>,
+}
+
+// SAFETY: plain host memory owned by this value; the pointer is shared only with the runtime for
+// a copy, during which a `HipPending` owns the buffer.
+unsafe impl Send for PinnedBuf {}
+// SAFETY: shared references only read the bytes (`as_slice`); writes need `&mut`.
+unsafe impl Sync for PinnedBuf {}
+
+impl fmt::Debug for PinnedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedBuf")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl PinnedBuf {
+    /// Allocates `len` bytes of pinned, zeroed host memory.
+    pub fn alloc(rt: &Arc<Runtime>, len: usize) -> DeviceResult<PinnedBuf> {
+        if len == 0 {
+            return Ok(PinnedBuf {
+                ptr: NonNull::dangling(),
+                len: 0,
+                rt: rt.clone(),
+            });
+        }
+        let mut p: *mut c_void = ptr::null_mut();
+        call!(rt, hipHostMalloc(&mut p, len, sys::hipHostMallocDefault))?;
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| DeviceError::Backend {
+            call: "hipHostMalloc",
+            code: i64::from(sys::hipErrorOutOfMemory),
+            message: "the runtime returned a null pointer".to_string(),
+        })?;
+        // SAFETY: the runtime just allocated `len` writable bytes at `ptr`, used by nothing
+        // else; zeroing them makes them initialised, so `as_slice` may hand out `&[u8]`.
+        unsafe { ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        Ok(PinnedBuf {
+            ptr,
+            len,
+            rt: rt.clone(),
+        })
+    }
+}
+
+impl HostBuffer for PinnedBuf {
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid and initialised for `len` bytes while `self` lives (dangling only
+        // for `len` 0, which `from_raw_parts` allows for a non-null aligned pointer), and no copy
+        // can be using it: copies own the buffer until they are complete.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        if self.len != 0 {
+            let _ = call!(&self.rt, hipHostFree(self.ptr.as_ptr().cast()));
+        }
+    }
+}
+
+struct StreamInner {
+    raw: sys::hipStream_t,
+    rt: Arc<Runtime>,
+}
+
+// SAFETY: a hipStream_t is a handle the runtime lets every thread use concurrently.
+unsafe impl Send for StreamInner {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for StreamInner {}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        // The runtime lets work already queued finish before the stream goes.
+        let _ = call!(&self.rt, hipStreamDestroy(self.raw));
+    }
+}
+
+/// A HIP stream possum created: cheap to clone (shared), destroyed with the last clone.
+#[derive(Clone)]
+pub struct HipStream(Arc<StreamInner>);
+
+impl fmt::Debug for HipStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("HipStream").field(&self.0.raw).finish()
+    }
+}
+
+impl PartialEq for HipStream {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.raw == other.0.raw
+    }
+}
+
+impl Eq for HipStream {}
+
+impl HipStream {
+    /// Creates a non-blocking stream (not synchronised with the null stream) of `priority`.
+    pub fn create(rt: &Arc<Runtime>, priority: i32) -> DeviceResult<HipStream> {
+        let mut raw: sys::hipStream_t = ptr::null_mut();
+        call!(
+            rt,
+            hipStreamCreateWithPriority(&mut raw, sys::hipStreamNonBlocking, priority)
+        )?;
+        Ok(HipStream(Arc::new(StreamInner {
+            raw,
+            rt: rt.clone(),
+        })))
+    }
+
+    fn rt(&self) -> &Runtime {
+        &self.0.rt
+    }
+
+    /// The stream's priority as the runtime reports it (smaller is more urgent).
+    pub fn priority(&self) -> DeviceResult<i32> {
+        let mut p: c_int = 0;
+        call!(self.rt(), hipStreamGetPriority(self.0.raw, &mut p))?;
+        Ok(p)
+    }
+
+    /// Blocks until all work queued so far has completed: on an event recorded at its end
+    /// (which sleeps rather than spins); if none can be made, on the stream itself.
+    pub fn synchronize(&self) -> DeviceResult<()> {
+        if let Ok(ev) = HipEvent::record(self) {
+            return ev.synchronize();
+        }
+        // SAFETY: the stream handle is owned by `self` and valid.
+        let r = unsafe { (self.rt().api.hipStreamSynchronize)(self.0.raw) };
+        self.rt().check_async("hipStreamSynchronize", r)
+    }
+
+    /// Makes the device wait, in this stream, for `event`.
+    pub fn wait_event(&self, event: &HipEvent) -> DeviceResult<()> {
+        call!(self.rt(), hipStreamWaitEvent(self.0.raw, event.0.raw, 0))
+    }
+
+    /// Queues `len` bytes of `value` at device address `dst`.
+    pub fn memset_d8(&self, dst: u64, value: u8, len: u64) -> DeviceResult<()> {
+        let n = to_usize("hipMemsetAsync", len)?;
+        call!(
+            self.rt(),
+            hipMemsetAsync(dptr(dst), c_int::from(value), n, self.0.raw)
+        )
+    }
+
+    /// Queues a device-to-device copy of `len` bytes.
+    pub fn copy_d2d(&self, src: u64, dst: u64, len: u64) -> DeviceResult<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let n = to_usize("hipMemcpyAsync", len)?;
+        call!(
+            self.rt(),
+            hipMemcpyAsync(
+                dptr(dst),
+                dptr(src),
+                n,
+                sys::hipMemcpyDeviceToDevice,
+                self.0.raw
+            )
+        )
+    }
+
+    /// Queues a copy of `len` bytes from device `src` into the start of `dst`.
+    pub fn copy_d2h(&self, src: u64, mut dst: PinnedBuf, len: usize) -> DeviceResult<HipPending> {
+        if len > dst.len {
+            return Err(DeviceError::HostBufferTooSmall {
+                need: len as u64,
+                have: dst.len as u64,
+            });
+        }
+        if len == 0 {
+            return Ok(HipPending::after(self, dst));
+        }
+        let host = dst.as_mut_slice().as_mut_ptr().cast::<c_void>();
+        // SAFETY: `host` is valid for `len` bytes of writes (checked above). `dst` moves into the
+        // returned `HipPending`, which keeps it alive, unread and unwritten by safe code, until an
+        // event recorded after this copy (or the stream) says it is complete; on error, `fail`
+        // does the same before the buffer can be freed.
+        let r = unsafe {
+            (self.rt().api.hipMemcpyAsync)(
+                host,
+                dptr(src),
+                len,
+                sys::hipMemcpyDeviceToHost,
+                self.0.raw,
+            )
+        };
+        match self.rt().check("hipMemcpyAsync", r) {
+            Ok(()) => Ok(HipPending::after(self, dst)),
+            Err(e) => Err(self.fail(dst, e)),
+        }
+    }
+
+    /// Queues a copy of the first `len` bytes of `src` to device `dst`.
+    pub fn copy_h2d(&self, src: PinnedBuf, dst: u64, len: usize) -> DeviceResult<HipPending> {
+        if len > src.len {
+            return Err(DeviceError::HostBufferTooSmall {
+                need: len as u64,
+                have: src.len as u64,
+            });
+        }
+        if len == 0 {
+            return Ok(HipPending::after(self, src));
+        }
+        let host = src.as_slice().as_ptr().cast::<c_void>();
+        // SAFETY: `host` is valid for `len` bytes of reads (checked above); `src` moves into the
+        // returned `HipPending`, which keeps it alive and unwritten until the copy is complete;
+        // on error, `fail` does the same before the buffer can be freed.
+        let r = unsafe {
+            (self.rt().api.hipMemcpyAsync)(
+                dptr(dst),
+                host,
+                len,
+                sys::hipMemcpyHostToDevice,
+                self.0.raw,
+            )
+        };
+        match self.rt().check("hipMemcpyAsync", r) {
+            Ok(()) => Ok(HipPending::after(self, src)),
+            Err(e) => Err(self.fail(src, e)),
+        }
+    }
+
+    /// A copy call failed. It should have queued nothing, but the buffer is freed only once the
+    /// stream is known idle; if even that can't be known, it is leaked.
+    fn fail(&self, buf: PinnedBuf, e: DeviceError) -> DeviceError {
+        if self.synchronize().is_err() {
+            std::mem::forget(buf);
+        }
+        e
+    }
+}
+
+struct EventInner {
+    raw: sys::hipEvent_t,
+    rt: Arc<Runtime>,
+}
+
+// SAFETY: a hipEvent_t is a handle the runtime lets every thread use concurrently.
+unsafe impl Send for EventInner {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for EventInner {}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        // Destroying an event whose work is still queued is allowed: the runtime frees it once
+        // that work is done.
+        let _ = call!(&self.rt, hipEventDestroy(self.raw));
+    }
+}
+
+/// A HIP event (no timing, blocking sync), recorded once when made. Cheap to clone.
+#[derive(Clone)]
+pub struct HipEvent(Arc<EventInner>);
+
+impl fmt::Debug for HipEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("HipEvent").field(&self.0.raw).finish()
+    }
+}
+
+impl HipEvent {
+    /// Creates an event and records it at the current end of `stream`. A thread that waits for
+    /// it sleeps (`hipEventBlockingSync`): possum's background threads wait on many copies and
+    /// must not take CPUs from the job's threads by spinning.
+    pub fn record(stream: &HipStream) -> DeviceResult<HipEvent> {
+        let rt = &stream.0.rt;
+        let mut raw: sys::hipEvent_t = ptr::null_mut();
+        call!(
+            rt,
+            hipEventCreateWithFlags(
+                &mut raw,
+                sys::hipEventDisableTiming | sys::hipEventBlockingSync
+            )
+        )?;
+        let ev = HipEvent(Arc::new(EventInner {
+            raw,
+            rt: rt.clone(),
+        }));
+        call!(rt, hipEventRecord(raw, stream.0.raw))?;
+        Ok(ev)
+    }
+
+    /// Blocks until the work before the event has completed.
+    pub fn synchronize(&self) -> DeviceResult<()> {
+        // SAFETY: the event handle is owned by `self` and valid.
+        let r = unsafe { (self.0.rt.api.hipEventSynchronize)(self.0.raw) };
+        self.0.rt.check_async("hipEventSynchronize", r)
+    }
+
+    /// Whether the work before the event has completed (without blocking).
+    pub fn query(&self) -> DeviceResult<bool> {
+        // SAFETY: the event handle is owned by `self` and valid.
+        let r = unsafe { (self.0.rt.api.hipEventQuery)(self.0.raw) };
+        if r == sys::hipErrorNotReady {
+            return Ok(false);
+        }
+        self.0.rt.check_async("hipEventQuery", r).map(|()| true)
+    }
+}
+
+/// An asynchronous copy between a [`PinnedBuf`] and the device. Owns the buffer until the copy
+/// is complete: [`Transfer::wait`] hands it back; dropping it without waiting blocks until the
+/// copy is complete, then frees the buffer (or leaks it if completion can't be established).
+#[derive(Debug)]
+pub struct HipPending {
+    buf: Option<PinnedBuf>,
+    /// Recorded right after the copy; `None` if recording failed (then the stream is waited for).
+    done: Option<HipEvent>,
+    stream: HipStream,
+}
+
+impl HipPending {
+    fn after(stream: &HipStream, buf: PinnedBuf) -> HipPending {
+        HipPending {
+            buf: Some(buf),
+            done: HipEvent::record(stream).ok(),
+            stream: stream.clone(),
+        }
+    }
+
+    fn finish(&self) -> DeviceResult<()> {
+        match &self.done {
+            Some(ev) => ev.synchronize(),
+            None => self.stream.synchronize(),
+        }
+    }
+}
+
+impl Transfer<PinnedBuf> for HipPending {
+    fn wait(mut self) -> DeviceResult<PinnedBuf> {
+        let r = self.finish();
+        let buf = self
+            .buf
+            .take()
+            .expect("a HipPending holds its buffer until waited");
+        match r {
+            Ok(()) => Ok(buf),
+            Err(e) => {
+                // The device may still be using the buffer: never free it.
+                std::mem::forget(buf);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for HipPending {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            if self.finish().is_err() {
+                std::mem::forget(buf);
+            }
+        }
+    }
+}
+
+/// What the simulated runtime lets a test observe ([`sys::SimHooks`]); nothing of HIP's.
+#[derive(Debug)]
+pub struct SimProbe {
+    hooks: sys::SimHooks,
+}
+
+impl SimProbe {
+    /// The hooks of the simulated runtime at `path`.
+    pub fn load(path: impl AsRef<Path>) -> Result<SimProbe, LoadError> {
+        Ok(SimProbe {
+            hooks: sys::SimHooks::load(path)?,
+        })
+    }
+
+    /// The `hipMemcpyAsync` calls queued so far, by every thread of the process, on streams of
+    /// `priority`.
+    pub fn copies_at_priority(&self, priority: i32) -> u64 {
+        // SAFETY: takes any value and reads a counter under the runtime's lock.
+        unsafe { (self.hooks.fakeHipCopiesAtPriority)(priority) }
+    }
+}

@@ -1,0 +1,277 @@
+//! What the HIP backend's tests share: the simulated runtime built once per test process, a job
+//! driving its buffers through the engine, and a sink held closed until the test opens it.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use possum_engine::device::{DevPtr, Device, HostBuffer, StreamPriority, Transfer};
+use possum_engine::store::{ChunkSink, MemStore};
+use possum_engine::{Access, Buffer, Engine, EngineConfig};
+use possum_hip_sim::result::{HipPending, HipStream, Runtime};
+use possum_hip_sim::{build_runtime, BuildError, HipDevice};
+
+/// The simulated runtime, built once per test process (in a directory of the test binary's own
+/// under the target directory). The library stays loaded for the process's life (the `Runtime`
+/// kept in `BUILT`): its arena is at a fixed address, which a second load could not take.
+pub fn runtime_or_skip(test: &str) -> Option<&'static Path> {
+    static BUILT: OnceLock<Option<(PathBuf, Arc<Runtime>)>> = OnceLock::new();
+    let built = BUILT.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(concat!("hip-sim-", env!("CARGO_CRATE_NAME")));
+        std::fs::create_dir_all(&dir).expect("target tmp dir");
+        match build_runtime(&dir) {
+            Ok(lib) => {
+                let keep = Runtime::load(&lib).expect("the simulated runtime loads");
+                Some((lib, keep))
+            }
+            Err(BuildError::NoCompiler(_)) => None,
+            Err(e) => panic!("{e}"),
+        }
+    });
+    match built {
+        Some((lib, _)) => Some(lib.as_path()),
+        None => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: no C compiler to build the simulated HIP runtime [{test}]"
+            );
+            None
+        }
+    }
+}
+
+/// Device 0 of the simulated runtime (`None`, said on stderr, without a C compiler).
+pub fn device_or_skip(test: &str) -> Option<Arc<HipDevice>> {
+    let lib = runtime_or_skip(test)?;
+    Some(Arc::new(HipDevice::open(lib, 0).expect("device 0 opens")))
+}
+
+/// Bytes that differ by buffer, step and position.
+pub fn pattern(buf: usize, step: u64, len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ((buf as u64) << 32) ^ step.wrapping_mul(0x2545_f491);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Reads `len` bytes at `va` (after the stream's earlier work).
+pub fn read(dev: &HipDevice, s: &HipStream, va: DevPtr, len: u64) -> Vec<u8> {
+    let buf = dev.alloc_host(len as usize).unwrap();
+    let got = dev.copy_d2h(s, va, buf, len).unwrap().wait().unwrap();
+    got.as_slice()[..len as usize].to_vec()
+}
+
+/// Writes `bytes` at `va`, queued on `s`.
+pub fn write(dev: &HipDevice, s: &HipStream, va: DevPtr, bytes: &[u8]) -> HipPending {
+    let mut buf = dev.alloc_host(bytes.len()).unwrap();
+    buf.as_mut_slice().copy_from_slice(bytes);
+    dev.copy_h2d(s, buf, va, bytes.len() as u64).unwrap()
+}
+
+/// A job on the HIP backend: its buffers allocated through the engine, one stream, and what each
+/// buffer holds once the stream's work has run.
+pub struct Job {
+    pub engine: Engine<HipDevice>,
+    pub dev: Arc<HipDevice>,
+    pub stream: HipStream,
+    pub bufs: Vec<Buffer>,
+    pub model: Vec<Vec<u8>>,
+    pending: Vec<HipPending>,
+}
+
+impl Job {
+    pub fn new(engine: &Engine<HipDevice>, sizes: &[u64]) -> Job {
+        let dev = Arc::clone(engine.device());
+        let stream = dev.create_stream(StreamPriority::Normal).unwrap();
+        engine.register_stream(stream.clone());
+        let bufs: Vec<Buffer> = sizes.iter().map(|&n| engine.alloc(n).unwrap()).collect();
+        let mut job = Job {
+            engine: engine.clone(),
+            dev,
+            stream,
+            model: bufs.iter().map(|b| vec![0; b.size() as usize]).collect(),
+            bufs,
+            pending: Vec::new(),
+        };
+        for i in 0..sizes.len() {
+            job.write(i, 0);
+        }
+        job.sync();
+        job
+    }
+
+    /// Writes buffer `i` whole with step `step`'s pattern, through the engine's hook.
+    pub fn write(&mut self, i: usize, step: u64) {
+        let b = self.bufs[i].clone();
+        let bytes = pattern(i, step, b.size() as usize);
+        let writes = [b.clone()];
+        let guard = self
+            .engine
+            .before_op(
+                &self.stream,
+                Access::Known {
+                    reads: &[],
+                    writes: &writes,
+                },
+            )
+            .unwrap();
+        self.pending
+            .push(write(&self.dev, &self.stream, b.va(), &bytes));
+        drop(guard);
+        self.model[i] = bytes;
+    }
+
+    /// Copies the start of buffer `src` over the start of buffer `dst` (a read and a write).
+    pub fn copy(&mut self, src: usize, dst: usize) {
+        let (s, d) = (self.bufs[src].clone(), self.bufs[dst].clone());
+        let n = s.size().min(d.size());
+        let (reads, writes) = ([s.clone()], [d.clone()]);
+        let guard = self
+            .engine
+            .before_op(
+                &self.stream,
+                Access::Known {
+                    reads: &reads,
+                    writes: &writes,
+                },
+            )
+            .unwrap();
+        self.dev.copy_d2d(&self.stream, s.va(), d.va(), n).unwrap();
+        drop(guard);
+        let head = self.model[src][..n as usize].to_vec();
+        self.model[dst][..n as usize].copy_from_slice(&head);
+    }
+
+    /// Sets the first `n` bytes of buffer `i` to `value`.
+    pub fn memset(&mut self, i: usize, value: u8, n: u64) {
+        let b = self.bufs[i].clone();
+        let writes = [b.clone()];
+        let guard = self
+            .engine
+            .before_op(
+                &self.stream,
+                Access::Known {
+                    reads: &[],
+                    writes: &writes,
+                },
+            )
+            .unwrap();
+        self.dev.memset_d8(&self.stream, b.va(), value, n).unwrap();
+        drop(guard);
+        self.model[i][..n as usize].fill(value);
+    }
+
+    /// One step of work: every other buffer rewritten, a copy and a memset.
+    pub fn step(&mut self, step: u64) {
+        let n = self.bufs.len();
+        for i in (step as usize % 2..n).step_by(2) {
+            self.write(i, step);
+        }
+        self.copy(step as usize % n, (step as usize + 3) % n);
+        self.memset((step as usize + 5) % n, step as u8, 1000);
+    }
+
+    pub fn sync(&mut self) {
+        for p in self.pending.drain(..) {
+            p.wait().unwrap();
+        }
+        self.dev.synchronize(&self.stream).unwrap();
+    }
+
+    /// Every buffer's bytes, read back through the device (after `sync`).
+    pub fn contents(&self) -> Vec<Vec<u8>> {
+        self.bufs
+            .iter()
+            .map(|b| read(&self.dev, &self.stream, b.va(), b.size()))
+            .collect()
+    }
+
+    pub fn image(&self, store: &MemStore) -> Vec<Vec<u8>> {
+        self.bufs
+            .iter()
+            .map(|b| store.buffer_bytes(b.id()).expect("buffer in image"))
+            .collect()
+    }
+}
+
+/// Sizes on and off the granularity, several chunks each.
+pub const SIZES: &[u64] = &[
+    64 << 10,
+    100_000,
+    3 << 16,
+    150_001,
+    1 << 18,
+    70_000,
+    128 << 10,
+    90_000,
+];
+
+pub fn cfg(shadow_budget: u64) -> EngineConfig {
+    EngineConfig {
+        chunk_size: 16 << 10,
+        staging_buffers: 3,
+        copy_streams: 2,
+        writer_threads: 2,
+        restore_threads: 2,
+        shadow_budget,
+        ..EngineConfig::default()
+    }
+}
+
+/// A sink over a [`MemStore`] whose chunks wait until the test opens it: the checkpoint's copier
+/// stays in its first buffer while the job writes the others.
+pub struct GatedSink {
+    store: Arc<MemStore>,
+    open: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl GatedSink {
+    /// A closed sink over `store`.
+    pub fn new(store: &Arc<MemStore>) -> Arc<GatedSink> {
+        Arc::new(GatedSink {
+            store: store.clone(),
+            open: std::sync::Mutex::new(false),
+            cv: std::sync::Condvar::new(),
+        })
+    }
+}
+
+impl GatedSink {
+    pub fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.cv.notify_all();
+    }
+}
+
+impl ChunkSink for GatedSink {
+    fn add_buffer(
+        &self,
+        rec: possum_engine::store::BufferRecord,
+    ) -> Result<(), possum_engine::image::ImageError> {
+        self.store.add_buffer(rec)
+    }
+    fn write_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), possum_engine::image::ImageError> {
+        drop(
+            self.cv
+                .wait_while(self.open.lock().unwrap(), |o| !*o)
+                .unwrap(),
+        );
+        self.store.write_chunk(buffer, offset, data)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
+        self.store.set_meta(key, value)
+    }
+}
