@@ -4,7 +4,7 @@
 //! 4 KiB page fault at a time (with THP `madvise` it applies the process's `MADV_HUGEPAGE` only
 //! afterwards): about 2 GB/s on the H100 machines, ~550 ms for a PyTorch job's 1.1 GB, most of a
 //! keeper-held restore. `process_vm_writev` from 16 threads of another process fills the same
-//! memory at ~20 GB/s (session 27's probe).
+//! memory at ~20 GB/s (a probe on the H100 machine).
 //!
 //! [`split`], after CRIU's dump: for each process of the tree, the pages of its plain private
 //! anonymous writable mappings (heap, malloc arenas, thread stacks, the driver's checkpoint

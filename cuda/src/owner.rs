@@ -1,5 +1,5 @@
 //! [`MemoryOwner`]: memory for a [`crate::CudaDevice`]'s buffers owned by another process (the
-//! keeper, issue 14), so that a buffer can be *detached* for NVIDIA's driver checkpoint (unmapped,
+//! keeper), so that a buffer can be *detached* for NVIDIA's driver checkpoint (unmapped,
 //! this process's handle released) while its memory and contents stay on the GPU, and attached
 //! again after it in about a millisecond.
 //!

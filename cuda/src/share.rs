@@ -1,4 +1,4 @@
-//! Physical device memory that can be shared between processes (issue 14's keeper): created
+//! Physical device memory that can be shared between processes (the keeper's): created
 //! exportable as a POSIX file descriptor, exported, imported in another process, mapped at an
 //! address the caller reserved, and released. Unsafe module, like `driver`: every driver call goes
 //! through `check`, and every type here releases what it owns on drop.

@@ -185,7 +185,7 @@ impl ChunkSource for MemStore {
 
 /// Saves a *shadow* (a device-side copy of a buffer as of T0, which the job never writes) into
 /// the image by other means than the engine's staging: the keeper's spare image memory, which
-/// the copy engine fills directly (issue 14 item 7). [`crate::Engine::checkpoint_snapshot_with`].
+/// the copy engine fills directly. [`crate::Engine::checkpoint_snapshot_with`].
 pub trait ShadowSaver: Send + Sync {
     /// Saves the `size` bytes at `shadow` as buffer `buffer`'s contents: returns once they are
     /// in the image (its chunks recorded in the sink). On an error the engine saves the shadow

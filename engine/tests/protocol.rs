@@ -831,7 +831,7 @@ fn every_restorer_helps_with_a_buffer_an_operation_waits_for() {
     }
 }
 
-/// The keeper's checkpoint (issue 14): at T0 the buffers are detached (memory kept, nothing
+/// The keeper's checkpoint: at T0 the buffers are detached (memory kept, nothing
 /// copied), then attached again, and the T0 state drains to the image while the job runs on.
 #[test]
 fn a_detached_then_drained_checkpoint_is_the_state_at_t0() {

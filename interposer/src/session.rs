@@ -1135,7 +1135,7 @@ type Saves = Vec<(
     Option<Arc<SpareSaver>>,
 )>;
 
-/// A kept checkpoint's shadows saved into the keeper's spare image memory (issue 14 item 7):
+/// A kept checkpoint's shadows saved into the keeper's spare image memory:
 /// the spare file is one of the image's data files, the keeper copies each shadow (its memory)
 /// into it at the copy engine's speed and checksums it, and the chunks are recorded here.
 pub(crate) struct SpareSaver {

@@ -1,4 +1,4 @@
-//! Spare image memory (issue 14 item 7): a file on the images' filesystem, its pages faulted in
+//! Spare image memory: a file on the images' filesystem, its pages faulted in
 //! and registered with CUDA *before* a checkpoint, so that a drain's copies land in the image's
 //! pages at the copy engine's speed (55 GB/s on the H100) instead of going through pinned staging
 //! and a write (each byte crossing host memory a third time, and the kernel zeroing new pages:

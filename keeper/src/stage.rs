@@ -1,4 +1,4 @@
-//! Staging a restore (issue 14 item 4): the keeper loads a job's image into new GPU memory while
+//! Staging a restore: the keeper loads a job's image into new GPU memory while
 //! CRIU restores the job's process, so that the restored job maps its buffers at once and waits
 //! only for those still loading.
 //!

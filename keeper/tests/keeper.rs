@@ -594,7 +594,7 @@ fn a_process_shares_only_its_own_memory_in_use() {
     assert!(k.share(999_999).is_err());
 }
 
-/// Staging (issue 14 item 4): an engine's buffers checkpointed into an image on disk and
+/// Staging: an engine's buffers checkpointed into an image on disk and
 /// released; the keeper loads the image into new memory for this process, and the engine's
 /// restore maps that memory and waits for the loads instead of copying. A buffer whose load
 /// fails (`POSSUM_KEEPER_STAGE_FAIL`) is copied by the engine from the image. The memory is this
@@ -705,7 +705,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
     wait_total(&server, Usage::default());
 }
 
-/// Spare image memory (issue 14 item 7): a keeper with `POSSUM_KEEPER_SPARE_*` makes a spare
+/// Spare image memory: a keeper with `POSSUM_KEEPER_SPARE_*` makes a spare
 /// file in that directory; a drain into that filesystem takes it, has the keeper copy its own
 /// allocation into it (the bytes and each piece's CRC32C as the caller's), gives it back, and a
 /// new spare is made. Another process's allocation is refused, a directory on another

@@ -1052,7 +1052,7 @@ fn child_e(child: i32, path: &Path, job: &Job) -> Vec<u8> {
     }
 }
 
-/// Issue 15: plain `criu dump --libdir` (what a container engine runs) of a possum job, left
+/// Plain `criu dump --libdir` (what a container engine runs) of a possum job, left
 /// running, then `criu restore --libdir`, with no `possum` command: the plugin releases possum's
 /// buffers into the images (possum-gpu-PID), takes the driver's checkpoint, brings the job back
 /// at the end of the dump, and at the restore. Both go on bit-exact.
@@ -1136,7 +1136,7 @@ fn plain_criu_round_trip(pass_dir: bool) {
     restored_goes_on(&mut job, dir, &want);
 }
 
-/// `possum run`'s default path (issue 14): the job's buffer memory is a keeper's (`possum
+/// `possum run`'s default path: the job's buffer memory is a keeper's (`possum
 /// keeper --dir`, `POSSUM_KEEPER`), so `possum checkpoint --leave-running` holds the job without
 /// copying anything (its buffers detached, left with the keeper through the driver's checkpoint
 /// and CRIU's dump), resumes it, and saves the buffers as they were at the hold while it runs on.
@@ -1222,8 +1222,8 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
     finish_restored(&mut job);
 }
 
-/// A kept checkpoint whose keeper keeps spare image memory (`POSSUM_KEEPER_SPARE_*`, issue 14
-/// item 7): the snapshot's shadows are copied by the keeper into its spare, which becomes one of
+/// A kept checkpoint whose keeper keeps spare image memory (`POSSUM_KEEPER_SPARE_*`): the
+/// snapshot's shadows are copied by the keeper into its spare, which becomes one of
 /// the image's data files (cut to what it holds), none through the staging; the keeper makes
 /// another spare; the job goes on bit-exact, and killed, it is restored from that image
 /// bit-exact (so the keeper's copies and checksums are the state at the hold).
@@ -1352,7 +1352,7 @@ fn start_keeper_with(dir: &Path, env: &[(&str, &str)]) -> (KeeperProcess, PathBu
     (KeeperProcess(keeper), keeper_dir)
 }
 
-/// Faults around a kept checkpoint (issue 14): `possum checkpoint --leave-running` of a job whose
+/// Faults around a kept checkpoint: `possum checkpoint --leave-running` of a job whose
 /// memory a keeper holds, killed at moments spread over the whole checkpoint (before the hold,
 /// with the buffers detached and the driver's and CRIU's steps running, while the buffers are
 /// saved): the job always goes on, and DIR is absent or a complete image. Then the keeper itself
@@ -1572,7 +1572,7 @@ fn killing_checkpoint(cmd: &mut Command, job: &mut Job) -> Value {
     v
 }
 
-/// Checkpoint and kill of a job whose memory a keeper holds (issue 14, item 3): the image is
+/// Checkpoint and kill of a job whose memory a keeper holds: the image is
 /// complete, and the keeper keeps the job's buffers on the GPU after it is gone, so that its
 /// restore on this host maps them instead of copying (zero-copy). That memory is taken back
 /// only by a job holding that checkpoint's state: a restore of an older image comes back from
@@ -1891,7 +1891,7 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
 }
 
 /// A job checkpointed and killed whose keeper did not hold its memory (`--keep-on-gpu 0`),
-/// restored from its image (issue 14 item 4): `possum restore` has the keeper load the image
+/// restored from its image: `possum restore` has the keeper load the image
 /// into new memory while CRIU restores the process, and the restored job maps that memory and
 /// waits only for buffers still loading. The keeper here loads nothing until two waits are
 /// pending at once (the job restores with one restorer thread, so the second is an operation's:
@@ -1979,7 +1979,7 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     finish_restored(&mut job);
 }
 
-/// The keeper SIGKILLed while it loads a restored job's image (issue 14 item 6, for the
+/// The keeper SIGKILLed while it loads a restored job's image (for the
 /// staging): the job has already mapped what the keeper loaded and holds the memory of every
 /// buffer it took; what the keeper had not loaded it copies from the image itself, and it
 /// computes exactly what a run without possum does.
@@ -2248,7 +2248,7 @@ impl KilledOnGpu0 {
 }
 
 /// `possum restore --device 1` of a job killed by its checkpoint on GPU 0 while its keeper holds
-/// its buffers there (issue 14 item 5): the keeper's socket serving GPU 1 stages the image from
+/// its buffers there: the keeper's socket serving GPU 1 stages the image from
 /// GPU 0's memory, copying each buffer GPU to GPU; the driver's restore maps the job's device to
 /// GPU 1 (the fake driver's remapping), the job follows it to that socket, takes the stage and
 /// lets GPU 0's memory go, and computes exactly what a run without possum does.
@@ -2338,7 +2338,7 @@ fn a_job_restored_onto_another_gpu_without_staging_comes_back_from_its_image() {
     assert_eq!(back["staged"], 0, "{back}");
 }
 
-/// The keeper SIGKILLed while it copies a moved job's buffers GPU to GPU (issue 14 item 6): its
+/// The keeper SIGKILLed while it copies a moved job's buffers GPU to GPU: its
 /// memory on both GPUs goes with it, yet nothing is lost: the restored job, already mapping the
 /// buffers the stage made, copies those the keeper had not loaded from its image (complete for
 /// a killed job) and goes on bit-exact.

@@ -1,4 +1,4 @@
-//! `possum restore`'s staging (issue 14 item 4): before CRIU restores the job, the keeper that
+//! `possum restore`'s staging: before CRIU restores the job, the keeper that
 //! served its buffers' memory is asked to load the job's GPU images into new GPU memory
 //! (`possum_keeper`'s `stage`), so that the loading overlaps CRIU's and the driver's restore, and
 //! the restored job maps its buffers at once and waits only for those still loading.
@@ -14,7 +14,7 @@
 //! serves the target GPU (found by UUID: the job keeps its device ordinal, the keeper numbers
 //! GPUs its own way), and where the job's old GPU still holds its memory (killed with
 //! `--keep-on-gpu`, under the epoch `possum.json` recorded), the stage copies each buffer from
-//! there, GPU to GPU (issue 14 item 5), instead of reading the image.
+//! there, GPU to GPU, instead of reading the image.
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
