@@ -855,7 +855,8 @@ fn read_frame_from<'b, R: Read>(
         }
         KIND_BUFFER => {
             exact(BUFFER_BYTES)?;
-            let u = |at: usize| u64::from_le_bytes(payload[at..at + 8].try_into().expect("8 bytes"));
+            let u =
+                |at: usize| u64::from_le_bytes(payload[at..at + 8].try_into().expect("8 bytes"));
             Frame::Buffer(BufferRecord {
                 id: u(0),
                 va: u(8),
@@ -1817,16 +1818,20 @@ impl<S: Read + Write + Send> ChunkSink for PrecopySender<S> {
 
 /// The receiving end of a pre-copy, after [`receiver_handshake`]: writes every `Buffer` and
 /// `BufferChunk` into `sink` (an image writer: a later round's chunk replaces an earlier one's)
-/// until `Done`, checks `Done`'s HMAC and totals against what came, and answers `Committed`.
-/// The caller commits the image only after this returns Ok; on an error the sender is told why
-/// (`Abort`) where the connection still stands.
-pub fn receive_precopy<S: Read + Write>(
+/// until `Done`, checks `Done`'s HMAC and totals against what came, then `commit`s the sink
+/// (an image writer's commit: the image complete on disk) and only then answers `Committed`.
+/// On an error the sender is told why (`Abort`) where the connection still stands, and the sink
+/// is dropped uncommitted.
+pub fn receive_precopy<S: Read + Write, K: ChunkSink, T>(
     stream: &mut S,
     session: &mut Session,
-    sink: &dyn ChunkSink,
-) -> Result<Totals, ReceiveError> {
-    match receive_buffers(stream, session, sink) {
-        Ok(done) => {
+    sink: K,
+    commit: impl FnOnce(K) -> Result<T, ImageError>,
+) -> Result<(Totals, T), ReceiveError> {
+    let got = receive_buffers(stream, session, &sink)
+        .and_then(|done| Ok((done, commit(sink).map_err(ReceiveError::Sink)?)));
+    match got {
+        Ok((done, committed_sink)) => {
             let committed = Seal {
                 totals: done.totals,
                 tag: session
@@ -1841,7 +1846,7 @@ pub fn receive_precopy<S: Read + Write>(
                 source,
             })?;
             session.last = committed.tag;
-            Ok(done.totals)
+            Ok((done.totals, committed_sink))
         }
         Err(e) => {
             if !matches!(
@@ -2764,9 +2769,7 @@ mod tests {
         let (mut a, mut b) = pair();
         let recv = thread::spawn(move || {
             let mut session = receiver_handshake(&mut b, &key(3)).unwrap();
-            let store = MemStore::new();
-            let totals = receive_precopy(&mut b, &mut session, &store).unwrap();
-            (totals, store)
+            receive_precopy(&mut b, &mut session, MemStore::new(), Ok).unwrap()
         });
         let session = sender_handshake(&mut a, &key(3)).unwrap();
         let sender = PrecopySender::new(a, session);
@@ -2795,7 +2798,9 @@ mod tests {
         let mut back = vec![0u8; big.len()];
         for (off, len) in store.chunks(2) {
             let o = off as usize;
-            store.read_chunk(2, off, &mut back[o..o + len as usize]).unwrap();
+            store
+                .read_chunk(2, off, &mut back[o..o + len as usize])
+                .unwrap();
         }
         assert_eq!(back, big);
     }
@@ -2806,7 +2811,7 @@ mod tests {
         let (mut a, mut b) = pair();
         let recv = thread::spawn(move || {
             let mut session = receiver_handshake(&mut b, &key(4)).unwrap();
-            receive_precopy(&mut b, &mut session, &MemStore::new())
+            receive_precopy(&mut b, &mut session, MemStore::new(), |_| Ok(()))
         });
         let mut session = sender_handshake(&mut a, &key(4)).unwrap();
         let rec = BufferRecord {
@@ -2834,7 +2839,9 @@ mod tests {
         write_frame(&mut a, &Frame::Done(done)).unwrap();
         assert!(matches!(recv.join().unwrap(), Err(ReceiveError::Forged)));
         let mut buf = Vec::new();
-        assert!(matches!(read_frame(&mut a, &mut buf), Ok(Frame::Abort { .. })));
+        assert!(matches!(
+            read_frame(&mut a, &mut buf),
+            Ok(Frame::Abort { .. })
+        ));
     }
-
 }
