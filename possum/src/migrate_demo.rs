@@ -314,6 +314,13 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     }
     let tmp = crate::scratch::Scratch::new()?;
     let dir = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
+    if fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_some()) {
+        bail!(
+            "the working directory {} is not empty (it would hold the key, both ends' images and \
+             the child's files)",
+            dir.display()
+        );
+    }
     let (source, dest) = (dir.join("source"), dir.join("destination"));
     fs::create_dir_all(&source)?;
     fs::create_dir_all(&dest)?;
