@@ -83,9 +83,6 @@ struct Held {
     rounds: Vec<Round>,
     /// The cut's dirty remainder.
     last: Round,
-    /// The pre-copy connection's totals: buffer declarations, bytes.
-    wire_buffers: u64,
-    wire_bytes: u64,
     /// The step the job resumes at.
     resume_step: u64,
     start_ns: u64,
@@ -167,7 +164,7 @@ pub fn child(a: &ChildArgs, to: &str) -> Result<bool> {
     let last = engine.checkpoint(sink.clone(), true)?.wait()?;
     drop(sink);
     let sender = Arc::into_inner(sender).context("the pre-copy sink still shared")?;
-    let (wire_totals, stream) = sender.finish()?;
+    let (_, stream) = sender.finish()?;
     drop(stream);
     engine.release()?;
     let held = Held {
@@ -177,8 +174,6 @@ pub fn child(a: &ChildArgs, to: &str) -> Result<bool> {
             bytes: last.bytes,
             ms: crate::demo::ms(last.elapsed),
         },
-        wire_buffers: wire_totals.files,
-        wire_bytes: wire_totals.bytes,
         resume_step: step,
         start_ns,
         held_ns,
@@ -186,7 +181,11 @@ pub fn child(a: &ChildArgs, to: &str) -> Result<bool> {
     crate::criu_demo::write_atomically(held_file, &serde_json::to_string(&held)?)?;
 
     // Dumped and killed while waiting here; restored at the destination, which then says go.
+    let deadline = Instant::now() + CHILD_TIMEOUT;
     while !go.exists() {
+        if Instant::now() > deadline {
+            bail!("held, never moved: no go within {CHILD_TIMEOUT:?}");
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
     let img = Arc::new(Image::open(image)?);
@@ -256,6 +255,24 @@ fn destination(
             pid,
         }),
         Outcome::RestoreFailed { reason } => bail!("the restore at the destination: {reason}"),
+    }
+}
+
+/// The source's child, killed (and reaped) when dropped unless taken out.
+struct KillOnDrop(Option<std::process::Child>);
+
+impl KillOnDrop {
+    fn get(&mut self) -> &mut std::process::Child {
+        self.0.as_mut().expect("the child is there until the dump")
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
@@ -354,7 +371,7 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     let held_file = dir.join("child.held");
     let out = dir.join("child.out");
     let log = fs::File::create(dir.join("child.log"))?;
-    let mut proc = Command::new(std::env::current_exe().context("finding the possum binary")?)
+    let proc = Command::new(std::env::current_exe().context("finding the possum binary")?)
         .arg("demo-child")
         .args(["--mib", &a.mib.to_string(), "--steps", &a.steps.to_string()])
         .args(["--streams", &a.streams.to_string()])
@@ -378,11 +395,13 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         .spawn()
         .context("starting the demo child")?;
     let pid = i32::try_from(proc.id())?;
+    // Killed should this return before CRIU's dump did.
+    let mut proc = KillOnDrop(Some(proc));
 
     // The cut: once the child is held, CRIU dumps it (and kills it), and its image follows.
     let deadline = Instant::now() + CHILD_TIMEOUT;
     while !held_file.exists() {
-        if let Some(st) = proc.try_wait()? {
+        if let Some(st) = proc.get().try_wait()? {
             bail!(
                 "the demo child exited before its cut ({st}); see its log in {}",
                 dir.display()
@@ -396,7 +415,8 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     let held: Held = serde_json::from_str(&fs::read_to_string(&held_file)?)?;
     let images = source.join("criu-images");
     let dump = criu.dump(&DumpOptions::new(pid, &images))?;
-    let _ = proc.wait();
+    // CRIU killed it: reaped, its PID free for the restore.
+    let _ = proc.0.take().map(|mut c| c.wait());
 
     let mut s = TcpStream::connect(addr).context("connecting to the destination")?;
     wire::set_timeouts(&s, IO_TIMEOUT)?;
