@@ -19,25 +19,46 @@ use crate::demo::DemoArgs;
 pub struct ChildArgs {
     /// Buffer memory, MiB.
     #[arg(long)]
-    mib: u64,
+    pub(crate) mib: u64,
     /// Steps.
     #[arg(long)]
-    steps: u64,
+    pub(crate) steps: u64,
     /// Streams.
     #[arg(long)]
-    streams: usize,
+    pub(crate) streams: usize,
     /// File that holds the number of steps done.
     #[arg(long)]
-    progress: PathBuf,
+    pub(crate) progress: PathBuf,
     /// File that receives the final digest.
     #[arg(long)]
-    out: PathBuf,
+    pub(crate) out: PathBuf,
+    /// Pre-copy to this receiver from step --at on, then wait to be moved (`demo --migrate`).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub(crate) precopy_to: Option<String>,
+    /// The step the pre-copy begins at.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) at: u64,
+    /// The most pre-copy rounds.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) max_rounds: u32,
+    /// The key shared with the receiver.
+    #[arg(long)]
+    pub(crate) key_file: Option<PathBuf>,
+    /// The engine image the receiver commits, which the restored job's buffers come from.
+    #[arg(long)]
+    pub(crate) image: Option<PathBuf>,
+    /// File written once the job is held at its cut (the pre-copy's figures).
+    #[arg(long)]
+    pub(crate) held: Option<PathBuf>,
+    /// File whose appearance tells a restored job to go on.
+    #[arg(long)]
+    pub(crate) go: Option<PathBuf>,
 }
 
 /// How long a demo child (the original or a restored one) may take to finish its steps.
 const CHILD_TIMEOUT: Duration = Duration::from_secs(300);
 
-fn write_atomically(path: &Path, text: &str) -> Result<()> {
+pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
@@ -47,6 +68,9 @@ fn write_atomically(path: &Path, text: &str) -> Result<()> {
 /// The child: leaves the caller's session (so CRIU needs no `--shell-job`), runs the job, writes
 /// its progress after each step and its digest at the end.
 pub fn child(a: &ChildArgs) -> Result<bool> {
+    if let Some(to) = &a.precopy_to {
+        return crate::migrate_demo::child(a, to);
+    }
     let _ = nix::unistd::setsid();
     let spec = DemoSpec {
         mib: a.mib,
@@ -120,7 +144,7 @@ fn wait_progress(c: &mut Child, at_least: u64) -> Result<()> {
     }
 }
 
-fn read_digest(path: &Path) -> Result<u64> {
+pub(crate) fn read_digest(path: &Path) -> Result<u64> {
     let s = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     Ok(u64::from_str_radix(s.trim(), 16)?)
 }

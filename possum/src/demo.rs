@@ -42,6 +42,18 @@ pub struct DemoArgs {
     /// killed), restore it and compare (needs root and CRIU 4.x; `--shadow-mib` is ignored).
     #[arg(long)]
     pub criu: bool,
+    /// Migrate the job, in a child process, to a receiver on loopback with pre-copy: its buffers
+    /// sent in rounds while it runs from step `--at` on, then the cut (the last dirty buffers
+    /// and CRIU's image), the restore there, and the output compared (needs root and CRIU 4.x).
+    #[arg(long, conflicts_with = "criu")]
+    pub migrate: bool,
+    /// With --migrate: the most pre-copy rounds (fewer if a round sends no less than the one
+    /// before it).
+    #[arg(long, default_value_t = 4, requires = "migrate")]
+    pub max_rounds: u32,
+    /// With --migrate: print the figures as one JSON line instead of text.
+    #[arg(long, requires = "migrate")]
+    pub json: bool,
 }
 
 impl DemoArgs {
@@ -55,7 +67,7 @@ impl DemoArgs {
     }
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
 

@@ -12,6 +12,7 @@ mod demo;
 mod doctor;
 mod keeper;
 mod migrate;
+mod migrate_demo;
 mod run;
 mod scratch;
 mod status;
@@ -138,6 +139,7 @@ fn main() -> ExitCode {
     let check = |ok: bool| u8::from(!ok);
     let r = match cli.cmd {
         Cmd::Demo(a) if a.criu => criu_demo::run(&a).map(check),
+        Cmd::Demo(a) if a.migrate => migrate_demo::run(&a).map(check),
         Cmd::Demo(a) => demo::run(&a).map(check),
         Cmd::Doctor(a) => doctor::run(&a).map(check),
         Cmd::Keeper(a) => keeper::run(&a).map(check),

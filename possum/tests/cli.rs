@@ -144,6 +144,90 @@ fn demo_criu_round_trip_is_bit_exact() {
     assert_eq!(j["mode"], "criu");
 }
 
+/// `possum demo --migrate`: the job's buffers pre-copied in rounds while it runs (the demo job
+/// writes only some of its buffers each step, so every round after the first sends less than the
+/// first), then the cut and the restore at the loopback destination; its output is that of an
+/// uninterrupted run, and its figures add up.
+#[test]
+fn demo_migrate_precopies_in_rounds_and_is_bit_exact() {
+    if !criu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    let out = possum()
+        .args([
+            "demo",
+            "--migrate",
+            "--mib",
+            "16",
+            "--steps",
+            "12",
+            "--at",
+            "3",
+            "--json",
+            "-D",
+        ])
+        .arg(&work)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = last_json(&out.stdout);
+    assert_eq!(j["mode"], "migrate", "{j}");
+    assert_eq!(j["bitexact"], true, "{j}");
+    let rounds: Vec<u64> = j["rounds"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["bytes"].as_u64().unwrap())
+        .collect();
+    assert!(
+        (2..=4).contains(&rounds.len()),
+        "rounds {rounds:?} (at most --max-rounds' default 4)"
+    );
+    // Round 1 is the whole job; the later ones only what a step wrote.
+    assert_eq!(rounds[0], j["bytes"].as_u64().unwrap(), "{j}");
+    assert!(rounds[1..].iter().all(|&b| b < rounds[0]), "{rounds:?}");
+    // Every round but the last shrank (a round that does not ends the pre-copy).
+    assert!(
+        rounds[..rounds.len() - 1].windows(2).all(|w| w[1] < w[0]),
+        "{rounds:?}"
+    );
+    let last = j["last"]["bytes"].as_u64().unwrap();
+    let precopy = j["precopy_wire_bytes"].as_u64().unwrap();
+    assert_eq!(precopy, rounds.iter().sum::<u64>() + last, "{j}");
+    let criu_bytes = j["criu_image_bytes"].as_u64().unwrap();
+    assert!(criu_bytes > 0, "{j}");
+    assert_eq!(j["sent_bytes"].as_u64().unwrap(), precopy + criu_bytes);
+    let downtime = j["downtime_ms"].as_f64().unwrap();
+    let total = j["total_ms"].as_f64().unwrap();
+    assert!(downtime > 0.0 && downtime < total, "{j}");
+    // The fresh key it authenticated with, readable by its owner only.
+    use std::os::unix::fs::PermissionsExt;
+    let key = std::fs::metadata(work.join("migrate.key")).unwrap();
+    assert_eq!((key.len(), key.permissions().mode() & 0o777), (32, 0o600));
+    // The destination's engine image and CRIU's image, as received.
+    assert!(work.join("destination/engine-image").is_dir());
+    assert!(work.join("destination/criu-images").is_dir());
+}
+
+#[test]
+fn demo_migrate_flags_need_migrate() {
+    for flags in [
+        &["--max-rounds", "2"][..],
+        &["--json"],
+        &["--criu", "--migrate"],
+    ] {
+        let out = possum().arg("demo").args(flags).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {out:?}");
+    }
+}
+
 /// `possum demo --criu` killed with SIGKILL mid-run leaves its scratch directory (its images
 /// and files) behind; the next possum that makes one removes it: nothing accumulates under
 /// `$TMPDIR/possum-scratch-UID`, and nothing else is left under `$TMPDIR`.

@@ -37,6 +37,13 @@
 //! - `Outcome` (the answer to `Released`): `running: u8`, the restored `pid: i32` (LE), a 32-byte
 //!   HMAC under the session's key of `Released`'s and what precedes and follows it, then why the
 //!   restore failed, as UTF-8 text (empty when running).
+//! - `Buffer` and `BufferChunk` (a pre-copy's, in place of `Dir`..`EndFile`: [`PrecopySender`],
+//!   [`receive_precopy`]): an engine buffer declared, `id`, `va`, `size` (`u64` LE) and its
+//!   prefetch rank (`u32` LE); and bytes of a declared buffer, its `id` and the offset in it
+//!   (`u64` LE each) then at most [`CHUNK_BYTES`] bytes. A buffer comes again in each round that
+//!   found it written; its later bytes replace the earlier. Both go into the HMAC of the frames
+//!   like the transfer's; `Done` and `Committed` then count `Buffer` frames as files and chunk
+//!   bytes as bytes.
 //!
 //! Invariants of a receive:
 //! - Nothing is written outside DEST's temporary sibling, which [`receive_dir`] creates itself
@@ -65,6 +72,8 @@ use hmac::Mac;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::HmacKey;
+use possum_engine::image::ImageError;
+use possum_engine::store::{BufferRecord, ChunkSink};
 
 /// The protocol's version, in the hello and the proof.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -476,6 +485,17 @@ pub enum Frame<'a> {
         /// The session's HMAC of `Released`'s and the outcome.
         tag: [u8; TAG_BYTES],
     },
+    /// A pre-copy's buffer declared (before any of its bytes; again in a later round).
+    Buffer(BufferRecord),
+    /// A pre-copy's bytes of a declared buffer from `offset` (a later round's replace them).
+    BufferChunk {
+        /// The buffer's id.
+        buffer: u64,
+        /// Where in the buffer.
+        offset: u64,
+        /// The bytes.
+        data: &'a [u8],
+    },
 }
 
 /// What became of a migrated job's restore at the destination.
@@ -522,6 +542,10 @@ const KIND_COMMITTED: u8 = 6;
 const KIND_ABORT: u8 = 7;
 const KIND_RELEASED: u8 = 8;
 const KIND_OUTCOME: u8 = 9;
+const KIND_BUFFER: u8 = 10;
+const KIND_BUFFER_CHUNK: u8 = 11;
+/// A `Buffer` frame's payload: id, va, size (`u64` LE), prefetch rank (`u32` LE).
+const BUFFER_BYTES: usize = 28;
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -580,6 +604,8 @@ fn kind_name(kind: u8) -> &'static str {
         KIND_ABORT => "Abort",
         KIND_RELEASED => "Released",
         KIND_OUTCOME => "Outcome",
+        KIND_BUFFER => "Buffer",
+        KIND_BUFFER_CHUNK => "BufferChunk",
         _ => "unknown",
     }
 }
@@ -600,6 +626,8 @@ impl Frame<'_> {
             Frame::Abort { .. } => KIND_ABORT,
             Frame::Released { .. } => KIND_RELEASED,
             Frame::Outcome { .. } => KIND_OUTCOME,
+            Frame::Buffer(_) => KIND_BUFFER,
+            Frame::BufferChunk { .. } => KIND_BUFFER_CHUNK,
         }
     }
 }
@@ -608,6 +636,15 @@ fn seal_bytes(seal: &Seal) -> [u8; 16 + TAG_BYTES] {
     let mut b = [0u8; 16 + TAG_BYTES];
     b[..16].copy_from_slice(&totals_bytes(&seal.totals));
     b[16..].copy_from_slice(&seal.tag);
+    b
+}
+
+fn buffer_bytes(r: &BufferRecord) -> [u8; BUFFER_BYTES] {
+    let mut b = [0u8; BUFFER_BYTES];
+    b[..8].copy_from_slice(&r.id.to_le_bytes());
+    b[8..16].copy_from_slice(&r.va.to_le_bytes());
+    b[16..24].copy_from_slice(&r.size.to_le_bytes());
+    b[24..].copy_from_slice(&r.prefetch_rank.to_le_bytes());
     b
 }
 
@@ -625,7 +662,7 @@ pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameEr
 
 /// Whether a frame of `kind` goes into the session's HMAC of the frames (those before `Done`).
 fn in_transcript(kind: u8) -> bool {
-    (KIND_DIR..=KIND_END_FILE).contains(&kind)
+    (KIND_DIR..=KIND_END_FILE).contains(&kind) || kind == KIND_BUFFER || kind == KIND_BUFFER_CHUNK
 }
 
 /// Writes `frame` to `w`, into `transcript` if it is one of the transfer's.
@@ -636,6 +673,8 @@ fn write_frame_to<W: Write>(
 ) -> Result<(), FrameError> {
     let owned: Vec<u8>;
     let offset: [u8; 8];
+    let place: [u8; 16];
+    let record: [u8; BUFFER_BYTES];
     let sealed: [u8; 16 + TAG_BYTES];
     let parts: [&[u8]; 2] = match frame {
         Frame::Dir(h) => {
@@ -665,6 +704,21 @@ fn write_frame_to<W: Write>(
             head.extend_from_slice(tag);
             owned = head;
             [&owned, reason]
+        }
+        Frame::Buffer(r) => {
+            record = buffer_bytes(r);
+            [&record, &[]]
+        }
+        Frame::BufferChunk {
+            buffer,
+            offset: o,
+            data,
+        } => {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&buffer.to_le_bytes());
+            b[8..].copy_from_slice(&o.to_le_bytes());
+            place = b;
+            [&place, data]
         }
     };
     let len = (parts[0].len() + parts[1].len()) as u64;
@@ -722,7 +776,7 @@ fn read_frame_from<'b, R: Read>(
     let kind = header[0];
     let len = u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"));
     let sent = u32::from_le_bytes(header[9..].try_into().expect("4 bytes"));
-    if !(KIND_DIR..=KIND_OUTCOME).contains(&kind) {
+    if !(KIND_DIR..=KIND_BUFFER_CHUNK).contains(&kind) {
         return Err(FrameError::UnknownKind(kind));
     }
     if len > MAX_FRAME {
@@ -797,6 +851,28 @@ fn read_frame_from<'b, R: Read>(
                 Frame::Done(seal)
             } else {
                 Frame::Committed(seal)
+            }
+        }
+        KIND_BUFFER => {
+            exact(BUFFER_BYTES)?;
+            let u =
+                |at: usize| u64::from_le_bytes(payload[at..at + 8].try_into().expect("8 bytes"));
+            Frame::Buffer(BufferRecord {
+                id: u(0),
+                va: u(8),
+                size: u(16),
+                prefetch_rank: u32::from_le_bytes(payload[24..].try_into().expect("4 bytes")),
+            })
+        }
+        KIND_BUFFER_CHUNK => {
+            if payload.len() < 16 {
+                return Err(malformed("shorter than its buffer and offset".into()));
+            }
+            let (place, data) = payload.split_at(16);
+            Frame::BufferChunk {
+                buffer: u64::from_le_bytes(place[..8].try_into().expect("8 bytes")),
+                offset: u64::from_le_bytes(place[8..].try_into().expect("8 bytes")),
+                data,
             }
         }
         KIND_RELEASED => {
@@ -1263,6 +1339,10 @@ pub enum ReceiveError {
         /// Its reason.
         reason: String,
     },
+    /// A pre-copy's buffer or chunk the image refused (an unknown buffer, out of its range, a
+    /// full disk).
+    #[error("writing a pre-copied buffer into the image")]
+    Sink(#[source] ImageError),
 }
 
 /// The directory being received: removed, with what it holds, unless committed.
@@ -1579,6 +1659,10 @@ fn receive_into<S: Read>(
             Frame::Committed(_) => return Err(unexpected("Committed", "(a receiver's frame)")),
             Frame::Outcome { .. } => return Err(unexpected("Outcome", "(a receiver's frame)")),
             Frame::Released { .. } => return Err(unexpected("Released", "before Done")),
+            Frame::Buffer(_) => return Err(unexpected("Buffer", "in a directory's transfer")),
+            Frame::BufferChunk { .. } => {
+                return Err(unexpected("BufferChunk", "in a directory's transfer"))
+            }
         }
     };
     if sent.totals != got {
@@ -1616,6 +1700,206 @@ fn receive_into<S: Read>(
     staging.committed = true;
     if let Ok(p) = fs::File::open(parent) {
         let _ = p.sync_all();
+    }
+    Ok(sent)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pre-copy: an engine's buffers, in rounds, while the job runs
+
+/// The sending end of a pre-copy, after [`sender_handshake`]: an engine's [`ChunkSink`] whose
+/// every declaration and chunk goes out at once as a `Buffer` or `BufferChunk` frame (at most
+/// [`CHUNK_BYTES`] of bytes each), into the session's HMAC; [`PrecopySender::finish`] sends
+/// `Done` (totals: the `Buffer` frames, the bytes of the `BufferChunk` frames) and checks the
+/// receiver's `Committed`. The engine's copier threads share it (one frame at a time).
+pub struct PrecopySender<S> {
+    inner: std::sync::Mutex<PrecopyState<S>>,
+}
+
+struct PrecopyState<S> {
+    stream: S,
+    session: Session,
+    sent: Totals,
+}
+
+impl<S> std::fmt::Debug for PrecopySender<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PrecopySender(..)")
+    }
+}
+
+/// A frame that could not be sent, as the engine's sink reports it.
+fn sink_error(e: FrameError) -> ImageError {
+    ImageError::Io {
+        path: PathBuf::from("(the migration stream)"),
+        source: io::Error::other(e.to_string()),
+    }
+}
+
+impl<S: Read + Write + Send> PrecopySender<S> {
+    /// Pre-copies over `stream`, whose handshake gave `session`.
+    pub fn new(stream: S, session: Session) -> PrecopySender<S> {
+        PrecopySender {
+            inner: std::sync::Mutex::new(PrecopyState {
+                stream,
+                session,
+                sent: Totals::default(),
+            }),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, PrecopyState<S>> {
+        // A copier thread that panicked mid-frame leaves a stream the receiver will refuse.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What was sent so far: `Buffer` frames and chunk bytes.
+    pub fn sent(&self) -> Totals {
+        self.state().sent
+    }
+
+    /// Sends `Done` and waits for the receiver's `Committed`: returns its totals (those sent)
+    /// and the stream once the receiver has committed every buffer sent.
+    pub fn finish(self) -> Result<(Totals, S), SendError> {
+        let mut st = self.inner.into_inner().unwrap_or_else(|p| p.into_inner());
+        let PrecopyState {
+            stream,
+            session,
+            sent,
+        } = &mut st;
+        let done = Seal {
+            totals: *sent,
+            tag: session.done(sent).finalize().into_bytes().into(),
+        };
+        write_frame(stream, &Frame::Done(done))?;
+        stream.flush().map_err(|source| FrameError::Io {
+            what: "sending",
+            source,
+        })?;
+        let totals = confirmation(stream, session, &done)?;
+        Ok((totals, st.stream))
+    }
+}
+
+impl<S: Read + Write + Send> ChunkSink for PrecopySender<S> {
+    fn add_buffer(&self, rec: BufferRecord) -> Result<(), ImageError> {
+        let mut st = self.state();
+        let PrecopyState {
+            stream, session, ..
+        } = &mut *st;
+        write_frame_to(stream, &Frame::Buffer(rec), Some(&mut session.frames))
+            .map_err(sink_error)?;
+        st.sent.files += 1;
+        Ok(())
+    }
+
+    fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        let mut st = self.state();
+        for (i, piece) in data.chunks(CHUNK_BYTES).enumerate() {
+            let PrecopyState {
+                stream, session, ..
+            } = &mut *st;
+            let frame = Frame::BufferChunk {
+                buffer,
+                offset: offset + (i * CHUNK_BYTES) as u64,
+                data: piece,
+            };
+            write_frame_to(stream, &frame, Some(&mut session.frames)).map_err(sink_error)?;
+            st.sent.bytes += piece.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn set_meta(&self, _key: &str, _value: &str) -> Result<(), ImageError> {
+        // A pre-copy carries buffers only; the job's own state travels in its process image.
+        Ok(())
+    }
+}
+
+/// The receiving end of a pre-copy, after [`receiver_handshake`]: writes every `Buffer` and
+/// `BufferChunk` into `sink` (an image writer: a later round's chunk replaces an earlier one's)
+/// until `Done`, checks `Done`'s HMAC and totals against what came, then `commit`s the sink
+/// (an image writer's commit: the image complete on disk) and only then answers `Committed`.
+/// On an error the sender is told why (`Abort`) where the connection still stands, and the sink
+/// is dropped uncommitted.
+pub fn receive_precopy<S: Read + Write, K: ChunkSink, T>(
+    stream: &mut S,
+    session: &mut Session,
+    sink: K,
+    commit: impl FnOnce(K) -> Result<T, ImageError>,
+) -> Result<(Totals, T), ReceiveError> {
+    let got = receive_buffers(stream, session, &sink)
+        .and_then(|done| Ok((done, commit(sink).map_err(ReceiveError::Sink)?)));
+    match got {
+        Ok((done, committed_sink)) => {
+            let committed = Seal {
+                totals: done.totals,
+                tag: session
+                    .committed(&done.tag, &done.totals)
+                    .finalize()
+                    .into_bytes()
+                    .into(),
+            };
+            write_frame(stream, &Frame::Committed(committed))?;
+            stream.flush().map_err(|source| FrameError::Io {
+                what: "sending",
+                source,
+            })?;
+            session.last = committed.tag;
+            Ok((done.totals, committed_sink))
+        }
+        Err(e) => {
+            if !matches!(
+                e,
+                ReceiveError::Frame(FrameError::Io { .. } | FrameError::Closed)
+                    | ReceiveError::Aborted { .. }
+            ) {
+                let _ = write_frame(stream, &Frame::Abort { reason: chain(&e) });
+                let _ = stream.flush();
+            }
+            Err(e)
+        }
+    }
+}
+
+fn receive_buffers<S: Read>(
+    stream: &mut S,
+    session: &mut Session,
+    sink: &dyn ChunkSink,
+) -> Result<Seal, ReceiveError> {
+    let mut got = Totals::default();
+    let mut buf = Vec::new();
+    let sent = loop {
+        match read_frame_from(stream, &mut buf, Some(&mut session.frames))? {
+            Frame::Buffer(rec) => {
+                sink.add_buffer(rec).map_err(ReceiveError::Sink)?;
+                got.files += 1;
+            }
+            Frame::BufferChunk {
+                buffer,
+                offset,
+                data,
+            } => {
+                sink.write_chunk(buffer, offset, data)
+                    .map_err(ReceiveError::Sink)?;
+                got.bytes += data.len() as u64;
+            }
+            Frame::Done(done) => {
+                session
+                    .done(&done.totals)
+                    .verify_slice(&done.tag)
+                    .map_err(|_| ReceiveError::Forged)?;
+                break done;
+            }
+            Frame::Abort { reason } => return Err(ReceiveError::Aborted { reason }),
+            other => return Err(unexpected(other.name(), "in a pre-copy")),
+        }
+    };
+    if sent.totals != got {
+        return Err(ReceiveError::Totals {
+            sent: sent.totals,
+            got,
+        });
     }
     Ok(sent)
 }
@@ -2476,6 +2760,88 @@ mod tests {
         assert!(matches!(
             read_frame(&mut &w[..], &mut buf),
             Err(FrameError::Malformed { kind: "Dir", .. })
+        ));
+    }
+
+    #[test]
+    fn precopy_rounds_reach_the_sink_the_later_bytes_winning() {
+        use possum_engine::store::{ChunkSource, MemStore};
+        let (mut a, mut b) = pair();
+        let recv = thread::spawn(move || {
+            let mut session = receiver_handshake(&mut b, &key(3)).unwrap();
+            receive_precopy(&mut b, &mut session, MemStore::new(), Ok).unwrap()
+        });
+        let session = sender_handshake(&mut a, &key(3)).unwrap();
+        let sender = PrecopySender::new(a, session);
+        let rec = |id, size| BufferRecord {
+            id,
+            va: 0x1000 * id,
+            size,
+            prefetch_rank: u32::MAX,
+        };
+        let big = noise(CHUNK_BYTES + 100);
+        // Round 1: both buffers; round 2: the second one again, changed.
+        sender.add_buffer(rec(1, 64)).unwrap();
+        sender.write_chunk(1, 0, &[7u8; 64]).unwrap();
+        sender.add_buffer(rec(2, big.len() as u64)).unwrap();
+        sender.write_chunk(2, 0, &noise(big.len())).unwrap();
+        sender.add_buffer(rec(2, big.len() as u64)).unwrap();
+        sender.write_chunk(2, 0, &big).unwrap();
+        let sent = sender.sent();
+        assert_eq!(sent.files, 3);
+        assert_eq!(sent.bytes, 64 + 2 * big.len() as u64);
+        let (confirmed, _stream) = sender.finish().unwrap();
+        let (got, store) = recv.join().unwrap();
+        assert_eq!(confirmed, sent);
+        assert_eq!(got, sent);
+        assert_eq!(store.buffer_bytes(1).unwrap(), vec![7u8; 64]);
+        let mut back = vec![0u8; big.len()];
+        for (off, len) in store.chunks(2) {
+            let o = off as usize;
+            store
+                .read_chunk(2, off, &mut back[o..o + len as usize])
+                .unwrap();
+        }
+        assert_eq!(back, big);
+    }
+
+    #[test]
+    fn a_precopy_chunk_changed_in_transit_is_refused() {
+        use possum_engine::store::MemStore;
+        let (mut a, mut b) = pair();
+        let recv = thread::spawn(move || {
+            let mut session = receiver_handshake(&mut b, &key(4)).unwrap();
+            receive_precopy(&mut b, &mut session, MemStore::new(), |_| Ok(()))
+        });
+        let mut session = sender_handshake(&mut a, &key(4)).unwrap();
+        let rec = BufferRecord {
+            id: 1,
+            va: 0x1000,
+            size: 8,
+            prefetch_rank: 0,
+        };
+        write_frame_to(&mut a, &Frame::Buffer(rec), Some(&mut session.frames)).unwrap();
+        // The transcript says one chunk, the wire carries another (a valid checksum of its own).
+        let mut other = session.frames.clone();
+        let data = [1u8; 8];
+        let chunk = |data| Frame::BufferChunk {
+            buffer: 1,
+            offset: 0,
+            data,
+        };
+        write_frame_to(&mut io::sink(), &chunk(&data), Some(&mut session.frames)).unwrap();
+        write_frame_to(&mut a, &chunk(&[2u8; 8]), Some(&mut other)).unwrap();
+        let totals = Totals { files: 1, bytes: 8 };
+        let done = Seal {
+            totals,
+            tag: session.done(&totals).finalize().into_bytes().into(),
+        };
+        write_frame(&mut a, &Frame::Done(done)).unwrap();
+        assert!(matches!(recv.join().unwrap(), Err(ReceiveError::Forged)));
+        let mut buf = Vec::new();
+        assert!(matches!(
+            read_frame(&mut a, &mut buf),
+            Ok(Frame::Abort { .. })
         ));
     }
 }
