@@ -20,7 +20,7 @@ use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
     child_gpu_dir, dir_bytes, gpu_memory_bytes, manifest_text, occupied, smi, sync_tree,
-    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, MANIFEST_VERSION,
+    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, NetworkLock, MANIFEST_VERSION,
 };
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
@@ -65,6 +65,9 @@ pub struct CheckpointParams {
     pub keep_on_gpu: u64,
     /// Device memory (MiB) a kept checkpoint's save may use for copies on the GPU.
     pub shadow_budget: Option<u64>,
+    /// Dump the tree's established TCP connections, the network locked this way (`None`: a
+    /// tree holding one is refused by CRIU).
+    pub tcp_established: Option<NetworkLock>,
     /// The job's control socket directory.
     pub sockets: PathBuf,
     /// The possum executable (started as the checkpoint's guard and as a keeper).
@@ -454,7 +457,24 @@ pub enum HoldError {
     Freeze(#[from] FreezeError),
     /// CRIU's dump.
     #[error(transparent)]
-    Dump(#[from] CriuError),
+    Dump(CriuError),
+    /// CRIU's dump, refused because the tree holds an established TCP connection and was not
+    /// asked to dump those.
+    #[error(
+        "the job's tree holds an established TCP connection (e.g. torchrun's TCPStore between \
+         its agent and ranks): checkpoint it with --tcp-established"
+    )]
+    TcpEstablished(#[source] CriuError),
+}
+
+impl From<CriuError> for HoldError {
+    fn from(e: CriuError) -> Self {
+        if e.is_established_tcp_refused() {
+            HoldError::TcpEstablished(e)
+        } else {
+            HoldError::Dump(e)
+        }
+    }
 }
 
 /// The pre-copy failed.
@@ -1142,6 +1162,10 @@ impl<'a> Run<'a> {
             opts.leave_running = true;
             opts.shell_job = self.plan.shell_job;
             opts.ext_unix_sk = true;
+            if let Some(lock) = p.tcp_established {
+                opts.tcp_established = true;
+                opts.network_lock = Some(lock.into());
+            }
             self.guard.step(Step::Dumping);
             let dump = timed(&mut self.figures.criu_dump, || {
                 dump_retrying_transient(criu, &opts, p.pid, obs)
@@ -1274,6 +1298,7 @@ impl<'a> Run<'a> {
             keeper: self.plan.keeper.clone(),
             held: std::mem::take(&mut self.held_memory),
             owner: self.plan.owner,
+            tcp_established: p.tcp_established.filter(|_| self.dumped),
             figures: Value::Null,
             check: None,
         }

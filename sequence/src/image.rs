@@ -69,6 +69,11 @@ pub struct Manifest {
     /// the restoring user's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<JobOwner>,
+    /// The tree's established TCP connections were dumped (`--tcp-established`), the network
+    /// locked this way: a restore restores them, locking it the same way. None when they were
+    /// not (a tree holding one could not be dumped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_established: Option<NetworkLock>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
@@ -76,6 +81,33 @@ pub struct Manifest {
     /// restore refuses a description without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
+}
+
+/// How CRIU keeps packets away from the established TCP connections it dumps and restores
+/// ([`Manifest::tcp_established`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkLock {
+    /// No lock: the connections are put in TCP repair mode, which keeps them from sending;
+    /// nothing stops a peer outside the tree from sending to them. Enough for connections
+    /// between the tree's own processes (both ends are frozen and dumped together), and
+    /// needs nothing installed.
+    #[default]
+    Skip,
+    /// iptables rules drop the connections' packets (the iptables programs must be installed).
+    Iptables,
+    /// An nftables table drops them (the kernel must have nf_tables).
+    Nftables,
+}
+
+impl From<NetworkLock> for possum_criu::NetworkLockMethod {
+    fn from(l: NetworkLock) -> Self {
+        match l {
+            NetworkLock::Skip => possum_criu::NetworkLockMethod::Skip,
+            NetworkLock::Iptables => possum_criu::NetworkLockMethod::Iptables,
+            NetworkLock::Nftables => possum_criu::NetworkLockMethod::Nftables,
+        }
+    }
 }
 
 /// Whom a job ran as ([`Manifest::owner`]).
@@ -1203,6 +1235,7 @@ mod tests {
             keeper: None,
             held: Vec::new(),
             owner: None,
+            tcp_established: None,
             figures: Value::Null,
             check: None,
         }

@@ -300,6 +300,10 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     opts.log_file = host.criu_log;
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
+    if let Some(lock) = m.tcp_established {
+        opts.tcp_established = true;
+        opts.network_lock = Some(lock.into());
+    }
     if let Some(l) = p.env.criu_log_level {
         opts.log_level = l;
     }
