@@ -102,8 +102,9 @@ pub struct CheckpointArgs {
     pub shadow_budget: Option<u64>,
     /// Dump the job's established TCP connections (e.g. torchrun's TCPStore between its agent
     /// and ranks) in TCP repair mode; without it CRIU refuses a tree that holds one. The image
-    /// records it: `possum restore` restores the connections, their peers' addresses must be
-    /// reachable again there (connections between the tree's own processes always are).
+    /// records it: `possum restore` restores the connections. Those between the tree's own
+    /// processes come back whole; one to a peer outside the tree is closed there when the job
+    /// is killed.
     #[arg(long)]
     pub tcp_established: bool,
     /// With --tcp-established: how packets are kept from the connections while they are dumped
