@@ -158,7 +158,10 @@ impl Record {
     fn counter(&self) -> u64 {
         let lines = self.lines();
         if let Some(b) = lines.iter().find(|l| l.starts_with("broken")) {
-            panic!("the job's connection failed: {b}; its record:\n{}", lines.join("\n"));
+            panic!(
+                "the job's connection failed: {b}; its record:\n{}",
+                lines.join("\n")
+            );
         }
         lines
             .iter()
@@ -355,4 +358,22 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
         "{}\n{restore_log}",
         record.join("\n")
     );
+}
+
+#[test]
+fn network_lock_is_refused_without_tcp_established() {
+    let out = Command::new(env!("CARGO_BIN_EXE_possum"))
+        .args([
+            "checkpoint",
+            "1",
+            "-D",
+            "/nonexistent/img",
+            "--network-lock",
+        ])
+        .arg("iptables")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let said = text(&out);
+    assert!(said.contains("--tcp-established"), "{said}");
 }

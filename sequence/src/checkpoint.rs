@@ -20,7 +20,8 @@ use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
     child_gpu_dir, dir_bytes, gpu_memory_bytes, manifest_text, occupied, smi, sync_tree,
-    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, NetworkLock, MANIFEST_VERSION,
+    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, NetworkLock,
+    MANIFEST_VERSION,
 };
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
@@ -1538,5 +1539,41 @@ fn dump_retrying_transient(
                 std::thread::sleep(DUMP_RETRY_WAIT);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dump_failed(message: &str) -> CriuError {
+        CriuError::Failed {
+            op: "dump",
+            errno: None,
+            message: Some(message.into()),
+            log: None,
+            log_tail: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_dump_refused_for_an_established_tcp_connection_names_the_flag() {
+        let e = HoldError::from(dump_failed(
+            "Error (criu/sk-inet.c:191): inet: Connected TCP socket, consider using \
+             --tcp-established option.",
+        ));
+        assert!(matches!(e, HoldError::TcpEstablished(_)), "{e:?}");
+        assert!(
+            e.to_string()
+                .contains("checkpoint it with --tcp-established"),
+            "{e}"
+        );
+        // CRIU's own text stays in the chain.
+        let source = std::error::Error::source(&e).unwrap().to_string();
+        assert!(source.contains("Connected TCP socket"), "{source}");
+
+        let e = HoldError::from(dump_failed("Can't seize 42"));
+        assert!(matches!(e, HoldError::Dump(_)), "{e:?}");
+        assert!(!e.to_string().contains("--tcp-established"), "{e}");
     }
 }

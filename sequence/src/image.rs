@@ -1248,6 +1248,37 @@ mod tests {
     }
 
     #[test]
+    fn dumped_tcp_connections_and_their_lock_are_recorded_and_read_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = manifest(tmp.path());
+        // Not asked: the key is absent, as in images written before it existed.
+        let text = manifest_text(&m).unwrap();
+        assert!(!text.contains("tcp_established"), "{text}");
+        assert_eq!(
+            open_sealed(tmp.path(), &m)
+                .unwrap()
+                .manifest
+                .tcp_established,
+            None
+        );
+        for lock in [
+            NetworkLock::Skip,
+            NetworkLock::Iptables,
+            NetworkLock::Nftables,
+        ] {
+            m.tcp_established = Some(lock);
+            let v: Value = serde_json::from_str(&manifest_text(&m).unwrap()).unwrap();
+            assert_eq!(v["tcp_established"], serde_json::to_value(lock).unwrap());
+            let img = open_sealed(tmp.path(), &m).unwrap();
+            assert_eq!(img.manifest.tcp_established, Some(lock));
+        }
+        assert_eq!(
+            possum_criu::NetworkLockMethod::from(NetworkLock::Skip),
+            possum_criu::NetworkLockMethod::Skip
+        );
+    }
+
+    #[test]
     fn a_description_without_its_check_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let m = manifest(tmp.path());
