@@ -75,7 +75,7 @@ fn record(out: &Path, line: &str) {
 fn server(out: &Path) -> ! {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
-    let client = job_command(ROLE, "client")
+    let mut client = job_command(ROLE, "client")
         .env(PORT, port.to_string())
         .spawn()
         .unwrap();
@@ -83,7 +83,7 @@ fn server(out: &Path) -> ! {
     let (mut conn, _) = listener.accept().unwrap();
     drop(listener);
     let mut n: u64 = 0;
-    loop {
+    let broken = loop {
         let step = conn.write_all(&n.to_le_bytes()).and_then(|()| {
             let mut b = [0u8; 8];
             conn.read_exact(&mut b).map(|()| u64::from_le_bytes(b))
@@ -93,17 +93,15 @@ fn server(out: &Path) -> ! {
                 record(out, &got.to_string());
                 n = got + 1;
             }
-            Ok(got) => {
-                record(out, &format!("broken: sent {n}, got {got}"));
-                std::process::exit(1);
-            }
-            Err(e) => {
-                record(out, &format!("broken: {e}"));
-                std::process::exit(1);
-            }
+            Ok(got) => break format!("sent {n}, got {got}"),
+            Err(e) => break e.to_string(),
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+    record(out, &format!("broken: {broken}"));
+    let _ = client.kill();
+    let _ = client.wait();
+    std::process::exit(1);
 }
 
 fn client(port: u16) -> ! {
