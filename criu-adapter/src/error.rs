@@ -161,6 +161,21 @@ impl CriuError {
     }
 }
 
+impl CriuError {
+    /// CRIU failed on a socket option the kernel no longer answers for inet sockets
+    /// (SO_PASSCRED, refused since Linux 6.16): a CRIU without its fix for that cannot dump a
+    /// TCP socket on this kernel.
+    pub fn is_inet_passcred_refused(&self) -> bool {
+        const SAYS: &str = "Can't get 1:16 opt: Operation not supported";
+        match self {
+            CriuError::Failed {
+                message, log_tail, ..
+            } => message.as_deref().is_some_and(|m| m.contains(SAYS)) || log_tail.contains(SAYS),
+            _ => false,
+        }
+    }
+}
+
 fn list_paths(paths: &[PathBuf]) -> String {
     let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     names.join(", ")
@@ -256,6 +271,11 @@ mod tests {
         assert!(failed(None, says).is_established_tcp_refused());
         assert!(!failed(Some("Can't seize 42"), "line 1").is_established_tcp_refused());
         assert!(!CriuError::NoSuchProcess { pid: 1 }.is_established_tcp_refused());
+        let passcred = "Error (criu/sockets.c:628): sockets: Can't get 1:16 opt: Operation not \
+                        supported";
+        assert!(failed(Some(passcred), "").is_inet_passcred_refused());
+        assert!(!failed(Some(passcred), "").is_established_tcp_refused());
+        assert!(!failed(Some(says), "").is_inet_passcred_refused());
     }
 
     #[test]

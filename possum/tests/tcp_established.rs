@@ -9,7 +9,7 @@
 //! Needs root, CRIU and a C compiler (for the fake driver): without them it prints
 //! `SKIPPED: ...` on stderr and passes; with `POSSUM_REQUIRE_CRIU=1` (as CI sets) a missing
 //! CRIU, or a kernel without TCP repair, fails it instead. A CRIU older than the kernel that
-//! cannot dump TCP sockets (CRIU before 4.2 on Linux 6.16 and later) skips the dump with the
+//! cannot dump TCP sockets (CRIU 4.1 and older on Linux 6.16 and later) skips the dump with the
 //! connection and the restore, whatever the variable says, once the refusal without the flag is
 //! checked: that is CRIU's limit, not the host's setup.
 
@@ -310,7 +310,8 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
     let said = text(&out);
     if !out.status.success() && said.contains(PASSCRED_REFUSED) {
         // Linux 6.16 and later answer SO_PASSCRED only on unix and netlink sockets; CRIU
-        // releases before 4.2 fail on any TCP socket they dump there.
+        // releases without their fix for it (4.1 and older) fail on any TCP socket there.
+        assert!(said.contains("this CRIU cannot dump the job's TCP sockets"), "{said}");
         assert!(alive(pid) && alive(client), "{said}");
         rec.past(refused_at + 5, "the job after the failed checkpoint");
         say(&format!(

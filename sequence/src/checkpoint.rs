@@ -466,12 +466,21 @@ pub enum HoldError {
          its agent and ranks): checkpoint it with --tcp-established"
     )]
     TcpEstablished(#[source] CriuError),
+    /// CRIU's dump, failed on a TCP socket: this CRIU cannot dump one on this kernel.
+    #[error(
+        "this CRIU cannot dump the job's TCP sockets on this kernel (Linux 6.16 and later \
+         answer SO_PASSCRED only on unix and netlink sockets): a CRIU with its fix for that \
+         is needed (CRIU 4.1 and older lack it)"
+    )]
+    CriuTooOldForTcp(#[source] CriuError),
 }
 
 impl From<CriuError> for HoldError {
     fn from(e: CriuError) -> Self {
         if e.is_established_tcp_refused() {
             HoldError::TcpEstablished(e)
+        } else if e.is_inet_passcred_refused() {
+            HoldError::CriuTooOldForTcp(e)
         } else {
             HoldError::Dump(e)
         }
@@ -1571,6 +1580,12 @@ mod tests {
         // CRIU's own text stays in the chain.
         let source = std::error::Error::source(&e).unwrap().to_string();
         assert!(source.contains("Connected TCP socket"), "{source}");
+
+        let e = HoldError::from(dump_failed(
+            "Error (criu/sockets.c:628): sockets: Can't get 1:16 opt: Operation not supported",
+        ));
+        assert!(matches!(e, HoldError::CriuTooOldForTcp(_)), "{e:?}");
+        assert!(e.to_string().contains("Linux 6.16"), "{e}");
 
         let e = HoldError::from(dump_failed("Can't seize 42"));
         assert!(matches!(e, HoldError::Dump(_)), "{e:?}");
