@@ -311,7 +311,10 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
     if !out.status.success() && said.contains(PASSCRED_REFUSED) {
         // Linux 6.16 and later answer SO_PASSCRED only on unix and netlink sockets; CRIU
         // releases without their fix for it (4.1 and older) fail on any TCP socket there.
-        assert!(said.contains("this CRIU cannot dump the job's TCP sockets"), "{said}");
+        assert!(
+            said.contains("this CRIU cannot dump the job's TCP sockets"),
+            "{said}"
+        );
         assert!(alive(pid) && alive(client), "{said}");
         rec.past(refused_at + 5, "the job after the failed checkpoint");
         say(&format!(
