@@ -147,6 +147,35 @@ pub enum CriuError {
     },
 }
 
+impl CriuError {
+    /// CRIU refused to dump a connected TCP socket because it was not asked to dump
+    /// established connections (its error says "consider using --tcp-established").
+    pub fn is_established_tcp_refused(&self) -> bool {
+        const SAYS: &str = "Connected TCP socket";
+        match self {
+            CriuError::Failed {
+                message, log_tail, ..
+            } => message.as_deref().is_some_and(|m| m.contains(SAYS)) || log_tail.contains(SAYS),
+            _ => false,
+        }
+    }
+}
+
+impl CriuError {
+    /// CRIU failed on a socket option the kernel no longer answers for inet sockets
+    /// (SO_PASSCRED, refused since Linux 6.16): a CRIU without its fix for that cannot dump a
+    /// TCP socket on this kernel.
+    pub fn is_inet_passcred_refused(&self) -> bool {
+        const SAYS: &str = "Can't get 1:16 opt: Operation not supported";
+        match self {
+            CriuError::Failed {
+                message, log_tail, ..
+            } => message.as_deref().is_some_and(|m| m.contains(SAYS)) || log_tail.contains(SAYS),
+            _ => false,
+        }
+    }
+}
+
 fn list_paths(paths: &[PathBuf]) -> String {
     let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     names.join(", ")
@@ -225,6 +254,28 @@ mod tests {
             e.to_string(),
             "criu dump failed (errno 3: No such process): Can't seize 42; the end of /img/dump.log:\nline 1\nline 2"
         );
+    }
+
+    #[test]
+    fn a_refused_connected_tcp_socket_is_recognized_from_the_message_or_the_log() {
+        let failed = |message: Option<&str>, log_tail: &str| CriuError::Failed {
+            op: "dump",
+            errno: None,
+            message: message.map(str::to_string),
+            log: None,
+            log_tail: log_tail.into(),
+        };
+        let says = "Error (criu/sk-inet.c:199): inet: Connected TCP socket, consider using \
+                    --tcp-established option.";
+        assert!(failed(Some(says), "").is_established_tcp_refused());
+        assert!(failed(None, says).is_established_tcp_refused());
+        assert!(!failed(Some("Can't seize 42"), "line 1").is_established_tcp_refused());
+        assert!(!CriuError::NoSuchProcess { pid: 1 }.is_established_tcp_refused());
+        let passcred = "Error (criu/sockets.c:628): sockets: Can't get 1:16 opt: Operation not \
+                        supported";
+        assert!(failed(Some(passcred), "").is_inet_passcred_refused());
+        assert!(!failed(Some(passcred), "").is_established_tcp_refused());
+        assert!(!failed(Some(says), "").is_inet_passcred_refused());
     }
 
     #[test]

@@ -92,6 +92,7 @@ use std::time::{Duration, Instant};
 pub use error::CriuError;
 pub use process::{set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit};
 
+pub use rpc::NetworkLockMethod;
 use rpc::{CriuOpts, CriuReq, CriuResp, ReqType};
 
 pub use config::{CRIU_ENV, PLUGIN_DIR_ENV};
@@ -269,6 +270,9 @@ pub struct DumpOptions {
     pub shell_job: bool,
     /// Dump established TCP connections.
     pub tcp_established: bool,
+    /// How CRIU locks the network of those connections (`None`: CRIU's default, iptables
+    /// unless it was built otherwise).
+    pub network_lock: Option<NetworkLockMethod>,
     /// Allow connections to unix sockets outside the tree.
     pub ext_unix_sk: bool,
     /// Dump file locks.
@@ -298,6 +302,7 @@ impl DumpOptions {
             leave_running: false,
             shell_job: false,
             tcp_established: false,
+            network_lock: None,
             ext_unix_sk: false,
             file_locks: false,
             link_remap: false,
@@ -319,6 +324,9 @@ pub struct RestoreOptions {
     pub shell_job: bool,
     /// Restore established TCP connections.
     pub tcp_established: bool,
+    /// How CRIU locks the network of those connections: the dump's method (`None`: CRIU's
+    /// default).
+    pub network_lock: Option<NetworkLockMethod>,
     /// Allow connections to unix sockets outside the tree.
     pub ext_unix_sk: bool,
     /// Restore file locks.
@@ -348,6 +356,7 @@ impl RestoreOptions {
             images_dir: images_dir.into(),
             shell_job: false,
             tcp_established: false,
+            network_lock: None,
             ext_unix_sk: false,
             file_locks: false,
             restore_sibling: false,
@@ -544,6 +553,7 @@ impl Criu {
             leave_running: Some(opts.leave_running),
             shell_job: Some(opts.shell_job),
             tcp_established: Some(opts.tcp_established),
+            network_lock: opts.network_lock.map(|m| m as i32),
             ext_unix_sk: Some(opts.ext_unix_sk),
             file_locks: Some(opts.file_locks),
             link_remap: Some(opts.link_remap),
@@ -636,6 +646,7 @@ impl Criu {
             images_dir_fd: images.as_raw_fd(),
             shell_job: Some(opts.shell_job),
             tcp_established: Some(opts.tcp_established),
+            network_lock: opts.network_lock.map(|m| m as i32),
             ext_unix_sk: Some(opts.ext_unix_sk),
             file_locks: Some(opts.file_locks),
             rst_sibling: Some(opts.restore_sibling),

@@ -37,6 +37,19 @@ pub enum ReqType {
     PageServerChld = 12,
 }
 
+/// `criu_network_lock_method`: how CRIU keeps packets away from the TCP connections it dumps
+/// or restores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
+#[repr(i32)]
+pub enum NetworkLockMethod {
+    /// Rules added with `iptables-restore` (the iptables programs must be installed).
+    Iptables = 1,
+    /// A table added through libnftables (the kernel must have nf_tables).
+    Nftables = 2,
+    /// No lock: the connections are only put in TCP repair mode.
+    Skip = 3,
+}
+
 /// `criu_cg_mode`: how CRIU treats cgroups.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
 #[repr(i32)]
@@ -159,6 +172,10 @@ pub struct CriuOpts {
     /// Close established TCP connections on restore instead of restoring them.
     #[prost(bool, optional, tag = "52")]
     pub tcp_close: Option<bool>,
+    /// How the network of established TCP connections is locked while they are dumped and
+    /// restored (unset: the one CRIU was built with, iptables unless built otherwise).
+    #[prost(enumeration = "NetworkLockMethod", optional, tag = "64")]
+    pub network_lock: Option<i32>,
 }
 
 /// `criu_dump_resp`.
@@ -320,6 +337,23 @@ mod tests {
         ]
         .concat();
         assert_eq!(req.encode_to_vec(), expected);
+    }
+
+    #[test]
+    fn the_network_lock_method_is_field_64() {
+        let opts = CriuOpts {
+            images_dir_fd: 5,
+            tcp_established: Some(true),
+            network_lock: Some(NetworkLockMethod::Skip as i32),
+            ..Default::default()
+        };
+        let expected: Vec<u8> = [
+            &[0x08, 0x05][..],   // images_dir_fd = 5
+            &[0x28, 0x01],       // tcp_established (field 5) = true
+            &[0x80, 0x04, 0x03], // network_lock (field 64, varint) = SKIP
+        ]
+        .concat();
+        assert_eq!(opts.encode_to_vec(), expected);
     }
 
     #[test]

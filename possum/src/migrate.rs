@@ -132,6 +132,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
             force: false,
             keep_on_gpu: 0,
             shadow_budget: None,
+            tcp_established: None,
             sockets: a
                 .socket_dir
                 .clone()

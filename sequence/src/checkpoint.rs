@@ -20,7 +20,8 @@ use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
     child_gpu_dir, dir_bytes, gpu_memory_bytes, manifest_text, occupied, smi, sync_tree,
-    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, MANIFEST_VERSION,
+    write_marker, GpuUse, HeldMemory, JobOwner, KeeperOfJob, Manifest, NetworkLock,
+    MANIFEST_VERSION,
 };
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
@@ -65,6 +66,9 @@ pub struct CheckpointParams {
     pub keep_on_gpu: u64,
     /// Device memory (MiB) a kept checkpoint's save may use for copies on the GPU.
     pub shadow_budget: Option<u64>,
+    /// Dump the tree's established TCP connections, the network locked this way (`None`: a
+    /// tree holding one is refused by CRIU).
+    pub tcp_established: Option<NetworkLock>,
     /// The job's control socket directory.
     pub sockets: PathBuf,
     /// The possum executable (started as the checkpoint's guard and as a keeper).
@@ -454,7 +458,33 @@ pub enum HoldError {
     Freeze(#[from] FreezeError),
     /// CRIU's dump.
     #[error(transparent)]
-    Dump(#[from] CriuError),
+    Dump(CriuError),
+    /// CRIU's dump, refused because the tree holds an established TCP connection and was not
+    /// asked to dump those.
+    #[error(
+        "the job's tree holds an established TCP connection (e.g. torchrun's TCPStore between \
+         its agent and ranks): checkpoint it with --tcp-established"
+    )]
+    TcpEstablished(#[source] CriuError),
+    /// CRIU's dump, failed on a TCP socket: this CRIU cannot dump one on this kernel.
+    #[error(
+        "this CRIU cannot dump the job's TCP sockets on this kernel (Linux 6.16 and later \
+         answer SO_PASSCRED only on unix and netlink sockets): a CRIU with its fix for that \
+         is needed (CRIU 4.1 and older lack it)"
+    )]
+    CriuTooOldForTcp(#[source] CriuError),
+}
+
+impl From<CriuError> for HoldError {
+    fn from(e: CriuError) -> Self {
+        if e.is_established_tcp_refused() {
+            HoldError::TcpEstablished(e)
+        } else if e.is_inet_passcred_refused() {
+            HoldError::CriuTooOldForTcp(e)
+        } else {
+            HoldError::Dump(e)
+        }
+    }
 }
 
 /// The pre-copy failed.
@@ -1142,6 +1172,10 @@ impl<'a> Run<'a> {
             opts.leave_running = true;
             opts.shell_job = self.plan.shell_job;
             opts.ext_unix_sk = true;
+            if let Some(lock) = p.tcp_established {
+                opts.tcp_established = true;
+                opts.network_lock = Some(lock.into());
+            }
             self.guard.step(Step::Dumping);
             let dump = timed(&mut self.figures.criu_dump, || {
                 dump_retrying_transient(criu, &opts, p.pid, obs)
@@ -1274,6 +1308,7 @@ impl<'a> Run<'a> {
             keeper: self.plan.keeper.clone(),
             held: std::mem::take(&mut self.held_memory),
             owner: self.plan.owner,
+            tcp_established: p.tcp_established.filter(|_| self.dumped),
             figures: Value::Null,
             check: None,
         }
@@ -1513,5 +1548,47 @@ fn dump_retrying_transient(
                 std::thread::sleep(DUMP_RETRY_WAIT);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dump_failed(message: &str) -> CriuError {
+        CriuError::Failed {
+            op: "dump",
+            errno: None,
+            message: Some(message.into()),
+            log: None,
+            log_tail: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_dump_refused_for_an_established_tcp_connection_names_the_flag() {
+        let e = HoldError::from(dump_failed(
+            "Error (criu/sk-inet.c:191): inet: Connected TCP socket, consider using \
+             --tcp-established option.",
+        ));
+        assert!(matches!(e, HoldError::TcpEstablished(_)), "{e:?}");
+        assert!(
+            e.to_string()
+                .contains("checkpoint it with --tcp-established"),
+            "{e}"
+        );
+        // CRIU's own text stays in the chain.
+        let source = std::error::Error::source(&e).unwrap().to_string();
+        assert!(source.contains("Connected TCP socket"), "{source}");
+
+        let e = HoldError::from(dump_failed(
+            "Error (criu/sockets.c:628): sockets: Can't get 1:16 opt: Operation not supported",
+        ));
+        assert!(matches!(e, HoldError::CriuTooOldForTcp(_)), "{e:?}");
+        assert!(e.to_string().contains("Linux 6.16"), "{e}");
+
+        let e = HoldError::from(dump_failed("Can't seize 42"));
+        assert!(matches!(e, HoldError::Dump(_)), "{e:?}");
+        assert!(!e.to_string().contains("--tcp-established"), "{e}");
     }
 }

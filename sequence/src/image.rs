@@ -69,6 +69,11 @@ pub struct Manifest {
     /// the restoring user's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<JobOwner>,
+    /// The tree's established TCP connections were dumped (`--tcp-established`), the network
+    /// locked this way: a restore restores them, locking it the same way. None when they were
+    /// not (a tree holding one could not be dumped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_established: Option<NetworkLock>,
     /// The checkpoint's figures.
     pub figures: Value,
     /// CRC32C (hex) of the rest of the description, serialized compactly ([`manifest_text`]):
@@ -76,6 +81,33 @@ pub struct Manifest {
     /// restore refuses a description without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub check: Option<String>,
+}
+
+/// How CRIU keeps packets away from the established TCP connections it dumps and restores
+/// ([`Manifest::tcp_established`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkLock {
+    /// No lock: the connections are put in TCP repair mode, which keeps them from sending;
+    /// nothing stops a peer outside the tree from sending to them. Enough for connections
+    /// between the tree's own processes (both ends are frozen and dumped together), and
+    /// needs nothing installed.
+    #[default]
+    Skip,
+    /// iptables rules drop the connections' packets (the iptables programs must be installed).
+    Iptables,
+    /// An nftables table drops them (the kernel must have nf_tables).
+    Nftables,
+}
+
+impl From<NetworkLock> for possum_criu::NetworkLockMethod {
+    fn from(l: NetworkLock) -> Self {
+        match l {
+            NetworkLock::Skip => possum_criu::NetworkLockMethod::Skip,
+            NetworkLock::Iptables => possum_criu::NetworkLockMethod::Iptables,
+            NetworkLock::Nftables => possum_criu::NetworkLockMethod::Nftables,
+        }
+    }
 }
 
 /// Whom a job ran as ([`Manifest::owner`]).
@@ -1203,6 +1235,7 @@ mod tests {
             keeper: None,
             held: Vec::new(),
             owner: None,
+            tcp_established: None,
             figures: Value::Null,
             check: None,
         }
@@ -1212,6 +1245,37 @@ mod tests {
     fn open_sealed(dir: &Path, m: &Manifest) -> Result<Image, ImageError> {
         fs::write(dir.join(MANIFEST), manifest_text(m).unwrap()).unwrap();
         open_image(dir)
+    }
+
+    #[test]
+    fn dumped_tcp_connections_and_their_lock_are_recorded_and_read_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = manifest(tmp.path());
+        // Not asked: the key is absent, as in images written before it existed.
+        let text = manifest_text(&m).unwrap();
+        assert!(!text.contains("tcp_established"), "{text}");
+        assert_eq!(
+            open_sealed(tmp.path(), &m)
+                .unwrap()
+                .manifest
+                .tcp_established,
+            None
+        );
+        for lock in [
+            NetworkLock::Skip,
+            NetworkLock::Iptables,
+            NetworkLock::Nftables,
+        ] {
+            m.tcp_established = Some(lock);
+            let v: Value = serde_json::from_str(&manifest_text(&m).unwrap()).unwrap();
+            assert_eq!(v["tcp_established"], serde_json::to_value(lock).unwrap());
+            let img = open_sealed(tmp.path(), &m).unwrap();
+            assert_eq!(img.manifest.tcp_established, Some(lock));
+        }
+        assert_eq!(
+            possum_criu::NetworkLockMethod::from(NetworkLock::Skip),
+            possum_criu::NetworkLockMethod::Skip
+        );
     }
 
     #[test]

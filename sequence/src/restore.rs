@@ -14,7 +14,8 @@ use serde::Serialize;
 use crate::config::Environment;
 use crate::figures::{timed, RestoreFigures};
 use crate::image::{
-    open_image, plan_gpus, smi, Image, ImageError, JobOwner, KeeperOfJob, KeptBuffers, UuidPairs,
+    open_image, plan_gpus, smi, Image, ImageError, JobOwner, KeeperOfJob, KeptBuffers, NetworkLock,
+    UuidPairs,
 };
 use crate::job::{self, To};
 use crate::places::{PlaceError, Places};
@@ -300,6 +301,7 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     opts.log_file = host.criu_log;
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
+    restore_tcp(&mut opts, m.tcp_established);
     if let Some(l) = p.env.criu_log_level {
         opts.log_level = l;
     }
@@ -314,6 +316,15 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         stdio,
         opts,
     })
+}
+
+/// CRIU restores the established TCP connections the image's dump took (`dumped`, the lock
+/// method it used), locking the network the same way.
+fn restore_tcp(opts: &mut RestoreOptions, dumped: Option<NetworkLock>) {
+    if let Some(lock) = dumped {
+        opts.tcp_established = true;
+        opts.network_lock = Some(lock.into());
+    }
 }
 
 /// Makes the missing directories of the tree's sockets again (mode 0700, with their missing
@@ -656,6 +667,20 @@ impl StdioPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_restore_takes_the_dumps_tcp_connections_and_lock() {
+        let mut opts = RestoreOptions::new("/img/criu");
+        restore_tcp(&mut opts, None);
+        assert!(!opts.tcp_established);
+        assert_eq!(opts.network_lock, None);
+        restore_tcp(&mut opts, Some(NetworkLock::Iptables));
+        assert!(opts.tcp_established);
+        assert_eq!(
+            opts.network_lock,
+            Some(possum_criu::NetworkLockMethod::Iptables)
+        );
+    }
 
     /// A missing socket directory of an image whose job ran as uid 65534 is made again as
     /// that user's, mode 0700, its missing parent too; without an owner it is the restoring

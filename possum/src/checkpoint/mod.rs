@@ -17,7 +17,7 @@ use possum_control::reply::CuptiReply;
 use possum_control::Request;
 use possum_sequence::figures::ms;
 use possum_sequence::guard::GuardPlan;
-use possum_sequence::image::dir_bytes;
+use possum_sequence::image::{dir_bytes, NetworkLock};
 use possum_sequence::job::ask;
 use possum_sequence::{CheckpointParams, CheckpointReport, Engine, Environment, Observer};
 use serde::{Deserialize, Serialize};
@@ -40,6 +40,27 @@ impl From<EngineKind> for Engine {
         match e {
             EngineKind::Possum => Engine::Possum,
             EngineKind::Driver => Engine::Driver,
+        }
+    }
+}
+
+/// How CRIU locks the network of the established TCP connections it dumps.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NetworkLockKind {
+    /// No lock (the connections are only put in TCP repair mode).
+    Skip,
+    /// iptables rules.
+    Iptables,
+    /// An nftables table.
+    Nftables,
+}
+
+impl From<NetworkLockKind> for NetworkLock {
+    fn from(k: NetworkLockKind) -> NetworkLock {
+        match k {
+            NetworkLockKind::Skip => NetworkLock::Skip,
+            NetworkLockKind::Iptables => NetworkLock::Iptables,
+            NetworkLockKind::Nftables => NetworkLock::Nftables,
         }
     }
 }
@@ -79,6 +100,25 @@ pub struct CheckpointArgs {
     /// `POSSUM_SHADOW_MIB`, else three quarters of the GPU's free memory beyond 4 GiB.
     #[arg(long, value_name = "MIB")]
     pub shadow_budget: Option<u64>,
+    /// Dump the job's established TCP connections (e.g. torchrun's TCPStore between its agent
+    /// and ranks) in TCP repair mode; without it CRIU refuses a tree that holds one. The image
+    /// records it: `possum restore` restores the connections. Those between the tree's own
+    /// processes come back whole; one to a peer outside the tree is closed there when the job
+    /// is killed.
+    #[arg(long)]
+    pub tcp_established: bool,
+    /// With --tcp-established: how packets are kept from the connections while they are dumped
+    /// and restored. skip: no lock, nothing needed (enough when both ends are the job's);
+    /// iptables: rules added with iptables-restore (iptables installed); nftables: a table in the
+    /// kernel's nf_tables. The restore uses the same.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "METHOD",
+        default_value = "skip",
+        requires = "tcp_established"
+    )]
+    pub network_lock: NetworkLockKind,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
@@ -108,6 +148,7 @@ impl CheckpointArgs {
             force: self.force,
             keep_on_gpu: self.keep_on_gpu,
             shadow_budget: self.shadow_budget,
+            tcp_established: self.tcp_established.then(|| self.network_lock.into()),
             sockets: socket_dir_of(self.socket_dir.as_ref()),
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),
