@@ -1,22 +1,30 @@
-//! Migration of a job to another host, stop and copy: `possum migrate PID --to HOST:PORT` on the
-//! source ([`migrate`]), `possum receive --listen ADDR:PORT -D DIR` on the destination
-//! ([`receive`]), over the authenticated transfer of [`crate::wire`].
+//! Migration of a job to another host: `possum migrate PID --to HOST:PORT` on the source
+//! ([`migrate`]), `possum receive --listen ADDR:PORT -D DIR` on the destination ([`receive`]),
+//! over the authenticated transfer of [`crate::wire`]. What the checkpoint's pre-copy writes is
+//! sent ahead while the job runs; only the rest while it is held.
 //!
 //! ```text
 //! source ([`migrate`])                              destination ([`receive`])
-//!   checkpoint  the job held, its image committed into LOCAL_DIR (the job is not let go)
-//!   connect     TCP to HOST:PORT
-//!   send        handshake, LOCAL_DIR (at most --max-rate) ──────────────▶ DIR/NAME, named only complete: Committed
+//!   checkpoint  the job held, its image committed into LOCAL_DIR (the job is not let go);
+//!               after its pre-copy, the job running ([`crate::Observer::precopied`]):
+//!     connect   TCP to HOST:PORT, handshake
+//!     ahead     the temporary directory as it is, then Cut ─────────▶ set aside under DIR
+//!   send        LOCAL_DIR, files that begin with one sent ahead as a reference and the bytes
+//!               after it (at most --max-rate) ──────────────────────▶ DIR/NAME, named only complete: Committed
 //!   kill        the held job killed (its PIDs free), LOCAL_DIR kept
 //!   hand-off    Released ──────────────────────────▶ restore DIR/NAME (`possum restore`'s sequence)
 //!               ◀─────────────────── Outcome: Running (pid) or RestoreFailed (why)
 //!   end         Running: LOCAL_DIR removed. Otherwise the job is restored here from LOCAL_DIR.
 //! ```
 //!
+//! Without a pre-copy (engine driver) the connection comes after the commit, and the whole image
+//! is sent held.
+//!
 //! What becomes of the job, by the phase that failed ([`MigrateError`]):
 //! - the checkpoint: the checkpoint's guard lets it run on, as `possum checkpoint` does;
-//! - before the kill (connect, handshake, send, a receiver's abort or a full disk there): it is
-//!   let go at the source and runs on; the receiver removed what it had of the image;
+//! - before the kill (connect, handshake, the send ahead or the send, a receiver's abort or a full
+//!   disk there): it is let go at the source and runs on (a failure while sending ahead is
+//!   acted on once the checkpoint is committed); the receiver removed what it had of the image;
 //! - after the kill (no answer within the deadline, a dropped connection, RestoreFailed): it is
 //!   restored at the source from LOCAL_DIR, which is kept.
 //!
