@@ -1225,7 +1225,7 @@ impl DirSender {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, true)?;
             let mode = if self.cut {
-                Sending::Final(&mut self.ahead)
+                Sending::Final(bases(dir, &entries, std::mem::take(&mut self.ahead)))
             } else {
                 Sending::Plain
             };
@@ -1297,8 +1297,9 @@ enum Sending<'m> {
     Plain,
     /// Ahead of the cut: each file's hash is remembered here.
     Ahead(&'m mut std::collections::HashMap<(u64, u64), AheadFile>),
-    /// After the cut: a file that begins with one sent ahead names it as its base.
-    Final(&'m mut std::collections::HashMap<(u64, u64), AheadFile>),
+    /// After the cut: the files that begin with one sent ahead, unchanged ([`bases`]), by path,
+    /// with their (device, inode) when checked; each names its base.
+    Final(std::collections::HashMap<String, ((u64, u64), Base)>),
 }
 
 /// What [`send_files`] sent.
@@ -1353,30 +1354,12 @@ fn send_files<S: Write>(
         let meta = f.metadata().map_err(read)?;
         let inode = (meta.dev(), meta.ino());
         let mut offset = 0u64;
-        if let Sending::Final(known) = &mut mode {
-            if let Some(a) = known.remove(&inode).filter(|a| a.size <= size) {
-                // The first bytes hashed again: the base is named only if they are unchanged.
-                let mut hasher = sha2::Sha256::new();
-                let mut left = a.size;
-                while left > 0 {
-                    let want = left.min(CHUNK_BYTES as u64) as usize;
-                    let k = read_full(&mut f, &mut buf[..want]).map_err(read)?;
-                    if k < want {
-                        return Err(SendError::Changed { path, listed: size });
-                    }
-                    hasher.update(&buf[..k]);
-                    left -= k as u64;
-                }
-                if <[u8; 32]>::from(hasher.finalize()) == a.sha256 {
-                    offset = a.size;
-                    h.base = Some(Base {
-                        path: a.path,
-                        size: a.size,
-                        sha256: hex(&a.sha256),
-                    });
-                } else {
-                    f.seek(io::SeekFrom::Start(0)).map_err(read)?;
-                }
+        if let Sending::Final(bases) = &mut mode {
+            // Checked against the file as listed: the same file (inode) still.
+            if let Some((_, base)) = bases.remove(&h.path).filter(|(at, _)| *at == inode) {
+                f.seek(io::SeekFrom::Start(base.size)).map_err(read)?;
+                offset = base.size;
+                h.base = Some(base);
             }
         }
         let rel = h.path.clone();
@@ -1422,6 +1405,79 @@ fn send_files<S: Write>(
         sent.totals.bytes += size;
     }
     Ok(sent)
+}
+
+/// The files of `entries` (under `dir`) that begin with a file sent ahead (the same file: its
+/// device and inode), its bytes unchanged: their first bytes hashed again, the files in parallel
+/// (one worker a file, at most 8). A file that cannot be read there is no base (it is then sent
+/// whole, or fails its send).
+fn bases(
+    dir: &Path,
+    entries: &[Entry],
+    mut ahead: std::collections::HashMap<(u64, u64), AheadFile>,
+) -> std::collections::HashMap<String, ((u64, u64), Base)> {
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let candidates: Vec<(&str, (u64, u64), AheadFile)> = entries
+        .iter()
+        .filter_map(|e| match e {
+            Entry::File(h) => Some(h),
+            Entry::Dir(_) => None,
+        })
+        .filter_map(|h| {
+            let m = fs::symlink_metadata(dir.join(&h.path)).ok()?;
+            let inode = (m.dev(), m.ino());
+            let a = ahead.remove(&inode).filter(|a| a.size <= h.size)?;
+            Some((h.path.as_str(), inode, a))
+        })
+        .collect();
+    let unchanged = |path: &str, a: &AheadFile| -> io::Result<bool> {
+        use sha2::Digest;
+        let mut f = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(dir.join(path))?;
+        let mut hasher = sha2::Sha256::new();
+        let mut buf = vec![0u8; (1 << 20).min(a.size as usize)];
+        let mut left = a.size;
+        while left > 0 {
+            let want = left.min(buf.len() as u64) as usize;
+            if read_full(&mut f, &mut buf[..want])? < want {
+                return Ok(false);
+            }
+            hasher.update(&buf[..want]);
+            left -= want as u64;
+        }
+        Ok(<[u8; 32]>::from(hasher.finalize()) == a.sha256)
+    };
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+        .min(candidates.len().max(1));
+    let found = std::sync::Mutex::new(std::collections::HashMap::new());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let Some((path, inode, a)) = candidates.get(next.fetch_add(1, Ordering::Relaxed))
+                else {
+                    return;
+                };
+                if unchanged(path, a).unwrap_or(false) {
+                    let base = Base {
+                        path: a.path.clone(),
+                        size: a.size,
+                        sha256: hex(&a.sha256),
+                    };
+                    found
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(path.to_string(), (*inode, base));
+                }
+            });
+        }
+    });
+    found.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
 /// `bytes` in lowercase hex.
