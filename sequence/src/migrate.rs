@@ -309,7 +309,7 @@ fn paced<T>(
 trait ReadWrite: io::Read + io::Write {}
 impl<T: io::Read + io::Write> ReadWrite for T {}
 
-/// Why the connection or the transfer failed before the job was held.
+/// Why the connection, its handshake or the send ahead failed (before the final send).
 enum Early {
     Connect(io::Error),
     Send(Box<WireError>),
