@@ -170,6 +170,12 @@ fn print_migrate(r: &MigrateReport) {
         mib(r.bytes)
     );
     println!(
+        "  {:.1} MiB sent ahead while the job ran ({:.0} ms), {:.1} MiB while it was held",
+        mib(r.bytes_before_hold),
+        ms(t.ahead),
+        mib(r.bytes_while_held)
+    );
+    println!(
         "  downtime {:.0} ms (checkpoint {:.0}, send {:.0}, kill {:.0}, restore there {:.0}); \
          total {:.0} ms",
         ms(t.downtime),

@@ -226,6 +226,13 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     assert_eq!(r["pid"], job.pid, "{r}");
     assert_eq!((&v["files"], &v["bytes"]), (&r["files"], &r["bytes"]));
     assert!(v["bytes"].as_u64().unwrap() > 2 << 20, "{v}");
+    // What the pre-copy wrote went ahead, the job running; only the rest while it was held.
+    let (before, held) = (
+        v["bytes_before_hold"].as_u64().unwrap(),
+        v["bytes_while_held"].as_u64().unwrap(),
+    );
+    assert!(before > 0, "{v}");
+    assert!(held < v["bytes"].as_u64().unwrap(), "{v}");
     let t = &v["timings"];
     let downtime = t["downtime_ms"].as_f64().unwrap();
     assert!(
@@ -240,7 +247,10 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     assert_eq!(names(&dir.join("received")).len(), 1);
 
     goes_on_like(&mut job, dir, &want, "migrated");
-    say(&format!("migrate_loopback: {t}"));
+    say(&format!(
+        "migrate_loopback: {t}; {before} bytes sent ahead, {held} while held, of {}",
+        v["bytes"]
+    ));
 }
 
 #[test]

@@ -231,6 +231,9 @@ fn hold_and_commit<'a>(
     let held = (|| -> Result<(), HoldError> {
         run.hold_ranks(obs)?;
         run.precopy(obs)?;
+        if run.by_possum() {
+            obs.precopied(&run.tmp);
+        }
         run.cut(obs)?;
         run.freeze()?;
         run.dump(obs)?;

@@ -86,6 +86,12 @@ pub trait Observer {
     fn copied(&mut self);
     /// Something the user should know (a step taken again, a check that could not be made).
     fn note(&mut self, what: &str);
+    /// The pre-copy is over and the job runs on until the cut: what it wrote is under `dir`, the
+    /// image's temporary directory, which the cut then completes (a migration sends it ahead
+    /// from here). Told once, engine possum only.
+    fn precopied(&mut self, dir: &Path) {
+        let _ = dir;
+    }
 }
 
 /// An [`Observer`] that shows nothing and drops the notes.

@@ -1,22 +1,30 @@
-//! Migration of a job to another host, stop and copy: `possum migrate PID --to HOST:PORT` on the
-//! source ([`migrate`]), `possum receive --listen ADDR:PORT -D DIR` on the destination
-//! ([`receive`]), over the authenticated transfer of [`crate::wire`].
+//! Migration of a job to another host: `possum migrate PID --to HOST:PORT` on the source
+//! ([`migrate`]), `possum receive --listen ADDR:PORT -D DIR` on the destination ([`receive`]),
+//! over the authenticated transfer of [`crate::wire`]. What the checkpoint's pre-copy writes is
+//! sent ahead while the job runs; only the rest while it is held.
 //!
 //! ```text
 //! source ([`migrate`])                              destination ([`receive`])
-//!   checkpoint  the job held, its image committed into LOCAL_DIR (the job is not let go)
-//!   connect     TCP to HOST:PORT
-//!   send        handshake, LOCAL_DIR (at most --max-rate) ──────────────▶ DIR/NAME, named only complete: Committed
+//!   checkpoint  the job held, its image committed into LOCAL_DIR (the job is not let go);
+//!               after its pre-copy, the job running ([`crate::Observer::precopied`]):
+//!     connect   TCP to HOST:PORT, handshake
+//!     ahead     the temporary directory as it is, then Cut ─────────▶ set aside under DIR
+//!   send        LOCAL_DIR, files that begin with one sent ahead as a reference and the bytes
+//!               after it (at most --max-rate) ──────────────────────▶ DIR/NAME, named only complete: Committed
 //!   kill        the held job killed (its PIDs free), LOCAL_DIR kept
 //!   hand-off    Released ──────────────────────────▶ restore DIR/NAME (`possum restore`'s sequence)
 //!               ◀─────────────────── Outcome: Running (pid) or RestoreFailed (why)
 //!   end         Running: LOCAL_DIR removed. Otherwise the job is restored here from LOCAL_DIR.
 //! ```
 //!
+//! Without a pre-copy (engine driver) the connection comes after the commit, and the whole image
+//! is sent held.
+//!
 //! What becomes of the job, by the phase that failed ([`MigrateError`]):
 //! - the checkpoint: the checkpoint's guard lets it run on, as `possum checkpoint` does;
-//! - before the kill (connect, handshake, send, a receiver's abort or a full disk there): it is
-//!   let go at the source and runs on; the receiver removed what it had of the image;
+//! - before the kill (connect, handshake, the send ahead or the send, a receiver's abort or a full
+//!   disk there): it is let go at the source and runs on (a failure while sending ahead is
+//!   acted on once the checkpoint is committed); the receiver removed what it had of the image;
 //! - after the kill (no answer within the deadline, a dropped connection, RestoreFailed): it is
 //!   restored at the source from LOCAL_DIR, which is kept.
 //!
@@ -41,8 +49,8 @@ use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
 use crate::restore::{restore, RestoreError, RestoreParams};
 use crate::wire::{
-    self, await_outcome, await_released, receive_dir_session, send_abort, send_dir_session,
-    send_outcome, send_released, FrameError, HandoffError, Outcome, WireError,
+    self, await_outcome, await_released, receive_dir_session, send_abort, send_outcome,
+    send_released, DirSender, FrameError, HandoffError, Outcome, Totals, WireError,
 };
 use crate::Observer;
 
@@ -97,10 +105,13 @@ pub struct MigrateTimings {
     /// The checkpoint, up to the image committed with the job held.
     #[serde(rename = "checkpoint_ms", serialize_with = "as_ms")]
     pub checkpoint: Duration,
-    /// The connection.
+    /// The connection and the handshake.
     #[serde(rename = "connect_ms", serialize_with = "as_ms")]
     pub connect: Duration,
-    /// The handshake and the transfer, up to `Committed`.
+    /// What the pre-copy wrote, sent ahead while the job runs (part of the checkpoint's time).
+    #[serde(rename = "ahead_ms", serialize_with = "as_ms")]
+    pub ahead: Duration,
+    /// The rest of the transfer, the job held, up to `Committed`.
     #[serde(rename = "send_ms", serialize_with = "as_ms")]
     pub send: Duration,
     /// The job's kill (and the local image made durable).
@@ -130,6 +141,10 @@ pub struct MigrateReport {
     pub files: u64,
     /// Their bytes.
     pub bytes: u64,
+    /// The bytes of them sent ahead, while the job ran (what its pre-copy wrote).
+    pub bytes_before_hold: u64,
+    /// The bytes of them sent while the job was held (the rest came from those sent ahead).
+    pub bytes_while_held: u64,
     /// The phases' timings.
     pub timings: MigrateTimings,
     /// The source's checkpoint.
@@ -261,36 +276,146 @@ fn connect(to: &str, deadline: Duration, io: Duration) -> io::Result<TcpStream> 
     Err(last)
 }
 
+/// The connection to the destination and its transfer, once begun.
+struct Link {
+    stream: TcpStream,
+    sender: DirSender,
+}
+
+impl Link {
+    /// Connects to `p.to` and shakes hands.
+    fn open(p: &MigrateParams) -> Result<Link, Early> {
+        let mut stream =
+            connect(&p.to, p.deadlines.connect, p.deadlines.io).map_err(Early::Connect)?;
+        let sender = paced(p, &mut stream, |mut s| DirSender::start(&mut s, &p.key))
+            .map_err(|e| Early::Send(Box::new(e)))?;
+        Ok(Link { stream, sender })
+    }
+}
+
+/// `f` on `stream`, paced at `p.max_rate` if it has one.
+fn paced<T>(
+    p: &MigrateParams,
+    stream: &mut TcpStream,
+    f: impl FnOnce(&mut dyn ReadWrite) -> T,
+) -> T {
+    match p.max_rate {
+        Some(rate) => f(&mut wire::Paced::new(stream, rate)),
+        None => f(stream),
+    }
+}
+
+/// A stream both ways.
+trait ReadWrite: io::Read + io::Write {}
+impl<T: io::Read + io::Write> ReadWrite for T {}
+
+/// Why the connection, its handshake or the send ahead failed (before the final send).
+enum Early {
+    Connect(io::Error),
+    Send(Box<WireError>),
+}
+
+/// The checkpoint's observer during a migration: once the pre-copy is over, the job still
+/// running, it connects to the destination and sends what the pre-copy wrote ahead.
+struct SendAhead<'a> {
+    p: &'a MigrateParams,
+    obs: &'a mut dyn Observer,
+    link: Option<Result<Link, Early>>,
+    connect: Duration,
+    ahead: Duration,
+    sent: Totals,
+}
+
+impl Observer for SendAhead<'_> {
+    fn copying(&mut self, total: u64, dir: &Path) {
+        self.obs.copying(total, dir);
+    }
+    fn copied(&mut self) {
+        self.obs.copied();
+    }
+    fn note(&mut self, what: &str) {
+        self.obs.note(what);
+    }
+    fn precopied(&mut self, dir: &Path) {
+        let t = Instant::now();
+        let link = Link::open(self.p);
+        self.connect = t.elapsed();
+        let t = Instant::now();
+        let link = link.and_then(|mut l| {
+            let Link { stream, sender } = &mut l;
+            self.sent = paced(self.p, stream, |mut s| sender.send_ahead(&mut s, dir))
+                .map_err(|e| Early::Send(Box::new(e)))?;
+            Ok(l)
+        });
+        self.ahead = t.elapsed();
+        if link.is_ok() {
+            self.obs.note(&format!(
+                "sent ahead, the job running: {} files, {} bytes",
+                self.sent.files, self.sent.bytes
+            ));
+        }
+        self.link = Some(link);
+    }
+}
+
 /// Migrates the job `p.checkpoint` names to the [`receive`] at `p.to`, in phases: checkpoint
-/// (held), connect, send, kill, hand-off. `obs` is told how the checkpoint and the restores go.
+/// (held; what its pre-copy wrote sent ahead while the job runs), send (the rest, held), kill,
+/// hand-off. `obs` is told how the checkpoint and the restores go.
 pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateReport, MigrateError> {
     let t_all = Instant::now();
     let mut timings = MigrateTimings::default();
     let local = p.checkpoint.dir.clone();
 
-    let held =
-        checkpoint_held(&p.checkpoint, obs).map_err(|e| MigrateError::Checkpoint(Box::new(e)))?;
+    let mut ahead = SendAhead {
+        p,
+        obs,
+        link: None,
+        connect: Duration::ZERO,
+        ahead: Duration::ZERO,
+        sent: Totals::default(),
+    };
+    let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
+    let SendAhead {
+        obs,
+        link,
+        connect: connect_took,
+        ahead: ahead_took,
+        sent: sent_ahead,
+        ..
+    } = ahead;
+    let held = match checkpointed {
+        Ok(held) => held,
+        Err(e) => {
+            if let Some(Ok(mut l)) = link {
+                send_abort(&mut l.stream, "the source's checkpoint failed");
+            }
+            return Err(MigrateError::Checkpoint(Box::new(e)));
+        }
+    };
     timings.checkpoint = t_all.elapsed();
+    timings.ahead = ahead_took;
     let committed_at = Instant::now();
 
+    // Without a pre-copy (engine driver, or nothing to copy), the connection comes now.
     let t = Instant::now();
-    let mut stream = match connect(&p.to, p.deadlines.connect, p.deadlines.io) {
-        Ok(s) => s,
-        Err(source) => {
+    let link = link.unwrap_or_else(|| Link::open(p));
+    timings.connect = connect_took + t.elapsed();
+    let Link { mut stream, sender } = match link {
+        Ok(l) => l,
+        Err(Early::Connect(source)) => {
             let job = let_go(held, obs);
             let to = p.to.clone();
             return Err(MigrateError::Connect { to, job, source });
         }
+        Err(Early::Send(source)) => {
+            let job = let_go(held, obs);
+            let to = p.to.clone();
+            return Err(MigrateError::Send { to, job, source });
+        }
     };
-    timings.connect = t.elapsed();
 
     let t = Instant::now();
-    let sending = match p.max_rate {
-        Some(rate) => {
-            send_dir_session(&mut wire::Paced::new(&mut stream, rate), &p.key, held.dir())
-        }
-        None => send_dir_session(&mut stream, &p.key, held.dir()),
-    };
+    let sending = paced(p, &mut stream, |mut s| sender.finish(&mut s, held.dir()));
     let (sent, mut session) = match sending {
         Ok(s) => s,
         Err(source) => {
@@ -302,7 +427,6 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         }
     };
     timings.send = t.elapsed();
-
     // The destination has the image: the job is killed here, its PIDs free for the restore.
     let t = Instant::now();
     let report = match held.kill() {
@@ -347,6 +471,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
                 remote_pid,
                 files: sent.totals.files,
                 bytes: sent.totals.bytes,
+                bytes_before_hold: sent_ahead.bytes,
+                bytes_while_held: sent.sent_bytes,
                 timings,
                 checkpoint: report,
             })

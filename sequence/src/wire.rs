@@ -24,10 +24,17 @@
 //! `crc32c: u32` (little endian, of the payload), then `length` bytes of payload; a frame longer
 //! than [`MAX_FRAME`] is refused before anything is read of it. The kinds ([`Frame`]):
 //! - `Dir` and `File`: a JSON object `{"path": "a/b", "mode": 420}` (and `"size"` for a file), the
-//!   path relative, `/`-separated, UTF-8, with no empty, `.` or `..` component;
+//!   path relative, `/`-separated, UTF-8, with no empty, `.` or `..` component; after a `Cut`, a
+//!   file may name a `"base"`, `{"path", "size", "sha256"}`: a file sent ahead that holds its
+//!   first `size` bytes, its chunks then beginning there;
 //! - `Chunk`: the offset in the current file (`u64` LE) then the bytes, in order, at most
 //!   [`CHUNK_BYTES`] of them;
 //! - `EndFile`: empty; the file got exactly its size;
+//! - `Cut` (a transfer in two parts, [`DirSender`]): empty; the files before it were sent ahead
+//!   (a migration's pre-copy, the job running), the final set follows. The receiver sets aside
+//!   what came before, with the SHA-256 of each file; a file of the final set takes a base from
+//!   there only if its length and hash are those received, each base once; what is left aside
+//!   is removed. `Done`'s totals are the final set's, whole files counted;
 //! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received, then a
 //!   32-byte HMAC under the session's key ([`Seal`]): `Done`'s of every frame before it (headers
 //!   and payloads) and the totals, `Committed`'s of `Done`'s HMAC and the totals received;
@@ -428,6 +435,23 @@ pub struct FileHeader {
     pub size: u64,
     /// Its permission bits.
     pub mode: u32,
+    /// After a `Cut`: the file sent ahead that holds its first bytes (the chunks then begin
+    /// where it ends).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<Base>,
+}
+
+/// A file sent ahead (before the `Cut`) that a file of the final set begins with: the receiver
+/// moves it into place, once its own hash of what it received matches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Base {
+    /// Its path as it was sent ahead.
+    pub path: String,
+    /// Its length as it was sent ahead (bytes).
+    pub size: u64,
+    /// The SHA-256 of those bytes, lowercase hex.
+    pub sha256: String,
 }
 
 /// The counts of a transfer.
@@ -485,6 +509,8 @@ pub enum Frame<'a> {
         /// The session's HMAC of `Released`'s and the outcome.
         tag: [u8; TAG_BYTES],
     },
+    /// The files so far were sent ahead (the job still running); the final set follows.
+    Cut,
     /// A pre-copy's buffer declared (before any of its bytes; again in a later round).
     Buffer(BufferRecord),
     /// A pre-copy's bytes of a declared buffer from `offset` (a later round's replace them).
@@ -544,6 +570,7 @@ const KIND_RELEASED: u8 = 8;
 const KIND_OUTCOME: u8 = 9;
 const KIND_BUFFER: u8 = 10;
 const KIND_BUFFER_CHUNK: u8 = 11;
+const KIND_CUT: u8 = 12;
 /// A `Buffer` frame's payload: id, va, size (`u64` LE), prefetch rank (`u32` LE).
 const BUFFER_BYTES: usize = 28;
 
@@ -606,6 +633,7 @@ fn kind_name(kind: u8) -> &'static str {
         KIND_OUTCOME => "Outcome",
         KIND_BUFFER => "Buffer",
         KIND_BUFFER_CHUNK => "BufferChunk",
+        KIND_CUT => "Cut",
         _ => "unknown",
     }
 }
@@ -628,6 +656,7 @@ impl Frame<'_> {
             Frame::Outcome { .. } => KIND_OUTCOME,
             Frame::Buffer(_) => KIND_BUFFER,
             Frame::BufferChunk { .. } => KIND_BUFFER_CHUNK,
+            Frame::Cut => KIND_CUT,
         }
     }
 }
@@ -662,7 +691,10 @@ pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameEr
 
 /// Whether a frame of `kind` goes into the session's HMAC of the frames (those before `Done`).
 fn in_transcript(kind: u8) -> bool {
-    (KIND_DIR..=KIND_END_FILE).contains(&kind) || kind == KIND_BUFFER || kind == KIND_BUFFER_CHUNK
+    (KIND_DIR..=KIND_END_FILE).contains(&kind)
+        || kind == KIND_BUFFER
+        || kind == KIND_BUFFER_CHUNK
+        || kind == KIND_CUT
 }
 
 /// Writes `frame` to `w`, into `transcript` if it is one of the transfer's.
@@ -689,7 +721,7 @@ fn write_frame_to<W: Write>(
             offset = o.to_le_bytes();
             [&offset, data]
         }
-        Frame::EndFile => [&[], &[]],
+        Frame::EndFile | Frame::Cut => [&[], &[]],
         Frame::Done(seal) | Frame::Committed(seal) => {
             sealed = seal_bytes(seal);
             [&sealed, &[]]
@@ -776,7 +808,7 @@ fn read_frame_from<'b, R: Read>(
     let kind = header[0];
     let len = u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"));
     let sent = u32::from_le_bytes(header[9..].try_into().expect("4 bytes"));
-    if !(KIND_DIR..=KIND_BUFFER_CHUNK).contains(&kind) {
+    if !(KIND_DIR..=KIND_CUT).contains(&kind) {
         return Err(FrameError::UnknownKind(kind));
     }
     if len > MAX_FRAME {
@@ -837,6 +869,10 @@ fn read_frame_from<'b, R: Read>(
         KIND_END_FILE => {
             exact(0)?;
             Frame::EndFile
+        }
+        KIND_CUT => {
+            exact(0)?;
+            Frame::Cut
         }
         KIND_DONE | KIND_COMMITTED => {
             exact(16 + TAG_BYTES)?;
@@ -910,8 +946,11 @@ fn read_frame_from<'b, R: Read>(
 /// What [`send_dir`] sent.
 #[derive(Clone, Copy, Debug)]
 pub struct SendReport {
-    /// Files and bytes, as the receiver counted them.
+    /// Files and bytes of the directory, as the receiver counted them.
     pub totals: Totals,
+    /// The files' bytes this end sent after the `Cut` (all of them without one; the rest came
+    /// from what was sent ahead).
+    pub sent_bytes: u64,
     /// From the handshake to the receiver's `Committed`.
     pub elapsed: Duration,
 }
@@ -1014,8 +1053,10 @@ enum Entry {
     File(FileHeader),
 }
 
-/// The entries under `root/rel`, sorted, each directory before what it holds.
-fn list(root: &Path, rel: &str, out: &mut Vec<Entry>) -> Result<(), SendError> {
+/// The entries under `root/rel`, sorted, each directory before what it holds. Not `strict` (a
+/// directory still being written): what is neither a file nor a directory, or gone meanwhile,
+/// is left out.
+fn list(root: &Path, rel: &str, out: &mut Vec<Entry>, strict: bool) -> Result<(), SendError> {
     let at = if rel.is_empty() {
         root.to_path_buf()
     } else {
@@ -1042,10 +1083,16 @@ fn list(root: &Path, rel: &str, out: &mut Vec<Entry>) -> Result<(), SendError> {
             format!("{rel}/{name}")
         };
         // Not followed: a link is refused, not sent as what it points to.
-        let meta = fs::symlink_metadata(&path).map_err(|source| SendError::List {
-            path: path.clone(),
-            source,
-        })?;
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(m) => m,
+            Err(e) if !strict && e.kind() == io::ErrorKind::NotFound => continue,
+            Err(source) => {
+                return Err(SendError::List {
+                    path: path.clone(),
+                    source,
+                })
+            }
+        };
         let t = meta.file_type();
         let mode = meta.permissions().mode() & 0o777;
         if t.is_dir() {
@@ -1053,13 +1100,20 @@ fn list(root: &Path, rel: &str, out: &mut Vec<Entry>) -> Result<(), SendError> {
                 path: r.clone(),
                 mode,
             }));
-            list(root, &r, out)?;
+            match list(root, &r, out, strict) {
+                Err(SendError::List { source, .. })
+                    if !strict && source.kind() == io::ErrorKind::NotFound => {}
+                other => other?,
+            }
         } else if t.is_file() {
             out.push(Entry::File(FileHeader {
                 path: r,
                 size: meta.len(),
                 mode,
+                base: None,
             }));
+        } else if !strict {
+            continue;
         } else {
             let what = if t.is_symlink() {
                 "a symbolic link"
@@ -1093,31 +1147,134 @@ pub fn send_dir_session<S: Read + Write>(
     key: &HmacKey,
     dir: &Path,
 ) -> Result<(SendReport, Session), WireError> {
-    let mut session = sender_handshake(stream, key)?;
-    let start = Instant::now();
-    match send_entries(stream, &mut session, dir) {
-        Ok(done) => {
-            let totals = confirmation(stream, &mut session, &done)?;
-            let report = SendReport {
-                totals,
-                elapsed: start.elapsed(),
+    DirSender::start(stream, key)?.finish(stream, dir)
+}
+
+/// A file sent ahead, as the sender remembers it.
+#[derive(Debug)]
+struct AheadFile {
+    path: String,
+    size: u64,
+    sha256: [u8; 32],
+}
+
+/// A directory sent in two parts over one session: [`DirSender::send_ahead`] sends what it holds
+/// while it is still being written (a migration's pre-copy, the job running), then `Cut`;
+/// [`DirSender::finish`] sends the final set: each file that begins with one sent ahead (the same
+/// file, found by its inode, its first bytes hashed again here) names it as its [`Base`] and
+/// sends only the bytes after it, every other file is sent whole. The receiver moves the bases
+/// into place, checking its own hash of them, and drops what was sent ahead and is not in the
+/// final set.
+#[derive(Debug)]
+pub struct DirSender {
+    session: Session,
+    /// The files sent ahead, by (device, inode).
+    ahead: std::collections::HashMap<(u64, u64), AheadFile>,
+    cut: bool,
+}
+
+impl DirSender {
+    /// The handshake.
+    pub fn start<S: Read + Write>(stream: &mut S, key: &HmacKey) -> Result<DirSender, WireError> {
+        Ok(DirSender {
+            session: sender_handshake(stream, key)?,
+            ahead: std::collections::HashMap::new(),
+            cut: false,
+        })
+    }
+
+    /// Sends the regular files and directories under `dir` as they are now (what is neither, or
+    /// goes away meanwhile, left out; a file that grows, only the bytes it had when listed),
+    /// then `Cut`: files and bytes sent. At most once, before [`DirSender::finish`].
+    pub fn send_ahead<S: Read + Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+    ) -> Result<Totals, WireError> {
+        assert!(!self.cut, "a directory is sent ahead once");
+        self.cut = true;
+        let sent = (|| {
+            let mut entries = Vec::new();
+            list(dir, "", &mut entries, false)?;
+            let sent = send_files(
+                stream,
+                &mut self.session,
+                dir,
+                entries,
+                Sending::Ahead(&mut self.ahead),
+            )?;
+            write_frame_to(stream, &Frame::Cut, Some(&mut self.session.frames))?;
+            stream.flush().map_err(|source| FrameError::Io {
+                what: "sending",
+                source,
+            })?;
+            Ok(sent.totals)
+        })();
+        sent.map_err(|e| failed(stream, e))
+    }
+
+    /// Sends the directory `dir` (the final set) and `Done`; returns once the receiver has named
+    /// it, complete, with the session for an exchange after the transfer.
+    pub fn finish<S: Read + Write>(
+        mut self,
+        stream: &mut S,
+        dir: &Path,
+    ) -> Result<(SendReport, Session), WireError> {
+        let start = Instant::now();
+        let sent = (|| {
+            let mut entries = Vec::new();
+            list(dir, "", &mut entries, true)?;
+            let mode = if self.cut {
+                Sending::Final(bases(dir, &entries, std::mem::take(&mut self.ahead)))
+            } else {
+                Sending::Plain
             };
-            Ok((report, session))
-        }
-        Err(e @ SendError::Frame(FrameError::Io { .. })) => {
+            let sent = send_files(stream, &mut self.session, dir, entries, mode)?;
+            let done = Seal {
+                totals: sent.totals,
+                tag: self
+                    .session
+                    .done(&sent.totals)
+                    .finalize()
+                    .into_bytes()
+                    .into(),
+            };
+            write_frame(stream, &Frame::Done(done))?;
+            stream.flush().map_err(|source| FrameError::Io {
+                what: "sending",
+                source,
+            })?;
+            Ok((done, sent.bytes))
+        })();
+        let (done, sent_bytes) = sent.map_err(|e| failed(stream, e))?;
+        let totals = confirmation(stream, &mut self.session, &done)?;
+        let report = SendReport {
+            totals,
+            sent_bytes,
+            elapsed: start.elapsed(),
+        };
+        Ok((report, self.session))
+    }
+}
+
+/// A send that failed after the handshake: the receiver told why (`Abort`) unless the stream
+/// failed, where the receiver's own reason is read if it sent one.
+fn failed<S: Read + Write>(stream: &mut S, e: SendError) -> WireError {
+    match e {
+        e @ SendError::Frame(FrameError::Io { .. }) => {
             // The receiver may have closed the connection after telling why.
             let mut buf = Vec::new();
             match read_frame(stream, &mut buf) {
-                Ok(Frame::Abort { reason }) => Err(SendError::Rejected { reason }.into()),
-                _ => Err(e.into()),
+                Ok(Frame::Abort { reason }) => SendError::Rejected { reason }.into(),
+                _ => e.into(),
             }
         }
-        Err(e @ SendError::Frame(_)) => Err(e.into()),
-        Err(e) => {
+        e @ SendError::Frame(_) => e.into(),
+        e => {
             let reason = chain(&e);
             let _ = write_frame(stream, &Frame::Abort { reason });
             let _ = stream.flush();
-            Err(e.into())
+            e.into()
         }
     }
 }
@@ -1134,68 +1291,198 @@ fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Sends the frames of `dir` and `Done`; what `Done` said.
-fn send_entries<S: Write>(
+/// Which part of a transfer [`send_files`] sends.
+enum Sending<'m> {
+    /// The whole directory, once.
+    Plain,
+    /// Ahead of the cut: each file's hash is remembered here.
+    Ahead(&'m mut std::collections::HashMap<(u64, u64), AheadFile>),
+    /// After the cut: the files that begin with one sent ahead, unchanged ([`bases`]), by path,
+    /// with their (device, inode) when checked; each names its base.
+    Final(std::collections::HashMap<String, ((u64, u64), Base)>),
+}
+
+/// What [`send_files`] sent.
+struct Sent {
+    /// The files and their whole lengths.
+    totals: Totals,
+    /// The bytes sent of them (less than their lengths where a base holds the rest).
+    bytes: u64,
+}
+
+/// Sends the frames of `entries`, under `dir`.
+fn send_files<S: Write>(
     stream: &mut S,
     session: &mut Session,
     dir: &Path,
-) -> Result<Seal, SendError> {
-    let mut entries = Vec::new();
-    list(dir, "", &mut entries)?;
-    let mut sent = Totals::default();
+    entries: Vec<Entry>,
+    mut mode: Sending<'_>,
+) -> Result<Sent, SendError> {
+    use sha2::Digest;
+    use std::io::Seek;
+    use std::os::unix::fs::MetadataExt;
+    let ahead = matches!(mode, Sending::Ahead(_));
+    let mut sent = Sent {
+        totals: Totals::default(),
+        bytes: 0,
+    };
     let mut buf = vec![0u8; CHUNK_BYTES];
     for entry in entries {
-        match entry {
-            Entry::Dir(h) => write_frame_to(stream, &Frame::Dir(h), Some(&mut session.frames))?,
-            Entry::File(h) => {
-                let path = dir.join(&h.path);
-                let read = |source| SendError::Read {
-                    path: path.clone(),
-                    source,
-                };
-                let mut f = fs::OpenOptions::new()
-                    .read(true)
-                    .custom_flags(nix::libc::O_NOFOLLOW)
-                    .open(&path)
-                    .map_err(read)?;
-                let size = h.size;
-                write_frame_to(stream, &Frame::File(h), Some(&mut session.frames))?;
-                let mut offset = 0u64;
-                while offset < size {
-                    let want = (size - offset).min(CHUNK_BYTES as u64) as usize;
-                    let k = read_full(&mut f, &mut buf[..want]).map_err(read)?;
-                    if k < want {
-                        return Err(SendError::Changed { path, listed: size });
-                    }
-                    write_frame_to(
-                        stream,
-                        &Frame::Chunk {
-                            offset,
-                            data: &buf[..k],
-                        },
-                        Some(&mut session.frames),
-                    )?;
-                    offset += k as u64;
-                }
-                if f.metadata().map_err(read)?.len() != size {
-                    return Err(SendError::Changed { path, listed: size });
-                }
-                write_frame_to(stream, &Frame::EndFile, Some(&mut session.frames))?;
-                sent.files += 1;
-                sent.bytes += size;
+        let mut h = match entry {
+            Entry::Dir(h) => {
+                write_frame_to(stream, &Frame::Dir(h), Some(&mut session.frames))?;
+                continue;
+            }
+            Entry::File(h) => h,
+        };
+        let path = dir.join(&h.path);
+        let read = |source| SendError::Read {
+            path: path.clone(),
+            source,
+        };
+        let opened = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&path);
+        let mut f = match opened {
+            Ok(f) => f,
+            // Ahead of the cut, a file may go away between its listing and its read.
+            Err(e) if ahead && e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(read(e)),
+        };
+        let size = h.size;
+        let meta = f.metadata().map_err(read)?;
+        let inode = (meta.dev(), meta.ino());
+        let mut offset = 0u64;
+        if let Sending::Final(bases) = &mut mode {
+            // Checked against the file as listed: the same file (inode) still.
+            if let Some((_, base)) = bases.remove(&h.path).filter(|(at, _)| *at == inode) {
+                f.seek(io::SeekFrom::Start(base.size)).map_err(read)?;
+                offset = base.size;
+                h.base = Some(base);
             }
         }
+        let rel = h.path.clone();
+        write_frame_to(stream, &Frame::File(h), Some(&mut session.frames))?;
+        let mut hasher = ahead.then(sha2::Sha256::new);
+        while offset < size {
+            let want = (size - offset).min(CHUNK_BYTES as u64) as usize;
+            let k = read_full(&mut f, &mut buf[..want]).map_err(read)?;
+            if k < want {
+                return Err(SendError::Changed { path, listed: size });
+            }
+            if let Some(hs) = hasher.as_mut() {
+                hs.update(&buf[..k]);
+            }
+            write_frame_to(
+                stream,
+                &Frame::Chunk {
+                    offset,
+                    data: &buf[..k],
+                },
+                Some(&mut session.frames),
+            )?;
+            offset += k as u64;
+            sent.bytes += k as u64;
+        }
+        // Ahead of the cut a file may grow (its first bytes were sent); the final set may not
+        // change while it is sent.
+        if !ahead && f.metadata().map_err(read)?.len() != size {
+            return Err(SendError::Changed { path, listed: size });
+        }
+        write_frame_to(stream, &Frame::EndFile, Some(&mut session.frames))?;
+        if let (Sending::Ahead(known), Some(hs)) = (&mut mode, hasher) {
+            known.insert(
+                inode,
+                AheadFile {
+                    path: rel,
+                    size,
+                    sha256: hs.finalize().into(),
+                },
+            );
+        }
+        sent.totals.files += 1;
+        sent.totals.bytes += size;
     }
-    let done = Seal {
-        totals: sent,
-        tag: session.done(&sent).finalize().into_bytes().into(),
+    Ok(sent)
+}
+
+/// The files of `entries` (under `dir`) that begin with a file sent ahead (the same file: its
+/// device and inode), its bytes unchanged: their first bytes hashed again, the files in parallel
+/// (one worker a file, at most 8). A file that cannot be read there is no base (it is then sent
+/// whole, or fails its send).
+fn bases(
+    dir: &Path,
+    entries: &[Entry],
+    mut ahead: std::collections::HashMap<(u64, u64), AheadFile>,
+) -> std::collections::HashMap<String, ((u64, u64), Base)> {
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let candidates: Vec<(&str, (u64, u64), AheadFile)> = entries
+        .iter()
+        .filter_map(|e| match e {
+            Entry::File(h) => Some(h),
+            Entry::Dir(_) => None,
+        })
+        .filter_map(|h| {
+            let m = fs::symlink_metadata(dir.join(&h.path)).ok()?;
+            let inode = (m.dev(), m.ino());
+            let a = ahead.remove(&inode).filter(|a| a.size <= h.size)?;
+            Some((h.path.as_str(), inode, a))
+        })
+        .collect();
+    let unchanged = |path: &str, a: &AheadFile| -> io::Result<bool> {
+        use sha2::Digest;
+        let mut f = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(dir.join(path))?;
+        let mut hasher = sha2::Sha256::new();
+        let mut buf = vec![0u8; (1 << 20).min(a.size as usize)];
+        let mut left = a.size;
+        while left > 0 {
+            let want = left.min(buf.len() as u64) as usize;
+            if read_full(&mut f, &mut buf[..want])? < want {
+                return Ok(false);
+            }
+            hasher.update(&buf[..want]);
+            left -= want as u64;
+        }
+        Ok(<[u8; 32]>::from(hasher.finalize()) == a.sha256)
     };
-    write_frame(stream, &Frame::Done(done))?;
-    stream.flush().map_err(|source| FrameError::Io {
-        what: "sending",
-        source,
-    })?;
-    Ok(done)
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 8)
+        .min(candidates.len().max(1));
+    let found = std::sync::Mutex::new(std::collections::HashMap::new());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let Some((path, inode, a)) = candidates.get(next.fetch_add(1, Ordering::Relaxed))
+                else {
+                    return;
+                };
+                if unchanged(path, a).unwrap_or(false) {
+                    let base = Base {
+                        path: a.path.clone(),
+                        size: a.size,
+                        sha256: hex(&a.sha256),
+                    };
+                    found
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(path.to_string(), (*inode, base));
+                }
+            });
+        }
+    });
+    found.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `bytes` in lowercase hex.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Reads into `buf` until it is full or the file ends; how much was read.
@@ -1339,6 +1626,16 @@ pub enum ReceiveError {
         /// Its reason.
         reason: String,
     },
+    /// A file of the final set whose base is not one sent ahead as it says.
+    #[error("{path}: its first bytes are said to be {base}, sent ahead, which is refused: {why}")]
+    Ahead {
+        /// The file.
+        path: String,
+        /// The base it named.
+        base: String,
+        /// Why it is refused.
+        why: &'static str,
+    },
     /// A pre-copy's buffer or chunk the image refused (an unknown buffer, out of its range, a
     /// full disk).
     #[error("writing a pre-copied buffer into the image")]
@@ -1445,6 +1742,8 @@ struct Current {
     size: u64,
     got: u64,
     mode: u32,
+    /// Ahead of the `Cut`: the hash of what came.
+    hash: Option<sha2::Sha256>,
 }
 
 /// Receives a directory from a [`send_dir`] holding the same `key` over `stream`, as `dest`
@@ -1530,7 +1829,8 @@ fn receive_into<S: Read>(
     name: &std::ffi::OsStr,
     dest: &Path,
 ) -> Result<Seal, ReceiveError> {
-    let mut staging = {
+    // A temporary sibling of `dest`, removed unless committed.
+    let make_staging = |suffix: &str| {
         let mut tmp_name = std::ffi::OsString::from(".");
         tmp_name.push(name);
         let n: [u8; 6] = random().map_err(|source| ReceiveError::Io {
@@ -1538,8 +1838,7 @@ fn receive_into<S: Read>(
             path: "/dev/urandom".into(),
             source,
         })?;
-        let hex: String = n.iter().map(|b| format!("{b:02x}")).collect();
-        tmp_name.push(format!(".receiving-{hex}"));
+        tmp_name.push(format!(".receiving-{}{suffix}", hex(&n)));
         let path = parent.join(tmp_name);
         fs::DirBuilder::new()
             .mode(0o700)
@@ -1549,16 +1848,22 @@ fn receive_into<S: Read>(
                 path: path.clone(),
                 source,
             })?;
-        Staging {
+        Ok::<_, ReceiveError>(Staging {
             path,
             committed: false,
-        }
+        })
     };
+    let mut staging = make_staging("")?;
     let root = staging.path.clone();
     let mut dirs: Vec<(PathBuf, u32)> = Vec::new();
     let mut current: Option<Current> = None;
     let mut got = Totals::default();
     let mut buf = Vec::new();
+    // After a `Cut`: what was sent ahead, moved aside (removed at the end whatever happens), and
+    // its files' lengths and hashes by path, each taken out as the final set names it a base.
+    let mut pre: Option<Staging> = None;
+    let mut sent_ahead: std::collections::HashMap<String, (u64, [u8; 32])> =
+        std::collections::HashMap::new();
     let sent = loop {
         match read_frame_from(stream, &mut buf, Some(&mut session.frames))? {
             Frame::Dir(h) => {
@@ -1576,26 +1881,94 @@ fn receive_into<S: Read>(
                 let parts = components(&h.path)?;
                 let (last, up) = parts.split_last().expect("a path has a component");
                 let at = ensure_dir(&root, &h.path, up)?.join(last);
-                // O_EXCL: never through a link, never a file twice.
-                let file = fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .custom_flags(nix::libc::O_NOFOLLOW)
-                    .open(&at)
-                    .map_err(|source| ReceiveError::Io {
-                        what: "creating",
-                        path: at.clone(),
-                        source,
-                    })?;
+                let creating = |source| ReceiveError::Io {
+                    what: "creating",
+                    path: at.clone(),
+                    source,
+                };
+                let (file, got_already) = match &h.base {
+                    None => {
+                        // O_EXCL: never through a link, never a file twice.
+                        let file = fs::OpenOptions::new()
+                            .write(true)
+                            .create_new(true)
+                            .mode(0o600)
+                            .custom_flags(nix::libc::O_NOFOLLOW)
+                            .open(&at)
+                            .map_err(creating)?;
+                        (file, 0)
+                    }
+                    Some(base) => {
+                        let Some(pre) = &pre else {
+                            return Err(unexpected("File with a base", "before the Cut"));
+                        };
+                        let base_parts = components(&base.path)?;
+                        let refuse = |why| ReceiveError::Ahead {
+                            path: h.path.clone(),
+                            base: base.path.clone(),
+                            why,
+                        };
+                        // Each file sent ahead is a base once, of exactly what came.
+                        let (size, sha) = sent_ahead.remove(&base.path).ok_or_else(|| {
+                            refuse("it was not sent ahead (or is a base already)")
+                        })?;
+                        if size != base.size || hex(&sha) != base.sha256 {
+                            return Err(refuse("it is not what was sent ahead"));
+                        }
+                        if base.size > h.size {
+                            return Err(refuse("it is longer than the file"));
+                        }
+                        let from = base_parts.iter().fold(pre.path.clone(), |p, c| p.join(c));
+                        // Never replaces: a file is named once.
+                        rustix::fs::renameat_with(
+                            rustix::fs::CWD,
+                            &from,
+                            rustix::fs::CWD,
+                            &at,
+                            rustix::fs::RenameFlags::NOREPLACE,
+                        )
+                        .map_err(|e| creating(e.into()))?;
+                        let file = fs::OpenOptions::new()
+                            .append(true)
+                            .custom_flags(nix::libc::O_NOFOLLOW)
+                            .open(&at)
+                            .map_err(creating)?;
+                        (file, base.size)
+                    }
+                };
                 current = Some(Current {
                     path: h.path,
                     at,
                     file,
                     size: h.size,
-                    got: 0,
+                    got: got_already,
                     mode: h.mode & 0o777,
+                    hash: pre.is_none().then(<sha2::Sha256 as sha2::Digest>::new),
                 });
+            }
+            Frame::Cut => {
+                if current.is_some() {
+                    return Err(unexpected("Cut", "inside a file"));
+                }
+                if pre.is_some() {
+                    return Err(unexpected("Cut", "after a Cut"));
+                }
+                // What came so far moves aside; the final set is received where it was.
+                let aside = make_staging(".ahead")?;
+                let io = |source: io::Error| ReceiveError::Io {
+                    what: "setting aside what was sent ahead in",
+                    path: aside.path.clone(),
+                    source,
+                };
+                fs::remove_dir(&aside.path).map_err(io)?;
+                fs::rename(&root, &aside.path).map_err(io)?;
+                fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&root)
+                    .map_err(io)?;
+                pre = Some(aside);
+                dirs.clear();
+                got = Totals::default();
             }
             Frame::Chunk { offset, data } => {
                 let Some(c) = current.as_mut() else {
@@ -1621,6 +1994,9 @@ fn receive_into<S: Read>(
                     path: c.at.clone(),
                     source,
                 })?;
+                if let Some(h) = c.hash.as_mut() {
+                    sha2::Digest::update(h, data);
+                }
                 c.got = after;
             }
             Frame::EndFile => {
@@ -1642,6 +2018,9 @@ fn receive_into<S: Read>(
                     .set_permissions(fs::Permissions::from_mode(c.mode))
                     .map_err(io("setting the mode of"))?;
                 c.file.sync_all().map_err(io("syncing"))?;
+                if let Some(h) = c.hash {
+                    sent_ahead.insert(c.path, (c.size, sha2::Digest::finalize(h).into()));
+                }
                 got.files += 1;
                 got.bytes += c.size;
             }
@@ -2265,6 +2644,7 @@ mod tests {
             path: path.to_string(),
             size: data.len() as u64,
             mode: 0o644,
+            base: None,
         };
         send(s, session, &Frame::File(h));
         send(s, session, &Frame::Chunk { offset: 0, data });
@@ -2389,6 +2769,7 @@ mod tests {
                     path: "criu/pages-1.img".into(),
                     size: 2 << 20,
                     mode: 0o600,
+                    base: None,
                 }),
             )
             .unwrap();
@@ -2419,6 +2800,7 @@ mod tests {
                     path: "f".into(),
                     size: 10,
                     mode: 0o600,
+                    base: None,
                 }),
             );
             let _ = write_frame(
@@ -2514,6 +2896,7 @@ mod tests {
                 path: "f".into(),
                 size: 4,
                 mode: 0o644,
+                base: None,
             };
             send(s, session, &Frame::File(h));
             let good = Frame::Chunk {
@@ -2707,6 +3090,7 @@ mod tests {
                 path: "a/b".into(),
                 size: 3,
                 mode: 0o600,
+                base: None,
             }),
             Frame::Chunk {
                 offset: 0,
@@ -2843,5 +3227,150 @@ mod tests {
             read_frame(&mut a, &mut buf),
             Ok(Frame::Abort { .. })
         ));
+    }
+
+    /// A file sent ahead whose final version begins with it (found by its inode, renamed and
+    /// grown since), one unchanged, one rewritten in place, one gone and one new: only the new
+    /// bytes are sent after the cut, and DEST is the final set, nothing more.
+    #[test]
+    fn a_directory_sent_ahead_then_whole_sends_only_what_changed_after_the_cut() {
+        let (_tmp, src, out) = dirs();
+        fs::create_dir(src.join(".gpu.tmp")).unwrap();
+        let data = noise(CHUNK_BYTES + 1000);
+        fs::write(src.join(".gpu.tmp/data-000.bin"), &data).unwrap();
+        fs::write(src.join("same"), b"unchanged").unwrap();
+        fs::write(src.join("rewritten"), b"version 1").unwrap();
+        fs::write(src.join("lock"), b"").unwrap();
+        let (mut a, mut b) = pair();
+        let dest = out.join("image");
+        let d = dest.clone();
+        let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+        let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+        let ahead = sender.send_ahead(&mut a, &src).unwrap();
+        assert_eq!(ahead.files, 4);
+        // The cut: the engine's image named, appended to; a file rewritten, one removed, one new.
+        fs::rename(src.join(".gpu.tmp"), src.join("gpu")).unwrap();
+        let more = noise(5000);
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(src.join("gpu/data-000.bin"))
+            .unwrap();
+        f.write_all(&more).unwrap();
+        drop(f);
+        fs::write(src.join("rewritten"), b"version 2").unwrap();
+        fs::remove_file(src.join("lock")).unwrap();
+        fs::write(src.join("possum.json"), b"{}").unwrap();
+        let (report, _) = sender.finish(&mut a, &src).unwrap();
+        let got = receiver.join().unwrap().unwrap();
+        let whole = (data.len() + more.len() + 9 + 9 + 2) as u64;
+        assert_eq!(
+            report.totals,
+            Totals {
+                files: 4,
+                bytes: whole
+            }
+        );
+        assert_eq!(got.totals, report.totals);
+        assert_eq!(report.sent_bytes, (more.len() + 9 + 2) as u64);
+        assert_eq!(snapshot(&dest), snapshot(&src));
+        assert_eq!(names(&out), vec!["image".to_string()]);
+    }
+
+    /// After a `Cut`, a base that was not sent ahead, or is not what was, is refused, and
+    /// nothing is named.
+    #[test]
+    fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
+        let (_tmp, _src, out) = dirs();
+        let dest = out.join("image");
+        let with_base = |base: Base| {
+            move |s: &mut UnixStream, session: &mut Session| {
+                put(s, session, "a", b"ahead");
+                send(s, session, &Frame::Cut);
+                let h = FileHeader {
+                    path: "a".into(),
+                    size: 7,
+                    mode: 0o644,
+                    base: Some(base),
+                };
+                send(s, session, &Frame::File(h));
+                send(
+                    s,
+                    session,
+                    &Frame::Chunk {
+                        offset: 5,
+                        data: b"!!",
+                    },
+                );
+                send(s, session, &Frame::EndFile);
+                done(s, session, Totals { files: 1, bytes: 7 });
+            }
+        };
+        let sha = |d: &[u8]| hex(&<[u8; 32]>::from(<sha2::Sha256 as sha2::Digest>::digest(d)));
+        // The sound one is taken.
+        against_ok(
+            &dest,
+            with_base(Base {
+                path: "a".into(),
+                size: 5,
+                sha256: sha(b"ahead"),
+            }),
+        );
+        assert_eq!(fs::read(dest.join("a")).unwrap(), b"ahead!!");
+        fs::remove_dir_all(&dest).unwrap();
+        for (base, why) in [
+            (
+                Base {
+                    path: "b".into(),
+                    size: 5,
+                    sha256: sha(b"ahead"),
+                },
+                "not sent ahead",
+            ),
+            (
+                Base {
+                    path: "a".into(),
+                    size: 5,
+                    sha256: sha(b"other"),
+                },
+                "not what was sent ahead",
+            ),
+            (
+                Base {
+                    path: "a".into(),
+                    size: 4,
+                    sha256: sha(b"ahea"),
+                },
+                "not what was sent ahead",
+            ),
+        ] {
+            let e = against(&dest, with_base(base));
+            assert!(
+                matches!(e, WireError::Receive(ReceiveError::Ahead { .. })),
+                "{e:?}"
+            );
+            assert!(e.to_string().contains(why), "{e}");
+            assert!(names(&out).is_empty(), "{:?}", names(&out));
+        }
+        // A base before any Cut.
+        let e = against(&dest, |s, session| {
+            let h = FileHeader {
+                path: "a".into(),
+                size: 1,
+                mode: 0o644,
+                base: Some(Base {
+                    path: "a".into(),
+                    size: 0,
+                    sha256: sha(b""),
+                }),
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::EndFile);
+            done(s, session, Totals { files: 1, bytes: 1 });
+        });
+        assert!(
+            matches!(e, WireError::Receive(ReceiveError::Unexpected { .. })),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
     }
 }
