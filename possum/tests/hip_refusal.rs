@@ -24,9 +24,12 @@ fn mapping(dir: &Path, libs: &[&str]) -> Child {
         cmd.arg(path);
     }
     let mut child = cmd.stdout(Stdio::piped()).spawn().expect("python3");
-    let mut ready = [0u8; 5];
-    child.stdout.take().unwrap().read_exact(&mut ready).unwrap();
-    assert_eq!(&ready, b"ready");
+    let mut ready = [0u8; 6];
+    let mut out = child.stdout.take().unwrap();
+    out.read_exact(&mut ready).unwrap();
+    assert_eq!(&ready, b"ready\n");
+    // Its stdout stays open while it runs (closed, a late write of its would end it).
+    child.stdout = Some(out);
     child
 }
 
@@ -52,11 +55,14 @@ fn refused(libs: &[&str]) -> String {
     let mut job = mapping(tmp.path(), libs);
     let img = tmp.path().join("img");
     let (code, text) = checkpoint(&job, &img, tmp.path());
-    let running = job.try_wait().unwrap().is_none();
+    let exited = job.try_wait().unwrap();
     let _ = job.kill();
     let _ = job.wait();
     assert_eq!(code, Some(2), "{text}");
-    assert!(running, "the job was left running");
+    assert!(
+        exited.is_none(),
+        "the job was left running: {exited:?}; {text}"
+    );
     assert!(!img.exists(), "no image: {text}");
     let left: Vec<_> = std::fs::read_dir(tmp.path())
         .unwrap()
