@@ -3,13 +3,19 @@
 //! while a checkpoint runs, a restore into fresh memory at the same addresses, an on-demand
 //! restore), and the typed errors of a runtime that can't be used. Without a C compiler each
 //! test prints "SKIPPED: ..." and returns.
+//!
+//! With `POSSUM_HIP_RUNTIME` naming a real HIP runtime (`/opt/rocm/lib/libamdhip64.so`) the same
+//! tests run on its device 0; what only the simulator fixes (its name, granularity, device count,
+//! lazily run queues, zeroed fresh memory) is asserted on the simulator only.
 
 mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{cfg, device_or_skip, pattern, read, runtime_or_skip, write, GatedSink, Job, SIZES};
+use common::{
+    cfg, device_or_skip, pattern, read, runtime_or_skip, simulated, write, GatedSink, Job, SIZES,
+};
 use possum_engine::device::{DevPtr, Device, DeviceError, StreamPriority, Transfer};
 use possum_engine::store::{ChunkSource, MemStore};
 use possum_engine::{Buffer, Engine, EngineConfig};
@@ -21,12 +27,16 @@ fn reservations_and_mappings_keep_their_addresses() {
         return;
     };
     let g = dev.granularity();
-    assert_eq!(g, 64 << 10, "the simulated runtime's granularity");
-    assert!(
-        dev.name().starts_with("hip:0 Simulated HIP device 0"),
-        "{}",
-        dev.name()
-    );
+    assert!(g.is_power_of_two(), "granularity {g}");
+    assert!(dev.name().starts_with("hip:0 "), "{}", dev.name());
+    if simulated() {
+        assert_eq!(g, 64 << 10, "the simulated runtime's granularity");
+        assert!(
+            dev.name().starts_with("hip:0 Simulated HIP device 0"),
+            "{}",
+            dev.name()
+        );
+    }
     let (free, total) = dev.memory_info().unwrap();
     assert!(free <= total && total > 0);
 
@@ -90,7 +100,7 @@ fn reservations_and_mappings_keep_their_addresses() {
     assert_eq!(&got[g as usize..g as usize + 100], &bytes[..100]);
 
     // The reservation can't go while mapped; unmapped, the address stays reserved and maps
-    // again, to fresh (zeroed) memory.
+    // again, to fresh memory (zeroed, on the simulator).
     assert!(matches!(
         dev.unreserve(va, 4 * g),
         Err(DeviceError::InvalidAddress { .. })
@@ -105,7 +115,10 @@ fn reservations_and_mappings_keep_their_addresses() {
         Err(DeviceError::InvalidAddress { .. })
     ));
     dev.map(va, 2 * g).unwrap();
-    assert_eq!(read(&dev, &s, va, 2 * g), vec![0; (2 * g) as usize]);
+    let fresh = read(&dev, &s, va, 2 * g);
+    if simulated() {
+        assert_eq!(fresh, vec![0; (2 * g) as usize]);
+    }
     dev.unmap(va, 2 * g).unwrap();
     dev.unreserve(va, 4 * g).unwrap();
     assert!(matches!(
@@ -154,7 +167,10 @@ fn events_order_streams_and_report_completion() {
     let bytes = pattern(2, 0, g as usize);
     let pending = write(&dev, &a, va, &bytes);
     let ev = dev.record_event(&a).unwrap();
-    assert!(!dev.event_query(&ev).unwrap(), "nothing has waited yet");
+    let done = dev.event_query(&ev).unwrap();
+    if simulated() {
+        assert!(!done, "nothing has waited yet");
+    }
     // b's copy is ordered after a's write by the event alone.
     dev.wait_event(&b, &ev).unwrap();
     assert_eq!(read(&dev, &b, va, g), bytes);
@@ -171,11 +187,14 @@ fn streams_take_the_device_s_priorities() {
         return;
     };
     let (least, greatest) = dev.stream_priority_range();
-    assert_eq!(
-        (least, greatest),
-        (1, -1),
-        "ROCm's range, as the simulated runtime has it"
-    );
+    assert!(greatest < least, "({least}, {greatest})");
+    if simulated() {
+        assert_eq!(
+            (least, greatest),
+            (1, -1),
+            "ROCm's range, as the simulated runtime has it"
+        );
+    }
     let normal = dev.create_stream(StreamPriority::Normal).unwrap();
     let high = dev.create_stream(StreamPriority::High).unwrap();
     assert_eq!(normal.priority().unwrap(), least);
@@ -200,6 +219,7 @@ fn a_missing_runtime_is_a_typed_error() {
 
 #[test]
 fn a_library_without_hip_s_entry_points_is_a_typed_error() {
+    // Builds a library with the C compiler the simulated runtime needs (skipped without one).
     if runtime_or_skip("a_library_without_hip_s_entry_points_is_a_typed_error").is_none() {
         return;
     }
@@ -216,8 +236,11 @@ fn a_library_without_hip_s_entry_points_is_a_typed_error() {
         .args(["-shared", "-fPIC", "-o"])
         .arg(&lib)
         .arg(&src)
-        .output()
-        .unwrap();
+        .output();
+    let Ok(out) = out else {
+        eprintln!("SKIPPED: no C compiler [a_library_without_hip_s_entry_points_is_a_typed_error]");
+        return;
+    };
     assert!(
         out.status.success(),
         "{}",
@@ -242,17 +265,19 @@ fn a_device_the_runtime_does_not_have_is_a_typed_error() {
     let Some(lib) = runtime_or_skip("a_device_the_runtime_does_not_have_is_a_typed_error") else {
         return;
     };
-    let err = HipDevice::open(lib, 5).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            OpenError::NoDevice {
-                ordinal: 5,
-                count: 1
+    // The simulated runtime has one device; a real one fewer than 1000.
+    let ordinal = if simulated() { 5 } else { 1000 };
+    let err = HipDevice::open(lib, ordinal).unwrap_err();
+    match err {
+        OpenError::NoDevice { ordinal: o, count } => {
+            assert_eq!(o, ordinal);
+            assert!((1..1000).contains(&count), "{count}");
+            if simulated() {
+                assert_eq!(count, 1);
             }
-        ),
-        "{err}"
-    );
+        }
+        ref other => panic!("unexpected {other}"),
+    }
 }
 
 /// Checkpoints while the job keeps working, then releases every buffer and restores them into

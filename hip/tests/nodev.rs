@@ -3,13 +3,13 @@
 
 mod common;
 
-use common::runtime_or_skip;
+use common::simulated_runtime_or_skip;
 use possum_engine::device::DeviceError;
 use possum_hip_sim::{HipDevice, OpenError};
 
 #[test]
 fn a_runtime_without_a_device_fails_at_init() {
-    let Some(lib) = runtime_or_skip("a_runtime_without_a_device_fails_at_init") else {
+    let Some(lib) = simulated_runtime_or_skip("a_runtime_without_a_device_fails_at_init") else {
         return;
     };
     // The only test of this process: nothing else reads the environment meanwhile.

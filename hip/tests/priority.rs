@@ -6,17 +6,18 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{cfg, device_or_skip, runtime_or_skip, GatedSink, Job, SIZES};
+use common::{cfg, simulated_device_or_skip, simulated_runtime_or_skip, GatedSink, Job, SIZES};
 use possum_engine::store::MemStore;
 use possum_engine::Engine;
 use possum_hip_sim::result::SimProbe;
 
 #[test]
 fn copy_on_write_goes_on_the_high_priority_stream_and_the_copier_does_not() {
-    let Some(dev) = device_or_skip("copy_on_write_goes_on_the_high_priority_stream") else {
+    let Some(dev) = simulated_device_or_skip("copy_on_write_goes_on_the_high_priority_stream")
+    else {
         return;
     };
-    let probe = SimProbe::load(runtime_or_skip("").unwrap()).unwrap();
+    let probe = SimProbe::load(simulated_runtime_or_skip("").unwrap()).unwrap();
     let (least, greatest) = dev.stream_priority_range();
     let chunk = 16u64 << 10;
     let e = Engine::new(dev, cfg(64 << 20)).unwrap();

@@ -16,6 +16,7 @@ use crate::config::{Environment, HostmemSplit};
 use crate::figures::{
     longest_waits, timed, CheckpointFigures, HostmemFigures, LeftWhole, WAITED_ON_TOP,
 };
+use crate::gpu_runtimes::GpuRuntimes;
 use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
@@ -310,6 +311,15 @@ pub enum PlanError {
     NoProcess {
         /// The process.
         pid: i32,
+    },
+    /// The process runs on AMD GPUs (it has AMD's HIP runtime loaded), which possum does not
+    /// checkpoint.
+    #[error("process {pid} {}; nothing was done", hip_refusal(*pid, *cuda))]
+    Hip {
+        /// The process.
+        pid: i32,
+        /// It has NVIDIA's libcuda loaded too.
+        cuda: bool,
     },
     /// A checkpoint left held (a migration's) asked to kill the job or to leave out the CPU side.
     #[error(
@@ -720,12 +730,35 @@ struct Plan<'a> {
     _lock: nix::fcntl::Flock<fs::File>,
 }
 
+/// Why a process with AMD's HIP runtime loaded is not checkpointed, and what does it.
+fn hip_refusal(pid: i32, cuda: bool) -> String {
+    if cuda {
+        "mixes CUDA and HIP (it has both NVIDIA's libcuda and AMD's HIP runtime libamdhip64 \
+         loaded): possum does not checkpoint HIP (AMD GPU) jobs yet, nor a process mixing both"
+            .to_string()
+    } else {
+        format!(
+            "is a HIP (AMD GPU) job (it has AMD's HIP runtime libamdhip64 loaded): possum does \
+             not checkpoint HIP jobs yet; CRIU's amdgpu plugin does (CRIU built with it, \
+             amdgpu_plugin.so in its plugin directory): `criu dump --tree {pid} --images-dir DIR \
+             --shell-job`, then `criu restore --images-dir DIR --shell-job`"
+        )
+    }
+}
+
 /// Plan: checks that the job can be checkpointed and finds what its checkpoint involves (its
 /// hooks, the process side, the CUDA processes of its tree, its keeper). Nothing is changed.
 fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     let pid = p.pid;
     if pid <= 0 || !alive(pid) {
         return Err(PlanError::NoProcess { pid });
+    }
+    let runtimes = GpuRuntimes::of(pid);
+    if runtimes.hip {
+        return Err(PlanError::Hip {
+            pid,
+            cuda: runtimes.cuda,
+        });
     }
     if occupied(&p.dir) && !p.force {
         return Err(PlanError::Occupied { dir: p.dir.clone() });

@@ -51,6 +51,7 @@ pub mod config;
 pub mod figures;
 #[doc(hidden)]
 pub mod fuzz;
+pub mod gpu_runtimes;
 pub mod guard;
 mod held;
 pub mod image;

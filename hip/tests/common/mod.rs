@@ -12,10 +12,57 @@ use possum_engine::{Access, Buffer, Engine, EngineConfig};
 use possum_hip_sim::result::{HipPending, HipStream, Runtime};
 use possum_hip_sim::{build_runtime, BuildError, HipDevice};
 
-/// The simulated runtime, built once per test process (in a directory of the test binary's own
-/// under the target directory). The library stays loaded for the process's life (the `Runtime`
-/// kept in `BUILT`): its arena is at a fixed address, which a second load could not take.
+/// The environment variable naming a real HIP runtime for the tests that don't need the
+/// simulator (e.g. `/opt/rocm/lib/libamdhip64.so`); unset or empty, they run on the simulator.
+pub const RUNTIME_ENV: &str = "POSSUM_HIP_RUNTIME";
+
+/// The real runtime `POSSUM_HIP_RUNTIME` names, if it names one.
+pub fn real_runtime() -> Option<&'static Path> {
+    static REAL: OnceLock<Option<PathBuf>> = OnceLock::new();
+    REAL.get_or_init(|| {
+        std::env::var_os(RUNTIME_ENV)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    })
+    .as_deref()
+}
+
+/// Whether the tests run on the simulated runtime (what they may assert of its exact values).
+pub fn simulated() -> bool {
+    real_runtime().is_none()
+}
+
+/// The runtime the tests run on: the one `POSSUM_HIP_RUNTIME` names, else the simulated one
+/// (see [`simulated_runtime_or_skip`]). A real runtime, too, stays loaded for the process's life
+/// (kept in `LOADED`): the tests' devices come and go, the runtime is loaded once.
 pub fn runtime_or_skip(test: &str) -> Option<&'static Path> {
+    static LOADED: OnceLock<Arc<Runtime>> = OnceLock::new();
+    match real_runtime() {
+        Some(real) => {
+            LOADED.get_or_init(|| {
+                Runtime::load(real).unwrap_or_else(|e| panic!("{RUNTIME_ENV}: {e}"))
+            });
+            Some(real)
+        }
+        None => simulated_runtime_or_skip(test),
+    }
+}
+
+/// The simulated runtime, for a test that needs its hooks; `None` (said on stderr) when the
+/// tests run on a real runtime or there is no C compiler.
+///
+/// Built once per test process (in a directory of the test binary's own under the target
+/// directory). The library stays loaded for the process's life (the `Runtime` kept in `BUILT`):
+/// its arena is at a fixed address, which a second load could not take.
+pub fn simulated_runtime_or_skip(test: &str) -> Option<&'static Path> {
+    if let Some(real) = real_runtime() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: needs the simulated HIP runtime, not {} [{test}]",
+            real.display()
+        );
+        return None;
+    }
     static BUILT: OnceLock<Option<(PathBuf, Arc<Runtime>)>> = OnceLock::new();
     let built = BUILT.get_or_init(|| {
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -42,9 +89,17 @@ pub fn runtime_or_skip(test: &str) -> Option<&'static Path> {
     }
 }
 
-/// Device 0 of the simulated runtime (`None`, said on stderr, without a C compiler).
+/// Device 0 of the runtime the tests run on (`None`, said on stderr, without a C compiler to
+/// build the simulated one).
 pub fn device_or_skip(test: &str) -> Option<Arc<HipDevice>> {
     let lib = runtime_or_skip(test)?;
+    Some(Arc::new(HipDevice::open(lib, 0).expect("device 0 opens")))
+}
+
+/// Device 0 of the simulated runtime, for a test that needs its hooks (`None`, said on stderr,
+/// on a real runtime or without a C compiler).
+pub fn simulated_device_or_skip(test: &str) -> Option<Arc<HipDevice>> {
+    let lib = simulated_runtime_or_skip(test)?;
     Some(Arc::new(HipDevice::open(lib, 0).expect("device 0 opens")))
 }
 

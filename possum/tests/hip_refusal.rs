@@ -1,0 +1,112 @@
+//! `possum checkpoint` of a HIP (AMD GPU) job is refused before anything is done, saying what
+//! does checkpoint it; a process with both CUDA's and HIP's libraries loaded is named as mixing
+//! both. The job is a process mapping files of those names, as the dynamic loader maps the
+//! libraries.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+/// A process that maps each of `libs` (files of those names in `dir`) and sleeps.
+fn mapping(dir: &Path, libs: &[&str]) -> Child {
+    let mut cmd = Command::new("python3");
+    cmd.args([
+        "-c",
+        "import mmap, sys, time\n\
+         files = [open(p, 'rb') for p in sys.argv[1:]]\n\
+         maps = [mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) for f in files]\n\
+         print('ready', flush=True)\n\
+         time.sleep(60)\n",
+    ]);
+    for lib in libs {
+        let path = dir.join(lib);
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        cmd.arg(path);
+    }
+    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("python3");
+    let mut ready = [0u8; 6];
+    let mut out = child.stdout.take().unwrap();
+    out.read_exact(&mut ready).unwrap();
+    assert_eq!(&ready, b"ready\n");
+    // Its stdout stays open while it runs (closed, a late write of its would end it).
+    child.stdout = Some(out);
+    child
+}
+
+/// Runs `possum checkpoint` of `job` into `img`; returns its exit code and output.
+fn checkpoint(job: &Child, img: &Path, sockets: &Path) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_possum"))
+        .args(["checkpoint", &job.id().to_string(), "-D"])
+        .arg(img)
+        .arg("--socket-dir")
+        .arg(sockets)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+fn refused(libs: &[&str]) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut job = mapping(tmp.path(), libs);
+    let img = tmp.path().join("img");
+    let (code, text) = checkpoint(&job, &img, tmp.path());
+    let exited = job.try_wait().unwrap();
+    let _ = job.kill();
+    let _ = job.wait();
+    assert_eq!(code, Some(2), "{text}");
+    assert!(
+        exited.is_none(),
+        "the job was left running: {exited:?}; {text}"
+    );
+    assert!(!img.exists(), "no image: {text}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !libs.contains(&n.as_str()))
+        .collect();
+    assert!(left.is_empty(), "nothing written: {left:?}");
+    assert!(text.contains("nothing was done"), "{text}");
+    text
+}
+
+#[test]
+fn a_hip_job_is_refused_with_what_checkpoints_it() {
+    let text = refused(&["libamdhip64.so.6"]);
+    assert!(
+        text.contains("is a HIP (AMD GPU) job")
+            && text.contains("possum does not checkpoint HIP jobs yet")
+            && text.contains("CRIU's amdgpu plugin")
+            && text.contains("criu dump --tree "),
+        "{text}"
+    );
+    assert!(!text.contains("mixes"), "{text}");
+}
+
+#[test]
+fn a_process_with_cuda_and_hip_is_refused_as_mixing_both() {
+    let text = refused(&["libcuda.so.1", "libamdhip64.so.6"]);
+    assert!(
+        text.contains("mixes CUDA and HIP")
+            && text.contains("libcuda")
+            && text.contains("libamdhip64"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_process_with_libcuda_alone_is_not_refused_as_hip() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut job = mapping(tmp.path(), &["libcuda.so.1"]);
+    let (code, text) = checkpoint(&job, &tmp.path().join("img"), tmp.path());
+    let _ = job.kill();
+    let _ = job.wait();
+    // Refused for another reason (it has no possum loaded), not as a HIP job.
+    assert_eq!(code, Some(2), "{text}");
+    assert!(!text.contains("HIP"), "{text}");
+}
