@@ -297,9 +297,11 @@ fn a_process_with_possum_but_no_socket_is_not_started() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("python3");
-    let mut ready = [0u8; 5];
-    child.stdout.take().unwrap().read_exact(&mut ready).unwrap();
-    assert_eq!(&ready, b"ready");
+    // The pipe stays open until the end: closed, a write of the child's could kill it.
+    let mut out = child.stdout.take().unwrap();
+    let mut ready = [0u8; 6];
+    out.read_exact(&mut ready).unwrap();
+    assert_eq!(&ready, b"ready\n");
     let pid = child.id();
     let e = request(pid, tmp.path(), &Request::Ping, T).unwrap_err();
     // Its file removed since (the kernel's maps say "(deleted)"): still mapped.
@@ -307,6 +309,7 @@ fn a_process_with_possum_but_no_socket_is_not_started() {
     assert!(possum_control::has_possum_mapped(pid));
     let _ = child.kill();
     let _ = child.wait();
+    drop(out);
     assert!(
         matches!(e, ControlError::NotStarted { pid: p, .. } if p == pid),
         "{e:?}"
