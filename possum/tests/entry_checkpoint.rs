@@ -18,8 +18,13 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::{possum_checkpointing_in as possum, text};
 
 use serde_json::Value;
 
@@ -120,24 +125,6 @@ fn finish_restored(job: &mut Job) {
         "restored job: {exit}; stderr:\n{}",
         job.log()
     );
-}
-
-fn possum(dir: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
-    // The jobs' socket directory is possum's too (a restore removes a stale socket only there).
-    c.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
-        .env("FAKE_CKPT_IN_PROCESS", "1")
-        .env_remove("LD_PRELOAD");
-    c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn same(got: &[u8], want: &[u8], what: &str) {

@@ -16,6 +16,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::{possum_checkpointing_in as possum, text};
+
 use serde_json::Value;
 
 #[path = "../../interposer/tests/common/mod.rs"]
@@ -91,23 +96,6 @@ fn setup(test: &str) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
     }
     std::fs::create_dir(dir.join("received")).unwrap();
     Some((tmp, want, job))
-}
-
-fn possum(dir: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
-    c.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
-        .env("FAKE_CKPT_IN_PROCESS", "1")
-        .env_remove("LD_PRELOAD");
-    c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// A `possum receive` of one migration into `dir/received`, with `key`, and the address it

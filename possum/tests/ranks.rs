@@ -8,8 +8,13 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::{possum_in as possum, text};
 
 #[path = "../../interposer/tests/common/mod.rs"]
 #[allow(dead_code)]
@@ -78,22 +83,6 @@ fn start(dir: &Path, lib: Option<&Path>, log: &str, env: &[(&str, &str)]) -> Ran
         child,
         ranks: [pids[0], pids[1]],
     }
-}
-
-fn possum(dir: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
-    c.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
-        .env_remove("LD_PRELOAD");
-    c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn lines(p: &Path) -> Vec<String> {

@@ -16,8 +16,13 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::{possum_in as possum, text};
 
 use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -184,22 +189,6 @@ impl Record {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-}
-
-fn possum(dir: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
-    c.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
-        .env_remove("LD_PRELOAD");
-    c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn alive(pid: i32) -> bool {
