@@ -6,6 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use possum_engine::addresses::{end_of, invalid, AddressTables, MappedMemory};
 use possum_engine::device::{
     DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
 };
@@ -40,13 +41,13 @@ pub fn probe() -> Result<DriverInfo, String> {
     })
 }
 
-/// What possum has reserved and mapped through this device.
+/// What possum has reserved and mapped through this device: the address tables every backend
+/// keeps ([`AddressTables`], which the checks on copies use through `Deref`), and what memory an
+/// owner (the keeper) holds.
 #[derive(Debug, Default)]
 struct Tables {
-    /// Reservation start -> size.
-    reservations: BTreeMap<u64, u64>,
-    /// Mapping start -> the physical memory mapped there (which knows its size).
-    mappings: BTreeMap<u64, PhysMem>,
+    /// Reservations, mappings (start -> the physical memory mapped there) and adopted ranges.
+    addr: AddressTables<PhysMem>,
     /// Mapping start -> the owner's id of its memory (memory from a [`MemoryOwner`]).
     owned: BTreeMap<u64, u64>,
     /// Detached mapping start -> (owner's id, size, epoch): kept by the owner, mapped nowhere
@@ -55,71 +56,24 @@ struct Tables {
     /// The epoch and hold (seconds the owner keeps it after this process is gone) of the next
     /// detaches ([`Device::begin_detach`]).
     detaching: (u64, u64),
-    /// Reservations that are the job's ([`Device::adopt_reservation`]): `unreserve` forgets them
-    /// and frees no address range.
-    adopted: std::collections::BTreeSet<u64>,
 }
 
-fn invalid(va: u64, len: u64, why: &'static str) -> DeviceError {
-    DeviceError::InvalidAddress {
-        va: DevPtr(va),
-        len,
-        why,
+impl std::ops::Deref for Tables {
+    type Target = AddressTables<PhysMem>;
+    fn deref(&self) -> &Self::Target {
+        &self.addr
     }
 }
 
-fn end_of(va: u64, len: u64) -> DeviceResult<u64> {
-    va.checked_add(len)
-        .ok_or_else(|| invalid(va, len, "range wraps around the address space"))
+impl std::ops::DerefMut for Tables {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.addr
+    }
 }
 
-impl Tables {
-    /// The reservation holding all of `[va, end)`, if one does.
-    fn reservation_holding(&self, va: u64, end: u64) -> Option<(u64, u64)> {
-        let (&start, &size) = self.reservations.range(..=va).next_back()?;
-        (end <= start + size && va < start + size).then_some((start, size))
-    }
-
-    /// Whether any reservation overlaps `[va, end)` (`end > va`).
-    fn touches_reservation(&self, va: u64, end: u64) -> bool {
-        let before = self
-            .reservations
-            .range(..=va)
-            .next_back()
-            .is_some_and(|(&s, &n)| s + n > va);
-        before || self.reservations.range(va..end).next().is_some()
-    }
-
-    /// Whether any mapping overlaps `[va, end)` (`end > va`).
-    fn touches_mapping(&self, va: u64, end: u64) -> bool {
-        let before = self
-            .mappings
-            .range(..=va)
-            .next_back()
-            .is_some_and(|(&s, m)| s + m.size() > va);
-        before || self.mappings.range(va..end).next().is_some()
-    }
-
-    /// A copy may use `[va, va + len)` if it lies inside one of possum's mappings, or outside every
-    /// reservation of possum's (memory the job allocated itself, which the driver checks).
-    fn check_copy_range(&self, va: u64, len: u64) -> DeviceResult<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let end = end_of(va, len)?;
-        if !self.touches_reservation(va, end) {
-            return Ok(());
-        }
-        let Some((&start, mem)) = self.mappings.range(..=va).next_back() else {
-            return Err(invalid(va, len, "not mapped"));
-        };
-        if start + mem.size() <= va {
-            return Err(invalid(va, len, "not mapped"));
-        }
-        if end > start + mem.size() {
-            return Err(invalid(va, len, "crosses the end of a mapping"));
-        }
-        Ok(())
+impl MappedMemory for PhysMem {
+    fn size(&self) -> u64 {
+        PhysMem::size(self)
     }
 }
 

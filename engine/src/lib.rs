@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod addresses;
 pub mod checkpoint;
 pub mod device;
 mod engine;

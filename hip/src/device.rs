@@ -1,13 +1,13 @@
 //! [`HipDevice`]: the engine's [`Device`] trait on the HIP runtime API. Safe code over
 //! [`crate::result`].
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::c_int;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use possum_engine::addresses::{end_of, invalid, AddressTables, MappedMemory};
 use possum_engine::device::{
     DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
 };
@@ -47,77 +47,11 @@ pub enum OpenError {
 }
 
 /// What possum has reserved and mapped through this device.
-#[derive(Debug, Default)]
-struct Tables {
-    /// Reservation start -> size.
-    reservations: BTreeMap<u64, u64>,
-    /// Mapping start -> the physical memory mapped there (which knows its size).
-    mappings: BTreeMap<u64, PhysMem>,
-    /// Reservations that are the job's ([`Device::adopt_reservation`]): `unreserve` forgets them
-    /// and frees no address range.
-    adopted: BTreeSet<u64>,
-}
+type Tables = AddressTables<PhysMem>;
 
-fn invalid(va: u64, len: u64, why: &'static str) -> DeviceError {
-    DeviceError::InvalidAddress {
-        va: DevPtr(va),
-        len,
-        why,
-    }
-}
-
-fn end_of(va: u64, len: u64) -> DeviceResult<u64> {
-    va.checked_add(len)
-        .ok_or_else(|| invalid(va, len, "range wraps around the address space"))
-}
-
-impl Tables {
-    /// The reservation holding all of `[va, end)`, if one does.
-    fn reservation_holding(&self, va: u64, end: u64) -> Option<(u64, u64)> {
-        let (&start, &size) = self.reservations.range(..=va).next_back()?;
-        (end <= start + size && va < start + size).then_some((start, size))
-    }
-
-    /// Whether any reservation overlaps `[va, end)` (`end > va`).
-    fn touches_reservation(&self, va: u64, end: u64) -> bool {
-        let before = self
-            .reservations
-            .range(..=va)
-            .next_back()
-            .is_some_and(|(&s, &n)| s + n > va);
-        before || self.reservations.range(va..end).next().is_some()
-    }
-
-    /// Whether any mapping overlaps `[va, end)` (`end > va`).
-    fn touches_mapping(&self, va: u64, end: u64) -> bool {
-        let before = self
-            .mappings
-            .range(..=va)
-            .next_back()
-            .is_some_and(|(&s, m)| s + m.size() > va);
-        before || self.mappings.range(va..end).next().is_some()
-    }
-
-    /// A copy may use `[va, va + len)` if it lies inside one of possum's mappings, or outside
-    /// every reservation of possum's (memory the job allocated itself, which the runtime checks).
-    fn check_copy_range(&self, va: u64, len: u64) -> DeviceResult<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let end = end_of(va, len)?;
-        if !self.touches_reservation(va, end) {
-            return Ok(());
-        }
-        let Some((&start, mem)) = self.mappings.range(..=va).next_back() else {
-            return Err(invalid(va, len, "not mapped"));
-        };
-        if start + mem.size() <= va {
-            return Err(invalid(va, len, "not mapped"));
-        }
-        if end > start + mem.size() {
-            return Err(invalid(va, len, "crosses the end of a mapping"));
-        }
-        Ok(())
+impl MappedMemory for PhysMem {
+    fn size(&self) -> u64 {
+        PhysMem::size(self)
     }
 }
 
