@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use possum_engine::addresses::{end_of, invalid, AddressTables, MappedMemory};
+use possum_engine::addresses::{end_of, host_len, invalid, AddressTables, MappedMemory};
 use possum_engine::device::{
     DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
 };
@@ -347,16 +347,6 @@ impl CudaDevice {
         self.tables.lock().check_copy_range(va.0, len)?;
         stream.memset_d8(va.0, value, len)
     }
-
-    fn host_len(len: u64, have: usize) -> DeviceResult<usize> {
-        usize::try_from(len)
-            .ok()
-            .filter(|&n| n <= have)
-            .ok_or(DeviceError::HostBufferTooSmall {
-                need: len,
-                have: have as u64,
-            })
-    }
 }
 
 impl Device for CudaDevice {
@@ -632,7 +622,7 @@ impl Device for CudaDevice {
         len: u64,
     ) -> DeviceResult<CudaPending> {
         self.ctx.bind()?;
-        let n = Self::host_len(len, dst.len())?;
+        let n = host_len(len, dst.len())?;
         self.tables.lock().check_copy_range(src.0, len)?;
         stream.copy_d2h(src.0, dst, n)
     }
@@ -645,7 +635,7 @@ impl Device for CudaDevice {
         len: u64,
     ) -> DeviceResult<CudaPending> {
         self.ctx.bind()?;
-        let n = Self::host_len(len, src.len())?;
+        let n = host_len(len, src.len())?;
         self.tables.lock().check_copy_range(dst.0, len)?;
         stream.copy_h2d(src, dst.0, n)
     }

@@ -54,6 +54,18 @@ pub fn end_of(va: u64, len: u64) -> DeviceResult<u64> {
         .ok_or_else(|| invalid(va, len, "range wraps around the address space"))
 }
 
+/// How many bytes of a host buffer of `have` bytes a copy of `len` bytes uses: `len`, unless the
+/// buffer is smaller.
+pub fn host_len(len: u64, have: usize) -> DeviceResult<usize> {
+    usize::try_from(len)
+        .ok()
+        .filter(|&n| n <= have)
+        .ok_or(DeviceError::HostBufferTooSmall {
+            need: len,
+            have: have as u64,
+        })
+}
+
 impl<M: MappedMemory> AddressTables<M> {
     /// The reservation holding all of `[va, end)`, if one does: (start, size).
     pub fn reservation_holding(&self, va: u64, end: u64) -> Option<(u64, u64)> {
@@ -133,6 +145,11 @@ mod tests {
             "the job's own memory"
         );
         assert!(t.check_copy_range(0x1000, 0).is_ok());
+        assert_eq!(host_len(8, 16).unwrap(), 8);
+        assert!(matches!(
+            host_len(32, 16),
+            Err(DeviceError::HostBufferTooSmall { need: 32, have: 16 })
+        ));
         for (va, len, why) in [
             (0x2800, 0x1000, "crosses the end of a mapping"),
             (0x3000, 0x100, "not mapped"),

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use possum_engine::addresses::{end_of, invalid, AddressTables, MappedMemory};
+use possum_engine::addresses::{end_of, host_len, invalid, AddressTables, MappedMemory};
 use possum_engine::device::{
     DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
 };
@@ -162,16 +162,6 @@ impl HipDevice {
         self.tables.lock().check_copy_range(va.0, len)?;
         stream.memset_d8(va.0, value, len)
     }
-
-    fn host_len(len: u64, have: usize) -> DeviceResult<usize> {
-        usize::try_from(len)
-            .ok()
-            .filter(|&n| n <= have)
-            .ok_or(DeviceError::HostBufferTooSmall {
-                need: len,
-                have: have as u64,
-            })
-    }
 }
 
 impl Device for HipDevice {
@@ -299,7 +289,7 @@ impl Device for HipDevice {
         dst: PinnedBuf,
         len: u64,
     ) -> DeviceResult<HipPending> {
-        let n = Self::host_len(len, dst.len())?;
+        let n = host_len(len, dst.len())?;
         self.tables.lock().check_copy_range(src.0, len)?;
         stream.copy_d2h(src.0, dst, n)
     }
@@ -311,7 +301,7 @@ impl Device for HipDevice {
         dst: DevPtr,
         len: u64,
     ) -> DeviceResult<HipPending> {
-        let n = Self::host_len(len, src.len())?;
+        let n = host_len(len, src.len())?;
         self.tables.lock().check_copy_range(dst.0, len)?;
         stream.copy_h2d(src, dst.0, n)
     }
