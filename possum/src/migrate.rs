@@ -13,9 +13,9 @@ use possum_sequence::figures::ms;
 use possum_sequence::migrate::{
     self, Deadlines, MigrateParams, MigrateReport, ReceiveParams, Received,
 };
-use possum_sequence::{CheckpointParams, Environment, Observer, RestoreParams};
+use possum_sequence::{CheckpointParams, Environment, RestoreParams};
 
-use crate::checkpoint::EngineKind;
+use crate::checkpoint::{EngineKind, Notes};
 
 /// Arguments of `possum migrate`.
 #[derive(Args, Debug)]
@@ -81,17 +81,6 @@ pub struct ReceiveArgs {
     /// Directory of the restored job's control socket (default: the one it had at the source).
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
-}
-
-/// The sequences' notes, on stderr.
-struct Notes;
-
-impl Observer for Notes {
-    fn copying(&mut self, _: u64, _: &std::path::Path) {}
-    fn copied(&mut self) {}
-    fn note(&mut self, what: &str) {
-        eprintln!("possum: {what}");
-    }
 }
 
 fn deadlines(timeout: u64, restore: Option<u64>) -> Deadlines {

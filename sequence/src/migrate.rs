@@ -249,18 +249,6 @@ impl MigrateError {
     }
 }
 
-/// `e` with its sources, `: `-separated.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 /// Opens a connection to `to` within `deadline`, its reads and writes bounded by `io`.
 fn connect(to: &str, deadline: Duration, io: Duration) -> io::Result<TcpStream> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
@@ -502,7 +490,7 @@ fn let_go(held: crate::HeldCheckpoint<'_>, obs: &mut dyn Observer) -> JobAt {
         }
         Err(e) => JobAt::Lost {
             image,
-            why: chain(&e),
+            why: possum_cuda::error_chain(&e),
         },
     }
 }
@@ -525,7 +513,7 @@ fn restore_here(c: &CheckpointParams, obs: &mut dyn Observer) -> JobAt {
         Ok(_) => JobAt::Source,
         Err(e) => JobAt::Lost {
             image: c.dir.clone(),
-            why: chain(&e),
+            why: possum_cuda::error_chain(&e),
         },
     }
 }
@@ -659,7 +647,7 @@ pub fn receive(
                     "the job runs here as process {}, but the source was not told ({}): it \
                      restores its own copy",
                     r.pid,
-                    chain(e)
+                    possum_cuda::error_chain(e)
                 ));
             }
             Ok(Received {
@@ -672,7 +660,7 @@ pub fn receive(
             })
         }
         Err(source) => {
-            let reason = chain(&source);
+            let reason = possum_cuda::error_chain(&source);
             let _ = send_outcome(stream, &mut session, &Outcome::RestoreFailed { reason });
             let _ = fs::remove_dir_all(&dest);
             let source = Box::new(source);

@@ -1271,24 +1271,12 @@ fn failed<S: Read + Write>(stream: &mut S, e: SendError) -> WireError {
         }
         e @ SendError::Frame(_) => e.into(),
         e => {
-            let reason = chain(&e);
+            let reason = possum_cuda::error_chain(&e);
             let _ = write_frame(stream, &Frame::Abort { reason });
             let _ = stream.flush();
             e.into()
         }
     }
-}
-
-/// `e` with its sources, `: `-separated.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// Which part of a transfer [`send_files`] sends.
@@ -1811,7 +1799,7 @@ pub fn receive_dir_session<S: Read + Write>(
                 ReceiveError::Frame(FrameError::Io { .. } | FrameError::Closed)
                     | ReceiveError::Aborted { .. }
             ) {
-                let reason = chain(&e);
+                let reason = possum_cuda::error_chain(&e);
                 let _ = write_frame(stream, &Frame::Abort { reason });
                 let _ = stream.flush();
             }
@@ -2233,7 +2221,12 @@ pub fn receive_precopy<S: Read + Write, K: ChunkSink, T>(
                 ReceiveError::Frame(FrameError::Io { .. } | FrameError::Closed)
                     | ReceiveError::Aborted { .. }
             ) {
-                let _ = write_frame(stream, &Frame::Abort { reason: chain(&e) });
+                let _ = write_frame(
+                    stream,
+                    &Frame::Abort {
+                        reason: possum_cuda::error_chain(&e),
+                    },
+                );
                 let _ = stream.flush();
             }
             Err(e)

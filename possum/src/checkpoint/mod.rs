@@ -4,6 +4,7 @@
 
 mod restore;
 
+pub(crate) use restore::Notes;
 pub use restore::{restore, RestoreArgs};
 
 use std::fs;

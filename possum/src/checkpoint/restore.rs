@@ -52,8 +52,8 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
     Ok(true)
 }
 
-/// The restore's notes, on stderr.
-struct Notes;
+/// A sequence's notes, on stderr.
+pub(crate) struct Notes;
 
 impl Observer for Notes {
     fn copying(&mut self, _: u64, _: &std::path::Path) {}
