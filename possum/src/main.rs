@@ -99,8 +99,9 @@ enum Cmd {
     /// Needed only after a `criu dump`/`criu restore` with possum's plugin whose log says
     /// "possum's resume could not be sent"; `possum checkpoint`/`restore` do it themselves.
     Resume(checkpoint::ResumeArgs),
-    /// Move a running job to another host: checkpoint it and hold it, send its image to a
-    /// `possum receive` there, and end it here once it runs there (else it runs on here).
+    /// Move a running job to another host: its GPU buffers sent to a `possum receive` there
+    /// while it runs, then the job held and the rest of its image sent; ended here once it runs
+    /// there (else it runs on here).
     Migrate(migrate::MigrateArgs),
     /// Receive jobs migrated by `possum migrate` and restore them on this host.
     Receive(migrate::ReceiveArgs),
