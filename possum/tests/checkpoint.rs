@@ -9,6 +9,14 @@ use std::sync::{Arc, Mutex};
 use possum_control::{Request, Server};
 use serde_json::{json, Value};
 
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::fake_libcuda;
+
+#[path = "../../criu-adapter/tests/support/criu.rs"]
+mod criu_support;
+
 fn possum() -> Command {
     Command::new(env!("CARGO_BIN_EXE_possum"))
 }
@@ -176,20 +184,10 @@ fn checkpoint_of_a_job_without_possum_suggests_the_driver_engine() {
 #[test]
 fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
     let tmp = tempfile::tempdir().unwrap();
-    let lib = tmp.path().join("libcuda.so.1");
-    let built = Command::new("cc")
-        .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
-        .arg(&lib)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../cuda/testdata/fake-libcuda.c"
-        ))
-        .status()
-        .is_ok_and(|s| s.success());
-    if !built {
+    let Some(lib) = fake_libcuda(tmp.path()) else {
         eprintln!("SKIPPED: no C compiler for the fake driver");
         return;
-    }
+    };
     let job = fake_job(tmp.path(), false);
     let img = tmp.path().join("img");
     let out = possum()
@@ -734,4 +732,58 @@ fn wait_executable(path: &Path) {
             _ => return,
         }
     }
+}
+
+/// A job whose session leader is outside its PID namespace (started under `unshare --pid`
+/// without a session of its own, as a job in a container can be), checkpointed by a possum in
+/// that namespace: refused before anything is done, naming the cause and what to do, and the
+/// job runs on. (CRIU cannot dump such a process, with `--shell-job` or without.)
+#[test]
+fn a_job_whose_session_leader_is_outside_its_pid_namespace_is_refused() {
+    if criu_support::criu_or_skip("session_outside").is_none() {
+        return;
+    }
+    let unshare = |args: &[&str]| {
+        Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc"])
+            .args(args)
+            .output()
+    };
+    if !unshare(&["true"]).is_ok_and(|o| o.status.success()) {
+        eprintln!(
+            "SKIPPED: session_outside: `unshare --pid --fork --mount-proc` does not work here"
+        );
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(lib) = fake_libcuda(tmp.path()) else {
+        eprintln!("SKIPPED: no C compiler for the fake driver");
+        return;
+    };
+    let img = tmp.path().join("img");
+    // In the new namespace `sh` is its first process, still in the test's session (whose
+    // leader is outside): so is the job it starts.
+    let script = r#"sleep 60 & job=$!
+"$0" checkpoint --engine driver "$job" -D "$1"; echo "rc=$?"
+kill -0 "$job" && echo "job alive"; kill "$job""#;
+    let out = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "sh", "-c", script])
+        .arg(env!("CARGO_BIN_EXE_possum"))
+        .arg(&img)
+        .env("POSSUM_LIBCUDA", &lib)
+        .env("POSSUM_SOCKET_DIR", tmp.path().join("sockets"))
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(t.contains("rc=2"), "{t}");
+    assert!(
+        t.contains("session leader is outside its PID namespace") && t.contains("setsid"),
+        "{t}"
+    );
+    assert!(
+        t.contains("nothing was done") && t.contains("job alive"),
+        "{t}"
+    );
+    assert!(!img.exists(), "{t}");
 }

@@ -1,7 +1,12 @@
 //! `possum doctor` end to end: one line per check, and exit code 1 when a checkpoint cannot work.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
+
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::fake_libcuda;
 
 fn doctor(envs: &[(&str, &Path)], json: bool) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_possum"));
@@ -34,21 +39,6 @@ fn line<'a>(out: &'a str, name: &str) -> (&'a str, &'a str) {
     let rest = l[20..].trim_start();
     let (verdict, why) = rest.split_once(' ').unwrap_or((rest, ""));
     (verdict, why.trim())
-}
-
-/// The fake driver (cuda/testdata/fake-libcuda.c), built into `dir`; `None` without a C compiler.
-fn fake_libcuda(dir: &Path) -> Option<PathBuf> {
-    let lib = dir.join("libcuda.so.1");
-    Command::new("cc")
-        .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
-        .arg(&lib)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../cuda/testdata/fake-libcuda.c"
-        ))
-        .status()
-        .is_ok_and(|s| s.success())
-        .then_some(lib)
 }
 
 #[test]

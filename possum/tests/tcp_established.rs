@@ -9,12 +9,13 @@
 //! Needs root, CRIU and a C compiler (for the fake driver): without them it prints
 //! `SKIPPED: ...` on stderr and passes; with `POSSUM_REQUIRE_CRIU=1` (as CI sets) a missing
 //! CRIU, or a kernel without TCP repair, fails it instead. A CRIU older than the kernel that
-//! cannot dump TCP sockets (CRIU 4.1 and older on Linux 6.16 and later) skips the dump with the
-//! connection and the restore, whatever the variable says, once the refusal without the flag is
-//! checked: that is CRIU's limit, not the host's setup.
+//! cannot dump TCP sockets (CRIU 4.1 and older on Linux 6.16 and later; 4.2 can) skips the dump
+//! with the connection and the restore, whatever the variable says, once the refusal without
+//! the flag is checked: that is CRIU's limit, not the host's setup.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 #[path = "support/cli.rs"]
 #[allow(dead_code)]
 mod cli;
-use cli::{possum_in as possum, text};
+use cli::{possum_checkpointing_in as possum, text};
 
 use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -232,13 +233,7 @@ impl Drop for KillOnDrop {
 
 /// Builds the fake driver into `dir`; false (said why) when there is no C compiler.
 fn fake_driver(dir: &Path) -> bool {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cuda/testdata/fake-libcuda.c");
-    let ok = Command::new("cc")
-        .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
-        .arg(dir.join("libcuda.so.1"))
-        .arg(&src)
-        .status()
-        .is_ok_and(|s| s.success());
+    let ok = cli::fake_libcuda(dir).is_some();
     if !ok {
         say("tcp_established: SKIPPED: no C compiler to build the fake driver");
     }
@@ -262,10 +257,20 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
     // restored.
     possum_criu::set_child_subreaper().unwrap();
     let rec = Record(dir.join("record"));
-    let server = job_command(ROLE, "server")
+    let mut server = job_command(ROLE, "server");
+    // The fake driver in the job's processes keeps their checkpoint state there, as the real
+    // driver's is, so that the restore (another possum process) finds it.
+    server
         .env(OUT, &rec.0)
-        .spawn()
-        .unwrap();
+        .env("LD_PRELOAD", dir.join("libcuda.so.1"));
+    // A session of its own, which its client shares: CRIU dumps the job without
+    // --shell-job only if it leads its session (under a container's PID namespace the
+    // test's own session leader is outside it).
+    // SAFETY: setsid is async-signal-safe and touches no memory of this process.
+    unsafe {
+        server.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
+    }
+    let server = server.spawn().unwrap();
     let pid = server.id() as i32;
     let mut job = KillOnDrop(vec![pid], Some(server));
     let client = rec.client();

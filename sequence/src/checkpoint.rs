@@ -323,9 +323,23 @@ pub enum PlanError {
     },
     /// A checkpoint left held (a migration's) asked to kill the job or to leave out the CPU side.
     #[error(
-        "a checkpoint of process {pid} left held for a migration saves the whole process and          leaves it running until told otherwise: not with --gpu-only, nor killing it; nothing          was done"
+        "a checkpoint of process {pid} left held for a migration saves the whole process and \
+         leaves it running until told otherwise: not with --gpu-only, nor killing it; nothing \
+         was done"
     )]
     NotHeldWhole {
+        /// The process.
+        pid: i32,
+    },
+    /// The process's session leader is outside its PID namespace (getsid answers 0), which
+    /// CRIU cannot dump, with `--shell-job` or without.
+    #[error(
+        "process {pid}'s session leader is outside its PID namespace (a job started in a \
+         container without a session of its own), which CRIU cannot dump; start the job in a \
+         session of its own (`setsid possum run ...`), or checkpoint it with --gpu-only; nothing \
+         was done"
+    )]
+    SessionOutside {
         /// The process.
         pid: i32,
     },
@@ -746,6 +760,12 @@ fn hip_refusal(pid: i32, cuda: bool) -> String {
     }
 }
 
+/// Whether `pid`'s session leader is outside its PID namespace, as seen from here (getsid
+/// answers 0).
+fn session_outside(pid: i32) -> bool {
+    nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid))).is_ok_and(|s| s.as_raw() == 0)
+}
+
 /// Plan: checks that the job can be checkpointed and finds what its checkpoint involves (its
 /// hooks, the process side, the CUDA processes of its tree, its keeper). Nothing is changed.
 fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
@@ -786,6 +806,9 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     let lock = lock_pid(&p.sockets, pid)?;
     if let Some((_, drv)) = &side {
         check_driver_state(p, drv, hooks.as_ref().is_some_and(|h| h.cupti))?;
+    }
+    if side.is_some() && session_outside(pid) {
+        return Err(PlanError::SessionOutside { pid });
     }
     // The other CUDA processes of the job's tree: locked and checkpointed by the driver with the
     // root (one T0 for all, before CRIU dumps any), restored and unlocked with it.

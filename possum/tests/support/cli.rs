@@ -1,6 +1,6 @@
 //! The possum executable as the CLI tests on the fake GPU stack run it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// `possum` for the fake GPU stack built into `dir`: the jobs' socket directory `dir/sockets`
@@ -29,4 +29,20 @@ pub fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
+}
+
+/// The fake driver (cuda/testdata/fake-libcuda.c), built into `dir` as `libcuda.so.1`; `None`
+/// without a C compiler.
+pub fn fake_libcuda(dir: &Path) -> Option<PathBuf> {
+    let lib = dir.join("libcuda.so.1");
+    Command::new("cc")
+        .args(["-O1", "-shared", "-fPIC", "-Wl,-Bsymbolic", "-o"])
+        .arg(&lib)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../cuda/testdata/fake-libcuda.c"
+        ))
+        .status()
+        .is_ok_and(|s| s.success())
+        .then_some(lib)
 }
