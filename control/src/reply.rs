@@ -66,7 +66,21 @@ pub struct StatusReply {
     pub possum: Option<PossumStatus>,
     /// The entry points' statistics (with `hooks` = `entry`).
     pub entry: Option<EntryStats>,
+    /// The GPU runtime possum serves the job on: `hip` once the job has used AMD's HIP
+    /// runtime through possum's HIP front end; absent for CUDA (the default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
 }
+
+impl StatusReply {
+    /// The job's GPU work goes through possum's HIP front end.
+    pub fn is_hip(&self) -> bool {
+        self.runtime.as_deref() == Some(RUNTIME_HIP)
+    }
+}
+
+/// [`StatusReply::runtime`] of a job served by possum's HIP front end.
+pub const RUNTIME_HIP: &str = "hip";
 
 /// How the driver's entry points were handed out (`Status`'s `entry`).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
@@ -878,6 +892,7 @@ mod tests {
                 passed_proc_address: 100,
                 unmatched: vec![json!("cuFoo_v9")],
             }),
+            runtime: Some(RUNTIME_HIP.into()),
         });
     }
 
