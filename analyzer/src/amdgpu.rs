@@ -108,6 +108,9 @@ pub enum AmdgpuError {
         /// What is wrong with it.
         what: String,
     },
+    /// A clang offload bundle that is cut short or malformed.
+    #[error("bad offload bundle: {0}")]
+    BadBundle(String),
     /// No `AMDGPU` note of type `NT_AMDGPU_METADATA` (a code object older than v3, or none).
     #[error("no AMDGPU metadata note (NT_AMDGPU_METADATA) in the code object")]
     NoMetadata,
@@ -817,6 +820,68 @@ fn kernels_of(meta: &Value) -> Result<Vec<AmdgpuKernel>, AmdgpuError> {
             return Err(bad(format!("kernel {} described twice", k.name)));
         }
         out.push(k);
+    }
+    Ok(out)
+}
+
+/// The magic a clang offload bundle starts with (a program's device code: one code object per
+/// target, and the host's entry).
+pub const BUNDLE_MAGIC: &[u8; 24] = b"__CLANG_OFFLOAD_BUNDLE__";
+
+/// The AMDGPU code objects of a clang offload bundle (entries whose id names an `amdgcn`
+/// target), in order.
+pub fn bundle_code_objects(bundle: &[u8]) -> Result<Vec<&[u8]>, AmdgpuError> {
+    let bad = |why: &str| AmdgpuError::BadBundle(why.to_string());
+    let rest = bundle
+        .strip_prefix(BUNDLE_MAGIC.as_slice())
+        .ok_or_else(|| bad("no magic"))?;
+    let word = |at: usize| -> Result<u64, AmdgpuError> {
+        rest.get(at..at + 8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .ok_or_else(|| bad("truncated header"))
+    };
+    let n = word(0)?;
+    if n > 1024 {
+        return Err(bad("more than 1024 entries"));
+    }
+    let mut at = 8usize;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let (off, size, id_len) = (word(at)?, word(at + 8)?, word(at + 16)?);
+        let id_len = usize::try_from(id_len).map_err(|_| bad("entry id too long"))?;
+        let id = rest
+            .get(at + 24..at + 24 + id_len)
+            .ok_or_else(|| bad("truncated entry id"))?;
+        at += 24 + id_len;
+        if !id.windows(6).any(|w| w == b"amdgcn") || size == 0 {
+            continue;
+        }
+        let (off, size) = (
+            usize::try_from(off).map_err(|_| bad("entry offset"))?,
+            usize::try_from(size).map_err(|_| bad("entry size"))?,
+        );
+        let object = off
+            .checked_add(size)
+            .and_then(|end| bundle.get(off..end))
+            .ok_or_else(|| bad("an entry lies past the bundle's end"))?;
+        out.push(object);
+    }
+    Ok(out)
+}
+
+/// Every kernel of a code object, or of each code object of an offload bundle
+/// ([`bundle_code_objects`]; a kernel in several, for several targets, once).
+pub fn image_kernels(image: &[u8]) -> Result<Vec<AmdgpuKernel>, AmdgpuError> {
+    if !image.starts_with(BUNDLE_MAGIC) {
+        return kernels(image);
+    }
+    let mut out: Vec<AmdgpuKernel> = Vec::new();
+    for object in bundle_code_objects(image)? {
+        for k in kernels(object)? {
+            if !out.iter().any(|o| o.name == k.name) {
+                out.push(k);
+            }
+        }
     }
     Ok(out)
 }

@@ -2,7 +2,7 @@
 //! variants of them, and hand-made metadata.
 
 use possum_analyzer::amdgpu::{
-    kernels, Access, AddressSpace, AmdgpuError, AmdgpuKernel, ArgKind, MAX_ARGS,
+    self, kernels, Access, AddressSpace, AmdgpuError, AmdgpuKernel, ArgKind, MAX_ARGS,
 };
 use possum_analyzer::{Param, ParamLayout};
 use proptest::prelude::*;
@@ -663,4 +663,59 @@ proptest! {
     fn random_metadata_never_panics(desc in prop::collection::vec(any::<u8>(), 0..256)) {
         let _ = kernels(&code_object(&desc));
     }
+}
+
+/// A clang offload bundle of `entries` (id, bytes), laid out as clang-offload-bundler writes
+/// one: the magic, the count, each entry's (offset, size, id length, id), then the contents.
+fn bundle(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let header: usize = 24 + 8 + entries.iter().map(|(id, _)| 24 + id.len()).sum::<usize>();
+    let mut out = amdgpu::BUNDLE_MAGIC.to_vec();
+    out.extend((entries.len() as u64).to_le_bytes());
+    let mut at = header;
+    for (id, bytes) in entries {
+        out.extend((at as u64).to_le_bytes());
+        out.extend((bytes.len() as u64).to_le_bytes());
+        out.extend((id.len() as u64).to_le_bytes());
+        out.extend(id.as_bytes());
+        at += bytes.len();
+    }
+    for (_, bytes) in entries {
+        out.extend(*bytes);
+    }
+    out
+}
+
+#[test]
+fn an_offload_bundle_gives_its_code_objects_kernels_once() {
+    let b = bundle(&[
+        ("host-x86_64-unknown-linux-gnu-", &[]),
+        ("hipv4-amdgcn-amd-amdhsa--gfx90a", GFX90A),
+        ("hipv4-amdgcn-amd-amdhsa--gfx942", GFX942),
+    ]);
+    let objects = amdgpu::bundle_code_objects(&b).unwrap();
+    assert_eq!(objects, vec![GFX90A, GFX942]);
+    let ks = amdgpu::image_kernels(&b).unwrap();
+    assert_eq!(ks, amdgpu::kernels(GFX90A).unwrap(), "each kernel once");
+    // A code object is read as itself.
+    assert_eq!(
+        amdgpu::image_kernels(GFX942).unwrap(),
+        amdgpu::kernels(GFX942).unwrap()
+    );
+}
+
+#[test]
+fn a_corrupt_offload_bundle_is_refused_naming_the_fault() {
+    let b = bundle(&[("hipv4-amdgcn-amd-amdhsa--gfx942", GFX942)]);
+    // Cut inside the code object: its entry lies past the end.
+    let e = amdgpu::image_kernels(&b[..b.len() - 100]).unwrap_err();
+    assert!(e.to_string().contains("past the bundle's end"), "{e}");
+    // Cut inside the header.
+    let e = amdgpu::bundle_code_objects(&b[..40]).unwrap_err();
+    assert!(e.to_string().contains("truncated"), "{e}");
+    // A corrupt code object inside a well-formed bundle: the code object's own error.
+    let mut bad = GFX942.to_vec();
+    bad[0] = 0;
+    let e =
+        amdgpu::image_kernels(&bundle(&[("hipv4-amdgcn-amd-amdhsa--gfx942", &bad)])).unwrap_err();
+    assert!(e.to_string().contains("ELF"), "{e}");
 }

@@ -115,6 +115,11 @@ impl HipDevice {
         })
     }
 
+    /// The runtime this device is opened on.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.rt
+    }
+
     /// The device ordinal this was opened with.
     pub fn ordinal(&self) -> usize {
         self.ordinal

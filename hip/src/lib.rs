@@ -120,19 +120,30 @@ pub fn build_runtime(dir: &Path) -> Result<PathBuf, BuildError> {
 /// [`build_runtime`] put in the same `dir` (found there at run time through an rpath), and
 /// returns its path.
 pub fn build_job(dir: &Path) -> Result<PathBuf, BuildError> {
-    let out = dir.join("hip-sim-job");
+    build_program(dir, "hip-sim-job")
+}
+
+/// Builds `testdata/hip-session-job.c` into `dir` as `hip-session-job`, as [`build_job`]: a
+/// HIP program that steps until killed, for checkpoints of a running job.
+pub fn build_session_job(dir: &Path) -> Result<PathBuf, BuildError> {
+    build_program(dir, "hip-session-job")
+}
+
+/// Builds `testdata/NAME.c` into `dir` as `NAME`, linked against the runtime in `dir`.
+fn build_program(dir: &Path, name: &str) -> Result<PathBuf, BuildError> {
+    let out = dir.join(name);
     let include = format!("-I{}", path_str(&testdata().join("include")));
     let lib_dir = format!("-L{}", path_str(dir));
     let rpath = format!("-Wl,-rpath,{}", path_str(dir));
     let lib = format!("-l:{RUNTIME_SONAME}");
     cc(
-        "the HIP test program",
+        &format!("the HIP program {name}"),
         &[
             "-O1",
             &include,
             "-o",
             &path_str(&out),
-            &path_str(&testdata().join("hip-sim-job.c")),
+            &path_str(&testdata().join(format!("{name}.c"))),
             &lib_dir,
             &lib,
             &rpath,

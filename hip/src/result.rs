@@ -390,6 +390,8 @@ impl Drop for PinnedBuf {
 struct StreamInner {
     raw: sys::hipStream_t,
     rt: Arc<Runtime>,
+    /// Destroyed with the last clone (possum's own); a job's stream is not.
+    owned: bool,
 }
 
 // SAFETY: a hipStream_t is a handle the runtime lets every thread use concurrently.
@@ -399,8 +401,10 @@ unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        // The runtime lets work already queued finish before the stream goes.
-        let _ = call!(&self.rt, hipStreamDestroy(self.raw));
+        if self.owned {
+            // The runtime lets work already queued finish before the stream goes.
+            let _ = call!(&self.rt, hipStreamDestroy(self.raw));
+        }
     }
 }
 
@@ -433,7 +437,24 @@ impl HipStream {
         Ok(HipStream(Arc::new(StreamInner {
             raw,
             rt: rt.clone(),
+            owned: true,
         })))
+    }
+
+    /// The job's stream `raw` (a `hipStream_t` it made, or 0 for the null stream), for the
+    /// engine to order its copies against: never destroyed by possum. `raw` must stay valid
+    /// while this is used (the job destroys it only once done with it).
+    pub fn of_job(rt: &Arc<Runtime>, raw: usize) -> HipStream {
+        HipStream(Arc::new(StreamInner {
+            raw: raw as sys::hipStream_t,
+            rt: rt.clone(),
+            owned: false,
+        }))
+    }
+
+    /// The `hipStream_t`, as an address.
+    pub fn raw(&self) -> usize {
+        self.0.raw as usize
     }
 
     fn rt(&self) -> &Runtime {

@@ -30,47 +30,11 @@ pub fn start(status: fn() -> Value) {
     }
     START.call_once(|| {
         let dir = config::get().user.socket_dir.clone();
-        let handler = Arc::new(move |req: Request| match req {
-            Request::Ping => {
-                json!({"pid": std::process::id(), "possum": env!("CARGO_PKG_VERSION")})
+        let handler = Arc::new(move |req: Request| {
+            if let Some(v) = crate::hip::session::handle(&req) {
+                return v;
             }
-            Request::Status => status(),
-            Request::Trace => match state_if_created() {
-                Some(st) => st.trace_json(),
-                None => possum_control::error_reply("the job has not used CUDA yet"),
-            },
-            Request::Checkpoint { dir } => session::checkpoint(&dir, false),
-            Request::CheckpointKept { dir } => session::checkpoint(&dir, true),
-            Request::Release => session::release(None),
-            Request::ReleaseKeeping { hold_secs } => session::release(Some(hold_secs)),
-            Request::Resume { dir } => session::resume(dir.as_deref(), None),
-            Request::ResumeAndSave { dir, shadow_mib } => {
-                session::resume(Some(&dir), Some(shadow_mib))
-            }
-            Request::Saved => session::saved(),
-            Request::CollectiveHold { at, lease_ms } => {
-                match collective::hold(at, Duration::from_millis(lease_ms)) {
-                    Ok(r) => session::to_json(&r),
-                    Err(e) => possum_control::error_reply(e),
-                }
-            }
-            Request::CollectiveWait { at, timeout_ms } => {
-                session::to_json(&collective::wait_for(at, Duration::from_millis(timeout_ms)))
-            }
-            Request::CollectiveLift => session::to_json(&collective::lift()),
-            Request::Cupti { attach } => {
-                let r = if attach {
-                    cupti_attach()
-                } else {
-                    cupti_detach()
-                };
-                match r {
-                    Ok(()) => session::to_json(&CuptiReply {
-                        cupti_attached: cupti_attached(),
-                    }),
-                    Err(e) => possum_control::error_reply(e),
-                }
-            }
+            answer(req, status)
         });
         match Server::start(&dir, handler) {
             Ok(s) => {
@@ -80,6 +44,50 @@ pub fn start(status: fn() -> Value) {
             Err(e) => log(&format!("no control socket in {}: {e}", dir.display())),
         }
     });
+}
+
+/// The answer to `req`, `Status` answered with `status()`.
+fn answer(req: Request, status: fn() -> Value) -> Value {
+    match req {
+        Request::Ping => {
+            json!({"pid": std::process::id(), "possum": env!("CARGO_PKG_VERSION")})
+        }
+        Request::Status => status(),
+        Request::Trace => match state_if_created() {
+            Some(st) => st.trace_json(),
+            None => possum_control::error_reply("the job has not used CUDA yet"),
+        },
+        Request::Checkpoint { dir } => session::checkpoint(&dir, false),
+        Request::CheckpointKept { dir } => session::checkpoint(&dir, true),
+        Request::Release => session::release(None),
+        Request::ReleaseKeeping { hold_secs } => session::release(Some(hold_secs)),
+        Request::Resume { dir } => session::resume(dir.as_deref(), None),
+        Request::ResumeAndSave { dir, shadow_mib } => session::resume(Some(&dir), Some(shadow_mib)),
+        Request::Saved => session::saved(),
+        Request::CollectiveHold { at, lease_ms } => {
+            match collective::hold(at, Duration::from_millis(lease_ms)) {
+                Ok(r) => session::to_json(&r),
+                Err(e) => possum_control::error_reply(e),
+            }
+        }
+        Request::CollectiveWait { at, timeout_ms } => {
+            session::to_json(&collective::wait_for(at, Duration::from_millis(timeout_ms)))
+        }
+        Request::CollectiveLift => session::to_json(&collective::lift()),
+        Request::Cupti { attach } => {
+            let r = if attach {
+                cupti_attach()
+            } else {
+                cupti_detach()
+            };
+            match r {
+                Ok(()) => session::to_json(&CuptiReply {
+                    cupti_attached: cupti_attached(),
+                }),
+                Err(e) => possum_control::error_reply(e),
+            }
+        }
+    }
 }
 
 /// Stops the server and removes its socket (at exit).

@@ -386,6 +386,15 @@ unsafe fn handed_out(p: *mut c_void, name: *const c_char, caller: usize) -> *mut
     let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
     // The name first: most lookups (Python's module initialisers, ...) stop here, before the
     // loader is asked who called.
+    if bytes.starts_with(b"hip") {
+        return match crate::hip::entry::wrapper(bytes) {
+            Some(w) if !from_this_library(caller) && !std::ptr::eq(p.cast_const().cast(), w) => {
+                SWAPPED_DLSYM.fetch_add(1, Ordering::Relaxed);
+                w.cast_mut().cast()
+            }
+            _ => p,
+        };
+    }
     if !bytes.starts_with(b"cu") || from_this_library(caller) {
         return p;
     }

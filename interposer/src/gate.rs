@@ -19,7 +19,8 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 use possum_cuda::CudaDevice;
-use possum_engine::OpGuard;
+use possum_engine::device::Device;
+use possum_engine::{Engine, OpGuard};
 
 use crate::runtime::DevEngine;
 
@@ -89,9 +90,15 @@ pub fn wait_if_paused() {
 /// inside the gate already (so no [`possum_engine::Engine::free`] while holding it).
 #[inline]
 pub fn admit(e: &DevEngine) -> OpGuard<'_, CudaDevice> {
+    admit_engine(&e.engine)
+}
+
+/// [`admit`] for any engine (the HIP front end's too).
+#[inline]
+pub fn admit_engine<D: Device>(engine: &Engine<D>) -> OpGuard<'_, D> {
     loop {
         wait_if_paused();
-        let g = e.engine.enter_op();
+        let g = engine.enter_op();
         // SeqCst, as the gate's own operations: a thread that found the gate open after the
         // session closed it (and opened it again) finds the pause that came before.
         if !PAUSED.load(Ordering::SeqCst) {

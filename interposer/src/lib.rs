@@ -98,6 +98,7 @@ mod drvalloc;
 mod elfsym;
 pub mod entry;
 mod gate;
+mod hip;
 mod hook_state;
 mod hooks;
 mod load;

@@ -124,10 +124,10 @@ pub fn status_json() -> Value {
 }
 
 /// Marks a session step as running; refuses a second one.
-struct Busy;
+pub(crate) struct Busy;
 
 impl Busy {
-    fn take(what: &'static str) -> Result<Busy, String> {
+    pub(crate) fn take(what: &'static str) -> Result<Busy, String> {
         let mut b = BUSY.lock();
         if let Some(other) = *b {
             return Err(format!(
@@ -152,13 +152,13 @@ fn engines() -> Vec<Arc<DevEngine>> {
 }
 
 /// The image directory of device `ordinal` under `dir`.
-fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
+pub(crate) fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
     dir.join(format!("gpu-{ordinal}"))
 }
 
 /// A new image of device `ordinal` under `dir`. No fsync: the commit happens while the job is
 /// paused; `possum checkpoint` makes the whole image durable once the job runs again.
-fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
+pub(crate) fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
     // A data file per writer thread: on tmpfs, writes to one file are serialized (its inode
     // lock), so fewer files than writers caps the copy (measured: 4 files, 12 writers, 9.5 GB/s).
     let opts = WriterOptions {
@@ -172,18 +172,25 @@ fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
         .map_err(|e| format!("device {ordinal}: {e}"))
 }
 
+/// Faults of the write path from now to the commit undo the checkpoint that opens now.
+pub(crate) fn open_faults() {
+    FAULTS_AT_OPEN.store(gate::faults().0, Ordering::SeqCst);
+}
+
 /// Whether the write path saw no fault since the checkpoint in progress began: an error or a
 /// panic in a hook let an operation run whose written buffers may not have been saved (or marked
 /// written), so the image might not be T0's. With one, the checkpoint fails closed: its images
 /// are not committed, the job runs on.
-fn no_faults_since_open() -> Result<(), String> {
+pub(crate) fn no_faults_since_open() -> Result<(), String> {
     let (n, last) = gate::faults();
     let since = n.saturating_sub(FAULTS_AT_OPEN.load(Ordering::SeqCst));
     if since == 0 {
         return Ok(());
     }
     Err(format!(
-        "checkpoint undone: {since} fault(s) on the write path since it began (the last: {});          its image might not hold the buffers as they were at T0, so none is written and the          job runs on",
+        "checkpoint undone: {since} fault(s) on the write path since it began (the last: {}); \
+         its image might not hold the buffers as they were at T0, so none is written and the \
+         job runs on",
         last.unwrap_or_default()
     ))
 }
@@ -206,7 +213,7 @@ fn no_unwrapped_writer_since(known: usize) -> Result<(), String> {
 }
 
 /// Commits device `ordinal`'s image (its writer no longer shared with a copy).
-fn commit(
+pub(crate) fn commit(
     ordinal: usize,
     writer: Arc<ImageWriter>,
 ) -> Result<possum_engine::image::ImageSummary, String> {
@@ -218,7 +225,7 @@ fn commit(
         })
 }
 
-fn ms(d: std::time::Duration) -> f64 {
+pub(crate) fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
@@ -236,7 +243,7 @@ fn waited_on(device: usize, w: &[possum_engine::WaitedOn]) -> Vec<possum_control
 }
 
 /// Sets `key` of the last session's figures to `v`.
-fn note_last(key: &str, v: Value) {
+pub(crate) fn note_last(key: &str, v: Value) {
     let mut last = LAST.lock();
     if !last.is_object() {
         *last = json!({});
@@ -257,7 +264,7 @@ pub fn checkpoint(dir: &str, keep: bool) -> Value {
 /// A request's image directory must be absolute: a relative one would be the job's working
 /// directory's business (a client that meant it relative to a directory it passed, talking to a
 /// library too old to take one, would have the job write its images there).
-fn absolute(dir: &Path) -> Result<(), String> {
+pub(crate) fn absolute(dir: &Path) -> Result<(), String> {
     if dir.is_absolute() {
         Ok(())
     } else {
@@ -301,8 +308,7 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     }
     // A checkpoint whose `possum` went away before its release: its images are abandoned.
     *OPEN.lock() = None;
-    // Faults from now to the commit undo this checkpoint.
-    FAULTS_AT_OPEN.store(gate::faults().0, Ordering::SeqCst);
+    open_faults();
     let t = Instant::now();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut out = Vec::new();
@@ -1416,7 +1422,7 @@ fn per_thread_ops() -> u64 {
 }
 
 /// A reply as the JSON sent: `r`'s, or its error's.
-fn reply<R: Serialize>(r: Result<R, String>) -> Value {
+pub(crate) fn reply<R: Serialize>(r: Result<R, String>) -> Value {
     r.map_or_else(possum_control::error_reply, |v| to_json(&v))
 }
 

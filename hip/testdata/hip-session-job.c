@@ -1,0 +1,171 @@
+// A HIP program that steps until it is killed, for checkpoints of a running HIP job (on the
+// simulated runtime, fake-libamdhip64.c, or a real one given the same code object). Each step
+// works on three streams: a block from an explicit pool filled and added into Y by registered
+// stub (hipLaunchKernel), a captured graph adding X into Y, then Y copied into Z through a
+// module launch's `extra` buffer and Z subtracted from X, with memsets and a stream-ordered
+// scratch buffer on the way. Every value depends on every earlier step, so a buffer restored
+// wrong shows in every step after.
+//
+//   hip-session-job KERNELS.hsaco [STEPS]
+//
+// It prints `ready` once set up, then `step N DIGEST` after step N (DIGEST: FNV-1a 64 of X, Y
+// and Z read back), sleeping 2 ms between steps; with STEPS, it stops after that many.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <hip/hip_runtime_api.h>
+
+#define N (256u * 1024u)
+#define BLOCK 256u
+#define GRID ((N + BLOCK - 1) / BLOCK)
+
+#define CHECK(call)                                                                       \
+  do {                                                                                    \
+    hipError_t e_ = (call);                                                               \
+    if (e_ != hipSuccess) {                                                               \
+      fprintf(stderr, "line %d: %s: %s (%d)\n", __LINE__, #call, hipGetErrorName(e_), e_); \
+      exit(1);                                                                            \
+    }                                                                                     \
+  } while (0)
+
+static unsigned long long fnv(unsigned long long h, const void* p, size_t n) {
+  const unsigned char* b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+  return h;
+}
+
+static const char fill_u32_stub, axpy_f32_stub, copy_u32_stub;
+
+static void* read_file(const char* path) {
+  FILE* f = fopen(path, "rb");
+  if (!f) { perror(path); exit(1); }
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  void* p = malloc((size_t)n);
+  if (!p || fread(p, 1, (size_t)n, f) != (size_t)n) { perror(path); exit(1); }
+  fclose(f);
+  return p;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) { fprintf(stderr, "usage: %s KERNELS.hsaco [STEPS]\n", argv[0]); return 2; }
+  long steps = argc > 2 ? atol(argv[2]) : -1;
+  void* image = read_file(argv[1]);
+  static float xh[N], yh[N];
+  static unsigned zh[N];
+  CHECK(hipInit(0));
+  CHECK(hipSetDevice(0));
+
+  static __CudaFatBinaryWrapper wrapper = {HIP_FATBIN_MAGIC, 1, 0, 0};
+  wrapper.binary = image;
+  void** fatbin = __hipRegisterFatBinary(&wrapper);
+  if (!fatbin) { fprintf(stderr, "__hipRegisterFatBinary failed\n"); return 1; }
+  __hipRegisterFunction(fatbin, &fill_u32_stub, "fill_u32", "fill_u32", ~0u, 0, 0, 0, 0, 0);
+  __hipRegisterFunction(fatbin, &axpy_f32_stub, "axpy_f32", "axpy_f32", ~0u, 0, 0, 0, 0, 0);
+  __hipRegisterFunction(fatbin, &copy_u32_stub, "copy_u32", "copy_u32", ~0u, 0, 0, 0, 0, 0);
+  hipModule_t module;
+  hipFunction_t fn_axpy, fn_copy;
+  CHECK(hipModuleLoadData(&module, image));
+  CHECK(hipModuleGetFunction(&fn_axpy, module, "axpy_f32"));
+  CHECK(hipModuleGetFunction(&fn_copy, module, "copy_u32"));
+
+  hipStream_t s1, s2, s3;
+  CHECK(hipStreamCreate(&s1));
+  CHECK(hipStreamCreateWithPriority(&s2, 0, 0));
+  CHECK(hipStreamCreate(&s3));
+  hipEvent_t e1, e2;
+  CHECK(hipEventCreate(&e1));
+  CHECK(hipEventCreate(&e2));
+  hipMemPool_t pool;
+  hipMemPoolProps props;
+  memset(&props, 0, sizeof props);
+  props.allocType = hipMemAllocationTypePinned;
+  props.location.type = hipMemLocationTypeDevice;
+  props.location.id = 0;
+  CHECK(hipMemPoolCreate(&pool, &props));
+
+  float *x, *y;
+  unsigned* z;
+  CHECK(hipMalloc((void**)&x, N * 4));
+  CHECK(hipMalloc((void**)&y, N * 4));
+  CHECK(hipMallocAsync((void**)&z, N * 4, s3));
+  for (unsigned i = 0; i < N; i++) { xh[i] = (float)(i % 13) * 0.25f; yh[i] = 1.0f; }
+  CHECK(hipMemcpy(x, xh, N * 4, hipMemcpyHostToDevice));
+  CHECK(hipMemcpy(y, yh, N * 4, hipMemcpyHostToDevice));
+  CHECK(hipMemsetAsync(z, 0, N * 4, s3));
+  CHECK(hipStreamSynchronize(s3));
+
+  // The graph: Y += 0.5 X, captured on s2.
+  hipGraph_t graph;
+  hipGraphExec_t exec;
+  CHECK(hipStreamBeginCapture(s2, hipStreamCaptureModeGlobal));
+  {
+    float a = 0.5f;
+    unsigned n = N;
+    void* args[] = {&y, &x, &a, &n};
+    CHECK(hipLaunchKernel(&axpy_f32_stub, (dim3){GRID, 1, 1}, (dim3){BLOCK, 1, 1}, args, 0, s2));
+  }
+  CHECK(hipStreamEndCapture(s2, &graph));
+  CHECK(hipGraphInstantiate(&exec, graph, 0, 0, 0));
+  printf("ready\n");
+  fflush(stdout);
+
+  for (long step = 1; steps < 0 || step <= steps; step++) {
+    // s1: a pool block filled with the step's value (as float bits), Y += 2^-10 * block.
+    unsigned* t;
+    CHECK(hipMallocFromPoolAsync((void**)&t, N * 4, pool, s1));
+    {
+      float v = (float)(step % 17) * 0.125f;
+      unsigned bits, n = N;
+      memcpy(&bits, &v, 4);
+      void* fargs[] = {&t, &bits, &n};
+      CHECK(hipLaunchKernel(&fill_u32_stub, (dim3){GRID, 1, 1}, (dim3){BLOCK, 1, 1}, fargs, 0, s1));
+      float a = 1.0f / 1024.0f;
+      float* tf = (float*)t;
+      void* aargs[] = {&y, &tf, &a, &n};
+      CHECK(hipLaunchKernel(&axpy_f32_stub, (dim3){GRID, 1, 1}, (dim3){BLOCK, 1, 1}, aargs, 0, s1));
+    }
+    CHECK(hipFreeAsync(t, s1));
+    CHECK(hipEventRecord(e1, s1));
+    // s2, after s1: the graph, Y += 0.5 X.
+    CHECK(hipStreamWaitEvent(s2, e1, 0));
+    CHECK(hipGraphLaunch(exec, s2));
+    CHECK(hipEventRecord(e2, s2));
+    // s3, after s2: Z = Y (module launch, extra buffer), X -= 2^-4 Z (module launch, params),
+    // the last 64 words of a scratch block zeroed and copied over Z's first.
+    CHECK(hipStreamWaitEvent(s3, e2, 0));
+    {
+      struct { void* dst; const void* src; unsigned n; unsigned pad; } cargs = {z, y, N, 0};
+      size_t size = sizeof cargs;
+      void* extra[] = {HIP_LAUNCH_PARAM_BUFFER_POINTER, &cargs, HIP_LAUNCH_PARAM_BUFFER_SIZE,
+                       &size, HIP_LAUNCH_PARAM_END};
+      CHECK(hipModuleLaunchKernel(fn_copy, GRID, 1, 1, BLOCK, 1, 1, 0, s3, 0, extra));
+      float a = -1.0f / 16.0f;
+      unsigned n = N;
+      float* zf = (float*)z;
+      void* params[] = {&x, &zf, &a, &n};
+      CHECK(hipModuleLaunchKernel(fn_axpy, GRID, 1, 1, BLOCK, 1, 1, 0, s3, params, 0));
+      unsigned* scratch;
+      CHECK(hipMallocAsync((void**)&scratch, 4096, s3));
+      CHECK(hipMemsetAsync(scratch, (int)(step & 0xff), 4096, s3));
+      CHECK(hipMemcpyAsync(z, scratch, 256, hipMemcpyDeviceToDevice, s3));
+      CHECK(hipFreeAsync(scratch, s3));
+    }
+    CHECK(hipStreamSynchronize(s3));
+    CHECK(hipMemcpy(xh, x, N * 4, hipMemcpyDeviceToHost));
+    CHECK(hipMemcpy(yh, y, N * 4, hipMemcpyDeviceToHost));
+    CHECK(hipMemcpy(zh, z, N * 4, hipMemcpyDeviceToHost));
+    unsigned long long h = 0xcbf29ce484222325ull;
+    h = fnv(h, xh, N * 4);
+    h = fnv(h, yh, N * 4);
+    h = fnv(h, zh, N * 4);
+    printf("step %ld %016llx\n", step, h);
+    fflush(stdout);
+    struct timespec ts = {0, 2000000};
+    nanosleep(&ts, 0);
+  }
+  return 0;
+}

@@ -1,0 +1,325 @@
+//! The HIP front end's state and decisions, in safe code: the engine over the job's HIP runtime
+//! (`HipDevice`), the allocations it serves, the kernels whose argument layouts the code objects
+//! give, and the hook each operation of the job runs before it is enqueued. `entry.rs` (the
+//! exported functions) calls down into this with plain values.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, RwLock};
+use possum_analyzer::amdgpu::{self, AmdgpuKernel};
+use possum_engine::device::DevPtr;
+use possum_engine::{Access, Buffer, Engine, EngineConfig, EngineError};
+use possum_hip_sim::result::{HipStream, Runtime};
+use possum_hip_sim::HipDevice;
+use serde_json::{json, Value};
+
+use crate::config;
+use crate::log::log;
+
+/// The device the front end serves: HIP's first. Allocations the job makes on another device
+/// are its own (unmanaged), and a checkpoint refuses a job with such memory.
+pub const DEVICE: usize = 0;
+
+/// The front end, made at the job's first HIP call that needs it.
+pub struct Front {
+    /// The engine over the job's runtime, device [`DEVICE`].
+    pub engine: Engine<HipDevice>,
+    rt: Arc<Runtime>,
+    /// The job's streams the engine orders copies against, by `hipStream_t`.
+    streams: RwLock<HashMap<usize, HipStream>>,
+    /// Kernels by launch handle (`hipFunction_t`, or a host stub of `__hipRegisterFunction`).
+    kernels: RwLock<HashMap<usize, Arc<AmdgpuKernel>>>,
+    /// The kernels of each code object loaded (`hipModule_t`, or the handle of a registered
+    /// fat binary); empty when its code object could not be read.
+    modules: Mutex<HashMap<usize, Arc<Vec<AmdgpuKernel>>>>,
+    /// The job's device memory possum does not serve, by address: (bytes, how it was made).
+    unmanaged: Mutex<BTreeMap<u64, (u64, &'static str)>>,
+    pub counters: Counters,
+}
+
+/// What the front end saw.
+#[derive(Default)]
+pub struct Counters {
+    pub served_allocs: AtomicU64,
+    pub served_frees: AtomicU64,
+    pub launches: AtomicU64,
+    /// Launches of a kernel without a known layout (taken to write every buffer).
+    pub opaque_launches: AtomicU64,
+    pub graph_launches: AtomicU64,
+    pub copies: AtomicU64,
+    pub memsets: AtomicU64,
+    /// Operations whose hook failed: they ran unchecked (a checkpoint open is undone).
+    pub faults: AtomicU64,
+}
+
+static FRONT: OnceLock<Result<Front, String>> = OnceLock::new();
+
+/// The front end, made on first use over the runtime at `runtime()`'s path; `None` (said once
+/// in the log) when it cannot be made: the job's calls then pass through, unserved.
+pub fn front(runtime: impl FnOnce() -> Option<PathBuf>) -> Option<&'static Front> {
+    FRONT
+        .get_or_init(|| {
+            let made = runtime()
+                .ok_or_else(|| "the HIP runtime's library was not found".to_string())
+                .and_then(|p| Front::new(&p));
+            match &made {
+                Ok(f) => {
+                    log(&format!(
+                        "HIP front end: device {DEVICE} ({}) of {}",
+                        f.engine.device().device_name(),
+                        f.rt.path().display()
+                    ));
+                    crate::control::start(crate::hip::status_json);
+                }
+                Err(e) => log(&format!("HIP front end off: {e}; the job's HIP calls pass")),
+            }
+            made
+        })
+        .as_ref()
+        .ok()
+}
+
+/// The front end if it was made.
+pub fn made() -> Option<&'static Front> {
+    FRONT.get().and_then(|r| r.as_ref().ok())
+}
+
+impl Front {
+    fn new(runtime: &Path) -> Result<Front, String> {
+        let dev = HipDevice::open(runtime, DEVICE).map_err(|e| e.to_string())?;
+        let rt = dev.runtime().clone();
+        let tuning = &config::get().tuning;
+        let chunk = (tuning.chunk_mib as usize) << 20;
+        let cfg = EngineConfig {
+            chunk_size: chunk,
+            staging_buffers: ((tuning.staging_mib << 20) / chunk as u64).max(2) as usize,
+            writer_threads: tuning.writers(),
+            restore_threads: tuning.restorers,
+            background_nice: tuning.background_nice,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(Arc::new(dev), cfg).map_err(|e| e.to_string())?;
+        Ok(Front {
+            engine,
+            rt,
+            streams: RwLock::default(),
+            kernels: RwLock::default(),
+            modules: Mutex::default(),
+            unmanaged: Mutex::default(),
+            counters: Counters::default(),
+        })
+    }
+
+    /// An engine buffer of `size` bytes for the job (`hipMalloc`, `hipMallocAsync`,
+    /// `hipMallocFromPoolAsync`), its address; `None` when the engine cannot make one.
+    pub fn alloc(&self, size: u64, what: &str) -> Option<u64> {
+        let made = {
+            let _g = crate::gate::admit_engine(&self.engine);
+            self.engine.alloc(size)
+        };
+        match made {
+            Ok(b) => {
+                self.counters.served_allocs.fetch_add(1, Ordering::Relaxed);
+                Some(b.va().0)
+            }
+            Err(e) => {
+                log(&format!("{what} of {size} bytes not served: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Whether `ptr` is the start of an engine buffer.
+    pub fn serves(&self, ptr: u64) -> bool {
+        self.engine
+            .lookup(DevPtr(ptr))
+            .is_some_and(|b| b.va().0 == ptr)
+    }
+
+    /// Frees the engine buffer at `ptr`, the work queued on it done (the caller waited).
+    pub fn free(&self, ptr: u64) -> Result<(), EngineError> {
+        crate::gate::wait_if_paused();
+        self.engine.free(DevPtr(ptr))?;
+        self.counters.served_frees.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Records device memory of the job's own at `va` (not served by possum).
+    pub fn note_unmanaged(&self, va: u64, bytes: u64, how: &'static str) {
+        self.unmanaged.lock().insert(va, (bytes, how));
+    }
+
+    /// Forgets the job's own memory at `va`; whether it was recorded.
+    pub fn forget_unmanaged(&self, va: u64) -> bool {
+        self.unmanaged.lock().remove(&va).is_some()
+    }
+
+    /// The job's own device memory now: (allocations, bytes) of each kind.
+    pub fn unmanaged(&self) -> BTreeMap<&'static str, (u64, u64)> {
+        let mut out: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
+        for (bytes, kind) in self.unmanaged.lock().values() {
+            let e = out.entry(kind).or_default();
+            e.0 += 1;
+            e.1 += bytes;
+        }
+        out
+    }
+
+    /// The engine's wrapper of the job's stream `raw`.
+    pub fn stream(&self, raw: usize) -> HipStream {
+        if let Some(s) = self.streams.read().get(&raw) {
+            return s.clone();
+        }
+        self.streams
+            .write()
+            .entry(raw)
+            .or_insert_with(|| HipStream::of_job(&self.rt, raw))
+            .clone()
+    }
+
+    /// Forgets the job's stream `raw` (it destroys it).
+    pub fn forget_stream(&self, raw: usize) {
+        self.streams.write().remove(&raw);
+    }
+
+    /// Reads the code object `image` of module (or fat binary) `handle`: its kernels' argument
+    /// layouts. One that cannot be read is said in the log; its kernels are then taken to
+    /// write every buffer.
+    pub fn note_module(&self, handle: usize, image: &[u8]) {
+        let kernels = match amdgpu::image_kernels(image) {
+            Ok(k) => k,
+            Err(e) => {
+                log(&format!(
+                    "code object {handle:#x} ({} bytes) cannot be read: {e}; launches of its \
+                     kernels are taken to write every buffer",
+                    image.len()
+                ));
+                Vec::new()
+            }
+        };
+        self.modules.lock().insert(handle, Arc::new(kernels));
+    }
+
+    /// Forgets module `handle` (unloaded).
+    pub fn forget_module(&self, handle: usize) {
+        self.modules.lock().remove(&handle);
+    }
+
+    /// Notes that launches of `launch` (a function handle or a host stub) run kernel `name` of
+    /// module `module`.
+    pub fn note_kernel(&self, launch: usize, module: usize, name: &str) {
+        let found = self.modules.lock().get(&module).and_then(|ks| {
+            ks.iter()
+                .find(|k| k.name == name || k.symbol == name || k.symbol == format!("{name}.kd"))
+                .cloned()
+        });
+        match found {
+            Some(k) => {
+                self.kernels.write().insert(launch, Arc::new(k));
+            }
+            None => {
+                self.kernels.write().remove(&launch);
+            }
+        }
+    }
+
+    /// The kernel launches of `launch` run, if its layout is known.
+    pub fn kernel(&self, launch: usize) -> Option<Arc<AmdgpuKernel>> {
+        self.kernels.read().get(&launch).cloned()
+    }
+
+    /// The engine buffers that the words at `kernel`'s pointer slots in `kernarg` (its explicit
+    /// arguments as laid out for the device) point into: those the launch may write.
+    pub fn buffers_of_kernarg(&self, kernel: &AmdgpuKernel, kernarg: &[u8]) -> Vec<Buffer> {
+        let mut out: Vec<Buffer> = Vec::new();
+        for slot in kernel.layout().pointer_slots() {
+            let at = slot.offset as usize;
+            let Some(word) = kernarg.get(at..at + 8) else {
+                continue;
+            };
+            let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            if let Some(b) = self.engine.lookup(DevPtr(w)) {
+                if !out.iter().any(|o| o.id() == b.id()) {
+                    out.push(b);
+                }
+            }
+        }
+        out
+    }
+
+    /// The engine buffers `[ptr, ptr + len)` touches.
+    pub fn buffers_of_range(&self, ptr: u64, len: u64) -> Vec<Buffer> {
+        let mut out: Vec<Buffer> = Vec::new();
+        let mut at = ptr;
+        let end = ptr.saturating_add(len.max(1));
+        while at < end {
+            let Some(b) = self.engine.lookup(DevPtr(at)) else {
+                break;
+            };
+            at = b.va().0 + b.size().max(1);
+            out.push(b);
+        }
+        out
+    }
+
+    /// The hook: runs `op` (the job's operation, enqueued on stream `stream`) once the engine
+    /// has what it needs before it — during a checkpoint the buffers it may write saved first,
+    /// during an on-demand restore those it touches back — and never while a checkpoint holds
+    /// the job. `writes` are the buffers it may write (`None`: unknown, every buffer), `reads`
+    /// those it only reads.
+    pub fn before_op<R>(
+        &self,
+        stream: usize,
+        reads: &[Buffer],
+        writes: Option<&[Buffer]>,
+        op: impl FnOnce() -> R,
+    ) -> R {
+        let guard = crate::gate::admit_engine(&self.engine);
+        if guard.tracking() {
+            let access = match writes {
+                Some(writes) => Access::Known { reads, writes },
+                None => Access::Opaque,
+            };
+            if let Err(e) = guard.check(&self.stream(stream), access) {
+                self.counters.faults.fetch_add(1, Ordering::Relaxed);
+                crate::gate::note_fault(&format!("HIP operation on stream {stream:#x}: {e}"));
+            }
+        }
+        let r = op();
+        drop(guard);
+        r
+    }
+
+    /// `possum status`'s view of the front end.
+    pub fn stats_json(&self) -> Value {
+        let unmanaged = self.unmanaged();
+        let c = &self.counters;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        json!({
+            "engines": [{
+                "device": DEVICE,
+                "name": self.engine.device().device_name(),
+                "streams": self.streams.read().len(),
+                "engine": self.engine.stats(),
+            }],
+            "unmanaged": {
+                "allocations": unmanaged.values().map(|u| u.0).sum::<u64>(),
+                "bytes": unmanaged.values().map(|u| u.1).sum::<u64>(),
+                "by_kind": unmanaged.iter()
+                    .map(|(k, (n, b))| (k.to_string(), json!({"allocations": n, "bytes": b})))
+                    .collect::<serde_json::Map<_, _>>(),
+            },
+            "kernels": self.kernels.read().len(),
+            "hip": {
+                "runtime": self.rt.path().display().to_string(),
+                "served_allocs": n(&c.served_allocs), "served_frees": n(&c.served_frees),
+                "launches": n(&c.launches), "opaque_launches": n(&c.opaque_launches),
+                "graph_launches": n(&c.graph_launches), "copies": n(&c.copies),
+                "memsets": n(&c.memsets), "faults": n(&c.faults),
+            },
+        })
+    }
+}

@@ -1,0 +1,39 @@
+//! The HIP front end: the same interposer for a job on AMD's HIP runtime.
+//!
+//! libpossum.so exports the HIP runtime's allocation, launch, copy, memset, graph-launch,
+//! module and lookup entry points beside the CUDA driver's (`entry.rs`, the unsafe layer); a job
+//! that never calls HIP never reaches them. At the job's first HIP call that needs it, the
+//! front end (`front.rs`) opens an engine over the job's own runtime (`possum_hip_sim::HipDevice`,
+//! found as the library defining the `hipMalloc` after this one) and starts the control socket,
+//! whose status says `runtime: "hip"`. From then on:
+//!
+//! - `hipMalloc`, `hipMallocAsync` and `hipMallocFromPoolAsync` on the first device are served
+//!   as engine buffers (VA-stable, releasable); frees wait for the work queued before them.
+//!   Memory the job makes otherwise (its own `hipMemMap`s, `hipMallocManaged`, another device)
+//!   is recorded, and a checkpoint refuses the job while it has any.
+//! - Every launch, copy, memset and graph launch passes the op gate and the engine's hook
+//!   first. A kernel's pointer arguments come from its code object's metadata (read when a
+//!   module is loaded or a fat binary registered: `possum_analyzer::amdgpu`); each engine
+//!   buffer one points into is taken as written (its read-only hints are not trusted). A kernel
+//!   whose layout is unknown, and every graph launch, is taken to write every buffer.
+//! - The control socket's checkpoint requests go to `session.rs`.
+
+pub mod entry;
+pub mod front;
+pub mod session;
+
+use serde_json::{json, Value};
+
+/// `Status` for a HIP job: the CUDA status's shape, `possum` being the front end's.
+pub fn status_json() -> Value {
+    let mut v = json!({
+        "pid": std::process::id(),
+        "hooks": "entry",
+        "runtime": possum_control::reply::RUNTIME_HIP,
+    });
+    if let Some(f) = front::made() {
+        v["possum"] = f.stats_json();
+        v["possum"]["session"] = crate::session::status_json();
+    }
+    v
+}

@@ -1,0 +1,206 @@
+//! A checkpoint of a HIP job, as the control socket's requests drive it: the same protocol as a
+//! CUDA job's (`crate::session`, whose image naming, commit, fault accounting and one-at-a-time
+//! rule it shares), over the front end's one engine.
+//!
+//! - `Checkpoint`: a pre-copy while the job runs, every buffer into a new image; the hooks mark
+//!   what the job writes meanwhile. (`CheckpointKept` is the same: a HIP job has no keeper to
+//!   hold its memory, so nothing is kept.)
+//! - `Release`: the job's HIP operations paused at the op gate, the device waited for (T0), what
+//!   was written since the pre-copy copied, the image committed, the buffers' memory released
+//!   (their addresses stay reserved).
+//! - `Resume{dir}`: the buffers mapped again at their addresses and brought back from the image,
+//!   on demand: the job goes on at once, an operation on a buffer not yet back waiting for it.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use possum_control::reply::{CheckpointReply, DeviceCopy, ReleaseReply, ResumeReply};
+use possum_control::Request;
+use possum_engine::image::Image;
+use possum_engine::store::ChunkSink;
+use serde_json::{json, Value};
+
+use super::front::{made, Front, DEVICE};
+use crate::gate;
+use crate::log::log;
+use crate::session::{self as common, Busy};
+
+/// The front end's answer to a session request; `None` for a request it leaves to the rest.
+pub fn handle(req: &Request) -> Option<Value> {
+    let f = made()?;
+    Some(match req {
+        Request::Checkpoint { dir } | Request::CheckpointKept { dir } => {
+            common::reply(checkpoint(f, Path::new(dir)))
+        }
+        Request::Release | Request::ReleaseKeeping { .. } => common::reply(release(f)),
+        Request::Resume { dir } => common::reply(resume(f, dir.as_deref().map(Path::new))),
+        Request::ResumeAndSave { .. } => possum_control::error_reply(
+            "no kept checkpoint to save: a HIP job's buffers are copied at the release",
+        ),
+        _ => return None,
+    })
+}
+
+/// Why a checkpoint cannot save the job: device memory possum does not serve.
+fn refuse_unmanaged(f: &Front) -> Result<(), String> {
+    let unmanaged = f.unmanaged();
+    if unmanaged.is_empty() {
+        return Ok(());
+    }
+    let kinds: Vec<String> = unmanaged
+        .iter()
+        .map(|(k, (n, b))| format!("{k}: {n} allocation(s), {b} bytes"))
+        .collect();
+    Err(format!(
+        "the job has HIP device memory possum does not serve ({}): possum saves only the \
+         buffers it serves (hipMalloc, hipMallocAsync and pools on device {DEVICE}); nothing \
+         was done",
+        kinds.join("; ")
+    ))
+}
+
+fn checkpoint(f: &Front, dir: &Path) -> Result<CheckpointReply, String> {
+    common::absolute(dir)?;
+    let _b = Busy::take("checkpoint")?;
+    if gate::is_paused() {
+        return Err("the job is paused (released): resume it before a new checkpoint".into());
+    }
+    refuse_unmanaged(f)?;
+    common::open_faults();
+    let t = Instant::now();
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let writer = common::new_writer(dir, DEVICE)?;
+    f.engine.mark_all_dirty();
+    let sink: Arc<dyn ChunkSink> = writer.clone();
+    let r = f
+        .engine
+        .precopy_round(sink)
+        .map_err(|e| format!("device {DEVICE}: pre-copy: {e}"))?;
+    *OPEN.lock() = Some((dir.to_path_buf(), writer));
+    let v = CheckpointReply {
+        precopy: vec![DeviceCopy {
+            device: DEVICE,
+            buffers: r.buffers as u64,
+            bytes: r.bytes,
+            ms: Some(common::ms(r.elapsed)),
+            dirty_after: Some(r.dirty_after as u64),
+            ..DeviceCopy::default()
+        }],
+        hooks: Some(true),
+        kept: false,
+        ms: Some(common::ms(t.elapsed())),
+    };
+    common::note_last("checkpoint", common::to_json(&v));
+    Ok(v)
+}
+
+/// The checkpoint in progress: its image directory and writer.
+type Open = (std::path::PathBuf, Arc<possum_engine::image::ImageWriter>);
+static OPEN: parking_lot::Mutex<Option<Open>> = parking_lot::Mutex::new(None);
+
+fn release(f: &Front) -> Result<ReleaseReply, String> {
+    let _b = Busy::take("release")?;
+    if gate::is_paused() {
+        return Err("the job is already paused (released)".into());
+    }
+    let (_dir, writer) = OPEN
+        .lock()
+        .take()
+        .ok_or("no checkpoint in progress: send checkpoint first")?;
+    let t = Instant::now();
+    gate::set_paused(true);
+    let unpause = |m: String| {
+        gate::set_paused(false);
+        m
+    };
+    // T0: no operation of the job between its hook and its enqueue, then the device idle.
+    f.engine.wait_ops_enqueued();
+    f.engine.set_device_fence(true);
+    let sink: Arc<dyn ChunkSink> = writer.clone();
+    let r = f.engine.checkpoint(sink, true).and_then(|h| h.wait());
+    f.engine.set_device_fence(false);
+    let r = r.map_err(|e| unpause(format!("device {DEVICE}: final copy: {e}")))?;
+    common::no_faults_since_open().map_err(|e| {
+        let _ = f.engine.stop_tracking();
+        unpause(e)
+    })?;
+    let summary = common::commit(DEVICE, writer).map_err(unpause)?;
+    let copied = common::ms(t.elapsed());
+    let released = f
+        .engine
+        .release()
+        .map_err(|e| unpause(format!("device {DEVICE}: release: {e}")))?;
+    let v = ReleaseReply {
+        finals: vec![DeviceCopy {
+            device: DEVICE,
+            buffers: r.buffers as u64,
+            bytes: r.bytes,
+            ms: Some(common::ms(r.elapsed)),
+            image_bytes: Some(summary.data_file_bytes),
+            image_buffers: Some(summary.buffers.len() as u64),
+            ..DeviceCopy::default()
+        }],
+        final_copy_ms: Some(copied),
+        released_bytes: released,
+        devices: vec![DEVICE],
+        ms: Some(common::ms(t.elapsed())),
+        ..ReleaseReply::default()
+    };
+    common::note_last("release", common::to_json(&v));
+    Ok(v)
+}
+
+fn resume(f: &'static Front, dir: Option<&Path>) -> Result<ResumeReply, String> {
+    if let Some(d) = dir {
+        common::absolute(d)?;
+    }
+    let _b = Busy::take("resume")?;
+    let t = Instant::now();
+    // A checkpoint abandoned before its release: its image is dropped unfinished.
+    OPEN.lock().take();
+    let mut restoring = Vec::new();
+    if f.engine.phase() == "released" {
+        let dir = dir.ok_or_else(|| {
+            format!("device {DEVICE}: buffers are released; resume needs the image directory")
+        })?;
+        let path = common::engine_image_dir(dir, DEVICE);
+        let img = Image::open(&path)
+            .map_err(|e| format!("device {DEVICE}: cannot open its image: {e}"))?;
+        let h = f
+            .engine
+            .restore(Arc::new(img))
+            .map_err(|e| format!("device {DEVICE}: {e}"))?;
+        restoring.push(DEVICE);
+        // Nobody waits for the restore; its figures are kept for `possum status`.
+        let _ = std::thread::Builder::new()
+            .name("possum-restore-wait".into())
+            .spawn(move || {
+                let v = match h.wait() {
+                    Ok(r) => {
+                        if let Err(e) = f.engine.stop_tracking() {
+                            log(&format!("device {DEVICE}: tracking stays on: {e}"));
+                        }
+                        json!({"device": DEVICE, "buffers": r.buffers, "bytes": r.bytes,
+                               "ms": common::ms(r.elapsed), "on_demand": r.on_demand,
+                               "job_waited_ms": common::ms(r.job_waited)})
+                    }
+                    Err(e) => {
+                        log(&format!("restore of device {DEVICE} failed: {e}"));
+                        json!({"device": DEVICE, "error": e.to_string()})
+                    }
+                };
+                log(&format!("restore done: {v}"));
+                common::note_last("restore", v);
+            });
+    } else if let Err(e) = f.engine.stop_tracking() {
+        log(&format!("device {DEVICE}: tracking stays on: {e}"));
+    }
+    gate::set_paused(false);
+    Ok(ResumeReply {
+        restoring,
+        on_demand: Some(true),
+        ms: Some(common::ms(t.elapsed())),
+        ..ResumeReply::default()
+    })
+}

@@ -1,0 +1,199 @@
+//! The HIP front end on the simulated HIP runtime (`possum-hip-sim`): a HIP program
+//! (`hip/testdata/hip-session-job.c`: three streams, pool and stream-ordered allocations, a
+//! captured graph, launches by module and by registered stub) runs under libpossum.so, which
+//! serves its allocations and sees its operations; the test sends it `Checkpoint` (a pre-copy
+//! while it runs on), `Release` (held, its buffers copied and their memory released) and
+//! `Resume` (its buffers back from the image), and checks that every step it computes, before,
+//! during and after, is bit for bit that of a run never checkpointed.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use possum_control::{request, Request};
+use serde_json::Value;
+
+mod common;
+use common::libpossum;
+
+/// Bound on every wait for something that should happen.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The simulated runtime and the job built into `dir`; `None` (said) without a C compiler.
+fn build(dir: &Path) -> Option<PathBuf> {
+    match possum_hip_sim::build_runtime(dir).and_then(|_| possum_hip_sim::build_session_job(dir)) {
+        Ok(job) => Some(job),
+        Err(possum_hip_sim::BuildError::NoCompiler(e)) => {
+            eprintln!("SKIPPED: no C compiler for the simulated HIP runtime ({e}) [hip_session]");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The job running `steps` steps (unbounded: `None`), its stdout into `out`.
+fn start(job: &Path, dir: &Path, steps: Option<u32>, preload: bool, out: &Path) -> Child {
+    let mut cmd = Command::new(job);
+    cmd.arg(possum_hip_sim::kernels_code_object());
+    if let Some(n) = steps {
+        cmd.arg(n.to_string());
+    }
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy().into_owned();
+        if k.starts_with("POSSUM_") || k.starts_with("FAKE_") || k == "LD_PRELOAD" {
+            cmd.env_remove(k);
+        }
+    }
+    if preload {
+        cmd.env("LD_PRELOAD", libpossum())
+            .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+            .env("POSSUM_VERBOSE", "1");
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(std::fs::File::create(out).unwrap())
+        .stderr(std::fs::File::create(out.with_extension("stderr")).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// The `step N DIGEST` lines in `out`, as (N, DIGEST), in order.
+fn steps(out: &Path) -> Vec<(u32, String)> {
+    std::fs::read_to_string(out)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split(' ');
+            (w.next() == Some("step")).then_some(())?;
+            let n = w.next()?.parse().ok()?;
+            Some((n, w.next()?.to_string()))
+        })
+        .collect()
+}
+
+/// Waits until the job has printed step `n` (or more); its last step.
+fn wait_step(out: &Path, n: u32, job: &mut Child) -> u32 {
+    let t = Instant::now();
+    loop {
+        if let Some(&(last, _)) = steps(out).last() {
+            if last >= n {
+                return last;
+            }
+        }
+        if let Ok(Some(st)) = job.try_wait() {
+            panic!(
+                "the job ended ({st}) before step {n}: {}",
+                std::fs::read_to_string(out.with_extension("stderr")).unwrap_or_default()
+            );
+        }
+        assert!(t.elapsed() < WAIT, "no step {n} in {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn ask(job: &Child, dir: &Path, req: &Request) -> Value {
+    request(job.id(), &dir.join("sockets"), req, WAIT).unwrap_or_else(|e| panic!("{req:?}: {e}"))
+}
+
+#[test]
+fn a_hip_job_is_checkpointed_while_it_runs_released_and_resumed_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let Some(exe) = build(dir) else { return };
+    let out = dir.join("job.out");
+    let mut job = start(&exe, dir, None, true, &out);
+    struct Kill<'a>(&'a mut Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    wait_step(&out, 5, &mut job);
+
+    let status = ask(&job, dir, &Request::Status);
+    assert_eq!(status["runtime"], "hip", "{status}");
+    let hip = &status["possum"]["hip"];
+    assert!(hip["served_allocs"].as_u64().unwrap() >= 3, "{status}");
+    assert_eq!(
+        hip["opaque_launches"], 0,
+        "every kernel's layout is known: {status}"
+    );
+    assert!(hip["graph_launches"].as_u64().unwrap() >= 1, "{status}");
+    assert_eq!(status["possum"]["unmanaged"]["allocations"], 0, "{status}");
+
+    // The pre-copy: the job runs on while its buffers are copied.
+    let img = dir.join("img");
+    let before = steps(&out).len();
+    let ck = ask(
+        &job,
+        dir,
+        &Request::Checkpoint {
+            dir: img.display().to_string(),
+        },
+    );
+    assert!(ck.get("error").is_none(), "{ck}");
+    assert!(
+        ck["precopy"][0]["buffers"].as_u64().unwrap() >= 3,
+        "x, y and z: {ck}"
+    );
+    let at = wait_step(&out, steps(&out).last().unwrap().0 + 3, &mut job);
+    assert!(
+        steps(&out).len() > before,
+        "the job stepped on after the pre-copy"
+    );
+
+    // The release: held, its buffers saved and their memory released.
+    let rel = ask(&job, dir, &Request::Release);
+    assert!(rel.get("error").is_none(), "{rel}");
+    // x, y and z, and the step's pool block or scratch buffer if it was held inside a step.
+    assert!(rel["released_bytes"].as_u64().unwrap() >= 3 << 20, "{rel}");
+    assert!(
+        rel["final"][0]["image_buffers"].as_u64().unwrap() >= 3,
+        "{rel}"
+    );
+    let held_at = steps(&out).last().unwrap().0;
+    assert!(held_at >= at);
+    let status = ask(&job, dir, &Request::Status);
+    let engine = &status["possum"]["engines"][0]["engine"];
+    assert_eq!(engine["resident_bytes"], 0, "{status}");
+    assert_eq!(engine["phase"], "released", "{status}");
+    std::thread::sleep(Duration::from_millis(100));
+    let still = steps(&out).last().unwrap().0;
+    assert!(
+        still <= held_at + 1,
+        "a held job finishes at most the step it was in: {held_at} then {still}"
+    );
+
+    // The resume: its buffers come back from the image and it goes on.
+    let res = ask(
+        &job,
+        dir,
+        &Request::Resume {
+            dir: Some(img.display().to_string()),
+        },
+    );
+    assert!(res.get("error").is_none(), "{res}");
+    assert_eq!(res["restoring"][0], 0, "{res}");
+    let last = wait_step(&out, still + 20, &mut job);
+    drop(Kill(&mut job));
+
+    // Every step, before, during and after, as in a run never checkpointed.
+    let seen = steps(&out);
+    let ref_out = dir.join("ref.out");
+    let mut reference = start(&exe, dir, Some(last), false, &ref_out);
+    assert!(reference.wait().unwrap().success());
+    let want = steps(&ref_out);
+    assert_eq!(want.len(), last as usize);
+    for (n, digest) in &seen {
+        assert_eq!(
+            digest,
+            &want[*n as usize - 1].1,
+            "step {n} differs (held at {held_at})"
+        );
+    }
+    assert!(
+        seen.len() >= last as usize - 1,
+        "{} of {last} steps",
+        seen.len()
+    );
+}
