@@ -934,6 +934,8 @@ fn possum_in(children: &[i32], sockets: &Path, gpu_only: bool) -> Result<Vec<i32
                 out.push(c);
             }
             Err(e) if e.is_without_possum() => {}
+            // It exited since the tree was listed: no part of the job now.
+            Err(JobError::NoProcess(_)) => {}
             Err(e) => return Err(child(c, e.into())),
         }
     }
@@ -1613,6 +1615,17 @@ fn dump_retrying_transient(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process of the tree that exited after the tree was listed is left out, not an error.
+    #[test]
+    fn a_child_gone_since_the_tree_was_listed_is_left_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        c.wait().unwrap();
+        let gone = c.id() as i32;
+        let found = possum_in(&[gone], dir.path(), true).unwrap();
+        assert!(found.is_empty(), "{found:?}");
+    }
 
     fn dump_failed(message: &str) -> CriuError {
         CriuError::Failed {
