@@ -32,9 +32,10 @@ fn build(dir: &Path) -> Option<PathBuf> {
 }
 
 /// The job running `steps` steps (unbounded: `None`), its stdout into `out`.
-fn start(job: &Path, dir: &Path, steps: Option<u32>, preload: bool, out: &Path) -> Child {
+fn start(job: &Path, code: &Path, steps: Option<u32>, preload: bool, out: &Path) -> Child {
+    let dir = out.parent().unwrap();
     let mut cmd = Command::new(job);
-    cmd.arg(possum_hip_sim::kernels_code_object());
+    cmd.arg(code);
     if let Some(n) = steps {
         cmd.arg(n.to_string());
     }
@@ -52,6 +53,7 @@ fn start(job: &Path, dir: &Path, steps: Option<u32>, preload: bool, out: &Path) 
     cmd.stdin(Stdio::null())
         .stdout(std::fs::File::create(out).unwrap())
         .stderr(std::fs::File::create(out.with_extension("stderr")).unwrap())
+        .current_dir(dir)
         .spawn()
         .unwrap()
 }
@@ -97,10 +99,50 @@ fn ask(job: &Child, dir: &Path, req: &Request) -> Value {
 #[test]
 fn a_hip_job_is_checkpointed_while_it_runs_released_and_resumed_bit_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
-    let Some(exe) = build(dir) else { return };
+    let Some(status) = session(tmp.path(), &possum_hip_sim::kernels_code_object()) else {
+        return;
+    };
+    assert_eq!(
+        status["possum"]["hip"]["opaque_launches"], 0,
+        "every kernel's layout is known: {status}"
+    );
+}
+
+/// A code object whose metadata possum cannot read (the runtime runs its kernels all the same):
+/// said in the job's log, its kernels' launches taken to write every buffer, and the
+/// checkpoint as exact.
+#[test]
+fn kernels_of_a_code_object_possum_cannot_read_are_taken_to_write_everything() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut code = std::fs::read(possum_hip_sim::kernels_code_object()).unwrap();
+    let at = code
+        .windows(14)
+        .position(|w| w == b"amdhsa.kernels")
+        .expect("the metadata's kernel list");
+    code[at + 13] = b'X';
+    let bad = tmp.path().join("unreadable.hsaco");
+    std::fs::write(&bad, code).unwrap();
+    let Some(status) = session(tmp.path(), &bad) else {
+        return;
+    };
+    assert!(
+        status["possum"]["hip"]["opaque_launches"].as_u64().unwrap() > 0,
+        "{status}"
+    );
+    let log = std::fs::read_to_string(tmp.path().join("job.stderr")).unwrap();
+    assert!(
+        log.contains("cannot be read") && log.contains("taken to write every buffer"),
+        "{log}"
+    );
+}
+
+/// Runs the job on code object `code` under libpossum.so in `dir` through a pre-copy, a
+/// release and a resume, and checks every step against a run never checkpointed; the job's
+/// status before the checkpoint (`None`: skipped, no C compiler).
+fn session(dir: &Path, code: &Path) -> Option<Value> {
+    let exe = build(dir)?;
     let out = dir.join("job.out");
-    let mut job = start(&exe, dir, None, true, &out);
+    let mut job = start(&exe, code, None, true, &out);
     struct Kill<'a>(&'a mut Child);
     impl Drop for Kill<'_> {
         fn drop(&mut self) {
@@ -110,16 +152,12 @@ fn a_hip_job_is_checkpointed_while_it_runs_released_and_resumed_bit_exact() {
     }
     wait_step(&out, 5, &mut job);
 
-    let status = ask(&job, dir, &Request::Status);
-    assert_eq!(status["runtime"], "hip", "{status}");
-    let hip = &status["possum"]["hip"];
-    assert!(hip["served_allocs"].as_u64().unwrap() >= 3, "{status}");
-    assert_eq!(
-        hip["opaque_launches"], 0,
-        "every kernel's layout is known: {status}"
-    );
-    assert!(hip["graph_launches"].as_u64().unwrap() >= 1, "{status}");
-    assert_eq!(status["possum"]["unmanaged"]["allocations"], 0, "{status}");
+    let first = ask(&job, dir, &Request::Status);
+    assert_eq!(first["runtime"], "hip", "{first}");
+    let hip = &first["possum"]["hip"];
+    assert!(hip["served_allocs"].as_u64().unwrap() >= 3, "{first}");
+    assert!(hip["graph_launches"].as_u64().unwrap() >= 1, "{first}");
+    assert_eq!(first["possum"]["unmanaged"]["allocations"], 0, "{first}");
 
     // The pre-copy: the job runs on while its buffers are copied.
     let img = dir.join("img");
@@ -180,7 +218,7 @@ fn a_hip_job_is_checkpointed_while_it_runs_released_and_resumed_bit_exact() {
     // Every step, before, during and after, as in a run never checkpointed.
     let seen = steps(&out);
     let ref_out = dir.join("ref.out");
-    let mut reference = start(&exe, dir, Some(last), false, &ref_out);
+    let mut reference = start(&exe, code, Some(last), false, &ref_out);
     assert!(reference.wait().unwrap().success());
     let want = steps(&ref_out);
     assert_eq!(want.len(), last as usize);
@@ -196,4 +234,5 @@ fn a_hip_job_is_checkpointed_while_it_runs_released_and_resumed_bit_exact() {
         "{} of {last} steps",
         seen.len()
     );
+    Some(first)
 }
