@@ -3,13 +3,14 @@
 // works on three streams: a block from an explicit pool filled and added into Y by registered
 // stub (hipLaunchKernel), a captured graph adding X into Y, then Y copied into Z through a
 // module launch's `extra` buffer and Z subtracted from X, with memsets and a stream-ordered
-// scratch buffer on the way. Every value depends on every earlier step, so a buffer restored
+// scratch buffer on the way; then W, two pieces of memory the job maps itself into one range
+// (virtual memory management), takes X's words with each piece's first word the step number. Every value depends on every earlier step, so a buffer restored
 // wrong shows in every step after.
 //
 //   hip-session-job KERNELS.hsaco [STEPS]
 //
-// It prints `ready` once set up, then `step N DIGEST` after step N (DIGEST: FNV-1a 64 of X, Y
-// and Z read back), sleeping 2 ms between steps; with STEPS, it stops after that many.
+// It prints `ready` once set up, then `step N DIGEST` after step N (DIGEST: FNV-1a 64 of X, Y,
+// Z and W read back), sleeping 2 ms between steps; with STEPS, it stops after that many.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
   long steps = argc > 2 ? atol(argv[2]) : -1;
   void* image = read_file(argv[1]);
   static float xh[N], yh[N];
-  static unsigned zh[N];
+  static unsigned zh[N], wh[N];
   CHECK(hipInit(0));
   CHECK(hipSetDevice(0));
 
@@ -96,6 +97,27 @@ int main(int argc, char** argv) {
   CHECK(hipMemcpy(x, xh, N * 4, hipMemcpyHostToDevice));
   CHECK(hipMemcpy(y, yh, N * 4, hipMemcpyHostToDevice));
   CHECK(hipMemsetAsync(z, 0, N * 4, s3));
+  CHECK(hipStreamSynchronize(s3));
+
+  // W: a range of the job's own, two pieces of N * 2 bytes each mapped into it.
+  hipMemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = hipMemAllocationTypePinned;
+  prop.location.type = hipMemLocationTypeDevice;
+  prop.location.id = 0;
+  size_t gran = 0;
+  CHECK(hipMemGetAllocationGranularity(&gran, &prop, hipMemAllocationGranularityMinimum));
+  size_t piece = ((size_t)N * 2 + gran - 1) / gran * gran;
+  unsigned* w;
+  hipMemGenericAllocationHandle_t h1, h2;
+  CHECK(hipMemAddressReserve((void**)&w, 2 * piece, 0, 0, 0));
+  CHECK(hipMemCreate(&h1, piece, &prop, 0));
+  CHECK(hipMemCreate(&h2, piece, &prop, 0));
+  CHECK(hipMemMap(w, piece, 0, h1, 0));
+  CHECK(hipMemMap((char*)w + piece, piece, 0, h2, 0));
+  hipMemAccessDesc access = {{hipMemLocationTypeDevice, 0}, hipMemAccessFlagsProtReadWrite};
+  CHECK(hipMemSetAccess(w, 2 * piece, &access, 1));
+  CHECK(hipMemsetAsync(w, 0, N * 4, s3));
   CHECK(hipStreamSynchronize(s3));
 
   // The graph: Y += 0.5 X, captured on s2.
@@ -153,15 +175,23 @@ int main(int argc, char** argv) {
       CHECK(hipMemsetAsync(scratch, (int)(step & 0xff), 4096, s3));
       CHECK(hipMemcpyAsync(z, scratch, 256, hipMemcpyDeviceToDevice, s3));
       CHECK(hipFreeAsync(scratch, s3));
+      void* wargs[] = {&w, &x, &n};
+      CHECK(hipModuleLaunchKernel(fn_copy, GRID, 1, 1, BLOCK, 1, 1, 0, s3, wargs, 0));
+      static unsigned mark;  // read by the copies when the stream runs them
+      mark = (unsigned)step;
+      CHECK(hipMemcpyAsync(w, &mark, 4, hipMemcpyHostToDevice, s3));
+      CHECK(hipMemcpyAsync((char*)w + piece, &mark, 4, hipMemcpyHostToDevice, s3));
     }
     CHECK(hipStreamSynchronize(s3));
     CHECK(hipMemcpy(xh, x, N * 4, hipMemcpyDeviceToHost));
     CHECK(hipMemcpy(yh, y, N * 4, hipMemcpyDeviceToHost));
     CHECK(hipMemcpy(zh, z, N * 4, hipMemcpyDeviceToHost));
+    CHECK(hipMemcpy(wh, w, N * 4, hipMemcpyDeviceToHost));
     unsigned long long h = 0xcbf29ce484222325ull;
     h = fnv(h, xh, N * 4);
     h = fnv(h, yh, N * 4);
     h = fnv(h, zh, N * 4);
+    h = fnv(h, wh, N * 4);
     printf("step %ld %016llx\n", step, h);
     fflush(stdout);
     struct timespec ts = {0, 2000000};

@@ -104,6 +104,8 @@ slot!(REAL_hipMallocFromPoolAsync);
 slot!(REAL_hipFreeAsync);
 slot!(REAL_hipMallocManaged);
 slot!(REAL_hipMemMap);
+slot!(REAL_hipMemCreate);
+slot!(REAL_hipMemRelease);
 slot!(REAL_hipMemUnmap);
 slot!(REAL_hipDeviceSynchronize);
 slot!(REAL_hipStreamSynchronize);
@@ -131,7 +133,9 @@ type MallocPoolFn =
     unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void, *mut c_void) -> HipError;
 type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> HipError;
 type MallocManagedFn = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> HipError;
-type MemMapFn = unsafe extern "C" fn(*mut c_void, usize, usize, *mut c_void, u64) -> HipError;
+type MemMapFn = unsafe extern "C" fn(*mut c_void, usize, usize, u64, u64) -> HipError;
+type MemCreateFn = unsafe extern "C" fn(*mut u64, usize, *const c_void, u64) -> HipError;
+type MemReleaseFn = unsafe extern "C" fn(u64) -> HipError;
 type MemUnmapFn = unsafe extern "C" fn(*mut c_void, usize) -> HipError;
 type VoidFn = unsafe extern "C" fn() -> HipError;
 type StreamFn = unsafe extern "C" fn(*mut c_void) -> HipError;
@@ -387,16 +391,105 @@ pub unsafe extern "C" fn hipMallocManaged(
     )
 }
 
-/// `hipError_t hipMemMap(void* ptr, size_t size, size_t offset, handle, flags)`: the job's own
-/// mapping, recorded as unmanaged.
+/// `hipMemAllocationProp` (hip_runtime_api.h): its type, requested handle type and location at
+/// 0, 4 and 8..16, its allocation flags (compression, GPUDirect RDMA, usage) at 24..28.
+const PROP_LEN: usize = 32;
+const PINNED: u32 = 1;
+const LOCATION_DEVICE: u32 = 1;
+
+/// Whether possum serves a `hipMemCreate` of properties `prop` (flags 0): plain device memory
+/// on the device it serves, no shareable handle asked for, no compression.
+///
+/// # Safety
+/// `prop` is null or points to a `hipMemAllocationProp`.
+unsafe fn servable(prop: *const c_void, flags: u64) -> bool {
+    if prop.is_null() || flags != 0 || !config_serves_vmm() {
+        return false;
+    }
+    // SAFETY: the caller's promise: PROP_LEN bytes.
+    let p = unsafe { bytes(prop, PROP_LEN) };
+    let u32_at = |o: usize| u32::from_le_bytes(p[o..o + 4].try_into().expect("4"));
+    u32_at(0) == PINNED
+        && u32_at(4) == 0
+        && u32_at(8) == LOCATION_DEVICE
+        && u32_at(12) as usize == super::front::DEVICE
+        && p[24] == 0
+}
+
+fn config_serves_vmm() -> bool {
+    crate::config::get().tuning.serve_vmm
+}
+
+/// `hipError_t hipMemCreate(handle* h, size_t size, const hipMemAllocationProp* prop,
+/// unsigned long long flags)`: plain device memory is answered with a handle of possum's
+/// (no memory made until it is mapped, then an engine buffer); other memory is the runtime's.
+#[no_mangle]
+pub unsafe extern "C" fn hipMemCreate(
+    handle: *mut u64,
+    size: usize,
+    prop: *const c_void,
+    flags: u64,
+) -> HipError {
+    if handle.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: `prop` is the caller's, as the call's contract has it.
+    if unsafe { servable(prop, flags) } {
+        if let Some(f) = the_front() {
+            return match f.create_token(size as u64) {
+                Some(t) => {
+                    // SAFETY: the caller's valid out-pointer.
+                    unsafe { *handle = t };
+                    SUCCESS
+                }
+                None => INVALID_VALUE,
+            };
+        }
+    }
+    call_real!(
+        REAL_hipMemCreate,
+        c"hipMemCreate",
+        MemCreateFn,
+        handle,
+        size,
+        prop,
+        flags
+    )
+}
+
+/// `hipError_t hipMemRelease(handle h)`.
+#[no_mangle]
+pub unsafe extern "C" fn hipMemRelease(handle: u64) -> HipError {
+    if let Some(f) = super::front::made().filter(|f| f.is_token(handle)) {
+        return token_result(f.release_token(handle));
+    }
+    call_real!(REAL_hipMemRelease, c"hipMemRelease", MemReleaseFn, handle)
+}
+
+fn token_result(r: Result<(), super::front::TokenError>) -> HipError {
+    match r {
+        Ok(()) => SUCCESS,
+        Err(super::front::TokenError::NotSupported(_)) => NOT_SUPPORTED,
+        Err(super::front::TokenError::Invalid) => INVALID_VALUE,
+    }
+}
+
+/// `hipError_t hipMemMap(void* ptr, size_t size, size_t offset, handle, flags)`: a handle of
+/// possum's becomes an engine buffer at `ptr`; the job's own mapping is recorded as unmanaged.
 #[no_mangle]
 pub unsafe extern "C" fn hipMemMap(
     ptr: *mut c_void,
     size: usize,
     offset: usize,
-    handle: *mut c_void,
+    handle: u64,
     flags: u64,
 ) -> HipError {
+    if let Some(f) = super::front::made().filter(|f| f.is_token(handle)) {
+        if flags != 0 {
+            return INVALID_VALUE;
+        }
+        return token_result(f.map_token(handle, ptr as u64, size as u64, offset as u64));
+    }
     let r = call_real!(
         REAL_hipMemMap,
         c"hipMemMap",
@@ -415,13 +508,36 @@ pub unsafe extern "C" fn hipMemMap(
     r
 }
 
-/// `hipError_t hipMemUnmap(void* ptr, size_t size)`.
+/// `hipError_t hipMemUnmap(void* ptr, size_t size)`: the engine buffers of possum's handles
+/// mapped in the range are freed once the device's work is done; the rest is the runtime's.
 #[no_mangle]
 pub unsafe extern "C" fn hipMemUnmap(ptr: *mut c_void, size: usize) -> HipError {
+    let served = super::front::made()
+        .map(|f| (f, f.tokens_mapped_in(ptr as u64, size as u64)))
+        .filter(|(_, v)| !v.is_empty());
+    if let Some((f, pieces)) = served {
+        let r = call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,);
+        if r != SUCCESS {
+            return r;
+        }
+        for va in pieces {
+            if let Err(e) = f.unmap_token(va) {
+                crate::log::log(&format!("hipMemUnmap at {va:#x}: {e}"));
+                return INVALID_VALUE;
+            }
+        }
+        // The job's own mappings in the range, if any, are the runtime's to unmap.
+        let own: Vec<u64> = f.unmanaged_in(ptr as u64, size as u64);
+        if own.is_empty() {
+            return SUCCESS;
+        }
+    }
     let r = call_real!(REAL_hipMemUnmap, c"hipMemUnmap", MemUnmapFn, ptr, size);
     if r == SUCCESS {
         if let Some(f) = super::front::made() {
-            f.forget_unmanaged(ptr as u64);
+            for va in f.unmanaged_in(ptr as u64, size as u64) {
+                f.forget_unmanaged(va);
+            }
         }
     }
     r
@@ -937,6 +1053,8 @@ pub fn wrapper(name: &[u8]) -> Option<*const ()> {
         hipFree,
         hipFreeAsync,
         hipMallocManaged,
+        hipMemCreate,
+        hipMemRelease,
         hipMemMap,
         hipMemUnmap,
         hipStreamDestroy,

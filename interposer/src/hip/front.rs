@@ -37,7 +37,38 @@ pub struct Front {
     modules: Mutex<HashMap<usize, Arc<Vec<AmdgpuKernel>>>>,
     /// The job's device memory possum does not serve, by address: (bytes, how it was made).
     unmanaged: Mutex<BTreeMap<u64, (u64, &'static str)>>,
+    /// The memory handles possum answered `hipMemCreate` with, by value.
+    tokens: Mutex<HashMap<u64, Token>>,
     pub counters: Counters,
+}
+
+/// The top 16 bits of every memory handle possum hands out for `hipMemCreate`.
+pub const TOKEN_TAG: u64 = 0xb055 << 48;
+const TAG_MASK: u64 = 0xffff << 48;
+/// The engine group of the pieces the job maps itself: a tensor may span pieces, so an
+/// operation that touches one is taken to touch all.
+const VMM_GROUP: u64 = 1;
+
+/// The memory of a handle possum answered `hipMemCreate` with: none is made until it is
+/// mapped, as an engine buffer at the job's address.
+#[derive(Debug)]
+struct Token {
+    size: u64,
+    /// Where it is mapped.
+    mapped: Option<u64>,
+    /// Mapped once already (its contents went with its unmap).
+    used: bool,
+    /// `hipMemRelease`d while mapped: forgotten at its unmap.
+    released: bool,
+}
+
+/// Why a call on a handle possum made is refused.
+#[derive(Debug, PartialEq, Eq)]
+pub enum TokenError {
+    /// The call is not one possum can serve on such memory (said in the log).
+    NotSupported(String),
+    /// The job's arguments are wrong.
+    Invalid,
 }
 
 /// What the front end saw.
@@ -109,6 +140,7 @@ impl Front {
             kernels: RwLock::default(),
             modules: Mutex::default(),
             unmanaged: Mutex::default(),
+            tokens: Mutex::default(),
             counters: Counters::default(),
         })
     }
@@ -157,6 +189,15 @@ impl Front {
         self.unmanaged.lock().remove(&va).is_some()
     }
 
+    /// The starts of the job's own mappings inside `[va, va + size)`.
+    pub fn unmanaged_in(&self, va: u64, size: u64) -> Vec<u64> {
+        self.unmanaged
+            .lock()
+            .range(va..va.saturating_add(size))
+            .map(|(&a, _)| a)
+            .collect()
+    }
+
     /// The job's own device memory now: (allocations, bytes) of each kind.
     pub fn unmanaged(&self) -> BTreeMap<&'static str, (u64, u64)> {
         let mut out: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
@@ -166,6 +207,109 @@ impl Front {
             e.1 += bytes;
         }
         out
+    }
+
+    /// A handle for `hipMemCreate` of `size` bytes, no memory made yet: mapped, it becomes an
+    /// engine buffer. `None` when its size is not a multiple of the engine's granularity (the
+    /// runtime refuses such a size too).
+    pub fn create_token(&self, size: u64) -> Option<u64> {
+        use possum_engine::device::Device;
+        let g = self.engine.device().granularity();
+        if size == 0 || size % g != 0 {
+            return None;
+        }
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let t = TOKEN_TAG | NEXT.fetch_add(1, Ordering::Relaxed);
+        self.tokens.lock().insert(
+            t,
+            Token {
+                size,
+                mapped: None,
+                used: false,
+                released: false,
+            },
+        );
+        Some(t)
+    }
+
+    /// Whether `handle` is one of possum's.
+    pub fn is_token(&self, handle: u64) -> bool {
+        handle & TAG_MASK == TOKEN_TAG && self.tokens.lock().contains_key(&handle)
+    }
+
+    /// `hipMemMap(va, size, offset, token)`: an engine buffer at `va`, in the job's own
+    /// reservation. Only the whole of a token, once.
+    pub fn map_token(&self, token: u64, va: u64, size: u64, offset: u64) -> Result<(), TokenError> {
+        let mut tokens = self.tokens.lock();
+        let t = tokens.get_mut(&token).ok_or(TokenError::Invalid)?;
+        let refuse = |why: &str| {
+            let m = format!(
+                "hipMemMap of {size} bytes at {va:#x} (offset {offset}) of memory possum serves: \
+                 {why}; not supported"
+            );
+            log(&m);
+            TokenError::NotSupported(m)
+        };
+        if offset != 0 || size != t.size {
+            return Err(refuse("only the whole of it can be mapped"));
+        }
+        if t.mapped.is_some() {
+            return Err(refuse("it is mapped already"));
+        }
+        if t.used {
+            return Err(refuse("its contents went with its last unmap"));
+        }
+        let made = {
+            let _g = crate::gate::admit_engine(&self.engine);
+            self.engine.alloc_at(DevPtr(va), size, VMM_GROUP)
+        };
+        made.map_err(|e| refuse(&e.to_string()))?;
+        t.mapped = Some(va);
+        self.counters.served_allocs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// `hipMemRelease(token)`: forgotten now, or at its unmap if it is mapped.
+    pub fn release_token(&self, token: u64) -> Result<(), TokenError> {
+        let mut tokens = self.tokens.lock();
+        let t = tokens.get_mut(&token).ok_or(TokenError::Invalid)?;
+        if t.mapped.is_some() {
+            t.released = true;
+        } else {
+            tokens.remove(&token);
+        }
+        Ok(())
+    }
+
+    /// The starts of the engine buffers of tokens mapped inside `[va, va + size)`.
+    pub fn tokens_mapped_in(&self, va: u64, size: u64) -> Vec<u64> {
+        let end = va.saturating_add(size);
+        self.tokens
+            .lock()
+            .values()
+            .filter_map(|t| t.mapped)
+            .filter(|&m| m >= va && m < end)
+            .collect()
+    }
+
+    /// Unmaps the token mapped at `va` (the work queued on it done): its engine buffer freed.
+    pub fn unmap_token(&self, va: u64) -> Result<(), EngineError> {
+        self.free(va)?;
+        let mut tokens = self.tokens.lock();
+        let Some(&k) = tokens
+            .iter()
+            .find(|(_, t)| t.mapped == Some(va))
+            .map(|(k, _)| k)
+        else {
+            return Ok(());
+        };
+        let t = tokens.get_mut(&k).expect("just found");
+        t.mapped = None;
+        t.used = true;
+        if t.released {
+            tokens.remove(&k);
+        }
+        Ok(())
     }
 
     /// The engine's wrapper of the job's stream `raw`.
