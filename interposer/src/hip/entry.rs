@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::front::{front, Front};
 
-type HipError = c_int;
+pub(super) type HipError = c_int;
 const SUCCESS: HipError = 0;
 const INVALID_VALUE: HipError = 1;
 const OUT_OF_MEMORY: HipError = 2;
-const NOT_SUPPORTED: HipError = 801;
+pub(super) const NOT_SUPPORTED: HipError = 801;
 
 /// `HIP_LAUNCH_PARAM_BUFFER_POINTER`, `_SIZE`, `_END`.
 const PARAM_BUFFER_POINTER: usize = 1;
@@ -40,7 +40,7 @@ pub struct Dim3 {
 }
 
 /// The runtime's function `name` (a NUL-terminated name), looked up once into `slot`.
-fn real(slot: &AtomicUsize, name: &CStr) -> usize {
+pub(super) fn real(slot: &AtomicUsize, name: &CStr) -> usize {
     let p = slot.load(Ordering::Acquire);
     if p != 0 {
         return p;
@@ -69,20 +69,24 @@ fn runtime_path() -> Option<PathBuf> {
     Some(PathBuf::from(name.to_string_lossy().into_owned()))
 }
 
-fn the_front() -> Option<&'static Front> {
+pub(super) fn the_front() -> Option<&'static Front> {
     front(runtime_path)
 }
 
 /// The slot where the runtime's function is kept once looked up ([`real`]).
-macro_rules! slot {
+#[macro_export]
+#[doc(hidden)]
+macro_rules! hip_slot {
     ($slot:ident) => {
-        static $slot: AtomicUsize = AtomicUsize::new(0);
+        static $slot: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     };
 }
 
 /// Calls the runtime's function `$name` (kept in `$slot`) of type `$ty` with the arguments;
 /// `hipErrorNotSupported` when the runtime has no such function.
-macro_rules! call_real {
+#[macro_export]
+#[doc(hidden)]
+macro_rules! hip_call_real {
     ($slot:ident, $name:literal, $ty:ty, $($arg:expr),*) => {{
         let p = real(&$slot, $name);
         if p == 0 {
@@ -97,34 +101,34 @@ macro_rules! call_real {
     }};
 }
 
-slot!(REAL_hipMalloc);
-slot!(REAL_hipFree);
-slot!(REAL_hipMallocAsync);
-slot!(REAL_hipMallocFromPoolAsync);
-slot!(REAL_hipFreeAsync);
-slot!(REAL_hipMallocManaged);
-slot!(REAL_hipMemMap);
-slot!(REAL_hipMemCreate);
-slot!(REAL_hipMemRelease);
-slot!(REAL_hipMemUnmap);
-slot!(REAL_hipDeviceSynchronize);
-slot!(REAL_hipStreamSynchronize);
-slot!(REAL_hipStreamDestroy);
-slot!(REAL_hipGetDevice);
-slot!(REAL_hipMemcpy);
-slot!(REAL_hipMemcpyAsync);
-slot!(REAL_hipMemset);
-slot!(REAL_hipMemsetAsync);
-slot!(REAL_hipModuleLoadData);
-slot!(REAL_hipModuleUnload);
-slot!(REAL_hipModuleGetFunction);
-slot!(REAL_hipModuleLaunchKernel);
-slot!(REAL_hipLaunchKernel);
-slot!(REAL_hipGraphLaunch);
-slot!(REAL_hipRegisterFatBinary);
-slot!(REAL_hipRegisterFunction);
-slot!(REAL_hipUnregisterFatBinary);
-slot!(REAL_hipGetProcAddress);
+hip_slot!(REAL_hipMalloc);
+hip_slot!(REAL_hipFree);
+hip_slot!(REAL_hipMallocAsync);
+hip_slot!(REAL_hipMallocFromPoolAsync);
+hip_slot!(REAL_hipFreeAsync);
+hip_slot!(REAL_hipMallocManaged);
+hip_slot!(REAL_hipMemMap);
+hip_slot!(REAL_hipMemCreate);
+hip_slot!(REAL_hipMemRelease);
+hip_slot!(REAL_hipMemUnmap);
+hip_slot!(REAL_hipDeviceSynchronize);
+hip_slot!(REAL_hipStreamSynchronize);
+hip_slot!(REAL_hipStreamDestroy);
+hip_slot!(REAL_hipGetDevice);
+hip_slot!(REAL_hipMemcpy);
+hip_slot!(REAL_hipMemcpyAsync);
+hip_slot!(REAL_hipMemset);
+hip_slot!(REAL_hipMemsetAsync);
+hip_slot!(REAL_hipModuleLoadData);
+hip_slot!(REAL_hipModuleUnload);
+hip_slot!(REAL_hipModuleGetFunction);
+hip_slot!(REAL_hipModuleLaunchKernel);
+hip_slot!(REAL_hipLaunchKernel);
+hip_slot!(REAL_hipGraphLaunch);
+hip_slot!(REAL_hipRegisterFatBinary);
+hip_slot!(REAL_hipRegisterFunction);
+hip_slot!(REAL_hipUnregisterFatBinary);
+hip_slot!(REAL_hipGetProcAddress);
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> HipError;
@@ -190,7 +194,7 @@ type GetProcAddressFn =
 /// The job's current HIP device.
 fn current_device() -> Option<usize> {
     let mut d: c_int = -1;
-    let r = call_real!(REAL_hipGetDevice, c"hipGetDevice", GetDeviceFn, &mut d);
+    let r = hip_call_real!(REAL_hipGetDevice, c"hipGetDevice", GetDeviceFn, &mut d);
     (r == SUCCESS).then(|| usize::try_from(d).ok()).flatten()
 }
 
@@ -244,7 +248,7 @@ pub unsafe extern "C" fn hipMalloc(ptr: *mut *mut c_void, size: usize) -> HipErr
         // SAFETY: `ptr` is the caller's, non-null.
         Some(r) => unsafe { hand_out(ptr, r) },
         None => note_own(
-            call_real!(REAL_hipMalloc, c"hipMalloc", MallocFn, ptr, size),
+            hip_call_real!(REAL_hipMalloc, c"hipMalloc", MallocFn, ptr, size),
             ptr,
             size,
             "hipMalloc",
@@ -267,7 +271,7 @@ pub unsafe extern "C" fn hipMallocAsync(
         // SAFETY: `ptr` is the caller's, non-null.
         Some(r) => unsafe { hand_out(ptr, r) },
         None => note_own(
-            call_real!(
+            hip_call_real!(
                 REAL_hipMallocAsync,
                 c"hipMallocAsync",
                 MallocAsyncFn,
@@ -298,7 +302,7 @@ pub unsafe extern "C" fn hipMallocFromPoolAsync(
         // SAFETY: `ptr` is the caller's, non-null.
         Some(r) => unsafe { hand_out(ptr, r) },
         None => note_own(
-            call_real!(
+            hip_call_real!(
                 REAL_hipMallocFromPoolAsync,
                 c"hipMallocFromPoolAsync",
                 MallocPoolFn,
@@ -338,14 +342,14 @@ fn free_served(ptr: *mut c_void, wait: impl FnOnce() -> HipError) -> Option<HipE
 #[no_mangle]
 pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> HipError {
     if let Some(r) = free_served(ptr, || {
-        call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,)
+        hip_call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,)
     }) {
         return r;
     }
     if let Some(f) = super::front::made() {
         f.forget_unmanaged(ptr as u64);
     }
-    call_real!(REAL_hipFree, c"hipFree", FreeFn, ptr)
+    hip_call_real!(REAL_hipFree, c"hipFree", FreeFn, ptr)
 }
 
 /// `hipError_t hipFreeAsync(void* ptr, hipStream_t stream)`: an engine buffer is freed once
@@ -353,7 +357,7 @@ pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> HipError {
 #[no_mangle]
 pub unsafe extern "C" fn hipFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> HipError {
     if let Some(r) = free_served(ptr, || {
-        call_real!(
+        hip_call_real!(
             REAL_hipStreamSynchronize,
             c"hipStreamSynchronize",
             StreamFn,
@@ -365,7 +369,7 @@ pub unsafe extern "C" fn hipFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> 
     if let Some(f) = super::front::made() {
         f.forget_unmanaged(ptr as u64);
     }
-    call_real!(REAL_hipFreeAsync, c"hipFreeAsync", FreeAsyncFn, ptr, stream)
+    hip_call_real!(REAL_hipFreeAsync, c"hipFreeAsync", FreeAsyncFn, ptr, stream)
 }
 
 /// `hipError_t hipMallocManaged(void** ptr, size_t size, unsigned flags)`: the runtime's,
@@ -377,7 +381,7 @@ pub unsafe extern "C" fn hipMallocManaged(
     flags: c_uint,
 ) -> HipError {
     note_own(
-        call_real!(
+        hip_call_real!(
             REAL_hipMallocManaged,
             c"hipMallocManaged",
             MallocManagedFn,
@@ -446,7 +450,7 @@ pub unsafe extern "C" fn hipMemCreate(
             };
         }
     }
-    call_real!(
+    hip_call_real!(
         REAL_hipMemCreate,
         c"hipMemCreate",
         MemCreateFn,
@@ -463,7 +467,7 @@ pub unsafe extern "C" fn hipMemRelease(handle: u64) -> HipError {
     if let Some(f) = super::front::made().filter(|f| f.is_token(handle)) {
         return token_result(f.release_token(handle));
     }
-    call_real!(REAL_hipMemRelease, c"hipMemRelease", MemReleaseFn, handle)
+    hip_call_real!(REAL_hipMemRelease, c"hipMemRelease", MemReleaseFn, handle)
 }
 
 fn token_result(r: Result<(), super::front::TokenError>) -> HipError {
@@ -490,7 +494,7 @@ pub unsafe extern "C" fn hipMemMap(
         }
         return token_result(f.map_token(handle, ptr as u64, size as u64, offset as u64));
     }
-    let r = call_real!(
+    let r = hip_call_real!(
         REAL_hipMemMap,
         c"hipMemMap",
         MemMapFn,
@@ -516,7 +520,7 @@ pub unsafe extern "C" fn hipMemUnmap(ptr: *mut c_void, size: usize) -> HipError 
         .map(|f| (f, f.tokens_mapped_in(ptr as u64, size as u64)))
         .filter(|(_, v)| !v.is_empty());
     if let Some((f, pieces)) = served {
-        let r = call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,);
+        let r = hip_call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,);
         if r != SUCCESS {
             return r;
         }
@@ -532,7 +536,7 @@ pub unsafe extern "C" fn hipMemUnmap(ptr: *mut c_void, size: usize) -> HipError 
             return SUCCESS;
         }
     }
-    let r = call_real!(REAL_hipMemUnmap, c"hipMemUnmap", MemUnmapFn, ptr, size);
+    let r = hip_call_real!(REAL_hipMemUnmap, c"hipMemUnmap", MemUnmapFn, ptr, size);
     if r == SUCCESS {
         if let Some(f) = super::front::made() {
             for va in f.unmanaged_in(ptr as u64, size as u64) {
@@ -549,12 +553,12 @@ pub unsafe extern "C" fn hipStreamDestroy(stream: *mut c_void) -> HipError {
     if let Some(f) = super::front::made() {
         f.forget_stream(stream as usize);
     }
-    call_real!(REAL_hipStreamDestroy, c"hipStreamDestroy", StreamFn, stream)
+    hip_call_real!(REAL_hipStreamDestroy, c"hipStreamDestroy", StreamFn, stream)
 }
 
 /// Runs `op` on `stream` through the hook, the buffers of `[dst, dst+n)` written and of
 /// `[src, src+n)` read (`src` 0: none).
-fn copy_through(
+pub(super) fn copy_through(
     stream: usize,
     dst: u64,
     src: u64,
@@ -583,7 +587,7 @@ pub unsafe extern "C" fn hipMemcpy(
 ) -> HipError {
     count(|f| &f.counters.copies);
     copy_through(0, dst as u64, src as u64, n, || {
-        call_real!(REAL_hipMemcpy, c"hipMemcpy", MemcpyFn, dst, src, n, kind)
+        hip_call_real!(REAL_hipMemcpy, c"hipMemcpy", MemcpyFn, dst, src, n, kind)
     })
 }
 
@@ -599,7 +603,7 @@ pub unsafe extern "C" fn hipMemcpyAsync(
 ) -> HipError {
     count(|f| &f.counters.copies);
     copy_through(stream as usize, dst as u64, src as u64, n, || {
-        call_real!(
+        hip_call_real!(
             REAL_hipMemcpyAsync,
             c"hipMemcpyAsync",
             MemcpyAsyncFn,
@@ -617,7 +621,7 @@ pub unsafe extern "C" fn hipMemcpyAsync(
 pub unsafe extern "C" fn hipMemset(dst: *mut c_void, value: c_int, n: usize) -> HipError {
     count(|f| &f.counters.memsets);
     copy_through(0, dst as u64, 0, n, || {
-        call_real!(REAL_hipMemset, c"hipMemset", MemsetFn, dst, value, n)
+        hip_call_real!(REAL_hipMemset, c"hipMemset", MemsetFn, dst, value, n)
     })
 }
 
@@ -631,7 +635,7 @@ pub unsafe extern "C" fn hipMemsetAsync(
 ) -> HipError {
     count(|f| &f.counters.memsets);
     copy_through(stream as usize, dst as u64, 0, n, || {
-        call_real!(
+        hip_call_real!(
             REAL_hipMemsetAsync,
             c"hipMemsetAsync",
             MemsetAsyncFn,
@@ -644,7 +648,7 @@ pub unsafe extern "C" fn hipMemsetAsync(
 }
 
 /// Counts an operation in the counter `which` picks.
-fn count(which: impl FnOnce(&Front) -> &std::sync::atomic::AtomicU64) {
+pub(super) fn count(which: impl FnOnce(&Front) -> &std::sync::atomic::AtomicU64) {
     if let Some(f) = super::front::made() {
         which(f).fetch_add(1, Ordering::Relaxed);
     }
@@ -726,7 +730,7 @@ pub unsafe extern "C" fn hipModuleLoadData(
     module: *mut *mut c_void,
     image: *const c_void,
 ) -> HipError {
-    let r = call_real!(
+    let r = hip_call_real!(
         REAL_hipModuleLoadData,
         c"hipModuleLoadData",
         ModuleLoadDataFn,
@@ -748,7 +752,7 @@ pub unsafe extern "C" fn hipModuleUnload(module: *mut c_void) -> HipError {
     if let Some(f) = super::front::made() {
         f.forget_module(module as usize);
     }
-    call_real!(REAL_hipModuleUnload, c"hipModuleUnload", PtrFn, module)
+    hip_call_real!(REAL_hipModuleUnload, c"hipModuleUnload", PtrFn, module)
 }
 
 /// `hipError_t hipModuleGetFunction(hipFunction_t* f, hipModule_t module, const char* name)`.
@@ -758,7 +762,7 @@ pub unsafe extern "C" fn hipModuleGetFunction(
     module: *mut c_void,
     name: *const c_char,
 ) -> HipError {
-    let r = call_real!(
+    let r = hip_call_real!(
         REAL_hipModuleGetFunction,
         c"hipModuleGetFunction",
         GetFunctionFn,
@@ -835,7 +839,7 @@ unsafe fn kernarg(
 ///
 /// # Safety
 /// As [`kernarg`].
-unsafe fn launch_through(
+pub(super) unsafe fn launch_through(
     handle: usize,
     stream: usize,
     params: *mut *mut c_void,
@@ -876,7 +880,7 @@ pub unsafe extern "C" fn hipModuleLaunchKernel(
     // SAFETY: the launch's own arguments.
     unsafe {
         launch_through(function as usize, stream as usize, params, extra, || {
-            call_real!(
+            hip_call_real!(
                 REAL_hipModuleLaunchKernel,
                 c"hipModuleLaunchKernel",
                 ModuleLaunchFn,
@@ -915,7 +919,7 @@ pub unsafe extern "C" fn hipLaunchKernel(
             args,
             std::ptr::null_mut(),
             || {
-                call_real!(
+                hip_call_real!(
                     REAL_hipLaunchKernel,
                     c"hipLaunchKernel",
                     LaunchFn,
@@ -936,7 +940,7 @@ pub unsafe extern "C" fn hipLaunchKernel(
 #[no_mangle]
 pub unsafe extern "C" fn hipGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> HipError {
     let op = || {
-        call_real!(
+        hip_call_real!(
             REAL_hipGraphLaunch,
             c"hipGraphLaunch",
             GraphLaunchFn,
@@ -1070,6 +1074,7 @@ pub fn wrapper(name: &[u8]) -> Option<*const ()> {
         hipGraphLaunch,
         hipGetProcAddress
     )
+    .or_else(|| super::writers::wrapper(name))
 }
 
 /// `hipError_t hipGetProcAddress(const char* symbol, void** pfn, int version, uint64_t flags,
@@ -1083,7 +1088,7 @@ pub unsafe extern "C" fn hipGetProcAddress(
     flags: u64,
     status: *mut c_int,
 ) -> HipError {
-    let r = call_real!(
+    let r = hip_call_real!(
         REAL_hipGetProcAddress,
         c"hipGetProcAddress",
         GetProcAddressFn,

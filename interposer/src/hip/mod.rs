@@ -21,6 +21,7 @@
 pub mod entry;
 pub mod front;
 pub mod session;
+pub mod writers;
 
 use serde_json::{json, Value};
 
