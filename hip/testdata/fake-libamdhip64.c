@@ -12,7 +12,8 @@
 //   (FAKE_HIP_VA_BASE, default 0x7e0000000000; 64 GiB of address space, PROT_NONE until used).
 //   Addresses are handed out in order and never reused by another allocation, so the same
 //   sequence of calls gets the same addresses in every run: device addresses are VA-stable.
-//   hipMalloc, memory pools (hipMemPoolCreate, hipMallocAsync on the device's default pool,
+//   hipMalloc (and hipMallocManaged, the same memory: every byte is host memory here), memory
+//   pools (hipMemPoolCreate, hipMallocAsync on the device's default pool,
 //   hipMallocFromPoolAsync) and hipMemAddressReserve all carve from it. A pool reuses the blocks
 //   freed into it (first fit), as a real pool does.
 // - Virtual memory management: hipMemCreate is a memfd, hipMemMap maps it MAP_SHARED into a
@@ -209,6 +210,11 @@ hipError_t hipMalloc(void** ptr, size_t size) {
   if (!b) RET(hipErrorOutOfMemory);
   *ptr = (void*)at;
   RET(hipSuccess);
+}
+
+hipError_t hipMallocManaged(void** ptr, size_t size, unsigned int flags) {
+  if (flags != 1 && flags != 2) RET(hipErrorInvalidValue);  // hipMemAttachGlobal, ...Host
+  return hipMalloc(ptr, size);
 }
 
 static void drain_all(int dev);
@@ -1219,7 +1225,7 @@ hipError_t hipMemUnmap(void* ptr, size_t size) {
 
 #define EXPORTS(X) \
   X(hipInit) X(hipGetDeviceCount) X(hipSetDevice) X(hipGetDevice) X(hipDeviceSynchronize) \
-  X(hipGetLastError) X(hipGetErrorString) X(hipGetErrorName) X(hipGetProcAddress) X(hipMalloc) \
+  X(hipGetLastError) X(hipGetErrorString) X(hipGetErrorName) X(hipGetProcAddress) X(hipMalloc) X(hipMallocManaged) \
   X(hipFree) X(hipMallocAsync) X(hipFreeAsync) X(hipMemPoolCreate) X(hipMemPoolDestroy) \
   X(hipMallocFromPoolAsync) X(hipMemcpy) X(hipMemcpyAsync) X(hipMemsetAsync) X(hipStreamCreate) \
   X(hipStreamCreateWithPriority) X(hipStreamDestroy) X(hipStreamSynchronize) \

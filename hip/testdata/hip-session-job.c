@@ -10,7 +10,9 @@
 //   hip-session-job KERNELS.hsaco [STEPS]
 //
 // It prints `ready` once set up, then `step N DIGEST` after step N (DIGEST: FNV-1a 64 of X, Y,
-// Z and W read back), sleeping 2 ms between steps; with STEPS, it stops after that many.
+// Z and W read back), sleeping 2 ms between steps; with STEPS, it stops after that many. With
+// HIP_JOB_MANAGED=1 in its environment it also holds a managed allocation (which possum does
+// not save).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,6 +134,10 @@ int main(int argc, char** argv) {
   }
   CHECK(hipStreamEndCapture(s2, &graph));
   CHECK(hipGraphInstantiate(&exec, graph, 0, 0, 0));
+  if (getenv("HIP_JOB_MANAGED")) {
+    void* managed;
+    CHECK(hipMallocManaged(&managed, 1 << 20, hipMemAttachGlobal));
+  }
   printf("ready\n");
   fflush(stdout);
 

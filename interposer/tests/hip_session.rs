@@ -33,8 +33,21 @@ fn build(dir: &Path) -> Option<PathBuf> {
 
 /// The job running `steps` steps (unbounded: `None`), its stdout into `out`.
 fn start(job: &Path, code: &Path, steps: Option<u32>, preload: bool, out: &Path) -> Child {
+    start_with(job, code, steps, preload, out, &[])
+}
+
+/// [`start`] with `env` added to the job's environment.
+fn start_with(
+    job: &Path,
+    code: &Path,
+    steps: Option<u32>,
+    preload: bool,
+    out: &Path,
+    env: &[(&str, &str)],
+) -> Child {
     let dir = out.parent().unwrap();
     let mut cmd = Command::new(job);
+    cmd.envs(env.iter().copied());
     cmd.arg(code);
     if let Some(n) = steps {
         cmd.arg(n.to_string());
@@ -280,4 +293,36 @@ fn the_simulator_program_computes_the_same_under_possum() {
     assert!(plain.len() > 5, "{plain:?}");
     assert_eq!(plain, under);
     assert_ne!(plain_at, under_at, "possum served its allocations");
+}
+
+/// A job holding managed memory (which possum does not save): a checkpoint is refused, naming
+/// it, before anything is done, and the job runs on.
+#[test]
+fn a_hip_job_with_managed_memory_is_refused_and_runs_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let Some(exe) = build(dir) else { return };
+    let out = dir.join("job.out");
+    let code = possum_hip_sim::kernels_code_object();
+    let mut job = start_with(&exe, &code, None, true, &out, &[("HIP_JOB_MANAGED", "1")]);
+    wait_step(&out, 3, &mut job);
+    let img = dir.join("img");
+    let r = request(
+        job.id(),
+        &dir.join("sockets"),
+        &Request::Checkpoint {
+            dir: img.display().to_string(),
+        },
+        WAIT,
+    );
+    let e = r.unwrap_err().to_string();
+    assert!(
+        e.contains("hipMallocManaged") && e.contains("nothing was done"),
+        "{e}"
+    );
+    assert!(!img.exists(), "no image");
+    let at = steps(&out).last().unwrap().0;
+    wait_step(&out, at + 5, &mut job);
+    let _ = job.kill();
+    let _ = job.wait();
 }

@@ -172,6 +172,8 @@ hipError_t hipGetProcAddress(const char* symbol, void** pfn, int hipVersion, uin
 
 // Memory.
 hipError_t hipMalloc(void** ptr, size_t size);
+#define hipMemAttachGlobal 0x01
+hipError_t hipMallocManaged(void** dev_ptr, size_t size, unsigned int flags);
 hipError_t hipFree(void* ptr);
 hipError_t hipHostMalloc(void** ptr, size_t size, unsigned int flags);
 hipError_t hipHostFree(void* ptr);
