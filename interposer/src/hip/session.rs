@@ -29,6 +29,21 @@ use crate::session::{self as common, Busy};
 /// The front end's answer to a session request; `None` for a request it leaves to the rest.
 pub fn handle(req: &Request) -> Option<Value> {
     let f = made()?;
+    let session = matches!(
+        req,
+        Request::Checkpoint { .. }
+            | Request::CheckpointKept { .. }
+            | Request::Release
+            | Request::ReleaseKeeping { .. }
+            | Request::Resume { .. }
+            | Request::ResumeAndSave { .. }
+    );
+    if session && crate::runtime::state_if_created().is_some() {
+        return Some(possum_control::error_reply(
+            "this process uses both CUDA and HIP: possum checkpoints a process on one GPU \
+             runtime only; nothing was done",
+        ));
+    }
     Some(match req {
         Request::Checkpoint { dir } | Request::CheckpointKept { dir } => {
             common::reply(checkpoint(f, Path::new(dir)))
