@@ -288,6 +288,7 @@ fn gpu_only_checkpoint_of_a_hip_job_needs_no_nvidia_driver() {
     );
     assert_eq!(stand.nvidia_smi_ran(), None, "nvidia-smi was not asked");
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["runtime"], "hip", "{report}");
     assert_eq!(report["cuda_children"], serde_json::json!([]), "{report}");
 }
 
@@ -332,6 +333,8 @@ fn a_hip_job_is_checkpointed_with_criu_and_restored_without_nvidia_driver() {
         "the job runs again under its PID: {}",
         text(&out)
     );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["runtime"], "hip", "{report}");
     let resumes = stand.requests("resume");
     assert_eq!(resumes.len(), 1, "{}", text(&out));
     assert_eq!(resumes[0]["dir"], img.join("gpu").display().to_string());

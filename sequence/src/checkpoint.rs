@@ -89,6 +89,9 @@ pub struct CheckpointReport {
     pub possum_children: Vec<i32>,
     /// Who took the GPU side.
     pub engine: Engine,
+    /// The GPU runtime the job was taken on (absent: CUDA).
+    #[serde(skip_serializing_if = "GpuRuntime::is_cuda")]
+    pub runtime: GpuRuntime,
     /// The image directory.
     pub dir: PathBuf,
     /// Whether the job runs on.
@@ -1612,6 +1615,7 @@ impl<'a> Run<'a> {
             cuda_children: self.plan.children,
             possum_children: self.plan.possum_children,
             engine: p.engine,
+            runtime: self.plan.runtime,
             dir: p.dir.clone(),
             leave_running: p.leave_running,
             hooks: self.plan.hooks.and_then(|h| h.mode),

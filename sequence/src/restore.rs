@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::config::Environment;
 use crate::figures::{timed, RestoreFigures};
+use crate::gpu_runtimes::GpuRuntime;
 use crate::image::{
     open_image, plan_gpus, smi, Image, ImageError, JobOwner, KeeperOfJob, KeptBuffers, NetworkLock,
     UuidPairs,
@@ -48,6 +49,9 @@ pub struct RestoreReport {
     pub pid: i32,
     /// Who took the GPU side at the checkpoint.
     pub engine: Engine,
+    /// The GPU runtime the job ran on (absent: CUDA).
+    #[serde(skip_serializing_if = "GpuRuntime::is_cuda")]
+    pub runtime: GpuRuntime,
     /// The image directory.
     pub dir: PathBuf,
     /// The figures.
@@ -124,6 +128,7 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
     let mut report = RestoreReport {
         pid: job.pid(),
         engine: m.engine,
+        runtime: m.runtime,
         dir: p.dir.clone(),
         figures,
         recreated_socket_dirs: ready.recreated,
