@@ -819,7 +819,9 @@ impl HipRefusal {
 /// The GPU runtime the job is checkpointed on, decided from the runtime libraries process `pid`
 /// maps and (engine possum) what its possum says, `status` (none: engine driver, or a process
 /// with HIP loaded and no possum). The one place that decides whether NVIDIA's driver takes
-/// part: a CUDA job's checkpoint has it, a HIP job's, served by possum, has none.
+/// part: a CUDA job's checkpoint has it, a HIP job's has none. A job is taken on HIP when its
+/// possum says it serves it there (`runtime: hip`) and it does not map `libcuda`; a process
+/// mapping `libamdhip64` that possum does not serve on HIP is refused.
 fn job_runtime(
     pid: i32,
     mapped: GpuRuntimes,
@@ -852,7 +854,8 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         return Err(PlanError::NoProcess { pid });
     }
     let mapped = GpuRuntimes::of(pid);
-    // Mixed, or HIP with the driver's engine: refused before anything is asked.
+    // A process mixing CUDA and HIP, or a HIP job under the driver's engine, is refused before
+    // its possum is asked anything (the decision needs no status).
     if mapped.hip && (mapped.cuda || p.engine == Engine::Driver) {
         job_runtime(pid, mapped, p.engine, None)?;
     }
@@ -1278,8 +1281,7 @@ impl<'a> Run<'a> {
     }
 
     /// Freeze: the driver locks every CUDA process of the tree and checkpoints what possum does
-    /// not manage (contexts, other memory). Not for `--gpu-only`, nor for a HIP
-    /// job (no driver).
+    /// not manage (contexts, other memory). Not for `--gpu-only`, nor for a HIP job (no driver).
     fn freeze(&mut self) -> Result<(), FreezeError> {
         let Some(drv) = self.plan.driver() else {
             return Ok(());
@@ -1747,8 +1749,13 @@ mod tests {
             assert_eq!(r, GpuRuntime::Cuda);
             assert!(r.has_nvidia_driver());
         }
-        // A process with no GPU runtime mapped (yet) is left to the driver's checks, as before.
+        // possum's word decides, whatever the HIP runtime's file is named.
         let none = GpuRuntimes::default();
+        assert_eq!(
+            job_runtime(42, none, Engine::Possum, Some(&hip)).unwrap(),
+            GpuRuntime::Hip
+        );
+        // A process with no GPU runtime mapped (yet) is left to the driver's checks, as before.
         assert_eq!(
             job_runtime(42, none, Engine::Possum, Some(&status(None))).unwrap(),
             GpuRuntime::Cuda
