@@ -1,7 +1,7 @@
-//! `possum checkpoint` of a HIP (AMD GPU) job is refused before anything is done, saying what
-//! does checkpoint it; a process with both CUDA's and HIP's libraries loaded is named as mixing
-//! both. The job is a process mapping files of those names, as the dynamic loader maps the
-//! libraries.
+//! `possum checkpoint` of a HIP (AMD GPU) job that possum does not serve (no possum loaded, or
+//! `--engine driver`) is refused before anything is done, saying what does checkpoint it; a
+//! process with both CUDA's and HIP's libraries loaded is named as mixing both. The job is a
+//! process mapping files of those names, as the dynamic loader maps the libraries.
 
 use std::io::Read;
 use std::path::Path;
@@ -33,11 +33,13 @@ fn mapping(dir: &Path, libs: &[&str]) -> Child {
     child
 }
 
-/// Runs `possum checkpoint` of `job` into `img`; returns its exit code and output.
-fn checkpoint(job: &Child, img: &Path, sockets: &Path) -> (Option<i32>, String) {
+/// Runs `possum checkpoint` of `job` into `img` (with `extra` arguments); returns its exit code
+/// and output.
+fn checkpoint(job: &Child, img: &Path, sockets: &Path, extra: &[&str]) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_possum"))
         .args(["checkpoint", &job.id().to_string(), "-D"])
         .arg(img)
+        .args(extra)
         .arg("--socket-dir")
         .arg(sockets)
         .output()
@@ -50,11 +52,11 @@ fn checkpoint(job: &Child, img: &Path, sockets: &Path) -> (Option<i32>, String) 
     (out.status.code(), text)
 }
 
-fn refused(libs: &[&str]) -> String {
+fn refused(libs: &[&str], extra: &[&str]) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let mut job = mapping(tmp.path(), libs);
     let img = tmp.path().join("img");
-    let (code, text) = checkpoint(&job, &img, tmp.path());
+    let (code, text) = checkpoint(&job, &img, tmp.path(), extra);
     let exited = job.try_wait().unwrap();
     let _ = job.kill();
     let _ = job.wait();
@@ -76,11 +78,11 @@ fn refused(libs: &[&str]) -> String {
 }
 
 #[test]
-fn a_hip_job_is_refused_with_what_checkpoints_it() {
-    let text = refused(&["libamdhip64.so.6"]);
+fn a_hip_job_without_possum_is_refused_with_what_checkpoints_it() {
+    let text = refused(&["libamdhip64.so.6"], &[]);
     assert!(
         text.contains("is a HIP (AMD GPU) job")
-            && text.contains("possum does not checkpoint HIP jobs yet")
+            && text.contains("without possum loaded")
             && text.contains("CRIU's amdgpu plugin")
             && text.contains("criu dump --tree "),
         "{text}"
@@ -89,21 +91,34 @@ fn a_hip_job_is_refused_with_what_checkpoints_it() {
 }
 
 #[test]
-fn a_process_with_cuda_and_hip_is_refused_as_mixing_both() {
-    let text = refused(&["libcuda.so.1", "libamdhip64.so.6"]);
+fn a_hip_job_is_refused_with_the_drivers_engine() {
+    let text = refused(&["libamdhip64.so.6"], &["--engine", "driver"]);
     assert!(
-        text.contains("mixes CUDA and HIP")
-            && text.contains("libcuda")
-            && text.contains("libamdhip64"),
+        text.contains("is a HIP (AMD GPU) job")
+            && text.contains("--engine driver is NVIDIA's driver checkpoint")
+            && text.contains("CRIU's amdgpu plugin"),
         "{text}"
     );
+}
+
+#[test]
+fn a_process_with_cuda_and_hip_is_refused_as_mixing_both() {
+    for extra in [&[][..], &["--gpu-only"], &["--engine", "driver"]] {
+        let text = refused(&["libcuda.so.1", "libamdhip64.so.6"], extra);
+        assert!(
+            text.contains("mixes CUDA and HIP")
+                && text.contains("libcuda")
+                && text.contains("libamdhip64"),
+            "{extra:?}: {text}"
+        );
+    }
 }
 
 #[test]
 fn a_process_with_libcuda_alone_is_not_refused_as_hip() {
     let tmp = tempfile::tempdir().unwrap();
     let mut job = mapping(tmp.path(), &["libcuda.so.1"]);
-    let (code, text) = checkpoint(&job, &tmp.path().join("img"), tmp.path());
+    let (code, text) = checkpoint(&job, &tmp.path().join("img"), tmp.path(), &[]);
     let _ = job.kill();
     let _ = job.wait();
     // Refused for another reason (it has no possum loaded), not as a HIP job.

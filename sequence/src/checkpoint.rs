@@ -16,7 +16,7 @@ use crate::config::{Environment, HostmemSplit};
 use crate::figures::{
     longest_waits, timed, CheckpointFigures, HostmemFigures, LeftWhole, WAITED_ON_TOP,
 };
-use crate::gpu_runtimes::GpuRuntimes;
+use crate::gpu_runtimes::{GpuRuntime, GpuRuntimes};
 use crate::guard::{Guard, GuardPlan, Step};
 use crate::held::HeldHandles;
 use crate::image::{
@@ -89,6 +89,9 @@ pub struct CheckpointReport {
     pub possum_children: Vec<i32>,
     /// Who took the GPU side.
     pub engine: Engine,
+    /// The GPU runtime the job was taken on (absent: CUDA).
+    #[serde(skip_serializing_if = "GpuRuntime::is_cuda")]
+    pub runtime: GpuRuntime,
     /// The image directory.
     pub dir: PathBuf,
     /// Whether the job runs on.
@@ -312,14 +315,14 @@ pub enum PlanError {
         /// The process.
         pid: i32,
     },
-    /// The process runs on AMD GPUs (it has AMD's HIP runtime loaded), which possum does not
-    /// checkpoint.
-    #[error("process {pid} {}; nothing was done", hip_refusal(*pid, *cuda))]
+    /// The process runs on AMD GPUs (it has AMD's HIP runtime loaded) in a way possum does not
+    /// checkpoint: without possum serving it, with `--engine driver`, or mixed with CUDA.
+    #[error("process {pid} {}; nothing was done", why.in_words(*pid))]
     Hip {
         /// The process.
         pid: i32,
-        /// It has NVIDIA's libcuda loaded too.
-        cuda: bool,
+        /// Why it is refused.
+        why: HipRefusal,
     },
     /// A checkpoint left held (a migration's) asked to kill the job or to leave out the CPU side.
     #[error(
@@ -725,9 +728,12 @@ struct Plan<'a> {
     p: &'a CheckpointParams,
     /// possum's view of the job's hooks (engine possum).
     hooks: Option<JobHooks>,
-    /// The process side: CRIU and the driver checkpoint (none for `--gpu-only`).
-    side: Option<(Criu, DriverCheckpoint)>,
-    /// The other CUDA processes of the tree, and those of them with possum loaded.
+    /// The GPU runtime the job runs on ([`job_runtime`]).
+    runtime: GpuRuntime,
+    /// The process side (none for `--gpu-only`).
+    side: Option<ProcessSide>,
+    /// The other CUDA processes of the tree (none without the driver), and the processes of
+    /// the tree with possum loaded.
     children: Vec<i32>,
     possum_children: Vec<i32>,
     /// The bytes of the job's managed buffers (for the progress bar).
@@ -744,19 +750,93 @@ struct Plan<'a> {
     _lock: nix::fcntl::Flock<fs::File>,
 }
 
-/// Why a process with AMD's HIP runtime loaded is not checkpointed, and what does it.
-fn hip_refusal(pid: i32, cuda: bool) -> String {
-    if cuda {
-        "mixes CUDA and HIP (it has both NVIDIA's libcuda and AMD's HIP runtime libamdhip64 \
-         loaded): possum does not checkpoint HIP (AMD GPU) jobs yet, nor a process mixing both"
-            .to_string()
-    } else {
-        format!(
-            "is a HIP (AMD GPU) job (it has AMD's HIP runtime libamdhip64 loaded): possum does \
-             not checkpoint HIP jobs yet; CRIU's amdgpu plugin does (CRIU built with it, \
-             amdgpu_plugin.so in its plugin directory): `criu dump --tree {pid} --images-dir DIR \
-             --shell-job`, then `criu restore --images-dir DIR --shell-job`"
-        )
+/// The process side of a checkpoint: CRIU's dump, and for a CUDA job NVIDIA's driver
+/// checkpoint, which locks and checkpoints the tree's CUDA processes before CRIU dumps them and
+/// restores and unlocks them after.
+///
+/// A HIP job (served by possum) has no driver here: possum's engine has saved and released its
+/// GPU buffers at the cut, and CRIU dumps the rest. On the simulated HIP runtime that is all;
+/// on an AMD GPU the process also has `/dev/kfd` open, which CRIU dumps only with its amdgpu
+/// plugin in its plugin directory. possum does not look for that plugin: CRIU's own error
+/// says it is missing.
+struct ProcessSide {
+    criu: Criu,
+    /// NVIDIA's driver checkpoint (a CUDA job's; none for a HIP job).
+    driver: Option<DriverCheckpoint>,
+}
+
+impl Plan<'_> {
+    /// NVIDIA's driver checkpoint, when it takes part (a CUDA job, not `--gpu-only`).
+    fn driver(&self) -> Option<&DriverCheckpoint> {
+        self.side.as_ref().and_then(|s| s.driver.as_ref())
+    }
+}
+
+/// Why a process with AMD's HIP runtime loaded is refused ([`PlanError::Hip`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HipRefusal {
+    /// It has NVIDIA's libcuda loaded too (or its possum serves it on HIP while it does).
+    Mixed,
+    /// possum is not loaded in it (no control socket answers).
+    WithoutPossum,
+    /// possum is loaded, but its status does not say it serves the job on HIP.
+    NotServed,
+    /// `--engine driver`: NVIDIA's driver checkpoint, which a HIP job has no part in.
+    DriverEngine,
+}
+
+impl HipRefusal {
+    /// The refusal of process `pid`, in words, with what checkpoints such a process.
+    fn in_words(self, pid: i32) -> String {
+        let plugin = "CRIU's amdgpu plugin (CRIU built with it, amdgpu_plugin.so in its plugin \
+                      directory)";
+        let commands = format!(
+            "`criu dump --tree {pid} --images-dir DIR --shell-job`, then `criu restore \
+             --images-dir DIR --shell-job`"
+        );
+        let hip = "is a HIP (AMD GPU) job (it has AMD's HIP runtime libamdhip64 loaded)";
+        match self {
+            HipRefusal::Mixed => "mixes CUDA and HIP (it has both NVIDIA's libcuda and AMD's HIP \
+                 runtime libamdhip64 loaded): possum does not checkpoint a process mixing both"
+                .to_string(),
+            HipRefusal::WithoutPossum => format!(
+                "{hip} without possum loaded: possum checkpoints a HIP job only when it serves \
+                 the job's HIP runtime; {plugin} checkpoints it: {commands}"
+            ),
+            HipRefusal::NotServed => format!(
+                "{hip} whose possum does not serve it on HIP (its status names no `hip` \
+                 runtime): possum cannot save its GPU state; {plugin} checkpoints it: {commands}"
+            ),
+            HipRefusal::DriverEngine => format!(
+                "{hip}: --engine driver is NVIDIA's driver checkpoint, which has no part in a \
+                 HIP job; checkpoint it with possum's engine (the default) when possum serves \
+                 it, or with {plugin}: {commands}"
+            ),
+        }
+    }
+}
+
+/// The GPU runtime the job is checkpointed on, decided from the runtime libraries process `pid`
+/// maps and (engine possum) what its possum says, `status` (none: engine driver, or a process
+/// with HIP loaded and no possum). The one place that decides whether NVIDIA's driver takes
+/// part: a CUDA job's checkpoint has it, a HIP job's has none. A job is taken on HIP when its
+/// possum says it serves it there (`runtime: hip`) and it does not map `libcuda`; a process
+/// mapping `libamdhip64` that possum does not serve on HIP is refused.
+fn job_runtime(
+    pid: i32,
+    mapped: GpuRuntimes,
+    engine: Engine,
+    status: Option<&StatusReply>,
+) -> Result<GpuRuntime, PlanError> {
+    let served_hip = status.is_some_and(StatusReply::is_hip);
+    let refuse = |why| Err(PlanError::Hip { pid, why });
+    match (mapped.hip || served_hip, engine, status) {
+        (false, _, _) => Ok(GpuRuntime::Cuda),
+        _ if mapped.cuda => refuse(HipRefusal::Mixed),
+        (true, Engine::Driver, _) => refuse(HipRefusal::DriverEngine),
+        (true, Engine::Possum, None) => refuse(HipRefusal::WithoutPossum),
+        (true, Engine::Possum, Some(_)) if !served_hip => refuse(HipRefusal::NotServed),
+        (true, Engine::Possum, Some(_)) => Ok(GpuRuntime::Hip),
     }
 }
 
@@ -773,20 +853,25 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     if pid <= 0 || !alive(pid) {
         return Err(PlanError::NoProcess { pid });
     }
-    let runtimes = GpuRuntimes::of(pid);
-    if runtimes.hip {
-        return Err(PlanError::Hip {
-            pid,
-            cuda: runtimes.cuda,
-        });
+    let mapped = GpuRuntimes::of(pid);
+    // A process mixing CUDA and HIP, or a HIP job under the driver's engine, is refused before
+    // its possum is asked anything (the decision needs no status).
+    if mapped.hip && (mapped.cuda || p.engine == Engine::Driver) {
+        job_runtime(pid, mapped, p.engine, None)?;
     }
     if occupied(&p.dir) && !p.force {
         return Err(PlanError::Occupied { dir: p.dir.clone() });
     }
     let status = match p.engine {
-        Engine::Possum => Some(ask::<StatusReply>(pid, &p.sockets, &Request::Status)?.body),
+        Engine::Possum => match ask::<StatusReply>(pid, &p.sockets, &Request::Status) {
+            Ok(s) => Some(s.body),
+            // A HIP process without possum: refused as such below.
+            Err(e) if mapped.hip && e.is_without_possum() => None,
+            Err(e) => return Err(e.into()),
+        },
         Engine::Driver => None,
     };
+    let runtime = job_runtime(pid, mapped, p.engine, status.as_ref())?;
     if let Some(s) = &status {
         refuse_unsupported_memory(pid, s, p.gpu_only)?;
     }
@@ -794,17 +879,21 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         None
     } else {
         let criu = Criu::locate().map_err(PlanError::NoCriu)?;
-        let drv = (p.env.driver_deadlines)
-            .load(&p.env.libcuda)
-            .map_err(PlanError::NoDriver)?;
-        Some((criu, drv))
+        let driver = if runtime.has_nvidia_driver() {
+            let drv = (p.env.driver_deadlines).load(&p.env.libcuda);
+            Some(drv.map_err(PlanError::NoDriver)?)
+        } else {
+            None
+        };
+        Some(ProcessSide { criu, driver })
     };
+    let driver = side.as_ref().and_then(|s| s.driver.as_ref());
     // With its hooks live (the driver's entry points, or CUPTI's callbacks), possum holds the
     // job's operations at its op gate after a pre-copy; without them it parks the job's threads
     // instead and copies every buffer while they are parked.
     let hooks = status.as_ref().map(JobHooks::of);
     let lock = lock_pid(&p.sockets, pid)?;
-    if let Some((_, drv)) = &side {
+    if let Some(drv) = driver {
         check_driver_state(p, drv, hooks.as_ref().is_some_and(|h| h.cupti))?;
     }
     if side.is_some() && session_outside(pid) {
@@ -812,14 +901,14 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     }
     // The other CUDA processes of the job's tree: locked and checkpointed by the driver with the
     // root (one T0 for all, before CRIU dumps any), restored and unlocked with it.
-    let children = match &side {
-        Some((_, drv)) => tree::cuda_descendants(drv, pid).map_err(PlanError::Tree)?,
+    let children = match driver {
+        Some(drv) => tree::cuda_descendants(drv, pid).map_err(PlanError::Tree)?,
         None => Vec::new(),
     };
     // Those with possum loaded (a control socket in the same directory): their buffers are
     // saved and released by possum like the root's.
-    // With `--gpu-only` (no driver to ask), every descendant is looked at.
-    let possum_children = match (p.engine, &side) {
+    // Without a driver to ask (`--gpu-only`, a HIP job), every descendant is looked at.
+    let possum_children = match (p.engine, driver) {
         (Engine::Possum, Some(_)) => possum_in(&children, &p.sockets, p.gpu_only)?,
         (Engine::Possum, None) => possum_in(&tree::descendants(pid), &p.sockets, p.gpu_only)?,
         (Engine::Driver, _) => Vec::new(),
@@ -835,6 +924,7 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     Ok(Plan {
         p,
         hooks,
+        runtime,
         side,
         children,
         possum_children,
@@ -844,8 +934,12 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
             .is_ok_and(|sid| sid.as_raw() != pid),
         socket_dirs: tree::socket_dirs(&tree),
         stdio_pipes: tree::external_stdio_pipes(pid, &tree),
-        // What the job uses on the GPU now, for the restore's check.
-        gpu_memory: smi::process_usage(&p.env.nvidia_smi, pid).unwrap_or_default(),
+        // What the job uses on the GPU now, for the restore's check (nvidia-smi's: a CUDA
+        // job's only).
+        gpu_memory: match runtime {
+            GpuRuntime::Cuda => smi::process_usage(&p.env.nvidia_smi, pid).unwrap_or_default(),
+            GpuRuntime::Hip => Vec::new(),
+        },
         owner: JobOwner::of_process(pid),
         _lock: lock,
     })
@@ -1189,9 +1283,9 @@ impl<'a> Run<'a> {
     }
 
     /// Freeze: the driver locks every CUDA process of the tree and checkpoints what possum does
-    /// not manage (contexts, other memory). Not for `--gpu-only`.
+    /// not manage (contexts, other memory). Not for `--gpu-only`, nor for a HIP job (no driver).
     fn freeze(&mut self) -> Result<(), FreezeError> {
-        let Some((_, drv)) = &self.plan.side else {
+        let Some(drv) = self.plan.driver() else {
             return Ok(());
         };
         let pid = self.params().pid;
@@ -1227,7 +1321,7 @@ impl<'a> Run<'a> {
 
     /// Dump: CRIU dumps the held tree (`--leave-running`: it stays held, for the phases after).
     fn dump(&mut self, obs: &mut dyn Observer) -> Result<(), CriuError> {
-        if let Some((criu, _)) = &self.plan.side {
+        if let Some(ProcessSide { criu, .. }) = &self.plan.side {
             let p = self.params();
             let mut opts = DumpOptions::new(p.pid, self.tmp.join("criu"));
             opts.leave_running = true;
@@ -1300,7 +1394,7 @@ impl<'a> Run<'a> {
     fn split_host_memory(&mut self, obs: &mut dyn Observer) {
         use possum_criu::hostmem;
         let p = self.params();
-        let (Some((criu, _)), true) = (&self.plan.side, self.by_possum()) else {
+        let (Some(ProcessSide { criu, .. }), true) = (&self.plan.side, self.by_possum()) else {
             return;
         };
         let always = p.env.hostmem_split == HostmemSplit::Always;
@@ -1352,6 +1446,7 @@ impl<'a> Run<'a> {
         Manifest {
             possum_image: MANIFEST_VERSION,
             engine: p.engine,
+            runtime: self.plan.runtime,
             pid: p.pid,
             shell_job: self.plan.shell_job,
             socket_dir: p.sockets.clone(),
@@ -1456,9 +1551,9 @@ impl<'a> Run<'a> {
     }
 
     /// The driver's restore, then unlock, of the job and the other CUDA processes of its tree,
-    /// on the same GPUs (none for `--gpu-only`).
+    /// on the same GPUs (none for `--gpu-only` or a HIP job).
     fn driver_restore_and_unlock(&mut self) -> Result<(), DriverCkptError> {
-        let Some((_, drv)) = &self.plan.side else {
+        let Some(drv) = self.plan.driver() else {
             return Ok(());
         };
         let tree: Vec<i32> = std::iter::once(self.params().pid)
@@ -1524,6 +1619,7 @@ impl<'a> Run<'a> {
             cuda_children: self.plan.children,
             possum_children: self.plan.possum_children,
             engine: p.engine,
+            runtime: self.plan.runtime,
             dir: p.dir.clone(),
             leave_running: p.leave_running,
             hooks: self.plan.hooks.and_then(|h| h.mode),
@@ -1625,6 +1721,109 @@ mod tests {
         let gone = c.id() as i32;
         let found = possum_in(&[gone], dir.path(), true).unwrap();
         assert!(found.is_empty(), "{found:?}");
+    }
+
+    fn status(runtime: Option<&str>) -> StatusReply {
+        StatusReply {
+            runtime: runtime.map(Into::into),
+            ..StatusReply::default()
+        }
+    }
+
+    const CUDA: GpuRuntimes = GpuRuntimes {
+        cuda: true,
+        hip: false,
+    };
+    const HIP: GpuRuntimes = GpuRuntimes {
+        cuda: false,
+        hip: true,
+    };
+    const BOTH: GpuRuntimes = GpuRuntimes {
+        cuda: true,
+        hip: true,
+    };
+
+    fn refusal(r: Result<GpuRuntime, PlanError>) -> HipRefusal {
+        match r {
+            Err(PlanError::Hip { pid: 42, why }) => why,
+            other => panic!("not refused as HIP: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_hip_job_served_by_possum_is_taken_without_the_nvidia_driver() {
+        let hip = status(Some(possum_control::reply::RUNTIME_HIP));
+        let r = job_runtime(42, HIP, Engine::Possum, Some(&hip)).unwrap();
+        assert_eq!(r, GpuRuntime::Hip);
+        assert!(!r.has_nvidia_driver());
+        // A CUDA job (with possum, or the driver's engine) keeps the driver.
+        for (engine, s) in [(Engine::Possum, Some(status(None))), (Engine::Driver, None)] {
+            let r = job_runtime(42, CUDA, engine, s.as_ref()).unwrap();
+            assert_eq!(r, GpuRuntime::Cuda);
+            assert!(r.has_nvidia_driver());
+        }
+        // possum's word decides, whatever the HIP runtime's file is named.
+        let none = GpuRuntimes::default();
+        assert_eq!(
+            job_runtime(42, none, Engine::Possum, Some(&hip)).unwrap(),
+            GpuRuntime::Hip
+        );
+        // A process with no GPU runtime mapped (yet) is left to the driver's checks, as before.
+        assert_eq!(
+            job_runtime(42, none, Engine::Possum, Some(&status(None))).unwrap(),
+            GpuRuntime::Cuda
+        );
+    }
+
+    #[test]
+    fn a_hip_job_possum_does_not_serve_is_refused_with_what_checkpoints_it() {
+        let r = refusal(job_runtime(42, HIP, Engine::Possum, None));
+        assert_eq!(r, HipRefusal::WithoutPossum);
+        let text = PlanError::Hip { pid: 42, why: r }.to_string();
+        for words in [
+            "is a HIP (AMD GPU) job",
+            "without possum loaded",
+            "CRIU's amdgpu plugin",
+            "criu dump --tree 42 ",
+            "nothing was done",
+        ] {
+            assert!(text.contains(words), "{words:?}: {text}");
+        }
+        // possum loaded, but not serving the job on HIP.
+        let cuda_status = status(None);
+        let r = refusal(job_runtime(42, HIP, Engine::Possum, Some(&cuda_status)));
+        assert_eq!(r, HipRefusal::NotServed);
+        let text = PlanError::Hip { pid: 42, why: r }.to_string();
+        assert!(text.contains("names no `hip` runtime"), "{text}");
+        assert!(text.contains("CRIU's amdgpu plugin"), "{text}");
+        // The driver's engine: there is no NVIDIA driver to checkpoint it.
+        let r = refusal(job_runtime(42, HIP, Engine::Driver, None));
+        assert_eq!(r, HipRefusal::DriverEngine);
+        let text = PlanError::Hip { pid: 42, why: r }.to_string();
+        assert!(
+            text.contains("--engine driver is NVIDIA's driver checkpoint"),
+            "{text}"
+        );
+        assert!(text.contains("criu dump --tree 42 "), "{text}");
+    }
+
+    #[test]
+    fn a_process_mixing_cuda_and_hip_is_refused_whatever_serves_it() {
+        let hip = status(Some(possum_control::reply::RUNTIME_HIP));
+        let cases = [
+            (BOTH, Engine::Possum, Some(&hip)),
+            (BOTH, Engine::Possum, None),
+            (BOTH, Engine::Driver, None),
+            // possum says HIP, and NVIDIA's libcuda is loaded.
+            (CUDA, Engine::Possum, Some(&hip)),
+        ];
+        for (mapped, engine, s) in cases {
+            let r = refusal(job_runtime(42, mapped, engine, s));
+            assert_eq!(r, HipRefusal::Mixed, "{mapped:?} {engine:?}");
+            let text = PlanError::Hip { pid: 42, why: r }.to_string();
+            assert!(text.contains("mixes CUDA and HIP"), "{text}");
+            assert!(text.contains("nothing was done"), "{text}");
+        }
     }
 
     fn dump_failed(message: &str) -> CriuError {

@@ -1,6 +1,42 @@
 //! Which GPU runtimes a process has loaded, from the files it maps (`/proc/PID/maps`): NVIDIA's
-//! driver library `libcuda`, which possum checkpoints, and AMD's HIP runtime `libamdhip64`,
-//! which it does not yet.
+//! driver library `libcuda` and AMD's HIP runtime `libamdhip64`; and the runtime a checkpoint
+//! takes a job on ([`GpuRuntime`]), which its image records.
+
+use serde::{Deserialize, Serialize};
+
+/// The GPU runtime a job is checkpointed on, as its image records it (`possum.json`'s
+/// `runtime`; absent: CUDA). It decides whether NVIDIA's driver takes part: its checkpoint
+/// (lock, checkpoint, restore, unlock) for a CUDA job, nothing of it for a HIP job, whose GPU
+/// state possum's engine saves alone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuRuntime {
+    /// NVIDIA's CUDA: the driver's checkpoint takes part (unless `--gpu-only`).
+    #[default]
+    Cuda,
+    /// AMD's HIP, served by possum (`runtime: hip` in the job's status): no NVIDIA driver.
+    Hip,
+}
+
+impl GpuRuntime {
+    /// Whether NVIDIA's driver checkpoint takes part in the job's checkpoint and restore.
+    pub fn has_nvidia_driver(self) -> bool {
+        self == GpuRuntime::Cuda
+    }
+
+    /// CUDA, the default (for `skip_serializing_if`: an image of a CUDA job says nothing).
+    pub fn is_cuda(&self) -> bool {
+        *self == GpuRuntime::Cuda
+    }
+
+    /// Its name in `possum.json` and in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuRuntime::Cuda => "cuda",
+            GpuRuntime::Hip => "hip",
+        }
+    }
+}
 
 /// The GPU runtime libraries a process maps.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

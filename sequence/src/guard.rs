@@ -152,7 +152,7 @@ pub struct GuardPlan {
     pub final_dir: PathBuf,
     /// The job's control socket directory (`--socket-dir`).
     pub socket_dir: PathBuf,
-    /// The driver library (`POSSUM_LIBCUDA`).
+    /// The driver library (`POSSUM_LIBCUDA`), loaded only to undo the driver's lock.
     pub libcuda: String,
     /// How long each driver call may take (`POSSUM_DRIVER_DEADLINE_MS`).
     pub driver_deadlines: DriverDeadlines,
@@ -238,7 +238,8 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
         }
     }
     // Steps are announced before they are taken, so a `possum` killed inside a driver call
-    // still gets it undone: the driver's own state says what is left to do.
+    // still gets it undone: the driver's own state says what is left to do. A checkpoint without
+    // the driver (`--gpu-only`, a HIP job) never announces the lock: no driver is loaded here.
     if has(Step::Locking) && !has(Step::Unlocked) {
         match a.driver_deadlines.load(&a.libcuda) {
             Ok(drv) => {

@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::gpu_runtimes::GpuRuntime;
 use crate::Engine;
 
 /// The image's own description, `DIR/possum.json`.
@@ -24,6 +25,12 @@ pub struct Manifest {
     /// [`MANIFEST_VERSION`].
     pub possum_image: u32,
     pub engine: Engine,
+    /// The GPU runtime the job ran on: `hip` for a HIP job (no NVIDIA driver took part, and a
+    /// restore calls none); absent for CUDA, as in images written before HIP jobs were
+    /// checkpointed. A reader that does not know the field drops it, and then finds the image's
+    /// `check` wrong: it refuses the image rather than restore it as CUDA's.
+    #[serde(default, skip_serializing_if = "GpuRuntime::is_cuda")]
+    pub runtime: GpuRuntime,
     pub pid: i32,
     pub shell_job: bool,
     pub socket_dir: PathBuf,
@@ -315,6 +322,15 @@ pub enum InvalidManifest {
     /// A standard descriptor that is not one.
     #[error("stdio_pipes names descriptor {0}: only the standard descriptors 0, 1 and 2 are")]
     NotStdio(i32),
+    /// NVIDIA's driver state in the image of a job that had no NVIDIA driver.
+    #[error(
+        "{field} is set, but the image is of a HIP job (runtime hip), which NVIDIA's driver had \
+         no part in"
+    )]
+    DriverStateOfHip {
+        /// The field.
+        field: &'static str,
+    },
 }
 
 impl Manifest {
@@ -332,6 +348,7 @@ impl Manifest {
     /// neither possum's nor its parent's; lists, sizes and strings are bounded.
     pub fn validate(&self, dir: &Path) -> Result<(), InvalidManifest> {
         self.validate_bounds()?;
+        self.validate_runtime()?;
         let me = std::process::id() as i32;
         let parent = nix::unistd::getppid().as_raw();
         let pids = std::iter::once(("pid".to_string(), self.pid))
@@ -400,6 +417,22 @@ impl Manifest {
             }
         }
         Ok(())
+    }
+
+    /// A HIP job's image names nothing of NVIDIA's driver: no CUDA processes for it to restore,
+    /// no GPU memory counted by nvidia-smi.
+    fn validate_runtime(&self) -> Result<(), InvalidManifest> {
+        if self.runtime.has_nvidia_driver() {
+            return Ok(());
+        }
+        let driver_state = [
+            ("cuda_children", self.cuda_children.is_empty()),
+            ("gpu_memory", self.gpu_memory.is_empty()),
+        ];
+        match driver_state.into_iter().find(|(_, empty)| !empty) {
+            Some((field, _)) => Err(InvalidManifest::DriverStateOfHip { field }),
+            None => Ok(()),
+        }
     }
 
     /// The bounds on lists, numbers and strings.
@@ -1221,6 +1254,7 @@ mod tests {
         Manifest {
             possum_image: MANIFEST_VERSION,
             engine: Engine::Driver,
+            runtime: GpuRuntime::Cuda,
             pid: 4242,
             shell_job: false,
             socket_dir: "/tmp/possum".into(),
@@ -1276,6 +1310,94 @@ mod tests {
             possum_criu::NetworkLockMethod::from(NetworkLock::Skip),
             possum_criu::NetworkLockMethod::Skip
         );
+    }
+
+    #[test]
+    fn a_hip_job_s_runtime_is_recorded_and_read_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = manifest(tmp.path());
+        // A CUDA job's: the key is absent, as in images written before it existed, and reads
+        // as CUDA; written out, it reads as CUDA too.
+        let text = manifest_text(&m).unwrap();
+        assert!(!text.contains("runtime"), "{text}");
+        let img = open_sealed(tmp.path(), &m).unwrap();
+        assert_eq!(img.manifest.runtime, GpuRuntime::Cuda);
+        assert!(img.manifest.runtime.has_nvidia_driver());
+        let mut v: Value = serde_json::from_str(&text).unwrap();
+        v["runtime"] = "cuda".into();
+        let read: Manifest = serde_json::from_value(v).unwrap();
+        assert_eq!(read.runtime, GpuRuntime::Cuda);
+
+        m.runtime = GpuRuntime::Hip;
+        let text = manifest_text(&m).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["runtime"], "hip", "{text}");
+        assert_eq!(v["possum_image"], MANIFEST_VERSION);
+        let img = open_sealed(tmp.path(), &m).unwrap();
+        assert_eq!(img.manifest.runtime, GpuRuntime::Hip);
+        assert!(!img.manifest.runtime.has_nvidia_driver());
+
+        // A reader that does not know the field (or an edit that drops it, to have the image
+        // restored as CUDA's) finds the check wrong.
+        let mut dropped = v.clone();
+        dropped.as_object_mut().unwrap().remove("runtime");
+        fs::write(tmp.path().join(MANIFEST), dropped.to_string()).unwrap();
+        let e = open_image(tmp.path()).unwrap_err();
+        assert!(matches!(e, ImageError::CheckMismatch { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn a_runtime_possum_does_not_know_is_refused_by_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let m = manifest(tmp.path());
+        let mut v: Value = serde_json::from_str(&manifest_text(&m).unwrap()).unwrap();
+        for wrong in [
+            serde_json::json!("rocm"),
+            serde_json::json!("HIP"),
+            serde_json::json!(1),
+            serde_json::json!(null),
+        ] {
+            v["runtime"] = wrong.clone();
+            fs::write(tmp.path().join(MANIFEST), v.to_string()).unwrap();
+            let e = open_image(tmp.path()).unwrap_err();
+            assert!(matches!(e, ImageError::Unreadable { .. }), "{wrong}: {e:?}");
+            let chain = format!("{:#}", anyhow::Error::from(e));
+            assert!(
+                chain.contains("not a possum image's description"),
+                "{chain}"
+            );
+            if wrong.is_string() {
+                assert!(
+                    chain.contains(&format!("unknown variant `{}`", wrong.as_str().unwrap()))
+                        && chain.contains("`cuda`")
+                        && chain.contains("`hip`"),
+                    "{chain}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_hip_job_s_image_naming_nvidia_driver_state_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = manifest(tmp.path());
+        m.runtime = GpuRuntime::Hip;
+        m.cuda_children = vec![4343];
+        let e = open_sealed(tmp.path(), &m).unwrap_err().to_string();
+        assert!(
+            e.contains("cuda_children is set, but the image is of a HIP job"),
+            "{e}"
+        );
+        m.cuda_children.clear();
+        m.gpu_memory = vec![GpuUse {
+            uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+            mib: 1,
+        }];
+        let e = open_sealed(tmp.path(), &m).unwrap_err().to_string();
+        assert!(e.contains("gpu_memory is set"), "{e}");
+        // The same lists in a CUDA job's image are its own.
+        m.runtime = GpuRuntime::Cuda;
+        open_sealed(tmp.path(), &m).unwrap();
     }
 
     #[test]

@@ -38,6 +38,10 @@
 //!   the GPUs' room, CRIU's plugin); a failure after CRIU's restore kills the restored process
 //!   through a pidfd verified to be it ([`process::Process::restored`]), never by a PID read
 //!   from a file; the image is never changed.
+//! - A HIP job served by possum (its status says `runtime: hip`) goes through the same phases
+//!   without NVIDIA's driver: no freeze, no driver restore or unlock, at the checkpoint or the
+//!   restore; its image says `runtime: hip` ([`gpu_runtimes::GpuRuntime`]). Which runtime a
+//!   checkpoint takes a job on is decided once, at the plan.
 //!
 //! Each phase has its error type (`PlanError`, `HoldError` of the pre-copy, cut, freeze and
 //! dump, `ResumeError`, `CommitError`, ...), each message naming what failed; the figures are

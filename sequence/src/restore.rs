@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::config::Environment;
 use crate::figures::{timed, RestoreFigures};
+use crate::gpu_runtimes::GpuRuntime;
 use crate::image::{
     open_image, plan_gpus, smi, Image, ImageError, JobOwner, KeeperOfJob, KeptBuffers, NetworkLock,
     UuidPairs,
@@ -48,6 +49,9 @@ pub struct RestoreReport {
     pub pid: i32,
     /// Who took the GPU side at the checkpoint.
     pub engine: Engine,
+    /// The GPU runtime the job ran on (absent: CUDA).
+    #[serde(skip_serializing_if = "GpuRuntime::is_cuda")]
+    pub runtime: GpuRuntime,
     /// The image directory.
     pub dir: PathBuf,
     /// The figures.
@@ -124,6 +128,7 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
     let mut report = RestoreReport {
         pid: job.pid(),
         engine: m.engine,
+        runtime: m.runtime,
         dir: p.dir.clone(),
         figures,
         recreated_socket_dirs: ready.recreated,
@@ -208,6 +213,16 @@ pub enum PrepareError {
     /// No driver checkpoint.
     #[error("NVIDIA's driver checkpoint is needed")]
     NoDriver(#[source] DriverCkptError),
+    /// `--device` for the image of a HIP job.
+    #[error(
+        "--device moves a job to another NVIDIA GPU (nvidia-smi's index, NVIDIA's driver \
+         restore); {} is of a HIP job, which is restored on the GPUs it had",
+        dir.display()
+    )]
+    DeviceForHip {
+        /// The image directory.
+        dir: PathBuf,
+    },
     /// The GPUs (free memory, `--device`).
     #[error(transparent)]
     Gpus(#[from] crate::image::GpuError),
@@ -252,7 +267,8 @@ pub enum PrepareError {
 /// What the prepare phase made ready.
 struct Ready {
     criu: Criu,
-    drv: DriverCheckpoint,
+    /// NVIDIA's driver checkpoint (a CUDA job's image; none for a HIP job's).
+    drv: Option<DriverCheckpoint>,
     /// The driver's GPU remapping (`--device`; empty: the same GPUs).
     pairs: UuidPairs,
     kept: KeptBuffers,
@@ -267,12 +283,16 @@ struct Ready {
 /// checked for room (nvidia-smi answers while the rest is made ready; its verdict still comes
 /// before anything is started), the job's old control sockets removed, the directories of its
 /// tree's sockets made again, and its standard descriptors planned. Nothing of the job is
-/// started.
+/// started. A HIP job's image needs neither NVIDIA's driver nor nvidia-smi.
 fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Ready, PrepareError> {
     let m = &img.manifest;
+    let nvidia = m.runtime.has_nvidia_driver();
+    if !nvidia && p.device.is_some() {
+        return Err(PrepareError::DeviceForHip { dir: p.dir.clone() });
+    }
     // The host directories the image names are used only where possum's own are allowed.
     let host = HostPlan::check(p, img)?;
-    let gpus = (!m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
+    let gpus = (nvidia && !m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
     // and so does a restore on the job's own GPU unless the keeper still holds them there.
     let kept = if m.keeper.is_some() {
@@ -284,12 +304,18 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         KeptBuffers::default()
     };
     let criu = Criu::locate().map_err(PrepareError::NoCriu);
-    let drv = (p.env.driver_deadlines)
-        .load(&p.env.libcuda)
-        .map_err(PrepareError::NoDriver);
-    let smi = || gpus.and_then(|t| t.join().ok()).flatten();
-    let pairs = plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?;
-    let (criu, drv) = (criu?, drv?);
+    let drv = nvidia.then(|| {
+        (p.env.driver_deadlines)
+            .load(&p.env.libcuda)
+            .map_err(PrepareError::NoDriver)
+    });
+    let pairs = if nvidia {
+        let smi = || gpus.and_then(|t| t.join().ok()).flatten();
+        plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?
+    } else {
+        UuidPairs::new()
+    };
+    let (criu, drv) = (criu?, drv.transpose()?);
     refuse_split_without_plugin(&img.criu, &criu)?;
     // The killed job's socket files are still there; the restored job listens on them again.
     for s in host.stale {
@@ -533,8 +559,9 @@ fn start_keeper_for(p: &RestoreParams, k: &KeeperOfJob, pid: i32) -> Option<Path
 }
 
 /// The restored tree's GPU side: the driver restores (onto the GPUs of `--device`) and unlocks
-/// each CUDA process, and possum resumes each of its processes from the GPU images, their
-/// buffers back on demand. The answers of the root, then of the others.
+/// each CUDA process (a CUDA job's; a HIP job has no driver to call), and possum resumes each of
+/// its processes from the GPU images, their buffers back on demand. The answers of the root,
+/// then of the others.
 fn resume(
     p: &RestoreParams,
     img: &Image,
@@ -542,23 +569,24 @@ fn resume(
     figures: &mut RestoreFigures,
 ) -> Result<Vec<Reply<ResumeReply>>, ResumeError> {
     let m = &img.manifest;
-    let drv = &ready.drv;
-    // The job's GPU memory at its checkpoint (nvidia-smi's, all of its GPUs): what the driver
-    // moves back, for its deadline.
-    let limit = (p.env.driver_deadlines.restore).for_bytes(m.gpu_memory_bytes());
-    timed(&mut figures.driver_restore, || {
-        drv.restore(m.pid, &ready.pairs, limit)?;
-        for &c in &m.cuda_children {
-            drv.restore(c, &ready.pairs, limit)
-                .map_err(|error| ResumeError::DriverChild { pid: c, error })?;
-        }
-        Ok::<_, ResumeError>(())
-    })?;
-    timed(&mut figures.driver_unlock, || {
-        std::iter::once(&m.pid)
-            .chain(&m.cuda_children)
-            .try_for_each(|&pid| drv.unlock(pid))
-    })?;
+    if let Some(drv) = &ready.drv {
+        // The job's GPU memory at its checkpoint (nvidia-smi's, all of its GPUs): what the
+        // driver moves back, for its deadline.
+        let limit = (p.env.driver_deadlines.restore).for_bytes(m.gpu_memory_bytes());
+        timed(&mut figures.driver_restore, || {
+            drv.restore(m.pid, &ready.pairs, limit)?;
+            for &c in &m.cuda_children {
+                drv.restore(c, &ready.pairs, limit)
+                    .map_err(|error| ResumeError::DriverChild { pid: c, error })?;
+            }
+            Ok::<_, ResumeError>(())
+        })?;
+        timed(&mut figures.driver_unlock, || {
+            std::iter::once(&m.pid)
+                .chain(&m.cuda_children)
+                .try_for_each(|&pid| drv.unlock(pid))
+        })?;
+    }
     let Some(gpu) = &img.gpu else {
         return Ok(Vec::new());
     };

@@ -17,6 +17,7 @@ use clap::{Args, ValueEnum};
 use possum_control::reply::CuptiReply;
 use possum_control::Request;
 use possum_sequence::figures::ms;
+use possum_sequence::gpu_runtimes::GpuRuntime;
 use possum_sequence::guard::GuardPlan;
 use possum_sequence::image::{dir_bytes, NetworkLock};
 use possum_sequence::job::ask;
@@ -186,16 +187,25 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
     Ok(true)
 }
 
+/// The job's GPU runtime, after its engine in the summary line (nothing for CUDA).
+pub(crate) fn on_runtime(runtime: GpuRuntime) -> &'static str {
+    match runtime {
+        GpuRuntime::Cuda => "",
+        GpuRuntime::Hip => " on HIP",
+    }
+}
+
 /// What `possum checkpoint` prints without --json.
 fn print_checkpoint(a: &CheckpointArgs, r: &CheckpointReport) {
     let f = &r.figures;
     let step = |d: Option<Duration>| ms(d.unwrap_or_default());
     let (copied, copied_bytes) = r.copied_at_release();
     println!(
-        "possum: process {} checkpointed to {} ({:?} engine{}): {:.2} GiB image",
+        "possum: process {} checkpointed to {} ({:?} engine{}{}): {:.2} GiB image",
         r.pid,
         a.dir.display(),
         r.engine,
+        on_runtime(r.runtime),
         if a.leave_running {
             ", still running"
         } else {

@@ -69,10 +69,11 @@ fn print_restore(r: &RestoreReport) {
     let step = |d: Option<std::time::Duration>| d.unwrap_or_default();
     let on_demand = r.resume_report.as_ref().and_then(|rr| rr.body.on_demand);
     println!(
-        "possum: process {} restored from {} ({:?} engine) in {:.0} ms (CRIU {:.0}, driver {:.0}, resume {:.0}){}",
+        "possum: process {} restored from {} ({:?} engine{}) in {:.0} ms (CRIU {:.0}, driver {:.0}, resume {:.0}){}",
         r.pid,
         r.dir.display(),
         r.engine,
+        super::on_runtime(r.runtime),
         ms(f.total),
         ms(step(f.criu_restore)),
         ms(step(f.driver_restore) + step(f.driver_unlock)),
