@@ -1,0 +1,240 @@
+//! A HIP job checkpointed and restored through CRIU by `possum checkpoint` and `possum restore`,
+//! on the simulated HIP runtime (`possum-hip-sim`; no AMD GPU): `hip-session-job.c` (three
+//! streams, pool and stream-ordered allocations, a captured graph, a range of its own virtual
+//! memory) runs under libpossum.so and steps until killed. Checkpointed while it runs (the
+//! pre-copy concurrent with its steps), killed, and restored, it goes on; left running, it goes
+//! on. Every step it computes, before and after, is bit for bit that of a run never
+//! checkpointed. Needs root, CRIU and a C compiler (else SKIPPED on stderr).
+
+use std::fs::OpenOptions;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::{possum_in as possum, text};
+
+#[path = "../../interposer/tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+#[path = "../../criu-adapter/tests/support/criu.rs"]
+mod criu_support;
+use criu_support::{criu_or_skip, say};
+
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+/// Bound on every wait for something that should happen.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The simulated runtime and the job, built into `dir`; `None` (said) without a C compiler.
+fn build(dir: &Path) -> Option<PathBuf> {
+    match possum_hip_sim::build_runtime(dir).and_then(|_| possum_hip_sim::build_session_job(dir)) {
+        Ok(job) => Some(job),
+        Err(possum_hip_sim::BuildError::NoCompiler(e)) => {
+            say(&format!("hip_checkpoint: SKIPPED: no C compiler ({e})"));
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The `step N DIGEST` lines of `out`, as (N, DIGEST).
+fn steps(out: &Path) -> Vec<(u32, String)> {
+    std::fs::read_to_string(out)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split(' ');
+            (w.next() == Some("step")).then_some(())?;
+            Some((w.next()?.parse().ok()?, w.next()?.to_string()))
+        })
+        .collect()
+}
+
+/// Waits until `out` has step `n` or later; the last step.
+fn wait_step(out: &Path, n: u32, what: &str) -> u32 {
+    let t = Instant::now();
+    loop {
+        if let Some(&(last, _)) = steps(out).last() {
+            if last >= n {
+                return last;
+            }
+        }
+        assert!(
+            t.elapsed() < WAIT,
+            "{what}: no step {n} in {WAIT:?}; its log:\n{}",
+            std::fs::read_to_string(out.with_extension("stderr")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Reaps `pid` (a child, or adopted by this subreaper) once it has exited.
+fn reap(pid: i32) {
+    let t = Instant::now();
+    loop {
+        match waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => {}
+            Ok(_) => return,
+            Err(_) if !Path::new(&format!("/proc/{pid}")).exists() => return,
+            Err(_) => {}
+        }
+        assert!(t.elapsed() < WAIT, "process {pid} was not reaped");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The job, under libpossum.so, in a session of its own (CRIU dumps it without --shell-job),
+/// its output appended to `out` (CRIU reopens the file by path at a restore).
+fn start(job: &Path, dir: &Path, out: &Path) -> Child {
+    let append = |p: PathBuf| {
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .unwrap()
+    };
+    let mut cmd = Command::new(job);
+    cmd.arg(possum_hip_sim::kernels_code_object())
+        .env_remove("LD_PRELOAD")
+        .env("LD_PRELOAD", common::libpossum())
+        .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
+        .env("POSSUM_VERBOSE", "1")
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(append(out.to_path_buf()))
+        .stderr(append(out.with_extension("stderr")));
+    // SAFETY: setsid is async-signal-safe and touches no memory of this process.
+    unsafe {
+        cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
+    }
+    cmd.spawn().unwrap()
+}
+
+/// Checks every step of `out` against a run of `steps` steps never checkpointed.
+fn bit_exact(job: &Path, dir: &Path, out: &Path) {
+    let seen = steps(out);
+    let last = seen.last().unwrap().0;
+    let reference = Command::new(job)
+        .arg(possum_hip_sim::kernels_code_object())
+        .arg(last.to_string())
+        .env_remove("LD_PRELOAD")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(reference.status.success());
+    let ref_out = dir.join("reference.out");
+    std::fs::write(&ref_out, &reference.stdout).unwrap();
+    let want = steps(&ref_out);
+    assert_eq!(want.len(), last as usize);
+    for (n, digest) in &seen {
+        assert_eq!(digest, &want[*n as usize - 1].1, "step {n} differs");
+    }
+}
+
+/// Kills the job's process when the test ends, passed or not.
+struct KillOnDrop(i32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = kill(Pid::from_raw(self.0), Signal::SIGKILL);
+        let _ = waitpid(Pid::from_raw(self.0), Some(WaitPidFlag::WNOHANG));
+    }
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.metadata().map_or(0, |m| m.len()))
+        .sum()
+}
+
+fn manifest(img: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(img.join("possum.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_hip_job_is_checkpointed_killed_and_restored_bit_exact_through_criu() {
+    if criu_or_skip("hip_checkpoint").is_none() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("possum-hip-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let Some(exe) = build(dir) else { return };
+    // The restored job is adopted here, to be reaped.
+    possum_criu::set_child_subreaper().unwrap();
+    let out = dir.join("job.out");
+    let mut child = start(&exe, dir, &out);
+    let pid = child.id() as i32;
+    let _kill = KillOnDrop(pid);
+    wait_step(&out, 5, "the job");
+
+    let img = dir.join("img");
+    let o = possum(dir)
+        .args(["checkpoint", &pid.to_string(), "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    child.wait().unwrap();
+    let m = manifest(&img);
+    assert_eq!(m["runtime"], "hip", "{m}");
+    // The buffers (X, Y, Z and W: 4 MiB) are in possum's image, not left to CRIU's.
+    let gpu = img.join("gpu").join("gpu-0");
+    assert!(dir_bytes(&gpu) >= 4 << 20, "{}", gpu.display());
+    let killed_at = steps(&out).last().unwrap().0;
+
+    let o = possum(dir)
+        .args(["restore", "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    wait_step(&out, killed_at + 20, "the restored job");
+    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    reap(pid);
+    bit_exact(&exe, dir, &out);
+}
+
+#[test]
+fn a_hip_job_left_running_goes_on_bit_exact() {
+    if criu_or_skip("hip_checkpoint").is_none() {
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("possum-hip-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
+    let Some(exe) = build(dir) else { return };
+    let out = dir.join("job.out");
+    let mut child = start(&exe, dir, &out);
+    let pid = child.id() as i32;
+    let _kill = KillOnDrop(pid);
+    wait_step(&out, 5, "the job");
+
+    let img = dir.join("img");
+    let o = possum(dir)
+        .args(["checkpoint", "--leave-running", &pid.to_string(), "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(child.try_wait().unwrap().is_none(), "the job runs on");
+    let at = steps(&out).last().unwrap().0;
+    wait_step(&out, at + 20, "the job after its checkpoint");
+    let _ = child.kill();
+    let _ = child.wait();
+    bit_exact(&exe, dir, &out);
+}
