@@ -225,8 +225,8 @@ fn find_library(lib: &Path, dirs: &[PathBuf]) -> Option<PathBuf> {
     dirs.iter().map(|d| d.join(lib)).find(|p| p.is_file())
 }
 
-/// The GPU runtimes found: NVIDIA's driver library `libcuda` (as configured; what possum
-/// checkpoints), and AMD's HIP runtime, which possum does not checkpoint yet.
+/// The GPU runtimes found: NVIDIA's driver library `libcuda` (as configured), and AMD's HIP
+/// runtime, whose front end is tested on a simulated runtime only.
 fn runtimes(libcuda: &Path, cuda: Option<PathBuf>, hip: Option<PathBuf>) -> Check {
     let cuda_text = match &cuda {
         Some(p) => format!("libcuda {}", p.display()),
@@ -234,7 +234,8 @@ fn runtimes(libcuda: &Path, cuda: Option<PathBuf>, hip: Option<PathBuf>) -> Chec
     };
     let hip_text = match hip {
         Some(p) => format!(
-            "libamdhip64 {} (possum does not checkpoint HIP processes yet)",
+            "libamdhip64 {} (possum's HIP front end is tested on a simulated runtime, not on AMD \
+             hardware)",
             p.display()
         ),
         None => "libamdhip64 not found".to_string(),
@@ -427,7 +428,7 @@ mod tests {
         assert_eq!(
             c.detail,
             "libcuda not found (libcuda.so.1); libamdhip64 /opt/rocm/lib/libamdhip64.so \
-             (possum does not checkpoint HIP processes yet)"
+             (possum's HIP front end is tested on a simulated runtime, not on AMD hardware)"
         );
     }
 
