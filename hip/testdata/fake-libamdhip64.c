@@ -12,7 +12,8 @@
 //   (FAKE_HIP_VA_BASE, default 0x7e0000000000; 64 GiB of address space, PROT_NONE until used).
 //   Addresses are handed out in order and never reused by another allocation, so the same
 //   sequence of calls gets the same addresses in every run: device addresses are VA-stable.
-//   hipMalloc (and hipMallocManaged, the same memory: every byte is host memory here), memory
+//   hipMalloc (and hipMallocManaged and HSA's hsa_amd_memory_pool_allocate, the same memory:
+//   every byte is host memory here), memory
 //   pools (hipMemPoolCreate, hipMallocAsync on the device's default pool,
 //   hipMallocFromPoolAsync) and hipMemAddressReserve all carve from it. A pool reuses the blocks
 //   freed into it (first fit), as a real pool does.
@@ -210,6 +211,19 @@ hipError_t hipMalloc(void** ptr, size_t size) {
   if (!b) RET(hipErrorOutOfMemory);
   *ptr = (void*)at;
   RET(hipSuccess);
+}
+
+// HSA's pool allocation, below HIP (in ROCm it is libhsa-runtime64's): device memory as
+// hipMalloc's; any pool handle is taken.
+unsigned hsa_amd_memory_pool_allocate(hsa_amd_memory_pool_t pool, size_t size, unsigned flags,
+                                      void** ptr) {
+  (void)pool;
+  if (flags || !ptr || !size) return 0x1001;  // HSA_STATUS_ERROR_INVALID_ARGUMENT
+  return hipMalloc(ptr, size) == hipSuccess ? 0 : 0x1008;  // ..._OUT_OF_RESOURCES
+}
+
+unsigned hsa_amd_memory_pool_free(void* ptr) {
+  return hipFree(ptr) == hipSuccess ? 0 : 0x1001;
 }
 
 hipError_t hipMallocManaged(void** ptr, size_t size, unsigned int flags) {

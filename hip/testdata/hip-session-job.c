@@ -11,8 +11,8 @@
 //
 // It prints `ready` once set up, then `step N DIGEST` after step N (DIGEST: FNV-1a 64 of X, Y,
 // Z and W read back), sleeping 2 ms between steps; with STEPS, it stops after that many. With
-// HIP_JOB_MANAGED=1 in its environment it also holds a managed allocation (which possum does
-// not save).
+// HIP_JOB_MANAGED=1 in its environment it also holds a managed allocation, with HIP_JOB_HSA=1
+// one made through HSA below HIP (possum saves neither).
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -137,6 +137,14 @@ int main(int argc, char** argv) {
   if (getenv("HIP_JOB_MANAGED")) {
     void* managed;
     CHECK(hipMallocManaged(&managed, 1 << 20, hipMemAttachGlobal));
+  }
+  if (getenv("HIP_JOB_HSA")) {
+    void* below;
+    hsa_amd_memory_pool_t any = {0};
+    if (hsa_amd_memory_pool_allocate(any, 1 << 20, 0, &below) != 0) {
+      fprintf(stderr, "hsa_amd_memory_pool_allocate failed\n");
+      return 1;
+    }
   }
   printf("ready\n");
   fflush(stdout);

@@ -295,34 +295,37 @@ fn the_simulator_program_computes_the_same_under_possum() {
     assert_ne!(plain_at, under_at, "possum served its allocations");
 }
 
-/// A job holding managed memory (which possum does not save): a checkpoint is refused, naming
-/// it, before anything is done, and the job runs on.
+/// A job holding managed memory, or memory it allocated through HSA below HIP (neither of
+/// which possum saves): a checkpoint is refused, naming it, before anything is done, and the
+/// job runs on.
 #[test]
-fn a_hip_job_with_managed_memory_is_refused_and_runs_on() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
-    let Some(exe) = build(dir) else { return };
-    let out = dir.join("job.out");
-    let code = possum_hip_sim::kernels_code_object();
-    let mut job = start_with(&exe, &code, None, true, &out, &[("HIP_JOB_MANAGED", "1")]);
-    wait_step(&out, 3, &mut job);
-    let img = dir.join("img");
-    let r = request(
-        job.id(),
-        &dir.join("sockets"),
-        &Request::Checkpoint {
-            dir: img.display().to_string(),
-        },
-        WAIT,
-    );
-    let e = r.unwrap_err().to_string();
-    assert!(
-        e.contains("hipMallocManaged") && e.contains("nothing was done"),
-        "{e}"
-    );
-    assert!(!img.exists(), "no image");
-    let at = steps(&out).last().unwrap().0;
-    wait_step(&out, at + 5, &mut job);
-    let _ = job.kill();
-    let _ = job.wait();
+fn a_hip_job_with_memory_possum_does_not_serve_is_refused_and_runs_on() {
+    for (var, kind) in [
+        ("HIP_JOB_MANAGED", "hipMallocManaged"),
+        ("HIP_JOB_HSA", "hsa_amd_memory_pool_allocate"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let Some(exe) = build(dir) else { return };
+        let out = dir.join("job.out");
+        let code = possum_hip_sim::kernels_code_object();
+        let mut job = start_with(&exe, &code, None, true, &out, &[(var, "1")]);
+        wait_step(&out, 3, &mut job);
+        let img = dir.join("img");
+        let r = request(
+            job.id(),
+            &dir.join("sockets"),
+            &Request::Checkpoint {
+                dir: img.display().to_string(),
+            },
+            WAIT,
+        );
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains(kind) && e.contains("nothing was done"), "{e}");
+        assert!(!img.exists(), "no image");
+        let at = steps(&out).last().unwrap().0;
+        wait_step(&out, at + 5, &mut job);
+        let _ = job.kill();
+        let _ = job.wait();
+    }
 }

@@ -20,6 +20,8 @@
 
 pub mod entry;
 pub mod front;
+#[cfg(target_arch = "x86_64")]
+pub mod hsa;
 pub mod session;
 pub mod writers;
 

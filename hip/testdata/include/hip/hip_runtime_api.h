@@ -174,6 +174,11 @@ hipError_t hipGetProcAddress(const char* symbol, void** pfn, int hipVersion, uin
 hipError_t hipMalloc(void** ptr, size_t size);
 #define hipMemAttachGlobal 0x01
 hipError_t hipMallocManaged(void** dev_ptr, size_t size, unsigned int flags);
+// HSA's (hsa/hsa_ext_amd.h), below HIP.
+typedef struct hsa_amd_memory_pool_s { uint64_t handle; } hsa_amd_memory_pool_t;
+unsigned hsa_amd_memory_pool_allocate(hsa_amd_memory_pool_t pool, size_t size, unsigned flags,
+                                      void** ptr);
+unsigned hsa_amd_memory_pool_free(void* ptr);
 hipError_t hipFree(void* ptr);
 hipError_t hipHostMalloc(void** ptr, size_t size, unsigned int flags);
 hipError_t hipHostFree(void* ptr);
