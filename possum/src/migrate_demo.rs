@@ -236,12 +236,17 @@ fn destination(
     let (_, mut session) = wire::receive_dir_session(&mut s, key, &images)?;
     wire::await_released(&mut s, &mut session)?;
     let t = Instant::now();
+    // Restored, the child waits for its go file: it is told only once the source says go.
     let outcome = match criu.restore(&RestoreOptions::new(&images)) {
-        Ok(r) => fs::write(go, b"go\n")
-            .map(|()| Outcome::Running { pid: r.pid })
-            .unwrap_or_else(|e| Outcome::RestoreFailed {
-                reason: format!("telling the restored job to go on: {e}"),
-            }),
+        Ok(r) => {
+            wire::send_outcome(&mut s, &mut session, &Outcome::Restored { pid: r.pid })?;
+            wire::await_released(&mut s, &mut session).context("waiting for the source's go")?;
+            fs::write(go, b"go\n")
+                .map(|()| Outcome::Running { pid: r.pid })
+                .unwrap_or_else(|e| Outcome::RestoreFailed {
+                    reason: format!("telling the restored job to go on: {e}"),
+                })
+        }
         Err(e) => Outcome::RestoreFailed {
             reason: format!("{e:#}"),
         },
@@ -254,6 +259,7 @@ fn destination(
             restore,
             pid,
         }),
+        Outcome::Restored { .. } => bail!("the destination sent Restored twice"),
         Outcome::RestoreFailed { reason } => bail!("the restore at the destination: {reason}"),
     }
 }
@@ -422,7 +428,12 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     wire::set_timeouts(&s, IO_TIMEOUT)?;
     let (sent, mut session) = wire::send_dir_session(&mut s, &key, &images)?;
     wire::send_released(&mut s, &mut session)?;
-    let outcome = wire::await_outcome(&mut s, &mut session)?;
+    let mut outcome = wire::await_outcome(&mut s, &mut session)?;
+    if let Outcome::Restored { .. } = outcome {
+        // The go: the destination lets the restored child run.
+        wire::send_released(&mut s, &mut session)?;
+        outcome = wire::await_outcome(&mut s, &mut session)?;
+    }
     let there = receiver
         .join()
         .map_err(|_| anyhow::anyhow!("the receiver thread panicked"))??;

@@ -2,7 +2,10 @@
 //! interposer's tests with real CRIU (source and destination on this one host): the job moves and
 //! goes on with exactly the data of a run without possum; a wrong key, a receiver killed during
 //! the transfer, a restore that fails at the destination and a destination gone after the
-//! source's kill each leave the job running at the source, with exactly that data too.
+//! source's kill each leave the job running at the source, with exactly that data too. A
+//! destination silent after the source's go has the source keep its image unrestored; a source
+//! silent before the go has the destination kill its held copy before it ran: the job never
+//! runs twice, and restored from the image kept, it goes on exactly.
 //!
 //! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) is the one of
 //! entry_checkpoint.rs: commanded through a FIFO, answering into a file opened O_APPEND, which
@@ -103,19 +106,20 @@ fn setup(test: &str) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
 struct Receiver {
     child: Child,
     addr: String,
+    /// Its stderr after the first line, as it comes.
+    log: std::sync::Arc<std::sync::Mutex<String>>,
 }
 
 impl Receiver {
     fn start(dir: &Path, key: &str, env: &[(&str, &str)]) -> Receiver {
+        Receiver::start_timeout(dir, key, env, 20)
+    }
+
+    /// [`Receiver::start`] with `--timeout SECS` (each wait of the exchange).
+    fn start_timeout(dir: &Path, key: &str, env: &[(&str, &str)], secs: u32) -> Receiver {
         let mut child = possum(dir)
-            .args([
-                "receive",
-                "--json",
-                "--listen",
-                "127.0.0.1:0",
-                "--timeout",
-                "20",
-            ])
+            .args(["receive", "--json", "--listen", "127.0.0.1:0", "--timeout"])
+            .arg(secs.to_string())
             .arg("--key-file")
             .arg(dir.join(key))
             .arg("-D")
@@ -133,13 +137,16 @@ impl Receiver {
             .strip_prefix("possum: receiving on ")
             .unwrap_or_else(|| panic!("possum receive said {line:?}"))
             .to_string();
-        // The rest of its stderr, echoed (and never blocking it).
+        // The rest of its stderr, echoed and kept (and never blocking it).
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let kept = log.clone();
         std::thread::spawn(move || {
             for l in stderr.lines().map_while(Result::ok) {
                 say(&format!("possum receive: {l}"));
+                kept.lock().unwrap().push_str(&format!("{l}\n"));
             }
         });
-        Receiver { child, addr }
+        Receiver { child, addr, log }
     }
 
     /// Its exit and stdout.
@@ -343,4 +350,114 @@ fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
     );
     assert!(dir.join("local/possum.json").is_file());
     goes_on_like(&mut job, dir, &want, "restored at the source");
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s.contains(") Z ") && !s.contains(") X "))
+}
+
+/// A destination that holds the job restored, takes the source's go, and goes silent (as one
+/// that died after letting the job run): the source does not restore its own (the job may run
+/// there), keeps its image and says so; restored from it by the operator, the job goes on
+/// exactly.
+#[test]
+fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() {
+    use possum_sequence::auth::HmacKey;
+    use possum_sequence::wire::{self, Outcome};
+    let Some((tmp, want, mut job)) = setup("migrate_silent_after_go") else {
+        return;
+    };
+    let dir = tmp.path();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let dest = dir.join("received/job");
+    let pid = job.pid;
+    let destination = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        wire::set_timeouts(&s, WAIT).unwrap();
+        let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
+        let (_, mut session) = wire::receive_dir_session(&mut s, &key, &dest).unwrap();
+        wire::await_released(&mut s, &mut session).unwrap();
+        wire::send_outcome(&mut s, &mut session, &Outcome::Restored { pid }).unwrap();
+        // The go, then silence.
+        wire::await_released(&mut s, &mut session).unwrap();
+    });
+    let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
+    destination.join().unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("went silent") && t.contains("not restored here"),
+        "{t}"
+    );
+    assert!(!t.contains("the job runs on at the source"), "{t}");
+    assert!(dir.join("local/possum.json").is_file());
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!alive(job.pid), "the source did not bring its job back");
+    let o = possum(dir)
+        .args(["restore", "-D"])
+        .arg(dir.join("local"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    goes_on_like(&mut job, dir, &want, "restored by the operator");
+}
+
+/// A source that hears the job is restored and held at the destination, and goes silent
+/// without the go (as one killed then): the destination kills its copy before it ran and keeps
+/// the image, saying so; restored from it, the job goes on exactly.
+#[test]
+fn a_job_the_source_does_not_let_run_is_killed_at_the_destination_before_it_ran() {
+    use possum_sequence::auth::HmacKey;
+    use possum_sequence::wire::{self, Outcome};
+    let Some((tmp, want, mut job)) = setup("migrate_no_go") else {
+        return;
+    };
+    let dir = tmp.path();
+    let receiver = Receiver::start_timeout(dir, "key", &[], 3);
+    // The source's side by hand: the job's image, the job killed, the image sent and released.
+    let img = dir.join("img");
+    let o = possum(dir)
+        .args(["checkpoint", &job.pid.to_string(), "-D"])
+        .arg(&img)
+        .arg("--socket-dir")
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let t = Instant::now();
+    while alive(job.pid) {
+        assert!(t.elapsed() < WAIT, "the job was not killed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut s = std::net::TcpStream::connect(&receiver.addr).unwrap();
+    wire::set_timeouts(&s, WAIT).unwrap();
+    let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
+    let (_, mut session) = wire::send_dir_session(&mut s, &key, &img).unwrap();
+    wire::send_released(&mut s, &mut session).unwrap();
+    let held = wire::await_outcome(&mut s, &mut session).unwrap();
+    assert_eq!(held, Outcome::Restored { pid: job.pid });
+    let log = receiver.log.clone();
+    let (status, _) = receiver.finish();
+    drop(s);
+    assert!(!status.success());
+    let log = log.lock().unwrap().clone();
+    assert!(
+        log.contains("did not let it run") && log.contains("killed before it ran"),
+        "{log}"
+    );
+    // Killed (this process, a subreaper, reaps it).
+    possum_criu::wait_for_exit(job.pid, Some(WAIT)).unwrap();
+    let received = names(&dir.join("received"));
+    assert_eq!(received.len(), 1, "{received:?}");
+    let kept = dir.join("received").join(&received[0]);
+    assert!(kept.join("possum.json").is_file());
+    let o = possum(dir)
+        .args(["restore", "-D"])
+        .arg(&kept)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    goes_on_like(&mut job, dir, &want, "restored from the kept image");
 }

@@ -75,7 +75,7 @@ pub use checkpoint::{
     HeldCheckpoint, ResumeError,
 };
 pub use config::{DriverDeadlines, Environment, HostmemSplit};
-pub use restore::{restore, RestoreError, RestoreParams, RestoreReport};
+pub use restore::{restore, restore_confirmed, RestoreError, RestoreParams, RestoreReport};
 pub use stage::StageReport;
 
 use std::path::Path;

@@ -12,9 +12,13 @@
 //!   send        LOCAL_DIR, files that begin with one sent ahead as a reference and the bytes
 //!               after it (at most --max-rate) ──────────────────────▶ DIR/NAME, named only complete: Committed
 //!   kill        the held job killed (its PIDs free), LOCAL_DIR kept
-//!   hand-off    Released ──────────────────────────▶ restore DIR/NAME (`possum restore`'s sequence)
-//!               ◀─────────────────── Outcome: Running (pid) or RestoreFailed (why)
-//!   end         Running: LOCAL_DIR removed. Otherwise the job is restored here from LOCAL_DIR.
+//!   hand-off    Released ──────────────────────────▶ restore DIR/NAME (`possum restore`'s sequence),
+//!                                                     the job held after CRIU's restore
+//!               ◀───────────── Outcome: Restored (pid), or RestoreFailed (why)
+//!   go          Released again ────────────────────▶ the job's GPU side restored, it runs
+//!               ◀───────────── Outcome: Running (pid), or RestoreFailed (why)
+//!   end         Running: LOCAL_DIR removed. Otherwise the job is restored here from LOCAL_DIR,
+//!               unless the go may have arrived (below).
 //! ```
 //!
 //! Without a pre-copy (engine driver) the connection comes after the commit, and the whole image
@@ -29,10 +33,12 @@
 //!   restored at the source from LOCAL_DIR, which is kept.
 //!
 //! The destination restores only after `Released`, which the source sends only once its job is
-//! gone: the job never runs at both ends from this exchange. One case is left to the operator: an
-//! `Outcome` Running lost on its way (the connection cut after the destination restored the job)
-//! has the source restore its job too; on one host the second restore fails (the PIDs are taken),
-//! on two hosts both copies run.
+//! gone, and lets the restored job run only after the go, which the source sends only once the
+//! destination said it holds it restored: the job never runs at both ends. Without the go in
+//! time the destination kills its copy before it ran (its image is kept, said). A connection
+//! lost after the go was sent leaves the source not knowing whether the destination runs the job
+//! ([`JobAt::Unknown`]): it does not restore its own, and keeps its image, for the operator to
+//! restore only if the destination does not run it. Nothing is lost, and nothing runs twice.
 //!
 //! Every wait has a deadline ([`Deadlines`]): the connection, each read or write of the transfer,
 //! the source's kill, and the destination's restore.
@@ -47,7 +53,7 @@ use serde::{Serialize, Serializer};
 
 use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
-use crate::restore::{restore, RestoreError, RestoreParams};
+use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
     self, await_outcome, await_released, receive_dir_session, send_abort, send_outcome,
     send_released, DirSender, FrameError, HandoffError, Outcome, Totals, WireError,
@@ -156,6 +162,13 @@ pub struct MigrateReport {
 pub enum JobAt {
     /// It runs on at the source (it was let go, or restored there from the local image).
     Source,
+    /// The destination was told to let it run, and then went silent: it runs there if the go
+    /// arrived; otherwise the destination killed its copy before it ran. The source's image is
+    /// kept, not restored.
+    Unknown {
+        /// The local image.
+        image: PathBuf,
+    },
     /// Neither end runs it: its image is kept at the source.
     Lost {
         /// The local image.
@@ -169,6 +182,14 @@ impl std::fmt::Display for JobAt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             JobAt::Source => f.write_str("the job runs on at the source"),
+            JobAt::Unknown { image } => write!(
+                f,
+                "the destination was told to let the job run and then went silent: the job runs \
+                 there if that reached it (otherwise the destination killed its copy before it \
+                 ran); it is not restored here, to never run twice: its image is kept, and \
+                 `possum restore -D {}` restores it once the destination is known not to run it",
+                image.display()
+            ),
             JobAt::Lost { image, why } => write!(
                 f,
                 "the job could not be brought back at the source ({why}): its image is kept, \
@@ -446,9 +467,45 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
                 })?;
             await_outcome(&mut stream, &mut session)
         });
+    // The destination holds the job restored: let it run there, and hear that it does.
+    let outcome = match outcome {
+        Ok(Outcome::Restored { .. }) => match send_released(&mut stream, &mut session) {
+            // Not sent: the destination kills its copy without the go.
+            Err(e) => Err(HandoffError::from(e)),
+            Ok(()) => match await_outcome(&mut stream, &mut session) {
+                Ok(Outcome::Restored { .. }) => Err(HandoffError::Unexpected {
+                    got: "Outcome Restored",
+                    want: "Outcome Running",
+                }),
+                Ok(o) => Ok(o),
+                Err(source) => {
+                    let image = local.clone();
+                    obs.note(&format!(
+                        "the destination went silent after the go; the job is not restored here \
+                         (its image stays at {})",
+                        image.display()
+                    ));
+                    return Err(MigrateError::Handoff {
+                        job: JobAt::Unknown { image },
+                        source,
+                    });
+                }
+            },
+        },
+        other => other,
+    };
     timings.remote_restore = t.elapsed();
     drop(stream);
     match outcome {
+        // (Answered with the go above, or an error.)
+        Ok(Outcome::Restored { .. }) => {
+            let job = restore_here(&p.checkpoint, obs);
+            let source = HandoffError::Unexpected {
+                got: "Outcome Restored",
+                want: "Outcome Running",
+            };
+            Err(MigrateError::Handoff { job, source })
+        }
         Ok(Outcome::Running { pid: remote_pid }) => {
             timings.downtime = report.figures.hold + committed_at.elapsed();
             timings.total = t_all.elapsed();
@@ -574,6 +631,22 @@ pub enum ReceiveError {
     /// `Released` did not come (the source lets its job go on, or restores it).
     #[error("the image arrived, but the source did not let its job go; the image is removed")]
     Release(#[source] HandoffError),
+    /// The source did not say go after the job was restored here: it was killed before it ran.
+    /// Its image is kept (the source may not know whether it runs here).
+    #[error(
+        "the job was restored here as process {pid} but the source did not let it run ({why}): \
+         it was killed before it ran; its image stays at {}: restore it with `possum restore -D` \
+         only if the source does not run the job",
+        dir.display()
+    )]
+    NotLetRun {
+        /// The image (kept).
+        dir: PathBuf,
+        /// The restored process (killed).
+        pid: i32,
+        /// Why.
+        why: String,
+    },
     /// The restore failed (the source was told, and restores its job).
     #[error("restoring the job from {} failed; the source was told to restore its own", dir.display())]
     Restore {
@@ -636,16 +709,30 @@ pub fn receive(
         dir: dest.clone(),
         ..p.restore.clone()
     };
-    let restored = restore(&params, obs);
-    timings.restore = t.elapsed();
+    // Restored, the job is held until the source says go: without it, it never runs here.
     let _ = stream.set_write_timeout(Some(p.deadlines.io));
+    let restored = restore_confirmed(&params, obs, &mut |pid| {
+        send_outcome(stream, &mut session, &Outcome::Restored { pid })
+            .map_err(|e| format!("telling the source: {}", possum_cuda::error_chain(&e)))?;
+        stream
+            .set_read_timeout(Some(p.deadlines.release))
+            .map_err(|e| e.to_string())?;
+        await_released(stream, &mut session).map_err(|e| match e.is_timeout() {
+            true => format!(
+                "no go from the source within {} s",
+                p.deadlines.release.as_secs()
+            ),
+            false => format!("no go from the source: {}", possum_cuda::error_chain(&e)),
+        })
+    });
+    timings.restore = t.elapsed();
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
             if let Err(e) = &told {
                 obs.note(&format!(
-                    "the job runs here as process {}, but the source was not told ({}): it \
-                     restores its own copy",
+                    "the job runs here as process {}, but the source was not told ({}); it \
+                     keeps its image and does not restore it",
                     r.pid,
                     possum_cuda::error_chain(e)
                 ));
@@ -659,6 +746,11 @@ pub fn receive(
                 source_told: told.is_ok(),
             })
         }
+        Err(RestoreError::NotConfirmed { pid, why }) => Err(ReceiveError::NotLetRun {
+            dir: dest,
+            pid,
+            why,
+        }),
         Err(source) => {
             let reason = possum_cuda::error_chain(&source);
             let _ = send_outcome(stream, &mut session, &Outcome::RestoreFailed { reason });

@@ -85,6 +85,19 @@ pub struct RestoreReport {
 /// restore, keeper, driver and resume, report. A failure after CRIU's restore kills the
 /// restored process; the image is never changed. `obs` is told what the user should know.
 pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreReport, RestoreError> {
+    restore_confirmed(p, obs, &mut |_| Ok(()))
+}
+
+/// [`restore`], the job held after CRIU's restore until `confirm(pid)` says it may run: its GPU
+/// work has not run yet then (its GPU side is not restored, its possum not resumed: its threads
+/// wait at their next GPU call). A refusal (`Err`:
+/// why) kills the restored process, the image intact ([`RestoreError::NotConfirmed`]). A
+/// migration's destination asks its source here, so that the job never runs at both ends.
+pub fn restore_confirmed(
+    p: &RestoreParams,
+    obs: &mut dyn Observer,
+    confirm: &mut dyn FnMut(i32) -> Result<(), String>,
+) -> Result<RestoreReport, RestoreError> {
     let t_all = Instant::now();
     if let Some(key) = &p.hmac_key {
         if !p.dir.exists() {
@@ -113,6 +126,13 @@ pub fn restore(p: &RestoreParams, obs: &mut dyn Observer) -> Result<RestoreRepor
         (Some(k), _) => timed(&mut figures.keeper, || start_keeper_for(p, k, m.pid)),
         _ => None,
     };
+    if let Err(why) = confirm(job.pid()) {
+        let _ = job.kill();
+        if let Some(s) = staging {
+            s.abandon();
+        }
+        return Err(RestoreError::NotConfirmed { pid: m.pid, why });
+    }
     let resumed = match resume(p, &img, &ready, &mut figures) {
         Ok(r) => r,
         Err(source) => {
@@ -190,6 +210,18 @@ pub enum RestoreError {
         /// The second.
         #[source]
         source: Box<CriuError>,
+    },
+    /// The restore was not confirmed ([`restore_confirmed`]): the restored process was killed
+    /// before it ran.
+    #[error(
+        "process {pid} was restored but not let run ({why}); it was killed before it ran, the \
+         image is intact"
+    )]
+    NotConfirmed {
+        /// The job.
+        pid: i32,
+        /// Why.
+        why: String,
     },
     /// The GPU side: the restored process was killed.
     #[error(

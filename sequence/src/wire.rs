@@ -10,6 +10,8 @@
 //!   frames: Dir, File, Chunk.., EndFile, ..., Done + HMAC ──▶  under a temporary sibling of DEST
 //!                  ◀── Committed + HMAC (DEST named) or Abort (why not)
 //!   (a migration) Released + HMAC: the source's job is gone ──▶
+//!                  ◀── Outcome + HMAC: restored and held at the destination, or why not
+//!   Released + HMAC again: go ──▶
 //!                  ◀── Outcome + HMAC: running at the destination, or why not
 //! ```
 //!
@@ -40,10 +42,12 @@
 //!   and payloads) and the totals, `Committed`'s of `Done`'s HMAC and the totals received;
 //! - `Abort`: why, as UTF-8 text;
 //! - `Released` (a migration's, after `Committed`): a 32-byte HMAC under the session's key of
-//!   `Committed`'s: the source's job is gone, restore it;
-//! - `Outcome` (the answer to `Released`): `running: u8`, the restored `pid: i32` (LE), a 32-byte
-//!   HMAC under the session's key of `Released`'s and what precedes and follows it, then why the
-//!   restore failed, as UTF-8 text (empty when running).
+//!   `Committed`'s: the source's job is gone, restore it. Sent again after `Outcome` `Restored`
+//!   (its HMAC of that one's): let it run;
+//! - `Outcome` (the answer to `Released`): `status: u8` (0 the restore failed, 1 the job runs,
+//!   2 restored but held until the source says go), the restored `pid: i32` (LE), a 32-byte HMAC
+//!   under the session's key of `Released`'s and what precedes and follows it, then why the
+//!   restore failed, as UTF-8 text (empty otherwise).
 //! - `Buffer` and `BufferChunk` (a pre-copy's, in place of `Dir`..`EndFile`: [`PrecopySender`],
 //!   [`receive_precopy`]): an engine buffer declared, `id`, `va`, `size` (`u64` LE) and its
 //!   prefetch rank (`u32` LE); and bytes of a declared buffer, its `id` and the offset in it
@@ -527,6 +531,12 @@ pub enum Frame<'a> {
 /// What became of a migrated job's restore at the destination.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
+    /// It is restored there, as this process, and held until the source says go (a second
+    /// `Released`): until then it has not run, and without the go it is killed.
+    Restored {
+        /// The restored process.
+        pid: i32,
+    },
     /// It runs there, as this process.
     Running {
         /// The restored process.
@@ -545,6 +555,7 @@ impl Outcome {
     fn parts(&self) -> (u8, i32, &[u8]) {
         match self {
             Outcome::Running { pid } => (1, *pid, &[]),
+            Outcome::Restored { pid } => (2, *pid, &[]),
             Outcome::RestoreFailed { reason } => (0, 0, cut_reason(reason)),
         }
     }
@@ -926,8 +937,9 @@ fn read_frame_from<'b, R: Read>(
                 .map_err(|_| malformed("a reason that is not UTF-8".into()))?;
             let outcome = match payload[0] {
                 1 if reason.is_empty() => Outcome::Running { pid },
+                2 if reason.is_empty() => Outcome::Restored { pid },
                 0 => Outcome::RestoreFailed { reason },
-                _ => return Err(malformed("neither running nor failed".into())),
+                _ => return Err(malformed("neither restored, running nor failed".into())),
             };
             Frame::Outcome {
                 outcome,
@@ -2309,6 +2321,17 @@ pub enum HandoffError {
     },
 }
 
+impl HandoffError {
+    /// The wait for the peer's frame ran out (the stream's read timeout).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            HandoffError::Frame(FrameError::Io { source, .. })
+                if matches!(source.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+        )
+    }
+}
+
 /// Sends `Released` (the source's job is gone: the destination may restore it), after a
 /// [`send_dir_session`] that ended `Committed`.
 pub fn send_released<S: Write>(stream: &mut S, session: &mut Session) -> Result<(), FrameError> {
@@ -3046,6 +3069,43 @@ mod tests {
             "{replayed:?}"
         );
         assert_eq!(fs::read(out.join("img/a")).unwrap(), b"image");
+    }
+
+    /// A restore held for the go: `Restored`, the second `Released` (the go), then `Running`,
+    /// each chained to the one before: the first `Released` replayed as the go is refused.
+    #[test]
+    fn the_go_after_a_held_restore_is_chained_to_it() {
+        let (_tmp, src, out) = dirs();
+        fs::write(src.join("a"), b"image").unwrap();
+        let (mut a, mut b) = pair();
+        let dest = out.join("img");
+        let receiver = thread::spawn(move || {
+            let (_, mut session) = receive_dir_session(&mut b, &key(1), &dest).unwrap();
+            await_released(&mut b, &mut session).unwrap();
+            send_outcome(&mut b, &mut session, &Outcome::Restored { pid: 7 }).unwrap();
+            await_released(&mut b, &mut session).unwrap();
+            send_outcome(&mut b, &mut session, &Outcome::Running { pid: 7 }).unwrap();
+            // The first go replayed: refused.
+            await_released(&mut b, &mut session)
+        });
+        let (_, mut session) = send_dir_session(&mut a, &key(1), &src).unwrap();
+        send_released(&mut a, &mut session).unwrap();
+        assert_eq!(
+            await_outcome(&mut a, &mut session).unwrap(),
+            Outcome::Restored { pid: 7 }
+        );
+        let go: [u8; TAG_BYTES] = session.released().finalize().into_bytes().into();
+        send_released(&mut a, &mut session).unwrap();
+        assert_eq!(
+            await_outcome(&mut a, &mut session).unwrap(),
+            Outcome::Running { pid: 7 }
+        );
+        write_frame(&mut a, &Frame::Released { tag: go }).unwrap();
+        let replayed = receiver.join().unwrap();
+        assert!(
+            matches!(replayed, Err(HandoffError::Forged { what: "Released" })),
+            "{replayed:?}"
+        );
     }
 
     /// A paced stream writes everything, in bursts of at most a twentieth of its rate.
