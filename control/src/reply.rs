@@ -620,7 +620,7 @@ pub struct CuptiReply {
 
 /// The answer to `CollectiveHold`, `CollectiveWait` and `CollectiveLift`: the job's collective
 /// launches (NCCL's kernels) and its barrier.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
 pub struct CollectiveReply {
     /// Collective launches let through since the job started.
@@ -629,6 +629,23 @@ pub struct CollectiveReply {
     pub barrier: Option<u64>,
     /// Threads waiting at the barrier now.
     pub held: u32,
+    /// The NCCL communicators the process has ranks in now (made through the entry points
+    /// possum wraps).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub communicators: Vec<Communicator>,
+}
+
+/// An NCCL communicator a process has ranks in.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct Communicator {
+    /// The same for every rank of the communicator, in whichever process (a hash of its unique
+    /// id, or of its parent's and its split colour).
+    pub id: String,
+    /// Its ranks, in all.
+    pub nranks: u32,
+    /// Those in this process.
+    pub ranks_here: u32,
 }
 
 #[cfg(test)]
@@ -865,6 +882,11 @@ mod tests {
                         launched: 12,
                         barrier: Some(12),
                         held: 1,
+                        communicators: vec![Communicator {
+                            id: "00ff".into(),
+                            nranks: 2,
+                            ranks_here: 1,
+                        }],
                     },
                 }),
                 vmm: Some(VmmStatus {

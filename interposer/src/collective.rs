@@ -19,8 +19,10 @@
 
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
 use parking_lot::{Condvar, Mutex};
-use possum_control::reply::CollectiveReply;
+use possum_control::reply::{CollectiveReply, Communicator};
 
 #[derive(Debug)]
 struct Counts {
@@ -72,7 +74,41 @@ fn reply(c: &Counts) -> CollectiveReply {
         launched: c.launched,
         barrier: c.barrier.map(|(at, _)| at),
         held: c.held,
+        communicators: communicators(),
     }
+}
+
+/// The process's NCCL communicators, by handle: (id, ranks in all).
+static COMMS: Mutex<BTreeMap<usize, (u64, u32)>> = Mutex::new(BTreeMap::new());
+
+/// Notes that the process has a rank in communicator `handle`, whose ranks, in whichever
+/// process, all know it as `id`, of `nranks` ranks.
+pub fn note_communicator(handle: usize, id: u64, nranks: u32) {
+    COMMS.lock().insert(handle, (id, nranks));
+}
+
+/// The communicator `handle`'s id, if the process has it.
+pub fn communicator_id(handle: usize) -> Option<u64> {
+    COMMS.lock().get(&handle).map(|&(id, _)| id)
+}
+
+/// Forgets communicator `handle` (destroyed or aborted).
+pub fn forget_communicator(handle: usize) {
+    COMMS.lock().remove(&handle);
+}
+
+/// The process's communicators, each with the ranks it has in it.
+fn communicators() -> Vec<Communicator> {
+    let mut by_id: BTreeMap<u64, Communicator> = BTreeMap::new();
+    for &(id, nranks) in COMMS.lock().values() {
+        let c = by_id.entry(id).or_insert_with(|| Communicator {
+            id: format!("{id:016x}"),
+            nranks,
+            ranks_here: 0,
+        });
+        c.ranks_here += 1;
+    }
+    by_id.into_values().collect()
 }
 
 /// Puts the barrier at launch `at` (`None`: the next launch), lifting itself after `lease`

@@ -386,8 +386,12 @@ unsafe fn handed_out(p: *mut c_void, name: *const c_char, caller: usize) -> *mut
     let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
     // The name first: most lookups (Python's module initialisers, ...) stop here, before the
     // loader is asked who called.
-    if bytes.starts_with(b"hip") {
-        return match crate::hip::entry::wrapper(bytes) {
+    if bytes.starts_with(b"hip") || bytes.starts_with(b"nccl") {
+        let ours = match bytes.starts_with(b"hip") {
+            true => crate::hip::entry::wrapper(bytes),
+            false => crate::nccl::wrapper(bytes),
+        };
+        return match ours {
             Some(w) if !from_this_library(caller) && !std::ptr::eq(p.cast_const().cast(), w) => {
                 SWAPPED_DLSYM.fetch_add(1, Ordering::Relaxed);
                 w.cast_mut().cast()

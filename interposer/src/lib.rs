@@ -104,6 +104,7 @@ mod hooks;
 mod load;
 mod log;
 mod mode;
+mod nccl;
 mod park;
 mod park_sys;
 mod pools;

@@ -32,12 +32,25 @@ fn setup(test: &str) -> Option<(tempfile::TempDir, PathBuf)> {
         .tempdir()
         .unwrap();
     let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
-    common::build_fake_gpu_from(
-        &interposer,
-        tmp.path(),
-        "tests/fake/fake_ranks_job.c",
-        "fake_ranks_job",
-    )
+    // The job linked against a stand-in NCCL (its communicator calls), as PyTorch links NCCL.
+    let nccl = tmp.path().join("libnccl.so.2");
+    let built = common::cc(&[
+        "-O1",
+        "-shared",
+        "-fPIC",
+        "-Wl,-soname,libnccl.so.2",
+        "-o",
+        nccl.to_str().unwrap(),
+        interposer.join("tests/fake/fake_nccl.c").to_str().unwrap(),
+    ]);
+    (built
+        && common::build_fake_gpu_linked(
+            &interposer,
+            tmp.path(),
+            "tests/fake/fake_ranks_job.c",
+            "fake_ranks_job",
+            &["-l:libnccl.so.2"],
+        ))
     .then_some((tmp, lib))
 }
 
@@ -330,4 +343,65 @@ fn possum_killed_during_the_cut_leaves_no_barrier_behind() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(!dir.join("img").exists());
+}
+
+/// Ranks in an NCCL communicator one of whose ranks is not in the job's tree (as on another
+/// host): the checkpoint is refused before anything is held, naming the ranks and the count,
+/// and the job runs on to its end; with every rank in the tree, the same job is checkpointed.
+#[test]
+fn a_communicator_with_a_rank_outside_the_tree_is_refused_before_anything_is_held() {
+    let Some((tmp, lib)) = setup("ranks peer outside") else {
+        return;
+    };
+    let dir = tmp.path();
+    let env = [
+        ("FAKE_STEPS", "200"),
+        ("FAKE_STEP_US", "2000"),
+        ("FAKE_NCCL_NRANKS", "3"),
+    ];
+    let mut job = start(dir, Some(&lib), "outside", &env);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("outside.0"), 20);
+    let out = possum(dir)
+        .args(["checkpoint", &launcher.to_string()])
+        .args(["--gpu-only", "--leave-running", "-D"])
+        .arg(dir.join("img-outside"))
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{t}");
+    let mut ranks = job.ranks;
+    ranks.sort_unstable();
+    assert!(
+        t.contains(&format!(
+            "processes {}, {} of the job have ranks",
+            ranks[0], ranks[1]
+        )) && t.contains("NCCL communicator of 3 ranks")
+            && t.contains("only 2 are in the job's tree")
+            && t.contains("nothing was done"),
+        "{t}"
+    );
+    assert!(!dir.join("img-outside").exists());
+    for r in job.ranks {
+        assert!(barrier(dir, r).is_null(), "rank {r}");
+    }
+    assert!(job.child.wait().unwrap().success(), "the job ran on");
+
+    // Every rank in the tree: checkpointed.
+    let env = [
+        ("FAKE_STEPS", "200"),
+        ("FAKE_STEP_US", "2000"),
+        ("FAKE_NCCL_NRANKS", "2"),
+    ];
+    let mut job = start(dir, Some(&lib), "inside", &env);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("inside.0"), 20);
+    let out = possum(dir)
+        .args(["checkpoint", &launcher.to_string()])
+        .args(["--gpu-only", "--leave-running", "-D"])
+        .arg(dir.join("img-inside"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(job.child.wait().unwrap().success());
 }

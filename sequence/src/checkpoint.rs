@@ -346,6 +346,27 @@ pub enum PlanError {
         /// The process.
         pid: i32,
     },
+    /// An NCCL communicator has ranks outside the job's tree.
+    #[error(
+        "process{} {} of the job {} rank{} in an NCCL communicator of {nranks} ranks (id {id}), \
+         of which only {found} are in the job's tree: the others (on another host?) cannot be \
+         cut with it, so nothing was done; possum checkpoints a multi-process job whose ranks are \
+         all in one process tree on this host",
+        if pids.len() == 1 { "" } else { "es" },
+        pids.iter().map(i32::to_string).collect::<Vec<_>>().join(", "),
+        if pids.len() == 1 { "has a" } else { "have" },
+        if *found == 1 { "" } else { "s" }
+    )]
+    PeersOutside {
+        /// The communicator's id (as `possum status` shows it).
+        id: String,
+        /// Its ranks in all.
+        nranks: u32,
+        /// Those in the tree.
+        found: u32,
+        /// The tree's processes with ranks in it.
+        pids: Vec<i32>,
+    },
     /// The image directory holds something.
     #[error(
         "{} exists and is not empty: choose another directory, or --force to replace it (the \
@@ -908,11 +929,18 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     // Those with possum loaded (a control socket in the same directory): their buffers are
     // saved and released by possum like the root's.
     // Without a driver to ask (`--gpu-only`, a HIP job), every descendant is looked at.
-    let possum_children = match (p.engine, driver) {
+    let child_statuses = match (p.engine, driver) {
         (Engine::Possum, Some(_)) => possum_in(&children, &p.sockets, p.gpu_only)?,
         (Engine::Possum, None) => possum_in(&tree::descendants(pid), &p.sockets, p.gpu_only)?,
         (Engine::Driver, _) => Vec::new(),
     };
+    let statuses: Vec<(i32, &StatusReply)> = status
+        .iter()
+        .map(|s| (pid, s))
+        .chain(child_statuses.iter().map(|(c, s)| (*c, s)))
+        .collect();
+    refuse_peers_outside(&statuses)?;
+    let possum_children: Vec<i32> = child_statuses.iter().map(|(c, _)| *c).collect();
     let engines = status
         .iter()
         .flat_map(|s| s.possum.iter())
@@ -1014,7 +1042,11 @@ fn refuse_unsupported_memory(
 
 /// Which of `children` have possum loaded: a control socket in `sockets` that answers. One with
 /// managed memory is refused, as the root is; one whose socket does not answer is an error.
-fn possum_in(children: &[i32], sockets: &Path, gpu_only: bool) -> Result<Vec<i32>, PlanError> {
+fn possum_in(
+    children: &[i32],
+    sockets: &Path,
+    gpu_only: bool,
+) -> Result<Vec<(i32, StatusReply)>, PlanError> {
     let child = |pid, e: PlanError| PlanError::Child {
         pid,
         source: Box::new(e),
@@ -1025,7 +1057,7 @@ fn possum_in(children: &[i32], sockets: &Path, gpu_only: bool) -> Result<Vec<i32
         match ask_within::<StatusReply>(c, sockets, &Request::Status, timeout) {
             Ok(status) => {
                 refuse_unsupported_memory(c, &status.body, gpu_only).map_err(|e| child(c, e))?;
-                out.push(c);
+                out.push((c, status.body));
             }
             Err(e) if e.is_without_possum() => {}
             // It exited since the tree was listed: no part of the job now.
@@ -1034,6 +1066,34 @@ fn possum_in(children: &[i32], sockets: &Path, gpu_only: bool) -> Result<Vec<i32
         }
     }
     Ok(out)
+}
+
+/// Refuses a job with an NCCL communicator some of whose ranks are not among the processes
+/// `statuses` answered for (the job's tree): they cannot be cut with it.
+fn refuse_peers_outside(statuses: &[(i32, &StatusReply)]) -> Result<(), PlanError> {
+    let mut by_id: std::collections::BTreeMap<&str, (u32, u32, Vec<i32>)> = Default::default();
+    for (pid, s) in statuses {
+        let comms = s
+            .possum
+            .iter()
+            .flat_map(|p| p.session.iter())
+            .flat_map(|s| s.collectives.communicators.iter());
+        for c in comms {
+            let e = by_id.entry(&c.id).or_default();
+            e.0 = e.0.max(c.nranks);
+            e.1 += c.ranks_here;
+            e.2.push(*pid);
+        }
+    }
+    match by_id.into_iter().find(|(_, (n, found, _))| found < n) {
+        None => Ok(()),
+        Some((id, (nranks, found, pids))) => Err(PlanError::PeersOutside {
+            id: id.to_string(),
+            nranks,
+            found,
+            pids,
+        }),
+    }
 }
 
 /// The job's `POSSUM_KEEPER` and `CUDA_VISIBLE_DEVICES`, from its environment.
@@ -1721,6 +1781,51 @@ mod tests {
         let gone = c.id() as i32;
         let found = possum_in(&[gone], dir.path(), true).unwrap();
         assert!(found.is_empty(), "{found:?}");
+    }
+
+    fn with_communicators(comms: &[(&str, u32, u32)]) -> StatusReply {
+        use possum_control::reply::{Communicator, PossumStatus, SessionStatus};
+        let mut session = SessionStatus::default();
+        session.collectives.communicators = comms
+            .iter()
+            .map(|&(id, nranks, ranks_here)| Communicator {
+                id: id.into(),
+                nranks,
+                ranks_here,
+            })
+            .collect();
+        StatusReply {
+            possum: Some(PossumStatus {
+                session: Some(session),
+                ..PossumStatus::default()
+            }),
+            ..StatusReply::default()
+        }
+    }
+
+    /// A communicator whose ranks are all in the tree passes (in one process or several); one
+    /// with a rank elsewhere is refused, naming the processes, the count and the id.
+    #[test]
+    fn a_communicator_with_ranks_outside_the_tree_is_refused() {
+        let a = with_communicators(&[("aa", 2, 1), ("bb", 4, 4)]);
+        let b = with_communicators(&[("aa", 2, 1)]);
+        let none = StatusReply::default();
+        refuse_peers_outside(&[(10, &a), (11, &b), (12, &none)]).unwrap();
+        let c = with_communicators(&[("cc", 3, 1)]);
+        let d = with_communicators(&[("cc", 3, 1)]);
+        let e = refuse_peers_outside(&[(10, &a), (11, &b), (20, &c), (21, &d)]).unwrap_err();
+        assert!(
+            matches!(&e, PlanError::PeersOutside { id, nranks: 3, found: 2, pids }
+                if id == "cc" && pids == &vec![20, 21]),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.contains("processes 20, 21 of the job have ranks")
+                && text.contains("of 3 ranks (id cc), of which only 2")
+                && text.contains("nothing was done"),
+            "{text}"
+        );
     }
 
     fn status(runtime: Option<&str>) -> StatusReply {

@@ -244,6 +244,7 @@ mod tests {
                 launched: r.0,
                 barrier: r.1,
                 held: 0,
+                ..CollectiveReply::default()
             })
         }
     }

@@ -19,6 +19,10 @@
  * handle type, exported and imported again, the imported handle mapped), as NCCL maps its peers'
  * buffers.
  *
+ * $FAKE_NCCL_NRANKS=N: each rank first joins an NCCL communicator of N ranks (the same id at
+ * every rank) through ncclCommInitRank (the job is linked against an NCCL: fake_nccl.c); with N
+ * above 2, ranks the job does not have belong to it, as on another host.
+ *
  * $FAKE_STALL_RANK / $FAKE_STALL_AT: that rank stops before the collective of that step (host
  * work that never ends) while its peer goes on into the collective: a cut must not wait for it
  * past its deadline. A collective whose peer never comes fails the rank after 60 s ("error
@@ -144,8 +148,18 @@ static void map_imported(void) {
         die("imported memory");
 }
 
+typedef struct { char internal[128]; } ncclUniqueId;
+int ncclCommInitRank(void **comm, int nranks, ncclUniqueId id, int rank);
+
 static int run_rank(void) {
     context();
+    if (getenv("FAKE_NCCL_NRANKS")) {
+        ncclUniqueId id;
+        memset(&id, 0x42, sizeof id);
+        void *comm;
+        if (ncclCommInitRank(&comm, atoi(getenv("FAKE_NCCL_NRANKS")), id, rank))
+            die("ncclCommInitRank");
+    }
     if (rank == 0 && getenv("FAKE_IMPORT")) map_imported();
     map_shared(0);
     uint32_t *w, *h = malloc(NW * 4);
