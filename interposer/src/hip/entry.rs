@@ -14,7 +14,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::front::{front, Front};
+use super::front::{front, Front, Kind};
 
 pub(super) type HipError = c_int;
 const SUCCESS: HipError = 0;
@@ -565,6 +565,10 @@ pub(super) fn copy_through(
     n: usize,
     op: impl FnOnce() -> HipError,
 ) -> HipError {
+    let kind = match src {
+        0 => Kind::Memset,
+        _ => Kind::Copy,
+    };
     let Some(f) = the_front() else {
         return op();
     };
@@ -574,7 +578,7 @@ pub(super) fn copy_through(
     } else {
         f.buffers_of_range(src, n as u64)
     };
-    f.before_op(stream, &reads, Some(&writes), op)
+    f.before_op_of(kind, stream, &reads, Some(&writes), op)
 }
 
 /// `hipError_t hipMemcpy(void* dst, const void* src, size_t n, hipMemcpyKind kind)`.
@@ -858,7 +862,11 @@ pub(super) unsafe fn launch_through(
     if writes.is_none() {
         f.counters.opaque_launches.fetch_add(1, Ordering::Relaxed);
     }
-    f.before_op(stream, &[], writes.as_deref(), op)
+    let kind = match &kernel {
+        Some(k) => Kind::Kernel(handle, k.clone()),
+        None => Kind::Copy,
+    };
+    f.before_op_of(kind, stream, &[], writes.as_deref(), op)
 }
 
 /// `hipError_t hipModuleLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params,

@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock};
 use possum_analyzer::amdgpu::{self, AmdgpuKernel};
+use possum_analyzer::dag::{BufRef, Dag, KernelRef};
 use possum_engine::device::DevPtr;
 use possum_engine::{Access, Buffer, Engine, EngineConfig, EngineError};
 use possum_hip_sim::result::{HipStream, Runtime};
@@ -39,6 +40,8 @@ pub struct Front {
     unmanaged: Mutex<BTreeMap<u64, (u64, &'static str)>>,
     /// The memory handles possum answered `hipMemCreate` with, by value.
     tokens: Mutex<HashMap<u64, Token>>,
+    /// The kernel/buffer DAG of the job's operations: what a checkpoint saves first.
+    dag: Mutex<Dag>,
     pub counters: Counters,
 }
 
@@ -69,6 +72,17 @@ pub enum TokenError {
     NotSupported(String),
     /// The job's arguments are wrong.
     Invalid,
+}
+
+/// What an operation is, for the DAG.
+#[derive(Debug, Clone)]
+pub enum Kind {
+    /// A copy.
+    Copy,
+    /// A memset.
+    Memset,
+    /// A launch of a kernel: its launch handle and what it is.
+    Kernel(usize, Arc<AmdgpuKernel>),
 }
 
 /// What the front end saw.
@@ -141,6 +155,7 @@ impl Front {
             modules: Mutex::default(),
             unmanaged: Mutex::default(),
             tokens: Mutex::default(),
+            dag: Mutex::new(Dag::new(config::get().tuning.dag_window)),
             counters: Counters::default(),
         })
     }
@@ -421,6 +436,21 @@ impl Front {
         writes: Option<&[Buffer]>,
         op: impl FnOnce() -> R,
     ) -> R {
+        self.before_op_of(Kind::Copy, stream, reads, writes, op)
+    }
+
+    /// [`Self::before_op`] of an operation of `kind` (what the DAG records it as).
+    pub fn before_op_of<R>(
+        &self,
+        kind: Kind,
+        stream: usize,
+        reads: &[Buffer],
+        writes: Option<&[Buffer]>,
+        op: impl FnOnce() -> R,
+    ) -> R {
+        if config::get().tuning.dag {
+            self.record(kind, stream, reads, writes);
+        }
         let guard = crate::gate::admit_engine(&self.engine);
         if guard.tracking() {
             let access = match writes {
@@ -435,6 +465,48 @@ impl Front {
         let r = op();
         drop(guard);
         r
+    }
+
+    /// Records an operation in the DAG (an unknown one breaks its chain of dependencies).
+    fn record(&self, kind: Kind, stream: usize, reads: &[Buffer], writes: Option<&[Buffer]>) {
+        let mut dag = self.dag.lock();
+        let Some(writes) = writes else {
+            dag.record_gap();
+            return;
+        };
+        let refs = |bs: &[Buffer]| -> Vec<BufRef> {
+            bs.iter()
+                .map(|b| BufRef {
+                    id: b.id(),
+                    va: b.va().0,
+                    size: b.size(),
+                    managed: false,
+                })
+                .collect()
+        };
+        let kernel = match kind {
+            Kind::Copy => KernelRef::MEMCPY,
+            Kind::Memset => KernelRef::MEMSET,
+            Kind::Kernel(handle, ref k) => {
+                dag.record_launch(
+                    &KernelRef {
+                        handle: handle as u64,
+                        name: Some(&k.name),
+                        opaque: false,
+                    },
+                    stream as u64,
+                    &refs(reads),
+                    &refs(writes),
+                );
+                return;
+            }
+        };
+        dag.record_launch(&kernel, stream as u64, &refs(reads), &refs(writes));
+    }
+
+    /// The buffers' ids in the order the job is predicted to write them next (the DAG's).
+    pub fn predicted_writes(&self) -> Vec<u64> {
+        self.dag.lock().predicted_writes()
     }
 
     /// `possum status`'s view of the front end.
@@ -457,6 +529,9 @@ impl Front {
                     .collect::<serde_json::Map<_, _>>(),
             },
             "kernels": self.kernels.read().len(),
+            "dag": {"kernels": self.dag.lock().kernel_count(),
+                    "buffers": self.dag.lock().buffer_count(),
+                    "prefetch_order": self.dag.lock().buffer_first_use()},
             "hip": {
                 "runtime": self.rt.path().display().to_string(),
                 "served_allocs": n(&c.served_allocs), "served_frees": n(&c.served_frees),

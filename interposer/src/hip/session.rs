@@ -87,6 +87,9 @@ fn checkpoint(f: &Front, dir: &Path) -> Result<CheckpointReply, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let writer = common::new_writer(dir, DEVICE)?;
     f.engine.mark_all_dirty();
+    // What the job will write soonest is saved first (the DAG's prediction), so that its
+    // writes during the pre-copy find their buffers saved already.
+    f.engine.set_save_order(f.predicted_writes());
     let sink: Arc<dyn ChunkSink> = writer.clone();
     let r = f
         .engine
