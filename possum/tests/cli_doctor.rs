@@ -128,8 +128,8 @@ fn a_hip_runtime_on_the_library_path_is_reported() {
     assert_eq!(
         why,
         format!(
-            "libcuda not found (/nonexistent/libcuda.so.1); libamdhip64 {} (possum does not \
-             checkpoint HIP processes yet)",
+            "libcuda not found (/nonexistent/libcuda.so.1); libamdhip64 {} (possum's HIP front \
+             end is tested on a simulated runtime, not on AMD hardware)",
             hip.display()
         ),
         "{s}"
