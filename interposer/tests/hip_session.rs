@@ -173,7 +173,10 @@ fn session(dir: &Path, code: &Path) -> Option<Value> {
     // The DAG saw the kernels and every buffer they and the copies touched.
     let dag = &first["possum"]["dag"];
     assert!(dag["buffers"].as_u64().unwrap() >= 5, "{first}");
-    assert!(dag["prefetch_order"].as_array().unwrap().len() >= 3, "{first}");
+    assert!(
+        dag["prefetch_order"].as_array().unwrap().len() >= 3,
+        "{first}"
+    );
     assert_eq!(first["possum"]["unmanaged"]["allocations"], 0, "{first}");
 
     // The pre-copy: the job runs on while its buffers are copied.

@@ -1,6 +1,8 @@
 //! The interposer's modules form layers: no import cycle spans more than three files of `src/`.
 //!
-//! Each file of `src/` is a node; an edge `a -> b` is a path in `a` that names `b`:
+//! Each file of `src/` is a node, and so is each directory of `src/` with a `mod.rs` (all its
+//! files one node, named by the directory: `super::` at the top level of one of them names the
+//! directory's module itself); an edge `a -> b` is a path in `a` that names `b`:
 //! `crate::b::..`, an entry `b` of a `use crate::{..}` group, or an item of the crate root
 //! (`crate::log`, `crate::init`: an edge to `lib.rs`). In `lib.rs` a path `b::..` names the module
 //! `b` too (its `mod b;` declarations do not count). `super::` inside a file's inline `mod` names
@@ -178,6 +180,17 @@ fn group_heads(b: &[u8], i: usize) -> Vec<String> {
 
 /// The files (stems) that `file` names; `modules` are the stems of `src/*.rs` other than `lib`.
 fn references(file: &str, text: &str, modules: &BTreeSet<String>) -> BTreeSet<String> {
+    references_in(file, text, modules, false)
+}
+
+/// [`references`] of a file of directory module `file` (`nested`): its top-level `super::`
+/// names that module.
+fn references_in(
+    file: &str,
+    text: &str,
+    modules: &BTreeSet<String>,
+    nested: bool,
+) -> BTreeSet<String> {
     let code = strip(text);
     let b = code.as_bytes();
     let mut out = BTreeSet::new();
@@ -238,7 +251,7 @@ fn references(file: &str, text: &str, modules: &BTreeSet<String>) -> BTreeSet<St
                 continue;
             }
             let at_root = kw == "crate" || inline_mods.is_empty();
-            if !at_root {
+            if !at_root || (kw == "super" && nested) {
                 // `super::` inside an inline module: this very file.
                 i = after + 2;
                 continue;
@@ -379,25 +392,46 @@ fn layers(graph: &BTreeMap<String, BTreeSet<String>>, comps: &[Vec<String>]) -> 
 
 /// The file graph of `dir/*.rs`.
 fn graph_of(dir: &Path) -> BTreeMap<String, BTreeSet<String>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+    let rs_files = |d: &Path| -> Vec<PathBuf> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(d)
+            .expect("src/")
+            .map(|e| e.expect("entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+            .collect();
+        files.sort();
+        files
+    };
+    let files = rs_files(dir);
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
         .expect("src/")
         .map(|e| e.expect("entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+        .filter(|p| p.join("mod.rs").is_file())
         .collect();
-    files.sort();
+    dirs.sort();
     let stem = |p: &Path| p.file_stem().unwrap().to_string_lossy().into_owned();
     let modules: BTreeSet<String> = files
         .iter()
+        .chain(&dirs)
         .map(|p| stem(p))
         .filter(|s| s != "lib")
         .collect();
-    files
+    let mut graph: BTreeMap<String, BTreeSet<String>> = files
         .iter()
         .map(|p| {
             let text = std::fs::read_to_string(p).expect("read");
             (stem(p), references(&stem(p), &text, &modules))
         })
-        .collect()
+        .collect();
+    for d in &dirs {
+        let name = stem(d);
+        let mut refs = BTreeSet::new();
+        for f in rs_files(d) {
+            let text = std::fs::read_to_string(&f).expect("read");
+            refs.extend(references_in(&name, &text, &modules, true));
+        }
+        graph.insert(name, refs);
+    }
+    graph
 }
 
 /// One cycle through `comp` (for the message): a path from its first file back to it.
@@ -489,6 +523,10 @@ fn the_checker_sees_paths_groups_and_root_items() {
     let lib = "mod a;\npub use b::Thing;\nfn g() { c::h(); std::a::x(); }";
     let want: BTreeSet<String> = ["b", "c"].iter().map(|s| s.to_string()).collect();
     assert_eq!(references("lib", lib, &modules), want);
+    // A file of directory module `d`: its `super::` names `d` itself.
+    let nested = "use super::front::F;\nfn g() { crate::a::h(); }";
+    let want: BTreeSet<String> = ["a"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(references_in("d", nested, &modules, true), want);
 
     let mut graph = BTreeMap::new();
     for (a, bs) in [

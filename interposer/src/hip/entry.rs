@@ -73,62 +73,34 @@ pub(super) fn the_front() -> Option<&'static Front> {
     front(runtime_path)
 }
 
-/// The slot where the runtime's function is kept once looked up ([`real`]).
-#[macro_export]
-#[doc(hidden)]
-macro_rules! hip_slot {
-    ($slot:ident) => {
-        static $slot: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    };
-}
-
-/// Calls the runtime's function `$name` (kept in `$slot`) of type `$ty` with the arguments;
-/// `hipErrorNotSupported` when the runtime has no such function.
-#[macro_export]
-#[doc(hidden)]
-macro_rules! hip_call_real {
-    ($slot:ident, $name:literal, $ty:ty, $($arg:expr),*) => {{
-        let p = real(&$slot, $name);
-        if p == 0 {
-            NOT_SUPPORTED
-        } else {
-            // SAFETY: `p` is the runtime's exported function of that name, whose C signature
-            // (hip_runtime_api.h) is `$ty`; the arguments are the caller's, passed on.
-            #[allow(unused_unsafe)]
-            let r = unsafe { std::mem::transmute::<usize, $ty>(p)($($arg),*) };
-            r
-        }
-    }};
-}
-
-hip_slot!(REAL_hipMalloc);
-hip_slot!(REAL_hipFree);
-hip_slot!(REAL_hipMallocAsync);
-hip_slot!(REAL_hipMallocFromPoolAsync);
-hip_slot!(REAL_hipFreeAsync);
-hip_slot!(REAL_hipMallocManaged);
-hip_slot!(REAL_hipMemMap);
-hip_slot!(REAL_hipMemCreate);
-hip_slot!(REAL_hipMemRelease);
-hip_slot!(REAL_hipMemUnmap);
-hip_slot!(REAL_hipDeviceSynchronize);
-hip_slot!(REAL_hipStreamSynchronize);
-hip_slot!(REAL_hipStreamDestroy);
-hip_slot!(REAL_hipGetDevice);
-hip_slot!(REAL_hipMemcpy);
-hip_slot!(REAL_hipMemcpyAsync);
-hip_slot!(REAL_hipMemset);
-hip_slot!(REAL_hipMemsetAsync);
-hip_slot!(REAL_hipModuleLoadData);
-hip_slot!(REAL_hipModuleUnload);
-hip_slot!(REAL_hipModuleGetFunction);
-hip_slot!(REAL_hipModuleLaunchKernel);
-hip_slot!(REAL_hipLaunchKernel);
-hip_slot!(REAL_hipGraphLaunch);
-hip_slot!(REAL_hipRegisterFatBinary);
-hip_slot!(REAL_hipRegisterFunction);
-hip_slot!(REAL_hipUnregisterFatBinary);
-hip_slot!(REAL_hipGetProcAddress);
+slot!(REAL_hipMalloc);
+slot!(REAL_hipFree);
+slot!(REAL_hipMallocAsync);
+slot!(REAL_hipMallocFromPoolAsync);
+slot!(REAL_hipFreeAsync);
+slot!(REAL_hipMallocManaged);
+slot!(REAL_hipMemMap);
+slot!(REAL_hipMemCreate);
+slot!(REAL_hipMemRelease);
+slot!(REAL_hipMemUnmap);
+slot!(REAL_hipDeviceSynchronize);
+slot!(REAL_hipStreamSynchronize);
+slot!(REAL_hipStreamDestroy);
+slot!(REAL_hipGetDevice);
+slot!(REAL_hipMemcpy);
+slot!(REAL_hipMemcpyAsync);
+slot!(REAL_hipMemset);
+slot!(REAL_hipMemsetAsync);
+slot!(REAL_hipModuleLoadData);
+slot!(REAL_hipModuleUnload);
+slot!(REAL_hipModuleGetFunction);
+slot!(REAL_hipModuleLaunchKernel);
+slot!(REAL_hipLaunchKernel);
+slot!(REAL_hipGraphLaunch);
+slot!(REAL_hipRegisterFatBinary);
+slot!(REAL_hipRegisterFunction);
+slot!(REAL_hipUnregisterFatBinary);
+slot!(REAL_hipGetProcAddress);
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> HipError;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> HipError;
@@ -194,7 +166,7 @@ type GetProcAddressFn =
 /// The job's current HIP device.
 fn current_device() -> Option<usize> {
     let mut d: c_int = -1;
-    let r = hip_call_real!(REAL_hipGetDevice, c"hipGetDevice", GetDeviceFn, &mut d);
+    let r = call_real!(REAL_hipGetDevice, c"hipGetDevice", GetDeviceFn, &mut d);
     (r == SUCCESS).then(|| usize::try_from(d).ok()).flatten()
 }
 
@@ -248,7 +220,7 @@ pub unsafe extern "C" fn hipMalloc(ptr: *mut *mut c_void, size: usize) -> HipErr
         // SAFETY: `ptr` is the caller's, non-null.
         Some(r) => unsafe { hand_out(ptr, r) },
         None => note_own(
-            hip_call_real!(REAL_hipMalloc, c"hipMalloc", MallocFn, ptr, size),
+            call_real!(REAL_hipMalloc, c"hipMalloc", MallocFn, ptr, size),
             ptr,
             size,
             "hipMalloc",
@@ -271,7 +243,7 @@ pub unsafe extern "C" fn hipMallocAsync(
         // SAFETY: `ptr` is the caller's, non-null.
         Some(r) => unsafe { hand_out(ptr, r) },
         None => note_own(
-            hip_call_real!(
+            call_real!(
                 REAL_hipMallocAsync,
                 c"hipMallocAsync",
                 MallocAsyncFn,
@@ -302,7 +274,7 @@ pub unsafe extern "C" fn hipMallocFromPoolAsync(
         // SAFETY: `ptr` is the caller's, non-null.
         Some(r) => unsafe { hand_out(ptr, r) },
         None => note_own(
-            hip_call_real!(
+            call_real!(
                 REAL_hipMallocFromPoolAsync,
                 c"hipMallocFromPoolAsync",
                 MallocPoolFn,
@@ -342,14 +314,14 @@ fn free_served(ptr: *mut c_void, wait: impl FnOnce() -> HipError) -> Option<HipE
 #[no_mangle]
 pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> HipError {
     if let Some(r) = free_served(ptr, || {
-        hip_call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,)
+        call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,)
     }) {
         return r;
     }
     if let Some(f) = super::front::made() {
         f.forget_unmanaged(ptr as u64);
     }
-    hip_call_real!(REAL_hipFree, c"hipFree", FreeFn, ptr)
+    call_real!(REAL_hipFree, c"hipFree", FreeFn, ptr)
 }
 
 /// `hipError_t hipFreeAsync(void* ptr, hipStream_t stream)`: an engine buffer is freed once
@@ -357,7 +329,7 @@ pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> HipError {
 #[no_mangle]
 pub unsafe extern "C" fn hipFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> HipError {
     if let Some(r) = free_served(ptr, || {
-        hip_call_real!(
+        call_real!(
             REAL_hipStreamSynchronize,
             c"hipStreamSynchronize",
             StreamFn,
@@ -369,7 +341,7 @@ pub unsafe extern "C" fn hipFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> 
     if let Some(f) = super::front::made() {
         f.forget_unmanaged(ptr as u64);
     }
-    hip_call_real!(REAL_hipFreeAsync, c"hipFreeAsync", FreeAsyncFn, ptr, stream)
+    call_real!(REAL_hipFreeAsync, c"hipFreeAsync", FreeAsyncFn, ptr, stream)
 }
 
 /// `hipError_t hipMallocManaged(void** ptr, size_t size, unsigned flags)`: the runtime's,
@@ -381,7 +353,7 @@ pub unsafe extern "C" fn hipMallocManaged(
     flags: c_uint,
 ) -> HipError {
     note_own(
-        hip_call_real!(
+        call_real!(
             REAL_hipMallocManaged,
             c"hipMallocManaged",
             MallocManagedFn,
@@ -450,7 +422,7 @@ pub unsafe extern "C" fn hipMemCreate(
             };
         }
     }
-    hip_call_real!(
+    call_real!(
         REAL_hipMemCreate,
         c"hipMemCreate",
         MemCreateFn,
@@ -467,7 +439,7 @@ pub unsafe extern "C" fn hipMemRelease(handle: u64) -> HipError {
     if let Some(f) = super::front::made().filter(|f| f.is_token(handle)) {
         return token_result(f.release_token(handle));
     }
-    hip_call_real!(REAL_hipMemRelease, c"hipMemRelease", MemReleaseFn, handle)
+    call_real!(REAL_hipMemRelease, c"hipMemRelease", MemReleaseFn, handle)
 }
 
 fn token_result(r: Result<(), super::front::TokenError>) -> HipError {
@@ -494,7 +466,7 @@ pub unsafe extern "C" fn hipMemMap(
         }
         return token_result(f.map_token(handle, ptr as u64, size as u64, offset as u64));
     }
-    let r = hip_call_real!(
+    let r = call_real!(
         REAL_hipMemMap,
         c"hipMemMap",
         MemMapFn,
@@ -520,7 +492,7 @@ pub unsafe extern "C" fn hipMemUnmap(ptr: *mut c_void, size: usize) -> HipError 
         .map(|f| (f, f.tokens_mapped_in(ptr as u64, size as u64)))
         .filter(|(_, v)| !v.is_empty());
     if let Some((f, pieces)) = served {
-        let r = hip_call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,);
+        let r = call_real!(REAL_hipDeviceSynchronize, c"hipDeviceSynchronize", VoidFn,);
         if r != SUCCESS {
             return r;
         }
@@ -536,7 +508,7 @@ pub unsafe extern "C" fn hipMemUnmap(ptr: *mut c_void, size: usize) -> HipError 
             return SUCCESS;
         }
     }
-    let r = hip_call_real!(REAL_hipMemUnmap, c"hipMemUnmap", MemUnmapFn, ptr, size);
+    let r = call_real!(REAL_hipMemUnmap, c"hipMemUnmap", MemUnmapFn, ptr, size);
     if r == SUCCESS {
         if let Some(f) = super::front::made() {
             for va in f.unmanaged_in(ptr as u64, size as u64) {
@@ -553,7 +525,7 @@ pub unsafe extern "C" fn hipStreamDestroy(stream: *mut c_void) -> HipError {
     if let Some(f) = super::front::made() {
         f.forget_stream(stream as usize);
     }
-    hip_call_real!(REAL_hipStreamDestroy, c"hipStreamDestroy", StreamFn, stream)
+    call_real!(REAL_hipStreamDestroy, c"hipStreamDestroy", StreamFn, stream)
 }
 
 /// Runs `op` on `stream` through the hook, the buffers of `[dst, dst+n)` written and of
@@ -591,7 +563,7 @@ pub unsafe extern "C" fn hipMemcpy(
 ) -> HipError {
     count(|f| &f.counters.copies);
     copy_through(0, dst as u64, src as u64, n, || {
-        hip_call_real!(REAL_hipMemcpy, c"hipMemcpy", MemcpyFn, dst, src, n, kind)
+        call_real!(REAL_hipMemcpy, c"hipMemcpy", MemcpyFn, dst, src, n, kind)
     })
 }
 
@@ -607,7 +579,7 @@ pub unsafe extern "C" fn hipMemcpyAsync(
 ) -> HipError {
     count(|f| &f.counters.copies);
     copy_through(stream as usize, dst as u64, src as u64, n, || {
-        hip_call_real!(
+        call_real!(
             REAL_hipMemcpyAsync,
             c"hipMemcpyAsync",
             MemcpyAsyncFn,
@@ -625,7 +597,7 @@ pub unsafe extern "C" fn hipMemcpyAsync(
 pub unsafe extern "C" fn hipMemset(dst: *mut c_void, value: c_int, n: usize) -> HipError {
     count(|f| &f.counters.memsets);
     copy_through(0, dst as u64, 0, n, || {
-        hip_call_real!(REAL_hipMemset, c"hipMemset", MemsetFn, dst, value, n)
+        call_real!(REAL_hipMemset, c"hipMemset", MemsetFn, dst, value, n)
     })
 }
 
@@ -639,7 +611,7 @@ pub unsafe extern "C" fn hipMemsetAsync(
 ) -> HipError {
     count(|f| &f.counters.memsets);
     copy_through(stream as usize, dst as u64, 0, n, || {
-        hip_call_real!(
+        call_real!(
             REAL_hipMemsetAsync,
             c"hipMemsetAsync",
             MemsetAsyncFn,
@@ -734,7 +706,7 @@ pub unsafe extern "C" fn hipModuleLoadData(
     module: *mut *mut c_void,
     image: *const c_void,
 ) -> HipError {
-    let r = hip_call_real!(
+    let r = call_real!(
         REAL_hipModuleLoadData,
         c"hipModuleLoadData",
         ModuleLoadDataFn,
@@ -756,7 +728,7 @@ pub unsafe extern "C" fn hipModuleUnload(module: *mut c_void) -> HipError {
     if let Some(f) = super::front::made() {
         f.forget_module(module as usize);
     }
-    hip_call_real!(REAL_hipModuleUnload, c"hipModuleUnload", PtrFn, module)
+    call_real!(REAL_hipModuleUnload, c"hipModuleUnload", PtrFn, module)
 }
 
 /// `hipError_t hipModuleGetFunction(hipFunction_t* f, hipModule_t module, const char* name)`.
@@ -766,7 +738,7 @@ pub unsafe extern "C" fn hipModuleGetFunction(
     module: *mut c_void,
     name: *const c_char,
 ) -> HipError {
-    let r = hip_call_real!(
+    let r = call_real!(
         REAL_hipModuleGetFunction,
         c"hipModuleGetFunction",
         GetFunctionFn,
@@ -888,7 +860,7 @@ pub unsafe extern "C" fn hipModuleLaunchKernel(
     // SAFETY: the launch's own arguments.
     unsafe {
         launch_through(function as usize, stream as usize, params, extra, || {
-            hip_call_real!(
+            call_real!(
                 REAL_hipModuleLaunchKernel,
                 c"hipModuleLaunchKernel",
                 ModuleLaunchFn,
@@ -927,7 +899,7 @@ pub unsafe extern "C" fn hipLaunchKernel(
             args,
             std::ptr::null_mut(),
             || {
-                hip_call_real!(
+                call_real!(
                     REAL_hipLaunchKernel,
                     c"hipLaunchKernel",
                     LaunchFn,
@@ -948,7 +920,7 @@ pub unsafe extern "C" fn hipLaunchKernel(
 #[no_mangle]
 pub unsafe extern "C" fn hipGraphLaunch(exec: *mut c_void, stream: *mut c_void) -> HipError {
     let op = || {
-        hip_call_real!(
+        call_real!(
             REAL_hipGraphLaunch,
             c"hipGraphLaunch",
             GraphLaunchFn,
@@ -1096,7 +1068,7 @@ pub unsafe extern "C" fn hipGetProcAddress(
     flags: u64,
     status: *mut c_int,
 ) -> HipError {
-    let r = hip_call_real!(
+    let r = call_real!(
         REAL_hipGetProcAddress,
         c"hipGetProcAddress",
         GetProcAddressFn,

@@ -12,8 +12,8 @@ use std::ffi::{c_void, CStr};
 
 use super::entry::real;
 
-crate::hip_slot!(REAL_ALLOCATE);
-crate::hip_slot!(REAL_FREE);
+slot!(REAL_ALLOCATE);
+slot!(REAL_FREE);
 
 /// `HSA_STATUS_SUCCESS`, and `HSA_STATUS_ERROR` (answered when HSA has no such function).
 const HSA_SUCCESS: u32 = 0;

@@ -18,6 +18,30 @@
 //!   whose layout is unknown, and every graph launch, is taken to write every buffer.
 //! - The control socket's checkpoint requests go to `session.rs`.
 
+/// The slot where the runtime's function is kept once looked up (`entry::real`).
+macro_rules! slot {
+    ($slot:ident) => {
+        static $slot: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    };
+}
+
+/// Calls the runtime's function `$name` (kept in `$slot`) of type `$ty` with the arguments;
+/// `hipErrorNotSupported` when the runtime has no such function.
+macro_rules! call_real {
+    ($slot:ident, $name:literal, $ty:ty, $($arg:expr),*) => {{
+        let p = real(&$slot, $name);
+        if p == 0 {
+            NOT_SUPPORTED
+        } else {
+            // SAFETY: `p` is the runtime's exported function of that name, whose C signature
+            // (hip_runtime_api.h) is `$ty`; the arguments are the caller's, passed on.
+            #[allow(unused_unsafe)]
+            let r = unsafe { std::mem::transmute::<usize, $ty>(p)($($arg),*) };
+            r
+        }
+    }};
+}
+
 pub mod entry;
 pub mod front;
 #[cfg(target_arch = "x86_64")]

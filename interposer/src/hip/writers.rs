@@ -10,25 +10,25 @@ use std::ffi::{c_int, c_uint, c_void};
 
 use super::entry::{copy_through, count, launch_through, real, Dim3, HipError, NOT_SUPPORTED};
 
-crate::hip_slot!(REAL_hipLaunchCooperativeKernel);
-crate::hip_slot!(REAL_hipExtLaunchKernel);
-crate::hip_slot!(REAL_hipExtModuleLaunchKernel);
-crate::hip_slot!(REAL_hipMemcpyHtoD);
-crate::hip_slot!(REAL_hipMemcpyDtoD);
-crate::hip_slot!(REAL_hipMemcpyHtoDAsync);
-crate::hip_slot!(REAL_hipMemcpyDtoDAsync);
-crate::hip_slot!(REAL_hipMemsetD8);
-crate::hip_slot!(REAL_hipMemsetD16);
-crate::hip_slot!(REAL_hipMemsetD32);
-crate::hip_slot!(REAL_hipMemsetD8Async);
-crate::hip_slot!(REAL_hipMemsetD16Async);
-crate::hip_slot!(REAL_hipMemsetD32Async);
-crate::hip_slot!(REAL_hipMemcpy2D);
-crate::hip_slot!(REAL_hipMemcpy2DAsync);
-crate::hip_slot!(REAL_hipMemset2D);
-crate::hip_slot!(REAL_hipMemset2DAsync);
-crate::hip_slot!(REAL_hipMemcpyPeer);
-crate::hip_slot!(REAL_hipMemcpyPeerAsync);
+slot!(REAL_hipLaunchCooperativeKernel);
+slot!(REAL_hipExtLaunchKernel);
+slot!(REAL_hipExtModuleLaunchKernel);
+slot!(REAL_hipMemcpyHtoD);
+slot!(REAL_hipMemcpyDtoD);
+slot!(REAL_hipMemcpyHtoDAsync);
+slot!(REAL_hipMemcpyDtoDAsync);
+slot!(REAL_hipMemsetD8);
+slot!(REAL_hipMemsetD16);
+slot!(REAL_hipMemsetD32);
+slot!(REAL_hipMemsetD8Async);
+slot!(REAL_hipMemsetD16Async);
+slot!(REAL_hipMemsetD32Async);
+slot!(REAL_hipMemcpy2D);
+slot!(REAL_hipMemcpy2DAsync);
+slot!(REAL_hipMemset2D);
+slot!(REAL_hipMemset2DAsync);
+slot!(REAL_hipMemcpyPeer);
+slot!(REAL_hipMemcpyPeerAsync);
 
 type P = *mut c_void;
 type CooperativeFn = unsafe extern "C" fn(*const c_void, Dim3, Dim3, *mut P, c_uint, P) -> HipError;
@@ -89,7 +89,7 @@ pub unsafe extern "C" fn hipLaunchCooperativeKernel(
             args,
             std::ptr::null_mut(),
             || {
-                crate::hip_call_real!(
+                call_real!(
                     REAL_hipLaunchCooperativeKernel,
                     c"hipLaunchCooperativeKernel",
                     CooperativeFn,
@@ -126,7 +126,7 @@ pub unsafe extern "C" fn hipExtLaunchKernel(
             args,
             std::ptr::null_mut(),
             || {
-                crate::hip_call_real!(
+                call_real!(
                     REAL_hipExtLaunchKernel,
                     c"hipExtLaunchKernel",
                     ExtLaunchFn,
@@ -167,7 +167,7 @@ pub unsafe extern "C" fn hipExtModuleLaunchKernel(
     // SAFETY: the launch's own arguments.
     unsafe {
         launch_through(f as usize, stream as usize, params, extra, || {
-            crate::hip_call_real!(
+            call_real!(
                 REAL_hipExtModuleLaunchKernel,
                 c"hipExtModuleLaunchKernel",
                 ExtModuleLaunchFn,
@@ -201,7 +201,7 @@ macro_rules! copies {
             count(|f| &f.counters.copies);
             let from = if $from_device { src } else { 0 };
             copy_through(0, dst, from, n, || {
-                crate::hip_call_real!($slot, $cname, CopyFn, dst, src, n)
+                call_real!($slot, $cname, CopyFn, dst, src, n)
             })
         }
 
@@ -211,7 +211,7 @@ macro_rules! copies {
             count(|f| &f.counters.copies);
             let from = if $from_device { src } else { 0 };
             copy_through(stream as usize, dst, from, n, || {
-                crate::hip_call_real!($aslot, $acname, CopyAsyncFn, dst, src, n, stream)
+                call_real!($aslot, $acname, CopyAsyncFn, dst, src, n, stream)
             })
         }
     };
@@ -247,7 +247,7 @@ macro_rules! memsets {
             count(|f| &f.counters.memsets);
             let bytes = n.saturating_mul(std::mem::size_of::<$t>());
             copy_through(0, dst, 0, bytes, || {
-                crate::hip_call_real!($slot, $cname, SetFn<$t>, dst, value, n)
+                call_real!($slot, $cname, SetFn<$t>, dst, value, n)
             })
         }
 
@@ -257,7 +257,7 @@ macro_rules! memsets {
             count(|f| &f.counters.memsets);
             let bytes = n.saturating_mul(std::mem::size_of::<$t>());
             copy_through(stream as usize, dst, 0, bytes, || {
-                crate::hip_call_real!($aslot, $acname, SetAsyncFn<$t>, dst, value, n, stream)
+                call_real!($aslot, $acname, SetAsyncFn<$t>, dst, value, n, stream)
             })
         }
     };
@@ -308,7 +308,7 @@ pub unsafe extern "C" fn hipMemcpy2D(
         pitched(spitch, width, height),
     );
     copy_through2(0, dst as u64, d, src as u64, s, || {
-        crate::hip_call_real!(
+        call_real!(
             REAL_hipMemcpy2D,
             c"hipMemcpy2D",
             Copy2DFn,
@@ -341,7 +341,7 @@ pub unsafe extern "C" fn hipMemcpy2DAsync(
         pitched(spitch, width, height),
     );
     copy_through2(stream as usize, dst as u64, d, src as u64, s, || {
-        crate::hip_call_real!(
+        call_real!(
             REAL_hipMemcpy2DAsync,
             c"hipMemcpy2DAsync",
             Copy2DAsyncFn,
@@ -385,7 +385,7 @@ pub unsafe extern "C" fn hipMemset2D(
 ) -> HipError {
     count(|f| &f.counters.memsets);
     copy_through(0, dst as u64, 0, pitched(pitch, width, height), || {
-        crate::hip_call_real!(
+        call_real!(
             REAL_hipMemset2D,
             c"hipMemset2D",
             Set2DFn,
@@ -411,7 +411,7 @@ pub unsafe extern "C" fn hipMemset2DAsync(
     count(|f| &f.counters.memsets);
     let len = pitched(pitch, width, height);
     copy_through(stream as usize, dst as u64, 0, len, || {
-        crate::hip_call_real!(
+        call_real!(
             REAL_hipMemset2DAsync,
             c"hipMemset2DAsync",
             Set2DAsyncFn,
@@ -436,7 +436,7 @@ pub unsafe extern "C" fn hipMemcpyPeer(
 ) -> HipError {
     count(|f| &f.counters.copies);
     copy_through(0, dst as u64, src as u64, n, || {
-        crate::hip_call_real!(
+        call_real!(
             REAL_hipMemcpyPeer,
             c"hipMemcpyPeer",
             PeerFn,
@@ -461,7 +461,7 @@ pub unsafe extern "C" fn hipMemcpyPeerAsync(
 ) -> HipError {
     count(|f| &f.counters.copies);
     copy_through(stream as usize, dst as u64, src as u64, n, || {
-        crate::hip_call_real!(
+        call_real!(
             REAL_hipMemcpyPeerAsync,
             c"hipMemcpyPeerAsync",
             PeerAsyncFn,
