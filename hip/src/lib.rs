@@ -129,6 +129,18 @@ pub fn build_session_job(dir: &Path) -> Result<PathBuf, BuildError> {
     build_program(dir, "hip-session-job")
 }
 
+/// The `step N DIGEST` lines of `hip-session-job`'s output, as (N, DIGEST), in order.
+pub fn session_job_steps(output: &str) -> Vec<(u32, String)> {
+    output
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split(' ');
+            (w.next() == Some("step")).then_some(())?;
+            Some((w.next()?.parse().ok()?, w.next()?.to_string()))
+        })
+        .collect()
+}
+
 /// Builds `testdata/NAME.c` into `dir` as `NAME`, linked against the runtime in `dir`.
 fn build_program(dir: &Path, name: &str) -> Result<PathBuf, BuildError> {
     let out = dir.join(name);

@@ -20,37 +20,16 @@
 
 #include <hip/hip_runtime_api.h>
 
+#include "hip-job.h"
+
 #define N (256u * 1024u)
 #define BLOCK 256u
 #define GRID ((N + BLOCK - 1) / BLOCK)
-
-#define CHECK(call)                                                                       \
-  do {                                                                                    \
-    hipError_t e_ = (call);                                                               \
-    if (e_ != hipSuccess) {                                                               \
-      fprintf(stderr, "line %d: %s: %s (%d)\n", __LINE__, #call, hipGetErrorName(e_), e_); \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
 
 static unsigned long long fnv(unsigned long long h, const void* p, size_t n) {
   const unsigned char* b = p;
   for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
   return h;
-}
-
-static const char fill_u32_stub, axpy_f32_stub, copy_u32_stub;
-
-static void* read_file(const char* path) {
-  FILE* f = fopen(path, "rb");
-  if (!f) { perror(path); exit(1); }
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  void* p = malloc((size_t)n);
-  if (!p || fread(p, 1, (size_t)n, f) != (size_t)n) { perror(path); exit(1); }
-  fclose(f);
-  return p;
 }
 
 int main(int argc, char** argv) {
@@ -62,13 +41,7 @@ int main(int argc, char** argv) {
   CHECK(hipInit(0));
   CHECK(hipSetDevice(0));
 
-  static __CudaFatBinaryWrapper wrapper = {HIP_FATBIN_MAGIC, 1, 0, 0};
-  wrapper.binary = image;
-  void** fatbin = __hipRegisterFatBinary(&wrapper);
-  if (!fatbin) { fprintf(stderr, "__hipRegisterFatBinary failed\n"); return 1; }
-  __hipRegisterFunction(fatbin, &fill_u32_stub, "fill_u32", "fill_u32", ~0u, 0, 0, 0, 0, 0);
-  __hipRegisterFunction(fatbin, &axpy_f32_stub, "axpy_f32", "axpy_f32", ~0u, 0, 0, 0, 0, 0);
-  __hipRegisterFunction(fatbin, &copy_u32_stub, "copy_u32", "copy_u32", ~0u, 0, 0, 0, 0, 0);
+  register_kernels(image);
   hipModule_t module;
   hipFunction_t fn_axpy, fn_copy;
   CHECK(hipModuleLoadData(&module, image));

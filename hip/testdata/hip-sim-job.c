@@ -16,39 +16,17 @@
 
 #include <hip/hip_runtime_api.h>
 
+#include "hip-job.h"
+
 #define N 3000u
 #define BLOCK 256u
 #define GRID ((N + BLOCK - 1) / BLOCK)
-
-#define CHECK(call)                                                                       \
-  do {                                                                                    \
-    hipError_t e_ = (call);                                                               \
-    if (e_ != hipSuccess) {                                                               \
-      fprintf(stderr, "line %d: %s: %s (%d)\n", __LINE__, #call, hipGetErrorName(e_), e_); \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
 
 static unsigned long long fnv(const void* p, size_t n) {
   const unsigned char* b = p;
   unsigned long long h = 0xcbf29ce484222325ull;
   for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
   return h;
-}
-
-// Host-side stubs for hipLaunchKernel: what hipcc would generate, registered by name.
-static const char fill_u32_stub, axpy_f32_stub, copy_u32_stub;
-
-static void* read_file(const char* path) {
-  FILE* f = fopen(path, "rb");
-  if (!f) { perror(path); exit(1); }
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  void* p = malloc((size_t)n);
-  if (!p || fread(p, 1, (size_t)n, f) != (size_t)n) { perror(path); exit(1); }
-  fclose(f);
-  return p;
 }
 
 static hipFunction_t fn_fill, fn_axpy, fn_copy;
@@ -112,13 +90,7 @@ int main(int argc, char** argv) {
 
   // The program's kernels, registered as hipcc's start-up code does, and the same code object
   // loaded as a module.
-  static __CudaFatBinaryWrapper wrapper = {HIP_FATBIN_MAGIC, 1, 0, 0};
-  wrapper.binary = image;
-  void** fatbin = __hipRegisterFatBinary(&wrapper);
-  if (!fatbin) { fprintf(stderr, "__hipRegisterFatBinary failed\n"); return 1; }
-  __hipRegisterFunction(fatbin, &fill_u32_stub, "fill_u32", "fill_u32", ~0u, 0, 0, 0, 0, 0);
-  __hipRegisterFunction(fatbin, &axpy_f32_stub, "axpy_f32", "axpy_f32", ~0u, 0, 0, 0, 0, 0);
-  __hipRegisterFunction(fatbin, &copy_u32_stub, "copy_u32", "copy_u32", ~0u, 0, 0, 0, 0, 0);
+  void** fatbin = register_kernels(image);
   hipModule_t module;
   CHECK(hipModuleLoadData(&module, image));
   CHECK(hipModuleGetFunction(&fn_fill, module, "fill_u32"));

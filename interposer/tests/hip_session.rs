@@ -73,16 +73,7 @@ fn start_with(
 
 /// The `step N DIGEST` lines in `out`, as (N, DIGEST), in order.
 fn steps(out: &Path) -> Vec<(u32, String)> {
-    std::fs::read_to_string(out)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let mut w = l.split(' ');
-            (w.next() == Some("step")).then_some(())?;
-            let n = w.next()?.parse().ok()?;
-            Some((n, w.next()?.to_string()))
-        })
-        .collect()
+    possum_hip_sim::session_job_steps(&std::fs::read_to_string(out).unwrap_or_default())
 }
 
 /// Waits until the job has printed step `n` (or more); its last step.

@@ -26,7 +26,7 @@ mod criu_support;
 use criu_support::{criu_or_skip, say};
 
 use nix::sys::signal::{kill, Signal};
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::Pid;
 use serde_json::Value;
 
@@ -47,15 +47,7 @@ fn build(dir: &Path) -> Option<PathBuf> {
 
 /// The `step N DIGEST` lines of `out`, as (N, DIGEST).
 fn steps(out: &Path) -> Vec<(u32, String)> {
-    std::fs::read_to_string(out)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let mut w = l.split(' ');
-            (w.next() == Some("step")).then_some(())?;
-            Some((w.next()?.parse().ok()?, w.next()?.to_string()))
-        })
-        .collect()
+    possum_hip_sim::session_job_steps(&std::fs::read_to_string(out).unwrap_or_default())
 }
 
 /// Waits until `out` has step `n` or later; the last step.
@@ -73,21 +65,6 @@ fn wait_step(out: &Path, n: u32, what: &str) -> u32 {
             std::fs::read_to_string(out.with_extension("stderr")).unwrap_or_default()
         );
         std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// Reaps `pid` (a child, or adopted by this subreaper) once it has exited.
-fn reap(pid: i32) {
-    let t = Instant::now();
-    loop {
-        match waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) => {}
-            Ok(_) => return,
-            Err(_) if !Path::new(&format!("/proc/{pid}")).exists() => return,
-            Err(_) => {}
-        }
-        assert!(t.elapsed() < WAIT, "process {pid} was not reaped");
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -157,28 +134,35 @@ fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
+/// The job built and running under possum past its fifth step, in a new directory: the
+/// directory, the job's executable, its output file and its process. `None` (said) to skip.
+fn running_job() -> Option<(tempfile::TempDir, PathBuf, PathBuf, Child)> {
+    criu_or_skip("hip_checkpoint")?;
+    let tmp = tempfile::Builder::new()
+        .prefix("possum-hip-")
+        .tempdir()
+        .unwrap();
+    let exe = build(tmp.path())?;
+    // A restored job is adopted here, to be reaped.
+    possum_criu::set_child_subreaper().unwrap();
+    let out = tmp.path().join("job.out");
+    let child = start(&exe, tmp.path(), &out);
+    wait_step(&out, 5, "the job");
+    Some((tmp, exe, out, child))
+}
+
 fn manifest(img: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(img.join("possum.json")).unwrap()).unwrap()
 }
 
 #[test]
 fn a_hip_job_is_checkpointed_killed_and_restored_bit_exact_through_criu() {
-    if criu_or_skip("hip_checkpoint").is_none() {
+    let Some((tmp, exe, out, mut child)) = running_job() else {
         return;
-    }
-    let tmp = tempfile::Builder::new()
-        .prefix("possum-hip-")
-        .tempdir()
-        .unwrap();
+    };
     let dir = tmp.path();
-    let Some(exe) = build(dir) else { return };
-    // The restored job is adopted here, to be reaped.
-    possum_criu::set_child_subreaper().unwrap();
-    let out = dir.join("job.out");
-    let mut child = start(&exe, dir, &out);
     let pid = child.id() as i32;
     let _kill = KillOnDrop(pid);
-    wait_step(&out, 5, "the job");
 
     let img = dir.join("img");
     let o = possum(dir)
@@ -203,26 +187,18 @@ fn a_hip_job_is_checkpointed_killed_and_restored_bit_exact_through_criu() {
     assert!(o.status.success(), "{}", text(&o));
     wait_step(&out, killed_at + 20, "the restored job");
     let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-    reap(pid);
+    possum_criu::wait_for_exit(pid, Some(WAIT)).unwrap();
     bit_exact(&exe, dir, &out);
 }
 
 #[test]
 fn a_hip_job_left_running_goes_on_bit_exact() {
-    if criu_or_skip("hip_checkpoint").is_none() {
+    let Some((tmp, exe, out, mut child)) = running_job() else {
         return;
-    }
-    let tmp = tempfile::Builder::new()
-        .prefix("possum-hip-")
-        .tempdir()
-        .unwrap();
+    };
     let dir = tmp.path();
-    let Some(exe) = build(dir) else { return };
-    let out = dir.join("job.out");
-    let mut child = start(&exe, dir, &out);
     let pid = child.id() as i32;
     let _kill = KillOnDrop(pid);
-    wait_step(&out, 5, "the job");
 
     let img = dir.join("img");
     let o = possum(dir)
