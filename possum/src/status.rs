@@ -91,8 +91,13 @@ fn managed(v: &StatusReply) -> String {
         ));
     }
     if let Some(u) = &p.unmanaged {
+        let fate = if v.is_hip() {
+            "a checkpoint refuses the job while it holds any"
+        } else {
+            "the driver's checkpoint takes them"
+        };
         s.push_str(&format!(
-            "  not managed: {} allocations, {} (the driver's checkpoint takes them)\n",
+            "  not managed: {} allocations, {} ({fate})\n",
             u.allocations,
             gib(u.bytes)
         ));
@@ -110,19 +115,23 @@ fn managed(v: &StatusReply) -> String {
         }
     }
     if let Some(ss) = &p.session {
-        s.push_str(&format!(
-            "  checkpoint: {}; CUPTI {}\n",
-            if ss.paused {
-                "holding the job (released)"
-            } else {
-                ss.busy.as_deref().unwrap_or("none running")
-            },
-            if ss.cupti_attached {
-                "attached"
-            } else {
-                "not attached"
-            }
-        ));
+        let doing = if ss.paused {
+            "holding the job (released)"
+        } else {
+            ss.busy.as_deref().unwrap_or("none running")
+        };
+        if v.is_hip() {
+            s.push_str(&format!("  checkpoint: {doing}\n"));
+        } else {
+            s.push_str(&format!(
+                "  checkpoint: {doing}; CUPTI {}\n",
+                if ss.cupti_attached {
+                    "attached"
+                } else {
+                    "not attached"
+                }
+            ));
+        }
         s.push_str(&hooks(v, ss));
         let c = &ss.collectives;
         if c.launched > 0 || c.barrier.is_some() {
@@ -208,6 +217,28 @@ fn hooks(v: &StatusReply, ss: &SessionStatus) -> String {
     s
 }
 
+/// What possum's HIP front end saw, for a HIP job (`possum.hip`); nothing otherwise.
+fn hip_front_end(v: &Value) -> String {
+    let h = &v["possum"]["hip"];
+    if !h.is_object() {
+        return String::new();
+    }
+    let n = |k: &str| h[k].as_u64().unwrap_or(0);
+    format!(
+        "  HIP front end on {}: {} launches ({} of kernels whose layout is unknown: taken to \
+         write every buffer), {} graph launches, {} copies, {} memsets; {} allocations served, \
+         {} freed\n",
+        h["runtime"].as_str().unwrap_or("?"),
+        n("launches"),
+        n("opaque_launches"),
+        n("graph_launches"),
+        n("copies"),
+        n("memsets"),
+        n("served_allocs"),
+        n("served_frees")
+    )
+}
+
 /// A summary of what possum manages, then one line per top-level key, the name padded to 20
 /// columns: scalars as they are, arrays as a count, objects as compact JSON.
 fn summary(pid: u32, v: &Value) -> String {
@@ -215,6 +246,7 @@ fn summary(pid: u32, v: &Value) -> String {
     // The typed view for the words; the job's JSON itself for the key lines. A reply that does
     // not fit the typed view still gets its key lines.
     s.push_str(&managed(&StatusReply::deserialize(v).unwrap_or_default()));
+    s.push_str(&hip_front_end(v));
     let Value::Object(m) = v else {
         s.push_str(&format!("  {v}\n"));
         return s;
@@ -290,6 +322,32 @@ mod tests {
         );
         assert!(
             s.contains("hooks: cupti (CUPTI attached: NVIDIA's driver refuses"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn summary_of_a_hip_job_says_what_its_front_end_saw() {
+        let v = serde_json::json!({"pid": 9, "hooks": "entry", "runtime": "hip", "possum": {
+            "engines": [{"device": 0, "engine": {"bytes": 1048576, "buffers": 3}}],
+            "unmanaged": {"allocations": 1, "bytes": 4096,
+                          "by_kind": {"hipMallocManaged": {"allocations": 1, "bytes": 4096}}},
+            "session": {"paused": false, "hooks_live": true},
+            "hip": {"runtime": "/opt/rocm/lib/libamdhip64.so", "launches": 12,
+                    "opaque_launches": 2, "graph_launches": 3, "copies": 4, "memsets": 5,
+                    "served_allocs": 6, "served_frees": 1}}});
+        let s = summary(9, &v);
+        assert!(
+            s.contains("not managed: 1 allocations, 0.00 GiB (a checkpoint refuses the job"),
+            "{s}"
+        );
+        assert!(s.contains("  checkpoint: none running\n"), "{s}");
+        assert!(!s.contains("CUPTI"), "{s}");
+        assert!(
+            s.contains("HIP front end on /opt/rocm/lib/libamdhip64.so: 12 launches (2 of kernels")
+                && s.contains(
+                    "3 graph launches, 4 copies, 5 memsets; 6 allocations served, 1 freed"
+                ),
             "{s}"
         );
     }
