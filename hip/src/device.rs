@@ -75,6 +75,20 @@ pub struct HipDevice {
     tables: Mutex<Tables>,
 }
 
+/// A device made current by [`HipDevice::bind`]; dropped, the one before is current again.
+struct Bound<'a> {
+    rt: &'a Runtime,
+    before: Option<c_int>,
+}
+
+impl Drop for Bound<'_> {
+    fn drop(&mut self) {
+        if let Some(d) = self.before {
+            let _ = self.rt.set_device(d);
+        }
+    }
+}
+
 impl fmt::Debug for HipDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HipDevice")
@@ -136,10 +150,20 @@ impl HipDevice {
         self.priorities
     }
 
-    /// Makes the device current on the calling thread.
-    fn bind(&self) -> DeviceResult<()> {
+    /// Makes the device current on the calling thread until the guard is dropped, which makes
+    /// the thread's device before current again: possum's calls run on the job's threads too
+    /// (its hooks), whose current device is the job's.
+    fn bind(&self) -> DeviceResult<Bound<'_>> {
+        let before = self.rt.current_device()?;
         // Checked in `open`: the ordinal fits.
-        self.rt.set_device(self.ordinal as c_int)
+        let ordinal = self.ordinal as c_int;
+        if before != ordinal {
+            self.rt.set_device(ordinal)?;
+        }
+        Ok(Bound {
+            rt: &self.rt,
+            before: (before != ordinal).then_some(before),
+        })
     }
 
     /// The end of `[va, va + size)`, which must start and end on the granularity.
@@ -163,7 +187,7 @@ impl HipDevice {
         value: u8,
         len: u64,
     ) -> DeviceResult<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         self.tables.lock().check_copy_range(va.0, len)?;
         stream.memset_d8(va.0, value, len)
     }
@@ -184,7 +208,7 @@ impl Device for HipDevice {
     }
 
     fn memory_info(&self) -> DeviceResult<(u64, u64)> {
-        self.bind()?;
+        let _bound = self.bind()?;
         self.rt.mem_get_info()
     }
 
@@ -196,7 +220,7 @@ impl Device for HipDevice {
                 "size is not a positive multiple of the granularity",
             ));
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let va = self.rt.address_reserve(size, self.granularity)?;
         self.tables.lock().reservations.insert(va, size);
         Ok(DevPtr(va))
@@ -214,7 +238,7 @@ impl Device for HipDevice {
     }
 
     fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut t = self.tables.lock();
         if t.reservations.get(&va.0) != Some(&size) {
             return Err(invalid(
@@ -234,7 +258,7 @@ impl Device for HipDevice {
     }
 
     fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let end = self.granular_range(va, size)?;
         // Held across the runtime's calls, so two maps can't race for the same range.
         let mut t = self.tables.lock();
@@ -261,7 +285,7 @@ impl Device for HipDevice {
     }
 
     fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut t = self.tables.lock();
         match t.mappings.get(&va.0) {
             Some(m) if m.size() == size => {}
@@ -274,12 +298,12 @@ impl Device for HipDevice {
     }
 
     fn alloc_host(&self, len: usize) -> DeviceResult<PinnedBuf> {
-        self.bind()?;
+        let _bound = self.bind()?;
         PinnedBuf::alloc(&self.rt, len)
     }
 
     fn create_stream(&self, priority: StreamPriority) -> DeviceResult<HipStream> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let p = match priority {
             StreamPriority::Normal => self.priorities.0,
             StreamPriority::High => self.priorities.1,
@@ -342,7 +366,7 @@ impl Device for HipDevice {
 
     /// `hipDeviceSynchronize`: the job's work included.
     fn synchronize_device(&self) -> DeviceResult<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         self.rt.synchronize_device()
     }
 }

@@ -126,6 +126,13 @@ impl Runtime {
         call!(self, hipSetDevice(ordinal))
     }
 
+    /// The calling thread's current device.
+    pub fn current_device(&self) -> DeviceResult<c_int> {
+        let mut d: c_int = 0;
+        call!(self, hipGetDevice(&mut d))?;
+        Ok(d)
+    }
+
     /// The runtime's name of device `ordinal`.
     pub fn device_name(&self, ordinal: c_int) -> DeviceResult<String> {
         let mut buf = [0 as c_char; 256];

@@ -203,6 +203,7 @@ api! {
     hipInit: fn(c_uint) -> hipError_t;
     hipGetDeviceCount: fn(*mut c_int) -> hipError_t;
     hipSetDevice: fn(c_int) -> hipError_t;
+    hipGetDevice: fn(*mut c_int) -> hipError_t;
     hipDeviceGetName: fn(*mut c_char, c_int, hipDevice_t) -> hipError_t;
     hipGetErrorName: fn(hipError_t) -> *const c_char;
     hipGetErrorString: fn(hipError_t) -> *const c_char;
