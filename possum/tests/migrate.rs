@@ -108,6 +108,8 @@ struct Receiver {
     addr: String,
     /// Its stderr after the first line, as it comes.
     log: std::sync::Arc<std::sync::Mutex<String>>,
+    /// The thread reading it, done at its end.
+    echo: std::thread::JoinHandle<()>,
 }
 
 impl Receiver {
@@ -140,18 +142,24 @@ impl Receiver {
         // The rest of its stderr, echoed and kept (and never blocking it).
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let kept = log.clone();
-        std::thread::spawn(move || {
+        let echo = std::thread::spawn(move || {
             for l in stderr.lines().map_while(Result::ok) {
                 say(&format!("possum receive: {l}"));
                 kept.lock().unwrap().push_str(&format!("{l}\n"));
             }
         });
-        Receiver { child, addr, log }
+        Receiver {
+            child,
+            addr,
+            log,
+            echo,
+        }
     }
 
-    /// Its exit and stdout.
+    /// Its exit and stdout (its stderr all in `log` then).
     fn finish(self) -> (std::process::ExitStatus, String) {
         let out = self.child.wait_with_output().unwrap();
+        let _ = self.echo.join();
         (
             out.status,
             String::from_utf8_lossy(&out.stdout).into_owned(),
