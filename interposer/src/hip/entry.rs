@@ -550,7 +550,7 @@ pub(super) fn copy_through(
     } else {
         f.buffers_of_range(src, n as u64)
     };
-    f.before_op_of(kind, stream, &reads, Some(&writes), op)
+    f.before_op(kind, stream, &reads, Some(&writes), op)
 }
 
 /// `hipError_t hipMemcpy(void* dst, const void* src, size_t n, hipMemcpyKind kind)`.
@@ -763,20 +763,19 @@ pub unsafe extern "C" fn hipModuleGetFunction(
 /// # Safety
 /// `params` and `extra` are the launch's, as the runtime's contract has them.
 unsafe fn kernarg(
-    kernel: &possum_analyzer::amdgpu::AmdgpuKernel,
+    kernel: &super::front::Kernel,
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> Option<Vec<u8>> {
-    let size = kernel.explicit_size() as usize;
+    let size = kernel.explicit_size;
     let mut out = vec![0u8; size];
     if !params.is_null() {
-        for (i, a) in kernel.explicit_args().enumerate() {
-            // SAFETY: `params` has one pointer per explicit argument, each to `a.size` bytes.
+        for (i, &(o, n)) in kernel.args.iter().enumerate() {
+            // SAFETY: `params` has one pointer per explicit argument, each to `n` bytes.
             let p = unsafe { *params.add(i) };
             if p.is_null() {
                 return None;
             }
-            let (o, n) = (a.offset as usize, a.size as usize);
             // SAFETY: as above.
             out[o..o + n].copy_from_slice(unsafe { bytes(p, n) });
         }
@@ -838,7 +837,7 @@ pub(super) unsafe fn launch_through(
         Some(k) => Kind::Kernel(handle, k.clone()),
         None => Kind::Copy,
     };
-    f.before_op_of(kind, stream, &[], writes.as_deref(), op)
+    f.before_op(kind, stream, &[], writes.as_deref(), op)
 }
 
 /// `hipError_t hipModuleLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params,
@@ -932,7 +931,7 @@ pub unsafe extern "C" fn hipGraphLaunch(exec: *mut c_void, stream: *mut c_void) 
         return op();
     };
     f.counters.graph_launches.fetch_add(1, Ordering::Relaxed);
-    f.before_op(stream as usize, &[], None, op)
+    f.before_op(Kind::Copy, stream as usize, &[], None, op)
 }
 
 /// `void** __hipRegisterFatBinary(const void* wrapper)`: the program's device code, read for

@@ -32,7 +32,7 @@ pub struct Front {
     /// The job's streams the engine orders copies against, by `hipStream_t`.
     streams: RwLock<HashMap<usize, HipStream>>,
     /// Kernels by launch handle (`hipFunction_t`, or a host stub of `__hipRegisterFunction`).
-    kernels: RwLock<HashMap<usize, Arc<AmdgpuKernel>>>,
+    kernels: RwLock<HashMap<usize, Arc<Kernel>>>,
     /// The kernels of each code object loaded (`hipModule_t`, or the handle of a registered
     /// fat binary); empty when its code object could not be read.
     modules: Mutex<HashMap<usize, Arc<Vec<AmdgpuKernel>>>>,
@@ -40,8 +40,10 @@ pub struct Front {
     unmanaged: Mutex<BTreeMap<u64, (u64, &'static str)>>,
     /// The memory handles possum answered `hipMemCreate` with, by value.
     tokens: Mutex<HashMap<u64, Token>>,
-    /// The kernel/buffer DAG of the job's operations: what a checkpoint saves first.
-    dag: Mutex<Dag>,
+    /// The kernel/buffer DAG of the job's operations (what a checkpoint saves first), recorded
+    /// by its own thread: the job's operations only send to it (`None`: `POSSUM_DAG=0`).
+    dag: Arc<Mutex<Dag>>,
+    dag_tx: Option<crossbeam_channel::Sender<DagRecord>>,
     pub counters: Counters,
 }
 
@@ -82,7 +84,83 @@ pub enum Kind {
     /// A memset.
     Memset,
     /// A launch of a kernel: its launch handle and what it is.
-    Kernel(usize, Arc<AmdgpuKernel>),
+    Kernel(usize, Arc<Kernel>),
+}
+
+/// A kernel whose layout its code object gave, prepared once for its launches.
+#[derive(Debug)]
+pub struct Kernel {
+    /// What the code object says of it.
+    pub code: AmdgpuKernel,
+    /// Its explicit arguments' (offset, size) in the kernarg segment, in order.
+    pub args: Vec<(usize, usize)>,
+    /// The bytes of the kernarg segment a launch supplies.
+    pub explicit_size: usize,
+    /// The kernarg offsets of its pointer words.
+    slots: Vec<usize>,
+}
+
+impl Kernel {
+    fn new(code: AmdgpuKernel) -> Kernel {
+        Kernel {
+            args: code
+                .explicit_args()
+                .map(|a| (a.offset as usize, a.size as usize))
+                .collect(),
+            explicit_size: code.explicit_size() as usize,
+            slots: (code.layout().pointer_slots().iter())
+                .map(|s| s.offset as usize)
+                .collect(),
+            code,
+        }
+    }
+}
+
+/// An operation for the DAG's thread to record.
+pub struct DagRecord {
+    kind: Kind,
+    stream: u64,
+    reads: Vec<BufRef>,
+    /// `None`: its buffers are unknown (it breaks the chain of dependencies).
+    writes: Option<Vec<BufRef>>,
+}
+
+fn buf_ref(b: &Buffer) -> BufRef {
+    BufRef {
+        id: b.id(),
+        va: b.va().0,
+        size: b.size(),
+        managed: false,
+    }
+}
+
+/// Starts the thread that records the job's operations in `dag`; its channel (`None`: the
+/// thread could not start, and nothing is recorded).
+fn record_on_a_thread(dag: Arc<Mutex<Dag>>) -> Option<crossbeam_channel::Sender<DagRecord>> {
+    let (tx, rx) = crossbeam_channel::unbounded::<DagRecord>();
+    std::thread::Builder::new()
+        .name("possum-hip-dag".into())
+        .spawn(move || {
+            for r in rx {
+                let mut dag = dag.lock();
+                let Some(writes) = r.writes else {
+                    dag.record_gap();
+                    continue;
+                };
+                let kernel = match &r.kind {
+                    Kind::Copy => KernelRef::MEMCPY,
+                    Kind::Memset => KernelRef::MEMSET,
+                    Kind::Kernel(handle, k) => KernelRef {
+                        handle: *handle as u64,
+                        name: Some(&k.code.name),
+                        opaque: false,
+                    },
+                };
+                dag.record_launch(&kernel, r.stream, &r.reads, &writes);
+            }
+        })
+        .ok()?;
+    Some(tx)
 }
 
 /// What the front end saw.
@@ -147,6 +225,11 @@ impl Front {
             ..EngineConfig::default()
         };
         let engine = Engine::new(Arc::new(dev), cfg).map_err(|e| e.to_string())?;
+        let dag = Arc::new(Mutex::new(Dag::new(tuning.dag_window)));
+        let dag_tx = tuning
+            .dag
+            .then(|| record_on_a_thread(dag.clone()))
+            .flatten();
         Ok(Front {
             engine,
             rt,
@@ -155,7 +238,8 @@ impl Front {
             modules: Mutex::default(),
             unmanaged: Mutex::default(),
             tokens: Mutex::default(),
-            dag: Mutex::new(Dag::new(config::get().tuning.dag_window)),
+            dag,
+            dag_tx,
             counters: Counters::default(),
         })
     }
@@ -377,7 +461,9 @@ impl Front {
         });
         match found {
             Some(k) => {
-                self.kernels.write().insert(launch, Arc::new(k));
+                self.kernels
+                    .write()
+                    .insert(launch, Arc::new(Kernel::new(k)));
             }
             None => {
                 self.kernels.write().remove(&launch);
@@ -386,16 +472,15 @@ impl Front {
     }
 
     /// The kernel launches of `launch` run, if its layout is known.
-    pub fn kernel(&self, launch: usize) -> Option<Arc<AmdgpuKernel>> {
+    pub fn kernel(&self, launch: usize) -> Option<Arc<Kernel>> {
         self.kernels.read().get(&launch).cloned()
     }
 
     /// The engine buffers that the words at `kernel`'s pointer slots in `kernarg` (its explicit
     /// arguments as laid out for the device) point into: those the launch may write.
-    pub fn buffers_of_kernarg(&self, kernel: &AmdgpuKernel, kernarg: &[u8]) -> Vec<Buffer> {
+    pub fn buffers_of_kernarg(&self, kernel: &Kernel, kernarg: &[u8]) -> Vec<Buffer> {
         let mut out: Vec<Buffer> = Vec::new();
-        for slot in kernel.layout().pointer_slots() {
-            let at = slot.offset as usize;
+        for &at in &kernel.slots {
             let Some(word) = kernarg.get(at..at + 8) else {
                 continue;
             };
@@ -424,23 +509,12 @@ impl Front {
         out
     }
 
-    /// The hook: runs `op` (the job's operation, enqueued on stream `stream`) once the engine
-    /// has what it needs before it — during a checkpoint the buffers it may write saved first,
-    /// during an on-demand restore those it touches back — and never while a checkpoint holds
-    /// the job. `writes` are the buffers it may write (`None`: unknown, every buffer), `reads`
-    /// those it only reads.
+    /// The hook: runs `op` (the job's operation of `kind`, enqueued on stream `stream`) once the
+    /// engine has what it needs before it — during a checkpoint the buffers it may write saved
+    /// first, during an on-demand restore those it touches back — and never while a checkpoint
+    /// holds the job. `writes` are the buffers it may write (`None`: unknown, every buffer),
+    /// `reads` those it only reads.
     pub fn before_op<R>(
-        &self,
-        stream: usize,
-        reads: &[Buffer],
-        writes: Option<&[Buffer]>,
-        op: impl FnOnce() -> R,
-    ) -> R {
-        self.before_op_of(Kind::Copy, stream, reads, writes, op)
-    }
-
-    /// [`Self::before_op`] of an operation of `kind` (what the DAG records it as).
-    pub fn before_op_of<R>(
         &self,
         kind: Kind,
         stream: usize,
@@ -448,8 +522,14 @@ impl Front {
         writes: Option<&[Buffer]>,
         op: impl FnOnce() -> R,
     ) -> R {
-        if config::get().tuning.dag {
-            self.record(kind, stream, reads, writes);
+        if let Some(tx) = &self.dag_tx {
+            let refs = |bs: &[Buffer]| bs.iter().map(buf_ref).collect();
+            let _ = tx.send(DagRecord {
+                kind,
+                stream: stream as u64,
+                reads: refs(reads),
+                writes: writes.map(refs),
+            });
         }
         let guard = crate::gate::admit_engine(&self.engine);
         if guard.tracking() {
@@ -467,43 +547,6 @@ impl Front {
         r
     }
 
-    /// Records an operation in the DAG (an unknown one breaks its chain of dependencies).
-    fn record(&self, kind: Kind, stream: usize, reads: &[Buffer], writes: Option<&[Buffer]>) {
-        let mut dag = self.dag.lock();
-        let Some(writes) = writes else {
-            dag.record_gap();
-            return;
-        };
-        let refs = |bs: &[Buffer]| -> Vec<BufRef> {
-            bs.iter()
-                .map(|b| BufRef {
-                    id: b.id(),
-                    va: b.va().0,
-                    size: b.size(),
-                    managed: false,
-                })
-                .collect()
-        };
-        let kernel = match kind {
-            Kind::Copy => KernelRef::MEMCPY,
-            Kind::Memset => KernelRef::MEMSET,
-            Kind::Kernel(handle, ref k) => {
-                dag.record_launch(
-                    &KernelRef {
-                        handle: handle as u64,
-                        name: Some(&k.name),
-                        opaque: false,
-                    },
-                    stream as u64,
-                    &refs(reads),
-                    &refs(writes),
-                );
-                return;
-            }
-        };
-        dag.record_launch(&kernel, stream as u64, &refs(reads), &refs(writes));
-    }
-
     /// The buffers' ids in the order the job is predicted to write them next (the DAG's).
     pub fn predicted_writes(&self) -> Vec<u64> {
         self.dag.lock().predicted_writes()
@@ -512,6 +555,11 @@ impl Front {
     /// `possum status`'s view of the front end.
     pub fn stats_json(&self) -> Value {
         let unmanaged = self.unmanaged();
+        let dag = {
+            let d = self.dag.lock();
+            json!({"kernels": d.kernel_count(), "buffers": d.buffer_count(),
+                   "prefetch_order": d.buffer_first_use()})
+        };
         let c = &self.counters;
         let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
         json!({
@@ -529,9 +577,7 @@ impl Front {
                     .collect::<serde_json::Map<_, _>>(),
             },
             "kernels": self.kernels.read().len(),
-            "dag": {"kernels": self.dag.lock().kernel_count(),
-                    "buffers": self.dag.lock().buffer_count(),
-                    "prefetch_order": self.dag.lock().buffer_first_use()},
+            "dag": dag,
             "hip": {
                 "runtime": self.rt.path().display().to_string(),
                 "served_allocs": n(&c.served_allocs), "served_frees": n(&c.served_frees),

@@ -371,7 +371,7 @@ fn copy_through2(
     };
     let writes = f.buffers_of_range(dst, dst_len as u64);
     let reads = f.buffers_of_range(src, src_len as u64);
-    f.before_op(stream, &reads, Some(&writes), op)
+    f.before_op(super::front::Kind::Copy, stream, &reads, Some(&writes), op)
 }
 
 /// `hipMemset2D(dst, pitch, value, width, height)`.
