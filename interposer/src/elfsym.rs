@@ -2,10 +2,43 @@
 //! `dlvsym`: this library defines both (see `entry.rs`), so the originals cannot be looked up
 //! through either. One of the crate's modules with `unsafe` code: it reads the ELF structures
 //! the dynamic loader mapped (program headers through `dl_iterate_phdr`, the dynamic section,
-//! the GNU hash table, the symbol and string tables).
+//! the GNU hash table, the symbol and string tables). Also the lookups of the libraries possum
+//! wraps beside the driver (HIP, HSA, NCCL): their next definition, and an address's object.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The definition of `name` in the objects loaded after this library (`dlsym(RTLD_NEXT)`: the
+/// library whose function possum's export of the same name wraps), looked up once into `slot`;
+/// 0 when there is none.
+pub fn next_definition(slot: &AtomicUsize, name: &CStr) -> usize {
+    let p = slot.load(Ordering::Acquire);
+    if p != 0 {
+        return p;
+    }
+    // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT searches the objects loaded after this
+    // library. possum's own dlsym passes it through to glibc's.
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+    slot.store(p, Ordering::Release);
+    p
+}
+
+/// The file of the loaded object that holds address `addr`, as the loader names it.
+pub fn object_file(addr: usize) -> Option<String> {
+    // SAFETY: `Dl_info` is plain data (pointers and integers): all zeroes is a valid value.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid out-parameter; dladdr only reads the loader's tables.
+    if unsafe { libc::dladdr(addr as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr's file name is a NUL-terminated string owned by the loader.
+    Some(
+        unsafe { CStr::from_ptr(info.dli_fname) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
 
 /// `DT_NULL`, `DT_STRTAB`, `DT_SYMTAB`, `DT_GNU_HASH`, `DT_VERSYM`.
 const DT_NULL: i64 = 0;

@@ -11,7 +11,7 @@
 #![allow(unsafe_code)]
 #![allow(non_snake_case)]
 
-use std::ffi::{c_int, c_void, CStr};
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::collective::{communicator_id, forget_communicator, note_communicator};
@@ -50,25 +50,11 @@ static ABORT: AtomicUsize = AtomicUsize::new(0);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// NCCL's function `name`, looked up once into `slot` (0: NCCL has none).
-fn real(slot: &AtomicUsize, name: &CStr) -> usize {
-    let p = slot.load(Ordering::Acquire);
-    if p != 0 {
-        return p;
-    }
-    // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT searches the objects after this
-    // library (libnccl among them). possum's own dlsym passes it through to glibc's.
-    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
-    slot.store(p, Ordering::Release);
-    p
-}
+use crate::elfsym::next_definition as real;
 
-/// FNV-1a 64 of `parts`, one after the other.
-fn fnv(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in parts.iter().flat_map(|p| p.iter()) {
-        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+/// A hash of `bytes`, the same in every process: a communicator's id.
+fn id_of(bytes: &[u8]) -> u64 {
+    possum_analyzer::kernel::checksum(bytes)
 }
 
 /// Notes the communicator `*comm` made by an init that returned `r`.
@@ -101,7 +87,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
     // SAFETY: NCCL's function of this name and signature, with the caller's arguments.
     let r = unsafe { std::mem::transmute::<usize, InitRankFn>(p)(comm, nranks, id, rank) };
     // SAFETY: `comm` is the caller's out-pointer, filled by NCCL.
-    unsafe { noted(r, comm, fnv(&[&id.internal]), nranks) }
+    unsafe { noted(r, comm, id_of(&id.internal), nranks) }
 }
 
 /// `ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank,
@@ -123,7 +109,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
         std::mem::transmute::<usize, InitRankConfigFn>(p)(comm, nranks, id, rank, config)
     };
     // SAFETY: `comm` is the caller's out-pointer, filled by NCCL.
-    unsafe { noted(r, comm, fnv(&[&id.internal]), nranks) }
+    unsafe { noted(r, comm, id_of(&id.internal), nranks) }
 }
 
 /// `ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist)`: every rank in
@@ -143,7 +129,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
     if r == SUCCESS && !comms.is_null() {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let id = fnv(&[&std::process::id().to_le_bytes(), &n.to_le_bytes()]);
+        let id = id_of(&[&std::process::id().to_le_bytes()[..], &n.to_le_bytes()].concat());
         for i in 0..usize::try_from(ndev).unwrap_or(0) {
             // SAFETY: NCCL filled `ndev` handles at `comms`.
             let c = unsafe { *comms.add(i) } as usize;
@@ -181,7 +167,7 @@ pub unsafe extern "C" fn ncclCommSplit(
         let mut n: c_int = 0;
         // SAFETY: NCCL's ncclCommCount on the communicator it just made; `n` is an out-pointer.
         if !c.is_null() && unsafe { std::mem::transmute::<usize, CountFn>(count)(c, &mut n) } == 0 {
-            let id = fnv(&[&parent.to_le_bytes(), &color.to_le_bytes()]);
+            let id = id_of(&[&parent.to_le_bytes()[..], &color.to_le_bytes()].concat());
             note_communicator(c as usize, id, u32::try_from(n).unwrap_or(0));
         }
     }

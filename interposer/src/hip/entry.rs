@@ -12,7 +12,7 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use super::front::{front, Front, Kind};
 
@@ -39,34 +39,16 @@ pub struct Dim3 {
     z: u32,
 }
 
-/// The runtime's function `name` (a NUL-terminated name), looked up once into `slot`.
-pub(super) fn real(slot: &AtomicUsize, name: &CStr) -> usize {
-    let p = slot.load(Ordering::Acquire);
-    if p != 0 {
-        return p;
-    }
-    // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT searches the objects loaded after this
-    // library (the runtime among them). possum's own dlsym passes it through to glibc's.
-    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
-    slot.store(p, Ordering::Release);
-    p
-}
+/// The runtime's function `name`, looked up once into `slot` (0: the runtime has none).
+pub(super) use crate::elfsym::next_definition as real;
 
 /// The runtime's library: the file defining its `hipMalloc`.
 fn runtime_path() -> Option<PathBuf> {
     let p = real(&REAL_hipMalloc, c"hipMalloc");
-    if p == 0 {
-        return None;
-    }
-    // SAFETY: Dl_info is plain data (pointers and integers), valid all zero.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: `p` is an address inside a loaded object; `info` is a valid out-pointer.
-    if unsafe { libc::dladdr(p as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: dladdr's file name is a NUL-terminated string owned by the loader.
-    let name = unsafe { CStr::from_ptr(info.dli_fname) };
-    Some(PathBuf::from(name.to_string_lossy().into_owned()))
+    (p != 0)
+        .then(|| crate::elfsym::object_file(p))
+        .flatten()
+        .map(PathBuf::from)
 }
 
 pub(super) fn the_front() -> Option<&'static Front> {

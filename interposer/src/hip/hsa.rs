@@ -8,7 +8,7 @@
 //! caller is told apart by its return address, which a naked shim passes on.
 #![allow(unsafe_code)]
 
-use std::ffi::{c_void, CStr};
+use std::ffi::c_void;
 
 use super::entry::real;
 
@@ -27,16 +27,10 @@ const RUNTIME_LIBRARIES: &[&str] = &["libamdhip64", "libhsa-runtime64", "libposs
 
 /// Whether code at `addr` is in the HIP runtime, HSA's runtime or possum.
 fn from_runtime(addr: usize) -> bool {
-    // SAFETY: `Dl_info` is plain data (pointers and integers): all zeroes is a valid value.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: `info` is a valid out-parameter; dladdr only reads the loader's tables.
-    if unsafe { libc::dladdr(addr as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
-        return false;
-    }
-    // SAFETY: dladdr's file name is a NUL-terminated string owned by the loader.
-    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy();
-    let file = path.rsplit('/').next().unwrap_or(&path);
-    RUNTIME_LIBRARIES.iter().any(|l| file.starts_with(l))
+    crate::elfsym::object_file(addr).is_some_and(|path| {
+        let file = path.rsplit('/').next().unwrap_or(&path);
+        RUNTIME_LIBRARIES.iter().any(|l| file.starts_with(l))
+    })
 }
 
 /// `hsa_status_t hsa_amd_memory_pool_allocate(hsa_amd_memory_pool_t pool, size_t size,
