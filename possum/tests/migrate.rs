@@ -332,22 +332,11 @@ fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
 /// without an answer (as one that died in its restore): the source restores the job itself.
 #[test]
 fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
-    use possum_sequence::auth::HmacKey;
-    use possum_sequence::wire;
     let Some((tmp, want, mut job)) = setup("migrate_destination_gone") else {
         return;
     };
     let dir = tmp.path();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let dest = dir.join("received/job");
-    let destination = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        wire::set_timeouts(&s, WAIT).unwrap();
-        let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
-        let (_, mut session) = wire::receive_dir_session(&mut s, &key, &dest).unwrap();
-        wire::await_released(&mut s, &mut session).unwrap();
-    });
+    let (addr, destination) = fake_destination(dir, |_, _| {});
     let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
     destination.join().unwrap();
     failed_at(&out, "waiting for the destination's restore");
@@ -358,6 +347,28 @@ fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
     );
     assert!(dir.join("local/possum.json").is_file());
     goes_on_like(&mut job, dir, &want, "restored at the source");
+}
+
+/// A destination by hand on a loopback port (its address, and its thread): it takes the image
+/// and the source's `Released` under the key `key`, then does `then` and drops the connection.
+fn fake_destination(
+    dir: &Path,
+    then: impl FnOnce(&mut std::net::TcpStream, &mut possum_sequence::wire::Session) + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>) {
+    use possum_sequence::auth::HmacKey;
+    use possum_sequence::wire;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let dest = dir.join("received/job");
+    let thread = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        wire::set_timeouts(&s, WAIT).unwrap();
+        let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
+        let (_, mut session) = wire::receive_dir_session(&mut s, &key, &dest).unwrap();
+        wire::await_released(&mut s, &mut session).unwrap();
+        then(&mut s, &mut session);
+    });
+    (addr, thread)
 }
 
 fn alive(pid: i32) -> bool {
@@ -371,25 +382,16 @@ fn alive(pid: i32) -> bool {
 /// exactly.
 #[test]
 fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() {
-    use possum_sequence::auth::HmacKey;
     use possum_sequence::wire::{self, Outcome};
     let Some((tmp, want, mut job)) = setup("migrate_silent_after_go") else {
         return;
     };
     let dir = tmp.path();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let dest = dir.join("received/job");
     let pid = job.pid;
-    let destination = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        wire::set_timeouts(&s, WAIT).unwrap();
-        let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
-        let (_, mut session) = wire::receive_dir_session(&mut s, &key, &dest).unwrap();
-        wire::await_released(&mut s, &mut session).unwrap();
-        wire::send_outcome(&mut s, &mut session, &Outcome::Restored { pid }).unwrap();
+    let (addr, destination) = fake_destination(dir, move |s, session| {
+        wire::send_outcome(s, session, &Outcome::Restored { pid }).unwrap();
         // The go, then silence.
-        wire::await_released(&mut s, &mut session).unwrap();
+        wire::await_released(s, session).unwrap();
     });
     let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
     destination.join().unwrap();
