@@ -861,10 +861,12 @@ fn job_runtime(
     }
 }
 
-/// Whether `pid`'s session leader is outside its PID namespace, as seen from here (getsid
-/// answers 0).
-fn session_outside(pid: i32) -> bool {
-    nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid))).is_ok_and(|s| s.as_raw() == 0)
+/// `pid`'s session id, as seen from here: 0 when its session leader is outside this PID
+/// namespace; `None` when it cannot be read.
+fn session_of(pid: i32) -> Option<i32> {
+    nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
+        .ok()
+        .map(|s| s.as_raw())
 }
 
 /// Plan: checks that the job can be checkpointed and finds what its checkpoint involves (its
@@ -917,7 +919,8 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     if let Some(drv) = driver {
         check_driver_state(p, drv, hooks.as_ref().is_some_and(|h| h.cupti))?;
     }
-    if side.is_some() && session_outside(pid) {
+    let sid = session_of(pid);
+    if side.is_some() && sid == Some(0) {
         return Err(PlanError::SessionOutside { pid });
     }
     // The other CUDA processes of the job's tree: locked and checkpointed by the driver with the
@@ -958,8 +961,7 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         possum_children,
         managed,
         keeper: has_keeper.then(|| keeper_of(pid)).flatten(),
-        shell_job: nix::unistd::getsid(Some(nix::unistd::Pid::from_raw(pid)))
-            .is_ok_and(|sid| sid.as_raw() != pid),
+        shell_job: sid.is_some_and(|sid| sid != pid),
         socket_dirs: tree::socket_dirs(&tree),
         stdio_pipes: tree::external_stdio_pipes(pid, &tree),
         // What the job uses on the GPU now, for the restore's check (nvidia-smi's: a CUDA
