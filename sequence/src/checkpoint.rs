@@ -919,10 +919,6 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     if let Some(drv) = driver {
         check_driver_state(p, drv, hooks.as_ref().is_some_and(|h| h.cupti))?;
     }
-    let sid = session_of(pid);
-    if side.is_some() && sid == Some(0) {
-        return Err(PlanError::SessionOutside { pid });
-    }
     // The other CUDA processes of the job's tree: locked and checkpointed by the driver with the
     // root (one T0 for all, before CRIU dumps any), restored and unlocked with it.
     let children = match driver {
@@ -943,6 +939,12 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         .chain(child_statuses.iter().map(|(c, s)| (*c, s)))
         .collect();
     refuse_peers_outside(&statuses)?;
+    // CRIU's own refusal, after the GPU side's: a job it cannot dump in any session is told so
+    // first.
+    let sid = session_of(pid);
+    if side.is_some() && sid == Some(0) {
+        return Err(PlanError::SessionOutside { pid });
+    }
     let possum_children: Vec<i32> = child_statuses.iter().map(|(c, _)| *c).collect();
     let engines = status
         .iter()
