@@ -422,6 +422,10 @@ pub struct ReleaseReply {
     /// Devices released (or detached).
     #[serde(deserialize_with = "null_default")]
     pub devices: Vec<usize>,
+    /// Mappings of memory other processes shared with this one, released for the driver's
+    /// checkpoint (mapped again at the resume).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub imports_released: Option<u64>,
     /// Milliseconds detaching (CUPTI, or a kept checkpoint's buffers).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detach_ms: Option<f64>,
@@ -468,6 +472,8 @@ struct ReleaseWire<'a> {
     held_epochs: Option<&'a [HeldEpoch]>,
     devices: &'a [usize],
     #[serde(skip_serializing_if = "Option::is_none")]
+    imports_released: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     detach_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     held: Option<&'a str>,
@@ -498,6 +504,7 @@ impl Serialize for ReleaseReply {
             held_for_restore: written_if(&self.held_for_restore, at_gate),
             held_epochs: written_if(&self.held_epochs, at_gate),
             devices: &self.devices,
+            imports_released: self.imports_released,
             detach_ms: self.detach_ms,
             held: self.held.as_deref(),
             parked: self.parked.as_ref(),
@@ -557,6 +564,9 @@ pub struct ResumeReply {
     /// Milliseconds attaching kept buffers again.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attach_ms: Option<f64>,
+    /// Mappings of memory other processes shared with this one, mapped again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub imports_attached: Option<u64>,
     /// Devices whose kept buffers are being saved.
     #[serde(deserialize_with = "null_default")]
     pub saving: Vec<usize>,

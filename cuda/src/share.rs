@@ -595,3 +595,33 @@ impl Drop for RegisteredFile {
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
+
+/// Memory another process shared with this one (an fd it exported), imported and mapped at an
+/// address of the caller's own reservation, with read/write access for the caller's device and
+/// its peers: NCCL maps its peers' buffers so. Dropped, the handle is released and the mapping
+/// stays (the driver keeps the memory while it is mapped); [`PeerMapping::unmap`] ends both.
+#[derive(Debug)]
+pub struct PeerMapping {
+    mem: driver::PhysMem,
+    va: u64,
+}
+
+impl PeerMapping {
+    /// Imports the `size` bytes `fd` shares in device `ordinal`'s primary context (the
+    /// caller's, made current on this thread as the CUDA runtime has it) and maps them at `va`.
+    /// On failure nothing stays mapped or imported. The fd stays the caller's.
+    pub fn map(ordinal: usize, fd: BorrowedFd<'_>, size: u64, va: u64) -> DeviceResult<Self> {
+        driver::init()?;
+        let ctx = Context::retain_primary(driver::device_get(ordinal)?)?;
+        ctx.bind()?;
+        let mem = driver::PhysMem::import(&ctx, fd, size)?;
+        mem.map_at(va)?;
+        Ok(PeerMapping { mem, va })
+    }
+
+    /// Unmaps it and releases the handle (the memory stays its owner's).
+    pub fn unmap(self) -> DeviceResult<()> {
+        driver::unmap(self.va, self.mem.size())?;
+        self.mem.release()
+    }
+}

@@ -159,7 +159,11 @@ int cuMemCreate(ull* h, size_t size, const void* prop, ull f){
   x->htype = prop? ((const int*)prop)[1] : 0; x->imported=0;  // CUmemAllocationProp: type, requestedHandleTypes
   if(ftruncate(x->fd,size)) return 2;
   used+=size; *h=(ull)(uintptr_t)x; return 0; }
-int cuMemRelease(ull h){ struct h* x=(void*)(uintptr_t)h; close(x->fd); if(!x->imported) used-=x->size; free(x); return 0; }
+// Imported handles this process holds: the driver's restore of a process checkpointed holding
+// one fails (CUDA_ERROR_NOT_SUPPORTED, as driver 580 on the H100 answers), read by the process
+// restoring it (cuCheckpointProcessRestore) in this variable of the checkpointed process.
+static volatile int imports_live;
+int cuMemRelease(ull h){ struct h* x=(void*)(uintptr_t)h; close(x->fd); if(!x->imported) used-=x->size; else imports_live--; free(x); return 0; }
 // Shareable handles: only CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (1), and only for memory
 // created with it (else CUDA_ERROR_INVALID_VALUE, as the real driver answers).
 int cuMemExportToShareableHandle(void* out, ull h, int type, ull flags){
@@ -175,6 +179,7 @@ int cuMemImportFromShareableHandle(ull* h, void* os, int type){
   struct h* x=malloc(sizeof *x); x->fd=fcntl(fd, F_DUPFD_CLOEXEC, 0); x->size=st.st_size;
   x->htype=1; x->imported=1;
   if(x->fd<0){ free(x); return 2; }
+  imports_live++;
   *h=(ull)(uintptr_t)x; return 0; }
 int cuMemMap(ull p, size_t size, size_t off, ull h, ull f){
   struct h* x=(void*)(uintptr_t)h;
@@ -483,6 +488,15 @@ static unsigned long remote_addr(int pid, const volatile void* var){
        && off==0 && ino==(unsigned long)me.st_ino) base=lo; }
   fclose(f);
   return base? base + ((uintptr_t)var - (uintptr_t)di.dli_fbase) : 0; }
+// Variable `var` of this library in process pid (0 where it cannot be read).
+static int remote_int(int pid, const volatile int* var){
+  unsigned long at=remote_addr(pid, var); int v=0;
+  if(!at) return 0;
+  char path[64]; snprintf(path, sizeof path, "/proc/%d/mem", pid);
+  int fd=open(path, O_RDONLY); if(fd<0) return 0;
+  if(pread(fd, &v, sizeof v, at)!=sizeof v) v=0;
+  close(fd);
+  return v; }
 static int ckpt_step_in_process(int pid, unsigned long at, int from, int to, int* out){
   char path[64]; snprintf(path, sizeof path, "/proc/%d/mem", pid);
   int fd=open(path, O_RDWR), st=0, r=0;
@@ -568,6 +582,7 @@ int cuCheckpointProcessRestore(int pid, void* args){
     if(!zeroed(args, 12) || (n==0)!=(pairs==0)) return 1; }
   hang_if_asked("cuCheckpointProcessRestore");
   if(pid<=0 || kill(pid, 0)!=0) return 1;
+  if(remote_int(pid, &imports_live)>0) return 801;
   struct remote_remap rm;
   int r=remap_plan(pid, pairs, n, &rm);
   if(!r) r=ckpt_step(pid, 2, 1, 0);

@@ -689,6 +689,13 @@ impl<D: Device> Engine<D> {
         CkptSession::begin(&self.inner, sink, CopyMode::Cow, true, saver)
     }
 
+    /// Marks the buffer holding `ptr` as written (someone the hooks do not see writes it: another
+    /// process it is shared with), so that the next round or final copy takes it. `false`: no
+    /// buffer there.
+    pub fn mark_written(&self, ptr: DevPtr) -> bool {
+        self.lookup(ptr).inspect(Buffer::mark_dirty).is_some()
+    }
+
     /// Marks every buffer as written, so that the next pre-copy round (or `checkpoint(sink, true)`)
     /// takes all of them: needed before the first round into a new sink, since the dirty marks
     /// only say what changed since the last round, whichever sink that one went to.

@@ -155,6 +155,12 @@ pub unsafe fn serve_map(
     handle: u64,
     flags: u64,
 ) -> Option<c_int> {
+    if crate::imports::is_import(handle) {
+        return std::panic::catch_unwind(|| {
+            crate::imports::map(va, size as u64, offset as u64, handle, flags)
+        })
+        .unwrap_or(Some(INVALID_VALUE));
+    }
     if !crate::vmm::is_token(handle) {
         return None;
     }
@@ -167,7 +173,10 @@ pub unsafe fn serve_map(
 /// # Safety
 /// As `cuMemUnmap` (no pointer is read).
 pub unsafe fn serve_unmap(va: u64, size: usize) -> Option<c_int> {
-    std::panic::catch_unwind(|| crate::vmm::unmap(va, size as u64)).unwrap_or(Some(INVALID_VALUE))
+    std::panic::catch_unwind(|| {
+        crate::vmm::unmap(va, size as u64).or_else(|| crate::imports::unmap(va, size as u64))
+    })
+    .unwrap_or(Some(INVALID_VALUE))
 }
 
 /// `cuMemRelease` of a token of possum's; `None`: the driver's.
@@ -175,6 +184,9 @@ pub unsafe fn serve_unmap(va: u64, size: usize) -> Option<c_int> {
 /// # Safety
 /// As `cuMemRelease` (no pointer is read).
 pub unsafe fn serve_release(handle: u64) -> Option<c_int> {
+    if crate::imports::is_import(handle) {
+        return crate::imports::release(handle);
+    }
     if !crate::vmm::is_token(handle) {
         return None;
     }
@@ -188,6 +200,10 @@ pub unsafe fn serve_release(handle: u64) -> Option<c_int> {
 /// As `cuMemExportToShareableHandle`: `out` is null or valid for writing the handle (an `int`
 /// for a POSIX fd).
 pub unsafe fn serve_export(out: u64, handle: u64, kind: c_uint, flags: u64) -> Option<c_int> {
+    // As the driver answers for an imported handle: not exported again.
+    if crate::imports::is_import(handle) {
+        return Some(INVALID_VALUE);
+    }
     let r = std::panic::catch_unwind(|| crate::vmm::export(handle, kind, flags))
         .unwrap_or(Some(Err(INVALID_VALUE)))?;
     Some(match r {
@@ -211,7 +227,7 @@ pub unsafe fn serve_export(out: u64, handle: u64, kind: c_uint, flags: u64) -> O
 /// # Safety
 /// As that function: `prop` is null or valid for writing a `CUmemAllocationProp` (32 bytes).
 pub unsafe fn serve_props(prop: *mut u8, handle: u64) -> Option<c_int> {
-    match crate::vmm::props(handle)? {
+    match crate::vmm::props(handle).or_else(|| crate::imports::props(handle))? {
         Ok(_) if prop.is_null() => Some(INVALID_VALUE),
         Ok(p) => {
             // SAFETY: non-null, valid for 32 bytes by the caller's contract.
@@ -230,7 +246,10 @@ pub unsafe fn serve_retain(handle: *mut u64, addr: u64) -> Option<c_int> {
     if handle.is_null() {
         return None;
     }
-    match std::panic::catch_unwind(|| crate::vmm::retain(addr)).ok()?? {
+    let found = std::panic::catch_unwind(|| {
+        crate::vmm::retain(addr).or_else(|| crate::imports::retain(addr).map(Ok))
+    });
+    match found.ok()?? {
         Ok(token) => {
             // SAFETY: non-null and valid by the caller's contract.
             unsafe { handle.write(token) };
@@ -304,4 +323,23 @@ pub unsafe fn serve_free_async(ptr: u64, stream: u64) -> Option<c_int> {
 pub unsafe fn serve_free_async_ptsz(ptr: u64, stream: u64) -> Option<c_int> {
     std::panic::catch_unwind(|| crate::pools::free_async(ptr, stream_of(stream, true)))
         .unwrap_or(Some(INVALID_VALUE))
+}
+
+/// `cuMemImportFromShareableHandle(handle, os, kind)` of a POSIX fd a keeper of this job handed
+/// out: an import token of possum's (`imports.rs`); `None`: the driver's.
+///
+/// # Safety
+/// As `cuMemImportFromShareableHandle`: `handle` is null or valid for a write; for `kind` 1
+/// (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) `os` is the caller's fd, open for the call.
+pub unsafe fn serve_import(handle: *mut u64, os: u64, kind: c_uint) -> Option<c_int> {
+    let raw = i32::try_from(os).ok().filter(|fd| *fd >= 0)?;
+    if handle.is_null() || kind != 1 {
+        return None;
+    }
+    // SAFETY: the caller's fd, open for this call by the contract above; only borrowed.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(raw) };
+    let token = std::panic::catch_unwind(|| crate::imports::import(fd)).ok()??;
+    // SAFETY: non-null and valid by the caller's contract.
+    unsafe { handle.write(token) };
+    Some(SUCCESS)
 }

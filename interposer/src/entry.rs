@@ -917,7 +917,7 @@ entry_points! {
     cuMemMap = 551 [serve serve_map] (va: P, size: Z, offset: Z, handle: P, flags: u64);
     cuMemUnmap = 552 [serve serve_unmap] (va: P, size: Z);
     cuMemExportToShareableHandle = 554 [serve serve_export] (out: P, handle: P, kind: U, flags: u64);
-    cuMemImportFromShareableHandle = 555 (handle: *mut u64, os: P, kind: U);
+    cuMemImportFromShareableHandle = 555 [serve serve_import] (handle: *mut u64, os: P, kind: U);
     cuMemGetAllocationPropertiesFromHandle = 557 [serve serve_props] (prop: *mut u8, handle: P);
     cuMemRetainAllocationHandle = 565 [serve serve_retain] (handle: *mut u64, addr: P);
     cuStreamCreate = 124 (s: P, flags: U);

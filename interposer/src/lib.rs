@@ -101,6 +101,7 @@ mod gate;
 mod hip;
 mod hook_state;
 mod hooks;
+mod imports;
 mod load;
 mod log;
 mod mode;
@@ -268,6 +269,7 @@ pub fn stats_json() -> serde_json::Value {
         v["possum"] = st.stats_json();
         v["possum"]["session"] = session::status_json();
         v["possum"]["vmm"] = vmm::stats_json();
+        v["possum"]["imports"] = imports::stats_json();
         v["possum"]["pools"] = pools::stats_json();
     }
     v

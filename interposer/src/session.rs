@@ -78,12 +78,20 @@ fn set_saving(s: Saving) {
     *SAVING.lock() = s;
     SAVED_CV.notify_all();
 }
+/// How long the keeper holds the memory of a job that shares some with other processes after a
+/// checkpoint released it, should the job be gone (killed after a checkpoint left running).
+const SHARED_HOLD_SECS: u64 = 600;
 /// How many times a held release tries before giving up (each attempt ended by the watchdog).
 const HOLD_ATTEMPTS: u32 = 3;
 
 /// Lets the job go on, however it was paused (in its CUDA calls, or its threads parked).
 fn unpause_job() {
     untrim_contexts();
+    // What other processes shared with this one, mapped again where a release let it go (a
+    // resume does it first, to report a failure; here after a failed release).
+    if let Err(e) = crate::imports::attach() {
+        log(&format!("after the checkpoint: {e}"));
+    }
     gate::set_paused(false);
     if park::held() {
         park::unpark_all();
@@ -328,13 +336,24 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     let all = engines();
     // Kept: every engine's buffer memory is the keeper's, and the hooks see the operations
     // that write buffers (the save runs while the job does).
+    // Not with memory shared with another process: its writes there are not seen here, so
+    // that memory is copied while every process is held, not saved after the job runs on.
+    let shared = crate::vmm::shared_pieces();
     let kept = keep
         && hooks
+        && shared.is_empty()
         && !all.is_empty()
         && all.iter().all(|e| {
             use possum_engine::device::Device;
             e.engine.device().keeps_memory()
         });
+    if keep && !kept && !shared.is_empty() {
+        log(&format!(
+            "checkpoint copied while the job is held, not kept: {} pieces of its memory are \
+             shared with other processes",
+            shared.len()
+        ));
+    }
     for e in all {
         // A kept checkpoint's images are made at the save, after CRIU's dump: an image file
         // open during the dump would be in CRIU's image, to be reopened at its restore.
@@ -490,6 +509,12 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
     };
     // What any device queued before the pause is done before any engine fixes its T0.
     fence_all_devices(&engines).map_err(unpause)?;
+    // Memory shared with other processes: written by them unseen, so copied again now.
+    for (ordinal, va) in crate::vmm::shared_pieces() {
+        if let Some(e) = engines.iter().find(|e| e.ordinal == ordinal) {
+            e.engine.mark_written(possum_engine::device::DevPtr(va));
+        }
+    }
     let mut finals = Vec::new();
     for (ordinal, writer) in open {
         let Some(e) = engines.iter().find(|e| e.ordinal == ordinal) else {
@@ -525,6 +550,7 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
     let copied = ms(t.elapsed());
     let (bytes, done, staging_freed) = release_engines(&engines, true, keep)?;
     let trimmed = trim_contexts(&engines);
+    let imports_released = crate::imports::detach()?;
     // Devices whose buffers stay on the GPU with the keeper for a restore (not freed).
     let held: Vec<usize> = engines
         .iter()
@@ -558,6 +584,7 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
         held_for_restore: held,
         held_epochs,
         devices: done,
+        imports_released: Some(imports_released),
         detach_ms: Some(ms(td.elapsed())),
         ms: Some(ms(t.elapsed())),
         ..ReleaseReply::default()
@@ -602,6 +629,19 @@ fn release_kept(
             }
         }
     }
+    let imports_released = match crate::imports::detach() {
+        Ok(n) => n,
+        Err(err) => {
+            for d in &done {
+                if let Err(again) = d.engine.reattach() {
+                    log(&format!("device {}: reattach: {again}", d.ordinal));
+                }
+            }
+            stop_tracking(engines);
+            unpause_job();
+            return Err(err);
+        }
+    };
     let detached_ms = ms(t.elapsed());
     let staging_freed: u64 = if config::get().tuning.staging_park {
         engines.iter().map(|e| free_staging(e)).sum()
@@ -617,6 +657,7 @@ fn release_kept(
     });
     let v = ReleaseReply {
         kept_bytes: Some(bytes),
+        imports_released: Some(imports_released),
         detach_ms: Some(detached_ms),
         final_copy_ms: Some(0.0),
         released_bytes: 0,
@@ -648,6 +689,9 @@ fn release_engines(
     let mut staging_freed = 0u64;
     let mut done = Vec::new();
     let park = park_staging && config::get().tuning.staging_park;
+    // Memory shared with other processes stays with the keeper (its peers map the same
+    // allocation again at the resume), whether or not the job is to be killed.
+    let keep = keep.or_else(|| (!crate::vmm::shared_pieces().is_empty()).then_some(SHARED_HOLD_SECS));
     for e in engines {
         let r = match keep {
             Some(secs) if secs > 0 && e.engine.device().keeps_memory() => {
@@ -816,7 +860,9 @@ fn release_held(
     }
     let copied = ms(t.elapsed());
     let (bytes, done, staging_freed) = release_engines(&engines, false, None)?;
+    let imports_released = crate::imports::detach()?;
     let v = ReleaseReply {
+        imports_released: Some(imports_released),
         finals,
         final_copy_ms: Some(copied),
         released_bytes: bytes,
@@ -1039,6 +1085,10 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeR
         out.push(ordinal);
     }
     let saving_devices: Vec<usize> = saving.iter().map(|(o, ..)| *o).collect();
+    // Memory other processes shared with this one, mapped again before the job goes on; without
+    // it the job stays paused (its kernels would fault on those addresses).
+    let imports_attached = crate::imports::attach()
+        .map_err(|e| format!("{e}; the job stays paused so that it computes nothing wrong"))?;
     unpause_job();
     if !saving.is_empty() {
         let _ = std::thread::Builder::new()
@@ -1053,6 +1103,7 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeR
         staged,
         moved,
         attach_ms: Some(attach_ms),
+        imports_attached: Some(imports_attached),
         saving: saving_devices,
         ms: Some(ms(t.elapsed())),
     })

@@ -53,6 +53,8 @@ struct Token {
     /// References: its `cuMemCreate`, and each `cuMemRetainAllocationHandle`; each
     /// `cuMemRelease` drops one.
     refs: u32,
+    /// Exported (`cuMemExportToShareableHandle`): another process may write it, unseen here.
+    shared: bool,
 }
 
 /// Bytes of a `CUmemAllocationProp` (CUDA 12 and 13).
@@ -121,6 +123,7 @@ pub fn create(size: u64, ask: Ask) -> Option<Result<u64, c_int>> {
             used: false,
             prop: ask.prop,
             refs: 1,
+            shared: false,
         },
     );
     CREATED.fetch_add(1, Ordering::Relaxed);
@@ -328,6 +331,9 @@ pub fn export(handle: u64, kind: c_uint, flags: u64) -> Option<Result<c_int, c_i
         (1, 0, Some(va), Some(eng)) => match eng.engine.device().share(DevPtr(va)) {
             Ok(fd) => {
                 SHARED.fetch_add(1, Ordering::Relaxed);
+                if let Some(t) = TOKENS.lock().as_mut().and_then(|m| m.get_mut(&handle)) {
+                    t.shared = true;
+                }
                 return Some(Ok(std::os::fd::IntoRawFd::into_raw_fd(fd)));
             }
             Err(e) => e.to_string(),
@@ -350,6 +356,19 @@ pub fn export(handle: u64, kind: c_uint, flags: u64) -> Option<Result<c_int, c_i
     Some(Err(NOT_SUPPORTED))
 }
 
+/// The pieces mapped now whose handles were exported, by (device, address): another process
+/// may write them without this one seeing it, so a checkpoint copies them with every process
+/// held, and keeps their memory with the keeper across it, for the peers that mapped it to map
+/// it again (`imports.rs`).
+pub fn shared_pieces() -> Vec<(usize, u64)> {
+    TOKENS.lock().as_ref().map_or_else(Vec::new, |m| {
+        m.values()
+            .filter(|t| t.shared)
+            .filter_map(|t| Some((t.ordinal, t.mapped?)))
+            .collect()
+    })
+}
+
 /// For `possum status`: tokens made and live, pieces mapped now and ever.
 pub fn stats_json() -> serde_json::Value {
     let (live, mapped_now) = TOKENS.lock().as_ref().map_or((0, 0), |m| {
@@ -363,6 +382,7 @@ pub fn stats_json() -> serde_json::Value {
         "pieces_mapped_now": mapped_now,
         "pieces_mapped": MAPPED.load(Ordering::Relaxed),
         "handles_shared": SHARED.load(Ordering::Relaxed),
+        "pieces_shared_now": shared_pieces().len(),
         "left_to_driver": left.0,
         "left_to_driver_first_prop": left.1.map(|p| p.iter().map(|b| format!("{b:02x}")).collect::<String>()),
     })

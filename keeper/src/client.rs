@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::{
-    fdpass, Allocated, DeviceInfo, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
+    fdpass, Allocated, DeviceInfo, Identified, Identify, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
     StageInfo, StagePlan, Stats, LOAD_TIMEOUT, REQUEST_TIMEOUT,
 };
 
@@ -163,6 +163,23 @@ impl Keeper {
     pub fn share(&mut self, id: u64) -> Result<OwnedFd, KeeperError> {
         self.ask_fd("share", &Request::Share { id })
             .map(|(_, fd)| fd)
+    }
+
+    /// Which of this keeper's allocations `fd` is of, if it is one [`share`](Self::share) handed
+    /// out (in another process that passed it on).
+    pub fn identify(&mut self, fd: BorrowedFd<'_>) -> Result<Option<Identified>, KeeperError> {
+        let (v, _) = self.ask_with("identify", &Request::Identify, Some(fd))?;
+        parse::<Identify>("identify", v).map(|r| r.identified)
+    }
+
+    /// A new fd for allocation `a` that [`identify`](Self::identify) found, to import again.
+    pub fn peer_share(&mut self, a: &Identified) -> Result<OwnedFd, KeeperError> {
+        let req = Request::PeerShare {
+            id: a.id,
+            owner: a.owner,
+            instance: a.instance,
+        };
+        self.ask_fd("peer_share", &req).map(|(_, fd)| fd)
     }
 
     /// Hands this keeper retained allocation `a` of another (which died) through `fd`.

@@ -1,6 +1,7 @@
-//! Lines with file descriptors attached (SCM_RIGHTS) over a Unix stream socket. The crate's only
-//! `unsafe`: taking ownership of the descriptors `recvmsg` received, which the kernel has just
-//! installed in this process for the caller alone.
+//! Lines with file descriptors attached (SCM_RIGHTS) over a Unix stream socket, and whether two
+//! descriptors are one open file. The crate's only `unsafe`: taking ownership of the descriptors
+//! `recvmsg` received, which the kernel has just installed in this process for the caller alone,
+//! and `kcmp`.
 #![allow(unsafe_code)]
 
 use std::io::{self, IoSlice, IoSliceMut, Write};
@@ -107,4 +108,25 @@ pub(crate) fn recv_line(
         }
         pending.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// Whether `a` and `b` are the same open file description (`kcmp(KCMP_FILE)` on this process):
+/// an fd passed to another process (SCM_RIGHTS) and back is the one it was. `false` where the
+/// kernel cannot say (no `kcmp`: CONFIG_KCMP off, or refused).
+pub(crate) fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
+    const KCMP_FILE: nix::libc::c_long = 0;
+    let pid = nix::libc::c_long::from(std::process::id() as i32);
+    // SAFETY: kcmp reads no memory of ours: it compares two descriptors of this process, both
+    // open for the call's length (borrowed).
+    let r = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_kcmp,
+            pid,
+            pid,
+            KCMP_FILE,
+            nix::libc::c_long::from(a.as_raw_fd()),
+            nix::libc::c_long::from(b.as_raw_fd()),
+        )
+    };
+    r == 0
 }

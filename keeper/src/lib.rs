@@ -14,6 +14,8 @@
 //! client ── {"cmd":"release_retained","id":I}\n ──▶ {"ok":true}\n   frees a retained allocation
 //! client ── {"cmd":"reclaim","id":I,"epoch":E}\n ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)
 //! client ── {"cmd":"share","id":I}\n     ──▶ {"id":I,"size":S}\n + a new fd (SCM_RIGHTS)   CUDA IPC
+//! client ── {"cmd":"identify"}\n + an fd  ──▶ {"identified":{"id":I,"size":S,"owner":P,"instance":N}}\n or null
+//! client ── {"cmd":"peer_share","id":I,"owner":P,"instance":N}\n ──▶ {"id":I,"size":S}\n + a new fd   re-import
 //! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total, stages
 //! client ── {"cmd":"stage","pid":P,"image":DIR,"hold_secs":H,"from":F}\n ──▶ StageInfo   loads DIR for P
 //! client ── {"cmd":"staged","image":DIR}\n ──▶ StagePlan   the caller's stage of DIR
@@ -61,7 +63,7 @@
 //!
 //! The job's side is [`KeeperMemory`], the `possum_cuda::owner::MemoryOwner` a job's
 //! `CudaDevice` takes its buffers' memory from. The only `unsafe` is in the private `fdpass` module (taking ownership of the
-//! descriptors `recvmsg` received).
+//! descriptors `recvmsg` received, and `kcmp`).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -199,6 +201,22 @@ pub enum Request {
     Share {
         /// The allocation.
         id: u64,
+    },
+    /// Which allocation the fd that comes with the request is of: one `share` handed out (and
+    /// another process imported, as NCCL imports its peers' buffers). Answered with
+    /// [`Identify`]; `identified` null for an fd of no allocation shared here.
+    Identify,
+    /// A new fd for allocation `id` of process `owner`, retained or not (reply like `alloc`'s),
+    /// for another process that imported it (found by `identify`) to import it again after its
+    /// own checkpoint released its handles. Refused unless `instance` is this keeper's (a new
+    /// keeper numbers its allocations anew) and `owner` the allocation's.
+    PeerShare {
+        /// The allocation.
+        id: u64,
+        /// The process it belongs to, as `identify` said.
+        owner: i32,
+        /// The keeper's instance, as `identify` said.
+        instance: u64,
     },
     /// Take over a retained allocation of another keeper (one that died), from the fd that
     /// comes with the request: the same id, owner and epoch, so the job's `reclaim` finds it.
@@ -427,6 +445,26 @@ impl From<possum_engine::device::DeviceError> for KeeperError {
     fn from(e: possum_engine::device::DeviceError) -> Self {
         KeeperError::Device(e)
     }
+}
+
+/// The answer to `identify`: the allocation an fd is of, or none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identify {
+    /// The allocation, if the fd is one `share` handed out here.
+    pub identified: Option<Identified>,
+}
+
+/// An allocation another process shared, as `identify` found it: what `peer_share` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identified {
+    /// The allocation.
+    pub id: u64,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The process it belongs to.
+    pub owner: i32,
+    /// This keeper's instance (random, made at its start).
+    pub instance: u64,
 }
 
 /// The reply to `alloc` (the fd comes with it).

@@ -43,6 +43,9 @@ struct Inner {
     next_stage: std::sync::atomic::AtomicU64,
     /// Spare image memory, when configured ([`crate::spare`]).
     spares: Option<Arc<crate::spare::Spares>>,
+    /// This keeper's instance, random: `identify` says it and `peer_share` must name it (the
+    /// allocation ids of a keeper started again begin anew).
+    instance: u64,
 }
 
 #[derive(Debug, Default)]
@@ -73,6 +76,10 @@ struct Alloc {
     hold_until: Option<Instant>,
     /// Where `pid` mapped it, as its `retain` said (a stage on another device matches by it).
     va: Option<u64>,
+    /// The fd `share` handed out of it (one export, duplicated for every `share` and
+    /// `peer_share`), so that `identify` knows an fd of it again in the hands of whoever
+    /// imported it.
+    shared: Option<std::os::fd::OwnedFd>,
 }
 
 impl Alloc {
@@ -117,6 +124,7 @@ impl Server {
                 next_stage: std::sync::atomic::AtomicU64::new(0),
                 spares: crate::spare::SpareConfig::from_config(&crate::config::Config::from_env())
                     .map(|c| Arc::new(crate::spare::Spares::new(c))),
+                instance: new_instance(),
             }),
         })
     }
@@ -286,6 +294,35 @@ impl Inner {
         Ok((json!(r), Some(fd)))
     }
 
+    /// A duplicate of allocation `id`'s shared fd (made at the first), if `allowed`; reply like
+    /// `alloc`'s.
+    fn shared_fd(
+        &self,
+        id: u64,
+        allowed: impl FnOnce(&Alloc) -> bool,
+    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+        let mut st = self.lock();
+        let a = st
+            .allocs
+            .get_mut(&id)
+            .filter(|a| allowed(a))
+            .ok_or(KeeperError::NoSuchAllocation(id))?;
+        let shared = match &a.shared {
+            Some(fd) => fd,
+            None => a.shared.insert(a.mem.export()?),
+        };
+        let fd = shared.try_clone().map_err(|source| KeeperError::Io {
+            op: "duplicate a shared fd",
+            source,
+        })?;
+        let r = Allocated {
+            id,
+            size: a.mem.size(),
+            device: None,
+        };
+        Ok((json!(r), Some(fd)))
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -400,13 +437,31 @@ impl Inner {
             }),
             // Another process's memory is not handed out here, nor memory whose process holds
             // no handle to it (detached for a checkpoint).
-            Request::Share { id } => self.another_fd(id, |a| {
-                if a.pid == pid && !a.retained {
-                    Ok(())
-                } else {
-                    Err(KeeperError::NoSuchAllocation(id))
-                }
-            }),
+            Request::Share { id } => self.shared_fd(id, |a| a.pid == pid && !a.retained),
+            // Any process of the keeper's uid may take again what it imported: it had the fd.
+            Request::PeerShare {
+                id,
+                owner,
+                instance,
+            } => self.shared_fd(id, |a| a.pid == owner && instance == self.instance),
+            Request::Identify => {
+                let [fd] = <[_; 1]>::try_from(fds).map_err(|fds| KeeperError::Protocol {
+                    request: "identify",
+                    detail: format!("{} descriptors came with it, not 1", fds.len()),
+                })?;
+                use std::os::fd::AsFd;
+                let st = self.lock();
+                let identified = st.allocs.iter().find_map(|(&id, a)| {
+                    let shared = a.shared.as_ref()?;
+                    fdpass::same_file(shared.as_fd(), fd.as_fd()).then(|| crate::Identified {
+                        id,
+                        size: a.mem.size(),
+                        owner: a.pid,
+                        instance: self.instance,
+                    })
+                });
+                Ok((json!(crate::Identify { identified }), None))
+            }
             Request::Adopt(a) => {
                 if fds.len() != 1 {
                     return Err(KeeperError::Protocol {
@@ -436,6 +491,7 @@ impl Inner {
                         epoch: a.epoch,
                         hold_until: hold_until(a.hold_secs),
                         va: a.va,
+                        shared: None,
                     },
                 );
                 Ok((ok, None))
@@ -459,6 +515,7 @@ impl Inner {
                     epoch: 0,
                     hold_until: None,
                     va: None,
+                    shared: None,
                 });
                 let a = Allocated {
                     id,
@@ -701,6 +758,7 @@ impl Inner {
                     epoch,
                     hold_until: hold_until(hold_secs.max(1)),
                     va: Some(r.va),
+                    shared: None,
                 });
                 buffers.push(StagedBuffer {
                     buf: r.id,
@@ -1016,4 +1074,17 @@ fn reply(
     let mut line = serde_json::to_vec(v)?;
     line.push(b'\n');
     fdpass::send(stream, &line, fd)
+}
+
+/// A random instance number for a keeper starting now.
+fn new_instance() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
 }

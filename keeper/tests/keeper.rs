@@ -594,6 +594,55 @@ fn a_process_shares_only_its_own_memory_in_use() {
     assert!(k.share(999_999).is_err());
 }
 
+/// `identify` and `peer_share`: an fd `share` handed out, in the hands of a process that
+/// imported it (as NCCL's peers import each other's buffers), is known again as the
+/// allocation's; that process may take a new fd of it, retained or not, naming its owner and
+/// the keeper's instance; an fd of memory never shared, or of no allocation, is not known.
+#[test]
+fn an_imported_fd_is_known_again_and_shared_anew_to_its_importer() {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+    if !inner_or_spawn("an_imported_fd_is_known_again_and_shared_anew_to_its_importer") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let (a, a_fd) = k.alloc(MIB4).unwrap();
+    let (_b, b_fd) = k.alloc(MIB4).unwrap();
+    let shared = k.share(a.id).unwrap();
+    let found = k.identify(shared.as_fd()).unwrap().expect("the shared fd is known");
+    assert_eq!((found.id, found.size), (a.id, a.size));
+    assert_eq!(found.owner, std::process::id() as i32);
+    assert_eq!(k.identify(b_fd.as_fd()).unwrap(), None, "b was never shared");
+    let other = tempfile::tempfile().unwrap();
+    assert_eq!(k.identify(other.as_fd()).unwrap(), None);
+
+    // Another instance or owner: refused.
+    let wrong = |f: &dyn Fn(&mut possum_keeper::Identified)| {
+        let mut w = found;
+        f(&mut w);
+        w
+    };
+    for w in [wrong(&|w| w.instance ^= 1), wrong(&|w| w.owner += 1)] {
+        let err = k.peer_share(&w).unwrap_err().to_string();
+        assert!(err.contains("no allocation"), "{err}");
+    }
+    // In use, then retained for a checkpoint: the same memory each time.
+    std::fs::File::from(a_fd).write_all_at(b"peer", 8192).unwrap();
+    for retain in [false, true] {
+        if retain {
+            k.retain(a.id, 7, 60).unwrap();
+        }
+        let again = std::fs::File::from(k.peer_share(&found).unwrap());
+        let mut back = [0u8; 4];
+        again.read_exact_at(&mut back, 8192).unwrap();
+        assert_eq!(&back, b"peer");
+    }
+    k.release_retained(a.id).unwrap();
+    assert!(k.peer_share(&found).is_err(), "freed");
+}
+
 /// Staging: an engine's buffers checkpointed into an image on disk and
 /// released; the keeper loads the image into new memory for this process, and the engine's
 /// restore maps that memory and waits for the loads instead of copying. A buffer whose load

@@ -18,13 +18,15 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[path = "support/cli.rs"]
 #[allow(dead_code)]
 mod cli;
-use cli::{possum_checkpointing_in as possum, text};
+use cli::{
+    possum_checkpointing_in as possum, start_keeper, start_keeper_with, text, KeeperProcess,
+};
 
 use serde_json::Value;
 
@@ -1300,43 +1302,6 @@ fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
     assert_eq!(r["pid"], job.pid, "{r}");
     restored_goes_on_before_exit(&mut job, dir, &want);
     finish_restored(&mut job);
-}
-
-/// A keeper process ended when dropped.
-struct KeeperProcess(Child);
-
-impl Drop for KeeperProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// `possum keeper --dir DIR/keeper` on the fake driver, once it is ready: (the process, DIR/keeper).
-fn start_keeper(dir: &Path) -> (KeeperProcess, PathBuf) {
-    start_keeper_with(dir, &[])
-}
-
-/// [`start_keeper`] with `env` added to the keeper's environment.
-fn start_keeper_with(dir: &Path, env: &[(&str, &str)]) -> (KeeperProcess, PathBuf) {
-    let keeper_dir = dir.join("keeper");
-    let mut keeper = possum(dir)
-        .args(["keeper", "--dir"])
-        .arg(&keeper_dir)
-        .env("LD_LIBRARY_PATH", dir)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(keeper.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
-    (KeeperProcess(keeper), keeper_dir)
 }
 
 /// Faults around a kept checkpoint: `possum checkpoint --leave-running` of a job whose

@@ -6,7 +6,6 @@
 //! uninterrupted run's. A rank that cannot reach the boundary, or dies during the cut, fails the
 //! checkpoint naming it, and every rank runs on with no barrier left.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -15,6 +14,9 @@ use std::time::{Duration, Instant};
 #[allow(dead_code)]
 mod cli;
 use cli::{possum_in as possum, text};
+
+#[path = "../../criu-adapter/tests/support/criu.rs"]
+mod criu_support;
 
 #[path = "../../interposer/tests/common/mod.rs"]
 #[allow(dead_code)]
@@ -74,24 +76,33 @@ impl Drop for Ranks {
 }
 
 fn start(dir: &Path, lib: Option<&Path>, log: &str, env: &[(&str, &str)]) -> Ranks {
+    // The launcher's output goes to a file, which a CRIU restore of the job opens again.
+    let out = dir.join(format!("{log}.out"));
     let mut cmd = common::fake_job_command(dir, "fake_ranks_job", lib);
     cmd.env("FAKE_RANKS_SHM", dir.join(format!("{log}.shm")))
         .env("FAKE_RANKS_LOG", dir.join(log))
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
         .envs(env.iter().copied())
-        .stdout(Stdio::piped())
+        .stdout(std::fs::File::create(&out).unwrap())
         .stderr(Stdio::inherit());
-    let mut child = cmd.spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let pids: Vec<i32> = line
-        .strip_prefix("ranks ")
-        .unwrap_or_else(|| panic!("no ranks line: {line:?}"))
-        .split_whitespace()
-        .map(|p| p.parse().unwrap())
-        .collect();
+    // A session of its own: CRIU dumps a job only if it leads its session (under a
+    // container's PID namespace the test's own session leader is outside it).
+    // SAFETY: setsid is async-signal-safe and touches no memory of this process.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            nix::unistd::setsid().map(|_| ()).map_err(Into::into)
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    let t = Instant::now();
+    let pids: Vec<i32> = loop {
+        let first = lines(&out).into_iter().next().unwrap_or_default();
+        if let Some(p) = first.strip_prefix("ranks ") {
+            break p.split_whitespace().map(|p| p.parse().unwrap()).collect();
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no ranks line");
+        std::thread::sleep(Duration::from_millis(5));
+    };
     Ranks {
         child,
         ranks: [pids[0], pids[1]],
@@ -404,4 +415,226 @@ fn a_communicator_with_a_rank_outside_the_tree_is_refused_before_anything_is_hel
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
     assert!(job.child.wait().unwrap().success());
+}
+
+/// `possum status PID --json` of a rank.
+fn status_of(dir: &Path, pid: i32) -> serde_json::Value {
+    let s = possum(dir)
+        .args(["status", &pid.to_string(), "--json"])
+        .output()
+        .unwrap();
+    serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap()
+}
+
+/// Two ranks that map each other's memory as NCCL's ranks on one host do (rank 0's memory
+/// exported, its fd passed to rank 1 over a Unix socket, imported and mapped there), their
+/// memory served from a keeper: `possum checkpoint --leave-running`, CRIU and the driver
+/// included, releases rank 1's mapping before the driver's lock (the fake driver, like
+/// NVIDIA's, cannot restore a process holding imported memory) and maps the same memory again
+/// at the resume. Rank 1's running value kept in that memory, and both ranks' output, equal an
+/// uninterrupted run's.
+#[test]
+fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
+    let Some((tmp, lib)) = setup("ranks peer memory") else {
+        return;
+    };
+    if criu_support::criu_or_skip("ranks peer memory").is_none() {
+        return;
+    }
+    let dir = tmp.path();
+    let env = [
+        ("FAKE_STEPS", "300"),
+        ("FAKE_STEP_US", "2000"),
+        ("FAKE_PEER_SHARE", "1"),
+    ];
+    let mut reference = start(dir, None, "ref", &env);
+    assert!(reference.child.wait().unwrap().success());
+    assert_eq!(lines(&dir.join("ref.1")).len(), 300);
+
+    let (_keeper, keeper_dir) = cli::start_keeper(dir);
+    let mut with_keeper = env.to_vec();
+    with_keeper.push(("POSSUM_KEEPER", keeper_dir.to_str().unwrap()));
+    let mut job = start(dir, Some(&lib), "job", &with_keeper);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("job.1"), 20);
+    let before = status_of(dir, job.ranks[1]);
+    assert_eq!(before["possum"]["imports"]["mapped_now"], 1, "{before}");
+    let out = cli::possum_checkpointing_in(dir)
+        .args(["checkpoint", &launcher.to_string(), "--leave-running", "-D"])
+        .arg(dir.join("img"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let done = lines(&dir.join("job.1")).len();
+    assert!(done < 300, "the checkpoint came after the job's end");
+
+    // Released for the driver's lock, and mapped again.
+    let after = status_of(dir, job.ranks[1]);
+    let imports = &after["possum"]["imports"];
+    assert_eq!(imports["released_at_checkpoints"], 1, "{after}");
+    assert_eq!(imports["mapped_now"], 1, "{after}");
+    let exporter = status_of(dir, job.ranks[0]);
+    assert_eq!(
+        exporter["possum"]["vmm"]["pieces_shared_now"], 1,
+        "{exporter}"
+    );
+    assert!(job.child.wait().unwrap().success());
+    for r in 0..2 {
+        let (got, want) = (
+            lines(&dir.join(format!("job.{r}"))),
+            lines(&dir.join(format!("ref.{r}"))),
+        );
+        assert_eq!(got.len(), 300, "rank {r}");
+        assert_eq!(got, want, "rank {r}'s output differs from an uninterrupted run's");
+    }
+}
+
+/// The same job killed by its checkpoint and restored by `possum restore`: the exporting rank's
+/// memory waits with the keeper, the importing rank maps it again at its resume, and the job
+/// finishes as an uninterrupted run does.
+#[test]
+fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
+    let Some((tmp, lib)) = setup("ranks peer memory restored") else {
+        return;
+    };
+    if criu_support::criu_or_skip("ranks peer memory restored").is_none() {
+        return;
+    }
+    // The ranks, orphaned by the launcher's kill and restored by CRIU apart from this process,
+    // are this process's (a subreaper's) to reap.
+    possum_criu::set_child_subreaper().unwrap();
+    let dir = tmp.path();
+    let env = [
+        ("FAKE_STEPS", "200"),
+        ("FAKE_STEP_US", "3000"),
+        ("FAKE_PEER_SHARE", "1"),
+    ];
+    let mut reference = start(dir, None, "ref", &env);
+    assert!(reference.child.wait().unwrap().success());
+
+    let (_keeper, keeper_dir) = cli::start_keeper(dir);
+    let mut with_keeper = env.to_vec();
+    with_keeper.push(("POSSUM_KEEPER", keeper_dir.to_str().unwrap()));
+    let mut job = start(dir, Some(&lib), "job", &with_keeper);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("job.1"), 20);
+    let img = dir.join("img");
+    let out = cli::possum_checkpointing_in(dir)
+        .args(["checkpoint", &launcher.to_string(), "--json", "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let v: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert!(!job.child.wait().unwrap().success(), "killed");
+    for r in job.ranks {
+        reap(r);
+    }
+    let at = lines(&dir.join("job.1")).len();
+    assert!(at < 200, "the checkpoint came after the job's end: {v}");
+
+    let out = cli::possum_checkpointing_in(dir)
+        .args(["restore", "--json", "-D"])
+        .arg(&img)
+        .env("LD_LIBRARY_PATH", dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let r: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    let t = Instant::now();
+    while !lines(&dir.join("job.out")).iter().any(|l| l == "done") {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the restored job did not finish: {:?}",
+            lines(&dir.join("job.out"))
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for r in 0..2 {
+        assert_eq!(
+            lines(&dir.join(format!("job.{r}"))),
+            lines(&dir.join(format!("ref.{r}"))),
+            "rank {r}'s output differs from an uninterrupted run's"
+        );
+    }
+}
+
+/// Reaps `pid` (adopted by this subreaper) once it has exited.
+fn reap(pid: i32) {
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    let t = Instant::now();
+    loop {
+        match waitpid(nix::unistd::Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => {}
+            Ok(_) => return,
+            Err(_) if !Path::new(&format!("/proc/{pid}")).exists() => return,
+            Err(_) => {}
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "process {pid} lives on: {:?}",
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The same job killed by its checkpoint, its keeper gone too: the exporting rank's memory is
+/// made anew from the image, so the memory the importing rank mapped cannot be had again; the
+/// restore fails naming it, and the image stays.
+#[test]
+fn ranks_mapping_each_other_s_memory_whose_keeper_is_gone_are_not_restored_half() {
+    let Some((tmp, lib)) = setup("ranks peer memory keeper gone") else {
+        return;
+    };
+    if criu_support::criu_or_skip("ranks peer memory keeper gone").is_none() {
+        return;
+    }
+    possum_criu::set_child_subreaper().unwrap();
+    let dir = tmp.path();
+    let (keeper, keeper_dir) = cli::start_keeper(dir);
+    let env = [
+        ("FAKE_STEPS", "200"),
+        ("FAKE_STEP_US", "3000"),
+        ("FAKE_PEER_SHARE", "1"),
+        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+    ];
+    let mut job = start(dir, Some(&lib), "job", &env);
+    let launcher = job.child.id() as i32;
+    wait_lines(&dir.join("job.1"), 20);
+    let img = dir.join("img");
+    let out = cli::possum_checkpointing_in(dir)
+        .args(["checkpoint", &launcher.to_string(), "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!job.child.wait().unwrap().success(), "killed");
+    for r in job.ranks {
+        reap(r);
+    }
+    drop(keeper);
+    let out = cli::possum_checkpointing_in(dir)
+        .args(["restore", "-D"])
+        .arg(&img)
+        .env("LD_LIBRARY_PATH", dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{}", text(&out));
+    let t = text(&out);
+    assert!(
+        t.contains(&format!(
+            "the memory process {} shared with this one",
+            job.ranks[0]
+        )) && t.contains("the image is intact"),
+        "{t}"
+    );
+    // Nothing of the job runs; the image stays, for a restore elsewhere.
+    for r in job.ranks {
+        reap(r);
+    }
+    assert!(img.join("possum.json").is_file());
 }

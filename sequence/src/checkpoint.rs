@@ -404,12 +404,16 @@ pub enum PlanError {
         /// `--gpu-only` was asked.
         gpu_only: bool,
     },
-    /// A process maps memory another process shared with it (NCCL's peer buffers).
+    /// A process maps memory another process shared with it (NCCL's peer buffers) that
+    /// possum's keeper does not hold.
     #[error(
         "process {pid} maps memory another process shared with it ({mappings} mappings, {}: the \
-         peer buffers of NCCL's ranks, say); NVIDIA's driver checkpoint cannot take such a \
-         process back (its restore fails and leaves the job stuck), so nothing was done; \
-         `--gpu-only` saves the job's GPU buffers without the driver's checkpoint",
+         peer buffers of NCCL's ranks, say) that possum's keeper does not hold (the other \
+         process runs without possum's memory, POSSUM_SERVE_VMM=0, or without a keeper); \
+         NVIDIA's driver checkpoint cannot take such a process back (its restore fails and \
+         leaves the job stuck), so nothing was done; run every process of the job under \
+         `possum run` (which serves their memory from its keeper), or use `--gpu-only`, which \
+         saves the job's GPU buffers without the driver's checkpoint",
         gib(*bytes)
     )]
     Imported {

@@ -153,6 +153,18 @@ impl Process {
         self.pid
     }
 
+    /// [`kill`](Self::kill)s it and every process below it (each through a pidfd, all opened
+    /// before the first signal, so that none is mistaken for a process that took a freed PID):
+    /// a job's ranks or workers must not outlive it. One that ended meanwhile is passed over.
+    pub fn kill_tree(&self) -> Result<(), SignalError> {
+        let below: Vec<Process> = crate::tree::descendants(self.pid)
+            .into_iter()
+            .filter_map(|c| Process::open(c).ok())
+            .collect();
+        self.kill()?;
+        below.iter().try_for_each(Process::kill)
+    }
+
     /// SIGKILLs it through its pidfd and waits (bounded) until it has ended.
     pub fn kill(&self) -> Result<(), SignalError> {
         use rustix::event::{poll, PollFd, PollFlags};
@@ -185,8 +197,9 @@ impl Process {
     }
 }
 
-/// SIGKILLs process `pid` (through a pidfd, never a PID of 1 or less, nor possum or its parent)
-/// and waits (bounded) until it is gone.
+/// SIGKILLs process `pid` and every process below it ([`Process::kill_tree`]; never a PID of 1
+/// or less, nor possum or its parent), and waits (bounded) until they are gone: a job's ranks
+/// or workers must not outlive it, held by its checkpoint.
 pub fn kill_job(pid: i32) -> nix::Result<()> {
     let errno = |e: SignalError| match e {
         SignalError::Open { source, .. } | SignalError::Send { source, .. } => {
@@ -194,7 +207,9 @@ pub fn kill_job(pid: i32) -> nix::Result<()> {
         }
         _ => nix::errno::Errno::EPERM,
     };
-    Process::open(pid).and_then(|p| p.kill()).map_err(errno)
+    Process::open(pid)
+        .and_then(|p| p.kill_tree())
+        .map_err(errno)
 }
 
 /// Why the lock of a process's checkpoint could not be had.
@@ -295,6 +310,36 @@ pub fn start_keeper(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether `pid` has ended (gone, or a zombie no one reaped yet).
+    fn ended(pid: i32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
+    }
+
+    #[test]
+    fn a_job_killed_takes_every_process_below_it_along() {
+        let mut job = std::process::Command::new("sh")
+            .args(["-c", "sleep 300 & (sleep 300 & wait) & wait"])
+            .spawn()
+            .unwrap();
+        let root = job.id() as i32;
+        let t = Instant::now();
+        let below = loop {
+            let d = crate::tree::descendants(root);
+            // Two sleeps and the subshell.
+            if d.len() >= 3 {
+                break d;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "{d:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        kill_job(root).unwrap();
+        let _ = job.wait();
+        for p in below {
+            assert!(ended(p), "process {p} below the job lives on");
+        }
+    }
 
     #[test]
     fn no_group_init_or_possum_is_ever_opened_for_a_signal() {

@@ -127,7 +127,7 @@ pub fn restore_confirmed(
         _ => None,
     };
     if let Err(why) = confirm(job.pid()) {
-        let _ = job.kill();
+        let _ = job.kill_tree();
         if let Some(s) = staging {
             s.abandon();
         }
@@ -137,8 +137,9 @@ pub fn restore_confirmed(
         Ok(r) => r,
         Err(source) => {
             // A half-restored job is of no use to anyone: it must not linger, locked. Killed
-            // through the pidfd of the process CRIU restored, verified after its restore.
-            let _ = job.kill();
+            // through the pidfd of the process CRIU restored, verified after its restore, with
+            // every process below it.
+            let _ = job.kill_tree();
             if let Some(s) = staging {
                 s.abandon();
             }

@@ -19,6 +19,12 @@
  * handle type, exported and imported again, the imported handle mapped), as NCCL maps its peers'
  * buffers.
  *
+ * $FAKE_PEER_SHARE=1: the ranks share memory as NCCL's do on one host: rank 0 makes 2 MiB
+ * (cuMemCreate with a POSIX fd handle type), maps it, exports it and sends the fd to rank 1 over a
+ * Unix socket the launcher made (SCM_RIGHTS); rank 1 imports it and maps it. Every step rank 1
+ * reads the first word of that memory through its mapping, sets it to v * 31 + s + 7, and writes
+ * v's new value at the end of its line: the memory must be the same bytes across a checkpoint.
+ *
  * $FAKE_NCCL_NRANKS=N: each rank first joins an NCCL communicator of N ranks (the same id at
  * every rank) through ncclCommInitRank (the job is linked against an NCCL: fake_nccl.c); with N
  * above 2, ranks the job does not have belong to it, as on another host.
@@ -35,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -148,6 +155,66 @@ static void map_imported(void) {
         die("imported memory");
 }
 
+/* Sends (rank 0) or receives (rank 1) fd over the launcher's socket $FAKE_PEER_SOCK. */
+static int peer_fd(int fd) {
+    int sock = atoi(getenv("FAKE_PEER_SOCK") ? getenv("FAKE_PEER_SOCK") : "-1");
+    char byte = 'f', ctl[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {&byte, 1};
+    struct msghdr m = {0};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = ctl;
+    m.msg_controllen = sizeof ctl;
+    if (fd >= 0) {
+        struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &fd, sizeof fd);
+        if (sendmsg(sock, &m, 0) != 1) die("sendmsg");
+        return fd;
+    }
+    if (recvmsg(sock, &m, 0) != 1) die("recvmsg");
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    if (!c || c->cmsg_type != SCM_RIGHTS) die("no fd from the peer");
+    memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    return fd;
+}
+
+/* $FAKE_PEER_SHARE: the shared memory's address in this rank. */
+static uint64_t share_with_peer(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    int (*create)(uint64_t *, size_t, const void *, uint64_t) = dlsym(h, "cuMemCreate");
+    int (*export)(void *, uint64_t, int, uint64_t) = dlsym(h, "cuMemExportToShareableHandle");
+    int (*import)(uint64_t *, void *, int) = dlsym(h, "cuMemImportFromShareableHandle");
+    int (*reserve)(uint64_t *, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemAddressReserve");
+    int (*map)(uint64_t, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemMap");
+    int (*set_access)(uint64_t, size_t, const void *, size_t) = dlsym(h, "cuMemSetAccess");
+    int prop[8] = {1, 1, 1, 0, 0, 0, 0, 0};
+    int access[3] = {1, 0, 3};
+    uint64_t mem, va;
+    int fd;
+    size_t size = 2u << 20;
+    if (!create || !export || !import || !reserve || !map || !set_access) die("vmm functions");
+    /* As NCCL: made and mapped, then exported to the peer, which imports and maps it. */
+    if (rank == 0) {
+        if (create(&mem, size, prop, 0)) die("cuMemCreate");
+    } else {
+        fd = peer_fd(-1);
+        if (import(&mem, (void *)(intptr_t)fd, 1)) die("import");
+        close(fd);
+    }
+    if (reserve(&va, size, 0, 0, 0) || map(va, size, 0, mem, 0) || set_access(va, size, access, 1))
+        die("mapping the shared memory");
+    if (rank == 0) {
+        uint32_t zero = 0;
+        if (drv_htod(va, &zero, 4) || export(&fd, mem, 1, 0)) die("export");
+        peer_fd(fd);
+        close(fd);
+    }
+    return va;
+}
+
 typedef struct { char internal[128]; } ncclUniqueId;
 int ncclCommInitRank(void **comm, int nranks, ncclUniqueId id, int rank);
 
@@ -161,6 +228,7 @@ static int run_rank(void) {
             die("ncclCommInitRank");
     }
     if (rank == 0 && getenv("FAKE_IMPORT")) map_imported();
+    uint64_t peer = getenv("FAKE_PEER_SHARE") ? share_with_peer() : 0;
     map_shared(0);
     uint32_t *w, *h = malloc(NW * 4);
     if (!h) die("malloc");
@@ -187,7 +255,15 @@ static int run_rank(void) {
         if (drv_dtoh(h, (uint64_t)(uintptr_t)w, NW * 4)) die("dtoh");
         FILE *f = fopen(logp, "a");
         if (!f) die("log");
-        fprintf(f, "%ld %u %08x\n", s, h[2], checksum(h));
+        if (peer && rank == 1) {
+            uint32_t v;
+            if (drv_dtoh(&v, peer, 4)) die("dtoh shared");
+            v = v * 31 + su + 7;
+            if (drv_htod(peer, &v, 4)) die("htod shared");
+            fprintf(f, "%ld %u %08x %08x\n", s, h[2], checksum(h), v);
+        } else {
+            fprintf(f, "%ld %u %08x\n", s, h[2], checksum(h));
+        }
         if (fclose(f)) die("log close");
         usleep((useconds_t)step_us);
     }
@@ -205,6 +281,8 @@ int main(void) {
     if (cudaMalloc(&mine, 4096)) die("cudaMalloc");
     map_shared(1);
     pid_t p[2];
+    int sv[2] = {-1, -1};
+    if (getenv("FAKE_PEER_SHARE") && socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) die("socketpair");
     for (int r = 0; r < 2; r++) {
         p[r] = fork();
         if (p[r] < 0) die("fork");
@@ -212,9 +290,18 @@ int main(void) {
             char v[8];
             snprintf(v, sizeof v, "%d", r);
             setenv("FAKE_RANK", v, 1);
+            if (sv[r] >= 0) {
+                close(sv[1 - r]);
+                snprintf(v, sizeof v, "%d", sv[r]);
+                setenv("FAKE_PEER_SOCK", v, 1);
+            }
             execl("/proc/self/exe", "fake_ranks_job", (char *)NULL);
             _exit(127);
         }
+    }
+    if (sv[0] >= 0) {
+        close(sv[0]);
+        close(sv[1]);
     }
     printf("ranks %d %d\n", (int)p[0], (int)p[1]);
     fflush(stdout);

@@ -1,7 +1,7 @@
 //! The possum executable as the CLI tests on the fake GPU stack run it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 
 /// `possum` for the fake GPU stack built into `dir`: the jobs' socket directory `dir/sockets`
 /// is possum's too (a restore removes a stale socket only there), the fake driver is
@@ -45,4 +45,41 @@ pub fn fake_libcuda(dir: &Path) -> Option<PathBuf> {
         .status()
         .is_ok_and(|s| s.success())
         .then_some(lib)
+}
+
+/// A keeper process ended when dropped.
+pub struct KeeperProcess(pub Child);
+
+impl Drop for KeeperProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `possum keeper --dir DIR/keeper` on the fake driver (`DIR/libcuda.so.1`), once it is ready: (the process, DIR/keeper).
+pub fn start_keeper(dir: &Path) -> (KeeperProcess, PathBuf) {
+    start_keeper_with(dir, &[])
+}
+
+/// [`start_keeper`] with `env` added to the keeper's environment.
+pub fn start_keeper_with(dir: &Path, env: &[(&str, &str)]) -> (KeeperProcess, PathBuf) {
+    let keeper_dir = dir.join("keeper");
+    let mut keeper = possum_in(dir)
+        .args(["keeper", "--dir"])
+        .arg(&keeper_dir)
+        .env("LD_LIBRARY_PATH", dir)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(keeper.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    (KeeperProcess(keeper), keeper_dir)
 }
