@@ -116,8 +116,29 @@ pub struct PossumStatus {
     pub session: Option<SessionStatus>,
     /// The job's own virtual-memory mappings possum serves (`POSSUM_SERVE_VMM`).
     pub vmm: Option<VmmStatus>,
+    /// Memory other processes shared with this one, imported through possum.
+    pub imports: Option<ImportsStatus>,
     /// Stream-ordered allocations possum serves (`POSSUM_SERVE_POOLS`).
     pub pools: Option<PoolsStatus>,
+}
+
+/// `Status`'s `possum.imports`: memory another process of the job shared (an fd its keeper
+/// handed out), imported as possum's handles, released at each checkpoint and mapped again.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct ImportsStatus {
+    /// Imports possum answered.
+    #[serde(deserialize_with = "null_default")]
+    pub imported: u64,
+    /// Handles live now.
+    #[serde(deserialize_with = "null_default")]
+    pub live: u64,
+    /// Of them mapped now.
+    #[serde(deserialize_with = "null_default")]
+    pub mapped_now: u64,
+    /// Mappings released for checkpoints (each mapped again at the resume).
+    #[serde(deserialize_with = "null_default")]
+    pub released_at_checkpoints: u64,
 }
 
 /// `Status`'s `possum.vmm`.
@@ -791,6 +812,7 @@ mod tests {
                 epoch: 9,
             }],
             devices: vec![0, 1],
+            imports_released: Some(2),
             detach_ms: Some(0.5),
             held: Some("threads parked".into()),
             parked: Some(json!({"threads": 4})),
@@ -802,6 +824,7 @@ mod tests {
             ms: Some(3.0),
         });
         assert_eq!(j["final"][0]["image_buffers"], 3);
+        assert_eq!(j["imports_released"], 2);
         assert_eq!(j["attempts"][0]["ended_by_watchdog"], true);
         let j = round_trip(&ResumeReply {
             restoring: vec![0],
@@ -828,6 +851,7 @@ mod tests {
                 },
             ],
             attach_ms: Some(0.1),
+            imports_attached: Some(2),
             saving: vec![0, 1],
             ms: Some(2.0),
         });
@@ -875,6 +899,12 @@ mod tests {
             hooks: Some("entry".into()),
             possum: Some(PossumStatus {
                 engines: vec![engine],
+                imports: Some(ImportsStatus {
+                    imported: 2,
+                    live: 2,
+                    mapped_now: 1,
+                    released_at_checkpoints: 3,
+                }),
                 unmanaged: Some(Unmanaged {
                     allocations: 1,
                     bytes: 64,

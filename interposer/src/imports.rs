@@ -79,7 +79,9 @@ pub fn import(fd: BorrowedFd<'_>) -> Option<u64> {
         return None;
     }
     let (keeper, found) = possum_keeper::sockets_in(dir).into_iter().find_map(|s| {
-        let found = Keeper::connect(&s).and_then(|mut k| k.identify(fd)).ok()??;
+        let found = Keeper::connect(&s)
+            .and_then(|mut k| k.identify(fd))
+            .ok()??;
         Some((s, found))
     })?;
     let _r = Reentry::enter();
@@ -287,7 +289,12 @@ pub fn attach() -> Result<u64, String> {
     let mut imports = IMPORTS.lock();
     let mut n = 0;
     for t in imports.iter_mut().flat_map(|m| m.values_mut()) {
-        let Some(va) = t.mapped.as_ref().filter(|p| p.mapping.is_none()).map(|p| p.va) else {
+        let Some(va) = t
+            .mapped
+            .as_ref()
+            .filter(|p| p.mapping.is_none())
+            .map(|p| p.va)
+        else {
             continue;
         };
         let m = map_peer(t, va)?;

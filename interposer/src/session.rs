@@ -691,7 +691,8 @@ fn release_engines(
     let park = park_staging && config::get().tuning.staging_park;
     // Memory shared with other processes stays with the keeper (its peers map the same
     // allocation again at the resume), whether or not the job is to be killed.
-    let keep = keep.or_else(|| (!crate::vmm::shared_pieces().is_empty()).then_some(SHARED_HOLD_SECS));
+    let keep =
+        keep.or_else(|| (!crate::vmm::shared_pieces().is_empty()).then_some(SHARED_HOLD_SECS));
     for e in engines {
         let r = match keep {
             Some(secs) if secs > 0 && e.engine.device().keeps_memory() => {

@@ -9,8 +9,8 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::{
-    fdpass, Allocated, DeviceInfo, Identified, Identify, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
-    StageInfo, StagePlan, Stats, LOAD_TIMEOUT, REQUEST_TIMEOUT,
+    fdpass, Allocated, DeviceInfo, Identified, Identify, KeeperError, PeerSource, Request,
+    Retained, RetainedAlloc, StageInfo, StagePlan, Stats, LOAD_TIMEOUT, REQUEST_TIMEOUT,
 };
 
 /// The socket in keeper directory `dir` (`possum keeper --dir`: `keeper-N.sock`, one per device

@@ -611,10 +611,17 @@ fn an_imported_fd_is_known_again_and_shared_anew_to_its_importer() {
     let (a, a_fd) = k.alloc(MIB4).unwrap();
     let (_b, b_fd) = k.alloc(MIB4).unwrap();
     let shared = k.share(a.id).unwrap();
-    let found = k.identify(shared.as_fd()).unwrap().expect("the shared fd is known");
+    let found = k
+        .identify(shared.as_fd())
+        .unwrap()
+        .expect("the shared fd is known");
     assert_eq!((found.id, found.size), (a.id, a.size));
     assert_eq!(found.owner, std::process::id() as i32);
-    assert_eq!(k.identify(b_fd.as_fd()).unwrap(), None, "b was never shared");
+    assert_eq!(
+        k.identify(b_fd.as_fd()).unwrap(),
+        None,
+        "b was never shared"
+    );
     let other = tempfile::tempfile().unwrap();
     assert_eq!(k.identify(other.as_fd()).unwrap(), None);
 
@@ -629,7 +636,9 @@ fn an_imported_fd_is_known_again_and_shared_anew_to_its_importer() {
         assert!(err.contains("no allocation"), "{err}");
     }
     // In use, then retained for a checkpoint: the same memory each time.
-    std::fs::File::from(a_fd).write_all_at(b"peer", 8192).unwrap();
+    std::fs::File::from(a_fd)
+        .write_all_at(b"peer", 8192)
+        .unwrap();
     for retain in [false, true] {
         if retain {
             k.retain(a.id, 7, 60).unwrap();

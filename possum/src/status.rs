@@ -77,6 +77,13 @@ fn managed(v: &StatusReply) -> String {
             ));
         }
     }
+    if let Some(i) = p.imports.as_ref().filter(|i| i.imported > 0) {
+        s.push_str(&format!(
+            "  memory other processes shared with it: {} imported through the keeper, {} mapped \
+             now; released {} times for checkpoints (mapped again at each resume)\n",
+            i.imported, i.mapped_now, i.released_at_checkpoints
+        ));
+    }
     if let Some(pools) = p.pools.as_ref().filter(|p| p.serving) {
         s.push_str(&format!(
             "  stream-ordered allocations (POSSUM_SERVE_POOLS): {} blocks, {} in {} engine \
@@ -284,6 +291,7 @@ mod tests {
             "unmanaged": {"allocations": 4, "bytes": 64u64 << 20},
             "vmm": {"serving": true, "pieces_mapped_now": 2, "handles_live": 3, "handles_shared": 1,
                     "left_to_driver": 1, "left_to_driver_first_prop": "0100"},
+            "imports": {"imported": 2, "live": 2, "mapped_now": 1, "released_at_checkpoints": 3},
             "pools": {"serving": true, "blocks_live": 5, "bytes_live": 1u64 << 30, "slabs": 2,
                       "blocks_pending_free": 1, "allocations_served": 9,
                       "reused_on_their_stream": 4},
@@ -296,6 +304,10 @@ mod tests {
         );
         assert!(
             s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles of possum's live, 1 exported to other processes"),
+            "{s}"
+        );
+        assert!(
+            s.contains("memory other processes shared with it: 2 imported through the keeper, 1 mapped now; released 3 times for checkpoints"),
             "{s}"
         );
         assert!(

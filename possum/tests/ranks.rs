@@ -485,7 +485,10 @@ fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
             lines(&dir.join(format!("ref.{r}"))),
         );
         assert_eq!(got.len(), 300, "rank {r}");
-        assert_eq!(got, want, "rank {r}'s output differs from an uninterrupted run's");
+        assert_eq!(
+            got, want,
+            "rank {r}'s output differs from an uninterrupted run's"
+        );
     }
 }
 
