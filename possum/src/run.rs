@@ -105,6 +105,14 @@ impl RunArgs {
 /// libuv's switch for io_uring (`0`: epoll and a thread pool, which CRIU can dump).
 const UV_IO_URING_ENV: &str = "UV_USE_IO_URING";
 
+/// NCCL's settings a job gets unless it set them: NVLS (NVLink SHARP multicast objects, which
+/// keep NVIDIA's driver checkpoint from completing) off, and NCCL's host memory from
+/// `cuMemCreate` off (memory on the host that possum does not serve: shared between ranks it
+/// would be the driver's imported memory, which the driver cannot restore; the SHM transport
+/// then uses shared memory files, which CRIU dumps).
+const NCCL_DEFAULTS: [(&str, &str); 2] =
+    [("NCCL_NVLS_ENABLE", "0"), ("NCCL_CUMEM_HOST_ENABLE", "0")];
+
 /// Runs the job; returns its exit code (128 + signal when a signal killed it).
 pub fn run(a: &RunArgs) -> Result<u8> {
     let exe = std::env::current_exe().context("cannot find the possum executable")?;
@@ -139,6 +147,11 @@ pub fn run(a: &RunArgs) -> Result<u8> {
             cmd.env(UV_IO_URING_ENV, "0");
         }
         possum_criu::no_uring::keep_off_io_uring(&mut cmd);
+    }
+    for (k, v) in NCCL_DEFAULTS {
+        if std::env::var_os(k).is_none() {
+            cmd.env(k, v);
+        }
     }
     if let Some(t) = &a.trace {
         let t = std::path::absolute(t).with_context(|| format!("{}", t.display()))?;

@@ -87,7 +87,9 @@ fn run_script(script: &str, envs: &[(&str, &str)]) -> String {
         .arg("--socket-dir")
         .arg(tmp.path().join("sockets"))
         .args(["sh", "-c", script])
-        .env_remove("UV_USE_IO_URING");
+        .env_remove("UV_USE_IO_URING")
+        .env_remove("NCCL_NVLS_ENABLE")
+        .env_remove("NCCL_CUMEM_HOST_ENABLE");
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -144,5 +146,21 @@ fn the_job_runs_without_io_uring_in_libuv_unless_the_user_chose() {
     assert_eq!(
         run_script(script, &[("UV_USE_IO_URING", "1")]).trim(),
         "uring=1"
+    );
+}
+
+/// NCCL's NVLS and its host memory from `cuMemCreate` are off in the job (neither can be
+/// checkpointed by NVIDIA's driver as possum runs it), unless the user set them.
+#[test]
+fn the_job_runs_without_nccl_s_nvls_and_cumem_host_memory_unless_the_user_chose() {
+    let script = r#"echo "${NCCL_NVLS_ENABLE-unset} ${NCCL_CUMEM_HOST_ENABLE-unset}""#;
+    assert_eq!(run_script(script, &[]).trim(), "0 0");
+    assert_eq!(
+        run_script(
+            script,
+            &[("NCCL_NVLS_ENABLE", "1"), ("NCCL_CUMEM_HOST_ENABLE", "1")]
+        )
+        .trim(),
+        "1 1"
     );
 }
