@@ -266,6 +266,11 @@ pub struct DumpOptions {
     pub images_dir: PathBuf,
     /// Let the tree run on after the dump (default: CRIU kills it).
     pub leave_running: bool,
+    /// With `leave_running`: leave the tree stopped (SIGSTOP, sent to each process while CRIU
+    /// still holds it frozen, at its `post-dump` notification), so that nothing it does after
+    /// the dump happens: for a tree to be killed, or restored elsewhere, once the image is
+    /// safe. SIGCONT lets it run on.
+    pub leave_stopped: bool,
     /// The tree is a shell job: it shares the caller's session or has a controlling terminal.
     pub shell_job: bool,
     /// Dump established TCP connections.
@@ -300,6 +305,7 @@ impl DumpOptions {
             pid,
             images_dir: images_dir.into(),
             leave_running: false,
+            leave_stopped: false,
             shell_job: false,
             tcp_established: false,
             network_lock: None,
@@ -380,6 +386,8 @@ pub struct DumpReport {
     pub time: Duration,
     /// Total size of the files in `images_dir` after the dump.
     pub image_bytes: u64,
+    /// The tree was left stopped ([`DumpOptions::leave_stopped`]).
+    pub stopped: bool,
 }
 
 /// The outcome of a restore.
@@ -563,7 +571,16 @@ impl Criu {
                 .map(|t| u32::try_from(t.as_secs().max(1)).unwrap_or(u32::MAX)),
             log_file: Some(opts.log_file.clone()),
             log_level: Some(opts.log_level as i32),
+            // The `post-dump` notification comes with the tree still frozen.
+            notify_scripts: opts.leave_stopped.then_some(true),
             ..Default::default()
+        };
+        let mut stopped = false;
+        let mut stop = |n: &rpc::Notify| {
+            if opts.leave_stopped && n.script.as_deref() == Some("post-dump") {
+                process::stop_tree(opts.pid);
+                stopped = true;
+            }
         };
         self.call_inheriting(
             "dump",
@@ -575,6 +592,7 @@ impl Criu {
                 images_dir: Some(&opts.images_dir),
                 adopted: &[],
                 on_owner_death: OwnerDeath::Finish,
+                on_notify: Some(&mut stop),
             },
         )?;
         drop(images);
@@ -586,6 +604,7 @@ impl Criu {
             log,
             time,
             image_bytes,
+            stopped,
         })
     }
 
@@ -671,6 +690,7 @@ impl Criu {
                 } else {
                     OwnerDeath::Kill
                 },
+                on_notify: None,
             },
         )?;
         drop(copies);
@@ -703,6 +723,7 @@ impl Criu {
             images_dir,
             adopted: &[],
             on_owner_death: OwnerDeath::Kill,
+            on_notify: None,
         };
         self.call_inheriting(op, req, log, &[], scope)
     }
@@ -715,7 +736,7 @@ impl Criu {
         req: CriuReq,
         log: Option<&Path>,
         inherit: &[std::os::fd::RawFd],
-        scope: Scope<'_>,
+        mut scope: Scope<'_>,
     ) -> Result<CriuResp, CriuError> {
         let deadline = Instant::now() + scope.limit;
         let mut worker = swrk::Worker::spawn(
@@ -729,7 +750,12 @@ impl Criu {
                 OwnerDeath::Finish => swrk::OnOwnerDeath::FinishesBy(deadline),
             },
         )?;
-        let answer = match worker.request(&req, deadline) {
+        let mut on_notify = scope.on_notify.take();
+        let answer = match worker.request(&req, deadline, |n| {
+            if let Some(f) = on_notify.as_mut() {
+                f(n);
+            }
+        }) {
             Ok(Some(resp)) => Ok(resp),
             Ok(None) => {
                 let killed = worker.kill_tree(scope.adopted);
@@ -794,6 +820,8 @@ struct Scope<'a> {
     adopted: &'a [i32],
     /// What becomes of the worker if this process dies meanwhile.
     on_owner_death: OwnerDeath,
+    /// Told each action-script notification, before it is acknowledged.
+    on_notify: Option<&'a mut dyn FnMut(&rpc::Notify)>,
 }
 
 /// What becomes of a request's worker if this process dies during it.

@@ -130,6 +130,24 @@ pub(crate) fn children_of(pid: i32) -> Vec<i32> {
     children
 }
 
+/// SIGSTOPs `pid` and every process below it (each thread's children, from /proc), for a
+/// tree CRIU holds frozen: the signal waits until CRIU lets each go, which then stops at once.
+pub(crate) fn stop_tree(pid: i32) {
+    let mut todo = vec![pid];
+    let mut seen = Vec::new();
+    while let Some(p) = todo.pop() {
+        if p <= 1 || seen.contains(&p) {
+            continue;
+        }
+        seen.push(p);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGSTOP,
+        );
+        todo.extend(children_of(p));
+    }
+}
+
 /// The parent of `pid`, from `/proc/<pid>/stat`.
 pub(crate) fn parent_of(pid: i32) -> Option<i32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -180,11 +180,12 @@ impl Worker {
     }
 
     /// Sends `req` and returns CRIU's answer, or `None` when none came by `deadline`. `NOTIFY`
-    /// messages (action scripts) are acknowledged as successful and skipped.
+    /// messages (action scripts) are told to `on_notify`, then acknowledged as successful.
     pub(crate) fn request(
         &mut self,
         req: &CriuReq,
         deadline: Instant,
+        mut on_notify: impl FnMut(&crate::rpc::Notify),
     ) -> Result<Option<CriuResp>, CriuError> {
         self.send(req)?;
         loop {
@@ -194,6 +195,9 @@ impl Worker {
             let resp = self.recv()?;
             if resp.r#type == ReqType::Notify as i32 {
                 tracing::debug!(notify = ?resp.notify, "criu notification");
+                if let Some(n) = &resp.notify {
+                    on_notify(n);
+                }
                 self.send(&CriuReq {
                     r#type: ReqType::Notify as i32,
                     notify_success: Some(true),

@@ -43,9 +43,12 @@ mod session_job;
 use session_job::Job;
 
 /// The job at step 5, its process reaped as soon as it ends (a migration kills it, and its PID
-/// must be free for CRIU's restore); killed when dropped if it still runs.
+/// must be free for CRIU's restore); killed when dropped if it still runs. Its logging thread
+/// writes `dir/NAME.ticks` ([`ticks_once_each`]).
 fn start_job(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
-    let mut job = Job::start(dir, name, lib);
+    let ticks = dir.join(format!("{name}.ticks"));
+    let mut job = Job::spawn(dir, name, lib, &[("FAKE_TICKS", ticks.to_str().unwrap())]);
+    job.expect("ready");
     job.reap_in_background();
     job.run("step 5", "done 5");
     job
@@ -197,6 +200,22 @@ fn failed_at(out: &Output, phase: &str) {
     assert!(t.contains("the job runs on at the source"), "{t}");
 }
 
+/// The job's logging thread wrote each of its lines once, wherever it ran: nothing the source
+/// did after the dump that the destination's restore did again.
+fn ticks_once_each(dir: &Path) {
+    let text = std::fs::read_to_string(dir.join("job.ticks")).unwrap();
+    let mut seen = std::collections::BTreeMap::<&str, usize>::new();
+    for l in text.lines() {
+        *seen.entry(l).or_default() += 1;
+    }
+    let again: Vec<_> = seen.iter().filter(|(_, &n)| n > 1).collect();
+    assert!(
+        again.is_empty(),
+        "lines written twice (after the dump at the source, and at the destination): {again:?}"
+    );
+    assert!(seen.len() > 10, "the logging thread ran: {}", seen.len());
+}
+
 /// The job, wherever it runs now, goes on with exactly the reference's buffers.
 fn goes_on_like(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2], what: &str) {
     let got = finish(job, dir, "job");
@@ -250,6 +269,7 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     assert_eq!(names(&dir.join("received")).len(), 1);
 
     goes_on_like(&mut job, dir, &want, "migrated");
+    ticks_once_each(dir);
     say(&format!(
         "migrate_loopback: {t}; {before} bytes sent ahead, {held} while held, of {}",
         v["bytes"]

@@ -183,6 +183,7 @@ impl HeldCheckpoint<'_> {
     /// Lets the job run on (the driver's restore and unlock, possum's resume): what
     /// `leave_running` does after the commit.
     pub fn resume(mut self) -> Result<CheckpointReport, CheckpointError> {
+        self.run.continue_stopped();
         if let Err(source) = self.run.resume_or_kill() {
             let dir = self.run.params().dir.clone();
             self.run.guard.undo();
@@ -1170,6 +1171,8 @@ struct Run<'a> {
     gpu_bytes: u64,
     /// No checkpoint kept: every buffer saved while the job is held ([`checkpoint_held`]).
     no_kept: bool,
+    /// The root of the tree the dump left stopped ([`Run::dump`]).
+    stopped: Vec<i32>,
 }
 
 impl<'a> Run<'a> {
@@ -1226,6 +1229,7 @@ impl<'a> Run<'a> {
             criu_bytes: 0,
             gpu_bytes: 0,
             no_kept: false,
+            stopped: Vec::new(),
         })
     }
 
@@ -1388,11 +1392,20 @@ impl<'a> Run<'a> {
     }
 
     /// Dump: CRIU dumps the held tree (`--leave-running`: it stays held, for the phases after).
+    /// A job that is not to run on here at once (killed after the commit, or held for a
+    /// migration) is left stopped too (SIGSTOP while CRIU holds it frozen): what its CPU threads
+    /// would do after the dump without a GPU operation (write a log, say) would be done again
+    /// where the image is restored. It is killed stopped, or continued before it runs on (the
+    /// guard continues it before it undoes anything).
     fn dump(&mut self, obs: &mut dyn Observer) -> Result<(), CriuError> {
         if let Some(ProcessSide { criu, .. }) = &self.plan.side {
             let p = self.params();
             let mut opts = DumpOptions::new(p.pid, self.tmp.join("criu"));
             opts.leave_running = true;
+            opts.leave_stopped = !p.leave_running || self.no_kept;
+            if opts.leave_stopped {
+                self.guard.step(Step::Stopped);
+            }
             opts.shell_job = self.plan.shell_job;
             opts.ext_unix_sk = true;
             if let Some(lock) = p.tcp_established {
@@ -1405,11 +1418,22 @@ impl<'a> Run<'a> {
             });
             self.guard.step(Step::Dumped);
             let dump = dump?;
+            if dump.stopped {
+                self.stopped = vec![p.pid];
+            }
             self.criu_bytes = dump.image_bytes;
             self.dumped = true;
         }
         self.gpu_bytes = dir_bytes(&self.tmp.join("gpu"));
         Ok(())
+    }
+
+    /// Continues the tree the dump left stopped (SIGCONT), before it runs on. A process that
+    /// cannot be signalled has ended (its pidfd says so) or is not the job's.
+    fn continue_stopped(&mut self) {
+        if !std::mem::take(&mut self.stopped).is_empty() {
+            let _ = crate::process::continue_tree(self.params().pid);
+        }
     }
 
     /// Save of a kept checkpoint: its GPU images are complete only once saved, after the job

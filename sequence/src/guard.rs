@@ -31,6 +31,8 @@ pub enum Step {
     Dumping,
     /// CRIU's dump has ended (done or failed): it holds the tree no more.
     Dumped,
+    /// The job's tree is about to be stopped (SIGSTOP) until it is killed or let run on.
+    Stopped,
     /// The image is complete under its final name.
     Committed,
     /// The driver has restored and unlocked the job.
@@ -42,12 +44,13 @@ pub enum Step {
 }
 
 impl Step {
-    const ALL: [Step; 9] = [
+    const ALL: [Step; 10] = [
         Step::Cutting,
         Step::Releasing,
         Step::Locking,
         Step::Dumping,
         Step::Dumped,
+        Step::Stopped,
         Step::Committed,
         Step::Unlocked,
         Step::Resumed,
@@ -61,6 +64,7 @@ impl Step {
             Step::Locking => "locking",
             Step::Dumping => "dumping",
             Step::Dumped => "dumped",
+            Step::Stopped => "stopped",
             Step::Committed => "committed",
             Step::Unlocked => "unlocked",
             Step::Resumed => "resumed",
@@ -235,6 +239,14 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
                 "CRIU still holds the job's tree after {} s; undoing all the same",
                 limit.as_secs()
             ));
+        }
+    }
+    // A tree stopped after its dump runs again before anything else (the driver's restore and
+    // possum's resume need its threads).
+    if has(Step::Stopped) {
+        match crate::process::continue_tree(a.pid) {
+            Ok(()) => say("the job's tree, stopped after its dump, continued"),
+            Err(e) => say(&format!("SIGCONT to the job's tree: {e}")),
         }
     }
     // Steps are announced before they are taken, so a `possum` killed inside a driver call

@@ -165,6 +165,18 @@ impl Process {
         below.iter().try_for_each(Process::kill)
     }
 
+    /// Sends it SIGCONT through its pidfd (a process stopped after its dump runs on); one that
+    /// ended is passed over.
+    pub fn cont(&self) -> Result<(), SignalError> {
+        match rustix::process::pidfd_send_signal(&self.fd, rustix::process::Signal::CONT) {
+            Ok(()) | Err(rustix::io::Errno::SRCH) => Ok(()),
+            Err(e) => Err(SignalError::Send {
+                pid: self.pid,
+                source: e.into(),
+            }),
+        }
+    }
+
     /// SIGKILLs it through its pidfd and waits (bounded) until it has ended.
     pub fn kill(&self) -> Result<(), SignalError> {
         use rustix::event::{poll, PollFd, PollFlags};
@@ -210,6 +222,15 @@ pub fn kill_job(pid: i32) -> nix::Result<()> {
     Process::open(pid)
         .and_then(|p| p.kill_tree())
         .map_err(errno)
+}
+
+/// Continues (SIGCONT) process `pid` and every process below it, each through a pidfd: a tree
+/// its dump left stopped runs on.
+pub fn continue_tree(pid: i32) -> Result<(), SignalError> {
+    std::iter::once(pid)
+        .chain(crate::tree::descendants(pid))
+        .filter_map(|p| Process::open(p).ok())
+        .try_for_each(|p| p.cont())
 }
 
 /// Why the lock of a process's checkpoint could not be had.

@@ -42,6 +42,10 @@
  * a stream of the thread's own, so that possum does not reuse them at once but frees them), as
  * a cudaMallocAsync job does between its steps; nothing it touches is in the results.
  *
+ * FAKE_TICKS=PATH: a thread that never touches the GPU appends "tick N" (N = 1, 2, ...) to PATH
+ * every millisecond, as a job's logging thread writes: a checkpoint whose job does not run on
+ * must not let it write past the dump (the restored job would write those lines again).
+ *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
  * job CRIU dumps and restores (possum/tests/entry_checkpoint.rs): CRIU reopens the FIFO by its
@@ -59,6 +63,7 @@
 #include <string.h>
 #include <signal.h>
 #include <unistd.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 
 #include "fake_abi.h"
@@ -156,6 +161,19 @@ static uint32_t *alloc_filled(size_t n, uint32_t (*f)(size_t)) {
     htod(d, h, n * 4);
     free(h);
     return d;
+}
+
+/* FAKE_TICKS: "tick N" appended to the file every millisecond, for ever. */
+static void *ticker(void *path) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0600);
+    if (fd < 0) die("FAKE_TICKS");
+    for (unsigned long n = 1;; n++) {
+        char line[32];
+        int k = snprintf(line, sizeof line, "tick %lu\n", n);
+        if (write(fd, line, (size_t)k) != k) die("tick");
+        usleep(1000);
+    }
+    return NULL;
 }
 
 /* FAKE_CHURN: stream-ordered allocations and frees, for ever (the async functions are set). */
@@ -395,6 +413,10 @@ int main(void) {
         if (!async) die("FAKE_CHURN needs FAKE_ASYNC");
         if (!get_current || get_current(&ctx) || !ctx) die("cuCtxGetCurrent");
         if (pthread_create(&t, NULL, churn, ctx)) die("pthread_create");
+    }
+    if (getenv("FAKE_TICKS")) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, ticker, getenv("FAKE_TICKS"))) die("pthread_create");
     }
     uint32_t *d = NULL;
     uint32_t s = 0;
