@@ -79,8 +79,11 @@ fn set_saving(s: Saving) {
     SAVED_CV.notify_all();
 }
 /// How long the keeper holds the memory of a job that shares some with other processes after a
-/// checkpoint released it, should the job be gone (killed after a checkpoint left running).
-const SHARED_HOLD_SECS: u64 = 600;
+/// checkpoint released it, should the job be gone: a job held for a migration, killed once the
+/// destination has its image (a failure there restores it here within that time; after a
+/// success the memory is freed then). A job to be killed by its checkpoint is held as long as
+/// `possum checkpoint` asks.
+const SHARED_HOLD_SECS: u64 = 60;
 /// How many times a held release tries before giving up (each attempt ended by the watchdog).
 const HOLD_ATTEMPTS: u32 = 3;
 

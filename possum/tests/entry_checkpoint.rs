@@ -454,13 +454,9 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
         ("FAKE_VMM", "1"),
         ("POSSUM_SERVE_VMM", "1"),
         ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
-        // The export of a piece: an fd of its memory from the keeper (checked in the job).
-        ("FAKE_VMM_HANDLE_CHECKS", "shared"),
     ];
     let want = reference_run_with(dir, &env[..1]);
     let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
-    let st = job_status(&job, dir);
-    assert_eq!(st["possum"]["vmm"]["handles_shared"], 1, "{st}");
     let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
     assert!(
@@ -514,6 +510,63 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
         "kept-restored",
         &want,
         "the kept image restored",
+    );
+    finish_restored(&mut job);
+}
+
+/// The same job exporting a piece of its memory (`cuMemExportToShareableHandle`: an fd of it
+/// from the keeper, checked in the job), which another process may write without its hooks
+/// seeing it: its `--leave-running` checkpoint is not kept (its save would run while others may
+/// write) but copies what was written since the pre-copy, the shared piece included, while the
+/// job is held, and its memory stays with the keeper through the driver's checkpoint, to be
+/// mapped again at the same addresses (the allocation a peer imported is still the same);
+/// bit-exact, and so is the image restored.
+#[test]
+fn a_job_sharing_its_memory_is_copied_while_held_not_kept() {
+    let Some((tmp, lib)) = setup("entry_vmm_shared", "possum-entry-vmm-s-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper(dir);
+    let env = [
+        ("FAKE_VMM", "1"),
+        ("POSSUM_SERVE_VMM", "1"),
+        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+        ("FAKE_VMM_HANDLE_CHECKS", "shared"),
+    ];
+    let want = reference_run_with(dir, &env[..1]);
+    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let st = job_status(&job, dir);
+    assert_eq!(st["possum"]["vmm"]["handles_shared"], 1, "{st}");
+    assert_eq!(st["possum"]["vmm"]["pieces_shared_now"], 1, "{st}");
+    let img = dir.join("img");
+    let v = checkpoint_left_running(dir, job.pid, &img, &job);
+    assert_eq!(v["kept"], serde_json::json!([]), "{v}");
+    // The shared piece copied again while held, though its own hooks saw no write to it.
+    let finals = &v["release_report"]["final"][0];
+    assert!(finals["buffers"].as_u64().unwrap() >= 1, "{v}");
+    assert_eq!(
+        v["release_report"]["held_for_restore"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    assert_eq!(
+        v["resume_report"]["attached"],
+        serde_json::json!([0]),
+        "{v}"
+    );
+    goes_on_like(&mut job, dir, "shared", &want, "sharing, left running");
+    // The image holds the job at step 5.
+    job.run("exit", "bye");
+    let _ = possum_criu::wait_for_exit(job.pid, Some(WAIT));
+    let r = restore_json(dir, &img, &job);
+    job.pid = r["pid"].as_i64().unwrap() as i32;
+    goes_on_like(
+        &mut job,
+        dir,
+        "shared-restored",
+        &want,
+        "the image restored",
     );
     finish_restored(&mut job);
 }

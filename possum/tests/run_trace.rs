@@ -409,8 +409,14 @@ fn a_job_that_has_not_used_the_gpu_yet_is_told_apart_from_one_without_possum() {
         .read_line(&mut line)
         .unwrap();
     let pid: u32 = line.trim().parse().unwrap();
+    // The shell printed its pid before its exec: the job is `sleep` with possum mapped (the
+    // shell's mapping goes with the exec).
+    let ready = || {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep")
+            && possum_control::has_possum_mapped(pid)
+    };
     let t = std::time::Instant::now();
-    while !possum_control::has_possum_mapped(pid) && t.elapsed().as_secs() < 10 {
+    while !ready() && t.elapsed().as_secs() < 10 {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let checkpoint = possum()
