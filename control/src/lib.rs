@@ -100,6 +100,11 @@ pub enum Request {
         /// Directory of the images (created; must not hold them already).
         dir: String,
     },
+    /// Another pre-copy round into the images `Checkpoint` opened, the job running: the buffers
+    /// written since the previous round copied again (answered like `Checkpoint`: each device's
+    /// bytes, and the buffers written again meanwhile). An error if no pre-copied checkpoint is
+    /// open (a kept one, or one whose job is held whole).
+    PrecopyRound,
     /// Hold every GPU operation of the job and drop its buffers' physical memory (addresses kept).
     /// Answers when nothing of the job runs on the GPU any more; the connection is closed first.
     Release,

@@ -25,6 +25,7 @@ fn dummy(req: Request) -> Value {
         Request::Trace => panic!("dummy handler: no trace"),
         Request::Checkpoint { dir } => json!({ "dir": dir }),
         Request::Release
+        | Request::PrecopyRound
         | Request::ReleaseKeeping { .. }
         | Request::Resume { .. }
         | Request::Cupti { .. }

@@ -59,6 +59,7 @@ fn answer(req: Request, status: fn() -> Value) -> Value {
         },
         Request::Checkpoint { dir } => session::checkpoint(&dir, false),
         Request::CheckpointKept { dir } => session::checkpoint(&dir, true),
+        Request::PrecopyRound => session::precopy_round(),
         Request::Release => session::release(None),
         Request::ReleaseKeeping { hold_secs } => session::release(Some(hold_secs)),
         Request::Resume { dir } => session::resume(dir.as_deref(), None),

@@ -402,6 +402,51 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     Ok(v)
 }
 
+/// `PrecopyRound`: another pre-copy round into the images the open checkpoint writes, the job
+/// running; what each device copied (buffers written since the last round).
+pub fn precopy_round() -> Value {
+    reply(precopy_round_inner())
+}
+
+fn precopy_round_inner() -> Result<CheckpointReply, String> {
+    let _b = Busy::take("pre-copy round")?;
+    let t = Instant::now();
+    let open = OPEN.lock();
+    let Some(o) = open.as_ref().filter(|o| o.precopied && !o.kept) else {
+        return Err(
+            "no pre-copied checkpoint open: send checkpoint first (a kept checkpoint, \
+                    or one whose job is held for the whole copy, takes no rounds)"
+                .into(),
+        );
+    };
+    let engines = engines();
+    let mut out = Vec::new();
+    for (ordinal, writer) in &o.writers {
+        let Some(e) = engines.iter().find(|e| e.ordinal == *ordinal) else {
+            continue;
+        };
+        let sink: Arc<dyn ChunkSink> = writer.clone();
+        let r = e
+            .engine
+            .precopy_round(sink)
+            .map_err(|err| format!("device {ordinal}: pre-copy round: {err}"))?;
+        out.push(DeviceCopy {
+            device: *ordinal,
+            buffers: r.buffers as u64,
+            bytes: r.bytes,
+            ms: Some(ms(r.elapsed)),
+            dirty_after: Some(r.dirty_after as u64),
+            ..DeviceCopy::default()
+        });
+    }
+    Ok(CheckpointReply {
+        precopy: out,
+        hooks: Some(true),
+        kept: false,
+        ms: Some(ms(t.elapsed())),
+    })
+}
+
 /// T0's cross-device fence, with the job paused: waits for every operation of the job let in
 /// before the pause to be enqueued (on every engine's gate), then for everything queued on
 /// every device the job used to be done. A stream of one device may write another's buffers (a

@@ -47,6 +47,14 @@ pub struct MigrateArgs {
     /// Send the image at most this many bytes a second (default: as fast as the network goes).
     #[arg(long, value_name = "BYTES_PER_S", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_rate: Option<u64>,
+    /// At most N pre-copy rounds while the job runs, each sent ahead: the first copies every
+    /// buffer, each next one what the job wrote since the one before; they stop once a round
+    /// copies nothing or no less than the one before, and the job is held for the rest
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_rounds: u32,
+    /// One pre-copy round only: the job is held right after it (--max-rounds 1)
+    #[arg(long, conflicts_with = "max_rounds")]
+    pub stop_now: bool,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
@@ -122,6 +130,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
             keep_on_gpu: 0,
             shadow_budget: None,
             tcp_established: None,
+            precopy_rounds: if a.stop_now { 1 } else { a.max_rounds },
             sockets: a
                 .socket_dir
                 .clone()

@@ -255,6 +255,12 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     );
     assert!(before > 0, "{v}");
     assert!(held < v["bytes"].as_u64().unwrap(), "{v}");
+    // Pre-copy rounds (at most 4 by default): the second found nothing written since the first
+    // (the job waits for its next command), and they stopped there.
+    assert_eq!(v["rounds"], 2, "{v}");
+    let rounds = &v["checkpoint"]["figures"]["precopy_rounds"];
+    assert!(rounds[0]["bytes"].as_u64().unwrap() > 2 << 20, "{v}");
+    assert_eq!(rounds[1]["bytes"], 0, "{v}");
     let t = &v["timings"];
     let downtime = t["downtime_ms"].as_f64().unwrap();
     assert!(

@@ -289,6 +289,7 @@ fn trace_and_status_ask_the_job() {
             Request::Status => json!({"phase": "idle", "buffers": 2}),
             Request::Ping => json!({}),
             Request::Checkpoint { .. }
+            | Request::PrecopyRound
             | Request::Release
             | Request::ReleaseKeeping { .. }
             | Request::Resume { .. }

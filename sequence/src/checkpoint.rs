@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::config::{Environment, HostmemSplit};
 use crate::figures::{
-    longest_waits, timed, CheckpointFigures, HostmemFigures, LeftWhole, WAITED_ON_TOP,
+    longest_waits, timed, CheckpointFigures, HostmemFigures, LeftWhole, PrecopyRound, WAITED_ON_TOP,
 };
 use crate::gpu_runtimes::{GpuRuntime, GpuRuntimes};
 use crate::guard::{Guard, GuardPlan, Step};
@@ -70,6 +70,10 @@ pub struct CheckpointParams {
     /// Dump the tree's established TCP connections, the network locked this way (`None`: a
     /// tree holding one is refused by CRIU).
     pub tcp_established: Option<NetworkLock>,
+    /// At most this many pre-copy rounds while the job runs (0 and 1: one); each after the
+    /// first copies what was written since the one before, and they stop once a round copies
+    /// nothing, or no less than the one before ([`Observer::precopied`] after each).
+    pub precopy_rounds: u32,
     /// The job's control socket directory.
     pub sockets: PathBuf,
     /// The possum executable (started as the checkpoint's guard and as a keeper).
@@ -238,6 +242,7 @@ fn hold_and_commit<'a>(
         run.precopy(obs)?;
         if run.by_possum() {
             obs.precopied(&run.tmp);
+            run.more_rounds(obs)?;
         }
         run.cut(obs)?;
         run.freeze()?;
@@ -1173,6 +1178,8 @@ struct Run<'a> {
     no_kept: bool,
     /// The root of the tree the dump left stopped ([`Run::dump`]).
     stopped: Vec<i32>,
+    /// Every process pre-copied trusting its hooks, none kept: more rounds may follow.
+    rounds_possible: bool,
 }
 
 impl<'a> Run<'a> {
@@ -1230,6 +1237,7 @@ impl<'a> Run<'a> {
             gpu_bytes: 0,
             no_kept: false,
             stopped: Vec::new(),
+            rounds_possible: true,
         })
     }
 
@@ -1295,6 +1303,8 @@ impl<'a> Run<'a> {
         }
         let p = self.params();
         obs.copying(self.plan.managed, &self.tmp.join("gpu"));
+        let t = Instant::now();
+        let mut first = PrecopyRound::default();
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
             let kept = p.leave_running && !p.gpu_only && !self.no_kept;
@@ -1304,12 +1314,53 @@ impl<'a> Run<'a> {
             if r.body.kept {
                 self.kept.push(pid);
             }
+            // Rounds only where every process pre-copied, trusting its hooks.
+            self.rounds_possible &= r.body.hooks == Some(true) && !r.body.kept;
+            first.bytes += r.body.precopy.iter().map(|d| d.bytes).sum::<u64>();
             if pid == p.pid {
                 self.engine_report = Some(r);
             }
         }
+        first.took = t.elapsed();
+        self.figures.precopy_rounds.push(first);
         if !self.parked() {
             obs.copied();
+        }
+        Ok(())
+    }
+
+    /// More pre-copy rounds after the first, the job running (at most `precopy_rounds` in
+    /// all, a CUDA job whose every process pre-copied trusting its hooks): each copies what was
+    /// written since the one before into the same images, and is told to `obs` (a migration
+    /// sends it ahead). They stop once a round copies nothing, or no less than the one before:
+    /// the rest is copied at the cut.
+    fn more_rounds(&mut self, obs: &mut dyn Observer) -> Result<(), PrecopyError> {
+        let p = self.params();
+        if p.precopy_rounds <= 1 || !self.rounds_possible || self.plan.runtime == GpuRuntime::Hip {
+            return Ok(());
+        }
+        let mut last = self.figures.precopy_rounds.first().map_or(0, |r| r.bytes);
+        for n in 2..=p.precopy_rounds {
+            let t = Instant::now();
+            let mut round = PrecopyRound::default();
+            for (pid, _) in self.possum_processes(&self.tmp) {
+                let r = timed(&mut self.figures.engine_snapshot, || {
+                    job::precopy_round(pid, To::Sockets(&p.sockets))
+                })?;
+                round.bytes += r.body.precopy.iter().map(|d| d.bytes).sum::<u64>();
+            }
+            round.took = t.elapsed();
+            self.figures.precopy_rounds.push(round);
+            obs.note(&format!(
+                "pre-copy round {n}: {} bytes written since the round before, copied in {:.0} ms",
+                round.bytes,
+                round.took.as_secs_f64() * 1e3
+            ));
+            obs.precopied(&self.tmp);
+            if round.bytes == 0 || round.bytes >= last {
+                break;
+            }
+            last = round.bytes;
         }
         Ok(())
     }

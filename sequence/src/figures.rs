@@ -36,6 +36,16 @@ fn ms_or_null<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Err
     }
 }
 
+/// One pre-copy round of every process of the job, the job running.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PrecopyRound {
+    /// Bytes copied: the buffers written since the round before (all of them in the first).
+    pub bytes: u64,
+    /// How long it took.
+    #[serde(rename = "ms", serialize_with = "as_ms")]
+    pub took: Duration,
+}
+
 /// A step's time, `None` when it was not taken.
 type Step = Option<Duration>;
 
@@ -51,6 +61,10 @@ pub struct CheckpointFigures {
     #[serde(rename = "ranks_cut_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ranks_cut: Step,
+    /// The pre-copy rounds while the job ran, the first included (more than one only where
+    /// asked: a migration's `--max-rounds`); empty without a pre-copy.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub precopy_rounds: Vec<PrecopyRound>,
     /// The cut: the job held, what was written since copied, the buffers' memory released.
     #[serde(rename = "release_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]

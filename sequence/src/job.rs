@@ -150,6 +150,12 @@ pub fn precopy(
     ask_to(pid, to, &req)
 }
 
+/// Another pre-copy round of one process, the job running: what it wrote since the round before
+/// copied into the images its checkpoint opened.
+pub fn precopy_round(pid: i32, to: To<'_>) -> Result<Reply<CheckpointReply>, JobError> {
+    ask_to(pid, to, &Request::PrecopyRound)
+}
+
 /// Cut of one process (T0): its GPU operations held, what was written since the pre-copy
 /// copied and the buffers' memory released (`keeping`: left with the keeper, which holds it
 /// that many seconds once the job is gone).

@@ -147,8 +147,11 @@ pub struct MigrateReport {
     pub files: u64,
     /// Their bytes.
     pub bytes: u64,
-    /// The bytes of them sent ahead, while the job ran (what its pre-copy wrote).
+    /// The bytes of them sent ahead, while the job ran (what its pre-copy rounds wrote).
     pub bytes_before_hold: u64,
+    /// The pre-copy rounds sent ahead (`checkpoint.figures.precopy_rounds` says what each
+    /// copied).
+    pub rounds: usize,
     /// The bytes of them sent while the job was held (the rest came from those sent ahead).
     pub bytes_while_held: u64,
     /// The phases' timings.
@@ -345,24 +348,33 @@ impl Observer for SendAhead<'_> {
     fn note(&mut self, what: &str) {
         self.obs.note(what);
     }
+    /// After each pre-copy round: the connection made at the first, and what the round wrote
+    /// sent ahead (after the first, only what the files gained). A failure ends the rounds'
+    /// sending; it is acted on once the checkpoint is committed.
     fn precopied(&mut self, dir: &Path) {
-        let t = Instant::now();
-        let link = Link::open(self.p);
-        self.connect = t.elapsed();
+        let link = match self.link.take() {
+            None => {
+                let t = Instant::now();
+                let link = Link::open(self.p);
+                self.connect = t.elapsed();
+                link
+            }
+            Some(link) => link,
+        };
         let t = Instant::now();
         let link = link.and_then(|mut l| {
             let Link { stream, sender } = &mut l;
-            self.sent = paced(self.p, stream, |mut s| sender.send_ahead(&mut s, dir))
+            let sent = paced(self.p, stream, |mut s| sender.send_ahead(&mut s, dir))
                 .map_err(|e| Early::Send(Box::new(e)))?;
-            Ok(l)
-        });
-        self.ahead = t.elapsed();
-        if link.is_ok() {
+            self.sent.files += sent.files;
+            self.sent.bytes += sent.bytes;
             self.obs.note(&format!(
                 "sent ahead, the job running: {} files, {} bytes",
-                self.sent.files, self.sent.bytes
+                sent.files, sent.bytes
             ));
-        }
+            Ok(l)
+        });
+        self.ahead += t.elapsed();
         self.link = Some(link);
     }
 }
@@ -517,6 +529,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
                 files: sent.totals.files,
                 bytes: sent.totals.bytes,
                 bytes_before_hold: sent_ahead.bytes,
+                rounds: report.figures.precopy_rounds.len(),
                 bytes_while_held: sent.sent_bytes,
                 timings,
                 checkpoint: report,

@@ -26,17 +26,19 @@
 //! `crc32c: u32` (little endian, of the payload), then `length` bytes of payload; a frame longer
 //! than [`MAX_FRAME`] is refused before anything is read of it. The kinds ([`Frame`]):
 //! - `Dir` and `File`: a JSON object `{"path": "a/b", "mode": 420}` (and `"size"` for a file), the
-//!   path relative, `/`-separated, UTF-8, with no empty, `.` or `..` component; after a `Cut`, a
-//!   file may name a `"base"`, `{"path", "size", "sha256"}`: a file sent ahead that holds its
-//!   first `size` bytes, its chunks then beginning there;
+//!   path relative, `/`-separated, UTF-8, with no empty, `.` or `..` component; a file may name
+//!   a `"base"`, `{"path", "size", "sha256"}`: a file sent ahead that holds its first `size`
+//!   bytes, its chunks then beginning there (before the `Cut`, in a later round ahead, only the
+//!   file itself: it goes on);
 //! - `Chunk`: the offset in the current file (`u64` LE) then the bytes, in order, at most
 //!   [`CHUNK_BYTES`] of them;
 //! - `EndFile`: empty; the file got exactly its size;
 //! - `Cut` (a transfer in two parts, [`DirSender`]): empty; the files before it were sent ahead
-//!   (a migration's pre-copy, the job running), the final set follows. The receiver sets aside
-//!   what came before, with the SHA-256 of each file; a file of the final set takes a base from
-//!   there only if its length and hash are those received, each base once; what is left aside
-//!   is removed. `Done`'s totals are the final set's, whole files counted;
+//!   (a migration's pre-copy rounds, the job running), the final set follows. The receiver sets
+//!   aside what came before, with the SHA-256 of each file; a file (of a later round, or of the
+//!   final set) takes a base from there only if its length and hash are those received, each
+//!   base once; what is left aside is removed. `Done`'s totals are the final set's, whole files
+//!   counted;
 //! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received, then a
 //!   32-byte HMAC under the session's key ([`Seal`]): `Done`'s of every frame before it (headers
 //!   and payloads) and the totals, `Committed`'s of `Done`'s HMAC and the totals received;
@@ -1162,27 +1164,35 @@ pub fn send_dir_session<S: Read + Write>(
     DirSender::start(stream, key)?.finish(stream, dir)
 }
 
-/// A file sent ahead, as the sender remembers it.
-#[derive(Debug)]
+/// A file sent ahead, as the sender remembers it: its bytes sent so far and their hash (the
+/// hasher too, to go on with what a later round sends of it).
+#[derive(Debug, Clone)]
 struct AheadFile {
     path: String,
     size: u64,
     sha256: [u8; 32],
+    hasher: sha2::Sha256,
 }
 
 /// A directory sent in two parts over one session: [`DirSender::send_ahead`] sends what it holds
-/// while it is still being written (a migration's pre-copy, the job running), then `Cut`;
-/// [`DirSender::finish`] sends the final set: each file that begins with one sent ahead (the same
-/// file, found by its inode, its first bytes hashed again here) names it as its [`Base`] and
-/// sends only the bytes after it, every other file is sent whole. The receiver moves the bases
-/// into place, checking its own hash of them, and drops what was sent ahead and is not in the
-/// final set.
+/// while it is still being written (a migration's pre-copy rounds, the job running), as often as
+/// asked: a file sent ahead before whose bytes are unchanged goes on from where it ended (its
+/// own path as its [`Base`]), one whose bytes changed waits for the final set; then
+/// [`DirSender::finish`] sends `Cut` and the final set: each file that begins with one sent
+/// ahead (the same file, found by its inode, its first bytes hashed again here) names it as its
+/// base and sends only the bytes after it, every other file is sent whole. The receiver moves
+/// the bases into place, checking its own hash of them, and drops what was sent ahead and is not
+/// in the final set.
 #[derive(Debug)]
 pub struct DirSender {
     session: Session,
     /// The files sent ahead, by (device, inode).
     ahead: std::collections::HashMap<(u64, u64), AheadFile>,
-    cut: bool,
+    /// Every path sent ahead: one the receiver has that cannot go on (its file changed, or is
+    /// another file now) waits for the final set.
+    ahead_paths: std::collections::HashSet<String>,
+    /// Something was sent ahead: the final set follows a `Cut`.
+    sent_ahead: bool,
 }
 
 impl DirSender {
@@ -1191,36 +1201,46 @@ impl DirSender {
         Ok(DirSender {
             session: sender_handshake(stream, key)?,
             ahead: std::collections::HashMap::new(),
-            cut: false,
+            ahead_paths: std::collections::HashSet::new(),
+            sent_ahead: false,
         })
     }
 
     /// Sends the regular files and directories under `dir` as they are now (what is neither, or
-    /// goes away meanwhile, left out; a file that grows, only the bytes it had when listed),
-    /// then `Cut`: files and bytes sent. At most once, before [`DirSender::finish`].
+    /// goes away meanwhile, left out; a file that grows, only the bytes it had when listed): a
+    /// round ahead of the final set, before [`DirSender::finish`], as many as wanted. A file sent
+    /// in an earlier round goes on from where it ended if those bytes are unchanged (only what it
+    /// gained is sent), and waits for the final set if they changed. The files and the bytes
+    /// sent (of files whose first bytes went in an earlier round, only what they gained).
     pub fn send_ahead<S: Read + Write>(
         &mut self,
         stream: &mut S,
         dir: &Path,
     ) -> Result<Totals, WireError> {
-        assert!(!self.cut, "a directory is sent ahead once");
-        self.cut = true;
+        self.sent_ahead = true;
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, false)?;
+            let continued = bases(dir, &entries, self.ahead.clone());
             let sent = send_files(
                 stream,
                 &mut self.session,
                 dir,
                 entries,
-                Sending::Ahead(&mut self.ahead),
+                Sending::Ahead {
+                    known: &mut self.ahead,
+                    paths: &mut self.ahead_paths,
+                    continued,
+                },
             )?;
-            write_frame_to(stream, &Frame::Cut, Some(&mut self.session.frames))?;
             stream.flush().map_err(|source| FrameError::Io {
                 what: "sending",
                 source,
             })?;
-            Ok(sent.totals)
+            Ok(Totals {
+                files: sent.totals.files,
+                bytes: sent.bytes,
+            })
         })();
         sent.map_err(|e| failed(stream, e))
     }
@@ -1236,7 +1256,8 @@ impl DirSender {
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, true)?;
-            let mode = if self.cut {
+            let mode = if self.sent_ahead {
+                write_frame_to(stream, &Frame::Cut, Some(&mut self.session.frames))?;
                 Sending::Final(bases(dir, &entries, std::mem::take(&mut self.ahead)))
             } else {
                 Sending::Plain
@@ -1295,8 +1316,14 @@ fn failed<S: Read + Write>(stream: &mut S, e: SendError) -> WireError {
 enum Sending<'m> {
     /// The whole directory, once.
     Plain,
-    /// Ahead of the cut: each file's hash is remembered here.
-    Ahead(&'m mut std::collections::HashMap<(u64, u64), AheadFile>),
+    /// Ahead of the cut: each file's hash is remembered in `known`; a file sent ahead before
+    /// goes on from where it ended if it is in `continued` (its first bytes unchanged:
+    /// [`bases`]), and is left for the final set if not.
+    Ahead {
+        known: &'m mut std::collections::HashMap<(u64, u64), AheadFile>,
+        paths: &'m mut std::collections::HashSet<String>,
+        continued: std::collections::HashMap<String, ((u64, u64), Base)>,
+    },
     /// After the cut: the files that begin with one sent ahead, unchanged ([`bases`]), by path,
     /// with their (device, inode) when checked; each names its base.
     Final(std::collections::HashMap<String, ((u64, u64), Base)>),
@@ -1321,7 +1348,7 @@ fn send_files<S: Write>(
     use sha2::Digest;
     use std::io::Seek;
     use std::os::unix::fs::MetadataExt;
-    let ahead = matches!(mode, Sending::Ahead(_));
+    let ahead = matches!(mode, Sending::Ahead { .. });
     let mut sent = Sent {
         totals: Totals::default(),
         bytes: 0,
@@ -1354,17 +1381,50 @@ fn send_files<S: Write>(
         let meta = f.metadata().map_err(read)?;
         let inode = (meta.dev(), meta.ino());
         let mut offset = 0u64;
-        if let Sending::Final(bases) = &mut mode {
-            // Checked against the file as listed: the same file (inode) still.
-            if let Some((_, base)) = bases.remove(&h.path).filter(|(at, _)| *at == inode) {
-                f.seek(io::SeekFrom::Start(base.size)).map_err(read)?;
-                offset = base.size;
-                h.base = Some(base);
+        let mut hasher = ahead.then(sha2::Sha256::new);
+        match &mut mode {
+            Sending::Final(bases) => {
+                // Checked against the file as listed: the same file (inode) still.
+                if let Some((_, base)) = bases.remove(&h.path).filter(|(at, _)| *at == inode) {
+                    f.seek(io::SeekFrom::Start(base.size)).map_err(read)?;
+                    offset = base.size;
+                    h.base = Some(base);
+                }
             }
+            Sending::Ahead {
+                known,
+                paths,
+                continued,
+            } => {
+                let before = known.get(&inode).filter(|b| b.path == h.path);
+                // Sent before: it goes on from there, unchanged and still the same file under
+                // the same path; else (a path the receiver has) it waits for the final set.
+                match (before, continued.remove(&h.path)) {
+                    (Some(before), Some((at, base)))
+                        if at == inode && base.path == h.path && base.size == before.size =>
+                    {
+                        // Nothing gained since: nothing to send this round.
+                        if base.size == size {
+                            continue;
+                        }
+                        f.seek(io::SeekFrom::Start(base.size)).map_err(read)?;
+                        offset = base.size;
+                        hasher = Some(before.hasher.clone());
+                        h.base = Some(base);
+                    }
+                    _ if paths.contains(&h.path) => {
+                        known.remove(&inode);
+                        continue;
+                    }
+                    _ => {
+                        paths.insert(h.path.clone());
+                    }
+                }
+            }
+            Sending::Plain => {}
         }
         let rel = h.path.clone();
         write_frame_to(stream, &Frame::File(h), Some(&mut session.frames))?;
-        let mut hasher = ahead.then(sha2::Sha256::new);
         while offset < size {
             let want = (size - offset).min(CHUNK_BYTES as u64) as usize;
             let k = read_full(&mut f, &mut buf[..want]).map_err(read)?;
@@ -1391,13 +1451,14 @@ fn send_files<S: Write>(
             return Err(SendError::Changed { path, listed: size });
         }
         write_frame_to(stream, &Frame::EndFile, Some(&mut session.frames))?;
-        if let (Sending::Ahead(known), Some(hs)) = (&mut mode, hasher) {
+        if let (Sending::Ahead { known, .. }, Some(hs)) = (&mut mode, hasher) {
             known.insert(
                 inode,
                 AheadFile {
                     path: rel,
                     size,
-                    sha256: hs.finalize().into(),
+                    sha256: hs.clone().finalize().into(),
+                    hasher: hs,
                 },
             );
         }
@@ -1860,9 +1921,10 @@ fn receive_into<S: Read>(
     let mut got = Totals::default();
     let mut buf = Vec::new();
     // After a `Cut`: what was sent ahead, moved aside (removed at the end whatever happens), and
-    // its files' lengths and hashes by path, each taken out as the final set names it a base.
+    // its files' lengths and hashes by path (the hashers, which a later round ahead goes on
+    // with), each taken out as a later round or the final set names it a base.
     let mut pre: Option<Staging> = None;
-    let mut sent_ahead: std::collections::HashMap<String, (u64, [u8; 32])> =
+    let mut sent_ahead: std::collections::HashMap<String, (u64, sha2::Sha256)> =
         std::collections::HashMap::new();
     let sent = loop {
         match read_frame_from(stream, &mut buf, Some(&mut session.frames))? {
@@ -1886,7 +1948,7 @@ fn receive_into<S: Read>(
                     path: at.clone(),
                     source,
                 };
-                let (file, got_already) = match &h.base {
+                let (file, got_already, hash) = match &h.base {
                     None => {
                         // O_EXCL: never through a link, never a file twice.
                         let file = fs::OpenOptions::new()
@@ -1896,12 +1958,13 @@ fn receive_into<S: Read>(
                             .custom_flags(nix::libc::O_NOFOLLOW)
                             .open(&at)
                             .map_err(creating)?;
-                        (file, 0)
+                        (
+                            file,
+                            0,
+                            pre.is_none().then(<sha2::Sha256 as sha2::Digest>::new),
+                        )
                     }
                     Some(base) => {
-                        let Some(pre) = &pre else {
-                            return Err(unexpected("File with a base", "before the Cut"));
-                        };
                         let base_parts = components(&base.path)?;
                         let refuse = |why| ReceiveError::Ahead {
                             path: h.path.clone(),
@@ -1909,31 +1972,49 @@ fn receive_into<S: Read>(
                             why,
                         };
                         // Each file sent ahead is a base once, of exactly what came.
-                        let (size, sha) = sent_ahead.remove(&base.path).ok_or_else(|| {
+                        let (size, hasher) = sent_ahead.remove(&base.path).ok_or_else(|| {
                             refuse("it was not sent ahead (or is a base already)")
                         })?;
+                        let sha: [u8; 32] = sha2::Digest::finalize(hasher.clone()).into();
                         if size != base.size || hex(&sha) != base.sha256 {
                             return Err(refuse("it is not what was sent ahead"));
                         }
                         if base.size > h.size {
                             return Err(refuse("it is longer than the file"));
                         }
-                        let from = base_parts.iter().fold(pre.path.clone(), |p, c| p.join(c));
-                        // Never replaces: a file is named once.
-                        rustix::fs::renameat_with(
-                            rustix::fs::CWD,
-                            &from,
-                            rustix::fs::CWD,
-                            &at,
-                            rustix::fs::RenameFlags::NOREPLACE,
-                        )
-                        .map_err(|e| creating(e.into()))?;
-                        let file = fs::OpenOptions::new()
-                            .append(true)
-                            .custom_flags(nix::libc::O_NOFOLLOW)
-                            .open(&at)
-                            .map_err(creating)?;
-                        (file, base.size)
+                        match &pre {
+                            // Ahead of the cut: a later round goes on with the same file.
+                            None if base.path != h.path => {
+                                return Err(refuse("ahead of the cut a file goes on only itself"))
+                            }
+                            None => {
+                                let file = fs::OpenOptions::new()
+                                    .append(true)
+                                    .custom_flags(nix::libc::O_NOFOLLOW)
+                                    .open(&at)
+                                    .map_err(creating)?;
+                                (file, base.size, Some(hasher))
+                            }
+                            Some(pre) => {
+                                let from =
+                                    base_parts.iter().fold(pre.path.clone(), |p, c| p.join(c));
+                                // Never replaces: a file is named once.
+                                rustix::fs::renameat_with(
+                                    rustix::fs::CWD,
+                                    &from,
+                                    rustix::fs::CWD,
+                                    &at,
+                                    rustix::fs::RenameFlags::NOREPLACE,
+                                )
+                                .map_err(|e| creating(e.into()))?;
+                                let file = fs::OpenOptions::new()
+                                    .append(true)
+                                    .custom_flags(nix::libc::O_NOFOLLOW)
+                                    .open(&at)
+                                    .map_err(creating)?;
+                                (file, base.size, None)
+                            }
+                        }
                     }
                 };
                 current = Some(Current {
@@ -1943,7 +2024,7 @@ fn receive_into<S: Read>(
                     size: h.size,
                     got: got_already,
                     mode: h.mode & 0o777,
-                    hash: pre.is_none().then(<sha2::Sha256 as sha2::Digest>::new),
+                    hash,
                 });
             }
             Frame::Cut => {
@@ -2019,7 +2100,7 @@ fn receive_into<S: Read>(
                     .map_err(io("setting the mode of"))?;
                 c.file.sync_all().map_err(io("syncing"))?;
                 if let Some(h) = c.hash {
-                    sent_ahead.insert(c.path, (c.size, sha2::Digest::finalize(h).into()));
+                    sent_ahead.insert(c.path, (c.size, h));
                 }
                 got.files += 1;
                 got.bytes += c.size;
@@ -3404,7 +3485,25 @@ mod tests {
             assert!(e.to_string().contains(why), "{e}");
             assert!(names(&out).is_empty(), "{:?}", names(&out));
         }
-        // A base before any Cut.
+        // Before any Cut, a base that was not sent ahead, or another file's.
+        let e = against(&dest, |s, session| {
+            put(s, session, "a", b"ahead");
+            let h = FileHeader {
+                path: "b".into(),
+                size: 7,
+                mode: 0o644,
+                base: Some(Base {
+                    path: "a".into(),
+                    size: 5,
+                    sha256: sha(b"ahead"),
+                }),
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::EndFile);
+            done(s, session, Totals { files: 1, bytes: 7 });
+        });
+        assert!(e.to_string().contains("goes on only itself"), "{e}");
+        assert!(names(&out).is_empty());
         let e = against(&dest, |s, session| {
             let h = FileHeader {
                 path: "a".into(),
@@ -3420,10 +3519,64 @@ mod tests {
             send(s, session, &Frame::EndFile);
             done(s, session, Totals { files: 1, bytes: 1 });
         });
-        assert!(
-            matches!(e, WireError::Receive(ReceiveError::Unexpected { .. })),
-            "{e:?}"
-        );
+        assert!(e.to_string().contains("not sent ahead"), "{e}");
         assert!(names(&out).is_empty());
+    }
+
+    /// Rounds ahead of the cut (a migration's pre-copy rounds): a file sent in an earlier round
+    /// sends only what it gained since, one unchanged nothing, one rewritten in place waits for
+    /// the final set, a new one goes whole; after the cut, only what changed since the last
+    /// round. DEST is the final set.
+    #[test]
+    fn a_directory_sent_ahead_in_rounds_sends_each_file_s_gain_once() {
+        let (_tmp, src, out) = dirs();
+        let append = |name: &str, bytes: &[u8]| {
+            let mut f = fs::OpenOptions::new()
+                .append(true)
+                .open(src.join(name))
+                .unwrap();
+            f.write_all(bytes).unwrap();
+        };
+        let data = noise(CHUNK_BYTES + 1000);
+        fs::write(src.join("data"), &data).unwrap();
+        fs::write(src.join("same"), b"unchanged").unwrap();
+        fs::write(src.join("rewritten"), b"version 1").unwrap();
+        let (mut a, mut b) = pair();
+        let dest = out.join("image");
+        let d = dest.clone();
+        let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+        let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+        let first = sender.send_ahead(&mut a, &src).unwrap();
+        assert_eq!(first.files, 3);
+        // Round 2: data grew, a file is new, one is rewritten in place.
+        let gain = noise(3000);
+        append("data", &gain);
+        fs::write(src.join("new"), b"new file").unwrap();
+        fs::write(src.join("rewritten"), b"version 2").unwrap();
+        let second = sender.send_ahead(&mut a, &src).unwrap();
+        assert_eq!(
+            second,
+            Totals {
+                files: 2,
+                bytes: (gain.len() + 8) as u64
+            },
+            "data's gain and the new file"
+        );
+        // Round 3: nothing changed.
+        assert_eq!(sender.send_ahead(&mut a, &src).unwrap(), Totals::default());
+        // The cut: data grows again.
+        let last = noise(700);
+        append("data", &last);
+        let (report, _) = sender.finish(&mut a, &src).unwrap();
+        let got = receiver.join().unwrap().unwrap();
+        assert_eq!(got.totals, report.totals);
+        assert_eq!(report.totals.files, 4);
+        assert_eq!(
+            report.sent_bytes,
+            (last.len() + 9) as u64,
+            "data's last gain and the rewritten file, whole"
+        );
+        assert_eq!(snapshot(&dest), snapshot(&src));
+        assert_eq!(names(&out), vec!["image".to_string()]);
     }
 }

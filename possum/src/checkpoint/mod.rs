@@ -151,6 +151,7 @@ impl CheckpointArgs {
             keep_on_gpu: self.keep_on_gpu,
             shadow_budget: self.shadow_budget,
             tcp_established: self.tcp_established.then(|| self.network_lock.into()),
+            precopy_rounds: 1,
             sockets: socket_dir_of(self.socket_dir.as_ref()),
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),
