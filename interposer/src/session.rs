@@ -659,37 +659,27 @@ fn release_kept(
     }
     let mut bytes = 0u64;
     let mut done: Vec<&Arc<DevEngine>> = Vec::new();
+    // On a failure every buffer detached so far is attached again, and the job goes on.
+    let undo = |done: &[&Arc<DevEngine>], err: String| {
+        for d in done {
+            if let Err(again) = d.engine.reattach() {
+                log(&format!("device {}: reattach: {again}", d.ordinal));
+            }
+        }
+        stop_tracking(engines);
+        unpause_job();
+        err
+    };
     for e in engines {
         match e.engine.detach() {
             Ok(b) => {
                 bytes += b;
                 done.push(e);
             }
-            Err(err) => {
-                for d in &done {
-                    if let Err(again) = d.engine.reattach() {
-                        log(&format!("device {}: reattach: {again}", d.ordinal));
-                    }
-                }
-                stop_tracking(engines);
-                unpause_job();
-                return Err(format!("device {}: detach: {err}", e.ordinal));
-            }
+            Err(err) => return Err(undo(&done, format!("device {}: detach: {err}", e.ordinal))),
         }
     }
-    let imports_released = match crate::imports::detach() {
-        Ok(n) => n,
-        Err(err) => {
-            for d in &done {
-                if let Err(again) = d.engine.reattach() {
-                    log(&format!("device {}: reattach: {again}", d.ordinal));
-                }
-            }
-            stop_tracking(engines);
-            unpause_job();
-            return Err(err);
-        }
-    };
+    let imports_released = crate::imports::detach().map_err(|err| undo(&done, err))?;
     let detached_ms = ms(t.elapsed());
     let staging_freed: u64 = if config::get().tuning.staging_park {
         engines.iter().map(|e| free_staging(e)).sum()

@@ -1700,24 +1700,8 @@ fn a_keeper_holding_memory_for_a_restore_outlives_the_process_it_was_started_for
     };
     let dir = tmp.path();
     let mut sleeper = Command::new("sleep").arg("600").spawn().unwrap();
-    let keeper_dir = dir.join("keeper");
-    let mut keeper = possum(dir)
-        .args(["keeper", "--dir"])
-        .arg(&keeper_dir)
-        .args(["--while-alive", &sleeper.id().to_string()])
-        .env("LD_LIBRARY_PATH", dir)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut ready = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(keeper.stdout.take().unwrap()),
-        &mut ready,
-    )
-    .unwrap();
-    assert_eq!(ready.trim(), "ready");
-    let keeper = KeeperProcess(keeper);
+    let alive = sleeper.id().to_string();
+    let (keeper, keeper_dir) = cli::start_keeper_args(dir, &[], &["--while-alive", &alive]);
     let mut job = keeper_job(dir, &lib, &keeper_dir);
     let img = dir.join("img");
     checkpoint_and_kill(dir, &mut job, &img, &[]);

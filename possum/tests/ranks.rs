@@ -426,6 +426,55 @@ fn status_of(dir: &Path, pid: i32) -> serde_json::Value {
     serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap()
 }
 
+/// The job whose ranks share memory (`FAKE_PEER_SHARE`), `steps` steps of `step_us`, served
+/// from a keeper started for it, once rank 1 has logged 20 steps: the keeper and the job.
+fn peer_job(dir: &Path, lib: &Path, steps: &str, step_us: &str) -> (cli::KeeperProcess, Ranks) {
+    let (keeper, keeper_dir) = cli::start_keeper(dir);
+    let env = [
+        ("FAKE_STEPS", steps),
+        ("FAKE_STEP_US", step_us),
+        ("FAKE_PEER_SHARE", "1"),
+        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+    ];
+    let job = start(dir, Some(lib), "job", &env);
+    wait_lines(&dir.join("job.1"), 20);
+    (keeper, job)
+}
+
+/// `possum checkpoint` of the job (CRIU and the fake driver), `args` added, which must succeed:
+/// its stdout.
+fn checkpoint_ranks(dir: &Path, job: &Ranks, img: &Path, args: &[&str]) -> String {
+    let out = cli::possum_checkpointing_in(dir)
+        .args(["checkpoint", &job.child.id().to_string()])
+        .args(args)
+        .arg("-D")
+        .arg(img)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The job killed by its checkpoint: the launcher and both ranks reaped.
+fn reaped(job: &mut Ranks) {
+    assert!(!job.child.wait().unwrap().success(), "killed");
+    for r in job.ranks {
+        reap(r);
+    }
+}
+
+/// `possum restore -D img`, `args` added.
+fn restore_ranks(dir: &Path, img: &Path, args: &[&str]) -> std::process::Output {
+    cli::possum_checkpointing_in(dir)
+        .arg("restore")
+        .args(args)
+        .arg("-D")
+        .arg(img)
+        .env("LD_LIBRARY_PATH", dir)
+        .output()
+        .unwrap()
+}
+
 /// Two ranks that map each other's memory as NCCL's ranks on one host do (rank 0's memory
 /// exported, its fd passed to rank 1 over a Unix socket, imported and mapped there), their
 /// memory served from a keeper: `possum checkpoint --leave-running`, CRIU and the driver
@@ -451,20 +500,10 @@ fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
     assert!(reference.child.wait().unwrap().success());
     assert_eq!(lines(&dir.join("ref.1")).len(), 300);
 
-    let (_keeper, keeper_dir) = cli::start_keeper(dir);
-    let mut with_keeper = env.to_vec();
-    with_keeper.push(("POSSUM_KEEPER", keeper_dir.to_str().unwrap()));
-    let mut job = start(dir, Some(&lib), "job", &with_keeper);
-    let launcher = job.child.id() as i32;
-    wait_lines(&dir.join("job.1"), 20);
+    let (_keeper, mut job) = peer_job(dir, &lib, env[0].1, env[1].1);
     let before = status_of(dir, job.ranks[1]);
     assert_eq!(before["possum"]["imports"]["mapped_now"], 1, "{before}");
-    let out = cli::possum_checkpointing_in(dir)
-        .args(["checkpoint", &launcher.to_string(), "--leave-running", "-D"])
-        .arg(dir.join("img"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    checkpoint_ranks(dir, &job, &dir.join("img"), &["--leave-running"]);
     let done = lines(&dir.join("job.1")).len();
     assert!(done < 300, "the checkpoint came after the job's end");
 
@@ -515,34 +554,14 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
     let mut reference = start(dir, None, "ref", &env);
     assert!(reference.child.wait().unwrap().success());
 
-    let (_keeper, keeper_dir) = cli::start_keeper(dir);
-    let mut with_keeper = env.to_vec();
-    with_keeper.push(("POSSUM_KEEPER", keeper_dir.to_str().unwrap()));
-    let mut job = start(dir, Some(&lib), "job", &with_keeper);
-    let launcher = job.child.id() as i32;
-    wait_lines(&dir.join("job.1"), 20);
+    let (_keeper, mut job) = peer_job(dir, &lib, env[0].1, env[1].1);
     let img = dir.join("img");
-    let out = cli::possum_checkpointing_in(dir)
-        .args(["checkpoint", &launcher.to_string(), "--json", "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    let v: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
-    assert!(!job.child.wait().unwrap().success(), "killed");
-    for r in job.ranks {
-        reap(r);
-    }
+    let v = checkpoint_ranks(dir, &job, &img, &["--json"]);
+    reaped(&mut job);
     let at = lines(&dir.join("job.1")).len();
     assert!(at < 200, "the checkpoint came after the job's end: {v}");
 
-    let out = cli::possum_checkpointing_in(dir)
-        .args(["restore", "--json", "-D"])
-        .arg(&img)
-        .env("LD_LIBRARY_PATH", dir)
-        .output()
-        .unwrap();
+    let out = restore_ranks(dir, &img, &["--json"]);
     assert!(out.status.success(), "{}", text(&out));
     let r: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
@@ -598,34 +617,12 @@ fn ranks_mapping_each_other_s_memory_whose_keeper_is_gone_are_not_restored_half(
     }
     possum_criu::set_child_subreaper().unwrap();
     let dir = tmp.path();
-    let (keeper, keeper_dir) = cli::start_keeper(dir);
-    let env = [
-        ("FAKE_STEPS", "200"),
-        ("FAKE_STEP_US", "3000"),
-        ("FAKE_PEER_SHARE", "1"),
-        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
-    ];
-    let mut job = start(dir, Some(&lib), "job", &env);
-    let launcher = job.child.id() as i32;
-    wait_lines(&dir.join("job.1"), 20);
+    let (keeper, mut job) = peer_job(dir, &lib, "200", "3000");
     let img = dir.join("img");
-    let out = cli::possum_checkpointing_in(dir)
-        .args(["checkpoint", &launcher.to_string(), "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(!job.child.wait().unwrap().success(), "killed");
-    for r in job.ranks {
-        reap(r);
-    }
+    checkpoint_ranks(dir, &job, &img, &[]);
+    reaped(&mut job);
     drop(keeper);
-    let out = cli::possum_checkpointing_in(dir)
-        .args(["restore", "-D"])
-        .arg(&img)
-        .env("LD_LIBRARY_PATH", dir)
-        .output()
-        .unwrap();
+    let out = restore_ranks(dir, &img, &[]);
     assert!(!out.status.success(), "{}", text(&out));
     let t = text(&out);
     assert!(

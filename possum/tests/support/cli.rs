@@ -64,10 +64,20 @@ pub fn start_keeper(dir: &Path) -> (KeeperProcess, PathBuf) {
 
 /// [`start_keeper`] with `env` added to the keeper's environment.
 pub fn start_keeper_with(dir: &Path, env: &[(&str, &str)]) -> (KeeperProcess, PathBuf) {
+    start_keeper_args(dir, env, &[])
+}
+
+/// [`start_keeper_with`], `args` added to its command line.
+pub fn start_keeper_args(
+    dir: &Path,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> (KeeperProcess, PathBuf) {
     let keeper_dir = dir.join("keeper");
     let mut keeper = possum_in(dir)
         .args(["keeper", "--dir"])
         .arg(&keeper_dir)
+        .args(args)
         .env("LD_LIBRARY_PATH", dir)
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
