@@ -117,6 +117,21 @@ fn lines(p: &Path) -> Vec<String> {
         .collect()
 }
 
+/// Each rank's log (`job.R`) has `steps` lines, those of the reference run (`ref.R`).
+fn same_as_reference(dir: &Path, steps: usize) {
+    for r in 0..2 {
+        let (got, want) = (
+            lines(&dir.join(format!("job.{r}"))),
+            lines(&dir.join(format!("ref.{r}"))),
+        );
+        assert_eq!(got.len(), steps, "rank {r}");
+        assert!(
+            got == want,
+            "rank {r}: the output differs from the run without possum"
+        );
+    }
+}
+
 fn wait_lines(p: &Path, n: usize) {
     let t = Instant::now();
     while lines(p).len() < n {
@@ -236,17 +251,7 @@ fn ranks_are_cut_at_one_collective_boundary_and_run_on_bit_exact() {
         );
     }
     assert!(job.child.wait().unwrap().success());
-    for r in 0..2 {
-        let (got, want) = (
-            lines(&dir.join(format!("job.{r}"))),
-            lines(&dir.join(format!("ref.{r}"))),
-        );
-        assert_eq!(got.len(), 300, "rank {r}");
-        assert!(
-            got == want,
-            "rank {r}: the output differs from the run without possum"
-        );
-    }
+    same_as_reference(dir, 300);
 }
 
 #[test]
@@ -426,6 +431,16 @@ fn status_of(dir: &Path, pid: i32) -> serde_json::Value {
     serde_json::from_str(String::from_utf8_lossy(&s.stdout).trim()).unwrap()
 }
 
+/// [`setup`] for a test that runs CRIU (skipped without it, unless required), this process a
+/// subreaper: the ranks, orphaned by the launcher's kill and restored by CRIU apart from this
+/// process, are its to reap.
+fn setup_criu(test: &str) -> Option<(tempfile::TempDir, PathBuf)> {
+    let found = setup(test)?;
+    criu_support::criu_or_skip(test)?;
+    possum_criu::set_child_subreaper().unwrap();
+    Some(found)
+}
+
 /// The job whose ranks share memory (`FAKE_PEER_SHARE`), `steps` steps of `step_us`, served
 /// from a keeper started for it, once rank 1 has logged 20 steps: the keeper and the job.
 fn peer_job(dir: &Path, lib: &Path, steps: &str, step_us: &str) -> (cli::KeeperProcess, Ranks) {
@@ -484,12 +499,9 @@ fn restore_ranks(dir: &Path, img: &Path, args: &[&str]) -> std::process::Output 
 /// uninterrupted run's.
 #[test]
 fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
-    let Some((tmp, lib)) = setup("ranks peer memory") else {
+    let Some((tmp, lib)) = setup_criu("ranks peer memory") else {
         return;
     };
-    if criu_support::criu_or_skip("ranks peer memory").is_none() {
-        return;
-    }
     let dir = tmp.path();
     let env = [
         ("FAKE_STEPS", "300"),
@@ -518,17 +530,7 @@ fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
         "{exporter}"
     );
     assert!(job.child.wait().unwrap().success());
-    for r in 0..2 {
-        let (got, want) = (
-            lines(&dir.join(format!("job.{r}"))),
-            lines(&dir.join(format!("ref.{r}"))),
-        );
-        assert_eq!(got.len(), 300, "rank {r}");
-        assert_eq!(
-            got, want,
-            "rank {r}'s output differs from an uninterrupted run's"
-        );
-    }
+    same_as_reference(dir, 300);
 }
 
 /// The same job killed by its checkpoint and restored by `possum restore`: the exporting rank's
@@ -536,15 +538,9 @@ fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
 /// finishes as an uninterrupted run does.
 #[test]
 fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
-    let Some((tmp, lib)) = setup("ranks peer memory restored") else {
+    let Some((tmp, lib)) = setup_criu("ranks peer memory restored") else {
         return;
     };
-    if criu_support::criu_or_skip("ranks peer memory restored").is_none() {
-        return;
-    }
-    // The ranks, orphaned by the launcher's kill and restored by CRIU apart from this process,
-    // are this process's (a subreaper's) to reap.
-    possum_criu::set_child_subreaper().unwrap();
     let dir = tmp.path();
     let env = [
         ("FAKE_STEPS", "200"),
@@ -575,13 +571,7 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    for r in 0..2 {
-        assert_eq!(
-            lines(&dir.join(format!("job.{r}"))),
-            lines(&dir.join(format!("ref.{r}"))),
-            "rank {r}'s output differs from an uninterrupted run's"
-        );
-    }
+    same_as_reference(dir, 200);
 }
 
 /// Reaps `pid` (adopted by this subreaper) once it has exited.
@@ -609,13 +599,9 @@ fn reap(pid: i32) {
 /// restore fails naming it, and the image stays.
 #[test]
 fn ranks_mapping_each_other_s_memory_whose_keeper_is_gone_are_not_restored_half() {
-    let Some((tmp, lib)) = setup("ranks peer memory keeper gone") else {
+    let Some((tmp, lib)) = setup_criu("ranks peer memory keeper gone") else {
         return;
     };
-    if criu_support::criu_or_skip("ranks peer memory keeper gone").is_none() {
-        return;
-    }
-    possum_criu::set_child_subreaper().unwrap();
     let dir = tmp.path();
     let (keeper, mut job) = peer_job(dir, &lib, "200", "3000");
     let img = dir.join("img");

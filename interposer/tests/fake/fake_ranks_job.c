@@ -137,21 +137,39 @@ static void map_shared(int create) {
     close(fd);
 }
 
-static void map_imported(void) {
+/* The driver's virtual-memory functions (through possum's wrappers when it is loaded). */
+static struct {
+    int (*create)(uint64_t *, size_t, const void *, uint64_t);
+    int (*export)(void *, uint64_t, int, uint64_t);
+    int (*import)(uint64_t *, void *, int);
+    int (*reserve)(uint64_t *, size_t, size_t, uint64_t, uint64_t);
+    int (*map)(uint64_t, size_t, size_t, uint64_t, uint64_t);
+    int (*set_access)(uint64_t, size_t, const void *, size_t);
+} vmm;
+
+/* CUmemAllocationProp: pinned device memory on device 0, POSIX fd handles. */
+static const int vmm_prop[8] = {1, 1, 1, 0, 0, 0, 0, 0};
+
+static void vmm_functions(void) {
     void *h = dlopen("libcuda.so.1", RTLD_NOW);
-    int (*create)(uint64_t *, size_t, const void *, uint64_t) = dlsym(h, "cuMemCreate");
-    int (*export)(void *, uint64_t, int, uint64_t) = dlsym(h, "cuMemExportToShareableHandle");
-    int (*import)(uint64_t *, void *, int) = dlsym(h, "cuMemImportFromShareableHandle");
-    int (*reserve)(uint64_t *, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemAddressReserve");
-    int (*map)(uint64_t, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemMap");
-    /* CUmemAllocationProp: pinned device memory on device 0, POSIX fd handles. */
-    int prop[8] = {1, 1, 1, 0, 0, 0, 0, 0};
+    vmm.create = dlsym(h, "cuMemCreate");
+    vmm.export = dlsym(h, "cuMemExportToShareableHandle");
+    vmm.import = dlsym(h, "cuMemImportFromShareableHandle");
+    vmm.reserve = dlsym(h, "cuMemAddressReserve");
+    vmm.map = dlsym(h, "cuMemMap");
+    vmm.set_access = dlsym(h, "cuMemSetAccess");
+    if (!vmm.create || !vmm.export || !vmm.import || !vmm.reserve || !vmm.map || !vmm.set_access)
+        die("vmm functions");
+}
+
+static void map_imported(void) {
     uint64_t mine, theirs, va;
     int fd;
     size_t size = 2u << 20;
-    if (!create || !export || !import || !reserve || !map || create(&mine, size, prop, 0) ||
-        export(&fd, mine, 1, 0) || import(&theirs, (void *)(intptr_t)fd, 1) ||
-        reserve(&va, size, 0, 0, 0) || map(va, size, 0, theirs, 0))
+    vmm_functions();
+    if (vmm.create(&mine, size, vmm_prop, 0) || vmm.export(&fd, mine, 1, 0) ||
+        vmm.import(&theirs, (void *)(intptr_t)fd, 1) || vmm.reserve(&va, size, 0, 0, 0) ||
+        vmm.map(va, size, 0, theirs, 0))
         die("imported memory");
 }
 
@@ -183,32 +201,25 @@ static int peer_fd(int fd) {
 
 /* $FAKE_PEER_SHARE: the shared memory's address in this rank. */
 static uint64_t share_with_peer(void) {
-    void *h = dlopen("libcuda.so.1", RTLD_NOW);
-    int (*create)(uint64_t *, size_t, const void *, uint64_t) = dlsym(h, "cuMemCreate");
-    int (*export)(void *, uint64_t, int, uint64_t) = dlsym(h, "cuMemExportToShareableHandle");
-    int (*import)(uint64_t *, void *, int) = dlsym(h, "cuMemImportFromShareableHandle");
-    int (*reserve)(uint64_t *, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemAddressReserve");
-    int (*map)(uint64_t, size_t, size_t, uint64_t, uint64_t) = dlsym(h, "cuMemMap");
-    int (*set_access)(uint64_t, size_t, const void *, size_t) = dlsym(h, "cuMemSetAccess");
-    int prop[8] = {1, 1, 1, 0, 0, 0, 0, 0};
     int access[3] = {1, 0, 3};
     uint64_t mem, va;
     int fd;
     size_t size = 2u << 20;
-    if (!create || !export || !import || !reserve || !map || !set_access) die("vmm functions");
+    vmm_functions();
     /* As NCCL: made and mapped, then exported to the peer, which imports and maps it. */
     if (rank == 0) {
-        if (create(&mem, size, prop, 0)) die("cuMemCreate");
+        if (vmm.create(&mem, size, vmm_prop, 0)) die("cuMemCreate");
     } else {
         fd = peer_fd(-1);
-        if (import(&mem, (void *)(intptr_t)fd, 1)) die("import");
+        if (vmm.import(&mem, (void *)(intptr_t)fd, 1)) die("import");
         close(fd);
     }
-    if (reserve(&va, size, 0, 0, 0) || map(va, size, 0, mem, 0) || set_access(va, size, access, 1))
+    if (vmm.reserve(&va, size, 0, 0, 0) || vmm.map(va, size, 0, mem, 0) ||
+        vmm.set_access(va, size, access, 1))
         die("mapping the shared memory");
     if (rank == 0) {
         uint32_t zero = 0;
-        if (drv_htod(va, &zero, 4) || export(&fd, mem, 1, 0)) die("export");
+        if (drv_htod(va, &zero, 4) || vmm.export(&fd, mem, 1, 0)) die("export");
         peer_fd(fd);
         close(fd);
     }
