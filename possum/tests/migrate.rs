@@ -332,6 +332,47 @@ fn a_receiver_killed_during_the_transfer_leaves_the_job_running_at_the_source() 
     goes_on_like(&mut job, dir, &want, "left at the source");
 }
 
+/// `possum migrate` killed while it sends the image, the job held and stopped since its dump:
+/// its guard continues the job and lets it run on at the source, bit-exact; the destination
+/// names nothing.
+#[test]
+fn possum_migrate_killed_while_the_job_is_held_leaves_it_running_at_the_source() {
+    let Some((tmp, want, mut job)) = setup("migrate_source_killed") else {
+        return;
+    };
+    let dir = tmp.path();
+    let receiver = Receiver::start(dir, "key", &[]);
+    // Slow enough (the image is some MiB) to be killed once the job is stopped.
+    let mut migrate = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .args(["--max-rate", "1000000"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stopped = || {
+        std::fs::read_to_string(format!("/proc/{}/stat", job.pid)).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('T'))
+        })
+    };
+    let t = Instant::now();
+    while !stopped() {
+        assert!(t.elapsed() < WAIT, "the job was not stopped after its dump");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    migrate.kill().unwrap();
+    migrate.wait().unwrap();
+    let (status, _) = receiver.finish();
+    assert!(!status.success());
+    assert!(
+        names(&dir.join("received")).is_empty(),
+        "{:?}",
+        names(&dir.join("received"))
+    );
+    goes_on_like(&mut job, dir, &want, "its migration killed");
+}
+
 #[test]
 fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
     let Some((tmp, want, mut job)) = setup("migrate_restore_fails") else {
