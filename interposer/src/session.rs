@@ -650,6 +650,17 @@ fn release_kept(
     engines: &[Arc<DevEngine>],
     t: Instant,
 ) -> Result<ReleaseReply, String> {
+    // Memory shared with another process since the checkpoint began: its save, after the job
+    // runs on, would not see that process's writes.
+    let shared = crate::vmm::shared_pieces().len();
+    if shared > 0 {
+        stop_tracking(engines);
+        return Err(format!(
+            "checkpoint undone: since it began the job shared {shared} pieces of its memory with \
+             other processes (cuMemExportToShareableHandle), whose writes there possum does not \
+             see; send checkpoint again (it copies that memory while the job is held)"
+        ));
+    }
     gate::set_paused(true);
     // What any device queued before the pause is done before any engine detaches its buffers.
     if let Err(err) = fence_all_devices(engines) {
