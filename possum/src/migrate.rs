@@ -173,6 +173,16 @@ fn print_migrate(r: &MigrateReport) {
         ms(t.ahead),
         mib(r.bytes_while_held)
     );
+    let rounds: Vec<String> = (r.checkpoint.figures.precopy_rounds.iter())
+        .map(|p| format!("{:.1}", mib(p.bytes)))
+        .collect();
+    if !rounds.is_empty() {
+        println!(
+            "  {} pre-copy rounds while it ran: {} MiB copied",
+            rounds.len(),
+            rounds.join(", ")
+        );
+    }
     println!(
         "  downtime {:.0} ms (checkpoint {:.0}, send {:.0}, kill {:.0}, restore there {:.0}); \
          total {:.0} ms",
@@ -200,7 +210,7 @@ fn print_received(r: &Received) {
         if r.source_told {
             ""
         } else {
-            "; the source was not told, and restores its own copy"
+            "; the source was not told that it runs here: it keeps its image, unrestored"
         }
     );
 }

@@ -368,9 +368,13 @@ impl Observer for SendAhead<'_> {
                 .map_err(|e| Early::Send(Box::new(e)))?;
             self.sent.files += sent.files;
             self.sent.bytes += sent.bytes;
+            let took = t.elapsed().as_secs_f64();
             self.obs.note(&format!(
-                "sent ahead, the job running: {} files, {} bytes",
-                sent.files, sent.bytes
+                "sent ahead, the job running: {} files, {:.1} MiB in {:.0} ms ({:.0} MB/s)",
+                sent.files,
+                sent.bytes as f64 / f64::from(1u32 << 20),
+                took * 1e3,
+                sent.bytes as f64 / took.max(1e-6) / 1e6
             ));
             Ok(l)
         });
