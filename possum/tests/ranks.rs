@@ -60,15 +60,30 @@ fn setup(test: &str) -> Option<(tempfile::TempDir, PathBuf)> {
 struct Ranks {
     child: Child,
     ranks: [i32; 2],
+    /// Each rank's start time (`/proc/PID/stat`), so that a PID taken since by another process
+    /// (another test's, restored by CRIU with it) is never killed for it.
+    started: [Option<u64>; 2],
+}
+
+/// Process `pid`'s start time, in clock ticks after boot.
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
 }
 
 impl Drop for Ranks {
     fn drop(&mut self) {
-        for r in self.ranks {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(r),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+        for (r, started) in self.ranks.into_iter().zip(self.started) {
+            if started.is_some() && start_time(r) == started {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(r),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -106,6 +121,7 @@ fn start(dir: &Path, lib: Option<&Path>, log: &str, env: &[(&str, &str)]) -> Ran
     Ranks {
         child,
         ranks: [pids[0], pids[1]],
+        started: [start_time(pids[0]), start_time(pids[1])],
     }
 }
 
@@ -558,7 +574,12 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
     assert!(at < 200, "the checkpoint came after the job's end: {v}");
 
     let out = restore_ranks(dir, &img, &["--json"]);
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        out.status.success(),
+        "{}\nCRIU's errors:\n{}",
+        text(&out),
+        criu_errors(&img)
+    );
     let r: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
     assert_eq!(r["gpu_from_keeper"], true, "{r}");
@@ -572,6 +593,27 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
         std::thread::sleep(Duration::from_millis(20));
     }
     same_as_reference(dir, 200);
+}
+
+/// The lines of CRIU's restore logs under `img` that say what went wrong, for a failure's
+/// message (its last lines are often only the teardown).
+fn criu_errors(img: &Path) -> String {
+    let Ok(entries) = std::fs::read_dir(img.join("criu")) else {
+        return String::new();
+    };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("restore"))
+        .flat_map(|e| {
+            std::fs::read_to_string(e.path())
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("Error") || l.contains("Warn") || l.contains("fail"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// Reaps `pid` (adopted by this subreaper) once it has exited.
