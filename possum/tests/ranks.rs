@@ -99,7 +99,8 @@ fn start(dir: &Path, lib: Option<&Path>, log: &str, env: &[(&str, &str)]) -> Ran
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
         .envs(env.iter().copied())
         .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(Stdio::inherit());
+        // A file of its own (a CRIU restore opens it again), not the test's output.
+        .stderr(std::fs::File::create(dir.join(format!("{log}.stderr"))).unwrap());
     // A session of its own: CRIU dumps a job only if it leads its session (under a
     // container's PID namespace the test's own session leader is outside it).
     // SAFETY: setsid is async-signal-safe and touches no memory of this process.
@@ -457,6 +458,14 @@ fn setup_criu(test: &str) -> Option<(tempfile::TempDir, PathBuf)> {
     Some(found)
 }
 
+/// Held by a test while it checkpoints and restores with CRIU: one at a time in this file, so
+/// that no test's processes or CRIU's come and go during another's dump or restore.
+static CRIU_TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn criu_turn() -> std::sync::MutexGuard<'static, ()> {
+    CRIU_TURN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The job whose ranks share memory (`FAKE_PEER_SHARE`), `steps` steps of `step_us`, served
 /// from a keeper started for it, once rank 1 has logged 20 steps: the keeper and the job.
 fn peer_job(dir: &Path, lib: &Path, steps: &str, step_us: &str) -> (cli::KeeperProcess, Ranks) {
@@ -518,6 +527,7 @@ fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
     let Some((tmp, lib)) = setup_criu("ranks peer memory") else {
         return;
     };
+    let _turn = criu_turn();
     let dir = tmp.path();
     let env = [
         ("FAKE_STEPS", "300"),
@@ -557,6 +567,7 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
     let Some((tmp, lib)) = setup_criu("ranks peer memory restored") else {
         return;
     };
+    let _turn = criu_turn();
     let dir = tmp.path();
     let env = [
         ("FAKE_STEPS", "200"),
@@ -608,7 +619,11 @@ fn criu_errors(img: &Path) -> String {
             std::fs::read_to_string(e.path())
                 .unwrap_or_default()
                 .lines()
-                .filter(|l| l.contains("Error") || l.contains("Warn") || l.contains("fail"))
+                .filter(|l| {
+                    ["Error", "Warn", "fail", "plugin", "killed", "exited"]
+                        .iter()
+                        .any(|w| l.contains(w))
+                })
                 .map(str::to_string)
                 .collect::<Vec<_>>()
         })
@@ -644,6 +659,7 @@ fn ranks_mapping_each_other_s_memory_whose_keeper_is_gone_are_not_restored_half(
     let Some((tmp, lib)) = setup_criu("ranks peer memory keeper gone") else {
         return;
     };
+    let _turn = criu_turn();
     let dir = tmp.path();
     let (keeper, mut job) = peer_job(dir, &lib, "200", "3000");
     let img = dir.join("img");
@@ -658,7 +674,8 @@ fn ranks_mapping_each_other_s_memory_whose_keeper_is_gone_are_not_restored_half(
             "the memory process {} shared with this one",
             job.ranks[0]
         )) && t.contains("the image is intact"),
-        "{t}"
+        "{t}\nCRIU's errors:\n{}",
+        criu_errors(&img)
     );
     // Nothing of the job runs; the image stays, for a restore elsewhere.
     for r in job.ranks {
