@@ -236,6 +236,18 @@ pub(crate) fn commit(
         })
 }
 
+/// What a pre-copy round of device `device` copied, as the replies say it.
+pub(crate) fn round_copy(device: usize, r: &possum_engine::RoundReport) -> DeviceCopy {
+    DeviceCopy {
+        device,
+        buffers: r.buffers as u64,
+        bytes: r.bytes,
+        ms: Some(ms(r.elapsed)),
+        dirty_after: Some(r.dirty_after as u64),
+        ..DeviceCopy::default()
+    }
+}
+
 pub(crate) fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -376,14 +388,7 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
             .engine
             .precopy_round(sink)
             .map_err(|err| format!("device {}: pre-copy: {err}", e.ordinal))?;
-        out.push(DeviceCopy {
-            device: e.ordinal,
-            buffers: r.buffers as u64,
-            bytes: r.bytes,
-            ms: Some(ms(r.elapsed)),
-            dirty_after: Some(r.dirty_after as u64),
-            ..DeviceCopy::default()
-        });
+        out.push(round_copy(e.ordinal, &r));
         open.push((e.ordinal, writer));
     }
     *OPEN.lock() = Some(Open {
@@ -430,14 +435,7 @@ fn precopy_round_inner() -> Result<CheckpointReply, String> {
             .engine
             .precopy_round(sink)
             .map_err(|err| format!("device {ordinal}: pre-copy round: {err}"))?;
-        out.push(DeviceCopy {
-            device: *ordinal,
-            buffers: r.buffers as u64,
-            bytes: r.bytes,
-            ms: Some(ms(r.elapsed)),
-            dirty_after: Some(r.dirty_after as u64),
-            ..DeviceCopy::default()
-        });
+        out.push(round_copy(*ordinal, &r));
     }
     Ok(CheckpointReply {
         precopy: out,
@@ -596,9 +594,8 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
         });
     }
     let copied = ms(t.elapsed());
-    let (bytes, done, staging_freed) = release_engines(&engines, true, keep)?;
+    let released = release_engines(&engines, true, keep)?;
     let trimmed = trim_contexts(&engines);
-    let imports_released = crate::imports::detach()?;
     // Devices whose buffers stay on the GPU with the keeper for a restore (not freed).
     let held: Vec<usize> = engines
         .iter()
@@ -626,13 +623,13 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
     let v = ReleaseReply {
         finals,
         final_copy_ms: Some(copied),
-        released_bytes: bytes,
-        staging_freed_bytes: Some(staging_freed),
+        released_bytes: released.bytes,
+        staging_freed_bytes: Some(released.staging_freed),
         context_trimmed_bytes: Some(trimmed),
         held_for_restore: held,
         held_epochs,
-        devices: done,
-        imports_released: Some(imports_released),
+        devices: released.devices,
+        imports_released: Some(released.imports),
         detach_ms: Some(ms(td.elapsed())),
         ms: Some(ms(t.elapsed())),
         ..ReleaseReply::default()
@@ -724,15 +721,17 @@ fn release_kept(
 /// paused if some engine was released (only its image can bring it back: the caller resumes).
 /// With `park_staging`, each engine's staging memory is freed too (only with the job held at the op
 /// gate: its threads are outside the driver; parked threads may hold a driver lock that freeing
-/// pinned memory needs); (bytes, devices, staging bytes freed). With `keep` (the job is to be
+/// pinned memory needs). With `keep` (the job is to be
 /// killed, its images committed): an engine whose memory is a keeper's detaches its buffers
 /// instead, their memory held `keep` seconds after the job is gone (a restore of the image on
 /// this host takes it back instead of copying); a resume before then attaches them again.
+/// Last, the memory other processes shared with this one is let go of ([`crate::imports`]),
+/// mapped again at the resume.
 fn release_engines(
     engines: &[Arc<DevEngine>],
     park_staging: bool,
     keep: Option<u64>,
-) -> Result<(u64, Vec<usize>, u64), String> {
+) -> Result<Released, String> {
     use possum_engine::device::Device;
     let mut bytes = 0u64;
     let mut staging_freed = 0u64;
@@ -776,7 +775,24 @@ fn release_engines(
             }
         }
     }
-    Ok((bytes, done, staging_freed))
+    Ok(Released {
+        bytes,
+        devices: done,
+        staging_freed,
+        imports: crate::imports::detach()?,
+    })
+}
+
+/// What [`release_engines`] let go of.
+struct Released {
+    /// Bytes of the buffers released or detached.
+    bytes: u64,
+    /// Their devices.
+    devices: Vec<usize>,
+    /// Bytes of pinned staging memory freed.
+    staging_freed: u64,
+    /// Mappings of memory other processes shared with this one, released.
+    imports: u64,
 }
 
 /// Trims every engine's context for the driver's checkpoint ([`Device::trim_context`]); only
@@ -909,15 +925,14 @@ fn release_held(
         f.image_buffers = Some(summary.buffers.len() as u64);
     }
     let copied = ms(t.elapsed());
-    let (bytes, done, staging_freed) = release_engines(&engines, false, None)?;
-    let imports_released = crate::imports::detach()?;
+    let released = release_engines(&engines, false, None)?;
     let v = ReleaseReply {
-        imports_released: Some(imports_released),
+        imports_released: Some(released.imports),
         finals,
         final_copy_ms: Some(copied),
-        released_bytes: bytes,
-        staging_freed_bytes: Some(staging_freed),
-        devices: done,
+        released_bytes: released.bytes,
+        staging_freed_bytes: Some(released.staging_freed),
+        devices: released.devices,
         held: Some("threads parked".into()),
         parked: Some(parked),
         attempts: Some(attempts),

@@ -272,26 +272,13 @@ impl Inner {
         })
     }
 
-    /// A new fd of allocation `id` (its state unchanged), if `allowed` says so: the reply of
-    /// `dup` and `share`.
+    /// A new fd for allocation `id`, if `allowed`: a fresh export of it (reply like `alloc`'s).
     fn another_fd(
         &self,
         id: u64,
         allowed: impl FnOnce(&Alloc) -> Result<(), KeeperError>,
     ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
-        let st = self.lock();
-        let a = st
-            .allocs
-            .get(&id)
-            .ok_or(KeeperError::NoSuchAllocation(id))?;
-        allowed(a)?;
-        let fd = a.mem.export()?;
-        let r = Allocated {
-            id,
-            size: a.mem.size(),
-            device: None,
-        };
-        Ok((json!(r), Some(fd)))
+        self.fd_of(id, allowed, |a| Ok(a.mem.export()?))
     }
 
     /// A duplicate of allocation `id`'s shared fd (made at the first), if `allowed`; reply like
@@ -301,20 +288,37 @@ impl Inner {
         id: u64,
         allowed: impl FnOnce(&Alloc) -> bool,
     ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+        let allowed = |a: &Alloc| {
+            allowed(a)
+                .then_some(())
+                .ok_or(KeeperError::NoSuchAllocation(id))
+        };
+        self.fd_of(id, allowed, |a| {
+            let shared = match &a.shared {
+                Some(fd) => fd,
+                None => a.shared.insert(a.mem.export()?),
+            };
+            shared.try_clone().map_err(|source| KeeperError::Io {
+                op: "duplicate a shared fd",
+                source,
+            })
+        })
+    }
+
+    /// Allocation `id`'s fd that `fd` makes, if `allowed`, with a reply like `alloc`'s.
+    fn fd_of(
+        &self,
+        id: u64,
+        allowed: impl FnOnce(&Alloc) -> Result<(), KeeperError>,
+        fd: impl FnOnce(&mut Alloc) -> Result<std::os::fd::OwnedFd, KeeperError>,
+    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
         let mut st = self.lock();
         let a = st
             .allocs
             .get_mut(&id)
-            .filter(|a| allowed(a))
             .ok_or(KeeperError::NoSuchAllocation(id))?;
-        let shared = match &a.shared {
-            Some(fd) => fd,
-            None => a.shared.insert(a.mem.export()?),
-        };
-        let fd = shared.try_clone().map_err(|source| KeeperError::Io {
-            op: "duplicate a shared fd",
-            source,
-        })?;
+        allowed(a)?;
+        let fd = fd(a)?;
         let r = Allocated {
             id,
             size: a.mem.size(),

@@ -1176,8 +1176,8 @@ struct Run<'a> {
     gpu_bytes: u64,
     /// No checkpoint kept: every buffer saved while the job is held ([`checkpoint_held`]).
     no_kept: bool,
-    /// The root of the tree the dump left stopped ([`Run::dump`]).
-    stopped: Vec<i32>,
+    /// The dump left the job's tree stopped ([`Run::dump`]).
+    stopped: bool,
     /// Every process pre-copied trusting its hooks, none kept: more rounds may follow.
     rounds_possible: bool,
 }
@@ -1236,7 +1236,7 @@ impl<'a> Run<'a> {
             criu_bytes: 0,
             gpu_bytes: 0,
             no_kept: false,
-            stopped: Vec::new(),
+            stopped: false,
             rounds_possible: true,
         })
     }
@@ -1469,9 +1469,7 @@ impl<'a> Run<'a> {
             });
             self.guard.step(Step::Dumped);
             let dump = dump?;
-            if dump.stopped {
-                self.stopped = vec![p.pid];
-            }
+            self.stopped = dump.stopped;
             self.criu_bytes = dump.image_bytes;
             self.dumped = true;
         }
@@ -1482,7 +1480,7 @@ impl<'a> Run<'a> {
     /// Continues the tree the dump left stopped (SIGCONT), before it runs on. A process that
     /// cannot be signalled has ended (its pidfd says so) or is not the job's.
     fn continue_stopped(&mut self) {
-        if !std::mem::take(&mut self.stopped).is_empty() {
+        if std::mem::take(&mut self.stopped) {
             let _ = crate::process::continue_tree(self.params().pid);
         }
     }

@@ -1399,10 +1399,9 @@ fn send_files<S: Write>(
                 let before = known.get(&inode).filter(|b| b.path == h.path);
                 // Sent before: it goes on from there, unchanged and still the same file under
                 // the same path; else (a path the receiver has) it waits for the final set.
+                // `bases` made the base of the file sent ahead under this inode: `before`.
                 match (before, continued.remove(&h.path)) {
-                    (Some(before), Some((at, base)))
-                        if at == inode && base.path == h.path && base.size == before.size =>
-                    {
+                    (Some(before), Some((at, base))) if at == inode => {
                         // Nothing gained since: nothing to send this round.
                         if base.size == size {
                             continue;

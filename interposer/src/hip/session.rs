@@ -97,14 +97,7 @@ fn checkpoint(f: &Front, dir: &Path) -> Result<CheckpointReply, String> {
         .map_err(|e| format!("device {DEVICE}: pre-copy: {e}"))?;
     *OPEN.lock() = Some((dir.to_path_buf(), writer));
     let v = CheckpointReply {
-        precopy: vec![DeviceCopy {
-            device: DEVICE,
-            buffers: r.buffers as u64,
-            bytes: r.bytes,
-            ms: Some(common::ms(r.elapsed)),
-            dirty_after: Some(r.dirty_after as u64),
-            ..DeviceCopy::default()
-        }],
+        precopy: vec![common::round_copy(DEVICE, &r)],
         hooks: Some(true),
         kept: false,
         ms: Some(common::ms(t.elapsed())),
