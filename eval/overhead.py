@@ -3,6 +3,7 @@
     python3 eval/overhead.py [--job mlp] [--pairs 12] [--steps 800] [--cpus 2-5] [--out DIR]
                              [--modes plain,possum,possum-hooksoff,possum-cupti,possum-nodag]
     python3 eval/overhead.py --ab [--job mlp] [--pairs 4] [--steps 4000] [--ab-ms 250]
+    python3 eval/overhead.py --pool FILE.json [FILE.json ...]
 
 Process-to-process noise on the GPU machine is larger than the effect (+-15% between two runs of
 the same job), so one run against one says little. Here: `--pairs` rounds, each running the job
@@ -24,6 +25,10 @@ that a drift of the step time over the run cancels). The overhead is the median 
 - 1, with a bootstrap interval over the pairs of all processes. What it leaves out: possum serving
 the job's allocations and the wrappers' own call, there in both (`possum-hooksoff` against
 `plain` above measures those). Results: OUT/overhead-ab-<job>.json.
+
+--pool reads several such files of one job and interval length (made with the same build, by
+separate calls) and gives the median and interval over all their pairs; it refuses files that
+differ in job, interval or GPU model (compare within one kind of machine).
 Runs from the repo root with the build in .gpu/ (scripts/gpu-interposer.sh --stage).
 """
 import argparse, json, os, random, shutil, statistics, subprocess, sys, tempfile, time, types
@@ -190,6 +195,34 @@ def ab_save(a, cpuset, runs, t0, quiet=False):
     return 0 if ratios and not any(r["rc"] for r in runs) else 1
 
 
+def pool(docs):
+    """The A/B over the pairs of several --ab results `docs` (one job, interval and GPU model):
+    {"overhead_pct_median", "ci95_pct", "pairs", "processes"}. Raises ValueError for files that
+    may not be pooled, or none with a pair."""
+    keys = {(d.get("job"), d.get("ab_ms"), d.get("gpu")) for d in docs}
+    if len(keys) != 1:
+        raise ValueError("files differ in job, interval or GPU model: " + ", ".join(map(str, sorted(keys, key=str))))
+    runs = [r for d in docs for r in d.get("runs", [])]
+    ratios = [100 * (on / off - 1) for r in runs for on, off in r.get("pairs", [])]
+    if not ratios:
+        raise ValueError("no interval pair in these files")
+    lo, hi = bootstrap(ratios)
+    return {"overhead_pct_median": statistics.median(ratios), "ci95_pct": [lo, hi],
+            "pairs": len(ratios), "processes": len(runs)}
+
+
+def pool_main(paths):
+    try:
+        o = pool([json.load(open(p)) for p in paths])
+    except (OSError, ValueError) as e:
+        print(f"--pool: {e}", file=sys.stderr)
+        return 2
+    print(f"pooled A/B of {len(paths)} files: {o['overhead_pct_median']:+.2f}% (95% CI "
+          f"{o['ci95_pct'][0]:+.2f}% .. {o['ci95_pct'][1]:+.2f}%, {o['pairs']} interval pairs in "
+          f"{o['processes']} processes)")
+    return 0
+
+
 def bootstrap(xs, n=10000, seed=0):
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
@@ -213,7 +246,11 @@ def main():
     ap.add_argument("--ab-skip", type=int, default=50, help="--ab: steps left out at the start (warm-up)")
     ap.add_argument("--ab-env", default="", help="--ab: more VAR=VALUE,... for the job (e.g. POSSUM_HOOKS=cupti: "
                     "CUPTI's callbacks feeding the hooks, detached in the off intervals)")
+    ap.add_argument("--pool", nargs="+", metavar="FILE",
+                    help="pool the pairs of these --ab results (one job, interval and GPU model)")
     a = ap.parse_args()
+    if a.pool:
+        return pool_main(a.pool)
     if a.ab:
         os.makedirs(a.out, exist_ok=True)
         return ab_main(a, cpus(a.cpus) & os.sched_getaffinity(0) or os.sched_getaffinity(0))

@@ -76,6 +76,17 @@ class AB(unittest.TestCase):
         pairs = overhead.ab_pairs(self.steps(sw, 1.0, drift=1.0), sw, 0)
         self.assertAlmostEqual(statistics.median(100 * (a / b - 1) for a, b in pairs), 0.0, delta=0.5)
 
+    def test_pool_takes_every_pair_of_like_files_only(self):
+        doc = lambda pairs, gpu="H200": {"job": "gpt2", "ab_ms": 400, "gpu": gpu, "runs": [{"pairs": pairs}]}
+        o = overhead.pool([doc([(101.0, 100.0), (102.0, 100.0)]), doc([(103.0, 100.0)])])
+        self.assertEqual((o["pairs"], o["processes"]), (3, 2))
+        self.assertAlmostEqual(o["overhead_pct_median"], 2.0)
+        self.assertLessEqual(o["ci95_pct"][0], o["overhead_pct_median"])
+        with self.assertRaisesRegex(ValueError, "GPU model"):
+            overhead.pool([doc([(101.0, 100.0)]), doc([(101.0, 100.0)], gpu="H100")])
+        with self.assertRaisesRegex(ValueError, "no interval pair"):
+            overhead.pool([doc([])])
+
     def test_intervals_start_on(self):
         ivs = overhead.ab_intervals([{"t": 1.0, "on": False}, {"t": 2.0, "on": True}], 0.0)
         self.assertEqual([(a, b, on) for a, b, on in ivs][:2], [(0.0, 1.0, True), (1.0, 2.0, False)])

@@ -3,15 +3,22 @@
 # GPT-2 small), the allocation and hook counters of a possum run, then the steady-state overhead
 # as a statistic.
 #   (here)  bash scripts/gpu-ckpt.sh --stage
-#   (there) AB=1 bash scripts/gpu-overhead.sh                                           (~5.5 min)
+#   (there) AB=1 bash scripts/gpu-overhead.sh                                           (~9 min)
 #           The A/B test inside each process (eval/overhead.py --ab; libpossum's POSSUM_AB_MS
 #           switches its hooks off and on: the entry points' wrappers calling the driver and
 #           nothing else, against the hooks working): MLP + Adam (AB_MLP_PROCS=3 processes of 4000
 #           steps, 250 ms intervals, budget AB_MLP_BUDGET=120 s) and GPT-2 small AMP
-#           (AB_GPT2_PROCS=6 of 500 steps, 1 s intervals, budget AB_GPT2_BUDGET=200 s: about 5). Targets:
+#           (AB_GPT2_PROCS=3 of AB_GPT2_STEPS=1800 steps, AB_GPT2_MS=400 ms intervals, budget
+#           AB_GPT2_BUDGET=280 s: about 2-3). The GPT-2 figure needs several hundred pairs: run
+#           `AB=1 AB_MLP_PROCS=1 AB_MLP_BUDGET=20` in one call, then on the same machine
+#           `python3 eval/overhead.py --ab --job gpt2 --pairs 5 --steps 1800 --ab-ms 400
+#           --ab-skip 100 --budget-s 420 --out $OUT`, and pool the files with
+#           `python3 eval/overhead.py --pool FILE...`. (Its step time swings by a third within
+#           seconds on these hosts; 400 ms intervals give two and a half times the pairs of 1 s
+#           ones at the same spread per pair.) Targets:
 #           GPT-2 <= 2%, MLP <= 5%. AB_CUPTI=1 adds GPT-2 under POSSUM_HOOKS=cupti (CUPTI's
-#           callbacks feed the hooks and are detached in the off intervals; +1 min);
-#           AB_ALWAYS=1 adds GPT-2 with every launch resolved (POSSUM_RESOLVE=always; +2.5 min).
+#           callbacks feed the hooks and are detached in the off intervals; +2.5 min);
+#           AB_ALWAYS=1 adds GPT-2 with every launch resolved (POSSUM_RESOLVE=always; +5 min).
 #           AB_SHORT=1 adds the short-step jobs: `graph` (a CUDA graph replayed) and `compiled`
 #           (torch.compile mode="reduce-overhead"), AB_SHORT_PROCS=2 processes of 100000 and
 #           20000 steps, 250 ms intervals, budget AB_SHORT_BUDGET=90 s per job. Target: <= 3%.
@@ -70,10 +77,10 @@ if [ -n "${AB:-}" ]; then
     # GPT-2 small: ab_gpt2 PROCESSES BUDGET_S [more eval/overhead.py arguments]
     ab_gpt2() {
         local procs=$1 budget=$2; shift 2
-        python3 eval/overhead.py --ab --job gpt2 --pairs "$procs" --steps "${AB_GPT2_STEPS:-500}" \
-            --ab-ms 1000 --ab-skip 100 --budget-s "$budget" --out "$out" "$@" || status=1
+        python3 eval/overhead.py --ab --job gpt2 --pairs "$procs" --steps "${AB_GPT2_STEPS:-1800}" \
+            --ab-ms "${AB_GPT2_MS:-400}" --ab-skip 100 --budget-s "$budget" --out "$out" "$@" || status=1
     }
-    ab_gpt2 "${AB_GPT2_PROCS:-6}" "${AB_GPT2_BUDGET:-200}"
+    ab_gpt2 "${AB_GPT2_PROCS:-3}" "${AB_GPT2_BUDGET:-280}"
     # Short steps: the CUDA-graph job and the torch.compile reduce-overhead one (AB_SHORT=1).
     if [ -n "${AB_SHORT:-}" ]; then
         for js in graph:100000 compiled:20000; do
