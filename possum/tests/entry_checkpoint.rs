@@ -571,6 +571,57 @@ fn a_job_sharing_its_memory_is_copied_while_held_not_kept() {
     finish_restored(&mut job);
 }
 
+/// A kept checkpoint (nothing copied before the release: the save runs after it, the job going
+/// on) of a job that shares a piece of its memory once the checkpoint began: that save would not
+/// see what another process writes there, so the release is refused with the reason and the
+/// checkpoint undone (the job not held, nothing tracked); the job goes on bit-exact.
+#[test]
+fn a_job_sharing_its_memory_after_a_kept_checkpoint_began_is_not_released() {
+    let Some((tmp, lib)) = setup("entry_vmm_shared_late", "possum-entry-vmm-l-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let (_keeper, keeper_dir) = start_keeper(dir);
+    let env = [
+        ("FAKE_VMM", "1"),
+        ("POSSUM_SERVE_VMM", "1"),
+        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+    ];
+    let want = reference_run_with(dir, &env[..1]);
+    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let (pid, sockets) = (job.pid as u32, dir.join("sockets"));
+    let img = dir.join("img");
+    let ask = |req: &possum_control::Request| possum_control::request(pid, &sockets, req, WAIT);
+    let v = ask(&possum_control::Request::CheckpointKept {
+        dir: img.to_str().unwrap().into(),
+    })
+    .unwrap();
+    assert_eq!(v["kept"], true, "{v}");
+    job.run("share", "shared");
+    let err = ask(&possum_control::Request::Release)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("shared 1 pieces of its memory") && err.contains("checkpoint undone"),
+        "{err}"
+    );
+    let st = job_status(&job, dir);
+    assert_eq!(st["possum"]["session"]["paused"], false, "{st}");
+    assert_eq!(st["possum"]["vmm"]["pieces_shared_now"], 1, "{st}");
+    assert_eq!(
+        st["possum"]["engines"][0]["engine"]["tracking"], false,
+        "{st}"
+    );
+    goes_on_like(
+        &mut job,
+        dir,
+        "shared-late",
+        &want,
+        "its kept release refused",
+    );
+    job.run("exit", "bye");
+}
+
 /// A job whose C and D are stream-ordered allocations (cuMemAllocAsync: cudaMallocAsync), with
 /// `POSSUM_SERVE_POOLS=1`: they are carved out of an engine buffer (a slab; its status counts
 /// them), a block freed in stream order (cuMemFreeAsync) is reused, and the job goes on

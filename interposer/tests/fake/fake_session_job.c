@@ -18,6 +18,9 @@
  *   malloc     cudaMalloc D (64 KiB), D[i] = 0xd0000000 + i (an HtoD copy); answers "malloced".
  *   dump PATH  reads A, B, C and D if allocated back (DtoH copies) and writes them, in that order,
  *              to PATH; answers "dumped".
+ *   share      (FAKE_VMM) exports B's first piece (cuMemExportToShareableHandle, a POSIX fd, as
+ *              NCCL does for a peer) and closes the fd; answers "shared", or "error ..." if
+ *              the export fails.
  *   exit       cudaFree every buffer; answers "bye" and exits 0 (also at the end of stdin).
  * Anything failing answers "error ..." and exits 1.
  *
@@ -279,6 +282,18 @@ static uint32_t *vmm_filled(size_t n, uint32_t (*f)(size_t)) {
     return d;
 }
 
+/* The `share` command: B's first piece exported as a POSIX fd (FAKE_VMM). */
+static void share_piece(void) {
+    if (!vmm_base) die("share: no FAKE_VMM piece");
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    int (*export)(void *, uint64_t, unsigned, uint64_t) =
+        h ? (int (*)(void *, uint64_t, unsigned, uint64_t))dlsym(h, "cuMemExportToShareableHandle") : NULL;
+    int fd = -1;
+    if (!export) die("share: no cuMemExportToShareableHandle");
+    if (export(&fd, vmm_handles[0], 1, 0) || fd < 0) die("share: cuMemExportToShareableHandle");
+    close(fd);
+}
+
 static void vmm_free(void) {
     for (int i = 0; i < 2; i++)
         if (drv_unmap(vmm_base + i * PIECE, PIECE) || drv_release(vmm_handles[i])) die("cuMemUnmap");
@@ -445,6 +460,9 @@ int main(void) {
             size_t ns[] = {NA, NB, NC, ND};
             dump(line + 5, bufs, ns, d ? 4 : 3);
             puts("dumped");
+        } else if (!strcmp(line, "share")) {
+            share_piece();
+            puts("shared");
         } else if (!strcmp(line, "exit")) {
             break;
         } else {
