@@ -439,24 +439,56 @@ fn killed_restored_goes_on(
     finish_restored(job);
 }
 
+/// The job of the keeper tests, at step 5: B the job's own virtual memory (`FAKE_VMM`), served
+/// by possum from a keeper of its own, `more` added to its environment; with the reference run's
+/// buffers.
+struct VmmKeeperJob {
+    tmp: tempfile::TempDir,
+    _keeper: KeeperProcess,
+    keeper_dir: PathBuf,
+    want: [Vec<u8>; 2],
+    job: Job,
+}
+
+fn vmm_keeper_job(test: &str, prefix: &str, more: &[(&str, &str)]) -> Option<VmmKeeperJob> {
+    let (tmp, lib) = setup(test, prefix)?;
+    let dir = tmp.path();
+    let (keeper, keeper_dir) = start_keeper(dir);
+    let mut env = vec![
+        ("FAKE_VMM", "1"),
+        ("POSSUM_SERVE_VMM", "1"),
+        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
+    ];
+    env.extend_from_slice(more);
+    let want = reference_run_with(dir, &env[..1]);
+    let job = job_at_step_5(dir, "job", Some(&lib), &env);
+    Some(VmmKeeperJob {
+        job,
+        want,
+        keeper_dir,
+        _keeper: keeper,
+        tmp,
+    })
+}
+
 /// The same job with a keeper (`possum run`'s default): B's pieces are the keeper's memory, kept
 /// on the GPU through a kept `--leave-running` checkpoint (nothing copied while held; saved with
 /// `--shadow-budget 0`, by copy-on-write) and through a checkpoint-and-kill whose restore maps
 /// them again at the job's addresses (zero-copy); bit-exact both times, and the kept image too.
 #[test]
 fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
-    let Some((tmp, lib)) = setup("entry_vmm_keeper", "possum-entry-vmm-k-") else {
+    // Bound in this order, dropped in the other: the job, then the keeper, then the directory.
+    let Some(VmmKeeperJob {
+        tmp,
+        _keeper,
+        keeper_dir,
+        want,
+        mut job,
+    }) = vmm_keeper_job("entry_vmm_keeper", "possum-entry-vmm-k-", &[])
+    else {
         return;
     };
     let dir = tmp.path();
-    let (_keeper, keeper_dir) = start_keeper(dir);
-    let env = [
-        ("FAKE_VMM", "1"),
-        ("POSSUM_SERVE_VMM", "1"),
-        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
-    ];
-    let want = reference_run_with(dir, &env[..1]);
-    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
     let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
     assert!(
@@ -523,19 +555,19 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
 /// bit-exact, and so is the image restored.
 #[test]
 fn a_job_sharing_its_memory_is_copied_while_held_not_kept() {
-    let Some((tmp, lib)) = setup("entry_vmm_shared", "possum-entry-vmm-s-") else {
+    let more = [("FAKE_VMM_HANDLE_CHECKS", "shared")];
+    // Bound in this order, dropped in the other: the job, then the keeper, then the directory.
+    let Some(VmmKeeperJob {
+        tmp,
+        _keeper,
+        want,
+        mut job,
+        ..
+    }) = vmm_keeper_job("entry_vmm_shared", "possum-entry-vmm-s-", &more)
+    else {
         return;
     };
     let dir = tmp.path();
-    let (_keeper, keeper_dir) = start_keeper(dir);
-    let env = [
-        ("FAKE_VMM", "1"),
-        ("POSSUM_SERVE_VMM", "1"),
-        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
-        ("FAKE_VMM_HANDLE_CHECKS", "shared"),
-    ];
-    let want = reference_run_with(dir, &env[..1]);
-    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
     let st = job_status(&job, dir);
     assert_eq!(st["possum"]["vmm"]["handles_shared"], 1, "{st}");
     assert_eq!(st["possum"]["vmm"]["pieces_shared_now"], 1, "{st}");
@@ -577,18 +609,18 @@ fn a_job_sharing_its_memory_is_copied_while_held_not_kept() {
 /// checkpoint undone (the job not held, nothing tracked); the job goes on bit-exact.
 #[test]
 fn a_job_sharing_its_memory_after_a_kept_checkpoint_began_is_not_released() {
-    let Some((tmp, lib)) = setup("entry_vmm_shared_late", "possum-entry-vmm-l-") else {
+    // Bound in this order, dropped in the other: the job, then the keeper, then the directory.
+    let Some(VmmKeeperJob {
+        tmp,
+        _keeper,
+        want,
+        mut job,
+        ..
+    }) = vmm_keeper_job("entry_vmm_shared_late", "possum-entry-vmm-l-", &[])
+    else {
         return;
     };
     let dir = tmp.path();
-    let (_keeper, keeper_dir) = start_keeper(dir);
-    let env = [
-        ("FAKE_VMM", "1"),
-        ("POSSUM_SERVE_VMM", "1"),
-        ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
-    ];
-    let want = reference_run_with(dir, &env[..1]);
-    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
     let (pid, sockets) = (job.pid as u32, dir.join("sockets"));
     let img = dir.join("img");
     let ask = |req: &possum_control::Request| possum_control::request(pid, &sockets, req, WAIT);
