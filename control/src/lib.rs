@@ -51,8 +51,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use client::{
-    has_possum_mapped, request, request_at, request_reply, request_typed, send_only, ControlError,
-    LIBRARY_FILE,
+    has_possum_mapped, read_maps, request, request_at, request_reply, request_typed, send_only,
+    ControlError, LIBRARY_FILE,
 };
 pub use dir::{prepare_dir, process_uid, secure_dir, DirError, SecureDir};
 pub use reply::Reply;

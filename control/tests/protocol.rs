@@ -1,5 +1,9 @@
 //! A server in this process with a dummy handler, and the client against it.
 
+#[path = "support/mapper.rs"]
+#[allow(dead_code)]
+mod mapper;
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -280,37 +284,18 @@ fn a_directory_passed_with_a_request_is_where_its_dir_lies() {
 /// apart from one without possum: the error says so, and what to do.
 #[test]
 fn a_process_with_possum_but_no_socket_is_not_started() {
-    use std::io::Read;
     let tmp = tempfile::tempdir().unwrap();
     let lib = tmp.path().join(possum_control::LIBRARY_FILE);
-    std::fs::write(&lib, [0u8; 4096]).unwrap();
-    // A process that maps a file of that name, as the dynamic loader maps the preloaded library.
-    let mut child = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import mmap, sys, time\n\
-             f = open(sys.argv[1], 'rb')\n\
-             m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n\
-             print('ready', flush=True)\n\
-             time.sleep(60)\n",
-        ])
-        .arg(&lib)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("python3");
-    // The pipe stays open until the end: closed, a write of the child's could kill it.
-    let mut out = child.stdout.take().unwrap();
-    let mut ready = [0u8; 6];
-    out.read_exact(&mut ready).unwrap();
-    assert_eq!(&ready, b"ready\n");
-    let pid = child.id();
+    // A process that maps a file of that name, as the dynamic loader maps the preloaded library,
+    // and another whose name is not UTF-8 (the maps are not text).
+    let child =
+        mapper::Mapper::start(&[lib.clone(), mapper::not_utf8(tmp.path())]).expect("python3");
+    let pid = child.pid();
     let e = request(pid, tmp.path(), &Request::Ping, T).unwrap_err();
     // Its file removed since (the kernel's maps say "(deleted)"): still mapped.
     std::fs::remove_file(&lib).unwrap();
     assert!(possum_control::has_possum_mapped(pid));
-    let _ = child.kill();
-    let _ = child.wait();
-    drop(out);
+    drop(child);
     assert!(
         matches!(e, ControlError::NotStarted { pid: p, .. } if p == pid),
         "{e:?}"

@@ -185,7 +185,10 @@ pub struct Usage {
 impl Usage {
     /// Reads `/proc/PID/maps` and `/proc/PID/fd` (best effort: what cannot be read is not there).
     pub fn scan(pid: i32, devices: &Devices) -> Usage {
-        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+        let maps = u32::try_from(pid)
+            .ok()
+            .and_then(possum_control::read_maps)
+            .unwrap_or_default();
         Usage::from_parts(pid, &maps::parse(&maps), maps::open_files(pid), devices)
     }
 

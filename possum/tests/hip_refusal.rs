@@ -3,41 +3,25 @@
 //! process with both CUDA's and HIP's libraries loaded is named as mixing both. The job is a
 //! process mapping files of those names, as the dynamic loader maps the libraries.
 
-use std::io::Read;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
+
+#[path = "../../control/tests/support/mapper.rs"]
+#[allow(dead_code)]
+mod mapper;
+use mapper::Mapper;
 
 /// A process that maps each of `libs` (files of those names in `dir`) and sleeps.
-fn mapping(dir: &Path, libs: &[&str]) -> Child {
-    let mut cmd = Command::new("python3");
-    cmd.args([
-        "-c",
-        "import mmap, sys, time\n\
-         files = [open(p, 'rb') for p in sys.argv[1:]]\n\
-         maps = [mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) for f in files]\n\
-         print('ready', flush=True)\n\
-         time.sleep(60)\n",
-    ]);
-    for lib in libs {
-        let path = dir.join(lib);
-        std::fs::write(&path, [0u8; 4096]).unwrap();
-        cmd.arg(path);
-    }
-    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("python3");
-    let mut ready = [0u8; 6];
-    let mut out = child.stdout.take().unwrap();
-    out.read_exact(&mut ready).unwrap();
-    assert_eq!(&ready, b"ready\n");
-    // Its stdout stays open while it runs (closed, a late write of its would end it).
-    child.stdout = Some(out);
-    child
+fn mapping(dir: &Path, libs: &[&str]) -> Mapper {
+    let files: Vec<_> = libs.iter().map(|l| dir.join(l)).collect();
+    Mapper::start(&files).expect("python3")
 }
 
 /// Runs `possum checkpoint` of `job` into `img` (with `extra` arguments); returns its exit code
 /// and output.
-fn checkpoint(job: &Child, img: &Path, sockets: &Path, extra: &[&str]) -> (Option<i32>, String) {
+fn checkpoint(job: &Mapper, img: &Path, sockets: &Path, extra: &[&str]) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_possum"))
-        .args(["checkpoint", &job.id().to_string(), "-D"])
+        .args(["checkpoint", &job.pid().to_string(), "-D"])
         .arg(img)
         .args(extra)
         .arg("--socket-dir")
@@ -57,9 +41,8 @@ fn refused(libs: &[&str], extra: &[&str]) -> String {
     let mut job = mapping(tmp.path(), libs);
     let img = tmp.path().join("img");
     let (code, text) = checkpoint(&job, &img, tmp.path(), extra);
-    let exited = job.try_wait().unwrap();
-    let _ = job.kill();
-    let _ = job.wait();
+    let exited = job.exited();
+    drop(job);
     assert_eq!(code, Some(2), "{text}");
     assert!(
         exited.is_none(),
@@ -117,10 +100,9 @@ fn a_process_with_cuda_and_hip_is_refused_as_mixing_both() {
 #[test]
 fn a_process_with_libcuda_alone_is_not_refused_as_hip() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut job = mapping(tmp.path(), &["libcuda.so.1"]);
+    let job = mapping(tmp.path(), &["libcuda.so.1"]);
     let (code, text) = checkpoint(&job, &tmp.path().join("img"), tmp.path(), &[]);
-    let _ = job.kill();
-    let _ = job.wait();
+    drop(job);
     // Refused for another reason (it has no possum loaded), not as a HIP job.
     assert_eq!(code, Some(2), "{text}");
     assert!(!text.contains("HIP"), "{text}");

@@ -51,7 +51,9 @@ impl GpuRuntimes {
     /// What process `pid` maps; nothing when its maps cannot be read (a process gone, or one
     /// this process may not look at: the checks after the plan's first say so).
     pub fn of(pid: i32) -> GpuRuntimes {
-        std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        u32::try_from(pid)
+            .ok()
+            .and_then(possum_control::read_maps)
             .map(|maps| GpuRuntimes::in_maps(&maps))
             .unwrap_or_default()
     }
