@@ -164,19 +164,10 @@ pub fn request_typed<R: DeserializeOwned>(
 /// The file name of the library that serves the control socket in a job.
 pub const LIBRARY_FILE: &str = "libpossum.so";
 
-/// The text of process `pid`'s `/proc/PID/maps`, or `None` if it cannot be read. Read as bytes
-/// and decoded lossily: a mapped file's path need not be UTF-8, and one such path must not hide
-/// every other line (the devices and libraries looked for there are ASCII).
-pub fn read_maps(pid: u32) -> Option<String> {
-    std::fs::read(format!("/proc/{pid}/maps"))
-        .ok()
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-}
-
 /// Whether process `pid` has [`LIBRARY_FILE`] mapped (`/proc/PID/maps`), also one whose file was
 /// replaced or removed since it was loaded (the kernel then adds ` (deleted)` to its path).
 pub fn has_possum_mapped(pid: u32) -> bool {
-    read_maps(pid).is_some_and(|maps| {
+    crate::procfs::read_maps(pid).is_some_and(|maps| {
         maps.lines().any(|l| {
             l.rsplit('/').next().is_some_and(|file| {
                 let file = file.trim_end();

@@ -280,7 +280,7 @@ fn check(
 /// The effective uid of process `pid` (`/proc/PID/status`): the user its sockets and files
 /// belong to.
 pub fn process_uid(pid: u32) -> io::Result<u32> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let status = crate::proc_text(format!("/proc/{pid}/status"))?;
     status
         .lines()
         .find_map(|l| l.strip_prefix("Uid:"))

@@ -43,6 +43,7 @@
 
 mod client;
 mod dir;
+mod procfs;
 pub mod reply;
 mod server;
 
@@ -51,10 +52,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use client::{
-    has_possum_mapped, read_maps, request, request_at, request_reply, request_typed, send_only,
-    ControlError, LIBRARY_FILE,
+    has_possum_mapped, request, request_at, request_reply, request_typed, send_only, ControlError,
+    LIBRARY_FILE,
 };
 pub use dir::{prepare_dir, process_uid, secure_dir, DirError, SecureDir};
+pub use procfs::{proc_text, read_maps};
 pub use reply::Reply;
 pub use server::{refused_connections, remove_socket_of_this_process, Handler, Server};
 

@@ -309,3 +309,31 @@ fn a_process_with_possum_but_no_socket_is_not_started() {
     // This test process has no libpossum.so: not loaded, as before.
     assert!(!possum_control::has_possum_mapped(me()));
 }
+
+/// A job whose process name is not UTF-8 (the kernel cuts names at 15 bytes, which can split a
+/// character): it is found for what it is, its owner read, never taken for a process that is
+/// gone.
+#[test]
+fn a_process_whose_name_is_not_utf8_is_found() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = tmp.path().join(possum_control::LIBRARY_FILE);
+    let Some(child) = mapper::Mapper::start_named(&[lib], b"job \xe6\x97") else {
+        eprintln!("SKIPPED: no python3 for the job");
+        return;
+    };
+    let pid = child.pid();
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).unwrap();
+    assert!(
+        String::from_utf8(stat).is_err(),
+        "the name was not set: the test shows nothing"
+    );
+    assert_eq!(
+        possum_control::process_uid(pid).unwrap(),
+        nix::unistd::geteuid().as_raw()
+    );
+    let e = request(pid, tmp.path(), &Request::Ping, T).unwrap_err();
+    assert!(
+        matches!(e, ControlError::NotStarted { pid: p, .. } if p == pid),
+        "{e:?}"
+    );
+}

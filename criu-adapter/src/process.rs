@@ -148,9 +148,17 @@ pub(crate) fn stop_tree(pid: i32) {
     }
 }
 
+/// The text of `/proc` file `path`, decoded lossily: a process's name in `stat` and `status` is
+/// whatever bytes it was given (cut at 15, which can split a character), and read as `String`
+/// one such byte would fail the read and make a live process look gone. The fields looked for
+/// are ASCII.
+pub fn proc_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
+    std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
 /// The parent of `pid`, from `/proc/<pid>/stat`.
 pub(crate) fn parent_of(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = proc_text(format!("/proc/{pid}/stat")).ok()?;
     // After the parenthesised command name (which may hold anything): state, then parent.
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(1)?.parse().ok()

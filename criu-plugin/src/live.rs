@@ -92,7 +92,7 @@ impl JobSocket {
     /// environment at exec), else this process's, else `/tmp/possum`.
     pub fn find(pid: i32) -> Option<JobSocket> {
         let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let status = possum_control::proc_text(format!("/proc/{pid}/status")).unwrap_or_default();
         let dir = socket_dir_in(&environ).unwrap_or_else(possum_control::socket_dir);
         let ns_pid = innermost_pid(&status).unwrap_or(pid);
         let path = proc_root(pid, &possum_control::socket_path(&dir, ns_pid as u32));

@@ -73,7 +73,7 @@ fn tasks() -> Vec<(i32, String)> {
 
 /// Whether thread `tid` blocks signal `sig` (its `SigBlk` in /proc).
 fn blocks(tid: i32, sig: i32) -> bool {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")) else {
+    let Ok(s) = possum_control::proc_text(format!("/proc/self/task/{tid}/status")) else {
         return false;
     };
     s.lines()

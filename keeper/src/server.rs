@@ -1052,7 +1052,11 @@ impl Alives {
 
 /// Whether process `pid` exists (a zombie counts as gone).
 pub(crate) fn alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+    // As bytes: a process's name (in `stat`) need not be UTF-8, and a live client whose name is
+    // not must not look gone (its memory would be dropped).
+    match std::fs::read(format!("/proc/{pid}/stat"))
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+    {
         Ok(stat) => stat
             .rsplit_once(") ")
             .is_some_and(|(_, rest)| !rest.starts_with('Z')),

@@ -289,6 +289,30 @@ fn held_memory_outlives_its_process_and_is_reclaimed_only_with_its_epoch() {
     wait_total(&server, Usage::default());
 }
 
+/// A client whose process name is not UTF-8 (the kernel cuts names at 15 bytes, which can split
+/// a character) is alive to the keeper: its memory is not taken for an orphan's.
+#[test]
+fn a_client_whose_name_is_not_utf8_keeps_its_memory() {
+    if !inner_or_spawn("a_client_whose_name_is_not_utf8_keeps_its_memory") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    let mut c = Client::spawn(&mut client_cmd(&server));
+    let (id, size) = c.alloc(MIB4);
+    assert_eq!(c.ask("name 6b6565706572e697"), "named");
+    let stat = std::fs::read(format!("/proc/{}/stat", c.pid)).unwrap();
+    assert!(String::from_utf8(stat).is_err(), "the name was not set");
+    server.free_orphans_now();
+    assert_eq!(
+        server.read(id, 0, size as usize).unwrap(),
+        pattern(id, size),
+        "the live client's memory is kept"
+    );
+    c.exit();
+    wait_total(&server, Usage::default());
+}
+
 /// Another keeper takes over retained allocations from fds a third process held (`possum
 /// checkpoint` during a kept hold, after the job's keeper died): the same id, owner, epoch and
 /// contents, retained there; an id it already has is refused.

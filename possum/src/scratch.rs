@@ -57,7 +57,7 @@ pub fn base() -> PathBuf {
 /// Process `pid`'s start time (clock ticks after boot, `/proc/PID/stat`'s 22nd field), `None`
 /// when there is no such process.
 fn start_time(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = possum_control::proc_text(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold anything: count from after it.
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(19)?.parse().ok()

@@ -316,7 +316,7 @@ fn wait_untraced(tree: &[i32], limit: Duration) -> bool {
 /// Whether some process traces `pid` (`TracerPid` in /proc/PID/status; a process that is gone
 /// is not traced).
 fn traced(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/status"))
+    possum_control::proc_text(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

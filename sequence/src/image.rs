@@ -129,7 +129,7 @@ pub struct JobOwner {
 impl JobOwner {
     /// Process `pid`'s effective ids (`/proc/PID/status`), `None` if they cannot be read.
     pub fn of_process(pid: i32) -> Option<JobOwner> {
-        let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let status = possum_control::proc_text(format!("/proc/{pid}/status")).ok()?;
         let effective = |key: &str| {
             (status.lines())
                 .find_map(|l| l.strip_prefix(key))

@@ -24,7 +24,7 @@ struct ProcStat {
 
 /// `/proc/PID/stat` of process `pid`, if it exists.
 fn stat_of(pid: i32) -> Option<ProcStat> {
-    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let s = possum_control::proc_text(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold anything: fields are counted
     // after its last `)`. Field 3 is the state, 22 the start time.
     let (_, rest) = s.rsplit_once(')')?;
@@ -334,7 +334,7 @@ mod tests {
 
     /// Whether `pid` has ended (gone, or a zombie no one reaped yet).
     fn ended(pid: i32) -> bool {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+        possum_control::proc_text(format!("/proc/{pid}/stat")).map_or(true, |s| {
             s.rsplit(')')
                 .next()
                 .is_some_and(|r| r.trim_start().starts_with('Z'))

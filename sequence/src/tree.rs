@@ -23,7 +23,7 @@ fn parents(proc: &Path) -> HashMap<i32, i32> {
     entries
         .filter_map(|e| {
             let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-            let stat = fs::read_to_string(proc.join(pid.to_string()).join("stat")).ok()?;
+            let stat = possum_control::proc_text(proc.join(pid.to_string()).join("stat")).ok()?;
             Some((pid, ppid_of(&stat)?))
         })
         .collect()
@@ -151,7 +151,7 @@ pub fn socket_dirs(pids: &[i32]) -> Vec<std::path::PathBuf> {
             }
         }
     }
-    let table = fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let table = possum_control::proc_text("/proc/net/unix").unwrap_or_default();
     let mut dirs: Vec<std::path::PathBuf> = unix_paths(&table)
         .into_iter()
         .filter(|(ino, _)| inodes.contains(ino))
@@ -313,11 +313,19 @@ mod tests {
     #[test]
     fn descendants_are_the_whole_subtree_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
-        // 1 -> 10 -> {11, 12 -> 13}; 1 -> 20 (not under 10).
+        // 1 -> 10 -> {11, 12 -> 13}; 1 -> 20 (not under 10). 12's name is cut inside a character,
+        // as the kernel cuts names at 15 bytes: not UTF-8.
         for (pid, ppid) in [(10, 1), (11, 10), (12, 10), (13, 12), (20, 1)] {
             let d = dir.path().join(pid.to_string());
             fs::create_dir_all(&d).unwrap();
-            fs::write(d.join("stat"), format!("{pid} (job x) S {ppid} 1 1 0")).unwrap();
+            let name: &[u8] = if pid == 12 { b"job \xe6\x97" } else { b"job x" };
+            let stat = [
+                format!("{pid} (").as_bytes(),
+                name,
+                format!(") S {ppid} 1 1 0").as_bytes(),
+            ]
+            .concat();
+            fs::write(d.join("stat"), stat).unwrap();
         }
         fs::create_dir_all(dir.path().join("self")).unwrap();
         assert_eq!(descendants_in(dir.path(), 10), vec![11, 12, 13]);

@@ -1,5 +1,6 @@
-//! A process that maps files, as the dynamic loader maps a job's libraries: for the tests that
-//! read `/proc/PID/maps`. Included with `#[path]` where needed.
+//! A process that maps files, as the dynamic loader maps a job's libraries, under a name of the
+//! test's choosing: for the tests that read `/proc/PID/maps`, `stat` and `status`. Included with
+//! `#[path]` where needed.
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -17,17 +18,26 @@ impl Mapper {
     /// Starts one over `files` (each made first: 4 KiB of zeros) and waits until they are
     /// mapped. `None` when there is no `python3`.
     pub fn start(files: &[PathBuf]) -> Option<Mapper> {
+        Mapper::start_named(files, b"")
+    }
+
+    /// [`Mapper::start`], the process named `name` (its `comm`, as `prctl(PR_SET_NAME)` sets
+    /// it: any bytes, up to 15) unless empty.
+    pub fn start_named(files: &[PathBuf], name: &[u8]) -> Option<Mapper> {
         for f in files {
             std::fs::write(f, [0u8; 4096]).unwrap();
         }
+        let hex: String = name.iter().map(|b| format!("{b:02x}")).collect();
         let mut child = Command::new("python3")
             .args([
                 "-c",
-                "import mmap, sys, time\n\
-                 fs = [open(p, 'rb') for p in sys.argv[1:]]\n\
+                "import ctypes, mmap, sys, time\n\
+                 if sys.argv[1]: ctypes.CDLL(None).prctl(15, bytes.fromhex(sys.argv[1]), 0, 0, 0)\n\
+                 fs = [open(p, 'rb') for p in sys.argv[2:]]\n\
                  ms = [mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) for f in fs]\n\
                  print('ready', flush=True)\n\
                  time.sleep(60)\n",
+                &hex,
             ])
             .args(files)
             .stdout(Stdio::piped())

@@ -10,6 +10,8 @@
 //!   `check ID EPOCH` → reclaims, imports, maps and reads it: `intact ID` or `differs ID`;
 //! - `spare_take DIR` → `lent DRAIN PATH` (the keeper's spare, never given back) or
 //!   `refused <why>`;
+//! - `name HEX`: names the process those bytes (`/proc/self/comm`: any bytes, as a process may
+//!   be named) → `named`;
 //! - `stats` → the stats' JSON; `exit` (or end of input): exits.
 //!
 //! A refused connection prints `refused: <why>` and exits 3. Needs the driver (the fake one, in
@@ -52,6 +54,14 @@ fn main() {
                 Ok(l) => println!("lent {} {}", l.drain, l.path),
                 Err(e) => println!("refused {e}"),
             },
+            ["name", hex] => {
+                let bytes: Vec<u8> = (0..hex.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+                    .collect();
+                std::fs::write("/proc/self/comm", bytes).expect("name");
+                println!("named");
+            }
             ["retain", id] => {
                 let id = id.parse().expect("id");
                 k.retain(id, 7, 0).expect("retain");
