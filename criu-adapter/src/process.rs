@@ -173,7 +173,7 @@ pub(crate) fn check_alive(pid: i32) -> Result<(), CriuError> {
         )));
     }
     let path = format!("/proc/{pid}/stat");
-    let stat = match std::fs::read_to_string(&path) {
+    let stat = match proc_text(&path) {
         Ok(s) => s,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             return Err(CriuError::NoSuchProcess { pid })
@@ -207,6 +207,30 @@ mod tests {
     #[test]
     fn this_process_is_alive() {
         check_alive(std::process::id() as i32).unwrap();
+    }
+
+    /// A process whose name is not UTF-8 (run through a link so named: the kernel names a process
+    /// after the file it was run as, cut at 15 bytes) is alive, and its parent is found.
+    #[test]
+    fn a_process_whose_name_is_not_utf8_is_alive() {
+        use std::os::unix::ffi::OsStrExt as _;
+        let tmp = tempfile::tempdir().unwrap();
+        let exe = tmp
+            .path()
+            .join(std::ffi::OsStr::from_bytes(b"sleep \xe6\x97"));
+        // A link, not a copy: a file just written may still be open in a child another test
+        // forks meanwhile (ETXTBSY).
+        std::os::unix::fs::symlink("/bin/sleep", &exe).unwrap();
+        let mut child = std::process::Command::new(&exe).arg("5").spawn().unwrap();
+        let pid = child.id() as i32;
+        let stat = std::fs::read(format!("/proc/{pid}/stat")).unwrap();
+        let alive = check_alive(pid);
+        let parent = parent_of(pid);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(String::from_utf8(stat).is_err(), "the name is UTF-8");
+        alive.unwrap();
+        assert_eq!(parent, Some(std::process::id() as i32));
     }
 
     #[test]

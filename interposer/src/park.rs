@@ -65,7 +65,7 @@ fn tasks() -> Vec<(i32, String)> {
     rd.filter_map(|e| {
         let e = e.ok()?;
         let tid: i32 = e.file_name().to_str()?.parse().ok()?;
-        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        let comm = possum_control::proc_text(e.path().join("comm")).unwrap_or_default();
         Some((tid, comm.trim_end().to_string()))
     })
     .collect()
