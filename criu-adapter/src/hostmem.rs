@@ -681,7 +681,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), HostMemError> {
 /// The PID `pid` has in its innermost PID namespace (the PID it had in the dumped tree when
 /// CRIU restored it into a new namespace), from `/proc/PID/status`'s `NSpid`.
 pub fn namespace_pid(pid: i32) -> Option<u32> {
-    let s = crate::process::proc_text(format!("/proc/{pid}/status")).ok()?;
+    let s = possum_control::proc_text(format!("/proc/{pid}/status")).ok()?;
     s.lines()
         .find_map(|l| l.strip_prefix("NSpid:"))
         .and_then(|l| l.split_whitespace().last())

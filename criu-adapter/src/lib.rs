@@ -90,9 +90,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use error::CriuError;
-pub use process::{
-    proc_text, set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit,
-};
+pub use process::{set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit};
 
 pub use rpc::NetworkLockMethod;
 use rpc::{CriuOpts, CriuReq, CriuResp, ReqType};
@@ -1149,7 +1147,7 @@ mod tests {
         // Killed; reparented to init (or a subreaper) and reaped there.
         let end = Instant::now() + Duration::from_secs(20);
         while process::parent_of(sleeper).is_some()
-            && !process::proc_text(format!("/proc/{sleeper}/stat"))
+            && !possum_control::proc_text(format!("/proc/{sleeper}/stat"))
                 .unwrap_or_default()
                 .contains(") Z ")
         {

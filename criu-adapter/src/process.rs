@@ -95,21 +95,29 @@ pub fn tree_resident_bytes(pid: i32) -> u64 {
         .flatten()
         .and_then(|p| u64::try_from(p).ok())
         .unwrap_or(4096);
+    let pages: u64 = tree_of(pid)
+        .into_iter()
+        .map(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/statm"))
+                .ok()
+                .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
+                .unwrap_or(0u64)
+        })
+        .sum();
+    pages.saturating_mul(page)
+}
+
+/// `pid` and every process below it (each thread's children, from /proc), each once.
+fn tree_of(pid: i32) -> Vec<i32> {
     let mut todo = vec![pid];
     let mut seen = Vec::new();
-    let mut pages = 0u64;
     while let Some(p) = todo.pop() {
-        if seen.contains(&p) {
-            continue;
+        if !seen.contains(&p) {
+            seen.push(p);
+            todo.extend(children_of(p));
         }
-        seen.push(p);
-        pages += std::fs::read_to_string(format!("/proc/{p}/statm"))
-            .ok()
-            .and_then(|s| s.split_whitespace().nth(1)?.parse().ok())
-            .unwrap_or(0u64);
-        todo.extend(children_of(p));
     }
-    pages.saturating_mul(page)
+    seen
 }
 
 /// The children of every thread of `pid` (none when it is gone).
@@ -133,32 +141,17 @@ pub(crate) fn children_of(pid: i32) -> Vec<i32> {
 /// SIGSTOPs `pid` and every process below it (each thread's children, from /proc), for a
 /// tree CRIU holds frozen: the signal waits until CRIU lets each go, which then stops at once.
 pub(crate) fn stop_tree(pid: i32) {
-    let mut todo = vec![pid];
-    let mut seen = Vec::new();
-    while let Some(p) = todo.pop() {
-        if p <= 1 || seen.contains(&p) {
-            continue;
-        }
-        seen.push(p);
+    for p in tree_of(pid).into_iter().filter(|&p| p > 1) {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(p),
             nix::sys::signal::Signal::SIGSTOP,
         );
-        todo.extend(children_of(p));
     }
-}
-
-/// The text of `/proc` file `path`, decoded lossily: a process's name in `stat` and `status` is
-/// whatever bytes it was given (cut at 15, which can split a character), and read as `String`
-/// one such byte would fail the read and make a live process look gone. The fields looked for
-/// are ASCII.
-pub fn proc_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
-    std::fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned())
 }
 
 /// The parent of `pid`, from `/proc/<pid>/stat`.
 pub(crate) fn parent_of(pid: i32) -> Option<i32> {
-    let stat = proc_text(format!("/proc/{pid}/stat")).ok()?;
+    let stat = possum_control::proc_text(format!("/proc/{pid}/stat")).ok()?;
     // After the parenthesised command name (which may hold anything): state, then parent.
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(1)?.parse().ok()
@@ -173,7 +166,7 @@ pub(crate) fn check_alive(pid: i32) -> Result<(), CriuError> {
         )));
     }
     let path = format!("/proc/{pid}/stat");
-    let stat = match proc_text(&path) {
+    let stat = match possum_control::proc_text(&path) {
         Ok(s) => s,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             return Err(CriuError::NoSuchProcess { pid })

@@ -44,6 +44,8 @@ struct Import {
     found: Identified,
     /// That keeper's socket.
     keeper: PathBuf,
+    /// That keeper's device (the memory's).
+    keeper_device: usize,
     /// The job's device when it imported it (whose context maps it).
     ordinal: usize,
     /// Where it is mapped, if it is.
@@ -78,12 +80,15 @@ pub fn import(fd: BorrowedFd<'_>) -> Option<u64> {
     if !st.cfg.tuning.serve_vmm || !st.managing() {
         return None;
     }
-    let (keeper, found) = possum_keeper::sockets_in(dir).into_iter().find_map(|s| {
-        let found = Keeper::connect(&s)
-            .and_then(|mut k| k.identify(fd))
-            .ok()??;
-        Some((s, found))
-    })?;
+    let (keeper_device, keeper, found) = possum_keeper::sockets_in(dir)
+        .into_iter()
+        .enumerate()
+        .find_map(|(device, s)| {
+            let found = Keeper::connect(&s)
+                .and_then(|mut k| k.identify(fd))
+                .ok()??;
+            Some((device, s, found))
+        })?;
     let _r = Reentry::enter();
     let ordinal = possum_cuda::introspect::current_device().unwrap_or(0);
     let token = IMPORT_TAG | NEXT.fetch_add(1, Ordering::Relaxed);
@@ -92,6 +97,7 @@ pub fn import(fd: BorrowedFd<'_>) -> Option<u64> {
         Import {
             found,
             keeper,
+            keeper_device,
             ordinal,
             mapped: None,
             refs: 1,
@@ -235,24 +241,13 @@ pub fn props(handle: u64) -> Option<Result<[u8; crate::vmm::PROP_LEN], c_int>> {
     let Some(t) = imports.as_ref().and_then(|m| m.get(&handle)) else {
         return Some(Err(INVALID_VALUE));
     };
-    let device = keeper_ordinal(&t.keeper).unwrap_or(t.ordinal) as u32;
+    let device = t.keeper_device as u32;
     let mut p = [0u8; crate::vmm::PROP_LEN];
     // type PINNED, requestedHandleTypes POSIX_FILE_DESCRIPTOR, location DEVICE and its id.
     for (at, v) in [(0, 1u32), (4, 1), (8, 1), (12, device)] {
         p[at..at + 4].copy_from_slice(&v.to_ne_bytes());
     }
     Some(Ok(p))
-}
-
-/// The device a keeper socket (`keeper-N.sock`) serves.
-fn keeper_ordinal(socket: &std::path::Path) -> Option<usize> {
-    socket
-        .file_name()?
-        .to_str()?
-        .strip_prefix("keeper-")?
-        .strip_suffix(".sock")?
-        .parse()
-        .ok()
 }
 
 /// At a checkpoint's release (the job held): every imported mapping unmapped and its handle

@@ -1052,11 +1052,9 @@ impl Alives {
 
 /// Whether process `pid` exists (a zombie counts as gone).
 pub(crate) fn alive(pid: i32) -> bool {
-    // As bytes: a process's name (in `stat`) need not be UTF-8, and a live client whose name is
-    // not must not look gone (its memory would be dropped).
-    match std::fs::read(format!("/proc/{pid}/stat"))
-        .map(|b| String::from_utf8_lossy(&b).into_owned())
-    {
+    // Not as UTF-8: a live client whose name is not must not look gone (its memory would be
+    // dropped).
+    match possum_control::proc_text(format!("/proc/{pid}/stat")) {
         Ok(stat) => stat
             .rsplit_once(") ")
             .is_some_and(|(_, rest)| !rest.starts_with('Z')),

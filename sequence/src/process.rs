@@ -334,11 +334,7 @@ mod tests {
 
     /// Whether `pid` has ended (gone, or a zombie no one reaped yet).
     fn ended(pid: i32) -> bool {
-        possum_control::proc_text(format!("/proc/{pid}/stat")).map_or(true, |s| {
-            s.rsplit(')')
-                .next()
-                .is_some_and(|r| r.trim_start().starts_with('Z'))
-        })
+        stat_of(pid).is_none_or(|s| s.state == 'Z')
     }
 
     #[test]

@@ -1981,19 +1981,13 @@ fn receive_into<S: Read>(
                         if base.size > h.size {
                             return Err(refuse("it is longer than the file"));
                         }
-                        match &pre {
-                            // Ahead of the cut: a later round goes on with the same file.
+                        // After the cut the base moves into place; ahead of it a later round
+                        // goes on with the same file, and its hash.
+                        let hash = match &pre {
                             None if base.path != h.path => {
                                 return Err(refuse("ahead of the cut a file goes on only itself"))
                             }
-                            None => {
-                                let file = fs::OpenOptions::new()
-                                    .append(true)
-                                    .custom_flags(nix::libc::O_NOFOLLOW)
-                                    .open(&at)
-                                    .map_err(creating)?;
-                                (file, base.size, Some(hasher))
-                            }
+                            None => Some(hasher),
                             Some(pre) => {
                                 let from =
                                     base_parts.iter().fold(pre.path.clone(), |p, c| p.join(c));
@@ -2006,14 +2000,15 @@ fn receive_into<S: Read>(
                                     rustix::fs::RenameFlags::NOREPLACE,
                                 )
                                 .map_err(|e| creating(e.into()))?;
-                                let file = fs::OpenOptions::new()
-                                    .append(true)
-                                    .custom_flags(nix::libc::O_NOFOLLOW)
-                                    .open(&at)
-                                    .map_err(creating)?;
-                                (file, base.size, None)
+                                None
                             }
-                        }
+                        };
+                        let file = fs::OpenOptions::new()
+                            .append(true)
+                            .custom_flags(nix::libc::O_NOFOLLOW)
+                            .open(&at)
+                            .map_err(creating)?;
+                        (file, base.size, hash)
                     }
                 };
                 current = Some(Current {
