@@ -9,9 +9,16 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The definition of `name` in the objects loaded after this library (`dlsym(RTLD_NEXT)`: the
-/// library whose function possum's export of the same name wraps), looked up once into `slot`;
-/// 0 when there is none.
+/// The definition of `name` that possum's export of the same name wraps, looked up once into
+/// `slot`; 0 when there is none.
+///
+/// First `dlsym(RTLD_NEXT)`: the objects of the global scope loaded after this library (a program
+/// linked with the library). When that finds nothing, every loaded object but this library, in
+/// load order, through its own symbol table ([`first_definition`]): a library that the program
+/// loaded with `dlopen(RTLD_LOCAL)`, or that such a library needs, is in no global scope, and
+/// `RTLD_NEXT` never sees it. Python loads its extension modules that way, so PyTorch's
+/// libtorch_cuda.so and the libnccl.so.2 it links are found only by the second search; yet
+/// libtorch_cuda's calls bind to this library's exports, which are in the global scope.
 pub fn next_definition(slot: &AtomicUsize, name: &CStr) -> usize {
     let p = slot.load(Ordering::Acquire);
     if p != 0 {
@@ -19,7 +26,10 @@ pub fn next_definition(slot: &AtomicUsize, name: &CStr) -> usize {
     }
     // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT searches the objects loaded after this
     // library. possum's own dlsym passes it through to glibc's.
-    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+    let mut p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+    if p == 0 {
+        p = first_definition(name, next_definition as *const () as usize);
+    }
     slot.store(p, Ordering::Release);
     p
 }
