@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# Install CRIU 4.x from Debian 13 (trixie) into a private prefix, without touching the system's
-# package sources or its installed packages.
+# Install CRIU 4.2 or later from Debian's testing suite (forky) into a private prefix, without
+# touching the system's package sources or its installed packages.
 #
-# Why: Debian 12's criu 3.17 fails on kernel 6.18 ("vdso: Unexpected rt vDSO area bounds");
-# trixie's criu 4.1.1 works. Its binaries need glibc >= 2.38, so on an older host (Debian 12 has
-# 2.36) the wrapper runs criu through trixie's own dynamic loader with trixie's libc unpacked beside
-# it; on a host whose glibc is new enough (Ubuntu 24.04 has 2.39) it only puts the prefix's
-# libraries on LD_LIBRARY_PATH.
+# Why 4.2: CRIU 4.1 cannot dump a TCP socket on Linux 6.16 or later ("Can't get 1:16 opt": the
+# kernel no longer answers SO_PASSCRED on a TCP socket), so every server, every torchrun job (its
+# TCPStore) and every job with a socket is refused there; 4.2 dumps and restores them. 4.2 runs on
+# older kernels too, so it is what this script installs everywhere. (Debian 12's criu 3.17 fails
+# on kernel 6.18 altogether: "vdso: Unexpected rt vDSO area bounds".) Debian's binaries need a
+# newer glibc than many hosts have (Debian 12 has 2.36), so on such a host the wrapper runs criu
+# through the suite's own dynamic loader with its libc unpacked beside it; on a host whose glibc
+# is new enough it only puts the prefix's libraries on LD_LIBRARY_PATH.
 #
 # Layout of the prefix (default /opt/possum-criu; relocatable, the wrapper finds it from its path):
 #   bin/criu      the wrapper: `exec`s criu with the arguments passed through unchanged
 #   root/         every package but libc6, unpacked with `dpkg -x` (criu is root/usr/sbin/criu)
-#   glibc/        trixie's libc6, used only when the host's glibc is too old
-#   .possum-criu-installed   the packages and versions installed (the idempotency stamp)
+#   glibc/        the suite's libc6, used only when the host's glibc is too old
+#   .possum-criu-installed   the suite, packages and versions installed (the idempotency stamp;
+#                 an installed criu older than 4.2 is replaced without --force)
 #
 # Usage:
-#   install-criu.sh [--prefix DIR] [--strict] [--force]   download from trixie and install
-#   install-criu.sh --download-only DIR                   only download the .debs into DIR
+#   install-criu.sh [--prefix DIR] [--strict] [--force] [--allow-expired-lists]
+#                                                         download and install
+#   install-criu.sh --download-only DIR [--allow-expired-lists]
+#                                                         only download the .debs into DIR
 #   install-criu.sh --from-debs DIR [--prefix DIR]        install from .debs in DIR, no network
 #
+# --allow-expired-lists: accept package lists past their Valid-Until date, as a mirror that is
+#   not kept current serves them (apt's Acquire::Check-Valid-Until=false). Their signatures are
+#   still checked against the keyring; only the freshness check is off. Without it such a mirror
+#   is refused with a message saying so. Also POSSUM_CRIU_ALLOW_EXPIRED=1.
+# --strict: fail when `criu check` fails or cannot run (not root), or when the criu installed
+#   cannot dump TCP sockets on the running kernel.
+#
 # Environment: POSSUM_CRIU_PREFIX (default prefix), POSSUM_CRIU_MIRROR, POSSUM_CRIU_SECURITY_MIRROR,
-# POSSUM_CRIU_SUITE, POSSUM_CRIU_KEYRING (override the Debian source).
+# POSSUM_CRIU_SUITE (default forky), POSSUM_CRIU_KEYRING (override the Debian source),
+# POSSUM_CRIU_ALLOW_EXPIRED.
 #
 # Trust: the package lists are verified against debian-trixie-archive-keyring.gpg beside this
-# script, Debian 13's archive keys as shipped by Debian 12's debian-archive-keyring
-# 2023.3+deb12u2, so hosts without Debian's keyring (Ubuntu) need nothing more:
+# script: Debian 13's archive keys as shipped by Debian 12's debian-archive-keyring
+# 2023.3+deb12u2, which also sign the testing (forky) and unstable (sid) suites, so hosts without
+# Debian's keyring (Ubuntu) need nothing more:
 #   04B5 4C3C DCA7 9751 B16B  C6B5 2256 29DF 75B1 88BD  Archive Automatic Signing Key (13/trixie)
 #   5E04 A1E3 223A 19A2 0706  E20F 9904 613D 4CCE 68C6  Security Archive Automatic Signing Key (13/trixie)
 #   4158 7F7D B8C7 74BC CF13  1416 762F 67A0 B2C3 9DE4  Stable Release Key (13/trixie)
@@ -32,13 +47,13 @@
 set -euo pipefail
 
 prefix=${POSSUM_CRIU_PREFIX:-/opt/possum-criu}
-suite=${POSSUM_CRIU_SUITE:-trixie}
+suite=${POSSUM_CRIU_SUITE:-forky}
 mirror=${POSSUM_CRIU_MIRROR:-http://deb.debian.org/debian}
 security_mirror=${POSSUM_CRIU_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 shipped_keyring=$(dirname "$(readlink -f -- "$0")")/debian-trixie-archive-keyring.gpg
 if [ -n "${POSSUM_CRIU_KEYRING:-}" ]; then
     keyring=$POSSUM_CRIU_KEYRING
-elif [ "$suite" = trixie ] && [ -r "$shipped_keyring" ]; then
+elif [ -r "$shipped_keyring" ]; then
     keyring=$shipped_keyring
 else
     keyring=/usr/share/keyrings/debian-archive-keyring.gpg
@@ -47,6 +62,10 @@ download_only=""
 from_debs=""
 strict=0
 force=0
+allow_expired=${POSSUM_CRIU_ALLOW_EXPIRED:-0}
+# The oldest CRIU that dumps TCP sockets on Linux 6.16 and later.
+min_major=4
+min_minor=2
 stamp_name=.possum-criu-installed
 
 SCRIPT=install-criu
@@ -78,6 +97,10 @@ while [ $# -gt 0 ]; do
         force=1
         shift
         ;;
+    --allow-expired-lists)
+        allow_expired=1
+        shift
+        ;;
     -h | --help)
         usage
         exit 0
@@ -93,7 +116,7 @@ debs_tmp=""
 cleanup() { rm -rf ${work:+"$work"} ${debs_tmp:+"$debs_tmp"}; }
 trap cleanup EXIT
 
-# Downloads criu and every package it depends on (recursively) from trixie into $1, through a
+# Downloads criu and every package it depends on (recursively) from $suite into $1, through a
 # private apt configuration: its own source list, lists, cache and status, none of the host's.
 download_debs() {
     local dest=$1
@@ -127,6 +150,7 @@ EOF
         echo "APT::Architecture \"amd64\";"
         echo "APT::Architectures { \"amd64\"; };"
         if [ "$(id -u)" -eq 0 ]; then echo "APT::Sandbox::User \"root\";"; fi
+        if [ "$allow_expired" = 1 ]; then echo "Acquire::Check-Valid-Until \"false\";"; fi
         apt-config dump 2>/dev/null | grep -E '^Acquire::(https?|ftp)::Proxy' || true
     } >"$work/apt.conf"
     export APT_CONFIG=$work/apt.conf
@@ -136,6 +160,9 @@ EOF
         cat "$work/update.log" >&2
         if grep -q NO_PUBKEY "$work/update.log"; then
             die "$keyring lacks the keys that sign Debian's $suite lists (set POSSUM_CRIU_KEYRING to a keyring holding them)"
+        fi
+        if grep -q 'is expired' "$work/update.log"; then
+            die "$mirror serves $suite package lists past their Valid-Until date (a mirror not kept current): rerun with --allow-expired-lists to accept them (their signatures are still checked)"
         fi
         die "apt-get update of the private $suite source failed"
     }
@@ -165,6 +192,28 @@ manifest_of() {
     done | sort
 }
 
+# The criu version in "package version" lines on stdin, as MAJOR.MINOR (empty if none).
+criu_version_of_manifest() {
+    awk '$1 == "criu" { v = $2; sub(/^[0-9]*:/, "", v); split(v, p, /[.-]/); print p[1] "." p[2] }'
+}
+
+# True when version $1 (MAJOR.MINOR) is at least $min_major.$min_minor.
+new_enough() {
+    local major=${1%%.*} minor=${1#*.}
+    case $major.$minor in [0-9]*.[0-9]*) ;; *) return 1 ;; esac
+    [ "$major" -gt "$min_major" ] || { [ "$major" -eq "$min_major" ] && [ "$minor" -ge "$min_minor" ]; }
+}
+
+# True when the running kernel is Linux 6.16 or later (where CRIU older than 4.2 fails on TCP).
+kernel_needs_new_criu() {
+    local r major minor
+    r=$(uname -r)
+    major=${r%%.*}
+    minor=${r#*.}
+    minor=${minor%%[!0-9]*}
+    [ "$major" -gt 6 ] || { [ "$major" -eq 6 ] && [ "${minor:-0}" -ge 16 ]; }
+}
+
 # Writes the wrapper $1/bin/criu. $2 is the newest glibc symbol version the binaries need.
 write_wrapper() {
     local dir=$1 need=$2
@@ -174,7 +223,7 @@ write_wrapper() {
 # Written by possum's scripts/install-criu.sh: runs Debian $suite's criu from this prefix.
 # Arguments pass through unchanged and criu replaces this shell (exec), so the PID and the
 # inherited file descriptors are criu's ("criu swrk FD" works through it).
-# loader: the host's glibc is too old; trixie's ld.so runs criu with --library-path, so nothing
+# loader: the host's glibc is too old; $suite's ld.so runs criu with --library-path, so nothing
 #   leaks into what criu executes (it runs sh -c "iptables -n -w -L" while dumping).
 # host: the host's glibc is new enough; the prefix's libraries go on LD_LIBRARY_PATH, which the
 #   programs criu executes inherit too. Restored processes do not: their environment is the
@@ -250,7 +299,7 @@ install_from() {
     [ -n "$need" ] || need=2.99
     write_wrapper "$staging" "$need"
     {
-        echo "# installed by possum scripts/install-criu.sh from $src on $(date -u +%Y-%m-%dT%H:%M:%SZ); needs glibc $need"
+        echo "# installed by possum scripts/install-criu.sh from $src ($suite) on $(date -u +%Y-%m-%dT%H:%M:%SZ); needs glibc $need"
         manifest_of "$src"
     } >"$staging/$stamp_name"
     chmod 0755 "$staging"
@@ -265,17 +314,30 @@ install_from() {
     say "installed criu into $prefix (its binaries need glibc >= $need)"
 }
 
-# True when the prefix is installed and, given a .deb directory $1, holds exactly its packages.
+# True when the prefix is installed and, given a .deb directory $1, holds exactly its packages;
+# without one, when its criu is new enough (an older install is replaced).
 installed_matches() {
     [ -x "$prefix/bin/criu" ] && [ -f "$prefix/$stamp_name" ] || return 1
-    [ -z "${1:-}" ] && return 0
+    if [ -z "${1:-}" ]; then
+        new_enough "$(grep -v '^#' "$prefix/$stamp_name" | criu_version_of_manifest)"
+        return
+    fi
     diff -q <(grep -v '^#' "$prefix/$stamp_name") <(manifest_of "$1") >/dev/null
 }
 
 verify() {
-    local version out
+    local version out v
     version=$("$prefix/bin/criu" --version 2>&1) || die "$prefix/bin/criu --version failed: $version"
     say "$prefix/bin/criu: $(echo $version)"
+    v=$(printf '%s\n' "$version" | sed -n 's/^Version: *\([0-9]*\.[0-9]*\).*/\1/p' | head -n 1)
+    if ! new_enough "$v"; then
+        if kernel_needs_new_criu; then
+            [ "$strict" -eq 0 ] || die "criu $v cannot dump TCP sockets on Linux $(uname -r) (6.16 or later needs CRIU $min_major.$min_minor): install from a suite that has it (POSSUM_CRIU_SUITE=forky or sid)"
+            warn "criu $v cannot dump TCP sockets on Linux $(uname -r) (6.16 or later needs CRIU $min_major.$min_minor): jobs with sockets will be refused"
+        else
+            warn "criu $v is older than $min_major.$min_minor: it works on this kernel, but not on Linux 6.16 or later"
+        fi
+    fi
     if [ "$(id -u)" -ne 0 ]; then
         warn "not root: skipped 'criu check' (it needs root, as do dump and restore)"
         [ "$strict" -eq 0 ] || die "--strict: 'criu check' needs root"

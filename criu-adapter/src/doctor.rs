@@ -62,6 +62,8 @@ pub struct HostReport {
     pub criu_version: Result<CriuVersion, String>,
     /// The result of `criu check`.
     pub criu_check: Feature,
+    /// Whether this CRIU can dump TCP sockets on this kernel ([`tcp_sockets`]).
+    pub tcp_sockets: Feature,
     /// CONFIG_CHECKPOINT_RESTORE, which CRIU cannot do without.
     pub checkpoint_restore: Feature,
     /// userfaultfd (CONFIG_USERFAULTFD): lazy restore of memory.
@@ -91,6 +93,7 @@ impl fmt::Display for HostReport {
             (Err(e), _) => writeln!(f, "{:<20} NOT FOUND: {e}", "criu")?,
         }
         writeln!(f, "{:<20} {}", "criu check", self.criu_check)?;
+        writeln!(f, "{:<20} {}", "tcp sockets", self.tcp_sockets)?;
         writeln!(
             f,
             "{:<20} {}",
@@ -122,14 +125,64 @@ pub fn host_report() -> HostReport {
             Err(e) => Feature::new(Support::No, e.to_string()),
         },
     };
+    let tcp_sockets = tcp_sockets(criu_version.as_ref().ok(), kernel_version());
     HostReport {
         kernel: kernel_release(),
         criu_binary,
         criu_version,
         criu_check,
+        tcp_sockets,
         checkpoint_restore: checkpoint_restore(),
         userfaultfd: userfaultfd(),
         soft_dirty: soft_dirty(),
+    }
+}
+
+/// The first kernel on which CRIU needs [`TCP_CRIU`] to dump a TCP socket: Linux 6.16 no longer
+/// answers `getsockopt(SO_PASSCRED)` on one, which CRIU 4.1 and older ask for every socket
+/// ("Can't get 1:16 opt"), so they refuse every job with a listening or connected TCP socket.
+pub const TCP_KERNEL: (u32, u32) = (6, 16);
+/// The first CRIU that dumps TCP sockets on [`TCP_KERNEL`] and later.
+pub const TCP_CRIU: (i32, i32) = (4, 2);
+
+/// Whether CRIU `criu` (None: none found) can dump TCP sockets on kernel `kernel` (major,
+/// minor; None: unknown). Decided by the versions: the failure is certain, and a probe would
+/// need a dump.
+pub fn tcp_sockets(criu: Option<&CriuVersion>, kernel: Option<(u32, u32)>) -> Feature {
+    let Some(v) = criu else {
+        return Feature::new(Support::Unknown, "no criu to ask");
+    };
+    let new_criu = (v.major, v.minor) >= TCP_CRIU;
+    match kernel {
+        _ if new_criu => Feature::new(
+            Support::Yes,
+            format!("CRIU {v} dumps TCP sockets on any kernel"),
+        ),
+        Some(k) if k < TCP_KERNEL => Feature::new(
+            Support::Yes,
+            format!(
+                "CRIU {v} dumps TCP sockets on Linux {}.{} (not on {}.{} or later, which need \
+                 CRIU {}.{})",
+                k.0, k.1, TCP_KERNEL.0, TCP_KERNEL.1, TCP_CRIU.0, TCP_CRIU.1
+            ),
+        ),
+        Some(k) => Feature::new(
+            Support::No,
+            format!(
+                "CRIU {v} cannot dump TCP sockets on Linux {}.{} (a job with a listening or \
+                 connected TCP socket is refused: servers, torchrun): install CRIU {}.{} or \
+                 later with scripts/install-criu.sh, or point POSSUM_CRIU at one",
+                k.0, k.1, TCP_CRIU.0, TCP_CRIU.1
+            ),
+        ),
+        None => Feature::new(
+            Support::Unknown,
+            format!(
+                "CRIU {v} cannot dump TCP sockets on Linux {}.{} or later, and the kernel's \
+                 version is unknown",
+                TCP_KERNEL.0, TCP_KERNEL.1
+            ),
+        ),
     }
 }
 
@@ -243,7 +296,7 @@ fn probe_soft_dirty() -> Result<bool, String> {
 }
 
 /// `(major, minor)` of the running kernel.
-fn kernel_version() -> Option<(u32, u32)> {
+pub fn kernel_version() -> Option<(u32, u32)> {
     let release = kernel_release();
     let mut parts = release.split(|c: char| !c.is_ascii_digit());
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
@@ -319,6 +372,7 @@ mod tests {
                 name: None,
             }),
             criu_check: Feature::new(Support::Yes, "criu check passed"),
+            tcp_sockets: Feature::new(Support::No, "w"),
             checkpoint_restore: Feature::new(Support::Yes, "x"),
             userfaultfd: Feature::new(Support::Yes, "y"),
             soft_dirty: Feature::new(Support::No, "z"),
@@ -329,6 +383,38 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("soft-dirty           NO: z"), "{s}");
+        assert!(s.contains("tcp sockets          NO: w"), "{s}");
         assert!(report.can_checkpoint());
+    }
+
+    fn version(major: i32, minor: i32) -> CriuVersion {
+        CriuVersion {
+            major,
+            minor,
+            sublevel: Some(1),
+            extra: None,
+            gitid: None,
+            name: None,
+        }
+    }
+
+    #[test]
+    fn tcp_sockets_need_criu_4_2_from_linux_6_16() {
+        let old = version(4, 1);
+        let new = version(4, 2);
+        let no = tcp_sockets(Some(&old), Some((6, 18)));
+        assert_eq!(no.support, Support::No, "{no}");
+        assert!(no.detail.contains("install CRIU 4.2"), "{no}");
+        assert!(no.detail.contains("scripts/install-criu.sh"), "{no}");
+        assert_eq!(tcp_sockets(Some(&old), Some((6, 16))).support, Support::No);
+        assert_eq!(tcp_sockets(Some(&old), Some((6, 15))).support, Support::Yes);
+        assert_eq!(tcp_sockets(Some(&old), Some((5, 19))).support, Support::Yes);
+        assert_eq!(tcp_sockets(Some(&new), Some((6, 18))).support, Support::Yes);
+        assert_eq!(
+            tcp_sockets(Some(&version(5, 0)), Some((7, 1))).support,
+            Support::Yes
+        );
+        assert_eq!(tcp_sockets(Some(&old), None).support, Support::Unknown);
+        assert_eq!(tcp_sockets(None, Some((6, 18))).support, Support::Unknown);
     }
 }

@@ -381,12 +381,7 @@ fn cut(entries: &[PagemapEntry], movable: &[(u64, u64)]) -> (Vec<(PagemapEntry, 
                     }),
                 }
             } else {
-                let piece = PagemapEntry {
-                    vaddr: cur,
-                    nr_pages: u32::try_from(len / PAGE_SIZE).expect("a piece of an entry"),
-                    in_parent: e.in_parent,
-                    flags: e.flags,
-                };
+                let piece = PagemapEntry::run(cur, len / PAGE_SIZE, e.in_parent, e.flags);
                 kept.push((piece, off));
             }
             cur = end;
@@ -811,12 +806,7 @@ mod tests {
     use super::*;
 
     fn pe(vaddr: u64, pages: u32) -> PagemapEntry {
-        PagemapEntry {
-            vaddr,
-            nr_pages: pages,
-            in_parent: None,
-            flags: Some(PE_PRESENT),
-        }
+        PagemapEntry::run(vaddr, u64::from(pages), None, Some(PE_PRESENT))
     }
 
     const P: u64 = PAGE_SIZE;
@@ -827,9 +817,9 @@ mod tests {
         let entries = vec![pe(0x10 * P, 0x10), pe(0x30 * P, 4)];
         let movable = vec![(0x12 * P, 0x18 * P), (0x1c * P, 0x32 * P)];
         let (kept, moved) = cut(&entries, &movable);
-        let kept: Vec<(u64, u32, u64)> = kept
+        let kept: Vec<(u64, u64, u64)> = kept
             .iter()
-            .map(|(e, off)| (e.vaddr / P, e.nr_pages, off / P))
+            .map(|(e, off)| (e.vaddr / P, e.pages(), off / P))
             .collect();
         assert_eq!(kept, vec![(0x10, 2, 0), (0x18, 4, 8), (0x32, 2, 0x12)]);
         let moved: Vec<(u64, u64, u64)> = moved
@@ -839,7 +829,7 @@ mod tests {
         // [0x1c,0x20) at offset 0xc and [0x30,0x32) at 0x10 are contiguous in the file but
         // not in memory: two runs.
         assert_eq!(moved, vec![(0x12, 2, 6), (0x1c, 0xc, 4), (0x30, 0x10, 2)]);
-        let total: u64 = kept.iter().map(|k| u64::from(k.1)).sum::<u64>()
+        let total: u64 = kept.iter().map(|k| k.1).sum::<u64>()
             + moved.iter().map(|m| m.2).sum::<u64>();
         assert_eq!(total, 0x14);
     }
@@ -1041,10 +1031,10 @@ mod tests {
         // CRIU keeps the shared mapping B, the file page and the rseq page, in a new pages file.
         let pm = Pagemap::read(&dir.join("pagemap-10.img")).unwrap();
         assert_eq!(pm.head.pages_id, 3);
-        let kept: Vec<(u64, u32)> = pm
+        let kept: Vec<(u64, u64)> = pm
             .entries
             .iter()
-            .map(|e| (e.vaddr / P, e.nr_pages))
+            .map(|e| (e.vaddr / P, e.pages()))
             .collect();
         assert_eq!(kept, vec![(0x200, 16), (0x300, 1), (0x403, 1)]);
         let new_pages = fs::read(dir.join("pages-3.img")).unwrap();

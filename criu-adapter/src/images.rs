@@ -146,23 +146,47 @@ pub struct PagemapHead {
 }
 
 /// `pagemap_entry`: a run of pages.
+///
+/// The run's length has two fields: CRIU 4.1 and older write `nr_pages` (tag 2, 32 bits); CRIU
+/// 4.2 renamed it `compat_nr_pages`, writes 0 there and the length in a new 64-bit `nr_pages`
+/// (tag 5), and reads tag 2 only when tag 5 is absent. [`PagemapEntry::pages`] reads either;
+/// [`PagemapEntry::run`] writes both, so that either CRIU reads the entry.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct PagemapEntry {
     /// First address.
     #[prost(uint64, required, tag = "1")]
     pub vaddr: u64,
-    /// Pages in the run.
+    /// Pages in the run, as CRIU 4.1 and older write it (0 in CRIU 4.2's images).
     #[prost(uint32, required, tag = "2")]
-    pub nr_pages: u32,
+    pub compat_nr_pages: u32,
     /// Old images' way of saying [`PE_PARENT`].
     #[prost(bool, optional, tag = "3")]
     pub in_parent: Option<bool>,
     /// `PE_*` bits; absent in old images, meaning [`PE_PRESENT`] (or in parent).
     #[prost(uint32, optional, tag = "4")]
     pub flags: Option<u32>,
+    /// Pages in the run, as CRIU 4.2 and later write it (absent in older images).
+    #[prost(uint64, optional, tag = "5")]
+    pub nr_pages: Option<u64>,
 }
 
 impl PagemapEntry {
+    /// A run of `pages` pages at `vaddr`, its length in both fields.
+    pub fn run(vaddr: u64, pages: u64, in_parent: Option<bool>, flags: Option<u32>) -> Self {
+        Self {
+            vaddr,
+            compat_nr_pages: u32::try_from(pages).unwrap_or(u32::MAX),
+            in_parent,
+            flags,
+            nr_pages: Some(pages),
+        }
+    }
+
+    /// Pages in the run, from whichever field the CRIU that wrote it uses.
+    pub fn pages(&self) -> u64 {
+        self.nr_pages.unwrap_or(u64::from(self.compat_nr_pages))
+    }
+
     /// The entry's `PE_*` bits, old images' form included (as CRIU reads them).
     pub fn effective_flags(&self) -> u32 {
         if self.in_parent == Some(true) {
@@ -173,12 +197,12 @@ impl PagemapEntry {
 
     /// Bytes the run covers.
     pub fn len(&self) -> u64 {
-        u64::from(self.nr_pages) * PAGE_SIZE
+        self.pages() * PAGE_SIZE
     }
 
     /// Whether the run is empty.
     pub fn is_empty(&self) -> bool {
-        self.nr_pages == 0
+        self.pages() == 0
     }
 }
 
@@ -478,17 +502,13 @@ mod tests {
         let pm = Pagemap {
             head: PagemapHead { pages_id: 7 },
             entries: vec![
-                PagemapEntry {
-                    vaddr: 0x1000,
-                    nr_pages: 3,
-                    in_parent: None,
-                    flags: Some(PE_PRESENT | PE_LAZY),
-                },
+                PagemapEntry::run(0x1000, 3, None, Some(PE_PRESENT | PE_LAZY)),
                 PagemapEntry {
                     vaddr: 0x9000,
-                    nr_pages: 1,
+                    compat_nr_pages: 1,
                     in_parent: None,
                     flags: None,
+                    nr_pages: None,
                 },
             ],
         };
@@ -502,6 +522,27 @@ mod tests {
             ..back.entries[1].clone()
         };
         assert_eq!(parent.effective_flags() & PE_PARENT, PE_PARENT);
+        assert_eq!(back.entries[0].pages(), 3);
+        assert_eq!(back.entries[1].pages(), 1, "a CRIU 4.1 entry");
+        assert_eq!(back.entries[1].len(), PAGE_SIZE);
+    }
+
+    /// An entry as CRIU 4.2 writes it: the length only in the 64-bit field, 0 in the old one.
+    /// The bytes are those of a 4.2.1 dump (`vaddr`, `compat_nr_pages` 0, `flags`,
+    /// `nr_pages`).
+    #[test]
+    fn a_criu_4_2_entry_reads_its_length_from_the_new_field() {
+        let bytes = [0x08, 0x80, 0xc0, 0x01, 0x10, 0x00, 0x20, 0x06, 0x28, 0x03];
+        let e = PagemapEntry::decode(&bytes[..]).unwrap();
+        assert_eq!(e.vaddr, 0x6000);
+        assert_eq!(e.compat_nr_pages, 0);
+        assert_eq!(e.pages(), 3);
+        assert_eq!(e.len(), 3 * PAGE_SIZE);
+        assert!(!e.is_empty());
+        // Written back by possum: both fields, so CRIU 4.1 (which knows only the old) reads it.
+        let w = PagemapEntry::run(e.vaddr, e.pages(), e.in_parent, e.flags);
+        let again = PagemapEntry::decode(&w.encode_to_vec()[..]).unwrap();
+        assert_eq!((again.compat_nr_pages, again.nr_pages), (3, Some(3)));
     }
 
     #[test]

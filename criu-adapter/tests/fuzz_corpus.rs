@@ -171,17 +171,13 @@ fn write_seeds() {
     let pm = Pagemap {
         head: PagemapHead { pages_id: 2 },
         entries: vec![
-            PagemapEntry {
-                vaddr: 0x100 * P,
-                nr_pages: 16,
-                in_parent: None,
-                flags: Some(PE_PRESENT),
-            },
+            PagemapEntry::run(0x100 * P, 16, None, Some(PE_PRESENT)),
             PagemapEntry {
                 vaddr: 0x400 * P,
-                nr_pages: 3,
+                compat_nr_pages: 3,
                 in_parent: Some(true),
                 flags: None,
+                nr_pages: None,
             },
         ],
     };

@@ -3,9 +3,9 @@
 //!
 //! Layout read from CRIU's `criu/include/criu-plugin.h` and loader from `criu/plugin.c` /
 //! `criu/include/plugin.h` (checkpoint-restore/criu); the values this plugin declares
-//! (`version`, `max_hooks`) are the ones CRIU 4.1.1 (Debian trixie's 4.1.1-1, what
-//! `scripts/install-criu.sh` installs) accepts, see [`CRIU_PLUGIN_VERSION`] and
-//! [`CR_PLUGIN_HOOK_MAX`].
+//! (`version`, `max_hooks`) are the ones CRIU 4.1.1 accepts, and CRIU 4.2 (Debian's 4.2.1-1,
+//! what `scripts/install-criu.sh` installs; plugin interface 0.3.0, 17 hooks) accepts them too:
+//! see [`CRIU_PLUGIN_VERSION`] and [`CR_PLUGIN_HOOK_MAX`].
 //!
 //! CRIU's loader (`cr_lib_load`): `dlopen(path, RTLD_LAZY)` every `*.so` in `--libdir` (or
 //! `$CRIU_LIBS_DIR`, else `/usr/lib/criu/`), `dlsym(h, "CR_PLUGIN_DESC")`, reject the plugin

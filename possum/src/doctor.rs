@@ -185,6 +185,7 @@ fn criu_checks(host: &HostReport) -> Vec<Check> {
     vec![
         criu,
         feature("criu check", &host.criu_check, Verdict::Fail),
+        feature("tcp sockets", &host.tcp_sockets, Verdict::Fail),
         check("kernel", Verdict::Ok, host.kernel.clone()),
         feature(
             "checkpoint/restore",
