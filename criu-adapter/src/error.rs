@@ -148,31 +148,39 @@ pub enum CriuError {
 }
 
 impl CriuError {
-    /// CRIU refused to dump a connected TCP socket because it was not asked to dump
-    /// established connections (its error says "consider using --tcp-established").
-    pub fn is_established_tcp_refused(&self) -> bool {
-        const SAYS: &str = "Connected TCP socket";
+    /// CRIU failed, its error or the end of its log saying `says`.
+    fn failed_saying(&self, says: &str) -> bool {
         match self {
             CriuError::Failed {
                 message, log_tail, ..
-            } => message.as_deref().is_some_and(|m| m.contains(SAYS)) || log_tail.contains(SAYS),
+            } => message.as_deref().is_some_and(|m| m.contains(says)) || log_tail.contains(says),
             _ => false,
         }
     }
-}
 
-impl CriuError {
+    /// CRIU refused to dump a connected TCP socket because it was not asked to dump
+    /// established connections (its error says "consider using --tcp-established").
+    pub fn is_established_tcp_refused(&self) -> bool {
+        self.failed_saying("Connected TCP socket")
+    }
+
     /// CRIU failed on a socket option the kernel no longer answers for inet sockets
     /// (SO_PASSCRED, refused since Linux 6.16): a CRIU without its fix for that cannot dump a
     /// TCP socket on this kernel.
     pub fn is_inet_passcred_refused(&self) -> bool {
-        const SAYS: &str = "Can't get 1:16 opt: Operation not supported";
-        match self {
-            CriuError::Failed {
-                message, log_tail, ..
-            } => message.as_deref().is_some_and(|m| m.contains(SAYS)) || log_tail.contains(SAYS),
-            _ => false,
-        }
+        self.failed_saying("Can't get 1:16 opt: Operation not supported")
+    }
+
+    /// CRIU refused to dump a unix stream connection whose other end is a process outside the
+    /// tree (a client of the job's unix socket, say): it dumps no half of one.
+    pub fn is_external_unix_stream(&self) -> bool {
+        self.failed_saying("Can't dump half of stream unix connection")
+    }
+
+    /// CRIU's restore could not bind an established TCP connection back to its address (not
+    /// this host's, or taken).
+    pub fn is_tcp_bind_back_refused(&self) -> bool {
+        self.failed_saying("Can't bind inet socket back")
     }
 }
 
@@ -276,6 +284,15 @@ mod tests {
         assert!(failed(Some(passcred), "").is_inet_passcred_refused());
         assert!(!failed(Some(passcred), "").is_established_tcp_refused());
         assert!(!failed(Some(says), "").is_inet_passcred_refused());
+        let unix = "Error (criu/sk-unix.c:881): unix: Can't dump half of stream unix connection. \
+                    name: /run/app.sock; peer name: (null)";
+        assert!(failed(None, unix).is_external_unix_stream());
+        assert!(!failed(Some(says), "").is_external_unix_stream());
+        assert!(!failed(Some(unix), "").is_established_tcp_refused());
+        let bind = "Error (soccr/soccr.c:498): Can't bind inet socket back: Cannot assign \
+                    requested address";
+        assert!(failed(Some(bind), "").is_tcp_bind_back_refused());
+        assert!(!failed(Some(says), "").is_tcp_bind_back_refused());
     }
 
     #[test]

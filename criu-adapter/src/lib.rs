@@ -61,7 +61,7 @@
 //!   finish (CRIU stopped midway may leave the dumped tree stopped), until its deadline.
 //! - The install script's wrapper is fine in swrk mode: it `exec`s, so the worker keeps its PID
 //!   and inherited socket, and CRIU does not re-execute itself (`/proc/self/exe`, which is the
-//!   loader when the wrapper runs criu through trixie's `ld.so`) to dump or restore. The only
+//!   loader when the wrapper runs criu through the Debian suite's `ld.so`) to dump or restore. The only
 //!   program a dump was seen to run is `sh -c "iptables -n -w -L"` (a kernel feature probe).
 //!
 //! Host feature checks for `possum doctor` are in [`doctor`].
@@ -275,6 +275,10 @@ pub struct DumpOptions {
     pub shell_job: bool,
     /// Dump established TCP connections.
     pub tcp_established: bool,
+    /// Dump a listening TCP socket whose queue holds connections not yet accepted, leaving them
+    /// out of the image (CRIU's `--skip-in-flight`; otherwise CRIU refuses the dump). A tree
+    /// left running accepts them afterwards; a restored one has them no more.
+    pub tcp_skip_in_flight: bool,
     /// How CRIU locks the network of those connections (`None`: CRIU's default, iptables
     /// unless it was built otherwise).
     pub network_lock: Option<NetworkLockMethod>,
@@ -308,6 +312,7 @@ impl DumpOptions {
             leave_stopped: false,
             shell_job: false,
             tcp_established: false,
+            tcp_skip_in_flight: false,
             network_lock: None,
             ext_unix_sk: false,
             file_locks: false,
@@ -330,6 +335,11 @@ pub struct RestoreOptions {
     pub shell_job: bool,
     /// Restore established TCP connections.
     pub tcp_established: bool,
+    /// Restore the image's established TCP connections closed instead (CRIU's `--tcp-close`):
+    /// each such socket comes back unconnected and shut down, and its peer, which is not told,
+    /// gets a reset at its next packet. For connections that cannot come back (their address
+    /// is not this host's, or their peer has moved on).
+    pub tcp_close: bool,
     /// How CRIU locks the network of those connections: the dump's method (`None`: CRIU's
     /// default).
     pub network_lock: Option<NetworkLockMethod>,
@@ -362,6 +372,7 @@ impl RestoreOptions {
             images_dir: images_dir.into(),
             shell_job: false,
             tcp_established: false,
+            tcp_close: false,
             network_lock: None,
             ext_unix_sk: false,
             file_locks: false,
@@ -561,6 +572,7 @@ impl Criu {
             leave_running: Some(opts.leave_running),
             shell_job: Some(opts.shell_job),
             tcp_established: Some(opts.tcp_established),
+            tcp_skip_in_flight: opts.tcp_skip_in_flight.then_some(true),
             network_lock: opts.network_lock.map(|m| m as i32),
             ext_unix_sk: Some(opts.ext_unix_sk),
             file_locks: Some(opts.file_locks),
@@ -665,6 +677,7 @@ impl Criu {
             images_dir_fd: images.as_raw_fd(),
             shell_job: Some(opts.shell_job),
             tcp_established: Some(opts.tcp_established),
+            tcp_close: opts.tcp_close.then_some(true),
             network_lock: opts.network_lock.map(|m| m as i32),
             ext_unix_sk: Some(opts.ext_unix_sk),
             file_locks: Some(opts.file_locks),

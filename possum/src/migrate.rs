@@ -15,7 +15,7 @@ use possum_sequence::migrate::{
 };
 use possum_sequence::{CheckpointParams, Environment, RestoreParams};
 
-use crate::checkpoint::{EngineKind, Notes};
+use crate::checkpoint::{EngineKind, NetworkLockKind, Notes};
 
 /// Arguments of `possum migrate`.
 #[derive(Args, Debug)]
@@ -55,10 +55,28 @@ pub struct MigrateArgs {
     /// One pre-copy round only: the job is held right after it (--max-rounds 1)
     #[arg(long, conflicts_with = "max_rounds")]
     pub stop_now: bool,
+    /// Dump the job's established TCP connections (torchrun's TCPStore, a server's clients) in
+    /// TCP repair mode, as `possum checkpoint --tcp-established` does; without it CRIU refuses a
+    /// tree that holds one. The destination restores them: whole on the same host; elsewhere a
+    /// connection to a peer outside the tree cannot follow the job.
+    #[arg(long)]
+    pub tcp_established: bool,
+    /// With --tcp-established: how packets are kept from the connections while they are dumped
+    /// and restored (as `possum checkpoint --network-lock`).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "METHOD",
+        default_value = "skip",
+        requires = "tcp_established"
+    )]
+    pub network_lock: NetworkLockKind,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Directory of the job's control socket (default: $POSSUM_SOCKET_DIR, else /tmp/possum).
+    /// Directory of the job's control socket (default: $POSSUM_SOCKET_DIR, else /tmp/possum):
+    /// named in the image, the job's socket comes back there at the destination, and here if it
+    /// is restored here.
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
 }
@@ -86,7 +104,8 @@ pub struct ReceiveArgs {
     /// Print each migration's figures as JSON (one line each).
     #[arg(long)]
     pub json: bool,
-    /// Directory of the restored job's control socket (default: the one it had at the source).
+    /// Directory of the restored job's control socket (default: the one it had at the source,
+    /// which the source names).
     #[arg(long, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
 }
@@ -99,6 +118,7 @@ fn deadlines(timeout: u64, restore: Option<u64>) -> Deadlines {
         io,
         release: io,
         restore: restore.map_or(d.restore, |s| Duration::from_secs(s.max(1))),
+        kill: d.kill,
     }
 }
 
@@ -119,6 +139,13 @@ fn local_dir(pid: i32) -> PathBuf {
 pub fn migrate(a: &MigrateArgs) -> Result<bool> {
     // Read before anything is done: a key that is not one refuses the migration.
     let key = read_key(&a.key_file)?;
+    // Absolute: the image names it for the destination, whose working directory is another.
+    let sockets = a
+        .socket_dir
+        .clone()
+        .unwrap_or_else(possum_control::socket_dir);
+    let sockets = std::path::absolute(&sockets)
+        .with_context(|| format!("the socket directory {}", sockets.display()))?;
     let params = MigrateParams {
         checkpoint: CheckpointParams {
             pid: a.pid,
@@ -129,12 +156,9 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
             force: false,
             keep_on_gpu: 0,
             shadow_budget: None,
-            tcp_established: None,
+            tcp_established: a.tcp_established.then(|| a.network_lock.into()),
             precopy_rounds: if a.stop_now { 1 } else { a.max_rounds },
-            sockets: a
-                .socket_dir
-                .clone()
-                .unwrap_or_else(possum_control::socket_dir),
+            sockets,
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),
         },
@@ -227,6 +251,7 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
         restore: RestoreParams {
             dir: PathBuf::new(),
             socket_dir: a.socket_dir.clone(),
+            socket_dir_from_source: true,
             device: None,
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),

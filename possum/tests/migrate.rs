@@ -5,7 +5,10 @@
 //! source's kill each leave the job running at the source, with exactly that data too. A
 //! destination silent after the source's go has the source keep its image unrestored; a source
 //! silent before the go has the destination kill its held copy before it ran: the job never
-//! runs twice, and restored from the image kept, it goes on exactly.
+//! runs twice, and restored from the image kept, it goes on exactly. A job whose control socket
+//! is in a directory of its own (not possum's at either end) runs on at the destination, or, the
+//! destination failing, at the source; with `--engine driver`, its parent slow to reap it, the
+//! source waits for its PID to be free and it runs on at the destination.
 //!
 //! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) is the one of
 //! entry_checkpoint.rs: commanded through a FIFO, answering into a file opened O_APPEND, which
@@ -46,10 +49,28 @@ use session_job::Job;
 /// must be free for CRIU's restore); killed when dropped if it still runs. Its logging thread
 /// writes `dir/NAME.ticks` ([`ticks_once_each`]).
 fn start_job(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
+    start_job_reaped(dir, name, lib, Duration::ZERO)
+}
+
+/// [`start_job`], its process reaped `late` after it ended (until then its PID stays taken, as
+/// a parent busy elsewhere leaves it).
+fn start_job_reaped(dir: &Path, name: &str, lib: Option<&Path>, late: Duration) -> Job {
     let ticks = dir.join(format!("{name}.ticks"));
     let mut job = Job::spawn(dir, name, lib, &[("FAKE_TICKS", ticks.to_str().unwrap())]);
     job.expect("ready");
-    job.reap_in_background();
+    if late.is_zero() {
+        job.reap_in_background();
+    } else {
+        let mut child = job.child.take().unwrap();
+        let pid = nix::unistd::Pid::from_raw(job.pid);
+        std::thread::spawn(move || {
+            use nix::sys::wait::{waitid, Id, WaitPidFlag};
+            // Its end seen, not reaped (WNOWAIT): a zombie holding its PID.
+            let _ = waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+            std::thread::sleep(late);
+            child.wait()
+        });
+    }
     job.run("step 5", "done 5");
     job
 }
@@ -73,6 +94,16 @@ fn finish(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
 /// CRIU, libpossum.so, the fake driver and the job built into a temporary directory, the
 /// reference run's buffers and the job under libpossum at step 5; `None` (said why) to skip.
 fn setup(test: &str) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
+    setup_job(test, true, Duration::ZERO)
+}
+
+/// [`setup`], the job under libpossum or not (`under_possum`), reaped `late` after its end
+/// ([`start_job_reaped`]).
+fn setup_job(
+    test: &str,
+    under_possum: bool,
+    late: Duration,
+) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
     criu_or_skip(test)?;
     let Some(lib) = common::find_libpossum() else {
         say(&format!(
@@ -96,7 +127,7 @@ fn setup(test: &str) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
         return None;
     }
     let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
-    let job = start_job(dir, "job", Some(&lib));
+    let job = start_job_reaped(dir, "job", under_possum.then_some(lib.as_path()), late);
     for (name, byte) in [("key", 1u8), ("other-key", 2)] {
         std::fs::write(dir.join(name), [byte; 32]).unwrap();
     }
@@ -537,4 +568,129 @@ fn a_job_the_source_does_not_let_run_is_killed_at_the_destination_before_it_ran(
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     goes_on_like(&mut job, dir, &want, "restored from the kept image");
+}
+
+/// possum's own socket directory at both ends (`POSSUM_SOCKET_DIR` of `possum migrate` and
+/// `possum receive`), which is not the job's (`dir/sockets`, given to `possum migrate` only).
+fn possums_own_sockets(dir: &Path) -> PathBuf {
+    let own = dir.join("possums-own-sockets");
+    std::fs::create_dir_all(&own).unwrap();
+    std::fs::set_permissions(&own, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    own
+}
+
+/// A job whose control socket is in a directory of its own (`possum run --socket-dir`), not
+/// possum's at either end: the destination restores it with its socket where it was (the
+/// directory the source named), and it runs on there exactly.
+#[test]
+fn a_job_with_a_socket_directory_of_its_own_runs_on_at_the_destination() {
+    let Some((tmp, want, mut job)) = setup("migrate_socket_dir") else {
+        return;
+    };
+    let dir = tmp.path();
+    let own = possums_own_sockets(dir);
+    let receiver = Receiver::start(dir, "key", &[("POSSUM_SOCKET_DIR", own.to_str().unwrap())]);
+    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .env("POSSUM_SOCKET_DIR", &own)
+        .output()
+        .unwrap();
+    let log = receiver.log.clone();
+    let (status, received) = receiver.finish();
+    let log = log.lock().unwrap().clone();
+    assert!(
+        out.status.success(),
+        "{}\nreceiver:\n{log}\njob:\n{}",
+        text(&out),
+        job.log()
+    );
+    assert!(status.success(), "{received}\n{log}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r: Value = serde_json::from_str(received.trim()).unwrap();
+    assert_eq!(v["remote_pid"], job.pid, "{v}");
+    assert_eq!(r["pid"], job.pid, "{r}");
+    // The restored job's possum answers on its socket where it had it.
+    let answer = possum(dir)
+        .args(["status", &job.pid.to_string(), "--json", "--socket-dir"])
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    assert!(answer.status.success(), "{}", text(&answer));
+    assert!(!own.join(format!("possum-{}.sock", job.pid)).exists());
+    assert!(!dir.join("local").exists());
+    goes_on_like(
+        &mut job,
+        dir,
+        &want,
+        "migrated with its own socket directory",
+    );
+    ticks_once_each(dir);
+}
+
+/// The same job, a destination that cannot restore it: the source restores it from its image
+/// with the socket directory its checkpoint used, and it runs on there exactly.
+#[test]
+fn a_job_with_a_socket_directory_of_its_own_is_restored_at_the_source_when_the_destination_fails() {
+    let Some((tmp, want, mut job)) = setup("migrate_socket_dir_fallback") else {
+        return;
+    };
+    let dir = tmp.path();
+    let own = possums_own_sockets(dir);
+    let missing = dir.join("no-criu-here");
+    let receiver = Receiver::start(
+        dir,
+        "key",
+        &[
+            ("POSSUM_CRIU", missing.to_str().unwrap()),
+            ("POSSUM_SOCKET_DIR", own.to_str().unwrap()),
+        ],
+    );
+    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .env("POSSUM_SOCKET_DIR", &own)
+        .output()
+        .unwrap();
+    failed_at(&out, "the destination could not restore the job");
+    assert!(text(&out).contains("no-criu-here"), "{}", text(&out));
+    let (status, _) = receiver.finish();
+    assert!(!status.success());
+    assert!(dir.join("local/possum.json").is_file());
+    goes_on_like(&mut job, dir, &want, "restored at the source");
+    ticks_once_each(dir);
+}
+
+/// `--engine driver` (CRIU and the driver's checkpoint only; the job without libpossum), both
+/// ends on this host, the job's parent slow to reap it: its PID is free before the destination
+/// restores it under that PID, and it runs on there exactly.
+#[test]
+fn a_driver_engine_job_migrated_on_one_host_runs_on_at_the_destination() {
+    let Some((tmp, want, mut job)) =
+        setup_job("migrate_driver_engine", false, Duration::from_secs(2))
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let receiver = Receiver::start(dir, "key", &[]);
+    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .args(["--engine", "driver"])
+        .output()
+        .unwrap();
+    let log = receiver.log.clone();
+    let (status, received) = receiver.finish();
+    let log = log.lock().unwrap().clone();
+    assert!(
+        out.status.success(),
+        "{}\nreceiver:\n{log}\njob:\n{}",
+        text(&out),
+        job.log()
+    );
+    assert!(status.success(), "{received}\n{log}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["remote_pid"], job.pid, "{v}");
+    assert_eq!(v["checkpoint"]["engine"], "driver", "{v}");
+    // Nothing pre-copied: the whole image crossed while the job was held.
+    assert_eq!(v["bytes_before_hold"], 0, "{v}");
+    // The kill waited for the job's parent to reap it (2 s after its end).
+    let kill_ms = v["timings"]["kill_ms"].as_f64().unwrap();
+    assert!(kill_ms >= 1500.0, "{v}");
+    goes_on_like(&mut job, dir, &want, "migrated by the driver engine");
+    ticks_once_each(dir);
 }

@@ -156,6 +156,59 @@ fn in_namespace() {
     println!("in the namespace: {n} images refused");
 }
 
+/// An image whose PID is held by a process that ended and that its parent does not reap (CRIU
+/// could not restore under it) is refused, naming that parent; one its parent reaps within a
+/// moment is not refused for its PID.
+#[test]
+fn a_pid_held_by_an_unreaped_process_is_refused_naming_its_parent() {
+    let tmp = tempfile::tempdir().unwrap();
+    let img = tmp.path().join("img");
+    let me = std::process::id();
+    for reaped_after in [None, Some(std::time::Duration::from_millis(300))] {
+        let mut ended = Command::new("true").spawn().unwrap();
+        let pid = ended.id();
+        let zombie = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+            })
+        };
+        let t = std::time::Instant::now();
+        while !zombie() {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(30),
+                "it did not end"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let m = image(&img, pid.into(), &tmp.path().join("sockets"));
+        let reaper = reaped_after.map(|after| {
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                ended.wait().unwrap();
+            })
+        });
+        let said = refused(&img, &m, &[]);
+        match reaper {
+            None => {
+                assert!(
+                    said.contains(&format!(
+                        "process {pid} has ended, but its parent (process {me}) has not reaped it"
+                    )),
+                    "{said}"
+                );
+                let pid = nix::unistd::Pid::from_raw(pid as i32);
+                nix::sys::wait::waitpid(pid, None).unwrap();
+            }
+            Some(r) => {
+                r.join().unwrap();
+                assert!(!said.contains(&format!("process {pid}")), "{said}");
+            }
+        }
+    }
+}
+
 /// Paths of the image that are absolute, hold `..`, or lead out through a symbolic link are
 /// refused, each by name.
 #[test]

@@ -15,9 +15,8 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 #[path = "support/cli.rs"]
@@ -25,24 +24,16 @@ use std::time::{Duration, Instant};
 mod cli;
 use cli::{possum_checkpointing_in as possum, text};
 
-use nix::sys::signal::{kill, Signal};
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-use nix::unistd::Pid;
 use serde_json::Value;
 
 #[path = "../../criu-adapter/tests/support/criu.rs"]
 mod criu_support;
 use criu_support::{criu_or_skip, say};
 
-/// What CRIU logs when the kernel refuses it a TCP socket's SO_PASSCRED (level 1, option 16).
-const PASSCRED_REFUSED: &str = "Can't get 1:16 opt: Operation not supported";
-
-fn kernel() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .unwrap_or_default()
-        .trim()
-        .to_string()
-}
+#[path = "support/self_job.rs"]
+#[allow(dead_code)]
+mod self_job;
+use self_job::{alive, kernel, own_session, reap, KillOnDrop, PASSCRED_REFUSED};
 
 /// Bound on every wait for something that should happen.
 const WAIT: Duration = Duration::from_secs(30);
@@ -125,13 +116,7 @@ fn client(port: u16) -> ! {
 /// This test binary, running only [`tcp_job`] as `role`, its standard descriptors on
 /// /dev/null (a restored job has no pipes to this test).
 fn job_command(var: &str, role: &str) -> Command {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", "tcp_job", "--nocapture", "--test-threads=1"])
-        .env(var, role)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    c
+    self_job::job_command("tcp_job", var, role)
 }
 
 /// The server's record.
@@ -192,54 +177,6 @@ impl Record {
     }
 }
 
-fn alive(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .unwrap_or_default()
-            .contains(") Z ")
-}
-
-/// Reaps `pid` (a child, or adopted by this subreaper) once it has exited.
-fn reap(pid: i32) {
-    let t = Instant::now();
-    loop {
-        match waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) => {}
-            Ok(_) => return,
-            Err(_) if !Path::new(&format!("/proc/{pid}")).exists() => return,
-            Err(_) => {}
-        }
-        assert!(t.elapsed() < WAIT, "process {pid} was not reaped");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Kills what is left of the job (`pids`) when the test ends, passed or not.
-struct KillOnDrop(Vec<i32>, Option<Child>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &p in &self.0 {
-            let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
-        }
-        if let Some(c) = &mut self.1 {
-            let _ = c.wait();
-        }
-        for &p in &self.0 {
-            let _ = waitpid(Pid::from_raw(p), Some(WaitPidFlag::WNOHANG));
-        }
-    }
-}
-
-/// Builds the fake driver into `dir`; false (said why) when there is no C compiler.
-fn fake_driver(dir: &Path) -> bool {
-    let ok = cli::fake_libcuda(dir).is_some();
-    if !ok {
-        say("tcp_established: SKIPPED: no C compiler to build the fake driver");
-    }
-    ok
-}
-
 #[test]
 fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
     if criu_or_skip("tcp_established").is_none() {
@@ -250,7 +187,7 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
         .tempdir()
         .unwrap();
     let dir = tmp.path();
-    if !fake_driver(dir) {
+    if !self_job::fake_driver(dir, "tcp_established") {
         return;
     }
     // The client is adopted here when the server dies, to be reaped before its PID is
@@ -263,14 +200,8 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
     server
         .env(OUT, &rec.0)
         .env("LD_PRELOAD", dir.join("libcuda.so.1"));
-    // A session of its own, which its client shares: CRIU dumps the job without
-    // --shell-job only if it leads its session (under a container's PID namespace the
-    // test's own session leader is outside it).
-    // SAFETY: setsid is async-signal-safe and touches no memory of this process.
-    unsafe {
-        server.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
-    }
-    let server = server.spawn().unwrap();
+    // A session of its own, which its client shares.
+    let server = own_session(&mut server).spawn().unwrap();
     let pid = server.id() as i32;
     let mut job = KillOnDrop(vec![pid], Some(server));
     let client = rec.client();

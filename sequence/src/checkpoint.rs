@@ -27,6 +27,7 @@ use crate::image::{
 use crate::job::{self, ask, ask_within, JobError, To};
 use crate::process::{alive, kill_job, lock_pid, LockError};
 use crate::ranks::JobRanks;
+use crate::tcp::{self, QuietConnections};
 use crate::temps::{self, TempLock};
 use crate::{tree, Engine, Observer};
 
@@ -121,6 +122,10 @@ pub struct CheckpointReport {
     /// The job's threads were parked (hooks off): every buffer was copied while held.
     #[serde(skip)]
     pub parked: bool,
+    /// A job killed after a dump of its established TCP connections: those put in repair mode
+    /// before the kill, so that their peers were not told ([`crate::tcp`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tcp_quiet: Option<QuietConnections>,
 }
 
 /// The save of process `pid`'s kept buffers.
@@ -198,8 +203,7 @@ impl HeldCheckpoint<'_> {
 
     /// Kills the job, held as it is; the image stays.
     pub fn kill(mut self) -> Result<CheckpointReport, CheckpointError> {
-        let pid = self.run.params().pid;
-        if let Err(e) = timed(&mut self.run.figures.kill, || kill_job(pid)) {
+        if let Err(e) = self.run.kill() {
             let dir = self.run.params().dir.clone();
             self.run.guard.undo();
             return Err(CheckpointError::Resume {
@@ -534,6 +538,14 @@ pub enum HoldError {
          is needed (CRIU 4.1 and older lack it)"
     )]
     CriuTooOldForTcp(#[source] CriuError),
+    /// CRIU's dump, refused because the tree holds a unix stream connection to a process
+    /// outside it.
+    #[error(
+        "the job's tree holds a unix stream connection to a process outside it (a client \
+         connected to its unix socket, say): CRIU cannot dump one end of such a connection; \
+         checkpoint it once that client has closed the connection"
+    )]
+    UnixStreamOutside(#[source] CriuError),
 }
 
 impl From<CriuError> for HoldError {
@@ -542,6 +554,8 @@ impl From<CriuError> for HoldError {
             HoldError::TcpEstablished(e)
         } else if e.is_inet_passcred_refused() {
             HoldError::CriuTooOldForTcp(e)
+        } else if e.is_external_unix_stream() {
+            HoldError::UnixStreamOutside(e)
         } else {
             HoldError::Dump(e)
         }
@@ -1180,6 +1194,8 @@ struct Run<'a> {
     stopped: bool,
     /// Every process pre-copied trusting its hooks, none kept: more rounds may follow.
     rounds_possible: bool,
+    /// The job's TCP connections put in repair mode before its kill ([`Run::kill`]).
+    tcp_quiet: Option<QuietConnections>,
 }
 
 impl<'a> Run<'a> {
@@ -1238,6 +1254,7 @@ impl<'a> Run<'a> {
             no_kept: false,
             stopped: false,
             rounds_possible: true,
+            tcp_quiet: None,
         })
     }
 
@@ -1459,6 +1476,10 @@ impl<'a> Run<'a> {
             }
             opts.shell_job = self.plan.shell_job;
             opts.ext_unix_sk = true;
+            // A server's listener may hold connections not accepted yet: they stay out of the
+            // image (a job left running accepts them after; a restored one has them no more)
+            // rather than failing the dump.
+            opts.tcp_skip_in_flight = true;
             if let Some(lock) = p.tcp_established {
                 opts.tcp_established = true;
                 opts.network_lock = Some(lock.into());
@@ -1652,6 +1673,25 @@ impl<'a> Run<'a> {
         })
     }
 
+    /// Kills the job's tree. Its established TCP connections, when the dump took them, are put
+    /// in repair mode first: their peers are not told, and the connections go on once the job
+    /// is restored.
+    fn kill(&mut self) -> nix::Result<()> {
+        let p = self.params();
+        let t = Instant::now();
+        let quieted =
+            (self.dumped && p.tcp_established.is_some()).then(|| tcp::quiet_connections(p.pid));
+        let killed = kill_job(p.pid);
+        self.figures.kill = Some(t.elapsed());
+        match quieted {
+            // The job runs on (the guard undoes the checkpoint): its connections too.
+            Some(q) if killed.is_err() => q.undo(),
+            Some(q) => self.tcp_quiet = Some(q.report),
+            None => {}
+        }
+        killed
+    }
+
     /// Resume or kill: with `--leave-running` (or `--gpu-only`) the driver restores and unlocks
     /// the tree and possum resumes each process from the named image, its buffers back on
     /// demand; otherwise the job is killed. A kept checkpoint has resumed already.
@@ -1661,7 +1701,7 @@ impl<'a> Run<'a> {
             return Ok(());
         }
         if !p.leave_running && !p.gpu_only {
-            return timed(&mut self.figures.kill, || kill_job(p.pid)).map_err(Into::into);
+            return self.kill().map_err(Into::into);
         }
         self.driver_restore_and_unlock()?;
         if !self.by_possum() {
@@ -1773,6 +1813,7 @@ impl<'a> Run<'a> {
             resume_report: self.resume_report,
             keeper_handles: self.keeper_handles,
             parked,
+            tcp_quiet: self.tcp_quiet,
         };
         // Held until the job has its memory again (and the save is committed).
         drop(self.handles);
@@ -2043,6 +2084,13 @@ mod tests {
         ));
         assert!(matches!(e, HoldError::CriuTooOldForTcp(_)), "{e:?}");
         assert!(e.to_string().contains("Linux 6.16"), "{e}");
+
+        let e = HoldError::from(dump_failed(
+            "Error (criu/sk-unix.c:881): unix: Can't dump half of stream unix connection. \
+             name: /run/app.sock; peer name: (null)",
+        ));
+        assert!(matches!(e, HoldError::UnixStreamOutside(_)), "{e:?}");
+        assert!(e.to_string().contains("unix stream connection"), "{e}");
 
         let e = HoldError::from(dump_failed("Can't seize 42"));
         assert!(matches!(e, HoldError::Dump(_)), "{e:?}");

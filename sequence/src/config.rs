@@ -86,6 +86,10 @@ pub struct Environment {
     /// How long the ranks of a multi-process job may take to reach the cut's collective
     /// boundary (`POSSUM_CUT_DEADLINE_MS`, above 0; default [`CUT_DEADLINE`]).
     pub cut_deadline: Duration,
+    /// `POSSUM_RESTORE_TCP_CLOSE=1` (or `possum restore --tcp-close`): a restore brings the
+    /// image's established TCP connections back closed instead of whole (where they cannot come
+    /// back: another host). `possum receive` takes it from the variable.
+    pub tcp_close: bool,
 }
 
 /// The default of [`Environment::cut_deadline`].
@@ -129,6 +133,7 @@ impl Environment {
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .filter(|&ms| ms > 0)
                 .map_or(CUT_DEADLINE, Duration::from_millis),
+            tcp_close: var("POSSUM_RESTORE_TCP_CLOSE").is_some_and(|v| v.trim() == "1"),
         }
     }
 }
@@ -144,6 +149,10 @@ mod tests {
         assert!(none.keeper_revive && none.restore_stage);
         assert_eq!(none.criu_log_level, None);
         assert_eq!(none.cut_deadline, CUT_DEADLINE);
+        assert!(!none.tcp_close);
+        let close =
+            Environment::from_vars(|n| (n == "POSSUM_RESTORE_TCP_CLOSE").then(|| "1".into()));
+        assert!(close.tcp_close);
         let set =
             Environment::from_vars(|n| (n == "POSSUM_CUT_DEADLINE_MS").then(|| "1500".into()));
         assert_eq!(set.cut_deadline, Duration::from_millis(1500));
@@ -167,7 +176,7 @@ mod tests {
             )
         });
         assert_eq!(set.hostmem_split, HostmemSplit::Always);
-        assert!(!set.keeper_revive && !set.restore_stage);
+        assert!(!set.keeper_revive && !set.restore_stage && !set.tcp_close);
         assert_eq!(set.criu_log_level, Some(LogLevel::Debug));
         assert_eq!(set.nvidia_smi, "0");
         assert_eq!(set.libcuda, "libcuda.so.1");

@@ -1099,7 +1099,10 @@ pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
     }
     let gpu = m.gpu_dir.as_ref().map(|g| dir.join(g));
     if let Some(gpu) = &gpu {
-        if check_gpu_images(gpu).map_err(ImageError::GpuImage)? == 0 {
+        // The root's may be empty only in a tree with other possum processes: the root is then
+        // a launcher that holds no buffer itself (torchrun's agent).
+        if check_gpu_images(gpu).map_err(ImageError::GpuImage)? == 0 && m.possum_children.is_empty()
+        {
             return Err(ImageError::NoGpuImage { gpu: gpu.clone() });
         }
     }
@@ -1310,6 +1313,28 @@ mod tests {
             possum_criu::NetworkLockMethod::from(NetworkLock::Skip),
             possum_criu::NetworkLockMethod::Skip
         );
+    }
+
+    /// A root whose GPU directory holds no image: refused for a single process (its images
+    /// are gone), accepted at the head of a tree of possum processes (a launcher such as
+    /// torchrun's agent, which holds no buffer while its ranks do).
+    #[test]
+    fn an_empty_root_gpu_directory_is_refused_alone_and_accepted_above_ranks() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut m = manifest(tmp.path());
+        m.engine = Engine::Possum;
+        m.gpu_dir = Some("gpu".into());
+        fs::create_dir_all(tmp.path().join("gpu")).unwrap();
+        match open_sealed(tmp.path(), &m) {
+            Err(e @ ImageError::NoGpuImage { .. }) => {
+                assert!(e.to_string().contains("no GPU image"), "{e}")
+            }
+            other => panic!("a single process without its GPU images: {other:?}"),
+        }
+        m.possum_children = vec![4343];
+        fs::create_dir_all(tmp.path().join(child_gpu_dir(4343))).unwrap();
+        let img = open_sealed(tmp.path(), &m).unwrap();
+        assert!(img.gpu_images().is_empty());
     }
 
     #[test]

@@ -66,6 +66,7 @@ pub mod process;
 pub mod ranks;
 pub mod restore;
 mod stage;
+pub mod tcp;
 mod temps;
 pub mod tree;
 pub mod wire;

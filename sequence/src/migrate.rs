@@ -11,7 +11,8 @@
 //!     ahead     the temporary directory as it is, then Cut ─────────▶ set aside under DIR
 //!   send        LOCAL_DIR, files that begin with one sent ahead as a reference and the bytes
 //!               after it (at most --max-rate) ──────────────────────▶ DIR/NAME, named only complete: Committed
-//!   kill        the held job killed (its PIDs free), LOCAL_DIR kept
+//!   kill        the held job killed, and its PIDs waited free (its processes ended and
+//!               reaped): a destination on this host restores under them; LOCAL_DIR kept
 //!   hand-off    Released ──────────────────────────▶ restore DIR/NAME (`possum restore`'s sequence),
 //!                                                     the job held after CRIU's restore
 //!               ◀───────────── Outcome: Restored (pid), or RestoreFailed (why)
@@ -29,8 +30,14 @@
 //! - before the kill (connect, handshake, the send ahead or the send, a receiver's abort or a full
 //!   disk there): it is let go at the source and runs on (a failure while sending ahead is
 //!   acted on once the checkpoint is committed); the receiver removed what it had of the image;
-//! - after the kill (no answer within the deadline, a dropped connection, RestoreFailed): it is
-//!   restored at the source from LOCAL_DIR, which is kept.
+//! - after the kill (no answer within the deadline, a dropped connection, RestoreFailed, for
+//!   whatever reason): it is restored at the source from LOCAL_DIR, which is kept, once its PIDs
+//!   are free, with the socket directory its checkpoint used (the job's socket comes back there).
+//!
+//! The job's control socket comes back, at either end, in the directory it was in: CRIU binds it
+//! at the same path. The source names that directory in the image (`--socket-dir`, made
+//! absolute); the destination takes it as possum's for the restore unless its own
+//! `--socket-dir` says otherwise (the image is authenticated under the migration's key).
 //!
 //! The destination restores only after `Released`, which the source sends only once its job is
 //! gone, and lets the restored job run only after the go, which the source sends only once the
@@ -41,7 +48,7 @@
 //! restore only if the destination does not run it. Nothing is lost, and nothing runs twice.
 //!
 //! Every wait has a deadline ([`Deadlines`]): the connection, each read or write of the transfer,
-//! the source's kill, and the destination's restore.
+//! the source's kill and its PIDs freed, and the destination's restore.
 
 use std::fs;
 use std::io;
@@ -71,6 +78,9 @@ pub struct Deadlines {
     pub release: Duration,
     /// The source: from `Released` to the destination's `Outcome` (its restore).
     pub restore: Duration,
+    /// The source: the killed job's PIDs freed (its processes ended and reaped by their
+    /// parents), before `Released`, and before a restore at the source.
+    pub kill: Duration,
 }
 
 impl Default for Deadlines {
@@ -80,6 +90,7 @@ impl Default for Deadlines {
             io: Duration::from_secs(60),
             release: Duration::from_secs(60),
             restore: Duration::from_secs(300),
+            kill: Duration::from_secs(30),
         }
     }
 }
@@ -120,7 +131,7 @@ pub struct MigrateTimings {
     /// The rest of the transfer, the job held, up to `Committed`.
     #[serde(rename = "send_ms", serialize_with = "as_ms")]
     pub send: Duration,
-    /// The job's kill (and the local image made durable).
+    /// The job's kill, its PIDs waited free (and the local image made durable).
     #[serde(rename = "kill_ms", serialize_with = "as_ms")]
     pub kill: Duration,
     /// From `Released` to the destination's `Outcome` (its restore).
@@ -171,33 +182,72 @@ pub enum JobAt {
     Unknown {
         /// The local image.
         image: PathBuf,
+        /// The job's socket directory, for its restore, when it is not possum's by default.
+        socket_dir: Option<PathBuf>,
     },
     /// Neither end runs it: its image is kept at the source.
     Lost {
         /// The local image.
         image: PathBuf,
+        /// The job's socket directory, for its restore, when it is not possum's by default.
+        socket_dir: Option<PathBuf>,
         /// Why it could not be brought back.
         why: String,
     },
+}
+
+impl JobAt {
+    /// The job is not brought back at the source (`why`), whose checkpoint `c` kept its image.
+    fn lost(c: &CheckpointParams, why: String) -> JobAt {
+        JobAt::Lost {
+            image: c.dir.clone(),
+            socket_dir: restore_socket_dir(c),
+            why,
+        }
+    }
+}
+
+/// The socket directory a restore of the image `c` kept must be given: the one the checkpoint
+/// reached the job in, unless it is possum's by default.
+fn restore_socket_dir(c: &CheckpointParams) -> Option<PathBuf> {
+    let by_default = std::path::absolute(possum_control::socket_dir()).ok();
+    let used = std::path::absolute(&c.sockets).unwrap_or_else(|_| c.sockets.clone());
+    (by_default.as_ref() != Some(&used)).then_some(used)
+}
+
+/// `possum restore` of `image`, with `--socket-dir` if it needs one.
+fn restore_command(image: &Path, socket_dir: Option<&Path>) -> String {
+    match socket_dir {
+        Some(d) => format!(
+            "possum restore -D {} --socket-dir {}",
+            image.display(),
+            d.display()
+        ),
+        None => format!("possum restore -D {}", image.display()),
+    }
 }
 
 impl std::fmt::Display for JobAt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             JobAt::Source => f.write_str("the job runs on at the source"),
-            JobAt::Unknown { image } => write!(
+            JobAt::Unknown { image, socket_dir } => write!(
                 f,
                 "the destination was told to let the job run and then went silent: the job runs \
                  there if that reached it (otherwise the destination killed its copy before it \
-                 ran); it is not restored here, to never run twice: its image is kept, and \
-                 `possum restore -D {}` restores it once the destination is known not to run it",
-                image.display()
+                 ran); it is not restored here, to never run twice: its image is kept, and `{}` \
+                 restores it once the destination is known not to run it",
+                restore_command(image, socket_dir.as_deref())
             ),
-            JobAt::Lost { image, why } => write!(
+            JobAt::Lost {
+                image,
+                socket_dir,
+                why,
+            } => write!(
                 f,
                 "the job could not be brought back at the source ({why}): its image is kept, \
-                 `possum restore -D {}` restores it",
-                image.display()
+                 `{}` restores it",
+                restore_command(image, socket_dir.as_deref())
             ),
         }
     }
@@ -428,12 +478,12 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let Link { mut stream, sender } = match link {
         Ok(l) => l,
         Err(Early::Connect(source)) => {
-            let job = let_go(held, obs);
+            let job = let_go(held, &p.checkpoint, obs);
             let to = p.to.clone();
             return Err(MigrateError::Connect { to, job, source });
         }
         Err(Early::Send(source)) => {
-            let job = let_go(held, obs);
+            let job = let_go(held, &p.checkpoint, obs);
             let to = p.to.clone();
             return Err(MigrateError::Send { to, job, source });
         }
@@ -445,15 +495,24 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         Ok(s) => s,
         Err(source) => {
             drop(stream);
-            let job = let_go(held, obs);
+            let job = let_go(held, &p.checkpoint, obs);
             let to = p.to.clone();
             let source = Box::new(source);
             return Err(MigrateError::Send { to, job, source });
         }
     };
     timings.send = t.elapsed();
-    // The destination has the image: the job is killed here, its PIDs free for the restore.
+    // The destination has the image: the job is killed here, and its PIDs waited free for the
+    // restore (a destination on this host restores under them).
     let t = Instant::now();
+    let pids: Vec<i32> = std::iter::once(p.checkpoint.pid)
+        .chain(crate::tree::descendants(p.checkpoint.pid))
+        .collect();
+    let here = Fallback {
+        c: &p.checkpoint,
+        pids: &pids,
+        deadline: p.deadlines.kill,
+    };
     let report = match held.kill() {
         Ok(r) => r,
         Err(source) => {
@@ -462,12 +521,20 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
             let job = if crate::process::alive(p.checkpoint.pid) {
                 JobAt::Source
             } else {
-                restore_here(&p.checkpoint, obs)
+                here.restore(obs)
             };
             let source = Box::new(source);
             return Err(MigrateError::Kill { job, source });
         }
     };
+    if let Err(taken) = crate::process::wait_pids_free(&pids, p.deadlines.kill) {
+        // Another host restores under them all the same; this one cannot until they are free.
+        obs.note(&format!(
+            "the job was killed, but its PIDs are not free after {} s ({taken}): a destination \
+             on this host cannot restore it until they are",
+            p.deadlines.kill.as_secs()
+        ));
+    }
     timings.kill = t.elapsed();
 
     // After the kill, a failure restores the job here.
@@ -501,8 +568,9 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
                          (its image stays at {})",
                         image.display()
                     ));
+                    let socket_dir = restore_socket_dir(&p.checkpoint);
                     return Err(MigrateError::Handoff {
-                        job: JobAt::Unknown { image },
+                        job: JobAt::Unknown { image, socket_dir },
                         source,
                     });
                 }
@@ -515,7 +583,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     match outcome {
         // (Answered with the go above, or an error.)
         Ok(Outcome::Restored { .. }) => {
-            let job = restore_here(&p.checkpoint, obs);
+            let job = here.restore(obs);
             let source = HandoffError::Unexpected {
                 got: "Outcome Restored",
                 want: "Outcome Running",
@@ -540,11 +608,11 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
             })
         }
         Ok(Outcome::RestoreFailed { reason }) => {
-            let job = restore_here(&p.checkpoint, obs);
+            let job = here.restore(obs);
             Err(MigrateError::RemoteRestore { reason, job })
         }
         Err(source) => {
-            let job = restore_here(&p.checkpoint, obs);
+            let job = here.restore(obs);
             Err(MigrateError::Handoff { job, source })
         }
     }
@@ -552,43 +620,55 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
 
 /// Before the kill: lets the held job go on at the source (its image is kept, its buffers come
 /// back from it).
-fn let_go(held: crate::HeldCheckpoint<'_>, obs: &mut dyn Observer) -> JobAt {
-    let image = held.dir().to_path_buf();
+fn let_go(held: crate::HeldCheckpoint<'_>, c: &CheckpointParams, obs: &mut dyn Observer) -> JobAt {
     match held.resume() {
         Ok(_) => {
             obs.note(&format!(
                 "the job runs on here; its image {} stays while its buffers come back from it",
-                image.display()
+                c.dir.display()
             ));
             JobAt::Source
         }
-        Err(e) => JobAt::Lost {
-            image,
-            why: possum_cuda::error_chain(&e),
-        },
+        Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
     }
 }
 
-/// Restores the job at the source from its local image (kept either way).
-fn restore_here(c: &CheckpointParams, obs: &mut dyn Observer) -> JobAt {
-    obs.note(&format!(
-        "restoring the job at the source from {}",
-        c.dir.display()
-    ));
-    let params = RestoreParams {
-        dir: c.dir.clone(),
-        socket_dir: None,
-        device: None,
-        possum_exe: c.possum_exe.clone(),
-        env: c.env.clone(),
-        hmac_key: None,
-    };
-    match restore(&params, obs) {
-        Ok(_) => JobAt::Source,
-        Err(e) => JobAt::Lost {
-            image: c.dir.clone(),
-            why: possum_cuda::error_chain(&e),
-        },
+/// The restore at the source after the kill, should the destination not run the job.
+struct Fallback<'a> {
+    /// The checkpoint: its image, and the socket directory it reached the job in.
+    c: &'a CheckpointParams,
+    /// The job's PIDs when it was killed.
+    pids: &'a [i32],
+    /// How long they may take to be free (a destination on this host that restored the job
+    /// and killed it again frees them too).
+    deadline: Duration,
+}
+
+impl Fallback<'_> {
+    /// Restores the job from its local image (kept either way) once its PIDs are free, its
+    /// control socket in the directory its checkpoint used: a restore possum does not refuse
+    /// for a socket directory that is not its own by default.
+    fn restore(&self, obs: &mut dyn Observer) -> JobAt {
+        let c = self.c;
+        obs.note(&format!(
+            "restoring the job at the source from {}",
+            c.dir.display()
+        ));
+        // Still taken at the deadline: the restore says by what.
+        let _ = crate::process::wait_pids_free(self.pids, self.deadline);
+        let params = RestoreParams {
+            dir: c.dir.clone(),
+            socket_dir: Some(c.sockets.clone()),
+            socket_dir_from_source: false,
+            device: None,
+            possum_exe: c.possum_exe.clone(),
+            env: c.env.clone(),
+            hmac_key: None,
+        };
+        match restore(&params, obs) {
+            Ok(_) => JobAt::Source,
+            Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
+        }
     }
 }
 
@@ -722,8 +802,10 @@ pub fn receive(
     timings.release = t.elapsed();
 
     let t = Instant::now();
+    // The job's socket directory is the one the source named, unless `p.restore` gives one.
     let params = RestoreParams {
         dir: dest.clone(),
+        socket_dir_from_source: true,
         ..p.restore.clone()
     };
     // Restored, the job is held until the source says go: without it, it never runs here.

@@ -13,26 +13,90 @@ pub fn alive(pid: i32) -> bool {
     pid > 0 && stat_of(pid).is_some_and(|s| s.state != 'Z')
 }
 
-/// What `/proc/PID/stat` says of a process: its state and when it started.
+/// What `/proc/PID/stat` says of a process: its state, its parent and when it started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ProcStat {
     /// The state letter (`R`, `S`, `Z`, ...).
     state: char,
+    /// Its parent's PID.
+    ppid: i32,
+    /// The kernel's `PF_*` flags.
+    flags: u64,
     /// When it started, in clock ticks since boot.
     start_ticks: u64,
 }
+
+/// `PF_EXITING`: the process is being torn down.
+const PF_EXITING: u64 = 0x4;
 
 /// `/proc/PID/stat` of process `pid`, if it exists.
 fn stat_of(pid: i32) -> Option<ProcStat> {
     let s = possum_control::proc_text(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold anything: fields are counted
-    // after its last `)`. Field 3 is the state, 22 the start time.
+    // after its last `)`. Field 3 is the state, 4 the parent, 9 the flags, 22 the start time.
     let (_, rest) = s.rsplit_once(')')?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     Some(ProcStat {
         state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
+        flags: fields.get(6)?.parse().ok()?,
         start_ticks: fields.get(19)?.parse().ok()?,
     })
+}
+
+/// A process that holds a PID a restore needs free (CRIU restores a job under its old PIDs).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PidTaken {
+    /// A process that has not ended (running, or still exiting).
+    #[error("process {pid} has not ended")]
+    Live {
+        /// The PID.
+        pid: i32,
+    },
+    /// A process that has ended and that its parent has not reaped: its PID stays taken until
+    /// its parent waits for it.
+    #[error(
+        "process {pid} has ended, but its parent (process {parent}) has not reaped it, and its \
+         PID stays taken until the parent does"
+    )]
+    Unreaped {
+        /// The PID.
+        pid: i32,
+        /// Its parent.
+        parent: i32,
+    },
+}
+
+/// What holds PID `pid`, if a process does.
+pub fn pid_taken(pid: i32) -> Option<PidTaken> {
+    let s = stat_of(pid)?;
+    Some(match s.state {
+        'Z' => PidTaken::Unreaped {
+            pid,
+            parent: s.ppid,
+        },
+        _ => PidTaken::Live { pid },
+    })
+}
+
+/// Whether process (or thread) `pid` is ending: killed, and not yet torn down by the kernel.
+pub fn ending(pid: i32) -> bool {
+    stat_of(pid).is_some_and(|s| s.state != 'Z' && s.flags & PF_EXITING != 0)
+}
+
+/// Waits until no process holds any of `pids` (a killed job's: each ended, and reaped by its
+/// parent), at most `deadline`. What still holds one then.
+pub fn wait_pids_free(pids: &[i32], deadline: Duration) -> Result<(), PidTaken> {
+    let t = Instant::now();
+    loop {
+        let Some(taken) = pids.iter().find_map(|&p| pid_taken(p)) else {
+            return Ok(());
+        };
+        if t.elapsed() >= deadline {
+            return Err(taken);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// The boot-time clock now, in the clock ticks `/proc/PID/stat` counts start times in.
@@ -375,6 +439,43 @@ mod tests {
         for pid in [me, parent] {
             assert!(matches!(Process::open(pid), Err(SignalError::Possum(_))));
         }
+    }
+
+    /// A killed child's PID stays taken until it is reaped, and is said so, naming its parent;
+    /// it is free once reaped.
+    #[test]
+    fn a_pid_is_free_only_once_its_process_is_reaped() {
+        let mut child = Command::new("sleep").arg("100").spawn().unwrap();
+        let pid = child.id() as i32;
+        let me = std::process::id() as i32;
+        assert_eq!(pid_taken(pid), Some(PidTaken::Live { pid }));
+        assert_eq!(
+            wait_pids_free(&[pid], Duration::from_millis(20)),
+            Err(PidTaken::Live { pid })
+        );
+        child.kill().unwrap();
+        let t = Instant::now();
+        while pid_taken(pid) == Some(PidTaken::Live { pid }) {
+            assert!(t.elapsed() < Duration::from_secs(10), "not killed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let unreaped = PidTaken::Unreaped { pid, parent: me };
+        assert_eq!(pid_taken(pid), Some(unreaped.clone()));
+        let e = wait_pids_free(&[pid], Duration::from_millis(50)).unwrap_err();
+        assert_eq!(e, unreaped);
+        assert!(
+            e.to_string()
+                .contains(&format!("its parent (process {me}) has not reaped it")),
+            "{e}"
+        );
+        // Reaped while waited for: free.
+        let reaper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            child.wait()
+        });
+        wait_pids_free(&[pid], Duration::from_secs(10)).unwrap();
+        assert_eq!(pid_taken(pid), None);
+        reaper.join().unwrap().unwrap();
     }
 
     /// A process that started before the restore began is not taken for the restored one (and

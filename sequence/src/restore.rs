@@ -20,7 +20,9 @@ use crate::image::{
 };
 use crate::job::{self, To};
 use crate::places::{PlaceError, Places};
-use crate::process::{alive, boot_ticks_now, Process, SignalError};
+use crate::process::{
+    boot_ticks_now, ending, pid_taken, wait_pids_free, PidTaken, Process, SignalError,
+};
 use crate::stage::{self, StageReport, Staging};
 use crate::{Engine, Observer, ResumeError};
 
@@ -31,6 +33,11 @@ pub struct RestoreParams {
     pub dir: PathBuf,
     /// The job's control socket directory (default: the one it had when checkpointed).
     pub socket_dir: Option<PathBuf>,
+    /// The image was received from a migration's source, which proved it holds the migration's
+    /// key and named the job's socket directory in it: without `socket_dir`, that directory (if
+    /// absolute) is taken as possum's, as if it were given (the restored job's socket comes back
+    /// there). Otherwise only the restoring possum's own socket directories are.
+    pub socket_dir_from_source: bool,
     /// Restore onto this GPU (nvidia-smi's index) instead of the one the job ran on.
     pub device: Option<u32>,
     /// The possum executable (started as a keeper).
@@ -76,6 +83,8 @@ pub struct RestoreReport {
     pub staged_buffers_mapped: u64,
     /// The root's answer to the resume.
     pub resume_report: Option<Reply<ResumeReply>>,
+    /// The established TCP connections the image holds were restored closed (`--tcp-close`).
+    pub tcp_closed: bool,
     /// The image has possum's GPU images (engine possum).
     #[serde(skip)]
     pub has_gpu: bool,
@@ -107,9 +116,7 @@ pub fn restore_confirmed(
     }
     let img = open_image(&p.dir)?;
     let m = &img.manifest;
-    if alive(m.pid) {
-        return Err(RestoreError::Running { pid: m.pid });
-    }
+    check_pids_free(&tree_ids(&img.criu, m.pid))?;
     let ready = prepare(p, &img, obs)?;
     let mut figures = RestoreFigures {
         prepare: t_all.elapsed(),
@@ -162,11 +169,67 @@ pub fn restore_confirmed(
         stage_skipped,
         staged_buffers_mapped: 0,
         resume_report: None,
+        tcp_closed: ready.opts.tcp_close,
         has_gpu: img.gpu.is_some(),
     };
     report.account(resumed, staging, &img.criu.join(&ready.opts.log_file));
     report.figures.total = t_all.elapsed();
     Ok(report)
+}
+
+/// How long a restore waits for the parent of the job's ended process to reap it (a parent
+/// that waits for its children does at once).
+const UNREAPED_GRACE: Duration = Duration::from_secs(2);
+
+/// How long a restore waits for a process of the job's that is still ending: one killed a
+/// moment ago (a checkpoint that killed the job, a `kill -9`) holds its PID until the kernel has
+/// torn it down, which for a process with a GPU context takes a while.
+const ENDING_GRACE: Duration = Duration::from_secs(10);
+
+/// Every PID and thread ID of the image's tree, the root `root` first: CRIU restores each under
+/// its old number (CRIU's `pstree.img`; the root alone when that cannot be read, which CRIU's
+/// restore then reports itself).
+fn tree_ids(criu: &Path, root: i32) -> Vec<i32> {
+    let entries = possum_criu::images::read_messages::<possum_criu::images::PstreeEntry>(
+        &criu.join("pstree.img"),
+        possum_criu::images::PSTREE_MAGIC,
+    )
+    .unwrap_or_default();
+    let mut ids = vec![root];
+    for e in entries {
+        for id in std::iter::once(e.pid).chain(e.threads) {
+            if let Ok(id) = i32::try_from(id) {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+            }
+        }
+    }
+    ids
+}
+
+/// The job's PIDs and thread IDs `ids` are free for CRIU's restore: no process holds one, or
+/// the one that does is ending and has ended within [`ENDING_GRACE`], and is reaped within
+/// [`UNREAPED_GRACE`]. A process that runs (not ending) is refused at once.
+fn check_pids_free(ids: &[i32]) -> Result<(), RestoreError> {
+    let t = Instant::now();
+    loop {
+        let live = ids
+            .iter()
+            .copied()
+            .find(|&id| matches!(pid_taken(id), Some(PidTaken::Live { .. })));
+        match live {
+            None => break,
+            Some(id) if ending(id) && t.elapsed() < ENDING_GRACE => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Some(id) => return Err(RestoreError::Running { pid: id }),
+        }
+    }
+    wait_pids_free(ids, UNREAPED_GRACE).map_err(|e| match e {
+        PidTaken::Live { pid } => RestoreError::Running { pid },
+        PidTaken::Unreaped { pid, parent } => RestoreError::Unreaped { pid, parent },
+    })
 }
 
 /// A restore that failed, by the phase that failed.
@@ -178,14 +241,27 @@ pub enum RestoreError {
     /// `--hmac-key`: the image is not authenticated under the key.
     #[error(transparent)]
     Auth(#[from] crate::auth::AuthError),
-    /// Its PID is taken.
+    /// One of its PIDs (or thread IDs) is taken.
     #[error(
-        "process {pid} is running: CRIU restores the job under its old PID, which must be free \
-         (kill the original first, or restore on another machine)"
+        "process {pid} is running: CRIU restores the job under its old PIDs and thread IDs, which \
+         must be free (kill the original first, or restore on another machine)"
     )]
     Running {
         /// The job's PID.
         pid: i32,
+    },
+    /// Its PID is held by a process that ended and that its parent has not reaped.
+    #[error(
+        "process {pid} has ended, but its parent (process {parent}) has not reaped it within \
+         {} s: CRIU restores the job under PID {pid}, which stays taken until the parent does \
+         (restore once it has)",
+        UNREAPED_GRACE.as_secs()
+    )]
+    Unreaped {
+        /// The job's PID.
+        pid: i32,
+        /// The parent that holds it.
+        parent: i32,
     },
     /// What the restore needs is missing, or the GPUs cannot take the job.
     #[error(transparent)]
@@ -193,6 +269,15 @@ pub enum RestoreError {
     /// CRIU's restore.
     #[error(transparent)]
     Criu(#[from] CriuError),
+    /// CRIU's restore, failed binding an established TCP connection of the image back to its
+    /// address: not this host's, or taken.
+    #[error(
+        "an established TCP connection of the job could not be bound back to its address, \
+         which is not this host's or is taken (a restore or a migration onto another host): \
+         restore with --tcp-close (possum receive: POSSUM_RESTORE_TCP_CLOSE=1) to bring the \
+         job's established connections back closed"
+    )]
+    TcpNotHere(#[source] CriuError),
     /// The process CRIU reports as restored is not one possum can verify as the restored job:
     /// it is left alone (never signalled).
     #[error("CRIU's restore reported process {pid}, which is not verified as the restored job")]
@@ -360,7 +445,7 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     opts.log_file = host.criu_log;
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
-    restore_tcp(&mut opts, m.tcp_established);
+    restore_tcp(&mut opts, m.tcp_established, p.env.tcp_close);
     if let Some(l) = p.env.criu_log_level {
         opts.log_level = l;
     }
@@ -378,11 +463,16 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
 }
 
 /// CRIU restores the established TCP connections the image's dump took (`dumped`, the lock
-/// method it used), locking the network the same way.
-fn restore_tcp(opts: &mut RestoreOptions, dumped: Option<NetworkLock>) {
-    if let Some(lock) = dumped {
-        opts.tcp_established = true;
-        opts.network_lock = Some(lock.into());
+/// method it used), locking the network the same way; or, `close` (`--tcp-close`), restores
+/// them closed: each socket unconnected and shut down, its peer reset at its next packet.
+fn restore_tcp(opts: &mut RestoreOptions, dumped: Option<NetworkLock>, close: bool) {
+    match dumped {
+        Some(_) if close => opts.tcp_close = true,
+        Some(lock) => {
+            opts.tcp_established = true;
+            opts.network_lock = Some(lock.into());
+        }
+        None => {}
     }
 }
 
@@ -480,11 +570,16 @@ const SOCKETS_DIR: &str = "the directory of the job's sockets";
 impl HostPlan {
     fn check(p: &RestoreParams, img: &Image) -> Result<HostPlan, PrepareError> {
         let m = &img.manifest;
-        let places = Places::of_environment(p.socket_dir.as_deref());
+        // The job's socket directory as given, or as a migration's source named it.
+        let given = p.socket_dir.clone().or_else(|| {
+            let named = &m.socket_dir;
+            (p.socket_dir_from_source && named.is_absolute()).then(|| named.clone())
+        });
+        let places = Places::of_environment(given.as_deref());
         if let Some(k) = &m.keeper {
             places.check_dir("the keeper's directory", &k.dir)?;
         }
-        let sockets = p.socket_dir.clone().unwrap_or_else(|| m.socket_dir.clone());
+        let sockets = given.unwrap_or_else(|| m.socket_dir.clone());
         let mut stale = Vec::new();
         if img.gpu.is_some() {
             for pid in std::iter::once(&m.pid).chain(&m.possum_children) {
@@ -569,15 +664,24 @@ fn criu_restore(
             }
             Some(s) => {
                 s.abandon();
-                return Err(e.into());
+                return Err(criu_failed(e));
             }
-            None => return Err(e.into()),
+            None => return Err(criu_failed(e)),
         },
     };
     Process::restored(report.pid, job, since).map_err(|source| RestoreError::NotRestored {
         pid: report.pid,
         source,
     })
+}
+
+/// CRIU's restore failed: why, in the user's terms where possum knows them.
+fn criu_failed(e: CriuError) -> RestoreError {
+    if e.is_tcp_bind_back_refused() {
+        RestoreError::TcpNotHere(e)
+    } else {
+        RestoreError::Criu(e)
+    }
 }
 
 /// Starts a keeper where the restored job `pid` looks for its keeper, unless one answers there:
@@ -732,15 +836,20 @@ mod tests {
     #[test]
     fn the_restore_takes_the_dumps_tcp_connections_and_lock() {
         let mut opts = RestoreOptions::new("/img/criu");
-        restore_tcp(&mut opts, None);
-        assert!(!opts.tcp_established);
+        restore_tcp(&mut opts, None, true);
+        assert!(!opts.tcp_established && !opts.tcp_close);
         assert_eq!(opts.network_lock, None);
-        restore_tcp(&mut opts, Some(NetworkLock::Iptables));
-        assert!(opts.tcp_established);
+        restore_tcp(&mut opts, Some(NetworkLock::Iptables), false);
+        assert!(opts.tcp_established && !opts.tcp_close);
         assert_eq!(
             opts.network_lock,
             Some(possum_criu::NetworkLockMethod::Iptables)
         );
+        // Closed: nothing of them is restored, nothing locked.
+        let mut opts = RestoreOptions::new("/img/criu");
+        restore_tcp(&mut opts, Some(NetworkLock::Iptables), true);
+        assert!(opts.tcp_close && !opts.tcp_established);
+        assert_eq!(opts.network_lock, None);
     }
 
     /// A missing socket directory of an image whose job ran as uid 65534 is made again as

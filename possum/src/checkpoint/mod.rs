@@ -103,10 +103,10 @@ pub struct CheckpointArgs {
     #[arg(long, value_name = "MIB")]
     pub shadow_budget: Option<u64>,
     /// Dump the job's established TCP connections (e.g. torchrun's TCPStore between its agent
-    /// and ranks) in TCP repair mode; without it CRIU refuses a tree that holds one. The image
-    /// records it: `possum restore` restores the connections. Those between the tree's own
-    /// processes come back whole; one to a peer outside the tree is closed there when the job
-    /// is killed.
+    /// and ranks, a server's clients) in TCP repair mode; without it CRIU refuses a tree that
+    /// holds one. The image records it: `possum restore` restores the connections. A killed
+    /// job's connections are closed without a word to their peers, and go on once it is
+    /// restored on this host (elsewhere: `possum restore --tcp-close`).
     #[arg(long)]
     pub tcp_established: bool,
     /// With --tcp-established: how packets are kept from the connections while they are dumped
@@ -267,6 +267,20 @@ fn print_checkpoint(a: &CheckpointArgs, r: &CheckpointReport) {
              this host maps them again instead of copying them from the image",
             a.keep_on_gpu
         );
+    }
+    if let Some(q) = &r.tcp_quiet {
+        if q.sockets > 0 {
+            println!(
+                "  its {} TCP connections were closed without a word to their peers: they go on \
+                 once it is restored on this host",
+                q.sockets
+            );
+        }
+        for f in &q.failed {
+            eprintln!(
+                "possum: a TCP connection of the job may have been closed at its peer by the kill: {f}"
+            );
+        }
     }
 }
 

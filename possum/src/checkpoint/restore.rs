@@ -29,16 +29,25 @@ pub struct RestoreArgs {
     /// it is read, and refused if anything in it changed.
     #[arg(long, value_name = "FILE")]
     pub hmac_key: Option<PathBuf>,
+    /// Bring the image's established TCP connections (checkpointed with --tcp-established)
+    /// back closed instead of whole: for a restore where they cannot come back (another host,
+    /// or their peers gone). The job runs, each such socket unconnected and shut down; its peer
+    /// gets a reset at its next packet. Also POSSUM_RESTORE_TCP_CLOSE=1.
+    #[arg(long)]
+    pub tcp_close: bool,
 }
 
 /// `possum restore`.
 pub fn restore(a: &RestoreArgs) -> Result<bool> {
+    let mut env = Environment::read();
+    env.tcp_close |= a.tcp_close;
     let params = RestoreParams {
         dir: a.dir.clone(),
         socket_dir: a.socket_dir.clone(),
+        socket_dir_from_source: false,
         device: a.device,
         possum_exe: std::env::current_exe().context("finding possum's own binary")?,
-        env: Environment::read(),
+        env,
         hmac_key: (a.hmac_key.as_deref())
             .map(possum_sequence::auth::HmacKey::read)
             .transpose()?,
@@ -90,6 +99,12 @@ fn print_restore(r: &RestoreReport) {
             (true, _) => "; GPU buffers come back on demand",
         }
     );
+    if r.tcp_closed {
+        println!(
+            "possum: its established TCP connections were restored closed (--tcp-close): their \
+             peers get a reset at their next packet"
+        );
+    }
     for s in r
         .staged
         .iter()
