@@ -829,8 +829,8 @@ mod tests {
         // [0x1c,0x20) at offset 0xc and [0x30,0x32) at 0x10 are contiguous in the file but
         // not in memory: two runs.
         assert_eq!(moved, vec![(0x12, 2, 6), (0x1c, 0xc, 4), (0x30, 0x10, 2)]);
-        let total: u64 = kept.iter().map(|k| k.1).sum::<u64>()
-            + moved.iter().map(|m| m.2).sum::<u64>();
+        let total: u64 =
+            kept.iter().map(|k| k.1).sum::<u64>() + moved.iter().map(|m| m.2).sum::<u64>();
         assert_eq!(total, 0x14);
     }
 

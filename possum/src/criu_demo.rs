@@ -164,7 +164,17 @@ fn restore_and_finish(criu: &Criu, images: &Path, out: &Path) -> Result<(u64, Du
     Ok((read_digest(out)?, r.time))
 }
 
+/// Refuses `what` (a demo that runs CRIU) unless possum runs as root, before anything is done:
+/// CRIU dumps and restores processes only as root, and would otherwise fail half-way through.
+pub fn refuse_without_root(what: &str) -> Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        bail!("{what} runs CRIU, which dumps and restores processes only as root: run it as root (e.g. with sudo)");
+    }
+    Ok(())
+}
+
 pub fn run(a: &DemoArgs) -> Result<bool> {
+    refuse_without_root("possum demo --criu")?;
     let criu = Criu::locate()?;
     let version = criu.version()?;
     let a = DemoArgs {

@@ -15,7 +15,7 @@ use possum_sequence::migrate::{
 };
 use possum_sequence::{CheckpointParams, Environment, RestoreParams};
 
-use crate::checkpoint::{EngineKind, NetworkLockKind, Notes};
+use crate::checkpoint::{EngineKind, Notes, TcpArgs};
 
 /// Arguments of `possum migrate`.
 #[derive(Args, Debug)]
@@ -55,22 +55,9 @@ pub struct MigrateArgs {
     /// One pre-copy round only: the job is held right after it (--max-rounds 1)
     #[arg(long, conflicts_with = "max_rounds")]
     pub stop_now: bool,
-    /// Dump the job's established TCP connections (torchrun's TCPStore, a server's clients) in
-    /// TCP repair mode, as `possum checkpoint --tcp-established` does; without it CRIU refuses a
-    /// tree that holds one. The destination restores them: whole on the same host; elsewhere a
-    /// connection to a peer outside the tree cannot follow the job.
-    #[arg(long)]
-    pub tcp_established: bool,
-    /// With --tcp-established: how packets are kept from the connections while they are dumped
-    /// and restored (as `possum checkpoint --network-lock`).
-    #[arg(
-        long,
-        value_enum,
-        value_name = "METHOD",
-        default_value = "skip",
-        requires = "tcp_established"
-    )]
-    pub network_lock: NetworkLockKind,
+    /// Established TCP connections.
+    #[command(flatten)]
+    pub tcp: TcpArgs,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
@@ -156,7 +143,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
             force: false,
             keep_on_gpu: 0,
             shadow_budget: None,
-            tcp_established: a.tcp_established.then(|| a.network_lock.into()),
+            tcp_established: a.tcp.lock(),
             precopy_rounds: if a.stop_now { 1 } else { a.max_rounds },
             sockets,
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,

@@ -318,6 +318,7 @@ struct Report {
 }
 
 pub fn run(a: &DemoArgs) -> Result<bool> {
+    crate::criu_demo::refuse_without_root("possum demo --migrate")?;
     if a.max_rounds == 0 {
         bail!("--max-rounds must be at least 1");
     }

@@ -175,10 +175,7 @@ pub fn run(a: &RunArgs) -> Result<u8> {
                 Some(k)
             }
             Err(e) => {
-                keeper_note = Some(format!(
-                    "possum: no keeper for the job ({e:#}); its checkpoints copy its GPU buffers \
-                     while it is held"
-                ));
+                keeper_note = Some(keeper_note_for(&e));
                 None
             }
         }
@@ -326,9 +323,56 @@ fn exit_code(s: ExitStatus) -> u8 {
     }
 }
 
+/// The one line said when the job's keeper could not start: why, in plain words (the driver
+/// missing, on a machine without a GPU, is the common case), and the flag that avoids it.
+fn keeper_note_for(e: &anyhow::Error) -> String {
+    let cause = e.root_cause().to_string();
+    let why = if cause.contains("libcuda") && cause.contains("not found") {
+        "no NVIDIA driver here (libcuda.so.1 not found)".to_string()
+    } else {
+        // The innermost error, without the advice in parentheses that follows it.
+        cause
+            .split(" (")
+            .next()
+            .unwrap_or(&cause)
+            .trim()
+            .to_string()
+    };
+    format!(
+        "possum: the job runs without a keeper, which could not start: {why}; --no-keeper starts \
+         none and says nothing"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The keeper's failure said in one line: the missing driver in plain words, another cause
+    /// without its advice, and the flag each time.
+    #[test]
+    fn the_keeper_note_is_one_plain_line_with_its_flag() {
+        let e = anyhow::anyhow!(
+            "libcuda.so.1 not found by dlopen (is the NVIDIA driver installed, and its directory \
+             on LD_LIBRARY_PATH or in ld.so.conf?) (code -1)"
+        )
+        .context("no CUDA device for a keeper")
+        .context("it did not start");
+        let n = keeper_note_for(&e);
+        assert!(
+            n.contains("no NVIDIA driver here (libcuda.so.1 not found)"),
+            "{n}"
+        );
+        assert!(n.contains("--no-keeper"), "{n}");
+        assert!(!n.contains("LD_LIBRARY_PATH") && !n.contains('\n'), "{n}");
+        let n = keeper_note_for(&anyhow::anyhow!(
+            "the keeper did not listen within 30 s (see its log)"
+        ));
+        assert!(
+            n.contains("could not start: the keeper did not listen within 30 s;"),
+            "{n}"
+        );
+    }
 
     #[test]
     fn lib_lookup_order() {

@@ -319,3 +319,41 @@ fn doctor_reports_criu_kernel_and_gpu() {
         assert!(s.lines().any(|l| l.starts_with(k)), "no {k} line in:\n{s}");
     }
 }
+
+/// The demos that run CRIU say first, and only that, that they need root, when run by another
+/// user (as root the test runs them as `nobody` through setpriv).
+#[test]
+fn the_criu_demos_say_first_that_they_need_root() {
+    let root = nix::unistd::geteuid().is_root();
+    for (flag, name) in [
+        ("--criu", "possum demo --criu"),
+        ("--migrate", "possum demo --migrate"),
+    ] {
+        let out = if root {
+            let Ok(out) = Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+                .arg(env!("CARGO_BIN_EXE_possum"))
+                .args(["demo", flag])
+                .output()
+            else {
+                eprintln!("SKIPPED: no setpriv to run the demo as another user");
+                return;
+            };
+            out
+        } else {
+            possum().args(["demo", flag]).output().unwrap()
+        };
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains(&format!("{name} runs CRIU"))
+                && stderr.contains("run it as root (e.g. with sudo)"),
+            "{stderr}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+}

@@ -201,6 +201,24 @@ impl Receiver {
     }
 }
 
+/// A migration that succeeded at both ends (each failure says what both said): `possum
+/// migrate --json`'s figures and the receiver's.
+fn migrated(out: &Output, receiver: Receiver, job: &Job) -> (Value, Value) {
+    let log = receiver.log.clone();
+    let (status, received) = receiver.finish();
+    let log = log.lock().unwrap().clone();
+    assert!(
+        out.status.success(),
+        "{}\nreceiver:\n{log}\njob:\n{}",
+        text(out),
+        job.log()
+    );
+    assert!(status.success(), "{received}\n{log}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r: Value = serde_json::from_str(received.trim()).unwrap();
+    (v, r)
+}
+
 fn migrate_cmd(dir: &Path, job: &Job, to: &str, key: &str) -> Command {
     let mut c = possum(dir);
     c.args(["migrate", &job.pid.to_string(), "--json", "--to", to])
@@ -594,18 +612,7 @@ fn a_job_with_a_socket_directory_of_its_own_runs_on_at_the_destination() {
         .env("POSSUM_SOCKET_DIR", &own)
         .output()
         .unwrap();
-    let log = receiver.log.clone();
-    let (status, received) = receiver.finish();
-    let log = log.lock().unwrap().clone();
-    assert!(
-        out.status.success(),
-        "{}\nreceiver:\n{log}\njob:\n{}",
-        text(&out),
-        job.log()
-    );
-    assert!(status.success(), "{received}\n{log}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let r: Value = serde_json::from_str(received.trim()).unwrap();
+    let (v, r) = migrated(&out, receiver, &job);
     assert_eq!(v["remote_pid"], job.pid, "{v}");
     assert_eq!(r["pid"], job.pid, "{r}");
     // The restored job's possum answers on its socket where it had it.
@@ -673,17 +680,7 @@ fn a_driver_engine_job_migrated_on_one_host_runs_on_at_the_destination() {
         .args(["--engine", "driver"])
         .output()
         .unwrap();
-    let log = receiver.log.clone();
-    let (status, received) = receiver.finish();
-    let log = log.lock().unwrap().clone();
-    assert!(
-        out.status.success(),
-        "{}\nreceiver:\n{log}\njob:\n{}",
-        text(&out),
-        job.log()
-    );
-    assert!(status.success(), "{received}\n{log}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (v, _) = migrated(&out, receiver, &job);
     assert_eq!(v["remote_pid"], job.pid, "{v}");
     assert_eq!(v["checkpoint"]["engine"], "driver", "{v}");
     // Nothing pre-copied: the whole image crossed while the job was held.

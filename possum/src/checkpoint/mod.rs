@@ -67,6 +67,38 @@ impl From<NetworkLockKind> for NetworkLock {
     }
 }
 
+/// `--tcp-established` and `--network-lock`, of `possum checkpoint` and `possum migrate`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct TcpArgs {
+    /// Dump the job's established TCP connections (e.g. torchrun's TCPStore between its agent
+    /// and ranks, a server's clients) in TCP repair mode; without it CRIU refuses a tree that
+    /// holds one. The image records it: the restore (or a migration's destination) restores the
+    /// connections. A killed job's connections are closed without a word to their peers, and go
+    /// on once it is restored on this host (elsewhere: `possum restore --tcp-close`).
+    #[arg(long)]
+    pub tcp_established: bool,
+    /// With --tcp-established: how packets are kept from the connections while they are dumped
+    /// and restored. skip: no lock, nothing needed (enough when both ends are the job's);
+    /// iptables: rules added with iptables-restore (iptables installed); nftables: a table in the
+    /// kernel's nf_tables. The restore uses the same.
+    #[arg(
+        long,
+        value_enum,
+        value_name = "METHOD",
+        default_value = "skip",
+        requires = "tcp_established"
+    )]
+    pub network_lock: NetworkLockKind,
+}
+
+impl TcpArgs {
+    /// The lock method of a dump that takes the established connections; `None` without
+    /// `--tcp-established`.
+    pub fn lock(&self) -> Option<NetworkLock> {
+        self.tcp_established.then(|| self.network_lock.into())
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct CheckpointArgs {
     /// The process to checkpoint (the root of its tree).
@@ -102,25 +134,9 @@ pub struct CheckpointArgs {
     /// `POSSUM_SHADOW_MIB`, else three quarters of the GPU's free memory beyond 4 GiB.
     #[arg(long, value_name = "MIB")]
     pub shadow_budget: Option<u64>,
-    /// Dump the job's established TCP connections (e.g. torchrun's TCPStore between its agent
-    /// and ranks, a server's clients) in TCP repair mode; without it CRIU refuses a tree that
-    /// holds one. The image records it: `possum restore` restores the connections. A killed
-    /// job's connections are closed without a word to their peers, and go on once it is
-    /// restored on this host (elsewhere: `possum restore --tcp-close`).
-    #[arg(long)]
-    pub tcp_established: bool,
-    /// With --tcp-established: how packets are kept from the connections while they are dumped
-    /// and restored. skip: no lock, nothing needed (enough when both ends are the job's);
-    /// iptables: rules added with iptables-restore (iptables installed); nftables: a table in the
-    /// kernel's nf_tables. The restore uses the same.
-    #[arg(
-        long,
-        value_enum,
-        value_name = "METHOD",
-        default_value = "skip",
-        requires = "tcp_established"
-    )]
-    pub network_lock: NetworkLockKind,
+    /// Established TCP connections.
+    #[command(flatten)]
+    pub tcp: TcpArgs,
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
@@ -150,7 +166,7 @@ impl CheckpointArgs {
             force: self.force,
             keep_on_gpu: self.keep_on_gpu,
             shadow_budget: self.shadow_budget,
-            tcp_established: self.tcp_established.then(|| self.network_lock.into()),
+            tcp_established: self.tcp.lock(),
             precopy_rounds: 1,
             sockets: socket_dir_of(self.socket_dir.as_ref()),
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
