@@ -2,9 +2,12 @@
 //! (`possum_sequence::migrate`, whose documentation describes the phases): clap's arguments to
 //! its parameters, and what is printed.
 
-use std::net::TcpListener;
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -103,6 +106,7 @@ fn deadlines(timeout: u64, restore: Option<u64>) -> Deadlines {
     Deadlines {
         connect: d.connect.min(io),
         io,
+        handshake: d.handshake.min(io),
         release: io,
         restore: restore.map_or(d.restore, |s| Duration::from_secs(s.max(1))),
         kill: d.kill,
@@ -251,23 +255,169 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
         "possum: receiving on {}",
         listener.local_addr().context("the address listened on")?
     );
+    let events = accept_concurrently(listener, Arc::new(params), a.serve);
+    let mut refusals = Refusals::default();
     loop {
-        let (mut stream, peer) = listener.accept().context("accepting a connection")?;
-        let got = possum_sequence::wire::set_timeouts(&stream, params.deadlines.io)
-            .context("setting the connection's timeouts")
-            .and_then(|()| {
-                migrate::receive(&mut stream, &params, &mut Notes)
-                    .with_context(|| format!("a migration from {peer}"))
-            });
-        drop(stream);
-        match got {
-            Ok(r) if a.json => println!("{}", serde_json::to_value(&r)?),
-            Ok(r) => print_received(&r),
-            Err(e) if a.serve => eprintln!("possum: error: {e:#}"),
-            Err(e) => return Err(e),
-        }
-        if !a.serve {
-            return Ok(true);
+        match events.recv().context("the receiver's threads ended")? {
+            Event::Refused(why) => refusals.say(&why),
+            Event::Full(why) => eprintln!("possum: {why}"),
+            Event::Received(peer, got) => {
+                let got = got.with_context(|| format!("a migration from {peer}"));
+                match got {
+                    Ok(r) if a.json => println!("{}", serde_json::to_value(&r)?),
+                    Ok(r) => print_received(&r),
+                    Err(e) if a.serve => eprintln!("possum: error: {e:#}"),
+                    Err(e) => return Err(e),
+                }
+                if !a.serve {
+                    return Ok(true);
+                }
+            }
         }
     }
+}
+
+/// Refused connections said on stderr, at most [`Refusals::PER_MINUTE`] a minute: a flood of
+/// connections is a few lines and a count, not a flood of lines.
+#[derive(Debug, Default)]
+struct Refusals {
+    /// When this minute began, how many were said in it, and how many not.
+    minute: Option<Instant>,
+    said: usize,
+    unsaid: usize,
+}
+
+impl Refusals {
+    const PER_MINUTE: usize = 10;
+
+    fn say(&mut self, why: &str) {
+        if self
+            .minute
+            .is_none_or(|t| t.elapsed() >= Duration::from_secs(60))
+        {
+            if self.unsaid > 0 {
+                eprintln!(
+                    "possum: {} more connections were refused in the minute before",
+                    self.unsaid
+                );
+            }
+            *self = Refusals {
+                minute: Some(Instant::now()),
+                said: 0,
+                unsaid: 0,
+            };
+        }
+        if self.said < Self::PER_MINUTE {
+            self.said += 1;
+            eprintln!("possum: {why}");
+        } else {
+            self.unsaid += 1;
+        }
+    }
+}
+
+/// At most this many connections in their handshake at once: with one more, the one that has
+/// waited longest is closed. A migration's handshake takes milliseconds, so idle or hostile
+/// connections, however many, cannot keep it out.
+const MAX_HANDSHAKES: usize = 16;
+
+/// What the receiver's threads tell its main thread.
+enum Event {
+    /// A connection closed before it proved it holds the secret (said on stderr).
+    Refused(String),
+    /// The handshakes were full and the oldest was closed (said at most once a minute).
+    Full(String),
+    /// A migration that authenticated, and how it ended.
+    Received(SocketAddr, Result<Received, migrate::ReceiveError>),
+}
+
+/// The connections in their handshake, oldest first: an id and a handle to close it by.
+type Handshaking = Arc<Mutex<VecDeque<(u64, TcpStream)>>>;
+
+/// Accepts connections on `listener` in a thread of its own, each handled in a thread of its
+/// own: its handshake within the handshake deadline (at most [`MAX_HANDSHAKES`] at once), then,
+/// authenticated, its migration. Without `serve`, the first connection that authenticates is
+/// the one migration received; later ones are closed. Nothing one connection does delays
+/// another's.
+fn accept_concurrently(
+    listener: TcpListener,
+    params: Arc<ReceiveParams>,
+    serve: bool,
+) -> mpsc::Receiver<Event> {
+    let (tx, rx) = mpsc::channel();
+    let handshaking: Handshaking = Arc::default();
+    let taken = Arc::new(AtomicBool::new(false));
+    std::thread::spawn(move || {
+        // Said at most once a minute: a flood of connections is one line, not a flood of lines.
+        let mut said_full: Option<Instant> = None;
+        for id in 0u64.. {
+            let (stream, peer) = match listener.accept() {
+                Ok(c) => c,
+                // Out of descriptors, say: the connections in hand go on; try again shortly.
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            let Ok(handle) = stream.try_clone() else {
+                continue;
+            };
+            let evicted = {
+                let mut h = handshaking.lock().unwrap_or_else(PoisonError::into_inner);
+                let oldest = (h.len() >= MAX_HANDSHAKES).then(|| h.pop_front()).flatten();
+                h.push_back((id, handle));
+                oldest
+            };
+            if let Some((_, oldest)) = evicted {
+                // Its handshake's next read fails: its thread says so and ends.
+                let _ = oldest.shutdown(std::net::Shutdown::Both);
+                if said_full.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                    said_full = Some(Instant::now());
+                    let why = format!(
+                        "{MAX_HANDSHAKES} connections were in their handshake: the one that had \
+                         waited longest was closed for one from {peer} (said once a minute)"
+                    );
+                    if tx.send(Event::Full(why)).is_err() {
+                        return;
+                    }
+                }
+            }
+            let (tx, handshaking, taken, params) = (
+                tx.clone(),
+                handshaking.clone(),
+                taken.clone(),
+                params.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut stream = stream;
+                let t = Instant::now();
+                let session = migrate::receive_handshake(&mut stream, &params);
+                handshaking
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .retain(|(i, _)| *i != id);
+                let session = match session {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let why = format!(
+                            "a connection from {peer} was refused: {}",
+                            possum_cuda::error_chain(&e)
+                        );
+                        let _ = tx.send(Event::Refused(why));
+                        return;
+                    }
+                };
+                if !serve && taken.swap(true, Ordering::AcqRel) {
+                    let why = format!(
+                        "a migration from {peer} was refused: this receiver takes one, and has it"
+                    );
+                    let _ = tx.send(Event::Refused(why));
+                    return;
+                }
+                let got = migrate::receive_in_session(&mut stream, session, t, &params, &mut Notes);
+                let _ = tx.send(Event::Received(peer, got));
+            });
+        }
+    });
+    rx
 }

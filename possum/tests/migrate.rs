@@ -190,6 +190,22 @@ impl Receiver {
         }
     }
 
+    /// Its stderr so far, once it has said `what` (within [`WAIT`]).
+    fn said(&self, what: &str) -> String {
+        let t = Instant::now();
+        loop {
+            let log = self.log.lock().unwrap().clone();
+            if log.contains(what) {
+                return log;
+            }
+            assert!(
+                t.elapsed() < WAIT,
+                "possum receive did not say {what:?}: {log}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Its exit and stdout (its stderr all in `log` then).
     fn finish(self) -> (std::process::ExitStatus, String) {
         let out = self.child.wait_with_output().unwrap();
@@ -342,8 +358,17 @@ fn a_wrong_key_is_refused_and_the_job_runs_on_at_the_source() {
         .output()
         .unwrap();
     failed_at(&out, "sending the image");
-    let (status, _) = receiver.finish();
-    assert!(!status.success());
+    // The receiver said so and waits on: a connection that does not prove it holds the secret
+    // cannot end it (anyone could send one).
+    let log = receiver.said("was refused");
+    assert!(log.contains("127.0.0.1"), "{log}");
+    let mut receiver = receiver;
+    assert!(
+        receiver.child.try_wait().unwrap().is_none(),
+        "it ended: {log}"
+    );
+    receiver.child.kill().unwrap();
+    let _ = receiver.finish();
     assert_eq!(names(&dir.join("received")), Vec::<String>::new());
     goes_on_like(&mut job, dir, &want, "refused");
 }
@@ -689,5 +714,42 @@ fn a_driver_engine_job_migrated_on_one_host_runs_on_at_the_destination() {
     let kill_ms = v["timings"]["kill_ms"].as_f64().unwrap();
     assert!(kill_ms >= 1500.0, "{v}");
     goes_on_like(&mut job, dir, &want, "migrated by the driver engine");
+    ticks_once_each(dir);
+}
+
+/// Connections to `possum receive` that never say anything (more than it handshakes at once)
+/// and one that sends garbage, all opened before the migration and held open through it, do not
+/// hold it up: the job runs on at the destination, and the receiver says what it refused. (One
+/// connection at a time, the first idle one would have held the receiver for its whole
+/// timeout, and the migration's own handshake would have failed meanwhile.)
+#[test]
+fn idle_and_garbage_connections_do_not_hold_up_a_migration() {
+    use std::io::Write as _;
+    let Some((tmp, want, mut job)) = setup("migrate_idle") else {
+        return;
+    };
+    let dir = tmp.path();
+    let receiver = Receiver::start_timeout(dir, "key", &[], 60);
+    let idle: Vec<std::net::TcpStream> = (0..40)
+        .map(|_| std::net::TcpStream::connect(&receiver.addr).unwrap())
+        .collect();
+    let mut garbage = std::net::TcpStream::connect(&receiver.addr).unwrap();
+    let _ = garbage.write_all(&[0x5a; 4096]);
+    let log = receiver.log.clone();
+    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .args(["--timeout", "5"])
+        .output()
+        .unwrap();
+    let (v, r) = migrated(&out, receiver, &job);
+    assert_eq!(v["remote_pid"], job.pid, "{v}");
+    assert_eq!(r["pid"], job.pid, "{r}");
+    let log = log.lock().unwrap().clone();
+    assert!(log.contains("was refused"), "the garbage connection: {log}");
+    assert!(
+        log.contains("connections were in their handshake"),
+        "40 idle connections: {log}"
+    );
+    drop((idle, garbage));
+    goes_on_like(&mut job, dir, &want, "migrated past idle connections");
     ticks_once_each(dir);
 }

@@ -62,8 +62,8 @@ use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
-    self, await_outcome, await_released, receive_dir_session, send_abort, send_outcome,
-    send_released, DirSender, FrameError, HandoffError, Outcome, Totals, WireError,
+    self, await_outcome, await_released, receive_dir_in_session, receiver_handshake, send_abort,
+    send_outcome, send_released, DirSender, FrameError, HandoffError, Outcome, Totals, WireError,
 };
 use crate::Observer;
 
@@ -72,8 +72,12 @@ use crate::Observer;
 pub struct Deadlines {
     /// The TCP connection to the destination.
     pub connect: Duration,
-    /// Each read and each write of the transfer (the handshake, a frame, `Committed`).
+    /// Each read and each write of the transfer (a frame, `Committed`).
     pub io: Duration,
+    /// The destination: each read and each write of a connection's handshake, up to the
+    /// sender's proof of the secret. Short, so that a connection that says nothing holds a
+    /// receiver's slot only briefly.
+    pub handshake: Duration,
     /// The destination: from `Committed` to `Released` (the source's kill).
     pub release: Duration,
     /// The source: from `Released` to the destination's `Outcome` (its restore).
@@ -88,6 +92,7 @@ impl Default for Deadlines {
         Deadlines {
             connect: Duration::from_secs(10),
             io: Duration::from_secs(60),
+            handshake: Duration::from_secs(10),
             release: Duration::from_secs(60),
             restore: Duration::from_secs(300),
             kill: Duration::from_secs(30),
@@ -755,19 +760,47 @@ pub enum ReceiveError {
     },
 }
 
-/// A new name for an image under `dir`.
+/// The names [`image_name`] handed out in this process: receives that run at once never get the
+/// same one, though neither has made its directory yet.
+static NAMED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// A new name for an image under `dir`: none there, and none handed out before.
 fn image_name(dir: &Path) -> PathBuf {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     let base = format!("job-{}", stamp.as_millis());
+    let mut named = NAMED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut at = dir.join(&base);
     let mut k = 1;
-    while fs::symlink_metadata(&at).is_ok() {
+    while fs::symlink_metadata(&at).is_ok() || named.contains(&at) {
         at = dir.join(format!("{base}-{k}"));
         k += 1;
     }
+    named.push(at.clone());
     at
+}
+
+/// The receiver's handshake on a new connection, each of its reads and writes within
+/// `p.deadlines.handshake`: the session it agreed on, the connection's reads and writes bounded by `p.deadlines.io` again
+/// for what follows. A connection that does not prove it holds the secret in time is refused.
+pub fn receive_handshake(
+    stream: &mut TcpStream,
+    p: &ReceiveParams,
+) -> Result<wire::Session, ReceiveError> {
+    let failed = |e: wire::HandshakeError| ReceiveError::Transfer(Box::new(e.into()));
+    let timeouts = |source| {
+        failed(wire::HandshakeError::Io {
+            what: "setting the connection's timeouts",
+            source,
+        })
+    };
+    wire::set_timeouts(stream, p.deadlines.handshake).map_err(timeouts)?;
+    let session = receiver_handshake(stream, &p.key).map_err(failed)?;
+    wire::set_timeouts(stream, p.deadlines.io).map_err(timeouts)?;
+    Ok(session)
 }
 
 /// Receives one migration on `stream` (its reads and writes bounded already): the image into a
@@ -778,10 +811,22 @@ pub fn receive(
     p: &ReceiveParams,
     obs: &mut dyn Observer,
 ) -> Result<Received, ReceiveError> {
+    let t = Instant::now();
+    let session = receive_handshake(stream, p)?;
+    receive_in_session(stream, session, t, p, obs)
+}
+
+/// [`receive`] after its handshake ([`receive_handshake`], begun at `t`), over its `session`.
+pub fn receive_in_session(
+    stream: &mut TcpStream,
+    session: wire::Session,
+    t: Instant,
+    p: &ReceiveParams,
+    obs: &mut dyn Observer,
+) -> Result<Received, ReceiveError> {
     let mut timings = ReceiveTimings::default();
     let dest = image_name(&p.dir);
-    let t = Instant::now();
-    let (got, mut session) = receive_dir_session(stream, &p.key, &dest)
+    let (got, mut session) = receive_dir_in_session(stream, session, &dest)
         .map_err(|e| ReceiveError::Transfer(Box::new(e)))?;
     timings.receive = t.elapsed();
 

@@ -1826,19 +1826,34 @@ pub fn receive_dir_session<S: Read + Write>(
     key: &HmacKey,
     dest: &Path,
 ) -> Result<(ReceiveReport, Session), WireError> {
-    let Some(name) = dest.file_name() else {
-        return Err(ReceiveError::DestName {
-            dest: dest.to_path_buf(),
-        }
-        .into());
-    };
+    // Refused before the handshake, as after it.
+    new_dest(dest)?;
+    let session = receiver_handshake(stream, key)?;
+    receive_dir_in_session(stream, session, dest)
+}
+
+/// `dest`'s file name, if `dest` is one a received image can be named: it has one, and nothing
+/// is there yet.
+fn new_dest(dest: &Path) -> Result<&std::ffi::OsStr, ReceiveError> {
+    let name = dest.file_name().ok_or_else(|| ReceiveError::DestName {
+        dest: dest.to_path_buf(),
+    })?;
     if fs::symlink_metadata(dest).is_ok() {
         return Err(ReceiveError::DestExists {
             dest: dest.to_path_buf(),
-        }
-        .into());
+        });
     }
-    let mut session = receiver_handshake(stream, key)?;
+    Ok(name)
+}
+
+/// [`receive_dir_session`] after its handshake: the image into the new directory `dest` over
+/// the session a [`receiver_handshake`] agreed on.
+pub fn receive_dir_in_session<S: Read + Write>(
+    stream: &mut S,
+    mut session: Session,
+    dest: &Path,
+) -> Result<(ReceiveReport, Session), WireError> {
+    let name = new_dest(dest)?;
     let start = Instant::now();
     let parent = match dest.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
