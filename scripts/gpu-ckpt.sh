@@ -12,6 +12,7 @@
 #       -> figures.{json,md}, ckpt-figures.jsonl, ckpt-logs.tgz
 #
 #   (here)  bash scripts/gpu-ckpt.sh --stage        build possum + libpossum.so, download CRIU .debs
+#           (POSSUM_CRIU_ALLOW_EXPIRED=1 where the package mirror serves lists past Valid-Until)
 #   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe | migrate
 #           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --engines a,b --gib 8,32 --reps N --budget-s S ...)
 #
