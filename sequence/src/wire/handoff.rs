@@ -1,0 +1,145 @@
+//! After the transfer: a migration's hand-off (part of [`super`]).
+
+use super::*;
+
+/// Why the exchange after a transfer (`Released`, `Outcome`) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    /// A frame to or from the peer (a timeout, a dropped connection included).
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The peer gave up.
+    #[error("the peer aborted: {reason}")]
+    Aborted {
+        /// Its reason.
+        reason: String,
+    },
+    /// A frame that does not carry this session's HMAC.
+    #[error(
+        "the peer's {what} does not carry this session's HMAC: it was forged or changed in transit"
+    )]
+    Forged {
+        /// The frame.
+        what: &'static str,
+    },
+    /// Another frame than the one due.
+    #[error("the peer sent a {got} frame where {want} was due")]
+    Unexpected {
+        /// What came.
+        got: &'static str,
+        /// What was due.
+        want: &'static str,
+    },
+}
+
+impl HandoffError {
+    /// The wait for the peer's frame ran out (the stream's read timeout).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            HandoffError::Frame(FrameError::Io { source, .. })
+                if matches!(source.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+        )
+    }
+}
+
+/// Sends `Released` (the source's job is gone: the destination may restore it), after a
+/// [`send_dir_session`] that ended `Committed`.
+pub fn send_released<S: Write>(stream: &mut S, session: &mut Session) -> Result<(), FrameError> {
+    let tag: [u8; TAG_BYTES] = session.released().finalize().into_bytes().into();
+    write_frame(stream, &Frame::Released { tag })?;
+    stream.flush().map_err(|source| FrameError::Io {
+        what: "sending",
+        source,
+    })?;
+    session.last = tag;
+    Ok(())
+}
+
+/// Waits for `Released` after a [`receive_dir_session`] (as long as the stream's read timeout
+/// lets it), and checks its HMAC.
+pub fn await_released<S: Read>(stream: &mut S, session: &mut Session) -> Result<(), HandoffError> {
+    let mut buf = Vec::new();
+    match read_frame(stream, &mut buf)? {
+        Frame::Released { tag } => {
+            session
+                .released()
+                .verify_slice(&tag)
+                .map_err(|_| HandoffError::Forged { what: "Released" })?;
+            session.last = tag;
+            Ok(())
+        }
+        Frame::Abort { reason } => Err(HandoffError::Aborted { reason }),
+        other => Err(HandoffError::Unexpected {
+            got: other.name(),
+            want: "Released",
+        }),
+    }
+}
+
+/// Sends `Outcome`, the answer to [`await_released`].
+pub fn send_outcome<S: Write>(
+    stream: &mut S,
+    session: &mut Session,
+    outcome: &Outcome,
+) -> Result<(), FrameError> {
+    let (running, pid, reason) = outcome.parts();
+    let tag: [u8; TAG_BYTES] = session
+        .outcome(running, pid, reason)
+        .finalize()
+        .into_bytes()
+        .into();
+    write_frame(
+        stream,
+        &Frame::Outcome {
+            outcome: outcome.clone(),
+            tag,
+        },
+    )?;
+    stream.flush().map_err(|source| FrameError::Io {
+        what: "sending",
+        source,
+    })?;
+    session.last = tag;
+    Ok(())
+}
+
+/// Waits for `Outcome` after [`send_released`] (as long as the stream's read timeout lets it),
+/// and checks its HMAC.
+pub fn await_outcome<S: Read>(
+    stream: &mut S,
+    session: &mut Session,
+) -> Result<Outcome, HandoffError> {
+    let mut buf = Vec::new();
+    match read_frame(stream, &mut buf)? {
+        Frame::Outcome { outcome, tag } => {
+            let (running, pid, reason) = outcome.parts();
+            session
+                .outcome(running, pid, reason)
+                .verify_slice(&tag)
+                .map_err(|_| HandoffError::Forged { what: "Outcome" })?;
+            session.last = tag;
+            Ok(outcome)
+        }
+        Frame::Abort { reason } => Err(HandoffError::Aborted { reason }),
+        other => Err(HandoffError::Unexpected {
+            got: other.name(),
+            want: "Outcome",
+        }),
+    }
+}
+
+/// Tells the peer why this end gives up (`Abort`), best effort.
+pub fn send_abort<S: Write>(stream: &mut S, reason: &str) {
+    let _ = write_frame(
+        stream,
+        &Frame::Abort {
+            reason: reason.to_string(),
+        },
+    );
+    let _ = stream.flush();
+}
+
+pub(super) fn unexpected(got: &'static str, context: &'static str) -> ReceiveError {
+    ReceiveError::Unexpected { got, context }
+}
