@@ -197,14 +197,19 @@ def server(a):
     return finish_server(a, res, runner, client_out)
 
 
-def finish_server(a, res, runner, client_out):
-    for pid in {res.get("pid"), res.get("pid_after")} - {None}:
+def end_job(pids, runner):
+    """Kills what is left of a job: its trees `pids` (where it runs now) and `possum run`'s group."""
+    for pid in set(pids) - {None}:
         kill_tree(pid)
     try:
         os.killpg(runner.pid, signal.SIGKILL)
     except OSError:
         pass
     runner.wait()
+
+
+def finish_server(a, res, runner, client_out):
+    end_job([res.get("pid"), res.get("pid_after")], runner)
     recs, summary = [], None
     if client_out and os.path.exists(client_out):
         for line in open(client_out):
@@ -379,13 +384,7 @@ def one_rank_trial(a, mode, trial, want, logs, rng, port):
     rec["all_ops_ok"] = len(rec["ops"]) == 3 and all(o["rc"] == 0 and o.get("restore_rc", 0) == 0 for o in rec["ops"])
     for o in rec["ops"]:
         o["stall_s"] = stall_of(got, o["start"], o["end"])
-    if pid:
-        kill_tree(pid)
-    try:
-        os.killpg(runner.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    runner.wait()
+    end_job([pid], runner)
     err.close()
     print(f"{mode} {trial}: bit-exact {rec['bit_exact']}, ops ok {rec['all_ops_ok']}, stalls "
           f"{[round(o['stall_s'] or 0, 2) for o in rec['ops']]}", flush=True)

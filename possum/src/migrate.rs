@@ -84,7 +84,8 @@ pub struct ReceiveArgs {
     /// kept while the restored job runs (its buffers come back from it).
     #[arg(short = 'D', long = "images-dir", value_name = "DIR")]
     pub dir: PathBuf,
-    /// Receive migrations one after the other until killed (default: one, then exit).
+    /// Receive every migration that comes, several at once, until killed (default: the first
+    /// that authenticates, then exit).
     #[arg(long)]
     pub serve: bool,
     /// Seconds each read or write of a transfer may wait for the source, and the source may

@@ -773,6 +773,8 @@ fn image_name(dir: &Path) -> PathBuf {
     let mut named = NAMED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // A name whose directory exists is kept off by the file system itself.
+    named.retain(|p| fs::symlink_metadata(p).is_err());
     let mut at = dir.join(&base);
     let mut k = 1;
     while fs::symlink_metadata(&at).is_ok() || named.contains(&at) {
