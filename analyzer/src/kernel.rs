@@ -27,19 +27,23 @@ pub struct ValidationConfig {
     /// Then validate every Kth launch (launch numbers divisible by K); 0 = never.
     pub every: u64,
     /// A slot whose buffer was unchanged across this many validated launches (and never seen
-    /// changed) is speculated read-only. 0 (the default): never; every slot that names a buffer
-    /// counts as a write of it. Observation cannot prove that a kernel never writes a slot's
-    /// buffer (a write that happens only on some launches, such as an overflow flag, or that
-    /// writes the value already there, looks like no write on the launches validated), so
-    /// read-only speculation is opt-in, its residual risk accepted by whoever sets this.
+    /// changed) is speculated read-only; 0 (`strict`): never, every slot that names a buffer
+    /// counts as a write of it. The default is [`READONLY_AFTER`]. Observation cannot prove that
+    /// a kernel never writes a slot's buffer (a write that happens only on some launches, such
+    /// as an overflow flag, or that writes the value already there, looks like no write on the
+    /// launches validated): a wrong speculation costs a checkpoint its image, never its
+    /// correctness, because every image is proven equal to the job at T0 by content (each
+    /// chunk's fingerprint) before it is committed, and a mismatch takes the verdicts back
+    /// ([`KernelModel::revoke_readonly`]) and the checkpoint again.
     pub readonly_after: u32,
     /// Bytes checksummed per buffer: [`WHOLE`] (`sample=all`) reads every byte of every buffer on
     /// both sides of a validated launch; a number samples that many bytes per buffer in
-    /// [`Self::windows`] windows, which can miss a write outside them. The default is
-    /// [`SAMPLED`]: with read-only speculation off, no verdict rests on the sample, and whole
-    /// buffers cost two full reads of every buffer a kernel reaches on each validated launch
-    /// (measured on the H200: a GPT-2 job with expandable segments ran 3x longer). Opting into
-    /// read-only speculation (`readonly_after` > 0) without a `sample` makes it [`WHOLE`].
+    /// [`Self::windows`] windows, which can miss a write outside them. The default is [`WHOLE`]
+    /// (read-only verdicts rest on it; a device with fingerprints reads whole buffers at its
+    /// memory bandwidth); `strict` makes it [`SAMPLED`] (no verdict rests on the sample, and
+    /// whole buffers read through the host cost two full reads of every buffer a kernel reaches
+    /// on each validated launch: a GPT-2 job with expandable segments ran 3x longer on an H200).
+    /// Read-only speculation (`readonly_after` > 0) without a `sample` makes it [`WHOLE`].
     pub sample_bytes: u64,
     /// The sampled bytes are spread over this many windows.
     pub windows: u32,
@@ -51,13 +55,16 @@ pub struct ValidationConfig {
     pub recheck_until: u64,
 }
 
+/// The default [`ValidationConfig::readonly_after`].
+pub const READONLY_AFTER: u32 = 2;
+
 impl Default for ValidationConfig {
     fn default() -> Self {
         Self {
             first_launches: 2,
             every: 0,
-            readonly_after: 0,
-            sample_bytes: SAMPLED,
+            readonly_after: READONLY_AFTER,
+            sample_bytes: WHOLE,
             windows: 16,
             recheck_until: 1024,
         }
@@ -67,9 +74,10 @@ impl Default for ValidationConfig {
 impl ValidationConfig {
     /// Parses `"first=3,every=1000,readonly_after=2,sample=262144,windows=16,recheck=1024"`:
     /// any subset of the keys, the rest keep their defaults (`readonly_after` > 0 without `sample`
-    /// reads whole buffers, `sample=all`). `off` sets
-    /// `first=0,every=0,recheck=0` (validation never runs). The error names the key or item at
-    /// fault.
+    /// reads whole buffers, `sample=all`). `strict` sets `readonly_after=0` and the sampled
+    /// reads (no read-only speculation: every buffer a kernel names counts as written). `off`
+    /// sets `first=0,every=0,recheck=0` (validation never runs). The error names the key or
+    /// item at fault.
     pub fn from_env_str(s: &str) -> Result<Self, String> {
         let mut cfg = Self::default();
         let mut sample_given = false;
@@ -78,6 +86,13 @@ impl ValidationConfig {
                 cfg.first_launches = 0;
                 cfg.every = 0;
                 cfg.recheck_until = 0;
+                continue;
+            }
+            if item == "strict" {
+                cfg.readonly_after = 0;
+                if !sample_given {
+                    cfg.sample_bytes = SAMPLED;
+                }
                 continue;
             }
             let Some((key, value)) = item.split_once('=') else {
@@ -102,7 +117,7 @@ impl ValidationConfig {
                 _ => {
                     return Err(format!(
                     "unknown key `{key}` (known: first, every, readonly_after, sample, windows, \
-                         recheck, off)"
+                         recheck, strict, off)"
                 ))
                 }
             }
@@ -465,6 +480,24 @@ impl KernelModel {
         }
     }
 
+    /// Takes back every read-only verdict: the slots count as written from now on, for good (a
+    /// checkpoint found a buffer changed that no launch was predicted to write: whichever kernel
+    /// wrote it, it is among those with a read-only slot). Whether any verdict was taken back.
+    pub fn revoke_readonly(&self) -> bool {
+        let mut any = false;
+        for (ro, rw) in self.ro_mask.iter().zip(&self.rw_mask) {
+            let r = ro.swap(0, Ordering::AcqRel);
+            if r & !rw.fetch_or(r, Ordering::AcqRel) != 0 {
+                any = true;
+            }
+        }
+        if any {
+            self.spec_changes.fetch_add(1, Ordering::AcqRel);
+        }
+        self.update_undecided();
+        any
+    }
+
     /// Whether slot `slot_index` (an index into [`Self::slots`]) is speculated read-only.
     pub fn is_readonly(&self, slot_index: usize) -> bool {
         self.readonly_word(slot_index / 64) & (1u64 << (slot_index % 64)) != 0
@@ -703,8 +736,44 @@ mod tests {
     }
 
     #[test]
-    fn by_default_nothing_is_read_only() {
-        let cfg = ValidationConfig::default();
+    fn by_default_read_only_is_earned_and_strict_takes_it_back() {
+        let d = ValidationConfig::default();
+        assert_eq!((d.readonly_after, d.sample_bytes), (READONLY_AFTER, WHOLE));
+        let m = model(2);
+        for _ in 0..READONLY_AFTER {
+            let mut v = unchanged(0b11);
+            v.slot_named.insert(0);
+            v.slot_named.insert(1);
+            m.record_validation(&v, &d);
+        }
+        assert!(m.is_readonly(0) && m.is_readonly(1));
+        let before = m.speculation_version();
+        assert!(m.revoke_readonly());
+        assert!(!m.is_readonly(0) && !m.is_readonly(1));
+        assert_ne!(
+            m.speculation_version(),
+            before,
+            "caches of buffer sets go stale"
+        );
+        assert!(!m.revoke_readonly(), "nothing left to take back");
+        // Revoked for good: more unchanged launches do not earn it again.
+        for _ in 0..4 {
+            m.record_validation(&unchanged(0b11), &d);
+        }
+        assert!(!m.is_readonly(0));
+        let strict = ValidationConfig::from_env_str("strict").unwrap();
+        assert_eq!((strict.readonly_after, strict.sample_bytes), (0, SAMPLED));
+        assert_eq!(
+            ValidationConfig::from_env_str("strict,sample=all")
+                .unwrap()
+                .sample_bytes,
+            WHOLE
+        );
+    }
+
+    #[test]
+    fn strictly_nothing_is_read_only() {
+        let cfg = ValidationConfig::from_env_str("strict").unwrap();
         assert_eq!(cfg.sample_bytes, SAMPLED);
         assert_eq!(cfg.readonly_after, 0);
         // Opting into read-only speculation reads whole buffers unless a sample is named.

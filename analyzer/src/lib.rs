@@ -10,10 +10,13 @@
 //! code objects' argument metadata gives the same layouts ([`amdgpu`], there for a HIP front end
 //! that is not built yet). Every pointer-sized word of every parameter, including the words inside
 //! by-value structs, is a [`Slot`]. A slot whose value falls inside a live allocation (an [`IntervalMap`] look-up) names
-//! that buffer. Each named buffer is taken as read-write, unless read-only speculation is on
-//! (`readonly_after` > 0; off by default: observation cannot prove that a later launch does not
-//! write) and validation has shown that slot's buffer unchanged across `readonly_after` validated
-//! launches and never changed: then it is speculated read-only ([`KernelModel::is_readonly`]).
+//! that buffer. Each named buffer is taken as read-write until validation has shown that slot's
+//! buffer unchanged across `readonly_after` validated launches (2 by default; 0 with `strict`)
+//! and never changed: then it is speculated read-only ([`KernelModel::is_readonly`]).
+//! Observation cannot prove that a later launch does not write; what makes the speculation safe
+//! is the engine's proof by content: every image is checked chunk by chunk against the job's
+//! fingerprints at T0 before it is committed, and a mismatch takes every read-only verdict back
+//! ([`KernelModel::revoke_readonly`]) before the checkpoint is taken again.
 //! Buffers no slot names are predicted untouched once a validation checked the kernel
 //! ([`KernelModel::is_validated`]).
 //!

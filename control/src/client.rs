@@ -106,6 +106,17 @@ pub enum ControlError {
     /// The job answered `{"error": ...}`.
     #[error("possum in the job answered with an error: {0}")]
     Remote(String),
+    /// The job's libpossum.so speaks another version of the control protocol.
+    #[error(
+        "the job's libpossum.so speaks control protocol {}, this possum speaks {}: use the possum \
+         the job was started with (`possum run`), or start the job again under this one",
+        job.map_or_else(|| "none (an older possum)".to_string(), |v| v.to_string()),
+        crate::PROTOCOL
+    )]
+    Version {
+        /// The job's version (`None`: its replies carry none).
+        job: Option<u64>,
+    },
 }
 
 /// The process `SO_PEERCRED` names, in words.
@@ -387,6 +398,14 @@ fn parse_reply(reply: &[u8]) -> Result<Value, ControlError> {
     }
     let v: Value = serde_json::from_slice(line)
         .map_err(|e| ControlError::Protocol(format!("reply is not JSON: {e}")))?;
+    match v.get("protocol").map(Value::as_u64) {
+        Some(Some(crate::PROTOCOL)) => {}
+        other => {
+            return Err(ControlError::Version {
+                job: other.flatten(),
+            })
+        }
+    }
     match v.get("error") {
         Some(Value::String(m)) => Err(ControlError::Remote(m.clone())),
         Some(other) => Err(ControlError::Remote(other.to_string())),
@@ -400,11 +419,18 @@ mod tests {
 
     #[test]
     fn replies_are_parsed() {
-        assert_eq!(parse_reply(b"{\"a\":1}\n").unwrap()["a"], 1);
+        assert_eq!(parse_reply(b"{\"a\":1,\"protocol\":1}\n").unwrap()["a"], 1);
         assert!(matches!(
-            parse_reply(b"{\"error\":\"no\"}\n"),
+            parse_reply(b"{\"error\":\"no\",\"protocol\":1}\n"),
             Err(ControlError::Remote(m)) if m == "no"
         ));
+        // Another version, or none (an older library), is refused before anything else is read.
+        let other = parse_reply(b"{\"error\":\"no\",\"protocol\":7}\n").unwrap_err();
+        assert!(matches!(other, ControlError::Version { job: Some(7) }));
+        assert!(other.to_string().contains("protocol 7"), "{other}");
+        let none = parse_reply(b"{\"a\":1}\n").unwrap_err();
+        assert!(matches!(none, ControlError::Version { job: None }));
+        assert!(none.to_string().contains("an older possum"), "{none}");
         assert!(matches!(parse_reply(b""), Err(ControlError::Protocol(_))));
         assert!(matches!(
             parse_reply(b"{oops\n"),

@@ -43,6 +43,13 @@
 
 mod client;
 mod dir;
+
+/// The version of the requests and replies between `possum` and a job's libpossum.so, raised
+/// whenever either changes in a way the other side could misread. Every reply carries it
+/// (`"protocol"`, added by [`Server`]); a client refuses a reply of another version, or of none
+/// (a library older than the versioned protocol), naming both, before it reads anything else
+/// ([`ControlError::Version`]).
+pub const PROTOCOL: u64 = 1;
 mod procfs;
 pub mod reply;
 mod server;
@@ -101,6 +108,10 @@ pub enum Request {
     Checkpoint {
         /// Directory of the images (created; must not hold them already).
         dir: String,
+        /// An earlier image directory of this job (as `dir` was for it): the chunks it holds
+        /// unchanged are referenced from there instead of copied (absent: none).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<String>,
     },
     /// Another pre-copy round into the images `Checkpoint` opened, the job running: the buffers
     /// written since the previous round copied again (answered like `Checkpoint`: each device's
@@ -139,6 +150,9 @@ pub enum Request {
     CheckpointKept {
         /// Directory of the images.
         dir: String,
+        /// As `Checkpoint`'s (for a kept checkpoint, used by `ResumeAndSave`'s save).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<String>,
     },
     /// `Resume`, and for a kept checkpoint: start saving the buffers, as they were at the
     /// release, into the images under `dir` while the job runs (`Saved` waits for it).
@@ -150,6 +164,9 @@ pub enum Request {
         /// quarters of what is free beyond 4 GiB).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         shadow_mib: Option<u64>,
+        /// As `Checkpoint`'s: the earlier image the save references unchanged chunks from.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parent: Option<String>,
     },
     /// Waits until the saving `ResumeAndSave` started is done and its images committed; answers
     /// its figures (an error if it failed, or if none was started).
@@ -183,8 +200,8 @@ impl Request {
     /// The image directory the request names, if any (`checkpoint`, `resume`).
     pub fn dir_mut(&mut self) -> Option<&mut String> {
         match self {
-            Request::Checkpoint { dir }
-            | Request::CheckpointKept { dir }
+            Request::Checkpoint { dir, .. }
+            | Request::CheckpointKept { dir, .. }
             | Request::ResumeAndSave { dir, .. }
             | Request::Resume { dir: Some(dir) } => Some(dir),
             _ => None,
@@ -211,7 +228,13 @@ mod tests {
         assert_eq!(r, Request::Status);
         assert!(serde_json::from_str::<Request>(r#"{"cmd":"frobnicate"}"#).is_err());
         let r: Request = serde_json::from_str(r#"{"cmd":"checkpoint","dir":"/x"}"#).unwrap();
-        assert_eq!(r, Request::Checkpoint { dir: "/x".into() });
+        assert_eq!(
+            r,
+            Request::Checkpoint {
+                dir: "/x".into(),
+                parent: None
+            }
+        );
         assert_eq!(
             serde_json::to_string(&Request::Resume { dir: None }).unwrap(),
             r#"{"cmd":"resume","dir":null}"#
@@ -221,6 +244,7 @@ mod tests {
         let plain = Request::ResumeAndSave {
             dir: "/x".into(),
             shadow_mib: None,
+            parent: None,
         };
         assert_eq!(r, plain);
         assert_eq!(
@@ -230,6 +254,7 @@ mod tests {
         let budget = Request::ResumeAndSave {
             dir: "/x".into(),
             shadow_mib: Some(0),
+            parent: None,
         };
         let text = serde_json::to_string(&budget).unwrap();
         assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), budget);

@@ -383,6 +383,18 @@ pub struct DeviceCopy {
     /// A save: the buffers the job waited on longest, longest first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub waited_on: Option<Vec<WaitedOn>>,
+    /// Bytes fingerprinted on the device (at T0, or at a pre-copy round's start).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fingerprinted_bytes: Option<u64>,
+    /// Milliseconds that took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fingerprint_ms: Option<f64>,
+    /// Bytes not copied: the image already held them, proven equal by fingerprint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proven_bytes: Option<u64>,
+    /// Bytes not copied: an earlier image (the parent) holds them, referenced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reused_bytes: Option<u64>,
 }
 
 /// A buffer the job waited on, and how long.
@@ -786,6 +798,10 @@ mod tests {
                 size: 4096,
                 ms: 2.5,
             }]),
+            fingerprinted_bytes: Some(1 << 20),
+            fingerprint_ms: Some(0.5),
+            proven_bytes: Some(200),
+            reused_bytes: Some(100),
         }
     }
 

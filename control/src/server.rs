@@ -238,6 +238,14 @@ fn rebase(mut req: Request, passed: Option<OwnedFd>) -> Request {
 /// Reads one request line, answers it with one reply line, and shuts the write side. A
 /// `refused` client's request is read (so that the client gets the answer rather than a reset
 /// connection) and answered with the refusal.
+/// `reply` with the protocol's version ([`crate::PROTOCOL`]): every reply carries it.
+fn with_protocol(mut reply: Value) -> Value {
+    if let Value::Object(m) = &mut reply {
+        m.insert("protocol".into(), Value::from(crate::PROTOCOL));
+    }
+    reply
+}
+
 fn exchange(stream: &UnixStream, handler: &Handler, refused: Option<String>) -> io::Result<()> {
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
@@ -247,6 +255,7 @@ fn exchange(stream: &UnixStream, handler: &Handler, refused: Option<String>) -> 
         (Some(why), _) => error_reply(why),
         (None, read) => answer_read(read, passed, handler)?,
     };
+    let reply = with_protocol(reply);
     let mut out = serde_json::to_vec(&reply)
         .unwrap_or_else(|_| br#"{"error":"internal: reply not serialisable"}"#.to_vec());
     out.push(b'\n');

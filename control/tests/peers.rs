@@ -225,7 +225,7 @@ fn the_server_thread_of_the_job_is_the_job() {
     .unwrap();
     assert_eq!(
         request(me(), &dir, &Request::Ping, T).unwrap(),
-        json!({"pong": true})
+        json!({"pong": true, "protocol": possum_control::PROTOCOL})
     );
     drop(server);
 }
@@ -308,13 +308,16 @@ fn the_server_refuses_a_client_of_another_user() {
         serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
     assert_eq!(
         v,
-        json!({"error": "refused: this job answers only uid 0 and root, not uid 65534"})
+        json!({
+            "error": "refused: this job answers only uid 0 and root, not uid 65534",
+            "protocol": possum_control::PROTOCOL
+        })
     );
     assert!(refused_connections() > before);
     // Its own user (root) is answered.
     chmod(&dir, 0o700);
     assert_eq!(
         request(me(), &dir, &Request::Ping, T).unwrap(),
-        json!({"pong": true})
+        json!({"pong": true, "protocol": possum_control::PROTOCOL})
     );
 }

@@ -27,7 +27,7 @@ fn dummy(req: Request) -> Value {
         Request::Ping => json!({"pong": true}),
         Request::Status => json!({"phase": "idle", "buffers": 3}),
         Request::Trace => panic!("dummy handler: no trace"),
-        Request::Checkpoint { dir } => json!({ "dir": dir }),
+        Request::Checkpoint { dir, .. } => json!({ "dir": dir }),
         Request::Release
         | Request::PrecopyRound
         | Request::ReleaseKeeping { .. }
@@ -69,12 +69,15 @@ fn ping_and_status_round_trip() {
     assert_eq!(mode & 0o077, 0, "{mode:o}");
     assert_eq!(
         request(me(), &dir, &Request::Ping, T).unwrap(),
-        json!({"pong": true})
+        json!({"pong": true, "protocol": possum_control::PROTOCOL})
     );
     let st = request(me(), &dir, &Request::Status, T).unwrap();
     assert_eq!(st["phase"], "idle");
     assert_eq!(st["buffers"], 3);
-    let ck = Request::Checkpoint { dir: "/x/y".into() };
+    let ck = Request::Checkpoint {
+        dir: "/x/y".into(),
+        parent: None,
+    };
     assert_eq!(request(me(), &dir, &ck, T).unwrap()["dir"], "/x/y");
     assert!(matches!(
         request(me(), &dir, &Request::Release, T),
@@ -100,7 +103,7 @@ fn unknown_command_and_garbage_get_error_replies() {
     s.shutdown(std::net::Shutdown::Write).unwrap();
     let mut line = String::new();
     BufReader::new(&s).read_line(&mut line).unwrap();
-    assert_eq!(line, "{\"pong\":true}\n");
+    assert_eq!(line, "{\"pong\":true,\"protocol\":1}\n");
 }
 
 #[test]
@@ -118,7 +121,10 @@ fn oversized_request_is_refused() {
     let mut ok = vec![b' '; 64 * 1024 - 14];
     ok.extend_from_slice(b"{\"cmd\":\"ping\"}\n");
     assert_eq!(ok.len(), 64 * 1024 + 1);
-    assert_eq!(raw(server.path(), &ok), json!({"pong": true}));
+    assert_eq!(
+        raw(server.path(), &ok),
+        json!({"pong": true, "protocol": possum_control::PROTOCOL})
+    );
     assert!(request(me(), tmp.path(), &Request::Ping, T).is_ok());
 }
 
@@ -230,14 +236,14 @@ fn a_directory_passed_with_a_request_is_where_its_dir_lies() {
     std::fs::create_dir(&images).unwrap();
     let handler = |req: Request| match req {
         // Only under a passed directory: a relative `dir` would land in the test's cwd.
-        Request::Checkpoint { dir } | Request::Resume { dir: Some(dir) }
+        Request::Checkpoint { dir, .. } | Request::Resume { dir: Some(dir) }
             if dir.starts_with("/proc/self/fd/") =>
         {
             let made = std::fs::create_dir_all(&dir)
                 .and_then(|()| std::fs::write(format!("{dir}/written"), b"x"));
             json!({"dir": dir, "made": made.is_ok()})
         }
-        Request::Checkpoint { dir } => json!({ "dir": dir }),
+        Request::Checkpoint { dir, .. } => json!({ "dir": dir }),
         _ => json!({}),
     };
     let _server = Server::start(&sock, Arc::new(handler)).unwrap();
@@ -245,6 +251,7 @@ fn a_directory_passed_with_a_request_is_where_its_dir_lies() {
     let path = socket_path(&sock, me());
     let req = Request::Checkpoint {
         dir: "possum-gpu-7".into(),
+        parent: None,
     };
     let v = possum_control::request_at(me(), &path, &req, T, Some(dirfd.as_fd())).unwrap();
     let dir = v["dir"].as_str().unwrap();

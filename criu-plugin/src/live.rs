@@ -284,7 +284,7 @@ pub fn checkpoint(
             let part = PossumPart::new(s, images.join(gpu_dir_name(pid)));
             steps
                 .time("pre-copy", || {
-                    part.step(|pid, to, dir| job::precopy(pid, to, dir, false))
+                    part.step(|pid, to, dir| job::precopy(pid, to, dir, false, None))
                 })
                 .map_err(|e| format!("possum's pre-copy in process {pid}: {e}"))?;
             let release = steps.time("release", || {
@@ -494,7 +494,10 @@ mod tests {
         assert_eq!(
             *seen.lock().unwrap(),
             [
-                format!("Checkpoint {{ dir: {:?} }}", gpu.display().to_string()),
+                format!(
+                    "Checkpoint {{ dir: {:?}, parent: None }}",
+                    gpu.display().to_string()
+                ),
                 "Release".to_string()
             ]
         );

@@ -3,16 +3,18 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use possum_engine::addresses::{end_of, host_len, invalid, AddressTables, MappedMemory};
 use possum_engine::device::{
     DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
 };
+use possum_engine::fingerprint::Fingerprint;
 
 use crate::driver::{
-    self, CUcontext, Context, CudaEvent, CudaPending, CudaStream, PhysMem, PinnedBuf,
+    self, CUcontext, Context, CudaEvent, CudaPending, CudaStream, FingerprintKernel, PhysMem,
+    PinnedBuf,
 };
 use crate::owner::{is_unreachable, owner_error, MemoryOwner, OwnerStatus};
 use std::os::fd::AsFd;
@@ -107,6 +109,9 @@ pub struct CudaDevice {
     owner_refused: Mutex<Option<String>>,
     /// The stack size limit [`Device::trim_context`] lowered, to be set again.
     trimmed_stack: Mutex<Option<usize>>,
+    /// The fingerprint kernel, loaded into the context at the first [`Device::fingerprint`]; or
+    /// why it can't be (the answer of every fingerprint from then on).
+    fingerprint: OnceLock<Result<FingerprintKernel, DeviceError>>,
 }
 
 impl fmt::Debug for CudaDevice {
@@ -148,6 +153,7 @@ impl CudaDevice {
             uuid: Mutex::new(uuid),
             owner_refused: Mutex::new(None),
             trimmed_stack: Mutex::new(None),
+            fingerprint: OnceLock::new(),
         })
     }
 
@@ -333,6 +339,37 @@ impl CudaDevice {
         self.ctx.bind()?;
         let (base, size) = driver::address_range(va.0)?;
         Ok((DevPtr(base), size))
+    }
+
+    /// The fingerprint kernel, loaded at the first call. A driver that cannot load it (it lacks
+    /// an entry point, or refuses the module: a driver older than its PTX) is a device without
+    /// one: `Unsupported`, the trait's answer for that, which its callers fall back on; the
+    /// driver's own words are [`CudaDevice::fingerprint_unavailable`]'s.
+    fn fingerprint_kernel(&self) -> DeviceResult<&FingerprintKernel> {
+        self.fingerprint
+            .get_or_init(|| FingerprintKernel::load(&self.ctx))
+            .as_ref()
+            .map_err(again)
+    }
+
+    /// Why [`Device::fingerprint`] is `Unsupported` here, in the driver's words (the call, its
+    /// code and description); `None` while it is not (or not yet known to be).
+    pub fn fingerprint_unavailable(&self) -> Option<String> {
+        match self.fingerprint.get()? {
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
+    /// Whether `[va, va + len)` overlaps device memory possum made for its own work on this device
+    /// (the fingerprint kernel's results, which every [`Device::fingerprint`] rewrites): never
+    /// the job's, nor a buffer of the engine's, although the driver reports it as an allocation
+    /// when asked about an address in it.
+    pub fn is_own_memory(&self, va: DevPtr, len: u64) -> bool {
+        self.fingerprint
+            .get()
+            .and_then(|k| k.as_ref().ok())
+            .is_some_and(|k| k.owns(va.0, len))
     }
 
     /// Queues `len` bytes of `value` at `va`, in `stream` order.
@@ -681,9 +718,106 @@ impl Device for CudaDevice {
         stream.synchronize()
     }
 
+    /// On the device, by the fingerprint kernel (`cuda/kernels/fingerprint.ptx`), loaded into
+    /// the context at the first call; `Unsupported` (naming the call) if the driver lacks an
+    /// entry point it needs or refuses its module, the same answer from then on
+    /// ([`CudaDevice::fingerprint_unavailable`] says why in the driver's words).
+    /// Inside possum's reservations the range must be mapped throughout (several mappings side
+    /// by side are fine): a kernel reading an unmapped page would fault the context.
+    fn fingerprint_ready(&self) -> Result<(), String> {
+        match self.fingerprint_kernel() {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self
+                .fingerprint_unavailable()
+                .unwrap_or_else(|| e.to_string())),
+        }
+    }
+
+    fn fingerprint(
+        &self,
+        stream: &CudaStream,
+        va: DevPtr,
+        len: u64,
+        chunk: u64,
+    ) -> DeviceResult<Vec<Fingerprint>> {
+        if va.0 % 16 != 0 || chunk == 0 || chunk % 16 != 0 {
+            return Err(invalid(
+                va.0,
+                len,
+                "a fingerprint's range and chunk must be aligned to 16 bytes",
+            ));
+        }
+        check_readable(&self.tables.lock(), va.0, len)?;
+        let kernel = self.fingerprint_kernel()?;
+        self.ctx.bind()?;
+        let sums = kernel.sums(stream, va.0, len, chunk)?;
+        Ok(sums
+            .into_iter()
+            .zip((0..len).step_by(usize::try_from(chunk).unwrap_or(usize::MAX)))
+            .map(|((lo, hi), start)| Fingerprint::from_sums(lo, hi, chunk.min(len - start)))
+            .collect())
+    }
+
     /// `cuCtxSynchronize` on the primary context: the job's work included.
     fn synchronize_device(&self) -> DeviceResult<()> {
         self.ctx.synchronize()
+    }
+}
+
+/// Whether a kernel may read `[va, va + len)`: it lies outside every reservation of possum's (the
+/// job's own memory, which the runtime keeps mapped while allocated), or possum's mappings cover
+/// all of it, side by side (an engine's buffer is several mappings). A copy over an unmapped page
+/// is refused by the driver; a kernel reading one faults, and the context (the job's) with it.
+fn check_readable(t: &Tables, va: u64, len: u64) -> DeviceResult<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let end = end_of(va, len)?;
+    if !t.touches_reservation(va, end) {
+        return Ok(());
+    }
+    let mut at = va;
+    while at < end {
+        match t.mappings.range(..=at).next_back() {
+            Some((&start, mem)) if start + mem.size() > at => at = start + mem.size(),
+            _ => return Err(invalid(va, len, "not mapped throughout")),
+        }
+    }
+    Ok(())
+}
+
+/// What every fingerprint answers once the kernel's load failed with `e` (a [`DeviceError`] is not
+/// `Clone`): `Unsupported` when the driver lacks the kernel's entry points or refuses its module,
+/// naming the call; the same error again otherwise (the context could not be made current).
+fn again(e: &DeviceError) -> DeviceError {
+    match e {
+        DeviceError::Unsupported(what) => DeviceError::Unsupported(what),
+        DeviceError::Backend {
+            call: "cuModuleLoadData",
+            ..
+        } => DeviceError::Unsupported(
+            "fingerprint: the driver refused the kernel's module (cuModuleLoadData failed)",
+        ),
+        DeviceError::Backend {
+            call: "cuModuleGetFunction",
+            ..
+        } => DeviceError::Unsupported(
+            "fingerprint: the kernel's module lacks it (cuModuleGetFunction failed)",
+        ),
+        DeviceError::Backend {
+            call,
+            code,
+            message,
+        } => DeviceError::Backend {
+            call,
+            code: *code,
+            message: message.clone(),
+        },
+        other => DeviceError::Backend {
+            call: "fingerprint kernel",
+            code: -1,
+            message: other.to_string(),
+        },
     }
 }
 

@@ -11,6 +11,8 @@
 //                           reaches the others' (cuDeviceCanAccessPeer)
 //   FAKE_CUDA_PEERS_REFUSED=1 ... cuMemSetAccess refuses more than one descriptor
 //                           (CUDA_ERROR_INVALID_VALUE), as a host whose peers can't be granted
+//   FAKE_CUDA_FINGERPRINT=1 ... possum's fingerprint kernel runs (on the CPU; see cuModuleLoadData);
+//                           without it the driver refuses the kernel's PTX
 //   FAKE_CUDA_QUEUE=1 ...   a cuMemcpyPeerAsync on a stream of the job's is queued until its
 //                           stream or device is synchronized (see run_queued)
 // The driver's GPU remapping is emulated too: a device ordinal o of a process is physical device
@@ -427,8 +429,52 @@ static int launch(void* f, void** params){
   if(!stack_limit) return 701;
   if(k->run) k->run(params);
   return 0; }
+// possum's fingerprint kernel (cuda/kernels/fingerprint.ptx, possum_cuda's FingerprintKernel),
+// with FAKE_CUDA_FINGERPRINT=1 only: cuModuleLoadData then takes a PTX image that defines
+// possum_fingerprint (anything else is CUDA_ERROR_INVALID_IMAGE, 200), and a launch of its function
+// does on the CPU what the kernel does on the GPU: block row y of the grid adds the lanes' sums of
+// chunk first + y of the range into out[2y], out[2y+1] (the definition: engine/src/fingerprint.rs).
+// A misaligned range or chunk is CUDA_ERROR_MISALIGNED_ADDRESS (716), as the GPU's 16-byte loads
+// would fault. Without it, cuModuleLoadData refuses every image with
+// CUDA_ERROR_UNSUPPORTED_PTX_VERSION (222), as a driver older than the PTX: possum then has no
+// fingerprints, as before this driver had the module API.
+static int fp_module, fp_function;
+int cuModuleLoadData(void** m, const void* image){
+  if(!m || !image) return 1;
+  if(!cur) return 201;
+  if(!getenv("FAKE_CUDA_FINGERPRINT")) return 222;
+  if(!strstr(image, ".entry possum_fingerprint(")) return 200;
+  *m=&fp_module; return 0; }
+int cuModuleGetFunction(void** f, void* m, const char* name){
+  if(!f || !name) return 1;
+  if(m!=&fp_module) return 400;
+  if(strcmp(name, "possum_fingerprint")) return 500;
+  *f=&fp_function; return 0; }
+int cuModuleUnload(void* m){ return m==&fp_module? 0 : 400; }
+static const uint32_t FPK[4][2] = {{0x9E3779B1u, 0x7F4A7C15u}, {0x85EBCA77u, 0x165667B1u},
+                                   {0xC2B2AE3Du, 0x27D4EB2Fu}, {0x165667B1u, 0x9E3779B9u}};
+static int fp_launch(unsigned gx, unsigned gy, unsigned bx, void** params){
+  if(!cur) return 201;
+  if(!params || !gx || !gy || gy>65535 || !bx || bx>1024) return 1;
+  const unsigned char* base=*(const unsigned char**)params[0];
+  ull len=*(ull*)params[1], chunk=*(ull*)params[2], first=*(ull*)params[3];
+  ull* out=*(ull**)params[4];
+  if((uintptr_t)base%16 || !chunk || chunk%16) return 716;
+  for(ull y=0;y<gy;y++){
+    ull start=(first+y)*chunk; if(start>=len) continue;
+    ull n=len-start<chunk? len-start : chunk, lo=0, hi=0;
+    for(ull off=0;off<n;off+=8){
+      uint32_t w[2]={0,0};
+      for(ull i=0;i<8 && off+i<n;i++) w[i/4]|=(uint32_t)base[start+off+i]<<(8*(i%4));
+      uint32_t j=(uint32_t)(off/8);
+      lo+=(ull)(w[0]+j*FPK[0][0]+FPK[0][1])*(ull)(w[1]+j*FPK[1][0]+FPK[1][1]);
+      hi+=(ull)(w[0]+j*FPK[2][0]+FPK[2][1])*(ull)(w[1]+j*FPK[3][0]+FPK[3][1]); }
+    out[2*y]+=lo; out[2*y+1]+=hi; }
+  return 0; }
 #define DIMS unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shmem
-int cuLaunchKernel(void* f, DIMS, void* s, void** params, void** extra){ return launch(f, params); }
+int cuLaunchKernel(void* f, DIMS, void* s, void** params, void** extra){
+  if(f==&fp_function) return fp_launch(gx, gy, bx, params);
+  return launch(f, params); }
 int cuLaunchKernel_ptsz(void* f, DIMS, void* s, void** params, void** extra){ return launch(f, params); }
 int cuLaunchCooperativeKernel(void* f, DIMS, void* s, void** params){ return launch(f, params); }
 int cuLaunchCooperativeKernel_ptsz(void* f, DIMS, void* s, void** params){ return launch(f, params); }

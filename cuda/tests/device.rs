@@ -103,3 +103,88 @@ fn bad_ranges_are_refused() {
     dev.unmap(va, g).unwrap();
     dev.unreserve(va, 2 * g).unwrap();
 }
+
+/// Fingerprints taken on the device equal the definition's (`possum_engine::fingerprint`) of the
+/// same bytes: chunks from 16 bytes (more than one launch's 65535) to more than the range, a
+/// range across two mappings side by side, lengths that end inside a 16-byte word; misaligned
+/// and unmapped ranges refused before anything runs.
+#[test]
+fn fingerprints_are_the_definitions() {
+    let Some(dev) = device_or_skip("fingerprints_are_the_definitions") else {
+        return;
+    };
+    let s = dev.create_stream(StreamPriority::Normal).unwrap();
+    // A driver that cannot load the kernel (the fake one without FAKE_CUDA_FINGERPRINT=1) has
+    // none: skipped, visibly.
+    match dev.fingerprint(&s, possum_engine::device::DevPtr(0), 0, 16) {
+        Err(DeviceError::Unsupported(why))
+            if std::env::var("POSSUM_REQUIRE_GPU").map_or(true, |v| v != "1") =>
+        {
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED: no fingerprint kernel ({why}; {}) [fingerprints_are_the_definitions]",
+                dev.fingerprint_unavailable().unwrap_or_default()
+            );
+            return;
+        }
+        r => assert!(r.unwrap().is_empty()),
+    }
+    let g = dev.granularity();
+    let size = 2 * g;
+    let va = dev.reserve(2 * size).unwrap();
+    dev.map(va, g).unwrap();
+    dev.map(va.add(g), g).unwrap();
+    let mut h = dev.alloc_host(size as usize).unwrap();
+    let mut x = 88_172_645_463_325_252u64;
+    for b in h.as_mut_slice() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    // A copy stays inside one mapping: one per mapping.
+    let h = dev.copy_h2d(&s, h, va, g).unwrap().wait().unwrap();
+    let mut rest = dev.alloc_host(g as usize).unwrap();
+    rest.as_mut_slice()
+        .copy_from_slice(&h.as_slice()[g as usize..]);
+    let _rest = dev
+        .copy_h2d(&s, rest, va.add(g), g)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let bytes = h.as_slice();
+    for chunk in [16u64, 4096, g / 2 + 16, g, 4 * g] {
+        for len in [size, size - 13, 3 * 4096 + 5, 100, 7, 0] {
+            let got = dev.fingerprint(&s, va, len, chunk).unwrap();
+            let want =
+                possum_engine::fingerprint::of_chunks(&bytes[..len as usize], chunk as usize);
+            assert_eq!(got, want, "{len} bytes in {chunk}-byte chunks");
+        }
+    }
+    // An offset start (16-byte aligned) and the pinned value of the definition's test.
+    let got = dev
+        .fingerprint(&s, va.add(4096 + 16), 10_000, 4096)
+        .unwrap();
+    let want = possum_engine::fingerprint::of_chunks(&bytes[4096 + 16..][..10_000], 4096);
+    assert_eq!(got, want);
+    let mut h = h;
+    for (i, w) in h.as_mut_slice()[..4000].chunks_exact_mut(4).enumerate() {
+        w.copy_from_slice(&(i as u32).wrapping_mul(2_654_435_761).to_le_bytes());
+    }
+    let _h = dev.copy_h2d(&s, h, va, 4000).unwrap().wait().unwrap();
+    let got = dev.fingerprint(&s, va, 4000, 4096).unwrap();
+    assert_eq!(got[0].to_string(), "aeda37bf452ab940b902ae2dfd724f64");
+    // Refused: misaligned start or chunk, no chunk, a range into the unmapped half of the
+    // reservation (a kernel reading it would fault the context).
+    let invalid = |r: Result<_, DeviceError>| matches!(r, Err(DeviceError::InvalidAddress { .. }));
+    assert!(invalid(dev.fingerprint(&s, va.add(8), 4096, 4096)));
+    assert!(invalid(dev.fingerprint(&s, va, 4096, 24)));
+    assert!(invalid(dev.fingerprint(&s, va, 4096, 0)));
+    assert!(invalid(dev.fingerprint(&s, va, size + 16, 4096)));
+    assert!(invalid(dev.fingerprint(&s, va.add(size), 4096, 4096)));
+    // The stream still works after the refusals.
+    assert_eq!(dev.fingerprint(&s, va, 4000, 4096).unwrap(), got);
+    dev.unmap(va, g).unwrap();
+    dev.unmap(va.add(g), g).unwrap();
+    dev.unreserve(va, 2 * size).unwrap();
+}

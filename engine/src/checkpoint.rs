@@ -33,8 +33,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use crate::device::{DevPtr, Device, HostBuffer, Transfer};
+use crate::device::{DevPtr, Device, DeviceError, HostBuffer, Transfer};
+use crate::engine::SentPrints;
 use crate::engine::{Access, Counters, EngineError, Inner, Phase};
+use crate::fingerprint::Fingerprint;
 use crate::registry::Buffer;
 use crate::session::{BlockedTime, JobWaits, SessionHandle, WaitedOn};
 use crate::staging::StagingPool;
@@ -72,6 +74,12 @@ enum CkState<D: Device> {
 
 struct CkSlot<D: Device> {
     buf: Buffer,
+    /// The offsets of the chunks to copy (`None`: every chunk): those whose fingerprint differs
+    /// from what the sink holds.
+    chunks: Option<Vec<u64>>,
+    /// The buffer's fingerprints at T0, one per chunk, where the device gave them: every copy of
+    /// a chunk must match its own, or the checkpoint fails ([`EngineError::Mismatch`]).
+    t0: Option<Arc<[Fingerprint]>>,
     state: Mutex<CkState<D>>,
     cv: Condvar,
     /// Known safe to write: its copy event has completed.
@@ -83,6 +91,8 @@ struct WriteJob<D: Device> {
     id: u64,
     off: u64,
     len: u64,
+    /// The chunk's fingerprint at T0, which the copy's must equal.
+    expect: Option<Fingerprint>,
     pending: D::Pending,
 }
 
@@ -95,6 +105,21 @@ struct Shared<D: Device> {
     error: Mutex<Option<String>>,
     failed: AtomicBool,
     bytes: AtomicU64,
+    /// What the sink holds of each chunk (the engine's, shared by the sessions of one sink).
+    sent: Arc<Mutex<SentPrints>>,
+    chunk: u64,
+    /// The first chunk whose copy did not match its fingerprint at T0, and how many did not.
+    mismatch: Mutex<Option<Mismatch>>,
+    mismatches: AtomicU64,
+}
+
+/// A chunk whose copy differs from the chunk at T0.
+#[derive(Clone, Copy, Debug)]
+struct Mismatch {
+    buffer: u64,
+    offset: u64,
+    t0: Fingerprint,
+    copied: Fingerprint,
 }
 
 impl<D: Device> Shared<D> {
@@ -106,24 +131,55 @@ impl<D: Device> Shared<D> {
         self.failed.store(true, Ordering::Release);
     }
 
+    /// Records that the sink holds chunk `off` of buffer `id` with fingerprint `fp`.
+    fn note_sent(&self, id: u64, off: u64, fp: Fingerprint) {
+        note_sent(&mut self.sent.lock(), id, off, self.chunk, fp);
+    }
+
+    /// A chunk's copy whose fingerprint is not its T0 one: the checkpoint fails, never commits.
+    fn mismatched(&self, m: Mismatch) {
+        self.mismatches.fetch_add(1, Ordering::Relaxed);
+        self.mismatch.lock().get_or_insert(m);
+        self.fail(format!(
+            "buffer {} changed before it was saved: the copy of its chunk at offset {} has \
+             fingerprint {}, not {} as at T0",
+            m.buffer, m.offset, m.copied, m.t0
+        ));
+    }
+
+    /// Hands one copied chunk to the sink, after checking it against its fingerprint at T0.
+    fn write_one(&self, id: u64, off: u64, expect: Option<Fingerprint>, data: &[u8]) {
+        let fp = crate::fingerprint::of(data);
+        if let Some(t0) = expect.filter(|t0| *t0 != fp) {
+            return self.mismatched(Mismatch {
+                buffer: id,
+                offset: off,
+                t0,
+                copied: fp,
+            });
+        }
+        let sink = self.sink.read();
+        let r = match sink.as_ref() {
+            Some(sink) => sink.write_chunk_fp(id, off, data, fp),
+            None => Ok(()),
+        };
+        drop(sink);
+        match r {
+            Ok(()) => {
+                self.bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+                self.note_sent(id, off, fp);
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
     fn writer(self: Arc<Self>, rx: Receiver<WriteJob<D>>) {
         for job in rx {
             match job.pending.wait() {
                 Ok(buf) => {
                     if !self.failed.load(Ordering::Acquire) {
                         let len = usize::try_from(job.len).expect("chunk fits in memory");
-                        let sink = self.sink.read();
-                        let r = match sink.as_ref() {
-                            Some(sink) => sink.write_chunk(job.id, job.off, &buf.as_slice()[..len]),
-                            None => Ok(()),
-                        };
-                        drop(sink);
-                        match r {
-                            Ok(()) => {
-                                self.bytes.fetch_add(job.len, Ordering::Relaxed);
-                            }
-                            Err(e) => self.fail(e),
-                        }
+                        self.write_one(job.id, job.off, job.expect, &buf.as_slice()[..len]);
                     }
                     self.pool.put(buf);
                 }
@@ -140,6 +196,87 @@ impl<D: Device> Shared<D> {
             }
         }
     }
+}
+
+/// Records in `sent` that chunk `off` (of `chunk` bytes) of buffer `id` is held with
+/// fingerprint `fp`.
+fn note_sent(sent: &mut SentPrints, id: u64, off: u64, chunk: u64, fp: Fingerprint) {
+    let i = usize::try_from(off / chunk).expect("chunk index fits");
+    let v = sent.entry(id).or_default();
+    if v.len() <= i {
+        v.resize(i + 1, None);
+    }
+    v[i] = Some(fp);
+}
+
+/// The fingerprints of `bufs`, taken on the engine's first copy stream (after what is queued
+/// there: at T0, the fences). `None` where the engine does not fingerprint, or the device says
+/// it cannot (then never again).
+fn fingerprints<D: Device>(
+    inner: &Inner<D>,
+    bufs: &[Buffer],
+) -> Result<Option<Prints>, EngineError> {
+    if !inner.fingerprints.load(Ordering::Acquire) {
+        return Ok(None);
+    }
+    let chunk = inner.pool.chunk() as u64;
+    let stream = &inner.copy_streams[0];
+    let mut out = HashMap::with_capacity(bufs.len());
+    for b in bufs {
+        match inner.dev.fingerprint(stream, b.va(), b.size(), chunk) {
+            Ok(p) => {
+                out.insert(b.id(), Arc::from(p));
+            }
+            Err(DeviceError::Unsupported(why)) => {
+                tracing::info!("no fingerprints on {}: {why}", inner.dev.name());
+                inner.fingerprints.store(false, Ordering::Release);
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Some(out))
+}
+
+/// What a session copies of one buffer, by fingerprints.
+struct Plan {
+    /// Offsets of the chunks to copy; empty: nothing.
+    copy: Vec<u64>,
+    /// Bytes found equal to what the sink holds.
+    proven: u64,
+    /// Bytes the sink took by reference to an earlier image.
+    reused: u64,
+}
+
+/// Decides, chunk by chunk, what of buffer `b` (whose chunks' fingerprints are `prints`) a
+/// session copies into `sink`: a chunk the sink holds with the same fingerprint stays, one an
+/// earlier image holds is referenced ([`ChunkSink::reuse_chunk`]), the rest are copied.
+fn plan_buffer(
+    b: &Buffer,
+    prints: &[Fingerprint],
+    chunk: u64,
+    sent: &mut SentPrints,
+    sink: &dyn ChunkSink,
+) -> Result<Plan, EngineError> {
+    let mut plan = Plan {
+        copy: Vec::new(),
+        proven: 0,
+        reused: 0,
+    };
+    for (i, fp) in prints.iter().enumerate() {
+        let off = i as u64 * chunk;
+        let len = chunk.min(b.size() - off);
+        let held = sent.get(&b.id()).and_then(|v| v.get(i).copied().flatten());
+        if held == Some(*fp) {
+            plan.proven += len;
+        } else if sink.reuse_chunk(b.id(), off, len, *fp)? {
+            note_sent(sent, b.id(), off, chunk, *fp);
+            plan.reused += len;
+        } else {
+            plan.copy.push(off);
+        }
+    }
+    Ok(plan)
 }
 
 /// What a checkpoint did.
@@ -182,6 +319,19 @@ pub struct CheckpointReport {
     pub job_waited: Duration,
     /// The buffers the job waited on longest (at most [`crate::WAITED_ON_TOP`]), longest first.
     pub waited_on: Vec<WaitedOn>,
+    /// Bytes fingerprinted on the device (at T0, or at a pre-copy round's start); 0 where the
+    /// device has no fingerprints or they are off.
+    pub fingerprinted_bytes: u64,
+    /// How long that took.
+    pub fingerprint_time: Duration,
+    /// Bytes not copied because the sink already held them, proven equal by fingerprint.
+    pub proven_bytes: u64,
+    /// Bytes not copied because an earlier image holds them (a parent), proven equal by
+    /// fingerprint and referenced.
+    pub reused_bytes: u64,
+    /// Chunks whose copy did not match their fingerprint at T0 (the checkpoint then fails with
+    /// [`EngineError::Mismatch`]).
+    pub mismatches: u64,
 }
 
 /// A wait enqueued on a job's stream: the slot, when, and the event the stream waits for.
@@ -207,6 +357,8 @@ pub(crate) struct CkptSession<D: Device> {
     touch_seq: AtomicU32,
     cow_priority: AtomicU64,
     predicted_first: u64,
+    /// The buffers the job is predicted to write soonest.
+    predicted: std::collections::HashSet<u64>,
     cow_shadow: AtomicU64,
     snapshot_shadows: AtomicU64,
     blocked: BlockedTime,
@@ -222,7 +374,21 @@ pub(crate) struct CkptSession<D: Device> {
     /// Saves shadows without the staging, when given.
     shadow_saver: Option<Arc<dyn ShadowSaver>>,
     saved_elsewhere: AtomicU64,
+    /// What the fingerprints decided (see [`CheckpointReport`]).
+    prints: PrintTally,
 }
+
+/// What the fingerprints of a session's buffers decided.
+#[derive(Default)]
+struct PrintTally {
+    fingerprinted: u64,
+    time: Duration,
+    proven: u64,
+    reused: u64,
+}
+
+/// Fingerprints by buffer id, one per chunk.
+type Prints = HashMap<u64, Arc<[Fingerprint]>>;
 
 impl<D: Device> CkptSession<D> {
     pub(crate) fn begin(
@@ -232,12 +398,35 @@ impl<D: Device> CkptSession<D> {
         snapshot: bool,
         shadow_saver: Option<Arc<dyn ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
+        // A pre-copy round fixes no T0: its fingerprints are taken before the gate closes, the
+        // job's work going on beside them.
+        let early = match mode {
+            CopyMode::Precopy => {
+                // The registry stays read-locked while the device reads the buffers: a free
+                // (which removes its buffer under the write lock before unmapping it) waits.
+                let reg = inner.reg.read();
+                let bufs: Vec<Buffer> = reg.iter().cloned().collect();
+                let p = fingerprints(inner, &bufs)?;
+                drop(reg);
+                Some(p)
+            }
+            CopyMode::Cow | CopyMode::CowDirty => None,
+        };
         inner.gate.close();
-        let r = Self::fix_t0(inner, sink, mode, shadow_saver);
+        let r = Self::fix_t0(inner, sink, mode, shadow_saver, early);
         inner.gate.open();
         let session = r?;
+        // With fingerprints at T0 every copy is checked against them: a write the hooks miss
+        // fails the checkpoint instead of reaching its image, so only the buffers the job is
+        // predicted to write first are copied into shadows while it is held (a device-to-device
+        // copy now, rather than the job waiting for their copy to the host later).
         if snapshot {
-            session.snapshot_into_shadows();
+            let all = if session.proven_by_content() {
+                session.predicted_slots()
+            } else {
+                session.slots.len()
+            };
+            session.snapshot_into_shadows(all);
         }
         let inner = Arc::clone(inner);
         let nice = inner.cfg.background_nice;
@@ -253,31 +442,42 @@ impl<D: Device> CkptSession<D> {
         Ok(SessionHandle::new(join, "checkpoint"))
     }
 
-    /// With the gate closed: picks the buffers, fences the job's streams, installs the session.
+    /// The buffers a session in `mode` considers: every one where fingerprints decide (they
+    /// see what changed whatever the hooks saw), else those written since the last round where
+    /// the mode takes only those.
+    fn candidates(inner: &Inner<D>, mode: CopyMode) -> Result<Vec<Buffer>, EngineError> {
+        let reg = inner.reg.read();
+        if let Some(b) = reg
+            .iter()
+            .find(|b| b.residency() == crate::registry::Residency::Released)
+        {
+            return Err(EngineError::Released {
+                id: b.id(),
+                va: b.va(),
+            });
+        }
+        let by_prints = inner.fingerprints.load(Ordering::Acquire);
+        Ok(match mode {
+            CopyMode::Cow => reg.iter().cloned().collect(),
+            CopyMode::CowDirty | CopyMode::Precopy => reg
+                .iter()
+                // Every mark is taken, whether or not it decides.
+                .filter(|b| b.take_dirty() || by_prints)
+                .cloned()
+                .collect(),
+        })
+    }
+
+    /// With the gate closed: picks the buffers, fences the job's streams, fingerprints the
+    /// buffers at T0 and plans what to copy, installs the session.
     fn fix_t0(
         inner: &Arc<Inner<D>>,
         sink: Arc<dyn ChunkSink>,
         mode: CopyMode,
         shadow_saver: Option<Arc<dyn ShadowSaver>>,
+        early: Option<Option<Prints>>,
     ) -> Result<Arc<Self>, EngineError> {
-        let mut bufs: Vec<Buffer> = {
-            let reg = inner.reg.read();
-            if let Some(b) = reg
-                .iter()
-                .find(|b| b.residency() == crate::registry::Residency::Released)
-            {
-                return Err(EngineError::Released {
-                    id: b.id(),
-                    va: b.va(),
-                });
-            }
-            match mode {
-                CopyMode::Cow => reg.iter().cloned().collect(),
-                CopyMode::CowDirty | CopyMode::Precopy => {
-                    reg.iter().filter(|b| b.take_dirty()).cloned().collect()
-                }
-            }
-        };
+        let mut bufs = Self::candidates(inner, mode)?;
         // The buffers the job will write soonest are copied first (the copier takes them in
         // this order); the rest keep the registry's order.
         let predicted = {
@@ -285,7 +485,10 @@ impl<D: Device> CkptSession<D> {
             let rank: HashMap<u64, usize> =
                 order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
             bufs.sort_by_key(|b| rank.get(&b.id()).copied().unwrap_or(usize::MAX));
-            bufs.iter().filter(|b| rank.contains_key(&b.id())).count() as u64
+            bufs.iter()
+                .filter(|b| rank.contains_key(&b.id()))
+                .map(Buffer::id)
+                .collect::<std::collections::HashSet<u64>>()
         };
         for b in &bufs {
             sink.add_buffer(BufferRecord {
@@ -296,6 +499,54 @@ impl<D: Device> CkptSession<D> {
             })?;
         }
         inner.fence_job_streams()?;
+        let t = Instant::now();
+        let prints = match early {
+            Some(p) => p,
+            // T0: the copy stream waits for the fences, and nothing new reaches a job stream
+            // while the gate is closed.
+            None => fingerprints(inner, &bufs)?,
+        };
+        let mut tally = PrintTally {
+            time: if prints.is_some() {
+                t.elapsed()
+            } else {
+                Duration::ZERO
+            },
+            ..PrintTally::default()
+        };
+        let planned = Self::plan(inner, &bufs, prints.as_ref(), mode, &*sink, &mut tally)?;
+        let slots: Vec<CkSlot<D>> = bufs
+            .into_iter()
+            .zip(planned)
+            .filter_map(|(buf, (chunks, t0))| {
+                let nothing = chunks.as_ref().is_some_and(Vec::is_empty);
+                (!nothing).then(|| CkSlot {
+                    buf,
+                    chunks,
+                    t0,
+                    state: Mutex::new(CkState::Pending),
+                    cv: Condvar::new(),
+                    safe: AtomicBool::new(false),
+                    first_touch: AtomicU32::new(u32::MAX),
+                })
+            })
+            .collect();
+        let session = Self::install(inner, sink, mode, slots, predicted, tally, shadow_saver)?;
+        inner.set_phase(Phase::Checkpoint(Arc::clone(&session)));
+        Ok(session)
+    }
+
+    /// The session over `slots`: its writer threads started, installed as the engine's phase.
+    fn install(
+        inner: &Arc<Inner<D>>,
+        sink: Arc<dyn ChunkSink>,
+        mode: CopyMode,
+        slots: Vec<CkSlot<D>>,
+        predicted: std::collections::HashSet<u64>,
+        tally: PrintTally,
+        shadow_saver: Option<Arc<dyn ShadowSaver>>,
+    ) -> Result<Arc<Self>, EngineError> {
+        let chunk = inner.pool.chunk() as u64;
         let (writer_tx, writer_rx) = unbounded();
         let (stream_wait_tx, stream_wait_rx) = unbounded();
         let shared = Arc::new(Shared {
@@ -306,6 +557,10 @@ impl<D: Device> CkptSession<D> {
             error: Mutex::new(None),
             failed: AtomicBool::new(false),
             bytes: AtomicU64::new(0),
+            sent: Arc::clone(&inner.sent),
+            chunk,
+            mismatch: Mutex::new(None),
+            mismatches: AtomicU64::new(0),
         });
         let mut writers = Vec::new();
         let nice = inner.cfg.background_nice;
@@ -323,16 +578,10 @@ impl<D: Device> CkptSession<D> {
                     })?,
             );
         }
-        let index = bufs.iter().enumerate().map(|(i, b)| (b.id(), i)).collect();
-        let slots = bufs
-            .into_iter()
-            .map(|buf| CkSlot {
-                buf,
-                state: Mutex::new(CkState::Pending),
-                cv: Condvar::new(),
-                safe: AtomicBool::new(false),
-                first_touch: AtomicU32::new(u32::MAX),
-            })
+        let index = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.buf.id(), i))
             .collect();
         let session = Arc::new(CkptSession {
             dev: Arc::clone(&inner.dev),
@@ -354,7 +603,8 @@ impl<D: Device> CkptSession<D> {
             shadows: Mutex::new(Vec::new()),
             touch_seq: AtomicU32::new(0),
             cow_priority: AtomicU64::new(0),
-            predicted_first: predicted,
+            predicted_first: predicted.len() as u64,
+            predicted,
             cow_shadow: AtomicU64::new(0),
             snapshot_shadows: AtomicU64::new(0),
             blocked: BlockedTime::default(),
@@ -366,28 +616,96 @@ impl<D: Device> CkptSession<D> {
             started: Instant::now(),
             shadow_saver,
             saved_elsewhere: AtomicU64::new(0),
+            prints: tally,
         });
         inner.set_phase(Phase::Checkpoint(Arc::clone(&session)));
         Ok(session)
+    }
+
+    /// For each buffer: the chunks to copy (`None`: all of them, no fingerprints) and, in a
+    /// mode that fixes a T0, its fingerprints then, which every copy must match.
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        inner: &Inner<D>,
+        bufs: &[Buffer],
+        prints: Option<&Prints>,
+        mode: CopyMode,
+        sink: &dyn ChunkSink,
+        tally: &mut PrintTally,
+    ) -> Result<Vec<(Option<Vec<u64>>, Option<Arc<[Fingerprint]>>)>, EngineError> {
+        let Some(prints) = prints else {
+            return Ok(bufs.iter().map(|_| (None, None)).collect());
+        };
+        let chunk = inner.pool.chunk() as u64;
+        let mut sent = inner.sent.lock();
+        if mode == CopyMode::Cow {
+            // A session over every buffer starts an image: the sink holds nothing yet.
+            sent.clear();
+        }
+        // Buffers freed since: their entries go.
+        let live: std::collections::HashSet<u64> =
+            inner.reg.read().iter().map(Buffer::id).collect();
+        sent.retain(|id, _| live.contains(id));
+        let mut out = Vec::with_capacity(bufs.len());
+        for b in bufs {
+            let Some(p) = prints.get(&b.id()) else {
+                // Allocated after a pre-copy round's fingerprints: copied whole.
+                out.push((None, None));
+                continue;
+            };
+            tally.fingerprinted += b.size();
+            let plan = plan_buffer(b, p, chunk, &mut sent, sink)?;
+            tally.proven += plan.proven;
+            tally.reused += plan.reused;
+            let t0 = (mode != CopyMode::Precopy).then(|| Arc::clone(p));
+            out.push((Some(plan.copy), t0));
+        }
+        Ok(out)
+    }
+
+    /// How many of the slots (the first ones: the order puts them first) hold buffers the job is
+    /// predicted to write soonest ([`crate::Engine::set_save_order`]).
+    fn predicted_slots(&self) -> usize {
+        self.slots
+            .iter()
+            .take_while(|s| self.predicted.contains(&s.buf.id()))
+            .count()
+    }
+
+    /// Whether every copy this session makes is checked against fingerprints at T0.
+    fn proven_by_content(&self) -> bool {
+        self.slots.iter().all(|s| s.t0.is_some())
     }
 
     fn failed(&self) -> bool {
         self.shared.failed.load(Ordering::Acquire)
     }
 
-    /// Enqueues device-to-host copies of `size` bytes at `src` as chunks of buffer `id`; returns an
-    /// event that completes once they have read the device memory.
+    /// Enqueues device-to-host copies of slot `i`'s chunks to copy, read at `src` (the buffer,
+    /// or its shadow); returns an event that completes once they have read the device memory.
     fn enqueue_chunks(
         &self,
-        id: u64,
+        i: usize,
         src: DevPtr,
-        size: u64,
         stream: &D::Stream,
     ) -> Result<D::Event, EngineError> {
+        let slot = &self.slots[i];
+        let (id, size) = (slot.buf.id(), slot.buf.size());
         let chunk = self.shared.pool.chunk() as u64;
-        let mut off = 0;
-        while off < size {
+        let all: Vec<u64>;
+        let offsets = match &slot.chunks {
+            Some(c) => c.as_slice(),
+            None => {
+                all = (0..size.div_ceil(chunk)).map(|c| c * chunk).collect();
+                &all
+            }
+        };
+        for &off in offsets {
             let len = chunk.min(size - off);
+            let expect = slot
+                .t0
+                .as_ref()
+                .and_then(|p| p.get(usize::try_from(off / chunk).ok()?).copied());
             let hb = self.shared.pool.get()?;
             let pending = self.dev.copy_d2h(stream, src.add(off), hb, len)?;
             *self.shared.outstanding.lock() += 1;
@@ -397,6 +715,7 @@ impl<D: Device> CkptSession<D> {
                         id,
                         off,
                         len,
+                        expect,
                         pending,
                     })
                     .is_ok(),
@@ -408,7 +727,6 @@ impl<D: Device> CkptSession<D> {
                     "the checkpoint has already ended".into(),
                 ));
             }
-            off += len;
         }
         Ok(self.dev.record_event(stream)?)
     }
@@ -441,7 +759,7 @@ impl<D: Device> CkptSession<D> {
                 }
             }
         }
-        match self.save_now(slot) {
+        match self.save_now(i) {
             Ok(state) => {
                 let ev = match &state {
                     CkState::Saved(ev) | CkState::Shadowed { ready: ev, .. } => Some(ev.clone()),
@@ -460,12 +778,12 @@ impl<D: Device> CkptSession<D> {
 
     /// Saves a claimed slot ahead of the copier: into a shadow if the budget allows, else by a
     /// priority device-to-host copy.
-    fn save_now(&self, slot: &CkSlot<D>) -> Result<CkState<D>, EngineError> {
+    fn save_now(&self, i: usize) -> Result<CkState<D>, EngineError> {
+        let slot = &self.slots[i];
         if let Some(shadowed) = self.shadow(slot)? {
             return Ok(shadowed);
         }
-        let (id, va, size) = (slot.buf.id(), slot.buf.va(), slot.buf.size());
-        let ev = self.enqueue_chunks(id, va, size, &self.prio)?;
+        let ev = self.enqueue_chunks(i, slot.buf.va(), &self.prio)?;
         self.cow_priority.fetch_add(1, Ordering::Relaxed);
         Ok(CkState::Saved(ev))
     }
@@ -475,15 +793,15 @@ impl<D: Device> CkptSession<D> {
     /// copies: the image then holds those buffers as of T0 whatever the job does next, whether or
     /// not the hooks see its writes (an unseen write is not ordered after a copy still queued,
     /// hence the wait). For a caller that still holds the job (its operations cannot race this).
-    fn snapshot_into_shadows(&self) {
-        self.enqueue_snapshot();
+    fn snapshot_into_shadows(&self, slots: usize) {
+        self.enqueue_snapshot(slots);
         if let Err(e) = self.dev.synchronize(&self.prio) {
             self.shared.fail(EngineError::from(e));
         }
     }
 
-    fn enqueue_snapshot(&self) {
-        for slot in &self.slots {
+    fn enqueue_snapshot(&self, slots: usize) {
+        for slot in self.slots.iter().take(slots) {
             {
                 let mut st = slot.state.lock();
                 if !matches!(*st, CkState::Pending) {
@@ -536,27 +854,44 @@ impl<D: Device> CkptSession<D> {
     /// Saves slot `i`'s shadow (made ready by `ready`): through the [`ShadowSaver`] if there is
     /// one and it takes it, else through the staging on `stream`.
     fn save_shadow(&self, i: usize, shadow: DevPtr, ready: &D::Event, stream: &D::Stream) {
-        let (id, size) = (self.slots[i].buf.id(), self.slots[i].buf.size());
-        if self.save_elsewhere(id, shadow, size, ready) {
+        if self.save_elsewhere(i, shadow, ready, stream) {
             return;
         }
         let r = self
             .dev
             .wait_event(stream, ready)
             .map_err(EngineError::from)
-            .and_then(|()| self.enqueue_chunks(id, shadow, size, stream));
+            .and_then(|()| self.enqueue_chunks(i, shadow, stream));
         if let Err(e) = r {
             self.shared.fail(e);
         }
     }
 
-    /// Saves buffer `id`'s shadow through the [`ShadowSaver`], if there is one, once its copy
+    /// Saves slot `i`'s shadow through the [`ShadowSaver`], if there is one, once its copy
     /// (`ready`) has completed: whether it did. A failure is logged and leaves the shadow to the
-    /// staging.
-    fn save_elsewhere(&self, id: u64, shadow: DevPtr, size: u64, ready: &D::Event) -> bool {
+    /// staging. The saver takes whole buffers: not one of which some chunks are to stay as the
+    /// sink holds them. With fingerprints at T0, the shadow (which nobody writes) is
+    /// fingerprinted on `stream` and must match them, as a copy through the staging must.
+    fn save_elsewhere(
+        &self,
+        i: usize,
+        shadow: DevPtr,
+        ready: &D::Event,
+        stream: &D::Stream,
+    ) -> bool {
         let Some(saver) = &self.shadow_saver else {
             return false;
         };
+        let slot = &self.slots[i];
+        let (id, size) = (slot.buf.id(), slot.buf.size());
+        let chunk = self.shared.pool.chunk() as u64;
+        if slot
+            .chunks
+            .as_ref()
+            .is_some_and(|c| (c.len() as u64) < size.div_ceil(chunk))
+        {
+            return false;
+        }
         let r = self
             .dev
             .event_synchronize(ready)
@@ -564,6 +899,30 @@ impl<D: Device> CkptSession<D> {
             .and_then(|()| saver.save(id, shadow, size));
         match r {
             Ok(()) => {
+                if let Some(t0) = &slot.t0 {
+                    match self.dev.fingerprint(stream, shadow, size, chunk) {
+                        Ok(now) => {
+                            let bad = now.iter().zip(t0.iter()).position(|(a, b)| a != b);
+                            if let Some(c) = bad {
+                                self.shared.mismatched(Mismatch {
+                                    buffer: id,
+                                    offset: c as u64 * chunk,
+                                    t0: t0[c],
+                                    copied: now[c],
+                                });
+                                return true;
+                            }
+                            let mut sent = self.shared.sent.lock();
+                            for (c, fp) in now.iter().enumerate() {
+                                note_sent(&mut sent, id, c as u64 * chunk, chunk, *fp);
+                            }
+                        }
+                        Err(e) => {
+                            self.shared.fail(e);
+                            return true;
+                        }
+                    }
+                }
                 self.shared.bytes.fetch_add(size, Ordering::Relaxed);
                 self.saved_elsewhere.fetch_add(1, Ordering::Relaxed);
                 true
@@ -774,8 +1133,7 @@ impl<D: Device> CkptSession<D> {
                     }
                 };
                 if copy {
-                    let (id, size) = (slot.buf.id(), slot.buf.size());
-                    match self.enqueue_chunks(id, slot.buf.va(), size, stream) {
+                    match self.enqueue_chunks(i, slot.buf.va(), stream) {
                         Ok(ev) => self.settle(slot, CkState::Saved(ev)),
                         Err(e) => {
                             self.shared.fail(e);
@@ -846,6 +1204,13 @@ impl<D: Device> CkptSession<D> {
             let _ = w.join();
         }
         self.shared.sink.write().take();
+        if let Some(m) = *self.shared.mismatch.lock() {
+            return Err(EngineError::Mismatch {
+                buffer: m.buffer,
+                offset: m.offset,
+                chunks: self.shared.mismatches.load(Ordering::Relaxed),
+            });
+        }
         if let Some(e) = self.shared.error.lock().clone() {
             return Err(EngineError::Failed(format!("checkpoint failed: {e}")));
         }
@@ -868,6 +1233,11 @@ impl<D: Device> CkptSession<D> {
             stream_waits: self.stream_waits.load(Ordering::Relaxed),
             job_waited,
             waited_on,
+            fingerprinted_bytes: self.prints.fingerprinted,
+            fingerprint_time: self.prints.time,
+            proven_bytes: self.prints.proven,
+            reused_bytes: self.prints.reused,
+            mismatches: self.shared.mismatches.load(Ordering::Relaxed),
         })
     }
 

@@ -247,4 +247,28 @@ pub trait Device: Send + Sync + Debug + 'static {
     /// Blocks until everything enqueued on the device so far, by anyone (the job's streams that
     /// possum never saw included), has completed.
     fn synchronize_device(&self) -> DeviceResult<()>;
+
+    /// Whether [`Device::fingerprint`] works on this device (a backend loads what it needs
+    /// here, once): `Err` says why not. The engine asks at its creation; without fingerprints
+    /// its images are not proven by content, and read-only speculation must stay off.
+    fn fingerprint_ready(&self) -> Result<(), String> {
+        Err("this device has no fingerprint kernel".into())
+    }
+
+    /// The fingerprints ([`crate::fingerprint`]) of the `len` bytes at `va`, cut into chunks of
+    /// `chunk` bytes (the last one shorter), taken on `stream` after everything enqueued there;
+    /// blocks until they are known. `va` and `chunk` must be multiples of 16. Computed on the
+    /// device at its memory bandwidth: nothing crosses to the host but 16 bytes a chunk.
+    /// A backend without a fingerprint kernel says [`DeviceError::Unsupported`], and the engine
+    /// then tracks changes by the hooks' write sets alone.
+    fn fingerprint(
+        &self,
+        stream: &Self::Stream,
+        va: DevPtr,
+        len: u64,
+        chunk: u64,
+    ) -> DeviceResult<Vec<crate::fingerprint::Fingerprint>> {
+        let _ = (stream, va, len, chunk);
+        Err(DeviceError::Unsupported("fingerprint"))
+    }
 }

@@ -56,6 +56,12 @@ pub struct EngineConfig {
     /// the job overtake it.
     #[doc(hidden)]
     pub prefetch_delay: Duration,
+    /// Whether checkpoints prove their images by content: each chunk's fingerprint on the
+    /// device at T0 ([`Device::fingerprint`]) against the fingerprint of the bytes copied, and
+    /// pre-copy rounds and final copies take only the chunks whose fingerprint changed since they
+    /// were sent (see [`crate::checkpoint`]). Off, or on a device without fingerprints: the
+    /// hooks' write sets alone decide what is copied.
+    pub fingerprints: bool,
     /// The nice value the engine's background threads (the copier, the writers, the
     /// restorers) take when they start, so that the job's own threads go first when the CPUs
     /// are busy; 0 leaves them at the job's. On Linux a thread's nice value is its own.
@@ -86,6 +92,7 @@ impl Default for EngineConfig {
             writer_threads: 2,
             restore_threads: 2,
             shadow_budget: 0,
+            fingerprints: true,
             prefetch_delay: Duration::ZERO,
             background_nice: 0,
         }
@@ -143,7 +150,26 @@ pub enum EngineError {
     /// A checkpoint or restore failed earlier; this is its first error.
     #[error("{0}")]
     Failed(String),
+    /// A chunk the checkpoint copied is not the chunk at T0 (its fingerprint differs): the job
+    /// wrote it before it was saved, unforeseen (a write set speculated wrongly). The image is
+    /// not to be committed; a new checkpoint, with the writes made strict, is.
+    #[error(
+        "checkpoint not committed: {chunks} chunk(s) changed before they were saved, the first \
+         at offset {offset} of buffer {buffer} (an unforeseen write; take the checkpoint again)"
+    )]
+    Mismatch {
+        /// The first such chunk's buffer.
+        buffer: u64,
+        /// Its offset.
+        offset: u64,
+        /// How many chunks did not match.
+        chunks: u64,
+    },
 }
+
+/// Words every [`EngineError::Mismatch`] says, so that a caller that gets the error as text (over
+/// a control socket) knows it for one.
+pub const MISMATCH_TEXT: &str = "changed before they were saved";
 
 /// Operations' buffer sets as the hook receives them.
 #[derive(Clone, Copy, Debug)]
@@ -257,7 +283,19 @@ pub(crate) struct Inner<D: Device> {
     pub copy_streams: Vec<D::Stream>,
     pub prio: D::Stream,
     pub counters: Arc<Counters>,
+    /// What the current series of sessions (one sink: pre-copy rounds and their final copy)
+    /// holds of each buffer: the fingerprint of the bytes last written of each chunk, by buffer
+    /// id. Forgotten with [`Engine::mark_all_dirty`] (a new sink) and by a session over every
+    /// buffer (a new image).
+    pub sent: Arc<parking_lot::Mutex<SentPrints>>,
+    /// Whether the device fingerprints (the config asks for it and the device has not said
+    /// it cannot).
+    pub fingerprints: AtomicBool,
 }
+
+/// The fingerprints of what a sink holds, by buffer id, one per chunk (`None`: not sent).
+pub(crate) type SentPrints =
+    std::collections::HashMap<u64, Vec<Option<crate::fingerprint::Fingerprint>>>;
 
 impl<D: Device> Inner<D> {
     pub(crate) fn set_phase(&self, p: Phase<D>) {
@@ -430,6 +468,11 @@ impl<D: Device> Engine<D> {
             .collect::<Result<Vec<_>, _>>()?;
         let prio = dev.create_stream(StreamPriority::High)?;
         let shadow_budget = cfg.shadow_budget;
+        let fingerprints = cfg.fingerprints
+            && dev
+                .fingerprint_ready()
+                .inspect_err(|why| tracing::info!("{}: no fingerprints: {why}", dev.name()))
+                .is_ok();
         Ok(Engine {
             inner: Arc::new(Inner {
                 dev,
@@ -448,8 +491,17 @@ impl<D: Device> Engine<D> {
                 copy_streams,
                 prio,
                 counters: Arc::new(Counters::default()),
+                sent: Default::default(),
+                fingerprints: AtomicBool::new(fingerprints),
             }),
         })
+    }
+
+    /// Whether this engine proves its images by content (fingerprints on, and the device can
+    /// take them): only then may the hooks speculate that a kernel does not write a buffer it
+    /// names, since only then does a wrong speculation fail an image instead of corrupting it.
+    pub fn proves_by_content(&self) -> bool {
+        self.inner.fingerprints.load(Ordering::Acquire)
     }
 
     /// The device.
@@ -698,9 +750,11 @@ impl<D: Device> Engine<D> {
 
     /// Marks every buffer as written, so that the next pre-copy round (or `checkpoint(sink, true)`)
     /// takes all of them: needed before the first round into a new sink, since the dirty marks
-    /// only say what changed since the last round, whichever sink that one went to.
+    /// only say what changed since the last round, whichever sink that one went to. The
+    /// fingerprints of what earlier rounds sent are forgotten too.
     pub fn mark_all_dirty(&self) {
         self.inner.reg.read().iter().for_each(Buffer::mark_dirty);
+        self.inner.sent.lock().clear();
     }
 
     /// One pre-copy round: copies every buffer written since the previous round (all of them the
@@ -722,6 +776,7 @@ impl<D: Device> Engine<D> {
             bytes: r.bytes,
             elapsed: r.elapsed,
             dirty_after,
+            prints: Prints::of(&r),
         })
     }
 
@@ -1003,4 +1058,31 @@ pub struct RoundReport {
     pub elapsed: Duration,
     /// Buffers written again while the round ran (to send next round).
     pub dirty_after: usize,
+    /// What the fingerprints decided.
+    pub prints: Prints,
+}
+
+/// What a session's fingerprints decided (all zero without them).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Prints {
+    /// Bytes fingerprinted on the device.
+    pub fingerprinted_bytes: u64,
+    /// How long that took.
+    pub time: Duration,
+    /// Bytes not copied: the sink held them already, proven equal.
+    pub proven_bytes: u64,
+    /// Bytes not copied: an earlier image holds them, referenced.
+    pub reused_bytes: u64,
+}
+
+impl Prints {
+    /// The figures of a checkpoint's report.
+    pub fn of(r: &crate::CheckpointReport) -> Prints {
+        Prints {
+            fingerprinted_bytes: r.fingerprinted_bytes,
+            time: r.fingerprint_time,
+            proven_bytes: r.proven_bytes,
+            reused_bytes: r.reused_bytes,
+        }
+    }
 }

@@ -751,6 +751,45 @@ impl Device for HostDevice {
         }
     }
 
+    fn fingerprint_ready(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn fingerprint(
+        &self,
+        stream: &HostStream,
+        va: DevPtr,
+        len: u64,
+        chunk: u64,
+    ) -> DeviceResult<Vec<crate::fingerprint::Fingerprint>> {
+        if !va.0.is_multiple_of(16) || chunk == 0 || !chunk.is_multiple_of(16) {
+            return Err(DeviceError::InvalidAddress {
+                va,
+                len,
+                why: "a fingerprint's range and chunk must be aligned to 16 bytes",
+            });
+        }
+        let (tx, rx) = bounded(1);
+        enqueue(
+            stream,
+            Work::Op(Box::new(move |space| {
+                let r = space.find(va, len).map(|(data, off)| {
+                    let g = data.read();
+                    crate::fingerprint::of_chunks(&g[off..off + to_usize(len)], to_usize(chunk))
+                });
+                let sticky = r.as_ref().err().map(ToString::to_string);
+                let _ = tx.send(r);
+                sticky.map_or(Ok(()), |e| Err(DeviceError::StreamFailed(e)))
+            })),
+        )?;
+        match rx.recv() {
+            Ok(r) => r,
+            Err(_) => Err(DeviceError::StreamFailed(
+                "an earlier operation on this stream failed".into(),
+            )),
+        }
+    }
+
     fn synchronize(&self, stream: &HostStream) -> DeviceResult<()> {
         let ev = self.record_event(stream)?;
         self.event_synchronize(&ev)

@@ -8,6 +8,7 @@ pub mod addresses;
 pub mod checkpoint;
 pub mod device;
 mod engine;
+pub mod fingerprint;
 pub mod gate;
 pub mod host;
 pub mod image;
@@ -18,7 +19,9 @@ pub mod staging;
 pub mod store;
 
 pub use checkpoint::{CheckpointHandle, CheckpointReport};
-pub use engine::{Access, Engine, EngineConfig, EngineError, OpGuard, RoundReport, Stats};
+pub use engine::{
+    Access, Engine, EngineConfig, EngineError, OpGuard, Prints, RoundReport, Stats, MISMATCH_TEXT,
+};
 pub use registry::{Buffer, Residency};
 pub use restore::{RestoreHandle, RestoreReport, Staged, StagedMemory};
 pub use session::{SessionHandle, WaitedOn, WAITED_ON_TOP};

@@ -168,6 +168,8 @@ pub struct RestoreReport {
     pub job_waited: Duration,
     /// The buffers the job waited on longest (at most [`crate::WAITED_ON_TOP`]), longest first.
     pub waited_on: Vec<WaitedOn>,
+    /// Bytes checked on the device after loading against the fingerprints the image recorded.
+    pub verified_bytes: u64,
 }
 
 /// A restore under way.
@@ -192,6 +194,9 @@ pub(crate) struct RestoreSession<D: Device> {
     urgent_cv: Condvar,
     helped: AtomicU64,
     prio: D::Stream,
+    /// Where loaded buffers are fingerprinted (`None`: the device cannot).
+    verify: Mutex<Option<D::Stream>>,
+    verified: AtomicU64,
     error: Mutex<Option<String>>,
     bytes: AtomicU64,
     on_demand: AtomicU64,
@@ -329,6 +334,13 @@ impl<D: Device> RestoreSession<D> {
             urgent_cv: Condvar::new(),
             helped: AtomicU64::new(0),
             prio: inner.prio.clone(),
+            verify: Mutex::new(
+                inner
+                    .dev
+                    .create_stream(crate::device::StreamPriority::Normal)
+                    .ok(),
+            ),
+            verified: AtomicU64::new(0),
             error: Mutex::new(None),
             bytes: AtomicU64::new(0),
             on_demand: AtomicU64::new(0),
@@ -451,7 +463,11 @@ impl<D: Device> RestoreSession<D> {
     fn complete(&self, i: usize) {
         let slot = &self.slots[i];
         let b = &slot.buf;
-        let err = slot.error.lock().take();
+        let err = slot
+            .error
+            .lock()
+            .take()
+            .map_or_else(|| self.verify_loaded(slot).err(), Some);
         let state = match err {
             None => {
                 b.set_residency(Residency::Mapped);
@@ -477,6 +493,66 @@ impl<D: Device> RestoreSession<D> {
         // state under the same lock before sleeping: no wake-up is lost).
         drop(self.urgent.lock());
         self.urgent_cv.notify_all();
+    }
+
+    /// Checks a loaded buffer on the device: each chunk for which the source recorded a
+    /// fingerprint must have it (a chunk changed on disk, or loaded wrong, is refused, named).
+    /// Chunks of ranges a fingerprint cannot take (not 16-byte aligned) are not checked.
+    fn verify_loaded(&self, slot: &RsSlot) -> Result<(), EngineError> {
+        let b = &slot.buf;
+        let want: Vec<(u64, u64, crate::fingerprint::Fingerprint)> = slot
+            .chunks
+            .iter()
+            .filter_map(|&(off, len)| Some((off, len, self.source.fingerprint(b.id(), off)?)))
+            .collect();
+        if want.is_empty() {
+            return Ok(());
+        }
+        let guard = self.verify.lock();
+        let Some(stream) = guard.as_ref() else {
+            return Ok(());
+        };
+        // One call for a buffer of equal chunks (the usual image), else one per chunk.
+        let first = want[0].1;
+        let uniform = want.len() == slot.chunks.len()
+            && want.iter().enumerate().all(|(i, &(off, len, _))| {
+                off == i as u64 * first && (len == first || i + 1 == want.len())
+            });
+        let got: Vec<crate::fingerprint::Fingerprint> = if uniform {
+            match self.dev.fingerprint(stream, b.va(), b.size(), first) {
+                Ok(v) => v,
+                Err(DeviceError::Unsupported(_) | DeviceError::InvalidAddress { .. }) => {
+                    return Ok(())
+                }
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            let mut v = Vec::with_capacity(want.len());
+            for &(off, len, _) in &want {
+                match self
+                    .dev
+                    .fingerprint(stream, b.va().add(off), len, len.next_multiple_of(16))
+                {
+                    Ok(p) => v.extend(p),
+                    Err(DeviceError::Unsupported(_) | DeviceError::InvalidAddress { .. }) => {
+                        return Ok(())
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            v
+        };
+        for (&(off, len, fp), now) in want.iter().zip(&got) {
+            if *now != fp {
+                return Err(EngineError::Failed(format!(
+                    "the chunk at offset {off} ({len} bytes) has fingerprint {now} on the device \
+                     after loading, not {fp} as the image recorded: refused"
+                )));
+            }
+        }
+        self.verified
+            .fetch_add(want.iter().map(|w| w.1).sum(), Ordering::Relaxed);
+        Ok(())
     }
 
     /// One chunk of slot `i` is done with (copied, or failed with `err`).
@@ -848,6 +924,7 @@ impl<D: Device> RestoreSession<D> {
             staged_fallback: self.staged_fallback.load(Ordering::Relaxed),
             job_waited,
             waited_on,
+            verified_bytes: self.verified.load(Ordering::Relaxed),
         })
     }
 }

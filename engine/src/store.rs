@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use crate::fingerprint::Fingerprint;
 use crate::image::ImageError;
 
 /// One buffer of an image: where it lived and how large it is.
@@ -36,6 +37,36 @@ pub trait ChunkSink: Send + Sync {
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError>;
     /// Stores a key/value pair of metadata (the job's CPU-side state, the backend's name, ...).
     fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError>;
+    /// [`ChunkSink::write_chunk`] of bytes whose fingerprint is `fp` ([`crate::fingerprint::of`]
+    /// of `data`, computed by the caller on the bytes it copied): a sink that records
+    /// fingerprints keeps it with the chunk, so that a restore can check the bytes it loads.
+    fn write_chunk_fp(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        fp: Fingerprint,
+    ) -> Result<(), ImageError> {
+        let _ = fp;
+        self.write_chunk(buffer, offset, data)
+    }
+    /// Stores the chunk of `buffer` at `offset`, `len` bytes whose fingerprint is `fp`, by
+    /// reference to equal bytes an earlier image holds (a parent image: [`ImageWriter`]'s
+    /// `parent`) instead of a copy. `Ok(true)`: the chunk is in this sink now (replacing an
+    /// earlier one at the same place); `Ok(false)`: the sink has no such bytes, the caller copies
+    /// them.
+    ///
+    /// [`ImageWriter`]: crate::image::ImageWriter
+    fn reuse_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+        fp: Fingerprint,
+    ) -> Result<bool, ImageError> {
+        let _ = (buffer, offset, len, fp);
+        Ok(false)
+    }
 }
 
 /// `rec` as a sink stores it over `old` (see [`ChunkSink::add_buffer`]): an unranked
@@ -60,19 +91,45 @@ pub trait ChunkSource: Send + Sync {
     fn read_chunk(&self, buffer: u64, offset: u64, dst: &mut [u8]) -> Result<(), ImageError>;
     /// A metadata value.
     fn meta(&self, key: &str) -> Option<String>;
+    /// The fingerprint recorded with the chunk of `buffer` at `offset`, if the source has one:
+    /// a restore fingerprints the bytes it loaded into device memory and refuses a chunk whose
+    /// fingerprint differs.
+    fn fingerprint(&self, buffer: u64, offset: u64) -> Option<Fingerprint> {
+        let _ = (buffer, offset);
+        None
+    }
+}
+
+/// A chunk a [`MemStore`] holds.
+#[derive(Debug, Clone)]
+struct MemChunk {
+    data: Arc<[u8]>,
+    /// Its fingerprint (given to `write_chunk_fp`, else computed).
+    fp: Fingerprint,
+    /// Taken from the parent store by [`ChunkSink::reuse_chunk`] (its bytes shared, not copied).
+    reused: bool,
 }
 
 #[derive(Default, Debug)]
 struct MemInner {
     buffers: BTreeMap<u64, BufferRecord>,
-    chunks: HashMap<u64, BTreeMap<u64, Arc<[u8]>>>,
+    chunks: HashMap<u64, BTreeMap<u64, MemChunk>>,
     meta: BTreeMap<String, String>,
 }
 
 /// An image held in host memory: for tests, and for a checkpoint that never leaves the process.
+///
+/// Every chunk has a fingerprint (the one given to [`ChunkSink::write_chunk_fp`], or computed by
+/// [`ChunkSink::write_chunk`]), which [`ChunkSource::fingerprint`] returns. A store made with
+/// [`MemStore::with_parent`] takes a chunk the parent holds (same length and fingerprint) by
+/// sharing its bytes ([`ChunkSink::reuse_chunk`]).
 #[derive(Default, Debug)]
 pub struct MemStore {
     inner: Mutex<MemInner>,
+    /// The parent store, if any.
+    parent: Option<Arc<MemStore>>,
+    /// The parent's chunks by (fingerprint, length), as of [`MemStore::with_parent`].
+    by_fp: HashMap<(Fingerprint, u64), Arc<[u8]>>,
 }
 
 impl MemStore {
@@ -81,29 +138,90 @@ impl MemStore {
         Self::default()
     }
 
+    /// An empty store whose [`ChunkSink::reuse_chunk`] takes chunks from `parent` (an earlier
+    /// checkpoint of the same job): those it holds when this is called, found by length and
+    /// fingerprint, shared (the same `Arc`), not copied. Chunks `parent` itself took from its
+    /// parent are among them.
+    pub fn with_parent(parent: Arc<MemStore>) -> Self {
+        let mut by_fp = HashMap::new();
+        for c in parent.inner.lock().chunks.values().flat_map(|c| c.values()) {
+            by_fp
+                .entry((c.fp, c.data.len() as u64))
+                .or_insert_with(|| c.data.clone());
+        }
+        MemStore {
+            inner: Mutex::default(),
+            parent: Some(parent),
+            by_fp,
+        }
+    }
+
+    /// The parent store ([`MemStore::with_parent`]), if any.
+    pub fn parent(&self) -> Option<&Arc<MemStore>> {
+        self.parent.as_ref()
+    }
+
     /// The whole contents of `buffer`, assembled from its chunks (missing bytes read as zero).
     pub fn buffer_bytes(&self, buffer: u64) -> Option<Vec<u8>> {
         let inner = self.inner.lock();
         let rec = inner.buffers.get(&buffer)?;
         let mut out = vec![0u8; usize::try_from(rec.size).ok()?];
         if let Some(chunks) = inner.chunks.get(&buffer) {
-            for (&off, data) in chunks {
+            for (&off, c) in chunks {
                 let off = usize::try_from(off).ok()?;
-                out[off..off + data.len()].copy_from_slice(data);
+                out[off..off + c.data.len()].copy_from_slice(&c.data);
             }
         }
         Some(out)
     }
 
-    /// Total bytes of chunk data held.
+    /// Total bytes of chunk data held (those shared with the parent included).
     pub fn bytes(&self) -> u64 {
+        self.sum(|_| true)
+    }
+
+    /// Bytes of the chunks held now that were taken from the parent ([`ChunkSink::reuse_chunk`])
+    /// rather than copied (a reused chunk written again later no longer counts).
+    pub fn reused_bytes(&self) -> u64 {
+        self.sum(|c| c.reused)
+    }
+
+    fn sum(&self, which: impl Fn(&MemChunk) -> bool) -> u64 {
         let inner = self.inner.lock();
         inner
             .chunks
             .values()
             .flat_map(|c| c.values())
-            .map(|d| d.len() as u64)
+            .filter(|c| which(c))
+            .map(|c| c.data.len() as u64)
             .sum()
+    }
+
+    /// Stores `chunk` as the chunk of `buffer` at `offset`, if it fits in a declared buffer.
+    fn put(&self, buffer: u64, offset: u64, chunk: MemChunk) -> Result<(), ImageError> {
+        let mut inner = self.inner.lock();
+        let Some(rec) = inner.buffers.get(&buffer) else {
+            return Err(ImageError::UnknownBuffer { buffer });
+        };
+        let len = chunk.data.len() as u64;
+        if !matches!(offset.checked_add(len), Some(end) if end <= rec.size) {
+            return Err(ImageError::ChunkOutOfRange {
+                buffer,
+                offset,
+                len,
+            });
+        }
+        inner
+            .chunks
+            .entry(buffer)
+            .or_default()
+            .insert(offset, chunk);
+        Ok(())
+    }
+
+    fn chunk(&self, buffer: u64, offset: u64) -> Option<MemChunk> {
+        let inner = self.inner.lock();
+        inner.chunks.get(&buffer)?.get(&offset).cloned()
     }
 }
 
@@ -115,22 +233,46 @@ impl ChunkSink for MemStore {
         Ok(())
     }
 
+    /// Stores a copy of `data` with its fingerprint (computed here).
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        self.write_chunk_fp(buffer, offset, data, crate::fingerprint::of(data))
+    }
+
+    fn write_chunk_fp(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        fp: Fingerprint,
+    ) -> Result<(), ImageError> {
         // Copy outside the lock: several writer threads copy at once.
         let data: Arc<[u8]> = Arc::from(data);
-        let mut inner = self.inner.lock();
-        let Some(rec) = inner.buffers.get(&buffer) else {
-            return Err(ImageError::UnknownBuffer { buffer });
+        let chunk = MemChunk {
+            data,
+            fp,
+            reused: false,
         };
-        if offset + data.len() as u64 > rec.size {
-            return Err(ImageError::ChunkOutOfRange {
-                buffer,
-                offset,
-                len: data.len() as u64,
-            });
-        }
-        inner.chunks.entry(buffer).or_default().insert(offset, data);
-        Ok(())
+        self.put(buffer, offset, chunk)
+    }
+
+    /// Takes the parent's chunk of `len` bytes with fingerprint `fp`, if it has one.
+    fn reuse_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+        fp: Fingerprint,
+    ) -> Result<bool, ImageError> {
+        let Some(data) = self.by_fp.get(&(fp, len)) else {
+            return Ok(false);
+        };
+        let chunk = MemChunk {
+            data: data.clone(),
+            fp,
+            reused: true,
+        };
+        self.put(buffer, offset, chunk)?;
+        Ok(true)
     }
 
     fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError> {
@@ -152,20 +294,15 @@ impl ChunkSource for MemStore {
         inner
             .chunks
             .get(&buffer)
-            .map(|c| c.iter().map(|(&o, d)| (o, d.len() as u64)).collect())
+            .map(|c| c.iter().map(|(&o, c)| (o, c.data.len() as u64)).collect())
             .unwrap_or_default()
     }
 
     fn read_chunk(&self, buffer: u64, offset: u64, dst: &mut [u8]) -> Result<(), ImageError> {
-        let data = {
-            let inner = self.inner.lock();
-            inner
-                .chunks
-                .get(&buffer)
-                .and_then(|c| c.get(&offset))
-                .cloned()
-                .ok_or(ImageError::MissingChunk { buffer, offset })?
-        };
+        let data = self
+            .chunk(buffer, offset)
+            .ok_or(ImageError::MissingChunk { buffer, offset })?
+            .data;
         if data.len() != dst.len() {
             return Err(ImageError::ChunkOutOfRange {
                 buffer,
@@ -181,6 +318,10 @@ impl ChunkSource for MemStore {
     fn meta(&self, key: &str) -> Option<String> {
         self.inner.lock().meta.get(key).cloned()
     }
+
+    fn fingerprint(&self, buffer: u64, offset: u64) -> Option<Fingerprint> {
+        self.chunk(buffer, offset).map(|c| c.fp)
+    }
 }
 
 /// Saves a *shadow* (a device-side copy of a buffer as of T0, which the job never writes) into
@@ -191,4 +332,112 @@ pub trait ShadowSaver: Send + Sync {
     /// in the image (its chunks recorded in the sink). On an error the engine saves the shadow
     /// through its staging instead.
     fn save(&self, buffer: u64, shadow: crate::device::DevPtr, size: u64) -> Result<(), String>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::of;
+
+    fn buf(id: u64, size: u64) -> BufferRecord {
+        BufferRecord {
+            id,
+            va: 0x1000 * id,
+            size,
+            prefetch_rank: 0,
+        }
+    }
+
+    fn bytes(seed: u8, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
+    }
+
+    #[test]
+    fn mem_store_records_fingerprints() {
+        let s = MemStore::new();
+        s.add_buffer(buf(1, 300)).unwrap();
+        s.write_chunk(1, 0, &bytes(1, 100)).unwrap();
+        s.write_chunk_fp(1, 100, &bytes(2, 200), Fingerprint([7, 8]))
+            .unwrap();
+        assert_eq!(s.fingerprint(1, 0), Some(of(&bytes(1, 100))));
+        // Recorded as given (a restore's check compares the loaded bytes with it).
+        assert_eq!(s.fingerprint(1, 100), Some(Fingerprint([7, 8])));
+        assert_eq!(s.fingerprint(1, 50), None);
+        assert_eq!(s.fingerprint(2, 0), None);
+        assert_eq!(s.reused_bytes(), 0);
+        assert!(s.parent().is_none());
+        // A store without a parent reuses nothing.
+        assert!(!s.reuse_chunk(1, 0, 100, of(&bytes(1, 100))).unwrap());
+        // Out of range is refused, overflow included.
+        assert!(s.write_chunk(1, u64::MAX, &[1]).is_err());
+        assert!(s.write_chunk(2, 0, &[1]).is_err());
+    }
+
+    #[test]
+    fn mem_store_with_parent_shares_equal_chunks_down_a_chain() {
+        let p = Arc::new(MemStore::new());
+        p.add_buffer(buf(1, 300)).unwrap();
+        for k in 0..3u8 {
+            p.write_chunk(1, u64::from(k) * 100, &bytes(k, 100))
+                .unwrap();
+        }
+        let c = Arc::new(MemStore::with_parent(p.clone()));
+        assert!(Arc::ptr_eq(c.parent().unwrap(), &p));
+        c.add_buffer(buf(1, 300)).unwrap();
+        // Chunk 0 unchanged, chunk 1 changed, chunk 2 moved to buffer 2.
+        assert!(c.reuse_chunk(1, 0, 100, of(&bytes(0, 100))).unwrap());
+        assert!(!c.reuse_chunk(1, 100, 100, of(&bytes(9, 100))).unwrap());
+        c.write_chunk(1, 100, &bytes(9, 100)).unwrap();
+        assert!(
+            !c.reuse_chunk(1, 200, 99, of(&bytes(2, 100))).unwrap(),
+            "length differs"
+        );
+        c.write_chunk(1, 200, &bytes(3, 100)).unwrap();
+        c.add_buffer(buf(2, 100)).unwrap();
+        assert!(c.reuse_chunk(2, 0, 100, of(&bytes(2, 100))).unwrap());
+        // Checked as a write is.
+        assert!(c.reuse_chunk(3, 0, 100, of(&bytes(0, 100))).is_err());
+        assert_eq!(c.reused_bytes(), 200);
+        assert_eq!(c.bytes(), 400);
+        {
+            let (pi, ci) = (p.inner.lock(), c.inner.lock());
+            // The same bytes, not a copy.
+            assert!(Arc::ptr_eq(
+                &ci.chunks[&1][&0].data,
+                &pi.chunks[&1][&0].data
+            ));
+            assert!(Arc::ptr_eq(
+                &ci.chunks[&2][&0].data,
+                &pi.chunks[&1][&200].data
+            ));
+        }
+        let mut want = bytes(0, 100);
+        want.extend(bytes(9, 100));
+        want.extend(bytes(3, 100));
+        assert_eq!(c.buffer_bytes(1).unwrap(), want);
+        assert_eq!(c.buffer_bytes(2).unwrap(), bytes(2, 100));
+        let mut dst = vec![0u8; 100];
+        c.read_chunk(2, 0, &mut dst).unwrap();
+        assert_eq!(dst, bytes(2, 100));
+        assert_eq!(c.fingerprint(2, 0), Some(of(&bytes(2, 100))));
+
+        // A grandchild finds the grandparent's bytes through the child (which shares them).
+        let g = MemStore::with_parent(c.clone());
+        g.add_buffer(buf(1, 300)).unwrap();
+        assert!(g.reuse_chunk(1, 0, 100, of(&bytes(0, 100))).unwrap());
+        assert!(g.reuse_chunk(1, 100, 100, of(&bytes(9, 100))).unwrap());
+        // Not chunk 1 of the grandparent: the child no longer holds it.
+        assert!(!g.reuse_chunk(1, 200, 100, of(&bytes(1, 100))).unwrap());
+        g.write_chunk(1, 200, &bytes(1, 100)).unwrap();
+        assert_eq!(g.reused_bytes(), 200);
+        // A reused chunk written again is no longer held by reference.
+        g.write_chunk(1, 0, &bytes(0, 100)).unwrap();
+        assert_eq!(g.reused_bytes(), 100);
+        let gi = g.inner.lock();
+        let pi = p.inner.lock();
+        assert!(!Arc::ptr_eq(
+            &gi.chunks[&1][&0].data,
+            &pi.chunks[&1][&0].data
+        ));
+    }
 }

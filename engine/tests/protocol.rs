@@ -684,7 +684,11 @@ fn gated_sink(store: &Arc<MemStore>) -> (Arc<dyn ChunkSink>, Arc<Gate>) {
 #[test]
 fn a_held_final_copy_keeps_the_precopys_prefetch_order() {
     use possum_engine::device::{Device, StreamPriority};
-    let e = Arc::new(engine(small_cfg(1 << 12, 4, 0)));
+    // The hooks' write sets decide what the final copy takes (nothing changes bytes here).
+    let e = Arc::new(engine(EngineConfig {
+        fingerprints: false,
+        ..small_cfg(1 << 12, 4, 0)
+    }));
     let s = e.device().create_stream(StreamPriority::Normal).unwrap();
     e.register_stream(s.clone());
     let bufs: Vec<_> = (0..4).map(|_| e.alloc(1 << 12).unwrap()).collect();
@@ -939,14 +943,21 @@ fn detached_buffers_the_keeper_lost_come_back_from_the_image() {
     assert!(job.contents().unwrap() == want.bufs);
 }
 
-/// A snapshot checkpoint copies every buffer into a shadow at T0 (the budget allowing): writes
-/// the hooks never see (straight to device memory here) cannot reach the image; without the
-/// snapshot they can (shown on the same setup), which is why a kept checkpoint's save uses it.
+/// Writes the hooks never see (straight to device memory here) racing the copier. Without
+/// fingerprints, a snapshot checkpoint copies every buffer into a shadow at T0 (the budget
+/// allowing), so they cannot reach the image, and a plain checkpoint's image can take them
+/// (shown on the same setup). With fingerprints at T0, no image ever takes them: every copy is
+/// checked against the chunk's fingerprint at T0, and a checkpoint that copied a changed chunk
+/// fails with a mismatch, never commits; no shadow is made while the job is held.
 #[test]
-fn a_snapshot_checkpoint_is_immune_to_writes_the_hooks_miss() {
-    let run = |snapshot: bool| -> (bool, u64) {
+fn writes_the_hooks_miss_never_reach_an_image() {
+    let run = |snapshot: bool, prints: bool| -> Result<(bool, u64), EngineError> {
         let dev = Arc::new(HostDevice::keeping(1 << 30));
-        let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+        let cfg = EngineConfig {
+            fingerprints: prints,
+            ..small_cfg(4096, 2, 0)
+        };
+        let e = Engine::new(dev.clone(), cfg).unwrap();
         let bufs: Vec<_> = (0..8).map(|_| e.alloc(1 << 18).unwrap()).collect();
         for (i, b) in bufs.iter().enumerate() {
             dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
@@ -962,22 +973,45 @@ fn a_snapshot_checkpoint_is_immune_to_writes_the_hooks_miss() {
         for b in &bufs {
             dev.write_now(b.va(), &vec![0xee; 1 << 18]).unwrap();
         }
-        let r = h.wait().unwrap();
+        let r = h.wait()?;
         let t0 = bufs
             .iter()
             .enumerate()
             .all(|(i, b)| store.buffer_bytes(b.id()).unwrap() == vec![i as u8 + 1; 1 << 18]);
-        (t0, r.snapshot_shadows)
+        Ok((t0, r.snapshot_shadows))
     };
-    let (t0, shadows) = run(true);
+    let (t0, shadows) = run(true, false).unwrap();
     assert!(t0, "the snapshot's image is not the state at T0");
     assert_eq!(shadows, 8);
     // The plain checkpoint on a slow sink (one staging buffer) loses at least once in a few
     // tries: the copier is still behind when the unseen writes land.
-    let lost = (0..20).any(|_| !run(false).0);
+    let lost = (0..20).any(|_| !run(false, false).unwrap().0);
     assert!(
         lost,
         "unseen writes never reached the plain checkpoint: the test shows nothing"
+    );
+    // With fingerprints: the image is the state at T0 or there is none.
+    let mut mismatches = 0;
+    for snapshot in [false, true] {
+        for _ in 0..20 {
+            match run(snapshot, true) {
+                Ok((t0, shadows)) => {
+                    assert!(t0, "an image that is not the state at T0 was committed");
+                    assert_eq!(shadows, 0, "nothing is copied into shadows while held");
+                }
+                Err(e @ EngineError::Mismatch { chunks, .. }) => {
+                    assert!(chunks > 0);
+                    let words = e.to_string();
+                    assert!(words.contains(possum_engine::MISMATCH_TEXT), "{words}");
+                    mismatches += 1;
+                }
+                Err(other) => panic!("{other}"),
+            }
+        }
+    }
+    assert!(
+        mismatches > 0,
+        "no unseen write was caught: the test shows nothing"
     );
 }
 
@@ -1018,7 +1052,14 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
     }
     for fail in [false, true] {
         let dev = Arc::new(HostDevice::keeping(1 << 30));
-        let e = Engine::new(dev.clone(), small_cfg(1 << 20, 2, 0)).unwrap();
+        let e = Engine::new(
+            dev.clone(),
+            EngineConfig {
+                fingerprints: false,
+                ..small_cfg(1 << 20, 2, 0)
+            },
+        )
+        .unwrap();
         let bufs: Vec<_> = (0..6).map(|_| e.alloc(1 << 18).unwrap()).collect();
         for (i, b) in bufs.iter().enumerate() {
             dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
@@ -1069,7 +1110,11 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
 #[test]
 fn a_write_to_one_piece_of_a_group_copies_every_piece() {
     use possum_engine::device::{DevPtr, Device, StreamPriority};
-    let e = Arc::new(engine(small_cfg(1 << 12, 4, 0)));
+    // The hooks' write sets decide here (with fingerprints, what did not change is not copied).
+    let e = Arc::new(engine(EngineConfig {
+        fingerprints: false,
+        ..small_cfg(1 << 12, 4, 0)
+    }));
     let s = e.device().create_stream(StreamPriority::Normal).unwrap();
     e.register_stream(s.clone());
     let g = e.device().granularity();
@@ -1558,6 +1603,7 @@ fn a_snapshot_shadows_the_buffers_predicted_to_be_written_first() {
     let cfg = EngineConfig {
         copy_streams: 1,
         writer_threads: 1,
+        fingerprints: false,
         ..small_cfg(mib, 2, 0)
     };
     let e = engine(cfg);
@@ -1608,6 +1654,7 @@ fn buffers_outside_the_snapshot_s_shadows_are_saved_before_the_shadows() {
     let cfg = EngineConfig {
         copy_streams: 1,
         writer_threads: 1,
+        fingerprints: false,
         ..small_cfg(mib, 2, 0)
     };
     let e = engine(cfg);

@@ -184,8 +184,16 @@ pub struct User {
 pub struct Tuning {
     /// Validation of speculations (`POSSUM_VALIDATE`, e.g. `first=2,every=0`; `off`).
     pub validation: ValidationConfig,
+    /// The same with `strict` added (no read-only speculation, sampled reads unless `sample`
+    /// was given): what validation uses while the job's engines cannot prove their images by
+    /// fingerprints ([`crate::runtime::State::validation`]).
+    pub validation_strict: ValidationConfig,
     /// Pinned staging per device engine, MiB (`POSSUM_STAGING_MIB`, default 256, at least 16).
     pub staging_mib: u64,
+    /// Prove every image by content and copy only the chunks that changed, by fingerprints on
+    /// the device (`POSSUM_FINGERPRINTS`, default on; off: the hooks' write sets alone decide
+    /// what is copied, and nothing checks an image against the job at T0).
+    pub fingerprints: bool,
     /// The unit of the engine's copies and of its images' chunks, MiB (`POSSUM_CHUNK_MIB`,
     /// default 8, 1 to 64).
     pub chunk_mib: u64,
@@ -305,39 +313,95 @@ fn flag(v: Option<&str>, default: bool) -> bool {
     }
 }
 
-impl Config {
-    /// Reads every variable through `lookup` (`std::env::var_os` in the library; a map in tests).
-    pub fn from_env(lookup: impl Fn(&str) -> Option<OsString>) -> Config {
-        // `std::env::var(k).ok()`: set and UTF-8.
-        let text = |k: &str| lookup(k).and_then(|v| v.into_string().ok());
-        // The tuning variables' reading: set, UTF-8 and not empty.
-        let var = |k: &str| text(k).filter(|v| !v.is_empty());
-        let os_nonempty = |k: &str| lookup(k).filter(|v| !v.is_empty());
-        let is_one = |k: &str| lookup(k).is_some_and(|v| v == OsStr::new("1"));
-        let is_zero_trimmed = |k: &str| text(k).is_some_and(|v| v.trim() == "0");
+/// The environment as [`Config::from_env`] reads it: `lookup`, and the ways a variable is read.
+struct Env<'a> {
+    lookup: &'a dyn Fn(&str) -> Option<OsString>,
+}
 
-        let mut warnings = Vec::new();
-        let validation = match var("POSSUM_VALIDATE") {
-            None => ValidationConfig::default(),
-            Some(s) => ValidationConfig::from_env_str(&s).unwrap_or_else(|e| {
-                warnings.push(format!("POSSUM_VALIDATE: {e}; using the default"));
-                ValidationConfig::default()
-            }),
-        };
-        // A number, or `default` and a warning.
-        let num = |k: &str, default: u64, warnings: &mut Vec<String>| match var(k) {
+impl Env<'_> {
+    /// `std::env::var(k).ok()`: set and UTF-8.
+    fn text(&self, k: &str) -> Option<String> {
+        (self.lookup)(k).and_then(|v| v.into_string().ok())
+    }
+
+    /// The tuning variables' reading: set, UTF-8 and not empty.
+    fn var(&self, k: &str) -> Option<String> {
+        self.text(k).filter(|v| !v.is_empty())
+    }
+
+    /// Set and not empty, whatever its bytes.
+    fn os_nonempty(&self, k: &str) -> Option<OsString> {
+        (self.lookup)(k).filter(|v| !v.is_empty())
+    }
+
+    /// Set to exactly `1`.
+    fn is_one(&self, k: &str) -> bool {
+        (self.lookup)(k).is_some_and(|v| v == OsStr::new("1"))
+    }
+
+    /// Set to `0`, spaces around it allowed.
+    fn is_zero_trimmed(&self, k: &str) -> bool {
+        self.text(k).is_some_and(|v| v.trim() == "0")
+    }
+
+    /// A number, or `default` and a warning.
+    fn num(&self, k: &str, default: u64, warnings: &mut Vec<String>) -> u64 {
+        match self.var(k) {
             None => default,
             Some(s) => s.parse().unwrap_or_else(|_| {
                 warnings.push(format!("{k}={s} is not a number; using {default}"));
                 default
             }),
+        }
+    }
+
+    /// A number of milliseconds, or `default` (unset or not a number).
+    fn ms(&self, k: &str, default: u64) -> Duration {
+        Duration::from_millis(self.text(k).and_then(|v| v.parse().ok()).unwrap_or(default))
+    }
+}
+
+impl Config {
+    /// Reads every variable through `lookup` (`std::env::var_os` in the library; a map in tests).
+    pub fn from_env(lookup: impl Fn(&str) -> Option<OsString>) -> Config {
+        let env = Env { lookup: &lookup };
+        let mut warnings = Vec::new();
+        let tuning = Tuning::from_env(&env, &mut warnings);
+        let user = User::from_env(&env);
+        let diag = Diagnostics::from_env(&env);
+        Config {
+            user,
+            tuning,
+            diag,
+            warnings,
+        }
+    }
+}
+
+impl Tuning {
+    /// The tuning variables, a warning in `warnings` for each that cannot be read.
+    fn from_env(env: &Env<'_>, warnings: &mut Vec<String>) -> Tuning {
+        let given = env.var("POSSUM_VALIDATE");
+        let validation = match &given {
+            None => ValidationConfig::default(),
+            Some(s) => ValidationConfig::from_env_str(s).unwrap_or_else(|e| {
+                warnings.push(format!("POSSUM_VALIDATE: {e}; using the default"));
+                ValidationConfig::default()
+            }),
         };
+        let validation_strict = given
+            .as_deref()
+            .and_then(|s| ValidationConfig::from_env_str(&format!("{s},strict")).ok())
+            .unwrap_or_else(|| ValidationConfig::from_env_str("strict").expect("strict parses"));
         // Measured on the H100 (8 GiB, image in tmpfs): 2 writers, 2 restorers, 32 MiB: 2.2 s
         // copy + 1.7 s restore while held; 6, 6, 256 MiB: 1.0 s + 0.8 s.
-        let staging_mib = num("POSSUM_STAGING_MIB", 256, &mut warnings).max(16);
-        let chunk_mib = num("POSSUM_CHUNK_MIB", 8, &mut warnings).clamp(1, 64);
+        let staging_mib = env.num("POSSUM_STAGING_MIB", 256, warnings).max(16);
+        let chunk_mib = env.num("POSSUM_CHUNK_MIB", 8, warnings).clamp(1, 64);
         // The default needs the machine's cores, asked only when used ([`Tuning::writers`]).
-        let writers_set = match var("POSSUM_WRITERS").map(|s| s.parse::<u64>().map_err(|_| s)) {
+        let writers_set = match env
+            .var("POSSUM_WRITERS")
+            .map(|s| s.parse::<u64>().map_err(|_| s))
+        {
             None => None,
             Some(Ok(n)) => Some(n.clamp(1, 64) as usize),
             Some(Err(s)) => {
@@ -347,46 +411,47 @@ impl Config {
                 None
             }
         };
-        let write_piece = num(
-            "POSSUM_WRITE_PIECE_KIB",
-            (possum_engine::image::DEFAULT_WRITE_PIECE >> 10) as u64,
-            &mut warnings,
-        )
-        .clamp(4, 64 << 10) as usize
+        let write_piece = env
+            .num(
+                "POSSUM_WRITE_PIECE_KIB",
+                (possum_engine::image::DEFAULT_WRITE_PIECE >> 10) as u64,
+                warnings,
+            )
+            .clamp(4, 64 << 10) as usize
             * 1024;
-        let restorers = num("POSSUM_RESTORERS", 6, &mut warnings).clamp(1, 64) as usize;
-        let background_nice = num("POSSUM_BACKGROUND_NICE", 10, &mut warnings).min(19) as i32;
-        let dag_window = num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, &mut warnings) as usize;
-        let resolve = match var("POSSUM_RESOLVE") {
+        let restorers = env.num("POSSUM_RESTORERS", 6, warnings).clamp(1, 64) as usize;
+        let background_nice = env.num("POSSUM_BACKGROUND_NICE", 10, warnings).min(19) as i32;
+        let dag_window = env.num("POSSUM_DAG_WINDOW", DEFAULT_WINDOW as u64, warnings) as usize;
+        let resolve = match env.var("POSSUM_RESOLVE") {
             None => ResolveMode::default(),
             Some(v) => ResolveMode::parse(&v).unwrap_or_else(|e| {
                 warnings.push(format!("POSSUM_RESOLVE={v}: {e}; using the default"));
                 ResolveMode::default()
             }),
         };
-        let ms = |k: &str, default: u64| {
-            Duration::from_millis(text(k).and_then(|v| v.parse().ok()).unwrap_or(default))
-        };
-        let tuning = Tuning {
+        Tuning {
             validation,
+            validation_strict,
             staging_mib,
+            fingerprints: flag(env.var("POSSUM_FINGERPRINTS").as_deref(), true),
             chunk_mib,
-            staging_park: flag(var("POSSUM_STAGING_PARK").as_deref(), true),
-            trim_context: flag(var("POSSUM_TRIM_CONTEXT").as_deref(), true),
-            serve_vmm: flag(var("POSSUM_SERVE_VMM").as_deref(), true),
-            serve_pools: flag(var("POSSUM_SERVE_POOLS").as_deref(), true),
+            staging_park: flag(env.var("POSSUM_STAGING_PARK").as_deref(), true),
+            trim_context: flag(env.var("POSSUM_TRIM_CONTEXT").as_deref(), true),
+            serve_vmm: flag(env.var("POSSUM_SERVE_VMM").as_deref(), true),
+            serve_pools: flag(env.var("POSSUM_SERVE_POOLS").as_deref(), true),
             writers_set,
             write_piece,
             restorers,
             background_nice,
-            dag: flag(var("POSSUM_DAG").as_deref(), true),
+            dag: flag(env.var("POSSUM_DAG").as_deref(), true),
             dag_window,
             resolve,
-            shadow_mib: text("POSSUM_SHADOW_MIB").and_then(|v| v.parse().ok()),
-            park_timeout: ms("POSSUM_PARK_TIMEOUT_MS", 2000),
-            park_watchdog: ms("POSSUM_PARK_WATCHDOG_MS", 1000),
-            park_signal: text("POSSUM_PARK_SIGNAL").and_then(|v| v.parse().ok()),
-            park_skip: text("POSSUM_PARK_SKIP")
+            shadow_mib: env.text("POSSUM_SHADOW_MIB").and_then(|v| v.parse().ok()),
+            park_timeout: env.ms("POSSUM_PARK_TIMEOUT_MS", 2000),
+            park_watchdog: env.ms("POSSUM_PARK_WATCHDOG_MS", 1000),
+            park_signal: env.text("POSSUM_PARK_SIGNAL").and_then(|v| v.parse().ok()),
+            park_skip: env
+                .text("POSSUM_PARK_SKIP")
                 .map(|more| {
                     more.split(',')
                         .filter(|s| !s.is_empty())
@@ -394,38 +459,56 @@ impl Config {
                         .collect()
                 })
                 .unwrap_or_default(),
-        };
+        }
+    }
+}
 
-        let (hooks, hooks_error) = match Hooks::parse(text("POSSUM_HOOKS").as_deref()) {
+impl User {
+    /// What a user of the job sets.
+    fn from_env(env: &Env<'_>) -> User {
+        let (hooks, hooks_error) = match Hooks::parse(env.text("POSSUM_HOOKS").as_deref()) {
             Ok(h) => (h, None),
             Err(e) => (Hooks::Entry, Some(e)),
         };
-        let user = User {
+        User {
             hooks,
             hooks_error,
-            cupti: text("POSSUM_CUPTI").filter(|p| !p.is_empty() && p != "off" && p != "1"),
-            libcuda: text("POSSUM_LIBCUDA").unwrap_or_else(|| "libcuda.so.1".into()),
-            stats: text("POSSUM_STATS").filter(|p| !p.is_empty()),
-            trace: os_nonempty("POSSUM_TRACE").map(PathBuf::from),
-            verbose: is_one("POSSUM_VERBOSE"),
-            keeper: os_nonempty(possum_keeper::KEEPER_ENV).map(PathBuf::from),
-            socket_dir: os_nonempty(possum_control::SOCKET_DIR_ENV).map_or_else(
+            cupti: env
+                .text("POSSUM_CUPTI")
+                .filter(|p| !p.is_empty() && p != "off" && p != "1"),
+            libcuda: env
+                .text("POSSUM_LIBCUDA")
+                .unwrap_or_else(|| "libcuda.so.1".into()),
+            stats: env.text("POSSUM_STATS").filter(|p| !p.is_empty()),
+            trace: env.os_nonempty("POSSUM_TRACE").map(PathBuf::from),
+            verbose: env.is_one("POSSUM_VERBOSE"),
+            keeper: env
+                .os_nonempty(possum_keeper::KEEPER_ENV)
+                .map(PathBuf::from),
+            socket_dir: env.os_nonempty(possum_control::SOCKET_DIR_ENV).map_or_else(
                 || PathBuf::from(possum_control::DEFAULT_SOCKET_DIR),
                 PathBuf::from,
             ),
-            control: lookup("POSSUM_CONTROL").is_none_or(|v| v != OsStr::new("0")),
-            manage: flag(var("POSSUM_MANAGE").as_deref(), true),
-        };
+            control: (env.lookup)("POSSUM_CONTROL").is_none_or(|v| v != OsStr::new("0")),
+            manage: flag(env.var("POSSUM_MANAGE").as_deref(), true),
+        }
+    }
+}
 
-        let ab_every = text("POSSUM_AB_MS")
+impl Diagnostics {
+    /// The diagnostics and test hooks.
+    fn from_env(env: &Env<'_>) -> Diagnostics {
+        let ab_every = env
+            .text("POSSUM_AB_MS")
             .and_then(|v| v.parse::<u64>().ok())
             .filter(|&ms| ms > 0);
-        let ab_log = text("POSSUM_AB_LOG").filter(|p| !p.is_empty());
-        let diag = Diagnostics {
-            callbacks: text("POSSUM_CALLBACKS")
+        let ab_log = env.text("POSSUM_AB_LOG").filter(|p| !p.is_empty());
+        Diagnostics {
+            callbacks: env
+                .text("POSSUM_CALLBACKS")
                 .filter(|v| !v.is_empty())
                 .map(|v| v.split(',').map(str::to_string).collect()),
-            detach: lookup("POSSUM_DETACH").map(|v| match v.to_str() {
+            detach: (env.lookup)("POSSUM_DETACH").map(|v| match v.to_str() {
                 Some("finalize") => Detach::Finalize,
                 Some("none") => Detach::Never,
                 _ => Detach::Unsubscribe,
@@ -434,16 +517,10 @@ impl Config {
                 every: Duration::from_millis(ms),
                 log,
             }),
-            debug_dirty: is_one("POSSUM_DEBUG_DIRTY"),
-            layouts_from_cubin_only: var("POSSUM_LAYOUTS").as_deref() == Some("cubin"),
-            use_stage: !is_zero_trimmed("POSSUM_STAGED"),
-            spare_drain: !is_zero_trimmed("POSSUM_SPARE_DRAIN"),
-        };
-        Config {
-            user,
-            tuning,
-            diag,
-            warnings,
+            debug_dirty: env.is_one("POSSUM_DEBUG_DIRTY"),
+            layouts_from_cubin_only: env.var("POSSUM_LAYOUTS").as_deref() == Some("cubin"),
+            use_stage: !env.is_zero_trimmed("POSSUM_STAGED"),
+            spare_drain: !env.is_zero_trimmed("POSSUM_SPARE_DRAIN"),
         }
     }
 }

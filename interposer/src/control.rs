@@ -2,10 +2,12 @@
 //! `possum trace PID` ask it. Started when the job first uses CUDA, not at load, so a process
 //! that never touches CUDA gets no thread and no socket. `POSSUM_CONTROL=0` turns it off.
 //!
-//! The top of the crate's layers with `session.rs`: the handlers call the checkpoint sessions, the
-//! state and CUPTI; the set-up starts the server and hands it what `Status` answers.
+//! Above `session.rs` in the crate's layers: the handlers call the checkpoint sessions, the state
+//! and CUPTI; the set-up starts the server and hands it what `Status` answers. A front end above
+//! it (HIP's) registers the handler of its own sessions ([`set_front_end`]): the socket names
+//! none of its modules.
 
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Once, OnceLock};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -23,6 +25,18 @@ use crate::session;
 static SERVER: Mutex<Option<Server>> = Mutex::new(None);
 static START: Once = Once::new();
 
+/// A front end's answer to a request; `None` for a request it leaves to the rest.
+pub type FrontEnd = fn(&Request) -> Option<Value>;
+
+/// The front end's handler, asked first ([`set_front_end`]).
+static FRONT_END: OnceLock<FrontEnd> = OnceLock::new();
+
+/// Hands every request to `front_end` first from now on (the HIP front end's sessions, once it
+/// is made); its `Some` answer is the reply. The first handler registered stays.
+pub fn set_front_end(front_end: FrontEnd) {
+    let _ = FRONT_END.set(front_end);
+}
+
 /// Starts the server (once), answering `Status` with `status()` (the statistics).
 pub fn start(status: fn() -> Value) {
     if !config::get().user.control {
@@ -31,7 +45,7 @@ pub fn start(status: fn() -> Value) {
     START.call_once(|| {
         let dir = config::get().user.socket_dir.clone();
         let handler = Arc::new(move |req: Request| {
-            if let Some(v) = crate::hip::session::handle(&req) {
+            if let Some(v) = FRONT_END.get().and_then(|handle| handle(&req)) {
                 return v;
             }
             answer(req, status)
@@ -57,13 +71,22 @@ fn answer(req: Request, status: fn() -> Value) -> Value {
             Some(st) => st.trace_json(),
             None => possum_control::error_reply("the job has not used CUDA yet"),
         },
-        Request::Checkpoint { dir } => session::checkpoint(&dir, false),
-        Request::CheckpointKept { dir } => session::checkpoint(&dir, true),
+        Request::Checkpoint { dir, parent } => session::checkpoint(&dir, false, parent.as_deref()),
+        Request::CheckpointKept { dir, parent } => {
+            session::checkpoint(&dir, true, parent.as_deref())
+        }
         Request::PrecopyRound => session::precopy_round(),
         Request::Release => session::release(None),
         Request::ReleaseKeeping { hold_secs } => session::release(Some(hold_secs)),
         Request::Resume { dir } => session::resume(dir.as_deref(), None),
-        Request::ResumeAndSave { dir, shadow_mib } => session::resume(Some(&dir), Some(shadow_mib)),
+        Request::ResumeAndSave {
+            dir,
+            shadow_mib,
+            parent,
+        } => session::resume(
+            Some(&dir),
+            Some((shadow_mib, parent.map(std::path::PathBuf::from))),
+        ),
         Request::Saved => session::saved(),
         Request::CollectiveHold { at, lease_ms } => {
             match collective::hold(at, Duration::from_millis(lease_ms)) {

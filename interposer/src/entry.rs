@@ -1,6 +1,6 @@
 //! The driver's entry points, wrapped: how possum sees every launch, copy, memset, graph launch
 //! and allocation of the job without CUPTI. One of the crate's modules with `unsafe` code (with
-//! `sys`, `load`, `decode`, `cudart`, `drvalloc`, `elfsym` and `park_sys`).
+//! `sys`, `load`, `exit`, `decode`, `cudart`, `drvalloc`, `elfsym` and `park_sys`).
 //!
 //! A job reaches the driver three ways, and each hands it possum's wrapper instead of the
 //! driver's function:
@@ -41,6 +41,7 @@ use std::sync::OnceLock;
 use serde_json::{json, Value};
 
 use crate::decode::RawCall;
+use crate::setup::EntryPoints;
 
 /// `CUresult`.
 type CuResult = c_int;
@@ -49,12 +50,19 @@ const NOT_INITIALIZED: CuResult = 3;
 
 pub use crate::mode::{set_mode, Mode};
 
-/// What the wrappers do now, running the set-up ([`crate::init`]) first if it has not run.
+/// What the set-up needs of this module, which sits above it: handed by whoever runs it.
+pub const SET_UP: EntryPoints = EntryPoints {
+    interposing,
+    stats_json,
+};
+
+/// What the wrappers do now, running the set-up ([`crate::setup::init`]) first if it has not
+/// run.
 pub fn mode() -> Mode {
     match crate::mode::current() {
         Some(m) => m,
         None => {
-            crate::init();
+            crate::setup::init(SET_UP);
             crate::mode::after_set_up()
         }
     }

@@ -28,7 +28,7 @@ use possum_engine::{Access, Buffer, OpGuard};
 use crate::cbid::{Shape, StreamAt, WriteAt};
 use crate::dag::{DagMsg, DagOp, DagSets, SetsRef};
 use crate::decode::{KernelArgs, RawCall, Span, STREAM_PER_THREAD};
-use crate::hook_state::{BufferSets, Foreign, MemoSet, Pending, Ways};
+use crate::hook_state::{BufferSets, Foreign, Memo, MemoSet, Pending, Ways};
 use crate::ranges::{Ranges, Resolved, WordHash};
 use crate::runtime::{state, DevEngine, Reentry, SnapNode, State};
 use crate::thread_state::ThreadState;
@@ -786,7 +786,7 @@ fn launch(
     let tracking = guard.as_ref().is_some_and(OpGuard::tracking);
     let resolve = tracking || st.cfg.tuning.resolve.sampled(n);
     {
-        let (_, due) = model.next_launch(&st.cfg.tuning.validation);
+        let (_, due) = model.next_launch(st.validation());
         // Validation reads every buffer: never while a session may have released some of them
         // or is copying them (the launch is then just not validated).
         let validate_now = due && !eng.is_some_and(|e| e.engine.session_active());
@@ -829,141 +829,187 @@ fn resolve_launch(
     if guard.is_some() {
         c.launches_hooked.fetch_add(1, Ordering::Relaxed);
     }
-    {
-        let mut s = t.hooks.scratch.borrow_mut();
-        let s = &mut *s;
-        let generation = st.generation();
-        let ranges = ranges_at(&mut s.ranges, st, generation);
-        let span = ranges.span();
-        let words = &mut s.words;
-        let version = model.speculation_version();
-        // The words are hashed where the job wrote them; they are copied out only to be
-        // resolved (a miss) or validated. A validated launch never reuses an entry.
-        let hash = (!validate_now).then(|| {
-            let mut h = WordHash::default();
-            args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
-            h.finish()
-        });
-        let found = hash.and_then(|h| ways.find(generation, version, h));
-        let hit = found.is_some();
-        let slot = found.unwrap_or_else(|| {
-            args.read_slots(model.slot_runs(), words);
-            ways.victim(hash.unwrap_or_else(|| WordHash::of_canonical(words, span)))
-        });
-        ways.last = slot;
-        let m = &mut ways.entries[slot];
-        // A reused entry needed no discovery (see `Memo`).
-        let mut identified = true;
-        if hit {
-            c.memo_hits.fetch_add(1, Ordering::Relaxed);
-        } else {
-            model.note_resolved();
-            m.sets.clear();
-            let (unmanaged, discovered) = resolve_slots(
-                st,
-                &mut ranges.clone(),
-                validate_now,
-                eng.map(|e| e.ordinal),
-                model,
-                words,
-                &mut m.sets,
-            );
-            if discovered {
-                c.launches_discovered.fetch_add(1, Ordering::Relaxed);
-            }
-            if validate_now && !discovered && !model.is_opaque() {
-                c.validated_launches_identified
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            // Discovery changed the allocations: the next launch resolves again.
-            m.generation = if discovered { u64::MAX } else { generation };
-            m.version = version;
-            m.unmanaged = unmanaged;
-            if st.cfg.tuning.dag {
-                if m.dag != 0 {
-                    st.to_dag(DagMsg::Forget(m.dag));
-                }
-                m.dag = st.next_dag_id();
-                st.to_dag(DagMsg::Define {
-                    id: m.dag,
-                    sets: DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes),
-                });
-            }
-            identified = !discovered;
-        }
-        // A kernel never validated (first seen while a checkpoint copies, or validation off or
-        // failed) may reach buffers its parameters do not name: while the engine tracks, it
-        // touches every buffer.
-        let unproven = tracking && !model.is_validated() && !model.is_opaque();
-        if unproven {
-            c.launches_unvalidated.fetch_add(1, Ordering::Relaxed);
-        }
-        let opaque = model.is_opaque() || unproven;
-        if opaque {
-            c.launches_opaque.fetch_add(1, Ordering::Relaxed);
-        } else if identified {
-            c.launches_identified.fetch_add(1, Ordering::Relaxed);
-        }
-        if m.unmanaged {
-            c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
-        }
-        if st.cfg.tuning.dag {
-            st.to_dag(DagMsg::Launch {
-                op: DagOp::Kernel(func),
-                stream,
-                sets: SetsRef::Memo(m.dag),
-            });
-        }
-        let access = if opaque {
-            Access::Opaque
-        } else {
-            m.sets.access()
-        };
-        label_op(t, || {
-            // Which of the launch's words name each buffer it newly marks written, and
-            // whether their slots are speculated read-only.
-            let mut fresh = Vec::new();
-            args.read_slots(model.slot_runs(), &mut fresh);
-            let mut why = String::new();
-            if let Access::Known { writes, .. } = &access {
-                for b in writes.iter().filter(|b| !b.is_dirty()) {
-                    let slots: Vec<String> = fresh
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, &w)| b.contains(possum_engine::device::DevPtr(w)))
-                        .map(|(i, &w)| {
-                            let ro = if model.is_readonly(i) { "ro" } else { "rw" };
-                            format!("{i}:{ro}+{:#x}", w - b.va().0)
-                        })
-                        .collect();
-                    why.push_str(&format!(
-                        " [buffer {} at {:#x}: slots {}]",
-                        b.id(),
-                        b.va().0,
-                        slots.join(",")
-                    ));
-                }
-            }
-            format!(
-                "kernel {} (launch {}, memo {}){why}",
-                model.name().unwrap_or("?"),
-                n,
-                if hit { "hit" } else { "miss" }
-            )
-        });
-        let before = (validate_now && !model.is_opaque())
-            .then(|| validate::begin(st, eng, model, words))
-            .flatten();
-        hook(
-            t,
+    let mut s = t.hooks.scratch.borrow_mut();
+    let s = &mut *s;
+    let generation = st.generation();
+    let ranges = ranges_at(&mut s.ranges, st, generation);
+    let span = ranges.span();
+    let words = &mut s.words;
+    let version = model.speculation_version();
+    // The words are hashed where the job wrote them; they are copied out only to be
+    // resolved (a miss) or validated. A validated launch never reuses an entry.
+    let hash = (!validate_now).then(|| {
+        let mut h = WordHash::default();
+        args.for_each_slot(model.slot_runs(), |w| h.push(span.canon(w)));
+        h.finish()
+    });
+    let found = hash.and_then(|h| ways.find(generation, version, h));
+    let hit = found.is_some();
+    let slot = found.unwrap_or_else(|| {
+        args.read_slots(model.slot_runs(), words);
+        ways.victim(hash.unwrap_or_else(|| WordHash::of_canonical(words, span)))
+    });
+    ways.last = slot;
+    let m = &mut ways.entries[slot];
+    // A reused entry needed no discovery (see `Memo`).
+    let identified = if hit {
+        c.memo_hits.fetch_add(1, Ordering::Relaxed);
+        true
+    } else {
+        fill_memo(
+            st,
+            ranges,
             eng,
-            guard,
+            model,
+            words,
+            m,
+            (generation, version, validate_now),
+        )
+    };
+    let opaque = count_launch(st, model, tracking, identified, m.unmanaged);
+    if st.cfg.tuning.dag {
+        st.to_dag(DagMsg::Launch {
+            op: DagOp::Kernel(func),
             stream,
-            access,
-            Others::Listed(&m.sets.foreign),
-            before,
-        );
+            sets: SetsRef::Memo(m.dag),
+        });
     }
+    let access = if opaque {
+        Access::Opaque
+    } else {
+        m.sets.access()
+    };
+    label_op(t, || launch_label(model, args, &access, n, hit));
+    let before = (validate_now && !model.is_opaque())
+        .then(|| validate::begin(st, eng, model, words))
+        .flatten();
+    hook(
+        t,
+        eng,
+        guard,
+        stream,
+        access,
+        Others::Listed(&m.sets.foreign),
+        before,
+    );
+}
+
+/// Fills memo entry `m` for a launch of `model` whose slots hold `words` (a miss): its buffer
+/// sets resolved against `ranges` (`when`: the allocations' generation, the model's speculation
+/// version, whether the launch is validated), its DAG lists defined. Whether the buffers were
+/// all identified (no allocation discovered).
+fn fill_memo(
+    st: &'static State,
+    ranges: &Arc<Ranges>,
+    eng: Option<&'static DevEngine>,
+    model: &KernelModel,
+    words: &[u64],
+    m: &mut Memo,
+    when: (u64, u64, bool),
+) -> bool {
+    let (generation, version, validate_now) = when;
+    let c = &st.counters;
+    model.note_resolved();
+    m.sets.clear();
+    let (unmanaged, discovered) = resolve_slots(
+        st,
+        &mut ranges.clone(),
+        validate_now,
+        eng.map(|e| e.ordinal),
+        model,
+        words,
+        &mut m.sets,
+    );
+    if discovered {
+        c.launches_discovered.fetch_add(1, Ordering::Relaxed);
+    }
+    if validate_now && !discovered && !model.is_opaque() {
+        c.validated_launches_identified
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    // Discovery changed the allocations: the next launch resolves again.
+    m.generation = if discovered { u64::MAX } else { generation };
+    m.version = version;
+    m.unmanaged = unmanaged;
+    if st.cfg.tuning.dag {
+        if m.dag != 0 {
+            st.to_dag(DagMsg::Forget(m.dag));
+        }
+        m.dag = st.next_dag_id();
+        st.to_dag(DagMsg::Define {
+            id: m.dag,
+            sets: DagSets::new(&m.sets.dag_reads, &m.sets.dag_writes),
+        });
+    }
+    !discovered
+}
+
+/// Counts a resolved launch of `model` by what possum knows of its buffers; whether it is taken
+/// as opaque (it touches every buffer).
+fn count_launch(
+    st: &State,
+    model: &KernelModel,
+    tracking: bool,
+    identified: bool,
+    unmanaged: bool,
+) -> bool {
+    let c = &st.counters;
+    // A kernel never validated (first seen while a checkpoint copies, or validation off or
+    // failed) may reach buffers its parameters do not name: while the engine tracks, it
+    // touches every buffer.
+    let unproven = tracking && !model.is_validated() && !model.is_opaque();
+    if unproven {
+        c.launches_unvalidated.fetch_add(1, Ordering::Relaxed);
+    }
+    let opaque = model.is_opaque() || unproven;
+    if opaque {
+        c.launches_opaque.fetch_add(1, Ordering::Relaxed);
+    } else if identified {
+        c.launches_identified.fetch_add(1, Ordering::Relaxed);
+    }
+    if unmanaged {
+        c.launches_unmanaged.fetch_add(1, Ordering::Relaxed);
+    }
+    opaque
+}
+
+/// The label of launch `n` of `model` ([`debug_dirty`]): which of its words name each buffer
+/// `access` newly marks written, and whether their slots are speculated read-only.
+fn launch_label(
+    model: &KernelModel,
+    args: &KernelArgs<'_>,
+    access: &Access<'_>,
+    n: u64,
+    hit: bool,
+) -> String {
+    let mut fresh = Vec::new();
+    args.read_slots(model.slot_runs(), &mut fresh);
+    let mut why = String::new();
+    if let Access::Known { writes, .. } = access {
+        for b in writes.iter().filter(|b| !b.is_dirty()) {
+            let slots: Vec<String> = fresh
+                .iter()
+                .enumerate()
+                .filter(|(_, &w)| b.contains(possum_engine::device::DevPtr(w)))
+                .map(|(i, &w)| {
+                    let ro = if model.is_readonly(i) { "ro" } else { "rw" };
+                    format!("{i}:{ro}+{:#x}", w - b.va().0)
+                })
+                .collect();
+            why.push_str(&format!(
+                " [buffer {} at {:#x}: slots {}]",
+                b.id(),
+                b.va().0,
+                slots.join(",")
+            ));
+        }
+    }
+    format!(
+        "kernel {} (launch {}, memo {}){why}",
+        model.name().unwrap_or("?"),
+        n,
+        if hit { "hit" } else { "miss" }
+    )
 }
 
 fn graph_launch(st: &'static State, t: &ThreadState, ctx: u64, exec: u64, stream: u64) {

@@ -1,12 +1,15 @@
-//! How the library starts and ends in a process: the entry points the loader and the CUDA driver
-//! call. One of the crate's modules with `unsafe` code (with `sys`, `entry`, `decode`, `cudart`,
+//! How the library starts in a process: the entry points the loader and the CUDA driver call.
+//! One of the crate's modules with `unsafe` code (with `sys`, `entry`, `exit`, `decode`, `cudart`,
 //! `drvalloc` and `park_sys`).
 //!
 //! - the ELF constructor (for `LD_PRELOAD`) and `InitializeInjection` (for
-//!   `CUDA_INJECTION64_PATH`) run the set-up, [`crate::init`];
-//! - the `atexit` handler writes the statistics and the trace ([`crate::write_stats_at_exit`]).
+//!   `CUDA_INJECTION64_PATH`) run the set-up, [`crate::setup::init`], handing it what it needs of
+//!   the wrappers ([`crate::entry::SET_UP`]);
+//! - the set-up registers the `atexit` handler (`exit.rs`), which writes the statistics and the
+//!   trace (`setup::write_stats_at_exit`).
 //!
-//! Each wraps the safe code in `catch_unwind`: a panic must never cross into C.
+//! Each wraps the safe code in `catch_unwind`: a panic must never cross into C. The top of the
+//! crate's layers: nothing names it but the crate root's re-export.
 #![allow(unsafe_code)]
 
 use std::ffi::c_int;
@@ -21,25 +24,18 @@ static INIT_ARRAY: extern "C" fn() = constructor;
 
 #[cfg(all(target_os = "linux", not(test)))]
 extern "C" fn constructor() {
-    let _ = catch_unwind(crate::init);
+    let _ = catch_unwind(set_up);
 }
 
 /// The `CUDA_INJECTION64_PATH` entry point: libcuda loads the library named there during `cuInit`
 /// and calls this. Returns 1 (success) whatever happens: possum must never fail the job's `cuInit`.
 #[no_mangle]
 pub extern "C" fn InitializeInjection() -> c_int {
-    let _ = catch_unwind(crate::init);
+    let _ = catch_unwind(set_up);
     1
 }
 
-extern "C" fn at_exit() {
-    let _ = catch_unwind(crate::write_stats_at_exit);
-}
-
-/// Registers the statistics writer to run at `exit()`. `false` if `atexit` refused.
-pub fn register_at_exit() -> bool {
-    // SAFETY: `at_exit` is a plain `extern "C" fn()` that never unwinds. glibc's `atexit` records
-    // the calling shared object, so the handler also runs (and is dropped) if this library is ever
-    // unloaded, before its code goes away.
-    unsafe { libc::atexit(at_exit) == 0 }
+/// The set-up, handed the wrappers' functions.
+fn set_up() {
+    crate::setup::init(crate::entry::SET_UP);
 }

@@ -297,6 +297,9 @@ pub struct State {
     /// a lock or a reference count). Made under `engines_made`.
     engines: Box<[OnceLock<Arc<DevEngine>>]>,
     engines_made: Mutex<()>,
+    /// Every engine made so far proves its images by content (and there is one): read-only
+    /// speculation may be earned ([`State::validation`]).
+    proven: AtomicBool,
     /// Device ordinals (below 64) the job's operations ran on, whether possum manages memory
     /// there or not: a checkpoint's T0 waits for the work queued on each
     /// ([`State::devices_used`]). Set where a thread's context is resolved anew (not per
@@ -377,6 +380,7 @@ pub fn state() -> &'static State {
             cfg,
             engines: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
             engines_made: Mutex::new(()),
+            proven: AtomicBool::new(false),
             devices_used: AtomicU64::new(0),
             managing_off: Mutex::new(None),
             managing_disabled: AtomicBool::new(false),
@@ -538,6 +542,17 @@ impl State {
         self.engines.iter().filter_map(OnceLock::get)
     }
 
+    /// How validation runs and what it may conclude: the configured `POSSUM_VALIDATE` where every
+    /// engine proves its images by content, else the same made strict (no read-only
+    /// speculation: without the proof a wrong one would reach an image).
+    pub fn validation(&self) -> &possum_analyzer::kernel::ValidationConfig {
+        if self.proven.load(Ordering::Acquire) {
+            &self.cfg.tuning.validation
+        } else {
+            &self.cfg.tuning.validation_strict
+        }
+    }
+
     /// Every engine.
     pub fn engines(&self) -> Vec<Arc<DevEngine>> {
         self.engines
@@ -588,6 +603,7 @@ impl State {
                 writer_threads: self.cfg.tuning.writers(),
                 restore_threads: self.cfg.tuning.restorers,
                 background_nice: self.cfg.tuning.background_nice,
+                fingerprints: self.cfg.tuning.fingerprints,
                 ..EngineConfig::default()
             };
             Engine::new(Arc::new(dev), cfg)
@@ -609,6 +625,14 @@ impl State {
                 crate::log::log(&format!(
                     "device {ordinal}: allocations are served by the engine"
                 ));
+                let proven = self.engines().iter().all(|e| e.engine.proves_by_content());
+                if !proven && self.cfg.tuning.validation.readonly_after > 0 {
+                    crate::log::log(&format!(
+                        "device {ordinal}: no fingerprints, so no read-only speculation (its \
+                         images could not be proven)"
+                    ));
+                }
+                self.proven.store(proven, Ordering::Release);
                 Ok(de)
             }
             Err(why) => {

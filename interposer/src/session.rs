@@ -54,6 +54,8 @@ static OPEN: Mutex<Option<Open>> = Mutex::new(None);
 /// Images being written, one per device, under `dir` (a held release may start them again).
 struct Open {
     dir: PathBuf,
+    /// The earlier image whose unchanged chunks the images reference (`--parent`).
+    parent: Option<PathBuf>,
     writers: Vec<(usize, Arc<ImageWriter>)>,
     /// A kept checkpoint: the buffers' memory stays with the keeper at the release (detached,
     /// nothing copied); `ResumeAndSave` saves them after the job runs again.
@@ -167,15 +169,23 @@ pub(crate) fn engine_image_dir(dir: &Path, ordinal: usize) -> PathBuf {
     dir.join(format!("gpu-{ordinal}"))
 }
 
-/// A new image of device `ordinal` under `dir`. No fsync: the commit happens while the job is
-/// paused; `possum checkpoint` makes the whole image durable once the job runs again.
-pub(crate) fn new_writer(dir: &Path, ordinal: usize) -> Result<Arc<ImageWriter>, String> {
+/// A new image of device `ordinal` under `dir` (referencing the unchanged chunks of the same
+/// device's image under `parent`, where there is one). No fsync: the commit happens while the
+/// job is paused; `possum checkpoint` makes the whole image durable once the job runs again.
+pub(crate) fn new_writer(
+    dir: &Path,
+    ordinal: usize,
+    parent: Option<&Path>,
+) -> Result<Arc<ImageWriter>, String> {
     // A data file per writer thread: on tmpfs, writes to one file are serialized (its inode
     // lock), so fewer files than writers caps the copy (measured: 4 files, 12 writers, 9.5 GB/s).
     let opts = WriterOptions {
         fsync: false,
         data_files: config::get().tuning.writers(),
         write_piece: config::get().tuning.write_piece,
+        parent: parent
+            .map(|p| engine_image_dir(p, ordinal))
+            .filter(|p| p.is_dir()),
         ..WriterOptions::default()
     };
     ImageWriter::create(&engine_image_dir(dir, ordinal), opts)
@@ -244,8 +254,34 @@ pub(crate) fn round_copy(device: usize, r: &possum_engine::RoundReport) -> Devic
         bytes: r.bytes,
         ms: Some(ms(r.elapsed)),
         dirty_after: Some(r.dirty_after as u64),
-        ..DeviceCopy::default()
+        ..with_prints(DeviceCopy::default(), &r.prints)
     }
+}
+
+/// `d` with what the fingerprints decided (nothing where the engine took none).
+pub(crate) fn with_prints(mut d: DeviceCopy, p: &possum_engine::Prints) -> DeviceCopy {
+    if p.fingerprinted_bytes > 0 {
+        d.fingerprinted_bytes = Some(p.fingerprinted_bytes);
+        d.fingerprint_ms = Some(ms(p.time));
+        d.proven_bytes = Some(p.proven_bytes);
+        d.reused_bytes = Some(p.reused_bytes);
+    }
+    d
+}
+
+/// After a checkpoint failed because the job wrote a buffer no launch was predicted to write
+/// (an image proven wrong by its fingerprints): every read-only speculation is taken back, so
+/// that the checkpoint taken again counts every buffer a kernel names as written.
+pub(crate) fn after_mismatch(e: &possum_engine::EngineError) {
+    if !matches!(e, possum_engine::EngineError::Mismatch { .. }) {
+        return;
+    }
+    let revoked = crate::runtime::state_if_created()
+        .map(|st| st.kernels().iter().filter(|k| k.revoke_readonly()).count())
+        .unwrap_or(0);
+    log(&format!(
+        "{e}: read-only speculation taken back from {revoked} kernel(s)"
+    ));
 }
 
 pub(crate) fn ms(d: std::time::Duration) -> f64 {
@@ -277,11 +313,14 @@ pub(crate) fn note_last(key: &str, v: Value) {
 /// `Checkpoint{dir}`: every engine's buffers at one T0 each, copied while the job runs.
 /// `CheckpointKept{dir}` (`keep`): nothing copied now where every engine's memory is kept by a
 /// keeper (see [`release_kept`]).
-pub fn checkpoint(dir: &str, keep: bool) -> Value {
-    if let Err(e) = absolute(Path::new(dir)) {
+pub fn checkpoint(dir: &str, keep: bool, parent: Option<&str>) -> Value {
+    if let Err(e) =
+        absolute(Path::new(dir)).and_then(|()| parent.map_or(Ok(()), |p| absolute(Path::new(p))))
+    {
         return reply::<CheckpointReply>(Err(e));
     }
-    reply(checkpoint_inner(Path::new(dir), keep).inspect_err(|_| stop_tracking(&engines())))
+    let parent = parent.map(PathBuf::from);
+    reply(checkpoint_inner(Path::new(dir), keep, parent).inspect_err(|_| stop_tracking(&engines())))
 }
 
 /// A request's image directory must be absolute: a relative one would be the job's working
@@ -310,7 +349,11 @@ fn stop_tracking(engines: &[Arc<DevEngine>]) {
     }
 }
 
-fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
+fn checkpoint_inner(
+    dir: &Path,
+    keep: bool,
+    parent: Option<PathBuf>,
+) -> Result<CheckpointReply, String> {
     let _b = Busy::take("checkpoint")?;
     if matches!(*SAVING.lock(), Saving::Running) {
         return Err(
@@ -375,7 +418,7 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
         if kept {
             continue;
         }
-        let writer = new_writer(dir, e.ordinal)?;
+        let writer = new_writer(dir, e.ordinal, parent.as_deref())?;
         if !hooks {
             open.push((e.ordinal, writer));
             continue;
@@ -393,6 +436,7 @@ fn checkpoint_inner(dir: &Path, keep: bool) -> Result<CheckpointReply, String> {
     }
     *OPEN.lock() = Some(Open {
         dir: dir.to_path_buf(),
+        parent,
         writers: open,
         kept,
         precopied: hooks && !kept,
@@ -499,11 +543,13 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
     let t = Instant::now();
     let Open {
         dir,
+        parent,
         writers: mut open,
         kept,
         precopied,
     } = OPEN.lock().take().unwrap_or(Open {
         dir: PathBuf::new(),
+        parent: None,
         writers: Vec::new(),
         kept: false,
         precopied: false,
@@ -522,7 +568,7 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
                 unwrapped.join(", ")
             ));
         }
-        return release_kept(dir, &engines, t);
+        return release_kept(dir, parent, &engines, t);
     }
     if engines
         .iter()
@@ -541,10 +587,10 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
             // go); every buffer goes into new ones.
             open = engines
                 .iter()
-                .map(|e| Ok((e.ordinal, new_writer(&dir, e.ordinal)?)))
+                .map(|e| Ok((e.ordinal, new_writer(&dir, e.ordinal, parent.as_deref())?)))
                 .collect::<Result<_, String>>()?;
         }
-        return release_held(&dir, open, engines, t);
+        return release_held(&dir, parent.as_deref(), open, engines, t);
     }
     gate::set_paused(true);
     // T0: the job is paused. The buffers written since the pre-copy go into the same images.
@@ -573,7 +619,8 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
         let r = e
             .engine
             .checkpoint(sink, true) // only what was written since the pre-copy
-            .and_then(|h| h.wait());
+            .and_then(|h| h.wait())
+            .inspect_err(after_mismatch);
         e.engine.set_device_fence(false);
         let r = r.map_err(|err| unpause(format!("device {ordinal}: final copy: {err}")))?;
         no_faults_since_open()
@@ -590,7 +637,7 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
             ms: Some(ms(r.elapsed)),
             image_bytes: Some(summary.data_file_bytes),
             image_buffers: Some(summary.buffers.len() as u64),
-            ..DeviceCopy::default()
+            ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
         });
     }
     let copied = ms(t.elapsed());
@@ -644,6 +691,7 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, String> {
 /// buffer is attached again and the job goes on.
 fn release_kept(
     dir: PathBuf,
+    parent: Option<PathBuf>,
     engines: &[Arc<DevEngine>],
     t: Instant,
 ) -> Result<ReleaseReply, String> {
@@ -697,6 +745,7 @@ fn release_kept(
     let trimmed = trim_contexts(engines);
     *OPEN.lock() = Some(Open {
         dir,
+        parent,
         writers: Vec::new(),
         kept: true,
         precopied: false,
@@ -864,6 +913,25 @@ impl ChunkSink for Beating {
         park::beat();
         self.0.set_meta(key, value)
     }
+    fn write_chunk_fp(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        fp: possum_engine::fingerprint::Fingerprint,
+    ) -> Result<(), possum_engine::image::ImageError> {
+        park::beat();
+        self.0.write_chunk_fp(buffer, offset, data, fp)
+    }
+    fn reuse_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+        fp: possum_engine::fingerprint::Fingerprint,
+    ) -> Result<bool, possum_engine::image::ImageError> {
+        self.0.reuse_chunk(buffer, offset, len, fp)
+    }
 }
 
 /// `Release` of a job whose GPU operations possum does not see (CUPTI off): its threads are
@@ -873,6 +941,7 @@ impl ChunkSink for Beating {
 /// hold is tried again.
 fn release_held(
     dir: &Path,
+    parent: Option<&Path>,
     mut open: Vec<(usize, Arc<ImageWriter>)>,
     engines: Vec<Arc<DevEngine>>,
     t: Instant,
@@ -885,7 +954,7 @@ fn release_held(
             // The last attempt's images are dropped unfinished (their temporary directories go).
             open = engines
                 .iter()
-                .map(|e| Ok((e.ordinal, new_writer(dir, e.ordinal)?)))
+                .map(|e| Ok((e.ordinal, new_writer(dir, e.ordinal, parent)?)))
                 .collect::<Result<_, String>>()?;
             std::thread::sleep(std::time::Duration::from_millis(20 * u64::from(attempt)));
         }
@@ -987,6 +1056,7 @@ fn copy_all(
             .engine
             .checkpoint(sink, false)
             .and_then(|h| h.wait())
+            .inspect_err(after_mismatch)
             .map_err(|err| format!("device {ordinal}: copy: {err}"))?;
         park::beat();
         out.push(DeviceCopy {
@@ -995,7 +1065,7 @@ fn copy_all(
             bytes: r.bytes,
             ms: Some(ms(r.elapsed)),
             sync_ms: Some(sync_ms),
-            ..DeviceCopy::default()
+            ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
         });
     }
     Ok(out)
@@ -1006,11 +1076,15 @@ fn copy_all(
 /// `Some(shadow_mib)`): for a kept checkpoint into `dir`, also start saving the buffers as they
 /// were at the release, while the job runs ([`saved`] waits for it), with that shadow budget
 /// (MiB; `None`: [`shadow_budget`]'s).
-pub fn resume(dir: Option<&str>, save: Option<Option<u64>>) -> Value {
+/// How a kept checkpoint is saved (`ResumeAndSave`): the shadow budget in MiB (`None`: the
+/// job's default) and the earlier image whose unchanged chunks it references.
+pub type Save = (Option<u64>, Option<PathBuf>);
+
+pub fn resume(dir: Option<&str>, save: Option<Save>) -> Value {
     reply(resume_inner(dir.map(Path::new), save))
 }
 
-fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeReply, String> {
+fn resume_inner(dir: Option<&Path>, save: Option<Save>) -> Result<ResumeReply, String> {
     if let Some(d) = dir {
         absolute(d)?;
     }
@@ -1048,8 +1122,8 @@ fn resume_inner(dir: Option<&Path>, save: Option<Option<u64>>) -> Result<ResumeR
     let open = OPEN.lock().take();
     let saving = match (save, open) {
         (None, _) => Vec::new(),
-        (Some(shadow_mib), Some(o)) if o.kept && Some(o.dir.as_path()) == dir => {
-            start_save(&o.dir, shadow_mib)
+        (Some((shadow_mib, parent)), Some(o)) if o.kept && Some(o.dir.as_path()) == dir => {
+            start_save(&o.dir, shadow_mib, parent.or(o.parent).as_deref())
         }
         (Some(_), _) => {
             let why = format!(
@@ -1401,7 +1475,7 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
 /// into a new image under `dir`, a concurrent one: every buffer the shadow budget allows is
 /// copied device to device now, before the job runs (its image is then the state at T0 whatever
 /// the job writes, seen by the hooks or not), the rest by copy-on-write ahead of the job's writes.
-fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
+fn start_save(dir: &Path, shadow_mib: Option<u64>, parent: Option<&Path>) -> Saves {
     set_saving(Saving::Running);
     let engines = engines();
     let mut started = Vec::new();
@@ -1415,7 +1489,7 @@ fn start_save(dir: &Path, shadow_mib: Option<u64>) -> Saves {
             .set_shadow_budget(shadow_mib.map_or_else(|| shadow_budget(e), |m| m << 20));
         e.engine.set_save_order(order.clone());
         let chunk = config::get().tuning.chunk_mib << 20;
-        let begun = new_writer(dir, ordinal).and_then(|writer| {
+        let begun = new_writer(dir, ordinal, parent).and_then(|writer| {
             let sink: Arc<dyn ChunkSink> = writer.clone();
             let spare = SpareSaver::borrow(e, &writer, chunk);
             let saver = spare
@@ -1464,7 +1538,7 @@ fn finish_save(saves: Saves) {
     let mut out = Vec::new();
     let mut failed = None;
     for (ordinal, writer, h, spare) in saves {
-        let r = h.wait();
+        let r = h.wait().inspect_err(after_mismatch);
         // The keeper lets go of the spare (unmapped) before the image cuts and renames it.
         if let Some(s) = spare {
             s.end();
@@ -1491,7 +1565,7 @@ fn finish_save(saves: Saves) {
                     gb_per_s: Some(r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9),
                     job_waited_ms: Some(ms(r.job_waited)),
                     waited_on: Some(waited_on(ordinal, &r.waited_on)),
-                    ..DeviceCopy::default()
+                    ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
                 }),
                 Err(e) => failed = failed.or(Some(e)),
             },

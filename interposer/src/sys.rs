@@ -1,5 +1,5 @@
 //! The unsafe layer towards CUPTI: one of the crate's modules with `unsafe` code (with `load`,
-//! `entry`, `decode`, `cudart`, `drvalloc` and `park_sys`).
+//! `exit`, `entry`, `decode`, `cudart`, `drvalloc` and `park_sys`).
 //!
 //! - CUPTI is loaded with `dlopen` (libloading) at run time and never unloaded; only the three
 //!   functions used are looked up. Nothing of CUDA is needed to build or to load the library.

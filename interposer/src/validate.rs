@@ -14,21 +14,38 @@
 //! The windows and scans of one side are read together: copies queued on a stream of possum's
 //! into a pinned buffer, one wait per 8 MiB ([`Reader`]), not one synchronous copy each.
 //!
+//! With whole buffers (`sample=all`) and the device's engine there, a buffer of the engine's of
+//! [`FP_MIN`] bytes or more is not read to the host: its fingerprints ([`Device::fingerprint`],
+//! 8 MiB chunks) are taken on the device, on the same stream of possum's, and the two sides
+//! compare those (each target is summed the same way on both sides). Its uniformity is told by
+//! the first bytes, read as a window ([`PROBE`]), and by its fingerprints, which must equal those
+//! of a buffer of that one byte: the rule above holds unchanged. Where the device cannot
+//! fingerprint (a driver without the kernel, or that refuses it; a range not aligned to 16
+//! bytes), the buffer is read to the host as before; so is every allocation of the job's own
+//! (possum cannot know it is still mapped, and a kernel reading an unmapped page would fault the
+//! context where a copy fails cleanly). Device memory possum made for its own work (the
+//! kernel's results) is never read: a stale word of the job can make it look like an
+//! allocation of the job's, and possum's own work rewrites it; it counts neither way.
+//!
 //! The whole-buffer checksums see any change a launch made, but only on that launch: a write
 //! that happens only on some launches, or that writes the bytes already there, is not seen, which
 //! is why read-only speculation is off unless `readonly_after` is set (see
 //! [`possum_analyzer::kernel::ValidationConfig::readonly_after`]). Work on other streams during
 //! the launch can only add changes, which makes a kernel opaque wrongly but safely.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use possum_analyzer::kernel::{
-    checksum, find_pointers, sample_windows, uniform_byte, KernelModel, Validation, Verdict,
+    checksum, find_pointers, sample_windows, uniform_byte, KernelModel, Validation, Verdict, WHOLE,
 };
-use possum_cuda::{introspect, CudaStream, PinnedBuf};
-use possum_engine::device::{Device, HostBuffer, StreamPriority};
+use possum_cuda::{introspect, CudaDevice, CudaStream, PinnedBuf};
+use possum_engine::device::{
+    DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
+};
+use possum_engine::fingerprint::{self, Fingerprint};
+use possum_engine::Residency;
 
 use crate::ranges::Resolved;
 use crate::runtime::{DevEngine, Reentry, State};
@@ -39,12 +56,29 @@ const TABLE_SCAN: u64 = 4096;
 /// Bytes of the pinned buffer a validation reads through.
 const BOUNCE: usize = 8 << 20;
 
+/// The chunk of a whole buffer's device fingerprints.
+const FP_CHUNK: u64 = 8 << 20;
+
+/// Whole buffers smaller than this are read to the host all the same: a fingerprint is a launch
+/// and a wait of its own, where small reads share one wait in the bounce buffer.
+const FP_MIN: u64 = 256 << 10;
+
+/// Bytes read at the start of a buffer fingerprinted on the device, on the entry side: whether
+/// they are one byte value, and which ([`sums_of`]).
+const PROBE: u64 = 4096;
+
+/// Set once the device is found unable to fingerprint at all (`Unsupported`: a driver without
+/// the kernel's entry points): whole buffers are read to the host from then on.
+static NO_DEVICE_FINGERPRINTS: AtomicBool = AtomicBool::new(false);
+
 /// Reads device ranges for a validation. With the device's engine there, they are queued
 /// together into a pinned buffer with one wait per buffer-full (a validation of a job with a
 /// hundred buffers reads thousands of sampled windows, each a synchronous copy of ~10 us
 /// otherwise); without it (or if the buffer cannot be made), one synchronous copy each.
 struct Reader<'a> {
     io: Option<parking_lot::MutexGuard<'a, Option<(PinnedBuf, CudaStream)>>>,
+    /// The device's engine, when `io` is there: fingerprints are taken on its stream.
+    eng: Option<&'a DevEngine>,
     scratch: Vec<u8>,
 }
 
@@ -72,9 +106,29 @@ impl<'a> Reader<'a> {
             Some(g)
         });
         Reader {
+            eng: eng.filter(|_| io.is_some()),
             io,
             scratch: Vec::new(),
         }
+    }
+
+    /// Whether `[start, start + len)` lies in one buffer of the engine's that is mapped: memory
+    /// possum maps itself, which the device's fingerprint kernel may read.
+    fn in_mapped_buffer(&self, start: u64, len: u64) -> bool {
+        self.eng
+            .and_then(|e| e.engine.lookup(DevPtr(start)))
+            .is_some_and(|b| {
+                b.residency() == Residency::Mapped && start + len <= b.va().0 + b.size()
+            })
+    }
+
+    /// The device's fingerprints of `[start, start + len)` in [`FP_CHUNK`] chunks, taken on the
+    /// reader's stream of possum's after the synchronisation the caller made; `None` without
+    /// the device's engine.
+    fn fingerprint(&self, start: u64, len: u64) -> Option<DeviceResult<Vec<Fingerprint>>> {
+        let dev: &CudaDevice = self.eng?.engine.device();
+        let (_, stream) = self.io.as_deref()?.as_ref()?;
+        Some(dev.fingerprint(stream, DevPtr(start), len, FP_CHUNK))
     }
 
     /// Reads each `(address, len)` of `ranges`, calling `each(index, bytes)` in order.
@@ -141,19 +195,48 @@ fn read_one(scratch: &mut Vec<u8>, src: u64, len: usize) -> Result<&[u8], String
     Ok(scratch)
 }
 
+/// A target's checksum, taken the same way on both sides of a launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Sum {
+    /// Of its sampled windows (all of it with `sample=all`), read to the host.
+    Host(u64),
+    /// Its fingerprints in [`FP_CHUNK`] chunks, taken on the device: all of it.
+    Device(Vec<Fingerprint>),
+    /// None: device memory of possum's own work ([`CudaDevice::is_own_memory`]), not read.
+    Own,
+}
+
+/// How a target is summed ([`Sum`]'s kind), chosen on the entry side and kept on the exit side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Host,
+    Device,
+    Own,
+}
+
+impl Sum {
+    fn way(&self) -> Way {
+        match self {
+            Sum::Host(_) => Way::Host,
+            Sum::Device(_) => Way::Device,
+            Sum::Own => Way::Own,
+        }
+    }
+}
+
 /// What the entry side saw.
 #[derive(Debug)]
 pub struct Before {
     model: Arc<KernelModel>,
     /// (key, start, len, checksum, constant) of every target; constant: every sampled byte
-    /// equalled the first ([`sum_of`]).
-    sums: Vec<(u64, u64, u64, u64, bool)>,
+    /// equalled the first ([`sums_of`]).
+    sums: Vec<(u64, u64, u64, Sum, bool)>,
     /// The key each slot resolved to (`None`: nothing).
     slot_keys: Vec<Option<u64>>,
     /// For slots whose buffer another slot of the launch also points into: (slot, start, len,
     /// checksum, constant) of a window at the slot's own address. A change of the shared buffer
     /// cannot say which slot wrote; the slot's own window can (see [`own_window`]).
-    slot_windows: Vec<(usize, u64, u64, u64, bool)>,
+    slot_windows: Vec<(usize, u64, u64, Sum, bool)>,
     pointer_table: Option<(usize, u64)>,
     /// The ordinal of the device engine the entry side read through (the exit side reads the
     /// same way).
@@ -168,27 +251,85 @@ fn own_window(start: u64, len: u64, w: u64, sample: u64) -> u64 {
     (start + len).saturating_sub(w).min(sample.max(8))
 }
 
-/// For each `(start, len)` of `targets`: the checksum of its sampled windows, and whether every
-/// sampled byte equals its first sampled byte (vacuously true when nothing is sampled).
+/// For each `(start, len)` of `targets`: its checksum, and whether every sampled byte equals its
+/// first sampled byte (vacuously true when nothing is sampled).
+///
+/// `ways`: on the exit side, how each target was summed on the entry side ([`Sum::way`]): the
+/// same way again, or the side fails (the two sums could not be compared); the constant flag is
+/// not computed then (only the entry side's counts). On the entry side (`None`) a target is
+/// possum's own memory, not read (constant: it counts neither way); or fingerprinted on the
+/// device where [`by_device`] says so and the device can; else read to the host. A
+/// device-fingerprinted target is constant when its first [`PROBE`] bytes are one value and its
+/// fingerprints are those of a buffer of that value ([`all_of_byte`]): every byte of it then is,
+/// as every byte read whole was before.
 fn sums_of(
     st: &State,
     reader: &mut Reader<'_>,
     targets: impl Iterator<Item = (u64, u64)>,
-) -> Result<Vec<(u64, bool)>, String> {
+    ways: Option<&[Way]>,
+) -> Result<Vec<(Sum, bool)>, String> {
+    let cfg = st.validation();
+    let targets: Vec<(u64, u64)> = targets.collect();
+    // The device's fingerprints first: each call waits for its own.
+    let mut chosen: Vec<Way> = Vec::with_capacity(targets.len());
+    let mut fps: Vec<Option<Vec<Fingerprint>>> = Vec::with_capacity(targets.len());
+    for (t, &(start, len)) in targets.iter().enumerate() {
+        let way = match ways {
+            Some(w) => w.get(t).copied().unwrap_or(Way::Host),
+            None if is_own_memory(st, start, len) => Way::Own,
+            None if by_device(cfg.sample_bytes, start, len)
+                && reader.in_mapped_buffer(start, len) =>
+            {
+                Way::Device
+            }
+            None => Way::Host,
+        };
+        let fp = match (way, ways) {
+            (Way::Device, _) => match (reader.fingerprint(start, len), ways) {
+                (Some(Ok(f)), _) => Some(f),
+                // The exit side must take it the entry side's way.
+                (Some(Err(e)), Some(_)) => return Err(format!("device fingerprint: {e}")),
+                (None, Some(_)) => {
+                    return Err("device fingerprint: the device's engine is gone".to_string())
+                }
+                (Some(Err(e)), None) => {
+                    host_instead(&e, reader.eng.map(|e| &**e.engine.device()));
+                    None
+                }
+                (None, None) => None,
+            },
+            _ => None,
+        };
+        chosen.push(match (way, &fp) {
+            (Way::Device, None) => Way::Host,
+            (w, _) => w,
+        });
+        fps.push(fp);
+    }
+    let probe = ways.is_none();
     let mut ranges = Vec::new();
     let mut owner = Vec::new();
-    let mut sums = Vec::new();
-    for (t, (start, len)) in targets.enumerate() {
-        let cfg = &st.cfg.tuning.validation;
-        for (off, l) in sample_windows(len, cfg.sample_bytes, cfg.windows) {
-            // A whole buffer is read a bounce buffer at a time.
-            for (p, pl) in pieces(off, l, BOUNCE as u64) {
-                ranges.push((start + p, pl as usize));
-                owner.push(t);
+    for (t, &(start, len)) in targets.iter().enumerate() {
+        match chosen[t] {
+            Way::Own => {}
+            Way::Device => {
+                if probe {
+                    ranges.push((start, PROBE.min(len) as usize));
+                    owner.push(t);
+                }
+            }
+            Way::Host => {
+                for (off, l) in sample_windows(len, cfg.sample_bytes, cfg.windows) {
+                    // A whole buffer is read a bounce buffer at a time.
+                    for (p, pl) in pieces(off, l, BOUNCE as u64) {
+                        ranges.push((start + p, pl as usize));
+                        owner.push(t);
+                    }
+                }
             }
         }
-        sums.push((0xcbf2_9ce4_8422_2325u64, None::<u8>, true));
     }
+    let mut sums = vec![(0xcbf2_9ce4_8422_2325u64, None::<u8>, true); targets.len()];
     reader.read(&ranges, |i, bytes| {
         let (acc, first, constant) = &mut sums[owner[i]];
         *acc = (*acc ^ checksum(bytes)).wrapping_mul(0x100_0000_01b3);
@@ -196,7 +337,101 @@ fn sums_of(
             *constant = uniform_byte(bytes).is_some_and(|b| *first.get_or_insert(b) == b);
         }
     })?;
-    Ok(sums.into_iter().map(|(acc, _, c)| (acc, c)).collect())
+    Ok(sums
+        .into_iter()
+        .zip(fps)
+        .zip(chosen)
+        .zip(&targets)
+        .map(
+            |((((acc, first, constant), fp), way), &(_, len))| match (way, fp) {
+                (Way::Own, _) => (Sum::Own, true),
+                (_, Some(f)) => {
+                    let uniform =
+                        probe && constant && first.is_some_and(|b| all_of_byte(b, &f, len));
+                    (Sum::Device(f), uniform)
+                }
+                (_, None) => (Sum::Host(acc), constant),
+            },
+        )
+        .collect())
+}
+
+/// Whether `[start, start + len)` overlaps device memory possum made for its own work, on any
+/// device ([`CudaDevice::is_own_memory`]).
+fn is_own_memory(st: &State, start: u64, len: u64) -> bool {
+    st.engine_refs()
+        .any(|e| e.engine.device().is_own_memory(DevPtr(start), len))
+}
+
+/// Whether a target of `len` bytes at `start` is fingerprinted on the device rather than read to
+/// the host, if it lies in a mapped buffer of the engine's ([`Reader::in_mapped_buffer`]): whole
+/// buffers are checksummed, it is large enough to gain ([`FP_MIN`]), and the kernel can read it
+/// (16-byte aligned).
+fn by_device(sample_bytes: u64, start: u64, len: u64) -> bool {
+    sample_bytes == WHOLE
+        && len >= FP_MIN
+        && start % 16 == 0
+        && !NO_DEVICE_FINGERPRINTS.load(Ordering::Relaxed)
+}
+
+/// The device could not fingerprint a target (`e`), which is read to the host instead. Said once
+/// in the log; an `Unsupported` device is not asked again.
+fn host_instead(e: &DeviceError, dev: Option<&CudaDevice>) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if matches!(e, DeviceError::Unsupported(_)) {
+        NO_DEVICE_FINGERPRINTS.store(true, Ordering::Relaxed);
+    }
+    if !SAID.swap(true, Ordering::Relaxed) {
+        let why = dev
+            .and_then(CudaDevice::fingerprint_unavailable)
+            .map(|w| format!(" ({w})"))
+            .unwrap_or_default();
+        crate::log::log(&format!(
+            "validation reads whole buffers to the host where the device cannot fingerprint \
+             them: {e}{why}"
+        ));
+    }
+}
+
+/// Whether `fps`, the fingerprints of `len` bytes in [`FP_CHUNK`] chunks, are those of `len`
+/// bytes of value `b`.
+fn all_of_byte(b: u8, fps: &[Fingerprint], len: u64) -> bool {
+    fps.len() as u64 == len.div_ceil(FP_CHUNK)
+        && fps
+            .iter()
+            .enumerate()
+            .all(|(i, f)| *f == uniform_fingerprint(b, FP_CHUNK.min(len - i as u64 * FP_CHUNK)))
+}
+
+/// The fingerprint of `len` bytes of value `b`, computed on the host once per `(b, len)` (8 MiB
+/// takes a few milliseconds) and kept: a job's buffers come in a few sizes, and both sides of a
+/// launch ask for the same ones.
+fn uniform_fingerprint(b: u8, len: u64) -> Fingerprint {
+    const KEPT: usize = 64;
+    const PIECE: usize = 64 << 10;
+    static MEMO: std::sync::Mutex<Vec<((u8, u64), Fingerprint)>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut memo = MEMO.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, f)) = memo.iter().find(|(k, _)| *k == (b, len)) {
+        return f;
+    }
+    // The sums of pieces add up (each piece's pairs numbered from where it starts).
+    let piece = vec![b; PIECE];
+    let (mut lo, mut hi) = (0u64, 0u64);
+    let mut off = 0u64;
+    while off < len {
+        let n = (PIECE as u64).min(len - off);
+        let (l, h) = fingerprint::sums(&piece[..n as usize], off / 8);
+        lo = lo.wrapping_add(l);
+        hi = hi.wrapping_add(h);
+        off += n;
+    }
+    let f = Fingerprint::from_sums(lo, hi, len);
+    if memo.len() == KEPT {
+        memo.remove(0);
+    }
+    memo.push(((b, len), f));
+    f
 }
 
 /// The entry side, for a launch of `model` whose slots hold `words`. `None` (and the validation
@@ -214,7 +449,7 @@ pub fn begin(
         introspect::ctx_synchronize().map_err(|e| e.to_string())?;
         let mut reader = Reader::new(eng);
         let targets = st.validation_targets(eng);
-        let sums = sums_of(st, &mut reader, targets.iter().map(|t| (t.1, t.2)))?
+        let sums = sums_of(st, &mut reader, targets.iter().map(|t| (t.1, t.2)), None)?
             .into_iter()
             .zip(&targets)
             .map(|((sum, constant), &(key, start, len))| (key, start, len, sum, constant))
@@ -252,15 +487,20 @@ pub fn begin(
                     .map(|(_, &wj)| wj)
                     .min()
                     .unwrap_or(s + l);
-                let n = own_window(s, next - s, w, st.cfg.tuning.validation.sample_bytes);
+                let n = own_window(s, next - s, w, st.validation().sample_bytes);
                 (shared && n > 0).then_some((i, w, n))
             })
             .collect();
-        let slot_windows = sums_of(st, &mut reader, windows.iter().map(|&(_, a, l)| (a, l)))?
-            .into_iter()
-            .zip(&windows)
-            .map(|((sum, constant), &(i, a, l))| (i, a, l, sum, constant))
-            .collect();
+        let slot_windows = sums_of(
+            st,
+            &mut reader,
+            windows.iter().map(|&(_, a, l)| (a, l)),
+            None,
+        )?
+        .into_iter()
+        .zip(&windows)
+        .map(|((sum, constant), &(i, a, l))| (i, a, l, sum, constant))
+        .collect();
         let mut pointer_table = None;
         let reads: Vec<(u64, usize)> = scans.iter().map(|s| s.1).collect();
         reader.read(&reads, |k, bytes| {
@@ -308,9 +548,16 @@ pub fn finish(st: &State, b: Before) {
         // Unchanged, but constant before: no evidence that the launch did not write them.
         let mut constant_keys = Vec::new();
         let mut reader = Reader::new(eng);
-        let after = sums_of(st, &mut reader, b.sums.iter().map(|t| (t.1, t.2)))?;
-        for (&(key, _, _, before, constant), (now, _)) in b.sums.iter().zip(after) {
-            if now != before {
+        let ways: Vec<Way> = b.sums.iter().map(|t| t.3.way()).collect();
+        let after = sums_of(
+            st,
+            &mut reader,
+            b.sums.iter().map(|t| (t.1, t.2)),
+            Some(&ways),
+        )?;
+        for ((key, _, _, before, constant), (now, _)) in b.sums.iter().zip(after) {
+            let (key, constant) = (*key, *constant);
+            if now != *before {
                 changed_keys.push(key);
             } else if constant {
                 constant_keys.push(key);
@@ -329,12 +576,19 @@ pub fn finish(st: &State, b: Before) {
         // A shared buffer that changed: each sharing slot is judged by its own window instead
         // (a reduction whose input and output sit in one segment of the caching allocator must
         // not make its input slot read-write for good).
-        let own = sums_of(st, &mut reader, b.slot_windows.iter().map(|w| (w.1, w.2)))?;
-        for (&(i, _, _, before, constant), (now, _)) in b.slot_windows.iter().zip(own) {
+        let ways: Vec<Way> = b.slot_windows.iter().map(|w| w.3.way()).collect();
+        let own = sums_of(
+            st,
+            &mut reader,
+            b.slot_windows.iter().map(|w| (w.1, w.2)),
+            Some(&ways),
+        )?;
+        for ((i, _, _, before, constant), (now, _)) in b.slot_windows.iter().zip(own) {
+            let (i, constant) = (*i, *constant);
             if !v.slot_changed.contains(i) {
                 continue;
             }
-            if now == before {
+            if now == *before {
                 v.slot_changed.remove(i);
                 if !constant {
                     v.slot_unchanged.insert(i);
@@ -380,7 +634,7 @@ pub fn finish(st: &State, b: Before) {
                     keyed.join(" ")
                 );
             }
-            if let Verdict::Opaque(why) = b.model.record_validation(&v, &st.cfg.tuning.validation) {
+            if let Verdict::Opaque(why) = b.model.record_validation(&v, st.validation()) {
                 c.kernels_made_opaque.fetch_add(1, Ordering::Relaxed);
                 crate::log::log(&format!(
                     "kernel {} is opaque from now on: {why}",
@@ -425,6 +679,46 @@ mod tests {
         let p: Vec<_> = pieces(0, 64 << 20, super::BOUNCE as u64).collect();
         assert_eq!(p.len(), 8);
         assert_eq!(p.iter().map(|x| x.1).sum::<u64>(), 64 << 20);
+    }
+
+    #[test]
+    fn uniform_fingerprints_are_the_definitions() {
+        use super::{all_of_byte, by_device, uniform_fingerprint, FP_CHUNK, FP_MIN};
+        use possum_engine::fingerprint;
+        for (b, len) in [
+            (0u8, 16u64),
+            (0, 100_003),
+            (0xff, 65_536 * 3 + 8),
+            (7, 8 << 20),
+        ] {
+            let bytes = vec![b; len as usize];
+            assert_eq!(
+                uniform_fingerprint(b, len),
+                fingerprint::of(&bytes),
+                "{b} x {len}"
+            );
+            // Kept: the same answer again.
+            assert_eq!(uniform_fingerprint(b, len), fingerprint::of(&bytes));
+        }
+        // A buffer of two chunks and a bit: uniform only if every chunk is.
+        let len = 2 * FP_CHUNK + 4096;
+        let mut bytes = vec![0u8; len as usize];
+        let fps = fingerprint::of_chunks(&bytes, FP_CHUNK as usize);
+        assert!(all_of_byte(0, &fps, len));
+        assert!(!all_of_byte(1, &fps, len));
+        assert!(!all_of_byte(0, &fps[..2], len), "a fingerprint missing");
+        bytes[len as usize - 1] = 1;
+        let fps = fingerprint::of_chunks(&bytes, FP_CHUNK as usize);
+        assert!(
+            !all_of_byte(0, &fps, len),
+            "one byte of the last chunk differs"
+        );
+        // Only whole buffers, large enough, aligned.
+        let whole = possum_analyzer::kernel::WHOLE;
+        assert!(by_device(whole, 0x1000, FP_MIN));
+        assert!(!by_device(whole, 0x1000, FP_MIN - 1));
+        assert!(!by_device(whole, 0x1008, FP_MIN));
+        assert!(!by_device(256 << 10, 0x1000, 64 << 20));
     }
 
     #[test]

@@ -88,7 +88,15 @@ fn a_job_on_a_fake_gpu() {
     let stats = dir.join("stats.json");
     let trace = dir.join("trace.json");
     // Read-only speculation is opt-in (`readonly_after`): on here, to see it earned.
-    let stderr = run_ok::<&str>(&dir, &[], &[("POSSUM_VALIDATE", "readonly_after=2")]);
+    // Read-only speculation needs images proven by fingerprints: the fake driver's kernel on.
+    let stderr = run_ok::<&str>(
+        &dir,
+        &[],
+        &[
+            ("POSSUM_VALIDATE", "readonly_after=2"),
+            ("FAKE_CUDA_FINGERPRINT", "1"),
+        ],
+    );
     assert!(
         stderr.contains("device 0: allocations are served by the engine"),
         "{stderr}"
@@ -179,7 +187,10 @@ fn a_slot_sharing_an_allocation_is_judged_by_its_own_window() {
     run_ok(
         &dir,
         &["shared"],
-        &[("POSSUM_VALIDATE", "first=4,readonly_after=2")],
+        &[
+            ("POSSUM_VALIDATE", "first=4,readonly_after=2"),
+            ("FAKE_CUDA_FINGERPRINT", "1"),
+        ],
     );
     let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];
@@ -207,7 +218,10 @@ fn writes_of_a_constant_earn_no_readonly() {
     run_ok(
         &dir,
         &["fill"],
-        &[("POSSUM_VALIDATE", "first=4,readonly_after=2")],
+        &[
+            ("POSSUM_VALIDATE", "first=4,readonly_after=2"),
+            ("FAKE_CUDA_FINGERPRINT", "1"),
+        ],
     );
 
     let v = read_json(&dir.join("stats.json"));

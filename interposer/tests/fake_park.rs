@@ -31,6 +31,7 @@ fn setup(name: &str) -> Option<PathBuf> {
 fn checkpoint(job: &ParkJob, images: &Path) -> serde_json::Value {
     job.ask(&Request::Checkpoint {
         dir: dir_str(images),
+        parent: None,
     })
 }
 

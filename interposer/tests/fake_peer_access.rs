@@ -113,6 +113,7 @@ fn restored_memory_is_reachable_from_every_peer_device() {
     };
     ask(&Request::Checkpoint {
         dir: images.clone(),
+        parent: None,
     });
     let r = ask(&Request::Release);
     assert_eq!(r["devices"], serde_json::json!([0, 1]), "{r}");

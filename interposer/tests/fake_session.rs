@@ -65,11 +65,13 @@ impl Job {
                 .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
                 .env("FAKE_CUPTI_NO_AUTOFIRE", "1"),
         };
-        // Read-only speculation on (opt-in): A, only read by the job's steps, is then not taken
-        // as written, and the release copies only what the steps write.
+        // Read-only speculation on (it needs images proven by fingerprints: the fake driver's
+        // kernel): A, only read by the job's steps, is then not taken as written, and the
+        // release copies only what the steps write.
         cmd.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
             .env("POSSUM_VALIDATE", "readonly_after=2")
+            .env("FAKE_CUDA_FINGERPRINT", "1")
             .env("POSSUM_RESOLVE", resolve)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -420,6 +422,7 @@ fn session_test(resolve: &str, via: Via) {
     // for its next command; nothing is written meanwhile.
     let r = ctl.ok(&Request::Checkpoint {
         dir: dir_str(&images),
+        parent: None,
     });
     assert_eq!(r["hooks"], true, "{r}");
     let pre = &r["precopy"];
@@ -518,6 +521,7 @@ fn session_test(resolve: &str, via: Via) {
     assert!(m.contains("image directory"), "{m}");
     let m = ctl.refused(&Request::Checkpoint {
         dir: dir_str(&images2),
+        parent: None,
     });
     assert!(m.contains("paused"), "{m}");
     let nowhere = dir.join("no-such-images");
@@ -568,11 +572,13 @@ fn session_test(resolve: &str, via: Via) {
     }
     let m = ctl.refused(&Request::Checkpoint {
         dir: dir_str(&images),
+        parent: None,
     });
     assert!(m.contains("gpu-0"), "an image already there: {m}");
     assert_eq!(ctl.status().0["paused"], false);
     let r = ctl.ok(&Request::Checkpoint {
         dir: dir_str(&images2),
+        parent: None,
     });
     // A new image gets every buffer, not only those written since the last pre-copy round (B
     // and C; that round went into the first image): without A this image could not be resumed.

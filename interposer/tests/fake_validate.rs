@@ -109,6 +109,8 @@ struct Outcome {
     release: Value,
     /// The status's `possum` object at the end.
     possum: Value,
+    /// The job's stderr under possum (`POSSUM_VERBOSE=1`).
+    log: String,
 }
 
 /// Runs `before`, a checkpoint into a new image, `during` (after its pre-copy), the release,
@@ -147,6 +149,7 @@ fn case(
         &dir,
         &Request::Checkpoint {
             dir: images_s.clone(),
+            parent: None,
         },
     );
     assert_eq!(r["precopy"][0]["buffers"], 4, "{r}");
@@ -187,17 +190,24 @@ fn case(
             job.log()
         );
     }
+    let log = job.log();
     drop(job);
     let _ = std::fs::remove_dir_all(&dir);
-    Some(Outcome { release, possum })
+    Some(Outcome {
+        release,
+        possum,
+        log,
+    })
 }
 
 /// One element written at a fixed offset of a 64 MiB buffer (40 MiB in: outside every window a
-/// sampled validation read) by a kernel validated twice, with read-only speculation on: the
-/// whole-buffer checksums see the write, so the slot stays read-write, the write after the
-/// pre-copy marks the buffer written and the release copies it.
+/// sampled validation read) by a kernel validated twice, read-only speculation asked for, on a
+/// driver that refuses the fingerprint kernel (no `FAKE_CUDA_FINGERPRINT`): without fingerprints
+/// no image could be proven, so no slot is speculated read-only; every buffer a kernel names
+/// counts as written, and the release copies X (only read), Y (written after the pre-copy) and
+/// F (the flag, written on some steps), as a strict run does.
 #[test]
-fn a_single_element_written_at_a_fixed_offset_is_seen() {
+fn without_fingerprints_nothing_is_speculated_read_only() {
     let Some(o) = case(
         "fixed",
         &[("POSSUM_VALIDATE", "readonly_after=2")],
@@ -207,14 +217,52 @@ fn a_single_element_written_at_a_fixed_offset_is_seen() {
     ) else {
         return;
     };
-    let fin = &o.release["final"][0];
+    assert_eq!(o.release["final"][0]["buffers"], 3, "{}", o.release);
+    assert_eq!(o.possum["counters"]["validation_errors"], 0, "{}", o.possum);
+    assert!(o.log.contains("no read-only speculation"), "{}", o.log);
+}
+
+/// One element written at a fixed offset of a 64 MiB buffer (40 MiB in: outside every window a
+/// sampled validation read) by a kernel validated twice, with read-only speculation on and the
+/// fingerprint kernel (`FAKE_CUDA_FINGERPRINT`: the fake driver runs it on the CPU): X and Y are
+/// fingerprinted whole on the device, which sees the write, so the slot stays read-write, the
+/// write after the pre-copy marks the buffer written and the release copies it.
+#[test]
+fn whole_buffers_are_fingerprinted_on_the_device() {
+    let Some(o) = case(
+        "fixed-device",
+        &[
+            ("POSSUM_VALIDATE", "readonly_after=2"),
+            ("FAKE_CUDA_FINGERPRINT", "1"),
+        ],
+        &["step 3"],
+        &["step 1"],
+        &[],
+    ) else {
+        return;
+    };
+    fixed_offset_verdicts(&o);
+    // At most Y: an engine that proves parts of it unchanged by their fingerprints copies less.
+    assert!(
+        o.release["final"][0]["bytes"].as_u64().unwrap() <= BIG,
+        "{}",
+        o.release
+    );
+    assert!(!o.log.contains(HOST_INSTEAD), "{}", o.log);
+}
+
+/// The verdicts of [`a_single_element_written_at_a_fixed_offset_is_seen`].
+fn fixed_offset_verdicts(o: &Outcome) {
     // Y (poke's output) was written after the pre-copy (step 4). X earned read-only; so did F
     // (flag wrote it at step 3 only, not on its validated steps 1 and 2: the residual risk of
     // read-only speculation, which is why it is opt-in; no step during the checkpoint writes F).
-    assert_eq!(fin["buffers"], 1, "{}", o.release);
-    assert_eq!(fin["bytes"], BIG, "{}", o.release);
+    assert_eq!(o.release["final"][0]["buffers"], 1, "{}", o.release);
     assert_eq!(o.possum["counters"]["validations"], 4, "{}", o.possum);
+    assert_eq!(o.possum["counters"]["validation_errors"], 0, "{}", o.possum);
 }
+
+/// What possum logs when the device cannot fingerprint whole buffers (validate.rs).
+const HOST_INSTEAD: &str = "validation reads whole buffers to the host";
 
 /// A kernel that writes its flag only on some launches (step 3 of every 4), validated on launches
 /// that did not write it: with the default settings no slot is ever read-only, so the write during
@@ -310,6 +358,7 @@ fn a_fault_on_the_write_path_undoes_the_checkpoint() {
         &dir,
         &Request::Checkpoint {
             dir: images.to_str().unwrap().into(),
+            parent: None,
         },
     );
     assert_eq!(r["precopy"][0]["buffers"], 4, "{r}");
@@ -336,6 +385,7 @@ fn a_fault_on_the_write_path_undoes_the_checkpoint() {
         &dir,
         &Request::Checkpoint {
             dir: images2_s.clone(),
+            parent: None,
         },
     );
     assert_eq!(job.run(cmds[3]), "done 4");

@@ -240,6 +240,7 @@ fn session(
 ) -> Value {
     let r = ctl.ok(&Request::Checkpoint {
         dir: images.to_str().unwrap().to_string(),
+        parent: None,
     });
     assert_eq!(r["hooks"], true, "{r}");
     job.send(&format!("op {name} 1"));
@@ -401,7 +402,10 @@ fn an_opaque_launch_on_another_device_marks_every_device() {
 /// of `v` before T0 is in the image, that of `v + 1` sent while paused is held until the resume.
 fn held_session(job: &mut Job, ctl: &Ctl, images: &Path, v: u32, hooks: bool) {
     let dir = images.to_str().unwrap().to_string();
-    let r = ctl.ok(&Request::Checkpoint { dir: dir.clone() });
+    let r = ctl.ok(&Request::Checkpoint {
+        dir: dir.clone(),
+        parent: None,
+    });
     assert_eq!(r["hooks"], hooks, "{r}");
     job.send(&format!("op next {v}"));
     job.expect("did next");
@@ -467,7 +471,10 @@ fn a_held_copy_waits_for_every_devices_queued_work() {
     job.expect("did next");
     let images = dir.join("images");
     let d = images.to_str().unwrap().to_string();
-    let r = ctl.ok(&Request::Checkpoint { dir: d.clone() });
+    let r = ctl.ok(&Request::Checkpoint {
+        dir: d.clone(),
+        parent: None,
+    });
     assert_eq!(r["hooks"], false, "{r}");
     job.send("op queued 1");
     job.expect("did queued");

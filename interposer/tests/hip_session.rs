@@ -175,6 +175,7 @@ fn session(dir: &Path, code: &Path) -> Option<Value> {
         dir,
         &Request::Checkpoint {
             dir: img.display().to_string(),
+            parent: None,
         },
     );
     assert!(ck.get("error").is_none(), "{ck}");
@@ -312,6 +313,7 @@ fn a_hip_job_with_memory_possum_does_not_serve_is_refused_and_runs_on() {
             &dir.join("sockets"),
             &Request::Checkpoint {
                 dir: img.display().to_string(),
+                parent: None,
             },
             WAIT,
         );

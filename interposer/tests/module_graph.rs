@@ -1,20 +1,20 @@
-//! The interposer's modules form layers: no import cycle spans more than three files of `src/`.
+//! The interposer's modules form layers: no import cycle, between any two modules of `src/`.
 //!
-//! Each file of `src/` is a node, and so is each directory of `src/` with a `mod.rs` (all its
-//! files one node, named by the directory: `super::` at the top level of one of them names the
-//! directory's module itself); an edge `a -> b` is a path in `a` that names `b`:
-//! `crate::b::..`, an entry `b` of a `use crate::{..}` group, or an item of the crate root
-//! (`crate::log`, `crate::init`: an edge to `lib.rs`). In `lib.rs` a path `b::..` names the module
-//! `b` too (its `mod b;` declarations do not count). `super::` inside a file's inline `mod` names
-//! that file; at a file's top level it names `lib.rs`. Comments and string literals are skipped.
-//! The strongly connected components of that graph are printed, and each must have at most three
-//! files.
+//! Each file of `src/` is a node, those of its directories included (`hip/front.rs` is the
+//! module `hip/front`, `hip/mod.rs` the module `hip`); an edge `a -> b` is a path in `a` that
+//! names `b`: `crate::b::..`, each entry of a `use crate::{..}` group (`crate::{b, c::{d, e}}`
+//! names `b`, `c/d` and `c/e` where those are modules, `c` where they are its items), or an item
+//! of the crate root (`crate::init`: an edge to `lib.rs`). A path names the longest module it
+//! starts with. `super::` at a file's top level starts at its parent module (`super::front::F` in
+//! `hip/entry.rs` names `hip/front`; `super::x` in `entry.rs` an item of `lib.rs`), and inside
+//! one of its inline `mod`s names that file. In a file with child modules (`lib.rs`, a `mod.rs`)
+//! a path `child::..` names the child too (its `mod child;` declarations do not count).
+//! Comments and string literals are skipped. The strongly connected components of that graph and
+//! the layers are printed, and every component must be a single file: a module calls only
+//! modules below it, and what must call upwards is handed a function.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-
-/// The largest strongly connected component allowed, in files.
-const MAX_CYCLE: usize = 3;
 
 /// `src` with comments, string and character literals blanked out (newlines kept).
 fn strip(src: &str) -> String {
@@ -143,66 +143,34 @@ fn word_at(b: &[u8], i: usize, word: &str) -> bool {
         && b.get(i + w.len()).is_none_or(|&c| !is_ident(c))
 }
 
-/// The first names of the entries of the `{..}` group starting at `b[i] == '{'`.
-fn group_heads(b: &[u8], i: usize) -> Vec<String> {
-    let mut heads = Vec::new();
-    let mut depth = 0;
-    let mut expect = true;
-    let mut k = i;
-    while k < b.len() {
-        match b[k] {
-            b'{' => {
-                depth += 1;
-                if depth == 1 {
-                    expect = true;
-                }
-            }
-            b'}' => {
-                depth -= 1;
-                if depth == 0 {
-                    break;
-                }
-            }
-            b',' if depth == 1 => expect = true,
-            c if depth == 1 && expect && is_ident(c) => {
-                let (name, next) = ident_at(b, k);
-                heads.push(name);
-                expect = false;
-                k = next;
-                continue;
-            }
-            _ => {}
-        }
-        k += 1;
-    }
-    heads
-}
+/// The module a file is: its path under `src/` without `.rs`, a `mod.rs` named by its directory
+/// (`lib`, `entry`, `hip`, `hip/front`).
+type Module = String;
 
-/// The files (stems) that `file` names; `modules` are the stems of `src/*.rs` other than `lib`.
-fn references(file: &str, text: &str, modules: &BTreeSet<String>) -> BTreeSet<String> {
-    references_in(file, text, modules, false)
-}
-
-/// [`references`] of a file of directory module `file` (`nested`): its top-level `super::`
-/// names that module.
-fn references_in(
-    file: &str,
-    text: &str,
-    modules: &BTreeSet<String>,
-    nested: bool,
-) -> BTreeSet<String> {
+/// The modules that a file of module `file` names; `modules` are every module of `src/` but
+/// `lib`. Paths are resolved to the longest module they start with: `crate::hip::front::made`
+/// names `hip/front`, `crate::init` names `lib`.
+fn references(file: &str, text: &str, modules: &BTreeSet<Module>) -> BTreeSet<Module> {
     let code = strip(text);
     let b = code.as_bytes();
     let mut out = BTreeSet::new();
-    let mut name_of = |head: &str| {
-        if head == "self" || head.is_empty() {
-            return;
-        }
-        out.insert(if modules.contains(head) {
-            head.to_string()
+    // The module whose children bare paths (`front::made` in `hip/mod.rs`) and `super::` name.
+    let here: Vec<&str> = if file == "lib" {
+        Vec::new()
+    } else {
+        file.split('/').collect()
+    };
+    let parent: Vec<&str> = here[..here.len().saturating_sub(1)].to_vec();
+    // Whether the file has child modules (`lib.rs`, a `mod.rs`): then `child::..` names one.
+    let parent_of_children = {
+        let prefix = if here.is_empty() {
+            String::new()
         } else {
-            "lib".to_string()
-        });
+            format!("{}/", here.join("/"))
+        };
+        modules
+            .iter()
+            .any(|x| x.starts_with(&prefix) && x.len() > prefix.len())
     };
     // Inline `mod x {` blocks: the brace depths where they were opened.
     let mut depth = 0usize;
@@ -237,57 +205,126 @@ fn references_in(
             i = next;
             continue;
         }
-        let prefix = if word_at(b, i, "crate") {
-            Some(("crate", 5))
-        } else if word_at(b, i, "super") {
-            Some(("super", 5))
+        let base: Option<(Vec<&str>, usize)> = if word_at(b, i, "crate") {
+            Some((Vec::new(), i + 5))
+        } else if word_at(b, i, "super") && inline_mods.is_empty() {
+            Some((parent.clone(), i + 5))
+        } else if word_at(b, i, "self") && inline_mods.is_empty() {
+            Some((here.clone(), i + 4))
+        } else if word_at(b, i, "super") || word_at(b, i, "self") {
+            // `super::` or `self::` inside an inline module: this very file.
+            i += 4;
+            continue;
+        } else if parent_of_children
+            && is_ident(b[i])
+            && (i == 0 || !is_ident(b[i - 1]))
+            && !code[..i].trim_end().ends_with("::")
+        {
+            // In `lib.rs` or a `mod.rs`, `child::..` (not after another `::`, which would be a
+            // path inside something else).
+            let (name, next) = ident_at(b, i);
+            let child: Vec<&str> = here.iter().copied().chain([name.as_str()]).collect();
+            if b[next..].starts_with(b"::") && modules.contains(&child.join("/")) {
+                Some((here.clone(), i))
+            } else {
+                i = next;
+                continue;
+            }
         } else {
             None
         };
-        if let Some((kw, len)) = prefix {
-            let after = i + len;
-            if !b[after..].starts_with(b"::") {
-                i = after;
-                continue;
-            }
-            let at_root = kw == "crate" || inline_mods.is_empty();
-            if !at_root || (kw == "super" && nested) {
-                // `super::` inside an inline module: this very file.
-                i = after + 2;
-                continue;
-            }
-            let mut k = after + 2;
-            while k < b.len() && b[k].is_ascii_whitespace() {
-                k += 1;
-            }
-            if b.get(k) == Some(&b'{') {
-                for h in group_heads(b, k) {
-                    name_of(&h);
-                }
-            } else if b.get(k) == Some(&b'*') {
-                name_of("lib");
-            } else {
-                let (head, _) = ident_at(b, k);
-                name_of(&head);
-            }
-            i = k;
+        let Some((base, after)) = base else {
+            i += 1;
             continue;
-        }
-        if file == "lib" && is_ident(b[i]) && (i == 0 || !is_ident(b[i - 1])) {
-            // In lib.rs, `module::..` (not after another `::`, which would be a path inside
-            // something else).
-            let (name, next) = ident_at(b, i);
-            let before = code[..i].trim_end();
-            if b[next..].starts_with(b"::") && modules.contains(&name) && !before.ends_with("::") {
-                name_of(&name);
-            }
-            i = next;
+        };
+        // `crate` and `super` are followed by `::`; a bare child path starts at its name.
+        let at = if b[after..].starts_with(b"::") {
+            after + 2
+        } else if after == i {
+            after
+        } else {
+            i = after;
             continue;
-        }
-        i += 1;
+        };
+        let mut found = Vec::new();
+        let end = use_tree(b, at, &base, modules, &mut found);
+        out.extend(found);
+        i = end.max(i + 1);
     }
     out.remove(file);
     out
+}
+
+/// Reads the path or `use` tree at `b[at..]` (after `base::`), adding the module each of its
+/// paths names to `out`; the index after it.
+fn use_tree(
+    b: &[u8],
+    at: usize,
+    base: &[&str],
+    modules: &BTreeSet<Module>,
+    out: &mut Vec<Module>,
+) -> usize {
+    let mut segs: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+    let mut k = at;
+    loop {
+        while k < b.len() && b[k].is_ascii_whitespace() {
+            k += 1;
+        }
+        if b.get(k) == Some(&b'{') {
+            // A group: each entry a tree of its own under the path so far.
+            let prefix: Vec<&str> = segs.iter().map(String::as_str).collect();
+            k += 1;
+            loop {
+                while k < b.len() && (b[k].is_ascii_whitespace() || b[k] == b',') {
+                    k += 1;
+                }
+                if k >= b.len() || b[k] == b'}' {
+                    return k + 1;
+                }
+                let next = use_tree(b, k, &prefix, modules, out);
+                if next <= k {
+                    return k + 1;
+                }
+                k = next;
+            }
+        }
+        if b.get(k) == Some(&b'*') {
+            k += 1;
+            break;
+        }
+        let (name, next) = ident_at(b, k);
+        if name.is_empty() {
+            break;
+        }
+        if name != "self" {
+            segs.push(name);
+        }
+        k = next;
+        if b[k..].starts_with(b"::") {
+            k += 2;
+        } else {
+            break;
+        }
+    }
+    out.push(longest_module(&segs, modules));
+    // `.. as name`: the name is no path.
+    let mut j = k;
+    while j < b.len() && b[j].is_ascii_whitespace() {
+        j += 1;
+    }
+    if j < b.len() && word_at(b, j, "as") {
+        k = ident_at(b, j + 2).1;
+    }
+    k
+}
+
+/// The longest module that path `segs` (from the crate root) starts with; `lib` if none.
+fn longest_module(segs: &[String], modules: &BTreeSet<Module>) -> Module {
+    (1..=segs.len())
+        .rev()
+        .map(|n| segs[..n].join("/"))
+        .find(|m| modules.contains(m))
+        .unwrap_or_else(|| "lib".to_string())
 }
 
 /// Tarjan's strongly connected components of `graph`.
@@ -390,48 +427,43 @@ fn layers(graph: &BTreeMap<String, BTreeSet<String>>, comps: &[Vec<String>]) -> 
     out
 }
 
-/// The file graph of `dir/*.rs`.
-fn graph_of(dir: &Path) -> BTreeMap<String, BTreeSet<String>> {
-    let rs_files = |d: &Path| -> Vec<PathBuf> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(d)
+/// The modules of `src/` (see [`Module`]) and their files, those of its directories included.
+fn modules_of(src: &Path) -> BTreeMap<Module, PathBuf> {
+    fn walk(dir: &Path, prefix: &str, out: &mut BTreeMap<Module, PathBuf>) {
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
             .expect("src/")
             .map(|e| e.expect("entry").path())
-            .filter(|p| p.extension().is_some_and(|e| e == "rs"))
             .collect();
-        files.sort();
-        files
-    };
-    let files = rs_files(dir);
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
-        .expect("src/")
-        .map(|e| e.expect("entry").path())
-        .filter(|p| p.join("mod.rs").is_file())
-        .collect();
-    dirs.sort();
-    let stem = |p: &Path| p.file_stem().unwrap().to_string_lossy().into_owned();
-    let modules: BTreeSet<String> = files
-        .iter()
-        .chain(&dirs)
-        .map(|p| stem(p))
-        .filter(|s| s != "lib")
-        .collect();
-    let mut graph: BTreeMap<String, BTreeSet<String>> = files
-        .iter()
-        .map(|p| {
-            let text = std::fs::read_to_string(p).expect("read");
-            (stem(p), references(&stem(p), &text, &modules))
-        })
-        .collect();
-    for d in &dirs {
-        let name = stem(d);
-        let mut refs = BTreeSet::new();
-        for f in rs_files(d) {
-            let text = std::fs::read_to_string(&f).expect("read");
-            refs.extend(references_in(&name, &text, &modules, true));
+        entries.sort();
+        for p in entries {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            if p.is_dir() {
+                walk(&p, &format!("{prefix}{name}/"), out);
+            } else if let Some(stem) = name.strip_suffix(".rs") {
+                let module = match stem {
+                    "mod" => prefix.trim_end_matches('/').to_string(),
+                    _ => format!("{prefix}{stem}"),
+                };
+                out.insert(module, p);
+            }
         }
-        graph.insert(name, refs);
     }
-    graph
+    let mut out = BTreeMap::new();
+    walk(src, "", &mut out);
+    out
+}
+
+/// The module graph of `src/`: each module's set of the modules it names.
+fn graph_of(src: &Path) -> BTreeMap<Module, BTreeSet<Module>> {
+    let files = modules_of(src);
+    let modules: BTreeSet<Module> = files.keys().filter(|m| *m != "lib").cloned().collect();
+    files
+        .iter()
+        .map(|(m, p)| {
+            let text = std::fs::read_to_string(p).expect("read");
+            (m.clone(), references(m, &text, &modules))
+        })
+        .collect()
 }
 
 /// One cycle through `comp` (for the message): a path from its first file back to it.
@@ -472,7 +504,7 @@ fn a_cycle(graph: &BTreeMap<String, BTreeSet<String>>, comp: &[String]) -> Vec<S
 }
 
 #[test]
-fn no_import_cycle_spans_more_than_three_files() {
+fn no_import_cycle() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let graph = graph_of(&src);
     let comps = components(&graph);
@@ -481,52 +513,58 @@ fn no_import_cycle_spans_more_than_three_files() {
     }
     let mut failed = Vec::new();
     for c in comps.iter().filter(|c| c.len() > 1) {
-        println!("cycle of {} files: {}", c.len(), c.join(", "));
-        if c.len() > MAX_CYCLE {
-            let edges: Vec<String> = c
-                .iter()
-                .flat_map(|a| {
-                    graph[a]
-                        .iter()
-                        .filter(|b| c.contains(b))
-                        .map(move |b| format!("{a} -> {b}"))
-                })
-                .collect();
-            failed.push(format!(
-                "{} files: {}\n  e.g. {}\n  edges: {}",
-                c.len(),
-                c.join(", "),
-                a_cycle(&graph, c).join(" -> "),
-                edges.join(", ")
-            ));
-        }
+        let edges: Vec<String> = c
+            .iter()
+            .flat_map(|a| {
+                graph[a]
+                    .iter()
+                    .filter(|b| c.contains(b))
+                    .map(move |b| format!("{a} -> {b}"))
+            })
+            .collect();
+        failed.push(format!(
+            "{} modules: {}\n  e.g. {}\n  edges: {}",
+            c.len(),
+            c.join(", "),
+            a_cycle(&graph, c).join(" -> "),
+            edges.join(", ")
+        ));
     }
     assert!(
         failed.is_empty(),
-        "import cycles over {MAX_CYCLE} files in src/:\n{}",
+        "import cycles in src/:\n{}",
         failed.join("\n")
     );
 }
 
 #[test]
 fn the_checker_sees_paths_groups_and_root_items() {
-    let modules: BTreeSet<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
+    let set = |xs: &[&str]| -> BTreeSet<String> { xs.iter().map(|s| s.to_string()).collect() };
+    let modules = set(&["a", "b", "c", "d", "d/front", "d/back"]);
     let text = r#"
         //! Docs name [`crate::d`], which does not count.
-        use crate::{a::{X, Y}, b};
+        use crate::{a::{X, Y}, b, d::{self as dd, front::F}};
         fn f() { crate::log("crate::d"); let _ = '"'; }
         mod tests { use super::*; }
     "#;
-    let refs = references("c", text, &modules);
-    let want: BTreeSet<String> = ["a", "b", "lib"].iter().map(|s| s.to_string()).collect();
-    assert_eq!(refs, want);
-    let lib = "mod a;\npub use b::Thing;\nfn g() { c::h(); std::a::x(); }";
-    let want: BTreeSet<String> = ["b", "c"].iter().map(|s| s.to_string()).collect();
-    assert_eq!(references("lib", lib, &modules), want);
-    // A file of directory module `d`: its `super::` names `d` itself.
-    let nested = "use super::front::F;\nfn g() { crate::a::h(); }";
-    let want: BTreeSet<String> = ["a"].iter().map(|s| s.to_string()).collect();
-    assert_eq!(references_in("d", nested, &modules, true), want);
+    assert_eq!(
+        references("c", text, &modules),
+        set(&["a", "b", "d", "d/front", "lib"])
+    );
+    let lib = "mod a;\npub use b::Thing;\nfn g() { c::h(); std::a::x(); d::back::y(); }";
+    assert_eq!(references("lib", lib, &modules), set(&["b", "c", "d/back"]));
+    // A file of directory module `d`: its `super::` starts at `d`.
+    let nested = "use super::front::F;\nfn g() { crate::a::h(); super::helper(); }";
+    assert_eq!(
+        references("d/back", nested, &modules),
+        set(&["a", "d", "d/front"])
+    );
+    // `d/mod.rs`: its children by bare paths, its `super::` the crate root.
+    let dir = "pub mod front;\nfn g() { front::h(); super::init(); self::back::x(); }";
+    assert_eq!(
+        references("d", dir, &modules),
+        set(&["d/back", "d/front", "lib"])
+    );
 
     let mut graph = BTreeMap::new();
     for (a, bs) in [
@@ -535,7 +573,7 @@ fn the_checker_sees_paths_groups_and_root_items() {
         ("c", vec!["a"]),
         ("d", vec!["a"]),
     ] {
-        graph.insert(a.to_string(), bs.iter().map(|s| s.to_string()).collect());
+        graph.insert(a.to_string(), set(&bs));
     }
     let comps = components(&graph);
     assert!(comps.contains(&vec!["a".to_string(), "b".to_string(), "c".to_string()]));

@@ -25,6 +25,9 @@ pub struct Server {
     inner: Arc<Inner>,
 }
 
+/// What a request is answered with: the reply, and the descriptor sent with it if any.
+type Answer = Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError>;
+
 #[derive(Debug)]
 struct Inner {
     listener: UnixListener,
@@ -277,17 +280,13 @@ impl Inner {
         &self,
         id: u64,
         allowed: impl FnOnce(&Alloc) -> Result<(), KeeperError>,
-    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+    ) -> Answer {
         self.fd_of(id, allowed, |a| Ok(a.mem.export()?))
     }
 
     /// A duplicate of allocation `id`'s shared fd (made at the first), if `allowed`; reply like
     /// `alloc`'s.
-    fn shared_fd(
-        &self,
-        id: u64,
-        allowed: impl FnOnce(&Alloc) -> bool,
-    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+    fn shared_fd(&self, id: u64, allowed: impl FnOnce(&Alloc) -> bool) -> Answer {
         let allowed = |a: &Alloc| {
             allowed(a)
                 .then_some(())
@@ -311,7 +310,7 @@ impl Inner {
         id: u64,
         allowed: impl FnOnce(&Alloc) -> Result<(), KeeperError>,
         fd: impl FnOnce(&mut Alloc) -> Result<std::os::fd::OwnedFd, KeeperError>,
-    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+    ) -> Answer {
         let mut st = self.lock();
         let a = st
             .allocs
@@ -404,34 +403,11 @@ impl Inner {
         }
     }
 
-    fn handle(
-        self: &Arc<Self>,
-        req: Request,
-        pid: i32,
-        mut fds: Vec<std::os::fd::OwnedFd>,
-    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
-        let ok = json!({ "ok": true });
+    /// The answer to one request of process `pid`, with the descriptors that came with it: a
+    /// reply and the descriptor to send with it, if any.
+    fn handle(self: &Arc<Self>, req: Request, pid: i32, fds: Vec<std::os::fd::OwnedFd>) -> Answer {
         match req {
-            Request::Retained { pid: of } => {
-                let now = Instant::now();
-                let st = self.lock();
-                let allocs: Vec<RetainedAlloc> = st
-                    .allocs
-                    .iter()
-                    .filter(|(_, a)| a.retained && a.pid == of)
-                    .map(|(&id, a)| RetainedAlloc {
-                        id,
-                        size: a.mem.size(),
-                        epoch: a.epoch,
-                        hold_secs: a
-                            .hold_until
-                            .map_or(0, |t| t.saturating_duration_since(now).as_secs()),
-                        pid: a.pid,
-                        va: a.va,
-                    })
-                    .collect();
-                Ok((json!(Retained { allocs }), None))
-            }
+            Request::Retained { pid: of } => self.retained(of),
             Request::Dup { id } => self.another_fd(id, |a| {
                 if a.retained {
                     Ok(())
@@ -448,235 +424,308 @@ impl Inner {
                 owner,
                 instance,
             } => self.shared_fd(id, |a| a.pid == owner && instance == self.instance),
-            Request::Identify => {
-                let [fd] = <[_; 1]>::try_from(fds).map_err(|fds| KeeperError::Protocol {
-                    request: "identify",
-                    detail: format!("{} descriptors came with it, not 1", fds.len()),
-                })?;
-                use std::os::fd::AsFd;
-                let st = self.lock();
-                let identified = st.allocs.iter().find_map(|(&id, a)| {
-                    let shared = a.shared.as_ref()?;
-                    fdpass::same_file(shared.as_fd(), fd.as_fd()).then(|| crate::Identified {
-                        id,
-                        size: a.mem.size(),
-                        owner: a.pid,
-                        instance: self.instance,
-                    })
-                });
-                Ok((json!(crate::Identify { identified }), None))
-            }
-            Request::Adopt(a) => {
-                if fds.len() != 1 {
-                    return Err(KeeperError::Protocol {
-                        request: "adopt",
-                        detail: format!("{} descriptors came with it, not 1", fds.len()),
-                    });
-                }
-                let fd = fds.remove(0);
-                let dev = self.dev()?;
-                // Adopted, not imported: the driver exports no imported handle again, and this
-                // keeper must hand the memory out (reclaim, dup) like its own.
-                let mem = dev.adopt(fd, a.size)?;
-                let mut st = self.lock();
-                if st.allocs.contains_key(&a.id) {
-                    return Err(KeeperError::Protocol {
-                        request: "adopt",
-                        detail: format!("allocation {} exists here already", a.id),
-                    });
-                }
-                st.next_id = st.next_id.max(a.id);
-                st.allocs.insert(
-                    a.id,
-                    Alloc {
-                        mem,
-                        pid: a.pid,
-                        retained: true,
-                        epoch: a.epoch,
-                        hold_until: hold_until(a.hold_secs),
-                        va: a.va,
-                        shared: None,
-                    },
-                );
-                Ok((ok, None))
-            }
-            Request::Alloc { size } => {
-                let dev = self.dev()?;
-                let g = dev.granularity();
-                let rounded =
-                    size.max(1)
-                        .checked_next_multiple_of(g)
-                        .ok_or(KeeperError::Protocol {
-                            request: "alloc",
-                            detail: format!("size {size} too large"),
-                        })?;
-                let mem = self.create(dev, rounded)?;
-                let fd = mem.export()?;
-                let id = self.lock().insert(Alloc {
-                    mem,
-                    pid,
-                    retained: false,
-                    epoch: 0,
-                    hold_until: None,
-                    va: None,
-                    shared: None,
-                });
-                let a = Allocated {
-                    id,
-                    size: rounded,
-                    device: dev.uuid().ok().map(|u| crate::uuid_hex(&u)),
-                };
-                Ok((json!(a), Some(fd)))
-            }
-            Request::Free { id } => {
-                let removed = self.lock().allocs.remove(&id);
-                removed.ok_or(KeeperError::NoSuchAllocation(id))?;
-                Ok((ok, None))
-            }
+            Request::Identify => self.identify(fds),
+            Request::Adopt(a) => self.adopt(&a, fds),
+            Request::Alloc { size } => self.alloc(size, pid),
+            Request::Free { id } => self.free(id),
             Request::Retain {
                 id,
                 epoch,
                 hold_secs,
                 va,
-            } => {
-                let mut st = self.lock();
-                let a = st
-                    .allocs
-                    .get_mut(&id)
-                    .ok_or(KeeperError::NoSuchAllocation(id))?;
-                if a.pid != pid {
-                    return Err(KeeperError::NoSuchAllocation(id));
-                }
-                a.retained = true;
-                a.epoch = epoch;
-                a.hold_until = hold_until(hold_secs);
-                a.va = va;
-                Ok((ok, None))
-            }
-            Request::Reclaim { id, epoch } => {
-                let mut st = self.lock();
-                let a = st
-                    .allocs
-                    .get_mut(&id)
-                    .ok_or(KeeperError::NoSuchAllocation(id))?;
-                // Only the process that retained it takes it back (a job restored by CRIU has
-                // its pid again).
-                if !a.retained || a.pid != pid {
-                    return Err(KeeperError::NotRetained(id));
-                }
-                if a.epoch != epoch {
-                    return Err(KeeperError::OtherEpoch(id));
-                }
-                let fd = a.mem.export()?;
-                a.retained = false;
-                a.hold_until = None;
-                let r = Allocated {
-                    id,
-                    size: a.mem.size(),
-                    device: None,
-                };
-                Ok((json!(r), Some(fd)))
-            }
-            Request::ReleaseRetained { id, epoch } => {
-                let mut st = self.lock();
-                match st.allocs.get(&id) {
-                    None => return Err(KeeperError::NoSuchAllocation(id)),
-                    Some(a) if !a.retained => return Err(KeeperError::NotRetained(id)),
-                    Some(a) if epoch.is_some_and(|e| e != a.epoch) => {
-                        return Err(KeeperError::OtherEpoch(id))
-                    }
-                    Some(_) => {}
-                }
-                let removed = st.allocs.remove(&id);
-                drop(st);
-                drop(removed);
-                Ok((ok, None))
-            }
+            } => self.retain(id, pid, epoch, hold_secs, va),
+            Request::Reclaim { id, epoch } => self.reclaim(id, pid, epoch),
+            Request::ReleaseRetained { id, epoch } => self.release_retained(id, epoch),
             Request::Stats => Ok((json!(self.stats()), None)),
-            Request::Reap => {
-                let (freed, freed_bytes) = self.free_orphans_of_dead();
-                Ok((
-                    json!({"ok": true, "freed": freed, "freed_bytes": freed_bytes}),
-                    None,
-                ))
-            }
+            Request::Reap => self.reap(),
             Request::Stage {
                 pid: of,
                 image,
                 hold_secs,
                 from,
             } => self.stage(of, &image, hold_secs, from.as_ref()),
-            Request::SpareTake { dir } => {
-                let lease = self
-                    .spares()?
-                    .take(Path::new(&dir), pid)
-                    .map_err(KeeperError::Spare)?;
-                Ok((json!(lease), None))
-            }
-            Request::SpareFill(f) => {
-                let sp = self.spares()?;
-                let spare = sp.lent(f.drain, pid).map_err(KeeperError::Spare)?;
-                let dev = self.dev()?;
-                let src = {
-                    let st = self.lock();
-                    match st.allocs.get(&f.alloc) {
-                        Some(a) if a.pid == pid => dev.map_owned(&a.mem)?,
-                        _ => return Err(KeeperError::NoSuchAllocation(f.alloc)),
-                    }
-                };
-                let crcs = sp
-                    .fill(dev, &spare, &Arc::new(src), &f)
-                    .map_err(KeeperError::Spare)?;
-                Ok((json!(crate::SpareFilled { crcs }), None))
-            }
-            Request::SpareEnd { drain } => {
-                let sp = self.spares()?;
-                let Some(spare) = sp.end(drain, pid) else {
-                    return Err(KeeperError::Spare(format!(
-                        "no spare is lent to drain {drain}"
-                    )));
-                };
-                // Unregistering and unmapping tens of GiB takes most of a second: not on the
-                // drain's path (the file is the image's already).
-                let _ = std::thread::Builder::new()
-                    .name("possum-keeper-spare-end".to_string())
-                    .spawn(move || drop(spare));
-                self.replenish_spare();
-                Ok((ok, None))
-            }
-            Request::Device => {
-                let dev = self.dev()?;
-                let info = DeviceInfo {
-                    uuid: crate::uuid_hex(&dev.uuid()?),
-                    ordinal: self.ordinal,
-                };
-                Ok((json!(info), None))
-            }
-            // `null` when there is none (not an error: most restores have none).
-            Request::Staged { image } => {
-                let path = canonical(&image)?;
-                let plan = self
-                    .lock_stages()
-                    .values()
-                    .find(|s| s.pid == pid && s.image == path)
-                    .map(|s| StagePlan {
-                        stage: s.id,
-                        epoch: s.epoch,
-                        buffers: s.buffers.clone(),
-                    });
-                Ok((json!(plan), None))
-            }
-            Request::StageWait { stage, alloc } => {
-                let s = self.stage_of(stage)?;
-                s.wait(alloc).map_err(KeeperError::Stage)?;
-                Ok((ok, None))
-            }
-            Request::StageEnd { stage } => {
-                self.stage_of(stage)?;
-                let freed = self.end_stage(stage);
-                Ok((json!({ "ok": true, "freed": freed }), None))
-            }
+            Request::SpareTake { dir } => self.spare_take(&dir, pid),
+            Request::SpareFill(f) => self.spare_fill(&f, pid),
+            Request::SpareEnd { drain } => self.spare_end(drain, pid),
+            Request::Device => self.device(),
+            Request::Staged { image } => self.staged(&image, pid),
+            Request::StageWait { stage, alloc } => self.stage_wait(stage, alloc),
+            Request::StageEnd { stage } => self.stage_end(stage),
         }
+    }
+
+    /// `retained`: the allocations process `of` retained, with what is left of their holds.
+    fn retained(&self, of: i32) -> Answer {
+        let now = Instant::now();
+        let st = self.lock();
+        let allocs: Vec<RetainedAlloc> = st
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.retained && a.pid == of)
+            .map(|(&id, a)| RetainedAlloc {
+                id,
+                size: a.mem.size(),
+                epoch: a.epoch,
+                hold_secs: a
+                    .hold_until
+                    .map_or(0, |t| t.saturating_duration_since(now).as_secs()),
+                pid: a.pid,
+                va: a.va,
+            })
+            .collect();
+        Ok((json!(Retained { allocs }), None))
+    }
+
+    /// `identify`: which allocation the one descriptor that came with it shares, if any.
+    fn identify(&self, fds: Vec<std::os::fd::OwnedFd>) -> Answer {
+        let [fd] = <[_; 1]>::try_from(fds).map_err(|fds| KeeperError::Protocol {
+            request: "identify",
+            detail: format!("{} descriptors came with it, not 1", fds.len()),
+        })?;
+        use std::os::fd::AsFd;
+        let st = self.lock();
+        let identified = st.allocs.iter().find_map(|(&id, a)| {
+            let shared = a.shared.as_ref()?;
+            fdpass::same_file(shared.as_fd(), fd.as_fd()).then(|| crate::Identified {
+                id,
+                size: a.mem.size(),
+                owner: a.pid,
+                instance: self.instance,
+            })
+        });
+        Ok((json!(crate::Identify { identified }), None))
+    }
+
+    /// `adopt`: the memory of the one descriptor that came with it, kept as retained allocation
+    /// `a`.
+    fn adopt(&self, a: &RetainedAlloc, mut fds: Vec<std::os::fd::OwnedFd>) -> Answer {
+        if fds.len() != 1 {
+            return Err(KeeperError::Protocol {
+                request: "adopt",
+                detail: format!("{} descriptors came with it, not 1", fds.len()),
+            });
+        }
+        let fd = fds.remove(0);
+        let dev = self.dev()?;
+        // Adopted, not imported: the driver exports no imported handle again, and this
+        // keeper must hand the memory out (reclaim, dup) like its own.
+        let mem = dev.adopt(fd, a.size)?;
+        let mut st = self.lock();
+        if st.allocs.contains_key(&a.id) {
+            return Err(KeeperError::Protocol {
+                request: "adopt",
+                detail: format!("allocation {} exists here already", a.id),
+            });
+        }
+        st.next_id = st.next_id.max(a.id);
+        st.allocs.insert(
+            a.id,
+            Alloc {
+                mem,
+                pid: a.pid,
+                retained: true,
+                epoch: a.epoch,
+                hold_until: hold_until(a.hold_secs),
+                va: a.va,
+                shared: None,
+            },
+        );
+        Ok((json!({ "ok": true }), None))
+    }
+
+    /// `alloc`: `size` bytes (rounded up to the granularity) of new memory for process `pid`,
+    /// its descriptor sent with the reply.
+    fn alloc(self: &Arc<Self>, size: u64, pid: i32) -> Answer {
+        let dev = self.dev()?;
+        let g = dev.granularity();
+        let rounded = size
+            .max(1)
+            .checked_next_multiple_of(g)
+            .ok_or(KeeperError::Protocol {
+                request: "alloc",
+                detail: format!("size {size} too large"),
+            })?;
+        let mem = self.create(dev, rounded)?;
+        let fd = mem.export()?;
+        let id = self.lock().insert(Alloc {
+            mem,
+            pid,
+            retained: false,
+            epoch: 0,
+            hold_until: None,
+            va: None,
+            shared: None,
+        });
+        let a = Allocated {
+            id,
+            size: rounded,
+            device: dev.uuid().ok().map(|u| crate::uuid_hex(&u)),
+        };
+        Ok((json!(a), Some(fd)))
+    }
+
+    /// `free`: allocation `id` dropped.
+    fn free(&self, id: u64) -> Answer {
+        let removed = self.lock().allocs.remove(&id);
+        removed.ok_or(KeeperError::NoSuchAllocation(id))?;
+        Ok((json!({ "ok": true }), None))
+    }
+
+    /// `retain`: process `pid`'s allocation `id` kept for it (in `epoch`, for `hold_secs`, at
+    /// `va`) while it has no handle to it.
+    fn retain(&self, id: u64, pid: i32, epoch: u64, hold_secs: u64, va: Option<u64>) -> Answer {
+        let mut st = self.lock();
+        let a = st
+            .allocs
+            .get_mut(&id)
+            .ok_or(KeeperError::NoSuchAllocation(id))?;
+        if a.pid != pid {
+            return Err(KeeperError::NoSuchAllocation(id));
+        }
+        a.retained = true;
+        a.epoch = epoch;
+        a.hold_until = hold_until(hold_secs);
+        a.va = va;
+        Ok((json!({ "ok": true }), None))
+    }
+
+    /// `reclaim`: retained allocation `id` of `epoch` handed back to process `pid`, its
+    /// descriptor sent with the reply.
+    fn reclaim(&self, id: u64, pid: i32, epoch: u64) -> Answer {
+        let mut st = self.lock();
+        let a = st
+            .allocs
+            .get_mut(&id)
+            .ok_or(KeeperError::NoSuchAllocation(id))?;
+        // Only the process that retained it takes it back (a job restored by CRIU has
+        // its pid again).
+        if !a.retained || a.pid != pid {
+            return Err(KeeperError::NotRetained(id));
+        }
+        if a.epoch != epoch {
+            return Err(KeeperError::OtherEpoch(id));
+        }
+        let fd = a.mem.export()?;
+        a.retained = false;
+        a.hold_until = None;
+        let r = Allocated {
+            id,
+            size: a.mem.size(),
+            device: None,
+        };
+        Ok((json!(r), Some(fd)))
+    }
+
+    /// `release_retained`: retained allocation `id` (of `epoch`, if given) dropped.
+    fn release_retained(&self, id: u64, epoch: Option<u64>) -> Answer {
+        let mut st = self.lock();
+        match st.allocs.get(&id) {
+            None => return Err(KeeperError::NoSuchAllocation(id)),
+            Some(a) if !a.retained => return Err(KeeperError::NotRetained(id)),
+            Some(a) if epoch.is_some_and(|e| e != a.epoch) => {
+                return Err(KeeperError::OtherEpoch(id))
+            }
+            Some(_) => {}
+        }
+        let removed = st.allocs.remove(&id);
+        drop(st);
+        drop(removed);
+        Ok((json!({ "ok": true }), None))
+    }
+
+    /// `reap`: the allocations of processes that are gone freed, counted.
+    fn reap(self: &Arc<Self>) -> Answer {
+        let (freed, freed_bytes) = self.free_orphans_of_dead();
+        Ok((
+            json!({"ok": true, "freed": freed, "freed_bytes": freed_bytes}),
+            None,
+        ))
+    }
+
+    /// `spare_take`: a spare file for the image in `dir` lent to process `pid`.
+    fn spare_take(&self, dir: &str, pid: i32) -> Answer {
+        let lease = self
+            .spares()?
+            .take(Path::new(dir), pid)
+            .map_err(KeeperError::Spare)?;
+        Ok((json!(lease), None))
+    }
+
+    /// `spare_fill`: part of process `pid`'s allocation copied into the spare lent to its
+    /// drain, each piece's CRC32C in the reply.
+    fn spare_fill(&self, f: &crate::SpareFill, pid: i32) -> Answer {
+        let sp = self.spares()?;
+        let spare = sp.lent(f.drain, pid).map_err(KeeperError::Spare)?;
+        let dev = self.dev()?;
+        let src = {
+            let st = self.lock();
+            match st.allocs.get(&f.alloc) {
+                Some(a) if a.pid == pid => dev.map_owned(&a.mem)?,
+                _ => return Err(KeeperError::NoSuchAllocation(f.alloc)),
+            }
+        };
+        let crcs = sp
+            .fill(dev, &spare, &Arc::new(src), f)
+            .map_err(KeeperError::Spare)?;
+        Ok((json!(crate::SpareFilled { crcs }), None))
+    }
+
+    /// `spare_end`: the spare lent to `drain` of process `pid` given back (dropped on a thread of
+    /// its own), and another made ready.
+    fn spare_end(self: &Arc<Self>, drain: u64, pid: i32) -> Answer {
+        let sp = self.spares()?;
+        let Some(spare) = sp.end(drain, pid) else {
+            return Err(KeeperError::Spare(format!(
+                "no spare is lent to drain {drain}"
+            )));
+        };
+        // Unregistering and unmapping tens of GiB takes most of a second: not on the
+        // drain's path (the file is the image's already).
+        let _ = std::thread::Builder::new()
+            .name("possum-keeper-spare-end".to_string())
+            .spawn(move || drop(spare));
+        self.replenish_spare();
+        Ok((json!({ "ok": true }), None))
+    }
+
+    /// `device`: the keeper's device, by UUID and ordinal.
+    fn device(&self) -> Answer {
+        let dev = self.dev()?;
+        let info = DeviceInfo {
+            uuid: crate::uuid_hex(&dev.uuid()?),
+            ordinal: self.ordinal,
+        };
+        Ok((json!(info), None))
+    }
+
+    /// `staged`: the stage made for process `pid` from `image`; `null` when there is none (not
+    /// an error: most restores have none).
+    fn staged(&self, image: &str, pid: i32) -> Answer {
+        let path = canonical(image)?;
+        let plan = self
+            .lock_stages()
+            .values()
+            .find(|s| s.pid == pid && s.image == path)
+            .map(|s| StagePlan {
+                stage: s.id,
+                epoch: s.epoch,
+                buffers: s.buffers.clone(),
+            });
+        Ok((json!(plan), None))
+    }
+
+    /// `stage_wait`: waits until allocation `alloc` of stage `stage` is loaded.
+    fn stage_wait(&self, stage: u64, alloc: u64) -> Answer {
+        let s = self.stage_of(stage)?;
+        s.wait(alloc).map_err(KeeperError::Stage)?;
+        Ok((json!({ "ok": true }), None))
+    }
+
+    /// `stage_end`: stage `stage` ended, what it still held freed.
+    fn stage_end(&self, stage: u64) -> Answer {
+        self.stage_of(stage)?;
+        let freed = self.end_stage(stage);
+        Ok((json!({ "ok": true, "freed": freed }), None))
     }
 
     fn lock_stages(&self) -> MutexGuard<'_, BTreeMap<u64, Arc<Stage>>> {
@@ -698,20 +747,12 @@ impl Inner {
         image: &str,
         hold_secs: u64,
         from: Option<&PeerSource>,
-    ) -> Result<(Value, Option<std::os::fd::OwnedFd>), KeeperError> {
+    ) -> Answer {
         use possum_engine::store::ChunkSource;
         let path = canonical(image)?;
         let img = possum_engine::image::Image::open(&path)
             .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
-        let earlier: Vec<u64> = self
-            .lock_stages()
-            .values()
-            .filter(|s| s.pid == of)
-            .map(|s| s.id)
-            .collect();
-        for id in earlier {
-            self.end_stage(id);
-        }
+        self.end_stages_of(of);
         let dev = self.dev()?;
         let g = dev.granularity();
         let mut recs = img.buffers();
@@ -720,22 +761,7 @@ impl Inner {
             .iter()
             .map(|r| r.size.max(1).div_ceil(g).saturating_mul(g))
             .collect();
-        let need: u64 = sizes.iter().sum();
-        let mut made = Vec::with_capacity(recs.len());
-        for (r, &size) in recs.iter().zip(&sizes) {
-            // On a failure what was made so far is dropped (freed) with `made`.
-            let mem = self.create(dev, size).map_err(|e| {
-                let free = dev.mem_info().map(|(f, _)| f).unwrap_or(0);
-                KeeperError::Stage(format!(
-                    "{}: its {} buffers need {need} bytes of GPU memory, {free} free: buffer {} \
-                     ({size} bytes): {e}",
-                    path.display(),
-                    recs.len(),
-                    r.id
-                ))
-            })?;
-            made.push((r.clone(), mem, size));
-        }
+        let made = self.stage_memory(dev, &path, &recs, &sizes)?;
         // The other device's memory of each buffer, imported here (the copies read it over the
         // interconnect); a buffer without one is read from the image.
         let (peers, peer_misses) = match from {
@@ -751,28 +777,7 @@ impl Inner {
             None => (Vec::new(), Vec::new()),
         };
         let epoch = possum_cuda::owner::new_epoch();
-        let mut buffers = Vec::with_capacity(made.len());
-        {
-            let mut st = self.lock();
-            for (r, mem, size) in made {
-                let id = st.insert(Alloc {
-                    mem,
-                    pid: of,
-                    retained: true,
-                    epoch,
-                    hold_until: hold_until(hold_secs.max(1)),
-                    va: Some(r.va),
-                    shared: None,
-                });
-                buffers.push(StagedBuffer {
-                    buf: r.id,
-                    va: r.va,
-                    size: r.size,
-                    alloc: id,
-                    alloc_size: size,
-                });
-            }
-        }
+        let buffers = self.keep_staged(of, epoch, hold_secs, made);
         let id = self
             .next_stage
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -798,12 +803,96 @@ impl Inner {
             );
         }
         self.lock_stages().insert(id, Arc::clone(&stage));
+        self.start_loaders(&stage, img)?;
+        Ok((json!(info), None))
+    }
+
+    /// Ends the stages made earlier for process `of` (a new one replaces them).
+    fn end_stages_of(&self, of: i32) {
+        let earlier: Vec<u64> = self
+            .lock_stages()
+            .values()
+            .filter(|s| s.pid == of)
+            .map(|s| s.id)
+            .collect();
+        for id in earlier {
+            self.end_stage(id);
+        }
+    }
+
+    /// New memory for each of `recs` (of image `path`), `sizes` bytes each: all of it, or an
+    /// error saying how much the image needs and how much is free.
+    fn stage_memory(
+        &self,
+        dev: &ShareDevice,
+        path: &Path,
+        recs: &[possum_engine::store::BufferRecord],
+        sizes: &[u64],
+    ) -> Result<Vec<(possum_engine::store::BufferRecord, SharedMem, u64)>, KeeperError> {
+        let need: u64 = sizes.iter().sum();
+        let mut made = Vec::with_capacity(recs.len());
+        for (r, &size) in recs.iter().zip(sizes) {
+            // On a failure what was made so far is dropped (freed) with `made`.
+            let mem = self.create(dev, size).map_err(|e| {
+                let free = dev.mem_info().map(|(f, _)| f).unwrap_or(0);
+                KeeperError::Stage(format!(
+                    "{}: its {} buffers need {need} bytes of GPU memory, {free} free: buffer {} \
+                     ({size} bytes): {e}",
+                    path.display(),
+                    recs.len(),
+                    r.id
+                ))
+            })?;
+            made.push((r.clone(), mem, size));
+        }
+        Ok(made)
+    }
+
+    /// The staged memory `made` kept as process `of`'s retained allocations (`epoch`, held at
+    /// least a second after it is gone), and the stage's buffers that name them.
+    fn keep_staged(
+        &self,
+        of: i32,
+        epoch: u64,
+        hold_secs: u64,
+        made: Vec<(possum_engine::store::BufferRecord, SharedMem, u64)>,
+    ) -> Vec<StagedBuffer> {
+        let mut buffers = Vec::with_capacity(made.len());
+        let mut st = self.lock();
+        for (r, mem, size) in made {
+            let id = st.insert(Alloc {
+                mem,
+                pid: of,
+                retained: true,
+                epoch,
+                hold_until: hold_until(hold_secs.max(1)),
+                va: Some(r.va),
+                shared: None,
+            });
+            buffers.push(StagedBuffer {
+                buf: r.id,
+                va: r.va,
+                size: r.size,
+                alloc: id,
+                alloc_size: size,
+            });
+        }
+        buffers
+    }
+
+    /// Starts the loader threads of `stage`, which read `img`; ends the stage if not even one
+    /// starts (fewer load slower; none would leave every wait unanswered).
+    fn start_loaders(
+        self: &Arc<Self>,
+        stage: &Arc<Stage>,
+        img: possum_engine::image::Image,
+    ) -> Result<(), KeeperError> {
         let img = Arc::new(img);
         let knobs = stage::Knobs::from_env();
         let mut loaders = 0;
         for _ in 0..knobs.threads().min(stage.buffers.len()) {
             let mem: Arc<dyn stage::Memory> = self.clone();
-            let (s, i) = (Arc::clone(&stage), Arc::clone(&img));
+            let (s, i) = (Arc::clone(stage), Arc::clone(&img));
             match std::thread::Builder::new()
                 .name("possum-keeper-stage".to_string())
                 .spawn(move || stage::loader(mem, s, i, knobs))
@@ -811,7 +900,7 @@ impl Inner {
                 Ok(_) => loaders += 1,
                 // Fewer loaders load slower; none would leave every wait unanswered.
                 Err(source) if loaders == 0 => {
-                    self.end_stage(id);
+                    self.end_stage(stage.id);
                     return Err(KeeperError::Io {
                         op: "spawn a loader thread",
                         source,
@@ -820,7 +909,7 @@ impl Inner {
                 Err(_) => break,
             }
         }
-        Ok((json!(info), None))
+        Ok(())
     }
 
     /// `size` bytes of new memory. Memory held for the restore of a job that is gone never keeps

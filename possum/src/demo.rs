@@ -1,14 +1,14 @@
 //! `possum demo`: the engine end to end on the host backend, with an on-disk image.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use possum_engine::host::HostDevice;
-use possum_engine::image::{Image, ImageWriter, WriterOptions};
+use possum_engine::image::{Image, ImageSummary, ImageWriter, WriterOptions};
 use possum_engine::store::{ChunkSink, ChunkSource};
-use possum_engine::{Engine, EngineConfig};
+use possum_engine::{CheckpointReport, Engine, EngineConfig, RestoreReport};
 use possum_workloads::demo::{DemoJob, DemoSpec};
 use possum_workloads::kernel;
 
@@ -90,6 +90,37 @@ fn image_digest(img: &Image, job: &DemoJob) -> Result<u64> {
     Ok(kernel::digest(bufs.iter().map(Vec::as_slice)))
 }
 
+/// The checkpoint taken mid-run, and the steps around it.
+struct Checkpointed {
+    /// Each step's time before the checkpoint.
+    normal: Vec<Duration>,
+    /// Each step's time while it ran (the first: step `--at`, T0 in it).
+    during: Vec<Duration>,
+    report: CheckpointReport,
+    summary: ImageSummary,
+    /// The first step not run before the failure.
+    ran_to: u64,
+}
+
+/// The job restored from the image after the failure, and run to its end.
+struct Restored {
+    /// Device memory the failure released, bytes.
+    released: u64,
+    /// The step the image resumes at.
+    resume: u64,
+    /// The time of that step.
+    first: Duration,
+    /// From the restore's start to the end of the first step.
+    to_first_step: Duration,
+    report: RestoreReport,
+    /// The job's digest at its end.
+    final_digest: u64,
+    /// The image's digest (its buffers at T0).
+    image_digest: u64,
+}
+
+/// `possum demo`: runs the job, checkpoints it mid-run, fails it, restores it and compares;
+/// whether the image and the final state are bit-exact.
 pub fn run(a: &DemoArgs) -> Result<bool> {
     let spec = a.spec();
     if a.at + 1 >= spec.steps {
@@ -127,35 +158,65 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         let at = a.at;
         move || spec.reference_digests(&[at, spec.steps - 1])
     });
+    let ck = checkpoint_mid_run(&engine, &mut job, &spec, a.at, &dir)?;
+    let rs = fail_and_restore(&engine, &mut job, &spec, &dir)?;
+    let want = reference
+        .join()
+        .map_err(|_| anyhow::anyhow!("reference thread panicked"))?;
+    Ok(report(&job, &dir, ck, &rs, &want))
+}
 
+/// Runs the steps before `at`, then checkpoints into `dir` with T0 after step `at` is issued
+/// (while it still runs), the job stepping on until the checkpoint ends.
+fn checkpoint_mid_run(
+    engine: &Engine<HostDevice>,
+    job: &mut DemoJob,
+    spec: &DemoSpec,
+    at: u64,
+    dir: &Path,
+) -> Result<Checkpointed> {
     // Steps before the checkpoint: the normal step time.
     let mut normal = Vec::new();
-    for step in 0..a.at {
+    for step in 0..at {
         normal.push(job.run_step(step)?);
     }
     // Mid-run: T0 falls after step `at` is issued, while it is still running.
     let t_step = Instant::now();
-    job.issue_step(a.at)?;
-    let writer = Arc::new(ImageWriter::create(&dir, WriterOptions::default())?);
-    writer.set_meta("resume_step", &(a.at + 1).to_string())?;
+    job.issue_step(at)?;
+    let writer = Arc::new(ImageWriter::create(dir, WriterOptions::default())?);
+    writer.set_meta("resume_step", &(at + 1).to_string())?;
     writer.set_meta("backend", "host")?;
     let ck = engine.checkpoint(writer.clone(), false)?;
     job.job.sync()?;
     let mut during = vec![t_step.elapsed()];
-    let mut step = a.at + 1;
+    let mut step = at + 1;
     while !ck.is_finished() && step < spec.steps {
         during.push(job.run_step(step)?);
         step += 1;
     }
-    let ckr = ck.wait()?;
+    let report = ck.wait()?;
     let summary = Arc::into_inner(writer)
         .context("image writer still shared")?
         .commit()?;
-    let ran_to = step;
+    Ok(Checkpointed {
+        normal,
+        during,
+        report,
+        summary,
+        ran_to: step,
+    })
+}
 
-    // Failure: the device memory goes away; the job resumes from the image.
+/// Failure: the device memory goes away; the job resumes from the image in `dir` and runs to
+/// its end.
+fn fail_and_restore(
+    engine: &Engine<HostDevice>,
+    job: &mut DemoJob,
+    spec: &DemoSpec,
+    dir: &Path,
+) -> Result<Restored> {
     let released = engine.release()?;
-    let img = Arc::new(Image::open(&dir)?);
+    let img = Arc::new(Image::open(dir)?);
     let resume: u64 = img
         .meta("resume_step")
         .context("image lacks resume_step")?
@@ -168,14 +229,32 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     for s in resume + 1..spec.steps {
         job.run_step(s)?;
     }
-    let rsr = rs.wait()?;
+    let report = rs.wait()?;
     let final_digest = job.digest()?;
-    let image_ok = image_digest(&img, &job)?;
-    let want = reference
-        .join()
-        .map_err(|_| anyhow::anyhow!("reference thread panicked"))?;
-    let bitexact = image_ok == want[0] && final_digest == want[1];
+    let image_digest = image_digest(&img, job)?;
+    Ok(Restored {
+        released,
+        resume,
+        first,
+        to_first_step,
+        report,
+        final_digest,
+        image_digest,
+    })
+}
 
+/// Prints the figures (text, then one JSON line); whether the image matches the reference at T0
+/// and the final state the uninterrupted run's (`want`).
+fn report(job: &DemoJob, dir: &Path, ck: Checkpointed, rs: &Restored, want: &[u64]) -> bool {
+    let Checkpointed {
+        mut normal,
+        during,
+        report: ckr,
+        summary,
+        ran_to,
+    } = ck;
+    let rsr = &rs.report;
+    let bitexact = rs.image_digest == want[0] && rs.final_digest == want[1];
     let normal_ms = median(&mut normal);
     let worst = during.iter().copied().max().unwrap_or_default();
     let stall = worst.saturating_sub(normal_ms);
@@ -215,13 +294,13 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     );
     println!(
         "  released                     {:.0} MiB of device memory",
-        released as f64 / 1048576.0
+        rs.released as f64 / 1048576.0
     );
     println!(
         "  restore                      first step after {:.1} ms (step {} took {:.1} ms); all back after {:.1} ms",
-        ms(to_first_step),
-        resume,
-        ms(first),
+        ms(rs.to_first_step),
+        rs.resume,
+        ms(rs.first),
         ms(rsr.elapsed)
     );
     println!(
@@ -230,8 +309,8 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     );
     println!(
         "  image == reference at T0: {}; final state == uninterrupted run: {}",
-        image_ok == want[0],
-        final_digest == want[1]
+        rs.image_digest == want[0],
+        rs.final_digest == want[1]
     );
     let json = serde_json::json!({
         "backend": "host",
@@ -245,12 +324,12 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         "checkpoint_ms": ms(ckr.elapsed),
         "cow_priority": ckr.cow_priority,
         "cow_shadow": ckr.cow_shadow,
-        "restore_first_step_ms": ms(to_first_step),
+        "restore_first_step_ms": ms(rs.to_first_step),
         "restore_ms": ms(rsr.elapsed),
         "on_demand": rsr.on_demand,
         "prefetched": rsr.prefetched,
         "bitexact": bitexact,
     });
     println!("{json}");
-    Ok(bitexact)
+    bitexact
 }

@@ -10,6 +10,7 @@ mod config;
 mod criu_demo;
 mod demo;
 mod doctor;
+mod inspect;
 mod keeper;
 mod migrate;
 mod migrate_demo;
@@ -99,6 +100,10 @@ enum Cmd {
     /// Needed only after a `criu dump`/`criu restore` with possum's plugin whose log says
     /// "possum's resume could not be sent"; `possum checkpoint`/`restore` do it themselves.
     Resume(checkpoint::ResumeArgs),
+    /// What an image holds, without restoring it: the job, its processes, each GPU image's
+    /// buffers, chunks, fingerprints and bytes (those referenced from a parent image too);
+    /// --verify reads every chunk and checks it.
+    Inspect(inspect::InspectArgs),
     /// Move a running job to another host: its GPU buffers sent to a `possum receive` there
     /// while it runs, then the job held and the rest of its image sent; ended here once it runs
     /// there (else it runs on here).
@@ -148,6 +153,7 @@ fn main() -> ExitCode {
         Cmd::Run(a) => run::run(&a),
         Cmd::Trace(a) => trace::run(&a).map(check),
         Cmd::Status(a) => status::run(&a).map(check),
+        Cmd::Inspect(a) => inspect::run(&a).map(check),
         Cmd::Checkpoint(a) => checkpoint::checkpoint(&a).map(check),
         Cmd::Restore(a) => checkpoint::restore(&a).map(check),
         Cmd::CheckpointGuard(a) => checkpoint::guard(&a).map(check),

@@ -16,6 +16,7 @@ use possum_sequence::figures::ms;
 use possum_sequence::migrate::{
     self, Deadlines, MigrateParams, MigrateReport, ReceiveParams, Received,
 };
+use possum_sequence::wire::{self, Accepted, Sessions};
 use possum_sequence::{CheckpointParams, Environment, RestoreParams};
 
 use crate::checkpoint::{EngineKind, Notes, TcpArgs};
@@ -47,9 +48,26 @@ pub struct MigrateArgs {
     /// Seconds the destination's restore may take before the job is restored here instead.
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     pub restore_timeout: u64,
-    /// Send the image at most this many bytes a second (default: as fast as the network goes).
-    #[arg(long, value_name = "BYTES_PER_S", value_parser = clap::value_parser!(u64).range(1..))]
+    /// Send at most RATE, all streams together
+    ///
+    /// Send the image at most this fast, all streams together: a
+    /// number and a unit of bytes (B, kB, MB, GB, KiB, MiB, GiB) or
+    /// of bits (kbit, Mbit, Gbit), with or without /s: e.g. 500MB/s
+    /// or 10Gbit. Default: as fast as the network goes.
+    #[arg(long, value_name = "RATE", value_parser = parse_max_rate, verbatim_doc_comment)]
     pub max_rate: Option<u64>,
+    /// Send over N authenticated connections at once
+    ///
+    /// Send the image over N TCP connections at once (1 to 64), each
+    /// authenticated on its own, the files' bytes spread over them.
+    /// Default: one per core, at most 8.
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = clap::value_parser!(u32).range(1..=64),
+        verbatim_doc_comment
+    )]
+    pub streams: Option<u32>,
     /// At most N pre-copy rounds while the job runs, each sent ahead: the first copies every
     /// buffer, each next one what the job wrote since the one before; they stop once a round
     /// copies nothing or no less than the one before, and the job is held for the rest
@@ -114,6 +132,16 @@ fn deadlines(timeout: u64, restore: Option<u64>) -> Deadlines {
     }
 }
 
+/// `--max-rate`'s value: bytes a second.
+fn parse_max_rate(text: &str) -> Result<u64, String> {
+    wire::parse_rate(text).map_err(|e| e.to_string())
+}
+
+/// `--streams`'s default: one per core, at most 8.
+fn default_streams() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8) as u32)
+}
+
 fn read_key(path: &std::path::Path) -> Result<HmacKey> {
     HmacKey::read(path).with_context(|| format!("the key file {}", path.display()))
 }
@@ -146,6 +174,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
             engine: a.engine.into(),
             gpu_only: false,
             force: false,
+            parent: None,
             keep_on_gpu: 0,
             shadow_budget: None,
             tcp_established: a.tcp.lock(),
@@ -158,6 +187,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
         key,
         deadlines: deadlines(a.timeout, Some(a.restore_timeout)),
         max_rate: a.max_rate,
+        streams: a.streams.unwrap_or_else(default_streams),
     };
     let report = migrate::migrate(&params, &mut Notes)?;
     if a.json {
@@ -249,6 +279,8 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
             env: Environment::read(),
             hmac_key: None,
         },
+        // The streams of a migration join within the handshake's deadline.
+        sessions: Sessions::new(deadlines(a.timeout, None).handshake),
     };
     let listener =
         TcpListener::bind(&a.listen).with_context(|| format!("listening on {}", a.listen))?;
@@ -398,7 +430,18 @@ fn accept_concurrently(
                     .unwrap_or_else(PoisonError::into_inner)
                     .retain(|(i, _)| *i != id);
                 let session = match session {
-                    Ok(s) => s,
+                    Ok(Accepted::Session(s)) => s,
+                    // Another stream of a migration under way: its receive takes it.
+                    Ok(Accepted::Stream(joined)) => {
+                        if !joined.join(stream) {
+                            let why = format!(
+                                "a connection from {peer} was refused: the migration it joins \
+                                 is over"
+                            );
+                            let _ = tx.send(Event::Refused(why));
+                        }
+                        return;
+                    }
                     Err(e) => {
                         let why = format!(
                             "a connection from {peer} was refused: {}",

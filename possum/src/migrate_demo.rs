@@ -317,6 +317,48 @@ struct Report {
     bitexact: bool,
 }
 
+/// The files of the working directory: the key, both ends' images, the child's files.
+struct Files {
+    /// The source's CRIU images are made under it.
+    source: PathBuf,
+    /// The destination's images (the engine image, CRIU's) are received under it.
+    dest: PathBuf,
+    key: PathBuf,
+    /// Made by the destination: the restored child may go on.
+    go: PathBuf,
+    /// Written by the child once it is held at its cut ([`Held`]).
+    held: PathBuf,
+    /// The child's digest at its end.
+    out: PathBuf,
+}
+
+impl Files {
+    /// The files of working directory `dir`, which must be empty (or not exist yet); the source's
+    /// and the destination's directories made.
+    fn make(dir: &Path) -> Result<Files> {
+        if fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
+            bail!(
+                "the working directory {} is not empty (it would hold the key, both ends' images and \
+                 the child's files)",
+                dir.display()
+            );
+        }
+        let (source, dest) = (dir.join("source"), dir.join("destination"));
+        fs::create_dir_all(&source)?;
+        fs::create_dir_all(&dest)?;
+        Ok(Files {
+            source,
+            dest,
+            key: dir.join("migrate.key"),
+            go: dir.join("child.go"),
+            held: dir.join("child.held"),
+            out: dir.join("child.out"),
+        })
+    }
+}
+
+/// `possum demo --migrate`: the job migrated from a child process to a receiver thread with
+/// pre-copy, restored there and run to its end; whether its output is bit-identical.
 pub fn run(a: &DemoArgs) -> Result<bool> {
     crate::criu_demo::refuse_without_root("possum demo --migrate")?;
     if a.max_rounds == 0 {
@@ -338,28 +380,15 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     }
     let tmp = crate::scratch::Scratch::new()?;
     let dir = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
-    if fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_some()) {
-        bail!(
-            "the working directory {} is not empty (it would hold the key, both ends' images and \
-             the child's files)",
-            dir.display()
+    let files = Files::make(&dir)?;
+    if !a.json {
+        println!(
+            "possum demo --migrate: CRIU {version}, job in a child process: {} MiB, {} streams, {} steps; \
+             pre-copy from step {}, at most {} rounds",
+            a.mib, a.streams, a.steps, a.at, a.max_rounds
         );
     }
-    let (source, dest) = (dir.join("source"), dir.join("destination"));
-    fs::create_dir_all(&source)?;
-    fs::create_dir_all(&dest)?;
-    let say = |line: String| {
-        if !a.json {
-            println!("{line}");
-        }
-    };
-    say(format!(
-        "possum demo --migrate: CRIU {version}, job in a child process: {} MiB, {} streams, {} steps; \
-         pre-copy from step {}, at most {} rounds",
-        a.mib, a.streams, a.steps, a.at, a.max_rounds
-    ));
-    let key_file = dir.join("migrate.key");
-    let key = new_key(&key_file)?;
+    let key = new_key(&files.key)?;
     let want = std::thread::spawn({
         let spec = spec.clone();
         move || spec.reference_digests(&[spec.steps - 1])[0]
@@ -369,43 +398,108 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
 
     let listener = TcpListener::bind("127.0.0.1:0").context("listening on loopback")?;
     let addr = listener.local_addr()?;
-    let go = dir.join("child.go");
     let receiver = std::thread::spawn({
-        let (key, criu, dest, go) = (key.clone(), criu.clone(), dest.clone(), go.clone());
+        let (key, criu, dest, go) = (
+            key.clone(),
+            criu.clone(),
+            files.dest.clone(),
+            files.go.clone(),
+        );
         move || destination(&listener, &key, &criu, &dest, &go)
     });
+    let proc = spawn_child(&a, &dir, &files, addr)?;
+    let pid = i32::try_from(proc.id())?;
+    // Killed should this return before CRIU's dump did.
+    let mut proc = KillOnDrop(Some(proc));
 
-    let held_file = dir.join("child.held");
-    let out = dir.join("child.out");
+    // The cut: once the child is held, CRIU dumps it (and kills it), and its image follows.
+    let held = wait_until_held(&mut proc, &files.held, &dir)?;
+    let images = files.source.join("criu-images");
+    let dump = criu.dump(&DumpOptions::new(pid, &images))?;
+    // CRIU killed it: reaped, its PID free for the restore.
+    let _ = proc.0.take().map(|mut c| c.wait());
+    let (criu_image_bytes, outcome) = hand_off(addr, &key, &images)?;
+    let there = receiver
+        .join()
+        .map_err(|_| anyhow::anyhow!("the receiver thread panicked"))??;
+    if outcome != (Outcome::Running { pid: there.pid }) {
+        bail!("the destination answered {outcome:?}");
+    }
+    let st = possum_criu::wait_for_exit(there.pid, Some(CHILD_TIMEOUT))?;
+    if !st.success() {
+        bail!("the restored child {} ended badly: {st:?}", there.pid);
+    }
+    let running_ns: u64 = fs::read_to_string(running_file(&files.held))?
+        .trim()
+        .parse()?;
+    let got = crate::criu_demo::read_digest(&files.out)?;
+    let want = want
+        .join()
+        .map_err(|_| anyhow::anyhow!("the reference thread panicked"))?;
+    let bitexact = got == want;
+    let downtime_ns = running_ns.saturating_sub(held.held_ns);
+    let total_ns = running_ns.saturating_sub(held.start_ns);
+    let report = Report {
+        backend: "host",
+        mode: "migrate",
+        criu: version.to_string(),
+        bytes: spec.program().bytes(),
+        rounds: held.rounds,
+        last: held.last,
+        precopy_wire_bytes: there.precopy.bytes,
+        criu_image_bytes,
+        sent_bytes: there.precopy.bytes + criu_image_bytes,
+        downtime_ms: ms_ns(downtime_ns),
+        total_ms: ms_ns(total_ns),
+        dump_ms: crate::demo::ms(dump.time),
+        restore_ms: crate::demo::ms(there.restore),
+        resume_step: held.resume_step,
+        bitexact,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        say_report(&report, want, got);
+    }
+    Ok(bitexact)
+}
+
+/// Starts the demo child: the job, pre-copying to `addr` from step `--at` on, held at its cut
+/// until told to go on (`files`); its output in `dir`'s `child.log`.
+fn spawn_child(
+    a: &DemoArgs,
+    dir: &Path,
+    files: &Files,
+    addr: std::net::SocketAddr,
+) -> Result<std::process::Child> {
     let log = fs::File::create(dir.join("child.log"))?;
-    let proc = Command::new(std::env::current_exe().context("finding the possum binary")?)
+    Command::new(std::env::current_exe().context("finding the possum binary")?)
         .arg("demo-child")
         .args(["--mib", &a.mib.to_string(), "--steps", &a.steps.to_string()])
         .args(["--streams", &a.streams.to_string()])
         .arg("--progress")
         .arg(dir.join("child.progress"))
         .arg("--out")
-        .arg(&out)
+        .arg(&files.out)
         .args(["--precopy-to", &addr.to_string(), "--at", &a.at.to_string()])
         .args(["--max-rounds", &a.max_rounds.to_string()])
         .arg("--key-file")
-        .arg(&key_file)
+        .arg(&files.key)
         .arg("--image")
-        .arg(dest.join("engine-image"))
+        .arg(files.dest.join("engine-image"))
         .arg("--held")
-        .arg(&held_file)
+        .arg(&files.held)
         .arg("--go")
-        .arg(&go)
+        .arg(&files.go)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         .spawn()
-        .context("starting the demo child")?;
-    let pid = i32::try_from(proc.id())?;
-    // Killed should this return before CRIU's dump did.
-    let mut proc = KillOnDrop(Some(proc));
+        .context("starting the demo child")
+}
 
-    // The cut: once the child is held, CRIU dumps it (and kills it), and its image follows.
+/// Waits until the child says it is held at its cut (`held_file`), and reads what it says.
+fn wait_until_held(proc: &mut KillOnDrop, held_file: &Path, dir: &Path) -> Result<Held> {
     let deadline = Instant::now() + CHILD_TIMEOUT;
     while !held_file.exists() {
         if let Some(st) = proc.get().try_wait()? {
@@ -419,15 +513,15 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    let held: Held = serde_json::from_str(&fs::read_to_string(&held_file)?)?;
-    let images = source.join("criu-images");
-    let dump = criu.dump(&DumpOptions::new(pid, &images))?;
-    // CRIU killed it: reaped, its PID free for the restore.
-    let _ = proc.0.take().map(|mut c| c.wait());
+    Ok(serde_json::from_str(&fs::read_to_string(held_file)?)?)
+}
 
+/// Sends CRIU's `images` to the destination at `addr`, then the hand-off (and the go once it
+/// restored the process); the bytes of CRIU's image sent and the destination's last outcome.
+fn hand_off(addr: std::net::SocketAddr, key: &HmacKey, images: &Path) -> Result<(u64, Outcome)> {
     let mut s = TcpStream::connect(addr).context("connecting to the destination")?;
     wire::set_timeouts(&s, IO_TIMEOUT)?;
-    let (sent, mut session) = wire::send_dir_session(&mut s, &key, &images)?;
+    let (sent, mut session) = wire::send_dir_session(&mut s, key, images)?;
     wire::send_released(&mut s, &mut session)?;
     let mut outcome = wire::await_outcome(&mut s, &mut session)?;
     if let Outcome::Restored { .. } = outcome {
@@ -435,79 +529,38 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
         wire::send_released(&mut s, &mut session)?;
         outcome = wire::await_outcome(&mut s, &mut session)?;
     }
-    let there = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("the receiver thread panicked"))??;
-    if outcome != (Outcome::Running { pid: there.pid }) {
-        bail!("the destination answered {outcome:?}");
-    }
-    let st = possum_criu::wait_for_exit(there.pid, Some(CHILD_TIMEOUT))?;
-    if !st.success() {
-        bail!("the restored child {} ended badly: {st:?}", there.pid);
-    }
-    let running_ns: u64 = fs::read_to_string(running_file(&held_file))?
-        .trim()
-        .parse()?;
-    let got = crate::criu_demo::read_digest(&out)?;
-    let want = want
-        .join()
-        .map_err(|_| anyhow::anyhow!("the reference thread panicked"))?;
-    let bitexact = got == want;
-    let downtime_ns = running_ns.saturating_sub(held.held_ns);
-    let total_ns = running_ns.saturating_sub(held.start_ns);
-    let sent_bytes = there.precopy.bytes + sent.totals.bytes;
+    Ok((sent.totals.bytes, outcome))
+}
 
-    for (i, r) in held.rounds.iter().enumerate() {
-        say(format!(
+/// Prints the figures of `report` as text, with the reference's digest and the migrated job's.
+fn say_report(report: &Report, want: u64, got: u64) {
+    for (i, r) in report.rounds.iter().enumerate() {
+        println!(
             "  pre-copy round {:<2}            {:>12} bytes, {} buffers, {:.1} ms",
             i + 1,
             r.bytes,
             r.buffers,
             r.ms
-        ));
+        );
     }
-    say(format!(
+    println!(
         "  cut: last dirty buffers       {:>12} bytes, {} buffers; CRIU image {} bytes (dump {:.1} ms)",
-        held.last.bytes,
-        held.last.buffers,
-        sent.totals.bytes,
-        crate::demo::ms(dump.time)
-    ));
-    say(format!(
+        report.last.bytes, report.last.buffers, report.criu_image_bytes, report.dump_ms
+    );
+    println!(
         "  sent in all                   {:>12} bytes ({} of buffers, {} of CRIU's image)",
-        sent_bytes, there.precopy.bytes, sent.totals.bytes
-    ));
-    say(format!(
+        report.sent_bytes, report.precopy_wire_bytes, report.criu_image_bytes
+    );
+    println!(
         "  downtime                      {:>9.1} ms (held to running at the destination; its restore {:.1} ms)",
-        ms_ns(downtime_ns),
-        crate::demo::ms(there.restore)
-    ));
-    say(format!(
+        report.downtime_ms, report.restore_ms
+    );
+    println!(
         "  total                         {:>9.1} ms (first round to running at the destination)",
-        ms_ns(total_ns)
-    ));
-    say(format!(
-        "  reference {want:016x}, migrated {got:016x}: bit-identical: {bitexact}"
-    ));
-    if a.json {
-        let report = Report {
-            backend: "host",
-            mode: "migrate",
-            criu: version.to_string(),
-            bytes: spec.program().bytes(),
-            rounds: held.rounds,
-            last: held.last,
-            precopy_wire_bytes: there.precopy.bytes,
-            criu_image_bytes: sent.totals.bytes,
-            sent_bytes,
-            downtime_ms: ms_ns(downtime_ns),
-            total_ms: ms_ns(total_ns),
-            dump_ms: crate::demo::ms(dump.time),
-            restore_ms: crate::demo::ms(there.restore),
-            resume_step: held.resume_step,
-            bitexact,
-        };
-        println!("{}", serde_json::to_string(&report)?);
-    }
-    Ok(bitexact)
+        report.total_ms
+    );
+    println!(
+        "  reference {want:016x}, migrated {got:016x}: bit-identical: {}",
+        report.bitexact
+    );
 }

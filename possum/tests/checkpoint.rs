@@ -73,7 +73,7 @@ fn fake_job_answering(dir: &Path, release_fails: bool, status: Value) -> FakeJob
             log.lock().unwrap().push(req.clone());
             match req {
                 Request::Status => status.clone(),
-                Request::Checkpoint { dir } => {
+                Request::Checkpoint { dir, .. } => {
                     let d = Path::new(&dir).join("gpu-0");
                     std::fs::create_dir_all(&d).unwrap();
                     std::fs::write(d.join("data-000.bin"), vec![7u8; 4096]).unwrap();

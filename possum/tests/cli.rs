@@ -357,3 +357,48 @@ fn the_criu_demos_say_first_that_they_need_root() {
         );
     }
 }
+
+/// `possum migrate --max-rate` and `--streams` refuse what is not a rate or a stream count,
+/// saying why, before anything is done; a rate in any of its units is taken.
+#[test]
+fn migrate_refuses_a_rate_or_a_stream_count_that_is_not_one_saying_why() {
+    let migrate = |flag: &str, value: &str| {
+        let out = possum()
+            .args(["migrate", "1", "--to", "127.0.0.1:9", "--key-file"])
+            .arg("/nonexistent/possum-key")
+            .args([flag, value])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (flag, value, says) in [
+        ("--max-rate", "fast", "is not a rate"),
+        ("--max-rate", "", "is not a rate"),
+        (
+            "--max-rate",
+            "10Mb",
+            "could be bits or bytes: write Mbit or MB",
+        ),
+        ("--max-rate", "5 furlongs", "unknown unit"),
+        ("--max-rate", "0", "at least 1 byte a second"),
+        ("--streams", "0", "1..=64"),
+        ("--streams", "65", "1..=64"),
+        ("--streams", "many", "invalid digit"),
+    ] {
+        let (code, err) = migrate(flag, value);
+        assert_eq!(code, Some(2), "{flag} {value:?}: {err}");
+        assert!(
+            err.contains(flag) && err.contains(says),
+            "{flag} {value:?}: {err}"
+        );
+    }
+    // Taken: the migration goes on to read its key, which is not there.
+    for rate in ["500MB/s", "10Gbit", "1.5GiB/s", "250000000"] {
+        let (code, err) = migrate("--max-rate", rate);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("the key file"), "{rate}: {err}");
+    }
+}

@@ -250,6 +250,39 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         v["figures"]["gpu_image_bytes"].as_u64().unwrap_or(0) >= 2 << 20,
         "{v}"
     );
+    // `possum inspect` reads it back: the job, its GPU image, every chunk checked.
+    let out = possum(dir)
+        .args(["inspect", "--verify", "--json", "-D"])
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let i: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(i["pid"], job.pid, "{i}");
+    assert_eq!(i["gpu"][0]["device"], 0, "{i}");
+    assert_eq!(i["gpu"][0]["verified"], "ok", "{i}");
+    assert_eq!(i["gpu"][0]["format"], "1.1", "{i}");
+    assert!(i["gpu"][0]["bytes"].as_u64().unwrap_or(0) >= 2 << 20, "{i}");
+    assert_eq!(
+        i["gpu"][0]["fingerprinted_chunks"], i["gpu"][0]["chunks"],
+        "{i}"
+    );
+    // A directory that is no image is named as such.
+    let out = possum(dir)
+        .args(["inspect", "-D"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is not a possum image"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     // Left running: it goes on with exactly the reference's data.
     goes_on_like(&mut job, dir, "left", &want, "left running");
@@ -626,6 +659,7 @@ fn a_job_sharing_its_memory_after_a_kept_checkpoint_began_is_not_released() {
     let ask = |req: &possum_control::Request| possum_control::request(pid, &sockets, req, WAIT);
     let v = ask(&possum_control::Request::CheckpointKept {
         dir: img.to_str().unwrap().into(),
+        parent: None,
     })
     .unwrap();
     assert_eq!(v["kept"], true, "{v}");
@@ -1626,13 +1660,18 @@ fn a_keeper_lost_during_a_kept_hold_is_said_and_the_job_stays_paused() {
         possum_control::request(job.pid as u32, &sockets, req, WAIT)
     };
     let gpu = dir.join("img-gpu").display().to_string();
-    let r = ask(&possum_control::Request::CheckpointKept { dir: gpu.clone() }).unwrap();
+    let r = ask(&possum_control::Request::CheckpointKept {
+        dir: gpu.clone(),
+        parent: None,
+    })
+    .unwrap();
     assert_eq!(r["kept"], true, "{r}");
     ask(&possum_control::Request::Release).unwrap();
     drop(keeper);
     let err = ask(&possum_control::Request::ResumeAndSave {
         dir: gpu,
         shadow_mib: None,
+        parent: None,
     })
     .unwrap_err();
     assert!(err.to_string().contains("GPU state is lost"), "{err}");

@@ -28,10 +28,12 @@ const WAIT: Duration = Duration::from_secs(30);
 /// The job: maps `LIB`, serves `SOCKETS/possum-PID.sock` one request at a time (a line of JSON
 /// in, a line out, as libpossum.so does), and appends each request to `LOG` (opened for each
 /// line: a restored job opens it again by its path). A checkpoint's GPU images are copies of
-/// `TEMPLATE` (an engine image with no buffers). Its status names `RUNTIME` (`-`: none).
+/// `TEMPLATE` (an engine image with no buffers). Its status names `RUNTIME` (`-`: none). Every
+/// reply carries the control protocol's version `PROTOCOL`, as libpossum.so's do.
 const JOB: &str = r#"
 import json, mmap, os, shutil, socket, sys
 sockets, lib, template, log, served_on = sys.argv[1:6]
+PROTOCOL = int(sys.argv[6])
 with open(lib, 'rb') as f:
     runtime = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 pid = os.getpid()
@@ -66,6 +68,7 @@ while True:
         reply = {'restoring': []}
     else:
         reply = {}
+    reply = dict(reply, protocol=PROTOCOL)
     conn.sendall((json.dumps(reply) + '\n').encode())
     conn.close()
 "#;
@@ -137,6 +140,7 @@ impl Stand {
             .arg(self.dir.join("template"))
             .arg(&self.log)
             .arg(runtime)
+            .arg(possum_control::PROTOCOL.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());

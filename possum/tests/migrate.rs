@@ -298,7 +298,9 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     };
     let dir = tmp.path();
     let receiver = Receiver::start(dir, "key", &[]);
+    // Four streams, paced together (well above what the test sends in its time).
     let out = migrate_cmd(dir, &job, &receiver.addr, "key")
+        .args(["--streams", "4", "--max-rate", "2GB/s"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}\njob:\n{}", text(&out), job.log());
@@ -491,21 +493,37 @@ fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
 }
 
 /// A destination by hand on a loopback port (its address, and its thread): it takes the image
-/// and the source's `Released` under the key `key`, then does `then` and drops the connection.
+/// (over as many streams as the source opens) and the source's `Released` under the key `key`,
+/// then does `then` and drops the connection.
 fn fake_destination(
     dir: &Path,
     then: impl FnOnce(&mut std::net::TcpStream, &mut possum_sequence::wire::Session) + Send + 'static,
 ) -> (String, std::thread::JoinHandle<()>) {
     use possum_sequence::auth::HmacKey;
-    use possum_sequence::wire;
+    use possum_sequence::wire::{self, Accepted};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let dest = dir.join("received/job");
     let thread = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        wire::set_timeouts(&s, WAIT).unwrap();
         let key = HmacKey::from_bytes(vec![1; 32]).unwrap();
-        let (_, mut session) = wire::receive_dir_session(&mut s, &key, &dest).unwrap();
+        let sessions = wire::Sessions::new(WAIT);
+        let accept = |listener: &std::net::TcpListener| {
+            let (mut s, _) = listener.accept().unwrap();
+            wire::set_timeouts(&s, WAIT).unwrap();
+            let accepted = wire::accept_handshake(&mut s, &key, &sessions).unwrap();
+            (s, accepted)
+        };
+        let (mut s, Accepted::Session(session)) = accept(&listener) else {
+            panic!("the source's first connection did not begin a session")
+        };
+        // Its other streams join it.
+        for _ in 1..session.streams() {
+            let (lane, Accepted::Stream(joined)) = accept(&listener) else {
+                panic!("a second session")
+            };
+            assert!(joined.join(lane));
+        }
+        let (_, mut session) = wire::receive_dir_in_session(&mut s, session, &dest).unwrap();
         wire::await_released(&mut s, &mut session).unwrap();
         then(&mut s, &mut session);
     });

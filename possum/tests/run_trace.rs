@@ -318,7 +318,10 @@ fn trace_and_status_ask_the_job() {
     assert!(out.stdout.is_empty(), "{}", show(&out));
     let j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json_out).unwrap()).unwrap();
-    assert_eq!(j, json!({"kernels": [], "dot": "digraph{}"}));
+    assert_eq!(
+        j,
+        json!({"kernels": [], "dot": "digraph{}", "protocol": possum_control::PROTOCOL})
+    );
     assert_eq!(std::fs::read_to_string(&dot_out).unwrap(), "digraph{}");
 
     // To stdout, through $POSSUM_SOCKET_DIR.

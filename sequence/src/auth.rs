@@ -23,6 +23,8 @@ pub const HMAC_FILE: &str = "possum.hmac";
 pub const MIN_KEY_BYTES: usize = 32;
 /// The longest key file read (bytes).
 const MAX_KEY_BYTES: u64 = 4096;
+/// The context under which the migration wire's key is derived from the shared key.
+const WIRE_KEY_CONTEXT: &str = "possum 2026-12 migration wire v2: frame and handshake key";
 
 /// A key for images' HMAC, read from a file ([`HmacKey::read`]).
 #[derive(Clone)]
@@ -124,6 +126,13 @@ impl HmacKey {
             return Err(bytes.len() as u64);
         }
         Ok(HmacKey(bytes))
+    }
+
+    /// The migration wire's key, derived from this one with BLAKE3's `derive_key` under a
+    /// context of the wire's alone: the same key file serves images and the wire, and neither
+    /// use's MAC can stand for the other's.
+    pub(crate) fn wire_key(&self) -> [u8; 32] {
+        blake3::derive_key(WIRE_KEY_CONTEXT, &self.0)
     }
 
     pub(crate) fn mac(&self) -> Hmac<Sha256> {

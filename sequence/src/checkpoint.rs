@@ -64,6 +64,10 @@ pub struct CheckpointParams {
     pub gpu_only: bool,
     /// Replace an existing image at `dir` (once the new one is complete).
     pub force: bool,
+    /// An earlier image of the same job (`possum checkpoint --parent`): the GPU chunks it holds
+    /// unchanged are referenced from it, not copied (it must then stay where it is for as long
+    /// as the new image is kept).
+    pub parent: Option<PathBuf>,
     /// A killed job's buffers stay on the GPU with its keeper this many seconds.
     pub keep_on_gpu: u64,
     /// Device memory (MiB) a kept checkpoint's save may use for copies on the GPU.
@@ -126,7 +130,14 @@ pub struct CheckpointReport {
     /// before the kill, so that their peers were not told ([`crate::tcp`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tcp_quiet: Option<QuietConnections>,
+    /// Checkpoints taken again because the one before was proven wrong by its fingerprints (the
+    /// job wrote a buffer no launch was predicted to write before it was saved): none committed.
+    pub mismatch_retries: u32,
 }
+
+/// How many times a checkpoint proven wrong by its fingerprints is taken again (the job's
+/// read-only speculation is taken back after the first, so a second is not expected).
+pub const MISMATCH_RETRIES: u32 = 2;
 
 /// The save of process `pid`'s kept buffers.
 #[derive(Debug, Clone, Serialize)]
@@ -156,6 +167,30 @@ impl CheckpointReport {
 /// resume-or-kill and report. A failure after the plan is undone by the guard. `obs` is told how
 /// the copy goes, and what the user should know.
 pub fn checkpoint(
+    p: &CheckpointParams,
+    obs: &mut dyn Observer,
+) -> Result<CheckpointReport, CheckpointError> {
+    let mut retries = 0;
+    loop {
+        match checkpoint_once(p, obs) {
+            Err(e) if e.is_mismatch() && retries < MISMATCH_RETRIES => {
+                retries += 1;
+                obs.note(&format!(
+                    "{e}; the job runs on and the checkpoint is taken again (read-only \
+                     speculation taken back)"
+                ));
+            }
+            Ok(mut r) => {
+                r.mismatch_retries = retries;
+                return Ok(r);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// One try of [`checkpoint`].
+fn checkpoint_once(
     p: &CheckpointParams,
     obs: &mut dyn Observer,
 ) -> Result<CheckpointReport, CheckpointError> {
@@ -436,6 +471,28 @@ fn session_of(pid: i32) -> Option<i32> {
 
 /// Plan: checks that the job can be checkpointed and finds what its checkpoint involves (its
 /// hooks, the process side, the CUDA processes of its tree, its keeper). Nothing is changed.
+/// `--parent`: a committed image, and not the one being written.
+fn check_parent(parent: &Path, dir: &Path) -> Result<(), PlanError> {
+    let same = match (fs::canonicalize(parent), fs::canonicalize(dir)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if same {
+        return Err(PlanError::Parent {
+            dir: parent.to_path_buf(),
+            why: "it is the image directory being written (the new image refers to its \
+                  parent's files: write it beside, in another directory)",
+        });
+    }
+    if !parent.join(crate::image::MANIFEST).is_file() {
+        return Err(PlanError::Parent {
+            dir: parent.to_path_buf(),
+            why: "not a committed possum image (no possum.json)",
+        });
+    }
+    Ok(())
+}
+
 fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     let pid = p.pid;
     if pid <= 0 || !alive(pid) {
@@ -446,6 +503,9 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
     // its possum is asked anything (the decision needs no status).
     if mapped.hip && (mapped.cuda || p.engine == Engine::Driver) {
         job_runtime(pid, mapped, p.engine, None)?;
+    }
+    if let Some(parent) = &p.parent {
+        check_parent(parent, &p.dir)?;
     }
     if occupied(&p.dir) && !p.force {
         return Err(PlanError::Occupied { dir: p.dir.clone() });
@@ -815,6 +875,15 @@ impl<'a> Run<'a> {
 
     /// Every process whose buffers possum checkpoints, the root first, each with its GPU
     /// images' directory under `dir`.
+    /// Where process `pid`'s GPU images are in the parent image, if one was given and has them.
+    fn parent_of(&self, pid: i32) -> Option<String> {
+        let parent = self.params().parent.as_deref()?;
+        self.possum_processes(parent)
+            .into_iter()
+            .find(|(p, dir)| *p == pid && dir.is_dir())
+            .map(|(_, dir)| dir.display().to_string())
+    }
+
     fn possum_processes(&self, dir: &Path) -> Vec<(i32, PathBuf)> {
         let root = (self.params().pid, dir.join("gpu"));
         let children = self.plan.possum_children.iter();
@@ -866,8 +935,9 @@ impl<'a> Run<'a> {
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
             let kept = p.leave_running && !p.gpu_only && !self.no_kept;
+            let parent = self.parent_of(pid);
             let r = timed(&mut self.figures.engine_snapshot, || {
-                job::precopy(pid, To::Sockets(&p.sockets), dir, kept)
+                job::precopy(pid, To::Sockets(&p.sockets), dir, kept, parent)
             })?;
             if r.body.kept {
                 self.kept.push(pid);
@@ -1067,7 +1137,7 @@ impl<'a> Run<'a> {
         }
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
-            let save = self.kept.contains(&pid).then_some(p.shadow_budget);
+            let save = (self.kept.contains(&pid)).then(|| (p.shadow_budget, self.parent_of(pid)));
             let r = timed(&mut self.figures.resume, || {
                 job::resume(pid, To::Sockets(&p.sockets), dir, save)
             })
@@ -1355,6 +1425,7 @@ impl<'a> Run<'a> {
             keeper_handles: self.keeper_handles,
             parked,
             tcp_quiet: self.tcp_quiet,
+            mismatch_retries: 0,
         };
         // Held until the job has its memory again (and the save is committed).
         drop(self.handles);

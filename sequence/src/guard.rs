@@ -187,59 +187,10 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     let released: Vec<(i32, String)> = std::iter::once((a.pid, "gpu".to_string()))
         .chain(a.possum_children.iter().map(|&c| (c, child_gpu_dir(c))))
         .collect();
-    // The processes resumed with buffers to bring back from the images on demand.
-    let resume = || -> Vec<i32> {
-        let mut on_demand = Vec::new();
-        if has(Step::Releasing) && !has(Step::Resumed) {
-            let dir = if committed { &a.final_dir } else { &a.tmp };
-            for (pid, gpu) in &released {
-                let req = Request::Resume {
-                    dir: Some(dir.join(gpu).display().to_string()),
-                };
-                // The job answers one request at a time; a session step still running in it (a
-                // release possum did not wait for) says it is busy: ask again until it is done.
-                let t = Instant::now();
-                loop {
-                    match possum_control::request(*pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
-                        Ok(reply) => {
-                            say(&format!("process {pid} resumed"));
-                            // Kept buffers attached again, or every buffer back already: no
-                            // image is read after this. A reply not understood: waited for.
-                            let from_images = serde_json::from_value::<ResumeReply>(reply)
-                                .map_or(true, |r| {
-                                    !r.restoring.is_empty() && r.on_demand != Some(false)
-                                });
-                            if from_images {
-                                on_demand.push(*pid);
-                            }
-                        }
-                        Err(possum_control::ControlError::Remote(m))
-                            if m.contains("busy") && t.elapsed() < JOB_TIMEOUT =>
-                        {
-                            std::thread::sleep(Duration::from_millis(50));
-                            continue;
-                        }
-                        Err(e) => say(&format!("resume of process {pid} failed: {e}")),
-                    }
-                    break;
-                }
-            }
-        }
-        on_demand
-    };
     // A dump possum did not see end goes on in CRIU's worker (left to finish: stopped midway
     // it may leave its parasite in the tree): nothing is undone while it holds the tree.
     if has(Step::Dumping) && !has(Step::Dumped) {
-        let tree: Vec<i32> = std::iter::once(a.pid)
-            .chain(a.children.iter().copied())
-            .collect();
-        let limit = Deadline::DUMP.for_bytes(tree_resident_bytes(a.pid)) + Duration::from_secs(10);
-        if !wait_untraced(&tree, limit) {
-            say(&format!(
-                "CRIU still holds the job's tree after {} s; undoing all the same",
-                limit.as_secs()
-            ));
-        }
+        wait_for_dump(a, &say);
     }
     // A tree stopped after its dump runs again before anything else (the driver's restore and
     // possum's resume need its threads).
@@ -253,18 +204,18 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     // still gets it undone: the driver's own state says what is left to do. A checkpoint without
     // the driver (`--gpu-only`, a HIP job) never announces the lock: no driver is loaded here.
     if has(Step::Locking) && !has(Step::Unlocked) {
-        match a.driver_deadlines.load(&a.libcuda) {
-            Ok(drv) => {
-                let limit = a.driver_deadlines.restore.for_bytes(a.gpu_bytes);
-                undo_driver(&drv, a.pid, limit, &say);
-                for &c in &a.children {
-                    undo_driver(&drv, c, limit, &say);
-                }
+        undo_driver_lock(a, &say);
+    }
+    // The processes resumed with buffers to bring back from the images on demand.
+    let mut on_demand = Vec::new();
+    if has(Step::Releasing) && !has(Step::Resumed) {
+        let dir = if committed { &a.final_dir } else { &a.tmp };
+        for (pid, gpu) in &released {
+            if resume(a, *pid, &dir.join(gpu), &say) {
+                on_demand.push(*pid);
             }
-            Err(e) => say(&format!("cannot load the driver: {e}")),
         }
     }
-    let on_demand = resume();
     // The ranks' collective barriers (a resume lifts them too; a process never released
     // still has its up).
     if has(Step::Cutting) && !has(Step::Resumed) {
@@ -275,15 +226,7 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
             }
         }
     }
-    // --force moves the old image aside just before naming the new one.
-    let old = a.tmp.with_extension("old");
-    if old.exists() {
-        if committed {
-            let _ = fs::remove_dir_all(&old);
-        } else if !a.final_dir.exists() && fs::rename(&old, &a.final_dir).is_ok() {
-            say("the old image is back under its name");
-        }
-    }
+    put_old_image_back(a, committed, &say);
     if !committed {
         // The GPU images may still be read on demand by the resumed job: keep them until it has
         // them all, then remove the directory.
@@ -293,6 +236,80 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
         let _ = fs::remove_dir_all(&a.tmp);
     }
     false
+}
+
+/// Waits (a dump's deadline for the job's memory, and 10 s) until CRIU no longer traces the
+/// job's tree, saying so if it still does then.
+fn wait_for_dump(a: &GuardPlan, say: &dyn Fn(&str)) {
+    let tree: Vec<i32> = std::iter::once(a.pid)
+        .chain(a.children.iter().copied())
+        .collect();
+    let limit = Deadline::DUMP.for_bytes(tree_resident_bytes(a.pid)) + Duration::from_secs(10);
+    if !wait_untraced(&tree, limit) {
+        say(&format!(
+            "CRIU still holds the job's tree after {} s; undoing all the same",
+            limit.as_secs()
+        ));
+    }
+}
+
+/// Undoes the driver's lock (or checkpoint) of the job and of its children.
+fn undo_driver_lock(a: &GuardPlan, say: &dyn Fn(&str)) {
+    match a.driver_deadlines.load(&a.libcuda) {
+        Ok(drv) => {
+            let limit = a.driver_deadlines.restore.for_bytes(a.gpu_bytes);
+            undo_driver(&drv, a.pid, limit, say);
+            for &c in &a.children {
+                undo_driver(&drv, c, limit, say);
+            }
+        }
+        Err(e) => say(&format!("cannot load the driver: {e}")),
+    }
+}
+
+/// Resumes process `pid` from its images in `dir`; whether it brings buffers back from them on
+/// demand (or its reply was not understood).
+fn resume(a: &GuardPlan, pid: i32, dir: &Path, say: &dyn Fn(&str)) -> bool {
+    let req = Request::Resume {
+        dir: Some(dir.display().to_string()),
+    };
+    // The job answers one request at a time; a session step still running in it (a
+    // release possum did not wait for) says it is busy: ask again until it is done.
+    let t = Instant::now();
+    loop {
+        match possum_control::request(pid as u32, &a.socket_dir, &req, JOB_TIMEOUT) {
+            Ok(reply) => {
+                say(&format!("process {pid} resumed"));
+                // Kept buffers attached again, or every buffer back already: no
+                // image is read after this. A reply not understood: waited for.
+                return serde_json::from_value::<ResumeReply>(reply).map_or(true, |r| {
+                    !r.restoring.is_empty() && r.on_demand != Some(false)
+                });
+            }
+            Err(possum_control::ControlError::Remote(m))
+                if m.contains("busy") && t.elapsed() < JOB_TIMEOUT =>
+            {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => {
+                say(&format!("resume of process {pid} failed: {e}"));
+                return false;
+            }
+        }
+    }
+}
+
+/// `--force` moved the old image aside just before naming the new one: removed if the new one
+/// is committed, else put back under its name (if nothing took it).
+fn put_old_image_back(a: &GuardPlan, committed: bool, say: &dyn Fn(&str)) {
+    let old = a.tmp.with_extension("old");
+    if old.exists() {
+        if committed {
+            let _ = fs::remove_dir_all(&old);
+        } else if !a.final_dir.exists() && fs::rename(&old, &a.final_dir).is_ok() {
+            say("the old image is back under its name");
+        }
+    }
 }
 
 /// How long the guard waits for a job to lift its collective barrier.

@@ -135,17 +135,19 @@ pub fn send_to(pid: i32, to: To<'_>, req: &Request) -> Result<(), JobError> {
 }
 
 /// Pre-copy of one process: its possum copies every buffer into `dir` while the job runs
-/// (`kept`: a job left running whose memory a keeper holds copies nothing now).
+/// (`kept`: a job left running whose memory a keeper holds copies nothing now), referencing the
+/// chunks `parent` (an earlier image's directory for this process) holds unchanged.
 pub fn precopy(
     pid: i32,
     to: To<'_>,
     dir: String,
     kept: bool,
+    parent: Option<String>,
 ) -> Result<Reply<CheckpointReply>, JobError> {
     let req = if kept {
-        Request::CheckpointKept { dir }
+        Request::CheckpointKept { dir, parent }
     } else {
-        Request::Checkpoint { dir }
+        Request::Checkpoint { dir, parent }
     };
     ask_to(pid, to, &req)
 }
@@ -167,13 +169,17 @@ pub fn cut(pid: i32, to: To<'_>, keeping: Option<u64>) -> Result<Reply<ReleaseRe
     ask_to(pid, to, &req)
 }
 
+/// How a kept checkpoint is saved once its job runs again: the shadow budget (MiB; `None`: the
+/// job's default) and the earlier image whose unchanged chunks it references.
+pub type Save = (Option<u64>, Option<String>);
+
 /// Resume of one process: its buffers back from `dir` and its GPU operations let run
-/// (`save`: a kept checkpoint saved while the job runs on, with that shadow budget in MiB).
+/// (`save`: a kept checkpoint saved while the job runs on).
 pub fn resume(
     pid: i32,
     to: To<'_>,
     dir: String,
-    save: Option<Option<u64>>,
+    save: Option<Save>,
 ) -> Result<Reply<ResumeReply>, JobError> {
     ask_to(pid, to, &resume_request(dir, save))
 }
@@ -184,9 +190,13 @@ pub fn resume_sent(pid: i32, to: To<'_>, dir: String) -> Result<(), JobError> {
     send_to(pid, to, &resume_request(dir, None))
 }
 
-fn resume_request(dir: String, save: Option<Option<u64>>) -> Request {
+fn resume_request(dir: String, save: Option<Save>) -> Request {
     match save {
-        Some(shadow_mib) => Request::ResumeAndSave { dir, shadow_mib },
+        Some((shadow_mib, parent)) => Request::ResumeAndSave {
+            dir,
+            shadow_mib,
+            parent,
+        },
         None => Request::Resume { dir: Some(dir) },
     }
 }
@@ -221,8 +231,13 @@ mod tests {
         };
         let by_dir = To::Sockets(tmp.path());
 
-        assert!(!precopy(me, at, "/i/gpu".into(), false).unwrap().body.kept);
-        precopy(me, by_dir, "/i/gpu".into(), true).unwrap();
+        assert!(
+            !precopy(me, at, "/i/gpu".into(), false, None)
+                .unwrap()
+                .body
+                .kept
+        );
+        precopy(me, by_dir, "/i/gpu".into(), true, Some("/p/gpu".into())).unwrap();
         let e = cut(me, by_dir, None).unwrap_err();
         assert!(matches!(e, JobError::Failed { .. }), "{e}");
         assert_eq!(
@@ -230,7 +245,7 @@ mod tests {
             "possum in the job answered with an error: release refused"
         );
         cut(me, at, Some(30)).unwrap();
-        resume(me, by_dir, "/i/gpu".into(), Some(Some(64))).unwrap();
+        resume(me, by_dir, "/i/gpu".into(), Some((Some(64), None))).unwrap();
         resume(me, at, "/i/gpu".into(), None).unwrap();
         resume_sent(me, by_dir, "/i/gpu".into()).unwrap();
         let t = std::time::Instant::now();
@@ -241,11 +256,11 @@ mod tests {
         assert_eq!(
             *seen.lock().unwrap(),
             [
-                "Checkpoint { dir: \"/i/gpu\" }",
-                "CheckpointKept { dir: \"/i/gpu\" }",
+                "Checkpoint { dir: \"/i/gpu\", parent: None }",
+                "CheckpointKept { dir: \"/i/gpu\", parent: Some(\"/p/gpu\") }",
                 "Release",
                 "ReleaseKeeping { hold_secs: 30 }",
-                "ResumeAndSave { dir: \"/i/gpu\", shadow_mib: Some(64) }",
+                "ResumeAndSave { dir: \"/i/gpu\", shadow_mib: Some(64), parent: None }",
                 "Resume { dir: Some(\"/i/gpu\") }",
                 "Resume { dir: Some(\"/i/gpu\") }",
             ]

@@ -49,6 +49,8 @@
 //! [`CheckpointParams`] and [`RestoreParams`], with the environment read once
 //! ([`Environment::read`]).
 
+#![deny(unsafe_code)]
+
 pub mod auth;
 pub mod checkpoint;
 pub mod config;

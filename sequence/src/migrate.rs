@@ -1,13 +1,14 @@
 //! Migration of a job to another host: `possum migrate PID --to HOST:PORT` on the source
-//! ([`migrate`]), `possum receive --listen ADDR:PORT -D DIR` on the destination ([`receive`]),
-//! over the authenticated transfer of [`crate::wire`]. What the checkpoint's pre-copy writes is
-//! sent ahead while the job runs; only the rest while it is held.
+//! ([`migrate`]), `possum receive --listen ADDR:PORT -D DIR` on the destination
+//! ([`receive_handshake`], [`receive_in_session`]), over the authenticated transfer of
+//! [`crate::wire`], its bytes spread over several streams. What the checkpoint's pre-copy
+//! writes is sent ahead while the job runs; only the rest while it is held.
 //!
 //! ```text
-//! source ([`migrate`])                              destination ([`receive`])
+//! source ([`migrate`])                              destination ([`receive_in_session`])
 //!   checkpoint  the job held, its image committed into LOCAL_DIR (the job is not let go);
 //!               after its pre-copy, the job running ([`crate::Observer::precopied`]):
-//!     connect   TCP to HOST:PORT, handshake
+//!     connect   TCP to HOST:PORT, handshake; --streams - 1 more connections join it
 //!     ahead     the temporary directory as it is, then Cut ─────────▶ set aside under DIR
 //!   send        LOCAL_DIR, files that begin with one sent ahead as a reference and the bytes
 //!               after it (at most --max-rate) ──────────────────────▶ DIR/NAME, named only complete: Committed
@@ -54,6 +55,7 @@ use std::fs;
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Serialize, Serializer};
@@ -62,8 +64,9 @@ use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
-    self, await_outcome, await_released, receive_dir_in_session, receiver_handshake, send_abort,
-    send_outcome, send_released, DirSender, FrameError, HandoffError, Outcome, Totals, WireError,
+    self, accept_handshake, await_outcome, await_released, receive_dir_in_session, send_abort,
+    send_outcome, send_released, Accepted, Connection, DirSender, FrameError, HandoffError,
+    Outcome, Paced, Pacer, Sessions, Totals, WireError,
 };
 use crate::Observer;
 
@@ -112,8 +115,12 @@ pub struct MigrateParams {
     pub key: HmacKey,
     /// The deadlines.
     pub deadlines: Deadlines,
-    /// The most bytes a second the image is sent at (none: as fast as the network goes).
+    /// The most bytes a second the image is sent at, all streams together (none: as fast as
+    /// the network goes).
     pub max_rate: Option<u64>,
+    /// The streams (TCP connections) the image is sent over at once (1 to
+    /// [`wire::MAX_STREAMS`]).
+    pub streams: u32,
 }
 
 /// Serializes a duration as milliseconds.
@@ -350,24 +357,34 @@ struct Link {
 }
 
 impl Link {
-    /// Connects to `p.to` and shakes hands.
-    fn open(p: &MigrateParams) -> Result<Link, Early> {
+    /// Connects to `p.to` and shakes hands, then opens the session's other streams, each a
+    /// connection of its own that joins it; all of them paced by `pacer`.
+    fn open(p: &MigrateParams, pacer: Option<&Arc<Pacer>>) -> Result<Link, Early> {
         let mut stream =
             connect(&p.to, p.deadlines.connect, p.deadlines.io).map_err(Early::Connect)?;
-        let sender = paced(p, &mut stream, |mut s| DirSender::start(&mut s, &p.key))
-            .map_err(|e| Early::Send(Box::new(e)))?;
+        let open = |_| -> io::Result<Box<dyn Connection>> {
+            let s = connect(&p.to, p.deadlines.connect, p.deadlines.io)?;
+            Ok(match pacer {
+                Some(pacer) => Box::new(Paced::new(s, pacer.clone())),
+                None => Box::new(s),
+            })
+        };
+        let sender = paced(pacer, &mut stream, |mut s| {
+            DirSender::start_streams(&mut s, &p.key, p.streams, open)
+        })
+        .map_err(|e| Early::Send(Box::new(e)))?;
         Ok(Link { stream, sender })
     }
 }
 
-/// `f` on `stream`, paced at `p.max_rate` if it has one.
+/// `f` on `stream`, paced by `pacer` if there is one.
 fn paced<T>(
-    p: &MigrateParams,
+    pacer: Option<&Arc<Pacer>>,
     stream: &mut TcpStream,
     f: impl FnOnce(&mut dyn ReadWrite) -> T,
 ) -> T {
-    match p.max_rate {
-        Some(rate) => f(&mut wire::Paced::new(stream, rate)),
+    match pacer {
+        Some(pacer) => f(&mut Paced::new(stream, pacer.clone())),
         None => f(stream),
     }
 }
@@ -386,6 +403,7 @@ enum Early {
 /// running, it connects to the destination and sends what the pre-copy wrote ahead.
 struct SendAhead<'a> {
     p: &'a MigrateParams,
+    pacer: Option<&'a Arc<Pacer>>,
     obs: &'a mut dyn Observer,
     link: Option<Result<Link, Early>>,
     connect: Duration,
@@ -410,7 +428,7 @@ impl Observer for SendAhead<'_> {
         let link = match self.link.take() {
             None => {
                 let t = Instant::now();
-                let link = Link::open(self.p);
+                let link = Link::open(self.p, self.pacer);
                 self.connect = t.elapsed();
                 link
             }
@@ -419,7 +437,7 @@ impl Observer for SendAhead<'_> {
         let t = Instant::now();
         let link = link.and_then(|mut l| {
             let Link { stream, sender } = &mut l;
-            let sent = paced(self.p, stream, |mut s| sender.send_ahead(&mut s, dir))
+            let sent = paced(self.pacer, stream, |mut s| sender.send_ahead(&mut s, dir))
                 .map_err(|e| Early::Send(Box::new(e)))?;
             self.sent.files += sent.files;
             self.sent.bytes += sent.bytes;
@@ -438,7 +456,7 @@ impl Observer for SendAhead<'_> {
     }
 }
 
-/// Migrates the job `p.checkpoint` names to the [`receive`] at `p.to`, in phases: checkpoint
+/// Migrates the job `p.checkpoint` names to the `possum receive` at `p.to`, in phases: checkpoint
 /// (held; what its pre-copy wrote sent ahead while the job runs), send (the rest, held), kill,
 /// hand-off. `obs` is told how the checkpoint and the restores go.
 pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateReport, MigrateError> {
@@ -446,8 +464,11 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let mut timings = MigrateTimings::default();
     let local = p.checkpoint.dir.clone();
 
+    // One bucket for every stream, all through the migration.
+    let pacer = p.max_rate.map(|rate| Arc::new(Pacer::new(rate)));
     let mut ahead = SendAhead {
         p,
+        pacer: pacer.as_ref(),
         obs,
         link: None,
         connect: Duration::ZERO,
@@ -467,7 +488,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         Ok(held) => held,
         Err(e) => {
             if let Some(Ok(mut l)) = link {
-                send_abort(&mut l.stream, "the source's checkpoint failed");
+                l.sender
+                    .abort(&mut l.stream, "the source's checkpoint failed");
             }
             return Err(MigrateError::Checkpoint(Box::new(e)));
         }
@@ -478,7 +500,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
 
     // Without a pre-copy (engine driver, or nothing to copy), the connection comes now.
     let t = Instant::now();
-    let link = link.unwrap_or_else(|| Link::open(p));
+    let link = link.unwrap_or_else(|| Link::open(p, pacer.as_ref()));
     timings.connect = connect_took + t.elapsed();
     let Link { mut stream, sender } = match link {
         Ok(l) => l,
@@ -495,7 +517,9 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     };
 
     let t = Instant::now();
-    let sending = paced(p, &mut stream, |mut s| sender.finish(&mut s, held.dir()));
+    let sending = paced(pacer.as_ref(), &mut stream, |mut s| {
+        sender.finish(&mut s, held.dir())
+    });
     let (sent, mut session) = match sending {
         Ok(s) => s,
         Err(source) => {
@@ -521,7 +545,11 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let report = match held.kill() {
         Ok(r) => r,
         Err(source) => {
-            send_abort(&mut stream, "the source could not kill its job");
+            send_abort(
+                &mut stream,
+                &mut session,
+                "the source could not kill its job",
+            );
             // The guard let the job go on, unless it was killed after all.
             let job = if crate::process::alive(p.checkpoint.pid) {
                 JobAt::Source
@@ -691,6 +719,8 @@ pub struct ReceiveParams {
     pub deadlines: Deadlines,
     /// The restore's parameters but its `dir` (the image received).
     pub restore: RestoreParams,
+    /// The sessions open to more streams: one registry for every connection of this receiver.
+    pub sessions: Sessions,
 }
 
 /// How long each phase of a receive took.
@@ -786,12 +816,15 @@ fn image_name(dir: &Path) -> PathBuf {
 }
 
 /// The receiver's handshake on a new connection, each of its reads and writes within
-/// `p.deadlines.handshake`: the session it agreed on, the connection's reads and writes bounded by `p.deadlines.io` again
-/// for what follows. A connection that does not prove it holds the secret in time is refused.
+/// `p.deadlines.handshake`, the connection's reads and writes bounded by `p.deadlines.io` again
+/// for what follows: a new session (its first connection; [`receive_in_session`] receives the
+/// migration), or another stream of one open in `p.sessions` (hand it over with
+/// [`wire::Joined::join`]). A connection that does not prove it holds the secret in time, or
+/// claims a stream of a session it does not belong to, is refused.
 pub fn receive_handshake(
     stream: &mut TcpStream,
     p: &ReceiveParams,
-) -> Result<wire::Session, ReceiveError> {
+) -> Result<Accepted, ReceiveError> {
     let failed = |e: wire::HandshakeError| ReceiveError::Transfer(Box::new(e.into()));
     let timeouts = |source| {
         failed(wire::HandshakeError::Io {
@@ -800,25 +833,15 @@ pub fn receive_handshake(
         })
     };
     wire::set_timeouts(stream, p.deadlines.handshake).map_err(timeouts)?;
-    let session = receiver_handshake(stream, &p.key).map_err(failed)?;
+    let accepted = accept_handshake(stream, &p.key, &p.sessions).map_err(failed)?;
     wire::set_timeouts(stream, p.deadlines.io).map_err(timeouts)?;
-    Ok(session)
+    Ok(accepted)
 }
 
-/// Receives one migration on `stream` (its reads and writes bounded already): the image into a
-/// new directory of `p.dir`, then, once the source released its job, its restore, whose outcome
-/// the source is told.
-pub fn receive(
-    stream: &mut TcpStream,
-    p: &ReceiveParams,
-    obs: &mut dyn Observer,
-) -> Result<Received, ReceiveError> {
-    let t = Instant::now();
-    let session = receive_handshake(stream, p)?;
-    receive_in_session(stream, session, t, p, obs)
-}
-
-/// [`receive`] after its handshake ([`receive_handshake`], begun at `t`), over its `session`.
+/// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
+/// its first connection, began at `t`: the image into a new directory of `p.dir` (over all the
+/// session's streams), then, once the source released its job, its restore, whose outcome the
+/// source is told.
 pub fn receive_in_session(
     stream: &mut TcpStream,
     session: wire::Session,

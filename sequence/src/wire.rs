@@ -1,76 +1,104 @@
-//! Moving a directory between hosts over one stream: how a checkpoint image travels from the host
-//! a job runs on to the host it is restored on (`possum migrate PID --to HOST:PORT` sends,
-//! `possum receive --listen ADDR:PORT -D DIR` receives).
+//! Moving a directory between hosts: how a checkpoint image travels from the host a job runs on
+//! to the host it is restored on (`possum migrate PID --to HOST:PORT` sends, `possum receive
+//! --listen ADDR:PORT -D DIR` receives), over one connection or several (`--streams N`).
 //!
 //! ```text
-//! sender ([`send_dir`])                              receiver ([`receive_dir`])
-//!                  ◀── hello: magic, version, receiver nonce (32 bytes)
-//!   proof: magic, version, sender nonce, HMAC(key, "possum-migrate-v1/client" ‖ rn ‖ sn) ──▶
-//!                  ◀── HMAC(key, "possum-migrate-v1/server" ‖ sn ‖ rn)
-//!   frames: Dir, File, Chunk.., EndFile, ..., Done + HMAC ──▶  under a temporary sibling of DEST
-//!                  ◀── Committed + HMAC (DEST named) or Abort (why not)
-//!   (a migration) Released + HMAC: the source's job is gone ──▶
-//!                  ◀── Outcome + HMAC: restored and held at the destination, or why not
-//!   Released + HMAC again: go ──▶
-//!                  ◀── Outcome + HMAC: running at the destination, or why not
+//! sender ([`send_dir`], [`DirSender`])                 receiver ([`receive_dir`], [`accept_handshake`])
+//!                  ◀── hello: magic, version, receiver nonce rn (32 bytes)
+//!   proof: magic, version, sender nonce sn, session 0, stream 0, streams N,
+//!          MAC(wire key, "client" ‖ rn ‖ sn ‖ 0 ‖ 0 ‖ N) ──▶
+//!                  ◀── MAC(wire key, "server" ‖ sn ‖ rn ‖ 0 ‖ 0 ‖ N)
+//!   streams 1..N-1, each a connection of its own:
+//!                  ◀── hello: magic, version, rn'
+//!   proof: magic, version, sn', session id, stream k, N, MAC(session key, "join" ‖ ...) ──▶
+//!                  ◀── MAC(session key, "joined" ‖ ...)
+//!   per part (a round sent ahead, or the final set), on stream 0:
+//!     Dir.., File.. (each file numbered in its part), Chunks ──▶
+//!   then on every stream at once: Chunk.. (file, offset, bytes), EndPart ──▶  pwritten in place
+//!   (parts ahead of the final set, then) Cut; the final set's part; Done ──▶
+//!                  ◀── Committed (DEST named) or Abort (why not)
+//!   (a migration) Released: the source's job is gone ──▶
+//!                  ◀── Outcome: restored and held at the destination, or why not
+//!   Released again: go ──▶
+//!                  ◀── Outcome: running at the destination, or why not
 //! ```
 //!
 //! **Handshake** (step [`HandshakeError`]): both ends hold the same secret ([`HmacKey`], a file of
-//! at least 32 bytes) and each proves it to the other on fresh nonces from `/dev/urandom`, the
-//! tags compared in constant time. The receiver writes nothing after its hello to a sender that
-//! fails its proof; the sender sends no file to a receiver that fails its own. Both then hold a
-//! [`Session`]: a key of this connection alone, HMAC(secret, "possum-migrate-v1/session" ‖ rn ‖
-//! sn).
+//! at least 32 bytes), from which each derives the wire key (BLAKE3's `derive_key` under a
+//! context of the wire's own), and each proves it holds it to the other on fresh nonces from
+//! `/dev/urandom`, the tags compared in constant time. The receiver writes nothing after its
+//! hello to a sender that fails its proof; the sender sends no file to a receiver that fails
+//! its own. Both then hold a [`Session`], whose key is of this session alone ([`mac`]'s doc
+//! draws the keys). A session of N streams has N connections: the first makes the session,
+//! each other joins it with a proof under the session's key, naming the session's public id
+//! and its stream number; the receiver ([`Sessions`]) refuses a connection that names a session
+//! it does not have open, proves no key of it, names a stream the session does not have or has
+//! already, and waits a bounded time for the streams to join.
 //!
-//! **Frames** (step [`FrameError`]): a 13-byte header, `kind: u8`, `length: u64` (little endian),
-//! `crc32c: u32` (little endian, of the payload), then `length` bytes of payload; a frame longer
-//! than [`MAX_FRAME`] is refused before anything is read of it. The kinds ([`Frame`]):
-//! - `Dir` and `File`: a JSON object `{"path": "a/b", "mode": 420}` (and `"size"` for a file), the
-//!   path relative, `/`-separated, UTF-8, with no empty, `.` or `..` component; a file may name
-//!   a `"base"`, `{"path", "size", "sha256"}`: a file sent ahead that holds its first `size`
-//!   bytes, its chunks then beginning there (before the `Cut`, in a later round ahead, only the
-//!   file itself: it goes on);
-//! - `Chunk`: the offset in the current file (`u64` LE) then the bytes, in order, at most
-//!   [`CHUNK_BYTES`] of them;
-//! - `EndFile`: empty; the file got exactly its size;
+//! **Frames** (step [`FrameError`]): a 9-byte header, `kind: u8`, `length: u64` (little endian),
+//! then `length` bytes of payload, then the frame's 32-byte MAC: keyed BLAKE3 under a key of its
+//! stream and way, of its number on that stream and way, its header, its head and the BLAKE3 of
+//! its body ([`mac`]). A frame is acted on only once its MAC is checked: one changed, dropped,
+//! replayed, reordered or moved to another stream or session is refused, the error naming the
+//! frame, its stream and what it turned out to be. A frame longer than [`MAX_FRAME`] is
+//! refused before anything is read of it. The kinds ([`Frame`]):
+//! - `Dir` and `File`: a JSON object `{"path": "a/b", "mode": 420}` (and `"id"`, the file's number
+//!   in its part from 0, and `"size"` for a file), the path relative, `/`-separated, UTF-8, with no
+//!   empty, `.` or `..` component; a file may name a `"base"`, `{"path", "size", "digest"}`: a
+//!   file sent ahead that holds its first `size` bytes, its chunks then beginning there (before
+//!   the `Cut`, in a later round ahead, only the file itself: it goes on). A base may have
+//!   `"patches"`, `[{"offset", "len", "hash"}]`: pieces of it as it was sent ahead whose bytes
+//!   changed since (the file rewritten in place), each sent again as one chunk at its offset and
+//!   written over the base; after the `Cut` each carries `"hash"`, the BLAKE3 of its bytes when
+//!   the sender hashed them at the cut (hex), which the chunk's body must hash to (ahead of the
+//!   cut, none: the file may change while it is sent, and the chunk's body hash is kept);
+//! - `Chunks`: empty; the headers of the part end, its chunks follow on every stream;
+//! - `Chunk`: the file's number and the offset in it (`u64` LE each), then the bytes (the body),
+//!   at most [`CHUNK_BYTES`] of them; the receiver writes them at their offset, so the streams
+//!   need no order between them (a patch's chunk, on any stream, is exactly that patch);
+//! - `EndPart`: `chunks: u64`, `bytes: u64` (LE): this stream's share of the part is over. Once
+//!   every stream's has come, each file of the part must hold exactly its bytes, each once (its
+//!   base's patches, each once, and every byte after its base);
 //! - `Cut` (a transfer in two parts, [`DirSender`]): empty; the files before it were sent ahead
 //!   (a migration's pre-copy rounds, the job running), the final set follows. The receiver sets
-//!   aside what came before, with the SHA-256 of each file; a file (of a later round, or of the
-//!   final set) takes a base from there only if its length and hash are those received, each
-//!   base once; what is left aside is removed. `Done`'s totals are the final set's, whole files
-//!   counted;
-//! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received, then a
-//!   32-byte HMAC under the session's key ([`Seal`]): `Done`'s of every frame before it (headers
-//!   and payloads) and the totals, `Committed`'s of `Done`'s HMAC and the totals received;
+//!   aside what came before, with the digest of each file (the BLAKE3 of its pieces' offsets,
+//!   lengths and body hashes, in order); a file (of a later round, or of the final set) takes a
+//!   base from there only if its length and digest are those received, each base once, and its
+//!   patches are pieces of it, each once. From the `Cut` on, while the sender hashes its files
+//!   again, the receiver reads back its copies of what was sent ahead (on threads of its own):
+//!   a file of the final set takes a base only once every piece of the copy hashes to what was
+//!   received for it, then each patch's bytes must be those the sender hashed at the cut, so
+//!   that the file assembled is the sender's at the cut, piece by piece. What is left aside is
+//!   removed. A base's pieces received again replace the earlier in its digest (a later round's
+//!   patches). `Done`'s totals are the final set's, whole files counted;
+//! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received;
 //! - `Abort`: why, as UTF-8 text;
-//! - `Released` (a migration's, after `Committed`): a 32-byte HMAC under the session's key of
-//!   `Committed`'s: the source's job is gone, restore it. Sent again after `Outcome` `Restored`
-//!   (its HMAC of that one's): let it run;
+//! - `Released` (a migration's, after `Committed`): empty: the source's job is gone, restore it.
+//!   Sent again after `Outcome` `Restored`: let it run;
 //! - `Outcome` (the answer to `Released`): `status: u8` (0 the restore failed, 1 the job runs,
-//!   2 restored but held until the source says go), the restored `pid: i32` (LE), a 32-byte HMAC
-//!   under the session's key of `Released`'s and what precedes and follows it, then why the
+//!   2 restored but held until the source says go), the restored `pid: i32` (LE), then why the
 //!   restore failed, as UTF-8 text (empty otherwise).
-//! - `Buffer` and `BufferChunk` (a pre-copy's, in place of `Dir`..`EndFile`: [`PrecopySender`],
-//!   [`receive_precopy`]): an engine buffer declared, `id`, `va`, `size` (`u64` LE) and its
-//!   prefetch rank (`u32` LE); and bytes of a declared buffer, its `id` and the offset in it
-//!   (`u64` LE each) then at most [`CHUNK_BYTES`] bytes. A buffer comes again in each round that
-//!   found it written; its later bytes replace the earlier. Both go into the HMAC of the frames
-//!   like the transfer's; `Done` and `Committed` then count `Buffer` frames as files and chunk
-//!   bytes as bytes.
+//! - `Buffer` and `BufferChunk` (a pre-copy's, on one stream, in place of the parts:
+//!   [`PrecopySender`], [`receive_precopy`]): an engine buffer declared, `id`, `va`, `size` (`u64`
+//!   LE) and its prefetch rank (`u32` LE); and bytes of a declared buffer, its `id` and the offset
+//!   in it (`u64` LE each) then at most [`CHUNK_BYTES`] bytes. A buffer comes again in each round
+//!   that found it written; its later bytes replace the earlier. `Done` and `Committed` then
+//!   count `Buffer` frames as files and chunk bytes as bytes.
 //!
 //! Invariants of a receive:
 //! - Nothing is written outside DEST's temporary sibling, which [`receive_dir`] creates itself
 //!   (mode 0700, never through a symbolic link) and fills only with directories and regular files
 //!   it creates (modes limited to `0o777`).
-//! - DEST appears only complete: every chunk's checksum checked, every file its size, `Done`'s
-//!   HMAC that of the frames received (nothing changed, left out or added between the two ends),
-//!   its totals those received, the files and directories fsynced, then the temporary directory
-//!   renamed to DEST (which must not exist, and is not replaced if it appears meanwhile). On any
-//!   error the temporary directory is removed and DEST is not created.
+//! - DEST appears only complete: every frame's MAC checked, every file exactly its bytes (each
+//!   base read back as received, each patch as the sender hashed it at the cut), each
+//!   stream's share of each part ended, `Done`'s totals those received, the files and
+//!   directories fsynced, then the temporary directory renamed to DEST (which must not exist,
+//!   and is not replaced if it appears meanwhile). On any error, on any stream, the temporary
+//!   directory is removed and DEST is not created.
 //! - The sender's [`send_dir`] succeeds only when the receiver said `Committed` with its totals
-//!   and the session's HMAC: a migration may drop the source job only then.
+//!   under the session's MAC: a migration may drop the source job only then.
 //!
-//! The stream is not encrypted: whoever can read the network can read the image. Every read
+//! The streams are not encrypted: whoever can read the network can read the image. Every read
 //! blocks at most as long as the stream lets it: set a read timeout (a [`TcpStream`] with
 //! [`set_timeouts`]) before calling these.
 
@@ -81,35 +109,42 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use hmac::Mac;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::HmacKey;
+use mac::{keyed, pieces_digest, session_id, FrameMac, Piece, Way, KEY_BYTES};
 use possum_engine::image::ImageError;
 use possum_engine::store::{BufferRecord, ChunkSink};
 
+pub use mac::{Misfit, TAG_BYTES};
+
 /// The protocol's version, in the hello and the proof.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// The first bytes of the hello and the proof.
 const MAGIC: [u8; 8] = *b"POSSUMWR";
-/// A nonce's and an HMAC tag's length (bytes).
+/// A nonce's length (bytes).
 const NONCE_BYTES: usize = 32;
-const TAG_BYTES: usize = 32;
-const CLIENT_LABEL: &[u8] = b"possum-migrate-v1/client";
-const SERVER_LABEL: &[u8] = b"possum-migrate-v1/server";
-const SESSION_LABEL: &[u8] = b"possum-migrate-v1/session";
-const FRAMES_LABEL: &[u8] = b"possum-migrate-v1/frames";
-const DONE_LABEL: &[u8] = b"possum-migrate-v1/done";
-const COMMITTED_LABEL: &[u8] = b"possum-migrate-v1/committed";
-const RELEASED_LABEL: &[u8] = b"possum-migrate-v1/released";
-const OUTCOME_LABEL: &[u8] = b"possum-migrate-v1/outcome";
+const CLIENT_LABEL: &[u8] = b"possum-wire-v2/client";
+const SERVER_LABEL: &[u8] = b"possum-wire-v2/server";
+const JOIN_LABEL: &[u8] = b"possum-wire-v2/join";
+const JOINED_LABEL: &[u8] = b"possum-wire-v2/joined";
+const SESSION_LABEL: &[u8] = b"possum-wire-v2/session";
 /// The longest frame payload accepted (bytes).
 pub const MAX_FRAME: u64 = 64 << 20;
 /// The most file bytes a sender puts in one chunk.
 pub const CHUNK_BYTES: usize = 4 << 20;
+/// The most streams a session may have.
+pub const MAX_STREAMS: u32 = 64;
 /// The longest abort reason sent (bytes).
 const MAX_REASON: usize = 4096;
-const HEADER_BYTES: usize = 13;
+/// A frame's header: kind, payload length.
+const HEADER_BYTES: usize = 9;
+/// The hello: magic, version, receiver nonce.
+const HELLO_BYTES: usize = 8 + 4 + NONCE_BYTES;
+/// What a proof names: the session's id (zeros for a new one), the stream, the streams.
+const CLAIM_BYTES: usize = 16 + 4 + 4;
+/// The proof: magic, version, sender nonce, claim, tag.
+const PROOF_BYTES: usize = 8 + 4 + NONCE_BYTES + CLAIM_BYTES + TAG_BYTES;
 
 /// Sets `stream`'s read and write timeouts to `timeout`: no read or write of a transfer then
 /// waits longer for the peer.
@@ -119,60 +154,9 @@ pub fn set_timeouts(stream: &TcpStream, timeout: Duration) -> io::Result<()> {
     stream.set_nodelay(true)
 }
 
-/// A stream whose writes go at most `rate` bytes a second (a token bucket, a twentieth of a
-/// second's worth of burst): what `possum migrate --max-rate` sends through. Reads pass through.
-#[derive(Debug)]
-pub struct Paced<S> {
-    inner: S,
-    rate: u64,
-    burst: u64,
-    start: Instant,
-    written: u64,
-}
-
-impl<S> Paced<S> {
-    /// `inner`, its writes paced at `rate` bytes a second (at least 1).
-    pub fn new(inner: S, rate: u64) -> Paced<S> {
-        let rate = rate.max(1);
-        Paced {
-            inner,
-            rate,
-            burst: (rate / 20).max(1),
-            start: Instant::now(),
-            written: 0,
-        }
-    }
-
-    /// The stream paced.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-}
-
-impl<S: Write> Write for Paced<S> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let n = buf.len().min(self.burst as usize);
-        // When the bucket holds `n` bytes: `written + n - burst` bytes' worth after the start.
-        let due = (self.written + n as u64).saturating_sub(self.burst) as f64 / self.rate as f64;
-        let wait = Duration::from_secs_f64(due).saturating_sub(self.start.elapsed());
-        if !wait.is_zero() {
-            std::thread::sleep(wait);
-        }
-        let k = self.inner.write(&buf[..n])?;
-        self.written += k as u64;
-        Ok(k)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.inner.flush()
-    }
-}
-
-impl<S: Read> Read for Paced<S> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.inner.read(buf)
-    }
-}
+/// A connection a session's stream goes over (a [`TcpStream`], paced or not).
+pub trait Connection: Read + Write + Send {}
+impl<T: Read + Write + Send> Connection for T {}
 
 // ---------------------------------------------------------------------------------------------
 // Handshake
@@ -223,6 +207,42 @@ pub enum HandshakeError {
          authentication (the two hosts hold different secrets?) or could not receive"
     )]
     Refused,
+    /// A sender asked for more streams than this receiver takes.
+    #[error("the sender asked for {asked} streams; this receiver takes 1 to {most}")]
+    Streams {
+        /// What it asked for.
+        asked: u32,
+        /// The most taken.
+        most: u32,
+    },
+    /// A connection that claims to be a stream of a session this receiver does not have open.
+    #[error(
+        "a connection claims to be stream {index} of a session this receiver does not have \
+         open: it belongs to no session here"
+    )]
+    UnknownSession {
+        /// The stream it claimed to be.
+        index: u32,
+    },
+    /// A connection that claims a stream its session does not have, or has already.
+    #[error("a connection claims to be stream {index} of a session of {streams} streams: {why}")]
+    NotAStream {
+        /// The stream it claimed to be.
+        index: u32,
+        /// The session's streams.
+        streams: u32,
+        /// Why that is refused.
+        why: &'static str,
+    },
+    /// Opening another stream of the session (the sender's).
+    #[error("opening stream {index} of the session")]
+    Open {
+        /// The stream.
+        index: u32,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// `N` random bytes from `/dev/urandom`.
@@ -236,83 +256,47 @@ fn nonce() -> Result<[u8; NONCE_BYTES], HandshakeError> {
     random().map_err(HandshakeError::Nonce)
 }
 
-fn tag(key: &HmacKey, label: &[u8], first: &[u8], second: &[u8]) -> hmac::Hmac<sha2::Sha256> {
-    let mut mac = key.mac();
-    mac.update(label);
-    mac.update(first);
-    mac.update(second);
-    mac
-}
-
-/// What a handshake agreed on: a key of this connection alone (an HMAC of the secret and both
-/// nonces) and the HMAC under it of the frames so far, which `Done` and `Committed` carry.
+/// What a handshake agreed on: the session's key, how many streams it has, and the MACs of the
+/// frames on its first connection, each way.
 pub struct Session {
-    key: [u8; TAG_BYTES],
-    frames: hmac::Hmac<sha2::Sha256>,
-    /// The HMAC of the last frame of the exchange after the transfer (`Committed`, `Released`),
-    /// which the next one's covers.
-    last: [u8; TAG_BYTES],
+    key: [u8; KEY_BYTES],
+    id: [u8; 16],
+    streams: u32,
+    /// This end's frames on the first connection.
+    send: FrameMac,
+    /// The peer's frames on the first connection.
+    recv: FrameMac,
+    /// A receiver's: where the session's other streams arrive.
+    joins: Option<streams::Joins>,
 }
 
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Session(..)")
+        write!(f, "Session({} streams)", self.streams)
     }
 }
 
 impl Session {
-    fn new(secret: &HmacKey, rn: &[u8], sn: &[u8]) -> Session {
-        let key: [u8; TAG_BYTES] = tag(secret, SESSION_LABEL, rn, sn)
-            .finalize()
-            .into_bytes()
-            .into();
-        let mut frames = Self::keyed(&key);
-        frames.update(FRAMES_LABEL);
+    fn new(wire_key: &[u8; KEY_BYTES], rn: &[u8], sn: &[u8], streams: u32, sender: bool) -> Self {
+        let key = *keyed(wire_key, &[SESSION_LABEL, rn, sn, &streams.to_le_bytes()]).as_bytes();
+        let (mine, theirs) = if sender {
+            (Way::ToReceiver, Way::ToSender)
+        } else {
+            (Way::ToSender, Way::ToReceiver)
+        };
         Session {
             key,
-            frames,
-            last: [0; TAG_BYTES],
+            id: session_id(&key),
+            streams,
+            send: FrameMac::new(&key, 0, mine),
+            recv: FrameMac::new(&key, 0, theirs),
+            joins: None,
         }
     }
 
-    fn keyed(key: &[u8; TAG_BYTES]) -> hmac::Hmac<sha2::Sha256> {
-        hmac::Hmac::new_from_slice(key).expect("HMAC takes a key of any length")
-    }
-
-    /// The HMAC `Done` carries: of the frames so far and the totals.
-    fn done(&self, totals: &Totals) -> hmac::Hmac<sha2::Sha256> {
-        let mut m = self.frames.clone();
-        m.update(DONE_LABEL);
-        m.update(&totals_bytes(totals));
-        m
-    }
-
-    /// The HMAC `Committed` carries: of `Done`'s and the totals received.
-    fn committed(&self, done: &[u8], totals: &Totals) -> hmac::Hmac<sha2::Sha256> {
-        let mut m = Self::keyed(&self.key);
-        m.update(COMMITTED_LABEL);
-        m.update(done);
-        m.update(&totals_bytes(totals));
-        m
-    }
-
-    /// The HMAC `Released` carries: of `Committed`'s.
-    fn released(&self) -> hmac::Hmac<sha2::Sha256> {
-        let mut m = Self::keyed(&self.key);
-        m.update(RELEASED_LABEL);
-        m.update(&self.last);
-        m
-    }
-
-    /// The HMAC `Outcome` carries: of `Released`'s and the outcome.
-    fn outcome(&self, running: u8, pid: i32, reason: &[u8]) -> hmac::Hmac<sha2::Sha256> {
-        let mut m = Self::keyed(&self.key);
-        m.update(OUTCOME_LABEL);
-        m.update(&self.last);
-        m.update(&[running]);
-        m.update(&pid.to_le_bytes());
-        m.update(reason);
-        m
+    /// How many streams (connections) the session has: 1, its first alone, or more.
+    pub fn streams(&self) -> u32 {
+        self.streams
     }
 }
 
@@ -321,7 +305,7 @@ fn hs_io(what: &'static str) -> impl FnOnce(io::Error) -> HandshakeError {
 }
 
 /// Writes one handshake message whole and flushes it (`what` names it in an error).
-fn hs_send<S: Write>(
+fn hs_send<S: Write + ?Sized>(
     stream: &mut S,
     bytes: &[u8],
     what: &'static str,
@@ -332,58 +316,167 @@ fn hs_send<S: Write>(
         .map_err(hs_io(what))
 }
 
-/// The receiver's side of the handshake: sends its hello, checks the sender's proof (writing
-/// nothing more if it fails), answers its own. The session authenticates the frames that follow.
-pub fn receiver_handshake<S: Read + Write>(
+/// What a proof claims: the session (zeros for a new one), the stream, the session's streams.
+fn claim(id: &[u8; 16], index: u32, streams: u32) -> [u8; CLAIM_BYTES] {
+    let mut c = [0u8; CLAIM_BYTES];
+    c[..16].copy_from_slice(id);
+    c[16..20].copy_from_slice(&index.to_le_bytes());
+    c[20..].copy_from_slice(&streams.to_le_bytes());
+    c
+}
+
+/// What a receiver's handshake on a new connection accepted.
+#[derive(Debug)]
+pub enum Accepted {
+    /// A new session, on its first connection.
+    Session(Session),
+    /// Another stream of a session this receiver has open: hand its connection to it.
+    Stream(Joined),
+}
+
+/// The receiver's side of the handshake on a connection that may make a session or join one of
+/// `sessions`: sends its hello, checks the sender's proof (writing nothing more if it fails),
+/// answers its own.
+pub fn accept_handshake<S: Read + Write + ?Sized>(
     stream: &mut S,
     key: &HmacKey,
-) -> Result<Session, HandshakeError> {
+    sessions: &Sessions,
+) -> Result<Accepted, HandshakeError> {
     let rn = nonce()?;
-    let mut hello = Vec::with_capacity(8 + 4 + NONCE_BYTES);
+    let mut hello = Vec::with_capacity(HELLO_BYTES);
     hello.extend_from_slice(&MAGIC);
     hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     hello.extend_from_slice(&rn);
     hs_send(stream, &hello, "sending the hello")?;
 
-    let mut proof = [0u8; 8 + 4 + NONCE_BYTES + TAG_BYTES];
+    let mut proof = [0u8; PROOF_BYTES];
+    let reading = hs_io("reading the sender's proof");
+    // The greeting first: a sender of another version is told so, whatever its proof's length.
+    stream.read_exact(&mut proof[..12]).map_err(reading)?;
+    check_greeting(&proof[..8], &proof[8..12], "sender")?;
     stream
-        .read_exact(&mut proof)
+        .read_exact(&mut proof[12..])
         .map_err(hs_io("reading the sender's proof"))?;
-    let (magic, rest) = proof.split_at(8);
-    let (version, rest) = rest.split_at(4);
-    let (sn, client_tag) = rest.split_at(NONCE_BYTES);
-    check_greeting(magic, version, "sender")?;
-    tag(key, CLIENT_LABEL, &rn, sn)
-        .verify_slice(client_tag)
-        .map_err(|_| HandshakeError::PeerNotAuthenticated { peer: "sender" })?;
-    let server_tag = tag(key, SERVER_LABEL, sn, &rn).finalize().into_bytes();
-    hs_send(stream, &server_tag, "sending the receiver's proof")?;
-    Ok(Session::new(key, &rn, sn))
+    let sn = &proof[12..12 + NONCE_BYTES];
+    let claimed = &proof[12 + NONCE_BYTES..12 + NONCE_BYTES + CLAIM_BYTES];
+    let tag = blake3::Hash::from_bytes(proof[PROOF_BYTES - TAG_BYTES..].try_into().expect("32"));
+    let id: [u8; 16] = claimed[..16].try_into().expect("16 bytes");
+    let index = u32::from_le_bytes(claimed[16..20].try_into().expect("4 bytes"));
+    let streams = u32::from_le_bytes(claimed[20..].try_into().expect("4 bytes"));
+    let refused = HandshakeError::PeerNotAuthenticated { peer: "sender" };
+
+    if id == [0; 16] && index == 0 {
+        let wire_key = key.wire_key();
+        if keyed(&wire_key, &[CLIENT_LABEL, &rn, sn, claimed]) != tag {
+            return Err(refused);
+        }
+        let most = if sessions.joinable() { MAX_STREAMS } else { 1 };
+        if !(1..=most).contains(&streams) {
+            return Err(HandshakeError::Streams {
+                asked: streams,
+                most,
+            });
+        }
+        let mut session = Session::new(&wire_key, &rn, sn, streams, false);
+        // Open before the answer: the sender's other streams come only after it.
+        if streams > 1 {
+            session.joins = Some(sessions.open(&session));
+        }
+        let answer = keyed(&wire_key, &[SERVER_LABEL, sn, &rn, claimed]);
+        hs_send(stream, answer.as_bytes(), "sending the receiver's proof")?;
+        return Ok(Accepted::Session(session));
+    }
+    let (session_key, has) = sessions
+        .find(&id)
+        .ok_or(HandshakeError::UnknownSession { index })?;
+    if keyed(&session_key, &[JOIN_LABEL, &rn, sn, claimed]) != tag {
+        return Err(refused);
+    }
+    let joined = sessions.claim(&id, index, streams, has)?;
+    let answer = keyed(&session_key, &[JOINED_LABEL, sn, &rn, claimed]);
+    hs_send(stream, answer.as_bytes(), "sending the receiver's proof")?;
+    Ok(Accepted::Stream(joined))
 }
 
-/// The sender's side of the handshake: reads the hello, sends its proof, checks the receiver's.
-/// The session authenticates the frames that follow.
-pub fn sender_handshake<S: Read + Write>(
+/// The receiver's side of the handshake on a connection that is a session of one stream: a
+/// sender asking for more, or joining a session, is refused.
+pub fn receiver_handshake<S: Read + Write + ?Sized>(
     stream: &mut S,
     key: &HmacKey,
 ) -> Result<Session, HandshakeError> {
-    let mut hello = [0u8; 8 + 4 + NONCE_BYTES];
+    match accept_handshake(stream, key, &Sessions::single())? {
+        Accepted::Session(s) => Ok(s),
+        Accepted::Stream(j) => Err(HandshakeError::UnknownSession { index: j.index() }),
+    }
+}
+
+/// The sender's side of the handshake for a session of one stream: reads the hello, sends its
+/// proof, checks the receiver's.
+pub fn sender_handshake<S: Read + Write + ?Sized>(
+    stream: &mut S,
+    key: &HmacKey,
+) -> Result<Session, HandshakeError> {
+    sender_handshake_streams(stream, key, 1)
+}
+
+/// The sender's side of the handshake for a session of `streams` streams, on its first
+/// connection (the others join it: [`DirSender::start_streams`]).
+pub fn sender_handshake_streams<S: Read + Write + ?Sized>(
+    stream: &mut S,
+    key: &HmacKey,
+    streams: u32,
+) -> Result<Session, HandshakeError> {
+    let wire_key = key.wire_key();
+    let (rn, sn) = prove(
+        stream,
+        &wire_key,
+        [CLIENT_LABEL, SERVER_LABEL],
+        &claim(&[0; 16], 0, streams),
+    )?;
+    Ok(Session::new(&wire_key, &rn, &sn, streams, true))
+}
+
+/// The sender's handshake on another connection of `session`, which it joins as stream
+/// `index`: the MAC of its frames.
+fn join_handshake<S: Read + Write + ?Sized>(
+    stream: &mut S,
+    session: &Session,
+    index: u32,
+) -> Result<FrameMac, HandshakeError> {
+    prove(
+        stream,
+        &session.key,
+        [JOIN_LABEL, JOINED_LABEL],
+        &claim(&session.id, index, session.streams),
+    )?;
+    Ok(FrameMac::new(&session.key, index, Way::ToReceiver))
+}
+
+/// The sender's half of a handshake: reads the hello, sends the proof of `claimed` under `key`,
+/// checks the answer; the two nonces.
+fn prove<S: Read + Write + ?Sized>(
+    stream: &mut S,
+    key: &[u8; KEY_BYTES],
+    [client, server]: [&[u8]; 2],
+    claimed: &[u8; CLAIM_BYTES],
+) -> Result<([u8; NONCE_BYTES], [u8; NONCE_BYTES]), HandshakeError> {
+    let mut hello = [0u8; HELLO_BYTES];
     stream
         .read_exact(&mut hello)
         .map_err(hs_io("reading the receiver's hello"))?;
-    let (magic, rest) = hello.split_at(8);
-    let (version, rn) = rest.split_at(4);
-    check_greeting(magic, version, "receiver")?;
+    check_greeting(&hello[..8], &hello[8..12], "receiver")?;
+    let rn: [u8; NONCE_BYTES] = hello[12..].try_into().expect("32 bytes");
     let sn = nonce()?;
-    let mut proof = Vec::with_capacity(8 + 4 + NONCE_BYTES + TAG_BYTES);
+    let mut proof = Vec::with_capacity(PROOF_BYTES);
     proof.extend_from_slice(&MAGIC);
     proof.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     proof.extend_from_slice(&sn);
-    proof.extend_from_slice(&tag(key, CLIENT_LABEL, rn, &sn).finalize().into_bytes());
+    proof.extend_from_slice(claimed);
+    proof.extend_from_slice(keyed(key, &[client, &rn, &sn, claimed]).as_bytes());
     hs_send(stream, &proof, "sending the sender's proof")?;
 
-    let mut server_tag = [0u8; TAG_BYTES];
-    match stream.read_exact(&mut server_tag) {
+    let mut answer = [0u8; TAG_BYTES];
+    match stream.read_exact(&mut answer) {
         Ok(()) => {}
         Err(e)
             if matches!(
@@ -397,10 +490,10 @@ pub fn sender_handshake<S: Read + Write>(
         }
         Err(e) => return Err(hs_io("reading the receiver's proof")(e)),
     }
-    tag(key, SERVER_LABEL, &sn, rn)
-        .verify_slice(&server_tag)
-        .map_err(|_| HandshakeError::PeerNotAuthenticated { peer: "receiver" })?;
-    Ok(Session::new(key, rn, &sn))
+    if keyed(key, &[server, &sn, &rn, claimed]) != blake3::Hash::from_bytes(answer) {
+        return Err(HandshakeError::PeerNotAuthenticated { peer: "receiver" });
+    }
+    Ok((rn, sn))
 }
 
 fn check_greeting(magic: &[u8], version: &[u8], peer: &'static str) -> Result<(), HandshakeError> {
@@ -431,24 +524,27 @@ pub struct DirHeader {
     pub mode: u32,
 }
 
-/// A file's header: the chunks that follow, up to `EndFile`, are its bytes.
+/// A file's header: the chunks of its part that name its `id` are its bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileHeader {
+    /// Its number in its part (the files of a part are numbered from 0, in order).
+    pub id: u64,
     /// Its path, relative to the directory sent.
     pub path: String,
     /// Its length (bytes).
     pub size: u64,
     /// Its permission bits.
     pub mode: u32,
-    /// After a `Cut`: the file sent ahead that holds its first bytes (the chunks then begin
-    /// where it ends).
+    /// The file sent ahead that holds its first bytes (the chunks then begin where it ends).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base: Option<Base>,
 }
 
-/// A file sent ahead (before the `Cut`) that a file of the final set begins with: the receiver
-/// moves it into place, once its own hash of what it received matches.
+/// A file sent ahead (before the `Cut`, or in an earlier round) that a file begins with: the
+/// receiver moves it into place (or goes on with it), once its own digest of what it received
+/// matches (and, after the `Cut`, its copy read back holds exactly that), and writes its
+/// `patches` over it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Base {
@@ -456,8 +552,29 @@ pub struct Base {
     pub path: String,
     /// Its length as it was sent ahead (bytes).
     pub size: u64,
-    /// The SHA-256 of those bytes, lowercase hex.
-    pub sha256: String,
+    /// The digest of those bytes as they were sent: the BLAKE3 of their pieces' offsets,
+    /// lengths and BLAKE3 hashes, in order, lowercase hex.
+    pub digest: String,
+    /// The pieces of it (each one as it was sent ahead: its offset and length) whose bytes
+    /// changed since, in the file rewritten in place: sent again in this part, each as one
+    /// chunk at its offset, and written over the copy sent ahead. The rest of it is unchanged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub patches: Vec<Patch>,
+}
+
+/// A piece of a [`Base`] sent again: it changed since it was sent ahead.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Patch {
+    /// Where it begins in the file (a piece sent ahead begins there).
+    pub offset: u64,
+    /// Its length (that piece's).
+    pub len: u64,
+    /// After the `Cut`: the BLAKE3 of its bytes as the sender hashed them at the cut, lowercase
+    /// hex; its chunk must carry exactly those bytes (the file did not change again since).
+    /// Ahead of the cut, none: the file may change while it is sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
 }
 
 /// The counts of a transfer.
@@ -469,52 +586,45 @@ pub struct Totals {
     pub bytes: u64,
 }
 
-/// Totals and the session's HMAC that vouches for them (`Done`, `Committed`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Seal {
-    /// Files and bytes.
-    pub totals: Totals,
-    /// The HMAC.
-    pub tag: [u8; TAG_BYTES],
-}
-
 /// One frame after the handshake.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Frame<'a> {
     /// A directory to create.
     Dir(DirHeader),
-    /// A file begins.
+    /// A file of the part.
     File(FileHeader),
-    /// The current file's bytes from `offset`.
+    /// The part's headers are over: its chunks follow, on every stream.
+    Chunks,
+    /// Bytes of a file of the part, from `offset`.
     Chunk {
+        /// The file's number in its part.
+        file: u64,
         /// Where in the file.
         offset: u64,
         /// The bytes.
         data: &'a [u8],
     },
-    /// The current file is complete.
-    EndFile,
+    /// This stream's share of the part is over.
+    EndPart {
+        /// The chunks it carried.
+        chunks: u64,
+        /// Their bytes.
+        bytes: u64,
+    },
     /// Everything was sent.
-    Done(Seal),
+    Done(Totals),
     /// The receiver named the directory.
-    Committed(Seal),
+    Committed(Totals),
     /// The peer gives up.
     Abort {
         /// Why.
         reason: String,
     },
-    /// The source's job is gone: restore it (a migration, after `Committed`).
-    Released {
-        /// The session's HMAC of `Committed`'s.
-        tag: [u8; TAG_BYTES],
-    },
+    /// The source's job is gone: restore it (a migration, after `Committed`); again after
+    /// `Outcome` `Restored`: let it run.
+    Released,
     /// What became of the restore at the destination (the answer to `Released`).
-    Outcome {
-        /// What became of it.
-        outcome: Outcome,
-        /// The session's HMAC of `Released`'s and the outcome.
-        tag: [u8; TAG_BYTES],
-    },
+    Outcome(Outcome),
     /// The files so far were sent ahead (the job still running); the final set follows.
     Cut,
     /// A pre-copy's buffer declared (before any of its bytes; again in a later round).
@@ -551,18 +661,6 @@ pub enum Outcome {
     },
 }
 
-impl Outcome {
-    /// The fields on the wire: running, pid, the reason's bytes (cut at [`MAX_REASON`] on a
-    /// character boundary).
-    fn parts(&self) -> (u8, i32, &[u8]) {
-        match self {
-            Outcome::Running { pid } => (1, *pid, &[]),
-            Outcome::Restored { pid } => (2, *pid, &[]),
-            Outcome::RestoreFailed { reason } => (0, 0, cut_reason(reason)),
-        }
-    }
-}
-
 /// `reason`'s bytes, at most [`MAX_REASON`] of them, cut on a character boundary.
 fn cut_reason(reason: &str) -> &[u8] {
     let mut end = reason.len().min(MAX_REASON);
@@ -575,7 +673,7 @@ fn cut_reason(reason: &str) -> &[u8] {
 const KIND_DIR: u8 = 1;
 const KIND_FILE: u8 = 2;
 const KIND_CHUNK: u8 = 3;
-const KIND_END_FILE: u8 = 4;
+const KIND_END_PART: u8 = 4;
 const KIND_DONE: u8 = 5;
 const KIND_COMMITTED: u8 = 6;
 const KIND_ABORT: u8 = 7;
@@ -584,8 +682,11 @@ const KIND_OUTCOME: u8 = 9;
 const KIND_BUFFER: u8 = 10;
 const KIND_BUFFER_CHUNK: u8 = 11;
 const KIND_CUT: u8 = 12;
+const KIND_CHUNKS: u8 = 13;
 /// A `Buffer` frame's payload: id, va, size (`u64` LE), prefetch rank (`u32` LE).
 const BUFFER_BYTES: usize = 28;
+/// The head of a `Chunk` or `BufferChunk` (the rest is its body): two `u64`.
+const PLACE_BYTES: usize = 16;
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -611,17 +712,19 @@ pub enum FrameError {
     /// A kind this protocol does not have.
     #[error("a frame of unknown kind {0}")]
     UnknownKind(u8),
-    /// The payload does not match its checksum.
-    #[error("a {kind} frame of {len} bytes fails its checksum (crc32c {got:#010x}, sent {sent:#010x}): the data was damaged in transit")]
-    Checksum {
+    /// A frame whose MAC is not the one due: changed, dropped, replayed or reordered.
+    #[error("frame {seq} of stream {stream}, a {} of {len} bytes, {why}", kind_name(*kind))]
+    Unauthenticated {
         /// Its kind.
-        kind: &'static str,
+        kind: u8,
         /// Its length.
         len: u64,
-        /// The checksum sent.
-        sent: u32,
-        /// The payload's.
-        got: u32,
+        /// The stream it came on (0 the session's first).
+        stream: u32,
+        /// Its number on that stream, as received.
+        seq: u64,
+        /// What it is instead.
+        why: Misfit,
     },
     /// A payload that is not its kind's.
     #[error("a malformed {kind} frame: {why}")]
@@ -638,7 +741,7 @@ fn kind_name(kind: u8) -> &'static str {
         KIND_DIR => "Dir",
         KIND_FILE => "File",
         KIND_CHUNK => "Chunk",
-        KIND_END_FILE => "EndFile",
+        KIND_END_PART => "EndPart",
         KIND_DONE => "Done",
         KIND_COMMITTED => "Committed",
         KIND_ABORT => "Abort",
@@ -647,6 +750,7 @@ fn kind_name(kind: u8) -> &'static str {
         KIND_BUFFER => "Buffer",
         KIND_BUFFER_CHUNK => "BufferChunk",
         KIND_CUT => "Cut",
+        KIND_CHUNKS => "Chunks",
         _ => "unknown",
     }
 }
@@ -660,13 +764,14 @@ impl Frame<'_> {
         match self {
             Frame::Dir(_) => KIND_DIR,
             Frame::File(_) => KIND_FILE,
+            Frame::Chunks => KIND_CHUNKS,
             Frame::Chunk { .. } => KIND_CHUNK,
-            Frame::EndFile => KIND_END_FILE,
+            Frame::EndPart { .. } => KIND_END_PART,
             Frame::Done(_) => KIND_DONE,
             Frame::Committed(_) => KIND_COMMITTED,
             Frame::Abort { .. } => KIND_ABORT,
-            Frame::Released { .. } => KIND_RELEASED,
-            Frame::Outcome { .. } => KIND_OUTCOME,
+            Frame::Released => KIND_RELEASED,
+            Frame::Outcome(_) => KIND_OUTCOME,
             Frame::Buffer(_) => KIND_BUFFER,
             Frame::BufferChunk { .. } => KIND_BUFFER_CHUNK,
             Frame::Cut => KIND_CUT,
@@ -674,134 +779,120 @@ impl Frame<'_> {
     }
 }
 
-fn seal_bytes(seal: &Seal) -> [u8; 16 + TAG_BYTES] {
-    let mut b = [0u8; 16 + TAG_BYTES];
-    b[..16].copy_from_slice(&totals_bytes(&seal.totals));
-    b[16..].copy_from_slice(&seal.tag);
-    b
+fn u64s(a: u64, b: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(16);
+    v.extend_from_slice(&a.to_le_bytes());
+    v.extend_from_slice(&b.to_le_bytes());
+    v
 }
 
-fn buffer_bytes(r: &BufferRecord) -> [u8; BUFFER_BYTES] {
-    let mut b = [0u8; BUFFER_BYTES];
-    b[..8].copy_from_slice(&r.id.to_le_bytes());
-    b[8..16].copy_from_slice(&r.va.to_le_bytes());
-    b[16..24].copy_from_slice(&r.size.to_le_bytes());
-    b[24..].copy_from_slice(&r.prefetch_rank.to_le_bytes());
-    b
-}
-
-fn totals_bytes(t: &Totals) -> [u8; 16] {
-    let mut b = [0u8; 16];
-    b[..8].copy_from_slice(&t.files.to_le_bytes());
-    b[8..].copy_from_slice(&t.bytes.to_le_bytes());
-    b
-}
-
-/// Writes `frame` to `w`.
-pub fn write_frame<W: Write>(w: &mut W, frame: &Frame<'_>) -> Result<(), FrameError> {
-    write_frame_to(w, frame, None)
-}
-
-/// Whether a frame of `kind` goes into the session's HMAC of the frames (those before `Done`).
-fn in_transcript(kind: u8) -> bool {
-    (KIND_DIR..=KIND_END_FILE).contains(&kind)
-        || kind == KIND_BUFFER
-        || kind == KIND_BUFFER_CHUNK
-        || kind == KIND_CUT
-}
-
-/// Writes `frame` to `w`, into `transcript` if it is one of the transfer's.
-fn write_frame_to<W: Write>(
-    w: &mut W,
-    frame: &Frame<'_>,
-    transcript: Option<&mut hmac::Hmac<sha2::Sha256>>,
-) -> Result<(), FrameError> {
-    let owned: Vec<u8>;
-    let offset: [u8; 8];
-    let place: [u8; 16];
-    let record: [u8; BUFFER_BYTES];
-    let sealed: [u8; 16 + TAG_BYTES];
-    let parts: [&[u8]; 2] = match frame {
-        Frame::Dir(h) => {
-            owned = serde_json::to_vec(h).expect("a header serializes");
-            [&owned, &[]]
-        }
-        Frame::File(h) => {
-            owned = serde_json::to_vec(h).expect("a header serializes");
-            [&owned, &[]]
-        }
-        Frame::Chunk { offset: o, data } => {
-            offset = o.to_le_bytes();
-            [&offset, data]
-        }
-        Frame::EndFile | Frame::Cut => [&[], &[]],
-        Frame::Done(seal) | Frame::Committed(seal) => {
-            sealed = seal_bytes(seal);
-            [&sealed, &[]]
-        }
-        Frame::Abort { reason } => [cut_reason(reason), &[]],
-        Frame::Released { tag } => [tag, &[]],
-        Frame::Outcome { outcome, tag } => {
-            let (running, pid, reason) = outcome.parts();
-            let mut head = Vec::with_capacity(5 + TAG_BYTES);
-            head.push(running);
+/// A frame's head (its fields) and body (its bulk bytes).
+fn encode<'a>(frame: &Frame<'a>) -> (Vec<u8>, &'a [u8]) {
+    match frame {
+        Frame::Dir(h) => (serde_json::to_vec(h).expect("a header serializes"), &[]),
+        Frame::File(h) => (serde_json::to_vec(h).expect("a header serializes"), &[]),
+        Frame::Chunk { file, offset, data } => (u64s(*file, *offset), data),
+        Frame::EndPart { chunks, bytes } => (u64s(*chunks, *bytes), &[]),
+        Frame::Chunks | Frame::Cut | Frame::Released => (Vec::new(), &[]),
+        Frame::Done(t) | Frame::Committed(t) => (u64s(t.files, t.bytes), &[]),
+        Frame::Abort { reason } => (cut_reason(reason).to_vec(), &[]),
+        Frame::Outcome(o) => {
+            let (status, pid, reason) = match o {
+                Outcome::Running { pid } => (1u8, *pid, &[][..]),
+                Outcome::Restored { pid } => (2, *pid, &[][..]),
+                Outcome::RestoreFailed { reason } => (0, 0, cut_reason(reason)),
+            };
+            let mut head = vec![status];
             head.extend_from_slice(&pid.to_le_bytes());
-            head.extend_from_slice(tag);
-            owned = head;
-            [&owned, reason]
+            head.extend_from_slice(reason);
+            (head, &[])
         }
         Frame::Buffer(r) => {
-            record = buffer_bytes(r);
-            [&record, &[]]
+            let mut b = Vec::with_capacity(BUFFER_BYTES);
+            b.extend_from_slice(&r.id.to_le_bytes());
+            b.extend_from_slice(&r.va.to_le_bytes());
+            b.extend_from_slice(&r.size.to_le_bytes());
+            b.extend_from_slice(&r.prefetch_rank.to_le_bytes());
+            (b, &[])
         }
         Frame::BufferChunk {
             buffer,
-            offset: o,
+            offset,
             data,
-        } => {
-            let mut b = [0u8; 16];
-            b[..8].copy_from_slice(&buffer.to_le_bytes());
-            b[8..].copy_from_slice(&o.to_le_bytes());
-            place = b;
-            [&place, data]
-        }
-    };
-    let len = (parts[0].len() + parts[1].len()) as u64;
+        } => (u64s(*buffer, *offset), data),
+    }
+}
+
+/// Where a payload of `kind` and `len` bytes splits into head and body.
+fn head_len(kind: u8, len: usize) -> usize {
+    match kind {
+        KIND_CHUNK | KIND_BUFFER_CHUNK => PLACE_BYTES.min(len),
+        _ => len,
+    }
+}
+
+/// Writes `frame` on the session's first connection.
+pub fn write_frame<W: Write + ?Sized>(
+    w: &mut W,
+    session: &mut Session,
+    frame: &Frame<'_>,
+) -> Result<(), FrameError> {
+    send_frame(w, &mut session.send, frame, None).map(drop)
+}
+
+/// Reads one frame from the session's first connection, its payload into `buf` (which the
+/// frame borrows), its MAC checked.
+pub fn read_frame<'b, R: Read + ?Sized>(
+    r: &mut R,
+    session: &mut Session,
+    buf: &'b mut Vec<u8>,
+) -> Result<Frame<'b>, FrameError> {
+    recv_frame(r, &mut session.recv, buf).map(|(f, _)| f)
+}
+
+/// Writes `frame` to `w` under `mac`, its body's BLAKE3 `body` (computed here if not given);
+/// returns that hash.
+fn send_frame<W: Write + ?Sized>(
+    w: &mut W,
+    mac: &mut FrameMac,
+    frame: &Frame<'_>,
+    body: Option<blake3::Hash>,
+) -> Result<blake3::Hash, FrameError> {
+    let (head, data) = encode(frame);
+    let len = (head.len() + data.len()) as u64;
     if len > MAX_FRAME {
         return Err(FrameError::TooLarge { len });
     }
-    let crc = crc32c::crc32c_append(crc32c::crc32c(parts[0]), parts[1]);
+    let body = body.unwrap_or_else(|| blake3::hash(data));
     let mut header = [0u8; HEADER_BYTES];
     header[0] = frame.kind();
-    header[1..9].copy_from_slice(&len.to_le_bytes());
-    header[9..].copy_from_slice(&crc.to_le_bytes());
+    header[1..].copy_from_slice(&len.to_le_bytes());
+    let tag = mac.seal(&header, &head, &body);
     let io = |source| FrameError::Io {
         what: "sending",
         source,
     };
-    if let Some(t) = transcript.filter(|_| in_transcript(header[0])) {
-        t.update(&header);
-        t.update(parts[0]);
-        t.update(parts[1]);
+    // Header and head in one write; a frame without a body, its MAC too.
+    let mut first = Vec::with_capacity(HEADER_BYTES + head.len() + TAG_BYTES);
+    first.extend_from_slice(&header);
+    first.extend_from_slice(&head);
+    if data.is_empty() {
+        first.extend_from_slice(&tag);
+        return w.write_all(&first).map_err(io).map(|()| body);
     }
-    w.write_all(&header).map_err(io)?;
-    for p in parts {
-        w.write_all(p).map_err(io)?;
-    }
-    Ok(())
+    w.write_all(&first).map_err(io)?;
+    w.write_all(data).map_err(io)?;
+    w.write_all(&tag).map_err(io)?;
+    Ok(body)
 }
 
-/// Reads one frame from `r`, its payload into `buf` (which the frame borrows).
-pub fn read_frame<'b, R: Read>(r: &mut R, buf: &'b mut Vec<u8>) -> Result<Frame<'b>, FrameError> {
-    read_frame_from(r, buf, None)
-}
-
-/// Reads one frame from `r`, into `transcript` if it is one of the transfer's.
-fn read_frame_from<'b, R: Read>(
+/// Reads one frame from `r` under `mac` (its payload into `buf`, which the frame borrows): the
+/// frame, once its MAC is checked, and its body's BLAKE3.
+fn recv_frame<'b, R: Read + ?Sized>(
     r: &mut R,
+    mac: &mut FrameMac,
     buf: &'b mut Vec<u8>,
-    transcript: Option<&mut hmac::Hmac<sha2::Sha256>>,
-) -> Result<Frame<'b>, FrameError> {
+) -> Result<(Frame<'b>, blake3::Hash), FrameError> {
     let mut header = [0u8; HEADER_BYTES];
     // A close before a frame's first byte is the peer going away; within it, a truncation.
     let mut got = 0;
@@ -819,39 +910,47 @@ fn read_frame_from<'b, R: Read>(
         }
     }
     let kind = header[0];
-    let len = u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"));
-    let sent = u32::from_le_bytes(header[9..].try_into().expect("4 bytes"));
-    if !(KIND_DIR..=KIND_CUT).contains(&kind) {
+    let len = u64::from_le_bytes(header[1..].try_into().expect("8 bytes"));
+    if !(KIND_DIR..=KIND_CHUNKS).contains(&kind) {
         return Err(FrameError::UnknownKind(kind));
     }
     if len > MAX_FRAME {
         return Err(FrameError::TooLarge { len });
     }
-    buf.clear();
-    buf.resize(len as usize, 0);
-    r.read_exact(buf).map_err(|e| match e.kind() {
-        io::ErrorKind::UnexpectedEof => FrameError::Closed,
-        _ => FrameError::Io {
-            what: "receiving",
-            source: e,
-        },
-    })?;
-    let got = crc32c::crc32c(buf);
-    let name = kind_name(kind);
-    if got != sent {
-        return Err(FrameError::Checksum {
-            kind: name,
+    let n = len as usize;
+    // Grown, never cleared: no pass over the bytes before they are read into.
+    if buf.len() < n + TAG_BYTES {
+        buf.resize(n + TAG_BYTES, 0);
+    }
+    r.read_exact(&mut buf[..n + TAG_BYTES])
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::UnexpectedEof => FrameError::Closed,
+            _ => FrameError::Io {
+                what: "receiving",
+                source: e,
+            },
+        })?;
+    let buf: &'b [u8] = buf;
+    let (payload, rest) = buf.split_at(n);
+    let tag: &[u8; TAG_BYTES] = rest[..TAG_BYTES].try_into().expect("32 bytes");
+    let (head, data) = payload.split_at(head_len(kind, n));
+    let body = blake3::hash(data);
+    let (stream, seq) = (mac.stream(), mac.next());
+    mac.check(&header, head, &body, tag)
+        .map_err(|why| FrameError::Unauthenticated {
+            kind,
             len,
-            sent,
-            got,
-        });
-    }
-    if let Some(t) = transcript.filter(|_| in_transcript(kind)) {
-        t.update(&header);
-        t.update(buf);
-    }
+            stream,
+            seq,
+            why,
+        })?;
+    Ok((decode(kind, payload)?, body))
+}
+
+/// The frame of `kind` whose payload is `payload` (its MAC checked).
+fn decode(kind: u8, payload: &[u8]) -> Result<Frame<'_>, FrameError> {
+    let name = kind_name(kind);
     let malformed = |why: String| FrameError::Malformed { kind: name, why };
-    let payload: &'b [u8] = buf;
     let exact = |n: usize| {
         if payload.len() == n {
             Ok(())
@@ -862,6 +961,13 @@ fn read_frame_from<'b, R: Read>(
             )))
         }
     };
+    let u = |at: usize| u64::from_le_bytes(payload[at..at + 8].try_into().expect("8 bytes"));
+    let placed = || {
+        if payload.len() < PLACE_BYTES {
+            return Err(malformed("shorter than its place".into()));
+        }
+        Ok((u(0), u(8), &payload[PLACE_BYTES..]))
+    };
     Ok(match kind {
         KIND_DIR => {
             Frame::Dir(serde_json::from_slice(payload).map_err(|e| malformed(e.to_string()))?)
@@ -870,42 +976,46 @@ fn read_frame_from<'b, R: Read>(
             Frame::File(serde_json::from_slice(payload).map_err(|e| malformed(e.to_string()))?)
         }
         KIND_CHUNK => {
-            if payload.len() < 8 {
-                return Err(malformed("shorter than its offset".into()));
-            }
-            let (o, data) = payload.split_at(8);
-            Frame::Chunk {
-                offset: u64::from_le_bytes(o.try_into().expect("8 bytes")),
+            let (file, offset, data) = placed()?;
+            Frame::Chunk { file, offset, data }
+        }
+        KIND_BUFFER_CHUNK => {
+            let (buffer, offset, data) = placed()?;
+            Frame::BufferChunk {
+                buffer,
+                offset,
                 data,
             }
         }
-        KIND_END_FILE => {
-            exact(0)?;
-            Frame::EndFile
+        KIND_END_PART => {
+            exact(16)?;
+            Frame::EndPart {
+                chunks: u(0),
+                bytes: u(8),
+            }
         }
-        KIND_CUT => {
+        KIND_CHUNKS | KIND_CUT | KIND_RELEASED => {
             exact(0)?;
-            Frame::Cut
+            match kind {
+                KIND_CHUNKS => Frame::Chunks,
+                KIND_CUT => Frame::Cut,
+                _ => Frame::Released,
+            }
         }
         KIND_DONE | KIND_COMMITTED => {
-            exact(16 + TAG_BYTES)?;
-            let seal = Seal {
-                totals: Totals {
-                    files: u64::from_le_bytes(payload[..8].try_into().expect("8 bytes")),
-                    bytes: u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes")),
-                },
-                tag: payload[16..].try_into().expect("32 bytes"),
+            exact(16)?;
+            let t = Totals {
+                files: u(0),
+                bytes: u(8),
             };
             if kind == KIND_DONE {
-                Frame::Done(seal)
+                Frame::Done(t)
             } else {
-                Frame::Committed(seal)
+                Frame::Committed(t)
             }
         }
         KIND_BUFFER => {
             exact(BUFFER_BYTES)?;
-            let u =
-                |at: usize| u64::from_le_bytes(payload[at..at + 8].try_into().expect("8 bytes"));
             Frame::Buffer(BufferRecord {
                 id: u(0),
                 va: u(8),
@@ -913,40 +1023,19 @@ fn read_frame_from<'b, R: Read>(
                 prefetch_rank: u32::from_le_bytes(payload[24..].try_into().expect("4 bytes")),
             })
         }
-        KIND_BUFFER_CHUNK => {
-            if payload.len() < 16 {
-                return Err(malformed("shorter than its buffer and offset".into()));
-            }
-            let (place, data) = payload.split_at(16);
-            Frame::BufferChunk {
-                buffer: u64::from_le_bytes(place[..8].try_into().expect("8 bytes")),
-                offset: u64::from_le_bytes(place[8..].try_into().expect("8 bytes")),
-                data,
-            }
-        }
-        KIND_RELEASED => {
-            exact(TAG_BYTES)?;
-            Frame::Released {
-                tag: payload.try_into().expect("32 bytes"),
-            }
-        }
         KIND_OUTCOME => {
-            if payload.len() < 5 + TAG_BYTES {
-                return Err(malformed("shorter than its status and HMAC".into()));
+            if payload.len() < 5 {
+                return Err(malformed("shorter than its status and pid".into()));
             }
             let pid = i32::from_le_bytes(payload[1..5].try_into().expect("4 bytes"));
-            let reason = String::from_utf8(payload[5 + TAG_BYTES..].to_vec())
+            let reason = String::from_utf8(payload[5..].to_vec())
                 .map_err(|_| malformed("a reason that is not UTF-8".into()))?;
-            let outcome = match payload[0] {
+            Frame::Outcome(match payload[0] {
                 1 if reason.is_empty() => Outcome::Running { pid },
                 2 if reason.is_empty() => Outcome::Restored { pid },
                 0 => Outcome::RestoreFailed { reason },
                 _ => return Err(malformed("neither restored, running nor failed".into())),
-            };
-            Frame::Outcome {
-                outcome,
-                tag: payload[5..5 + TAG_BYTES].try_into().expect("32 bytes"),
-            }
+            })
         }
         _ => Frame::Abort {
             reason: String::from_utf8_lossy(payload).into_owned(),
@@ -954,14 +1043,21 @@ fn read_frame_from<'b, R: Read>(
     })
 }
 
+mod copies;
 mod handoff;
+mod mac;
+mod mapped;
+mod pace;
 mod precopy;
 mod receive;
 mod send;
+mod streams;
 pub use handoff::*;
+pub use pace::*;
 pub use precopy::*;
 pub use receive::*;
 pub use send::*;
+pub use streams::*;
 
 #[cfg(test)]
 mod tests;

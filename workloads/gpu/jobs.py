@@ -221,6 +221,10 @@ def main():
     p.add_argument("--ballast-read-all", action="store_true",
                    help="every step reads all of the extra state (like an inference job's weights): "
                         "its first step needs every byte of it")
+    p.add_argument("--ballast-half", action="store_true",
+                   help="the extra state in fp16 (half the bytes per element: weights as served)")
+    p.add_argument("--state-mib", type=float, default=0,
+                   help="a state of this many MiB written whole every step (an optimizer's, a KV cache's)")
     p.add_argument("--host-batch-mib", type=float, default=0,
                    help="copy a batch of this many MiB from pinned host memory to the GPU every step "
                         "(as a data loader does), into a buffer of its own")
@@ -234,12 +238,18 @@ def main():
     ballast = []
     if a.hold_gib > 0:
         g = torch.Generator(device="cuda").manual_seed(1)
-        n = int(a.hold_gib * (1 << 30)) // 4
+        size = 2 if a.ballast_half else 4
+        n = int(a.hold_gib * (1 << 30)) // size
         while n > 0:
-            k = min(n, 1 << 28)
-            ballast.append(torch.rand(k, device="cuda", generator=g))
+            k = min(n, (1 << 30) // size)
+            t = torch.rand(k, device="cuda", generator=g)
+            ballast.append(t.half() if a.ballast_half else t)
+            del t
             n -= k
         torch.cuda.synchronize()
+    state = None
+    if a.state_mib > 0:
+        state = torch.zeros(int(a.state_mib * (1 << 20)) // 4, device="cuda")
     prof = None
     if a.profile:
         from torch.profiler import profile, ProfilerActivity
@@ -252,11 +262,14 @@ def main():
         if inbox is not None:
             inbox.copy_(host_batch, non_blocking=True)
         if ballast and a.ballast_read_all:
-            loss = loss + sum(b.sum() for b in ballast) * 0
+            loss = loss + sum(b.sum(dtype=torch.float32) for b in ballast) * 0
         elif ballast and a.ballast_frozen:
             ballast[s % len(ballast)][:: 1 << 12].sum()
         elif ballast:
             ballast[s % len(ballast)].mul_(0.5).add_(loss.detach().float())
+        if state is not None:
+            state.mul_(0.5).add_(loss.detach().float())
+            loss = loss + state[:: 1 << 16].sum() * 1e-6
         print(json.dumps({"step": s, "loss": bits(loss)}), flush=True)  # .item(): waits for the step
         if a.log:
             with open(a.log, "a") as f:
@@ -277,6 +290,8 @@ def main():
         out["allocator"] = f"{torch.cuda.get_allocator_backend()} ({os.environ['PYTORCH_CUDA_ALLOC_CONF']})"
     if ballast:
         out["ballast"] = digest(b[:: 1 << 16] for b in ballast)
+    if state is not None:
+        out["state"] = digest([state])
     if a.log:
         with open(a.log, "a") as f:
             f.write(json.dumps(out) + "\n")

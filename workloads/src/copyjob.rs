@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use possum_engine::device::{Device, HostBuffer, StreamPriority, Transfer};
 use possum_engine::image::{Image, ImageWriter, WriterOptions};
 use possum_engine::store::{ChunkSink, ChunkSource, MemStore};
-use possum_engine::{Access, Buffer, Engine, EngineError};
+use possum_engine::{Access, Buffer, CheckpointReport, Engine, EngineError, RestoreReport};
 
 use crate::rng::Rng;
 
@@ -283,37 +283,121 @@ pub fn run<D: Device>(
     assert!(spec.buffers >= 2 && spec.at + 1 < spec.steps && spec.buffer_bytes.is_multiple_of(8));
     let dev = Arc::clone(engine.device());
     let chunk = engine.config().chunk_size;
-    let streams = (0..spec.streams.max(1))
-        .map(|_| dev.create_stream(StreamPriority::Normal))
-        .collect::<Result<Vec<_>, _>>()?;
-    for s in &streams {
-        engine.register_stream(s.clone());
-    }
-    // Allocate and fill.
-    let mut bufs = Vec::with_capacity(spec.buffers);
-    let mut hb = dev.alloc_host(chunk)?;
-    for b in 0..spec.buffers {
-        let buf = engine.alloc(spec.buffer_bytes)?;
-        let mut off = 0;
-        while off < spec.buffer_bytes {
-            let len = (chunk as u64).min(spec.buffer_bytes - off);
-            pattern(spec.seed, b, off, &mut hb.as_mut_slice()[..to_usize(len)]);
-            hb = dev
-                .copy_h2d(&streams[0], hb, buf.va().add(off), len)?
-                .wait()?;
-            off += len;
-        }
-        bufs.push(buf);
-    }
-    let mut job = Job {
-        engine: engine.clone(),
-        streams,
-        last_write: vec![None; spec.buffers],
-        reads_since: vec![Vec::new(); spec.buffers],
-        bufs,
-    };
+    let mut job = Job::start(engine, spec)?;
     let mut reference = Reference::new(spec);
+    let ck = checkpoint_mid_run(engine, &mut job, &mut reference, spec, target)?;
+    let mut image_ok = true;
+    for (i, b) in job.bufs.iter().enumerate() {
+        if source_bytes(&*ck.source, b.id(), b.size())? != reference.0[i] {
+            image_ok = false;
+        }
+    }
+    let (first, rsr) = fail_and_restore(engine, &mut job, &mut reference, spec, &ck.source)?;
+    let mut final_ok = true;
+    for (i, b) in job.bufs.iter().enumerate() {
+        if read_back(&*dev, &job.streams[0], b, chunk)? != reference.0[i] {
+            final_ok = false;
+        }
+    }
+    for b in &job.bufs {
+        engine.free(b.va())?;
+    }
+    let Checkpointed {
+        mut normal,
+        during,
+        report: ckr,
+        ..
+    } = ck;
+    let bytes = spec.buffer_bytes * spec.buffers as u64;
+    let normal_ms = median(&mut normal);
+    let worst = during.iter().copied().max().unwrap_or_default();
+    Ok(CopyReport {
+        device: dev.name(),
+        target: match target {
+            Target::Memory => "memory".into(),
+            Target::Dir(_) => "disk".into(),
+        },
+        bytes,
+        buffers: spec.buffers,
+        step_ms: ms(normal_ms),
+        stall_ms: ms(worst.saturating_sub(normal_ms)),
+        stall_engine_blocked_ms: ms(ckr.hook_blocked_total),
+        steps_during_checkpoint: during.len(),
+        captured_ms: ms(ckr.captured),
+        capture_gbps: bytes as f64 / ckr.captured.as_secs_f64() / 1e9,
+        checkpoint_ms: ms(ckr.elapsed),
+        checkpoint_gbps: bytes as f64 / ckr.elapsed.as_secs_f64() / 1e9,
+        cow_priority: ckr.cow_priority,
+        cow_shadow: ckr.cow_shadow,
+        restore_first_step_ms: ms(first),
+        restore_ms: ms(rsr.elapsed),
+        restore_gbps: bytes as f64 / rsr.elapsed.as_secs_f64() / 1e9,
+        on_demand: rsr.on_demand,
+        prefetched: rsr.prefetched,
+        image_bitexact: image_ok,
+        final_bitexact: final_ok,
+        bitexact: image_ok && final_ok,
+    })
+}
 
+impl<D: Device> Job<D> {
+    /// The job on `engine`: its streams registered, its buffers allocated and filled with their
+    /// patterns.
+    fn start(engine: &Engine<D>, spec: &CopySpec) -> Result<Job<D>, EngineError> {
+        let dev = Arc::clone(engine.device());
+        let chunk = engine.config().chunk_size;
+        let streams = (0..spec.streams.max(1))
+            .map(|_| dev.create_stream(StreamPriority::Normal))
+            .collect::<Result<Vec<_>, _>>()?;
+        for s in &streams {
+            engine.register_stream(s.clone());
+        }
+        // Allocate and fill.
+        let mut bufs = Vec::with_capacity(spec.buffers);
+        let mut hb = dev.alloc_host(chunk)?;
+        for b in 0..spec.buffers {
+            let buf = engine.alloc(spec.buffer_bytes)?;
+            let mut off = 0;
+            while off < spec.buffer_bytes {
+                let len = (chunk as u64).min(spec.buffer_bytes - off);
+                pattern(spec.seed, b, off, &mut hb.as_mut_slice()[..to_usize(len)]);
+                hb = dev
+                    .copy_h2d(&streams[0], hb, buf.va().add(off), len)?
+                    .wait()?;
+                off += len;
+            }
+            bufs.push(buf);
+        }
+        Ok(Job {
+            engine: engine.clone(),
+            streams,
+            last_write: vec![None; spec.buffers],
+            reads_since: vec![Vec::new(); spec.buffers],
+            bufs,
+        })
+    }
+}
+
+/// The checkpoint taken mid-run, and the steps around it.
+struct Checkpointed {
+    /// Each step's time before the checkpoint.
+    normal: Vec<Duration>,
+    /// Each step's time while it ran (the first: step `at`, T0 in it).
+    during: Vec<Duration>,
+    report: CheckpointReport,
+    /// The image, to read and restore from.
+    source: Arc<dyn ChunkSource>,
+}
+
+/// Runs the steps before `spec.at` (the reference with them), then checkpoints into `target`
+/// with T0 right after step `at` is issued, the job stepping on until the checkpoint ends.
+fn checkpoint_mid_run<D: Device>(
+    engine: &Engine<D>,
+    job: &mut Job<D>,
+    reference: &mut Reference,
+    spec: &CopySpec,
+    target: &Target,
+) -> Result<Checkpointed, EngineError> {
     let mut normal = Vec::new();
     for step in 0..spec.at {
         normal.push(job.run_step(spec, step)?);
@@ -347,7 +431,7 @@ pub fn run<D: Device>(
         during.push(job.run_step(spec, step)?);
         step += 1;
     }
-    let ckr = ck.wait()?;
+    let report = ck.wait()?;
     job.sync()?;
     drop(sink);
     let source: Arc<dyn ChunkSource> = match (target, writer) {
@@ -359,18 +443,27 @@ pub fn run<D: Device>(
         }
         _ => mem,
     };
-    let mut image_ok = true;
-    for (i, b) in job.bufs.iter().enumerate() {
-        if source_bytes(&*source, b.id(), b.size())? != reference.0[i] {
-            image_ok = false;
-        }
-    }
+    Ok(Checkpointed {
+        normal,
+        during,
+        report,
+        source,
+    })
+}
 
-    // Failure: release, restore on demand, resume after step `at`.
+/// Failure: release, restore from `source` on demand, resume after step `at` and run to the end
+/// (the reference with it). The time to the first step's end, and the restore's report.
+fn fail_and_restore<D: Device>(
+    engine: &Engine<D>,
+    job: &mut Job<D>,
+    reference: &mut Reference,
+    spec: &CopySpec,
+    source: &Arc<dyn ChunkSource>,
+) -> Result<(Duration, RestoreReport), EngineError> {
     engine.release()?;
     job.reset_deps();
     let t = Instant::now();
-    let rs = engine.restore(Arc::clone(&source))?;
+    let rs = engine.restore(Arc::clone(source))?;
     job.run_step(spec, spec.at + 1)?;
     let first = t.elapsed();
     for s in spec.at + 1..spec.steps {
@@ -381,43 +474,5 @@ pub fn run<D: Device>(
     }
     let rsr = rs.wait()?;
     job.sync()?;
-    let mut final_ok = true;
-    for (i, b) in job.bufs.iter().enumerate() {
-        if read_back(&*dev, &job.streams[0], b, chunk)? != reference.0[i] {
-            final_ok = false;
-        }
-    }
-    for b in &job.bufs {
-        engine.free(b.va())?;
-    }
-    let bytes = spec.buffer_bytes * spec.buffers as u64;
-    let normal_ms = median(&mut normal);
-    let worst = during.iter().copied().max().unwrap_or_default();
-    Ok(CopyReport {
-        device: dev.name(),
-        target: match target {
-            Target::Memory => "memory".into(),
-            Target::Dir(_) => "disk".into(),
-        },
-        bytes,
-        buffers: spec.buffers,
-        step_ms: ms(normal_ms),
-        stall_ms: ms(worst.saturating_sub(normal_ms)),
-        stall_engine_blocked_ms: ms(ckr.hook_blocked_total),
-        steps_during_checkpoint: during.len(),
-        captured_ms: ms(ckr.captured),
-        capture_gbps: bytes as f64 / ckr.captured.as_secs_f64() / 1e9,
-        checkpoint_ms: ms(ckr.elapsed),
-        checkpoint_gbps: bytes as f64 / ckr.elapsed.as_secs_f64() / 1e9,
-        cow_priority: ckr.cow_priority,
-        cow_shadow: ckr.cow_shadow,
-        restore_first_step_ms: ms(first),
-        restore_ms: ms(rsr.elapsed),
-        restore_gbps: bytes as f64 / rsr.elapsed.as_secs_f64() / 1e9,
-        on_demand: rsr.on_demand,
-        prefetched: rsr.prefetched,
-        image_bitexact: image_ok,
-        final_bitexact: final_ok,
-        bitexact: image_ok && final_ok,
-    })
+    Ok((first, rsr))
 }

@@ -3,12 +3,16 @@
 //! Steps: (1) reserve + map 64 MiB, 1 GiB and 4 GiB, fill them through host-to-device copies, read
 //! them back and check; (2) copy the first buffer out, unmap and release it, map new memory at the
 //! same address, copy back in and check; (3) order a normal and a high-priority stream with events;
-//! (4) device-to-host and host-to-device throughput for 2/8/32/64 MiB chunks on 1/2/4 streams over
-//! the 4 GiB buffer, printed as a table and one JSON line.
+//! (4) fingerprints taken on the device (`Device::fingerprint`, the kernel of
+//! `cuda/kernels/fingerprint.ptx`) equal the definition's (`possum_engine::fingerprint`) of the
+//! same bytes, for several chunk sizes and lengths, and the time to fingerprint as many GiB as fit
+//! (up to 32), printed as one line of JSON; (5) device-to-host and host-to-device throughput for
+//! 2/8/32/64 MiB chunks on 1/2/4 streams over the 4 GiB buffer, printed as a table and one JSON
+//! line.
 //!
 //! Exit status: 0 when all steps pass, or when there is no CUDA device ("SKIPPED: ...") unless
 //! `POSSUM_REQUIRE_GPU=1`; 1 on any failure (the failed step is printed); 2 on bad arguments.
-//! Options: `--device N` (ordinal, default 0), `--no-bench` (skip step 4).
+//! Options: `--device N` (ordinal, default 0), `--no-bench` (skip step 5).
 #![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
@@ -17,6 +21,7 @@ use std::time::Instant;
 
 use possum_cuda::{probe, CudaDevice, CudaPending, CudaStream, PinnedBuf};
 use possum_engine::device::{DevPtr, Device, DeviceError, HostBuffer, StreamPriority, Transfer};
+use possum_engine::fingerprint;
 use serde_json::{json, Value};
 
 const MIB: u64 = 1 << 20;
@@ -422,6 +427,140 @@ fn step_events(
     Ok(())
 }
 
+/// Step 4's check: the device's fingerprints of a buffer of known bytes against the definition's,
+/// for chunk sizes from 16 bytes (over 65535 chunks: several launches) to more than the buffer,
+/// and lengths that end inside a 16-byte word; then what the device refuses.
+fn fingerprint_check(dev: &CudaDevice, s: &CudaStream, report: &mut Value) -> Res<()> {
+    let size = round_up(64 * MIB, dev.granularity());
+    let va = dev.reserve(size).ctx("reserve")?;
+    dev.map(va, size).ctx("map")?;
+    let len = usize::try_from(size).map_err(|e| e.to_string())?;
+    let mut h = dev.alloc_host(len).ctx("alloc_host")?;
+    fill(h.as_mut_slice(), 7, 0);
+    let h = dev
+        .copy_h2d(s, h, va, size)
+        .ctx("copy_h2d")?
+        .wait()
+        .ctx("waiting for copy_h2d")?;
+    let bytes = h.as_slice();
+    let mut checked = 0;
+    for chunk in [16, 4096, 2 * MIB, 3 * MIB + 16, 8 * MIB, GIB] {
+        for n in [size, size - 13, 3 * 4096 + 5, 100, 8, 0] {
+            let got = dev.fingerprint(s, va, n, chunk).ctx("fingerprint")?;
+            let want = fingerprint::of_chunks(&bytes[..n as usize], chunk as usize);
+            ensure!(
+                got.len() == want.len(),
+                "{} fingerprints of {n} bytes in {chunk}-byte chunks, not {}",
+                got.len(),
+                want.len()
+            );
+            if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
+                return Err(format!(
+                    "{n} bytes in {chunk}-byte chunks: chunk {i} is {} on the device, {} by the \
+                     definition",
+                    got[i], want[i]
+                ));
+            }
+            checked += got.len();
+        }
+    }
+    // The definition's pinned value (engine/src/fingerprint.rs's test).
+    let mut h = h;
+    for (i, w) in h.as_mut_slice()[..4000].chunks_exact_mut(4).enumerate() {
+        w.copy_from_slice(&(i as u32).wrapping_mul(2_654_435_761).to_le_bytes());
+    }
+    let h = dev
+        .copy_h2d(s, h, va, 4000)
+        .ctx("copy_h2d")?
+        .wait()
+        .ctx("waiting for copy_h2d")?;
+    let pinned = dev.fingerprint(s, va, 4000, 4096).ctx("fingerprint")?;
+    ensure!(
+        pinned.len() == 1 && pinned[0].to_string() == "aeda37bf452ab940b902ae2dfd724f64",
+        "the pinned value is {pinned:?} on the device"
+    );
+    drop(h);
+    // What the device refuses, before any launch: a misaligned start or chunk, a range past the
+    // mapping (a kernel reading an unmapped page would fault the context).
+    for (at, n, chunk) in [
+        (va.add(8), MIB, MIB),
+        (va, MIB, MIB + 8),
+        (va, MIB, 0),
+        (va, size + MIB, MIB),
+    ] {
+        let r = dev.fingerprint(s, at, n, chunk);
+        ensure!(
+            matches!(r, Err(DeviceError::InvalidAddress { .. })),
+            "fingerprint({at}, {n}, {chunk}) was not refused: {r:?}"
+        );
+    }
+    dev.unmap(va, size).ctx("unmap")?;
+    dev.unreserve(va, size).ctx("unreserve")?;
+    println!("  {checked} chunk fingerprints equal the definition's (and the pinned value)");
+    report["fingerprint_chunks_checked"] = json!(checked);
+    Ok(())
+}
+
+/// Step 4's timing: as many GiB as fit (up to 32, 2 GiB left free) mapped, filled, and
+/// fingerprinted in 8 and 2 MiB chunks, best of 5 by the host's clock (the call waits for the
+/// result); one line of JSON.
+fn fingerprint_timing(dev: &CudaDevice, s: &CudaStream, report: &mut Value) -> Res<()> {
+    let (free, _) = dev.memory_info().ctx("memory_info")?;
+    let g = dev.granularity();
+    let mut gib = (free.saturating_sub(2 * GIB) / GIB).min(32);
+    let (va, size) = loop {
+        if gib == 0 {
+            println!("  fingerprint timing: not run ({} MiB free)", free / MIB);
+            return Ok(());
+        }
+        let size = round_up(gib * GIB, g);
+        let va = dev.reserve(size).ctx("reserve")?;
+        match dev.map(va, size) {
+            Ok(()) => break (va, size),
+            Err(DeviceError::OutOfMemory { .. }) => {
+                dev.unreserve(va, size).ctx("unreserve")?;
+                gib /= 2;
+            }
+            Err(e) => return Err(format!("map: {e}")),
+        }
+    };
+    dev.memset_d8(s, va, 0x3C, size).ctx("memset_d8")?;
+    dev.synchronize(s).ctx("synchronize")?;
+    let mut runs = Vec::new();
+    for chunk in [8 * MIB, 2 * MIB] {
+        let mut best = f64::MAX;
+        let mut fps = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            fps = dev.fingerprint(s, va, size, chunk).ctx("fingerprint")?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        ensure!(
+            fps.len() as u64 == size / chunk && fps.windows(2).all(|w| w[0] == w[1]),
+            "the fingerprints of uniform {chunk}-byte chunks are not all equal"
+        );
+        runs.push(json!({
+            "chunk_mib": chunk / MIB,
+            "ms": (best * 1e6).round() / 1e3,
+            "gb_s": (size as f64 / best / 1e9).round(),
+        }));
+    }
+    dev.unmap(va, size).ctx("unmap")?;
+    dev.unreserve(va, size).ctx("unreserve")?;
+    let line = json!({ "fingerprint_gib": size / GIB, "runs": runs });
+    println!("  {line}");
+    report["fingerprint"] = line;
+    Ok(())
+}
+
+fn step_fingerprints(dev: &CudaDevice, report: &mut Value) -> Res<()> {
+    let s = dev
+        .create_stream(StreamPriority::Normal)
+        .ctx("create_stream")?;
+    fingerprint_check(dev, &s, report)?;
+    fingerprint_timing(dev, &s, report)
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Dir {
     D2H,
@@ -672,20 +811,26 @@ fn run(args: &Args, report: &mut Value) -> Result<(), (&'static str, String)> {
     );
     secs["events"] = json!(t.elapsed().as_secs_f64());
 
+    let name = "4 fingerprints";
+    let t = Instant::now();
+    step_fingerprints(&dev, report).map_err(step(name))?;
+    println!("[4] fingerprints: ok in {:.2} s", t.elapsed().as_secs_f64());
+    secs["fingerprints"] = json!(t.elapsed().as_secs_f64());
+
     if args.bench {
-        let name = "4 copy throughput";
+        let name = "5 copy throughput";
         let t = Instant::now();
         step_bench(&dev, &mut pool, &bufs, report).map_err(step(name))?;
         println!(
-            "[4] copy throughput: ok in {:.2} s",
+            "[5] copy throughput: ok in {:.2} s",
             t.elapsed().as_secs_f64()
         );
         secs["bench"] = json!(t.elapsed().as_secs_f64());
     } else {
-        println!("[4] copy throughput: not run (--no-bench)");
+        println!("[5] copy throughput: not run (--no-bench)");
     }
 
-    let name = "5 clean up";
+    let name = "6 clean up";
     let t = Instant::now();
     for &(va, size, _) in &bufs.bufs {
         dev.unmap(va, size).ctx("unmap").map_err(step(name))?;
@@ -696,7 +841,7 @@ fn run(args: &Args, report: &mut Value) -> Result<(), (&'static str, String)> {
     drop(pool);
     let (free, total) = dev.memory_info().ctx("memory_info").map_err(step(name))?;
     println!(
-        "[5] clean up: ok in {:.2} s ({} of {} MiB free)",
+        "[6] clean up: ok in {:.2} s ({} of {} MiB free)",
         t.elapsed().as_secs_f64(),
         free / MIB,
         total / MIB

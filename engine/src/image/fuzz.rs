@@ -39,6 +39,17 @@ fn manifest_file(bytes: &[u8]) {
             assert_eq!(summary.chunks, m.chunks.len() as u64);
             assert_eq!(summary.buffers.len(), m.buffers.len());
             assert!(summary.buffers.windows(2).all(|w| w[0].id < w[1].id));
+            // What an accepted manifest can make the reader open: plain names, in the image's
+            // directory or in a parent's reached by `..` first, never an absolute path.
+            assert!(m
+                .files
+                .iter()
+                .all(|f| !f.name.contains('/') && f.name != ".."));
+            assert!(m.parents.iter().all(|p| p.path.starts_with("..")
+                && !p.path.starts_with('/')
+                && !p.path.split('/').any(|c| c.is_empty() || c == ".")));
+            assert!(summary.reused_bytes <= summary.total_bytes);
+            assert_eq!(summary.parents.len(), m.parents.len());
             let summary2 = check_manifest(image, &again).expect("a rewritten valid manifest");
             assert_eq!(summary2, summary);
         }

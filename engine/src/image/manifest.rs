@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::io::{ErrorKind, Read};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
@@ -13,6 +13,7 @@ use super::{
     ImageError, ImageSummary, FORMAT_MAJOR, MANIFEST_FILE, MANIFEST_MAGIC, MAX_CHUNK_LEN,
     MAX_DATA_FILES, MAX_MANIFEST_LEN,
 };
+use crate::fingerprint::Fingerprint;
 use crate::store::BufferRecord;
 
 /// Bytes before the payload: magic, major, minor, payload length.
@@ -44,6 +45,10 @@ pub(crate) struct Manifest {
     /// The data files; a chunk names its file by index in this list.
     #[prost(message, repeated, tag = "7")]
     pub files: Vec<DataFileMsg>,
+    /// The earlier images whose data files hold chunks of this one (format 1.1); a data file
+    /// names its image by index in this list (`DataFileMsg::parent`).
+    #[prost(message, repeated, tag = "8")]
+    pub parents: Vec<ParentMsg>,
 }
 
 /// One buffer (message `Buffer`).
@@ -84,6 +89,29 @@ pub(crate) struct ChunkMsg {
     /// CRC32C (Castagnoli) of its bytes.
     #[prost(fixed32, tag = "6")]
     pub crc32c: u32,
+    /// Its fingerprint's first word ([`Fingerprint`]`.0[0]`), format 1.1; with `fp_hi`, or
+    /// neither (a chunk of a 1.0 image, or one recorded without).
+    #[prost(fixed64, optional, tag = "7")]
+    pub fp_lo: Option<u64>,
+    /// Its fingerprint's second word ([`Fingerprint`]`.0[1]`), format 1.1.
+    #[prost(fixed64, optional, tag = "8")]
+    pub fp_hi: Option<u64>,
+}
+
+impl ChunkMsg {
+    /// The chunk's fingerprint, if it has one (both words recorded).
+    pub fn fingerprint(&self) -> Option<Fingerprint> {
+        match (self.fp_lo, self.fp_hi) {
+            (Some(lo), Some(hi)) => Some(Fingerprint([lo, hi])),
+            _ => None,
+        }
+    }
+
+    /// Records `fp` (or none) as the chunk's fingerprint.
+    pub fn set_fingerprint(&mut self, fp: Option<Fingerprint>) {
+        self.fp_lo = fp.map(|f| f.0[0]);
+        self.fp_hi = fp.map(|f| f.0[1]);
+    }
 }
 
 /// One data file (message `DataFile`).
@@ -95,6 +123,26 @@ pub(crate) struct DataFileMsg {
     /// Its length when the image was committed (the file may not be shorter).
     #[prost(uint64, tag = "2")]
     pub len: u64,
+    /// Absent: the file is in this image's directory. Set (format 1.1): the file is a data file
+    /// of the earlier image `Manifest::parents[parent]`, named `name` there.
+    #[prost(uint32, optional, tag = "3")]
+    pub parent: Option<u32>,
+}
+
+/// An earlier image whose data files hold chunks of this one (message `Parent`).
+#[derive(Clone, PartialEq, Message)]
+pub(crate) struct ParentMsg {
+    /// Where it is, relative to this image's directory: one or more `..`, then plain names
+    /// ([`valid_parent_path`]).
+    #[prost(string, tag = "1")]
+    pub path: String,
+    /// The CRC32C stored at the end of its `manifest.pb` (the last 4 bytes) when this image was
+    /// written: a parent whose manifest has another one has changed since.
+    #[prost(fixed32, tag = "2")]
+    pub manifest_crc32c: u32,
+    /// Its creation time (its manifest's `created_unix_nanos`), for messages.
+    #[prost(uint64, tag = "3")]
+    pub created_unix_nanos: u64,
 }
 
 impl From<&BufferMsg> for BufferRecord {
@@ -154,7 +202,14 @@ pub(crate) fn frame(payload: &[u8], major: u32, minor: u32) -> Vec<u8> {
 /// and the decoded manifest. Checks, in order: presence, magic, major version, payload length cap,
 /// file length, checksum, decoding. Nothing is allocated for the payload before its length is
 /// known to be at most [`MAX_MANIFEST_LEN`] and to match the file's.
+#[cfg(test)]
 pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageError> {
+    read_framed_crc(image).map(|(major, minor, m, _)| (major, minor, m))
+}
+
+/// [`read_framed`], also returning the CRC32C stored at the end of the file (which identifies
+/// this manifest: [`ParentMsg::manifest_crc32c`]).
+pub(crate) fn read_framed_crc(image: &Path) -> Result<(u32, u32, Manifest, u32), ImageError> {
     let path = image.join(MANIFEST_FILE);
     let mut file = match File::open(&path) {
         Ok(f) => f,
@@ -174,7 +229,8 @@ pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageErr
     file.read_exact(&mut rest)
         .map_err(|e| ImageError::io(&path, e))?;
     let m = check_payload(image, &header, &rest)?;
-    Ok((major, minor, m))
+    let crc = u32::from_le_bytes(rest[len as usize..].try_into().expect("4 bytes"));
+    Ok((major, minor, m, crc))
 }
 
 /// [`read_framed`] on the bytes of a `manifest.pb` already in memory (`image` names the image in
@@ -370,6 +426,42 @@ fn valid_data_file_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
+/// The longest [`ParentMsg::path`] accepted, in bytes.
+pub(crate) const MAX_PARENT_PATH: usize = 4096;
+
+/// Whether `path` may locate a parent image relative to the image's directory: one or more `..`
+/// components, then plain components (not empty, not `.` or `..`, at most 255 bytes, no NUL),
+/// separated by single `/`; not absolute; at most [`MAX_PARENT_PATH`] bytes. What the reader
+/// opens there is only a data file of a valid possum image whose manifest is the one recorded
+/// (see [`super::Image::open`]).
+pub(crate) fn valid_parent_path(path: &str) -> bool {
+    if path.is_empty() || path.len() > MAX_PARENT_PATH {
+        return false;
+    }
+    let (mut ups, mut names) = (0usize, 0usize);
+    for c in path.split('/') {
+        if c == ".." {
+            if names > 0 {
+                return false;
+            }
+            ups += 1;
+        } else if c.is_empty() || c == "." || c.len() > 255 || c.contains('\0') {
+            return false;
+        } else {
+            names += 1;
+        }
+    }
+    ups > 0
+}
+
+/// How a data file is named in messages: its name, after its parent image's path if it has one.
+pub(crate) fn shown_name(m: &Manifest, f: &DataFileMsg) -> String {
+    match f.parent.and_then(|p| m.parents.get(p as usize)) {
+        Some(p) => format!("{}/{}", p.path, f.name),
+        None => f.name.clone(),
+    }
+}
+
 /// A manifest that passed [`validate`], arranged for lookups.
 #[derive(Debug)]
 pub(crate) struct Index {
@@ -393,13 +485,39 @@ pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> 
             m.files.len()
         )));
     }
+    if m.parents.len() > MAX_DATA_FILES {
+        return Err(invalid(format!(
+            "{} parent images listed, more than the limit of {MAX_DATA_FILES}",
+            m.parents.len()
+        )));
+    }
+    let mut paths = BTreeSet::new();
+    for p in &m.parents {
+        if !valid_parent_path(&p.path) {
+            return Err(invalid(format!("invalid parent image path {:?}", p.path)));
+        }
+        if !paths.insert(p.path.as_str()) {
+            return Err(invalid(format!("parent image {:?} listed twice", p.path)));
+        }
+    }
     let mut names = BTreeSet::new();
     for f in &m.files {
         if !valid_data_file_name(&f.name) {
             return Err(invalid(format!("invalid data file name {:?}", f.name)));
         }
-        if !names.insert(f.name.as_str()) {
-            return Err(invalid(format!("data file {:?} listed twice", f.name)));
+        if let Some(p) = f.parent {
+            if p as usize >= m.parents.len() {
+                return Err(invalid(format!(
+                    "data file {:?} belongs to parent image #{p}, which is not listed",
+                    f.name
+                )));
+            }
+        }
+        if !names.insert((f.parent, f.name.as_str())) {
+            return Err(invalid(format!(
+                "data file {:?} listed twice",
+                shown_name(m, f)
+            )));
         }
     }
 
@@ -443,13 +561,19 @@ pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> 
         if !inside {
             return Err(ImageError::ChunkOutsideFile {
                 image: image.to_path_buf(),
-                file: file.name.clone(),
+                file: shown_name(m, file),
                 buffer: c.buffer,
                 offset: c.offset,
                 file_offset: c.file_offset,
                 len: c.len,
                 file_len: file.len,
             });
+        }
+        if c.fp_lo.is_some() != c.fp_hi.is_some() {
+            return Err(invalid(format!(
+                "chunk of buffer {} at offset {} has only one word of its fingerprint",
+                c.buffer, c.offset
+            )));
         }
         chunks.entry(c.buffer).or_default().push(c.clone());
     }
@@ -512,7 +636,21 @@ pub(crate) fn summarize(m: &Manifest, idx: &Index) -> ImageSummary {
             .values()
             .fold(0u64, |a, b| a.saturating_add(b.size)),
         chunks: m.chunks.len() as u64,
-        data_file_bytes: m.files.iter().fold(0u64, |a, f| a.saturating_add(f.len)),
+        data_file_bytes: m
+            .files
+            .iter()
+            .filter(|f| f.parent.is_none())
+            .fold(0u64, |a, f| a.saturating_add(f.len)),
+        reused_bytes: m
+            .chunks
+            .iter()
+            .filter(|c| {
+                m.files
+                    .get(c.file as usize)
+                    .is_some_and(|f| f.parent.is_some())
+            })
+            .fold(0u64, |a, c| a.saturating_add(c.len)),
+        parents: m.parents.iter().map(|p| PathBuf::from(&p.path)).collect(),
         meta: m.meta.clone(),
     }
 }

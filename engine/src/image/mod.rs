@@ -27,6 +27,25 @@
 //!
 //! The file is exactly `28 + N` bytes long.
 //!
+//! # Fingerprints and parent images (format 1.1)
+//!
+//! Each chunk record (`Chunk`) carries the chunk's [`Fingerprint`](crate::fingerprint) as two
+//! optional `fixed64` fields, `fp_lo` (tag 7) and `fp_hi` (tag 8): both or neither (chunks of a
+//! 1.0 image have none). [`ImageWriter`] records the one given to
+//! [`write_chunk_fp`](crate::store::ChunkSink::write_chunk_fp) or computes it in `write_chunk`;
+//! [`Image`] returns it through [`ChunkSource::fingerprint`](crate::store::ChunkSource) and
+//! [`Image::verify`] checks it.
+//!
+//! An image written with [`WriterOptions::parent`] may hold chunks by reference to an earlier
+//! image's data files ([`reuse_chunk`](crate::store::ChunkSink::reuse_chunk)): the manifest lists
+//! those images (`Manifest.parents`, tag 8: a path relative to the image's directory, `..`
+//! components then plain names, and the CRC32C that ends the parent's `manifest.pb`), and a data
+//! file names one of them (`DataFile.parent`, tag 3); its name stays a plain name, resolved in
+//! that image's directory. A chunk the parent held by reference points at the original file.
+//! [`Image::open`] opens a parent's file only if the parent's manifest is the recorded one, valid,
+//! and lists it. An image is never written over its parent (refused by
+//! [`ImageWriter::create`]).
+//!
 //! # Writing
 //!
 //! [`ImageWriter`] writes into a temporary sibling directory (`.<name>.tmp-<pid>-<nonce>`), and
@@ -39,19 +58,23 @@
 //! # Reading
 //!
 //! [`Image::open`] checks everything that is cheap to check (framing, version, checksum of the
-//! manifest, data files present and long enough, exact chunk coverage of every buffer);
-//! [`Image::read_chunk`](crate::store::ChunkSource::read_chunk) checks each chunk's CRC32C as it is
-//! read; [`Image::verify`] reads and checks every chunk.
+//! manifest, parent images present and unchanged, data files present and long enough, exact chunk
+//! coverage of every buffer); [`Image::read_chunk`](crate::store::ChunkSource::read_chunk) checks
+//! each chunk's CRC32C as it is read; [`Image::verify`] reads and checks every chunk (CRC32C and
+//! fingerprint).
 //!
 //! # Versioning
 //!
 //! A reader accepts its own major version with any minor version (minor versions only add fields
-//! that older readers may ignore) and refuses any other major version.
+//! that older readers may ignore) and refuses any other major version. 1.0 had no fingerprints
+//! and no parents; a 1.0 reader refuses a 1.1 image with parents (it finds the parents' files
+//! missing or listed twice in the image's own directory) rather than misreading it.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::SystemTime;
 
+use crate::fingerprint::Fingerprint;
 use crate::store::BufferRecord;
 
 #[doc(hidden)]
@@ -70,7 +93,7 @@ pub use writer::{ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE};
 /// The format major version this build writes and the only one it reads.
 pub const FORMAT_MAJOR: u32 = 1;
 /// The format minor version this build writes (it reads any minor version of [`FORMAT_MAJOR`]).
-pub const FORMAT_MINOR: u32 = 0;
+pub const FORMAT_MINOR: u32 = 1;
 /// The magic bytes that open `manifest.pb`.
 pub const MANIFEST_MAGIC: [u8; 8] = *b"POSSUMIM";
 /// The name of the manifest file inside an image directory.
@@ -95,8 +118,15 @@ pub struct ImageSummary {
     pub total_bytes: u64,
     /// The number of chunks (superseded chunks not counted).
     pub chunks: u64,
-    /// The sum of the data files' lengths, garbage included.
+    /// The sum of the lengths of the image's own data files, garbage included (the parent
+    /// images' files it refers to are not counted).
     pub data_file_bytes: u64,
+    /// The bytes of the chunks held by reference to a parent image's data files (format 1.1;
+    /// 0 for an image without parents). Buffers' bytes: `total_bytes` = `reused_bytes` + the
+    /// bytes of the chunks in the image's own files.
+    pub reused_bytes: u64,
+    /// The parent images it refers to, relative to its directory, as recorded.
+    pub parents: Vec<PathBuf>,
     /// The metadata key/value pairs.
     pub meta: BTreeMap<String, String>,
 }
@@ -326,6 +356,68 @@ pub enum ImageError {
         buffer: u64,
         /// The chunk's offset in the buffer.
         offset: u64,
+    },
+    /// A chunk's bytes do not match its recorded fingerprint (the CRC matched: the fingerprint
+    /// recorded is not that of the bytes saved).
+    #[error("image {image}: {file}: fingerprint mismatch in buffer {buffer} at offset {offset}: recorded {recorded}, bytes have {computed}")]
+    FingerprintMismatch {
+        /// The image directory.
+        image: PathBuf,
+        /// The data file's name.
+        file: String,
+        /// The buffer id.
+        buffer: u64,
+        /// The chunk's offset in the buffer.
+        offset: u64,
+        /// The fingerprint the manifest records.
+        recorded: Fingerprint,
+        /// The fingerprint of the bytes read.
+        computed: Fingerprint,
+    },
+    /// A parent image whose data files hold chunks of this image is not there.
+    #[error(
+        "image {image} refers to chunks of parent image {parent}, which is missing: {problem}"
+    )]
+    ParentMissing {
+        /// The image directory.
+        image: PathBuf,
+        /// The parent image's directory, as the image locates it.
+        parent: PathBuf,
+        /// What is missing.
+        problem: String,
+    },
+    /// A parent image whose data files hold chunks of this image is not the one it referred
+    /// to when written (replaced, rewritten, truncated, corrupt).
+    #[error(
+        "image {image} refers to chunks of parent image {parent}, which has changed: {problem}"
+    )]
+    ParentChanged {
+        /// The image directory.
+        image: PathBuf,
+        /// The parent image's directory, as the image locates it.
+        parent: PathBuf,
+        /// What differs.
+        problem: String,
+    },
+    /// The parent image given to the writer ([`WriterOptions::parent`]) cannot be opened.
+    #[error("image {image}: cannot use parent image {parent}: {source}")]
+    ParentUnusable {
+        /// The image being written (its final directory).
+        image: PathBuf,
+        /// The parent image's directory, as given.
+        parent: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<ImageError>,
+    },
+    /// The image would be written over its parent image (or a directory holding it, or one of
+    /// the parent's own parents), whose files it refers to.
+    #[error("image {image} cannot be written over its parent image {parent}: its chunks would refer to the image it replaces (write it under another name)")]
+    ParentIsTarget {
+        /// The image being written (its final directory).
+        image: PathBuf,
+        /// The parent (or earlier) image inside it.
+        parent: PathBuf,
     },
     /// The final directory exists and is not empty, and replacing it was not asked for.
     #[error("image {image} already exists and is not empty (pass force to replace it)")]

@@ -6,8 +6,9 @@ use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use super::manifest::{self, read_framed, summarize, ChunkMsg};
-use super::{ImageError, ImageSummary, MAX_CHUNK_LEN};
+use super::manifest::{self, read_framed_crc, summarize, ChunkMsg, ParentMsg};
+use super::{ImageError, ImageSummary, MANIFEST_FILE, MAX_CHUNK_LEN};
+use crate::fingerprint::{self, Fingerprint};
 use crate::store::{BufferRecord, ChunkSource};
 
 /// How many bytes [`Image::verify`] reads at a time.
@@ -15,10 +16,28 @@ const VERIFY_BLOCK: u64 = 8 << 20;
 
 /// A data file, opened once and shared by all readers (positioned reads need no lock).
 #[derive(Debug)]
-struct DataFile {
-    name: String,
-    path: PathBuf,
+pub(super) struct DataFile {
+    /// Its name as recorded (a plain name in its image's directory).
+    pub(super) name: String,
+    /// How errors name it: `name`, after its parent image's path for a parent's file.
+    pub(super) shown: String,
+    pub(super) path: PathBuf,
     file: File,
+    /// The parent image (index into [`Image::parents`]) whose file it is; `None`: this image's.
+    pub(super) parent: Option<usize>,
+    /// Its length as recorded.
+    pub(super) len: u64,
+}
+
+/// An earlier image whose data files hold chunks of this one.
+#[derive(Debug)]
+pub(super) struct ParentImage {
+    /// Its directory: this image's joined with `path`.
+    pub(super) dir: PathBuf,
+    /// The CRC32C at the end of its `manifest.pb` (checked to be its manifest's now).
+    pub(super) manifest_crc32c: u32,
+    /// Its creation time as recorded, ns since the Unix epoch.
+    pub(super) created_unix_nanos: u64,
 }
 
 /// The piece of a chunk read (and checksummed) at once by [`Image`]'s `read_chunk`.
@@ -33,9 +52,34 @@ pub struct Image {
     dir: PathBuf,
     buffers: BTreeMap<u64, BufferRecord>,
     /// Each buffer's chunks, sorted by offset.
-    chunks: HashMap<u64, Vec<ChunkMsg>>,
-    files: Vec<DataFile>,
+    pub(super) chunks: HashMap<u64, Vec<ChunkMsg>>,
+    pub(super) files: Vec<DataFile>,
+    pub(super) parents: Vec<ParentImage>,
+    /// The CRC32C at the end of this image's `manifest.pb`.
+    pub(super) manifest_crc32c: u32,
+    /// Its creation time as recorded, ns since the Unix epoch.
+    pub(super) created_unix_nanos: u64,
     summary: ImageSummary,
+}
+
+/// Opens `path`, a data file listed with length `len`, and checks it is at least that long.
+/// `missing` and `truncated` make the errors.
+fn open_data_file(
+    path: &Path,
+    len: u64,
+    missing: impl FnOnce() -> ImageError,
+    truncated: impl FnOnce(u64) -> ImageError,
+) -> Result<File, ImageError> {
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Err(missing()),
+        Err(e) => return Err(ImageError::io(path, e)),
+    };
+    let actual = file.metadata().map_err(|e| ImageError::io(path, e))?.len();
+    if actual < len {
+        return Err(truncated(actual));
+    }
+    Ok(file)
 }
 
 impl Image {
@@ -43,41 +87,100 @@ impl Image {
     /// its major version (other majors are refused, newer minors accepted), its payload length
     /// (absurd lengths refused before allocating), its exact file length, its CRC32C, that it
     /// decodes, that it is consistent (header and payload versions agree, data file names are plain,
-    /// buffer ids unique, every chunk names a declared buffer and a listed file, is 1 byte to 1 GiB
-    /// long and lies within its file's recorded length, and every buffer is covered exactly by its
-    /// chunks), and finally that every data file exists and is at least as long as recorded.
-    /// The first problem found is returned, naming the file, buffer and offset concerned.
+    /// parent image paths are `..` then plain names, buffer ids unique, every chunk names a
+    /// declared buffer and a listed file, is 1 byte to 1 GiB long, lies within its file's
+    /// recorded length and has both words of its fingerprint or neither, and every buffer is
+    /// covered exactly by its chunks); then that every parent image the manifest lists is there
+    /// and unchanged (its `manifest.pb` ends in the CRC32C recorded and passes the same checks,
+    /// and lists each data file this image takes from it, at least as long as recorded:
+    /// [`ImageError::ParentMissing`], [`ImageError::ParentChanged`]); and finally that every data
+    /// file exists and is at least as long as recorded. The first problem found is returned,
+    /// naming the file, buffer and offset concerned.
     pub fn open(dir: &Path) -> Result<Image, ImageError> {
         fs::metadata(dir).map_err(|e| ImageError::io(dir, e))?;
-        let (major, minor, manifest) = read_framed(dir)?;
+        let (major, minor, manifest, manifest_crc32c) = read_framed_crc(dir)?;
         let index = manifest::check(dir, major, minor, &manifest)?;
+
+        let mut parents = Vec::with_capacity(manifest.parents.len());
+        // Each parent's own data files (name -> recorded length).
+        let mut their_files = Vec::with_capacity(manifest.parents.len());
+        for p in &manifest.parents {
+            let pdir = dir.join(&p.path);
+            their_files.push(check_parent(dir, &pdir, p)?);
+            parents.push(ParentImage {
+                dir: pdir,
+                manifest_crc32c: p.manifest_crc32c,
+                created_unix_nanos: p.created_unix_nanos,
+            });
+        }
 
         let mut files = Vec::with_capacity(manifest.files.len());
         for f in &manifest.files {
-            let path = dir.join(&f.name);
-            let file = match File::open(&path) {
-                Ok(file) => file,
-                Err(e) if e.kind() == ErrorKind::NotFound => {
-                    return Err(ImageError::DataFileMissing {
-                        image: dir.to_path_buf(),
-                        file: f.name.clone(),
-                    })
+            let parent = f.parent.map(|p| p as usize);
+            let shown = manifest::shown_name(&manifest, f);
+            let (path, file) = match parent {
+                None => {
+                    let path = dir.join(&f.name);
+                    let file = open_data_file(
+                        &path,
+                        f.len,
+                        || ImageError::DataFileMissing {
+                            image: dir.to_path_buf(),
+                            file: f.name.clone(),
+                        },
+                        |actual| ImageError::DataFileTruncated {
+                            image: dir.to_path_buf(),
+                            file: f.name.clone(),
+                            expected: f.len,
+                            actual,
+                        },
+                    )?;
+                    (path, file)
                 }
-                Err(e) => return Err(ImageError::io(path, e)),
+                Some(p) => {
+                    let pdir = &parents[p].dir;
+                    let changed = |problem: String| ImageError::ParentChanged {
+                        image: dir.to_path_buf(),
+                        parent: pdir.clone(),
+                        problem,
+                    };
+                    match their_files[p].get(&f.name) {
+                        None => {
+                            return Err(changed(format!(
+                                "its manifest does not list a data file {:?}",
+                                f.name
+                            )))
+                        }
+                        Some(&listed) if listed < f.len => {
+                            return Err(changed(format!(
+                                "its manifest lists {} with {listed} bytes, this image expects at least {}",
+                                f.name, f.len
+                            )))
+                        }
+                        Some(_) => {}
+                    }
+                    let path = pdir.join(&f.name);
+                    let file = open_data_file(
+                        &path,
+                        f.len,
+                        || changed(format!("{} missing", f.name)),
+                        |actual| {
+                            changed(format!(
+                                "{} truncated: {actual} bytes, expected at least {}",
+                                f.name, f.len
+                            ))
+                        },
+                    )?;
+                    (path, file)
+                }
             };
-            let actual = file.metadata().map_err(|e| ImageError::io(&path, e))?.len();
-            if actual < f.len {
-                return Err(ImageError::DataFileTruncated {
-                    image: dir.to_path_buf(),
-                    file: f.name.clone(),
-                    expected: f.len,
-                    actual,
-                });
-            }
             files.push(DataFile {
                 name: f.name.clone(),
+                shown,
                 path,
                 file,
+                parent,
+                len: f.len,
             });
         }
 
@@ -87,6 +190,9 @@ impl Image {
             buffers: index.buffers,
             chunks: index.chunks,
             files,
+            parents,
+            manifest_crc32c,
+            created_unix_nanos: manifest.created_unix_nanos,
             summary,
         })
     }
@@ -106,8 +212,9 @@ impl Image {
         &self.summary
     }
 
-    /// Reads every chunk and checks its CRC32C, in buffer id then offset order, a few MiB at a
-    /// time. Returns the first mismatch ([`ImageError::ChecksumMismatch`]) or I/O error.
+    /// Reads every chunk and checks its CRC32C and, where it has one, its fingerprint, in buffer
+    /// id then offset order, a few MiB at a time. Returns the first mismatch
+    /// ([`ImageError::ChecksumMismatch`], [`ImageError::FingerprintMismatch`]) or I/O error.
     pub fn verify(&self) -> Result<(), ImageError> {
         let largest = self
             .chunks
@@ -120,7 +227,9 @@ impl Image {
         for id in self.buffers.keys() {
             for c in self.chunks.get(id).map(Vec::as_slice).unwrap_or_default() {
                 let f = &self.files[c.file as usize];
+                let recorded = c.fingerprint();
                 let mut crc = 0u32;
+                let (mut lo, mut hi) = (0u64, 0u64);
                 let mut done = 0u64;
                 while done < c.len {
                     let n = (c.len - done).min(VERIFY_BLOCK) as usize;
@@ -129,24 +238,95 @@ impl Image {
                         .read_exact_at(buf, c.file_offset + done)
                         .map_err(|e| ImageError::io(&f.path, e))?;
                     crc = crc32c::crc32c_append(crc, buf);
+                    if recorded.is_some() {
+                        // VERIFY_BLOCK is a multiple of 8: the pieces' sums add up.
+                        let (l, h) = fingerprint::sums(buf, done / 8);
+                        lo = lo.wrapping_add(l);
+                        hi = hi.wrapping_add(h);
+                    }
                     done += n as u64;
                 }
                 if crc != c.crc32c {
                     return Err(self.mismatch(f, c));
+                }
+                if let Some(recorded) = recorded {
+                    let computed = Fingerprint::from_sums(lo, hi, c.len);
+                    if computed != recorded {
+                        return Err(ImageError::FingerprintMismatch {
+                            image: self.dir.clone(),
+                            file: f.shown.clone(),
+                            buffer: c.buffer,
+                            offset: c.offset,
+                            recorded,
+                            computed,
+                        });
+                    }
                 }
             }
         }
         Ok(())
     }
 
+    fn chunk(&self, buffer: u64, offset: u64) -> Option<&ChunkMsg> {
+        let cs = self.chunks.get(&buffer)?;
+        let i = cs.binary_search_by_key(&offset, |c| c.offset).ok()?;
+        Some(&cs[i])
+    }
+
     fn mismatch(&self, f: &DataFile, c: &ChunkMsg) -> ImageError {
         ImageError::ChecksumMismatch {
             image: self.dir.clone(),
-            file: f.name.clone(),
+            file: f.shown.clone(),
             buffer: c.buffer,
             offset: c.offset,
         }
     }
+}
+
+/// Checks the parent image at `pdir` (`p` of image `dir`'s manifest): there, its manifest the
+/// one recorded and valid. Returns its own data files (name -> recorded length).
+fn check_parent(
+    dir: &Path,
+    pdir: &Path,
+    p: &ParentMsg,
+) -> Result<HashMap<String, u64>, ImageError> {
+    let missing = |problem: String| ImageError::ParentMissing {
+        image: dir.to_path_buf(),
+        parent: pdir.to_path_buf(),
+        problem,
+    };
+    let changed = |problem: String| ImageError::ParentChanged {
+        image: dir.to_path_buf(),
+        parent: pdir.to_path_buf(),
+        problem,
+    };
+    match fs::metadata(pdir) {
+        Ok(md) if md.is_dir() => {}
+        Ok(_) => return Err(changed("not a directory".into())),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            return Err(missing("no such directory".into()))
+        }
+        Err(e) => return Err(ImageError::io(pdir, e)),
+    }
+    let (major, minor, m, crc) = match read_framed_crc(pdir) {
+        Ok(r) => r,
+        Err(ImageError::ManifestMissing { .. }) => {
+            return Err(missing(format!("it has no {MANIFEST_FILE}")))
+        }
+        Err(e) => return Err(changed(e.to_string())),
+    };
+    if crc != p.manifest_crc32c {
+        return Err(changed(format!(
+            "its {MANIFEST_FILE} ends in checksum {crc:#010x}, not {:#010x} as when this image was written (created {} ns after the epoch, it is now {} ns)",
+            p.manifest_crc32c, p.created_unix_nanos, m.created_unix_nanos
+        )));
+    }
+    manifest::check(pdir, major, minor, &m).map_err(|e| changed(e.to_string()))?;
+    Ok(m.files
+        .iter()
+        .filter(|f| f.parent.is_none())
+        .map(|f| (f.name.clone(), f.len))
+        .collect())
 }
 
 impl ChunkSource for Image {
@@ -167,15 +347,9 @@ impl ChunkSource for Image {
         if !self.buffers.contains_key(&buffer) {
             return Err(ImageError::UnknownBuffer { buffer });
         }
-        let cs = self
-            .chunks
-            .get(&buffer)
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        let i = cs
-            .binary_search_by_key(&offset, |c| c.offset)
-            .map_err(|_| ImageError::MissingChunk { buffer, offset })?;
-        let c = &cs[i];
+        let c = self
+            .chunk(buffer, offset)
+            .ok_or(ImageError::MissingChunk { buffer, offset })?;
         let len = dst.len() as u64;
         if len != c.len || len > MAX_CHUNK_LEN {
             return Err(ImageError::ChunkOutOfRange {
@@ -205,5 +379,10 @@ impl ChunkSource for Image {
 
     fn meta(&self, key: &str) -> Option<String> {
         self.summary.meta.get(key).cloned()
+    }
+
+    /// The fingerprint the manifest records for the chunk (none for a chunk of a 1.0 image).
+    fn fingerprint(&self, buffer: u64, offset: u64) -> Option<Fingerprint> {
+        self.chunk(buffer, offset)?.fingerprint()
     }
 }

@@ -1,11 +1,11 @@
 //! [`ImageWriter`]: writes an image into a temporary directory and commits it atomically.
 
 use std::collections::btree_map::Entry;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Write};
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::SystemTime;
 
@@ -13,11 +13,13 @@ use parking_lot::Mutex;
 
 use super::manifest::{
     self, encode_framed, summarize, to_unix_nanos, BufferMsg, ChunkMsg, DataFileMsg, Manifest,
+    ParentMsg,
 };
 use super::{
-    ImageError, ImageSummary, FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_FILE, MAX_CHUNK_LEN,
+    Image, ImageError, ImageSummary, FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_FILE, MAX_CHUNK_LEN,
     MAX_DATA_FILES,
 };
+use crate::fingerprint::{self, Fingerprint};
 use crate::store::{BufferRecord, ChunkSink};
 
 /// Bytes per write of a chunk by default: CRC'd and written while still in the core's cache (L2
@@ -43,9 +45,18 @@ pub struct WriterOptions {
     /// fsync the data files, the manifest and the directories on commit. Turn off only for tests and
     /// benchmarks: without it a crash can leave an image whose files are incomplete. Default: true.
     pub fsync: bool,
-    /// Bytes CRC'd and written at a time (clamped to 4 KiB ..= 64 MiB). Default:
-    /// [`DEFAULT_WRITE_PIECE`].
+    /// Bytes CRC'd and written at a time (clamped to 4 KiB ..= 64 MiB, rounded down to a
+    /// multiple of 8). Default: [`DEFAULT_WRITE_PIECE`].
     pub write_piece: usize,
+    /// An earlier committed image of the same job (its directory), whose chunks this one may
+    /// hold by reference instead of a copy ([`ChunkSink::reuse_chunk`]): a chunk of the same
+    /// length and fingerprint, in the parent's data files or in those of the parent's own
+    /// parents (the original file, not a chain). The new image then depends on those files:
+    /// they must stay where they are, relative to it (it records their place as a relative
+    /// path: the images may be moved together). [`ImageWriter::create`] opens and checks it
+    /// ([`ImageError::ParentUnusable`]) and refuses a final directory that is the parent or one
+    /// of its parents, or holds one ([`ImageError::ParentIsTarget`]). Default: none.
+    pub parent: Option<PathBuf>,
 }
 
 impl Default for WriterOptions {
@@ -55,6 +66,7 @@ impl Default for WriterOptions {
             data_files: 4,
             fsync: true,
             write_piece: DEFAULT_WRITE_PIECE,
+            parent: None,
         }
     }
 }
@@ -90,6 +102,154 @@ impl Lane {
                 Err(now) => end = now,
             }
         }
+    }
+}
+
+/// The file index, while writing, of a chunk held by a parent image: this plus its file's index
+/// in [`Lineage::files`] (renumbered after this image's own files at commit).
+const HELD_FILE: u32 = 1 << 31;
+
+/// An image whose data files hold chunks this one may take: the parent, or one of its parents.
+#[derive(Debug)]
+struct Ancestor {
+    /// Its directory, relative to the final directory (as the manifest records it).
+    path: String,
+    manifest_crc32c: u32,
+    created_unix_nanos: u64,
+}
+
+/// A data file of an ancestor.
+#[derive(Debug)]
+struct HeldFile {
+    /// Index into [`Lineage::ancestors`].
+    ancestor: usize,
+    name: String,
+    /// Its length as the ancestor recorded it.
+    len: u64,
+}
+
+/// Where an ancestor holds a chunk.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    /// Index into [`Lineage::files`].
+    file: u32,
+    file_offset: u64,
+    crc32c: u32,
+}
+
+/// The parent image's chunks, indexed by length and fingerprint, each resolved to the data file
+/// that holds its bytes ([`WriterOptions::parent`]).
+#[derive(Debug)]
+struct Lineage {
+    ancestors: Vec<Ancestor>,
+    files: Vec<HeldFile>,
+    by_fp: HashMap<(Fingerprint, u64), Held>,
+}
+
+/// `to` relative to `from` (both absolute and canonical): `..` up to their common ancestor, then
+/// down. `None` if a component is not UTF-8.
+fn relative(from: &Path, to: &Path) -> Option<String> {
+    let f: Vec<Component<'_>> = from.components().collect();
+    let t: Vec<Component<'_>> = to.components().collect();
+    let common = f.iter().zip(&t).take_while(|(a, b)| a == b).count();
+    let mut parts: Vec<&str> = vec![".."; f.len() - common];
+    for c in &t[common..] {
+        match c {
+            Component::Normal(s) => parts.push(s.to_str()?),
+            _ => return None,
+        }
+    }
+    Some(parts.join("/"))
+}
+
+impl Lineage {
+    /// Opens the parent image `parent` of the image to be committed at `final_dir` (whose
+    /// canonical form is `final_canon`) and indexes its chunks.
+    fn load(final_dir: &Path, final_canon: &Path, parent: &Path) -> Result<Lineage, ImageError> {
+        let unusable = |source: ImageError| ImageError::ParentUnusable {
+            image: final_dir.to_path_buf(),
+            parent: parent.to_path_buf(),
+            source: Box::new(source),
+        };
+        let img = Image::open(parent).map_err(unusable)?;
+        let mut l = Lineage {
+            ancestors: Vec::new(),
+            files: Vec::new(),
+            by_fp: HashMap::new(),
+        };
+        let mut by_dir: HashMap<PathBuf, usize> = HashMap::new();
+        // The parent itself, then the images it takes chunks from.
+        let mut ancestry = vec![(
+            parent.to_path_buf(),
+            img.manifest_crc32c,
+            img.created_unix_nanos,
+        )];
+        ancestry.extend(
+            img.parents
+                .iter()
+                .map(|p| (p.dir.clone(), p.manifest_crc32c, p.created_unix_nanos)),
+        );
+        let mut which = Vec::with_capacity(ancestry.len());
+        for (dir, manifest_crc32c, created_unix_nanos) in ancestry {
+            let canon = fs::canonicalize(&dir).map_err(|e| unusable(ImageError::io(&dir, e)))?;
+            if let Some(&i) = by_dir.get(&canon) {
+                which.push(i);
+                continue;
+            }
+            if canon.starts_with(final_canon) {
+                return Err(ImageError::ParentIsTarget {
+                    image: final_dir.to_path_buf(),
+                    parent: dir,
+                });
+            }
+            let path = relative(final_canon, &canon)
+                .filter(|p| manifest::valid_parent_path(p))
+                .ok_or_else(|| {
+                    unusable(ImageError::io(
+                        &canon,
+                        std::io::Error::new(
+                            ErrorKind::InvalidInput,
+                            format!(
+                                "cannot be named relative to {} in a manifest (a name that is not UTF-8?)",
+                                final_canon.display()
+                            ),
+                        ),
+                    ))
+                })?;
+            by_dir.insert(canon, l.ancestors.len());
+            which.push(l.ancestors.len());
+            l.ancestors.push(Ancestor {
+                path,
+                manifest_crc32c,
+                created_unix_nanos,
+            });
+        }
+        let mut by_name: HashMap<(usize, &str), u32> = HashMap::new();
+        let mut file_of = Vec::with_capacity(img.files.len());
+        for f in &img.files {
+            let ancestor = which[f.parent.map_or(0, |k| k + 1)];
+            let i = *by_name.entry((ancestor, &f.name)).or_insert_with(|| {
+                l.files.push(HeldFile {
+                    ancestor,
+                    name: f.name.clone(),
+                    len: 0,
+                });
+                (l.files.len() - 1) as u32
+            });
+            let held = &mut l.files[i as usize];
+            held.len = held.len.max(f.len);
+            file_of.push(i);
+        }
+        for c in img.chunks.values().flatten() {
+            if let Some(fp) = c.fingerprint() {
+                l.by_fp.entry((fp, c.len)).or_insert(Held {
+                    file: file_of[c.file as usize],
+                    file_offset: c.file_offset,
+                    crc32c: c.crc32c,
+                });
+            }
+        }
+        Ok(l)
     }
 }
 
@@ -131,6 +291,8 @@ pub struct ImageWriter {
     /// Data files written by someone else (the keeper's spare image memory), after the lanes:
     /// [`ImageWriter::adopt_file`], [`ImageWriter::record_chunk`].
     adopted: Mutex<Vec<Adopted>>,
+    /// The parent image's chunks ([`WriterOptions::parent`]).
+    lineage: Option<Lineage>,
 }
 
 /// A data file this writer did not write: its name and path here, and the end of the last
@@ -215,7 +377,11 @@ impl ImageWriter {
     /// Starts writing an image that [`commit`](Self::commit) will put at `final_dir`. Creates the
     /// parent directory if needed and a temporary sibling directory holding the data files. Fails
     /// early with [`ImageError::AlreadyExists`] if `final_dir` exists, is not an empty directory,
-    /// and `opts.force` is not set.
+    /// and `opts.force` is not set. With `opts.parent`, opens that image first and indexes its
+    /// chunks ([`ImageError::ParentUnusable`] if it cannot be opened), and refuses
+    /// ([`ImageError::ParentIsTarget`]) a `final_dir` that is, or holds, the parent or one of the
+    /// images the parent takes chunks from: committing would replace the files the new image
+    /// refers to.
     pub fn create(final_dir: &Path, opts: WriterOptions) -> Result<ImageWriter, ImageError> {
         let Some(name) = final_dir.file_name() else {
             return Err(ImageError::io(
@@ -228,6 +394,13 @@ impl ImageWriter {
             _ => PathBuf::from("."),
         };
         fs::create_dir_all(&parent).map_err(|e| ImageError::io(&parent, e))?;
+        let lineage = match &opts.parent {
+            Some(p) => {
+                let canon = fs::canonicalize(&parent).map_err(|e| ImageError::io(&parent, e))?;
+                Some(Lineage::load(final_dir, &canon.join(name), p)?)
+            }
+            None => None,
+        };
         if !opts.force && occupied(final_dir)? {
             return Err(ImageError::AlreadyExists {
                 image: final_dir.to_path_buf(),
@@ -248,6 +421,7 @@ impl ImageWriter {
             created: SystemTime::now(),
             done: false,
             adopted: Mutex::new(Vec::new()),
+            lineage,
         };
         for i in 0..lanes_wanted {
             let name = format!("data-{i:03}.bin");
@@ -298,8 +472,8 @@ impl ImageWriter {
 
     /// Records the chunk of `buffer` at `offset`, `len` bytes that someone else wrote at
     /// `file_offset` of adopted data file `file` with CRC32C `crc`; a later record of the same
-    /// place wins over earlier ones (and over chunks written here before it).
-    #[allow(clippy::too_many_arguments)]
+    /// place wins over earlier ones (and over chunks written here before it). The chunk has no
+    /// fingerprint: [`Self::record_chunk_fp`] records one.
     pub fn record_chunk(
         &self,
         buffer: u64,
@@ -308,6 +482,22 @@ impl ImageWriter {
         file: u32,
         file_offset: u64,
         crc: u32,
+    ) -> Result<(), ImageError> {
+        self.record_chunk_fp(buffer, offset, len, file, file_offset, crc, None)
+    }
+
+    /// [`Self::record_chunk`] of a chunk whose fingerprint is `fp` (computed by whoever wrote
+    /// its bytes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_chunk_fp(
+        &self,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+        file: u32,
+        file_offset: u64,
+        crc: u32,
+        fp: Option<Fingerprint>,
     ) -> Result<(), ImageError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let mut state = self.state.lock();
@@ -325,15 +515,109 @@ impl ImageWriter {
             };
             a.end = a.end.max(file_offset.saturating_add(len));
         }
-        let chunk = ChunkMsg {
+        let mut chunk = ChunkMsg {
             buffer,
             offset,
             len,
             file,
             file_offset,
             crc32c: crc,
+            fp_lo: None,
+            fp_hi: None,
         };
+        chunk.set_fingerprint(fp);
         settle(&mut state, seq, chunk, false);
+        Ok(())
+    }
+
+    /// Writes `data` as the chunk of `buffer` at `offset` (see [`ChunkSink::write_chunk`]), with
+    /// fingerprint `fp`, or the one computed as it is written.
+    fn write(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        fp: Option<Fingerprint>,
+    ) -> Result<(), ImageError> {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let len = data.len() as u64;
+        self.check_chunk(&self.state.lock(), buffer, offset, len)?;
+
+        // A chunk written again (a later pre-copy round, the final copy) of the same length goes
+        // where it was: the image stays the size of the buffers, and a second round writes into
+        // pages the first one already allocated. Unless another call is rewriting it right now:
+        // then this one appends, and whichever call came later wins below. Only a place in a
+        // lane is rewritten (not an adopted file's, nor a parent image's).
+        let in_place = {
+            let mut state = self.state.lock();
+            match state.chunks.get_mut(&(buffer, offset)) {
+                Some(r)
+                    if r.chunk.len == len
+                        && !r.rewriting
+                        && (r.chunk.file as usize) < self.lanes.len() =>
+                {
+                    r.rewriting = true;
+                    Some((r.chunk.file as usize, r.chunk.file_offset))
+                }
+                _ => None,
+            }
+        };
+        let (lane_idx, file_offset) = match in_place {
+            Some(place) => place,
+            None => {
+                let i = lane_slot() % self.lanes.len();
+                (i, self.lanes[i].reserve(len))
+            }
+        };
+        let lane = &self.lanes[lane_idx];
+        // The CRC (and the fingerprint, unless given) and the write one piece at a time: the
+        // write's copy reads the piece from the cache the CRC just brought it into, not from
+        // memory again (a drain into tmpfs is bound by the host's memory traffic: the copy
+        // engine's write, the CRC's read, the copy into the file's pages and their zeroing;
+        // this takes one read away). Pieces are a multiple of 8 bytes, so that the pieces'
+        // fingerprint sums add up to the chunk's.
+        let mut crc = 0u32;
+        let (mut lo, mut hi) = (0u64, 0u64);
+        let piece = self.opts.write_piece.clamp(4 << 10, 64 << 20) & !7;
+        let written = data
+            .chunks(piece)
+            .zip((file_offset..).step_by(piece))
+            .enumerate()
+            .try_for_each(|(i, (bytes, at))| {
+                crc = crc32c::crc32c_append(crc, bytes);
+                if fp.is_none() {
+                    let (l, h) = fingerprint::sums(bytes, (i * piece / 8) as u64);
+                    lo = lo.wrapping_add(l);
+                    hi = hi.wrapping_add(h);
+                }
+                lane.file.write_all_at(bytes, at)
+            })
+            .map_err(|e| ImageError::io(&lane.path, e));
+        if let Err(e) = written {
+            // The place's bytes are unknown now: a failed write fails the image (the caller
+            // abandons it), so its record need not be right; only the flag is let go.
+            if let Some(place) = in_place {
+                if let Some(r) = self.state.lock().chunks.get_mut(&(buffer, offset)) {
+                    if (r.chunk.file as usize, r.chunk.file_offset) == place {
+                        r.rewriting = false;
+                    }
+                }
+            }
+            return Err(e);
+        }
+
+        let mut chunk = ChunkMsg {
+            buffer,
+            offset,
+            len,
+            file: lane_idx as u32,
+            file_offset,
+            crc32c: crc,
+            fp_lo: None,
+            fp_hi: None,
+        };
+        chunk.set_fingerprint(Some(fp.unwrap_or(Fingerprint::from_sums(lo, hi, len))));
+        settle(&mut self.state.lock(), seq, chunk, in_place.is_some());
         Ok(())
     }
 
@@ -433,20 +717,62 @@ impl ImageWriter {
             files.push(DataFileMsg {
                 name: lane.name.clone(),
                 len,
+                parent: None,
             });
         }
         files.extend(self.adopted.lock().iter().map(|a| DataFileMsg {
             name: a.name.clone(),
             len: a.end,
+            parent: None,
         }));
+        let mut chunks: Vec<ChunkMsg> = state.chunks.values().map(|r| r.chunk.clone()).collect();
+        // The parents' files that chunks are held in, listed after this image's own, and the
+        // images they belong to, in order of first use.
+        let mut parents = Vec::new();
+        if let Some(l) = &self.lineage {
+            let mut file_at: HashMap<u32, u32> = HashMap::new();
+            let mut parent_at: HashMap<usize, u32> = HashMap::new();
+            for c in chunks.iter_mut().filter(|c| c.file >= HELD_FILE) {
+                let k = c.file - HELD_FILE;
+                c.file = match file_at.get(&k) {
+                    Some(&i) => i,
+                    None => {
+                        let held = &l.files[k as usize];
+                        let p = match parent_at.get(&held.ancestor) {
+                            Some(&p) => p,
+                            None => {
+                                let a = &l.ancestors[held.ancestor];
+                                parents.push(ParentMsg {
+                                    path: a.path.clone(),
+                                    manifest_crc32c: a.manifest_crc32c,
+                                    created_unix_nanos: a.created_unix_nanos,
+                                });
+                                let p = (parents.len() - 1) as u32;
+                                parent_at.insert(held.ancestor, p);
+                                p
+                            }
+                        };
+                        files.push(DataFileMsg {
+                            name: held.name.clone(),
+                            len: held.len,
+                            parent: Some(p),
+                        });
+                        let i = (files.len() - 1) as u32;
+                        file_at.insert(k, i);
+                        i
+                    }
+                };
+            }
+        }
         Ok(Manifest {
             major: FORMAT_MAJOR,
             minor: FORMAT_MINOR,
             created_unix_nanos: to_unix_nanos(self.created),
             meta: state.meta.clone(),
             buffers: state.buffers.values().map(BufferMsg::from).collect(),
-            chunks: state.chunks.values().map(|r| r.chunk.clone()).collect(),
+            chunks,
             files,
+            parents,
         })
     }
 
@@ -511,71 +837,52 @@ impl ChunkSink for ImageWriter {
     }
 
     /// Appends `data` to this thread's data file and records it as the chunk of `buffer` at
-    /// `offset`, superseding an earlier chunk at the same place (whose bytes become garbage).
+    /// `offset`, superseding an earlier chunk at the same place (whose bytes become garbage),
+    /// with the fingerprint of `data` (computed as it is written).
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        self.write(buffer, offset, data, None)
+    }
+
+    /// [`Self::write_chunk`], recording `fp` as the chunk's fingerprint (not computed again).
+    fn write_chunk_fp(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        fp: Fingerprint,
+    ) -> Result<(), ImageError> {
+        self.write(buffer, offset, data, Some(fp))
+    }
+
+    /// Records the chunk as held by the parent image ([`WriterOptions::parent`]) if it has a
+    /// chunk of `len` bytes with fingerprint `fp`: a reference to the file that holds those
+    /// bytes, with their CRC32C as recorded there. `Ok(false)` without a parent or such a chunk.
+    fn reuse_chunk(
+        &self,
+        buffer: u64,
+        offset: u64,
+        len: u64,
+        fp: Fingerprint,
+    ) -> Result<bool, ImageError> {
+        let Some(held) = self.lineage.as_ref().and_then(|l| l.by_fp.get(&(fp, len))) else {
+            return Ok(false);
+        };
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let len = data.len() as u64;
-        self.check_chunk(&self.state.lock(), buffer, offset, len)?;
-
-        // A chunk written again (a later pre-copy round, the final copy) of the same length goes
-        // where it was: the image stays the size of the buffers, and a second round writes into
-        // pages the first one already allocated. Unless another call is rewriting it right now:
-        // then this one appends, and whichever call came later wins below.
-        let in_place = {
-            let mut state = self.state.lock();
-            match state.chunks.get_mut(&(buffer, offset)) {
-                Some(r) if r.chunk.len == len && !r.rewriting => {
-                    r.rewriting = true;
-                    Some((r.chunk.file as usize, r.chunk.file_offset))
-                }
-                _ => None,
-            }
-        };
-        let (lane_idx, file_offset) = match in_place {
-            Some(place) => place,
-            None => {
-                let i = lane_slot() % self.lanes.len();
-                (i, self.lanes[i].reserve(len))
-            }
-        };
-        let lane = &self.lanes[lane_idx];
-        // The CRC and the write one piece at a time: the write's copy reads the piece from the
-        // cache the CRC just brought it into, not from memory again (a drain into tmpfs is bound
-        // by the host's memory traffic: the copy engine's write, the CRC's read, the copy into
-        // the file's pages and their zeroing; this takes one read away).
-        let mut crc = 0u32;
-        let piece = self.opts.write_piece.clamp(4 << 10, 64 << 20);
-        let written = data
-            .chunks(piece)
-            .zip((file_offset..).step_by(piece))
-            .try_for_each(|(piece, at)| {
-                crc = crc32c::crc32c_append(crc, piece);
-                lane.file.write_all_at(piece, at)
-            })
-            .map_err(|e| ImageError::io(&lane.path, e));
-        if let Err(e) = written {
-            // The place's bytes are unknown now: a failed write fails the image (the caller
-            // abandons it), so its record need not be right; only the flag is let go.
-            if let Some(place) = in_place {
-                if let Some(r) = self.state.lock().chunks.get_mut(&(buffer, offset)) {
-                    if (r.chunk.file as usize, r.chunk.file_offset) == place {
-                        r.rewriting = false;
-                    }
-                }
-            }
-            return Err(e);
-        }
-
-        let chunk = ChunkMsg {
+        let mut state = self.state.lock();
+        self.check_chunk(&state, buffer, offset, len)?;
+        let mut chunk = ChunkMsg {
             buffer,
             offset,
             len,
-            file: lane_idx as u32,
-            file_offset,
-            crc32c: crc,
+            file: HELD_FILE + held.file,
+            file_offset: held.file_offset,
+            crc32c: held.crc32c,
+            fp_lo: None,
+            fp_hi: None,
         };
-        settle(&mut self.state.lock(), seq, chunk, in_place.is_some());
-        Ok(())
+        chunk.set_fingerprint(Some(fp));
+        settle(&mut state, seq, chunk, false);
+        Ok(true)
     }
 
     fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError> {

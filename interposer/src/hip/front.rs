@@ -1,7 +1,7 @@
 //! The HIP front end's state and decisions, in safe code: the engine over the job's HIP runtime
 //! (`HipDevice`), the allocations it serves, the kernels whose argument layouts the code objects
 //! give, and the hook each operation of the job runs before it is enqueued. `entry.rs` (the
-//! exported functions) calls down into this with plain values.
+//! exported functions) calls down into this with plain values, through `through.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -180,26 +180,27 @@ pub struct Counters {
 
 static FRONT: OnceLock<Result<Front, String>> = OnceLock::new();
 
-/// The front end, made on first use over the runtime at `runtime()`'s path; `None` (said once
-/// in the log) when it cannot be made: the job's calls then pass through, unserved.
-pub fn front(runtime: impl FnOnce() -> Option<PathBuf>) -> Option<&'static Front> {
+/// The front end, made on first use over the runtime at `runtime()`'s path, `made()` run once it
+/// is; `None` (said once in the log) when it cannot be made: the job's calls then pass through,
+/// unserved.
+pub fn front(runtime: impl FnOnce() -> Option<PathBuf>, made: fn()) -> Option<&'static Front> {
     FRONT
         .get_or_init(|| {
-            let made = runtime()
+            let front = runtime()
                 .ok_or_else(|| "the HIP runtime's library was not found".to_string())
                 .and_then(|p| Front::new(&p));
-            match &made {
+            match &front {
                 Ok(f) => {
                     log(&format!(
                         "HIP front end: device {DEVICE} ({}) of {}",
                         f.engine.device().device_name(),
                         f.rt.path().display()
                     ));
-                    crate::control::start(crate::hip::status_json);
+                    made();
                 }
                 Err(e) => log(&format!("HIP front end off: {e}; the job's HIP calls pass")),
             }
-            made
+            front
         })
         .as_ref()
         .ok()

@@ -10,7 +10,7 @@
 
 use std::ffi::c_void;
 
-use super::entry::real;
+use super::through::real;
 
 slot!(REAL_ALLOCATE);
 slot!(REAL_FREE);

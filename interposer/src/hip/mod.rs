@@ -4,8 +4,8 @@
 //! module and lookup entry points beside the CUDA driver's (`entry.rs`, the unsafe layer); a job
 //! that never calls HIP never reaches them. At the job's first HIP call that needs it, the
 //! front end (`front.rs`) opens an engine over the job's own runtime (`possum_hip_sim::HipDevice`,
-//! found as the library defining the `hipMalloc` after this one) and starts the control socket,
-//! whose status says `runtime: "hip"`. From then on:
+//! found as the library defining the `hipMalloc` after this one), and the control socket starts
+//! (`through.rs`), its status saying `runtime: "hip"`. From then on:
 //!
 //! - `hipMalloc`, `hipMallocAsync` and `hipMallocFromPoolAsync` on the first device are served
 //!   as engine buffers (VA-stable, releasable); frees wait for the work queued before them.
@@ -16,12 +16,19 @@
 //!   module is loaded or a fat binary registered: `possum_analyzer::amdgpu`); each engine
 //!   buffer one points into is taken as written (its read-only hints are not trusted). A kernel
 //!   whose layout is unknown, and every graph launch, is taken to write every buffer.
-//! - The control socket's checkpoint requests go to `session.rs`.
+//! - The control socket's checkpoint requests go to `session.rs`: the front end, once made,
+//!   registers its handler with the socket (`crate::control::set_front_end`), so the socket
+//!   names no HIP module.
+//!
+//! The modules form layers, from the top: `entry.rs` (the exported functions and the lookup of
+//! a wrapper), `writers.rs` (the other writing functions) and `hsa.rs`; `through.rs` (what the
+//! wrappers share: the runtime's functions, the front end found on first use, the hook around
+//! a copy or launch); `session.rs` (the control requests); `front.rs` (the state).
 
-/// The slot where the runtime's function is kept once looked up (`entry::real`).
+/// The slot where the runtime's function is kept once looked up (`through::real`).
 macro_rules! slot {
-    ($slot:ident) => {
-        static $slot: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    ($vis:vis $slot:ident) => {
+        $vis static $slot: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     };
 }
 
@@ -47,20 +54,5 @@ pub mod front;
 #[cfg(target_arch = "x86_64")]
 pub mod hsa;
 pub mod session;
+pub mod through;
 pub mod writers;
-
-use serde_json::{json, Value};
-
-/// `Status` for a HIP job: the CUDA status's shape, `possum` being the front end's.
-pub fn status_json() -> Value {
-    let mut v = json!({
-        "pid": std::process::id(),
-        "hooks": "entry",
-        "runtime": possum_control::reply::RUNTIME_HIP,
-    });
-    if let Some(f) = front::made() {
-        v["possum"] = f.stats_json();
-        v["possum"]["session"] = crate::session::status_json();
-    }
-    v
-}

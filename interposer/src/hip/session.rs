@@ -26,6 +26,20 @@ use crate::gate;
 use crate::log::log;
 use crate::session::{self as common, Busy};
 
+/// `Status` for a HIP job: the CUDA status's shape, `possum` being the front end's.
+pub fn status_json() -> Value {
+    let mut v = json!({
+        "pid": std::process::id(),
+        "hooks": "entry",
+        "runtime": possum_control::reply::RUNTIME_HIP,
+    });
+    if let Some(f) = made() {
+        v["possum"] = f.stats_json();
+        v["possum"]["session"] = common::status_json();
+    }
+    v
+}
+
 /// The front end's answer to a session request; `None` for a request it leaves to the rest.
 pub fn handle(req: &Request) -> Option<Value> {
     let f = made()?;
@@ -45,7 +59,7 @@ pub fn handle(req: &Request) -> Option<Value> {
         ));
     }
     Some(match req {
-        Request::Checkpoint { dir } | Request::CheckpointKept { dir } => {
+        Request::Checkpoint { dir, .. } | Request::CheckpointKept { dir, .. } => {
             common::reply(checkpoint(f, Path::new(dir)))
         }
         Request::Release | Request::ReleaseKeeping { .. } => common::reply(release(f)),
@@ -85,7 +99,7 @@ fn checkpoint(f: &Front, dir: &Path) -> Result<CheckpointReply, String> {
     common::open_faults();
     let t = Instant::now();
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let writer = common::new_writer(dir, DEVICE)?;
+    let writer = common::new_writer(dir, DEVICE, None)?;
     f.engine.mark_all_dirty();
     // What the job will write soonest is saved first (the DAG's prediction), so that its
     // writes during the pre-copy find their buffers saved already.

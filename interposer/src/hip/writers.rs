@@ -8,7 +8,7 @@
 
 use std::ffi::{c_int, c_uint, c_void};
 
-use super::entry::{copy_through, count, launch_through, real, Dim3, HipError, NOT_SUPPORTED};
+use super::through::{copy_through, count, launch_through, real, Dim3, HipError, NOT_SUPPORTED};
 
 slot!(REAL_hipLaunchCooperativeKernel);
 slot!(REAL_hipExtLaunchKernel);

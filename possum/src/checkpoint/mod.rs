@@ -120,6 +120,14 @@ pub struct CheckpointArgs {
     /// Replace an existing image at DIR (the old one is removed only once the new one is complete).
     #[arg(long)]
     pub force: bool,
+    /// An earlier image of this job: write only what changed since.
+    ///
+    /// The GPU chunks whose fingerprint equals one in PARENT are referenced from PARENT instead
+    /// of copied, so each periodic checkpoint costs what the job changed. The new image then
+    /// needs PARENT (and PARENT's own parents) where they are: keep them, or restore fails with
+    /// a message naming the missing one. PARENT may not be DIR.
+    #[arg(long, value_name = "PARENT", conflicts_with = "gpu_only")]
+    pub parent: Option<PathBuf>,
     /// When the job is killed (no --leave-running) and its GPU memory is a keeper's (`possum
     /// run`'s default): the keeper keeps the job's GPU buffers on the GPU this many seconds after
     /// it is gone, so that `possum restore` on this host maps them instead of copying them back
@@ -150,6 +158,17 @@ pub struct CheckpointArgs {
     pub hmac_key: Option<PathBuf>,
 }
 
+/// `--parent`'s directory, absolute (the job's possum opens it) and an image (a directory).
+fn absolute_parent(p: &std::path::Path) -> Result<PathBuf> {
+    let abs = std::path::absolute(p).with_context(|| format!("--parent {}", p.display()))?;
+    anyhow::ensure!(
+        abs.is_dir(),
+        "--parent {}: no such image directory",
+        abs.display()
+    );
+    Ok(abs)
+}
+
 fn socket_dir_of(a: Option<&PathBuf>) -> PathBuf {
     a.cloned().unwrap_or_else(possum_control::socket_dir)
 }
@@ -164,6 +183,7 @@ impl CheckpointArgs {
             engine: self.engine.into(),
             gpu_only: self.gpu_only,
             force: self.force,
+            parent: self.parent.as_deref().map(absolute_parent).transpose()?,
             keep_on_gpu: self.keep_on_gpu,
             shadow_budget: self.shadow_budget,
             tcp_established: self.tcp.lock(),

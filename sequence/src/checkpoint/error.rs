@@ -47,6 +47,23 @@ pub enum CheckpointError {
     Report(#[from] ReportError),
 }
 
+impl CheckpointError {
+    /// Whether the checkpoint failed because its image was proven wrong by its fingerprints
+    /// (the job wrote a buffer before it was saved, unforeseen): the job ran on, and a new
+    /// checkpoint is expected to succeed. Read from the error's words, which cross the control
+    /// socket as text ([`possum_engine::MISMATCH_TEXT`]).
+    pub fn is_mismatch(&self) -> bool {
+        let mut e: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(err) = e {
+            if err.to_string().contains(possum_engine::MISMATCH_TEXT) {
+                return true;
+            }
+            e = err.source();
+        }
+        false
+    }
+}
+
 /// The plan failed: nothing was done.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -74,6 +91,15 @@ pub enum PlanError {
     NotHeldWhole {
         /// The process.
         pid: i32,
+    },
+    /// `--parent` names the image being written (with `--force`, it would be removed while
+    /// the new image refers to it), or is not an image possum wrote.
+    #[error("--parent {}: {why}; nothing was done", dir.display())]
+    Parent {
+        /// The parent.
+        dir: PathBuf,
+        /// What is wrong with it.
+        why: &'static str,
     },
     /// The process's session leader is outside its PID namespace (getsid answers 0), which
     /// CRIU cannot dump, with `--shell-job` or without.

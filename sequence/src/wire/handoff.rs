@@ -14,14 +14,6 @@ pub enum HandoffError {
         /// Its reason.
         reason: String,
     },
-    /// A frame that does not carry this session's HMAC.
-    #[error(
-        "the peer's {what} does not carry this session's HMAC: it was forged or changed in transit"
-    )]
-    Forged {
-        /// The frame.
-        what: &'static str,
-    },
     /// Another frame than the one due.
     #[error("the peer sent a {got} frame where {want} was due")]
     Unexpected {
@@ -46,29 +38,19 @@ impl HandoffError {
 /// Sends `Released` (the source's job is gone: the destination may restore it), after a
 /// [`send_dir_session`] that ended `Committed`.
 pub fn send_released<S: Write>(stream: &mut S, session: &mut Session) -> Result<(), FrameError> {
-    let tag: [u8; TAG_BYTES] = session.released().finalize().into_bytes().into();
-    write_frame(stream, &Frame::Released { tag })?;
+    write_frame(stream, session, &Frame::Released)?;
     stream.flush().map_err(|source| FrameError::Io {
         what: "sending",
         source,
-    })?;
-    session.last = tag;
-    Ok(())
+    })
 }
 
 /// Waits for `Released` after a [`receive_dir_session`] (as long as the stream's read timeout
-/// lets it), and checks its HMAC.
+/// lets it), its MAC checked.
 pub fn await_released<S: Read>(stream: &mut S, session: &mut Session) -> Result<(), HandoffError> {
     let mut buf = Vec::new();
-    match read_frame(stream, &mut buf)? {
-        Frame::Released { tag } => {
-            session
-                .released()
-                .verify_slice(&tag)
-                .map_err(|_| HandoffError::Forged { what: "Released" })?;
-            session.last = tag;
-            Ok(())
-        }
+    match read_frame(stream, session, &mut buf)? {
+        Frame::Released => Ok(()),
         Frame::Abort { reason } => Err(HandoffError::Aborted { reason }),
         other => Err(HandoffError::Unexpected {
             got: other.name(),
@@ -83,44 +65,22 @@ pub fn send_outcome<S: Write>(
     session: &mut Session,
     outcome: &Outcome,
 ) -> Result<(), FrameError> {
-    let (running, pid, reason) = outcome.parts();
-    let tag: [u8; TAG_BYTES] = session
-        .outcome(running, pid, reason)
-        .finalize()
-        .into_bytes()
-        .into();
-    write_frame(
-        stream,
-        &Frame::Outcome {
-            outcome: outcome.clone(),
-            tag,
-        },
-    )?;
+    write_frame(stream, session, &Frame::Outcome(outcome.clone()))?;
     stream.flush().map_err(|source| FrameError::Io {
         what: "sending",
         source,
-    })?;
-    session.last = tag;
-    Ok(())
+    })
 }
 
 /// Waits for `Outcome` after [`send_released`] (as long as the stream's read timeout lets it),
-/// and checks its HMAC.
+/// its MAC checked.
 pub fn await_outcome<S: Read>(
     stream: &mut S,
     session: &mut Session,
 ) -> Result<Outcome, HandoffError> {
     let mut buf = Vec::new();
-    match read_frame(stream, &mut buf)? {
-        Frame::Outcome { outcome, tag } => {
-            let (running, pid, reason) = outcome.parts();
-            session
-                .outcome(running, pid, reason)
-                .verify_slice(&tag)
-                .map_err(|_| HandoffError::Forged { what: "Outcome" })?;
-            session.last = tag;
-            Ok(outcome)
-        }
+    match read_frame(stream, session, &mut buf)? {
+        Frame::Outcome(outcome) => Ok(outcome),
         Frame::Abort { reason } => Err(HandoffError::Aborted { reason }),
         other => Err(HandoffError::Unexpected {
             got: other.name(),
@@ -129,10 +89,11 @@ pub fn await_outcome<S: Read>(
     }
 }
 
-/// Tells the peer why this end gives up (`Abort`), best effort.
-pub fn send_abort<S: Write>(stream: &mut S, reason: &str) {
+/// Tells the peer why this end gives up (`Abort`, under the session's MAC), best effort.
+pub fn send_abort<S: Write + ?Sized>(stream: &mut S, session: &mut Session, reason: &str) {
     let _ = write_frame(
         stream,
+        session,
         &Frame::Abort {
             reason: reason.to_string(),
         },

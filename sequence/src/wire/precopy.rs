@@ -4,7 +4,7 @@ use super::*;
 
 /// The sending end of a pre-copy, after [`sender_handshake`]: an engine's [`ChunkSink`] whose
 /// every declaration and chunk goes out at once as a `Buffer` or `BufferChunk` frame (at most
-/// [`CHUNK_BYTES`] of bytes each), into the session's HMAC; [`PrecopySender::finish`] sends
+/// [`CHUNK_BYTES`] of bytes each), under the session's MAC; [`PrecopySender::finish`] sends
 /// `Done` (totals: the `Buffer` frames, the bytes of the `BufferChunk` frames) and checks the
 /// receiver's `Committed`. The engine's copier threads share it (one frame at a time).
 pub struct PrecopySender<S> {
@@ -62,16 +62,12 @@ impl<S: Read + Write + Send> PrecopySender<S> {
             session,
             sent,
         } = &mut st;
-        let done = Seal {
-            totals: *sent,
-            tag: session.done(sent).finalize().into_bytes().into(),
-        };
-        write_frame(stream, &Frame::Done(done))?;
+        write_frame(stream, session, &Frame::Done(*sent))?;
         stream.flush().map_err(|source| FrameError::Io {
             what: "sending",
             source,
         })?;
-        let totals = confirmation(stream, session, &done)?;
+        let totals = confirmation(stream, session, sent)?;
         Ok((totals, st.stream))
     }
 }
@@ -82,15 +78,16 @@ impl<S: Read + Write + Send> ChunkSink for PrecopySender<S> {
         let PrecopyState {
             stream, session, ..
         } = &mut *st;
-        write_frame_to(stream, &Frame::Buffer(rec), Some(&mut session.frames))
-            .map_err(sink_error)?;
+        write_frame(stream, session, &Frame::Buffer(rec)).map_err(sink_error)?;
         st.sent.files += 1;
         Ok(())
     }
 
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        // Hashed before the stream is taken: the copier threads hash at once.
+        let hashes: Vec<blake3::Hash> = data.chunks(CHUNK_BYTES).map(blake3::hash).collect();
         let mut st = self.state();
-        for (i, piece) in data.chunks(CHUNK_BYTES).enumerate() {
+        for (i, (piece, hash)) in data.chunks(CHUNK_BYTES).zip(hashes).enumerate() {
             let PrecopyState {
                 stream, session, ..
             } = &mut *st;
@@ -99,7 +96,7 @@ impl<S: Read + Write + Send> ChunkSink for PrecopySender<S> {
                 offset: offset + (i * CHUNK_BYTES) as u64,
                 data: piece,
             };
-            write_frame_to(stream, &frame, Some(&mut session.frames)).map_err(sink_error)?;
+            send_frame(stream, &mut session.send, &frame, Some(hash)).map_err(sink_error)?;
             st.sent.bytes += piece.len() as u64;
         }
         Ok(())
@@ -113,7 +110,7 @@ impl<S: Read + Write + Send> ChunkSink for PrecopySender<S> {
 
 /// The receiving end of a pre-copy, after [`receiver_handshake`]: writes every `Buffer` and
 /// `BufferChunk` into `sink` (an image writer: a later round's chunk replaces an earlier one's)
-/// until `Done`, checks `Done`'s HMAC and totals against what came, then `commit`s the sink
+/// until `Done`, checks `Done`'s totals against what came, then `commit`s the sink
 /// (an image writer's commit: the image complete on disk) and only then answers `Committed`.
 /// On an error the sender is told why (`Abort`) where the connection still stands, and the sink
 /// is dropped uncommitted.
@@ -127,21 +124,12 @@ pub fn receive_precopy<S: Read + Write, K: ChunkSink, T>(
         .and_then(|done| Ok((done, commit(sink).map_err(ReceiveError::Sink)?)));
     match got {
         Ok((done, committed_sink)) => {
-            let committed = Seal {
-                totals: done.totals,
-                tag: session
-                    .committed(&done.tag, &done.totals)
-                    .finalize()
-                    .into_bytes()
-                    .into(),
-            };
-            write_frame(stream, &Frame::Committed(committed))?;
+            write_frame(stream, session, &Frame::Committed(done))?;
             stream.flush().map_err(|source| FrameError::Io {
                 what: "sending",
                 source,
             })?;
-            session.last = committed.tag;
-            Ok((done.totals, committed_sink))
+            Ok((done, committed_sink))
         }
         Err(e) => {
             if !matches!(
@@ -149,13 +137,7 @@ pub fn receive_precopy<S: Read + Write, K: ChunkSink, T>(
                 ReceiveError::Frame(FrameError::Io { .. } | FrameError::Closed)
                     | ReceiveError::Aborted { .. }
             ) {
-                let _ = write_frame(
-                    stream,
-                    &Frame::Abort {
-                        reason: possum_cuda::error_chain(&e),
-                    },
-                );
-                let _ = stream.flush();
+                send_abort(stream, session, &possum_cuda::error_chain(&e));
             }
             Err(e)
         }
@@ -166,11 +148,11 @@ pub(super) fn receive_buffers<S: Read>(
     stream: &mut S,
     session: &mut Session,
     sink: &dyn ChunkSink,
-) -> Result<Seal, ReceiveError> {
+) -> Result<Totals, ReceiveError> {
     let mut got = Totals::default();
     let mut buf = Vec::new();
     let sent = loop {
-        match read_frame_from(stream, &mut buf, Some(&mut session.frames))? {
+        match read_frame(stream, session, &mut buf)? {
             Frame::Buffer(rec) => {
                 sink.add_buffer(rec).map_err(ReceiveError::Sink)?;
                 got.files += 1;
@@ -184,22 +166,13 @@ pub(super) fn receive_buffers<S: Read>(
                     .map_err(ReceiveError::Sink)?;
                 got.bytes += data.len() as u64;
             }
-            Frame::Done(done) => {
-                session
-                    .done(&done.totals)
-                    .verify_slice(&done.tag)
-                    .map_err(|_| ReceiveError::Forged)?;
-                break done;
-            }
+            Frame::Done(totals) => break totals,
             Frame::Abort { reason } => return Err(ReceiveError::Aborted { reason }),
             other => return Err(unexpected(other.name(), "in a pre-copy")),
         }
     };
-    if sent.totals != got {
-        return Err(ReceiveError::Totals {
-            sent: sent.totals,
-            got,
-        });
+    if sent != got {
+        return Err(ReceiveError::Totals { sent, got });
     }
     Ok(sent)
 }

@@ -1,6 +1,12 @@
-//! Sending: an image directory's frames (part of [`super`]).
+//! Sending: an image directory's frames, its bytes spread over the session's streams (part of
+//! [`super`]).
 
+use super::streams::SendLane;
 use super::*;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 /// What [`send_dir`] sent.
 #[derive(Clone, Copy, Debug)]
@@ -8,7 +14,7 @@ pub struct SendReport {
     /// Files and bytes of the directory, as the receiver counted them.
     pub totals: Totals,
     /// The files' bytes this end sent after the `Cut` (all of them without one; the rest came
-    /// from what was sent ahead).
+    /// from what was sent ahead): the bytes after each base, and its pieces that changed since.
     pub sent_bytes: u64,
     /// From the handshake to the receiver's `Committed`.
     pub elapsed: Duration,
@@ -57,21 +63,39 @@ pub enum SendError {
         /// Its length when listed.
         listed: u64,
     },
-    /// A frame to or from the receiver.
+    /// A piece of the final set sent again (a patch of a file sent ahead) whose bytes are not
+    /// those hashed at the cut: the file changed again since.
+    #[error(
+        "{}: the {len} bytes at offset {offset} changed again after they were hashed at the cut \
+         (the image must not change while it is sent)",
+        path.display()
+    )]
+    Rechanged {
+        /// The file.
+        path: PathBuf,
+        /// Where the piece begins.
+        offset: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// A frame to or from the receiver on the session's first stream.
     #[error(transparent)]
     Frame(#[from] FrameError),
+    /// A frame on another stream of the session.
+    #[error("sending on stream {index} of the session")]
+    Stream {
+        /// The stream.
+        index: u32,
+        /// Why.
+        #[source]
+        source: FrameError,
+    },
     /// The receiver gave up.
     #[error("the receiver refused the transfer: {reason}")]
     Rejected {
         /// Its reason.
         reason: String,
     },
-    /// A confirmation the receiver did not write.
-    #[error(
-        "the receiver's confirmation does not carry this session's HMAC: it was forged or changed \
-         in transit, and the transfer is not known to be complete"
-    )]
-    Forged,
     /// The receiver answered `Done` with something else than its confirmation.
     #[error("the receiver answered the transfer's end with a {got} frame, not Committed")]
     Unconfirmed {
@@ -171,6 +195,7 @@ pub(super) fn list(
             }
         } else if t.is_file() {
             out.push(Entry::File(FileHeader {
+                id: 0,
                 path: r,
                 size: meta.len(),
                 mode,
@@ -214,44 +239,62 @@ pub fn send_dir_session<S: Read + Write>(
     DirSender::start(stream, key)?.finish(stream, dir)
 }
 
-/// A file sent ahead, as the sender remembers it: its bytes sent so far and their hash (the
-/// hasher too, to go on with what a later round sends of it).
+/// A file sent ahead, as the sender remembers it: its bytes sent so far, as pieces.
 #[derive(Debug, Clone)]
 pub(super) struct AheadFile {
     path: String,
     size: u64,
-    sha256: [u8; 32],
-    hasher: sha2::Sha256,
+    pieces: Vec<Piece>,
 }
 
 /// A directory sent in two parts over one session: [`DirSender::send_ahead`] sends what it holds
 /// while it is still being written (a migration's pre-copy rounds, the job running), as often as
-/// asked: a file sent ahead before whose bytes are unchanged goes on from where it ended (its
-/// own path as its [`Base`]), one whose bytes changed waits for the final set; then
-/// [`DirSender::finish`] sends `Cut` and the final set: each file that begins with one sent
-/// ahead (the same file, found by its inode, its first bytes hashed again here) names it as its
-/// base and sends only the bytes after it, every other file is sent whole. The receiver moves
-/// the bases into place, checking its own hash of them, and drops what was sent ahead and is not
-/// in the final set.
+/// asked: a file sent ahead before goes on from where it ended (its own path as its [`Base`]),
+/// sending again only the pieces of it that changed since (its [`Patch`]es); then
+/// [`DirSender::finish`] sends `Cut` and the final set: each file that is one sent ahead, or
+/// begins with one (the same file, found by its inode, not shorter, each piece sent ahead
+/// hashed again here), names it as its base and sends only its changed pieces and the bytes
+/// after it, every other file (another file now, or one that shrank) is sent whole. The
+/// receiver moves the bases into place, checking its own digest of them and its copies read
+/// back, writes the patches over them (each checked against the sender's hash at the cut), and
+/// drops what was sent ahead and is not in the final set. Each part's bytes go over every
+/// stream of the session at once.
 #[derive(Debug)]
 pub struct DirSender {
     session: Session,
+    /// The session's streams beyond the first connection (which each call is given).
+    lanes: Vec<SendLane>,
     /// The files sent ahead, by (device, inode).
-    ahead: std::collections::HashMap<(u64, u64), AheadFile>,
+    ahead: HashMap<(u64, u64), AheadFile>,
     /// Every path sent ahead: one the receiver has that cannot go on (its file changed, or is
     /// another file now) waits for the final set.
-    ahead_paths: std::collections::HashSet<String>,
+    ahead_paths: HashSet<String>,
     /// Something was sent ahead: the final set follows a `Cut`.
     sent_ahead: bool,
 }
 
 impl DirSender {
-    /// The handshake.
+    /// The handshake, for a session of one stream: `stream`.
     pub fn start<S: Read + Write>(stream: &mut S, key: &HmacKey) -> Result<DirSender, WireError> {
+        Self::start_streams(stream, key, 1, |_| unreachable!("a session of one stream"))
+    }
+
+    /// The handshake on `stream`, for a session of `streams` streams (at most [`MAX_STREAMS`]):
+    /// `stream` and `streams - 1` more connections `open` makes (given the stream's number),
+    /// each of which joins the session with a handshake of its own.
+    pub fn start_streams<S: Read + Write>(
+        stream: &mut S,
+        key: &HmacKey,
+        streams: u32,
+        open: impl FnMut(u32) -> io::Result<Box<dyn Connection>>,
+    ) -> Result<DirSender, WireError> {
+        let session = sender_handshake_streams(stream, key, streams.clamp(1, MAX_STREAMS))?;
+        let lanes = session.open_lanes(open)?;
         Ok(DirSender {
-            session: sender_handshake(stream, key)?,
-            ahead: std::collections::HashMap::new(),
-            ahead_paths: std::collections::HashSet::new(),
+            session,
+            lanes,
+            ahead: HashMap::new(),
+            ahead_paths: HashSet::new(),
             sent_ahead: false,
         })
     }
@@ -259,9 +302,10 @@ impl DirSender {
     /// Sends the regular files and directories under `dir` as they are now (what is neither, or
     /// goes away meanwhile, left out; a file that grows, only the bytes it had when listed): a
     /// round ahead of the final set, before [`DirSender::finish`], as many as wanted. A file sent
-    /// in an earlier round goes on from where it ended if those bytes are unchanged (only what it
-    /// gained is sent), and waits for the final set if they changed. The files and the bytes
-    /// sent (of files whose first bytes went in an earlier round, only what they gained).
+    /// in an earlier round goes on from where it ended (only what it gained is sent, and its
+    /// pieces that changed since, rewritten in place); one that shrank or is another file now
+    /// waits for the final set. The files and the bytes sent (of files whose first bytes went
+    /// in an earlier round, only what they gained and their changed pieces).
     pub fn send_ahead<S: Read + Write>(
         &mut self,
         stream: &mut S,
@@ -272,27 +316,27 @@ impl DirSender {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, false)?;
             let continued = bases(dir, &entries, self.ahead.clone());
-            let sent = send_files(
+            let mut known = std::mem::take(&mut self.ahead);
+            let mut paths = std::mem::take(&mut self.ahead_paths);
+            let sent = self.send_part(
                 stream,
-                &mut self.session,
                 dir,
                 entries,
                 Sending::Ahead {
-                    known: &mut self.ahead,
-                    paths: &mut self.ahead_paths,
+                    known: &mut known,
+                    paths: &mut paths,
                     continued,
                 },
-            )?;
-            stream.flush().map_err(|source| FrameError::Io {
-                what: "sending",
-                source,
-            })?;
+            );
+            self.ahead = known;
+            self.ahead_paths = paths;
+            let sent = sent?;
             Ok(Totals {
                 files: sent.totals.files,
                 bytes: sent.bytes,
             })
         })();
-        sent.map_err(|e| failed(stream, e))
+        sent.map_err(|e| self.failed(stream, e))
     }
 
     /// Sends the directory `dir` (the final set) and `Done`; returns once the receiver has named
@@ -307,79 +351,136 @@ impl DirSender {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, true)?;
             let mode = if self.sent_ahead {
-                write_frame_to(stream, &Frame::Cut, Some(&mut self.session.frames))?;
+                write_frame(stream, &mut self.session, &Frame::Cut)?;
+                // Out now: the receiver reads its copies back while this end hashes its files.
+                stream.flush().map_err(|source| FrameError::Io {
+                    what: "sending",
+                    source,
+                })?;
                 Sending::Final(bases(dir, &entries, std::mem::take(&mut self.ahead)))
             } else {
                 Sending::Plain
             };
-            let sent = send_files(stream, &mut self.session, dir, entries, mode)?;
-            let done = Seal {
-                totals: sent.totals,
-                tag: self
-                    .session
-                    .done(&sent.totals)
-                    .finalize()
-                    .into_bytes()
-                    .into(),
-            };
-            write_frame(stream, &Frame::Done(done))?;
+            let sent = self.send_part(stream, dir, entries, mode)?;
+            write_frame(stream, &mut self.session, &Frame::Done(sent.totals))?;
             stream.flush().map_err(|source| FrameError::Io {
                 what: "sending",
                 source,
             })?;
-            Ok((done, sent.bytes))
+            Ok(sent)
         })();
-        let (done, sent_bytes) = sent.map_err(|e| failed(stream, e))?;
-        let totals = confirmation(stream, &mut self.session, &done)?;
+        let sent = sent.map_err(|e| self.failed(stream, e))?;
+        // The transfer is over: the other streams end.
+        self.lanes.clear();
+        let totals = confirmation(stream, &mut self.session, &sent.totals)?;
         let report = SendReport {
             totals,
-            sent_bytes,
+            sent_bytes: sent.bytes,
             elapsed: start.elapsed(),
         };
         Ok((report, self.session))
     }
-}
 
-/// A send that failed after the handshake: the receiver told why (`Abort`) unless the stream
-/// failed, where the receiver's own reason is read if it sent one.
-pub(super) fn failed<S: Read + Write>(stream: &mut S, e: SendError) -> WireError {
-    match e {
-        e @ SendError::Frame(FrameError::Io { .. }) => {
-            // The receiver may have closed the connection after telling why.
+    /// Tells the receiver why this end gives up (`Abort`), best effort, and ends the streams.
+    pub fn abort<S: Write>(&mut self, stream: &mut S, reason: &str) {
+        self.lanes.clear();
+        send_abort(stream, &mut self.session, reason);
+    }
+
+    /// A send that failed after the handshake: the other streams end, and the receiver is told
+    /// why (`Abort`) unless the first stream failed, where the receiver's own reason is read if
+    /// it sent one (as it is after a failure on another stream).
+    fn failed<S: Read + Write>(&mut self, stream: &mut S, e: SendError) -> WireError {
+        // Closed: the receiver's reads of them end.
+        self.lanes.clear();
+        let session = &mut self.session;
+        let theirs = |stream: &mut S, session: &mut Session, e: SendError| {
             let mut buf = Vec::new();
-            match read_frame(stream, &mut buf) {
+            match read_frame(stream, session, &mut buf) {
                 Ok(Frame::Abort { reason }) => SendError::Rejected { reason }.into(),
                 _ => e.into(),
             }
+        };
+        match e {
+            e @ SendError::Frame(FrameError::Io { .. }) => theirs(stream, session, e),
+            e @ SendError::Frame(_) => e.into(),
+            e => {
+                send_abort(stream, session, &possum_cuda::error_chain(&e));
+                match e {
+                    e @ SendError::Stream { .. } => theirs(stream, session, e),
+                    e => e.into(),
+                }
+            }
         }
-        e @ SendError::Frame(_) => e.into(),
-        e => {
-            let reason = possum_cuda::error_chain(&e);
-            let _ = write_frame(stream, &Frame::Abort { reason });
-            let _ = stream.flush();
-            e.into()
+    }
+
+    /// Sends one part: the headers of `entries` (under `dir`) on `stream`, then their bytes over
+    /// every stream, each ending its share with `EndPart`.
+    fn send_part<S: Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        entries: Vec<Entry>,
+        mut mode: Sending<'_>,
+    ) -> Result<Sent, SendError> {
+        let files = headers(stream, &mut self.session, dir, entries, &mut mode)?;
+        write_frame(stream, &mut self.session, &Frame::Chunks)?;
+        spread(stream, &mut self.session.send, &mut self.lanes, &files)?;
+        let ahead = matches!(mode, Sending::Ahead { .. });
+        let mut sent = Sent {
+            totals: Totals::default(),
+            bytes: 0,
+        };
+        for f in files {
+            // Ahead of the cut a file may grow (its first bytes were sent); the final set may
+            // not change while it is sent.
+            let read = |source| SendError::Read {
+                path: f.path.clone(),
+                source,
+            };
+            if !ahead && f.file.metadata().map_err(read)?.len() != f.size {
+                return Err(SendError::Changed {
+                    path: f.path,
+                    listed: f.size,
+                });
+            }
+            if let (Sending::Ahead { known, .. }, Some(pieces)) = (&mut mode, f.pieces) {
+                // Those of earlier rounds first: a piece sent again replaces its earlier self.
+                let pieces: BTreeMap<u64, Piece> = (pieces.into_inner())
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .into_iter()
+                    .map(|p| (p.offset, p))
+                    .collect();
+                let pieces = pieces.into_values().collect();
+                let (path, size) = (f.rel, f.size);
+                known.insert(f.inode, AheadFile { path, size, pieces });
+            }
+            sent.totals.files += 1;
+            sent.totals.bytes += f.size;
+            sent.bytes += f.bytes;
         }
+        Ok(sent)
     }
 }
 
-/// Which part of a transfer [`send_files`] sends.
+/// Which part of a transfer [`DirSender::send_part`] sends.
 pub(super) enum Sending<'m> {
     /// The whole directory, once.
     Plain,
-    /// Ahead of the cut: each file's hash is remembered in `known`; a file sent ahead before
-    /// goes on from where it ended if it is in `continued` (its first bytes unchanged:
-    /// [`bases`]), and is left for the final set if not.
+    /// Ahead of the cut: each file's pieces are remembered in `known`; a file sent ahead before
+    /// goes on from where it ended if it is in `continued` (the same file, not shorter:
+    /// [`bases`]), its changed pieces sent again, and is left for the final set if not.
     Ahead {
-        known: &'m mut std::collections::HashMap<(u64, u64), AheadFile>,
-        paths: &'m mut std::collections::HashSet<String>,
-        continued: std::collections::HashMap<String, ((u64, u64), Base)>,
+        known: &'m mut HashMap<(u64, u64), AheadFile>,
+        paths: &'m mut HashSet<String>,
+        continued: HashMap<String, ((u64, u64), Base)>,
     },
-    /// After the cut: the files that begin with one sent ahead, unchanged ([`bases`]), by path,
-    /// with their (device, inode) when checked; each names its base.
-    Final(std::collections::HashMap<String, ((u64, u64), Base)>),
+    /// After the cut: the files that begin with one sent ahead ([`bases`]), by path, with their
+    /// (device, inode) when checked; each names its base, and its changed pieces.
+    Final(HashMap<String, ((u64, u64), Base)>),
 }
 
-/// What [`send_files`] sent.
+/// What [`DirSender::send_part`] sent.
 pub(super) struct Sent {
     /// The files and their whole lengths.
     totals: Totals,
@@ -387,27 +488,70 @@ pub(super) struct Sent {
     bytes: u64,
 }
 
-/// Sends the frames of `entries`, under `dir`.
-pub(super) fn send_files<S: Write>(
+/// A file of the part being sent: its `sends` go out as chunks (its patches, then its bytes
+/// from where its base ends to `size`).
+struct Outgoing {
+    rel: String,
+    path: PathBuf,
+    file: fs::File,
+    inode: (u64, u64),
+    size: u64,
+    /// Its pieces to send, in order.
+    sends: Vec<ToSend>,
+    /// Their bytes.
+    bytes: u64,
+    /// Ahead of the cut: its pieces as sent (those of earlier rounds first).
+    pieces: Option<Mutex<Vec<Piece>>>,
+}
+
+/// A piece of a file to send as one chunk.
+#[derive(Clone, Copy)]
+struct ToSend {
+    offset: u64,
+    len: u64,
+    /// A patch of the final set: the BLAKE3 its bytes had at the cut, which they must still have.
+    hash: Option<[u8; 32]>,
+}
+
+/// The chunks of a file: its `patches`, then its bytes from `from` to `size` in pieces of at
+/// most [`CHUNK_BYTES`].
+fn sends(patches: &[Patch], from: u64, size: u64) -> Vec<ToSend> {
+    let mut v: Vec<ToSend> = patches
+        .iter()
+        .map(|p| ToSend {
+            offset: p.offset,
+            len: p.len,
+            hash: p.hash.as_deref().and_then(unhex),
+        })
+        .collect();
+    let mut at = from;
+    while at < size {
+        let len = (size - at).min(CHUNK_BYTES as u64);
+        v.push(ToSend {
+            offset: at,
+            len,
+            hash: None,
+        });
+        at += len;
+    }
+    v
+}
+
+/// Sends the `Dir` and `File` frames of `entries` (under `dir`), each file numbered in the
+/// part, and opens the files whose bytes follow.
+fn headers<S: Write>(
     stream: &mut S,
     session: &mut Session,
     dir: &Path,
     entries: Vec<Entry>,
-    mut mode: Sending<'_>,
-) -> Result<Sent, SendError> {
-    use sha2::Digest;
-    use std::io::Seek;
-    use std::os::unix::fs::MetadataExt;
+    mode: &mut Sending<'_>,
+) -> Result<Vec<Outgoing>, SendError> {
     let ahead = matches!(mode, Sending::Ahead { .. });
-    let mut sent = Sent {
-        totals: Totals::default(),
-        bytes: 0,
-    };
-    let mut buf = vec![0u8; CHUNK_BYTES];
+    let mut files = Vec::new();
     for entry in entries {
         let mut h = match entry {
             Entry::Dir(h) => {
-                write_frame_to(stream, &Frame::Dir(h), Some(&mut session.frames))?;
+                write_frame(stream, session, &Frame::Dir(h))?;
                 continue;
             }
             Entry::File(h) => h,
@@ -421,23 +565,21 @@ pub(super) fn send_files<S: Write>(
             .read(true)
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&path);
-        let mut f = match opened {
+        let file = match opened {
             Ok(f) => f,
             // Ahead of the cut, a file may go away between its listing and its read.
             Err(e) if ahead && e.kind() == io::ErrorKind::NotFound => continue,
             Err(e) => return Err(read(e)),
         };
-        let size = h.size;
-        let meta = f.metadata().map_err(read)?;
+        let meta = file.metadata().map_err(read)?;
         let inode = (meta.dev(), meta.ino());
-        let mut offset = 0u64;
-        let mut hasher = ahead.then(sha2::Sha256::new);
-        match &mut mode {
+        let mut from = 0u64;
+        let mut prior = ahead.then(Vec::new);
+        match mode {
             Sending::Final(bases) => {
                 // Checked against the file as listed: the same file (inode) still.
                 if let Some((_, base)) = bases.remove(&h.path).filter(|(at, _)| *at == inode) {
-                    f.seek(io::SeekFrom::Start(base.size)).map_err(read)?;
-                    offset = base.size;
+                    from = base.size;
                     h.base = Some(base);
                 }
             }
@@ -447,18 +589,23 @@ pub(super) fn send_files<S: Write>(
                 continued,
             } => {
                 let before = known.get(&inode).filter(|b| b.path == h.path);
-                // Sent before: it goes on from there, unchanged and still the same file under
-                // the same path; else (a path the receiver has) it waits for the final set.
-                // `bases` made the base of the file sent ahead under this inode: `before`.
+                // Sent before: it goes on from there, still the same file under the same path
+                // and not shorter, its pieces changed since sent again; else (a path the
+                // receiver has: another file now, or one that shrank) it waits for the final
+                // set. `bases` made the base of the file sent ahead under this inode: `before`.
                 match (before, continued.remove(&h.path)) {
-                    (Some(before), Some((at, base))) if at == inode => {
-                        // Nothing gained since: nothing to send this round.
-                        if base.size == size {
+                    (Some(before), Some((at, mut base))) if at == inode => {
+                        // Nothing gained or changed since: nothing to send this round.
+                        if base.size == h.size && base.patches.is_empty() {
                             continue;
                         }
-                        f.seek(io::SeekFrom::Start(base.size)).map_err(read)?;
-                        offset = base.size;
-                        hasher = Some(before.hasher.clone());
+                        // Ahead of the cut the file may change again while it is sent: its
+                        // pieces are remembered as sent, not as hashed.
+                        for p in &mut base.patches {
+                            p.hash = None;
+                        }
+                        from = base.size;
+                        prior = Some(before.pieces.clone());
                         h.base = Some(base);
                     }
                     _ if paths.contains(&h.path) => {
@@ -472,122 +619,289 @@ pub(super) fn send_files<S: Write>(
             }
             Sending::Plain => {}
         }
-        let rel = h.path.clone();
-        write_frame_to(stream, &Frame::File(h), Some(&mut session.frames))?;
-        while offset < size {
-            let want = (size - offset).min(CHUNK_BYTES as u64) as usize;
-            let k = read_full(&mut f, &mut buf[..want]).map_err(read)?;
-            if k < want {
-                return Err(SendError::Changed { path, listed: size });
-            }
-            if let Some(hs) = hasher.as_mut() {
-                hs.update(&buf[..k]);
-            }
-            write_frame_to(
-                stream,
-                &Frame::Chunk {
-                    offset,
-                    data: &buf[..k],
-                },
-                Some(&mut session.frames),
-            )?;
-            offset += k as u64;
-            sent.bytes += k as u64;
-        }
-        // Ahead of the cut a file may grow (its first bytes were sent); the final set may not
-        // change while it is sent.
-        if !ahead && f.metadata().map_err(read)?.len() != size {
-            return Err(SendError::Changed { path, listed: size });
-        }
-        write_frame_to(stream, &Frame::EndFile, Some(&mut session.frames))?;
-        if let (Sending::Ahead { known, .. }, Some(hs)) = (&mut mode, hasher) {
-            known.insert(
-                inode,
-                AheadFile {
-                    path: rel,
-                    size,
-                    sha256: hs.clone().finalize().into(),
-                    hasher: hs,
-                },
-            );
-        }
-        sent.totals.files += 1;
-        sent.totals.bytes += size;
+        h.id = files.len() as u64;
+        let (rel, size) = (h.path.clone(), h.size);
+        let patches = h.base.as_ref().map_or(&[][..], |b| &b.patches[..]);
+        let sends = sends(patches, from, size);
+        write_frame(stream, session, &Frame::File(h))?;
+        files.push(Outgoing {
+            rel,
+            path,
+            file,
+            inode,
+            size,
+            bytes: sends.iter().map(|s| s.len).sum(),
+            sends,
+            pieces: prior.map(Mutex::new),
+        });
     }
-    Ok(sent)
+    Ok(files)
 }
 
-/// The files of `entries` (under `dir`) that begin with a file sent ahead (the same file: its
-/// device and inode), its bytes unchanged: their first bytes hashed again, the files in parallel
-/// (one worker a file, at most 8). A file that cannot be read there is no base (it is then sent
-/// whole, or fails its send).
+/// Sends the bytes of `files` as chunks over `stream` (under `mac`) and `lanes` at once, each
+/// stream taking the next piece as it is ready, then each stream's `EndPart`. The pieces are
+/// taken from the files in turn (the first piece of each, then the second, ...): the streams
+/// then write different files at the receiver at once, where writes into one file are taken
+/// one at a time.
+fn spread<S: Write>(
+    stream: &mut S,
+    mac: &mut FrameMac,
+    lanes: &mut [SendLane],
+    files: &[Outgoing],
+) -> Result<(), SendError> {
+    let pieces = interleaved(files);
+    let share = Share {
+        files,
+        pieces: &pieces,
+        next: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+    };
+    let (mine, theirs) = std::thread::scope(|scope| {
+        let handles: Vec<_> = lanes
+            .iter_mut()
+            .map(|lane| {
+                let share = &share;
+                scope.spawn(move || share.send(&mut lane.conn, &mut lane.mac))
+            })
+            .collect();
+        let mine = share.send(stream, mac);
+        let theirs: Vec<_> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect();
+        (mine, theirs)
+    });
+    // A stream's own failure before a write that failed because the receiver gave up; of
+    // those, the first stream's, after which the receiver's reason is read there.
+    let errors: Vec<SendError> = std::iter::once(mine.err())
+        .chain(
+            theirs
+                .into_iter()
+                .zip(1u32..)
+                .map(|(r, index)| r.err().map(|e| on_stream(e, index))),
+        )
+        .flatten()
+        .collect();
+    let failed_write = |e: &SendError| {
+        matches!(
+            e,
+            SendError::Frame(FrameError::Io { .. })
+                | SendError::Stream {
+                    source: FrameError::Io { .. },
+                    ..
+                }
+        )
+    };
+    let first = errors.iter().position(|e| !failed_write(e)).unwrap_or(0);
+    match errors.into_iter().nth(first) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// The pieces of `files` (file, and its piece to send), the files' in turn.
+fn interleaved(files: &[Outgoing]) -> Vec<(usize, ToSend)> {
+    let most = files.iter().map(|f| f.sends.len()).max().unwrap_or(0);
+    (0..most)
+        .flat_map(|k| {
+            files
+                .iter()
+                .enumerate()
+                .filter_map(move |(i, f)| f.sends.get(k).map(|s| (i, *s)))
+        })
+        .collect()
+}
+
+/// An error of stream `index` (not the first), said as that stream's.
+fn on_stream(e: SendError, index: u32) -> SendError {
+    match e {
+        SendError::Frame(source) => SendError::Stream { index, source },
+        e => e,
+    }
+}
+
+/// The pieces of a part, which the streams take one at a time.
+struct Share<'a> {
+    files: &'a [Outgoing],
+    pieces: &'a [(usize, ToSend)],
+    next: AtomicUsize,
+    /// A stream failed: the others stop at their next piece.
+    stop: AtomicBool,
+}
+
+impl Share<'_> {
+    /// Sends pieces on `w` under `mac` until none is left, then `EndPart`; stops early (without
+    /// `EndPart`) once another stream failed.
+    fn send<W: Write + ?Sized>(&self, w: &mut W, mac: &mut FrameMac) -> Result<(), SendError> {
+        let sent = self.pieces_on(w, mac).and_then(|share| {
+            let Some((chunks, bytes)) = share else {
+                return Ok(());
+            };
+            send_frame(w, mac, &Frame::EndPart { chunks, bytes }, None)?;
+            w.flush().map_err(|source| FrameError::Io {
+                what: "sending",
+                source,
+            })?;
+            Ok(())
+        });
+        if sent.is_err() {
+            self.stop.store(true, Ordering::Relaxed);
+        }
+        sent
+    }
+
+    fn pieces_on<W: Write + ?Sized>(
+        &self,
+        w: &mut W,
+        mac: &mut FrameMac,
+    ) -> Result<Option<(u64, u64)>, SendError> {
+        let mut buf = vec![0u8; CHUNK_BYTES];
+        let (mut chunks, mut bytes) = (0u64, 0u64);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            let Some(&(i, piece)) = self.pieces.get(self.next.fetch_add(1, Ordering::Relaxed))
+            else {
+                return Ok(Some((chunks, bytes)));
+            };
+            // A patch of the final set: the hash its bytes had at the cut.
+            let ToSend {
+                offset,
+                len,
+                hash: at_cut,
+            } = piece;
+            let f = &self.files[i];
+            let data = &mut buf[..len as usize];
+            f.file
+                .read_exact_at(data, offset)
+                .map_err(|e| match e.kind() {
+                    io::ErrorKind::UnexpectedEof => SendError::Changed {
+                        path: f.path.clone(),
+                        listed: f.size,
+                    },
+                    _ => SendError::Read {
+                        path: f.path.clone(),
+                        source: e,
+                    },
+                })?;
+            let hash = blake3::hash(data);
+            if at_cut.is_some_and(|h| blake3::Hash::from_bytes(h) != hash) {
+                return Err(SendError::Rechanged {
+                    path: f.path.clone(),
+                    offset,
+                    len,
+                });
+            }
+            if let Some(pieces) = &f.pieces {
+                let piece = Piece {
+                    offset,
+                    len,
+                    hash: *hash.as_bytes(),
+                };
+                pieces
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(piece);
+            }
+            let chunk = Frame::Chunk {
+                file: i as u64,
+                offset,
+                data,
+            };
+            send_frame(w, mac, &chunk, Some(hash))?;
+            chunks += 1;
+            bytes += len;
+        }
+    }
+}
+
+/// The files of `entries` (under `dir`) that are, or begin with, a file sent ahead (the same
+/// file: its device and inode; not shorter than it was sent), with the pieces of it that
+/// changed since: each piece sent ahead hashed again, the pieces of all the files in parallel
+/// (at most 8 workers), a changed one a [`Patch`] carrying its hash now. A file that cannot be
+/// read there is no base (it is then sent whole, or fails its send).
 pub(super) fn bases(
     dir: &Path,
     entries: &[Entry],
-    mut ahead: std::collections::HashMap<(u64, u64), AheadFile>,
-) -> std::collections::HashMap<String, ((u64, u64), Base)> {
-    use std::os::unix::fs::MetadataExt;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let candidates: Vec<(&str, (u64, u64), AheadFile)> = entries
+    mut ahead: HashMap<(u64, u64), AheadFile>,
+) -> HashMap<String, ((u64, u64), Base)> {
+    let candidates: Vec<(&str, (u64, u64), AheadFile, fs::File)> = entries
         .iter()
         .filter_map(|e| match e {
             Entry::File(h) => Some(h),
             Entry::Dir(_) => None,
         })
         .filter_map(|h| {
-            let m = fs::symlink_metadata(dir.join(&h.path)).ok()?;
+            let file = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(dir.join(&h.path))
+                .ok()?;
+            let m = file.metadata().ok()?;
             let inode = (m.dev(), m.ino());
             let a = ahead.remove(&inode).filter(|a| a.size <= h.size)?;
-            Some((h.path.as_str(), inode, a))
+            Some((h.path.as_str(), inode, a, file))
         })
         .collect();
-    let unchanged = |path: &str, a: &AheadFile| -> io::Result<bool> {
-        use sha2::Digest;
-        let mut f = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(dir.join(path))?;
-        let mut hasher = sha2::Sha256::new();
-        let mut buf = vec![0u8; (1 << 20).min(a.size as usize)];
-        let mut left = a.size;
-        while left > 0 {
-            let want = left.min(buf.len() as u64) as usize;
-            if read_full(&mut f, &mut buf[..want])? < want {
-                return Ok(false);
-            }
-            hasher.update(&buf[..want]);
-            left -= want as u64;
-        }
-        Ok(<[u8; 32]>::from(hasher.finalize()) == a.sha256)
-    };
+    let work: Vec<(usize, Piece)> = candidates
+        .iter()
+        .enumerate()
+        .flat_map(|(c, (_, _, a, _))| a.pieces.iter().map(move |p| (c, *p)))
+        .collect();
+    let readable: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(true)).collect();
+    let changed: Vec<Mutex<Vec<Patch>>> = candidates.iter().map(|_| Mutex::default()).collect();
     let next = AtomicUsize::new(0);
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 8)
-        .min(candidates.len().max(1));
-    let found = std::sync::Mutex::new(std::collections::HashMap::new());
+        .min(work.len().max(1));
     std::thread::scope(|scope| {
         for _ in 0..workers {
-            scope.spawn(|| loop {
-                let Some((path, inode, a)) = candidates.get(next.fetch_add(1, Ordering::Relaxed))
-                else {
-                    return;
-                };
-                if unchanged(path, a).unwrap_or(false) {
-                    let base = Base {
-                        path: a.path.clone(),
-                        size: a.size,
-                        sha256: hex(&a.sha256),
-                    };
-                    found
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(path.to_string(), (*inode, base));
+            scope.spawn(|| {
+                let mut buf = vec![0u8; CHUNK_BYTES];
+                while let Some(&(c, p)) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    if !readable[c].load(Ordering::Relaxed) {
+                        continue;
+                    }
+                    let data = &mut buf[..p.len as usize];
+                    if candidates[c].3.read_exact_at(data, p.offset).is_err() {
+                        readable[c].store(false, Ordering::Relaxed);
+                        continue;
+                    }
+                    let now = blake3::hash(data);
+                    if now != blake3::Hash::from_bytes(p.hash) {
+                        let patch = Patch {
+                            offset: p.offset,
+                            len: p.len,
+                            hash: Some(now.to_hex().to_string()),
+                        };
+                        changed[c]
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .push(patch);
+                    }
                 }
             });
         }
     });
-    found.into_inner().unwrap_or_else(|p| p.into_inner())
+    candidates
+        .into_iter()
+        .zip(readable)
+        .zip(changed)
+        .filter(|((_, readable), _)| readable.load(Ordering::Relaxed))
+        .map(|(((path, inode, a, _), _), changed)| {
+            let mut patches = changed.into_inner().unwrap_or_else(PoisonError::into_inner);
+            patches.sort_by_key(|p| p.offset);
+            let base = Base {
+                digest: pieces_digest(&a.pieces),
+                path: a.path,
+                size: a.size,
+                patches,
+            };
+            (path.to_string(), (inode, base))
+        })
+        .collect()
 }
 
 /// `bytes` in lowercase hex.
@@ -595,42 +909,21 @@ pub(super) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Reads into `buf` until it is full or the file ends; how much was read.
-pub(super) fn read_full(f: &mut fs::File, buf: &mut [u8]) -> io::Result<usize> {
-    let mut got = 0;
-    while got < buf.len() {
-        match f.read(&mut buf[got..]) {
-            Ok(0) => break,
-            Ok(k) => got += k,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(got)
+/// The 32 bytes written in hex by `s` (64 digits, either case), if it is that.
+pub(super) fn unhex(s: &str) -> Option<[u8; 32]> {
+    blake3::Hash::from_hex(s).ok().map(|h| *h.as_bytes())
 }
 
 /// The receiver's answer to `Done`: its totals, once checked.
-pub(super) fn confirmation<S: Read>(
+pub(super) fn confirmation<S: Read + ?Sized>(
     stream: &mut S,
     session: &mut Session,
-    done: &Seal,
+    done: &Totals,
 ) -> Result<Totals, SendError> {
     let mut buf = Vec::new();
-    match read_frame(stream, &mut buf)? {
-        Frame::Committed(c) => {
-            session
-                .committed(&done.tag, &c.totals)
-                .verify_slice(&c.tag)
-                .map_err(|_| SendError::Forged)?;
-            session.last = c.tag;
-            if c.totals != done.totals {
-                return Err(SendError::Miscounted {
-                    sent: done.totals,
-                    got: c.totals,
-                });
-            }
-            Ok(c.totals)
-        }
+    match read_frame(stream, session, &mut buf)? {
+        Frame::Committed(got) if got != *done => Err(SendError::Miscounted { sent: *done, got }),
+        Frame::Committed(got) => Ok(got),
         Frame::Abort { reason } => Err(SendError::Rejected { reason }),
         other => Err(SendError::Unconfirmed { got: other.name() }),
     }

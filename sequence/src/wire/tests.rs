@@ -173,14 +173,14 @@ fn another_secret_on_either_side_is_refused_and_nothing_is_written() {
         hello.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
         hello.extend_from_slice(&[5u8; NONCE_BYTES]);
         b.write_all(&hello).unwrap();
-        let mut proof = [0u8; 8 + 4 + NONCE_BYTES + TAG_BYTES];
+        let mut proof = [0u8; PROOF_BYTES];
         b.read_exact(&mut proof).unwrap();
-        b.write_all(
-            &tag(&key(9), SERVER_LABEL, &proof[12..44], &[5u8; NONCE_BYTES])
-                .finalize()
-                .into_bytes(),
-        )
-        .unwrap();
+        let (sn, claimed) = (&proof[12..44], &proof[44..44 + CLAIM_BYTES]);
+        let answer = keyed(
+            &key(9).wire_key(),
+            &[SERVER_LABEL, sn, &[5u8; NONCE_BYTES], claimed],
+        );
+        b.write_all(answer.as_bytes()).unwrap();
         let mut rest = Vec::new();
         b.read_to_end(&mut rest).unwrap();
         rest
@@ -215,26 +215,43 @@ fn against(dest: &Path, frames: impl FnOnce(&mut UnixStream, &mut Session)) -> W
 
 /// Writes a frame as a sender does.
 fn send(s: &mut UnixStream, session: &mut Session, frame: &Frame<'_>) {
-    let _ = write_frame_to(s, frame, Some(&mut session.frames));
+    let _ = write_frame(s, session, frame);
 }
 
-/// Writes a file's frames (not `Done`).
+/// Writes a part of one file (not `Done`): its header, `Chunks`, its chunk, `EndPart`.
 fn put(s: &mut UnixStream, session: &mut Session, path: &str, data: &[u8]) {
     let h = FileHeader {
+        id: 0,
         path: path.to_string(),
         size: data.len() as u64,
         mode: 0o644,
         base: None,
     };
     send(s, session, &Frame::File(h));
-    send(s, session, &Frame::Chunk { offset: 0, data });
-    send(s, session, &Frame::EndFile);
+    send(s, session, &Frame::Chunks);
+    send(
+        s,
+        session,
+        &Frame::Chunk {
+            file: 0,
+            offset: 0,
+            data,
+        },
+    );
+    let bytes = data.len() as u64;
+    send(s, session, &Frame::EndPart { chunks: 1, bytes });
 }
 
-/// Writes `Done`, sealed.
+/// Writes `Done`.
 fn done(s: &mut UnixStream, session: &mut Session, totals: Totals) {
-    let tag = session.done(&totals).finalize().into_bytes().into();
-    let _ = write_frame(s, &Frame::Done(Seal { totals, tag }));
+    send(s, session, &Frame::Done(totals));
+}
+
+/// The bytes of `frame` as `session` would send it next (its MAC counted).
+fn encoded(session: &mut Session, frame: &Frame<'_>) -> Vec<u8> {
+    let mut v = Vec::new();
+    write_frame(&mut v, session, frame).unwrap();
+    v
 }
 
 /// One file and `Done`.
@@ -273,9 +290,10 @@ fn paths_out_of_the_destination_are_refused_and_nothing_is_written() {
         assert!(!outside.exists());
     }
     // A directory named like that, too.
-    let e = against(&dest, |s, _| {
-        let _ = write_frame(
+    let e = against(&dest, |s, session| {
+        send(
             s,
+            session,
             &Frame::Dir(DirHeader {
                 path: "../escaped".into(),
                 mode: 0o755,
@@ -331,7 +349,7 @@ fn against_ok(dest: &Path, frames: impl FnOnce(&mut UnixStream, &mut Session)) {
     frames(&mut a, &mut session);
     let mut buf = Vec::new();
     assert!(matches!(
-        read_frame(&mut a, &mut buf).unwrap(),
+        read_frame(&mut a, &mut session, &mut buf).unwrap(),
         Frame::Committed(_)
     ));
     receiver.join().unwrap().unwrap();
@@ -341,26 +359,23 @@ fn against_ok(dest: &Path, frames: impl FnOnce(&mut UnixStream, &mut Session)) {
 fn a_connection_dropped_mid_file_fails_and_nothing_is_written() {
     let (_tmp, _src, out) = dirs();
     let dest = out.join("image");
-    let e = against(&dest, |s, _| {
+    let e = against(&dest, |s, session| {
         let data = noise(1 << 20);
-        write_frame(
-            s,
-            &Frame::File(FileHeader {
-                path: "criu/pages-1.img".into(),
-                size: 2 << 20,
-                mode: 0o600,
-                base: None,
-            }),
-        )
-        .unwrap();
-        write_frame(
-            s,
-            &Frame::Chunk {
-                offset: 0,
-                data: &data,
-            },
-        )
-        .unwrap();
+        let h = FileHeader {
+            id: 0,
+            path: "criu/pages-1.img".into(),
+            size: 2 << 20,
+            mode: 0o600,
+            base: None,
+        };
+        send(s, session, &Frame::File(h));
+        send(s, session, &Frame::Chunks);
+        let chunk = Frame::Chunk {
+            file: 0,
+            offset: 0,
+            data: &data,
+        };
+        send(s, session, &chunk);
         // Half a frame, then the close.
         let _ = s.write_all(&[KIND_CHUNK, 1, 0]);
     });
@@ -372,25 +387,31 @@ fn a_connection_dropped_mid_file_fails_and_nothing_is_written() {
         "{e:?}"
     );
     assert!(names(&out).is_empty());
-    // A file shorter than its size, ended: refused too.
-    let e = against(&dest, |s, _| {
-        let _ = write_frame(
+    // A file shorter than its size, its part ended: refused too.
+    let e = against(&dest, |s, session| {
+        let h = FileHeader {
+            id: 0,
+            path: "f".into(),
+            size: 10,
+            mode: 0o600,
+            base: None,
+        };
+        send(s, session, &Frame::File(h));
+        send(s, session, &Frame::Chunks);
+        let chunk = Frame::Chunk {
+            file: 0,
+            offset: 0,
+            data: b"12345",
+        };
+        send(s, session, &chunk);
+        send(
             s,
-            &Frame::File(FileHeader {
-                path: "f".into(),
-                size: 10,
-                mode: 0o600,
-                base: None,
-            }),
-        );
-        let _ = write_frame(
-            s,
-            &Frame::Chunk {
-                offset: 0,
-                data: b"12345",
+            session,
+            &Frame::EndPart {
+                chunks: 1,
+                bytes: 5,
             },
         );
-        let _ = write_frame(s, &Frame::EndFile);
     });
     assert!(
         matches!(
@@ -404,6 +425,45 @@ fn a_connection_dropped_mid_file_fails_and_nothing_is_written() {
         "{e:?}"
     );
     assert!(names(&out).is_empty());
+    // Two chunks of the same bytes, or one past the file's end.
+    for (offset, data) in [(3u64, &b"45678"[..]), (8, b"90abc")] {
+        let e = against(&dest, |s, session| {
+            let h = FileHeader {
+                id: 0,
+                path: "f".into(),
+                size: 10,
+                mode: 0o600,
+                base: None,
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::Chunks);
+            for (offset, data) in [(0, &b"12345"[..]), (offset, data)] {
+                let chunk = Frame::Chunk {
+                    file: 0,
+                    offset,
+                    data,
+                };
+                send(s, session, &chunk);
+            }
+            send(
+                s,
+                session,
+                &Frame::EndPart {
+                    chunks: 2,
+                    bytes: 10,
+                },
+            );
+        });
+        assert!(
+            matches!(
+                e,
+                WireError::Receive(ReceiveError::Overlap { offset: 3, .. })
+                    | WireError::Receive(ReceiveError::OutOfRange { offset: 8, .. })
+            ),
+            "{e:?}"
+        );
+        assert!(names(&out).is_empty());
+    }
 }
 
 #[test]
@@ -425,8 +485,8 @@ fn a_chunk_damaged_in_transit_is_detected_and_nothing_is_written() {
     });
     let forth = thread::spawn(move || {
         let (mut pa, mut pb) = (pa, pb);
-        // The proof is 76 bytes; the file's header frame is under 100: this is in its data.
-        let flip_at = 76 + 1_000_000;
+        // The proof, the file's header, `Chunks`: a few hundred bytes; this is in its data.
+        let flip_at = PROOF_BYTES + 1_000_000;
         let mut seen = 0usize;
         let mut buf = vec![0u8; 64 << 10];
         loop {
@@ -455,74 +515,132 @@ fn a_chunk_damaged_in_transit_is_detected_and_nothing_is_written() {
     assert!(
         matches!(
             e,
-            WireError::Receive(ReceiveError::Frame(FrameError::Checksum {
-                kind: "Chunk",
+            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+                kind: KIND_CHUNK,
+                stream: 0,
+                why: Misfit::Changed,
                 ..
             }))
         ),
         "{e:?}"
     );
-    assert!(e.to_string().contains("checksum"), "{e}");
+    assert!(e.to_string().contains("a Chunk of"), "{e}");
+    assert!(e.to_string().contains("changed in transit"), "{e}");
     assert!(names(&out).is_empty());
 }
 
+/// A frame changed (its MAC kept), dropped, replayed or reordered is refused, the error naming
+/// the frame and what it is; nothing is written.
 #[test]
-fn frames_changed_with_their_checksums_fixed_are_refused_by_their_hmac() {
+fn a_frame_changed_dropped_replayed_or_reordered_is_refused_naming_it() {
     let (_tmp, _src, out) = dirs();
     let dest = out.join("image");
-    // What a man in the middle would send: another chunk, its checksum right.
-    let e = against(&dest, |s, session| {
-        let h = FileHeader {
-            path: "f".into(),
+    let header = |path: &str| {
+        Frame::File(FileHeader {
+            id: 0,
+            path: path.into(),
             size: 4,
             mode: 0o644,
             base: None,
-        };
-        send(s, session, &Frame::File(h));
+        })
+    };
+    // What a man in the middle would send: the chunk's bytes changed.
+    let e = against(&dest, |s, session| {
+        send(s, session, &header("f"));
+        send(s, session, &Frame::Chunks);
         let good = Frame::Chunk {
+            file: 0,
             offset: 0,
             data: b"good",
         };
-        write_frame_to(&mut io::sink(), &good, Some(&mut session.frames)).unwrap();
-        let _ = write_frame(
-            s,
-            &Frame::Chunk {
-                offset: 0,
-                data: b"evil",
-            },
-        );
-        send(s, session, &Frame::EndFile);
-        done(s, session, Totals { files: 1, bytes: 4 });
+        let mut wire = encoded(session, &good);
+        let at = wire.len() - TAG_BYTES - 4;
+        wire[at..at + 4].copy_from_slice(b"evil");
+        let _ = s.write_all(&wire);
     });
     assert!(
-        matches!(e, WireError::Receive(ReceiveError::Forged)),
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+                seq: 2,
+                why: Misfit::Changed,
+                ..
+            }))
+        ),
         "{e:?}"
     );
-    assert!(e.to_string().contains("changed in transit"), "{e}");
+    assert!(
+        e.to_string().starts_with("frame 2 of stream 0, a Chunk"),
+        "{e}"
+    );
     assert!(names(&out).is_empty());
-    // A frame left out.
+    // A frame left out: the next is early.
     let e = against(&dest, |s, session| {
-        put(s, session, "a", b"1");
-        write_frame_to(
-            &mut io::sink(),
+        send(s, session, &header("f"));
+        let _ = encoded(
+            session,
             &Frame::Dir(DirHeader {
                 path: "d".into(),
                 mode: 0o755,
             }),
-            Some(&mut session.frames),
-        )
-        .unwrap();
-        done(s, session, Totals { files: 1, bytes: 1 });
+        );
+        send(s, session, &Frame::Chunks);
     });
     assert!(
-        matches!(e, WireError::Receive(ReceiveError::Forged)),
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+                seq: 1,
+                why: Misfit::Early { is: 2 },
+                ..
+            }))
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("dropped or reordered"), "{e}");
+    assert!(names(&out).is_empty());
+    // A frame sent twice.
+    let e = against(&dest, |s, session| {
+        let wire = encoded(session, &header("f"));
+        let _ = s.write_all(&wire);
+        let _ = s.write_all(&wire);
+    });
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+                seq: 1,
+                why: Misfit::Replayed { of: 0 },
+                ..
+            }))
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("a replay"), "{e}");
+    assert!(names(&out).is_empty());
+    // Two frames in the other order.
+    let e = against(&dest, |s, session| {
+        let first = encoded(session, &header("f"));
+        let second = encoded(session, &Frame::Chunks);
+        let _ = s.write_all(&second);
+        let _ = s.write_all(&first);
+    });
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+                seq: 0,
+                why: Misfit::Early { is: 1 },
+                ..
+            }))
+        ),
         "{e:?}"
     );
     assert!(names(&out).is_empty());
 }
 
 #[test]
-fn a_confirmation_without_the_sessions_hmac_fails_the_send() {
+fn a_confirmation_not_under_the_sessions_mac_fails_the_send() {
     let (_tmp, src, _out) = dirs();
     fs::write(src.join("f"), "data").unwrap();
     let (mut a, mut b) = pair();
@@ -530,21 +648,29 @@ fn a_confirmation_without_the_sessions_hmac_fails_the_send() {
         let mut session = receiver_handshake(&mut b, &key(8)).unwrap();
         let mut buf = Vec::new();
         loop {
-            let f = read_frame_from(&mut b, &mut buf, Some(&mut session.frames)).unwrap();
-            if let Frame::Done(d) = f {
-                let forged = Seal {
-                    totals: d.totals,
-                    tag: [0; TAG_BYTES],
-                };
-                write_frame(&mut b, &Frame::Committed(forged)).unwrap();
+            let f = read_frame(&mut b, &mut session, &mut buf).unwrap();
+            if let Frame::Done(totals) = f {
+                let mut forged = encoded(&mut session, &Frame::Committed(totals));
+                let last = forged.len() - 1;
+                forged[last] ^= 1;
+                b.write_all(&forged).unwrap();
                 return;
             }
         }
     });
     let e = send_dir(&mut a, &key(8), &src).unwrap_err();
     receiver.join().unwrap();
-    assert!(matches!(e, WireError::Send(SendError::Forged)), "{e:?}");
-    assert!(e.to_string().contains("not known to be complete"), "{e}");
+    assert!(
+        matches!(
+            e,
+            WireError::Send(SendError::Frame(FrameError::Unauthenticated {
+                kind: KIND_COMMITTED,
+                ..
+            }))
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("a Committed"), "{e}");
 }
 
 #[test]
@@ -598,8 +724,8 @@ fn a_silent_sender_times_out_and_nothing_is_written() {
     assert!(names(&out).is_empty());
 }
 
-/// After `Committed`: `Released` then `Outcome`, each checked under the session's key; one
-/// from another session (a replay) is refused.
+/// After `Committed`: `Released` then `Outcome`, each under the session's MAC; one sent again
+/// (a replay) is refused.
 #[test]
 fn the_hand_off_after_a_transfer_is_authenticated_by_the_session() {
     let (_tmp, src, out) = dirs();
@@ -613,30 +739,37 @@ fn the_hand_off_after_a_transfer_is_authenticated_by_the_session() {
             reason: "no CRIU here".into(),
         };
         send_outcome(&mut b, &mut session, &outcome).unwrap();
-        // Another session's Released (here: this one's, replayed) is refused.
+        // The Released replayed is refused.
         await_released(&mut b, &mut session)
     });
     let (report, mut session) = send_dir_session(&mut a, &key(1), &src).unwrap();
     assert_eq!(report.totals, Totals { files: 1, bytes: 5 });
-    let tag: [u8; TAG_BYTES] = session.released().finalize().into_bytes().into();
-    send_released(&mut a, &mut session).unwrap();
+    let released = encoded(&mut session, &Frame::Released);
+    a.write_all(&released).unwrap();
     assert_eq!(
         await_outcome(&mut a, &mut session).unwrap(),
         Outcome::RestoreFailed {
             reason: "no CRIU here".into()
         }
     );
-    write_frame(&mut a, &Frame::Released { tag }).unwrap();
+    a.write_all(&released).unwrap();
     let replayed = receiver.join().unwrap();
     assert!(
-        matches!(replayed, Err(HandoffError::Forged { what: "Released" })),
+        matches!(
+            replayed,
+            Err(HandoffError::Frame(FrameError::Unauthenticated {
+                kind: KIND_RELEASED,
+                why: Misfit::Replayed { .. },
+                ..
+            }))
+        ),
         "{replayed:?}"
     );
     assert_eq!(fs::read(out.join("img/a")).unwrap(), b"image");
 }
 
 /// A restore held for the go: `Restored`, the second `Released` (the go), then `Running`,
-/// each chained to the one before: the first `Released` replayed as the go is refused.
+/// each after the one before: the first `Released` replayed as the go is refused.
 #[test]
 fn the_go_after_a_held_restore_is_chained_to_it() {
     let (_tmp, src, out) = dirs();
@@ -647,27 +780,26 @@ fn the_go_after_a_held_restore_is_chained_to_it() {
         let (_, mut session) = receive_dir_session(&mut b, &key(1), &dest).unwrap();
         await_released(&mut b, &mut session).unwrap();
         send_outcome(&mut b, &mut session, &Outcome::Restored { pid: 7 }).unwrap();
-        await_released(&mut b, &mut session).unwrap();
-        send_outcome(&mut b, &mut session, &Outcome::Running { pid: 7 }).unwrap();
-        // The first go replayed: refused.
         await_released(&mut b, &mut session)
     });
     let (_, mut session) = send_dir_session(&mut a, &key(1), &src).unwrap();
-    send_released(&mut a, &mut session).unwrap();
+    let released = encoded(&mut session, &Frame::Released);
+    a.write_all(&released).unwrap();
     assert_eq!(
         await_outcome(&mut a, &mut session).unwrap(),
         Outcome::Restored { pid: 7 }
     );
-    let go: [u8; TAG_BYTES] = session.released().finalize().into_bytes().into();
-    send_released(&mut a, &mut session).unwrap();
-    assert_eq!(
-        await_outcome(&mut a, &mut session).unwrap(),
-        Outcome::Running { pid: 7 }
-    );
-    write_frame(&mut a, &Frame::Released { tag: go }).unwrap();
+    // The first Released again, as the go.
+    a.write_all(&released).unwrap();
     let replayed = receiver.join().unwrap();
     assert!(
-        matches!(replayed, Err(HandoffError::Forged { what: "Released" })),
+        matches!(
+            replayed,
+            Err(HandoffError::Frame(FrameError::Unauthenticated {
+                why: Misfit::Replayed { .. },
+                ..
+            }))
+        ),
         "{replayed:?}"
     );
 }
@@ -687,13 +819,109 @@ fn a_paced_stream_writes_in_bursts_of_its_rate() {
             Ok(())
         }
     }
-    let mut p = Paced::new(Writes::default(), 2_000_000);
+    let mut p = Paced::new(
+        Writes::default(),
+        std::sync::Arc::new(Pacer::new(2_000_000)),
+    );
     let data = noise(300_000);
     p.write_all(&data).unwrap();
     let w = p.get_mut();
     assert_eq!(w.1, data);
     assert_eq!(w.0.iter().max(), Some(&100_000), "{:?}", w.0);
     assert_eq!(w.0.len(), 3, "{:?}", w.0);
+}
+
+/// Streams that share a pacer, each writing as soon as it may, write at its rate together: by
+/// any time, no more than a burst ahead of it, and, over a long send, within 5% of it; after
+/// an idle while, one burst at once, not what the idle while would have allowed.
+#[test]
+fn streams_sharing_a_pacer_hold_its_rate_together() {
+    let rate = 500_000_000u64;
+    let pacer = Pacer::new(rate);
+    let n = 4 << 20;
+    // Each stream's next write, when it is ready (seconds after the start).
+    let mut ready = [0.0f64, 0.0001, 0.0002, 0.0003];
+    let mut sent = 0u64;
+    let mut last = 0.0;
+    for _ in 0..2000 {
+        let (s, &at) = ready
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap();
+        // Writes of at most a burst at a time, as `Paced` writes.
+        let mut left = n;
+        let mut t = at;
+        while left > 0 {
+            let k = left.min(pacer.burst());
+            let go = pacer.take_at(k, Duration::from_secs_f64(t)).as_secs_f64();
+            assert!(go >= t);
+            sent += k;
+            let allowed = rate as f64 * go + pacer.burst() as f64;
+            assert!(sent as f64 <= allowed + 1.0, "{sent} bytes by {go} s");
+            t = go;
+            left -= k;
+        }
+        ready[s] = t + 0.001;
+        last = t;
+    }
+    let achieved = sent as f64 / last;
+    assert!(
+        (achieved / rate as f64 - 1.0).abs() < 0.05,
+        "{achieved} bytes/s, not {rate}"
+    );
+    // Ten idle seconds: then one burst at once, and the rate again.
+    let idle = last + 10.0;
+    let first = pacer.take_at(pacer.burst(), Duration::from_secs_f64(idle));
+    assert_eq!(first.as_secs_f64(), idle);
+    let second = pacer.take_at(pacer.burst(), Duration::from_secs_f64(idle));
+    let gap = second.as_secs_f64() - idle;
+    let want = pacer.burst() as f64 / rate as f64;
+    assert!((gap - want).abs() < 1e-6, "{gap} s after a burst");
+}
+
+#[test]
+fn rates_parse_in_bytes_and_bits_and_garbage_is_refused_saying_why() {
+    for (text, bytes) in [
+        ("500MB/s", 500_000_000),
+        ("500MB", 500_000_000),
+        ("10Gbit", 1_250_000_000),
+        ("10Gbit/s", 1_250_000_000),
+        ("10Gbps", 1_250_000_000),
+        ("800Mbit", 100_000_000),
+        ("1.5GiB/s", 1_610_612_736),
+        ("64KiB", 65_536),
+        ("2kB/s", 2_000),
+        ("250000000", 250_000_000),
+        (" 1 GB/s ", 1_000_000_000),
+    ] {
+        assert_eq!(parse_rate(text), Ok(bytes), "{text}");
+    }
+    for (text, says) in [
+        ("fast", "is not a rate"),
+        ("", "is not a rate"),
+        ("-5MB", "is not a rate"),
+        ("MB", "is not a rate"),
+        ("1.2.3MB", "is not a rate"),
+        ("10Mb", "could be bits or bytes"),
+        ("5 parsecs", "unknown unit"),
+        ("5XB", "unknown unit"),
+        ("0", "at least 1 byte"),
+        ("0.5bit", "at least 1 byte"),
+        ("99999999999999999999TB", "more bytes a second"),
+    ] {
+        let e = parse_rate(text).unwrap_err();
+        assert!(e.to_string().contains(says), "{text}: {e}");
+    }
+}
+
+/// A sender's session and its receiver's, made without a handshake.
+fn sessions() -> (Session, Session) {
+    let (k, rn, sn) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+    (
+        Session::new(&k, &rn, &sn, 1, true),
+        Session::new(&k, &rn, &sn, 1, false),
+    )
 }
 
 #[test]
@@ -704,62 +932,78 @@ fn frames_read_back_as_written() {
             mode: 0o755,
         }),
         Frame::File(FileHeader {
+            id: 0,
             path: "a/b".into(),
             size: 3,
             mode: 0o600,
             base: None,
         }),
+        Frame::Chunks,
         Frame::Chunk {
+            file: 0,
             offset: 0,
             data: b"abc",
         },
-        Frame::EndFile,
-        Frame::Done(Seal {
-            totals: Totals { files: 1, bytes: 3 },
-            tag: [7; TAG_BYTES],
-        }),
-        Frame::Committed(Seal {
-            totals: Totals { files: 1, bytes: 3 },
-            tag: [8; TAG_BYTES],
-        }),
+        Frame::EndPart {
+            chunks: 1,
+            bytes: 3,
+        },
+        Frame::Cut,
+        Frame::Done(Totals { files: 1, bytes: 3 }),
+        Frame::Committed(Totals { files: 1, bytes: 3 }),
         Frame::Abort {
             reason: "why".into(),
         },
-        Frame::Released {
-            tag: [9; TAG_BYTES],
-        },
-        Frame::Outcome {
-            outcome: Outcome::Running { pid: 4242 },
-            tag: [10; TAG_BYTES],
-        },
-        Frame::Outcome {
-            outcome: Outcome::RestoreFailed {
-                reason: "no room".into(),
-            },
-            tag: [11; TAG_BYTES],
+        Frame::Released,
+        Frame::Outcome(Outcome::Running { pid: 4242 }),
+        Frame::Outcome(Outcome::RestoreFailed {
+            reason: "no room".into(),
+        }),
+        Frame::Buffer(BufferRecord {
+            id: 1,
+            va: 2,
+            size: 3,
+            prefetch_rank: 4,
+        }),
+        Frame::BufferChunk {
+            buffer: 1,
+            offset: 2,
+            data: b"xyz",
         },
     ];
+    let (mut sender, mut receiver) = sessions();
     let mut wire = Vec::new();
     for f in &frames {
-        write_frame(&mut wire, f).unwrap();
+        write_frame(&mut wire, &mut sender, f).unwrap();
     }
     let mut r = &wire[..];
     let mut buf = Vec::new();
     for f in &frames {
-        assert_eq!(&read_frame(&mut r, &mut buf).unwrap(), f);
+        assert_eq!(&read_frame(&mut r, &mut receiver, &mut buf).unwrap(), f);
     }
     assert!(matches!(
-        read_frame(&mut r, &mut buf),
+        read_frame(&mut r, &mut receiver, &mut buf),
         Err(FrameError::Closed)
     ));
-    // A JSON header with a field it does not have is malformed.
-    let payload = br#"{"path":"a","mode":1,"owner":0}"#;
-    let mut w = vec![KIND_DIR];
-    w.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    w.extend_from_slice(&crc32c::crc32c(payload).to_le_bytes());
-    w.extend_from_slice(payload);
+    // The receiver's own frames do not read as the sender's.
+    let mut wire = Vec::new();
+    write_frame(&mut wire, &mut receiver, &Frame::Released).unwrap();
     assert!(matches!(
-        read_frame(&mut &w[..], &mut buf),
+        read_frame(&mut &wire[..], &mut receiver, &mut buf),
+        Err(FrameError::Unauthenticated { .. })
+    ));
+    // A JSON header with a field it does not have is malformed (its MAC sound).
+    let (mut sender, mut receiver) = sessions();
+    let payload = br#"{"path":"a","mode":1,"owner":0}"#;
+    let mut header = [0u8; HEADER_BYTES];
+    header[0] = KIND_DIR;
+    header[1..].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    let tag = sender.send.seal(&header, payload, &blake3::hash(&[]));
+    let mut w = header.to_vec();
+    w.extend_from_slice(payload);
+    w.extend_from_slice(&tag);
+    assert!(matches!(
+        read_frame(&mut &w[..], &mut receiver, &mut buf),
         Err(FrameError::Malformed { kind: "Dir", .. })
     ));
 }
@@ -821,27 +1065,37 @@ fn a_precopy_chunk_changed_in_transit_is_refused() {
         size: 8,
         prefetch_rank: 0,
     };
-    write_frame_to(&mut a, &Frame::Buffer(rec), Some(&mut session.frames)).unwrap();
-    // The transcript says one chunk, the wire carries another (a valid checksum of its own).
-    let mut other = session.frames.clone();
-    let data = [1u8; 8];
-    let chunk = |data| Frame::BufferChunk {
+    write_frame(&mut a, &mut session, &Frame::Buffer(rec)).unwrap();
+    // The MAC of one chunk, the bytes of another.
+    let chunk = Frame::BufferChunk {
         buffer: 1,
         offset: 0,
-        data,
+        data: &[1u8; 8],
     };
-    write_frame_to(&mut io::sink(), &chunk(&data), Some(&mut session.frames)).unwrap();
-    write_frame_to(&mut a, &chunk(&[2u8; 8]), Some(&mut other)).unwrap();
-    let totals = Totals { files: 1, bytes: 8 };
-    let done = Seal {
-        totals,
-        tag: session.done(&totals).finalize().into_bytes().into(),
-    };
-    write_frame(&mut a, &Frame::Done(done)).unwrap();
-    assert!(matches!(recv.join().unwrap(), Err(ReceiveError::Forged)));
+    let mut wire = encoded(&mut session, &chunk);
+    let at = wire.len() - TAG_BYTES - 8;
+    wire[at..at + 8].copy_from_slice(&[2u8; 8]);
+    a.write_all(&wire).unwrap();
+    write_frame(
+        &mut a,
+        &mut session,
+        &Frame::Done(Totals { files: 1, bytes: 8 }),
+    )
+    .unwrap();
+    let e = recv.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ReceiveError::Frame(FrameError::Unauthenticated {
+                kind: KIND_BUFFER_CHUNK,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
     let mut buf = Vec::new();
     assert!(matches!(
-        read_frame(&mut a, &mut buf),
+        read_frame(&mut a, &mut session, &mut buf),
         Ok(Frame::Abort { .. })
     ));
 }
@@ -904,32 +1158,51 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
             put(s, session, "a", b"ahead");
             send(s, session, &Frame::Cut);
             let h = FileHeader {
+                id: 0,
                 path: "a".into(),
                 size: 7,
                 mode: 0o644,
                 base: Some(base),
             };
             send(s, session, &Frame::File(h));
+            send(s, session, &Frame::Chunks);
+            let chunk = Frame::Chunk {
+                file: 0,
+                offset: 5,
+                data: b"!!",
+            };
+            send(s, session, &chunk);
             send(
                 s,
                 session,
-                &Frame::Chunk {
-                    offset: 5,
-                    data: b"!!",
+                &Frame::EndPart {
+                    chunks: 1,
+                    bytes: 2,
                 },
             );
-            send(s, session, &Frame::EndFile);
             done(s, session, Totals { files: 1, bytes: 7 });
         }
     };
-    let sha = |d: &[u8]| hex(&<[u8; 32]>::from(<sha2::Sha256 as sha2::Digest>::digest(d)));
+    // The digest of bytes sent as one piece.
+    let digest = |d: &[u8]| {
+        let pieces: Vec<Piece> = (!d.is_empty())
+            .then(|| Piece {
+                offset: 0,
+                len: d.len() as u64,
+                hash: *blake3::hash(d).as_bytes(),
+            })
+            .into_iter()
+            .collect();
+        pieces_digest(&pieces)
+    };
     // The sound one is taken.
     against_ok(
         &dest,
         with_base(Base {
             path: "a".into(),
             size: 5,
-            sha256: sha(b"ahead"),
+            digest: digest(b"ahead"),
+            patches: Vec::new(),
         }),
     );
     assert_eq!(fs::read(dest.join("a")).unwrap(), b"ahead!!");
@@ -939,7 +1212,8 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
             Base {
                 path: "b".into(),
                 size: 5,
-                sha256: sha(b"ahead"),
+                digest: digest(b"ahead"),
+                patches: Vec::new(),
             },
             "not sent ahead",
         ),
@@ -947,7 +1221,8 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
             Base {
                 path: "a".into(),
                 size: 5,
-                sha256: sha(b"other"),
+                digest: digest(b"other"),
+                patches: Vec::new(),
             },
             "not what was sent ahead",
         ),
@@ -955,7 +1230,8 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
             Base {
                 path: "a".into(),
                 size: 4,
-                sha256: sha(b"ahea"),
+                digest: digest(b"ahea"),
+                patches: Vec::new(),
             },
             "not what was sent ahead",
         ),
@@ -972,34 +1248,54 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
     let e = against(&dest, |s, session| {
         put(s, session, "a", b"ahead");
         let h = FileHeader {
+            id: 0,
             path: "b".into(),
             size: 7,
             mode: 0o644,
             base: Some(Base {
                 path: "a".into(),
                 size: 5,
-                sha256: sha(b"ahead"),
+                digest: digest(b"ahead"),
+                patches: Vec::new(),
             }),
         };
         send(s, session, &Frame::File(h));
-        send(s, session, &Frame::EndFile);
+        send(s, session, &Frame::Chunks);
+        send(
+            s,
+            session,
+            &Frame::EndPart {
+                chunks: 0,
+                bytes: 0,
+            },
+        );
         done(s, session, Totals { files: 1, bytes: 7 });
     });
     assert!(e.to_string().contains("goes on only itself"), "{e}");
     assert!(names(&out).is_empty());
     let e = against(&dest, |s, session| {
         let h = FileHeader {
+            id: 0,
             path: "a".into(),
             size: 1,
             mode: 0o644,
             base: Some(Base {
                 path: "a".into(),
                 size: 0,
-                sha256: sha(b""),
+                digest: digest(b""),
+                patches: Vec::new(),
             }),
         };
         send(s, session, &Frame::File(h));
-        send(s, session, &Frame::EndFile);
+        send(s, session, &Frame::Chunks);
+        send(
+            s,
+            session,
+            &Frame::EndPart {
+                chunks: 0,
+                bytes: 0,
+            },
+        );
         done(s, session, Totals { files: 1, bytes: 1 });
     });
     assert!(e.to_string().contains("not sent ahead"), "{e}");
@@ -1007,9 +1303,9 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
 }
 
 /// Rounds ahead of the cut (a migration's pre-copy rounds): a file sent in an earlier round
-/// sends only what it gained since, one unchanged nothing, one rewritten in place waits for
-/// the final set, a new one goes whole; after the cut, only what changed since the last
-/// round. DEST is the final set.
+/// sends only what it gained since, one unchanged nothing, one rewritten in place its changed
+/// piece (here all of it), a new one goes whole; after the cut, only what changed since the
+/// last round. DEST is the final set.
 #[test]
 fn a_directory_sent_ahead_in_rounds_sends_each_file_s_gain_once() {
     let (_tmp, src, out) = dirs();
@@ -1040,10 +1336,10 @@ fn a_directory_sent_ahead_in_rounds_sends_each_file_s_gain_once() {
     assert_eq!(
         second,
         Totals {
-            files: 2,
-            bytes: (gain.len() + 8) as u64
+            files: 3,
+            bytes: (gain.len() + 8 + 9) as u64
         },
-        "data's gain and the new file"
+        "data's gain, the new file and the rewritten one's piece"
     );
     // Round 3: nothing changed.
     assert_eq!(sender.send_ahead(&mut a, &src).unwrap(), Totals::default());
@@ -1056,9 +1352,618 @@ fn a_directory_sent_ahead_in_rounds_sends_each_file_s_gain_once() {
     assert_eq!(report.totals.files, 4);
     assert_eq!(
         report.sent_bytes,
-        (last.len() + 9) as u64,
-        "data's last gain and the rewritten file, whole"
+        last.len() as u64,
+        "data's last gain only"
     );
     assert_eq!(snapshot(&dest), snapshot(&src));
     assert_eq!(names(&out), vec!["image".to_string()]);
+}
+
+/// A receiver on a loopback port that takes `conns` connections, each on a thread of its own:
+/// the first session's receive (into `dest`), its other streams handed to it, and what each
+/// refused connection was told.
+#[allow(clippy::type_complexity)]
+fn streams_receiver(
+    key: HmacKey,
+    dest: PathBuf,
+    conns: usize,
+) -> (
+    std::net::SocketAddr,
+    thread::JoinHandle<Result<ReceiveReport, WireError>>,
+    std::sync::mpsc::Receiver<HandshakeError>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (got, report) = std::sync::mpsc::channel();
+    let (refused, refusals) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let sessions = Sessions::new(TIMEOUT);
+        for _ in 0..conns {
+            let (mut s, _) = listener.accept().unwrap();
+            set_timeouts(&s, TIMEOUT).unwrap();
+            let (key, dest, sessions) = (key.clone(), dest.clone(), sessions.clone());
+            let (got, refused) = (got.clone(), refused.clone());
+            thread::spawn(move || match accept_handshake(&mut s, &key, &sessions) {
+                Ok(Accepted::Session(session)) => {
+                    let r = receive_dir_in_session(&mut s, session, &dest).map(|(r, _)| r);
+                    let _ = got.send(r);
+                }
+                Ok(Accepted::Stream(joined)) => assert!(joined.join(s)),
+                Err(e) => {
+                    let _ = refused.send(e);
+                }
+            });
+        }
+    });
+    let receiver = thread::spawn(move || report.recv().unwrap());
+    (addr, receiver, refusals)
+}
+
+/// A connection to `addr` for a stream, its writes through `wrap`.
+fn lane_to(addr: std::net::SocketAddr) -> io::Result<TcpStream> {
+    let s = TcpStream::connect(addr)?;
+    set_timeouts(&s, TIMEOUT)?;
+    Ok(s)
+}
+
+/// A directory of files of several sizes, one of many chunks.
+fn many_files(src: &Path) {
+    fs::create_dir_all(src.join("gpu/gpu-0")).unwrap();
+    fs::write(src.join("possum.json"), b"{}").unwrap();
+    fs::write(src.join("empty"), b"").unwrap();
+    fs::write(
+        src.join("gpu/gpu-0/data-000.bin"),
+        noise(5 * CHUNK_BYTES + 12345),
+    )
+    .unwrap();
+    fs::write(src.join("gpu/gpu-0/data-001.bin"), noise(CHUNK_BYTES)).unwrap();
+    for i in 0..20 {
+        fs::write(src.join(format!("gpu/small-{i}")), noise(i * 1000)).unwrap();
+    }
+}
+
+/// Over four streams, rounds sent ahead then the final set arrive bit-exact: every stream
+/// ends every part, the files written where their chunks say.
+#[test]
+fn a_send_over_several_streams_arrives_bit_exact() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let (addr, receiver, _) = streams_receiver(key(7), dest.clone(), 4);
+    let mut main = lane_to(addr).unwrap();
+    let mut sender = DirSender::start_streams(&mut main, &key(7), 4, |_| {
+        Ok(Box::new(lane_to(addr)?) as Box<dyn Connection>)
+    })
+    .unwrap();
+    let ahead = sender.send_ahead(&mut main, &src).unwrap();
+    assert_eq!(ahead.files, 24);
+    // The big file grows and a new one comes, between the round and the final set.
+    let more = noise(3 * CHUNK_BYTES + 7);
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(src.join("gpu/gpu-0/data-000.bin"))
+        .unwrap();
+    f.write_all(&more).unwrap();
+    drop(f);
+    fs::write(src.join("criu.img"), noise(2 * CHUNK_BYTES + 1)).unwrap();
+    let (report, _) = sender.finish(&mut main, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(report.totals.files, 25);
+    assert_eq!(
+        report.sent_bytes,
+        (more.len() + 2 * CHUNK_BYTES + 1) as u64,
+        "after the cut, the big file's gain and the new file only"
+    );
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), ["image"]);
+}
+
+/// Writes `bytes` over `path` at `offset`, in place: the same file, its other bytes kept.
+fn rewrite(path: &Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(bytes, offset).unwrap();
+}
+
+/// Appends `bytes` to `path`.
+fn append_to(path: &Path, bytes: &[u8]) {
+    let mut f = fs::OpenOptions::new().append(true).open(path).unwrap();
+    f.write_all(bytes).unwrap();
+}
+
+/// Over four streams, a file rewritten in place (pieces of it changed, its size the same, as
+/// possum's image writer rewrites a chunk of a data file) sends again only its changed pieces,
+/// in a later round ahead and after the cut, and a file appended to only what it gained: the
+/// bytes sent while held are about those, not the files' whole lengths, and DEST is
+/// bit-exact.
+#[test]
+fn a_file_rewritten_in_place_sends_only_its_changed_pieces() {
+    let (_tmp, src, out) = dirs();
+    fs::create_dir(src.join("gpu")).unwrap();
+    let big = src.join("gpu/data-000.bin");
+    let grown = src.join("gpu/data-001.bin");
+    fs::write(&big, noise(6 * CHUNK_BYTES + 4321)).unwrap();
+    fs::write(&grown, noise(2 * CHUNK_BYTES + 10)).unwrap();
+    fs::write(src.join("possum.json"), b"{}").unwrap();
+    let dest = out.join("image");
+    let (addr, receiver, _) = streams_receiver(key(8), dest.clone(), 4);
+    let mut main = lane_to(addr).unwrap();
+    let mut sender = DirSender::start_streams(&mut main, &key(8), 4, |_| {
+        Ok(Box::new(lane_to(addr)?) as Box<dyn Connection>)
+    })
+    .unwrap();
+    let first = sender.send_ahead(&mut main, &src).unwrap();
+    assert_eq!(first.files, 3);
+    // Round 2: 100 bytes of the third piece rewritten: that piece alone is sent again.
+    rewrite(&big, 2 * CHUNK_BYTES as u64 + 50, &noise(100));
+    let second = sender.send_ahead(&mut main, &src).unwrap();
+    assert_eq!(
+        second,
+        Totals {
+            files: 1,
+            bytes: CHUNK_BYTES as u64
+        },
+        "the changed piece only"
+    );
+    // The cut: bytes of the first and sixth pieces rewritten, the other file appended to,
+    // a new file.
+    rewrite(&big, 10, &noise(3));
+    rewrite(&big, 5 * CHUNK_BYTES as u64 + 7, &noise(CHUNK_BYTES / 2));
+    let more = noise(CHUNK_BYTES + 77);
+    append_to(&grown, &more);
+    fs::write(src.join("criu.img"), noise(1000)).unwrap();
+    let (report, _) = sender.finish(&mut main, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(report.totals.files, 4);
+    let whole = (6 * CHUNK_BYTES + 4321) + (2 * CHUNK_BYTES + 10) + more.len() + 2 + 1000;
+    assert_eq!(report.totals.bytes, whole as u64);
+    // Two changed pieces of the big file, the other's gain, the new file.
+    let most = (2 * CHUNK_BYTES + more.len() + 1000) as u64;
+    assert!(
+        report.sent_bytes <= most,
+        "{} bytes sent while held, at most {most} changed (of {whole})",
+        report.sent_bytes
+    );
+    assert!(report.sent_bytes >= (more.len() + 1000) as u64);
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), ["image"]);
+}
+
+/// A file that shrank after it was sent ahead (truncated in place: the same file) waits for
+/// the final set in a later round, and is sent whole then; so is a file that is another file
+/// under the same path.
+#[test]
+fn a_file_truncated_after_it_was_sent_ahead_is_sent_whole() {
+    let (_tmp, src, out) = dirs();
+    let shrunk = src.join("shrunk");
+    fs::write(&shrunk, noise(2 * CHUNK_BYTES + 100)).unwrap();
+    fs::write(src.join("replaced"), noise(5000)).unwrap();
+    fs::write(src.join("same"), noise(3000)).unwrap();
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let d = dest.clone();
+    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    assert_eq!(sender.send_ahead(&mut a, &src).unwrap().files, 3);
+    let f = fs::OpenOptions::new().write(true).open(&shrunk).unwrap();
+    f.set_len(CHUNK_BYTES as u64 + 5).unwrap();
+    drop(f);
+    // Another file under the path, as long as the first.
+    fs::write(src.join("replaced.new"), noise(5000)).unwrap();
+    fs::rename(src.join("replaced.new"), src.join("replaced")).unwrap();
+    assert_eq!(
+        sender.send_ahead(&mut a, &src).unwrap(),
+        Totals::default(),
+        "neither goes on ahead of the cut"
+    );
+    let (report, _) = sender.finish(&mut a, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(
+        report.sent_bytes,
+        (CHUNK_BYTES + 5 + 5000) as u64,
+        "the shrunk and the replaced file whole, nothing of the unchanged one"
+    );
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), ["image"]);
+}
+
+/// After a `Cut`, a patch whose bytes are not those the sender hashed at the cut (its file
+/// changed again after it was hashed), one that is not a piece sent ahead, one without its
+/// hash, or one that does not come, is refused with nothing named; a sound one is written over
+/// the base.
+#[test]
+fn a_patch_not_what_the_sender_hashed_at_the_cut_is_refused() {
+    let (_tmp, _src, out) = dirs();
+    let dest = out.join("image");
+    let piece = |offset: u64, d: &[u8]| Piece {
+        offset,
+        len: d.len() as u64,
+        hash: *blake3::hash(d).as_bytes(),
+    };
+    let digest = pieces_digest(&[piece(0, b"AAAA"), piece(4, b"BBBB")]);
+    let hex_of = |d: &[u8]| Some(blake3::hash(d).to_hex().to_string());
+    // "AAAABBBB" sent ahead in two pieces; after the cut, `patches` over it and `chunks`.
+    let with = |patches: Vec<Patch>, chunks: Vec<(u64, &'static [u8])>| {
+        let digest = digest.clone();
+        move |s: &mut UnixStream, session: &mut Session| {
+            let h = FileHeader {
+                id: 0,
+                path: "a".into(),
+                size: 8,
+                mode: 0o644,
+                base: None,
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::Chunks);
+            for (offset, data) in [(0, b"AAAA"), (4, b"BBBB")] {
+                let file = 0;
+                send(s, session, &Frame::Chunk { file, offset, data });
+            }
+            send(
+                s,
+                session,
+                &Frame::EndPart {
+                    chunks: 2,
+                    bytes: 8,
+                },
+            );
+            send(s, session, &Frame::Cut);
+            let base = Base {
+                path: "a".into(),
+                size: 8,
+                digest,
+                patches,
+            };
+            let h = FileHeader {
+                id: 0,
+                path: "a".into(),
+                size: 8,
+                mode: 0o644,
+                base: Some(base),
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::Chunks);
+            let bytes = chunks.iter().map(|(_, d)| d.len() as u64).sum();
+            for (offset, data) in &chunks {
+                let (file, offset) = (0, *offset);
+                send(s, session, &Frame::Chunk { file, offset, data });
+            }
+            let chunks = chunks.len() as u64;
+            send(s, session, &Frame::EndPart { chunks, bytes });
+            done(s, session, Totals { files: 1, bytes: 8 });
+        }
+    };
+    let patch = |offset, hash| Patch {
+        offset,
+        len: 4,
+        hash,
+    };
+    against_ok(
+        &dest,
+        with(vec![patch(4, hex_of(b"CCCC"))], vec![(4, b"CCCC")]),
+    );
+    assert_eq!(fs::read(dest.join("a")).unwrap(), b"AAAACCCC");
+    fs::remove_dir_all(&dest).unwrap();
+    // Hashed "CCCC" at the cut, "DDDD" sent: changed again since.
+    let e = against(
+        &dest,
+        with(vec![patch(4, hex_of(b"CCCC"))], vec![(4, b"DDDD")]),
+    );
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Patch {
+                offset: 4,
+                len: 4,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("changed again after it was hashed"),
+        "{e}"
+    );
+    assert!(names(&out).is_empty(), "{:?}", names(&out));
+    for (patches, chunks, why) in [
+        (
+            vec![patch(2, hex_of(b"CCCC"))],
+            vec![(2, &b"CCCC"[..])],
+            "not a piece of it",
+        ),
+        (vec![patch(4, None)], vec![(4, b"CCCC")], "has no hash"),
+        (
+            vec![patch(4, hex_of(b"CCCC")), patch(4, hex_of(b"CCCC"))],
+            vec![(4, b"CCCC")],
+            "two patches",
+        ),
+        (
+            vec![patch(4, hex_of(b"CCCC"))],
+            vec![],
+            "0 of its 1 patches",
+        ),
+        (vec![], vec![(4, b"CCCC")], "not one of its patches"),
+    ] {
+        let e = against(&dest, with(patches, chunks));
+        assert!(e.to_string().contains(why), "{why}: {e}");
+        assert!(names(&out).is_empty(), "{:?}", names(&out));
+    }
+}
+
+/// The receiver's copy of a file sent ahead changed there after it was written: the final
+/// set, which patches that file, is refused when it names it as a base, and nothing is named;
+/// the sender hears why.
+#[test]
+fn a_copy_changed_at_the_receiver_after_it_was_sent_ahead_is_refused() {
+    let (_tmp, src, out) = dirs();
+    let data = noise(3 * CHUNK_BYTES + 99);
+    fs::write(src.join("data"), &data).unwrap();
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let d = dest.clone();
+    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    sender.send_ahead(&mut a, &src).unwrap();
+    // The receiver's copy, once all of it is there.
+    let copy = (0..2000)
+        .find_map(|_| {
+            let at = fs::read_dir(&out)
+                .unwrap()
+                .map(|e| e.unwrap().path().join("data"))
+                .find(|p| fs::read(p).is_ok_and(|d| d == data));
+            if at.is_none() {
+                thread::sleep(Duration::from_millis(10));
+            }
+            at
+        })
+        .expect("the receiver's copy of what was sent ahead");
+    // A byte of its second piece changed there; the sender's file patched in its first.
+    rewrite(&copy, CHUNK_BYTES as u64 + 3, &[data[CHUNK_BYTES + 3] ^ 1]);
+    rewrite(&src.join("data"), 7, b"patched");
+    let sent = sender.finish(&mut a, &src).unwrap_err();
+    let e = receiver.join().unwrap().unwrap_err();
+    assert!(
+        matches!(e, WireError::Receive(ReceiveError::AheadCopy { .. })),
+        "{e:?}"
+    );
+    let offset = format!("at offset {CHUNK_BYTES}");
+    assert!(e.to_string().contains(&offset), "{e}");
+    assert!(
+        e.to_string().contains("changed here after it was written"),
+        "{e}"
+    );
+    assert!(
+        sent.to_string()
+            .contains("changed here after it was written"),
+        "the sender hears why: {sent}"
+    );
+    assert!(names(&out).is_empty(), "{:?}", names(&out));
+}
+
+/// A connection's writes, one byte of them flipped: a man in the middle of one stream.
+struct Tamper {
+    inner: TcpStream,
+    written: usize,
+    at: usize,
+}
+
+impl Read for Tamper {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl Write for Tamper {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut b = buf.to_vec();
+        if (self.written..self.written + b.len()).contains(&self.at) {
+            b[self.at - self.written] ^= 0x10;
+        }
+        let k = self.inner.write(&b)?;
+        self.written += k;
+        Ok(k)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// A frame changed on one stream of three is refused, naming the stream; the receiver commits
+/// nothing, and the sender hears why.
+#[test]
+fn a_frame_tampered_on_one_stream_is_refused_and_nothing_is_committed() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let (addr, receiver, _) = streams_receiver(key(5), dest.clone(), 3);
+    let mut main = lane_to(addr).unwrap();
+    let sender = DirSender::start_streams(&mut main, &key(5), 3, |index| {
+        let s = lane_to(addr)?;
+        Ok(if index == 2 {
+            // In the head of the stream's first frame (a chunk's place, or its EndPart's count),
+            // past its proof.
+            let at = PROOF_BYTES + HEADER_BYTES + 3;
+            Box::new(Tamper {
+                inner: s,
+                written: 0,
+                at,
+            }) as Box<dyn Connection>
+        } else {
+            Box::new(s)
+        })
+    })
+    .unwrap();
+    let sent = sender.finish(&mut main, &src).unwrap_err();
+    let e = receiver.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+                stream: 2,
+                seq: 0,
+                why: Misfit::Changed,
+                ..
+            }))
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().starts_with("frame 0 of stream 2"), "{e}");
+    assert!(
+        sent.to_string().contains("stream 2"),
+        "the sender hears which stream: {sent}"
+    );
+    assert!(names(&out).is_empty(), "{:?}", names(&out));
+}
+
+/// A connection that claims a stream of a session is refused unless it proves the session's key
+/// for one of its streams not yet joined; the session goes on, and is then closed to joins.
+#[test]
+fn a_connection_claiming_a_session_it_does_not_belong_to_is_refused() {
+    type Accepting = thread::JoinHandle<(Result<Accepted, HandshakeError>, Option<UnixStream>)>;
+    let sessions = Sessions::new(TIMEOUT);
+    // A connection to the receiver: its handshake's outcome, and its end if it was accepted.
+    let accept = |sessions: &Sessions| -> (UnixStream, Accepting) {
+        let (a, mut b) = pair();
+        let sessions = sessions.clone();
+        let t = thread::spawn(move || {
+            let r = accept_handshake(&mut b, &key(2), &sessions);
+            let kept = r.is_ok().then_some(b);
+            (r, kept)
+        });
+        (a, t)
+    };
+    // The session, of two streams.
+    let (mut a, t) = accept(&sessions);
+    let session = sender_handshake_streams(&mut a, &key(2), 2).unwrap();
+    let Ok(Accepted::Session(mut received)) = t.join().unwrap().0 else {
+        panic!("no session")
+    };
+    let claim_as = |key: &[u8; KEY_BYTES], id: [u8; 16], index, streams| {
+        let (mut a, t) = accept(&sessions);
+        let sent = prove(
+            &mut a,
+            key,
+            [JOIN_LABEL, JOINED_LABEL],
+            &claim(&id, index, streams),
+        );
+        (sent, t.join().unwrap().0)
+    };
+    // Another session's id.
+    let (sent, got) = claim_as(&session.key, [9; 16], 1, 2);
+    assert!(
+        matches!(got, Err(HandshakeError::UnknownSession { index: 1 })),
+        "{got:?}"
+    );
+    assert!(got
+        .unwrap_err()
+        .to_string()
+        .contains("belongs to no session here"));
+    assert!(matches!(sent, Err(HandshakeError::Refused)), "{sent:?}");
+    // This session's id, without its key (the shared secret's is not it).
+    let (_, got) = claim_as(&key(2).wire_key(), session.id, 1, 2);
+    assert!(
+        matches!(
+            got,
+            Err(HandshakeError::PeerNotAuthenticated { peer: "sender" })
+        ),
+        "{got:?}"
+    );
+    // Its key, and a stream it does not have.
+    let (_, got) = claim_as(&session.key, session.id, 2, 2);
+    assert!(
+        matches!(got, Err(HandshakeError::NotAStream { index: 2, .. })),
+        "{got:?}"
+    );
+    let (_, got) = claim_as(&session.key, session.id, 1, 3);
+    assert!(
+        matches!(got, Err(HandshakeError::NotAStream { .. })),
+        "{got:?}"
+    );
+    // The stream itself joins; a second time, it is refused.
+    let (mut a, t) = accept(&sessions);
+    let mut mac = join_handshake(&mut a, &session, 1).unwrap();
+    let (Ok(Accepted::Stream(joined)), Some(b)) = t.join().unwrap() else {
+        panic!("the stream did not join")
+    };
+    let (_, again) = claim_as(&session.key, session.id, 1, 2);
+    assert!(
+        matches!(again, Err(HandshakeError::NotAStream { why, .. }) if why.contains("joined already")),
+        "{again:?}"
+    );
+    assert!(joined.join(b));
+    let mut lanes = received.lanes().unwrap();
+    assert_eq!(lanes.len(), 1);
+    // Once its streams joined, the session takes no more.
+    let (_, late) = claim_as(&session.key, session.id, 1, 2);
+    assert!(
+        matches!(late, Err(HandshakeError::UnknownSession { .. })),
+        "{late:?}"
+    );
+    // The stream's frames are its own: they read on it, not on the first.
+    send_frame(&mut a, &mut mac, &Frame::Chunks, None).unwrap();
+    let mut buf = Vec::new();
+    let lane = &mut lanes[0];
+    assert_eq!(
+        recv_frame(&mut lane.conn, &mut lane.mac, &mut buf)
+            .unwrap()
+            .0,
+        Frame::Chunks
+    );
+    let mut wire = Vec::new();
+    let mut other = FrameMac::new(&session.key, 1, Way::ToReceiver);
+    send_frame(&mut wire, &mut other, &Frame::Chunks, None).unwrap();
+    assert!(matches!(
+        read_frame(&mut &wire[..], &mut received, &mut buf),
+        Err(FrameError::Unauthenticated { stream: 0, .. })
+    ));
+}
+
+/// A receiver that takes one connection refuses a session of more; one whose streams do not
+/// all join in time fails naming how many did, and writes nothing.
+#[test]
+fn streams_that_cannot_or_do_not_join_fail_the_session() {
+    let (_tmp, _src, out) = dirs();
+    let (mut a, mut b) = pair();
+    let t = thread::spawn(move || receiver_handshake(&mut b, &key(1)));
+    let _ = sender_handshake_streams(&mut a, &key(1), 4);
+    let e = t.join().unwrap().unwrap_err();
+    assert!(
+        matches!(e, HandshakeError::Streams { asked: 4, most: 1 }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("takes 1 to 1"), "{e}");
+
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let t = thread::spawn(move || {
+        let sessions = Sessions::new(Duration::from_millis(200));
+        let Accepted::Session(session) = accept_handshake(&mut b, &key(1), &sessions).unwrap()
+        else {
+            panic!("not a session")
+        };
+        receive_dir_in_session(&mut b, session, &dest)
+    });
+    let mut session = sender_handshake_streams(&mut a, &key(1), 3).unwrap();
+    let e = t.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Streams {
+                joined: 1,
+                streams: 3,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    // The sender is told.
+    let mut buf = Vec::new();
+    assert!(matches!(
+        read_frame(&mut a, &mut session, &mut buf),
+        Ok(Frame::Abort { reason }) if reason.contains("1 of the session's 3 streams")
+    ));
+    assert!(names(&out).is_empty());
 }
