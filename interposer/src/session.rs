@@ -20,6 +20,8 @@
 //! job never touches a released buffer. The pause waits in the CUDA call's entry callback, before
 //! the driver did anything for that call.
 
+pub(crate) use crate::replies::{ms, reply, round_copy, to_json, waited_on, with_prints, Beating};
+pub(crate) use crate::spare::SpareSaver;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -32,7 +34,6 @@ use possum_control::reply::{
 };
 use possum_engine::image::{Image, ImageWriter, WriterOptions};
 use possum_engine::store::ChunkSink;
-use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::config;
@@ -246,29 +247,6 @@ pub(crate) fn commit(
         })
 }
 
-/// What a pre-copy round of device `device` copied, as the replies say it.
-pub(crate) fn round_copy(device: usize, r: &possum_engine::RoundReport) -> DeviceCopy {
-    DeviceCopy {
-        device,
-        buffers: r.buffers as u64,
-        bytes: r.bytes,
-        ms: Some(ms(r.elapsed)),
-        dirty_after: Some(r.dirty_after as u64),
-        ..with_prints(DeviceCopy::default(), &r.prints)
-    }
-}
-
-/// `d` with what the fingerprints decided (nothing where the engine took none).
-pub(crate) fn with_prints(mut d: DeviceCopy, p: &possum_engine::Prints) -> DeviceCopy {
-    if p.fingerprinted_bytes > 0 {
-        d.fingerprinted_bytes = Some(p.fingerprinted_bytes);
-        d.fingerprint_ms = Some(ms(p.time));
-        d.proven_bytes = Some(p.proven_bytes);
-        d.reused_bytes = Some(p.reused_bytes);
-    }
-    d
-}
-
 /// After a checkpoint failed because the job wrote a buffer no launch was predicted to write
 /// (an image proven wrong by its fingerprints): every read-only speculation is taken back, so
 /// that the checkpoint taken again counts every buffer a kernel names as written.
@@ -282,23 +260,6 @@ pub(crate) fn after_mismatch(e: &possum_engine::EngineError) {
     log(&format!(
         "{e}: read-only speculation taken back from {revoked} kernel(s)"
     ));
-}
-
-pub(crate) fn ms(d: std::time::Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-/// The buffers of device `device` a session's job waited on, as replies name them.
-fn waited_on(device: usize, w: &[possum_engine::WaitedOn]) -> Vec<possum_control::reply::WaitedOn> {
-    w.iter()
-        .map(|w| possum_control::reply::WaitedOn {
-            device,
-            id: w.id,
-            va: w.va,
-            size: w.size,
-            ms: ms(w.waited),
-        })
-        .collect()
 }
 
 /// Sets `key` of the last session's figures to `v`.
@@ -889,51 +850,6 @@ fn free_staging(e: &DevEngine) -> u64 {
         .unwrap_or(0)
 }
 
-/// A sink that reports progress to the hold's watchdog.
-struct Beating(Arc<ImageWriter>);
-
-impl ChunkSink for Beating {
-    fn add_buffer(
-        &self,
-        rec: possum_engine::store::BufferRecord,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        park::beat();
-        self.0.add_buffer(rec)
-    }
-    fn write_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<(), possum_engine::image::ImageError> {
-        park::beat();
-        self.0.write_chunk(buffer, offset, data)
-    }
-    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
-        park::beat();
-        self.0.set_meta(key, value)
-    }
-    fn write_chunk_fp(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-        fp: possum_engine::fingerprint::Fingerprint,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        park::beat();
-        self.0.write_chunk_fp(buffer, offset, data, fp)
-    }
-    fn reuse_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        len: u64,
-        fp: possum_engine::fingerprint::Fingerprint,
-    ) -> Result<bool, possum_engine::image::ImageError> {
-        self.0.reuse_chunk(buffer, offset, len, fp)
-    }
-}
-
 /// `Release` of a job whose GPU operations possum does not see (CUPTI off): its threads are
 /// parked ([`park`]), the devices drained, every buffer copied, the images committed and the
 /// buffers released; the threads stay parked until `Resume`. If the watchdog ends the hold (a
@@ -1331,146 +1247,6 @@ type Saves = Vec<(
     Option<Arc<SpareSaver>>,
 )>;
 
-/// A kept checkpoint's shadows saved into the keeper's spare image memory:
-/// the spare file is one of the image's data files, the keeper copies each shadow (its memory)
-/// into it at the copy engine's speed and checksums it, and the chunks are recorded here.
-pub(crate) struct SpareSaver {
-    /// Connections to the keeper not in use (each save takes one, or makes one: saves run at
-    /// once).
-    keepers: parking_lot::Mutex<Vec<possum_keeper::Keeper>>,
-    path: std::path::PathBuf,
-    drain: u64,
-    file: u32,
-    len: u64,
-    next: std::sync::atomic::AtomicU64,
-    chunk: u64,
-    /// The image (not kept alive by this: its writer must be the only one left to commit).
-    writer: std::sync::Weak<ImageWriter>,
-    dev: Arc<possum_cuda::CudaDevice>,
-    ended: std::sync::atomic::AtomicBool,
-}
-
-impl SpareSaver {
-    /// Borrows the spare of `keeper` for `writer`'s image, if it has one on that filesystem (a
-    /// keeper run with `POSSUM_KEEPER_SPARE_DIR` and `POSSUM_KEEPER_SPARE_MIB`): `None`, said
-    /// once, if not. `POSSUM_SPARE_DRAIN=0` never asks.
-    fn borrow(e: &DevEngine, writer: &Arc<ImageWriter>, chunk: u64) -> Option<Arc<SpareSaver>> {
-        // Only shadows go through it: without a shadow budget it would be taken for nothing.
-        if !config::get().diag.spare_drain || e.engine.shadow_budget() == 0 {
-            return None;
-        }
-        let path = e.keeper.as_ref()?.path();
-        let mut keeper = possum_keeper::Keeper::connect(&path).ok()?;
-        let lease = match keeper.spare_take(writer.temp_dir()) {
-            Ok(l) => l,
-            Err(err) => {
-                static SAID: std::sync::Once = std::sync::Once::new();
-                SAID.call_once(|| {
-                    log(&format!(
-                        "device {}: kept checkpoints saved through the staging: {err}",
-                        e.ordinal
-                    ))
-                });
-                return None;
-            }
-        };
-        let file = match writer.adopt_file(Path::new(&lease.path)) {
-            Ok(f) => f,
-            Err(err) => {
-                log(&format!(
-                    "device {}: the keeper's spare not taken: {err}",
-                    e.ordinal
-                ));
-                let _ = keeper.spare_end(lease.drain);
-                return None;
-            }
-        };
-        Some(Arc::new(SpareSaver {
-            keepers: parking_lot::Mutex::new(vec![keeper]),
-            path,
-            drain: lease.drain,
-            file,
-            len: lease.len,
-            next: std::sync::atomic::AtomicU64::new(0),
-            chunk,
-            writer: Arc::downgrade(writer),
-            dev: Arc::clone(e.engine.device()),
-            ended: std::sync::atomic::AtomicBool::new(false),
-        }))
-    }
-
-    /// A connection to the keeper: one not in use, or a new one.
-    fn keeper(&self) -> Result<possum_keeper::Keeper, possum_keeper::KeeperError> {
-        match self.keepers.lock().pop() {
-            Some(k) => Ok(k),
-            None => possum_keeper::Keeper::connect(&self.path),
-        }
-    }
-
-    /// Gives the spare back (once; dropping it does too): the keeper unmaps it; the file is the
-    /// image's.
-    fn end(&self) {
-        if !self.ended.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            if let Err(err) = self.keeper().and_then(|mut k| k.spare_end(self.drain)) {
-                log(&format!("giving the keeper's spare back: {err}"));
-            }
-        }
-    }
-}
-
-impl Drop for SpareSaver {
-    /// A spare not given back on the way (an error path) is given back now.
-    fn drop(&mut self) {
-        self.end();
-    }
-}
-
-impl possum_engine::store::ShadowSaver for SpareSaver {
-    fn save(
-        &self,
-        buffer: u64,
-        shadow: possum_engine::device::DevPtr,
-        size: u64,
-    ) -> Result<(), String> {
-        use std::sync::atomic::Ordering;
-        let alloc = self
-            .dev
-            .owned_id(shadow.0)
-            .ok_or_else(|| format!("the shadow at {:#x} is not the keeper's memory", shadow.0))?;
-        // Each shadow on a 2 MiB boundary of the file (whole huge pages).
-        let at = self
-            .next
-            .fetch_add(size.next_multiple_of(2 << 20), Ordering::Relaxed);
-        if at.saturating_add(size) > self.len {
-            return Err(format!("the spare ({} bytes) is full", self.len));
-        }
-        let mut keeper = self.keeper().map_err(|e| e.to_string())?;
-        let crcs = keeper
-            .spare_fill(&possum_keeper::SpareFill {
-                drain: self.drain,
-                alloc,
-                offset: 0,
-                len: size,
-                at,
-                piece: self.chunk,
-            })
-            .map_err(|e| e.to_string())?;
-        self.keepers.lock().push(keeper);
-        if crcs.len() as u64 != size.div_ceil(self.chunk) {
-            return Err(format!("{} checksums for {size} bytes", crcs.len()));
-        }
-        let writer = self.writer.upgrade().ok_or("the image is gone")?;
-        for (k, crc) in crcs.into_iter().enumerate() {
-            let off = k as u64 * self.chunk;
-            let len = self.chunk.min(size - off);
-            writer
-                .record_chunk(buffer, off, len, self.file, at + off, crc)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-}
-
 /// With the job still paused (its buffers as at the release): starts every engine's checkpoint
 /// into a new image under `dir`, a concurrent one: every buffer the shadow budget allows is
 /// copied device to device now, before the job runs (its image is then the state at T0 whatever
@@ -1609,17 +1385,6 @@ fn per_thread_ops() -> u64 {
             .per_thread_stream_ops
             .load(std::sync::atomic::Ordering::Relaxed)
     })
-}
-
-/// A reply as the JSON sent: `r`'s, or its error's.
-pub(crate) fn reply<R: Serialize>(r: Result<R, String>) -> Value {
-    r.map_or_else(possum_control::error_reply, |v| to_json(&v))
-}
-
-/// A reply type's JSON (serializing one cannot fail: every key is a string, every value plain
-/// data).
-pub(crate) fn to_json<R: Serialize>(r: &R) -> Value {
-    serde_json::to_value(r).unwrap_or_else(|e| possum_control::error_reply(e.to_string()))
 }
 
 #[cfg(test)]

@@ -37,9 +37,6 @@ const LOCK_TIMEOUT_MS: u32 = 30_000;
 const PROBE_LOCK_MS: u32 = 2_000;
 /// How long a checkpoint waits for a kept checkpoint's buffers to be saved.
 const SAVE_TIMEOUT: Duration = Duration::from_secs(3600);
-/// Dumps tried when the job's control socket had a client connected ([`dump_retrying_transient`]).
-const DUMP_TRIES: u32 = 3;
-const DUMP_RETRY_WAIT: Duration = Duration::from_millis(200);
 /// The driver's `CUDA_ERROR_NOT_SUPPORTED`: its checkpoint refuses the process.
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 
@@ -1463,44 +1460,8 @@ impl<'a> Run<'a> {
     }
 }
 
-/// CRIU's dump of the held job, again (up to [`DUMP_TRIES`] times, [`DUMP_RETRY_WAIT`] apart)
-/// when it failed only because the job's control socket had a client connected at that moment
-/// (CRIU cannot dump one end of a stream connection whose other end is outside the tree): a
-/// `possum status` from elsewhere, or a client of an earlier checkpoint that died, whose
-/// exchange the job's control thread (not held) ends meanwhile. A failed dump leaves the tree
-/// as it was, still held.
-fn dump_retrying_transient(
-    criu: &Criu,
-    opts: &DumpOptions,
-    pid: i32,
-    obs: &mut dyn Observer,
-) -> Result<possum_criu::DumpReport, CriuError> {
-    // The control socket's file name, as CRIU's log names it.
-    let sock = possum_control::socket_path(Path::new(""), pid as u32)
-        .display()
-        .to_string();
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        match criu.dump(opts) {
-            Ok(d) => return Ok(d),
-            Err(e) => {
-                let m = e.to_string();
-                let transient =
-                    m.contains("Can't dump half of stream unix connection") && m.contains(&sock);
-                if !transient || tries >= DUMP_TRIES {
-                    return Err(e);
-                }
-                obs.note(&format!(
-                    "CRIU's dump of process {pid} met a client connected to its control socket; \
-                     dumping again in {} ms",
-                    DUMP_RETRY_WAIT.as_millis()
-                ));
-                std::thread::sleep(DUMP_RETRY_WAIT);
-            }
-        }
-    }
-}
+mod dump;
+use dump::dump_retrying_transient;
 
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,872 @@
+//! Directories sent ahead while they are written (pre-copy rounds, patches of files rewritten
+//! in place), and sessions of several streams (part of [`super`]).
+
+use super::*;
+
+/// A file sent ahead whose final version begins with it (found by its inode, renamed and
+/// grown since), one unchanged, one rewritten in place, one gone and one new: only the new
+/// bytes are sent after the cut, and DEST is the final set, nothing more.
+#[test]
+fn a_directory_sent_ahead_then_whole_sends_only_what_changed_after_the_cut() {
+    let (_tmp, src, out) = dirs();
+    fs::create_dir(src.join(".gpu.tmp")).unwrap();
+    let data = noise(CHUNK_BYTES + 1000);
+    fs::write(src.join(".gpu.tmp/data-000.bin"), &data).unwrap();
+    fs::write(src.join("same"), b"unchanged").unwrap();
+    fs::write(src.join("rewritten"), b"version 1").unwrap();
+    fs::write(src.join("lock"), b"").unwrap();
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let d = dest.clone();
+    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    let ahead = sender.send_ahead(&mut a, &src).unwrap();
+    assert_eq!(ahead.files, 4);
+    // The cut: the engine's image named, appended to; a file rewritten, one removed, one new.
+    fs::rename(src.join(".gpu.tmp"), src.join("gpu")).unwrap();
+    let more = noise(5000);
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(src.join("gpu/data-000.bin"))
+        .unwrap();
+    f.write_all(&more).unwrap();
+    drop(f);
+    fs::write(src.join("rewritten"), b"version 2").unwrap();
+    fs::remove_file(src.join("lock")).unwrap();
+    fs::write(src.join("possum.json"), b"{}").unwrap();
+    let (report, _) = sender.finish(&mut a, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    let whole = (data.len() + more.len() + 9 + 9 + 2) as u64;
+    assert_eq!(
+        report.totals,
+        Totals {
+            files: 4,
+            bytes: whole
+        }
+    );
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(report.sent_bytes, (more.len() + 9 + 2) as u64);
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), vec!["image".to_string()]);
+}
+
+/// After a `Cut`, a base that was not sent ahead, or is not what was, is refused, and
+/// nothing is named.
+#[test]
+fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
+    let (_tmp, _src, out) = dirs();
+    let dest = out.join("image");
+    let with_base = |base: Base| {
+        move |s: &mut UnixStream, session: &mut Session| {
+            put(s, session, "a", b"ahead");
+            send(s, session, &Frame::Cut);
+            let h = FileHeader {
+                id: 0,
+                path: "a".into(),
+                size: 7,
+                mode: 0o644,
+                base: Some(base),
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::Chunks);
+            let chunk = Frame::Chunk {
+                file: 0,
+                offset: 5,
+                data: b"!!",
+            };
+            send(s, session, &chunk);
+            send(
+                s,
+                session,
+                &Frame::EndPart {
+                    chunks: 1,
+                    bytes: 2,
+                },
+            );
+            done(s, session, Totals { files: 1, bytes: 7 });
+        }
+    };
+    // The digest of bytes sent as one piece.
+    let digest = |d: &[u8]| {
+        let pieces: Vec<Piece> = (!d.is_empty())
+            .then(|| Piece {
+                offset: 0,
+                len: d.len() as u64,
+                hash: *blake3::hash(d).as_bytes(),
+            })
+            .into_iter()
+            .collect();
+        pieces_digest(&pieces)
+    };
+    // The sound one is taken.
+    against_ok(
+        &dest,
+        with_base(Base {
+            path: "a".into(),
+            size: 5,
+            digest: digest(b"ahead"),
+            patches: Vec::new(),
+        }),
+    );
+    assert_eq!(fs::read(dest.join("a")).unwrap(), b"ahead!!");
+    fs::remove_dir_all(&dest).unwrap();
+    for (base, why) in [
+        (
+            Base {
+                path: "b".into(),
+                size: 5,
+                digest: digest(b"ahead"),
+                patches: Vec::new(),
+            },
+            "not sent ahead",
+        ),
+        (
+            Base {
+                path: "a".into(),
+                size: 5,
+                digest: digest(b"other"),
+                patches: Vec::new(),
+            },
+            "not what was sent ahead",
+        ),
+        (
+            Base {
+                path: "a".into(),
+                size: 4,
+                digest: digest(b"ahea"),
+                patches: Vec::new(),
+            },
+            "not what was sent ahead",
+        ),
+    ] {
+        let e = against(&dest, with_base(base));
+        assert!(
+            matches!(e, WireError::Receive(ReceiveError::Ahead { .. })),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains(why), "{e}");
+        assert!(names(&out).is_empty(), "{:?}", names(&out));
+    }
+    // Before any Cut, a base that was not sent ahead, or another file's.
+    let e = against(&dest, |s, session| {
+        put(s, session, "a", b"ahead");
+        let h = FileHeader {
+            id: 0,
+            path: "b".into(),
+            size: 7,
+            mode: 0o644,
+            base: Some(Base {
+                path: "a".into(),
+                size: 5,
+                digest: digest(b"ahead"),
+                patches: Vec::new(),
+            }),
+        };
+        send(s, session, &Frame::File(h));
+        send(s, session, &Frame::Chunks);
+        send(
+            s,
+            session,
+            &Frame::EndPart {
+                chunks: 0,
+                bytes: 0,
+            },
+        );
+        done(s, session, Totals { files: 1, bytes: 7 });
+    });
+    assert!(e.to_string().contains("goes on only itself"), "{e}");
+    assert!(names(&out).is_empty());
+    let e = against(&dest, |s, session| {
+        let h = FileHeader {
+            id: 0,
+            path: "a".into(),
+            size: 1,
+            mode: 0o644,
+            base: Some(Base {
+                path: "a".into(),
+                size: 0,
+                digest: digest(b""),
+                patches: Vec::new(),
+            }),
+        };
+        send(s, session, &Frame::File(h));
+        send(s, session, &Frame::Chunks);
+        send(
+            s,
+            session,
+            &Frame::EndPart {
+                chunks: 0,
+                bytes: 0,
+            },
+        );
+        done(s, session, Totals { files: 1, bytes: 1 });
+    });
+    assert!(e.to_string().contains("not sent ahead"), "{e}");
+    assert!(names(&out).is_empty());
+}
+
+/// Rounds ahead of the cut (a migration's pre-copy rounds): a file sent in an earlier round
+/// sends only what it gained since, one unchanged nothing, one rewritten in place its changed
+/// piece (here all of it), a new one goes whole; after the cut, only what changed since the
+/// last round. DEST is the final set.
+#[test]
+fn a_directory_sent_ahead_in_rounds_sends_each_file_s_gain_once() {
+    let (_tmp, src, out) = dirs();
+    let append = |name: &str, bytes: &[u8]| {
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(src.join(name))
+            .unwrap();
+        f.write_all(bytes).unwrap();
+    };
+    let data = noise(CHUNK_BYTES + 1000);
+    fs::write(src.join("data"), &data).unwrap();
+    fs::write(src.join("same"), b"unchanged").unwrap();
+    fs::write(src.join("rewritten"), b"version 1").unwrap();
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let d = dest.clone();
+    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    let first = sender.send_ahead(&mut a, &src).unwrap();
+    assert_eq!(first.files, 3);
+    // Round 2: data grew, a file is new, one is rewritten in place.
+    let gain = noise(3000);
+    append("data", &gain);
+    fs::write(src.join("new"), b"new file").unwrap();
+    fs::write(src.join("rewritten"), b"version 2").unwrap();
+    let second = sender.send_ahead(&mut a, &src).unwrap();
+    assert_eq!(
+        second,
+        Totals {
+            files: 3,
+            bytes: (gain.len() + 8 + 9) as u64
+        },
+        "data's gain, the new file and the rewritten one's piece"
+    );
+    // Round 3: nothing changed.
+    assert_eq!(sender.send_ahead(&mut a, &src).unwrap(), Totals::default());
+    // The cut: data grows again.
+    let last = noise(700);
+    append("data", &last);
+    let (report, _) = sender.finish(&mut a, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(report.totals.files, 4);
+    assert_eq!(
+        report.sent_bytes,
+        last.len() as u64,
+        "data's last gain only"
+    );
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), vec!["image".to_string()]);
+}
+
+/// A receiver on a loopback port that takes `conns` connections, each on a thread of its own:
+/// the first session's receive (into `dest`), its other streams handed to it, and what each
+/// refused connection was told.
+#[allow(clippy::type_complexity)]
+fn streams_receiver(
+    key: HmacKey,
+    dest: PathBuf,
+    conns: usize,
+) -> (
+    std::net::SocketAddr,
+    thread::JoinHandle<Result<ReceiveReport, WireError>>,
+    std::sync::mpsc::Receiver<HandshakeError>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (got, report) = std::sync::mpsc::channel();
+    let (refused, refusals) = std::sync::mpsc::channel();
+    thread::spawn(move || {
+        let sessions = Sessions::new(TIMEOUT);
+        for _ in 0..conns {
+            let (mut s, _) = listener.accept().unwrap();
+            set_timeouts(&s, TIMEOUT).unwrap();
+            let (key, dest, sessions) = (key.clone(), dest.clone(), sessions.clone());
+            let (got, refused) = (got.clone(), refused.clone());
+            thread::spawn(move || match accept_handshake(&mut s, &key, &sessions) {
+                Ok(Accepted::Session(session)) => {
+                    let r = receive_dir_in_session(&mut s, session, &dest).map(|(r, _)| r);
+                    let _ = got.send(r);
+                }
+                Ok(Accepted::Stream(joined)) => assert!(joined.join(s)),
+                Err(e) => {
+                    let _ = refused.send(e);
+                }
+            });
+        }
+    });
+    let receiver = thread::spawn(move || report.recv().unwrap());
+    (addr, receiver, refusals)
+}
+
+/// A connection to `addr` for a stream, its writes through `wrap`.
+fn lane_to(addr: std::net::SocketAddr) -> io::Result<TcpStream> {
+    let s = TcpStream::connect(addr)?;
+    set_timeouts(&s, TIMEOUT)?;
+    Ok(s)
+}
+
+/// A directory of files of several sizes, one of many chunks.
+fn many_files(src: &Path) {
+    fs::create_dir_all(src.join("gpu/gpu-0")).unwrap();
+    fs::write(src.join("possum.json"), b"{}").unwrap();
+    fs::write(src.join("empty"), b"").unwrap();
+    fs::write(
+        src.join("gpu/gpu-0/data-000.bin"),
+        noise(5 * CHUNK_BYTES + 12345),
+    )
+    .unwrap();
+    fs::write(src.join("gpu/gpu-0/data-001.bin"), noise(CHUNK_BYTES)).unwrap();
+    for i in 0..20 {
+        fs::write(src.join(format!("gpu/small-{i}")), noise(i * 1000)).unwrap();
+    }
+}
+
+/// Over four streams, rounds sent ahead then the final set arrive bit-exact: every stream
+/// ends every part, the files written where their chunks say.
+#[test]
+fn a_send_over_several_streams_arrives_bit_exact() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let (addr, receiver, _) = streams_receiver(key(7), dest.clone(), 4);
+    let mut main = lane_to(addr).unwrap();
+    let mut sender = DirSender::start_streams(&mut main, &key(7), 4, |_| {
+        Ok(Box::new(lane_to(addr)?) as Box<dyn Connection>)
+    })
+    .unwrap();
+    let ahead = sender.send_ahead(&mut main, &src).unwrap();
+    assert_eq!(ahead.files, 24);
+    // The big file grows and a new one comes, between the round and the final set.
+    let more = noise(3 * CHUNK_BYTES + 7);
+    let mut f = fs::OpenOptions::new()
+        .append(true)
+        .open(src.join("gpu/gpu-0/data-000.bin"))
+        .unwrap();
+    f.write_all(&more).unwrap();
+    drop(f);
+    fs::write(src.join("criu.img"), noise(2 * CHUNK_BYTES + 1)).unwrap();
+    let (report, _) = sender.finish(&mut main, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(report.totals.files, 25);
+    assert_eq!(
+        report.sent_bytes,
+        (more.len() + 2 * CHUNK_BYTES + 1) as u64,
+        "after the cut, the big file's gain and the new file only"
+    );
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), ["image"]);
+}
+
+/// Writes `bytes` over `path` at `offset`, in place: the same file, its other bytes kept.
+fn rewrite(path: &Path, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(bytes, offset).unwrap();
+}
+
+/// Appends `bytes` to `path`.
+fn append_to(path: &Path, bytes: &[u8]) {
+    let mut f = fs::OpenOptions::new().append(true).open(path).unwrap();
+    f.write_all(bytes).unwrap();
+}
+
+/// Over four streams, a file rewritten in place (pieces of it changed, its size the same, as
+/// possum's image writer rewrites a chunk of a data file) sends again only its changed pieces,
+/// in a later round ahead and after the cut, and a file appended to only what it gained: the
+/// bytes sent while held are about those, not the files' whole lengths, and DEST is
+/// bit-exact.
+#[test]
+fn a_file_rewritten_in_place_sends_only_its_changed_pieces() {
+    let (_tmp, src, out) = dirs();
+    fs::create_dir(src.join("gpu")).unwrap();
+    let big = src.join("gpu/data-000.bin");
+    let grown = src.join("gpu/data-001.bin");
+    fs::write(&big, noise(6 * CHUNK_BYTES + 4321)).unwrap();
+    fs::write(&grown, noise(2 * CHUNK_BYTES + 10)).unwrap();
+    fs::write(src.join("possum.json"), b"{}").unwrap();
+    let dest = out.join("image");
+    let (addr, receiver, _) = streams_receiver(key(8), dest.clone(), 4);
+    let mut main = lane_to(addr).unwrap();
+    let mut sender = DirSender::start_streams(&mut main, &key(8), 4, |_| {
+        Ok(Box::new(lane_to(addr)?) as Box<dyn Connection>)
+    })
+    .unwrap();
+    let first = sender.send_ahead(&mut main, &src).unwrap();
+    assert_eq!(first.files, 3);
+    // Round 2: 100 bytes of the third piece rewritten: that piece alone is sent again.
+    rewrite(&big, 2 * CHUNK_BYTES as u64 + 50, &noise(100));
+    let second = sender.send_ahead(&mut main, &src).unwrap();
+    assert_eq!(
+        second,
+        Totals {
+            files: 1,
+            bytes: CHUNK_BYTES as u64
+        },
+        "the changed piece only"
+    );
+    // The cut: bytes of the first and sixth pieces rewritten, the other file appended to,
+    // a new file.
+    rewrite(&big, 10, &noise(3));
+    rewrite(&big, 5 * CHUNK_BYTES as u64 + 7, &noise(CHUNK_BYTES / 2));
+    let more = noise(CHUNK_BYTES + 77);
+    append_to(&grown, &more);
+    fs::write(src.join("criu.img"), noise(1000)).unwrap();
+    let (report, _) = sender.finish(&mut main, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(report.totals.files, 4);
+    let whole = (6 * CHUNK_BYTES + 4321) + (2 * CHUNK_BYTES + 10) + more.len() + 2 + 1000;
+    assert_eq!(report.totals.bytes, whole as u64);
+    // Two changed pieces of the big file, the other's gain, the new file.
+    let most = (2 * CHUNK_BYTES + more.len() + 1000) as u64;
+    assert!(
+        report.sent_bytes <= most,
+        "{} bytes sent while held, at most {most} changed (of {whole})",
+        report.sent_bytes
+    );
+    assert!(report.sent_bytes >= (more.len() + 1000) as u64);
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), ["image"]);
+}
+
+/// A file that shrank after it was sent ahead (truncated in place: the same file) waits for
+/// the final set in a later round, and is sent whole then; so is a file that is another file
+/// under the same path.
+#[test]
+fn a_file_truncated_after_it_was_sent_ahead_is_sent_whole() {
+    let (_tmp, src, out) = dirs();
+    let shrunk = src.join("shrunk");
+    fs::write(&shrunk, noise(2 * CHUNK_BYTES + 100)).unwrap();
+    fs::write(src.join("replaced"), noise(5000)).unwrap();
+    fs::write(src.join("same"), noise(3000)).unwrap();
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let d = dest.clone();
+    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    assert_eq!(sender.send_ahead(&mut a, &src).unwrap().files, 3);
+    let f = fs::OpenOptions::new().write(true).open(&shrunk).unwrap();
+    f.set_len(CHUNK_BYTES as u64 + 5).unwrap();
+    drop(f);
+    // Another file under the path, as long as the first.
+    fs::write(src.join("replaced.new"), noise(5000)).unwrap();
+    fs::rename(src.join("replaced.new"), src.join("replaced")).unwrap();
+    assert_eq!(
+        sender.send_ahead(&mut a, &src).unwrap(),
+        Totals::default(),
+        "neither goes on ahead of the cut"
+    );
+    let (report, _) = sender.finish(&mut a, &src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    assert_eq!(
+        report.sent_bytes,
+        (CHUNK_BYTES + 5 + 5000) as u64,
+        "the shrunk and the replaced file whole, nothing of the unchanged one"
+    );
+    assert_eq!(snapshot(&dest), snapshot(&src));
+    assert_eq!(names(&out), ["image"]);
+}
+
+/// After a `Cut`, a patch whose bytes are not those the sender hashed at the cut (its file
+/// changed again after it was hashed), one that is not a piece sent ahead, one without its
+/// hash, or one that does not come, is refused with nothing named; a sound one is written over
+/// the base.
+#[test]
+fn a_patch_not_what_the_sender_hashed_at_the_cut_is_refused() {
+    let (_tmp, _src, out) = dirs();
+    let dest = out.join("image");
+    let piece = |offset: u64, d: &[u8]| Piece {
+        offset,
+        len: d.len() as u64,
+        hash: *blake3::hash(d).as_bytes(),
+    };
+    let digest = pieces_digest(&[piece(0, b"AAAA"), piece(4, b"BBBB")]);
+    let hex_of = |d: &[u8]| Some(blake3::hash(d).to_hex().to_string());
+    // "AAAABBBB" sent ahead in two pieces; after the cut, `patches` over it and `chunks`.
+    let with = |patches: Vec<Patch>, chunks: Vec<(u64, &'static [u8])>| {
+        let digest = digest.clone();
+        move |s: &mut UnixStream, session: &mut Session| {
+            let h = FileHeader {
+                id: 0,
+                path: "a".into(),
+                size: 8,
+                mode: 0o644,
+                base: None,
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::Chunks);
+            for (offset, data) in [(0, b"AAAA"), (4, b"BBBB")] {
+                let file = 0;
+                send(s, session, &Frame::Chunk { file, offset, data });
+            }
+            send(
+                s,
+                session,
+                &Frame::EndPart {
+                    chunks: 2,
+                    bytes: 8,
+                },
+            );
+            send(s, session, &Frame::Cut);
+            let base = Base {
+                path: "a".into(),
+                size: 8,
+                digest,
+                patches,
+            };
+            let h = FileHeader {
+                id: 0,
+                path: "a".into(),
+                size: 8,
+                mode: 0o644,
+                base: Some(base),
+            };
+            send(s, session, &Frame::File(h));
+            send(s, session, &Frame::Chunks);
+            let bytes = chunks.iter().map(|(_, d)| d.len() as u64).sum();
+            for (offset, data) in &chunks {
+                let (file, offset) = (0, *offset);
+                send(s, session, &Frame::Chunk { file, offset, data });
+            }
+            let chunks = chunks.len() as u64;
+            send(s, session, &Frame::EndPart { chunks, bytes });
+            done(s, session, Totals { files: 1, bytes: 8 });
+        }
+    };
+    let patch = |offset, hash| Patch {
+        offset,
+        len: 4,
+        hash,
+    };
+    against_ok(
+        &dest,
+        with(vec![patch(4, hex_of(b"CCCC"))], vec![(4, b"CCCC")]),
+    );
+    assert_eq!(fs::read(dest.join("a")).unwrap(), b"AAAACCCC");
+    fs::remove_dir_all(&dest).unwrap();
+    // Hashed "CCCC" at the cut, "DDDD" sent: changed again since.
+    let e = against(
+        &dest,
+        with(vec![patch(4, hex_of(b"CCCC"))], vec![(4, b"DDDD")]),
+    );
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Patch {
+                offset: 4,
+                len: 4,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    assert!(
+        e.to_string().contains("changed again after it was hashed"),
+        "{e}"
+    );
+    assert!(names(&out).is_empty(), "{:?}", names(&out));
+    for (patches, chunks, why) in [
+        (
+            vec![patch(2, hex_of(b"CCCC"))],
+            vec![(2, &b"CCCC"[..])],
+            "not a piece of it",
+        ),
+        (vec![patch(4, None)], vec![(4, b"CCCC")], "has no hash"),
+        (
+            vec![patch(4, hex_of(b"CCCC")), patch(4, hex_of(b"CCCC"))],
+            vec![(4, b"CCCC")],
+            "two patches",
+        ),
+        (
+            vec![patch(4, hex_of(b"CCCC"))],
+            vec![],
+            "0 of its 1 patches",
+        ),
+        (vec![], vec![(4, b"CCCC")], "not one of its patches"),
+    ] {
+        let e = against(&dest, with(patches, chunks));
+        assert!(e.to_string().contains(why), "{why}: {e}");
+        assert!(names(&out).is_empty(), "{:?}", names(&out));
+    }
+}
+
+/// The receiver's copy of a file sent ahead changed there after it was written: the final
+/// set, which patches that file, is refused when it names it as a base, and nothing is named;
+/// the sender hears why.
+#[test]
+fn a_copy_changed_at_the_receiver_after_it_was_sent_ahead_is_refused() {
+    let (_tmp, src, out) = dirs();
+    let data = noise(3 * CHUNK_BYTES + 99);
+    fs::write(src.join("data"), &data).unwrap();
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let d = dest.clone();
+    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    sender.send_ahead(&mut a, &src).unwrap();
+    // The receiver's copy, once all of it is there.
+    let copy = (0..2000)
+        .find_map(|_| {
+            let at = fs::read_dir(&out)
+                .unwrap()
+                .map(|e| e.unwrap().path().join("data"))
+                .find(|p| fs::read(p).is_ok_and(|d| d == data));
+            if at.is_none() {
+                thread::sleep(Duration::from_millis(10));
+            }
+            at
+        })
+        .expect("the receiver's copy of what was sent ahead");
+    // A byte of its second piece changed there; the sender's file patched in its first.
+    rewrite(&copy, CHUNK_BYTES as u64 + 3, &[data[CHUNK_BYTES + 3] ^ 1]);
+    rewrite(&src.join("data"), 7, b"patched");
+    let sent = sender.finish(&mut a, &src).unwrap_err();
+    let e = receiver.join().unwrap().unwrap_err();
+    assert!(
+        matches!(e, WireError::Receive(ReceiveError::AheadCopy { .. })),
+        "{e:?}"
+    );
+    let offset = format!("at offset {CHUNK_BYTES}");
+    assert!(e.to_string().contains(&offset), "{e}");
+    assert!(
+        e.to_string().contains("changed here after it was written"),
+        "{e}"
+    );
+    assert!(
+        sent.to_string()
+            .contains("changed here after it was written"),
+        "the sender hears why: {sent}"
+    );
+    assert!(names(&out).is_empty(), "{:?}", names(&out));
+}
+
+/// A connection's writes, one byte of them flipped: a man in the middle of one stream.
+struct Tamper {
+    inner: TcpStream,
+    written: usize,
+    at: usize,
+}
+
+impl Read for Tamper {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read(buf)
+    }
+}
+
+impl Write for Tamper {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut b = buf.to_vec();
+        if (self.written..self.written + b.len()).contains(&self.at) {
+            b[self.at - self.written] ^= 0x10;
+        }
+        let k = self.inner.write(&b)?;
+        self.written += k;
+        Ok(k)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// A frame changed on one stream of three is refused, naming the stream; the receiver commits
+/// nothing, and the sender hears why.
+#[test]
+fn a_frame_tampered_on_one_stream_is_refused_and_nothing_is_committed() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let (addr, receiver, _) = streams_receiver(key(5), dest.clone(), 3);
+    let mut main = lane_to(addr).unwrap();
+    let sender = DirSender::start_streams(&mut main, &key(5), 3, |index| {
+        let s = lane_to(addr)?;
+        Ok(if index == 2 {
+            // In the head of the stream's first frame (a chunk's place, or its EndPart's count),
+            // past its proof.
+            let at = PROOF_BYTES + HEADER_BYTES + 3;
+            Box::new(Tamper {
+                inner: s,
+                written: 0,
+                at,
+            }) as Box<dyn Connection>
+        } else {
+            Box::new(s)
+        })
+    })
+    .unwrap();
+    let sent = sender.finish(&mut main, &src).unwrap_err();
+    let e = receiver.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+                stream: 2,
+                seq: 0,
+                why: Misfit::Changed,
+                ..
+            }))
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().starts_with("frame 0 of stream 2"), "{e}");
+    assert!(
+        sent.to_string().contains("stream 2"),
+        "the sender hears which stream: {sent}"
+    );
+    assert!(names(&out).is_empty(), "{:?}", names(&out));
+}
+
+/// A connection that claims a stream of a session is refused unless it proves the session's key
+/// for one of its streams not yet joined; the session goes on, and is then closed to joins.
+#[test]
+fn a_connection_claiming_a_session_it_does_not_belong_to_is_refused() {
+    type Accepting = thread::JoinHandle<(Result<Accepted, HandshakeError>, Option<UnixStream>)>;
+    let sessions = Sessions::new(TIMEOUT);
+    // A connection to the receiver: its handshake's outcome, and its end if it was accepted.
+    let accept = |sessions: &Sessions| -> (UnixStream, Accepting) {
+        let (a, mut b) = pair();
+        let sessions = sessions.clone();
+        let t = thread::spawn(move || {
+            let r = accept_handshake(&mut b, &key(2), &sessions);
+            let kept = r.is_ok().then_some(b);
+            (r, kept)
+        });
+        (a, t)
+    };
+    // The session, of two streams.
+    let (mut a, t) = accept(&sessions);
+    let session = sender_handshake_streams(&mut a, &key(2), 2).unwrap();
+    let Ok(Accepted::Session(mut received)) = t.join().unwrap().0 else {
+        panic!("no session")
+    };
+    let claim_as = |key: &[u8; KEY_BYTES], id: [u8; 16], index, streams| {
+        let (mut a, t) = accept(&sessions);
+        let sent = prove(
+            &mut a,
+            key,
+            [JOIN_LABEL, JOINED_LABEL],
+            &claim(&id, index, streams),
+        );
+        (sent, t.join().unwrap().0)
+    };
+    // Another session's id.
+    let (sent, got) = claim_as(&session.key, [9; 16], 1, 2);
+    assert!(
+        matches!(got, Err(HandshakeError::UnknownSession { index: 1 })),
+        "{got:?}"
+    );
+    assert!(got
+        .unwrap_err()
+        .to_string()
+        .contains("belongs to no session here"));
+    assert!(matches!(sent, Err(HandshakeError::Refused)), "{sent:?}");
+    // This session's id, without its key (the shared secret's is not it).
+    let (_, got) = claim_as(&key(2).wire_key(), session.id, 1, 2);
+    assert!(
+        matches!(
+            got,
+            Err(HandshakeError::PeerNotAuthenticated { peer: "sender" })
+        ),
+        "{got:?}"
+    );
+    // Its key, and a stream it does not have.
+    let (_, got) = claim_as(&session.key, session.id, 2, 2);
+    assert!(
+        matches!(got, Err(HandshakeError::NotAStream { index: 2, .. })),
+        "{got:?}"
+    );
+    let (_, got) = claim_as(&session.key, session.id, 1, 3);
+    assert!(
+        matches!(got, Err(HandshakeError::NotAStream { .. })),
+        "{got:?}"
+    );
+    // The stream itself joins; a second time, it is refused.
+    let (mut a, t) = accept(&sessions);
+    let mut mac = join_handshake(&mut a, &session, 1).unwrap();
+    let (Ok(Accepted::Stream(joined)), Some(b)) = t.join().unwrap() else {
+        panic!("the stream did not join")
+    };
+    let (_, again) = claim_as(&session.key, session.id, 1, 2);
+    assert!(
+        matches!(again, Err(HandshakeError::NotAStream { why, .. }) if why.contains("joined already")),
+        "{again:?}"
+    );
+    assert!(joined.join(b));
+    let mut lanes = received.lanes().unwrap();
+    assert_eq!(lanes.len(), 1);
+    // Once its streams joined, the session takes no more.
+    let (_, late) = claim_as(&session.key, session.id, 1, 2);
+    assert!(
+        matches!(late, Err(HandshakeError::UnknownSession { .. })),
+        "{late:?}"
+    );
+    // The stream's frames are its own: they read on it, not on the first.
+    send_frame(&mut a, &mut mac, &Frame::Chunks, None).unwrap();
+    let mut buf = Vec::new();
+    let lane = &mut lanes[0];
+    assert_eq!(
+        recv_frame(&mut lane.conn, &mut lane.mac, &mut buf)
+            .unwrap()
+            .0,
+        Frame::Chunks
+    );
+    let mut wire = Vec::new();
+    let mut other = FrameMac::new(&session.key, 1, Way::ToReceiver);
+    send_frame(&mut wire, &mut other, &Frame::Chunks, None).unwrap();
+    assert!(matches!(
+        read_frame(&mut &wire[..], &mut received, &mut buf),
+        Err(FrameError::Unauthenticated { stream: 0, .. })
+    ));
+}
+
+/// A receiver that takes one connection refuses a session of more; one whose streams do not
+/// all join in time fails naming how many did, and writes nothing.
+#[test]
+fn streams_that_cannot_or_do_not_join_fail_the_session() {
+    let (_tmp, _src, out) = dirs();
+    let (mut a, mut b) = pair();
+    let t = thread::spawn(move || receiver_handshake(&mut b, &key(1)));
+    let _ = sender_handshake_streams(&mut a, &key(1), 4);
+    let e = t.join().unwrap().unwrap_err();
+    assert!(
+        matches!(e, HandshakeError::Streams { asked: 4, most: 1 }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("takes 1 to 1"), "{e}");
+
+    let (mut a, mut b) = pair();
+    let dest = out.join("image");
+    let t = thread::spawn(move || {
+        let sessions = Sessions::new(Duration::from_millis(200));
+        let Accepted::Session(session) = accept_handshake(&mut b, &key(1), &sessions).unwrap()
+        else {
+            panic!("not a session")
+        };
+        receive_dir_in_session(&mut b, session, &dest)
+    });
+    let mut session = sender_handshake_streams(&mut a, &key(1), 3).unwrap();
+    let e = t.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WireError::Receive(ReceiveError::Streams {
+                joined: 1,
+                streams: 3,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    // The sender is told.
+    let mut buf = Vec::new();
+    assert!(matches!(
+        read_frame(&mut a, &mut session, &mut buf),
+        Ok(Frame::Abort { reason }) if reason.contains("1 of the session's 3 streams")
+    ));
+    assert!(names(&out).is_empty());
+}
