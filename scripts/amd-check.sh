@@ -27,7 +27,7 @@ step() {
 }
 export CARGO_INCREMENTAL=0
 step "HIP backend on the real runtime" \
-    env POSSUM_HIP_RUNTIME="$runtime" cargo test -p possum-hip-sim --test device --test priority --test nodev
+    env POSSUM_HIP_RUNTIME="$runtime" cargo test -p possum-hip --test device --test priority --test nodev
 step "analyzer: AMDGPU code objects" cargo test -p possum-analyzer --test amdgpu_code_object
 echo "== possum doctor"
 doctor=$(LD_LIBRARY_PATH="$(dirname "$runtime")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \

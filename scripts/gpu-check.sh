@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPU checks, run on the GPU machine from the repo root, with the build carried in .gpu/:
-#   cargo build --release -p possum-cuda -p possum && bash scripts/gpu-check.sh --stage   (here)
+#   cargo build --release -p possum-cuda -p possum --bins --examples && bash scripts/gpu-check.sh --stage   (here)
 #   bash scripts/gpu-check.sh                                                             (there)
 # Results go to $OUT (or .gpu/out) as logs and JSON. Without a GPU every check says SKIPPED.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--stage" ]; then
     mkdir -p .gpu
-    for b in possum-cuda-selftest possum-cuda-engine-check possum; do
-        [ -x "target/release/$b" ] && cp "target/release/$b" .gpu/ && strip ".gpu/$b"
+    for b in possum-cuda-selftest examples/possum-cuda-engine-check possum; do
+        [ -x "target/release/$b" ] && cp "target/release/$b" .gpu/ && strip ".gpu/${b##*/}"
     done
     ls -la .gpu
     exit 0

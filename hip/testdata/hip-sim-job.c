@@ -7,7 +7,7 @@
 //   hip-sim-job KERNELS.hsaco
 //
 // It prints one line per step: the step's name and an FNV-1a 64 digest of the bytes it read back
-// (and a few plain values); possum-hip-sim's tests compare them with digests they compute
+// (and a few plain values); possum-hip's tests compare them with digests they compute
 // themselves. The last line lists the device addresses it was given, in order.
 #include <pthread.h>
 #include <stdio.h>

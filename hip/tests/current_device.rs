@@ -6,8 +6,8 @@ mod common;
 
 use common::simulated_runtime_or_skip;
 use possum_engine::device::{Device, StreamPriority};
-use possum_hip_sim::result::Runtime;
-use possum_hip_sim::HipDevice;
+use possum_hip::result::Runtime;
+use possum_hip::HipDevice;
 
 #[test]
 fn the_calling_thread_keeps_its_current_device() {

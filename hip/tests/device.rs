@@ -19,7 +19,7 @@ use common::{
 use possum_engine::device::{DevPtr, Device, DeviceError, StreamPriority, Transfer};
 use possum_engine::store::{ChunkSource, MemStore};
 use possum_engine::{Buffer, Engine, EngineConfig};
-use possum_hip_sim::{HipDevice, LoadError, OpenError};
+use possum_hip::{HipDevice, LoadError, OpenError};
 
 #[test]
 fn reservations_and_mappings_keep_their_addresses() {

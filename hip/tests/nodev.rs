@@ -5,7 +5,7 @@ mod common;
 
 use common::simulated_runtime_or_skip;
 use possum_engine::device::DeviceError;
-use possum_hip_sim::{HipDevice, OpenError};
+use possum_hip::{HipDevice, OpenError};
 
 #[test]
 fn a_runtime_without_a_device_fails_at_init() {

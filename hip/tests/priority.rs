@@ -9,7 +9,7 @@ use std::sync::Arc;
 use common::{cfg, simulated_device_or_skip, simulated_runtime_or_skip, GatedSink, Job, SIZES};
 use possum_engine::store::MemStore;
 use possum_engine::Engine;
-use possum_hip_sim::result::SimProbe;
+use possum_hip::result::SimProbe;
 
 #[test]
 fn copy_on_write_goes_on_the_high_priority_stream_and_the_copier_does_not() {

@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 
 use possum_analyzer::amdgpu::{kernels, ArgKind};
 use possum_analyzer::{Param, ParamLayout};
-use possum_hip_sim::{build_job, build_runtime, kernels_code_object, BuildError};
+use possum_hip::{build_job, build_runtime, kernels_code_object, BuildError};
 
 /// Where the tests put the arena (not the runtime's default, to see that it is honoured).
 const VA_BASE: u64 = 0x7d00_0000_0000;
@@ -22,7 +22,7 @@ const GRANULARITY: usize = 64 << 10;
 /// on stderr) without a C compiler.
 fn job_or_skip(test: &str) -> Option<(tempfile::TempDir, PathBuf)> {
     let dir = tempfile::Builder::new()
-        .prefix("possum-hip-sim-")
+        .prefix("possum-hip-")
         .tempdir()
         .expect("temp dir");
     match build_runtime(dir.path()).and_then(|_| build_job(dir.path())) {

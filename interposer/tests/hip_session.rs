@@ -1,4 +1,4 @@
-//! The HIP front end on the simulated HIP runtime (`possum-hip-sim`): a HIP program
+//! The HIP front end on the simulated HIP runtime (`possum-hip`): a HIP program
 //! (`hip/testdata/hip-session-job.c`: three streams, pool and stream-ordered allocations, a
 //! captured graph, launches by module and by registered stub) runs under libpossum.so, which
 //! serves its allocations (the pieces it maps into a range of its own too) and sees its
@@ -21,9 +21,9 @@ const WAIT: Duration = Duration::from_secs(30);
 
 /// The simulated runtime and the job built into `dir`; `None` (said) without a C compiler.
 fn build(dir: &Path) -> Option<PathBuf> {
-    match possum_hip_sim::build_runtime(dir).and_then(|_| possum_hip_sim::build_session_job(dir)) {
+    match possum_hip::build_runtime(dir).and_then(|_| possum_hip::build_session_job(dir)) {
         Ok(job) => Some(job),
-        Err(possum_hip_sim::BuildError::NoCompiler(e)) => {
+        Err(possum_hip::BuildError::NoCompiler(e)) => {
             eprintln!("SKIPPED: no C compiler for the simulated HIP runtime ({e}) [hip_session]");
             None
         }
@@ -73,7 +73,7 @@ fn start_with(
 
 /// The `step N DIGEST` lines in `out`, as (N, DIGEST), in order.
 fn steps(out: &Path) -> Vec<(u32, String)> {
-    possum_hip_sim::session_job_steps(&std::fs::read_to_string(out).unwrap_or_default())
+    possum_hip::session_job_steps(&std::fs::read_to_string(out).unwrap_or_default())
 }
 
 /// Waits until the job has printed step `n` (or more); its last step.
@@ -103,7 +103,7 @@ fn ask(job: &Child, dir: &Path, req: &Request) -> Value {
 #[test]
 fn a_hip_job_is_checkpointed_while_it_runs_released_and_resumed_bit_exact() {
     let tmp = tempfile::tempdir().unwrap();
-    let Some(status) = session(tmp.path(), &possum_hip_sim::kernels_code_object()) else {
+    let Some(status) = session(tmp.path(), &possum_hip::kernels_code_object()) else {
         return;
     };
     assert_eq!(
@@ -122,7 +122,7 @@ fn a_hip_job_is_checkpointed_while_it_runs_released_and_resumed_bit_exact() {
 #[test]
 fn kernels_of_a_code_object_possum_cannot_read_are_taken_to_write_everything() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut code = std::fs::read(possum_hip_sim::kernels_code_object()).unwrap();
+    let mut code = std::fs::read(possum_hip::kernels_code_object()).unwrap();
     let at = code
         .windows(14)
         .position(|w| w == b"amdhsa.kernels")
@@ -257,10 +257,10 @@ fn the_simulator_program_computes_the_same_under_possum() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let Some(_) = build(dir) else { return };
-    let exe = possum_hip_sim::build_job(dir).unwrap();
+    let exe = possum_hip::build_job(dir).unwrap();
     let run = |preload: bool| {
         let mut cmd = Command::new(&exe);
-        cmd.arg(possum_hip_sim::kernels_code_object())
+        cmd.arg(possum_hip::kernels_code_object())
             .env_remove("LD_PRELOAD")
             .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_SERVE_VMM", "0");
@@ -304,7 +304,7 @@ fn a_hip_job_with_memory_possum_does_not_serve_is_refused_and_runs_on() {
         let dir = tmp.path();
         let Some(exe) = build(dir) else { return };
         let out = dir.join("job.out");
-        let code = possum_hip_sim::kernels_code_object();
+        let code = possum_hip::kernels_code_object();
         let mut job = start_with(&exe, &code, None, true, &out, &[(var, "1")]);
         wait_step(&out, 3, &mut job);
         let img = dir.join("img");

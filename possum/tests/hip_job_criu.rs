@@ -1,5 +1,5 @@
 //! A HIP job checkpointed and restored through CRIU by `possum checkpoint` and `possum restore`,
-//! on the simulated HIP runtime (`possum-hip-sim`; no AMD GPU): `hip-session-job.c` (three
+//! on the simulated HIP runtime (`possum-hip`; no AMD GPU): `hip-session-job.c` (three
 //! streams, pool and stream-ordered allocations, a captured graph, a range of its own virtual
 //! memory) runs under libpossum.so and steps until killed. Checkpointed while it runs (the
 //! pre-copy concurrent with its steps), killed, and restored, it goes on; left running, it goes
@@ -35,9 +35,9 @@ const WAIT: Duration = Duration::from_secs(30);
 
 /// The simulated runtime and the job, built into `dir`; `None` (said) without a C compiler.
 fn build(dir: &Path) -> Option<PathBuf> {
-    match possum_hip_sim::build_runtime(dir).and_then(|_| possum_hip_sim::build_session_job(dir)) {
+    match possum_hip::build_runtime(dir).and_then(|_| possum_hip::build_session_job(dir)) {
         Ok(job) => Some(job),
-        Err(possum_hip_sim::BuildError::NoCompiler(e)) => {
+        Err(possum_hip::BuildError::NoCompiler(e)) => {
             say(&format!("hip_checkpoint: SKIPPED: no C compiler ({e})"));
             None
         }
@@ -47,7 +47,7 @@ fn build(dir: &Path) -> Option<PathBuf> {
 
 /// The `step N DIGEST` lines of `out`, as (N, DIGEST).
 fn steps(out: &Path) -> Vec<(u32, String)> {
-    possum_hip_sim::session_job_steps(&std::fs::read_to_string(out).unwrap_or_default())
+    possum_hip::session_job_steps(&std::fs::read_to_string(out).unwrap_or_default())
 }
 
 /// Waits until `out` has step `n` or later; the last step.
@@ -79,7 +79,7 @@ fn start(job: &Path, dir: &Path, out: &Path) -> Child {
             .unwrap()
     };
     let mut cmd = Command::new(job);
-    cmd.arg(possum_hip_sim::kernels_code_object())
+    cmd.arg(possum_hip::kernels_code_object())
         .env_remove("LD_PRELOAD")
         .env("LD_PRELOAD", common::libpossum())
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
@@ -100,7 +100,7 @@ fn bit_exact(job: &Path, dir: &Path, out: &Path) {
     let seen = steps(out);
     let last = seen.last().unwrap().0;
     let reference = Command::new(job)
-        .arg(possum_hip_sim::kernels_code_object())
+        .arg(possum_hip::kernels_code_object())
         .arg(last.to_string())
         .env_remove("LD_PRELOAD")
         .current_dir(dir)

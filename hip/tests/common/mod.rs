@@ -9,8 +9,8 @@ use std::sync::{Arc, OnceLock};
 use possum_engine::device::{DevPtr, Device, HostBuffer, StreamPriority, Transfer};
 use possum_engine::store::{ChunkSink, MemStore};
 use possum_engine::{Access, Buffer, Engine, EngineConfig};
-use possum_hip_sim::result::{HipPending, HipStream, Runtime};
-use possum_hip_sim::{build_runtime, BuildError, HipDevice};
+use possum_hip::result::{HipPending, HipStream, Runtime};
+use possum_hip::{build_runtime, BuildError, HipDevice};
 
 /// The environment variable naming a real HIP runtime for the tests that don't need the
 /// simulator (e.g. `/opt/rocm/lib/libamdhip64.so`); unset or empty, they run on the simulator.

@@ -13,8 +13,8 @@ use possum_analyzer::amdgpu::{self, AmdgpuKernel};
 use possum_analyzer::dag::{BufRef, Dag, KernelRef};
 use possum_engine::device::DevPtr;
 use possum_engine::{Access, Buffer, Engine, EngineConfig, EngineError};
-use possum_hip_sim::result::{HipStream, Runtime};
-use possum_hip_sim::HipDevice;
+use possum_hip::result::{HipStream, Runtime};
+use possum_hip::HipDevice;
 use serde_json::{json, Value};
 
 use crate::config;

@@ -3,7 +3,7 @@
 //! libpossum.so exports the HIP runtime's allocation, launch, copy, memset, graph-launch,
 //! module and lookup entry points beside the CUDA driver's (`entry.rs`, the unsafe layer); a job
 //! that never calls HIP never reaches them. At the job's first HIP call that needs it, the
-//! front end (`front.rs`) opens an engine over the job's own runtime (`possum_hip_sim::HipDevice`,
+//! front end (`front.rs`) opens an engine over the job's own runtime (`possum_hip::HipDevice`,
 //! found as the library defining the `hipMalloc` after this one), and the control socket starts
 //! (`through.rs`), its status saying `runtime: "hip"`. From then on:
 //!
