@@ -94,7 +94,7 @@ def wait_gone(pid, timeout):
 # PYTORCH_CUDA_ALLOC_CONF of a job spec's allocator suffix (`mlp+expandable`).
 ALLOC_CONF = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
 # Suffixes with more than an allocator setting. libpossum serves both allocators by default
-# (interposer/src/vmm.rs, pools.rs), so `+expandable` and `+async` are served; `JOB+vmm` and
+# (interposer/src/memory/vmm.rs, pools.rs), so `+expandable` and `+async` are served; `JOB+vmm` and
 # `JOB+pools` say so explicitly (POSSUM_SERVE_VMM=1 / POSSUM_SERVE_POOLS=1), and
 # `JOB+expandable-driver` / `JOB+async-driver` leave that memory to the driver (=0), whose
 # checkpoint then copies it: the comparison.
@@ -136,22 +136,14 @@ def variant(name):
     """What an engine name means: {name, base, ckpt: the `possum checkpoint` engine (possum,
     driver, gpu-only, or None for no checkpoint), possum: libpossum.so in the job, env: the job's
     possum variables, frozen}."""
-    rest, frozen, cupti, kill, disk, nostage = name, False, False, False, False, False
-    noshadow = spec = False
-    if rest.endswith("-noshadow"):
-        rest, noshadow = rest[: -len("-noshadow")], True
-    if rest.endswith("-spec"):
-        rest, spec = rest[: -len("-spec")], True
-    if rest.endswith("-nostage"):
-        rest, nostage = rest[: -len("-nostage")], True
-    if rest.endswith("-frozen"):
-        rest, frozen = rest[: -len("-frozen")], True
-    if rest.endswith("-disk"):
-        rest, disk = rest[: -len("-disk")], True
-    if rest.endswith("-kill"):
-        rest, kill = rest[: -len("-kill")], True
-    if rest.endswith("-cupti"):
-        rest, cupti = rest[: -len("-cupti")], True
+    # The suffixes, taken off the end in this order (`possum-cupti-kill-frozen-noshadow`).
+    rest, flags = name, {}
+    for suffix in ("noshadow", "spec", "nostage", "frozen", "disk", "kill", "cupti"):
+        flags[suffix] = rest.endswith("-" + suffix)
+        if flags[suffix]:
+            rest = rest[: -len(suffix) - 1]
+    noshadow, spec, nostage = flags["noshadow"], flags["spec"], flags["nostage"]
+    frozen, disk, kill, cupti = flags["frozen"], flags["disk"], flags["kill"], flags["cupti"]
     if rest not in ENGINE_BASES:
         raise ValueError(f"engine {name!r}: not one of {ENGINE_HELP}")
     if cupti and rest in ("driver", "none", "possum-hold"):
@@ -479,6 +471,7 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     cj = ck["json"] or {}
     row["checkpoint"] = {"rc": ck["rc"], "hooks": cj.get("hooks"), "hold": cj.get("hold"),
                          "kept": cj.get("kept"), "figures": cj.get("figures"),
+                         "mismatch_retries": cj.get("mismatch_retries"),
                          "held_for_restore": (cj.get("release_report") or {}).get("held_for_restore"),
                          "shadows_saved_by_keeper": sum(x.get("shadows_saved_by_keeper") or 0
                                                         for x in saved_reports(cj)),
@@ -619,12 +612,24 @@ def correctness(a):
         if skipped:
             print(f"correctness ({engine}): {len(skipped)} trials not started (--budget-s {a.budget_s:.0f}): "
                   f"{','.join(skipped)}", flush=True)
-        print(f"correctness ({engine}): {ok}/{ran} trials identical", flush=True)
+        retries = sum(((r.get("checkpoint") or {}).get("mismatch_retries") or 0) for r in rows_of(100 * e, len(plan)))
+        print(f"correctness ({engine}): {ok}/{ran} trials identical; checkpoints taken again after a "
+              f"fingerprint mismatch: {retries}", flush=True)
         summary.append({"engine": engine, "ok": ok, "ran": ran, "asked": n_trials, "skipped": skipped,
                         "not_built": missing})
         all_ok &= ok == ran and not skipped and not missing
     write_correctness_md(summary, time.time() - t0)
     return all_ok
+
+
+def rows_of(first, n):
+    """This run's trials numbered first .. first + n - 1, as written to OUT/ckpt-correctness.jsonl."""
+    try:
+        with open(os.path.join(OUT, "ckpt-correctness.jsonl")) as f:
+            rows = [json.loads(l) for l in f if l.strip()]
+    except (OSError, ValueError):
+        return []
+    return [r for r in rows if first <= r.get("trial", -1) < first + n][-n:]
 
 
 def write_correctness_md(summary, wall_s):

@@ -1,17 +1,19 @@
 """Validated speculation by content, measured on a job that reads most of its memory: weights only
 read every step (fp16, --gib) and a state written whole every step (--state-mib), under
-`possum run`, in two modes in the same run:
+`possum run`, in these modes in the same run:
 
     strict       POSSUM_VALIDATE=strict POSSUM_FINGERPRINTS=0: no read-only speculation, no
                  fingerprints (every buffer a kernel names counts as written; a kept save
                  snapshots every buffer into a shadow while the job is held)
     speculative  the defaults: read-only speculation earned by validated launches, every image
                  proven by fingerprints, only changed chunks copied
+    speculative-2mib  the same with 2 MiB chunks (POSSUM_CHUNK_MIB=2)
 
 For each mode, one job: (1) a kept checkpoint (--leave-running), (2) a second one with
 --parent (1), (3) `possum migrate` over loopback to a `possum receive` on this host. Recorded:
 what was copied while the job was held, the stall in the job's own step log, the images' data
-bytes, the pre-copy rounds' bytes, the migration's downtime (the gap in the step log).
+bytes, the pre-copy rounds' bytes against what the job writes each step (it reports its
+allocator's peak beyond the weights), the migration's downtime (the gap in the step log).
 Run by scripts/gpu-speculation.sh on a GPU machine.
 
     python3 eval/speculation.py frozen --out DIR [--gib 8] [--state-mib 64] [--modes strict,speculative]
@@ -27,6 +29,8 @@ from services import POSSUM, GPU, Receiver, alive, kill_tree, new_key, run_json,
 MODES = {
     "strict": {"POSSUM_VALIDATE": "strict", "POSSUM_FINGERPRINTS": "0"},
     "speculative": {},
+    # The same with 2 MiB chunks (copies, images and fingerprints): finer rounds.
+    "speculative-2mib": {"POSSUM_CHUNK_MIB": "2"},
 }
 
 
@@ -52,6 +56,17 @@ def stall(log, t0, t1, step_s):
     return max(0.0, max(gaps, default=0.0) - step_s)
 
 
+def writes_of(log):
+    """What the job reported writing each step (its allocator's peak beyond the weights)."""
+    try:
+        for line in open(log):
+            if line.startswith('{"writes"'):
+                return json.loads(line)["writes"]
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
 def step_time(log):
     ts = [t for _, t in steps_of(log)][-20:]
     gaps = sorted(b - a for a, b in zip(ts, ts[1:]))
@@ -59,10 +74,11 @@ def step_time(log):
 
 
 def saved_copies(j):
-    """From a kept checkpoint's JSON: (bytes copied while held, snapshot shadows, image bytes,
+    """From a kept checkpoint's JSON: (bytes copied while held, snapshot shadows, buffers saved
+    by copy-on-write after the job resumed, image bytes,
     bytes proven, bytes reused, fingerprint ms, mismatch retries)."""
-    held = shadows = image = proven = reused = 0
-    fp_ms = 0.0
+    held = shadows = cow = image = proven = reused = 0
+    fp_ms = waited_ms = 0.0
     rel = (j or {}).get("release_report") or {}
     for f in rel.get("finals") or []:
         held += f.get("bytes") or 0
@@ -71,12 +87,15 @@ def saved_copies(j):
             if d.get("snapshot_shadows"):
                 shadows += d["snapshot_shadows"]
                 held += d.get("shadow_peak") or 0
+            cow += (d.get("cow_shadow") or 0) - (d.get("snapshot_shadows") or 0) + (d.get("cow_priority") or 0)
             image += d.get("image_bytes") or 0
             proven += d.get("proven_bytes") or 0
             reused += d.get("reused_bytes") or 0
             fp_ms += d.get("fingerprint_ms") or 0.0
-    return {"held_copy_bytes": held, "snapshot_shadows": shadows, "image_bytes": image,
+            waited_ms += d.get("job_waited_ms") or 0.0
+    return {"held_copy_bytes": held, "snapshot_shadows": shadows, "copy_on_write": cow, "image_bytes": image,
             "proven_bytes": proven, "reused_bytes": reused, "fingerprint_ms": fp_ms,
+            "job_waited_ms": waited_ms,
             "mismatch_retries": (j or {}).get("mismatch_retries")}
 
 
@@ -86,7 +105,7 @@ def one_mode(a, mode, work, log):
     err = open(os.path.join(a.out, f"speculation-{mode}.err"), "w")
     cmd = [POSSUM, "run", "-v", "python3", os.path.join(GPU, "jobs.py"), "mlp", "--steps", "1000000",
            "--hold-gib", str(a.gib), "--ballast-read-all", "--ballast-half", "--state-mib", str(a.state_mib),
-           "--sleep-ms", str(a.sleep_ms), "--log", jlog]
+           "--sleep-ms", str(a.sleep_ms), "--log", jlog, "--report-writes"]
     runner = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
     rec = {"mode": mode, "gib": a.gib, "state_mib": a.state_mib, "env": MODES[mode]}
     m = wait_for(lambda: re.search(r"job pid (\d+)", open(err.name).read()), 60)
@@ -97,6 +116,7 @@ def one_mode(a, mode, work, log):
             rec["error"] = "the job did not start: " + open(err.name).read()[-1500:]
             return rec
         rec["step_ms"] = 1e3 * step_time(jlog)
+        rec["writes_per_step"] = writes_of(jlog)
         step_s = rec["step_ms"] / 1e3
         imgs = [os.path.join(a.images, f"{mode}-{n}") for n in (1, 2, 3)]
         for d in imgs:
@@ -134,6 +154,11 @@ def one_mode(a, mode, work, log):
                               bytes=(j or {}).get("bytes"), bytes_before_hold=(j or {}).get("bytes_before_hold"),
                               bytes_while_held=(j or {}).get("bytes_while_held"),
                               timings=(j or {}).get("timings"), received_ok=bool(received))
+        w = rec.get("writes_per_step")
+        sent = rec["migrate"]["rounds"]
+        if w and len(sent) > 1 and sent[1] is not None:
+            # Round 2 sends what changed during round 1: the job's writes, at least once over.
+            rec["migrate"]["round2_over_writes"] = sent[1] / w
         print(f"{mode} migrate: rc {rc} in {dt:.2f} s: {rec['migrate']}", flush=True)
         shutil.rmtree(imgs[2], ignore_errors=True)
         shutil.rmtree(os.path.join(work, "received"), ignore_errors=True)
@@ -173,7 +198,7 @@ def main():
     ap.add_argument("--state-mib", type=float, default=64)
     ap.add_argument("--sleep-ms", type=float, default=20)
     ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--modes", default="strict,speculative")
+    ap.add_argument("--modes", default="strict,speculative,speculative-2mib")
     ap.add_argument("--migrate-flags", default="")
     a = ap.parse_args()
     frozen(a)

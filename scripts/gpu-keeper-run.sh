@@ -12,7 +12,7 @@
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
+source scripts/gpu-start.sh
 source scripts/gpu-criu.sh
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 W=/dev/shm/possum-keeper-run; rm -rf "$W"; mkdir -p "$W/sockets"

@@ -29,14 +29,11 @@
 # <job>[-<env>].json (AB=1) or overhead-<job>.json, overhead-logs.tgz (the runs' outputs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! nvidia-smi -L >/dev/null 2>&1; then
-    echo "SKIPPED: no GPU (nvidia-smi -L failed)"
-    exit 0
-fi
+source scripts/gpu-start.sh
 pairs="${1:-12}"; steps="${2:-800}"
 out="${OUT:-.gpu/out}"; mkdir -p "$out"
 work=/tmp/possum-overhead; rm -rf "$work"; mkdir -p "$work"
-export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+gpu_libraries
 export POSSUM_CUPTI="${POSSUM_CUPTI:-/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcupti.so.13}"
 unset POSSUM_HOOKS
 status=0

@@ -17,16 +17,11 @@
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source scripts/gpu-start.sh
+gpu_libraries
 export PATH="$PATH:/usr/local/cuda/bin"
 source scripts/gpu-criu.sh
-out="${OUT:-.gpu/out}"; mkdir -p "$out"; out=$(cd "$out" && pwd)
-res=/dev/shm/possum-services-out; rm -rf "$res"; mkdir -p "$res"
-export PYTHONUNBUFFERED=1
-export POSSUM="$PWD/.gpu/possum" POSSUM_LIB="$PWD/.gpu/libpossum.so"
-start=$(date +%s)
-left() { echo $(( ${SERVICES_BUDGET_S:-570} - ($(date +%s) - start) )); }
+harness_run services SERVICES_BUDGET_S
 {
     uname -r; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     "$POSSUM_CRIU" --version | head -1

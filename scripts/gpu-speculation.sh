@@ -9,7 +9,7 @@
 #       weights read every step and a 64 MiB state written every step, strict (today's: no
 #       read-only speculation, no fingerprints) against speculative (the defaults), in the same
 #       run: a kept checkpoint, a second with --parent, a migration over loopback.
-#       -> $OUT/speculation.jsonl, speculation-selftest.txt, speculation.tgz
+#       -> $OUT/speculation.jsonl, speculation-selftest.txt, speculation-frozen.tgz
 #   bash scripts/gpu-speculation.sh trials [N]  (~9 min)
 #       N (50) random-step trials with the defaults (`eval/ckpt.py correctness`: kept checkpoints
 #       left running then restored, and checkpoints with the job killed then restored) over the
@@ -22,22 +22,18 @@
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source scripts/gpu-start.sh
+gpu_libraries
 source scripts/gpu-criu.sh
-out="${OUT:-.gpu/out}"; mkdir -p "$out"; out=$(cd "$out" && pwd)
-res=/dev/shm/possum-speculation-out; rm -rf "$res"; mkdir -p "$res"
-export PYTHONUNBUFFERED=1
-export POSSUM="$PWD/.gpu/possum" POSSUM_LIB="$PWD/.gpu/libpossum.so"
-start=$(date +%s)
-left() { echo $(( ${SPEC_BUDGET_S:-570} - ($(date +%s) - start) )); }
+harness_run speculation SPEC_BUDGET_S
 case "${1:-}" in
 frozen)
     timeout -k 5 120 .gpu/possum-cuda-selftest > "$res/speculation-selftest.txt" 2>&1
     echo "selftest rc $?" >> "$res/speculation-selftest.txt"
     grep -i "fingerprint" "$res/speculation-selftest.txt"
     timeout -k 5 $(( $(left) - 15 )) python3 eval/speculation.py frozen --out "$res" \
-        --gib "${SPEC_GIB:-8}" --state-mib "${SPEC_STATE_MIB:-64}" 2>&1 | tee "$res/speculation-frozen.log"
+        --gib "${SPEC_GIB:-8}" --state-mib "${SPEC_STATE_MIB:-64}" \
+        --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
 trials)
@@ -59,6 +55,6 @@ ab)
     ;;
 *) echo "usage: gpu-speculation.sh frozen | trials [N] | ab"; exit 2 ;;
 esac
-(cd /dev/shm && tar czf "$out/speculation.tgz" --exclude='img-*' --exclude='received' \
+(cd /dev/shm && tar czf "$out/speculation-$1.tgz" --exclude='img-*' --exclude='received' \
     --exclude='possum-speculation' possum-speculation-out 2>/dev/null)
 exit 0

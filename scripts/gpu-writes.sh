@@ -14,10 +14,7 @@
 # 4) trials at a time. Results: $OUT/ckpt-correctness.jsonl, $OUT/correctness.md, $OUT/ckpt-logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ! nvidia-smi -L >/dev/null 2>&1; then
-    echo "SKIPPED: no GPU (nvidia-smi -L failed)"
-    exit 0
-fi
+source scripts/gpu-start.sh
 trials="${1:-60}"; par="${2:-4}"
 jobs=fewbytes,amp
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then jobs="$jobs,twodev"; else echo "one GPU: twodev left out"; fi

@@ -74,11 +74,6 @@ source "$(dirname "$(readlink -f -- "$0")")/install-lib.sh"
 
 while [ $# -gt 0 ]; do
     case $1 in
-    --prefix | --prefix=*)
-        option_value --prefix "a directory" "$@"
-        prefix=$VALUE
-        shift "$TAKEN"
-        ;;
     --download-only | --download-only=*)
         option_value --download-only "a directory" "$@"
         download_only=$VALUE
@@ -101,11 +96,10 @@ while [ $# -gt 0 ]; do
         allow_expired=1
         shift
         ;;
-    -h | --help)
-        usage
-        exit 0
+    *)
+        common_option "$@"
+        shift "$TAKEN"
         ;;
-    *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
 [ -z "$download_only" ] || [ -z "$from_debs" ] || die "--download-only and --from-debs exclude each other"

@@ -28,6 +28,23 @@ option_value() {
     esac
 }
 
+# common_option ARGS...: the option at the front of ARGS if every installer takes it: --prefix DIR
+# (in prefix), -h/--help (the usage, then exit 0); anything else is refused. In TAKEN how many
+# arguments it took (to shift).
+common_option() {
+    case $1 in
+    --prefix | --prefix=*)
+        option_value --prefix "a directory" "$@"
+        prefix=$VALUE
+        ;;
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+    esac
+}
+
 # absolute DIR: DIR made absolute (relative to the current directory), without a trailing slash.
 absolute() {
     case $1 in

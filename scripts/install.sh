@@ -23,20 +23,14 @@ source "$(dirname "$(readlink -f -- "$0")")/install-lib.sh"
 
 while [ $# -gt 0 ]; do
     case $1 in
-    --prefix | --prefix=*)
-        option_value --prefix "a directory" "$@"
-        prefix=$VALUE
-        shift "$TAKEN"
-        ;;
     --debug)
         profile=debug
         shift
         ;;
-    -h | --help)
-        usage
-        exit 0
+    *)
+        common_option "$@"
+        shift "$TAKEN"
         ;;
-    *) die "unknown argument '$1' (see --help)" ;;
     esac
 done
 prefix=$(absolute "$prefix")

@@ -27,6 +27,29 @@ fn p(offset: u32, size: u32) -> Param {
     Param { offset, size }
 }
 
+/// The offsets of `k`'s pointer-sized parameter slots.
+fn slot_offsets(k: &AmdgpuKernel) -> Vec<u32> {
+    k.layout()
+        .pointer_slots()
+        .iter()
+        .map(|s| s.offset)
+        .collect()
+}
+
+/// The offsets of `k`'s arguments the runtime fills with pointers.
+fn runtime_pointers(k: &AmdgpuKernel) -> Vec<u32> {
+    k.args
+        .iter()
+        .filter(|a| a.is_runtime_pointer())
+        .map(|a| a.offset)
+        .collect()
+}
+
+/// The read-only hint of each of `k`'s explicit arguments.
+fn readonly_hints(k: &AmdgpuKernel) -> Vec<bool> {
+    k.explicit_args().map(|a| a.readonly_hint()).collect()
+}
+
 /// `out_access`: what the compiler recorded for `scale_copy`'s `out` (clang 14 records nothing,
 /// clang 19 finds it write-only).
 fn check_fixture(elf: &[u8], out_access: Option<Access>) {
@@ -66,13 +89,7 @@ fn check_fixture(elf: &[u8], out_access: Option<Access>) {
     assert_eq!(args[2].kind, ArgKind::ByValue);
     assert_eq!(args[3].kind, ArgKind::ByValue);
     // Only the two pointers are 8-byte words.
-    let slots: Vec<u32> = k
-        .layout()
-        .pointer_slots()
-        .iter()
-        .map(|s| s.offset)
-        .collect();
-    assert_eq!(slots, [0, 8]);
+    assert_eq!(slot_offsets(k), [0, 8]);
 
     // with_struct(float* data, params_t p): the struct { float; int; float* } is 16 bytes by
     // value, and its words are slots too.
@@ -81,13 +98,7 @@ fn check_fixture(elf: &[u8], out_access: Option<Access>) {
     assert_eq!(k.layout(), ParamLayout::new(vec![p(0, 8), p(8, 16)]));
     assert_eq!(k.global_buffers(), [0]);
     assert_eq!(k.args[1].kind, ArgKind::ByValue);
-    let slots: Vec<u32> = k
-        .layout()
-        .pointer_slots()
-        .iter()
-        .map(|s| s.offset)
-        .collect();
-    assert_eq!(slots, [0, 8, 16]);
+    assert_eq!(slot_offsets(k), [0, 8, 16]);
 
     // many_pointers(const int* a, const int* b, int* c, int* d, long len)
     let k = by_name(&ks, "many_pointers");
@@ -97,8 +108,7 @@ fn check_fixture(elf: &[u8], out_access: Option<Access>) {
         ParamLayout::new(vec![p(0, 8), p(8, 8), p(16, 8), p(24, 8), p(32, 8)])
     );
     assert_eq!(k.global_buffers(), [0, 1, 2, 3]);
-    let hints: Vec<bool> = k.explicit_args().map(|a| a.readonly_hint()).collect();
-    assert_eq!(hints, [true, true, false, false, false]);
+    assert_eq!(readonly_hints(k), [true, true, false, false, false]);
     assert_eq!(k.args[4].kind, ArgKind::ByValue);
     for k in &ks {
         assert!(k.layout().total_size() <= k.kernarg_size as usize);
@@ -113,21 +123,19 @@ fn check_fixture(elf: &[u8], out_access: Option<Access>) {
 }
 
 #[test]
-fn reads_gfx90a_code_object() {
-    assert_eq!(abi_version(GFX90A), 2);
-    check_fixture(GFX90A, None);
-}
-
-#[test]
-fn reads_gfx908_code_object() {
-    assert_eq!(abi_version(GFX908), 2);
-    check_fixture(GFX908, None);
-}
-
-#[test]
-fn reads_gfx942_code_object_v5() {
-    assert_eq!(abi_version(GFX942), 3, "code object v5");
-    check_fixture(GFX942, Some(Access::WriteOnly));
+fn reads_clang_code_objects() {
+    for (case, elf, abi, out_access) in [
+        ("gfx90a", GFX90A, 2, None),
+        ("gfx908", GFX908, 2, None),
+        ("gfx942, code object v5", GFX942, 3, Some(Access::WriteOnly)),
+    ] {
+        assert_eq!(abi_version(elf), abi, "{case}");
+        let checked = std::panic::catch_unwind(|| check_fixture(elf, out_access));
+        assert!(
+            checked.is_ok(),
+            "{case}: the fixture's check failed (above)"
+        );
+    }
 }
 
 /// `(value_kind without hidden_, offset, size)` of a kernel's hidden arguments.
@@ -143,22 +151,27 @@ fn hidden(k: &AmdgpuKernel) -> Vec<(&str, u32, u32)> {
 /// The hidden arguments code object v5 gives a kernel that reads its work-group size, from
 /// the first (after the explicit ones at `start`) to `hidden_printf_buffer`.
 fn v5_hidden_prefix(start: u32) -> Vec<(&'static str, u32, u32)> {
-    vec![
-        ("block_count_x", start, 4),
-        ("block_count_y", start + 4, 4),
-        ("block_count_z", start + 8, 4),
-        ("group_size_x", start + 12, 2),
-        ("group_size_y", start + 14, 2),
-        ("group_size_z", start + 16, 2),
-        ("remainder_x", start + 18, 2),
-        ("remainder_y", start + 20, 2),
-        ("remainder_z", start + 22, 2),
-        ("global_offset_x", start + 40, 8),
-        ("global_offset_y", start + 48, 8),
-        ("global_offset_z", start + 56, 8),
-        ("grid_dims", start + 64, 2),
-        ("printf_buffer", start + 72, 8),
-    ]
+    // Runs of fields of one size, each right after the one before.
+    let run = move |names: &[&'static str], at: u32, size: u32| {
+        (0..)
+            .zip(names.to_vec())
+            .map(move |(i, name)| (name, start + at + i * size, size))
+    };
+    run(&["block_count_x", "block_count_y", "block_count_z"], 0, 4)
+        .chain(run(
+            &["group_size_x", "group_size_y", "group_size_z"],
+            12,
+            2,
+        ))
+        .chain(run(&["remainder_x", "remainder_y", "remainder_z"], 18, 2))
+        .chain(run(
+            &["global_offset_x", "global_offset_y", "global_offset_z"],
+            40,
+            8,
+        ))
+        .chain(run(&["grid_dims"], 64, 2))
+        .chain(run(&["printf_buffer"], 72, 8))
+        .collect()
 }
 
 #[test]
@@ -178,21 +191,9 @@ fn reads_gfx942_hidden_arguments() {
         ParamLayout::new(vec![p(0, 8), p(8, 4), p(12, 4)])
     );
     assert_eq!(k.global_buffers(), [0]);
-    let slots: Vec<u32> = k
-        .layout()
-        .pointer_slots()
-        .iter()
-        .map(|s| s.offset)
-        .collect();
-    assert_eq!(slots, [0]);
+    assert_eq!(slot_offsets(k), [0]);
     assert_eq!(hidden(k), v5_hidden_prefix(16));
-    let runtime: Vec<u32> = k
-        .args
-        .iter()
-        .filter(|a| a.is_runtime_pointer())
-        .map(|a| a.offset)
-        .collect();
-    assert_eq!(runtime, [88]);
+    assert_eq!(runtime_pointers(k), [88]);
 
     // whole_implicit(const int* in, ulong* out) reads the whole implicit area: every hidden
     // argument up to the queue pointer.
@@ -201,15 +202,12 @@ fn reads_gfx942_hidden_arguments() {
     assert_eq!(k.explicit_size(), 16);
     assert_eq!(k.layout(), ParamLayout::new(vec![p(0, 8), p(8, 8)]));
     assert_eq!(k.global_buffers(), [0, 1]);
-    let hints: Vec<bool> = k.explicit_args().map(|a| a.readonly_hint()).collect();
-    assert_eq!(hints, [true, false]);
-    let slots: Vec<u32> = k
-        .layout()
-        .pointer_slots()
-        .iter()
-        .map(|s| s.offset)
-        .collect();
-    assert_eq!(slots, [0, 8], "hidden pointers are not parameter slots");
+    assert_eq!(readonly_hints(k), [true, false]);
+    assert_eq!(
+        slot_offsets(k),
+        [0, 8],
+        "hidden pointers are not parameter slots"
+    );
     let mut all = v5_hidden_prefix(16);
     all.extend([
         ("hostcall_buffer", 96, 8),
@@ -220,13 +218,7 @@ fn reads_gfx942_hidden_arguments() {
         ("queue_ptr", 216, 8),
     ]);
     assert_eq!(hidden(k), all);
-    let runtime: Vec<u32> = k
-        .args
-        .iter()
-        .filter(|a| a.is_runtime_pointer())
-        .map(|a| a.offset)
-        .collect();
-    assert_eq!(runtime, [88, 96, 104, 112, 120, 128, 216]);
+    assert_eq!(runtime_pointers(k), [88, 96, 104, 112, 120, 128, 216]);
     assert!(k.explicit_args().all(|a| !a.is_runtime_pointer()));
 
     // prints(const float* x, int n): 12 explicit bytes, the hidden ones aligned to 16.
@@ -422,10 +414,30 @@ fn code_object(desc: &[u8]) -> Vec<u8> {
     f
 }
 
-fn meta(kernels: Vec<M>) -> Vec<u8> {
+/// Asserts that the code object around metadata `desc` is refused with an error matching
+/// `pattern`.
+macro_rules! assert_refused {
+    ($desc:expr, $pattern:pat) => {{
+        let read = kernels(&code_object(&$desc));
+        assert!(matches!(read, Err($pattern)), "{read:?}");
+    }};
+}
+
+/// Metadata whose `amdhsa.kernels` is `kernels`, encoded.
+fn meta_of(kernels: M) -> Vec<u8> {
     let mut out = Vec::new();
-    enc(&M::Map(vec![("amdhsa.kernels", M::A(kernels))]), &mut out);
+    enc(&M::Map(vec![("amdhsa.kernels", kernels)]), &mut out);
     out
+}
+
+fn meta(kernels: Vec<M>) -> Vec<u8> {
+    meta_of(M::A(kernels))
+}
+
+/// Metadata of one kernel `k` of `size` kernarg bytes with arguments `(offset, size, kind)`.
+fn one_kernel(size: u64, args: &[(u64, u64, &'static str)]) -> Vec<u8> {
+    let args = args.iter().map(|&(at, len, kind)| arg(at, len, kind));
+    meta(vec![kernel("k", size, args.collect())])
 }
 
 fn kernel(name: &'static str, size: u64, args: Vec<M>) -> M {
@@ -485,15 +497,14 @@ fn hidden_arguments_are_not_parameters() {
 
 #[test]
 fn explicit_arguments_overlapping_the_hidden_ones_are_refused() {
-    let desc = meta(vec![kernel(
-        "k",
+    let desc = one_kernel(
         64,
-        vec![
-            arg(0, 8, "global_buffer"),
-            arg(8, 8, "hidden_block_count_x"),
-            arg(12, 8, "by_value"),
+        &[
+            (0, 8, "global_buffer"),
+            (8, 8, "hidden_block_count_x"),
+            (12, 8, "by_value"),
         ],
-    )]);
+    );
     match kernels(&code_object(&desc)) {
         Err(AmdgpuError::BadArg {
             kernel,
@@ -507,26 +518,21 @@ fn explicit_arguments_overlapping_the_hidden_ones_are_refused() {
         other => panic!("{other:?}"),
     }
     // Explicit arguments that end where the hidden ones start are fine, in any order.
-    let desc = meta(vec![kernel(
-        "k",
+    let desc = one_kernel(
         64,
-        vec![
-            arg(16, 8, "hidden_block_count_x"),
-            arg(0, 8, "global_buffer"),
-            arg(8, 8, "by_value"),
+        &[
+            (16, 8, "hidden_block_count_x"),
+            (0, 8, "global_buffer"),
+            (8, 8, "by_value"),
         ],
-    )]);
+    );
     let ks = kernels(&code_object(&desc)).unwrap();
     assert_eq!(ks[0].explicit_size(), 16);
 }
 
 #[test]
 fn arguments_past_the_kernarg_segment_are_refused() {
-    let desc = meta(vec![kernel(
-        "k",
-        16,
-        vec![arg(0, 8, "by_value"), arg(12, 8, "by_value")],
-    )]);
+    let desc = one_kernel(16, &[(0, 8, "by_value"), (12, 8, "by_value")]);
     let err = kernels(&code_object(&desc)).unwrap_err();
     assert!(
         matches!(&err, AmdgpuError::BadArg { kernel, index: 1, what }
@@ -534,50 +540,24 @@ fn arguments_past_the_kernarg_segment_are_refused() {
         "{err}"
     );
     // An offset that overflows u32 arithmetic.
-    let desc = meta(vec![kernel(
-        "k",
-        16,
-        vec![arg(u32::MAX as u64, 8, "by_value")],
-    )]);
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadArg { index: 0, .. })
-    ));
+    let desc = one_kernel(16, &[(u32::MAX as u64, 8, "by_value")]);
+    assert_refused!(desc, AmdgpuError::BadArg { index: 0, .. });
     // An offset beyond u32.
-    let desc = meta(vec![kernel("k", 16, vec![arg(1 << 40, 8, "by_value")])]);
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadArg { index: 0, .. })
-    ));
+    let desc = one_kernel(16, &[(1 << 40, 8, "by_value")]);
+    assert_refused!(desc, AmdgpuError::BadArg { index: 0, .. });
     // A pointer argument that is not 8 bytes.
-    let desc = meta(vec![kernel("k", 16, vec![arg(0, 4, "global_buffer")])]);
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadArg { index: 0, .. })
-    ));
+    let desc = one_kernel(16, &[(0, 4, "global_buffer")]);
+    assert_refused!(desc, AmdgpuError::BadArg { index: 0, .. });
 }
 
 #[test]
 fn absurd_counts_are_refused() {
     // An array claiming 2^32-1 elements in a few bytes.
-    let mut desc = Vec::new();
-    enc(
-        &M::Map(vec![(
-            "amdhsa.kernels",
-            M::Raw(vec![0xdd, 0xff, 0xff, 0xff, 0xff, 0x80]),
-        )]),
-        &mut desc,
-    );
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadMsgpack { .. })
-    ));
+    let desc = meta_of(M::Raw(vec![0xdd, 0xff, 0xff, 0xff, 0xff, 0x80]));
+    assert_refused!(desc, AmdgpuError::BadMsgpack { .. });
     // A string longer than what is left.
     let desc = vec![0x81, 0xdb, 0x7f, 0xff, 0xff, 0xff, b'a'];
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadMsgpack { .. })
-    ));
+    assert_refused!(desc, AmdgpuError::BadMsgpack { .. });
     // Too many arguments (each well formed).
     let args = (0..=MAX_ARGS as u64)
         .map(|i| arg(i, 1, "by_value"))
@@ -591,37 +571,21 @@ fn absurd_counts_are_refused() {
     // Nesting deeper than any metadata needs.
     let mut desc = vec![0x91; 10_000];
     desc.push(0xc0);
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadMsgpack { .. })
-    ));
+    assert_refused!(desc, AmdgpuError::BadMsgpack { .. });
     // A kernarg segment larger than any launch passes.
-    let desc = meta(vec![kernel("k", 1 << 30, vec![])]);
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadKernel { .. })
-    ));
+    let desc = one_kernel(1 << 30, &[]);
+    assert_refused!(desc, AmdgpuError::BadKernel { .. });
     // Two kernels of one name.
     let desc = meta(vec![kernel("k", 8, vec![]), kernel("k", 8, vec![])]);
-    assert!(matches!(
-        kernels(&code_object(&desc)),
-        Err(AmdgpuError::BadMetadata(_))
-    ));
+    assert_refused!(desc, AmdgpuError::BadMetadata(_));
 }
 
 #[test]
 fn a_kernel_without_arguments_has_an_empty_layout() {
-    let mut desc = Vec::new();
-    enc(
-        &M::Map(vec![(
-            "amdhsa.kernels",
-            M::A(vec![M::Map(vec![
-                (".name", M::S("noargs")),
-                (".kernarg_segment_size", M::U(0)),
-            ])]),
-        )]),
-        &mut desc,
-    );
+    let desc = meta_of(M::A(vec![M::Map(vec![
+        (".name", M::S("noargs")),
+        (".kernarg_segment_size", M::U(0)),
+    ])]));
     let ks = kernels(&code_object(&desc)).unwrap();
     assert_eq!(ks[0].layout(), ParamLayout::default());
     assert_eq!(ks[0].symbol, "");

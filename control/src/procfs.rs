@@ -16,3 +16,22 @@ pub fn proc_text(path: impl AsRef<Path>) -> io::Result<String> {
 pub fn read_maps(pid: u32) -> Option<String> {
     proc_text(format!("/proc/{pid}/maps")).ok()
 }
+
+/// Removes the files in `dir` that processes now gone left behind: `pid_of` names the process a
+/// file belongs to (`None`: not such a file, kept), and `gone` says whether that process is gone.
+/// A directory that cannot be read, or a file that cannot be removed, is left as it is.
+pub fn remove_files_of_gone_processes(
+    dir: &Path,
+    pid_of: impl Fn(&str) -> Option<u32>,
+    gone: impl Fn(u32) -> bool,
+) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if name.to_str().and_then(&pid_of).is_some_and(&gone) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}

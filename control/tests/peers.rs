@@ -45,6 +45,17 @@ fn private_dir() -> (tempfile::TempDir, PathBuf) {
     (tmp, dir)
 }
 
+/// Runs `body` with a private directory when this process is root; otherwise says on stderr that
+/// the test is skipped because it `needs` root.
+fn as_root(needs: &str, body: impl FnOnce(&Path)) {
+    if !root() {
+        eprintln!("skipped: {needs}");
+        return;
+    }
+    let (_tmp, dir) = private_dir();
+    body(&dir);
+}
+
 /// The `DirError` inside a failed `Server::start`.
 fn start_error(dir: &Path) -> (std::io::ErrorKind, String, bool) {
     let e = Server::start(dir, Arc::new(|_| json!({}))).unwrap_err();
@@ -121,42 +132,42 @@ fn a_socket_directory_that_is_a_file_is_refused() {
 
 #[test]
 fn a_socket_directory_of_another_user_is_refused() {
-    if !root() {
-        eprintln!("skipped: a socket directory of another user needs root to chown it");
-        return;
-    }
-    let (_tmp, dir) = private_dir();
-    let server = start(&dir);
-    std::os::unix::fs::chown(&dir, Some(NOBODY), None).unwrap();
+    as_root(
+        "a socket directory of another user needs root to chown it",
+        |dir| {
+            let server = start(dir);
+            std::os::unix::fs::chown(dir, Some(NOBODY), None).unwrap();
 
-    // The client: the job (this process) is root's, the directory nobody's.
-    let e = request(me(), &dir, &Request::Ping, T).unwrap_err();
-    assert!(
-        matches!(&e, ControlError::Dir(DirError::Owner { owner, allowed, .. })
+            // The client: the job (this process) is root's, the directory nobody's.
+            let e = request(me(), dir, &Request::Ping, T).unwrap_err();
+            assert!(
+                matches!(&e, ControlError::Dir(DirError::Owner { owner, allowed, .. })
             if *owner == NOBODY && allowed == &vec![0]),
-        "{e:?}"
-    );
-    let text = e.to_string();
-    assert!(
-        text.contains("belongs to uid 65534, not to uid 0")
-            && text.contains(&format!("rm -r {}", dir.display())),
-        "{text}"
-    );
-    let direct = secure_dir(&dir, &[0]).unwrap_err();
-    assert!(matches!(direct, DirError::Owner { .. }), "{direct:?}");
+                "{e:?}"
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains("belongs to uid 65534, not to uid 0")
+                    && text.contains(&format!("rm -r {}", dir.display())),
+                "{text}"
+            );
+            let direct = secure_dir(dir, &[0]).unwrap_err();
+            assert!(matches!(direct, DirError::Owner { .. }), "{direct:?}");
 
-    // The server: root's job does not serve in nobody's directory.
-    drop(server);
-    let (kind, text, typed) = start_error(&dir);
-    assert_eq!(kind, std::io::ErrorKind::PermissionDenied, "{text}");
-    assert!(typed && text.contains("belongs to uid 65534"), "{text}");
-    assert!(!socket_path(&dir, me()).exists());
+            // The server: root's job does not serve in nobody's directory.
+            drop(server);
+            let (kind, text, typed) = start_error(dir);
+            assert_eq!(kind, std::io::ErrorKind::PermissionDenied, "{text}");
+            assert!(typed && text.contains("belongs to uid 65534"), "{text}");
+            assert!(!socket_path(dir, me()).exists());
 
-    // A directory of root is not one for a job of nobody either.
-    assert!(matches!(
-        secure_dir(_tmp.path(), &[NOBODY]),
-        Err(DirError::Owner { owner: 0, .. })
-    ));
+            // A directory of root is not one for a job of nobody either.
+            assert!(matches!(
+                secure_dir(dir.parent().unwrap(), &[NOBODY]),
+                Err(DirError::Owner { owner: 0, .. })
+            ));
+        },
+    );
 }
 
 /// `sleep 60`, killed when dropped.
@@ -242,14 +253,12 @@ fn python(script: &str, args: &[&std::ffi::OsStr], uid: Option<u32>) -> Child {
 
 #[test]
 fn a_socket_served_as_another_user_than_the_jobs_is_refused() {
-    if !root() {
-        eprintln!("skipped: a listener of another user than its process's needs root");
-        return;
-    }
-    let (_tmp, dir) = private_dir();
-    // A root process that listened (`SO_PEERCRED` is taken at `listen`) as uid 65534, then
-    // went back to root.
-    let script = "import os, socket, sys, time\n\
+    as_root(
+        "a listener of another user than its process's needs root",
+        |dir| {
+            // A root process that listened (`SO_PEERCRED` is taken at `listen`) as uid 65534, then
+            // went back to root.
+            let script = "import os, socket, sys, time\n\
                   s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n\
                   s.bind(os.path.join(sys.argv[1], 'possum-%d.sock' % os.getpid()))\n\
                   os.seteuid(65534)\n\
@@ -257,67 +266,66 @@ fn a_socket_served_as_another_user_than_the_jobs_is_refused() {
                   os.seteuid(0)\n\
                   print('ready', flush=True)\n\
                   time.sleep(60)\n";
-    let mut child = python(script, &[dir.as_os_str()], None);
-    let mut ready = String::new();
-    BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    let pid = child.id();
-    let e = request(pid, &dir, &Request::Ping, T).unwrap_err();
-    let _ = child.kill();
-    let _ = child.wait();
-    assert_eq!(ready.trim(), "ready");
-    assert!(
-        matches!(&e, ControlError::WrongUser { pid: p, peer_uid: NOBODY, job_uid: 0, .. } if *p == pid),
-        "{e:?}"
-    );
-    assert!(
-        e.to_string()
-            .contains("is served as uid 65534, but process"),
-        "{e}"
+            let mut child = python(script, &[dir.as_os_str()], None);
+            let mut ready = String::new();
+            BufReader::new(child.stdout.as_mut().unwrap())
+                .read_line(&mut ready)
+                .unwrap();
+            let pid = child.id();
+            let e = request(pid, dir, &Request::Ping, T).unwrap_err();
+            let _ = child.kill();
+            let _ = child.wait();
+            assert_eq!(ready.trim(), "ready");
+            assert!(
+                matches!(&e, ControlError::WrongUser { pid: p, peer_uid: NOBODY, job_uid: 0, .. } if *p == pid),
+                "{e:?}"
+            );
+            assert!(
+                e.to_string()
+                    .contains("is served as uid 65534, but process"),
+                "{e}"
+            );
+        },
     );
 }
 
 #[test]
 fn the_server_refuses_a_client_of_another_user() {
-    if !root() {
-        eprintln!("skipped: a client of another user needs root to setuid");
-        return;
-    }
-    let (_tmp, dir) = private_dir();
-    let server = start(&dir);
-    // Only for this test: let the other user reach the socket, to see the server refuse it.
-    chmod(&dir, 0o711);
-    chmod(server.path(), 0o777);
-    let before = refused_connections();
-    let script = "import socket, sys\n\
+    as_root("a client of another user needs root to setuid", |dir| {
+        let server = start(dir);
+        // Only for this test: let the other user reach the socket, to see the server refuse it.
+        chmod(dir, 0o711);
+        chmod(server.path(), 0o777);
+        let before = refused_connections();
+        let script = "import socket, sys\n\
                   s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n\
                   s.connect(sys.argv[1])\n\
                   s.sendall(b'{\"cmd\":\"ping\"}\\n')\n\
                   sys.stdout.write(s.makefile().readline())\n";
-    let mut child = python(script, &[server.path().as_os_str()], Some(NOBODY));
-    let mut reply = String::new();
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut reply)
-        .unwrap();
-    assert!(child.wait().unwrap().success(), "{reply}");
-    let v: serde_json::Value =
-        serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
-    assert_eq!(
-        v,
-        json!({
-            "error": "refused: this job answers only uid 0 and root, not uid 65534",
-            "protocol": possum_control::PROTOCOL
-        })
-    );
-    assert!(refused_connections() > before);
-    // Its own user (root) is answered.
-    chmod(&dir, 0o700);
-    assert_eq!(
-        request(me(), &dir, &Request::Ping, T).unwrap(),
-        json!({"pong": true, "protocol": possum_control::PROTOCOL})
-    );
+        let mut child = python(script, &[server.path().as_os_str()], Some(NOBODY));
+        let mut reply = String::new();
+        child
+            .stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut reply)
+            .unwrap();
+        assert!(child.wait().unwrap().success(), "{reply}");
+        let v: serde_json::Value =
+            serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{e}: {reply:?}"));
+        assert_eq!(
+            v,
+            json!({
+                "error": "refused: this job answers only uid 0 and root, not uid 65534",
+                "protocol": possum_control::PROTOCOL
+            })
+        );
+        assert!(refused_connections() > before);
+        // Its own user (root) is answered.
+        chmod(dir, 0o700);
+        assert_eq!(
+            request(me(), dir, &Request::Ping, T).unwrap(),
+            json!({"pong": true, "protocol": possum_control::PROTOCOL})
+        );
+    });
 }

@@ -18,6 +18,18 @@ pub const HOSTMEM_THREADS_ENV: &str = "POSSUM_HOSTMEM_THREADS";
 /// At most this many fill threads by default.
 const HOSTMEM_THREADS_MAX: usize = 16;
 
+/// A path variable's value as `get` gives it (see [`Config::from_lookup`]): `None` when unset
+/// or empty. The CRIU plugin's and the command line's path variables are read so too.
+pub fn path_var(get: impl Fn(&str) -> Option<OsString>, key: &str) -> Option<PathBuf> {
+    get(key).filter(|v| !v.is_empty()).map(PathBuf::from)
+}
+
+/// A lookup of the variables `vars` (name, value), for a `Config::from_lookup` (tests).
+#[doc(hidden)]
+pub fn lookup_in<'a>(vars: &'a [(&str, &str)]) -> impl Fn(&str) -> Option<OsString> + 'a {
+    move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.into())
+}
+
 /// possum-criu's settings.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Config {
@@ -39,7 +51,7 @@ impl Config {
     /// The settings `get` gives (a variable's value, `None` when unset).
     pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
         Config {
-            criu: get(CRIU_ENV).filter(|v| !v.is_empty()).map(PathBuf::from),
+            criu: path_var(&get, CRIU_ENV),
             plugin_dir: get(PLUGIN_DIR_ENV).map(|v| (!v.is_empty()).then(|| PathBuf::from(v))),
             hostmem_threads: get(HOSTMEM_THREADS_ENV)
                 .and_then(|v| v.to_str()?.trim().parse().ok())
@@ -63,18 +75,14 @@ mod tests {
     use super::*;
 
     fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(|k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| OsString::from(v))
-        })
+        Config::from_lookup(lookup_in(vars))
     }
 
     #[test]
-    fn defaults() {
-        let c = config(&[]);
-        assert_eq!(c, Config::default());
+    fn nothing_set_is_the_default() {
+        let c = Config::from_lookup(|_| None);
         assert_eq!(c.criu, None);
+        assert_eq!(c, Config::default());
         assert_eq!(c.plugin_dir, None);
         let n = c.hostmem_threads();
         assert!((1..=16).contains(&n), "{n}");

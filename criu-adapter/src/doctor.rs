@@ -363,14 +363,7 @@ mod tests {
         let report = HostReport {
             kernel: "6.18.0".into(),
             criu_binary: Ok("/opt/possum-criu/bin/criu".into()),
-            criu_version: Ok(CriuVersion {
-                major: 4,
-                minor: 1,
-                sublevel: Some(1),
-                extra: None,
-                gitid: None,
-                name: None,
-            }),
+            criu_version: Ok(version(4, 1)),
             criu_check: Feature::new(Support::Yes, "criu check passed"),
             tcp_sockets: Feature::new(Support::No, "w"),
             checkpoint_restore: Feature::new(Support::Yes, "x"),
@@ -388,14 +381,7 @@ mod tests {
     }
 
     fn version(major: i32, minor: i32) -> CriuVersion {
-        CriuVersion {
-            major,
-            minor,
-            sublevel: Some(1),
-            extra: None,
-            gitid: None,
-            name: None,
-        }
+        CriuVersion::plain(major, minor, 1)
     }
 
     #[test]

@@ -182,22 +182,11 @@ pub fn stage_plugin(file: &Path, dir: &Path) -> std::io::Result<PathBuf> {
 /// was killed mid-copy (their names end in the copier's pid; a live copier's is kept).
 fn remove_stale_copies(dir: &Path) {
     let prefix = format!(".{PLUGIN_FILE}.");
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&prefix))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
+    possum_control::remove_files_of_gone_processes(
+        dir,
+        |name| name.strip_prefix(&prefix)?.parse().ok(),
+        |pid| !Path::new(&format!("/proc/{pid}")).exists(),
+    );
 }
 
 /// How long a CRIU dump or restore may take before its worker (and whatever it started) is
@@ -427,6 +416,21 @@ pub struct CriuVersion {
     pub gitid: Option<String>,
     /// The release's name, when known.
     pub name: Option<String>,
+}
+
+#[cfg(test)]
+impl CriuVersion {
+    /// `major.minor.sublevel`, nothing else known: the tests' versions.
+    pub(crate) fn plain(major: i32, minor: i32, sublevel: i32) -> CriuVersion {
+        CriuVersion {
+            major,
+            minor,
+            sublevel: Some(sublevel),
+            extra: None,
+            gitid: None,
+            name: None,
+        }
+    }
 }
 
 impl fmt::Display for CriuVersion {
@@ -989,15 +993,7 @@ mod tests {
 
     #[test]
     fn version_display() {
-        let v = CriuVersion {
-            major: 4,
-            minor: 1,
-            sublevel: Some(1),
-            extra: None,
-            gitid: None,
-            name: None,
-        };
-        assert_eq!(v.to_string(), "4.1.1");
+        assert_eq!(CriuVersion::plain(4, 1, 1).to_string(), "4.1.1");
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,9 @@ use possum_criu::{set_child_subreaper, Criu, CriuError, Deadline, DumpOptions, R
 
 #[path = "support/criu.rs"]
 mod criu_support;
+#[path = "support/testee.rs"]
+#[allow(dead_code)]
+mod testee;
 use criu_support::{criu_or_skip, say};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -36,18 +39,13 @@ const SETTLE: Duration = Duration::from_secs(20);
 /// nothing: CRIU's restore of it never ends (the restored task spins, CRIU waits for it).
 /// Returns the images directory and the dumped PID.
 fn damaged_images(criu: &Criu, dir: &Path) -> (PathBuf, i32) {
-    let ready = dir.join("ready");
-    let mut child: Child = Command::new(env!("CARGO_BIN_EXE_criu-testee"))
-        .arg(dir.join("out"))
-        .args(["--threads", "2", "--steps", "4000", "--step-ms", "50"])
-        .arg("--ready")
-        .arg(&ready)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start criu-testee");
-    let pid = i32::try_from(child.id()).unwrap();
+    let args = ["--threads", "2", "--steps", "4000", "--step-ms", "50"];
+    let testee::Testee {
+        mut child,
+        pid,
+        ready,
+        ..
+    } = testee::start(env!("CARGO_BIN_EXE_criu-testee"), dir, "testee", &[], &args);
     until(SETTLE, "the testee to be ready", || ready.exists());
     let images = dir.join("images");
     criu.dump(&DumpOptions::new(pid, &images)).unwrap();
@@ -82,19 +80,21 @@ fn until(timeout: Duration, what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// The fields of `/proc/PID/stat` after the command's name, the state first; `None` when there
+/// is no such process.
+fn stat_fields(pid: i32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, fields) = stat.rsplit_once(')')?;
+    Some(fields.split_whitespace().map(String::from).collect())
+}
+
 /// The state letter of `pid` (`R`, `S`, `Z`...), `None` when there is no such process.
 fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+    stat_fields(pid)?.first()?.chars().next()
 }
 
 fn parent(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
+    stat_fields(pid)?.get(1)?.parse().ok()
 }
 
 /// The children of `pid` (of all its threads).

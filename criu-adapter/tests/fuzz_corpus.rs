@@ -32,27 +32,32 @@ fn seeds(target: &str) -> Vec<(String, Vec<u8>)> {
     v
 }
 
+/// Runs every seed of `target` through its fuzz entry point `run`, then `check(name, bytes)`;
+/// the corpus must hold at least `least` seeds.
+fn run_seeds(target: &str, least: usize, run: fn(&[u8]), check: impl Fn(&str, &[u8])) {
+    let seeds = seeds(target);
+    assert!(seeds.len() >= least, "the seed corpus is missing");
+    for (name, bytes) in &seeds {
+        run(bytes);
+        check(name, bytes);
+    }
+}
+
 #[test]
 fn every_seed_passes_the_hostmem_index_target() {
-    let seeds = seeds("hostmem_index");
-    assert!(seeds.len() >= 4, "the seed corpus is missing");
-    for (name, bytes) in &seeds {
-        fuzz::hostmem_index(bytes);
+    run_seeds("hostmem_index", 4, fuzz::hostmem_index, |name, bytes| {
         // Inputs a local fuzzing run added, named by their hash, are only run.
         let ok = Index::decode(bytes, Path::new(name)).is_ok();
         assert!(
             !name.contains('-') || ok == name.starts_with("valid"),
             "{name}"
         );
-    }
+    });
 }
 
 #[test]
 fn every_seed_passes_the_criu_image_target() {
-    let seeds = seeds("criu_image");
-    assert!(seeds.len() >= 6, "the seed corpus is missing");
-    for (name, bytes) in &seeds {
-        fuzz::criu_image(bytes);
+    run_seeds("criu_image", 6, fuzz::criu_image, |name, bytes| {
         let magics = [
             INVENTORY_MAGIC,
             PSTREE_MAGIC,
@@ -67,27 +72,20 @@ fn every_seed_passes_the_criu_image_target() {
         if name.starts_with("valid") || name.starts_with("corrupt") {
             assert_eq!(ok, name.starts_with("valid"), "{name}");
         }
-    }
+    });
 }
 
 const P: u64 = PAGE_SIZE;
 
 fn index() -> Index {
+    let runs = [(0x7f00_0000_0000, 0, 4 * P), (0x10_0000, 8 * P, 8 * P)];
     Index {
         data_file: "possum-hostmem-7.pages".into(),
         data_len: 16 * P,
-        ranges: vec![
-            Range {
-                vaddr: 0x7f00_0000_0000,
-                offset: 0,
-                len: 4 * P,
-            },
-            Range {
-                vaddr: 0x10_0000,
-                offset: 8 * P,
-                len: 8 * P,
-            },
-        ],
+        ranges: runs
+            .into_iter()
+            .map(|(vaddr, offset, len)| Range { vaddr, offset, len })
+            .collect(),
     }
 }
 

@@ -5,8 +5,8 @@
 //! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead. The tests run one at a time: a restore
 //! needs the dumped PID to be free, and the fewer processes start meanwhile the better.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -20,69 +20,40 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The CRIU to run test `test` with, and the lock that runs the tests one at a time; `None`
+/// when the test is skipped.
+fn serial_criu(test: &str) -> Option<(MutexGuard<'static, ()>, Criu)> {
+    let serial = serial();
+    criu_or_skip(test).map(|criu| (serial, criu))
+}
+
 #[path = "support/criu.rs"]
 mod criu_support;
 use criu_support::{criu_or_skip, say};
 
-struct Testee {
-    child: Child,
-    pid: i32,
-    out: PathBuf,
-    ready: PathBuf,
-}
+#[path = "support/testee.rs"]
+mod testee;
+use testee::{wait_for_file, Testee};
 
 fn start_testee(dir: &Path, name: &str) -> Testee {
-    let out = dir.join(format!("{name}.out"));
-    let ready = dir.join(format!("{name}.ready"));
-    let child = Command::new(env!("CARGO_BIN_EXE_criu-testee"))
-        .arg(&out)
-        .args([
-            "--threads",
-            "3",
-            "--steps",
-            "40",
-            "--step-ms",
-            "50",
-            "--kib",
-            "2048",
-        ])
-        .arg("--ready")
-        .arg(&ready)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start criu-testee");
-    let pid = i32::try_from(child.id()).unwrap();
-    Testee {
-        child,
-        pid,
-        out,
-        ready,
-    }
-}
-
-fn wait_for_file(path: &Path, timeout: Duration) -> String {
-    let end = Instant::now() + timeout;
-    loop {
-        if let Ok(s) = std::fs::read_to_string(path) {
-            return s;
-        }
-        assert!(
-            Instant::now() < end,
-            "{} did not appear within {timeout:?}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let args = [
+        "--threads",
+        "3",
+        "--steps",
+        "40",
+        "--step-ms",
+        "50",
+        "--kib",
+        "2048",
+    ];
+    testee::start(env!("CARGO_BIN_EXE_criu-testee"), dir, name, &[], &args)
 }
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 #[test]
 fn version_and_check_over_rpc() {
-    let _serial = serial();
-    let Some(criu) = criu_or_skip("version_and_check_over_rpc") else {
+    let Some((_serial, criu)) = serial_criu("version_and_check_over_rpc") else {
         return;
     };
     let v = criu.version().unwrap();
@@ -98,8 +69,9 @@ fn version_and_check_over_rpc() {
 /// original exited, so its PID is free) finishes with the same result.
 #[test]
 fn dump_leave_running_then_restore_gives_the_same_result() {
-    let _serial = serial();
-    let Some(criu) = criu_or_skip("dump_leave_running_then_restore_gives_the_same_result") else {
+    let Some((_serial, criu)) =
+        serial_criu("dump_leave_running_then_restore_gives_the_same_result")
+    else {
         return;
     };
     let t0 = Instant::now();
@@ -147,8 +119,8 @@ fn dump_leave_running_then_restore_gives_the_same_result() {
 /// finishes with the result of an uninterrupted run.
 #[test]
 fn dump_kill_then_restore_matches_an_uninterrupted_run() {
-    let _serial = serial();
-    let Some(criu) = criu_or_skip("dump_kill_then_restore_matches_an_uninterrupted_run") else {
+    let Some((_serial, criu)) = serial_criu("dump_kill_then_restore_matches_an_uninterrupted_run")
+    else {
         return;
     };
     let t0 = Instant::now();
@@ -213,8 +185,8 @@ fn dumping_a_dead_pid_names_the_pid() {
 /// A failing restore reports CRIU's error and the end of its log.
 #[test]
 fn restore_from_an_empty_directory_reports_the_log() {
-    let _serial = serial();
-    let Some(criu) = criu_or_skip("restore_from_an_empty_directory_reports_the_log") else {
+    let Some((_serial, criu)) = serial_criu("restore_from_an_empty_directory_reports_the_log")
+    else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -238,8 +210,7 @@ fn restore_from_an_empty_directory_reports_the_log() {
 /// The `possum doctor` report of this host; with CRIU installed it must be able to checkpoint.
 #[test]
 fn host_report_describes_this_host() {
-    let _serial = serial();
-    let Some(_criu) = criu_or_skip("host_report_describes_this_host") else {
+    let Some((_serial, _criu)) = serial_criu("host_report_describes_this_host") else {
         return;
     };
     let report = possum_criu::doctor::host_report();

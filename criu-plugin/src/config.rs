@@ -6,6 +6,8 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use possum_criu::config::path_var;
+
 /// NVIDIA's driver library to load instead of looking for `libcuda.so.1`.
 pub const LIBCUDA_ENV: &str = "POSSUM_LIBCUDA";
 /// Test only: a device path the plugin treats like an NVIDIA device.
@@ -32,10 +34,9 @@ impl Config {
 
     /// The settings `get` gives (a variable's value, `None` when unset).
     pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
-        let path = |k: &str| get(k).filter(|v| !v.is_empty()).map(PathBuf::from);
         Config {
-            libcuda: path(LIBCUDA_ENV),
-            test_device: path(TEST_DEVICE_ENV),
+            libcuda: path_var(&get, LIBCUDA_ENV),
+            test_device: path_var(&get, TEST_DEVICE_ENV),
             force_pass_dir: get(PASS_DIR_ENV).is_some_and(|v| v == "1"),
         }
     }
@@ -46,11 +47,7 @@ mod tests {
     use super::*;
 
     fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(|k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| OsString::from(v))
-        })
+        Config::from_lookup(possum_criu::config::lookup_in(vars))
     }
 
     #[test]

@@ -58,6 +58,7 @@ use nix::sys::stat::Mode;
 
 use crate::live::{self, JobSocket, Live};
 use crate::record::{Record, Records, RECORD_FILE};
+pub use crate::restore_thread::RestoreThreadError;
 use crate::{
     decide_pause, libcuda_candidates, maps, placeholder_name, restore_claims_vma, stage_name,
     Claim, CudaContext, Devices, PauseDecision, Usage, LOG_PREFIX, STATE,
@@ -114,12 +115,7 @@ pub const CR_PLUGIN_HOOK_CHECKPOINT_DEVICES: usize = 11;
 /// without renumbering, and accept a plugin declaring fewer, so this layout also loads there.
 pub const CR_PLUGIN_HOOK_MAX: usize = 12;
 
-/// `CR_PLUGIN_STAGE__DUMP`
-pub const CR_PLUGIN_STAGE_DUMP: c_int = 0;
-/// `CR_PLUGIN_STAGE__PRE_DUMP`
-pub const CR_PLUGIN_STAGE_PRE_DUMP: c_int = 1;
-/// `CR_PLUGIN_STAGE__RESTORE`
-pub const CR_PLUGIN_STAGE_RESTORE: c_int = 2;
+pub use crate::stage::{CR_PLUGIN_STAGE_DUMP, CR_PLUGIN_STAGE_PRE_DUMP, CR_PLUGIN_STAGE_RESTORE};
 
 /// `cr_plugin_desc_t`:
 ///
@@ -238,16 +234,41 @@ fn image_dir() -> Option<RawFd> {
     (fd >= 0).then_some(fd)
 }
 
-/// Opens `name` in the images directory (`openat`), or `None` outside criu or on failure.
-fn open_in_image_dir(name: &str, flags: OFlag) -> Result<File, String> {
-    let dir = image_dir().ok_or("no CRIU images directory (criu_get_image_dir)")?;
+/// Why the plugin could not use CRIU's images directory.
+#[derive(Debug, thiserror::Error)]
+pub enum ImagesError {
+    /// Outside criu, or CRIU gave none.
+    #[error("no CRIU images directory (criu_get_image_dir)")]
+    Missing,
+    /// A file in it could not be opened.
+    #[error("{name} in the images directory: {source}")]
+    Open {
+        /// The file.
+        name: String,
+        /// Why.
+        source: nix::errno::Errno,
+    },
+    /// Its descriptor's path could not be read.
+    #[error("the images directory's path: {0}")]
+    Path(#[source] std::io::Error),
+    /// The plugin's records could not be written.
+    #[error("writing {RECORD_FILE}: {0}")]
+    WriteRecords(#[source] std::io::Error),
+}
+
+/// Opens `name` in the images directory (`openat`).
+fn open_in_image_dir(name: &str, flags: OFlag) -> Result<File, ImagesError> {
+    let dir = image_dir().ok_or(ImagesError::Missing)?;
     let fd = nix::fcntl::openat(
         Some(dir),
         name,
         flags | OFlag::O_CLOEXEC,
         Mode::from_bits_truncate(0o600),
     )
-    .map_err(|e| format!("{name} in the images directory: {e}"))?;
+    .map_err(|source| ImagesError::Open {
+        name: name.to_string(),
+        source,
+    })?;
     // SAFETY: openat just returned this descriptor, owned by nobody else.
     Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
@@ -391,8 +412,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// possum-cuda's binding of the driver's checkpoint API, from the first of
 /// [`libcuda_candidates`] that loads (`cuInit(0)` run), once, never unloaded.
-fn libcuda() -> Result<&'static DriverCheckpoint, String> {
-    static CUDA: OnceLock<Result<DriverCheckpoint, String>> = OnceLock::new();
+fn libcuda() -> Result<&'static DriverCheckpoint, &'static LibcudaError> {
+    static CUDA: OnceLock<Result<DriverCheckpoint, LibcudaError>> = OnceLock::new();
     CUDA.get_or_init(|| {
         let candidates = libcuda_candidates(
             crate::config::Config::from_env()
@@ -407,23 +428,55 @@ fn libcuda() -> Result<&'static DriverCheckpoint, String> {
                 // Not there: the next candidate. Anything else (no checkpoint API, `cuInit`
                 // failing) is the answer.
                 Err(e @ DriverCkptError::Load { .. }) => errors.push(e.to_string()),
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(LibcudaError::Driver(e)),
             }
         }
-        Err(format!(
-            "cannot load NVIDIA's libcuda.so.1 (set POSSUM_LIBCUDA): {}",
-            errors.join("; ")
-        ))
+        Err(LibcudaError::NotLoaded {
+            tried: errors.join("; "),
+        })
     })
     .as_ref()
-    .map_err(Clone::clone)
+}
+
+/// Why NVIDIA's checkpoint API is not there for the plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum LibcudaError {
+    /// No candidate library loaded.
+    #[error("cannot load NVIDIA's libcuda.so.1 (set POSSUM_LIBCUDA): {tried}")]
+    NotLoaded {
+        /// Each candidate's failure, `; `-separated.
+        tried: String,
+    },
+    /// A library loaded, but its checkpoint API is missing or `cuInit` failed.
+    #[error(transparent)]
+    Driver(DriverCkptError),
+}
+
+/// Why a hook could not checkpoint or bring back a CUDA process.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    /// CRIU's images directory.
+    #[error(transparent)]
+    Images(#[from] ImagesError),
+    /// NVIDIA's checkpoint API.
+    #[error(transparent)]
+    Libcuda(#[from] &'static LibcudaError),
+    /// The checkpoint's steps.
+    #[error(transparent)]
+    Checkpoint(#[from] live::CheckpointError),
+    /// Bringing the process back.
+    #[error(transparent)]
+    Resume(#[from] live::ResumeError),
+    /// A restored process possum was loaded in has no control socket.
+    #[error("the restored process has no possum control socket")]
+    NoSocket,
 }
 
 /// What the NVIDIA driver says about `pid`'s CUDA context.
 fn ask_driver(pid: i32) -> CudaContext {
     match libcuda() {
         Ok(cuda) => cuda.own_context_of(pid).into(),
-        Err(e) => CudaContext::Unknown(e),
+        Err(e) => CudaContext::Unknown(e.to_string()),
     }
 }
 
@@ -486,10 +539,9 @@ extern "C" fn pause_devices(pid: c_int) -> c_int {
 static LIVE: Mutex<Vec<Live>> = Mutex::new(Vec::new());
 
 /// CRIU's images directory, as a path (the job writes and reads its GPU image there).
-fn image_dir_path() -> Result<PathBuf, String> {
-    let fd = image_dir().ok_or("no CRIU images directory (criu_get_image_dir)")?;
-    std::fs::read_link(format!("/proc/self/fd/{fd}"))
-        .map_err(|e| format!("the images directory's path: {e}"))
+fn image_dir_path() -> Result<PathBuf, ImagesError> {
+    let fd = image_dir().ok_or(ImagesError::Missing)?;
+    std::fs::read_link(format!("/proc/self/fd/{fd}")).map_err(ImagesError::Path)
 }
 
 /// [`live::checkpoint`] of `pid`, with CRIU's freezing timer stopped meanwhile (a pre-copy of
@@ -497,15 +549,16 @@ fn image_dir_path() -> Result<PathBuf, String> {
 /// negative errno after logging why.
 fn checkpoint_live(pid: i32, socket: Option<JobSocket>) -> c_int {
     let t = std::time::Instant::now();
-    let r = image_dir_path().and_then(|images| {
+    let r = (|| -> Result<Live, LiveError> {
+        let images = image_dir_path()?;
         let cuda = libcuda()?;
         let left = nix::unistd::alarm::cancel();
         let r = live::checkpoint(pid, &images, socket, cuda);
         if let Some(secs) = left {
             nix::unistd::alarm::set(secs);
         }
-        r
-    });
+        Ok(r?)
+    })();
     match r {
         Ok(l) => {
             log(
@@ -567,10 +620,11 @@ fn resume_after_dump(ret: c_int) {
 /// [`live::resume`] of a process CRIU holds stopped: its CUDA restore thread is let run for the
 /// driver's calls. 0, or -1 after logging why.
 fn resume_stopped(l: &Live) -> c_int {
-    let r = libcuda().and_then(|cuda| {
+    let r = (|| -> Result<String, LiveError> {
+        let cuda = libcuda()?;
         let tid = cuda.restore_thread_id(l.pid).unwrap_or(l.pid);
-        live::resume(l, cuda, &mut |f| with_thread_running(tid, f))
-    });
+        Ok(live::resume(l, cuda, &mut |f| with_thread_running(tid, f))?)
+    })();
     match r {
         Ok(line) => {
             log(LOG_INFO, &line);
@@ -600,12 +654,11 @@ extern "C" fn resume_devices_late(pid: c_int) -> c_int {
         let possum = match gpu_dir {
             None => None,
             Some(name) => {
-                let found = image_dir_path().and_then(|images| {
-                    let socket = JobSocket::find(pid).ok_or_else(|| {
-                        "the restored process has no possum control socket".to_string()
-                    })?;
+                let found = (|| -> Result<live::PossumPart, LiveError> {
+                    let images = image_dir_path()?;
+                    let socket = JobSocket::find(pid).ok_or(LiveError::NoSocket)?;
                     Ok(live::PossumPart::new(socket, images.join(name)))
-                });
+                })();
                 match found {
                     Ok(p) => Some(p),
                     Err(e) => {
@@ -669,7 +722,10 @@ fn fill_host_memory(pid: c_int) -> Result<(), c_int> {
 /// but `SIGTRAP` blocked and no ptrace options, and is stopped again afterwards with CRIU's
 /// options and its signal mask back. A thread this process does not trace (`ESRCH`) runs
 /// already: `f` is just called.
-fn with_thread_running(tid: i32, f: &mut dyn FnMut() -> Result<(), String>) -> Result<(), String> {
+fn with_thread_running(
+    tid: i32,
+    f: &mut dyn FnMut() -> Result<(), live::ResumeError>,
+) -> Result<(), live::ResumeError> {
     use nix::errno::Errno;
     use nix::sys::ptrace;
     use nix::unistd::Pid;
@@ -691,10 +747,10 @@ fn with_thread_running(tid: i32, f: &mut dyn FnMut() -> Result<(), String>) -> R
     match sigmask(libc::PTRACE_GETSIGMASK, &mut saved) {
         Ok(()) => {}
         Err(Errno::ESRCH) => return f(),
-        Err(e) => return Err(format!("ptrace(GETSIGMASK) of thread {tid}: {e}")),
+        Err(source) => return Err(RestoreThreadError::Sigmask { tid, source }.into()),
     }
-    let step = |what: &str, r: Result<(), Errno>| {
-        r.map_err(|e| format!("letting CUDA's restore thread {tid} run: {what}: {e}"))
+    let step = |what: &'static str, r: Result<(), Errno>| {
+        r.map_err(|source| RestoreThreadError::LetRun { tid, what, source })
     };
     let mut block = !(1u64 << (libc::SIGTRAP - 1));
     step(
@@ -732,12 +788,12 @@ fn with_thread_running(tid: i32, f: &mut dyn FnMut() -> Result<(), String>) -> R
             )
         })
         .and_then(|()| sigmask(libc::PTRACE_SETSIGMASK, &mut saved));
-    let back = back.map_err(|e| format!("stopping CUDA's restore thread {tid} again: {e}"));
+    let back = back.map_err(|source| RestoreThreadError::StopAgain { tid, source }.into());
     out.and(back)
 }
 
 /// Appends `records` to the images' [`RECORD_FILE`] (truncated by the first write of a dump).
-fn write_records(records: &[crate::record::Record]) -> Result<(), String> {
+fn write_records(records: &[crate::record::Record]) -> Result<(), ImagesError> {
     if records.is_empty() || STAGE.load(Ordering::Relaxed) != CR_PLUGIN_STAGE_DUMP {
         return Ok(());
     }
@@ -757,7 +813,7 @@ fn write_records(records: &[crate::record::Record]) -> Result<(), String> {
         text.push_str(&format!("{r}\n"));
     }
     f.write_all(text.as_bytes())
-        .map_err(|e| format!("writing {RECORD_FILE}: {e}"))
+        .map_err(ImagesError::WriteRecords)
 }
 
 /// Logs a claim's lines and writes its records: 0, or a negative errno.
@@ -857,21 +913,35 @@ fn restore_records() -> Records {
 
 /// An empty memfd named after `path` whose size is sealed at 0: a mapping of it raises `SIGBUS`
 /// on any access; reading it gives end of file.
-pub fn placeholder(path: &str, cloexec: bool) -> Result<OwnedFd, String> {
-    let name = CString::new(placeholder_name(path)).map_err(|e| e.to_string())?;
+pub fn placeholder(path: &str, cloexec: bool) -> Result<OwnedFd, PlaceholderError> {
+    let name = CString::new(placeholder_name(path)).map_err(PlaceholderError::Name)?;
     let mut flags = MemFdCreateFlag::MFD_ALLOW_SEALING;
     if cloexec {
         flags |= MemFdCreateFlag::MFD_CLOEXEC;
     }
-    let fd = memfd_create(&name, flags).map_err(|e| format!("memfd_create: {e}"))?;
+    let fd = memfd_create(&name, flags).map_err(PlaceholderError::Create)?;
     fcntl(
         fd.as_raw_fd(),
         FcntlArg::F_ADD_SEALS(
             SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_SEAL,
         ),
     )
-    .map_err(|e| format!("sealing the placeholder: {e}"))?;
+    .map_err(PlaceholderError::Seal)?;
     Ok(fd)
+}
+
+/// Why a placeholder memfd could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlaceholderError {
+    /// The name has a NUL byte.
+    #[error("the placeholder's name: {0}")]
+    Name(#[source] std::ffi::NulError),
+    /// `memfd_create` failed.
+    #[error("memfd_create: {0}")]
+    Create(#[source] nix::errno::Errno),
+    /// Its size could not be sealed.
+    #[error("sealing the placeholder: {0}")]
+    Seal(#[source] nix::errno::Errno),
 }
 
 /// `CR_PLUGIN_HOOK__RESTORE_EXT_FILE`: `int (int id)`, in the restored process.

@@ -34,8 +34,11 @@
 pub mod config;
 pub mod ffi;
 pub mod live;
+mod log;
 pub mod maps;
 pub mod record;
+mod restore_thread;
+mod stage;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -43,9 +46,6 @@ use std::sync::Mutex;
 
 use maps::{MapEntry, Run};
 use possum_cuda::checkpoint::{own_context, OwnContext, ProcessState};
-
-/// The prefix of every line this plugin logs.
-pub const LOG_PREFIX: &str = "possum-criu-plugin:";
 
 /// The character-device major number registered to NVIDIA (`/dev/nvidia0..N`, `/dev/nvidiactl`;
 /// Linux's `Documentation/admin-guide/devices.txt`). `nvidia-uvm` and `nvidia-caps` get dynamic
@@ -55,6 +55,7 @@ pub const NVIDIA_MAJOR: u32 = 195;
 /// Test only: a device path the plugin treats like an NVIDIA device, without asking the NVIDIA
 /// driver about the process (a CPU machine has no NVIDIA device to test with).
 pub use config::TEST_DEVICE_ENV;
+pub use log::LOG_PREFIX;
 
 /// The prefix of the name of every placeholder memfd (`/proc/PID/fd` shows
 /// `/memfd:possum-placeholder:/dev/nvidiactl (deleted)`).

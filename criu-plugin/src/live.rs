@@ -30,10 +30,10 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use possum_control::ControlError;
-use possum_cuda::checkpoint::DriverCheckpoint;
+use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
 use possum_sequence::job::{self, JobError, To};
 
-use crate::LOG_PREFIX;
+use crate::log::LOG_PREFIX;
 
 /// The directory of a process's GPU image, under CRIU's images directory.
 pub fn gpu_dir_name(pid: i32) -> String {
@@ -44,16 +44,16 @@ pub fn gpu_dir_name(pid: i32) -> String {
 pub const LOCK_TIMEOUT_MS: u32 = 30_000;
 
 /// NVIDIA's checkpoint API for other processes (`cuCheckpointProcess*`), as the plugin uses it:
-/// possum-cuda's [`DriverCheckpoint`], or a test's stand-in. Errors are the driver's text.
+/// possum-cuda's [`DriverCheckpoint`], or a test's stand-in.
 pub trait Driver {
     /// `cuCheckpointProcessLock` with a timeout.
-    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), String>;
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverCkptError>;
     /// `cuCheckpointProcessCheckpoint`.
-    fn checkpoint(&self, pid: i32) -> Result<(), String>;
+    fn checkpoint(&self, pid: i32) -> Result<(), DriverCkptError>;
     /// `cuCheckpointProcessRestore` (onto the same GPUs).
-    fn restore(&self, pid: i32) -> Result<(), String>;
+    fn restore(&self, pid: i32) -> Result<(), DriverCkptError>;
     /// `cuCheckpointProcessUnlock`.
-    fn unlock(&self, pid: i32) -> Result<(), String>;
+    fn unlock(&self, pid: i32) -> Result<(), DriverCkptError>;
 }
 
 /// The plugin's own deadline for the driver's checkpoint and restore: none. The plugin runs in
@@ -63,18 +63,161 @@ pub trait Driver {
 const MOVING_CALLS_DEADLINE: std::time::Duration = std::time::Duration::MAX;
 
 impl Driver for DriverCheckpoint {
-    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), String> {
-        DriverCheckpoint::lock(self, pid, timeout_ms).map_err(|e| e.to_string())
+    fn lock(&self, pid: i32, timeout_ms: u32) -> Result<(), DriverCkptError> {
+        DriverCheckpoint::lock(self, pid, timeout_ms)
     }
-    fn checkpoint(&self, pid: i32) -> Result<(), String> {
-        DriverCheckpoint::checkpoint(self, pid, MOVING_CALLS_DEADLINE).map_err(|e| e.to_string())
+    fn checkpoint(&self, pid: i32) -> Result<(), DriverCkptError> {
+        DriverCheckpoint::checkpoint(self, pid, MOVING_CALLS_DEADLINE)
     }
-    fn restore(&self, pid: i32) -> Result<(), String> {
-        DriverCheckpoint::restore(self, pid, &[], MOVING_CALLS_DEADLINE).map_err(|e| e.to_string())
+    fn restore(&self, pid: i32) -> Result<(), DriverCkptError> {
+        DriverCheckpoint::restore(self, pid, &[], MOVING_CALLS_DEADLINE)
     }
-    fn unlock(&self, pid: i32) -> Result<(), String> {
-        DriverCheckpoint::unlock(self, pid).map_err(|e| e.to_string())
+    fn unlock(&self, pid: i32) -> Result<(), DriverCkptError> {
+        DriverCheckpoint::unlock(self, pid)
     }
+}
+
+/// Why a live checkpoint at `PAUSE_DEVICES` failed, with what undoing the steps before it came
+/// to.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// possum's pre-copy in the job failed (nothing to undo).
+    #[error("possum's pre-copy in process {pid}: {source}")]
+    Precopy {
+        /// The process.
+        pid: i32,
+        /// The control client's error.
+        source: Box<ControlError>,
+    },
+    /// possum's release in the job failed.
+    #[error("possum's release in process {pid}: {source}{undo}")]
+    Release {
+        /// The process.
+        pid: i32,
+        /// The control client's error.
+        source: Box<ControlError>,
+        /// possum resumed.
+        undo: Undo,
+    },
+    /// The driver's lock failed.
+    #[error("NVIDIA's driver could not lock process {pid} ({source}){undo}")]
+    Lock {
+        /// The process.
+        pid: i32,
+        /// The driver's error.
+        source: Box<DriverCkptError>,
+        /// possum resumed.
+        undo: Undo,
+    },
+    /// The driver's checkpoint failed.
+    #[error("NVIDIA's driver checkpoint of process {pid} failed ({source}){undo}")]
+    Checkpoint {
+        /// The process.
+        pid: i32,
+        /// The driver's error.
+        source: Box<DriverCkptError>,
+        /// The driver unlocked and possum resumed.
+        undo: Undo,
+    },
+}
+
+/// What undoing a failed checkpoint came to; shown after its error.
+#[derive(Debug)]
+pub enum Undo {
+    /// Undone: the job runs on.
+    Done,
+    /// possum's resume in the job failed.
+    Resume(Box<ControlError>),
+    /// The driver's unlock failed.
+    Unlock(Box<DriverCkptError>),
+}
+
+impl Undo {
+    /// The undo that resumed possum in the job.
+    fn resumed(r: Result<(), ControlError>) -> Undo {
+        match r {
+            Ok(()) => Undo::Done,
+            Err(e) => Undo::Resume(Box::new(e)),
+        }
+    }
+}
+
+impl std::fmt::Display for Undo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let failed = match self {
+            Undo::Done => return f.write_str("; undone, the job runs on"),
+            Undo::Resume(e) => format!("resuming possum: {e}"),
+            Undo::Unlock(e) => format!("unlocking it: {e}"),
+        };
+        write!(
+            f,
+            "; undoing it failed too ({failed}): the job may stay paused"
+        )
+    }
+}
+
+/// Why bringing a checkpointed process back failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    /// The driver's restore.
+    #[error("NVIDIA's driver restore of process {pid}: {source}")]
+    DriverRestore {
+        /// The process.
+        pid: i32,
+        /// The driver's error.
+        source: DriverCkptError,
+    },
+    /// The driver's unlock.
+    #[error("NVIDIA's driver unlock of process {pid}: {source}")]
+    DriverUnlock {
+        /// The process.
+        pid: i32,
+        /// The driver's error.
+        source: DriverCkptError,
+    },
+    /// Letting the process's CUDA restore thread run, or stopping it again.
+    #[error(transparent)]
+    RestoreThread(#[from] crate::restore_thread::RestoreThreadError),
+    /// possum's resume could not be sent: the job's GPU operations stay held.
+    #[error(
+        "process {pid} is back in the driver, but possum's resume could not be sent ({source}): \
+         its GPU operations stay held; send it with `possum resume {pid} {}`",
+        dir.display()
+    )]
+    NotSent {
+        /// The process.
+        pid: i32,
+        /// Its GPU image directory.
+        dir: PathBuf,
+        /// The control client's error.
+        source: ControlError,
+    },
+}
+
+/// A job that does not see CRIU's images directory at its path.
+#[derive(Debug, thiserror::Error)]
+pub enum JobSeesError {
+    /// The images directory itself cannot be read.
+    #[error("{}: {source}", dir.display())]
+    Ours {
+        /// The images directory.
+        dir: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The job sees another directory there, or none.
+    #[error(
+        "process {pid} does not see CRIU's images directory {} at that path (another mount \
+         namespace: a container); possum in the job writes its GPU buffers there itself, so \
+         mount the images directory into the job's namespace at the same path",
+        dir.display()
+    )]
+    Theirs {
+        /// The process.
+        pid: i32,
+        /// The images directory.
+        dir: PathBuf,
+    },
 }
 
 /// A job's possum control socket, as the plugin reaches it.
@@ -255,17 +398,18 @@ impl Live {
 /// Whether the job `pid` sees `dir` (CRIU's view) as the same directory: the job writes and
 /// reads its GPU image there itself, by path when it does, else through a passed descriptor
 /// ([`PossumPart`]).
-pub fn job_sees(pid: i32, dir: &Path) -> Result<(), String> {
-    let ours = std::fs::metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+pub fn job_sees(pid: i32, dir: &Path) -> Result<(), JobSeesError> {
+    let ours = std::fs::metadata(dir).map_err(|source| JobSeesError::Ours {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
     let theirs = std::fs::metadata(proc_root(pid, dir));
     match theirs {
         Ok(m) if (m.dev(), m.ino()) == (ours.dev(), ours.ino()) => Ok(()),
-        _ => Err(format!(
-            "process {pid} does not see CRIU's images directory {} at that path (another mount \
-             namespace: a container); possum in the job writes its GPU buffers there itself, so \
-             mount the images directory into the job's namespace at the same path",
-            dir.display()
-        )),
+        _ => Err(JobSeesError::Theirs {
+            pid,
+            dir: dir.to_path_buf(),
+        }),
     }
 }
 
@@ -277,69 +421,79 @@ pub fn checkpoint(
     images: &Path,
     socket: Option<JobSocket>,
     driver: &dyn Driver,
-) -> Result<Live, String> {
+) -> Result<Live, CheckpointError> {
     let mut steps = Steps::default();
     let possum = match socket {
-        Some(s) => {
-            let part = PossumPart::new(s, images.join(gpu_dir_name(pid)));
-            steps
-                .time("pre-copy", || {
-                    part.step(|pid, to, dir| job::precopy(pid, to, dir, false, None))
-                })
-                .map_err(|e| format!("possum's pre-copy in process {pid}: {e}"))?;
-            let release = steps.time("release", || {
-                job::cut(pid, part.socket.to(), None).map_err(JobError::into_control)
-            });
-            if let Err(e) = release {
-                let undo = resume_now(&part);
-                return Err(format!(
-                    "possum's release in process {pid}: {e}{}",
-                    undone(undo)
-                ));
-            }
-            Some(part)
-        }
+        Some(s) => Some(release_possum(pid, images, s, &mut steps)?),
         None => None,
     };
     let undo_possum = |possum: &Option<PossumPart>| match possum {
-        Some(p) => resume_now(p),
-        None => Ok(()),
+        Some(p) => Undo::resumed(resume_now(p)),
+        None => Undo::Done,
     };
-    if let Err(r) = steps.time("driver lock", || driver.lock(pid, LOCK_TIMEOUT_MS)) {
-        return Err(format!(
-            "NVIDIA's driver could not lock process {pid} ({r}){}",
-            undone(undo_possum(&possum))
-        ));
+    if let Err(source) = steps.time("driver lock", || driver.lock(pid, LOCK_TIMEOUT_MS)) {
+        return Err(CheckpointError::Lock {
+            pid,
+            source: Box::new(source),
+            undo: undo_possum(&possum),
+        });
     }
-    if let Err(r) = steps.time("driver checkpoint", || driver.checkpoint(pid)) {
-        let unlock = driver.unlock(pid).map_err(|u| format!("unlocking it: {u}"));
-        return Err(format!(
-            "NVIDIA's driver checkpoint of process {pid} failed ({r}){}",
-            undone(unlock.and_then(|()| undo_possum(&possum)))
-        ));
+    if let Err(source) = steps.time("driver checkpoint", || driver.checkpoint(pid)) {
+        let undo = match driver.unlock(pid) {
+            Ok(()) => undo_possum(&possum),
+            Err(e) => Undo::Unlock(Box::new(e)),
+        };
+        return Err(CheckpointError::Checkpoint {
+            pid,
+            source: Box::new(source),
+            undo,
+        });
     }
     Ok(Live { pid, possum, steps })
 }
 
-/// Resumes possum in a job that runs (a failed checkpoint's undo), waiting for its answer.
-fn resume_now(p: &PossumPart) -> Result<(), String> {
-    p.step(|pid, to, dir| job::resume(pid, to, dir, None))
-        .map(|_| ())
-        .map_err(|e| format!("resuming possum: {e}"))
+/// possum's pre-copy and release in the job (its GPU image under `images`), timed into
+/// `steps`; a failed release resumes possum.
+fn release_possum(
+    pid: i32,
+    images: &Path,
+    socket: JobSocket,
+    steps: &mut Steps,
+) -> Result<PossumPart, CheckpointError> {
+    let part = PossumPart::new(socket, images.join(gpu_dir_name(pid)));
+    steps
+        .time("pre-copy", || {
+            part.step(|pid, to, dir| job::precopy(pid, to, dir, false, None))
+        })
+        .map_err(|source| CheckpointError::Precopy {
+            pid,
+            source: Box::new(source),
+        })?;
+    let release = steps.time("release", || {
+        job::cut(pid, part.socket.to(), None).map_err(JobError::into_control)
+    });
+    if let Err(source) = release {
+        let undo = Undo::resumed(resume_now(&part));
+        return Err(CheckpointError::Release {
+            pid,
+            source: Box::new(source),
+            undo,
+        });
+    }
+    Ok(part)
 }
 
-fn undone(r: Result<(), String>) -> String {
-    match r {
-        Ok(()) => "; undone, the job runs on".into(),
-        Err(e) => format!("; undoing it failed too ({e}): the job may stay paused"),
-    }
+/// Resumes possum in a job that runs (a failed checkpoint's undo), waiting for its answer.
+fn resume_now(p: &PossumPart) -> Result<(), ControlError> {
+    p.step(|pid, to, dir| job::resume(pid, to, dir, None))
+        .map(|_| ())
 }
 
 /// A driver step to run while the process's CUDA restore thread runs.
-pub type Step<'a> = &'a mut dyn FnMut() -> Result<(), String>;
+pub type Step<'a> = &'a mut dyn FnMut() -> Result<(), ResumeError>;
 
 /// Runs a [`Step`] with the restore thread let run (CRIU holds the process stopped).
-pub type WithRestoreThread<'a> = &'a mut dyn FnMut(Step<'_>) -> Result<(), String>;
+pub type WithRestoreThread<'a> = &'a mut dyn FnMut(Step<'_>) -> Result<(), ResumeError>;
 
 /// Brings a checkpointed process back: the driver's restore and unlock, run by
 /// `with_restore_thread` (which lets the process's CUDA restore thread run meanwhile: CRIU holds
@@ -350,28 +504,26 @@ pub fn resume(
     live: &Live,
     driver: &dyn Driver,
     with_restore_thread: WithRestoreThread<'_>,
-) -> Result<String, String> {
+) -> Result<String, ResumeError> {
     let pid = live.pid;
     let mut steps = Steps::default();
     with_restore_thread(&mut || {
         steps
             .time("driver restore", || driver.restore(pid))
-            .map_err(|r| format!("NVIDIA's driver restore of process {pid}: {r}"))?;
+            .map_err(|source| ResumeError::DriverRestore { pid, source })?;
         steps
             .time("driver unlock", || driver.unlock(pid))
-            .map_err(|r| format!("NVIDIA's driver unlock of process {pid}: {r}"))
+            .map_err(|source| ResumeError::DriverUnlock { pid, source })
     })?;
     let took = steps.line();
     match &live.possum {
         Some(p) => {
-            p.step(job::resume_sent).map_err(|e| {
-                format!(
-                    "process {pid} is back in the driver, but possum's resume could not be \
-                         sent ({e}): its GPU operations stay held; send it with `possum resume \
-                         {pid} {}`",
-                    p.dir.display()
-                )
-            })?;
+            p.step(job::resume_sent)
+                .map_err(|source| ResumeError::NotSent {
+                    pid,
+                    dir: p.dir.clone(),
+                    source,
+                })?;
             Ok(format!(
                 "{LOG_PREFIX} pid {pid}: driver restored and unlocked ({took}); possum's resume \
                  from {}{} sent (answered once CRIU lets the process run)",
@@ -416,10 +568,15 @@ mod tests {
     }
 
     impl Mock {
-        fn call(&self, what: &'static str, pid: i32) -> Result<(), String> {
+        fn call(&self, what: &'static str, pid: i32) -> Result<(), DriverCkptError> {
             self.calls.borrow_mut().push(format!("{what} {pid}"));
             if self.fail.contains(&what) {
-                Err(format!("mock {what} of pid {pid} failed (CUresult 999)"))
+                Err(DriverCkptError::Call {
+                    call: what,
+                    pid,
+                    code: 999,
+                    text: "mock failure".into(),
+                })
             } else {
                 Ok(())
             }
@@ -427,16 +584,16 @@ mod tests {
     }
 
     impl Driver for Mock {
-        fn lock(&self, pid: i32, _: u32) -> Result<(), String> {
+        fn lock(&self, pid: i32, _: u32) -> Result<(), DriverCkptError> {
             self.call("lock", pid)
         }
-        fn checkpoint(&self, pid: i32) -> Result<(), String> {
+        fn checkpoint(&self, pid: i32) -> Result<(), DriverCkptError> {
             self.call("checkpoint", pid)
         }
-        fn restore(&self, pid: i32) -> Result<(), String> {
+        fn restore(&self, pid: i32) -> Result<(), DriverCkptError> {
             self.call("restore", pid)
         }
-        fn unlock(&self, pid: i32) -> Result<(), String> {
+        fn unlock(&self, pid: i32) -> Result<(), DriverCkptError> {
             self.call("unlock", pid)
         }
     }
@@ -548,7 +705,9 @@ mod tests {
             fail: vec!["checkpoint"],
             ..Mock::default()
         };
-        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s"))), &d).unwrap_err();
+        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s"))), &d)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("driver checkpoint") && e.contains("undone"),
             "{e}"
@@ -563,7 +722,9 @@ mod tests {
         // The release fails: possum is resumed, the driver never touched.
         let (_server, seen) = job(&tmp.path().join("s2"), Some("release"));
         let d = Mock::default();
-        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s2"))), &d).unwrap_err();
+        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s2"))), &d)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("release") && e.contains("release refused"),
             "{e}"
@@ -576,7 +737,7 @@ mod tests {
             fail: vec!["lock"],
             ..Mock::default()
         };
-        let e = checkpoint(me(), &images, None, &d).unwrap_err();
+        let e = checkpoint(me(), &images, None, &d).unwrap_err().to_string();
         assert!(
             e.contains("could not lock") && e.contains("CUresult 999"),
             "{e}"
@@ -624,7 +785,8 @@ mod tests {
             Some(socket(&tmp.path().join("s"))),
             &d,
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("missing"), "{e}");
         assert!(d.calls.borrow().is_empty());
         assert!(
@@ -657,27 +819,17 @@ mod tests {
 
     #[test]
     fn leave_running_is_read_from_criu_s_command_line() {
-        let cl = |s: &str| s.replace(' ', "\0").into_bytes();
-        assert_eq!(
-            leave_running_from_cmdline(&cl("criu dump -t 5 -D d -R")),
-            Some(true)
-        );
-        assert_eq!(
-            leave_running_from_cmdline(&cl("criu dump -t 5 --leave-running")),
-            Some(true)
-        );
-        assert_eq!(
-            leave_running_from_cmdline(&cl("criu dump -vR -t 5")),
-            Some(true)
-        );
-        assert_eq!(
-            leave_running_from_cmdline(&cl("criu dump -t 5 -D d")),
-            Some(false)
-        );
-        assert_eq!(
-            leave_running_from_cmdline(&cl("criu dump --root /R")),
-            Some(false)
-        );
-        assert_eq!(leave_running_from_cmdline(&cl("criu swrk 3")), None);
+        let cases = [
+            ("criu dump -t 5 -D d -R", Some(true)),
+            ("criu dump -t 5 --leave-running", Some(true)),
+            ("criu dump -vR -t 5", Some(true)),
+            ("criu dump -t 5 -D d", Some(false)),
+            ("criu dump --root /R", Some(false)),
+            ("criu swrk 3", None),
+        ];
+        for (cmdline, want) in cases {
+            let nul = cmdline.replace(' ', "\0").into_bytes();
+            assert_eq!(leave_running_from_cmdline(&nul), want, "{cmdline}");
+        }
     }
 }

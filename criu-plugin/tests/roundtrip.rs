@@ -13,7 +13,7 @@
 //! `UPDATE_VMA_MAP`) is covered by the unit tests and the GPU trials (`scripts/gpu-tree.sh`).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use possum_criu::{set_child_subreaper, wait_for_exit, Criu};
@@ -35,65 +35,22 @@ fn plugin() -> PathBuf {
         .expect("libpossum_criu_plugin.so not built")
 }
 
-struct Tree {
-    child: Child,
-    pid: i32,
-    out: PathBuf,
-    ready: PathBuf,
-}
+#[path = "../../criu-adapter/tests/support/testee.rs"]
+mod testee;
+use testee::{wait_for_file, Testee as Tree};
 
 fn start_tree(dir: &Path, name: &str, hold: Option<&Path>) -> Tree {
     start_tree_kib(dir, name, hold, 1024)
 }
 
 fn start_tree_kib(dir: &Path, name: &str, hold: Option<&Path>, kib: usize) -> Tree {
-    let out = dir.join(format!("{name}.out"));
-    let ready = dir.join(format!("{name}.ready"));
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_plugin-testee"));
-    if let Some(dev) = hold {
-        cmd.arg("--hold").arg(dev);
-    }
-    let child = cmd
-        .arg(&out)
-        .args([
-            "--steps",
-            "40",
-            "--step-ms",
-            "50",
-            "--kib",
-            &kib.to_string(),
-        ])
-        .arg("--ready")
-        .arg(&ready)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start plugin-testee");
-    let pid = i32::try_from(child.id()).unwrap();
-    Tree {
-        child,
-        pid,
-        out,
-        ready,
-    }
-}
-
-fn wait_for_file(path: &Path, timeout: Duration) -> String {
-    let end = Instant::now() + timeout;
-    loop {
-        if let Ok(s) = std::fs::read_to_string(path) {
-            if !s.is_empty() {
-                return s;
-            }
-        }
-        assert!(
-            Instant::now() < end,
-            "{} did not appear within {timeout:?}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let hold: Vec<&std::ffi::OsStr> = match hold {
+        Some(dev) => vec!["--hold".as_ref(), dev.as_os_str()],
+        None => Vec::new(),
+    };
+    let kib = kib.to_string();
+    let args = ["--steps", "40", "--step-ms", "50", "--kib", &kib];
+    testee::start(env!("CARGO_BIN_EXE_plugin-testee"), dir, name, &hold, &args)
 }
 
 /// Runs criu with `args` (and the environment `env`); whether it succeeded.
@@ -122,6 +79,28 @@ fn criu_run_env(criu: &Criu, args: &[&std::ffi::OsStr], env: &[(&str, &Path)], l
         let tail: Vec<&str> = tail.into_iter().rev().collect();
         panic!("criu {args:?} failed\n{}", tail.join("\n"));
     }
+}
+
+/// `criu dump -t PID -D IMAGES --libdir LIBDIR`, its log `dump.log` at level 4.
+fn dump_args(pid: i32, images: &Path, libdir: &Path) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> =
+        vec!["dump".into(), "-t".into(), pid.to_string().into()];
+    args.extend(["-D".into(), images.into(), "--libdir".into(), libdir.into()]);
+    args.extend(["-o", "dump.log", "-v4"].map(Into::into));
+    args
+}
+
+/// `args` borrowed, as [`criu_run`] and [`criu_try`] take them.
+fn os_strs(args: &[std::ffi::OsString]) -> Vec<&std::ffi::OsStr> {
+    args.iter().map(|s| s.as_os_str()).collect()
+}
+
+/// A directory under `dir` holding this build's plugin alone (CRIU loads every `*.so` there).
+fn plugin_libdir(dir: &Path) -> PathBuf {
+    let libdir = dir.join("plugins");
+    std::fs::create_dir(&libdir).unwrap();
+    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
+    libdir
 }
 
 /// `criu restore` (detached) of `images` with the plugins of `libdir`; returns its log.
@@ -157,9 +136,7 @@ fn criu_loads_the_plugin_and_round_trips_a_process_tree() {
     set_child_subreaper().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     // The plugin alone in its directory: CRIU loads every *.so in --libdir.
-    let libdir = tmp.path().join("plugins");
-    std::fs::create_dir(&libdir).unwrap();
-    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
+    let libdir = plugin_libdir(tmp.path());
 
     let mut reference = start_tree(tmp.path(), "reference", None);
     let mut tree = start_tree(tmp.path(), "dumped", None);
@@ -168,23 +145,8 @@ fn criu_loads_the_plugin_and_round_trips_a_process_tree() {
     let images = tmp.path().join("images");
     std::fs::create_dir(&images).unwrap();
     let dump_log = images.join("dump.log");
-    let pid = tree.pid.to_string();
-    criu_run(
-        &criu,
-        &[
-            "dump".as_ref(),
-            "-t".as_ref(),
-            pid.as_ref(),
-            "-D".as_ref(),
-            images.as_os_str(),
-            "--libdir".as_ref(),
-            libdir.as_os_str(),
-            "-o".as_ref(),
-            "dump.log".as_ref(),
-            "-v4".as_ref(),
-        ],
-        &dump_log,
-    );
+    let args = dump_args(tree.pid, &images, &libdir);
+    criu_run(&criu, &os_strs(&args), &dump_log);
     let status = tree.child.wait().unwrap();
     assert!(!status.success(), "CRIU kills a dumped tree: {status}");
     // The killed child was reparented to us (a subreaper): reap it, or its zombie holds the PID
@@ -288,9 +250,7 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
     };
     set_child_subreaper().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let libdir = tmp.path().join("plugins");
-    std::fs::create_dir(&libdir).unwrap();
-    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
+    let libdir = plugin_libdir(tmp.path());
 
     let mut reference = start_tree(tmp.path(), "reference", Some(&dev));
     let mut tree = start_tree(tmp.path(), "dumped", Some(&dev));
@@ -300,31 +260,14 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
         fd_links(child_pid).contains(&dev_s),
         "the child holds {dev_s}"
     );
-    let pid = tree.pid.to_string();
-    let dump_args = |images: &Path| -> Vec<std::ffi::OsString> {
-        [
-            "dump".as_ref(),
-            "-t".as_ref(),
-            pid.as_ref(),
-            "-D".as_ref(),
-            images.as_os_str(),
-            "--libdir".as_ref(),
-            libdir.as_os_str(),
-            "-o".as_ref(),
-            "dump.log".as_ref(),
-            "-v4".as_ref(),
-        ]
-        .iter()
-        .map(|s: &&std::ffi::OsStr| s.to_os_string())
-        .collect()
-    };
+    let dump_args = |images: &Path| dump_args(tree.pid, images, &libdir);
 
     // Without the stand-in, the plugin says "not mine" and CRIU cannot dump the descriptor: the
     // dump fails and the tree runs on.
     let refused = tmp.path().join("refused");
     std::fs::create_dir(&refused).unwrap();
     let args = dump_args(&refused);
-    let args: Vec<&std::ffi::OsStr> = args.iter().map(|s| s.as_os_str()).collect();
+    let args = os_strs(&args);
     assert!(
         !criu_try(&criu, &args, &[]),
         "CRIU dumped {dev_s} without the plugin claiming it"
@@ -336,7 +279,7 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
     let images = tmp.path().join("images");
     std::fs::create_dir(&images).unwrap();
     let args = dump_args(&images);
-    let args: Vec<&std::ffi::OsStr> = args.iter().map(|s| s.as_os_str()).collect();
+    let args = os_strs(&args);
     criu_run_env(
         &criu,
         &args,
@@ -386,10 +329,7 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
 /// `criu` loading this build's plugin from a directory of its own under `dir` (over CRIU's RPC,
 /// as `possum checkpoint` / `possum restore` drive it).
 fn with_plugin_dir(criu: Criu, dir: &Path) -> Criu {
-    let libdir = dir.join("plugins");
-    std::fs::create_dir(&libdir).unwrap();
-    std::fs::copy(plugin(), libdir.join("libpossum_criu_plugin.so")).unwrap();
-    criu.with_plugin_dir(Some(libdir))
+    criu.with_plugin_dir(Some(plugin_libdir(dir)))
 }
 
 /// possum's own CRIU driver (`possum-criu`, CRIU's RPC, which has no `libdir` option) loads the

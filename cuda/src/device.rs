@@ -6,15 +6,17 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
-use possum_engine::addresses::{end_of, host_len, invalid, AddressTables, MappedMemory};
+use possum_engine::addresses::{
+    check_reserve_size, end_of, granular_range, invalid, out_of_memory, AddressTables, MappedMemory,
+};
 use possum_engine::device::{
     DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
 };
 use possum_engine::fingerprint::Fingerprint;
 
+use crate::driver::fingerprint::FingerprintKernel;
 use crate::driver::{
-    self, CUcontext, Context, CudaEvent, CudaPending, CudaStream, FingerprintKernel, PhysMem,
-    PinnedBuf,
+    self, CUcontext, Context, CudaEvent, CudaPending, CudaStream, PhysMem, PinnedBuf,
 };
 use crate::owner::{is_unreachable, owner_error, MemoryOwner, OwnerStatus};
 use std::os::fd::AsFd;
@@ -196,19 +198,6 @@ impl CudaDevice {
             None => owner.status(),
         };
         Some((st, owned, all - owned))
-    }
-
-    /// The end of `[va, va + size)`, which must start and end on the granularity.
-    fn granular_range(&self, va: DevPtr, size: u64) -> DeviceResult<u64> {
-        let g = self.granularity;
-        if size == 0 || size % g != 0 || va.0 % g != 0 {
-            return Err(invalid(
-                va.0,
-                size,
-                "start or size is not a multiple of the granularity",
-            ));
-        }
-        end_of(va.0, size)
     }
 
     /// The device's UUID now, when it is not the one this was opened on: NVIDIA's restore of the
@@ -407,68 +396,31 @@ impl Device for CudaDevice {
 
     fn reserve(&self, size: u64) -> DeviceResult<DevPtr> {
         self.ctx.bind()?;
-        if size == 0 || size % self.granularity != 0 {
-            return Err(invalid(
-                0,
-                size,
-                "size is not a positive multiple of the granularity",
-            ));
-        }
+        check_reserve_size(size, self.granularity)?;
         let va = driver::address_reserve(size, self.granularity)?;
         self.tables.lock().reservations.insert(va, size);
         Ok(DevPtr(va))
     }
 
     fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let end = self.granular_range(va, size)?;
-        let mut t = self.tables.lock();
-        if t.touches_reservation(va.0, end) {
-            return Err(invalid(va.0, size, "overlaps a reservation of possum's"));
-        }
-        t.reservations.insert(va.0, size);
-        t.adopted.insert(va.0);
-        Ok(())
+        self.tables.lock().adopt(va.0, size, self.granularity)
     }
 
     fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         self.ctx.bind()?;
-        let mut t = self.tables.lock();
-        if t.reservations.get(&va.0) != Some(&size) {
-            return Err(invalid(
-                va.0,
-                size,
-                "not a reservation (start and size must match)",
-            ));
-        }
-        if t.touches_mapping(va.0, va.0 + size) {
-            return Err(invalid(va.0, size, "reservation still has mappings"));
-        }
-        if !t.adopted.remove(&va.0) {
-            driver::address_free(va.0, size)?;
-        }
-        t.reservations.remove(&va.0);
-        Ok(())
+        let free = || driver::address_free(va.0, size);
+        self.tables.lock().unreserve(va.0, size, free)
     }
 
     fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         self.ctx.bind()?;
-        let end = self.granular_range(va, size)?;
         // Held across the driver calls, so two maps can't race for the same range.
         let mut t = self.tables.lock();
-        if t.reservation_holding(va.0, end).is_none() {
-            return Err(invalid(va.0, size, "not inside one reservation"));
-        }
-        if t.touches_mapping(va.0, end) {
-            return Err(invalid(va.0, size, "overlaps a mapping"));
-        }
+        t.check_map(va.0, size, self.granularity)?;
         let (mem, id) = match self.new_memory(size) {
             Ok(x) => x,
             Err(e) if driver::is_out_of_memory(&e) => {
-                let free = driver::mem_get_info().map(|(free, _)| free).unwrap_or(0);
-                return Err(DeviceError::OutOfMemory {
-                    requested: size,
-                    free,
-                });
+                return Err(out_of_memory(size, driver::mem_get_info()));
             }
             Err(e) => return Err(e),
         };
@@ -489,11 +441,7 @@ impl Device for CudaDevice {
     fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         self.ctx.bind()?;
         let mut t = self.tables.lock();
-        match t.mappings.get(&va.0) {
-            Some(m) if m.size() == size => {}
-            Some(_) => return Err(invalid(va.0, size, "size differs from the mapping's")),
-            None => return Err(invalid(va.0, size, "not the start of a mapping")),
-        }
+        t.check_unmap(va.0, size)?;
         driver::unmap(va.0, size)?;
         let mem = t.mappings.remove(&va.0).expect("checked above");
         let released = mem.release();
@@ -611,7 +559,7 @@ impl Device for CudaDevice {
 
     fn expect_kept(&self, va: DevPtr, size: u64, id: u64, epoch: u64) -> DeviceResult<()> {
         self.owner_for("expect_kept")?;
-        let end = self.granular_range(va, size)?;
+        let end = granular_range(va.0, size, self.granularity)?;
         let mut t = self.tables.lock();
         if t.reservation_holding(va.0, end).is_none() {
             return Err(invalid(va.0, size, "not inside one reservation"));
@@ -639,7 +587,7 @@ impl Device for CudaDevice {
 
     fn alloc_host(&self, len: usize) -> DeviceResult<PinnedBuf> {
         self.ctx.bind()?;
-        PinnedBuf::alloc(&self.ctx, len)
+        driver::pinned(&self.ctx, len)
     }
 
     fn create_stream(&self, priority: StreamPriority) -> DeviceResult<CudaStream> {
@@ -659,8 +607,7 @@ impl Device for CudaDevice {
         len: u64,
     ) -> DeviceResult<CudaPending> {
         self.ctx.bind()?;
-        let n = host_len(len, dst.len())?;
-        self.tables.lock().check_copy_range(src.0, len)?;
+        let n = self.tables.lock().check_host_copy(src.0, len, dst.len())?;
         stream.copy_d2h(src.0, dst, n)
     }
 
@@ -672,8 +619,7 @@ impl Device for CudaDevice {
         len: u64,
     ) -> DeviceResult<CudaPending> {
         self.ctx.bind()?;
-        let n = host_len(len, src.len())?;
-        self.tables.lock().check_copy_range(dst.0, len)?;
+        let n = self.tables.lock().check_host_copy(dst.0, len, src.len())?;
         stream.copy_h2d(src, dst.0, n)
     }
 
@@ -685,11 +631,7 @@ impl Device for CudaDevice {
         len: u64,
     ) -> DeviceResult<()> {
         self.ctx.bind()?;
-        {
-            let t = self.tables.lock();
-            t.check_copy_range(src.0, len)?;
-            t.check_copy_range(dst.0, len)?;
-        }
+        self.tables.lock().check_copy_ranges(src.0, dst.0, len)?;
         stream.copy_d2d(src.0, dst.0, len)
     }
 

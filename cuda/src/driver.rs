@@ -25,11 +25,13 @@
 use std::ffi::{c_void, CStr};
 use std::fmt;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
-use possum_engine::device::{DeviceError, DeviceResult, HostBuffer, Transfer};
+use possum_engine::backend::{
+    self, backend_error, check_call, CopyEvent, CopyStream, Pinned, PinnedAlloc,
+};
+use possum_engine::device::{DeviceError, DeviceResult, HostBuffer};
 
 pub use sys::{CUcontext, CUdevice, CUresult, CUstream};
 
@@ -149,29 +151,21 @@ pub fn describe(r: CUresult) -> String {
 
 /// `Ok` for `CUDA_SUCCESS`, else a [`DeviceError::Backend`] naming `call`.
 pub fn check(call: &'static str, r: CUresult) -> DeviceResult<()> {
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(DeviceError::Backend {
-            call,
-            code: r as i64,
-            message: describe(r),
-        })
+    check_call(call, r == CUresult::CUDA_SUCCESS, r as i64, || describe(r))
+}
+
+/// The answer of a `cu*Query` call `call`: done, not ready yet, or failed.
+fn ready(call: &'static str, r: CUresult) -> DeviceResult<bool> {
+    if r == CUresult::CUDA_ERROR_NOT_READY {
+        return Ok(false);
     }
+    check_async(call, r).map(|()| true)
 }
 
 /// Like [`check`], for calls that wait for earlier asynchronous work: their errors are that work's,
 /// so they become [`DeviceError::StreamFailed`].
 pub fn check_async(call: &'static str, r: CUresult) -> DeviceResult<()> {
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(DeviceError::StreamFailed(format!(
-            "{call}: {} (code {})",
-            describe(r),
-            r as i64
-        )))
-    }
+    backend::as_stream_failure(check(call, r))
 }
 
 /// Whether `e` is the driver saying it is out of memory.
@@ -249,6 +243,7 @@ pub fn device_uuid(dev: CUdevice) -> DeviceResult<[u8; 16]> {
 
 /// A retained primary context: the one the CUDA runtime (and so PyTorch) uses on the same device, so
 /// memory, streams and events made through it are usable by the job and the other way round.
+#[derive(Debug)]
 pub struct Context {
     dev: CUdevice,
     raw: CUcontext,
@@ -259,15 +254,6 @@ pub struct Context {
 unsafe impl Send for Context {}
 // SAFETY: as above; no method mutates the handle.
 unsafe impl Sync for Context {}
-
-impl fmt::Debug for Context {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Context")
-            .field("dev", &self.dev)
-            .field("raw", &self.raw)
-            .finish()
-    }
-}
 
 impl Context {
     /// Retains `dev`'s primary context (creating it if no one has yet).
@@ -462,11 +448,7 @@ pub fn alloc_granularity(dev: CUdevice, recommended: bool) -> DeviceResult<u64> 
 }
 
 fn to_usize(call: &'static str, n: u64) -> DeviceResult<usize> {
-    usize::try_from(n).map_err(|_| DeviceError::Backend {
-        call,
-        code: CUresult::CUDA_ERROR_INVALID_VALUE as i64,
-        message: format!("size {n} does not fit in usize"),
-    })
+    backend::usize_arg(call, n, CUresult::CUDA_ERROR_INVALID_VALUE as i64)
 }
 
 /// Reserves `size` bytes of device virtual address space aligned to `align`.
@@ -493,26 +475,43 @@ pub struct PhysMem {
     ctx: Arc<Context>,
 }
 
-impl fmt::Debug for PhysMem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PhysMem")
-            .field("handle", &format_args!("{:#x}", self.handle))
-            .field("size", &self.size)
-            .finish()
-    }
+/// Implements `Debug` for a driver object `$ty` as its name, its field `$field` in hex, and its
+/// field `size`.
+macro_rules! debug_hex_and_size {
+    ($ty:ident, $field:ident) => {
+        impl std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($ty))
+                    .field(stringify!($field), &format_args!("{:#x}", self.$field))
+                    .field("size", &self.size)
+                    .finish()
+            }
+        }
+    };
+}
+pub(crate) use debug_hex_and_size;
+
+debug_hex_and_size!(PhysMem, handle);
+
+/// `cuMemCreate` of `size` bytes with `prop`, on the current context.
+pub(crate) fn mem_create(
+    prop: &sys::CUmemAllocationProp,
+    size: u64,
+) -> DeviceResult<sys::CUmemGenericAllocationHandle> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    call!(cuMemCreate(
+        &mut handle,
+        to_usize("cuMemCreate", size)?,
+        prop,
+        0
+    ))?;
+    Ok(handle)
 }
 
 impl PhysMem {
     /// Creates `size` bytes of physical memory on the context's device.
     pub fn create(ctx: &Arc<Context>, size: u64) -> DeviceResult<PhysMem> {
-        let prop = device_alloc_prop(ctx.dev);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        call!(cuMemCreate(
-            &mut handle,
-            to_usize("cuMemCreate", size)?,
-            &prop,
-            0
-        ))?;
+        let handle = mem_create(&device_alloc_prop(ctx.dev), size)?;
         Ok(PhysMem::owning(handle, size, ctx))
     }
 
@@ -592,88 +591,45 @@ pub fn address_range(va: u64) -> DeviceResult<(u64, u64)> {
     Ok((base, size as u64))
 }
 
-/// Pinned (page-locked) host memory from `cuMemHostAlloc(PORTABLE)`: usable for asynchronous copies
-/// by every context. Zeroed when allocated; freed on drop.
-pub struct PinnedBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-    ctx: Arc<Context>,
-}
+/// Where [`PinnedBuf`]s come from: `cuMemHostAlloc(PORTABLE)` in a context, so the memory is
+/// usable for asynchronous copies by every context.
+#[derive(Debug, Clone)]
+pub struct PinnedHost(Arc<Context>);
 
-// SAFETY: the buffer is plain host memory owned by this value; the pointer is never shared outside
-// it except with the driver for a copy, during which a `CudaPending` owns the buffer.
-unsafe impl Send for PinnedBuf {}
-// SAFETY: shared references only read the bytes (`as_slice`); writes need `&mut`.
-unsafe impl Sync for PinnedBuf {}
-
-impl fmt::Debug for PinnedBuf {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PinnedBuf")
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl PinnedBuf {
-    /// Allocates `len` bytes of pinned, zeroed host memory.
-    pub fn alloc(ctx: &Arc<Context>, len: usize) -> DeviceResult<PinnedBuf> {
-        if len == 0 {
-            return Ok(PinnedBuf {
-                ptr: NonNull::dangling(),
-                len: 0,
-                ctx: ctx.clone(),
-            });
-        }
+impl PinnedAlloc for PinnedHost {
+    fn alloc_pinned(&self, len: usize) -> DeviceResult<&'static mut [u8]> {
         let mut p: *mut c_void = ptr::null_mut();
         call!(cuMemHostAlloc(&mut p, len, sys::CU_MEMHOSTALLOC_PORTABLE))?;
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| DeviceError::Backend {
-            call: "cuMemHostAlloc",
-            code: CUresult::CUDA_ERROR_OUT_OF_MEMORY as i64,
-            message: "driver returned a null pointer".to_string(),
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| {
+            backend_error(
+                "cuMemHostAlloc",
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY as i64,
+                "driver returned a null pointer".to_string(),
+            )
         })?;
-        // SAFETY: the driver just allocated `len` writable bytes at `ptr`, which nothing else uses;
-        // zeroing them makes the memory initialised, so `as_slice` may hand out `&[u8]`.
-        unsafe { ptr::write_bytes(ptr.as_ptr(), 0, len) };
-        Ok(PinnedBuf {
-            ptr,
-            len,
-            ctx: ctx.clone(),
-        })
+        // SAFETY: the driver just allocated `len` writable bytes at `ptr`, which nothing else
+        // uses, and frees them only in `free_pinned`, which takes them back from the one
+        // `PinnedBuf` they are handed to; zeroed first, they are initialised.
+        unsafe {
+            ptr::write_bytes(ptr.as_ptr(), 0, len);
+            Ok(std::slice::from_raw_parts_mut(ptr.as_ptr(), len))
+        }
     }
 
-    fn host_ptr(&self) -> *mut c_void {
-        self.ptr.as_ptr().cast()
+    fn free_pinned(&self, mem: Pinned) {
+        if self.0.bind().is_ok() {
+            let _ = call!(cuMemFreeHost(mem.into_ptr().cast()));
+        }
     }
 }
 
-impl HostBuffer for PinnedBuf {
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid and initialised for `len` bytes while `self` lives (dangling only
-        // when `len` is 0, which `from_raw_parts` allows for a non-null aligned pointer), and no copy
-        // can be using it: copies own the buffer until they are complete.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
+/// Pinned (page-locked) host memory from `cuMemHostAlloc(PORTABLE)` ([`PinnedHost`]): usable
+/// for asynchronous copies by every context. Zeroed when allocated; freed on drop.
+pub type PinnedBuf = backend::PinnedBuf<PinnedHost>;
 
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-impl Drop for PinnedBuf {
-    fn drop(&mut self) {
-        if self.len == 0 {
-            return;
-        }
-        if self.ctx.bind().is_ok() {
-            let _ = call!(cuMemFreeHost(self.host_ptr()));
-        }
-    }
+/// Allocates `len` bytes of pinned, zeroed host memory in `ctx`.
+pub fn pinned(ctx: &Arc<Context>, len: usize) -> DeviceResult<PinnedBuf> {
+    PinnedBuf::alloc(PinnedHost(ctx.clone()), len)
 }
 
 struct StreamInner {
@@ -792,10 +748,7 @@ impl CudaStream {
     pub fn query(&self) -> DeviceResult<bool> {
         // SAFETY: the stream handle is valid (owned, 0, or valid by `borrow_raw`'s contract).
         let r = unsafe { sys::cuStreamQuery(self.0.raw) };
-        if r == CUresult::CUDA_ERROR_NOT_READY {
-            return Ok(false);
-        }
-        check_async("cuStreamQuery", r).map(|()| true)
+        ready("cuStreamQuery", r)
     }
 
     /// Makes the device wait, in this stream, for `event`.
@@ -824,26 +777,16 @@ impl CudaStream {
     }
 
     /// Queues a copy of `len` bytes from device `src` into the start of `dst`.
-    pub fn copy_d2h(&self, src: u64, mut dst: PinnedBuf, len: usize) -> DeviceResult<CudaPending> {
-        if len > dst.len {
-            return Err(DeviceError::HostBufferTooSmall {
-                need: len as u64,
-                have: dst.len as u64,
-            });
-        }
-        if len == 0 {
-            return Ok(CudaPending::after(self, dst));
-        }
-        let host = dst.as_mut_slice().as_mut_ptr().cast::<c_void>();
-        // SAFETY: `host` is valid for `len` bytes of writes (checked above). `dst` is moved into the
-        // returned `CudaPending`, which keeps it alive, unread and unwritten by safe code, until an
-        // event recorded after this copy (or the stream) says it is complete; on error, `fail` does
-        // the same before the buffer can be freed.
-        let r = unsafe { sys::cuMemcpyDtoHAsync_v2(host, src, len, self.0.raw) };
-        match check("cuMemcpyDtoHAsync_v2", r) {
-            Ok(()) => Ok(CudaPending::after(self, dst)),
-            Err(e) => Err(self.fail(dst, e)),
-        }
+    pub fn copy_d2h(&self, src: u64, dst: PinnedBuf, len: usize) -> DeviceResult<CudaPending> {
+        CudaPending::start(self, dst, len, |host| {
+            // SAFETY: `host` is valid for its length of writes. The buffer it is in is moved into
+            // the returned `CudaPending`, which keeps it alive, unread and unwritten by safe code,
+            // until an event recorded after this copy (or the stream) says it is complete.
+            let r = unsafe {
+                sys::cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), src, host.len(), self.0.raw)
+            };
+            check("cuMemcpyDtoHAsync_v2", r)
+        })
     }
 
     /// Copies each `(src, len)` of `ranges` from the device into `dst`, one after the other from
@@ -852,10 +795,10 @@ impl CudaStream {
     /// it and returns the error.
     pub fn gather_d2h(&self, ranges: &[(u64, usize)], dst: &mut PinnedBuf) -> DeviceResult<()> {
         let total: usize = ranges.iter().map(|r| r.1).sum();
-        if total > dst.len {
+        if total > dst.len() {
             return Err(DeviceError::HostBufferTooSmall {
                 need: total as u64,
-                have: dst.len as u64,
+                have: dst.len() as u64,
             });
         }
         let base = dst.as_mut_slice().as_mut_ptr();
@@ -865,7 +808,7 @@ impl CudaStream {
             if len == 0 {
                 continue;
             }
-            // SAFETY: `off + len <= total <= dst.len`, so the destination is inside `dst`, which
+            // SAFETY: `off + len <= total <= dst.len()`, so the destination is inside `dst`, which
             // is borrowed mutably for this call; the call waits for every queued copy before it
             // returns, so the driver never writes into `dst` after the borrow ends.
             let r =
@@ -885,36 +828,35 @@ impl CudaStream {
 
     /// Queues a copy of the first `len` bytes of `src` to device `dst`.
     pub fn copy_h2d(&self, src: PinnedBuf, dst: u64, len: usize) -> DeviceResult<CudaPending> {
-        if len > src.len {
-            return Err(DeviceError::HostBufferTooSmall {
-                need: len as u64,
-                have: src.len as u64,
-            });
-        }
-        if len == 0 {
-            return Ok(CudaPending::after(self, src));
-        }
-        let host = src.as_slice().as_ptr().cast::<c_void>();
-        // SAFETY: `host` is valid for `len` bytes of reads (checked above); `src` is moved into the
-        // returned `CudaPending`, which keeps it alive and unwritten until the copy is complete; on
-        // error, `fail` does the same before the buffer can be freed.
-        let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst, host, len, self.0.raw) };
-        match check("cuMemcpyHtoDAsync_v2", r) {
-            Ok(()) => Ok(CudaPending::after(self, src)),
-            Err(e) => Err(self.fail(src, e)),
-        }
-    }
-
-    /// A copy call failed. It should have queued nothing, but the buffer is only freed once the
-    /// stream is known idle; if even that can't be known, it is leaked.
-    fn fail(&self, buf: PinnedBuf, e: DeviceError) -> DeviceError {
-        if self.synchronize().is_err() {
-            std::mem::forget(buf);
-        }
-        e
+        CudaPending::start(self, src, len, |host| {
+            // SAFETY: `host` is valid for its length of reads; the buffer it is in is moved into
+            // the returned `CudaPending`, which keeps it alive and unwritten until the copy is
+            // complete.
+            let r = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dst, host.as_ptr().cast(), host.len(), self.0.raw)
+            };
+            check("cuMemcpyHtoDAsync_v2", r)
+        })
     }
 }
 
+impl CopyStream for CudaStream {
+    type Event = CudaEvent;
+
+    fn record(&self) -> DeviceResult<CudaEvent> {
+        CudaEvent::record(self)
+    }
+
+    fn synchronize(&self) -> DeviceResult<()> {
+        CudaStream::synchronize(self)
+    }
+
+    fn query(&self) -> DeviceResult<bool> {
+        CudaStream::query(self)
+    }
+}
+
+#[derive(Debug)]
 struct EventInner {
     raw: sys::CUevent,
     ctx: Arc<Context>,
@@ -936,14 +878,8 @@ impl Drop for EventInner {
 }
 
 /// A CUDA event (created with `DISABLE_TIMING`), recorded once at creation. Cheap to clone.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct CudaEvent(Arc<EventInner>);
-
-impl fmt::Debug for CudaEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("CudaEvent").field(&self.0.raw).finish()
-    }
-}
 
 impl CudaEvent {
     /// Creates an event and records it at the current end of `stream`.
@@ -984,107 +920,31 @@ impl CudaEvent {
     pub fn query(&self) -> DeviceResult<bool> {
         // SAFETY: the event handle is owned by `self` and valid.
         let r = unsafe { sys::cuEventQuery(self.0.raw) };
-        if r == CUresult::CUDA_ERROR_NOT_READY {
-            return Ok(false);
-        }
-        check_async("cuEventQuery", r).map(|()| true)
+        ready("cuEventQuery", r)
     }
 }
 
-/// An asynchronous copy between a [`PinnedBuf`] and the device. Owns the buffer until the copy is
-/// complete: [`Transfer::wait`] hands it back; dropping it without waiting blocks until the copy is
-/// complete, then frees the buffer (or leaks it if completion can't be established).
-pub struct CudaPending {
-    buf: Option<PinnedBuf>,
-    /// Recorded right after the copy; `None` if recording failed (then the stream is synchronised).
-    done: Option<CudaEvent>,
-    stream: CudaStream,
-}
+impl CopyEvent for CudaEvent {
+    fn synchronize(&self) -> DeviceResult<()> {
+        CudaEvent::synchronize(self)
+    }
 
-impl fmt::Debug for CudaPending {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaPending")
-            .field("buf", &self.buf)
-            .field("done", &self.done)
-            .field("stream", &self.stream)
-            .finish()
+    fn query(&self) -> DeviceResult<bool> {
+        CudaEvent::query(self)
     }
 }
 
-impl CudaPending {
-    fn after(stream: &CudaStream, buf: PinnedBuf) -> CudaPending {
-        CudaPending {
-            buf: Some(buf),
-            done: CudaEvent::record(stream).ok(),
-            stream: stream.clone(),
-        }
-    }
-
-    /// Whether the copy has completed (without blocking).
-    pub fn is_complete(&self) -> DeviceResult<bool> {
-        match &self.done {
-            Some(ev) => ev.query(),
-            None => self.stream.query(),
-        }
-    }
-
-    fn finish(&self) -> DeviceResult<()> {
-        match &self.done {
-            Some(ev) => ev.synchronize(),
-            None => self.stream.synchronize(),
-        }
-    }
-}
-
-impl Transfer<PinnedBuf> for CudaPending {
-    fn wait(mut self) -> DeviceResult<PinnedBuf> {
-        let r = self.finish();
-        let buf = self
-            .buf
-            .take()
-            .expect("a CudaPending holds its buffer until waited");
-        match r {
-            Ok(()) => Ok(buf),
-            Err(e) => {
-                // The device may still be using the buffer: never free it.
-                std::mem::forget(buf);
-                Err(e)
-            }
-        }
-    }
-}
-
-impl Drop for CudaPending {
-    fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            if self.finish().is_err() {
-                std::mem::forget(buf);
-            }
-        }
-    }
-}
+/// An asynchronous copy between a [`PinnedBuf`] and the device on a [`CudaStream`]
+/// ([`backend::Pending`]): owns the buffer until the copy is complete.
+pub type CudaPending = backend::Pending<CudaStream, PinnedBuf>;
 
 // ---------------------------------------------------------------------------------------------
 // The fingerprint kernel: `driver/fingerprint.rs`.
 
-mod fingerprint;
-pub use fingerprint::FingerprintKernel;
+pub(crate) mod fingerprint;
 
-impl crate::CudaDevice {
-    /// Wraps one of the job's streams (as the interposer sees them) without taking ownership:
-    /// possum never destroys it; dropping the wrapper only drops the wrapper. Handle 0 is the legacy
-    /// default stream (safe as [`CudaDevice::legacy_stream`](crate::CudaDevice::legacy_stream)).
-    /// Copies queued on it are ordered with the job's work on that stream.
-    ///
-    /// # Safety
-    /// `raw` must be 0 or a live stream of this device's primary context, and must stay live (not
-    /// be destroyed by the job) while the returned stream, any clone of it, or any copy queued on
-    /// it through possum is alive.
-    pub unsafe fn wrap_stream(&self, raw: CUstream) -> CudaStream {
-        // SAFETY: the caller keeps `borrow_raw`'s contract, which is this function's.
-        unsafe { CudaStream::borrow_raw(self.context(), raw) }
-    }
-}
+// The job's own streams, wrapped by `CudaDevice::wrap_stream`: `driver/job_stream.rs`.
+mod job_stream;
 
 #[cfg(test)]
 mod tests {

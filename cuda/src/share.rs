@@ -96,20 +96,8 @@ impl ShareDevice {
     pub fn create(&self, size: u64) -> DeviceResult<SharedMem> {
         self.check_size("cuMemCreate", size)?;
         self.ctx.bind()?;
-        let prop = alloc_prop(self.ctx.device());
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        call!(cuMemCreate(
-            &mut handle,
-            to_usize("cuMemCreate", size)?,
-            &prop,
-            0
-        ))?;
-        Ok(SharedMem {
-            handle,
-            size,
-            ctx: self.ctx.clone(),
-            source: None,
-        })
+        let handle = driver::mem_create(&alloc_prop(self.ctx.device()), size)?;
+        Ok(self.shared(handle, size))
     }
 
     /// Imports `fd` like [`ShareDevice::import`] and keeps it: the driver refuses to export an
@@ -135,18 +123,23 @@ impl ShareDevice {
             os_handle,
             POSIX_FD
         ))?;
-        Ok(SharedMem {
+        Ok(self.shared(handle, size))
+    }
+
+    /// `handle`, `size` bytes, as memory of this device's context.
+    fn shared(&self, handle: sys::CUmemGenericAllocationHandle, size: u64) -> SharedMem {
+        SharedMem {
             handle,
             size,
             ctx: self.ctx.clone(),
             source: None,
-        })
+        }
     }
 
     /// Pinned host memory for copies into memory mapped here (the keeper loading an image).
     pub fn pinned(&self, len: usize) -> DeviceResult<driver::PinnedBuf> {
         self.ctx.bind()?;
-        driver::PinnedBuf::alloc(&self.ctx, len)
+        driver::pinned(&self.ctx, len)
     }
 
     /// A stream of this context's, for such copies.
@@ -195,14 +188,7 @@ pub struct SharedMem {
     source: Option<OwnedFd>,
 }
 
-impl fmt::Debug for SharedMem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SharedMem")
-            .field("handle", &format_args!("{:#x}", self.handle))
-            .field("size", &self.size)
-            .finish()
-    }
-}
+driver::debug_hex_and_size!(SharedMem, handle);
 
 impl SharedMem {
     /// Size in bytes.
@@ -286,14 +272,7 @@ pub struct Reservation {
     ctx: Arc<Context>,
 }
 
-impl fmt::Debug for Reservation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Reservation")
-            .field("va", &format_args!("{:#x}", self.va))
-            .field("size", &self.size)
-            .finish()
-    }
-}
+driver::debug_hex_and_size!(Reservation, va);
 
 impl Reservation {
     /// The range's first device address.

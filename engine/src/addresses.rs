@@ -66,7 +66,113 @@ pub fn host_len(len: u64, have: usize) -> DeviceResult<usize> {
         })
 }
 
+/// [`DeviceError::OutOfMemory`] for a mapping of `requested` bytes the runtime refused, with the
+/// free memory it reports (`(free, total)`; 0 if it can't say).
+pub fn out_of_memory(requested: u64, info: DeviceResult<(u64, u64)>) -> DeviceError {
+    DeviceError::OutOfMemory {
+        requested,
+        free: info.map(|(free, _)| free).unwrap_or(0),
+    }
+}
+
+/// The end of `[va, va + size)`, which must start and end on the granularity `g`.
+pub fn granular_range(va: u64, size: u64, g: u64) -> DeviceResult<u64> {
+    if size == 0 || !size.is_multiple_of(g) || !va.is_multiple_of(g) {
+        return Err(invalid(
+            va,
+            size,
+            "start or size is not a multiple of the granularity",
+        ));
+    }
+    end_of(va, size)
+}
+
+/// A new reservation must be a positive multiple of the granularity `g`.
+pub fn check_reserve_size(size: u64, g: u64) -> DeviceResult<()> {
+    if size == 0 || !size.is_multiple_of(g) {
+        return Err(invalid(
+            0,
+            size,
+            "size is not a positive multiple of the granularity",
+        ));
+    }
+    Ok(())
+}
+
 impl<M: MappedMemory> AddressTables<M> {
+    /// Records `[va, va + size)`, a range the job reserved itself, as a reservation of possum's
+    /// (`Device::adopt_reservation`): it must be granular and overlap none.
+    pub fn adopt(&mut self, va: u64, size: u64, g: u64) -> DeviceResult<()> {
+        let end = granular_range(va, size, g)?;
+        if self.touches_reservation(va, end) {
+            return Err(invalid(va, size, "overlaps a reservation of possum's"));
+        }
+        self.reservations.insert(va, size);
+        self.adopted.insert(va);
+        Ok(())
+    }
+
+    /// Forgets the reservation `[va, va + size)` (start and size must match one, and nothing be
+    /// mapped in it); `free` frees its address range unless it was adopted.
+    pub fn unreserve(
+        &mut self,
+        va: u64,
+        size: u64,
+        free: impl FnOnce() -> DeviceResult<()>,
+    ) -> DeviceResult<()> {
+        if self.reservations.get(&va) != Some(&size) {
+            return Err(invalid(
+                va,
+                size,
+                "not a reservation (start and size must match)",
+            ));
+        }
+        if self.touches_mapping(va, va + size) {
+            return Err(invalid(va, size, "reservation still has mappings"));
+        }
+        if !self.adopted.remove(&va) {
+            free()?;
+        }
+        self.reservations.remove(&va);
+        Ok(())
+    }
+
+    /// Whether memory may be mapped at `[va, va + size)`: granular (`g`), inside one
+    /// reservation, overlapping no mapping.
+    pub fn check_map(&self, va: u64, size: u64, g: u64) -> DeviceResult<()> {
+        let end = granular_range(va, size, g)?;
+        if self.reservation_holding(va, end).is_none() {
+            return Err(invalid(va, size, "not inside one reservation"));
+        }
+        if self.touches_mapping(va, end) {
+            return Err(invalid(va, size, "overlaps a mapping"));
+        }
+        Ok(())
+    }
+
+    /// Whether a mapping of `size` bytes starts at `va`, to be unmapped.
+    pub fn check_unmap(&self, va: u64, size: u64) -> DeviceResult<()> {
+        match self.mappings.get(&va) {
+            Some(m) if m.size() == size => Ok(()),
+            Some(_) => Err(invalid(va, size, "size differs from the mapping's")),
+            None => Err(invalid(va, size, "not the start of a mapping")),
+        }
+    }
+
+    /// How many bytes of a host buffer of `have` bytes a copy of `len` bytes at device address
+    /// `va` uses ([`host_len`]), the device side checked ([`check_copy_range`](Self::check_copy_range)).
+    pub fn check_host_copy(&self, va: u64, len: u64, have: usize) -> DeviceResult<usize> {
+        let n = host_len(len, have)?;
+        self.check_copy_range(va, len)?;
+        Ok(n)
+    }
+
+    /// Both sides of a device-to-device copy of `len` bytes ([`check_copy_range`](Self::check_copy_range)).
+    pub fn check_copy_ranges(&self, src: u64, dst: u64, len: u64) -> DeviceResult<()> {
+        self.check_copy_range(src, len)?;
+        self.check_copy_range(dst, len)
+    }
+
     /// The reservation holding all of `[va, end)`, if one does: (start, size).
     pub fn reservation_holding(&self, va: u64, end: u64) -> Option<(u64, u64)> {
         let (&start, &size) = self.reservations.range(..=va).next_back()?;

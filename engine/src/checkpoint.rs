@@ -34,11 +34,11 @@ use crossbeam_channel::{unbounded, Receiver, Sender};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::device::{DevPtr, Device, DeviceError, HostBuffer, Transfer};
-use crate::engine::SentPrints;
-use crate::engine::{Access, Counters, EngineError, Inner, Phase};
+use crate::error::EngineError;
 use crate::fingerprint::Fingerprint;
 use crate::registry::Buffer;
 use crate::session::{BlockedTime, JobWaits, SessionHandle, WaitedOn};
+use crate::shared::{background_thread, Access, Counters, Inner, Phase, PhaseSession, SentPrints};
 use crate::staging::StagingPool;
 use crate::store::{BufferRecord, ChunkSink, ShadowSaver};
 
@@ -359,6 +359,10 @@ pub(crate) struct CkptSession<D: Device> {
     predicted_first: u64,
     /// The buffers the job is predicted to write soonest.
     predicted: std::collections::HashSet<u64>,
+    /// The copier takes the predicted writes last, not first: a kept save proven by content
+    /// leaves them to copy-on-write, whose shadow the job waits a device-to-device copy for,
+    /// rather than for a device-to-host copy the copier has begun.
+    predicted_last: AtomicBool,
     cow_shadow: AtomicU64,
     snapshot_shadows: AtomicU64,
     blocked: BlockedTime,
@@ -416,24 +420,25 @@ impl<D: Device> CkptSession<D> {
         let r = Self::fix_t0(inner, sink, mode, shadow_saver, early);
         inner.gate.open();
         let session = r?;
-        // With fingerprints at T0 every copy is checked against them: a write the hooks miss
-        // fails the checkpoint instead of reaching its image, so only the buffers the job is
-        // predicted to write first are copied into shadows while it is held (a device-to-device
-        // copy now, rather than the job waiting for their copy to the host later).
+        // A kept save's image must hold T0 whatever the job does next. Without fingerprints
+        // every buffer is copied into a shadow while the job is held. With them every copy is
+        // checked against T0 (a write the hooks miss fails the checkpoint instead of reaching
+        // its image), so nothing is copied while held: a write the hooks see is met by
+        // copy-on-write, and the buffers predicted to be written are copied last, so that the
+        // job's write finds them untouched by the copier and waits only for a shadow.
         if snapshot {
-            let all = if session.proven_by_content() {
-                session.predicted_slots()
+            if session.proven_by_content() {
+                session.predicted_last.store(true, Ordering::Release);
             } else {
-                session.slots.len()
-            };
-            session.snapshot_into_shadows(all);
+                session.snapshot_into_shadows(session.slots.len());
+            }
         }
         let inner = Arc::clone(inner);
         let nice = inner.cfg.background_nice;
         let join = std::thread::Builder::new()
             .name("possum-copier".into())
             .spawn(move || {
-                crate::engine::background_thread(nice);
+                background_thread(nice);
                 let r = session.run();
                 inner.set_phase(Phase::Idle);
                 r
@@ -532,7 +537,7 @@ impl<D: Device> CkptSession<D> {
             })
             .collect();
         let session = Self::install(inner, sink, mode, slots, predicted, tally, shadow_saver)?;
-        inner.set_phase(Phase::Checkpoint(Arc::clone(&session)));
+        inner.set_phase(Phase::Checkpoint(Arc::<Self>::clone(&session)));
         Ok(session)
     }
 
@@ -570,7 +575,7 @@ impl<D: Device> CkptSession<D> {
                 std::thread::Builder::new()
                     .name(format!("possum-writer-{i}"))
                     .spawn(move || {
-                        crate::engine::background_thread(nice);
+                        background_thread(nice);
                         s.writer(rx)
                     })
                     .map_err(|e| {
@@ -605,6 +610,7 @@ impl<D: Device> CkptSession<D> {
             cow_priority: AtomicU64::new(0),
             predicted_first: predicted.len() as u64,
             predicted,
+            predicted_last: AtomicBool::new(false),
             cow_shadow: AtomicU64::new(0),
             snapshot_shadows: AtomicU64::new(0),
             blocked: BlockedTime::default(),
@@ -618,7 +624,7 @@ impl<D: Device> CkptSession<D> {
             saved_elsewhere: AtomicU64::new(0),
             prints: tally,
         });
-        inner.set_phase(Phase::Checkpoint(Arc::clone(&session)));
+        inner.set_phase(Phase::Checkpoint(Arc::<Self>::clone(&session)));
         Ok(session)
     }
 
@@ -670,6 +676,16 @@ impl<D: Device> CkptSession<D> {
             .iter()
             .take_while(|s| self.predicted.contains(&s.buf.id()))
             .count()
+    }
+
+    /// The order in which the copier takes the slots: theirs, or the predicted writes (which
+    /// lead it) moved to the end ([`CkptSession::predicted_last`]).
+    fn copy_order(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.slots.len()).collect();
+        if self.predicted_last.load(Ordering::Acquire) {
+            order.rotate_left(self.predicted_slots());
+        }
+        order
     }
 
     /// Whether every copy this session makes is checked against fingerprints at T0.
@@ -1102,7 +1118,8 @@ impl<D: Device> CkptSession<D> {
             // streams into its own memory, beside the staging.
             let mut shadowed = Vec::new();
             let saver = self.shadow_saver.is_some();
-            for (i, slot) in self.slots.iter().enumerate() {
+            for i in self.copy_order() {
+                let slot = &self.slots[i];
                 if self.failed() {
                     break;
                 }
@@ -1269,5 +1286,15 @@ impl<D: Device> CkptSession<D> {
             })?;
         }
         Ok(())
+    }
+}
+
+impl<D: Device> PhaseSession<D> for CkptSession<D> {
+    fn before_op(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
+        CkptSession::before_op(self, stream, access)
+    }
+
+    fn settle_before_free(&self, buf: &Buffer) -> Result<(), EngineError> {
+        CkptSession::settle_before_free(self, buf)
     }
 }

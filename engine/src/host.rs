@@ -432,6 +432,11 @@ fn stream_worker(space: Arc<Space>, rx: Receiver<Work>) {
     }
 }
 
+/// [`DeviceError::InvalidAddress`] of the range `size` bytes at `va`.
+fn invalid(va: DevPtr, size: u64, why: &'static str) -> DeviceError {
+    DeviceError::InvalidAddress { va, len: size, why }
+}
+
 impl Device for HostDevice {
     type Stream = HostStream;
     type Event = HostEvent;
@@ -473,11 +478,11 @@ impl Device for HostDevice {
 
     fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         if size == 0 || !size.is_multiple_of(GRANULARITY) || !va.0.is_multiple_of(GRANULARITY) {
-            return Err(DeviceError::InvalidAddress {
+            return Err(invalid(
                 va,
-                len: size,
-                why: "start or size is not a multiple of the granularity",
-            });
+                size,
+                "start or size is not a multiple of the granularity",
+            ));
         }
         let mut res = self.space.reservations.lock();
         let overlaps = res
@@ -485,11 +490,7 @@ impl Device for HostDevice {
             .next_back()
             .is_some_and(|(s, l)| s + l > va.0);
         if overlaps {
-            return Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "overlaps a reservation",
-            });
+            return Err(invalid(va, size, "overlaps a reservation"));
         }
         // Nothing is reserved for it here (host addresses stand for device ones): it is only
         // recorded, as the CUDA backend records the job's range.
@@ -500,19 +501,11 @@ impl Device for HostDevice {
     fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let maps = self.space.mappings.read();
         if maps.range(va.0..va.0 + size).next().is_some() {
-            return Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "still mapped",
-            });
+            return Err(invalid(va, size, "still mapped"));
         }
         match self.space.reservations.lock().remove(&va.0) {
             Some(s) if s == size => Ok(()),
-            _ => Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "not a reservation",
-            }),
+            _ => Err(invalid(va, size, "not a reservation")),
         }
     }
 
@@ -524,11 +517,7 @@ impl Device for HostDevice {
                 .is_some_and(|(s, l)| va.0 + size <= s + l)
         };
         if !inside {
-            return Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "outside any reservation",
-            });
+            return Err(invalid(va, size, "outside any reservation"));
         }
         let mut maps = self.space.mappings.write();
         if maps.range(va.0..va.0 + size).next().is_some()
@@ -537,11 +526,7 @@ impl Device for HostDevice {
                 .next_back()
                 .is_some_and(|(s, m)| s + m.size > va.0)
         {
-            return Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "already mapped",
-            });
+            return Err(invalid(va, size, "already mapped"));
         }
         maps.insert(va.0, self.space.new_mapping(size)?);
         Ok(())
@@ -555,11 +540,7 @@ impl Device for HostDevice {
                 self.space.used.fetch_sub(size, Ordering::Relaxed);
                 Ok(())
             }
-            _ => Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "not a mapping of that size",
-            }),
+            _ => Err(invalid(va, size, "not a mapping of that size")),
         }
     }
 
@@ -576,11 +557,7 @@ impl Device for HostDevice {
                 kept.lock().insert(va.0, m);
                 Ok(())
             }
-            _ => Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "not a mapping of that size",
-            }),
+            _ => Err(invalid(va, size, "not a mapping of that size")),
         }
     }
 
@@ -595,11 +572,7 @@ impl Device for HostDevice {
                 self.space.reattached.fetch_add(size, Ordering::Relaxed);
                 Ok(())
             }
-            _ => Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "no memory kept for it",
-            }),
+            _ => Err(invalid(va, size, "no memory kept for it")),
         }
     }
 
@@ -610,11 +583,7 @@ impl Device for HostDevice {
         let maps = self.space.mappings.read();
         let mut k = kept.lock();
         if maps.contains_key(&va.0) || k.contains_key(&va.0) {
-            return Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "mapped or kept already",
-            });
+            return Err(invalid(va, size, "mapped or kept already"));
         }
         k.insert(va.0, self.space.new_mapping(size)?);
         Ok(())
@@ -627,11 +596,7 @@ impl Device for HostDevice {
                 self.space.used.fetch_sub(size, Ordering::Relaxed);
                 Ok(())
             }
-            _ => Err(DeviceError::InvalidAddress {
-                va,
-                len: size,
-                why: "no memory kept for it",
-            }),
+            _ => Err(invalid(va, size, "no memory kept for it")),
         }
     }
 

@@ -5,9 +5,12 @@
 #![forbid(unsafe_code)]
 
 pub mod addresses;
+pub mod backend;
 pub mod checkpoint;
+mod config;
 pub mod device;
 mod engine;
+mod error;
 pub mod fingerprint;
 pub mod gate;
 pub mod host;
@@ -15,13 +18,15 @@ pub mod image;
 pub mod registry;
 pub mod restore;
 mod session;
+mod shared;
 pub mod staging;
 pub mod store;
 
 pub use checkpoint::{CheckpointHandle, CheckpointReport};
-pub use engine::{
-    Access, Engine, EngineConfig, EngineError, OpGuard, Prints, RoundReport, Stats, MISMATCH_TEXT,
-};
+pub use config::EngineConfig;
+pub use engine::{Engine, OpGuard, Prints, RoundReport, Stats};
+pub use error::{EngineError, MISMATCH_TEXT};
 pub use registry::{Buffer, Residency};
 pub use restore::{RestoreHandle, RestoreReport, Staged, StagedMemory};
 pub use session::{SessionHandle, WaitedOn, WAITED_ON_TOP};
+pub use shared::Access;

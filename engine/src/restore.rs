@@ -32,9 +32,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::device::{Device, DeviceError, HostBuffer, Transfer};
-use crate::engine::{Access, Counters, EngineError, Inner, Phase};
+use crate::error::EngineError;
 use crate::registry::{Buffer, Residency};
 use crate::session::{BlockedTime, JobWaits, SessionHandle, WaitedOn};
+use crate::shared::{background_thread, Access, Counters, Inner, Phase, PhaseSession};
 use crate::staging::StagingPool;
 use crate::store::ChunkSource;
 
@@ -231,95 +232,133 @@ enum Worker {
     Hook(usize),
 }
 
+/// The image does not match the job's buffer `id`, and why.
+fn mismatch(id: u64, why: String) -> EngineError {
+    EngineError::ImageMismatch { id, why }
+}
+
+/// Whether `chunks` (offset, length) cover buffer `id` of `size` bytes exactly, one after the
+/// other from its start.
+fn check_coverage(id: u64, size: u64, chunks: &[(u64, u64)]) -> Result<(), EngineError> {
+    let mut expect = 0;
+    for &(off, len) in chunks {
+        if off != expect {
+            return Err(mismatch(
+                id,
+                format!("chunks do not cover the buffer at offset {expect}"),
+            ));
+        }
+        expect = off + len;
+    }
+    if expect != size {
+        return Err(mismatch(
+            id,
+            format!("chunks cover {expect} of {size} bytes"),
+        ));
+    }
+    Ok(())
+}
+
 impl<D: Device> RestoreSession<D> {
     pub(crate) fn begin(
         inner: &Arc<Inner<D>>,
         source: Arc<dyn ChunkSource>,
         staged: Option<Arc<dyn Staged>>,
     ) -> Result<RestoreHandle, EngineError> {
+        let slots = Self::match_image(inner, source.as_ref())?;
+        // The image matches: the owner's prepared memory becomes each staged buffer's.
+        if let Some(st) = &staged {
+            Self::expect_staged(inner, st.as_ref(), &slots);
+        }
+        let session = Self::new(inner, source, staged, slots);
+        inner.gate.close();
+        inner.set_phase(Phase::Restore(Arc::<Self>::clone(&session)));
+        inner.gate.open();
+        Self::spawn(inner, session)
+    }
+
+    /// A slot for each buffer of the image, in prefetch order, once the image is found to match
+    /// the job's buffers: every buffer it holds is the job's (or one the job freed since it was
+    /// saved), at the same address and size and covered by its chunks exactly, and every
+    /// buffer the job released is in it.
+    fn match_image(inner: &Inner<D>, source: &dyn ChunkSource) -> Result<Vec<RsSlot>, EngineError> {
         let mut recs = source.buffers();
         recs.sort_unstable_by_key(|r| (r.prefetch_rank, r.id));
         let mut slots = Vec::with_capacity(recs.len());
-        {
-            let reg = inner.reg.read();
-            let freed = inner.freed_since_tracking.lock().clone();
-            for r in &recs {
-                let Some(buf) = reg.get(r.id).cloned() else {
-                    // Saved, then freed by the job while the checkpoint was being made (after
-                    // its copy, or after T0 by a thread already past the pause): nothing of the
-                    // job refers to it any more.
-                    if freed.contains(&r.id) {
-                        continue;
-                    }
-                    return Err(EngineError::ImageMismatch {
-                        id: r.id,
-                        why: "the job has no such buffer".into(),
-                    });
-                };
-                if buf.va().0 != r.va || buf.size() != r.size {
-                    return Err(EngineError::ImageMismatch {
-                        id: r.id,
-                        why: format!(
-                            "image has {} bytes at {:#x}, the job {} bytes at {}",
-                            r.size,
-                            r.va,
-                            buf.size(),
-                            buf.va()
-                        ),
-                    });
+        let reg = inner.reg.read();
+        let freed = inner.freed_since_tracking.lock().clone();
+        for r in &recs {
+            let Some(buf) = reg.get(r.id).cloned() else {
+                // Saved, then freed by the job while the checkpoint was being made (after its
+                // copy, or after T0 by a thread already past the pause): nothing of the job
+                // refers to it any more.
+                if freed.contains(&r.id) {
+                    continue;
                 }
-                let chunks = source.chunks(r.id);
-                let mut expect = 0;
-                for &(off, len) in &chunks {
-                    if off != expect {
-                        return Err(EngineError::ImageMismatch {
-                            id: r.id,
-                            why: format!("chunks do not cover the buffer at offset {expect}"),
-                        });
-                    }
-                    expect = off + len;
-                }
-                if expect != r.size {
-                    return Err(EngineError::ImageMismatch {
-                        id: r.id,
-                        why: format!("chunks cover {expect} of {} bytes", r.size),
-                    });
-                }
-                slots.push(RsSlot::new(buf, chunks));
-            }
-            let in_image: std::collections::HashSet<u64> = recs.iter().map(|r| r.id).collect();
-            let missing = reg
-                .iter()
-                .find(|b| b.residency() == Residency::Released && !in_image.contains(&b.id()))
-                .cloned();
-            if let Some(b) = missing {
-                return Err(EngineError::ImageMismatch {
-                    id: b.id(),
-                    why: format!(
-                        "the job's released buffer at {} is not in the image",
-                        b.va()
+                return Err(mismatch(r.id, "the job has no such buffer".into()));
+            };
+            if buf.va().0 != r.va || buf.size() != r.size {
+                return Err(mismatch(
+                    r.id,
+                    format!(
+                        "image has {} bytes at {:#x}, the job {} bytes at {}",
+                        r.size,
+                        r.va,
+                        buf.size(),
+                        buf.va()
                     ),
-                });
+                ));
             }
+            let chunks = source.chunks(r.id);
+            check_coverage(r.id, r.size, &chunks)?;
+            slots.push(RsSlot::new(buf, chunks));
         }
-        // The image matches: the owner's prepared memory becomes each staged buffer's.
-        if let Some(st) = &staged {
-            for slot in &slots {
-                let b = &slot.buf;
-                let ok = st.memory_of(b.id()).is_some_and(|m| {
-                    m.size == b.mapped_size()
-                        && inner.dev.expect_kept(b.va(), m.size, m.id, m.epoch).is_ok()
-                });
-                slot.staged.store(ok, Ordering::Relaxed);
-            }
+        let in_image: std::collections::HashSet<u64> = recs.iter().map(|r| r.id).collect();
+        let missing = reg
+            .iter()
+            .find(|b| b.residency() == Residency::Released && !in_image.contains(&b.id()));
+        match missing {
+            Some(b) => Err(mismatch(
+                b.id(),
+                format!(
+                    "the job's released buffer at {} is not in the image",
+                    b.va()
+                ),
+            )),
+            None => Ok(slots),
         }
+    }
+
+    /// Marks each slot whose memory the owner prepared (`staged`), and the device agrees to
+    /// take as its kept memory, staged.
+    fn expect_staged(inner: &Inner<D>, staged: &dyn Staged, slots: &[RsSlot]) {
+        for slot in slots {
+            let b = &slot.buf;
+            let ok = staged.memory_of(b.id()).is_some_and(|m| {
+                m.size == b.mapped_size()
+                    && inner.dev.expect_kept(b.va(), m.size, m.id, m.epoch).is_ok()
+            });
+            slot.staged.store(ok, Ordering::Relaxed);
+        }
+    }
+
+    fn new(
+        inner: &Inner<D>,
+        source: Arc<dyn ChunkSource>,
+        staged: Option<Arc<dyn Staged>>,
+        slots: Vec<RsSlot>,
+    ) -> Arc<Self> {
         let index = slots
             .iter()
             .enumerate()
             .map(|(i, s)| (s.buf.id(), i))
             .collect();
         let order = (0..slots.len()).collect();
-        let session = Arc::new(RestoreSession {
+        let verify = inner
+            .dev
+            .create_stream(crate::device::StreamPriority::Normal)
+            .ok();
+        Arc::new(RestoreSession {
             dev: Arc::clone(&inner.dev),
             pool: Arc::clone(&inner.pool),
             source,
@@ -334,12 +373,7 @@ impl<D: Device> RestoreSession<D> {
             urgent_cv: Condvar::new(),
             helped: AtomicU64::new(0),
             prio: inner.prio.clone(),
-            verify: Mutex::new(
-                inner
-                    .dev
-                    .create_stream(crate::device::StreamPriority::Normal)
-                    .ok(),
-            ),
+            verify: Mutex::new(verify),
             verified: AtomicU64::new(0),
             error: Mutex::new(None),
             bytes: AtomicU64::new(0),
@@ -350,11 +384,12 @@ impl<D: Device> RestoreSession<D> {
             counters: Arc::clone(&inner.counters),
             started: Instant::now(),
             prefetch_delay: inner.cfg.prefetch_delay,
-        });
-        inner.gate.close();
-        inner.set_phase(Phase::Restore(Arc::clone(&session)));
-        inner.gate.open();
+        })
+    }
 
+    /// Starts the restorer threads, and the `possum-restore` thread that waits for them, ends
+    /// the session and sets the phase back (to idle, or to released if a buffer failed).
+    fn spawn(inner: &Arc<Inner<D>>, session: Arc<Self>) -> Result<RestoreHandle, EngineError> {
         let mut workers = Vec::new();
         let nice = inner.cfg.background_nice;
         for t in 0..inner.cfg.restore_threads.max(1) {
@@ -364,7 +399,7 @@ impl<D: Device> RestoreSession<D> {
                 std::thread::Builder::new()
                     .name(format!("possum-restorer-{t}"))
                     .spawn(move || {
-                        crate::engine::background_thread(nice);
+                        background_thread(nice);
                         s.prefetch(&stream)
                     })
                     .map_err(|e| {
@@ -926,5 +961,15 @@ impl<D: Device> RestoreSession<D> {
             waited_on,
             verified_bytes: self.verified.load(Ordering::Relaxed),
         })
+    }
+}
+
+impl<D: Device> PhaseSession<D> for RestoreSession<D> {
+    fn before_op(&self, stream: &D::Stream, access: Access<'_>) -> Result<(), EngineError> {
+        RestoreSession::before_op(self, stream, access)
+    }
+
+    fn settle_before_free(&self, buf: &Buffer) -> Result<(), EngineError> {
+        RestoreSession::settle_before_free(self, buf)
     }
 }

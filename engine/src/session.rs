@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::engine::EngineError;
+use crate::error::EngineError;
 use crate::registry::Buffer;
 
 /// How many buffers a report names among those the job waited on (the longest waits).

@@ -284,6 +284,48 @@ impl ChunkSink for MemStore {
     }
 }
 
+/// A sink over a [`MemStore`] that calls `tap` with each chunk's buffer before storing it (an
+/// `Err` fails the write): tests hold a checkpoint's writes, fail them or watch them with it.
+pub struct TapSink<F> {
+    /// Where the chunks go.
+    pub store: Arc<MemStore>,
+    /// Called before each chunk is stored.
+    pub tap: F,
+}
+
+impl<F> std::fmt::Debug for TapSink<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TapSink")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F> ChunkSink for TapSink<F>
+where
+    F: Fn(u64) -> Result<(), ImageError> + Send + Sync,
+{
+    fn add_buffer(&self, rec: BufferRecord) -> Result<(), ImageError> {
+        self.store.add_buffer(rec)
+    }
+    fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+        (self.tap)(buffer)?;
+        self.store.write_chunk(buffer, offset, data)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError> {
+        self.store.set_meta(key, value)
+    }
+}
+
+impl MemStore {
+    /// The buffer a restore of this store reaches last: the greatest prefetch rank (then id).
+    pub fn last_in_prefetch_order(&self) -> Option<BufferRecord> {
+        self.buffers()
+            .into_iter()
+            .max_by_key(|r| (r.prefetch_rank, r.id))
+    }
+}
+
 impl ChunkSource for MemStore {
     fn buffers(&self) -> Vec<BufferRecord> {
         self.inner.lock().buffers.values().cloned().collect()

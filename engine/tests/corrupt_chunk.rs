@@ -222,15 +222,12 @@ fn checkpointed_on(dev: HostDevice, n: usize, bad: usize, prefetch_delay: Durati
     engine.device().h2d.lock().clear();
 
     // Find the chunk's bytes in the data file (they are unique) and flip one of them.
-    let data = image.join("data-000.bin");
-    let mut bytes = fs::read(&data).unwrap();
     let want = &contents(buffers[bad].id())[CHUNK as usize..CHUNK as usize + 64];
-    let at = bytes
-        .windows(want.len())
-        .position(|w| w == want)
-        .expect("the chunk is in the data file");
-    bytes[at + 10] ^= 0x01;
-    fs::write(&data, bytes).unwrap();
+    flip_after(
+        &image.join("data-000.bin"),
+        want,
+        "the chunk is in the data file",
+    );
     Setup {
         engine,
         buffers,
@@ -242,6 +239,45 @@ fn checkpointed_on(dev: HostDevice, n: usize, bad: usize, prefetch_delay: Durati
 fn open(image: &Path) -> Arc<Image> {
     // Opening checks the manifest only: the flipped byte is found when its chunk is read.
     Arc::new(Image::open(image).expect("the manifest is intact"))
+}
+
+/// An operation on a new stream of `e` that reads `bad` (or writes it, with `writes`) is refused
+/// naming the corrupt chunk at `CHUNK` of `bad`, which never reached the device, while the chunk
+/// before it did; `bad` is released again.
+fn stops_at_the_corrupt_chunk(e: &Engine<Recording>, bad: &Buffer, writes: bool) {
+    let stream = e.device().create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(stream.clone());
+    let one = std::slice::from_ref(bad);
+    let (reads, writes) = if writes {
+        (&[][..], one)
+    } else {
+        (one, &[][..])
+    };
+    let err = match e.before_op(&stream, Access::Known { reads, writes }) {
+        Ok(_) => panic!("an operation on the corrupt buffer was let through"),
+        Err(err) => err.to_string(),
+    };
+    names_the_chunk(&err, bad);
+    assert!(
+        !e.device().wrote_into(bad.va().0 + CHUNK, CHUNK),
+        "a corrupt chunk was copied to the device"
+    );
+    assert!(
+        e.device().wrote_into(bad.va().0, CHUNK),
+        "the chunk before the corrupt one was not loaded"
+    );
+    assert_eq!(bad.residency(), Residency::Released);
+}
+
+/// Flips the byte 10 past the bytes `want` in data file `data` (`found` says where they are).
+fn flip_after(data: &Path, want: &[u8], found: &str) {
+    let mut bytes = fs::read(data).unwrap();
+    let at = bytes
+        .windows(want.len())
+        .position(|w| w == want)
+        .expect(found);
+    bytes[at + 10] ^= 0x01;
+    fs::write(data, bytes).unwrap();
 }
 
 /// The names an error about the corrupt chunk must carry.
@@ -306,28 +342,7 @@ fn a_corrupt_chunk_read_on_demand_never_reaches_the_device() {
     let e = &s.engine;
     let bad = &s.buffers[0];
     let rs = e.restore(open(&s.image)).unwrap();
-    let stream = e.device().create_stream(StreamPriority::Normal).unwrap();
-    e.register_stream(stream.clone());
-    let err = match e.before_op(
-        &stream,
-        Access::Known {
-            reads: &[],
-            writes: std::slice::from_ref(bad),
-        },
-    ) {
-        Ok(_) => panic!("an operation on the corrupt buffer was let through"),
-        Err(err) => err.to_string(),
-    };
-    names_the_chunk(&err, bad);
-    assert!(
-        !e.device().wrote_into(bad.va().0 + CHUNK, CHUNK),
-        "a corrupt chunk was copied to the device"
-    );
-    assert!(
-        e.device().wrote_into(bad.va().0, CHUNK),
-        "the chunk before the corrupt one was read on demand too"
-    );
-    assert_eq!(bad.residency(), Residency::Released);
+    stops_at_the_corrupt_chunk(e, bad, true);
     let err = rs.wait().unwrap_err().to_string();
     names_the_chunk(&err, bad);
 }
@@ -338,16 +353,13 @@ fn a_corrupt_chunk_read_on_demand_never_reaches_the_device() {
 fn the_same_image_intact_restores() {
     let s = checkpointed(2, 0, Duration::ZERO);
     // Undo the flip.
-    let data = s.image.join("data-000.bin");
-    let mut bytes = fs::read(&data).unwrap();
     let good = contents(s.buffers[0].id());
     let want = &good[CHUNK as usize..CHUNK as usize + 10];
-    let at = bytes
-        .windows(want.len())
-        .position(|w| w == want)
-        .expect("the chunk's first bytes are intact");
-    bytes[at + 10] ^= 0x01;
-    fs::write(&data, bytes).unwrap();
+    flip_after(
+        &s.image.join("data-000.bin"),
+        want,
+        "the chunk's first bytes are intact",
+    );
     let e = &s.engine;
     e.restore(open(&s.image)).unwrap().wait().unwrap();
     for b in &s.buffers {
@@ -439,28 +451,7 @@ fn a_corrupt_chunk_in_a_staged_restore_never_reaches_the_device() {
         job_asked_cv: Condvar::new(),
     });
     let rs = e.restore_staged(image, owner).unwrap();
-    let stream = e.device().create_stream(StreamPriority::Normal).unwrap();
-    e.register_stream(stream.clone());
-    let err = match e.before_op(
-        &stream,
-        Access::Known {
-            reads: std::slice::from_ref(bad),
-            writes: &[],
-        },
-    ) {
-        Ok(_) => panic!("an operation on the corrupt buffer was let through"),
-        Err(err) => err.to_string(),
-    };
-    names_the_chunk(&err, bad);
-    assert!(
-        !e.device().wrote_into(bad.va().0 + CHUNK, CHUNK),
-        "a corrupt chunk was written to the device"
-    );
-    assert!(
-        e.device().wrote_into(bad.va().0, CHUNK),
-        "the owner loaded the chunk before the corrupt one"
-    );
-    assert_eq!(bad.residency(), Residency::Released);
+    stops_at_the_corrupt_chunk(e, bad, false);
     let err = rs.wait().unwrap_err().to_string();
     names_the_chunk(&err, bad);
 }

@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 
-use possum_engine::device::DevPtr;
+use possum_engine::device::{DevPtr, Device, StreamPriority};
 use possum_engine::fingerprint::{self, Fingerprint};
 use possum_engine::host::HostDevice;
 use possum_engine::image::ImageError;
 use possum_engine::store::{BufferRecord, ChunkSink, ChunkSource, MemStore};
-use possum_engine::{Engine, EngineConfig, EngineError};
+use possum_engine::{Access, Engine, EngineConfig, EngineError};
 use proptest::prelude::*;
 
 const CHUNK: usize = 4096;
@@ -252,24 +252,42 @@ proptest! {
     }
 }
 
-/// A snapshot checkpoint proven by fingerprints copies into shadows at T0 only the buffers the
-/// job is predicted to write first (a device-to-device copy while held, instead of the job
-/// waiting later for their copy to the host); the others are left to the copier.
+/// A kept (snapshot) checkpoint proven by fingerprints copies nothing while the job is held: a
+/// write the hooks see right after T0, to the buffer the job is predicted to write, is met by
+/// copy-on-write, and the image is the state at T0.
 #[test]
-fn a_proven_snapshot_shadows_only_the_predicted_writes() {
+fn a_proven_snapshot_copies_nothing_while_held() {
     let (dev, e, bufs) = setup(4);
     e.set_shadow_budget(64 << 20);
     e.set_save_order(vec![bufs[2].id()]);
-    let store = Arc::new(MemStore::new());
-    let r = e
-        .checkpoint_snapshot(store.clone())
-        .unwrap()
-        .wait()
-        .unwrap();
-    assert_eq!(r.snapshot_shadows, 1);
-    assert_eq!(r.predicted_first, 1);
+    let s = dev.create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(s.clone());
     let want = contents(&dev, &bufs);
+    let store = Arc::new(MemStore::new());
+    let ck = e.checkpoint_snapshot(store.clone()).unwrap();
+    let written = [bufs[2].clone()];
+    let g = e
+        .before_op(
+            &s,
+            Access::Known {
+                reads: &[],
+                writes: &written,
+            },
+        )
+        .unwrap();
+    let (va, size) = (bufs[2].va(), bufs[2].size());
+    dev.launch(&s, move |mem| {
+        mem.with(&[], &[(va, size)], |_, o| o[0].fill(0x5a))
+    })
+    .unwrap();
+    drop(g);
+    let r = ck.wait().unwrap();
+    assert_eq!(r.snapshot_shadows, 0, "{r:?}");
+    assert_eq!(r.predicted_first, 1);
+    assert_eq!(r.mismatches, 0, "{r:?}");
     for (b, w) in bufs.iter().zip(&want) {
         assert_eq!(&store.buffer_bytes(b.id()).unwrap(), w);
     }
+    dev.synchronize(&s).unwrap();
+    assert!(dev.read_now(va, size).unwrap().iter().all(|&x| x == 0x5a));
 }

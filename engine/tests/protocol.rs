@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use possum_engine::host::HostDevice;
-use possum_engine::store::{ChunkSink, ChunkSource, MemStore};
+use possum_engine::store::{ChunkSink, ChunkSource, MemStore, TapSink};
 use possum_engine::{Access, Engine, EngineConfig, EngineError};
 use possum_workloads::host::HostJob;
 use possum_workloads::program::{Program, Shape};
@@ -24,6 +24,111 @@ fn small_cfg(chunk: usize, staging: usize, shadow: u64) -> EngineConfig {
         restore_threads: 2,
         shadow_budget: shadow,
         ..EngineConfig::default()
+    }
+}
+
+/// Demo program `seed`, an engine configured by `cfg`, and the job running the program on it.
+fn demo_job(seed: u64, cfg: EngineConfig) -> (Program, Engine<HostDevice>, HostJob) {
+    let p = demo_program(seed);
+    let (e, job) = job_of(&p, cfg);
+    (p, e, job)
+}
+
+/// An engine configured by `cfg` and a job running `p` on it.
+fn job_of(p: &Program, cfg: EngineConfig) -> (Engine<HostDevice>, HostJob) {
+    let e = engine(cfg);
+    let job = HostJob::new(&e, p).unwrap();
+    (e, job)
+}
+
+/// The reference state of `p` after `ops`.
+fn reference(p: &Program, ops: &[possum_workloads::program::Op]) -> Reference {
+    let mut r = Reference::new(p);
+    r.run_all(ops);
+    r
+}
+
+/// A [`serial_cfg`] engine with eight buffers of two chunks each.
+fn eight_buffers_serial(mib: usize) -> (Engine<HostDevice>, Vec<possum_engine::Buffer>) {
+    let e = engine(serial_cfg(mib));
+    let bufs = (0..8).map(|_| e.alloc(2 * mib as u64).unwrap()).collect();
+    (e, bufs)
+}
+
+/// A device that keeps detached memory, and an engine on it.
+fn keeping_engine(cfg: EngineConfig) -> (Arc<HostDevice>, Engine<HostDevice>) {
+    let dev = Arc::new(HostDevice::keeping(1 << 30));
+    let e = Engine::new(dev.clone(), cfg).unwrap();
+    (dev, e)
+}
+
+/// [`small_cfg`] without fingerprints: the hooks' write sets alone decide what a copy takes.
+fn unprinted_cfg(chunk: usize, staging: usize, shadow: u64) -> EngineConfig {
+    EngineConfig {
+        fingerprints: false,
+        ..small_cfg(chunk, staging, shadow)
+    }
+}
+
+/// One copy stream and one writer, so the sink sees the buffers in the copier's order.
+fn serial_cfg(chunk: usize) -> EngineConfig {
+    EngineConfig {
+        copy_streams: 1,
+        writer_threads: 1,
+        ..unprinted_cfg(chunk, 2, 0)
+    }
+}
+
+/// A stream of normal priority, registered with `e`.
+fn registered_stream(e: &Engine<HostDevice>) -> possum_engine::host::HostStream {
+    use possum_engine::device::{Device, StreamPriority};
+    let s = e.device().create_stream(StreamPriority::Normal).unwrap();
+    e.register_stream(s.clone());
+    s
+}
+
+/// A checkpoint of `e` into `store`, waited for.
+fn checkpoint_now(
+    e: &Engine<HostDevice>,
+    store: &Arc<MemStore>,
+) -> possum_engine::CheckpointReport {
+    e.checkpoint(store.clone(), false).unwrap().wait().unwrap()
+}
+
+/// A new store holding a checkpoint of `e`, waited for.
+fn saved(e: &Engine<HostDevice>) -> Arc<MemStore> {
+    let store = Arc::new(MemStore::new());
+    checkpoint_now(e, &store);
+    store
+}
+
+/// Whether the image in `store` is the state `at_t0`, and whether `job` holds the state `at_end`.
+fn agree_with(
+    store: &MemStore,
+    job: &HostJob,
+    at_t0: &Reference,
+    at_end: &Reference,
+) -> (bool, bool) {
+    (
+        image_of(store, job) == at_t0.bufs,
+        job.contents().unwrap() == at_end.bufs,
+    )
+}
+
+/// Issues `ops` on `job`, each expected to succeed.
+fn issue_all(job: &mut HostJob, ops: &[possum_workloads::program::Op]) {
+    for op in ops {
+        job.issue(op).unwrap();
+    }
+}
+
+/// An operation on stream 0 that writes buffer `idx` and reads nothing.
+fn write_op(idx: usize, salt: u64) -> possum_workloads::program::Op {
+    possum_workloads::program::Op {
+        stream: 0,
+        reads: vec![],
+        writes: vec![idx],
+        salt,
     }
 }
 
@@ -51,39 +156,27 @@ fn checkpoint_restore_case(
 ) -> Result<(), TestCaseError> {
     let e = engine(cfg);
     let mut job = HostJob::new(&e, p).unwrap().lazy_hook(lazy);
-    let mut at_t0 = Reference::new(p);
-    at_t0.run_all(&p.ops[..k]);
+    let at_t0 = reference(p, &p.ops[..k]);
     let mut at_end = at_t0.clone();
     at_end.run_all(&p.ops[k..]);
 
-    for op in &p.ops[..k] {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops[..k]);
     let store = Arc::new(MemStore::new());
     let ck = e.checkpoint(store.clone(), false).unwrap();
-    for op in &p.ops[k..] {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops[k..]);
     let report = ck.wait().unwrap();
     job.sync().unwrap();
     prop_assert_eq!(report.buffers, p.sizes.len());
     prop_assert_eq!(report.bytes, p.bytes());
-    prop_assert!(
-        image_of(&store, &job) == at_t0.bufs,
-        "image differs from the state at T0"
-    );
-    prop_assert!(
-        job.contents().unwrap() == at_end.bufs,
-        "job's own run differs from the reference"
-    );
+    let (image_ok, job_ok) = agree_with(&store, &job, &at_t0, &at_end);
+    prop_assert!(image_ok, "image differs from the state at T0");
+    prop_assert!(job_ok, "job's own run differs from the reference");
 
     // Fail-over: drop the device memory, restore on demand, redo the work after T0.
     e.release().unwrap();
     job.reset_deps();
     let rs = e.restore(store).unwrap();
-    for op in &p.ops[k..] {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops[k..]);
     job.sync().unwrap();
     let rr = rs.wait().unwrap();
     prop_assert_eq!(rr.on_demand + rr.prefetched, p.sizes.len() as u64);
@@ -153,9 +246,7 @@ proptest! {
         let mut done = 0;
         for &c in &cuts[..cuts.len() - 1] {
             let c = c.max(done);
-            for op in &p.ops[done..c] {
-                job.issue(op).unwrap();
-            }
+            issue_all(&mut job, &p.ops[done..c]);
             done = c;
             // A round runs while more operations are issued.
             let st = store.clone();
@@ -172,17 +263,12 @@ proptest! {
             // what the job writes now goes unrecorded, and the final copy must take it anyway.
             e.stop_tracking().unwrap();
         }
-        for op in &p.ops[done..k] {
-            job.issue(op).unwrap();
-        }
+        issue_all(&mut job, &p.ops[done..k]);
         let ck = e.checkpoint(store.clone(), true).unwrap();
-        for op in &p.ops[k..] {
-            job.issue(op).unwrap();
-        }
+        issue_all(&mut job, &p.ops[k..]);
         ck.wait().unwrap();
         job.sync().unwrap();
-        let mut at_t0 = Reference::new(&p);
-        at_t0.run_all(&p.ops[..k]);
+        let at_t0 = reference(&p, &p.ops[..k]);
         prop_assert!(image_of(&store, &job) == at_t0.bufs, "pre-copied image differs from the state at T0");
     }
 }
@@ -203,35 +289,25 @@ fn demo_program(seed: u64) -> Program {
 
 #[test]
 fn an_operation_overtakes_the_prefetcher() {
-    let p = demo_program(11);
-    let cfg = EngineConfig {
-        prefetch_delay: Duration::from_millis(30),
-        restore_threads: 1,
-        ..small_cfg(4096, 4, 0)
-    };
-    let e = engine(cfg);
-    let mut job = HostJob::new(&e, &p).unwrap();
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let (p, e, mut job) = demo_job(
+        11,
+        EngineConfig {
+            prefetch_delay: Duration::from_millis(30),
+            restore_threads: 1,
+            ..small_cfg(4096, 4, 0)
+        },
+    );
+    let store = saved(&e);
     e.release().unwrap();
     // The buffer the prefetcher will reach last.
-    let last = store
-        .buffers()
-        .into_iter()
-        .max_by_key(|r| (r.prefetch_rank, r.id))
-        .unwrap();
+    let last = store.last_in_prefetch_order().unwrap();
     let idx = job
         .buffers()
         .iter()
         .position(|b| b.id() == last.id)
         .unwrap();
     let rs = e.restore(store.clone()).unwrap();
-    let op = possum_workloads::program::Op {
-        stream: 0,
-        reads: vec![],
-        writes: vec![idx],
-        salt: 5,
-    };
+    let op = write_op(idx, 5);
     job.reset_deps();
     job.issue(&op).unwrap();
     job.sync().unwrap();
@@ -257,26 +333,22 @@ fn an_operation_overtakes_the_prefetcher() {
 
 #[test]
 fn many_operations_race_the_prefetcher() {
-    let p = demo_program(12);
-    let cfg = EngineConfig {
-        prefetch_delay: Duration::from_millis(2),
-        ..small_cfg(4096, 3, 0)
-    };
-    let e = engine(cfg);
-    let mut job = HostJob::new(&e, &p).unwrap();
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let (p, e, mut job) = demo_job(
+        12,
+        EngineConfig {
+            prefetch_delay: Duration::from_millis(2),
+            ..small_cfg(4096, 3, 0)
+        },
+    );
+    let store = saved(&e);
     e.release().unwrap();
     job.reset_deps();
     let rs = e.restore(store).unwrap();
-    for op in &p.ops {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops);
     job.sync().unwrap();
     let rr = rs.wait().unwrap();
     assert_eq!(rr.on_demand + rr.prefetched, 16);
-    let mut r = Reference::new(&p);
-    r.run_all(&p.ops);
+    let r = reference(&p, &p.ops);
     assert_eq!(job.contents().unwrap(), r.bufs);
 }
 
@@ -286,7 +358,7 @@ fn session_active_follows_the_phases() {
     let _b = e.alloc(1 << 16).unwrap();
     assert!(!e.session_active());
     let store = Arc::new(MemStore::default());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    checkpoint_now(&e, &store);
     assert!(!e.session_active());
     e.release().unwrap();
     assert!(e.session_active());
@@ -296,9 +368,7 @@ fn session_active_follows_the_phases() {
 
 #[test]
 fn touching_a_released_buffer_without_restore_is_an_error() {
-    let p = demo_program(13);
-    let e = engine(small_cfg(4096, 2, 0));
-    let mut job = HostJob::new(&e, &p).unwrap();
+    let (p, e, mut job) = demo_job(13, small_cfg(4096, 2, 0));
     e.release().unwrap();
     let err = job.issue(&p.ops[0]).unwrap_err();
     assert!(matches!(err, EngineError::Released { .. }), "{err}");
@@ -336,8 +406,7 @@ fn restore_on_a_device_too_small_names_the_buffer() {
     let dev = Arc::new(HostDevice::new(p.bytes() * 2 + (4 << 20)));
     let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
     let mut job = HostJob::new(&e, &p).unwrap();
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let store = saved(&e);
     e.release().unwrap();
     // Something else takes the memory meanwhile.
     let (free, _) = possum_engine::device::Device::memory_info(&*dev).unwrap();
@@ -400,11 +469,8 @@ fn corrupt(
 
 #[test]
 fn a_corrupt_buffer_fails_the_operations_that_need_it_and_only_those() {
-    let p = demo_program(15);
-    let e = engine(small_cfg(4096, 3, 0));
-    let mut job = HostJob::new(&e, &p).unwrap();
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let (_p, e, mut job) = demo_job(15, small_cfg(4096, 3, 0));
+    let store = saved(&e);
     e.release().unwrap();
     let bad = job.buffers()[3].id();
     let rs = e.restore(Arc::new(corrupt(store, bad))).unwrap();
@@ -416,12 +482,7 @@ fn a_corrupt_buffer_fails_the_operations_that_need_it_and_only_those() {
         salt: 1,
     };
     job.issue(&ok).unwrap();
-    let bad_op = possum_workloads::program::Op {
-        stream: 0,
-        reads: vec![],
-        writes: vec![3],
-        salt: 1,
-    };
+    let bad_op = write_op(3, 1);
     let err = job.issue(&bad_op).unwrap_err();
     assert!(err.to_string().contains(&format!("buffer {bad}")), "{err}");
     assert!(rs.wait().is_err());
@@ -430,9 +491,7 @@ fn a_corrupt_buffer_fails_the_operations_that_need_it_and_only_those() {
 
 #[test]
 fn a_buffer_freed_after_t0_is_in_the_image_with_its_t0_contents() {
-    let p = demo_program(16);
-    let e = engine(small_cfg(1024, 2, 0));
-    let job = HostJob::new(&e, &p).unwrap();
+    let (_p, e, job) = demo_job(16, small_cfg(1024, 2, 0));
     let victim = job.buffers()[5].clone();
     let want = e.device().read_now(victim.va(), victim.size()).unwrap();
     let store = Arc::new(MemStore::new());
@@ -444,19 +503,12 @@ fn a_buffer_freed_after_t0_is_in_the_image_with_its_t0_contents() {
 
 #[test]
 fn an_opaque_operation_saves_everything_first() {
-    let p = demo_program(17);
-    let e = engine(small_cfg(1024, 2, 0));
-    let job = HostJob::new(&e, &p).unwrap();
+    let (_p, e, job) = demo_job(17, small_cfg(1024, 2, 0));
     let before = job.contents().unwrap();
     let store = Arc::new(MemStore::new());
     let ck = e.checkpoint(store.clone(), false).unwrap();
     // An operation the analyzer could not understand: it may write anything.
-    let s = possum_engine::device::Device::create_stream(
-        &**e.device(),
-        possum_engine::device::StreamPriority::Normal,
-    )
-    .unwrap();
-    e.register_stream(s.clone());
+    let s = registered_stream(&e);
     let g = e.before_op(&s, Access::Opaque).unwrap();
     let bufs: Vec<_> = job.buffers().iter().map(|b| (b.va(), b.size())).collect();
     e.device()
@@ -490,9 +542,7 @@ fn shadows_take_copy_on_write_when_the_budget_allows() {
     let mut r = Reference::new(&p);
     let store = Arc::new(MemStore::new());
     let ck = e.checkpoint(store.clone(), false).unwrap();
-    for op in &p.ops {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops);
     let rep = ck.wait().unwrap();
     job.sync().unwrap();
     assert_eq!(image_of(&store, &job), r.bufs);
@@ -508,9 +558,7 @@ fn shadows_take_copy_on_write_when_the_budget_allows() {
 
 #[test]
 fn a_second_checkpoint_while_one_runs_is_refused() {
-    let p = demo_program(19);
-    let e = engine(small_cfg(256, 2, 0));
-    let _job = HostJob::new(&e, &p).unwrap();
+    let (_p, e, _job) = demo_job(19, small_cfg(256, 2, 0));
     let store = Arc::new(MemStore::new());
     let ck = e.checkpoint(store.clone(), false).unwrap();
     let second = e.checkpoint(Arc::new(MemStore::new()), false);
@@ -520,37 +568,6 @@ fn a_second_checkpoint_while_one_runs_is_refused() {
         }
     }
     ck.wait().unwrap();
-}
-
-/// A sink over a [`MemStore`] that calls `tap` with each chunk's buffer before storing it (an
-/// `Err` fails the write): the test sinks below are taps.
-struct TapSink<F> {
-    store: Arc<MemStore>,
-    tap: F,
-}
-
-impl<F> ChunkSink for TapSink<F>
-where
-    F: Fn(u64) -> Result<(), possum_engine::image::ImageError> + Send + Sync,
-{
-    fn add_buffer(
-        &self,
-        rec: possum_engine::store::BufferRecord,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        self.store.add_buffer(rec)
-    }
-    fn write_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<(), possum_engine::image::ImageError> {
-        (self.tap)(buffer)?;
-        self.store.write_chunk(buffer, offset, data)
-    }
-    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
-        self.store.set_meta(key, value)
-    }
 }
 
 /// A sink whose disk is full after a few chunks.
@@ -572,18 +589,13 @@ fn failing_sink() -> Arc<dyn ChunkSink> {
 
 #[test]
 fn a_full_disk_fails_the_checkpoint_and_not_the_job() {
-    let p = demo_program(20);
-    let e = engine(small_cfg(512, 2, 0));
-    let mut job = HostJob::new(&e, &p).unwrap();
+    let (p, e, mut job) = demo_job(20, small_cfg(512, 2, 0));
     let ck = e.checkpoint(failing_sink(), false).unwrap();
-    for op in &p.ops {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops);
     let err = ck.wait().unwrap_err();
     assert!(err.to_string().contains("No space left"), "{err}");
     job.sync().unwrap();
-    let mut r = Reference::new(&p);
-    r.run_all(&p.ops);
+    let r = reference(&p, &p.ops);
     assert_eq!(job.contents().unwrap(), r.bufs, "the job is unharmed");
     assert_eq!(e.stats().phase, "idle");
 }
@@ -613,7 +625,7 @@ fn unregistered_streams_are_not_fenced() {
             .unwrap();
     }
     let store = Arc::new(MemStore::default());
-    let r = e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let r = checkpoint_now(&e, &store);
     assert_eq!(r.buffers, 1);
 }
 
@@ -638,7 +650,7 @@ fn the_device_fence_covers_streams_the_engine_cannot_fence() {
     .unwrap();
     e.set_device_fence(true);
     let store = Arc::new(MemStore::default());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    checkpoint_now(&e, &store);
     let _ = go_tx.send(());
     e.set_device_fence(false);
     assert!(store
@@ -683,14 +695,9 @@ fn gated_sink(store: &Arc<MemStore>) -> (Arc<dyn ChunkSink>, Arc<Gate>) {
 /// id, and a restored job's first step waited for all of them on the H100).
 #[test]
 fn a_held_final_copy_keeps_the_precopys_prefetch_order() {
-    use possum_engine::device::{Device, StreamPriority};
     // The hooks' write sets decide what the final copy takes (nothing changes bytes here).
-    let e = Arc::new(engine(EngineConfig {
-        fingerprints: false,
-        ..small_cfg(1 << 12, 4, 0)
-    }));
-    let s = e.device().create_stream(StreamPriority::Normal).unwrap();
-    e.register_stream(s.clone());
+    let e = Arc::new(engine(unprinted_cfg(1 << 12, 4, 0)));
+    let s = registered_stream(&e);
     let bufs: Vec<_> = (0..4).map(|_| e.alloc(1 << 12).unwrap()).collect();
     let store = Arc::new(MemStore::default());
     let (sink, gate) = gated_sink(&store);
@@ -781,8 +788,7 @@ fn every_restorer_helps_with_a_buffer_an_operation_waits_for() {
             (b, bytes)
         })
         .collect();
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let store = saved(&e);
     e.release().unwrap();
     let big = bufs[1].0.clone();
     let watched = big.id();
@@ -842,16 +848,12 @@ fn a_detached_then_drained_checkpoint_is_the_state_at_t0() {
     for seed in 0..24u64 {
         let p = demo_program(seed);
         let k = (seed as usize * 7) % p.ops.len();
-        let dev = Arc::new(HostDevice::keeping(1 << 30));
-        let e = Engine::new(dev.clone(), small_cfg(4096, 2, (seed % 2) * (1 << 20))).unwrap();
+        let (dev, e) = keeping_engine(small_cfg(4096, 2, (seed % 2) * (1 << 20)));
         let mut job = HostJob::new(&e, &p).unwrap().lazy_hook(seed % 3 == 0);
-        let mut at_t0 = Reference::new(&p);
-        at_t0.run_all(&p.ops[..k]);
+        let at_t0 = reference(&p, &p.ops[..k]);
         let mut at_end = at_t0.clone();
         at_end.run_all(&p.ops[k..]);
-        for op in &p.ops[..k] {
-            job.issue(op).unwrap();
-        }
+        issue_all(&mut job, &p.ops[..k]);
         let detached = e.detach().unwrap();
         assert_eq!(detached, dev.kept_bytes(), "seed {seed}");
         assert_eq!(dev.disconnects(), 1, "seed {seed}");
@@ -865,17 +867,16 @@ fn a_detached_then_drained_checkpoint_is_the_state_at_t0() {
         assert_eq!(dev.kept_bytes(), 0);
         let store = Arc::new(MemStore::new());
         let ck = e.checkpoint(store.clone(), false).unwrap();
-        for op in &p.ops[k..] {
-            job.issue(op).unwrap();
-        }
+        issue_all(&mut job, &p.ops[k..]);
         ck.wait().unwrap();
         job.sync().unwrap();
+        let (image_ok, job_ok) = agree_with(&store, &job, &at_t0, &at_end);
         assert!(
-            image_of(&store, &job) == at_t0.bufs,
+            image_ok,
             "seed {seed}: drained image differs from the state at T0"
         );
         assert!(
-            job.contents().unwrap() == at_end.bufs,
+            job_ok,
             "seed {seed}: the job's own run differs from the reference"
         );
     }
@@ -883,9 +884,7 @@ fn a_detached_then_drained_checkpoint_is_the_state_at_t0() {
 
 #[test]
 fn detach_needs_a_device_that_keeps_memory_and_changes_nothing_without_one() {
-    let p = demo_program(5);
-    let e = engine(small_cfg(4096, 2, 0));
-    let mut job = HostJob::new(&e, &p).unwrap();
+    let (p, e, mut job) = demo_job(5, small_cfg(4096, 2, 0));
     let err = e.detach().unwrap_err();
     assert!(err.to_string().contains("not supported"), "{err}");
     assert!(!e.session_active());
@@ -897,8 +896,7 @@ fn detach_needs_a_device_that_keeps_memory_and_changes_nothing_without_one() {
 
 #[test]
 fn a_buffer_freed_while_detached_leaves_nothing_kept() {
-    let dev = Arc::new(HostDevice::keeping(1 << 30));
-    let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+    let (dev, e) = keeping_engine(small_cfg(4096, 2, 0));
     let a = e.alloc(1 << 16).unwrap();
     let b = e.alloc(1 << 16).unwrap();
     dev.write_now(b.va(), &[7u8; 16]).unwrap();
@@ -916,16 +914,11 @@ fn a_buffer_freed_while_detached_leaves_nothing_kept() {
 fn detached_buffers_the_keeper_lost_come_back_from_the_image() {
     let p = demo_program(11);
     let k = 25;
-    let dev = Arc::new(HostDevice::keeping(1 << 30));
-    let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+    let (dev, e) = keeping_engine(small_cfg(4096, 2, 0));
     let mut job = HostJob::new(&e, &p).unwrap();
-    let mut want = Reference::new(&p);
-    want.run_all(&p.ops);
-    for op in &p.ops[..k] {
-        job.issue(op).unwrap();
-    }
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let want = reference(&p, &p.ops);
+    issue_all(&mut job, &p.ops[..k]);
+    let store = saved(&e);
     e.detach().unwrap();
     dev.lose_kept();
     assert!(e.reattach().is_err());
@@ -935,9 +928,7 @@ fn detached_buffers_the_keeper_lost_come_back_from_the_image() {
     assert_eq!(dev.mapped_bytes(), 0);
     job.reset_deps();
     let rs = e.restore(store).unwrap();
-    for op in &p.ops[k..] {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops[k..]);
     job.sync().unwrap();
     rs.wait().unwrap();
     assert!(job.contents().unwrap() == want.bufs);
@@ -952,12 +943,10 @@ fn detached_buffers_the_keeper_lost_come_back_from_the_image() {
 #[test]
 fn writes_the_hooks_miss_never_reach_an_image() {
     let run = |snapshot: bool, prints: bool| -> Result<(bool, u64), EngineError> {
-        let dev = Arc::new(HostDevice::keeping(1 << 30));
-        let cfg = EngineConfig {
+        let (dev, e) = keeping_engine(EngineConfig {
             fingerprints: prints,
             ..small_cfg(4096, 2, 0)
-        };
-        let e = Engine::new(dev.clone(), cfg).unwrap();
+        });
         let bufs: Vec<_> = (0..8).map(|_| e.alloc(1 << 18).unwrap()).collect();
         for (i, b) in bufs.iter().enumerate() {
             dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
@@ -1052,14 +1041,7 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
     }
     for fail in [false, true] {
         let dev = Arc::new(HostDevice::keeping(1 << 30));
-        let e = Engine::new(
-            dev.clone(),
-            EngineConfig {
-                fingerprints: false,
-                ..small_cfg(1 << 20, 2, 0)
-            },
-        )
-        .unwrap();
+        let e = Engine::new(dev.clone(), unprinted_cfg(1 << 20, 2, 0)).unwrap();
         let bufs: Vec<_> = (0..6).map(|_| e.alloc(1 << 18).unwrap()).collect();
         for (i, b) in bufs.iter().enumerate() {
             dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
@@ -1109,14 +1091,10 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
 /// group stays out of it. A piece freed leaves its range to the job, to be mapped again.
 #[test]
 fn a_write_to_one_piece_of_a_group_copies_every_piece() {
-    use possum_engine::device::{DevPtr, Device, StreamPriority};
+    use possum_engine::device::{DevPtr, Device};
     // The hooks' write sets decide here (with fingerprints, what did not change is not copied).
-    let e = Arc::new(engine(EngineConfig {
-        fingerprints: false,
-        ..small_cfg(1 << 12, 4, 0)
-    }));
-    let s = e.device().create_stream(StreamPriority::Normal).unwrap();
-    e.register_stream(s.clone());
+    let e = Arc::new(engine(unprinted_cfg(1 << 12, 4, 0)));
+    let s = registered_stream(&e);
     let g = e.device().granularity();
     let base = DevPtr(0x7000_0000_0000);
     let a = e.alloc_at(base, g, 1).unwrap();
@@ -1159,7 +1137,7 @@ fn a_write_to_one_piece_of_a_group_copies_every_piece() {
 }
 
 /// A buffer freed while a pre-copy round or checkpoint starts (cudaMallocAsync frees its large
-/// blocks all the time, `interposer/src/pools.rs`): either the session never sees it, or the free
+/// blocks all the time, `interposer/src/memory/pools.rs`): either the session never sees it, or the free
 /// waits until its copy is done. Before the free entered the op gate, a free that had read the
 /// phase as idle could unmap a buffer the starting round had just picked, and the round's copy
 /// failed (on the H100: cuMemcpyDtoHAsync_v2 CUDA_ERROR_INVALID_VALUE in GPT-2's pre-copy).
@@ -1324,20 +1302,14 @@ impl possum_engine::Staged for TestStaged {
 fn a_staged_restore_maps_what_the_owner_loaded_and_copies_the_rest() {
     let p = demo_program(11);
     let k = 25;
-    let dev = Arc::new(HostDevice::keeping(1 << 30));
-    let cfg = EngineConfig {
+    let (dev, e) = keeping_engine(EngineConfig {
         restore_threads: 1,
         ..small_cfg(4096, 2, 0)
-    };
-    let e = Engine::new(dev.clone(), cfg).unwrap();
+    });
     let mut job = HostJob::new(&e, &p).unwrap();
-    let mut want = Reference::new(&p);
-    want.run_all(&p.ops);
-    for op in &p.ops[..k] {
-        job.issue(op).unwrap();
-    }
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let want = reference(&p, &p.ops);
+    issue_all(&mut job, &p.ops[..k]);
+    let store = saved(&e);
     e.release().unwrap();
     let bufs: std::collections::HashMap<u64, (u64, u64)> = job
         .buffers()
@@ -1368,9 +1340,7 @@ fn a_staged_restore_maps_what_the_owner_loaded_and_copies_the_rest() {
         job.buffers().iter().map(|b| b.mapped_size()).sum::<u64>(),
         "every buffer's memory is the owner's prepared memory"
     );
-    for op in &p.ops[k..] {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops[k..]);
     job.sync().unwrap();
     let rr = rs.wait().unwrap();
     assert!(
@@ -1396,16 +1366,11 @@ fn a_staged_restore_maps_what_the_owner_loaded_and_copies_the_rest() {
 #[test]
 fn a_staged_restore_with_memory_of_the_wrong_size_copies_everything() {
     let p = demo_program(11);
-    let dev = Arc::new(HostDevice::keeping(1 << 30));
-    let e = Engine::new(dev.clone(), small_cfg(4096, 2, 0)).unwrap();
+    let (dev, e) = keeping_engine(small_cfg(4096, 2, 0));
     let mut job = HostJob::new(&e, &p).unwrap();
-    let mut want = Reference::new(&p);
-    want.run_all(&p.ops);
-    for op in &p.ops[..10] {
-        job.issue(op).unwrap();
-    }
-    let store = Arc::new(MemStore::new());
-    e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+    let want = reference(&p, &p.ops);
+    issue_all(&mut job, &p.ops[..10]);
+    let store = saved(&e);
     e.release().unwrap();
     let staged = Arc::new(TestStaged {
         dev: dev.clone(),
@@ -1425,9 +1390,7 @@ fn a_staged_restore_with_memory_of_the_wrong_size_copies_everything() {
     });
     job.reset_deps();
     let rs = e.restore_staged(store, staged.clone()).unwrap();
-    for op in &p.ops[10..] {
-        job.issue(op).unwrap();
-    }
+    issue_all(&mut job, &p.ops[10..]);
     job.sync().unwrap();
     let rr = rs.wait().unwrap();
     assert!(job.contents().unwrap() == want.bufs);
@@ -1451,12 +1414,7 @@ fn a_write_to_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
     let store = Arc::new(MemStore::new());
     let (sink, gate) = gated_sink(&store);
     let ck = e.checkpoint(sink.clone(), false).unwrap();
-    let op = possum_workloads::program::Op {
-        stream: 0,
-        reads: vec![],
-        writes: vec![idx],
-        salt: 7,
-    };
+    let op = write_op(idx, 7);
     job.reset_deps();
     job.issue(&op).unwrap();
     job.sync().unwrap();
@@ -1482,9 +1440,7 @@ fn a_write_to_a_buffer_not_yet_saved_waits_for_that_buffer_only() {
 
 #[test]
 fn a_job_that_only_reads_during_a_checkpoint_never_waits() {
-    let p = demo_program(20);
-    let e = engine(small_cfg(1024, 2, 0));
-    let job = HostJob::new(&e, &p).unwrap();
+    let (_p, e, job) = demo_job(20, small_cfg(1024, 2, 0));
     let before = job.contents().unwrap();
     let store = Arc::new(MemStore::new());
     let (sink, gate) = gated_sink(&store);
@@ -1492,12 +1448,7 @@ fn a_job_that_only_reads_during_a_checkpoint_never_waits() {
     // An operation that reads every buffer of the checkpoint while the copier is stalled, and
     // writes only a buffer allocated after T0 (not in the checkpoint).
     let extra = e.alloc(4096).unwrap();
-    let s = possum_engine::device::Device::create_stream(
-        &**e.device(),
-        possum_engine::device::StreamPriority::Normal,
-    )
-    .unwrap();
-    e.register_stream(s.clone());
+    let s = registered_stream(&e);
     let reads: Vec<_> = job.buffers().to_vec();
     let writes = vec![extra.clone()];
     let g = e
@@ -1563,13 +1514,14 @@ fn order_sink(store: &Arc<MemStore>) -> (Arc<dyn ChunkSink>, Arc<std::sync::Mute
 fn buffers_predicted_to_be_written_soonest_are_saved_first_in_that_order() {
     let p = demo_program(22);
     // One copy stream and one writer: the sink sees the buffers in the copier's order.
-    let cfg = EngineConfig {
-        copy_streams: 1,
-        writer_threads: 1,
-        ..small_cfg(1 << 20, 2, 0)
-    };
-    let e = engine(cfg);
-    let job = HostJob::new(&e, &p).unwrap();
+    let (e, job) = job_of(
+        &p,
+        EngineConfig {
+            copy_streams: 1,
+            writer_threads: 1,
+            ..small_cfg(1 << 20, 2, 0)
+        },
+    );
     let ids: Vec<u64> = job.buffers().iter().map(|b| b.id()).collect();
     assert!(ids.len() >= 3, "{ids:?}");
     let (last, mid) = (ids[ids.len() - 1], ids[ids.len() / 2]);
@@ -1598,18 +1550,9 @@ fn buffers_predicted_to_be_written_soonest_are_saved_first_in_that_order() {
 /// (its sink gated, both staging buffers in flight) and every other buffer is still unsaved.
 #[test]
 fn a_snapshot_shadows_the_buffers_predicted_to_be_written_first() {
-    use possum_engine::device::{Device, StreamPriority};
     let mib = 1 << 20;
-    let cfg = EngineConfig {
-        copy_streams: 1,
-        writer_threads: 1,
-        fingerprints: false,
-        ..small_cfg(mib, 2, 0)
-    };
-    let e = engine(cfg);
-    let bufs: Vec<_> = (0..8).map(|_| e.alloc(2 * mib as u64).unwrap()).collect();
-    let s = e.device().create_stream(StreamPriority::Normal).unwrap();
-    e.register_stream(s.clone());
+    let (e, bufs) = eight_buffers_serial(mib);
+    let s = registered_stream(&e);
     let (b7, b5) = (bufs[7].clone(), bufs[5].clone());
     e.set_save_order(vec![b7.id(), b5.id()]);
     e.set_shadow_budget(2 * 2 * mib as u64);
@@ -1651,14 +1594,7 @@ fn a_snapshot_shadows_the_buffers_predicted_to_be_written_first() {
 fn buffers_outside_the_snapshot_s_shadows_are_saved_before_the_shadows() {
     let mib = 1 << 20;
     // One copy stream and one writer: the sink sees the buffers in the copier's order.
-    let cfg = EngineConfig {
-        copy_streams: 1,
-        writer_threads: 1,
-        fingerprints: false,
-        ..small_cfg(mib, 2, 0)
-    };
-    let e = engine(cfg);
-    let bufs: Vec<_> = (0..8).map(|_| e.alloc(2 * mib as u64).unwrap()).collect();
+    let (e, bufs) = eight_buffers_serial(mib);
     let ids: Vec<u64> = bufs.iter().map(|b| b.id()).collect();
     // Predicted: 7, 5, 2, then the rest in the registry's order.
     e.set_save_order(vec![ids[7], ids[5], ids[2]]);

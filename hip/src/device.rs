@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use possum_engine::addresses::{end_of, host_len, invalid, AddressTables, MappedMemory};
+use possum_engine::addresses::{check_reserve_size, out_of_memory, AddressTables, MappedMemory};
 use possum_engine::device::{
     DevPtr, Device, DeviceError, DeviceResult, HostBuffer, StreamPriority,
 };
@@ -166,19 +166,6 @@ impl HipDevice {
         })
     }
 
-    /// The end of `[va, va + size)`, which must start and end on the granularity.
-    fn granular_range(&self, va: DevPtr, size: u64) -> DeviceResult<u64> {
-        let g = self.granularity;
-        if size == 0 || size % g != 0 || va.0 % g != 0 {
-            return Err(invalid(
-                va.0,
-                size,
-                "start or size is not a multiple of the granularity",
-            ));
-        }
-        end_of(va.0, size)
-    }
-
     /// Queues `len` bytes of `value` at `va`, in `stream` order.
     pub fn memset_d8(
         &self,
@@ -213,13 +200,7 @@ impl Device for HipDevice {
     }
 
     fn reserve(&self, size: u64) -> DeviceResult<DevPtr> {
-        if size == 0 || size % self.granularity != 0 {
-            return Err(invalid(
-                0,
-                size,
-                "size is not a positive multiple of the granularity",
-            ));
-        }
+        check_reserve_size(size, self.granularity)?;
         let _bound = self.bind()?;
         let va = self.rt.address_reserve(size, self.granularity)?;
         self.tables.lock().reservations.insert(va, size);
@@ -227,55 +208,24 @@ impl Device for HipDevice {
     }
 
     fn adopt_reservation(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
-        let end = self.granular_range(va, size)?;
-        let mut t = self.tables.lock();
-        if t.touches_reservation(va.0, end) {
-            return Err(invalid(va.0, size, "overlaps a reservation of possum's"));
-        }
-        t.reservations.insert(va.0, size);
-        t.adopted.insert(va.0);
-        Ok(())
+        self.tables.lock().adopt(va.0, size, self.granularity)
     }
 
     fn unreserve(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let _bound = self.bind()?;
-        let mut t = self.tables.lock();
-        if t.reservations.get(&va.0) != Some(&size) {
-            return Err(invalid(
-                va.0,
-                size,
-                "not a reservation (start and size must match)",
-            ));
-        }
-        if t.touches_mapping(va.0, va.0 + size) {
-            return Err(invalid(va.0, size, "reservation still has mappings"));
-        }
-        if !t.adopted.remove(&va.0) {
-            self.rt.address_free(va.0, size)?;
-        }
-        t.reservations.remove(&va.0);
-        Ok(())
+        let free = || self.rt.address_free(va.0, size);
+        self.tables.lock().unreserve(va.0, size, free)
     }
 
     fn map(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let _bound = self.bind()?;
-        let end = self.granular_range(va, size)?;
         // Held across the runtime's calls, so two maps can't race for the same range.
         let mut t = self.tables.lock();
-        if t.reservation_holding(va.0, end).is_none() {
-            return Err(invalid(va.0, size, "not inside one reservation"));
-        }
-        if t.touches_mapping(va.0, end) {
-            return Err(invalid(va.0, size, "overlaps a mapping"));
-        }
+        t.check_map(va.0, size, self.granularity)?;
         let mem = match PhysMem::create(&self.rt, self.ordinal as c_int, size) {
             Ok(m) => m,
             Err(e) if is_out_of_memory(&e) => {
-                let free = self.rt.mem_get_info().map(|(free, _)| free).unwrap_or(0);
-                return Err(DeviceError::OutOfMemory {
-                    requested: size,
-                    free,
-                });
+                return Err(out_of_memory(size, self.rt.mem_get_info()));
             }
             Err(e) => return Err(e),
         };
@@ -287,11 +237,7 @@ impl Device for HipDevice {
     fn unmap(&self, va: DevPtr, size: u64) -> DeviceResult<()> {
         let _bound = self.bind()?;
         let mut t = self.tables.lock();
-        match t.mappings.get(&va.0) {
-            Some(m) if m.size() == size => {}
-            Some(_) => return Err(invalid(va.0, size, "size differs from the mapping's")),
-            None => return Err(invalid(va.0, size, "not the start of a mapping")),
-        }
+        t.check_unmap(va.0, size)?;
         self.rt.unmap(va.0, size)?;
         let mem = t.mappings.remove(&va.0).expect("checked above");
         mem.release()
@@ -299,7 +245,7 @@ impl Device for HipDevice {
 
     fn alloc_host(&self, len: usize) -> DeviceResult<PinnedBuf> {
         let _bound = self.bind()?;
-        PinnedBuf::alloc(&self.rt, len)
+        crate::result::pinned(&self.rt, len)
     }
 
     fn create_stream(&self, priority: StreamPriority) -> DeviceResult<HipStream> {
@@ -318,8 +264,7 @@ impl Device for HipDevice {
         dst: PinnedBuf,
         len: u64,
     ) -> DeviceResult<HipPending> {
-        let n = host_len(len, dst.len())?;
-        self.tables.lock().check_copy_range(src.0, len)?;
+        let n = self.tables.lock().check_host_copy(src.0, len, dst.len())?;
         stream.copy_d2h(src.0, dst, n)
     }
 
@@ -330,17 +275,12 @@ impl Device for HipDevice {
         dst: DevPtr,
         len: u64,
     ) -> DeviceResult<HipPending> {
-        let n = host_len(len, src.len())?;
-        self.tables.lock().check_copy_range(dst.0, len)?;
+        let n = self.tables.lock().check_host_copy(dst.0, len, src.len())?;
         stream.copy_h2d(src, dst.0, n)
     }
 
     fn copy_d2d(&self, stream: &HipStream, src: DevPtr, dst: DevPtr, len: u64) -> DeviceResult<()> {
-        {
-            let t = self.tables.lock();
-            t.check_copy_range(src.0, len)?;
-            t.check_copy_range(dst.0, len)?;
-        }
+        self.tables.lock().check_copy_ranges(src.0, dst.0, len)?;
         stream.copy_d2d(src.0, dst.0, len)
     }
 

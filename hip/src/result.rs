@@ -22,7 +22,10 @@ use std::path::Path;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
-use possum_engine::device::{DeviceError, DeviceResult, HostBuffer, Transfer};
+use possum_engine::backend::{
+    self, backend_error, check_call, CopyEvent, CopyStream, Pinned, PinnedAlloc,
+};
+use possum_engine::device::{DeviceError, DeviceResult};
 
 use crate::sys::{self, hipError_t, Api, LoadError};
 
@@ -85,28 +88,15 @@ impl Runtime {
 
     /// `Ok` for `hipSuccess`, else a [`DeviceError::Backend`] naming `call`.
     pub fn check(&self, call: &'static str, r: hipError_t) -> DeviceResult<()> {
-        if r == sys::hipSuccess {
-            Ok(())
-        } else {
-            Err(DeviceError::Backend {
-                call,
-                code: i64::from(r),
-                message: self.describe(r),
-            })
-        }
+        check_call(call, r == sys::hipSuccess, i64::from(r), || {
+            self.describe(r)
+        })
     }
 
     /// Like [`check`](Self::check), for calls that wait for earlier asynchronous work: their
     /// errors are that work's, so they become [`DeviceError::StreamFailed`].
     pub fn check_async(&self, call: &'static str, r: hipError_t) -> DeviceResult<()> {
-        if r == sys::hipSuccess {
-            Ok(())
-        } else {
-            Err(DeviceError::StreamFailed(format!(
-                "{call}: {} (code {r})",
-                self.describe(r)
-            )))
-        }
+        backend::as_stream_failure(self.check(call, r))
     }
 
     /// `hipInit(0)`.
@@ -210,11 +200,7 @@ impl Runtime {
 }
 
 fn to_usize(call: &'static str, n: u64) -> DeviceResult<usize> {
-    usize::try_from(n).map_err(|_| DeviceError::Backend {
-        call,
-        code: 1,
-        message: format!("size {n} does not fit in usize"),
-    })
+    backend::usize_arg(call, n, i64::from(sys::hipErrorInvalidValue))
 }
 
 fn device_location(ordinal: c_int) -> sys::hipMemLocation {
@@ -242,6 +228,7 @@ pub fn is_out_of_memory(e: &DeviceError) -> bool {
 
 /// Physical device memory (`hipMemCreate`), released on drop. A mapping holds its own reference
 /// in the runtime, so dropping this while mapped only drops possum's handle.
+#[derive(Debug)]
 pub struct PhysMem {
     handle: sys::hipMemGenericAllocationHandle_t,
     size: u64,
@@ -255,15 +242,6 @@ pub struct PhysMem {
 unsafe impl Send for PhysMem {}
 // SAFETY: as above; no method mutates through `&self`.
 unsafe impl Sync for PhysMem {}
-
-impl fmt::Debug for PhysMem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PhysMem")
-            .field("handle", &self.handle)
-            .field("size", &self.size)
-            .finish()
-    }
-}
 
 impl PhysMem {
     /// Creates `size` bytes of physical memory on device `ordinal`.
@@ -317,81 +295,45 @@ impl Drop for PhysMem {
     }
 }
 
-/// Pinned host memory from `hipHostMalloc`: usable for asynchronous copies. Zeroed when
-/// allocated; freed on drop.
-pub struct PinnedBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-    rt: Arc<Runtime>,
-}
+/// Where [`PinnedBuf`]s come from: `hipHostMalloc` of a runtime.
+#[derive(Debug, Clone)]
+pub struct PinnedHost(Arc<Runtime>);
 
-// SAFETY: plain host memory owned by this value; the pointer is shared only with the runtime for
-// a copy, during which a `HipPending` owns the buffer.
-unsafe impl Send for PinnedBuf {}
-// SAFETY: shared references only read the bytes (`as_slice`); writes need `&mut`.
-unsafe impl Sync for PinnedBuf {}
-
-impl fmt::Debug for PinnedBuf {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PinnedBuf")
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl PinnedBuf {
-    /// Allocates `len` bytes of pinned, zeroed host memory.
-    pub fn alloc(rt: &Arc<Runtime>, len: usize) -> DeviceResult<PinnedBuf> {
-        if len == 0 {
-            return Ok(PinnedBuf {
-                ptr: NonNull::dangling(),
-                len: 0,
-                rt: rt.clone(),
-            });
-        }
+impl PinnedAlloc for PinnedHost {
+    fn alloc_pinned(&self, len: usize) -> DeviceResult<&'static mut [u8]> {
         let mut p: *mut c_void = ptr::null_mut();
-        call!(rt, hipHostMalloc(&mut p, len, sys::hipHostMallocDefault))?;
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| DeviceError::Backend {
-            call: "hipHostMalloc",
-            code: i64::from(sys::hipErrorOutOfMemory),
-            message: "the runtime returned a null pointer".to_string(),
+        call!(
+            &self.0,
+            hipHostMalloc(&mut p, len, sys::hipHostMallocDefault)
+        )?;
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| {
+            backend_error(
+                "hipHostMalloc",
+                i64::from(sys::hipErrorOutOfMemory),
+                "the runtime returned a null pointer".to_string(),
+            )
         })?;
         // SAFETY: the runtime just allocated `len` writable bytes at `ptr`, used by nothing
-        // else; zeroing them makes them initialised, so `as_slice` may hand out `&[u8]`.
-        unsafe { ptr::write_bytes(ptr.as_ptr(), 0, len) };
-        Ok(PinnedBuf {
-            ptr,
-            len,
-            rt: rt.clone(),
-        })
-    }
-}
-
-impl HostBuffer for PinnedBuf {
-    fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid and initialised for `len` bytes while `self` lives (dangling only
-        // for `len` 0, which `from_raw_parts` allows for a non-null aligned pointer), and no copy
-        // can be using it: copies own the buffer until they are complete.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-impl Drop for PinnedBuf {
-    fn drop(&mut self) {
-        if self.len != 0 {
-            let _ = call!(&self.rt, hipHostFree(self.ptr.as_ptr().cast()));
+        // else, and freed only in `free_pinned`, which takes them back from the one
+        // `PinnedBuf` they are handed to; zeroed first, they are initialised.
+        unsafe {
+            ptr::write_bytes(ptr.as_ptr(), 0, len);
+            Ok(std::slice::from_raw_parts_mut(ptr.as_ptr(), len))
         }
     }
+
+    fn free_pinned(&self, mem: Pinned) {
+        let _ = call!(&self.0, hipHostFree(mem.into_ptr().cast()));
+    }
+}
+
+/// Pinned host memory from `hipHostMalloc` ([`PinnedHost`]): usable for asynchronous copies.
+/// Zeroed when allocated; freed on drop.
+pub type PinnedBuf = backend::PinnedBuf<PinnedHost>;
+
+/// Allocates `len` bytes of pinned, zeroed host memory through `rt`.
+pub fn pinned(rt: &Arc<Runtime>, len: usize) -> DeviceResult<PinnedBuf> {
+    PinnedBuf::alloc(PinnedHost(rt.clone()), len)
 }
 
 struct StreamInner {
@@ -519,76 +461,45 @@ impl HipStream {
     }
 
     /// Queues a copy of `len` bytes from device `src` into the start of `dst`.
-    pub fn copy_d2h(&self, src: u64, mut dst: PinnedBuf, len: usize) -> DeviceResult<HipPending> {
-        if len > dst.len {
-            return Err(DeviceError::HostBufferTooSmall {
-                need: len as u64,
-                have: dst.len as u64,
-            });
-        }
-        if len == 0 {
-            return Ok(HipPending::after(self, dst));
-        }
-        let host = dst.as_mut_slice().as_mut_ptr().cast::<c_void>();
-        // SAFETY: `host` is valid for `len` bytes of writes (checked above). `dst` moves into the
-        // returned `HipPending`, which keeps it alive, unread and unwritten by safe code, until an
-        // event recorded after this copy (or the stream) says it is complete; on error, `fail`
-        // does the same before the buffer can be freed.
-        let r = unsafe {
-            (self.rt().api.hipMemcpyAsync)(
-                host,
-                dptr(src),
-                len,
-                sys::hipMemcpyDeviceToHost,
-                self.0.raw,
-            )
-        };
-        match self.rt().check("hipMemcpyAsync", r) {
-            Ok(()) => Ok(HipPending::after(self, dst)),
-            Err(e) => Err(self.fail(dst, e)),
-        }
+    pub fn copy_d2h(&self, src: u64, dst: PinnedBuf, len: usize) -> DeviceResult<HipPending> {
+        let kind = sys::hipMemcpyDeviceToHost;
+        HipPending::start(self, dst, len, |host| {
+            let (to, n) = (host.as_mut_ptr().cast::<c_void>(), host.len());
+            // SAFETY: `to` is valid for `n` bytes of writes. The buffer it is in moves into the
+            // returned `HipPending`, which keeps it alive, unread and unwritten by safe code,
+            // until an event recorded after this copy (or the stream) says it is complete.
+            let r = unsafe { (self.rt().api.hipMemcpyAsync)(to, dptr(src), n, kind, self.0.raw) };
+            self.rt().check("hipMemcpyAsync", r)
+        })
     }
 
     /// Queues a copy of the first `len` bytes of `src` to device `dst`.
     pub fn copy_h2d(&self, src: PinnedBuf, dst: u64, len: usize) -> DeviceResult<HipPending> {
-        if len > src.len {
-            return Err(DeviceError::HostBufferTooSmall {
-                need: len as u64,
-                have: src.len as u64,
-            });
-        }
-        if len == 0 {
-            return Ok(HipPending::after(self, src));
-        }
-        let host = src.as_slice().as_ptr().cast::<c_void>();
-        // SAFETY: `host` is valid for `len` bytes of reads (checked above); `src` moves into the
-        // returned `HipPending`, which keeps it alive and unwritten until the copy is complete;
-        // on error, `fail` does the same before the buffer can be freed.
-        let r = unsafe {
-            (self.rt().api.hipMemcpyAsync)(
-                dptr(dst),
-                host,
-                len,
-                sys::hipMemcpyHostToDevice,
-                self.0.raw,
-            )
-        };
-        match self.rt().check("hipMemcpyAsync", r) {
-            Ok(()) => Ok(HipPending::after(self, src)),
-            Err(e) => Err(self.fail(src, e)),
-        }
-    }
-
-    /// A copy call failed. It should have queued nothing, but the buffer is freed only once the
-    /// stream is known idle; if even that can't be known, it is leaked.
-    fn fail(&self, buf: PinnedBuf, e: DeviceError) -> DeviceError {
-        if self.synchronize().is_err() {
-            std::mem::forget(buf);
-        }
-        e
+        let kind = sys::hipMemcpyHostToDevice;
+        HipPending::start(self, src, len, |host| {
+            let (from, n) = (host.as_ptr().cast::<c_void>(), host.len());
+            // SAFETY: `from` is valid for `n` bytes of reads; the buffer it is in moves into the
+            // returned `HipPending`, which keeps it alive and unwritten until the copy is
+            // complete.
+            let r = unsafe { (self.rt().api.hipMemcpyAsync)(dptr(dst), from, n, kind, self.0.raw) };
+            self.rt().check("hipMemcpyAsync", r)
+        })
     }
 }
 
+impl CopyStream for HipStream {
+    type Event = HipEvent;
+
+    fn record(&self) -> DeviceResult<HipEvent> {
+        HipEvent::record(self)
+    }
+
+    fn synchronize(&self) -> DeviceResult<()> {
+        HipStream::synchronize(self)
+    }
+}
+
+#[derive(Debug)]
 struct EventInner {
     raw: sys::hipEvent_t,
     rt: Arc<Runtime>,
@@ -608,14 +519,8 @@ impl Drop for EventInner {
 }
 
 /// A HIP event (no timing, blocking sync), recorded once when made. Cheap to clone.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct HipEvent(Arc<EventInner>);
-
-impl fmt::Debug for HipEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("HipEvent").field(&self.0.raw).finish()
-    }
-}
 
 impl HipEvent {
     /// Creates an event and records it at the current end of `stream`. A thread that waits for
@@ -657,61 +562,19 @@ impl HipEvent {
     }
 }
 
-/// An asynchronous copy between a [`PinnedBuf`] and the device. Owns the buffer until the copy
-/// is complete: [`Transfer::wait`] hands it back; dropping it without waiting blocks until the
-/// copy is complete, then frees the buffer (or leaks it if completion can't be established).
-#[derive(Debug)]
-pub struct HipPending {
-    buf: Option<PinnedBuf>,
-    /// Recorded right after the copy; `None` if recording failed (then the stream is waited for).
-    done: Option<HipEvent>,
-    stream: HipStream,
-}
-
-impl HipPending {
-    fn after(stream: &HipStream, buf: PinnedBuf) -> HipPending {
-        HipPending {
-            buf: Some(buf),
-            done: HipEvent::record(stream).ok(),
-            stream: stream.clone(),
-        }
+impl CopyEvent for HipEvent {
+    fn synchronize(&self) -> DeviceResult<()> {
+        HipEvent::synchronize(self)
     }
 
-    fn finish(&self) -> DeviceResult<()> {
-        match &self.done {
-            Some(ev) => ev.synchronize(),
-            None => self.stream.synchronize(),
-        }
+    fn query(&self) -> DeviceResult<bool> {
+        HipEvent::query(self)
     }
 }
 
-impl Transfer<PinnedBuf> for HipPending {
-    fn wait(mut self) -> DeviceResult<PinnedBuf> {
-        let r = self.finish();
-        let buf = self
-            .buf
-            .take()
-            .expect("a HipPending holds its buffer until waited");
-        match r {
-            Ok(()) => Ok(buf),
-            Err(e) => {
-                // The device may still be using the buffer: never free it.
-                std::mem::forget(buf);
-                Err(e)
-            }
-        }
-    }
-}
-
-impl Drop for HipPending {
-    fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            if self.finish().is_err() {
-                std::mem::forget(buf);
-            }
-        }
-    }
-}
+/// An asynchronous copy between a [`PinnedBuf`] and the device on a [`HipStream`]
+/// ([`backend::Pending`]): owns the buffer until the copy is complete.
+pub type HipPending = backend::Pending<HipStream, PinnedBuf>;
 
 /// What the simulated runtime lets a test observe ([`sys::SimHooks`]); nothing of HIP's.
 #[derive(Debug)]

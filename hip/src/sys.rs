@@ -27,6 +27,8 @@ use thiserror::Error;
 pub type hipError_t = c_int;
 /// `hipSuccess`.
 pub const hipSuccess: hipError_t = 0;
+/// `hipErrorInvalidValue`.
+pub const hipErrorInvalidValue: hipError_t = 1;
 /// `hipErrorOutOfMemory`.
 pub const hipErrorOutOfMemory: hipError_t = 2;
 /// `hipErrorNotReady`: an event or stream query's "not yet".

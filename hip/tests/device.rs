@@ -14,12 +14,30 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    cfg, device_or_skip, pattern, read, runtime_or_skip, simulated, write, GatedSink, Job, SIZES,
+    cfg, device_or_skip, gated_sink, pattern, read, runtime_or_skip, simulated, write, Job, SIZES,
 };
 use possum_engine::device::{DevPtr, Device, DeviceError, StreamPriority, Transfer};
-use possum_engine::store::{ChunkSource, MemStore};
+use possum_engine::store::MemStore;
 use possum_engine::{Buffer, Engine, EngineConfig};
+use possum_hip::result::HipStream;
 use possum_hip::{HipDevice, LoadError, OpenError};
+
+/// A copy out of `va` is refused before the runtime sees it: nothing is mapped there.
+fn assert_unmapped(dev: &HipDevice, s: &HipStream, va: DevPtr) {
+    let err = dev
+        .copy_d2h(s, va, dev.alloc_host(16).unwrap(), 16)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DeviceError::InvalidAddress {
+                why: "not mapped",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
 
 #[test]
 fn reservations_and_mappings_keep_their_addresses() {
@@ -44,19 +62,7 @@ fn reservations_and_mappings_keep_their_addresses() {
     assert_eq!(va.0 % g, 0);
     let s = dev.create_stream(StreamPriority::Normal).unwrap();
     // Nothing mapped yet: a copy there is refused before the runtime sees it.
-    let err = dev
-        .copy_d2h(&s, va, dev.alloc_host(16).unwrap(), 16)
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            DeviceError::InvalidAddress {
-                why: "not mapped",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_unmapped(&dev, &s, va);
     // A mapping must lie inside the reservation, on the granularity.
     assert!(matches!(
         dev.map(va.add(g), 4 * g),
@@ -315,20 +321,7 @@ fn checkpoint_while_running_then_restore(shadow_budget: u64) {
     let vas: Vec<DevPtr> = job.bufs.iter().map(Buffer::va).collect();
     e.release().unwrap();
     for b in &job.bufs {
-        let err = job
-            .dev
-            .copy_d2h(&job.stream, b.va(), job.dev.alloc_host(16).unwrap(), 16)
-            .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                DeviceError::InvalidAddress {
-                    why: "not mapped",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert_unmapped(&job.dev, &job.stream, b.va());
     }
     let rr = e.restore(store).unwrap().wait().unwrap();
     assert_eq!(rr.on_demand + rr.prefetched, SIZES.len() as u64, "{rr:?}");
@@ -368,17 +361,16 @@ fn writes_to_buffers_not_yet_saved_are_shadowed_on_the_high_priority_stream() {
     job.sync();
     let at_t0 = job.model.clone();
     let store = Arc::new(MemStore::new());
-    let sink = GatedSink::new(&store);
+    let (sink, gate) = gated_sink(&store);
     let ck = e.checkpoint(sink.clone(), false).unwrap();
     // The copier is held at the sink in the first buffers (lowest addresses first): the two
     // buffers at the highest addresses are saved by shadows before the job's writes reach them.
-    let mut top: Vec<usize> = (0..SIZES.len()).collect();
-    top.sort_by_key(|&i| std::cmp::Reverse(job.bufs[i].va()));
+    let top = job.highest_first();
     job.write(top[0], 2);
     job.memset(top[1], 0x77, 5000);
     job.write(top[0], 3);
     job.sync();
-    sink.open();
+    gate.open();
     let rep = ck.wait().unwrap();
     assert_eq!(rep.cow_shadow, 2, "{rep:?}");
     let mut waited: Vec<u64> = rep.waited_on.iter().map(|w| w.id).collect();
@@ -415,11 +407,7 @@ fn an_operation_overtakes_the_background_restorer() {
     e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
     e.release().unwrap();
     // The buffer the background restorer reaches last.
-    let last = store
-        .buffers()
-        .into_iter()
-        .max_by_key(|r| (r.prefetch_rank, r.id))
-        .unwrap();
+    let last = store.last_in_prefetch_order().unwrap();
     let idx = job.bufs.iter().position(|b| b.id() == last.id).unwrap();
     let rs = e.restore(store.clone()).unwrap();
     // The job's first operation writes part of it: it waits for that buffer (its T0 bytes under

@@ -6,7 +6,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{cfg, simulated_device_or_skip, simulated_runtime_or_skip, GatedSink, Job, SIZES};
+use common::{cfg, gated_sink, simulated_device_or_skip, simulated_runtime_or_skip, Job, SIZES};
 use possum_engine::store::MemStore;
 use possum_engine::Engine;
 use possum_hip::result::SimProbe;
@@ -29,16 +29,15 @@ fn copy_on_write_goes_on_the_high_priority_stream_and_the_copier_does_not() {
     );
 
     let store = Arc::new(MemStore::new());
-    let sink = GatedSink::new(&store);
+    let (sink, gate) = gated_sink(&store);
     let ck = e.checkpoint(sink.clone(), false).unwrap();
     // The copier is held at the sink in the first buffers; the two at the highest addresses are
     // shadowed (a device-to-device copy each) before the job's writes reach them.
-    let mut top: Vec<usize> = (0..SIZES.len()).collect();
-    top.sort_by_key(|&i| std::cmp::Reverse(job.bufs[i].va()));
+    let top = job.highest_first();
     job.write(top[0], 1);
     job.write(top[1], 1);
     job.sync();
-    sink.open();
+    gate.open();
     let rep = ck.wait().unwrap();
     assert_eq!(rep.cow_shadow, 2, "{rep:?}");
 

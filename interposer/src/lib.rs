@@ -84,59 +84,30 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
-mod ab;
-mod alloc;
-pub mod cbid;
-mod collective;
-mod config;
-mod control;
-mod cudart;
-mod cupti;
-mod dag;
-mod decode;
-mod drvalloc;
-mod elfsym;
-pub mod entry;
-mod exit;
-mod gate;
+mod base;
+mod cuda;
 mod hip;
-mod hook_state;
-mod hooks;
-mod imports;
-mod load;
-mod log;
-mod mode;
-mod nccl;
-mod park;
-mod park_sys;
-mod pools;
-mod ranges;
-mod replies;
-mod runtime;
+mod memory;
+mod ops;
+mod process;
 mod session;
-mod setup;
-mod spare;
-pub mod stats;
-mod sys;
-mod thread_state;
-mod validate;
-mod vmm;
-pub mod writers;
 
-pub use config::Hooks;
-pub use load::InitializeInjection;
-pub use setup::DEFAULT_CUPTI;
+pub use base::config::Hooks;
+pub use cuda::{cbid, entry, writers};
+pub use process::load::InitializeInjection;
+pub use process::setup::DEFAULT_CUPTI;
+pub use process::stats;
 
 /// Sets the interposer up: loads CUPTI, subscribes, enables the callbacks, registers the
 /// statistics writer. Runs once per process, whichever entry point calls it first; never panics
 /// out (the entry points catch), never prints unless `POSSUM_VERBOSE=1`.
 pub fn init() {
-    setup::init(entry::SET_UP);
+    process::setup::init(cuda::entry::SET_UP);
 }
 
 /// The statistics so far, as one JSON object (keys in the crate documentation). Before [`init`]
 /// has run, `"cupti"` is false and `"cupti_error"` says so.
 pub fn stats_json() -> serde_json::Value {
-    setup::hand(entry::SET_UP);
-    setup::stats_json()
+    process::setup::hand(cuda::entry::SET_UP);
+    process::setup::stats_json()
 }

@@ -8,15 +8,15 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu_linked, cc, fake_job_command, libpossum, read_json};
+use common::{
+    build_fake_gpu_linked, cc, fake_job_command, fresh_dir, libpossum, read_json, stdout_of,
+};
 
 /// What the job prints, with possum or without.
 const WANT: &str = "wrapped 1\npassed 1\ndefault 1\nvalue 7\n";
 
 fn setup() -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("possum-fakedlvsym-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("fakedlvsym");
     let here = Path::new(env!("CARGO_MANIFEST_DIR"));
     if !build_fake_gpu_linked(
         here,
@@ -56,13 +56,7 @@ fn run(dir: &Path, possum: bool) -> (String, Option<Value>) {
     let mut cmd = fake_job_command(dir, "fake_dlvsym_job", lib.as_deref());
     cmd.env("POSSUM_STATS", &stats)
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"));
-    let out = cmd.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = stdout_of(&mut cmd);
     (text, possum.then(|| read_json(&stats)))
 }
 

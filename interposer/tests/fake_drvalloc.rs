@@ -1,4 +1,4 @@
-//! Driver-API allocations served by the engine (`src/drvalloc.rs`), on the fake driver:
+//! Driver-API allocations served by the engine (`src/cuda/drvalloc.rs`), on the fake driver:
 //! `cuMemAlloc_v2`, `cuMemAllocPitch_v2` and `cuMemFree_v2` called through the global scope (a
 //! program linked against libcuda) and `cuMemAlloc`/`cuMemFree` looked up with
 //! `cuGetProcAddress_v2` (as libcudart does: possum's wrapper of the lookup swaps the driver's
@@ -9,7 +9,7 @@
 use std::path::Path;
 
 mod common;
-use common::{build_fake_gpu, fake_job_command, libpossum, read_json};
+use common::{fake_gpu_dir, fake_job_command, libpossum, read_json, stdout_of};
 
 /// The job's output without possum, and with it (`hooks`: `POSSUM_HOOKS`; `manage`: whether
 /// possum serves allocations), with its statistics.
@@ -27,24 +27,15 @@ fn run(dir: &Path, hooks: Option<&str>, manage: bool) -> (String, serde_json::Va
     if !manage {
         cmd.env("POSSUM_MANAGE", "0");
     }
-    let out = cmd.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = stdout_of(&mut cmd);
     (text, read_json(&stats))
 }
 
 #[test]
 fn driver_allocations_are_engine_buffers_both_ways_in() {
-    let dir = std::env::temp_dir().join(format!("possum-drvalloc-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_drvalloc_job.c", "fake_drvalloc_job") {
+    let Some(dir) = fake_gpu_dir("drvalloc", "fake_drvalloc_job") else {
         return;
-    }
+    };
     let plain = fake_job_command(&dir, "fake_drvalloc_job", None)
         .output()
         .unwrap();

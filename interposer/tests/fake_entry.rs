@@ -1,4 +1,4 @@
-//! possum without CUPTI: the driver's entry points wrapped (`src/entry.rs`), on the fake driver
+//! possum without CUPTI: the driver's entry points wrapped (`src/cuda/entry.rs`), on the fake driver
 //! (`cuda/testdata/fake-libcuda.c`, where kernels run on the host). The job
 //! (`tests/fake/fake_entry_job.c`) reaches the driver the three ways a real one does: linked
 //! against libcuda, `dlsym` on the driver's handle, and `cuGetProcAddress_v2` (its self-lookup,
@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 
 mod common;
-use common::{build_fake_gpu_linked, fake_job_command, libpossum, read_json};
+use common::{build_fake_gpu_linked, fake_job_command, fresh_dir, libpossum, read_json, stdout_of};
 
 /// u32 words per buffer (fake_entry_job.c).
 const N: u64 = 1 << 16;
@@ -84,16 +84,16 @@ fn expected_output() -> String {
             })
             .sum()
     };
+    // Each lookup's line: the name looked up, and 1 (it was found).
+    let found = |names: &[&str]| -> String { names.iter().map(|l| format!("{l} 1\n")).collect() };
     let mut out = format!("direct ok {}\n", sum(5, 0, 7));
-    for l in [
+    out += &found(&[
         "dlsym cuLaunchKernel",
         "dlsym cuLaunchCooperativeKernel",
         "dlsym cuMemcpyDtoH_v2",
-    ] {
-        out += &format!("{l} 1\n");
-    }
+    ]);
     out += &format!("dlsym ok {}\n", sum(1000, 1, 2));
-    for l in [
+    out += &found(&[
         "dlsym cuGetProcAddress_v2",
         "gpa cuGetProcAddress",
         "gpa cuLaunchKernel per-thread",
@@ -103,18 +103,14 @@ fn expected_output() -> String {
         "gpa cuMemcpyHtoD per-thread",
         "gpa cuMemcpyDtoH per-thread",
         "gpa cuCtxSynchronize",
-    ] {
-        out += &format!("{l} 1\n");
-    }
+    ]);
     // CUDA_ERROR_NOT_FOUND, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, the pointer cleared.
     out += "gpa cuNoSuchFunction 500 1 1\n";
-    for l in [
+    out += &found(&[
         "dlsym cuGetProcAddress",
         "gpa1 cuGetProcAddress",
         "gpa1 cuMemsetD32",
-    ] {
-        out += &format!("{l} 1\n");
-    }
+    ]);
     out += &format!("gpa ok {}\n", sum(100, 1, 3));
     out += &format!("async ok {}\n", sum(9, 0, 1));
     out += &format!("vmm ok {}\n", sum(0, 0, 4));
@@ -125,9 +121,7 @@ fn expected_output() -> String {
 /// A fresh directory with the fake GPU and the job (linked against the fake libcuda) built in
 /// it; `None` (the test skips, said on stderr) without a C compiler.
 fn setup(name: &str) -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("possum-entry-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir(&format!("entry-{name}"));
     build_fake_gpu_linked(
         Path::new(env!("CARGO_MANIFEST_DIR")),
         &dir,
@@ -148,13 +142,7 @@ fn run(dir: &Path, possum: bool, env: &[(&str, &str)]) -> (String, Option<Value>
     cmd.env("POSSUM_STATS", &stats)
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
         .envs(env.iter().copied());
-    let out = cmd.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = stdout_of(&mut cmd);
     (text, possum.then(|| read_json(&stats)))
 }
 
@@ -198,6 +186,15 @@ fn assert_counts(stats: &Value, counted: bool) {
     }
     let total = if counted { LAUNCHES } else { 0 };
     assert_eq!(stats["total_launches"], total, "{stats}");
+}
+
+/// Asserts what possum left to the driver: the allocations the job kept to the end by kind
+/// (`by_kind`), `allocs` allocations in all, and `launches` kernels launched on them.
+fn assert_unmanaged(stats: &Value, by_kind: Value, allocs: u64, launches: u64) {
+    let p = &stats["possum"];
+    assert_eq!(p["unmanaged"]["by_kind"], by_kind, "{stats}");
+    assert_eq!(p["counters"]["unmanaged_allocs"], allocs, "{stats}");
+    assert_eq!(p["counters"]["launches_unmanaged"], launches, "{stats}");
 }
 
 /// What every mode shares: the lookups answered with possum's wrappers (the pointer swap works
@@ -270,13 +267,12 @@ fn every_way_to_the_driver_is_seen_through_the_entry_points() {
     assert_eq!(p["session"]["hooks_live"], true, "{stats}");
     assert_eq!(p["session"]["cupti_attached"], false, "{stats}");
     // What possum does not serve: the managed memory, and a kernel on it.
-    assert_eq!(
-        p["unmanaged"]["by_kind"],
+    assert_unmanaged(
+        &stats,
         json!({"cuMemAllocManaged": {"allocations": 1, "bytes": N * 4}}),
-        "{stats}"
+        1,
+        1,
     );
-    assert_eq!(c["unmanaged_allocs"], 1, "{stats}");
-    assert_eq!(c["launches_unmanaged"], 1, "{stats}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -291,22 +287,20 @@ fn allocations_left_to_the_driver_are_tracked_by_kind() {
     );
     assert_counts(&stats, true);
     assert_swapped_and_served_with(&stats, false);
-    let c = &stats["possum"]["counters"];
     // The allocations the job kept to the end: one of each kind possum does not serve (the
-    // other cuMemAllocAsync was freed, and forgotten).
+    // other cuMemAllocAsync was freed, and forgotten); 4 allocations in all; the kernels on
+    // them: the async one, the VMM one and the managed one.
     let kb = N * 4;
-    assert_eq!(
-        stats["possum"]["unmanaged"]["by_kind"],
+    assert_unmanaged(
+        &stats,
         json!({
             "cuMemAllocAsync": {"allocations": 1, "bytes": kb},
             "cuMemMap": {"allocations": 1, "bytes": 2 << 20},
             "cuMemAllocManaged": {"allocations": 1, "bytes": kb},
         }),
-        "{stats}"
+        4,
+        3,
     );
-    assert_eq!(c["unmanaged_allocs"], 4, "{stats}");
-    // The kernels on them: the async one, the VMM one and the managed one.
-    assert_eq!(c["launches_unmanaged"], 3, "{stats}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

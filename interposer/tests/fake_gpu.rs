@@ -11,7 +11,7 @@ use std::process::Command;
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu, libpossum, read_json};
+use common::{libpossum, read_json};
 
 /// `dir/fake_job` under libpossum on the fake GPU built in `dir`, writing `dir/stats.json` and
 /// `dir/trace.json`, with the default validation settings unless the caller sets
@@ -42,12 +42,10 @@ fn fake_job(dir: &Path) -> Command {
     cmd
 }
 
-/// A fresh directory `NAME-<pid>` with the fake GPU stack and `fake_job` built in it; `None`
-/// (the test skips, said on stderr) without a C compiler.
+/// A fresh directory `possum-NAME-<pid>` with the fake GPU stack and `fake_job` built in it;
+/// `None` (the test skips, said on stderr) without a C compiler.
 fn fake_gpu_dir(name: &str) -> Option<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    build_fake_gpu(&dir, "tests/fake/fake_job.c", "fake_job").then_some(dir)
+    common::fake_gpu_dir(name, "fake_job")
 }
 
 /// `fake_job ARGS` in `dir` with the variables `env`, which must say ok and exit 0: its stderr.
@@ -61,6 +59,42 @@ fn run_ok<S: AsRef<std::ffi::OsStr>>(dir: &Path, args: &[S], env: &[(&str, &str)
     assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n", "{stderr}");
     assert!(out.status.success(), "{stderr}");
     stderr
+}
+
+/// `fake_job MODE` in a fresh directory `possum-NAME-<pid>` with the first 4 launches of each
+/// kernel validated and read-only speculation after 2 (fingerprints on), which must have
+/// validated `validations` launches and made no kernel opaque: the directory, the statistics
+/// and the trace; `None` without a C compiler.
+fn run_validated(
+    name: &str,
+    mode: &str,
+    validations: u64,
+) -> Option<(std::path::PathBuf, Value, Value)> {
+    let dir = fake_gpu_dir(name)?;
+    run_ok(
+        &dir,
+        &[mode],
+        &[
+            ("POSSUM_VALIDATE", "first=4,readonly_after=2"),
+            ("FAKE_CUDA_FINGERPRINT", "1"),
+        ],
+    );
+    let v = read_json(&dir.join("stats.json"));
+    let c = &v["possum"]["counters"];
+    assert_eq!(c["validations"], validations, "{v}");
+    assert_eq!(c["kernels_made_opaque"], 0, "{v}");
+    let t = read_json(&dir.join("trace.json"));
+    Some((dir, v, t))
+}
+
+/// Kernel `name` of the trace `t`, which must have been validated `validated` times, not be
+/// opaque, and have `readonly_slots` slots speculated read-only.
+fn assert_validated(t: &Value, name: &str, validated: u64, readonly_slots: u64) -> Value {
+    let k = kernel(t, name);
+    assert_eq!(k["validated"], validated, "{name}: {k}");
+    assert_eq!(k["opaque"], false, "{name}: {k}");
+    assert_eq!(k["readonly_slots"], readonly_slots, "{name}: {k}");
+    k
 }
 
 /// `fake_job bench ITERS` in `dir` with the variables `env`: its statistics.
@@ -82,7 +116,7 @@ fn kernel(t: &Value, name: &str) -> Value {
 
 #[test]
 fn a_job_on_a_fake_gpu() {
-    let Some(dir) = fake_gpu_dir("possum-fakegpu") else {
+    let Some(dir) = fake_gpu_dir("fakegpu") else {
         return;
     };
     let stats = dir.join("stats.json");
@@ -181,27 +215,11 @@ fn a_job_on_a_fake_gpu() {
 /// every checkpoint's pause on the H100.)
 #[test]
 fn a_slot_sharing_an_allocation_is_judged_by_its_own_window() {
-    let Some(dir) = fake_gpu_dir("possum-fakegpu-shared") else {
+    let Some((dir, _, t)) = run_validated("fakegpu-shared", "shared", 8) else {
         return;
     };
-    run_ok(
-        &dir,
-        &["shared"],
-        &[
-            ("POSSUM_VALIDATE", "first=4,readonly_after=2"),
-            ("FAKE_CUDA_FINGERPRINT", "1"),
-        ],
-    );
-    let v = read_json(&dir.join("stats.json"));
-    let c = &v["possum"]["counters"];
-    assert_eq!(c["validations"], 8, "{v}");
-    assert_eq!(c["kernels_made_opaque"], 0, "{v}");
-    let t = read_json(&dir.join("trace.json"));
     for name in ["reduce_shared", "reduce_small"] {
-        let k = kernel(&t, name);
-        assert_eq!(k["validated"], 4, "{k}");
-        assert_eq!(k["opaque"], false, "{k}");
-        assert_eq!(k["readonly_slots"], 1, "{name}: {k}");
+        assert_validated(&t, name, 4, 1);
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -212,38 +230,21 @@ fn a_slot_sharing_an_allocation_is_judged_by_its_own_window() {
 /// contents still earns it.
 #[test]
 fn writes_of_a_constant_earn_no_readonly() {
-    let Some(dir) = fake_gpu_dir("possum-fakegpu-fill") else {
+    // Validations: 4 per kernel, and launch 4 of each fill again: its slot has no verdict (a
+    // constant fill gives none), so its kernel is rechecked at powers of two (POSSUM_VALIDATE
+    // recheck).
+    let Some((dir, v, t)) = run_validated("fakegpu-fill", "fill", 14) else {
         return;
     };
-    run_ok(
-        &dir,
-        &["fill"],
-        &[
-            ("POSSUM_VALIDATE", "first=4,readonly_after=2"),
-            ("FAKE_CUDA_FINGERPRINT", "1"),
-        ],
-    );
-
-    let v = read_json(&dir.join("stats.json"));
     let c = &v["possum"]["counters"];
     assert_eq!(c["launches_hooked"], 18, "{v}");
-    // 4 per kernel, and launch 4 of each fill again: its slot has no verdict (a constant
-    // fill gives none), so its kernel is rechecked at powers of two (POSSUM_VALIDATE recheck).
-    assert_eq!(c["validations"], 14, "{v}");
-    assert_eq!(c["kernels_made_opaque"], 0, "{v}");
     assert_eq!(c["validation_errors"], 0, "{v}");
     assert_eq!(c["hook_errors"], 0, "{v}");
 
-    let t = read_json(&dir.join("trace.json"));
+    // No read-only slot from constant fills.
     for name in ["fill_zero", "fill_ff"] {
-        let k = kernel(&t, name);
+        let k = assert_validated(&t, name, 5, 0);
         assert_eq!(k["launches"], 6, "{k}");
-        assert_eq!(k["validated"], 5, "{k}");
-        assert_eq!(k["opaque"], false, "{k}");
-        assert_eq!(
-            k["readonly_slots"], 0,
-            "{name}: read-only from constant fills: {k}"
-        );
     }
     let sum_read = kernel(&t, "sum_read");
     assert_eq!(sum_read["validated"], 4, "{sum_read}");
@@ -291,7 +292,7 @@ fn writes_of_a_constant_earn_no_readonly() {
 /// changing every launch. Only each (kernel, set)'s first launch may resolve its words.
 #[test]
 fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
-    let Some(dir) = fake_gpu_dir("possum-fakememo") else {
+    let Some(dir) = fake_gpu_dir("fakememo") else {
         return;
     };
     let sets = 24;
@@ -336,7 +337,7 @@ fn the_memo_serves_many_buffer_sets_and_changing_scalars() {
 /// launches are resolved like any other's; an image that is no cubin is skipped and counted.
 #[test]
 fn a_layout_the_driver_cannot_give_comes_from_the_module() {
-    let Some(dir) = fake_gpu_dir("possum-fakemodule") else {
+    let Some(dir) = fake_gpu_dir("fakemodule") else {
         return;
     };
     let cubin = concat!(
@@ -381,7 +382,7 @@ fn a_layout_the_driver_cannot_give_comes_from_the_module() {
 /// since the last gap.
 #[test]
 fn sampling_resolves_runs_of_launches() {
-    let Some(dir) = fake_gpu_dir("possum-fakesample") else {
+    let Some(dir) = fake_gpu_dir("fakesample") else {
         return;
     };
     let iters = 200;
@@ -416,7 +417,7 @@ fn sampling_resolves_runs_of_launches() {
 /// launches of the off intervals go unseen, the others are handled.
 #[test]
 fn the_ab_test_switches_the_hooks_off_and_on() {
-    let Some(dir) = fake_gpu_dir("possum-fakeab") else {
+    let Some(dir) = fake_gpu_dir("fakeab") else {
         return;
     };
     let log = dir.join("ab.jsonl");

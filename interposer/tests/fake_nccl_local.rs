@@ -9,16 +9,14 @@
 use std::path::{Path, PathBuf};
 
 mod common;
-use common::{build_fake_gpu, cc, fake_job_command, libpossum, read_json};
+use common::{build_fake_gpu, cc, fake_job_command, fresh_dir, libpossum, read_json};
 
 /// What the job prints, with possum or without: the buffer made, the communicator joined, of 1
 /// rank.
 const WANT: &str = "malloc 0 init 0 count 1\n";
 
 fn setup() -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("possum-ncclocal-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("ncclocal");
     if !build_fake_gpu(
         &dir,
         "tests/fake/fake_nccl_local_job.c",
@@ -56,33 +54,33 @@ fn setup() -> Option<PathBuf> {
     Some(dir)
 }
 
-#[test]
-fn nccl_linked_by_a_library_in_a_local_scope_initialises_under_possum() {
-    let Some(dir) = setup() else { return };
-    let plain = fake_job_command(&dir, "fake_nccl_local_job", None)
-        .output()
-        .unwrap();
-    assert_eq!(
-        String::from_utf8_lossy(&plain.stdout),
-        WANT,
-        "the job does not do what the test thinks: {}",
-        String::from_utf8_lossy(&plain.stderr)
-    );
-    assert!(plain.status.success());
-
-    let stats = dir.join("stats.json");
-    let out = fake_job_command(&dir, "fake_nccl_local_job", Some(&libpossum()))
-        .env("POSSUM_STATS", &stats)
-        .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-        .output()
-        .unwrap();
+/// Runs `cmd`, which must print [`WANT`] (`why` says what it means if not) and exit 0.
+fn run_wanted(cmd: &mut std::process::Command, why: &str) {
+    let out = cmd.output().unwrap();
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         WANT,
-        "under possum (init 3 is ncclInternalError: the wrapper found no NCCL): {}",
+        "{why}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "{out:?}");
+}
+
+#[test]
+fn nccl_linked_by_a_library_in_a_local_scope_initialises_under_possum() {
+    let Some(dir) = setup() else { return };
+    run_wanted(
+        &mut fake_job_command(&dir, "fake_nccl_local_job", None),
+        "the job does not do what the test thinks",
+    );
+
+    let stats = dir.join("stats.json");
+    run_wanted(
+        fake_job_command(&dir, "fake_nccl_local_job", Some(&libpossum()))
+            .env("POSSUM_STATS", &stats)
+            .env("POSSUM_SOCKET_DIR", dir.join("sockets")),
+        "under possum (init 3 is ncclInternalError: the wrapper found no NCCL)",
+    );
     // possum noted the communicator its wrapper let through: one, of one rank, held here.
     let v = read_json(&stats);
     let comms = &v["possum"]["session"]["collectives"]["communicators"];

@@ -13,18 +13,21 @@ use possum_control::{request, Request};
 
 mod common;
 use common::park_job::{ParkJob, N, WAIT};
-use common::{build_fake_gpu, libpossum};
+use common::{fake_gpu_dir, libpossum};
 
-/// The park job with this build's libpossum.so.
-fn start(dir: &Path, name: &str, env: &[(&str, &str)]) -> ParkJob {
-    ParkJob::start(dir, name, &libpossum(), env)
+/// The park job with this build's libpossum.so and `env`, started in a fresh directory: the
+/// directory and the job; `None` (the test skips) without a C compiler.
+fn setup(name: &str, env: &[(&str, &str)]) -> Option<(PathBuf, ParkJob)> {
+    let dir = fake_gpu_dir(&format!("park-{name}"), "fake_park_job")?;
+    let job = ParkJob::start(&dir, name, &libpossum(), env);
+    Some((dir, job))
 }
 
-fn setup(name: &str) -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("possum-park-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    build_fake_gpu(&dir, "tests/fake/fake_park_job.c", "fake_park_job").then_some(dir)
+/// `Release` of `job`, which must succeed.
+fn release(job: &ParkJob) -> serde_json::Value {
+    let r = job.ask(&Request::Release);
+    assert!(r.get("error").is_none(), "{r}");
+    r
 }
 
 /// `Checkpoint` of `job` into `images`.
@@ -33,6 +36,21 @@ fn checkpoint(job: &ParkJob, images: &Path) -> serde_json::Value {
         dir: dir_str(images),
         parent: None,
     })
+}
+
+/// [`setup`] with `var=value` set, 5 steps, a thread that blocks every signal (`masked`), then a
+/// checkpoint into `images` in the directory: the directory, the job and the images.
+fn masked_then_checkpoint(
+    name: &str,
+    var: &str,
+    value: &str,
+) -> Option<(PathBuf, ParkJob, PathBuf)> {
+    let (dir, mut job) = setup(name, &[(var, value)])?;
+    job.steps(5);
+    assert_eq!(job.run("masked"), "masking");
+    let images = dir.join("images");
+    checkpoint(&job, &images);
+    Some((dir, job, images))
 }
 
 fn dir_str(p: &Path) -> String {
@@ -55,8 +73,9 @@ fn still_then_resume(job: &mut ParkJob, dir: &Path, images: &Path) {
 
 #[test]
 fn a_job_without_cupti_is_held_by_parking_its_threads() {
-    let Some(dir) = setup("hold") else { return };
-    let mut job = start(&dir, "hold", &[]);
+    let Some((dir, mut job)) = setup("hold", &[]) else {
+        return;
+    };
     job.steps(20);
     let st = job.ask(&Request::Status);
     assert_eq!(st["possum"]["session"]["cupti_attached"], false, "{st}");
@@ -68,8 +87,7 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
     let r = checkpoint(&job, &images);
     assert_eq!(r["hooks"], false, "{r}");
     job.steps(5);
-    let r = job.ask(&Request::Release);
-    assert!(r.get("error").is_none(), "{r}");
+    let r = release(&job);
     assert_eq!(r["held"], "threads parked", "{r}");
     // The main thread (in fgets) and the worker; not possum's threads, not the test's.
     assert_eq!(r["parked"]["threads"], 2, "{r}");
@@ -107,16 +125,16 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
 
 #[test]
 fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds() {
-    let Some(dir) = setup("watchdog") else { return };
-    let mut job = start(&dir, "watchdog", &[("POSSUM_PARK_WATCHDOG_MS", "200")]);
+    let Some((dir, mut job)) = setup("watchdog", &[("POSSUM_PARK_WATCHDOG_MS", "200")]) else {
+        return;
+    };
     job.steps(5);
     let images = dir.join("images");
     checkpoint(&job, &images);
     // A thread holds the driver's lock (for 600 ms) and is parked with it: the first attempt's
     // device synchronisation waits for that lock until the watchdog ends the hold.
     assert_eq!(job.run("hold 600"), "holding");
-    let r = job.ask(&Request::Release);
-    assert!(r.get("error").is_none(), "{r}");
+    let r = release(&job);
     let attempts = r["attempts"].as_array().cloned().unwrap_or_default();
     assert!(
         !attempts.is_empty(),
@@ -133,13 +151,12 @@ fn the_watchdog_ends_a_hold_that_blocks_the_copy_and_the_next_attempt_succeeds()
 
 #[test]
 fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
-    let Some(dir) = setup("refuse") else { return };
-    let mut job = start(&dir, "refuse", &[("POSSUM_PARK_TIMEOUT_MS", "300")]);
-    job.steps(5);
     // A thread that blocks every signal cannot be parked.
-    assert_eq!(job.run("masked"), "masking");
-    let images = dir.join("images");
-    checkpoint(&job, &images);
+    let Some((dir, mut job, images)) =
+        masked_then_checkpoint("refuse", "POSSUM_PARK_TIMEOUT_MS", "300")
+    else {
+        return;
+    };
     let e = request(job.pid, &job.sockets, &Request::Release, WAIT).unwrap_err();
     assert!(
         e.to_string().contains("block the parking signal")
@@ -162,14 +179,11 @@ fn a_thread_that_cannot_be_parked_fails_the_release_and_the_job_runs_on() {
 
 #[test]
 fn a_thread_named_in_possum_park_skip_is_left_running() {
-    let Some(dir) = setup("skip") else { return };
-    let mut job = start(&dir, "skip", &[("POSSUM_PARK_SKIP", "mask")]);
-    job.steps(5);
-    assert_eq!(job.run("masked"), "masking");
-    let images = dir.join("images");
-    checkpoint(&job, &images);
-    let r = job.ask(&Request::Release);
-    assert!(r.get("error").is_none(), "{r}");
+    let Some((dir, mut job, images)) = masked_then_checkpoint("skip", "POSSUM_PARK_SKIP", "mask")
+    else {
+        return;
+    };
+    let r = release(&job);
     // The main thread and the worker; the masked thread runs on.
     assert_eq!(r["parked"]["threads"], 2, "{r}");
     still_then_resume(&mut job, &dir, &images);

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use possum_control::{request, Request};
 
 mod common;
-use common::{build_fake_gpu, fake_job_command, libpossum, lines_of};
+use common::{fake_gpu_dir, fake_job_command, libpossum, lines_of, stdout_of, Killed};
 
 /// Bound on every wait for something that should happen: generous, as only a bug makes it expire.
 const WAIT: Duration = Duration::from_secs(10);
@@ -30,24 +30,14 @@ fn run(dir: &Path, devices: usize, possum: bool) -> String {
         .env("POSSUM_CUPTI", dir.join("libfakecupti.so"))
         .env("FAKE_CUPTI_NO_AUTOFIRE", "1")
         .env("POSSUM_SOCKET_DIR", dir.join("sockets"));
-    let out = cmd.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
+    stdout_of(&mut cmd)
 }
 
 #[test]
 fn served_memory_is_reachable_from_every_peer_device() {
-    let dir = std::env::temp_dir().join(format!("possum-fake-peer-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_peer_job.c", "fake_peer_job") {
+    let Some(dir) = fake_gpu_dir("fake-peer", "fake_peer_job") else {
         return;
-    }
+    };
     // Without possum: the driver's cuMemAlloc memory is no mapping of the fake's (mask 0), and
     // the piece has the access the job gave it (device 0).
     assert_eq!(
@@ -67,24 +57,11 @@ fn served_memory_is_reachable_from_every_peer_device() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A child killed when dropped, so a failed assertion leaves no paused job behind.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn restored_memory_is_reachable_from_every_peer_device() {
-    let dir = std::env::temp_dir().join(format!("possum-fake-peer-restore-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_peer_job.c", "fake_peer_job") {
+    let Some(dir) = fake_gpu_dir("fake-peer-restore", "fake_peer_job") else {
         return;
-    }
+    };
     let lib = libpossum();
     let sockets = dir.join("sockets");
     let images = dir.join("images").to_str().unwrap().to_string();

@@ -9,17 +9,15 @@
 //! of the fake driver, possum's wrappers of them run the hooks; no CUPTI) or through the fake
 //! CUPTI's callbacks (`POSSUM_HOOKS=cupti`).
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use possum_control::{request, ControlError, Request};
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu, fake_job_command, libpossum, lines_of};
+use common::{build_fake_gpu, fake_job_command, libpossum, Piped};
 
 /// Bound on every wait for something that should happen (a reply, a job's answer): generous, as
 /// only a bug makes it expire.
@@ -35,14 +33,8 @@ const D: u64 = 1 << 16;
 /// The fake driver's allocation granularity: what each buffer maps.
 const GRANULE: u64 = 2 << 20;
 
-/// A running job: its stdin, its stdout lines as they come, its stderr in a file. Killed when
-/// dropped, so a failed assertion leaves no job behind (a paused one would never exit).
-struct Job {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: Receiver<String>,
-    stderr: PathBuf,
-}
+/// A running job (see [`Piped`]).
+struct Job(Piped);
 
 /// How the job's work reaches possum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,46 +64,27 @@ impl Job {
             .env("POSSUM_VERBOSE", "1")
             .env("POSSUM_VALIDATE", "readonly_after=2")
             .env("FAKE_CUDA_FINGERPRINT", "1")
-            .env("POSSUM_RESOLVE", resolve)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().unwrap();
-        let stdin = child.stdin.take();
-        let lines = lines_of(child.stdout.take().unwrap());
-        let mut job = Job {
-            child,
-            stdin,
-            lines,
-            stderr,
-        };
+            .env("POSSUM_RESOLVE", resolve);
+        let mut job = Job(Piped::spawn(&mut cmd, stderr));
         job.expect("ready");
         job
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.0.child.id()
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.0.log()
     }
 
     fn send(&mut self, cmd: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin closed");
-        writeln!(stdin, "{cmd}").unwrap();
-        stdin.flush().unwrap();
+        self.0.send(cmd);
     }
 
     /// The job's next answer, which must be `want`, within [`WAIT`].
     fn expect(&mut self, want: &str) {
-        match self.lines.recv_timeout(WAIT) {
-            Ok(line) => assert_eq!(line, want, "job's stderr:\n{}", self.log()),
-            Err(e) => panic!(
-                "no answer {want:?} from the job within {WAIT:?} ({e:?}); stderr:\n{}",
-                self.log()
-            ),
-        }
+        self.0.expect(want, WAIT);
     }
 
     /// Sends `cmd` and waits for its answer `want`.
@@ -122,7 +95,7 @@ impl Job {
 
     /// Asserts that the job answers nothing for `d` (it is blocked).
     fn assert_silent(&self, d: Duration) {
-        match self.lines.recv_timeout(d) {
+        match self.0.lines.recv_timeout(d) {
             Err(RecvTimeoutError::Timeout) => {}
             Ok(line) => panic!(
                 "the paused job answered {line:?}: it was not blocked; stderr:\n{}",
@@ -137,10 +110,10 @@ impl Job {
     /// Sends `exit`, expects `bye` and a clean exit within [`WAIT`].
     fn finish(mut self) {
         self.run("exit", "bye");
-        drop(self.stdin.take());
+        drop(self.0.stdin.take());
         let t = Instant::now();
         loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if let Some(status) = self.0.child.try_wait().unwrap() {
                 assert!(status.success(), "{status}; stderr:\n{}", self.log());
                 return;
             }
@@ -151,13 +124,6 @@ impl Job {
             );
             std::thread::sleep(Duration::from_millis(5));
         }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -287,31 +253,32 @@ fn first_difference(got: &[u8], want: &[u8]) -> String {
     }
 }
 
-/// The job's launches and copies through the driver's entry points: the pause blocks its next
-/// launch in possum's wrapper of `cuLaunchKernel`.
-#[test]
-fn a_session_on_a_fake_gpu() {
-    session_test("always", Via::Entry);
+/// One test per row: `name: resolve, via` runs [`session_test`] with `POSSUM_RESOLVE=resolve`
+/// and the job's work reaching possum through `via`.
+macro_rules! session_tests {
+    ($($(#[$doc:meta])* $name:ident: $resolve:literal, $via:ident;)*) => {
+        $(
+            $(#[$doc])*
+            #[test]
+            fn $name() {
+                session_test($resolve, Via::$via);
+            }
+        )*
+    };
 }
 
-/// The same session with operations resolved only while the engine tracks (`sessions`): before
-/// the first checkpoint nothing is looked at, from the pre-copy to the restore everything is,
-/// and once restored nothing again; the image and the data are the same.
-#[test]
-fn a_session_resolving_only_while_tracking() {
-    session_test("sessions", Via::Entry);
-}
-
-/// The session with the job's work seen through CUPTI's callbacks (`POSSUM_HOOKS=cupti`).
-#[test]
-fn a_session_seen_through_cupti() {
-    session_test("always", Via::Cupti);
-}
-
-/// Through CUPTI, resolving only while tracking.
-#[test]
-fn a_session_seen_through_cupti_resolving_only_while_tracking() {
-    session_test("sessions", Via::Cupti);
+session_tests! {
+    /// The job's launches and copies through the driver's entry points: the pause blocks its
+    /// next launch in possum's wrapper of `cuLaunchKernel`.
+    a_session_on_a_fake_gpu: "always", Entry;
+    /// The same session with operations resolved only while the engine tracks (`sessions`):
+    /// before the first checkpoint nothing is looked at, from the pre-copy to the restore
+    /// everything is, and once restored nothing again; the image and the data are the same.
+    a_session_resolving_only_while_tracking: "sessions", Entry;
+    /// The session with the job's work seen through CUPTI's callbacks (`POSSUM_HOOKS=cupti`).
+    a_session_seen_through_cupti: "always", Cupti;
+    /// Through CUPTI, resolving only while tracking.
+    a_session_seen_through_cupti_resolving_only_while_tracking: "sessions", Cupti;
 }
 
 /// Launches whose buffers were looked at, not counting validated ones (those always are), and

@@ -7,17 +7,14 @@
 //! buffers came from the image, so they equal the reference's only if the image held every
 //! buffer as it was at T0 (the release).
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Stdio};
-use std::sync::mpsc::Receiver;
 use std::time::Duration;
 
 use possum_control::{request, ControlError, Request};
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu, cc, fake_job_command, libpossum, lines_of};
+use common::{cc, fake_gpu_dir, fake_job_command, libpossum, Piped};
 
 /// Bound on every wait for a reply or an answer of the job: only a bug makes it expire (whole
 /// 64 MiB buffers are checksummed on each validated launch, in a debug build).
@@ -26,12 +23,7 @@ const WAIT: Duration = Duration::from_secs(120);
 const BIG: u64 = 64 << 20;
 const SMALL: u64 = 4 << 10;
 
-struct Job {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-    stderr: PathBuf,
-}
+struct Job(Piped);
 
 impl Job {
     fn start(dir: &Path, name: &str, possum: bool, env: &[(&str, &str)]) -> Job {
@@ -40,41 +32,24 @@ impl Job {
         let mut cmd = fake_job_command(dir, "fake_validate_job", lib.as_deref());
         cmd.env("POSSUM_SOCKET_DIR", dir.join("sockets"))
             .env("POSSUM_VERBOSE", "1")
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let lines = lines_of(child.stdout.take().unwrap());
-        let mut job = Job {
-            child,
-            stdin,
-            lines,
-            stderr,
-        };
+            .envs(env.iter().copied());
+        let job = Job(Piped::spawn(&mut cmd, stderr));
         job.expect("ready");
         job
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.0.log()
     }
 
-    fn expect(&mut self, want: &str) {
-        match self.lines.recv_timeout(WAIT) {
-            Ok(line) => assert_eq!(line, want, "job's stderr:\n{}", self.log()),
-            Err(e) => panic!("no {want:?} from the job ({e:?}); stderr:\n{}", self.log()),
-        }
+    fn expect(&self, want: &str) {
+        self.0.expect(want, WAIT);
     }
 
     /// Sends `cmd` and returns its answer.
     fn run(&mut self, cmd: &str) -> String {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
-        self.lines
-            .recv_timeout(WAIT)
-            .unwrap_or_else(|e| panic!("no answer to {cmd} ({e:?}); stderr:\n{}", self.log()))
+        self.0.send(cmd);
+        self.0.next(WAIT)
     }
 
     fn dump(&mut self, path: &Path) -> Vec<u8> {
@@ -83,23 +58,16 @@ impl Job {
     }
 
     fn ask(&self, dir: &Path, req: &Request) -> Value {
-        request(self.child.id(), &dir.join("sockets"), req, WAIT)
+        request(self.0.child.id(), &dir.join("sockets"), req, WAIT)
             .unwrap_or_else(|e| panic!("{req:?}: {e}; stderr:\n{}", self.log()))
     }
 
     /// The job's error message for `req`, which must be refused.
     fn refused(&self, dir: &Path, req: &Request) -> String {
-        match request(self.child.id(), &dir.join("sockets"), req, WAIT) {
+        match request(self.0.child.id(), &dir.join("sockets"), req, WAIT) {
             Err(ControlError::Remote(m)) => m,
             other => panic!("{req:?} should have failed, got {other:?}"),
         }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -124,13 +92,7 @@ fn case(
     during: &[&str],
     after: &[&str],
 ) -> Option<Outcome> {
-    let dir =
-        std::env::temp_dir().join(format!("possum-fakevalidate-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_validate_job.c", "fake_validate_job") {
-        return None;
-    }
+    let dir = fake_gpu_dir(&format!("fakevalidate-{name}"), "fake_validate_job")?;
     let all: Vec<&str> = before.iter().chain(during).chain(after).copied().collect();
     let mut reference = Job::start(&dir, "reference", false, &[]);
     for cmd in &all {
@@ -325,13 +287,9 @@ fn a_destroyed_stream_is_fenced() {
 /// not be T0's. The job runs on, and the next checkpoint (no fault since it began) is whole.
 #[test]
 fn a_fault_on_the_write_path_undoes_the_checkpoint() {
-    let dir =
-        std::env::temp_dir().join(format!("possum-fakevalidate-fault-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    if !build_fake_gpu(&dir, "tests/fake/fake_validate_job.c", "fake_validate_job") {
+    let Some(dir) = fake_gpu_dir("fakevalidate-fault", "fake_validate_job") else {
         return;
-    }
+    };
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let shim = here.join("tests/fake/fake_failing_libcuda.c");
     assert!(cc(&[

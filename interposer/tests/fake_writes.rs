@@ -6,10 +6,8 @@
 //! buffer). A peer copy into a second device's buffer is marked on that device's engine and is in
 //! that device's image.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use possum_control::{request, Request};
@@ -18,7 +16,7 @@ use possum_engine::store::ChunkSource;
 use serde_json::Value;
 
 mod common;
-use common::{build_fake_gpu_linked, fake_job_command, libpossum, lines_of};
+use common::{build_fake_gpu_linked, fake_job_command, fresh_dir, libpossum, Piped};
 
 /// Bound on every wait for something that should happen: generous, as only a bug makes it expire.
 const WAIT: Duration = Duration::from_secs(10);
@@ -69,10 +67,7 @@ fn halves(v: u32) -> u32 {
 
 /// The job: its stdin, its stdout lines, its stderr file; killed when dropped.
 struct Job {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-    stderr: PathBuf,
+    p: Piped,
     /// X and Y on device 0, Z on device 1 (0 without it).
     x: u64,
     z: u64,
@@ -91,18 +86,9 @@ impl Job {
         cmd.envs(env.iter().copied());
         cmd.env("FAKE_CUDA_DEVICES", devices.to_string())
             .env("POSSUM_SOCKET_DIR", dir.join("sockets"))
-            .env("POSSUM_VERBOSE", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let lines = lines_of(child.stdout.take().unwrap());
+            .env("POSSUM_VERBOSE", "1");
         let mut job = Job {
-            child,
-            stdin,
-            lines,
-            stderr,
+            p: Piped::spawn(&mut cmd, stderr),
             x: 0,
             z: 0,
         };
@@ -118,42 +104,46 @@ impl Job {
         job
     }
 
+    /// The control of the job, whose sockets are in `dir`.
+    fn ctl(&self, dir: &Path) -> Ctl {
+        Ctl {
+            pid: self.p.child.id(),
+            sockets: dir.join("sockets"),
+        }
+    }
+
+    /// Tells the job to exit, waits for its goodbye, and removes `dir`.
+    fn exit(mut self, dir: &Path) {
+        self.send("exit");
+        self.expect("bye");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.p.log()
     }
 
     fn send(&mut self, cmd: &str) {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
+        self.p.send(cmd);
     }
 
     fn next(&mut self) -> String {
-        self.lines
-            .recv_timeout(WAIT)
-            .unwrap_or_else(|e| panic!("no answer from the job ({e:?}); stderr:\n{}", self.log()))
+        self.p.next(WAIT)
     }
 
     fn expect(&mut self, want: &str) {
-        let got = self.next();
-        assert_eq!(got, want, "stderr:\n{}", self.log());
+        self.p.expect(want, WAIT);
     }
 
     /// Asserts that the job answers nothing for [`STILL`] (it is held).
     fn assert_silent(&self) {
-        match self.lines.recv_timeout(STILL) {
+        match self.p.lines.recv_timeout(STILL) {
             Err(RecvTimeoutError::Timeout) => {}
             other => panic!(
                 "the paused job answered ({other:?}): its call was not held; stderr:\n{}",
                 self.log()
             ),
         }
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -213,9 +203,7 @@ fn image_word(dir: &Path, va: u64) -> u32 {
 }
 
 fn setup(name: &str) -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("possum-fakewrites-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir(&format!("fakewrites-{name}"));
     let built = build_fake_gpu_linked(
         &PathBuf::from(env!("CARGO_MANIFEST_DIR")),
         &dir,
@@ -269,10 +257,7 @@ fn session(
 fn writes_through_each_function_are_marked_and_held() {
     let Some(dir) = setup("one") else { return };
     let mut job = Job::start(&dir, 1);
-    let ctl = Ctl {
-        pid: job.child.id(),
-        sockets: dir.join("sockets"),
-    };
+    let ctl = job.ctl(&dir);
     let x = job.x;
     for (i, (name, want)) in OPS.iter().enumerate() {
         let images = dir.join(format!("images-{i}"));
@@ -285,9 +270,7 @@ fn writes_through_each_function_are_marked_and_held() {
     assert_eq!(v["memsets"]["cuStreamWriteValue64_v2"], 2, "{v}");
     assert_eq!(v["copies"]["cuMemcpy3DPeer"], 2, "{v}");
     assert_eq!(v["launches"]["cuLaunchGridAsync"], 2, "{v}");
-    job.send("exit");
-    job.expect("bye");
-    let _ = std::fs::remove_dir_all(&dir);
+    job.exit(&dir);
 }
 
 /// A peer copy from device 0's buffer into device 1's, issued from device 0's context: the write
@@ -296,18 +279,7 @@ fn writes_through_each_function_are_marked_and_held() {
 #[test]
 fn a_peer_copy_is_marked_on_the_destinations_device() {
     let Some(dir) = setup("two") else { return };
-    let mut job = Job::start(&dir, 2);
-    assert_ne!(job.z, 0, "no buffer on device 1");
-    let ctl = Ctl {
-        pid: job.child.id(),
-        sockets: dir.join("sockets"),
-    };
-    let v = ctl.ok(&Request::Status);
-    assert_eq!(
-        v["possum"]["engines"].as_array().map(Vec::len),
-        Some(2),
-        "{v}"
-    );
+    let (mut job, ctl) = two_devices(&dir, &[]);
     let (x, z) = (job.x, job.z);
     for (i, name) in ["cuMemcpyPeer1", "cuMemcpyPeerAsync1"].iter().enumerate() {
         let images = dir.join(format!("images-{i}"));
@@ -327,24 +299,25 @@ fn a_peer_copy_is_marked_on_the_destinations_device() {
         x,
         1,
     );
+    assert_every_buffer_marked(&r);
+    assert_eq!(ctl.hook_errors(), 0);
+    job.exit(&dir);
+}
+
+/// Asserts that the session `r` marked every buffer of both devices: X and Y on device 0, Z on
+/// device 1.
+fn assert_every_buffer_marked(r: &Value) {
     let fin = r["final"].as_array().unwrap();
     let on = |d: u64| fin.iter().find(|f| f["device"] == d).unwrap()["buffers"].clone();
     assert_eq!(on(0), 2, "X and Y marked on device 0: {r}");
     assert_eq!(on(1), 1, "Z marked on device 1: {r}");
-    assert_eq!(ctl.hook_errors(), 0);
-    job.send("exit");
-    job.expect("bye");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The engines of a two-device job (X on device 0, Z on device 1), and its control.
 fn two_devices(dir: &Path, env: &[(&str, &str)]) -> (Job, Ctl) {
     let job = Job::start_with(dir, 2, env);
     assert_ne!(job.z, 0, "no buffer on device 1");
-    let ctl = Ctl {
-        pid: job.child.id(),
-        sockets: dir.join("sockets"),
-    };
+    let ctl = job.ctl(dir);
     let v = ctl.ok(&Request::Status);
     assert_eq!(
         v["possum"]["engines"].as_array().map(Vec::len),
@@ -373,9 +346,7 @@ fn a_copy_queued_on_another_device_before_t0_is_in_the_image() {
         assert_eq!(image_word(&images.join("gpu-1"), job.z), 1);
     }
     assert_eq!(ctl.hook_errors(), 0);
-    job.send("exit");
-    job.expect("bye");
-    let _ = std::fs::remove_dir_all(&dir);
+    job.exit(&dir);
 }
 
 /// A legacy launch from device 1's context (its arguments unknown to possum: opaque) that
@@ -388,14 +359,9 @@ fn an_opaque_launch_on_another_device_marks_every_device() {
     let x = job.x;
     let images = dir.join("images");
     let r = session(&mut job, &ctl, &images, "cuLaunch1", 0, x, 1);
-    let fin = r["final"].as_array().unwrap();
-    let on = |d: u64| fin.iter().find(|f| f["device"] == d).unwrap()["buffers"].clone();
-    assert_eq!(on(0), 2, "X and Y marked on device 0: {r}");
-    assert_eq!(on(1), 1, "Z marked on device 1: {r}");
+    assert_every_buffer_marked(&r);
     assert_eq!(ctl.hook_errors(), 0);
-    job.send("exit");
-    job.expect("bye");
-    let _ = std::fs::remove_dir_all(&dir);
+    job.exit(&dir);
 }
 
 /// One held session (the job's threads parked for the whole copy) around `op next V`: the write
@@ -437,10 +403,7 @@ fn a_writer_handed_out_unwrapped_makes_checkpoints_hold_the_job() {
         return;
     };
     let mut job = Job::start(&dir, 1);
-    let ctl = Ctl {
-        pid: job.child.id(),
-        sockets: dir.join("sockets"),
-    };
+    let ctl = job.ctl(&dir);
     held_session(&mut job, &ctl, &dir.join("images-0"), 1, true);
     let v = ctl.ok(&Request::Status);
     let named = v["entry"]["unwrapped_writers"].as_array().cloned();
@@ -452,9 +415,7 @@ fn a_writer_handed_out_unwrapped_makes_checkpoints_hold_the_job() {
     );
     held_session(&mut job, &ctl, &dir.join("images-1"), 3, false);
     assert_eq!(ctl.hook_errors(), 0);
-    job.send("exit");
-    job.expect("bye");
-    let _ = std::fs::remove_dir_all(&dir);
+    job.exit(&dir);
 }
 
 /// A held checkpoint (the job's threads parked for the whole copy, here because the job took a
@@ -487,7 +448,5 @@ fn a_held_copy_waits_for_every_devices_queued_work() {
         panic!("{resume:?}: {e}; the job's stderr:\n{}", job.log());
     }
     ctl.wait_restored();
-    job.send("exit");
-    job.expect("bye");
-    let _ = std::fs::remove_dir_all(&dir);
+    job.exit(&dir);
 }

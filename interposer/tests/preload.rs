@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 mod common;
-use common::{cc, libpossum, read_json};
+use common::{cc, fresh_dir, libpossum, read_json};
 
 /// A CUPTI that cannot exist, so the result does not depend on this machine having one.
 const NO_CUPTI: &str = "/nonexistent/libcupti.so";
@@ -109,12 +109,25 @@ fn spawn_pid(argv: &[&str], env: &[(&str, &str)]) -> u32 {
     pid
 }
 
+/// Asserts that the statistics `v` say why CUPTI is not in use, `what` among it.
+fn assert_cupti_error(v: &serde_json::Value, what: &str) {
+    let why = v["cupti_error"].as_str().unwrap();
+    assert!(why.contains(what), "{why}");
+}
+
+/// Asserts the totals in the statistics `v`: `launches` kernel launches, `graph_launches` graph
+/// launches and `functions` distinct functions launched.
+fn assert_totals(v: &serde_json::Value, launches: u64, graph_launches: u64, functions: u64) {
+    assert_eq!(v["total_launches"], launches, "{v}");
+    assert_eq!(v["graph_launches"], graph_launches, "{v}");
+    assert_eq!(v["distinct_functions"], functions, "{v}");
+}
+
 #[test]
 fn stats_file_is_written() {
     // Statistics are written by an `atexit` handler: programs that leave through `exit()` (like
     // `true` and Python), not ones that call `_exit()` (like dash).
-    let dir = std::env::temp_dir().join(format!("possum-preload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("preload");
     let file = dir.join("stats-%p.json");
     let pid = spawn_pid(
         &["/bin/true"],
@@ -129,13 +142,8 @@ fn stats_file_is_written() {
     assert_eq!(v["hooks"], "cupti");
     assert_eq!(v["entry"]["mode"], "cupti");
     assert_eq!(v["cupti"], false);
-    assert!(v["cupti_error"]
-        .as_str()
-        .unwrap()
-        .contains("/nonexistent/libcupti.so"));
-    assert_eq!(v["total_launches"], 0);
-    assert_eq!(v["graph_launches"], 0);
-    assert_eq!(v["distinct_functions"], 0);
+    assert_cupti_error(&v, "/nonexistent/libcupti.so");
+    assert_totals(&v, 0, 0, 0);
     assert_eq!(v["launches"]["cuLaunchKernel"], 0);
     assert_eq!(v["copies"]["cuMemcpyAsync"], 0);
     assert_eq!(v["allocs"]["cuMemAlloc_v2"], 0);
@@ -198,8 +206,7 @@ fn fake_cupti(dir: &std::path::Path) -> Option<PathBuf> {
 
 #[test]
 fn counts_callbacks_of_a_fake_cupti() {
-    let dir = std::env::temp_dir().join(format!("possum-fake-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("fake");
     let Some(fake) = fake_cupti(&dir) else {
         return;
     };
@@ -228,20 +235,19 @@ fn counts_callbacks_of_a_fake_cupti() {
     assert_eq!(v["cupti"], true, "{v}");
     assert_eq!(v["cupti_path"], fake.to_str().unwrap());
     assert_eq!(v["enabled_callbacks"], n - 1);
-    assert!(v["cupti_error"]
-        .as_str()
-        .unwrap()
-        .contains("cuMemcpyBatchAsync_v2_ptsz (797): CUPTI_ERROR_INVALID_PARAMETER"));
+    assert_cupti_error(
+        &v,
+        "cuMemcpyBatchAsync_v2_ptsz (797): CUPTI_ERROR_INVALID_PARAMETER",
+    );
     let l = &v["launches"];
     assert_eq!(l["cuLaunchKernel"], 3, "{v}");
     assert_eq!(l["cuLaunchKernel_ptsz"], 1);
     assert_eq!(l["cuLaunchKernelEx"], 1);
     assert_eq!(l["cuLaunchKernelEx_ptsz"], 1);
     assert_eq!(l["cuLaunchCooperativeKernel"], 0);
-    assert_eq!(v["total_launches"], 6);
-    // 0x1000 and 0x2000 from cuLaunchKernel; 0x3000, the second field, from cuLaunchKernelEx.
-    assert_eq!(v["distinct_functions"], 3);
-    assert_eq!(v["graph_launches"], 1);
+    // 6 launches; 1 of a graph; 3 functions: 0x1000 and 0x2000 from cuLaunchKernel, 0x3000 (the
+    // second field) from cuLaunchKernelEx.
+    assert_totals(&v, 6, 1, 3);
     assert_eq!(v["graphs"]["cuGraphLaunch"], 1);
     assert_eq!(v["copies"]["cuMemcpyAsync"], 1);
     assert_eq!(v["allocs"]["cuMemAlloc_v2"], 1);

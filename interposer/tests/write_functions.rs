@@ -2,7 +2,7 @@
 //! launches, stream memory operations, graph launches and node changes, mappings, frees, imports,
 //! ...) is either wrapped by libpossum (`entry::ENTRIES`: held at the op gate during a
 //! checkpoint's pause and its destination marked written) or listed in [`NOT_WRAPPED`] with the
-//! reason it needs no wrapper (both in `src/writers.rs`, which the library also asks about the
+//! reason it needs no wrapper (both in `src/cuda/writers.rs`, which the library also asks about the
 //! functions `cuGetProcAddress` hands out). A driver function that appears unclassified fails
 //! the test, which prints the list.
 //!

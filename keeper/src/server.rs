@@ -10,6 +10,8 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use possum_cuda::share::{ShareDevice, SharedMem};
 use serde_json::{json, Value};
 
+use crate::process::alive;
+use crate::spare;
 use crate::stage::{self, Stage};
 use crate::PEER_MISSES_SAID;
 use crate::{
@@ -237,13 +239,13 @@ impl Inner {
                     let t = Instant::now();
                     let r = me
                         .dev()
-                        .map_err(|e| e.to_string())
+                        .map_err(spare::MakeError::from)
                         .and_then(|d| sp.make(d, || me.wait_until_quiet()));
                     sp.made(r, t.elapsed());
                 }
             });
         if let Err(e) = spawned {
-            sp.made(Err(format!("no thread to make it: {e}")), Duration::ZERO);
+            sp.made(Err(spare::MakeError::Thread(e)), Duration::ZERO);
         }
     }
 
@@ -647,7 +649,7 @@ impl Inner {
         let lease = self
             .spares()?
             .take(Path::new(dir), pid)
-            .map_err(KeeperError::Spare)?;
+            .map_err(|e| KeeperError::Spare(e.to_string()))?;
         Ok((json!(lease), None))
     }
 
@@ -655,7 +657,9 @@ impl Inner {
     /// drain, each piece's CRC32C in the reply.
     fn spare_fill(&self, f: &crate::SpareFill, pid: i32) -> Answer {
         let sp = self.spares()?;
-        let spare = sp.lent(f.drain, pid).map_err(KeeperError::Spare)?;
+        let spare = sp
+            .lent(f.drain, pid)
+            .map_err(|e| KeeperError::Spare(e.to_string()))?;
         let dev = self.dev()?;
         let src = {
             let st = self.lock();
@@ -666,7 +670,7 @@ impl Inner {
         };
         let crcs = sp
             .fill(dev, &spare, &Arc::new(src), f)
-            .map_err(KeeperError::Spare)?;
+            .map_err(|e| KeeperError::Spare(e.to_string()))?;
         Ok((json!(crate::SpareFilled { crcs }), None))
     }
 
@@ -675,9 +679,9 @@ impl Inner {
     fn spare_end(self: &Arc<Self>, drain: u64, pid: i32) -> Answer {
         let sp = self.spares()?;
         let Some(spare) = sp.end(drain, pid) else {
-            return Err(KeeperError::Spare(format!(
-                "no spare is lent to drain {drain}"
-            )));
+            return Err(KeeperError::Spare(
+                spare::LendError::NotLent(drain).to_string(),
+            ));
         };
         // Unregistering and unmapping tens of GiB takes most of a second: not on the
         // drain's path (the file is the image's already).
@@ -717,7 +721,8 @@ impl Inner {
     /// `stage_wait`: waits until allocation `alloc` of stage `stage` is loaded.
     fn stage_wait(&self, stage: u64, alloc: u64) -> Answer {
         let s = self.stage_of(stage)?;
-        s.wait(alloc).map_err(KeeperError::Stage)?;
+        s.wait(alloc)
+            .map_err(|e| KeeperError::Stage(e.to_string()))?;
         Ok((json!({ "ok": true }), None))
     }
 
@@ -765,15 +770,18 @@ impl Inner {
         // The other device's memory of each buffer, imported here (the copies read it over the
         // interconnect); a buffer without one is read from the image.
         let (peers, peer_misses) = match from {
-            Some(f) => {
-                let found = peer_sources(dev, of, f, &recs, &sizes);
-                let misses: Vec<String> = found
-                    .iter()
-                    .filter_map(|r| r.as_ref().err())
-                    .cloned()
-                    .collect();
-                (found.into_iter().map(Result::ok).collect(), misses)
-            }
+            Some(f) => match peer_sources(dev, of, f, &recs, &sizes) {
+                Ok(found) => {
+                    let misses: Vec<String> = found
+                        .iter()
+                        .filter_map(|r| r.as_ref().err())
+                        .map(ToString::to_string)
+                        .collect();
+                    (found.into_iter().map(Result::ok).collect(), misses)
+                }
+                // Every buffer is read from the image, each for that reason.
+                Err(e) => (Vec::new(), vec![e.to_string(); recs.len()]),
+            },
             None => (Vec::new(), Vec::new()),
         };
         let epoch = possum_cuda::owner::new_epoch();
@@ -1033,50 +1041,96 @@ impl Inner {
 }
 
 impl stage::Memory for Inner {
-    fn device(&self) -> Result<&ShareDevice, String> {
-        self.dev().map_err(|e| e.to_string())
+    fn device(&self) -> Result<&ShareDevice, stage::MemoryError> {
+        Ok(self.dev()?)
     }
 
     fn map<'r>(
         &self,
         alloc: u64,
         res: &'r possum_cuda::share::Reservation,
-    ) -> Result<possum_cuda::share::Mapped<'r>, String> {
+    ) -> Result<possum_cuda::share::Mapped<'r>, stage::MemoryError> {
         let st = self.lock();
         let a = st
             .allocs
             .get(&alloc)
-            .ok_or_else(|| format!("its memory (allocation {alloc}) was freed"))?;
-        a.mem.map(res, 0).map_err(|e| e.to_string())
+            .ok_or(stage::MemoryError::Freed(alloc))?;
+        Ok(a.mem.map(res, 0)?)
     }
+}
+
+/// Why no memory of another device's keeper is taken for a restore staged `from` it: the keeper
+/// could not be asked.
+#[derive(Debug, thiserror::Error)]
+enum PeerError {
+    /// Its socket did not answer.
+    #[error("{socket} not reached: {source}")]
+    NotReached {
+        /// The other keeper's socket.
+        socket: String,
+        /// Why.
+        source: KeeperError,
+    },
+    /// It did not list the process's retained memory.
+    #[error("{socket}: its retained memory not listed: {source}")]
+    NotListed {
+        /// The other keeper's socket.
+        socket: String,
+        /// Why.
+        source: KeeperError,
+    },
+}
+
+/// Why one buffer's memory on another device is not taken (it is read from the image).
+#[derive(Debug, thiserror::Error)]
+#[error("buffer {id} at {va:#x}: {why}")]
+struct PeerMiss {
+    /// The buffer.
+    id: u64,
+    /// Its address.
+    va: u64,
+    /// What the other keeper has, or what failed.
+    why: MissReason,
+}
+
+/// What [`PeerMiss`] found at the buffer's address.
+#[derive(Debug, thiserror::Error)]
+enum MissReason {
+    #[error("nothing of process {0} retained there")]
+    Nothing(i32),
+    #[error("retained with epoch {held}, the checkpoint's was {want}")]
+    Epoch { held: u64, want: u64 },
+    #[error("{held} bytes retained there, {want} needed")]
+    Size { held: u64, want: u64 },
+    #[error("dup: {0}")]
+    Dup(KeeperError),
+    #[error("import: {0}")]
+    Import(possum_engine::device::DeviceError),
 }
 
 /// The memory of each of `recs` (sizes `sizes`, rounded to the granularity) that the keeper at
 /// `from.socket` holds for process `of`, retained with `from.epoch`, at the buffer's address
-/// and of its size: a new fd of it (`dup`) imported on `dev`. `None` for a buffer it does not
+/// and of its size: a new fd of it (`dup`) imported on `dev`. A miss for a buffer it does not
 /// have (or that fails to import): that one is read from the image. Several buffers, or none,
-/// may be taken from it; a keeper that does not answer gives none.
+/// may be taken from it; a keeper that does not answer gives none (`Err`).
 fn peer_sources(
     dev: &ShareDevice,
     of: i32,
     from: &PeerSource,
     recs: &[possum_engine::store::BufferRecord],
     sizes: &[u64],
-) -> Vec<Result<SharedMem, String>> {
-    let all = |why: String| (0..recs.len()).map(|_| Err(why.clone())).collect();
-    let mut k = match crate::Keeper::connect(Path::new(&from.socket)) {
-        Ok(k) => k,
-        Err(e) => return all(format!("{} not reached: {e}", from.socket)),
-    };
-    let held = match k.retained(of) {
-        Ok(h) => h,
-        Err(e) => {
-            return all(format!(
-                "{}: its retained memory not listed: {e}",
-                from.socket
-            ))
+) -> Result<Vec<Result<SharedMem, PeerMiss>>, PeerError> {
+    let socket = || from.socket.clone();
+    let mut k = crate::Keeper::connect(Path::new(&from.socket)).map_err(|source| {
+        PeerError::NotReached {
+            socket: socket(),
+            source,
         }
-    };
+    })?;
+    let held = k.retained(of).map_err(|source| PeerError::NotListed {
+        socket: socket(),
+        source,
+    })?;
     // The process's allocations by address, the checkpoint's epoch first: a miss then says
     // what is there instead.
     let mut at: BTreeMap<u64, &RetainedAlloc> = BTreeMap::new();
@@ -1087,34 +1141,26 @@ fn peer_sources(
             *e = a;
         }
     }
-    recs.iter()
-        .zip(sizes)
-        .map(|(r, &size)| {
-            let a = at.get(&r.va).ok_or_else(|| {
-                format!(
-                    "buffer {} at {:#x}: nothing of process {of} retained there",
-                    r.id, r.va
-                )
-            })?;
-            if a.epoch != from.epoch {
-                return Err(format!(
-                    "buffer {} at {:#x}: retained with epoch {}, the checkpoint's was {}",
-                    r.id, r.va, a.epoch, from.epoch
-                ));
-            }
-            if a.size != size {
-                return Err(format!(
-                    "buffer {} at {:#x}: {} bytes retained there, {size} needed",
-                    r.id, r.va, a.size
-                ));
-            }
-            let fd = k
-                .dup(a.id)
-                .map_err(|e| format!("buffer {} at {:#x}: dup: {e}", r.id, r.va))?;
-            dev.import(std::os::fd::AsFd::as_fd(&fd), size)
-                .map_err(|e| format!("buffer {} at {:#x}: import: {e}", r.id, r.va))
-        })
-        .collect()
+    let found = recs.iter().zip(sizes).map(|(r, &size)| {
+        let miss = |why| PeerMiss {
+            id: r.id,
+            va: r.va,
+            why,
+        };
+        let a = at.get(&r.va).ok_or(miss(MissReason::Nothing(of)))?;
+        if a.epoch != from.epoch {
+            let (held, want) = (a.epoch, from.epoch);
+            return Err(miss(MissReason::Epoch { held, want }));
+        }
+        if a.size != size {
+            let (held, want) = (a.size, size);
+            return Err(miss(MissReason::Size { held, want }));
+        }
+        let fd = k.dup(a.id).map_err(|e| miss(MissReason::Dup(e)))?;
+        dev.import(std::os::fd::AsFd::as_fd(&fd), size)
+            .map_err(|e| miss(MissReason::Import(e)))
+    });
+    Ok(found.collect())
 }
 
 /// `image` made absolute and canonical, so that the job's name of it and the restore's agree.
@@ -1136,18 +1182,6 @@ struct Alives(BTreeMap<i32, bool>);
 impl Alives {
     fn get(&mut self, pid: i32) -> bool {
         *self.0.entry(pid).or_insert_with(|| alive(pid))
-    }
-}
-
-/// Whether process `pid` exists (a zombie counts as gone).
-pub(crate) fn alive(pid: i32) -> bool {
-    // Not as UTF-8: a live client whose name is not must not look gone (its memory would be
-    // dropped).
-    match possum_control::proc_text(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat
-            .rsplit_once(") ")
-            .is_some_and(|(_, rest)| !rest.starts_with('Z')),
-        Err(_) => false,
     }
 }
 

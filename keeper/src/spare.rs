@@ -23,8 +23,103 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use possum_cuda::share::{OwnedMapping, RegisteredFile, ShareDevice};
+use possum_engine::device::DeviceError;
+use thiserror::Error;
 
 use crate::SpareLease;
+
+/// Why a spare could not be made.
+#[derive(Debug, Error)]
+pub(crate) enum MakeError {
+    /// The keeper's device did not open.
+    #[error(transparent)]
+    Device(#[from] crate::KeeperError),
+    /// No thread to make it on.
+    #[error("no thread to make it: {0}")]
+    Thread(std::io::Error),
+    /// Its file could not be created, sized or looked at.
+    #[error("{}: {what}: {source}", path.display())]
+    File {
+        /// The spare's file.
+        path: PathBuf,
+        /// What was being done (create, size, stat).
+        what: &'static str,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Its file could not be mapped and registered with the driver.
+    #[error("{}: map and register: {source}", path.display())]
+    Register {
+        /// The spare's file.
+        path: PathBuf,
+        /// The driver's (or the system's) answer.
+        source: DeviceError,
+    },
+}
+
+/// Why no spare is lent to a drain, or none is found lent.
+#[derive(Debug, Error)]
+pub(crate) enum LendError {
+    /// The image directory could not be looked at.
+    #[error("{}: {source}", dir.display())]
+    ImageDir {
+        /// The image directory.
+        dir: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// The spare is on another filesystem than the image.
+    #[error("the spare ({}) is on another filesystem than {}", spare.display(), dir.display())]
+    OtherFilesystem {
+        /// The spare's file.
+        spare: PathBuf,
+        /// The image directory.
+        dir: PathBuf,
+    },
+    /// The spare is still being made.
+    #[error("the spare is still being made")]
+    BeingMade,
+    /// None could be made (why).
+    #[error("no spare: {0}")]
+    Failed(String),
+    /// None is configured or was made.
+    #[error("no spare")]
+    None,
+    /// The drain has none lent.
+    #[error("no spare is lent to drain {0}")]
+    NotLent(u64),
+}
+
+/// Why a fill of a spare failed.
+#[derive(Debug, Error)]
+pub(crate) enum FillError {
+    /// A fill asked in pieces of 0 bytes.
+    #[error("pieces of 0 bytes")]
+    ZeroPieces,
+    /// The fill threads could not be started.
+    #[error(transparent)]
+    Pool(#[from] Arc<PoolError>),
+    /// The fill threads are gone.
+    #[error("the fill threads are gone")]
+    ThreadsGone,
+    /// A piece was left uncopied.
+    #[error("a piece was not copied")]
+    NotCopied,
+    /// A piece's copy failed.
+    #[error(transparent)]
+    Copy(#[from] DeviceError),
+}
+
+/// Why the fill threads could not be started.
+#[derive(Debug, Error)]
+pub(crate) enum PoolError {
+    /// The device gave no stream for one.
+    #[error("no stream for the fill threads: {0}")]
+    NoStream(DeviceError),
+    /// The system gave no thread.
+    #[error("no fill thread: {0}")]
+    NoThread(std::io::Error),
+}
 
 /// Where and how large spares are made, from the keeper's environment.
 #[derive(Debug, Clone)]
@@ -70,23 +165,14 @@ impl Drop for Spare {
 /// Removes the spare files in `dir` of keepers that are gone (a keeper SIGKILLed leaves its
 /// spare behind, holding memory on a tmpfs).
 fn remove_stale(dir: &Path) {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in rd.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(".possum-spare-"))
-            .and_then(|n| n.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid != std::process::id() && !crate::server::alive(pid as i32) {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
+    possum_control::remove_files_of_gone_processes(
+        dir,
+        |name| {
+            let rest = name.strip_prefix(".possum-spare-")?;
+            rest.split('-').next()?.parse().ok()
+        },
+        |pid| pid != std::process::id() && !crate::process::alive(pid as i32),
+    );
 }
 
 #[derive(Default)]
@@ -106,7 +192,7 @@ pub(crate) struct Spares {
     cfg: SpareConfig,
     state: Mutex<State>,
     /// The threads filling spares, started by the first fill.
-    pool: OnceLock<Result<FillPool, String>>,
+    pool: OnceLock<Result<FillPool, Arc<PoolError>>>,
 }
 
 impl std::fmt::Debug for Spares {
@@ -140,7 +226,7 @@ impl Spares {
     }
 
     /// What making one gave (said on stderr: `spare image memory ready` or why not).
-    pub(crate) fn made(&self, r: Result<Spare, String>, took: std::time::Duration) {
+    pub(crate) fn made(&self, r: Result<Spare, MakeError>, took: std::time::Duration) {
         let mut st = self.lock();
         st.making = false;
         match r {
@@ -156,7 +242,7 @@ impl Spares {
             }
             Err(e) => {
                 eprintln!("possum keeper: no spare image memory: {e}");
-                st.error = Some(e);
+                st.error = Some(e.to_string());
             }
         }
     }
@@ -168,7 +254,7 @@ impl Spares {
         &self,
         dev: &ShareDevice,
         before_step: impl FnMut(),
-    ) -> Result<Spare, String> {
+    ) -> Result<Spare, MakeError> {
         let n = {
             let mut st = self.lock();
             st.next += 1;
@@ -179,22 +265,28 @@ impl Spares {
             .cfg
             .dir
             .join(format!(".possum-spare-{}-{n}", std::process::id()));
-        let fail =
-            |what: &str, e: &dyn std::fmt::Display| format!("{}: {what}: {e}", path.display());
+        let fail = |what, source| MakeError::File {
+            path: path.clone(),
+            what,
+            source,
+        };
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(&path)
-            .map_err(|e| fail("create", &e))?;
+            .map_err(|e| fail("create", e))?;
         let made = file
             .set_len(self.cfg.bytes)
-            .map_err(|e| fail("size", &e))
-            .and_then(|()| file.metadata().map_err(|e| fail("stat", &e)))
+            .map_err(|e| fail("size", e))
+            .and_then(|()| file.metadata().map_err(|e| fail("stat", e)))
             .and_then(|m| {
                 dev.register_file(&file, self.cfg.bytes, self.cfg.step, before_step)
                     .map(|reg| (m.dev(), reg))
-                    .map_err(|e| fail("map and register", &e))
+                    .map_err(|source| MakeError::Register {
+                        path: path.clone(),
+                        source,
+                    })
             });
         match made {
             Ok((fs_dev, reg)) => Ok(Spare {
@@ -210,21 +302,23 @@ impl Spares {
     }
 
     /// Lends the ready spare to a drain of process `pid` into `image_dir`'s filesystem.
-    pub(crate) fn take(&self, image_dir: &Path, pid: i32) -> Result<SpareLease, String> {
+    pub(crate) fn take(&self, image_dir: &Path, pid: i32) -> Result<SpareLease, LendError> {
         let fs_dev = std::fs::metadata(image_dir)
-            .map_err(|e| format!("{}: {e}", image_dir.display()))?
+            .map_err(|source| LendError::ImageDir {
+                dir: image_dir.to_path_buf(),
+                source,
+            })?
             .dev();
         let mut st = self.lock();
         let Some(s) = st.ready.take_if(|s| s.dev == fs_dev) else {
             return Err(match (&st.ready, &st.error, st.making) {
-                (Some(s), _, _) => format!(
-                    "the spare ({}) is on another filesystem than {}",
-                    s.path.display(),
-                    image_dir.display()
-                ),
-                (None, _, true) => "the spare is still being made".to_string(),
-                (None, Some(e), false) => format!("no spare: {e}"),
-                (None, None, false) => "no spare".to_string(),
+                (Some(s), _, _) => LendError::OtherFilesystem {
+                    spare: s.path.clone(),
+                    dir: image_dir.to_path_buf(),
+                },
+                (None, _, true) => LendError::BeingMade,
+                (None, Some(e), false) => LendError::Failed(e.clone()),
+                (None, None, false) => LendError::None,
             });
         };
         st.next += 1;
@@ -239,10 +333,10 @@ impl Spares {
     }
 
     /// The spare lent to `drain` of process `pid`.
-    pub(crate) fn lent(&self, drain: u64, pid: i32) -> Result<Arc<Spare>, String> {
+    pub(crate) fn lent(&self, drain: u64, pid: i32) -> Result<Arc<Spare>, LendError> {
         match self.lock().lent.get(&drain) {
             Some((p, s)) if *p == pid => Ok(Arc::clone(s)),
-            _ => Err(format!("no spare is lent to drain {drain}")),
+            _ => Err(LendError::NotLent(drain)),
         }
     }
 
@@ -277,7 +371,7 @@ impl Spares {
     pub(crate) fn end_gone(&self) -> usize {
         let mut st = self.lock();
         let before = st.lent.len();
-        st.lent.retain(|_, (pid, _)| crate::server::alive(*pid));
+        st.lent.retain(|_, (pid, _)| crate::process::alive(*pid));
         before - st.lent.len()
     }
     /// Copies `fill.len` bytes of `src` from `fill.offset` into `spare` at `fill.at`, `fill.piece`
@@ -290,7 +384,7 @@ impl Spares {
         spare: &Arc<Spare>,
         src: &Arc<OwnedMapping>,
         fill: &crate::SpareFill,
-    ) -> Result<Vec<u32>, String> {
+    ) -> Result<Vec<u32>, FillError> {
         let crate::SpareFill {
             offset,
             len,
@@ -299,17 +393,17 @@ impl Spares {
             ..
         } = *fill;
         if piece == 0 {
-            return Err("pieces of 0 bytes".into());
+            return Err(FillError::ZeroPieces);
         }
         let pool = self
             .pool
             .get_or_init(|| FillPool::start(dev, self.cfg.threads))
             .as_ref()
-            .map_err(Clone::clone)?;
+            .map_err(Arc::clone)?;
         let n = len.div_ceil(piece) as usize;
         let done = Arc::new(Pieces {
             progress: Mutex::new(Progress {
-                crcs: vec![None; n],
+                crcs: (0..n).map(|_| None).collect(),
                 left: n,
             }),
             cv: Condvar::new(),
@@ -328,7 +422,7 @@ impl Spares {
             if pool.tx.send(p).is_err() {
                 // No thread takes it: settle this one and the rest as failed.
                 for i in index..n {
-                    done.settle(i, Err("the fill threads are gone".into()));
+                    done.settle(i, Err(FillError::ThreadsGone));
                 }
                 break;
             }
@@ -339,7 +433,7 @@ impl Spares {
         }
         std::mem::take(&mut st.crcs)
             .into_iter()
-            .map(|c| c.unwrap_or_else(|| Err("a piece was not copied".into())))
+            .map(|c| c.unwrap_or(Err(FillError::NotCopied)))
             .collect()
     }
 }
@@ -363,13 +457,13 @@ struct Pieces {
 
 struct Progress {
     /// Each piece's checksum, or why it has none; `None` while it is being copied.
-    crcs: Vec<Option<Result<u32, String>>>,
+    crcs: Vec<Option<Result<u32, FillError>>>,
     /// Pieces not settled yet.
     left: usize,
 }
 
 impl Pieces {
-    fn settle(&self, index: usize, r: Result<u32, String>) {
+    fn settle(&self, index: usize, r: Result<u32, FillError>) {
         let mut st = self.progress.lock().unwrap_or_else(|p| p.into_inner());
         st.crcs[index] = Some(r);
         st.left -= 1;
@@ -386,12 +480,10 @@ struct FillPool {
 }
 
 impl FillPool {
-    fn start(dev: &ShareDevice, threads: usize) -> Result<FillPool, String> {
+    fn start(dev: &ShareDevice, threads: usize) -> Result<FillPool, Arc<PoolError>> {
         let (tx, rx) = crossbeam_channel::unbounded::<Piece>();
         for i in 0..threads.max(1) {
-            let stream = dev
-                .stream()
-                .map_err(|e| format!("no stream for the fill threads: {e}"))?;
+            let stream = dev.stream().map_err(|e| Arc::new(PoolError::NoStream(e)))?;
             let rx = rx.clone();
             std::thread::Builder::new()
                 .name(format!("possum-keeper-fill-{i}"))
@@ -401,11 +493,11 @@ impl FillPool {
                             .spare
                             .reg
                             .fill(&stream, p.at, &p.src, p.src_offset, p.len, crc32c::crc32c)
-                            .map_err(|e| e.to_string());
+                            .map_err(FillError::Copy);
                         p.done.settle(p.index, r);
                     }
                 })
-                .map_err(|e| format!("no fill thread: {e}"))?;
+                .map_err(|e| Arc::new(PoolError::NoThread(e)))?;
         }
         Ok(FillPool { tx })
     }

@@ -29,9 +29,10 @@ use std::time::{Duration, Instant};
 
 use possum_cuda::share::{ShareDevice, SharedMem};
 use possum_cuda::{CudaPending, PinnedBuf};
-use possum_engine::device::{HostBuffer, Transfer};
-use possum_engine::image::Image;
+use possum_engine::device::{DeviceError, HostBuffer, Transfer};
+use possum_engine::image::{Image, ImageError};
 use possum_engine::store::ChunkSource;
+use thiserror::Error;
 
 use crate::{StageStats, StagedBuffer};
 
@@ -40,6 +41,89 @@ const DEPTH: usize = 3;
 /// The pinned buffers' size (an image's chunks are at most this in practice: the engine writes
 /// 8 MiB chunks; a larger one gets a buffer of its own).
 const PINNED: usize = 8 << 20;
+
+/// Why the keeper's memory for a load could not be had ([`Memory`]).
+#[derive(Debug, Error)]
+pub(crate) enum MemoryError {
+    /// The keeper's device did not open.
+    #[error(transparent)]
+    Device(#[from] crate::KeeperError),
+    /// The buffer's allocation is gone.
+    #[error("its memory (allocation {0}) was freed")]
+    Freed(u64),
+    /// The allocation could not be mapped.
+    #[error(transparent)]
+    Map(#[from] DeviceError),
+}
+
+/// Why one buffer of a stage did not load (said to whoever waits for it).
+#[derive(Debug, Error)]
+pub(crate) enum LoadError {
+    /// The test knob `POSSUM_KEEPER_STAGE_FAIL` asked for it.
+    #[error("failed on purpose (POSSUM_KEEPER_STAGE_FAIL)")]
+    OnPurpose,
+    /// The loader has no stream (its device did not open, or refused one).
+    #[error("no stream to load with: {0}")]
+    NoStream(String),
+    /// The loader panicked.
+    #[error("the keeper's loader panicked")]
+    Panicked,
+    /// The stage was ended first.
+    #[error("the stage was ended before it was loaded")]
+    Ended,
+    /// The buffer's memory could not be had.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// No reservation to map its memory in.
+    #[error(transparent)]
+    Reserve(DeviceError),
+    /// Its copy from another device's memory failed.
+    #[error("buffer {buf} from the other GPU: {source}")]
+    Peer {
+        /// The buffer.
+        buf: u64,
+        /// The device's answer.
+        source: DeviceError,
+    },
+    /// Its chunks could not be read or copied.
+    #[error("buffer {buf}: {source}")]
+    Chunks {
+        /// The buffer.
+        buf: u64,
+        /// What failed.
+        source: ChunkError,
+    },
+}
+
+/// Why a chunk of a buffer did not reach the device.
+#[derive(Debug, Error)]
+pub(crate) enum ChunkError {
+    /// A chunk longer than the host's address space.
+    #[error("chunk at {0} too large")]
+    TooLarge(u64),
+    /// Reading it from the image failed (its checksum included).
+    #[error(transparent)]
+    Read(#[from] ImageError),
+    /// No pinned buffer, a copy refused, or one that failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+}
+
+/// Why a wait for a staged allocation failed.
+#[derive(Debug, Error)]
+pub(crate) enum WaitError {
+    /// The allocation is not one of the stage's.
+    #[error("allocation {alloc} is not of stage {stage}")]
+    NotOfStage {
+        /// The allocation asked for.
+        alloc: u64,
+        /// The stage.
+        stage: u64,
+    },
+    /// It failed to load (why, as [`LoadError`] said it).
+    #[error("{0}")]
+    Failed(String),
+}
 
 /// One buffer's load.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -188,7 +272,7 @@ impl Stage {
         Some(i)
     }
 
-    fn settle(&self, i: usize, r: Result<(), String>) {
+    fn settle(&self, i: usize, r: Result<(), LoadError>) {
         let mut p = self.lock();
         if !matches!(p.status[i], Status::Waiting | Status::Loading) {
             return;
@@ -200,7 +284,7 @@ impl Stage {
             }
             Err(e) => {
                 p.failed += 1;
-                Status::Failed(e)
+                Status::Failed(e.to_string())
             }
         };
         p.settled += 1;
@@ -212,11 +296,11 @@ impl Stage {
     }
 
     /// Waits until allocation `alloc` is loaded (loaded next if it is still waiting).
-    pub(crate) fn wait(&self, alloc: u64) -> Result<(), String> {
-        let &i = self
-            .by_alloc
-            .get(&alloc)
-            .ok_or_else(|| format!("allocation {alloc} is not of stage {}", self.id))?;
+    pub(crate) fn wait(&self, alloc: u64) -> Result<(), WaitError> {
+        let &i = self.by_alloc.get(&alloc).ok_or(WaitError::NotOfStage {
+            alloc,
+            stage: self.id,
+        })?;
         let mut p = self.lock();
         if p.status[i] == Status::Waiting && !p.urgent.contains(&i) {
             p.urgent.push_back(i);
@@ -227,7 +311,7 @@ impl Stage {
         let r = loop {
             match &p.status[i] {
                 Status::Ready => break Ok(()),
-                Status::Failed(e) => break Err(e.clone()),
+                Status::Failed(e) => break Err(WaitError::Failed(e.clone())),
                 Status::Waiting | Status::Loading => {
                     p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
                 }
@@ -246,7 +330,7 @@ impl Stage {
         let mut n = 0;
         for s in p.status.iter_mut() {
             if *s == Status::Waiting {
-                *s = Status::Failed(String::from("the stage was ended before it was loaded"));
+                *s = Status::Failed(LoadError::Ended.to_string());
                 n += 1;
             }
         }
@@ -316,13 +400,13 @@ impl Knobs {
 
 /// What a loader needs of the keeper: its device, and a buffer's memory mapped for it.
 pub(crate) trait Memory: Send + Sync + 'static {
-    fn device(&self) -> Result<&ShareDevice, String>;
+    fn device(&self) -> Result<&ShareDevice, MemoryError>;
     /// Maps allocation `alloc` in `res`; an error if it is gone.
     fn map<'r>(
         &self,
         alloc: u64,
         res: &'r possum_cuda::share::Reservation,
-    ) -> Result<possum_cuda::share::Mapped<'r>, String>;
+    ) -> Result<possum_cuda::share::Mapped<'r>, MemoryError>;
 }
 
 /// A loader thread: loads the stage's buffers until none is left.
@@ -330,7 +414,8 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
     let mut bufs: Vec<PinnedBuf> = Vec::new();
     let stream = mem
         .device()
-        .and_then(|d| d.stream().map_err(|e| e.to_string()));
+        .and_then(|d| Ok(d.stream()?))
+        .map_err(|e| e.to_string());
     while let Some(i) = stage.pick(knobs.hold_waiters) {
         if !knobs.delay.is_zero() {
             std::thread::sleep(knobs.delay);
@@ -339,8 +424,8 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
         // dropped), never leaves it loading: someone may wait for it.
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             match (&stream, knobs.fail == Some(i)) {
-                (_, true) => Err("failed on purpose (POSSUM_KEEPER_STAGE_FAIL)".to_string()),
-                (Err(e), _) => Err(format!("no stream to load with: {e}")),
+                (_, true) => Err(LoadError::OnPurpose),
+                (Err(e), _) => Err(LoadError::NoStream(e.clone())),
                 (Ok(s), _) => {
                     let b = &stage.buffers[i];
                     // From the other device's memory if it has this buffer; the image if not,
@@ -355,7 +440,7 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
                 }
             }
         }))
-        .unwrap_or_else(|_| Err("the keeper's loader panicked".to_string()));
+        .unwrap_or(Err(LoadError::Panicked));
         stage.settle(i, r);
     }
 }
@@ -368,10 +453,9 @@ fn copy_peer(
     b: &StagedBuffer,
     src: &SharedMem,
     stream: &possum_cuda::CudaStream,
-) -> Result<(), String> {
+) -> Result<(), LoadError> {
     let dev = mem.device()?;
-    let err =
-        |e: possum_engine::device::DeviceError| format!("buffer {} from the other GPU: {e}", b.buf);
+    let err = |source| LoadError::Peer { buf: b.buf, source };
     let (dst_res, src_res) = (
         dev.reserve(b.alloc_size).map_err(err)?,
         dev.reserve(src.size()).map_err(err)?,
@@ -393,9 +477,9 @@ fn load(
     image: &Image,
     stream: &possum_cuda::CudaStream,
     free: &mut Vec<PinnedBuf>,
-) -> Result<(), String> {
+) -> Result<(), LoadError> {
     let dev = mem.device()?;
-    let res = dev.reserve(b.alloc_size).map_err(|e| e.to_string())?;
+    let res = dev.reserve(b.alloc_size).map_err(LoadError::Reserve)?;
     let m = mem.map(b.alloc, &res)?;
     let mut inflight = VecDeque::new();
     let sent = send_chunks(dev, b, image, stream, m.va(), free, &mut inflight);
@@ -406,11 +490,11 @@ fn load(
         match p.wait() {
             Ok(buf) if buf.len() == PINNED => free.push(buf),
             Ok(_) => {}
-            Err(e) => waited = waited.and(Err(e.to_string())),
+            Err(e) => waited = waited.and(Err(e.into())),
         }
     }
     sent.and(waited)
-        .map_err(|e| format!("buffer {}: {e}", b.buf))
+        .map_err(|source| LoadError::Chunks { buf: b.buf, source })
 }
 
 /// Reads each chunk of `b` into a pinned buffer and queues its copy to `va` + its offset.
@@ -422,19 +506,15 @@ fn send_chunks(
     va: u64,
     free: &mut Vec<PinnedBuf>,
     inflight: &mut VecDeque<CudaPending>,
-) -> Result<(), String> {
+) -> Result<(), ChunkError> {
     for (off, len) in image.chunks(b.buf) {
-        let n = usize::try_from(len).map_err(|_| format!("chunk at {off} too large"))?;
+        let n = usize::try_from(len).map_err(|_| ChunkError::TooLarge(off))?;
         let mut buf = next_buf(dev, free, inflight, n)?;
         if let Err(e) = image.read_chunk(b.buf, off, &mut buf.as_mut_slice()[..n]) {
             free.push(buf);
-            return Err(e.to_string());
+            return Err(e.into());
         }
-        inflight.push_back(
-            stream
-                .copy_h2d(buf, va + off, n)
-                .map_err(|e| e.to_string())?,
-        );
+        inflight.push_back(stream.copy_h2d(buf, va + off, n)?);
     }
     Ok(())
 }
@@ -446,18 +526,18 @@ fn next_buf(
     free: &mut Vec<PinnedBuf>,
     inflight: &mut VecDeque<CudaPending>,
     n: usize,
-) -> Result<PinnedBuf, String> {
+) -> Result<PinnedBuf, DeviceError> {
     let buf = if inflight.len() >= DEPTH {
         let oldest = inflight.pop_front().expect("DEPTH > 0 copies in flight");
-        oldest.wait().map_err(|e| e.to_string())?
+        oldest.wait()?
     } else if let Some(b) = free.pop() {
         b
     } else {
-        dev.pinned(PINNED.max(n)).map_err(|e| e.to_string())?
+        dev.pinned(PINNED.max(n))?
     };
     if buf.len() >= n {
         return Ok(buf);
     }
     free.push(buf);
-    dev.pinned(n).map_err(|e| e.to_string())
+    dev.pinned(n)
 }

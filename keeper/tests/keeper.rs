@@ -48,11 +48,7 @@ fn inner_or_spawn(test: &str) -> bool {
         .env(INNER, test)
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = String::from_utf8_lossy(&[out.stdout, out.stderr].concat()).into_owned();
     assert!(
         out.status.success() && text.contains("1 passed"),
         "{test} in the fake driver's process failed:\n{text}"
@@ -61,6 +57,56 @@ fn inner_or_spawn(test: &str) -> bool {
         let _ = writeln!(std::io::stderr(), "{l}");
     }
     false
+}
+
+/// Runs `body` as the calling test in the fake driver's child process (see [`inner_or_spawn`]).
+/// The test harness runs each test on a thread named after it.
+fn in_child(body: impl FnOnce()) {
+    let current = std::thread::current();
+    let test = current
+        .name()
+        .expect("the test harness names each test's thread");
+    if inner_or_spawn(test) {
+        body();
+    }
+}
+
+/// [`in_child`] with a fresh keeper for `body`.
+fn with_keeper(body: impl FnOnce(&Server)) {
+    in_child(|| {
+        let (_dir, server) = fresh_keeper();
+        body(&server);
+    });
+}
+
+/// Ends `other` and checks that its memory is freed when `k` asks (`reap`, what a restore asks
+/// first), not only at the keeper's next periodic check.
+fn exit_and_reap(k: &mut Keeper, other: Client) {
+    let their_pid = other.pid;
+    other.exit();
+    k.reap().unwrap();
+    assert!(
+        !k.stats().unwrap().clients.contains_key(&their_pid),
+        "a dead process's memory is freed by reap"
+    );
+}
+
+/// The device's free memory before the client, then a client of `server`.
+fn free_then_client(server: &Server) -> (u64, Client) {
+    let (free0, _) = server.device_mem_info().unwrap();
+    (free0, Client::of(server))
+}
+
+/// What a process holds: `allocations` of `bytes` in all.
+fn usage(allocations: u64, bytes: u64) -> Usage {
+    Usage { allocations, bytes }
+}
+
+/// A keeper serving on a thread in a directory of its own (removed when the first is dropped).
+fn fresh_keeper() -> (tempfile::TempDir, Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let server = keeper(dir.path());
+    (dir, server)
 }
 
 /// A keeper serving on a thread, at `dir/keeper.sock`.
@@ -120,6 +166,11 @@ struct Client {
 }
 
 impl Client {
+    /// A client of `server` ([`client_cmd`]).
+    fn of(server: &Server) -> Client {
+        Client::spawn(&mut client_cmd(server))
+    }
+
     fn spawn(cmd: &mut Command) -> Client {
         let mut child = cmd
             .stdin(Stdio::piped())
@@ -201,47 +252,39 @@ fn wait_total(server: &Server, want: Usage) {
 
 #[test]
 fn client_memory_is_shared_accounted_and_freed_on_exit() {
-    if !inner_or_spawn("client_memory_is_shared_accounted_and_freed_on_exit") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let (free0, _) = server.device_mem_info().unwrap();
+    with_keeper(|server| {
+        let (free0, mut c) = free_then_client(server);
+        let (id, size) = c.alloc(MIB4);
+        assert_eq!(size, MIB4);
+        // The client wrote the pattern through its own mapping of the imported fd; the keeper reads
+        // its own mapping of the memory it created.
+        assert_eq!(
+            server.read(id, 0, size as usize).unwrap(),
+            pattern(id, size)
+        );
 
-    let mut c = Client::spawn(&mut client_cmd(&server));
-    let (id, size) = c.alloc(MIB4);
-    assert_eq!(size, MIB4);
-    // The client wrote the pattern through its own mapping of the imported fd; the keeper reads
-    // its own mapping of the memory it created.
-    assert_eq!(
-        server.read(id, 0, size as usize).unwrap(),
-        pattern(id, size)
-    );
+        let one = usage(1, MIB4);
+        let s = server.stats();
+        assert_eq!(s.clients.get(&c.pid), Some(&one), "{s:?}");
+        assert_eq!(s.total, one);
+        let from_client: serde_json::Value = serde_json::from_str(&c.ask("stats")).unwrap();
+        assert_eq!(from_client["clients"][c.pid.to_string()]["bytes"], MIB4);
+        assert_eq!(server.device_mem_info().unwrap().0, free0 - MIB4);
 
-    let one = Usage {
-        allocations: 1,
-        bytes: MIB4,
-    };
-    let s = server.stats();
-    assert_eq!(s.clients.get(&c.pid), Some(&one), "{s:?}");
-    assert_eq!(s.total, one);
-    let from_client: serde_json::Value = serde_json::from_str(&c.ask("stats")).unwrap();
-    assert_eq!(from_client["clients"][c.pid.to_string()]["bytes"], MIB4);
-    assert_eq!(server.device_mem_info().unwrap().0, free0 - MIB4);
+        // A size that is not a multiple of the granularity is rounded up.
+        let (_, small) = c.alloc(1000);
+        assert_eq!(small % (2 << 20), 0);
+        assert!(small >= 1000);
 
-    // A size that is not a multiple of the granularity is rounded up.
-    let (_, small) = c.alloc(1000);
-    assert_eq!(small % (2 << 20), 0);
-    assert!(small >= 1000);
-
-    c.exit();
-    wait_total(&server, Usage::default());
-    assert!(server.stats().clients.is_empty());
-    assert_eq!(
-        server.device_mem_info().unwrap().0,
-        free0,
-        "the memory is released"
-    );
+        c.exit();
+        wait_total(server, Usage::default());
+        assert!(server.stats().clients.is_empty());
+        assert_eq!(
+            server.device_mem_info().unwrap().0,
+            free0,
+            "the memory is released"
+        );
+    });
 }
 
 /// Memory retained with a hold (a job checkpointed, then killed) outlives its process for a
@@ -249,68 +292,59 @@ fn client_memory_is_shared_accounted_and_freed_on_exit() {
 /// taken back only with the epoch it was retained with.
 #[test]
 fn held_memory_outlives_its_process_and_is_reclaimed_only_with_its_epoch() {
-    if !inner_or_spawn("held_memory_outlives_its_process_and_is_reclaimed_only_with_its_epoch") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let mut c = Client::spawn(&mut client_cmd(&server));
-    let (held, _) = c.alloc(MIB4);
-    let (plain, _) = c.alloc(MIB4);
-    assert_eq!(c.ask(&format!("hold {held} 600")), format!("held {held}"));
-    assert_eq!(
-        c.ask(&format!("retain {plain}")),
-        format!("retained {plain}")
-    );
-    // The test client retains with epoch 7: another epoch is refused, and the memory stays
-    // retained.
-    let other = c.ask(&format!("reclaim {held} 8"));
-    assert!(other.contains("another checkpoint"), "{other}");
-    let one = Usage {
-        allocations: 1,
-        bytes: MIB4,
-    };
-    // Its process alive, nothing is "held" yet.
-    assert_eq!(server.stats().held, Usage::default());
-    c.exit();
-    wait_total(&server, one);
-    let s = server.stats();
-    assert_eq!(s.held, one, "{s:?}");
-    assert_eq!(s.retained, one, "{s:?}");
-    assert_eq!(
-        server.read(held, 0, MIB4 as usize).unwrap(),
-        pattern(held, MIB4),
-        "held memory keeps its contents"
-    );
-    assert!(server.read(plain, 0, 16).is_err(), "freed with its process");
-    // Released explicitly, it goes.
-    let mut k = Keeper::connect(server.path()).unwrap();
-    k.release_retained(held).unwrap();
-    wait_total(&server, Usage::default());
+    with_keeper(|server| {
+        let mut c = Client::of(server);
+        let (held, _) = c.alloc(MIB4);
+        let (plain, _) = c.alloc(MIB4);
+        assert_eq!(c.ask(&format!("hold {held} 600")), format!("held {held}"));
+        assert_eq!(
+            c.ask(&format!("retain {plain}")),
+            format!("retained {plain}")
+        );
+        // The test client retains with epoch 7: another epoch is refused, and the memory stays
+        // retained.
+        let other = c.ask(&format!("reclaim {held} 8"));
+        assert!(other.contains("another checkpoint"), "{other}");
+        let one = usage(1, MIB4);
+        // Its process alive, nothing is "held" yet.
+        assert_eq!(server.stats().held, Usage::default());
+        c.exit();
+        wait_total(server, one);
+        let s = server.stats();
+        assert_eq!(s.held, one, "{s:?}");
+        assert_eq!(s.retained, one, "{s:?}");
+        assert_eq!(
+            server.read(held, 0, MIB4 as usize).unwrap(),
+            pattern(held, MIB4),
+            "held memory keeps its contents"
+        );
+        assert!(server.read(plain, 0, 16).is_err(), "freed with its process");
+        // Released explicitly, it goes.
+        let mut k = Keeper::connect(server.path()).unwrap();
+        k.release_retained(held).unwrap();
+        wait_total(server, Usage::default());
+    });
 }
 
 /// A client whose process name is not UTF-8 (the kernel cuts names at 15 bytes, which can split
 /// a character) is alive to the keeper: its memory is not taken for an orphan's.
 #[test]
 fn a_client_whose_name_is_not_utf8_keeps_its_memory() {
-    if !inner_or_spawn("a_client_whose_name_is_not_utf8_keeps_its_memory") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let mut c = Client::spawn(&mut client_cmd(&server));
-    let (id, size) = c.alloc(MIB4);
-    assert_eq!(c.ask("name 6b6565706572e697"), "named");
-    let stat = std::fs::read(format!("/proc/{}/stat", c.pid)).unwrap();
-    assert!(String::from_utf8(stat).is_err(), "the name was not set");
-    server.free_orphans_now();
-    assert_eq!(
-        server.read(id, 0, size as usize).unwrap(),
-        pattern(id, size),
-        "the live client's memory is kept"
-    );
-    c.exit();
-    wait_total(&server, Usage::default());
+    with_keeper(|server| {
+        let mut c = Client::of(server);
+        let (id, size) = c.alloc(MIB4);
+        assert_eq!(c.ask("name 6b6565706572e697"), "named");
+        let stat = std::fs::read(format!("/proc/{}/stat", c.pid)).unwrap();
+        assert!(String::from_utf8(stat).is_err(), "the name was not set");
+        server.free_orphans_now();
+        assert_eq!(
+            server.read(id, 0, size as usize).unwrap(),
+            pattern(id, size),
+            "the live client's memory is kept"
+        );
+        c.exit();
+        wait_total(server, Usage::default());
+    });
 }
 
 /// Another keeper takes over retained allocations from fds a third process held (`possum
@@ -318,61 +352,60 @@ fn a_client_whose_name_is_not_utf8_keeps_its_memory() {
 /// contents, retained there; an id it already has is refused.
 #[test]
 fn a_second_keeper_adopts_retained_memory_from_held_fds() {
-    if !inner_or_spawn("a_second_keeper_adopts_retained_memory_from_held_fds") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let first = keeper(dir.path());
-    let mut c = Client::spawn(&mut client_cmd(&first));
-    let (kept, _) = c.alloc(MIB4);
-    let (_other, _) = c.alloc(MIB4);
-    assert_eq!(c.ask(&format!("hold {kept} 600")), format!("held {kept}"));
-    let mut k = Keeper::connect(first.path()).unwrap();
-    let listed = k.retained(c.pid).unwrap();
-    assert_eq!(listed.len(), 1, "only the retained one: {listed:?}");
-    let a = listed[0].clone();
-    assert_eq!((a.id, a.size, a.epoch, a.pid), (kept, MIB4, 7, c.pid));
-    assert!(a.hold_secs > 500 && a.hold_secs <= 600, "{a:?}");
-    let fd = k.dup(kept).unwrap();
+    in_child(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let first = keeper(dir.path());
+        let mut c = Client::spawn(&mut client_cmd(&first));
+        let (kept, _) = c.alloc(MIB4);
+        let (_other, _) = c.alloc(MIB4);
+        assert_eq!(c.ask(&format!("hold {kept} 600")), format!("held {kept}"));
+        let mut k = Keeper::connect(first.path()).unwrap();
+        let listed = k.retained(c.pid).unwrap();
+        assert_eq!(listed.len(), 1, "only the retained one: {listed:?}");
+        let a = listed[0].clone();
+        assert_eq!((a.id, a.size, a.epoch, a.pid), (kept, MIB4, 7, c.pid));
+        assert!(a.hold_secs > 500 && a.hold_secs <= 600, "{a:?}");
+        let fd = k.dup(kept).unwrap();
 
-    let dir2 = tempfile::tempdir().unwrap();
-    let second = keeper(dir2.path());
-    let mut k2 = Keeper::connect(second.path()).unwrap();
-    k2.adopt(&a, std::os::fd::AsFd::as_fd(&fd)).unwrap();
-    drop(fd);
-    assert_eq!(
-        second.read(kept, 0, MIB4 as usize).unwrap(),
-        pattern(kept, MIB4),
-        "the adopted memory has its contents"
-    );
-    let s = second.stats();
-    assert_eq!(s.retained.bytes, MIB4, "{s:?}");
-    assert_eq!(s.clients.get(&c.pid).map(|u| u.bytes), Some(MIB4), "{s:?}");
-    let there = k2.retained(c.pid).unwrap();
-    assert_eq!(there.len(), 1, "{there:?}");
-    assert_eq!(
-        (there[0].id, there[0].size, there[0].epoch, there[0].pid),
-        (a.id, a.size, a.epoch, a.pid)
-    );
-    assert!(there[0].hold_secs > 500, "the hold goes on: {there:?}");
-    let fd = k.dup(kept).unwrap();
-    assert!(
-        matches!(
-            k2.adopt(&a, std::os::fd::AsFd::as_fd(&fd)),
-            Err(KeeperError::Remote { .. })
-        ),
-        "the same id twice"
-    );
-    // A new allocation there gets an id past the adopted one.
-    let (b, _fd) = k2.alloc(MIB4).unwrap();
-    assert!(b.id > kept, "{} after {kept}", b.id);
-    // Its owner takes it back from there (the second keeper hands out adopted memory as its own:
-    // the driver exports no imported handle, so this failed on the H100 until adopted memory
-    // kept its fd), with its contents.
-    let at = second.path().display().to_string();
-    assert_eq!(c.ask(&format!("connect {at}")), format!("connected {at}"));
-    assert_eq!(c.ask(&format!("check {kept} 7")), format!("intact {kept}"));
-    c.exit();
+        let dir2 = tempfile::tempdir().unwrap();
+        let second = keeper(dir2.path());
+        let mut k2 = Keeper::connect(second.path()).unwrap();
+        k2.adopt(&a, std::os::fd::AsFd::as_fd(&fd)).unwrap();
+        drop(fd);
+        assert_eq!(
+            second.read(kept, 0, MIB4 as usize).unwrap(),
+            pattern(kept, MIB4),
+            "the adopted memory has its contents"
+        );
+        let s = second.stats();
+        assert_eq!(s.retained.bytes, MIB4, "{s:?}");
+        assert_eq!(s.clients.get(&c.pid).map(|u| u.bytes), Some(MIB4), "{s:?}");
+        let there = k2.retained(c.pid).unwrap();
+        assert_eq!(there.len(), 1, "{there:?}");
+        assert_eq!(
+            (there[0].id, there[0].size, there[0].epoch, there[0].pid),
+            (a.id, a.size, a.epoch, a.pid)
+        );
+        assert!(there[0].hold_secs > 500, "the hold goes on: {there:?}");
+        let fd = k.dup(kept).unwrap();
+        assert!(
+            matches!(
+                k2.adopt(&a, std::os::fd::AsFd::as_fd(&fd)),
+                Err(KeeperError::Remote { .. })
+            ),
+            "the same id twice"
+        );
+        // A new allocation there gets an id past the adopted one.
+        let (b, _fd) = k2.alloc(MIB4).unwrap();
+        assert!(b.id > kept, "{} after {kept}", b.id);
+        // Its owner takes it back from there (the second keeper hands out adopted memory as its
+        // own: the driver exports no imported handle, so this failed on the H100 until adopted
+        // memory kept its fd), with its contents.
+        let at = second.path().display().to_string();
+        assert_eq!(c.ask(&format!("connect {at}")), format!("connected {at}"));
+        assert_eq!(c.ask(&format!("check {kept} 7")), format!("intact {kept}"));
+        c.exit();
+    });
 }
 
 /// Memory belongs to the process that made it, not to a connection: it survives the connection
@@ -380,104 +413,92 @@ fn a_second_keeper_adopts_retained_memory_from_held_fds() {
 /// retained, or once that process is gone; only that process reclaims what it retained.
 #[test]
 fn memory_lives_as_long_as_its_process_and_retained_memory_until_released() {
-    if !inner_or_spawn("memory_lives_as_long_as_its_process_and_retained_memory_until_released") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let (free0, _) = server.device_mem_info().unwrap();
+    with_keeper(|server| {
+        let (free0, mut c) = free_then_client(server);
+        let (kept, _) = c.alloc(MIB4);
+        let (other, _) = c.alloc(MIB4);
+        assert_eq!(c.ask(&format!("retain {kept}")), format!("retained {kept}"));
+        let one = usage(1, MIB4);
+        let two = usage(2, 2 * MIB4);
+        // Connections come and go: nothing is freed.
+        for _ in 0..3 {
+            let mut k = Keeper::connect(server.path()).unwrap();
+            let s = k.stats().unwrap();
+            assert_eq!(s.clients.get(&c.pid), Some(&two), "{s:?}");
+            assert_eq!(s.retained, one, "{s:?}");
+        }
+        server.free_orphans_now();
+        assert_eq!(server.stats().total, two, "the client lives");
+        assert_eq!(
+            server.read(kept, 0, MIB4 as usize).unwrap(),
+            pattern(kept, MIB4)
+        );
 
-    let mut c = Client::spawn(&mut client_cmd(&server));
-    let (kept, _) = c.alloc(MIB4);
-    let (other, _) = c.alloc(MIB4);
-    assert_eq!(c.ask(&format!("retain {kept}")), format!("retained {kept}"));
-    let one = Usage {
-        allocations: 1,
-        bytes: MIB4,
-    };
-    let two = Usage {
-        allocations: 2,
-        bytes: 2 * MIB4,
-    };
-    // Connections come and go: nothing is freed.
-    for _ in 0..3 {
+        // Another process (this one, same uid) may not reclaim it, but may release it.
         let mut k = Keeper::connect(server.path()).unwrap();
-        let s = k.stats().unwrap();
-        assert_eq!(s.clients.get(&c.pid), Some(&two), "{s:?}");
-        assert_eq!(s.retained, one, "{s:?}");
-    }
-    server.free_orphans_now();
-    assert_eq!(server.stats().total, two, "the client lives");
-    assert_eq!(
-        server.read(kept, 0, MIB4 as usize).unwrap(),
-        pattern(kept, MIB4)
-    );
-
-    // Another process (this one, same uid) may not reclaim it, but may release it.
-    let mut k = Keeper::connect(server.path()).unwrap();
-    assert!(matches!(
-        k.reclaim(kept, 7),
-        Err(KeeperError::Remote { .. })
-    ));
-    assert!(
-        matches!(k.release_retained(other), Err(KeeperError::Remote { .. })),
-        "not retained"
-    );
-    k.release_retained(kept).unwrap();
-    assert!(matches!(
-        k.release_retained(kept),
-        Err(KeeperError::Remote { .. })
-    ));
-    assert_eq!(server.stats().total, one);
-    // A free, then its client's exit: everything back.
-    let (a, _fd) = k.alloc(MIB4).unwrap();
-    k.free(a.id).unwrap();
-    assert!(matches!(k.free(a.id), Err(KeeperError::Remote { .. })));
-    c.exit();
-    wait_total(&server, Usage::default());
-    assert!(server.read(other, 0, 16).is_err());
-    assert_eq!(server.device_mem_info().unwrap().0, free0);
+        assert!(matches!(
+            k.reclaim(kept, 7),
+            Err(KeeperError::Remote { .. })
+        ));
+        assert!(
+            matches!(k.release_retained(other), Err(KeeperError::Remote { .. })),
+            "not retained"
+        );
+        k.release_retained(kept).unwrap();
+        assert!(matches!(
+            k.release_retained(kept),
+            Err(KeeperError::Remote { .. })
+        ));
+        assert_eq!(server.stats().total, one);
+        // A free, then its client's exit: everything back.
+        let (a, _fd) = k.alloc(MIB4).unwrap();
+        k.free(a.id).unwrap();
+        assert!(matches!(k.free(a.id), Err(KeeperError::Remote { .. })));
+        c.exit();
+        wait_total(server, Usage::default());
+        assert!(server.read(other, 0, 16).is_err());
+        assert_eq!(server.device_mem_info().unwrap().0, free0);
+    });
 }
 
 #[test]
 fn a_client_of_another_uid_is_refused() {
-    if !inner_or_spawn("a_client_of_another_uid_is_refused") {
-        return;
-    }
-    if !nix::unistd::geteuid().is_root() {
-        skipped(
-            "a_client_of_another_uid_is_refused",
-            "not root: cannot start a client as uid 65534",
+    in_child(|| {
+        if !nix::unistd::geteuid().is_root() {
+            skipped(
+                "a_client_of_another_uid_is_refused",
+                "not root: cannot start a client as uid 65534",
+            );
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let server = keeper(dir.path());
+        // The socket reachable by anyone, so that only the keeper's own check refuses.
+        std::fs::set_permissions(server.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let bin = dir.path().join("client");
+        std::fs::copy(env!("CARGO_BIN_EXE_possum-keeper-test-client"), &bin).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = {
+            use std::os::unix::process::CommandExt;
+            Command::new(&bin)
+                .arg(server.path())
+                .uid(65534)
+                .gid(65534)
+                .stdin(Stdio::null())
+                .output()
+                .unwrap()
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(3), "{text}");
+        assert!(
+            text.contains("refused: uid 65534 is not the keeper's uid 0"),
+            "{text}"
         );
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let server = keeper(dir.path());
-    // The socket reachable by anyone, so that only the keeper's own check refuses.
-    std::fs::set_permissions(server.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-    let bin = dir.path().join("client");
-    std::fs::copy(env!("CARGO_BIN_EXE_possum-keeper-test-client"), &bin).unwrap();
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = {
-        use std::os::unix::process::CommandExt;
-        Command::new(&bin)
-            .arg(server.path())
-            .uid(65534)
-            .gid(65534)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    };
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(3), "{text}");
-    assert!(
-        text.contains("refused: uid 65534 is not the keeper's uid 0"),
-        "{text}"
-    );
-    // The keeper goes on serving its own uid.
-    let mut k = Keeper::connect(server.path()).unwrap();
-    assert_eq!(k.stats().unwrap().total, Usage::default());
+        // The keeper goes on serving its own uid.
+        let mut k = Keeper::connect(server.path()).unwrap();
+        assert_eq!(k.stats().unwrap().total, Usage::default());
+    });
 }
 
 /// A job's engine on a `CudaDevice` whose memory the keeper owns (`KeeperMemory`): its buffers
@@ -539,43 +560,37 @@ impl KeptEngine {
 
 #[test]
 fn an_engine_detaches_its_buffers_into_the_keeper_and_back() {
-    if !inner_or_spawn("an_engine_detaches_its_buffers_into_the_keeper_and_back") {
-        return;
-    }
-    use possum_engine::device::Device;
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let k = KeptEngine::new(&server, possum_engine::EngineConfig::default());
-    assert!(k.dev.keeps_memory());
-    let e = &k.engine;
-    let a = e.alloc(MIB4).unwrap();
-    let b = e.alloc(2 * MIB4 - 4096).unwrap();
-    let me = std::process::id() as i32;
-    let two = Usage {
-        allocations: 2,
-        bytes: 3 * MIB4,
-    };
-    assert_eq!(server.stats().clients.get(&me), Some(&two));
-    k.write(a.va(), 1, MIB4);
-    k.write(b.va(), 2, b.size());
+    with_keeper(|server| {
+        use possum_engine::device::Device;
+        let k = KeptEngine::new(server, possum_engine::EngineConfig::default());
+        assert!(k.dev.keeps_memory());
+        let e = &k.engine;
+        let a = e.alloc(MIB4).unwrap();
+        let b = e.alloc(2 * MIB4 - 4096).unwrap();
+        let me = std::process::id() as i32;
+        let two = usage(2, 3 * MIB4);
+        assert_eq!(server.stats().clients.get(&me), Some(&two));
+        k.write(a.va(), 1, MIB4);
+        k.write(b.va(), 2, b.size());
 
-    assert_eq!(e.detach().unwrap(), 3 * MIB4);
-    // The keeper holds both, retained, this process's still (it is alive).
-    server.free_orphans_now();
-    let s1 = server.stats();
-    assert_eq!(s1.retained, two, "{s1:?}");
-    assert_eq!(s1.clients.get(&me), Some(&two), "{s1:?}");
+        assert_eq!(e.detach().unwrap(), 3 * MIB4);
+        // The keeper holds both, retained, this process's still (it is alive).
+        server.free_orphans_now();
+        let s1 = server.stats();
+        assert_eq!(s1.retained, two, "{s1:?}");
+        assert_eq!(s1.clients.get(&me), Some(&two), "{s1:?}");
 
-    assert_eq!(e.reattach().unwrap(), 3 * MIB4);
-    assert_eq!(k.read(a.va(), MIB4), pattern(1, MIB4));
-    assert_eq!(k.read(b.va(), b.size()), pattern(2, b.size()));
-    let s2 = server.stats();
-    assert_eq!(s2.clients.get(&me), Some(&two), "{s2:?}");
-    assert_eq!(s2.retained, Usage::default());
+        assert_eq!(e.reattach().unwrap(), 3 * MIB4);
+        assert_eq!(k.read(a.va(), MIB4), pattern(1, MIB4));
+        assert_eq!(k.read(b.va(), b.size()), pattern(2, b.size()));
+        let s2 = server.stats();
+        assert_eq!(s2.clients.get(&me), Some(&two), "{s2:?}");
+        assert_eq!(s2.retained, Usage::default());
 
-    e.free(a.va()).unwrap();
-    e.free(b.va()).unwrap();
-    wait_total(&server, Usage::default());
+        e.free(a.va()).unwrap();
+        e.free(b.va()).unwrap();
+        wait_total(server, Usage::default());
+    });
 }
 
 /// `share`: a new fd of one of the caller's own allocations in use (the job's
@@ -583,39 +598,28 @@ fn an_engine_detaches_its_buffers_into_the_keeper_and_back() {
 /// caller has; refused for another process's allocation, a retained one, or an unknown id.
 #[test]
 fn a_process_shares_only_its_own_memory_in_use() {
-    use std::os::unix::fs::FileExt;
-    if !inner_or_spawn("a_process_shares_only_its_own_memory_in_use") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let mut k = Keeper::connect(server.path()).unwrap();
-    let (a, fd) = k.alloc(MIB4).unwrap();
-    let shared = std::fs::File::from(k.share(a.id).unwrap());
-    std::fs::File::from(fd)
-        .write_all_at(b"possum", 4096)
-        .unwrap();
-    let mut back = [0u8; 6];
-    shared.read_exact_at(&mut back, 4096).unwrap();
-    assert_eq!(&back, b"possum", "the shared fd is the allocation's memory");
+    with_keeper(|server| {
+        use std::os::unix::fs::FileExt;
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let (a, fd) = k.alloc(MIB4).unwrap();
+        let shared = std::fs::File::from(k.share(a.id).unwrap());
+        std::fs::File::from(fd)
+            .write_all_at(b"possum", 4096)
+            .unwrap();
+        let mut back = [0u8; 6];
+        shared.read_exact_at(&mut back, 4096).unwrap();
+        assert_eq!(&back, b"possum", "the shared fd is the allocation's memory");
 
-    let mut other = Client::spawn(&mut client_cmd(&server));
-    let (theirs, _) = other.alloc(MIB4);
-    let err = k.share(theirs).unwrap_err().to_string();
-    assert!(err.contains("no allocation"), "{err}");
-    let their_pid = other.pid;
-    other.exit();
-    // Its memory is freed when asked (`reap`, what a restore asks first), not only at the next
-    // periodic check.
-    k.reap().unwrap();
-    assert!(
-        !k.stats().unwrap().clients.contains_key(&their_pid),
-        "a dead process's memory is freed by reap"
-    );
-    k.retain(a.id, 1, 0).unwrap();
-    let err = k.share(a.id).unwrap_err().to_string();
-    assert!(err.contains("no allocation"), "{err}");
-    assert!(k.share(999_999).is_err());
+        let mut other = Client::of(server);
+        let (theirs, _) = other.alloc(MIB4);
+        let err = k.share(theirs).unwrap_err().to_string();
+        assert!(err.contains("no allocation"), "{err}");
+        exit_and_reap(&mut k, other);
+        k.retain(a.id, 1, 0).unwrap();
+        let err = k.share(a.id).unwrap_err().to_string();
+        assert!(err.contains("no allocation"), "{err}");
+        assert!(k.share(999_999).is_err());
+    });
 }
 
 /// `identify` and `peer_share`: an fd `share` handed out, in the hands of a process that
@@ -624,56 +628,53 @@ fn a_process_shares_only_its_own_memory_in_use() {
 /// the keeper's instance; an fd of memory never shared, or of no allocation, is not known.
 #[test]
 fn an_imported_fd_is_known_again_and_shared_anew_to_its_importer() {
-    use std::os::fd::AsFd;
-    use std::os::unix::fs::FileExt;
-    if !inner_or_spawn("an_imported_fd_is_known_again_and_shared_anew_to_its_importer") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let mut k = Keeper::connect(server.path()).unwrap();
-    let (a, a_fd) = k.alloc(MIB4).unwrap();
-    let (_b, b_fd) = k.alloc(MIB4).unwrap();
-    let shared = k.share(a.id).unwrap();
-    let found = k
-        .identify(shared.as_fd())
-        .unwrap()
-        .expect("the shared fd is known");
-    assert_eq!((found.id, found.size), (a.id, a.size));
-    assert_eq!(found.owner, std::process::id() as i32);
-    assert_eq!(
-        k.identify(b_fd.as_fd()).unwrap(),
-        None,
-        "b was never shared"
-    );
-    let other = tempfile::tempfile().unwrap();
-    assert_eq!(k.identify(other.as_fd()).unwrap(), None);
+    with_keeper(|server| {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::FileExt;
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let (a, a_fd) = k.alloc(MIB4).unwrap();
+        let (_b, b_fd) = k.alloc(MIB4).unwrap();
+        let shared = k.share(a.id).unwrap();
+        let found = k
+            .identify(shared.as_fd())
+            .unwrap()
+            .expect("the shared fd is known");
+        assert_eq!((found.id, found.size), (a.id, a.size));
+        assert_eq!(found.owner, std::process::id() as i32);
+        assert_eq!(
+            k.identify(b_fd.as_fd()).unwrap(),
+            None,
+            "b was never shared"
+        );
+        let other = tempfile::tempfile().unwrap();
+        assert_eq!(k.identify(other.as_fd()).unwrap(), None);
 
-    // Another instance or owner: refused.
-    let wrong = |f: &dyn Fn(&mut possum_keeper::Identified)| {
-        let mut w = found;
-        f(&mut w);
-        w
-    };
-    for w in [wrong(&|w| w.instance ^= 1), wrong(&|w| w.owner += 1)] {
-        let err = k.peer_share(&w).unwrap_err().to_string();
-        assert!(err.contains("no allocation"), "{err}");
-    }
-    // In use, then retained for a checkpoint: the same memory each time.
-    std::fs::File::from(a_fd)
-        .write_all_at(b"peer", 8192)
-        .unwrap();
-    for retain in [false, true] {
-        if retain {
-            k.retain(a.id, 7, 60).unwrap();
+        // Another instance or owner: refused.
+        let wrong = |f: &dyn Fn(&mut possum_keeper::Identified)| {
+            let mut w = found;
+            f(&mut w);
+            w
+        };
+        for w in [wrong(&|w| w.instance ^= 1), wrong(&|w| w.owner += 1)] {
+            let err = k.peer_share(&w).unwrap_err().to_string();
+            assert!(err.contains("no allocation"), "{err}");
         }
-        let again = std::fs::File::from(k.peer_share(&found).unwrap());
-        let mut back = [0u8; 4];
-        again.read_exact_at(&mut back, 8192).unwrap();
-        assert_eq!(&back, b"peer");
-    }
-    k.release_retained(a.id).unwrap();
-    assert!(k.peer_share(&found).is_err(), "freed");
+        // In use, then retained for a checkpoint: the same memory each time.
+        std::fs::File::from(a_fd)
+            .write_all_at(b"peer", 8192)
+            .unwrap();
+        for retain in [false, true] {
+            if retain {
+                k.retain(a.id, 7, 60).unwrap();
+            }
+            let again = std::fs::File::from(k.peer_share(&found).unwrap());
+            let mut back = [0u8; 4];
+            again.read_exact_at(&mut back, 8192).unwrap();
+            assert_eq!(&back, b"peer");
+        }
+        k.release_retained(a.id).unwrap();
+        assert!(k.peer_share(&found).is_err(), "freed");
+    });
 }
 
 /// Staging: an engine's buffers checkpointed into an image on disk and
@@ -684,107 +685,105 @@ fn an_imported_fd_is_known_again_and_shared_anew_to_its_importer() {
 /// `stage_end`; an image that is not there is refused by name.
 #[test]
 fn a_staged_restore_maps_memory_the_keeper_loaded() {
-    if !inner_or_spawn("a_staged_restore_maps_memory_the_keeper_loaded") {
-        return;
-    }
-    use possum_engine::image::{Image, ImageWriter, WriterOptions};
-    use std::sync::Arc;
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let kept = KeptEngine::new(
-        &server,
-        possum_engine::EngineConfig {
-            chunk_size: 1 << 20,
-            ..possum_engine::EngineConfig::default()
-        },
-    );
-    let e = &kept.engine;
-    let bufs: Vec<_> = [MIB4, 2 * MIB4 - 4096, 3 * MIB4]
-        .iter()
-        .map(|&n| e.alloc(n).unwrap())
-        .collect();
-    let me = std::process::id() as i32;
-    let mut k = Keeper::connect(server.path()).unwrap();
-    let missing = dir.path().join("no-such-image");
-    let err = k.stage(me, &missing, 60, None).unwrap_err().to_string();
-    assert!(err.contains("no-such-image"), "{err}");
-
-    for (round, fail) in [(1u64, None), (2, Some("0"))] {
-        for (i, b) in bufs.iter().enumerate() {
-            kept.write(b.va(), round * 10 + i as u64, b.size());
-        }
-        let img = dir.path().join(format!("img-{round}/gpu-0"));
-        let w = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
-        e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
-        Arc::try_unwrap(w).unwrap().commit().unwrap();
-        e.release().unwrap();
-        match fail {
-            Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", n),
-            None => std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL"),
-        }
-        let info = k.stage(me, &img, 60, None).unwrap();
-        assert_eq!(info.buffers, 3);
-        let plan = possum_keeper::KeeperMemory::connect(server.path())
-            .unwrap()
-            .staged(&img)
-            .unwrap()
-            .expect("a stage of this image for this process");
-        assert_eq!(plan.id(), info.stage);
-        let r = e
-            .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!(
-            (r.staged, r.staged_fallback),
-            if fail.is_some() { (2, 1) } else { (3, 0) },
-            "{r:?}"
+    in_child(|| {
+        use possum_engine::image::{Image, ImageWriter, WriterOptions};
+        use std::sync::Arc;
+        let (dir, server) = fresh_keeper();
+        let kept = KeptEngine::new(
+            &server,
+            possum_engine::EngineConfig {
+                chunk_size: 1 << 20,
+                ..possum_engine::EngineConfig::default()
+            },
         );
-        for (i, b) in bufs.iter().enumerate() {
-            assert!(
-                kept.read(b.va(), b.size()) == pattern(round * 10 + i as u64, b.size()),
-                "round {round}: buffer {i} restored wrong"
+        let e = &kept.engine;
+        let bufs: Vec<_> = [MIB4, 2 * MIB4 - 4096, 3 * MIB4]
+            .iter()
+            .map(|&n| e.alloc(n).unwrap())
+            .collect();
+        let me = std::process::id() as i32;
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let missing = dir.path().join("no-such-image");
+        let err = k.stage(me, &missing, 60, None).unwrap_err().to_string();
+        assert!(err.contains("no-such-image"), "{err}");
+
+        for (round, fail) in [(1u64, None), (2, Some("0"))] {
+            for (i, b) in bufs.iter().enumerate() {
+                kept.write(b.va(), round * 10 + i as u64, b.size());
+            }
+            let img = dir.path().join(format!("img-{round}/gpu-0"));
+            let w = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
+            e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
+            Arc::try_unwrap(w).unwrap().commit().unwrap();
+            e.release().unwrap();
+            match fail {
+                Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", n),
+                None => std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL"),
+            }
+            let info = k.stage(me, &img, 60, None).unwrap();
+            assert_eq!(info.buffers, 3);
+            let plan = possum_keeper::KeeperMemory::connect(server.path())
+                .unwrap()
+                .staged(&img)
+                .unwrap()
+                .expect("a stage of this image for this process");
+            assert_eq!(plan.id(), info.stage);
+            let r = e
+                .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert_eq!(
+                (r.staged, r.staged_fallback),
+                if fail.is_some() { (2, 1) } else { (3, 0) },
+                "{r:?}"
             );
+            for (i, b) in bufs.iter().enumerate() {
+                assert!(
+                    kept.read(b.va(), b.size()) == pattern(round * 10 + i as u64, b.size()),
+                    "round {round}: buffer {i} restored wrong"
+                );
+            }
+            // Every buffer's memory is this process's in use: nothing retained, and no stage left
+            // (the restore's end ended it).
+            server.free_orphans_now();
+            let st = server.stats();
+            assert_eq!(st.retained, Usage::default(), "{st:?}");
+            assert_eq!(
+                st.clients.get(&me).map(|u| u.allocations),
+                Some(3),
+                "{st:?}"
+            );
+            assert!(st.stages.is_empty(), "{st:?}");
         }
-        // Every buffer's memory is this process's in use: nothing retained, and no stage left
-        // (the restore's end ended it).
-        server.free_orphans_now();
-        let st = server.stats();
-        assert_eq!(st.retained, Usage::default(), "{st:?}");
-        assert_eq!(
-            st.clients.get(&me).map(|u| u.allocations),
-            Some(3),
-            "{st:?}"
-        );
-        assert!(st.stages.is_empty(), "{st:?}");
-    }
-    std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL");
+        std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL");
 
-    // A stage nobody takes: its memory is freed when it is ended.
-    let img = dir.path().join("img-2/gpu-0");
-    let info = k.stage(me, &img, 60, None).unwrap();
-    assert_eq!(server.stats().retained.allocations, 3);
-    assert_eq!(k.stage_end(info.stage).unwrap(), 3);
-    let st = server.stats();
-    assert_eq!(st.retained, Usage::default());
-    let last = st.stages_ended.last().expect("the ended stage is shown");
-    assert_eq!((last.stage, last.buffers), (info.stage, 3), "{st:?}");
-    assert!(
-        k.stage_wait(info.stage, 1).is_err(),
-        "an ended stage is gone"
-    );
-    assert!(
-        possum_keeper::KeeperMemory::connect(server.path())
-            .unwrap()
-            .staged(&img)
-            .unwrap()
-            .is_none(),
-        "no stage of the image any more"
-    );
-    for b in &bufs {
-        e.free(b.va()).unwrap();
-    }
-    wait_total(&server, Usage::default());
+        // A stage nobody takes: its memory is freed when it is ended.
+        let img = dir.path().join("img-2/gpu-0");
+        let info = k.stage(me, &img, 60, None).unwrap();
+        assert_eq!(server.stats().retained.allocations, 3);
+        assert_eq!(k.stage_end(info.stage).unwrap(), 3);
+        let st = server.stats();
+        assert_eq!(st.retained, Usage::default());
+        let last = st.stages_ended.last().expect("the ended stage is shown");
+        assert_eq!((last.stage, last.buffers), (info.stage, 3), "{st:?}");
+        assert!(
+            k.stage_wait(info.stage, 1).is_err(),
+            "an ended stage is gone"
+        );
+        assert!(
+            possum_keeper::KeeperMemory::connect(server.path())
+                .unwrap()
+                .staged(&img)
+                .unwrap()
+                .is_none(),
+            "no stage of the image any more"
+        );
+        for b in &bufs {
+            e.free(b.va()).unwrap();
+        }
+        wait_total(&server, Usage::default());
+    });
 }
 
 /// Spare image memory: a keeper with `POSSUM_KEEPER_SPARE_*` makes a spare
@@ -794,148 +793,139 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
 /// filesystem too, and a drain that is not lent is named.
 #[test]
 fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
-    use std::os::unix::fs::FileExt;
-    if !inner_or_spawn("a_drain_copies_its_memory_into_the_keeper_s_spare") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let spares = dir.path().join("spares");
-    std::fs::create_dir(&spares).unwrap();
-    // A stale spare of a keeper that is gone is removed when the first spare is made.
-    std::fs::write(spares.join(".possum-spare-999999999-1"), b"stale").unwrap();
-    // Registered 4 MiB at a time: a fill across a step is split there.
-    let server = keeper_with_spares(
-        dir.path(),
-        &spares,
-        16,
-        &[("POSSUM_KEEPER_SPARE_STEP_MIB", "4")],
-    );
-    let spare_files = || -> Vec<PathBuf> {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(&spares)
-            .unwrap()
-            .map(|e| e.unwrap().path())
+    in_child(|| {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let spares = dir.path().join("spares");
+        std::fs::create_dir(&spares).unwrap();
+        // A stale spare of a keeper that is gone is removed when the first spare is made.
+        std::fs::write(spares.join(".possum-spare-999999999-1"), b"stale").unwrap();
+        // Registered 4 MiB at a time: a fill across a step is split there.
+        let server = keeper_with_spares(
+            dir.path(),
+            &spares,
+            16,
+            &[("POSSUM_KEEPER_SPARE_STEP_MIB", "4")],
+        );
+        let spare_files = || -> Vec<PathBuf> {
+            let mut v: Vec<PathBuf> = std::fs::read_dir(&spares)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+            v.sort();
+            v
+        };
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let lease = take_spare(&mut k, dir.path());
+        assert_eq!(lease.len, 16 << 20);
+        assert_eq!(
+            spare_files(),
+            vec![PathBuf::from(&lease.path)],
+            "the stale one is gone"
+        );
+        // The caller takes the file (renamed into its image), then the keeper fills it.
+        let taken = dir.path().join("data-keeper.bin");
+        std::fs::rename(&lease.path, &taken).unwrap();
+        let fill = |alloc, offset, len, at, piece| possum_keeper::SpareFill {
+            drain: lease.drain,
+            alloc,
+            offset,
+            len,
+            at,
+            piece,
+        };
+        let (a, fd) = k.alloc(MIB4).unwrap();
+        let data = pattern(7, MIB4);
+        std::fs::File::from(fd).write_all_at(&data, 0).unwrap();
+        // Two fills at once, from two connections (they share the keeper's fill threads); the
+        // first crosses the 4 MiB registration step.
+        let (b, fd) = k.alloc(MIB4).unwrap();
+        let data_b = pattern(8, MIB4);
+        std::fs::File::from(fd).write_all_at(&data_b, 0).unwrap();
+        let mut k2 = Keeper::connect(server.path()).unwrap();
+        let (crcs, crcs_b) = std::thread::scope(|sc| {
+            let second = sc.spawn(|| k2.spare_fill(&fill(b.id, 0, MIB4, 8 << 20, 1 << 20)));
+            let first = k.spare_fill(&fill(a.id, 4096, 3 << 20, 3 << 20, 1 << 20));
+            (first.unwrap(), second.join().unwrap().unwrap())
+        });
+        let want: Vec<u32> = data[4096..4096 + (3 << 20)]
+            .chunks(1 << 20)
+            .map(crc32c::crc32c)
             .collect();
-        v.sort();
-        v
-    };
-    let mut k = Keeper::connect(server.path()).unwrap();
-    let lease = take_spare(&mut k, dir.path());
-    assert_eq!(lease.len, 16 << 20);
-    assert_eq!(
-        spare_files(),
-        vec![PathBuf::from(&lease.path)],
-        "the stale one is gone"
-    );
-    // The caller takes the file (renamed into its image), then the keeper fills it.
-    let taken = dir.path().join("data-keeper.bin");
-    std::fs::rename(&lease.path, &taken).unwrap();
-    let fill = |alloc, offset, len, at, piece| possum_keeper::SpareFill {
-        drain: lease.drain,
-        alloc,
-        offset,
-        len,
-        at,
-        piece,
-    };
-    let (a, fd) = k.alloc(MIB4).unwrap();
-    let data = pattern(7, MIB4);
-    std::fs::File::from(fd).write_all_at(&data, 0).unwrap();
-    // Two fills at once, from two connections (they share the keeper's fill threads); the
-    // first crosses the 4 MiB registration step.
-    let (b, fd) = k.alloc(MIB4).unwrap();
-    let data_b = pattern(8, MIB4);
-    std::fs::File::from(fd).write_all_at(&data_b, 0).unwrap();
-    let mut k2 = Keeper::connect(server.path()).unwrap();
-    let (crcs, crcs_b) = std::thread::scope(|sc| {
-        let second = sc.spawn(|| k2.spare_fill(&fill(b.id, 0, MIB4, 8 << 20, 1 << 20)));
-        let first = k.spare_fill(&fill(a.id, 4096, 3 << 20, 3 << 20, 1 << 20));
-        (first.unwrap(), second.join().unwrap().unwrap())
-    });
-    let want: Vec<u32> = data[4096..4096 + (3 << 20)]
-        .chunks(1 << 20)
-        .map(crc32c::crc32c)
-        .collect();
-    assert_eq!(crcs, want);
-    let want_b: Vec<u32> = data_b.chunks(1 << 20).map(crc32c::crc32c).collect();
-    assert_eq!(crcs_b, want_b);
-    let mut back = vec![0u8; 3 << 20];
-    std::fs::File::open(&taken)
-        .unwrap()
-        .read_exact_at(&mut back, 3 << 20)
-        .unwrap();
-    assert!(
-        back == data[4096..4096 + (3 << 20)],
-        "the file holds the bytes"
-    );
-    let mut back_b = vec![0u8; MIB4 as usize];
-    std::fs::File::open(&taken)
-        .unwrap()
-        .read_exact_at(&mut back_b, 8 << 20)
-        .unwrap();
-    assert!(back_b == data_b, "the file holds the second fill's bytes");
-    // Out of the spare: refused by name.
-    let err = k
-        .spare_fill(&fill(a.id, 0, 1 << 20, 16 << 20, 1 << 20))
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("outside"), "{err}");
-    let mut other = Client::spawn(&mut client_cmd(&server));
-    let (theirs, _) = other.alloc(MIB4);
-    let err = k
-        .spare_fill(&fill(theirs, 0, 4096, 0, 4096))
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("no allocation"), "{err}");
-    let their_pid = other.pid;
-    other.exit();
-    // Its memory is freed when asked (`reap`, what a restore asks first), not only at the next
-    // periodic check.
-    k.reap().unwrap();
-    assert!(
-        !k.stats().unwrap().clients.contains_key(&their_pid),
-        "a dead process's memory is freed by reap"
-    );
-    k.spare_end(lease.drain).unwrap();
-    let err = k
-        .spare_fill(&fill(a.id, 0, 4096, 0, 4096))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("not lent") || err.contains("no spare is lent"),
-        "{err}"
-    );
-    assert!(k.spare_end(lease.drain).is_err());
-    // Given back, the file stays the caller's, and another spare is made.
-    assert!(taken.exists());
-    wait_until("no new spare", || !spare_files().is_empty());
-    // A directory on another filesystem (or none) gets no spare.
-    let err = k.spare_take(Path::new("/proc")).unwrap_err().to_string();
-    assert!(
-        err.contains("another filesystem") || err.contains("being made"),
-        "{err}"
-    );
-    // A process that takes the spare and dies without giving it back: the keeper ends the loan
-    // (the spare unmapped, its file removed) and makes another.
-    let mut taker = Client::spawn(&mut client_cmd(&server));
-    let t = Instant::now();
-    let lent = loop {
-        // The new spare's file exists before it is registered: asked until it is ready.
-        let r = taker.ask(&format!("spare_take {}", dir.path().display()));
-        if r.starts_with("lent ") || t.elapsed() > Duration::from_secs(10) {
-            break r;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(lent.starts_with("lent "), "{lent}");
-    let path = lent.split_whitespace().nth(2).unwrap().to_string();
-    taker.exit();
-    server.free_orphans_now();
-    assert!(
-        !Path::new(&path).exists(),
-        "the dead drain's spare is removed"
-    );
-    wait_until("no spare after the dead drain", || {
-        !spare_files().is_empty()
+        assert_eq!(crcs, want);
+        let want_b: Vec<u32> = data_b.chunks(1 << 20).map(crc32c::crc32c).collect();
+        assert_eq!(crcs_b, want_b);
+        let mut back = vec![0u8; 3 << 20];
+        std::fs::File::open(&taken)
+            .unwrap()
+            .read_exact_at(&mut back, 3 << 20)
+            .unwrap();
+        assert!(
+            back == data[4096..4096 + (3 << 20)],
+            "the file holds the bytes"
+        );
+        let mut back_b = vec![0u8; MIB4 as usize];
+        std::fs::File::open(&taken)
+            .unwrap()
+            .read_exact_at(&mut back_b, 8 << 20)
+            .unwrap();
+        assert!(back_b == data_b, "the file holds the second fill's bytes");
+        // Out of the spare: refused by name.
+        let err = k
+            .spare_fill(&fill(a.id, 0, 1 << 20, 16 << 20, 1 << 20))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("outside"), "{err}");
+        let mut other = Client::of(&server);
+        let (theirs, _) = other.alloc(MIB4);
+        let err = k
+            .spare_fill(&fill(theirs, 0, 4096, 0, 4096))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no allocation"), "{err}");
+        exit_and_reap(&mut k, other);
+        k.spare_end(lease.drain).unwrap();
+        let err = k
+            .spare_fill(&fill(a.id, 0, 4096, 0, 4096))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("not lent") || err.contains("no spare is lent"),
+            "{err}"
+        );
+        assert!(k.spare_end(lease.drain).is_err());
+        // Given back, the file stays the caller's, and another spare is made.
+        assert!(taken.exists());
+        wait_until("no new spare", || !spare_files().is_empty());
+        // A directory on another filesystem (or none) gets no spare.
+        let err = k.spare_take(Path::new("/proc")).unwrap_err().to_string();
+        assert!(
+            err.contains("another filesystem") || err.contains("being made"),
+            "{err}"
+        );
+        // A process that takes the spare and dies without giving it back: the keeper ends the loan
+        // (the spare unmapped, its file removed) and makes another.
+        let mut taker = Client::of(&server);
+        let t = Instant::now();
+        let lent = loop {
+            // The new spare's file exists before it is registered: asked until it is ready.
+            let r = taker.ask(&format!("spare_take {}", dir.path().display()));
+            if r.starts_with("lent ") || t.elapsed() > Duration::from_secs(10) {
+                break r;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(lent.starts_with("lent "), "{lent}");
+        let path = lent.split_whitespace().nth(2).unwrap().to_string();
+        taker.exit();
+        server.free_orphans_now();
+        assert!(
+            !Path::new(&path).exists(),
+            "the dead drain's spare is removed"
+        );
+        wait_until("no spare after the dead drain", || {
+            !spare_files().is_empty()
+        });
     });
 }
 
@@ -943,26 +933,25 @@ fn a_drain_copies_its_memory_into_the_keeper_s_spare() {
 /// by a live process (the job's hold) delays the next spare until the memory is taken back.
 #[test]
 fn a_spare_is_made_only_outside_a_hold() {
-    if !inner_or_spawn("a_spare_is_made_only_outside_a_hold") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper_with_spares(dir.path(), dir.path(), 8, &[]);
-    let mut k = Keeper::connect(server.path()).unwrap();
-    let first = take_spare(&mut k, dir.path());
-    // This process holds: its allocation retained (as at a checkpoint's release).
-    let (a, fd) = k.alloc(MIB4).unwrap();
-    drop(fd);
-    k.retain(a.id, 1, 0).unwrap();
-    k.spare_end(first.drain).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    let err = k.spare_take(dir.path()).unwrap_err().to_string();
-    assert!(err.contains("being made"), "{err}");
-    // The hold ends: the spare is made.
-    drop(k.reclaim(a.id, 1).unwrap());
-    let second = take_spare(&mut k, dir.path());
-    assert_ne!(second.path, first.path);
-    k.spare_end(second.drain).unwrap();
+    in_child(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let server = keeper_with_spares(dir.path(), dir.path(), 8, &[]);
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let first = take_spare(&mut k, dir.path());
+        // This process holds: its allocation retained (as at a checkpoint's release).
+        let (a, fd) = k.alloc(MIB4).unwrap();
+        drop(fd);
+        k.retain(a.id, 1, 0).unwrap();
+        k.spare_end(first.drain).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let err = k.spare_take(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("being made"), "{err}");
+        // The hold ends: the spare is made.
+        drop(k.reclaim(a.id, 1).unwrap());
+        let second = take_spare(&mut k, dir.path());
+        assert_ne!(second.path, first.path);
+        k.spare_end(second.drain).unwrap();
+    });
 }
 
 /// A client that connects and stalls (half a request, never finished; another that never says
@@ -970,19 +959,16 @@ fn a_spare_is_made_only_outside_a_hold() {
 /// served meanwhile.
 #[test]
 fn a_client_that_stalls_holds_up_nobody_else() {
-    if !inner_or_spawn("a_client_that_stalls_holds_up_nobody_else") {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let server = keeper(dir.path());
-    let mut half = std::os::unix::net::UnixStream::connect(server.path()).unwrap();
-    half.write_all(br#"{"cmd":"sta"#).unwrap();
-    let _silent = std::os::unix::net::UnixStream::connect(server.path()).unwrap();
-    let limit = Duration::from_secs(10);
-    let mut k = Keeper::connect_within(server.path(), limit, limit).unwrap();
-    let (a, _fd) = k.alloc(MIB4).unwrap();
-    assert_eq!(a.size, MIB4);
-    assert_eq!(k.stats().unwrap().total.bytes, MIB4);
-    k.free(a.id).unwrap();
-    assert_eq!(k.stats().unwrap().total.bytes, 0);
+    with_keeper(|server| {
+        let mut half = std::os::unix::net::UnixStream::connect(server.path()).unwrap();
+        half.write_all(br#"{"cmd":"sta"#).unwrap();
+        let _silent = std::os::unix::net::UnixStream::connect(server.path()).unwrap();
+        let limit = Duration::from_secs(10);
+        let mut k = Keeper::connect_within(server.path(), limit, limit).unwrap();
+        let (a, _fd) = k.alloc(MIB4).unwrap();
+        assert_eq!(a.size, MIB4);
+        assert_eq!(k.stats().unwrap().total.bytes, MIB4);
+        k.free(a.id).unwrap();
+        assert_eq!(k.stats().unwrap().total.bytes, 0);
+    });
 }

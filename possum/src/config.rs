@@ -5,6 +5,8 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use possum_criu::config::path_var;
+
 pub use possum_keeper::KEEPER_ENV;
 
 /// The libpossum.so that `possum run` preloads when `--lib` is not given.
@@ -30,10 +32,9 @@ impl Config {
 
     /// The settings `get` gives (a variable's value, `None` when unset).
     pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
-        let path = |k: &str| get(k).filter(|v| !v.is_empty()).map(PathBuf::from);
         Config {
-            lib: path(LIB_ENV),
-            keeper: path(KEEPER_ENV),
+            lib: path_var(&get, LIB_ENV),
+            keeper: path_var(&get, KEEPER_ENV),
             cuda: possum_cuda::config::Config::from_lookup(&get),
         }
     }
@@ -44,11 +45,7 @@ mod tests {
     use super::*;
 
     fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(|k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| OsString::from(v))
-        })
+        Config::from_lookup(possum_criu::config::lookup_in(vars))
     }
 
     #[test]

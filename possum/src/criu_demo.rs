@@ -65,19 +65,24 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// The child: leaves the caller's session (so CRIU needs no `--shell-job`), runs the job, writes
-/// its progress after each step and its digest at the end.
-pub fn child(a: &ChildArgs) -> Result<bool> {
-    if let Some(to) = &a.precopy_to {
-        return crate::migrate_demo::child(a, to);
+impl ChildArgs {
+    /// The child's start: a session of its own (CRIU dumps it without --shell-job), and its job.
+    pub fn start(&self) -> DemoSpec {
+        let _ = nix::unistd::setsid();
+        DemoSpec {
+            mib: self.mib,
+            steps: self.steps,
+            streams: self.streams,
+            ..DemoSpec::default()
+        }
     }
-    let _ = nix::unistd::setsid();
-    let spec = DemoSpec {
-        mib: a.mib,
-        steps: a.steps,
-        streams: a.streams,
-        ..DemoSpec::default()
-    };
+}
+
+/// The child: leaves the caller's session (so CRIU needs no `--shell-job`), runs the job, writes
+/// its progress after each step and its digest at the end. (With `--precopy-to` the child is
+/// `migrate_demo`'s.)
+pub fn child(a: &ChildArgs) -> Result<bool> {
+    let spec = a.start();
     let engine = Engine::new(
         Arc::new(HostDevice::new((a.mib << 20) + (64 << 20))),
         EngineConfig::default(),
@@ -173,14 +178,21 @@ pub fn refuse_without_root(what: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn run(a: &DemoArgs) -> Result<bool> {
-    refuse_without_root("possum demo --criu")?;
+/// CRIU, its version, and `a` with the job's memory 64 MiB unless given: what a demo through
+/// CRIU starts from.
+pub fn criu_and_args(a: &DemoArgs) -> Result<(Criu, possum_criu::CriuVersion, DemoArgs)> {
     let criu = Criu::locate()?;
     let version = criu.version()?;
     let a = DemoArgs {
         mib: if a.mib == 320 { 64 } else { a.mib },
         ..a.clone()
     };
+    Ok((criu, version, a))
+}
+
+pub fn run(a: &DemoArgs) -> Result<bool> {
+    refuse_without_root("possum demo --criu")?;
+    let (criu, version, a) = criu_and_args(a)?;
     let spec = a.spec();
     let tmp = crate::scratch::Scratch::new()?;
     let dir = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());

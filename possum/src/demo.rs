@@ -65,6 +65,19 @@ impl DemoArgs {
             ..DemoSpec::default()
         }
     }
+
+    /// [`DemoArgs::spec`], `--at` checked to be before the job's last step.
+    pub fn spec_checked(&self) -> Result<DemoSpec> {
+        let spec = self.spec();
+        if self.at + 1 >= spec.steps {
+            bail!(
+                "--at {} must be before the last step ({})",
+                self.at,
+                spec.steps
+            );
+        }
+        Ok(spec)
+    }
 }
 
 pub(crate) fn ms(d: Duration) -> f64 {
@@ -122,14 +135,7 @@ struct Restored {
 /// `possum demo`: runs the job, checkpoints it mid-run, fails it, restores it and compares;
 /// whether the image and the final state are bit-exact.
 pub fn run(a: &DemoArgs) -> Result<bool> {
-    let spec = a.spec();
-    if a.at + 1 >= spec.steps {
-        bail!(
-            "--at {} must be before the last step ({})",
-            a.at,
-            spec.steps
-        );
-    }
+    let spec = a.spec_checked()?;
     let tmp;
     let dir = match &a.dir {
         Some(d) => d.clone(),

@@ -3,13 +3,14 @@
 
 use std::process::ExitCode;
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod checkpoint;
 mod config;
 mod criu_demo;
 mod demo;
 mod doctor;
+mod help;
 mod inspect;
 mod keeper;
 mod migrate;
@@ -127,10 +128,10 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let cli = Cli::try_parse_from(args)?;
+    let cli = Cli::from_arg_matches(&help::fit(Cli::command()).try_get_matches_from(args)?)?;
     if let Cmd::Run(a) = &cli.cmd {
         if a.no_cupti {
-            let mut cmd = Cli::command();
+            let mut cmd = help::fit(Cli::command());
             cmd.build();
             let sub = cmd.find_subcommand_mut("run").expect("the run subcommand");
             return Err(sub.error(clap::error::ErrorKind::UnknownArgument, run::NO_CUPTI_GONE));
@@ -149,7 +150,10 @@ fn main() -> ExitCode {
         Cmd::Demo(a) => demo::run(&a).map(check),
         Cmd::Doctor(a) => doctor::run(&a).map(check),
         Cmd::Keeper(a) => keeper::run(&a).map(check),
-        Cmd::DemoChild(a) => criu_demo::child(&a).map(check),
+        Cmd::DemoChild(a) => match &a.precopy_to {
+            Some(to) => migrate_demo::child(&a, to).map(check),
+            None => criu_demo::child(&a).map(check),
+        },
         Cmd::Run(a) => run::run(&a),
         Cmd::Trace(a) => trace::run(&a).map(check),
         Cmd::Status(a) => status::run(&a).map(check),
@@ -284,6 +288,42 @@ mod tests {
             help("checkpoint")
         );
         assert!(!help("run").contains("no-cupti"), "{}", help("run"));
+    }
+
+    /// Every line of every command's `-h` and `--help` fits [`help::WIDTH`] columns (the hidden
+    /// commands possum runs itself excepted).
+    #[test]
+    fn every_help_fits_the_terminal() {
+        fn check(cmd: &mut clap::Command, path: &str, long: &mut Vec<String>) {
+            let short = cmd.render_help().to_string();
+            let full = cmd.render_long_help().to_string();
+            for (which, text) in [("-h", short), ("--help", full)] {
+                for line in text.lines() {
+                    if line.chars().count() > help::WIDTH {
+                        long.push(format!("{path} {which}: {line}"));
+                    }
+                }
+            }
+            let names: Vec<String> = cmd
+                .get_subcommands()
+                .filter(|s| !s.is_hide_set())
+                .map(|s| s.get_name().to_string())
+                .collect();
+            for name in names {
+                let sub = cmd.find_subcommand_mut(&name).expect("a subcommand");
+                check(sub, &format!("{path} {name}"), long);
+            }
+        }
+        let mut cmd = help::fit(Cli::command());
+        cmd.build();
+        let mut long = Vec::new();
+        check(&mut cmd, "possum", &mut long);
+        assert!(
+            long.is_empty(),
+            "help lines over {} columns:\n{}",
+            help::WIDTH,
+            long.join("\n")
+        );
     }
 
     /// The synopsis of docs/cli.md (its first `text` block): per subcommand (`""` for `possum`

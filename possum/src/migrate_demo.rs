@@ -43,7 +43,7 @@ use possum_engine::store::ChunkSink;
 use possum_engine::{Engine, EngineConfig};
 use possum_sequence::auth::HmacKey;
 use possum_sequence::wire::{self, Outcome, PrecopySender, Totals};
-use possum_workloads::demo::{DemoJob, DemoSpec};
+use possum_workloads::demo::DemoJob;
 use serde::{Deserialize, Serialize};
 
 use crate::criu_demo::ChildArgs;
@@ -97,13 +97,7 @@ pub fn child(a: &ChildArgs, to: &str) -> Result<bool> {
     else {
         bail!("--precopy-to needs --key-file, --image, --held and --go");
     };
-    let _ = nix::unistd::setsid();
-    let spec = DemoSpec {
-        mib: a.mib,
-        steps: a.steps,
-        streams: a.streams,
-        ..DemoSpec::default()
-    };
+    let spec = a.start();
     let key = HmacKey::read(key_file).context("the key file")?;
     // Small staging: the process image CRIU sends at the cut holds it.
     let engine = Engine::new(
@@ -364,20 +358,8 @@ pub fn run(a: &DemoArgs) -> Result<bool> {
     if a.max_rounds == 0 {
         bail!("--max-rounds must be at least 1");
     }
-    let criu = Criu::locate()?;
-    let version = criu.version()?;
-    let a = DemoArgs {
-        mib: if a.mib == 320 { 64 } else { a.mib },
-        ..a.clone()
-    };
-    let spec = a.spec();
-    if a.at + 1 >= spec.steps {
-        bail!(
-            "--at {} must be before the last step ({})",
-            a.at,
-            spec.steps
-        );
-    }
+    let (criu, version, a) = crate::criu_demo::criu_and_args(a)?;
+    let spec = a.spec_checked()?;
     let tmp = crate::scratch::Scratch::new()?;
     let dir = a.dir.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     let files = Files::make(&dir)?;

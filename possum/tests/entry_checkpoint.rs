@@ -21,40 +21,31 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "support/cli.rs"]
-#[allow(dead_code)]
-mod cli;
-use cli::{
-    possum_checkpointing_in as possum, start_keeper, start_keeper_with, text, KeeperProcess,
+#[path = "support/criu_cli.rs"]
+mod support;
+use support::cli::{
+    checkpoint_killed_after, possum_checkpointing_in as possum, start_keeper, start_keeper_with,
+    KeeperProcess,
 };
+use support::session_job::Job;
+use support::{common, run_ok, say, session_job_setup as setup, text, WAIT};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
-#[path = "../../interposer/tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
-
-/// Bound on every wait for something that should happen.
-const WAIT: Duration = Duration::from_secs(30);
-
-#[path = "../../criu-adapter/tests/support/criu.rs"]
-mod criu_support;
-use criu_support::{criu_or_skip, say};
-
-#[path = "support/session_job.rs"]
-#[allow(dead_code)]
-mod session_job;
-use session_job::Job;
-
-/// The commands after the checkpoint (steps 6 to 12, a cudaMalloc, two dumps), the same for the
-/// reference, the job left running and the restored job: the buffers after each dump.
-fn after_checkpoint(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
-    job.run("step 4", "done 9");
-    job.run("malloc", "malloced");
-    let mid = job.dump(&dir.join(format!("{tag}-mid.bin")));
-    job.run("step 3", "done 12");
-    let end = job.dump(&dir.join(format!("{tag}-end.bin")));
-    [mid, end]
+/// Binds `$dir` and `$lib` of `$setup` (a [`setup`]) for a test, its temporary directory kept
+/// to the test's end; returns from the test where it is skipped.
+macro_rules! set_up {
+    (let ($dir:ident, $lib:ident) = $setup:expr) => {
+        let Some((tmp, $lib)) = $setup else {
+            return;
+        };
+        let $dir = tmp.path();
+    };
+    (let $bound:pat = $setup:expr) => {
+        let Some($bound) = $setup else {
+            return;
+        };
+    };
 }
 
 /// The reference run: the job without possum, through step 5 and the commands after the
@@ -66,7 +57,7 @@ fn reference_run(dir: &Path) -> [Vec<u8>; 2] {
 /// [`reference_run`] of the job started with `env` added.
 fn reference_run_with(dir: &Path, env: &[(&str, &str)]) -> [Vec<u8>; 2] {
     let mut reference = job_at_step_5(dir, "reference", None, env);
-    let want = after_checkpoint(&mut reference, dir, "reference");
+    let want = reference.after_checkpoint(dir, "reference");
     reference.run("exit", "bye");
     want
 }
@@ -88,16 +79,30 @@ fn reference_then_job(dir: &Path, lib: &Path) -> ([Vec<u8>; 2], Job) {
     )
 }
 
+/// [`reference_then_job`], the reference and the job started with `env` added.
+fn reference_then_job_with(dir: &Path, lib: &Path, env: &[(&str, &str)]) -> ([Vec<u8>; 2], Job) {
+    (
+        reference_run_with(dir, env),
+        job_at_step_5(dir, "job", Some(lib), env),
+    )
+}
+
 /// The commands after the checkpoint run by `job` (named `tag`), which must give exactly the
 /// reference's buffers `want` (`what` says which run it is).
 fn goes_on_like(job: &mut Job, dir: &Path, tag: &str, want: &[Vec<u8>; 2], what: &str) {
-    let got = after_checkpoint(job, dir, tag);
+    let got = job.after_checkpoint(dir, tag);
     same(
         &got[0],
         &want[0],
         &format!("{what}, after step 9 and the malloc"),
     );
     same(&got[1], &want[1], &format!("{what}, after step 12"));
+}
+
+/// [`goes_on_like`], then the job exits when asked.
+fn goes_on_then_exits(job: &mut Job, dir: &Path, tag: &str, want: &[Vec<u8>; 2], what: &str) {
+    goes_on_like(job, dir, tag, want, what);
+    job.run("exit", "bye");
 }
 
 /// The restored `job` goes on like the reference (`want`), its three buffers back from possum's
@@ -175,37 +180,10 @@ fn restored_buffers(pid: u32, sockets: &Path) -> Value {
     }
 }
 
-/// What a test of this file needs: CRIU, libpossum.so, the fake driver and the job built into a
-/// temporary directory (returned with libpossum's path); `None` (said why) to skip. The restored
-/// job is detached from CRIU and from `possum restore`: this process becomes a subreaper that
-/// adopts it, so it can be reaped and its exit status checked.
-fn setup(test: &str, prefix: &str) -> Option<(tempfile::TempDir, PathBuf)> {
-    criu_or_skip(test)?;
-    let Some(lib) = common::find_libpossum() else {
-        say(&format!(
-            "{test}: SKIPPED: libpossum.so not built (cargo test --workspace builds it)"
-        ));
-        return None;
-    };
-    possum_criu::set_child_subreaper().unwrap();
-    let tmp = tempfile::Builder::new().prefix(prefix).tempdir().unwrap();
-    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
-    common::build_fake_gpu_from(
-        &interposer,
-        tmp.path(),
-        "tests/fake/fake_session_job.c",
-        "fake_session_job",
-    )
-    .then_some((tmp, lib))
-}
-
 #[test]
 fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
     let t0 = Instant::now();
-    let Some((tmp, lib)) = setup("entry_checkpoint", "possum-entry-ckpt-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_checkpoint", "possum-entry-ckpt-"));
 
     let (want, mut job) = reference_then_job(dir, &lib);
 
@@ -251,15 +229,10 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         "{v}"
     );
     // `possum inspect` reads it back: the job, its GPU image, every chunk checked.
-    let out = possum(dir)
-        .args(["inspect", "--verify", "--json", "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = run_ok(
+        possum(dir)
+            .args(["inspect", "--verify", "--json", "-D"])
+            .arg(&img),
     );
     let i: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(i["pid"], job.pid, "{i}");
@@ -289,9 +262,7 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
 
     // Killed, then restored from the image: it goes on from step 5 as the reference did.
     let pid = job.pid;
-    let mut child = job.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    kill_job(&mut job);
     // The directory of the job's bound sockets (libpossum's control socket) is gone, as after a
     // job that cleaned up or on another machine: the restore makes it again for CRIU.
     let sockets = dir.join("sockets");
@@ -326,19 +297,21 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
 /// driver and resumed its buffers).
 #[test]
 fn a_hung_driver_checkpoint_fails_at_its_deadline_and_the_job_runs_on() {
-    let Some((tmp, lib)) = setup("entry_hung_driver", "possum-entry-hung-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_hung_driver", "possum-entry-hung-"));
     let (want, mut job) = reference_then_job(dir, &lib);
     let img = dir.join("img");
-    let out = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
-        .env("FAKE_CKPT_HANG", "cuCheckpointProcessCheckpoint")
-        .env("POSSUM_DRIVER_DEADLINE_MS", "1000")
-        .output()
-        .unwrap();
-    let said = text(&out);
-    assert!(!out.status.success(), "{said}");
+    // `possum checkpoint --leave-running` with `call` hanging, the deadline `ms`: what it said.
+    let hung = |call: &str, ms: &str| {
+        let out = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
+            .env("FAKE_CKPT_HANG", call)
+            .env("POSSUM_DRIVER_DEADLINE_MS", ms)
+            .output()
+            .unwrap();
+        let said = text(&out);
+        assert!(!out.status.success(), "{said}");
+        said
+    };
+    let said = hung("cuCheckpointProcessCheckpoint", "1000");
     for want in [
         "the job runs on, no image was written".to_string(),
         "the freeze (the driver's lock and checkpoint of the job's tree)".to_string(),
@@ -358,27 +331,15 @@ fn a_hung_driver_checkpoint_fails_at_its_deadline_and_the_job_runs_on() {
         .collect();
     assert!(left.is_empty(), "temporary images left: {left:?}");
     // A state query that hangs stops the plan, before anything is done.
-    let out = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
-        .env("FAKE_CKPT_HANG", "cuCheckpointProcessGetState")
-        .env("POSSUM_DRIVER_DEADLINE_MS", "500")
-        .output()
-        .unwrap();
-    let said = text(&out);
-    assert!(!out.status.success(), "{said}");
+    let said = hung("cuCheckpointProcessGetState", "500");
     assert!(
         said.contains("the plan: the driver did not answer in time")
             && said.contains("cuCheckpointProcessGetState for pid"),
         "{said}"
     );
     assert!(!img.exists(), "an image was left: {said}");
-    goes_on_like(
-        &mut job,
-        dir,
-        "left",
-        &want,
-        "after a hung driver checkpoint",
-    );
-    job.run("exit", "bye");
+    let after = "after a hung driver checkpoint";
+    goes_on_then_exits(&mut job, dir, "left", &want, after);
 }
 
 /// A job that maps its own virtual memory piece by piece (PyTorch's expandable segments:
@@ -389,10 +350,7 @@ fn a_hung_driver_checkpoint_fails_at_its_deadline_and_the_job_runs_on() {
 /// handles) and frees its range.
 #[test]
 fn a_job_s_own_virtual_memory_is_served_and_checkpointed_bit_exact() {
-    let Some((tmp, lib)) = setup("entry_vmm", "possum-entry-vmm-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_vmm", "possum-entry-vmm-"));
     let env = [("FAKE_VMM", "1"), ("POSSUM_SERVE_VMM", "1")];
     let want = reference_run_with(dir, &env);
     let mut job_env = env.to_vec();
@@ -461,9 +419,7 @@ fn killed_restored_goes_on(
     want: &[Vec<u8>; 2],
     buffers: u64,
 ) {
-    let mut child = job.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    kill_job(job);
     let r = restore_json(dir, img, job);
     assert_eq!(r["pid"], job.pid, "{r}");
     goes_on_like(job, dir, "restored", want, "restored");
@@ -511,16 +467,8 @@ fn vmm_keeper_job(test: &str, prefix: &str, more: &[(&str, &str)]) -> Option<Vmm
 #[test]
 fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
     // Bound in this order, dropped in the other: the job, then the keeper, then the directory.
-    let Some(VmmKeeperJob {
-        tmp,
-        _keeper,
-        keeper_dir,
-        want,
-        mut job,
-    }) = vmm_keeper_job("entry_vmm_keeper", "possum-entry-vmm-k-", &[])
-    else {
-        return;
-    };
+    set_up!(let VmmKeeperJob { tmp, _keeper, keeper_dir, want, mut job } =
+        vmm_keeper_job("entry_vmm_keeper", "possum-entry-vmm-k-", &[]));
     let dir = tmp.path();
     let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
@@ -550,14 +498,8 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
     goes_on_like(&mut job, dir, "kept", &want, "kept, left running");
 
     let img2 = dir.join("img-killed");
-    let v = checkpoint_and_kill(dir, &mut job, &img2, &[]);
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
-    let r = restore_json(dir, &img2, &job);
-    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    checkpoint_and_kill_holding(dir, &mut job, &img2, &[], json!([0]));
+    restored_from(dir, &img2, &job, true);
     // The killed job had run the commands after the first checkpoint: its restored self ends
     // as the reference did after them.
     let end = job.dump(&dir.join("killed-end.bin"));
@@ -566,8 +508,7 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
 
     // The kept image, saved while the job ran on: the state at its T0 (step 5), from the image
     // (the keeper's memory of it was taken back long since).
-    let r = restore_json(dir, &img, &job);
-    assert_eq!(r["gpu_from_keeper"], false, "{r}");
+    let r = restored_from(dir, &img, &job, false);
     job.pid = r["pid"].as_i64().unwrap() as i32;
     goes_on_like(
         &mut job,
@@ -590,16 +531,8 @@ fn a_job_s_own_virtual_memory_stays_with_the_keeper() {
 fn a_job_sharing_its_memory_is_copied_while_held_not_kept() {
     let more = [("FAKE_VMM_HANDLE_CHECKS", "shared")];
     // Bound in this order, dropped in the other: the job, then the keeper, then the directory.
-    let Some(VmmKeeperJob {
-        tmp,
-        _keeper,
-        want,
-        mut job,
-        ..
-    }) = vmm_keeper_job("entry_vmm_shared", "possum-entry-vmm-s-", &more)
-    else {
-        return;
-    };
+    set_up!(let VmmKeeperJob { tmp, _keeper, want, mut job, .. } =
+        vmm_keeper_job("entry_vmm_shared", "possum-entry-vmm-s-", &more));
     let dir = tmp.path();
     let st = job_status(&job, dir);
     assert_eq!(st["possum"]["vmm"]["handles_shared"], 1, "{st}");
@@ -610,11 +543,7 @@ fn a_job_sharing_its_memory_is_copied_while_held_not_kept() {
     // The shared piece copied again while held, though its own hooks saw no write to it.
     let finals = &v["release_report"]["final"][0];
     assert!(finals["buffers"].as_u64().unwrap() >= 1, "{v}");
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
+    holds_for_restore(&v, json!([0]));
     assert_eq!(
         v["resume_report"]["attached"],
         serde_json::json!([0]),
@@ -643,16 +572,8 @@ fn a_job_sharing_its_memory_is_copied_while_held_not_kept() {
 #[test]
 fn a_job_sharing_its_memory_after_a_kept_checkpoint_began_is_not_released() {
     // Bound in this order, dropped in the other: the job, then the keeper, then the directory.
-    let Some(VmmKeeperJob {
-        tmp,
-        _keeper,
-        want,
-        mut job,
-        ..
-    }) = vmm_keeper_job("entry_vmm_shared_late", "possum-entry-vmm-l-", &[])
-    else {
-        return;
-    };
+    set_up!(let VmmKeeperJob { tmp, _keeper, want, mut job, .. } =
+        vmm_keeper_job("entry_vmm_shared_late", "possum-entry-vmm-l-", &[]));
     let dir = tmp.path();
     let (pid, sockets) = (job.pid as u32, dir.join("sockets"));
     let img = dir.join("img");
@@ -678,14 +599,13 @@ fn a_job_sharing_its_memory_after_a_kept_checkpoint_began_is_not_released() {
         st["possum"]["engines"][0]["engine"]["tracking"], false,
         "{st}"
     );
-    goes_on_like(
+    goes_on_then_exits(
         &mut job,
         dir,
         "shared-late",
         &want,
         "its kept release refused",
     );
-    job.run("exit", "bye");
 }
 
 /// A job whose C and D are stream-ordered allocations (cuMemAllocAsync: cudaMallocAsync), with
@@ -694,13 +614,9 @@ fn a_job_sharing_its_memory_after_a_kept_checkpoint_began_is_not_released() {
 /// bit-exact left running and restored, then frees them in stream order at its end.
 #[test]
 fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
-    let Some((tmp, lib)) = setup("entry_pools", "possum-entry-pools-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_pools", "possum-entry-pools-"));
     let env = [("FAKE_ASYNC", "1"), ("POSSUM_SERVE_POOLS", "1")];
-    let want = reference_run_with(dir, &env);
-    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let (want, mut job) = reference_then_job_with(dir, &lib, &env);
     let st = job_status(&job, dir);
     let pools = &st["possum"]["pools"];
     assert_eq!(pools["serving"], true, "{st}");
@@ -736,13 +652,9 @@ fn a_job_s_stream_ordered_allocations_are_served_and_checkpointed_bit_exact() {
 /// thread past it must not allocate before the resume).
 #[test]
 fn a_job_freeing_all_the_time_is_checkpointed_and_restored_bit_exact() {
-    let Some((tmp, lib)) = setup("entry_churn", "possum-entry-churn-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_churn", "possum-entry-churn-"));
     let env = [("FAKE_ASYNC", "1"), ("FAKE_CHURN", "1")];
-    let want = reference_run_with(dir, &env);
-    let mut job = job_at_step_5(dir, "job", Some(&lib), &env);
+    let (want, mut job) = reference_then_job_with(dir, &lib, &env);
     let img = dir.join("img-left");
     let v = checkpoint_left_running(dir, job.pid, &img, &job);
     let served = job_status(&job, dir)["possum"]["pools"]["allocations_served"]
@@ -758,9 +670,7 @@ fn a_job_freeing_all_the_time_is_checkpointed_and_restored_bit_exact() {
     };
     let img2 = dir.join("img-kill");
     checkpoint_left_running(dir, job.pid, &img2, &job);
-    let mut child = job.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    kill_job(&mut job);
     let r = restore_json(dir, &img2, &job);
     assert_eq!(r["pid"], job.pid, "{r}");
     goes_on_like(&mut job, dir, "restored", &want, "restored");
@@ -773,10 +683,7 @@ fn a_job_freeing_all_the_time_is_checkpointed_and_restored_bit_exact() {
 /// times.
 #[test]
 fn a_job_freeing_all_the_time_is_kept_and_restored_from_its_keeper_bit_exact() {
-    let Some((tmp, lib)) = setup("entry_churn_keeper", "possum-entry-churn-k-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_churn_keeper", "possum-entry-churn-k-"));
     let (_keeper, keeper_dir) = start_keeper(dir);
     let env = [
         ("FAKE_ASYNC", "1"),
@@ -795,14 +702,8 @@ fn a_job_freeing_all_the_time_is_kept_and_restored_from_its_keeper_bit_exact() {
         job_at_step_5(dir, "job2", Some(&lib), &env)
     };
     let img = dir.join("img-killed");
-    let v = checkpoint_and_kill(dir, &mut job, &img, &[]);
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
-    let r = restore_json(dir, &img, &job);
-    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    checkpoint_and_kill_holding(dir, &mut job, &img, &[], json!([0]));
+    restored_from(dir, &img, &job, true);
     goes_on_like(&mut job, dir, "restored", &want, "restored from the keeper");
     finish_restored(&mut job);
 }
@@ -813,10 +714,7 @@ fn a_job_freeing_all_the_time_is_kept_and_restored_from_its_keeper_bit_exact() {
 /// and goes on bit-exact.
 #[test]
 fn a_restored_job_whose_stderr_was_a_pipe_writes_to_the_restore_s() {
-    let Some((tmp, lib)) = setup("stdio_pipe", "possum-stdio-pipe-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("stdio_pipe", "possum-stdio-pipe-"));
     let want = reference_run(dir);
     let (rd, wr) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
     let mut cmd = common::fake_job_command(dir, "fake_session_job", Some(&lib));
@@ -850,14 +748,13 @@ fn a_restored_job_whose_stderr_was_a_pipe_writes_to_the_restore_s() {
     // Restored by a command whose stderr is itself a pipe (a script capturing it): the job's
     // gets /dev/null instead (the script would otherwise wait for the job's end); it runs on.
     let (rd2, wr2) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
-    let out = possum(dir)
-        .args(["restore", "--json", "-D"])
-        .arg(&img)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(wr2))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let out = run_ok(
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(&img)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(wr2)),
+    );
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["stdio_discarded"], serde_json::json!([2]), "{r}");
     assert_eq!(r["stdio_from_restore"], serde_json::json!([]), "{r}");
@@ -876,14 +773,13 @@ fn a_restored_job_whose_stderr_was_a_pipe_writes_to_the_restore_s() {
     // Restored again, by a command whose stderr is a file (a terminal would do the same): the
     // job's stderr is that file, and it goes on bit-exact.
     let log = dir.join("restore.stderr");
-    let out = possum(dir)
-        .args(["restore", "--json", "-D"])
-        .arg(&img)
-        .stdout(Stdio::piped())
-        .stderr(File::create(&log).unwrap())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let out = run_ok(
+        possum(dir)
+            .args(["restore", "--json", "-D"])
+            .arg(&img)
+            .stdout(Stdio::piped())
+            .stderr(File::create(&log).unwrap()),
+    );
     let r: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(r["stdio_from_restore"], serde_json::json!([2]), "{r}");
     job.pid = r["pid"].as_i64().unwrap() as i32;
@@ -979,10 +875,7 @@ fn json_of(cmd: &mut Command, job: &Job) -> Value {
 
 #[test]
 fn a_tree_of_two_cuda_processes_is_checkpointed_and_restored_together() {
-    let Some((tmp, lib)) = setup("entry_checkpoint tree", "possum-tree-ckpt-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_checkpoint tree", "possum-tree-ckpt-"));
     // The job starts a second CUDA process (its own context in the fake driver, libpossum.so
     // loaded in it too, a buffer E it bumps and writes out on SIGUSR1).
     let child_dump = dir.join("child-e.bin");
@@ -1228,10 +1121,7 @@ fn plain_criu_passes_the_images_directory_to_a_job_that_cannot_see_it() {
 }
 
 fn plain_criu_round_trip(pass_dir: bool) {
-    let Some((tmp, lib)) = setup("entry_checkpoint plain criu", "possum-plain-criu-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("entry_checkpoint plain criu", "possum-plain-criu-"));
     let Some(libdir) = plugin_dir(dir) else {
         panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
     };
@@ -1280,9 +1170,7 @@ fn plain_criu_round_trip(pass_dir: bool) {
 
     // Killed, then `criu restore --libdir`: the plugin restores the driver's state and resumes
     // possum from the images.
-    let mut child = job.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    kill_job(&mut job);
     let log = criu.run(&["restore", "--restore-detached"], "restore.log", &job);
     assert!(
         log.contains(&format!("pid {pid}: driver restored and unlocked")),
@@ -1305,10 +1193,7 @@ fn plain_criu_round_trip(pass_dir: bool) {
 /// in that keeper.
 #[test]
 fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
-    let Some((tmp, lib)) = setup("keeper_checkpoint", "possum-keeper-ckpt-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_checkpoint", "possum-keeper-ckpt-"));
     let (keeper, keeper_dir) = start_keeper(dir);
     let keeper_sock = keeper_dir.join("keeper-0.sock");
 
@@ -1327,12 +1212,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
         "the keeper holds {before} bytes of the job's"
     );
     // `possum status` says so.
-    let out = possum(dir)
-        .args(["status", &job.pid.to_string(), "--socket-dir"])
-        .arg(dir.join("sockets"))
-        .output()
-        .unwrap();
-    let st = String::from_utf8_lossy(&out.stdout);
+    let st = status_text(dir, &job);
     assert!(
         st.contains(&format!("memory kept by keeper {}", keeper_sock.display()))
             && st.contains("3 of the engine's mappings there, 0 its own"),
@@ -1359,9 +1239,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
 
     goes_on_like(&mut job, dir, "left", &want, "left running");
 
-    let mut child = job.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    kill_job(&mut job);
     std::fs::remove_dir_all(dir.join("sockets")).unwrap();
     // The keeper ended with the job (as `possum run`'s does): the restore starts one where the
     // job looks for it, and the restored job's memory is that keeper's.
@@ -1388,10 +1266,7 @@ fn a_job_whose_memory_a_keeper_holds_is_saved_after_it_runs_again() {
 /// bit-exact (so the keeper's copies and checksums are the state at the hold).
 #[test]
 fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
-    let Some((tmp, lib)) = setup("keeper_spare", "possum-keeper-spare-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_spare", "possum-keeper-spare-"));
     let spares = dir.join("spares");
     std::fs::create_dir(&spares).unwrap();
     let (keeper, keeper_dir) = start_keeper_with(
@@ -1426,12 +1301,7 @@ fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
     job.expect("ready");
     job.run("step 5", "done 5");
     // `possum status` says what spare the job's keeper keeps.
-    let out = possum(dir)
-        .args(["status", &job.pid.to_string(), "--socket-dir"])
-        .arg(dir.join("sockets"))
-        .output()
-        .unwrap();
-    let st = String::from_utf8_lossy(&out.stdout);
+    let st = status_text(dir, &job);
     assert!(
         st.contains("spare image memory of that keeper")
             && st.contains("64 MiB in")
@@ -1463,9 +1333,7 @@ fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
     // Another spare is made for the next checkpoint.
     spare_ready();
     goes_on_like(&mut job, dir, "left", &want, "left running");
-    let mut child = job.child.take().unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
+    kill_job(&mut job);
     std::fs::remove_dir_all(dir.join("sockets")).unwrap();
     drop(keeper);
     let r = restore_json(dir, &img, &job);
@@ -1482,10 +1350,7 @@ fn a_kept_checkpoint_s_shadows_go_through_the_keeper_s_spare_memory() {
 /// instead. At the end the job's data are exactly those of a run without possum.
 #[test]
 fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
-    let Some((tmp, lib)) = setup("keeper_faults", "possum-keeper-faults-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_faults", "possum-keeper-faults-"));
     let (keeper, keeper_dir) = start_keeper(dir);
     let delays = [0u64, 30, 60, 100, 150, 200, 250, 300, 400, 500, 700];
     let steps_between = 5 + delays.len() + 1;
@@ -1503,27 +1368,17 @@ fn a_kept_checkpoint_survives_possum_or_the_keeper_being_killed() {
     let mut outcomes = Vec::new();
     for (i, delay_ms) in delays.into_iter().enumerate() {
         let img = dir.join(format!("img-{i}"));
-        let mut c = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(delay_ms));
-        let _ = c.kill();
-        let _ = c.wait();
+        let mut c = checkpoint_cmd(dir, job.pid, &img, &["--leave-running"]);
+        let imaged = checkpoint_killed_after(&mut c, &img, delay_ms);
         // Its CRIU, if it had started one, runs on (orphaned, adopted by this process): the next
         // checkpoint's CRIU could not attach to the job while it does.
         wait_for_orphaned_criu();
         done += 1;
         // The job answers: it was resumed (by the guard, if possum died while it was held).
         job.run("step 1", &format!("done {done}"));
-        assert!(
-            !img.exists() || img.join("possum.json").is_file(),
-            "killed after {delay_ms} ms: an incomplete image under DIR's name"
-        );
         outcomes.push(format!(
             "{delay_ms} ms: {}",
-            if img.exists() { "image" } else { "none" }
+            if imaged { "image" } else { "none" }
         ));
     }
     say(&format!(
@@ -1599,25 +1454,17 @@ fn orphaned_criu(parent: u32) -> Vec<u32> {
 /// `possum status`, and its checkpoint copies; the job goes on bit-exact.
 #[test]
 fn a_keeper_on_another_gpu_is_not_used() {
-    let Some((tmp, lib)) = setup("keeper_other_gpu", "possum-keeper-other-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_other_gpu", "possum-keeper-other-"));
     let (_keeper, keeper_dir) = start_keeper_with(dir, &[("FAKE_UUID_SALT", "x")]);
     let (want, _) = {
         let mut reference = Job::start(dir, "reference", None);
         reference.run("step 5", "done 5");
-        let want = after_checkpoint(&mut reference, dir, "reference");
+        let want = reference.after_checkpoint(dir, "reference");
         reference.run("exit", "bye");
         (want, ())
     };
     let mut job = keeper_job(dir, &lib, &keeper_dir);
-    let out = possum(dir)
-        .args(["status", &job.pid.to_string(), "--socket-dir"])
-        .arg(dir.join("sockets"))
-        .output()
-        .unwrap();
-    let st = String::from_utf8_lossy(&out.stdout);
+    let st = status_text(dir, &job);
     assert!(
         st.contains("keeper not used: the keeper's memory is on another GPU"),
         "{st}"
@@ -1636,12 +1483,14 @@ fn a_keeper_on_another_gpu_is_not_used() {
 /// fake_session_job under libpossum.so (`lib`) with its memory from the keeper at `keeper_dir`,
 /// at step 5.
 fn keeper_job(dir: &Path, lib: &Path, keeper_dir: &Path) -> Job {
-    job_at_step_5(
-        dir,
-        "job",
-        Some(lib),
-        &[("POSSUM_KEEPER", keeper_dir.to_str().unwrap())],
-    )
+    keeper_job_with(dir, lib, keeper_dir, &[])
+}
+
+/// [`keeper_job`] with `more` added to the job's environment.
+fn keeper_job_with(dir: &Path, lib: &Path, keeper_dir: &Path, more: &[(&str, &str)]) -> Job {
+    let mut env = vec![("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
+    env.extend_from_slice(more);
+    job_at_step_5(dir, "job", Some(lib), &env)
 }
 
 /// The keeper killed while a kept checkpoint holds the job (its buffers detached: only the
@@ -1649,10 +1498,7 @@ fn keeper_job(dir: &Path, lib: &Path, keeper_dir: &Path) -> Job {
 /// is lost, and the job stays paused rather than compute on with memory that is gone.
 #[test]
 fn a_keeper_lost_during_a_kept_hold_is_said_and_the_job_stays_paused() {
-    let Some((tmp, lib)) = setup("keeper_lost_in_hold", "possum-keeper-lost-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_lost_in_hold", "possum-keeper-lost-"));
     let (keeper, keeper_dir) = start_keeper(dir);
     let job = keeper_job(dir, &lib, &keeper_dir);
     let sockets = dir.join("sockets");
@@ -1685,6 +1531,51 @@ fn checkpoint_and_kill(dir: &Path, job: &mut Job, img: &Path, extra: &[&str]) ->
     killing_checkpoint(&mut checkpoint_cmd(dir, job.pid, img, extra), job)
 }
 
+/// `possum status` of `job`, as it prints it.
+fn status_text(dir: &Path, job: &Job) -> String {
+    let out = possum(dir)
+        .args(["status", &job.pid.to_string(), "--socket-dir"])
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Kills `job`'s process (this process's child) and reaps it.
+fn kill_job(job: &mut Job) {
+    let mut child = job.child.take().unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// [`checkpoint_and_kill`], which must leave `held` (the indices of the GPUs whose memory a
+/// keeper holds for the restore).
+fn checkpoint_and_kill_holding(
+    dir: &Path,
+    job: &mut Job,
+    img: &Path,
+    extra: &[&str],
+    held: Value,
+) -> Value {
+    let v = checkpoint_and_kill(dir, job, img, extra);
+    holds_for_restore(&v, held);
+    v
+}
+
+/// Asserts that the checkpoint whose `--json` is `v` left `held` (the indices of the GPUs
+/// whose memory a keeper holds for the restore).
+fn holds_for_restore(v: &Value, held: Value) {
+    assert_eq!(v["release_report"]["held_for_restore"], held, "{v}");
+}
+
+/// `possum restore` of `job` from `img`, its GPU memory mapped from the keeper's or not
+/// (`from_keeper`): its `--json`.
+fn restored_from(dir: &Path, img: &Path, job: &Job, from_keeper: bool) -> Value {
+    let r = restore_json(dir, img, job);
+    assert_eq!(r["gpu_from_keeper"], from_keeper, "{r}");
+    r
+}
+
 /// [`checkpoint_and_kill`] by the checkpoint command `cmd`.
 fn killing_checkpoint(cmd: &mut Command, job: &mut Job) -> Value {
     let v = json_of(cmd, job);
@@ -1708,13 +1599,10 @@ fn killing_checkpoint(cmd: &mut Command, job: &mut Job) -> Value {
 /// (`possum_criu::hostmem`), not CRIU's restorer.
 #[test]
 fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() {
-    let Some((tmp, lib)) = setup("keeper_kill_restore", "possum-keeper-kill-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_kill_restore", "possum-keeper-kill-"));
+    let want = reference_run(dir);
     let (_keeper, keeper_dir) = start_keeper(dir);
     let keeper_sock = keeper_dir.join("keeper-0.sock");
-    let want = reference_run(dir);
     let mut job = keeper_job(dir, &lib, &keeper_dir);
     let mut k = possum_keeper::Keeper::connect(&keeper_sock).unwrap();
     let before = k.stats().unwrap().clients[&job.pid].bytes;
@@ -1729,11 +1617,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
         checkpoint_cmd(dir, job.pid, &img1, &[]).env("POSSUM_CRIU_PLUGIN_DIR", &libdir),
         &mut job,
     );
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
+    holds_for_restore(&v, json!([0]));
     assert!(
         count_files(&img1.join("gpu"), ".bin") > 0,
         "no GPU data in the image"
@@ -1767,12 +1651,7 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
     // *first* image restored: its buffers must come from that image, not from the later memory
     // (which would not compute what the reference did).
     let img2 = dir.join("img2");
-    let v = checkpoint_and_kill(dir, &mut job, &img2, &[]);
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
+    checkpoint_and_kill_holding(dir, &mut job, &img2, &[], json!([0]));
     let later = k.stats().unwrap().held.bytes;
     assert_eq!(
         later,
@@ -1801,14 +1680,8 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
 
     // `--keep-on-gpu 0`: freed with the job, and the restore copies from the image.
     let img3 = dir.join("img3");
-    let v = checkpoint_and_kill(dir, &mut job, &img3, &["--keep-on-gpu", "0"]);
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([]),
-        "{v}"
-    );
-    let r = restore_json(dir, &img3, &job);
-    assert_eq!(r["gpu_from_keeper"], false, "{r}");
+    checkpoint_and_kill_holding(dir, &mut job, &img3, &["--keep-on-gpu", "0"], json!([]));
+    restored_from(dir, &img3, &job, false);
     finish_restored(&mut job);
 }
 
@@ -1817,13 +1690,11 @@ fn a_job_killed_by_its_checkpoint_is_restored_from_the_memory_its_keeper_held() 
 /// restored job, and ends (its sockets and directory gone) once that job is gone too.
 #[test]
 fn a_keeper_holding_memory_for_a_restore_outlives_the_process_it_was_started_for() {
-    let Some((tmp, lib)) = setup("keeper_outlives", "possum-keeper-outlives-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_outlives", "possum-keeper-outlives-"));
     let mut sleeper = Command::new("sleep").arg("600").spawn().unwrap();
     let alive = sleeper.id().to_string();
-    let (keeper, keeper_dir) = cli::start_keeper_args(dir, &[], &["--while-alive", &alive]);
+    let (keeper, keeper_dir) =
+        support::cli::start_keeper_args(dir, &[], &["--while-alive", &alive]);
     let mut job = keeper_job(dir, &lib, &keeper_dir);
     let img = dir.join("img");
     checkpoint_and_kill(dir, &mut job, &img, &[]);
@@ -1840,8 +1711,7 @@ fn a_keeper_holding_memory_for_a_restore_outlives_the_process_it_was_started_for
         .unwrap()
         .held;
     assert!(held.bytes > 0, "{held:?}");
-    let r = restore_json(dir, &img, &job);
-    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    restored_from(dir, &img, &job, true);
     job.run("step 1", "done 6");
     finish_restored(&mut job);
     // The restored job gone, its memory is freed (an orphan sweep) and the keeper ends.
@@ -1867,10 +1737,7 @@ fn a_keeper_holding_memory_for_a_restore_outlives_the_process_it_was_started_for
 /// attaches its buffers from there and computes exactly as a run without possum.
 #[test]
 fn a_keeper_killed_during_a_kept_hold_is_replaced_and_nothing_is_lost() {
-    let Some((tmp, lib)) = setup("keeper_killed_in_hold", "possum-keeper-revive-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_killed_in_hold", "possum-keeper-revive-"));
     let (keeper, keeper_dir) = start_keeper(dir);
     let want = reference_run(dir);
     let mut job = keeper_job(dir, &lib, &keeper_dir);
@@ -1934,10 +1801,7 @@ fn a_keeper_killed_during_a_kept_hold_is_replaced_and_nothing_is_lost() {
 /// restored job is gone, the keeper ends and its directory goes.
 #[test]
 fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
-    let Some((tmp, lib)) = setup("run_keeper_kill", "possum-run-keeper-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("run_keeper_kill", "possum-run-keeper-"));
     let sockets = dir.join("sockets");
     let mut cmd = possum(dir);
     cmd.args(["run", "--lib"])
@@ -1973,20 +1837,14 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
 
     let img = dir.join("img");
     // Waits for `possum run` too: it ends with the job.
-    let v = checkpoint_and_kill(dir, &mut job, &img, &[]);
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
+    checkpoint_and_kill_holding(dir, &mut job, &img, &[], json!([0]));
     let held = possum_keeper::Keeper::connect(&sock)
         .expect("the keeper outlives possum run")
         .stats()
         .unwrap()
         .held;
     assert_eq!(held.bytes, before, "{held:?}");
-    let r = restore_json(dir, &img, &job);
-    assert_eq!(r["gpu_from_keeper"], true, "{r}");
+    let r = restored_from(dir, &img, &job, true);
     assert_eq!(r["keeper_started"], Value::Null, "{r}");
     job.run("step 1", "done 6");
     finish_restored(&mut job);
@@ -2012,10 +1870,7 @@ fn possum_runs_keeper_stays_for_a_killed_job_and_serves_its_restore() {
 /// nothing retained. With `POSSUM_RESTORE_STAGE=0` nothing is staged.
 #[test]
 fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
-    let Some((tmp, lib)) = setup("keeper_stage_restore", "possum-keeper-stage-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_stage_restore", "possum-keeper-stage-"));
     let (_keeper, keeper_dir) = start_keeper_with(
         dir,
         &[
@@ -2027,19 +1882,10 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
     );
     let keeper_sock = keeper_dir.join("keeper-0.sock");
     let want = reference_run(dir);
-    let mut job = job_at_step_5(
-        dir,
-        "job",
-        Some(&lib),
-        &[
-            ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
-            ("POSSUM_RESTORERS", "1"),
-        ],
-    );
+    let mut job = keeper_job_with(dir, &lib, &keeper_dir, &[("POSSUM_RESTORERS", "1")]);
     let img = dir.join("img");
     checkpoint_and_kill(dir, &mut job, &img, &["--keep-on-gpu", "0"]);
-    let r = restore_json(dir, &img, &job);
-    assert_eq!(r["gpu_from_keeper"], false, "{r}");
+    let r = restored_from(dir, &img, &job, false);
     assert_eq!(r["stage_skipped"], Value::Null, "{r}");
     let staged = &r["staged"][0];
     assert_eq!(staged["error"], Value::Null, "{r}");
@@ -2096,10 +1942,7 @@ fn a_job_restored_from_its_image_maps_memory_its_keeper_loaded_meanwhile() {
 /// computes exactly what a run without possum does.
 #[test]
 fn a_keeper_killed_while_it_loads_a_restore_loses_nothing() {
-    let Some((tmp, lib)) = setup("keeper_stage_killed", "possum-keeper-stage-killed-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_stage_killed", "possum-keeper-stage-killed-"));
     let (keeper, keeper_dir) = start_keeper_with(
         dir,
         &[
@@ -2136,21 +1979,10 @@ fn a_keeper_killed_while_it_loads_a_restore_loses_nothing() {
 /// in the keeper for the live job, and the job comes back from its image.
 #[test]
 fn a_stage_the_restored_job_does_not_take_is_freed() {
-    let Some((tmp, lib)) = setup("keeper_stage_unused", "possum-keeper-stage-unused-") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, lib) = setup("keeper_stage_unused", "possum-keeper-stage-unused-"));
     let (_keeper, keeper_dir) = start_keeper(dir);
     let want = reference_run(dir);
-    let mut job = job_at_step_5(
-        dir,
-        "job",
-        Some(&lib),
-        &[
-            ("POSSUM_KEEPER", keeper_dir.to_str().unwrap()),
-            ("POSSUM_STAGED", "0"),
-        ],
-    );
+    let mut job = keeper_job_with(dir, &lib, &keeper_dir, &[("POSSUM_STAGED", "0")]);
     let img = dir.join("img");
     checkpoint_and_kill(dir, &mut job, &img, &["--keep-on-gpu", "0"]);
     let r = restore_json(dir, &img, &job);
@@ -2254,11 +2086,7 @@ fn killed_on_gpu_0(test: &str, prefix: &str, keeper_env: &[(&str, &str)]) -> Opt
         checkpoint_cmd(dir, job.pid, &img, &[]).env("POSSUM_NVIDIA_SMI", &smi),
         &mut job,
     );
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
+    holds_for_restore(&v, json!([0]));
     let held = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock"))
         .unwrap()
         .retained(job.pid)
@@ -2550,11 +2378,7 @@ fn a_moved_job_checkpointed_again_is_restored_from_the_new_gpu_s_memory() {
         checkpoint_cmd(&dir, t.job.pid, &img2, &[]).env("POSSUM_NVIDIA_SMI", &t.smi),
         &mut t.job,
     );
-    assert_eq!(
-        v["release_report"]["held_for_restore"],
-        serde_json::json!([0]),
-        "{v}"
-    );
+    holds_for_restore(&v, json!([0]));
     assert_eq!(t.keeper(1).retained(t.job.pid).unwrap().len(), 3);
     let r = json_of(
         possum(&dir)

@@ -13,10 +13,15 @@
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::{run_ok, text};
 
 #[path = "../../criu-adapter/tests/support/criu.rs"]
 mod criu_support;
@@ -230,14 +235,6 @@ impl Drop for Job {
     }
 }
 
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 fn manifest(img: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(img.join("possum.json")).unwrap()).unwrap()
 }
@@ -257,19 +254,18 @@ fn gpu_only_checkpoint_of_a_hip_job_needs_no_nvidia_driver() {
     let stand = Stand::new(tmp.path());
     let job = stand.start();
     let img = tmp.path().join("img");
-    let out = stand
-        .possum()
-        .args([
-            "checkpoint",
-            &job.pid.to_string(),
-            "--gpu-only",
-            "--json",
-            "-D",
-        ])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let out = run_ok(
+        stand
+            .possum()
+            .args([
+                "checkpoint",
+                &job.pid.to_string(),
+                "--gpu-only",
+                "--json",
+                "-D",
+            ])
+            .arg(&img),
+    );
     assert_eq!(
         stand.commands(),
         ["status", "checkpoint", "release", "resume"],
@@ -305,13 +301,12 @@ fn a_hip_job_is_checkpointed_with_criu_and_restored_without_nvidia_driver() {
     let stand = Stand::new(tmp.path());
     let mut job = stand.start();
     let img = tmp.path().join("img");
-    let out = stand
-        .possum()
-        .args(["checkpoint", &job.pid.to_string(), "--json", "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let out = run_ok(
+        stand
+            .possum()
+            .args(["checkpoint", &job.pid.to_string(), "--json", "-D"])
+            .arg(&img),
+    );
     assert_eq!(
         stand.commands(),
         ["status", "checkpoint", "release"],
@@ -325,13 +320,7 @@ fn a_hip_job_is_checkpointed_with_criu_and_restored_without_nvidia_driver() {
     assert_eq!(v["criu_dir"], "criu", "{v}");
     assert!(img.join("criu/inventory.img").is_file());
 
-    let out = stand
-        .possum()
-        .args(["restore", "--json", "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let out = run_ok(stand.possum().args(["restore", "--json", "-D"]).arg(&img));
     assert!(
         job.alive(),
         "the job runs again under its PID: {}",
@@ -343,12 +332,7 @@ fn a_hip_job_is_checkpointed_with_criu_and_restored_without_nvidia_driver() {
     assert_eq!(resumes.len(), 1, "{}", text(&out));
     assert_eq!(resumes[0]["dir"], img.join("gpu").display().to_string());
     // The restored job answers on its control socket again.
-    let out = stand
-        .possum()
-        .args(["status", &job.pid.to_string()])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    run_ok(stand.possum().args(["status", &job.pid.to_string()]));
     assert_eq!(stand.commands().last().map(String::as_str), Some("status"));
     assert_eq!(stand.nvidia_smi_ran(), None, "nvidia-smi was not asked");
 }

@@ -12,26 +12,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "support/cli.rs"]
-#[allow(dead_code)]
-mod cli;
-use cli::{possum_in as possum, text};
-
-#[path = "../../interposer/tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
-
-#[path = "../../criu-adapter/tests/support/criu.rs"]
-mod criu_support;
-use criu_support::{criu_or_skip, say};
+#[path = "support/criu_cli.rs"]
+mod support;
+use support::cli::possum_in as possum;
+use support::{common, criu_or_skip, run_ok, say, WAIT};
 
 use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag};
 use nix::unistd::Pid;
 use serde_json::Value;
-
-/// Bound on every wait for something that should happen.
-const WAIT: Duration = Duration::from_secs(30);
 
 /// The simulated runtime and the job, built into `dir`; `None` (said) without a C compiler.
 fn build(dir: &Path) -> Option<PathBuf> {
@@ -155,62 +144,72 @@ fn manifest(img: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(img.join("possum.json")).unwrap()).unwrap()
 }
 
+/// A [`running_job`] checkpointed by `possum checkpoint FLAGS PID -D DIR/img`, its process
+/// killed when this is dropped.
+struct Checkpointed {
+    _kill: KillOnDrop,
+    child: Child,
+    pid: i32,
+    exe: PathBuf,
+    out: PathBuf,
+    img: PathBuf,
+    tmp: tempfile::TempDir,
+}
+
+fn checkpointed(flags: &[&str]) -> Option<Checkpointed> {
+    let (tmp, exe, out, child) = running_job()?;
+    let pid = child.id() as i32;
+    let kill = KillOnDrop(pid);
+    let img = tmp.path().join("img");
+    run_ok(
+        possum(tmp.path())
+            .arg("checkpoint")
+            .args(flags)
+            .args([&pid.to_string(), "-D"])
+            .arg(&img),
+    );
+    Some(Checkpointed {
+        _kill: kill,
+        child,
+        pid,
+        exe,
+        out,
+        img,
+        tmp,
+    })
+}
+
 #[test]
 fn a_hip_job_is_checkpointed_killed_and_restored_bit_exact_through_criu() {
-    let Some((tmp, exe, out, mut child)) = running_job() else {
+    let Some(mut job) = checkpointed(&[]) else {
         return;
     };
-    let dir = tmp.path();
-    let pid = child.id() as i32;
-    let _kill = KillOnDrop(pid);
-
-    let img = dir.join("img");
-    let o = possum(dir)
-        .args(["checkpoint", &pid.to_string(), "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
-    child.wait().unwrap();
-    let m = manifest(&img);
+    let dir = job.tmp.path();
+    job.child.wait().unwrap();
+    let m = manifest(&job.img);
     assert_eq!(m["runtime"], "hip", "{m}");
     // The buffers (X, Y, Z and W: 4 MiB) are in possum's image, not left to CRIU's.
-    let gpu = img.join("gpu").join("gpu-0");
+    let gpu = job.img.join("gpu").join("gpu-0");
     assert!(dir_bytes(&gpu) >= 4 << 20, "{}", gpu.display());
-    let killed_at = steps(&out).last().unwrap().0;
+    let killed_at = steps(&job.out).last().unwrap().0;
 
-    let o = possum(dir)
-        .args(["restore", "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
-    wait_step(&out, killed_at + 20, "the restored job");
-    let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-    possum_criu::wait_for_exit(pid, Some(WAIT)).unwrap();
-    bit_exact(&exe, dir, &out);
+    run_ok(possum(dir).args(["restore", "-D"]).arg(&job.img));
+    wait_step(&job.out, killed_at + 20, "the restored job");
+    let _ = kill(Pid::from_raw(job.pid), Signal::SIGKILL);
+    possum_criu::wait_for_exit(job.pid, Some(WAIT)).unwrap();
+    bit_exact(&job.exe, dir, &job.out);
 }
 
 #[test]
 fn a_hip_job_left_running_goes_on_bit_exact() {
-    let Some((tmp, exe, out, mut child)) = running_job() else {
+    let Some(mut job) = checkpointed(&["--leave-running"]) else {
         return;
     };
-    let dir = tmp.path();
-    let pid = child.id() as i32;
-    let _kill = KillOnDrop(pid);
-
-    let img = dir.join("img");
-    let o = possum(dir)
-        .args(["checkpoint", "--leave-running", &pid.to_string(), "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
-    assert!(child.try_wait().unwrap().is_none(), "the job runs on");
-    let at = steps(&out).last().unwrap().0;
-    wait_step(&out, at + 20, "the job after its checkpoint");
-    let _ = child.kill();
-    let _ = child.wait();
-    bit_exact(&exe, dir, &out);
+    let dir = job.tmp.path();
+    assert!(job.child.try_wait().unwrap().is_none(), "the job runs on");
+    let at = steps(&job.out).last().unwrap().0;
+    wait_step(&job.out, at + 20, "the job after its checkpoint");
+    let _ = job.child.kill();
+    let _ = job.child.wait();
+    bit_exact(&job.exe, dir, &job.out);
 }

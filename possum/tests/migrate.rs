@@ -17,33 +17,18 @@
 //! Needs root and CRIU: without either it prints `SKIPPED: ...` on stderr and passes; with
 //! `POSSUM_REQUIRE_CRIU=1` (as CI sets) it fails instead.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "support/cli.rs"]
-#[allow(dead_code)]
-mod cli;
-use cli::{possum_checkpointing_in as possum, text};
+#[path = "support/criu_cli.rs"]
+mod support;
+use support::cli::possum_checkpointing_in as possum;
+use support::receiver::Receiver;
+use support::session_job::Job;
+use support::{run_ok, say, text, WAIT};
 
 use serde_json::Value;
-
-#[path = "../../interposer/tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
-
-#[path = "../../criu-adapter/tests/support/criu.rs"]
-mod criu_support;
-use criu_support::{criu_or_skip, say};
-
-/// Bound on every wait for something that should happen.
-const WAIT: Duration = Duration::from_secs(30);
-
-#[path = "support/session_job.rs"]
-#[allow(dead_code)]
-mod session_job;
-use session_job::Job;
 
 /// The job at step 5, its process reaped as soon as it ends (a migration kills it, and its PID
 /// must be free for CRIU's restore); killed when dropped if it still runs. Its logging thread
@@ -78,17 +63,24 @@ fn start_job_reaped(dir: &Path, name: &str, lib: Option<&Path>, late: Duration) 
 /// The commands after the migration (steps 6 to 12, a cudaMalloc, two dumps), then the job's
 /// exit, which must be clean: the buffers after each dump.
 fn finish(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
-    job.run("step 4", "done 9");
-    job.run("malloc", "malloced");
-    let mid = job.dump(&dir.join(format!("{tag}-mid.bin")));
-    job.run("step 3", "done 12");
-    let end = job.dump(&dir.join(format!("{tag}-end.bin")));
+    let buffers = job.after_checkpoint(dir, tag);
     job.run("exit", "bye");
     // A restored job is this process's (a subreaper's) to reap; the original is reaped by its
     // waiting thread.
     let _ = possum_criu::wait_for_exit(job.pid, Some(WAIT));
     job.pid = 0;
-    [mid, end]
+    buffers
+}
+
+/// Binds `$dir`, `$want` and `$job` of `$setup` (a [`setup_job`]) for a test, its temporary
+/// directory kept to the test's end; returns from the test where it is skipped.
+macro_rules! set_up {
+    (let ($dir:ident, $want:ident, $job:pat) = $setup:expr) => {
+        let Some((tmp, $want, $job)) = $setup else {
+            return;
+        };
+        let $dir = tmp.path();
+    };
 }
 
 /// CRIU, libpossum.so, the fake driver and the job built into a temporary directory, the
@@ -104,28 +96,8 @@ fn setup_job(
     under_possum: bool,
     late: Duration,
 ) -> Option<(tempfile::TempDir, [Vec<u8>; 2], Job)> {
-    criu_or_skip(test)?;
-    let Some(lib) = common::find_libpossum() else {
-        say(&format!(
-            "{test}: SKIPPED: libpossum.so not built (cargo test --workspace builds it)"
-        ));
-        return None;
-    };
-    possum_criu::set_child_subreaper().unwrap();
-    let tmp = tempfile::Builder::new()
-        .prefix("possum-migrate-")
-        .tempdir()
-        .unwrap();
+    let (tmp, lib) = support::session_job_setup(test, "possum-migrate-")?;
     let dir = tmp.path();
-    let interposer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
-    if !common::build_fake_gpu_from(
-        &interposer,
-        dir,
-        "tests/fake/fake_session_job.c",
-        "fake_session_job",
-    ) {
-        return None;
-    }
     let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
     let job = start_job_reaped(dir, "job", under_possum.then_some(lib.as_path()), late);
     for (name, byte) in [("key", 1u8), ("other-key", 2)] {
@@ -133,88 +105,6 @@ fn setup_job(
     }
     std::fs::create_dir(dir.join("received")).unwrap();
     Some((tmp, want, job))
-}
-
-/// A `possum receive` of one migration into `dir/received`, with `key`, and the address it
-/// listens on.
-struct Receiver {
-    child: Child,
-    addr: String,
-    /// Its stderr after the first line, as it comes.
-    log: std::sync::Arc<std::sync::Mutex<String>>,
-    /// The thread reading it, done at its end.
-    echo: std::thread::JoinHandle<()>,
-}
-
-impl Receiver {
-    fn start(dir: &Path, key: &str, env: &[(&str, &str)]) -> Receiver {
-        Receiver::start_timeout(dir, key, env, 20)
-    }
-
-    /// [`Receiver::start`] with `--timeout SECS` (each wait of the exchange).
-    fn start_timeout(dir: &Path, key: &str, env: &[(&str, &str)], secs: u32) -> Receiver {
-        let mut child = possum(dir)
-            .args(["receive", "--json", "--listen", "127.0.0.1:0", "--timeout"])
-            .arg(secs.to_string())
-            .arg("--key-file")
-            .arg(dir.join(key))
-            .arg("-D")
-            .arg(dir.join("received"))
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stderr = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        stderr.read_line(&mut line).unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("possum: receiving on ")
-            .unwrap_or_else(|| panic!("possum receive said {line:?}"))
-            .to_string();
-        // The rest of its stderr, echoed and kept (and never blocking it).
-        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let kept = log.clone();
-        let echo = std::thread::spawn(move || {
-            for l in stderr.lines().map_while(Result::ok) {
-                say(&format!("possum receive: {l}"));
-                kept.lock().unwrap().push_str(&format!("{l}\n"));
-            }
-        });
-        Receiver {
-            child,
-            addr,
-            log,
-            echo,
-        }
-    }
-
-    /// Its stderr so far, once it has said `what` (within [`WAIT`]).
-    fn said(&self, what: &str) -> String {
-        let t = Instant::now();
-        loop {
-            let log = self.log.lock().unwrap().clone();
-            if log.contains(what) {
-                return log;
-            }
-            assert!(
-                t.elapsed() < WAIT,
-                "possum receive did not say {what:?}: {log}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// Its exit and stdout (its stderr all in `log` then).
-    fn finish(self) -> (std::process::ExitStatus, String) {
-        let out = self.child.wait_with_output().unwrap();
-        let _ = self.echo.join();
-        (
-            out.status,
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-        )
-    }
 }
 
 /// A migration that succeeded at both ends (each failure says what both said): `possum
@@ -245,6 +135,40 @@ fn migrate_cmd(dir: &Path, job: &Job, to: &str, key: &str) -> Command {
         .arg("--socket-dir")
         .arg(dir.join("sockets"));
     c
+}
+
+/// `possum migrate` of `job` to `receiver` under `dir/key`, with `args` and `env` added: its
+/// output.
+fn migrate_to(
+    dir: &Path,
+    job: &Job,
+    receiver: &Receiver,
+    args: &[&str],
+    env: &[(&str, &Path)],
+) -> Output {
+    migrate_cmd(dir, job, &receiver.addr, "key")
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
+/// A `possum receive` whose CRIU (`dir/no-criu-here`) is missing, `env` added: it cannot
+/// restore.
+fn receiver_without_criu(dir: &Path, env: &[(&str, &str)]) -> Receiver {
+    let missing = dir.join("no-criu-here");
+    let mut env = env.to_vec();
+    env.push(("POSSUM_CRIU", missing.to_str().unwrap()));
+    Receiver::start(dir, "key", &env)
+}
+
+/// A migration to [`receiver_without_criu`]: the source says the destination could not restore
+/// the job, naming the CRIU it lacked, and the receiver fails.
+fn not_restored_there(out: &Output, receiver: Receiver) {
+    failed_at(out, "the destination could not restore the job");
+    assert!(text(out).contains("no-criu-here"), "{}", text(out));
+    let (status, _) = receiver.finish();
+    assert!(!status.success());
 }
 
 /// The names in `dir`.
@@ -293,16 +217,11 @@ fn goes_on_like(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2], what: &str) {
 
 #[test]
 fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
-    let Some((tmp, want, mut job)) = setup("migrate_loopback") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_loopback"));
     let receiver = Receiver::start(dir, "key", &[]);
     // Four streams, paced together (well above what the test sends in its time).
-    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .args(["--streams", "4", "--max-rate", "2GB/s"])
-        .output()
-        .unwrap();
+    let paced = ["--streams", "4", "--max-rate", "2GB/s"];
+    let out = migrate_to(dir, &job, &receiver, &paced, &[]);
     assert!(out.status.success(), "{}\njob:\n{}", text(&out), job.log());
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let (status, received) = receiver.finish();
@@ -351,14 +270,9 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
 
 #[test]
 fn a_wrong_key_is_refused_and_the_job_runs_on_at_the_source() {
-    let Some((tmp, want, mut job)) = setup("migrate_wrong_key") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_wrong_key"));
     let receiver = Receiver::start(dir, "key", &[]);
-    let out = migrate_cmd(dir, &job, &receiver.addr, "other-key")
-        .output()
-        .unwrap();
+    let out = (migrate_cmd(dir, &job, &receiver.addr, "other-key").output()).unwrap();
     failed_at(&out, "sending the image");
     // The receiver said so and waits on: a connection that does not prove it holds the secret
     // cannot end it (anyone could send one).
@@ -369,19 +283,15 @@ fn a_wrong_key_is_refused_and_the_job_runs_on_at_the_source() {
         receiver.child.try_wait().unwrap().is_none(),
         "it ended: {log}"
     );
-    receiver.child.kill().unwrap();
-    let _ = receiver.finish();
+    receiver.kill();
     assert_eq!(names(&dir.join("received")), Vec::<String>::new());
     goes_on_like(&mut job, dir, &want, "refused");
 }
 
 #[test]
 fn a_receiver_killed_during_the_transfer_leaves_the_job_running_at_the_source() {
-    let Some((tmp, want, mut job)) = setup("migrate_receiver_killed") else {
-        return;
-    };
-    let dir = tmp.path();
-    let mut receiver = Receiver::start(dir, "key", &[]);
+    set_up!(let (dir, want, mut job) = setup("migrate_receiver_killed"));
+    let receiver = Receiver::start(dir, "key", &[]);
     // Slow enough (the image is some MiB) to be killed in the middle of it.
     let migrate = migrate_cmd(dir, &job, &receiver.addr, "key")
         .args(["--max-rate", "1000000"])
@@ -395,8 +305,7 @@ fn a_receiver_killed_during_the_transfer_leaves_the_job_running_at_the_source() 
         assert!(t.elapsed() < WAIT, "the transfer did not begin");
         std::thread::sleep(Duration::from_millis(5));
     }
-    receiver.child.kill().unwrap();
-    let _ = receiver.finish();
+    receiver.kill();
     let out = migrate.wait_with_output().unwrap();
     failed_at(&out, "sending the image");
     // Nothing was named at the destination: only the dead receiver's temporary directory.
@@ -413,10 +322,7 @@ fn a_receiver_killed_during_the_transfer_leaves_the_job_running_at_the_source() 
 /// names nothing.
 #[test]
 fn possum_migrate_killed_while_the_job_is_held_leaves_it_running_at_the_source() {
-    let Some((tmp, want, mut job)) = setup("migrate_source_killed") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_source_killed"));
     let receiver = Receiver::start(dir, "key", &[]);
     // Slow enough (the image is some MiB) to be killed once the job is stopped.
     let mut migrate = migrate_cmd(dir, &job, &receiver.addr, "key")
@@ -451,20 +357,11 @@ fn possum_migrate_killed_while_the_job_is_held_leaves_it_running_at_the_source()
 
 #[test]
 fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
-    let Some((tmp, want, mut job)) = setup("migrate_restore_fails") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_restore_fails"));
     // The destination cannot restore: its CRIU is missing.
-    let missing = dir.join("no-criu-here");
-    let receiver = Receiver::start(dir, "key", &[("POSSUM_CRIU", missing.to_str().unwrap())]);
-    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .output()
-        .unwrap();
-    failed_at(&out, "the destination could not restore the job");
-    assert!(text(&out).contains("no-criu-here"), "{}", text(&out));
-    let (status, _) = receiver.finish();
-    assert!(!status.success());
+    let receiver = receiver_without_criu(dir, &[]);
+    let out = migrate_to(dir, &job, &receiver, &[], &[]);
+    not_restored_there(&out, receiver);
     // The destination removed what it received; the source keeps its image.
     assert_eq!(names(&dir.join("received")), Vec::<String>::new());
     assert!(dir.join("local/possum.json").is_file());
@@ -475,10 +372,7 @@ fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
 /// without an answer (as one that died in its restore): the source restores the job itself.
 #[test]
 fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
-    let Some((tmp, want, mut job)) = setup("migrate_destination_gone") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_destination_gone"));
     let (addr, destination) = fake_destination(dir, |_, _| {});
     let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
     destination.join().unwrap();
@@ -542,10 +436,7 @@ fn alive(pid: i32) -> bool {
 #[test]
 fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() {
     use possum_sequence::wire::{self, Outcome};
-    let Some((tmp, want, mut job)) = setup("migrate_silent_after_go") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_silent_after_go"));
     let pid = job.pid;
     let (addr, destination) = fake_destination(dir, move |s, session| {
         wire::send_outcome(s, session, &Outcome::Restored { pid }).unwrap();
@@ -564,12 +455,7 @@ fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() 
     assert!(dir.join("local/possum.json").is_file());
     std::thread::sleep(Duration::from_millis(200));
     assert!(!alive(job.pid), "the source did not bring its job back");
-    let o = possum(dir)
-        .args(["restore", "-D"])
-        .arg(dir.join("local"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    run_ok(possum(dir).args(["restore", "-D"]).arg(dir.join("local")));
     goes_on_like(&mut job, dir, &want, "restored by the operator");
 }
 
@@ -580,21 +466,17 @@ fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() 
 fn a_job_the_source_does_not_let_run_is_killed_at_the_destination_before_it_ran() {
     use possum_sequence::auth::HmacKey;
     use possum_sequence::wire::{self, Outcome};
-    let Some((tmp, want, mut job)) = setup("migrate_no_go") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_no_go"));
     let receiver = Receiver::start_timeout(dir, "key", &[], 3);
     // The source's side by hand: the job's image, the job killed, the image sent and released.
     let img = dir.join("img");
-    let o = possum(dir)
-        .args(["checkpoint", &job.pid.to_string(), "-D"])
-        .arg(&img)
-        .arg("--socket-dir")
-        .arg(dir.join("sockets"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    run_ok(
+        possum(dir)
+            .args(["checkpoint", &job.pid.to_string(), "-D"])
+            .arg(&img)
+            .arg("--socket-dir")
+            .arg(dir.join("sockets")),
+    );
     let t = Instant::now();
     while alive(job.pid) {
         assert!(t.elapsed() < WAIT, "the job was not killed");
@@ -622,12 +504,7 @@ fn a_job_the_source_does_not_let_run_is_killed_at_the_destination_before_it_ran(
     assert_eq!(received.len(), 1, "{received:?}");
     let kept = dir.join("received").join(&received[0]);
     assert!(kept.join("possum.json").is_file());
-    let o = possum(dir)
-        .args(["restore", "-D"])
-        .arg(&kept)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
+    run_ok(possum(dir).args(["restore", "-D"]).arg(&kept));
     goes_on_like(&mut job, dir, &want, "restored from the kept image");
 }
 
@@ -645,26 +522,19 @@ fn possums_own_sockets(dir: &Path) -> PathBuf {
 /// directory the source named), and it runs on there exactly.
 #[test]
 fn a_job_with_a_socket_directory_of_its_own_runs_on_at_the_destination() {
-    let Some((tmp, want, mut job)) = setup("migrate_socket_dir") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_socket_dir"));
     let own = possums_own_sockets(dir);
     let receiver = Receiver::start(dir, "key", &[("POSSUM_SOCKET_DIR", own.to_str().unwrap())]);
-    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .env("POSSUM_SOCKET_DIR", &own)
-        .output()
-        .unwrap();
+    let out = migrate_to(dir, &job, &receiver, &[], &[("POSSUM_SOCKET_DIR", &own)]);
     let (v, r) = migrated(&out, receiver, &job);
     assert_eq!(v["remote_pid"], job.pid, "{v}");
     assert_eq!(r["pid"], job.pid, "{r}");
     // The restored job's possum answers on its socket where it had it.
-    let answer = possum(dir)
-        .args(["status", &job.pid.to_string(), "--json", "--socket-dir"])
-        .arg(dir.join("sockets"))
-        .output()
-        .unwrap();
-    assert!(answer.status.success(), "{}", text(&answer));
+    run_ok(
+        possum(dir)
+            .args(["status", &job.pid.to_string(), "--json", "--socket-dir"])
+            .arg(dir.join("sockets")),
+    );
     assert!(!own.join(format!("possum-{}.sock", job.pid)).exists());
     assert!(!dir.join("local").exists());
     goes_on_like(
@@ -680,28 +550,11 @@ fn a_job_with_a_socket_directory_of_its_own_runs_on_at_the_destination() {
 /// with the socket directory its checkpoint used, and it runs on there exactly.
 #[test]
 fn a_job_with_a_socket_directory_of_its_own_is_restored_at_the_source_when_the_destination_fails() {
-    let Some((tmp, want, mut job)) = setup("migrate_socket_dir_fallback") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_socket_dir_fallback"));
     let own = possums_own_sockets(dir);
-    let missing = dir.join("no-criu-here");
-    let receiver = Receiver::start(
-        dir,
-        "key",
-        &[
-            ("POSSUM_CRIU", missing.to_str().unwrap()),
-            ("POSSUM_SOCKET_DIR", own.to_str().unwrap()),
-        ],
-    );
-    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .env("POSSUM_SOCKET_DIR", &own)
-        .output()
-        .unwrap();
-    failed_at(&out, "the destination could not restore the job");
-    assert!(text(&out).contains("no-criu-here"), "{}", text(&out));
-    let (status, _) = receiver.finish();
-    assert!(!status.success());
+    let receiver = receiver_without_criu(dir, &[("POSSUM_SOCKET_DIR", own.to_str().unwrap())]);
+    let out = migrate_to(dir, &job, &receiver, &[], &[("POSSUM_SOCKET_DIR", &own)]);
+    not_restored_there(&out, receiver);
     assert!(dir.join("local/possum.json").is_file());
     goes_on_like(&mut job, dir, &want, "restored at the source");
     ticks_once_each(dir);
@@ -712,17 +565,10 @@ fn a_job_with_a_socket_directory_of_its_own_is_restored_at_the_source_when_the_d
 /// restores it under that PID, and it runs on there exactly.
 #[test]
 fn a_driver_engine_job_migrated_on_one_host_runs_on_at_the_destination() {
-    let Some((tmp, want, mut job)) =
-        setup_job("migrate_driver_engine", false, Duration::from_secs(2))
-    else {
-        return;
-    };
-    let dir = tmp.path();
+    let late = Duration::from_secs(2);
+    set_up!(let (dir, want, mut job) = setup_job("migrate_driver_engine", false, late));
     let receiver = Receiver::start(dir, "key", &[]);
-    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .args(["--engine", "driver"])
-        .output()
-        .unwrap();
+    let out = migrate_to(dir, &job, &receiver, &["--engine", "driver"], &[]);
     let (v, _) = migrated(&out, receiver, &job);
     assert_eq!(v["remote_pid"], job.pid, "{v}");
     assert_eq!(v["checkpoint"]["engine"], "driver", "{v}");
@@ -743,10 +589,7 @@ fn a_driver_engine_job_migrated_on_one_host_runs_on_at_the_destination() {
 #[test]
 fn idle_and_garbage_connections_do_not_hold_up_a_migration() {
     use std::io::Write as _;
-    let Some((tmp, want, mut job)) = setup("migrate_idle") else {
-        return;
-    };
-    let dir = tmp.path();
+    set_up!(let (dir, want, mut job) = setup("migrate_idle"));
     let receiver = Receiver::start_timeout(dir, "key", &[], 60);
     let idle: Vec<std::net::TcpStream> = (0..40)
         .map(|_| std::net::TcpStream::connect(&receiver.addr).unwrap())
@@ -754,10 +597,7 @@ fn idle_and_garbage_connections_do_not_hold_up_a_migration() {
     let mut garbage = std::net::TcpStream::connect(&receiver.addr).unwrap();
     let _ = garbage.write_all(&[0x5a; 4096]);
     let log = receiver.log.clone();
-    let out = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .args(["--timeout", "5"])
-        .output()
-        .unwrap();
+    let out = migrate_to(dir, &job, &receiver, &["--timeout", "5"], &[]);
     let (v, r) = migrated(&out, receiver, &job);
     assert_eq!(v["remote_pid"], job.pid, "{v}");
     assert_eq!(r["pid"], job.pid, "{r}");

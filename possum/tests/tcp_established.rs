@@ -19,24 +19,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-#[path = "support/cli.rs"]
-#[allow(dead_code)]
-mod cli;
-use cli::{possum_checkpointing_in as possum, text};
+#[path = "support/criu_cli.rs"]
+mod support;
+use support::cli::possum_checkpointing_in as possum;
+use support::self_job::{alive, kernel, own_session, reap, KillOnDrop, PASSCRED_REFUSED};
+use support::{criu_or_skip, run_ok, say, text, WAIT};
 
 use serde_json::Value;
-
-#[path = "../../criu-adapter/tests/support/criu.rs"]
-mod criu_support;
-use criu_support::{criu_or_skip, say};
-
-#[path = "support/self_job.rs"]
-#[allow(dead_code)]
-mod self_job;
-use self_job::{alive, kernel, own_session, reap, KillOnDrop, PASSCRED_REFUSED};
-
-/// Bound on every wait for something that should happen.
-const WAIT: Duration = Duration::from_secs(30);
 
 /// Set in the job's environment: its role (`server` or `client`).
 const ROLE: &str = "POSSUM_TEST_TCP_JOB";
@@ -116,7 +105,7 @@ fn client(port: u16) -> ! {
 /// This test binary, running only [`tcp_job`] as `role`, its standard descriptors on
 /// /dev/null (a restored job has no pipes to this test).
 fn job_command(var: &str, role: &str) -> Command {
-    self_job::job_command("tcp_job", var, role)
+    support::self_job::job_command("tcp_job", var, role)
 }
 
 /// The server's record.
@@ -187,7 +176,7 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
         .tempdir()
         .unwrap();
     let dir = tmp.path();
-    if !self_job::fake_driver(dir, "tcp_established") {
+    if !support::self_job::fake_driver(dir, "tcp_established") {
         return;
     }
     // The client is adopted here when the server dies, to be reaped before its PID is
@@ -270,12 +259,7 @@ fn a_job_talking_over_tcp_is_checkpointed_with_its_connection_and_restored() {
     assert!(killed_at > refused_at, "{killed_at} <= {refused_at}");
 
     // The restore is not told: the image says so.
-    let out = possum(dir)
-        .args(["restore", "-D"])
-        .arg(&img)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let out = run_ok(possum(dir).args(["restore", "-D"]).arg(&img));
     assert!(alive(pid) && alive(client), "{}", text(&out));
     rec.past(killed_at + 10, "the restored job");
     let record = rec.lines();

@@ -26,35 +26,25 @@
 //! dump TCP sockets on this kernel (4.1 and older on Linux 6.16 and later) skips it, whatever the
 //! variable says: that is CRIU's limit, not the host's setup.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, UdpSocket};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output, Stdio};
+use std::process::Output;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-#[path = "support/cli.rs"]
-#[allow(dead_code)]
-mod cli;
-use cli::{possum_checkpointing_in as possum, text};
-
-#[path = "../../criu-adapter/tests/support/criu.rs"]
-mod criu_support;
-use criu_support::{criu_or_skip, say};
-
-#[path = "support/self_job.rs"]
-#[allow(dead_code)]
-mod self_job;
-use self_job::{alive, job_command, own_session, PASSCRED_REFUSED};
+#[path = "support/criu_cli.rs"]
+mod support;
+use support::cli::possum_checkpointing_in as possum;
+use support::receiver::Receiver;
+use support::self_job::{alive, job_command, own_session, PASSCRED_REFUSED};
+use support::{criu_or_skip, say, text, WAIT};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::Value;
-
-/// Bound on every wait for something that should happen.
-const WAIT: Duration = Duration::from_secs(30);
 
 /// Set in the job's environment: the directory it writes its ports into and binds its unix
 /// socket in.
@@ -385,7 +375,7 @@ fn setup_on(test: &str, addr: &str) -> Option<(tempfile::TempDir, Server)> {
         .prefix("possum-server-")
         .tempdir()
         .unwrap();
-    if !self_job::fake_driver(tmp.path(), test) {
+    if !support::self_job::fake_driver(tmp.path(), test) {
         return None;
     }
     possum_criu::set_child_subreaper().unwrap();
@@ -408,7 +398,7 @@ fn criu_cannot_dump_tcp(out: &Output, server: &Server, test: &str) -> bool {
     say(&format!(
         "{test}: SKIPPED: this CRIU cannot dump a TCP socket on this kernel (Linux {}: \
          SO_PASSCRED is refused on inet sockets); the job ran on",
-        self_job::kernel()
+        support::self_job::kernel()
     ));
     true
 }
@@ -515,45 +505,12 @@ fn a_server_answers_through_a_kept_checkpoint_and_on_its_connection_after_a_rest
     ));
 }
 
-/// `possum receive` of one migration into `dir/received`, and the address it listens on.
-fn receive(dir: &Path) -> (Child, String) {
-    std::fs::create_dir_all(dir.join("received")).unwrap();
-    let mut child = possum(dir)
-        .args([
-            "receive",
-            "--json",
-            "--listen",
-            "127.0.0.1:0",
-            "--timeout",
-            "20",
-        ])
-        .arg("--key-file")
-        .arg(dir.join("key"))
-        .arg("-D")
-        .arg(dir.join("received"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let addr = (line.trim().strip_prefix("possum: receiving on "))
-        .unwrap_or_else(|| panic!("possum receive said {line:?}"))
-        .to_string();
-    std::thread::spawn(move || {
-        for l in stderr.lines().map_while(Result::ok) {
-            say(&format!("possum receive: {l}"));
-        }
-    });
-    (child, addr)
-}
-
 /// `possum migrate` of the server to a `possum receive` on this host, with `args`.
 fn migrate(server: &Server, args: &[&str]) -> (Output, Output) {
     let dir = &server.dir;
-    let (receiver, addr) = receive(dir);
-    let mut receiver = Some(receiver);
+    std::fs::create_dir_all(dir.join("received")).unwrap();
+    let mut receiver = Receiver::start(dir, "key", &[]);
+    let addr = receiver.addr.clone();
     let out = possum(dir)
         .args([
             "migrate",
@@ -571,9 +528,9 @@ fn migrate(server: &Server, args: &[&str]) -> (Output, Output) {
         .unwrap();
     if !out.status.success() {
         // A migration refused before it connected leaves the receiver waiting.
-        let _ = receiver.as_mut().unwrap().kill();
+        let _ = receiver.child.kill();
     }
-    let received = receiver.take().unwrap().wait_with_output().unwrap();
+    let received = receiver.output();
     (out, received)
 }
 
@@ -742,7 +699,7 @@ fn another_host(test: &str) {
         "{said}"
     );
     // What CRIU had restored of it is gone: reaped here (this process is the subreaper).
-    self_job::reap(server.pid);
+    support::self_job::reap(server.pid);
 
     let said = server.restore(&img, &["--tcp-close"]);
     assert!(said.contains("restored closed"), "{said}");

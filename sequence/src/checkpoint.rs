@@ -25,7 +25,7 @@ use crate::image::{
     MANIFEST_VERSION,
 };
 use crate::job::{self, ask, ask_within, JobError, To};
-use crate::process::{alive, kill_job, lock_pid, LockError};
+use crate::process::{alive, kill_job, lock_pid};
 use crate::ranks::JobRanks;
 use crate::tcp::{self, QuietConnections};
 use crate::temps::{self, TempLock};
@@ -39,12 +39,6 @@ const PROBE_LOCK_MS: u32 = 2_000;
 const SAVE_TIMEOUT: Duration = Duration::from_secs(3600);
 /// The driver's `CUDA_ERROR_NOT_SUPPORTED`: its checkpoint refuses the process.
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
-
-/// What to do when NVIDIA's driver refuses to lock a job because CUPTI is subscribed in it.
-const CUPTI_REFUSED: &str = "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI \
-     has subscribed in, and this job runs with CUPTI (`possum run --cupti`, POSSUM_HOOKS=cupti: a \
-     diagnostic): start it with `possum run JOB` (without --cupti) for a full possum checkpoint, \
-     or use --engine driver (or --gpu-only for possum's GPU side)";
 
 /// What to checkpoint, and how (`possum checkpoint`'s flags, with the environment).
 #[derive(Debug, Clone)]
@@ -390,50 +384,6 @@ impl Plan<'_> {
     }
 }
 
-/// Why a process with AMD's HIP runtime loaded is refused ([`PlanError::Hip`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HipRefusal {
-    /// It has NVIDIA's libcuda loaded too (or its possum serves it on HIP while it does).
-    Mixed,
-    /// possum is not loaded in it (no control socket answers).
-    WithoutPossum,
-    /// possum is loaded, but its status does not say it serves the job on HIP.
-    NotServed,
-    /// `--engine driver`: NVIDIA's driver checkpoint, which a HIP job has no part in.
-    DriverEngine,
-}
-
-impl HipRefusal {
-    /// The refusal of process `pid`, in words, with what checkpoints such a process.
-    fn in_words(self, pid: i32) -> String {
-        let plugin = "CRIU's amdgpu plugin (CRIU built with it, amdgpu_plugin.so in its plugin \
-                      directory)";
-        let commands = format!(
-            "`criu dump --tree {pid} --images-dir DIR --shell-job`, then `criu restore \
-             --images-dir DIR --shell-job`"
-        );
-        let hip = "is a HIP (AMD GPU) job (it has AMD's HIP runtime libamdhip64 loaded)";
-        match self {
-            HipRefusal::Mixed => "mixes CUDA and HIP (it has both NVIDIA's libcuda and AMD's HIP \
-                 runtime libamdhip64 loaded): possum does not checkpoint a process mixing both"
-                .to_string(),
-            HipRefusal::WithoutPossum => format!(
-                "{hip} without possum loaded: possum checkpoints a HIP job only when it serves \
-                 the job's HIP runtime; {plugin} checkpoints it: {commands}"
-            ),
-            HipRefusal::NotServed => format!(
-                "{hip} whose possum does not serve it on HIP (its status names no `hip` \
-                 runtime): possum cannot save its GPU state; {plugin} checkpoints it: {commands}"
-            ),
-            HipRefusal::DriverEngine => format!(
-                "{hip}: --engine driver is NVIDIA's driver checkpoint, which has no part in a \
-                 HIP job; checkpoint it with possum's engine (the default) when possum serves \
-                 it, or with {plugin}: {commands}"
-            ),
-        }
-    }
-}
-
 /// The GPU runtime the job is checkpointed on, decided from the runtime libraries process `pid`
 /// maps and (engine possum) what its possum says, `status` (none: engine driver, or a process
 /// with HIP loaded and no possum). The one place that decides whether NVIDIA's driver takes
@@ -625,10 +575,6 @@ fn check_driver_state(
         Err(e) if e.code() == Some(CUDA_ERROR_NOT_SUPPORTED) => Err(PlanError::CuptiRefused(e)),
         Err(_) => Ok(()),
     }
-}
-
-fn gib(b: u64) -> String {
-    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
 /// Refuses a job with managed (unified) memory, before anything is done: NVIDIA's driver
@@ -1135,7 +1081,7 @@ impl<'a> Run<'a> {
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
             let save = (self.kept.contains(&pid)).then(|| (p.shadow_budget, self.parent_of(pid)));
-            let r = timed(&mut self.figures.resume, || {
+            let r = timed(&mut self.figures.resumed.resume, || {
                 job::resume(pid, To::Sockets(&p.sockets), dir, save)
             })
             .map_err(|source| ResumeError::Process { pid, source })?;
@@ -1317,7 +1263,7 @@ impl<'a> Run<'a> {
         }
         for (pid, gpu) in self.possum_processes(&p.dir) {
             let dir = gpu.display().to_string();
-            let r = timed(&mut self.figures.resume, || {
+            let r = timed(&mut self.figures.resumed.resume, || {
                 job::resume(pid, To::Sockets(&p.sockets), dir, None)
             });
             match r {
@@ -1349,10 +1295,10 @@ impl<'a> Run<'a> {
             .chain(self.plan.children.iter().copied())
             .collect();
         let limit = self.driver_limit(|d| d.restore);
-        timed(&mut self.figures.driver_restore, || {
+        timed(&mut self.figures.resumed.driver_restore, || {
             tree.iter().try_for_each(|&p| drv.restore(p, &[], limit))
         })?;
-        timed(&mut self.figures.driver_unlock, || {
+        timed(&mut self.figures.resumed.driver_unlock, || {
             tree.iter().try_for_each(|&p| drv.unlock(p))
         })?;
         self.guard.step(Step::Unlocked);

@@ -36,6 +36,24 @@ fn ms_or_null<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Err
     }
 }
 
+/// The steps that give a job its GPU back, at a checkpoint that leaves it running and at a
+/// restore (serialized in place, in the figures that hold them).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Resumed {
+    /// The driver's restore.
+    #[serde(rename = "driver_restore_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_restore: Step,
+    /// The driver's unlock.
+    #[serde(rename = "driver_unlock_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_unlock: Step,
+    /// possum's resume of every process.
+    #[serde(rename = "resume_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume: Step,
+}
+
 /// One pre-copy round of every process of the job, the job running.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct PrecopyRound {
@@ -89,18 +107,9 @@ pub struct CheckpointFigures {
     #[serde(rename = "hostmem_split_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hostmem_split: Step,
-    /// The driver's restore.
-    #[serde(rename = "driver_restore_ms", serialize_with = "opt_ms")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub driver_restore: Step,
-    /// The driver's unlock.
-    #[serde(rename = "driver_unlock_ms", serialize_with = "opt_ms")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub driver_unlock: Step,
-    /// possum's resume of every process.
-    #[serde(rename = "resume_ms", serialize_with = "opt_ms")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub resume: Step,
+    /// The driver's restore and unlock, and possum's resume.
+    #[serde(flatten)]
+    pub resumed: Resumed,
     /// A kept checkpoint: the save of the buffers after the job runs again.
     #[serde(rename = "saved_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -189,11 +198,11 @@ impl CheckpointFigures {
         let t = |d: Step| d.unwrap_or_default();
         let b = StallBreakdown {
             cut: t(self.ranks_cut),
-            engine: t(self.release) + t(self.keeper_check) + t(self.resume),
+            engine: t(self.release) + t(self.keeper_check) + t(self.resumed.resume),
             driver: t(self.driver_lock)
                 + t(self.driver_checkpoint)
-                + t(self.driver_restore)
-                + t(self.driver_unlock),
+                + t(self.resumed.driver_restore)
+                + t(self.resumed.driver_unlock),
             criu: t(self.criu_dump)
                 + if split_in_hold {
                     t(self.hostmem_split)
@@ -263,18 +272,9 @@ pub struct RestoreFigures {
     #[serde(rename = "keeper_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keeper: Step,
-    /// The driver's restore.
-    #[serde(rename = "driver_restore_ms", serialize_with = "opt_ms")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub driver_restore: Step,
-    /// The driver's unlock.
-    #[serde(rename = "driver_unlock_ms", serialize_with = "opt_ms")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub driver_unlock: Step,
-    /// possum's resume of every process.
-    #[serde(rename = "resume_ms", serialize_with = "opt_ms")]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub resume: Step,
+    /// The driver's restore and unlock, and possum's resume.
+    #[serde(flatten)]
+    pub resumed: Resumed,
     /// possum's CRIU plugin writing back the memory taken out of CRIU's images (part of CRIU's
     /// time), from CRIU's log.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -306,7 +306,7 @@ mod tests {
         let mut f = CheckpointFigures::default();
         timed(&mut f.release, || ());
         f.release = Some(Duration::from_micros(1500));
-        f.resume = Some(Duration::from_millis(2));
+        f.resumed.resume = Some(Duration::from_millis(2));
         f.commit = Some(Duration::from_millis(3));
         f.total = Duration::from_millis(10);
         f.account_stall(false, false);

@@ -407,9 +407,19 @@ fn wait_restored(pid: i32, socket_dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::temps::{in_use, temp_name};
     use nix::sys::ptrace;
     use nix::sys::wait::waitpid;
     use nix::unistd::Pid;
+    use std::io;
+
+    /// A pid no process has now.
+    fn dead_pid() -> i32 {
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id() as i32;
+        c.wait().unwrap();
+        pid
+    }
 
     #[test]
     fn every_step_reads_back_from_its_name() {
@@ -437,5 +447,52 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(!traced(pid), "a process that is gone is not traced");
+    }
+
+    /// Steps that, when the guard reads them, say whether the directory was in use then.
+    struct Watched<'a> {
+        tmp: &'a Path,
+        seen: &'a std::cell::Cell<Option<bool>>,
+        text: io::Cursor<&'static [u8]>,
+    }
+
+    impl io::Read for Watched<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.seen.get().is_none() {
+                self.seen.set(Some(in_use(self.tmp)));
+            }
+            self.text.read(buf)
+        }
+    }
+
+    #[test]
+    fn the_guard_holds_the_directory_while_it_may_undo() {
+        let root = tempfile::tempdir().unwrap();
+        let tmp = root.path().join(temp_name("img", 3));
+        fs::create_dir(&tmp).unwrap();
+        let plan = GuardPlan {
+            pid: dead_pid(),
+            children: Vec::new(),
+            possum_children: Vec::new(),
+            tmp: tmp.clone(),
+            final_dir: root.path().join("img"),
+            socket_dir: root.path().join("sockets"),
+            libcuda: String::new(),
+            driver_deadlines: Default::default(),
+            gpu_bytes: 0,
+        };
+        let seen = std::cell::Cell::new(None);
+        let steps = Watched {
+            tmp: &tmp,
+            seen: &seen,
+            text: io::Cursor::new(b"done\n"),
+        };
+        assert!(guard(&plan, io::BufReader::new(steps), &|_| ()));
+        assert_eq!(
+            seen.get(),
+            Some(true),
+            "locked while the guard read its steps"
+        );
+        assert!(!in_use(&tmp), "released when it ended");
     }
 }

@@ -54,6 +54,7 @@
 pub mod auth;
 pub mod checkpoint;
 pub mod config;
+mod engine;
 pub mod figures;
 #[doc(hidden)]
 pub mod fuzz;
@@ -63,6 +64,7 @@ mod held;
 pub mod image;
 pub mod job;
 pub mod migrate;
+mod observer;
 pub mod places;
 pub mod process;
 pub mod ranks;
@@ -78,47 +80,7 @@ pub use checkpoint::{
     HeldCheckpoint, ResumeError,
 };
 pub use config::{DriverDeadlines, Environment, HostmemSplit};
+pub use engine::Engine;
+pub use observer::{Observer, Quiet};
 pub use restore::{restore, restore_confirmed, RestoreError, RestoreParams, RestoreReport};
 pub use stage::StageReport;
-
-use std::path::Path;
-
-use serde::{Deserialize, Serialize};
-
-/// Told how a sequence goes: the copy of the job's buffers (for a progress bar), and what the
-/// user should know that is not an error (the sequences print nothing themselves).
-pub trait Observer {
-    /// The copy of `total` bytes of the job's buffers into `dir` begins.
-    fn copying(&mut self, total: u64, dir: &Path);
-    /// It is over (may be told more than once).
-    fn copied(&mut self);
-    /// Something the user should know (a step taken again, a check that could not be made).
-    fn note(&mut self, what: &str);
-    /// The pre-copy is over and the job runs on until the cut: what it wrote is under `dir`, the
-    /// image's temporary directory, which the cut then completes (a migration sends it ahead
-    /// from here). Told once, engine possum only.
-    fn precopied(&mut self, dir: &Path) {
-        let _ = dir;
-    }
-}
-
-/// An [`Observer`] that shows nothing and drops the notes.
-#[derive(Debug, Default)]
-pub struct Quiet;
-
-impl Observer for Quiet {
-    fn copying(&mut self, _: u64, _: &Path) {}
-    fn copied(&mut self) {}
-    fn note(&mut self, _: &str) {}
-}
-
-/// Who takes a checkpoint's GPU side.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Engine {
-    /// possum: buffers pre-copied while the job runs; the job held for what it wrote since, the
-    /// driver's residue and CRIU; buffers back on demand.
-    Possum,
-    /// The baseline: CRIU + NVIDIA's driver checkpoint, nothing of possum's.
-    Driver,
-}

@@ -399,6 +399,23 @@ enum Early {
     Send(Box<WireError>),
 }
 
+impl Early {
+    /// The migration's error: the held job let go at the source.
+    fn let_go(
+        self,
+        held: crate::HeldCheckpoint<'_>,
+        p: &MigrateParams,
+        obs: &mut dyn Observer,
+    ) -> MigrateError {
+        let job = let_go(held, &p.checkpoint, obs);
+        let to = p.to.clone();
+        match self {
+            Early::Connect(source) => MigrateError::Connect { to, job, source },
+            Early::Send(source) => MigrateError::Send { to, job, source },
+        }
+    }
+}
+
 /// The checkpoint's observer during a migration: once the pre-copy is over, the job still
 /// running, it connects to the destination and sends what the pre-copy wrote ahead.
 struct SendAhead<'a> {
@@ -461,14 +478,91 @@ impl Observer for SendAhead<'_> {
 /// hand-off. `obs` is told how the checkpoint and the restores go.
 pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateReport, MigrateError> {
     let t_all = Instant::now();
-    let mut timings = MigrateTimings::default();
-    let local = p.checkpoint.dir.clone();
-
     // One bucket for every stream, all through the migration.
     let pacer = p.max_rate.map(|rate| Arc::new(Pacer::new(rate)));
+    let (held, ahead) = checkpoint_sending_ahead(p, pacer.as_ref(), obs)?;
+    let mut timings = MigrateTimings {
+        checkpoint: t_all.elapsed(),
+        ahead: ahead.took,
+        ..MigrateTimings::default()
+    };
+    let committed_at = Instant::now();
+
+    // Without a pre-copy (engine driver, or nothing to copy), the connection comes now.
+    let t = Instant::now();
+    let link = match ahead.link.unwrap_or_else(|| Link::open(p, pacer.as_ref())) {
+        Ok(l) => l,
+        Err(early) => return Err(early.let_go(held, p, obs)),
+    };
+    timings.connect = ahead.connect + t.elapsed();
+
+    let t = Instant::now();
+    let Link { mut stream, sender } = link;
+    let sending = paced(pacer.as_ref(), &mut stream, |mut s| {
+        sender.finish(&mut s, held.dir())
+    });
+    let (sent, mut session) = match sending {
+        Ok(s) => s,
+        Err(e) => {
+            drop(stream);
+            return Err(Early::Send(Box::new(e)).let_go(held, p, obs));
+        }
+    };
+    timings.send = t.elapsed();
+
+    let t = Instant::now();
+    let pids = job_pids(p.checkpoint.pid);
+    let here = Fallback {
+        c: &p.checkpoint,
+        pids: &pids,
+        deadline: p.deadlines.kill,
+    };
+    let report = kill_at_source(held, &here, &mut stream, &mut session, obs)?;
+    timings.kill = t.elapsed();
+
+    // After the kill, a failure restores the job here.
+    let t = Instant::now();
+    let outcome = hand_off(&mut stream, &mut session, p, obs)?;
+    timings.remote_restore = t.elapsed();
+    drop(stream);
+    let remote_pid = running_at_destination(outcome, &here, obs)?;
+
+    timings.downtime = report.figures.hold + committed_at.elapsed();
+    timings.total = t_all.elapsed();
+    let _ = fs::remove_dir_all(&p.checkpoint.dir);
+    Ok(MigrateReport {
+        pid: p.checkpoint.pid,
+        to: p.to.clone(),
+        remote_pid,
+        files: sent.totals.files,
+        bytes: sent.totals.bytes,
+        bytes_before_hold: ahead.sent.bytes,
+        rounds: report.figures.precopy_rounds.len(),
+        bytes_while_held: sent.sent_bytes,
+        timings,
+        checkpoint: report,
+    })
+}
+
+/// What the checkpoint's observer did before the commit: the link it opened (or why it
+/// failed), and the times and totals of what it sent ahead.
+struct Ahead {
+    link: Option<Result<Link, Early>>,
+    connect: Duration,
+    took: Duration,
+    sent: Totals,
+}
+
+/// The checkpoint up to its commit with the job held, its pre-copy sent ahead through
+/// [`SendAhead`]. A failed checkpoint aborts the transfer begun.
+fn checkpoint_sending_ahead<'p>(
+    p: &'p MigrateParams,
+    pacer: Option<&Arc<Pacer>>,
+    obs: &mut dyn Observer,
+) -> Result<(crate::HeldCheckpoint<'p>, Ahead), MigrateError> {
     let mut ahead = SendAhead {
         p,
-        pacer: pacer.as_ref(),
+        pacer,
         obs,
         link: None,
         connect: Duration::ZERO,
@@ -477,81 +571,56 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     };
     let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
     let SendAhead {
-        obs,
         link,
-        connect: connect_took,
-        ahead: ahead_took,
-        sent: sent_ahead,
+        connect,
+        ahead: took,
+        sent,
         ..
     } = ahead;
-    let held = match checkpointed {
-        Ok(held) => held,
+    match checkpointed {
+        Ok(held) => Ok((
+            held,
+            Ahead {
+                link,
+                connect,
+                took,
+                sent,
+            },
+        )),
         Err(e) => {
             if let Some(Ok(mut l)) = link {
                 l.sender
                     .abort(&mut l.stream, "the source's checkpoint failed");
             }
-            return Err(MigrateError::Checkpoint(Box::new(e)));
+            Err(MigrateError::Checkpoint(Box::new(e)))
         }
-    };
-    timings.checkpoint = t_all.elapsed();
-    timings.ahead = ahead_took;
-    let committed_at = Instant::now();
+    }
+}
 
-    // Without a pre-copy (engine driver, or nothing to copy), the connection comes now.
-    let t = Instant::now();
-    let link = link.unwrap_or_else(|| Link::open(p, pacer.as_ref()));
-    timings.connect = connect_took + t.elapsed();
-    let Link { mut stream, sender } = match link {
-        Ok(l) => l,
-        Err(Early::Connect(source)) => {
-            let job = let_go(held, &p.checkpoint, obs);
-            let to = p.to.clone();
-            return Err(MigrateError::Connect { to, job, source });
-        }
-        Err(Early::Send(source)) => {
-            let job = let_go(held, &p.checkpoint, obs);
-            let to = p.to.clone();
-            return Err(MigrateError::Send { to, job, source });
-        }
-    };
+/// The job's processes: `pid` and its descendants.
+fn job_pids(pid: i32) -> Vec<i32> {
+    std::iter::once(pid)
+        .chain(crate::tree::descendants(pid))
+        .collect()
+}
 
-    let t = Instant::now();
-    let sending = paced(pacer.as_ref(), &mut stream, |mut s| {
-        sender.finish(&mut s, held.dir())
-    });
-    let (sent, mut session) = match sending {
-        Ok(s) => s,
-        Err(source) => {
-            drop(stream);
-            let job = let_go(held, &p.checkpoint, obs);
-            let to = p.to.clone();
-            let source = Box::new(source);
-            return Err(MigrateError::Send { to, job, source });
-        }
-    };
-    timings.send = t.elapsed();
-    // The destination has the image: the job is killed here, and its PIDs waited free for the
-    // restore (a destination on this host restores under them).
-    let t = Instant::now();
-    let pids: Vec<i32> = std::iter::once(p.checkpoint.pid)
-        .chain(crate::tree::descendants(p.checkpoint.pid))
-        .collect();
-    let here = Fallback {
-        c: &p.checkpoint,
-        pids: &pids,
-        deadline: p.deadlines.kill,
-    };
+/// The destination has the image: the held job is killed here, and its PIDs waited free for
+/// the restore (a destination on this host restores under them). A failed kill aborts the
+/// transfer; the job runs on here, or is restored here.
+fn kill_at_source(
+    held: crate::HeldCheckpoint<'_>,
+    here: &Fallback<'_>,
+    stream: &mut TcpStream,
+    session: &mut wire::Session,
+    obs: &mut dyn Observer,
+) -> Result<CheckpointReport, MigrateError> {
+    let pid = here.c.pid;
     let report = match held.kill() {
         Ok(r) => r,
         Err(source) => {
-            send_abort(
-                &mut stream,
-                &mut session,
-                "the source could not kill its job",
-            );
+            send_abort(stream, session, "the source could not kill its job");
             // The guard let the job go on, unless it was killed after all.
-            let job = if crate::process::alive(p.checkpoint.pid) {
+            let job = if crate::process::alive(pid) {
                 JobAt::Source
             } else {
                 here.restore(obs)
@@ -560,19 +629,28 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
             return Err(MigrateError::Kill { job, source });
         }
     };
-    if let Err(taken) = crate::process::wait_pids_free(&pids, p.deadlines.kill) {
+    if let Err(taken) = crate::process::wait_pids_free(here.pids, here.deadline) {
         // Another host restores under them all the same; this one cannot until they are free.
         obs.note(&format!(
             "the job was killed, but its PIDs are not free after {} s ({taken}): a destination \
              on this host cannot restore it until they are",
-            p.deadlines.kill.as_secs()
+            here.deadline.as_secs()
         ));
     }
-    timings.kill = t.elapsed();
+    Ok(report)
+}
 
-    // After the kill, a failure restores the job here.
-    let t = Instant::now();
-    let outcome = send_released(&mut stream, &mut session)
+/// The hand-off: `Released`, the destination's `Outcome`, and once it holds the job restored,
+/// the go and its last `Outcome`. A destination silent after the go leaves the job's place
+/// unknown: that is the error here (the job is not restored at the source); any other failure
+/// is the returned outcome's.
+fn hand_off(
+    stream: &mut TcpStream,
+    session: &mut wire::Session,
+    p: &MigrateParams,
+    obs: &mut dyn Observer,
+) -> Result<Result<Outcome, HandoffError>, MigrateError> {
+    let outcome = send_released(stream, session)
         .map_err(HandoffError::from)
         .and_then(|()| {
             stream
@@ -581,40 +659,48 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
                     what: "waiting for",
                     source,
                 })?;
-            await_outcome(&mut stream, &mut session)
+            await_outcome(stream, session)
         });
     // The destination holds the job restored: let it run there, and hear that it does.
-    let outcome = match outcome {
-        Ok(Outcome::Restored { .. }) => match send_released(&mut stream, &mut session) {
-            // Not sent: the destination kills its copy without the go.
-            Err(e) => Err(HandoffError::from(e)),
-            Ok(()) => match await_outcome(&mut stream, &mut session) {
-                Ok(Outcome::Restored { .. }) => Err(HandoffError::Unexpected {
-                    got: "Outcome Restored",
-                    want: "Outcome Running",
-                }),
-                Ok(o) => Ok(o),
-                Err(source) => {
-                    let image = local.clone();
-                    obs.note(&format!(
-                        "the destination went silent after the go; the job is not restored here \
-                         (its image stays at {})",
-                        image.display()
-                    ));
-                    let socket_dir = restore_socket_dir(&p.checkpoint);
-                    return Err(MigrateError::Handoff {
-                        job: JobAt::Unknown { image, socket_dir },
-                        source,
-                    });
-                }
-            },
-        },
-        other => other,
-    };
-    timings.remote_restore = t.elapsed();
-    drop(stream);
+    if !matches!(outcome, Ok(Outcome::Restored { .. })) {
+        return Ok(outcome);
+    }
+    if let Err(e) = send_released(stream, session) {
+        // Not sent: the destination kills its copy without the go.
+        return Ok(Err(HandoffError::from(e)));
+    }
+    match await_outcome(stream, session) {
+        Ok(Outcome::Restored { .. }) => Ok(Err(HandoffError::Unexpected {
+            got: "Outcome Restored",
+            want: "Outcome Running",
+        })),
+        Ok(o) => Ok(Ok(o)),
+        Err(source) => {
+            let image = p.checkpoint.dir.clone();
+            obs.note(&format!(
+                "the destination went silent after the go; the job is not restored here \
+                 (its image stays at {})",
+                image.display()
+            ));
+            let socket_dir = restore_socket_dir(&p.checkpoint);
+            Err(MigrateError::Handoff {
+                job: JobAt::Unknown { image, socket_dir },
+                source,
+            })
+        }
+    }
+}
+
+/// The job's pid at the destination when the hand-off says it runs there; otherwise it is
+/// restored here, and the error says why.
+fn running_at_destination(
+    outcome: Result<Outcome, HandoffError>,
+    here: &Fallback<'_>,
+    obs: &mut dyn Observer,
+) -> Result<i32, MigrateError> {
     match outcome {
-        // (Answered with the go above, or an error.)
+        Ok(Outcome::Running { pid }) => Ok(pid),
+        // (Answered with the go in the hand-off, or an error.)
         Ok(Outcome::Restored { .. }) => {
             let job = here.restore(obs);
             let source = HandoffError::Unexpected {
@@ -622,23 +708,6 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
                 want: "Outcome Running",
             };
             Err(MigrateError::Handoff { job, source })
-        }
-        Ok(Outcome::Running { pid: remote_pid }) => {
-            timings.downtime = report.figures.hold + committed_at.elapsed();
-            timings.total = t_all.elapsed();
-            let _ = fs::remove_dir_all(&local);
-            Ok(MigrateReport {
-                pid: p.checkpoint.pid,
-                to: p.to.clone(),
-                remote_pid,
-                files: sent.totals.files,
-                bytes: sent.totals.bytes,
-                bytes_before_hold: sent_ahead.bytes,
-                rounds: report.figures.precopy_rounds.len(),
-                bytes_while_held: sent.sent_bytes,
-                timings,
-                checkpoint: report,
-            })
         }
         Ok(Outcome::RestoreFailed { reason }) => {
             let job = here.restore(obs);

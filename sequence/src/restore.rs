@@ -710,7 +710,7 @@ fn resume(
         // The job's GPU memory at its checkpoint (nvidia-smi's, all of its GPUs): what the
         // driver moves back, for its deadline.
         let limit = (p.env.driver_deadlines.restore).for_bytes(m.gpu_memory_bytes());
-        timed(&mut figures.driver_restore, || {
+        timed(&mut figures.resumed.driver_restore, || {
             drv.restore(m.pid, &ready.pairs, limit)?;
             for &c in &m.cuda_children {
                 drv.restore(c, &ready.pairs, limit)
@@ -718,7 +718,7 @@ fn resume(
             }
             Ok::<_, ResumeError>(())
         })?;
-        timed(&mut figures.driver_unlock, || {
+        timed(&mut figures.resumed.driver_unlock, || {
             std::iter::once(&m.pid)
                 .chain(&m.cuda_children)
                 .try_for_each(|&pid| drv.unlock(pid))
@@ -733,7 +733,7 @@ fn resume(
     );
     for (pid, dir) in processes {
         let dir = dir.display().to_string();
-        let r = timed(&mut figures.resume, || {
+        let r = timed(&mut figures.resumed.resume, || {
             job::resume(pid, To::Sockets(&ready.sockets), dir, None)
         });
         match r {

@@ -228,6 +228,8 @@ def main():
     p.add_argument("--host-batch-mib", type=float, default=0,
                    help="copy a batch of this many MiB from pinned host memory to the GPU every step "
                         "(as a data loader does), into a buffer of its own")
+    p.add_argument("--report-writes", action="store_true",
+                   help="after step 3, append to --log the bytes the job writes each step ({\"writes\": N})")
     a = p.parse_args()
     setup()
     inbox = host_batch = None
@@ -257,8 +259,17 @@ def main():
         prof.__enter__()
     params = None
     times = []
+    # What the job writes each step, for comparison with what a pre-copy round sends: every byte
+    # allocated beyond the weights (the model, its gradients, the optimizer's state, activations,
+    # the state), measured over the first steps as the allocator's peak.
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    frozen_bytes = torch.cuda.memory_allocated() - (state.numel() * 4 if state is not None else 0)
     t = time.perf_counter()
     for s, loss, params in JOBS[a.job](a.steps):
+        if s == 3 and a.log and a.report_writes:
+            with open(a.log, "a") as f:
+                f.write(json.dumps({"writes": torch.cuda.max_memory_allocated() - frozen_bytes}) + "\n")
         if inbox is not None:
             inbox.copy_(host_batch, non_blocking=True)
         if ballast and a.ballast_read_all:

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
 
+#[derive(Default)]
 struct Params {
     out: PathBuf,
     steps: u64,
@@ -28,45 +29,99 @@ struct Params {
     child: bool,
 }
 
-fn parse() -> Result<Params, String> {
+/// Why the testee stopped.
+#[derive(Debug, thiserror::Error)]
+enum TesteeError {
+    /// Its command line.
+    #[error("{0}")]
+    Usage(String),
+    /// A number on its command line.
+    #[error("{text}: {source}")]
+    Number {
+        /// The argument.
+        text: String,
+        /// Why.
+        source: std::num::ParseIntError,
+    },
+    /// `--kib` does not fit in memory.
+    #[error("--kib: {0}")]
+    TooLarge(#[source] std::num::TryFromIntError),
+    /// A file.
+    #[error("{}: {source}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The child process.
+    #[error("{what} the child: {source}")]
+    Child {
+        /// What was done.
+        what: &'static str,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The child process failed.
+    #[error("child: {0}")]
+    ChildFailed(std::process::ExitStatus),
+}
+
+fn file_error(path: &Path) -> impl FnOnce(std::io::Error) -> TesteeError + '_ {
+    move |source| TesteeError::File {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn parse() -> Result<Params, TesteeError> {
     let mut args = std::env::args().skip(1);
     let mut p = Params {
-        out: PathBuf::new(),
         steps: 40,
         step_ms: 50,
         kib: 1024,
-        ready: None,
-        hold: None,
-        child: false,
+        ..Params::default()
     };
     let mut out = None;
     while let Some(a) = args.next() {
-        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
+        let mut value = |name: &str| {
+            args.next()
+                .ok_or_else(|| TesteeError::Usage(format!("{name} needs a value")))
+        };
         match a.as_str() {
             "--steps" => p.steps = num(&value("--steps")?)?,
             "--step-ms" => p.step_ms = num(&value("--step-ms")?)?,
             "--kib" => {
-                p.kib = usize::try_from(num(&value("--kib")?)?).map_err(|e| e.to_string())?
+                p.kib = usize::try_from(num(&value("--kib")?)?).map_err(TesteeError::TooLarge)?
             }
             "--ready" => p.ready = Some(value("--ready")?.into()),
             "--hold" => p.hold = Some(value("--hold")?.into()),
             "--child" => p.child = true,
-            s if s.starts_with("--") => return Err(format!("unknown option {s}")),
+            s if s.starts_with("--") => {
+                return Err(TesteeError::Usage(format!("unknown option {s}")))
+            }
             s if out.is_none() => out = Some(PathBuf::from(s)),
-            s => return Err(format!("unexpected argument {s}")),
+            s => return Err(TesteeError::Usage(format!("unexpected argument {s}"))),
         }
     }
-    p.out = out.ok_or(
-        "usage: plugin-testee OUT [--steps N] [--step-ms MS] [--kib KIB] [--ready FILE] [--hold DEV]",
-    )?;
+    p.out = out.ok_or_else(|| {
+        TesteeError::Usage(
+            "usage: plugin-testee OUT [--steps N] [--step-ms MS] [--kib KIB] [--ready FILE] \
+             [--hold DEV]"
+                .into(),
+        )
+    })?;
     if p.kib == 0 {
-        return Err("--kib must be positive".into());
+        return Err(TesteeError::Usage("--kib must be positive".into()));
     }
     Ok(p)
 }
 
-fn num(s: &str) -> Result<u64, String> {
-    s.parse().map_err(|e| format!("{s}: {e}"))
+fn num(s: &str) -> Result<u64, TesteeError> {
+    s.parse().map_err(|source| TesteeError::Number {
+        text: s.to_string(),
+        source,
+    })
 }
 
 fn mix(mut x: u64) -> u64 {
@@ -92,10 +147,10 @@ fn compute(p: &Params, seed: u64, mut on_step: impl FnMut(u64)) -> u64 {
     buf.iter().fold(state, |acc, &w| mix(acc ^ w))
 }
 
-fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
+fn write_atomically(path: &Path, text: &str) -> Result<(), TesteeError> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+    std::fs::write(&tmp, text).map_err(file_error(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(file_error(path))
 }
 
 fn child_out(out: &Path) -> PathBuf {
@@ -104,12 +159,10 @@ fn child_out(out: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
-fn run(p: Params) -> Result<(), String> {
+fn run(p: Params) -> Result<(), TesteeError> {
     if p.child {
         let _held = match &p.hold {
-            Some(dev) => {
-                Some(std::fs::File::open(dev).map_err(|e| format!("{}: {e}", dev.display()))?)
-            }
+            Some(dev) => Some(std::fs::File::open(dev).map_err(file_error(dev))?),
             None => None,
         };
         let digest = compute(&p, 2, |done| {
@@ -123,7 +176,11 @@ fn run(p: Params) -> Result<(), String> {
     // Fails only when already a session leader, which is as good.
     let _ = nix::unistd::setsid();
     let child_out = child_out(&p.out);
-    let mut cmd = Command::new(std::env::current_exe().map_err(|e| e.to_string())?);
+    let exe = std::env::current_exe().map_err(|source| TesteeError::Child {
+        what: "find the executable of",
+        source,
+    })?;
+    let mut cmd = Command::new(exe);
     if let Some(dev) = &p.hold {
         cmd.arg("--hold").arg(dev);
     }
@@ -136,7 +193,10 @@ fn run(p: Params) -> Result<(), String> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| format!("start the child: {e}"))?;
+        .map_err(|source| TesteeError::Child {
+            what: "start",
+            source,
+        })?;
     let child_ready = child_out.with_extension("child-ready");
     let mut said_ready = false;
     let digest = compute(&p, 1, |done| {
@@ -147,13 +207,14 @@ fn run(p: Params) -> Result<(), String> {
             said_ready = true;
         }
     });
-    let status = child
-        .wait()
-        .map_err(|e| format!("wait for the child: {e}"))?;
+    let status = child.wait().map_err(|source| TesteeError::Child {
+        what: "wait for",
+        source,
+    })?;
     if !status.success() {
-        return Err(format!("child: {status}"));
+        return Err(TesteeError::ChildFailed(status));
     }
-    let c = std::fs::read_to_string(&child_out).map_err(|e| format!("child's result: {e}"))?;
+    let c = std::fs::read_to_string(&child_out).map_err(file_error(&child_out))?;
     write_atomically(
         &p.out,
         &format!("parent={digest:016x} child={}\n", c.trim()),

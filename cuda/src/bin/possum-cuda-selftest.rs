@@ -119,62 +119,59 @@ fn take_buf(pool: &mut Vec<PinnedBuf>, inflight: &mut VecDeque<CudaPending>) -> 
     }
 }
 
-/// Writes the pattern `seed` over `[va, va + size)` through host-to-device copies.
-fn fill_device(
-    dev: &CudaDevice,
-    s: &CudaStream,
-    pool: &mut Vec<PinnedBuf>,
-    va: DevPtr,
-    size: u64,
-    seed: u64,
-) -> Res<()> {
-    let mut inflight = VecDeque::new();
-    let mut off = 0;
-    while off < size {
-        let n = STAGE.min(size - off);
-        let mut buf = take_buf(pool, &mut inflight)?;
-        fill(&mut buf.as_mut_slice()[..n as usize], seed, off);
-        inflight.push_back(dev.copy_h2d(s, buf, va.add(off), n).ctx("copy_h2d")?);
-        off += n;
-    }
-    for p in inflight {
-        pool.push(p.wait().ctx("waiting for copy_h2d")?);
-    }
-    Ok(())
+/// Device memory written and read through the pinned buffers of `pool`, on stream `s`.
+struct Staging<'a> {
+    dev: &'a CudaDevice,
+    s: &'a CudaStream,
+    pool: &'a mut Vec<PinnedBuf>,
 }
 
-/// Reads `[va, va + size)` back through device-to-host copies and checks the pattern `seed`.
-fn check_device(
-    dev: &CudaDevice,
-    s: &CudaStream,
-    pool: &mut Vec<PinnedBuf>,
-    va: DevPtr,
-    size: u64,
-    seed: u64,
-) -> Res<()> {
-    let mut inflight: VecDeque<(u64, u64, CudaPending)> = VecDeque::new();
-    let mut off = 0;
-    loop {
-        while off < size && !pool.is_empty() {
+impl Staging<'_> {
+    /// Writes the pattern `seed` over `[va, va + size)` through host-to-device copies.
+    fn write_pattern(&mut self, va: DevPtr, size: u64, seed: u64) -> Res<()> {
+        let (dev, s, pool) = (self.dev, self.s, &mut *self.pool);
+        let mut inflight = VecDeque::new();
+        let mut off = 0;
+        while off < size {
             let n = STAGE.min(size - off);
-            let buf = pool.pop().expect("not empty");
-            inflight.push_back((
-                off,
-                n,
-                dev.copy_d2h(s, va.add(off), buf, n).ctx("copy_d2h")?,
-            ));
+            let mut buf = take_buf(pool, &mut inflight)?;
+            fill(&mut buf.as_mut_slice()[..n as usize], seed, off);
+            inflight.push_back(dev.copy_h2d(s, buf, va.add(off), n).ctx("copy_h2d")?);
             off += n;
         }
-        let Some((o, n, p)) = inflight.pop_front() else {
-            return Ok(());
-        };
-        let buf = p.wait().ctx("waiting for copy_d2h")?;
-        let bad = first_mismatch(&buf.as_slice()[..n as usize], seed, o);
-        pool.push(buf);
-        if let Some(at) = bad {
-            return Err(format!(
-                "buffer at {va} (seed {seed}): wrong data at byte {at:#x}"
-            ));
+        for p in inflight {
+            pool.push(p.wait().ctx("waiting for copy_h2d")?);
+        }
+        Ok(())
+    }
+
+    /// Reads `[va, va + size)` back through device-to-host copies and checks the pattern `seed`.
+    fn check_pattern(&mut self, va: DevPtr, size: u64, seed: u64) -> Res<()> {
+        let (dev, s, pool) = (self.dev, self.s, &mut *self.pool);
+        let mut inflight: VecDeque<(u64, u64, CudaPending)> = VecDeque::new();
+        let mut off = 0;
+        loop {
+            while off < size && !pool.is_empty() {
+                let n = STAGE.min(size - off);
+                let buf = pool.pop().expect("not empty");
+                inflight.push_back((
+                    off,
+                    n,
+                    dev.copy_d2h(s, va.add(off), buf, n).ctx("copy_d2h")?,
+                ));
+                off += n;
+            }
+            let Some((o, n, p)) = inflight.pop_front() else {
+                return Ok(());
+            };
+            let buf = p.wait().ctx("waiting for copy_d2h")?;
+            let bad = first_mismatch(&buf.as_slice()[..n as usize], seed, o);
+            pool.push(buf);
+            if let Some(at) = bad {
+                return Err(format!(
+                    "buffer at {va} (seed {seed}): wrong data at byte {at:#x}"
+                ));
+            }
         }
     }
 }
@@ -241,11 +238,12 @@ fn step_map_fill_check(
         free0.saturating_sub(free1) / MIB,
         mapped / MIB
     );
+    let mut staging = Staging { dev, s: &s, pool };
     for &(va, size, seed) in &bufs {
-        fill_device(dev, &s, pool, va, size, seed)?;
+        staging.write_pattern(va, size, seed)?;
     }
     for &(va, size, seed) in &bufs {
-        check_device(dev, &s, pool, va, size, seed)?;
+        staging.check_pattern(va, size, seed)?;
     }
     report["mapped_bytes"] = json!(mapped);
     Ok(Buffers { bufs })
@@ -757,6 +755,21 @@ fn main() -> ExitCode {
     }
 }
 
+/// Runs step `name` ("N what"), prints how long it took and records its seconds in `secs[key]`.
+fn timed<T>(
+    secs: &mut Value,
+    key: &str,
+    name: &'static str,
+    run: impl FnOnce() -> Res<T>,
+) -> Result<T, (&'static str, String)> {
+    let t = Instant::now();
+    let out = run().map_err(|msg| (name, msg))?;
+    let (n, what) = name.split_once(' ').unwrap_or(("?", name));
+    println!("[{n}] {what}: ok in {:.2} s", t.elapsed().as_secs_f64());
+    secs[key] = json!(t.elapsed().as_secs_f64());
+    Ok(out)
+}
+
 fn run(args: &Args, report: &mut Value) -> Result<(), (&'static str, String)> {
     let step = |name: &'static str| move |msg: String| (name, msg);
     let t = Instant::now();
@@ -784,48 +797,29 @@ fn run(args: &Args, report: &mut Value) -> Result<(), (&'static str, String)> {
     );
     let mut secs = json!({});
 
-    let name = "1 map, fill, check";
-    let t = Instant::now();
-    let bufs = step_map_fill_check(&dev, &mut pool, report).map_err(step(name))?;
-    println!(
-        "[1] map, fill, check: ok in {:.2} s",
-        t.elapsed().as_secs_f64()
-    );
-    secs["map_fill_check"] = json!(t.elapsed().as_secs_f64());
+    let bufs = timed(&mut secs, "map_fill_check", "1 map, fill, check", || {
+        step_map_fill_check(&dev, &mut pool, report)
+    })?;
 
-    let name = "2 release and remap at the same address";
-    let t = Instant::now();
-    step_release_remap(&dev, &bufs).map_err(step(name))?;
-    println!(
-        "[2] release and remap at the same address: ok in {:.2} s",
-        t.elapsed().as_secs_f64()
-    );
-    secs["release_remap"] = json!(t.elapsed().as_secs_f64());
+    timed(
+        &mut secs,
+        "release_remap",
+        "2 release and remap at the same address",
+        || step_release_remap(&dev, &bufs),
+    )?;
 
-    let name = "3 events across streams";
-    let t = Instant::now();
-    step_events(&dev, &mut pool, &bufs, report).map_err(step(name))?;
-    println!(
-        "[3] events across streams: ok in {:.2} s",
-        t.elapsed().as_secs_f64()
-    );
-    secs["events"] = json!(t.elapsed().as_secs_f64());
+    timed(&mut secs, "events", "3 events across streams", || {
+        step_events(&dev, &mut pool, &bufs, report)
+    })?;
 
-    let name = "4 fingerprints";
-    let t = Instant::now();
-    step_fingerprints(&dev, report).map_err(step(name))?;
-    println!("[4] fingerprints: ok in {:.2} s", t.elapsed().as_secs_f64());
-    secs["fingerprints"] = json!(t.elapsed().as_secs_f64());
+    timed(&mut secs, "fingerprints", "4 fingerprints", || {
+        step_fingerprints(&dev, report)
+    })?;
 
     if args.bench {
-        let name = "5 copy throughput";
-        let t = Instant::now();
-        step_bench(&dev, &mut pool, &bufs, report).map_err(step(name))?;
-        println!(
-            "[5] copy throughput: ok in {:.2} s",
-            t.elapsed().as_secs_f64()
-        );
-        secs["bench"] = json!(t.elapsed().as_secs_f64());
+        timed(&mut secs, "bench", "5 copy throughput", || {
+            step_bench(&dev, &mut pool, &bufs, report)
+        })?;
     } else {
         println!("[5] copy throughput: not run (--no-bench)");
     }

@@ -3,7 +3,19 @@
 //! context, launched over a range and its sums read back on the caller's stream.
 #![allow(unsafe_code)]
 
-use super::*;
+use std::ffi::{c_void, CStr};
+use std::fmt;
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use possum_engine::device::{DeviceError, DeviceResult, HostBuffer, Transfer};
+
+use super::{
+    address_free, address_reserve, alloc_granularity, check, loaded, pinned, to_usize, unmap,
+    CUresult, Context, CudaStream, PhysMem, PinnedBuf,
+};
 
 /// The fingerprint kernel (`cuda/kernels/fingerprint.cu`; its definition is
 /// `possum_engine::fingerprint`) as PTX, built by `scripts/gpu-fingerprint.sh`, NUL-terminated
@@ -36,7 +48,7 @@ macro_rules! lazy_symbols {
 /// itself. These calls still reach the driver's own functions: cudarc finds
 /// each entry point with `dlsym` on libcuda's handle, called from libloading's code, which is
 /// linked into libpossum.so, and the interposer's `dlsym` answers a caller inside libpossum.so
-/// with the driver's function, not its wrapper (`interposer/src/entry.rs`: `possum_dlsym`
+/// with the driver's function, not its wrapper (`interposer/src/cuda/entry.rs`: `possum_dlsym`
 /// passes the caller's return address to `handed_out`, which compares its object with
 /// libpossum.so's, `from_this_library`). So possum's own launch, mapping, memset and copy pass
 /// none of the hooks: no op gate, no validation or write tracking of possum's kernel, no mapping
@@ -150,8 +162,8 @@ impl Scratch {
     /// The pinned buffer, at least `bytes` long, taken out (a copy owns it while it runs).
     fn host(&mut self, ctx: &Arc<Context>, bytes: usize) -> DeviceResult<PinnedBuf> {
         match self.host.take() {
-            Some(h) if h.len >= bytes => Ok(h),
-            _ => PinnedBuf::alloc(ctx, scratch_len(bytes)),
+            Some(h) if h.len() >= bytes => Ok(h),
+            _ => pinned(ctx, scratch_len(bytes)),
         }
     }
 
@@ -397,6 +409,7 @@ impl Drop for FingerprintKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::SYMBOLS;
 
     #[test]
     fn the_fingerprint_ptx_is_embedded_whole() {

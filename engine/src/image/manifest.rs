@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use prost::Message;
 
 use super::{
-    ImageError, ImageSummary, FORMAT_MAJOR, MANIFEST_FILE, MANIFEST_MAGIC, MAX_CHUNK_LEN,
-    MAX_DATA_FILES, MAX_MANIFEST_LEN,
+    CoverageError, ImageError, ImageSummary, FORMAT_MAJOR, MANIFEST_FILE, MANIFEST_MAGIC,
+    MAX_CHUNK_LEN, MAX_DATA_FILES, MAX_MANIFEST_LEN,
 };
 use crate::fingerprint::Fingerprint;
 use crate::store::BufferRecord;
@@ -340,43 +340,6 @@ fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(have)
 }
 
-/// Why a buffer's chunks do not cover it exactly (see [`check_coverage`]).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum CoverageError {
-    /// No chunk holds the bytes `start .. end`.
-    #[error("no chunk holds bytes {start}..{end}")]
-    Gap {
-        /// First byte not covered.
-        start: u64,
-        /// One past the last byte not covered.
-        end: u64,
-    },
-    /// The chunk at `offset` starts before the previous one (in offset order) ends at `prev_end`.
-    #[error("chunk at offset {offset} overlaps the previous chunk, which ends at {prev_end}")]
-    Overlap {
-        /// The offending chunk's offset.
-        offset: u64,
-        /// Where the previous chunk ends.
-        prev_end: u64,
-    },
-    /// The chunk at `offset` ends past the buffer's end.
-    #[error("chunk at offset {offset} with length {len} ends past the buffer's end {size}")]
-    PastEnd {
-        /// The chunk's offset.
-        offset: u64,
-        /// The chunk's length.
-        len: u64,
-        /// The buffer's size.
-        size: u64,
-    },
-    /// The chunk at `offset` has length zero.
-    #[error("chunk at offset {offset} is empty")]
-    Empty {
-        /// The chunk's offset.
-        offset: u64,
-    },
-}
-
 /// Checks that `chunks`, given as (offset, len) **sorted by offset**, cover `0 .. size` exactly:
 /// no gap, no overlap, nothing past the end, no empty chunk. Chunks out of order are reported as
 /// overlapping. All arithmetic is on `u64` and overflow-checked, so sizes past 4 GiB (or near
@@ -475,10 +438,29 @@ pub(crate) struct Index {
 /// unique buffer ids, each chunk's buffer, file, length and file range, and each buffer's exact
 /// coverage. Problems are reported in manifest order, the first one found.
 pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> {
-    let invalid = |problem: String| ImageError::ManifestInvalid {
+    validate_files(image, m)?;
+    let buffers = index_buffers(image, m)?;
+    let mut chunks: HashMap<u64, Vec<ChunkMsg>> = HashMap::new();
+    for c in &m.chunks {
+        validate_chunk(image, m, &buffers, c)?;
+        chunks.entry(c.buffer).or_default().push(c.clone());
+    }
+    sort_and_check_coverage(image, &buffers, &mut chunks)?;
+    Ok(Index { buffers, chunks })
+}
+
+/// [`ImageError::ManifestInvalid`] of the manifest of `image`.
+fn invalid_manifest(image: &Path, problem: String) -> ImageError {
+    ImageError::ManifestInvalid {
         image: image.to_path_buf(),
         problem,
-    };
+    }
+}
+
+/// The parent images and data files a manifest lists: within the limits, valid paths and names,
+/// each listed once, each data file's parent listed.
+fn validate_files(image: &Path, m: &Manifest) -> Result<(), ImageError> {
+    let invalid = |problem: String| invalid_manifest(image, problem);
     if m.files.len() > MAX_DATA_FILES {
         return Err(invalid(format!(
             "{} data files listed, more than the limit of {MAX_DATA_FILES}",
@@ -505,13 +487,11 @@ pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> 
         if !valid_data_file_name(&f.name) {
             return Err(invalid(format!("invalid data file name {:?}", f.name)));
         }
-        if let Some(p) = f.parent {
-            if p as usize >= m.parents.len() {
-                return Err(invalid(format!(
-                    "data file {:?} belongs to parent image #{p}, which is not listed",
-                    f.name
-                )));
-            }
+        if let Some(p) = f.parent.filter(|&p| p as usize >= m.parents.len()) {
+            return Err(invalid(format!(
+                "data file {:?} belongs to parent image #{p}, which is not listed",
+                f.name
+            )));
         }
         if !names.insert((f.parent, f.name.as_str())) {
             return Err(invalid(format!(
@@ -520,7 +500,11 @@ pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> 
             )));
         }
     }
+    Ok(())
+}
 
+/// The manifest's buffers by id, each id listed once.
+fn index_buffers(image: &Path, m: &Manifest) -> Result<BTreeMap<u64, BufferRecord>, ImageError> {
     let mut buffers = BTreeMap::new();
     for b in &m.buffers {
         if buffers.insert(b.id, BufferRecord::from(b)).is_some() {
@@ -530,56 +514,76 @@ pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> 
             });
         }
     }
+    Ok(buffers)
+}
 
-    let mut chunks: HashMap<u64, Vec<ChunkMsg>> = HashMap::new();
-    for c in &m.chunks {
-        if !buffers.contains_key(&c.buffer) {
-            return Err(ImageError::ChunkUnknownBuffer {
-                image: image.to_path_buf(),
-                buffer: c.buffer,
-                offset: c.offset,
-            });
-        }
-        if c.len == 0 || c.len > MAX_CHUNK_LEN {
-            return Err(ImageError::ChunkBadLength {
-                image: image.to_path_buf(),
-                buffer: c.buffer,
-                offset: c.offset,
-                len: c.len,
-                max: MAX_CHUNK_LEN,
-            });
-        }
-        let Some(file) = m.files.get(c.file as usize) else {
-            return Err(ImageError::ChunkUnknownFile {
-                image: image.to_path_buf(),
-                buffer: c.buffer,
-                offset: c.offset,
-                file: c.file,
-            });
-        };
-        let inside = matches!(c.file_offset.checked_add(c.len), Some(end) if end <= file.len);
-        if !inside {
-            return Err(ImageError::ChunkOutsideFile {
-                image: image.to_path_buf(),
-                file: shown_name(m, file),
-                buffer: c.buffer,
-                offset: c.offset,
-                file_offset: c.file_offset,
-                len: c.len,
-                file_len: file.len,
-            });
-        }
-        if c.fp_lo.is_some() != c.fp_hi.is_some() {
-            return Err(invalid(format!(
-                "chunk of buffer {} at offset {} has only one word of its fingerprint",
-                c.buffer, c.offset
-            )));
-        }
-        chunks.entry(c.buffer).or_default().push(c.clone());
+/// One chunk: of a listed buffer, of a valid length, in a listed data file and inside it, with
+/// both words of its fingerprint or neither.
+fn validate_chunk(
+    image: &Path,
+    m: &Manifest,
+    buffers: &BTreeMap<u64, BufferRecord>,
+    c: &ChunkMsg,
+) -> Result<(), ImageError> {
+    let image = image.to_path_buf();
+    let (buffer, offset) = (c.buffer, c.offset);
+    if !buffers.contains_key(&buffer) {
+        return Err(ImageError::ChunkUnknownBuffer {
+            image,
+            buffer,
+            offset,
+        });
     }
+    if c.len == 0 || c.len > MAX_CHUNK_LEN {
+        let (len, max) = (c.len, MAX_CHUNK_LEN);
+        return Err(ImageError::ChunkBadLength {
+            image,
+            buffer,
+            offset,
+            len,
+            max,
+        });
+    }
+    let Some(file) = m.files.get(c.file as usize) else {
+        let file = c.file;
+        return Err(ImageError::ChunkUnknownFile {
+            image,
+            buffer,
+            offset,
+            file,
+        });
+    };
+    let inside = matches!(c.file_offset.checked_add(c.len), Some(end) if end <= file.len);
+    if !inside {
+        return Err(ImageError::ChunkOutsideFile {
+            image,
+            file: shown_name(m, file),
+            buffer,
+            offset,
+            file_offset: c.file_offset,
+            len: c.len,
+            file_len: file.len,
+        });
+    }
+    if c.fp_lo.is_some() != c.fp_hi.is_some() {
+        return Err(invalid_manifest(
+            &image,
+            format!(
+                "chunk of buffer {buffer} at offset {offset} has only one word of its fingerprint"
+            ),
+        ));
+    }
+    Ok(())
+}
 
+/// Sorts each buffer's chunks by offset and checks they cover it exactly.
+fn sort_and_check_coverage(
+    image: &Path,
+    buffers: &BTreeMap<u64, BufferRecord>,
+    chunks: &mut HashMap<u64, Vec<ChunkMsg>>,
+) -> Result<(), ImageError> {
     let mut spans = Vec::new();
-    for (&id, rec) in &buffers {
+    for (&id, rec) in buffers {
         let list = chunks
             .get_mut(&id)
             .map(|v| v.as_mut_slice())
@@ -593,7 +597,7 @@ pub(crate) fn validate(image: &Path, m: &Manifest) -> Result<Index, ImageError> 
             problem,
         })?;
     }
-    Ok(Index { buffers, chunks })
+    Ok(())
 }
 
 /// Checks a decoded manifest whose frame header said `major`.`minor`: the payload repeats the

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use possum_engine::device::{DevPtr, Device, HostBuffer, StreamPriority, Transfer};
-use possum_engine::store::{ChunkSink, MemStore};
-use possum_engine::{Access, Buffer, Engine, EngineConfig};
+use possum_engine::store::{ChunkSink, MemStore, TapSink};
+use possum_engine::{Access, Buffer, Engine, EngineConfig, OpGuard};
 use possum_hip::result::{HipPending, HipStream, Runtime};
 use possum_hip::{build_runtime, BuildError, HipDevice};
 
@@ -142,6 +142,13 @@ pub struct Job {
 }
 
 impl Job {
+    /// The indices of the job's buffers, the highest address first.
+    pub fn highest_first(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.bufs.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(self.bufs[i].va()));
+        order
+    }
+
     pub fn new(engine: &Engine<HipDevice>, sizes: &[u64]) -> Job {
         let dev = Arc::clone(engine.device());
         let stream = dev.create_stream(StreamPriority::Normal).unwrap();
@@ -162,21 +169,23 @@ impl Job {
         job
     }
 
+    /// The engine's hook for an operation on the job's stream that reads `reads` and writes
+    /// `writes`: the guard to drop once it is queued.
+    fn hook<'e>(
+        engine: &'e Engine<HipDevice>,
+        stream: &HipStream,
+        reads: &[Buffer],
+        writes: &[Buffer],
+    ) -> OpGuard<'e, HipDevice> {
+        let access = Access::Known { reads, writes };
+        engine.before_op(stream, access).unwrap()
+    }
+
     /// Writes buffer `i` whole with step `step`'s pattern, through the engine's hook.
     pub fn write(&mut self, i: usize, step: u64) {
         let b = self.bufs[i].clone();
         let bytes = pattern(i, step, b.size() as usize);
-        let writes = [b.clone()];
-        let guard = self
-            .engine
-            .before_op(
-                &self.stream,
-                Access::Known {
-                    reads: &[],
-                    writes: &writes,
-                },
-            )
-            .unwrap();
+        let guard = Self::hook(&self.engine, &self.stream, &[], std::slice::from_ref(&b));
         self.pending
             .push(write(&self.dev, &self.stream, b.va(), &bytes));
         drop(guard);
@@ -187,17 +196,12 @@ impl Job {
     pub fn copy(&mut self, src: usize, dst: usize) {
         let (s, d) = (self.bufs[src].clone(), self.bufs[dst].clone());
         let n = s.size().min(d.size());
-        let (reads, writes) = ([s.clone()], [d.clone()]);
-        let guard = self
-            .engine
-            .before_op(
-                &self.stream,
-                Access::Known {
-                    reads: &reads,
-                    writes: &writes,
-                },
-            )
-            .unwrap();
+        let guard = Self::hook(
+            &self.engine,
+            &self.stream,
+            std::slice::from_ref(&s),
+            std::slice::from_ref(&d),
+        );
         self.dev.copy_d2d(&self.stream, s.va(), d.va(), n).unwrap();
         drop(guard);
         let head = self.model[src][..n as usize].to_vec();
@@ -207,17 +211,7 @@ impl Job {
     /// Sets the first `n` bytes of buffer `i` to `value`.
     pub fn memset(&mut self, i: usize, value: u8, n: u64) {
         let b = self.bufs[i].clone();
-        let writes = [b.clone()];
-        let guard = self
-            .engine
-            .before_op(
-                &self.stream,
-                Access::Known {
-                    reads: &[],
-                    writes: &writes,
-                },
-            )
-            .unwrap();
+        let guard = Self::hook(&self.engine, &self.stream, &[], std::slice::from_ref(&b));
         self.dev.memset_d8(&self.stream, b.va(), value, n).unwrap();
         drop(guard);
         self.model[i][..n as usize].fill(value);
@@ -280,53 +274,40 @@ pub fn cfg(shadow_budget: u64) -> EngineConfig {
     }
 }
 
-/// A sink over a [`MemStore`] whose chunks wait until the test opens it: the checkpoint's copier
-/// stays in its first buffer while the job writes the others.
-pub struct GatedSink {
-    store: Arc<MemStore>,
+/// What holds a [`gated_sink`]'s chunks until the test opens it.
+#[derive(Default)]
+pub struct Gate {
     open: std::sync::Mutex<bool>,
     cv: std::sync::Condvar,
 }
 
-impl GatedSink {
-    /// A closed sink over `store`.
-    pub fn new(store: &Arc<MemStore>) -> Arc<GatedSink> {
-        Arc::new(GatedSink {
-            store: store.clone(),
-            open: std::sync::Mutex::new(false),
-            cv: std::sync::Condvar::new(),
-        })
-    }
-}
-
-impl GatedSink {
+impl Gate {
+    /// Lets every chunk through from now on.
     pub fn open(&self) {
         *self.open.lock().unwrap() = true;
         self.cv.notify_all();
     }
-}
 
-impl ChunkSink for GatedSink {
-    fn add_buffer(
-        &self,
-        rec: possum_engine::store::BufferRecord,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        self.store.add_buffer(rec)
-    }
-    fn write_chunk(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-    ) -> Result<(), possum_engine::image::ImageError> {
+    fn wait(&self) {
         drop(
             self.cv
                 .wait_while(self.open.lock().unwrap(), |o| !*o)
                 .unwrap(),
         );
-        self.store.write_chunk(buffer, offset, data)
     }
-    fn set_meta(&self, key: &str, value: &str) -> Result<(), possum_engine::image::ImageError> {
-        self.store.set_meta(key, value)
-    }
+}
+
+/// A sink over `store` whose chunks wait until the test opens its [`Gate`]: the checkpoint's
+/// copier stays in its first buffer while the job writes the others.
+pub fn gated_sink(store: &Arc<MemStore>) -> (Arc<dyn ChunkSink>, Arc<Gate>) {
+    let gate = Arc::new(Gate::default());
+    let held = gate.clone();
+    let sink = TapSink {
+        store: store.clone(),
+        tap: move |_| {
+            held.wait();
+            Ok(())
+        },
+    };
+    (Arc::new(sink), gate)
 }

@@ -2,7 +2,7 @@
 //! libamdhip64's: one of the crate's modules with `unsafe` code.
 //!
 //! A HIP program reaches its runtime by name (linked with `-lamdhip64`), by `dlsym` on a handle
-//! (answered here through `crate::entry`'s `dlsym`, see [`wrapper`]) and through
+//! (answered here through `crate::cuda::entry`'s `dlsym`, see [`wrapper`]) and through
 //! `hipGetProcAddress`, whose answers are swapped for these wrappers. Each wrapper reads its
 //! arguments into plain values and hands them to the safe [`super::front`]; the runtime's own
 //! function, found with `dlsym(RTLD_NEXT)`, does the work. The runtime's internal calls never
@@ -254,7 +254,7 @@ fn free_served(ptr: *mut c_void, wait: impl FnOnce() -> HipError) -> Option<HipE
     Some(match f.free(ptr as u64) {
         Ok(()) => SUCCESS,
         Err(e) => {
-            crate::log::log(&format!("freeing {ptr:p}: {e}"));
+            crate::base::log::log(&format!("freeing {ptr:p}: {e}"));
             INVALID_VALUE
         }
     })
@@ -343,7 +343,7 @@ unsafe fn servable(prop: *const c_void, flags: u64) -> bool {
 }
 
 fn config_serves_vmm() -> bool {
-    crate::config::get().tuning.serve_vmm
+    crate::base::config::get().tuning.serve_vmm
 }
 
 /// `hipError_t hipMemCreate(handle* h, size_t size, const hipMemAllocationProp* prop,
@@ -448,7 +448,7 @@ pub unsafe extern "C" fn hipMemUnmap(ptr: *mut c_void, size: usize) -> HipError 
         }
         for va in pieces {
             if let Err(e) = f.unmap_token(va) {
-                crate::log::log(&format!("hipMemUnmap at {va:#x}: {e}"));
+                crate::base::log::log(&format!("hipMemUnmap at {va:#x}: {e}"));
                 return INVALID_VALUE;
             }
         }
@@ -717,24 +717,9 @@ pub unsafe extern "C" fn hipLaunchKernel(
 ) -> HipError {
     // SAFETY: the launch's own arguments.
     unsafe {
-        launch_through(
-            stub as usize,
-            stream as usize,
-            args,
-            std::ptr::null_mut(),
-            || {
-                call_real!(
-                    REAL_hipLaunchKernel,
-                    c"hipLaunchKernel",
-                    LaunchFn,
-                    stub,
-                    grid,
-                    block,
-                    args,
-                    shared,
-                    stream
-                )
-            },
+        launch_stub!(
+            REAL_hipLaunchKernel, c"hipLaunchKernel", LaunchFn, stub, stream, args;
+            stub, grid, block, args, shared, stream
         )
     }
 }
@@ -846,15 +831,8 @@ pub unsafe extern "C" fn __hipUnregisterFatBinary(modules: *mut *mut c_void) {
 /// The wrapper of HIP function `name`, if possum wraps it: what a lookup of it (`dlsym` on a
 /// handle, `hipGetProcAddress`) hands the job instead of the runtime's.
 pub fn wrapper(name: &[u8]) -> Option<*const ()> {
-    macro_rules! table {
-        ($($f:ident),*) => {
-            match name {
-                $(n if n == stringify!($f).as_bytes() => Some($f as *const ()),)*
-                _ => None,
-            }
-        };
-    }
-    table!(
+    wrapper_of!(
+        name;
         hipMalloc,
         hipMallocAsync,
         hipMallocFromPoolAsync,

@@ -17,8 +17,8 @@ use possum_hip::result::{HipStream, Runtime};
 use possum_hip::HipDevice;
 use serde_json::{json, Value};
 
-use crate::config;
-use crate::log::log;
+use crate::base::config;
+use crate::base::log::log;
 
 /// The device the front end serves: HIP's first. Allocations the job makes on another device
 /// are its own (unmanaged), and a checkpoint refuses a job with such memory.
@@ -40,6 +40,8 @@ pub struct Front {
     unmanaged: Mutex<BTreeMap<u64, (u64, &'static str)>>,
     /// The memory handles possum answered `hipMemCreate` with, by value.
     tokens: Mutex<HashMap<u64, Token>>,
+    /// The number of the next handle in [`Front::tokens`].
+    next_token: AtomicU64,
     /// The kernel/buffer DAG of the job's operations (what a checkpoint saves first), recorded
     /// by its own thread: the job's operations only send to it (`None`: `POSSUM_DAG=0`).
     dag: Arc<Mutex<Dag>>,
@@ -178,7 +180,21 @@ pub struct Counters {
     pub faults: AtomicU64,
 }
 
-static FRONT: OnceLock<Result<Front, String>> = OnceLock::new();
+static FRONT: OnceLock<Result<Front, FrontError>> = OnceLock::new();
+
+/// Why the front end could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum FrontError {
+    /// No HIP runtime library was found.
+    #[error("the HIP runtime's library was not found")]
+    NoRuntime,
+    /// The device could not be opened.
+    #[error(transparent)]
+    Open(#[from] possum_hip::OpenError),
+    /// The engine could not be made over it.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
 
 /// The front end, made on first use over the runtime at `runtime()`'s path, `made()` run once it
 /// is; `None` (said once in the log) when it cannot be made: the job's calls then pass through,
@@ -187,7 +203,7 @@ pub fn front(runtime: impl FnOnce() -> Option<PathBuf>, made: fn()) -> Option<&'
     FRONT
         .get_or_init(|| {
             let front = runtime()
-                .ok_or_else(|| "the HIP runtime's library was not found".to_string())
+                .ok_or(FrontError::NoRuntime)
                 .and_then(|p| Front::new(&p));
             match &front {
                 Ok(f) => {
@@ -212,8 +228,8 @@ pub fn made() -> Option<&'static Front> {
 }
 
 impl Front {
-    fn new(runtime: &Path) -> Result<Front, String> {
-        let dev = HipDevice::open(runtime, DEVICE).map_err(|e| e.to_string())?;
+    fn new(runtime: &Path) -> Result<Front, FrontError> {
+        let dev = HipDevice::open(runtime, DEVICE)?;
         let rt = dev.runtime().clone();
         let tuning = &config::get().tuning;
         let chunk = (tuning.chunk_mib as usize) << 20;
@@ -225,7 +241,7 @@ impl Front {
             background_nice: tuning.background_nice,
             ..EngineConfig::default()
         };
-        let engine = Engine::new(Arc::new(dev), cfg).map_err(|e| e.to_string())?;
+        let engine = Engine::new(Arc::new(dev), cfg)?;
         let dag = Arc::new(Mutex::new(Dag::new(tuning.dag_window)));
         let dag_tx = tuning
             .dag
@@ -239,6 +255,7 @@ impl Front {
             modules: Mutex::default(),
             unmanaged: Mutex::default(),
             tokens: Mutex::default(),
+            next_token: AtomicU64::new(1),
             dag,
             dag_tx,
             counters: Counters::default(),
@@ -249,7 +266,7 @@ impl Front {
     /// `hipMallocFromPoolAsync`), its address; `None` when the engine cannot make one.
     pub fn alloc(&self, size: u64, what: &str) -> Option<u64> {
         let made = {
-            let _g = crate::gate::admit_engine(&self.engine);
+            let _g = crate::ops::gate::admit_engine(&self.engine);
             self.engine.alloc(size)
         };
         match made {
@@ -273,7 +290,7 @@ impl Front {
 
     /// Frees the engine buffer at `ptr`, the work queued on it done (the caller waited).
     pub fn free(&self, ptr: u64) -> Result<(), EngineError> {
-        crate::gate::wait_if_paused();
+        crate::ops::gate::wait_if_paused();
         self.engine.free(DevPtr(ptr))?;
         self.counters.served_frees.fetch_add(1, Ordering::Relaxed);
         Ok(())
@@ -318,8 +335,7 @@ impl Front {
         if size == 0 || size % g != 0 {
             return None;
         }
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        let t = TOKEN_TAG | NEXT.fetch_add(1, Ordering::Relaxed);
+        let t = TOKEN_TAG | self.next_token.fetch_add(1, Ordering::Relaxed);
         self.tokens.lock().insert(
             t,
             Token {
@@ -360,7 +376,7 @@ impl Front {
             return Err(refuse("its contents went with its last unmap"));
         }
         let made = {
-            let _g = crate::gate::admit_engine(&self.engine);
+            let _g = crate::ops::gate::admit_engine(&self.engine);
             self.engine.alloc_at(DevPtr(va), size, VMM_GROUP)
         };
         made.map_err(|e| refuse(&e.to_string()))?;
@@ -532,7 +548,7 @@ impl Front {
                 writes: writes.map(refs),
             });
         }
-        let guard = crate::gate::admit_engine(&self.engine);
+        let guard = crate::ops::gate::admit_engine(&self.engine);
         if guard.tracking() {
             let access = match writes {
                 Some(writes) => Access::Known { reads, writes },
@@ -540,7 +556,7 @@ impl Front {
             };
             if let Err(e) = guard.check(&self.stream(stream), access) {
                 self.counters.faults.fetch_add(1, Ordering::Relaxed);
-                crate::gate::note_fault(&format!("HIP operation on stream {stream:#x}: {e}"));
+                crate::ops::gate::note_fault(&format!("HIP operation on stream {stream:#x}: {e}"));
             }
         }
         let r = op();

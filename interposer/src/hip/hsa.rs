@@ -27,7 +27,7 @@ const RUNTIME_LIBRARIES: &[&str] = &["libamdhip64", "libhsa-runtime64", "libposs
 
 /// Whether code at `addr` is in the HIP runtime, HSA's runtime or possum.
 fn from_runtime(addr: usize) -> bool {
-    crate::elfsym::object_file(addr).is_some_and(|path| {
+    crate::base::elfsym::object_file(addr).is_some_and(|path| {
         let file = path.rsplit('/').next().unwrap_or(&path);
         RUNTIME_LIBRARIES.iter().any(|l| file.starts_with(l))
     })

@@ -17,7 +17,7 @@
 //!   buffer one points into is taken as written (its read-only hints are not trusted). A kernel
 //!   whose layout is unknown, and every graph launch, is taken to write every buffer.
 //! - The control socket's checkpoint requests go to `session.rs`: the front end, once made,
-//!   registers its handler with the socket (`crate::control::set_front_end`), so the socket
+//!   registers its handler with the socket (`crate::session::control::set_front_end`), so the socket
 //!   names no HIP module.
 //!
 //! The modules form layers, from the top: `entry.rs` (the exported functions and the lookup of
@@ -47,6 +47,27 @@ macro_rules! call_real {
             r
         }
     }};
+}
+
+/// A launch of host stub `$stub` with kernel arguments `$args` on `$stream`, passed through the
+/// hook (`through::launch_through`) to the runtime's function, called as [`call_real`] does with
+/// the arguments after the `;`.
+macro_rules! launch_stub {
+    ($slot:ident, $name:literal, $ty:ty, $stub:expr, $stream:expr, $args:expr; $($arg:expr),*) => {
+        launch_through($stub as usize, $stream as usize, $args, std::ptr::null_mut(), || {
+            call_real!($slot, $name, $ty, $($arg),*)
+        })
+    };
+}
+
+/// The wrapper among the functions `$f` named `$name` (bytes), as `Option<*const ()>`.
+macro_rules! wrapper_of {
+    ($name:expr; $($f:ident),* $(,)?) => {
+        match $name {
+            $(n if n == stringify!($f).as_bytes() => Some($f as *const ()),)*
+            _ => None,
+        }
+    };
 }
 
 pub mod entry;

@@ -1,5 +1,5 @@
 //! A checkpoint of a HIP job, as the control socket's requests drive it: the same protocol as a
-//! CUDA job's (`crate::session`, whose image naming, commit, fault accounting and one-at-a-time
+//! CUDA job's (`crate::session::checkpoint`, whose image naming, commit, fault accounting and one-at-a-time
 //! rule it shares), over the front end's one engine.
 //!
 //! - `Checkpoint`: a pre-copy while the job runs, every buffer into a new image; the hooks mark
@@ -22,9 +22,12 @@ use possum_engine::store::ChunkSink;
 use serde_json::{json, Value};
 
 use super::front::{made, Front, DEVICE};
-use crate::gate;
-use crate::log::log;
-use crate::session::{self as common, Busy};
+use crate::base::log::log;
+use crate::ops::gate;
+use crate::session::common::{self, Busy};
+use crate::session::error::SessionError;
+use crate::session::replies::{ms, reply, round_copy};
+use crate::session::state::{session, Images, OnDemand, Phase, RestoreFigures, Target};
 
 /// `Status` for a HIP job: the CUDA status's shape, `possum` being the front end's.
 pub fn status_json() -> Value {
@@ -52,7 +55,7 @@ pub fn handle(req: &Request) -> Option<Value> {
             | Request::Resume { .. }
             | Request::ResumeAndSave { .. }
     );
-    if session && crate::runtime::state_if_created().is_some() {
+    if session && crate::process::runtime::state_if_created().is_some() {
         return Some(possum_control::error_reply(
             "this process uses both CUDA and HIP: possum checkpoints a process on one GPU \
              runtime only; nothing was done",
@@ -60,10 +63,10 @@ pub fn handle(req: &Request) -> Option<Value> {
     }
     Some(match req {
         Request::Checkpoint { dir, .. } | Request::CheckpointKept { dir, .. } => {
-            common::reply(checkpoint(f, Path::new(dir)))
+            reply(checkpoint(f, Path::new(dir)))
         }
-        Request::Release | Request::ReleaseKeeping { .. } => common::reply(release(f)),
-        Request::Resume { dir } => common::reply(resume(f, dir.as_deref().map(Path::new))),
+        Request::Release | Request::ReleaseKeeping { .. } => reply(release(f)),
+        Request::Resume { dir } => reply(resume(f, dir.as_deref().map(Path::new))),
         Request::ResumeAndSave { .. } => possum_control::error_reply(
             "no kept checkpoint to save: a HIP job's buffers are copied at the release",
         ),
@@ -72,7 +75,7 @@ pub fn handle(req: &Request) -> Option<Value> {
 }
 
 /// Why a checkpoint cannot save the job: device memory possum does not serve.
-fn refuse_unmanaged(f: &Front) -> Result<(), String> {
+fn refuse_unmanaged(f: &Front) -> Result<(), SessionError> {
     let unmanaged = f.unmanaged();
     if unmanaged.is_empty() {
         return Ok(());
@@ -81,24 +84,27 @@ fn refuse_unmanaged(f: &Front) -> Result<(), String> {
         .iter()
         .map(|(k, (n, b))| format!("{k}: {n} allocation(s), {b} bytes"))
         .collect();
-    Err(format!(
+    Err(SessionError::Refused(format!(
         "the job has HIP device memory possum does not serve ({}): possum saves only the \
          buffers it serves (hipMalloc, hipMallocAsync and pools on device {DEVICE}); nothing \
          was done",
         kinds.join("; ")
-    ))
+    )))
 }
 
-fn checkpoint(f: &Front, dir: &Path) -> Result<CheckpointReply, String> {
+fn checkpoint(f: &Front, dir: &Path) -> Result<CheckpointReply, SessionError> {
     common::absolute(dir)?;
     let _b = Busy::take("checkpoint")?;
     if gate::is_paused() {
-        return Err("the job is paused (released): resume it before a new checkpoint".into());
+        return Err(SessionError::Paused);
     }
     refuse_unmanaged(f)?;
     common::open_faults();
     let t = Instant::now();
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|source| SessionError::Dir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let writer = common::new_writer(dir, DEVICE, None)?;
     f.engine.mark_all_dirty();
     // What the job will write soonest is saved first (the DAG's prediction), so that its
@@ -108,34 +114,47 @@ fn checkpoint(f: &Front, dir: &Path) -> Result<CheckpointReply, String> {
     let r = f
         .engine
         .precopy_round(sink)
-        .map_err(|e| format!("device {DEVICE}: pre-copy: {e}"))?;
-    *OPEN.lock() = Some((dir.to_path_buf(), writer));
+        .map_err(|source| SessionError::Engine {
+            device: DEVICE,
+            what: "pre-copy: ",
+            source,
+        })?;
+    *session().phase.lock() = Phase::PreCopied(Images {
+        target: Target {
+            dir: dir.to_path_buf(),
+            parent: None,
+        },
+        writers: vec![(DEVICE, writer)],
+    });
     let v = CheckpointReply {
-        precopy: vec![common::round_copy(DEVICE, &r)],
+        precopy: vec![round_copy(DEVICE, &r)],
         hooks: Some(true),
         kept: false,
-        ms: Some(common::ms(t.elapsed())),
+        ms: Some(ms(t.elapsed())),
     };
-    common::note_last("checkpoint", common::to_json(&v));
+    crate::session::checkpoint::note_checkpoint(&v);
     Ok(v)
 }
 
-/// The checkpoint in progress: its image directory and writer.
-type Open = (std::path::PathBuf, Arc<possum_engine::image::ImageWriter>);
-static OPEN: parking_lot::Mutex<Option<Open>> = parking_lot::Mutex::new(None);
+/// The checkpoint in progress: its image's writer.
+fn take_open() -> Result<Arc<possum_engine::image::ImageWriter>, SessionError> {
+    match std::mem::take(&mut *session().phase.lock()) {
+        Phase::PreCopied(Images { mut writers, .. }) if writers.len() == 1 => {
+            Ok(writers.remove(0).1)
+        }
+        _ => Err(SessionError::NoCheckpoint),
+    }
+}
 
-fn release(f: &Front) -> Result<ReleaseReply, String> {
+fn release(f: &Front) -> Result<ReleaseReply, SessionError> {
     let _b = Busy::take("release")?;
     if gate::is_paused() {
-        return Err("the job is already paused (released)".into());
+        return Err(SessionError::AlreadyPaused);
     }
-    let (_dir, writer) = OPEN
-        .lock()
-        .take()
-        .ok_or("no checkpoint in progress: send checkpoint first")?;
+    let writer = take_open()?;
     let t = Instant::now();
     gate::set_paused(true);
-    let unpause = |m: String| {
+    let unpause = |m: SessionError| {
         gate::set_paused(false);
         m
     };
@@ -145,23 +164,32 @@ fn release(f: &Front) -> Result<ReleaseReply, String> {
     let sink: Arc<dyn ChunkSink> = writer.clone();
     let r = f.engine.checkpoint(sink, true).and_then(|h| h.wait());
     f.engine.set_device_fence(false);
-    let r = r.map_err(|e| unpause(format!("device {DEVICE}: final copy: {e}")))?;
+    let r = r.map_err(|source| {
+        unpause(SessionError::Engine {
+            device: DEVICE,
+            what: "final copy: ",
+            source,
+        })
+    })?;
     common::no_faults_since_open().map_err(|e| {
         let _ = f.engine.stop_tracking();
         unpause(e)
     })?;
     let summary = common::commit(DEVICE, writer).map_err(unpause)?;
-    let copied = common::ms(t.elapsed());
-    let released = f
-        .engine
-        .release()
-        .map_err(|e| unpause(format!("device {DEVICE}: release: {e}")))?;
+    let copied = ms(t.elapsed());
+    let released = f.engine.release().map_err(|source| {
+        unpause(SessionError::Engine {
+            device: DEVICE,
+            what: "release: ",
+            source,
+        })
+    })?;
     let v = ReleaseReply {
         finals: vec![DeviceCopy {
             device: DEVICE,
             buffers: r.buffers as u64,
             bytes: r.bytes,
-            ms: Some(common::ms(r.elapsed)),
+            ms: Some(ms(r.elapsed)),
             image_bytes: Some(summary.data_file_bytes),
             image_buffers: Some(summary.buffers.len() as u64),
             ..DeviceCopy::default()
@@ -169,54 +197,57 @@ fn release(f: &Front) -> Result<ReleaseReply, String> {
         final_copy_ms: Some(copied),
         released_bytes: released,
         devices: vec![DEVICE],
-        ms: Some(common::ms(t.elapsed())),
+        ms: Some(ms(t.elapsed())),
         ..ReleaseReply::default()
     };
-    common::note_last("release", common::to_json(&v));
+    common::note_last(|l| l.release = Some(v.clone()));
     Ok(v)
 }
 
-fn resume(f: &'static Front, dir: Option<&Path>) -> Result<ResumeReply, String> {
+fn resume(f: &'static Front, dir: Option<&Path>) -> Result<ResumeReply, SessionError> {
     if let Some(d) = dir {
         common::absolute(d)?;
     }
     let _b = Busy::take("resume")?;
     let t = Instant::now();
     // A checkpoint abandoned before its release: its image is dropped unfinished.
-    OPEN.lock().take();
+    *session().phase.lock() = Phase::Idle;
     let mut restoring = Vec::new();
     if f.engine.phase() == "released" {
-        let dir = dir.ok_or_else(|| {
-            format!("device {DEVICE}: buffers are released; resume needs the image directory")
-        })?;
+        let dir = dir.ok_or(SessionError::NeedsImage(DEVICE))?;
         let path = common::engine_image_dir(dir, DEVICE);
-        let img = Image::open(&path)
-            .map_err(|e| format!("device {DEVICE}: cannot open its image: {e}"))?;
+        let img = Image::open(&path).map_err(|source| SessionError::OpenImage {
+            device: DEVICE,
+            source,
+        })?;
         let h = f
             .engine
             .restore(Arc::new(img))
-            .map_err(|e| format!("device {DEVICE}: {e}"))?;
+            .map_err(|source| SessionError::Engine {
+                device: DEVICE,
+                what: "",
+                source,
+            })?;
         restoring.push(DEVICE);
         // Nobody waits for the restore; its figures are kept for `possum status`.
         let _ = std::thread::Builder::new()
             .name("possum-restore-wait".into())
             .spawn(move || {
-                let v = match h.wait() {
-                    Ok(r) => {
-                        if let Err(e) = f.engine.stop_tracking() {
-                            log(&format!("device {DEVICE}: tracking stays on: {e}"));
-                        }
-                        json!({"device": DEVICE, "buffers": r.buffers, "bytes": r.bytes,
-                               "ms": common::ms(r.elapsed), "on_demand": r.on_demand,
-                               "job_waited_ms": common::ms(r.job_waited)})
+                let done = h.wait().map(|r| {
+                    if let Err(e) = f.engine.stop_tracking() {
+                        log(&format!("device {DEVICE}: tracking stays on: {e}"));
                     }
-                    Err(e) => {
-                        log(&format!("restore of device {DEVICE} failed: {e}"));
-                        json!({"device": DEVICE, "error": e.to_string()})
+                    RestoreFigures {
+                        device: DEVICE,
+                        buffers: Some(r.buffers),
+                        bytes: Some(r.bytes),
+                        ms: Some(ms(r.elapsed)),
+                        on_demand: Some(OnDemand::Buffers(r.on_demand)),
+                        job_waited_ms: Some(ms(r.job_waited)),
+                        ..RestoreFigures::default()
                     }
-                };
-                log(&format!("restore done: {v}"));
-                common::note_last("restore", v);
+                });
+                common::note_restore_done(DEVICE, done);
             });
     } else if let Err(e) = f.engine.stop_tracking() {
         log(&format!("device {DEVICE}: tracking stays on: {e}"));
@@ -225,7 +256,7 @@ fn resume(f: &'static Front, dir: Option<&Path>) -> Result<ResumeReply, String> 
     Ok(ResumeReply {
         restoring,
         on_demand: Some(true),
-        ms: Some(common::ms(t.elapsed())),
+        ms: Some(ms(t.elapsed())),
         ..ResumeReply::default()
     })
 }

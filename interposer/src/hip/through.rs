@@ -3,7 +3,7 @@
 //! through before the runtime's function. One of the crate's modules with `unsafe` code.
 //!
 //! Below the wrappers: it names none of them. Making the front end starts the control socket,
-//! whose session requests go to `session.rs` ([`crate::control::set_front_end`]).
+//! whose session requests go to `session.rs` ([`crate::session::control::set_front_end`]).
 #![allow(unsafe_code)]
 #![allow(non_upper_case_globals)]
 
@@ -33,7 +33,7 @@ pub struct Dim3 {
 }
 
 /// The runtime's function `name`, looked up once into `slot` (0: the runtime has none).
-pub(super) use crate::elfsym::next_definition as real;
+pub(super) use crate::base::elfsym::next_definition as real;
 
 slot!(pub(super) REAL_hipMalloc);
 
@@ -41,7 +41,7 @@ slot!(pub(super) REAL_hipMalloc);
 fn runtime_path() -> Option<PathBuf> {
     let p = real(&REAL_hipMalloc, c"hipMalloc");
     (p != 0)
-        .then(|| crate::elfsym::object_file(p))
+        .then(|| crate::base::elfsym::object_file(p))
         .flatten()
         .map(PathBuf::from)
 }
@@ -54,8 +54,8 @@ pub(super) fn the_front() -> Option<&'static Front> {
 /// Starts the control socket once the front end is made: its session requests handed to the
 /// HIP session first, `Status` answered with the HIP job's status.
 fn started() {
-    crate::control::set_front_end(super::session::handle);
-    crate::control::start(super::session::status_json);
+    crate::session::control::set_front_end(super::session::handle);
+    crate::session::control::start(super::session::status_json);
 }
 
 /// Runs `op` on `stream` through the hook, the buffers of `[dst, dst+n)` written and of

@@ -83,24 +83,10 @@ pub unsafe extern "C" fn hipLaunchCooperativeKernel(
 ) -> HipError {
     // SAFETY: the launch's own arguments.
     unsafe {
-        launch_through(
-            stub as usize,
-            stream as usize,
-            args,
-            std::ptr::null_mut(),
-            || {
-                call_real!(
-                    REAL_hipLaunchCooperativeKernel,
-                    c"hipLaunchCooperativeKernel",
-                    CooperativeFn,
-                    stub,
-                    grid,
-                    block,
-                    args,
-                    shared,
-                    stream
-                )
-            },
+        launch_stub!(
+            REAL_hipLaunchCooperativeKernel, c"hipLaunchCooperativeKernel", CooperativeFn,
+            stub, stream, args;
+            stub, grid, block, args, shared, stream
         )
     }
 }
@@ -120,27 +106,9 @@ pub unsafe extern "C" fn hipExtLaunchKernel(
 ) -> HipError {
     // SAFETY: the launch's own arguments.
     unsafe {
-        launch_through(
-            stub as usize,
-            stream as usize,
-            args,
-            std::ptr::null_mut(),
-            || {
-                call_real!(
-                    REAL_hipExtLaunchKernel,
-                    c"hipExtLaunchKernel",
-                    ExtLaunchFn,
-                    stub,
-                    grid,
-                    block,
-                    args,
-                    shared,
-                    stream,
-                    start,
-                    stop,
-                    flags
-                )
-            },
+        launch_stub!(
+            REAL_hipExtLaunchKernel, c"hipExtLaunchKernel", ExtLaunchFn, stub, stream, args;
+            stub, grid, block, args, shared, stream, start, stop, flags
         )
     }
 }
@@ -477,15 +445,8 @@ pub unsafe extern "C" fn hipMemcpyPeerAsync(
 
 /// The wrapper of `name` among these functions, if it is one.
 pub fn wrapper(name: &[u8]) -> Option<*const ()> {
-    macro_rules! table {
-        ($($f:ident),*) => {
-            match name {
-                $(n if n == stringify!($f).as_bytes() => Some($f as *const ()),)*
-                _ => None,
-            }
-        };
-    }
-    table!(
+    wrapper_of!(
+        name;
         hipLaunchCooperativeKernel,
         hipExtLaunchKernel,
         hipExtModuleLaunchKernel,

@@ -4,7 +4,9 @@
 pub mod park_job;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::Receiver;
+use std::time::Duration;
 
 /// The cdylib cargo built for this test run. `cargo test` builds it into `<target>/<profile>/deps/`
 /// beside the test's executable (only `cargo build` copies it up to `<target>/<profile>/`, where
@@ -22,6 +24,130 @@ pub fn find_libpossum() -> Option<PathBuf> {
         .iter()
         .map(|d| d.join("libpossum.so"))
         .find(|p| p.exists())
+}
+
+/// An empty directory `possum-<name>-<pid>` under the temporary directory (emptied first where
+/// a run before left it).
+#[allow(dead_code)]
+pub fn fresh_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("possum-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// [`fresh_dir`] with the fake GPU stack and the job `tests/fake/<job>.c` built into it as
+/// `job`; `None` (the caller skips the test, said on stderr) without a C compiler.
+#[allow(dead_code)]
+pub fn fake_gpu_dir(name: &str, job: &str) -> Option<PathBuf> {
+    let dir = fresh_dir(name);
+    build_fake_gpu(&dir, &format!("tests/fake/{job}.c"), job).then_some(dir)
+}
+
+/// The stdout of `cmd`, which must exit 0 (the test fails with its stdout and stderr if not).
+#[allow(dead_code)]
+pub fn stdout_of(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// A child process killed (and reaped) when dropped, so that a failed assertion leaves no job
+/// behind.
+#[allow(dead_code)]
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for Killed {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Killed {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+/// A job started by [`Piped::spawn`]: its stdin (until closed), the lines of its stdout as they
+/// come, its stderr in a file; killed when dropped, so that a failed assertion leaves no job
+/// behind (a paused one would never exit).
+#[allow(dead_code)]
+pub struct Piped {
+    /// The job.
+    pub child: Killed,
+    /// Its stdin; `None` once closed.
+    pub stdin: Option<ChildStdin>,
+    /// The lines of its stdout.
+    pub lines: Receiver<String>,
+    /// The file its stderr goes to.
+    pub stderr: PathBuf,
+}
+
+#[allow(dead_code)]
+impl Piped {
+    /// Spawns `cmd` with its stdin and stdout piped and its stderr written to the file `stderr`.
+    pub fn spawn(cmd: &mut Command, stderr: PathBuf) -> Piped {
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let mut child = Killed(cmd.spawn().unwrap());
+        let stdin = child.stdin.take();
+        let lines = lines_of(child.stdout.take().unwrap());
+        Piped {
+            child,
+            stdin,
+            lines,
+            stderr,
+        }
+    }
+
+    /// The job's stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Writes the line `cmd` to the job's stdin.
+    pub fn send(&mut self, cmd: &str) {
+        use std::io::Write;
+        let stdin = self.stdin.as_mut().expect("stdin closed");
+        writeln!(stdin, "{cmd}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// The job's next line within `wait`; the test fails (with the job's stderr) without one.
+    pub fn next(&self, wait: Duration) -> String {
+        self.lines.recv_timeout(wait).unwrap_or_else(|e| {
+            panic!(
+                "no answer from the job within {wait:?} ({e:?}); stderr:\n{}",
+                self.log()
+            )
+        })
+    }
+
+    /// The job's next line, which must be `want`, within `wait`.
+    pub fn expect(&self, want: &str, wait: Duration) {
+        match self.lines.recv_timeout(wait) {
+            Ok(line) => assert_eq!(line, want, "job's stderr:\n{}", self.log()),
+            Err(e) => panic!(
+                "no answer {want:?} from the job within {wait:?} ({e:?}); stderr:\n{}",
+                self.log()
+            ),
+        }
+    }
 }
 
 /// The JSON object in the file at `path`.

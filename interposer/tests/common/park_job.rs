@@ -3,16 +3,14 @@
 //! thread answers commands on stdin. Shared by the interposer's `fake_park.rs` and the CLI's
 //! `possum/tests/held.rs`.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use possum_control::{request, Request};
 use serde_json::Value;
 
-use super::{fake_job_command, lines_of};
+use super::{fake_job_command, Piped};
 
 /// Bound on every wait for something that should happen.
 pub const WAIT: Duration = Duration::from_secs(20);
@@ -21,10 +19,7 @@ pub const N: usize = 1 << 18;
 
 /// A running fake_park_job, killed when dropped.
 pub struct ParkJob {
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-    stderr: PathBuf,
+    p: Piped,
     /// Its process id.
     pub pid: u32,
     /// Its control socket's directory.
@@ -42,36 +37,24 @@ impl ParkJob {
         cmd.env("POSSUM_HOOKS", "off")
             .env("POSSUM_SOCKET_DIR", &sockets)
             .env("POSSUM_VERBOSE", "1")
-            .envs(env.iter().copied())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let mut child = cmd.spawn().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let lines = lines_of(child.stdout.take().unwrap());
-        let pid = child.id();
-        let mut job = ParkJob {
-            child,
-            stdin,
-            lines,
-            stderr,
-            pid,
-            sockets,
-        };
+            .envs(env.iter().copied());
+        let p = Piped::spawn(&mut cmd, stderr);
+        let pid = p.child.id();
+        let mut job = ParkJob { p, pid, sockets };
         assert_eq!(job.answer(), "ready", "{}", job.log());
         job
     }
 
     /// The job's stderr so far.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.p.log()
     }
 
     /// The next line that is not a worker's step line.
     pub fn answer(&mut self) -> String {
         let t = Instant::now();
         loop {
-            match self.lines.recv_timeout(WAIT.saturating_sub(t.elapsed())) {
+            match self.p.lines.recv_timeout(WAIT.saturating_sub(t.elapsed())) {
                 Ok(l) if l.starts_with("s ") => continue,
                 Ok(l) => return l,
                 Err(e) => panic!("no answer from the job ({e:?}); stderr:\n{}", self.log()),
@@ -81,8 +64,7 @@ impl ParkJob {
 
     /// Sends `cmd` and returns its answer.
     pub fn run(&mut self, cmd: &str) -> String {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
+        self.p.send(cmd);
         self.answer()
     }
 
@@ -91,7 +73,7 @@ impl ParkJob {
         let t = Instant::now();
         let mut seen = 0;
         while seen < n {
-            match self.lines.recv_timeout(WAIT.saturating_sub(t.elapsed())) {
+            match self.p.lines.recv_timeout(WAIT.saturating_sub(t.elapsed())) {
                 Ok(l) if l.starts_with("s ") => seen += 1,
                 Ok(l) => panic!("unexpected {l:?}"),
                 Err(_) => return false,
@@ -111,14 +93,14 @@ impl ParkJob {
 
     /// Asserts that no thread of the job prints anything for `d`, and that it is alive.
     pub fn assert_still(&mut self, d: Duration) {
-        match self.lines.recv_timeout(d) {
+        match self.p.lines.recv_timeout(d) {
             Err(RecvTimeoutError::Timeout) => {}
             Ok(l) => panic!("the held job printed {l:?}: a thread was not parked"),
             Err(RecvTimeoutError::Disconnected) => {
                 panic!("the job died; stderr:\n{}", self.log())
             }
         }
-        assert!(self.child.try_wait().unwrap().is_none(), "{}", self.log());
+        assert!(self.p.child.try_wait().unwrap().is_none(), "{}", self.log());
     }
 
     /// Asks libpossum in the job; fails the test on an error.
@@ -129,7 +111,7 @@ impl ParkJob {
 
     /// Drains the step lines printed so far.
     pub fn drain(&self) {
-        while self.lines.try_recv().is_ok() {}
+        while self.p.lines.try_recv().is_ok() {}
     }
 
     /// Stops the worker, dumps the buffers into `dir` and compares them with the model of as
@@ -150,13 +132,6 @@ impl ParkJob {
             got.iter().zip(&want).position(|(g, w)| g != w)
         );
         assert_eq!(self.run("exit"), "bye");
-    }
-}
-
-impl Drop for ParkJob {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

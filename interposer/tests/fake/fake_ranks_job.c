@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "fake_abi.h"
+#include "fake_driver.h"
 
 #define NW ((size_t)1 << 16)
 #define SLOTS 1024
@@ -59,11 +60,6 @@ struct shared {
 static struct shared *shm;
 static int rank;
 
-typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        void *, void **, void **);
-static launch_t drv_launch;
-static int (*drv_htod)(uint64_t, const void *, size_t);
-static int (*drv_dtoh)(void *, uint64_t, size_t);
 
 static void die(const char *what) {
     printf("error %s\n", what);
@@ -112,20 +108,7 @@ static void launch(struct fake_kernel *k, void **args) {
     if (drv_launch(k, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL)) die("cuLaunchKernel");
 }
 
-static void context(void) {
-    void *h = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!h) die("no driver");
-    int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
-    int (*retain)(void **, int) = (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain");
-    int (*set)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
-    drv_launch = (launch_t)dlsym(h, "cuLaunchKernel");
-    drv_htod = (int (*)(uint64_t, const void *, size_t))dlsym(h, "cuMemcpyHtoD_v2");
-    drv_dtoh = (int (*)(void *, uint64_t, size_t))dlsym(h, "cuMemcpyDtoH_v2");
-    void *ctx;
-    if (!init || !retain || !set || !drv_launch || !drv_htod || !drv_dtoh || init(0) ||
-        retain(&ctx, 0) || set(ctx))
-        die("context");
-}
+static void context(void) { driver_copies(driver_context()); }
 
 static void map_shared(int create) {
     const char *path = getenv("FAKE_RANKS_SHM");

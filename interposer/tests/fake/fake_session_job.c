@@ -70,6 +70,7 @@
 #include <sys/mman.h>
 
 #include "fake_abi.h"
+#include "fake_driver.h"
 
 enum { CB_LAUNCH = 307, CB_HTOD = 276, CB_DTOH = 278 }; /* cuLaunchKernel, cuMemcpy{HtoD,DtoH}_v2 */
 #define NA ((size_t)1 << 18) /* u32 words */
@@ -94,12 +95,6 @@ static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump", 2, {0, 8}, {8, 4}, 
 
 static fire_fn fire;
 static int ret;
-/* FAKE_VIA=entry: the driver's functions. */
-typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        void *, void **, void **);
-static launch_t drv_launch;
-static int (*drv_htod)(uint64_t, const void *, size_t);
-static int (*drv_dtoh)(void *, uint64_t, size_t);
 /* FAKE_VMM: the driver's virtual-memory functions and B's range. */
 static int (*drv_reserve)(uint64_t *, size_t, size_t, uint64_t, uint64_t);
 static int (*drv_addr_free)(uint64_t, size_t);
@@ -330,17 +325,11 @@ static void dump(const char *path, uint32_t *const *bufs, const size_t *ns, int 
 /* FAKE_VIA=entry: the context made current, the driver's functions found. */
 static void via_entry(void) {
     typedef int (*gpa_t)(const char *, void **, int, unsigned long long, int *);
-    void *h = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!h) die("no driver");
-    int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
-    int (*retain)(void **, int) = (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain");
-    int (*set)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
+    void *h = driver_context();
     gpa_t gpa = (gpa_t)dlsym(h, "cuGetProcAddress_v2");
-    drv_launch = (launch_t)dlsym(h, "cuLaunchKernel");
-    void *ctx, *f1 = NULL, *f2 = NULL;
+    void *f1 = NULL, *f2 = NULL;
     int st1 = -1, st2 = -1;
-    if (!init || !retain || !set || !gpa || !drv_launch || init(0) || retain(&ctx, 0) || set(ctx))
-        die("context");
+    if (!gpa) die("context");
     if (gpa("cuMemcpyHtoD", &f1, 12000, 0, &st1) || gpa("cuMemcpyDtoH", &f2, 12000, 0, &st2) ||
         st1 || st2)
         die("cuGetProcAddress_v2");

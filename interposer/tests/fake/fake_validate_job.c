@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "fake_abi.h"
+#include "fake_driver.h"
 
 #define NX ((size_t)16 << 20) /* u32 words: 64 MiB */
 #define NF ((size_t)1024)     /* 4 KiB */
@@ -57,11 +58,6 @@ static struct fake_kernel poke = {FAKE_KERNEL_MAGIC, "poke", 3, {0, 8, 16}, {8, 
 static struct fake_kernel flag = {FAKE_KERNEL_MAGIC, "flag", 3, {0, 8, 16}, {8, 8, 4}, run_flag};
 static struct fake_kernel late = {FAKE_KERNEL_MAGIC, "late", 2, {0, 8}, {8, 4}, run_late};
 
-typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        void *, void **, void **);
-static launch_t drv_launch;
-static int (*drv_htod)(uint64_t, const void *, size_t);
-static int (*drv_dtoh)(void *, uint64_t, size_t);
 static int (*drv_stream_create)(void **, unsigned);
 static int (*drv_stream_destroy)(void *);
 
@@ -92,20 +88,11 @@ static uint32_t init_f(size_t i) { return (uint32_t)i + 1; }
 static uint32_t init_zero(size_t i) { (void)i; return 0; }
 
 int main(void) {
-    void *h = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!h) die("no driver");
-    int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
-    int (*retain)(void **, int) = (int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain");
-    int (*set)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
-    drv_launch = (launch_t)dlsym(h, "cuLaunchKernel");
-    drv_htod = (int (*)(uint64_t, const void *, size_t))dlsym(h, "cuMemcpyHtoD_v2");
-    drv_dtoh = (int (*)(void *, uint64_t, size_t))dlsym(h, "cuMemcpyDtoH_v2");
+    void *h = driver_context();
+    driver_copies(h);
     drv_stream_create = (int (*)(void **, unsigned))dlsym(h, "cuStreamCreate");
     drv_stream_destroy = (int (*)(void *))dlsym(h, "cuStreamDestroy_v2");
-    void *ctx;
-    if (!init || !retain || !set || !drv_launch || !drv_htod || !drv_dtoh || !drv_stream_create ||
-        !drv_stream_destroy || init(0) || retain(&ctx, 0) || set(ctx))
-        die("context");
+    if (!drv_stream_create || !drv_stream_destroy) die("context");
     uint32_t *x = filled(NX, init_x), *y = filled(NX, init_y), *f = filled(NF, init_f);
     uint64_t *t = filled(NF, init_zero);
     uint64_t ya = (uint64_t)(uintptr_t)y;

@@ -3,9 +3,11 @@
 //! parameters, the progress bar, and what is printed.
 
 mod restore;
+mod runtime;
 
 pub(crate) use restore::Notes;
 pub use restore::{restore, RestoreArgs};
+use runtime::on_runtime;
 
 use std::fs;
 use std::io::IsTerminal;
@@ -17,7 +19,6 @@ use clap::{Args, ValueEnum};
 use possum_control::reply::CuptiReply;
 use possum_control::Request;
 use possum_sequence::figures::ms;
-use possum_sequence::gpu_runtimes::GpuRuntime;
 use possum_sequence::guard::GuardPlan;
 use possum_sequence::image::{dir_bytes, NetworkLock};
 use possum_sequence::job::ask;
@@ -30,8 +31,7 @@ pub(crate) use possum_sequence::process::alive;
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineKind {
-    /// possum: buffers pre-copied while the job runs; the job held for what it wrote since, the
-    /// driver's residue and CRIU; buffers back on demand.
+    /// Buffers pre-copied as the job runs; the job held only for what it wrote since.
     Possum,
     /// The baseline: CRIU + NVIDIA's driver checkpoint, nothing of possum's.
     Driver,
@@ -222,14 +222,6 @@ pub fn checkpoint(a: &CheckpointArgs) -> Result<bool> {
         print_checkpoint(a, &report);
     }
     Ok(true)
-}
-
-/// The job's GPU runtime, after its engine in the summary line (nothing for CUDA).
-pub(crate) fn on_runtime(runtime: GpuRuntime) -> &'static str {
-    match runtime {
-        GpuRuntime::Cuda => "",
-        GpuRuntime::Hip => " on HIP",
-    }
 }
 
 /// What `possum checkpoint` prints without --json.

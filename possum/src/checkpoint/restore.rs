@@ -82,11 +82,11 @@ fn print_restore(r: &RestoreReport) {
         r.pid,
         r.dir.display(),
         r.engine,
-        super::on_runtime(r.runtime),
+        super::runtime::on_runtime(r.runtime),
         ms(f.total),
         ms(step(f.criu_restore)),
-        ms(step(f.driver_restore) + step(f.driver_unlock)),
-        ms(step(f.resume)),
+        ms(step(f.resumed.driver_restore) + step(f.resumed.driver_unlock)),
+        ms(step(f.resumed.resume)),
         match (r.has_gpu, on_demand) {
             (false, _) => "",
             (true, _) if r.gpu_from_keeper =>

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
 
 /// `possum` for the fake GPU stack built into `dir`: the jobs' socket directory `dir/sockets`
 /// is possum's too (a restore removes a stale socket only there), the fake driver is
@@ -92,4 +93,30 @@ pub fn start_keeper_args(
     .unwrap();
     assert_eq!(ready.trim(), "ready");
     (KeeperProcess(keeper), keeper_dir)
+}
+
+/// Runs `c`, which must succeed: its output.
+pub fn run_ok(c: &mut Command) -> Output {
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    o
+}
+
+/// Starts `checkpoint` (a `possum checkpoint` into `img`, its output dropped), kills it after
+/// `delay_ms` and reaps it; asserts that `img` is then absent or a complete image. Whether it
+/// is there.
+pub fn checkpoint_killed_after(checkpoint: &mut Command, img: &Path, delay_ms: u64) -> bool {
+    let mut c = checkpoint
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(delay_ms));
+    let _ = c.kill();
+    let _ = c.wait();
+    assert!(
+        !img.exists() || img.join("possum.json").is_file(),
+        "killed after {delay_ms} ms: an incomplete image under DIR's name"
+    );
+    img.exists()
 }

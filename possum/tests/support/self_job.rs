@@ -1,9 +1,8 @@
 //! A job made of this test binary started again, running one `#[test]` that does the job's work
 //! when a variable of its environment says so (and nothing otherwise), for the CLI tests that
 //! checkpoint such a job with real CRIU and the fake driver: its start, its processes' life and
-//! end, and what CRIU cannot do with TCP sockets on this kernel. The including file provides
-//! `cli` (support/cli.rs), `criu_support` (criu-adapter/tests/support/criu.rs) and `WAIT` (the
-//! bound on every wait).
+//! end, and what CRIU cannot do with TCP sockets on this kernel. Included by criu_cli.rs, which
+//! provides `cli`, `criu_support` and `WAIT`.
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;

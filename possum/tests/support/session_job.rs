@@ -1,8 +1,8 @@
 //! A fake_session_job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) commanded
 //! through a FIFO and answering into a file opened O_APPEND: CRIU reopens both by path at a
 //! restore, where pipes to the test would come back connected to nothing. Shared by the CLI's
-//! tests that checkpoint, restore or migrate it; the including file provides `common` (the
-//! interposer's test support) and `WAIT` (the bound on every wait).
+//! tests that checkpoint, restore or migrate it; included by criu_cli.rs,
+//! which provides `common` and `WAIT`.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -145,6 +145,18 @@ impl Job {
     pub fn dump(&mut self, path: &Path) -> Vec<u8> {
         self.run(&format!("dump {}", path.display()), "dumped");
         std::fs::read(path).unwrap()
+    }
+
+    /// The commands after a checkpoint or a migration (steps 6 to 12, a cudaMalloc, two dumps
+    /// into `dir/TAG-mid.bin` and `dir/TAG-end.bin`), the same for the reference and the job
+    /// checkpointed: the buffers after each dump.
+    pub fn after_checkpoint(&mut self, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
+        self.run("step 4", "done 9");
+        self.run("malloc", "malloced");
+        let mid = self.dump(&dir.join(format!("{tag}-mid.bin")));
+        self.run("step 3", "done 12");
+        let end = self.dump(&dir.join(format!("{tag}-end.bin")));
+        [mid, end]
     }
 
     /// Leaves the job's process to a thread that reaps it as soon as it ends, so that its pid is

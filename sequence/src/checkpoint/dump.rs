@@ -1,7 +1,12 @@
 //! CRIU's dump of the held job, tried again when it failed for a passing reason (part of
 //! [`super`]).
 
-use super::*;
+use std::path::Path;
+use std::time::Duration;
+
+use possum_criu::{Criu, CriuError, DumpOptions};
+
+use crate::observer::Observer;
 
 /// Dumps tried when the job's control socket had a client connected ([`dump_retrying_transient`]).
 const DUMP_TRIES: u32 = 3;

@@ -1,6 +1,24 @@
 //! The checkpoint's errors: one enum per phase (part of [`super`]).
 
-use super::*;
+use std::path::PathBuf;
+
+use possum_criu::CriuError;
+use possum_cuda::checkpoint::{DriverCkptError, ProcessState};
+
+use crate::job::JobError;
+use crate::process::LockError;
+use crate::tree;
+
+/// What to do when NVIDIA's driver refuses to lock a job because CUPTI is subscribed in it.
+const CUPTI_REFUSED: &str = "NVIDIA's driver checkpoint (this driver) refuses any process CUPTI \
+     has subscribed in, and this job runs with CUPTI (`possum run --cupti`, POSSUM_HOOKS=cupti: a \
+     diagnostic): start it with `possum run JOB` (without --cupti) for a full possum checkpoint, \
+     or use --engine driver (or --gpu-only for possum's GPU side)";
+
+/// `b` bytes in GiB, for a message.
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
 
 /// A checkpoint that failed, by the phase that failed and with what became of the job.
 #[derive(Debug, thiserror::Error)]
@@ -488,4 +506,48 @@ pub enum ReportError {
     /// fsync.
     #[error(transparent)]
     Sync(anyhow::Error),
+}
+
+/// Why a process with AMD's HIP runtime loaded is refused ([`PlanError::Hip`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HipRefusal {
+    /// It has NVIDIA's libcuda loaded too (or its possum serves it on HIP while it does).
+    Mixed,
+    /// possum is not loaded in it (no control socket answers).
+    WithoutPossum,
+    /// possum is loaded, but its status does not say it serves the job on HIP.
+    NotServed,
+    /// `--engine driver`: NVIDIA's driver checkpoint, which a HIP job has no part in.
+    DriverEngine,
+}
+
+impl HipRefusal {
+    /// The refusal of process `pid`, in words, with what checkpoints such a process.
+    fn in_words(self, pid: i32) -> String {
+        let plugin = "CRIU's amdgpu plugin (CRIU built with it, amdgpu_plugin.so in its plugin \
+                      directory)";
+        let commands = format!(
+            "`criu dump --tree {pid} --images-dir DIR --shell-job`, then `criu restore \
+             --images-dir DIR --shell-job`"
+        );
+        let hip = "is a HIP (AMD GPU) job (it has AMD's HIP runtime libamdhip64 loaded)";
+        match self {
+            HipRefusal::Mixed => "mixes CUDA and HIP (it has both NVIDIA's libcuda and AMD's HIP \
+                 runtime libamdhip64 loaded): possum does not checkpoint a process mixing both"
+                .to_string(),
+            HipRefusal::WithoutPossum => format!(
+                "{hip} without possum loaded: possum checkpoints a HIP job only when it serves \
+                 the job's HIP runtime; {plugin} checkpoints it: {commands}"
+            ),
+            HipRefusal::NotServed => format!(
+                "{hip} whose possum does not serve it on HIP (its status names no `hip` \
+                 runtime): possum cannot save its GPU state; {plugin} checkpoints it: {commands}"
+            ),
+            HipRefusal::DriverEngine => format!(
+                "{hip}: --engine driver is NVIDIA's driver checkpoint, which has no part in a \
+                 HIP job; checkpoint it with possum's engine (the default) when possum serves \
+                 it, or with {plugin}: {commands}"
+            ),
+        }
+    }
 }

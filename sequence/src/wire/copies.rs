@@ -3,9 +3,14 @@
 //! sender hashes its side of them; a file of the final set takes one as its base only once its
 //! every piece holds the bytes received for it.
 
-use super::*;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use super::mac::Piece;
+use super::session::CHUNK_BYTES;
 use std::collections::HashMap;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 

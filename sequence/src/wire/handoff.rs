@@ -1,6 +1,9 @@
 //! After the transfer: a migration's hand-off (part of [`super`]).
 
-use super::*;
+use std::io::{self, Read, Write};
+
+use super::error::ReceiveError;
+use super::session::{read_frame, write_frame, Frame, FrameError, Outcome, Session};
 
 /// Why the exchange after a transfer (`Released`, `Outcome`) failed.
 #[derive(Debug, thiserror::Error)]

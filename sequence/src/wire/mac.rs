@@ -15,8 +15,8 @@
 //! most kinds): the body is hashed once, and that hash is what a file sent ahead is compared by
 //! ([`Piece`]).
 
-use super::HEADER_BYTES;
-
+/// A frame's header: kind, payload length.
+pub(super) const HEADER_BYTES: usize = 9;
 /// A key's, a nonce's and a tag's length (bytes).
 pub(super) const KEY_BYTES: usize = 32;
 /// A frame MAC's length (bytes).

@@ -1,6 +1,17 @@
 //! Pre-copy: an engine's buffers, in rounds, while the job runs (part of [`super`]).
 
-use super::*;
+use std::io::{self, Read, Write};
+use std::path::PathBuf;
+
+use possum_engine::image::ImageError;
+use possum_engine::store::{BufferRecord, ChunkSink};
+
+use super::error::{ReceiveError, SendError};
+use super::handoff::{send_abort, unexpected};
+use super::send::confirmation;
+use super::session::{
+    read_frame, send_frame, write_frame, Frame, FrameError, Session, Totals, CHUNK_BYTES,
+};
 
 /// The sending end of a pre-copy, after [`sender_handshake`]: an engine's [`ChunkSink`] whose
 /// every declaration and chunk goes out at once as a `Buffer` or `BufferChunk` frame (at most

@@ -2,10 +2,22 @@
 
 use super::copies::CopyCheck;
 use super::mapped::Mapped;
-use super::streams::RecvLane;
-use super::*;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::error::{ReceiveError, WireError};
+use super::handoff::{send_abort, unexpected};
+use super::mac::{pieces_digest, FrameMac, Piece};
+use super::send::{hex, unhex};
+use super::session::{
+    random, read_frame, receiver_handshake, recv_frame, write_frame, DirHeader, FileHeader, Frame,
+    FrameError, RecvLane, Session, Totals,
+};
+use crate::auth::HmacKey;
 use std::collections::{BTreeMap, HashMap};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
@@ -16,192 +28,6 @@ pub struct ReceiveReport {
     pub totals: Totals,
     /// From the handshake to the directory named.
     pub elapsed: Duration,
-}
-
-/// Why a directory could not be received (nothing is left of it).
-#[derive(Debug, thiserror::Error)]
-pub enum ReceiveError {
-    /// The destination exists already.
-    #[error("{} exists: a directory is received only under a new name", dest.display())]
-    DestExists {
-        /// The destination.
-        dest: PathBuf,
-    },
-    /// A destination without a final name.
-    #[error("{}: not a directory name to receive into", dest.display())]
-    DestName {
-        /// The destination.
-        dest: PathBuf,
-    },
-    /// Creating, writing or naming what is received.
-    #[error("{what} {}", path.display())]
-    Io {
-        /// What was done.
-        what: &'static str,
-        /// On what.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
-    /// A path the sender may not write.
-    #[error("the sender named the path {path:?}, which is refused: {why}")]
-    Path {
-        /// The path as sent.
-        path: String,
-        /// Why it is refused.
-        why: &'static str,
-    },
-    /// A frame that does not fit where it came.
-    #[error("the sender sent a {got} frame {context}")]
-    Unexpected {
-        /// What came.
-        got: &'static str,
-        /// Where.
-        context: &'static str,
-    },
-    /// A chunk of a file its part does not have.
-    #[error("a chunk of file {file} of the part, which has {files} files")]
-    NoSuchFile {
-        /// The file's number, as the chunk said.
-        file: u64,
-        /// The part's files.
-        files: usize,
-    },
-    /// A chunk outside the bytes sent of its file (and not one of its patches).
-    #[error(
-        "{path}: a chunk of {len} bytes at offset {offset}, outside the bytes sent of it ({from} \
-         to {size}) and not one of its patches"
-    )]
-    OutOfRange {
-        /// The file.
-        path: String,
-        /// The chunk's offset.
-        offset: u64,
-        /// Its length.
-        len: u64,
-        /// Where the file's bytes sent begin (where its base ends).
-        from: u64,
-        /// The file's size.
-        size: u64,
-    },
-    /// Two chunks of one file that hold the same bytes.
-    #[error("{path}: two chunks hold the bytes at offset {offset}")]
-    Overlap {
-        /// The file.
-        path: String,
-        /// Where the second begins.
-        offset: u64,
-    },
-    /// A stream whose share of a part is not what it said.
-    #[error(
-        "stream {stream} ended its share of a part saying {said_chunks} chunks and {said_bytes} \
-         bytes; {chunks} and {bytes} came"
-    )]
-    Share {
-        /// The stream.
-        stream: u32,
-        /// What it said.
-        said_chunks: u64,
-        /// What it said.
-        said_bytes: u64,
-        /// What came.
-        chunks: u64,
-        /// What came.
-        bytes: u64,
-    },
-    /// The session's streams did not all join.
-    #[error(
-        "only {joined} of the session's {streams} streams joined within {} s",
-        waited.as_secs()
-    )]
-    Streams {
-        /// The streams that did (the first connection included).
-        joined: u32,
-        /// The session's.
-        streams: u32,
-        /// How long they were waited for.
-        waited: Duration,
-    },
-    /// A file whose bytes are not its size.
-    #[error("{path}: {got} bytes received, its size is {size}")]
-    Size {
-        /// The file.
-        path: String,
-        /// Its size as announced.
-        size: u64,
-        /// What came (or would have).
-        got: u64,
-    },
-    /// The sender's totals are not what came.
-    #[error(
-        "the sender counted {} files and {} bytes, {} and {} were received",
-        sent.files, sent.bytes, got.files, got.bytes
-    )]
-    Totals {
-        /// The sender's.
-        sent: Totals,
-        /// Received.
-        got: Totals,
-    },
-    /// A frame to or from the sender.
-    #[error(transparent)]
-    Frame(#[from] FrameError),
-    /// The sender gave up.
-    #[error("the sender aborted the transfer: {reason}")]
-    Aborted {
-        /// Its reason.
-        reason: String,
-    },
-    /// A file of the final set whose base is not one sent ahead as it says.
-    #[error("{path}: its first bytes are said to be {base}, sent ahead, which is refused: {why}")]
-    Ahead {
-        /// The file.
-        path: String,
-        /// The base it named.
-        base: String,
-        /// Why it is refused.
-        why: &'static str,
-    },
-    /// A file of the final set whose base, this receiver's copy of a file sent ahead, is not
-    /// what was received of it.
-    #[error("{path}: its base {base}, sent ahead, is refused: {why}")]
-    AheadCopy {
-        /// The file.
-        path: String,
-        /// The base it named.
-        base: String,
-        /// What is wrong with the copy.
-        why: String,
-    },
-    /// A piece of a base sent again after the `Cut` whose bytes are not those the sender hashed
-    /// at the cut.
-    #[error(
-        "{path}: the {len} bytes at offset {offset} sent again over its base are not those the \
-         sender hashed at the cut (the file changed again after it was hashed): refused"
-    )]
-    Patch {
-        /// The file.
-        path: String,
-        /// Where the piece begins.
-        offset: u64,
-        /// Its length.
-        len: u64,
-    },
-    /// A file whose patches did not all come.
-    #[error("{path}: {got} of its {patches} patches came")]
-    Patches {
-        /// The file.
-        path: String,
-        /// Its patches.
-        patches: usize,
-        /// Those that came.
-        got: usize,
-    },
-    /// A pre-copy's buffer or chunk the image refused (an unknown buffer, out of its range, a
-    /// full disk).
-    #[error("writing a pre-copied buffer into the image")]
-    Sink(#[source] ImageError),
 }
 
 /// The directory being received: removed, with what it holds, unless committed.
@@ -413,102 +239,16 @@ pub(super) fn receive_into<S: Read>(
     name: &std::ffi::OsStr,
     dest: &Path,
 ) -> Result<Totals, ReceiveError> {
-    // A temporary sibling of `dest`, removed unless committed.
-    let make_staging = |suffix: &str| {
-        let mut tmp_name = std::ffi::OsString::from(".");
-        tmp_name.push(name);
-        let n: [u8; 6] = random().map_err(|source| ReceiveError::Io {
-            what: "reading",
-            path: "/dev/urandom".into(),
-            source,
-        })?;
-        tmp_name.push(format!(".receiving-{}{suffix}", hex(&n)));
-        let path = parent.join(tmp_name);
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|source| ReceiveError::Io {
-                what: "creating",
-                path: path.clone(),
-                source,
-            })?;
-        Ok::<_, ReceiveError>(Staging {
-            path,
-            committed: false,
-        })
-    };
-    let mut staging = make_staging("")?;
-    let root = staging.path.clone();
-    let mut dirs: Vec<(PathBuf, u32)> = Vec::new();
-    // The files of the part whose headers came, by their number in it.
-    let mut part: Vec<Incoming> = Vec::new();
-    let mut got = Totals::default();
+    let mut r = Receiving::new(parent, name)?;
     let mut buf = Vec::new();
-    // After a `Cut`: what was sent ahead, moved aside (removed at the end whatever happens), and
-    // its files' lengths and pieces by path, each taken out as a later round or the final set
-    // names it a base.
-    let mut pre: Option<Staging> = None;
-    let mut sent_ahead: HashMap<String, (u64, Vec<Piece>)> = HashMap::new();
-    // After a `Cut`: the copies of what was sent ahead, read back and checked (dropped first).
-    let mut copies: Option<CopyCheck> = None;
     let sent = loop {
         match read_frame(stream, session, &mut buf)? {
-            Frame::Dir(h) => {
-                let parts = components(&h.path)?;
-                let at = ensure_dir(&root, &h.path, &parts)?;
-                dirs.push((at, h.mode & 0o777));
-            }
-            Frame::File(h) => {
-                if h.id != part.len() as u64 {
-                    return Err(unexpected("File", "out of its part's order"));
-                }
-                let aside = pre.as_ref().zip(copies.as_ref());
-                let incoming = open_file(&root, h, aside, &mut sent_ahead)?;
-                part.push(incoming);
-            }
-            Frame::Chunks => {
-                // The final set's headers all came: its bases were all checked.
-                if let Some(copies) = &copies {
-                    copies.stop();
-                }
-                receive_part(stream, &mut session.recv, &mut lanes, &part)?;
-                for f in part.drain(..) {
-                    let (path, size, pieces) = complete(f)?;
-                    if let Some(pieces) = pieces {
-                        sent_ahead.insert(path, (size, pieces));
-                    }
-                    got.files += 1;
-                    got.bytes += size;
-                }
-            }
-            Frame::Cut => {
-                if !part.is_empty() {
-                    return Err(unexpected("Cut", "before its part's chunks"));
-                }
-                if pre.is_some() {
-                    return Err(unexpected("Cut", "after a Cut"));
-                }
-                // What came so far moves aside; the final set is received where it was.
-                let aside = make_staging(".ahead")?;
-                let io = |source: io::Error| ReceiveError::Io {
-                    what: "setting aside what was sent ahead in",
-                    path: aside.path.clone(),
-                    source,
-                };
-                fs::remove_dir(&aside.path).map_err(io)?;
-                fs::rename(&root, &aside.path).map_err(io)?;
-                fs::DirBuilder::new()
-                    .mode(0o700)
-                    .create(&root)
-                    .map_err(io)?;
-                // Read back while the sender hashes its side.
-                copies = Some(CopyCheck::start(&aside.path, &sent_ahead));
-                pre = Some(aside);
-                dirs.clear();
-                got = Totals::default();
-            }
+            Frame::Dir(h) => r.dir(&h)?,
+            Frame::File(h) => r.file(h)?,
+            Frame::Chunks => r.chunks(stream, &mut session.recv, &mut lanes)?,
+            Frame::Cut => r.cut()?,
             Frame::Done(totals) => {
-                if !part.is_empty() {
+                if !r.part.is_empty() {
                     return Err(unexpected("Done", "before its part's chunks"));
                 }
                 break totals;
@@ -517,40 +257,188 @@ pub(super) fn receive_into<S: Read>(
             other => return Err(unexpected(other.name(), "in a directory's transfer")),
         }
     };
-    if sent != got {
-        return Err(ReceiveError::Totals { sent, got });
+    if sent != r.got {
+        return Err(ReceiveError::Totals { sent, got: r.got });
     }
-    // Deepest first: a directory's mode may take away what its children's need.
-    dirs.push((root.clone(), 0o700));
-    dirs.sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
-    for (d, mode) in &dirs {
-        let io = |what| {
-            let path = d.clone();
-            move |source| ReceiveError::Io { what, path, source }
-        };
-        let f = fs::File::open(d).map_err(io("opening"))?;
-        f.sync_all().map_err(io("syncing"))?;
-        f.set_permissions(fs::Permissions::from_mode(*mode))
-            .map_err(io("setting the mode of"))?;
-    }
-    // Never replaces: a `dest` that appeared meanwhile stays, and this receive fails.
-    rustix::fs::renameat_with(
-        rustix::fs::CWD,
-        &root,
-        rustix::fs::CWD,
-        dest,
-        rustix::fs::RenameFlags::NOREPLACE,
-    )
-    .map_err(|e| ReceiveError::Io {
-        what: "naming the received directory",
-        path: dest.to_path_buf(),
-        source: e.into(),
-    })?;
-    staging.committed = true;
-    if let Ok(p) = fs::File::open(parent) {
-        let _ = p.sync_all();
-    }
+    r.commit(dest)?;
     Ok(sent)
+}
+
+/// A temporary sibling `.NAME.receiving-RANDOMsuffix` of the destination `name` in `parent`,
+/// removed unless committed.
+fn make_staging(
+    parent: &Path,
+    name: &std::ffi::OsStr,
+    suffix: &str,
+) -> Result<Staging, ReceiveError> {
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    let n: [u8; 6] = random().map_err(|source| ReceiveError::Io {
+        what: "reading",
+        path: "/dev/urandom".into(),
+        source,
+    })?;
+    tmp_name.push(format!(".receiving-{}{suffix}", hex(&n)));
+    let path = parent.join(tmp_name);
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&path)
+        .map_err(|source| ReceiveError::Io {
+            what: "creating",
+            path: path.clone(),
+            source,
+        })?;
+    Ok(Staging {
+        path,
+        committed: false,
+    })
+}
+
+/// A directory being received, frame by frame. Its fields drop in order: the copies' check
+/// first, the staging directory last.
+struct Receiving<'a> {
+    /// After a `Cut`: the copies of what was sent ahead, read back and checked.
+    copies: Option<CopyCheck>,
+    /// What was sent ahead, its files' lengths and pieces by path, each taken out as a later
+    /// round or the final set names it a base.
+    sent_ahead: HashMap<String, (u64, Vec<Piece>)>,
+    /// After a `Cut`: what was sent ahead, moved aside (removed at the end whatever happens).
+    pre: Option<Staging>,
+    /// What came, since the `Cut` if there was one.
+    got: Totals,
+    /// The files of the part whose headers came, by their number in it.
+    part: Vec<Incoming>,
+    /// The directories received, with their modes (set at the end).
+    dirs: Vec<(PathBuf, u32)>,
+    /// Where the frames are written: the staging directory.
+    root: PathBuf,
+    parent: &'a Path,
+    name: &'a std::ffi::OsStr,
+    staging: Staging,
+}
+
+impl<'a> Receiving<'a> {
+    fn new(parent: &'a Path, name: &'a std::ffi::OsStr) -> Result<Self, ReceiveError> {
+        let staging = make_staging(parent, name, "")?;
+        Ok(Receiving {
+            copies: None,
+            sent_ahead: HashMap::new(),
+            pre: None,
+            got: Totals::default(),
+            part: Vec::new(),
+            dirs: Vec::new(),
+            root: staging.path.clone(),
+            parent,
+            name,
+            staging,
+        })
+    }
+
+    /// A `Dir`: made now, its mode set at the end.
+    fn dir(&mut self, h: &DirHeader) -> Result<(), ReceiveError> {
+        let parts = components(&h.path)?;
+        let at = ensure_dir(&self.root, &h.path, &parts)?;
+        self.dirs.push((at, h.mode & 0o777));
+        Ok(())
+    }
+
+    /// A `File`: the next of the part, opened for its chunks.
+    fn file(&mut self, h: FileHeader) -> Result<(), ReceiveError> {
+        if h.id != self.part.len() as u64 {
+            return Err(unexpected("File", "out of its part's order"));
+        }
+        let aside = self.pre.as_ref().zip(self.copies.as_ref());
+        let incoming = open_file(&self.root, h, aside, &mut self.sent_ahead)?;
+        self.part.push(incoming);
+        Ok(())
+    }
+
+    /// `Chunks`: the part's chunks from every stream, then each of its files completed.
+    fn chunks<S: Read>(
+        &mut self,
+        stream: &mut S,
+        mac: &mut FrameMac,
+        lanes: &mut Vec<RecvLane>,
+    ) -> Result<(), ReceiveError> {
+        // The final set's headers all came: its bases were all checked.
+        if let Some(copies) = &self.copies {
+            copies.stop();
+        }
+        receive_part(stream, mac, lanes, &self.part)?;
+        for f in self.part.drain(..) {
+            let (path, size, pieces) = complete(f)?;
+            if let Some(pieces) = pieces {
+                self.sent_ahead.insert(path, (size, pieces));
+            }
+            self.got.files += 1;
+            self.got.bytes += size;
+        }
+        Ok(())
+    }
+
+    /// The `Cut`: what came so far moves aside; the final set is received where it was.
+    fn cut(&mut self) -> Result<(), ReceiveError> {
+        if !self.part.is_empty() {
+            return Err(unexpected("Cut", "before its part's chunks"));
+        }
+        if self.pre.is_some() {
+            return Err(unexpected("Cut", "after a Cut"));
+        }
+        let aside = make_staging(self.parent, self.name, ".ahead")?;
+        let io = |source: io::Error| ReceiveError::Io {
+            what: "setting aside what was sent ahead in",
+            path: aside.path.clone(),
+            source,
+        };
+        fs::remove_dir(&aside.path).map_err(io)?;
+        fs::rename(&self.root, &aside.path).map_err(io)?;
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&self.root)
+            .map_err(io)?;
+        // Read back while the sender hashes its side.
+        self.copies = Some(CopyCheck::start(&aside.path, &self.sent_ahead));
+        self.pre = Some(aside);
+        self.dirs.clear();
+        self.got = Totals::default();
+        Ok(())
+    }
+
+    /// Every directory's mode set and synced, the staging directory named `dest`.
+    fn commit(&mut self, dest: &Path) -> Result<(), ReceiveError> {
+        // Deepest first: a directory's mode may take away what its children's need.
+        self.dirs.push((self.root.clone(), 0o700));
+        self.dirs
+            .sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
+        for (d, mode) in &self.dirs {
+            let io = |what| {
+                let path = d.clone();
+                move |source| ReceiveError::Io { what, path, source }
+            };
+            let f = fs::File::open(d).map_err(io("opening"))?;
+            f.sync_all().map_err(io("syncing"))?;
+            f.set_permissions(fs::Permissions::from_mode(*mode))
+                .map_err(io("setting the mode of"))?;
+        }
+        // Never replaces: a `dest` that appeared meanwhile stays, and this receive fails.
+        rustix::fs::renameat_with(
+            rustix::fs::CWD,
+            &self.root,
+            rustix::fs::CWD,
+            dest,
+            rustix::fs::RenameFlags::NOREPLACE,
+        )
+        .map_err(|e| ReceiveError::Io {
+            what: "naming the received directory",
+            path: dest.to_path_buf(),
+            source: e.into(),
+        })?;
+        self.staging.committed = true;
+        if let Ok(p) = fs::File::open(self.parent) {
+            let _ = p.sync_all();
+        }
+        Ok(())
+    }
 }
 
 /// Creates (or, with a base, takes over) the file `h` names under `root`, for its chunks to

@@ -1,10 +1,21 @@
 //! Sending: an image directory's frames, its bytes spread over the session's streams (part of
 //! [`super`]).
 
-use super::streams::SendLane;
-use super::*;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::error::{SendError, WireError};
+use super::handoff::send_abort;
+use super::mac::{pieces_digest, FrameMac, Piece};
+use super::session::{
+    read_frame, send_frame, sender_handshake_streams, write_frame, Base, Connection, DirHeader,
+    FileHeader, Frame, FrameError, Patch, SendLane, Session, Totals, CHUNK_BYTES, MAX_STREAMS,
+};
+use crate::auth::HmacKey;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
@@ -18,115 +29,6 @@ pub struct SendReport {
     pub sent_bytes: u64,
     /// From the handshake to the receiver's `Committed`.
     pub elapsed: Duration,
-}
-
-/// Why a directory could not be sent.
-#[derive(Debug, thiserror::Error)]
-pub enum SendError {
-    /// Listing the directory.
-    #[error("reading the directory {}", path.display())]
-    List {
-        /// The directory.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
-    /// Something that is neither a regular file nor a directory.
-    #[error("{}: {what}, which is not sent (only regular files and directories are)", path.display())]
-    Unsupported {
-        /// The entry.
-        path: PathBuf,
-        /// What it is.
-        what: &'static str,
-    },
-    /// A name that is not UTF-8.
-    #[error("{}: its name is not UTF-8, which the transfer cannot carry", path.display())]
-    NotUtf8 {
-        /// The entry.
-        path: PathBuf,
-    },
-    /// Reading a file.
-    #[error("reading {}", path.display())]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
-    /// A file whose length changed while it was sent.
-    #[error("{} changed while it was sent ({listed} bytes when listed)", path.display())]
-    Changed {
-        /// The file.
-        path: PathBuf,
-        /// Its length when listed.
-        listed: u64,
-    },
-    /// A piece of the final set sent again (a patch of a file sent ahead) whose bytes are not
-    /// those hashed at the cut: the file changed again since.
-    #[error(
-        "{}: the {len} bytes at offset {offset} changed again after they were hashed at the cut \
-         (the image must not change while it is sent)",
-        path.display()
-    )]
-    Rechanged {
-        /// The file.
-        path: PathBuf,
-        /// Where the piece begins.
-        offset: u64,
-        /// Its length.
-        len: u64,
-    },
-    /// A frame to or from the receiver on the session's first stream.
-    #[error(transparent)]
-    Frame(#[from] FrameError),
-    /// A frame on another stream of the session.
-    #[error("sending on stream {index} of the session")]
-    Stream {
-        /// The stream.
-        index: u32,
-        /// Why.
-        #[source]
-        source: FrameError,
-    },
-    /// The receiver gave up.
-    #[error("the receiver refused the transfer: {reason}")]
-    Rejected {
-        /// Its reason.
-        reason: String,
-    },
-    /// The receiver answered `Done` with something else than its confirmation.
-    #[error("the receiver answered the transfer's end with a {got} frame, not Committed")]
-    Unconfirmed {
-        /// What it sent.
-        got: &'static str,
-    },
-    /// The receiver counted other totals.
-    #[error(
-        "the receiver counted {} files and {} bytes, {} and {} were sent",
-        got.files, got.bytes, sent.files, sent.bytes
-    )]
-    Miscounted {
-        /// Sent.
-        sent: Totals,
-        /// Counted.
-        got: Totals,
-    },
-}
-
-/// Why a transfer failed, by step.
-#[derive(Debug, thiserror::Error)]
-pub enum WireError {
-    /// The handshake.
-    #[error(transparent)]
-    Handshake(#[from] HandshakeError),
-    /// Sending.
-    #[error(transparent)]
-    Send(#[from] SendError),
-    /// Receiving.
-    #[error(transparent)]
-    Receive(#[from] ReceiveError),
 }
 
 /// An entry of the directory sent.

@@ -1,10 +1,26 @@
 //! Tests of `wire`.
+use super::mac::{keyed, HEADER_BYTES};
 use super::*;
-use std::net::TcpListener;
+use crate::auth::HmacKey;
+use possum_engine::store::{BufferRecord, ChunkSink};
+use std::fs;
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::thread;
+use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Asserts that the `WireError` `$e` is the receiver's refusal `$refusal` (a `ReceiveError`
+/// pattern).
+macro_rules! assert_refused {
+    ($e:expr, $refusal:pat) => {
+        assert!(matches!($e, WireError::Receive($refusal)), "{:?}", $e)
+    };
+}
 
 fn key(b: u8) -> HmacKey {
     HmacKey::from_bytes(vec![b; 32]).unwrap()
@@ -218,28 +234,67 @@ fn send(s: &mut UnixStream, session: &mut Session, frame: &Frame<'_>) {
     let _ = write_frame(s, session, frame);
 }
 
-/// Writes a part of one file (not `Done`): its header, `Chunks`, its chunk, `EndPart`.
-fn put(s: &mut UnixStream, session: &mut Session, path: &str, data: &[u8]) {
-    let h = FileHeader {
+/// The header of file 0 of a part: `path`, `size` bytes, `mode`, on no base.
+fn file_header(path: &str, size: u64, mode: u32) -> FileHeader {
+    FileHeader {
         id: 0,
         path: path.to_string(),
-        size: data.len() as u64,
-        mode: 0o644,
+        size,
+        mode,
         base: None,
-    };
+    }
+}
+
+/// Writes the start of a part of one file: its header `h`, `Chunks`, then each of `chunks`
+/// (offset, bytes) of file 0; no `EndPart`.
+fn begin_part(s: &mut UnixStream, session: &mut Session, h: FileHeader, chunks: &[(u64, &[u8])]) {
     send(s, session, &Frame::File(h));
     send(s, session, &Frame::Chunks);
-    send(
-        s,
-        session,
-        &Frame::Chunk {
-            file: 0,
-            offset: 0,
-            data,
-        },
-    );
-    let bytes = data.len() as u64;
-    send(s, session, &Frame::EndPart { chunks: 1, bytes });
+    for &(offset, data) in chunks {
+        send(
+            s,
+            session,
+            &Frame::Chunk {
+                file: 0,
+                offset,
+                data,
+            },
+        );
+    }
+}
+
+/// Writes a part of one file (not `Done`): `begin_part`, then the `EndPart` that counts its
+/// chunks and their bytes.
+fn part(s: &mut UnixStream, session: &mut Session, h: FileHeader, chunks: &[(u64, &[u8])]) {
+    begin_part(s, session, h, chunks);
+    let bytes = chunks.iter().map(|(_, d)| d.len() as u64).sum();
+    let chunks = chunks.len() as u64;
+    send(s, session, &Frame::EndPart { chunks, bytes });
+}
+
+/// Writes a part of one file (not `Done`): its header, `Chunks`, its chunk, `EndPart`.
+fn put(s: &mut UnixStream, session: &mut Session, path: &str, data: &[u8]) {
+    let h = file_header(path, data.len() as u64, 0o644);
+    part(s, session, h, &[(0, data)]);
+}
+
+/// Asserts that `e`, in `case`, is the receiver's refusal of frame `seq` of stream 0 for `why`,
+/// its message beginning `frame {seq} of stream 0` and holding `says`.
+fn assert_misfit(case: &str, e: &WireError, seq: u64, why: Misfit, says: &str) {
+    let got = match e {
+        WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
+            stream: 0,
+            seq,
+            why,
+            ..
+        })) => Some((*seq, *why)),
+        _ => None,
+    };
+    assert_eq!(got, Some((seq, why)), "{case}: {e:?}");
+    let text = e.to_string();
+    let head = format!("frame {seq} of stream 0");
+    assert!(text.starts_with(&head), "{case}: {e}");
+    assert!(text.contains(says), "{case}: {e}");
 }
 
 /// Writes `Done`.
@@ -361,21 +416,8 @@ fn a_connection_dropped_mid_file_fails_and_nothing_is_written() {
     let dest = out.join("image");
     let e = against(&dest, |s, session| {
         let data = noise(1 << 20);
-        let h = FileHeader {
-            id: 0,
-            path: "criu/pages-1.img".into(),
-            size: 2 << 20,
-            mode: 0o600,
-            base: None,
-        };
-        send(s, session, &Frame::File(h));
-        send(s, session, &Frame::Chunks);
-        let chunk = Frame::Chunk {
-            file: 0,
-            offset: 0,
-            data: &data,
-        };
-        send(s, session, &chunk);
+        let h = file_header("criu/pages-1.img", 2 << 20, 0o600);
+        begin_part(s, session, h, &[(0, &data)]);
         // Half a frame, then the close.
         let _ = s.write_all(&[KIND_CHUNK, 1, 0]);
     });
@@ -389,70 +431,22 @@ fn a_connection_dropped_mid_file_fails_and_nothing_is_written() {
     assert!(names(&out).is_empty());
     // A file shorter than its size, its part ended: refused too.
     let e = against(&dest, |s, session| {
-        let h = FileHeader {
-            id: 0,
-            path: "f".into(),
-            size: 10,
-            mode: 0o600,
-            base: None,
-        };
-        send(s, session, &Frame::File(h));
-        send(s, session, &Frame::Chunks);
-        let chunk = Frame::Chunk {
-            file: 0,
-            offset: 0,
-            data: b"12345",
-        };
-        send(s, session, &chunk);
-        send(
-            s,
-            session,
-            &Frame::EndPart {
-                chunks: 1,
-                bytes: 5,
-            },
-        );
+        part(s, session, file_header("f", 10, 0o600), &[(0, b"12345")]);
     });
-    assert!(
-        matches!(
-            e,
-            WireError::Receive(ReceiveError::Size {
-                size: 10,
-                got: 5,
-                ..
-            })
-        ),
-        "{e:?}"
+    assert_refused!(
+        e,
+        ReceiveError::Size {
+            size: 10,
+            got: 5,
+            ..
+        }
     );
     assert!(names(&out).is_empty());
     // Two chunks of the same bytes, or one past the file's end.
     for (offset, data) in [(3u64, &b"45678"[..]), (8, b"90abc")] {
         let e = against(&dest, |s, session| {
-            let h = FileHeader {
-                id: 0,
-                path: "f".into(),
-                size: 10,
-                mode: 0o600,
-                base: None,
-            };
-            send(s, session, &Frame::File(h));
-            send(s, session, &Frame::Chunks);
-            for (offset, data) in [(0, &b"12345"[..]), (offset, data)] {
-                let chunk = Frame::Chunk {
-                    file: 0,
-                    offset,
-                    data,
-                };
-                send(s, session, &chunk);
-            }
-            send(
-                s,
-                session,
-                &Frame::EndPart {
-                    chunks: 2,
-                    bytes: 10,
-                },
-            );
+            let chunks = [(0, &b"12345"[..]), (offset, data)];
+            part(s, session, file_header("f", 10, 0o600), &chunks);
         });
         assert!(
             matches!(
@@ -535,108 +529,76 @@ fn a_chunk_damaged_in_transit_is_detected_and_nothing_is_written() {
 fn a_frame_changed_dropped_replayed_or_reordered_is_refused_naming_it() {
     let (_tmp, _src, out) = dirs();
     let dest = out.join("image");
-    let header = |path: &str| {
-        Frame::File(FileHeader {
-            id: 0,
-            path: path.into(),
-            size: 4,
-            mode: 0o644,
-            base: None,
-        })
-    };
-    // What a man in the middle would send: the chunk's bytes changed.
-    let e = against(&dest, |s, session| {
-        send(s, session, &header("f"));
-        send(s, session, &Frame::Chunks);
-        let good = Frame::Chunk {
-            file: 0,
-            offset: 0,
-            data: b"good",
-        };
-        let mut wire = encoded(session, &good);
-        let at = wire.len() - TAG_BYTES - 4;
-        wire[at..at + 4].copy_from_slice(b"evil");
-        let _ = s.write_all(&wire);
-    });
-    assert!(
-        matches!(
-            e,
-            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
-                seq: 2,
-                why: Misfit::Changed,
-                ..
-            }))
-        ),
-        "{e:?}"
-    );
-    assert!(
-        e.to_string().starts_with("frame 2 of stream 0, a Chunk"),
-        "{e}"
-    );
-    assert!(names(&out).is_empty());
-    // A frame left out: the next is early.
-    let e = against(&dest, |s, session| {
-        send(s, session, &header("f"));
-        let _ = encoded(
-            session,
-            &Frame::Dir(DirHeader {
-                path: "d".into(),
-                mode: 0o755,
+    let header = |path: &str| Frame::File(file_header(path, 4, 0o644));
+    type Frames = Box<dyn FnOnce(&mut UnixStream, &mut Session)>;
+    let cases: [(&str, Frames, u64, Misfit, &str); 4] = [
+        (
+            // What a man in the middle would send: the chunk's bytes changed.
+            "changed",
+            Box::new(move |s, session| {
+                send(s, session, &header("f"));
+                send(s, session, &Frame::Chunks);
+                let good = Frame::Chunk {
+                    file: 0,
+                    offset: 0,
+                    data: b"good",
+                };
+                let mut wire = encoded(session, &good);
+                let at = wire.len() - TAG_BYTES - 4;
+                wire[at..at + 4].copy_from_slice(b"evil");
+                let _ = s.write_all(&wire);
             }),
-        );
-        send(s, session, &Frame::Chunks);
-    });
-    assert!(
-        matches!(
-            e,
-            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
-                seq: 1,
-                why: Misfit::Early { is: 2 },
-                ..
-            }))
+            2,
+            Misfit::Changed,
+            "frame 2 of stream 0, a Chunk",
         ),
-        "{e:?}"
-    );
-    assert!(e.to_string().contains("dropped or reordered"), "{e}");
-    assert!(names(&out).is_empty());
-    // A frame sent twice.
-    let e = against(&dest, |s, session| {
-        let wire = encoded(session, &header("f"));
-        let _ = s.write_all(&wire);
-        let _ = s.write_all(&wire);
-    });
-    assert!(
-        matches!(
-            e,
-            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
-                seq: 1,
-                why: Misfit::Replayed { of: 0 },
-                ..
-            }))
+        (
+            // A frame left out: the next is early.
+            "dropped",
+            Box::new(move |s, session| {
+                send(s, session, &header("f"));
+                let dir = DirHeader {
+                    path: "d".into(),
+                    mode: 0o755,
+                };
+                let _ = encoded(session, &Frame::Dir(dir));
+                send(s, session, &Frame::Chunks);
+            }),
+            1,
+            Misfit::Early { is: 2 },
+            "dropped or reordered",
         ),
-        "{e:?}"
-    );
-    assert!(e.to_string().contains("a replay"), "{e}");
-    assert!(names(&out).is_empty());
-    // Two frames in the other order.
-    let e = against(&dest, |s, session| {
-        let first = encoded(session, &header("f"));
-        let second = encoded(session, &Frame::Chunks);
-        let _ = s.write_all(&second);
-        let _ = s.write_all(&first);
-    });
-    assert!(
-        matches!(
-            e,
-            WireError::Receive(ReceiveError::Frame(FrameError::Unauthenticated {
-                seq: 0,
-                why: Misfit::Early { is: 1 },
-                ..
-            }))
+        (
+            // A frame sent twice.
+            "replayed",
+            Box::new(move |s, session| {
+                let wire = encoded(session, &header("f"));
+                let _ = s.write_all(&wire);
+                let _ = s.write_all(&wire);
+            }),
+            1,
+            Misfit::Replayed { of: 0 },
+            "a replay",
         ),
-        "{e:?}"
-    );
-    assert!(names(&out).is_empty());
+        (
+            // Two frames in the other order.
+            "reordered",
+            Box::new(move |s, session| {
+                let first = encoded(session, &header("f"));
+                let second = encoded(session, &Frame::Chunks);
+                let _ = s.write_all(&second);
+                let _ = s.write_all(&first);
+            }),
+            0,
+            Misfit::Early { is: 1 },
+            "dropped or reordered",
+        ),
+    ];
+    for (case, frames, seq, why, says) in cases {
+        let e = against(&dest, frames);
+        assert_misfit(case, &e, seq, why, says);
+        assert!(names(&out).is_empty(), "{case}");
+    }
 }
 
 #[test]
@@ -724,34 +686,23 @@ fn a_silent_sender_times_out_and_nothing_is_written() {
     assert!(names(&out).is_empty());
 }
 
-/// After `Committed`: `Released` then `Outcome`, each under the session's MAC; one sent again
-/// (a replay) is refused.
-#[test]
-fn the_hand_off_after_a_transfer_is_authenticated_by_the_session() {
-    let (_tmp, src, out) = dirs();
-    fs::write(src.join("a"), b"image").unwrap();
+/// Sends `src` into `dest`, then the hand-off: the receiver, after the first `Released`,
+/// answers `outcome` and waits for a second `Released`; the sender sends the first, hears
+/// `outcome`, and sends that first `Released` again. Asserts the receiver refuses it as a
+/// replay; the sender's report.
+fn hand_off_with_a_replayed_release(src: &Path, dest: PathBuf, outcome: Outcome) -> SendReport {
     let (mut a, mut b) = pair();
-    let dest = out.join("img");
+    let answer = outcome.clone();
     let receiver = thread::spawn(move || {
         let (_, mut session) = receive_dir_session(&mut b, &key(1), &dest).unwrap();
         await_released(&mut b, &mut session).unwrap();
-        let outcome = Outcome::RestoreFailed {
-            reason: "no CRIU here".into(),
-        };
-        send_outcome(&mut b, &mut session, &outcome).unwrap();
-        // The Released replayed is refused.
+        send_outcome(&mut b, &mut session, &answer).unwrap();
         await_released(&mut b, &mut session)
     });
-    let (report, mut session) = send_dir_session(&mut a, &key(1), &src).unwrap();
-    assert_eq!(report.totals, Totals { files: 1, bytes: 5 });
+    let (report, mut session) = send_dir_session(&mut a, &key(1), src).unwrap();
     let released = encoded(&mut session, &Frame::Released);
     a.write_all(&released).unwrap();
-    assert_eq!(
-        await_outcome(&mut a, &mut session).unwrap(),
-        Outcome::RestoreFailed {
-            reason: "no CRIU here".into()
-        }
-    );
+    assert_eq!(await_outcome(&mut a, &mut session).unwrap(), outcome);
     a.write_all(&released).unwrap();
     let replayed = receiver.join().unwrap();
     assert!(
@@ -765,6 +716,20 @@ fn the_hand_off_after_a_transfer_is_authenticated_by_the_session() {
         ),
         "{replayed:?}"
     );
+    report
+}
+
+/// After `Committed`: `Released` then `Outcome`, each under the session's MAC; one sent again
+/// (a replay) is refused.
+#[test]
+fn the_hand_off_after_a_transfer_is_authenticated_by_the_session() {
+    let (_tmp, src, out) = dirs();
+    fs::write(src.join("a"), b"image").unwrap();
+    let outcome = Outcome::RestoreFailed {
+        reason: "no CRIU here".into(),
+    };
+    let report = hand_off_with_a_replayed_release(&src, out.join("img"), outcome);
+    assert_eq!(report.totals, Totals { files: 1, bytes: 5 });
     assert_eq!(fs::read(out.join("img/a")).unwrap(), b"image");
 }
 
@@ -774,34 +739,7 @@ fn the_hand_off_after_a_transfer_is_authenticated_by_the_session() {
 fn the_go_after_a_held_restore_is_chained_to_it() {
     let (_tmp, src, out) = dirs();
     fs::write(src.join("a"), b"image").unwrap();
-    let (mut a, mut b) = pair();
-    let dest = out.join("img");
-    let receiver = thread::spawn(move || {
-        let (_, mut session) = receive_dir_session(&mut b, &key(1), &dest).unwrap();
-        await_released(&mut b, &mut session).unwrap();
-        send_outcome(&mut b, &mut session, &Outcome::Restored { pid: 7 }).unwrap();
-        await_released(&mut b, &mut session)
-    });
-    let (_, mut session) = send_dir_session(&mut a, &key(1), &src).unwrap();
-    let released = encoded(&mut session, &Frame::Released);
-    a.write_all(&released).unwrap();
-    assert_eq!(
-        await_outcome(&mut a, &mut session).unwrap(),
-        Outcome::Restored { pid: 7 }
-    );
-    // The first Released again, as the go.
-    a.write_all(&released).unwrap();
-    let replayed = receiver.join().unwrap();
-    assert!(
-        matches!(
-            replayed,
-            Err(HandoffError::Frame(FrameError::Unauthenticated {
-                why: Misfit::Replayed { .. },
-                ..
-            }))
-        ),
-        "{replayed:?}"
-    );
+    hand_off_with_a_replayed_release(&src, out.join("img"), Outcome::Restored { pid: 7 });
 }
 
 /// A paced stream writes everything, in bursts of at most a twentieth of its rate.

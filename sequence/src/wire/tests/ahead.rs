@@ -2,6 +2,48 @@
 //! in place), and sessions of several streams (part of [`super`]).
 
 use super::*;
+use crate::wire::mac::{pieces_digest, FrameMac, Piece, Way, KEY_BYTES};
+use std::io::Read;
+
+/// What a receiver on a thread of its own makes of a send.
+type Receiving = thread::JoinHandle<Result<ReceiveReport, WireError>>;
+
+/// A receiver into `dest` on one end of a pair, on a thread of its own; the other end, and a
+/// sender of one stream started on it.
+fn sender_to(dest: &Path) -> (UnixStream, DirSender, Receiving) {
+    let (mut a, mut b) = pair();
+    let d = dest.to_path_buf();
+    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
+    let sender = DirSender::start(&mut a, &key(2)).unwrap();
+    (a, sender, receiver)
+}
+
+/// The final set of `src` sent on `conn`; asserts the receiver's totals are the sender's. The
+/// sender's report.
+fn finish(
+    sender: DirSender,
+    conn: &mut (impl Read + Write),
+    src: &Path,
+    receiver: Receiving,
+) -> SendReport {
+    let (report, _) = sender.finish(conn, src).unwrap();
+    let got = receiver.join().unwrap().unwrap();
+    assert_eq!(got.totals, report.totals);
+    report
+}
+
+/// Writes each of `files` (a path under `src`, its bytes).
+fn write_files(src: &Path, files: &[(&str, &[u8])]) {
+    for (path, bytes) in files {
+        fs::write(src.join(path), bytes).unwrap();
+    }
+}
+
+/// Asserts `dest` is `src`, bit-exact with its modes, and the only entry of `out`.
+fn assert_arrived(src: &Path, dest: &Path, out: &Path) {
+    assert_eq!(snapshot(dest), snapshot(src));
+    assert_eq!(names(out), ["image"]);
+}
 
 /// A file sent ahead whose final version begins with it (found by its inode, renamed and
 /// grown since), one unchanged, one rewritten in place, one gone and one new: only the new
@@ -11,31 +53,27 @@ fn a_directory_sent_ahead_then_whole_sends_only_what_changed_after_the_cut() {
     let (_tmp, src, out) = dirs();
     fs::create_dir(src.join(".gpu.tmp")).unwrap();
     let data = noise(CHUNK_BYTES + 1000);
-    fs::write(src.join(".gpu.tmp/data-000.bin"), &data).unwrap();
-    fs::write(src.join("same"), b"unchanged").unwrap();
-    fs::write(src.join("rewritten"), b"version 1").unwrap();
-    fs::write(src.join("lock"), b"").unwrap();
-    let (mut a, mut b) = pair();
+    write_files(
+        &src,
+        &[
+            (".gpu.tmp/data-000.bin", &data),
+            ("same", b"unchanged"),
+            ("rewritten", b"version 1"),
+            ("lock", b""),
+        ],
+    );
     let dest = out.join("image");
-    let d = dest.clone();
-    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
-    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    let (mut a, mut sender, receiver) = sender_to(&dest);
     let ahead = sender.send_ahead(&mut a, &src).unwrap();
     assert_eq!(ahead.files, 4);
     // The cut: the engine's image named, appended to; a file rewritten, one removed, one new.
     fs::rename(src.join(".gpu.tmp"), src.join("gpu")).unwrap();
     let more = noise(5000);
-    let mut f = fs::OpenOptions::new()
-        .append(true)
-        .open(src.join("gpu/data-000.bin"))
-        .unwrap();
-    f.write_all(&more).unwrap();
-    drop(f);
+    append_to(&src.join("gpu/data-000.bin"), &more);
     fs::write(src.join("rewritten"), b"version 2").unwrap();
     fs::remove_file(src.join("lock")).unwrap();
     fs::write(src.join("possum.json"), b"{}").unwrap();
-    let (report, _) = sender.finish(&mut a, &src).unwrap();
-    let got = receiver.join().unwrap().unwrap();
+    let report = finish(sender, &mut a, &src, receiver);
     let whole = (data.len() + more.len() + 9 + 9 + 2) as u64;
     assert_eq!(
         report.totals,
@@ -44,10 +82,8 @@ fn a_directory_sent_ahead_then_whole_sends_only_what_changed_after_the_cut() {
             bytes: whole
         }
     );
-    assert_eq!(got.totals, report.totals);
     assert_eq!(report.sent_bytes, (more.len() + 9 + 2) as u64);
-    assert_eq!(snapshot(&dest), snapshot(&src));
-    assert_eq!(names(&out), vec!["image".to_string()]);
+    assert_arrived(&src, &dest, &out);
 }
 
 /// After a `Cut`, a base that was not sent ahead, or is not what was, is refused, and
@@ -56,36 +92,6 @@ fn a_directory_sent_ahead_then_whole_sends_only_what_changed_after_the_cut() {
 fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
     let (_tmp, _src, out) = dirs();
     let dest = out.join("image");
-    let with_base = |base: Base| {
-        move |s: &mut UnixStream, session: &mut Session| {
-            put(s, session, "a", b"ahead");
-            send(s, session, &Frame::Cut);
-            let h = FileHeader {
-                id: 0,
-                path: "a".into(),
-                size: 7,
-                mode: 0o644,
-                base: Some(base),
-            };
-            send(s, session, &Frame::File(h));
-            send(s, session, &Frame::Chunks);
-            let chunk = Frame::Chunk {
-                file: 0,
-                offset: 5,
-                data: b"!!",
-            };
-            send(s, session, &chunk);
-            send(
-                s,
-                session,
-                &Frame::EndPart {
-                    chunks: 1,
-                    bytes: 2,
-                },
-            );
-            done(s, session, Totals { files: 1, bytes: 7 });
-        }
-    };
     // The digest of bytes sent as one piece.
     let digest = |d: &[u8]| {
         let pieces: Vec<Piece> = (!d.is_empty())
@@ -98,111 +104,68 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
             .collect();
         pieces_digest(&pieces)
     };
+    // A base: `path` sent ahead as the `size` bytes `sent`, unpatched.
+    let base = |path: &str, size: u64, sent: &[u8]| Base {
+        path: path.into(),
+        size,
+        digest: digest(sent),
+        patches: Vec::new(),
+    };
+    let with_base = |base: Base| {
+        move |s: &mut UnixStream, session: &mut Session| {
+            put(s, session, "a", b"ahead");
+            send(s, session, &Frame::Cut);
+            part(s, session, on_base("a", 7, base), &[(5, b"!!")]);
+            done(s, session, Totals { files: 1, bytes: 7 });
+        }
+    };
     // The sound one is taken.
-    against_ok(
-        &dest,
-        with_base(Base {
-            path: "a".into(),
-            size: 5,
-            digest: digest(b"ahead"),
-            patches: Vec::new(),
-        }),
-    );
+    against_ok(&dest, with_base(base("a", 5, b"ahead")));
     assert_eq!(fs::read(dest.join("a")).unwrap(), b"ahead!!");
     fs::remove_dir_all(&dest).unwrap();
     for (base, why) in [
-        (
-            Base {
-                path: "b".into(),
-                size: 5,
-                digest: digest(b"ahead"),
-                patches: Vec::new(),
-            },
-            "not sent ahead",
-        ),
-        (
-            Base {
-                path: "a".into(),
-                size: 5,
-                digest: digest(b"other"),
-                patches: Vec::new(),
-            },
-            "not what was sent ahead",
-        ),
-        (
-            Base {
-                path: "a".into(),
-                size: 4,
-                digest: digest(b"ahea"),
-                patches: Vec::new(),
-            },
-            "not what was sent ahead",
-        ),
+        (base("b", 5, b"ahead"), "not sent ahead"),
+        (base("a", 5, b"other"), "not what was sent ahead"),
+        (base("a", 4, b"ahea"), "not what was sent ahead"),
     ] {
         let e = against(&dest, with_base(base));
         assert!(
             matches!(e, WireError::Receive(ReceiveError::Ahead { .. })),
-            "{e:?}"
+            "{why}: {e:?}"
         );
         assert!(e.to_string().contains(why), "{e}");
         assert!(names(&out).is_empty(), "{:?}", names(&out));
     }
     // Before any Cut, a base that was not sent ahead, or another file's.
-    let e = against(&dest, |s, session| {
-        put(s, session, "a", b"ahead");
-        let h = FileHeader {
-            id: 0,
-            path: "b".into(),
-            size: 7,
-            mode: 0o644,
-            base: Some(Base {
-                path: "a".into(),
-                size: 5,
-                digest: digest(b"ahead"),
-                patches: Vec::new(),
-            }),
-        };
-        send(s, session, &Frame::File(h));
-        send(s, session, &Frame::Chunks);
-        send(
-            s,
-            session,
-            &Frame::EndPart {
-                chunks: 0,
-                bytes: 0,
-            },
-        );
-        done(s, session, Totals { files: 1, bytes: 7 });
-    });
-    assert!(e.to_string().contains("goes on only itself"), "{e}");
-    assert!(names(&out).is_empty());
-    let e = against(&dest, |s, session| {
-        let h = FileHeader {
-            id: 0,
-            path: "a".into(),
-            size: 1,
-            mode: 0o644,
-            base: Some(Base {
-                path: "a".into(),
-                size: 0,
-                digest: digest(b""),
-                patches: Vec::new(),
-            }),
-        };
-        send(s, session, &Frame::File(h));
-        send(s, session, &Frame::Chunks);
-        send(
-            s,
-            session,
-            &Frame::EndPart {
-                chunks: 0,
-                bytes: 0,
-            },
-        );
-        done(s, session, Totals { files: 1, bytes: 1 });
-    });
-    assert!(e.to_string().contains("not sent ahead"), "{e}");
-    assert!(names(&out).is_empty());
+    for (ahead, path, size, base, why) in [
+        (true, "b", 7, base("a", 5, b"ahead"), "goes on only itself"),
+        (false, "a", 1, base("a", 0, b""), "not sent ahead"),
+    ] {
+        let e = against(&dest, |s, session| {
+            if ahead {
+                put(s, session, "a", b"ahead");
+            }
+            part(s, session, on_base(path, size, base), &[]);
+            done(
+                s,
+                session,
+                Totals {
+                    files: 1,
+                    bytes: size,
+                },
+            );
+        });
+        assert!(e.to_string().contains(why), "{why}: {e}");
+        assert!(names(&out).is_empty(), "{why}");
+    }
+}
+
+/// The header of file 0 of a part, `path` of `size` bytes on `base`.
+fn on_base(path: &str, size: u64, base: Base) -> FileHeader {
+    FileHeader {
+        base: Some(base),
+        ..file_header(path, size, 0o644)
+    }
 }
 
 /// Rounds ahead of the cut (a migration's pre-copy rounds): a file sent in an earlier round
@@ -212,27 +175,20 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
 #[test]
 fn a_directory_sent_ahead_in_rounds_sends_each_file_s_gain_once() {
     let (_tmp, src, out) = dirs();
-    let append = |name: &str, bytes: &[u8]| {
-        let mut f = fs::OpenOptions::new()
-            .append(true)
-            .open(src.join(name))
-            .unwrap();
-        f.write_all(bytes).unwrap();
-    };
     let data = noise(CHUNK_BYTES + 1000);
-    fs::write(src.join("data"), &data).unwrap();
-    fs::write(src.join("same"), b"unchanged").unwrap();
-    fs::write(src.join("rewritten"), b"version 1").unwrap();
-    let (mut a, mut b) = pair();
+    let first = [
+        ("data", &data[..]),
+        ("same", b"unchanged"),
+        ("rewritten", b"version 1"),
+    ];
+    write_files(&src, &first);
     let dest = out.join("image");
-    let d = dest.clone();
-    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
-    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    let (mut a, mut sender, receiver) = sender_to(&dest);
     let first = sender.send_ahead(&mut a, &src).unwrap();
     assert_eq!(first.files, 3);
     // Round 2: data grew, a file is new, one is rewritten in place.
     let gain = noise(3000);
-    append("data", &gain);
+    append_to(&src.join("data"), &gain);
     fs::write(src.join("new"), b"new file").unwrap();
     fs::write(src.join("rewritten"), b"version 2").unwrap();
     let second = sender.send_ahead(&mut a, &src).unwrap();
@@ -248,18 +204,15 @@ fn a_directory_sent_ahead_in_rounds_sends_each_file_s_gain_once() {
     assert_eq!(sender.send_ahead(&mut a, &src).unwrap(), Totals::default());
     // The cut: data grows again.
     let last = noise(700);
-    append("data", &last);
-    let (report, _) = sender.finish(&mut a, &src).unwrap();
-    let got = receiver.join().unwrap().unwrap();
-    assert_eq!(got.totals, report.totals);
+    append_to(&src.join("data"), &last);
+    let report = finish(sender, &mut a, &src, receiver);
     assert_eq!(report.totals.files, 4);
     assert_eq!(
         report.sent_bytes,
         last.len() as u64,
         "data's last gain only"
     );
-    assert_eq!(snapshot(&dest), snapshot(&src));
-    assert_eq!(names(&out), vec!["image".to_string()]);
+    assert_arrived(&src, &dest, &out);
 }
 
 /// A receiver on a loopback port that takes `conns` connections, each on a thread of its own:
@@ -302,11 +255,29 @@ fn streams_receiver(
     (addr, receiver, refusals)
 }
 
-/// A connection to `addr` for a stream, its writes through `wrap`.
+/// A connection to `addr` for a stream.
 fn lane_to(addr: std::net::SocketAddr) -> io::Result<TcpStream> {
     let s = TcpStream::connect(addr)?;
     set_timeouts(&s, TIMEOUT)?;
     Ok(s)
+}
+
+/// A receiver into `dest` of a session of `streams` streams under `key(k)`, and a sender of
+/// that session started on its first connection; each other stream's connection goes through
+/// `wrap` (given the stream's index).
+fn streams_sender(
+    k: u8,
+    dest: &Path,
+    streams: u32,
+    wrap: fn(TcpStream, u32) -> Box<dyn Connection>,
+) -> (TcpStream, DirSender, Receiving) {
+    let (addr, receiver, _) = streams_receiver(key(k), dest.to_path_buf(), streams as usize);
+    let mut main = lane_to(addr).unwrap();
+    let sender = DirSender::start_streams(&mut main, &key(k), streams, |index| {
+        Ok(wrap(lane_to(addr)?, index))
+    })
+    .unwrap();
+    (main, sender, receiver)
 }
 
 /// A directory of files of several sizes, one of many chunks.
@@ -332,34 +303,21 @@ fn a_send_over_several_streams_arrives_bit_exact() {
     let (_tmp, src, out) = dirs();
     many_files(&src);
     let dest = out.join("image");
-    let (addr, receiver, _) = streams_receiver(key(7), dest.clone(), 4);
-    let mut main = lane_to(addr).unwrap();
-    let mut sender = DirSender::start_streams(&mut main, &key(7), 4, |_| {
-        Ok(Box::new(lane_to(addr)?) as Box<dyn Connection>)
-    })
-    .unwrap();
+    let (mut main, mut sender, receiver) = streams_sender(7, &dest, 4, |s, _| Box::new(s));
     let ahead = sender.send_ahead(&mut main, &src).unwrap();
     assert_eq!(ahead.files, 24);
     // The big file grows and a new one comes, between the round and the final set.
     let more = noise(3 * CHUNK_BYTES + 7);
-    let mut f = fs::OpenOptions::new()
-        .append(true)
-        .open(src.join("gpu/gpu-0/data-000.bin"))
-        .unwrap();
-    f.write_all(&more).unwrap();
-    drop(f);
+    append_to(&src.join("gpu/gpu-0/data-000.bin"), &more);
     fs::write(src.join("criu.img"), noise(2 * CHUNK_BYTES + 1)).unwrap();
-    let (report, _) = sender.finish(&mut main, &src).unwrap();
-    let got = receiver.join().unwrap().unwrap();
-    assert_eq!(got.totals, report.totals);
+    let report = finish(sender, &mut main, &src, receiver);
     assert_eq!(report.totals.files, 25);
     assert_eq!(
         report.sent_bytes,
         (more.len() + 2 * CHUNK_BYTES + 1) as u64,
         "after the cut, the big file's gain and the new file only"
     );
-    assert_eq!(snapshot(&dest), snapshot(&src));
-    assert_eq!(names(&out), ["image"]);
+    assert_arrived(&src, &dest, &out);
 }
 
 /// Writes `bytes` over `path` at `offset`, in place: the same file, its other bytes kept.
@@ -390,12 +348,7 @@ fn a_file_rewritten_in_place_sends_only_its_changed_pieces() {
     fs::write(&grown, noise(2 * CHUNK_BYTES + 10)).unwrap();
     fs::write(src.join("possum.json"), b"{}").unwrap();
     let dest = out.join("image");
-    let (addr, receiver, _) = streams_receiver(key(8), dest.clone(), 4);
-    let mut main = lane_to(addr).unwrap();
-    let mut sender = DirSender::start_streams(&mut main, &key(8), 4, |_| {
-        Ok(Box::new(lane_to(addr)?) as Box<dyn Connection>)
-    })
-    .unwrap();
+    let (mut main, mut sender, receiver) = streams_sender(8, &dest, 4, |s, _| Box::new(s));
     let first = sender.send_ahead(&mut main, &src).unwrap();
     assert_eq!(first.files, 3);
     // Round 2: 100 bytes of the third piece rewritten: that piece alone is sent again.
@@ -416,9 +369,7 @@ fn a_file_rewritten_in_place_sends_only_its_changed_pieces() {
     let more = noise(CHUNK_BYTES + 77);
     append_to(&grown, &more);
     fs::write(src.join("criu.img"), noise(1000)).unwrap();
-    let (report, _) = sender.finish(&mut main, &src).unwrap();
-    let got = receiver.join().unwrap().unwrap();
-    assert_eq!(got.totals, report.totals);
+    let report = finish(sender, &mut main, &src, receiver);
     assert_eq!(report.totals.files, 4);
     let whole = (6 * CHUNK_BYTES + 4321) + (2 * CHUNK_BYTES + 10) + more.len() + 2 + 1000;
     assert_eq!(report.totals.bytes, whole as u64);
@@ -430,8 +381,7 @@ fn a_file_rewritten_in_place_sends_only_its_changed_pieces() {
         report.sent_bytes
     );
     assert!(report.sent_bytes >= (more.len() + 1000) as u64);
-    assert_eq!(snapshot(&dest), snapshot(&src));
-    assert_eq!(names(&out), ["image"]);
+    assert_arrived(&src, &dest, &out);
 }
 
 /// A file that shrank after it was sent ahead (truncated in place: the same file) waits for
@@ -444,11 +394,8 @@ fn a_file_truncated_after_it_was_sent_ahead_is_sent_whole() {
     fs::write(&shrunk, noise(2 * CHUNK_BYTES + 100)).unwrap();
     fs::write(src.join("replaced"), noise(5000)).unwrap();
     fs::write(src.join("same"), noise(3000)).unwrap();
-    let (mut a, mut b) = pair();
     let dest = out.join("image");
-    let d = dest.clone();
-    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
-    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    let (mut a, mut sender, receiver) = sender_to(&dest);
     assert_eq!(sender.send_ahead(&mut a, &src).unwrap().files, 3);
     let f = fs::OpenOptions::new().write(true).open(&shrunk).unwrap();
     f.set_len(CHUNK_BYTES as u64 + 5).unwrap();
@@ -461,16 +408,13 @@ fn a_file_truncated_after_it_was_sent_ahead_is_sent_whole() {
         Totals::default(),
         "neither goes on ahead of the cut"
     );
-    let (report, _) = sender.finish(&mut a, &src).unwrap();
-    let got = receiver.join().unwrap().unwrap();
-    assert_eq!(got.totals, report.totals);
+    let report = finish(sender, &mut a, &src, receiver);
     assert_eq!(
         report.sent_bytes,
         (CHUNK_BYTES + 5 + 5000) as u64,
         "the shrunk and the replaced file whole, nothing of the unchanged one"
     );
-    assert_eq!(snapshot(&dest), snapshot(&src));
-    assert_eq!(names(&out), ["image"]);
+    assert_arrived(&src, &dest, &out);
 }
 
 /// After a `Cut`, a patch whose bytes are not those the sender hashed at the cut (its file
@@ -492,27 +436,8 @@ fn a_patch_not_what_the_sender_hashed_at_the_cut_is_refused() {
     let with = |patches: Vec<Patch>, chunks: Vec<(u64, &'static [u8])>| {
         let digest = digest.clone();
         move |s: &mut UnixStream, session: &mut Session| {
-            let h = FileHeader {
-                id: 0,
-                path: "a".into(),
-                size: 8,
-                mode: 0o644,
-                base: None,
-            };
-            send(s, session, &Frame::File(h));
-            send(s, session, &Frame::Chunks);
-            for (offset, data) in [(0, b"AAAA"), (4, b"BBBB")] {
-                let file = 0;
-                send(s, session, &Frame::Chunk { file, offset, data });
-            }
-            send(
-                s,
-                session,
-                &Frame::EndPart {
-                    chunks: 2,
-                    bytes: 8,
-                },
-            );
+            let ahead = [(0, &b"AAAA"[..]), (4, b"BBBB")];
+            part(s, session, file_header("a", 8, 0o644), &ahead);
             send(s, session, &Frame::Cut);
             let base = Base {
                 path: "a".into(),
@@ -520,22 +445,7 @@ fn a_patch_not_what_the_sender_hashed_at_the_cut_is_refused() {
                 digest,
                 patches,
             };
-            let h = FileHeader {
-                id: 0,
-                path: "a".into(),
-                size: 8,
-                mode: 0o644,
-                base: Some(base),
-            };
-            send(s, session, &Frame::File(h));
-            send(s, session, &Frame::Chunks);
-            let bytes = chunks.iter().map(|(_, d)| d.len() as u64).sum();
-            for (offset, data) in &chunks {
-                let (file, offset) = (0, *offset);
-                send(s, session, &Frame::Chunk { file, offset, data });
-            }
-            let chunks = chunks.len() as u64;
-            send(s, session, &Frame::EndPart { chunks, bytes });
+            part(s, session, on_base("a", 8, base), &chunks);
             done(s, session, Totals { files: 1, bytes: 8 });
         }
     };
@@ -555,16 +465,13 @@ fn a_patch_not_what_the_sender_hashed_at_the_cut_is_refused() {
         &dest,
         with(vec![patch(4, hex_of(b"CCCC"))], vec![(4, b"DDDD")]),
     );
-    assert!(
-        matches!(
-            e,
-            WireError::Receive(ReceiveError::Patch {
-                offset: 4,
-                len: 4,
-                ..
-            })
-        ),
-        "{e:?}"
+    assert_refused!(
+        e,
+        ReceiveError::Patch {
+            offset: 4,
+            len: 4,
+            ..
+        }
     );
     assert!(
         e.to_string().contains("changed again after it was hashed"),
@@ -604,11 +511,8 @@ fn a_copy_changed_at_the_receiver_after_it_was_sent_ahead_is_refused() {
     let (_tmp, src, out) = dirs();
     let data = noise(3 * CHUNK_BYTES + 99);
     fs::write(src.join("data"), &data).unwrap();
-    let (mut a, mut b) = pair();
     let dest = out.join("image");
-    let d = dest.clone();
-    let receiver = thread::spawn(move || receive_dir(&mut b, &key(2), &d));
-    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    let (mut a, mut sender, receiver) = sender_to(&dest);
     sender.send_ahead(&mut a, &src).unwrap();
     // The receiver's copy, once all of it is there.
     let copy = (0..2000)
@@ -681,11 +585,8 @@ fn a_frame_tampered_on_one_stream_is_refused_and_nothing_is_committed() {
     let (_tmp, src, out) = dirs();
     many_files(&src);
     let dest = out.join("image");
-    let (addr, receiver, _) = streams_receiver(key(5), dest.clone(), 3);
-    let mut main = lane_to(addr).unwrap();
-    let sender = DirSender::start_streams(&mut main, &key(5), 3, |index| {
-        let s = lane_to(addr)?;
-        Ok(if index == 2 {
+    let (mut main, sender, receiver) = streams_sender(5, &dest, 3, |s, index| {
+        if index == 2 {
             // In the head of the stream's first frame (a chunk's place, or its EndPart's count),
             // past its proof.
             let at = PROOF_BYTES + HEADER_BYTES + 3;
@@ -693,12 +594,11 @@ fn a_frame_tampered_on_one_stream_is_refused_and_nothing_is_committed() {
                 inner: s,
                 written: 0,
                 at,
-            }) as Box<dyn Connection>
+            })
         } else {
             Box::new(s)
-        })
-    })
-    .unwrap();
+        }
+    });
     let sent = sender.finish(&mut main, &src).unwrap_err();
     let e = receiver.join().unwrap().unwrap_err();
     assert!(
@@ -851,16 +751,13 @@ fn streams_that_cannot_or_do_not_join_fail_the_session() {
     });
     let mut session = sender_handshake_streams(&mut a, &key(1), 3).unwrap();
     let e = t.join().unwrap().unwrap_err();
-    assert!(
-        matches!(
-            e,
-            WireError::Receive(ReceiveError::Streams {
-                joined: 1,
-                streams: 3,
-                ..
-            })
-        ),
-        "{e:?}"
+    assert_refused!(
+        e,
+        ReceiveError::Streams {
+            joined: 1,
+            streams: 3,
+            ..
+        }
     );
     // The sender is told.
     let mut buf = Vec::new();

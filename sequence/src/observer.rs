@@ -1,0 +1,30 @@
+//! What a sequence tells its caller as it goes.
+
+use std::path::Path;
+
+/// Told how a sequence goes: the copy of the job's buffers (for a progress bar), and what the
+/// user should know that is not an error (the sequences print nothing themselves).
+pub trait Observer {
+    /// The copy of `total` bytes of the job's buffers into `dir` begins.
+    fn copying(&mut self, total: u64, dir: &Path);
+    /// It is over (may be told more than once).
+    fn copied(&mut self);
+    /// Something the user should know (a step taken again, a check that could not be made).
+    fn note(&mut self, what: &str);
+    /// The pre-copy is over and the job runs on until the cut: what it wrote is under `dir`, the
+    /// image's temporary directory, which the cut then completes (a migration sends it ahead
+    /// from here). Told once, engine possum only.
+    fn precopied(&mut self, dir: &Path) {
+        let _ = dir;
+    }
+}
+
+/// An [`Observer`] that shows nothing and drops the notes.
+#[derive(Debug, Default)]
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn copying(&mut self, _: u64, _: &Path) {}
+    fn copied(&mut self) {}
+    fn note(&mut self, _: &str) {}
+}
