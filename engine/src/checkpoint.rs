@@ -430,7 +430,7 @@ impl<D: Device> CkptSession<D> {
             if session.proven_by_content() {
                 session.predicted_last.store(true, Ordering::Release);
             } else {
-                session.snapshot_into_shadows(session.slots.len());
+                session.snapshot_into_shadows();
             }
         }
         let inner = Arc::clone(inner);
@@ -809,15 +809,15 @@ impl<D: Device> CkptSession<D> {
     /// copies: the image then holds those buffers as of T0 whatever the job does next, whether or
     /// not the hooks see its writes (an unseen write is not ordered after a copy still queued,
     /// hence the wait). For a caller that still holds the job (its operations cannot race this).
-    fn snapshot_into_shadows(&self, slots: usize) {
-        self.enqueue_snapshot(slots);
+    fn snapshot_into_shadows(&self) {
+        self.enqueue_snapshot();
         if let Err(e) = self.dev.synchronize(&self.prio) {
             self.shared.fail(EngineError::from(e));
         }
     }
 
-    fn enqueue_snapshot(&self, slots: usize) {
-        for slot in self.slots.iter().take(slots) {
+    fn enqueue_snapshot(&self) {
+        for slot in &self.slots {
             {
                 let mut st = slot.state.lock();
                 if !matches!(*st, CkState::Pending) {
@@ -1112,8 +1112,9 @@ impl<D: Device> CkptSession<D> {
                 }
             }
             drop(savers_rx);
-            // First the buffers the job may still have to wait for (not in a shadow), in the
-            // slots' order (the predicted writes first); then the shadows, which the job never
+            // First the buffers the job may still have to wait for (not in a shadow), in
+            // `copy_order` (the predicted writes first, or last where copy-on-write meets
+            // them); then the shadows, which the job never
             // waits for. A saver's shadows go to it at once: it copies them on its own
             // streams into its own memory, beside the staging.
             let mut shadowed = Vec::new();
