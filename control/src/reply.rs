@@ -395,6 +395,26 @@ pub struct DeviceCopy {
     /// Bytes not copied: an earlier image (the parent) holds them, referenced.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reused_bytes: Option<u64>,
+    /// A pre-copy round or a copy while held: what it wrote into the image's data files, each
+    /// of them named (unchanged ones with no range). A migration sends again only these
+    /// ranges of the files it sent ahead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub written: Option<Vec<WrittenFile>>,
+}
+
+/// The byte ranges a copy wrote into one data file of an image.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct WrittenFile {
+    /// The file's device number.
+    #[serde(deserialize_with = "null_default")]
+    pub dev: u64,
+    /// Its inode.
+    #[serde(deserialize_with = "null_default")]
+    pub ino: u64,
+    /// (offset, length) of each range written, in order.
+    #[serde(deserialize_with = "null_default")]
+    pub ranges: Vec<[u64; 2]>,
 }
 
 /// A buffer the job waited on, and how long.
@@ -802,6 +822,11 @@ mod tests {
             fingerprint_ms: Some(0.5),
             proven_bytes: Some(200),
             reused_bytes: Some(100),
+            written: Some(vec![WrittenFile {
+                dev: 27,
+                ino: 182,
+                ranges: vec![[0, 4096], [8192, 100]],
+            }]),
         }
     }
 

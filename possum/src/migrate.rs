@@ -230,11 +230,14 @@ fn print_migrate(r: &MigrateReport) {
         );
     }
     println!(
-        "  downtime {:.0} ms (checkpoint {:.0}, send {:.0}, kill {:.0}, restore there {:.0}); \
-         total {:.0} ms",
+        "  downtime {:.0} ms (the checkpoint's hold {:.0}, send {:.0} of which hashing again \
+         {:.0} and the destination's commit {:.0}, kill {:.0}, restore there {:.0}); total \
+         {:.0} ms",
         ms(t.downtime),
-        ms(t.checkpoint),
+        ms(r.checkpoint.figures.hold),
         ms(t.send),
+        ms(t.send_hashing),
+        ms(t.send_committing),
         ms(t.kill),
         ms(t.remote_restore),
         ms(t.total)
@@ -246,13 +249,14 @@ fn print_received(r: &Received) {
     let t = &r.timings;
     println!(
         "possum: process {} restored from {} ({} files, {:.1} MiB received in {:.0} ms, restored \
-         in {:.0} ms){}",
+         in {:.0} ms, synced to disk after in {:.0} ms){}",
         r.pid,
         r.dir.display(),
         r.files,
         mib(r.bytes),
         ms(t.receive),
         ms(t.restore),
+        ms(t.sync),
         if r.source_told {
             ""
         } else {
@@ -278,6 +282,7 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),
             hmac_key: None,
+            received_unsynced: false,
         },
         // The streams of a migration join within the handshake's deadline.
         sessions: Sessions::new(deadlines(a.timeout, None).handshake),
@@ -295,7 +300,7 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
             Event::Refused(why) => refusals.say(&why),
             Event::Full(why) => eprintln!("possum: {why}"),
             Event::Received(peer, got) => {
-                let got = got.with_context(|| format!("a migration from {peer}"));
+                let got = (*got).with_context(|| format!("a migration from {peer}"));
                 match got {
                     Ok(r) if a.json => println!("{}", serde_json::to_value(&r)?),
                     Ok(r) => print_received(&r),
@@ -361,7 +366,7 @@ enum Event {
     /// The handshakes were full and the oldest was closed (said at most once a minute).
     Full(String),
     /// A migration that authenticated, and how it ended.
-    Received(SocketAddr, Result<Received, migrate::ReceiveError>),
+    Received(SocketAddr, Box<Result<Received, migrate::ReceiveError>>),
 }
 
 /// The connections in their handshake, oldest first: an id and a handle to close it by.
@@ -459,7 +464,7 @@ fn accept_concurrently(
                     return;
                 }
                 let got = migrate::receive_in_session(&mut stream, session, t, &params, &mut Notes);
-                let _ = tx.send(Event::Received(peer, got));
+                let _ = tx.send(Event::Received(peer, Box::new(got)));
             });
         }
     });

@@ -259,6 +259,12 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     let received = PathBuf::from(r["dir"].as_str().unwrap());
     assert!(received.join("possum.json").is_file(), "{r}");
     assert_eq!(names(&dir.join("received")).len(), 1);
+    // Synced once the job ran there: its unsynced mark gone.
+    assert!(r["timings"]["sync_ms"].as_f64().is_some(), "{r}");
+    assert!(!received.join(".possum-unsynced").exists(), "{r}");
+    // The files sent ahead: only what the cut's copy wrote was hashed again (the job's library
+    // said which ranges), the rest taken as sent.
+    assert!(t["send_hashing_ms"].as_f64().is_some(), "{v}");
 
     goes_on_like(&mut job, dir, &want, "migrated");
     ticks_once_each(dir);

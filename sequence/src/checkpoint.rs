@@ -5,8 +5,12 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use possum_control::reply::{CheckpointReply, ReleaseReply, ResumeReply, SavedReply, StatusReply};
+use possum_control::reply::{
+    CheckpointReply, DeviceCopy, ReleaseReply, ResumeReply, SavedReply, StatusReply,
+};
 use possum_control::{Reply, Request};
+
+use crate::wire::Written;
 use possum_criu::{Criu, CriuError, Deadline, DumpOptions};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
 use serde::Serialize;
@@ -215,6 +219,12 @@ impl HeldCheckpoint<'_> {
         &self.run.params().dir
     }
 
+    /// What the cut's copy wrote into the image's data files since the last pre-copy round
+    /// (as the job's library said it): what a migration sends again of the files it sent ahead.
+    pub fn written_at_cut(&self) -> Written {
+        self.run.written.clone()
+    }
+
     /// Lets the job run on (the driver's restore and unlock, possum's resume): what
     /// `leave_running` does after the commit.
     pub fn resume(mut self) -> Result<CheckpointReport, CheckpointError> {
@@ -258,6 +268,14 @@ pub fn checkpoint_held<'a>(
     Ok(HeldCheckpoint { run, t_all })
 }
 
+/// Adds what `copies` say they wrote into the images' data files (a copy that does not say:
+/// nothing, its files read again whole by a migration).
+fn add_written(w: &mut Written, copies: &[DeviceCopy]) {
+    for f in copies.iter().flat_map(|c| c.written.iter().flatten()) {
+        w.add((f.dev, f.ino), f.ranges.iter().map(|&[at, len]| (at, len)));
+    }
+}
+
 /// The phases up to the commit (the guard told of it); `held`: no kept checkpoint.
 fn hold_and_commit<'a>(
     p: &'a CheckpointParams,
@@ -271,7 +289,7 @@ fn hold_and_commit<'a>(
         run.hold_ranks(obs)?;
         run.precopy(obs)?;
         if run.by_possum() {
-            obs.precopied(&run.tmp);
+            obs.precopied(&run.tmp, &run.written);
             run.more_rounds(obs)?;
         }
         run.cut(obs)?;
@@ -740,6 +758,9 @@ struct Run<'a> {
     rounds_possible: bool,
     /// The job's TCP connections put in repair mode before its kill ([`Run::kill`]).
     tcp_quiet: Option<QuietConnections>,
+    /// What the last copy (a pre-copy round, or the cut's) wrote into the images' data files,
+    /// as the job's library said it.
+    written: Written,
 }
 
 impl<'a> Run<'a> {
@@ -799,6 +820,7 @@ impl<'a> Run<'a> {
             stopped: false,
             rounds_possible: true,
             tcp_quiet: None,
+            written: Written::new(),
         })
     }
 
@@ -875,6 +897,7 @@ impl<'a> Run<'a> {
         obs.copying(self.plan.managed, &self.tmp.join("gpu"));
         let t = Instant::now();
         let mut first = PrecopyRound::default();
+        self.written = Written::new();
         for (pid, gpu) in self.possum_processes(&self.tmp) {
             let dir = gpu.display().to_string();
             let kept = p.leave_running && !p.gpu_only && !self.no_kept;
@@ -888,6 +911,7 @@ impl<'a> Run<'a> {
             // Rounds only where every process pre-copied, trusting its hooks.
             self.rounds_possible &= r.body.hooks == Some(true) && !r.body.kept;
             first.bytes += r.body.precopy.iter().map(|d| d.bytes).sum::<u64>();
+            add_written(&mut self.written, &r.body.precopy);
             if pid == p.pid {
                 self.engine_report = Some(r);
             }
@@ -914,11 +938,13 @@ impl<'a> Run<'a> {
         for n in 2..=p.precopy_rounds {
             let t = Instant::now();
             let mut round = PrecopyRound::default();
+            self.written = Written::new();
             for (pid, _) in self.possum_processes(&self.tmp) {
                 let r = timed(&mut self.figures.engine_snapshot, || {
                     job::precopy_round(pid, To::Sockets(&p.sockets))
                 })?;
                 round.bytes += r.body.precopy.iter().map(|d| d.bytes).sum::<u64>();
+                add_written(&mut self.written, &r.body.precopy);
             }
             round.took = t.elapsed();
             self.figures.precopy_rounds.push(round);
@@ -927,7 +953,7 @@ impl<'a> Run<'a> {
                 round.bytes,
                 round.took.as_secs_f64() * 1e3
             ));
-            obs.precopied(&self.tmp);
+            obs.precopied(&self.tmp, &self.written);
             if round.bytes == 0 || round.bytes >= last {
                 break;
             }
@@ -953,6 +979,8 @@ impl<'a> Run<'a> {
         let r = timed(&mut self.figures.release, || {
             job::cut(p.pid, To::Sockets(&p.sockets), keeping)
         })?;
+        self.written = Written::new();
+        add_written(&mut self.written, &r.body.finals);
         self.held_memory = HeldMemory::from_release(p.pid, &r.body);
         self.release_report = Some(r);
         for &c in &self.plan.possum_children {
@@ -960,6 +988,7 @@ impl<'a> Run<'a> {
                 job::cut(c, To::Sockets(&p.sockets), keeping)
             })
             .map_err(|source| CutError::Child { pid: c, source })?;
+            add_written(&mut self.written, &r.body.finals);
             self.held_memory
                 .extend(HeldMemory::from_release(c, &r.body));
         }

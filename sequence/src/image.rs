@@ -1017,6 +1017,19 @@ pub enum ImageError {
         /// The image's version.
         version: u32,
     },
+    /// A migration's image received here and not yet synced: its files may be incomplete
+    /// had the host stopped meanwhile.
+    #[error(
+        "{} was received from a migration and never synced to disk (it still holds {}): had this \
+         host stopped before `possum receive` synced it, its files may be incomplete, so it is \
+         refused; if the host did not stop, remove that file and restore it again",
+        dir.display(),
+        crate::wire::UNSYNCED
+    )]
+    Unsynced {
+        /// The directory.
+        dir: PathBuf,
+    },
     /// A `--gpu-only` image.
     #[error(
         "{} holds only GPU buffers (written with --gpu-only): there is no process to restore",
@@ -1044,8 +1057,19 @@ pub enum ImageError {
 }
 
 /// Reads and checks `DIR/possum.json` and what it names: its format version, its check (which
-/// it must have) and [`Manifest::validate`], before anything it names is used.
+/// it must have) and [`Manifest::validate`], before anything it names is used. A migration's
+/// image not synced yet ([`crate::wire::UNSYNCED`]) is refused.
 pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
+    if fs::symlink_metadata(dir.join(crate::wire::UNSYNCED)).is_ok() {
+        return Err(ImageError::Unsynced {
+            dir: dir.to_path_buf(),
+        });
+    }
+    open_received_image(dir)
+}
+
+/// [`open_image`] of an image a migration received and is restoring now, before it syncs it.
+pub(crate) fn open_received_image(dir: &Path) -> Result<Image, ImageError> {
     if !dir.exists() {
         return Err(ImageError::NoDirectory {
             dir: dir.to_path_buf(),

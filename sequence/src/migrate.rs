@@ -64,9 +64,9 @@ use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
-    self, accept_handshake, await_outcome, await_released, receive_dir_in_session, send_abort,
-    send_outcome, send_released, Accepted, Connection, DirSender, FrameError, HandoffError,
-    Outcome, Paced, Pacer, Sessions, Totals, WireError,
+    self, accept_handshake, await_outcome, await_released, receive_dir_in_session_as, send_abort,
+    send_outcome, send_released, Accepted, Connection, DirSender, Durability, FrameError,
+    HandoffError, Outcome, Paced, Pacer, Sessions, Totals, WireError, Written,
 };
 use crate::Observer;
 
@@ -143,6 +143,12 @@ pub struct MigrateTimings {
     /// The rest of the transfer, the job held, up to `Committed`.
     #[serde(rename = "send_ms", serialize_with = "as_ms")]
     pub send: Duration,
+    /// Of that: the files sent ahead hashed again where they may have changed since.
+    #[serde(rename = "send_hashing_ms", serialize_with = "as_ms")]
+    pub send_hashing: Duration,
+    /// Of that: from the last byte sent to the destination's `Committed` (its files synced).
+    #[serde(rename = "send_committing_ms", serialize_with = "as_ms")]
+    pub send_committing: Duration,
     /// The job's kill, its PIDs waited free (and the local image made durable).
     #[serde(rename = "kill_ms", serialize_with = "as_ms")]
     pub kill: Duration,
@@ -439,9 +445,10 @@ impl Observer for SendAhead<'_> {
         self.obs.note(what);
     }
     /// After each pre-copy round: the connection made at the first, and what the round wrote
-    /// sent ahead (after the first, only what the files gained). A failure ends the rounds'
-    /// sending; it is acted on once the checkpoint is committed.
-    fn precopied(&mut self, dir: &Path) {
+    /// sent ahead (after the first, only what the files gained, and the pieces the round
+    /// `written` in them). A failure ends the rounds' sending; it is acted on once the
+    /// checkpoint is committed.
+    fn precopied(&mut self, dir: &Path, written: &Written) {
         let link = match self.link.take() {
             None => {
                 let t = Instant::now();
@@ -454,6 +461,7 @@ impl Observer for SendAhead<'_> {
         let t = Instant::now();
         let link = link.and_then(|mut l| {
             let Link { stream, sender } = &mut l;
+            sender.told(written.clone());
             let sent = paced(self.pacer, stream, |mut s| sender.send_ahead(&mut s, dir))
                 .map_err(|e| Early::Send(Box::new(e)))?;
             self.sent.files += sent.files;
@@ -497,7 +505,11 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     timings.connect = ahead.connect + t.elapsed();
 
     let t = Instant::now();
-    let Link { mut stream, sender } = link;
+    let Link {
+        mut stream,
+        mut sender,
+    } = link;
+    sender.told(held.written_at_cut());
     let sending = paced(pacer.as_ref(), &mut stream, |mut s| {
         sender.finish(&mut s, held.dir())
     });
@@ -509,6 +521,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         }
     };
     timings.send = t.elapsed();
+    timings.send_hashing = sent.hashing;
+    timings.send_committing = sent.committing;
 
     let t = Instant::now();
     let pids = job_pids(p.checkpoint.pid);
@@ -766,6 +780,7 @@ impl Fallback<'_> {
             possum_exe: c.possum_exe.clone(),
             env: c.env.clone(),
             hmac_key: None,
+            received_unsynced: false,
         };
         match restore(&params, obs) {
             Ok(_) => JobAt::Source,
@@ -804,6 +819,10 @@ pub struct ReceiveTimings {
     /// The restore.
     #[serde(rename = "restore_ms", serialize_with = "as_ms")]
     pub restore: Duration,
+    /// The image synced to disk, after the job ran (or was refused the go): it was received
+    /// unsynced, the source keeping its own until then.
+    #[serde(rename = "sync_ms", serialize_with = "as_ms")]
+    pub sync: Duration,
 }
 
 /// A job received and running: what `possum receive` prints.
@@ -819,6 +838,8 @@ pub struct Received {
     pub bytes: u64,
     /// The phases' timings.
     pub timings: ReceiveTimings,
+    /// The restore's own figures (`possum restore --json`'s `figures`).
+    pub restore: crate::figures::RestoreFigures,
     /// Whether the source heard that the job runs here (it restores its own otherwise).
     pub source_told: bool,
 }
@@ -907,6 +928,22 @@ pub fn receive_handshake(
     Ok(accepted)
 }
 
+/// The image received at `dest` synced to disk ([`wire::make_durable`]), the job off its
+/// downtime: how long it took. One that cannot be synced keeps its [`wire::UNSYNCED`] (a
+/// restore refuses it), said.
+fn synced(dest: &Path, obs: &mut dyn Observer) -> Duration {
+    let t = Instant::now();
+    if let Err(e) = wire::make_durable(dest) {
+        obs.note(&format!(
+            "the image received at {} could not be synced to disk ({e}): it keeps {} and a \
+             restore refuses it",
+            dest.display(),
+            wire::UNSYNCED
+        ));
+    }
+    t.elapsed()
+}
+
 /// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
 /// its first connection, began at `t`: the image into a new directory of `p.dir` (over all the
 /// session's streams), then, once the source released its job, its restore, whose outcome the
@@ -920,7 +957,8 @@ pub fn receive_in_session(
 ) -> Result<Received, ReceiveError> {
     let mut timings = ReceiveTimings::default();
     let dest = image_name(&p.dir);
-    let (got, mut session) = receive_dir_in_session(stream, session, &dest)
+    // Unsynced until the job runs here: the source keeps its image until then.
+    let (got, mut session) = receive_dir_in_session_as(stream, session, &dest, Durability::Later)
         .map_err(|e| ReceiveError::Transfer(Box::new(e)))?;
     timings.receive = t.elapsed();
 
@@ -945,6 +983,7 @@ pub fn receive_in_session(
     let params = RestoreParams {
         dir: dest.clone(),
         socket_dir_from_source: true,
+        received_unsynced: true,
         ..p.restore.clone()
     };
     // Restored, the job is held until the source says go: without it, it never runs here.
@@ -967,6 +1006,7 @@ pub fn receive_in_session(
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
+            timings.sync = synced(&dest, obs);
             if let Err(e) = &told {
                 obs.note(&format!(
                     "the job runs here as process {}, but the source was not told ({}); it \
@@ -981,14 +1021,18 @@ pub fn receive_in_session(
                 files: got.totals.files,
                 bytes: got.totals.bytes,
                 timings,
+                restore: r.figures,
                 source_told: told.is_ok(),
             })
         }
-        Err(RestoreError::NotConfirmed { pid, why }) => Err(ReceiveError::NotLetRun {
-            dir: dest,
-            pid,
-            why,
-        }),
+        Err(RestoreError::NotConfirmed { pid, why }) => {
+            synced(&dest, obs);
+            Err(ReceiveError::NotLetRun {
+                dir: dest,
+                pid,
+                why,
+            })
+        }
         Err(source) => {
             let reason = possum_cuda::error_chain(&source);
             let _ = send_outcome(stream, &mut session, &Outcome::RestoreFailed { reason });

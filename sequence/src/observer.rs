@@ -2,6 +2,8 @@
 
 use std::path::Path;
 
+use crate::wire::Written;
+
 /// Told how a sequence goes: the copy of the job's buffers (for a progress bar), and what the
 /// user should know that is not an error (the sequences print nothing themselves).
 pub trait Observer {
@@ -13,9 +15,10 @@ pub trait Observer {
     fn note(&mut self, what: &str);
     /// The pre-copy is over and the job runs on until the cut: what it wrote is under `dir`, the
     /// image's temporary directory, which the cut then completes (a migration sends it ahead
-    /// from here). Told once, engine possum only.
-    fn precopied(&mut self, dir: &Path) {
-        let _ = dir;
+    /// from here); `written`, what the round wrote into its data files. Told after each round,
+    /// engine possum only.
+    fn precopied(&mut self, dir: &Path, written: &Written) {
+        let _ = (dir, written);
     }
 }
 

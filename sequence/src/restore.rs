@@ -47,6 +47,9 @@ pub struct RestoreParams {
     /// `--hmac-key`: the image must be authenticated under this key ([`crate::auth`]), checked
     /// before anything else of it is read.
     pub hmac_key: Option<crate::auth::HmacKey>,
+    /// The image is the one a migration just received, restored before it is synced
+    /// ([`crate::wire::Durability::Later`]): its [`crate::wire::UNSYNCED`] does not refuse it.
+    pub received_unsynced: bool,
 }
 
 /// A restore made: what the command prints.
@@ -114,7 +117,10 @@ pub fn restore_confirmed(
         }
         crate::auth::verify(&p.dir, key)?;
     }
-    let img = open_image(&p.dir)?;
+    let img = match p.received_unsynced {
+        true => crate::image::open_received_image(&p.dir)?,
+        false => open_image(&p.dir)?,
+    };
     let m = &img.manifest;
     check_pids_free(&tree_ids(&img.criu, m.pid))?;
     let ready = prepare(p, &img, obs)?;

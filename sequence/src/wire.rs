@@ -64,11 +64,14 @@
 //!   aside what came before, with the digest of each file (the BLAKE3 of its pieces' offsets,
 //!   lengths and body hashes, in order); a file (of a later round, or of the final set) takes a
 //!   base from there only if its length and digest are those received, each base once, and its
-//!   patches are pieces of it, each once. From the `Cut` on, while the sender hashes its files
-//!   again, the receiver reads back its copies of what was sent ahead (on threads of its own):
-//!   a file of the final set takes a base only once every piece of the copy hashes to what was
-//!   received for it, then each patch's bytes must be those the sender hashed at the cut, so
-//!   that the file assembled is the sender's at the cut, piece by piece. What is left aside is
+//!   patches are pieces of it, each once. The receiver reads back its copies of each part sent
+//!   ahead once the part is written (on threads of its own, before the next part is written),
+//!   and at the `Cut` again those whose length, inode or times changed since: a file of the
+//!   final set takes a base only once every piece of the copy hashes to what was received for
+//!   it, then each patch's bytes must be those the sender hashed at the cut, so that the file
+//!   assembled is the sender's at the cut, piece by piece. The sender hashes again at the cut
+//!   the pieces sent ahead that may have changed: all of them, or those the files' writer says
+//!   it wrote in ([`DirSender::told`]). What is left aside is
 //!   removed. A base's pieces received again replace the earlier in its digest (a later round's
 //!   patches). `Done`'s totals are the final set's, whole files counted;
 //! - `Done` and `Committed`: `files: u64`, `bytes: u64` (LE), the totals sent and received;
@@ -94,7 +97,9 @@
 //!   stream's share of each part ended, `Done`'s totals those received, the files and
 //!   directories fsynced, then the temporary directory renamed to DEST (which must not exist,
 //!   and is not replaced if it appears meanwhile). On any error, on any stream, the temporary
-//!   directory is removed and DEST is not created.
+//!   directory is removed and DEST is not created. Received to be synced later
+//!   ([`Durability::Later`], a migration's), DEST holds [`UNSYNCED`], synced before anything
+//!   else, until [`make_durable`] synced the rest.
 //! - The sender's [`send_dir`] succeeds only when the receiver said `Committed` with its totals
 //!   under the session's MAC: a migration may drop the source job only then.
 //!
@@ -113,6 +118,7 @@ mod receive;
 mod send;
 mod session;
 mod streams;
+mod written;
 pub use error::{ReceiveError, SendError, WireError};
 pub use handoff::*;
 pub use mac::{Misfit, TAG_BYTES};
@@ -121,6 +127,7 @@ pub use precopy::*;
 pub use receive::*;
 pub use send::*;
 pub use session::*;
+pub use written::Written;
 
 #[cfg(test)]
 mod tests;

@@ -90,4 +90,4 @@ pub use format::{
 pub use manifest::{check_coverage, check_manifest};
 pub use reader::Image;
 pub use summary::ImageSummary;
-pub use writer::{ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE};
+pub use writer::{FileWrites, ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE};

@@ -280,6 +280,33 @@ fn later_write_call_wins() {
     assert_eq!(dst.to_vec(), pattern(5, 0, 100, 3));
 }
 
+/// What a writer wrote since it was last asked: every data file by inode (the same after the
+/// commit renames its directory), the ranges written in it merged, and after a second round
+/// only the chunk written again.
+#[test]
+fn take_written_names_the_ranges_written_since_the_last_call() {
+    use std::os::unix::fs::MetadataExt;
+    let (_root, dir, w) = scratch_writer(one_file());
+    w.add_buffer(rec(1, 300, 0)).unwrap();
+    for off in [0u64, 100, 200] {
+        w.write_chunk(1, off, &pattern(1, off, 100, 0)).unwrap();
+    }
+    let first = w.take_written();
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].ranges, vec![(0, 300)], "three chunks, one range");
+    assert_eq!(w.take_written()[0].ranges, vec![], "nothing written since");
+    w.write_chunk(1, 100, &pattern(1, 100, 100, 1)).unwrap();
+    let again = w.take_written();
+    assert_eq!(again[0].ranges, vec![(100, 100)], "{again:?}");
+    w.commit().unwrap();
+    let m = fs::metadata(dir.join("data-000.bin")).unwrap();
+    assert_eq!(
+        again[0].inode,
+        (m.dev(), m.ino()),
+        "the file, once committed"
+    );
+}
+
 #[test]
 fn empty_image_round_trips() {
     let root = tempfile::tempdir().unwrap();

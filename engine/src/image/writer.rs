@@ -4,7 +4,7 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::SystemTime;
@@ -78,8 +78,12 @@ struct Lane {
     name: String,
     path: PathBuf,
     file: File,
+    /// Its (device, inode): the file whatever its directory is named.
+    inode: (u64, u64),
     /// Bytes reserved so far (the next chunk goes here).
     end: AtomicU64,
+    /// The ranges (offset, length) written since [`ImageWriter::take_written`] last took them.
+    written: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Lane {
@@ -333,6 +337,28 @@ fn settle(state: &mut State, seq: u64, chunk: ChunkMsg, in_place: bool) {
     }
 }
 
+/// The byte ranges written into one data file ([`ImageWriter::take_written`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileWrites {
+    /// The file's (device, inode).
+    pub inode: (u64, u64),
+    /// (offset, length), in order, none overlapping or touching another.
+    pub ranges: Vec<(u64, u64)>,
+}
+
+/// `ranges` (offset, length) sorted, those that overlap or touch made one.
+fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (at, len) in ranges {
+        match out.last_mut() {
+            Some((start, l)) if at <= *start + *l => *l = (*l).max(at + len - *start),
+            _ => out.push((at, len)),
+        }
+    }
+    out
+}
+
 /// A fresh suffix for temporary names: pid, time and a process-wide counter.
 fn nonce() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -431,14 +457,33 @@ impl ImageWriter {
                 .create_new(true)
                 .open(&path)
                 .map_err(|e| ImageError::io(&path, e))?;
+            let m = file.metadata().map_err(|e| ImageError::io(&path, e))?;
             w.lanes.push(Lane {
                 name,
                 path,
                 file,
+                inode: (m.dev(), m.ino()),
                 end: AtomicU64::new(0),
+                written: Mutex::new(Vec::new()),
             });
         }
         Ok(w)
+    }
+
+    /// What this writer wrote into its data files since the last call (since its creation, the
+    /// first time): every data file it writes, by (device, inode), with the byte ranges written
+    /// in it, merged and in order (none: unchanged since). A reader of the files sent elsewhere
+    /// after the last call (a migration sending a pre-copy round ahead) need read again only
+    /// these ranges. Files it adopted ([`Self::adopt_file`]) are written by someone else and
+    /// are not listed.
+    pub fn take_written(&self) -> Vec<FileWrites> {
+        self.lanes
+            .iter()
+            .map(|lane| FileWrites {
+                inode: lane.inode,
+                ranges: merged(std::mem::take(&mut *lane.written.lock())),
+            })
+            .collect()
     }
 
     /// The directory the image will have once committed.
@@ -605,6 +650,7 @@ impl ImageWriter {
             }
             return Err(e);
         }
+        lane.written.lock().push((file_offset, len));
 
         let mut chunk = ChunkMsg {
             buffer,

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use possum_control::reply::CheckpointReply;
+use possum_control::reply::{CheckpointReply, DeviceCopy};
 use possum_engine::store::ChunkSink;
 use serde_json::Value;
 
@@ -42,7 +42,7 @@ use crate::session::common::{
     stop_tracking, Busy,
 };
 use crate::session::error::SessionError;
-use crate::session::replies::{reply, round_copy};
+use crate::session::replies::{reply, round_copy, written};
 use crate::session::state::{session, Images, Last, Phase, Saving, Target};
 
 /// `Checkpoint{dir}`: every engine's buffers at one T0 each, copied while the job runs.
@@ -195,7 +195,10 @@ fn first_round(
                 what: "pre-copy: ",
                 source,
             })?;
-        out.push(round_copy(e.ordinal, &r));
+        out.push(DeviceCopy {
+            written: written(&writer),
+            ..round_copy(e.ordinal, &r)
+        });
         writers.push((e.ordinal, writer));
     }
     Ok((Images { target, writers }, out))
@@ -229,7 +232,10 @@ fn precopy_round_inner() -> Result<CheckpointReply, SessionError> {
                 what: "pre-copy round: ",
                 source,
             })?;
-        out.push(round_copy(*ordinal, &r));
+        out.push(DeviceCopy {
+            written: written(writer),
+            ..round_copy(*ordinal, &r)
+        });
     }
     Ok(CheckpointReply {
         precopy: out,

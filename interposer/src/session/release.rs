@@ -27,7 +27,7 @@ use crate::session::common::{
     sync_error, sync_unmanaged_devices, trim_contexts, unpause_job, Busy,
 };
 use crate::session::error::{SessionError, HOLD_ATTEMPTS};
-use crate::session::replies::{ms, reply, to_json, with_prints, Beating};
+use crate::session::replies::{ms, reply, to_json, with_prints, written, Beating};
 use crate::session::state::{session, Images, Phase, Target};
 
 /// How long the keeper holds the memory of a job that shares some with other processes after a
@@ -197,6 +197,7 @@ fn final_copy_of(
     no_faults_since_open()
         .and_then(|()| no_unwrapped_writer_since(unwrapped_known))
         .inspect_err(|_| stop_tracking(engines))?;
+    let written = written(&writer);
     let summary = commit(e.ordinal, writer)?;
     Ok(DeviceCopy {
         device: e.ordinal,
@@ -205,6 +206,7 @@ fn final_copy_of(
         ms: Some(ms(r.elapsed)),
         image_bytes: Some(summary.data_file_bytes),
         image_buffers: Some(summary.buffers.len() as u64),
+        written,
         ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
     })
 }

@@ -25,6 +25,19 @@ pub(crate) fn round_copy(device: usize, r: &possum_engine::RoundReport) -> Devic
     }
 }
 
+/// What `writer` wrote into its data files since it was last asked, as the replies say it.
+pub(crate) fn written(writer: &ImageWriter) -> Option<Vec<possum_control::reply::WrittenFile>> {
+    let files = writer
+        .take_written()
+        .into_iter()
+        .map(|f| possum_control::reply::WrittenFile {
+            dev: f.inode.0,
+            ino: f.inode.1,
+            ranges: f.ranges.into_iter().map(|(at, len)| [at, len]).collect(),
+        });
+    Some(files.collect())
+}
+
 /// `d` with what the fingerprints decided (nothing where the engine took none).
 pub(crate) fn with_prints(mut d: DeviceCopy, p: &possum_engine::Prints) -> DeviceCopy {
     if p.fingerprinted_bytes > 0 {

@@ -51,6 +51,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
         hmac_key: (a.hmac_key.as_deref())
             .map(possum_sequence::auth::HmacKey::read)
             .transpose()?,
+        received_unsynced: false,
     };
     let report = possum_sequence::restore(&params, &mut Notes)?;
     if a.json {

@@ -100,6 +100,21 @@ fn open_sealed(dir: &Path, m: &Manifest) -> Result<Image, ImageError> {
     open_image(dir)
 }
 
+/// An image a migration received and never synced (its mark still there) is refused, saying
+/// why and what to do; the migration's own restore of it, before it syncs it, opens it.
+#[test]
+fn an_image_received_and_never_synced_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = manifest(tmp.path());
+    open_sealed(tmp.path(), &m).unwrap();
+    fs::write(tmp.path().join(crate::wire::UNSYNCED), b"").unwrap();
+    let e = open_image(tmp.path()).unwrap_err();
+    assert!(matches!(e, ImageError::Unsynced { .. }), "{e:?}");
+    assert!(e.to_string().contains("never synced"), "{e}");
+    assert!(e.to_string().contains("remove that file"), "{e}");
+    open_received_image(tmp.path()).unwrap();
+}
+
 #[test]
 fn dumped_tcp_connections_and_their_lock_are_recorded_and_read_back() {
     let tmp = tempfile::tempdir().unwrap();

@@ -1,7 +1,9 @@
-//! The receiver's check of its copies of the files sent ahead (part of [`super`]): from the
-//! `Cut` on, each is read back and hashed piece by piece, on threads of its own, while the
-//! sender hashes its side of them; a file of the final set takes one as its base only once its
-//! every piece holds the bytes received for it.
+//! The receiver's check of its copies of the files sent ahead (part of [`super`]): once each
+//! part ahead is written, the pieces it brought are read back and hashed, on threads of their
+//! own, while the job still runs at the source ([`AheadChecks`]); at the `Cut` a copy changed
+//! since (its length, inode or times not those it had when its check began) is read back again
+//! whole. A file of the final set takes one as its base only once its every piece holds the
+//! bytes received for it.
 
 use std::fs;
 use std::io;
@@ -10,7 +12,7 @@ use std::path::{Path, PathBuf};
 use super::mac::Piece;
 use super::session::CHUNK_BYTES;
 use std::collections::HashMap;
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
@@ -107,7 +109,7 @@ impl CopyCheck {
         let copies: Vec<Copied> = paths
             .iter()
             .map(|p| Copied {
-                at: p.split('/').fold(dir.to_path_buf(), |at, c| at.join(c)),
+                at: under(dir, p),
                 pieces: sent[*p].1.clone(),
             })
             .collect();
@@ -191,6 +193,117 @@ impl CopyCheck {
     /// Stops the check: the copies not waited for yet are not needed.
     pub(super) fn stop(&self) {
         self.shared.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What a copy's metadata was when its check began: one that differs at the `Cut` was written
+/// since (by someone else: this receiver writes a part's files only once the checks of the
+/// part before are over).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl Stamp {
+    fn of(at: &Path) -> Option<Stamp> {
+        let m = fs::symlink_metadata(at).ok()?;
+        Some(Stamp {
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+}
+
+/// The `/`-separated `path` under `dir`.
+fn under(dir: &Path, path: &str) -> PathBuf {
+    path.split('/').fold(dir.to_path_buf(), |at, c| at.join(c))
+}
+
+/// The checks of the copies sent ahead: each part's pieces read back once the part is written
+/// ([`AheadChecks::part_written`]), then at the `Cut` ([`AheadChecks::cut`]) the verdicts, and
+/// a copy changed since its check began read back again whole.
+#[derive(Debug, Default)]
+pub(super) struct AheadChecks {
+    /// The checks of the parts, running or done.
+    running: Vec<CopyCheck>,
+    /// Each copy's metadata when its last check began.
+    stamps: HashMap<String, Stamp>,
+    /// Copies found not to hold what was received for them.
+    bad: HashMap<String, Unsound>,
+    /// From the `Cut`: the copies read back again then.
+    late: Option<CopyCheck>,
+}
+
+impl AheadChecks {
+    /// Waits for the checks begun; their verdicts kept. Before a part's files are written
+    /// again, so that no check reads a piece being written.
+    pub(super) fn settle(&mut self) {
+        for check in self.running.drain(..) {
+            for path in check.by_path.keys() {
+                if let Err(why) = check.wait(path) {
+                    self.bad.entry(path.clone()).or_insert(why);
+                }
+            }
+        }
+    }
+
+    /// A part ahead is written under `root`: the pieces it brought (`part`, by path, with the
+    /// file's size) are read back, from now on.
+    pub(super) fn part_written(&mut self, root: &Path, part: &HashMap<String, (u64, Vec<Piece>)>) {
+        for path in part.keys() {
+            match Stamp::of(&under(root, path)) {
+                Some(s) => self.stamps.insert(path.clone(), s),
+                None => self.stamps.remove(path),
+            };
+        }
+        self.running.push(CopyCheck::start(root, part));
+    }
+
+    /// The `Cut`, before `root` is moved aside: the checks begun are waited for; the copies of
+    /// `sent` (all that was sent ahead) changed since their check began, to be read back again
+    /// whole once moved ([`AheadChecks::moved_to`]).
+    pub(super) fn cut(
+        &mut self,
+        root: &Path,
+        sent: &HashMap<String, (u64, Vec<Piece>)>,
+    ) -> HashMap<String, (u64, Vec<Piece>)> {
+        self.settle();
+        sent.iter()
+            .filter(|(path, _)| !self.bad.contains_key(*path))
+            .filter(|(path, _)| {
+                let now = Stamp::of(&under(root, path));
+                now.is_none() || now != self.stamps.get(*path).copied()
+            })
+            .map(|(path, v)| (path.clone(), v.clone()))
+            .collect()
+    }
+
+    /// The copies `again` ([`AheadChecks::cut`]) read back under `aside`, where they were moved.
+    pub(super) fn moved_to(&mut self, aside: &Path, again: &HashMap<String, (u64, Vec<Piece>)>) {
+        self.late = Some(CopyCheck::start(aside, again));
+    }
+
+    /// Waits until the copy sent ahead under `path` is found sound, or not.
+    pub(super) fn wait(&self, path: &str) -> Result<(), Unsound> {
+        if let Some(bad) = self.bad.get(path) {
+            return Err(bad.clone());
+        }
+        match &self.late {
+            Some(late) if late.by_path.contains_key(path) => late.wait(path),
+            _ => Ok(()),
+        }
+    }
+
+    /// The copies not waited for yet are not needed.
+    pub(super) fn stop(&self) {
+        if let Some(late) = &self.late {
+            late.stop();
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! Receiving: the frames of a transfer into an image directory (part of [`super`]).
 
-use super::copies::CopyCheck;
+use super::copies::AheadChecks;
 use super::mapped::Mapped;
 use std::fs;
 use std::io::{self, Read, Write};
@@ -143,6 +143,46 @@ pub(super) struct Incoming {
     map: Option<Mapped>,
 }
 
+/// The file a directory received before it was synced holds ([`Durability::Later`]) until
+/// [`make_durable`] synced it: an image that still holds it is refused by a restore, had the
+/// host stopped meanwhile.
+pub const UNSYNCED: &str = ".possum-unsynced";
+
+/// When a received directory's files are synced to disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Before it is named (and `Committed` said).
+    Synced,
+    /// Later, by [`make_durable`]: it is named unsynced, holding [`UNSYNCED`] (itself synced
+    /// first) until then. A migration's: its source keeps its own image until the job runs at
+    /// the destination, and syncing the image of its process while the job waits would lengthen
+    /// its downtime by as long as the disk takes to write it.
+    Later,
+}
+
+/// Syncs every file and directory under `dir`, received with [`Durability::Later`], then removes
+/// its [`UNSYNCED`] and syncs `dir` again.
+pub fn make_durable(dir: &Path) -> io::Result<()> {
+    fn sync_tree(at: &Path) -> io::Result<()> {
+        for e in fs::read_dir(at)? {
+            let e = e?;
+            let t = e.file_type()?;
+            if t.is_dir() {
+                sync_tree(&e.path())?;
+            } else if t.is_file() {
+                fs::File::open(e.path())?.sync_all()?;
+            }
+        }
+        fs::File::open(at)?.sync_all()
+    }
+    sync_tree(dir)?;
+    match fs::remove_file(dir.join(UNSYNCED)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    fs::File::open(dir)?.sync_all()
+}
+
 /// Receives a directory from a [`send_dir`] holding the same `key` over `stream`, as `dest`
 /// (which must not exist): written under a new temporary sibling of `dest`, named `dest` only
 /// when complete and checked; on any error nothing is left.
@@ -188,8 +228,18 @@ pub(super) fn new_dest(dest: &Path) -> Result<&std::ffi::OsStr, ReceiveError> {
 /// first connection; its other streams, if it has more, are awaited first.
 pub fn receive_dir_in_session<S: Read + Write>(
     stream: &mut S,
+    session: Session,
+    dest: &Path,
+) -> Result<(ReceiveReport, Session), WireError> {
+    receive_dir_in_session_as(stream, session, dest, Durability::Synced)
+}
+
+/// [`receive_dir_in_session`], its files synced as `durability` says.
+pub fn receive_dir_in_session_as<S: Read + Write>(
+    stream: &mut S,
     mut session: Session,
     dest: &Path,
+    durability: Durability,
 ) -> Result<(ReceiveReport, Session), WireError> {
     let start = Instant::now();
     let received = new_dest(dest).and_then(|name| {
@@ -198,7 +248,13 @@ pub fn receive_dir_in_session<S: Read + Write>(
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
         };
-        receive_into(stream, &mut session, lanes, parent, name, dest)
+        receive_into(
+            stream,
+            &mut session,
+            lanes,
+            (parent, name, dest),
+            durability,
+        )
     });
     match received {
         Ok(totals) => {
@@ -235,11 +291,10 @@ pub(super) fn receive_into<S: Read>(
     stream: &mut S,
     session: &mut Session,
     mut lanes: Vec<RecvLane>,
-    parent: &Path,
-    name: &std::ffi::OsStr,
-    dest: &Path,
+    (parent, name, dest): (&Path, &std::ffi::OsStr, &Path),
+    durability: Durability,
 ) -> Result<Totals, ReceiveError> {
-    let mut r = Receiving::new(parent, name)?;
+    let mut r = Receiving::new(parent, name, durability)?;
     let mut buf = Vec::new();
     let sent = loop {
         match read_frame(stream, session, &mut buf)? {
@@ -297,8 +352,8 @@ fn make_staging(
 /// A directory being received, frame by frame. Its fields drop in order: the copies' check
 /// first, the staging directory last.
 struct Receiving<'a> {
-    /// After a `Cut`: the copies of what was sent ahead, read back and checked.
-    copies: Option<CopyCheck>,
+    /// The copies of what was sent ahead, read back and checked.
+    copies: AheadChecks,
     /// What was sent ahead, its files' lengths and pieces by path, each taken out as a later
     /// round or the final set names it a base.
     sent_ahead: HashMap<String, (u64, Vec<Piece>)>,
@@ -315,13 +370,19 @@ struct Receiving<'a> {
     parent: &'a Path,
     name: &'a std::ffi::OsStr,
     staging: Staging,
+    durability: Durability,
 }
 
 impl<'a> Receiving<'a> {
-    fn new(parent: &'a Path, name: &'a std::ffi::OsStr) -> Result<Self, ReceiveError> {
+    fn new(
+        parent: &'a Path,
+        name: &'a std::ffi::OsStr,
+        durability: Durability,
+    ) -> Result<Self, ReceiveError> {
         let staging = make_staging(parent, name, "")?;
+        mark_unsynced(&staging.path, durability)?;
         Ok(Receiving {
-            copies: None,
+            copies: AheadChecks::default(),
             sent_ahead: HashMap::new(),
             pre: None,
             got: Totals::default(),
@@ -331,6 +392,7 @@ impl<'a> Receiving<'a> {
             parent,
             name,
             staging,
+            durability,
         })
     }
 
@@ -347,7 +409,7 @@ impl<'a> Receiving<'a> {
         if h.id != self.part.len() as u64 {
             return Err(unexpected("File", "out of its part's order"));
         }
-        let aside = self.pre.as_ref().zip(self.copies.as_ref());
+        let aside = self.pre.as_ref().map(|pre| (pre, &self.copies));
         let incoming = open_file(&self.root, h, aside, &mut self.sent_ahead)?;
         self.part.push(incoming);
         Ok(())
@@ -360,18 +422,29 @@ impl<'a> Receiving<'a> {
         mac: &mut FrameMac,
         lanes: &mut Vec<RecvLane>,
     ) -> Result<(), ReceiveError> {
-        // The final set's headers all came: its bases were all checked.
-        if let Some(copies) = &self.copies {
-            copies.stop();
+        let ahead = self.pre.is_none();
+        if ahead {
+            // No check reads a piece while it is written again.
+            self.copies.settle();
+        } else {
+            // The final set's headers all came: its bases were all checked.
+            self.copies.stop();
         }
         receive_part(stream, mac, lanes, &self.part)?;
+        let mut brought = HashMap::new();
         for f in self.part.drain(..) {
-            let (path, size, pieces) = complete(f)?;
-            if let Some(pieces) = pieces {
-                self.sent_ahead.insert(path, (size, pieces));
+            let c = complete(f, self.durability)?;
+            if let Some(all) = c.all {
+                self.sent_ahead.insert(c.path.clone(), (c.size, all));
+            }
+            if ahead {
+                brought.insert(c.path, (c.size, c.brought));
             }
             self.got.files += 1;
-            self.got.bytes += size;
+            self.got.bytes += c.size;
+        }
+        if ahead {
+            self.copies.part_written(&self.root, &brought);
         }
         Ok(())
     }
@@ -391,13 +464,15 @@ impl<'a> Receiving<'a> {
             source,
         };
         fs::remove_dir(&aside.path).map_err(io)?;
+        let again = self.copies.cut(&self.root, &self.sent_ahead);
         fs::rename(&self.root, &aside.path).map_err(io)?;
         fs::DirBuilder::new()
             .mode(0o700)
             .create(&self.root)
             .map_err(io)?;
-        // Read back while the sender hashes its side.
-        self.copies = Some(CopyCheck::start(&aside.path, &self.sent_ahead));
+        mark_unsynced(&self.root, self.durability)?;
+        // Read back again while the sender hashes its side.
+        self.copies.moved_to(&aside.path, &again);
         self.pre = Some(aside);
         self.dirs.clear();
         self.got = Totals::default();
@@ -416,7 +491,9 @@ impl<'a> Receiving<'a> {
                 move |source| ReceiveError::Io { what, path, source }
             };
             let f = fs::File::open(d).map_err(io("opening"))?;
-            f.sync_all().map_err(io("syncing"))?;
+            if self.durability == Durability::Synced {
+                f.sync_all().map_err(io("syncing"))?;
+            }
             f.set_permissions(fs::Permissions::from_mode(*mode))
                 .map_err(io("setting the mode of"))?;
         }
@@ -434,11 +511,34 @@ impl<'a> Receiving<'a> {
             source: e.into(),
         })?;
         self.staging.committed = true;
-        if let Ok(p) = fs::File::open(self.parent) {
-            let _ = p.sync_all();
+        if self.durability == Durability::Synced {
+            if let Ok(p) = fs::File::open(self.parent) {
+                let _ = p.sync_all();
+            }
         }
         Ok(())
     }
+}
+
+/// With [`Durability::Later`], [`UNSYNCED`] in the new directory `root`, synced with it before
+/// anything else is written there: whatever else the disk loses, not this.
+fn mark_unsynced(root: &Path, durability: Durability) -> Result<(), ReceiveError> {
+    if durability == Durability::Synced {
+        return Ok(());
+    }
+    let at = root.join(UNSYNCED);
+    let marked = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&at)
+        .and_then(|f| f.sync_all())
+        .and_then(|()| fs::File::open(root)?.sync_all());
+    marked.map_err(|source| ReceiveError::Io {
+        what: "creating",
+        path: at,
+        source,
+    })
 }
 
 /// Creates (or, with a base, takes over) the file `h` names under `root`, for its chunks to
@@ -449,7 +549,7 @@ impl<'a> Receiving<'a> {
 fn open_file(
     root: &Path,
     h: FileHeader,
-    pre: Option<(&Staging, &CopyCheck)>,
+    pre: Option<(&Staging, &AheadChecks)>,
     sent_ahead: &mut HashMap<String, (u64, Vec<Piece>)>,
 ) -> Result<Incoming, ReceiveError> {
     let parts = components(&h.path)?;
@@ -564,9 +664,19 @@ fn open_file(
     })
 }
 
+/// A file of a part, complete ([`complete`]).
+struct Completed {
+    path: String,
+    size: u64,
+    /// Ahead of the cut: all its pieces (those of earlier rounds, less those sent again).
+    all: Option<Vec<Piece>>,
+    /// The pieces this part brought.
+    brought: Vec<Piece>,
+}
+
 /// A file whose part's chunks all came: it must hold exactly its bytes, each once; then its mode
-/// is set and it is synced. Its path, size and (ahead of the cut) all its pieces.
-fn complete(f: Incoming) -> Result<(String, u64, Option<Vec<Piece>>), ReceiveError> {
+/// is set and it is synced (unless later: `durability`).
+fn complete(f: Incoming, durability: Durability) -> Result<Completed, ReceiveError> {
     // Unmapped first: what follows goes through the file.
     drop(f.map);
     let pieces = f
@@ -604,14 +714,22 @@ fn complete(f: Incoming) -> Result<(String, u64, Option<Vec<Piece>>), ReceiveErr
     f.file
         .set_permissions(fs::Permissions::from_mode(f.mode))
         .map_err(io("setting the mode of"))?;
-    f.file.sync_all().map_err(io("syncing"))?;
+    if durability == Durability::Synced {
+        f.file.sync_all().map_err(io("syncing"))?;
+    }
+    let brought: Vec<Piece> = pieces.values().copied().collect();
     // A patch replaces the piece it was sent again for.
     let all = f.prior.map(|prior| {
         let mut all: BTreeMap<u64, Piece> = prior.into_iter().map(|p| (p.offset, p)).collect();
         all.extend(pieces);
         all.into_values().collect()
     });
-    Ok((f.path, f.size, all))
+    Ok(Completed {
+        path: f.path,
+        size: f.size,
+        all,
+        brought,
+    })
 }
 
 /// Receives the chunks of a part (whose files are `files`) from every stream at once: `stream`

@@ -13,6 +13,7 @@ use super::session::{
     read_frame, send_frame, sender_handshake_streams, write_frame, Base, Connection, DirHeader,
     FileHeader, Frame, FrameError, Patch, SendLane, Session, Totals, CHUNK_BYTES, MAX_STREAMS,
 };
+use super::written::Written;
 use crate::auth::HmacKey;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -29,6 +30,12 @@ pub struct SendReport {
     pub sent_bytes: u64,
     /// From the handshake to the receiver's `Committed`.
     pub elapsed: Duration,
+    /// Of that, after the `Cut`: hashing again the pieces sent ahead that may have changed
+    /// ([`DirSender::told`]).
+    pub hashing: Duration,
+    /// Of that: from `Done` to the receiver's `Committed` (its files synced, its directory
+    /// named).
+    pub committing: Duration,
 }
 
 /// An entry of the directory sent.
@@ -173,6 +180,8 @@ pub struct DirSender {
     ahead_paths: HashSet<String>,
     /// Something was sent ahead: the final set follows a `Cut`.
     sent_ahead: bool,
+    /// What the files' writer said it wrote since the last part ([`DirSender::told`]).
+    written: Written,
 }
 
 impl DirSender {
@@ -198,7 +207,17 @@ impl DirSender {
             ahead: HashMap::new(),
             ahead_paths: HashSet::new(),
             sent_ahead: false,
+            written: Written::new(),
         })
+    }
+
+    /// What the writer of the files sent says it wrote since the last part: the next part
+    /// ([`DirSender::send_ahead`] or [`DirSender::finish`]) reads again, of the files sent ahead
+    /// that it names, only the pieces those ranges meet; the other files' pieces, all of them.
+    /// A wrong account costs no wrong image only where the files' contents are checked after
+    /// (a checkpoint image's chunk fingerprints, at its restore).
+    pub fn told(&mut self, written: Written) {
+        self.written = written;
     }
 
     /// Sends the regular files and directories under `dir` as they are now (what is neither, or
@@ -217,7 +236,8 @@ impl DirSender {
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, false)?;
-            let continued = bases(dir, &entries, self.ahead.clone());
+            let written = std::mem::take(&mut self.written);
+            let continued = bases(dir, &entries, self.ahead.clone(), &written);
             let mut known = std::mem::take(&mut self.ahead);
             let mut paths = std::mem::take(&mut self.ahead_paths);
             let sent = self.send_part(
@@ -249,6 +269,7 @@ impl DirSender {
         dir: &Path,
     ) -> Result<(SendReport, Session), WireError> {
         let start = Instant::now();
+        let mut hashing = Duration::ZERO;
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, true)?;
@@ -259,7 +280,14 @@ impl DirSender {
                     what: "sending",
                     source,
                 })?;
-                Sending::Final(bases(dir, &entries, std::mem::take(&mut self.ahead)))
+                let (ahead, written) = (
+                    std::mem::take(&mut self.ahead),
+                    std::mem::take(&mut self.written),
+                );
+                let t = Instant::now();
+                let bases = bases(dir, &entries, ahead, &written);
+                hashing = t.elapsed();
+                Sending::Final(bases)
             } else {
                 Sending::Plain
             };
@@ -274,11 +302,14 @@ impl DirSender {
         let sent = sent.map_err(|e| self.failed(stream, e))?;
         // The transfer is over: the other streams end.
         self.lanes.clear();
+        let t = Instant::now();
         let totals = confirmation(stream, &mut self.session, &sent.totals)?;
         let report = SendReport {
             totals,
             sent_bytes: sent.bytes,
             elapsed: start.elapsed(),
+            hashing,
+            committing: t.elapsed(),
         };
         Ok((report, self.session))
     }
@@ -720,13 +751,15 @@ impl Share<'_> {
 
 /// The files of `entries` (under `dir`) that are, or begin with, a file sent ahead (the same
 /// file: its device and inode; not shorter than it was sent), with the pieces of it that
-/// changed since: each piece sent ahead hashed again, the pieces of all the files in parallel
-/// (at most 8 workers), a changed one a [`Patch`] carrying its hash now. A file that cannot be
-/// read there is no base (it is then sent whole, or fails its send).
+/// changed since: each piece sent ahead that may have changed (`written`) hashed again, the
+/// pieces of all the files in parallel (at most 8 workers), a changed one a [`Patch`] carrying
+/// its hash now. A file that cannot be read there is no base (it is then sent whole, or fails
+/// its send).
 pub(super) fn bases(
     dir: &Path,
     entries: &[Entry],
     mut ahead: HashMap<(u64, u64), AheadFile>,
+    written: &Written,
 ) -> HashMap<String, ((u64, u64), Base)> {
     let candidates: Vec<(&str, (u64, u64), AheadFile, fs::File)> = entries
         .iter()
@@ -749,7 +782,11 @@ pub(super) fn bases(
     let work: Vec<(usize, Piece)> = candidates
         .iter()
         .enumerate()
-        .flat_map(|(c, (_, _, a, _))| a.pieces.iter().map(move |p| (c, *p)))
+        .flat_map(|(c, (_, inode, a, _))| {
+            (a.pieces.iter())
+                .filter(|p| written.may_have_changed(*inode, p.offset, p.len))
+                .map(move |p| (c, *p))
+        })
         .collect();
     let readable: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(true)).collect();
     let changed: Vec<Mutex<Vec<Patch>>> = candidates.iter().map(|_| Mutex::default()).collect();

@@ -1,0 +1,63 @@
+//! What the writer of the files being sent says it wrote since the part before (part of
+//! [`super`]): a [`DirSender`](super::DirSender) told of it reads again only those ranges of the
+//! files sent ahead that it names, instead of every piece of them.
+
+use std::collections::HashMap;
+
+/// The byte ranges written into files since the last part was sent, by the file's (device,
+/// inode). A file named here changed only in its ranges (none: not at all); a file not named may
+/// have changed anywhere.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Written {
+    files: HashMap<(u64, u64), Vec<(u64, u64)>>,
+}
+
+impl Written {
+    /// Nothing known: every file sent ahead is read again whole.
+    pub fn new() -> Written {
+        Written::default()
+    }
+
+    /// The file `inode` was written only in `ranges` (offset, length) since the part before (a
+    /// file named twice: both sets of ranges).
+    pub fn add(&mut self, inode: (u64, u64), ranges: impl IntoIterator<Item = (u64, u64)>) {
+        self.files.entry(inode).or_default().extend(ranges);
+    }
+
+    /// Whether nothing is known.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
+    /// Whether the piece `offset..offset + len` of the file `inode` may have changed: the file is
+    /// not named, or one of its ranges meets the piece.
+    pub(super) fn may_have_changed(&self, inode: (u64, u64), offset: u64, len: u64) -> bool {
+        match self.files.get(&inode) {
+            None => true,
+            Some(ranges) => ranges
+                .iter()
+                .any(|&(at, l)| at < offset.saturating_add(len) && offset < at.saturating_add(l)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_piece_may_have_changed_only_where_a_range_meets_it() {
+        let mut w = Written::new();
+        w.add((1, 2), [(100, 50)]);
+        w.add((1, 3), []);
+        assert!(w.may_have_changed((9, 9), 0, 10), "a file not named");
+        assert!(!w.may_have_changed((1, 3), 0, 1 << 30), "named, unwritten");
+        assert!(
+            !w.may_have_changed((1, 2), 0, 100),
+            "ends where the range begins"
+        );
+        assert!(w.may_have_changed((1, 2), 0, 101));
+        assert!(w.may_have_changed((1, 2), 149, 10));
+        assert!(!w.may_have_changed((1, 2), 150, 10), "begins where it ends");
+    }
+}
