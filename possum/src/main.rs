@@ -15,6 +15,7 @@ mod inspect;
 mod keeper;
 mod migrate;
 mod migrate_demo;
+mod progress;
 mod run;
 mod scratch;
 mod status;

@@ -20,6 +20,8 @@ use possum_sequence::wire::{self, Accepted, Sessions};
 use possum_sequence::{CheckpointParams, Environment, RestoreParams};
 
 use crate::checkpoint::{EngineKind, Notes, TcpArgs};
+use crate::progress::MigrateLine;
+use std::io::IsTerminal;
 
 /// Arguments of `possum migrate`.
 #[derive(Args, Debug)]
@@ -189,7 +191,10 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
         max_rate: a.max_rate,
         streams: a.streams.unwrap_or_else(default_streams),
     };
-    let report = migrate::migrate(&params, &mut Notes)?;
+    let mut line = MigrateLine::new(!a.json && std::io::stderr().is_terminal());
+    let report = migrate::migrate(&params, &mut line);
+    drop(line);
+    let report = report?;
     if a.json {
         println!("{}", serde_json::to_value(&report)?);
     } else {

@@ -81,6 +81,6 @@ pub use checkpoint::{
 };
 pub use config::{DriverDeadlines, Environment, HostmemSplit};
 pub use engine::Engine;
-pub use observer::{Observer, Quiet};
+pub use observer::{MigrateStep, Observer, Quiet};
 pub use restore::{restore, restore_confirmed, RestoreError, RestoreParams, RestoreReport};
 pub use stage::StageReport;

@@ -1,6 +1,9 @@
 //! What a sequence tells its caller as it goes.
 
 use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
 
 use crate::wire::Written;
 
@@ -20,6 +23,34 @@ pub trait Observer {
     fn precopied(&mut self, dir: &Path, written: &Written) {
         let _ = (dir, written);
     }
+    /// Where a migration is, for a progress line: told as it moves on.
+    fn migrating(&mut self, step: MigrateStep) {
+        let _ = step;
+    }
+}
+
+/// Where a migration is ([`Observer::migrating`]).
+#[derive(Debug, Clone)]
+pub enum MigrateStep {
+    /// The connection is made: `sent` counts the image's bytes sent from now on, every stream
+    /// (read it from another thread as it grows).
+    Connected {
+        /// The bytes sent.
+        sent: Arc<AtomicU64>,
+    },
+    /// Pre-copy round `round` (from 1) wrote `bytes` and was sent ahead, the job running.
+    Round {
+        /// Its number.
+        round: usize,
+        /// The bytes it wrote.
+        bytes: u64,
+        /// The downtime expected if the cut came now ([`crate::migrate::estimated_downtime`]).
+        estimate: Option<Duration>,
+    },
+    /// The job is held: the rest of the image goes out.
+    Held,
+    /// The destination restores the job.
+    Restoring,
 }
 
 /// An [`Observer`] that shows nothing and drops the notes.

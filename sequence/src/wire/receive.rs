@@ -564,13 +564,7 @@ fn open_file(
     let (file, from, prior) = match &h.base {
         None => {
             // O_EXCL: never through a link, never a file twice.
-            let file = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&at)
-                .map_err(creating)?;
+            let file = open_to_write(&at, true).map_err(creating)?;
             (file, 0, pre.is_none().then(Vec::new))
         }
         Some(base) => {
@@ -634,12 +628,7 @@ fn open_file(
                     None
                 }
             };
-            // Written at offsets: not O_APPEND, which would ignore them.
-            let file = fs::OpenOptions::new()
-                .write(true)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&at)
-                .map_err(creating)?;
+            let file = open_to_write(&at, false).map_err(creating)?;
             (file, base.size, prior)
         }
     };
@@ -672,6 +661,26 @@ struct Completed {
     all: Option<Vec<Piece>>,
     /// The pieces this part brought.
     brought: Vec<Piece>,
+}
+
+/// Opens `at` (never through a link) to write its chunks at their offsets (not `O_APPEND`, which
+/// would ignore them), a new file of mode 0600 if `create` (`O_EXCL`: never a file twice). For
+/// reading too where its mode lets its owner: a shared mapping of it, through which the streams
+/// write it at once ([`Mapped`]), needs that; otherwise its writes go through `pwrite`.
+fn open_to_write(at: &Path, create: bool) -> io::Result<fs::File> {
+    let open = |read: bool| {
+        fs::OpenOptions::new()
+            .read(read)
+            .write(true)
+            .create_new(create)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(at)
+    };
+    match open(true) {
+        Err(e) if !create && e.kind() == io::ErrorKind::PermissionDenied => open(false),
+        other => other,
+    }
 }
 
 /// A file whose part's chunks all came: it must hold exactly its bytes, each once; then its mode

@@ -17,8 +17,8 @@ use super::written::Written;
 use crate::auth::HmacKey;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// What [`send_dir`] sent.
 #[derive(Clone, Copy, Debug)]
@@ -182,6 +182,8 @@ pub struct DirSender {
     sent_ahead: bool,
     /// What the files' writer said it wrote since the last part ([`DirSender::told`]).
     written: Written,
+    /// The files' bytes sent so far, every part and stream ([`DirSender::sent_counter`]).
+    sent: Arc<AtomicU64>,
 }
 
 impl DirSender {
@@ -208,7 +210,14 @@ impl DirSender {
             ahead_paths: HashSet::new(),
             sent_ahead: false,
             written: Written::new(),
+            sent: Arc::default(),
         })
+    }
+
+    /// The files' bytes this session sent so far, every part and every stream counted as each
+    /// chunk goes out: for a progress line, read from another thread.
+    pub fn sent_counter(&self) -> Arc<AtomicU64> {
+        self.sent.clone()
     }
 
     /// What the writer of the files sent says it wrote since the last part: the next part
@@ -358,7 +367,13 @@ impl DirSender {
     ) -> Result<Sent, SendError> {
         let files = headers(stream, &mut self.session, dir, entries, &mut mode)?;
         write_frame(stream, &mut self.session, &Frame::Chunks)?;
-        spread(stream, &mut self.session.send, &mut self.lanes, &files)?;
+        spread(
+            stream,
+            &mut self.session.send,
+            &mut self.lanes,
+            &files,
+            &self.sent,
+        )?;
         let ahead = matches!(mode, Sending::Ahead { .. });
         let mut sent = Sent {
             totals: Totals::default(),
@@ -581,6 +596,7 @@ fn spread<S: Write>(
     mac: &mut FrameMac,
     lanes: &mut [SendLane],
     files: &[Outgoing],
+    sent: &AtomicU64,
 ) -> Result<(), SendError> {
     let pieces = interleaved(files);
     let share = Share {
@@ -588,6 +604,7 @@ fn spread<S: Write>(
         pieces: &pieces,
         next: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
+        sent,
     };
     let (mine, theirs) = std::thread::scope(|scope| {
         let handles: Vec<_> = lanes
@@ -660,6 +677,8 @@ struct Share<'a> {
     next: AtomicUsize,
     /// A stream failed: the others stop at their next piece.
     stop: AtomicBool,
+    /// The bytes of chunks sent, every stream.
+    sent: &'a AtomicU64,
 }
 
 impl Share<'_> {
@@ -743,6 +762,7 @@ impl Share<'_> {
                 data,
             };
             send_frame(w, mac, &chunk, Some(hash))?;
+            self.sent.fetch_add(len, Ordering::Relaxed);
             chunks += 1;
             bytes += len;
         }

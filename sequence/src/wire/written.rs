@@ -24,6 +24,11 @@ impl Written {
         self.files.entry(inode).or_default().extend(ranges);
     }
 
+    /// The bytes of every range named (a range named twice, twice).
+    pub fn bytes(&self) -> u64 {
+        self.files.values().flatten().map(|(_, len)| len).sum()
+    }
+
     /// Whether nothing is known.
     pub fn is_empty(&self) -> bool {
         self.files.is_empty()
