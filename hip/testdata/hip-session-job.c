@@ -32,6 +32,13 @@ static unsigned long long fnv(unsigned long long h, const void* p, size_t n) {
   return h;
 }
 
+// axpy_f32(y, x, a, N) through hipLaunchKernel on `s`: Y += a X.
+static void axpy(hipStream_t s, float* y, float* x, float a) {
+  unsigned n = N;
+  void* args[] = {&y, &x, &a, &n};
+  CHECK(hipLaunchKernel(&axpy_f32_stub, (dim3){GRID, 1, 1}, (dim3){BLOCK, 1, 1}, args, 0, s));
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) { fprintf(stderr, "usage: %s KERNELS.hsaco [STEPS]\n", argv[0]); return 2; }
   long steps = argc > 2 ? atol(argv[2]) : -1;
@@ -55,13 +62,7 @@ int main(int argc, char** argv) {
   hipEvent_t e1, e2;
   CHECK(hipEventCreate(&e1));
   CHECK(hipEventCreate(&e2));
-  hipMemPool_t pool;
-  hipMemPoolProps props;
-  memset(&props, 0, sizeof props);
-  props.allocType = hipMemAllocationTypePinned;
-  props.location.type = hipMemLocationTypeDevice;
-  props.location.id = 0;
-  CHECK(hipMemPoolCreate(&pool, &props));
+  hipMemPool_t pool = device_pool();
 
   float *x, *y;
   unsigned* z;
@@ -75,23 +76,15 @@ int main(int argc, char** argv) {
   CHECK(hipStreamSynchronize(s3));
 
   // W: a range of the job's own, two pieces of N * 2 bytes each mapped into it.
-  hipMemAllocationProp prop;
-  memset(&prop, 0, sizeof prop);
-  prop.type = hipMemAllocationTypePinned;
-  prop.location.type = hipMemLocationTypeDevice;
-  prop.location.id = 0;
-  size_t gran = 0;
-  CHECK(hipMemGetAllocationGranularity(&gran, &prop, hipMemAllocationGranularityMinimum));
+  size_t gran;
+  hipMemAllocationProp prop = device_allocation(&gran);
   size_t piece = ((size_t)N * 2 + gran - 1) / gran * gran;
   unsigned* w;
   hipMemGenericAllocationHandle_t h1, h2;
   CHECK(hipMemAddressReserve((void**)&w, 2 * piece, 0, 0, 0));
   CHECK(hipMemCreate(&h1, piece, &prop, 0));
   CHECK(hipMemCreate(&h2, piece, &prop, 0));
-  CHECK(hipMemMap(w, piece, 0, h1, 0));
-  CHECK(hipMemMap((char*)w + piece, piece, 0, h2, 0));
-  hipMemAccessDesc access = {{hipMemLocationTypeDevice, 0}, hipMemAccessFlagsProtReadWrite};
-  CHECK(hipMemSetAccess(w, 2 * piece, &access, 1));
+  map_pair((char*)w, piece, h1, h2);
   CHECK(hipMemsetAsync(w, 0, N * 4, s3));
   CHECK(hipStreamSynchronize(s3));
 
@@ -99,12 +92,7 @@ int main(int argc, char** argv) {
   hipGraph_t graph;
   hipGraphExec_t exec;
   CHECK(hipStreamBeginCapture(s2, hipStreamCaptureModeGlobal));
-  {
-    float a = 0.5f;
-    unsigned n = N;
-    void* args[] = {&y, &x, &a, &n};
-    CHECK(hipLaunchKernel(&axpy_f32_stub, (dim3){GRID, 1, 1}, (dim3){BLOCK, 1, 1}, args, 0, s2));
-  }
+  axpy(s2, y, x, 0.5f);
   CHECK(hipStreamEndCapture(s2, &graph));
   CHECK(hipGraphInstantiate(&exec, graph, 0, 0, 0));
   if (getenv("HIP_JOB_MANAGED")) {
@@ -132,11 +120,8 @@ int main(int argc, char** argv) {
       memcpy(&bits, &v, 4);
       void* fargs[] = {&t, &bits, &n};
       CHECK(hipLaunchKernel(&fill_u32_stub, (dim3){GRID, 1, 1}, (dim3){BLOCK, 1, 1}, fargs, 0, s1));
-      float a = 1.0f / 1024.0f;
-      float* tf = (float*)t;
-      void* aargs[] = {&y, &tf, &a, &n};
-      CHECK(hipLaunchKernel(&axpy_f32_stub, (dim3){GRID, 1, 1}, (dim3){BLOCK, 1, 1}, aargs, 0, s1));
     }
+    axpy(s1, y, (float*)t, 1.0f / 1024.0f);
     CHECK(hipFreeAsync(t, s1));
     CHECK(hipEventRecord(e1, s1));
     // s2, after s1: the graph, Y += 0.5 X.

@@ -149,13 +149,7 @@ int main(int argc, char** argv) {
   CHECK(hipStreamSynchronize(s2));
 
   // pool: blocks from an explicit pool; a freed one is reused.
-  hipMemPool_t pool;
-  hipMemPoolProps props;
-  memset(&props, 0, sizeof props);
-  props.allocType = hipMemAllocationTypePinned;
-  props.location.type = hipMemLocationTypeDevice;
-  props.location.id = 0;
-  CHECK(hipMemPoolCreate(&pool, &props));
+  hipMemPool_t pool = device_pool();
   unsigned *p1, *p2, *p3;
   CHECK(hipMallocFromPoolAsync((void**)&p1, 4096 * 4, pool, s1));
   CHECK(hipMallocFromPoolAsync((void**)&p2, N * 4, pool, s1));
@@ -215,30 +209,20 @@ int main(int argc, char** argv) {
 
   // vmm: two physical allocations mapped into one reservation, filled, then mapped the other
   // way round: the bytes follow their allocation.
-  hipMemAllocationProp prop;
-  memset(&prop, 0, sizeof prop);
-  prop.type = hipMemAllocationTypePinned;
-  prop.location.type = hipMemLocationTypeDevice;
-  prop.location.id = 0;
-  size_t gran = 0;
-  CHECK(hipMemGetAllocationGranularity(&gran, &prop, hipMemAllocationGranularityMinimum));
+  size_t gran;
+  hipMemAllocationProp prop = device_allocation(&gran);
   char* va;
   hipMemGenericAllocationHandle_t h1, h2;
-  hipMemAccessDesc access = {{hipMemLocationTypeDevice, 0}, hipMemAccessFlagsProtReadWrite};
   CHECK(hipMemAddressReserve((void**)&va, 2 * gran, 0, 0, 0));
   addrs[naddrs++] = va;
   CHECK(hipMemCreate(&h1, gran, &prop, 0));
   CHECK(hipMemCreate(&h2, gran, &prop, 0));
-  CHECK(hipMemMap(va, gran, 0, h1, 0));
-  CHECK(hipMemMap(va + gran, gran, 0, h2, 0));
-  CHECK(hipMemSetAccess(va, 2 * gran, &access, 1));
+  map_pair(va, gran, h1, h2);
   module_fill(0, va, 0x33333333u, (unsigned)(gran / 4));
   module_fill(0, va + gran, 0x44444444u, (unsigned)(gran / 4));
   int busy = hipMemRelease(h1);
   CHECK(hipMemUnmap(va, 2 * gran));
-  CHECK(hipMemMap(va, gran, 0, h2, 0));
-  CHECK(hipMemMap(va + gran, gran, 0, h1, 0));
-  CHECK(hipMemSetAccess(va, 2 * gran, &access, 1));
+  map_pair(va, gran, h2, h1);
   unsigned* back = malloc(2 * gran);
   if (!back) return 1;
   CHECK(hipMemcpy(back, va, 2 * gran, hipMemcpyDeviceToHost));
