@@ -16,19 +16,23 @@ fn last_json(stdout: &[u8]) -> serde_json::Value {
     serde_json::from_str(line).unwrap()
 }
 
-#[test]
-fn demo_is_bit_exact_and_reports_its_figures() {
-    let out = possum()
-        .args(["demo", "--mib", "24", "--steps", "10", "--at", "3"])
-        .output()
-        .unwrap();
+/// Runs `cmd`, which must succeed (its output is the failure's message), and gives the last JSON
+/// line it printed.
+fn succeeds_with_json(cmd: &mut Command) -> serde_json::Value {
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let j = last_json(&out.stdout);
+    last_json(&out.stdout)
+}
+
+#[test]
+fn demo_is_bit_exact_and_reports_its_figures() {
+    let j =
+        succeeds_with_json(possum().args(["demo", "--mib", "24", "--steps", "10", "--at", "3"]));
     assert_eq!(j["bitexact"], true, "{j}");
     assert_eq!(j["backend"], "host");
     assert_eq!(j["bytes"], 24 << 20);
@@ -48,26 +52,18 @@ fn demo_is_bit_exact_and_reports_its_figures() {
 
 #[test]
 fn demo_with_shadows_is_bit_exact() {
-    let out = possum()
-        .args([
-            "demo",
-            "--mib",
-            "16",
-            "--steps",
-            "8",
-            "--at",
-            "2",
-            "--shadow-mib",
-            "8",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(last_json(&out.stdout)["bitexact"], true);
+    let j = succeeds_with_json(possum().args([
+        "demo",
+        "--mib",
+        "16",
+        "--steps",
+        "8",
+        "--at",
+        "2",
+        "--shadow-mib",
+        "8",
+    ]));
+    assert_eq!(j["bitexact"], true);
 }
 
 #[test]
@@ -127,19 +123,9 @@ fn demo_criu_round_trip_is_bit_exact() {
     if !criu_usable() {
         return;
     }
-    let out = possum()
-        .args([
-            "demo", "--criu", "--mib", "16", "--steps", "12", "--at", "4",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let j = last_json(&out.stdout);
+    let j = succeeds_with_json(possum().args([
+        "demo", "--criu", "--mib", "16", "--steps", "12", "--at", "4",
+    ]));
     assert_eq!(j["bitexact"], true, "{j}");
     assert_eq!(j["mode"], "criu");
 }
@@ -155,29 +141,22 @@ fn demo_migrate_precopies_in_rounds_and_is_bit_exact() {
     }
     let dir = tempfile::tempdir().unwrap();
     let work = dir.path().join("work");
-    let out = possum()
-        .args([
-            "demo",
-            "--migrate",
-            "--mib",
-            "16",
-            "--steps",
-            "12",
-            "--at",
-            "3",
-            "--json",
-            "-D",
-        ])
-        .arg(&work)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let j = succeeds_with_json(
+        possum()
+            .args([
+                "demo",
+                "--migrate",
+                "--mib",
+                "16",
+                "--steps",
+                "12",
+                "--at",
+                "3",
+                "--json",
+                "-D",
+            ])
+            .arg(&work),
     );
-    let j = last_json(&out.stdout);
     assert_eq!(j["mode"], "migrate", "{j}");
     assert_eq!(j["bitexact"], true, "{j}");
     let rounds: Vec<u64> = j["rounds"]
