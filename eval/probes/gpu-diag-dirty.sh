@@ -9,11 +9,11 @@
 #   (there) OUT=... GIBS="8 32" bash eval/probes/gpu-diag-dirty.sh        (~1 min for both)
 # Result: eval/results/2026-11-24-h100-diag-dirty-before.txt.
 set -u
-cd "$(dirname "$0")/../.."
-if ! nvidia-smi -L >/dev/null 2>&1; then echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; fi
+source "$(dirname "$0")/probe.sh"
+gpu_probe
 export LD_LIBRARY_PATH="/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 source scripts/gpu-criu.sh
-o="${OUT:-.gpu/out}"; mkdir -p "$o"
+o="$res"
 for gib in ${GIBS:-8 32}; do
   W=/dev/shm/dirty-$gib; rm -rf $W; mkdir -p $W/s
   POSSUM_DEBUG_DIRTY=1 LD_PRELOAD=$PWD/.gpu/libpossum.so POSSUM_SOCKET_DIR=$W/s python3 workloads/gpu/jobs.py mlp --steps 6000 --hold-gib $gib --ballast-frozen --log $W/log > $W/out 2> $W/err &

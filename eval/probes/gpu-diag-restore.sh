@@ -7,18 +7,12 @@
 # From the build in .gpu/ (gpu-ckpt.sh --stage). Writes $OUT/diag-restore.tgz (or .gpu/out/).
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
+source "$(dirname "$0")/probe.sh"
+gpu_probe diag-restore
 source scripts/gpu-criu.sh
-res="${OUT:-.gpu/out}/diag-restore"; mkdir -p "$res"
 W=/dev/shm/possum-diag-restore; rm -rf "$W"; mkdir -p "$W/sockets"
-.gpu/possum keeper --dir "$W/keeper" > "$W/keeper.out" 2> "$W/keeper.err" &
-keeper=$!
-for _ in $(seq 100); do grep -q ready "$W/keeper.out" 2>/dev/null && break; sleep 0.1; done
-POSSUM_KEEPER="$W/keeper" POSSUM_SOCKET_DIR="$W/sockets" LD_PRELOAD="$PWD/.gpu/libpossum.so" setsid \
-    python3 workloads/gpu/jobs.py mlp --steps 1000000 --hold-gib 8 --sleep-ms 1 --log "$W/job.log" > /dev/null 2> "$W/job.err" &
-pid=$!
-for _ in $(seq 900); do [ "$(wc -l < "$W/job.log" 2>/dev/null || echo 0)" -ge 100 ] && break; sleep 0.1; done
+keeper_in "$W"
+mlp_with_keeper "$W" 8
 cat "/proc/$pid/smaps_rollup" > "$res/smaps_rollup.txt" 2>&1
 # The largest mappings by resident anonymous memory (KiB), with their names.
 awk '/^[0-9a-f]+-[0-9a-f]+ /{name=$6; range=$1} /^Anonymous:/{if ($2 > 10240) print $2, range, name}' "/proc/$pid/smaps" \

@@ -7,9 +7,9 @@
 # Needs .gpu/possum and .gpu/possum-keeper-test-client (cargo build --release -p possum-keeper).
 # Writes $OUT/keeper-adopt.log (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-res="${OUT:-.gpu/out}"; mkdir -p "$res"; log="$res/keeper-adopt.log"; : > "$log"
+source "$(dirname "$0")/probe.sh"
+gpu_probe
+log="$res/keeper-adopt.log"; : > "$log"
 say() { echo "$(date +%T.%N | cut -c1-12) $*" | tee -a "$log"; }
 W=/dev/shm/possum-adopt; rm -rf "$W"; mkdir -p "$W"
 .gpu/possum keeper --socket "$W/a.sock" 2> "$W/a.err" & A=$!

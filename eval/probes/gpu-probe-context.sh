@@ -9,9 +9,8 @@
 # then back to its value; the job's loss after each, to see it runs on.
 # Writes $OUT/probe-context.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-res="${OUT:-.gpu/out}"; mkdir -p "$res"
+source "$(dirname "$0")/probe.sh"
+gpu_probe
 python3 - "$res/probe-context.txt" <<'PY'
 import ctypes, os, subprocess, sys, time
 import torch

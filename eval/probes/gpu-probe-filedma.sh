@@ -8,11 +8,10 @@
 # cudaHostAlloc'd memory; and the same with 4 threads each registering and filling 1 GiB of it.
 # Writes $OUT/probe-filedma.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-res="${OUT:-.gpu/out}"; mkdir -p "$res"
-dir=/tmp/possum-huge-tmpfs; mkdir -p "$dir"
-mountpoint -q "$dir" || mount -t tmpfs -o size=40g,huge=always possum-huge "$dir" || exit 1
+source "$(dirname "$0")/probe.sh"
+gpu_probe
+dir=/tmp/possum-huge-tmpfs
+huge_tmpfs "$dir" 40g
 python3 - "$res/probe-filedma.txt" "$dir" <<'PY'
 import ctypes, mmap, os, sys, threading, time
 import torch

@@ -17,11 +17,10 @@
 # from .gpu/wheels when carried; zlib's CRC otherwise), and each half alone.
 # Writes $OUT/probe-inplace.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-res="${OUT:-.gpu/out}"; mkdir -p "$res"
-huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
-mountpoint -q "$huge" || mount -t tmpfs -o size=70g,huge=always possum-huge "$huge" || exit 1
+source "$(dirname "$0")/probe.sh"
+gpu_probe
+huge=/tmp/possum-huge-tmpfs
+huge_tmpfs "$huge" 70g
 wheels=$(mktemp -d); for w in .gpu/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$wheels"; done
 PYTHONPATH="$wheels" python3 - "$res/probe-inplace.txt" "$huge" "${DRAIN:-32}" "${1:-${PROBE_MODE:-fresh}}" <<'PY'
 import ctypes, mmap, os, sys, threading, time, zlib

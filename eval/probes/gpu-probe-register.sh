@@ -11,11 +11,10 @@
 # each with the time to fault it in, to register, D2H GB/s into it, and to unregister.
 # Writes $OUT/probe-register.txt (or .gpu/out/). Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
-res="${OUT:-.gpu/out}"; mkdir -p "$res"
-huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
-mountpoint -q "$huge" || mount -t tmpfs -o size=20g,huge=always possum-huge "$huge" || exit 1
+source "$(dirname "$0")/probe.sh"
+gpu_probe
+huge=/tmp/possum-huge-tmpfs
+huge_tmpfs "$huge" 20g
 tlb=/tmp/possum-hugetlbfs; mkdir -p "$tlb"
 echo 2600 > /proc/sys/vm/nr_hugepages
 grep -E "HugePages_(Total|Free)|Hugepagesize" /proc/meminfo
