@@ -326,6 +326,13 @@ impl Server {
             .unwrap()
     }
 
+    /// [`Self::checkpoint`], or `None` where it failed for this CRIU's inability to dump TCP
+    /// sockets on this kernel ([`criu_cannot_dump_tcp`]: the test `test` is skipped).
+    fn checkpoint_tcp(&self, img: &Path, args: &[&str], test: &str) -> Option<Output> {
+        let out = self.checkpoint(img, args);
+        (!criu_cannot_dump_tcp(&out, self, test)).then_some(out)
+    }
+
     /// Waits for the end of the process started, which a checkpoint or a migration killed.
     fn killed(&mut self) {
         self.reaper.take().unwrap().join().unwrap();
@@ -363,9 +370,13 @@ fn tcp_to(port: u16) -> TcpStream {
 }
 
 /// A server on loopback in a temporary directory with the fake driver, this process the
-/// subreaper of its restored copies; `None` (said why) to skip.
-fn setup(test: &str) -> Option<(tempfile::TempDir, Server)> {
-    setup_on(test, "127.0.0.1")
+/// subreaper of its restored copies, and a TCP connection to it held open, asked 5 times;
+/// `None` (said why) to skip.
+fn setup(test: &str) -> Option<(tempfile::TempDir, Server, Conn<TcpStream>)> {
+    let (tmp, server) = setup_on(test, "127.0.0.1")?;
+    let mut held = server.connect("held open");
+    held.ask_n(5);
+    Some((tmp, server, held))
 }
 
 /// [`setup`], the server listening on `addr`.
@@ -435,12 +446,10 @@ fn keep_asking(
 #[test]
 fn a_server_answers_through_a_kept_checkpoint_and_on_its_connection_after_a_restore() {
     let test = "tcp_server";
-    let Some((tmp, mut server)) = setup(test) else {
+    let Some((tmp, mut server, held)) = setup(test) else {
         return;
     };
     let dir = tmp.path();
-    let mut held = server.connect("held open");
-    held.ask_n(5);
     // A connection the server has not accepted yet: it waits in the queue listener's backlog.
     let mut queued = Conn::new(tcp_to(server.queue), "TCP connection in a listener's queue");
     server.answers_new_clients("before any checkpoint");
@@ -449,10 +458,10 @@ fn a_server_answers_through_a_kept_checkpoint_and_on_its_connection_after_a_rest
     let mut held_unix = server.connect_unix("held open");
     held_unix.ask_n(5);
     let kept = dir.join("kept");
-    let out = server.checkpoint(&kept, &["--leave-running", "--tcp-established"]);
-    if criu_cannot_dump_tcp(&out, &server, test) {
+    let Some(out) = server.checkpoint_tcp(&kept, &["--leave-running", "--tcp-established"], test)
+    else {
         return;
-    }
+    };
     assert!(!out.status.success(), "{}", text(&out));
     assert!(
         text(&out).contains("unix stream connection to a process outside it"),
@@ -537,13 +546,11 @@ fn migrate(server: &Server, args: &[&str]) -> (Output, Output) {
 #[test]
 fn a_migrated_server_answers_at_the_destination_on_its_connection() {
     let test = "tcp_server_migrate";
-    let Some((tmp, mut server)) = setup(test) else {
+    let Some((tmp, mut server, mut held)) = setup(test) else {
         return;
     };
     let dir = tmp.path();
     std::fs::write(dir.join("key"), [7u8; 32]).unwrap();
-    let mut held = server.connect("held open");
-    held.ask_n(5);
     let (out, received) = migrate(&server, &["--tcp-established"]);
     if criu_cannot_dump_tcp(&out, &server, test) {
         return;
@@ -587,17 +594,14 @@ fn reset(conn: &mut Conn<TcpStream>) {
 #[test]
 fn restored_with_tcp_close_its_connections_come_back_closed() {
     let test = "tcp_server_close";
-    let Some((tmp, mut server)) = setup(test) else {
+    let Some((tmp, mut server, mut held)) = setup(test) else {
         return;
     };
     let dir = tmp.path();
-    let mut held = server.connect("held open");
-    held.ask_n(5);
     let img = dir.join("img");
-    let out = server.checkpoint(&img, &["--tcp-established"]);
-    if criu_cannot_dump_tcp(&out, &server, test) {
+    let Some(out) = server.checkpoint_tcp(&img, &["--tcp-established"], test) else {
         return;
-    }
+    };
     assert!(out.status.success(), "{}", text(&out));
     server.killed();
     let said = server.restore(&img, &["--tcp-close", "--json"]);
@@ -678,10 +682,9 @@ fn another_host(test: &str) {
     let mut held = Conn::new(s, format!("TCP connection to {HOST_ADDR}, held open"));
     held.ask_n(5);
     let img = dir.join("img");
-    let out = server.checkpoint(&img, &["--tcp-established"]);
-    if criu_cannot_dump_tcp(&out, &server, test) {
+    let Some(out) = server.checkpoint_tcp(&img, &["--tcp-established"], test) else {
         return;
-    }
+    };
     assert!(out.status.success(), "{}", text(&out));
     server.killed();
 
