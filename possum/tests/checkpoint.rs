@@ -12,21 +12,13 @@ use serde_json::{json, Value};
 #[path = "support/cli.rs"]
 #[allow(dead_code)]
 mod cli;
-use cli::fake_libcuda;
+use cli::{fake_libcuda, free_pid, sealed, text};
 
 #[path = "../../criu-adapter/tests/support/criu.rs"]
 mod criu_support;
 
 fn possum() -> Command {
     Command::new(env!("CARGO_BIN_EXE_possum"))
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn me() -> String {
@@ -554,18 +546,6 @@ fn restore_names_what_is_wrong_with_an_image() {
     assert!(text(&out).contains("image format 99"), "{}", text(&out));
 }
 
-/// `possum.json`'s text for the description `m`, with its check.
-fn sealed(m: &Value) -> String {
-    possum_sequence::image::manifest_text(&serde_json::from_value(m.clone()).unwrap()).unwrap()
-}
-
-/// A PID that is free: a reaped child's.
-fn free_pid() -> u32 {
-    let mut c = Command::new("true").spawn().unwrap();
-    c.wait().unwrap();
-    c.id()
-}
-
 /// A stand-in for nvidia-smi answering the two queries possum makes.
 const A: &str = "GPU-aaaaaaaa-0000-1111-2222-333333333333";
 const B: &str = "GPU-bbbbbbbb-0000-1111-2222-333333333333";
@@ -650,24 +630,7 @@ fn restore_refuses_a_gpu_with_too_little_memory() {
     // A job whose 8 MiB of buffers were its keeper's, which no longer holds them (no keeper
     // answers): on its own GPU they are made again, so it needs room for them beside its own
     // 9000 MiB, refused by name before anything is done.
-    use possum_engine::store::{BufferRecord, ChunkSink};
-    let w = possum_engine::image::ImageWriter::create(
-        &img.join("gpu/gpu-0"),
-        possum_engine::image::WriterOptions {
-            fsync: false,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    w.add_buffer(BufferRecord {
-        id: 1,
-        va: 0x7f00_0000_0000,
-        size: 8 << 20,
-        prefetch_rank: 0,
-    })
-    .unwrap();
-    w.write_chunk(1, 0, &vec![7u8; 8 << 20]).unwrap();
-    w.commit().unwrap();
+    cli::one_buffer_gpu_image(&img.join("gpu/gpu-0"), 8 << 20);
     let mut kept: Value = serde_json::from_str(&m(A)).unwrap();
     kept["engine"] = json!("possum");
     kept["gpu_dir"] = json!("gpu");

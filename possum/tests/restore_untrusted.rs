@@ -5,9 +5,14 @@
 //! image, host paths outside possum's places, files where a stale socket was.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use serde_json::{json, Value};
+
+#[path = "support/cli.rs"]
+#[allow(dead_code)]
+mod cli;
+use cli::{free_pid, sealed, text};
 
 fn possum() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_possum"));
@@ -15,26 +20,6 @@ fn possum() -> Command {
     c.env("POSSUM_CRIU", "/nonexistent/criu")
         .env("POSSUM_NVIDIA_SMI", "/nonexistent/nvidia-smi");
     c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// `possum.json`'s text for the description `m`, with its check.
-fn sealed(m: &Value) -> String {
-    possum_sequence::image::manifest_text(&serde_json::from_value(m.clone()).unwrap()).unwrap()
-}
-
-/// A PID that is free: a reaped child's.
-fn free_pid() -> u32 {
-    let mut c = Command::new("true").spawn().unwrap();
-    c.wait().unwrap();
-    c.id()
 }
 
 /// An image directory `img` with CRIU's part, and the description of a job `pid` (engine
@@ -49,25 +34,8 @@ fn image(img: &Path, pid: i64, socket_dir: &Path) -> Value {
 
 /// [`image`] of engine possum: with a GPU image of one buffer in `img/gpu/gpu-0`.
 fn possum_image(img: &Path, pid: i64, socket_dir: &Path) -> Value {
-    use possum_engine::store::{BufferRecord, ChunkSink};
     let mut m = image(img, pid, socket_dir);
-    let w = possum_engine::image::ImageWriter::create(
-        &img.join("gpu/gpu-0"),
-        possum_engine::image::WriterOptions {
-            fsync: false,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    w.add_buffer(BufferRecord {
-        id: 1,
-        va: 0x7f00_0000_0000,
-        size: 4096,
-        prefetch_rank: 0,
-    })
-    .unwrap();
-    w.write_chunk(1, 0, &[7u8; 4096]).unwrap();
-    w.commit().unwrap();
+    cli::one_buffer_gpu_image(&img.join("gpu/gpu-0"), 4096);
     m["engine"] = json!("possum");
     m["gpu_dir"] = json!("gpu");
     m

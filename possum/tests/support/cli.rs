@@ -102,6 +102,41 @@ pub fn run_ok(c: &mut Command) -> Output {
     o
 }
 
+/// `possum.json`'s text for the description `m`, with its check.
+pub fn sealed(m: &serde_json::Value) -> String {
+    possum_sequence::image::manifest_text(&serde_json::from_value(m.clone()).unwrap()).unwrap()
+}
+
+/// A PID that is free: a reaped child's.
+pub fn free_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    c.wait().unwrap();
+    c.id()
+}
+
+/// A committed engine image in `dir` of one buffer, id 1 at 0x7f00_0000_0000, of `size` bytes
+/// of 7s: a job's GPU image, for an image made by hand.
+pub fn one_buffer_gpu_image(dir: &Path, size: u64) {
+    use possum_engine::store::{BufferRecord, ChunkSink};
+    let w = possum_engine::image::ImageWriter::create(
+        dir,
+        possum_engine::image::WriterOptions {
+            fsync: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    w.add_buffer(BufferRecord {
+        id: 1,
+        va: 0x7f00_0000_0000,
+        size,
+        prefetch_rank: 0,
+    })
+    .unwrap();
+    w.write_chunk(1, 0, &vec![7u8; size as usize]).unwrap();
+    w.commit().unwrap();
+}
+
 /// Starts `checkpoint` (a `possum checkpoint` into `img`, its output dropped), kills it after
 /// `delay_ms` and reaps it; asserts that `img` is then absent or a complete image. Whether it
 /// is there.
