@@ -158,172 +158,59 @@ pub unsafe extern "C" fn hipExtModuleLaunchKernel(
     }
 }
 
-/// Defines a driver-style copy `$name(dst, src, n)` and its stream-ordered `$async`; the source
-/// is read from a device buffer when `$from_device`.
-macro_rules! copies {
-    ($name:ident, $slot:ident, $cname:literal, $async:ident, $aslot:ident, $acname:literal,
-     $from_device:expr) => {
-        #[doc = concat!("`", stringify!($name), "(dst, src, n)`.")]
+/// Defines `$name(args)` and its stream-ordered `$async(args, stream)`, each counted in
+/// `counters.$counter` and run through the hook by `$through` ([`copy_through`] or
+/// [`copy_through2`]), called with the stream, the arguments given here, and the call.
+macro_rules! sync_and_async {
+    ($counter:ident, ($($arg:ident: $t:ty),*), $through:ident($($range:expr),*);
+     $name:ident, $slot:ident, $cname:literal, $fn:ty;
+     $async:ident, $aslot:ident, $acname:literal, $afn:ty) => {
+        #[doc = concat!("`", stringify!($name), "(", stringify!($($arg),*), ")`.")]
         #[no_mangle]
-        pub unsafe extern "C" fn $name(dst: u64, src: u64, n: usize) -> HipError {
-            count(|f| &f.counters.copies);
-            let from = if $from_device { src } else { 0 };
-            copy_through(0, dst, from, n, || {
-                call_real!($slot, $cname, CopyFn, dst, src, n)
-            })
+        pub unsafe extern "C" fn $name($($arg: $t),*) -> HipError {
+            count(|f| &f.counters.$counter);
+            $through(0, $($range,)* || call_real!($slot, $cname, $fn, $($arg),*))
         }
 
-        #[doc = concat!("`", stringify!($async), "(dst, src, n, stream)`.")]
+        #[doc = concat!("`", stringify!($async), "(", stringify!($($arg),*), ", stream)`.")]
         #[no_mangle]
-        pub unsafe extern "C" fn $async(dst: u64, src: u64, n: usize, stream: P) -> HipError {
-            count(|f| &f.counters.copies);
-            let from = if $from_device { src } else { 0 };
-            copy_through(stream as usize, dst, from, n, || {
-                call_real!($aslot, $acname, CopyAsyncFn, dst, src, n, stream)
-            })
-        }
-    };
-}
-
-copies!(
-    hipMemcpyHtoD,
-    REAL_hipMemcpyHtoD,
-    c"hipMemcpyHtoD",
-    hipMemcpyHtoDAsync,
-    REAL_hipMemcpyHtoDAsync,
-    c"hipMemcpyHtoDAsync",
-    false
-);
-copies!(
-    hipMemcpyDtoD,
-    REAL_hipMemcpyDtoD,
-    c"hipMemcpyDtoD",
-    hipMemcpyDtoDAsync,
-    REAL_hipMemcpyDtoDAsync,
-    c"hipMemcpyDtoDAsync",
-    true
-);
-
-/// Defines a memset of `count` elements of type `$t` at `dst`, `$name(dst, value, count)`, and
-/// its stream-ordered `$async`.
-macro_rules! memsets {
-    ($name:ident, $slot:ident, $cname:literal, $async:ident, $aslot:ident, $acname:literal,
-     $t:ty) => {
-        #[doc = concat!("`", stringify!($name), "(dst, value, count)`.")]
-        #[no_mangle]
-        pub unsafe extern "C" fn $name(dst: u64, value: $t, n: usize) -> HipError {
-            count(|f| &f.counters.memsets);
-            let bytes = n.saturating_mul(std::mem::size_of::<$t>());
-            copy_through(0, dst, 0, bytes, || {
-                call_real!($slot, $cname, SetFn<$t>, dst, value, n)
-            })
-        }
-
-        #[doc = concat!("`", stringify!($async), "(dst, value, count, stream)`.")]
-        #[no_mangle]
-        pub unsafe extern "C" fn $async(dst: u64, value: $t, n: usize, stream: P) -> HipError {
-            count(|f| &f.counters.memsets);
-            let bytes = n.saturating_mul(std::mem::size_of::<$t>());
-            copy_through(stream as usize, dst, 0, bytes, || {
-                call_real!($aslot, $acname, SetAsyncFn<$t>, dst, value, n, stream)
+        pub unsafe extern "C" fn $async($($arg: $t,)* stream: P) -> HipError {
+            count(|f| &f.counters.$counter);
+            $through(stream as usize, $($range,)* || {
+                call_real!($aslot, $acname, $afn, $($arg,)* stream)
             })
         }
     };
 }
 
-memsets!(
-    hipMemsetD8,
-    REAL_hipMemsetD8,
-    c"hipMemsetD8",
-    hipMemsetD8Async,
-    REAL_hipMemsetD8Async,
-    c"hipMemsetD8Async",
-    u8
-);
-memsets!(
-    hipMemsetD16,
-    REAL_hipMemsetD16,
-    c"hipMemsetD16",
-    hipMemsetD16Async,
-    REAL_hipMemsetD16Async,
-    c"hipMemsetD16Async",
-    u16
-);
-memsets!(
-    hipMemsetD32,
-    REAL_hipMemsetD32,
-    c"hipMemsetD32",
-    hipMemsetD32Async,
-    REAL_hipMemsetD32Async,
-    c"hipMemsetD32Async",
-    c_int
-);
+// The driver-style copies: the source is a device buffer only for a device-to-device copy.
+sync_and_async!(copies, (dst: u64, src: u64, n: usize), copy_through(dst, 0, n);
+    hipMemcpyHtoD, REAL_hipMemcpyHtoD, c"hipMemcpyHtoD", CopyFn;
+    hipMemcpyHtoDAsync, REAL_hipMemcpyHtoDAsync, c"hipMemcpyHtoDAsync", CopyAsyncFn);
+sync_and_async!(copies, (dst: u64, src: u64, n: usize), copy_through(dst, src, n);
+    hipMemcpyDtoD, REAL_hipMemcpyDtoD, c"hipMemcpyDtoD", CopyFn;
+    hipMemcpyDtoDAsync, REAL_hipMemcpyDtoDAsync, c"hipMemcpyDtoDAsync", CopyAsyncFn);
 
-/// `hipMemcpy2D(dst, dpitch, src, spitch, width, height, kind)`.
-#[no_mangle]
-pub unsafe extern "C" fn hipMemcpy2D(
-    dst: P,
-    dpitch: usize,
-    src: *const c_void,
-    spitch: usize,
-    width: usize,
-    height: usize,
-    kind: c_int,
-) -> HipError {
-    count(|f| &f.counters.copies);
-    let (d, s) = (
-        pitched(dpitch, width, height),
-        pitched(spitch, width, height),
-    );
-    copy_through2(0, dst as u64, d, src as u64, s, || {
-        call_real!(
-            REAL_hipMemcpy2D,
-            c"hipMemcpy2D",
-            Copy2DFn,
-            dst,
-            dpitch,
-            src,
-            spitch,
-            width,
-            height,
-            kind
-        )
-    })
-}
+// The memsets of `n` elements of 1, 2 and 4 bytes at `dst`.
+sync_and_async!(memsets, (dst: u64, value: u8, n: usize), copy_through(dst, 0, n);
+    hipMemsetD8, REAL_hipMemsetD8, c"hipMemsetD8", SetFn<u8>;
+    hipMemsetD8Async, REAL_hipMemsetD8Async, c"hipMemsetD8Async", SetAsyncFn<u8>);
+sync_and_async!(memsets, (dst: u64, value: u16, n: usize),
+    copy_through(dst, 0, n.saturating_mul(std::mem::size_of::<u16>()));
+    hipMemsetD16, REAL_hipMemsetD16, c"hipMemsetD16", SetFn<u16>;
+    hipMemsetD16Async, REAL_hipMemsetD16Async, c"hipMemsetD16Async", SetAsyncFn<u16>);
+sync_and_async!(memsets, (dst: u64, value: c_int, n: usize),
+    copy_through(dst, 0, n.saturating_mul(std::mem::size_of::<c_int>()));
+    hipMemsetD32, REAL_hipMemsetD32, c"hipMemsetD32", SetFn<c_int>;
+    hipMemsetD32Async, REAL_hipMemsetD32Async, c"hipMemsetD32Async", SetAsyncFn<c_int>);
 
-/// `hipMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)`.
-#[no_mangle]
-pub unsafe extern "C" fn hipMemcpy2DAsync(
-    dst: P,
-    dpitch: usize,
-    src: *const c_void,
-    spitch: usize,
-    width: usize,
-    height: usize,
-    kind: c_int,
-    stream: P,
-) -> HipError {
-    count(|f| &f.counters.copies);
-    let (d, s) = (
-        pitched(dpitch, width, height),
-        pitched(spitch, width, height),
-    );
-    copy_through2(stream as usize, dst as u64, d, src as u64, s, || {
-        call_real!(
-            REAL_hipMemcpy2DAsync,
-            c"hipMemcpy2DAsync",
-            Copy2DAsyncFn,
-            dst,
-            dpitch,
-            src,
-            spitch,
-            width,
-            height,
-            kind,
-            stream
-        )
-    })
-}
+// The pitched copy: `height` rows of `width` bytes, `dpitch` apart at `dst` and `spitch` apart
+// at `src`.
+sync_and_async!(copies,
+    (dst: P, dpitch: usize, src: *const c_void, spitch: usize, width: usize, height: usize, kind: c_int),
+    copy_through2(dst as u64, pitched(dpitch, width, height), src as u64, pitched(spitch, width, height));
+    hipMemcpy2D, REAL_hipMemcpy2D, c"hipMemcpy2D", Copy2DFn;
+    hipMemcpy2DAsync, REAL_hipMemcpy2DAsync, c"hipMemcpy2DAsync", Copy2DAsyncFn);
 
 /// [`copy_through`] with the source's extent apart from the destination's.
 fn copy_through2(
@@ -342,106 +229,17 @@ fn copy_through2(
     f.before_op(super::front::Kind::Copy, stream, &reads, Some(&writes), op)
 }
 
-/// `hipMemset2D(dst, pitch, value, width, height)`.
-#[no_mangle]
-pub unsafe extern "C" fn hipMemset2D(
-    dst: P,
-    pitch: usize,
-    value: c_int,
-    width: usize,
-    height: usize,
-) -> HipError {
-    count(|f| &f.counters.memsets);
-    copy_through(0, dst as u64, 0, pitched(pitch, width, height), || {
-        call_real!(
-            REAL_hipMemset2D,
-            c"hipMemset2D",
-            Set2DFn,
-            dst,
-            pitch,
-            value,
-            width,
-            height
-        )
-    })
-}
+// The pitched memset: `height` rows of `width` bytes, `pitch` apart.
+sync_and_async!(memsets, (dst: P, pitch: usize, value: c_int, width: usize, height: usize),
+    copy_through(dst as u64, 0, pitched(pitch, width, height));
+    hipMemset2D, REAL_hipMemset2D, c"hipMemset2D", Set2DFn;
+    hipMemset2DAsync, REAL_hipMemset2DAsync, c"hipMemset2DAsync", Set2DAsyncFn);
 
-/// `hipMemset2DAsync(dst, pitch, value, width, height, stream)`.
-#[no_mangle]
-pub unsafe extern "C" fn hipMemset2DAsync(
-    dst: P,
-    pitch: usize,
-    value: c_int,
-    width: usize,
-    height: usize,
-    stream: P,
-) -> HipError {
-    count(|f| &f.counters.memsets);
-    let len = pitched(pitch, width, height);
-    copy_through(stream as usize, dst as u64, 0, len, || {
-        call_real!(
-            REAL_hipMemset2DAsync,
-            c"hipMemset2DAsync",
-            Set2DAsyncFn,
-            dst,
-            pitch,
-            value,
-            width,
-            height,
-            stream
-        )
-    })
-}
-
-/// `hipMemcpyPeer(dst, dst_device, src, src_device, n)`.
-#[no_mangle]
-pub unsafe extern "C" fn hipMemcpyPeer(
-    dst: P,
-    dst_device: c_int,
-    src: *const c_void,
-    src_device: c_int,
-    n: usize,
-) -> HipError {
-    count(|f| &f.counters.copies);
-    copy_through(0, dst as u64, src as u64, n, || {
-        call_real!(
-            REAL_hipMemcpyPeer,
-            c"hipMemcpyPeer",
-            PeerFn,
-            dst,
-            dst_device,
-            src,
-            src_device,
-            n
-        )
-    })
-}
-
-/// `hipMemcpyPeerAsync(dst, dst_device, src, src_device, n, stream)`.
-#[no_mangle]
-pub unsafe extern "C" fn hipMemcpyPeerAsync(
-    dst: P,
-    dst_device: c_int,
-    src: *const c_void,
-    src_device: c_int,
-    n: usize,
-    stream: P,
-) -> HipError {
-    count(|f| &f.counters.copies);
-    copy_through(stream as usize, dst as u64, src as u64, n, || {
-        call_real!(
-            REAL_hipMemcpyPeerAsync,
-            c"hipMemcpyPeerAsync",
-            PeerAsyncFn,
-            dst,
-            dst_device,
-            src,
-            src_device,
-            n,
-            stream
-        )
-    })
-}
+// The copies between devices.
+sync_and_async!(copies, (dst: P, dst_device: c_int, src: *const c_void, src_device: c_int, n: usize),
+    copy_through(dst as u64, src as u64, n);
+    hipMemcpyPeer, REAL_hipMemcpyPeer, c"hipMemcpyPeer", PeerFn;
+    hipMemcpyPeerAsync, REAL_hipMemcpyPeerAsync, c"hipMemcpyPeerAsync", PeerAsyncFn);
 
 /// The wrapper of `name` among these functions, if it is one.
 pub fn wrapper(name: &[u8]) -> Option<*const ()> {
