@@ -407,19 +407,12 @@ fn wait_restored(pid: i32, socket_dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::temps::tests::dead_pid;
     use crate::temps::{in_use, temp_name};
     use nix::sys::ptrace;
     use nix::sys::wait::waitpid;
     use nix::unistd::Pid;
     use std::io;
-
-    /// A pid no process has now.
-    fn dead_pid() -> i32 {
-        let mut c = Command::new("true").spawn().unwrap();
-        let pid = c.id() as i32;
-        c.wait().unwrap();
-        pid
-    }
 
     #[test]
     fn every_step_reads_back_from_its_name() {

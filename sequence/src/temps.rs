@@ -94,12 +94,12 @@ pub(crate) fn in_use(tmp: &Path) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::process::Command;
 
     /// A pid no process has now.
-    fn dead_pid() -> i32 {
+    pub(crate) fn dead_pid() -> i32 {
         let mut c = Command::new("true").spawn().unwrap();
         let pid = c.id() as i32;
         c.wait().unwrap();
