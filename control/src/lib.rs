@@ -43,6 +43,7 @@
 
 mod client;
 mod dir;
+mod env;
 mod error;
 mod procfs;
 mod protocol;
@@ -53,6 +54,7 @@ pub use client::{
     has_possum_mapped, request, request_at, request_reply, request_typed, send_only, LIBRARY_FILE,
 };
 pub use dir::{prepare_dir, process_uid, secure_dir, DirError, SecureDir};
+pub use env::{path_var, EnvConfig};
 pub use error::ControlError;
 pub use procfs::{proc_text, read_maps, remove_files_of_gone_processes};
 pub use protocol::{

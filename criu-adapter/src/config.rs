@@ -7,6 +7,8 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use possum_control::{path_var, EnvConfig};
+
 /// The CRIU binary to use.
 pub const CRIU_ENV: &str = "POSSUM_CRIU";
 /// The directory of CRIU plugins to load (possum's `libpossum_criu_plugin.so`); an empty value
@@ -17,18 +19,6 @@ pub const HOSTMEM_THREADS_ENV: &str = "POSSUM_HOSTMEM_THREADS";
 
 /// At most this many fill threads by default.
 const HOSTMEM_THREADS_MAX: usize = 16;
-
-/// A path variable's value as `get` gives it (see [`Config::from_lookup`]): `None` when unset
-/// or empty. The CRIU plugin's and the command line's path variables are read so too.
-pub fn path_var(get: impl Fn(&str) -> Option<OsString>, key: &str) -> Option<PathBuf> {
-    get(key).filter(|v| !v.is_empty()).map(PathBuf::from)
-}
-
-/// A lookup of the variables `vars` (name, value), for a `Config::from_lookup` (tests).
-#[doc(hidden)]
-pub fn lookup_in<'a>(vars: &'a [(&str, &str)]) -> impl Fn(&str) -> Option<OsString> + 'a {
-    move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.into())
-}
 
 /// possum-criu's settings.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -42,14 +32,8 @@ pub struct Config {
     pub hostmem_threads: Option<usize>,
 }
 
-impl Config {
-    /// The settings of this process's environment.
-    pub fn from_env() -> Config {
-        Config::from_lookup(|k| std::env::var_os(k))
-    }
-
-    /// The settings `get` gives (a variable's value, `None` when unset).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
+impl EnvConfig for Config {
+    fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
         Config {
             criu: path_var(&get, CRIU_ENV),
             plugin_dir: get(PLUGIN_DIR_ENV).map(|v| (!v.is_empty()).then(|| PathBuf::from(v))),
@@ -58,7 +42,9 @@ impl Config {
                 .filter(|&n: &usize| n > 0),
         }
     }
+}
 
+impl Config {
     /// Fill threads: `POSSUM_HOSTMEM_THREADS`, else the CPUs available, at most 16.
     pub fn hostmem_threads(&self) -> usize {
         self.hostmem_threads.unwrap_or_else(|| {
@@ -74,10 +60,6 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(lookup_in(vars))
-    }
-
     #[test]
     fn nothing_set_is_the_default() {
         let c = Config::from_lookup(|_| None);
@@ -90,7 +72,7 @@ mod tests {
 
     #[test]
     fn values_are_read() {
-        let c = config(&[
+        let c = Config::from_vars(&[
             (CRIU_ENV, "/opt/criu"),
             (PLUGIN_DIR_ENV, "/p"),
             (HOSTMEM_THREADS_ENV, " 40 "),
@@ -99,15 +81,18 @@ mod tests {
         assert_eq!(c.plugin_dir, Some(Some(PathBuf::from("/p"))));
         assert_eq!(c.hostmem_threads(), 40, "asked for: not capped");
         // Empty: no plugin at all (not the default lookup).
-        assert_eq!(config(&[(PLUGIN_DIR_ENV, "")]).plugin_dir, Some(None));
+        assert_eq!(
+            Config::from_vars(&[(PLUGIN_DIR_ENV, "")]).plugin_dir,
+            Some(None)
+        );
     }
 
     #[test]
     fn bad_values_mean_the_default() {
-        let c = config(&[(CRIU_ENV, ""), (HOSTMEM_THREADS_ENV, "0")]);
+        let c = Config::from_vars(&[(CRIU_ENV, ""), (HOSTMEM_THREADS_ENV, "0")]);
         assert_eq!(c, Config::default());
         assert_eq!(
-            config(&[(HOSTMEM_THREADS_ENV, "many")]).hostmem_threads,
+            Config::from_vars(&[(HOSTMEM_THREADS_ENV, "many")]).hostmem_threads,
             None
         );
     }

@@ -34,6 +34,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use possum_control::EnvConfig;
+
 use crate::images::{
     self, image_path, status, CoreEntry, ImageError, MmEntry, Pagemap, PagemapEntry, PstreeEntry,
     VmaEntry, CORE_MAGIC, MM_MAGIC, PAGE_SIZE, PE_PARENT, PE_PRESENT, PSTREE_MAGIC,

@@ -89,6 +89,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use possum_control::EnvConfig;
+
 pub use error::CriuError;
 pub use process::{set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit};
 

@@ -6,7 +6,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use possum_criu::config::path_var;
+use possum_control::{path_var, EnvConfig};
 
 /// NVIDIA's driver library to load instead of looking for `libcuda.so.1`.
 pub const LIBCUDA_ENV: &str = "POSSUM_LIBCUDA";
@@ -26,14 +26,8 @@ pub struct Config {
     pub force_pass_dir: bool,
 }
 
-impl Config {
-    /// The settings of this process's environment.
-    pub fn from_env() -> Config {
-        Config::from_lookup(|k| std::env::var_os(k))
-    }
-
-    /// The settings `get` gives (a variable's value, `None` when unset).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
+impl EnvConfig for Config {
+    fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
         Config {
             libcuda: path_var(&get, LIBCUDA_ENV),
             test_device: path_var(&get, TEST_DEVICE_ENV),
@@ -46,14 +40,10 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(possum_criu::config::lookup_in(vars))
-    }
-
     #[test]
     fn defaults_and_values() {
-        assert_eq!(config(&[]), Config::default());
-        let c = config(&[
+        assert_eq!(Config::from_vars(&[]), Config::default());
+        let c = Config::from_vars(&[
             (LIBCUDA_ENV, "/l/libcuda.so.1"),
             (TEST_DEVICE_ENV, "/tmp/dev"),
             (PASS_DIR_ENV, "1"),
@@ -65,7 +55,7 @@ mod tests {
 
     #[test]
     fn bad_values_mean_the_default() {
-        let c = config(&[
+        let c = Config::from_vars(&[
             (LIBCUDA_ENV, ""),
             (TEST_DEVICE_ENV, ""),
             (PASS_DIR_ENV, "yes"),

@@ -55,6 +55,7 @@ use std::time::Duration;
 use nix::fcntl::{fcntl, FcntlArg, OFlag, SealFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nix::sys::stat::Mode;
+use possum_control::EnvConfig;
 
 use crate::live::{self, JobSocket, Live};
 use crate::record::{Record, Records, RECORD_FILE};

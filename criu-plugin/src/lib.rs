@@ -45,6 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use maps::{MapEntry, Run};
+use possum_control::EnvConfig;
 use possum_cuda::checkpoint::{own_context, OwnContext, ProcessState};
 
 /// The character-device major number registered to NVIDIA (`/dev/nvidia0..N`, `/dev/nvidiactl`;

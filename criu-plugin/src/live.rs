@@ -30,6 +30,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use possum_control::ControlError;
+use possum_control::EnvConfig;
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
 use possum_sequence::job::{self, JobError, To};
 

@@ -14,6 +14,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use possum_control::EnvConfig;
 use possum_cuda::CudaDevice;
 use possum_engine::{Engine, EngineConfig};
 use possum_workloads::copyjob::{run, CopySpec, Target};

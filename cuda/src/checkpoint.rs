@@ -57,6 +57,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use libloading::Library;
+use possum_control::EnvConfig;
 
 /// `CUresult` (a C enum, `int`-sized), kept as a raw number: values newer than these bindings are
 /// never an invalid Rust enum.

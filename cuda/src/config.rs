@@ -7,6 +7,8 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+use possum_control::{path_var, EnvConfig};
+
 /// The driver library to load for the checkpoint API instead of `libcuda.so.1`.
 pub const LIBCUDA_ENV: &str = "POSSUM_LIBCUDA";
 /// `1`: a test or self-check that finds no CUDA device fails instead of skipping.
@@ -31,18 +33,10 @@ impl Default for Config {
     }
 }
 
-impl Config {
-    /// The settings of this process's environment.
-    pub fn from_env() -> Config {
-        Config::from_lookup(|k| std::env::var_os(k))
-    }
-
-    /// The settings `get` gives (a variable's value, `None` when unset).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
+impl EnvConfig for Config {
+    fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
         Config {
-            libcuda: get(LIBCUDA_ENV)
-                .filter(|v| !v.is_empty())
-                .map_or_else(|| PathBuf::from(DEFAULT_LIBCUDA), PathBuf::from),
+            libcuda: path_var(&get, LIBCUDA_ENV).unwrap_or_else(|| PathBuf::from(DEFAULT_LIBCUDA)),
             require_gpu: get(REQUIRE_GPU_ENV).is_some_and(|v| v == "1"),
         }
     }
@@ -52,28 +46,20 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(|k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| OsString::from(v))
-        })
-    }
-
     #[test]
     fn defaults_and_values() {
-        let c = config(&[]);
+        let c = Config::from_vars(&[]);
         assert_eq!(c.libcuda, PathBuf::from("libcuda.so.1"));
         assert!(!c.require_gpu);
         assert_eq!(c, Config::default());
-        let c = config(&[(LIBCUDA_ENV, "/x/libcuda.so"), (REQUIRE_GPU_ENV, "1")]);
+        let c = Config::from_vars(&[(LIBCUDA_ENV, "/x/libcuda.so"), (REQUIRE_GPU_ENV, "1")]);
         assert_eq!(c.libcuda, PathBuf::from("/x/libcuda.so"));
         assert!(c.require_gpu);
     }
 
     #[test]
     fn bad_values_mean_the_default() {
-        let c = config(&[(LIBCUDA_ENV, ""), (REQUIRE_GPU_ENV, "yes")]);
+        let c = Config::from_vars(&[(LIBCUDA_ENV, ""), (REQUIRE_GPU_ENV, "yes")]);
         assert_eq!(c, Config::default());
     }
 }

@@ -9,6 +9,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use possum_control::EnvConfig;
+
 /// The directory of the keeper's spare image memory (with [`SPARE_MIB_ENV`]).
 pub const SPARE_DIR_ENV: &str = "POSSUM_KEEPER_SPARE_DIR";
 /// The size of the spare, MiB (with [`SPARE_DIR_ENV`]; 0 or unset: no spare).
@@ -62,14 +64,8 @@ impl Default for Config {
     }
 }
 
-impl Config {
-    /// The settings of this process's environment.
-    pub fn from_env() -> Config {
-        Config::from_lookup(|k| std::env::var_os(k))
-    }
-
-    /// The settings `get` gives (a variable's value, `None` when unset).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
+impl EnvConfig for Config {
+    fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
         let num = |k: &str| -> Option<u64> { get(k)?.to_str()?.trim().parse().ok() };
         let positive = |k: &str| num(k).filter(|&n| n > 0);
         let spare = get(SPARE_DIR_ENV)
@@ -95,17 +91,9 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(|k| {
-            vars.iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| OsString::from(v))
-        })
-    }
-
     #[test]
     fn defaults() {
-        let c = config(&[]);
+        let c = Config::from_vars(&[]);
         assert_eq!(c.spare, None);
         assert_eq!(c.spare_step_bytes, 1 << 30);
         assert_eq!(c.spare_threads, 16);
@@ -118,7 +106,7 @@ mod tests {
 
     #[test]
     fn values_are_read() {
-        let c = config(&[
+        let c = Config::from_vars(&[
             (SPARE_DIR_ENV, "/dev/shm/s"),
             (SPARE_MIB_ENV, " 64 "),
             (SPARE_STEP_MIB_ENV, "4"),
@@ -139,7 +127,7 @@ mod tests {
 
     #[test]
     fn bad_values_mean_the_default() {
-        let c = config(&[
+        let c = Config::from_vars(&[
             (SPARE_DIR_ENV, "/s"),
             (SPARE_MIB_ENV, "lots"),
             (SPARE_STEP_MIB_ENV, "0"),
@@ -151,13 +139,13 @@ mod tests {
         ]);
         assert_eq!(c, Config::default());
         // A spare needs both its directory and a size above 0.
-        assert_eq!(config(&[(SPARE_MIB_ENV, "8")]).spare, None);
+        assert_eq!(Config::from_vars(&[(SPARE_MIB_ENV, "8")]).spare, None);
         assert_eq!(
-            config(&[(SPARE_DIR_ENV, ""), (SPARE_MIB_ENV, "8")]).spare,
+            Config::from_vars(&[(SPARE_DIR_ENV, ""), (SPARE_MIB_ENV, "8")]).spare,
             None
         );
         assert_eq!(
-            config(&[(SPARE_DIR_ENV, "/s"), (SPARE_MIB_ENV, "0")]).spare,
+            Config::from_vars(&[(SPARE_DIR_ENV, "/s"), (SPARE_MIB_ENV, "0")]).spare,
             None
         );
     }

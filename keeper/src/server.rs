@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+use possum_control::EnvConfig;
 use possum_cuda::share::{ShareDevice, SharedMem};
 use serde_json::{json, Value};
 

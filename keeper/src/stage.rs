@@ -27,6 +27,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use possum_control::EnvConfig;
 use possum_cuda::share::{ShareDevice, SharedMem};
 use possum_cuda::{CudaPending, PinnedBuf};
 use possum_engine::device::{DeviceError, HostBuffer, Transfer};

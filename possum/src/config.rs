@@ -5,7 +5,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use possum_criu::config::path_var;
+use possum_control::{path_var, EnvConfig};
 
 pub use possum_keeper::KEEPER_ENV;
 
@@ -24,14 +24,8 @@ pub struct Config {
     pub cuda: possum_cuda::config::Config,
 }
 
-impl Config {
-    /// The settings of this process's environment.
-    pub fn from_env() -> Config {
-        Config::from_lookup(|k| std::env::var_os(k))
-    }
-
-    /// The settings `get` gives (a variable's value, `None` when unset).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
+impl EnvConfig for Config {
+    fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Config {
         Config {
             lib: path_var(&get, LIB_ENV),
             keeper: path_var(&get, KEEPER_ENV),
@@ -44,16 +38,12 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn config(vars: &[(&str, &str)]) -> Config {
-        Config::from_lookup(possum_criu::config::lookup_in(vars))
-    }
-
     #[test]
     fn defaults_and_values() {
-        let c = config(&[]);
+        let c = Config::from_vars(&[]);
         assert_eq!(c, Config::default());
         assert_eq!(c.cuda.libcuda, PathBuf::from("libcuda.so.1"));
-        let c = config(&[
+        let c = Config::from_vars(&[
             ("POSSUM_LIB", "/l/libpossum.so"),
             ("POSSUM_KEEPER", "/tmp/possum/k"),
             ("POSSUM_LIBCUDA", "/f/libcuda.so.1"),
@@ -65,7 +55,7 @@ mod tests {
 
     #[test]
     fn empty_values_mean_unset() {
-        let c = config(&[("POSSUM_LIB", ""), ("POSSUM_KEEPER", "")]);
+        let c = Config::from_vars(&[("POSSUM_LIB", ""), ("POSSUM_KEEPER", "")]);
         assert_eq!(c, Config::default());
     }
 }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use clap::Args;
+use possum_control::EnvConfig;
 use possum_criu::doctor::{Feature, HostReport, Support};
 use serde::Serialize;
 

@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::unistd::Pid;
+use possum_control::EnvConfig;
 
 const LIB_NAME: &str = "libpossum.so";
 

@@ -19,6 +19,7 @@ use std::collections::VecDeque;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use possum_control::EnvConfig;
 use possum_cuda::{probe, CudaDevice, CudaPending, CudaStream, PinnedBuf};
 use possum_engine::device::{DevPtr, Device, DeviceError, HostBuffer, StreamPriority, Transfer};
 use possum_engine::fingerprint;
