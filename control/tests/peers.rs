@@ -4,10 +4,10 @@
 //! skipped, saying so, otherwise.
 
 use std::io::{BufRead, BufReader, Read};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +16,10 @@ use possum_control::{
     refused_connections, request, secure_dir, socket_path, ControlError, DirError, Request, Server,
 };
 use serde_json::json;
+
+#[path = "support/socket_dir.rs"]
+mod support;
+use support::{chmod, private_dir, Sleeper};
 
 const T: Duration = Duration::from_secs(10);
 const NOBODY: u32 = 65534;
@@ -30,19 +34,6 @@ fn root() -> bool {
 
 fn start(dir: &Path) -> Server {
     Server::start(dir, Arc::new(|_| json!({"pong": true}))).unwrap()
-}
-
-fn chmod(path: &Path, mode: u32) {
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
-}
-
-/// A private directory `sock` in a new temporary directory.
-fn private_dir() -> (tempfile::TempDir, PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("sock");
-    std::fs::create_dir(&dir).unwrap();
-    chmod(&dir, 0o700);
-    (tmp, dir)
 }
 
 /// Runs `body` with a private directory when this process is root; otherwise says on stderr that
@@ -168,31 +159,6 @@ fn a_socket_directory_of_another_user_is_refused() {
             ));
         },
     );
-}
-
-/// `sleep 60`, killed when dropped.
-struct Sleeper(Child);
-
-impl Sleeper {
-    fn start() -> Sleeper {
-        Sleeper(
-            Command::new("sleep")
-                .arg("60")
-                .stdin(Stdio::null())
-                .spawn()
-                .unwrap(),
-        )
-    }
-    fn pid(&self) -> u32 {
-        self.0.id()
-    }
-}
-
-impl Drop for Sleeper {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]

@@ -2,13 +2,17 @@
 //! is a symbolic link creates nothing where it points, a directory that breaks the rule is
 //! refused, and `possum status` refuses a socket served by another process than the job.
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 
 use possum_control::{socket_path, DirError};
 use possum_sequence::process::{lock_pid, LockError};
+
+#[path = "../../control/tests/support/socket_dir.rs"]
+mod support;
+use support::{chmod, private_dir, Sleeper};
 
 fn me() -> i32 {
     std::process::id() as i32
@@ -27,18 +31,6 @@ fn show(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-fn chmod(path: &Path, mode: u32) {
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
-}
-
-fn private_dir() -> (tempfile::TempDir, PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("sock");
-    std::fs::create_dir(&dir).unwrap();
-    chmod(&dir, 0o700);
-    (tmp, dir)
 }
 
 fn lock_name(dir: &Path, pid: i32) -> PathBuf {
@@ -138,27 +130,11 @@ fn the_lock_is_made_in_a_private_directory_only() {
     );
 }
 
-/// `sleep 60`, killed when dropped.
-struct Sleeper(Child);
-
-impl Drop for Sleeper {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn possum_status_refuses_a_socket_served_by_another_process() {
     let (_tmp, dir) = private_dir();
-    let job = Sleeper(
-        Command::new("sleep")
-            .arg("60")
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = job.0.id();
+    let job = Sleeper::start();
+    let pid = job.pid();
     let path = socket_path(&dir, pid);
     let _squatter = UnixListener::bind(&path).unwrap();
     let out = possum()
@@ -200,17 +176,8 @@ fn a_lock_directory_made_by_root_for_another_users_job_is_that_users() {
         eprintln!("skipped: a job of another user needs root to start it");
         return;
     }
-    use std::os::unix::process::CommandExt;
-    let job = Sleeper(
-        Command::new("sleep")
-            .arg("60")
-            .uid(65534)
-            .gid(65534)
-            .stdin(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let pid = job.0.id() as i32;
+    let job = Sleeper::start_as(Some(65534));
+    let pid = job.pid() as i32;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("sockets");
     let lock = lock_pid(&dir, pid).unwrap();
