@@ -326,10 +326,15 @@ fn the_plugin_claims_a_device_descriptor_and_restores_a_placeholder() {
     ));
 }
 
-/// `criu` loading this build's plugin from a directory of its own under `dir` (over CRIU's RPC,
-/// as `possum checkpoint` / `possum restore` drive it).
-fn with_plugin_dir(criu: Criu, dir: &Path) -> Criu {
-    criu.with_plugin_dir(Some(plugin_libdir(dir)))
+/// CRIU loading this build's plugin from a directory of its own in a new temporary directory
+/// (over CRIU's RPC, as `possum checkpoint` / `possum restore` drive it), this process the
+/// subreaper of the trees it restores; `None` (said why) to skip the test `test`.
+fn criu_with_plugin_or_skip(test: &str) -> Option<(Criu, tempfile::TempDir)> {
+    let criu = criu_or_skip(test)?;
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let criu = criu.with_plugin_dir(Some(plugin_libdir(tmp.path())));
+    Some((criu, tmp))
 }
 
 /// possum's own CRIU driver (`possum-criu`, CRIU's RPC, which has no `libdir` option) loads the
@@ -339,12 +344,9 @@ fn with_plugin_dir(criu: Criu, dir: &Path) -> Criu {
 fn possum_criu_loads_the_plugin_from_its_plugin_dir() {
     use possum_criu::{DumpOptions, RestoreOptions};
     let test = "possum_criu_loads_the_plugin_from_its_plugin_dir";
-    let Some(criu) = criu_or_skip(test) else {
+    let Some((criu, tmp)) = criu_with_plugin_or_skip(test) else {
         return;
     };
-    set_child_subreaper().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let criu = with_plugin_dir(criu, tmp.path());
 
     let mut tree = start_tree(tmp.path(), "dumped", None);
     let child_pid: i32 = wait_for_file(&tree.ready, TIMEOUT).trim().parse().unwrap();
@@ -388,12 +390,9 @@ fn memory_split_out_of_criu_images_is_written_back_by_the_plugin() {
     use possum_criu::hostmem;
     use possum_criu::{DumpOptions, RestoreOptions};
     let test = "memory_split_out_of_criu_images_is_written_back_by_the_plugin";
-    let Some(criu) = criu_or_skip(test) else {
+    let Some((criu, tmp)) = criu_with_plugin_or_skip(test) else {
         return;
     };
-    set_child_subreaper().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let criu = with_plugin_dir(criu, tmp.path());
     const KIB: usize = 32 << 10;
 
     let mut reference = start_tree_kib(tmp.path(), "reference", None, KIB);
