@@ -58,7 +58,7 @@ use std::collections::BTreeSet;
 
 use thiserror::Error;
 
-use crate::elfbytes::{range, u16_at, u32_at, u64_at};
+use crate::elfbytes::{header, slice, u16_at, u32_at, u64_at, ElfError};
 use crate::layout::{Param, ParamLayout};
 
 /// `e_machine` of AMDGPU code objects.
@@ -81,25 +81,12 @@ const NOTE_OWNER: &[u8] = b"AMDGPU";
 /// Why a code object's kernel metadata could not be read.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum AmdgpuError {
-    /// The file is not a 64-bit little-endian ELF file.
-    #[error("not a 64-bit little-endian ELF file")]
-    NotElf64Le,
+    /// The ELF file itself: not one, or a structure that cannot be so.
+    #[error(transparent)]
+    Elf(#[from] ElfError),
     /// The ELF file is for another machine.
     #[error("ELF machine {0} is not AMDGPU ({EM_AMDGPU})")]
     NotAmdgpu(u16),
-    /// An ELF structure lies (partly) outside the file.
-    #[error("ELF {what} at offset {offset:#x} runs past the end of the file ({len} bytes)")]
-    OutOfBounds {
-        /// Which structure.
-        what: String,
-        /// Its file offset.
-        offset: u64,
-        /// The file's length.
-        len: usize,
-    },
-    /// The ELF header says something that cannot be so.
-    #[error("bad ELF header: {0}")]
-    BadHeader(String),
     /// A note is cut short or malformed.
     #[error("bad ELF note at offset {offset:#x} of its section: {what}")]
     BadNote {
@@ -306,20 +293,9 @@ impl AmdgpuKernel {
 // ---------------------------------------------------------------------------------------------
 // Step 1: the ELF file and its notes.
 
-fn slice<'a>(data: &'a [u8], offset: u64, len: u64, what: &str) -> Result<&'a [u8], AmdgpuError> {
-    range(data, offset, len).ok_or_else(|| AmdgpuError::OutOfBounds {
-        what: what.to_string(),
-        offset,
-        len: data.len(),
-    })
-}
-
 /// The contents of the note sections (or, with no section headers, the note segments).
 fn note_areas<'a>(elf: &'a [u8]) -> Result<Vec<&'a [u8]>, AmdgpuError> {
-    let ehdr = slice(elf, 0, 64, "header").map_err(|_| AmdgpuError::NotElf64Le)?;
-    if &ehdr[..4] != b"\x7fELF" || ehdr[4] != 2 || ehdr[5] != 1 {
-        return Err(AmdgpuError::NotElf64Le);
-    }
+    let ehdr = header(elf)?;
     let machine = u16_at(ehdr, 0x12);
     if machine != EM_AMDGPU {
         return Err(AmdgpuError::NotAmdgpu(machine));
@@ -345,10 +321,11 @@ fn note_areas<'a>(elf: &'a [u8]) -> Result<Vec<&'a [u8]>, AmdgpuError> {
             u64::from(u16_at(ehdr, t.at.2)),
         );
         if num > 0 && entsize < t.min {
-            return Err(AmdgpuError::BadHeader(format!(
+            return Err(ElfError::BadHeader(format!(
                 "{} entry size {entsize} < {}",
                 t.what, t.min
-            )));
+            ))
+            .into());
         }
         let table = slice(elf, off, entsize * num, t.what)?;
         for i in 0..num as usize {

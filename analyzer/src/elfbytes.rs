@@ -1,5 +1,52 @@
 //! Little-endian reads out of ELF files whose bytes are untrusted: a range is checked before it
-//! is read ([`range`]); the fixed-width reads index within a range already checked.
+//! is read ([`range`], [`slice`]); the fixed-width reads index within a range already checked.
+//! What is wrong with a file as ELF, whatever it holds, is an [`ElfError`].
+
+use thiserror::Error;
+
+/// Why a file is not an ELF file that can be read (its contents aside).
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ElfError {
+    /// The file is not a 64-bit little-endian ELF file.
+    #[error("not a 64-bit little-endian ELF file")]
+    NotElf64Le,
+    /// An ELF structure lies (partly) outside the file.
+    #[error("ELF {what} at offset {offset:#x} runs past the end of the file ({len} bytes)")]
+    OutOfBounds {
+        /// Which structure.
+        what: String,
+        /// Its file offset.
+        offset: u64,
+        /// The file's length.
+        len: usize,
+    },
+    /// The ELF header says something that cannot be so.
+    #[error("bad ELF header: {0}")]
+    BadHeader(String),
+}
+
+/// `len` bytes of `data` at `offset`, the ELF structure `what`, which must be inside it.
+pub(crate) fn slice<'a>(
+    data: &'a [u8],
+    offset: u64,
+    len: u64,
+    what: &str,
+) -> Result<&'a [u8], ElfError> {
+    range(data, offset, len).ok_or_else(|| ElfError::OutOfBounds {
+        what: what.to_string(),
+        offset,
+        len: data.len(),
+    })
+}
+
+/// The 64-byte header of a 64-bit little-endian ELF file `elf`.
+pub(crate) fn header(elf: &[u8]) -> Result<&[u8], ElfError> {
+    let ehdr = slice(elf, 0, 64, "header").map_err(|_| ElfError::NotElf64Le)?;
+    if &ehdr[..4] != b"\x7fELF" || ehdr[4] != 2 || ehdr[5] != 1 {
+        return Err(ElfError::NotElf64Le);
+    }
+    Ok(ehdr)
+}
 
 /// `len` bytes of `data` at `offset`, or `None` if they are not all inside it (offsets past
 /// `usize` and overflowing ends included).

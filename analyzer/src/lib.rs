@@ -49,6 +49,7 @@ pub mod nvinfo;
 
 pub use amdgpu::{AmdgpuError, AmdgpuKernel, ArgKind, KernelArg};
 pub use dag::{BufRef, Dag, DepKind, EdgeKind, KernelRef, MEMCPY_HANDLE, MEMSET_HANDLE};
+pub use elfbytes::ElfError;
 pub use intervals::IntervalMap;
 pub use kernel::{
     checksum, find_pointers, sample_windows, KernelModel, KernelStats, SlotAccess, Validation,

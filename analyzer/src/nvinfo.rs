@@ -42,28 +42,15 @@ use std::collections::BTreeMap;
 
 use thiserror::Error;
 
-use crate::elfbytes::{range, u16_at, u32_at, u64_at};
+use crate::elfbytes::{header, slice, u16_at, u32_at, u64_at, ElfError};
 use crate::layout::{Param, ParamLayout};
 
 /// Why a cubin's parameter layouts could not be read.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum NvInfoError {
-    /// The file is not a 64-bit little-endian ELF file.
-    #[error("not a 64-bit little-endian ELF file")]
-    NotElf64Le,
-    /// An ELF structure lies (partly) outside the file.
-    #[error("ELF {what} at offset {offset:#x} runs past the end of the file ({len} bytes)")]
-    OutOfBounds {
-        /// Which structure.
-        what: String,
-        /// Its file offset.
-        offset: u64,
-        /// The file's length.
-        len: usize,
-    },
-    /// The ELF header says something that cannot be so.
-    #[error("bad ELF header: {0}")]
-    BadHeader(String),
+    /// The ELF file itself: not one, or a structure that cannot be so.
+    #[error(transparent)]
+    Elf(#[from] ElfError),
     /// An attribute record of a `.nv.info.<kernel>` section is cut short or malformed.
     #[error("section {section}: bad record at offset {offset:#x}: {what}")]
     BadRecord {
@@ -94,14 +81,6 @@ const EIATTR_CBANK_PARAM_SIZE: u8 = 0x19;
 const EIATTR_KPARAM_INFO_V2: u8 = 0x45;
 const SECTION_PREFIX: &str = ".nv.info.";
 
-fn slice<'a>(data: &'a [u8], offset: u64, len: u64, what: &str) -> Result<&'a [u8], NvInfoError> {
-    range(data, offset, len).ok_or_else(|| NvInfoError::OutOfBounds {
-        what: what.to_string(),
-        offset,
-        len: data.len(),
-    })
-}
-
 struct Section<'a> {
     name_off: u32,
     data: &'a [u8],
@@ -109,10 +88,7 @@ struct Section<'a> {
 
 /// The section headers of an ELF64 LE file, with their contents (empty for NOBITS).
 fn sections(elf: &[u8]) -> Result<(Vec<Section<'_>>, usize), NvInfoError> {
-    let ehdr = slice(elf, 0, 64, "header").map_err(|_| NvInfoError::NotElf64Le)?;
-    if &ehdr[..4] != b"\x7fELF" || ehdr[4] != 2 || ehdr[5] != 1 {
-        return Err(NvInfoError::NotElf64Le);
-    }
+    let ehdr = header(elf)?;
     let shoff = u64_at(ehdr, 0x28);
     let shentsize = u64::from(u16_at(ehdr, 0x3a));
     let shnum = u64::from(u16_at(ehdr, 0x3c));
@@ -121,9 +97,7 @@ fn sections(elf: &[u8]) -> Result<(Vec<Section<'_>>, usize), NvInfoError> {
         return Ok((Vec::new(), 0));
     }
     if shentsize < 64 {
-        return Err(NvInfoError::BadHeader(format!(
-            "section header size {shentsize} < 64"
-        )));
+        return Err(ElfError::BadHeader(format!("section header size {shentsize} < 64")).into());
     }
     let table = slice(elf, shoff, shentsize * shnum, "section header table")?;
     let mut out = Vec::with_capacity(shnum as usize);
@@ -142,10 +116,11 @@ fn sections(elf: &[u8]) -> Result<(Vec<Section<'_>>, usize), NvInfoError> {
         });
     }
     if shstrndx >= out.len() {
-        return Err(NvInfoError::BadHeader(format!(
+        return Err(ElfError::BadHeader(format!(
             "section name table index {shstrndx} out of {} sections",
             out.len()
-        )));
+        ))
+        .into());
     }
     Ok((out, shstrndx))
 }
@@ -414,13 +389,22 @@ mod tests {
 
     #[test]
     fn rejects_non_elf() {
-        assert_eq!(param_layouts(b"hello"), Err(NvInfoError::NotElf64Le));
+        assert_eq!(
+            param_layouts(b"hello"),
+            Err(NvInfoError::Elf(ElfError::NotElf64Le))
+        );
         let mut f = elf(&[]);
         f[4] = 1; // 32-bit
-        assert_eq!(param_layouts(&f), Err(NvInfoError::NotElf64Le));
+        assert_eq!(
+            param_layouts(&f),
+            Err(NvInfoError::Elf(ElfError::NotElf64Le))
+        );
         let mut f = elf(&[]);
         f[5] = 2; // big-endian
-        assert_eq!(param_layouts(&f), Err(NvInfoError::NotElf64Le));
+        assert_eq!(
+            param_layouts(&f),
+            Err(NvInfoError::Elf(ElfError::NotElf64Le))
+        );
     }
 
     #[test]
@@ -487,13 +471,13 @@ mod tests {
         f[shoff + 64 + 32..shoff + 64 + 40].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(matches!(
             param_layouts(&f),
-            Err(NvInfoError::OutOfBounds { .. })
+            Err(NvInfoError::Elf(ElfError::OutOfBounds { .. }))
         ));
         let mut f = elf(&[(".nv.info.k", kernel_a())]);
         f[0x28..0x30].copy_from_slice(&(u64::MAX - 8).to_le_bytes());
         assert!(matches!(
             param_layouts(&f),
-            Err(NvInfoError::OutOfBounds { .. })
+            Err(NvInfoError::Elf(ElfError::OutOfBounds { .. }))
         ));
     }
 

@@ -4,7 +4,7 @@
 use possum_analyzer::amdgpu::{
     self, kernels, Access, AddressSpace, AmdgpuError, AmdgpuKernel, ArgKind, MAX_ARGS,
 };
-use possum_analyzer::{Param, ParamLayout};
+use possum_analyzer::{ElfError, Param, ParamLayout};
 use proptest::prelude::*;
 
 const GFX90A: &[u8] = include_bytes!("data/amdgpu/kernels-gfx90a.hsaco");
@@ -254,11 +254,11 @@ fn truncated_code_objects_give_typed_errors() {
     ] {
         let err = kernels(&GFX90A[..cut]).unwrap_err();
         if cut < 64 {
-            assert_eq!(err, AmdgpuError::NotElf64Le, "cut at {cut}");
+            assert_eq!(err, AmdgpuError::Elf(ElfError::NotElf64Le), "cut at {cut}");
         } else {
             // The section header table sits at the end of the file.
             assert!(
-                matches!(err, AmdgpuError::OutOfBounds { .. }),
+                matches!(err, AmdgpuError::Elf(ElfError::OutOfBounds { .. })),
                 "cut at {cut}: {err}"
             );
         }
@@ -272,7 +272,10 @@ fn wrong_machine_is_refused() {
     assert_eq!(kernels(&elf).unwrap_err(), AmdgpuError::NotAmdgpu(62));
     let mut elf = GFX90A.to_vec();
     elf[4] = 1; // ELFCLASS32
-    assert_eq!(kernels(&elf).unwrap_err(), AmdgpuError::NotElf64Le);
+    assert_eq!(
+        kernels(&elf).unwrap_err(),
+        AmdgpuError::Elf(ElfError::NotElf64Le)
+    );
 }
 
 #[test]
