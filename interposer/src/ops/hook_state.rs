@@ -76,6 +76,18 @@ impl BufferSets {
         self.dag_writes.clear();
     }
 
+    /// Records `br` for the DAG as written (`write`) or read, once.
+    pub fn add_dag(&mut self, br: BufRef, write: bool) {
+        let list = if write {
+            &mut self.dag_writes
+        } else {
+            &mut self.dag_reads
+        };
+        if !list.iter().any(|x| x.id == br.id) {
+            list.push(br);
+        }
+    }
+
     pub fn access(&self) -> Access<'_> {
         Access::Known {
             reads: &self.reads,

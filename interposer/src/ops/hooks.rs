@@ -684,14 +684,7 @@ fn resolve_slots(
         }
         if st.cfg.tuning.dag {
             if let Some(br) = r.buf_ref() {
-                let list = if ro {
-                    &mut sets.dag_reads
-                } else {
-                    &mut sets.dag_writes
-                };
-                if !list.iter().any(|x| x.id == br.id) {
-                    list.push(br);
-                }
+                sets.add_dag(br, !ro);
             }
         }
     }
@@ -1264,14 +1257,7 @@ fn write_op(
                 _ => {}
             }
             if let Some(br) = r.buf_ref() {
-                let list = if write {
-                    &mut sets.dag_writes
-                } else {
-                    &mut sets.dag_reads
-                };
-                if !list.iter().any(|x| x.id == br.id) {
-                    list.push(br);
-                }
+                sets.add_dag(br, write);
             }
         }
     }
