@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 #[path = "support/cli.rs"]
 #[allow(dead_code)]
 mod cli;
-use cli::{fake_libcuda, free_pid, sealed, text};
+use cli::{fake_libcuda_or_skip, free_pid, sealed, text};
 
 #[path = "../../criu-adapter/tests/support/criu.rs"]
 mod criu_support;
@@ -175,9 +175,7 @@ fn checkpoint_of_a_job_without_possum_suggests_the_driver_engine() {
 /// copy, no release), with what to do instead, and no image.
 #[test]
 fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
-    let tmp = tempfile::tempdir().unwrap();
-    let Some(lib) = fake_libcuda(tmp.path()) else {
-        eprintln!("SKIPPED: no C compiler for the fake driver");
+    let Some((tmp, lib)) = fake_libcuda_or_skip() else {
         return;
     };
     let job = fake_job(tmp.path(), false);
@@ -718,9 +716,7 @@ fn a_job_whose_session_leader_is_outside_its_pid_namespace_is_refused() {
         );
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let Some(lib) = fake_libcuda(tmp.path()) else {
-        eprintln!("SKIPPED: no C compiler for the fake driver");
+    let Some((tmp, lib)) = fake_libcuda_or_skip() else {
         return;
     };
     let img = tmp.path().join("img");

@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 #[path = "support/cli.rs"]
 #[allow(dead_code)]
 mod cli;
-use cli::fake_libcuda;
+use cli::fake_libcuda_or_skip;
 
 fn doctor(envs: &[(&str, &Path)], json: bool) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_possum"));
@@ -77,9 +77,7 @@ fn without_a_gpu_or_driver_doctor_fails_and_says_why() {
 
 #[test]
 fn the_fake_driver_has_the_checkpoint_api_and_libpossum_is_found() {
-    let tmp = tempfile::tempdir().unwrap();
-    let Some(lib) = fake_libcuda(tmp.path()) else {
-        eprintln!("SKIPPED: no C compiler for the fake driver");
+    let Some((tmp, lib)) = fake_libcuda_or_skip() else {
         return;
     };
     let libpossum = tmp.path().join("libpossum.so");

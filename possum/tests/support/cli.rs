@@ -48,6 +48,17 @@ pub fn fake_libcuda(dir: &Path) -> Option<PathBuf> {
         .then_some(lib)
 }
 
+/// A new temporary directory with the fake driver built into it ([`fake_libcuda`]): (the
+/// directory, the driver); `None`, said on stderr, without a C compiler (the test is skipped).
+pub fn fake_libcuda_or_skip() -> Option<(tempfile::TempDir, PathBuf)> {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(lib) = fake_libcuda(tmp.path()) else {
+        eprintln!("SKIPPED: no C compiler for the fake driver");
+        return None;
+    };
+    Some((tmp, lib))
+}
+
 /// A keeper process ended when dropped.
 pub struct KeeperProcess(pub Child);
 
