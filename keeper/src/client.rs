@@ -150,8 +150,8 @@ impl Keeper {
 
     /// The allocations process `pid` has retained.
     pub fn retained(&mut self, pid: i32) -> Result<Vec<RetainedAlloc>, KeeperError> {
-        let (v, _) = self.ask("retained", &Request::Retained { pid })?;
-        parse::<Retained>("retained", v).map(|r| r.allocs)
+        self.ask_parsed::<Retained>("retained", &Request::Retained { pid })
+            .map(|r| r.allocs)
     }
 
     /// A new fd for retained allocation `id` (its state unchanged).
@@ -198,7 +198,7 @@ impl Keeper {
         hold_secs: u64,
         from: Option<PeerSource>,
     ) -> Result<StageInfo, KeeperError> {
-        let (v, _) = self.ask(
+        self.ask_parsed(
             "stage",
             &Request::Stage {
                 pid,
@@ -206,26 +206,24 @@ impl Keeper {
                 hold_secs,
                 from,
             },
-        )?;
-        parse("stage", v)
+        )
     }
 
     /// Borrows the keeper's spare image memory for a drain into `dir`'s filesystem.
     pub fn spare_take(&mut self, dir: &Path) -> Result<crate::SpareLease, KeeperError> {
-        let (v, _) = self.ask(
+        self.ask_parsed(
             "spare_take",
             &Request::SpareTake {
                 dir: dir.display().to_string(),
             },
-        )?;
-        parse("spare_take", v)
+        )
     }
 
     /// Has the keeper copy part of this process's allocation into a drain's spare: each
     /// piece's CRC32C.
     pub fn spare_fill(&mut self, fill: &crate::SpareFill) -> Result<Vec<u32>, KeeperError> {
-        let (v, _) = self.ask("spare_fill", &Request::SpareFill(fill.clone()))?;
-        parse::<crate::SpareFilled>("spare_fill", v).map(|f| f.crcs)
+        self.ask_parsed::<crate::SpareFilled>("spare_fill", &Request::SpareFill(fill.clone()))
+            .map(|f| f.crcs)
     }
 
     /// Ends drain `drain`'s loan of the spare.
@@ -236,19 +234,17 @@ impl Keeper {
 
     /// The device this keeper socket serves.
     pub fn device(&mut self) -> Result<DeviceInfo, KeeperError> {
-        let (v, _) = self.ask("device", &Request::Device)?;
-        parse("device", v)
+        self.ask_parsed("device", &Request::Device)
     }
 
     /// This process's stage of `image`, if the keeper has one.
     pub fn staged(&mut self, image: &Path) -> Result<Option<StagePlan>, KeeperError> {
-        let (v, _) = self.ask(
+        self.ask_parsed(
             "staged",
             &Request::Staged {
                 image: image.display().to_string(),
             },
-        )?;
-        parse("staged", v)
+        )
     }
 
     /// Waits until allocation `alloc` of stage `stage` is loaded (an error if its load failed).
@@ -273,8 +269,17 @@ impl Keeper {
 
     /// The keeper's accounting.
     pub fn stats(&mut self) -> Result<Stats, KeeperError> {
-        let (v, _) = self.ask("stats", &Request::Stats)?;
-        parse("stats", v)
+        self.ask_parsed("stats", &Request::Stats)
+    }
+
+    /// A request answered with a `T` (a descriptor that came with the reply is closed).
+    fn ask_parsed<T: DeserializeOwned>(
+        &mut self,
+        request: &'static str,
+        req: &Request,
+    ) -> Result<T, KeeperError> {
+        let (v, _) = self.ask(request, req)?;
+        parse(request, v)
     }
 
     /// A request answered with an allocation and exactly one fd.
