@@ -86,6 +86,12 @@ fn is_library(file: &str, stem: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// What [`GpuRuntimes::in_maps`] finds in `maps`: (CUDA, HIP).
+    fn found(maps: &str) -> (bool, bool) {
+        let r = GpuRuntimes::in_maps(maps);
+        (r.cuda, r.hip)
+    }
+
     #[test]
     fn the_runtimes_are_found_by_file_name() {
         let maps = "\
@@ -93,30 +99,18 @@ mod tests {
 7f0000002000-7f0000003000 r-xp 00000000 08:01 13 /usr/lib/x86_64-linux-gnu/libcudart.so.12
 7f0000004000-7f0000005000 rw-p 00000000 00:00 0 [heap]
 ";
-        assert_eq!(
-            GpuRuntimes::in_maps(maps),
-            GpuRuntimes {
-                cuda: false,
-                hip: true
-            }
-        );
+        assert_eq!(found(maps), (false, true));
         let maps = "\
 7f0000000000-7f0000001000 r--p 00000000 08:01 12 /usr/lib/libcuda.so.570.86.15 (deleted)
 7f0000002000-7f0000003000 r--p 00000000 08:01 14 /tmp/x/libamdhip64.so
 ";
-        assert_eq!(
-            GpuRuntimes::in_maps(maps),
-            GpuRuntimes {
-                cuda: true,
-                hip: true
-            }
-        );
+        assert_eq!(found(maps), (true, true));
         // Names that only begin like them are other libraries.
         let maps = "\
 7f0000000000-7f0000001000 r--p 00000000 08:01 12 /usr/lib/libcudadebugger.so.1
 7f0000002000-7f0000003000 r--p 00000000 08:01 14 /usr/lib/libamdhip64_extra.so
 7f0000004000-7f0000005000 r--p 00000000 08:01 15 /usr/lib/libamdhip64.sox
 ";
-        assert_eq!(GpuRuntimes::in_maps(maps), GpuRuntimes::default());
+        assert_eq!(found(maps), (false, false));
     }
 }

@@ -272,38 +272,33 @@ mod tests {
     #[test]
     fn job_errors_say_what_to_do() {
         let path = PathBuf::from("/s/possum-7.sock");
-        let e = JobError::of(
-            7,
-            ControlError::NotLoaded {
-                pid: 7,
-                path: path.clone(),
-            },
-        );
-        assert!(e.is_without_possum());
-        let t = e.to_string();
+        // Whether the error of process 7 is that it is without possum, and what it says.
+        let of = |e: ControlError| {
+            let e = JobError::of(7, e);
+            (e.is_without_possum(), e.to_string())
+        };
+        let (without, t) = of(ControlError::NotLoaded {
+            pid: 7,
+            path: path.clone(),
+        });
+        assert!(without);
         assert_eq!(t.matches("does not have possum loaded").count(), 1, "{t}");
         assert!(
             t.ends_with("or checkpoint it without possum with `--engine driver`"),
             "{t}"
         );
-        let e = JobError::of(
-            7,
-            ControlError::NotStarted {
-                pid: 7,
-                path: path.clone(),
-            },
-        );
-        assert!(e.is_without_possum());
-        let t = e.to_string();
+        let (without, t) = of(ControlError::NotStarted {
+            pid: 7,
+            path: path.clone(),
+        });
+        assert!(without);
         assert!(
             t.contains("has not used the GPU yet") && !t.contains("--engine"),
             "{t}"
         );
-        let e = JobError::of(7, ControlError::Stale { pid: 7, path });
-        assert!(!e.is_without_possum());
-        assert!(e
-            .to_string()
-            .contains("possum does not answer in process 7"));
+        let (without, t) = of(ControlError::Stale { pid: 7, path });
+        assert!(!without);
+        assert!(t.contains("possum does not answer in process 7"), "{t}");
         let e = JobError::of(7, ControlError::Remote("busy".into()));
         assert_eq!(
             e.to_string(),
