@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "fake_die.h"
+
 typedef unsigned long long ull;
 int cuInit(unsigned);
 int cuDevicePrimaryCtxRetain(void **, int);
@@ -22,10 +24,6 @@ int cuMemsetD32_v2(ull, unsigned, size_t);
 int cuMemcpyDtoH_v2(void *, ull, size_t);
 typedef int (*memset_t)(ull, unsigned, size_t);
 
-static void die(const char *what) {
-    printf("error %s\n", what);
-    exit(1);
-}
 
 int main(void) {
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);

@@ -1,13 +1,13 @@
 /* The fake jobs that call the driver by name (dlsym on libcuda.so.1's handle, as FAKE_VIA=entry
- * does): the functions they call and the context they make current. A job that includes this
- * defines die(what), which reports `error WHAT` and exits. */
+ * does): the functions they call and the context they make current; they fail with die(what)
+ * (fake_die.h). */
 #ifndef FAKE_DRIVER_H
 #define FAKE_DRIVER_H
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdint.h>
 
-static void die(const char *what);
+#include "fake_die.h"
 
 typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                         void *, void **, void **);

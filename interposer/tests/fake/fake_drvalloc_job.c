@@ -10,16 +10,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fake_die.h"
+
 typedef unsigned long long ull;
 typedef int (*alloc_t)(ull *, size_t);
 typedef int (*pitch_t)(ull *, size_t *, size_t, size_t, unsigned);
 typedef int (*free_t)(ull);
 typedef int (*gpa_t)(const char *, void **, int, ull, int *);
 
-static void die(const char *what) {
-    printf("error %s\n", what);
-    exit(1);
-}
 
 int main(void) {
     /* Global, as for a program linked against libcuda (the driver is then in the global scope). */

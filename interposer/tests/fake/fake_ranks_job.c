@@ -61,11 +61,6 @@ static struct shared *shm;
 static int rank;
 
 
-static void die(const char *what) {
-    printf("error %s\n", what);
-    fflush(stdout);
-    exit(1);
-}
 
 static uint32_t checksum(const uint32_t *w) {
     uint32_t h = 2166136261u;

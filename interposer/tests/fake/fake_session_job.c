@@ -109,11 +109,6 @@ static int (*drv_alloc_async)(uint64_t *, size_t, void *);
 static int (*drv_free_async)(uint64_t, void *);
 static uint64_t vmm_base, vmm_handles[2];
 
-static void die(const char *what) {
-    printf("error %s\n", what);
-    fflush(stdout);
-    exit(1);
-}
 
 /* cuMemcpyHtoD_v2(dst, src, bytes) */
 static void htod(void *dst, const void *src, size_t bytes) {

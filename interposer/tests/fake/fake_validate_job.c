@@ -61,11 +61,6 @@ static struct fake_kernel late = {FAKE_KERNEL_MAGIC, "late", 2, {0, 8}, {8, 4}, 
 static int (*drv_stream_create)(void **, unsigned);
 static int (*drv_stream_destroy)(void *);
 
-static void die(const char *what) {
-    printf("error %s\n", what);
-    fflush(stdout);
-    exit(1);
-}
 
 static void launch(struct fake_kernel *k, void *stream, void **args) {
     if (drv_launch(k, 1, 1, 1, 1, 1, 1, 0, stream, args, NULL)) die(k->name);

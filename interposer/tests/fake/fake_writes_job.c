@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "fake_abi.h"
+#include "fake_die.h"
 
 typedef unsigned long long ull;
 int cuInit(unsigned);
@@ -68,11 +69,6 @@ int cuLaunchCooperativeKernelMultiDevice(void *, unsigned, unsigned);
 static ull X, Y, Z;
 static void *ctx0, *ctx1;
 
-static void die(const char *what) {
-    printf("error %s\n", what);
-    fflush(stdout);
-    exit(1);
-}
 #define CHECK(call)                  \
     do {                             \
         if (call) die(#call);        \
