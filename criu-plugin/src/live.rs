@@ -29,8 +29,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use possum_control::ControlError;
-use possum_control::EnvConfig;
+use possum_control::{ControlError, EnvConfig};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
 use possum_sequence::job::{self, JobError, To};
 
@@ -627,6 +626,14 @@ mod tests {
         )
     }
 
+    /// A new temporary directory with its `images` directory made.
+    fn with_images() -> (tempfile::TempDir, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let images = tmp.path().join("images");
+        std::fs::create_dir(&images).unwrap();
+        (tmp, images)
+    }
+
     fn me() -> i32 {
         std::process::id() as i32
     }
@@ -640,10 +647,8 @@ mod tests {
 
     #[test]
     fn a_possum_job_is_released_before_the_driver_locks_and_checkpoints_it() {
-        let tmp = tempfile::tempdir().unwrap();
+        let (tmp, images) = with_images();
         let (_server, seen) = job(&tmp.path().join("s"), None);
-        let images = tmp.path().join("images");
-        std::fs::create_dir(&images).unwrap();
         let d = Mock::default();
         let live = checkpoint(me(), &images, Some(socket(&tmp.path().join("s"))), &d).unwrap();
         let gpu = images.join(gpu_dir_name(me()));
@@ -697,18 +702,20 @@ mod tests {
 
     #[test]
     fn a_failed_step_is_undone_and_named() {
-        let tmp = tempfile::tempdir().unwrap();
-        let images = tmp.path().join("images");
-        std::fs::create_dir(&images).unwrap();
+        let (tmp, images) = with_images();
+        // The failure of a checkpoint with `d` of the job serving in `sock`.
+        let fails = |sock: &str, d: &Mock| {
+            checkpoint(me(), &images, Some(socket(&tmp.path().join(sock))), d)
+                .unwrap_err()
+                .to_string()
+        };
         // The driver's checkpoint fails: the job is unlocked and possum resumed.
         let (_server, seen) = job(&tmp.path().join("s"), None);
         let d = Mock {
             fail: vec!["checkpoint"],
             ..Mock::default()
         };
-        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s"))), &d)
-            .unwrap_err()
-            .to_string();
+        let e = fails("s", &d);
         assert!(
             e.contains("driver checkpoint") && e.contains("undone"),
             "{e}"
@@ -723,9 +730,7 @@ mod tests {
         // The release fails: possum is resumed, the driver never touched.
         let (_server, seen) = job(&tmp.path().join("s2"), Some("release"));
         let d = Mock::default();
-        let e = checkpoint(me(), &images, Some(socket(&tmp.path().join("s2"))), &d)
-            .unwrap_err()
-            .to_string();
+        let e = fails("s2", &d);
         assert!(
             e.contains("release") && e.contains("release refused"),
             "{e}"
@@ -750,10 +755,8 @@ mod tests {
     /// request, and the request's `dir` relative to it.
     #[test]
     fn the_images_directory_is_passed_where_the_job_cannot_see_it() {
-        let tmp = tempfile::tempdir().unwrap();
+        let (tmp, images) = with_images();
         let (_server, seen) = job(&tmp.path().join("s"), None);
-        let images = tmp.path().join("images");
-        std::fs::create_dir(&images).unwrap();
         let part = PossumPart {
             socket: socket(&tmp.path().join("s")),
             dir: images.join("possum-gpu-9"),
