@@ -273,14 +273,26 @@ fn summary(pid: u32, v: &Value) -> String {
 mod tests {
     use super::*;
 
+    /// Asserts that `s` says each of `parts`.
+    fn says(s: &str, parts: &[&str]) {
+        for p in parts {
+            assert!(s.contains(p), "{p:?} is not in:\n{s}");
+        }
+    }
+
     #[test]
     fn summary_has_a_line_per_key() {
         let v = serde_json::json!({"phase": "idle", "buffers": 3, "list": [1, 2]});
         let s = summary(7, &v);
         assert!(s.starts_with("possum status: process 7\n"), "{s}");
-        assert!(s.contains("  phase               idle\n"), "{s}");
-        assert!(s.contains("  buffers             3\n"), "{s}");
-        assert!(s.contains("  list                2 items\n"), "{s}");
+        says(
+            &s,
+            &[
+                "  phase               idle\n",
+                "  buffers             3\n",
+                "  list                2 items\n",
+            ],
+        );
     }
 
     #[test]
@@ -298,43 +310,29 @@ mod tests {
             "session": {"paused": true, "busy": null, "cupti_attached": true,
                         "collectives": {"launched": 41, "barrier": 42, "held": 1}}}});
         let s = summary(7, &v);
-        assert!(
-            s.contains("collectives (NCCL's kernels): 41 launched; held from launch 42 for a checkpoint's cut (1 threads waiting)"),
-            "{s}"
+        says(
+            &s,
+            &[
+                "collectives (NCCL's kernels): 41 launched; held from launch 42 for a checkpoint's cut (1 threads waiting)",
+                "own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles of possum's live, 1 exported to other processes",
+                "memory other processes shared with it: 2 imported through the keeper, 1 mapped now; released 3 times for checkpoints",
+                "1 cuMemCreate left to the driver (properties possum does not serve; the first: 0100)",
+                "(POSSUM_SERVE_POOLS): 5 blocks, 1.00 GiB in 2 engine slabs, 1 waiting for their stream; 4 of 9 served by a block freed on their stream",
+                "device 0: 8 buffers, 3.00 GiB (1.00 GiB resident, 0.50 GiB written since",
+                "phase released",
+                "not managed: 4 allocations, 0.06 GiB",
+            ],
         );
-        assert!(
-            s.contains("own virtual memory (POSSUM_SERVE_VMM): 2 pieces mapped as engine buffers, 3 handles of possum's live, 1 exported to other processes"),
-            "{s}"
-        );
-        assert!(
-            s.contains("memory other processes shared with it: 2 imported through the keeper, 1 mapped now; released 3 times for checkpoints"),
-            "{s}"
-        );
-        assert!(
-            s.contains("1 cuMemCreate left to the driver (properties possum does not serve; the first: 0100)"),
-            "{s}"
-        );
-        assert!(
-            s.contains("(POSSUM_SERVE_POOLS): 5 blocks, 1.00 GiB in 2 engine slabs, 1 waiting for their stream; 4 of 9 served by a block freed on their stream"),
-            "{s}"
-        );
-        assert!(
-            s.contains("device 0: 8 buffers, 3.00 GiB (1.00 GiB resident, 0.50 GiB written since"),
-            "{s}"
-        );
-        assert!(s.contains("phase released"), "{s}");
-        assert!(s.contains("not managed: 4 allocations, 0.06 GiB"), "{s}");
         let mut idle = v.clone();
         idle["possum"]["engines"][0]["engine"]["tracking"] = false.into();
         let s = summary(7, &idle);
-        assert!(s.contains("(1.00 GiB resident, writes not tracked"), "{s}");
-        assert!(
-            s.contains("checkpoint: holding the job (released); CUPTI attached"),
-            "{s}"
-        );
-        assert!(
-            s.contains("hooks: cupti (CUPTI attached: NVIDIA's driver refuses"),
-            "{s}"
+        says(
+            &s,
+            &[
+                "(1.00 GiB resident, writes not tracked",
+                "checkpoint: holding the job (released); CUPTI attached",
+                "hooks: cupti (CUPTI attached: NVIDIA's driver refuses",
+            ],
         );
     }
 
@@ -349,11 +347,13 @@ mod tests {
                     "opaque_launches": 2, "graph_launches": 3, "copies": 4, "memsets": 5,
                     "served_allocs": 6, "served_frees": 1}}});
         let s = summary(9, &v);
-        assert!(
-            s.contains("not managed: 1 allocations, 0.00 GiB (a checkpoint refuses the job"),
-            "{s}"
+        says(
+            &s,
+            &[
+                "not managed: 1 allocations, 0.00 GiB (a checkpoint refuses the job",
+                "  checkpoint: none running\n",
+            ],
         );
-        assert!(s.contains("  checkpoint: none running\n"), "{s}");
         assert!(!s.contains("CUPTI"), "{s}");
         assert!(
             s.contains("HIP front end on /opt/rocm/lib/libamdhip64.so: 12 launches (2 of kernels")
@@ -376,31 +376,24 @@ mod tests {
             "session": {"paused": false, "busy": null, "cupti_attached": false,
                         "hooks_live": true}}});
         let s = summary(7, &v);
-        assert!(s.contains("not managed: 3 allocations, 3.00 GiB"), "{s}");
+        says(&s, &["not managed: 3 allocations, 3.00 GiB"]);
         // A job that launched no collective says nothing of them.
         assert!(!s.contains("collectives"), "{s}");
-        assert!(
-            s.contains("    cuMemAllocManaged: 1 allocations, 1.00 GiB (managed memory"),
-            "{s}"
-        );
-        assert!(s.contains("    cuMemMap: 2 allocations, 2.00 GiB\n"), "{s}");
-        assert!(s.contains("CUPTI not attached"), "{s}");
-        assert!(
-            s.contains("hooks: entry (live: a checkpoint pre-copies"),
-            "{s}"
-        );
-        assert!(
-            s.contains("entry points: 120 wrapped; handed out 40 times by cuGetProcAddress, 3 by dlsym; 500 other cuGetProcAddress answers; 1 unknown versions"),
-            "{s}"
+        says(
+            &s,
+            &[
+                "    cuMemAllocManaged: 1 allocations, 1.00 GiB (managed memory",
+                "    cuMemMap: 2 allocations, 2.00 GiB\n",
+                "CUPTI not attached",
+                "hooks: entry (live: a checkpoint pre-copies",
+                "entry points: 120 wrapped; handed out 40 times by cuGetProcAddress, 3 by dlsym; 500 other cuGetProcAddress answers; 1 unknown versions",
+            ],
         );
         let mut off = v.clone();
         off["hooks"] = "off".into();
         off["possum"]["session"]["hooks_live"] = false.into();
         let s = summary(7, &off);
-        assert!(
-            s.contains("hooks: off (not live: a checkpoint parks"),
-            "{s}"
-        );
+        says(&s, &["hooks: off (not live: a checkpoint parks"]);
         assert!(!s.contains("entry points:"), "{s}");
     }
 }
