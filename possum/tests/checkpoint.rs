@@ -25,6 +25,19 @@ fn me() -> String {
     std::process::id().to_string()
 }
 
+/// `possum checkpoint` of this process (standing in for a job) with `flags`, its control socket
+/// in `sockets`, into `img`.
+fn checkpoint_me(sockets: &Path, img: &Path, flags: &[&str]) -> Command {
+    let mut c = possum();
+    c.args(["checkpoint", &me()])
+        .args(flags)
+        .arg("--socket-dir")
+        .arg(sockets)
+        .arg("-D")
+        .arg(img);
+    c
+}
+
 /// A stand-in for the job's side: records every request; `Checkpoint` writes a file into the
 /// directory it is given, as the engine's image writer would.
 struct FakeJob {
@@ -152,11 +165,7 @@ fn checkpoint_refuses_an_occupied_directory_and_keeps_it() {
 #[test]
 fn checkpoint_of_a_job_without_possum_suggests_the_driver_engine() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = possum()
-        .args(["checkpoint", &me(), "--socket-dir"])
-        .arg(tmp.path())
-        .arg("-D")
-        .arg(tmp.path().join("img"))
+    let out = checkpoint_me(tmp.path(), &tmp.path().join("img"), &[])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
@@ -180,11 +189,7 @@ fn a_cupti_job_the_driver_refuses_is_refused_before_anything_is_done() {
     };
     let job = fake_job(tmp.path(), false);
     let img = tmp.path().join("img");
-    let out = possum()
-        .args(["checkpoint", &me(), "--socket-dir"])
-        .arg(&job.sockets)
-        .arg("-D")
-        .arg(&img)
+    let out = checkpoint_me(&job.sockets, &img, &[])
         .env("POSSUM_LIBCUDA", &lib)
         // Never run: the refusal comes first.
         .env("POSSUM_CRIU", "/bin/true")
@@ -221,17 +226,11 @@ fn a_job_with_managed_memory_is_refused_before_anything_is_done() {
     let job = fake_job_answering(tmp.path(), false, status);
     for gpu_only in [false, true] {
         let img = tmp.path().join("img");
-        let mut c = possum();
-        c.args(["checkpoint", &me(), "--socket-dir"])
-            .arg(&job.sockets)
-            .arg("-D")
-            .arg(&img)
-            // Never run: the refusal comes first.
-            .env("POSSUM_CRIU", "/nonexistent/criu")
+        let flags: &[&str] = if gpu_only { &["--gpu-only"] } else { &[] };
+        let mut c = checkpoint_me(&job.sockets, &img, flags);
+        // Never run: the refusal comes first.
+        c.env("POSSUM_CRIU", "/nonexistent/criu")
             .env("POSSUM_LIBCUDA", "/nonexistent/libcuda.so.1");
-        if gpu_only {
-            c.arg("--gpu-only");
-        }
         let out = c.output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{}", text(&out));
         let t = text(&out);
@@ -260,15 +259,12 @@ fn a_job_with_live_entry_hooks_is_held_at_the_op_gate() {
     let job = fake_job_answering(tmp.path(), false, status);
     let img = tmp.path().join("img");
     let run = |json: bool| {
-        let mut c = possum();
-        c.args(["checkpoint", &me(), "--gpu-only", "--force", "--socket-dir"])
-            .arg(&job.sockets)
-            .arg("-D")
-            .arg(&img);
-        if json {
-            c.arg("--json");
-        }
-        c.output().unwrap()
+        let flags: &[&str] = if json {
+            &["--gpu-only", "--force", "--json"]
+        } else {
+            &["--gpu-only", "--force"]
+        };
+        checkpoint_me(&job.sockets, &img, flags).output().unwrap()
     };
     let out = run(true);
     assert!(out.status.success(), "{}", text(&out));
@@ -300,11 +296,7 @@ fn gpu_only_checkpoint_names_the_image_only_when_complete() {
     gone.wait().unwrap();
     let stale = tmp.path().join(format!(".img.possum-tmp-{}", gone.id()));
     std::fs::create_dir_all(stale.join("gpu")).unwrap();
-    let out = possum()
-        .args(["checkpoint", &me(), "--gpu-only", "--json", "--socket-dir"])
-        .arg(&job.sockets)
-        .arg("-D")
-        .arg(&img)
+    let out = checkpoint_me(&job.sockets, &img, &["--gpu-only", "--json"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
@@ -386,11 +378,7 @@ fn a_checkpoint_with_a_key_authenticates_its_image() {
     let key = tmp.path().join("key");
     std::fs::write(&key, "too short").unwrap();
     let checkpoint = || {
-        possum()
-            .args(["checkpoint", &me(), "--gpu-only", "--socket-dir"])
-            .arg(&job.sockets)
-            .arg("-D")
-            .arg(&img)
+        checkpoint_me(&job.sockets, &img, &["--gpu-only"])
             .arg("--hmac-key")
             .arg(&key)
             .output()
@@ -414,11 +402,7 @@ fn a_failed_release_is_undone_and_leaves_no_image() {
     let tmp = tempfile::tempdir().unwrap();
     let job = fake_job(tmp.path(), true);
     let img = tmp.path().join("img");
-    let out = possum()
-        .args(["checkpoint", &me(), "--gpu-only", "--socket-dir"])
-        .arg(&job.sockets)
-        .arg("-D")
-        .arg(&img)
+    let out = checkpoint_me(&job.sockets, &img, &["--gpu-only"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
@@ -473,15 +457,20 @@ fn restore_names_what_is_wrong_with_an_image() {
     let tmp = tempfile::tempdir().unwrap();
     let img = tmp.path().join("img");
     let restore = |img: &Path| possum().args(["restore", "-D"]).arg(img).output().unwrap();
-    let out = restore(&img);
-    assert_eq!(out.status.code(), Some(2));
+    // What the restore of `img` says, refused (exit status 2).
+    let refused = |img: &Path| {
+        let out = restore(img);
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{t}");
+        t
+    };
+    let t = refused(&img);
     assert!(
-        text(&out).contains(&format!(
+        t.contains(&format!(
             "there is no image at {}: the directory does not exist",
             img.display()
         )),
-        "{}",
-        text(&out)
+        "{t}"
     );
     std::fs::create_dir_all(img.join("criu")).unwrap();
     // Everything but the commit marker (a checkpoint that did not finish): refused.
@@ -495,15 +484,13 @@ fn restore_names_what_is_wrong_with_an_image() {
         std::fs::write(unfinished.join(f), b"x").unwrap();
     }
     for dir in [&img, &unfinished] {
-        let out = restore(dir);
-        assert_eq!(out.status.code(), Some(2));
+        let t = refused(dir);
         assert!(
-            text(&out).contains(&format!(
+            t.contains(&format!(
                 "incomplete image: the checkpoint did not finish ({} has no possum.json",
                 dir.display()
             )),
-            "{}",
-            text(&out)
+            "{t}"
         );
     }
     // Random bytes: corrupt, not missing; the file and the parse error are named.
@@ -512,9 +499,7 @@ fn restore_names_what_is_wrong_with_an_image() {
         [0x8fu8, 0xff, 0x00, 0x13, 0x37, 0xc3],
     )
     .unwrap();
-    let out = restore(&img);
-    assert_eq!(out.status.code(), Some(2));
-    let t = text(&out);
+    let t = refused(&img);
     assert!(
         t.contains(&format!(
             "{} is corrupt: not a possum image's description: ",
@@ -531,9 +516,8 @@ fn restore_names_what_is_wrong_with_an_image() {
                    "figures": null});
     // Without its check, a description is refused whatever it says.
     std::fs::write(img.join("possum.json"), m.to_string()).unwrap();
-    let out = restore(&img);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out).contains("has no check"), "{}", text(&out));
+    let t = refused(&img);
+    assert!(t.contains("has no check"), "{t}");
     std::fs::write(img.join("possum.json"), sealed(&m)).unwrap();
     let out = restore(&img);
     assert!(text(&out).contains("partial"), "{}", text(&out));
