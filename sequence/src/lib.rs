@@ -49,7 +49,7 @@
 //! [`CheckpointParams`] and [`RestoreParams`], with the environment read once
 //! ([`Environment::read`]).
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod checkpoint;

@@ -111,7 +111,6 @@ mod copies;
 mod error;
 mod handoff;
 mod mac;
-mod mapped;
 mod pace;
 mod precopy;
 mod receive;
