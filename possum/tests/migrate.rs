@@ -587,9 +587,10 @@ fn a_driver_engine_job_migrated_on_one_host_runs_on_at_the_destination() {
     ticks_once_each(dir);
 }
 
-/// Connections to `possum receive` that never say anything (more than it handshakes at once)
-/// and one that sends garbage, all opened before the migration and held open through it, do not
-/// hold it up: the job runs on at the destination, and the receiver says what it refused. (One
+/// 100 connections to `possum receive` that never say anything (more than it handshakes at
+/// once) and 100 that send garbage, all opened before the migration and held open through it, do
+/// not hold it up: it connects within a second, the job runs on at the destination, bit-exact,
+/// and the receiver says what it refused. (One
 /// connection at a time, the first idle one would have held the receiver for its whole
 /// timeout, and the migration's own handshake would have failed meanwhile.)
 #[test]
@@ -597,21 +598,34 @@ fn idle_and_garbage_connections_do_not_hold_up_a_migration() {
     use std::io::Write as _;
     set_up!(let (dir, want, mut job) = setup("migrate_idle"));
     let receiver = Receiver::start_timeout(dir, "key", &[], 60);
-    let idle: Vec<std::net::TcpStream> = (0..40)
+    let idle: Vec<std::net::TcpStream> = (0..100)
         .map(|_| std::net::TcpStream::connect(&receiver.addr).unwrap())
         .collect();
-    let mut garbage = std::net::TcpStream::connect(&receiver.addr).unwrap();
-    let _ = garbage.write_all(&[0x5a; 4096]);
+    let garbage: Vec<std::net::TcpStream> = (0..100)
+        .map(|_| {
+            let mut g = std::net::TcpStream::connect(&receiver.addr).unwrap();
+            let _ = g.write_all(&[0x5a; 4096]);
+            g
+        })
+        .collect();
     let log = receiver.log.clone();
     let out = migrate_to(dir, &job, &receiver, &["--timeout", "5"], &[]);
     let (v, r) = migrated(&out, receiver, &job);
     assert_eq!(v["remote_pid"], job.pid, "{v}");
     assert_eq!(r["pid"], job.pid, "{r}");
+    // Its connection and handshake were not held up behind the others: a receiver taking
+    // connections one at a time would have made it wait out their handshake deadline (10 s
+    // each, or --timeout's 5 s) first.
+    let connect = v["timings"]["connect_ms"].as_f64().unwrap();
+    assert!(connect < 1000.0, "connected in {connect} ms: {v}");
     let log = log.lock().unwrap().clone();
-    assert!(log.contains("was refused"), "the garbage connection: {log}");
+    assert!(
+        log.contains("was refused"),
+        "the garbage connections: {log}"
+    );
     assert!(
         log.contains("connections were in their handshake"),
-        "40 idle connections: {log}"
+        "100 idle connections: {log}"
     );
     drop((idle, garbage));
     goes_on_like(&mut job, dir, &want, "migrated past idle connections");
