@@ -11,6 +11,8 @@
 #       FSDP, 5 trials each (every trial: the three operations at random steps), bit-exact.
 #   bash scripts/gpu-services.sh ranks [MODES [TRIALS [SEED]]]
 #       The one-rank trials alone (MODES ddp,fsdp, TRIALS 5 each, SEED 42 for the random steps).
+#   bash scripts/gpu-services.sh server [OPS]   (~2 min for one operation)
+#       The model server alone through OPS (default running,restore,migrate).
 # Results in $OUT (or .gpu/out): services-{smoke,all}.log (what each step said), server.json,
 # ranks.json, services-doctor.txt, and services.tgz with every log, the client's record of each
 # request and the step logs.
@@ -44,7 +46,11 @@ ranks)
     timeout -k 5 $(( $(left) - 10 )) python3 eval/services.py ranks --out "$res" --modes "${2:-ddp,fsdp}" \
         --trials "${3:-5}" --steps 200 --seed "${4:-42}" --budget-s $(( $(left) - 20 )) 2>&1 | tee "$res/services-ranks.log"
     ;;
-*) echo "usage: gpu-services.sh smoke | all | ranks [MODES [TRIALS [SEED]]]"; exit 2 ;;
+server)
+    timeout -k 5 $(( $(left) - 10 )) python3 eval/services.py server --out "$res" --settle-s 3 \
+        --ops "${2:-running,restore,migrate}" 2>&1 | tee "$res/services-server.log"
+    ;;
+*) echo "usage: gpu-services.sh smoke | all | ranks [MODES [TRIALS [SEED]]] | server [OPS]"; exit 2 ;;
 esac
 cat "$res/services-env.txt"
 cp "$res"/services-*.log "$res"/server.json "$res"/ranks.json "$res"/services-doctor.txt "$out"/ 2>/dev/null
