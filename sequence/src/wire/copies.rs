@@ -10,7 +10,6 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::mac::Piece;
-use super::session::CHUNK_BYTES;
 use std::collections::HashMap;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -344,7 +343,7 @@ impl Shared {
     /// A worker: checks the next piece until none is left, or the check is stopped.
     fn check(&self) {
         let _running = Running(self);
-        let mut buf = vec![0u8; CHUNK_BYTES];
+        let mut buf = Vec::new();
         // The copy this worker has open, by number.
         let mut open: Option<(usize, fs::File)> = None;
         while !self.stop.load(Ordering::Relaxed) {
@@ -363,6 +362,8 @@ impl Shared {
                 Some((_, f)) => Ok(f),
                 None => open_copy(&copy.at),
             };
+            // As long as the piece received: a sender's pieces may be longer than this end's.
+            buf.resize(buf.len().max(p.len as usize), 0);
             let data = &mut buf[..p.len as usize];
             let found = match file {
                 Err(e) => Some(Unsound::Unreadable(format!("opening it: {e}"))),
