@@ -510,6 +510,43 @@ fn a_file_truncated_after_it_was_sent_ahead_is_sent_whole() {
     assert_arrived(&src, &dest, &out);
 }
 
+/// A sender whose pieces are longer than this end's (a piece of 2.5 chunks, sent ahead, then
+/// named a base after the cut): the receiver's check of its copy reads the whole piece, and the
+/// file arrives.
+#[test]
+fn a_piece_longer_than_this_end_s_is_checked_whole() {
+    let (_tmp, _src, out) = dirs();
+    let dest = out.join("image");
+    let data: &'static [u8] =
+        Box::leak(noise(2 * CHUNK_BYTES + CHUNK_BYTES / 2).into_boxed_slice());
+    let size = data.len() as u64;
+    let piece = Piece {
+        offset: 0,
+        len: size,
+        hash: *blake3::hash(data).as_bytes(),
+    };
+    against_ok(&dest, move |s: &mut UnixStream, session: &mut Session| {
+        part(s, session, file_header("big", size, 0o600), &[(0, data)]);
+        send(s, session, &Frame::Cut);
+        let base = Base {
+            path: "big".into(),
+            size,
+            digest: pieces_digest(&[piece]),
+            patches: vec![],
+        };
+        part(s, session, on_base("big", size, base), &[]);
+        done(
+            s,
+            session,
+            Totals {
+                files: 1,
+                bytes: size,
+            },
+        );
+    });
+    assert_eq!(fs::read(dest.join("big")).unwrap(), data);
+}
+
 /// After a `Cut`, a patch whose bytes are not those the sender hashed at the cut (its file
 /// changed again after it was hashed), one that is not a piece sent ahead, one without its
 /// hash, or one that does not come, is refused with nothing named; a sound one is written over
