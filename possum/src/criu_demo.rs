@@ -65,6 +65,29 @@ pub(crate) fn write_atomically(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// The child's progress file: opened once and rewritten in place at one width, so that a dump
+/// at any moment finds it open under its own name and of the size it keeps (a file written under
+/// a temporary name and renamed over it is open under a name gone by the restore, which CRIU
+/// then cannot open: the dump may land between the write and the rename).
+struct ProgressFile(std::fs::File);
+
+impl ProgressFile {
+    fn create(path: &Path) -> Result<ProgressFile> {
+        let f =
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(ProgressFile(f))
+    }
+
+    /// `steps` done, written over what was there (20 digits wide and a newline).
+    fn set(&self, steps: u64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let text = format!("{steps:>20}\n");
+        self.0
+            .write_all_at(text.as_bytes(), 0)
+            .context("writing the demo's progress")
+    }
+}
+
 impl ChildArgs {
     /// The child's start: a session of its own (CRIU dumps it without --shell-job), and its job.
     pub fn start(&self) -> DemoSpec {
@@ -88,9 +111,10 @@ pub fn child(a: &ChildArgs) -> Result<bool> {
         EngineConfig::default(),
     )?;
     let mut job = DemoJob::new(&engine, &spec)?;
+    let progress = ProgressFile::create(&a.progress)?;
     for step in 0..a.steps {
         job.run_step(step)?;
-        write_atomically(&a.progress, &(step + 1).to_string())?;
+        progress.set(step + 1)?;
         // Long enough steps that a dump lands mid-run.
         std::thread::sleep(Duration::from_millis(20));
     }
