@@ -36,8 +36,8 @@ pub struct MigrateArgs {
     #[arg(long, value_name = "FILE")]
     pub key_file: PathBuf,
     /// Where the job's image is written here first (must not exist; default: a new directory
-    /// under the temporary directory). Removed once the job runs at the destination; kept if
-    /// the job runs on here, whose buffers come back from it.
+    /// under the temporary directory). Removed once the job runs at the destination and its
+    /// image there is on disk; kept if the job runs on here, whose buffers come back from it.
     #[arg(short = 'D', long = "images-dir", value_name = "LOCAL_DIR")]
     pub dir: Option<PathBuf>,
     /// possum, or the baseline `driver` (CRIU + NVIDIA's driver checkpoint only).

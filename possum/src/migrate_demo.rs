@@ -254,6 +254,7 @@ fn destination(
             pid,
         }),
         Outcome::Restored { .. } => bail!("the destination sent Restored twice"),
+        Outcome::Synced { .. } => bail!("the destination said Synced before Running"),
         Outcome::RestoreFailed { reason } => bail!("the restore at the destination: {reason}"),
     }
 }

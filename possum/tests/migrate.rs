@@ -254,7 +254,10 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
         "{v}"
     );
     assert_eq!(r["source_told"], true, "{r}");
-    // The local image is gone; the received one stays (the buffers come back from it).
+    // The local image is gone once the destination's was on its disk; the received one stays
+    // (the buffers come back from it).
+    assert!(t["synced_there_ms"].as_f64().is_some(), "{v}");
+    assert!(v.get("image_kept").is_none(), "{v}");
     assert!(!dir.join("local").exists());
     let received = PathBuf::from(r["dir"].as_str().unwrap());
     assert!(received.join("possum.json").is_file(), "{r}");
@@ -463,6 +466,34 @@ fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() 
     assert!(!alive(job.pid), "the source did not bring its job back");
     run_ok(possum(dir).args(["restore", "-D"]).arg(dir.join("local")));
     goes_on_like(&mut job, dir, &want, "restored by the operator");
+}
+
+/// A destination that lets the job run and says so, but never that the image it restored it
+/// from is on its disk (as one that died while syncing it): the migration succeeds, and the
+/// source keeps its image and says where; restored from it, the job goes on exactly.
+#[test]
+fn a_destination_that_never_says_its_image_is_on_disk_has_the_source_keep_its_own() {
+    use possum_sequence::wire::{self, Outcome};
+    set_up!(let (dir, want, mut job) = setup("migrate_never_synced"));
+    let pid = job.pid;
+    let (addr, destination) = fake_destination(dir, move |s, session| {
+        wire::send_outcome(s, session, &Outcome::Restored { pid }).unwrap();
+        wire::await_released(s, session).unwrap();
+        wire::send_outcome(s, session, &Outcome::Running { pid }).unwrap();
+    });
+    let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
+    destination.join().unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(t.contains("did not say that the image"), "{t}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let kept = PathBuf::from(v["image_kept"].as_str().unwrap());
+    assert_eq!(kept, dir.join("local"), "{v}");
+    assert!(kept.join("possum.json").is_file());
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!alive(job.pid), "killed at the source");
+    run_ok(possum(dir).args(["restore", "-D"]).arg(&kept));
+    goes_on_like(&mut job, dir, &want, "restored from the image kept");
 }
 
 /// A source that hears the job is restored and held at the destination, and goes silent

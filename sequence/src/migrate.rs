@@ -19,8 +19,11 @@
 //!               ◀───────────── Outcome: Restored (pid), or RestoreFailed (why)
 //!   go          Released again ────────────────────▶ the job's GPU side restored, it runs
 //!               ◀───────────── Outcome: Running (pid), or RestoreFailed (why)
-//!   end         Running: LOCAL_DIR removed. Otherwise the job is restored here from LOCAL_DIR,
-//!               unless the go may have arrived (below).
+//!   synced      ◀───────────── Outcome: Synced           the image synced to disk, the job
+//!                                                     running (received unsynced)
+//!   end         Running: LOCAL_DIR removed once Synced came (kept, said, if it did not).
+//!               Otherwise the job is restored here from LOCAL_DIR, unless the go may have
+//!               arrived (below).
 //! ```
 //!
 //! Without a pre-copy (engine driver) the connection comes after the commit, and the whole image
@@ -158,6 +161,10 @@ pub struct MigrateTimings {
     /// The job not running: from its hold to its running at the destination.
     #[serde(rename = "downtime_ms", serialize_with = "as_ms")]
     pub downtime: Duration,
+    /// After the job ran there: until the destination said its image is on its disk (this
+    /// end's is removed only then).
+    #[serde(rename = "synced_there_ms", serialize_with = "as_ms")]
+    pub synced_there: Duration,
     /// The whole migration.
     #[serde(rename = "total_ms", serialize_with = "as_ms")]
     pub total: Duration,
@@ -185,6 +192,9 @@ pub struct MigrateReport {
     pub bytes_while_held: u64,
     /// The phases' timings.
     pub timings: MigrateTimings,
+    /// The local image, kept: the destination did not say that its own is on its disk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_kept: Option<PathBuf>,
     /// The source's checkpoint.
     pub checkpoint: CheckpointReport,
 }
@@ -599,12 +609,30 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let t = Instant::now();
     let outcome = hand_off(&mut stream, &mut session, p, obs)?;
     timings.remote_restore = t.elapsed();
-    drop(stream);
     let remote_pid = running_at_destination(outcome, &here, obs)?;
-
     timings.downtime = report.figures.hold + committed_at.elapsed();
+
+    // The local image goes only once the destination's is on its disk.
+    let t = Instant::now();
+    let synced = await_synced(&mut stream, &mut session, p.deadlines.restore);
+    timings.synced_there = t.elapsed();
+    drop(stream);
     timings.total = t_all.elapsed();
-    let _ = fs::remove_dir_all(&p.checkpoint.dir);
+    let image_kept = match synced {
+        Ok(()) => {
+            let _ = fs::remove_dir_all(&p.checkpoint.dir);
+            None
+        }
+        Err(why) => {
+            obs.note(&format!(
+                "the job runs at the destination, but it did not say that the image it was \
+                 restored from is on its disk ({why}): this end's stays at {}, to remove once \
+                 the job there has another",
+                p.checkpoint.dir.display()
+            ));
+            Some(p.checkpoint.dir.clone())
+        }
+    };
     Ok(MigrateReport {
         pid: p.checkpoint.pid,
         to: p.to.clone(),
@@ -615,6 +643,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         rounds: report.figures.precopy_rounds.len(),
         bytes_while_held: sent.sent_bytes,
         timings,
+        image_kept,
         checkpoint: report,
     })
 }
@@ -767,6 +796,24 @@ fn hand_off(
     }
 }
 
+/// Waits at most `deadline` for the destination's `Outcome` `Synced`: the image it restored the
+/// job from is on its disk. Why not, in words.
+fn await_synced(
+    stream: &mut TcpStream,
+    session: &mut wire::Session,
+    deadline: Duration,
+) -> Result<(), String> {
+    stream
+        .set_read_timeout(Some(deadline))
+        .map_err(|e| e.to_string())?;
+    match await_outcome(stream, session) {
+        Ok(Outcome::Synced { .. }) => Ok(()),
+        Ok(other) => Err(format!("it answered {other:?}")),
+        Err(e) if e.is_timeout() => Err(format!("no word within {} s", deadline.as_secs())),
+        Err(e) => Err(possum_cuda::error_chain(&e)),
+    }
+}
+
 /// The job's pid at the destination when the hand-off says it runs there; otherwise it is
 /// restored here, and the error says why.
 fn running_at_destination(
@@ -776,11 +823,15 @@ fn running_at_destination(
 ) -> Result<i32, MigrateError> {
     match outcome {
         Ok(Outcome::Running { pid }) => Ok(pid),
-        // (Answered with the go in the hand-off, or an error.)
-        Ok(Outcome::Restored { .. }) => {
+        // (Answered with the go in the hand-off, or an error.) Synced comes only after Running.
+        Ok(o @ (Outcome::Restored { .. } | Outcome::Synced { .. })) => {
             let job = here.restore(obs);
+            let got = match o {
+                Outcome::Restored { .. } => "Outcome Restored",
+                _ => "Outcome Synced",
+            };
             let source = HandoffError::Unexpected {
-                got: "Outcome Restored",
+                got,
                 want: "Outcome Running",
             };
             Err(MigrateError::Handoff { job, source })
@@ -991,11 +1042,12 @@ pub fn receive_handshake(
 }
 
 /// The image received at `dest` synced to disk ([`wire::make_durable`]), the job off its
-/// downtime: how long it took. One that cannot be synced keeps its [`wire::UNSYNCED`] (a
-/// restore refuses it), said.
-fn synced(dest: &Path, obs: &mut dyn Observer) -> Duration {
+/// downtime: how long it took, and whether it is on disk. One that cannot be synced keeps its
+/// [`wire::UNSYNCED`] (a restore refuses it), said.
+fn synced(dest: &Path, obs: &mut dyn Observer) -> (Duration, bool) {
     let t = Instant::now();
-    if let Err(e) = wire::make_durable(dest) {
+    let made = wire::make_durable(dest);
+    if let Err(e) = &made {
         obs.note(&format!(
             "the image received at {} could not be synced to disk ({e}): it keeps {} and a \
              restore refuses it",
@@ -1003,7 +1055,7 @@ fn synced(dest: &Path, obs: &mut dyn Observer) -> Duration {
             wire::UNSYNCED
         ));
     }
-    t.elapsed()
+    (t.elapsed(), made.is_ok())
 }
 
 /// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
@@ -1068,7 +1120,11 @@ pub fn receive_in_session(
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
-            timings.sync = synced(&dest, obs);
+            let (took, on_disk) = synced(&dest, obs);
+            timings.sync = took;
+            if on_disk && told.is_ok() {
+                let _ = send_outcome(stream, &mut session, &Outcome::Synced { pid: r.pid });
+            }
             if let Err(e) = &told {
                 obs.note(&format!(
                     "the job runs here as process {}, but the source was not told ({}); it \

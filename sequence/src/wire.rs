@@ -79,8 +79,9 @@
 //! - `Released` (a migration's, after `Committed`): empty: the source's job is gone, restore it.
 //!   Sent again after `Outcome` `Restored`: let it run;
 //! - `Outcome` (the answer to `Released`): `status: u8` (0 the restore failed, 1 the job runs,
-//!   2 restored but held until the source says go), the restored `pid: i32` (LE), then why the
-//!   restore failed, as UTF-8 text (empty otherwise).
+//!   2 restored but held until the source says go, 3 after 1: the image it was restored from is
+//!   synced to disk), the restored `pid: i32` (LE), then why the restore failed, as UTF-8 text
+//!   (empty otherwise).
 //! - `Buffer` and `BufferChunk` (a pre-copy's, on one stream, in place of the parts:
 //!   [`PrecopySender`], [`receive_precopy`]): an engine buffer declared, `id`, `va`, `size` (`u64`
 //!   LE) and its prefetch rank (`u32` LE); and bytes of a declared buffer, its `id` and the offset

@@ -563,6 +563,12 @@ pub enum Outcome {
         /// Why.
         reason: String,
     },
+    /// After `Running`: the image it was restored from is synced to disk there (received
+    /// unsynced, [`super::Durability::Later`]), so the source may drop its own.
+    Synced {
+        /// The process running there.
+        pid: i32,
+    },
 }
 
 /// `reason`'s bytes, at most [`MAX_REASON`] of them, cut on a character boundary.
@@ -705,6 +711,7 @@ pub(super) fn encode<'a>(frame: &Frame<'a>) -> (Vec<u8>, &'a [u8]) {
                 Outcome::Running { pid } => (1u8, *pid, &[][..]),
                 Outcome::Restored { pid } => (2, *pid, &[][..]),
                 Outcome::RestoreFailed { reason } => (0, 0, cut_reason(reason)),
+                Outcome::Synced { pid } => (3, *pid, &[][..]),
             };
             let mut head = vec![status];
             head.extend_from_slice(&pid.to_le_bytes());
@@ -938,7 +945,12 @@ pub(super) fn decode(kind: u8, payload: &[u8]) -> Result<Frame<'_>, FrameError> 
                 1 if reason.is_empty() => Outcome::Running { pid },
                 2 if reason.is_empty() => Outcome::Restored { pid },
                 0 => Outcome::RestoreFailed { reason },
-                _ => return Err(malformed("neither restored, running nor failed".into())),
+                3 if reason.is_empty() => Outcome::Synced { pid },
+                _ => {
+                    return Err(malformed(
+                        "neither restored, running, synced nor failed".into(),
+                    ))
+                }
             })
         }
         _ => Frame::Abort {

@@ -894,6 +894,7 @@ fn frames_read_back_as_written() {
         },
         Frame::Released,
         Frame::Outcome(Outcome::Running { pid: 4242 }),
+        Frame::Outcome(Outcome::Synced { pid: 4243 }),
         Frame::Outcome(Outcome::RestoreFailed {
             reason: "no room".into(),
         }),
