@@ -433,6 +433,23 @@ fn fake_destination(
     (addr, thread)
 }
 
+/// A [`fake_destination`] that holds the job restored (says `Restored` as `pid`), takes the
+/// source's go, then says `after_go` if any and drops the connection.
+fn destination_holding(
+    dir: &Path,
+    pid: i32,
+    after_go: Option<possum_sequence::wire::Outcome>,
+) -> (String, std::thread::JoinHandle<()>) {
+    use possum_sequence::wire::{self, Outcome};
+    fake_destination(dir, move |s, session| {
+        wire::send_outcome(s, session, &Outcome::Restored { pid }).unwrap();
+        wire::await_released(s, session).unwrap();
+        if let Some(o) = after_go {
+            wire::send_outcome(s, session, &o).unwrap();
+        }
+    })
+}
+
 fn alive(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .is_ok_and(|s| !s.contains(") Z ") && !s.contains(") X "))
@@ -444,14 +461,9 @@ fn alive(pid: i32) -> bool {
 /// exactly.
 #[test]
 fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() {
-    use possum_sequence::wire::{self, Outcome};
     set_up!(let (dir, want, mut job) = setup("migrate_silent_after_go"));
-    let pid = job.pid;
-    let (addr, destination) = fake_destination(dir, move |s, session| {
-        wire::send_outcome(s, session, &Outcome::Restored { pid }).unwrap();
-        // The go, then silence.
-        wire::await_released(s, session).unwrap();
-    });
+    // The go, then silence.
+    let (addr, destination) = destination_holding(dir, job.pid, None);
     let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
     destination.join().unwrap();
     let t = text(&out);
@@ -473,14 +485,9 @@ fn a_destination_silent_after_the_go_has_the_source_keep_its_image_unrestored() 
 /// source keeps its image and says where; restored from it, the job goes on exactly.
 #[test]
 fn a_destination_that_never_says_its_image_is_on_disk_has_the_source_keep_its_own() {
-    use possum_sequence::wire::{self, Outcome};
     set_up!(let (dir, want, mut job) = setup("migrate_never_synced"));
-    let pid = job.pid;
-    let (addr, destination) = fake_destination(dir, move |s, session| {
-        wire::send_outcome(s, session, &Outcome::Restored { pid }).unwrap();
-        wire::await_released(s, session).unwrap();
-        wire::send_outcome(s, session, &Outcome::Running { pid }).unwrap();
-    });
+    let running = possum_sequence::wire::Outcome::Running { pid: job.pid };
+    let (addr, destination) = destination_holding(dir, job.pid, Some(running));
     let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
     destination.join().unwrap();
     let t = text(&out);
