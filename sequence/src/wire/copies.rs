@@ -10,10 +10,11 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use super::mac::Piece;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 /// Why a copy sent ahead is not what was received of it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -189,11 +190,58 @@ impl CopyCheck {
         }
     }
 
+    /// Waits until every worker ended, at most until `deadline`; stops them then (each ends at
+    /// its next piece) and waits for that. Whether every piece was checked.
+    fn finish_by(&self, deadline: Instant) -> bool {
+        let s = &self.shared;
+        let mut states = lock(&s.states);
+        while s.running.load(Ordering::SeqCst) > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                s.stop.store(true, Ordering::Relaxed);
+                while s.running.load(Ordering::SeqCst) > 0 {
+                    states = s
+                        .changed
+                        .wait(states)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+                break;
+            }
+            states = (s.changed.wait_timeout(states, left))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        states.iter().all(|st| st.left == 0 || st.bad.is_some())
+    }
+
+    /// Each copy's verdict once its workers ended ([`CopyCheck::finish_by`]): sound, not, or
+    /// not checked whole (`None`).
+    fn verdicts(&self) -> Vec<(String, Option<Result<(), Unsound>>)> {
+        let states = lock(&self.shared.states);
+        self.by_path
+            .iter()
+            .map(|(path, &i)| {
+                let st = &states[i];
+                let v = match (&st.bad, st.left) {
+                    (Some(bad), _) => Some(Err(bad.clone())),
+                    (None, 0) => Some(Ok(())),
+                    (None, _) => None,
+                };
+                (path.clone(), v)
+            })
+            .collect()
+    }
+
     /// Stops the check: the copies not waited for yet are not needed.
     pub(super) fn stop(&self) {
         self.shared.stop.store(true, Ordering::Relaxed);
     }
 }
+
+/// The longest a part's files wait, before they are written, for the checks of the parts
+/// before ([`AheadChecks::settle`]): the sender's writes wait meanwhile, and must not reach
+/// their deadline. What is not checked by then is read back at the `Cut`.
+const SETTLE_LIMIT: Duration = Duration::from_secs(2);
 
 /// What a copy's metadata was when its check began: one that differs at the `Cut` was written
 /// since (by someone else: this receiver writes a part's files only once the checks of the
@@ -234,18 +282,32 @@ pub(super) struct AheadChecks {
     stamps: HashMap<String, Stamp>,
     /// Copies found not to hold what was received for them.
     bad: HashMap<String, Unsound>,
+    /// Copies whose check was stopped before it was done ([`SETTLE_LIMIT`]): read back again
+    /// whole at the `Cut`.
+    unchecked: HashSet<String>,
     /// From the `Cut`: the copies read back again then.
     late: Option<CopyCheck>,
 }
 
 impl AheadChecks {
-    /// Waits for the checks begun; their verdicts kept. Before a part's files are written
-    /// again, so that no check reads a piece being written.
+    /// Waits for the checks begun, at most [`SETTLE_LIMIT`]; their verdicts kept, the copies
+    /// they did not finish left for the `Cut`. Before a part's files are written again, so that
+    /// no check reads a piece being written: the sender waits meanwhile, within its deadlines.
     pub(super) fn settle(&mut self) {
+        let deadline = Instant::now() + SETTLE_LIMIT;
         for check in self.running.drain(..) {
-            for path in check.by_path.keys() {
-                if let Err(why) = check.wait(path) {
-                    self.bad.entry(path.clone()).or_insert(why);
+            check.finish_by(deadline);
+            for (path, verdict) in check.verdicts() {
+                match verdict {
+                    Some(Ok(())) => {
+                        self.unchecked.remove(&path);
+                    }
+                    Some(Err(why)) => {
+                        self.bad.entry(path).or_insert(why);
+                    }
+                    None => {
+                        self.unchecked.insert(path);
+                    }
                 }
             }
         }
@@ -276,7 +338,9 @@ impl AheadChecks {
             .filter(|(path, _)| !self.bad.contains_key(*path))
             .filter(|(path, _)| {
                 let now = Stamp::of(&under(root, path));
-                now.is_none() || now != self.stamps.get(*path).copied()
+                self.unchecked.contains(*path)
+                    || now.is_none()
+                    || now != self.stamps.get(*path).copied()
             })
             .map(|(path, v)| (path.clone(), v.clone()))
             .collect()
@@ -393,5 +457,56 @@ impl Shared {
                 self.changed.notify_all();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `data` in pieces of `len`, as received.
+    fn pieces(data: &[u8], len: usize) -> Vec<Piece> {
+        (data.chunks(len).enumerate())
+            .map(|(i, d)| Piece {
+                offset: (i * len) as u64,
+                len: d.len() as u64,
+                hash: *blake3::hash(d).as_bytes(),
+            })
+            .collect()
+    }
+
+    /// A part's copies checked once written: at the cut only a copy changed since, or whose
+    /// check did not finish, is read back again; one found unsound stays so.
+    #[test]
+    fn at_the_cut_only_changed_or_unfinished_copies_are_read_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let (a, b) = (vec![1u8; 10_000], vec![2u8; 10_000]);
+        fs::write(root.join("a"), &a).unwrap();
+        fs::write(root.join("b"), &b).unwrap();
+        let sent: HashMap<String, (u64, Vec<Piece>)> = [("a", &a), ("b", &b)]
+            .into_iter()
+            .map(|(p, d)| (p.to_string(), (d.len() as u64, pieces(d, 4096))))
+            .collect();
+        let mut checks = AheadChecks::default();
+        checks.part_written(root, &sent);
+        checks.settle();
+        assert!(checks.bad.is_empty() && checks.unchecked.is_empty());
+        assert!(checks.cut(root, &sent).is_empty(), "nothing changed");
+        // A copy whose check was stopped before it was done is read again at the cut.
+        checks.unchecked.insert("b".into());
+        assert_eq!(
+            checks.cut(root, &sent).into_keys().collect::<Vec<_>>(),
+            ["b"]
+        );
+        // A copy found unsound is not read again: its verdict stands.
+        fs::write(root.join("a"), vec![9u8; 10_000]).unwrap();
+        let mut checks2 = AheadChecks::default();
+        checks2.part_written(root, &sent);
+        checks2.settle();
+        assert!(checks2.bad.contains_key("a"), "{:?}", checks2.bad);
+        assert!(!checks2.cut(root, &sent).contains_key("a"));
+        assert!(checks2.wait("a").is_err());
+        assert!(checks2.wait("b").is_ok());
     }
 }
