@@ -117,9 +117,12 @@ impl Observer for MigrateLine {
                 s.phase = "connected, pre-copy".into();
             }
             MigrateStep::Round {
-                round, estimate, ..
+                round,
+                bytes,
+                estimate,
             } => {
-                s.phase = format!("pre-copy round {round} sent ahead");
+                let mib = bytes as f64 / f64::from(1u32 << 20);
+                s.phase = format!("pre-copy round {round} sent ahead ({mib:.0} MiB written)");
                 s.estimate = estimate;
             }
             MigrateStep::Held => {
@@ -165,12 +168,12 @@ mod tests {
         m.migrating(MigrateStep::Connected { sent: sent.clone() });
         m.migrating(MigrateStep::Round {
             round: 1,
-            bytes: 10,
+            bytes: 3 << 20,
             estimate: Some(Duration::from_secs(2)),
         });
         {
             let s = lock(&m.shown);
-            assert_eq!(s.phase, "pre-copy round 1 sent ahead");
+            assert_eq!(s.phase, "pre-copy round 1 sent ahead (3 MiB written)");
             assert_eq!(s.estimate, Some(Duration::from_secs(2)));
             assert_eq!(s.sent.as_ref().unwrap().load(Ordering::Relaxed), 5);
         }

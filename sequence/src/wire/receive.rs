@@ -173,9 +173,10 @@ pub fn make_durable(dir: &Path) -> io::Result<()> {
         fs::File::open(at)?.sync_all()
     }
     sync_tree(dir)?;
-    match fs::remove_file(dir.join(UNSYNCED)) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
+    if let Err(e) = fs::remove_file(dir.join(UNSYNCED)) {
+        if e.kind() != io::ErrorKind::NotFound {
+            return Err(e);
+        }
     }
     fs::File::open(dir)?.sync_all()
 }
@@ -241,17 +242,7 @@ pub fn receive_dir_in_session_as<S: Read + Write>(
     let start = Instant::now();
     let received = new_dest(dest).and_then(|name| {
         let lanes = session.lanes()?;
-        let parent = match dest.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        receive_into(
-            stream,
-            &mut session,
-            lanes,
-            (parent, name, dest),
-            durability,
-        )
+        receive_into(stream, &mut session, lanes, (name, dest), durability)
     });
     match received {
         Ok(totals) => {
@@ -288,9 +279,13 @@ pub(super) fn receive_into<S: Read>(
     stream: &mut S,
     session: &mut Session,
     mut lanes: Vec<RecvLane>,
-    (parent, name, dest): (&Path, &std::ffi::OsStr, &Path),
+    (name, dest): (&std::ffi::OsStr, &Path),
     durability: Durability,
 ) -> Result<Totals, ReceiveError> {
+    let parent = match dest.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
     let mut r = Receiving::new(parent, name, durability)?;
     let mut buf = Vec::new();
     let sent = loop {
