@@ -33,11 +33,13 @@ def now():
     return time.time()
 
 
-def run_json(args, timeout, log):
-    """Runs possum ARGS (with --json), returns (rc, parsed stdout or None, seconds, stderr tail)."""
+def run_json(args, timeout, log, env=None):
+    """Runs possum ARGS (with --json), with ENV added to the environment, returns (rc, parsed
+    stdout or None, seconds, stderr tail)."""
     t = now()
     try:
-        p = subprocess.run([POSSUM] + args, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([POSSUM] + args, capture_output=True, text=True, timeout=timeout,
+                           env=dict(os.environ, **(env or {})))
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, out, err = 124, e.stdout or "", (e.stderr or "") + f"\nTIMEOUT after {timeout} s"
@@ -90,11 +92,12 @@ def kill_tree(pid):
 class Receiver:
     """`possum receive` of one migration on a free loopback port."""
 
-    def __init__(self, work, key, log):
+    def __init__(self, work, key, log, env=None):
         self.err = open(os.path.join(work, "receive.err"), "w")
         self.p = subprocess.Popen([POSSUM, "receive", "--listen", "127.0.0.1:0", "--key-file", key,
                                    "-D", os.path.join(work, "received"), "--json"],
-                                  stdout=subprocess.PIPE, stderr=self.err, text=True)
+                                  stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                  env=dict(os.environ, **(env or {})))
         errf = os.path.join(work, "receive.err")
 
         def port():

@@ -8,6 +8,7 @@ read every step (fp16, --gib) and a state written whole every step (--state-mib)
     speculative  the defaults: read-only speculation earned by validated launches, every image
                  proven by fingerprints, only changed chunks copied
     speculative-2mib  the same with 2 MiB chunks (POSSUM_CHUNK_MIB=2)
+    speculative-16loaders  the defaults, the keeper staging a restore with 16 loader threads
 
 For each mode, one job: (1) a kept checkpoint (--leave-running), (2) a second one with
 --parent (1), (3) `possum migrate` over loopback to a `possum receive` on this host. Recorded:
@@ -31,6 +32,8 @@ MODES = {
     "speculative": {},
     # The same with 2 MiB chunks (copies, images and fingerprints): finer rounds.
     "speculative-2mib": {"POSSUM_CHUNK_MIB": "2"},
+    # The defaults, the keeper loading a restore's image with 16 threads (8 by default).
+    "speculative-16loaders": {"POSSUM_KEEPER_STAGE_THREADS": "16"},
 }
 
 
@@ -99,9 +102,33 @@ def saved_copies(j):
             "mismatch_retries": (j or {}).get("mismatch_retries")}
 
 
+def memory_of(pid):
+    """The job's host memory as the kernel counts it (kB from smaps_rollup) and its mappings."""
+    rec = {}
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            k, _, v = line.partition(":")
+            if k in ("Rss", "Anonymous", "Private_Dirty", "Private_Clean", "Shared_Clean", "AnonHugePages"):
+                rec[k.lower() + "_kb"] = int(v.split()[0])
+        rec["mappings"] = sum(1 for _ in open(f"/proc/{pid}/maps"))
+    except OSError:
+        pass
+    return rec
+
+
+def keep_criu_logs(src, out, tag):
+    """Copies CRIU's logs and statistics under SRC (an image directory) to OUT, named by TAG."""
+    for root, _, files in os.walk(src):
+        for f in files:
+            if f.endswith(".log") or f.startswith("stats-"):
+                shutil.copy(os.path.join(root, f), os.path.join(out, f"criu-{tag}-{f}"))
+
+
 def one_mode(a, mode, work, log):
     env = dict(os.environ, **MODES[mode])
     jlog = os.path.join(work, f"{mode}-steps.jsonl")
+    if os.path.exists(jlog):
+        os.remove(jlog)  # an earlier run's steps are not this job's
     err = open(os.path.join(a.out, f"speculation-{mode}.err"), "w")
     cmd = [POSSUM, "run", "-v", "python3", os.path.join(GPU, "jobs.py"), "mlp", "--steps", "1000000",
            "--hold-gib", str(a.gib), "--ballast-read-all", "--ballast-half", "--state-mib", str(a.state_mib),
@@ -116,6 +143,8 @@ def one_mode(a, mode, work, log):
             rec["error"] = "the job did not start: " + open(err.name).read()[-1500:]
             return rec
         rec["step_ms"] = 1e3 * step_time(jlog)
+        rec["memory"] = memory_of(pid)
+        criu_env = {"POSSUM_CRIU_LOG_LEVEL": "4"} if a.criu_log else {}
         rec["writes_per_step"] = writes_of(jlog)
         step_s = rec["step_ms"] / 1e3
         imgs = [os.path.join(a.images, f"{mode}-{n}") for n in (1, 2, 3)]
@@ -125,7 +154,9 @@ def one_mode(a, mode, work, log):
         for n, extra in ((1, []), (2, ["--parent", imgs[0]])):
             t0 = time.time()
             rc, j, dt, e = run_json(["checkpoint", str(pid), "-D", imgs[n - 1], "--leave-running", "--json"]
-                                    + extra, 300, log)
+                                    + extra, 300, log, criu_env)
+            if a.criu_log:
+                keep_criu_logs(imgs[n - 1], a.out, f"{mode}-ckpt{n}")
             t1 = time.time()
             time.sleep(3)
             rec[f"ckpt{n}"] = dict(rc=rc, seconds=dt, err=e if rc else None,
@@ -137,7 +168,7 @@ def one_mode(a, mode, work, log):
             shutil.rmtree(d, ignore_errors=True)
         # (3): migrate over loopback.
         key = new_key(work)
-        r = Receiver(work, key, log)
+        r = Receiver(work, key, log, criu_env)
         t0 = time.time()
         rc, j, dt, e = run_json(["migrate", str(pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key,
                                  "-D", imgs[2], "--json"] + a.migrate_flags.split(), 400, log)
@@ -155,13 +186,16 @@ def one_mode(a, mode, work, log):
                               bytes_while_held=(j or {}).get("bytes_while_held"),
                               timings=(j or {}).get("timings"), received_ok=bool(received),
                               received=(received or {}).get("timings"),
-                              remote_restore=(received or {}).get("restore"))
+                              remote_restore=(received or {}).get("restore"),
+                              source=((j or {}).get("checkpoint") or {}).get("figures"))
         w = rec.get("writes_per_step")
         sent = rec["migrate"]["rounds"]
         if w and len(sent) > 1 and sent[1] is not None:
             # Round 2 sends what changed during round 1: the job's writes, at least once over.
             rec["migrate"]["round2_over_writes"] = sent[1] / w
         print(f"{mode} migrate: rc {rc} in {dt:.2f} s: {rec['migrate']}", flush=True)
+        if a.criu_log:
+            keep_criu_logs(os.path.join(work, "received"), a.out, f"{mode}-received")
         shutil.rmtree(imgs[2], ignore_errors=True)
         shutil.rmtree(os.path.join(work, "received"), ignore_errors=True)
         return rec
@@ -202,6 +236,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--modes", default="strict,speculative,speculative-2mib")
     ap.add_argument("--migrate-flags", default="")
+    ap.add_argument("--criu-log", action="store_true",
+                    help="CRIU's log at level 4 for the checkpoints and the destination's restore, "
+                         "copied with its statistics to --out (slows CRIU a little)")
     a = ap.parse_args()
     frozen(a)
 

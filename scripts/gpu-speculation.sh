@@ -10,6 +10,8 @@
 #       read-only speculation, no fingerprints) against speculative (the defaults), in the same
 #       run: a kept checkpoint, a second with --parent, a migration over loopback.
 #       -> $OUT/speculation.jsonl, speculation-selftest.txt, speculation-frozen.tgz
+#       SPEC_MODES picks the modes, SPEC_SELFTEST=0 skips the self-test, SPEC_FLAGS passes more
+#       flags (--criu-log: CRIU's logs at level 4 and its statistics, in the .tgz).
 #   bash scripts/gpu-speculation.sh trials [N]  (~9 min)
 #       N (50) random-step trials with the defaults (`eval/ckpt.py correctness`: kept checkpoints
 #       left running then restored, and checkpoints with the job killed then restored) over the
@@ -28,12 +30,16 @@ source scripts/gpu-criu.sh
 harness_run speculation SPEC_BUDGET_S
 case "${1:-}" in
 frozen)
-    timeout -k 5 120 .gpu/possum-cuda-selftest > "$res/speculation-selftest.txt" 2>&1
-    echo "selftest rc $?" >> "$res/speculation-selftest.txt"
-    grep -i "fingerprint" "$res/speculation-selftest.txt"
+    if [ "${SPEC_SELFTEST:-1}" != 0 ]; then
+        timeout -k 5 120 .gpu/possum-cuda-selftest > "$res/speculation-selftest.txt" 2>&1
+        echo "selftest rc $?" >> "$res/speculation-selftest.txt"
+        grep -i "fingerprint" "$res/speculation-selftest.txt"
+    fi
+    # SPEC_FLAGS: more of speculation.py's flags (--criu-log, --migrate-flags ...).
+    # shellcheck disable=SC2086
     timeout -k 5 $(( $(left) - 15 )) python3 eval/speculation.py frozen --out "$res" \
         --gib "${SPEC_GIB:-8}" --state-mib "${SPEC_STATE_MIB:-64}" \
-        --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" 2>&1 | tee "$res/speculation-frozen.log"
+        --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
 trials)

@@ -30,6 +30,10 @@ fn index_file(bytes: &[u8]) {
     // The format has one spelling of each index: the writer gives back the very bytes.
     assert_eq!(idx.encode(), bytes, "index changed through read and write");
     assert!(idx.bytes() <= idx.data_len);
+    // Its files hold the data exactly.
+    let files = idx.files();
+    assert_eq!(files.iter().map(|f| f.1).sum::<u64>(), idx.data_len);
+    assert!(idx.part_bytes == 0 || files.iter().all(|f| f.1 <= idx.part_bytes));
     for r in &idx.ranges {
         assert!(r.offset + r.len <= idx.data_len);
         assert!(r.vaddr.checked_add(r.len).is_some());

@@ -44,9 +44,14 @@ use crate::images::{
 /// The plugin name CRIU records in the inventory when possum's plugin was loaded at dump time.
 pub const PLUGIN_NAME: &str = "possum";
 
-/// Index magic and version.
+/// Index magic and versions: 1, one data file; 2, the data in parts ([`Index::part_bytes`]).
 const INDEX_MAGIC: &[u8; 8] = b"PSMHOST1";
 const INDEX_VERSION: u32 = 1;
+const INDEX_VERSION_PARTS: u32 = 2;
+
+/// The size of each part of a data file split for a migration ([`SplitOptions::part_bytes`]):
+/// a multiple of [`FILL_CHUNK`].
+pub const MIGRATION_PART_BYTES: u64 = 64 << 20;
 
 /// A process's pages smaller than this stay with CRIU (not worth a second file).
 pub const DEFAULT_MIN_BYTES: u64 = 4 << 20;
@@ -118,6 +123,11 @@ pub struct Index {
     pub data_file: String,
     /// The data file's size when split.
     pub data_len: u64,
+    /// 0: the data is the one file `data_file`. Otherwise it is stored in parts of this many
+    /// bytes (the last shorter), `data_file.0`, `data_file.1`, ...: each can be written by a
+    /// thread of its own (a filesystem serializes the writes into one file), which a migration's
+    /// receiver does. The runs' offsets are in the data as a whole.
+    pub part_bytes: u64,
     /// The runs, in address order.
     pub ranges: Vec<Range>,
 }
@@ -130,14 +140,37 @@ impl Index {
             .fold(0u64, |sum, r| sum.saturating_add(r.len))
     }
 
-    /// The file's bytes: magic, version, data file name and size, the runs, CRC32C of it all.
+    /// The data's files, each with its length: `data_file` alone, or its parts.
+    pub fn files(&self) -> Vec<(String, u64)> {
+        if self.part_bytes == 0 {
+            return vec![(self.data_file.clone(), self.data_len)];
+        }
+        let n = self.data_len.div_ceil(self.part_bytes);
+        (0..n)
+            .map(|k| {
+                let len = (self.data_len - k * self.part_bytes).min(self.part_bytes);
+                (format!("{}.{k}", self.data_file), len)
+            })
+            .collect()
+    }
+
+    /// The file's bytes: magic, version, data file name and size (and, in parts, the part's
+    /// size), the runs, CRC32C of it all.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(40 + self.data_file.len() + 24 * self.ranges.len());
+        let mut out = Vec::with_capacity(48 + self.data_file.len() + 24 * self.ranges.len());
         out.extend_from_slice(INDEX_MAGIC);
-        out.extend_from_slice(&INDEX_VERSION.to_le_bytes());
+        let version = if self.part_bytes == 0 {
+            INDEX_VERSION
+        } else {
+            INDEX_VERSION_PARTS
+        };
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&(self.data_file.len() as u32).to_le_bytes());
         out.extend_from_slice(self.data_file.as_bytes());
         out.extend_from_slice(&self.data_len.to_le_bytes());
+        if self.part_bytes != 0 {
+            out.extend_from_slice(&self.part_bytes.to_le_bytes());
+        }
         out.extend_from_slice(&(self.ranges.len() as u64).to_le_bytes());
         for r in &self.ranges {
             for v in [r.vaddr, r.offset, r.len] {
@@ -172,9 +205,10 @@ impl Index {
         let u32_at = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
         let u64_at = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
         let version = u32_at(take(4)?);
-        if version != INDEX_VERSION {
+        if version != INDEX_VERSION && version != INDEX_VERSION_PARTS {
             return Err(bad(&format!(
-                "version {version}; this possum reads version {INDEX_VERSION}"
+                "version {version}; this possum reads versions {INDEX_VERSION} and \
+                 {INDEX_VERSION_PARTS}"
             )));
         }
         let name_len = u32_at(take(4)?) as usize;
@@ -188,6 +222,18 @@ impl Index {
             return Err(bad("data file name is not a plain file name"));
         }
         let data_len = u64_at(take(8)?);
+        let part_bytes = if version == INDEX_VERSION_PARTS {
+            let p = u64_at(take(8)?);
+            // Parts of whole pages, no more of them than a directory holds.
+            if p == 0 || !p.is_multiple_of(PAGE_SIZE) || data_len.div_ceil(p) > MAX_PARTS {
+                return Err(bad(&format!(
+                    "parts of {p} bytes: not whole pages, or more than {MAX_PARTS} of them"
+                )));
+            }
+            p
+        } else {
+            0
+        };
         let count = u64_at(take(8)?);
         let mut ranges = Vec::new();
         // The runs are disjoint pieces of the data file, so together they are no longer than it:
@@ -224,10 +270,14 @@ impl Index {
         Ok(Index {
             data_file,
             data_len,
+            part_bytes,
             ranges,
         })
     }
 }
+
+/// The most parts a data file may have (a 1 TiB process in 64 MiB parts).
+const MAX_PARTS: u64 = 1 << 14;
 
 /// `DIR/possum-hostmem-PID.idx`.
 pub fn index_path(dir: &Path, pid: u32) -> PathBuf {
@@ -266,12 +316,18 @@ pub fn read_index(dir: &Path, pid: u32) -> Result<Option<Index>, HostMemError> {
 pub struct SplitOptions {
     /// A process whose movable pages are fewer bytes than this is left to CRIU.
     pub min_bytes: u64,
+    /// `None`: CRIU's pages file becomes possum's data file as it is (renamed, no copy).
+    /// `Some(n)`: it is copied into parts of `n` bytes (a multiple of 8 MiB) from several threads
+    /// and removed, so that each part can be written by a thread of its own where the image is
+    /// sent (a migration: [`MIGRATION_PART_BYTES`]).
+    pub part_bytes: Option<u64>,
 }
 
 impl Default for SplitOptions {
     fn default() -> Self {
         SplitOptions {
             min_bytes: DEFAULT_MIN_BYTES,
+            part_bytes: None,
         }
     }
 }
@@ -525,6 +581,15 @@ fn split_task(
     let new_pages = image_path(dir, "pages", new_id);
     let index_file = index_path(dir, pid);
     let data = dir.join(data_name(pid));
+    let part_bytes = opts
+        .part_bytes
+        .map(|p| p.max(FILL_CHUNK).next_multiple_of(FILL_CHUNK));
+    let parts: Vec<PathBuf> = match part_bytes {
+        Some(p) => (0..old_len.div_ceil(p))
+            .map(|k| dir.join(format!("{}.{k}", data_name(pid))))
+            .collect(),
+        None => Vec::new(),
+    };
     let new_pm_tmp = dir.join(format!("pagemap-{pid}.img.possum-tmp"));
     let written = (|| -> Result<u64, HostMemError> {
         let src = File::open(&old_pages).map_err(io_err(&old_pages))?;
@@ -534,8 +599,12 @@ fn split_task(
         let index = Index {
             data_file: data_name(pid),
             data_len: old_len,
+            part_bytes: part_bytes.unwrap_or(0),
             ranges: moved.clone(),
         };
+        if part_bytes.is_some() {
+            copy_into_parts(&src, &old_pages, dir, &index)?;
+        }
         write_synced(&index_file, &index.encode())?;
         let new_pm = Pagemap {
             head: images::PagemapHead { pages_id: new_id },
@@ -545,21 +614,34 @@ fn split_task(
         Ok(kept_bytes)
     })();
     let clean = || {
-        for p in [&new_pages, &index_file, &new_pm_tmp] {
+        for p in [&new_pages, &index_file, &new_pm_tmp]
+            .into_iter()
+            .chain(&parts)
+        {
             let _ = fs::remove_file(p);
         }
     };
     let kept_bytes = written.inspect_err(|_| clean())?;
-    // The old pages file becomes possum's data file, then the new pagemap replaces CRIU's; a
-    // failure puts the old file back, leaving the images as CRIU wrote them.
-    if let Err(e) = fs::rename(&old_pages, &data) {
-        clean();
-        return Err(io_err(&old_pages)(e));
-    }
-    if let Err(e) = fs::rename(&new_pm_tmp, &pm_path) {
-        let _ = fs::rename(&data, &old_pages);
-        clean();
-        return Err(io_err(&pm_path)(e));
+    if part_bytes.is_some() {
+        // The parts hold the old pages file's bytes: the new pagemap replaces CRIU's, then the
+        // old file goes. A failure leaves the images as CRIU wrote them.
+        if let Err(e) = fs::rename(&new_pm_tmp, &pm_path) {
+            clean();
+            return Err(io_err(&pm_path)(e));
+        }
+        let _ = fs::remove_file(&old_pages);
+    } else {
+        // The old pages file becomes possum's data file, then the new pagemap replaces CRIU's;
+        // a failure puts the old file back, leaving the images as CRIU wrote them.
+        if let Err(e) = fs::rename(&old_pages, &data) {
+            clean();
+            return Err(io_err(&old_pages)(e));
+        }
+        if let Err(e) = fs::rename(&new_pm_tmp, &pm_path) {
+            let _ = fs::rename(&data, &old_pages);
+            clean();
+            return Err(io_err(&pm_path)(e));
+        }
     }
     Ok(Ok(TaskSplit {
         pid,
@@ -567,6 +649,91 @@ fn split_task(
         kept_bytes,
         ranges: moved.len(),
     }))
+}
+
+/// Copies the whole of `src` (CRIU's pages file) into the parts `index` names, in pieces of
+/// [`FILL_CHUNK`] taken part by part in turn, so that the threads write different files at once.
+/// The parts are synced.
+fn copy_into_parts(
+    src: &File,
+    src_path: &Path,
+    dir: &Path,
+    index: &Index,
+) -> Result<(), HostMemError> {
+    let files = index.files();
+    let outs = files
+        .iter()
+        .map(|(name, len)| {
+            let path = dir.join(name);
+            let f = File::create_new(&path).map_err(io_err(&path))?;
+            f.set_len(*len).map_err(io_err(&path))?;
+            Ok((path, f))
+        })
+        .collect::<Result<Vec<_>, HostMemError>>()?;
+    // Piece j of every part, then piece j + 1: `from` is the offset in `src`, `to` the part.
+    let per_part = index.part_bytes.div_ceil(FILL_CHUNK);
+    let mut pieces = Vec::new();
+    for j in 0..per_part {
+        for (k, (_, len)) in files.iter().enumerate() {
+            let at = j * FILL_CHUNK;
+            if at < *len {
+                pieces.push(Piece {
+                    from: k as u64 * index.part_bytes + at,
+                    to: k as u64,
+                    len: (len - at).min(FILL_CHUNK),
+                });
+            }
+        }
+    }
+    on_threads(&pieces, default_threads(), Vec::new, |buf, p| {
+        let (path, out) = &outs[p.to as usize];
+        let to = p.from % index.part_bytes;
+        // In the kernel (one copy, no bounce through this process), where it can.
+        match copy_range(src, p.from, out, to, p.len) {
+            Ok(()) => return Ok(()),
+            Err(e) if !copy_unsupported(&e) => return Err(io_err(path)(e)),
+            Err(_) => {}
+        }
+        buf.resize(FILL_CHUNK as usize, 0);
+        let b = &mut buf[..p.len as usize];
+        src.read_exact_at(b, p.from).map_err(io_err(src_path))?;
+        out.write_all_at(b, to).map_err(io_err(path))
+    })?;
+    for (path, f) in &outs {
+        f.sync_all().map_err(io_err(path))?;
+    }
+    Ok(())
+}
+
+/// `copy_file_range` of `len` bytes of `src` at `from` to `out` at `to`, until all are copied.
+fn copy_range(src: &File, from: u64, out: &File, to: u64, len: u64) -> io::Result<()> {
+    let offset =
+        |v: u64| i64::try_from(v).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput));
+    let (mut from, mut to) = (offset(from)?, offset(to)?);
+    let mut left =
+        usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    while left > 0 {
+        match nix::fcntl::copy_file_range(src, Some(&mut from), out, Some(&mut to), left) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            Ok(n) => left -= n,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// A `copy_file_range` the filesystems or the kernel do not offer (read and write instead).
+fn copy_unsupported(e: &io::Error) -> bool {
+    use nix::errno::Errno;
+    [
+        Errno::EXDEV,
+        Errno::EINVAL,
+        Errno::ENOSYS,
+        Errno::EOPNOTSUPP,
+    ]
+    .iter()
+    .any(|&n| e.raw_os_error() == Some(n as i32))
 }
 
 /// Copies the runs CRIU keeps (`(run, offset in src)`) one after another into `out`, in
@@ -743,31 +910,55 @@ pub fn fill(
     let Some(index) = read_index(dir, image_pid)? else {
         return Ok(None);
     };
-    let data_path = dir.join(&index.data_file);
-    let file = File::open(&data_path).map_err(io_err(&data_path))?;
-    let len = file.metadata().map_err(io_err(&data_path))?.len();
-    if len != index.data_len {
-        return Err(HostMemError::Index {
-            path: data_path,
-            detail: format!(
-                "has {len} bytes, the index says {} (truncated or replaced)",
-                index.data_len
-            ),
-        });
+    // Each file of the data, mapped, once its length is checked.
+    let mut sources = Vec::new();
+    for (name, want) in index.files() {
+        let path = dir.join(&name);
+        let file = File::open(&path).map_err(io_err(&path))?;
+        let len = file.metadata().map_err(io_err(&path))?.len();
+        if len != want {
+            return Err(HostMemError::Index {
+                path,
+                detail: format!("has {len} bytes, the index says {want} (truncated or replaced)"),
+            });
+        }
+        sources.push(crate::mapped::MappedFile::map(&file, len).map_err(io_err(&path))?);
     }
-    let source = crate::mapped::MappedFile::map(&file, len).map_err(io_err(&data_path))?;
-    let src = source.bytes();
-    // The process will not run anyway once a piece fails: the others are not started.
-    let pieces = cut_pieces(index.ranges.iter().map(|r| Piece {
-        from: r.offset,
-        to: r.vaddr,
-        len: r.len,
+    // A run's pieces, none across two parts: `from` is the offset in the data as a whole.
+    let part = index.part_bytes.max(1);
+    let pieces = cut_pieces(index.ranges.iter().flat_map(|r| {
+        let mut runs = Vec::new();
+        let mut done = 0;
+        while done < r.len {
+            let from = r.offset + done;
+            let len = if index.part_bytes == 0 {
+                r.len - done
+            } else {
+                (r.len - done).min(part - from % part)
+            };
+            runs.push(Piece {
+                from,
+                to: r.vaddr + done,
+                len,
+            });
+            done += len;
+        }
+        runs
     }));
+    // The process will not run anyway once a piece fails: the others are not started.
     let threads = on_threads(
         &pieces,
         threads,
         || (),
-        |(), p| write_remote(pid, p.to, &src[p.from as usize..(p.from + p.len) as usize]),
+        |(), p| {
+            let (k, at) = if index.part_bytes == 0 {
+                (0, p.from)
+            } else {
+                (p.from / part, p.from % part)
+            };
+            let src = sources[k as usize].bytes();
+            write_remote(pid, p.to, &src[at as usize..(at + p.len) as usize])
+        },
     )?;
     Ok(Some(FillReport {
         bytes: index.bytes(),
@@ -1017,7 +1208,14 @@ mod tests {
             panic!("{vaddr:#x} not in the pagemap")
         };
         assert!(!is_split(dir).unwrap());
-        let report = split(dir, &SplitOptions { min_bytes: 1 }).unwrap();
+        let report = split(
+            dir,
+            &SplitOptions {
+                min_bytes: 1,
+                part_bytes: None,
+            },
+        )
+        .unwrap();
         assert!(is_split(dir).unwrap());
         assert_eq!(
             report.split,
@@ -1072,6 +1270,36 @@ mod tests {
         assert!(!crate::images::require_plugin(dir, PLUGIN_NAME).unwrap());
     }
 
+    /// Split for a migration: the same runs, CRIU's pages file copied into parts and removed.
+    #[test]
+    fn a_split_into_parts_leaves_the_bytes_in_the_parts_and_no_pages_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let pages = synthetic_dump(dir);
+        let opts = SplitOptions {
+            min_bytes: 1,
+            part_bytes: Some(1),
+        };
+        let report = split(dir, &opts).unwrap();
+        assert_eq!(report.split.len(), 1, "{report:?}");
+        assert_eq!(report.split[0].moved_bytes, 71 * P);
+        let index = read_index(dir, 10).unwrap().unwrap();
+        // Parts are whole pieces of a fill (one here: the file is smaller).
+        assert_eq!(index.part_bytes, FILL_CHUNK);
+        assert_eq!(
+            index.files(),
+            vec![("possum-hostmem-10.pages.0".to_string(), pages.len() as u64)]
+        );
+        assert_eq!(
+            fs::read(dir.join("possum-hostmem-10.pages.0")).unwrap(),
+            pages
+        );
+        assert!(!dir.join("pages-1.img").exists());
+        assert!(!dir.join("possum-hostmem-10.pages").exists());
+        let pm = Pagemap::read(&dir.join("pagemap-10.img")).unwrap();
+        assert_eq!(pm.head.pages_id, 3);
+    }
+
     #[test]
     fn a_pagemap_of_a_pre_dump_chain_is_left_whole() {
         let tmp = tempfile::tempdir().unwrap();
@@ -1081,7 +1309,14 @@ mod tests {
         let mut pm = Pagemap::read(&path).unwrap();
         pm.entries[0].flags = Some(PE_PARENT);
         fs::write(&path, pm.encode()).unwrap();
-        let report = split(dir, &SplitOptions { min_bytes: 1 }).unwrap();
+        let report = split(
+            dir,
+            &SplitOptions {
+                min_bytes: 1,
+                part_bytes: None,
+            },
+        )
+        .unwrap();
         assert!(report.split.is_empty(), "{report:?}");
         assert!(report
             .left
@@ -1111,6 +1346,7 @@ mod tests {
         let idx = Index {
             data_file: "possum-hostmem-7.pages".into(),
             data_len: 16 * P,
+            part_bytes: 0,
             ranges: vec![
                 Range {
                     vaddr: 0x7f00_0000_0000,
@@ -1156,12 +1392,14 @@ mod tests {
         let e = refused(Index {
             data_file: "p".into(),
             data_len: 4 * P,
+            part_bytes: 0,
             ranges: vec![run(0, 0, 4 * P); 1 << 20],
         });
         assert!(e.contains("add up to more than"), "{e}");
         let e = refused(Index {
             data_file: "p".into(),
             data_len: u64::MAX,
+            part_bytes: 0,
             ranges: vec![run(u64::MAX - P + 1, 0, 2 * P)],
         });
         assert!(e.contains("address space"), "{e}");
@@ -1169,6 +1407,7 @@ mod tests {
             let e = refused(Index {
                 data_file: name.into(),
                 data_len: 0,
+                part_bytes: 0,
                 ranges: vec![],
             });
             assert!(e.contains("not a plain file name"), "{name:?}: {e}");
@@ -1177,8 +1416,146 @@ mod tests {
         let ok = Index {
             data_file: "p".into(),
             data_len: 8 * P,
+            part_bytes: 0,
             ranges: vec![run(0, 4 * P, 4 * P), run(8 * P, 0, 4 * P)],
         };
         assert_eq!(Index::decode(&ok.encode(), path).unwrap().bytes(), 8 * P);
+        // In parts: of whole pages, and not more than a directory should hold.
+        for part_bytes in [P + 1, 1] {
+            let e = refused(Index {
+                part_bytes,
+                ..ok.clone()
+            });
+            assert!(e.contains("parts of"), "{part_bytes}: {e}");
+        }
+        let e = refused(Index {
+            data_len: u64::MAX - u64::MAX % P,
+            part_bytes: P,
+            ranges: vec![],
+            ..ok.clone()
+        });
+        assert!(e.contains("more than"), "{e}");
+    }
+
+    #[test]
+    fn an_index_in_parts_round_trips_and_names_its_parts() {
+        let idx = Index {
+            data_file: "possum-hostmem-7.pages".into(),
+            data_len: 5 * P,
+            part_bytes: 2 * P,
+            ranges: vec![Range {
+                vaddr: 0x10_0000,
+                offset: P,
+                len: 3 * P,
+            }],
+        };
+        let path = Path::new("possum-hostmem-7.idx");
+        let bytes = idx.encode();
+        assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2);
+        assert_eq!(Index::decode(&bytes, path).unwrap(), idx);
+        let names: Vec<(String, u64)> = idx.files();
+        assert_eq!(
+            names,
+            vec![
+                ("possum-hostmem-7.pages.0".to_string(), 2 * P),
+                ("possum-hostmem-7.pages.1".to_string(), 2 * P),
+                ("possum-hostmem-7.pages.2".to_string(), P),
+            ]
+        );
+        // One file: version 1, as before.
+        let one = Index {
+            part_bytes: 0,
+            ..idx
+        };
+        assert_eq!(
+            u32::from_le_bytes(one.encode()[8..12].try_into().unwrap()),
+            1
+        );
+        assert_eq!(
+            one.files(),
+            vec![("possum-hostmem-7.pages".to_string(), 5 * P)]
+        );
+    }
+
+    /// A data file copied into parts holds every byte where the whole file had it.
+    #[test]
+    fn a_pages_file_copied_into_parts_keeps_every_byte() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let len = 2 * FILL_CHUNK + 5 * P;
+        let data: Vec<u8> = (0..len).map(|i| (i / P * 7 + i) as u8).collect();
+        let src_path = dir.join("pages-1.img");
+        fs::write(&src_path, &data).unwrap();
+        let index = Index {
+            data_file: "possum-hostmem-3.pages".into(),
+            data_len: len,
+            part_bytes: FILL_CHUNK,
+            ranges: vec![],
+        };
+        copy_into_parts(&File::open(&src_path).unwrap(), &src_path, dir, &index).unwrap();
+        let mut joined = Vec::new();
+        for (name, want) in index.files() {
+            let part = fs::read(dir.join(&name)).unwrap();
+            assert_eq!(part.len() as u64, want, "{name}");
+            joined.extend_from_slice(&part);
+        }
+        assert_eq!(index.files().len(), 3);
+        assert!(joined == data, "the parts differ from the file");
+    }
+
+    /// A fill from parts writes each run into the process, runs crossing a part's end included
+    /// (here into this very process, whose memory `process_vm_writev` reaches as any other's).
+    #[test]
+    fn a_fill_from_parts_writes_runs_across_part_boundaries() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let data: Vec<u8> = (0..5 * P).map(|i| (i / P + 1) as u8 ^ (i as u8)).collect();
+        let index = Index {
+            data_file: "possum-hostmem-9.pages".into(),
+            data_len: 5 * P,
+            part_bytes: 2 * P,
+            ranges: Vec::new(),
+        };
+        for (k, (name, len)) in index.files().into_iter().enumerate() {
+            let at = k * 2 * P as usize;
+            fs::write(dir.join(name), &data[at..at + len as usize]).unwrap();
+        }
+        // Four pages of this process, page-aligned, zeroed.
+        let mut mem = vec![0u8; 5 * P as usize];
+        let base = (mem.as_ptr() as u64).next_multiple_of(P);
+        let index = Index {
+            ranges: vec![
+                Range {
+                    vaddr: base,
+                    offset: P,
+                    len: 3 * P,
+                },
+                Range {
+                    vaddr: base + 3 * P,
+                    offset: 0,
+                    len: P,
+                },
+            ],
+            ..index
+        };
+        fs::write(index_path(dir, 9), index.encode()).unwrap();
+        let me = std::process::id() as i32;
+        let report = fill(dir, 9, me, 3).unwrap().unwrap();
+        assert_eq!(report.bytes, 4 * P);
+        let start = (base - mem.as_ptr() as u64) as usize;
+        let got = std::hint::black_box(&mut mem)[start..start + 4 * P as usize].to_vec();
+        let mut want = data[P as usize..4 * P as usize].to_vec();
+        want.extend_from_slice(&data[..P as usize]);
+        assert!(
+            got == want,
+            "the runs were not written where the index says"
+        );
+        // A part cut short is refused by name before anything is written.
+        fs::write(dir.join("possum-hostmem-9.pages.1"), [0u8; 3]).unwrap();
+        let e = fill(dir, 9, me, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("possum-hostmem-9.pages.1") && e.contains("truncated"),
+            "{e}"
+        );
     }
 }

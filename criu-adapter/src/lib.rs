@@ -79,6 +79,7 @@ mod mapped;
 pub mod no_uring;
 mod process;
 pub mod rpc;
+pub mod stats;
 mod swrk;
 
 use std::fmt;
@@ -390,6 +391,8 @@ pub struct DumpReport {
     pub image_bytes: u64,
     /// The tree was left stopped ([`DumpOptions::leave_stopped`]).
     pub stopped: bool,
+    /// CRIU's own account of the dump (`None` when it left none or it could not be read).
+    pub stats: Option<stats::DumpStats>,
 }
 
 /// The outcome of a restore.
@@ -401,6 +404,8 @@ pub struct RestoreReport {
     pub log: PathBuf,
     /// Wall time of the whole call: starting the worker, the restore, the worker's exit.
     pub time: Duration,
+    /// CRIU's own account of the restore (`None` when it left none or it could not be read).
+    pub stats: Option<stats::RestoreStats>,
 }
 
 /// CRIU's version, as its `VERSION` request answers it.
@@ -623,6 +628,7 @@ impl Criu {
             time,
             image_bytes,
             stopped,
+            stats: read_stats(stats::dump_stats(&opts.images_dir)),
         })
     }
 
@@ -725,7 +731,12 @@ impl Criu {
         };
         let time = start.elapsed();
         tracing::info!(pid, ?time, "criu restore done");
-        Ok(RestoreReport { pid, log, time })
+        Ok(RestoreReport {
+            pid,
+            log,
+            time,
+            stats: read_stats(stats::restore_stats(&opts.images_dir)),
+        })
     }
 
     /// One request on a fresh worker: spawn, ask, wait for the worker's exit, check the answer,
@@ -947,6 +958,13 @@ fn first_real_error(errmsg: Option<String>, log_tail: &str) -> Option<String> {
     }
 }
 
+/// CRIU's account, or `None` with a warning when it could not be read: it only informs.
+fn read_stats<T>(stats: Result<Option<T>, images::ImageError>) -> Option<T> {
+    stats.unwrap_or_else(|e| {
+        tracing::warn!("CRIU's statistics: {e}");
+        None
+    })
+}
 /// Total size of the regular files directly in `dir`.
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)

@@ -82,6 +82,7 @@ fn index() -> Index {
     Index {
         data_file: "possum-hostmem-7.pages".into(),
         data_len: 16 * P,
+        part_bytes: 0,
         ranges: runs
             .into_iter()
             .map(|(vaddr, offset, len)| Range { vaddr, offset, len })

@@ -93,6 +93,13 @@ fn dump_leave_running_then_restore_gives_the_same_result() {
         "the testee finished before it was dumped: make it run longer"
     );
     assert!(dump.image_bytes > 3 * 2048 * 1024, "{dump:?}");
+    // CRIU's own account: the testee's memory was written, and fits in the images.
+    let stats = dump.stats.expect("CRIU's stats-dump");
+    assert!(
+        stats.memory_bytes > 2048 * 1024 && stats.memory_bytes <= dump.image_bytes,
+        "{stats:?}"
+    );
+    assert!(stats.frozen >= stats.memdump, "{stats:?}");
 
     let status = testee.child.wait().unwrap();
     assert!(status.success(), "original testee: {status}");
@@ -101,6 +108,8 @@ fn dump_leave_running_then_restore_gives_the_same_result() {
 
     let restored = criu.restore(&RestoreOptions::new(&images)).unwrap();
     assert_eq!(restored.pid, testee.pid, "CRIU restores the dumped PID");
+    let stats = restored.stats.expect("CRIU's stats-restore");
+    assert!(stats.restore >= stats.forking, "{stats:?}");
     let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
     assert!(exit.success(), "restored testee {exit}");
     let again = std::fs::read_to_string(&testee.out).unwrap();

@@ -236,8 +236,8 @@ fn print_migrate(r: &MigrateReport) {
     }
     println!(
         "  downtime {:.0} ms (the checkpoint's hold {:.0}, send {:.0} of which hashing again \
-         {:.0} and the destination's commit {:.0}, kill {:.0}, restore there {:.0}); total \
-         {:.0} ms",
+         {:.0} and the destination's commit {:.0}, kill {:.0}, restore there {:.0}, the job's \
+         wait there for its buffers {}); total {:.0} ms",
         ms(t.downtime),
         ms(r.checkpoint.figures.hold),
         ms(t.send),
@@ -245,6 +245,8 @@ fn print_migrate(r: &MigrateReport) {
         ms(t.send_committing),
         ms(t.kill),
         ms(t.remote_restore),
+        t.waited_after_resume
+            .map_or("not said".to_string(), |w| format!("{:.0}", ms(w))),
         ms(t.total)
     );
 }

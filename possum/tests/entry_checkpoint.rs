@@ -28,7 +28,7 @@ use support::cli::{
     KeeperProcess,
 };
 use support::session_job::Job;
-use support::{common, run_ok, say, session_job_setup as setup, text, WAIT};
+use support::{common, plugin_dir, run_ok, say, session_job_setup as setup, text, WAIT};
 
 use serde_json::{json, Value};
 
@@ -1043,22 +1043,6 @@ impl PlainCriu<'_> {
         );
         text
     }
-}
-
-/// The plugin cargo built for this run (`cargo test` builds the workspace's cdylib into
-/// `<target>/<profile>/deps/` beside this test's executable; `cargo build` copies it up a
-/// level), alone in a directory of its own (CRIU loads every `.so` of `--libdir`).
-fn plugin_dir(dir: &Path) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let deps = exe.parent()?;
-    let built = [deps, deps.parent()?]
-        .iter()
-        .map(|d| d.join(possum_criu::PLUGIN_FILE))
-        .find(|p| p.is_file())?;
-    let libdir = dir.join("plugins");
-    std::fs::create_dir_all(&libdir).unwrap();
-    std::fs::copy(&built, libdir.join(possum_criu::PLUGIN_FILE)).unwrap();
-    Some(libdir)
 }
 
 /// The fake job's child's buffer E after its `k`th SIGUSR1 (each bumps it: E[i] += i * n + 1 for

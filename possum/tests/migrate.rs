@@ -26,7 +26,7 @@ mod support;
 use support::cli::possum_checkpointing_in as possum;
 use support::receiver::Receiver;
 use support::session_job::Job;
-use support::{run_ok, say, text, WAIT};
+use support::{plugin_dir, run_ok, say, text, WAIT};
 
 use serde_json::Value;
 
@@ -218,10 +218,24 @@ fn goes_on_like(job: &mut Job, dir: &Path, want: &[Vec<u8>; 2], what: &str) {
 #[test]
 fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     set_up!(let (dir, want, mut job) = setup("migrate_loopback"));
-    let receiver = Receiver::start(dir, "key", &[]);
+    // possum's CRIU plugin at both ends (`cargo test` leaves it where `possum` does not look).
+    let Some(libdir) = plugin_dir(dir) else {
+        panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
+    };
+    let receiver = Receiver::start(
+        dir,
+        "key",
+        &[("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())],
+    );
     // Four streams, paced together (well above what the test sends in its time).
     let paced = ["--streams", "4", "--max-rate", "2GB/s"];
-    let out = migrate_to(dir, &job, &receiver, &paced, &[]);
+    let out = migrate_to(
+        dir,
+        &job,
+        &receiver,
+        &paced,
+        &[("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path())],
+    );
     assert!(out.status.success(), "{}\njob:\n{}", text(&out), job.log());
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let (status, received) = receiver.finish();
@@ -264,10 +278,37 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     assert_eq!(names(&dir.join("received")).len(), 1);
     // Synced once the job ran there: its unsynced mark gone.
     assert!(r["timings"]["sync_ms"].as_f64().is_some(), "{r}");
+    // The job's own account of its wait for buffers after it ran there, counted in the downtime.
+    let waited = r["timings"]["waited_after_resume_ms"].as_f64();
+    assert!(waited.is_some(), "{r}");
+    assert_eq!(t["waited_after_resume_ms"].as_f64(), waited, "{v}");
     assert!(!received.join(".possum-unsynced").exists(), "{r}");
     // The files sent ahead: only what the cut's copy wrote was hashed again (the job's library
     // said which ranges), the rest taken as sent.
     assert!(t["send_hashing_ms"].as_f64().is_some(), "{v}");
+    // The job's private memory left CRIU's images while it was held, and the destination's
+    // restore wrote it back through possum's plugin, every byte.
+    let moved = &v["checkpoint"]["figures"]["hostmem"]["moved_bytes"];
+    assert!(moved.as_u64().unwrap_or(0) > 0, "not split: {v}");
+    assert_eq!(&r["restore"]["hostmem_fill_bytes"], moved, "{r}");
+    // In parts, which the receiver writes at once: CRIU's pages file is not among them.
+    let criu = received.join("criu");
+    let pid = job.pid;
+    assert!(
+        criu.join(format!("possum-hostmem-{pid}.pages.0")).is_file(),
+        "{:?}",
+        names(&criu)
+    );
+    assert!(!criu.join(format!("possum-hostmem-{pid}.pages")).exists());
+    // CRIU's own account of both ends.
+    let dumped = &v["checkpoint"]["figures"]["criu_dump_stats"];
+    assert!(dumped["memory_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
+    assert!(
+        r["restore"]["criu_restore_stats"]["restore_ms"]
+            .as_f64()
+            .is_some(),
+        "{r}"
+    );
 
     goes_on_like(&mut job, dir, &want, "migrated");
     ticks_once_each(dir);
@@ -382,9 +423,23 @@ fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
 #[test]
 fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
     set_up!(let (dir, want, mut job) = setup("migrate_destination_gone"));
+    // With possum's CRIU plugin: the image's private memory is in parts, which the source's
+    // own restore writes back.
+    let Some(libdir) = plugin_dir(dir) else {
+        panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
+    };
     let (addr, destination) = fake_destination(dir, |_, _| {});
-    let out = migrate_cmd(dir, &job, &addr, "key").output().unwrap();
+    let out = migrate_cmd(dir, &job, &addr, "key")
+        .env("POSSUM_CRIU_PLUGIN_DIR", &libdir)
+        .output()
+        .unwrap();
     destination.join().unwrap();
+    let part = format!("local/criu/possum-hostmem-{}.pages.0", job.pid);
+    assert!(
+        dir.join(part).is_file(),
+        "{:?}",
+        names(&dir.join("local/criu"))
+    );
     failed_at(&out, "waiting for the destination's restore");
     assert!(
         text(&out).contains("restoring the job at the source"),

@@ -1059,6 +1059,9 @@ impl<'a> Run<'a> {
             }
             opts.shell_job = self.plan.shell_job;
             opts.ext_unix_sk = true;
+            if let Some(l) = p.env.criu_log_level {
+                opts.log_level = l;
+            }
             // A server's listener may hold connections not accepted yet: they stay out of the
             // image (a job left running accepts them after; a restored one has them no more)
             // rather than failing the dump.
@@ -1075,6 +1078,7 @@ impl<'a> Run<'a> {
             let dump = dump?;
             self.stopped = dump.stopped;
             self.criu_bytes = dump.image_bytes;
+            self.figures.criu_dump_stats = dump.stats.map(Into::into);
             self.dumped = true;
         }
         self.gpu_bytes = dir_bytes(&self.tmp.join("gpu"));
@@ -1134,7 +1138,8 @@ impl<'a> Run<'a> {
     /// Split: the bulk of the job's private memory out of CRIU's images, for possum's plugin to
     /// write back in parallel at restore (`possum_criu::hostmem`). Not while a job left running
     /// without a keeper is still held (it would lengthen its stall) unless
-    /// `POSSUM_HOSTMEM_SPLIT=always`; not for the driver engine (the baseline stays plain CRIU).
+    /// `POSSUM_HOSTMEM_SPLIT=always` or it is held for a migration (whose destination restores
+    /// it); not for the driver engine (the baseline stays plain CRIU).
     /// A failure leaves the images whole (CRIU restores them itself) and is said on stderr.
     fn split_host_memory(&mut self, obs: &mut dyn Observer) {
         use possum_criu::hostmem;
@@ -1143,7 +1148,9 @@ impl<'a> Run<'a> {
             return;
         };
         let always = p.env.hostmem_split == HostmemSplit::Always;
-        if self.kept.is_empty() && p.leave_running && !always {
+        // A job held for a migration waits for its image to be sent anyway: the split's few
+        // milliseconds spare the destination CRIU's one-thread fill of that memory.
+        if self.kept.is_empty() && p.leave_running && !self.no_kept && !always {
             return;
         }
         if p.env.hostmem_split == HostmemSplit::Off {
@@ -1160,8 +1167,13 @@ impl<'a> Run<'a> {
             return;
         }
         let criu_dir = self.tmp.join("criu");
+        // An image to be sent has its data in parts: the receiver writes them all at once.
+        let opts = hostmem::SplitOptions {
+            part_bytes: self.no_kept.then_some(hostmem::MIGRATION_PART_BYTES),
+            ..Default::default()
+        };
         let r = timed(&mut self.figures.hostmem_split, || {
-            hostmem::split(&criu_dir, &hostmem::SplitOptions::default())
+            hostmem::split(&criu_dir, &opts)
         });
         self.figures.hostmem = Some(match r {
             Ok(rep) => HostmemFigures::Split {

@@ -67,6 +67,57 @@ pub struct PrecopyRound {
 /// A step's time, `None` when it was not taken.
 type Step = Option<Duration>;
 
+/// CRIU's account of a dump (`criu_dump_stats`), from the `stats-dump` it leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CriuDumpStats {
+    /// The tree frozen, as CRIU counts it.
+    #[serde(rename = "frozen_ms", serialize_with = "as_ms")]
+    pub frozen: Duration,
+    /// Its memory collected.
+    #[serde(rename = "memdump_ms", serialize_with = "as_ms")]
+    pub memdump: Duration,
+    /// Its memory written to the pages files.
+    #[serde(rename = "memwrite_ms", serialize_with = "as_ms")]
+    pub memwrite: Duration,
+    /// The bytes of memory written.
+    pub memory_bytes: u64,
+}
+
+impl From<possum_criu::stats::DumpStats> for CriuDumpStats {
+    fn from(s: possum_criu::stats::DumpStats) -> Self {
+        CriuDumpStats {
+            frozen: s.frozen,
+            memdump: s.memdump,
+            memwrite: s.memwrite,
+            memory_bytes: s.memory_bytes,
+        }
+    }
+}
+
+/// CRIU's account of a restore (`criu_restore_stats`), from the `stats-restore` it leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CriuRestoreStats {
+    /// The tree forked.
+    #[serde(rename = "forking_ms", serialize_with = "as_ms")]
+    pub forking: Duration,
+    /// The whole restore by CRIU's clock, forking included.
+    #[serde(rename = "restore_ms", serialize_with = "as_ms")]
+    pub restore: Duration,
+    /// The bytes of memory CRIU wrote (not what possum's plugin wrote back).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+}
+
+impl From<possum_criu::stats::RestoreStats> for CriuRestoreStats {
+    fn from(s: possum_criu::stats::RestoreStats) -> Self {
+        CriuRestoreStats {
+            forking: s.forking,
+            restore: s.restore,
+            memory_bytes: s.memory_bytes,
+        }
+    }
+}
+
 /// A checkpoint's figures (`figures` in its JSON).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CheckpointFigures {
@@ -103,6 +154,9 @@ pub struct CheckpointFigures {
     #[serde(rename = "criu_dump_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub criu_dump: Step,
+    /// CRIU's own account of its dump (the last, where a tree took several).
+    #[serde(rename = "criu_dump_stats", skip_serializing_if = "Option::is_none")]
+    pub criu_dump_stats: Option<CriuDumpStats>,
     /// The job's private memory taken out of CRIU's images.
     #[serde(rename = "hostmem_split_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -256,6 +310,9 @@ pub struct LeftWhole {
 /// A restore's figures (`figures` in its JSON).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct RestoreFigures {
+    /// CRIU's own account of its restore.
+    #[serde(rename = "criu_restore_stats", skip_serializing_if = "Option::is_none")]
+    pub criu_restore_stats: Option<CriuRestoreStats>,
     /// The keeper asked to load the GPU images while CRIU restores the process.
     #[serde(rename = "stage_begin_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]

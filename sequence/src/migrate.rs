@@ -131,6 +131,14 @@ fn as_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(crate::figures::ms(*d))
 }
 
+/// Milliseconds, or null when not known.
+fn opt_ms<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => as_ms(d, s),
+        None => s.serialize_none(),
+    }
+}
+
 /// How long each phase of a migration took at the source.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct MigrateTimings {
@@ -158,9 +166,14 @@ pub struct MigrateTimings {
     /// From `Released` to the destination's `Outcome` (its restore).
     #[serde(rename = "remote_restore_ms", serialize_with = "as_ms")]
     pub remote_restore: Duration,
-    /// The job not running: from its hold to its running at the destination.
+    /// The job not running: from its hold to its running at the destination, and there its
+    /// wait for buffers not yet back ([`Self::waited_after_resume`], when known).
     #[serde(rename = "downtime_ms", serialize_with = "as_ms")]
     pub downtime: Duration,
+    /// Of that: how long the job, running at the destination, waited for buffers not yet back
+    /// (its own account, which the destination gives with its image's sync; null if not said).
+    #[serde(rename = "waited_after_resume_ms", serialize_with = "opt_ms")]
+    pub waited_after_resume: Option<Duration>,
     /// After the job ran there: until the destination said its image is on its disk (this
     /// end's is removed only then).
     #[serde(rename = "synced_there_ms", serialize_with = "as_ms")]
@@ -616,10 +629,14 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let t = Instant::now();
     let synced = await_synced(&mut stream, &mut session, p.deadlines.restore);
     timings.synced_there = t.elapsed();
+    if let Ok(Some(waited)) = synced {
+        timings.waited_after_resume = Some(waited);
+        timings.downtime += waited;
+    }
     drop(stream);
     timings.total = t_all.elapsed();
     let image_kept = match synced {
-        Ok(()) => {
+        Ok(_) => {
             let _ = fs::remove_dir_all(&p.checkpoint.dir);
             None
         }
@@ -798,16 +815,17 @@ fn hand_off(
 
 /// Waits at most `deadline` for the destination's `Outcome` `Synced`: the image it restored the
 /// job from is on its disk. Why not, in words.
+/// Waits for the destination's `Synced`: the job's wait after it ran there, as it says it.
 fn await_synced(
     stream: &mut TcpStream,
     session: &mut wire::Session,
     deadline: Duration,
-) -> Result<(), String> {
+) -> Result<Option<Duration>, String> {
     stream
         .set_read_timeout(Some(deadline))
         .map_err(|e| e.to_string())?;
     match await_outcome(stream, session) {
-        Ok(Outcome::Synced { .. }) => Ok(()),
+        Ok(Outcome::Synced { waited, .. }) => Ok(waited),
         Ok(other) => Err(format!("it answered {other:?}")),
         Err(e) if e.is_timeout() => Err(format!("no word within {} s", deadline.as_secs())),
         Err(e) => Err(possum_cuda::error_chain(&e)),
@@ -936,6 +954,10 @@ pub struct ReceiveTimings {
     /// unsynced, the source keeping its own until then.
     #[serde(rename = "sync_ms", serialize_with = "as_ms")]
     pub sync: Duration,
+    /// How long the job waited, once it ran, for buffers not yet back (its own account; null
+    /// if it did not say).
+    #[serde(rename = "waited_after_resume_ms", serialize_with = "opt_ms")]
+    pub waited_after_resume: Option<Duration>,
 }
 
 /// A job received and running: what `possum receive` prints.
@@ -1058,6 +1080,10 @@ fn synced(dest: &Path, obs: &mut dyn Observer) -> (Duration, bool) {
     (t.elapsed(), made.is_ok())
 }
 
+/// How long the destination waits for the restored job to say how long it waited for its
+/// buffers (they are all back by then) before it syncs its image without that figure.
+const WAITED_LIMIT: Duration = Duration::from_secs(60);
+
 /// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
 /// its first connection, began at `t`: the image into a new directory of `p.dir` (over all the
 /// session's streams), then, once the source released its job, its restore, whose outcome the
@@ -1120,10 +1146,22 @@ pub fn receive_in_session(
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
+            // What the job waited for after it ran is part of its downtime: known once its
+            // buffers are all back.
+            let waited = match r.figures.job_waited {
+                Some(w) => Some(w),
+                None if r.has_gpu => {
+                    let limit = p.deadlines.restore.min(WAITED_LIMIT);
+                    crate::restore::waited_after_resume(r.pid, &r.socket_dir, limit)
+                }
+                None => None,
+            };
+            timings.waited_after_resume = waited;
             let (took, on_disk) = synced(&dest, obs);
             timings.sync = took;
             if on_disk && told.is_ok() {
-                let _ = send_outcome(stream, &mut session, &Outcome::Synced { pid: r.pid });
+                let synced = Outcome::Synced { pid: r.pid, waited };
+                let _ = send_outcome(stream, &mut session, &synced);
             }
             if let Err(e) = &told {
                 obs.note(&format!(

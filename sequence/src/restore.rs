@@ -91,6 +91,9 @@ pub struct RestoreReport {
     /// The image has possum's GPU images (engine possum).
     #[serde(skip)]
     pub has_gpu: bool,
+    /// The directory of the restored job's control socket.
+    #[serde(skip)]
+    pub socket_dir: PathBuf,
 }
 
 /// Restores the job of the image `p.dir` names, in phases: open, prepare, stage, CRIU's
@@ -177,10 +180,50 @@ pub fn restore_confirmed(
         resume_report: None,
         tcp_closed: ready.opts.tcp_close,
         has_gpu: img.gpu.is_some(),
+        socket_dir: ready.sockets.clone(),
     };
     report.account(resumed, staging, &img.criu.join(&ready.opts.log_file));
     report.figures.total = t_all.elapsed();
     Ok(report)
+}
+
+/// How long the restored job `pid` (its control socket in `socket_dir`) waited for buffers not
+/// yet back after it ran again, once they are all back: its own account (`possum status`'s
+/// `session.last.restore`, the longest of its devices'). `None` when it did not say within
+/// `limit` (its buffers still coming back, or it ended), or restored nothing on demand.
+pub fn waited_after_resume(pid: i32, socket_dir: &Path, limit: Duration) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        let status = possum_control::request_typed::<possum_control::reply::StatusReply>(
+            u32::try_from(pid).ok()?,
+            socket_dir,
+            &possum_control::Request::Status,
+            limit
+                .saturating_sub(t.elapsed())
+                .max(Duration::from_millis(100)),
+        )
+        .ok()?;
+        let last = status
+            .possum
+            .and_then(|p| p.session)
+            .and_then(|s| s.last.restore);
+        if let Some(last) = last {
+            return job_waited_of(&last);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// `job_waited_ms` of a restore's figures as the job gives them: one device's object, or a list
+/// of them (the longest).
+fn job_waited_of(v: &serde_json::Value) -> Option<Duration> {
+    let ms = |v: &serde_json::Value| v.get("job_waited_ms").and_then(serde_json::Value::as_f64);
+    let longest = match v {
+        serde_json::Value::Array(all) => all.iter().filter_map(ms).reduce(f64::max),
+        one => ms(one),
+    }?;
+    Some(Duration::from_secs_f64(longest.max(0.0) / 1e3))
 }
 
 /// How long a restore waits for the parent of the job's ended process to reap it (a parent
@@ -675,6 +718,7 @@ fn criu_restore(
             None => return Err(criu_failed(e)),
         },
     };
+    figures.criu_restore_stats = report.stats.map(Into::into);
     Process::restored(report.pid, job, since).map_err(|source| RestoreError::NotRestored {
         pid: report.pid,
         source,
@@ -838,6 +882,15 @@ impl StdioPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_job_s_wait_after_resume_is_read_from_its_restore_figures() {
+        let one = serde_json::json!({"device": 0, "job_waited_ms": 412.5});
+        assert_eq!(job_waited_of(&one), Some(Duration::from_micros(412_500)));
+        let two = serde_json::json!([{"job_waited_ms": 3.0}, {"job_waited_ms": 40.0}, {}]);
+        assert_eq!(job_waited_of(&two), Some(Duration::from_millis(40)));
+        assert_eq!(job_waited_of(&serde_json::json!({"device": 0})), None);
+    }
 
     #[test]
     fn the_restore_takes_the_dumps_tcp_connections_and_lock() {

@@ -50,3 +50,19 @@ pub fn session_job_setup(test: &str, prefix: &str) -> Option<(tempfile::TempDir,
     )
     .then_some((tmp, lib))
 }
+
+/// The plugin cargo built for this run (`cargo test` builds the workspace's cdylib into
+/// `<target>/<profile>/deps/` beside this test's executable; `cargo build` copies it up a
+/// level), alone in a directory of its own (CRIU loads every `.so` of `--libdir`).
+pub fn plugin_dir(dir: &Path) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let deps = exe.parent()?;
+    let built = [deps, deps.parent()?]
+        .iter()
+        .map(|d| d.join(possum_criu::PLUGIN_FILE))
+        .find(|p| p.is_file())?;
+    let libdir = dir.join("plugins");
+    std::fs::create_dir_all(&libdir).unwrap();
+    std::fs::copy(&built, libdir.join(possum_criu::PLUGIN_FILE)).unwrap();
+    Some(libdir)
+}

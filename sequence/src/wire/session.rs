@@ -15,7 +15,7 @@ use super::mac::{keyed, session_id, FrameMac, Misfit, Way, HEADER_BYTES, KEY_BYT
 use crate::auth::HmacKey;
 
 /// The protocol's version, in the hello and the proof.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// The first bytes of the hello and the proof.
 pub(super) const MAGIC: [u8; 8] = *b"POSSUMWR";
 /// A nonce's length (bytes).
@@ -568,6 +568,9 @@ pub enum Outcome {
     Synced {
         /// The process running there.
         pid: i32,
+        /// How long it waited, once it ran, for buffers not yet back (its own account, known
+        /// once they all were; `None` if it did not say).
+        waited: Option<Duration>,
     },
 }
 
@@ -711,11 +714,18 @@ pub(super) fn encode<'a>(frame: &Frame<'a>) -> (Vec<u8>, &'a [u8]) {
                 Outcome::Running { pid } => (1u8, *pid, &[][..]),
                 Outcome::Restored { pid } => (2, *pid, &[][..]),
                 Outcome::RestoreFailed { reason } => (0, 0, cut_reason(reason)),
-                Outcome::Synced { pid } => (3, *pid, &[][..]),
+                Outcome::Synced { pid, .. } => (3, *pid, &[][..]),
             };
             let mut head = vec![status];
             head.extend_from_slice(&pid.to_le_bytes());
             head.extend_from_slice(reason);
+            if let Outcome::Synced { waited, .. } = o {
+                // Microseconds; all ones: not said.
+                let us = waited.map_or(u64::MAX, |w| {
+                    u64::try_from(w.as_micros()).unwrap_or(u64::MAX - 1)
+                });
+                head.extend_from_slice(&us.to_le_bytes());
+            }
             (head, &[])
         }
         Frame::Buffer(r) => {
@@ -939,13 +949,22 @@ pub(super) fn decode(kind: u8, payload: &[u8]) -> Result<Frame<'_>, FrameError> 
                 return Err(malformed("shorter than its status and pid".into()));
             }
             let pid = i32::from_le_bytes(payload[1..5].try_into().expect("4 bytes"));
+            if payload[0] == 3 {
+                // Synced: the job's wait after it ran, not a reason.
+                let us: [u8; 8] = (payload[5..].try_into())
+                    .map_err(|_| malformed("synced, without the wait after resume".into()))?;
+                let us = u64::from_le_bytes(us);
+                return Ok(Frame::Outcome(Outcome::Synced {
+                    pid,
+                    waited: (us != u64::MAX).then(|| Duration::from_micros(us)),
+                }));
+            }
             let reason = String::from_utf8(payload[5..].to_vec())
                 .map_err(|_| malformed("a reason that is not UTF-8".into()))?;
             Frame::Outcome(match payload[0] {
                 1 if reason.is_empty() => Outcome::Running { pid },
                 2 if reason.is_empty() => Outcome::Restored { pid },
                 0 => Outcome::RestoreFailed { reason },
-                3 if reason.is_empty() => Outcome::Synced { pid },
                 _ => {
                     return Err(malformed(
                         "neither restored, running, synced nor failed".into(),

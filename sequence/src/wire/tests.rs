@@ -894,7 +894,14 @@ fn frames_read_back_as_written() {
         },
         Frame::Released,
         Frame::Outcome(Outcome::Running { pid: 4242 }),
-        Frame::Outcome(Outcome::Synced { pid: 4243 }),
+        Frame::Outcome(Outcome::Synced {
+            pid: 4243,
+            waited: Some(Duration::from_micros(412_345)),
+        }),
+        Frame::Outcome(Outcome::Synced {
+            pid: 4243,
+            waited: None,
+        }),
         Frame::Outcome(Outcome::RestoreFailed {
             reason: "no room".into(),
         }),
