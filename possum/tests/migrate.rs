@@ -2,7 +2,9 @@
 //! interposer's tests with real CRIU (source and destination on this one host): the job moves and
 //! goes on with exactly the data of a run without possum; a wrong key, a receiver killed during
 //! the transfer, a restore that fails at the destination and a destination gone after the
-//! source's kill each leave the job running at the source, with exactly that data too. A
+//! source's kill each leave the job running at the source, with exactly that data too, as does
+//! the network failing (every connection cut) while the job runs or while it is held, after
+//! which the receiver serves the next migration. A
 //! destination silent after the source's go has the source keep its image unrestored; a source
 //! silent before the go has the destination kill its held copy before it ran: the job never
 //! runs twice, and restored from the image kept, it goes on exactly. A job whose control socket
@@ -723,4 +725,159 @@ fn idle_and_garbage_connections_do_not_hold_up_a_migration() {
     drop((idle, garbage));
     goes_on_like(&mut job, dir, &want, "migrated past idle connections");
     ticks_once_each(dir);
+}
+
+/// A TCP relay from a loopback port to `to`, each connection of a migration through it: `cut`
+/// shuts every connection it carries, both ways, as a failed network does, both ends still
+/// running. `bytes` counts what it carried from the source.
+struct Relay {
+    addr: String,
+    bytes: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Relay {
+    fn start(to: &str) -> Relay {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let relay = Relay {
+            addr,
+            bytes: Default::default(),
+            conns: Default::default(),
+        };
+        let (to, bytes, conns) = (to.to_string(), relay.bytes.clone(), relay.conns.clone());
+        std::thread::spawn(move || {
+            for from in listener.incoming().map_while(Result::ok) {
+                let Ok(onward) = TcpStream::connect(&to) else {
+                    continue;
+                };
+                let pump = |mut a: TcpStream, mut b: TcpStream, count: Option<_>| {
+                    move || {
+                        let mut buf = vec![0u8; 64 << 10];
+                        while let Ok(n @ 1..) = a.read(&mut buf) {
+                            if b.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            if let Some(c) = &count {
+                                let c: &std::sync::Arc<std::sync::atomic::AtomicU64> = c;
+                                c.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                        let _ = a.shutdown(Shutdown::Both);
+                        let _ = b.shutdown(Shutdown::Both);
+                    }
+                };
+                let mut held = conns.lock().unwrap();
+                held.extend([from.try_clone().unwrap(), onward.try_clone().unwrap()]);
+                let (f2, o2) = (from.try_clone().unwrap(), onward.try_clone().unwrap());
+                std::thread::spawn(pump(from, onward, Some(bytes.clone())));
+                std::thread::spawn(pump(o2, f2, None));
+            }
+        });
+        relay
+    }
+
+    /// Waits until it carried more than `n` bytes from the source.
+    fn carried(&self, n: u64) {
+        let t = Instant::now();
+        while self.bytes.load(std::sync::atomic::Ordering::Relaxed) <= n {
+            assert!(t.elapsed() < WAIT, "the relay did not carry {n} bytes");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Every connection shut, both ways.
+    fn cut(&self) {
+        for c in self.conns.lock().unwrap().iter() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Whether process `pid` is stopped (held after its dump).
+fn is_stopped(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit(')')
+            .next()
+            .is_some_and(|r| r.trim_start().starts_with('T'))
+    })
+}
+
+/// The network fails during a migration (`held`: once the job is held for the rest of the
+/// image, else while it still runs and its pre-copy is sent ahead): the job runs on at the
+/// source, the receiver removes what it got and serves the next migration, which moves the job
+/// bit-exact.
+fn a_connection_cut(test: &str, held: bool) {
+    set_up!(let (dir, want, mut job) = setup(test));
+    let receiver = Receiver::serving(dir, "key");
+    let relay = Relay::start(&receiver.addr);
+    // Slow enough (the image is some MiB) to be cut where the test wants.
+    let migrate = migrate_cmd(dir, &job, &relay.addr, "key")
+        .args(["--max-rate", "1000000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    relay.carried(256 << 10);
+    if held {
+        let t = Instant::now();
+        while !is_stopped(job.pid) {
+            assert!(t.elapsed() < WAIT, "the job was not held after its dump");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    } else {
+        assert!(!is_stopped(job.pid), "held before the cut was wanted");
+    }
+    relay.cut();
+    let out = migrate.wait_with_output().unwrap();
+    failed_at(&out, "sending the image");
+    // The receiver said why, removed its partial copy, and serves on.
+    receiver.said("a migration from 127.0.0.1");
+    let received = dir.join("received");
+    let t = Instant::now();
+    while !names(&received).is_empty() {
+        assert!(
+            t.elapsed() < WAIT,
+            "left at the destination: {:?}",
+            names(&received)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The job still answers at the source, with its buffers as they were, then moves for good.
+    assert!(!is_stopped(job.pid), "left held");
+    let _ = job.dump(&dir.join("between.bin"));
+    let again = possum(dir)
+        .args([
+            "migrate",
+            &job.pid.to_string(),
+            "--json",
+            "--to",
+            &receiver.addr,
+        ])
+        .arg("--key-file")
+        .arg(dir.join("key"))
+        .arg("-D")
+        .arg(dir.join("local-again"))
+        .arg("--socket-dir")
+        .arg(dir.join("sockets"))
+        .output()
+        .unwrap();
+    assert!(again.status.success(), "{}", text(&again));
+    let v: Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(v["remote_pid"], job.pid, "{v}");
+    assert_eq!(names(&received).len(), 1, "{:?}", names(&received));
+    goes_on_like(&mut job, dir, &want, "migrated after a cut");
+    receiver.kill();
+}
+
+#[test]
+fn a_connection_cut_while_the_job_runs_leaves_it_at_the_source_and_the_receiver_serving() {
+    a_connection_cut("migrate_cut_ahead", false);
+}
+
+#[test]
+fn a_connection_cut_while_the_job_is_held_lets_it_run_on_at_the_source() {
+    a_connection_cut("migrate_cut_held", true);
 }

@@ -27,9 +27,25 @@ impl Receiver {
 
     /// [`Receiver::start`] with `--timeout SECS` (each wait of the exchange).
     pub fn start_timeout(dir: &Path, key: &str, env: &[(&str, &str)], secs: u32) -> Receiver {
+        Receiver::start_with(dir, key, &[], env, secs)
+    }
+
+    /// `possum receive --serve`: one migration after another, until killed.
+    pub fn serving(dir: &Path, key: &str) -> Receiver {
+        Receiver::start_with(dir, key, &["--serve"], &[], 20)
+    }
+
+    fn start_with(
+        dir: &Path,
+        key: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        secs: u32,
+    ) -> Receiver {
         let mut child = possum(dir)
             .args(["receive", "--json", "--listen", "127.0.0.1:0", "--timeout"])
             .arg(secs.to_string())
+            .args(args)
             .arg("--key-file")
             .arg(dir.join(key))
             .arg("-D")
