@@ -998,6 +998,12 @@ fn write_remote(pid: i32, addr: u64, from: &[u8]) -> Result<(), HostMemError> {
 mod tests {
     use super::*;
 
+    /// Every process split, whatever it holds, into one data file.
+    const ANY_SIZE: SplitOptions = SplitOptions {
+        min_bytes: 1,
+        part_bytes: None,
+    };
+
     fn pe(vaddr: u64, pages: u32) -> PagemapEntry {
         PagemapEntry::run(vaddr, u64::from(pages), None, Some(PE_PRESENT))
     }
@@ -1208,14 +1214,7 @@ mod tests {
             panic!("{vaddr:#x} not in the pagemap")
         };
         assert!(!is_split(dir).unwrap());
-        let report = split(
-            dir,
-            &SplitOptions {
-                min_bytes: 1,
-                part_bytes: None,
-            },
-        )
-        .unwrap();
+        let report = split(dir, &ANY_SIZE).unwrap();
         assert!(is_split(dir).unwrap());
         assert_eq!(
             report.split,
@@ -1309,14 +1308,7 @@ mod tests {
         let mut pm = Pagemap::read(&path).unwrap();
         pm.entries[0].flags = Some(PE_PARENT);
         fs::write(&path, pm.encode()).unwrap();
-        let report = split(
-            dir,
-            &SplitOptions {
-                min_bytes: 1,
-                part_bytes: None,
-            },
-        )
-        .unwrap();
+        let report = split(dir, &ANY_SIZE).unwrap();
         assert!(report.split.is_empty(), "{report:?}");
         assert!(report
             .left

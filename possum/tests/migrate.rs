@@ -127,6 +127,17 @@ fn migrated(out: &Output, receiver: Receiver, job: &Job) -> (Value, Value) {
     (v, r)
 }
 
+/// `possum migrate` of `job` to `to`, paced at 1 MB/s (the image is some MiB: slow enough to
+/// be interrupted where a test wants), started with its output piped.
+fn slow_migrate(dir: &Path, job: &Job, to: &str) -> std::process::Child {
+    migrate_cmd(dir, job, to, "key")
+        .args(["--max-rate", "1000000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn migrate_cmd(dir: &Path, job: &Job, to: &str, key: &str) -> Command {
     let mut c = possum(dir);
     c.args(["migrate", &job.pid.to_string(), "--json", "--to", to])
@@ -344,13 +355,7 @@ fn a_wrong_key_is_refused_and_the_job_runs_on_at_the_source() {
 fn a_receiver_killed_during_the_transfer_leaves_the_job_running_at_the_source() {
     set_up!(let (dir, want, mut job) = setup("migrate_receiver_killed"));
     let receiver = Receiver::start(dir, "key", &[]);
-    // Slow enough (the image is some MiB) to be killed in the middle of it.
-    let migrate = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .args(["--max-rate", "1000000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let migrate = slow_migrate(dir, &job, &receiver.addr);
     let received = dir.join("received");
     let t = Instant::now();
     while !names(&received).iter().any(|n| n.contains(".receiving-")) {
@@ -376,25 +381,8 @@ fn a_receiver_killed_during_the_transfer_leaves_the_job_running_at_the_source() 
 fn possum_migrate_killed_while_the_job_is_held_leaves_it_running_at_the_source() {
     set_up!(let (dir, want, mut job) = setup("migrate_source_killed"));
     let receiver = Receiver::start(dir, "key", &[]);
-    // Slow enough (the image is some MiB) to be killed once the job is stopped.
-    let mut migrate = migrate_cmd(dir, &job, &receiver.addr, "key")
-        .args(["--max-rate", "1000000"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stopped = || {
-        std::fs::read_to_string(format!("/proc/{}/stat", job.pid)).is_ok_and(|s| {
-            s.rsplit(')')
-                .next()
-                .is_some_and(|r| r.trim_start().starts_with('T'))
-        })
-    };
-    let t = Instant::now();
-    while !stopped() {
-        assert!(t.elapsed() < WAIT, "the job was not stopped after its dump");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let mut migrate = slow_migrate(dir, &job, &receiver.addr);
+    wait_stopped(job.pid);
     migrate.kill().unwrap();
     migrate.wait().unwrap();
     let (status, _) = receiver.finish();
@@ -805,6 +793,15 @@ fn is_stopped(pid: i32) -> bool {
     })
 }
 
+/// Waits until process `pid` is stopped after its dump.
+fn wait_stopped(pid: i32) {
+    let t = Instant::now();
+    while !is_stopped(pid) {
+        assert!(t.elapsed() < WAIT, "the job was not stopped after its dump");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// The network fails during a migration (`held`: once the job is held for the rest of the
 /// image, else while it still runs and its pre-copy is sent ahead): the job runs on at the
 /// source, the receiver removes what it got and serves the next migration, which moves the job
@@ -813,20 +810,10 @@ fn a_connection_cut(test: &str, held: bool) {
     set_up!(let (dir, want, mut job) = setup(test));
     let receiver = Receiver::serving(dir, "key");
     let relay = Relay::start(&receiver.addr);
-    // Slow enough (the image is some MiB) to be cut where the test wants.
-    let migrate = migrate_cmd(dir, &job, &relay.addr, "key")
-        .args(["--max-rate", "1000000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let migrate = slow_migrate(dir, &job, &relay.addr);
     relay.carried(256 << 10);
     if held {
-        let t = Instant::now();
-        while !is_stopped(job.pid) {
-            assert!(t.elapsed() < WAIT, "the job was not held after its dump");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_stopped(job.pid);
     } else {
         assert!(!is_stopped(job.pid), "held before the cut was wanted");
     }
