@@ -581,9 +581,12 @@ fn split_task(
     let new_pages = image_path(dir, "pages", new_id);
     let index_file = index_path(dir, pid);
     let data = dir.join(data_name(pid));
-    let part_bytes = opts
-        .part_bytes
-        .map(|p| p.max(FILL_CHUNK).next_multiple_of(FILL_CHUNK));
+    // Whole pieces of a fill, and never more parts than an index may name.
+    let part_bytes = opts.part_bytes.map(|p| {
+        p.max(old_len.div_ceil(MAX_PARTS))
+            .max(FILL_CHUNK)
+            .next_multiple_of(FILL_CHUNK)
+    });
     let parts: Vec<PathBuf> = match part_bytes {
         Some(p) => (0..old_len.div_ceil(p))
             .map(|k| dir.join(format!("{}.{k}", data_name(pid))))

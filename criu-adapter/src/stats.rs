@@ -26,7 +26,7 @@ pub struct DumpStatsEntry {
     /// Time the tree stayed frozen.
     #[prost(uint32, required, tag = "2")]
     pub frozen_time: u32,
-    /// Time collecting the memory into pipes.
+    /// Time dumping the memory, its writing included.
     #[prost(uint32, required, tag = "3")]
     pub memdump_time: u32,
     /// Time writing it to the pages files.
@@ -84,7 +84,7 @@ pub struct DumpStats {
     pub freezing: Duration,
     /// The tree frozen: from frozen to the dump's end (or the tree's release).
     pub frozen: Duration,
-    /// Collecting the memory.
+    /// Dumping the memory, its writing included.
     pub memdump: Duration,
     /// Writing it out.
     pub memwrite: Duration,

@@ -73,10 +73,10 @@ pub struct CriuDumpStats {
     /// The tree frozen, as CRIU counts it.
     #[serde(rename = "frozen_ms", serialize_with = "as_ms")]
     pub frozen: Duration,
-    /// Its memory collected.
+    /// Its memory dumped (collected and written).
     #[serde(rename = "memdump_ms", serialize_with = "as_ms")]
     pub memdump: Duration,
-    /// Its memory written to the pages files.
+    /// Of that, its memory written to the pages files.
     #[serde(rename = "memwrite_ms", serialize_with = "as_ms")]
     pub memwrite: Duration,
     /// The bytes of memory written.

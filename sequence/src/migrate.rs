@@ -814,8 +814,8 @@ fn hand_off(
 }
 
 /// Waits at most `deadline` for the destination's `Outcome` `Synced`: the image it restored the
-/// job from is on its disk. Why not, in words.
-/// Waits for the destination's `Synced`: the job's wait after it ran there, as it says it.
+/// job from is on its disk. With it, the job's wait after it ran there, as the job counted it;
+/// why not, in words.
 fn await_synced(
     stream: &mut TcpStream,
     session: &mut wire::Session,
