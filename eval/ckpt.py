@@ -128,7 +128,9 @@ ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine fla
                "restore reads the image even with a keeper, which loads it while CRIU restores the job; "
                "-kill-disk-nostage: POSSUM_RESTORE_STAGE=0, the restored job copies it), -frozen "
                "(extra state only read), -spec (read-only speculation on: POSSUM_VALIDATE=readonly_after=2), "
-               "-noshadow (--shadow-budget 0: a kept save copies every buffer on write, none first); none, "
+               "-noshadow (--shadow-budget 0: a kept save copies every buffer on write, none first), "
+               "-migrate (`possum migrate` to a `possum receive` on this host, over loopback, instead "
+               "of a checkpoint and a restore: the job's whole log must be the reference's); none, "
                "possum-none (no checkpoint)")
 
 
@@ -138,12 +140,13 @@ def variant(name):
     possum variables, frozen}."""
     # The suffixes, taken off the end in this order (`possum-cupti-kill-frozen-noshadow`).
     rest, flags = name, {}
-    for suffix in ("noshadow", "spec", "nostage", "frozen", "disk", "kill", "cupti"):
+    for suffix in ("noshadow", "spec", "nostage", "frozen", "disk", "kill", "migrate", "cupti"):
         flags[suffix] = rest.endswith("-" + suffix)
         if flags[suffix]:
             rest = rest[: -len(suffix) - 1]
     noshadow, spec, nostage = flags["noshadow"], flags["spec"], flags["nostage"]
     frozen, disk, kill, cupti = flags["frozen"], flags["disk"], flags["kill"], flags["cupti"]
+    migrate = flags["migrate"]
     if rest not in ENGINE_BASES:
         raise ValueError(f"engine {name!r}: not one of {ENGINE_HELP}")
     if cupti and rest in ("driver", "none", "possum-hold"):
@@ -167,9 +170,11 @@ def variant(name):
         raise ValueError(f"engine {name!r}: -nostage goes with -kill-disk (a restore from the image)")
     if (noshadow or spec) and ckpt != "possum":
         raise ValueError(f"engine {name!r}: -spec and -noshadow are for possum's own engine")
+    if migrate and (ckpt != "possum" or kill):
+        raise ValueError(f"engine {name!r}: -migrate is possum's own engine, not with -kill")
     return {"name": name, "base": rest, "ckpt": ckpt, "possum": rest not in ("driver", "none"),
             "env": env, "frozen": frozen, "kill": kill, "disk": disk, "nostage": nostage,
-            "noshadow": noshadow}
+            "noshadow": noshadow, "migrate": migrate}
 
 
 KEEPER_DIR = os.path.join(WORK, "keeper")
@@ -460,6 +465,8 @@ def trial(spec, engine, k, steps, sleep_ms, n):
         return False
     if v["possum"]:
         row["status"] = status_summary(job_status(p.pid))
+    if v["migrate"]:
+        return migrate_trial(p, log, ref, row, name, t_trial)
     shadow = ["--shadow-budget", "0"] if v["noshadow"] else []
     if v["kill"]:
         # Checkpoint and kill: nothing runs on; only the restored run is compared.
@@ -535,6 +542,54 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     emit("correctness", row)
     shutil.rmtree(img, ignore_errors=True)
     return row["ok"]
+
+
+def migrate_trial(p, log, ref, row, name, t_trial):
+    """A trial of a `-migrate` engine: the job `p` (logging to `log`) migrated at its step k to
+    a `possum receive` on this host; its process here ends, the restored one (the same PID, not
+    this process's child) runs to the end, writing the same log. Bit-exact when the whole log is
+    the reference's: every step once, each line equal."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from services import Receiver, new_key
+    work = os.path.join(WORK, f"{name}-migrate")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    key = new_key(work)
+    r = Receiver(work, key, os.path.join(work, "receive.log"))
+    # The job is this process's child: reaped as soon as the migration kills it, since its PID
+    # must be free for the restore on this host (a parent that does not reap holds it).
+    reaper = threading.Thread(target=p.wait, daemon=True)
+    reaper.start()
+    mg = possum("migrate", str(p.pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key,
+                "-D", os.path.join(work, "local"), "--json", "--socket-dir", SOCK)
+    received = r.result(timeout=300)
+    j = mg["json"] or {}
+    row["migrate"] = {"rc": mg["rc"], "timings": j.get("timings"), "bytes": j.get("bytes"),
+                      "bytes_while_held": j.get("bytes_while_held"), "remote_pid": j.get("remote_pid"),
+                      "received": (received or {}).get("timings"),
+                      "stderr": mg["stderr"] if mg["rc"] else None}
+    # Killed by the migration (or, failed, run on to its end here).
+    reaper.join(timeout=600)
+    pid = p.pid
+    gone = wait_gone(pid, 600) if mg["rc"] == 0 else True
+    if not gone:
+        kill_job(None, pid)
+    whole = key_of_log(log)
+    row["migrated_identical"] = whole == ref
+    row["ok"] = mg["rc"] == 0 and row["migrated_identical"] and gone
+    if not row["ok"]:
+        row["first_diff"] = next(((i, a, b) for i, (a, b) in enumerate(zip(whole, ref)) if a != b), None)
+        row["lines"], row["reference_lines"] = len(whole), len(ref)
+        row["err"] = open(os.path.join(WORK, f"{name}.err")).read()[-1500:]
+    row["wall_s"] = time.time() - t_trial
+    emit("correctness", row)
+    shutil.rmtree(work, ignore_errors=True)
+    return row["ok"]
+
+
+def key_of_log(log):
+    """The log's lines as the reference is kept (`key`)."""
+    return key(read_log(log))
 
 
 JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "triton": 200, "graph": 200, "multistream": 300,
@@ -661,6 +716,10 @@ def correctness_md(rows, summary, wall_s):
         hooks = ck.get("hooks") or (r.get("status") or {}).get("hooks") or ("-" if r.get("engine") == "driver" else "?")
         stall = (f"{f.get('stall_ms', 0):.0f} ({bd.get('engine', 0):.0f}/{bd.get('driver', 0):.0f}/{bd.get('criu', 0):.0f})"
                  if f else "")
+        mt = (r.get("migrate") or {}).get("timings") or {}
+        if mt:
+            # A migration: its downtime, not a stall and a restore.
+            stall = f"{mt.get('downtime_ms', 0):.0f} (migrated)"
         yn = lambda x: "yes" if x else ("**NO**" if x is not None else "")
         rs = r.get("restore") or {}
         staged, peer, misses = rs.get("staged_buffers_mapped"), rs.get("peer_buffers"), rs.get("peer_misses")
@@ -669,7 +728,8 @@ def correctness_md(rows, summary, wall_s):
                + (f"; not copied: {misses[0]}" + (f" (+{len(misses) - 1})" if len(misses) > 1 else "")
                   if misses else ""))
         out.append(f"| {r.get('trial')} | {r.get('job')} | {r.get('engine')} | {hooks} | {r.get('k')} | "
-                   f"{yn(r.get('leave_running_identical'))} | {yn(r.get('restored_identical'))} | "
+                   f"{yn(r.get('leave_running_identical'))} | "
+                   f"{yn(r.get('restored_identical', r.get('migrated_identical')))} | "
                    f"{r.get('resumed_at_step', '')} | {stall} | {rms} | "
                    f"{r.get('wall_s', 0):.0f} | {'' if r.get('ok') else r.get('why') or 'differs'} |")
     return "\n".join(out) + "\n"

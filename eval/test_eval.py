@@ -163,6 +163,14 @@ class Variants(unittest.TestCase):
             with self.assertRaises(ValueError):
                 ckpt.variant(bad)
 
+    def test_migrate(self):
+        m = ckpt.variant("possum-keeper-migrate")
+        self.assertEqual((m["base"], m["migrate"], m["kill"], m["ckpt"]), ("possum-keeper", True, False, "possum"))
+        self.assertFalse(ckpt.variant("possum-keeper")["migrate"])
+        for bad in ("driver-migrate", "possum-keeper-migrate-kill", "gpu-only-migrate"):
+            with self.assertRaises(ValueError):
+                ckpt.variant(bad)
+
     def test_speculation_and_no_shadows(self):
         v = ckpt.variant("possum-keeper-spec-noshadow")
         self.assertEqual((v["base"], v["noshadow"], v["env"]["POSSUM_VALIDATE"]),
