@@ -48,6 +48,9 @@ Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as 
 """
 import argparse, atexit, concurrent.futures, glob, json, os, random, shutil, signal, socket, statistics, subprocess, sys, threading, time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from services import Receiver, new_key  # noqa: E402  (a migration trial's receiving end)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
 POSSUM = os.path.join(GPU, "possum")
@@ -549,18 +552,16 @@ def migrate_trial(p, log, ref, row, name, t_trial):
     a `possum receive` on this host; its process here ends, the restored one (the same PID, not
     this process's child) runs to the end, writing the same log. Bit-exact when the whole log is
     the reference's: every step once, each line equal."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from services import Receiver, new_key
     work = os.path.join(WORK, f"{name}-migrate")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    key = new_key(work)
-    r = Receiver(work, key, os.path.join(work, "receive.log"))
+    key_file = new_key(work)
+    r = Receiver(work, key_file, os.path.join(work, "receive.log"))
     # The job is this process's child: reaped as soon as the migration kills it, since its PID
     # must be free for the restore on this host (a parent that does not reap holds it).
     reaper = threading.Thread(target=p.wait, daemon=True)
     reaper.start()
-    mg = possum("migrate", str(p.pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key,
+    mg = possum("migrate", str(p.pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key_file,
                 "-D", os.path.join(work, "local"), "--json", "--socket-dir", SOCK)
     received = r.result(timeout=300)
     j = mg["json"] or {}
@@ -574,7 +575,7 @@ def migrate_trial(p, log, ref, row, name, t_trial):
     gone = wait_gone(pid, 600) if mg["rc"] == 0 else True
     if not gone:
         kill_job(None, pid)
-    whole = key_of_log(log)
+    whole = key(read_log(log))
     row["migrated_identical"] = whole == ref
     row["ok"] = mg["rc"] == 0 and row["migrated_identical"] and gone
     if not row["ok"]:
@@ -585,11 +586,6 @@ def migrate_trial(p, log, ref, row, name, t_trial):
     emit("correctness", row)
     shutil.rmtree(work, ignore_errors=True)
     return row["ok"]
-
-
-def key_of_log(log):
-    """The log's lines as the reference is kept (`key`)."""
-    return key(read_log(log))
 
 
 JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "triton": 200, "graph": 200, "multistream": 300,

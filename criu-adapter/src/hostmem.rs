@@ -582,16 +582,20 @@ fn split_task(
     let index_file = index_path(dir, pid);
     let data = dir.join(data_name(pid));
     // Whole pieces of a fill, and never more parts than an index may name.
-    let part_bytes = opts.part_bytes.map(|p| {
-        p.max(old_len.div_ceil(MAX_PARTS))
-            .max(FILL_CHUNK)
-            .next_multiple_of(FILL_CHUNK)
-    });
-    let parts: Vec<PathBuf> = match part_bytes {
-        Some(p) => (0..old_len.div_ceil(p))
-            .map(|k| dir.join(format!("{}.{k}", data_name(pid))))
-            .collect(),
-        None => Vec::new(),
+    let index = Index {
+        data_file: data_name(pid),
+        data_len: old_len,
+        part_bytes: opts.part_bytes.map_or(0, |p| {
+            p.max(old_len.div_ceil(MAX_PARTS))
+                .max(FILL_CHUNK)
+                .next_multiple_of(FILL_CHUNK)
+        }),
+        ranges: moved,
+    };
+    let in_parts = index.part_bytes != 0;
+    let parts: Vec<PathBuf> = match in_parts {
+        true => index.files().iter().map(|(f, _)| dir.join(f)).collect(),
+        false => Vec::new(),
     };
     let new_pm_tmp = dir.join(format!("pagemap-{pid}.img.possum-tmp"));
     let written = (|| -> Result<u64, HostMemError> {
@@ -599,13 +603,7 @@ fn split_task(
         let out = File::create_new(&new_pages).map_err(io_err(&new_pages))?;
         let kept_bytes = copy_pieces(&src, &old_pages, &out, &new_pages, &kept)?;
         out.sync_all().map_err(io_err(&new_pages))?;
-        let index = Index {
-            data_file: data_name(pid),
-            data_len: old_len,
-            part_bytes: part_bytes.unwrap_or(0),
-            ranges: moved.clone(),
-        };
-        if part_bytes.is_some() {
+        if in_parts {
             copy_into_parts(&src, &old_pages, dir, &index)?;
         }
         write_synced(&index_file, &index.encode())?;
@@ -625,7 +623,7 @@ fn split_task(
         }
     };
     let kept_bytes = written.inspect_err(|_| clean())?;
-    if part_bytes.is_some() {
+    if in_parts {
         // The parts hold the old pages file's bytes: the new pagemap replaces CRIU's, then the
         // old file goes. A failure leaves the images as CRIU wrote them.
         if let Err(e) = fs::rename(&new_pm_tmp, &pm_path) {
@@ -650,7 +648,7 @@ fn split_task(
         pid,
         moved_bytes,
         kept_bytes,
-        ranges: moved.len(),
+        ranges: index.ranges.len(),
     }))
 }
 

@@ -12,8 +12,22 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-/// Magic of every image but the inventory, before the image's own (`IMG_COMMON_MAGIC`).
+/// Magic of every image but the inventory and the service images, before the image's own
+/// (`IMG_COMMON_MAGIC`).
 pub const COMMON_MAGIC: u32 = 0x5456_4319;
+/// Head magic of CRIU's service images (`IMG_SERVICE_MAGIC`: statistics, irmap cache).
+pub const SERVICE_MAGIC: u32 = 0x5510_5940;
+/// `stats-dump`, `stats-restore` (a service image).
+pub const STATS_MAGIC: u32 = 0x5709_3306;
+
+/// The head magic an image of `magic` starts with: none for the inventory.
+fn head_magic(magic: u32) -> Option<u32> {
+    match magic {
+        INVENTORY_MAGIC => None,
+        STATS_MAGIC => Some(SERVICE_MAGIC),
+        _ => Some(COMMON_MAGIC),
+    }
+}
 /// `inventory.img`.
 pub const INVENTORY_MAGIC: u32 = 0x5831_3116;
 /// `pstree.img`.
@@ -277,9 +291,9 @@ pub fn parse_entries(data: &[u8], magic: u32, path: &Path) -> Result<Vec<Vec<u8>
             .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
     };
     let mut at = 0;
-    if magic != INVENTORY_MAGIC {
+    if let Some(head) = head_magic(magic) {
         match word(0) {
-            Some(COMMON_MAGIC) => at = 4,
+            Some(h) if h == head => at = 4,
             other => return Err(bad(format!("head magic {other:x?}, not a CRIU 4.x image"))),
         }
     }
@@ -321,8 +335,8 @@ pub fn read_messages<M: prost::Message + Default>(
 /// The bytes of an image holding `entries` (already encoded), with `magic`.
 pub fn encode_image(magic: u32, entries: &[Vec<u8>]) -> Vec<u8> {
     let mut out = Vec::with_capacity(8 + entries.iter().map(|e| e.len() + 4).sum::<usize>());
-    if magic != INVENTORY_MAGIC {
-        out.extend_from_slice(&COMMON_MAGIC.to_le_bytes());
+    if let Some(head) = head_magic(magic) {
+        out.extend_from_slice(&head.to_le_bytes());
     }
     out.extend_from_slice(&magic.to_le_bytes());
     for e in entries {

@@ -3,19 +3,14 @@
 //!
 //! They say where CRIU's time went (the tree frozen, its memory collected and written, the
 //! processes forked) and how many pages moved, which a caller reports beside its own wall
-//! times. A service image starts with `IMG_SERVICE_MAGIC` where other images have
-//! `IMG_COMMON_MAGIC`; the rest is the usual entries. A missing file is `None` (CRIU writes none
-//! when the call failed early); a malformed one is an error naming it.
+//! times. They are service images ([`images::SERVICE_MAGIC`] at their head), read like the
+//! others. A missing file is `None` (CRIU writes none when the call failed early); a malformed
+//! one is an error naming it.
 
 use std::path::Path;
 use std::time::Duration;
 
-use crate::images::{self, ImageError, PAGE_SIZE};
-
-/// Head magic of CRIU's service images (stats, irmap cache).
-pub const SERVICE_MAGIC: u32 = 0x5510_5940;
-/// `stats-dump`/`stats-restore`.
-pub const STATS_MAGIC: u32 = 0x5709_3306;
+use crate::images::{self, ImageError, PAGE_SIZE, STATS_MAGIC};
 
 /// `dump_stats_entry`, the fields possum reports (times in microseconds).
 #[derive(Clone, PartialEq, prost::Message)]
@@ -110,34 +105,17 @@ fn us(v: u32) -> Duration {
 /// The `stats_entry` of `dir/name`; `None` when the file is not there.
 fn read(dir: &Path, name: &str) -> Result<Option<StatsEntry>, ImageError> {
     let path = dir.join(name);
-    let data = match std::fs::read(&path) {
-        Ok(d) => d,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(ImageError::Io { path, source }),
-    };
-    let bad = |detail: String| ImageError::Malformed {
-        path: path.clone(),
-        detail,
-    };
-    match data
-        .get(..4)
-        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
-    {
-        Some(SERVICE_MAGIC) => {}
-        other => {
-            return Err(bad(format!(
-                "head magic {other:x?}, not a CRIU service image"
-            )))
-        }
+    if !path.exists() {
+        return Ok(None);
     }
-    // The rest is an ordinary image once the head is the common one.
-    let mut common = images::COMMON_MAGIC.to_le_bytes().to_vec();
-    common.extend_from_slice(&data[4..]);
-    let entries = images::parse_entries(&common, STATS_MAGIC, &path)?;
-    let first = entries.first().ok_or_else(|| bad("no entry".to_string()))?;
-    prost::Message::decode(first.as_slice())
-        .map(Some)
-        .map_err(|e| bad(e.to_string()))
+    let entries: Vec<StatsEntry> = images::read_messages(&path, STATS_MAGIC)?;
+    match entries.into_iter().next() {
+        Some(e) => Ok(Some(e)),
+        None => Err(ImageError::Malformed {
+            path,
+            detail: "no entry".into(),
+        }),
+    }
 }
 
 /// CRIU's account of the dump into `dir`, from its `stats-dump`.
@@ -194,7 +172,7 @@ mod tests {
         write(
             dir.path(),
             "stats-dump",
-            SERVICE_MAGIC,
+            images::SERVICE_MAGIC,
             &StatsEntry {
                 dump: Some(dump),
                 restore: None,
@@ -217,7 +195,7 @@ mod tests {
         write(
             dir.path(),
             "stats-restore",
-            SERVICE_MAGIC,
+            images::SERVICE_MAGIC,
             &StatsEntry {
                 dump: None,
                 restore: Some(restore),
@@ -242,7 +220,7 @@ mod tests {
         assert!(err.contains("stats-dump"), "{err}");
         std::fs::write(
             dir.path().join("stats-restore"),
-            SERVICE_MAGIC.to_le_bytes(),
+            images::SERVICE_MAGIC.to_le_bytes(),
         )
         .unwrap();
         let err = restore_stats(dir.path()).unwrap_err().to_string();

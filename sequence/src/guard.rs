@@ -381,26 +381,8 @@ fn undo_driver(drv: &DriverCheckpoint, pid: i32, limit: Duration, say: &dyn Fn(&
 
 /// Waits (bounded) until process `pid`'s on-demand restore has finished reading its images.
 fn wait_restored(pid: i32, socket_dir: &Path) {
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(600) && alive(pid) {
-        match possum_control::request_typed::<possum_control::reply::StatusReply>(
-            pid as u32,
-            socket_dir,
-            &Request::Status,
-            Duration::from_secs(10),
-        ) {
-            Ok(s)
-                if s.possum
-                    .as_ref()
-                    .and_then(|p| p.session.as_ref())
-                    .is_some_and(|s| s.last.restore.is_some()) =>
-            {
-                return
-            }
-            Ok(_) => {}
-            Err(_) => return,
-        }
-        std::thread::sleep(Duration::from_millis(100));
+    if alive(pid) {
+        crate::restore::finished_restore(pid, socket_dir, Duration::from_secs(600));
     }
 }
 

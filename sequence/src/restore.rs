@@ -192,6 +192,17 @@ pub fn restore_confirmed(
 /// `session.last.restore`, the longest of its devices'). `None` when it did not say within
 /// `limit` (its buffers still coming back, or it ended), or restored nothing on demand.
 pub fn waited_after_resume(pid: i32, socket_dir: &Path, limit: Duration) -> Option<Duration> {
+    job_waited_of(&finished_restore(pid, socket_dir, limit)?)
+}
+
+/// The figures of process `pid`'s restore once it has finished reading its images (`possum
+/// status`'s `session.last.restore`), asked until then, at most `limit`; `None` if it did not
+/// say by then or stopped answering (it ended).
+pub(crate) fn finished_restore(
+    pid: i32,
+    socket_dir: &Path,
+    limit: Duration,
+) -> Option<serde_json::Value> {
     let t = Instant::now();
     while t.elapsed() < limit {
         let status = possum_control::request_typed::<possum_control::reply::StatusReply>(
@@ -200,15 +211,15 @@ pub fn waited_after_resume(pid: i32, socket_dir: &Path, limit: Duration) -> Opti
             &possum_control::Request::Status,
             limit
                 .saturating_sub(t.elapsed())
-                .max(Duration::from_millis(100)),
+                .clamp(Duration::from_millis(100), Duration::from_secs(10)),
         )
         .ok()?;
         let last = status
             .possum
             .and_then(|p| p.session)
             .and_then(|s| s.last.restore);
-        if let Some(last) = last {
-            return job_waited_of(&last);
+        if last.is_some() {
+            return last;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
