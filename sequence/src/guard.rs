@@ -382,7 +382,7 @@ fn undo_driver(drv: &DriverCheckpoint, pid: i32, limit: Duration, say: &dyn Fn(&
 /// Waits (bounded) until process `pid`'s on-demand restore has finished reading its images.
 fn wait_restored(pid: i32, socket_dir: &Path) {
     if alive(pid) {
-        crate::restore::finished_restore(pid, socket_dir, Duration::from_secs(600));
+        crate::job::finished_restore(pid, socket_dir, Duration::from_secs(600));
     }
 }
 

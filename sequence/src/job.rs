@@ -2,7 +2,7 @@
 
 use std::os::fd::BorrowedFd;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use possum_control::reply::{CheckpointReply, ReleaseReply, ResumeReply};
 use possum_control::{ControlError, Reply, Request};
@@ -199,6 +199,37 @@ fn resume_request(dir: String, save: Option<Save>) -> Request {
         },
         None => Request::Resume { dir: Some(dir) },
     }
+}
+
+/// The figures of process `pid`'s restore once it has finished reading its images (`possum
+/// status`'s `session.last.restore`), asked until then, at most `limit`; `None` if it did not
+/// say by then or stopped answering (it ended).
+pub(crate) fn finished_restore(
+    pid: i32,
+    socket_dir: &Path,
+    limit: Duration,
+) -> Option<serde_json::Value> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        let status = possum_control::request_typed::<possum_control::reply::StatusReply>(
+            u32::try_from(pid).ok()?,
+            socket_dir,
+            &possum_control::Request::Status,
+            limit
+                .saturating_sub(t.elapsed())
+                .clamp(Duration::from_millis(100), Duration::from_secs(10)),
+        )
+        .ok()?;
+        let last = status
+            .possum
+            .and_then(|p| p.session)
+            .and_then(|s| s.last.restore);
+        if last.is_some() {
+            return last;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
 
 #[cfg(test)]

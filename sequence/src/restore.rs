@@ -192,38 +192,7 @@ pub fn restore_confirmed(
 /// `session.last.restore`, the longest of its devices'). `None` when it did not say within
 /// `limit` (its buffers still coming back, or it ended), or restored nothing on demand.
 pub fn waited_after_resume(pid: i32, socket_dir: &Path, limit: Duration) -> Option<Duration> {
-    job_waited_of(&finished_restore(pid, socket_dir, limit)?)
-}
-
-/// The figures of process `pid`'s restore once it has finished reading its images (`possum
-/// status`'s `session.last.restore`), asked until then, at most `limit`; `None` if it did not
-/// say by then or stopped answering (it ended).
-pub(crate) fn finished_restore(
-    pid: i32,
-    socket_dir: &Path,
-    limit: Duration,
-) -> Option<serde_json::Value> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        let status = possum_control::request_typed::<possum_control::reply::StatusReply>(
-            u32::try_from(pid).ok()?,
-            socket_dir,
-            &possum_control::Request::Status,
-            limit
-                .saturating_sub(t.elapsed())
-                .clamp(Duration::from_millis(100), Duration::from_secs(10)),
-        )
-        .ok()?;
-        let last = status
-            .possum
-            .and_then(|p| p.session)
-            .and_then(|s| s.last.restore);
-        if last.is_some() {
-            return last;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    None
+    job_waited_of(&job::finished_restore(pid, socket_dir, limit)?)
 }
 
 /// `job_waited_ms` of a restore's figures as the job gives them: one device's object, or a list
