@@ -187,6 +187,9 @@ def one_mode(a, mode, work, log):
                               timings=(j or {}).get("timings"), received_ok=bool(received),
                               received=(received or {}).get("timings"),
                               remote_restore=(received or {}).get("restore"),
+                              prestaged=(received or {}).get("prestaged"),
+                              staged=(received or {}).get("staged"),
+                              stage_skipped=(received or {}).get("stage_skipped"),
                               source=((j or {}).get("checkpoint") or {}).get("figures"))
         w = rec.get("writes_per_step")
         sent = rec["migrate"]["rounds"]

@@ -301,14 +301,54 @@ pub fn is_split(dir: &Path) -> Result<bool, HostMemError> {
     Ok(false)
 }
 
-/// Reads `DIR/possum-hostmem-PID.idx`, if there is one.
+/// Reads `DIR/possum-hostmem-PID.idx`, if there is one. An index of one data file whose file is
+/// not there but in parts is (`NAME.0`, `NAME.1`, ...: a migration's sender sends it so, for the
+/// receiver to write from every stream at once) reads the parts: their size is the first's.
 pub fn read_index(dir: &Path, pid: u32) -> Result<Option<Index>, HostMemError> {
     let path = index_path(dir, pid);
-    match fs::read(&path) {
-        Ok(b) => Index::decode(&b, &path).map(Some),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(io_err(&path)(e)),
+    let mut index = match fs::read(&path) {
+        Ok(b) => Index::decode(&b, &path)?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err(&path)(e)),
+    };
+    if index.part_bytes == 0 && !dir.join(&index.data_file).exists() {
+        let first = dir.join(format!("{}.0", index.data_file));
+        if let Ok(m) = fs::metadata(&first) {
+            let p = m.len();
+            if p == 0 || !p.is_multiple_of(PAGE_SIZE) || index.data_len.div_ceil(p) > MAX_PARTS {
+                return Err(HostMemError::Index {
+                    path: first,
+                    detail: format!("a first part of {p} bytes: not whole pages, or too small"),
+                });
+            }
+            index.part_bytes = p;
+        }
     }
+    Ok(Some(index))
+}
+
+/// The data files, each in one piece, of the processes split in CRIU's image directory `dir`
+/// (file names in `dir`): what a migration's sender sends in parts.
+pub fn whole_data_files(dir: &Path) -> Result<Vec<String>, HostMemError> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).map_err(io_err(dir))? {
+        let name = e.map_err(io_err(dir))?.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("possum-hostmem-"))
+            .and_then(|n| n.strip_suffix(".idx"))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if let Some(i) = read_index(dir, pid)? {
+            if i.part_bytes == 0 {
+                out.push(i.data_file);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
 }
 
 /// How [`split`] chooses.

@@ -197,6 +197,7 @@ impl Keeper {
         image: &Path,
         hold_secs: u64,
         from: Option<PeerSource>,
+        base: Option<u64>,
     ) -> Result<StageInfo, KeeperError> {
         self.ask_parsed(
             "stage",
@@ -205,6 +206,19 @@ impl Keeper {
                 image: image.display().to_string(),
                 hold_secs,
                 from,
+                base,
+            },
+        )
+    }
+
+    /// Loads the unfinished image `image` by its draft manifest into new memory of the
+    /// caller's, for a later [`stage`](Self::stage) of the finished image to build on (`base`).
+    pub fn prestage(&mut self, image: &Path, hold_secs: u64) -> Result<StageInfo, KeeperError> {
+        self.ask_parsed(
+            "prestage",
+            &Request::Prestage {
+                image: image.display().to_string(),
+                hold_secs,
             },
         )
     }

@@ -161,6 +161,23 @@ pub enum Request {
         /// --device` of a job killed with its memory kept.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         from: Option<PeerSource>,
+        /// Build on the caller's `prestage` of that id: each buffer it loaded takes its memory
+        /// as it is, and only the chunks that differ between its draft and `image` (by length,
+        /// CRC32C and fingerprint) are loaded; the rest of its memory is freed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        base: Option<u64>,
+    },
+    /// Load the unfinished image directory `image` by its draft manifest (`draft.pb`, written
+    /// after each pre-copy round) into new memory, for a later `stage` (`base`) of the finished
+    /// image: a migration's destination loads what it was sent ahead while the job is still
+    /// held at the source. The memory is the caller's, retained, held `hold_secs`; answered
+    /// with [`StageInfo`] once it exists, filled in the background.
+    Prestage {
+        /// The unfinished image directory.
+        image: String,
+        /// Seconds the memory is kept unless a `stage` takes it or `stage_end` ends it.
+        #[serde(default)]
+        hold_secs: u64,
     },
     /// The caller's stage of `image`: [`StagePlan`].
     Staged {
@@ -275,6 +292,9 @@ pub struct StageInfo {
     /// one line each, the first [`PEER_MISSES_SAID`] (`buffers - peer` of them in all).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peer_misses: Vec<String>,
+    /// Bytes already in memory from the prestage it was built on (`base`): not loaded again.
+    #[serde(default)]
+    pub reused_bytes: u64,
 }
 
 /// How many reasons a stage's reply gives for buffers not copied from another device.
@@ -327,6 +347,12 @@ pub struct StageStats {
     /// Bytes copied from another device's memory.
     #[serde(default)]
     pub peer_bytes: u64,
+    /// Bytes already in memory from the prestage it was built on.
+    #[serde(default)]
+    pub reused_bytes: u64,
+    /// A prestage (of a draft image, for a later stage to build on).
+    #[serde(default)]
+    pub draft: bool,
     /// Buffers whose load failed (or was ended).
     pub failed: u64,
     /// Bytes loaded.

@@ -1,6 +1,6 @@
 //! The keeper's side: [`Server`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use crate::process::alive;
 use crate::spare;
-use crate::stage::{self, Stage};
+use crate::stage::{self, Reuse, Stage};
 use crate::PEER_MISSES_SAID;
 use crate::{
     fdpass, Allocated, DeviceInfo, KeeperError, PeerSource, Request, Retained, RetainedAlloc,
@@ -446,7 +446,12 @@ impl Inner {
                 image,
                 hold_secs,
                 from,
-            } => self.stage(of, &image, hold_secs, from.as_ref()),
+                base,
+            } => {
+                let base = base.map(|b| self.take_prestage(b, pid)).transpose()?;
+                self.stage(of, &image, hold_secs, from.as_ref(), base)
+            }
+            Request::Prestage { image, hold_secs } => self.prestage(pid, &image, hold_secs),
             Request::SpareTake { dir } => self.spare_take(&dir, pid),
             Request::SpareFill(f) => self.spare_fill(&f, pid),
             Request::SpareEnd { drain } => self.spare_end(drain, pid),
@@ -710,7 +715,7 @@ impl Inner {
         let plan = self
             .lock_stages()
             .values()
-            .find(|s| s.pid == pid && s.image == path)
+            .find(|s| s.pid == pid && s.image == path && s.draft.is_none())
             .map(|s| StagePlan {
                 stage: s.id,
                 epoch: s.epoch,
@@ -745,29 +750,151 @@ impl Inner {
             .ok_or_else(|| KeeperError::Stage(format!("no stage {id}")))
     }
 
+    /// `prestage`: the draft image's buffers get memory of the caller's `by` (all of it, or
+    /// none), retained under a new epoch and held `hold_secs`, and loader threads fill it; a
+    /// later `stage` with it as `base` takes what it loaded.
+    fn prestage(self: &Arc<Self>, by: i32, image: &str, hold_secs: u64) -> Answer {
+        let path = canonical(image)?;
+        let img = possum_engine::image::Image::open_draft(&path)
+            .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
+        let dev = self.dev()?;
+        let (recs, sizes) = staged_order(&img, dev.granularity());
+        let made = self.stage_memory(dev, &path, &recs, &sizes)?;
+        let epoch = possum_cuda::owner::new_epoch();
+        let buffers = self.keep_staged(by, epoch, hold_secs, made);
+        let id = self.next_stage_id();
+        let img = Arc::new(img);
+        let stage =
+            Arc::new(Stage::new(id, by, epoch, path, buffers, Vec::new()).of_draft(img.clone()));
+        let info = StageInfo {
+            stage: id,
+            epoch,
+            buffers: stage.buffers.len() as u64,
+            bytes: stage.buffers.iter().map(|b| b.size).sum(),
+            peer: 0,
+            peer_misses: Vec::new(),
+            reused_bytes: 0,
+        };
+        self.lock_stages().insert(id, Arc::clone(&stage));
+        self.start_loaders(&stage, img)?;
+        Ok((json!(info), None))
+    }
+
+    /// The caller's prestage `id`, taken out of the stages and its loaders stopped, for a stage
+    /// to build on.
+    fn take_prestage(&self, id: u64, by: i32) -> Result<Prestaged, KeeperError> {
+        let s = self.stage_of(id)?;
+        if s.draft.is_none() || s.pid != by {
+            return Err(KeeperError::Stage(format!(
+                "stage {id} is not a prestage of this process's"
+            )));
+        }
+        self.lock_stages().remove(&id);
+        let ready = s.quiesce();
+        Ok(Prestaged { stage: s, ready })
+    }
+
+    fn next_stage_id(&self) -> u64 {
+        self.next_stage
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
+    }
+
+    /// What a stage built on `base` takes of its memory: for each of `recs` (of image `img`,
+    /// `sizes` bytes of memory each), the allocation of the base's buffer with the same id,
+    /// address and size, if it has one, and the chunks it loaded that `img` holds unchanged.
+    fn reuse_of(
+        base: &Prestaged,
+        img: &possum_engine::image::Image,
+        recs: &[possum_engine::store::BufferRecord],
+        sizes: &[u64],
+    ) -> (Vec<Option<u64>>, Reuse) {
+        use possum_engine::store::ChunkSource;
+        let draft = base
+            .stage
+            .draft
+            .as_deref()
+            .expect("a prestage has its draft");
+        let by_buf: HashMap<u64, usize> = base
+            .stage
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.buf, i))
+            .collect();
+        let mut allocs = Vec::with_capacity(recs.len());
+        let mut reuse = Reuse::default();
+        for (r, &size) in recs.iter().zip(sizes) {
+            let found = by_buf.get(&r.id).copied().filter(|&i| {
+                let b = &base.stage.buffers[i];
+                b.va == r.va && b.size == r.size && b.alloc_size == size
+            });
+            let mut skip = HashSet::new();
+            let mut whole = false;
+            if found.is_some_and(|i| base.ready[i]) {
+                let chunks = img.chunks(r.id);
+                for &(off, len) in &chunks {
+                    if img.same_chunk(draft, r.id, off) {
+                        skip.insert(off);
+                        reuse.bytes += len;
+                    }
+                }
+                whole = skip.len() == chunks.len();
+            }
+            allocs.push(found.map(|i| base.stage.buffers[i].alloc));
+            reuse.skip.push(skip);
+            reuse.whole.push(whole);
+        }
+        (allocs, reuse)
+    }
+
     /// `stage`: the image's buffers get memory for process `of` (all of it, or none), then
     /// loader threads fill it: from `from`'s memory where it has a buffer's, else from the image.
+    /// Built on a prestage (`base`), a buffer it holds keeps that memory, and only its chunks
+    /// that changed are loaded.
     fn stage(
         self: &Arc<Self>,
         of: i32,
         image: &str,
         hold_secs: u64,
         from: Option<&PeerSource>,
+        base: Option<Prestaged>,
     ) -> Answer {
-        use possum_engine::store::ChunkSource;
         let path = canonical(image)?;
         let img = possum_engine::image::Image::open(&path)
-            .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
+            .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())));
+        let img = match img {
+            Ok(img) => img,
+            Err(e) => {
+                if let Some(b) = base {
+                    self.end_prestaged(b);
+                }
+                return Err(e);
+            }
+        };
         self.end_stages_of(of);
         let dev = self.dev()?;
-        let g = dev.granularity();
-        let mut recs = img.buffers();
-        recs.sort_unstable_by_key(|r| (r.prefetch_rank, r.id));
-        let sizes: Vec<u64> = recs
+        let (recs, sizes) = staged_order(&img, dev.granularity());
+        let (taken, reuse) = match &base {
+            Some(b) => Self::reuse_of(b, &img, &recs, &sizes),
+            None => (vec![None; recs.len()], Reuse::default()),
+        };
+        let (new_recs, new_sizes): (Vec<_>, Vec<_>) = recs
             .iter()
-            .map(|r| r.size.max(1).div_ceil(g).saturating_mul(g))
-            .collect();
-        let made = self.stage_memory(dev, &path, &recs, &sizes)?;
+            .zip(&sizes)
+            .zip(&taken)
+            .filter(|(_, t)| t.is_none())
+            .map(|((r, s), _)| (r.clone(), *s))
+            .unzip();
+        let made = match self.stage_memory(dev, &path, &new_recs, &new_sizes) {
+            Ok(m) => m,
+            Err(e) => {
+                if let Some(b) = base {
+                    self.end_prestaged(b);
+                }
+                return Err(e);
+            }
+        };
         // The other device's memory of each buffer, imported here (the copies read it over the
         // interconnect); a buffer without one is read from the image.
         let (peers, peer_misses) = match from {
@@ -786,12 +913,21 @@ impl Inner {
             None => (Vec::new(), Vec::new()),
         };
         let epoch = possum_cuda::owner::new_epoch();
-        let buffers = self.keep_staged(of, epoch, hold_secs, made);
-        let id = self
-            .next_stage
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            + 1;
-        let stage = Arc::new(Stage::new(id, of, epoch, path, buffers, peers));
+        let mut made_iter = self.keep_staged(of, epoch, hold_secs, made).into_iter();
+        let taken_kept = self.keep_taken(of, epoch, hold_secs, &recs, &sizes, &taken);
+        let buffers: Vec<StagedBuffer> = taken_kept
+            .into_iter()
+            .map(|t| {
+                t.or_else(|| made_iter.next())
+                    .expect("one allocation per buffer")
+            })
+            .collect();
+        if let Some(b) = base {
+            self.end_prestaged(b);
+        }
+        let id = self.next_stage_id();
+        let reused_bytes = reuse.bytes;
+        let stage = Arc::new(Stage::new(id, of, epoch, path, buffers, peers).reusing(reuse));
         let info = StageInfo {
             stage: id,
             epoch,
@@ -799,6 +935,7 @@ impl Inner {
             bytes: stage.buffers.iter().map(|b| b.size).sum(),
             peer: stage.peer_buffers() as u64,
             peer_misses: peer_misses.iter().take(PEER_MISSES_SAID).cloned().collect(),
+            reused_bytes,
         };
         if !peer_misses.is_empty() {
             use std::io::Write;
@@ -857,6 +994,54 @@ impl Inner {
         Ok(made)
     }
 
+    /// The allocations of a prestage `taken` for `recs` (`None` where none was) made process
+    /// `of`'s retained allocations (`epoch`, held at least a second after it is gone), and the
+    /// stage's buffers that name them.
+    fn keep_taken(
+        &self,
+        of: i32,
+        epoch: u64,
+        hold_secs: u64,
+        recs: &[possum_engine::store::BufferRecord],
+        sizes: &[u64],
+        taken: &[Option<u64>],
+    ) -> Vec<Option<StagedBuffer>> {
+        let mut st = self.lock();
+        recs.iter()
+            .zip(sizes)
+            .zip(taken)
+            .map(|((r, &size), t)| {
+                let id = (*t)?;
+                let a = st.allocs.get_mut(&id)?;
+                a.pid = of;
+                a.retained = true;
+                a.epoch = epoch;
+                a.hold_until = hold_until(hold_secs.max(1));
+                a.va = Some(r.va);
+                Some(StagedBuffer {
+                    buf: r.id,
+                    va: r.va,
+                    size: r.size,
+                    alloc: id,
+                    alloc_size: size,
+                })
+            })
+            .collect()
+    }
+
+    /// Ends a prestage a stage took (or failed to build on): its memory no stage took is freed.
+    fn end_prestaged(&self, b: Prestaged) {
+        let s = b.stage;
+        {
+            let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
+            if ended.len() == crate::ENDED_STAGES_KEPT {
+                ended.pop_front();
+            }
+            ended.push_back(s.stats());
+        }
+        self.free_where(|a, _| a.retained && a.pid == s.pid && a.epoch == s.epoch);
+    }
+
     /// The staged memory `made` kept as process `of`'s retained allocations (`epoch`, held at
     /// least a second after it is gone), and the stage's buffers that name them.
     fn keep_staged(
@@ -894,9 +1079,9 @@ impl Inner {
     fn start_loaders(
         self: &Arc<Self>,
         stage: &Arc<Stage>,
-        img: possum_engine::image::Image,
+        img: impl Into<Arc<possum_engine::image::Image>>,
     ) -> Result<(), KeeperError> {
-        let img = Arc::new(img);
+        let img: Arc<possum_engine::image::Image> = img.into();
         let knobs = stage::Knobs::from_env();
         let mut loaders = 0;
         for _ in 0..knobs.threads().min(stage.buffers.len()) {
@@ -1165,6 +1350,28 @@ fn peer_sources(
 }
 
 /// `image` made absolute and canonical, so that the job's name of it and the restore's agree.
+/// A prestage taken by a stage: its loaders stopped, and which buffers they loaded whole.
+struct Prestaged {
+    stage: Arc<Stage>,
+    ready: Vec<bool>,
+}
+
+/// An image's buffers in the order a stage loads them (prefetch rank, then id), and the memory
+/// each needs (its size rounded up to the granularity `g`).
+fn staged_order(
+    img: &possum_engine::image::Image,
+    g: u64,
+) -> (Vec<possum_engine::store::BufferRecord>, Vec<u64>) {
+    use possum_engine::store::ChunkSource;
+    let mut recs = img.buffers();
+    recs.sort_unstable_by_key(|r| (r.prefetch_rank, r.id));
+    let sizes = recs
+        .iter()
+        .map(|r| r.size.max(1).div_ceil(g).saturating_mul(g))
+        .collect();
+    (recs, sizes)
+}
+
 fn canonical(image: &str) -> Result<PathBuf, KeeperError> {
     std::fs::canonicalize(image).map_err(|e| KeeperError::Stage(format!("{image}: {e}")))
 }

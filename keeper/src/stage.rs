@@ -22,7 +22,7 @@
 //! mid-load loses nothing either: the job holds the memory it mapped and copies what it was not
 //! told is loaded.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -72,6 +72,9 @@ pub(crate) enum LoadError {
     /// The stage was ended first.
     #[error("the stage was ended before it was loaded")]
     Ended,
+    /// The stage was ended while it loaded.
+    #[error("the stage was ended while it was loading")]
+    EndedWhileLoading,
     /// The buffer's memory could not be had.
     #[error(transparent)]
     Memory(#[from] MemoryError),
@@ -108,6 +111,19 @@ pub(crate) enum ChunkError {
     /// No pinned buffer, a copy refused, or one that failed.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// The stage was ended.
+    #[error("the stage was ended")]
+    Ended,
+}
+
+/// What a stage takes from the prestage it builds on ([`Stage::reusing`]), per buffer in the
+/// stage's order: the offsets of the chunks already in its memory, and whether that is all of
+/// them; and those chunks' bytes.
+#[derive(Debug, Default)]
+pub(crate) struct Reuse {
+    pub(crate) skip: Vec<HashSet<u64>>,
+    pub(crate) whole: Vec<bool>,
+    pub(crate) bytes: u64,
 }
 
 /// Why a wait for a staged allocation failed.
@@ -152,6 +168,8 @@ struct Progress {
     done_after: Option<Duration>,
     /// Waits for its buffers pending now.
     waiting: usize,
+    /// Bytes already in memory from the prestage it builds on ([`Reuse`]).
+    reused_bytes: u64,
     /// Whether loading may start (see [`Knobs`]'s `hold_waiters`).
     released: bool,
 }
@@ -168,6 +186,10 @@ pub(crate) struct Stage {
     by_alloc: HashMap<u64, usize>,
     /// Per buffer, another device's memory holding it (taken by the loader that copies it).
     peers: Mutex<Vec<Option<SharedMem>>>,
+    /// Per buffer, the offsets of its chunks already in its memory (not loaded).
+    skip: Vec<HashSet<u64>>,
+    /// A prestage's draft image (a later stage compares its chunks with it); `None` for a stage.
+    pub(crate) draft: Option<Arc<Image>>,
     progress: Mutex<Progress>,
     cv: Condvar,
     started: Instant,
@@ -196,6 +218,8 @@ impl Stage {
                 .collect(),
             buffers,
             peers: Mutex::new(peers),
+            skip: vec![HashSet::new(); n],
+            draft: None,
             progress: Mutex::new(Progress {
                 status: vec![Status::Waiting; n],
                 next: 0,
@@ -208,11 +232,57 @@ impl Stage {
                 ended: false,
                 done_after: (n == 0).then(Duration::default),
                 waiting: 0,
+                reused_bytes: 0,
                 released: false,
             }),
             cv: Condvar::new(),
             started: Instant::now(),
         }
+    }
+
+    /// This stage as a prestage of draft image `draft`.
+    pub(crate) fn of_draft(mut self, draft: Arc<Image>) -> Stage {
+        self.draft = Some(draft);
+        self
+    }
+
+    /// This stage built on a prestage: what `reuse` says is in memory is not loaded, and a
+    /// buffer whose chunks all are is ready at once.
+    pub(crate) fn reusing(mut self, reuse: Reuse) -> Stage {
+        let p = self.progress.get_mut().unwrap_or_else(|e| e.into_inner());
+        p.reused_bytes = reuse.bytes;
+        for (i, whole) in reuse.whole.iter().enumerate() {
+            if *whole && i < p.status.len() {
+                p.status[i] = Status::Ready;
+                p.loaded_bytes += self.buffers[i].size;
+                p.settled += 1;
+            }
+        }
+        if p.settled == p.status.len() {
+            p.done_after = Some(Duration::default());
+        }
+        for (i, offsets) in reuse.skip.into_iter().enumerate() {
+            if i < self.skip.len() {
+                self.skip[i] = offsets;
+            }
+        }
+        self
+    }
+
+    /// Ends the stage and waits until no loader writes into its memory any more (a loader
+    /// stops at its next chunk); which buffers were loaded whole.
+    pub(crate) fn quiesce(&self) -> Vec<bool> {
+        self.end();
+        let mut p = self.lock();
+        while p.status.contains(&Status::Loading) {
+            p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+        p.status.iter().map(|s| *s == Status::Ready).collect()
+    }
+
+    /// Whether the stage was ended.
+    fn ended(&self) -> bool {
+        self.lock().ended
     }
 
     fn lock(&self) -> MutexGuard<'_, Progress> {
@@ -361,6 +431,8 @@ impl Stage {
             loaded_bytes: p.loaded_bytes,
             ms: ms(self.started.elapsed()),
             done_ms: p.done_after.map(ms),
+            reused_bytes: p.reused_bytes,
+            draft: self.draft.is_some(),
         }
     }
 }
@@ -436,7 +508,7 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
                             stage.note_peer(i);
                             Ok(())
                         }
-                        _ => load(&*mem, b, &image, s, &mut bufs),
+                        _ => load(&*mem, &stage, i, &image, s, &mut bufs),
                     }
                 }
             }
@@ -470,20 +542,22 @@ fn copy_peer(
     stream.synchronize().map_err(err)
 }
 
-/// Loads one buffer: its chunks read into pinned buffers and copied to its memory, `DEPTH` in
-/// flight.
+/// Loads buffer `i` of `stage`: its chunks (those not already in its memory) read into pinned
+/// buffers and copied to its memory, `DEPTH` in flight.
 fn load(
     mem: &dyn Memory,
-    b: &StagedBuffer,
+    stage: &Stage,
+    i: usize,
     image: &Image,
     stream: &possum_cuda::CudaStream,
     free: &mut Vec<PinnedBuf>,
 ) -> Result<(), LoadError> {
+    let b = &stage.buffers[i];
     let dev = mem.device()?;
     let res = dev.reserve(b.alloc_size).map_err(LoadError::Reserve)?;
     let m = mem.map(b.alloc, &res)?;
     let mut inflight = VecDeque::new();
-    let sent = send_chunks(dev, b, image, stream, m.va(), free, &mut inflight);
+    let sent = send_chunks(dev, stage, i, image, stream, m.va(), free, &mut inflight);
     // Every copy in flight is waited for, whatever failed: nothing of this load may land on the
     // memory once the load is settled (the job may copy it in itself then).
     let mut waited = Ok(());
@@ -494,21 +568,33 @@ fn load(
             Err(e) => waited = waited.and(Err(e.into())),
         }
     }
-    sent.and(waited)
-        .map_err(|source| LoadError::Chunks { buf: b.buf, source })
+    match sent.and(waited) {
+        Err(ChunkError::Ended) => Err(LoadError::EndedWhileLoading),
+        r => r.map_err(|source| LoadError::Chunks { buf: b.buf, source }),
+    }
 }
 
-/// Reads each chunk of `b` into a pinned buffer and queues its copy to `va` + its offset.
+/// Reads each chunk of buffer `i` of `stage` not already in its memory into a pinned buffer and
+/// queues its copy to `va` + its offset; stops if the stage is ended.
+#[allow(clippy::too_many_arguments)]
 fn send_chunks(
     dev: &ShareDevice,
-    b: &StagedBuffer,
+    stage: &Stage,
+    i: usize,
     image: &Image,
     stream: &possum_cuda::CudaStream,
     va: u64,
     free: &mut Vec<PinnedBuf>,
     inflight: &mut VecDeque<CudaPending>,
 ) -> Result<(), ChunkError> {
+    let b = &stage.buffers[i];
     for (off, len) in image.chunks(b.buf) {
+        if stage.skip[i].contains(&off) {
+            continue;
+        }
+        if stage.ended() {
+            return Err(ChunkError::Ended);
+        }
         let n = usize::try_from(len).map_err(|_| ChunkError::TooLarge(off))?;
         let mut buf = next_buf(dev, free, inflight, n)?;
         if let Err(e) = image.read_chunk(b.buf, off, &mut buf.as_mut_slice()[..n]) {

@@ -704,7 +704,10 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
         let me = std::process::id() as i32;
         let mut k = Keeper::connect(server.path()).unwrap();
         let missing = dir.path().join("no-such-image");
-        let err = k.stage(me, &missing, 60, None).unwrap_err().to_string();
+        let err = k
+            .stage(me, &missing, 60, None, None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("no-such-image"), "{err}");
 
         for (round, fail) in [(1u64, None), (2, Some("0"))] {
@@ -720,7 +723,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
                 Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", n),
                 None => std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL"),
             }
-            let info = k.stage(me, &img, 60, None).unwrap();
+            let info = k.stage(me, &img, 60, None, None).unwrap();
             assert_eq!(info.buffers, 3);
             let plan = possum_keeper::KeeperMemory::connect(server.path())
                 .unwrap()
@@ -760,7 +763,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
 
         // A stage nobody takes: its memory is freed when it is ended.
         let img = dir.path().join("img-2/gpu-0");
-        let info = k.stage(me, &img, 60, None).unwrap();
+        let info = k.stage(me, &img, 60, None, None).unwrap();
         assert_eq!(server.stats().retained.allocations, 3);
         assert_eq!(k.stage_end(info.stage).unwrap(), 3);
         let st = server.stats();
@@ -779,6 +782,104 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
                 .is_none(),
             "no stage of the image any more"
         );
+        for b in &bufs {
+            e.free(b.va()).unwrap();
+        }
+        wait_total(&server, Usage::default());
+    });
+}
+
+/// Loading ahead: the keeper loads an unfinished image by its draft manifest (`prestage`), and a
+/// stage of the finished image built on it keeps that memory, loading only the chunks that
+/// differ (a buffer written since) and every chunk of a buffer the prestage did not load whole
+/// (its load failed). The engine's restore from that stage is bit-exact, and nothing of the
+/// prestage is left. A base that is not a prestage is refused by name.
+#[test]
+fn a_stage_builds_on_a_prestage_of_the_draft() {
+    in_child(|| {
+        use possum_engine::image::{Image, ImageWriter, WriterOptions};
+        use std::sync::Arc;
+        let (dir, server) = fresh_keeper();
+        let kept = KeptEngine::new(
+            &server,
+            possum_engine::EngineConfig {
+                chunk_size: 1 << 20,
+                ..possum_engine::EngineConfig::default()
+            },
+        );
+        let e = &kept.engine;
+        let sizes = [MIB4, 2 * MIB4 - 4096, 3 * MIB4];
+        let bufs: Vec<_> = sizes.iter().map(|&n| e.alloc(n).unwrap()).collect();
+        let me = std::process::id() as i32;
+        let mut k = Keeper::connect(server.path()).unwrap();
+
+        // The pre-copy round: its draft, the image unfinished.
+        for (i, b) in bufs.iter().enumerate() {
+            kept.write(b.va(), 10 + i as u64, b.size());
+        }
+        let draft_of = dir.path().join("draft/gpu-0");
+        let w = Arc::new(ImageWriter::create(&draft_of, WriterOptions::default()).unwrap());
+        e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
+        w.write_draft().unwrap();
+        // The first buffer's load fails in the prestage.
+        std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", "0");
+        let pre = k.prestage(w.temp_dir(), 60).unwrap();
+        std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL");
+        assert_eq!(pre.buffers, 3);
+        wait_until("the prestage is loaded", || {
+            server
+                .stats()
+                .stages
+                .iter()
+                .any(|s| s.draft && s.done_ms.is_some())
+        });
+        // A restored job never finds a prestage as its stage.
+        let mem = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
+        assert!(mem.staged(w.temp_dir()).unwrap().is_none());
+
+        // The job writes the second buffer again; the finished image.
+        kept.write(bufs[1].va(), 21, bufs[1].size());
+        let img = dir.path().join("img/gpu-0");
+        let w2 = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
+        e.checkpoint(w2.clone(), false).unwrap().wait().unwrap();
+        Arc::try_unwrap(w2).unwrap().commit().unwrap();
+        e.release().unwrap();
+
+        let err = k
+            .stage(me, &img, 60, None, Some(pre.stage + 100))
+            .unwrap_err();
+        assert!(err.to_string().contains("no stage"), "{err}");
+        let info = k.stage(me, &img, 60, None, Some(pre.stage)).unwrap();
+        // Only the third buffer came whole from the prestage: the first failed to load there,
+        // the second changed.
+        assert_eq!(info.reused_bytes, sizes[2], "{info:?}");
+        let plan = mem.staged(&img).unwrap().expect("the stage of the image");
+        let r = e
+            .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!((r.staged, r.staged_fallback), (3, 0), "{r:?}");
+        for (i, b) in bufs.iter().enumerate() {
+            let id = if i == 1 { 21 } else { 10 + i as u64 };
+            assert!(
+                kept.read(b.va(), b.size()) == pattern(id, b.size()),
+                "buffer {i} restored wrong"
+            );
+        }
+        // Nothing retained, no stage left; the prestage shown ended.
+        server.free_orphans_now();
+        let st = server.stats();
+        assert_eq!(st.retained, Usage::default(), "{st:?}");
+        assert_eq!(st.clients.get(&me).map(|u| u.allocations), Some(3));
+        assert!(st.stages.is_empty(), "{st:?}");
+        assert!(st
+            .stages_ended
+            .iter()
+            .any(|s| s.draft && s.stage == pre.stage));
+        // Taken, the prestage is gone.
+        assert!(k.stage_end(pre.stage).is_err());
+        drop(w);
         for b in &bufs {
             e.free(b.va()).unwrap();
         }

@@ -129,12 +129,13 @@ pub fn create_private_dir(dir: &Path) -> Result<()> {
         .with_context(|| format!("creating {}", dir.display()))
 }
 
-/// Memory the keeper at `dir` holds for the restore of jobs that are gone (bytes), if it answers.
-pub fn held_bytes(dir: &Path) -> Option<u64> {
-    let mut held = 0;
-    for sock in possum_keeper::sockets_in(dir) {
-        let mut k = possum_keeper::Keeper::connect(&sock).ok()?;
-        held += k.stats().ok()?.held.bytes;
-    }
-    Some(held)
+/// Whether the keeper at `dir` holds memory for a restore: the buffers of a job that is gone,
+/// or a restore being staged (a migration's destination loading a job's image ahead on this
+/// host, while the job is still here).
+pub fn holds_for_restore(dir: &Path) -> bool {
+    possum_keeper::sockets_in(dir).iter().any(|sock| {
+        possum_keeper::Keeper::connect(sock)
+            .and_then(|mut k| k.stats())
+            .is_ok_and(|s| s.held.bytes > 0 || !s.stages.is_empty())
+    })
 }

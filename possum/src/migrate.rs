@@ -290,6 +290,7 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
             env: Environment::read(),
             hmac_key: None,
             received_unsynced: false,
+            prestaged: Vec::new(),
         },
         // The streams of a migration join within the handshake's deadline.
         sessions: Sessions::new(deadlines(a.timeout, None).handshake),

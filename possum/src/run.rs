@@ -209,9 +209,10 @@ struct KeeperChild {
 impl Drop for KeeperChild {
     fn drop(&mut self) {
         // A job killed by `possum checkpoint` may have left its GPU buffers with the keeper for
-        // a restore on this host (`--keep-on-gpu`): the keeper then stays, and ends by itself
-        // once they are freed or the restored job is gone.
-        if crate::keeper::held_bytes(&self.dir).is_some_and(|b| b > 0) {
+        // a restore on this host (`--keep-on-gpu`), or a migration's destination on this host
+        // be loading its image into it: the keeper then stays, and ends by itself once that
+        // memory is freed or the restored job is gone.
+        if crate::keeper::holds_for_restore(&self.dir) {
             return;
         }
         let _ = self.child.kill();

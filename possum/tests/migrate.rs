@@ -10,7 +10,9 @@
 //! runs twice, and restored from the image kept, it goes on exactly. A job whose control socket
 //! is in a directory of its own (not possum's at either end) runs on at the destination, or, the
 //! destination failing, at the source; with `--engine driver`, its parent slow to reap it, the
-//! source waits for its PID to be free and it runs on at the destination.
+//! source waits for its PID to be free and it runs on at the destination. A job whose memory is a
+//! keeper's has its GPU image loaded ahead at the destination, from the first round sent ahead,
+//! and the restore's stage takes that memory.
 //!
 //! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) is the one of
 //! entry_checkpoint.rs: commanded through a FIFO, answering into a file opened O_APPEND, which
@@ -42,8 +44,21 @@ fn start_job(dir: &Path, name: &str, lib: Option<&Path>) -> Job {
 /// [`start_job`], its process reaped `late` after it ended (until then its PID stays taken, as
 /// a parent busy elsewhere leaves it).
 fn start_job_reaped(dir: &Path, name: &str, lib: Option<&Path>, late: Duration) -> Job {
+    start_job_with(dir, name, lib, late, &[])
+}
+
+/// [`start_job_reaped`], `env` added to the job's environment.
+fn start_job_with(
+    dir: &Path,
+    name: &str,
+    lib: Option<&Path>,
+    late: Duration,
+    env: &[(&str, &str)],
+) -> Job {
     let ticks = dir.join(format!("{name}.ticks"));
-    let mut job = Job::spawn(dir, name, lib, &[("FAKE_TICKS", ticks.to_str().unwrap())]);
+    let mut all = vec![("FAKE_TICKS", ticks.to_str().unwrap())];
+    all.extend_from_slice(env);
+    let mut job = Job::spawn(dir, name, lib, &all);
     job.expect("ready");
     if late.is_zero() {
         job.reap_in_background();
@@ -331,6 +346,67 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     ));
 }
 
+/// A job whose buffers are a keeper's (`possum run`'s default), migrated over loopback: the
+/// destination has the keeper load the job's GPU image from the first round sent ahead (its
+/// draft), while the job still runs at the source; the restore's stage builds on that memory,
+/// loading only the chunks that changed; the job goes on bit-exact, and nothing of the
+/// prestage is left in the keeper.
+#[test]
+fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
+    let Some((tmp, lib)) = support::session_job_setup("migrate_prestage", "possum-migrate-") else {
+        return;
+    };
+    let dir = tmp.path();
+    let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
+    let (_keeper, keeper_dir) = support::cli::start_keeper(dir);
+    let env = [("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
+    let mut job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &env);
+    std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
+    std::fs::create_dir(dir.join("received")).unwrap();
+    let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
+    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
+    let receiver = Receiver::start(dir, "key", &plugin);
+    let out = migrate_to(
+        dir,
+        &job,
+        &receiver,
+        &[],
+        &[("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path())],
+    );
+    let (v, r) = migrated(&out, receiver, &job);
+    assert_eq!(r["pid"], job.pid, "{r}");
+
+    // Loaded ahead: one prestage of the job's image, made at the keeper serving its GPU.
+    let pre = r["prestaged"].as_array().expect("prestaged");
+    assert_eq!(pre.len(), 1, "{r}");
+    assert_eq!(pre[0]["image"], "gpu/gpu-0", "{r}");
+    assert!(pre[0]["error"].is_null(), "{r}");
+    let id = pre[0]["stage"].as_u64().expect("a prestage id");
+    assert!(pre[0]["bytes"].as_u64().unwrap() > 2 << 20, "{r}");
+    // The restore's stage built on it: what the job wrote after the first round (nothing
+    // here: it waits for its next command) is all that could differ.
+    let staged = r["staged"].as_array().expect("staged");
+    assert_eq!(staged.len(), 1, "{r}");
+    assert_eq!(staged[0]["base"], id, "{r}");
+    assert!(staged[0]["error"].is_null(), "{r}");
+    let reused = staged[0]["reused_bytes"].as_u64().unwrap();
+    assert!(reused > 0, "nothing taken from the prestage: {r}");
+    assert!(reused <= staged[0]["bytes"].as_u64().unwrap(), "{r}");
+    assert!(v["bytes_before_hold"].as_u64().unwrap() > 0, "{v}");
+
+    goes_on_like(&mut job, dir, &want, "migrated, its image loaded ahead");
+    // The keeper holds no stage, and no memory of the prestage's.
+    let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
+    let stats = k.stats().unwrap();
+    assert!(stats.stages.iter().all(|s| !s.draft), "{stats:?}");
+    let ended: Vec<_> = stats.stages_ended.iter().filter(|s| s.draft).collect();
+    assert_eq!(ended.len(), 1, "{stats:?}");
+    say(&format!(
+        "migrate_prestage: {reused} of {} bytes in memory before the restore",
+        staged[0]["bytes"]
+    ));
+}
+
 #[test]
 fn a_wrong_key_is_refused_and_the_job_runs_on_at_the_source() {
     set_up!(let (dir, want, mut job) = setup("migrate_wrong_key"));
@@ -413,8 +489,8 @@ fn a_restore_failing_at_the_destination_restores_the_job_at_the_source() {
 #[test]
 fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
     set_up!(let (dir, want, mut job) = setup("migrate_destination_gone"));
-    // With possum's CRIU plugin: the image's private memory is in parts, which the source's
-    // own restore writes back.
+    // With possum's CRIU plugin: the image's private memory is split out (in one file here:
+    // only its sending cuts it into parts), which the source's own restore writes back.
     let Some(libdir) = plugin_dir(dir) else {
         panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
     };
@@ -424,9 +500,9 @@ fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
         .output()
         .unwrap();
     destination.join().unwrap();
-    let part = format!("local/criu/possum-hostmem-{}.pages.0", job.pid);
+    let data = format!("local/criu/possum-hostmem-{}.pages", job.pid);
     assert!(
-        dir.join(part).is_file(),
+        dir.join(&data).is_file() && !dir.join(format!("{data}.0")).exists(),
         "{:?}",
         names(&dir.join("local/criu"))
     );

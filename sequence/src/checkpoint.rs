@@ -894,6 +894,19 @@ impl<'a> Run<'a> {
             return Ok(());
         }
         let p = self.params();
+        if self.no_kept {
+            // Held for a migration: where its destination can load the images ahead.
+            let hint = crate::prestage::AheadHint {
+                keeper: self.plan.keeper.clone(),
+                gpu_memory: self.plan.gpu_memory.clone(),
+            };
+            if let Err(e) = crate::prestage::write_hint(&self.tmp, &hint) {
+                obs.note(&format!(
+                    "the destination loads the GPU images once they are whole ({}: {e})",
+                    crate::prestage::AHEAD_FILE
+                ));
+            }
+        }
         obs.copying(self.plan.managed, &self.tmp.join("gpu"));
         let t = Instant::now();
         let mut first = PrecopyRound::default();
@@ -1167,11 +1180,9 @@ impl<'a> Run<'a> {
             return;
         }
         let criu_dir = self.tmp.join("criu");
-        // An image to be sent has its data in parts: the receiver writes them all at once.
-        let opts = hostmem::SplitOptions {
-            part_bytes: self.no_kept.then_some(hostmem::MIGRATION_PART_BYTES),
-            ..Default::default()
-        };
+        // CRIU's pages file becomes the data file as it is (renamed): a migration sends it in
+        // parts, which the receiver writes all at once.
+        let opts = hostmem::SplitOptions::default();
         let r = timed(&mut self.figures.hostmem_split, || {
             hostmem::split(&criu_dir, &opts)
         });

@@ -66,6 +66,7 @@ pub mod job;
 pub mod migrate;
 mod observer;
 pub mod places;
+pub mod prestage;
 pub mod process;
 pub mod ranks;
 pub mod restore;

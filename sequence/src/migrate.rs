@@ -65,9 +65,10 @@ use serde::{Serialize, Serializer};
 
 use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
+use crate::prestage::{self, Prestaged, Prestages};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
-    self, accept_handshake, await_outcome, await_released, receive_dir_in_session_as, send_abort,
+    self, accept_handshake, await_outcome, await_released, receive_dir_watching, send_abort,
     send_outcome, send_released, Accepted, Connection, DirSender, Durability, FrameError,
     HandoffError, Outcome, Paced, Pacer, Sessions, Totals, WireError, Written,
 };
@@ -593,6 +594,14 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         mut sender,
     } = link;
     sender.told(held.written_at_cut());
+    // The job's private memory split out of CRIU's images, in parts the receiver writes at once.
+    let criu = held.dir().join("criu");
+    for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {
+        sender.send_in_parts(
+            format!("criu/{name}"),
+            possum_criu::hostmem::MIGRATION_PART_BYTES,
+        );
+    }
     let sending = paced(pacer.as_ref(), &mut stream, |mut s| {
         sender.finish(&mut s, held.dir())
     });
@@ -912,6 +921,7 @@ impl Fallback<'_> {
             env: c.env.clone(),
             hmac_key: None,
             received_unsynced: false,
+            prestaged: Vec::new(),
         };
         match restore(&params, obs) {
             Ok(_) => JobAt::Source,
@@ -977,6 +987,12 @@ pub struct Received {
     pub restore: crate::figures::RestoreFigures,
     /// Whether the source heard that the job runs here (it restores its own otherwise).
     pub source_told: bool,
+    /// The GPU images loaded ahead, while the job was still at the source.
+    pub prestaged: Vec<Prestaged>,
+    /// The restore's stages (`possum restore --json`'s `staged`): what each took of them.
+    pub staged: Vec<crate::stage::StageReport>,
+    /// Why the restore staged nothing, if it did not.
+    pub stage_skipped: Option<String>,
 }
 
 /// A receive that failed, by phase (nothing of the image is left, and no job was restored).
@@ -1084,6 +1100,15 @@ fn synced(dest: &Path, obs: &mut dyn Observer) -> (Duration, bool) {
 /// buffers (they are all back by then) before it syncs its image without that figure.
 const WAITED_LIMIT: Duration = Duration::from_secs(60);
 
+/// Ends, when dropped, the prestages a restore did not take.
+struct EndPrestages<'a>(&'a [Prestaged]);
+
+impl Drop for EndPrestages<'_> {
+    fn drop(&mut self) {
+        prestage::end(self.0);
+    }
+}
+
 /// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
 /// its first connection, began at `t`: the image into a new directory of `p.dir` (over all the
 /// session's streams), then, once the source released its job, its restore, whose outcome the
@@ -1097,10 +1122,25 @@ pub fn receive_in_session(
 ) -> Result<Received, ReceiveError> {
     let mut timings = ReceiveTimings::default();
     let dest = image_name(&p.dir);
-    // Unsynced until the job runs here: the source keeps its image until then.
-    let (got, mut session) = receive_dir_in_session_as(stream, session, &dest, Durability::Later)
-        .map_err(|e| ReceiveError::Transfer(Box::new(e)))?;
+    // Unsynced until the job runs here: the source keeps its image until then. The GPU images
+    // loaded ahead, once the first round sent ahead is here.
+    let mut ahead = Prestages::default();
+    let received = receive_dir_watching(stream, session, &dest, Durability::Later, &mut |dir| {
+        if p.restore.env.restore_stage {
+            ahead.part_received(dir);
+        }
+    });
+    let prestaged = ahead.finish();
+    let (got, mut session) = match received {
+        Ok(r) => r,
+        Err(e) => {
+            prestage::end(&prestaged);
+            return Err(ReceiveError::Transfer(Box::new(e)));
+        }
+    };
     timings.receive = t.elapsed();
+    // Whatever the restore took of them, the rest is freed at the end.
+    let _end_prestages = EndPrestages(&prestaged);
 
     let t = Instant::now();
     let released = stream
@@ -1124,6 +1164,7 @@ pub fn receive_in_session(
         dir: dest.clone(),
         socket_dir_from_source: true,
         received_unsynced: true,
+        prestaged: prestaged.clone(),
         ..p.restore.clone()
     };
     // Restored, the job is held until the source says go: without it, it never runs here.
@@ -1179,6 +1220,9 @@ pub fn receive_in_session(
                 timings,
                 restore: r.figures,
                 source_told: told.is_ok(),
+                prestaged: prestaged.clone(),
+                staged: r.staged,
+                stage_skipped: r.stage_skipped,
             })
         }
         Err(RestoreError::NotConfirmed { pid, why }) => {

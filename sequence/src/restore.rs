@@ -50,6 +50,9 @@ pub struct RestoreParams {
     /// The image is the one a migration just received, restored before it is synced
     /// ([`crate::wire::Durability::Later`]): its [`crate::wire::UNSYNCED`] does not refuse it.
     pub received_unsynced: bool,
+    /// The job's GPU images a migration's destination loaded ahead ([`crate::prestage`]): the
+    /// stages build on them.
+    pub prestaged: Vec<crate::prestage::Prestaged>,
 }
 
 /// A restore made: what the command prints.
@@ -655,7 +658,7 @@ fn begin_staging(
         on,
     ) {
         Ok(plan) => match timed(&mut figures.stage_begin, || {
-            Staging::begin(img, plan, &p.possum_exe)
+            Staging::begin(img, plan, &p.possum_exe, &p.prestaged)
         }) {
             Ok(s) => (Some(s), None),
             Err(e) => (None, Some(format!("the keeper could not be asked: {e:#}"))),

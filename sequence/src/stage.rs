@@ -49,6 +49,14 @@ pub struct StageReport {
     pub stage: Option<u64>,
     pub buffers: u64,
     pub bytes: u64,
+    /// The prestage it was built on (a migration's destination loaded the image ahead), and the
+    /// bytes it found in memory there: not loaded again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base: Option<u64>,
+    /// Why the prestage could not be built on (the image was staged without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base_error: Option<String>,
+    pub reused_bytes: u64,
     /// How long the keeper took to take the request (open the image, create the memory); the
     /// loads go on after it.
     pub request_ms: f64,
@@ -103,7 +111,12 @@ pub(crate) fn plan(
 impl Staging {
     /// Asks the keeper in `keeper_dir` (started here if none answers) to stage every GPU image
     /// of the job's, on a thread of its own: returns at once.
-    pub(crate) fn begin(img: &Image, plan: Plan, exe: &Path) -> anyhow::Result<Staging> {
+    pub(crate) fn begin(
+        img: &Image,
+        plan: Plan,
+        exe: &Path,
+        prestaged: &[crate::prestage::Prestaged],
+    ) -> anyhow::Result<Staging> {
         let m = &img.manifest;
         let Plan {
             dir: keeper_dir,
@@ -119,13 +132,18 @@ impl Staging {
         let todo = img.gpu_images();
         let kdir = keeper_dir.clone();
         let m = m.clone();
+        let (dir, prestaged) = (img.dir.clone(), prestaged.to_vec());
         let thread = std::thread::Builder::new()
             .name("possum-stage".into())
             .spawn(move || {
                 todo.into_iter()
                     .map(|(pid, device, image)| {
                         let (socket, from) = stage_target(&m, &kdir, moved, pid, device);
-                        stage_one(socket, from, pid, device, image)
+                        let base = socket
+                            .as_ref()
+                            .ok()
+                            .and_then(|s| crate::prestage::base_for(&prestaged, &dir, &image, s));
+                        stage_one(socket, from, base, (pid, device), image)
                     })
                     .collect()
             })?;
@@ -221,7 +239,12 @@ pub(crate) fn keeper_holds(m: &Manifest) -> bool {
 /// for a single-GPU job the one serving that GPU's UUID (a job moved by an earlier `--device`
 /// restore keeps an ordinal the keeper numbers otherwise), else `keeper-<device>.sock`.
 fn job_socket(m: &Manifest, dir: &Path, device: usize) -> PathBuf {
-    let by_uuid = match m.gpu_memory.as_slice() {
+    socket_of_job(&m.gpu_memory, dir, device)
+}
+
+/// [`job_socket`] of a job that used the GPUs `gpus` (`possum.json`'s `gpu_memory`).
+pub(crate) fn socket_of_job(gpus: &[crate::image::GpuUse], dir: &Path, device: usize) -> PathBuf {
+    let by_uuid = match gpus {
         [one] => uuid_bytes(&one.uuid)
             .ok()
             .and_then(|u| possum_keeper::keeper_for_device(dir, &uuid_hex(&u))),
@@ -258,16 +281,23 @@ fn peer_of(dir: &Path, old: &[u8; 16], device: usize, epoch: Option<u64>) -> Opt
 fn stage_one(
     socket: Result<PathBuf, String>,
     from: Option<PeerSource>,
-    pid: i32,
-    device: usize,
+    base: Option<u64>,
+    (pid, device): (i32, usize),
     image: PathBuf,
 ) -> StageReport {
     let t = Instant::now();
-    let r = socket.clone().and_then(|s| {
-        possum_keeper::Keeper::connect(&s)
-            .and_then(|mut k| k.stage(pid, &image, HOLD_SECS, from.clone()))
-            .map_err(|e| e.to_string())
-    });
+    let ask = |base| {
+        socket.clone().and_then(|s| {
+            possum_keeper::Keeper::connect(&s)
+                .and_then(|mut k| k.stage(pid, &image, HOLD_SECS, from.clone(), base))
+                .map_err(|e| e.to_string())
+        })
+    };
+    // A prestage gone (its keeper ended since) is no reason not to stage.
+    let (r, base, base_error) = match ask(base) {
+        Err(e) if base.is_some() => (ask(None), None, Some(e)),
+        r => (r, base, None),
+    };
     let mut rep = StageReport {
         pid,
         device,
@@ -279,6 +309,9 @@ fn stage_one(
         stage: None,
         buffers: 0,
         bytes: 0,
+        base,
+        base_error,
+        reused_bytes: 0,
         request_ms: t.elapsed().as_secs_f64() * 1e3,
         error: None,
         unused: false,
@@ -290,6 +323,7 @@ fn stage_one(
             rep.bytes = info.bytes;
             rep.peer_buffers = info.peer;
             rep.peer_misses = info.peer_misses;
+            rep.reused_bytes = info.reused_bytes;
         }
         Err(e) => rep.error = Some(e),
     }

@@ -553,3 +553,52 @@ fn a_fill_from_parts_writes_runs_across_part_boundaries() {
         "{e}"
     );
 }
+
+/// An index of one data file whose file came in parts (a migration's sender cuts it so): read
+/// as parts of the first's size, which a fill takes across their boundaries; the file itself,
+/// when it is there, wins. A first part not of whole pages is refused by name.
+#[test]
+fn an_index_of_one_file_reads_that_file_sent_in_parts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let data: Vec<u8> = (0..5 * P).map(|i| (i / P + 7) as u8 ^ (i as u8)).collect();
+    let mut mem = vec![0u8; 6 * P as usize];
+    let base = (mem.as_ptr() as u64).next_multiple_of(P);
+    let index = Index {
+        data_file: "possum-hostmem-8.pages".into(),
+        data_len: 5 * P,
+        part_bytes: 0,
+        ranges: vec![Range {
+            vaddr: base,
+            offset: P,
+            len: 4 * P,
+        }],
+    };
+    fs::write(index_path(dir, 8), index.encode()).unwrap();
+    for (k, chunk) in data.chunks(2 * P as usize).enumerate() {
+        fs::write(dir.join(format!("possum-hostmem-8.pages.{k}")), chunk).unwrap();
+    }
+    let read = read_index(dir, 8).unwrap().unwrap();
+    assert_eq!(read.part_bytes, 2 * P);
+    assert_eq!(whole_data_files(dir).unwrap(), Vec::<String>::new());
+    let me = std::process::id() as i32;
+    assert_eq!(fill(dir, 8, me, 2).unwrap().unwrap().bytes, 4 * P);
+    let start = (base - mem.as_ptr() as u64) as usize;
+    let got = std::hint::black_box(&mut mem)[start..start + 4 * P as usize].to_vec();
+    assert!(
+        got == data[P as usize..],
+        "the parts were not read in order"
+    );
+
+    // The whole file there: it is the data, and what a sender cuts.
+    fs::write(dir.join("possum-hostmem-8.pages"), &data).unwrap();
+    assert_eq!(read_index(dir, 8).unwrap().unwrap().part_bytes, 0);
+    assert_eq!(
+        whole_data_files(dir).unwrap(),
+        vec!["possum-hostmem-8.pages".to_string()]
+    );
+    fs::remove_file(dir.join("possum-hostmem-8.pages")).unwrap();
+    fs::write(dir.join("possum-hostmem-8.pages.0"), [1u8; 100]).unwrap();
+    let e = read_index(dir, 8).unwrap_err().to_string();
+    assert!(e.contains("possum-hostmem-8.pages.0"), "{e}");
+}

@@ -8,6 +8,10 @@ pub const FORMAT_MINOR: u32 = 1;
 pub const MANIFEST_MAGIC: [u8; 8] = *b"POSSUMIM";
 /// The name of the manifest file inside an image directory.
 pub const MANIFEST_FILE: &str = "manifest.pb";
+/// The name of an unfinished image's draft manifest: what its data files held after the last
+/// pre-copy round ([`ImageWriter::write_draft`](super::ImageWriter::write_draft)), the manifest's
+/// format; removed at commit.
+pub const DRAFT_FILE: &str = "draft.pb";
 /// The largest manifest payload accepted, in bytes (256 MiB); larger is refused before allocating.
 pub const MAX_MANIFEST_LEN: u64 = 256 << 20;
 /// The largest chunk accepted, in bytes (1 GiB), by the writer and the reader.

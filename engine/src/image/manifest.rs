@@ -10,8 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use prost::Message;
 
 use super::{
-    CoverageError, ImageError, ImageSummary, FORMAT_MAJOR, MANIFEST_FILE, MANIFEST_MAGIC,
-    MAX_CHUNK_LEN, MAX_DATA_FILES, MAX_MANIFEST_LEN,
+    CoverageError, ImageError, ImageSummary, DRAFT_FILE, FORMAT_MAJOR, MANIFEST_FILE,
+    MANIFEST_MAGIC, MAX_CHUNK_LEN, MAX_DATA_FILES, MAX_MANIFEST_LEN,
 };
 use crate::fingerprint::Fingerprint;
 use crate::store::BufferRecord;
@@ -210,7 +210,16 @@ pub(crate) fn read_framed(image: &Path) -> Result<(u32, u32, Manifest), ImageErr
 /// [`read_framed`], also returning the CRC32C stored at the end of the file (which identifies
 /// this manifest: [`ParentMsg::manifest_crc32c`]).
 pub(crate) fn read_framed_crc(image: &Path) -> Result<(u32, u32, Manifest, u32), ImageError> {
-    let path = image.join(MANIFEST_FILE);
+    read_framed_crc_of(image, MANIFEST_FILE)
+}
+
+/// [`read_framed_crc`] of the manifest-format file `name` of the image (its manifest or its
+/// draft).
+pub(crate) fn read_framed_crc_of(
+    image: &Path,
+    name: &str,
+) -> Result<(u32, u32, Manifest, u32), ImageError> {
+    let path = image.join(name);
     let mut file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == ErrorKind::NotFound => {
@@ -384,6 +393,7 @@ fn valid_data_file_name(name: &str) -> bool {
         && name.len() <= 255
         && !name.starts_with('.')
         && name != MANIFEST_FILE
+        && name != DRAFT_FILE
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')

@@ -84,10 +84,12 @@ mod tests;
 
 pub use error::{CoverageError, ImageError};
 pub use format::{
-    FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_FILE, MANIFEST_MAGIC, MAX_CHUNK_LEN, MAX_DATA_FILES,
-    MAX_MANIFEST_LEN,
+    DRAFT_FILE, FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_FILE, MANIFEST_MAGIC, MAX_CHUNK_LEN,
+    MAX_DATA_FILES, MAX_MANIFEST_LEN,
 };
 pub use manifest::{check_coverage, check_manifest};
 pub use reader::Image;
 pub use summary::ImageSummary;
-pub use writer::{FileWrites, ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE};
+pub use writer::{
+    unfinished_image_name, FileWrites, ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE,
+};

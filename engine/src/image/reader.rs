@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::manifest::{self, read_framed_crc, summarize, ChunkMsg, ParentMsg};
-use super::{ImageError, ImageSummary, MANIFEST_FILE, MAX_CHUNK_LEN};
+use super::{ImageError, ImageSummary, DRAFT_FILE, MANIFEST_FILE, MAX_CHUNK_LEN};
 use crate::fingerprint::{self, Fingerprint};
 use crate::store::{BufferRecord, ChunkSource};
 
@@ -97,8 +97,21 @@ impl Image {
     /// file exists and is at least as long as recorded. The first problem found is returned,
     /// naming the file, buffer and offset concerned.
     pub fn open(dir: &Path) -> Result<Image, ImageError> {
+        Image::open_as(dir, MANIFEST_FILE)
+    }
+
+    /// Opens an unfinished image by its draft manifest ([`DRAFT_FILE`]): the chunks its data
+    /// files held after its last pre-copy round, checked as [`Image::open`] checks a manifest.
+    /// A later round or the commit may have written over some of those bytes: each chunk read
+    /// is checked against its CRC32C, and a chunk that changed fails to read.
+    pub fn open_draft(dir: &Path) -> Result<Image, ImageError> {
+        Image::open_as(dir, DRAFT_FILE)
+    }
+
+    fn open_as(dir: &Path, manifest_file: &str) -> Result<Image, ImageError> {
         fs::metadata(dir).map_err(|e| ImageError::io(dir, e))?;
-        let (major, minor, manifest, manifest_crc32c) = read_framed_crc(dir)?;
+        let (major, minor, manifest, manifest_crc32c) =
+            manifest::read_framed_crc_of(dir, manifest_file)?;
         let index = manifest::check(dir, major, minor, &manifest)?;
 
         let mut parents = Vec::with_capacity(manifest.parents.len());
@@ -265,6 +278,21 @@ impl Image {
             }
         }
         Ok(())
+    }
+
+    /// Whether this image and `other` hold the same bytes for `buffer` at `offset`: each has a
+    /// chunk there of the same length, CRC32C and fingerprint (a chunk without a fingerprint is
+    /// never called the same: a CRC32C alone does not prove it).
+    pub fn same_chunk(&self, other: &Image, buffer: u64, offset: u64) -> bool {
+        match (self.chunk(buffer, offset), other.chunk(buffer, offset)) {
+            (Some(a), Some(b)) => {
+                a.len == b.len
+                    && a.crc32c == b.crc32c
+                    && a.fingerprint().is_some()
+                    && a.fingerprint() == b.fingerprint()
+            }
+            _ => false,
+        }
     }
 
     fn chunk(&self, buffer: u64, offset: u64) -> Option<&ChunkMsg> {

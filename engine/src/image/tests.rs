@@ -1357,3 +1357,53 @@ fn check_manifest_agrees_with_open() {
 
 // Fingerprints and parent images (format 1.1): `tests/format_1_1.rs`.
 mod format_1_1;
+
+/// The draft manifest: what was written so far, readable by [`Image::open_draft`] while the
+/// image is unfinished, replaced by each later draft, gone from the committed image. Two images
+/// hold the same chunk with the same length, CRC32C and fingerprint.
+#[test]
+fn a_draft_reads_the_unfinished_image_and_the_commit_removes_it() {
+    let (_root, dir, w) = scratch_writer(fast());
+    w.add_buffer(rec(1, 200, 0)).unwrap();
+    w.add_buffer(rec(2, 100, 0)).unwrap();
+    let fp = |b: &[u8]| crate::fingerprint::of(b);
+    let (a0, b0) = (pattern(1, 0, 200, 0), pattern(2, 0, 100, 0));
+    w.write_chunk_fp(1, 0, &a0, fp(&a0)).unwrap();
+    w.write_chunk(2, 0, &b0).unwrap();
+    // No draft yet.
+    assert!(matches!(
+        Image::open_draft(w.temp_dir()),
+        Err(ImageError::ManifestMissing { .. })
+    ));
+    w.write_draft().unwrap();
+    let first = Image::open_draft(w.temp_dir()).unwrap();
+    let mut got = [0u8; 200];
+    first.read_chunk(1, 0, &mut got).unwrap();
+    assert_eq!(got.to_vec(), a0);
+    let name = w.temp_dir().file_name().unwrap().to_str().unwrap();
+    assert_eq!(unfinished_image_name(name), Some("img"));
+    assert_eq!(unfinished_image_name("img"), None);
+    assert_eq!(unfinished_image_name(".tmp-1"), None);
+
+    // Buffer 1 written again, the same bytes; a second draft.
+    w.write_chunk_fp(1, 0, &a0, fp(&a0)).unwrap();
+    w.write_draft().unwrap();
+    let second = Image::open_draft(w.temp_dir()).unwrap();
+    assert!(second.same_chunk(&first, 1, 0));
+    // Its fingerprint computed as it was written.
+    assert!(second.same_chunk(&first, 2, 0));
+    w.commit().unwrap();
+    assert!(!dir.join(DRAFT_FILE).exists());
+    let done = Image::open(&dir).unwrap();
+    assert!(done.same_chunk(&first, 1, 0));
+    assert!(!done.same_chunk(&first, 1, 8));
+
+    // Other bytes: not the same.
+    let (_root2, _dir2, w2) = scratch_writer(fast());
+    w2.add_buffer(rec(1, 200, 0)).unwrap();
+    let a1 = pattern(1, 0, 200, 1);
+    w2.write_chunk_fp(1, 0, &a1, fp(&a1)).unwrap();
+    w2.write_draft().unwrap();
+    let other = Image::open_draft(w2.temp_dir()).unwrap();
+    assert!(!other.same_chunk(&first, 1, 0));
+}

@@ -16,8 +16,8 @@ use super::manifest::{
     ParentMsg,
 };
 use super::{
-    Image, ImageError, ImageSummary, FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_FILE, MAX_CHUNK_LEN,
-    MAX_DATA_FILES,
+    Image, ImageError, ImageSummary, DRAFT_FILE, FORMAT_MAJOR, FORMAT_MINOR, MANIFEST_FILE,
+    MAX_CHUNK_LEN, MAX_DATA_FILES,
 };
 use crate::fingerprint::{self, Fingerprint};
 use crate::store::{BufferRecord, ChunkSink};
@@ -357,6 +357,13 @@ fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
         }
     }
     out
+}
+
+/// The name an image will have whose unfinished directory is named `dir_name` (`.NAME.tmp-...`,
+/// as [`ImageWriter::create`] names it), if it is such a directory.
+pub fn unfinished_image_name(dir_name: &str) -> Option<&str> {
+    let (name, _) = dir_name.strip_prefix('.')?.rsplit_once(".tmp-")?;
+    (!name.is_empty()).then_some(name)
 }
 
 /// A fresh suffix for temporary names: pid, time and a process-wide counter.
@@ -743,9 +750,31 @@ impl ImageWriter {
             sync_dir(&self.tmp_dir)?;
         }
         drop(mfile);
+        match fs::remove_file(self.tmp_dir.join(DRAFT_FILE)) {
+            Err(e) if e.kind() != ErrorKind::NotFound => {
+                return Err(ImageError::io(self.tmp_dir.join(DRAFT_FILE), e))
+            }
+            _ => {}
+        }
 
         self.install()?;
         Ok(summarize(&manifest, &index))
+    }
+
+    /// Writes (or replaces) the draft manifest ([`DRAFT_FILE`]): the chunks recorded so far, in
+    /// the manifest's format, for a reader of the unfinished image ([`Image::open_draft`]:
+    /// a migration's destination loads what it was sent ahead before the image is complete).
+    /// Written beside the data files under a temporary name, then renamed: a reader sees a whole
+    /// draft or the one before. Not synced; removed at commit.
+    ///
+    /// [`Image::open_draft`]: super::Image::open_draft
+    pub fn write_draft(&self) -> Result<(), ImageError> {
+        let manifest = self.build_manifest()?;
+        let bytes = encode_framed(&manifest, FORMAT_MAJOR, FORMAT_MINOR);
+        let tmp = self.tmp_dir.join(format!(".{DRAFT_FILE}.tmp"));
+        fs::write(&tmp, &bytes).map_err(|e| ImageError::io(&tmp, e))?;
+        let path = self.tmp_dir.join(DRAFT_FILE);
+        fs::rename(&tmp, &path).map_err(|e| ImageError::io(&path, e))
     }
 
     /// The manifest for what has been written so far (data file lengths as they are on disk).

@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use possum_control::reply::{CheckpointReply, DeviceCopy};
+use possum_engine::image::ImageWriter;
 use possum_engine::store::ChunkSink;
 use serde_json::Value;
 
@@ -195,6 +196,7 @@ fn first_round(
                 what: "pre-copy: ",
                 source,
             })?;
+        draft(&writer);
         out.push(DeviceCopy {
             written: written(&writer),
             ..round_copy(e.ordinal, &r)
@@ -202,6 +204,15 @@ fn first_round(
         writers.push((e.ordinal, writer));
     }
     Ok((Images { target, writers }, out))
+}
+
+/// The image's draft manifest after a round, for a migration's destination to load ahead
+/// (`ImageWriter::write_draft`). Without it the destination loads the image once it is whole:
+/// a failure is said and is no reason to fail the checkpoint.
+fn draft(writer: &ImageWriter) {
+    if let Err(e) = writer.write_draft() {
+        log(&format!("no draft manifest after the pre-copy round: {e}"));
+    }
 }
 
 /// `PrecopyRound`: another pre-copy round into the images the open checkpoint writes, the job
@@ -232,6 +243,7 @@ fn precopy_round_inner() -> Result<CheckpointReply, SessionError> {
                 what: "pre-copy round: ",
                 source,
             })?;
+        draft(writer);
         out.push(DeviceCopy {
             written: written(writer),
             ..round_copy(*ordinal, &r)

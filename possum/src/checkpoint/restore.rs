@@ -52,6 +52,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
             .map(possum_sequence::auth::HmacKey::read)
             .transpose()?,
         received_unsynced: false,
+        prestaged: Vec::new(),
     };
     let report = possum_sequence::restore(&params, &mut Notes)?;
     if a.json {

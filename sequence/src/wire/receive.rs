@@ -235,14 +235,28 @@ pub fn receive_dir_in_session<S: Read + Write>(
 /// [`receive_dir_in_session`], its files synced as `durability` says.
 pub fn receive_dir_in_session_as<S: Read + Write>(
     stream: &mut S,
+    session: Session,
+    dest: &Path,
+    durability: Durability,
+) -> Result<(ReceiveReport, Session), WireError> {
+    receive_dir_watching(stream, session, dest, durability, &mut |_| {})
+}
+
+/// [`receive_dir_in_session_as`], `ahead` told of the directory where what is sent ahead is
+/// received each time a part of it is whole there (its files complete and checked), while the
+/// source's job runs: a migration's destination begins loading the job's GPU images then. The
+/// directory is moved at the `Cut` (files opened before stay good).
+pub fn receive_dir_watching<S: Read + Write>(
+    stream: &mut S,
     mut session: Session,
     dest: &Path,
     durability: Durability,
+    ahead: &mut dyn FnMut(&Path),
 ) -> Result<(ReceiveReport, Session), WireError> {
     let start = Instant::now();
     let received = new_dest(dest).and_then(|name| {
         let lanes = session.lanes()?;
-        receive_into(stream, &mut session, lanes, (name, dest), durability)
+        receive_into(stream, &mut session, lanes, (name, dest), durability, ahead)
     });
     match received {
         Ok(totals) => {
@@ -281,6 +295,7 @@ pub(super) fn receive_into<S: Read>(
     mut lanes: Vec<RecvLane>,
     (name, dest): (&std::ffi::OsStr, &Path),
     durability: Durability,
+    ahead: &mut dyn FnMut(&Path),
 ) -> Result<Totals, ReceiveError> {
     let parent = match dest.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -292,7 +307,12 @@ pub(super) fn receive_into<S: Read>(
         match read_frame(stream, session, &mut buf)? {
             Frame::Dir(h) => r.dir(&h)?,
             Frame::File(h) => r.file(h)?,
-            Frame::Chunks => r.chunks(stream, &mut session.recv, &mut lanes)?,
+            Frame::Chunks => {
+                r.chunks(stream, &mut session.recv, &mut lanes)?;
+                if r.pre.is_none() {
+                    ahead(&r.root);
+                }
+            }
             Frame::Cut => r.cut()?,
             Frame::Done(totals) => {
                 if !r.part.is_empty() {

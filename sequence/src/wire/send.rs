@@ -43,6 +43,46 @@ pub struct SendReport {
 pub(super) enum Entry {
     Dir(DirHeader),
     File(FileHeader),
+    /// The header's `size` bytes of the file `of` (`whole` bytes long) from `at`, sent as the
+    /// file the header names ([`DirSender::send_in_parts`]).
+    Slice {
+        header: FileHeader,
+        of: String,
+        at: u64,
+        whole: u64,
+    },
+}
+
+/// `entries` with each file named in `in_parts` replaced by its parts, `NAME.0`, `NAME.1`, ...,
+/// of the bytes given (the last shorter).
+fn sliced(entries: Vec<Entry>, in_parts: &[(String, u64)]) -> Vec<Entry> {
+    let mut out = Vec::with_capacity(entries.len());
+    for e in entries {
+        let Entry::File(h) = e else {
+            out.push(e);
+            continue;
+        };
+        match in_parts.iter().find(|(p, _)| *p == h.path) {
+            Some(&(_, part)) if part > 0 && h.size > 0 => {
+                for k in 0..h.size.div_ceil(part) {
+                    out.push(Entry::Slice {
+                        header: FileHeader {
+                            id: 0,
+                            path: format!("{}.{k}", h.path),
+                            size: (h.size - k * part).min(part),
+                            mode: h.mode,
+                            base: None,
+                        },
+                        of: h.path.clone(),
+                        at: k * part,
+                        whole: h.size,
+                    });
+                }
+            }
+            _ => out.push(Entry::File(h)),
+        }
+    }
+    out
 }
 
 /// The entries under `root/rel`, sorted, each directory before what it holds. Not `strict` (a
@@ -184,6 +224,8 @@ pub struct DirSender {
     written: Written,
     /// The files' bytes sent so far, every part and stream ([`DirSender::sent_counter`]).
     sent: Arc<AtomicU64>,
+    /// Files of the final set sent in parts ([`DirSender::send_in_parts`]).
+    in_parts: Vec<(String, u64)>,
 }
 
 impl DirSender {
@@ -211,7 +253,17 @@ impl DirSender {
             sent_ahead: false,
             written: Written::new(),
             sent: Arc::default(),
+            in_parts: Vec::new(),
         })
+    }
+
+    /// Sends the file at `path` (relative to the directory) of the final set as files of
+    /// `part_bytes` each (the last shorter), `PATH.0`, `PATH.1`, ...: the receiver writes them
+    /// from every stream at once, where writes into one file are taken one at a time. Whoever
+    /// reads the received directory must take the parts for the file (a process's private
+    /// memory split out of CRIU's images: `possum_criu::hostmem::read_index`).
+    pub fn send_in_parts(&mut self, path: impl Into<String>, part_bytes: u64) {
+        self.in_parts.push((path.into(), part_bytes));
     }
 
     /// The files' bytes this session sent so far, every part and every stream counted as each
@@ -282,6 +334,7 @@ impl DirSender {
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, true)?;
+            let entries = sliced(entries, &self.in_parts);
             let mode = if self.sent_ahead {
                 write_frame(stream, &mut self.session, &Frame::Cut)?;
                 // Out now: the receiver reads its copies back while this end hashes its files.
@@ -386,7 +439,7 @@ impl DirSender {
                 path: f.path.clone(),
                 source,
             };
-            if !ahead && f.file.metadata().map_err(read)?.len() != f.size {
+            if !ahead && f.file.metadata().map_err(read)?.len() != f.whole {
                 return Err(SendError::Changed {
                     path: f.path,
                     listed: f.size,
@@ -444,6 +497,10 @@ struct Outgoing {
     file: fs::File,
     inode: (u64, u64),
     size: u64,
+    /// Where its bytes begin in `file` (a part of a file sent in parts; else 0), and `file`'s
+    /// length as listed.
+    at: u64,
+    whole: u64,
     /// Its pieces to send, in order.
     sends: Vec<ToSend>,
     /// Their bytes.
@@ -497,14 +554,23 @@ fn headers<S: Write>(
     let ahead = matches!(mode, Sending::Ahead { .. });
     let mut files = Vec::new();
     for entry in entries {
-        let mut h = match entry {
+        let (mut h, of, at, whole) = match entry {
             Entry::Dir(h) => {
                 write_frame(stream, session, &Frame::Dir(h))?;
                 continue;
             }
-            Entry::File(h) => h,
+            Entry::File(h) => {
+                let (of, size) = (h.path.clone(), h.size);
+                (h, of, 0, size)
+            }
+            Entry::Slice {
+                header,
+                of,
+                at,
+                whole,
+            } => (header, of, at, whole),
         };
-        let path = dir.join(&h.path);
+        let path = dir.join(&of);
         let read = |source| SendError::Read {
             path: path.clone(),
             source,
@@ -578,6 +644,8 @@ fn headers<S: Write>(
             file,
             inode,
             size,
+            at,
+            whole,
             bytes: sends.iter().map(|s| s.len).sum(),
             sends,
             pieces: prior.map(Mutex::new),
@@ -726,7 +794,7 @@ impl Share<'_> {
             let f = &self.files[i];
             let data = &mut buf[..len as usize];
             f.file
-                .read_exact_at(data, offset)
+                .read_exact_at(data, f.at + offset)
                 .map_err(|e| match e.kind() {
                     io::ErrorKind::UnexpectedEof => SendError::Changed {
                         path: f.path.clone(),
@@ -785,7 +853,7 @@ pub(super) fn bases(
         .iter()
         .filter_map(|e| match e {
             Entry::File(h) => Some(h),
-            Entry::Dir(_) => None,
+            Entry::Dir(_) | Entry::Slice { .. } => None,
         })
         .filter_map(|h| {
             let file = fs::OpenOptions::new()

@@ -900,3 +900,30 @@ fn streams_that_cannot_or_do_not_join_fail_the_session() {
     ));
     assert!(names(&out).is_empty());
 }
+
+/// A file of the final set sent in parts (`send_in_parts`), after a part sent ahead: the
+/// receiver has `NAME.0`, `NAME.1`, ... holding its bytes in order, not the file; every other
+/// file as it is.
+#[test]
+fn a_file_sent_in_parts_arrives_as_its_parts() {
+    let (_tmp, src, out) = dirs();
+    fs::create_dir(src.join("criu")).unwrap();
+    write_files(&src, &[("criu/ahead", b"sent ahead")]);
+    let dest = out.join("image");
+    let (mut a, mut sender, receiver) = sender_to(&dest);
+    sender.send_ahead(&mut a, &src).unwrap();
+    let data = noise(2 * CHUNK_BYTES + 777);
+    write_files(&src, &[("criu/pages", &data), ("criu/other", b"x")]);
+    sender.send_in_parts("criu/pages", CHUNK_BYTES as u64);
+    let report = finish(sender, &mut a, &src, receiver);
+    assert_eq!(report.totals.files, 5, "{report:?}");
+    assert_eq!(report.totals.bytes, data.len() as u64 + 11, "{report:?}");
+    for (k, want) in data.chunks(CHUNK_BYTES).enumerate() {
+        let got = fs::read(dest.join(format!("criu/pages.{k}"))).unwrap();
+        assert!(got == want, "part {k} differs");
+    }
+    assert!(!dest.join("criu/pages").exists());
+    assert!(!dest.join("criu/pages.3").exists());
+    assert_eq!(fs::read(dest.join("criu/other")).unwrap(), b"x");
+    assert_eq!(fs::read(dest.join("criu/ahead")).unwrap(), b"sent ahead");
+}

@@ -1,0 +1,274 @@
+//! A migration's destination loading the job's GPU images before they are whole: once the
+//! first pre-copy round sent ahead is received (the job still running at the source), the
+//! keeper that serves the job's GPU there is asked to `prestage` each image by its draft
+//! manifest (the chunks the round wrote, `draft.pb`), so that the memory is loaded while the
+//! source's later rounds, its hold and its final send go on. The restore's stage of the finished
+//! image then builds on it (`base`): each buffer keeps that memory, and only the chunks that
+//! differ between the draft and the image (by length, CRC32C and fingerprint) are loaded. A
+//! chunk the draft has without a fingerprint, a buffer the prestage did not load whole, a
+//! prestage that failed or was not made: loaded from the image as without it.
+//!
+//! The source writes what the destination needs to find that keeper before the image has a
+//! `possum.json` ([`AHEAD_FILE`]: the job's keeper directory and GPUs, as `possum.json` will
+//! say them), in the checkpoint's directory before its pre-copy; it is sent ahead with it.
+//! Only a keeper already serving the GPU is asked (none is started for it: a keeper started
+//! before CRIU's restore must not take a PID of the job's tree, which only the finished image
+//! says); without one, the restore stages the image as it always does.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::image::{GpuUse, KeeperOfJob};
+
+/// The file in a migration's checkpoint directory that says where its GPU images can be loaded
+/// ahead.
+pub(crate) const AHEAD_FILE: &str = "possum-ahead.json";
+
+/// How long a prestage's memory is kept if no stage takes it and nobody ends it.
+const HOLD_SECS: u64 = 120;
+
+/// [`AHEAD_FILE`]'s content.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct AheadHint {
+    /// The job's keeper (its socket directory), as `possum.json`'s `keeper`.
+    pub keeper: Option<KeeperOfJob>,
+    /// The GPUs it uses, as `possum.json`'s `gpu_memory`.
+    pub gpu_memory: Vec<GpuUse>,
+}
+
+/// Writes [`AHEAD_FILE`] into the checkpoint's temporary directory `tmp`.
+pub(crate) fn write_hint(tmp: &Path, hint: &AheadHint) -> io::Result<()> {
+    let text = serde_json::to_vec(hint).map_err(io::Error::other)?;
+    fs::write(tmp.join(AHEAD_FILE), text)
+}
+
+/// One GPU image loaded ahead, as `possum receive --json` reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prestaged {
+    /// The image, relative to the checkpoint directory (`gpu/gpu-0`).
+    pub image: PathBuf,
+    /// The keeper socket asked.
+    pub socket: PathBuf,
+    /// The keeper's prestage id.
+    pub stage: Option<u64>,
+    /// Buffers, and their bytes, it loads.
+    pub buffers: u64,
+    pub bytes: u64,
+    /// How long the keeper took to take the request (its memory made); the loads go on after.
+    pub request_ms: f64,
+    /// Why it was not made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The loads ahead of one migration's destination: begun once, at the first part sent ahead
+/// that holds drafts.
+#[derive(Default)]
+pub(crate) struct Prestages {
+    begun: bool,
+    thread: Option<JoinHandle<Vec<Prestaged>>>,
+}
+
+impl Prestages {
+    /// Called with the directory what is sent ahead is received in, each time a part of it is
+    /// whole: the first time it holds [`AHEAD_FILE`] and GPU images with drafts, asks the keeper
+    /// serving each image's GPU to load it, on a thread of its own.
+    pub(crate) fn part_received(&mut self, ahead: &Path) {
+        if self.begun {
+            return;
+        }
+        let Ok(text) = fs::read(ahead.join(AHEAD_FILE)) else {
+            return;
+        };
+        let drafts = drafts(ahead);
+        if drafts.is_empty() {
+            return;
+        }
+        self.begun = true;
+        let hint: AheadHint = match serde_json::from_slice(&text) {
+            Ok(h) => h,
+            Err(_) => return,
+        };
+        // Where a restore would look for a keeper only (docs/image-format.md).
+        let places = crate::places::Places::of_environment(None);
+        let Some(keeper) = hint
+            .keeper
+            .filter(|k| places.check_dir("the keeper's directory", &k.dir).is_ok())
+        else {
+            return;
+        };
+        let gpus = hint.gpu_memory;
+        self.thread = std::thread::Builder::new()
+            .name("possum-prestage".into())
+            .spawn(move || {
+                drafts
+                    .into_iter()
+                    .filter_map(|(rel, abs, device)| {
+                        let socket = crate::stage::socket_of_job(&gpus, &keeper.dir, device);
+                        // Only a keeper already there.
+                        let k = possum_keeper::Keeper::connect(&socket).ok()?;
+                        Some(prestage_one(k, socket, rel, &abs))
+                    })
+                    .collect()
+            })
+            .ok();
+    }
+
+    /// The prestages made (waiting for the requests, not for the loads).
+    pub(crate) fn finish(&mut self) -> Vec<Prestaged> {
+        self.thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default()
+    }
+}
+
+fn prestage_one(
+    mut k: possum_keeper::Keeper,
+    socket: PathBuf,
+    image: PathBuf,
+    abs: &Path,
+) -> Prestaged {
+    let t = Instant::now();
+    let r = k.prestage(abs, HOLD_SECS);
+    let mut p = Prestaged {
+        image,
+        socket,
+        stage: None,
+        buffers: 0,
+        bytes: 0,
+        request_ms: t.elapsed().as_secs_f64() * 1e3,
+        error: None,
+    };
+    match r {
+        Ok(info) => {
+            p.stage = Some(info.stage);
+            p.buffers = info.buffers;
+            p.bytes = info.bytes;
+        }
+        Err(e) => p.error = Some(e.to_string()),
+    }
+    p
+}
+
+/// Ends the prestages no stage took (their memory freed); one a stage took is gone already,
+/// and the keeper's refusal of it is no matter.
+pub(crate) fn end(list: &[Prestaged]) {
+    for p in list {
+        if let Some(id) = p.stage {
+            if let Ok(mut k) = possum_keeper::Keeper::connect(&p.socket) {
+                let _ = k.stage_end(id);
+            }
+        }
+    }
+}
+
+/// The prestage of the image at `image` (absolute) on keeper socket `socket`, if any.
+pub(crate) fn base_for(list: &[Prestaged], dir: &Path, image: &Path, socket: &Path) -> Option<u64> {
+    let rel = image.strip_prefix(dir).ok()?;
+    list.iter()
+        .find(|p| p.image == rel && p.socket == socket)
+        .and_then(|p| p.stage)
+}
+
+/// The unfinished GPU images in `ahead` that have a draft: for the job (`gpu/`) and its other
+/// processes (`gpu-PID/`), each device's (`gpu-N`, named when finished), as (the finished
+/// image's path relative to the checkpoint, the unfinished directory, the device).
+fn drafts(ahead: &Path) -> Vec<(PathBuf, PathBuf, usize)> {
+    let mut out = Vec::new();
+    let Ok(top) = fs::read_dir(ahead) else {
+        return out;
+    };
+    for proc_dir in top.flatten() {
+        let pname = proc_dir.file_name();
+        let Some(pname) = pname.to_str() else {
+            continue;
+        };
+        if pname != "gpu" && !pname.strip_prefix("gpu-").is_some_and(all_digits) {
+            continue;
+        }
+        let Ok(images) = fs::read_dir(proc_dir.path()) else {
+            continue;
+        };
+        for img in images.flatten() {
+            let iname = img.file_name();
+            let Some(final_name) = iname
+                .to_str()
+                .and_then(possum_engine::image::unfinished_image_name)
+            else {
+                continue;
+            };
+            let Some(device) = final_name
+                .strip_prefix("gpu-")
+                .filter(|d| all_digits(d))
+                .and_then(|d| d.parse().ok())
+            else {
+                continue;
+            };
+            if img.path().join(possum_engine::image::DRAFT_FILE).is_file() {
+                out.push((Path::new(pname).join(final_name), img.path(), device));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn all_digits(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drafts_are_found_under_the_jobs_unfinished_images_only() {
+        let d = tempfile::tempdir().unwrap();
+        let mk = |p: &str, draft: bool| {
+            let at = d.path().join(p);
+            fs::create_dir_all(&at).unwrap();
+            if draft {
+                fs::write(at.join(possum_engine::image::DRAFT_FILE), b"x").unwrap();
+            }
+        };
+        mk("gpu/.gpu-0.tmp-12-abc", true);
+        mk("gpu/.gpu-1.tmp-12-abd", false);
+        mk("gpu-77/.gpu-2.tmp-13-x", true);
+        mk("criu/.gpu-0.tmp-1", true);
+        mk("gpu/gpu-3", true);
+        mk("gpu/.weights.tmp-1", true);
+        let found = drafts(d.path());
+        let rels: Vec<(String, usize)> = found
+            .iter()
+            .map(|(r, _, dev)| (r.display().to_string(), *dev))
+            .collect();
+        assert_eq!(
+            rels,
+            vec![
+                ("gpu-77/gpu-2".to_string(), 2),
+                ("gpu/gpu-0".to_string(), 0)
+            ]
+        );
+        let list = vec![Prestaged {
+            image: "gpu/gpu-0".into(),
+            socket: "/k/keeper-0.sock".into(),
+            stage: Some(9),
+            buffers: 1,
+            bytes: 1,
+            request_ms: 0.0,
+            error: None,
+        }];
+        let dir = Path::new("/imgs/job");
+        let sock = Path::new("/k/keeper-0.sock");
+        assert_eq!(base_for(&list, dir, &dir.join("gpu/gpu-0"), sock), Some(9));
+        assert_eq!(base_for(&list, dir, &dir.join("gpu/gpu-1"), sock), None);
+        let other = Path::new("/k/keeper-1.sock");
+        assert_eq!(base_for(&list, dir, &dir.join("gpu/gpu-0"), other), None);
+    }
+}
