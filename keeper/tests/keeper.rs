@@ -532,6 +532,15 @@ impl KeptEngine {
         }
     }
 
+    /// [`KeptEngine::new`] with 1 MiB chunks (an image of several chunks per buffer).
+    fn chunked(server: &Server) -> KeptEngine {
+        let cfg = possum_engine::EngineConfig {
+            chunk_size: 1 << 20,
+            ..possum_engine::EngineConfig::default()
+        };
+        KeptEngine::new(server, cfg)
+    }
+
     /// Writes `pattern(id, len)` at `va`.
     fn write(&self, va: possum_engine::device::DevPtr, id: u64, len: u64) {
         use possum_engine::device::{Device, HostBuffer, Transfer};
@@ -689,13 +698,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
         use possum_engine::image::{Image, ImageWriter, WriterOptions};
         use std::sync::Arc;
         let (dir, server) = fresh_keeper();
-        let kept = KeptEngine::new(
-            &server,
-            possum_engine::EngineConfig {
-                chunk_size: 1 << 20,
-                ..possum_engine::EngineConfig::default()
-            },
-        );
+        let kept = KeptEngine::chunked(&server);
         let e = &kept.engine;
         let bufs: Vec<_> = [MIB4, 2 * MIB4 - 4096, 3 * MIB4]
             .iter()
@@ -800,13 +803,7 @@ fn a_stage_builds_on_a_prestage_of_the_draft() {
         use possum_engine::image::{Image, ImageWriter, WriterOptions};
         use std::sync::Arc;
         let (dir, server) = fresh_keeper();
-        let kept = KeptEngine::new(
-            &server,
-            possum_engine::EngineConfig {
-                chunk_size: 1 << 20,
-                ..possum_engine::EngineConfig::default()
-            },
-        );
+        let kept = KeptEngine::chunked(&server);
         let e = &kept.engine;
         let sizes = [MIB4, 2 * MIB4 - 4096, 3 * MIB4];
         let bufs: Vec<_> = sizes.iter().map(|&n| e.alloc(n).unwrap()).collect();
