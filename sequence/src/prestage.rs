@@ -251,8 +251,8 @@ mod tests {
         assert_eq!(
             rels,
             vec![
-                ("gpu-77/gpu-2".to_string(), 2),
-                ("gpu/gpu-0".to_string(), 0)
+                ("gpu/gpu-0".to_string(), 0),
+                ("gpu-77/gpu-2".to_string(), 2)
             ]
         );
         let list = vec![Prestaged {
