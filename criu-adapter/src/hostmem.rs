@@ -49,8 +49,8 @@ const INDEX_MAGIC: &[u8; 8] = b"PSMHOST1";
 const INDEX_VERSION: u32 = 1;
 const INDEX_VERSION_PARTS: u32 = 2;
 
-/// The size of each part of a data file split for a migration ([`SplitOptions::part_bytes`]):
-/// a multiple of [`FILL_CHUNK`].
+/// The size of each part of a data file a migration sends in parts (a multiple of
+/// [`FILL_CHUNK`]): the receiver writes the parts from several streams at once.
 pub const MIGRATION_PART_BYTES: u64 = 64 << 20;
 
 /// A process's pages smaller than this stay with CRIU (not worth a second file).
@@ -358,8 +358,8 @@ pub struct SplitOptions {
     pub min_bytes: u64,
     /// `None`: CRIU's pages file becomes possum's data file as it is (renamed, no copy).
     /// `Some(n)`: it is copied into parts of `n` bytes (a multiple of 8 MiB) from several threads
-    /// and removed, so that each part can be written by a thread of its own where the image is
-    /// sent (a migration: [`MIGRATION_PART_BYTES`]).
+    /// and removed (index version 2). A migration does not: its sender cuts the one file into
+    /// parts as it sends it, which [`read_index`] takes for the file.
     pub part_bytes: Option<u64>,
 }
 

@@ -858,24 +858,32 @@ impl Inner {
         image: &str,
         hold_secs: u64,
         from: Option<&PeerSource>,
-        base: Option<Prestaged>,
+        mut base: Option<Prestaged>,
+    ) -> Answer {
+        let r = self.stage_on(of, image, hold_secs, from, &mut base);
+        // A prestage the stage did not take (it failed first) ends: its memory is freed.
+        if let Some(b) = base {
+            self.end_prestaged(b);
+        }
+        r
+    }
+
+    /// [`Self::stage`], taking `base` once its memory is the stage's.
+    fn stage_on(
+        self: &Arc<Self>,
+        of: i32,
+        image: &str,
+        hold_secs: u64,
+        from: Option<&PeerSource>,
+        base: &mut Option<Prestaged>,
     ) -> Answer {
         let path = canonical(image)?;
         let img = possum_engine::image::Image::open(&path)
-            .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())));
-        let img = match img {
-            Ok(img) => img,
-            Err(e) => {
-                if let Some(b) = base {
-                    self.end_prestaged(b);
-                }
-                return Err(e);
-            }
-        };
+            .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
         self.end_stages_of(of);
         let dev = self.dev()?;
         let (recs, sizes) = staged_order(&img, dev.granularity());
-        let (taken, reuse) = match &base {
+        let (taken, reuse) = match base {
             Some(b) => Self::reuse_of(b, &img, &recs, &sizes),
             None => (vec![None; recs.len()], Reuse::default()),
         };
@@ -886,15 +894,7 @@ impl Inner {
             .filter(|(_, t)| t.is_none())
             .map(|((r, s), _)| (r.clone(), *s))
             .unzip();
-        let made = match self.stage_memory(dev, &path, &new_recs, &new_sizes) {
-            Ok(m) => m,
-            Err(e) => {
-                if let Some(b) = base {
-                    self.end_prestaged(b);
-                }
-                return Err(e);
-            }
-        };
+        let made = self.stage_memory(dev, &path, &new_recs, &new_sizes)?;
         // The other device's memory of each buffer, imported here (the copies read it over the
         // interconnect); a buffer without one is read from the image.
         let (peers, peer_misses) = match from {
@@ -922,7 +922,7 @@ impl Inner {
                     .expect("one allocation per buffer")
             })
             .collect();
-        if let Some(b) = base {
+        if let Some(b) = base.take() {
             self.end_prestaged(b);
         }
         let id = self.next_stage_id();
