@@ -587,6 +587,20 @@ pub struct GpuUse {
     pub mib: u64,
 }
 
+/// The socket in keeper directory `dir` serving device `device` of a job that used the GPUs
+/// `gpus` (`possum.json`'s `gpu_memory`), on the GPU it ran on: for a single-GPU job the one
+/// serving that GPU's UUID (a job moved by an earlier `--device` restore keeps an ordinal the
+/// keeper numbers otherwise), else `keeper-<device>.sock`.
+pub(crate) fn keeper_socket(gpus: &[GpuUse], dir: &Path, device: usize) -> PathBuf {
+    let by_uuid = match gpus {
+        [one] => uuid_bytes(&one.uuid)
+            .ok()
+            .and_then(|u| possum_keeper::keeper_for_device(dir, &possum_keeper::uuid_hex(&u))),
+        _ => None,
+    };
+    by_uuid.unwrap_or_else(|| possum_keeper::socket_of(dir, device))
+}
+
 /// The GPU memory of `uses`, all the GPUs together, in bytes (saturating).
 pub fn gpu_memory_bytes(uses: &[GpuUse]) -> u64 {
     (uses.iter()).fold(0u64, |a, g| a.saturating_add(g.mib.saturating_mul(1 << 20)))

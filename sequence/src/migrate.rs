@@ -1109,6 +1109,31 @@ impl Drop for EndPrestages<'_> {
     }
 }
 
+/// The image into `dest`, unsynced until the job runs here (the source keeps its image until
+/// then), and its GPU images loaded ahead from the first round sent ahead
+/// ([`crate::prestage`]); the prestages are ended if the transfer fails.
+fn receive_loading_ahead(
+    stream: &mut TcpStream,
+    session: wire::Session,
+    dest: &Path,
+    p: &ReceiveParams,
+) -> Result<(wire::ReceiveReport, wire::Session, Vec<Prestaged>), ReceiveError> {
+    let mut ahead = Prestages::default();
+    let received = receive_dir_watching(stream, session, dest, Durability::Later, &mut |dir| {
+        if p.restore.env.restore_stage {
+            ahead.part_received(dir);
+        }
+    });
+    let prestaged = ahead.finish();
+    match received {
+        Ok((got, session)) => Ok((got, session, prestaged)),
+        Err(e) => {
+            prestage::end(&prestaged);
+            Err(ReceiveError::Transfer(Box::new(e)))
+        }
+    }
+}
+
 /// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
 /// its first connection, began at `t`: the image into a new directory of `p.dir` (over all the
 /// session's streams), then, once the source released its job, its restore, whose outcome the
@@ -1122,22 +1147,7 @@ pub fn receive_in_session(
 ) -> Result<Received, ReceiveError> {
     let mut timings = ReceiveTimings::default();
     let dest = image_name(&p.dir);
-    // Unsynced until the job runs here: the source keeps its image until then. The GPU images
-    // loaded ahead, once the first round sent ahead is here.
-    let mut ahead = Prestages::default();
-    let received = receive_dir_watching(stream, session, &dest, Durability::Later, &mut |dir| {
-        if p.restore.env.restore_stage {
-            ahead.part_received(dir);
-        }
-    });
-    let prestaged = ahead.finish();
-    let (got, mut session) = match received {
-        Ok(r) => r,
-        Err(e) => {
-            prestage::end(&prestaged);
-            return Err(ReceiveError::Transfer(Box::new(e)));
-        }
-    };
+    let (got, mut session, prestaged) = receive_loading_ahead(stream, session, &dest, p)?;
     timings.receive = t.elapsed();
     // Whatever the restore took of them, the rest is freed at the end.
     let _end_prestages = EndPrestages(&prestaged);

@@ -109,7 +109,7 @@ impl Prestages {
                 drafts
                     .into_iter()
                     .filter_map(|(rel, abs, device)| {
-                        let socket = crate::stage::socket_of_job(&gpus, &keeper.dir, device);
+                        let socket = crate::image::keeper_socket(&gpus, &keeper.dir, device);
                         // Only a keeper already there.
                         let k = possum_keeper::Keeper::connect(&socket).ok()?;
                         Some(prestage_one(k, socket, rel, &abs))

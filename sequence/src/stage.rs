@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::image::{uuid_bytes, Image, Manifest};
+use crate::image::{Image, Manifest};
 use possum_keeper::{uuid_hex, PeerSource};
 
 /// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
@@ -239,18 +239,7 @@ pub(crate) fn keeper_holds(m: &Manifest) -> bool {
 /// for a single-GPU job the one serving that GPU's UUID (a job moved by an earlier `--device`
 /// restore keeps an ordinal the keeper numbers otherwise), else `keeper-<device>.sock`.
 fn job_socket(m: &Manifest, dir: &Path, device: usize) -> PathBuf {
-    socket_of_job(&m.gpu_memory, dir, device)
-}
-
-/// [`job_socket`] of a job that used the GPUs `gpus` (`possum.json`'s `gpu_memory`).
-pub(crate) fn socket_of_job(gpus: &[crate::image::GpuUse], dir: &Path, device: usize) -> PathBuf {
-    let by_uuid = match gpus {
-        [one] => uuid_bytes(&one.uuid)
-            .ok()
-            .and_then(|u| possum_keeper::keeper_for_device(dir, &uuid_hex(&u))),
-        _ => None,
-    };
-    by_uuid.unwrap_or_else(|| possum_keeper::socket_of(dir, device))
+    crate::image::keeper_socket(&m.gpu_memory, dir, device)
 }
 
 /// The socket in `dir` serving the GPU with UUID `uuid` (the one the job is restored on).
