@@ -761,7 +761,8 @@ impl Inner {
         let (recs, sizes) = staged_order(&img, dev.granularity());
         let made = self.stage_memory(dev, &path, &recs, &sizes)?;
         let epoch = possum_cuda::owner::new_epoch();
-        let buffers = self.keep_staged(by, epoch, hold_secs, made);
+        let none = vec![None; recs.len()];
+        let buffers = self.keep_staged((by, epoch, hold_secs), &recs, &sizes, &none, made)?;
         let id = self.next_stage_id();
         let img = Arc::new(img);
         let stage =
@@ -863,7 +864,7 @@ impl Inner {
         let r = self.stage_on(of, image, hold_secs, from, &mut base);
         // A prestage the stage did not take (it failed first) ends: its memory is freed.
         if let Some(b) = base {
-            self.end_prestaged(b);
+            self.retire(&b.stage);
         }
         r
     }
@@ -913,17 +914,9 @@ impl Inner {
             None => (Vec::new(), Vec::new()),
         };
         let epoch = possum_cuda::owner::new_epoch();
-        let mut made_iter = self.keep_staged(of, epoch, hold_secs, made).into_iter();
-        let taken_kept = self.keep_taken(of, epoch, hold_secs, &recs, &sizes, &taken);
-        let buffers: Vec<StagedBuffer> = taken_kept
-            .into_iter()
-            .map(|t| {
-                t.or_else(|| made_iter.next())
-                    .expect("one allocation per buffer")
-            })
-            .collect();
+        let buffers = self.keep_staged((of, epoch, hold_secs), &recs, &sizes, &taken, made)?;
         if let Some(b) = base.take() {
-            self.end_prestaged(b);
+            self.retire(&b.stage);
         }
         let id = self.next_stage_id();
         let reused_bytes = reuse.bytes;
@@ -994,75 +987,43 @@ impl Inner {
         Ok(made)
     }
 
-    /// The allocations of a prestage `taken` for `recs` (`None` where none was) made process
-    /// `of`'s retained allocations (`epoch`, held at least a second after it is gone), and the
-    /// stage's buffers that name them.
-    fn keep_taken(
+    /// The memory of each of `recs` (`sizes` bytes each) kept as process `of`'s retained
+    /// allocations (`epoch`, held at least a second after it is gone): the prestage's allocation
+    /// `taken` for it, else the next of the memory `made` for the others; the stage's buffers
+    /// that name them. An error if an allocation taken is gone (then the memory kept so far is
+    /// freed once its hold ends).
+    fn keep_staged(
         &self,
-        of: i32,
-        epoch: u64,
-        hold_secs: u64,
+        (of, epoch, hold_secs): (i32, u64, u64),
         recs: &[possum_engine::store::BufferRecord],
         sizes: &[u64],
         taken: &[Option<u64>],
-    ) -> Vec<Option<StagedBuffer>> {
-        let mut st = self.lock();
-        recs.iter()
-            .zip(sizes)
-            .zip(taken)
-            .map(|((r, &size), t)| {
-                let id = (*t)?;
-                let a = st.allocs.get_mut(&id)?;
-                a.pid = of;
-                a.retained = true;
-                a.epoch = epoch;
-                a.hold_until = hold_until(hold_secs.max(1));
-                a.va = Some(r.va);
-                Some(StagedBuffer {
-                    buf: r.id,
-                    va: r.va,
-                    size: r.size,
-                    alloc: id,
-                    alloc_size: size,
-                })
-            })
-            .collect()
-    }
-
-    /// Ends a prestage a stage took (or failed to build on): its memory no stage took is freed.
-    fn end_prestaged(&self, b: Prestaged) {
-        let s = b.stage;
-        {
-            let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
-            if ended.len() == crate::ENDED_STAGES_KEPT {
-                ended.pop_front();
-            }
-            ended.push_back(s.stats());
-        }
-        self.free_where(|a, _| a.retained && a.pid == s.pid && a.epoch == s.epoch);
-    }
-
-    /// The staged memory `made` kept as process `of`'s retained allocations (`epoch`, held at
-    /// least a second after it is gone), and the stage's buffers that name them.
-    fn keep_staged(
-        &self,
-        of: i32,
-        epoch: u64,
-        hold_secs: u64,
         made: Vec<(possum_engine::store::BufferRecord, SharedMem, u64)>,
-    ) -> Vec<StagedBuffer> {
-        let mut buffers = Vec::with_capacity(made.len());
+    ) -> Result<Vec<StagedBuffer>, KeeperError> {
+        let mut made = made.into_iter().map(|(_, mem, _)| mem);
+        let mut buffers = Vec::with_capacity(recs.len());
         let mut st = self.lock();
-        for (r, mem, size) in made {
-            let id = st.insert(Alloc {
-                mem,
-                pid: of,
-                retained: true,
-                epoch,
-                hold_until: hold_until(hold_secs.max(1)),
-                va: Some(r.va),
-                shared: None,
-            });
+        for ((r, &size), t) in recs.iter().zip(sizes).zip(taken) {
+            let hold = hold_until(hold_secs.max(1));
+            let id = match *t {
+                Some(id) => {
+                    let a = st.allocs.get_mut(&id).ok_or_else(|| {
+                        KeeperError::Stage(format!("the prestage's allocation {id} was freed"))
+                    })?;
+                    (a.pid, a.retained, a.epoch, a.hold_until) = (of, true, epoch, hold);
+                    a.va = Some(r.va);
+                    id
+                }
+                None => st.insert(Alloc {
+                    mem: made.next().expect("memory made for each buffer not taken"),
+                    pid: of,
+                    retained: true,
+                    epoch,
+                    hold_until: hold,
+                    va: Some(r.va),
+                    shared: None,
+                }),
+            };
             buffers.push(StagedBuffer {
                 buf: r.id,
                 va: r.va,
@@ -1071,7 +1032,7 @@ impl Inner {
                 alloc_size: size,
             });
         }
-        buffers
+        Ok(buffers)
     }
 
     /// Starts the loader threads of `stage`, which read `img`; ends the stage if not even one
@@ -1130,6 +1091,12 @@ impl Inner {
             return 0;
         };
         s.end();
+        self.retire(&s)
+    }
+
+    /// A stage over (ended, or a prestage a stage took): shown among the ended ones, and its
+    /// memory nobody took freed; how many allocations.
+    fn retire(&self, s: &Stage) -> usize {
         {
             let mut ended = self.ended.lock().unwrap_or_else(|p| p.into_inner());
             if ended.len() == crate::ENDED_STAGES_KEPT {
@@ -1349,7 +1316,6 @@ fn peer_sources(
     Ok(found.collect())
 }
 
-/// `image` made absolute and canonical, so that the job's name of it and the restore's agree.
 /// A prestage taken by a stage: its loaders stopped, and which buffers they loaded whole.
 struct Prestaged {
     stage: Arc<Stage>,
@@ -1372,6 +1338,7 @@ fn staged_order(
     (recs, sizes)
 }
 
+/// `image` made absolute and canonical, so that the job's name of it and the restore's agree.
 fn canonical(image: &str) -> Result<PathBuf, KeeperError> {
     std::fs::canonicalize(image).map_err(|e| KeeperError::Stage(format!("{image}: {e}")))
 }
