@@ -139,8 +139,12 @@ def one_mode(a, mode, work, log):
     pid = int(m.group(1)) if m else None
     pids = [pid] if pid else []
     try:
-        if not pid or not wait_for(lambda: len(steps_of(jlog)) >= a.warmup, 240):
-            rec["error"] = "the job did not start: " + open(err.name).read()[-1500:]
+        if not pid or not wait_for(lambda: len(steps_of(jlog)) >= a.warmup, a.warmup_timeout):
+            rec["error"] = (f"the job did not make {a.warmup} steps in {a.warmup_timeout} s "
+                            f"({len(steps_of(jlog))} made): " + open(err.name).read()[-1500:])
+            print(f"{mode}: {rec['error']}", flush=True)
+            if os.path.exists(jlog):
+                shutil.copy(jlog, os.path.join(a.out, f"speculation-{mode}-steps.jsonl"))
             return rec
         rec["step_ms"] = 1e3 * step_time(jlog)
         rec["memory"] = memory_of(pid)
@@ -151,7 +155,7 @@ def one_mode(a, mode, work, log):
         for d in imgs:
             shutil.rmtree(d, ignore_errors=True)
         # (1) and (2): kept checkpoints, the second beside the first.
-        for n, extra in ((1, []), (2, ["--parent", imgs[0]])):
+        for n, extra in () if a.migrate_only else ((1, []), (2, ["--parent", imgs[0]])):
             t0 = time.time()
             rc, j, dt, e = run_json(["checkpoint", str(pid), "-D", imgs[n - 1], "--leave-running", "--json"]
                                     + extra, 300, log, criu_env)
@@ -171,7 +175,7 @@ def one_mode(a, mode, work, log):
         r = Receiver(work, key, log, criu_env)
         t0 = time.time()
         rc, j, dt, e = run_json(["migrate", str(pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key,
-                                 "-D", imgs[2], "--json"] + a.migrate_flags.split(), 400, log)
+                                 "-D", imgs[2], "--json"] + a.migrate_flags.split(), a.migrate_timeout, log)
         t1 = time.time()
         received = r.result()
         remote = (j or {}).get("remote_pid")
@@ -197,6 +201,7 @@ def one_mode(a, mode, work, log):
             # Round 2 sends what changed during round 1: the job's writes, at least once over.
             rec["migrate"]["round2_over_writes"] = sent[1] / w
         print(f"{mode} migrate: rc {rc} in {dt:.2f} s: {rec['migrate']}", flush=True)
+        shutil.copy(os.path.join(work, "receive.err"), os.path.join(a.out, f"speculation-{mode}-receive.err"))
         if a.criu_log:
             keep_criu_logs(os.path.join(work, "received"), a.out, f"{mode}-received")
         shutil.rmtree(imgs[2], ignore_errors=True)
@@ -239,6 +244,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--modes", default="strict,speculative,speculative-2mib")
     ap.add_argument("--migrate-flags", default="")
+    ap.add_argument("--migrate-timeout", type=float, default=400)
+    ap.add_argument("--warmup-timeout", type=float, default=240)
+    ap.add_argument("--migrate-only", action="store_true",
+                    help="only the migration (3), without the kept checkpoints (1) and (2)")
     ap.add_argument("--criu-log", action="store_true",
                     help="CRIU's log at level 4 for the checkpoints and the destination's restore, "
                          "copied with its statistics to --out (slows CRIU a little)")

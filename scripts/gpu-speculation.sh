@@ -12,6 +12,16 @@
 #       -> $OUT/speculation.jsonl, speculation-selftest.txt, speculation-frozen.tgz
 #       SPEC_MODES picks the modes, SPEC_SELFTEST=0 skips the self-test, SPEC_FLAGS passes more
 #       flags (--criu-log: CRIU's logs at level 4 and its statistics, in the .tgz).
+#   bash scripts/gpu-speculation.sh bars       (~4 min)
+#       The migrations the frozen run does not make, with the defaults, migration alone
+#       (--migrate-only): 32 GiB of fp16 weights read every step and 64 MiB of state; a training
+#       job writing 8 GiB of state every step (no weights). -> $OUT/speculation-bars.jsonl
+#   bash scripts/gpu-speculation.sh ahead      (~7 min)
+#       The job's private memory sent ahead with the pre-copy rounds or not
+#       (POSSUM_HOSTMEM_AHEAD), A/B in one run: the frozen job (8 GiB of weights) migrated alone,
+#       on/off/on/off over loopback, then on/off at --max-rate 10Gbit (a 10 Gbit/s link);
+#       then a training job (8 GiB of state written every step) with and without possum for
+#       30 steps, and migrated. -> $OUT/speculation-ahead.jsonl, speculation-training.txt
 #   bash scripts/gpu-speculation.sh trials [N]  (~9 min)
 #       N (50) random-step trials with the defaults (`eval/ckpt.py correctness`: kept checkpoints
 #       left running then restored, and checkpoints with the job killed then restored) over the
@@ -42,6 +52,47 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
+bars)
+    for spec in "32 64 frozen-32gib" "0 8192 training-8gib"; do
+        read -r gib mib tag <<< "$spec"
+        # shellcheck disable=SC2086
+        timeout -k 5 "${SPEC_RUN_S:-150}" python3 eval/speculation.py frozen --out "$res/$tag" \
+            --gib "$gib" --state-mib "$mib" --modes speculative --migrate-only ${SPEC_FLAGS:-} \
+            > "$res/speculation-$tag.log" 2>&1
+        grep "migrate:" "$res/speculation-$tag.log" | cut -c1-600
+        python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), tag=sys.argv[1]))) for l in open(sys.argv[2])]' \
+            "$tag" "$res/$tag/speculation.jsonl" >> "$out/speculation-bars.jsonl" 2>/dev/null
+        cp "$res/speculation-$tag.log" "$out"/
+    done
+    ;;
+ahead)
+    one() {  # $1 tag, $2 POSSUM_HOSTMEM_AHEAD, $3 migrate flags
+        POSSUM_HOSTMEM_AHEAD=$2 timeout -k 5 "${SPEC_RUN_S:-110}" python3 eval/speculation.py frozen \
+            --out "$res/$1" --gib 8 --state-mib 64 --modes speculative --migrate-only \
+            --migrate-timeout 90 --migrate-flags "$3" > "$res/speculation-$1.log" 2>&1
+        grep -o "migrate: rc [0-9]* in [0-9.]* s: {'rc': [0-9]*, 'seconds': [0-9.]*, 'err': [^,]*, 'downtime_s': [0-9.]*" \
+            "$res/speculation-$1.log"
+        python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), tag=sys.argv[1]))) for l in open(sys.argv[2])]' \
+            "$1" "$res/$1/speculation.jsonl" >> "$out/speculation-ahead.jsonl" 2>/dev/null
+    }
+    one on-1 1 ""; one off-1 0 ""; one on-2 1 ""; one off-2 0 ""
+    one on-10gbit 1 "--max-rate 10Gbit"; one off-10gbit 0 "--max-rate 10Gbit"
+    {
+        for how in bare possum; do
+            pre=(); [ "$how" = possum ] && pre=("$POSSUM" run)
+            t0=$(date +%s%N)
+            timeout -k 5 60 "${pre[@]}" python3 workloads/gpu/jobs.py mlp --steps 30 --state-mib 8192 \
+                --sleep-ms 20 > "$res/training-$how.out" 2> "$res/training-$how.err"
+            echo "$how: rc $? in $(( ($(date +%s%N) - t0) / 1000000 )) ms, $(grep -c step "$res/training-$how.out") steps"
+            tail -3 "$res/training-$how.err"
+        done
+    } 2>&1 | tee "$out/speculation-training.txt"
+    timeout -k 5 100 python3 eval/speculation.py frozen --out "$res/training" --gib 0 --state-mib 8192 \
+        --modes speculative --migrate-only --warmup 10 --warmup-timeout 40 --migrate-timeout 60 \
+        > "$res/speculation-training.log" 2>&1
+    cut -c1-1500 "$res/speculation-training.log" | tee -a "$out/speculation-training.txt"
+    cp "$res"/training/*.err "$res/training/speculation-possum.log" "$out"/ 2>/dev/null
+    ;;
 trials)
     CKPT_TIMEOUT=120 OUT="$res/c" timeout -k 5 $(( $(left) - 15 )) bash scripts/gpu-ckpt.sh correctness \
         --engines possum-keeper,possum-keeper-kill --trials "$(( ${2:-50} / 2 )),$(( ${2:-50} - ${2:-50} / 2 ))" \
@@ -59,7 +110,7 @@ ab)
     cp "$res"/overhead-ab-gpt2*.json "$out"/ 2>/dev/null
     tail -5 "$res/ab.log"
     ;;
-*) echo "usage: gpu-speculation.sh frozen | trials [N] | ab"; exit 2 ;;
+*) echo "usage: gpu-speculation.sh frozen | bars | ahead | trials [N] | ab"; exit 2 ;;
 esac
 (cd /dev/shm && tar czf "$out/speculation-$1.tgz" --exclude='img-*' --exclude='received' \
     --exclude='possum-speculation' possum-speculation-out 2>/dev/null)

@@ -361,6 +361,10 @@ pub struct SplitOptions {
     /// and removed (index version 2). A migration does not: its sender cuts the one file into
     /// parts as it sends it, which [`read_index`] takes for the file.
     pub part_bytes: Option<u64>,
+    /// The drafts of the processes' memory sent ahead ([`ahead::draft`]'s directory), with
+    /// `part_bytes` `None`: a process with a draft there has its memory laid onto it
+    /// ([`ahead::rebase`]), which becomes its data file.
+    pub ahead: Option<PathBuf>,
 }
 
 impl Default for SplitOptions {
@@ -368,6 +372,7 @@ impl Default for SplitOptions {
         SplitOptions {
             min_bytes: DEFAULT_MIN_BYTES,
             part_bytes: None,
+            ahead: None,
         }
     }
 }
@@ -383,6 +388,23 @@ pub struct TaskSplit {
     pub kept_bytes: u64,
     /// Runs in the index.
     pub ranges: usize,
+    /// Its data file is its draft sent ahead, and what was laid onto it.
+    pub rebased: Option<RebasedFile>,
+    /// Why a draft of it could not be used (its data file is CRIU's pages).
+    pub ahead_error: Option<String>,
+}
+
+/// A data file that is the process's draft sent ahead ([`ahead::rebase`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RebasedFile {
+    /// The data file's name.
+    pub data_file: String,
+    /// Its (device, inode): the draft's.
+    pub inode: (u64, u64),
+    /// The pieces written at the cut (offset, length).
+    pub written: Vec<(u64, u64)>,
+    /// Bytes of the memory the draft already held.
+    pub reused_bytes: u64,
 }
 
 /// What [`split`] did.
@@ -621,16 +643,29 @@ fn split_task(
     let new_pages = image_path(dir, "pages", new_id);
     let index_file = index_path(dir, pid);
     let data = dir.join(data_name(pid));
+    // Onto a draft sent ahead, where there is one: it becomes the data file. One that cannot
+    // be used leaves CRIU's pages file to be the data file.
+    let (rebased, ahead_error) = match (&opts.ahead, opts.part_bytes) {
+        (Some(a), None) => match ahead::rebase(a, pid, &old_pages, &moved, default_threads()) {
+            Ok(r) => (r, None),
+            Err(e) => (None, Some(e.to_string())),
+        },
+        _ => (None, None),
+    };
     // Whole pieces of a fill, and never more parts than an index may name.
-    let index = Index {
-        data_file: data_name(pid),
-        data_len: old_len,
-        part_bytes: opts.part_bytes.map_or(0, |p| {
-            p.max(old_len.div_ceil(MAX_PARTS))
-                .max(FILL_CHUNK)
-                .next_multiple_of(FILL_CHUNK)
-        }),
-        ranges: moved,
+    let index = if let Some(r) = &rebased {
+        r.index.clone()
+    } else {
+        Index {
+            data_file: data_name(pid),
+            data_len: old_len,
+            part_bytes: opts.part_bytes.map_or(0, |p| {
+                p.max(old_len.div_ceil(MAX_PARTS))
+                    .max(FILL_CHUNK)
+                    .next_multiple_of(FILL_CHUNK)
+            }),
+            ranges: moved,
+        }
     };
     let in_parts = index.part_bytes != 0;
     let parts: Vec<PathBuf> = match in_parts {
@@ -671,6 +706,19 @@ fn split_task(
             return Err(io_err(&pm_path)(e));
         }
         let _ = fs::remove_file(&old_pages);
+    } else if let Some(r) = &rebased {
+        // The draft holds every moved byte: it becomes the data file, the new pagemap replaces
+        // CRIU's, then the old pages file goes. A failure leaves the images as CRIU wrote them.
+        if let Err(e) = fs::rename(&r.draft, &data) {
+            clean();
+            return Err(io_err(&r.draft)(e));
+        }
+        if let Err(e) = fs::rename(&new_pm_tmp, &pm_path) {
+            let _ = fs::remove_file(&data);
+            clean();
+            return Err(io_err(&pm_path)(e));
+        }
+        let _ = fs::remove_file(&old_pages);
     } else {
         // The old pages file becomes possum's data file, then the new pagemap replaces CRIU's;
         // a failure puts the old file back, leaving the images as CRIU wrote them.
@@ -689,6 +737,13 @@ fn split_task(
         moved_bytes,
         kept_bytes,
         ranges: index.ranges.len(),
+        rebased: rebased.map(|r| RebasedFile {
+            data_file: index.data_file.clone(),
+            inode: r.inode,
+            written: r.written,
+            reused_bytes: r.reused_bytes,
+        }),
+        ahead_error,
     }))
 }
 
@@ -840,14 +895,14 @@ fn cut_pieces(runs: impl IntoIterator<Item = Piece>) -> Vec<Piece> {
     pieces
 }
 
-/// `f` over every piece, from up to `threads` threads taking them in order, each with its own
+/// `f` over every piece (a [`Piece`], or another unit of work), from up to `threads` threads taking them in order, each with its own
 /// scratch from `scratch`; after a failure no piece is started, and the first error is returned.
 /// The threads used.
-fn on_threads<S>(
-    pieces: &[Piece],
+fn on_threads<T: Sync, S>(
+    pieces: &[T],
     threads: usize,
     scratch: impl Fn() -> S + Sync,
-    f: impl Fn(&mut S, &Piece) -> Result<(), HostMemError> + Sync,
+    f: impl Fn(&mut S, &T) -> Result<(), HostMemError> + Sync,
 ) -> Result<usize, HostMemError> {
     let threads = threads.clamp(1, pieces.len().max(1));
     let next = AtomicUsize::new(0);
@@ -1035,5 +1090,6 @@ fn write_remote(pid: i32, addr: u64, from: &[u8]) -> Result<(), HostMemError> {
     Ok(())
 }
 
+pub mod ahead;
 #[cfg(test)]
 mod tests;

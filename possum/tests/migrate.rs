@@ -12,7 +12,8 @@
 //! destination failing, at the source; with `--engine driver`, its parent slow to reap it, the
 //! source waits for its PID to be free and it runs on at the destination. A job whose memory is a
 //! keeper's has its GPU image loaded ahead at the destination, from the first round sent ahead,
-//! and the restore's stage takes that memory.
+//! and the restore's stage takes that memory. With `POSSUM_HOSTMEM_AHEAD=1`, the job's private
+//! memory goes ahead with the rounds and only what changed of it at the cut.
 //!
 //! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) is the one of
 //! entry_checkpoint.rs: commanded through a FIFO, answering into a file opened O_APPEND, which
@@ -147,6 +148,9 @@ fn migrated(out: &Output, receiver: Receiver, job: &Job) -> (Value, Value) {
 fn slow_migrate(dir: &Path, job: &Job, to: &str) -> std::process::Child {
     migrate_cmd(dir, job, to, "key")
         .args(["--max-rate", "1000000"])
+        // (The job's private memory not sent ahead: the fake GPU's buffers are the job's own
+        // memory, which would go ahead as its private memory for minutes at this rate.)
+        .env("POSSUM_HOSTMEM_AHEAD", "0")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -255,14 +259,18 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
         "key",
         &[("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())],
     );
-    // Four streams, paced together (well above what the test sends in its time).
+    // Four streams, paced together (well above what the test sends in its time); the job's
+    // private memory sent ahead too.
     let paced = ["--streams", "4", "--max-rate", "2GB/s"];
     let out = migrate_to(
         dir,
         &job,
         &receiver,
         &paced,
-        &[("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path())],
+        &[
+            ("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path()),
+            ("POSSUM_HOSTMEM_AHEAD", Path::new("1")),
+        ],
     );
     assert!(out.status.success(), "{}\njob:\n{}", text(&out), job.log());
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -319,15 +327,29 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     let moved = &v["checkpoint"]["figures"]["hostmem"]["moved_bytes"];
     assert!(moved.as_u64().unwrap_or(0) > 0, "not split: {v}");
     assert_eq!(&r["restore"]["hostmem_fill_bytes"], moved, "{r}");
-    // In parts, which the receiver writes at once: CRIU's pages file is not among them.
-    let criu = received.join("criu");
+    // That memory went ahead with the pre-copy rounds, drafted while the job ran; at the cut
+    // it was laid onto the draft, which is its data file: most of it was there already (the job
+    // waits for its next command), and only the rest went while it was held.
+    let ahead = &v["host_memory_ahead"];
+    assert!(ahead["rounds"].as_u64().unwrap() >= 1, "{v}");
+    assert!(ahead["written_bytes"].as_u64().unwrap() > 0, "{v}");
+    let hostmem = &v["checkpoint"]["figures"]["hostmem"];
     let pid = job.pid;
-    assert!(
-        criu.join(format!("possum-hostmem-{pid}.pages.0")).is_file(),
-        "{:?}",
-        names(&criu)
+    assert_eq!(
+        hostmem["sent_ahead"][0],
+        format!("possum-hostmem-{pid}.pages"),
+        "{v}"
     );
-    assert!(!criu.join(format!("possum-hostmem-{pid}.pages")).exists());
+    let reused = hostmem["ahead_reused_bytes"].as_u64().unwrap();
+    assert!(reused > moved.as_u64().unwrap() / 2, "{v}");
+    let criu = received.join("criu");
+    assert!(criu.join(format!("possum-hostmem-{pid}.pages")).is_file());
+    assert!(!criu.join(format!("possum-hostmem-{pid}.pages.0")).exists());
+    assert!(
+        !received.join("hostmem-ahead").exists(),
+        "{:?}",
+        names(&received)
+    );
     // CRIU's own account of both ends.
     let dumped = &v["checkpoint"]["figures"]["criu_dump_stats"];
     assert!(dumped["memory_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
@@ -341,7 +363,8 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     goes_on_like(&mut job, dir, &want, "migrated");
     ticks_once_each(dir);
     say(&format!(
-        "migrate_loopback: {t}; {before} bytes sent ahead, {held} while held, of {}",
+        "migrate_loopback: {t}; {before} bytes sent ahead, {held} while held, of {}; of the \
+         job's memory {reused} of {moved} bytes sent ahead (drafts: {ahead})",
         v["bytes"]
     ));
 }
@@ -366,6 +389,7 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
     let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
     let receiver = Receiver::start(dir, "key", &plugin);
+    // The job's private memory not sent ahead (the default): it goes at the cut, in parts.
     let out = migrate_to(
         dir,
         &job,
@@ -375,6 +399,16 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     );
     let (v, r) = migrated(&out, receiver, &job);
     assert_eq!(r["pid"], job.pid, "{r}");
+    // In parts, which the receiver writes at once: CRIU's pages file is not among them.
+    assert_eq!(v["host_memory_ahead"]["rounds"], 0, "{v}");
+    let criu = PathBuf::from(r["dir"].as_str().unwrap()).join("criu");
+    let pid = job.pid;
+    assert!(
+        criu.join(format!("possum-hostmem-{pid}.pages.0")).is_file(),
+        "{:?}",
+        names(&criu)
+    );
+    assert!(!criu.join(format!("possum-hostmem-{pid}.pages")).exists());
 
     // Loaded ahead: one prestage of the job's image, made at the keeper serving its GPU.
     let pre = r["prestaged"].as_array().expect("prestaged");

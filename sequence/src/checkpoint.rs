@@ -225,6 +225,15 @@ impl HeldCheckpoint<'_> {
         self.run.written.clone()
     }
 
+    /// The data files of the job's private memory that are the drafts a migration sent ahead
+    /// (names in the image's `criu` directory): the wire sends them as the files sent ahead.
+    pub fn data_files_sent_ahead(&self) -> Vec<String> {
+        match &self.run.figures.hostmem {
+            Some(crate::figures::HostmemFigures::Split { sent_ahead, .. }) => sent_ahead.clone(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Lets the job run on (the driver's restore and unlock, possum's resume): what
     /// `leave_running` does after the commit.
     pub fn resume(mut self) -> Result<CheckpointReport, CheckpointError> {
@@ -306,6 +315,8 @@ fn hold_and_commit<'a>(
         return Err(CheckpointError::KeptSave(e));
     }
     run.split_host_memory(obs);
+    // Drafts of the job's memory a migration sent ahead and the split did not take.
+    let _ = fs::remove_dir_all(run.tmp.join(possum_criu::hostmem::ahead::AHEAD_DIR));
     if let Err(source) = run.commit() {
         run.guard.undo();
         let dir = p.dir.clone();
@@ -1180,24 +1191,51 @@ impl<'a> Run<'a> {
             return;
         }
         let criu_dir = self.tmp.join("criu");
-        // CRIU's pages file becomes the data file as it is (renamed): a migration sends it in
-        // parts, which the receiver writes all at once.
-        let opts = hostmem::SplitOptions::default();
+        // CRIU's pages file becomes the data file as it is (renamed), or the memory is laid
+        // onto the draft a migration sent ahead: a migration sends the first in parts, which
+        // the receiver writes all at once, the second as the file sent ahead, changed.
+        let ahead = self.tmp.join(hostmem::ahead::AHEAD_DIR);
+        let opts = hostmem::SplitOptions {
+            ahead: ahead.is_dir().then_some(ahead),
+            ..hostmem::SplitOptions::default()
+        };
         let r = timed(&mut self.figures.hostmem_split, || {
             hostmem::split(&criu_dir, &opts)
         });
+        let left = |v: &mut dyn Iterator<Item = (u32, &str)>| -> Vec<LeftWhole> {
+            v.map(|(pid, why)| LeftWhole {
+                pid,
+                why: why.to_string(),
+            })
+            .collect()
+        };
         self.figures.hostmem = Some(match r {
-            Ok(rep) => HostmemFigures::Split {
-                moved_bytes: rep.moved_bytes(),
-                kept_bytes: rep.split.iter().map(|t| t.kept_bytes).sum(),
-                processes: rep.split.iter().map(|t| t.pid).collect(),
-                left: (rep.left.iter())
-                    .map(|(pid, why)| LeftWhole {
-                        pid: *pid,
-                        why: why.to_string(),
-                    })
-                    .collect(),
-            },
+            Ok(rep) => {
+                let rebased: Vec<&hostmem::RebasedFile> = rep
+                    .split
+                    .iter()
+                    .filter_map(|t| t.rebased.as_ref())
+                    .collect();
+                // The wire reads again, of a draft sent ahead, only what was laid onto it.
+                for f in &rebased {
+                    self.written.add(f.inode, f.written.iter().copied());
+                }
+                HostmemFigures::Split {
+                    moved_bytes: rep.moved_bytes(),
+                    kept_bytes: rep.split.iter().map(|t| t.kept_bytes).sum(),
+                    processes: rep.split.iter().map(|t| t.pid).collect(),
+                    left: left(&mut rep.left.iter().map(|(p, w)| (*p, w.as_str()))),
+                    sent_ahead: rebased.iter().map(|f| f.data_file.clone()).collect(),
+                    ahead_reused_bytes: (!rebased.is_empty())
+                        .then(|| rebased.iter().map(|f| f.reused_bytes).sum()),
+                    ahead_errors: left(
+                        &mut rep
+                            .split
+                            .iter()
+                            .filter_map(|t| t.ahead_error.as_deref().map(|e| (t.pid, e))),
+                    ),
+                }
+            }
             Err(e) => {
                 let e = format!("{:#}", anyhow::Error::from(e));
                 obs.note(&format!(

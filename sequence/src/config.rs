@@ -68,6 +68,10 @@ pub enum HostmemSplit {
 pub struct Environment {
     /// `POSSUM_HOSTMEM_SPLIT`: `0` off, `always`, else on.
     pub hostmem_split: HostmemSplit,
+    /// `POSSUM_HOSTMEM_AHEAD=1` (off otherwise): a migration's pre-copy sends the job's private
+    /// memory ahead too, and at the cut only what changed of it (`possum_criu::hostmem::ahead`;
+    /// decision 30 says why it is not the default).
+    pub hostmem_ahead: bool,
     /// `POSSUM_KEEPER_REVIVE` (on unless `0`): during a kept hold, fds of the memory the job
     /// detached are held, and a new keeper takes it over should the job's die.
     pub keeper_revive: bool,
@@ -110,6 +114,7 @@ impl Environment {
                 Some("always") => HostmemSplit::Always,
                 _ => HostmemSplit::On,
             },
+            hostmem_ahead: var("POSSUM_HOSTMEM_AHEAD").is_some_and(|v| v.trim() == "1"),
             keeper_revive: var("POSSUM_KEEPER_REVIVE").as_deref() != Some("0"),
             restore_stage: !off("POSSUM_RESTORE_STAGE"),
             criu_log_level: match var("POSSUM_CRIU_LOG_LEVEL").as_deref().map(str::trim) {
@@ -149,7 +154,9 @@ mod tests {
         assert!(none.keeper_revive && none.restore_stage);
         assert_eq!(none.criu_log_level, None);
         assert_eq!(none.cut_deadline, CUT_DEADLINE);
-        assert!(!none.tcp_close);
+        assert!(!none.tcp_close && !none.hostmem_ahead);
+        let ahead = Environment::from_vars(|n| (n == "POSSUM_HOSTMEM_AHEAD").then(|| "1".into()));
+        assert!(ahead.hostmem_ahead);
         let close =
             Environment::from_vars(|n| (n == "POSSUM_RESTORE_TCP_CLOSE").then(|| "1".into()));
         assert!(close.tcp_close);
@@ -176,7 +183,7 @@ mod tests {
             )
         });
         assert_eq!(set.hostmem_split, HostmemSplit::Always);
-        assert!(!set.keeper_revive && !set.restore_stage && !set.tcp_close);
+        assert!(!set.keeper_revive && !set.restore_stage && !set.tcp_close && !set.hostmem_ahead);
         assert_eq!(set.criu_log_level, Some(LogLevel::Debug));
         assert_eq!(set.nvidia_smi, "0");
         assert_eq!(set.libcuda, "libcuda.so.1");

@@ -290,6 +290,15 @@ pub enum HostmemFigures {
         processes: Vec<u32>,
         /// Processes left whole, and why.
         left: Vec<LeftWhole>,
+        /// The data files that are drafts sent ahead (a migration's), laid onto at the cut.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        sent_ahead: Vec<String>,
+        /// Of the bytes moved, those their drafts already held.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        ahead_reused_bytes: Option<u64>,
+        /// Why a draft sent ahead could not be used, by process.
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        ahead_errors: Vec<LeftWhole>,
     },
     /// It failed: the images are whole (CRIU restores them itself).
     Failed {

@@ -206,6 +206,9 @@ pub struct MigrateReport {
     pub bytes_while_held: u64,
     /// The phases' timings.
     pub timings: MigrateTimings,
+    /// The job's private memory drafted and sent with the pre-copy rounds (what of it the
+    /// cut found unchanged: `checkpoint.figures.hostmem.ahead_reused_bytes`).
+    pub host_memory_ahead: HostAhead,
     /// The local image, kept: the destination did not say that its own is on its disk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_kept: Option<PathBuf>,
@@ -495,6 +498,58 @@ struct SendAhead<'a> {
     sent: Totals,
     /// The pre-copy rounds sent ahead.
     rounds: usize,
+    /// The job's private memory drafted for the rounds.
+    host_ahead: HostAhead,
+}
+
+/// What drafting the job's private memory for the pre-copy rounds took.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct HostAhead {
+    /// Rounds drafted.
+    pub rounds: usize,
+    /// Bytes written into the drafts (what changed, and what was new).
+    pub written_bytes: u64,
+    /// Time taken, the job running.
+    #[serde(rename = "ms", serialize_with = "as_ms")]
+    pub time: Duration,
+}
+
+impl SendAhead<'_> {
+    /// The job's private memory drafted into the image's `hostmem-ahead` directory, to be sent
+    /// with the round (`possum_criu::hostmem::ahead`), with `POSSUM_HOSTMEM_AHEAD=1` and the
+    /// split on: `written` with what the drafts were written in. A failure leaves the
+    /// memory to be sent whole at the cut, and is said.
+    fn draft_host_memory(&mut self, dir: &Path, written: &Written) -> Written {
+        use possum_criu::hostmem::{self, ahead};
+        let mut written = written.clone();
+        let env = &self.p.checkpoint.env;
+        if !env.hostmem_ahead || env.hostmem_split == crate::config::HostmemSplit::Off {
+            return written;
+        }
+        let pids = job_pids(self.p.checkpoint.pid);
+        let into = dir.join(ahead::AHEAD_DIR);
+        match ahead::draft(&into, &pids, hostmem::default_threads()) {
+            Ok(r) => {
+                self.host_ahead.rounds += 1;
+                self.host_ahead.time += r.time;
+                self.host_ahead.written_bytes += r.written_bytes;
+                for (inode, pieces) in r.written {
+                    written.add(inode, pieces);
+                }
+                for (pid, why) in r.left {
+                    self.obs
+                        .note(&format!("process {pid}'s memory is not sent ahead: {why}"));
+                }
+            }
+            Err(e) => {
+                let _ = fs::remove_dir_all(&into);
+                self.obs.note(&format!(
+                    "the job's memory is not sent ahead (it goes at the cut): {e}"
+                ));
+            }
+        }
+        written
+    }
 }
 
 impl Observer for SendAhead<'_> {
@@ -529,6 +584,7 @@ impl Observer for SendAhead<'_> {
             Some(link) => link,
         };
         let t = Instant::now();
+        let written = self.draft_host_memory(dir, written);
         let link = link.and_then(|mut l| {
             let Link { stream, sender } = &mut l;
             sender.told(written.clone());
@@ -596,7 +652,12 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     sender.told(held.written_at_cut());
     // The job's private memory split out of CRIU's images, in parts the receiver writes at once.
     let criu = held.dir().join("criu");
+    // (Not those laid onto the drafts sent ahead: they go as those files, changed.)
+    let sent_ahead = held.data_files_sent_ahead();
     for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {
+        if sent_ahead.contains(&name) {
+            continue;
+        }
         sender.send_in_parts(
             format!("criu/{name}"),
             possum_criu::hostmem::MIGRATION_PART_BYTES,
@@ -669,6 +730,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         rounds: report.figures.precopy_rounds.len(),
         bytes_while_held: sent.sent_bytes,
         timings,
+        host_memory_ahead: ahead.host_ahead,
         image_kept,
         checkpoint: report,
     })
@@ -681,6 +743,7 @@ struct Ahead {
     connect: Duration,
     took: Duration,
     sent: Totals,
+    host_ahead: HostAhead,
 }
 
 /// The checkpoint up to its commit with the job held, its pre-copy sent ahead through
@@ -699,6 +762,7 @@ fn checkpoint_sending_ahead<'p>(
         ahead: Duration::ZERO,
         sent: Totals::default(),
         rounds: 0,
+        host_ahead: HostAhead::default(),
     };
     let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
     let SendAhead {
@@ -706,6 +770,7 @@ fn checkpoint_sending_ahead<'p>(
         connect,
         ahead: took,
         sent,
+        host_ahead,
         ..
     } = ahead;
     match checkpointed {
@@ -716,6 +781,7 @@ fn checkpoint_sending_ahead<'p>(
                 connect,
                 took,
                 sent,
+                host_ahead,
             },
         )),
         Err(e) => {

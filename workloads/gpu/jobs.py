@@ -32,6 +32,24 @@ def digest(tensors) -> str:
         h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
 
+def host_memory():
+    """This process's host memory in kB as smaps_rollup counts it."""
+    out = {}
+    for line in open("/proc/self/smaps_rollup"):
+        k, _, v = line.partition(":")
+        if k in ("Rss", "Anonymous", "Private_Dirty"):
+            out[k.lower() + "_kb"] = int(v.split()[0])
+    return out
+
+def trim_host_memory():
+    """glibc's malloc_trim(0): the heap's free memory given back; what it freed and took."""
+    import ctypes
+    before = host_memory()
+    t = time.perf_counter()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    ms = 1e3 * (time.perf_counter() - t)
+    return {"before": before, "after": host_memory(), "ms": ms}
+
 def setup(seed=0):
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
@@ -228,6 +246,9 @@ def main():
     p.add_argument("--host-batch-mib", type=float, default=0,
                    help="copy a batch of this many MiB from pinned host memory to the GPU every step "
                         "(as a data loader does), into a buffer of its own")
+    p.add_argument("--trim-at-step", type=int, default=-1,
+                   help="at this step, call glibc's malloc_trim(0) and append to --log the job's host "
+                        "memory before and after it ({\"trim\": ...}, kB from smaps_rollup) and its time")
     p.add_argument("--report-writes", action="store_true",
                    help="after step 3, append to --log the bytes the job writes each step ({\"writes\": N})")
     a = p.parse_args()
@@ -270,6 +291,9 @@ def main():
         if s == 3 and a.log and a.report_writes:
             with open(a.log, "a") as f:
                 f.write(json.dumps({"writes": torch.cuda.max_memory_allocated() - frozen_bytes}) + "\n")
+        if s == a.trim_at_step and a.log:
+            with open(a.log, "a") as f:
+                f.write(json.dumps({"trim": trim_host_memory()}) + "\n")
         if inbox is not None:
             inbox.copy_(host_batch, non_blocking=True)
         if ballast and a.ballast_read_all:

@@ -6,6 +6,7 @@ use super::*;
 const ANY_SIZE: SplitOptions = SplitOptions {
     min_bytes: 1,
     part_bytes: None,
+    ahead: None,
 };
 
 fn pe(vaddr: u64, pages: u32) -> PagemapEntry {
@@ -226,6 +227,8 @@ fn a_split_moves_private_memory_and_leaves_shared_file_and_rseq_pages_to_criu() 
             moved_bytes: 71 * P,
             kept_bytes: 18 * P,
             ranges: 3,
+            rebased: None,
+            ahead_error: None,
         }]
     );
     assert_eq!(report.left.len(), 1, "{report:?}");
@@ -272,6 +275,112 @@ fn a_split_moves_private_memory_and_leaves_shared_file_and_rseq_pages_to_criu() 
     assert!(!crate::images::require_plugin(dir, PLUGIN_NAME).unwrap());
 }
 
+/// Split onto a draft sent ahead: the draft becomes the data file, holding every moved byte;
+/// only its changed pages and the pages it lacked are written, and the index points into it.
+#[test]
+fn a_split_onto_a_draft_writes_only_what_the_draft_lacks_or_has_wrong() {
+    use std::os::unix::fs::MetadataExt as _;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("criu");
+    fs::create_dir(&dir).unwrap();
+    let pages = synthetic_dump(&dir);
+    // Process 10's moved pages, by address: runs (0x100, 64), then 0x400..0x403, 0x404..0x408.
+    let byte_of = |vaddr: u64| -> u8 {
+        let k = if vaddr >= 0x400 * P {
+            64 + 16 + 1 + (vaddr / P - 0x400)
+        } else {
+            vaddr / P - 0x100
+        };
+        pages[(k * P) as usize]
+    };
+    // The draft: pages 0x100..0x120 at 0 (right but for 0x105 and 0x106), 0x400..0x402 at 32P
+    // (wrong), and 0x500..0x504 at 34P (gone since).
+    let ahead = tmp.path().join(ahead::AHEAD_DIR);
+    fs::create_dir(&ahead).unwrap();
+    let mut draft = Vec::new();
+    for k in 0..32u64 {
+        let b = if k == 5 || k == 6 {
+            0
+        } else {
+            byte_of((0x100 + k) * P)
+        };
+        draft.extend(std::iter::repeat_n(b, P as usize));
+    }
+    draft.extend(std::iter::repeat_n(0xaa, 6 * P as usize));
+    fs::write(ahead.join("possum-hostmem-10.pages"), &draft).unwrap();
+    let layout = Index {
+        data_file: "possum-hostmem-10.pages".into(),
+        data_len: 38 * P,
+        part_bytes: 0,
+        ranges: vec![
+            Range {
+                vaddr: 0x100 * P,
+                offset: 0,
+                len: 32 * P,
+            },
+            Range {
+                vaddr: 0x400 * P,
+                offset: 32 * P,
+                len: 2 * P,
+            },
+            Range {
+                vaddr: 0x500 * P,
+                offset: 34 * P,
+                len: 4 * P,
+            },
+        ],
+    };
+    fs::write(ahead.join("possum-hostmem-10.ahead"), layout.encode()).unwrap();
+    let inode = fs::metadata(ahead.join("possum-hostmem-10.pages"))
+        .unwrap()
+        .ino();
+    let opts = SplitOptions {
+        ahead: Some(ahead.clone()),
+        ..ANY_SIZE
+    };
+    let report = split(&dir, &opts).unwrap();
+    let t = &report.split[0];
+    assert_eq!((t.pid, t.moved_bytes), (10, 71 * P));
+    let rebased = t.rebased.as_ref().expect("laid onto its draft");
+    assert_eq!(t.ahead_error, None);
+    assert_eq!(rebased.inode.1, inode);
+    // Written: 0x105..0x107, 0x400..0x402 (wrong), and appended at 38P: 0x120..0x140, 0x402,
+    // 0x404..0x408 (the rseq page 0x403 stays with CRIU).
+    assert_eq!(
+        rebased.written,
+        vec![
+            (5 * P, 2 * P),
+            (32 * P, 2 * P),
+            (38 * P, 32 * P + P + 4 * P)
+        ]
+    );
+    assert_eq!(rebased.reused_bytes, 30 * P);
+    // The draft is the data file now; every moved byte is where the index says.
+    assert!(!dir.join("pages-1.img").exists());
+    assert!(!ahead.join("possum-hostmem-10.pages").exists());
+    let data_path = dir.join("possum-hostmem-10.pages");
+    assert_eq!(fs::metadata(&data_path).unwrap().ino(), inode);
+    let data = fs::read(&data_path).unwrap();
+    let index = read_index(&dir, 10).unwrap().unwrap();
+    assert_eq!(index.data_len, data.len() as u64);
+    assert_eq!(index.bytes(), 71 * P);
+    assert!(index
+        .ranges
+        .windows(2)
+        .all(|w| w[0].vaddr + w[0].len <= w[1].vaddr));
+    for r in &index.ranges {
+        for k in 0..r.len / P {
+            let at = (r.offset + k * P) as usize;
+            let v = r.vaddr + k * P;
+            assert!(
+                data[at..at + P as usize].iter().all(|&b| b == byte_of(v)),
+                "page {:#x}",
+                v / P
+            );
+        }
+    }
+}
+
 /// Split for a migration: the same runs, CRIU's pages file copied into parts and removed.
 #[test]
 fn a_split_into_parts_leaves_the_bytes_in_the_parts_and_no_pages_file() {
@@ -279,8 +388,8 @@ fn a_split_into_parts_leaves_the_bytes_in_the_parts_and_no_pages_file() {
     let dir = tmp.path();
     let pages = synthetic_dump(dir);
     let opts = SplitOptions {
-        min_bytes: 1,
         part_bytes: Some(1),
+        ..ANY_SIZE
     };
     let report = split(dir, &opts).unwrap();
     assert_eq!(report.split.len(), 1, "{report:?}");

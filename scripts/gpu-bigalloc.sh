@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One tensor of several GiB under `possum run`: how far a job gets, by the tensor's size, against
+# the same job without possum. Builds nothing: carry .gpu (`bash scripts/gpu-ckpt.sh --stage`).
+#   bash scripts/gpu-bigalloc.sh [MIB...]   (~2.5 min; default 2048 4200 8192)
+#       workloads/gpu/jobs.py mlp --state-mib MIB (one tensor of MIB, written every step) for
+#       25 s each, bare and under `possum run -v`: steps made; a job that made none has its
+#       Python threads' stacks dumped (faulthandler, SIGABRT) and its threads' kernel wait
+#       channels listed. -> $OUT/bigalloc.txt
+# Without a GPU it says SKIPPED and exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu-start.sh
+gpu_libraries
+harness_run bigalloc BIGALLOC_BUDGET_S
+sizes=("$@"); [ ${#sizes[@]} -gt 0 ] || sizes=(2048 4200 8192)
+{
+    for mib in "${sizes[@]}"; do
+        for how in bare possum; do
+            pre=(); [ "$how" = possum ] && pre=("$POSSUM" run -v)
+            o="$res/$how-$mib"
+            PYTHONFAULTHANDLER=1 "${pre[@]}" python3 workloads/gpu/jobs.py mlp --steps 100000 \
+                --state-mib "$mib" --sleep-ms 20 > "$o.out" 2> "$o.err" &
+            runner=$!
+            sleep 20
+            job=$(pgrep -f "^python3 workloads/gpu/jobs.py mlp" | head -1)
+            if [ -n "$job" ] && ! grep -q step "$o.out"; then
+                for t in /proc/"$job"/task/*; do echo "  wchan $(basename "$t"): $(cat "$t"/wchan 2>/dev/null) $(cat "$t"/comm)"; done | sort | uniq -c -f2 | head -20
+                kill -ABRT "$job"; sleep 2
+            fi
+            kill -9 "$runner" $job 2>/dev/null; pkill -9 -f "workloads/gpu/jobs.py mlp"; wait "$runner" 2>/dev/null
+            echo "$mib MiB $how: $(grep -c step "$o.out") steps in 20 s"
+            grep -v "UserWarning\|tensor.detach\|struct.pack" "$o.err" | head -40
+        done
+    done
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+} 2>&1 | tee "$out/bigalloc.txt"
+exit 0
