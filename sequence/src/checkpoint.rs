@@ -18,7 +18,7 @@ use serde_json::Value;
 
 use crate::config::{Environment, HostmemSplit};
 use crate::figures::{
-    longest_waits, timed, CheckpointFigures, HostmemFigures, LeftWhole, PrecopyRound, WAITED_ON_TOP,
+    longest_waits, timed, CheckpointFigures, HostmemFigures, PrecopyRound, WAITED_ON_TOP,
 };
 use crate::gpu_runtimes::{GpuRuntime, GpuRuntimes};
 use crate::guard::{Guard, GuardPlan, Step};
@@ -1202,39 +1202,13 @@ impl<'a> Run<'a> {
         let r = timed(&mut self.figures.hostmem_split, || {
             hostmem::split(&criu_dir, &opts)
         });
-        let left = |v: &mut dyn Iterator<Item = (u32, &str)>| -> Vec<LeftWhole> {
-            v.map(|(pid, why)| LeftWhole {
-                pid,
-                why: why.to_string(),
-            })
-            .collect()
-        };
         self.figures.hostmem = Some(match r {
             Ok(rep) => {
-                let rebased: Vec<&hostmem::RebasedFile> = rep
-                    .split
-                    .iter()
-                    .filter_map(|t| t.rebased.as_ref())
-                    .collect();
                 // The wire reads again, of a draft sent ahead, only what was laid onto it.
-                for f in &rebased {
+                for f in rep.split.iter().filter_map(|t| t.rebased.as_ref()) {
                     self.written.add(f.inode, f.written.iter().copied());
                 }
-                HostmemFigures::Split {
-                    moved_bytes: rep.moved_bytes(),
-                    kept_bytes: rep.split.iter().map(|t| t.kept_bytes).sum(),
-                    processes: rep.split.iter().map(|t| t.pid).collect(),
-                    left: left(&mut rep.left.iter().map(|(p, w)| (*p, w.as_str()))),
-                    sent_ahead: rebased.iter().map(|f| f.data_file.clone()).collect(),
-                    ahead_reused_bytes: (!rebased.is_empty())
-                        .then(|| rebased.iter().map(|f| f.reused_bytes).sum()),
-                    ahead_errors: left(
-                        &mut rep
-                            .split
-                            .iter()
-                            .filter_map(|t| t.ahead_error.as_deref().map(|e| (t.pid, e))),
-                    ),
-                }
+                HostmemFigures::of_split(&rep)
             }
             Err(e) => {
                 let e = format!("{:#}", anyhow::Error::from(e));

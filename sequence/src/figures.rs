@@ -307,6 +307,33 @@ pub enum HostmemFigures {
     },
 }
 
+impl HostmemFigures {
+    /// The figures of a split that was made.
+    pub fn of_split(rep: &possum_criu::hostmem::SplitReport) -> HostmemFigures {
+        let rebased: Vec<_> = rep
+            .split
+            .iter()
+            .filter_map(|t| t.rebased.as_ref())
+            .collect();
+        let left = |pid: u32, why: &str| LeftWhole {
+            pid,
+            why: why.to_string(),
+        };
+        HostmemFigures::Split {
+            moved_bytes: rep.moved_bytes(),
+            kept_bytes: rep.split.iter().map(|t| t.kept_bytes).sum(),
+            processes: rep.split.iter().map(|t| t.pid).collect(),
+            left: rep.left.iter().map(|(p, w)| left(*p, w)).collect(),
+            sent_ahead: rebased.iter().map(|f| f.data_file.clone()).collect(),
+            ahead_reused_bytes: (!rebased.is_empty())
+                .then(|| rebased.iter().map(|f| f.reused_bytes).sum()),
+            ahead_errors: (rep.split.iter())
+                .filter_map(|t| t.ahead_error.as_deref().map(|e| left(t.pid, e)))
+                .collect(),
+        }
+    }
+}
+
 /// A process whose memory the split left in CRIU's images.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LeftWhole {

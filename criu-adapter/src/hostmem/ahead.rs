@@ -26,7 +26,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::{data_name, io_err, on_threads, HostMemError, Index, Range, FILL_CHUNK};
+use super::index::{data_name, io_err, HostMemError, Index, Range};
+use super::work::{namespace_pid, on_threads, FILL_CHUNK};
 use crate::images::PAGE_SIZE;
 
 /// The directory, in an image being made, of the drafts sent ahead.
@@ -310,7 +311,7 @@ pub fn draft(dir: &Path, pids: &[i32], threads: usize) -> Result<DraftReport, Ho
     fs::create_dir_all(dir).map_err(io_err(dir))?;
     let mut report = DraftReport::default();
     for &pid in pids {
-        let Some(image_pid) = super::namespace_pid(pid) else {
+        let Some(image_pid) = namespace_pid(pid) else {
             report.left.push((pid, "it has ended".into()));
             continue;
         };
