@@ -21,7 +21,8 @@
 #       (POSSUM_HOSTMEM_AHEAD), A/B in one run: the frozen job (8 GiB of weights) migrated alone,
 #       on/off/on/off over loopback, then on/off at --max-rate 10Gbit (a 10 Gbit/s link);
 #       then a training job (8 GiB of state written every step) with and without possum for
-#       30 steps, and migrated. -> $OUT/speculation-ahead.jsonl, speculation-training.txt
+#       30 steps, and migrated (SPEC_TRAINING=0: not). SPEC_AHEAD_RUNS picks the runs
+#       (TAG:AHEAD:RATE ...). -> $OUT/speculation-ahead.jsonl, speculation-training.txt
 #   bash scripts/gpu-speculation.sh trials [N]  (~9 min)
 #       N (50) random-step trials with the defaults (`eval/ckpt.py correctness`: kept checkpoints
 #       left running then restored, and checkpoints with the job killed then restored) over the
@@ -75,23 +76,27 @@ ahead)
         python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), tag=sys.argv[1]))) for l in open(sys.argv[2])]' \
             "$1" "$res/$1/speculation.jsonl" >> "$out/speculation-ahead.jsonl" 2>/dev/null
     }
-    one on-1 1 ""; one off-1 0 ""; one on-2 1 ""; one off-2 0 ""
-    one on-10gbit 1 "--max-rate 10Gbit"; one off-10gbit 0 "--max-rate 10Gbit"
-    {
-        for how in bare possum; do
-            pre=(); [ "$how" = possum ] && pre=("$POSSUM" run)
-            t0=$(date +%s%N)
-            timeout -k 5 60 "${pre[@]}" python3 workloads/gpu/jobs.py mlp --steps 30 --state-mib 8192 \
-                --sleep-ms 20 > "$res/training-$how.out" 2> "$res/training-$how.err"
-            echo "$how: rc $? in $(( ($(date +%s%N) - t0) / 1000000 )) ms, $(grep -c step "$res/training-$how.out") steps"
-            tail -3 "$res/training-$how.err"
-        done
-    } 2>&1 | tee "$out/speculation-training.txt"
-    timeout -k 5 100 python3 eval/speculation.py frozen --out "$res/training" --gib 0 --state-mib 8192 \
-        --modes speculative --migrate-only --warmup 10 --warmup-timeout 40 --migrate-timeout 60 \
-        > "$res/speculation-training.log" 2>&1
-    cut -c1-1500 "$res/speculation-training.log" | tee -a "$out/speculation-training.txt"
-    cp "$res"/training/*.err "$res/training/speculation-possum.log" "$out"/ 2>/dev/null
+    for run in ${SPEC_AHEAD_RUNS:-on-1:1: off-1:0: on-2:1: off-2:0: on-10gbit:1:10Gbit off-10gbit:0:10Gbit}; do
+        IFS=: read -r tag ahead rate <<< "$run"
+        one "$tag" "$ahead" "${rate:+--max-rate $rate}"
+    done
+    if [ "${SPEC_TRAINING:-1}" != 0 ]; then
+        {
+            for how in bare possum; do
+                pre=(); [ "$how" = possum ] && pre=("$POSSUM" run)
+                t0=$(date +%s%N)
+                timeout -k 5 60 "${pre[@]}" python3 workloads/gpu/jobs.py mlp --steps 30 --state-mib 8192 \
+                    --sleep-ms 20 > "$res/training-$how.out" 2> "$res/training-$how.err"
+                echo "$how: rc $? in $(( ($(date +%s%N) - t0) / 1000000 )) ms, $(grep -c step "$res/training-$how.out") steps"
+                tail -3 "$res/training-$how.err"
+            done
+        } 2>&1 | tee "$out/speculation-training.txt"
+        timeout -k 5 100 python3 eval/speculation.py frozen --out "$res/training" --gib 0 --state-mib 8192 \
+            --modes speculative --migrate-only --warmup 10 --warmup-timeout 40 --migrate-timeout 60 \
+            > "$res/speculation-training.log" 2>&1
+        cut -c1-1500 "$res/speculation-training.log" | tee -a "$out/speculation-training.txt"
+        cp "$res"/training/*.err "$res/training/speculation-possum.log" "$out"/ 2>/dev/null
+    fi
     ;;
 trials)
     CKPT_TIMEOUT=120 OUT="$res/c" timeout -k 5 $(( $(left) - 15 )) bash scripts/gpu-ckpt.sh correctness \

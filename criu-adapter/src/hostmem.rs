@@ -75,7 +75,7 @@ pub fn read_index(dir: &Path, pid: u32) -> Result<Option<Index>, HostMemError> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io_err(&path)(e)),
     };
-    if index.part_bytes == 0 && !dir.join(&index.data_file).exists() {
+    if index.part_bytes == 0 && index.more.is_empty() && !dir.join(&index.data_file).exists() {
         let first = dir.join(format!("{}.0", index.data_file));
         if let Ok(m) = fs::metadata(&first) {
             let p = m.len();
@@ -106,7 +106,7 @@ pub fn whole_data_files(dir: &Path) -> Result<Vec<String>, HostMemError> {
             continue;
         };
         if let Some(i) = read_index(dir, pid)? {
-            if i.part_bytes == 0 {
+            if i.part_bytes == 0 && i.more.is_empty() {
                 out.push(i.data_file);
             }
         }
@@ -163,10 +163,8 @@ pub struct TaskSplit {
 pub struct RebasedFile {
     /// The data file's name.
     pub data_file: String,
-    /// Its (device, inode): the draft's.
+    /// Its (device, inode): the draft's, as it was sent ahead (unchanged at the cut).
     pub inode: (u64, u64),
-    /// The pieces written at the cut (offset, length).
-    pub written: Vec<(u64, u64)>,
     /// Bytes of the memory the draft already held.
     pub reused_bytes: u64,
 }
@@ -410,10 +408,12 @@ fn split_task(
     // Onto a draft sent ahead, where there is one: it becomes the data file. One that cannot
     // be used leaves CRIU's pages file to be the data file.
     let (rebased, ahead_error) = match (&opts.ahead, opts.part_bytes) {
-        (Some(a), None) => match ahead::rebase(a, pid, &old_pages, &moved, default_threads()) {
-            Ok(r) => (r, None),
-            Err(e) => (None, Some(e.to_string())),
-        },
+        (Some(a), None) => {
+            match ahead::rebase(a, pid, &old_pages, &moved, dir, default_threads()) {
+                Ok(r) => (r, None),
+                Err(e) => (None, Some(e.to_string())),
+            }
+        }
         _ => (None, None),
     };
     // Whole pieces of a fill, and never more parts than an index may name.
@@ -428,13 +428,15 @@ fn split_task(
                     .max(FILL_CHUNK)
                     .next_multiple_of(FILL_CHUNK)
             }),
+            more: Vec::new(),
             ranges: moved,
         }
     };
     let in_parts = index.part_bytes != 0;
-    let parts: Vec<PathBuf> = match in_parts {
-        true => index.files().iter().map(|(f, _)| dir.join(f)).collect(),
-        false => Vec::new(),
+    let parts: Vec<PathBuf> = match (in_parts, &rebased) {
+        (true, _) => index.files().iter().map(|(f, _)| dir.join(f)).collect(),
+        (false, Some(r)) => r.tail.clone(),
+        (false, None) => Vec::new(),
     };
     let new_pm_tmp = dir.join(format!("pagemap-{pid}.img.possum-tmp"));
     let written = (|| -> Result<u64, HostMemError> {
@@ -476,7 +478,6 @@ fn split_task(
         rebased: rebased.map(|r| RebasedFile {
             data_file: index.data_file.clone(),
             inode: r.inode,
-            written: r.written,
             reused_bytes: r.reused_bytes,
         }),
         ahead_error,
@@ -752,18 +753,24 @@ pub fn fill(
         }
         sources.push(crate::mapped::MappedFile::map(&file, len).map_err(io_err(&path))?);
     }
-    // A run's pieces, none across two parts: `from` is the offset in the data as a whole.
-    let part = index.part_bytes.max(1);
+    // A run's pieces, none across two files: `from` is the offset in the data as a whole.
+    let starts: Vec<u64> = (index.files().iter())
+        .scan(0u64, |at, (_, len)| {
+            let s = *at;
+            *at += len;
+            Some(s)
+        })
+        .collect();
+    let file_of = |from: u64| starts.partition_point(|&s| s <= from).saturating_sub(1);
+    let ends: Vec<u64> = (index.files().iter().zip(&starts))
+        .map(|((_, len), s)| s + len)
+        .collect();
     let pieces = cut_pieces(index.ranges.iter().flat_map(|r| {
         let mut runs = Vec::new();
         let mut done = 0;
         while done < r.len {
             let from = r.offset + done;
-            let len = if index.part_bytes == 0 {
-                r.len - done
-            } else {
-                (r.len - done).min(part - from % part)
-            };
+            let len = (r.len - done).min(ends[file_of(from)].saturating_sub(from).max(1));
             runs.push(Piece {
                 from,
                 to: r.vaddr + done,
@@ -779,13 +786,16 @@ pub fn fill(
         threads,
         || (),
         |(), p| {
-            let (k, at) = if index.part_bytes == 0 {
-                (0, p.from)
-            } else {
-                (p.from / part, p.from % part)
-            };
-            let src = sources[k as usize].bytes();
-            write_remote(pid, p.to, &src[at as usize..(at + p.len) as usize])
+            let k = file_of(p.from);
+            let at = p.from - starts[k];
+            let src = sources[k].bytes();
+            let bytes =
+                src.get(at as usize..(at + p.len) as usize)
+                    .ok_or_else(|| HostMemError::Index {
+                        path: dir.join(&index.files()[k].0),
+                        detail: format!("{} bytes at {at} are past its end", p.len),
+                    })?;
+            write_remote(pid, p.to, bytes)
         },
     )?;
     Ok(Some(FillReport {

@@ -83,6 +83,7 @@ fn index() -> Index {
         data_file: "possum-hostmem-7.pages".into(),
         data_len: 16 * P,
         part_bytes: 0,
+        more: Vec::new(),
         ranges: runs
             .into_iter()
             .map(|(vaddr, offset, len)| Range { vaddr, offset, len })

@@ -1204,9 +1204,9 @@ impl<'a> Run<'a> {
         });
         self.figures.hostmem = Some(match r {
             Ok(rep) => {
-                // The wire reads again, of a draft sent ahead, only what was laid onto it.
+                // A draft sent ahead is the data file as it was sent: nothing of it is read again.
                 for f in rep.split.iter().filter_map(|t| t.rebased.as_ref()) {
-                    self.written.add(f.inode, f.written.iter().copied());
+                    self.written.add(f.inode, []);
                 }
                 HostmemFigures::of_split(&rep)
             }

@@ -10,13 +10,15 @@
 //! whose bytes changed since the round before, and appends the pages it had not seen. A
 //! migration sends the drafts ahead with its GPU images.
 //!
-//! At the cut, [`rebase`] (called by the split) lays the pages CRIU dumped onto the draft: a
-//! page the draft holds at its address is written over it only where its bytes differ, a page
-//! it does not hold is appended, and the process's index then points into the draft, which
-//! becomes its data file (same inode: the wire sends it as the file sent ahead, with only the
-//! pieces written at the cut, [`Rebased::written`]). Every page's bytes come from CRIU's image and
-//! every one is compared, so a draft that is stale, torn by a concurrent write or wrong gives
-//! the same data file: it only decides how much is sent at the cut.
+//! At the cut, [`rebase`] (called by the split) compares the pages CRIU dumped with the draft: a
+//! page the draft holds at its address with the same bytes stays there; the others (changed
+//! since the last round, or not seen: the driver's checkpoint residue is new at every hold) are
+//! copied from CRIU's pages into a tail of new files in 64 MiB parts, written from every thread.
+//! The draft, left as it was sent, becomes the process's data file (same inode: the wire sends
+//! it as the file sent ahead, nothing of it again) and the tail's parts follow it in the data
+//! (an index of version 3). Every page's bytes are compared with CRIU's, so a draft that is
+//! stale, torn by a concurrent write or wrong gives the same memory: it only decides how much
+//! is sent at the cut.
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
@@ -345,6 +347,7 @@ pub fn draft(dir: &Path, pids: &[i32], threads: usize) -> Result<DraftReport, Ho
             data_file: data_name(image_pid),
             data_len: end,
             part_bytes: 0,
+            more: Vec::new(),
             ranges: layout,
         };
         let layout_path = dir.join(layout_name(image_pid));
@@ -362,68 +365,225 @@ pub fn draft(dir: &Path, pids: &[i32], threads: usize) -> Result<DraftReport, Ho
 /// A process's memory at the cut laid onto its draft.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rebased {
-    /// The process's index, into the draft.
+    /// The process's index: into the draft, then the tail's parts.
     pub index: Index,
-    /// The draft, now the process's data file once moved beside its index.
+    /// The draft, as it was sent ahead: the process's data file once moved beside its index.
     pub draft: PathBuf,
     /// Its (device, inode).
     pub inode: (u64, u64),
-    /// The pieces of it written at the cut (offset, length), sorted.
-    pub written: Vec<(u64, u64)>,
+    /// The tail's parts, written beside the index: the pages the draft lacked or has wrong.
+    pub tail: Vec<PathBuf>,
     /// Bytes of the memory the draft already held.
     pub reused_bytes: u64,
 }
 
+/// The size of each part of a tail (a multiple of [`PIECE`]).
+const TAIL_PART: u64 = 64 << 20;
+
+/// The name of part `k` of the tail of `pid`'s data.
+fn tail_name(pid: u32, k: u64) -> String {
+    format!("possum-hostmem-{pid}.tail.{k}")
+}
+
+/// Compares a move held by the draft with CRIU's bytes: the runs of pages that differ, as
+/// (address, offset in CRIU's pages file, length).
+fn differing(
+    src: &File,
+    draft: &File,
+    m: &Move,
+    bufs: &mut (Vec<u8>, Vec<u8>),
+) -> io::Result<Vec<(u64, u64, u64)>> {
+    let len = m.len as usize;
+    bufs.0.resize(len, 0);
+    bufs.1.resize(len, 0);
+    if !read_full(src, &mut bufs.0[..len], m.src)? {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+    }
+    let whole = read_full(draft, &mut bufs.1[..len], m.dst)?;
+    let page = PAGE_SIZE as usize;
+    let mut out: Vec<(u64, u64, u64)> = Vec::new();
+    let pairs = bufs.0[..len].chunks(page).zip(bufs.1[..len].chunks(page));
+    for (k, (a, b)) in pairs.enumerate() {
+        if whole && a == b {
+            continue;
+        }
+        let (v, at) = (m.vaddr + (k * page) as u64, m.src + (k * page) as u64);
+        match out.last_mut() {
+            Some((pv, _, pl)) if *pv + *pl == v => *pl += a.len() as u64,
+            _ => out.push((v, at, a.len() as u64)),
+        }
+    }
+    Ok(out)
+}
+
 /// Lays the pages of image PID `pid` that the split moves (`moved`, offsets in CRIU's pages
-/// file `pages`) onto the process's draft in `ahead` (see the module's doc). `Ok(None)`: no
-/// draft of it there.
+/// file `pages`) onto the process's draft in `ahead` (see the module's doc), the draft left as
+/// it was sent: a page it holds with the same bytes stays there, the others go to a tail of
+/// new files in `dir` (in parts, written from `threads` threads), after it in the data.
+/// `Ok(None)`: no draft of it there.
 pub fn rebase(
     ahead: &Path,
     pid: u32,
     pages: &Path,
     moved: &[Range],
+    dir: &Path,
     threads: usize,
 ) -> Result<Option<Rebased>, HostMemError> {
     let Some(layout) = read_layout(ahead, pid)? else {
         return Ok(None);
     };
     let path = ahead.join(data_name(pid));
-    let draft = match OpenOptions::new().read(true).write(true).open(&path) {
+    let draft = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io_err(&path)(e)),
     };
+    let meta = draft.metadata().map_err(io_err(&path))?;
     let src = File::open(pages).map_err(io_err(pages))?;
     let runs: Vec<(u64, u64, u64)> = moved.iter().map(|r| (r.vaddr, r.len, r.offset)).collect();
-    let (moves, _, end) = place(&runs, &layout.ranges, layout.data_len);
-    let (written, changed) = lay_all(&src, &draft, &path, &moves, threads, false)?;
-    let meta = draft.metadata().map_err(io_err(&path))?;
-    if meta.len() < end {
-        draft.set_len(end).map_err(io_err(&path))?;
-    }
-    let mut ranges: Vec<Range> = moves
-        .iter()
-        .map(|m| Range {
-            vaddr: m.vaddr,
-            offset: m.dst,
-            len: m.len,
-        })
+    let (moves, _, _) = place(&runs, &layout.ranges, layout.data_len);
+    // What of the memory the draft holds differs from CRIU's bytes.
+    let changed = Mutex::new(Vec::new());
+    let held: Vec<Move> = moves.iter().filter(|m| !m.fresh).copied().collect();
+    on_threads(&held, threads, Default::default, |bufs, m| {
+        let d = differing(&src, &draft, m, bufs).map_err(io_err(&path))?;
+        changed.lock().unwrap_or_else(|e| e.into_inner()).extend(d);
+        Ok(())
+    })?;
+    let mut to_tail = changed.into_inner().unwrap_or_else(|e| e.into_inner());
+    let changed_bytes: u64 = to_tail.iter().map(|(_, _, l)| l).sum();
+    to_tail.extend(
+        moves
+            .iter()
+            .filter(|m| m.fresh)
+            .map(|m| (m.vaddr, m.src, m.len)),
+    );
+    to_tail.sort_unstable();
+    let (tail, pieces, tail_len) = tail_of(&to_tail, meta.len());
+    let names: Vec<String> = (0..tail_len.div_ceil(TAIL_PART))
+        .map(|k| tail_name(pid, k))
         .collect();
+    let files: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
+    write_tail(&src, pages, &files, &pieces, threads)?;
+    // The index: a held page whose bytes are the draft's stays there; the rest is the tail's.
+    let mut ranges = tail;
+    for m in &held {
+        ranges.extend(subtract_runs(m, &to_tail));
+    }
     ranges.sort_unstable_by_key(|r| r.vaddr);
-    let data_len = end.max(meta.len());
-    let held: u64 = moves.iter().filter(|m| !m.fresh).map(|m| m.len).sum();
+    let more = (names.iter().enumerate())
+        .map(|(k, n)| (n.clone(), (tail_len - k as u64 * TAIL_PART).min(TAIL_PART)))
+        .collect();
+    let held_bytes: u64 = held.iter().map(|m| m.len).sum();
     Ok(Some(Rebased {
         index: Index {
             data_file: data_name(pid),
-            data_len,
+            data_len: meta.len() + tail_len,
             part_bytes: 0,
+            more,
             ranges: merged(ranges),
         },
         draft: path,
         inode: (meta.dev(), meta.ino()),
-        written,
-        reused_bytes: held - changed,
+        tail: files,
+        reused_bytes: held_bytes - changed_bytes,
     }))
+}
+
+/// The tail of `runs` (address, offset in CRIU's pages, length; sorted): the index's runs into
+/// it (offsets in the data, after the draft's `base` bytes), the pieces to copy (from CRIU's
+/// pages to the tail's offset, none across two parts), and its length.
+fn tail_of(runs: &[(u64, u64, u64)], base: u64) -> (Vec<Range>, Vec<Move>, u64) {
+    let mut ranges = Vec::new();
+    let mut pieces = Vec::new();
+    let mut at = 0u64;
+    for &(vaddr, src, len) in runs {
+        ranges.push(Range {
+            vaddr,
+            offset: base + at,
+            len,
+        });
+        let mut done = 0;
+        while done < len {
+            let n = (len - done)
+                .min(TAIL_PART - (at + done) % TAIL_PART)
+                .min(PIECE);
+            pieces.push(Move {
+                vaddr: vaddr + done,
+                src: src + done,
+                dst: at + done,
+                len: n,
+                fresh: true,
+            });
+            done += n;
+        }
+        at += len;
+    }
+    (ranges, pieces, at)
+}
+
+/// Copies `pieces` (from CRIU's pages at `src` to the tail's offset `dst`) into the tail's
+/// parts `files`, made new, from `threads` threads. A failure removes them.
+fn write_tail(
+    src: &File,
+    pages: &Path,
+    files: &[PathBuf],
+    pieces: &[Move],
+    threads: usize,
+) -> Result<(), HostMemError> {
+    let made = (|| {
+        let mut outs = Vec::new();
+        for f in files {
+            outs.push(File::create_new(f).map_err(io_err(f))?);
+        }
+        on_threads(pieces, threads, Vec::new, |buf: &mut Vec<u8>, m| {
+            let len = m.len as usize;
+            buf.resize(len, 0);
+            if !read_full(src, &mut buf[..len], m.src).map_err(io_err(pages))? {
+                return Err(io_err(pages)(io::ErrorKind::UnexpectedEof.into()));
+            }
+            let k = (m.dst / TAIL_PART) as usize;
+            outs[k]
+                .write_all_at(&buf[..len], m.dst % TAIL_PART)
+                .map_err(io_err(&files[k]))
+        })
+    })();
+    if made.is_err() {
+        for f in files {
+            let _ = fs::remove_file(f);
+        }
+    }
+    made.map(|_| ())
+}
+
+/// The pieces of move `m` (held by the draft) not among `tail`'s runs (sorted by address), as
+/// runs into the draft.
+fn subtract_runs(m: &Move, tail: &[(u64, u64, u64)]) -> Vec<Range> {
+    let mut out = Vec::new();
+    let mut cur = m.vaddr;
+    let end = m.vaddr + m.len;
+    let first = tail.partition_point(|&(v, _, l)| v + l <= m.vaddr);
+    for &(v, _, l) in &tail[first..] {
+        if v >= end {
+            break;
+        }
+        if v > cur {
+            out.push(Range {
+                vaddr: cur,
+                offset: m.dst + (cur - m.vaddr),
+                len: v - cur,
+            });
+        }
+        cur = cur.max(v + l);
+    }
+    if cur < end {
+        out.push(Range {
+            vaddr: cur,
+            offset: m.dst + (cur - m.vaddr),
+            len: end - cur,
+        });
+    }
+    out
 }
 
 #[cfg(test)]

@@ -6,10 +6,12 @@ use std::path::{Path, PathBuf};
 
 use crate::images::{ImageError, PAGE_SIZE};
 
-/// Index magic and versions: 1, one data file; 2, the data in parts ([`Index::part_bytes`]).
+/// Index magic and versions: 1, one data file; 2, the data in parts ([`Index::part_bytes`]);
+/// 3, the data in files of their own lengths, one after another ([`Index::more`]).
 const INDEX_MAGIC: &[u8; 8] = b"PSMHOST1";
 const INDEX_VERSION: u32 = 1;
 const INDEX_VERSION_PARTS: u32 = 2;
+const INDEX_VERSION_FILES: u32 = 3;
 
 /// What can go wrong splitting an image or filling a process.
 #[derive(Debug, thiserror::Error)]
@@ -73,13 +75,17 @@ pub struct Range {
 pub struct Index {
     /// The data file's name, in the same directory.
     pub data_file: String,
-    /// The data file's size when split.
+    /// The data's length: the data file's size when split (with [`Index::more`], all of the
+    /// files').
     pub data_len: u64,
     /// 0: the data is the one file `data_file`. Otherwise it is stored in parts of this many
     /// bytes (the last shorter), `data_file.0`, `data_file.1`, ...: each can be written by a
     /// thread of its own (a filesystem serializes the writes into one file), which a migration's
     /// receiver does. The runs' offsets are in the data as a whole.
     pub part_bytes: u64,
+    /// Files that follow `data_file` in the data, each with its length (none: the data is
+    /// `data_file`, or its parts); `data_file` then holds the first `data_len` less theirs.
+    pub more: Vec<(String, u64)>,
     /// The runs, in address order.
     pub ranges: Vec<Range>,
 }
@@ -92,8 +98,14 @@ impl Index {
             .fold(0u64, |sum, r| sum.saturating_add(r.len))
     }
 
-    /// The data's files, each with its length: `data_file` alone, or its parts.
+    /// The data's files, each with its length, in order: `data_file` alone, its parts, or it
+    /// and the files after it.
     pub fn files(&self) -> Vec<(String, u64)> {
+        if !self.more.is_empty() {
+            let rest: u64 = self.more.iter().map(|(_, l)| l).sum();
+            let first = (self.data_file.clone(), self.data_len.saturating_sub(rest));
+            return std::iter::once(first).chain(self.more.clone()).collect();
+        }
         if self.part_bytes == 0 {
             return vec![(self.data_file.clone(), self.data_len)];
         }
@@ -107,21 +119,30 @@ impl Index {
     }
 
     /// The file's bytes: magic, version, data file name and size (and, in parts, the part's
-    /// size), the runs, CRC32C of it all.
+    /// size; with more files, their number, and each one's name and length), the runs, CRC32C
+    /// of it all.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(48 + self.data_file.len() + 24 * self.ranges.len());
         out.extend_from_slice(INDEX_MAGIC);
-        let version = if self.part_bytes == 0 {
-            INDEX_VERSION
-        } else {
-            INDEX_VERSION_PARTS
+        let version = match (self.more.is_empty(), self.part_bytes) {
+            (false, _) => INDEX_VERSION_FILES,
+            (true, 0) => INDEX_VERSION,
+            (true, _) => INDEX_VERSION_PARTS,
         };
         out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&(self.data_file.len() as u32).to_le_bytes());
         out.extend_from_slice(self.data_file.as_bytes());
         out.extend_from_slice(&self.data_len.to_le_bytes());
-        if self.part_bytes != 0 {
+        if version == INDEX_VERSION_PARTS {
             out.extend_from_slice(&self.part_bytes.to_le_bytes());
+        }
+        if version == INDEX_VERSION_FILES {
+            out.extend_from_slice(&(self.more.len() as u32).to_le_bytes());
+            for (name, len) in &self.more {
+                out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+                out.extend_from_slice(name.as_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
         }
         out.extend_from_slice(&(self.ranges.len() as u64).to_le_bytes());
         for r in &self.ranges {
@@ -157,22 +178,22 @@ impl Index {
         let u32_at = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
         let u64_at = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
         let version = u32_at(take(4)?);
-        if version != INDEX_VERSION && version != INDEX_VERSION_PARTS {
+        if ![INDEX_VERSION, INDEX_VERSION_PARTS, INDEX_VERSION_FILES].contains(&version) {
             return Err(bad(&format!(
-                "version {version}; this possum reads versions {INDEX_VERSION} and \
-                 {INDEX_VERSION_PARTS}"
+                "version {version}; this possum reads versions {INDEX_VERSION} to \
+                 {INDEX_VERSION_FILES}"
             )));
         }
+        let plain = |raw: &[u8]| -> Result<String, HostMemError> {
+            let n =
+                String::from_utf8(raw.to_vec()).map_err(|_| bad("data file name is not UTF-8"))?;
+            if n.is_empty() || n == "." || n == ".." || n.contains(['/', '\0']) {
+                return Err(bad("data file name is not a plain file name"));
+            }
+            Ok(n)
+        };
         let name_len = u32_at(take(4)?) as usize;
-        let data_file = String::from_utf8(take(name_len)?.to_vec())
-            .map_err(|_| bad("data file name is not UTF-8"))?;
-        if data_file.is_empty()
-            || data_file == "."
-            || data_file == ".."
-            || data_file.contains(['/', '\0'])
-        {
-            return Err(bad("data file name is not a plain file name"));
-        }
+        let data_file = plain(take(name_len)?)?;
         let data_len = u64_at(take(8)?);
         let part_bytes = if version == INDEX_VERSION_PARTS {
             let p = u64_at(take(8)?);
@@ -186,6 +207,28 @@ impl Index {
         } else {
             0
         };
+        let mut more = Vec::new();
+        if version == INDEX_VERSION_FILES {
+            let n = u32_at(take(4)?);
+            if n == 0 || u64::from(n) >= MAX_PARTS {
+                return Err(bad(&format!("{n} more data files: none, or too many")));
+            }
+            let mut rest = 0u64;
+            for _ in 0..n {
+                let name_len = u32_at(take(4)?) as usize;
+                let f = plain(take(name_len)?)?;
+                let len = u64_at(take(8)?);
+                rest = rest
+                    .checked_add(len)
+                    .filter(|&r| r <= data_len)
+                    .ok_or_else(|| {
+                        bad(&format!(
+                            "the data files add up to more than its {data_len} bytes"
+                        ))
+                    })?;
+                more.push((f, len));
+            }
+        }
         let count = u64_at(take(8)?);
         let mut ranges = Vec::new();
         // The runs are disjoint pieces of the data file, so together they are no longer than it:
@@ -223,6 +266,7 @@ impl Index {
             data_file,
             data_len,
             part_bytes,
+            more,
             ranges,
         })
     }

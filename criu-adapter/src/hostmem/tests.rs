@@ -275,10 +275,10 @@ fn a_split_moves_private_memory_and_leaves_shared_file_and_rseq_pages_to_criu() 
     assert!(!crate::images::require_plugin(dir, PLUGIN_NAME).unwrap());
 }
 
-/// Split onto a draft sent ahead: the draft becomes the data file, holding every moved byte;
-/// only its changed pages and the pages it lacked are written, and the index points into it.
+/// Split onto a draft sent ahead: the draft, unchanged, becomes the data file; the pages it
+/// lacks or has wrong are copied into a tail after it, and the index points into both.
 #[test]
-fn a_split_onto_a_draft_writes_only_what_the_draft_lacks_or_has_wrong() {
+fn a_split_onto_a_draft_keeps_it_as_sent_and_puts_what_it_lacks_or_has_wrong_in_a_tail() {
     use std::os::unix::fs::MetadataExt as _;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("criu");
@@ -312,6 +312,7 @@ fn a_split_onto_a_draft_writes_only_what_the_draft_lacks_or_has_wrong() {
         data_file: "possum-hostmem-10.pages".into(),
         data_len: 38 * P,
         part_bytes: 0,
+        more: Vec::new(),
         ranges: vec![
             Range {
                 vaddr: 0x100 * P,
@@ -344,30 +345,30 @@ fn a_split_onto_a_draft_writes_only_what_the_draft_lacks_or_has_wrong() {
     let rebased = t.rebased.as_ref().expect("laid onto its draft");
     assert_eq!(t.ahead_error, None);
     assert_eq!(rebased.inode.1, inode);
-    // Written: 0x105..0x107, 0x400..0x402 (wrong), and appended at 38P: 0x120..0x140, 0x402,
-    // 0x404..0x408 (the rseq page 0x403 stays with CRIU).
-    assert_eq!(
-        rebased.written,
-        vec![
-            (5 * P, 2 * P),
-            (32 * P, 2 * P),
-            (38 * P, 32 * P + P + 4 * P)
-        ]
-    );
     assert_eq!(rebased.reused_bytes, 30 * P);
-    // The draft is the data file now; every moved byte is where the index says.
+    // The draft is the data file now, as it was sent; the tail holds 0x105, 0x106, 0x400,
+    // 0x401 (wrong), 0x120..0x140, 0x402 and 0x404..0x408 (new; the rseq page 0x403 stays with
+    // CRIU): 41 pages, in one part.
     assert!(!dir.join("pages-1.img").exists());
     assert!(!ahead.join("possum-hostmem-10.pages").exists());
     let data_path = dir.join("possum-hostmem-10.pages");
     assert_eq!(fs::metadata(&data_path).unwrap().ino(), inode);
-    let data = fs::read(&data_path).unwrap();
+    assert_eq!(fs::read(&data_path).unwrap(), draft);
     let index = read_index(&dir, 10).unwrap().unwrap();
-    assert_eq!(index.data_len, data.len() as u64);
+    assert_eq!(
+        index.more,
+        vec![("possum-hostmem-10.tail.0".to_string(), 41 * P)]
+    );
+    assert_eq!(index.files()[0], ("possum-hostmem-10.pages".into(), 38 * P));
     assert_eq!(index.bytes(), 71 * P);
     assert!(index
         .ranges
         .windows(2)
         .all(|w| w[0].vaddr + w[0].len <= w[1].vaddr));
+    // Every moved byte is where the index says, in the draft and its tail one after another.
+    let mut data = draft.clone();
+    data.extend(fs::read(dir.join("possum-hostmem-10.tail.0")).unwrap());
+    assert_eq!(data.len() as u64, index.data_len);
     for r in &index.ranges {
         for k in 0..r.len / P {
             let at = (r.offset + k * P) as usize;
@@ -379,6 +380,76 @@ fn a_split_onto_a_draft_writes_only_what_the_draft_lacks_or_has_wrong() {
             );
         }
     }
+    // The index of several files reads back as written.
+    let path = index_path(&dir, 10);
+    assert_eq!(Index::decode(&index.encode(), &path).unwrap(), index);
+}
+
+/// A fill takes each run from the file of the data it falls in, draft or tail.
+#[test]
+fn a_fill_from_a_draft_and_its_tail_writes_every_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut target = vec![0u8; 6 * P as usize];
+    let at = target.as_mut_ptr() as u64;
+    let base = at.next_multiple_of(P);
+    let skip = (base - at) as usize;
+    // The data: a 2-page draft (pages 'a', 'b') and a 3-page tail ('c', 'd', 'e').
+    fs::write(
+        dir.join("possum-hostmem-3.pages"),
+        [vec![b'a'; P as usize], vec![b'b'; P as usize]].concat(),
+    )
+    .unwrap();
+    let tail: Vec<u8> = [b'c', b'd', b'e']
+        .iter()
+        .flat_map(|&c| vec![c; P as usize])
+        .collect();
+    fs::write(dir.join("possum-hostmem-3.tail.0"), &tail).unwrap();
+    // Pages 0..2 from the tail's last two then the draft's first (a run across two files),
+    // page 3 from the draft's second.
+    let index = Index {
+        data_file: "possum-hostmem-3.pages".into(),
+        data_len: 5 * P,
+        part_bytes: 0,
+        more: vec![("possum-hostmem-3.tail.0".into(), 3 * P)],
+        ranges: vec![
+            Range {
+                vaddr: base,
+                offset: 3 * P,
+                len: 2 * P,
+            },
+            Range {
+                vaddr: base + 2 * P,
+                offset: 0,
+                len: P,
+            },
+            Range {
+                vaddr: base + 3 * P,
+                offset: P,
+                len: P,
+            },
+        ],
+    };
+    fs::write(index_path(dir, 3), index.encode()).unwrap();
+    let pid = std::process::id() as i32;
+    fill(dir, 3, pid, 2).unwrap().unwrap();
+    let page = |k: usize| target[skip + k * P as usize];
+    assert_eq!(
+        [page(0), page(1), page(2), page(3)],
+        [b'd', b'e', b'a', b'b']
+    );
+    // A run across the draft's end into the tail reads both.
+    let across = Index {
+        ranges: vec![Range {
+            vaddr: base,
+            offset: P,
+            len: 2 * P,
+        }],
+        ..index
+    };
+    fs::write(index_path(dir, 3), across.encode()).unwrap();
+    fill(dir, 3, pid, 2).unwrap().unwrap();
+    assert_eq!([page(0), page(1)], [b'b', b'c']);
 }
 
 /// Split for a migration: the same runs, CRIU's pages file copied into parts and removed.
@@ -451,6 +522,7 @@ fn the_index_round_trips_and_corruption_is_caught() {
         data_file: "possum-hostmem-7.pages".into(),
         data_len: 16 * P,
         part_bytes: 0,
+        more: Vec::new(),
         ranges: vec![
             Range {
                 vaddr: 0x7f00_0000_0000,
@@ -497,6 +569,7 @@ fn a_well_checksummed_index_is_still_checked() {
         data_file: "p".into(),
         data_len: 4 * P,
         part_bytes: 0,
+        more: Vec::new(),
         ranges: vec![run(0, 0, 4 * P); 1 << 20],
     });
     assert!(e.contains("add up to more than"), "{e}");
@@ -504,6 +577,7 @@ fn a_well_checksummed_index_is_still_checked() {
         data_file: "p".into(),
         data_len: u64::MAX,
         part_bytes: 0,
+        more: Vec::new(),
         ranges: vec![run(u64::MAX - P + 1, 0, 2 * P)],
     });
     assert!(e.contains("address space"), "{e}");
@@ -512,6 +586,7 @@ fn a_well_checksummed_index_is_still_checked() {
             data_file: name.into(),
             data_len: 0,
             part_bytes: 0,
+            more: Vec::new(),
             ranges: vec![],
         });
         assert!(e.contains("not a plain file name"), "{name:?}: {e}");
@@ -521,6 +596,7 @@ fn a_well_checksummed_index_is_still_checked() {
         data_file: "p".into(),
         data_len: 8 * P,
         part_bytes: 0,
+        more: Vec::new(),
         ranges: vec![run(0, 4 * P, 4 * P), run(8 * P, 0, 4 * P)],
     };
     assert_eq!(Index::decode(&ok.encode(), path).unwrap().bytes(), 8 * P);
@@ -535,6 +611,7 @@ fn a_well_checksummed_index_is_still_checked() {
     let e = refused(Index {
         data_len: u64::MAX - u64::MAX % P,
         part_bytes: P,
+        more: Vec::new(),
         ranges: vec![],
         ..ok.clone()
     });
@@ -547,6 +624,7 @@ fn an_index_in_parts_round_trips_and_names_its_parts() {
         data_file: "possum-hostmem-7.pages".into(),
         data_len: 5 * P,
         part_bytes: 2 * P,
+        more: Vec::new(),
         ranges: vec![Range {
             vaddr: 0x10_0000,
             offset: P,
@@ -569,6 +647,7 @@ fn an_index_in_parts_round_trips_and_names_its_parts() {
     // One file: version 1, as before.
     let one = Index {
         part_bytes: 0,
+        more: Vec::new(),
         ..idx
     };
     assert_eq!(
@@ -594,6 +673,7 @@ fn a_pages_file_copied_into_parts_keeps_every_byte() {
         data_file: "possum-hostmem-3.pages".into(),
         data_len: len,
         part_bytes: FILL_CHUNK,
+        more: Vec::new(),
         ranges: vec![],
     };
     copy_into_parts(&File::open(&src_path).unwrap(), &src_path, dir, &index).unwrap();
@@ -618,6 +698,7 @@ fn a_fill_from_parts_writes_runs_across_part_boundaries() {
         data_file: "possum-hostmem-9.pages".into(),
         data_len: 5 * P,
         part_bytes: 2 * P,
+        more: Vec::new(),
         ranges: Vec::new(),
     };
     for (k, (name, len)) in index.files().into_iter().enumerate() {
@@ -677,6 +758,7 @@ fn an_index_of_one_file_reads_that_file_sent_in_parts() {
         data_file: "possum-hostmem-8.pages".into(),
         data_len: 5 * P,
         part_bytes: 0,
+        more: Vec::new(),
         ranges: vec![Range {
             vaddr: base,
             offset: P,
