@@ -3,7 +3,8 @@
 # the same job without possum. Builds nothing: carry .gpu (`bash scripts/gpu-ckpt.sh --stage`).
 #   bash scripts/gpu-bigalloc.sh [MIB...]   (~2.5 min; default 2048 4200 8192)
 #       workloads/gpu/jobs.py mlp --state-mib MIB (one tensor of MIB, written every step) for
-#       25 s each, bare and under `possum run -v`: steps made; a job that made none has its
+#       20 s each, bare, under `possum run -v`, and under it with POSSUM_VALIDATE=off
+#       (BIGALLOC_HOWS picks among bare, possum, possum-novalidate): steps made; a job that made none has its
 #       Python threads' stacks dumped (faulthandler, SIGABRT) and its threads' kernel wait
 #       channels listed. -> $OUT/bigalloc.txt
 # Without a GPU it says SKIPPED and exits 0.
@@ -15,10 +16,11 @@ harness_run bigalloc BIGALLOC_BUDGET_S
 sizes=("$@"); [ ${#sizes[@]} -gt 0 ] || sizes=(2048 4200 8192)
 {
     for mib in "${sizes[@]}"; do
-        for how in bare possum; do
-            pre=(); [ "$how" = possum ] && pre=("$POSSUM" run -v)
+        for how in ${BIGALLOC_HOWS:-bare possum possum-novalidate}; do
+            pre=(); [ "$how" != bare ] && pre=("$POSSUM" run -v)
+            validate=; [ "$how" = possum-novalidate ] && validate=off
             o="$res/$how-$mib"
-            PYTHONFAULTHANDLER=1 "${pre[@]}" python3 workloads/gpu/jobs.py mlp --steps 100000 \
+            POSSUM_VALIDATE=${validate:-${POSSUM_VALIDATE:-}} PYTHONFAULTHANDLER=1 "${pre[@]}" python3 workloads/gpu/jobs.py mlp --steps 100000 \
                 --state-mib "$mib" --sleep-ms 20 > "$o.out" 2> "$o.err" &
             runner=$!
             sleep 20
