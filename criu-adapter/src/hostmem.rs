@@ -126,8 +126,8 @@ pub struct SplitOptions {
     /// parts as it sends it, which [`read_index`] takes for the file.
     pub part_bytes: Option<u64>,
     /// The drafts of the processes' memory sent ahead ([`ahead::draft`]'s directory), with
-    /// `part_bytes` `None`: a process with a draft there has its memory laid onto it
-    /// ([`ahead::rebase`]), which becomes its data file.
+    /// `part_bytes` `None`: a process with a draft there has its draft for data file, followed
+    /// by a tail of the pages it lacks or has wrong ([`ahead::rebase`]).
     pub ahead: Option<PathBuf>,
 }
 
@@ -152,7 +152,7 @@ pub struct TaskSplit {
     pub kept_bytes: u64,
     /// Runs in the index.
     pub ranges: usize,
-    /// Its data file is its draft sent ahead, and what was laid onto it.
+    /// Its data file is its draft sent ahead (a tail of what it lacked after it).
     pub rebased: Option<RebasedFile>,
     /// Why a draft of it could not be used (its data file is CRIU's pages).
     pub ahead_error: Option<String>,
@@ -488,7 +488,7 @@ fn split_task(
 enum DataFrom<'a> {
     /// The parts, written already.
     Parts,
-    /// The draft sent ahead, laid onto.
+    /// The draft sent ahead (its tail written already).
     Draft(&'a Path),
     /// CRIU's pages file.
     CriuPages,
@@ -740,9 +740,11 @@ pub fn fill(
         return Ok(None);
     };
     // Each file of the data, mapped, once its length is checked.
+    let files = index.files();
     let mut sources = Vec::new();
-    for (name, want) in index.files() {
-        let path = dir.join(&name);
+    for (name, want) in &files {
+        let want = *want;
+        let path = dir.join(name);
         let file = File::open(&path).map_err(io_err(&path))?;
         let len = file.metadata().map_err(io_err(&path))?.len();
         if len != want {
@@ -754,7 +756,7 @@ pub fn fill(
         sources.push(crate::mapped::MappedFile::map(&file, len).map_err(io_err(&path))?);
     }
     // A run's pieces, none across two files: `from` is the offset in the data as a whole.
-    let starts: Vec<u64> = (index.files().iter())
+    let starts: Vec<u64> = (files.iter())
         .scan(0u64, |at, (_, len)| {
             let s = *at;
             *at += len;
@@ -762,7 +764,7 @@ pub fn fill(
         })
         .collect();
     let file_of = |from: u64| starts.partition_point(|&s| s <= from).saturating_sub(1);
-    let ends: Vec<u64> = (index.files().iter().zip(&starts))
+    let ends: Vec<u64> = (files.iter().zip(&starts))
         .map(|((_, len), s)| s + len)
         .collect();
     let pieces = cut_pieces(index.ranges.iter().flat_map(|r| {
@@ -792,7 +794,7 @@ pub fn fill(
             let bytes =
                 src.get(at as usize..(at + p.len) as usize)
                     .ok_or_else(|| HostMemError::Index {
-                        path: dir.join(&index.files()[k].0),
+                        path: dir.join(&files[k].0),
                         detail: format!("{} bytes at {at} are past its end", p.len),
                     })?;
             write_remote(pid, p.to, bytes)

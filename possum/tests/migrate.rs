@@ -328,7 +328,7 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     assert!(moved.as_u64().unwrap_or(0) > 0, "not split: {v}");
     assert_eq!(&r["restore"]["hostmem_fill_bytes"], moved, "{r}");
     // That memory went ahead with the pre-copy rounds, drafted while the job ran; at the cut
-    // it was laid onto the draft, which is its data file: most of it was there already (the job
+    // it was compared with the draft, which is its data file: most of it was there already (the job
     // waits for its next command), and only the rest went while it was held.
     let ahead = &v["host_memory_ahead"];
     assert!(ahead["rounds"].as_u64().unwrap() >= 1, "{v}");

@@ -225,15 +225,6 @@ impl HeldCheckpoint<'_> {
         self.run.written.clone()
     }
 
-    /// The data files of the job's private memory that are the drafts a migration sent ahead
-    /// (names in the image's `criu` directory): the wire sends them as the files sent ahead.
-    pub fn data_files_sent_ahead(&self) -> Vec<String> {
-        match &self.run.figures.hostmem {
-            Some(crate::figures::HostmemFigures::Split { sent_ahead, .. }) => sent_ahead.clone(),
-            _ => Vec::new(),
-        }
-    }
-
     /// Lets the job run on (the driver's restore and unlock, possum's resume): what
     /// `leave_running` does after the commit.
     pub fn resume(mut self) -> Result<CheckpointReport, CheckpointError> {
@@ -1191,9 +1182,9 @@ impl<'a> Run<'a> {
             return;
         }
         let criu_dir = self.tmp.join("criu");
-        // CRIU's pages file becomes the data file as it is (renamed), or the memory is laid
-        // onto the draft a migration sent ahead: a migration sends the first in parts, which
-        // the receiver writes all at once, the second as the file sent ahead, changed.
+        // CRIU's pages file becomes the data file as it is (renamed), or the draft a migration
+        // sent ahead does, with a tail of what it lacked: a migration sends the first in parts,
+        // which the receiver writes all at once, the second as the file sent ahead.
         let ahead = self.tmp.join(hostmem::ahead::AHEAD_DIR);
         let opts = hostmem::SplitOptions {
             ahead: ahead.is_dir().then_some(ahead),

@@ -290,7 +290,8 @@ pub enum HostmemFigures {
         processes: Vec<u32>,
         /// Processes left whole, and why.
         left: Vec<LeftWhole>,
-        /// The data files that are drafts sent ahead (a migration's), laid onto at the cut.
+        /// The data files that are drafts sent ahead (a migration's), a tail of what they lacked
+        /// after each.
         #[serde(skip_serializing_if = "Vec::is_empty")]
         sent_ahead: Vec<String>,
         /// Of the bytes moved, those their drafts already held.

@@ -652,12 +652,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     sender.told(held.written_at_cut());
     // The job's private memory split out of CRIU's images, in parts the receiver writes at once.
     let criu = held.dir().join("criu");
-    // (Not those laid onto the drafts sent ahead: they go as those files, changed.)
-    let sent_ahead = held.data_files_sent_ahead();
+    // (A draft sent ahead that became one goes as the file sent ahead: the wire sees to it.)
     for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {
-        if sent_ahead.contains(&name) {
-            continue;
-        }
         sender.send_in_parts(
             format!("criu/{name}"),
             possum_criu::hostmem::MIGRATION_PART_BYTES,

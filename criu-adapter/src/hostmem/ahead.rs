@@ -24,7 +24,6 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -51,8 +50,6 @@ pub type Pieces = Vec<(u64, u64)>;
 pub struct DraftReport {
     /// Processes drafted (image PIDs).
     pub processes: Vec<u32>,
-    /// Bytes of memory read.
-    pub read_bytes: u64,
     /// Bytes written into the drafts (changed or new).
     pub written_bytes: u64,
     /// Each draft's (device, inode) and the pieces of it written, sorted.
@@ -156,6 +153,41 @@ fn read_full(f: &File, buf: &mut [u8], at: u64) -> io::Result<bool> {
     Ok(true)
 }
 
+/// The runs of pages (offset, length in bytes) where `new` differs from `old`; every page when
+/// `old` is not whole (the draft ended before it).
+fn differing_pages(new: &[u8], old: &[u8], whole: bool) -> Vec<(usize, usize)> {
+    let page = PAGE_SIZE as usize;
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (k, (a, b)) in new.chunks(page).zip(old.chunks(page)).enumerate() {
+        if whole && a == b {
+            continue;
+        }
+        let at = k * page;
+        match out.last_mut() {
+            Some((o, l)) if *o + *l == at => *l += a.len(),
+            _ => out.push((at, a.len())),
+        }
+    }
+    out
+}
+
+/// Reads move `m`'s bytes from `src` into `bufs.0` and the draft's at its place into `bufs.1`:
+/// whether the draft holds all of them (it may end before).
+fn read_both(
+    src: &File,
+    draft: &File,
+    m: &Move,
+    bufs: &mut (Vec<u8>, Vec<u8>),
+) -> io::Result<bool> {
+    let len = m.len as usize;
+    bufs.0.resize(len, 0);
+    bufs.1.resize(len, 0);
+    if !read_full(src, &mut bufs.0[..len], m.src)? {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+    }
+    read_full(draft, &mut bufs.1[..len], m.dst)
+}
+
 /// Lays one move onto the draft: its bytes read from `src`, written where they differ from the
 /// draft's (a fresh move: all of them). The pieces written (offset, length in the draft).
 fn lay(
@@ -165,64 +197,41 @@ fn lay(
     bufs: &mut (Vec<u8>, Vec<u8>),
 ) -> io::Result<Vec<(u64, u64)>> {
     let len = m.len as usize;
-    bufs.0.resize(len, 0);
-    if !read_full(src, &mut bufs.0[..len], m.src)? {
-        return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
-    }
-    let new = &bufs.0[..len];
     if m.fresh {
-        draft.write_all_at(new, m.dst)?;
+        bufs.0.resize(len, 0);
+        if !read_full(src, &mut bufs.0[..len], m.src)? {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
+        }
+        draft.write_all_at(&bufs.0[..len], m.dst)?;
         return Ok(vec![(m.dst, m.len)]);
     }
-    bufs.1.resize(len, 0);
-    let old_whole = read_full(draft, &mut bufs.1[..len], m.dst)?;
-    let old = &bufs.1[..len];
-    let page = PAGE_SIZE as usize;
-    let mut written: Vec<(u64, u64)> = Vec::new();
-    for (k, (a, b)) in new.chunks(page).zip(old.chunks(page)).enumerate() {
-        if old_whole && a == b {
-            continue;
-        }
-        let at = m.dst + (k * page) as u64;
-        draft.write_all_at(a, at)?;
-        match written.last_mut() {
-            Some((o, l)) if *o + *l == at => *l += a.len() as u64,
-            _ => written.push((at, a.len() as u64)),
-        }
+    let whole = read_both(src, draft, m, bufs)?;
+    let pieces = differing_pages(&bufs.0[..len], &bufs.1[..len], whole);
+    for &(at, l) in &pieces {
+        draft.write_all_at(&bufs.0[at..at + l], m.dst + at as u64)?;
     }
-    Ok(written)
+    Ok(pieces
+        .into_iter()
+        .map(|(at, l)| (m.dst + at as u64, l as u64))
+        .collect())
 }
 
-/// Lays `moves` onto the draft from `threads` threads: the pieces written (sorted), and of them
-/// the bytes of pages the draft held that changed. A source unreadable for a move (the job
-/// unmapped it meanwhile) leaves that piece of the draft as it was where `skip_unreadable`,
-/// and is an error otherwise.
+/// Lays `moves` onto the draft from `threads` threads: the pieces written, sorted and joined
+/// where they touch. A move whose source cannot be read (the job unmapped it meanwhile) leaves
+/// that piece of the draft as it was.
 fn lay_all(
     src: &File,
     draft: &File,
-    draft_path: &Path,
     moves: &[Move],
     threads: usize,
-    skip_unreadable: bool,
-) -> Result<(Vec<(u64, u64)>, u64), HostMemError> {
+) -> Result<Vec<(u64, u64)>, HostMemError> {
     let written = Mutex::new(Vec::new());
-    let changed = AtomicU64::new(0);
-    on_threads(
-        moves,
-        threads,
-        || (Vec::new(), Vec::new()),
-        |bufs, m| match lay(src, draft, m, bufs) {
-            Ok(w) => {
-                if !m.fresh {
-                    changed.fetch_add(w.iter().map(|(_, l)| l).sum(), Ordering::Relaxed);
-                }
-                written.lock().unwrap_or_else(|e| e.into_inner()).extend(w);
-                Ok(())
-            }
-            Err(_) if skip_unreadable => Ok(()),
-            Err(e) => Err(io_err(draft_path)(e)),
-        },
-    )?;
+    on_threads(moves, threads, Default::default, |bufs, m| {
+        if let Ok(w) = lay(src, draft, m, bufs) {
+            written.lock().unwrap_or_else(|e| e.into_inner()).extend(w);
+        }
+        Ok(())
+    })?;
     let mut w = written.into_inner().unwrap_or_else(|e| e.into_inner());
     w.sort_unstable();
     let mut pieces: Vec<(u64, u64)> = Vec::with_capacity(w.len());
@@ -232,7 +241,7 @@ fn lay_all(
             _ => pieces.push((o, l)),
         }
     }
-    Ok((pieces, changed.into_inner()))
+    Ok(pieces)
 }
 
 /// The address ranges of `pid`'s plain private anonymous writable mappings (what the split
@@ -340,9 +349,11 @@ pub fn draft(dir: &Path, pids: &[i32], threads: usize) -> Result<DraftReport, Ho
             .truncate(false)
             .open(&path)
             .map_err(io_err(&path))?;
-        let (written, _) = lay_all(&mem, &file, &path, &moves, threads, true)?;
-        file.set_len(end.max(file.metadata().map_err(io_err(&path))?.len()))
-            .map_err(io_err(&path))?;
+        let written = lay_all(&mem, &file, &moves, threads)?;
+        let meta = file.metadata().map_err(io_err(&path))?;
+        if meta.len() < end {
+            file.set_len(end).map_err(io_err(&path))?;
+        }
         let index = Index {
             data_file: data_name(image_pid),
             data_len: end,
@@ -353,16 +364,14 @@ pub fn draft(dir: &Path, pids: &[i32], threads: usize) -> Result<DraftReport, Ho
         let layout_path = dir.join(layout_name(image_pid));
         fs::write(&layout_path, index.encode()).map_err(io_err(&layout_path))?;
         report.processes.push(image_pid);
-        report.read_bytes += moves.iter().map(|m| m.len).sum::<u64>();
         report.written_bytes += written.iter().map(|(_, l)| l).sum::<u64>();
-        let meta = file.metadata().map_err(io_err(&path))?;
         report.written.push(((meta.dev(), meta.ino()), written));
     }
     report.time = start.elapsed();
     Ok(report)
 }
 
-/// A process's memory at the cut laid onto its draft.
+/// A process's memory at the cut: its draft, and a tail of what the draft lacks or has wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rebased {
     /// The process's index: into the draft, then the tail's parts.
@@ -394,26 +403,11 @@ fn differing(
     bufs: &mut (Vec<u8>, Vec<u8>),
 ) -> io::Result<Vec<(u64, u64, u64)>> {
     let len = m.len as usize;
-    bufs.0.resize(len, 0);
-    bufs.1.resize(len, 0);
-    if !read_full(src, &mut bufs.0[..len], m.src)? {
-        return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
-    }
-    let whole = read_full(draft, &mut bufs.1[..len], m.dst)?;
-    let page = PAGE_SIZE as usize;
-    let mut out: Vec<(u64, u64, u64)> = Vec::new();
-    let pairs = bufs.0[..len].chunks(page).zip(bufs.1[..len].chunks(page));
-    for (k, (a, b)) in pairs.enumerate() {
-        if whole && a == b {
-            continue;
-        }
-        let (v, at) = (m.vaddr + (k * page) as u64, m.src + (k * page) as u64);
-        match out.last_mut() {
-            Some((pv, _, pl)) if *pv + *pl == v => *pl += a.len() as u64,
-            _ => out.push((v, at, a.len() as u64)),
-        }
-    }
-    Ok(out)
+    let whole = read_both(src, draft, m, bufs)?;
+    Ok(differing_pages(&bufs.0[..len], &bufs.1[..len], whole)
+        .into_iter()
+        .map(|(at, l)| (m.vaddr + at as u64, m.src + at as u64, l as u64))
+        .collect())
 }
 
 /// Lays the pages of image PID `pid` that the split moves (`moved`, offsets in CRIU's pages

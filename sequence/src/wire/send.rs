@@ -261,7 +261,8 @@ impl DirSender {
     /// `part_bytes` each (the last shorter), `PATH.0`, `PATH.1`, ...: the receiver writes them
     /// from every stream at once, where writes into one file are taken one at a time. Whoever
     /// reads the received directory must take the parts for the file (a process's private
-    /// memory split out of CRIU's images: `possum_criu::hostmem::read_index`).
+    /// memory split out of CRIU's images: `possum_criu::hostmem::read_index`). A file that was
+    /// sent ahead (the same inode, under any name) is sent as that file instead, not in parts.
     pub fn send_in_parts(&mut self, path: impl Into<String>, part_bytes: u64) {
         self.in_parts.push((path.into(), part_bytes));
     }
@@ -334,7 +335,7 @@ impl DirSender {
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, true)?;
-            let entries = sliced(entries, &self.in_parts);
+            let entries = sliced(entries, &self.in_parts_not_ahead(dir));
             let mode = if self.sent_ahead {
                 write_frame(stream, &mut self.session, &Frame::Cut)?;
                 // Out now: the receiver reads its copies back while this end hashes its files.
@@ -374,6 +375,19 @@ impl DirSender {
             committing: t.elapsed(),
         };
         Ok((report, self.session))
+    }
+
+    /// The files asked in parts ([`DirSender::send_in_parts`]) that were not sent ahead: one
+    /// that was (the same inode under `dir`) goes as that file, only what changed of it and its
+    /// later bytes, which parts, new files, would send whole.
+    fn in_parts_not_ahead(&self, dir: &Path) -> Vec<(String, u64)> {
+        (self.in_parts.iter())
+            .filter(|(path, _)| {
+                fs::symlink_metadata(dir.join(path))
+                    .map_or(true, |m| !self.ahead.contains_key(&(m.dev(), m.ino())))
+            })
+            .cloned()
+            .collect()
     }
 
     /// Tells the receiver why this end gives up (`Abort`), best effort, and ends the streams.

@@ -927,3 +927,28 @@ fn a_file_sent_in_parts_arrives_as_its_parts() {
     assert_eq!(fs::read(dest.join("criu/other")).unwrap(), b"x");
     assert_eq!(fs::read(dest.join("criu/ahead")).unwrap(), b"sent ahead");
 }
+
+/// A file asked in parts that is one sent ahead under another name (the same inode: a draft
+/// renamed into place) goes as that file, its base and the bytes it gained, not as parts.
+#[test]
+fn a_file_asked_in_parts_that_was_sent_ahead_goes_as_that_file() {
+    let (_tmp, src, out) = dirs();
+    fs::create_dir(src.join("ahead")).unwrap();
+    fs::create_dir(src.join("criu")).unwrap();
+    let data = noise(2 * CHUNK_BYTES);
+    write_files(&src, &[("ahead/draft", &data)]);
+    let dest = out.join("image");
+    let (mut a, mut sender, receiver) = sender_to(&dest);
+    sender.send_ahead(&mut a, &src).unwrap();
+    fs::rename(src.join("ahead/draft"), src.join("criu/pages")).unwrap();
+    fs::remove_dir(src.join("ahead")).unwrap();
+    append_to(&src.join("criu/pages"), b"tail");
+    sender.send_in_parts("criu/pages", CHUNK_BYTES as u64);
+    let report = finish(sender, &mut a, &src, receiver);
+    assert_eq!(report.sent_bytes, 4, "only what it gained: {report:?}");
+    let mut want = data.clone();
+    want.extend_from_slice(b"tail");
+    assert!(fs::read(dest.join("criu/pages")).unwrap() == want);
+    assert!(!dest.join("criu/pages.0").exists());
+    assert!(!dest.join("ahead").exists());
+}
