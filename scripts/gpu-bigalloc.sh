@@ -46,6 +46,15 @@ find(s, ("managed", "fallback", "validation", "unmanaged", "fingerprint"))
 PY
             fi
             if [ -n "$job" ] && ! grep -q step "$o.out"; then
+                # Where its threads are, natively, where gdb is there (two looks, 3 s apart).
+                if command -v gdb > /dev/null; then
+                    for look in 1 2; do
+                        echo "  native stacks, look $look:"
+                        timeout 30 gdb -p "$job" -batch -ex "thread apply all bt 12" 2>/dev/null \
+                            | grep -E "^#|^Thread" | grep -v "in ?? ()" | head -60 | sed 's/^/    /'
+                        sleep 3
+                    done
+                fi
                 for t in /proc/"$job"/task/*; do echo "  wchan $(basename "$t"): $(cat "$t"/wchan 2>/dev/null) $(cat "$t"/comm)"; done | sort | uniq -c -f2 | head -20
                 kill -ABRT "$job"; sleep 2
             fi

@@ -16,6 +16,9 @@
 #       The migrations the frozen run does not make, with the defaults, migration alone
 #       (--migrate-only): 32 GiB of fp16 weights read every step and 64 MiB of state; a training
 #       job writing 8 GiB of state every step (no weights). -> $OUT/speculation-bars.jsonl
+#       SPEC_BARS picks the jobs ("GIB MIB TAG,..."); SPEC_HUGE=1 puts both ends' images on a
+#       tmpfs mounted with huge=always (2 MiB pages: the first round's copy into it is not
+#       held to the 4 KiB pages' rate).
 #   bash scripts/gpu-speculation.sh ahead      (~7 min)
 #       The job's private memory sent ahead with the pre-copy rounds or not
 #       (POSSUM_HOSTMEM_AHEAD), A/B in one run: the frozen job (8 GiB of weights) migrated alone,
@@ -54,7 +57,14 @@ frozen)
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
 bars)
-    for spec in "32 64 frozen-32gib" "0 8192 training-8gib"; do
+    # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
+    IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
+    if [ "${SPEC_HUGE:-0}" = 1 ]; then
+        huge=/mnt/possum-huge; mkdir -p "$huge"
+        mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || exit 1
+        SPEC_FLAGS="${SPEC_FLAGS:-} --images $huge/images --work $huge/work"
+    fi
+    for spec in "${bars[@]}"; do
         read -r gib mib tag <<< "$spec"
         # shellcheck disable=SC2086
         timeout -k 5 "${SPEC_RUN_S:-150}" python3 eval/speculation.py frozen --out "$res/$tag" \

@@ -19,9 +19,12 @@
 //! 8 MiB chunks) are taken on the device, on the same stream of possum's, and the two sides
 //! compare those (each target is summed the same way on both sides). Its uniformity is told by
 //! the first bytes, read as a window ([`PROBE`]), and by its fingerprints, which must equal those
-//! of a buffer of that one byte: the rule above holds unchanged. Where the device cannot
-//! fingerprint (a driver without the kernel, or that refuses it; a range not aligned to 16
-//! bytes), the buffer is read to the host as before; so is every allocation of the job's own
+//! of a buffer of that one byte: the rule above holds unchanged. A target not aligned to 16 bytes
+//! (a slot's window at the address it was passed) is fingerprinted widened to 16 bytes each way
+//! ([`device_range`]), counted constant if its first bytes are. Where the device cannot
+//! fingerprint (a driver without the kernel, or that refuses it), the buffer is read to the host
+//! as before, and a target of 64 MiB or more read so is said in the log once; so is every
+//! allocation of the job's own
 //! (possum cannot know it is still mapped, and a kernel reading an unmapped page would fault the
 //! context where a copy fails cleanly). Device memory possum made for its own work (the
 //! kernel's results) is never read: a stale word of the job can make it look like an
@@ -282,18 +285,24 @@ fn sums_of(
     let mut chosen: Vec<Way> = Vec::with_capacity(targets.len());
     let mut fps: Vec<Option<Vec<Fingerprint>>> = Vec::with_capacity(targets.len());
     for (t, &(start, len)) in targets.iter().enumerate() {
+        let (dstart, dlen) = device_range(start, len);
         let way = match ways {
             Some(w) => w.get(t).copied().unwrap_or(Way::Host),
             None if is_own_memory(st, start, len) => Way::Own,
-            None if by_device(&st.validation_memo, cfg.sample_bytes, start, len)
-                && reader.in_mapped_buffer(start, len) =>
+            None if by_device(&st.validation_memo, cfg.sample_bytes, len)
+                && reader.in_mapped_buffer(dstart, dlen) =>
             {
                 Way::Device
             }
-            None => Way::Host,
+            None => {
+                if len >= LARGE_HOST_READ {
+                    said_large_host_read(st, reader, start, len);
+                }
+                Way::Host
+            }
         };
         let fp = match (way, ways) {
-            (Way::Device, _) => match (reader.fingerprint(start, len), ways) {
+            (Way::Device, _) => match (timed_fingerprint(st, reader, dstart, dlen), ways) {
                 (Some(Ok(f)), _) => Some(f),
                 // The exit side must take it the entry side's way.
                 (Some(Err(e)), Some(_)) => return Err(ValidateError::Fingerprint(e)),
@@ -337,6 +346,11 @@ fn sums_of(
         }
     }
     let mut sums = vec![(0xcbf2_9ce4_8422_2325u64, None::<u8>, true); targets.len()];
+    let t = Instant::now();
+    st.counters
+        .validation_host_bytes
+        .fetch_add(ranges.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
+    let _timed = Timed(&st.counters.validation_host_ns, t);
     reader.read(&ranges, |i, bytes| {
         let (acc, first, constant) = &mut sums[owner[i]];
         *acc = (*acc ^ checksum(bytes)).wrapping_mul(0x100_0000_01b3);
@@ -350,18 +364,50 @@ fn sums_of(
         .zip(chosen)
         .zip(&targets)
         .map(
-            |((((acc, first, constant), fp), way), &(_, len))| match (way, fp) {
+            |((((acc, first, constant), fp), way), &(start, len))| match (way, fp) {
                 (Way::Own, _) => (Sum::Own, true),
                 (_, Some(f)) => {
+                    // Widened to 16 bytes ([`device_range`]), the fingerprints take in bytes
+                    // either side: a first PROBE of one value counts as constant then (neither
+                    // way), the safe side of the rule.
+                    let widened = device_range(start, len) != (start, len);
                     let uniform = probe
                         && constant
-                        && first.is_some_and(|b| all_of_byte(&st.validation_memo, b, &f, len));
+                        && first.is_some_and(|b| {
+                            widened || all_of_byte(&st.validation_memo, b, &f, len)
+                        });
                     (Sum::Device(f), uniform)
                 }
                 (_, None) => (Sum::Host(acc), constant),
             },
         )
         .collect())
+}
+
+/// Adds the time since it was made to a counter when dropped.
+struct Timed<'a>(&'a std::sync::atomic::AtomicU64, Instant);
+
+impl Drop for Timed<'_> {
+    fn drop(&mut self) {
+        add_ns(self.0, self.1);
+    }
+}
+
+/// [`Reader::fingerprint`], timed and counted.
+fn timed_fingerprint(
+    st: &State,
+    reader: &Reader<'_>,
+    start: u64,
+    len: u64,
+) -> Option<DeviceResult<Vec<Fingerprint>>> {
+    let _timed = Timed(&st.counters.validation_fingerprint_ns, Instant::now());
+    let r = reader.fingerprint(start, len);
+    if matches!(r, Some(Ok(_))) {
+        st.counters
+            .validation_fingerprint_bytes
+            .fetch_add(len, Ordering::Relaxed);
+    }
+    r
 }
 
 /// Whether `[start, start + len)` overlaps device memory possum made for its own work, on any
@@ -371,15 +417,51 @@ fn is_own_memory(st: &State, start: u64, len: u64) -> bool {
         .any(|e| e.engine.device().is_own_memory(DevPtr(start), len))
 }
 
-/// Whether a target of `len` bytes at `start` is fingerprinted on the device rather than read to
-/// the host, if it lies in a mapped buffer of the engine's ([`Reader::in_mapped_buffer`]): whole
-/// buffers are checksummed, it is large enough to gain ([`FP_MIN`]), and the kernel can read it
-/// (16-byte aligned).
-fn by_device(memo: &ValidationMemo, sample_bytes: u64, start: u64, len: u64) -> bool {
-    sample_bytes == WHOLE
-        && len >= FP_MIN
-        && start % 16 == 0
-        && !memo.no_device_fingerprints.load(Ordering::Relaxed)
+/// Whether a target of `len` bytes is fingerprinted on the device rather than read to the host,
+/// if its [`device_range`] lies in a mapped buffer of the engine's
+/// ([`Reader::in_mapped_buffer`]): whole buffers are checksummed, and it is large enough to gain
+/// ([`FP_MIN`]).
+fn by_device(memo: &ValidationMemo, sample_bytes: u64, len: u64) -> bool {
+    sample_bytes == WHOLE && len >= FP_MIN && !memo.no_device_fingerprints.load(Ordering::Relaxed)
+}
+
+/// The range the device fingerprints for a target of `len` bytes at `start`: widened to 16
+/// bytes each way (the kernel reads 16 bytes at a time). A target at an address a kernel was
+/// passed (a slot's window, [`own_window`]) need not be aligned, and reading a window of
+/// gigabytes to the host costs seconds on every validated launch; the widened range stays
+/// inside the buffer (buffers are aligned far more coarsely) and is taken the same way on both
+/// sides, so a change in it is still a change. Bytes of a neighbour in it can only make a slot
+/// look written, never read-only.
+fn device_range(start: u64, len: u64) -> (u64, u64) {
+    let lo = start & !15;
+    let hi = start.saturating_add(len).saturating_add(15) & !15;
+    (lo, hi - lo)
+}
+
+/// A target this large read to the host is said in the log (once): it costs about 0.2 s a GiB on
+/// both sides of every validated launch.
+const LARGE_HOST_READ: u64 = 64 << 20;
+
+/// Says in the log, once, that a validation reads `len` bytes at `start` to the host, and why.
+fn said_large_host_read(st: &State, reader: &Reader<'_>, start: u64, len: u64) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if SAID.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let why = if st.validation().sample_bytes != WHOLE {
+        "sampled validation reads windows"
+    } else if reader.eng.is_none() {
+        "the device's engine is not there"
+    } else if !reader.in_mapped_buffer(start, len) {
+        "not in a buffer possum maps"
+    } else {
+        "the device cannot fingerprint"
+    };
+    crate::base::log::log(&format!(
+        "validation reads {} MiB at {start:#x} to the host on each side of a validated launch \
+         ({why}); more such reads are not said",
+        len >> 20
+    ));
 }
 
 /// The device could not fingerprint a target (`e`), which is read to the host instead. Said once
@@ -451,7 +533,7 @@ pub fn begin(
     let started = Instant::now();
     let _r = Reentry::enter();
     let r = (|| -> Result<Before, ValidateError> {
-        introspect::ctx_synchronize()?;
+        synchronize(st)?;
         let mut reader = Reader::new(eng);
         let targets = st.validation_targets(eng);
         let sums = sums_of(st, &mut reader, targets.iter().map(|t| (t.1, t.2)), None)?
@@ -539,12 +621,28 @@ pub fn begin(
     }
 }
 
+/// Waits for the device before a side is read, timed (the `validation_sync_ns` counter).
+fn synchronize(st: &State) -> Result<(), ValidateError> {
+    let t = Instant::now();
+    let r = introspect::ctx_synchronize();
+    add_ns(&st.counters.validation_sync_ns, t);
+    Ok(r?)
+}
+
+/// Adds the time since `t` to `counter`.
+fn add_ns(counter: &std::sync::atomic::AtomicU64, t: Instant) {
+    counter.fetch_add(
+        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
+}
+
 /// The exit side: compares and records the verdict.
 pub fn finish(st: &State, b: Before) {
     let eng = b.device.and_then(|d| st.engine_ref(d)).map(|e| &**e);
     let _r = Reentry::enter();
     let r = (|| -> Result<Validation, ValidateError> {
-        introspect::ctx_synchronize()?;
+        synchronize(st)?;
         let mut v = Validation {
             pointer_table: b.pointer_table,
             ..Validation::default()
@@ -653,10 +751,7 @@ pub fn finish(st: &State, b: Before) {
             crate::base::log::log(&format!("validation abandoned: {e}"));
         }
     }
-    c.validation_ns.fetch_add(
-        u64::try_from(b.started.elapsed().as_nanos()).unwrap_or(u64::MAX),
-        Ordering::Relaxed,
-    );
+    add_ns(&c.validation_ns, b.started);
 }
 
 #[cfg(test)]
@@ -724,10 +819,24 @@ mod tests {
         );
         // Only whole buffers, large enough, aligned.
         let whole = possum_analyzer::kernel::WHOLE;
-        assert!(by_device(memo, whole, 0x1000, FP_MIN));
-        assert!(!by_device(memo, whole, 0x1000, FP_MIN - 1));
-        assert!(!by_device(memo, whole, 0x1008, FP_MIN));
-        assert!(!by_device(memo, 256 << 10, 0x1000, 64 << 20));
+        assert!(by_device(memo, whole, FP_MIN));
+        assert!(!by_device(memo, whole, FP_MIN - 1));
+        assert!(!by_device(memo, 256 << 10, 64 << 20));
+    }
+
+    #[test]
+    fn unaligned_targets_are_fingerprinted_widened_to_16_bytes() {
+        use super::device_range;
+        assert_eq!(device_range(0x1000, 0x100), (0x1000, 0x100));
+        // A window at an odd address to a buffer's end: from the 16 bytes it starts in.
+        assert_eq!(device_range(0x1008, 0x1000 - 8), (0x1000, 0x1000));
+        assert_eq!(device_range(0x1001, 3), (0x1000, 16));
+        // Both ends widened, never narrowed.
+        for (s, l) in [(0x1003u64, 0x2005u64), (0x10, 1), (0x1f, 0x11)] {
+            let (ds, dl) = device_range(s, l);
+            assert!(ds <= s && ds + dl >= s + l && ds % 16 == 0 && dl % 16 == 0);
+            assert!(s - ds < 16 && ds + dl - (s + l) < 16);
+        }
     }
 
     #[test]
