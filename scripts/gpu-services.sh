@@ -12,7 +12,8 @@
 #   bash scripts/gpu-services.sh ranks [MODES [TRIALS [SEED]]]
 #       The one-rank trials alone (MODES ddp,fsdp, TRIALS 5 each, SEED 42 for the random steps).
 #   bash scripts/gpu-services.sh server [OPS]   (~2 min for one operation)
-#       The model server alone through OPS (default running,restore,migrate).
+#       The model server alone through OPS (default running,restore,migrate); SERVICES_FLAGS
+#       passes more flags (`--work DIR`: its images and the received ones there).
 # Results in $OUT (or .gpu/out): services-{smoke,all}.log (what each step said), server.json,
 # ranks.json, services-doctor.txt, and services.tgz with every log, the client's record of each
 # request and the step logs.
@@ -48,7 +49,7 @@ ranks)
     ;;
 server)
     timeout -k 5 $(( $(left) - 10 )) python3 eval/services.py server --out "$res" --settle-s 3 \
-        --ops "${2:-running,restore,migrate}" 2>&1 | tee "$res/services-server.log"
+        --ops "${2:-running,restore,migrate}" ${SERVICES_FLAGS:-} 2>&1 | tee "$res/services-server.log"
     ;;
 *) echo "usage: gpu-services.sh smoke | all | ranks [MODES [TRIALS [SEED]]] | server [OPS]"; exit 2 ;;
 esac
