@@ -283,6 +283,10 @@ def start(name, spec, steps, possum, hold=0.0, sleep_ms=0.0, frozen=False, env=N
     if job not in C_JOBS and os.environ.get("CKPT_HOST_BATCH_MIB"):
         # Every step copies a batch from pinned host memory (`jobs.py --host-batch-mib`).
         cmd += ["--host-batch-mib", os.environ["CKPT_HOST_BATCH_MIB"]]
+    if job not in C_JOBS and os.environ.get("CKPT_STATE_MIB"):
+        # A state of this many MiB written whole every step (`jobs.py --state-mib`): a training
+        # job whose every round and cut copies it again.
+        cmd += ["--state-mib", os.environ["CKPT_STATE_MIB"]]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=err, env=e, start_new_session=True,
                          cwd=ROOT)
