@@ -23,10 +23,10 @@
 //! (a slot's window at the address it was passed) is fingerprinted widened to 16 bytes each way
 //! ([`device_range`]), counted constant if its first bytes are. Where the device cannot
 //! fingerprint (a driver without the kernel, or that refuses it), the buffer is read to the host
-//! as before, and a target of 64 MiB or more read so is said in the log once; so is every
-//! allocation of the job's own
-//! (possum cannot know it is still mapped, and a kernel reading an unmapped page would fault the
-//! context where a copy fails cleanly). Device memory possum made for its own work (the
+//! as before; so is every allocation of the job's own (possum cannot know it is still mapped,
+//! and a kernel reading an unmapped page would fault the context where a copy fails cleanly). A
+//! target of 64 MiB or more read to the host is said in the log once, with why ([`LARGE_HOST_READ`]).
+//! Device memory possum made for its own work (the
 //! kernel's results) is never read: a stale word of the job can make it look like an
 //! allocation of the job's, and possum's own work rewrites it; it counts neither way.
 //!
