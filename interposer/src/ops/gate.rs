@@ -102,10 +102,7 @@ fn wait_slow() {
         p.resumed.wait(&mut g);
     }
     p.waits.fetch_add(1, Ordering::Relaxed);
-    p.wait_ns.fetch_add(
-        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
-        Ordering::Relaxed,
-    );
+    crate::base::add_elapsed_ns(&p.wait_ns, t);
 }
 
 /// Pauses the job's operations, or lets them go on (waking those that wait).

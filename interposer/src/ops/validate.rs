@@ -370,7 +370,7 @@ fn sums_of(
                     // Widened to 16 bytes ([`device_range`]), the fingerprints take in bytes
                     // either side: a first PROBE of one value counts as constant then (neither
                     // way), the safe side of the rule.
-                    let widened = device_range(start, len) != (start, len);
+                    let widened = (start | len) % 16 != 0;
                     let uniform = probe
                         && constant
                         && first.is_some_and(|b| {
@@ -389,7 +389,7 @@ struct Timed<'a>(&'a std::sync::atomic::AtomicU64, Instant);
 
 impl Drop for Timed<'_> {
     fn drop(&mut self) {
-        add_ns(self.0, self.1);
+        crate::base::add_elapsed_ns(self.0, self.1);
     }
 }
 
@@ -623,18 +623,8 @@ pub fn begin(
 
 /// Waits for the device before a side is read, timed (the `validation_sync_ns` counter).
 fn synchronize(st: &State) -> Result<(), ValidateError> {
-    let t = Instant::now();
-    let r = introspect::ctx_synchronize();
-    add_ns(&st.counters.validation_sync_ns, t);
-    Ok(r?)
-}
-
-/// Adds the time since `t` to `counter`.
-fn add_ns(counter: &std::sync::atomic::AtomicU64, t: Instant) {
-    counter.fetch_add(
-        u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX),
-        Ordering::Relaxed,
-    );
+    let _timed = Timed(&st.counters.validation_sync_ns, Instant::now());
+    Ok(introspect::ctx_synchronize()?)
 }
 
 /// The exit side: compares and records the verdict.
@@ -751,7 +741,7 @@ pub fn finish(st: &State, b: Before) {
             crate::base::log::log(&format!("validation abandoned: {e}"));
         }
     }
-    add_ns(&c.validation_ns, b.started);
+    crate::base::add_elapsed_ns(&c.validation_ns, b.started);
 }
 
 #[cfg(test)]
