@@ -133,7 +133,8 @@ ENGINE_HELP = ("possum (default hooks, `possum checkpoint` without an engine fla
                "(extra state only read), -spec (read-only speculation on: POSSUM_VALIDATE=readonly_after=2), "
                "-noshadow (--shadow-budget 0: a kept save copies every buffer on write, none first), "
                "-migrate (`possum migrate` to a `possum receive` on this host, over loopback, instead "
-               "of a checkpoint and a restore: the job's whole log must be the reference's); none, "
+               "of a checkpoint and a restore: the job's whole log must be the reference's; "
+               "-migrate-postcopy: with --post-copy); none, "
                "possum-none (no checkpoint)")
 
 
@@ -143,13 +144,15 @@ def variant(name):
     possum variables, frozen}."""
     # The suffixes, taken off the end in this order (`possum-cupti-kill-frozen-noshadow`).
     rest, flags = name, {}
-    for suffix in ("noshadow", "spec", "nostage", "frozen", "disk", "kill", "migrate", "cupti"):
+    for suffix in ("postcopy", "noshadow", "spec", "nostage", "frozen", "disk", "kill", "migrate", "cupti"):
         flags[suffix] = rest.endswith("-" + suffix)
         if flags[suffix]:
             rest = rest[: -len(suffix) - 1]
     noshadow, spec, nostage = flags["noshadow"], flags["spec"], flags["nostage"]
     frozen, disk, kill, cupti = flags["frozen"], flags["disk"], flags["kill"], flags["cupti"]
-    migrate = flags["migrate"]
+    migrate, postcopy = flags["migrate"], flags["postcopy"]
+    if postcopy and not migrate:
+        raise ValueError(f"engine {name!r}: -postcopy goes with -migrate (possum migrate --post-copy)")
     if rest not in ENGINE_BASES:
         raise ValueError(f"engine {name!r}: not one of {ENGINE_HELP}")
     if cupti and rest in ("driver", "none", "possum-hold"):
@@ -177,7 +180,7 @@ def variant(name):
         raise ValueError(f"engine {name!r}: -migrate is possum's own engine, not with -kill")
     return {"name": name, "base": rest, "ckpt": ckpt, "possum": rest not in ("driver", "none"),
             "env": env, "frozen": frozen, "kill": kill, "disk": disk, "nostage": nostage,
-            "noshadow": noshadow, "migrate": migrate}
+            "noshadow": noshadow, "migrate": migrate, "postcopy": postcopy}
 
 
 KEEPER_DIR = os.path.join(WORK, "keeper")
@@ -473,7 +476,7 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     if v["possum"]:
         row["status"] = status_summary(job_status(p.pid))
     if v["migrate"]:
-        return migrate_trial(p, log, ref, row, name, t_trial)
+        return migrate_trial(p, log, ref, row, name, t_trial, v)
     shadow = ["--shadow-budget", "0"] if v["noshadow"] else []
     if v["kill"]:
         # Checkpoint and kill: nothing runs on; only the restored run is compared.
@@ -551,7 +554,7 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     return row["ok"]
 
 
-def migrate_trial(p, log, ref, row, name, t_trial):
+def migrate_trial(p, log, ref, row, name, t_trial, v):
     """A trial of a `-migrate` engine: the job `p` (logging to `log`) migrated at its step k to
     a `possum receive` on this host; its process here ends, the restored one (the same PID, not
     this process's child) runs to the end, writing the same log. Bit-exact when the whole log is
@@ -565,12 +568,14 @@ def migrate_trial(p, log, ref, row, name, t_trial):
     # must be free for the restore on this host (a parent that does not reap holds it).
     reaper = threading.Thread(target=p.wait, daemon=True)
     reaper.start()
+    extra = ["--post-copy"] if v["postcopy"] else []
     mg = possum("migrate", str(p.pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key_file,
-                "-D", os.path.join(work, "local"), "--json", "--socket-dir", SOCK)
+                "-D", os.path.join(work, "local"), "--json", "--socket-dir", SOCK, *extra)
     received = r.result(timeout=300)
     j = mg["json"] or {}
     row["migrate"] = {"rc": mg["rc"], "timings": j.get("timings"), "bytes": j.get("bytes"),
                       "bytes_while_held": j.get("bytes_while_held"), "remote_pid": j.get("remote_pid"),
+                      "post_copy": j.get("post_copy"),
                       "received": (received or {}).get("timings"),
                       "stderr": mg["stderr"] if mg["rc"] else None}
     # Killed by the migration (or, failed, run on to its end here).

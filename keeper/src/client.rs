@@ -9,8 +9,9 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::{
-    fdpass, Allocated, DeviceInfo, Identified, Identify, KeeperError, PeerSource, Request,
-    Retained, RetainedAlloc, StageInfo, StagePlan, Stats, LOAD_TIMEOUT, REQUEST_TIMEOUT,
+    fdpass, Allocated, DeviceInfo, Identified, Identify, KeeperError, PeerSource, PendingPiece,
+    Request, Retained, RetainedAlloc, StageArrived, StageDemands, StageInfo, StagePlan, Stats,
+    LOAD_TIMEOUT, REQUEST_TIMEOUT,
 };
 
 /// The socket in keeper directory `dir` (`possum keeper --dir`: `keeper-N.sock`, one per device
@@ -46,13 +47,14 @@ impl Keeper {
     /// Connects and reads the keeper's greeting: [`KeeperError::Refused`] if it does not accept
     /// this process (another uid).
     /// Every request waits at most [`REQUEST_TIMEOUT`] for its answer ([`LOAD_TIMEOUT`] for a
-    /// `stage_wait`): [`KeeperError::Timeout`] after it.
+    /// `stage_wait`; for a `stage_demands`, [`REQUEST_TIMEOUT`] plus the time it asks the keeper
+    /// to wait): [`KeeperError::Timeout`] after it.
     pub fn connect(path: &Path) -> Result<Keeper, KeeperError> {
         Keeper::connect_within(path, REQUEST_TIMEOUT, LOAD_TIMEOUT)
     }
 
-    /// [`connect`](Self::connect), each request waiting at most `timeout` for its answer, a
-    /// `stage_wait` at most `load_timeout`.
+    /// [`connect`](Self::connect), each request waiting at most `timeout` for its answer (a
+    /// `stage_demands`, `timeout` plus its wait), a `stage_wait` at most `load_timeout`.
     pub fn connect_within(
         path: &Path,
         timeout: Duration,
@@ -190,7 +192,9 @@ impl Keeper {
 
     /// Stages the restore of process `pid` from image directory `image` (one device's): the
     /// keeper creates the buffers' memory and loads them in the background; from `from`'s
-    /// memory (another device's keeper) where it holds them, else from the image.
+    /// memory (another device's keeper) where it holds them, else from the image. A buffer
+    /// whose chunks to load overlap one of `pending` (bytes of the image's data files still to
+    /// come) waits for [`stage_arrived`](Self::stage_arrived).
     pub fn stage(
         &mut self,
         pid: i32,
@@ -198,6 +202,7 @@ impl Keeper {
         hold_secs: u64,
         from: Option<PeerSource>,
         base: Option<u64>,
+        pending: Vec<PendingPiece>,
     ) -> Result<StageInfo, KeeperError> {
         self.ask_parsed(
             "stage",
@@ -207,8 +212,37 @@ impl Keeper {
                 hold_secs,
                 from,
                 base,
+                pending,
             },
         )
+    }
+
+    /// Says that the bytes of `pieces` are in stage `stage`'s image files now (pieces not
+    /// pending are ignored): how many pieces are still pending.
+    pub fn stage_arrived(
+        &mut self,
+        stage: u64,
+        pieces: &[PendingPiece],
+    ) -> Result<u64, KeeperError> {
+        let req = Request::StageArrived {
+            stage,
+            pieces: pieces.to_vec(),
+        };
+        self.ask_parsed::<StageArrived>("stage_arrived", &req)
+            .map(|r| r.pending)
+    }
+
+    /// The pending pieces of stage `stage` that a wait for a blocked buffer needs, each given
+    /// once: waits up to `wait` for one (empty after that, or at once when the stage has none
+    /// pending or was ended).
+    pub fn stage_demands(
+        &mut self,
+        stage: u64,
+        wait: Duration,
+    ) -> Result<Vec<PendingPiece>, KeeperError> {
+        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        self.ask_parsed::<StageDemands>("stage_demands", &Request::StageDemands { stage, wait_ms })
+            .map(|r| r.pieces)
     }
 
     /// Loads the unfinished image `image` by its draft manifest into new memory of the
@@ -335,6 +369,10 @@ impl Keeper {
         line.push(b'\n');
         let limit = match req {
             Request::StageWait { .. } => self.load_timeout,
+            // The keeper answers after up to `wait_ms`.
+            Request::StageDemands { wait_ms, .. } => {
+                self.timeout.saturating_add(Duration::from_millis(*wait_ms))
+            }
             _ => self.timeout,
         };
         let deadline = deadline_after(limit);

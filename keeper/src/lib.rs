@@ -17,10 +17,12 @@
 //! client ── {"cmd":"identify"}\n + an fd  ──▶ {"identified":{"id":I,"size":S,"owner":P,"instance":N}}\n or null
 //! client ── {"cmd":"peer_share","id":I,"owner":P,"instance":N}\n ──▶ {"id":I,"size":S}\n + a new fd   re-import
 //! client ── {"cmd":"stats"}\n            ──▶ Stats: per client pid, retained, total, stages
-//! client ── {"cmd":"stage","pid":P,"image":DIR,"hold_secs":H,"from":F}\n ──▶ StageInfo   loads DIR for P
+//! client ── {"cmd":"stage","pid":P,"image":DIR,"hold_secs":H,"from":F,"pending":[..]}\n ──▶ StageInfo   loads DIR for P
 //! client ── {"cmd":"staged","image":DIR}\n ──▶ StagePlan   the caller's stage of DIR
 //! client ── {"cmd":"stage_wait","stage":S,"alloc":A}\n ──▶ {"ok":true}\n once A is loaded
 //! client ── {"cmd":"stage_end","stage":S}\n ──▶ {"ok":true,"freed":N}\n
+//! client ── {"cmd":"stage_arrived","stage":S,"pieces":[..]}\n ──▶ {"pending":N}\n   bytes now in the files
+//! client ── {"cmd":"stage_demands","stage":S,"wait_ms":T}\n ──▶ {"pieces":[..]}\n   what waits need
 //! client ── {"cmd":"device"}\n            ──▶ {"uuid":"<32 hex>","ordinal":N}\n
 //! client ── {"cmd":"reap"}\n              ──▶ {"ok":true,"freed":N,"freed_bytes":B}\n
 //! client ── {"cmd":"spare_take","dir":DIR}\n ──▶ SpareLease   the spare image file, lent
@@ -29,7 +31,8 @@
 //! ```
 //!
 //! Every wait has a deadline. A client waits at most [`REQUEST_TIMEOUT`] for the greeting and
-//! for each answer (a `stage_wait`, which waits for a load: [`LOAD_TIMEOUT`]), then fails with
+//! for each answer (a `stage_wait`, which waits for a load: [`LOAD_TIMEOUT`]; a `stage_demands`,
+//! a long poll: [`REQUEST_TIMEOUT`] plus the time it asked the keeper to wait), then fails with
 //! [`KeeperError::Timeout`] naming the socket and the request. The keeper serves each connection
 //! on a thread of its own, so a client that stalls holds up nobody else; one that does not take
 //! its replies is dropped after [`REPLY_TIMEOUT`]. A connection may stay idle between requests
@@ -53,7 +56,9 @@
 //! process; the job reclaims it as kept memory and waits only for what is still loading. A stage
 //! `from` another device's keeper (`possum restore --device` of a job whose memory is still kept)
 //! copies each buffer device to device from that memory ([`PeerSource`]) instead of reading the
-//! image.
+//! image. A stage may name `pending` pieces of the image's data files ([`PendingPiece`]) whose
+//! bytes are still to come (a migration's post-copy): the buffers they overlap load once
+//! `stage_arrived` says they are in, and `stage_demands` tells the sender which a wait needs.
 //!
 //! The `spare*` requests lend spare image memory (the `spare` module, with
 //! `POSSUM_KEEPER_SPARE_DIR`/`_MIB`): a file on the images' filesystem the keeper faulted in and
@@ -71,6 +76,7 @@ mod client;
 pub mod config;
 mod fdpass;
 mod memory;
+mod pending;
 mod process;
 mod protocol;
 mod server;
@@ -81,9 +87,9 @@ pub use client::{keeper_for_device, Keeper};
 pub use memory::{KeeperMemory, KeeperStage};
 pub use protocol::{
     socket_of, sockets_in, uuid_from_hex, uuid_hex, Allocated, DeviceInfo, Identified, Identify,
-    KeeperError, PeerSource, Request, Retained, RetainedAlloc, SpareFill, SpareFilled, SpareLease,
-    SpareStats, StageInfo, StagePlan, StageStats, StagedBuffer, Stats, Usage, ENDED_STAGES_KEPT,
-    KEEPER_ENV, LOAD_TIMEOUT, MAX_REQUEST_BYTES, ORPHAN_CHECK, PEER_MISSES_SAID, REPLY_TIMEOUT,
-    REQUEST_TIMEOUT,
+    KeeperError, PeerSource, PendingPiece, Request, Retained, RetainedAlloc, SpareFill,
+    SpareFilled, SpareLease, SpareStats, StageArrived, StageDemands, StageInfo, StagePlan,
+    StageStats, StagedBuffer, Stats, Usage, ENDED_STAGES_KEPT, KEEPER_ENV, LOAD_TIMEOUT,
+    MAX_REQUEST_BYTES, ORPHAN_CHECK, PEER_MISSES_SAID, REPLY_TIMEOUT, REQUEST_TIMEOUT,
 };
 pub use server::Server;

@@ -51,8 +51,9 @@ pub fn uuid_from_hex(h: &str) -> Option<[u8; 16]> {
     (h.len() == 32).then_some(u)
 }
 
-/// The longest request line the keeper reads, newline excluded.
-pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+/// The longest request line the keeper reads, newline excluded: a `stage` of a post-copy
+/// names each piece still to come (about 60 bytes each; 32 GiB in 4 MiB pieces is 0.5 MB).
+pub const MAX_REQUEST_BYTES: usize = 4 << 20;
 
 /// What a client asks, sent as `{"cmd": "<name>", ...fields}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -166,6 +167,13 @@ pub enum Request {
         /// CRC32C and fingerprint) are loaded; the rest of its memory is freed.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         base: Option<u64>,
+        /// Byte ranges of the image's data files whose bytes have not arrived yet (a migration's
+        /// post-copy): the files hold other bytes there until `stage_arrived` says they are in.
+        /// A buffer with a chunk to load (one not already in memory from `base`) that overlaps
+        /// one of them is blocked: it is not loaded until every piece it overlaps has arrived.
+        /// The other buffers load as usual.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pending: Vec<PendingPiece>,
     },
     /// Load the unfinished image directory `image` by its draft manifest (`draft.pb`, written
     /// after each pre-copy round) into new memory, for a later `stage` (`base`) of the finished
@@ -196,6 +204,26 @@ pub enum Request {
     StageEnd {
         /// The stage.
         stage: u64,
+    },
+    /// The bytes of `pieces` are now in the data files of stage `stage`'s image: each that
+    /// was pending is pending no more, and a buffer none still pending overlaps is loaded.
+    /// Pieces that are not pending (never were, or arrived already) are ignored. Answered with
+    /// [`StageArrived`].
+    StageArrived {
+        /// The stage.
+        stage: u64,
+        /// The pieces now in the files.
+        pieces: Vec<PendingPiece>,
+    },
+    /// The pending pieces of stage `stage` that a wait needs ([`StageDemands`]): those that
+    /// overlap a buffer that a `stage_wait` met blocked, each answered once per stage. Waits up
+    /// to `wait_ms` for there to be one, then answers with what there is: nothing once that
+    /// time is up, or at once when the stage was ended or has no piece pending.
+    StageDemands {
+        /// The stage.
+        stage: u64,
+        /// How long to wait for a piece to be needed, ms.
+        wait_ms: u64,
     },
     /// The device this socket serves ([`DeviceInfo`]); opens it if it is not open yet.
     Device,
@@ -250,6 +278,33 @@ pub struct SpareLease {
     pub path: String,
     /// Its length.
     pub len: u64,
+}
+
+/// A byte range of a data file of a stage's image whose bytes have not arrived yet
+/// ([`Request::Stage`]'s `pending`, [`Request::StageArrived`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PendingPiece {
+    /// The data file's path relative to the image directory, as the image's manifest names it
+    /// (`data-000.bin`; a parent image's file after that image's path).
+    pub file: String,
+    /// Where the range starts in the file.
+    pub offset: u64,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+/// The reply to `stage_arrived`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageArrived {
+    /// The stage's pieces still pending after these.
+    pub pending: u64,
+}
+
+/// The reply to `stage_demands`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageDemands {
+    /// Pending pieces that a wait for a blocked buffer needs, none of them answered before.
+    pub pieces: Vec<PendingPiece>,
 }
 
 /// Where a stage copies buffers from device to device ([`Request::Stage`]'s `from`): the
@@ -357,6 +412,12 @@ pub struct StageStats {
     pub failed: u64,
     /// Bytes loaded.
     pub loaded_bytes: u64,
+    /// Pieces of its image's data files still pending ([`Request::Stage`]'s `pending`).
+    #[serde(default)]
+    pub pending_pieces: u64,
+    /// Buffers not loaded because a piece they overlap is still pending.
+    #[serde(default)]
+    pub blocked_buffers: u64,
     /// Since it began, ms.
     pub ms: f64,
     /// When every buffer was loaded or failed, ms after it began.
@@ -561,4 +622,56 @@ pub enum KeeperError {
     /// its contents are not the state the caller was checkpointed with).
     #[error("allocation {0} holds the state of another checkpoint of this process")]
     OtherEpoch(u64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_post_copy_fields_are_optional_on_the_wire() {
+        let stage = Request::Stage {
+            pid: 1,
+            image: "img".into(),
+            hold_secs: 0,
+            from: None,
+            base: None,
+            pending: Vec::new(),
+        };
+        let line = serde_json::to_string(&stage).unwrap();
+        assert!(!line.contains("pending"), "{line}");
+        let old = r#"{"cmd":"stage","pid":1,"image":"img"}"#;
+        assert_eq!(serde_json::from_str::<Request>(old).unwrap(), stage);
+        let old_stats = r#"{"stage":1,"pid":2,"image":"img","buffers":3,"bytes":4,"ready":3,
+            "failed":0,"loaded_bytes":4,"ms":1.0,"done_ms":null}"#;
+        let s: StageStats = serde_json::from_str(old_stats).unwrap();
+        assert_eq!((s.pending_pieces, s.blocked_buffers), (0, 0));
+    }
+
+    #[test]
+    fn the_post_copy_requests_are_named_in_snake_case() {
+        let piece = PendingPiece {
+            file: "data-000.bin".into(),
+            offset: 8,
+            len: 4,
+        };
+        let arrived = Request::StageArrived {
+            stage: 1,
+            pieces: vec![piece],
+        };
+        assert_eq!(
+            serde_json::to_value(&arrived).unwrap(),
+            json!({"cmd": "stage_arrived", "stage": 1,
+                   "pieces": [{"file": "data-000.bin", "offset": 8, "len": 4}]})
+        );
+        let demands = Request::StageDemands {
+            stage: 1,
+            wait_ms: 5,
+        };
+        assert_eq!(
+            serde_json::to_value(&demands).unwrap(),
+            json!({"cmd": "stage_demands", "stage": 1, "wait_ms": 5})
+        );
+    }
 }

@@ -447,9 +447,15 @@ impl Inner {
                 hold_secs,
                 from,
                 base,
+                pending,
             } => {
                 let base = base.map(|b| self.take_prestage(b, pid)).transpose()?;
-                self.stage(of, &image, hold_secs, from.as_ref(), base)
+                let how = Staging {
+                    hold_secs,
+                    from: from.as_ref(),
+                    pending: &pending,
+                };
+                self.stage(of, &image, &how, base)
             }
             Request::Prestage { image, hold_secs } => self.prestage(pid, &image, hold_secs),
             Request::SpareTake { dir } => self.spare_take(&dir, pid),
@@ -459,6 +465,17 @@ impl Inner {
             Request::Staged { image } => self.staged(&image, pid),
             Request::StageWait { stage, alloc } => self.stage_wait(stage, alloc),
             Request::StageEnd { stage } => self.stage_end(stage),
+            Request::StageArrived { stage, pieces } => {
+                let pending = self.stage_of(stage)?.arrived(&pieces);
+                Ok((json!(crate::StageArrived { pending }), None))
+            }
+            // The stage's own lock only, as `stage_wait`: a long poll holds up nobody else.
+            Request::StageDemands { stage, wait_ms } => {
+                let pieces = self
+                    .stage_of(stage)?
+                    .demands(Duration::from_millis(wait_ms));
+                Ok((json!(crate::StageDemands { pieces }), None))
+            }
         }
     }
 
@@ -857,11 +874,10 @@ impl Inner {
         self: &Arc<Self>,
         of: i32,
         image: &str,
-        hold_secs: u64,
-        from: Option<&PeerSource>,
+        how: &Staging<'_>,
         mut base: Option<Prestaged>,
     ) -> Answer {
-        let r = self.stage_on(of, image, hold_secs, from, &mut base);
+        let r = self.stage_on(of, image, how, &mut base);
         // A prestage the stage did not take (it failed first) ends: its memory is freed.
         if let Some(b) = base {
             self.retire(&b.stage);
@@ -874,10 +890,12 @@ impl Inner {
         self: &Arc<Self>,
         of: i32,
         image: &str,
-        hold_secs: u64,
-        from: Option<&PeerSource>,
+        how: &Staging<'_>,
         base: &mut Option<Prestaged>,
     ) -> Answer {
+        let Staging {
+            hold_secs, from, ..
+        } = *how;
         let path = canonical(image)?;
         let img = possum_engine::image::Image::open(&path)
             .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
@@ -920,7 +938,8 @@ impl Inner {
         }
         let id = self.next_stage_id();
         let reused_bytes = reuse.bytes;
-        let stage = Arc::new(Stage::new(id, of, epoch, path, buffers, peers).reusing(reuse));
+        let stage = Stage::new(id, of, epoch, path, buffers, peers).reusing(reuse);
+        let stage = Arc::new(stage.pending_on(&img, how.pending));
         let info = StageInfo {
             stage: id,
             epoch,
@@ -1314,6 +1333,15 @@ fn peer_sources(
             .map_err(|e| miss(MissReason::Import(e)))
     });
     Ok(found.collect())
+}
+
+/// How a `stage` loads, as it asked: how long its memory is held, the other device's keeper it
+/// copies from, the image's bytes still to come.
+#[derive(Clone, Copy)]
+struct Staging<'a> {
+    hold_secs: u64,
+    from: Option<&'a PeerSource>,
+    pending: &'a [crate::PendingPiece],
 }
 
 /// A prestage taken by a stage: its loaders stopped, and which buffers they loaded whole.

@@ -17,6 +17,13 @@
 //! device to device (one copy, read over the interconnect from the other GPU) instead of
 //! reading the image; a buffer it has no memory of, or whose copy fails, is read from the image.
 //!
+//! A stage may start before all of its image's bytes are there (a migration's post-copy): its
+//! `pending` pieces name byte ranges of the data files still to come ([`crate::pending`]). A
+//! buffer with a chunk to load that overlaps one is blocked: no loader picks it, and the loaders
+//! wait for it rather than exit, until `stage_arrived` says every piece it overlaps is in its
+//! file. A `stage_wait` for a blocked buffer makes the pieces it needs wanted, and
+//! `stage_demands` (a long poll, for whoever sends the files) hands each of them out once.
+//!
 //! A buffer that fails to load (a checksum mismatch, a read error, its memory freed) is reported
 //! failed to whoever waits; the job then copies it from the image itself. A keeper that dies
 //! mid-load loses nothing either: the job holds the memory it mapped and copies what it was not
@@ -35,7 +42,8 @@ use possum_engine::image::{Image, ImageError};
 use possum_engine::store::ChunkSource;
 use thiserror::Error;
 
-use crate::{StageStats, StagedBuffer};
+use crate::pending::{self, Pending, Span};
+use crate::{PendingPiece, StageStats, StagedBuffer};
 
 /// Copies one loader keeps in flight.
 const DEPTH: usize = 3;
@@ -172,6 +180,61 @@ struct Progress {
     reused_bytes: u64,
     /// Whether loading may start (see [`Knobs`]'s `hold_waiters`).
     released: bool,
+    /// The image's bytes still to come, and the buffers they block.
+    pending: Pending,
+}
+
+/// What a loader may do next ([`Progress::choose`]).
+enum Choice {
+    /// Load this buffer.
+    Load(usize),
+    /// Wait: the buffers left are blocked.
+    Blocked,
+    /// Nothing is left to load.
+    Done,
+}
+
+impl Progress {
+    /// The next buffer to load: the first waited-for one not blocked, else the first in prefetch
+    /// order not blocked.
+    fn choose(&mut self) -> Choice {
+        let mut k = 0;
+        while k < self.urgent.len() {
+            let i = self.urgent[k];
+            if self.status[i] != Status::Waiting {
+                self.urgent.remove(k);
+            } else if !self.pending.is_blocked(i) {
+                self.urgent.remove(k);
+                return Choice::Load(i);
+            } else {
+                k += 1;
+            }
+        }
+        while self.next < self.status.len() && self.status[self.next] != Status::Waiting {
+            self.next += 1;
+        }
+        let mut blocked = false;
+        for i in self.next..self.status.len() {
+            if self.status[i] == Status::Waiting {
+                if !self.pending.is_blocked(i) {
+                    return Choice::Load(i);
+                }
+                blocked = true;
+            }
+        }
+        if blocked {
+            Choice::Blocked
+        } else {
+            Choice::Done
+        }
+    }
+
+    /// Buffers not loaded yet that a pending piece blocks.
+    fn blocked(&self) -> usize {
+        (0..self.status.len())
+            .filter(|&i| self.status[i] == Status::Waiting && self.pending.is_blocked(i))
+            .count()
+    }
 }
 
 /// A restore being staged.
@@ -234,6 +297,7 @@ impl Stage {
                 waiting: 0,
                 reused_bytes: 0,
                 released: false,
+                pending: Pending::default(),
             }),
             cv: Condvar::new(),
             started: Instant::now(),
@@ -267,6 +331,70 @@ impl Stage {
             }
         }
         self
+    }
+
+    /// This stage waiting for `pieces` of `image`'s data files: a buffer with a chunk to load
+    /// (not already in its memory) whose bytes one of them overlaps is blocked until all of
+    /// those have arrived ([`Stage::arrived`]).
+    pub(crate) fn pending_on(mut self, image: &Image, pieces: &[PendingPiece]) -> Stage {
+        if pieces.is_empty() {
+            return self;
+        }
+        let mut spans = Vec::new();
+        for (i, b) in self.buffers.iter().enumerate() {
+            for (off, len) in image.chunks(b.buf) {
+                if self.skip[i].contains(&off) {
+                    continue;
+                }
+                if let Some((file, at)) = image.chunk_location(b.buf, off) {
+                    spans.push(Span {
+                        file: file.to_string(),
+                        start: at,
+                        end: at.saturating_add(len),
+                        buffer: i,
+                    });
+                }
+            }
+        }
+        let blocks = pending::overlaps(spans, pieces);
+        let n = self.buffers.len();
+        let p = self.progress.get_mut().unwrap_or_else(|e| e.into_inner());
+        p.pending = Pending::new(n, pieces, blocks);
+        self
+    }
+
+    /// `pieces` are in the image's files now: the buffers they blocked, and no other piece
+    /// blocks, may load. How many pieces are still pending.
+    pub(crate) fn arrived(&self, pieces: &[PendingPiece]) -> u64 {
+        let mut p = self.lock();
+        p.pending.arrive(pieces);
+        let left = p.pending.left() as u64;
+        drop(p);
+        // Loaders wait for what it unblocked; a long poll answers once nothing is pending.
+        self.cv.notify_all();
+        left
+    }
+
+    /// The pending pieces a wait for a blocked buffer needs, not handed out before: waits up to
+    /// `wait` for one (not at all once the stage is ended or nothing is pending).
+    pub(crate) fn demands(&self, wait: Duration) -> Vec<PendingPiece> {
+        let deadline = Instant::now() + wait.min(Duration::from_secs(24 * 3600));
+        let mut p = self.lock();
+        loop {
+            if p.ended || p.pending.left() == 0 {
+                return Vec::new();
+            }
+            let pieces = p.pending.take_demands();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !pieces.is_empty() || left.is_zero() {
+                return pieces;
+            }
+            p = self
+                .cv
+                .wait_timeout(p, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// Ends the stage and waits until no loader writes into its memory any more (a loader
@@ -310,8 +438,9 @@ impl Stage {
         p.peer_bytes += self.buffers[i].size;
     }
 
-    /// The next buffer to load (a waited-for one first), marked loading; `None` when none is left.
-    /// With `hold_waiters` above 0, nothing is picked before that many waits are pending at once.
+    /// The next buffer to load (a waited-for one first), marked loading; `None` when none is left
+    /// or the stage is ended. Waits while the buffers left are blocked by pending pieces. With
+    /// `hold_waiters` above 0, nothing is picked before that many waits are pending at once.
     fn pick(&self, hold_waiters: usize) -> Option<usize> {
         let mut p = self.lock();
         while !p.released && !p.ended {
@@ -321,26 +450,19 @@ impl Stage {
             }
             p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
         }
-        if p.ended {
-            return None;
-        }
-        let i = loop {
-            if let Some(i) = p.urgent.pop_front() {
-                if p.status[i] == Status::Waiting {
-                    break i;
-                }
-                continue;
-            }
-            while p.next < p.status.len() && p.status[p.next] != Status::Waiting {
-                p.next += 1;
-            }
-            if p.next == p.status.len() {
+        loop {
+            if p.ended {
                 return None;
             }
-            break p.next;
-        };
-        p.status[i] = Status::Loading;
-        Some(i)
+            match p.choose() {
+                Choice::Load(i) => {
+                    p.status[i] = Status::Loading;
+                    return Some(i);
+                }
+                Choice::Done => return None,
+                Choice::Blocked => p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner()),
+            }
+        }
     }
 
     fn settle(&self, i: usize, r: Result<(), LoadError>) {
@@ -366,15 +488,20 @@ impl Stage {
         self.cv.notify_all();
     }
 
-    /// Waits until allocation `alloc` is loaded (loaded next if it is still waiting).
+    /// Waits until allocation `alloc` is loaded (loaded next if it is still waiting; once its
+    /// pending pieces arrived if it is blocked).
     pub(crate) fn wait(&self, alloc: u64) -> Result<(), WaitError> {
         let &i = self.by_alloc.get(&alloc).ok_or(WaitError::NotOfStage {
             alloc,
             stage: self.id,
         })?;
         let mut p = self.lock();
-        if p.status[i] == Status::Waiting && !p.urgent.contains(&i) {
-            p.urgent.push_back(i);
+        if p.status[i] == Status::Waiting {
+            if !p.urgent.contains(&i) {
+                p.urgent.push_back(i);
+            }
+            // Blocked: the pieces it needs are asked for (`stage_demands`).
+            p.pending.want(i);
         }
         p.waiting += 1;
         // A loader holding back for waiters counts this one.
@@ -429,6 +556,8 @@ impl Stage {
             peer_bytes: p.peer_bytes,
             failed: p.failed as u64,
             loaded_bytes: p.loaded_bytes,
+            pending_pieces: p.pending.left() as u64,
+            blocked_buffers: p.blocked() as u64,
             ms: ms(self.started.elapsed()),
             done_ms: p.done_after.map(ms),
             reused_bytes: p.reused_bytes,

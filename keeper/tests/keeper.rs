@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use possum_keeper::{Keeper, KeeperError, Server, Usage};
+use possum_keeper::{Keeper, KeeperError, PendingPiece, Server, StagedBuffer, Usage};
 
 const INNER: &str = "POSSUM_KEEPER_TEST_INNER";
 const MIB4: u64 = 4 << 20;
@@ -708,7 +708,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
         let mut k = Keeper::connect(server.path()).unwrap();
         let missing = dir.path().join("no-such-image");
         let err = k
-            .stage(me, &missing, 60, None, None)
+            .stage(me, &missing, 60, None, None, Vec::new())
             .unwrap_err()
             .to_string();
         assert!(err.contains("no-such-image"), "{err}");
@@ -726,7 +726,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
                 Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", n),
                 None => std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL"),
             }
-            let info = k.stage(me, &img, 60, None, None).unwrap();
+            let info = k.stage(me, &img, 60, None, None, Vec::new()).unwrap();
             assert_eq!(info.buffers, 3);
             let plan = possum_keeper::KeeperMemory::connect(server.path())
                 .unwrap()
@@ -766,7 +766,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
 
         // A stage nobody takes: its memory is freed when it is ended.
         let img = dir.path().join("img-2/gpu-0");
-        let info = k.stage(me, &img, 60, None, None).unwrap();
+        let info = k.stage(me, &img, 60, None, None, Vec::new()).unwrap();
         assert_eq!(server.stats().retained.allocations, 3);
         assert_eq!(k.stage_end(info.stage).unwrap(), 3);
         let st = server.stats();
@@ -843,10 +843,12 @@ fn a_stage_builds_on_a_prestage_of_the_draft() {
         e.release().unwrap();
 
         let err = k
-            .stage(me, &img, 60, None, Some(pre.stage + 100))
+            .stage(me, &img, 60, None, Some(pre.stage + 100), Vec::new())
             .unwrap_err();
         assert!(err.to_string().contains("no stage"), "{err}");
-        let info = k.stage(me, &img, 60, None, Some(pre.stage)).unwrap();
+        let info = k
+            .stage(me, &img, 60, None, Some(pre.stage), Vec::new())
+            .unwrap();
         // Only the third buffer came whole from the prestage: the first failed to load there,
         // the second changed.
         assert_eq!(info.reused_bytes, sizes[2], "{info:?}");
@@ -881,6 +883,304 @@ fn a_stage_builds_on_a_prestage_of_the_draft() {
             e.free(b.va()).unwrap();
         }
         wait_total(&server, Usage::default());
+    });
+}
+
+/// An image of three buffers (several 1 MiB chunks each) that an engine on `server` wrote at
+/// `dir/img/gpu-0`, the engine's memory freed since.
+fn three_buffer_image(server: &Server, dir: &Path) -> PathBuf {
+    use possum_engine::image::{ImageWriter, WriterOptions};
+    use std::sync::Arc;
+    let kept = KeptEngine::chunked(server);
+    let e = &kept.engine;
+    let bufs: Vec<_> = [MIB4, 2 * MIB4 - 4096, 3 * MIB4]
+        .iter()
+        .map(|&n| e.alloc(n).unwrap())
+        .collect();
+    for (i, b) in bufs.iter().enumerate() {
+        kept.write(b.va(), 30 + i as u64, b.size());
+    }
+    let img = dir.join("img/gpu-0");
+    let w = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
+    e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
+    Arc::try_unwrap(w).unwrap().commit().unwrap();
+    for b in &bufs {
+        e.free(b.va()).unwrap();
+    }
+    img
+}
+
+/// `len` bytes of the data file holding the first chunk of buffer `buf` of `image`, `into`
+/// bytes into that chunk, as a stage names them.
+fn piece_of(image: &possum_engine::image::Image, buf: u64, into: u64, len: u64) -> PendingPiece {
+    use possum_engine::store::ChunkSource;
+    let (off, _) = image.chunks(buf)[0];
+    let (file, at) = image.chunk_location(buf, off).expect("the chunk is there");
+    PendingPiece {
+        file: file.to_string(),
+        offset: at + into,
+        len,
+    }
+}
+
+/// Writes `bytes` at piece `p` of the data files of the image in `dir`: the bytes there before.
+fn swap_bytes(dir: &Path, p: &PendingPiece, bytes: &[u8]) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join(&p.file))
+        .unwrap();
+    let mut before = vec![0u8; bytes.len()];
+    f.read_exact_at(&mut before, p.offset).unwrap();
+    f.write_all_at(bytes, p.offset).unwrap();
+    before
+}
+
+/// Whether the memory of staged buffer `b` holds what `image` holds for it (each chunk read,
+/// its checksum checked).
+fn holds_image(server: &Server, image: &possum_engine::image::Image, b: &StagedBuffer) -> bool {
+    use possum_engine::store::ChunkSource;
+    image.chunks(b.buf).into_iter().all(|(off, len)| {
+        let mut want = vec![0u8; len as usize];
+        image.read_chunk(b.buf, off, &mut want).unwrap();
+        server.read(b.alloc, off, len as usize).unwrap() == want
+    })
+}
+
+/// The stage's loader threads alive in this process.
+fn loader_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        // "possum-keeper-stage", cut to the kernel's 15 bytes ("possum-keeper-spare" is
+        // made only with spares).
+        .filter(|c| c.trim_end() == "possum-keeper-s")
+        .count()
+}
+
+/// `stage_wait` for allocation `alloc` of stage `stage` on a thread of its own: its answer comes
+/// on the channel.
+fn wait_on_thread(
+    server: &Server,
+    stage: u64,
+    alloc: u64,
+) -> std::sync::mpsc::Receiver<Result<(), KeeperError>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = server.path().to_path_buf();
+    std::thread::spawn(move || {
+        let r = Keeper::connect(&path).and_then(|mut k| k.stage_wait(stage, alloc));
+        let _ = tx.send(r);
+    });
+    rx
+}
+
+/// `stage_demands` of stage `stage` waiting up to `wait`, on a thread of its own.
+fn demands_on_thread(
+    server: &Server,
+    stage: u64,
+    wait: Duration,
+) -> std::sync::mpsc::Receiver<Result<Vec<PendingPiece>, KeeperError>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = server.path().to_path_buf();
+    std::thread::spawn(move || {
+        let r = Keeper::connect(&path).and_then(|mut k| k.stage_demands(stage, wait));
+        let _ = tx.send(r);
+    });
+    rx
+}
+
+/// What a channel of [`wait_on_thread`] or [`demands_on_thread`] says within 10 s.
+fn answer<T>(rx: &std::sync::mpsc::Receiver<T>) -> T {
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("an answer within 10 s")
+}
+
+/// Checks that nothing came on `rx` yet (a reply that must not have come).
+fn no_answer_yet<T: std::fmt::Debug>(rx: &std::sync::mpsc::Receiver<T>, what: &str) {
+    let r = rx.recv_timeout(Duration::from_millis(300));
+    assert!(
+        matches!(r, Err(std::sync::mpsc::RecvTimeoutError::Timeout)),
+        "{what}: {r:?}"
+    );
+}
+
+/// Post-copy: a stage whose image has bytes still to come at a chunk of one buffer loads the
+/// others, and leaves that one blocked (its loaders waiting, not gone): a `stage_wait` for it
+/// is not answered, and `stage_demands` hands out the piece it needs, once. Once the bytes are
+/// in the file and `stage_arrived` says so, the buffer is loaded with the image's bytes and the
+/// wait answered.
+#[test]
+fn a_stage_waits_for_the_bytes_still_to_come() {
+    in_child(|| {
+        use possum_engine::image::Image;
+        use possum_engine::store::ChunkSource;
+        let (dir, server) = fresh_keeper();
+        let img = three_buffer_image(&server, dir.path());
+        let image = Image::open(&img).unwrap();
+        let buf = image.buffers()[1].id;
+        let piece = piece_of(&image, buf, 100, 4096);
+        let good = swap_bytes(&img, &piece, &[0xee; 4096]);
+        let me = std::process::id() as i32;
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let info = k
+            .stage(me, &img, 60, None, None, vec![piece.clone()])
+            .unwrap();
+        let plan = k.staged(&img).unwrap().expect("the stage");
+        let blocked = plan.buffers.iter().find(|b| b.buf == buf).unwrap().clone();
+        wait_until("the other buffers are loaded", || {
+            server.stats().stages[0].ready == 2
+        });
+        let st = server.stats().stages[0].clone();
+        assert_eq!((st.pending_pieces, st.blocked_buffers), (1, 1), "{st:?}");
+        assert!(
+            loader_threads() > 0,
+            "the loaders wait for the blocked buffer"
+        );
+        for b in plan.buffers.iter().filter(|b| b.buf != buf) {
+            assert!(holds_image(&server, &image, b), "buffer {} loaded", b.buf);
+        }
+
+        let waited = wait_on_thread(&server, info.stage, blocked.alloc);
+        no_answer_yet(&waited, "a wait for a blocked buffer");
+        assert_eq!(
+            k.stage_demands(info.stage, Duration::from_secs(10))
+                .unwrap(),
+            vec![piece.clone()]
+        );
+        assert!(
+            k.stage_demands(info.stage, Duration::ZERO)
+                .unwrap()
+                .is_empty(),
+            "a piece is handed out once"
+        );
+        no_answer_yet(&waited, "a wait for a blocked buffer");
+
+        swap_bytes(&img, &piece, &good);
+        assert_eq!(
+            k.stage_arrived(info.stage, std::slice::from_ref(&piece))
+                .unwrap(),
+            0
+        );
+        answer(&waited).expect("loaded once its bytes arrived");
+        assert!(holds_image(&server, &image, &blocked));
+        let st = server.stats().stages[0].clone();
+        assert_eq!((st.ready, st.failed), (3, 0), "{st:?}");
+        assert_eq!((st.pending_pieces, st.blocked_buffers), (0, 0), "{st:?}");
+        assert!(st.done_ms.is_some(), "{st:?}");
+        // Nothing pending: a long poll answers at once.
+        assert!(k
+            .stage_demands(info.stage, Duration::from_secs(600))
+            .unwrap()
+            .is_empty());
+        wait_until("the loaders are gone", || loader_threads() == 0);
+        assert_eq!(k.stage_end(info.stage).unwrap(), 3);
+    });
+}
+
+/// Pieces said to have arrived that are not pending (another range, another file, one that
+/// arrived already) change nothing: the buffer stays blocked until its own piece arrives.
+#[test]
+fn pieces_arrived_that_are_not_pending_are_ignored() {
+    in_child(|| {
+        use possum_engine::image::Image;
+        use possum_engine::store::ChunkSource;
+        let (dir, server) = fresh_keeper();
+        let img = three_buffer_image(&server, dir.path());
+        let image = Image::open(&img).unwrap();
+        let buf = image.buffers()[0].id;
+        let piece = piece_of(&image, buf, 0, 8);
+        let good = swap_bytes(&img, &piece, &[0; 8]);
+        let me = std::process::id() as i32;
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let info = k
+            .stage(me, &img, 60, None, None, vec![piece.clone()])
+            .unwrap();
+        wait_until("the other buffers are loaded", || {
+            server.stats().stages[0].ready == 2
+        });
+        let others = [
+            PendingPiece {
+                len: 4,
+                ..piece.clone()
+            },
+            PendingPiece {
+                offset: piece.offset + 1,
+                ..piece.clone()
+            },
+            PendingPiece {
+                file: "data-999.bin".to_string(),
+                ..piece.clone()
+            },
+        ];
+        assert_eq!(k.stage_arrived(info.stage, &others).unwrap(), 1);
+        assert_eq!(k.stage_arrived(info.stage, &[]).unwrap(), 1);
+        let st = server.stats().stages[0].clone();
+        assert_eq!((st.ready, st.blocked_buffers), (2, 1), "{st:?}");
+
+        swap_bytes(&img, &piece, &good);
+        assert_eq!(
+            k.stage_arrived(info.stage, std::slice::from_ref(&piece))
+                .unwrap(),
+            0
+        );
+        assert_eq!(k.stage_arrived(info.stage, &[piece]).unwrap(), 0);
+        let plan = k.staged(&img).unwrap().expect("the stage");
+        let b = plan.buffers.iter().find(|b| b.buf == buf).unwrap();
+        k.stage_wait(info.stage, b.alloc).unwrap();
+        assert!(holds_image(&server, &image, b));
+        assert_eq!(k.stage_end(info.stage).unwrap(), 3);
+    });
+}
+
+/// A stage ended while a buffer is blocked: the wait for it fails, a long poll for demands is
+/// answered (empty), the loaders exit, and its memory is freed.
+#[test]
+fn a_stage_ended_while_blocked_fails_its_waits_and_stops_its_loaders() {
+    in_child(|| {
+        use possum_engine::image::Image;
+        use possum_engine::store::ChunkSource;
+        let (dir, server) = fresh_keeper();
+        let img = three_buffer_image(&server, dir.path());
+        let image = Image::open(&img).unwrap();
+        let buf = image.buffers()[2].id;
+        let piece = piece_of(&image, buf, 4096, 1);
+        let me = std::process::id() as i32;
+        let mut k = Keeper::connect(server.path()).unwrap();
+        let info = k
+            .stage(me, &img, 60, None, None, vec![piece.clone()])
+            .unwrap();
+        let plan = k.staged(&img).unwrap().expect("the stage");
+        let blocked = plan.buffers.iter().find(|b| b.buf == buf).unwrap();
+        wait_until("the other buffers are loaded", || {
+            server.stats().stages[0].ready == 2
+        });
+        // Nothing waited for yet: a long poll waits.
+        let polled = demands_on_thread(&server, info.stage, Duration::from_secs(60));
+        no_answer_yet(&polled, "demands before any wait");
+        let waited = wait_on_thread(&server, info.stage, blocked.alloc);
+        assert_eq!(answer(&polled).unwrap(), vec![piece]);
+        let polled = demands_on_thread(&server, info.stage, Duration::from_secs(60));
+        no_answer_yet(&polled, "demands handed out already");
+        assert!(
+            loader_threads() > 0,
+            "the loaders wait for the blocked buffer"
+        );
+
+        assert_eq!(k.stage_end(info.stage).unwrap(), 3);
+        let err = answer(&waited).unwrap_err().to_string();
+        assert!(err.contains("ended"), "{err}");
+        assert!(answer(&polled).unwrap().is_empty());
+        wait_until("the loaders are gone", || loader_threads() == 0);
+        let st = server.stats();
+        let last = st.stages_ended.last().expect("the ended stage is shown");
+        assert_eq!((last.ready, last.failed), (2, 1), "{last:?}");
+        assert_eq!(
+            (last.pending_pieces, last.blocked_buffers),
+            (1, 0),
+            "{last:?}"
+        );
+        assert_eq!(st.retained, Usage::default());
     });
 }
 

@@ -78,6 +78,11 @@ pub struct MigrateArgs {
     /// One pre-copy round only: the job is held right after it (--max-rounds 1)
     #[arg(long, conflicts_with = "max_rounds")]
     pub stop_now: bool,
+    /// Let the job run at the destination before the pieces of its GPU buffers it wrote since
+    /// the last round are there: they are sent after the rest, in the order the job needs
+    /// them, and it waits only for those it touches (needs --streams 2 or more)
+    #[arg(long)]
+    pub post_copy: bool,
     /// Established TCP connections.
     #[command(flatten)]
     pub tcp: TcpArgs,
@@ -189,7 +194,10 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
         key,
         deadlines: deadlines(a.timeout, Some(a.restore_timeout)),
         max_rate: a.max_rate,
-        streams: a.streams.unwrap_or_else(default_streams),
+        streams: a
+            .streams
+            .unwrap_or_else(|| default_streams().max(u32::from(a.post_copy) + 1)),
+        post_copy: a.post_copy,
     };
     let mut line = MigrateLine::new(!a.json && std::io::stderr().is_terminal());
     let report = migrate::migrate(&params, &mut line);
@@ -249,6 +257,15 @@ fn print_migrate(r: &MigrateReport) {
             .map_or("not said".to_string(), |w| format!("{:.0}", ms(w))),
         ms(t.total)
     );
+    if let Some(pc) = &r.post_copy {
+        println!(
+            "  post-copy: {:.1} MiB in {} pieces sent after the transfer, the job restored \
+             there meanwhile ({:.0} ms)",
+            mib(pc.bytes),
+            pc.pieces,
+            ms(pc.took)
+        );
+    }
 }
 
 /// What `possum receive` prints for a job received, without --json.
@@ -291,6 +308,7 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
             hmac_key: None,
             received_unsynced: false,
             prestaged: Vec::new(),
+            post_copy: None,
         },
         // The streams of a migration join within the handshake's deadline.
         sessions: Sessions::new(deadlines(a.timeout, None).handshake),

@@ -832,6 +832,8 @@ struct Relay {
     addr: String,
     bytes: std::sync::Arc<std::sync::atomic::AtomicU64>,
     conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    /// Set: the source's bytes on every connection but the first stop (a stalled network).
+    stalled: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Relay {
@@ -844,17 +846,27 @@ impl Relay {
             addr,
             bytes: Default::default(),
             conns: Default::default(),
+            stalled: Default::default(),
         };
         let (to, bytes, conns) = (to.to_string(), relay.bytes.clone(), relay.conns.clone());
+        let stalled = relay.stalled.clone();
         std::thread::spawn(move || {
-            for from in listener.incoming().map_while(Result::ok) {
+            for (k, from) in listener.incoming().map_while(Result::ok).enumerate() {
                 let Ok(onward) = TcpStream::connect(&to) else {
                     continue;
                 };
+                let stall = (k > 0).then(|| stalled.clone());
                 let pump = |mut a: TcpStream, mut b: TcpStream, count: Option<_>| {
+                    let stall = count.is_some().then(|| stall.clone()).flatten();
                     move || {
                         let mut buf = vec![0u8; 64 << 10];
                         while let Ok(n @ 1..) = a.read(&mut buf) {
+                            while stall
+                                .as_ref()
+                                .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+                            {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
                             if b.write_all(&buf[..n]).is_err() {
                                 break;
                             }
@@ -884,6 +896,13 @@ impl Relay {
             assert!(t.elapsed() < WAIT, "the relay did not carry {n} bytes");
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// The source's bytes stop on every connection but the first: a stream that carries the
+    /// image's pieces stalls, the hand-off goes on.
+    fn stall_streams(&self) {
+        self.stalled
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Every connection shut, both ways.
@@ -977,4 +996,155 @@ fn a_connection_cut_while_the_job_runs_leaves_it_at_the_source_and_the_receiver_
 #[test]
 fn a_connection_cut_while_the_job_is_held_lets_it_run_on_at_the_source() {
     a_connection_cut("migrate_cut_held", true);
+}
+
+/// A job whose buffers are a keeper's, a receiver (`possum receive`, CRIU's plugin for it), a
+/// relay between them, and `possum migrate --post-copy --stop-now` of the job through it, paced
+/// at 1 MB/s; the job writes its buffers once its round is being sent ahead, so that the cut
+/// finds pieces of its GPU image changed. The job, the reference's buffers (one step further
+/// too), the receiver, the relay and the migration running; `None` to skip.
+#[allow(clippy::type_complexity)]
+fn post_copy_setup(
+    test: &str,
+) -> Option<(
+    tempfile::TempDir,
+    [Vec<u8>; 2],
+    Job,
+    Receiver,
+    Relay,
+    std::process::Child,
+    support::cli::KeeperProcess,
+)> {
+    let (tmp, lib) = support::session_job_setup(test, "possum-migrate-")?;
+    let dir = tmp.path();
+    let mut reference = start_job(dir, "reference", None);
+    reference.run("step 1", "done 6");
+    let want = finish_from_6(&mut reference, dir, "reference");
+    let (keeper, keeper_dir) = support::cli::start_keeper(dir);
+    let env = [("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
+    let mut job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &env);
+    std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
+    std::fs::create_dir(dir.join("received")).unwrap();
+    let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
+    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
+    let receiver = Receiver::start(dir, "key", &plugin);
+    let relay = Relay::start(&receiver.addr);
+    let migrate = migrate_cmd(dir, &job, &relay.addr, "key")
+        .args(["--post-copy", "--stop-now", "--streams", "2"])
+        .args(["--max-rate", "1000000"])
+        .env("POSSUM_HOSTMEM_AHEAD", "0")
+        .env("POSSUM_CRIU_PLUGIN_DIR", &libdir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its round is being sent ahead: the job writes its buffers again.
+    relay.carried(256 << 10);
+    assert!(!is_stopped(job.pid), "held before its step");
+    job.run("step 1", "done 6");
+    Some((tmp, want, job, receiver, relay, migrate, keeper))
+}
+
+/// Post-copy (`--post-copy`): the pieces of the job's GPU image it wrote after its round are
+/// left out of what is sent while it is held, sent once the destination has the rest, and the
+/// destination's stage loads the buffers they hold once they came. The job goes on bit-exact
+/// at the destination, and both ends count the pieces.
+#[test]
+fn a_job_migrated_with_post_copy_runs_on_at_the_destination_bit_exact() {
+    let Some((tmp, want, mut job, receiver, _relay, migrate, _keeper)) =
+        post_copy_setup("migrate_post_copy")
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let out = migrate.wait_with_output().unwrap();
+    let (v, r) = migrated(&out, receiver, &job);
+    let pieces = v["post_copy"]["pieces"].as_u64().expect("post-copy pieces");
+    assert!(pieces > 0, "{v}");
+    assert_eq!(r["post_copy"]["pieces"], pieces, "{r}");
+    let later = v["post_copy"]["bytes"].as_u64().unwrap();
+    assert!(
+        v["bytes_while_held"].as_u64().unwrap() + later <= v["bytes"].as_u64().unwrap(),
+        "{v}"
+    );
+    let staged = r["staged"].as_array().expect("staged");
+    assert!(staged[0]["error"].is_null(), "{r}");
+    let received = PathBuf::from(r["dir"].as_str().unwrap());
+    assert!(!received.join(".possum-post-copy").exists());
+    let got = finish_from_6(&mut job, dir, "job");
+    assert!(got == want, "migrated with post-copy: the buffers differ");
+    say(&format!(
+        "migrate_post_copy: {pieces} pieces, {later} bytes after the transfer; {} while held",
+        v["bytes_while_held"]
+    ));
+}
+
+/// Post-copy, the network failing once the job was killed at the source (the streams that
+/// carry the pieces stall): the destination restores the job and lets it run, waits for its
+/// pieces, kills it once none came for the lease and says why; the source restores its own, and
+/// the job goes on there bit-exact.
+#[test]
+fn a_post_copy_stalled_after_the_job_ran_there_has_it_restored_at_the_source() {
+    let Some((tmp, want, mut job, receiver, relay, migrate, _keeper)) =
+        post_copy_setup("migrate_post_copy_cut")
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let t = Instant::now();
+    while alive(job.pid) {
+        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    relay.stall_streams();
+    // Restored at the destination, this process's to reap (a subreaper's) once killed there.
+    while !alive(job.pid) {
+        assert!(
+            t.elapsed() < WAIT,
+            "the job was not restored at the destination"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let pid = job.pid;
+    let reaper = std::thread::spawn(move || {
+        // Its parent is CRIU's until CRIU leaves it: reaped once it is this process's.
+        let t = Instant::now();
+        let limit = WAIT + possum_sequence::migrate::POST_COPY_LEASE;
+        while possum_criu::wait_for_exit(pid, Some(limit)).is_err() {
+            if t.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
+    });
+    let out = migrate.wait_with_output().unwrap();
+    assert!(
+        reaper.join().unwrap(),
+        "the job killed at the destination was not reaped"
+    );
+    failed_at(&out, "post-copy");
+    // The receiver failed, and removed the incomplete image.
+    let (status, log) = receiver.finish();
+    assert!(!status.success(), "{log}");
+    assert_eq!(names(&dir.join("received")), Vec::<String>::new());
+    let got = finish_from_6(&mut job, dir, "job");
+    assert!(
+        got == want,
+        "restored at the source after a post-copy cut: the buffers differ"
+    );
+}
+
+/// [`finish`] of a job one step further (at step 6): steps to 9, a cudaMalloc, a dump, steps to
+/// 12, a dump, its end.
+fn finish_from_6(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
+    job.run("step 3", "done 9");
+    job.run("malloc", "malloced");
+    let mid = job.dump(&dir.join(format!("{tag}-mid.bin")));
+    job.run("step 3", "done 12");
+    let end = job.dump(&dir.join(format!("{tag}-end.bin")));
+    job.run("exit", "bye");
+    let _ = possum_criu::wait_for_exit(job.pid, Some(WAIT));
+    job.pid = 0;
+    [mid, end]
 }

@@ -25,7 +25,7 @@ fn opt_ms<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> 
     s.serialize_f64(ms(d.unwrap_or_default()))
 }
 
-fn as_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn as_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(ms(*d))
 }
 

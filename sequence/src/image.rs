@@ -1044,6 +1044,17 @@ pub enum ImageError {
         /// The directory.
         dir: PathBuf,
     },
+    /// A migration's image received by post-copy whose pieces left for later did not all come.
+    #[error(
+        "{} was received from a migration by post-copy, and pieces of its GPU images never came \
+         (it still holds {}): it is incomplete and refused; the source kept the complete image",
+        dir.display(),
+        crate::wire::POST_COPY
+    )]
+    PostCopy {
+        /// The directory.
+        dir: PathBuf,
+    },
     /// A `--gpu-only` image.
     #[error(
         "{} holds only GPU buffers (written with --gpu-only): there is no process to restore",
@@ -1072,8 +1083,14 @@ pub enum ImageError {
 
 /// Reads and checks `DIR/possum.json` and what it names: its format version, its check (which
 /// it must have) and [`Manifest::validate`], before anything it names is used. A migration's
-/// image not synced yet ([`crate::wire::UNSYNCED`]) is refused.
+/// image not synced yet ([`crate::wire::UNSYNCED`]), or whose post-copy did not end
+/// ([`crate::wire::POST_COPY`]), is refused.
 pub fn open_image(dir: &Path) -> Result<Image, ImageError> {
+    if fs::symlink_metadata(dir.join(crate::wire::POST_COPY)).is_ok() {
+        return Err(ImageError::PostCopy {
+            dir: dir.to_path_buf(),
+        });
+    }
     if fs::symlink_metadata(dir.join(crate::wire::UNSYNCED)).is_ok() {
         return Err(ImageError::Unsynced {
             dir: dir.to_path_buf(),

@@ -66,6 +66,7 @@ pub mod job;
 pub mod migrate;
 mod observer;
 pub mod places;
+pub mod postcopy;
 pub mod prestage;
 pub mod process;
 pub mod ranks;

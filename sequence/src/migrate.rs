@@ -65,14 +65,17 @@ use serde::{Serialize, Serializer};
 
 use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
+use crate::figures::as_ms;
+mod post_copy;
 use crate::prestage::{self, Prestaged, Prestages};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
-    self, accept_handshake, await_outcome, await_released, receive_dir_watching, send_abort,
+    self, accept_handshake, await_outcome, await_released, receive_dir_post_copy, send_abort,
     send_outcome, send_released, Accepted, Connection, DirSender, Durability, FrameError,
     HandoffError, Outcome, Paced, Pacer, Sessions, Totals, WireError, Written,
 };
 use crate::{MigrateStep, Observer};
+pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
 
 /// How long each wait of a migration may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,11 +128,10 @@ pub struct MigrateParams {
     /// The streams (TCP connections) the image is sent over at once (1 to
     /// [`wire::MAX_STREAMS`]).
     pub streams: u32,
-}
-
-/// Serializes a duration as milliseconds.
-fn as_ms<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64(crate::figures::ms(*d))
+    /// Post-copy ([`crate::postcopy`]): the pieces of the GPU images the job wrote after the
+    /// last pre-copy round are sent after the destination has the rest, while it restores the
+    /// job and the job runs there. Needs two streams or more.
+    pub post_copy: bool,
 }
 
 /// Milliseconds, or null when not known.
@@ -212,6 +214,8 @@ pub struct MigrateReport {
     /// The local image, kept: the destination did not say that its own is on its disk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_kept: Option<PathBuf>,
+    /// With `post_copy`: what was sent after the transfer (null: nothing was left for it).
+    pub post_copy: Option<PostCopyReport>,
     /// The source's checkpoint.
     pub checkpoint: CheckpointReport,
 }
@@ -344,6 +348,24 @@ pub enum MigrateError {
         #[source]
         source: HandoffError,
     },
+    /// The pieces left for post-copy could not all be sent after the job ran at the
+    /// destination (which kills its copy once it waited [`POST_COPY_LEASE`] for them).
+    #[error("migration failed sending the post-copy after the job ran at the destination; {job}")]
+    PostCopy {
+        /// What became of the job.
+        job: JobAt,
+        /// Why.
+        #[source]
+        source: Box<wire::SendError>,
+    },
+    /// Post-copy was asked of a session of one stream.
+    #[error(
+        "--post-copy needs two streams or more (--streams {streams} was given); nothing was done"
+    )]
+    PostCopyStreams {
+        /// The streams asked.
+        streams: u32,
+    },
     /// The destination could not restore the job.
     #[error("migration failed: the destination could not restore the job ({reason}); {job}")]
     RemoteRestore {
@@ -358,11 +380,12 @@ impl MigrateError {
     /// What became of the job.
     pub fn job(&self) -> JobAt {
         match self {
-            MigrateError::Checkpoint(_) => JobAt::Source,
+            MigrateError::Checkpoint(_) | MigrateError::PostCopyStreams { .. } => JobAt::Source,
             MigrateError::Connect { job, .. }
             | MigrateError::Send { job, .. }
             | MigrateError::Kill { job, .. }
             | MigrateError::Handoff { job, .. }
+            | MigrateError::PostCopy { job, .. }
             | MigrateError::RemoteRestore { job, .. } => job.clone(),
         }
     }
@@ -620,6 +643,9 @@ impl Observer for SendAhead<'_> {
 /// hand-off. `obs` is told how the checkpoint and the restores go.
 pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateReport, MigrateError> {
     let t_all = Instant::now();
+    if p.post_copy && p.streams < 2 {
+        return Err(MigrateError::PostCopyStreams { streams: p.streams });
+    }
     // One bucket for every stream, all through the migration.
     let pacer = p.max_rate.map(|rate| Arc::new(Pacer::new(rate)));
     let (held, ahead) = checkpoint_sending_ahead(p, pacer.as_ref(), obs)?;
@@ -659,10 +685,13 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
             possum_criu::hostmem::MIGRATION_PART_BYTES,
         );
     }
+    let local = held.dir().to_path_buf();
+    let gpu_dirs = post_copy::left_for_later(p.post_copy, &local, &mut sender);
+    let sent_counter = sender.sent_counter();
     let sending = paced(pacer.as_ref(), &mut stream, |mut s| {
-        sender.finish(&mut s, held.dir())
+        sender.finish_post_copy(&mut s, held.dir())
     });
-    let (sent, mut session) = match sending {
+    let (sent, mut session, later) = match sending {
         Ok(s) => s,
         Err(e) => {
             drop(stream);
@@ -672,6 +701,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     timings.send = t.elapsed();
     timings.send_hashing = sent.hashing;
     timings.send_committing = sent.committing;
+    // Post-copy: what was left goes now, on the other streams, while the hand-off goes on.
+    let later = later.map(|l| post_copy::start_sending(l, &local, &gpu_dirs, sent_counter));
 
     let t = Instant::now();
     let pids = job_pids(p.checkpoint.pid);
@@ -695,27 +726,17 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let t = Instant::now();
     let synced = await_synced(&mut stream, &mut session, p.deadlines.restore);
     timings.synced_there = t.elapsed();
+    let post_copy = match later {
+        None => None,
+        Some(sending) => post_copy_sent(sending, &synced, &here, obs)?,
+    };
     if let Ok(Some(waited)) = synced {
         timings.waited_after_resume = Some(waited);
         timings.downtime += waited;
     }
     drop(stream);
     timings.total = t_all.elapsed();
-    let image_kept = match synced {
-        Ok(_) => {
-            let _ = fs::remove_dir_all(&p.checkpoint.dir);
-            None
-        }
-        Err(why) => {
-            obs.note(&format!(
-                "the job runs at the destination, but it did not say that the image it was \
-                 restored from is on its disk ({why}): this end's stays at {}, to remove once \
-                 the job there has another",
-                p.checkpoint.dir.display()
-            ));
-            Some(p.checkpoint.dir.clone())
-        }
-    };
+    let image_kept = local_image_after(&synced, &p.checkpoint.dir, obs);
     Ok(MigrateReport {
         pid: p.checkpoint.pid,
         to: p.to.clone(),
@@ -728,8 +749,82 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         timings,
         host_memory_ahead: ahead.host_ahead,
         image_kept,
+        post_copy,
         checkpoint: report,
     })
+}
+
+/// The post-copy's send, the job running at the destination, once the destination answered
+/// (`synced`, `await_synced`): what it sent. A destination that said its post-copy failed has
+/// killed its copy: the job is restored here. A send that failed here leaves the destination
+/// without its pieces, which kills its copy once it waited [`POST_COPY_LEASE`]: past that, the
+/// job is restored here. Otherwise (the send ended, the destination silent) the job's place is
+/// `await_synced`'s to say.
+fn post_copy_sent(
+    sending: post_copy::Sending,
+    synced: &Result<Option<Duration>, Unsynced>,
+    here: &Fallback<'_>,
+    obs: &mut dyn Observer,
+) -> Result<Option<PostCopyReport>, MigrateError> {
+    if let Err(Unsynced::Refused(why)) = synced {
+        obs.note(&format!(
+            "the destination's post-copy failed ({why}); it killed its copy: restoring the job \
+             here"
+        ));
+        let job = here.restore(obs);
+        let source = wire::SendError::Rejected {
+            reason: why.clone(),
+        };
+        return Err(MigrateError::PostCopy {
+            job,
+            source: Box::new(source),
+        });
+    }
+    if synced.is_ok() || sending.is_finished() {
+        let source = match sending.join() {
+            Ok(Ok(r)) => return Ok(Some(r)),
+            Ok(Err(e)) => e,
+            Err(_) => wire::SendError::NoLaterStream,
+        };
+        let wait = POST_COPY_LEASE + post_copy::LEASE_MARGIN;
+        obs.note(&format!(
+            "the post-copy failed after the job ran at the destination ({}); the destination \
+             kills its copy without its buffers: restoring the job here in {} s",
+            possum_cuda::error_chain(&source),
+            wait.as_secs()
+        ));
+        std::thread::sleep(wait);
+        let job = here.restore(obs);
+        return Err(MigrateError::PostCopy {
+            job,
+            source: Box::new(source),
+        });
+    }
+    Ok(None)
+}
+
+/// The local image `dir` once the job runs at the destination: removed if the destination said
+/// its own is on its disk (`synced`), else kept, said, and returned.
+fn local_image_after(
+    synced: &Result<Option<Duration>, Unsynced>,
+    dir: &Path,
+    obs: &mut dyn Observer,
+) -> Option<PathBuf> {
+    match synced {
+        Ok(_) => {
+            let _ = fs::remove_dir_all(dir);
+            None
+        }
+        Err(why) => {
+            obs.note(&format!(
+                "the job runs at the destination, but it did not say that the image it was \
+                 restored from is on its disk ({why}): this end's stays at {}, to remove once \
+                 the job there has another",
+                dir.display()
+            ));
+            Some(dir.to_path_buf())
+        }
+    }
 }
 
 /// What the checkpoint's observer did before the commit: the link it opened (or why it
@@ -891,15 +986,37 @@ fn await_synced(
     stream: &mut TcpStream,
     session: &mut wire::Session,
     deadline: Duration,
-) -> Result<Option<Duration>, String> {
+) -> Result<Option<Duration>, Unsynced> {
     stream
         .set_read_timeout(Some(deadline))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Unsynced::Silent(e.to_string()))?;
     match await_outcome(stream, session) {
         Ok(Outcome::Synced { waited, .. }) => Ok(waited),
-        Ok(other) => Err(format!("it answered {other:?}")),
-        Err(e) if e.is_timeout() => Err(format!("no word within {} s", deadline.as_secs())),
-        Err(e) => Err(possum_cuda::error_chain(&e)),
+        Ok(other) => Err(Unsynced::Silent(format!("it answered {other:?}"))),
+        Err(HandoffError::Aborted { reason }) => Err(Unsynced::Refused(reason)),
+        Err(e) if e.is_timeout() => Err(Unsynced::Silent(format!(
+            "no word within {} s",
+            deadline.as_secs()
+        ))),
+        Err(e) => Err(Unsynced::Silent(possum_cuda::error_chain(&e))),
+    }
+}
+
+/// Why the destination did not say its image is on its disk ([`await_synced`]).
+#[derive(Debug)]
+enum Unsynced {
+    /// It said why not (`Abort`): its post-copy failed, and it killed its copy of the job.
+    Refused(String),
+    /// No word, or not the one due.
+    Silent(String),
+}
+
+impl std::fmt::Display for Unsynced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unsynced::Refused(why) => write!(f, "it gave up: {why}"),
+            Unsynced::Silent(why) => f.write_str(why),
+        }
     }
 }
 
@@ -984,6 +1101,7 @@ impl Fallback<'_> {
             hmac_key: None,
             received_unsynced: false,
             prestaged: Vec::new(),
+            post_copy: None,
         };
         match restore(&params, obs) {
             Ok(_) => JobAt::Source,
@@ -1030,6 +1148,9 @@ pub struct ReceiveTimings {
     /// if it did not say).
     #[serde(rename = "waited_after_resume_ms", serialize_with = "opt_ms")]
     pub waited_after_resume: Option<Duration>,
+    /// Post-copy: from the job's run here until every piece left for it came.
+    #[serde(rename = "post_copy_ms", serialize_with = "opt_ms")]
+    pub post_copy: Option<Duration>,
 }
 
 /// A job received and running: what `possum receive` prints.
@@ -1055,6 +1176,8 @@ pub struct Received {
     pub staged: Vec<crate::stage::StageReport>,
     /// Why the restore staged nothing, if it did not.
     pub stage_skipped: Option<String>,
+    /// Post-copy: the pieces received after the transfer (null: none was left for it).
+    pub post_copy: Option<PostCopyReport>,
 }
 
 /// A receive that failed, by phase (nothing of the image is left, and no job was restored).
@@ -1077,6 +1200,18 @@ pub enum ReceiveError {
     NotLetRun {
         /// The image (kept).
         dir: PathBuf,
+        /// The restored process (killed).
+        pid: i32,
+        /// Why.
+        why: String,
+    },
+    /// Post-copy: the pieces left for it did not all come after the job ran here: it was killed
+    /// (the source restores its own), and the incomplete image removed.
+    #[error(
+        "the job ran here as process {pid}, but the pieces of its GPU images sent after the \
+         transfer did not all come ({why}): it was killed, and the source restores its own"
+    )]
+    PostCopy {
         /// The restored process (killed).
         pid: i32,
         /// Why.
@@ -1179,21 +1314,45 @@ fn receive_loading_ahead(
     session: wire::Session,
     dest: &Path,
     p: &ReceiveParams,
-) -> Result<(wire::ReceiveReport, wire::Session, Vec<Prestaged>), ReceiveError> {
+) -> Result<Loaded, ReceiveError> {
     let mut ahead = Prestages::default();
-    let received = receive_dir_watching(stream, session, dest, Durability::Later, &mut |dir| {
+    let received = receive_dir_post_copy(stream, session, dest, Durability::Later, &mut |dir| {
         if p.restore.env.restore_stage {
             ahead.part_received(dir);
         }
     });
     let prestaged = ahead.finish();
     match received {
-        Ok((got, session)) => Ok((got, session, prestaged)),
+        Ok((got, session, later)) => Ok((got, session, prestaged, later)),
         Err(e) => {
             prestage::end(&prestaged);
             Err(ReceiveError::Transfer(Box::new(e)))
         }
     }
+}
+
+/// What [`receive_loading_ahead`] received: the image's totals, the session, the prestages, and
+/// the pieces left for post-copy.
+type Loaded = (
+    wire::ReceiveReport,
+    wire::Session,
+    Vec<Prestaged>,
+    Option<wire::LaterReceiver>,
+);
+
+/// Waits at most `deadline` for the source's `Released`.
+fn released_within(
+    stream: &mut TcpStream,
+    session: &mut wire::Session,
+    deadline: Duration,
+) -> Result<(), HandoffError> {
+    stream.set_read_timeout(Some(deadline)).map_err(|source| {
+        HandoffError::from(FrameError::Io {
+            what: "waiting for",
+            source,
+        })
+    })?;
+    await_released(stream, session)
 }
 
 /// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
@@ -1209,22 +1368,14 @@ pub fn receive_in_session(
 ) -> Result<Received, ReceiveError> {
     let mut timings = ReceiveTimings::default();
     let dest = image_name(&p.dir);
-    let (got, mut session, prestaged) = receive_loading_ahead(stream, session, &dest, p)?;
+    let (got, mut session, prestaged, later) = receive_loading_ahead(stream, session, &dest, p)?;
     timings.receive = t.elapsed();
+    let (post_copy, later) = post_copy::receive_later(later, &dest);
     // Whatever the restore took of them, the rest is freed at the end.
     let _end_prestages = EndPrestages(&prestaged);
 
     let t = Instant::now();
-    let released = stream
-        .set_read_timeout(Some(p.deadlines.release))
-        .map_err(|source| {
-            HandoffError::from(FrameError::Io {
-                what: "waiting for",
-                source,
-            })
-        })
-        .and_then(|()| await_released(stream, &mut session));
-    if let Err(e) = released {
+    if let Err(e) = released_within(stream, &mut session, p.deadlines.release) {
         let _ = fs::remove_dir_all(&dest);
         return Err(ReceiveError::Release(e));
     }
@@ -1237,6 +1388,7 @@ pub fn receive_in_session(
         socket_dir_from_source: true,
         received_unsynced: true,
         prestaged: prestaged.clone(),
+        post_copy: post_copy.clone(),
         ..p.restore.clone()
     };
     // Restored, the job is held until the source says go: without it, it never runs here.
@@ -1259,6 +1411,17 @@ pub fn receive_in_session(
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
+            let post_copied = match post_copy::after_run(post_copy.as_deref(), later, r.pid, obs) {
+                Ok(done) => done,
+                Err(why) => {
+                    let reason = format!("post-copy failed: {why}; the job was killed here");
+                    send_abort(stream, &mut session, &reason);
+                    let _ = fs::remove_dir_all(&dest);
+                    return Err(ReceiveError::PostCopy { pid: r.pid, why });
+                }
+            };
+            timings.post_copy = post_copied.map(|(took, _)| took);
+            let post_copied = post_copied.map(|(_, r)| r);
             // What the job waited for after it ran is part of its downtime: known once its
             // buffers are all back.
             let waited = match r.figures.job_waited {
@@ -1285,6 +1448,7 @@ pub fn receive_in_session(
                 ));
             }
             Ok(Received {
+                post_copy: post_copied,
                 dir: dest,
                 pid: r.pid,
                 files: got.totals.files,

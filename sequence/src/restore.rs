@@ -53,6 +53,10 @@ pub struct RestoreParams {
     /// The job's GPU images a migration's destination loaded ahead ([`crate::prestage`]): the
     /// stages build on them.
     pub prestaged: Vec<crate::prestage::Prestaged>,
+    /// A migration's post-copy: pieces of the GPU images still to come ([`crate::postcopy`]).
+    /// Each GPU image's stage waits for those of its own; without a stage of every GPU image,
+    /// the job is resumed only once all came.
+    pub post_copy: Option<std::sync::Arc<crate::postcopy::PostCopy>>,
 }
 
 /// A restore made: what the command prints.
@@ -152,6 +156,13 @@ pub fn restore_confirmed(
         }
         return Err(RestoreError::NotConfirmed { pid: m.pid, why });
     }
+    if let Err(why) = post_copy_ready(p, &mut staging, obs) {
+        let _ = job.kill_tree();
+        if let Some(s) = staging {
+            s.abandon();
+        }
+        return Err(RestoreError::PostCopy { pid: m.pid, why });
+    }
     let resumed = match resume(p, &img, &ready, &mut figures) {
         Ok(r) => r,
         Err(source) => {
@@ -188,6 +199,27 @@ pub fn restore_confirmed(
     report.account(resumed, staging, &img.criu.join(&ready.opts.log_file));
     report.figures.total = t_all.elapsed();
     Ok(report)
+}
+
+/// A post-copy's pieces still to come ([`RestoreParams::post_copy`]): fine if every GPU image's
+/// stage waits for those of its own; otherwise waits until all came (the job's own restore
+/// reads the image), and fails if they will not.
+fn post_copy_ready(
+    p: &RestoreParams,
+    staging: &mut Option<Staging>,
+    obs: &mut dyn Observer,
+) -> Result<(), String> {
+    let Some(pc) = &p.post_copy else {
+        return Ok(());
+    };
+    if staging.as_mut().is_some_and(|s| s.all_staged()) {
+        return pc.failed().map_or(Ok(()), Err);
+    }
+    obs.note(
+        "post-copy: the job's GPU images are not all staged by a keeper here, so the job \
+         runs only once every piece of them came",
+    );
+    pc.wait()
 }
 
 /// How long the restored job `pid` (its control socket in `socket_dir`) waited for buffers not
@@ -336,6 +368,17 @@ pub enum RestoreError {
          image is intact"
     )]
     NotConfirmed {
+        /// The job.
+        pid: i32,
+        /// Why.
+        why: String,
+    },
+    /// A migration's post-copy failed before the job ran: the restored process was killed.
+    #[error(
+        "process {pid} was restored, but the pieces of its GPU images sent after the transfer \
+         did not all come ({why}); it was killed before it ran"
+    )]
+    PostCopy {
         /// The job.
         pid: i32,
         /// Why.
@@ -658,7 +701,7 @@ fn begin_staging(
         on,
     ) {
         Ok(plan) => match timed(&mut figures.stage_begin, || {
-            Staging::begin(img, plan, &p.possum_exe, &p.prestaged)
+            Staging::begin(img, plan, &p.possum_exe, &p.prestaged, p.post_copy.clone())
         }) {
             Ok(s) => (Some(s), None),
             Err(e) => (None, Some(format!("the keeper could not be asked: {e:#}"))),

@@ -18,13 +18,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Child;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use serde::Serialize;
 
 use crate::image::{Image, Manifest};
-use possum_keeper::{uuid_hex, PeerSource};
+use crate::postcopy::PostCopy;
+use possum_keeper::{uuid_hex, PeerSource, PendingPiece};
 
 /// How long a stage's memory is kept for a process that does not exist yet (CRIU restoring it).
 const HOLD_SECS: u64 = 120;
@@ -70,7 +72,9 @@ pub struct StageReport {
 pub(crate) struct Staging {
     dir: PathBuf,
     started: Option<Child>,
-    thread: JoinHandle<Vec<StageReport>>,
+    thread: Option<JoinHandle<Vec<StageReport>>>,
+    /// The stage requests' reports, once waited for.
+    reports: Option<Vec<StageReport>>,
 }
 
 /// Where to stage: the keeper's directory, and for `--device` the move (the job's GPU's UUID,
@@ -116,6 +120,7 @@ impl Staging {
         plan: Plan,
         exe: &Path,
         prestaged: &[crate::prestage::Prestaged],
+        post_copy: Option<Arc<PostCopy>>,
     ) -> anyhow::Result<Staging> {
         let m = &img.manifest;
         let Plan {
@@ -143,15 +148,41 @@ impl Staging {
                             .as_ref()
                             .ok()
                             .and_then(|s| crate::prestage::base_for(&prestaged, &dir, &image, s));
-                        stage_one(socket, from, base, (pid, device), image)
+                        // Post-copy: the pieces of it still to come, and then each as it comes.
+                        let rel = crate::postcopy::relative(&dir, &image).unwrap_or_default();
+                        let pending = (post_copy.as_ref())
+                            .map(|pc| pc.pending_in(&rel))
+                            .unwrap_or_default();
+                        let rep = stage_one(socket, from, base, pending, (pid, device), image);
+                        if let (Some(pc), Some(id), Some(sock)) =
+                            (&post_copy, rep.stage, &rep.socket)
+                        {
+                            pc.told_by(&rel, sock, id);
+                        }
+                        rep
                     })
                     .collect()
             })?;
         Ok(Staging {
             dir: keeper_dir,
             started,
-            thread,
+            thread: Some(thread),
+            reports: None,
         })
+    }
+
+    /// Waits for the stage requests (the loads go on in the keeper): whether every GPU image
+    /// of the job was staged.
+    pub(crate) fn all_staged(&mut self) -> bool {
+        self.requests().iter().all(|r| r.stage.is_some())
+    }
+
+    /// The stage requests' reports, once they are answered.
+    fn requests(&mut self) -> &mut Vec<StageReport> {
+        if let Some(t) = self.thread.take() {
+            self.reports = Some(t.join().unwrap_or_default());
+        }
+        self.reports.get_or_insert_with(Vec::new)
     }
 
     /// Whether a keeper was started for the staging.
@@ -180,8 +211,8 @@ impl Staging {
 
     /// Waits for the stage requests and ends every stage not in `used` (marked `unused`); the
     /// reports, and the keeper started for the staging.
-    fn end_unused(self, used: &[u64]) -> (Vec<StageReport>, Option<Child>) {
-        let mut reports = self.thread.join().unwrap_or_default();
+    fn end_unused(mut self, used: &[u64]) -> (Vec<StageReport>, Option<Child>) {
+        let mut reports = std::mem::take(self.requests());
         for r in &mut reports {
             let (Some(id), Some(sock)) = (r.stage.filter(|id| !used.contains(id)), &r.socket)
             else {
@@ -271,6 +302,7 @@ fn stage_one(
     socket: Result<PathBuf, String>,
     from: Option<PeerSource>,
     base: Option<u64>,
+    pending: Vec<PendingPiece>,
     (pid, device): (i32, usize),
     image: PathBuf,
 ) -> StageReport {
@@ -278,7 +310,9 @@ fn stage_one(
     let ask = |base| {
         socket.clone().and_then(|s| {
             possum_keeper::Keeper::connect(&s)
-                .and_then(|mut k| k.stage(pid, &image, HOLD_SECS, from.clone(), base))
+                .and_then(|mut k| {
+                    k.stage(pid, &image, HOLD_SECS, from.clone(), base, pending.clone())
+                })
                 .map_err(|e| e.to_string())
         })
     };

@@ -110,7 +110,9 @@
 
 mod copies;
 mod error;
+mod fsio;
 mod handoff;
+mod later;
 mod mac;
 mod pace;
 mod precopy;
@@ -121,6 +123,7 @@ mod streams;
 mod written;
 pub use error::{ReceiveError, SendError, WireError};
 pub use handoff::*;
+pub use later::*;
 pub use mac::{Misfit, TAG_BYTES};
 pub use pace::*;
 pub use precopy::*;

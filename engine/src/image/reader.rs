@@ -295,6 +295,15 @@ impl Image {
         }
     }
 
+    /// Where the chunk of `buffer` at `offset` lies: its data file's path relative to the image
+    /// directory (the file's name, after its parent image's path for a parent's file, as errors
+    /// name it) and the chunk's offset in that file; `None` if there is no such chunk.
+    pub fn chunk_location(&self, buffer: u64, offset: u64) -> Option<(&str, u64)> {
+        let c = self.chunk(buffer, offset)?;
+        let f = self.files.get(c.file as usize)?;
+        Some((f.shown.as_str(), c.file_offset))
+    }
+
     fn chunk(&self, buffer: u64, offset: u64) -> Option<&ChunkMsg> {
         let cs = self.chunks.get(&buffer)?;
         let i = cs.binary_search_by_key(&offset, |c| c.offset).ok()?;

@@ -53,6 +53,7 @@ pub fn restore(a: &RestoreArgs) -> Result<bool> {
             .transpose()?,
         received_unsynced: false,
         prestaged: Vec::new(),
+        post_copy: None,
     };
     let report = possum_sequence::restore(&params, &mut Notes)?;
     if a.json {

@@ -84,6 +84,9 @@ pub enum SendError {
         /// Its reason.
         reason: String,
     },
+    /// Post-copy needs a stream of the session besides the first (which the hand-off uses).
+    #[error("post-copy needs a session of two streams or more (--streams), this one has one")]
+    NoLaterStream,
     /// The receiver answered `Done` with something else than its confirmation.
     #[error("the receiver answered the transfer's end with a {got} frame, not Committed")]
     Unconfirmed {
@@ -285,6 +288,12 @@ pub enum ReceiveError {
     },
     /// A pre-copy's buffer or chunk the image refused (an unknown buffer, out of its range, a
     /// full disk).
+    /// A post-copy chunk that is not one of the pieces left for later, or not its bytes.
+    #[error("post-copy: {why}")]
+    Later {
+        /// What was wrong with it.
+        why: String,
+    },
     #[error("writing a pre-copied buffer into the image")]
     Sink(#[source] ImageError),
 }
@@ -301,4 +310,12 @@ pub enum WireError {
     /// Receiving.
     #[error(transparent)]
     Receive(#[from] ReceiveError),
+}
+
+/// An error of stream `index` (not the first), said as that stream's.
+pub(super) fn on_stream(e: SendError, index: u32) -> SendError {
+    match e {
+        SendError::Frame(source) => SendError::Stream { index, source },
+        e => e,
+    }
 }

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::error::{ReceiveError, WireError};
+pub(super) use super::fsio::{components, open_to_write};
 use super::handoff::{send_abort, unexpected};
+use super::later::{mark_post_copy, LaterPiece, LaterReceiver};
 use super::mac::{pieces_digest, FrameMac, Piece};
 use super::send::{hex, unhex};
 use super::session::{
@@ -55,33 +57,6 @@ pub(super) fn make_writable(dir: &Path) {
             make_writable(&e.path());
         }
     }
-}
-
-/// The components of a path the sender named; refused unless relative and plain.
-pub(super) fn components(path: &str) -> Result<Vec<&str>, ReceiveError> {
-    let refuse = |why| ReceiveError::Path {
-        path: path.to_string(),
-        why,
-    };
-    if path.is_empty() {
-        return Err(refuse("it is empty"));
-    }
-    if path.starts_with('/') {
-        return Err(refuse("it is absolute"));
-    }
-    if path.contains('\0') {
-        return Err(refuse("it holds a NUL"));
-    }
-    let parts: Vec<&str> = path.split('/').collect();
-    for p in &parts {
-        match *p {
-            "" => return Err(refuse("it has an empty component")),
-            "." => return Err(refuse("it has a `.` component")),
-            ".." => return Err(refuse("it has a `..` component")),
-            _ => {}
-        }
-    }
-    Ok(parts)
 }
 
 /// Creates (or finds) the directory `root/parts..`, each component a directory this receive
@@ -248,18 +223,55 @@ pub fn receive_dir_in_session_as<S: Read + Write>(
 /// directory is moved at the `Cut` (files opened before stay good).
 pub fn receive_dir_watching<S: Read + Write>(
     stream: &mut S,
-    mut session: Session,
+    session: Session,
     dest: &Path,
     durability: Durability,
     ahead: &mut dyn FnMut(&Path),
 ) -> Result<(ReceiveReport, Session), WireError> {
+    let (report, session, later) = receive_dir_post_copy(stream, session, dest, durability, ahead)?;
+    // Pieces left for later come now: the directory is whole when this returns.
+    if let Some(later) = later {
+        if let Err(e) = later.receive(dest, &|_| {}) {
+            let _ = fs::remove_dir_all(dest);
+            return Err(e.into());
+        }
+        if durability == Durability::Synced {
+            make_durable(dest).map_err(|source| ReceiveError::Io {
+                what: "syncing",
+                path: dest.to_path_buf(),
+                source,
+            })?;
+        }
+    }
+    Ok((report, session))
+}
+
+/// [`receive_dir_watching`], but a final set that left pieces for later (the sender's
+/// post-copy) is named without them, holding [`super::POST_COPY`]: the [`LaterReceiver`] then
+/// receives them, on the session's other streams, while the first goes on with what follows
+/// the transfer.
+pub fn receive_dir_post_copy<S: Read + Write>(
+    stream: &mut S,
+    mut session: Session,
+    dest: &Path,
+    durability: Durability,
+    ahead: &mut dyn FnMut(&Path),
+) -> Result<(ReceiveReport, Session, Option<LaterReceiver>), WireError> {
     let start = Instant::now();
+    let mut lanes = Vec::new();
     let received = new_dest(dest).and_then(|name| {
-        let lanes = session.lanes()?;
-        receive_into(stream, &mut session, lanes, (name, dest), durability, ahead)
+        lanes = session.lanes()?;
+        receive_into(
+            stream,
+            &mut session,
+            &mut lanes,
+            (name, dest),
+            durability,
+            ahead,
+        )
     });
     match received {
-        Ok(totals) => {
+        Ok((totals, later)) => {
             // The directory is named: the sender not hearing it changes nothing here.
             let _ = write_frame(stream, &mut session, &Frame::Committed(totals));
             let _ = stream.flush();
@@ -267,7 +279,8 @@ pub fn receive_dir_watching<S: Read + Write>(
                 totals,
                 elapsed: start.elapsed(),
             };
-            Ok((report, session))
+            let later = (!later.is_empty()).then(|| LaterReceiver::new(lanes, later));
+            Ok((report, session, later))
         }
         Err(e) => {
             if !consequential(&e) {
@@ -292,11 +305,11 @@ fn consequential(e: &ReceiveError) -> bool {
 pub(super) fn receive_into<S: Read>(
     stream: &mut S,
     session: &mut Session,
-    mut lanes: Vec<RecvLane>,
+    lanes: &mut Vec<RecvLane>,
     (name, dest): (&std::ffi::OsStr, &Path),
     durability: Durability,
     ahead: &mut dyn FnMut(&Path),
-) -> Result<Totals, ReceiveError> {
+) -> Result<(Totals, Vec<LaterPiece>), ReceiveError> {
     let parent = match dest.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -308,7 +321,7 @@ pub(super) fn receive_into<S: Read>(
             Frame::Dir(h) => r.dir(&h)?,
             Frame::File(h) => r.file(h)?,
             Frame::Chunks => {
-                r.chunks(stream, &mut session.recv, &mut lanes)?;
+                r.chunks(stream, &mut session.recv, lanes)?;
                 if r.pre.is_none() {
                     ahead(&r.root);
                 }
@@ -328,7 +341,7 @@ pub(super) fn receive_into<S: Read>(
         return Err(ReceiveError::Totals { sent, got: r.got });
     }
     r.commit(dest)?;
-    Ok(sent)
+    Ok((sent, std::mem::take(&mut r.later)))
 }
 
 /// A temporary sibling `.NAME.receiving-RANDOMsuffix` of the destination `name` in `parent`,
@@ -377,6 +390,8 @@ struct Receiving<'a> {
     part: Vec<Incoming>,
     /// The directories received, with their modes (set at the end).
     dirs: Vec<(PathBuf, u32)>,
+    /// The final set's pieces left for later (post-copy).
+    later: Vec<LaterPiece>,
     /// Where the frames are written: the staging directory.
     root: PathBuf,
     parent: &'a Path,
@@ -400,6 +415,7 @@ impl<'a> Receiving<'a> {
             got: Totals::default(),
             part: Vec::new(),
             dirs: Vec::new(),
+            later: Vec::new(),
             root: staging.path.clone(),
             parent,
             name,
@@ -422,7 +438,7 @@ impl<'a> Receiving<'a> {
             return Err(unexpected("File", "out of its part's order"));
         }
         let aside = self.pre.as_ref().map(|pre| (pre, &self.copies));
-        let incoming = open_file(&self.root, h, aside, &mut self.sent_ahead)?;
+        let incoming = open_file(&self.root, h, aside, &mut self.sent_ahead, &mut self.later)?;
         self.part.push(incoming);
         Ok(())
     }
@@ -493,6 +509,11 @@ impl<'a> Receiving<'a> {
 
     /// Every directory's mode set and synced, the staging directory named `dest`.
     fn commit(&mut self, dest: &Path) -> Result<(), ReceiveError> {
+        if !self.later.is_empty() {
+            self.later
+                .sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
+            mark_post_copy(&self.root, &self.later)?;
+        }
         // Deepest first: a directory's mode may take away what its children's need.
         self.dirs.push((self.root.clone(), 0o700));
         self.dirs
@@ -563,6 +584,7 @@ fn open_file(
     h: FileHeader,
     pre: Option<(&Staging, &AheadChecks)>,
     sent_ahead: &mut HashMap<String, (u64, Vec<Piece>)>,
+    later: &mut Vec<LaterPiece>,
 ) -> Result<Incoming, ReceiveError> {
     let parts = components(&h.path)?;
     let (last, up) = parts.split_last().expect("a path has a component");
@@ -596,22 +618,7 @@ fn open_file(
             if base.size > h.size {
                 return Err(refuse("it is longer than the file"));
             }
-            let places: HashMap<u64, u64> = pieces.iter().map(|p| (p.offset, p.len)).collect();
-            for p in &base.patches {
-                if places.get(&p.offset) != Some(&p.len) {
-                    return Err(refuse("a patch is not a piece of it as it was sent ahead"));
-                }
-                let hash = match (&p.hash, pre) {
-                    (Some(hex), _) => {
-                        Some(unhex(hex).ok_or_else(|| refuse("a patch's hash is not BLAKE3's"))?)
-                    }
-                    (None, Some(_)) => return Err(refuse("a patch after the cut has no hash")),
-                    (None, None) => None,
-                };
-                if patches.insert(p.offset, (p.len, hash)).is_some() {
-                    return Err(refuse("two patches of one piece"));
-                }
-            }
+            patches = base_patches(&h.path, base, &pieces, pre.is_some(), later).map_err(refuse)?;
             // After the cut the base moves into place; ahead of it a later round goes on with
             // the same file, and its pieces.
             let prior = match pre {
@@ -663,6 +670,50 @@ fn open_file(
     })
 }
 
+/// The patches of `base` (of the file `path`, whose pieces as sent ahead are `pieces`), by
+/// offset: their lengths and, after the cut (`cut`), the hashes their bytes must have; those
+/// left for later are added to `later` instead. Refused (why) unless each is one of the
+/// pieces, once, with a hash after the cut, and none is left for later before it.
+#[allow(clippy::type_complexity)]
+fn base_patches(
+    path: &str,
+    base: &super::session::Base,
+    pieces: &[Piece],
+    cut: bool,
+    later: &mut Vec<LaterPiece>,
+) -> Result<HashMap<u64, (u64, Option<[u8; 32]>)>, &'static str> {
+    let places: HashMap<u64, u64> = pieces.iter().map(|p| (p.offset, p.len)).collect();
+    let mut patches = HashMap::new();
+    for p in &base.patches {
+        if places.get(&p.offset) != Some(&p.len) {
+            return Err("a patch is not a piece of it as it was sent ahead");
+        }
+        let hash = match &p.hash {
+            Some(hex) => Some(unhex(hex).ok_or("a patch's hash is not BLAKE3's")?),
+            None if cut => return Err("a patch after the cut has no hash"),
+            None => None,
+        };
+        let left = later.iter().any(|l| l.path == path && l.offset == p.offset);
+        let twice = match (p.later, hash) {
+            (false, hash) => left || patches.insert(p.offset, (p.len, hash)).is_some(),
+            (true, Some(hash)) if cut => {
+                later.push(LaterPiece {
+                    path: path.to_string(),
+                    offset: p.offset,
+                    len: p.len,
+                    hash,
+                });
+                left || patches.contains_key(&p.offset)
+            }
+            (true, _) => return Err("a patch left for later before the cut"),
+        };
+        if twice {
+            return Err("two patches of one piece");
+        }
+    }
+    Ok(patches)
+}
+
 /// A file of a part, complete ([`complete`]).
 struct Completed {
     path: String,
@@ -671,21 +722,6 @@ struct Completed {
     all: Option<Vec<Piece>>,
     /// The pieces this part brought.
     brought: Vec<Piece>,
-}
-
-/// Opens `at` (never through a link) to write its chunks at their offsets with `pwrite` (not
-/// `O_APPEND`, which would ignore them), a new file of mode 0600 if `create` (`O_EXCL`: never a
-/// file twice). The streams write different files at once (a part's pieces are interleaved
-/// across its files): `pwrite`s into one file are taken one at a time, yet a shared mapping
-/// written by every stream was slower still (4.7 against 7.5 GiB/s over 8 streams on the H200
-/// machine, its pages zeroed by the kernel before they are written).
-fn open_to_write(at: &Path, create: bool) -> io::Result<fs::File> {
-    fs::OpenOptions::new()
-        .write(true)
-        .create_new(create)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(at)
 }
 
 /// A file whose part's chunks all came: it must hold exactly its bytes, each once; then its mode

@@ -6,8 +6,9 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::error::{SendError, WireError};
+use super::error::{on_stream, SendError, WireError};
 use super::handoff::send_abort;
+use super::later::{LaterPiece, LaterSender};
 use super::mac::{pieces_digest, FrameMac, Piece};
 use super::session::{
     read_frame, send_frame, sender_handshake_streams, write_frame, Base, Connection, DirHeader,
@@ -226,6 +227,8 @@ pub struct DirSender {
     sent: Arc<AtomicU64>,
     /// Files of the final set sent in parts ([`DirSender::send_in_parts`]).
     in_parts: Vec<(String, u64)>,
+    /// Directories whose files' patches of the final set go after it ([`DirSender::post_copy`]).
+    later_under: Vec<String>,
 }
 
 impl DirSender {
@@ -254,6 +257,7 @@ impl DirSender {
             written: Written::new(),
             sent: Arc::default(),
             in_parts: Vec::new(),
+            later_under: Vec::new(),
         })
     }
 
@@ -265,6 +269,15 @@ impl DirSender {
     /// sent ahead (the same inode, under any name) is sent as that file instead, not in parts.
     pub fn send_in_parts(&mut self, path: impl Into<String>, part_bytes: u64) {
         self.in_parts.push((path.into(), part_bytes));
+    }
+
+    /// Post-copy: the pieces of the files under the directories `dirs` (relative, `/`-separated)
+    /// that changed since they were sent ahead are not sent in the final set: its bases name
+    /// them as `later` patches, and [`DirSender::finish_post_copy`] hands them back, with the
+    /// session's other streams, to be sent once the receiver named the directory
+    /// ([`LaterSender`]). Files not sent ahead, and the bytes after a base, go in the final set.
+    pub fn post_copy(&mut self, dirs: Vec<String>) {
+        self.later_under = dirs;
     }
 
     /// The files' bytes this session sent so far, every part and every stream counted as each
@@ -326,11 +339,23 @@ impl DirSender {
     /// Sends the directory `dir` (the final set) and `Done`; returns once the receiver has named
     /// it, complete, with the session for an exchange after the transfer.
     pub fn finish<S: Read + Write>(
-        mut self,
+        self,
         stream: &mut S,
         dir: &Path,
     ) -> Result<(SendReport, Session), WireError> {
+        self.finish_post_copy(stream, dir)
+            .map(|(report, session, _)| (report, session))
+    }
+
+    /// [`DirSender::finish`], and with [`DirSender::post_copy`], the pieces left for after it
+    /// with the streams to send them on (none when no piece was left).
+    pub fn finish_post_copy<S: Read + Write>(
+        mut self,
+        stream: &mut S,
+        dir: &Path,
+    ) -> Result<(SendReport, Session, Option<LaterSender>), WireError> {
         let start = Instant::now();
+        let mut later = Vec::new();
         let mut hashing = Duration::ZERO;
         let sent = (|| {
             let mut entries = Vec::new();
@@ -348,8 +373,9 @@ impl DirSender {
                     std::mem::take(&mut self.written),
                 );
                 let t = Instant::now();
-                let bases = bases(dir, &entries, ahead, &written);
+                let mut bases = bases(dir, &entries, ahead, &written);
                 hashing = t.elapsed();
+                later = leave_for_later(&mut bases, &self.later_under);
                 Sending::Final(bases)
             } else {
                 Sending::Plain
@@ -363,8 +389,9 @@ impl DirSender {
             Ok(sent)
         })();
         let sent = sent.map_err(|e| self.failed(stream, e))?;
-        // The transfer is over: the other streams end.
-        self.lanes.clear();
+        // The transfer is over: the other streams end, unless pieces go on them after it.
+        let lanes = std::mem::take(&mut self.lanes);
+        let later = (!later.is_empty()).then(|| LaterSender::new(lanes, later));
         let t = Instant::now();
         let totals = confirmation(stream, &mut self.session, &sent.totals)?;
         let report = SendReport {
@@ -374,7 +401,7 @@ impl DirSender {
             hashing,
             committing: t.elapsed(),
         };
-        Ok((report, self.session))
+        Ok((report, self.session, later))
     }
 
     /// The files asked in parts ([`DirSender::send_in_parts`]) that were not sent ahead: one
@@ -537,6 +564,7 @@ struct ToSend {
 fn sends(patches: &[Patch], from: u64, size: u64) -> Vec<ToSend> {
     let mut v: Vec<ToSend> = patches
         .iter()
+        .filter(|p| !p.later)
         .map(|p| ToSend {
             offset: p.offset,
             len: p.len,
@@ -744,14 +772,6 @@ fn interleaved(files: &[Outgoing]) -> Vec<(usize, ToSend)> {
         .collect()
 }
 
-/// An error of stream `index` (not the first), said as that stream's.
-fn on_stream(e: SendError, index: u32) -> SendError {
-    match e {
-        SendError::Frame(source) => SendError::Stream { index, source },
-        e => e,
-    }
-}
-
 /// The pieces of a part, which the streams take one at a time.
 struct Share<'a> {
     files: &'a [Outgoing],
@@ -851,6 +871,36 @@ impl Share<'_> {
     }
 }
 
+/// Marks `later` the patches of the bases of files under `dirs` (post-copy), and lists them.
+fn leave_for_later(
+    bases: &mut HashMap<String, ((u64, u64), Base)>,
+    dirs: &[String],
+) -> Vec<LaterPiece> {
+    let under = |path: &str| {
+        dirs.iter().any(|d| {
+            path.strip_prefix(d.trim_end_matches('/'))
+                .is_some_and(|rest| rest.starts_with('/'))
+        })
+    };
+    let mut later = Vec::new();
+    for (path, (_, base)) in bases.iter_mut().filter(|(path, _)| under(path)) {
+        for p in &mut base.patches {
+            let Some(hash) = p.hash.as_deref().and_then(unhex) else {
+                continue;
+            };
+            p.later = true;
+            later.push(LaterPiece {
+                path: path.clone(),
+                offset: p.offset,
+                len: p.len,
+                hash,
+            });
+        }
+    }
+    later.sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
+    later
+}
+
 /// The files of `entries` (under `dir`) that are, or begin with, a file sent ahead (the same
 /// file: its device and inode; not shorter than it was sent), with the pieces of it that
 /// changed since: each piece sent ahead that may have changed (`written`) hashed again, the
@@ -916,6 +966,7 @@ pub(super) fn bases(
                             offset: p.offset,
                             len: p.len,
                             hash: Some(now.to_hex().to_string()),
+                            later: false,
                         };
                         changed[c]
                             .lock()

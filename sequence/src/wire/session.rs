@@ -479,6 +479,11 @@ pub struct Patch {
     /// Ahead of the cut, none: the file may change while it is sent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash: Option<String>,
+    /// Post-copy ([`super::LaterSender`]): not sent in this part but after the transfer, over
+    /// the session's other streams, once the receiver named the directory (which holds
+    /// [`super::POST_COPY`] until it came). Only after the `Cut`, with a `hash`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub later: bool,
 }
 
 /// The counts of a transfer.

@@ -583,6 +583,7 @@ fn a_patch_not_what_the_sender_hashed_at_the_cut_is_refused() {
         offset,
         len: 4,
         hash,
+        later: false,
     };
     against_ok(
         &dest,
@@ -951,4 +952,120 @@ fn a_file_asked_in_parts_that_was_sent_ahead_goes_as_that_file() {
     assert!(fs::read(dest.join("criu/pages")).unwrap() == want);
     assert!(!dest.join("criu/pages.0").exists());
     assert!(!dest.join("ahead").exists());
+}
+
+/// Post-copy: over three streams, a GPU image's pieces rewritten in place after they were sent
+/// ahead are left out of the final set (its bytes sent while held are the other file's only);
+/// a receiver that does not ask for post-copy receives them itself after `Committed`, and DEST
+/// is the final set, bit-exact, without the post-copy mark.
+#[test]
+fn pieces_left_for_post_copy_come_after_the_final_set_bit_exact() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let (mut main, mut sender, receiver) = streams_sender(9, &dest, 3, |s, _| Box::new(s));
+    sender.send_ahead(&mut main, &src).unwrap();
+    let big = src.join("gpu/gpu-0/data-000.bin");
+    rewrite(&big, 0, b"changed at the start");
+    rewrite(&big, 3 * CHUNK_BYTES as u64 + 5, b"and in the fourth piece");
+    rewrite(&src.join("gpu/small-7"), 0, b"not a GPU image's");
+    sender.post_copy(vec!["gpu/gpu-0".into()]);
+    let sent = sender.sent_counter();
+    let (report, _, later) = sender.finish_post_copy(&mut main, &src).unwrap();
+    let later = later.expect("pieces left for later");
+    let left: Vec<(String, u64)> = (later.pieces().iter())
+        .map(|p| (p.path.clone(), p.offset))
+        .collect();
+    let data = "gpu/gpu-0/data-000.bin".to_string();
+    assert_eq!(left, [(data.clone(), 0), (data, 3 * CHUNK_BYTES as u64)]);
+    assert_eq!(
+        report.sent_bytes, 7000,
+        "while held, only gpu/small-7, whole piece"
+    );
+    // In the order asked: the fourth piece first.
+    let r = later.send(&src, &[1], &sent).unwrap();
+    assert_eq!((r.pieces, r.bytes), (2, 2 * CHUNK_BYTES as u64));
+    receiver.join().unwrap().unwrap();
+    assert_arrived(&src, &dest, &out);
+}
+
+/// Post-copy at a receiver that asks for it: DEST is named before the pieces left came, holding
+/// the mark that lists them (a restore refuses it); each piece that comes is told; once all
+/// came DEST is the final set and the mark is gone. A piece changed at the source after the
+/// cut is refused by its sender.
+#[test]
+fn a_directory_named_before_its_post_copy_holds_its_mark_until_every_piece_came() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let d = dest.clone();
+    let receiver = thread::spawn(move || {
+        let sessions = Sessions::new(TIMEOUT);
+        let (mut s, _) = listener.accept().unwrap();
+        set_timeouts(&s, TIMEOUT).unwrap();
+        let Accepted::Session(session) = accept_handshake(&mut s, &key(3), &sessions).unwrap()
+        else {
+            panic!("the first connection makes the session")
+        };
+        let (l, _) = listener.accept().unwrap();
+        set_timeouts(&l, TIMEOUT).unwrap();
+        let Accepted::Stream(joined) =
+            accept_handshake(&mut { l.try_clone().unwrap() }, &key(3), &sessions).unwrap()
+        else {
+            panic!("the second joins it")
+        };
+        assert!(joined.join(l));
+        let (_, _, later) =
+            receive_dir_post_copy(&mut s, session, &d, Durability::Later, &mut |_| {}).unwrap();
+        let later = later.expect("pieces left");
+        let left = post_copy_left(&d).unwrap().expect("the mark");
+        assert_eq!(left, later.pieces());
+        assert!(crate::image::open_image(&d).is_err());
+        let came = std::sync::Mutex::new(Vec::new());
+        let r = later.receive(&d, &|i| came.lock().unwrap().push(i));
+        (r, came.into_inner().unwrap(), left.len())
+    });
+    let mut main = lane_to(addr).unwrap();
+    let mut sender =
+        DirSender::start_streams(&mut main, &key(3), 2, |_| Ok(Box::new(lane_to(addr)?))).unwrap();
+    sender.send_ahead(&mut main, &src).unwrap();
+    let file = src.join("gpu/gpu-0/data-001.bin");
+    rewrite(&file, 10, b"written after the round");
+    sender.post_copy(vec!["gpu/gpu-0/".into()]);
+    let (_, _, later) = sender.finish_post_copy(&mut main, &src).unwrap();
+    let later = later.unwrap();
+    later
+        .send(&src, &[], &std::sync::atomic::AtomicU64::new(0))
+        .unwrap();
+    let (r, came, n) = receiver.join().unwrap();
+    assert_eq!(r.unwrap().pieces, 1);
+    assert_eq!((came, n), (vec![0], 1));
+    assert!(post_copy_left(&dest).unwrap().is_none());
+    assert_eq!(
+        fs::read(dest.join("gpu/gpu-0/data-001.bin")).unwrap(),
+        fs::read(&file).unwrap()
+    );
+}
+
+/// A piece left for post-copy that changed at the source after the cut is not sent: its
+/// sender refuses it, naming it.
+#[test]
+fn a_post_copy_piece_changed_after_the_cut_is_refused_by_its_sender() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let (mut main, mut sender, _receiver) = streams_sender(5, &dest, 2, |s, _| Box::new(s));
+    sender.send_ahead(&mut main, &src).unwrap();
+    let file = src.join("gpu/gpu-0/data-001.bin");
+    rewrite(&file, 0, b"after the round");
+    sender.post_copy(vec!["gpu/gpu-0".into()]);
+    let (_, _, later) = sender.finish_post_copy(&mut main, &src).unwrap();
+    rewrite(&file, 0, b"after the cut!!");
+    let e = later
+        .unwrap()
+        .send(&src, &[], &std::sync::atomic::AtomicU64::new(0))
+        .unwrap_err();
+    assert!(matches!(e, SendError::Rechanged { offset: 0, .. }), "{e}");
 }

@@ -1,0 +1,274 @@
+//! The bytes a stage waits for: pieces of its image's data files that have not arrived yet
+//! (a migration's post-copy), which buffers each blocks, and which of them a wait needs.
+//!
+//! A buffer is blocked while a piece still pending overlaps a chunk it loads; [`Pending`] keeps
+//! that count per buffer, so that a loader picks only unblocked buffers and an arrival unblocks
+//! them. A wait for a blocked buffer makes its pieces wanted: `stage_demands` hands each out
+//! once, for whoever sends the files to send those first.
+
+use std::collections::HashMap;
+
+use crate::PendingPiece;
+
+/// The bytes of a data file that a buffer's chunk is read from: `[start, end)` of `file`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub(crate) file: String,
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    /// The buffer (its position in the stage).
+    pub(crate) buffer: usize,
+}
+
+/// For each of `pieces`, the buffers whose `spans` it overlaps (each once, in order).
+pub(crate) fn overlaps(spans: Vec<Span>, pieces: &[PendingPiece]) -> Vec<Vec<usize>> {
+    // Per file, the spans by start, and the furthest end of each prefix: the spans before the
+    // first that starts past a piece are walked back only while one of them may reach it.
+    let mut by_file: HashMap<String, Vec<Span>> = HashMap::new();
+    for s in spans.into_iter().filter(|s| s.start < s.end) {
+        by_file.entry(s.file.clone()).or_default().push(s);
+    }
+    let by_file: HashMap<String, (Vec<Span>, Vec<u64>)> = by_file
+        .into_iter()
+        .map(|(f, mut v)| {
+            v.sort_unstable_by_key(|s| (s.start, s.end));
+            let reach = v
+                .iter()
+                .scan(0, |r, s| {
+                    *r = s.end.max(*r);
+                    Some(*r)
+                })
+                .collect();
+            (f, (v, reach))
+        })
+        .collect();
+    pieces
+        .iter()
+        .map(|p| {
+            let (start, end) = (p.offset, p.offset.saturating_add(p.len));
+            let mut hit = Vec::new();
+            if let Some((v, reach)) = by_file.get(&p.file).filter(|_| start < end) {
+                let mut j = v.partition_point(|s| s.start < end);
+                while j > 0 && reach[j - 1] > start {
+                    j -= 1;
+                    if v[j].end > start {
+                        hit.push(v[j].buffer);
+                    }
+                }
+            }
+            hit.sort_unstable();
+            hit.dedup();
+            hit
+        })
+        .collect()
+}
+
+/// A stage's pieces not arrived yet, and the buffers they block.
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    /// The pieces, each once, in the order given.
+    pieces: Vec<PendingPiece>,
+    index: HashMap<PendingPiece, usize>,
+    /// Per piece, whether it has arrived.
+    arrived: Vec<bool>,
+    /// Per piece, whether a wait needed it (it is handed out once, unless it arrives first).
+    asked: Vec<bool>,
+    /// Per piece, the buffers it overlaps.
+    blocks: Vec<Vec<usize>>,
+    /// Per buffer, the pieces it overlaps.
+    blocked_by: Vec<Vec<usize>>,
+    /// Per buffer, how many of those have not arrived.
+    missing: Vec<usize>,
+    /// Per buffer, whether a wait met it blocked.
+    wanted: Vec<bool>,
+    /// Pieces a wait needs, not handed out yet (some may have arrived since).
+    demand: Vec<usize>,
+    /// Pieces not arrived.
+    left: usize,
+}
+
+impl Pending {
+    /// `pieces` pending for a stage of `buffers` buffers, `blocks` saying which buffers each
+    /// overlaps ([`overlaps`]); a piece named twice counts once.
+    pub(crate) fn new(buffers: usize, pieces: &[PendingPiece], blocks: Vec<Vec<usize>>) -> Self {
+        let mut p = Pending {
+            blocked_by: vec![Vec::new(); buffers],
+            missing: vec![0; buffers],
+            wanted: vec![false; buffers],
+            ..Pending::default()
+        };
+        for (piece, bufs) in pieces.iter().zip(blocks) {
+            if p.index.contains_key(piece) {
+                continue;
+            }
+            let k = p.pieces.len();
+            p.index.insert(piece.clone(), k);
+            p.pieces.push(piece.clone());
+            for &b in bufs.iter().filter(|&&b| b < buffers) {
+                p.blocked_by[b].push(k);
+                p.missing[b] += 1;
+            }
+            p.blocks.push(bufs);
+        }
+        p.left = p.pieces.len();
+        p.arrived = vec![false; p.left];
+        p.asked = vec![false; p.left];
+        p
+    }
+
+    /// Whether buffer `i` waits for a piece.
+    pub(crate) fn is_blocked(&self, i: usize) -> bool {
+        self.missing.get(i).is_some_and(|&n| n > 0)
+    }
+
+    /// Pieces not arrived.
+    pub(crate) fn left(&self) -> usize {
+        self.left
+    }
+
+    /// `pieces` arrived (those not pending ignored); whether a buffer was unblocked.
+    pub(crate) fn arrive(&mut self, pieces: &[PendingPiece]) -> bool {
+        let mut unblocked = false;
+        for piece in pieces {
+            let Some(&k) = self.index.get(piece) else {
+                continue;
+            };
+            if std::mem::replace(&mut self.arrived[k], true) {
+                continue;
+            }
+            self.left -= 1;
+            for &b in &self.blocks[k] {
+                if let Some(n) = self.missing.get_mut(b) {
+                    *n -= 1;
+                    unblocked |= *n == 0;
+                }
+            }
+        }
+        unblocked
+    }
+
+    /// A wait for buffer `i`: if it is blocked, its pieces are wanted; whether any became so.
+    pub(crate) fn want(&mut self, i: usize) -> bool {
+        if !self.is_blocked(i) || std::mem::replace(&mut self.wanted[i], true) {
+            return false;
+        }
+        let before = self.demand.len();
+        for &k in &self.blocked_by[i] {
+            if !self.arrived[k] && !std::mem::replace(&mut self.asked[k], true) {
+                self.demand.push(k);
+            }
+        }
+        self.demand.len() > before
+    }
+
+    /// The pieces wanted and not arrived that were not handed out before, handed out now.
+    pub(crate) fn take_demands(&mut self) -> Vec<PendingPiece> {
+        let demand = std::mem::take(&mut self.demand);
+        demand
+            .into_iter()
+            .filter(|&k| !self.arrived[k])
+            .map(|k| self.pieces[k].clone())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(file: &str, offset: u64, len: u64) -> PendingPiece {
+        PendingPiece {
+            file: file.to_string(),
+            offset,
+            len,
+        }
+    }
+
+    fn span(file: &str, start: u64, end: u64, buffer: usize) -> Span {
+        Span {
+            file: file.to_string(),
+            start,
+            end,
+            buffer,
+        }
+    }
+
+    #[test]
+    fn a_piece_blocks_the_buffers_whose_bytes_it_overlaps() {
+        let spans = vec![
+            span("a", 0, 100, 0),
+            span("a", 100, 200, 1),
+            span("a", 200, 300, 0),
+            span("b", 0, 1000, 2),
+            // A long span early in the file reaches past later ones.
+            span("c", 0, 500, 3),
+            span("c", 10, 20, 4),
+            span("c", 600, 700, 5),
+        ];
+        let pieces = [
+            piece("a", 99, 2),      // the end of 0's first, the start of 1's
+            piece("a", 300, 10),    // just past the end
+            piece("a", 150, 100),   // 1, and 0 again
+            piece("b", 999, 1),     // the last byte of 2
+            piece("c", 400, 250),   // 3 and 5, not 4
+            piece("x", 0, 1 << 40), // no such file
+            piece("a", 50, 0),      // no bytes
+            piece("a", u64::MAX - 1, 10),
+        ];
+        assert_eq!(
+            overlaps(spans, &pieces),
+            vec![
+                vec![0, 1],
+                vec![],
+                vec![0, 1],
+                vec![2],
+                vec![3, 5],
+                vec![],
+                vec![],
+                vec![],
+            ]
+        );
+    }
+
+    #[test]
+    fn buffers_unblock_once_every_piece_they_overlap_arrived() {
+        let pieces = [piece("a", 0, 10), piece("a", 10, 10), piece("a", 0, 10)];
+        let mut p = Pending::new(3, &pieces, vec![vec![0, 1], vec![1], vec![0, 1]]);
+        assert_eq!(p.left(), 2, "a piece named twice is one");
+        assert!(p.is_blocked(0) && p.is_blocked(1) && !p.is_blocked(2));
+        assert!(!p.arrive(&[piece("a", 5, 5)]), "never pending: ignored");
+        assert!(p.arrive(&[piece("a", 0, 10)]));
+        assert!(!p.is_blocked(0) && p.is_blocked(1));
+        assert!(!p.arrive(&[piece("a", 0, 10)]), "again: ignored");
+        assert_eq!(p.left(), 1);
+        assert!(p.arrive(&[piece("a", 10, 10)]));
+        assert!(!p.is_blocked(1));
+        assert_eq!(p.left(), 0);
+    }
+
+    #[test]
+    fn a_wait_for_a_blocked_buffer_demands_its_pieces_once() {
+        let pieces = [piece("a", 0, 10), piece("a", 10, 10), piece("b", 0, 10)];
+        let mut p = Pending::new(3, &pieces, vec![vec![0, 1], vec![1], vec![2]]);
+        assert!(p.take_demands().is_empty(), "nothing waited for");
+        assert!(p.want(2));
+        p.arrive(&[piece("b", 0, 10)]);
+        assert!(
+            p.take_demands().is_empty(),
+            "2's piece arrived before it was handed out"
+        );
+        assert!(p.want(0));
+        assert!(!p.want(0), "wanted already");
+        assert_eq!(p.take_demands(), vec![piece("a", 0, 10)]);
+        assert!(p.want(1));
+        assert_eq!(
+            p.take_demands(),
+            vec![piece("a", 10, 10)],
+            "each piece once"
+        );
+        assert!(p.take_demands().is_empty());
+        let mut q = Pending::new(1, &[piece("a", 0, 1)], vec![vec![]]);
+        assert!(!q.want(0), "not blocked: nothing wanted");
+        assert!(q.take_demands().is_empty());
+    }
+}

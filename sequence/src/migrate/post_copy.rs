@@ -1,0 +1,138 @@
+//! A migration's post-copy, at each end (part of [`super`]): the source's send of the pieces
+//! left for it, and what it makes of the destination's answer; the destination's receive of
+//! them, and its end once the job runs there ([`crate::postcopy`] has the rules).
+
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::figures::as_ms;
+use crate::postcopy::{gpu_image_dirs, later_order, PostCopy};
+use crate::wire::{DirSender, LaterReceiver, LaterReport, LaterSender, SendError};
+use crate::Observer;
+
+/// Post-copy: how long the destination waits for the next piece once its job runs before it
+/// kills the job (it cannot run on without its buffers); the source restores its own job only
+/// once that long and [`LEASE_MARGIN`] have passed since its own send of them failed.
+pub const POST_COPY_LEASE: Duration = Duration::from_secs(15);
+/// See [`POST_COPY_LEASE`].
+pub(crate) const LEASE_MARGIN: Duration = Duration::from_secs(5);
+
+/// What a post-copy sent, after the destination had the rest of the image.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PostCopyReport {
+    /// Pieces of the GPU images' files.
+    pub pieces: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// From the destination's `Committed` to the last piece sent.
+    #[serde(rename = "ms", serialize_with = "as_ms")]
+    pub took: Duration,
+}
+
+/// Post-copy at the destination: the pieces left come on a thread of their own into the image
+/// at `dest`, each told to `pc` (and through it to the stages); the thread ends `pc`.
+pub(crate) fn receive_later(
+    later: Option<LaterReceiver>,
+    dest: &Path,
+) -> (Option<Arc<PostCopy>>, Option<Receiving>) {
+    let Some(later) = later else {
+        return (None, None);
+    };
+    let pc = Arc::new(PostCopy::new(later.pieces().to_vec()));
+    let (to, dir) = (pc.clone(), dest.to_path_buf());
+    let thread = std::thread::spawn(move || {
+        let r = later.receive(&dir, &|i| to.arrived(i));
+        let report = r.as_ref().ok().copied();
+        to.ended(r.map(drop).map_err(|e| possum_cuda::error_chain(&e)));
+        report
+    });
+    (Some(pc), Some(thread))
+}
+
+/// A post-copy's receive on its thread: what it received, unless it failed.
+pub(crate) type Receiving = std::thread::JoinHandle<Option<LaterReport>>;
+
+/// Post-copy at the destination once the job runs there as `pid` ([`post_copy_end`]): how long
+/// it waited for the pieces, and what came; `None` without post-copy; why it failed (the job
+/// killed).
+pub(crate) fn after_run(
+    pc: Option<&PostCopy>,
+    receiving: Option<Receiving>,
+    pid: i32,
+    obs: &mut dyn Observer,
+) -> Result<Option<(Duration, PostCopyReport)>, String> {
+    let (Some(pc), Some(receiving)) = (pc, receiving) else {
+        return Ok(None);
+    };
+    let t = Instant::now();
+    post_copy_end(pc, pid, obs)?;
+    let took = t.elapsed();
+    let r = receiving.join().ok().flatten().unwrap_or_default();
+    let report = PostCopyReport {
+        pieces: r.pieces,
+        bytes: r.bytes,
+        took: r.elapsed,
+    };
+    Ok(Some((took, report)))
+}
+
+/// Starts the post-copy's send of `later` from the image at `dir` (whose GPU images are
+/// `gpu_dirs`) on a thread of its own, the pieces in the order the job needs them
+/// ([`later_order`]), `sent` counting their bytes.
+pub(crate) fn start_sending(
+    later: LaterSender,
+    dir: &Path,
+    gpu_dirs: &[String],
+    sent: Arc<AtomicU64>,
+) -> Sending {
+    let order = later_order(dir, gpu_dirs, later.pieces());
+    let (dir, t) = (dir.to_path_buf(), Instant::now());
+    std::thread::spawn(move || {
+        later.send(&dir, &order, &sent).map(|r| PostCopyReport {
+            pieces: r.pieces,
+            bytes: r.bytes,
+            took: t.elapsed(),
+        })
+    })
+}
+
+/// A post-copy's send on its thread.
+pub(crate) type Sending = std::thread::JoinHandle<Result<PostCopyReport, SendError>>;
+
+/// With `on`, the GPU images of the image at `dir` (relative), whose pieces `sender` leaves for
+/// post-copy; none otherwise.
+pub(crate) fn left_for_later(on: bool, dir: &Path, sender: &mut DirSender) -> Vec<String> {
+    let dirs = if on { gpu_image_dirs(dir) } else { Vec::new() };
+    sender.post_copy(dirs.clone());
+    dirs
+}
+
+/// Post-copy, the job running here as `pid`: waits until every piece came, or kills the job
+/// once none came for [`POST_COPY_LEASE`] (it cannot run on without its buffers; the source
+/// restores its own after that) or the receive failed.
+fn post_copy_end(pc: &PostCopy, pid: i32, obs: &mut dyn Observer) -> Result<(), String> {
+    let Err(why) = pc.wait_or_stall(POST_COPY_LEASE) else {
+        return Ok(());
+    };
+    let tree: Vec<i32> = std::iter::once(pid)
+        .chain(crate::tree::descendants(pid))
+        .collect();
+    for &p in tree.iter().rev() {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    // Reaped (CRIU restored it as this process's child): its PID is free for the source's
+    // restore, should that be on this host.
+    let _ = possum_criu::wait_for_exit(pid, Some(Duration::from_secs(10)));
+    obs.note(&format!(
+        "post-copy failed after the job ran here as process {pid} ({why}): it was killed, \
+         without the buffers it needs; the source restores its own"
+    ));
+    Err(why)
+}
