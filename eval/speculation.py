@@ -188,6 +188,7 @@ def one_mode(a, mode, work, log):
                               rounds=[r.get("bytes") for r in rounds], round_ms=[r.get("ms") for r in rounds],
                               bytes=(j or {}).get("bytes"), bytes_before_hold=(j or {}).get("bytes_before_hold"),
                               bytes_while_held=(j or {}).get("bytes_while_held"),
+                              post_copy=(j or {}).get("post_copy"),
                               timings=(j or {}).get("timings"), received_ok=bool(received),
                               received=(received or {}).get("timings"),
                               remote_restore=(received or {}).get("restore"),

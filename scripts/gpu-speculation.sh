@@ -19,6 +19,10 @@
 #       SPEC_BARS picks the jobs ("GIB MIB TAG,..."); SPEC_HUGE=1 puts both ends' images on a
 #       tmpfs mounted with huge=always (2 MiB pages: the first round's copy into it is not
 #       held to the 4 KiB pages' rate).
+#   bash scripts/gpu-speculation.sh postcopy   (~6 min)
+#       Migration alone, without and then with --post-copy, of each of SPEC_BARS (default: the
+#       training job writing 8 GiB of state every step; 8 GiB of weights and 64 MiB of state).
+#       -> $OUT/speculation-postcopy.jsonl
 #   bash scripts/gpu-speculation.sh ahead      (~7 min)
 #       The job's private memory sent ahead with the pre-copy rounds or not
 #       (POSSUM_HOSTMEM_AHEAD), A/B in one run: the frozen job (8 GiB of weights) migrated alone,
@@ -76,6 +80,24 @@ bars)
         cp "$res/speculation-$tag.log" "$out"/
     done
     ;;
+postcopy)
+    # SPEC_BARS: which jobs ("GIB MIB TAG", separated by commas), each migrated alone without
+    # and then with --post-copy.
+    IFS=, read -ra bars <<< "${SPEC_BARS:-0 8192 training-8gib,8 64 frozen-8gib}"
+    for spec in "${bars[@]}"; do
+        read -r gib mib tag <<< "$spec"
+        for how in default post-copy; do
+            flags=(); [ "$how" = post-copy ] && flags=(--migrate-flags=--post-copy)
+            # shellcheck disable=SC2086
+            timeout -k 5 "${SPEC_RUN_S:-110}" python3 eval/speculation.py frozen \
+                --out "$res/$tag-$how" --gib "$gib" --state-mib "$mib" --modes speculative \
+                --migrate-only "${flags[@]}" ${SPEC_FLAGS:-} > "$res/speculation-$tag-$how.log" 2>&1
+            grep "migrate:" "$res/speculation-$tag-$how.log" | cut -c1-400
+            python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), tag=sys.argv[1]))) for l in open(sys.argv[2])]' \
+                "$tag-$how" "$res/$tag-$how/speculation.jsonl" >> "$out/speculation-postcopy.jsonl" 2>/dev/null
+        done
+    done
+    ;;
 ahead)
     one() {  # $1 tag, $2 POSSUM_HOSTMEM_AHEAD, $3 migrate flags
         POSSUM_HOSTMEM_AHEAD=$2 timeout -k 5 "${SPEC_RUN_S:-110}" python3 eval/speculation.py frozen \
@@ -125,7 +147,7 @@ ab)
     cp "$res"/overhead-ab-gpt2*.json "$out"/ 2>/dev/null
     tail -5 "$res/ab.log"
     ;;
-*) echo "usage: gpu-speculation.sh frozen | bars | ahead | trials [N] | ab"; exit 2 ;;
+*) echo "usage: gpu-speculation.sh frozen | bars | postcopy | ahead | trials [N] | ab"; exit 2 ;;
 esac
 (cd /dev/shm && tar czf "$out/speculation-$1.tgz" --exclude='img-*' --exclude='received' \
     --exclude='possum-speculation' possum-speculation-out 2>/dev/null)

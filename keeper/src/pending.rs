@@ -1,9 +1,10 @@
 //! The bytes a stage waits for: pieces of its image's data files that have not arrived yet
 //! (a migration's post-copy), which buffers each blocks, and which of them a wait needs.
 //!
-//! A buffer is blocked while a piece still pending overlaps a chunk it loads; [`Pending`] keeps
-//! that count per buffer, so that a loader picks only unblocked buffers and an arrival unblocks
-//! them. A wait for a blocked buffer makes its pieces wanted: `stage_demands` hands each out
+//! A chunk is blocked while a piece still pending overlaps its bytes, and a buffer while one of
+//! the chunks it loads is; [`Pending`] keeps those counts, so that a loader starts a buffer
+//! once its first chunk to load may be read, reads each chunk once it may, and an arrival
+//! unblocks them. A wait for a blocked buffer makes its pieces wanted: `stage_demands` hands each out
 //! once, for whoever sends the files to send those first.
 
 use std::collections::HashMap;
@@ -18,10 +19,13 @@ pub(crate) struct Span {
     pub(crate) end: u64,
     /// The buffer (its position in the stage).
     pub(crate) buffer: usize,
+    /// The chunk's offset in the buffer.
+    pub(crate) chunk: u64,
 }
 
-/// For each of `pieces`, the buffers whose `spans` it overlaps (each once, in order).
-pub(crate) fn overlaps(spans: Vec<Span>, pieces: &[PendingPiece]) -> Vec<Vec<usize>> {
+/// For each of `pieces`, the chunks (buffer, offset in it) whose `spans` it overlaps (each once,
+/// in order).
+pub(crate) fn overlaps(spans: Vec<Span>, pieces: &[PendingPiece]) -> Vec<Vec<(usize, u64)>> {
     // Per file, the spans by start, and the furthest end of each prefix: the spans before the
     // first that starts past a piece are walked back only while one of them may reach it.
     let mut by_file: HashMap<String, Vec<Span>> = HashMap::new();
@@ -52,7 +56,7 @@ pub(crate) fn overlaps(spans: Vec<Span>, pieces: &[PendingPiece]) -> Vec<Vec<usi
                 while j > 0 && reach[j - 1] > start {
                     j -= 1;
                     if v[j].end > start {
-                        hit.push(v[j].buffer);
+                        hit.push((v[j].buffer, v[j].chunk));
                     }
                 }
             }
@@ -73,8 +77,12 @@ pub(crate) struct Pending {
     arrived: Vec<bool>,
     /// Per piece, whether a wait needed it (it is handed out once, unless it arrives first).
     asked: Vec<bool>,
-    /// Per piece, the buffers it overlaps.
-    blocks: Vec<Vec<usize>>,
+    /// Per piece, the chunks (buffer, offset) it overlaps.
+    blocks: Vec<Vec<(usize, u64)>>,
+    /// Per chunk, how many pieces overlapping it have not arrived (absent: none).
+    chunk_missing: HashMap<(usize, u64), usize>,
+    /// Per buffer, its first chunk to load (none: nothing to load).
+    first: Vec<Option<u64>>,
     /// Per buffer, the pieces it overlaps.
     blocked_by: Vec<Vec<usize>>,
     /// Per buffer, how many of those have not arrived.
@@ -88,27 +96,40 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// `pieces` pending for a stage of `buffers` buffers, `blocks` saying which buffers each
-    /// overlaps ([`overlaps`]); a piece named twice counts once.
-    pub(crate) fn new(buffers: usize, pieces: &[PendingPiece], blocks: Vec<Vec<usize>>) -> Self {
+    /// `pieces` pending for a stage of `buffers` buffers (whose first chunks to load are
+    /// `first`), `blocks` saying which chunks each overlaps ([`overlaps`]); a piece named twice
+    /// counts once.
+    pub(crate) fn new(
+        buffers: usize,
+        pieces: &[PendingPiece],
+        blocks: Vec<Vec<(usize, u64)>>,
+        first: Vec<Option<u64>>,
+    ) -> Self {
         let mut p = Pending {
             blocked_by: vec![Vec::new(); buffers],
             missing: vec![0; buffers],
             wanted: vec![false; buffers],
+            first,
             ..Pending::default()
         };
-        for (piece, bufs) in pieces.iter().zip(blocks) {
+        for (piece, chunks) in pieces.iter().zip(blocks) {
             if p.index.contains_key(piece) {
                 continue;
             }
             let k = p.pieces.len();
             p.index.insert(piece.clone(), k);
             p.pieces.push(piece.clone());
-            for &b in bufs.iter().filter(|&&b| b < buffers) {
+            let chunks: Vec<(usize, u64)> = chunks.into_iter().filter(|c| c.0 < buffers).collect();
+            let mut bufs: Vec<usize> = chunks.iter().map(|c| c.0).collect();
+            bufs.dedup();
+            for b in bufs {
                 p.blocked_by[b].push(k);
                 p.missing[b] += 1;
             }
-            p.blocks.push(bufs);
+            for &c in &chunks {
+                *p.chunk_missing.entry(c).or_default() += 1;
+            }
+            p.blocks.push(chunks);
         }
         p.left = p.pieces.len();
         p.arrived = vec![false; p.left];
@@ -121,12 +142,25 @@ impl Pending {
         self.missing.get(i).is_some_and(|&n| n > 0)
     }
 
+    /// Whether the chunk of buffer `i` at `offset` waits for a piece.
+    pub(crate) fn chunk_blocked(&self, i: usize, offset: u64) -> bool {
+        self.chunk_missing.get(&(i, offset)).is_some_and(|&n| n > 0)
+    }
+
+    /// Whether a loader may start buffer `i`: its first chunk to load waits for no piece.
+    pub(crate) fn startable(&self, i: usize) -> bool {
+        match self.first.get(i).copied().flatten() {
+            Some(offset) => !self.chunk_blocked(i, offset),
+            None => !self.is_blocked(i),
+        }
+    }
+
     /// Pieces not arrived.
     pub(crate) fn left(&self) -> usize {
         self.left
     }
 
-    /// `pieces` arrived (those not pending ignored); whether a buffer was unblocked.
+    /// `pieces` arrived (those not pending ignored); whether a chunk was unblocked.
     pub(crate) fn arrive(&mut self, pieces: &[PendingPiece]) -> bool {
         let mut unblocked = false;
         for piece in pieces {
@@ -137,8 +171,15 @@ impl Pending {
                 continue;
             }
             self.left -= 1;
-            for &b in &self.blocks[k] {
+            let mut bufs: Vec<usize> = self.blocks[k].iter().map(|c| c.0).collect();
+            bufs.dedup();
+            for b in bufs {
                 if let Some(n) = self.missing.get_mut(b) {
+                    *n -= 1;
+                }
+            }
+            for c in &self.blocks[k] {
+                if let Some(n) = self.chunk_missing.get_mut(c) {
                     *n -= 1;
                     unblocked |= *n == 0;
                 }
@@ -190,6 +231,7 @@ mod tests {
             start,
             end,
             buffer,
+            chunk: start,
         }
     }
 
@@ -218,11 +260,11 @@ mod tests {
         assert_eq!(
             overlaps(spans, &pieces),
             vec![
-                vec![0, 1],
+                vec![(0, 0), (1, 100)],
                 vec![],
-                vec![0, 1],
-                vec![2],
-                vec![3, 5],
+                vec![(0, 200), (1, 100)],
+                vec![(2, 0)],
+                vec![(3, 0), (5, 600)],
                 vec![],
                 vec![],
                 vec![],
@@ -233,7 +275,8 @@ mod tests {
     #[test]
     fn buffers_unblock_once_every_piece_they_overlap_arrived() {
         let pieces = [piece("a", 0, 10), piece("a", 10, 10), piece("a", 0, 10)];
-        let mut p = Pending::new(3, &pieces, vec![vec![0, 1], vec![1], vec![0, 1]]);
+        let blocks = vec![vec![(0, 0), (1, 0)], vec![(1, 0)], vec![(0, 0), (1, 0)]];
+        let mut p = Pending::new(3, &pieces, blocks, vec![Some(0); 3]);
         assert_eq!(p.left(), 2, "a piece named twice is one");
         assert!(p.is_blocked(0) && p.is_blocked(1) && !p.is_blocked(2));
         assert!(!p.arrive(&[piece("a", 5, 5)]), "never pending: ignored");
@@ -249,7 +292,8 @@ mod tests {
     #[test]
     fn a_wait_for_a_blocked_buffer_demands_its_pieces_once() {
         let pieces = [piece("a", 0, 10), piece("a", 10, 10), piece("b", 0, 10)];
-        let mut p = Pending::new(3, &pieces, vec![vec![0, 1], vec![1], vec![2]]);
+        let blocks = vec![vec![(0, 0), (1, 0)], vec![(1, 0)], vec![(2, 0)]];
+        let mut p = Pending::new(3, &pieces, blocks, vec![Some(0); 3]);
         assert!(p.take_demands().is_empty(), "nothing waited for");
         assert!(p.want(2));
         p.arrive(&[piece("b", 0, 10)]);
@@ -267,8 +311,24 @@ mod tests {
             "each piece once"
         );
         assert!(p.take_demands().is_empty());
-        let mut q = Pending::new(1, &[piece("a", 0, 1)], vec![vec![]]);
+        let mut q = Pending::new(1, &[piece("a", 0, 1)], vec![vec![]], vec![Some(0)]);
         assert!(!q.want(0), "not blocked: nothing wanted");
         assert!(q.take_demands().is_empty());
+    }
+
+    #[test]
+    fn a_buffer_starts_once_its_first_chunk_may_be_read_and_each_chunk_waits_for_its_own() {
+        let pieces = [piece("a", 0, 8), piece("a", 8, 8)];
+        let blocks = vec![vec![(0, 0)], vec![(0, 8)]];
+        let mut p = Pending::new(2, &pieces, blocks, vec![Some(0), None]);
+        assert!(!p.startable(0) && p.startable(1));
+        assert!(p.arrive(&[piece("a", 0, 8)]));
+        assert!(p.startable(0) && !p.chunk_blocked(0, 0));
+        assert!(
+            p.chunk_blocked(0, 8) && p.is_blocked(0),
+            "its second chunk still waits"
+        );
+        assert!(p.arrive(&[piece("a", 8, 8)]));
+        assert!(!p.chunk_blocked(0, 8) && !p.is_blocked(0));
     }
 }

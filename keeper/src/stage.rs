@@ -19,9 +19,10 @@
 //!
 //! A stage may start before all of its image's bytes are there (a migration's post-copy): its
 //! `pending` pieces name byte ranges of the data files still to come ([`crate::pending`]). A
-//! buffer with a chunk to load that overlaps one is blocked: no loader picks it, and the loaders
-//! wait for it rather than exit, until `stage_arrived` says every piece it overlaps is in its
-//! file. A `stage_wait` for a blocked buffer makes the pieces it needs wanted, and
+//! chunk to load that overlaps one is blocked until `stage_arrived` says every piece it overlaps
+//! is in its file: a loader starts a buffer once its first chunk to load is not blocked, and
+//! reads each later chunk once it is not (the bytes are loaded as they come, not once the whole
+//! buffer came); while the buffers left are blocked, the loaders wait rather than exit. A `stage_wait` for a blocked buffer makes the pieces it needs wanted, and
 //! `stage_demands` (a long poll, for whoever sends the files) hands each of them out once.
 //!
 //! A buffer that fails to load (a checksum mismatch, a read error, its memory freed) is reported
@@ -203,7 +204,7 @@ impl Progress {
             let i = self.urgent[k];
             if self.status[i] != Status::Waiting {
                 self.urgent.remove(k);
-            } else if !self.pending.is_blocked(i) {
+            } else if self.pending.startable(i) {
                 self.urgent.remove(k);
                 return Choice::Load(i);
             } else {
@@ -216,7 +217,7 @@ impl Progress {
         let mut blocked = false;
         for i in self.next..self.status.len() {
             if self.status[i] == Status::Waiting {
-                if !self.pending.is_blocked(i) {
+                if self.pending.startable(i) {
                     return Choice::Load(i);
                 }
                 blocked = true;
@@ -341,17 +342,20 @@ impl Stage {
             return self;
         }
         let mut spans = Vec::new();
+        let mut first = vec![None; self.buffers.len()];
         for (i, b) in self.buffers.iter().enumerate() {
             for (off, len) in image.chunks(b.buf) {
                 if self.skip[i].contains(&off) {
                     continue;
                 }
+                first[i] = first[i].or(Some(off));
                 if let Some((file, at)) = image.chunk_location(b.buf, off) {
                     spans.push(Span {
                         file: file.to_string(),
                         start: at,
                         end: at.saturating_add(len),
                         buffer: i,
+                        chunk: off,
                     });
                 }
             }
@@ -359,11 +363,11 @@ impl Stage {
         let blocks = pending::overlaps(spans, pieces);
         let n = self.buffers.len();
         let p = self.progress.get_mut().unwrap_or_else(|e| e.into_inner());
-        p.pending = Pending::new(n, pieces, blocks);
+        p.pending = Pending::new(n, pieces, blocks, first);
         self
     }
 
-    /// `pieces` are in the image's files now: the buffers they blocked, and no other piece
+    /// `pieces` are in the image's files now: the chunks they blocked, and no other piece
     /// blocks, may load. How many pieces are still pending.
     pub(crate) fn arrived(&self, pieces: &[PendingPiece]) -> u64 {
         let mut p = self.lock();
@@ -373,6 +377,21 @@ impl Stage {
         // Loaders wait for what it unblocked; a long poll answers once nothing is pending.
         self.cv.notify_all();
         left
+    }
+
+    /// Waits until the chunk of buffer `i` at `offset` waits for no piece (at once if none
+    /// was pending for it); an error once the stage is ended.
+    fn wait_chunk(&self, i: usize, offset: u64) -> Result<(), ChunkError> {
+        let mut p = self.lock();
+        loop {
+            if p.ended {
+                return Err(ChunkError::Ended);
+            }
+            if !p.pending.chunk_blocked(i, offset) {
+                return Ok(());
+            }
+            p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     /// The pending pieces a wait for a blocked buffer needs, not handed out before: waits up to
@@ -717,33 +736,82 @@ fn send_chunks(
     inflight: &mut VecDeque<CudaPending>,
 ) -> Result<(), ChunkError> {
     let b = &stage.buffers[i];
-    for (off, len) in image.chunks(b.buf) {
-        if stage.skip[i].contains(&off) {
-            continue;
-        }
+    let todo: Vec<(u64, u64)> = (image.chunks(b.buf).into_iter())
+        .filter(|(off, _)| !stage.skip[i].contains(off))
+        .collect();
+    // A large buffer's chunks are read READERS at a time (one thread reads a page-cache file
+    // at a few GB/s, the copies go at tens), each batch's copies in flight while the next is
+    // read; a small one's one at a time.
+    let batch = if todo.len() >= 2 * READERS {
+        READERS
+    } else {
+        1
+    };
+    for group in todo.chunks(batch) {
         if stage.ended() {
             return Err(ChunkError::Ended);
         }
-        let n = usize::try_from(len).map_err(|_| ChunkError::TooLarge(off))?;
-        let mut buf = next_buf(dev, free, inflight, n)?;
-        if let Err(e) = image.read_chunk(b.buf, off, &mut buf.as_mut_slice()[..n]) {
-            free.push(buf);
-            return Err(e.into());
+        let mut bufs = Vec::with_capacity(group.len());
+        for &(off, len) in group {
+            let n = usize::try_from(len).map_err(|_| ChunkError::TooLarge(off))?;
+            bufs.push((next_buf(dev, free, inflight, n, DEPTH.max(2 * batch))?, n));
         }
-        inflight.push_back(stream.copy_h2d(buf, va + off, n)?);
+        let read = read_group(stage, i, image, group, &mut bufs);
+        if let Err(e) = read {
+            free.extend(bufs.into_iter().map(|(b, _)| b));
+            return Err(e);
+        }
+        for ((buf, n), &(off, _)) in bufs.into_iter().zip(group) {
+            inflight.push_back(stream.copy_h2d(buf, va + off, n)?);
+        }
     }
     Ok(())
 }
 
-/// A pinned buffer of at least `n` bytes: the oldest copy's once `DEPTH` are in flight, else a
+/// Chunks of one buffer read at once, by so many threads.
+const READERS: usize = 4;
+
+/// Reads the chunks `group` of buffer `i` of `stage` into `bufs` (one each, its first `n`
+/// bytes), each once its bytes are in the image's file (post-copy), one thread each.
+fn read_group(
+    stage: &Stage,
+    i: usize,
+    image: &Image,
+    group: &[(u64, u64)],
+    bufs: &mut [(PinnedBuf, usize)],
+) -> Result<(), ChunkError> {
+    let buf_id = stage.buffers[i].buf;
+    let read_one = |off: u64, dst: &mut [u8]| -> Result<(), ChunkError> {
+        // Post-copy: its bytes may still be on their way.
+        stage.wait_chunk(i, off)?;
+        image.read_chunk(buf_id, off, dst).map_err(ChunkError::from)
+    };
+    if let ([(off, _)], [(buf, n)]) = (group, &mut *bufs) {
+        return read_one(*off, &mut buf.as_mut_slice()[..*n]);
+    }
+    std::thread::scope(|scope| {
+        let reads: Vec<_> = (group.iter().zip(bufs.iter_mut()))
+            .map(|(&(off, _), (buf, n))| {
+                let read_one = &read_one;
+                scope.spawn(move || read_one(off, &mut buf.as_mut_slice()[..*n]))
+            })
+            .collect();
+        reads
+            .into_iter()
+            .try_for_each(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
+}
+
+/// A pinned buffer of at least `n` bytes: the oldest copy's once `depth` are in flight, else a
 /// free one, else a new one.
 fn next_buf(
     dev: &ShareDevice,
     free: &mut Vec<PinnedBuf>,
     inflight: &mut VecDeque<CudaPending>,
     n: usize,
+    depth: usize,
 ) -> Result<PinnedBuf, DeviceError> {
-    let buf = if inflight.len() >= DEPTH {
+    let buf = if inflight.len() >= depth {
         let oldest = inflight.pop_front().expect("DEPTH > 0 copies in flight");
         oldest.wait()?
     } else if let Some(b) = free.pop() {

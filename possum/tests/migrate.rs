@@ -905,6 +905,12 @@ impl Relay {
             .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
+    /// The source's bytes go on again on every connection.
+    fn resume_streams(&self) {
+        self.stalled
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Every connection shut, both ways.
     fn cut(&self) {
         for c in self.conns.lock().unwrap().iter() {
@@ -1079,6 +1085,119 @@ fn a_job_migrated_with_post_copy_runs_on_at_the_destination_bit_exact() {
     ));
 }
 
+/// Post-copy, the job running at the destination before its pieces came (the streams that
+/// carry them stall a while): its next step waits for the buffers it touches, the destination
+/// asks the source for their pieces (`Demand`), which go first once the streams flow again; the
+/// job goes on bit-exact.
+#[test]
+fn a_job_waiting_for_post_copy_pieces_has_them_asked_for_and_goes_on_bit_exact() {
+    let Some((tmp, want, mut job, receiver, relay, migrate, _keeper)) =
+        post_copy_setup("migrate_post_copy_demand")
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let t = Instant::now();
+    while alive(job.pid) {
+        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    relay.stall_streams();
+    while !alive(job.pid) {
+        assert!(
+            t.elapsed() < WAIT,
+            "the job was not restored at the destination"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Its next step waits for its buffers, whose pieces are asked for meanwhile.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stepping = std::thread::spawn(move || {
+        job.run("step 3", "done 9");
+        let _ = tx.send(());
+        job
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(2)).is_err(),
+        "the step ran before its buffers' pieces came"
+    );
+    relay.resume_streams();
+    let mut job = stepping.join().unwrap();
+    let out = migrate.wait_with_output().unwrap();
+    let (v, r) = migrated(&out, receiver, &job);
+    assert!(v["post_copy"]["demanded"].as_u64().unwrap() > 0, "{v}");
+    assert!(r["post_copy"]["demanded"].as_u64().unwrap() > 0, "{r}");
+    let got = finish_from_9(&mut job, dir, "job");
+    assert!(
+        got == want,
+        "migrated, its pieces asked for: the buffers differ"
+    );
+}
+
+/// Post-copy, the receiver killed while the job runs at the destination without its pieces:
+/// the job there is killed with it (no process is left that could bring its buffers). The
+/// source restores its own once the destination's lease has passed if its send failed; if its
+/// send ended (the network took every piece), it cannot know whether they all came, and keeps
+/// its image unrestored, saying so. Either way the job goes on bit-exact at the source.
+#[test]
+fn a_receiver_killed_during_post_copy_takes_the_job_there_with_it() {
+    let Some((tmp, want, mut job, receiver, relay, migrate, _keeper)) =
+        post_copy_setup("migrate_post_copy_receiver_killed")
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let t = Instant::now();
+    while alive(job.pid) {
+        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    relay.stall_streams();
+    while !alive(job.pid) {
+        assert!(
+            t.elapsed() < WAIT,
+            "the job was not restored at the destination"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let pid = job.pid;
+    let reaper = std::thread::spawn(move || {
+        let t = Instant::now();
+        while possum_criu::wait_for_exit(pid, Some(WAIT)).is_err() {
+            if t.elapsed() > WAIT {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
+    });
+    // Let it run there (the hand-off is not on the stalled streams), then the receiver goes.
+    std::thread::sleep(Duration::from_secs(3));
+    receiver.kill();
+    assert!(
+        reaper.join().unwrap(),
+        "the job at the destination outlived its receiver"
+    );
+    let out = migrate.wait_with_output().unwrap();
+    let t = text(&out);
+    if t.contains("went silent during the post-copy") {
+        // Its pieces were all sent (the network took them), no word came: the source cannot
+        // know whether they all came there, and keeps its image unrestored.
+        assert_eq!(out.status.code(), Some(2), "{t}");
+        assert!(t.contains("not restored here"), "{t}");
+        assert!(!alive(job.pid), "the source brought its job back");
+        run_ok(possum(dir).args(["restore", "-D"]).arg(dir.join("local")));
+    } else {
+        // Its send failed: restored at the source once the lease passed.
+        failed_at(&out, "post-copy");
+    }
+    let got = finish_from_6(&mut job, dir, "job");
+    assert!(
+        got == want,
+        "brought back after its receiver died: the buffers differ"
+    );
+}
+
 /// Post-copy, the network failing once the job was killed at the source (the streams that
 /// carry the pieces stall): the destination restores the job and lets it run, waits for its
 /// pieces, kills it once none came for the lease and says why; the source restores its own, and
@@ -1139,6 +1258,11 @@ fn a_post_copy_stalled_after_the_job_ran_there_has_it_restored_at_the_source() {
 /// 12, a dump, its end.
 fn finish_from_6(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
     job.run("step 3", "done 9");
+    finish_from_9(job, dir, tag)
+}
+
+/// [`finish_from_6`] of a job at step 9.
+fn finish_from_9(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
     job.run("malloc", "malloced");
     let mid = job.dump(&dir.join(format!("{tag}-mid.bin")));
     job.run("step 3", "done 12");

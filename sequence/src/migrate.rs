@@ -71,8 +71,8 @@ use crate::prestage::{self, Prestaged, Prestages};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
     self, accept_handshake, await_outcome, await_released, receive_dir_post_copy, send_abort,
-    send_outcome, send_released, Accepted, Connection, DirSender, Durability, FrameError,
-    HandoffError, Outcome, Paced, Pacer, Sessions, Totals, WireError, Written,
+    send_demand, send_outcome, send_released, Accepted, Connection, DirSender, Durability,
+    FrameError, HandoffError, Outcome, Paced, Pacer, Sessions, Totals, WireError, Written,
 };
 use crate::{MigrateStep, Observer};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
@@ -234,6 +234,15 @@ pub enum JobAt {
         /// The job's socket directory, for its restore, when it is not possum's by default.
         socket_dir: Option<PathBuf>,
     },
+    /// Post-copy: the destination went silent once it ran the job, its pieces all sent: it
+    /// runs there if they all came (otherwise the destination killed it). The source's image is
+    /// kept, not restored.
+    PostCopyUnknown {
+        /// The local image.
+        image: PathBuf,
+        /// The job's socket directory, for its restore, when it is not possum's by default.
+        socket_dir: Option<PathBuf>,
+    },
     /// Neither end runs it: its image is kept at the source.
     Lost {
         /// The local image.
@@ -286,6 +295,14 @@ impl std::fmt::Display for JobAt {
                  there if that reached it (otherwise the destination killed its copy before it \
                  ran); it is not restored here, to never run twice: its image is kept, and `{}` \
                  restores it once the destination is known not to run it",
+                restore_command(image, socket_dir.as_deref())
+            ),
+            JobAt::PostCopyUnknown { image, socket_dir } => write!(
+                f,
+                "the job runs at the destination if every piece of its post-copy came there \
+                 (otherwise the destination killed it); it is not restored here, to never run \
+                 twice: its image is kept, and `{}` restores it once the destination is known \
+                 not to run it",
                 restore_command(image, socket_dir.as_deref())
             ),
             JobAt::Lost {
@@ -358,6 +375,14 @@ pub enum MigrateError {
         #[source]
         source: Box<wire::SendError>,
     },
+    /// The destination went silent once the job ran there, its post-copy sent.
+    #[error("migration failed: the destination went silent during the post-copy ({why}); {job}")]
+    PostCopySilent {
+        /// What became of the job.
+        job: JobAt,
+        /// What was heard, or not.
+        why: String,
+    },
     /// Post-copy was asked of a session of one stream.
     #[error(
         "--post-copy needs two streams or more (--streams {streams} was given); nothing was done"
@@ -386,6 +411,7 @@ impl MigrateError {
             | MigrateError::Kill { job, .. }
             | MigrateError::Handoff { job, .. }
             | MigrateError::PostCopy { job, .. }
+            | MigrateError::PostCopySilent { job, .. }
             | MigrateError::RemoteRestore { job, .. } => job.clone(),
         }
     }
@@ -702,7 +728,13 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     timings.send_hashing = sent.hashing;
     timings.send_committing = sent.committing;
     // Post-copy: what was left goes now, on the other streams, while the hand-off goes on.
-    let later = later.map(|l| post_copy::start_sending(l, &local, &gpu_dirs, sent_counter));
+    let (later, urgent) = match later {
+        Some(l) => {
+            let (sending, urgent) = post_copy::start_sending(l, &local, &gpu_dirs, sent_counter);
+            (Some(sending), Some(urgent))
+        }
+        None => (None, None),
+    };
 
     let t = Instant::now();
     let pids = job_pids(p.checkpoint.pid);
@@ -724,7 +756,12 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
 
     // The local image goes only once the destination's is on its disk.
     let t = Instant::now();
-    let synced = await_synced(&mut stream, &mut session, p.deadlines.restore);
+    let synced = await_synced(
+        &mut stream,
+        &mut session,
+        p.deadlines.restore,
+        urgent.as_deref(),
+    );
     timings.synced_there = t.elapsed();
     let post_copy = match later {
         None => None,
@@ -759,7 +796,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
 /// killed its copy: the job is restored here. A send that failed here leaves the destination
 /// without its pieces, which kills its copy once it waited [`POST_COPY_LEASE`]: past that, the
 /// job is restored here. Otherwise (the send ended, the destination silent) the job's place is
-/// `await_synced`'s to say.
+/// unknown: the local image is kept, and that is the error.
 fn post_copy_sent(
     sending: post_copy::Sending,
     synced: &Result<Option<Duration>, Unsynced>,
@@ -780,27 +817,40 @@ fn post_copy_sent(
             source: Box::new(source),
         });
     }
-    if synced.is_ok() || sending.is_finished() {
-        let source = match sending.join() {
-            Ok(Ok(r)) => return Ok(Some(r)),
-            Ok(Err(e)) => e,
-            Err(_) => wire::SendError::NoLaterStream,
-        };
-        let wait = POST_COPY_LEASE + post_copy::LEASE_MARGIN;
-        obs.note(&format!(
-            "the post-copy failed after the job ran at the destination ({}); the destination \
-             kills its copy without its buffers: restoring the job here in {} s",
-            possum_cuda::error_chain(&source),
-            wait.as_secs()
-        ));
-        std::thread::sleep(wait);
-        let job = here.restore(obs);
-        return Err(MigrateError::PostCopy {
-            job,
-            source: Box::new(source),
-        });
+    // (Its streams' writes are bounded by their timeouts.)
+    let sent = sending.join();
+    if synced.is_ok() {
+        // The destination has every piece: whatever this end's send said after, it runs there.
+        return Ok(sent.ok().and_then(Result::ok));
     }
-    Ok(None)
+    let source = match sent {
+        Ok(Ok(_)) => {
+            let why = match synced {
+                Err(why) => why.to_string(),
+                Ok(_) => String::new(),
+            };
+            let job = JobAt::PostCopyUnknown {
+                image: here.c.dir.clone(),
+                socket_dir: restore_socket_dir(here.c),
+            };
+            return Err(MigrateError::PostCopySilent { job, why });
+        }
+        Ok(Err(e)) => e,
+        Err(_) => wire::SendError::NoLaterStream,
+    };
+    let wait = POST_COPY_LEASE + post_copy::LEASE_MARGIN;
+    obs.note(&format!(
+        "the post-copy failed after the job ran at the destination ({}); the destination \
+             kills its copy without its buffers: restoring the job here in {} s",
+        possum_cuda::error_chain(&source),
+        wait.as_secs()
+    ));
+    std::thread::sleep(wait);
+    let job = here.restore(obs);
+    Err(MigrateError::PostCopy {
+        job,
+        source: Box::new(source),
+    })
 }
 
 /// The local image `dir` once the job runs at the destination: removed if the destination said
@@ -981,16 +1031,25 @@ fn hand_off(
 
 /// Waits at most `deadline` for the destination's `Outcome` `Synced`: the image it restored the
 /// job from is on its disk. With it, the job's wait after it ran there, as the job counted it;
-/// why not, in words.
+/// why not, in words. Meanwhile each post-copy piece the destination asks for (`Demand`) is
+/// asked of `urgent`: it goes next.
 fn await_synced(
     stream: &mut TcpStream,
     session: &mut wire::Session,
     deadline: Duration,
+    urgent: Option<&wire::Urgent>,
 ) -> Result<Option<Duration>, Unsynced> {
     stream
         .set_read_timeout(Some(deadline))
         .map_err(|e| Unsynced::Silent(e.to_string()))?;
-    match await_outcome(stream, session) {
+    // Post-copy: the pieces the destination's job waits for go next.
+    let mut ask = |piece: u64| {
+        if let (Some(u), Ok(piece)) = (urgent, usize::try_from(piece)) {
+            u.ask(piece);
+        }
+    };
+    let demands: Option<&mut dyn FnMut(u64)> = urgent.is_some().then_some(&mut ask);
+    match wire::await_outcome_or_demands(stream, session, demands) {
         Ok(Outcome::Synced { waited, .. }) => Ok(waited),
         Ok(other) => Err(Unsynced::Silent(format!("it answered {other:?}"))),
         Err(HandoffError::Aborted { reason }) => Err(Unsynced::Refused(reason)),
@@ -1411,7 +1470,9 @@ pub fn receive_in_session(
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
-            let post_copied = match post_copy::after_run(post_copy.as_deref(), later, r.pid, obs) {
+            let mut demand = |piece| send_demand(stream, &mut session, piece).is_ok();
+            let ran = post_copy::after_run(post_copy.as_deref(), later, r.pid, &mut demand, obs);
+            let post_copied = match ran {
                 Ok(done) => done,
                 Err(why) => {
                     let reason = format!("post-copy failed: {why}; the job was killed here");

@@ -2,8 +2,8 @@
 //! that it wrote after the last pre-copy round have come.
 //!
 //! At the source, the final set's changed pieces of the GPU images are left for later
-//! ([`wire::DirSender::post_copy`]) and sent once the destination named the image, in the order
-//! the job needs its buffers ([`later_order`]: the prefetch rank of the first buffer each piece
+//! ([`crate::wire::DirSender::post_copy`]) and sent once the destination named the image, in the order
+//! the job needs its buffers (`later_order`: the prefetch rank of the first buffer each piece
 //! holds a chunk of), while the hand-off goes on. At the destination, [`PostCopy`] keeps which
 //! have come: the restore's stage of each GPU image is told which pieces are still to come
 //! (the keeper loads a buffer only once the pieces its chunks lie in came) and then each piece
@@ -82,6 +82,13 @@ pub struct PostCopy {
     pieces: Vec<LaterPiece>,
     state: Mutex<State>,
     cv: Condvar,
+}
+
+/// What [`PostCopy::wait_watching`] saw of the pieces coming.
+#[derive(Debug, Default)]
+pub struct Watch {
+    came: usize,
+    since: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -189,33 +196,54 @@ impl PostCopy {
         }
     }
 
-    /// [`PostCopy::wait`], but once no piece came for `lease` (none since the last, or since
-    /// this wait began), the receive is taken as failed: that is the answer.
-    pub fn wait_or_stall(&self, lease: Duration) -> Result<(), String> {
+    /// [`PostCopy::wait`] for at most `slice`: `None` if the receive has not ended by then.
+    /// Once no piece came for `lease` (as `watch` saw them come, from its first call), the
+    /// receive is taken as failed: that is the answer.
+    pub fn wait_watching(
+        &self,
+        lease: Duration,
+        slice: Duration,
+        watch: &mut Watch,
+    ) -> Option<Result<(), String>> {
+        let end = Instant::now() + slice;
         let mut s = self.lock();
-        let mut came = s.arrived.iter().filter(|c| **c).count();
-        let mut since = Instant::now();
         loop {
             if let Some(r) = &s.end {
-                return r.clone();
+                return Some(r.clone());
             }
-            let now = s.arrived.iter().filter(|c| **c).count();
-            if now != came {
-                (came, since) = (now, Instant::now());
+            let came = s.arrived.iter().filter(|c| **c).count();
+            if watch.since.is_none() || came != watch.came {
+                (watch.came, watch.since) = (came, Some(Instant::now()));
             }
-            let left = lease.saturating_sub(since.elapsed());
-            if left.is_zero() {
+            let since = watch.since.unwrap_or_else(Instant::now);
+            if since.elapsed() >= lease {
                 let why = format!("no piece came for {} s", lease.as_secs());
                 s.end = Some(Err(why.clone()));
                 self.cv.notify_all();
-                return Err(why);
+                return Some(Err(why));
             }
-            s = (self
-                .cv
-                .wait_timeout(s, left.min(Duration::from_millis(500))))
-            .unwrap_or_else(PoisonError::into_inner)
-            .0;
+            let now = Instant::now();
+            if now >= end {
+                return None;
+            }
+            let left = (end - now).min(lease.saturating_sub(since.elapsed()));
+            s = (self.cv.wait_timeout(s, left))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
+    }
+
+    /// The stages told of the pieces: each GPU image's directory, keeper socket and stage.
+    pub(crate) fn stages(&self) -> Vec<(String, PathBuf, u64)> {
+        (self.lock().stages.iter())
+            .map(|t| (t.image.clone(), t.socket.clone(), t.stage))
+            .collect()
+    }
+
+    /// The number of the piece the stage of the GPU image in `image` names `p`, if one is.
+    pub(crate) fn index_of(&self, image: &str, p: &PendingPiece) -> Option<usize> {
+        let path = format!("{image}/{}", p.file);
+        (self.pieces.iter()).position(|l| l.path == path && l.offset == p.offset && l.len == p.len)
     }
 
     /// Why the receive of the pieces failed, if it did.
@@ -285,7 +313,16 @@ mod tests {
         assert_eq!(left.len(), 1);
         assert_eq!(left[0].offset, 0);
         assert!(pc.failed().is_none());
+        let mut w = Watch::default();
+        let slice = Duration::from_millis(1);
+        assert_eq!(
+            pc.wait_watching(Duration::from_secs(60), slice, &mut w),
+            None
+        );
+        let (i, p) = (pc.index_of("g/gpu-0", &left[0]), &pc.pieces()[0]);
+        assert_eq!((i, p.offset), (Some(0), 0));
         pc.ended(Err("cut".into()));
         assert_eq!(pc.wait(), Err("cut".to_string()));
+        assert!(pc.wait_watching(Duration::ZERO, slice, &mut w).is_some());
     }
 }

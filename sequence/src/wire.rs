@@ -17,10 +17,12 @@
 //!   then on every stream at once: Chunk.. (file, offset, bytes), EndPart ──▶  pwritten in place
 //!   (parts ahead of the final set, then) Cut; the final set's part; Done ──▶
 //!                  ◀── Committed (DEST named) or Abort (why not)
+//!   (post-copy) on every stream but the first: Chunk.. (the pieces left), EndPart ──▶
 //!   (a migration) Released: the source's job is gone ──▶
 //!                  ◀── Outcome: restored and held at the destination, or why not
 //!   Released again: go ──▶
 //!                  ◀── Outcome: running at the destination, or why not
+//!                  ◀── (post-copy) Demand.., then Outcome: synced, or Abort
 //! ```
 //!
 //! **Handshake** (step [`HandshakeError`]): both ends hold the same secret ([`HmacKey`], a file of
@@ -82,6 +84,10 @@
 //!   2 restored but held until the source says go, 3 after 1: the image it was restored from is
 //!   synced to disk), the restored `pid: i32` (LE), then why the restore failed, as UTF-8 text
 //!   (empty otherwise).
+//! - `Demand` (post-copy, from the destination once the job runs there, before its last
+//!   `Outcome`): `piece: u64` (LE), the number of a piece left for later (its place in the final
+//!   set's list of them, by path and offset): send it next ([`later`] draws post-copy; a patch
+//!   marked `"later"` in the final set is one of them, its bytes not in the part).
 //! - `Buffer` and `BufferChunk` (a pre-copy's, on one stream, in place of the parts:
 //!   [`PrecopySender`], [`receive_precopy`]): an engine buffer declared, `id`, `va`, `size` (`u64`
 //!   LE) and its prefetch rank (`u32` LE); and bytes of a declared buffer, its `id` and the offset

@@ -81,15 +81,48 @@ pub fn await_outcome<S: Read>(
     stream: &mut S,
     session: &mut Session,
 ) -> Result<Outcome, HandoffError> {
+    await_outcome_or_demands(stream, session, None)
+}
+
+/// [`await_outcome`], and meanwhile, with `demands`, each `Demand` that comes told to it (a
+/// post-copy's destination asks for the pieces its job waits for); without, a `Demand` is not
+/// due.
+pub fn await_outcome_or_demands<S: Read>(
+    stream: &mut S,
+    session: &mut Session,
+    mut demands: Option<&mut dyn FnMut(u64)>,
+) -> Result<Outcome, HandoffError> {
     let mut buf = Vec::new();
-    match read_frame(stream, session, &mut buf)? {
-        Frame::Outcome(outcome) => Ok(outcome),
-        Frame::Abort { reason } => Err(HandoffError::Aborted { reason }),
-        other => Err(HandoffError::Unexpected {
-            got: other.name(),
-            want: "Outcome",
-        }),
+    loop {
+        match read_frame(stream, session, &mut buf)? {
+            Frame::Outcome(outcome) => return Ok(outcome),
+            Frame::Abort { reason } => return Err(HandoffError::Aborted { reason }),
+            Frame::Demand { piece } if demands.is_some() => {
+                if let Some(tell) = demands.as_mut() {
+                    tell(piece);
+                }
+            }
+            other => {
+                return Err(HandoffError::Unexpected {
+                    got: other.name(),
+                    want: "Outcome",
+                })
+            }
+        }
     }
+}
+
+/// Asks the source for post-copy piece `piece` next (`Demand`).
+pub fn send_demand<S: Write>(
+    stream: &mut S,
+    session: &mut Session,
+    piece: u64,
+) -> Result<(), FrameError> {
+    write_frame(stream, session, &Frame::Demand { piece })?;
+    stream.flush().map_err(|source| FrameError::Io {
+        what: "sending",
+        source,
+    })
 }
 
 /// Tells the peer why this end gives up (`Abort`, under the session's MAC), best effort.

@@ -12,11 +12,12 @@
 //! every piece came, each once. A chunk that is not a piece left, or not its bytes, or comes
 //! twice, fails the receive, and the directory keeps [`POST_COPY`]: a restore refuses it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -73,13 +74,15 @@ impl LaterSender {
     }
 
     /// Sends the pieces, read from the directory `dir` (which must still hold them as they
-    /// were at the cut), those `order` names (indices into [`LaterSender::pieces`]) first in
-    /// its order, the others after: each stream takes the next piece as it is ready and ends
-    /// its share with `EndPart`. `sent` counts the bytes as they go.
+    /// were at the cut): those `urgent` is asked for first, as they are asked, then those
+    /// `order` names (indices into [`LaterSender::pieces`]) in its order, the others after;
+    /// each stream takes the next piece as it is ready and ends its share with `EndPart`.
+    /// `sent` counts the bytes as they go.
     pub fn send(
         self,
         dir: &Path,
         order: &[usize],
+        urgent: &Urgent,
         sent: &AtomicU64,
     ) -> Result<LaterReport, SendError> {
         let start = Instant::now();
@@ -101,8 +104,12 @@ impl LaterSender {
             dir,
             pieces: &pieces,
             files: &files,
-            order: &order,
-            next: AtomicUsize::new(0),
+            queue: Mutex::new(Queue {
+                taken: vec![false; order.len()],
+                order,
+                next: 0,
+            }),
+            urgent,
             stop: AtomicBool::new(false),
             sent,
         };
@@ -144,18 +151,75 @@ fn full_order(order: &[usize], n: usize) -> Vec<usize> {
     all
 }
 
+/// The pieces of a post-copy asked for now (the destination's `Demand`s), sent before the
+/// others: [`LaterSender::send`] takes them as they are asked, from another thread.
+#[derive(Debug, Default)]
+pub struct Urgent {
+    asked: Mutex<VecDeque<usize>>,
+    count: AtomicU64,
+}
+
+impl Urgent {
+    /// Piece `piece` is needed now (one already sent, or not a piece, is passed over).
+    pub fn ask(&self, piece: usize) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.asked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back(piece);
+    }
+
+    /// How many were asked for.
+    pub fn asked(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn next(&self) -> Option<usize> {
+        self.asked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop_front()
+    }
+}
+
+/// The order the pieces go in, and which went.
+struct Queue {
+    order: Vec<usize>,
+    next: usize,
+    taken: Vec<bool>,
+}
+
 /// The pieces of a post-copy, which the streams take one at a time.
 struct LaterShare<'a> {
     dir: &'a Path,
     pieces: &'a [LaterPiece],
     files: &'a HashMap<String, fs::File>,
-    order: &'a [usize],
-    next: AtomicUsize,
+    queue: Mutex<Queue>,
+    urgent: &'a Urgent,
     stop: AtomicBool,
     sent: &'a AtomicU64,
 }
 
 impl LaterShare<'_> {
+    /// The next piece to send: one asked for, else the next in order; each once.
+    fn take(&self) -> Option<usize> {
+        let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some(i) = self.urgent.next() {
+            if i < q.taken.len() && !q.taken[i] {
+                q.taken[i] = true;
+                return Some(i);
+            }
+        }
+        while let Some(&i) = q.order.get(q.next) {
+            q.next += 1;
+            if !q.taken[i] {
+                q.taken[i] = true;
+                return Some(i);
+            }
+        }
+        None
+    }
+
     fn send(&self, lane: &mut SendLane) -> Result<(), SendError> {
         let r = self.pieces_on(lane);
         if r.is_err() {
@@ -171,7 +235,7 @@ impl LaterShare<'_> {
             if self.stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
-            let Some(&i) = self.order.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
+            let Some(i) = self.take() else {
                 break;
             };
             let p = &self.pieces[i];

@@ -15,7 +15,7 @@ use super::mac::{keyed, session_id, FrameMac, Misfit, Way, HEADER_BYTES, KEY_BYT
 use crate::auth::HmacKey;
 
 /// The protocol's version, in the hello and the proof.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// The first bytes of the hello and the proof.
 pub(super) const MAGIC: [u8; 8] = *b"POSSUMWR";
 /// A nonce's length (bytes).
@@ -538,6 +538,13 @@ pub enum Frame<'a> {
     Cut,
     /// A pre-copy's buffer declared (before any of its bytes; again in a later round).
     Buffer(BufferRecord),
+    /// Post-copy, from the destination once the job runs there: the piece left for later of
+    /// this number (its index in the final set's pieces left, in the order of their files'
+    /// paths and offsets) is needed now: send it next.
+    Demand {
+        /// The piece.
+        piece: u64,
+    },
     /// A pre-copy's bytes of a declared buffer from `offset` (a later round's replace them).
     BufferChunk {
         /// The buffer's id.
@@ -601,6 +608,7 @@ pub(super) const KIND_BUFFER: u8 = 10;
 pub(super) const KIND_BUFFER_CHUNK: u8 = 11;
 pub(super) const KIND_CUT: u8 = 12;
 pub(super) const KIND_CHUNKS: u8 = 13;
+pub(super) const KIND_DEMAND: u8 = 14;
 /// A `Buffer` frame's payload: id, va, size (`u64` LE), prefetch rank (`u32` LE).
 pub(super) const BUFFER_BYTES: usize = 28;
 /// The head of a `Chunk` or `BufferChunk` (the rest is its body): two `u64`.
@@ -669,6 +677,7 @@ pub(super) fn kind_name(kind: u8) -> &'static str {
         KIND_BUFFER_CHUNK => "BufferChunk",
         KIND_CUT => "Cut",
         KIND_CHUNKS => "Chunks",
+        KIND_DEMAND => "Demand",
         _ => "unknown",
     }
 }
@@ -693,6 +702,7 @@ impl Frame<'_> {
             Frame::Buffer(_) => KIND_BUFFER,
             Frame::BufferChunk { .. } => KIND_BUFFER_CHUNK,
             Frame::Cut => KIND_CUT,
+            Frame::Demand { .. } => KIND_DEMAND,
         }
     }
 }
@@ -711,6 +721,7 @@ pub(super) fn encode<'a>(frame: &Frame<'a>) -> (Vec<u8>, &'a [u8]) {
         Frame::File(h) => (serde_json::to_vec(h).expect("a header serializes"), &[]),
         Frame::Chunk { file, offset, data } => (u64s(*file, *offset), data),
         Frame::EndPart { chunks, bytes } => (u64s(*chunks, *bytes), &[]),
+        Frame::Demand { piece } => (piece.to_le_bytes().to_vec(), &[]),
         Frame::Chunks | Frame::Cut | Frame::Released => (Vec::new(), &[]),
         Frame::Done(t) | Frame::Committed(t) => (u64s(t.files, t.bytes), &[]),
         Frame::Abort { reason } => (cut_reason(reason).to_vec(), &[]),
@@ -837,7 +848,7 @@ pub(super) fn recv_frame<'b, R: Read + ?Sized>(
     }
     let kind = header[0];
     let len = u64::from_le_bytes(header[1..].try_into().expect("8 bytes"));
-    if !(KIND_DIR..=KIND_CHUNKS).contains(&kind) {
+    if !(KIND_DIR..=KIND_DEMAND).contains(&kind) {
         return Err(FrameError::UnknownKind(kind));
     }
     if len > MAX_FRAME {
@@ -912,6 +923,10 @@ pub(super) fn decode(kind: u8, payload: &[u8]) -> Result<Frame<'_>, FrameError> 
                 offset,
                 data,
             }
+        }
+        KIND_DEMAND => {
+            exact(8)?;
+            Frame::Demand { piece: u(0) }
         }
         KIND_END_PART => {
             exact(16)?;

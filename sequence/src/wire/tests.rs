@@ -862,6 +862,28 @@ fn sessions() -> (Session, Session) {
     )
 }
 
+/// A destination's `Demand`s before its `Outcome` are told to whoever waits for the outcome
+/// with demands in mind; to one without, a `Demand` is not due.
+#[test]
+fn demands_before_an_outcome_are_told_and_refused_where_not_due() {
+    let (mut a, mut b) = pair();
+    let (mut src, mut dst) = sessions();
+    send_demand(&mut a, &mut src, 3).unwrap();
+    send_demand(&mut a, &mut src, 5).unwrap();
+    send_outcome(&mut a, &mut src, &Outcome::Running { pid: 7 }).unwrap();
+    let mut got = Vec::new();
+    let mut tell = |p| got.push(p);
+    let o = await_outcome_or_demands(&mut b, &mut dst, Some(&mut tell)).unwrap();
+    assert_eq!(o, Outcome::Running { pid: 7 });
+    assert_eq!(got, [3, 5]);
+    send_demand(&mut a, &mut src, 1).unwrap();
+    let e = await_outcome(&mut b, &mut dst).unwrap_err();
+    assert!(
+        matches!(e, HandoffError::Unexpected { got: "Demand", .. }),
+        "{e}"
+    );
+}
+
 #[test]
 fn frames_read_back_as_written() {
     let frames = [

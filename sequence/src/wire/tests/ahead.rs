@@ -983,7 +983,7 @@ fn pieces_left_for_post_copy_come_after_the_final_set_bit_exact() {
         "while held, only gpu/small-7, whole piece"
     );
     // In the order asked: the fourth piece first.
-    let r = later.send(&src, &[1], &sent).unwrap();
+    let r = later.send(&src, &[1], &Urgent::default(), &sent).unwrap();
     assert_eq!((r.pieces, r.bytes), (2, 2 * CHUNK_BYTES as u64));
     receiver.join().unwrap().unwrap();
     assert_arrived(&src, &dest, &out);
@@ -1037,7 +1037,12 @@ fn a_directory_named_before_its_post_copy_holds_its_mark_until_every_piece_came(
     let (_, _, later) = sender.finish_post_copy(&mut main, &src).unwrap();
     let later = later.unwrap();
     later
-        .send(&src, &[], &std::sync::atomic::AtomicU64::new(0))
+        .send(
+            &src,
+            &[],
+            &Urgent::default(),
+            &std::sync::atomic::AtomicU64::new(0),
+        )
         .unwrap();
     let (r, came, n) = receiver.join().unwrap();
     assert_eq!(r.unwrap().pieces, 1);
@@ -1065,7 +1070,75 @@ fn a_post_copy_piece_changed_after_the_cut_is_refused_by_its_sender() {
     rewrite(&file, 0, b"after the cut!!");
     let e = later
         .unwrap()
-        .send(&src, &[], &std::sync::atomic::AtomicU64::new(0))
+        .send(
+            &src,
+            &[],
+            &Urgent::default(),
+            &std::sync::atomic::AtomicU64::new(0),
+        )
         .unwrap_err();
     assert!(matches!(e, SendError::Rechanged { offset: 0, .. }), "{e}");
+}
+
+/// Post-copy over one stream besides the first: a piece asked for (`Urgent`, as a destination's
+/// `Demand` asks) goes before those in the order given, and the others follow in that order.
+#[test]
+fn a_post_copy_piece_asked_for_goes_first() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let d = dest.clone();
+    let receiver = thread::spawn(move || {
+        let sessions = Sessions::new(TIMEOUT);
+        let mut conns = (0..2).map(|_| {
+            let (s, _) = listener.accept().unwrap();
+            set_timeouts(&s, TIMEOUT).unwrap();
+            s
+        });
+        let mut s = conns.next().unwrap();
+        let Ok(Accepted::Session(session)) = accept_handshake(&mut s, &key(4), &sessions) else {
+            panic!("the first connection makes the session")
+        };
+        let mut l = conns.next().unwrap();
+        let Ok(Accepted::Stream(joined)) = accept_handshake(&mut l, &key(4), &sessions) else {
+            panic!("the second joins it")
+        };
+        assert!(joined.join(l));
+        let (_, _, later) =
+            receive_dir_post_copy(&mut s, session, &d, Durability::Synced, &mut |_| {}).unwrap();
+        let came = std::sync::Mutex::new(Vec::new());
+        later
+            .unwrap()
+            .receive(&d, &|i| came.lock().unwrap().push(i))
+            .unwrap();
+        came.into_inner().unwrap()
+    });
+    let mut main = lane_to(addr).unwrap();
+    let mut sender =
+        DirSender::start_streams(&mut main, &key(4), 2, |_| Ok(Box::new(lane_to(addr)?))).unwrap();
+    sender.send_ahead(&mut main, &src).unwrap();
+    let big = src.join("gpu/gpu-0/data-000.bin");
+    for k in 0..4u64 {
+        rewrite(&big, k * CHUNK_BYTES as u64, b"rewritten");
+    }
+    sender.post_copy(vec!["gpu/gpu-0".into()]);
+    let (_, _, later) = sender.finish_post_copy(&mut main, &src).unwrap();
+    let later = later.unwrap();
+    assert_eq!(later.pieces().len(), 4);
+    let urgent = Urgent::default();
+    urgent.ask(2);
+    urgent.ask(2);
+    later
+        .send(
+            &src,
+            &[3, 0, 1],
+            &urgent,
+            &std::sync::atomic::AtomicU64::new(0),
+        )
+        .unwrap();
+    assert_eq!(receiver.join().unwrap(), [2, 3, 0, 1]);
+    assert_eq!(urgent.asked(), 2);
+    assert_arrived(&src, &dest, &out);
 }
