@@ -924,6 +924,58 @@ fn piece_of(image: &possum_engine::image::Image, buf: u64, into: u64, len: u64) 
 }
 
 /// Writes `bytes` at piece `p` of the data files of the image in `dir`: the bytes there before.
+/// A stage of a [`three_buffer_image`] whose buffer `which` has `len` bytes at `at` of its
+/// first chunk still to come ([`staged_with_bytes_to_come`]).
+struct ToCome {
+    img: PathBuf,
+    image: possum_engine::image::Image,
+    buf: u64,
+    piece: PendingPiece,
+    /// The bytes the piece should hold (its file holds others until they are put back).
+    good: Vec<u8>,
+    k: Keeper,
+    info: possum_keeper::StageInfo,
+}
+
+/// Stages a [`three_buffer_image`] with `len` bytes at `at` of buffer `which`'s first chunk
+/// pending (with `stale`, those bytes replaced by it in the file meanwhile), once the other
+/// two buffers are loaded.
+fn staged_with_bytes_to_come(
+    server: &Server,
+    dir: &Path,
+    which: usize,
+    (at, len): (u64, u64),
+    stale: Option<u8>,
+) -> ToCome {
+    use possum_engine::image::Image;
+    use possum_engine::store::ChunkSource;
+    let img = three_buffer_image(server, dir);
+    let image = Image::open(&img).unwrap();
+    let buf = image.buffers()[which].id;
+    let piece = piece_of(&image, buf, at, len);
+    let good = match stale {
+        Some(b) => swap_bytes(&img, &piece, &vec![b; len as usize]),
+        None => Vec::new(),
+    };
+    let me = std::process::id() as i32;
+    let mut k = Keeper::connect(server.path()).unwrap();
+    let info = k
+        .stage(me, &img, 60, None, None, vec![piece.clone()])
+        .unwrap();
+    wait_until("the other buffers are loaded", || {
+        server.stats().stages[0].ready == 2
+    });
+    ToCome {
+        img,
+        image,
+        buf,
+        piece,
+        good,
+        k,
+        info,
+    }
+}
+
 fn swap_bytes(dir: &Path, p: &PendingPiece, bytes: &[u8]) -> Vec<u8> {
     use std::os::unix::fs::FileExt;
     let f = std::fs::OpenOptions::new()
@@ -1013,24 +1065,18 @@ fn no_answer_yet<T: std::fmt::Debug>(rx: &std::sync::mpsc::Receiver<T>, what: &s
 #[test]
 fn a_stage_waits_for_the_bytes_still_to_come() {
     in_child(|| {
-        use possum_engine::image::Image;
-        use possum_engine::store::ChunkSource;
         let (dir, server) = fresh_keeper();
-        let img = three_buffer_image(&server, dir.path());
-        let image = Image::open(&img).unwrap();
-        let buf = image.buffers()[1].id;
-        let piece = piece_of(&image, buf, 100, 4096);
-        let good = swap_bytes(&img, &piece, &[0xee; 4096]);
-        let me = std::process::id() as i32;
-        let mut k = Keeper::connect(server.path()).unwrap();
-        let info = k
-            .stage(me, &img, 60, None, None, vec![piece.clone()])
-            .unwrap();
+        let ToCome {
+            img,
+            image,
+            buf,
+            piece,
+            good,
+            mut k,
+            info,
+        } = staged_with_bytes_to_come(&server, dir.path(), 1, (100, 4096), Some(0xee));
         let plan = k.staged(&img).unwrap().expect("the stage");
         let blocked = plan.buffers.iter().find(|b| b.buf == buf).unwrap().clone();
-        wait_until("the other buffers are loaded", || {
-            server.stats().stages[0].ready == 2
-        });
         let st = server.stats().stages[0].clone();
         assert_eq!((st.pending_pieces, st.blocked_buffers), (1, 1), "{st:?}");
         assert!(
@@ -1083,22 +1129,16 @@ fn a_stage_waits_for_the_bytes_still_to_come() {
 #[test]
 fn pieces_arrived_that_are_not_pending_are_ignored() {
     in_child(|| {
-        use possum_engine::image::Image;
-        use possum_engine::store::ChunkSource;
         let (dir, server) = fresh_keeper();
-        let img = three_buffer_image(&server, dir.path());
-        let image = Image::open(&img).unwrap();
-        let buf = image.buffers()[0].id;
-        let piece = piece_of(&image, buf, 0, 8);
-        let good = swap_bytes(&img, &piece, &[0; 8]);
-        let me = std::process::id() as i32;
-        let mut k = Keeper::connect(server.path()).unwrap();
-        let info = k
-            .stage(me, &img, 60, None, None, vec![piece.clone()])
-            .unwrap();
-        wait_until("the other buffers are loaded", || {
-            server.stats().stages[0].ready == 2
-        });
+        let ToCome {
+            img,
+            image,
+            buf,
+            piece,
+            good,
+            mut k,
+            info,
+        } = staged_with_bytes_to_come(&server, dir.path(), 0, (0, 8), Some(0));
         let others = [
             PendingPiece {
                 len: 4,
@@ -1138,23 +1178,17 @@ fn pieces_arrived_that_are_not_pending_are_ignored() {
 #[test]
 fn a_stage_ended_while_blocked_fails_its_waits_and_stops_its_loaders() {
     in_child(|| {
-        use possum_engine::image::Image;
-        use possum_engine::store::ChunkSource;
         let (dir, server) = fresh_keeper();
-        let img = three_buffer_image(&server, dir.path());
-        let image = Image::open(&img).unwrap();
-        let buf = image.buffers()[2].id;
-        let piece = piece_of(&image, buf, 4096, 1);
-        let me = std::process::id() as i32;
-        let mut k = Keeper::connect(server.path()).unwrap();
-        let info = k
-            .stage(me, &img, 60, None, None, vec![piece.clone()])
-            .unwrap();
+        let ToCome {
+            img,
+            buf,
+            piece,
+            mut k,
+            info,
+            ..
+        } = staged_with_bytes_to_come(&server, dir.path(), 2, (4096, 1), None);
         let plan = k.staged(&img).unwrap().expect("the stage");
         let blocked = plan.buffers.iter().find(|b| b.buf == buf).unwrap();
-        wait_until("the other buffers are loaded", || {
-            server.stats().stages[0].ready == 2
-        });
         // Nothing waited for yet: a long poll waits.
         let polled = demands_on_thread(&server, info.stage, Duration::from_secs(60));
         no_answer_yet(&polled, "demands before any wait");

@@ -1097,19 +1097,7 @@ fn a_job_waiting_for_post_copy_pieces_has_them_asked_for_and_goes_on_bit_exact()
         return;
     };
     let dir = tmp.path();
-    let t = Instant::now();
-    while alive(job.pid) {
-        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    relay.stall_streams();
-    while !alive(job.pid) {
-        assert!(
-            t.elapsed() < WAIT,
-            "the job was not restored at the destination"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    stall_once_restored_there(&job, &relay);
     // Its next step waits for its buffers, whose pieces are asked for meanwhile.
     let (tx, rx) = std::sync::mpsc::channel();
     let stepping = std::thread::spawn(move || {
@@ -1147,30 +1135,8 @@ fn a_receiver_killed_during_post_copy_takes_the_job_there_with_it() {
         return;
     };
     let dir = tmp.path();
-    let t = Instant::now();
-    while alive(job.pid) {
-        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    relay.stall_streams();
-    while !alive(job.pid) {
-        assert!(
-            t.elapsed() < WAIT,
-            "the job was not restored at the destination"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let pid = job.pid;
-    let reaper = std::thread::spawn(move || {
-        let t = Instant::now();
-        while possum_criu::wait_for_exit(pid, Some(WAIT)).is_err() {
-            if t.elapsed() > WAIT {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        true
-    });
+    stall_once_restored_there(&job, &relay);
+    let reaper = reaped_once_killed_there(job.pid);
     // Let it run there (the hand-off is not on the stalled streams), then the receiver goes.
     std::thread::sleep(Duration::from_secs(3));
     receiver.kill();
@@ -1210,33 +1176,8 @@ fn a_post_copy_stalled_after_the_job_ran_there_has_it_restored_at_the_source() {
         return;
     };
     let dir = tmp.path();
-    let t = Instant::now();
-    while alive(job.pid) {
-        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    relay.stall_streams();
-    // Restored at the destination, this process's to reap (a subreaper's) once killed there.
-    while !alive(job.pid) {
-        assert!(
-            t.elapsed() < WAIT,
-            "the job was not restored at the destination"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let pid = job.pid;
-    let reaper = std::thread::spawn(move || {
-        // Its parent is CRIU's until CRIU leaves it: reaped once it is this process's.
-        let t = Instant::now();
-        let limit = WAIT + possum_sequence::migrate::POST_COPY_LEASE;
-        while possum_criu::wait_for_exit(pid, Some(limit)).is_err() {
-            if t.elapsed() > limit {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        true
-    });
+    stall_once_restored_there(&job, &relay);
+    let reaper = reaped_once_killed_there(job.pid);
     let out = migrate.wait_with_output().unwrap();
     assert!(
         reaper.join().unwrap(),
@@ -1271,4 +1212,39 @@ fn finish_from_9(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
     let _ = possum_criu::wait_for_exit(job.pid, Some(WAIT));
     job.pid = 0;
     [mid, end]
+}
+
+/// Waits until `job` was killed at the source, then stalls the pieces' streams of `relay`, then
+/// waits until the job is restored at the destination (the same PID, on this host).
+fn stall_once_restored_there(job: &Job, relay: &Relay) {
+    let t = Instant::now();
+    while alive(job.pid) {
+        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    relay.stall_streams();
+    while !alive(job.pid) {
+        assert!(
+            t.elapsed() < WAIT,
+            "the job was not restored at the destination"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Reaps the job restored at the destination as `pid` once it is killed there (this process, a
+/// subreaper, is its parent once CRIU leaves it): whether it was, within the post-copy's lease
+/// and [`WAIT`].
+fn reaped_once_killed_there(pid: i32) -> std::thread::JoinHandle<bool> {
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let limit = WAIT + possum_sequence::migrate::POST_COPY_LEASE;
+        while possum_criu::wait_for_exit(pid, Some(limit)).is_err() {
+            if t.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
+    })
 }

@@ -998,34 +998,10 @@ fn a_directory_named_before_its_post_copy_holds_its_mark_until_every_piece_came(
     let (_tmp, src, out) = dirs();
     many_files(&src);
     let dest = out.join("image");
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let d = dest.clone();
-    let receiver = thread::spawn(move || {
-        let sessions = Sessions::new(TIMEOUT);
-        let (mut s, _) = listener.accept().unwrap();
-        set_timeouts(&s, TIMEOUT).unwrap();
-        let Accepted::Session(session) = accept_handshake(&mut s, &key(3), &sessions).unwrap()
-        else {
-            panic!("the first connection makes the session")
-        };
-        let (l, _) = listener.accept().unwrap();
-        set_timeouts(&l, TIMEOUT).unwrap();
-        let Accepted::Stream(joined) =
-            accept_handshake(&mut { l.try_clone().unwrap() }, &key(3), &sessions).unwrap()
-        else {
-            panic!("the second joins it")
-        };
-        assert!(joined.join(l));
-        let (_, _, later) =
-            receive_dir_post_copy(&mut s, session, &d, Durability::Later, &mut |_| {}).unwrap();
-        let later = later.expect("pieces left");
-        let left = post_copy_left(&d).unwrap().expect("the mark");
+    let (addr, receiver) = post_copy_receiver(3, &dest, Durability::Later, |d, later| {
+        let left = post_copy_left(d).unwrap().expect("the mark");
         assert_eq!(left, later.pieces());
-        assert!(crate::image::open_image(&d).is_err());
-        let came = std::sync::Mutex::new(Vec::new());
-        let r = later.receive(&d, &|i| came.lock().unwrap().push(i));
-        (r, came.into_inner().unwrap(), left.len())
+        assert!(crate::image::open_image(d).is_err());
     });
     let mut main = lane_to(addr).unwrap();
     let mut sender =
@@ -1044,9 +1020,9 @@ fn a_directory_named_before_its_post_copy_holds_its_mark_until_every_piece_came(
             &std::sync::atomic::AtomicU64::new(0),
         )
         .unwrap();
-    let (r, came, n) = receiver.join().unwrap();
+    let (r, came) = receiver.join().unwrap();
     assert_eq!(r.unwrap().pieces, 1);
-    assert_eq!((came, n), (vec![0], 1));
+    assert_eq!(came, [0]);
     assert!(post_copy_left(&dest).unwrap().is_none());
     assert_eq!(
         fs::read(dest.join("gpu/gpu-0/data-001.bin")).unwrap(),
@@ -1087,34 +1063,7 @@ fn a_post_copy_piece_asked_for_goes_first() {
     let (_tmp, src, out) = dirs();
     many_files(&src);
     let dest = out.join("image");
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let d = dest.clone();
-    let receiver = thread::spawn(move || {
-        let sessions = Sessions::new(TIMEOUT);
-        let mut conns = (0..2).map(|_| {
-            let (s, _) = listener.accept().unwrap();
-            set_timeouts(&s, TIMEOUT).unwrap();
-            s
-        });
-        let mut s = conns.next().unwrap();
-        let Ok(Accepted::Session(session)) = accept_handshake(&mut s, &key(4), &sessions) else {
-            panic!("the first connection makes the session")
-        };
-        let mut l = conns.next().unwrap();
-        let Ok(Accepted::Stream(joined)) = accept_handshake(&mut l, &key(4), &sessions) else {
-            panic!("the second joins it")
-        };
-        assert!(joined.join(l));
-        let (_, _, later) =
-            receive_dir_post_copy(&mut s, session, &d, Durability::Synced, &mut |_| {}).unwrap();
-        let came = std::sync::Mutex::new(Vec::new());
-        later
-            .unwrap()
-            .receive(&d, &|i| came.lock().unwrap().push(i))
-            .unwrap();
-        came.into_inner().unwrap()
-    });
+    let (addr, receiver) = post_copy_receiver(4, &dest, Durability::Synced, |_, _| {});
     let mut main = lane_to(addr).unwrap();
     let mut sender =
         DirSender::start_streams(&mut main, &key(4), 2, |_| Ok(Box::new(lane_to(addr)?))).unwrap();
@@ -1138,7 +1087,51 @@ fn a_post_copy_piece_asked_for_goes_first() {
             &std::sync::atomic::AtomicU64::new(0),
         )
         .unwrap();
-    assert_eq!(receiver.join().unwrap(), [2, 3, 0, 1]);
+    let (r, came) = receiver.join().unwrap();
+    assert_eq!((r.unwrap().pieces, came), (4, vec![2, 3, 0, 1]));
     assert_eq!(urgent.asked(), 2);
     assert_arrived(&src, &dest, &out);
+}
+
+/// A receiver of a session of two streams under `key(k)` on a loopback port: the directory into
+/// `dest` (`durability`), its final set named with pieces left for later, `named` told of it
+/// then; then the pieces. What their receive said, and the pieces in the order they came.
+#[allow(clippy::type_complexity)]
+fn post_copy_receiver(
+    k: u8,
+    dest: &Path,
+    durability: Durability,
+    named: impl FnOnce(&Path, &LaterReceiver) + Send + 'static,
+) -> (
+    std::net::SocketAddr,
+    thread::JoinHandle<(Result<LaterReport, ReceiveError>, Vec<usize>)>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let d = dest.to_path_buf();
+    let receiver = thread::spawn(move || {
+        let sessions = Sessions::new(TIMEOUT);
+        let mut conns = (0..2).map(|_| {
+            let (s, _) = listener.accept().unwrap();
+            set_timeouts(&s, TIMEOUT).unwrap();
+            s
+        });
+        let mut s = conns.next().unwrap();
+        let Ok(Accepted::Session(session)) = accept_handshake(&mut s, &key(k), &sessions) else {
+            panic!("the first connection makes the session")
+        };
+        let mut l = conns.next().unwrap();
+        let Ok(Accepted::Stream(joined)) = accept_handshake(&mut l, &key(k), &sessions) else {
+            panic!("the second joins it")
+        };
+        assert!(joined.join(l));
+        let (_, _, later) =
+            receive_dir_post_copy(&mut s, session, &d, durability, &mut |_| {}).unwrap();
+        let later = later.expect("pieces left");
+        named(&d, &later);
+        let came = std::sync::Mutex::new(Vec::new());
+        let r = later.receive(&d, &|i| came.lock().unwrap().push(i));
+        (r, came.into_inner().unwrap())
+    });
+    (addr, receiver)
 }
