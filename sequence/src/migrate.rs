@@ -64,9 +64,11 @@ use std::time::{Duration, Instant};
 use serde::{Serialize, Serializer};
 
 use crate::auth::HmacKey;
-use crate::checkpoint::{checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport};
+use crate::checkpoint::{checkpoint_held, CheckpointParams, CheckpointReport};
 use crate::figures::as_ms;
+mod error;
 mod post_copy;
+use crate::postcopy::PostCopy;
 use crate::prestage::{self, Prestaged, Prestages};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
@@ -75,6 +77,8 @@ use crate::wire::{
     FrameError, HandoffError, Outcome, Paced, Pacer, Sessions, Totals, WireError, Written,
 };
 use crate::{MigrateStep, Observer};
+use error::restore_socket_dir;
+pub use error::{JobAt, MigrateError};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
 
 /// How long each wait of a migration may take.
@@ -218,203 +222,6 @@ pub struct MigrateReport {
     pub post_copy: Option<PostCopyReport>,
     /// The source's checkpoint.
     pub checkpoint: CheckpointReport,
-}
-
-/// What became of the job when a migration failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum JobAt {
-    /// It runs on at the source (it was let go, or restored there from the local image).
-    Source,
-    /// The destination was told to let it run, and then went silent: it runs there if the go
-    /// arrived; otherwise the destination killed its copy before it ran. The source's image is
-    /// kept, not restored.
-    Unknown {
-        /// The local image.
-        image: PathBuf,
-        /// The job's socket directory, for its restore, when it is not possum's by default.
-        socket_dir: Option<PathBuf>,
-    },
-    /// Post-copy: the destination went silent once it ran the job, its pieces all sent: it
-    /// runs there if they all came (otherwise the destination killed it). The source's image is
-    /// kept, not restored.
-    PostCopyUnknown {
-        /// The local image.
-        image: PathBuf,
-        /// The job's socket directory, for its restore, when it is not possum's by default.
-        socket_dir: Option<PathBuf>,
-    },
-    /// Neither end runs it: its image is kept at the source.
-    Lost {
-        /// The local image.
-        image: PathBuf,
-        /// The job's socket directory, for its restore, when it is not possum's by default.
-        socket_dir: Option<PathBuf>,
-        /// Why it could not be brought back.
-        why: String,
-    },
-}
-
-impl JobAt {
-    /// The job is not brought back at the source (`why`), whose checkpoint `c` kept its image.
-    fn lost(c: &CheckpointParams, why: String) -> JobAt {
-        JobAt::Lost {
-            image: c.dir.clone(),
-            socket_dir: restore_socket_dir(c),
-            why,
-        }
-    }
-}
-
-/// The socket directory a restore of the image `c` kept must be given: the one the checkpoint
-/// reached the job in, unless it is possum's by default.
-fn restore_socket_dir(c: &CheckpointParams) -> Option<PathBuf> {
-    let by_default = std::path::absolute(possum_control::socket_dir()).ok();
-    let used = std::path::absolute(&c.sockets).unwrap_or_else(|_| c.sockets.clone());
-    (by_default.as_ref() != Some(&used)).then_some(used)
-}
-
-/// `possum restore` of `image`, with `--socket-dir` if it needs one.
-fn restore_command(image: &Path, socket_dir: Option<&Path>) -> String {
-    match socket_dir {
-        Some(d) => format!(
-            "possum restore -D {} --socket-dir {}",
-            image.display(),
-            d.display()
-        ),
-        None => format!("possum restore -D {}", image.display()),
-    }
-}
-
-impl std::fmt::Display for JobAt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            JobAt::Source => f.write_str("the job runs on at the source"),
-            JobAt::Unknown { image, socket_dir } => write!(
-                f,
-                "the destination was told to let the job run and then went silent: the job runs \
-                 there if that reached it (otherwise the destination killed its copy before it \
-                 ran); it is not restored here, to never run twice: its image is kept, and `{}` \
-                 restores it once the destination is known not to run it",
-                restore_command(image, socket_dir.as_deref())
-            ),
-            JobAt::PostCopyUnknown { image, socket_dir } => write!(
-                f,
-                "the job runs at the destination if every piece of its post-copy came there \
-                 (otherwise the destination killed it); it is not restored here, to never run \
-                 twice: its image is kept, and `{}` restores it once the destination is known \
-                 not to run it",
-                restore_command(image, socket_dir.as_deref())
-            ),
-            JobAt::Lost {
-                image,
-                socket_dir,
-                why,
-            } => write!(
-                f,
-                "the job could not be brought back at the source ({why}): its image is kept, \
-                 `{}` restores it",
-                restore_command(image, socket_dir.as_deref())
-            ),
-        }
-    }
-}
-
-/// A migration that failed, by the phase that failed, with what became of the job.
-#[derive(Debug, thiserror::Error)]
-pub enum MigrateError {
-    /// The checkpoint at the source (its guard let the job run on).
-    #[error("migration failed at the checkpoint; the job runs on at the source")]
-    Checkpoint(#[source] Box<CheckpointError>),
-    /// The connection to the destination.
-    #[error("migration failed connecting to {to}; {job}")]
-    Connect {
-        /// The destination.
-        to: String,
-        /// What became of the job.
-        job: JobAt,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
-    /// The handshake or the transfer (a wrong key, a receiver's abort, a full disk there).
-    #[error("migration failed sending the image to {to}; {job}")]
-    Send {
-        /// The destination.
-        to: String,
-        /// What became of the job.
-        job: JobAt,
-        /// Why.
-        #[source]
-        source: Box<WireError>,
-    },
-    /// Killing the held job at the source once the destination had the image.
-    #[error("migration failed killing the job at the source; {job}")]
-    Kill {
-        /// What became of the job.
-        job: JobAt,
-        /// Why.
-        #[source]
-        source: Box<CheckpointError>,
-    },
-    /// `Released`, or the destination's `Outcome` (not in time, a dropped connection).
-    #[error("migration failed waiting for the destination's restore; {job}")]
-    Handoff {
-        /// What became of the job.
-        job: JobAt,
-        /// Why.
-        #[source]
-        source: HandoffError,
-    },
-    /// The pieces left for post-copy could not all be sent after the job ran at the
-    /// destination (which kills its copy once it waited [`POST_COPY_LEASE`] for them).
-    #[error("migration failed sending the post-copy after the job ran at the destination; {job}")]
-    PostCopy {
-        /// What became of the job.
-        job: JobAt,
-        /// Why.
-        #[source]
-        source: Box<wire::SendError>,
-    },
-    /// The destination went silent once the job ran there, its post-copy sent.
-    #[error("migration failed: the destination went silent during the post-copy ({why}); {job}")]
-    PostCopySilent {
-        /// What became of the job.
-        job: JobAt,
-        /// What was heard, or not.
-        why: String,
-    },
-    /// Post-copy was asked of a session of one stream.
-    #[error(
-        "--post-copy needs two streams or more (--streams {streams} was given); nothing was done"
-    )]
-    PostCopyStreams {
-        /// The streams asked.
-        streams: u32,
-    },
-    /// The destination could not restore the job.
-    #[error("migration failed: the destination could not restore the job ({reason}); {job}")]
-    RemoteRestore {
-        /// Why, as the destination said.
-        reason: String,
-        /// What became of the job.
-        job: JobAt,
-    },
-}
-
-impl MigrateError {
-    /// What became of the job.
-    pub fn job(&self) -> JobAt {
-        match self {
-            MigrateError::Checkpoint(_) | MigrateError::PostCopyStreams { .. } => JobAt::Source,
-            MigrateError::Connect { job, .. }
-            | MigrateError::Send { job, .. }
-            | MigrateError::Kill { job, .. }
-            | MigrateError::Handoff { job, .. }
-            | MigrateError::PostCopy { job, .. }
-            | MigrateError::PostCopySilent { job, .. }
-            | MigrateError::RemoteRestore { job, .. } => job.clone(),
-        }
-    }
 }
 
 /// Opens a connection to `to` within `deadline`, its reads and writes bounded by `io`.
@@ -728,13 +535,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     timings.send_hashing = sent.hashing;
     timings.send_committing = sent.committing;
     // Post-copy: what was left goes now, on the other streams, while the hand-off goes on.
-    let (later, urgent) = match later {
-        Some(l) => {
-            let (sending, urgent) = post_copy::start_sending(l, &local, &gpu_dirs, sent_counter);
-            (Some(sending), Some(urgent))
-        }
-        None => (None, None),
-    };
+    let (later, urgent) = post_copy::start_sending(later, &local, &gpu_dirs, sent_counter);
 
     let t = Instant::now();
     let pids = job_pids(p.checkpoint.pid);
@@ -1414,6 +1215,29 @@ fn released_within(
     await_released(stream, session)
 }
 
+/// Post-copy once the job runs here (`pc`, its receive, the job): waits for its pieces, asking
+/// the source (`Demand`s on `stream`) for those its buffers wait for; how long it waited and
+/// what came (`None` without post-copy). If they do not all come, the job is killed, the image
+/// at `dest` removed and the source told why.
+fn post_copy_here(
+    (pc, receiving, pid): (Option<&PostCopy>, Option<post_copy::Receiving>, i32),
+    stream: &mut TcpStream,
+    session: &mut wire::Session,
+    dest: &Path,
+    obs: &mut dyn Observer,
+) -> Result<Option<(Duration, PostCopyReport)>, ReceiveError> {
+    let mut demand = |piece| send_demand(stream, session, piece).is_ok();
+    match post_copy::after_run(pc, receiving, pid, &mut demand, obs) {
+        Ok(done) => Ok(done),
+        Err(why) => {
+            let reason = format!("post-copy failed: {why}; the job was killed here");
+            send_abort(stream, session, &reason);
+            let _ = fs::remove_dir_all(dest);
+            Err(ReceiveError::PostCopy { pid, why })
+        }
+    }
+}
+
 /// Receives one migration over `session`, whose handshake ([`receive_handshake`]) on `stream`,
 /// its first connection, began at `t`: the image into a new directory of `p.dir` (over all the
 /// session's streams), then, once the source released its job, its restore, whose outcome the
@@ -1470,17 +1294,8 @@ pub fn receive_in_session(
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
-            let mut demand = |piece| send_demand(stream, &mut session, piece).is_ok();
-            let ran = post_copy::after_run(post_copy.as_deref(), later, r.pid, &mut demand, obs);
-            let post_copied = match ran {
-                Ok(done) => done,
-                Err(why) => {
-                    let reason = format!("post-copy failed: {why}; the job was killed here");
-                    send_abort(stream, &mut session, &reason);
-                    let _ = fs::remove_dir_all(&dest);
-                    return Err(ReceiveError::PostCopy { pid: r.pid, why });
-                }
-            };
+            let here = (post_copy.as_deref(), later, r.pid);
+            let post_copied = post_copy_here(here, stream, &mut session, &dest, obs)?;
             timings.post_copy = post_copied.map(|(took, _)| took);
             let post_copied = post_copied.map(|(_, r)| r);
             // What the job waited for after it ran is part of its downtime: known once its
@@ -1543,6 +1358,44 @@ pub fn receive_in_session(
 #[cfg(test)]
 mod estimate_tests {
     use super::*;
+
+    /// Post-copy over a session of one stream is refused before anything is done: the job
+    /// (a PID that does not exist here) is not even looked at.
+    #[test]
+    fn post_copy_over_one_stream_is_refused_before_anything_is_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = MigrateParams {
+            checkpoint: CheckpointParams {
+                pid: i32::MAX,
+                dir: dir.path().join("local"),
+                leave_running: true,
+                engine: crate::Engine::Possum,
+                gpu_only: false,
+                force: false,
+                parent: None,
+                keep_on_gpu: 0,
+                shadow_budget: None,
+                tcp_established: None,
+                precopy_rounds: 4,
+                sockets: dir.path().to_path_buf(),
+                possum_exe: "possum".into(),
+                env: crate::Environment::read(),
+            },
+            to: "127.0.0.1:9".into(),
+            key: HmacKey::from_bytes(vec![1; 32]).unwrap(),
+            deadlines: Deadlines::default(),
+            max_rate: None,
+            streams: 1,
+            post_copy: true,
+        };
+        let e = migrate(&p, &mut crate::Quiet).unwrap_err();
+        assert!(
+            matches!(e, MigrateError::PostCopyStreams { streams: 1 }),
+            "{e}"
+        );
+        assert_eq!(e.job(), JobAt::Source);
+        assert!(!p.checkpoint.dir.exists(), "nothing was written");
+    }
 
     #[test]
     fn the_estimate_grows_with_what_is_left_to_send_and_the_process() {

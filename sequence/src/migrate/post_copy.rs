@@ -90,15 +90,18 @@ pub(crate) fn after_run(
     Ok(Some((took, report)))
 }
 
-/// Starts the post-copy's send of `later` from the image at `dir` (whose GPU images are
-/// `gpu_dirs`) on a thread of its own, the pieces in the order the job needs them
-/// ([`later_order`]), `sent` counting their bytes.
+/// Starts the post-copy's send of `later` (if there is one) from the image at `dir` (whose GPU
+/// images are `gpu_dirs`) on a thread of its own, the pieces in the order the job needs them
+/// ([`later_order`]), `sent` counting their bytes; with what the destination asks for first.
 pub(crate) fn start_sending(
-    later: LaterSender,
+    later: Option<LaterSender>,
     dir: &Path,
     gpu_dirs: &[String],
     sent: Arc<AtomicU64>,
-) -> (Sending, Arc<Urgent>) {
+) -> (Option<Sending>, Option<Arc<Urgent>>) {
+    let Some(later) = later else {
+        return (None, None);
+    };
     let order = later_order(dir, gpu_dirs, later.pieces());
     let (dir, t) = (dir.to_path_buf(), Instant::now());
     let urgent = Arc::new(Urgent::default());
@@ -113,7 +116,7 @@ pub(crate) fn start_sending(
                 demanded: asked.asked(),
             })
     });
-    (sending, urgent)
+    (Some(sending), Some(urgent))
 }
 
 /// A post-copy's send on its thread.
