@@ -576,6 +576,7 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
     row["migrate"] = {"rc": mg["rc"], "timings": j.get("timings"), "bytes": j.get("bytes"),
                       "bytes_while_held": j.get("bytes_while_held"), "remote_pid": j.get("remote_pid"),
                       "post_copy": j.get("post_copy"),
+                      "source": (j.get("checkpoint") or {}).get("figures"),
                       "received": (received or {}).get("timings"),
                       "stderr": mg["stderr"] if mg["rc"] else None}
     # Killed by the migration (or, failed, run on to its end here).
