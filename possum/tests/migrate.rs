@@ -1152,7 +1152,13 @@ fn a_receiver_killed_during_post_copy_takes_the_job_there_with_it() {
         assert_eq!(out.status.code(), Some(2), "{t}");
         assert!(t.contains("not restored here"), "{t}");
         assert!(!alive(job.pid), "the source brought its job back");
-        run_ok(possum(dir).args(["restore", "-D"]).arg(dir.join("local")));
+        let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
+        run_ok(
+            possum(dir)
+                .args(["restore", "-D"])
+                .arg(dir.join("local"))
+                .env("POSSUM_CRIU_PLUGIN_DIR", libdir),
+        );
     } else {
         // Its send failed: restored at the source once the lease passed.
         failed_at(&out, "post-copy");
