@@ -82,6 +82,9 @@ pub struct PostCopy {
     pieces: Vec<LaterPiece>,
     state: Mutex<State>,
     cv: Condvar,
+    /// Connections to the stages' keepers, by stage (its place in `State::stages`): used by
+    /// whoever flushes `State::outbox`, one at a time.
+    keepers: Mutex<HashMap<usize, possum_keeper::Keeper>>,
 }
 
 /// What [`PostCopy::wait_watching`] saw of the pieces coming.
@@ -95,8 +98,12 @@ pub struct Watch {
 struct State {
     arrived: Vec<bool>,
     /// The stages waiting for pieces: the GPU image's directory (relative, `/`-separated), its
-    /// keeper socket, the stage, and a connection to tell it (made at the first piece).
+    /// keeper socket and the stage.
     stages: Vec<Told>,
+    /// Pieces come that their stages are not told of yet: (the stage's place, the piece).
+    outbox: Vec<(usize, PendingPiece)>,
+    /// Someone tells the stages now (the others leave their pieces in `outbox` to them).
+    flushing: bool,
     /// The receive's end: `Ok` once every piece came, or why it failed.
     end: Option<Result<(), String>>,
 }
@@ -106,7 +113,6 @@ struct Told {
     image: String,
     socket: PathBuf,
     stage: u64,
-    keeper: Option<possum_keeper::Keeper>,
 }
 
 impl PostCopy {
@@ -120,6 +126,7 @@ impl PostCopy {
             pieces,
             state: Mutex::new(state),
             cv: Condvar::new(),
+            keepers: Mutex::new(HashMap::new()),
         }
     }
 
@@ -147,20 +154,19 @@ impl PostCopy {
     /// [`PostCopy::pending_in`] was asked.
     pub(crate) fn told_by(&self, image: &str, socket: &Path, stage: u64) {
         let mut s = self.lock();
-        let came: Vec<PendingPiece> = (self.pieces.iter().zip(&s.arrived))
+        let at = s.stages.len();
+        let came: Vec<(usize, PendingPiece)> = (self.pieces.iter().zip(&s.arrived))
             .filter(|(_, came)| **came)
             .filter_map(|(p, _)| in_image(image, p))
+            .map(|p| (at, p))
             .collect();
-        let mut t = Told {
+        s.stages.push(Told {
             image: image.to_string(),
             socket: socket.to_path_buf(),
             stage,
-            keeper: None,
-        };
-        if !came.is_empty() {
-            t.tell(&came);
-        }
-        s.stages.push(t);
+        });
+        s.outbox.extend(came);
+        self.flush(s);
     }
 
     /// Piece `i` came (written where it goes): the stage of its GPU image is told.
@@ -172,10 +178,56 @@ impl PostCopy {
         *slot = true;
         self.cv.notify_all();
         let p = &self.pieces[i];
-        for t in &mut s.stages {
-            if let Some(pp) = in_image(&t.image, p) {
-                t.tell(&[pp]);
+        let tell: Vec<(usize, PendingPiece)> = (s.stages.iter().enumerate())
+            .filter_map(|(at, t)| in_image(&t.image, p).map(|pp| (at, pp)))
+            .collect();
+        s.outbox.extend(tell);
+        self.flush(s);
+    }
+
+    /// Tells the stages of the pieces in the outbox, in batches, the lock let go meanwhile
+    /// (the pieces' receive goes on); unless someone does already, who then tells them of
+    /// these too. Best effort: a keeper that cannot be told leaves its buffers waiting, and
+    /// the job's own restore copies them from the image once it is whole.
+    fn flush<'a>(&'a self, mut s: MutexGuard<'a, State>) {
+        if s.flushing {
+            return;
+        }
+        s.flushing = true;
+        loop {
+            let batch = std::mem::take(&mut s.outbox);
+            if batch.is_empty() {
+                s.flushing = false;
+                return;
             }
+            let stages: Vec<(PathBuf, u64)> = (s.stages.iter())
+                .map(|t| (t.socket.clone(), t.stage))
+                .collect();
+            drop(s);
+            let mut by_stage: HashMap<usize, Vec<PendingPiece>> = HashMap::new();
+            for (at, p) in batch {
+                by_stage.entry(at).or_default().push(p);
+            }
+            let mut keepers = self.keepers.lock().unwrap_or_else(PoisonError::into_inner);
+            for (at, pieces) in by_stage {
+                let (socket, stage) = &stages[at];
+                if let std::collections::hash_map::Entry::Vacant(e) = keepers.entry(at) {
+                    match possum_keeper::Keeper::connect(socket) {
+                        Ok(k) => {
+                            e.insert(k);
+                        }
+                        Err(_) => continue,
+                    }
+                }
+                let told = keepers
+                    .get_mut(&at)
+                    .map(|k| k.stage_arrived(*stage, &pieces));
+                if matches!(told, Some(Err(_))) {
+                    keepers.remove(&at);
+                }
+            }
+            drop(keepers);
+            s = self.lock();
         }
     }
 
@@ -251,21 +303,6 @@ impl PostCopy {
         match &self.lock().end {
             Some(Err(why)) => Some(why.clone()),
             _ => None,
-        }
-    }
-}
-
-impl Told {
-    /// Tells the stage that `pieces` came (best effort: a keeper that cannot be told leaves its
-    /// buffers waiting, and the job's own restore copies them from the image once it is whole).
-    fn tell(&mut self, pieces: &[PendingPiece]) {
-        if self.keeper.is_none() {
-            self.keeper = possum_keeper::Keeper::connect(&self.socket).ok();
-        }
-        if let Some(k) = &mut self.keeper {
-            if k.stage_arrived(self.stage, pieces).is_err() {
-                self.keeper = None;
-            }
         }
     }
 }
