@@ -77,8 +77,9 @@ pub(crate) struct Pending {
     arrived: Vec<bool>,
     /// Per piece, whether a wait needed it (it is handed out once, unless it arrives first).
     asked: Vec<bool>,
-    /// Per piece, the chunks (buffer, offset) it overlaps.
+    /// Per piece, the chunks (buffer, offset) it overlaps, and the buffers those are of.
     blocks: Vec<Vec<(usize, u64)>>,
+    buffers_of: Vec<Vec<usize>>,
     /// Per chunk, how many pieces overlapping it have not arrived (absent: none).
     chunk_missing: HashMap<(usize, u64), usize>,
     /// Per buffer, its first chunk to load (none: nothing to load).
@@ -120,9 +121,10 @@ impl Pending {
             p.index.insert(piece.clone(), k);
             p.pieces.push(piece.clone());
             let chunks: Vec<(usize, u64)> = chunks.into_iter().filter(|c| c.0 < buffers).collect();
+            // (`overlaps` sorts them: a buffer's chunks follow each other.)
             let mut bufs: Vec<usize> = chunks.iter().map(|c| c.0).collect();
             bufs.dedup();
-            for b in bufs {
+            for &b in &bufs {
                 p.blocked_by[b].push(k);
                 p.missing[b] += 1;
             }
@@ -130,6 +132,7 @@ impl Pending {
                 *p.chunk_missing.entry(c).or_default() += 1;
             }
             p.blocks.push(chunks);
+            p.buffers_of.push(bufs);
         }
         p.left = p.pieces.len();
         p.arrived = vec![false; p.left];
@@ -171,12 +174,8 @@ impl Pending {
                 continue;
             }
             self.left -= 1;
-            let mut bufs: Vec<usize> = self.blocks[k].iter().map(|c| c.0).collect();
-            bufs.dedup();
-            for b in bufs {
-                if let Some(n) = self.missing.get_mut(b) {
-                    *n -= 1;
-                }
+            for &b in &self.buffers_of[k] {
+                self.missing[b] -= 1;
             }
             for c in &self.blocks[k] {
                 if let Some(n) = self.chunk_missing.get_mut(c) {

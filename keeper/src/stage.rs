@@ -22,8 +22,9 @@
 //! chunk to load that overlaps one is blocked until `stage_arrived` says every piece it overlaps
 //! is in its file: a loader starts a buffer once its first chunk to load is not blocked, and
 //! reads each later chunk once it is not (the bytes are loaded as they come, not once the whole
-//! buffer came); while the buffers left are blocked, the loaders wait rather than exit. A `stage_wait` for a blocked buffer makes the pieces it needs wanted, and
-//! `stage_demands` (a long poll, for whoever sends the files) hands each of them out once.
+//! buffer came); while the buffers left are blocked, the loaders wait rather than exit. A
+//! `stage_wait` for a blocked buffer makes the pieces it needs wanted, and `stage_demands` (a
+//! long poll, for whoever sends the files) hands each of them out once.
 //!
 //! A buffer that fails to load (a checksum mismatch, a read error, its memory freed) is reported
 //! failed to whoever waits; the job then copies it from the image itself. A keeper that dies
@@ -812,7 +813,7 @@ fn next_buf(
     depth: usize,
 ) -> Result<PinnedBuf, DeviceError> {
     let buf = if inflight.len() >= depth {
-        let oldest = inflight.pop_front().expect("DEPTH > 0 copies in flight");
+        let oldest = inflight.pop_front().expect("depth > 0 copies in flight");
         oldest.wait()?
     } else if let Some(b) = free.pop() {
         b

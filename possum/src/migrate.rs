@@ -62,7 +62,7 @@ pub struct MigrateArgs {
     ///
     /// Send the image over N TCP connections at once (1 to 64), each
     /// authenticated on its own, the files' bytes spread over them.
-    /// Default: one per core, at most 8.
+    /// Default: one per core, at most 8 (at least 2 with --post-copy).
     #[arg(
         long,
         value_name = "N",
@@ -196,7 +196,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
         max_rate: a.max_rate,
         streams: a
             .streams
-            .unwrap_or_else(|| default_streams().max(u32::from(a.post_copy) + 1)),
+            .unwrap_or_else(|| default_streams().max(if a.post_copy { 2 } else { 1 })),
         post_copy: a.post_copy,
     };
     let mut line = MigrateLine::new(!a.json && std::io::stderr().is_terminal());

@@ -1009,18 +1009,7 @@ fn a_connection_cut_while_the_job_is_held_lets_it_run_on_at_the_source() {
 /// at 1 MB/s; the job writes its buffers once its round is being sent ahead, so that the cut
 /// finds pieces of its GPU image changed. The job, the reference's buffers (one step further
 /// too), the receiver, the relay and the migration running; `None` to skip.
-#[allow(clippy::type_complexity)]
-fn post_copy_setup(
-    test: &str,
-) -> Option<(
-    tempfile::TempDir,
-    [Vec<u8>; 2],
-    Job,
-    Receiver,
-    Relay,
-    std::process::Child,
-    support::cli::KeeperProcess,
-)> {
+fn post_copy_setup(test: &str) -> Option<PostCopyRun> {
     let (tmp, lib) = support::session_job_setup(test, "possum-migrate-")?;
     let dir = tmp.path();
     let mut reference = start_job(dir, "reference", None);
@@ -1048,7 +1037,28 @@ fn post_copy_setup(
     relay.carried(256 << 10);
     assert!(!is_stopped(job.pid), "held before its step");
     job.run("step 1", "done 6");
-    Some((tmp, want, job, receiver, relay, migrate, keeper))
+    Some(PostCopyRun {
+        tmp,
+        want,
+        job,
+        receiver,
+        relay,
+        migrate,
+        _keeper: keeper,
+    })
+}
+
+/// A post-copy migration under way ([`post_copy_setup`]).
+struct PostCopyRun {
+    tmp: tempfile::TempDir,
+    /// The reference's buffers.
+    want: [Vec<u8>; 2],
+    job: Job,
+    receiver: Receiver,
+    relay: Relay,
+    /// `possum migrate`.
+    migrate: std::process::Child,
+    _keeper: support::cli::KeeperProcess,
 }
 
 /// Post-copy (`--post-copy`): the pieces of the job's GPU image it wrote after its round are
@@ -1057,8 +1067,15 @@ fn post_copy_setup(
 /// at the destination, and both ends count the pieces.
 #[test]
 fn a_job_migrated_with_post_copy_runs_on_at_the_destination_bit_exact() {
-    let Some((tmp, want, mut job, receiver, _relay, migrate, _keeper)) =
-        post_copy_setup("migrate_post_copy")
+    let Some(PostCopyRun {
+        tmp,
+        want,
+        mut job,
+        receiver,
+        relay: _relay,
+        migrate,
+        _keeper,
+    }) = post_copy_setup("migrate_post_copy")
     else {
         return;
     };
@@ -1091,8 +1108,15 @@ fn a_job_migrated_with_post_copy_runs_on_at_the_destination_bit_exact() {
 /// job goes on bit-exact.
 #[test]
 fn a_job_waiting_for_post_copy_pieces_has_them_asked_for_and_goes_on_bit_exact() {
-    let Some((tmp, want, mut job, receiver, relay, migrate, _keeper)) =
-        post_copy_setup("migrate_post_copy_demand")
+    let Some(PostCopyRun {
+        tmp,
+        want,
+        mut job,
+        receiver,
+        relay,
+        migrate,
+        _keeper,
+    }) = post_copy_setup("migrate_post_copy_demand")
     else {
         return;
     };
@@ -1129,8 +1153,15 @@ fn a_job_waiting_for_post_copy_pieces_has_them_asked_for_and_goes_on_bit_exact()
 /// its image unrestored, saying so. Either way the job goes on bit-exact at the source.
 #[test]
 fn a_receiver_killed_during_post_copy_takes_the_job_there_with_it() {
-    let Some((tmp, want, mut job, receiver, relay, migrate, _keeper)) =
-        post_copy_setup("migrate_post_copy_receiver_killed")
+    let Some(PostCopyRun {
+        tmp,
+        want,
+        mut job,
+        receiver,
+        relay,
+        migrate,
+        _keeper,
+    }) = post_copy_setup("migrate_post_copy_receiver_killed")
     else {
         return;
     };
@@ -1176,8 +1207,15 @@ fn a_receiver_killed_during_post_copy_takes_the_job_there_with_it() {
 /// the job goes on there bit-exact.
 #[test]
 fn a_post_copy_stalled_after_the_job_ran_there_has_it_restored_at_the_source() {
-    let Some((tmp, want, mut job, receiver, relay, migrate, _keeper)) =
-        post_copy_setup("migrate_post_copy_cut")
+    let Some(PostCopyRun {
+        tmp,
+        want,
+        mut job,
+        receiver,
+        relay,
+        migrate,
+        _keeper,
+    }) = post_copy_setup("migrate_post_copy_cut")
     else {
         return;
     };

@@ -68,7 +68,6 @@ use crate::checkpoint::{checkpoint_held, CheckpointParams, CheckpointReport};
 use crate::figures::as_ms;
 mod error;
 mod post_copy;
-use crate::postcopy::PostCopy;
 use crate::prestage::{self, Prestaged, Prestages};
 use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
@@ -331,7 +330,7 @@ pub fn estimated_downtime(held_bytes: u64, process_bytes: u64, send_rate: f64) -
 
 /// The resident memory of `pid` and its descendants, in bytes (what CRIU dumps of them, about).
 fn tree_rss(pid: i32) -> u64 {
-    job_pids(pid)
+    crate::tree::with_descendants(pid)
         .into_iter()
         .filter_map(|p| fs::read_to_string(format!("/proc/{p}/status")).ok())
         .filter_map(|s| {
@@ -382,7 +381,7 @@ impl SendAhead<'_> {
         if !env.hostmem_ahead || env.hostmem_split == crate::config::HostmemSplit::Off {
             return written;
         }
-        let pids = job_pids(self.p.checkpoint.pid);
+        let pids = crate::tree::with_descendants(self.p.checkpoint.pid);
         let into = dir.join(ahead::AHEAD_DIR);
         match ahead::draft(&into, &pids, hostmem::default_threads()) {
             Ok(r) => {
@@ -535,10 +534,10 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     timings.send_hashing = sent.hashing;
     timings.send_committing = sent.committing;
     // Post-copy: what was left goes now, on the other streams, while the hand-off goes on.
-    let (later, urgent) = post_copy::start_sending(later, &local, &gpu_dirs, sent_counter);
+    let later = later.map(|l| post_copy::start_sending(l, &local, &gpu_dirs, sent_counter));
 
     let t = Instant::now();
-    let pids = job_pids(p.checkpoint.pid);
+    let pids = crate::tree::with_descendants(p.checkpoint.pid);
     let here = Fallback {
         c: &p.checkpoint,
         pids: &pids,
@@ -561,7 +560,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         &mut stream,
         &mut session,
         p.deadlines.restore,
-        urgent.as_deref(),
+        later.as_ref().map(|l| &*l.urgent),
     );
     timings.synced_there = t.elapsed();
     let post_copy = match later {
@@ -619,7 +618,7 @@ fn post_copy_sent(
         });
     }
     // (Its streams' writes are bounded by their timeouts.)
-    let sent = sending.join();
+    let sent = sending.thread.join();
     if synced.is_ok() {
         // The destination has every piece: whatever this end's send said after, it runs there.
         return Ok(sent.ok().and_then(Result::ok));
@@ -734,13 +733,6 @@ fn checkpoint_sending_ahead<'p>(
             Err(MigrateError::Checkpoint(Box::new(e)))
         }
     }
-}
-
-/// The job's processes: `pid` and its descendants.
-fn job_pids(pid: i32) -> Vec<i32> {
-    std::iter::once(pid)
-        .chain(crate::tree::descendants(pid))
-        .collect()
 }
 
 /// The destination has the image: the held job is killed here, and its PIDs waited free for
@@ -1215,20 +1207,23 @@ fn released_within(
     await_released(stream, session)
 }
 
-/// Post-copy once the job runs here (`pc`, its receive, the job): waits for its pieces, asking
+/// Post-copy once the job runs here (its receive, the job): waits for its pieces, asking
 /// the source (`Demand`s on `stream`) for those its buffers wait for; how long it waited and
 /// what came (`None` without post-copy). If they do not all come, the job is killed, the image
 /// at `dest` removed and the source told why.
 fn post_copy_here(
-    (pc, receiving, pid): (Option<&PostCopy>, Option<post_copy::Receiving>, i32),
+    (receiving, pid): (Option<post_copy::Receiving>, i32),
     stream: &mut TcpStream,
     session: &mut wire::Session,
     dest: &Path,
     obs: &mut dyn Observer,
 ) -> Result<Option<(Duration, PostCopyReport)>, ReceiveError> {
+    let Some(receiving) = receiving else {
+        return Ok(None);
+    };
     let mut demand = |piece| send_demand(stream, session, piece).is_ok();
-    match post_copy::after_run(pc, receiving, pid, &mut demand, obs) {
-        Ok(done) => Ok(done),
+    match post_copy::after_run(receiving, pid, &mut demand, obs) {
+        Ok(done) => Ok(Some(done)),
         Err(why) => {
             let reason = format!("post-copy failed: {why}; the job was killed here");
             send_abort(stream, session, &reason);
@@ -1253,7 +1248,7 @@ pub fn receive_in_session(
     let dest = image_name(&p.dir);
     let (got, mut session, prestaged, later) = receive_loading_ahead(stream, session, &dest, p)?;
     timings.receive = t.elapsed();
-    let (post_copy, later) = post_copy::receive_later(later, &dest);
+    let later = later.map(|l| post_copy::receive_later(l, &dest));
     // Whatever the restore took of them, the rest is freed at the end.
     let _end_prestages = EndPrestages(&prestaged);
 
@@ -1271,7 +1266,7 @@ pub fn receive_in_session(
         socket_dir_from_source: true,
         received_unsynced: true,
         prestaged: prestaged.clone(),
-        post_copy: post_copy.clone(),
+        post_copy: later.as_ref().map(|l| l.pc.clone()),
         ..p.restore.clone()
     };
     // Restored, the job is held until the source says go: without it, it never runs here.
@@ -1294,7 +1289,7 @@ pub fn receive_in_session(
     match restored {
         Ok(r) => {
             let told = send_outcome(stream, &mut session, &Outcome::Running { pid: r.pid });
-            let here = (post_copy.as_deref(), later, r.pid);
+            let here = (later, r.pid);
             let post_copied = post_copy_here(here, stream, &mut session, &dest, obs)?;
             timings.post_copy = post_copied.map(|(took, _)| took);
             let post_copied = post_copied.map(|(_, r)| r);

@@ -80,6 +80,8 @@ pub(crate) fn later_order(dir: &Path, gpu_dirs: &[String], pieces: &[LaterPiece]
 #[derive(Debug)]
 pub struct PostCopy {
     pieces: Vec<LaterPiece>,
+    /// Each piece's number, by its file's path and its offset.
+    index: HashMap<(String, u64), usize>,
     state: Mutex<State>,
     cv: Condvar,
     /// Connections to the stages' keepers, by stage (its place in `State::stages`): used by
@@ -97,6 +99,8 @@ pub struct Watch {
 #[derive(Debug, Default)]
 struct State {
     arrived: Vec<bool>,
+    /// How many have arrived.
+    came: usize,
     /// The stages waiting for pieces: the GPU image's directory (relative, `/`-separated), its
     /// keeper socket and the stage.
     stages: Vec<Told>,
@@ -122,8 +126,12 @@ impl PostCopy {
             arrived: vec![false; pieces.len()],
             ..State::default()
         };
+        let index = (pieces.iter().enumerate())
+            .map(|(i, p)| ((p.path.clone(), p.offset), i))
+            .collect();
         PostCopy {
             pieces,
+            index,
             state: Mutex::new(state),
             cv: Condvar::new(),
             keepers: Mutex::new(HashMap::new()),
@@ -175,7 +183,10 @@ impl PostCopy {
         let Some(slot) = s.arrived.get_mut(i) else {
             return;
         };
-        *slot = true;
+        if std::mem::replace(slot, true) {
+            return;
+        }
+        s.came += 1;
         self.cv.notify_all();
         let p = &self.pieces[i];
         let tell: Vec<(usize, PendingPiece)> = (s.stages.iter().enumerate())
@@ -263,9 +274,8 @@ impl PostCopy {
             if let Some(r) = &s.end {
                 return Some(r.clone());
             }
-            let came = s.arrived.iter().filter(|c| **c).count();
-            if watch.since.is_none() || came != watch.came {
-                (watch.came, watch.since) = (came, Some(Instant::now()));
+            if watch.since.is_none() || s.came != watch.came {
+                (watch.came, watch.since) = (s.came, Some(Instant::now()));
             }
             let since = watch.since.unwrap_or_else(Instant::now);
             if since.elapsed() >= lease {
@@ -294,8 +304,8 @@ impl PostCopy {
 
     /// The number of the piece the stage of the GPU image in `image` names `p`, if one is.
     pub(crate) fn index_of(&self, image: &str, p: &PendingPiece) -> Option<usize> {
-        let path = format!("{image}/{}", p.file);
-        (self.pieces.iter()).position(|l| l.path == path && l.offset == p.offset && l.len == p.len)
+        let &i = self.index.get(&(format!("{image}/{}", p.file), p.offset))?;
+        (self.pieces[i].len == p.len).then_some(i)
     }
 
     /// Why the receive of the pieces failed, if it did.

@@ -291,8 +291,8 @@ pub fn kill_job(pid: i32) -> nix::Result<()> {
 /// Continues (SIGCONT) process `pid` and every process below it, each through a pidfd: a tree
 /// its dump left stopped runs on.
 pub fn continue_tree(pid: i32) -> Result<(), SignalError> {
-    std::iter::once(pid)
-        .chain(crate::tree::descendants(pid))
+    crate::tree::with_descendants(pid)
+        .into_iter()
         .filter_map(|p| Process::open(p).ok())
         .try_for_each(|p| p.cont())
 }

@@ -72,9 +72,10 @@ pub struct StageReport {
 pub(crate) struct Staging {
     dir: PathBuf,
     started: Option<Child>,
+    /// The stage requests, on a thread of their own until they are waited for ...
     thread: Option<JoinHandle<Vec<StageReport>>>,
-    /// The stage requests' reports, once waited for.
-    reports: Option<Vec<StageReport>>,
+    /// ... and their reports then.
+    reports: Vec<StageReport>,
 }
 
 /// Where to stage: the keeper's directory, and for `--device` the move (the job's GPU's UUID,
@@ -167,7 +168,7 @@ impl Staging {
             dir: keeper_dir,
             started,
             thread: Some(thread),
-            reports: None,
+            reports: Vec::new(),
         })
     }
 
@@ -180,9 +181,9 @@ impl Staging {
     /// The stage requests' reports, once they are answered.
     fn requests(&mut self) -> &mut Vec<StageReport> {
         if let Some(t) = self.thread.take() {
-            self.reports = Some(t.join().unwrap_or_default());
+            self.reports = t.join().unwrap_or_default();
         }
-        self.reports.get_or_insert_with(Vec::new)
+        &mut self.reports
     }
 
     /// Whether a keeper was started for the staging.

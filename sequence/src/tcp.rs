@@ -55,7 +55,7 @@ pub fn quiet_connections(root: i32) -> Quieted {
         held: Vec::new(),
     };
     let mut seen = BTreeSet::new();
-    for pid in std::iter::once(root).chain(crate::tree::descendants(root)) {
+    for pid in crate::tree::with_descendants(root) {
         if let Err(e) = quiet_process(pid, &mut seen, &mut done) {
             done.report.failed.push(format!("process {pid}: {e}"));
         }

@@ -36,6 +36,11 @@ fn ppid_of(stat: &str) -> Option<i32> {
     rest.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// `root` and every descendant of it ([`descendants`]): a job's processes.
+pub fn with_descendants(root: i32) -> Vec<i32> {
+    std::iter::once(root).chain(descendants(root)).collect()
+}
+
 /// Every descendant of `root` (children, grandchildren, ...), sorted.
 pub fn descendants(root: i32) -> Vec<i32> {
     descendants_in(Path::new("/proc"), root)

@@ -35,15 +35,16 @@ pub struct PostCopyReport {
     pub demanded: u64,
 }
 
+/// A post-copy's receive at the destination: which pieces came ([`PostCopy`], which the
+/// restore's stages are told through), and the thread that receives them.
+pub(crate) struct Receiving {
+    pub(crate) pc: Arc<PostCopy>,
+    thread: std::thread::JoinHandle<Option<LaterReport>>,
+}
+
 /// Post-copy at the destination: the pieces left come on a thread of their own into the image
-/// at `dest`, each told to `pc` (and through it to the stages); the thread ends `pc`.
-pub(crate) fn receive_later(
-    later: Option<LaterReceiver>,
-    dest: &Path,
-) -> (Option<Arc<PostCopy>>, Option<Receiving>) {
-    let Some(later) = later else {
-        return (None, None);
-    };
+/// at `dest`, each told to the [`PostCopy`] (and through it to the stages); the thread ends it.
+pub(crate) fn receive_later(later: LaterReceiver, dest: &Path) -> Receiving {
     let pc = Arc::new(PostCopy::new(later.pieces().to_vec()));
     let (to, dir) = (pc.clone(), dest.to_path_buf());
     let thread = std::thread::spawn(move || {
@@ -52,61 +53,57 @@ pub(crate) fn receive_later(
         to.ended(r.map(drop).map_err(|e| possum_cuda::error_chain(&e)));
         report
     });
-    (Some(pc), Some(thread))
+    Receiving { pc, thread }
 }
 
-/// A post-copy's receive on its thread: what it received, unless it failed.
-pub(crate) type Receiving = std::thread::JoinHandle<Option<LaterReport>>;
-
 /// Post-copy at the destination once the job runs there as `pid` ([`post_copy_end`]): how long
-/// it waited for the pieces, and what came; `None` without post-copy; why it failed (the job
-/// killed).
+/// it waited for the pieces, and what came; why it failed (the job killed).
 pub(crate) fn after_run(
-    pc: Option<&PostCopy>,
-    receiving: Option<Receiving>,
+    receiving: Receiving,
     pid: i32,
     demand: &mut dyn FnMut(u64) -> bool,
     obs: &mut dyn Observer,
-) -> Result<Option<(Duration, PostCopyReport)>, String> {
-    let (Some(pc), Some(receiving)) = (pc, receiving) else {
-        return Ok(None);
-    };
+) -> Result<(Duration, PostCopyReport), String> {
     let t = Instant::now();
     // Should this process die meanwhile, the job it runs without its buffers dies with it.
     let watchdog = Watchdog::start(pid);
-    let ended = post_copy_end(pc, pid, demand, obs);
+    let ended = post_copy_end(&receiving.pc, pid, demand, obs);
     if let Some(w) = watchdog {
         w.disarm();
     }
     let demanded = ended?;
     let took = t.elapsed();
-    let r = receiving.join().ok().flatten().unwrap_or_default();
+    let r = receiving.thread.join().ok().flatten().unwrap_or_default();
     let report = PostCopyReport {
         pieces: r.pieces,
         bytes: r.bytes,
         took: r.elapsed,
         demanded,
     };
-    Ok(Some((took, report)))
+    Ok((took, report))
 }
 
-/// Starts the post-copy's send of `later` (if there is one) from the image at `dir` (whose GPU
-/// images are `gpu_dirs`) on a thread of its own, the pieces in the order the job needs them
-/// ([`later_order`]), `sent` counting their bytes; with what the destination asks for first.
+/// A post-copy's send at the source: the thread that sends the pieces, and the pieces the
+/// destination asks for first.
+pub(crate) struct Sending {
+    pub(crate) thread: std::thread::JoinHandle<Result<PostCopyReport, SendError>>,
+    pub(crate) urgent: Arc<Urgent>,
+}
+
+/// Starts the post-copy's send of `later` from the image at `dir` (whose GPU images are
+/// `gpu_dirs`) on a thread of its own, the pieces in the order the job needs them
+/// ([`later_order`]), `sent` counting their bytes.
 pub(crate) fn start_sending(
-    later: Option<LaterSender>,
+    later: LaterSender,
     dir: &Path,
     gpu_dirs: &[String],
     sent: Arc<AtomicU64>,
-) -> (Option<Sending>, Option<Arc<Urgent>>) {
-    let Some(later) = later else {
-        return (None, None);
-    };
+) -> Sending {
     let order = later_order(dir, gpu_dirs, later.pieces());
     let (dir, t) = (dir.to_path_buf(), Instant::now());
     let urgent = Arc::new(Urgent::default());
     let asked = urgent.clone();
-    let sending = std::thread::spawn(move || {
+    let thread = std::thread::spawn(move || {
         later
             .send(&dir, &order, &asked, &sent)
             .map(|r| PostCopyReport {
@@ -116,11 +113,8 @@ pub(crate) fn start_sending(
                 demanded: asked.asked(),
             })
     });
-    (Some(sending), Some(urgent))
+    Sending { thread, urgent }
 }
-
-/// A post-copy's send on its thread.
-pub(crate) type Sending = std::thread::JoinHandle<Result<PostCopyReport, SendError>>;
 
 /// With `on`, the GPU images of the image at `dir` (relative), whose pieces `sender` leaves for
 /// post-copy; none otherwise.
@@ -196,15 +190,7 @@ fn post_copy_end(
             None => asker.ask(pc, demand),
         }
     };
-    let tree: Vec<i32> = std::iter::once(pid)
-        .chain(crate::tree::descendants(pid))
-        .collect();
-    for &p in tree.iter().rev() {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(p),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-    }
+    let _ = crate::process::kill_job(pid);
     // Reaped (CRIU restored it as this process's child): its PID is free for the source's
     // restore, should that be on this host.
     let _ = possum_criu::wait_for_exit(pid, Some(Duration::from_secs(10)));
@@ -227,8 +213,7 @@ impl Watchdog {
     /// Watches the job `pid` (and its processes now); `None` if no shell could be started.
     fn start(pid: i32) -> Option<Watchdog> {
         use std::os::unix::process::CommandExt;
-        let tree: Vec<String> = std::iter::once(pid)
-            .chain(crate::tree::descendants(pid))
+        let tree: Vec<String> = (crate::tree::with_descendants(pid).iter())
             .map(|p| p.to_string())
             .collect();
         let script = format!(

@@ -31,8 +31,9 @@ use super::session::{recv_frame, send_frame, Frame, FrameError, RecvLane, SendLa
 /// left as a JSON array of [`LaterPiece`]s: a restore refuses it, but the migration's own.
 pub const POST_COPY: &str = ".possum-post-copy";
 
-/// A piece of a file left for after the transfer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// A piece of a file left for after the transfer. Both ends number the pieces left in their
+/// order (by path, then offset: the fields' order), which `Chunk` and `Demand` frames name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct LaterPiece {
     /// The file, relative to the directory sent, `/`-separated.
     pub path: String,
@@ -142,7 +143,7 @@ impl LaterSender {
 fn full_order(order: &[usize], n: usize) -> Vec<usize> {
     let mut seen = vec![false; n];
     let mut all = Vec::with_capacity(n);
-    for &i in order.iter().chain(&(0..n).collect::<Vec<_>>()) {
+    for i in order.iter().copied().chain(0..n) {
         if i < n && !seen[i] {
             seen[i] = true;
             all.push(i);

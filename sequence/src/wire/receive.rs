@@ -95,6 +95,10 @@ pub(super) fn ensure_dir(root: &Path, path: &str, parts: &[&str]) -> Result<Path
     Ok(at)
 }
 
+/// A base's patches sent in a part, by offset: their lengths, and (after the `Cut`) the BLAKE3
+/// their bytes must have.
+type Patches = HashMap<u64, (u64, Option<[u8; 32]>)>;
+
 /// A file of the part being received: its chunks are written at their offsets, from any
 /// stream.
 #[derive(Debug)]
@@ -107,7 +111,7 @@ pub(super) struct Incoming {
     from: u64,
     /// Its base's pieces sent again, by offset: their lengths, and (after the `Cut`) the BLAKE3
     /// their bytes must have.
-    patches: HashMap<u64, (u64, Option<[u8; 32]>)>,
+    patches: Patches,
     mode: u32,
     /// Ahead of the `Cut`: the pieces of its earlier rounds (which its digest goes on from).
     prior: Option<Vec<Piece>>,
@@ -510,8 +514,7 @@ impl<'a> Receiving<'a> {
     /// Every directory's mode set and synced, the staging directory named `dest`.
     fn commit(&mut self, dest: &Path) -> Result<(), ReceiveError> {
         if !self.later.is_empty() {
-            self.later
-                .sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
+            self.later.sort();
             mark_post_copy(&self.root, &self.later)?;
         }
         // Deepest first: a directory's mode may take away what its children's need.
@@ -674,16 +677,16 @@ fn open_file(
 /// offset: their lengths and, after the cut (`cut`), the hashes their bytes must have; those
 /// left for later are added to `later` instead. Refused (why) unless each is one of the
 /// pieces, once, with a hash after the cut, and none is left for later before it.
-#[allow(clippy::type_complexity)]
 fn base_patches(
     path: &str,
     base: &super::session::Base,
     pieces: &[Piece],
     cut: bool,
     later: &mut Vec<LaterPiece>,
-) -> Result<HashMap<u64, (u64, Option<[u8; 32]>)>, &'static str> {
+) -> Result<Patches, &'static str> {
     let places: HashMap<u64, u64> = pieces.iter().map(|p| (p.offset, p.len)).collect();
     let mut patches = HashMap::new();
+    let mut seen = std::collections::HashSet::new();
     for p in &base.patches {
         if places.get(&p.offset) != Some(&p.len) {
             return Err("a patch is not a piece of it as it was sent ahead");
@@ -693,22 +696,20 @@ fn base_patches(
             None if cut => return Err("a patch after the cut has no hash"),
             None => None,
         };
-        let left = later.iter().any(|l| l.path == path && l.offset == p.offset);
-        let twice = match (p.later, hash) {
-            (false, hash) => left || patches.insert(p.offset, (p.len, hash)).is_some(),
-            (true, Some(hash)) if cut => {
-                later.push(LaterPiece {
-                    path: path.to_string(),
-                    offset: p.offset,
-                    len: p.len,
-                    hash,
-                });
-                left || patches.contains_key(&p.offset)
-            }
-            (true, _) => return Err("a patch left for later before the cut"),
-        };
-        if twice {
+        if !seen.insert(p.offset) {
             return Err("two patches of one piece");
+        }
+        match (p.later, hash) {
+            (false, hash) => {
+                patches.insert(p.offset, (p.len, hash));
+            }
+            (true, Some(hash)) if cut => later.push(LaterPiece {
+                path: path.to_string(),
+                offset: p.offset,
+                len: p.len,
+                hash,
+            }),
+            (true, _) => return Err("a patch left for later before the cut"),
         }
     }
     Ok(patches)

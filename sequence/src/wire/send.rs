@@ -897,7 +897,7 @@ fn leave_for_later(
             });
         }
     }
-    later.sort_by(|a, b| (&a.path, a.offset).cmp(&(&b.path, b.offset)));
+    later.sort();
     later
 }
 
