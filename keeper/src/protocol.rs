@@ -169,9 +169,9 @@ pub enum Request {
         base: Option<u64>,
         /// Byte ranges of the image's data files whose bytes have not arrived yet (a migration's
         /// post-copy): the files hold other bytes there until `stage_arrived` says they are in.
-        /// A buffer with a chunk to load (one not already in memory from `base`) that overlaps
-        /// one of them is blocked: it is not loaded until every piece it overlaps has arrived.
-        /// The other buffers load as usual.
+        /// A chunk to load (one not already in memory from `base`) that overlaps one of them is
+        /// not loaded until every piece it overlaps has arrived; its buffer's other chunks, and
+        /// the other buffers, load as usual.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         pending: Vec<PendingPiece>,
     },
@@ -415,7 +415,7 @@ pub struct StageStats {
     /// Pieces of its image's data files still pending ([`Request::Stage`]'s `pending`).
     #[serde(default)]
     pub pending_pieces: u64,
-    /// Buffers not loaded because a piece they overlap is still pending.
+    /// Buffers not loaded yet that a piece still pending overlaps.
     #[serde(default)]
     pub blocked_buffers: u64,
     /// Since it began, ms.
