@@ -554,6 +554,38 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     return row["ok"]
 
 
+def memory_of(pid):
+    """Process `pid`'s host memory as the kernel counts it (kB from smaps_rollup)."""
+    rec = {}
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            k, _, v = line.partition(":")
+            if k in ("Rss", "Anonymous", "Private_Dirty", "Shared_Clean", "AnonHugePages"):
+                rec[k.lower() + "_kb"] = int(v.split()[0])
+    except OSError:
+        pass
+    return rec
+
+
+def longest_gap(log):
+    """The longest gap between two steps in the job's log (`t` of each line): its seconds and
+    the steps after it. None steps after it: the job had ended its steps before the gap (a
+    migration held it after its last step), so the gap is not a downtime the job saw."""
+    times = []
+    try:
+        for line in open(log):
+            r = json.loads(line)
+            if "step" in r and "t" in r:
+                times.append(r["t"])
+    except (OSError, ValueError):
+        return None
+    gaps = [(b - a, len(times) - 1 - i) for i, (a, b) in enumerate(zip(times, times[1:]))]
+    if not gaps:
+        return None
+    s, after = max(gaps)
+    return {"s": round(s, 3), "steps_after": after}
+
+
 def migrate_trial(p, log, ref, row, name, t_trial, v):
     """A trial of a `-migrate` engine: the job `p` (logging to `log`) migrated at its step k to
     a `possum receive` on this host; its process here ends, the restored one (the same PID, not
@@ -569,12 +601,15 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
     reaper = threading.Thread(target=p.wait, daemon=True)
     reaper.start()
     extra = ["--post-copy"] if v["postcopy"] else []
+    # What CRIU will dump of the job: its host memory as the kernel counts it, just before.
+    row["memory_before"] = memory_of(p.pid)
     mg = possum("migrate", str(p.pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key_file,
                 "-D", os.path.join(work, "local"), "--json", "--socket-dir", SOCK, *extra)
     received = r.result(timeout=300)
     j = mg["json"] or {}
     row["migrate"] = {"rc": mg["rc"], "timings": j.get("timings"), "bytes": j.get("bytes"),
                       "bytes_while_held": j.get("bytes_while_held"), "remote_pid": j.get("remote_pid"),
+                      "bytes_before_hold": j.get("bytes_before_hold"), "rounds": j.get("rounds"),
                       "post_copy": j.get("post_copy"),
                       "source": (j.get("checkpoint") or {}).get("figures"),
                       "received": (received or {}).get("timings"),
@@ -588,6 +623,7 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
     whole = key(read_log(log))
     row["migrated_identical"] = whole == ref
     row["ok"] = mg["rc"] == 0 and row["migrated_identical"] and gone
+    row["log_gap"] = longest_gap(log)
     if not row["ok"]:
         row["first_diff"] = next(((i, a, b) for i, (a, b) in enumerate(zip(whole, ref)) if a != b), None)
         row["lines"], row["reference_lines"] = len(whole), len(ref)
@@ -602,6 +638,18 @@ JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "triton": 200, "graph": 200, "m
              "ptrtable": 60, "lcuda": 200, "fewbytes": 80, "amp": 120, "twodev": 80}
 JOB_SLEEP = {"mlp": 10, "cnn": 10, "gpt2": 20, "triton": 10, "graph": 10, "multistream": 10,
              "ptrtable": 20, "lcuda": 10, "fewbytes": 20, "amp": 10, "twodev": 20}
+
+
+def job_steps(spec):
+    """The steps of a trial's job. A torch job given a large state (`CKPT_STATE_MIB`, 1 GiB or
+    more) runs five times as many: a migration's pre-copy of it takes 10-20 s, and its hold must
+    come while the job still steps (a job past its last step copies its whole state to host
+    memory for its digest, which CRIU would then dump)."""
+    job = job_spec(spec)[0]
+    big = job not in C_JOBS and float(os.environ.get("CKPT_STATE_MIB") or 0) >= 1024
+    return JOB_STEPS[job] * (5 if big else 1)
+
+
 # Every workload, then torch's other allocators.
 CORRECTNESS_JOBS = "mlp,cnn,gpt2,triton,graph,multistream,ptrtable,lcuda,mlp+expandable,mlp+async," \
                    "gpt2+expandable,gpt2+async"
@@ -621,8 +669,11 @@ def trial_plan(jobs, n_trials, seed):
     out = []
     for n in range(n_trials):
         spec = jobs[n % len(jobs)]
-        steps = JOB_STEPS[job_spec(spec)[0]]
-        out.append((spec, rng.randint(2, steps * 2 // 3)))
+        steps = job_steps(spec)
+        # (A job of five times the steps is stopped in its first third: at least 1000 steps,
+        # 25-35 s, after it.)
+        last = steps // 3 if steps > JOB_STEPS[job_spec(spec)[0]] else steps * 2 // 3
+        out.append((spec, rng.randint(2, last)))
     return out
 
 
@@ -640,7 +691,7 @@ def correctness(a):
         variant(e)
     t0 = time.time()
     # Every reference first, all at once.
-    references([(spec, JOB_STEPS[job_spec(spec)[0]]) for spec in jobs])
+    references([(spec, job_steps(spec)) for spec in jobs])
     print(f"correctness: {len(jobs)} references in {time.time() - t0:.0f} s", flush=True)
     all_ok = True
     summary = []
@@ -658,7 +709,7 @@ def correctness(a):
         def one(n, spec, k):
             if time.time() - t0 + trial_cost(spec) * (1 if par == 1 else 1.5) > a.budget_s:
                 return None
-            steps = JOB_STEPS[job_spec(spec)[0]]
+            steps = job_steps(spec)
             return trial(spec, engine, k, steps, JOB_SLEEP[job_spec(spec)[0]], 100 * e + n)
 
         plan = trial_plan(jobs, n_trials, a.seed + e)

@@ -18,7 +18,9 @@
 #       job writing 8 GiB of state every step (no weights). -> $OUT/speculation-bars.jsonl
 #       SPEC_BARS picks the jobs ("GIB MIB TAG,..."); SPEC_HUGE=1 puts both ends' images on a
 #       tmpfs mounted with huge=always (2 MiB pages: the first round's copy into it is not
-#       held to the 4 KiB pages' rate).
+#       held to the 4 KiB pages' rate). SPEC_SAMPLE=1 samples the host every second while each
+#       job runs and migrates (free memory, tmpfs, compaction and reclaim counters, the busiest
+#       threads) -> $OUT/sample-TAG.txt, and keeps possum's notes -> $OUT/notes-TAG.log
 #   bash scripts/gpu-speculation.sh postcopy   (~6 min)
 #       Migration alone, without and then with --post-copy, of each of SPEC_BARS (default: the
 #       training job writing 8 GiB of state every step; 8 GiB of weights and 64 MiB of state).
@@ -46,6 +48,18 @@ source scripts/gpu-start.sh
 gpu_libraries
 source scripts/gpu-criu.sh
 harness_run speculation SPEC_BUDGET_S
+# Every second until killed: the time, free memory and tmpfs, the kernel's compaction, huge page
+# and reclaim counters, and the ten busiest threads (top's instant figures).
+sample_host() {
+    while :; do
+        echo "== $(date +%s.%N)"
+        grep -E "^(MemFree|Shmem|Cached|Dirty|Writeback):" /proc/meminfo | tr -s ' ' | tr '\n' ' '; echo
+        grep -E "^(compact_stall|compact_fail|compact_success|thp_file_alloc|thp_file_fallback|pgscan_direct|pgsteal_direct|allocstall_normal|allocstall_movable) " /proc/vmstat | tr '\n' ' '; echo
+        # (top's second frame: the first has no instant figures.)
+        top -b -H -n 2 -d 0.5 -w 150 -o %CPU 2>/dev/null | awk '/^top -/ {n++} n == 2' | sed -n 8,17p
+        sleep 0.5
+    done
+}
 case "${1:-}" in
 frozen)
     if [ "${SPEC_SELFTEST:-1}" != 0 ]; then
@@ -70,10 +84,19 @@ bars)
     fi
     for spec in "${bars[@]}"; do
         read -r gib mib tag <<< "$spec"
+        sampler=
+        if [ "${SPEC_SAMPLE:-0}" = 1 ]; then
+            sample_host > "$out/sample-$tag.txt" 2>&1 &
+            sampler=$!
+        fi
         # shellcheck disable=SC2086
         timeout -k 5 "${SPEC_RUN_S:-150}" python3 eval/speculation.py frozen --out "$res/$tag" \
             --gib "$gib" --state-mib "$mib" --modes speculative --migrate-only ${SPEC_FLAGS:-} \
             > "$res/speculation-$tag.log" 2>&1
+        if [ -n "$sampler" ]; then
+            kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+            grep -h "possum: " "$res/$tag"/speculation-possum.log "$res/$tag"/*receive.err > "$out/notes-$tag.log" 2>/dev/null
+        fi
         grep "migrate:" "$res/speculation-$tag.log" | cut -c1-600
         python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), tag=sys.argv[1]))) for l in open(sys.argv[2])]' \
             "$tag" "$res/$tag/speculation.jsonl" >> "$out/speculation-bars.jsonl" 2>/dev/null
