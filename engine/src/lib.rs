@@ -2,7 +2,7 @@
 //!
 //! The engine knows nothing about CUDA: it talks to a [`device::Device`]. See ARCHITECTURE.md.
 #![warn(missing_docs)]
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod addresses;
 pub mod backend;
