@@ -1,9 +1,11 @@
 //! The receiver's check of its copies of the files sent ahead (part of [`super`]): once each
-//! part ahead is written, the pieces it brought are read back and hashed, on threads of their
-//! own, while the job still runs at the source ([`AheadChecks`]); at the `Cut` a copy changed
-//! since (its length, inode or times not those it had when its check began) is read back again
-//! whole. A file of the final set takes one as its base only once its every piece holds the
-//! bytes received for it.
+//! part ahead is written, the pieces it brought are read back and checked against the CRC32C
+//! of the bytes received (a change by accident, not by an adversary: the wire's MAC is for
+//! those), on threads of their own, while the job still runs at the source ([`AheadChecks`]).
+//! The next part's writes do not wait for them: the pieces it writes again are not judged by
+//! the checks before it. At the `Cut` a copy changed since (its length, inode or times not
+//! those it had after its part was written) is read back again whole. A file of the final set
+//! takes one as its base only once its every piece holds the bytes received for it.
 
 use std::fs;
 use std::io;
@@ -81,6 +83,9 @@ struct State {
     /// Pieces not yet found sound.
     left: usize,
     bad: Option<Unsound>,
+    /// Pieces (by offset) a later part writes again: not this check's to judge (what it reads
+    /// of them may be half written; the later part's own check reads them back).
+    superseded: HashSet<u64>,
 }
 
 /// A worker's end, even by a panic: counted, and said to whoever waits.
@@ -118,6 +123,7 @@ impl CopyCheck {
             .map(|c| State {
                 left: c.pieces.len(),
                 bad: None,
+                superseded: HashSet::new(),
             })
             .collect();
         let work: Vec<(usize, usize)> = copies
@@ -236,16 +242,33 @@ impl CopyCheck {
     pub(super) fn stop(&self) {
         self.shared.stop.store(true, Ordering::Relaxed);
     }
+
+    /// The pieces at `offsets` of the copy under `path` are about to be written again (by a
+    /// later part): each counts as checked, whatever a worker reads of it from now on.
+    fn supersede(&self, path: &str, offsets: impl IntoIterator<Item = u64>) {
+        let Some(&i) = self.by_path.get(path) else {
+            return;
+        };
+        let s = &self.shared;
+        let mut states = lock(&s.states);
+        let pieces = &s.copies[i].pieces;
+        let state = &mut states[i];
+        for offset in offsets {
+            if pieces.iter().any(|p| p.offset == offset) {
+                state.superseded.insert(offset);
+            }
+        }
+    }
 }
 
-/// The longest a part's files wait, before they are written, for the checks of the parts
-/// before ([`AheadChecks::settle`]): the sender's writes wait meanwhile, and must not reach
-/// their deadline. What is not checked by then is read back at the `Cut`.
+/// The longest the `Cut` waits for the checks of the parts ahead ([`AheadChecks::settle`]):
+/// the sender's writes wait meanwhile, and must not reach their deadline. What is not checked
+/// by then is read back whole after the `Cut`.
 const SETTLE_LIMIT: Duration = Duration::from_secs(2);
 
-/// What a copy's metadata was when its check began: one that differs at the `Cut` was written
-/// since (by someone else: this receiver writes a part's files only once the checks of the
-/// part before are over).
+/// What a copy's metadata was when its part was written: one that differs at the `Cut` was
+/// written since by someone else (this receiver takes it again after each part it writes; the
+/// pieces a part writes again are not judged by the checks before it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Stamp {
     ino: u64,
@@ -291,8 +314,8 @@ pub(super) struct AheadChecks {
 
 impl AheadChecks {
     /// Waits for the checks begun, at most [`SETTLE_LIMIT`]; their verdicts kept, the copies
-    /// they did not finish left for the `Cut`. Before a part's files are written again, so that
-    /// no check reads a piece being written: the sender waits meanwhile, within its deadlines.
+    /// they did not finish left to be read back after the `Cut`. At the `Cut`: the sender
+    /// waits meanwhile, within its deadlines.
     pub(super) fn settle(&mut self) {
         let deadline = Instant::now() + SETTLE_LIMIT;
         for check in self.running.drain(..) {
@@ -309,6 +332,21 @@ impl AheadChecks {
                         self.unchecked.insert(path);
                     }
                 }
+            }
+        }
+    }
+
+    /// A part ahead is about to write again the pieces `rewritten` names (by path, their
+    /// offsets): the checks still running take them as checked (each part's own check reads
+    /// its pieces back). The part's other bytes are new: no check reads them. So the part's
+    /// writes need not wait for the checks before it.
+    pub(super) fn rewriting<'a>(
+        &mut self,
+        rewritten: impl IntoIterator<Item = (&'a str, Vec<u64>)>,
+    ) {
+        for (path, offsets) in rewritten {
+            for check in &self.running {
+                check.supersede(path, offsets.iter().copied());
             }
         }
     }
@@ -414,11 +452,22 @@ impl Shared {
             let Some(&(c, k)) = self.work.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
                 return;
             };
-            if lock(&self.states)[c].bad.is_some() {
-                continue;
-            }
             let copy = &self.copies[c];
             let p = copy.pieces[k];
+            {
+                let mut states = lock(&self.states);
+                let state = &mut states[c];
+                if state.bad.is_some() {
+                    continue;
+                }
+                if state.superseded.contains(&p.offset) {
+                    state.left -= 1;
+                    if state.left == 0 {
+                        self.changed.notify_all();
+                    }
+                    continue;
+                }
+            }
             if open.as_ref().is_none_or(|(i, _)| *i != c) {
                 open = None;
             }
@@ -434,8 +483,12 @@ impl Shared {
                 Ok(file) => {
                     let read = file.read_exact_at(data, p.offset);
                     open = Some((c, file));
+                    let sound = |data: &[u8]| match p.crc {
+                        Some(crc) => crc32c::crc32c(data) == crc,
+                        None => blake3::hash(data) == blake3::Hash::from_bytes(p.hash),
+                    };
                     match read {
-                        Ok(()) if blake3::hash(data) == blake3::Hash::from_bytes(p.hash) => None,
+                        Ok(()) if sound(data) => None,
                         Ok(()) => Some(Unsound::Changed {
                             offset: p.offset,
                             len: p.len,
@@ -449,9 +502,13 @@ impl Shared {
             };
             let mut states = lock(&self.states);
             let state = &mut states[c];
+            // (Superseded while it was read: it was marked before its writes began, so what
+            // was read may be half written, and is not judged.)
             match found {
-                None => state.left -= 1,
-                Some(bad) => state.bad = state.bad.take().or(Some(bad)),
+                Some(bad) if !state.superseded.contains(&p.offset) => {
+                    state.bad = state.bad.take().or(Some(bad))
+                }
+                _ => state.left -= 1,
             }
             if state.left == 0 || state.bad.is_some() {
                 self.changed.notify_all();
@@ -471,6 +528,7 @@ mod tests {
                 offset: (i * len) as u64,
                 len: d.len() as u64,
                 hash: *blake3::hash(d).as_bytes(),
+                crc: (i % 2 == 0).then(|| crc32c::crc32c(d)),
             })
             .collect()
     }
@@ -508,5 +566,54 @@ mod tests {
         assert!(!checks2.cut(root, &sent).contains_key("a"));
         assert!(checks2.wait("a").is_err());
         assert!(checks2.wait("b").is_ok());
+    }
+
+    /// A later part writes pieces of a copy while its check still runs (the part does not wait
+    /// for it): those pieces are not judged, whatever was read of them; a piece that changed
+    /// and was not written again still makes the copy unsound.
+    #[test]
+    fn pieces_a_later_part_writes_again_are_not_judged_by_the_check_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        // Long enough that the check is still running when the part's writes come.
+        let a = vec![1u8; 4096 * 4096];
+        fs::write(root.join("a"), &a).unwrap();
+        let sent: HashMap<String, (u64, Vec<Piece>)> =
+            HashMap::from([("a".to_string(), (a.len() as u64, pieces(&a, 4096)))]);
+        let rewrite = |checks: &mut AheadChecks, at: u64| {
+            checks.rewriting([("a", vec![at])]);
+            let f = fs::OpenOptions::new()
+                .write(true)
+                .open(root.join("a"))
+                .unwrap();
+            f.write_all_at(&[7u8; 4096], at).unwrap();
+        };
+        let mut checks = AheadChecks::default();
+        checks.part_written(root, &sent);
+        // Written again at once, while the check reads: read before or after, it is not judged.
+        for k in [4000u64, 3, 4095] {
+            rewrite(&mut checks, k * 4096);
+        }
+        checks.settle();
+        assert!(checks.bad.is_empty(), "{:?}", checks.bad);
+        assert!(checks.unchecked.is_empty());
+        // A piece changed by someone else (not written again by a part) is found.
+        fs::write(root.join("a"), &a).unwrap();
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(root.join("a"))
+            .unwrap();
+        f.write_all_at(&[9u8; 10], 5 * 4096).unwrap();
+        let mut checks = AheadChecks::default();
+        checks.part_written(root, &sent);
+        rewrite(&mut checks, 4000 * 4096);
+        checks.settle();
+        assert_eq!(
+            checks.bad.get("a"),
+            Some(&Unsound::Changed {
+                offset: 5 * 4096,
+                len: 4096
+            })
+        );
     }
 }

@@ -178,6 +178,10 @@ pub(super) struct Piece {
     pub offset: u64,
     pub len: u64,
     pub hash: [u8; 32],
+    /// The receiver's: the CRC32C of the bytes it received, which its read-back of the copy
+    /// compares (a check for a change by accident, at several times the hash's speed); `None`
+    /// on the sender's side.
+    pub crc: Option<u32>,
 }
 
 /// The digest of a file's bytes as they were sent, from its pieces in order: what a file of

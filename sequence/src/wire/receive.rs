@@ -456,8 +456,12 @@ impl<'a> Receiving<'a> {
     ) -> Result<(), ReceiveError> {
         let ahead = self.pre.is_none();
         if ahead {
-            // No check reads a piece while it is written again.
-            self.copies.settle();
+            // No check judges a piece while it is written again.
+            let rewritten = self.part.iter().map(|f| {
+                let offsets: Vec<u64> = f.patches.keys().copied().collect();
+                (f.path.as_str(), offsets)
+            });
+            self.copies.rewriting(rewritten);
         } else {
             // The final set's headers all came: its bases were all checked.
             self.copies.stop();
@@ -930,7 +934,7 @@ fn write_chunk(
     } else if end.is_none() || len == 0 {
         return Err(out_of_range());
     }
-    claim(f, offset, len, hash)?;
+    claim(f, offset, len, hash, crc32c::crc32c(data))?;
     f.file
         .write_all_at(data, offset)
         .map_err(|source| ReceiveError::Io {
@@ -942,7 +946,13 @@ fn write_chunk(
 
 /// Claims the bytes of a chunk of `f` for it (and keeps its piece): refused if another chunk
 /// holds any of them. No two writes then touch the same bytes.
-fn claim(f: &Incoming, offset: u64, len: u64, hash: blake3::Hash) -> Result<(), ReceiveError> {
+fn claim(
+    f: &Incoming,
+    offset: u64,
+    len: u64,
+    hash: blake3::Hash,
+    crc: u32,
+) -> Result<(), ReceiveError> {
     let mut pieces = f.pieces.lock().unwrap_or_else(PoisonError::into_inner);
     let before = pieces.range(..=offset).next_back();
     let after = pieces.range(offset..).next();
@@ -958,6 +968,7 @@ fn claim(f: &Incoming, offset: u64, len: u64, hash: blake3::Hash) -> Result<(), 
         offset,
         len,
         hash: *hash.as_bytes(),
+        crc: Some(crc),
     };
     pieces.insert(offset, piece);
     Ok(())

@@ -852,6 +852,7 @@ impl Share<'_> {
                     offset,
                     len,
                     hash: *hash.as_bytes(),
+                    crc: None,
                 };
                 pieces
                     .lock()

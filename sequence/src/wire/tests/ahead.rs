@@ -99,6 +99,7 @@ fn a_final_set_that_lacks_or_changes_a_file_sent_ahead_is_refused() {
                 offset: 0,
                 len: d.len() as u64,
                 hash: *blake3::hash(d).as_bytes(),
+                crc: None,
             })
             .into_iter()
             .collect();
@@ -524,6 +525,7 @@ fn a_piece_longer_than_this_end_s_is_checked_whole() {
         offset: 0,
         len: size,
         hash: *blake3::hash(data).as_bytes(),
+        crc: None,
     };
     against_ok(&dest, move |s: &mut UnixStream, session: &mut Session| {
         part(s, session, file_header("big", size, 0o600), &[(0, data)]);
@@ -559,6 +561,7 @@ fn a_patch_not_what_the_sender_hashed_at_the_cut_is_refused() {
         offset,
         len: d.len() as u64,
         hash: *blake3::hash(d).as_bytes(),
+        crc: None,
     };
     let digest = pieces_digest(&[piece(0, b"AAAA"), piece(4, b"BBBB")]);
     let hex_of = |d: &[u8]| Some(blake3::hash(d).to_hex().to_string());
