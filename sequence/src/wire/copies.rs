@@ -318,20 +318,28 @@ impl AheadChecks {
     /// waits meanwhile, within its deadlines.
     pub(super) fn settle(&mut self) {
         let deadline = Instant::now() + SETTLE_LIMIT;
+        // A copy is checked once every check that read some of it finished: a later part's
+        // check of the pieces it brought does not vouch for the earlier pieces.
+        let mut finished: HashMap<String, bool> = HashMap::new();
         for check in self.running.drain(..) {
             check.finish_by(deadline);
             for (path, verdict) in check.verdicts() {
-                match verdict {
-                    Some(Ok(())) => {
-                        self.unchecked.remove(&path);
-                    }
+                let done = match verdict {
+                    Some(Ok(())) => true,
                     Some(Err(why)) => {
-                        self.bad.entry(path).or_insert(why);
+                        self.bad.entry(path.clone()).or_insert(why);
+                        true
                     }
-                    None => {
-                        self.unchecked.insert(path);
-                    }
-                }
+                    None => false,
+                };
+                *finished.entry(path).or_insert(true) &= done;
+            }
+        }
+        for (path, done) in finished {
+            if done {
+                self.unchecked.remove(&path);
+            } else {
+                self.unchecked.insert(path);
             }
         }
     }
@@ -615,5 +623,26 @@ mod tests {
                 len: 4096
             })
         );
+    }
+
+    /// A copy whose earlier check was stopped before it was done stays to be read again at the
+    /// cut, even where a later part's check of the pieces it brought found them sound.
+    #[test]
+    fn a_later_parts_check_does_not_vouch_for_an_earlier_unfinished_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        // Enough pieces that the check is stopped long before it could be done.
+        let a = vec![3u8; 16384 * 4096];
+        fs::write(root.join("a"), &a).unwrap();
+        let all = pieces(&a, 4096);
+        let sent = HashMap::from([("a".to_string(), (a.len() as u64, all.clone()))]);
+        let mut checks = AheadChecks::default();
+        checks.part_written(root, &sent);
+        checks.running[0].stop();
+        let brought = HashMap::from([("a".to_string(), (a.len() as u64, all[..1].to_vec()))]);
+        checks.part_written(root, &brought);
+        checks.settle();
+        assert!(checks.bad.is_empty(), "{:?}", checks.bad);
+        assert!(checks.unchecked.contains("a"));
     }
 }
