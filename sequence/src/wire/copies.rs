@@ -576,6 +576,14 @@ mod tests {
         assert!(checks2.wait("b").is_ok());
     }
 
+    /// The file "a" of `len` bytes of `byte` under `root`, as sent in 4 KiB pieces.
+    fn one_copy(root: &Path, byte: u8, len: usize) -> (Vec<u8>, Vec<Piece>) {
+        let a = vec![byte; len];
+        fs::write(root.join("a"), &a).unwrap();
+        let all = pieces(&a, 4096);
+        (a, all)
+    }
+
     /// A later part writes pieces of a copy while its check still runs (the part does not wait
     /// for it): those pieces are not judged, whatever was read of them; a piece that changed
     /// and was not written again still makes the copy unsound.
@@ -584,10 +592,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         // Long enough that the check is still running when the part's writes come.
-        let a = vec![1u8; 4096 * 4096];
-        fs::write(root.join("a"), &a).unwrap();
-        let sent: HashMap<String, (u64, Vec<Piece>)> =
-            HashMap::from([("a".to_string(), (a.len() as u64, pieces(&a, 4096)))]);
+        let (a, all) = one_copy(root, 1, 4096 * 4096);
+        let sent = HashMap::from([("a".to_string(), (a.len() as u64, all))]);
         let rewrite = |checks: &mut AheadChecks, at: u64| {
             checks.rewriting([("a", vec![at])]);
             let f = fs::OpenOptions::new()
@@ -632,9 +638,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         // Enough pieces that the check is stopped long before it could be done.
-        let a = vec![3u8; 16384 * 4096];
-        fs::write(root.join("a"), &a).unwrap();
-        let all = pieces(&a, 4096);
+        let (a, all) = one_copy(root, 3, 16384 * 4096);
         let sent = HashMap::from([("a".to_string(), (a.len() as u64, all.clone()))]);
         let mut checks = AheadChecks::default();
         checks.part_written(root, &sent);
