@@ -250,14 +250,12 @@ impl CopyCheck {
             return;
         };
         let s = &self.shared;
+        let ours: HashSet<u64> = s.copies[i].pieces.iter().map(|p| p.offset).collect();
         let mut states = lock(&s.states);
-        let pieces = &s.copies[i].pieces;
         let state = &mut states[i];
-        for offset in offsets {
-            if pieces.iter().any(|p| p.offset == offset) {
-                state.superseded.insert(offset);
-            }
-        }
+        state
+            .superseded
+            .extend(offsets.into_iter().filter(|o| ours.contains(o)));
     }
 }
 
