@@ -49,7 +49,7 @@ Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as 
 import argparse, atexit, concurrent.futures, glob, json, os, random, shutil, signal, socket, statistics, subprocess, sys, threading, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from services import Receiver, new_key  # noqa: E402  (a migration trial's receiving end)
+from services import Receiver, memory_of, new_key  # noqa: E402  (a migration trial's receiving end)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
@@ -552,19 +552,6 @@ def trial(spec, engine, k, steps, sleep_ms, n):
     emit("correctness", row)
     shutil.rmtree(img, ignore_errors=True)
     return row["ok"]
-
-
-def memory_of(pid):
-    """Process `pid`'s host memory as the kernel counts it (kB from smaps_rollup)."""
-    rec = {}
-    try:
-        for line in open(f"/proc/{pid}/smaps_rollup"):
-            k, _, v = line.partition(":")
-            if k in ("Rss", "Anonymous", "Private_Dirty", "Shared_Clean", "AnonHugePages"):
-                rec[k.lower() + "_kb"] = int(v.split()[0])
-    except OSError:
-        pass
-    return rec
 
 
 def longest_gap(log):

@@ -33,6 +33,21 @@ def now():
     return time.time()
 
 
+def memory_of(pid):
+    """Process `pid`'s host memory as the kernel counts it (kB from smaps_rollup) and its
+    mappings; empty if it cannot be read."""
+    rec = {}
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            k, _, v = line.partition(":")
+            if k in ("Rss", "Anonymous", "Private_Dirty", "Private_Clean", "Shared_Clean", "AnonHugePages"):
+                rec[k.lower() + "_kb"] = int(v.split()[0])
+        rec["mappings"] = sum(1 for _ in open(f"/proc/{pid}/maps"))
+    except OSError:
+        pass
+    return rec
+
+
 def run_json(args, timeout, log, env=None):
     """Runs possum ARGS (with --json), with ENV added to the environment, returns (rc, parsed
     stdout or None, seconds, stderr tail)."""

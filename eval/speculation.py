@@ -25,7 +25,7 @@ Environment: POSSUM (the possum binary), POSSUM_LIB, POSSUM_CRIU (as possum read
 import argparse, json, os, re, shutil, subprocess, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from services import POSSUM, GPU, Receiver, alive, kill_tree, new_key, run_json, wait_for  # noqa: E402
+from services import POSSUM, GPU, Receiver, alive, kill_tree, memory_of, new_key, run_json, wait_for  # noqa: E402
 
 MODES = {
     "strict": {"POSSUM_VALIDATE": "strict", "POSSUM_FINGERPRINTS": "0"},
@@ -100,20 +100,6 @@ def saved_copies(j):
             "proven_bytes": proven, "reused_bytes": reused, "fingerprint_ms": fp_ms,
             "job_waited_ms": waited_ms,
             "mismatch_retries": (j or {}).get("mismatch_retries")}
-
-
-def memory_of(pid):
-    """The job's host memory as the kernel counts it (kB from smaps_rollup) and its mappings."""
-    rec = {}
-    try:
-        for line in open(f"/proc/{pid}/smaps_rollup"):
-            k, _, v = line.partition(":")
-            if k in ("Rss", "Anonymous", "Private_Dirty", "Private_Clean", "Shared_Clean", "AnonHugePages"):
-                rec[k.lower() + "_kb"] = int(v.split()[0])
-        rec["mappings"] = sum(1 for _ in open(f"/proc/{pid}/maps"))
-    except OSError:
-        pass
-    return rec
 
 
 def keep_criu_logs(src, out, tag):

@@ -346,10 +346,7 @@ impl AheadChecks {
     /// offsets): the checks still running take them as checked (each part's own check reads
     /// its pieces back). The part's other bytes are new: no check reads them. So the part's
     /// writes need not wait for the checks before it.
-    pub(super) fn rewriting<'a>(
-        &mut self,
-        rewritten: impl IntoIterator<Item = (&'a str, Vec<u64>)>,
-    ) {
+    pub(super) fn rewriting<'a>(&self, rewritten: impl IntoIterator<Item = (&'a str, Vec<u64>)>) {
         for (path, offsets) in rewritten {
             for check in &self.running {
                 check.supersede(path, offsets.iter().copied());
