@@ -555,9 +555,10 @@ def trial(spec, engine, k, steps, sleep_ms, n):
 
 
 def longest_gap(log):
-    """The longest gap between two steps in the job's log (`t` of each line): its seconds and
-    the steps after it. None steps after it: the job had ended its steps before the gap (a
-    migration held it after its last step), so the gap is not a downtime the job saw."""
+    """The longest gap between two steps in the job's log (`t` of each line): its seconds, the
+    step it followed and the steps after it. No steps after it: the job had ended its steps
+    before the gap (a migration held it after its last step), so the gap is not a downtime the
+    job saw; one that followed a step before the migration's k is not the migration's."""
     times = []
     try:
         for line in open(log):
@@ -570,7 +571,7 @@ def longest_gap(log):
     if not gaps:
         return None
     s, after = max(gaps)
-    return {"s": round(s, 3), "steps_after": after}
+    return {"s": round(s, 3), "after_step": len(times) - 1 - after, "steps_after": after}
 
 
 def migrate_trial(p, log, ref, row, name, t_trial, v):
@@ -611,6 +612,10 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
     row["migrated_identical"] = whole == ref
     row["ok"] = mg["rc"] == 0 and row["migrated_identical"] and gone
     row["log_gap"] = longest_gap(log)
+    gap, k, steps = row["log_gap"], row["k"], row["steps"]
+    if gap and not k <= gap["after_step"] < steps - 1:
+        print(f"{name}: the job's longest gap followed its step {gap['after_step']} of {steps}, not "
+              f"one from k={k} on: the migration's gap is not what it saw", flush=True)
     if not row["ok"]:
         row["first_diff"] = next(((i, a, b) for i, (a, b) in enumerate(zip(whole, ref)) if a != b), None)
         row["lines"], row["reference_lines"] = len(whole), len(ref)
@@ -627,14 +632,17 @@ JOB_SLEEP = {"mlp": 10, "cnn": 10, "gpt2": 20, "triton": 10, "graph": 10, "multi
              "ptrtable": 20, "lcuda": 10, "fewbytes": 20, "amp": 10, "twodev": 20}
 
 
-def job_steps(spec):
-    """The steps of a trial's job. A torch job given a large state (`CKPT_STATE_MIB`, 1 GiB or
-    more) runs five times as many: a migration's pre-copy of it takes 10-20 s, and its hold must
-    come while the job still steps (a job past its last step copies its whole state to host
-    memory for its digest, which CRIU would then dump)."""
+def job_steps(spec, engine=None):
+    """The steps of a trial's job. A job migrated (a `-migrate` engine), and a torch job given a
+    large state (`CKPT_STATE_MIB`, 1 GiB or more), run five times as many: a migration's
+    pre-copy takes seconds (10-20 s with a large state) after step k, and its hold must come
+    while the job still steps, or the gap the job sees is not in its log (GPT-2's 30 steps ended
+    before it) and a job past its last step copies its whole state to host memory for its
+    digest, which CRIU would then dump."""
     job = job_spec(spec)[0]
     big = job not in C_JOBS and float(os.environ.get("CKPT_STATE_MIB") or 0) >= 1024
-    return JOB_STEPS[job] * (5 if big else 1)
+    migrated = engine is not None and variant(engine)["migrate"]
+    return JOB_STEPS[job] * (5 if big or migrated else 1)
 
 
 # Every workload, then torch's other allocators.
@@ -649,14 +657,14 @@ def trial_cost(spec):
     return TRIAL_S.get(job_spec(spec)[0], TRIAL_S_DEFAULT)
 
 
-def trial_plan(jobs, n_trials, seed):
+def trial_plan(jobs, n_trials, seed, engine=None):
     """[(spec, k)]: the jobs in turn (every one covered before any repeats), each checkpointed
-    at a random step k in [2, 2/3 of its steps]."""
+    (by `engine`) at a random step k in [2, 2/3 of its steps]."""
     rng = random.Random(seed)
     out = []
     for n in range(n_trials):
         spec = jobs[n % len(jobs)]
-        steps = job_steps(spec)
+        steps = job_steps(spec, engine)
         # (A job of five times the steps is stopped in its first third: at least 1000 steps,
         # 25-35 s, after it.)
         last = steps // 3 if steps > JOB_STEPS[job_spec(spec)[0]] else steps * 2 // 3
@@ -678,7 +686,7 @@ def correctness(a):
         variant(e)
     t0 = time.time()
     # Every reference first, all at once.
-    references([(spec, job_steps(spec)) for spec in jobs])
+    references(sorted({(spec, job_steps(spec, e)) for spec in jobs for e in engines}))
     print(f"correctness: {len(jobs)} references in {time.time() - t0:.0f} s", flush=True)
     all_ok = True
     summary = []
@@ -696,10 +704,10 @@ def correctness(a):
         def one(n, spec, k):
             if time.time() - t0 + trial_cost(spec) * (1 if par == 1 else 1.5) > a.budget_s:
                 return None
-            steps = job_steps(spec)
+            steps = job_steps(spec, engine)
             return trial(spec, engine, k, steps, JOB_SLEEP[job_spec(spec)[0]], 100 * e + n)
 
-        plan = trial_plan(jobs, n_trials, a.seed + e)
+        plan = trial_plan(jobs, n_trials, a.seed + e, engine)
         with concurrent.futures.ThreadPoolExecutor(max_workers=par) as pool:
             results = list(pool.map(lambda nk: one(nk[0], *nk[1]), enumerate(plan)))
         for (spec, _), r in zip(plan, results):

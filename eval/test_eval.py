@@ -6,7 +6,7 @@ restored job, the report's metrics.
 
     python3 eval/test_eval.py
 """
-import argparse, os, statistics, subprocess, sys, time, unittest
+import argparse, json, os, statistics, subprocess, sys, time, unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ckpt  # noqa: E402
@@ -228,10 +228,25 @@ class Correctness(unittest.TestCase):
         for spec, k in plan:
             self.assertTrue(2 <= k <= ckpt.JOB_STEPS[ckpt.job_spec(spec)[0]] * 2 // 3)
         self.assertEqual(plan, ckpt.trial_plan(jobs, 20, 4))
+        # Migrated: five times the steps, each held in their first third.
+        self.assertEqual(ckpt.job_steps("gpt2", "possum-keeper-migrate"), 5 * ckpt.JOB_STEPS["gpt2"])
+        self.assertEqual(ckpt.job_steps("gpt2", "possum-keeper"), ckpt.JOB_STEPS["gpt2"])
+        for spec, k in ckpt.trial_plan(jobs, 20, 4, "possum-keeper-migrate-postcopy"):
+            self.assertTrue(2 <= k <= ckpt.JOB_STEPS[ckpt.job_spec(spec)[0]] * 5 // 3)
         # Both allocator settings and the -lcuda program are in the default jobs.
         self.assertTrue({"mlp+expandable", "mlp+async", "lcuda"} <= set(jobs))
         # 20 trials fit one device call (10 minutes) with the references' start.
         self.assertLess(sum(ckpt.trial_cost(s) for s, _ in plan), 540)
+
+    def test_longest_gap_names_the_step_it_followed(self):
+        import tempfile
+        with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
+            for step, t in enumerate([0.0, 0.5, 0.6, 2.6, 2.7]):
+                f.write(json.dumps({"step": step, "t": t}) + "\n")
+        try:
+            self.assertEqual(ckpt.longest_gap(f.name), {"s": 2.0, "after_step": 2, "steps_after": 2})
+        finally:
+            os.unlink(f.name)
 
     def test_table(self):
         rows = [{"trial": 0, "job": "mlp", "engine": "possum", "k": 5, "ok": True,

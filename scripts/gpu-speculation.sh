@@ -21,6 +21,11 @@
 #       held to the 4 KiB pages' rate). SPEC_SAMPLE=1 samples the host every second while each
 #       job runs and migrates (free memory, tmpfs, compaction and reclaim counters, the busiest
 #       threads) -> $OUT/sample-TAG.txt, and keeps possum's notes -> $OUT/notes-TAG.log
+#   bash scripts/gpu-speculation.sh slices     (~5 min with the defaults below)
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its first pre-copy round sent in
+#       one part (POSSUM_MIGRATE_SLICE_MIB=0) and in parts (the default: the destination loads
+#       the GPU images as they come), alternating. -> $OUT/speculation-bars.jsonl (TAG-whole-N,
+#       TAG-sliced-N)
 #   bash scripts/gpu-speculation.sh postcopy   (~6 min)
 #       Migration alone, without and then with --post-copy, of each of SPEC_BARS (default: the
 #       training job writing 8 GiB of state every step; 8 GiB of weights and 64 MiB of state).
@@ -74,7 +79,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars)
+bars|slices)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     if [ "${SPEC_HUGE:-0}" = 1 ]; then
@@ -82,9 +87,8 @@ bars)
         mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || exit 1
         SPEC_FLAGS="${SPEC_FLAGS:-} --images $huge/images --work $huge/work"
     fi
-    for spec in "${bars[@]}"; do
-        read -r gib mib tag <<< "$spec"
-        sampler=
+    bar() {  # $1 GIB, $2 MIB, $3 TAG: the job migrated alone, its row into speculation-bars.jsonl
+        local gib=$1 mib=$2 tag=$3 sampler=
         if [ "${SPEC_SAMPLE:-0}" = 1 ]; then
             sample_host > "$out/sample-$tag.txt" 2>&1 &
             sampler=$!
@@ -101,6 +105,18 @@ bars)
         python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), tag=sys.argv[1]))) for l in open(sys.argv[2])]' \
             "$tag" "$res/$tag/speculation.jsonl" >> "$out/speculation-bars.jsonl" 2>/dev/null
         cp "$res/speculation-$tag.log" "$out"/
+    }
+    for spec in "${bars[@]}"; do
+        read -r gib mib tag <<< "$spec"
+        if [ "$1" = bars ]; then
+            bar "$gib" "$mib" "$tag"
+            continue
+        fi
+        # slices: the first round sent in one part, then in parts (the default), alternating.
+        for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
+            POSSUM_MIGRATE_SLICE_MIB=0 bar "$gib" "$mib" "$tag-whole-$i"
+            bar "$gib" "$mib" "$tag-sliced-$i"
+        done
     done
     ;;
 postcopy)

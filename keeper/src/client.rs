@@ -1,5 +1,6 @@
 //! The client side: [`Keeper`].
 
+use std::collections::BTreeMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -253,8 +254,40 @@ impl Keeper {
             &Request::Prestage {
                 image: image.display().to_string(),
                 hold_secs,
+                present: None,
             },
         )
+    }
+
+    /// [`Keeper::prestage`] of an image whose data files are still arriving from their start:
+    /// `present` says how many bytes of each are there (a file not named: none); the rest loads
+    /// as [`Keeper::stage_grown`] says it came.
+    pub fn prestage_arriving(
+        &mut self,
+        image: &Path,
+        hold_secs: u64,
+        present: BTreeMap<String, u64>,
+    ) -> Result<StageInfo, KeeperError> {
+        self.ask_parsed(
+            "prestage",
+            &Request::Prestage {
+                image: image.display().to_string(),
+                hold_secs,
+                present: Some(present),
+            },
+        )
+    }
+
+    /// The data files of stage `stage` (a [`Keeper::prestage_arriving`]) are now at least
+    /// `files` long, from their start: how many of its pieces are still pending.
+    pub fn stage_grown(
+        &mut self,
+        stage: u64,
+        files: BTreeMap<String, u64>,
+    ) -> Result<u64, KeeperError> {
+        let req = Request::StageGrown { stage, files };
+        self.ask_parsed::<StageArrived>("stage_grown", &req)
+            .map(|r| r.pending)
     }
 
     /// Borrows the keeper's spare image memory for a drain into `dir`'s filesystem.

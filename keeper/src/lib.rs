@@ -22,6 +22,7 @@
 //! client ── {"cmd":"stage_wait","stage":S,"alloc":A}\n ──▶ {"ok":true}\n once A is loaded
 //! client ── {"cmd":"stage_end","stage":S}\n ──▶ {"ok":true,"freed":N}\n
 //! client ── {"cmd":"stage_arrived","stage":S,"pieces":[..]}\n ──▶ {"pending":N}\n   bytes now in the files
+//! client ── {"cmd":"stage_grown","stage":S,"files":{NAME:LEN,..}}\n ──▶ {"pending":N}\n   files arriving from their start
 //! client ── {"cmd":"stage_demands","stage":S,"wait_ms":T}\n ──▶ {"pieces":[..]}\n   what waits need
 //! client ── {"cmd":"device"}\n            ──▶ {"uuid":"<32 hex>","ordinal":N}\n
 //! client ── {"cmd":"reap"}\n              ──▶ {"ok":true,"freed":N,"freed_bytes":B}\n
@@ -58,7 +59,10 @@
 //! copies each buffer device to device from that memory ([`PeerSource`]) instead of reading the
 //! image. A stage may name `pending` pieces of the image's data files ([`PendingPiece`]) whose
 //! bytes are still to come (a migration's post-copy): the buffers they overlap load once
-//! `stage_arrived` says they are in, and `stage_demands` tells the sender which a wait needs.
+//! `stage_arrived` says they are in, and `stage_demands` tells the sender which a wait needs. A
+//! `prestage` may name how much of each data file is `present` (a migration's first round,
+//! received in parts): the rest is pending in pieces of [`ARRIVING_PIECE`] bytes, and
+//! `stage_grown` says how far the files have come.
 //!
 //! The `spare*` requests lend spare image memory (the `spare` module, with
 //! `POSSUM_KEEPER_SPARE_DIR`/`_MIB`): a file on the images' filesystem the keeper faulted in and
@@ -93,3 +97,7 @@ pub use protocol::{
     MAX_REQUEST_BYTES, ORPHAN_CHECK, PEER_MISSES_SAID, REPLY_TIMEOUT, REQUEST_TIMEOUT,
 };
 pub use server::Server;
+
+/// The pieces a `prestage` of data files still arriving waits for, in bytes: each file's bytes
+/// from a multiple of this to the next load once the file is that long.
+pub const ARRIVING_PIECE: u64 = 64 << 20;

@@ -67,6 +67,35 @@ pub(crate) fn overlaps(spans: Vec<Span>, pieces: &[PendingPiece]) -> Vec<Vec<(us
         .collect()
 }
 
+/// The pieces of data files still arriving from their start (a migration's first round, received
+/// in parts): each of `files` (name, recorded length), of which `present` says how many first
+/// bytes are there (none if not named), in pieces of `piece` bytes at multiples of it, those
+/// not wholly present pending.
+pub(crate) fn arriving(
+    files: &[(&str, u64)],
+    present: &std::collections::BTreeMap<String, u64>,
+    piece: u64,
+) -> Vec<PendingPiece> {
+    let piece = piece.max(1);
+    let mut out = Vec::new();
+    for &(file, len) in files {
+        let have = present.get(file).copied().unwrap_or(0);
+        let mut at = have / piece * piece;
+        while at < len {
+            let end = (at + piece).min(len);
+            if end > have {
+                out.push(PendingPiece {
+                    file: file.to_string(),
+                    offset: at,
+                    len: end - at,
+                });
+            }
+            at = end;
+        }
+    }
+    out
+}
+
 /// A stage's pieces not arrived yet, and the buffers they block.
 #[derive(Debug, Default)]
 pub(crate) struct Pending {
@@ -161,6 +190,16 @@ impl Pending {
     /// Pieces not arrived.
     pub(crate) fn left(&self) -> usize {
         self.left
+    }
+
+    /// The pieces of `file` still pending that end within its first `len` bytes.
+    pub(crate) fn within(&self, file: &str, len: u64) -> Vec<PendingPiece> {
+        (self.pieces.iter().zip(&self.arrived))
+            .filter(|(p, arrived)| {
+                !**arrived && p.file == file && p.offset.saturating_add(p.len) <= len
+            })
+            .map(|(p, _)| p.clone())
+            .collect()
     }
 
     /// `pieces` arrived (those not pending ignored); whether a chunk was unblocked.
@@ -268,6 +307,40 @@ mod tests {
                 vec![],
                 vec![],
             ]
+        );
+    }
+
+    #[test]
+    fn files_arriving_from_their_start_are_pending_past_what_is_there() {
+        let present: std::collections::BTreeMap<String, u64> =
+            [("a".to_string(), 25), ("b".to_string(), 40)].into();
+        let got = arriving(&[("a", 35), ("b", 40), ("c", 12)], &present, 10);
+        assert_eq!(
+            got,
+            vec![
+                piece("a", 20, 10), // 20..25 there, 25..30 not
+                piece("a", 30, 5),
+                piece("c", 0, 10), // not there at all
+                piece("c", 10, 2),
+            ]
+        );
+        let first = Pending::new(0, &got, vec![Vec::new(); got.len()], Vec::new());
+        assert_eq!(first.within("a", 30), vec![piece("a", 20, 10)]);
+        assert_eq!(
+            first.within("a", 35),
+            vec![piece("a", 20, 10), piece("a", 30, 5)]
+        );
+        assert!(
+            first.within("a", 29).is_empty(),
+            "a piece part there is not arrived"
+        );
+        assert!(first.within("b", 1 << 30).is_empty());
+        let mut p = first;
+        p.arrive(&[piece("c", 0, 10)]);
+        assert_eq!(
+            p.within("c", 12),
+            vec![piece("c", 10, 2)],
+            "arrived: not again"
         );
     }
 

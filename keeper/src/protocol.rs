@@ -186,6 +186,12 @@ pub enum Request {
         /// Seconds the memory is kept unless a `stage` takes it or `stage_end` ends it.
         #[serde(default)]
         hold_secs: u64,
+        /// The image's data files are still arriving, each from its start (a migration's first
+        /// round received in parts): how many bytes of each are there (a file not named: none).
+        /// The rest is pending, in pieces of [`crate::ARRIVING_PIECE`] bytes, until
+        /// `stage_grown` says the files are that long. None: the files are whole.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        present: Option<std::collections::BTreeMap<String, u64>>,
     },
     /// The caller's stage of `image`: [`StagePlan`].
     Staged {
@@ -214,6 +220,15 @@ pub enum Request {
         stage: u64,
         /// The pieces now in the files.
         pieces: Vec<PendingPiece>,
+    },
+    /// Stage `stage`'s data files (arriving from their start: `prestage`'s `present`) are now
+    /// at least `files` long (name, bytes): its pending pieces within those bytes arrived, as
+    /// `stage_arrived` says of them. Answered with [`StageArrived`].
+    StageGrown {
+        /// The stage.
+        stage: u64,
+        /// Each file's bytes there now, from its start.
+        files: std::collections::BTreeMap<String, u64>,
     },
     /// The pending pieces of stage `stage` that a wait needs ([`StageDemands`]): those that
     /// overlap a buffer that a `stage_wait` met blocked, each answered once per stage. Waits up
@@ -664,6 +679,33 @@ mod tests {
             serde_json::to_value(&arrived).unwrap(),
             json!({"cmd": "stage_arrived", "stage": 1,
                    "pieces": [{"file": "data-000.bin", "offset": 8, "len": 4}]})
+        );
+        let grown = Request::StageGrown {
+            stage: 2,
+            files: [("data-001.bin".to_string(), 64)].into(),
+        };
+        assert_eq!(
+            serde_json::to_value(&grown).unwrap(),
+            json!({"cmd": "stage_grown", "stage": 2, "files": {"data-001.bin": 64}})
+        );
+        let whole = json!({"cmd": "prestage", "image": "img", "hold_secs": 3});
+        assert_eq!(
+            serde_json::from_value::<Request>(whole.clone()).unwrap(),
+            Request::Prestage {
+                image: "img".into(),
+                hold_secs: 3,
+                present: None
+            }
+        );
+        let arriving = Request::Prestage {
+            image: "img".into(),
+            hold_secs: 3,
+            present: Some([("data-000.bin".to_string(), 0)].into()),
+        };
+        assert_eq!(
+            serde_json::to_value(&arriving).unwrap(),
+            json!({"cmd": "prestage", "image": "img", "hold_secs": 3,
+                   "present": {"data-000.bin": 0}})
         );
         let demands = Request::StageDemands {
             stage: 1,

@@ -457,7 +457,11 @@ impl Inner {
                 };
                 self.stage(of, &image, &how, base)
             }
-            Request::Prestage { image, hold_secs } => self.prestage(pid, &image, hold_secs),
+            Request::Prestage {
+                image,
+                hold_secs,
+                present,
+            } => self.prestage(pid, &image, hold_secs, present.as_ref()),
             Request::SpareTake { dir } => self.spare_take(&dir, pid),
             Request::SpareFill(f) => self.spare_fill(&f, pid),
             Request::SpareEnd { drain } => self.spare_end(drain, pid),
@@ -467,6 +471,10 @@ impl Inner {
             Request::StageEnd { stage } => self.stage_end(stage),
             Request::StageArrived { stage, pieces } => {
                 let pending = self.stage_of(stage)?.arrived(&pieces);
+                Ok((json!(crate::StageArrived { pending }), None))
+            }
+            Request::StageGrown { stage, files } => {
+                let pending = self.stage_of(stage)?.grown(&files);
                 Ok((json!(crate::StageArrived { pending }), None))
             }
             // The stage's own lock only, as `stage_wait`: a long poll holds up nobody else.
@@ -770,10 +778,23 @@ impl Inner {
     /// `prestage`: the draft image's buffers get memory of the caller's `by` (all of it, or
     /// none), retained under a new epoch and held `hold_secs`, and loader threads fill it; a
     /// later `stage` with it as `base` takes what it loaded.
-    fn prestage(self: &Arc<Self>, by: i32, image: &str, hold_secs: u64) -> Answer {
+    fn prestage(
+        self: &Arc<Self>,
+        by: i32,
+        image: &str,
+        hold_secs: u64,
+        present: Option<&BTreeMap<String, u64>>,
+    ) -> Answer {
+        use possum_engine::image::Image;
         let path = canonical(image)?;
-        let img = possum_engine::image::Image::open_draft(&path)
-            .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
+        let img = match present {
+            None => Image::open_draft(&path),
+            Some(_) => Image::open_draft_arriving(&path),
+        }
+        .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
+        let pending = present.map_or_else(Vec::new, |have| {
+            crate::pending::arriving(&img.own_data_files(), have, crate::ARRIVING_PIECE)
+        });
         let dev = self.dev()?;
         let (recs, sizes) = staged_order(&img, dev.granularity());
         let made = self.stage_memory(dev, &path, &recs, &sizes)?;
@@ -782,8 +803,10 @@ impl Inner {
         let buffers = self.keep_staged((by, epoch, hold_secs), &recs, &sizes, &none, made)?;
         let id = self.next_stage_id();
         let img = Arc::new(img);
-        let stage =
-            Arc::new(Stage::new(id, by, epoch, path, buffers, Vec::new()).of_draft(img.clone()));
+        let stage = Stage::new(id, by, epoch, path, buffers, Vec::new())
+            .pending_on(&img, &pending)
+            .of_draft(img.clone());
+        let stage = Arc::new(stage);
         let info = StageInfo {
             stage: id,
             epoch,

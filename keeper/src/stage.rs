@@ -380,6 +380,19 @@ impl Stage {
         left
     }
 
+    /// The image's data files are now at least `files` long (name, bytes from their start): its
+    /// pending pieces within those bytes arrived ([`Stage::arrived`]). How many are still
+    /// pending.
+    pub(crate) fn grown(&self, files: &std::collections::BTreeMap<String, u64>) -> u64 {
+        let pieces: Vec<PendingPiece> = {
+            let p = self.lock();
+            (files.iter())
+                .flat_map(|(f, &len)| p.pending.within(f, len))
+                .collect()
+        };
+        self.arrived(&pieces)
+    }
+
     /// Waits until the chunk of buffer `i` at `offset` waits for no piece (at once if none
     /// was pending for it); an error once the stage is ended.
     fn wait_chunk(&self, i: usize, offset: u64) -> Result<(), ChunkError> {

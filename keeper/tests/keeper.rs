@@ -886,6 +886,103 @@ fn a_stage_builds_on_a_prestage_of_the_draft() {
     });
 }
 
+/// Loading ahead while the first round still arrives: a prestage of a draft whose data files
+/// hold none of their bytes yet (`present`: zero of each) loads nothing, its buffers blocked;
+/// once the files are whole and `stage_grown` says so, it loads them, and a stage of the finished
+/// image (nothing written since) takes every byte from it. The restore is bit-exact.
+#[test]
+fn a_prestage_loads_as_the_draft_files_arrive() {
+    in_child(|| {
+        use possum_engine::image::{Image, ImageWriter, WriterOptions};
+        use std::collections::BTreeMap;
+        use std::sync::Arc;
+        let (dir, server) = fresh_keeper();
+        let kept = KeptEngine::chunked(&server);
+        let e = &kept.engine;
+        let sizes = [MIB4, 2 * MIB4 - 4096, 3 * MIB4];
+        let bufs: Vec<_> = sizes.iter().map(|&n| e.alloc(n).unwrap()).collect();
+        let me = std::process::id() as i32;
+        let mut k = Keeper::connect(server.path()).unwrap();
+        for (i, b) in bufs.iter().enumerate() {
+            kept.write(b.va(), 30 + i as u64, b.size());
+        }
+        let w = Arc::new(
+            ImageWriter::create(&dir.path().join("draft/gpu-0"), WriterOptions::default()).unwrap(),
+        );
+        e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
+        w.write_draft().unwrap();
+        // The draft as the destination has it before the round's data came: empty data files.
+        let arriving = dir.path().join("arriving/.gpu-0.tmp-1");
+        std::fs::create_dir_all(&arriving).unwrap();
+        let mut whole = BTreeMap::new();
+        for f in std::fs::read_dir(w.temp_dir()).unwrap() {
+            let f = f.unwrap();
+            let name = f.file_name().into_string().unwrap();
+            if name.starts_with("data-") {
+                std::fs::File::create(arriving.join(&name)).unwrap();
+                whole.insert(name, f.metadata().unwrap().len());
+            } else {
+                std::fs::copy(f.path(), arriving.join(&name)).unwrap();
+            }
+        }
+        assert!(!whole.is_empty());
+        let none: BTreeMap<String, u64> = whole.keys().map(|n| (n.clone(), 0)).collect();
+        let pre = k.prestage_arriving(&arriving, 60, none).unwrap();
+        assert_eq!(pre.buffers, 3);
+        wait_until("the prestage's buffers are blocked", || {
+            let st = server.stats();
+            st.stages
+                .iter()
+                .any(|s| s.stage == pre.stage && s.blocked_buffers == 3 && s.ready == 0)
+        });
+        // A file said grown that is not yet: nothing arrives past what is said.
+        let one = whole.keys().next().unwrap().clone();
+        assert!(k.stage_grown(pre.stage, [(one, 0)].into()).unwrap() > 0);
+        // The bytes come, in place (the same files).
+        for (name, &len) in &whole {
+            let bytes = std::fs::read(w.temp_dir().join(name)).unwrap();
+            assert_eq!(bytes.len() as u64, len);
+            std::fs::write(arriving.join(name), bytes).unwrap();
+        }
+        assert_eq!(k.stage_grown(pre.stage, whole.clone()).unwrap(), 0);
+        wait_until("the prestage is loaded", || {
+            let st = server.stats();
+            st.stages
+                .iter()
+                .any(|s| s.stage == pre.stage && s.done_ms.is_some() && s.ready == 3)
+        });
+
+        let img = dir.path().join("img/gpu-0");
+        let w2 = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
+        e.checkpoint(w2.clone(), false).unwrap().wait().unwrap();
+        Arc::try_unwrap(w2).unwrap().commit().unwrap();
+        e.release().unwrap();
+        let info = k
+            .stage(me, &img, 60, None, Some(pre.stage), Vec::new())
+            .unwrap();
+        assert_eq!(info.reused_bytes, sizes.iter().sum::<u64>(), "{info:?}");
+        let mem = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
+        let plan = mem.staged(&img).unwrap().expect("the stage of the image");
+        let r = e
+            .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!((r.staged, r.staged_fallback), (3, 0), "{r:?}");
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(
+                kept.read(b.va(), b.size()) == pattern(30 + i as u64, b.size()),
+                "buffer {i} restored wrong"
+            );
+        }
+        drop(w);
+        for b in &bufs {
+            e.free(b.va()).unwrap();
+        }
+        wait_total(&server, Usage::default());
+    });
+}
+
 /// An image of three buffers (several 1 MiB chunks each) that an engine on `server` wrote at
 /// `dir/img/gpu-0`, the engine's memory freed since.
 fn three_buffer_image(server: &Server, dir: &Path) -> PathBuf {

@@ -390,12 +390,16 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
     let receiver = Receiver::start(dir, "key", &plugin);
     // The job's private memory not sent ahead (the default): it goes at the cut, in parts.
+    // The first round in parts of 1 MiB of each file: the destination loads it as it comes.
     let out = migrate_to(
         dir,
         &job,
         &receiver,
         &[],
-        &[("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path())],
+        &[
+            ("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path()),
+            ("POSSUM_MIGRATE_SLICE_MIB", Path::new("1")),
+        ],
     );
     let (v, r) = migrated(&out, receiver, &job);
     assert_eq!(r["pid"], job.pid, "{r}");
@@ -417,6 +421,9 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     assert!(pre[0]["error"].is_null(), "{r}");
     let id = pre[0]["stage"].as_u64().expect("a prestage id");
     assert!(pre[0]["bytes"].as_u64().unwrap() > 2 << 20, "{r}");
+    // Made at the first part, its data files not all there yet; all came before the cut.
+    assert!(pre[0]["arriving"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(pre[0]["pending"], 0, "{r}");
     // The restore's stage built on it: what the job wrote after the first round (nothing
     // here: it waits for its next command) is all that could differ.
     let staged = r["staged"].as_array().expect("staged");

@@ -94,7 +94,18 @@ pub struct Environment {
     /// image's established TCP connections back closed instead of whole (where they cannot come
     /// back: another host). `possum receive` takes it from the variable.
     pub tcp_close: bool,
+    /// `POSSUM_MIGRATE_SLICE_MIB` (default [`FIRST_ROUND_SLICE`]; `0`: one part): a migration
+    /// sends its first pre-copy round in parts of so many bytes of each file, so that the
+    /// destination loads the GPU images as they come.
+    pub first_round_slice: u64,
 }
+
+/// The first pre-copy round of a migration is sent ahead in parts of this many bytes of each
+/// file (of the GPU images' data files, in practice), so that the destination loads the job's
+/// GPU images into its keeper's memory as they come (`crate::prestage`), not once the whole
+/// round came: with 32 GiB, parts of some 4 GiB of the round's nine data files, each received
+/// in well under a second and loaded while the next comes.
+pub const FIRST_ROUND_SLICE: u64 = 512 << 20;
 
 /// The default of [`Environment::cut_deadline`].
 pub const CUT_DEADLINE: Duration = Duration::from_secs(30);
@@ -139,6 +150,9 @@ impl Environment {
                 .filter(|&ms| ms > 0)
                 .map_or(CUT_DEADLINE, Duration::from_millis),
             tcp_close: var("POSSUM_RESTORE_TCP_CLOSE").is_some_and(|v| v.trim() == "1"),
+            first_round_slice: var("POSSUM_MIGRATE_SLICE_MIB")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map_or(FIRST_ROUND_SLICE, |mib| mib.saturating_mul(1 << 20)),
         }
     }
 }
@@ -155,6 +169,10 @@ mod tests {
         assert_eq!(none.criu_log_level, None);
         assert_eq!(none.cut_deadline, CUT_DEADLINE);
         assert!(!none.tcp_close && !none.hostmem_ahead);
+        assert_eq!(none.first_round_slice, FIRST_ROUND_SLICE);
+        let slice =
+            Environment::from_vars(|n| (n == "POSSUM_MIGRATE_SLICE_MIB").then(|| " 3".into()));
+        assert_eq!(slice.first_round_slice, 3 << 20);
         let ahead = Environment::from_vars(|n| (n == "POSSUM_HOSTMEM_AHEAD").then(|| "1".into()));
         assert!(ahead.hostmem_ahead);
         let close =
@@ -184,6 +202,7 @@ mod tests {
         });
         assert_eq!(set.hostmem_split, HostmemSplit::Always);
         assert!(!set.keeper_revive && !set.restore_stage && !set.tcp_close && !set.hostmem_ahead);
+        assert_eq!(set.first_round_slice, 0, "0: one part");
         assert_eq!(set.criu_log_level, Some(LogLevel::Debug));
         assert_eq!(set.nvidia_smi, "0");
         assert_eq!(set.libcuda, "libcuda.so.1");

@@ -257,10 +257,11 @@ impl Link {
                 None => Box::new(s),
             })
         };
-        let sender = paced(pacer, &mut stream, |mut s| {
+        let mut sender = paced(pacer, &mut stream, |mut s| {
             DirSender::start_streams(&mut s, &p.key, p.streams, open)
         })
         .map_err(|e| Early::Send(Box::new(e)))?;
+        sender.slice_first_round(p.checkpoint.env.first_round_slice);
         Ok(Link { stream, sender })
     }
 }

@@ -1,8 +1,12 @@
 //! A migration's destination loading the job's GPU images before they are whole: once the
-//! first pre-copy round sent ahead is received (the job still running at the source), the
-//! keeper that serves the job's GPU there is asked to `prestage` each image by its draft
-//! manifest (the chunks the round wrote, `draft.pb`), so that the memory is loaded while the
-//! source's later rounds, its hold and its final send go on. The restore's stage of the finished
+//! first part of the first pre-copy round sent ahead is received (the job still running at the
+//! source), the keeper that serves the job's GPU there is asked to `prestage` each image by its
+//! draft manifest (the chunks the round wrote, `draft.pb`), so that the memory is loaded while
+//! the rest of the round, the source's later rounds, its hold and its final send go on. The
+//! round comes in parts, each the next slice of every data file
+//! (`wire::DirSender::slice_first_round`): the prestage is told how much of each file is
+//! there (`present`), and after each part how far the files have come (`stage_grown`); the
+//! keeper loads each chunk once its bytes are there. The restore's stage of the finished
 //! image then builds on it (`base`): each buffer keeps that memory, and only the chunks that
 //! differ between the draft and the image (by length, CRC32C and fingerprint) are loaded. A
 //! chunk the draft has without a fingerprint, a buffer the prestage did not load whole, a
@@ -15,9 +19,11 @@
 //! before CRIU's restore must not take a PID of the job's tree, which only the finished image
 //! says); without one, the restore stages the image as it always does.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -61,25 +67,64 @@ pub struct Prestaged {
     pub bytes: u64,
     /// How long the keeper took to take the request (its memory made); the loads go on after.
     pub request_ms: f64,
+    /// Pieces of its data files ([`possum_keeper::ARRIVING_PIECE`] bytes each) that were not
+    /// there yet when it was made: the first round arrives in parts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arriving: Option<u64>,
+    /// Of them, those it still waited for when last told how far the files came (0 once all
+    /// came).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pending: Option<u64>,
     /// Why it was not made.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
 
 /// The loads ahead of one migration's destination: begun once, at the first part sent ahead
-/// that holds drafts.
+/// that holds drafts, then told how far the images' data files came at each part after.
 #[derive(Default)]
 pub(crate) struct Prestages {
     begun: bool,
+    /// The unfinished image directories loaded ahead.
+    images: Vec<PathBuf>,
+    /// To the thread: each image's data files' lengths, at each part whole.
+    grown: Option<mpsc::Sender<Vec<Lengths>>>,
     thread: Option<JoinHandle<Vec<Prestaged>>>,
+}
+
+/// The lengths of the files of an unfinished image directory, by name.
+type Lengths = BTreeMap<String, u64>;
+
+/// The lengths of the regular files directly in `dir`: a GPU image's data files (and its draft)
+/// as they have come. The first round sent ahead comes in parts, each file's bytes from its
+/// start ([`crate::wire::DirSender::slice_first_round`]): read when a part is whole, a file's
+/// length is what of it came.
+fn lengths(dir: &Path) -> Lengths {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Lengths::new();
+    };
+    (entries.flatten())
+        .filter_map(|e| {
+            let m = e.metadata().ok().filter(fs::Metadata::is_file)?;
+            Some((e.file_name().into_string().ok()?, m.len()))
+        })
+        .collect()
 }
 
 impl Prestages {
     /// Called with the directory what is sent ahead is received in, each time a part of it is
     /// whole: the first time it holds [`AHEAD_FILE`] and GPU images with drafts, asks the keeper
     /// serving each image's GPU to load it, on a thread of its own.
+    /// Each later time, tells each keeper how far its image's data files have come (the
+    /// lengths read now: the next part resizes them before its bytes come).
     pub(crate) fn part_received(&mut self, ahead: &Path) {
         if self.begun {
+            if let Some(tx) = &self.grown {
+                let now = self.images.iter().map(|d| lengths(d)).collect();
+                if tx.send(now).is_err() {
+                    self.grown = None;
+                }
+            }
             return;
         }
         let Ok(text) = fs::read(ahead.join(AHEAD_FILE)) else {
@@ -103,17 +148,42 @@ impl Prestages {
             return;
         };
         let gpus = hint.gpu_memory;
+        self.images = drafts.iter().map(|(_, abs, _)| abs.clone()).collect();
+        let present: Vec<Lengths> = self.images.iter().map(|d| lengths(d)).collect();
+        let (tx, rx) = mpsc::channel::<Vec<Lengths>>();
+        self.grown = Some(tx);
         self.thread = std::thread::Builder::new()
             .name("possum-prestage".into())
             .spawn(move || {
-                drafts
-                    .into_iter()
-                    .filter_map(|(rel, abs, device)| {
-                        let socket = crate::image::keeper_socket(&gpus, &keeper.dir, device);
-                        // Only a keeper already there.
-                        let k = possum_keeper::Keeper::connect(&socket).ok()?;
-                        Some(prestage_one(k, socket, rel, &abs))
-                    })
+                let mut made: Vec<(Option<possum_keeper::Keeper>, Prestaged)> =
+                    (drafts.into_iter().zip(present))
+                        .map(|((rel, abs, device), present)| {
+                            let socket = crate::image::keeper_socket(&gpus, &keeper.dir, device);
+                            // Only a keeper already there.
+                            match possum_keeper::Keeper::connect(&socket) {
+                                Ok(mut k) => {
+                                    let p = prestage_one(&mut k, socket, rel, &abs, present);
+                                    (p.stage.is_some().then_some(k), p)
+                                }
+                                Err(_) => (None, Prestaged::not_made(rel, socket)),
+                            }
+                        })
+                        .collect();
+                // Until the transfer is over: each part's lengths to each keeper.
+                for parts in rx {
+                    for ((k, p), files) in made.iter_mut().zip(parts) {
+                        let (Some(keeper), Some(stage)) = (k.as_mut(), p.stage) else {
+                            continue;
+                        };
+                        match keeper.stage_grown(stage, files) {
+                            Ok(left) => p.pending = Some(left),
+                            Err(_) => *k = None,
+                        }
+                    }
+                }
+                (made.into_iter())
+                    .filter(|(_, p)| p.error.as_deref() != Some(NO_KEEPER))
+                    .map(|(_, p)| p)
                     .collect()
             })
             .ok();
@@ -121,6 +191,7 @@ impl Prestages {
 
     /// The prestages made (waiting for the requests, not for the loads).
     pub(crate) fn finish(&mut self) -> Vec<Prestaged> {
+        self.grown = None;
         self.thread
             .take()
             .and_then(|t| t.join().ok())
@@ -128,14 +199,35 @@ impl Prestages {
     }
 }
 
+/// [`Prestaged::error`] of an image whose keeper was not there (left out of the list).
+const NO_KEEPER: &str = "no keeper";
+
+impl Prestaged {
+    fn not_made(image: PathBuf, socket: PathBuf) -> Prestaged {
+        Prestaged {
+            image,
+            socket,
+            stage: None,
+            buffers: 0,
+            bytes: 0,
+            request_ms: 0.0,
+            arriving: None,
+            pending: None,
+            error: Some(NO_KEEPER.into()),
+        }
+    }
+}
+
+/// Asks `k` to load the unfinished image at `abs` ahead, its data files `present` so long.
 fn prestage_one(
-    mut k: possum_keeper::Keeper,
+    k: &mut possum_keeper::Keeper,
     socket: PathBuf,
     image: PathBuf,
     abs: &Path,
+    present: Lengths,
 ) -> Prestaged {
     let t = Instant::now();
-    let r = k.prestage(abs, HOLD_SECS);
+    let r = k.prestage_arriving(abs, HOLD_SECS, present.clone());
     let mut p = Prestaged {
         image,
         socket,
@@ -143,6 +235,8 @@ fn prestage_one(
         buffers: 0,
         bytes: 0,
         request_ms: t.elapsed().as_secs_f64() * 1e3,
+        arriving: None,
+        pending: None,
         error: None,
     };
     match r {
@@ -150,6 +244,8 @@ fn prestage_one(
             p.stage = Some(info.stage);
             p.buffers = info.buffers;
             p.bytes = info.bytes;
+            // What is there now arrives nothing: the pieces it waits for.
+            p.arriving = k.stage_grown(info.stage, present).ok();
         }
         Err(e) => p.error = Some(e.to_string()),
     }
@@ -262,6 +358,8 @@ mod tests {
             buffers: 1,
             bytes: 1,
             request_ms: 0.0,
+            arriving: None,
+            pending: None,
             error: None,
         }];
         let dir = Path::new("/imgs/job");

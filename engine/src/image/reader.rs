@@ -82,6 +82,13 @@ fn open_data_file(
     Ok(file)
 }
 
+/// Whether [`Image::open_as`] checks that the image's own data files are as long as recorded.
+#[derive(Debug, Clone, Copy)]
+enum Lengths {
+    Checked,
+    Arriving,
+}
+
 impl Image {
     /// Opens the image directory `dir` and checks, in order: that `manifest.pb` exists, its magic,
     /// its major version (other majors are refused, newer minors accepted), its payload length
@@ -97,7 +104,7 @@ impl Image {
     /// file exists and is at least as long as recorded. The first problem found is returned,
     /// naming the file, buffer and offset concerned.
     pub fn open(dir: &Path) -> Result<Image, ImageError> {
-        Image::open_as(dir, MANIFEST_FILE)
+        Image::open_as(dir, MANIFEST_FILE, Lengths::Checked)
     }
 
     /// Opens an unfinished image by its draft manifest ([`DRAFT_FILE`]): the chunks its data
@@ -105,10 +112,18 @@ impl Image {
     /// A later round or the commit may have written over some of those bytes: each chunk read
     /// is checked against its CRC32C, and a chunk that changed fails to read.
     pub fn open_draft(dir: &Path) -> Result<Image, ImageError> {
-        Image::open_as(dir, DRAFT_FILE)
+        Image::open_as(dir, DRAFT_FILE, Lengths::Checked)
     }
 
-    fn open_as(dir: &Path, manifest_file: &str) -> Result<Image, ImageError> {
+    /// [`Image::open_draft`] of an image whose data files are still arriving (a migration's
+    /// first round, received in parts): each of its own data files must exist, but may be
+    /// shorter than recorded. A chunk read before its bytes are there fails its CRC32C check
+    /// (or its read), as a chunk written over does.
+    pub fn open_draft_arriving(dir: &Path) -> Result<Image, ImageError> {
+        Image::open_as(dir, DRAFT_FILE, Lengths::Arriving)
+    }
+
+    fn open_as(dir: &Path, manifest_file: &str, lengths: Lengths) -> Result<Image, ImageError> {
         fs::metadata(dir).map_err(|e| ImageError::io(dir, e))?;
         let (major, minor, manifest, manifest_crc32c) =
             manifest::read_framed_crc_of(dir, manifest_file)?;
@@ -134,9 +149,13 @@ impl Image {
             let (path, file) = match parent {
                 None => {
                     let path = dir.join(&f.name);
+                    let at_least = match lengths {
+                        Lengths::Checked => f.len,
+                        Lengths::Arriving => 0,
+                    };
                     let file = open_data_file(
                         &path,
-                        f.len,
+                        at_least,
                         || ImageError::DataFileMissing {
                             image: dir.to_path_buf(),
                             file: f.name.clone(),
@@ -293,6 +312,15 @@ impl Image {
             }
             _ => false,
         }
+    }
+
+    /// The image's own data files (not its parents'), as [`Image::chunk_location`] names them,
+    /// with the lengths its manifest records.
+    pub fn own_data_files(&self) -> Vec<(&str, u64)> {
+        (self.files.iter())
+            .filter(|f| f.parent.is_none())
+            .map(|f| (f.shown.as_str(), f.len))
+            .collect()
     }
 
     /// Where the chunk of `buffer` at `offset` lies: its data file's path relative to the image

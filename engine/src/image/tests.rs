@@ -1407,3 +1407,66 @@ fn a_draft_reads_the_unfinished_image_and_the_commit_removes_it() {
     let other = Image::open_draft(w2.temp_dir()).unwrap();
     assert!(!other.same_chunk(&first, 1, 0));
 }
+
+/// A draft whose data file is still arriving: refused by [`Image::open_draft`] (truncated),
+/// opened by [`Image::open_draft_arriving`], whose chunks read once their bytes are there and
+/// fail their check before.
+#[test]
+fn a_draft_opens_while_its_data_file_arrives() {
+    let (_root, _dir, w) = scratch_writer(WriterOptions {
+        data_files: 1,
+        ..fast()
+    });
+    w.add_buffer(rec(1, 200, 0)).unwrap();
+    w.add_buffer(rec(2, 100, 0)).unwrap();
+    let (a0, b0) = (pattern(1, 0, 200, 0), pattern(2, 0, 100, 0));
+    w.write_chunk(1, 0, &a0).unwrap();
+    w.write_chunk(2, 0, &b0).unwrap();
+    w.write_draft().unwrap();
+    let whole = Image::open_draft(w.temp_dir()).unwrap();
+    let files: Vec<(String, u64)> = (whole.own_data_files().into_iter())
+        .map(|(n, l)| (n.to_string(), l))
+        .collect();
+    assert_eq!(files.len(), 1);
+    let (name, len) = files[0].clone();
+    assert_eq!(len, 300);
+    let (file, at) = whole.chunk_location(2, 0).unwrap();
+    assert_eq!(file, name);
+    // The copy of the image as it arrives: the data file's first bytes, up to buffer 2's chunk.
+    let arriving = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(w.temp_dir()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), arriving.path().join(e.file_name())).unwrap();
+    }
+    let data = arriving.path().join(&name);
+    let bytes = std::fs::read(&data).unwrap();
+    std::fs::write(&data, &bytes[..at as usize]).unwrap();
+    assert!(matches!(
+        Image::open_draft(arriving.path()),
+        Err(ImageError::DataFileTruncated { .. })
+    ));
+    let img = Image::open_draft_arriving(arriving.path()).unwrap();
+    let (mut got_a, mut got_b) = ([0u8; 200], [0u8; 100]);
+    let (first, _) = img.chunk_location(1, 0).unwrap();
+    assert_eq!(first, name);
+    img.read_chunk(1, 0, &mut got_a).unwrap();
+    assert_eq!(got_a.to_vec(), a0);
+    assert!(img.read_chunk(2, 0, &mut got_b).is_err());
+    // The rest arrives, zeros first (a file sized before its bytes came): a mismatch, then the
+    // bytes.
+    let f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+    f.set_len(len).unwrap();
+    assert!(matches!(
+        img.read_chunk(2, 0, &mut got_b),
+        Err(ImageError::ChecksumMismatch { .. })
+    ));
+    f.write_all_at(&bytes[at as usize..], at).unwrap();
+    img.read_chunk(2, 0, &mut got_b).unwrap();
+    assert_eq!(got_b.to_vec(), b0);
+    // A data file that is not there at all is still refused.
+    std::fs::remove_file(&data).unwrap();
+    assert!(matches!(
+        Image::open_draft_arriving(arriving.path()),
+        Err(ImageError::DataFileMissing { .. })
+    ));
+}

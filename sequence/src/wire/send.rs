@@ -229,6 +229,9 @@ pub struct DirSender {
     in_parts: Vec<(String, u64)>,
     /// Directories whose files' patches of the final set go after it ([`DirSender::post_copy`]).
     later_under: Vec<String>,
+    /// The first part sent ahead goes in slices of this many bytes of each file
+    /// ([`DirSender::slice_first_round`]).
+    first_slice: Option<u64>,
 }
 
 impl DirSender {
@@ -258,6 +261,7 @@ impl DirSender {
             sent: Arc::default(),
             in_parts: Vec::new(),
             later_under: Vec::new(),
+            first_slice: None,
         })
     }
 
@@ -269,6 +273,16 @@ impl DirSender {
     /// sent ahead (the same inode, under any name) is sent as that file instead, not in parts.
     pub fn send_in_parts(&mut self, path: impl Into<String>, part_bytes: u64) {
         self.in_parts.push((path.into(), part_bytes));
+    }
+
+    /// The first [`DirSender::send_ahead`] (nothing sent ahead yet) sends its files in parts,
+    /// each of the next `bytes` of every file still longer (the first part: every file's first
+    /// `bytes`), so that the receiver has each file's first bytes whole, part by part, long before
+    /// the last: a migration's destination loads a large first round into GPU memory as it
+    /// comes. The files and bytes sent are the same; each part after the first goes on with the
+    /// files as a later round would, nothing changed in them.
+    pub fn slice_first_round(&mut self, bytes: u64) {
+        self.first_slice = (bytes > 0).then_some(bytes);
     }
 
     /// Post-copy: the pieces of the files under the directories `dirs` (relative, `/`-separated)
@@ -307,33 +321,104 @@ impl DirSender {
         stream: &mut S,
         dir: &Path,
     ) -> Result<Totals, WireError> {
+        let first = !self.sent_ahead;
         self.sent_ahead = true;
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, false)?;
             let written = std::mem::take(&mut self.written);
-            let continued = bases(dir, &entries, self.ahead.clone(), &written);
-            let mut known = std::mem::take(&mut self.ahead);
-            let mut paths = std::mem::take(&mut self.ahead_paths);
-            let sent = self.send_part(
-                stream,
-                dir,
-                entries,
-                Sending::Ahead {
-                    known: &mut known,
-                    paths: &mut paths,
-                    continued,
-                },
-            );
-            self.ahead = known;
-            self.ahead_paths = paths;
-            let sent = sent?;
-            Ok(Totals {
-                files: sent.totals.files,
-                bytes: sent.bytes,
-            })
+            match self.first_slice.filter(|_| first) {
+                Some(slice) => self.ahead_in_slices(stream, dir, entries, slice),
+                None => {
+                    let sent = self.ahead_part(stream, dir, entries, &written)?;
+                    Ok(Totals {
+                        files: sent.totals.files,
+                        bytes: sent.bytes,
+                    })
+                }
+            }
         })();
         sent.map_err(|e| self.failed(stream, e))
+    }
+
+    /// A part sent ahead: `entries` of `dir`, those sent ahead before going on from where they
+    /// ended, their pieces `written` names read again.
+    fn ahead_part<S: Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        entries: Vec<Entry>,
+        written: &Written,
+    ) -> Result<Sent, SendError> {
+        let continued = bases(dir, &entries, self.ahead.clone(), written);
+        let mut known = std::mem::take(&mut self.ahead);
+        let mut paths = std::mem::take(&mut self.ahead_paths);
+        let sent = self.send_part(
+            stream,
+            dir,
+            entries,
+            Sending::Ahead {
+                known: &mut known,
+                paths: &mut paths,
+                continued,
+            },
+        );
+        self.ahead = known;
+        self.ahead_paths = paths;
+        sent
+    }
+
+    /// The first round's `entries` (as listed) in parts of `slice` bytes of each file
+    /// ([`DirSender::slice_first_round`]).
+    fn ahead_in_slices<S: Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        entries: Vec<Entry>,
+        slice: u64,
+    ) -> Result<Totals, SendError> {
+        let sizes = || {
+            entries.iter().filter_map(|e| match e {
+                Entry::File(h) => Some(h.size),
+                Entry::Dir(_) | Entry::Slice { .. } => None,
+            })
+        };
+        let longest = sizes().max().unwrap_or(0);
+        let mut totals = Totals {
+            files: sizes().count() as u64,
+            bytes: 0,
+        };
+        // Between the parts nothing is written: every file goes on unchanged.
+        let mut unchanged = Written::new();
+        let mut upto = 0u64;
+        loop {
+            let from = upto;
+            upto = upto.saturating_add(slice);
+            let part: Vec<Entry> = (entries.iter())
+                .filter_map(|e| match e {
+                    Entry::Dir(d) => Some(Entry::Dir(d.clone())),
+                    Entry::File(h) if from == 0 || h.size > from => Some(Entry::File(FileHeader {
+                        size: h.size.min(upto),
+                        ..h.clone()
+                    })),
+                    Entry::File(_) | Entry::Slice { .. } => None,
+                })
+                .collect();
+            let sent = self.ahead_part(stream, dir, part, &unchanged)?;
+            totals.bytes += sent.bytes;
+            if upto >= longest {
+                return Ok(totals);
+            }
+            if from == 0 {
+                for e in &entries {
+                    if let Entry::File(h) = e {
+                        if let Ok(m) = fs::symlink_metadata(dir.join(&h.path)) {
+                            unchanged.add((m.dev(), m.ino()), []);
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Sends the directory `dir` (the final set) and `Done`; returns once the receiver has named

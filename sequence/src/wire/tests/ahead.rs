@@ -1138,3 +1138,60 @@ fn post_copy_receiver(
     });
     (addr, receiver)
 }
+
+/// The first round sent ahead in slices (a migration's, whose destination loads it as it comes):
+/// each part brings the next slice of every file still longer, so that when a part is whole the
+/// receiver has each file's first bytes up to it; the bytes sent are the file's once, and a later
+/// round and the final set go on from there as without slices.
+#[test]
+fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
+    let (_tmp, src, out) = dirs();
+    let (long, short) = (noise(5 * CHUNK_BYTES / 2 + 100), noise(CHUNK_BYTES / 2));
+    write_files(&src, &[("long", &long), ("short", &short), ("empty", b"")]);
+    let dest = out.join("image");
+    let (mut a, mut b) = pair();
+    let d = dest.clone();
+    let receiver = thread::spawn(move || {
+        let session = receiver_handshake(&mut b, &key(2)).unwrap();
+        // The files' lengths as each part sent ahead is whole.
+        let mut seen = Vec::new();
+        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut |dir| {
+            let len = |n: &str| fs::metadata(dir.join(n)).map_or(0, |m| m.len());
+            seen.push((len("long"), len("short"), len("empty")));
+        });
+        (r.map(|(report, _)| report), seen)
+    });
+    let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
+    sender.slice_first_round(CHUNK_BYTES as u64);
+    let first = sender.send_ahead(&mut a, &src).unwrap();
+    let whole = (long.len() + short.len()) as u64;
+    assert_eq!(
+        first,
+        Totals {
+            files: 3,
+            bytes: whole
+        }
+    );
+    // A later round: not sliced; only the gain goes.
+    let gain = noise(2 * CHUNK_BYTES);
+    append_to(&src.join("long"), &gain);
+    let second = sender.send_ahead(&mut a, &src).unwrap();
+    assert_eq!(second.bytes, gain.len() as u64);
+    fs::write(src.join("short"), noise(CHUNK_BYTES / 2 + 1)).unwrap();
+    let (report, _) = sender.finish(&mut a, &src).unwrap();
+    let (got, seen) = receiver.join().unwrap();
+    assert_eq!(got.unwrap().totals, report.totals);
+    let c = CHUNK_BYTES as u64;
+    let (l, s) = (long.len() as u64, short.len() as u64);
+    assert_eq!(
+        seen,
+        vec![
+            (c, s, 0),
+            (2 * c, s, 0),
+            (l, s, 0),
+            (l + gain.len() as u64, s, 0)
+        ],
+        "one slice of each file a part, then the later round's gain at once"
+    );
+    assert_arrived(&src, &dest, &out);
+}
