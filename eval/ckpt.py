@@ -601,6 +601,11 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
                       "post_copy": j.get("post_copy"),
                       "source": (j.get("checkpoint") or {}).get("figures"),
                       "received": (received or {}).get("timings"),
+                      # The GPU images loaded ahead at the destination, and what the restore took
+                      # of them.
+                      "prestaged": [{k: p.get(k) for k in ("bytes", "arriving", "pending", "error")}
+                                    for p in (received or {}).get("prestaged") or []],
+                      "staged_reused_bytes": [s.get("reused_bytes") for s in (received or {}).get("staged") or []],
                       "stderr": mg["stderr"] if mg["rc"] else None}
     # Killed by the migration (or, failed, run on to its end here).
     reaper.join(timeout=600)

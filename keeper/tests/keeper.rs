@@ -792,6 +792,103 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
     });
 }
 
+/// Three buffers of a keeper's engine, written with the patterns `first`, `first + 1` and
+/// `first + 2`, and the draft of a pre-copy round of them: its writer, the image unfinished
+/// under `dir/draft/gpu-0`.
+struct Drafted {
+    kept: KeptEngine,
+    sizes: [u64; 3],
+    bufs: Vec<possum_engine::Buffer>,
+    me: i32,
+    k: Keeper,
+    w: std::sync::Arc<possum_engine::image::ImageWriter>,
+}
+
+impl Drafted {
+    fn new(server: &Server, dir: &Path, first: u64) -> Drafted {
+        use possum_engine::image::{ImageWriter, WriterOptions};
+        use std::sync::Arc;
+        let kept = KeptEngine::chunked(server);
+        let sizes = [MIB4, 2 * MIB4 - 4096, 3 * MIB4];
+        let bufs: Vec<_> = (sizes.iter())
+            .map(|&n| kept.engine.alloc(n).unwrap())
+            .collect();
+        for (i, b) in bufs.iter().enumerate() {
+            kept.write(b.va(), first + i as u64, b.size());
+        }
+        let draft_of = dir.join("draft/gpu-0");
+        let w = Arc::new(ImageWriter::create(&draft_of, WriterOptions::default()).unwrap());
+        kept.engine
+            .checkpoint(w.clone(), false)
+            .unwrap()
+            .wait()
+            .unwrap();
+        w.write_draft().unwrap();
+        Drafted {
+            kept,
+            sizes,
+            bufs,
+            me: std::process::id() as i32,
+            k: Keeper::connect(server.path()).unwrap(),
+            w,
+        }
+    }
+
+    /// The finished image of the buffers as they are now, at `dir/img/gpu-0`; their memory
+    /// released.
+    fn finished(&self, dir: &Path) -> PathBuf {
+        use possum_engine::image::{ImageWriter, WriterOptions};
+        use std::sync::Arc;
+        let img = dir.join("img/gpu-0");
+        let w2 = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
+        let e = &self.kept.engine;
+        e.checkpoint(w2.clone(), false).unwrap().wait().unwrap();
+        Arc::try_unwrap(w2).unwrap().commit().unwrap();
+        e.release().unwrap();
+        img
+    }
+
+    /// A stage of `img` built on prestage `base` (its reply), the engine restored from it:
+    /// every buffer staged, buffer `i` holding the pattern `want(i)`.
+    fn restored_on(
+        &mut self,
+        server: &Server,
+        img: &Path,
+        base: u64,
+        want: impl Fn(usize) -> u64,
+    ) -> possum_keeper::StageInfo {
+        use possum_engine::image::Image;
+        use std::sync::Arc;
+        let info = (self.k)
+            .stage(self.me, img, 60, None, Some(base), Vec::new())
+            .unwrap();
+        let mem = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
+        let plan = mem.staged(img).unwrap().expect("the stage of the image");
+        let r = (self.kept.engine)
+            .restore_staged(Arc::new(Image::open(img).unwrap()), Arc::new(plan))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!((r.staged, r.staged_fallback), (3, 0), "{r:?}");
+        for (i, b) in self.bufs.iter().enumerate() {
+            assert!(
+                self.kept.read(b.va(), b.size()) == pattern(want(i), b.size()),
+                "buffer {i} restored wrong"
+            );
+        }
+        info
+    }
+
+    /// Frees the buffers; waits until the keeper holds no memory.
+    fn free(self, server: &Server) {
+        drop(self.w);
+        for b in &self.bufs {
+            self.kept.engine.free(b.va()).unwrap();
+        }
+        wait_total(server, Usage::default());
+    }
+}
+
 /// Loading ahead: the keeper loads an unfinished image by its draft manifest (`prestage`), and a
 /// stage of the finished image built on it keeps that memory, loading only the chunks that
 /// differ (a buffer written since) and every chunk of a buffer the prestage did not load whole
@@ -800,27 +897,11 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
 #[test]
 fn a_stage_builds_on_a_prestage_of_the_draft() {
     in_child(|| {
-        use possum_engine::image::{Image, ImageWriter, WriterOptions};
-        use std::sync::Arc;
         let (dir, server) = fresh_keeper();
-        let kept = KeptEngine::chunked(&server);
-        let e = &kept.engine;
-        let sizes = [MIB4, 2 * MIB4 - 4096, 3 * MIB4];
-        let bufs: Vec<_> = sizes.iter().map(|&n| e.alloc(n).unwrap()).collect();
-        let me = std::process::id() as i32;
-        let mut k = Keeper::connect(server.path()).unwrap();
-
-        // The pre-copy round: its draft, the image unfinished.
-        for (i, b) in bufs.iter().enumerate() {
-            kept.write(b.va(), 10 + i as u64, b.size());
-        }
-        let draft_of = dir.path().join("draft/gpu-0");
-        let w = Arc::new(ImageWriter::create(&draft_of, WriterOptions::default()).unwrap());
-        e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
-        w.write_draft().unwrap();
+        let mut d = Drafted::new(&server, dir.path(), 10);
         // The first buffer's load fails in the prestage.
         std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", "0");
-        let pre = k.prestage(w.temp_dir(), 60).unwrap();
+        let pre = d.k.prestage(d.w.temp_dir(), 60).unwrap();
         std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL");
         assert_eq!(pre.buffers, 3);
         wait_until("the prestage is loaded", || {
@@ -832,57 +913,38 @@ fn a_stage_builds_on_a_prestage_of_the_draft() {
         });
         // A restored job never finds a prestage as its stage.
         let mem = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
-        assert!(mem.staged(w.temp_dir()).unwrap().is_none());
+        assert!(mem.staged(d.w.temp_dir()).unwrap().is_none());
 
         // The job writes the second buffer again; the finished image.
-        kept.write(bufs[1].va(), 21, bufs[1].size());
-        let img = dir.path().join("img/gpu-0");
-        let w2 = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
-        e.checkpoint(w2.clone(), false).unwrap().wait().unwrap();
-        Arc::try_unwrap(w2).unwrap().commit().unwrap();
-        e.release().unwrap();
-
-        let err = k
-            .stage(me, &img, 60, None, Some(pre.stage + 100), Vec::new())
+        d.kept.write(d.bufs[1].va(), 21, d.bufs[1].size());
+        let img = d.finished(dir.path());
+        let err = (d.k)
+            .stage(d.me, &img, 60, None, Some(pre.stage + 100), Vec::new())
             .unwrap_err();
         assert!(err.to_string().contains("no stage"), "{err}");
-        let info = k
-            .stage(me, &img, 60, None, Some(pre.stage), Vec::new())
-            .unwrap();
+        let info = d.restored_on(&server, &img, pre.stage, |i| {
+            if i == 1 {
+                21
+            } else {
+                10 + i as u64
+            }
+        });
         // Only the third buffer came whole from the prestage: the first failed to load there,
         // the second changed.
-        assert_eq!(info.reused_bytes, sizes[2], "{info:?}");
-        let plan = mem.staged(&img).unwrap().expect("the stage of the image");
-        let r = e
-            .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!((r.staged, r.staged_fallback), (3, 0), "{r:?}");
-        for (i, b) in bufs.iter().enumerate() {
-            let id = if i == 1 { 21 } else { 10 + i as u64 };
-            assert!(
-                kept.read(b.va(), b.size()) == pattern(id, b.size()),
-                "buffer {i} restored wrong"
-            );
-        }
+        assert_eq!(info.reused_bytes, d.sizes[2], "{info:?}");
         // Nothing retained, no stage left; the prestage shown ended.
         server.free_orphans_now();
         let st = server.stats();
         assert_eq!(st.retained, Usage::default(), "{st:?}");
-        assert_eq!(st.clients.get(&me).map(|u| u.allocations), Some(3));
+        assert_eq!(st.clients.get(&d.me).map(|u| u.allocations), Some(3));
         assert!(st.stages.is_empty(), "{st:?}");
         assert!(st
             .stages_ended
             .iter()
             .any(|s| s.draft && s.stage == pre.stage));
         // Taken, the prestage is gone.
-        assert!(k.stage_end(pre.stage).is_err());
-        drop(w);
-        for b in &bufs {
-            e.free(b.va()).unwrap();
-        }
-        wait_total(&server, Usage::default());
+        assert!(d.k.stage_end(pre.stage).is_err());
+        d.free(&server);
     });
 }
 
@@ -893,29 +955,14 @@ fn a_stage_builds_on_a_prestage_of_the_draft() {
 #[test]
 fn a_prestage_loads_as_the_draft_files_arrive() {
     in_child(|| {
-        use possum_engine::image::{Image, ImageWriter, WriterOptions};
         use std::collections::BTreeMap;
-        use std::sync::Arc;
         let (dir, server) = fresh_keeper();
-        let kept = KeptEngine::chunked(&server);
-        let e = &kept.engine;
-        let sizes = [MIB4, 2 * MIB4 - 4096, 3 * MIB4];
-        let bufs: Vec<_> = sizes.iter().map(|&n| e.alloc(n).unwrap()).collect();
-        let me = std::process::id() as i32;
-        let mut k = Keeper::connect(server.path()).unwrap();
-        for (i, b) in bufs.iter().enumerate() {
-            kept.write(b.va(), 30 + i as u64, b.size());
-        }
-        let w = Arc::new(
-            ImageWriter::create(&dir.path().join("draft/gpu-0"), WriterOptions::default()).unwrap(),
-        );
-        e.checkpoint(w.clone(), false).unwrap().wait().unwrap();
-        w.write_draft().unwrap();
+        let mut d = Drafted::new(&server, dir.path(), 30);
         // The draft as the destination has it before the round's data came: empty data files.
         let arriving = dir.path().join("arriving/.gpu-0.tmp-1");
         std::fs::create_dir_all(&arriving).unwrap();
         let mut whole = BTreeMap::new();
-        for f in std::fs::read_dir(w.temp_dir()).unwrap() {
+        for f in std::fs::read_dir(d.w.temp_dir()).unwrap() {
             let f = f.unwrap();
             let name = f.file_name().into_string().unwrap();
             if name.starts_with("data-") {
@@ -927,7 +974,7 @@ fn a_prestage_loads_as_the_draft_files_arrive() {
         }
         assert!(!whole.is_empty());
         let none: BTreeMap<String, u64> = whole.keys().map(|n| (n.clone(), 0)).collect();
-        let pre = k.prestage_arriving(&arriving, 60, none).unwrap();
+        let pre = d.k.prestage_arriving(&arriving, 60, none).unwrap();
         assert_eq!(pre.buffers, 3);
         wait_until("the prestage's buffers are blocked", || {
             let st = server.stats();
@@ -937,49 +984,24 @@ fn a_prestage_loads_as_the_draft_files_arrive() {
         });
         // A file said grown that is not yet: nothing arrives past what is said.
         let one = whole.keys().next().unwrap().clone();
-        assert!(k.stage_grown(pre.stage, [(one, 0)].into()).unwrap() > 0);
+        assert!(d.k.stage_grown(pre.stage, [(one, 0)].into()).unwrap() > 0);
         // The bytes come, in place (the same files).
         for (name, &len) in &whole {
-            let bytes = std::fs::read(w.temp_dir().join(name)).unwrap();
+            let bytes = std::fs::read(d.w.temp_dir().join(name)).unwrap();
             assert_eq!(bytes.len() as u64, len);
             std::fs::write(arriving.join(name), bytes).unwrap();
         }
-        assert_eq!(k.stage_grown(pre.stage, whole.clone()).unwrap(), 0);
+        assert_eq!(d.k.stage_grown(pre.stage, whole.clone()).unwrap(), 0);
         wait_until("the prestage is loaded", || {
             let st = server.stats();
             st.stages
                 .iter()
                 .any(|s| s.stage == pre.stage && s.done_ms.is_some() && s.ready == 3)
         });
-
-        let img = dir.path().join("img/gpu-0");
-        let w2 = Arc::new(ImageWriter::create(&img, WriterOptions::default()).unwrap());
-        e.checkpoint(w2.clone(), false).unwrap().wait().unwrap();
-        Arc::try_unwrap(w2).unwrap().commit().unwrap();
-        e.release().unwrap();
-        let info = k
-            .stage(me, &img, 60, None, Some(pre.stage), Vec::new())
-            .unwrap();
-        assert_eq!(info.reused_bytes, sizes.iter().sum::<u64>(), "{info:?}");
-        let mem = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
-        let plan = mem.staged(&img).unwrap().expect("the stage of the image");
-        let r = e
-            .restore_staged(Arc::new(Image::open(&img).unwrap()), Arc::new(plan))
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!((r.staged, r.staged_fallback), (3, 0), "{r:?}");
-        for (i, b) in bufs.iter().enumerate() {
-            assert!(
-                kept.read(b.va(), b.size()) == pattern(30 + i as u64, b.size()),
-                "buffer {i} restored wrong"
-            );
-        }
-        drop(w);
-        for b in &bufs {
-            e.free(b.va()).unwrap();
-        }
-        wait_total(&server, Usage::default());
+        let img = d.finished(dir.path());
+        let info = d.restored_on(&server, &img, pre.stage, |i| 30 + i as u64);
+        assert_eq!(info.reused_bytes, d.sizes.iter().sum::<u64>(), "{info:?}");
+        d.free(&server);
     });
 }
 

@@ -171,6 +171,30 @@ fn send(
     took
 }
 
+/// Sends `src` ahead (its first round, in parts of `slice` bytes of each file if some) and then
+/// its final set (nothing changed) to the receiver at `to` over `streams` streams: the time
+/// until the receiver's `Committed`.
+fn send_ahead(
+    to: &(SocketAddr, mpsc::Receiver<()>),
+    src: &Path,
+    streams: u32,
+    slice: Option<u64>,
+) -> Duration {
+    let (addr, removals) = to;
+    let t = Instant::now();
+    let mut main = connect(*addr, None).unwrap();
+    let mut sender =
+        DirSender::start_streams(&mut main, &key(), streams, |_| connect(*addr, None)).unwrap();
+    if let Some(bytes) = slice {
+        sender.slice_first_round(bytes);
+    }
+    sender.send_ahead(&mut main, src).unwrap();
+    sender.finish(&mut main, src).unwrap();
+    let took = t.elapsed();
+    removals.recv().unwrap();
+    took
+}
+
 fn loopback(c: &mut Criterion) {
     let mib: usize = env_or("POSSUM_BENCH_MIB", "1024").parse().unwrap();
     let root = PathBuf::from(env_or("POSSUM_BENCH_DIR", "/dev/shm"))
@@ -186,6 +210,14 @@ fn loopback(c: &mut Criterion) {
     for streams in counts.split(',').map(|s| s.trim().parse::<u32>().unwrap()) {
         g.bench_function(format!("{mib} MiB, {streams} streams"), |b| {
             b.iter_custom(|n| (0..n).map(|_| send(&to, &src, streams, None)).sum());
+        });
+    }
+    // Sent ahead, then the final set: in one part, and in parts of an eighth of each data file
+    // (a migration's first round, which its destination loads as it comes).
+    let eighth = (bytes / 4).div_ceil(8);
+    for (how, slice) in [("in one part", None), ("in 8 slices", Some(eighth))] {
+        g.bench_function(format!("{mib} MiB sent ahead {how}, 4 streams"), |b| {
+            b.iter_custom(|n| (0..n).map(|_| send_ahead(&to, &src, 4, slice)).sum());
         });
     }
     // Paced at half the directory a second, four streams: the rate all of them hold together.
