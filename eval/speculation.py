@@ -37,6 +37,19 @@ MODES = {
 }
 
 
+def release_digest(reply):
+    """What the job's library said of its release in the hold (`possum checkpoint`'s
+    `release_report`): its time, the final copy's, each device's copy, the bytes released and
+    trimmed; None without one."""
+    r = (reply or {}).get("ok") if isinstance(reply, dict) and "ok" in reply else reply
+    if not isinstance(r, dict):
+        return None
+    keep = ("ms", "final_copy_ms", "detach_ms", "released_bytes", "staging_freed_bytes",
+            "context_trimmed_bytes", "imports_released")
+    out = {k: r.get(k) for k in keep if k in r}
+    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes")} for f in r.get("finals") or []]
+    return out
+
 def steps_of(log):
     out = []
     try:
@@ -181,7 +194,8 @@ def one_mode(a, mode, work, log):
                               prestaged=(received or {}).get("prestaged"),
                               staged=(received or {}).get("staged"),
                               stage_skipped=(received or {}).get("stage_skipped"),
-                              source=((j or {}).get("checkpoint") or {}).get("figures"))
+                              source=((j or {}).get("checkpoint") or {}).get("figures"),
+                              release=release_digest(((j or {}).get("checkpoint") or {}).get("release_report")))
         w = rec.get("writes_per_step")
         sent = rec["migrate"]["rounds"]
         if w and len(sent) > 1 and sent[1] is not None:
