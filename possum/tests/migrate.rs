@@ -448,6 +448,68 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     ));
 }
 
+/// The network fails while the first round arrives in parts and the destination's keeper loads
+/// it as it comes: the job runs on at the source bit-exact, and the keeper holds nothing of the
+/// load ahead (its loaders, waiting for bytes that will not come, are ended with it).
+#[test]
+fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
+    let Some((tmp, lib)) = support::session_job_setup("migrate_cut_slices", "possum-migrate-")
+    else {
+        return;
+    };
+    let dir = tmp.path();
+    let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
+    let (_keeper, keeper_dir) = support::cli::start_keeper(dir);
+    let env = [("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
+    let mut job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &env);
+    std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
+    std::fs::create_dir(dir.join("received")).unwrap();
+    let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
+    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
+    let receiver = Receiver::start(dir, "key", &plugin);
+    let relay = Relay::start(&receiver.addr);
+    // 1 MB/s, the round in parts of 1 MiB of each file: seconds between the parts.
+    let migrate = migrate_cmd(dir, &job, &relay.addr, "key")
+        .args(["--max-rate", "1000000"])
+        .env("POSSUM_HOSTMEM_AHEAD", "0")
+        .env("POSSUM_MIGRATE_SLICE_MIB", "1")
+        .envs(plugin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
+    let t = Instant::now();
+    let pre = loop {
+        let stats = k.stats().unwrap();
+        if let Some(s) = stats.stages.iter().find(|s| s.draft) {
+            break s.clone();
+        }
+        assert!(t.elapsed() < WAIT, "no load ahead began: {stats:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(pre.pending_pieces > 0, "the round came whole first: {pre:?}");
+    assert!(!is_stopped(job.pid), "held before the cut was wanted");
+    relay.cut();
+    let out = migrate.wait_with_output().unwrap();
+    failed_at(&out, "sending the image");
+    let got = receiver.output();
+    assert!(!got.status.success(), "{}", text(&got));
+    // The load ahead ended, its memory freed: no stage left, the prestage among those ended.
+    let t = Instant::now();
+    loop {
+        let stats = k.stats().unwrap();
+        let ended = stats.stages_ended.iter().any(|s| s.stage == pre.stage);
+        if stats.stages.is_empty() && ended && stats.held == possum_keeper::Usage::default() {
+            break;
+        }
+        assert!(t.elapsed() < WAIT, "the load ahead was left: {stats:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(names(&dir.join("received")).is_empty());
+    goes_on_like(&mut job, dir, &want, "run on at the source after a cut");
+}
+
 #[test]
 fn a_wrong_key_is_refused_and_the_job_runs_on_at_the_source() {
     set_up!(let (dir, want, mut job) = setup("migrate_wrong_key"));
