@@ -488,7 +488,10 @@ fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
         assert!(t.elapsed() < WAIT, "no load ahead began: {stats:?}");
         std::thread::sleep(Duration::from_millis(5));
     };
-    assert!(pre.pending_pieces > 0, "the round came whole first: {pre:?}");
+    assert!(
+        pre.pending_pieces > 0,
+        "the round came whole first: {pre:?}"
+    );
     assert!(!is_stopped(job.pid), "held before the cut was wanted");
     relay.cut();
     let out = migrate.wait_with_output().unwrap();

@@ -155,36 +155,35 @@ impl Prestages {
         self.thread = std::thread::Builder::new()
             .name("possum-prestage".into())
             .spawn(move || {
-                let mut made: Vec<(Option<possum_keeper::Keeper>, Prestaged)> =
+                // Per image: none without a keeper there; else the prestage, with the keeper
+                // while it takes the files' lengths.
+                let mut made: Vec<Option<(Option<possum_keeper::Keeper>, Prestaged)>> =
                     (drafts.into_iter().zip(present))
                         .map(|((rel, abs, device), present)| {
                             let socket = crate::image::keeper_socket(&gpus, &keeper.dir, device);
                             // Only a keeper already there.
-                            match possum_keeper::Keeper::connect(&socket) {
-                                Ok(mut k) => {
-                                    let p = prestage_one(&mut k, socket, rel, &abs, present);
-                                    (p.stage.is_some().then_some(k), p)
-                                }
-                                Err(_) => (None, Prestaged::not_made(rel, socket)),
-                            }
+                            let mut k = possum_keeper::Keeper::connect(&socket).ok()?;
+                            let p = prestage_one(&mut k, socket, rel, &abs, present);
+                            Some((p.stage.is_some().then_some(k), p))
                         })
                         .collect();
                 // Until the transfer is over: each part's lengths to each keeper.
                 for parts in rx {
-                    for ((k, p), files) in made.iter_mut().zip(parts) {
-                        let (Some(keeper), Some(stage)) = (k.as_mut(), p.stage) else {
+                    for (made, files) in made.iter_mut().zip(parts) {
+                        let Some((keeper, p)) = made else {
                             continue;
                         };
-                        match keeper.stage_grown(stage, files) {
+                        let (Some(k), Some(stage)) = (keeper.as_mut(), p.stage) else {
+                            continue;
+                        };
+                        match k.stage_grown(stage, files) {
                             Ok(left) => p.pending = Some(left),
-                            Err(_) => *k = None,
+                            // That keeper is not told again; its stage loads what it was told.
+                            Err(_) => *keeper = None,
                         }
                     }
                 }
-                (made.into_iter())
-                    .filter(|(_, p)| p.error.as_deref() != Some(NO_KEEPER))
-                    .map(|(_, p)| p)
-                    .collect()
+                made.into_iter().flatten().map(|(_, p)| p).collect()
             })
             .ok();
     }
@@ -196,25 +195,6 @@ impl Prestages {
             .take()
             .and_then(|t| t.join().ok())
             .unwrap_or_default()
-    }
-}
-
-/// [`Prestaged::error`] of an image whose keeper was not there (left out of the list).
-const NO_KEEPER: &str = "no keeper";
-
-impl Prestaged {
-    fn not_made(image: PathBuf, socket: PathBuf) -> Prestaged {
-        Prestaged {
-            image,
-            socket,
-            stage: None,
-            buffers: 0,
-            bytes: 0,
-            request_ms: 0.0,
-            arriving: None,
-            pending: None,
-            error: Some(NO_KEEPER.into()),
-        }
     }
 }
 
