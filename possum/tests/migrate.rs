@@ -369,6 +369,42 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     ));
 }
 
+/// A job whose buffers are a keeper's (`possum run`'s default), a `possum receive` for it on
+/// this host with possum's CRIU plugin, and what the job's buffers must be at its end.
+struct KeptJob {
+    tmp: tempfile::TempDir,
+    want: [Vec<u8>; 2],
+    job: Job,
+    /// Kept running while this is.
+    _keeper: support::cli::KeeperProcess,
+    keeper_dir: PathBuf,
+    libdir: PathBuf,
+    receiver: Receiver,
+}
+
+fn kept_job(test: &str) -> Option<KeptJob> {
+    let (tmp, lib) = support::session_job_setup(test, "possum-migrate-")?;
+    let dir = tmp.path();
+    let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
+    let (keeper, keeper_dir) = support::cli::start_keeper(dir);
+    let env = [("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
+    let job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &env);
+    std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
+    std::fs::create_dir(dir.join("received")).unwrap();
+    let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
+    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
+    let receiver = Receiver::start(dir, "key", &plugin);
+    Some(KeptJob {
+        tmp,
+        want,
+        job,
+        _keeper: keeper,
+        keeper_dir,
+        libdir,
+        receiver,
+    })
+}
+
 /// A job whose buffers are a keeper's (`possum run`'s default), migrated over loopback: the
 /// destination has the keeper load the job's GPU image from the first round sent ahead (its
 /// draft), while the job still runs at the source; the restore's stage builds on that memory,
@@ -376,37 +412,28 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
 /// prestage is left in the keeper.
 #[test]
 fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
-    let Some((tmp, lib)) = support::session_job_setup("migrate_prestage", "possum-migrate-") else {
+    let Some(mut t) = kept_job("migrate_prestage") else {
         return;
     };
-    let dir = tmp.path();
-    let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
-    let (_keeper, keeper_dir) = support::cli::start_keeper(dir);
-    let env = [("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
-    let mut job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &env);
-    std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
-    std::fs::create_dir(dir.join("received")).unwrap();
-    let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
-    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
-    let receiver = Receiver::start(dir, "key", &plugin);
+    let dir = t.tmp.path();
     // The job's private memory not sent ahead (the default): it goes at the cut, in parts.
     // The first round in parts of 1 MiB of each file: the destination loads it as it comes.
     let out = migrate_to(
         dir,
-        &job,
-        &receiver,
+        &t.job,
+        &t.receiver,
         &[],
         &[
-            ("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path()),
+            ("POSSUM_CRIU_PLUGIN_DIR", t.libdir.as_path()),
             ("POSSUM_MIGRATE_SLICE_MIB", Path::new("1")),
         ],
     );
-    let (v, r) = migrated(&out, receiver, &job);
-    assert_eq!(r["pid"], job.pid, "{r}");
+    let (v, r) = migrated(&out, t.receiver, &t.job);
+    assert_eq!(r["pid"], t.job.pid, "{r}");
     // In parts, which the receiver writes at once: CRIU's pages file is not among them.
     assert_eq!(v["host_memory_ahead"]["rounds"], 0, "{v}");
     let criu = PathBuf::from(r["dir"].as_str().unwrap()).join("criu");
-    let pid = job.pid;
+    let pid = t.job.pid;
     assert!(
         criu.join(format!("possum-hostmem-{pid}.pages.0")).is_file(),
         "{:?}",
@@ -435,9 +462,9 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     assert!(reused <= staged[0]["bytes"].as_u64().unwrap(), "{r}");
     assert!(v["bytes_before_hold"].as_u64().unwrap() > 0, "{v}");
 
-    goes_on_like(&mut job, dir, &want, "migrated, its image loaded ahead");
+    goes_on_like(&mut t.job, dir, &t.want, "migrated, its image loaded ahead");
     // The keeper holds no stage, and no memory of the prestage's.
-    let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
+    let mut k = possum_keeper::Keeper::connect(&t.keeper_dir.join("keeper-0.sock")).unwrap();
     let stats = k.stats().unwrap();
     assert!(stats.stages.iter().all(|s| !s.draft), "{stats:?}");
     let ended: Vec<_> = stats.stages_ended.iter().filter(|s| s.draft).collect();
@@ -453,23 +480,14 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
 /// load ahead (its loaders, waiting for bytes that will not come, are ended with it).
 #[test]
 fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
-    let Some((tmp, lib)) = support::session_job_setup("migrate_cut_slices", "possum-migrate-")
-    else {
+    let Some(mut t) = kept_job("migrate_cut_slices") else {
         return;
     };
-    let dir = tmp.path();
-    let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
-    let (_keeper, keeper_dir) = support::cli::start_keeper(dir);
-    let env = [("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
-    let mut job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &env);
-    std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
-    std::fs::create_dir(dir.join("received")).unwrap();
-    let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
-    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
-    let receiver = Receiver::start(dir, "key", &plugin);
-    let relay = Relay::start(&receiver.addr);
+    let dir = t.tmp.path();
+    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", t.libdir.to_str().unwrap())];
+    let relay = Relay::start(&t.receiver.addr);
     // 1 MB/s, the round in parts of 1 MiB of each file: seconds between the parts.
-    let migrate = migrate_cmd(dir, &job, &relay.addr, "key")
+    let migrate = migrate_cmd(dir, &t.job, &relay.addr, "key")
         .args(["--max-rate", "1000000"])
         .env("POSSUM_HOSTMEM_AHEAD", "0")
         .env("POSSUM_MIGRATE_SLICE_MIB", "1")
@@ -478,39 +496,39 @@ fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut k = possum_keeper::Keeper::connect(&keeper_dir.join("keeper-0.sock")).unwrap();
-    let t = Instant::now();
+    let mut k = possum_keeper::Keeper::connect(&t.keeper_dir.join("keeper-0.sock")).unwrap();
+    let since = Instant::now();
     let pre = loop {
         let stats = k.stats().unwrap();
         if let Some(s) = stats.stages.iter().find(|s| s.draft) {
             break s.clone();
         }
-        assert!(t.elapsed() < WAIT, "no load ahead began: {stats:?}");
+        assert!(since.elapsed() < WAIT, "no load ahead began: {stats:?}");
         std::thread::sleep(Duration::from_millis(5));
     };
     assert!(
         pre.pending_pieces > 0,
         "the round came whole first: {pre:?}"
     );
-    assert!(!is_stopped(job.pid), "held before the cut was wanted");
+    assert!(!is_stopped(t.job.pid), "held before the cut was wanted");
     relay.cut();
     let out = migrate.wait_with_output().unwrap();
     failed_at(&out, "sending the image");
-    let got = receiver.output();
+    let got = t.receiver.output();
     assert!(!got.status.success(), "{}", text(&got));
     // The load ahead ended, its memory freed: no stage left, the prestage among those ended.
-    let t = Instant::now();
+    let since = Instant::now();
     loop {
         let stats = k.stats().unwrap();
         let ended = stats.stages_ended.iter().any(|s| s.stage == pre.stage);
         if stats.stages.is_empty() && ended && stats.held == possum_keeper::Usage::default() {
             break;
         }
-        assert!(t.elapsed() < WAIT, "the load ahead was left: {stats:?}");
+        assert!(since.elapsed() < WAIT, "the load ahead was left: {stats:?}");
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(names(&dir.join("received")).is_empty());
-    goes_on_like(&mut job, dir, &want, "run on at the source after a cut");
+    goes_on_like(&mut t.job, dir, &t.want, "run on at the source after a cut");
 }
 
 #[test]
