@@ -93,11 +93,8 @@ pub use protocol::{
     socket_of, sockets_in, uuid_from_hex, uuid_hex, Allocated, DeviceInfo, Identified, Identify,
     KeeperError, PeerSource, PendingPiece, Request, Retained, RetainedAlloc, SpareFill,
     SpareFilled, SpareLease, SpareStats, StageArrived, StageDemands, StageInfo, StagePlan,
-    StageStats, StagedBuffer, Stats, Usage, ENDED_STAGES_KEPT, KEEPER_ENV, LOAD_TIMEOUT,
-    MAX_REQUEST_BYTES, ORPHAN_CHECK, PEER_MISSES_SAID, REPLY_TIMEOUT, REQUEST_TIMEOUT,
+    StageStats, StagedBuffer, Stats, Usage, ARRIVING_PIECE, ENDED_STAGES_KEPT, KEEPER_ENV,
+    LOAD_TIMEOUT, MAX_REQUEST_BYTES, ORPHAN_CHECK, PEER_MISSES_SAID, REPLY_TIMEOUT,
+    REQUEST_TIMEOUT,
 };
 pub use server::Server;
-
-/// The pieces a `prestage` of data files still arriving waits for, in bytes: each file's bytes
-/// from a multiple of this to the next load once the file is that long.
-pub const ARRIVING_PIECE: u64 = 64 << 20;

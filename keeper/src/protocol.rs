@@ -188,7 +188,7 @@ pub enum Request {
         hold_secs: u64,
         /// The image's data files are still arriving, each from its start (a migration's first
         /// round received in parts): how many bytes of each are there (a file not named: none).
-        /// The rest is pending, in pieces of [`crate::ARRIVING_PIECE`] bytes, until
+        /// The rest is pending, in pieces of [`ARRIVING_PIECE`] bytes, until
         /// `stage_grown` says the files are that long. None: the files are whole.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         present: Option<std::collections::BTreeMap<String, u64>>,
@@ -294,6 +294,11 @@ pub struct SpareLease {
     /// Its length.
     pub len: u64,
 }
+
+/// The pieces a `prestage` of data files still arriving ([`Request::Prestage`]'s `present`)
+/// waits for, in bytes: each file's bytes from a multiple of this to the next load once the file
+/// is that long ([`Request::StageGrown`]).
+pub const ARRIVING_PIECE: u64 = 64 << 20;
 
 /// A byte range of a data file of a stage's image whose bytes have not arrived yet
 /// ([`Request::Stage`]'s `pending`, [`Request::StageArrived`]).
