@@ -47,7 +47,8 @@ def release_digest(reply):
     keep = ("ms", "final_copy_ms", "detach_ms", "released_bytes", "staging_freed_bytes",
             "context_trimmed_bytes", "imports_released")
     out = {k: r.get(k) for k in keep if k in r}
-    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes")} for f in r.get("finals") or []]
+    # (Each device's copy while held, which the job names `final`.)
+    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes")} for f in r.get("final") or []]
     return out
 
 def steps_of(log):
