@@ -41,7 +41,7 @@ def release_digest(reply):
     """What the job's library said of its release in the hold (`possum checkpoint`'s
     `release_report`): its time, the final copy's, each device's copy, the bytes released and
     trimmed; None without one."""
-    r = (reply or {}).get("ok") if isinstance(reply, dict) and "ok" in reply else reply
+    r = reply
     if not isinstance(r, dict):
         return None
     keep = ("ms", "final_copy_ms", "detach_ms", "released_bytes", "staging_freed_bytes",
@@ -50,6 +50,7 @@ def release_digest(reply):
     # (Each device's copy while held, which the job names `final`.)
     out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes")} for f in r.get("final") or []]
     return out
+
 
 def steps_of(log):
     out = []

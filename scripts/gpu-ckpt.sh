@@ -52,7 +52,8 @@
 # every step (figures then report the steps' time during a kept checkpoint's save against a
 # normal step); CKPT_STATE_MIB=N gives each torch job a state of N MiB written whole every step
 # (a training job's; from 1 GiB, trials run five times the steps and stop the job in their first
-# third, so that a migration's hold comes while it steps); CKPT_BALLAST_READ_ALL=1 makes every step read all the extra state, as an
+# third, as migrated jobs' trials always do, so that a migration's hold comes while it steps);
+# CKPT_BALLAST_READ_ALL=1 makes every step read all the extra state, as an
 # inference job reads its weights (the serverless cold start: `figures --engines
 # possum-keeper-frozen --bench-plan mlp:16` gives the fresh start to the first step and the
 # restore from the image to the first step); CKPT_LIBPOSSUM=PATH runs them under another build

@@ -328,7 +328,7 @@ impl DirSender {
             list(dir, "", &mut entries, false)?;
             let written = std::mem::take(&mut self.written);
             match self.first_slice.filter(|_| first) {
-                Some(slice) => self.ahead_in_slices(stream, dir, entries, slice),
+                Some(slice) => self.ahead_in_slices(stream, dir, entries, written, slice),
                 None => {
                     let sent = self.ahead_part(stream, dir, entries, &written)?;
                     Ok(Totals {
@@ -369,12 +369,13 @@ impl DirSender {
     }
 
     /// The first round's `entries` (as listed) in parts of `slice` bytes of each file
-    /// ([`DirSender::slice_first_round`]).
+    /// ([`DirSender::slice_first_round`]), the first part with the writer's account `written`.
     fn ahead_in_slices<S: Write>(
         &mut self,
         stream: &mut S,
         dir: &Path,
         entries: Vec<Entry>,
+        mut written: Written,
         slice: u64,
     ) -> Result<Totals, SendError> {
         let sizes = || {
@@ -388,8 +389,6 @@ impl DirSender {
             files: sizes().count() as u64,
             bytes: 0,
         };
-        // Between the parts nothing is written: every file goes on unchanged.
-        let mut unchanged = Written::new();
         let mut upto = 0u64;
         loop {
             let from = upto;
@@ -404,19 +403,15 @@ impl DirSender {
                     Entry::File(_) | Entry::Slice { .. } => None,
                 })
                 .collect();
-            let sent = self.ahead_part(stream, dir, part, &unchanged)?;
+            let sent = self.ahead_part(stream, dir, part, &written)?;
             totals.bytes += sent.bytes;
             if upto >= longest {
                 return Ok(totals);
             }
-            if from == 0 {
-                for e in &entries {
-                    if let Entry::File(h) = e {
-                        if let Ok(m) = fs::symlink_metadata(dir.join(&h.path)) {
-                            unchanged.add((m.dev(), m.ino()), []);
-                        }
-                    }
-                }
+            // Between the parts nothing is written: every file sent goes on unchanged.
+            written = Written::new();
+            for inode in self.ahead.keys() {
+                written.add(*inode, []);
             }
         }
     }
