@@ -45,7 +45,8 @@ def release_digest(reply):
     if not isinstance(r, dict):
         return None
     keep = ("ms", "final_copy_ms", "detach_ms", "released_bytes", "staging_freed_bytes",
-            "context_trimmed_bytes", "imports_released")
+            "context_trimmed_bytes", "imports_released", "buffers_released_ms",
+            "staging_freed_ms", "context_trimmed_ms")
     out = {k: r.get(k) for k in keep if k in r}
     # (Each device's copy while held, which the job names `final`.)
     out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes")} for f in r.get("final") or []]

@@ -26,6 +26,14 @@
 #       one part (POSSUM_MIGRATE_SLICE_MIB=0) and in parts (the default: the destination loads
 #       the GPU images as they come), alternating. -> $OUT/speculation-bars.jsonl (TAG-whole-N,
 #       TAG-sliced-N)
+#   bash scripts/gpu-speculation.sh hold       (~6 min with SPEC_BARS="8 64 f8,0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the GPU images sent after the
+#       commit, the job killed after the send and CRIU probing the kernel at each run
+#       (POSSUM_MIGRATE_SEND_WHILE_HELD=0 POSSUM_MIGRATE_KILL_WHILE_SENDING=0 POSSUM_CRIU_KDAT=0,
+#       /run/criu.kdat removed), and with all three beside or cached (the default), alternating
+#       (TAG-after-N, TAG-beside-N); then, with SPEC_CRIU_LOGS=1, the first job once more at
+#       CRIU's log level 4: its dump and restore logs and the kdat cache's place
+#       -> $OUT/criu-logs-TAG.tar.gz
 #   bash scripts/gpu-speculation.sh postcopy   (~6 min)
 #       Migration alone, without and then with --post-copy, of each of SPEC_BARS (default: the
 #       training job writing 8 GiB of state every step; 8 GiB of weights and 64 MiB of state).
@@ -79,7 +87,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices)
+bars|slices|hold)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     if [ "${SPEC_HUGE:-0}" = 1 ]; then
@@ -110,6 +118,24 @@ bars|slices)
         read -r gib mib tag <<< "$spec"
         if [ "$1" = bars ]; then
             bar "$gib" "$mib" "$tag"
+            continue
+        fi
+        if [ "$1" = hold ]; then
+            for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
+                # (CRIU's cache of the kernel's features removed and not made: as before.)
+                rm -f /run/criu.kdat /run/criu.kdat.possum
+                POSSUM_MIGRATE_SEND_WHILE_HELD=0 POSSUM_MIGRATE_KILL_WHILE_SENDING=0 \
+                    POSSUM_CRIU_KDAT=0 bar "$gib" "$mib" "$tag-after-$i"
+                bar "$gib" "$mib" "$tag-beside-$i"
+            done
+            if [ "${SPEC_CRIU_LOGS:-0}" = 1 ] && [ -z "${criu_logged:-}" ]; then
+                criu_logged=1
+                POSSUM_CRIU_LOG_LEVEL=4 bar "$gib" "$mib" "$tag-criu-logs"
+                { findmnt /run; ls -la /run/criu.kdat* /run/.criu.kdat* 2>&1; } > "$res/kdat.txt"
+                # (The source's dump log goes with its image; the restore's is the destination's.)
+                find "$res/$tag-criu-logs" ${huge:+$huge/work} -name 'dump.log' -o -name 'restore.log' \
+                    2>/dev/null | tar czf "$out/criu-logs-$tag.tar.gz" -T - "$res/kdat.txt" 2>/dev/null
+            fi
             continue
         fi
         # slices: the first round sent in one part, then in parts (the default), alternating.

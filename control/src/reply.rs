@@ -466,6 +466,16 @@ pub struct ReleaseReply {
     /// Bytes freed by trimming the contexts.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context_trimmed_bytes: Option<u64>,
+    /// Milliseconds letting go of the buffers (released or detached) and of the memory other
+    /// processes shared with this one, after the copy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub buffers_released_ms: Option<f64>,
+    /// Milliseconds freeing the pinned staging memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub staging_freed_ms: Option<f64>,
+    /// Milliseconds trimming the contexts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_trimmed_ms: Option<f64>,
     /// Devices whose buffers stay on the GPU with the keeper for a restore.
     #[serde(deserialize_with = "null_default")]
     pub held_for_restore: Vec<usize>,
@@ -520,6 +530,12 @@ struct ReleaseWire<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     context_trimmed_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    buffers_released_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    staging_freed_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    context_trimmed_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     held_for_restore: Option<&'a [usize]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     held_epochs: Option<&'a [HeldEpoch]>,
@@ -554,6 +570,9 @@ impl Serialize for ReleaseReply {
             kept_bytes: self.kept_bytes,
             staging_freed_bytes: self.staging_freed_bytes,
             context_trimmed_bytes: self.context_trimmed_bytes,
+            buffers_released_ms: self.buffers_released_ms,
+            staging_freed_ms: self.staging_freed_ms,
+            context_trimmed_ms: self.context_trimmed_ms,
             held_for_restore: written_if(&self.held_for_restore, at_gate),
             held_epochs: written_if(&self.held_epochs, at_gate),
             devices: &self.devices,
@@ -847,6 +866,9 @@ mod tests {
             kept_bytes: Some(200),
             staging_freed_bytes: Some(64),
             context_trimmed_bytes: Some(32),
+            buffers_released_ms: Some(3.0),
+            staging_freed_ms: Some(2.0),
+            context_trimmed_ms: Some(0.25),
             held_for_restore: vec![0],
             held_epochs: vec![HeldEpoch {
                 device: 0,

@@ -16,6 +16,8 @@ pub const CRIU_ENV: &str = "POSSUM_CRIU";
 pub const PLUGIN_DIR_ENV: &str = "POSSUM_CRIU_PLUGIN_DIR";
 /// Threads writing a restored job's private memory back.
 pub const HOSTMEM_THREADS_ENV: &str = "POSSUM_HOSTMEM_THREADS";
+/// `0`: CRIU's cache of its probe of the kernel is not made where CRIU does not keep one.
+pub const KDAT_ENV: &str = "POSSUM_CRIU_KDAT";
 
 /// At most this many fill threads by default.
 const HOSTMEM_THREADS_MAX: usize = 16;
@@ -30,6 +32,9 @@ pub struct Config {
     pub plugin_dir: Option<Option<PathBuf>>,
     /// Fill threads asked for by `POSSUM_HOSTMEM_THREADS` (above 0; unset or bad: the CPUs).
     pub hostmem_threads: Option<usize>,
+    /// `POSSUM_CRIU_KDAT=0`: CRIU's cache of the kernel's features is not made
+    /// ([`crate::kdat`]).
+    pub no_kdat: bool,
 }
 
 impl EnvConfig for Config {
@@ -40,6 +45,7 @@ impl EnvConfig for Config {
             hostmem_threads: get(HOSTMEM_THREADS_ENV)
                 .and_then(|v| v.to_str()?.trim().parse().ok())
                 .filter(|&n: &usize| n > 0),
+            no_kdat: get(KDAT_ENV).is_some_and(|v| v.to_str().map(str::trim) == Some("0")),
         }
     }
 }
@@ -76,7 +82,9 @@ mod tests {
             (CRIU_ENV, "/opt/criu"),
             (PLUGIN_DIR_ENV, "/p"),
             (HOSTMEM_THREADS_ENV, " 40 "),
+            (KDAT_ENV, "0"),
         ]);
+        assert!(c.no_kdat);
         assert_eq!(c.criu, Some(PathBuf::from("/opt/criu")));
         assert_eq!(c.plugin_dir, Some(Some(PathBuf::from("/p"))));
         assert_eq!(c.hostmem_threads(), 40, "asked for: not capped");

@@ -64,6 +64,8 @@ pub struct HostReport {
     pub criu_check: Feature,
     /// Whether this CRIU can dump TCP sockets on this kernel ([`tcp_sockets`]).
     pub tcp_sockets: Feature,
+    /// Whether CRIU finds its probe of the kernel cached ([`crate::kdat`]), made if need be.
+    pub kdat_cache: Feature,
     /// CONFIG_CHECKPOINT_RESTORE, which CRIU cannot do without.
     pub checkpoint_restore: Feature,
     /// userfaultfd (CONFIG_USERFAULTFD): lazy restore of memory.
@@ -94,6 +96,7 @@ impl fmt::Display for HostReport {
         }
         writeln!(f, "{:<20} {}", "criu check", self.criu_check)?;
         writeln!(f, "{:<20} {}", "tcp sockets", self.tcp_sockets)?;
+        writeln!(f, "{:<20} {}", "kernel probe cache", self.kdat_cache)?;
         writeln!(
             f,
             "{:<20} {}",
@@ -126,15 +129,42 @@ pub fn host_report() -> HostReport {
         },
     };
     let tcp_sockets = tcp_sockets(criu_version.as_ref().ok(), kernel_version());
+    let kdat_cache = match &criu {
+        Err(_) => Feature::new(Support::Unknown, "no criu to run"),
+        Ok(_) if !nix::unistd::geteuid().is_root() => {
+            Feature::new(Support::Unknown, "not made: it needs root")
+        }
+        Ok(c) => kdat_cache(c.prime_kdat()),
+    };
     HostReport {
         kernel: kernel_release(),
         criu_binary,
         criu_version,
         criu_check,
         tcp_sockets,
+        kdat_cache,
         checkpoint_restore: checkpoint_restore(),
         userfaultfd: userfaultfd(),
         soft_dirty: soft_dirty(),
+    }
+}
+
+/// What [`crate::kdat::prime`] found or did, as a check.
+pub fn kdat_cache(primed: Result<crate::kdat::Primed, crate::kdat::KdatError>) -> Feature {
+    use crate::kdat::{Primed, CACHE};
+    match primed {
+        Ok(Primed::RunIsTmpfs) => Feature::new(Support::Yes, "/run is a tmpfs: CRIU keeps it"),
+        Ok(Primed::Fresh) => Feature::new(Support::Yes, format!("{CACHE}, made in this boot")),
+        Ok(Primed::Made) => Feature::new(Support::Yes, format!("{CACHE}, made now")),
+        Ok(Primed::Off) => Feature::new(
+            Support::Unknown,
+            "not made (POSSUM_CRIU_KDAT=0): unless /run is a tmpfs, CRIU probes the kernel at \
+             every dump and restore",
+        ),
+        Err(e) => Feature::new(
+            Support::No,
+            format!("{e}: CRIU probes the kernel at every dump and restore (20-50 ms each)"),
+        ),
     }
 }
 
@@ -366,6 +396,7 @@ mod tests {
             criu_version: Ok(version(4, 1)),
             criu_check: Feature::new(Support::Yes, "criu check passed"),
             tcp_sockets: Feature::new(Support::No, "w"),
+            kdat_cache: kdat_cache(Ok(crate::kdat::Primed::Made)),
             checkpoint_restore: Feature::new(Support::Yes, "x"),
             userfaultfd: Feature::new(Support::Yes, "y"),
             soft_dirty: Feature::new(Support::No, "z"),
@@ -377,6 +408,10 @@ mod tests {
         );
         assert!(s.contains("soft-dirty           NO: z"), "{s}");
         assert!(s.contains("tcp sockets          NO: w"), "{s}");
+        assert!(
+            s.contains("kernel probe cache   yes: /run/criu.kdat, made now"),
+            "{s}"
+        );
         assert!(report.can_checkpoint());
     }
 

@@ -75,6 +75,7 @@ pub mod fuzz;
 mod guard;
 pub mod hostmem;
 pub mod images;
+pub mod kdat;
 mod mapped;
 pub mod no_uring;
 mod process;
@@ -479,6 +480,13 @@ impl Criu {
             searched.push(candidate);
         }
         Err(CriuError::NotFound { searched })
+    }
+
+    /// Makes sure this CRIU finds its cache of the kernel's features at each run
+    /// ([`kdat::prime`]: where `/run` is not a tmpfs, CRIU does not keep one, and probes the
+    /// kernel at every dump and restore).
+    pub fn prime_kdat(&self) -> Result<kdat::Primed, kdat::KdatError> {
+        kdat::prime(&self.binary)
     }
 
     /// Uses `binary` (the wrapper or criu itself) without checking it, with the plugin directory

@@ -187,6 +187,7 @@ fn criu_checks(host: &HostReport) -> Vec<Check> {
         criu,
         feature("criu check", &host.criu_check, Verdict::Fail),
         feature("tcp sockets", &host.tcp_sockets, Verdict::Fail),
+        feature("kernel probe cache", &host.kdat_cache, Verdict::Warn),
         check("kernel", Verdict::Ok, host.kernel.clone()),
         feature(
             "checkpoint/restore",

@@ -244,13 +244,14 @@ fn print_migrate(r: &MigrateReport) {
     }
     println!(
         "  downtime {:.0} ms (the checkpoint's hold {:.0}, send {:.0} of which hashing again \
-         {:.0} and the destination's commit {:.0}, kill {:.0}, restore there {:.0}, the job's \
-         wait there for its buffers {}); total {:.0} ms",
+         {:.0} and the destination's commit {:.0}, kill {:.0} after it (of {:.0}), restore there \
+         {:.0}, the job's wait there for its buffers {}); total {:.0} ms",
         ms(t.downtime),
         ms(r.checkpoint.figures.hold),
         ms(t.send),
         ms(t.send_hashing),
         ms(t.send_committing),
+        ms(t.kill_after_send),
         ms(t.kill),
         ms(t.remote_restore),
         t.waited_after_resume
@@ -315,6 +316,12 @@ pub fn receive(a: &ReceiveArgs) -> Result<bool> {
     };
     let listener =
         TcpListener::bind(&a.listen).with_context(|| format!("listening on {}", a.listen))?;
+    // Before any image comes: the restores' CRIU then finds its probe of the kernel cached.
+    if let Ok(criu) = possum_criu::Criu::locate() {
+        if let Err(e) = criu.prime_kdat() {
+            eprintln!("possum: {e}: each restore's CRIU probes the kernel again");
+        }
+    }
     eprintln!(
         "possum: receiving on {}",
         listener.local_addr().context("the address listened on")?

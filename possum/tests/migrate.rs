@@ -146,8 +146,14 @@ fn migrated(out: &Output, receiver: Receiver, job: &Job) -> (Value, Value) {
 /// `possum migrate` of `job` to `to`, paced at 1 MB/s (the image is some MiB: slow enough to
 /// be interrupted where a test wants), started with its output piped.
 fn slow_migrate(dir: &Path, job: &Job, to: &str) -> std::process::Child {
+    slow_migrate_with(dir, job, to, &[])
+}
+
+/// [`slow_migrate`] with `env` added.
+fn slow_migrate_with(dir: &Path, job: &Job, to: &str, env: &[(&str, &str)]) -> std::process::Child {
     migrate_cmd(dir, job, to, "key")
         .args(["--max-rate", "1000000"])
+        .envs(env.iter().copied())
         // (The job's private memory not sent ahead: the fake GPU's buffers are the job's own
         // memory, which would go ahead as its private memory for minutes at this rate.)
         .env("POSSUM_HOSTMEM_AHEAD", "0")
@@ -1027,24 +1033,46 @@ fn wait_stopped(pid: i32) {
     }
 }
 
-/// The network fails during a migration (`held`: once the job is held for the rest of the
-/// image, else while it still runs and its pre-copy is sent ahead): the job runs on at the
-/// source, the receiver removes what it got and serves the next migration, which moves the job
-/// bit-exact.
-fn a_connection_cut(test: &str, held: bool) {
+/// When [`a_connection_cut`] cuts the connection.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    /// While the job runs and its pre-copy is sent ahead.
+    Ahead,
+    /// Once the job is held for the rest of the image, not killed while it is sent.
+    Held,
+    /// Once the job, held, was killed while the rest of its image is sent (the default).
+    Killed,
+}
+
+/// The network fails during a migration (`when`): the job runs on at the source (let go, or
+/// restored there from its image if it was killed beside the send), the receiver removes what
+/// it got and serves the next migration, which moves the job bit-exact.
+fn a_connection_cut(test: &str, when: Cut) {
     set_up!(let (dir, want, mut job) = setup(test));
     let receiver = Receiver::serving(dir, "key");
     let relay = Relay::start(&receiver.addr);
-    let migrate = slow_migrate(dir, &job, &relay.addr);
+    let env: &[(&str, &str)] = match when {
+        Cut::Held => &[("POSSUM_MIGRATE_KILL_WHILE_SENDING", "0")],
+        Cut::Ahead | Cut::Killed => &[],
+    };
+    let migrate = slow_migrate_with(dir, &job, &relay.addr, env);
     relay.carried(256 << 10);
-    if held {
-        wait_stopped(job.pid);
-    } else {
-        assert!(!is_stopped(job.pid), "held before the cut was wanted");
+    match when {
+        Cut::Ahead => assert!(!is_stopped(job.pid), "held before the cut was wanted"),
+        Cut::Held => wait_stopped(job.pid),
+        Cut::Killed => {
+            let t = Instant::now();
+            while alive(job.pid) {
+                assert!(t.elapsed() < WAIT, "the job was not killed beside the send");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
     }
     relay.cut();
     let out = migrate.wait_with_output().unwrap();
     failed_at(&out, "sending the image");
+    let restored = text(&out).contains("restoring the job at the source");
+    assert_eq!(restored, when == Cut::Killed, "{}", text(&out));
     // The receiver said why, removed its partial copy, and serves on.
     receiver.said("a migration from 127.0.0.1");
     let received = dir.join("received");
@@ -1059,6 +1087,12 @@ fn a_connection_cut(test: &str, held: bool) {
     }
     // The job still answers at the source, with its buffers as they were, then moves for good.
     assert!(!is_stopped(job.pid), "left held");
+    if when == Cut::Killed {
+        // (Restored here, it is this process's child: a second migration would need it reaped.)
+        goes_on_like(&mut job, dir, &want, "restored at the source");
+        receiver.kill();
+        return;
+    }
     let _ = job.dump(&dir.join("between.bin"));
     let again = possum(dir)
         .args([
@@ -1086,12 +1120,17 @@ fn a_connection_cut(test: &str, held: bool) {
 
 #[test]
 fn a_connection_cut_while_the_job_runs_leaves_it_at_the_source_and_the_receiver_serving() {
-    a_connection_cut("migrate_cut_ahead", false);
+    a_connection_cut("migrate_cut_ahead", Cut::Ahead);
 }
 
 #[test]
 fn a_connection_cut_while_the_job_is_held_lets_it_run_on_at_the_source() {
-    a_connection_cut("migrate_cut_held", true);
+    a_connection_cut("migrate_cut_held", Cut::Held);
+}
+
+#[test]
+fn a_connection_cut_after_the_kill_beside_the_send_restores_the_job_at_the_source() {
+    a_connection_cut("migrate_cut_killed", Cut::Killed);
 }
 
 /// A job whose buffers are a keeper's, a receiver (`possum receive`, CRIU's plugin for it), a
@@ -1211,7 +1250,7 @@ fn a_job_waiting_for_post_copy_pieces_has_them_asked_for_and_goes_on_bit_exact()
         return;
     };
     let dir = tmp.path();
-    stall_once_restored_there(&job, &relay);
+    stall_once_restored_there(&job, &relay, &dir.join("received"));
     // Its next step waits for its buffers, whose pieces are asked for meanwhile.
     let (tx, rx) = std::sync::mpsc::channel();
     let stepping = std::thread::spawn(move || {
@@ -1256,7 +1295,7 @@ fn a_receiver_killed_during_post_copy_takes_the_job_there_with_it() {
         return;
     };
     let dir = tmp.path();
-    stall_once_restored_there(&job, &relay);
+    stall_once_restored_there(&job, &relay, &dir.join("received"));
     let reaper = reaped_once_killed_there(job.pid);
     // Let it run there (the hand-off is not on the stalled streams), then the receiver goes.
     std::thread::sleep(Duration::from_secs(3));
@@ -1310,7 +1349,7 @@ fn a_post_copy_stalled_after_the_job_ran_there_has_it_restored_at_the_source() {
         return;
     };
     let dir = tmp.path();
-    stall_once_restored_there(&job, &relay);
+    stall_once_restored_there(&job, &relay, &dir.join("received"));
     let reaper = reaped_once_killed_there(job.pid);
     let out = migrate.wait_with_output().unwrap();
     assert!(
@@ -1348,12 +1387,17 @@ fn finish_from_9(job: &mut Job, dir: &Path, tag: &str) -> [Vec<u8>; 2] {
     [mid, end]
 }
 
-/// Waits until `job` was killed at the source, then stalls the pieces' streams of `relay`, then
-/// waits until the job is restored at the destination (the same PID, on this host).
-fn stall_once_restored_there(job: &Job, relay: &Relay) {
+/// Waits until `job` was killed at the source and the destination named its image under
+/// `received` (the final set whole: the kill goes on beside its send), then stalls the pieces'
+/// streams of `relay`, then waits until the job is restored at the destination (the same PID,
+/// on this host).
+fn stall_once_restored_there(job: &Job, relay: &Relay, received: &Path) {
     let t = Instant::now();
-    while alive(job.pid) {
-        assert!(t.elapsed() < WAIT, "the job was not killed at the source");
+    while alive(job.pid) || !names(received).iter().any(|n| !n.contains(".receiving-")) {
+        assert!(
+            t.elapsed() < WAIT,
+            "the job was not killed at the source, or its image not named there"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     relay.stall_streams();

@@ -213,7 +213,7 @@ impl std::fmt::Debug for HeldCheckpoint<'_> {
     }
 }
 
-impl HeldCheckpoint<'_> {
+impl<'a> HeldCheckpoint<'a> {
     /// The image, complete.
     pub fn dir(&self) -> &Path {
         &self.run.params().dir
@@ -238,7 +238,13 @@ impl HeldCheckpoint<'_> {
     }
 
     /// Kills the job, held as it is; the image stays.
-    pub fn kill(mut self) -> Result<CheckpointReport, CheckpointError> {
+    pub fn kill(self) -> Result<CheckpointReport, CheckpointError> {
+        self.kill_only()?.report()
+    }
+
+    /// Kills the job, held as it is, and writes nothing into the image: its figures are
+    /// written with [`KilledCheckpoint::report`] (a migration sends the image meanwhile).
+    pub fn kill_only(mut self) -> Result<KilledCheckpoint<'a>, CheckpointError> {
         if let Err(e) = self.run.kill() {
             let dir = self.run.params().dir.clone();
             self.run.guard.undo();
@@ -247,6 +253,28 @@ impl HeldCheckpoint<'_> {
                 source: e.into(),
             });
         }
+        Ok(KilledCheckpoint {
+            run: self.run,
+            t_all: self.t_all,
+        })
+    }
+}
+
+/// A [`HeldCheckpoint`] whose job was killed, its report not written yet.
+pub struct KilledCheckpoint<'a> {
+    run: Run<'a>,
+    t_all: Instant,
+}
+
+impl std::fmt::Debug for KilledCheckpoint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KilledCheckpoint({})", self.run.params().dir.display())
+    }
+}
+
+impl KilledCheckpoint<'_> {
+    /// The image made durable and its figures written into its `possum.json`: the report.
+    pub fn report(self) -> Result<CheckpointReport, CheckpointError> {
         let mut report = self.run.report(self.t_all)?;
         report.leave_running = false;
         Ok(report)
@@ -293,8 +321,19 @@ fn hold_and_commit<'a>(
             run.more_rounds(obs)?;
         }
         run.cut(obs)?;
+        let by_possum = run.by_possum();
+        if by_possum {
+            let gpu: Vec<String> = (run.possum_processes(&run.tmp).into_iter())
+                .filter(|(_, d)| d.is_dir())
+                .filter_map(|(_, d)| Some(d.file_name()?.to_str()?.to_string()))
+                .collect();
+            obs.held(&run.tmp, &gpu, &run.written);
+        }
         run.freeze()?;
         run.dump(obs)?;
+        if by_possum {
+            obs.dumped();
+        }
         Ok(())
     })();
     if let Err(source) = held {
@@ -494,6 +533,9 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
         None
     } else {
         let criu = Criu::locate().map_err(PlanError::NoCriu)?;
+        // Before the hold: CRIU's probe of the kernel then comes from its cache (a failure
+        // only costs the probe at each run; `possum doctor` says why).
+        let _ = criu.prime_kdat();
         let driver = if runtime.has_nvidia_driver() {
             let drv = (p.env.driver_deadlines).load(&p.env.libcuda);
             Some(drv.map_err(PlanError::NoDriver)?)
@@ -597,41 +639,6 @@ fn check_driver_state(
     }
 }
 
-/// Refuses a job with managed (unified) memory, before anything is done: NVIDIA's driver
-/// checkpoint does not support it, and possum's engine does not save it.
-fn refuse_unsupported_memory(
-    pid: i32,
-    status: &StatusReply,
-    gpu_only: bool,
-) -> Result<(), PlanError> {
-    let managed = status
-        .possum
-        .as_ref()
-        .and_then(|p| p.unmanaged.as_ref())
-        .and_then(|u| u.by_kind.get("cuMemAllocManaged"));
-    if let Some(m) = managed.filter(|m| m.allocations > 0) {
-        return Err(PlanError::Managed {
-            pid,
-            allocations: m.allocations,
-            bytes: m.bytes,
-            gpu_only,
-        });
-    }
-    let imported = status
-        .possum
-        .as_ref()
-        .and_then(|p| p.unmanaged.as_ref())
-        .and_then(|u| u.by_kind.get(possum_control::reply::IMPORTED_MAPPING));
-    match imported {
-        Some(m) if m.allocations > 0 && !gpu_only => Err(PlanError::Imported {
-            pid,
-            mappings: m.allocations,
-            bytes: m.bytes,
-        }),
-        _ => Ok(()),
-    }
-}
-
 /// Which of `children` have possum loaded: a control socket in `sockets` that answers. One with
 /// managed memory is refused, as the root is; one whose socket does not answer is an error.
 fn possum_in(
@@ -658,34 +665,6 @@ fn possum_in(
         }
     }
     Ok(out)
-}
-
-/// Refuses a job with an NCCL communicator some of whose ranks are not among the processes
-/// `statuses` answered for (the job's tree): they cannot be cut with it.
-fn refuse_peers_outside(statuses: &[(i32, &StatusReply)]) -> Result<(), PlanError> {
-    let mut by_id: std::collections::BTreeMap<&str, (u32, u32, Vec<i32>)> = Default::default();
-    for (pid, s) in statuses {
-        let comms = s
-            .possum
-            .iter()
-            .flat_map(|p| p.session.iter())
-            .flat_map(|s| s.collectives.communicators.iter());
-        for c in comms {
-            let e = by_id.entry(&c.id).or_default();
-            e.0 = e.0.max(c.nranks);
-            e.1 += c.ranks_here;
-            e.2.push(*pid);
-        }
-    }
-    match by_id.into_iter().find(|(_, (n, found, _))| found < n) {
-        None => Ok(()),
-        Some((id, (nranks, found, pids))) => Err(PlanError::PeersOutside {
-            id: id.to_string(),
-            nranks,
-            found,
-            pids,
-        }),
-    }
 }
 
 /// The job's `POSSUM_KEEPER` and `CUDA_VISIBLE_DEVICES`, from its environment.
@@ -1463,6 +1442,8 @@ impl<'a> Run<'a> {
 
 mod dump;
 use dump::dump_retrying_transient;
+mod refusals;
+use refusals::{refuse_peers_outside, refuse_unsupported_memory};
 
 #[cfg(test)]
 mod tests;

@@ -98,6 +98,13 @@ pub struct Environment {
     /// sends its first pre-copy round in parts of so many bytes of each file, so that the
     /// destination loads the GPU images as they come.
     pub first_round_slice: u64,
+    /// `POSSUM_MIGRATE_SEND_WHILE_HELD` (on unless `0`): a migration sends the GPU images as
+    /// the cut completed them while the driver and CRIU work, not after the commit.
+    pub send_while_held: bool,
+    /// `POSSUM_MIGRATE_KILL_WHILE_SENDING` (on unless `0`): a migration kills the held job at
+    /// the source while it sends the rest of its image, not after; a send that fails then
+    /// restores the job at the source from its image instead of letting it go.
+    pub kill_while_sending: bool,
 }
 
 /// The first pre-copy round of a migration is sent ahead in parts of this many bytes of each
@@ -153,6 +160,8 @@ impl Environment {
             first_round_slice: var("POSSUM_MIGRATE_SLICE_MIB")
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .map_or(FIRST_ROUND_SLICE, |mib| mib.saturating_mul(1 << 20)),
+            send_while_held: !off("POSSUM_MIGRATE_SEND_WHILE_HELD"),
+            kill_while_sending: !off("POSSUM_MIGRATE_KILL_WHILE_SENDING"),
         }
     }
 }
@@ -170,6 +179,7 @@ mod tests {
         assert_eq!(none.cut_deadline, CUT_DEADLINE);
         assert!(!none.tcp_close && !none.hostmem_ahead);
         assert_eq!(none.first_round_slice, FIRST_ROUND_SLICE);
+        assert!(none.send_while_held && none.kill_while_sending);
         let slice =
             Environment::from_vars(|n| (n == "POSSUM_MIGRATE_SLICE_MIB").then(|| " 3".into()));
         assert_eq!(slice.first_round_slice, 3 << 20);
@@ -203,6 +213,7 @@ mod tests {
         assert_eq!(set.hostmem_split, HostmemSplit::Always);
         assert!(!set.keeper_revive && !set.restore_stage && !set.tcp_close && !set.hostmem_ahead);
         assert_eq!(set.first_round_slice, 0, "0: one part");
+        assert!(!set.send_while_held && !set.kill_while_sending);
         assert_eq!(set.criu_log_level, Some(LogLevel::Debug));
         assert_eq!(set.nvidia_smi, "0");
         assert_eq!(set.libcuda, "libcuda.so.1");

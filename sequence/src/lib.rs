@@ -79,7 +79,7 @@ pub mod wire;
 
 pub use checkpoint::{
     checkpoint, checkpoint_held, CheckpointError, CheckpointParams, CheckpointReport,
-    HeldCheckpoint, ResumeError,
+    HeldCheckpoint, KilledCheckpoint, ResumeError,
 };
 pub use config::{DriverDeadlines, Environment, HostmemSplit};
 pub use engine::Engine;

@@ -68,8 +68,9 @@ use crate::checkpoint::{checkpoint_held, CheckpointParams, CheckpointReport};
 use crate::figures::as_ms;
 mod error;
 mod post_copy;
+mod source;
 use crate::prestage::{self, Prestaged, Prestages};
-use crate::restore::{restore, restore_confirmed, RestoreError, RestoreParams};
+use crate::restore::{restore_confirmed, RestoreError, RestoreParams};
 use crate::wire::{
     self, accept_handshake, await_outcome, await_released, receive_dir_post_copy, send_abort,
     send_demand, send_outcome, send_released, Accepted, Connection, DirSender, Durability,
@@ -79,6 +80,7 @@ use crate::{MigrateStep, Observer};
 use error::restore_socket_dir;
 pub use error::{JobAt, MigrateError};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
+use source::{let_go, send_killing, AtSource, Fallback};
 
 /// How long each wait of a migration may take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,9 +168,17 @@ pub struct MigrateTimings {
     /// Of that: from the last byte sent to the destination's `Committed` (its files synced).
     #[serde(rename = "send_committing_ms", serialize_with = "as_ms")]
     pub send_committing: Duration,
+    /// The GPU images as the cut completed them, sent while the driver and CRIU worked (the
+    /// job held; part of the checkpoint's time, and of its hold only where it outlasted them).
+    #[serde(rename = "held_send_ms", serialize_with = "as_ms")]
+    pub held_send: Duration,
     /// The job's kill, its PIDs waited free (and the local image made durable).
     #[serde(rename = "kill_ms", serialize_with = "as_ms")]
     pub kill: Duration,
+    /// Of that, the time after the send (the kill runs beside the send unless
+    /// `POSSUM_MIGRATE_KILL_WHILE_SENDING=0`; then all of it).
+    #[serde(rename = "kill_after_send_ms", serialize_with = "as_ms")]
+    pub kill_after_send: Duration,
     /// From `Released` to the destination's `Outcome` (its restore).
     #[serde(rename = "remote_restore_ms", serialize_with = "as_ms")]
     pub remote_restore: Duration,
@@ -207,8 +217,11 @@ pub struct MigrateReport {
     /// The pre-copy rounds sent ahead (`checkpoint.figures.precopy_rounds` says what each
     /// copied).
     pub rounds: usize,
-    /// The bytes of them sent while the job was held (the rest came from those sent ahead).
+    /// The bytes of them sent while the job was held (the rest came from those sent ahead):
+    /// with those of the GPU images sent while the driver and CRIU worked.
     pub bytes_while_held: u64,
+    /// Of those, the GPU images' bytes sent while the driver and CRIU worked.
+    pub bytes_while_dumping: u64,
     /// The phases' timings.
     pub timings: MigrateTimings,
     /// The job's private memory drafted and sent with the pre-copy rounds (what of it the
@@ -356,7 +369,16 @@ struct SendAhead<'a> {
     rounds: usize,
     /// The job's private memory drafted for the rounds.
     host_ahead: HostAhead,
+    /// The GPU images being sent while the driver and CRIU work ([`Observer::held`]), the link
+    /// back once they are.
+    held_send: Option<std::thread::JoinHandle<HeldSend>>,
+    /// What that sent, and how long it took.
+    held_sent: Option<(Totals, Duration)>,
 }
+
+/// The send begun while the job is held: the link back, what it sent and how long it took; or
+/// why it failed.
+type HeldSend = Result<(Link, Totals, Duration), Early>;
 
 /// What drafting the job's private memory for the pre-copy rounds took.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -408,7 +430,67 @@ impl SendAhead<'_> {
     }
 }
 
+impl SendAhead<'_> {
+    /// The send begun while the job is held, ended: the link back, or why it failed (acted on
+    /// once the checkpoint is committed, as a failed round is).
+    fn end_held_send(&mut self) {
+        let Some(sending) = self.held_send.take() else {
+            return;
+        };
+        let link = match sending.join() {
+            Ok(Ok((link, sent, took))) => {
+                self.obs.note(&format!(
+                    "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB \
+                     in {:.0} ms",
+                    sent.files,
+                    sent.bytes as f64 / f64::from(1u32 << 20),
+                    took.as_secs_f64() * 1e3
+                ));
+                self.held_sent = Some((sent, took));
+                Ok(link)
+            }
+            Ok(Err(early)) => Err(early),
+            Err(_) => Err(Early::Connect(io::Error::other(
+                "the send while the job was held panicked",
+            ))),
+        };
+        self.link = Some(link);
+    }
+}
+
 impl Observer for SendAhead<'_> {
+    /// The job held, its GPU images complete: the `Cut` and they, the final set's first part,
+    /// go to the destination on a thread while the driver and CRIU work (of the files sent
+    /// ahead, only what the cut wrote since the last round), unless
+    /// `POSSUM_MIGRATE_SEND_WHILE_HELD=0`, or with post-copy (what the job wrote since the last
+    /// round then goes after it runs at the destination).
+    fn held(&mut self, dir: &Path, gpu: &[String], written: &Written) {
+        if !self.p.checkpoint.env.send_while_held || self.p.post_copy || gpu.is_empty() {
+            return;
+        }
+        // (A round that failed keeps its error, acted on once the checkpoint is committed.)
+        if !matches!(self.link, Some(Ok(_))) {
+            return;
+        }
+        let Some(Ok(mut link)) = self.link.take() else {
+            return;
+        };
+        let (dir, gpu, written) = (dir.to_path_buf(), gpu.to_vec(), written.clone());
+        let pacer = self.pacer.cloned();
+        self.held_send = Some(std::thread::spawn(move || {
+            let t = Instant::now();
+            let Link { stream, sender } = &mut link;
+            sender.told(written);
+            let sent = paced(pacer.as_ref(), stream, |mut s| {
+                sender.send_final_under(&mut s, &dir, &gpu)
+            })
+            .map_err(|e| Early::Send(Box::new(e)))?;
+            Ok((link, sent, t.elapsed()))
+        }));
+    }
+    fn dumped(&mut self) {
+        self.end_held_send();
+    }
     fn copying(&mut self, total: u64, dir: &Path) {
         self.obs.copying(total, dir);
     }
@@ -503,49 +585,44 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     obs.migrating(MigrateStep::Held);
     timings.connect = ahead.connect + t.elapsed();
 
-    let t = Instant::now();
     let Link {
         mut stream,
         mut sender,
     } = link;
-    sender.told(held.written_at_cut());
-    // The job's private memory split out of CRIU's images, in parts the receiver writes at once.
-    let criu = held.dir().join("criu");
-    // (A draft sent ahead that became one goes as the file sent ahead: the wire sees to it.)
-    for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {
-        sender.send_in_parts(
-            format!("criu/{name}"),
-            possum_criu::hostmem::MIGRATION_PART_BYTES,
-        );
-    }
+    let held_bytes = rest_of_the_image(&mut sender, &held, ahead.held_sent, &mut timings);
     let local = held.dir().to_path_buf();
     let gpu_dirs = post_copy::left_for_later(p.post_copy, &local, &mut sender);
     let sent_counter = sender.sent_counter();
-    let sending = paced(pacer.as_ref(), &mut stream, |mut s| {
-        sender.finish_post_copy(&mut s, held.dir())
-    });
-    let (sent, mut session, later) = match sending {
-        Ok(s) => s,
-        Err(e) => {
-            drop(stream);
-            return Err(Early::Send(Box::new(e)).let_go(held, p, obs));
-        }
-    };
-    timings.send = t.elapsed();
-    timings.send_hashing = sent.hashing;
-    timings.send_committing = sent.committing;
-    // Post-copy: what was left goes now, on the other streams, while the hand-off goes on.
-    let later = later.map(|l| post_copy::start_sending(l, &local, &gpu_dirs, sent_counter));
-
-    let t = Instant::now();
     let pids = crate::tree::with_descendants(p.checkpoint.pid);
     let here = Fallback {
         c: &p.checkpoint,
         pids: &pids,
         deadline: p.deadlines.kill,
     };
-    let report = kill_at_source(held, &here, &mut stream, &mut session, obs)?;
-    timings.kill = t.elapsed();
+    let (sending, source, mut times) =
+        send_killing(p.checkpoint.env.kill_while_sending, held, &here, || {
+            paced(pacer.as_ref(), &mut stream, |mut s| {
+                sender.finish_post_copy(&mut s, &local)
+            })
+        });
+    timings.send = times.send;
+    let (sent, mut session, later) = match sending {
+        Ok(s) => s,
+        Err(e) => {
+            drop(stream);
+            return Err(match source {
+                AtSource::Held(held) => Early::Send(Box::new(e)).let_go(*held, p, obs),
+                AtSource::Killed(k) => k.send_failed(e, &here, &p.to, obs),
+            });
+        }
+    };
+    timings.send_hashing = sent.hashing;
+    timings.send_committing = sent.committing;
+    // Post-copy: what was left goes now, on the other streams, while the hand-off goes on.
+    let later = later.map(|l| post_copy::start_sending(l, &local, &gpu_dirs, sent_counter));
+
+    let report = source.report(&here, (&mut stream, &mut session), &mut times, obs)?;
+    (timings.kill, timings.kill_after_send) = (times.kill, times.kill_after_send);
 
     // After the kill, a failure restores the job here.
     obs.migrating(MigrateStep::Restoring);
@@ -583,13 +660,45 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         bytes: sent.totals.bytes,
         bytes_before_hold: ahead.sent.bytes,
         rounds: report.figures.precopy_rounds.len(),
-        bytes_while_held: sent.sent_bytes,
+        bytes_while_held: sent.sent_bytes + held_bytes,
+        bytes_while_dumping: held_bytes,
         timings,
         host_memory_ahead: ahead.host_ahead,
         image_kept,
         post_copy,
         checkpoint: report,
     })
+}
+
+/// Readies `sender` for the rest of the image `held` committed: the pieces the cut wrote,
+/// unless the GPU images went while the driver and CRIU worked (`held_sent`: then they go on
+/// from there unchanged, and `timings` get that send's time); the job's private memory split
+/// out of CRIU's images, in parts the receiver writes at once. The bytes sent while CRIU worked.
+fn rest_of_the_image(
+    sender: &mut DirSender,
+    held: &crate::HeldCheckpoint<'_>,
+    held_sent: Option<(Totals, Duration)>,
+    timings: &mut MigrateTimings,
+) -> u64 {
+    let held_bytes = match held_sent {
+        None => {
+            sender.told(held.written_at_cut());
+            0
+        }
+        Some((sent, took)) => {
+            timings.held_send = took;
+            sent.bytes
+        }
+    };
+    let criu = held.dir().join("criu");
+    // (A draft sent ahead that became one goes as the file sent ahead: the wire sees to it.)
+    for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {
+        sender.send_in_parts(
+            format!("criu/{name}"),
+            possum_criu::hostmem::MIGRATION_PART_BYTES,
+        );
+    }
+    held_bytes
 }
 
 /// The post-copy's send, the job running at the destination, once the destination answered
@@ -686,6 +795,8 @@ struct Ahead {
     took: Duration,
     sent: Totals,
     host_ahead: HostAhead,
+    /// What was sent while the driver and CRIU worked, and how long it took.
+    held_sent: Option<(Totals, Duration)>,
 }
 
 /// The checkpoint up to its commit with the job held, its pre-copy sent ahead through
@@ -705,14 +816,19 @@ fn checkpoint_sending_ahead<'p>(
         sent: Totals::default(),
         rounds: 0,
         host_ahead: HostAhead::default(),
+        held_send: None,
+        held_sent: None,
     };
     let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
+    // (A checkpoint that failed after the hold began did not say its dump was over.)
+    ahead.end_held_send();
     let SendAhead {
         link,
         connect,
         ahead: took,
         sent,
         host_ahead,
+        held_sent,
         ..
     } = ahead;
     match checkpointed {
@@ -724,6 +840,7 @@ fn checkpoint_sending_ahead<'p>(
                 took,
                 sent,
                 host_ahead,
+                held_sent,
             },
         )),
         Err(e) => {
@@ -734,42 +851,6 @@ fn checkpoint_sending_ahead<'p>(
             Err(MigrateError::Checkpoint(Box::new(e)))
         }
     }
-}
-
-/// The destination has the image: the held job is killed here, and its PIDs waited free for
-/// the restore (a destination on this host restores under them). A failed kill aborts the
-/// transfer; the job runs on here, or is restored here.
-fn kill_at_source(
-    held: crate::HeldCheckpoint<'_>,
-    here: &Fallback<'_>,
-    stream: &mut TcpStream,
-    session: &mut wire::Session,
-    obs: &mut dyn Observer,
-) -> Result<CheckpointReport, MigrateError> {
-    let pid = here.c.pid;
-    let report = match held.kill() {
-        Ok(r) => r,
-        Err(source) => {
-            send_abort(stream, session, "the source could not kill its job");
-            // The guard let the job go on, unless it was killed after all.
-            let job = if crate::process::alive(pid) {
-                JobAt::Source
-            } else {
-                here.restore(obs)
-            };
-            let source = Box::new(source);
-            return Err(MigrateError::Kill { job, source });
-        }
-    };
-    if let Err(taken) = crate::process::wait_pids_free(here.pids, here.deadline) {
-        // Another host restores under them all the same; this one cannot until they are free.
-        obs.note(&format!(
-            "the job was killed, but its PIDs are not free after {} s ({taken}): a destination \
-             on this host cannot restore it until they are",
-            here.deadline.as_secs()
-        ));
-    }
-    Ok(report)
 }
 
 /// The hand-off: `Released`, the destination's `Outcome`, and once it holds the job restored,
@@ -902,63 +983,6 @@ fn running_at_destination(
         Err(source) => {
             let job = here.restore(obs);
             Err(MigrateError::Handoff { job, source })
-        }
-    }
-}
-
-/// Before the kill: lets the held job go on at the source (its image is kept, its buffers come
-/// back from it).
-fn let_go(held: crate::HeldCheckpoint<'_>, c: &CheckpointParams, obs: &mut dyn Observer) -> JobAt {
-    match held.resume() {
-        Ok(_) => {
-            obs.note(&format!(
-                "the job runs on here; its image {} stays while its buffers come back from it",
-                c.dir.display()
-            ));
-            JobAt::Source
-        }
-        Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
-    }
-}
-
-/// The restore at the source after the kill, should the destination not run the job.
-struct Fallback<'a> {
-    /// The checkpoint: its image, and the socket directory it reached the job in.
-    c: &'a CheckpointParams,
-    /// The job's PIDs when it was killed.
-    pids: &'a [i32],
-    /// How long they may take to be free (a destination on this host that restored the job
-    /// and killed it again frees them too).
-    deadline: Duration,
-}
-
-impl Fallback<'_> {
-    /// Restores the job from its local image (kept either way) once its PIDs are free, its
-    /// control socket in the directory its checkpoint used: a restore possum does not refuse
-    /// for a socket directory that is not its own by default.
-    fn restore(&self, obs: &mut dyn Observer) -> JobAt {
-        let c = self.c;
-        obs.note(&format!(
-            "restoring the job at the source from {}",
-            c.dir.display()
-        ));
-        // Still taken at the deadline: the restore says by what.
-        let _ = crate::process::wait_pids_free(self.pids, self.deadline);
-        let params = RestoreParams {
-            dir: c.dir.clone(),
-            socket_dir: Some(c.sockets.clone()),
-            socket_dir_from_source: false,
-            device: None,
-            possum_exe: c.possum_exe.clone(),
-            env: c.env.clone(),
-            hmac_key: None,
-            received_unsynced: false,
-            prestaged: Vec::new(),
-            post_copy: None,
-        };
-        match restore(&params, obs) {
-            Ok(_) => JobAt::Source,
-            Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
         }
     }
 }

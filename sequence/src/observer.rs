@@ -23,6 +23,16 @@ pub trait Observer {
     fn precopied(&mut self, dir: &Path, written: &Written) {
         let _ = (dir, written);
     }
+    /// The job is held and the cut completed its GPU images, the directories `gpu` (each
+    /// relative to `dir`, the temporary directory): `written`, what the cut's copy wrote into
+    /// their data files since the last round. The driver's checkpoint and CRIU's dump come next
+    /// (a migration sends the images from here, while they work). Engine possum only.
+    fn held(&mut self, dir: &Path, gpu: &[String], written: &Written) {
+        let _ = (dir, gpu, written);
+    }
+    /// CRIU's dump is over; the image is committed next (what began at [`Observer::held`] ends
+    /// here). Told only after [`Observer::held`].
+    fn dumped(&mut self) {}
     /// Where a migration is, for a progress line: told as it moves on.
     fn migrating(&mut self, step: MigrateStep) {
         let _ = step;

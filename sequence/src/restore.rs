@@ -497,6 +497,10 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
         KeptBuffers::default()
     };
     let criu = Criu::locate().map_err(PrepareError::NoCriu);
+    // (Where its cache was made before, a few small reads: CRIU then skips its probe.)
+    if let Ok(c) = &criu {
+        let _ = c.prime_kdat();
+    }
     let drv = nvidia.then(|| {
         (p.env.driver_deadlines)
             .load(&p.env.libcuda)

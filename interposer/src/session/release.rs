@@ -121,7 +121,9 @@ fn release_paused(
     let finals = final_copy(images, engines, unwrapped_known).inspect_err(|_| unpause_job())?;
     let copied = ms(t.elapsed());
     let released = release_engines(engines, true, keep)?;
+    let tt = Instant::now();
     let trimmed = trim_contexts(engines);
+    let trim_ms = ms_since(tt);
     // NVIDIA's driver checkpoint refuses a process with CUPTI attached. The job's threads that
     // wait in a callback stay there (paused) until the resume.
     let td = Instant::now();
@@ -134,6 +136,9 @@ fn release_paused(
         released_bytes: released.bytes,
         staging_freed_bytes: Some(released.staging_freed),
         context_trimmed_bytes: Some(trimmed),
+        buffers_released_ms: Some(ms(released.buffers_time)),
+        staging_freed_ms: Some(ms(released.staging_time)),
+        context_trimmed_ms: trim_ms,
         held_for_restore: held_for_restore(engines),
         held_epochs: held_epochs(engines),
         devices: released.devices,
@@ -330,6 +335,10 @@ struct Released {
     staging_freed: u64,
     /// Mappings of memory other processes shared with this one, released.
     imports: u64,
+    /// The time letting go of the buffers and of those mappings.
+    buffers_time: std::time::Duration,
+    /// The time freeing the staging memory.
+    staging_time: std::time::Duration,
 }
 
 /// Releases every engine's buffers (the job paused). On a failure the job stays
@@ -355,13 +364,19 @@ fn release_engines(
     // allocation again at the resume), whether or not the job is to be killed.
     let keep = keep
         .or_else(|| (!crate::memory::vmm::shared_pieces().is_empty()).then_some(SHARED_HOLD_SECS));
+    let (mut buffers_time, mut staging_time) = Default::default();
     for e in engines {
-        match release_one(e, keep) {
+        let t = Instant::now();
+        let one = release_one(e, keep);
+        buffers_time += t.elapsed();
+        match one {
             Ok(b) => {
                 bytes += b;
                 done.push(e.ordinal);
                 if park {
+                    let t = Instant::now();
                     staging_freed += free_staging(e);
+                    staging_time += t.elapsed();
                 }
             }
             Err(source) => {
@@ -379,11 +394,16 @@ fn release_engines(
             }
         }
     }
+    let t = Instant::now();
+    let imports = crate::memory::imports::detach().map_err(SessionError::ImportsReleased)?;
+    buffers_time += t.elapsed();
     Ok(Released {
         bytes,
         devices: done,
         staging_freed,
-        imports: crate::memory::imports::detach().map_err(SessionError::ImportsReleased)?,
+        imports,
+        buffers_time,
+        staging_time,
     })
 }
 
@@ -450,6 +470,8 @@ fn release_held(
         final_copy_ms: Some(copied),
         released_bytes: released.bytes,
         staging_freed_bytes: Some(released.staging_freed),
+        buffers_released_ms: Some(ms(released.buffers_time)),
+        staging_freed_ms: Some(ms(released.staging_time)),
         devices: released.devices,
         held: Some("threads parked".into()),
         parked: Some(to_json(&parked)),

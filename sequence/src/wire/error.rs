@@ -51,6 +51,13 @@ pub enum SendError {
         /// Its length when listed.
         listed: u64,
     },
+    /// A file of the final set's first part ([`crate::wire::DirSender::send_final_under`])
+    /// that changed or went away before the rest was sent, or a file new under its directories.
+    #[error("{path} changed after it was sent with the first part of the final set")]
+    ChangedSinceFirstPart {
+        /// The file, relative to the directory sent.
+        path: String,
+    },
     /// A piece of the final set sent again (a patch of a file sent ahead) whose bytes are not
     /// those hashed at the cut: the file changed again since.
     #[error(

@@ -335,6 +335,9 @@ pub(super) fn receive_into<S: Read>(
                 if !r.part.is_empty() {
                     return Err(unexpected("Done", "before its part's chunks"));
                 }
+                // The final set's headers all came (in one part or more): its bases were all
+                // checked.
+                r.copies.stop();
                 break totals;
             }
             Frame::Abort { reason } => return Err(ReceiveError::Aborted { reason }),
@@ -462,9 +465,6 @@ impl<'a> Receiving<'a> {
                 (f.path.as_str(), offsets)
             });
             self.copies.rewriting(rewritten);
-        } else {
-            // The final set's headers all came: its bases were all checked.
-            self.copies.stop();
         }
         receive_part(stream, mac, lanes, &self.part)?;
         let mut brought = HashMap::new();

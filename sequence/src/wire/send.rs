@@ -232,6 +232,17 @@ pub struct DirSender {
     /// The first part sent ahead goes in slices of this many bytes of each file
     /// ([`DirSender::slice_first_round`]).
     first_slice: Option<u64>,
+    /// The final set's first part, sent with the `Cut` ([`DirSender::send_final_under`]).
+    first_part: Option<FirstPart>,
+}
+
+/// The final set's first part ([`DirSender::send_final_under`]): its directories, its files'
+/// lengths by path, and its totals.
+#[derive(Debug)]
+struct FirstPart {
+    under: Vec<String>,
+    files: HashMap<String, u64>,
+    totals: Totals,
 }
 
 impl DirSender {
@@ -262,6 +273,7 @@ impl DirSender {
             in_parts: Vec::new(),
             later_under: Vec::new(),
             first_slice: None,
+            first_part: None,
         })
     }
 
@@ -339,6 +351,107 @@ impl DirSender {
             }
         })();
         sent.map_err(|e| self.failed(stream, e))
+    }
+
+    /// The `Cut`, and the first part of the final set, while the rest of `dir` is still being
+    /// written: the directories `under` (relative to `dir`, each there) and what they hold,
+    /// complete by now and not to change (a migration's GPU images, sent while CRIU dumps the
+    /// held job). Each file that is, or begins with, one sent ahead (by its inode, under any
+    /// name) names it as its base, as in [`DirSender::finish`], the pieces the writer's
+    /// account ([`DirSender::told`]) names hashed again. [`DirSender::finish`] then sends the
+    /// rest; the files of this part must be there as they were, and no other file under
+    /// `under`. Only once, after something was sent ahead, and not with
+    /// [`DirSender::post_copy`].
+    pub fn send_final_under<S: Read + Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        under: &[String],
+    ) -> Result<Totals, WireError> {
+        let sent = (|| {
+            if !self.sent_ahead || self.first_part.is_some() || !self.later_under.is_empty() {
+                return Err(SendError::Unsupported {
+                    path: dir.to_path_buf(),
+                    what: "a first part of the final set here",
+                });
+            }
+            let mut entries = Vec::new();
+            for u in under {
+                let at = dir.join(u);
+                let meta = fs::symlink_metadata(&at).map_err(|source| SendError::List {
+                    path: at.clone(),
+                    source,
+                })?;
+                entries.push(Entry::Dir(DirHeader {
+                    path: u.clone(),
+                    mode: meta.permissions().mode() & 0o777,
+                }));
+                list(dir, u, &mut entries, true)?;
+            }
+            write_frame(stream, &mut self.session, &Frame::Cut)?;
+            stream.flush().map_err(|source| FrameError::Io {
+                what: "sending",
+                source,
+            })?;
+            let written = std::mem::take(&mut self.written);
+            let bases = bases(dir, &entries, self.ahead.clone(), &written);
+            for (inode, _) in bases.values() {
+                self.ahead.remove(inode);
+            }
+            let mut files = HashMap::new();
+            for e in &entries {
+                if let Entry::File(h) = e {
+                    files.insert(h.path.clone(), h.size);
+                }
+            }
+            let sent = self.send_part(stream, dir, entries, Sending::Final(bases))?;
+            self.first_part = Some(FirstPart {
+                under: under.to_vec(),
+                files,
+                totals: sent.totals,
+            });
+            Ok(Totals {
+                files: sent.totals.files,
+                bytes: sent.bytes,
+            })
+        })();
+        sent.map_err(|e| self.failed(stream, e))
+    }
+
+    /// The final set's `entries` less what its first part sent ([`DirSender::send_final_under`]),
+    /// each of whose files must be listed as it was sent; a file under its directories that it
+    /// did not send is refused.
+    fn after_first_part(&self, entries: Vec<Entry>) -> Result<Vec<Entry>, SendError> {
+        let Some(first) = &self.first_part else {
+            return Ok(entries);
+        };
+        let within = |p: &str| {
+            (first.under.iter()).any(|u| {
+                p == u
+                    || p.strip_prefix(u.as_str())
+                        .is_some_and(|r| r.starts_with('/'))
+            })
+        };
+        let mut seen = HashSet::new();
+        let mut rest = Vec::with_capacity(entries.len());
+        for e in entries {
+            match &e {
+                Entry::Dir(h) if within(&h.path) => {}
+                Entry::File(h) if within(&h.path) => {
+                    if first.files.get(&h.path) != Some(&h.size) {
+                        return Err(SendError::ChangedSinceFirstPart {
+                            path: h.path.clone(),
+                        });
+                    }
+                    seen.insert(h.path.as_str().to_owned());
+                }
+                _ => rest.push(e),
+            }
+        }
+        if let Some(gone) = first.files.keys().find(|p| !seen.contains(*p)) {
+            return Err(SendError::ChangedSinceFirstPart { path: gone.clone() });
+        }
+        Ok(rest)
     }
 
     /// A part sent ahead: `entries` of `dir`, those sent ahead before going on from where they
@@ -440,9 +553,12 @@ impl DirSender {
         let sent = (|| {
             let mut entries = Vec::new();
             list(dir, "", &mut entries, true)?;
+            let entries = self.after_first_part(entries)?;
             let entries = sliced(entries, &self.in_parts_not_ahead(dir));
             let mode = if self.sent_ahead {
-                write_frame(stream, &mut self.session, &Frame::Cut)?;
+                if self.first_part.is_none() {
+                    write_frame(stream, &mut self.session, &Frame::Cut)?;
+                }
                 // Out now: the receiver reads its copies back while this end hashes its files.
                 stream.flush().map_err(|source| FrameError::Io {
                     what: "sending",
@@ -460,7 +576,11 @@ impl DirSender {
             } else {
                 Sending::Plain
             };
-            let sent = self.send_part(stream, dir, entries, mode)?;
+            let mut sent = self.send_part(stream, dir, entries, mode)?;
+            if let Some(first) = &self.first_part {
+                sent.totals.files += first.totals.files;
+                sent.totals.bytes += first.totals.bytes;
+            }
             write_frame(stream, &mut self.session, &Frame::Done(sent.totals))?;
             stream.flush().map_err(|source| FrameError::Io {
                 what: "sending",

@@ -4,6 +4,7 @@
 use super::*;
 use crate::wire::mac::{pieces_digest, FrameMac, Piece, Way, KEY_BYTES};
 use std::io::Read;
+use std::os::unix::fs::MetadataExt;
 
 /// What a receiver on a thread of its own makes of a send.
 type Receiving = thread::JoinHandle<Result<ReceiveReport, WireError>>;
@@ -1194,4 +1195,96 @@ fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
         "one slice of each file a part, then the later round's gain at once"
     );
     assert_arrived(&src, &dest, &out);
+}
+
+/// The first part of the final set sent with the `Cut` while the rest is still written (a
+/// migration's GPU images, while CRIU dumps the held job): only the directory named goes, each
+/// file that begins with one sent ahead (renamed since, as an engine image is at its commit)
+/// with what was written in it since (as told) and its new bytes; the rest of the final set
+/// then sends only what that part did not, and the result is the source, bit-exact.
+#[test]
+fn a_first_part_of_the_final_set_takes_one_directory_and_the_rest_follows() {
+    let (_tmp, src, out) = dirs();
+    fs::create_dir_all(src.join("gpu/.gpu-0.tmp")).unwrap();
+    let data = noise(3 * CHUNK_BYTES);
+    write_files(
+        &src,
+        &[
+            ("gpu/.gpu-0.tmp/data-000.bin", &data),
+            ("gpu/.gpu-0.tmp/draft.pb", b"draft"),
+        ],
+    );
+    let dest = out.join("image");
+    let (mut a, mut sender, receiver) = sender_to(&dest);
+    sender.send_ahead(&mut a, &src).unwrap();
+    // The cut: one chunk rewritten in place, one appended, the draft gone, the manifest
+    // written, the engine's image named; CRIU's directory begins.
+    let tmp_data = src.join("gpu/.gpu-0.tmp/data-000.bin");
+    rewrite(&tmp_data, CHUNK_BYTES as u64, &noise(CHUNK_BYTES));
+    let appended = noise(CHUNK_BYTES / 2);
+    append_to(&tmp_data, &appended);
+    fs::remove_file(src.join("gpu/.gpu-0.tmp/draft.pb")).unwrap();
+    fs::write(src.join("gpu/.gpu-0.tmp/manifest.pb"), b"manifest").unwrap();
+    fs::rename(src.join("gpu/.gpu-0.tmp"), src.join("gpu/gpu-0")).unwrap();
+    fs::create_dir(src.join("criu")).unwrap();
+    fs::write(src.join("criu/pages-1.img"), noise(1000)).unwrap();
+    let m = fs::metadata(src.join("gpu/gpu-0/data-000.bin")).unwrap();
+    let mut w = Written::new();
+    w.add(
+        (m.dev(), m.ino()),
+        [(CHUNK_BYTES as u64, CHUNK_BYTES as u64)],
+    );
+    sender.told(w);
+    let first = sender
+        .send_final_under(&mut a, &src, &["gpu".to_string()])
+        .unwrap();
+    assert_eq!(
+        first,
+        Totals {
+            files: 2,
+            bytes: (CHUNK_BYTES + appended.len() + 8) as u64
+        },
+        "the rewritten chunk, the appended bytes and the manifest; nothing of CRIU's"
+    );
+    // CRIU's dump goes on and ends.
+    fs::write(src.join("criu/core-1.img"), b"core").unwrap();
+    let report = finish(sender, &mut a, &src, receiver);
+    assert_eq!(
+        report.sent_bytes,
+        1000 + 4,
+        "the rest of the final set: CRIU's files only"
+    );
+    assert_eq!(report.totals.files, 4, "both parts counted");
+    assert_arrived(&src, &dest, &out);
+}
+
+/// A file of the final set's first part that changes before the rest is sent, or one new under
+/// its directories, fails the send, naming it; nothing is named at the destination.
+#[test]
+fn a_first_part_changed_before_the_rest_is_sent_fails_the_send() {
+    for case in ["grown", "new"] {
+        let (_tmp, src, out) = dirs();
+        fs::create_dir(src.join("gpu")).unwrap();
+        write_files(&src, &[("gpu/data", &noise(1000))]);
+        let dest = out.join("image");
+        let (mut a, mut sender, receiver) = sender_to(&dest);
+        sender.send_ahead(&mut a, &src).unwrap();
+        sender
+            .send_final_under(&mut a, &src, &["gpu".to_string()])
+            .unwrap();
+        let named = match case {
+            "grown" => {
+                append_to(&src.join("gpu/data"), b"more");
+                "gpu/data"
+            }
+            _ => {
+                fs::write(src.join("gpu/late"), b"late").unwrap();
+                "gpu/late"
+            }
+        };
+        let e = sender.finish(&mut a, &src).unwrap_err().to_string();
+        assert!(e.contains(named) && e.contains("first part"), "{case}: {e}");
+        assert!(receiver.join().unwrap().is_err(), "{case}");
+        assert!(!dest.exists(), "{case}");
+    }
 }

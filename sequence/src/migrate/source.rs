@@ -1,0 +1,238 @@
+//! The source's side of the cut: the held job killed beside the send of the rest of its image
+//! (or once it is sent), and the restore here should the destination not run it.
+
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use super::error::{JobAt, MigrateError};
+use crate::checkpoint::{CheckpointParams, CheckpointReport};
+use crate::restore::{restore, RestoreParams};
+use crate::wire::{self, send_abort, WireError};
+use crate::Observer;
+
+/// The figures of [`send_killing`] and [`AtSource::report`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct KillTimes {
+    /// The send.
+    pub(super) send: Duration,
+    /// The kill and the wait for the job's PIDs.
+    pub(super) kill: Duration,
+    /// Of that, after the send (and the report written).
+    pub(super) kill_after_send: Duration,
+}
+
+/// Sends the rest of the image (`send`), the job held, killing it meanwhile if `beside` (its
+/// image here is whole: a destination on this host restores under its PIDs as soon as the send
+/// is over): what the send said, the job at the source, and the send's time.
+pub(super) fn send_killing<'p, R: Send>(
+    beside: bool,
+    held: crate::HeldCheckpoint<'p>,
+    here: &Fallback<'_>,
+    send: impl FnOnce() -> R,
+) -> (R, AtSource<'p>, KillTimes) {
+    let t = Instant::now();
+    let mut times = KillTimes::default();
+    std::thread::scope(|sc| {
+        let mut held = Some(held);
+        let killing = beside
+            .then(|| held.take())
+            .flatten()
+            .map(|h| sc.spawn(move || Killed::now(h, here)));
+        let sending = send();
+        times.send = t.elapsed();
+        let source = match (killing, held) {
+            (Some(k), _) => {
+                let killed = k.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+                times.kill_after_send = t.elapsed() - times.send;
+                AtSource::Killed(Box::new(killed))
+            }
+            (None, Some(held)) => AtSource::Held(Box::new(held)),
+            (None, None) => unreachable!("the job is held or being killed"),
+        };
+        (sending, source, times)
+    })
+}
+
+/// The held job at the source once the rest of its image is sent.
+pub(super) enum AtSource<'p> {
+    /// Held, to be killed now that the destination has the image.
+    Held(Box<crate::HeldCheckpoint<'p>>),
+    /// Killed beside the send (its image here is whole), or the kill failed.
+    Killed(Box<Killed<'p>>),
+}
+
+impl AtSource<'_> {
+    /// The checkpoint's report once the destination has the image: the job killed now if it
+    /// is still held, its report written either way (`times` get the kill's).
+    pub(super) fn report(
+        self,
+        here: &Fallback<'_>,
+        (stream, session): (&mut TcpStream, &mut wire::Session),
+        times: &mut KillTimes,
+        obs: &mut dyn Observer,
+    ) -> Result<CheckpointReport, MigrateError> {
+        let t = Instant::now();
+        let killed = match self {
+            AtSource::Held(held) => Killed::now(*held, here),
+            AtSource::Killed(killed) => *killed,
+        };
+        times.kill = killed.took;
+        // (Its figures written into the image now that it is sent.)
+        let report = killed.into_report(here, stream, session, obs)?;
+        times.kill_after_send += t.elapsed();
+        Ok(report)
+    }
+}
+
+/// The held job's kill at the source, and its PIDs waited free for the restore (a destination
+/// on this host restores under them).
+pub(super) struct Killed<'p> {
+    /// The checkpoint, its job killed (its report not written yet: the image may be being
+    /// sent), or why the kill failed (the guard let the job go on, unless it was killed after
+    /// all).
+    killed: Result<crate::KilledCheckpoint<'p>, crate::CheckpointError>,
+    /// A PID still taken at the deadline.
+    taken: Option<crate::process::PidTaken>,
+    /// How long it took.
+    took: Duration,
+}
+
+impl<'p> Killed<'p> {
+    /// Kills the held job, and waits for its PIDs to be free.
+    pub(super) fn now(held: crate::HeldCheckpoint<'p>, here: &Fallback<'_>) -> Killed<'p> {
+        let t = Instant::now();
+        let killed = held.kill_only();
+        let taken = match killed {
+            Ok(_) => crate::process::wait_pids_free(here.pids, here.deadline).err(),
+            Err(_) => None,
+        };
+        Killed {
+            killed,
+            taken,
+            took: t.elapsed(),
+        }
+    }
+
+    /// The kill's report once the destination has the image (the image made durable and its
+    /// figures written now). A failed kill aborts the transfer; the job runs on here, or is
+    /// restored here.
+    pub(super) fn into_report(
+        self,
+        here: &Fallback<'_>,
+        stream: &mut TcpStream,
+        session: &mut wire::Session,
+        obs: &mut dyn Observer,
+    ) -> Result<CheckpointReport, MigrateError> {
+        match self.killed.and_then(crate::KilledCheckpoint::report) {
+            Ok(report) => {
+                if let Some(taken) = self.taken {
+                    // Another host restores under them all the same; this one cannot until
+                    // they are free.
+                    obs.note(&format!(
+                        "the job was killed, but its PIDs are not free after {} s ({taken}): a \
+                         destination on this host cannot restore it until they are",
+                        here.deadline.as_secs()
+                    ));
+                }
+                Ok(report)
+            }
+            Err(source) => {
+                send_abort(stream, session, "the source could not kill its job");
+                let job = here.unless_alive(obs);
+                let source = Box::new(source);
+                Err(MigrateError::Kill { job, source })
+            }
+        }
+    }
+
+    /// The send beside the kill failed (`source`): the job, killed, is restored here from its
+    /// image; one whose kill failed runs on here.
+    pub(super) fn send_failed(
+        self,
+        source: WireError,
+        here: &Fallback<'_>,
+        to: &str,
+        obs: &mut dyn Observer,
+    ) -> MigrateError {
+        let job = match self.killed {
+            Ok(_) => here.restore(obs),
+            Err(_) => here.unless_alive(obs),
+        };
+        MigrateError::Send {
+            to: to.to_string(),
+            job,
+            source: Box::new(source),
+        }
+    }
+}
+
+/// Before the kill: lets the held job go on at the source (its image is kept, its buffers come
+/// back from it).
+pub(super) fn let_go(
+    held: crate::HeldCheckpoint<'_>,
+    c: &CheckpointParams,
+    obs: &mut dyn Observer,
+) -> JobAt {
+    match held.resume() {
+        Ok(_) => {
+            obs.note(&format!(
+                "the job runs on here; its image {} stays while its buffers come back from it",
+                c.dir.display()
+            ));
+            JobAt::Source
+        }
+        Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
+    }
+}
+
+/// The restore at the source after the kill, should the destination not run the job.
+pub(super) struct Fallback<'a> {
+    /// The checkpoint: its image, and the socket directory it reached the job in.
+    pub(super) c: &'a CheckpointParams,
+    /// The job's PIDs when it was killed.
+    pub(super) pids: &'a [i32],
+    /// How long they may take to be free (a destination on this host that restored the job
+    /// and killed it again frees them too).
+    pub(super) deadline: Duration,
+}
+
+impl Fallback<'_> {
+    /// After a kill that failed: the job runs on here if it is alive (the guard let it go),
+    /// else it is restored here.
+    pub(super) fn unless_alive(&self, obs: &mut dyn Observer) -> JobAt {
+        if crate::process::alive(self.c.pid) {
+            JobAt::Source
+        } else {
+            self.restore(obs)
+        }
+    }
+
+    /// Restores the job from its local image (kept either way) once its PIDs are free, its
+    /// control socket in the directory its checkpoint used: a restore possum does not refuse
+    /// for a socket directory that is not its own by default.
+    pub(super) fn restore(&self, obs: &mut dyn Observer) -> JobAt {
+        let c = self.c;
+        obs.note(&format!(
+            "restoring the job at the source from {}",
+            c.dir.display()
+        ));
+        // Still taken at the deadline: the restore says by what.
+        let _ = crate::process::wait_pids_free(self.pids, self.deadline);
+        let params = RestoreParams {
+            dir: c.dir.clone(),
+            socket_dir: Some(c.sockets.clone()),
+            socket_dir_from_source: false,
+            device: None,
+            possum_exe: c.possum_exe.clone(),
+            env: c.env.clone(),
+            hmac_key: None,
+            received_unsynced: false,
+            prestaged: Vec::new(),
+            post_copy: None,
+        };
+        match restore(&params, obs) {
+            Ok(_) => JobAt::Source,
+            Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
+        }
+    }
+}
