@@ -191,22 +191,37 @@ fn probe(binary: &Path) -> Result<Vec<u8>, KdatError> {
 mod tests {
     use super::*;
 
+    /// An executable shell script `criu` in `dir` with `body`.
+    fn script(dir: &Path, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = dir.join("criu");
+        fs::write(&bin, format!("#!/bin/sh\n{body}")).unwrap();
+        fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+        bin
+    }
+
     /// A stand-in for CRIU: `check` writes a cache into `/run` of its namespace, as CRIU does
     /// on a tmpfs; it counts its runs in `runs`.
     fn fake_criu(dir: &Path) -> PathBuf {
-        let bin = dir.join("criu");
-        let runs = dir.join("runs");
-        fs::write(
-            &bin,
-            format!(
-                "#!/bin/sh\necho run >> {}\n[ \"$1\" = check ] && printf 'KDAT' > /run/criu.kdat\n",
-                runs.display()
-            ),
+        let runs = dir.join("runs").display().to_string();
+        script(
+            dir,
+            &format!("echo run >> {runs}\n[ \"$1\" = check ] && printf 'KDAT' > /run/criu.kdat\n"),
         )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
-        bin
+    }
+
+    /// The test's files, and whether it can run (a mount namespace needs root).
+    fn setup() -> Option<(tempfile::TempDir, PathBuf, PathBuf)> {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: a mount namespace needs root");
+            return None;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let (cache, stamp) = (
+            tmp.path().join("criu.kdat"),
+            tmp.path().join("criu.kdat.possum"),
+        );
+        Some((tmp, cache, stamp))
     }
 
     fn runs(dir: &Path) -> usize {
@@ -218,14 +233,11 @@ mod tests {
     /// CRIU; a cache without a stamp is never trusted. Where `/run` is a tmpfs nothing is done.
     #[test]
     fn the_cache_is_made_once_per_boot_and_criu_and_never_trusted_unstamped() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIPPED: a mount namespace needs root");
+        let Some((tmp, cache, stamp)) = setup() else {
             return;
-        }
-        let tmp = tempfile::tempdir().unwrap();
+        };
         let d = tmp.path();
         let bin = fake_criu(d);
-        let (cache, stamp) = (d.join("criu.kdat"), d.join("criu.kdat.possum"));
         assert_eq!(
             prime_at(&bin, &cache, &stamp, true).unwrap(),
             Primed::RunIsTmpfs
@@ -267,17 +279,10 @@ mod tests {
     /// A CRIU that leaves no cache: the error says so, and nothing is left behind.
     #[test]
     fn a_probe_that_leaves_no_cache_is_an_error_and_leaves_nothing() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIPPED: a mount namespace needs root");
+        let Some((tmp, cache, stamp)) = setup() else {
             return;
-        }
-        let tmp = tempfile::tempdir().unwrap();
-        let d = tmp.path();
-        let bin = d.join("criu");
-        fs::write(&bin, "#!/bin/sh\nexit 1\n").unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
-        let (cache, stamp) = (d.join("criu.kdat"), d.join("criu.kdat.possum"));
+        };
+        let bin = script(tmp.path(), "exit 1\n");
         let e = prime_at(&bin, &cache, &stamp, false)
             .unwrap_err()
             .to_string();
