@@ -107,8 +107,8 @@ enum Cmd {
     /// --verify reads every chunk and checks it.
     Inspect(inspect::InspectArgs),
     /// Move a running job to another host: its GPU buffers sent to a `possum receive` there
-    /// while it runs, then the job held and the rest of its image sent; ended here once it runs
-    /// there (else it runs on here).
+    /// while it runs, then the job held, the rest of its image sent and the job ended here
+    /// meanwhile; it runs there (else it runs on here, restored from its image).
     Migrate(migrate::MigrateArgs),
     /// Receive jobs migrated by `possum migrate` and restore them on this host.
     Receive(migrate::ReceiveArgs),

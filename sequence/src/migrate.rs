@@ -437,8 +437,11 @@ impl SendAhead<'_> {
         let Some(sending) = self.held_send.take() else {
             return;
         };
-        let link = match sending.join() {
-            Ok(Ok((link, sent, took))) => {
+        let link = match sending
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+        {
+            Ok((link, sent, took)) => {
                 self.obs.note(&format!(
                     "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB \
                      in {:.0} ms",
@@ -449,10 +452,7 @@ impl SendAhead<'_> {
                 self.held_sent = Some((sent, took));
                 Ok(link)
             }
-            Ok(Err(early)) => Err(early),
-            Err(_) => Err(Early::Connect(io::Error::other(
-                "the send while the job was held panicked",
-            ))),
+            Err(early) => Err(early),
         };
         self.link = Some(link);
     }
@@ -468,12 +468,13 @@ impl Observer for SendAhead<'_> {
         if !self.p.checkpoint.env.send_while_held || self.p.post_copy || gpu.is_empty() {
             return;
         }
-        // (A round that failed keeps its error, acted on once the checkpoint is committed.)
-        if !matches!(self.link, Some(Ok(_))) {
-            return;
-        }
-        let Some(Ok(mut link)) = self.link.take() else {
-            return;
+        let mut link = match self.link.take() {
+            Some(Ok(link)) => link,
+            // (A round that failed keeps its error, acted on once the checkpoint is committed.)
+            other => {
+                self.link = other;
+                return;
+            }
         };
         let (dir, gpu, written) = (dir.to_path_buf(), gpu.to_vec(), written.clone());
         let pacer = self.pacer.cloned();

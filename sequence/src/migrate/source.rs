@@ -32,24 +32,20 @@ pub(super) fn send_killing<'p, R: Send>(
 ) -> (R, AtSource<'p>, KillTimes) {
     let t = Instant::now();
     let mut times = KillTimes::default();
-    std::thread::scope(|sc| {
-        let mut held = Some(held);
-        let killing = beside
-            .then(|| held.take())
-            .flatten()
-            .map(|h| sc.spawn(move || Killed::now(h, here)));
+    if !beside {
         let sending = send();
         times.send = t.elapsed();
-        let source = match (killing, held) {
-            (Some(k), _) => {
-                let killed = k.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
-                times.kill_after_send = t.elapsed() - times.send;
-                AtSource::Killed(Box::new(killed))
-            }
-            (None, Some(held)) => AtSource::Held(Box::new(held)),
-            (None, None) => unreachable!("the job is held or being killed"),
-        };
-        (sending, source, times)
+        return (sending, AtSource::Held(Box::new(held)), times);
+    }
+    std::thread::scope(|sc| {
+        let killing = sc.spawn(move || Killed::now(held, here));
+        let sending = send();
+        times.send = t.elapsed();
+        let killed = killing
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        times.kill_after_send = t.elapsed() - times.send;
+        (sending, AtSource::Killed(Box::new(killed)), times)
     })
 }
 

@@ -388,11 +388,7 @@ impl DirSender {
                 }));
                 list(dir, u, &mut entries, true)?;
             }
-            write_frame(stream, &mut self.session, &Frame::Cut)?;
-            stream.flush().map_err(|source| FrameError::Io {
-                what: "sending",
-                source,
-            })?;
+            self.cut(stream)?;
             let written = std::mem::take(&mut self.written);
             let bases = bases(dir, &entries, self.ahead.clone(), &written);
             for (inode, _) in bases.values() {
@@ -416,6 +412,19 @@ impl DirSender {
             })
         })();
         sent.map_err(|e| self.failed(stream, e))
+    }
+
+    /// Sends `Cut`, out at once: the receiver reads its copies back while this end hashes its
+    /// files.
+    fn cut<S: Write>(&mut self, stream: &mut S) -> Result<(), SendError> {
+        write_frame(stream, &mut self.session, &Frame::Cut)?;
+        stream.flush().map_err(|source| {
+            FrameError::Io {
+                what: "sending",
+                source,
+            }
+            .into()
+        })
     }
 
     /// The final set's `entries` less what its first part sent ([`DirSender::send_final_under`]),
@@ -557,13 +566,8 @@ impl DirSender {
             let entries = sliced(entries, &self.in_parts_not_ahead(dir));
             let mode = if self.sent_ahead {
                 if self.first_part.is_none() {
-                    write_frame(stream, &mut self.session, &Frame::Cut)?;
+                    self.cut(stream)?;
                 }
-                // Out now: the receiver reads its copies back while this end hashes its files.
-                stream.flush().map_err(|source| FrameError::Io {
-                    what: "sending",
-                    source,
-                })?;
                 let (ahead, written) = (
                     std::mem::take(&mut self.ahead),
                     std::mem::take(&mut self.written),
