@@ -69,10 +69,25 @@ def steps_of(log):
 
 
 def stall(log, t0, t1, step_s):
-    """The longest gap between two step lines around [t0, t1], less one ordinary step."""
+    """The time the job lost around [t0, t1]: its longest gap between two step lines, less one
+    ordinary step, and what each step right after it took beyond one while they took more than
+    two (a job that runs again and then waits for buffers not back yet shows that wait as a
+    slow step of its own)."""
     ts = [t for _, t in steps_of(log) if t0 - 2 <= t <= t1 + 5]
-    gaps = [b - a for a, b in zip(ts, ts[1:])]
-    return max(0.0, max(gaps, default=0.0) - step_s)
+    return lost_time([b - a for a, b in zip(ts, ts[1:])], step_s)
+
+
+def lost_time(gaps, step_s):
+    """[`stall`] over the gaps between step lines."""
+    if not gaps:
+        return 0.0
+    i = max(range(len(gaps)), key=lambda k: gaps[k])
+    lost = gaps[i] - step_s
+    for g in gaps[i + 1:]:
+        if g <= 2 * step_s:
+            break
+        lost += g - step_s
+    return max(0.0, lost)
 
 
 def writes_of(log):
@@ -190,6 +205,8 @@ def one_mode(a, mode, work, log):
                               rounds=[r.get("bytes") for r in rounds], round_ms=[r.get("ms") for r in rounds],
                               bytes=(j or {}).get("bytes"), bytes_before_hold=(j or {}).get("bytes_before_hold"),
                               bytes_while_held=(j or {}).get("bytes_while_held"),
+                              bytes_while_dumping=(j or {}).get("bytes_while_dumping"),
+                              criu_bytes_while_dumping=(j or {}).get("criu_bytes_while_dumping"),
                               post_copy=(j or {}).get("post_copy"),
                               timings=(j or {}).get("timings"), received_ok=bool(received),
                               received=(received or {}).get("timings"),
@@ -199,6 +216,10 @@ def one_mode(a, mode, work, log):
                               stage_skipped=(received or {}).get("stage_skipped"),
                               source=((j or {}).get("checkpoint") or {}).get("figures"),
                               release=release_digest(((j or {}).get("checkpoint") or {}).get("release_report")))
+        # The job's step lines around the migration, in seconds from its start: where the gap
+        # falls, and the steps on either side of it.
+        rec["migrate"]["steps_around"] = [[k, round(t - t0, 4)] for k, t in steps_of(jlog)
+                                          if t0 - 2 <= t <= t1 + 5]
         w = rec.get("writes_per_step")
         sent = rec["migrate"]["rounds"]
         if w and len(sent) > 1 and sent[1] is not None:

@@ -416,5 +416,17 @@ class OverheadModes(unittest.TestCase):
         self.assertTrue(set(overhead.MODES[1:]) <= set(overhead.MODE_ENV))
 
 
+class JobLostTime(unittest.TestCase):
+    def test_a_slow_step_after_the_gap_is_the_wait_after_resume(self):
+        import speculation
+        step = 0.034
+        # The gap, then a step that waited for buffers not back yet: both count.
+        got = speculation.lost_time([step, step, 2.843, 0.451, step, 0.09], step)
+        self.assertAlmostEqual(got, 2.843 + 0.451 - 2 * step)
+        # The wait inside the gap: the gap alone.
+        self.assertAlmostEqual(speculation.lost_time([step, 3.273, step], step), 3.273 - step)
+        self.assertEqual(speculation.lost_time([], step), 0.0)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -34,6 +34,10 @@
 #       (TAG-after-N, TAG-beside-N); then, with SPEC_CRIU_LOGS=1, the first job once more at
 #       CRIU's log level 4: its dump and restore logs and the kdat cache's place
 #       -> $OUT/criu-logs-TAG.tar.gz
+#   bash scripts/gpu-speculation.sh criu-stream  (~5 min with SPEC_BARS="8 64 f8,0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with CRIU's pages file sent after
+#       the dump (POSSUM_MIGRATE_STREAM_CRIU=0) and as CRIU writes it (the default), alternating
+#       (TAG-after-N, TAG-streamed-N).
 #   bash scripts/gpu-speculation.sh postcopy   (~6 min)
 #       Migration alone, without and then with --post-copy, of each of SPEC_BARS (default: the
 #       training job writing 8 GiB of state every step; 8 GiB of weights and 64 MiB of state).
@@ -87,7 +91,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold)
+bars|slices|hold|criu-stream)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     if [ "${SPEC_HUGE:-0}" = 1 ]; then
@@ -136,6 +140,14 @@ bars|slices|hold)
                 find "$res/$tag-criu-logs" ${huge:+$huge/work} -name 'dump.log' -o -name 'restore.log' \
                     2>/dev/null | tar czf "$out/criu-logs-$tag.tar.gz" -T - "$res/kdat.txt" 2>/dev/null
             fi
+            continue
+        fi
+        if [ "$1" = criu-stream ]; then
+            # CRIU's pages file sent after the dump, then as CRIU writes it (the default).
+            for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
+                POSSUM_MIGRATE_STREAM_CRIU=0 bar "$gib" "$mib" "$tag-after-$i"
+                bar "$gib" "$mib" "$tag-streamed-$i"
+            done
             continue
         fi
         # slices: the first round sent in one part, then in parts (the default), alternating.

@@ -38,8 +38,8 @@ use crate::images::{
     CORE_MAGIC, MM_MAGIC, PAGE_SIZE, PE_PARENT, PE_PRESENT, PSTREE_MAGIC,
 };
 
-use index::{data_name, io_err, MAX_PARTS};
-pub use index::{index_path, HostMemError, Index, Range};
+pub use index::{data_name, index_path, HostMemError, Index, Range};
+use index::{io_err, MAX_PARTS};
 pub use work::{default_threads, namespace_pid};
 use work::{on_threads, FILL_CHUNK};
 

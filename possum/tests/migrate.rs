@@ -389,12 +389,19 @@ struct KeptJob {
 }
 
 fn kept_job(test: &str) -> Option<KeptJob> {
+    kept_job_with(test, &[])
+}
+
+/// [`kept_job`], `env` added to the job's environment (and the reference run's).
+fn kept_job_with(test: &str, env: &[(&str, &str)]) -> Option<KeptJob> {
     let (tmp, lib) = support::session_job_setup(test, "possum-migrate-")?;
     let dir = tmp.path();
-    let want = finish(&mut start_job(dir, "reference", None), dir, "reference");
+    let mut reference = start_job_with(dir, "reference", None, Duration::ZERO, env);
+    let want = finish(&mut reference, dir, "reference");
     let (keeper, keeper_dir) = support::cli::start_keeper(dir);
-    let env = [("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
-    let job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &env);
+    let mut all = vec![("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
+    all.extend_from_slice(env);
+    let job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &all);
     std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
     std::fs::create_dir(dir.join("received")).unwrap();
     let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
@@ -411,6 +418,16 @@ fn kept_job(test: &str) -> Option<KeptJob> {
     })
 }
 
+/// `possum migrate` of a [`kept_job`] to its receiver, possum's CRIU plugin found, with the
+/// variable `name` set to `value`.
+fn migrate_kept(t: &KeptJob, (name, value): (&str, &str)) -> Output {
+    let env = [
+        ("POSSUM_CRIU_PLUGIN_DIR", t.libdir.as_path()),
+        (name, Path::new(value)),
+    ];
+    migrate_to(t.tmp.path(), &t.job, &t.receiver, &[], &env)
+}
+
 /// A job whose buffers are a keeper's (`possum run`'s default), migrated over loopback: the
 /// destination has the keeper load the job's GPU image from the first round sent ahead (its
 /// draft), while the job still runs at the source; the restore's stage builds on that memory,
@@ -424,16 +441,7 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     let dir = t.tmp.path();
     // The job's private memory not sent ahead (the default): it goes at the cut, in parts.
     // The first round in parts of 1 MiB of each file: the destination loads it as it comes.
-    let out = migrate_to(
-        dir,
-        &t.job,
-        &t.receiver,
-        &[],
-        &[
-            ("POSSUM_CRIU_PLUGIN_DIR", t.libdir.as_path()),
-            ("POSSUM_MIGRATE_SLICE_MIB", Path::new("1")),
-        ],
-    );
+    let out = migrate_kept(&t, ("POSSUM_MIGRATE_SLICE_MIB", "1"));
     let (v, r) = migrated(&out, t.receiver, &t.job);
     assert_eq!(r["pid"], t.job.pid, "{r}");
     // In parts, which the receiver writes at once: CRIU's pages file is not among them.
@@ -478,6 +486,54 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     say(&format!(
         "migrate_prestage: {reused} of {} bytes in memory before the restore",
         staged[0]["bytes"]
+    ));
+}
+
+/// A job with 512 MiB of private memory and 8 MiB in a memfd, migrated in parts of 1 MiB:
+/// while CRIU dumps it, the parts of its pages file already written go to the destination (the
+/// final set claims them once the split renamed the file), not those of the memfd's pages file,
+/// which CRIU writes first; the destination has every part, the job goes on bit-exact (its
+/// memory checked at its exit) and nothing else is left in its image.
+#[test]
+fn the_job_s_memory_goes_to_the_destination_while_criu_dumps_it() {
+    let env = [("FAKE_HEAP_MIB", "512"), ("FAKE_MEMFD_MIB", "8")];
+    let Some(mut t) = kept_job_with("migrate_criu_parts", &env) else {
+        return;
+    };
+    let dir = t.tmp.path();
+    let out = migrate_kept(&t, ("POSSUM_MIGRATE_PART_MIB", "1"));
+    let (v, r) = migrated(&out, t.receiver, &t.job);
+    assert_eq!((&v["files"], &v["bytes"]), (&r["files"], &r["bytes"]));
+    let criu_early = v["criu_bytes_while_dumping"].as_u64().unwrap();
+    // More than the memfd's pages file holds: the job's own.
+    assert!(
+        criu_early > 9 << 20,
+        "too little of CRIU's pages while it dumped: {v}"
+    );
+    assert!(
+        criu_early <= v["bytes_while_dumping"].as_u64().unwrap(),
+        "{v}"
+    );
+    let criu = PathBuf::from(r["dir"].as_str().unwrap()).join("criu");
+    let pid = t.job.pid;
+    let moved = v["checkpoint"]["figures"]["hostmem"]["moved_bytes"]
+        .as_u64()
+        .unwrap();
+    assert!(moved >= 512 << 20, "{v}");
+    let parts: Vec<String> = (names(&criu).into_iter())
+        .filter(|n| n.starts_with(&format!("possum-hostmem-{pid}.pages.")))
+        .collect();
+    assert!(parts.len() as u64 >= moved >> 20, "{parts:?}");
+    assert!(!criu.join(format!("possum-hostmem-{pid}.pages")).exists());
+    goes_on_like(
+        &mut t.job,
+        dir,
+        &t.want,
+        "migrated, its memory sent while CRIU dumped",
+    );
+    say(&format!(
+        "migrate_criu_parts: {criu_early} of {moved} bytes of the job's memory sent while CRIU \
+         dumped"
     ));
 }
 

@@ -332,7 +332,7 @@ fn hold_and_commit<'a>(
         run.freeze()?;
         run.dump(obs)?;
         if by_possum {
-            obs.dumped();
+            run.figures.held_send_wait = obs.dumped();
         }
         Ok(())
     })();
@@ -1378,7 +1378,9 @@ impl<'a> Run<'a> {
             self.resume_report.as_ref(),
             p.leave_running,
         );
-        self.figures.account_stall(kept, !kept && p.leave_running);
+        // A job held to the commit (a migration's) was held through the split too.
+        let split_in_hold = !kept && (p.leave_running || self.no_kept);
+        self.figures.account_stall(kept, split_in_hold);
         self.figures.criu_image_bytes = self.criu_bytes;
         self.figures.gpu_image_bytes = self.gpu_bytes;
         self.figures.image_bytes = self.criu_bytes + self.gpu_bytes;

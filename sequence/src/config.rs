@@ -105,6 +105,14 @@ pub struct Environment {
     /// the source while it sends the rest of its image, not after; a send that fails then
     /// restores the job at the source from its image instead of letting it go.
     pub kill_while_sending: bool,
+    /// `POSSUM_MIGRATE_STREAM_CRIU` (on unless `0`): while CRIU dumps a migrated job of one
+    /// process, the parts of its pages file already written go to the destination, not after
+    /// the dump.
+    pub stream_criu: bool,
+    /// `POSSUM_MIGRATE_PART_MIB` (default 64): a migration sends the job's private memory split
+    /// out of CRIU's images in parts of so many bytes, which the destination writes from every
+    /// stream at once.
+    pub hostmem_part_bytes: u64,
 }
 
 /// The first pre-copy round of a migration is sent ahead in parts of this many bytes of each
@@ -162,6 +170,13 @@ impl Environment {
                 .map_or(FIRST_ROUND_SLICE, |mib| mib.saturating_mul(1 << 20)),
             send_while_held: !off("POSSUM_MIGRATE_SEND_WHILE_HELD"),
             kill_while_sending: !off("POSSUM_MIGRATE_KILL_WHILE_SENDING"),
+            stream_criu: !off("POSSUM_MIGRATE_STREAM_CRIU"),
+            hostmem_part_bytes: var("POSSUM_MIGRATE_PART_MIB")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|&mib| mib > 0)
+                .map_or(possum_criu::hostmem::MIGRATION_PART_BYTES, |mib| {
+                    mib.saturating_mul(1 << 20)
+                }),
         }
     }
 }
@@ -179,10 +194,13 @@ mod tests {
         assert_eq!(none.cut_deadline, CUT_DEADLINE);
         assert!(!none.tcp_close && !none.hostmem_ahead);
         assert_eq!(none.first_round_slice, FIRST_ROUND_SLICE);
-        assert!(none.send_while_held && none.kill_while_sending);
+        assert!(none.send_while_held && none.kill_while_sending && none.stream_criu);
         let slice =
             Environment::from_vars(|n| (n == "POSSUM_MIGRATE_SLICE_MIB").then(|| " 3".into()));
         assert_eq!(slice.first_round_slice, 3 << 20);
+        assert_eq!(none.hostmem_part_bytes, 64 << 20);
+        let part = Environment::from_vars(|n| (n == "POSSUM_MIGRATE_PART_MIB").then(|| "2".into()));
+        assert_eq!(part.hostmem_part_bytes, 2 << 20);
         let ahead = Environment::from_vars(|n| (n == "POSSUM_HOSTMEM_AHEAD").then(|| "1".into()));
         assert!(ahead.hostmem_ahead);
         let close =
@@ -213,7 +231,7 @@ mod tests {
         assert_eq!(set.hostmem_split, HostmemSplit::Always);
         assert!(!set.keeper_revive && !set.restore_stage && !set.tcp_close && !set.hostmem_ahead);
         assert_eq!(set.first_round_slice, 0, "0: one part");
-        assert!(!set.send_while_held && !set.kill_while_sending);
+        assert!(!set.send_while_held && !set.kill_while_sending && !set.stream_criu);
         assert_eq!(set.criu_log_level, Some(LogLevel::Debug));
         assert_eq!(set.nvidia_smi, "0");
         assert_eq!(set.libcuda, "libcuda.so.1");

@@ -154,6 +154,12 @@ pub struct CheckpointFigures {
     #[serde(rename = "criu_dump_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub criu_dump: Step,
+    /// After CRIU's dump, the job held: the wait for what began while it was held and must be
+    /// over before the commit (a migration's send of the GPU images, and of CRIU's pages as
+    /// CRIU wrote them).
+    #[serde(rename = "held_send_wait_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub held_send_wait: Step,
     /// CRIU's own account of its dump (the last, where a tree took several).
     #[serde(rename = "criu_dump_stats", skip_serializing_if = "Option::is_none")]
     pub criu_dump_stats: Option<CriuDumpStats>,
@@ -242,6 +248,9 @@ pub struct StallBreakdown {
     /// Naming the image while held.
     #[serde(serialize_with = "as_ms")]
     pub commit: Duration,
+    /// Waiting, after CRIU's dump, for the send begun while held (a migration's).
+    #[serde(serialize_with = "as_ms")]
+    pub send: Duration,
 }
 
 impl CheckpointFigures {
@@ -264,8 +273,9 @@ impl CheckpointFigures {
                     Duration::ZERO
                 },
             commit: if kept { Duration::ZERO } else { t(self.commit) },
+            send: t(self.held_send_wait),
         };
-        self.hold = b.cut + b.engine + b.driver + b.criu + b.commit;
+        self.hold = b.cut + b.engine + b.driver + b.criu + b.commit + b.send;
         self.stall = self.hold + self.job_waited.unwrap_or_default();
         self.stall_breakdown = b;
     }
@@ -414,7 +424,7 @@ mod tests {
         assert_eq!(v["job_waited_ms"], json!(null));
         assert_eq!(
             v["stall_breakdown_ms"],
-            json!({"cut": 0.0, "engine": 3.5, "driver": 0.0, "criu": 0.0, "commit": 3.0})
+            json!({"cut": 0.0, "engine": 3.5, "driver": 0.0, "criu": 0.0, "commit": 3.0, "send": 0.0})
         );
         assert_eq!(v["hostmem"], json!({"off": "no CRIU plugin"}));
         assert!(v.get("criu_dump_ms").is_none());
@@ -448,10 +458,17 @@ mod tests {
         // The ranks of a multi-process job held at their collective boundary: part of the hold.
         f.ranks_cut = Some(Duration::from_millis(4));
         f.account_stall(true, false);
-        let v = serde_json::to_value(f).unwrap();
+        let v = serde_json::to_value(&f).unwrap();
         assert_eq!(v["ranks_cut_ms"], json!(4.0));
         assert_eq!(v["stall_breakdown_ms"]["cut"], json!(4.0));
         assert_eq!(v["hold_ms"], json!(7.5));
+        // A migration's wait for its send begun while held: part of the hold.
+        f.held_send_wait = Some(Duration::from_millis(5));
+        f.account_stall(true, false);
+        let v = serde_json::to_value(f).unwrap();
+        assert_eq!(v["held_send_wait_ms"], json!(5.0));
+        assert_eq!(v["stall_breakdown_ms"]["send"], json!(5.0));
+        assert_eq!(v["hold_ms"], json!(12.5));
     }
 
     #[test]

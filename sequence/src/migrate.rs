@@ -58,6 +58,7 @@ use std::fs;
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,7 +67,9 @@ use serde::{Serialize, Serializer};
 use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointParams, CheckpointReport};
 use crate::figures::as_ms;
+mod dumping;
 mod error;
+mod held_send;
 mod post_copy;
 mod source;
 use crate::prestage::{self, Prestaged, Prestages};
@@ -79,6 +82,7 @@ use crate::wire::{
 use crate::{MigrateStep, Observer};
 use error::restore_socket_dir;
 pub use error::{JobAt, MigrateError};
+use held_send::{paced, HeldSend, HeldSent};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
 use source::{let_go, send_killing, AtSource, Fallback};
 
@@ -220,8 +224,11 @@ pub struct MigrateReport {
     /// The bytes of them sent while the job was held (the rest came from those sent ahead):
     /// with those of the GPU images sent while the driver and CRIU worked.
     pub bytes_while_held: u64,
-    /// Of those, the GPU images' bytes sent while the driver and CRIU worked.
+    /// Of those, the bytes sent while the driver and CRIU worked: the GPU images', and parts
+    /// of CRIU's pages file as it wrote them.
     pub bytes_while_dumping: u64,
+    /// Of those, the parts of CRIU's pages file.
+    pub criu_bytes_while_dumping: u64,
     /// The phases' timings.
     pub timings: MigrateTimings,
     /// The job's private memory drafted and sent with the pre-copy rounds (what of it the
@@ -278,22 +285,6 @@ impl Link {
         Ok(Link { stream, sender })
     }
 }
-
-/// `f` on `stream`, paced by `pacer` if there is one.
-fn paced<T>(
-    pacer: Option<&Arc<Pacer>>,
-    stream: &mut TcpStream,
-    f: impl FnOnce(&mut dyn ReadWrite) -> T,
-) -> T {
-    match pacer {
-        Some(pacer) => f(&mut Paced::new(stream, pacer.clone())),
-        None => f(stream),
-    }
-}
-
-/// A stream both ways.
-trait ReadWrite: io::Read + io::Write {}
-impl<T: io::Read + io::Write> ReadWrite for T {}
 
 /// Why the connection, its handshake or the send ahead failed (before the final send).
 enum Early {
@@ -373,12 +364,12 @@ struct SendAhead<'a> {
     /// back once they are.
     held_send: Option<std::thread::JoinHandle<HeldSend>>,
     /// What that sent, and how long it took.
-    held_sent: Option<(Totals, Duration)>,
+    held_sent: Option<HeldSent>,
+    /// Set when CRIU's dump is over (or failed): that send ends.
+    dump_over: Arc<AtomicBool>,
+    /// Set when CRIU dumps again: what that send sent of its pages file is stale.
+    dump_again: Arc<AtomicBool>,
 }
-
-/// The send begun while the job is held: the link back, what it sent and how long it took; or
-/// why it failed.
-type HeldSend = Result<(Link, Totals, Duration), Early>;
 
 /// What drafting the job's private memory for the pre-copy rounds took.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -434,6 +425,7 @@ impl SendAhead<'_> {
     /// The send begun while the job is held, ended: the link back, or why it failed (acted on
     /// once the checkpoint is committed, as a failed round is).
     fn end_held_send(&mut self) {
+        self.dump_over.store(true, Ordering::Release);
         let Some(sending) = self.held_send.take() else {
             return;
         };
@@ -441,18 +433,25 @@ impl SendAhead<'_> {
             .join()
             .unwrap_or_else(|e| std::panic::resume_unwind(e))
         {
-            Ok((link, sent, took)) => {
+            Ok((stream, sender, sent)) => {
+                let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
                 self.obs.note(&format!(
                     "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB \
-                     in {:.0} ms",
-                    sent.files,
-                    sent.bytes as f64 / f64::from(1u32 << 20),
-                    took.as_secs_f64() * 1e3
+                     ({:.1} MiB of CRIU's pages as it wrote them) in {:.0} ms",
+                    sent.gpu.files + sent.criu.files,
+                    mib(sent.gpu.bytes + sent.criu.bytes),
+                    mib(sent.criu.bytes),
+                    sent.took.as_secs_f64() * 1e3
                 ));
-                self.held_sent = Some((sent, took));
-                Ok(link)
+                if let Some(seen) = &sent.unsent {
+                    self.obs.note(&format!(
+                        "no part of CRIU's pages file was whole while it dumped ({seen})"
+                    ));
+                }
+                self.held_sent = Some(sent);
+                Ok(Link { stream, sender })
             }
-            Err(early) => Err(early),
+            Err(e) => Err(Early::Send(Box::new(e))),
         };
         self.link = Some(link);
     }
@@ -468,7 +467,7 @@ impl Observer for SendAhead<'_> {
         if !self.p.checkpoint.env.send_while_held || self.p.post_copy || gpu.is_empty() {
             return;
         }
-        let mut link = match self.link.take() {
+        let link = match self.link.take() {
             Some(Ok(link)) => link,
             // (A round that failed keeps its error, acted on once the checkpoint is committed.)
             other => {
@@ -476,21 +475,30 @@ impl Observer for SendAhead<'_> {
                 return;
             }
         };
-        let (dir, gpu, written) = (dir.to_path_buf(), gpu.to_vec(), written.clone());
-        let pacer = self.pacer.cloned();
-        self.held_send = Some(std::thread::spawn(move || {
-            let t = Instant::now();
-            let Link { stream, sender } = &mut link;
-            sender.told(written);
-            let sent = paced(pacer.as_ref(), stream, |mut s| {
-                sender.send_final_under(&mut s, &dir, &gpu)
-            })
-            .map_err(|e| Early::Send(Box::new(e)))?;
-            Ok((link, sent, t.elapsed()))
-        }));
+        let env = &self.p.checkpoint.env;
+        let follow = (env.stream_criu && env.hostmem_split != crate::config::HostmemSplit::Off)
+            .then(|| dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes))
+            .flatten();
+        self.held_send = Some(held_send::spawn(
+            (link.stream, link.sender),
+            held_send::What {
+                dir: dir.to_path_buf(),
+                gpu: gpu.to_vec(),
+                written: written.clone(),
+                follow,
+            },
+            self.pacer.cloned(),
+            (self.dump_over.clone(), self.dump_again.clone()),
+        ));
     }
-    fn dumped(&mut self) {
+    fn dumped(&mut self) -> Option<Duration> {
+        let t = Instant::now();
+        let sending = self.held_send.is_some();
         self.end_held_send();
+        sending.then(|| t.elapsed())
+    }
+    fn dumping_again(&mut self) {
+        self.dump_again.store(true, Ordering::Release);
     }
     fn copying(&mut self, total: u64, dir: &Path) {
         self.obs.copying(total, dir);
@@ -590,7 +598,9 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         mut stream,
         mut sender,
     } = link;
-    let held_bytes = rest_of_the_image(&mut sender, &held, ahead.held_sent, &mut timings);
+    let parts = p.checkpoint.env.hostmem_part_bytes;
+    let (held_bytes, criu_held_bytes) =
+        rest_of_the_image(&mut sender, &held, ahead.held_sent, parts, &mut timings);
     let local = held.dir().to_path_buf();
     let gpu_dirs = post_copy::left_for_later(p.post_copy, &local, &mut sender);
     let sent_counter = sender.sent_counter();
@@ -663,6 +673,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         rounds: report.figures.precopy_rounds.len(),
         bytes_while_held: sent.sent_bytes + held_bytes,
         bytes_while_dumping: held_bytes,
+        criu_bytes_while_dumping: criu_held_bytes,
         timings,
         host_memory_ahead: ahead.host_ahead,
         image_kept,
@@ -678,26 +689,24 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
 fn rest_of_the_image(
     sender: &mut DirSender,
     held: &crate::HeldCheckpoint<'_>,
-    held_sent: Option<(Totals, Duration)>,
+    held_sent: Option<HeldSent>,
+    part_bytes: u64,
     timings: &mut MigrateTimings,
-) -> u64 {
+) -> (u64, u64) {
     let held_bytes = match held_sent {
         None => {
             sender.told(held.written_at_cut());
-            0
+            (0, 0)
         }
-        Some((sent, took)) => {
-            timings.held_send = took;
-            sent.bytes
+        Some(sent) => {
+            timings.held_send = sent.took;
+            (sent.gpu.bytes + sent.criu.bytes, sent.criu.bytes)
         }
     };
     let criu = held.dir().join("criu");
     // (A draft sent ahead that became one goes as the file sent ahead: the wire sees to it.)
     for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {
-        sender.send_in_parts(
-            format!("criu/{name}"),
-            possum_criu::hostmem::MIGRATION_PART_BYTES,
-        );
+        sender.send_in_parts(format!("criu/{name}"), part_bytes);
     }
     held_bytes
 }
@@ -797,7 +806,7 @@ struct Ahead {
     sent: Totals,
     host_ahead: HostAhead,
     /// What was sent while the driver and CRIU worked, and how long it took.
-    held_sent: Option<(Totals, Duration)>,
+    held_sent: Option<HeldSent>,
 }
 
 /// The checkpoint up to its commit with the job held, its pre-copy sent ahead through
@@ -819,6 +828,8 @@ fn checkpoint_sending_ahead<'p>(
         host_ahead: HostAhead::default(),
         held_send: None,
         held_sent: None,
+        dump_over: Arc::default(),
+        dump_again: Arc::default(),
     };
     let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
     // (A checkpoint that failed after the hold began did not say its dump was over.)

@@ -32,7 +32,15 @@ pub trait Observer {
     }
     /// CRIU's dump is over; the image is committed next (what began at [`Observer::held`] ends
     /// here). Told only after [`Observer::held`].
-    fn dumped(&mut self) {}
+    ///
+    /// The time it waited there, the job held, for work of its own begun at
+    /// [`Observer::held`] (part of the hold's figures), if any.
+    fn dumped(&mut self) -> Option<Duration> {
+        None
+    }
+    /// CRIU's dump failed for a passing reason and runs again into the same directory: what it
+    /// wrote there so far is written again (a file sent while it was written is stale).
+    fn dumping_again(&mut self) {}
     /// Where a migration is, for a progress line: told as it moves on.
     fn migrating(&mut self, step: MigrateStep) {
         let _ = step;

@@ -280,7 +280,7 @@ pub fn index_path(dir: &Path, pid: u32) -> PathBuf {
     dir.join(format!("possum-hostmem-{pid}.idx"))
 }
 
-/// The name of the data file of `pid`'s moved pages.
-pub(super) fn data_name(pid: u32) -> String {
+/// The name of the data file of `pid`'s moved pages (`pid` as CRIU's process tree names it).
+pub fn data_name(pid: u32) -> String {
     format!("possum-hostmem-{pid}.pages")
 }

@@ -49,6 +49,11 @@
  * every millisecond, as a job's logging thread writes: a checkpoint whose job does not run on
  * must not let it write past the dump (the restored job would write those lines again).
  *
+ * FAKE_HEAP_MIB=N: N MiB of the job's own memory (malloc), filled with a pattern at start and
+ * checked at exit ("error ..." if it changed): a job whose private memory CRIU takes a while to
+ * dump. FAKE_MEMFD_MIB=N: as much again in a memfd mapped shared (CRIU dumps its contents in a
+ * pages file of their own, before the job's memory).
+ *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
  * job CRIU dumps and restores (possum/tests/entry_checkpoint.rs): CRIU reopens the FIFO by its
@@ -413,6 +418,20 @@ int main(void) {
         if (!get_current || get_current(&ctx) || !ctx) die("cuCtxGetCurrent");
         if (pthread_create(&t, NULL, churn, ctx)) die("pthread_create");
     }
+    size_t heap_words = getenv("FAKE_HEAP_MIB") ? (size_t)atol(getenv("FAKE_HEAP_MIB")) << 18 : 0;
+    uint32_t *heap = heap_words ? malloc(heap_words * 4) : NULL;
+    if (heap_words && !heap) die("FAKE_HEAP_MIB");
+    for (size_t i = 0; i < heap_words; i++) heap[i] = (uint32_t)(i * 2654435761u) ^ 0x9e3779b9u;
+    size_t memfd_words = getenv("FAKE_MEMFD_MIB") ? (size_t)atol(getenv("FAKE_MEMFD_MIB")) << 18 : 0;
+    uint32_t *shared = NULL;
+    if (memfd_words) {
+        int fd = memfd_create("fake-job", 0);
+        if (fd < 0 || ftruncate(fd, (off_t)(memfd_words * 4))) die("FAKE_MEMFD_MIB");
+        shared = mmap(NULL, memfd_words * 4, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (shared == MAP_FAILED) die("FAKE_MEMFD_MIB: mmap");
+        close(fd);
+        for (size_t i = 0; i < memfd_words; i++) shared[i] = (uint32_t)i * 40503u + 7u;
+    }
     if (getenv("FAKE_TICKS")) {
         pthread_t t;
         if (pthread_create(&t, NULL, ticker, getenv("FAKE_TICKS"))) die("pthread_create");
@@ -454,6 +473,11 @@ int main(void) {
         }
         fflush(stdout);
     }
+    for (size_t i = 0; i < heap_words; i++)
+        if (heap[i] != ((uint32_t)(i * 2654435761u) ^ 0x9e3779b9u)) die("FAKE_HEAP_MIB: changed");
+    free(heap);
+    for (size_t i = 0; i < memfd_words; i++)
+        if (shared[i] != (uint32_t)i * 40503u + 7u) die("FAKE_MEMFD_MIB: changed");
     if (child) kill(child, SIGKILL);
     if (vmm)
         vmm_free();

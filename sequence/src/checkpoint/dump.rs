@@ -45,6 +45,7 @@ pub(super) fn dump_retrying_transient(
                      dumping again in {} ms",
                     DUMP_RETRY_WAIT.as_millis()
                 ));
+                obs.dumping_again();
                 std::thread::sleep(DUMP_RETRY_WAIT);
             }
         }

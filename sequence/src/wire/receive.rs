@@ -331,6 +331,7 @@ pub(super) fn receive_into<S: Read>(
                 }
             }
             Frame::Cut => r.cut()?,
+            Frame::Remove { path } => r.remove(&path)?,
             Frame::Done(totals) => {
                 if !r.part.is_empty() {
                     return Err(unexpected("Done", "before its part's chunks"));
@@ -512,6 +513,32 @@ impl<'a> Receiving<'a> {
         self.pre = Some(aside);
         self.dirs.clear();
         self.got = Totals::default();
+        Ok(())
+    }
+
+    /// A `Remove`: a file of the final set received since the `Cut` goes, and leaves the
+    /// totals. Only between parts, after the `Cut`, of a regular file.
+    fn remove(&mut self, path: &str) -> Result<(), ReceiveError> {
+        if !self.part.is_empty() {
+            return Err(unexpected("Remove", "before its part's chunks"));
+        }
+        if self.pre.is_none() {
+            return Err(unexpected("Remove", "before the Cut"));
+        }
+        let at = components(path)?
+            .iter()
+            .fold(self.root.clone(), |p, c| p.join(c));
+        let io = |what| {
+            let path = at.clone();
+            move |source| ReceiveError::Io { what, path, source }
+        };
+        let meta = fs::symlink_metadata(&at).map_err(io("removing"))?;
+        if !meta.file_type().is_file() || self.got.files == 0 || self.got.bytes < meta.len() {
+            return Err(unexpected("Remove", "of what is not a file received"));
+        }
+        fs::remove_file(&at).map_err(io("removing"))?;
+        self.got.files -= 1;
+        self.got.bytes -= meta.len();
         Ok(())
     }
 

@@ -45,12 +45,14 @@ pub(super) enum Entry {
     Dir(DirHeader),
     File(FileHeader),
     /// The header's `size` bytes of the file `of` (`whole` bytes long) from `at`, sent as the
-    /// file the header names ([`DirSender::send_in_parts`]).
+    /// file the header names ([`DirSender::send_in_parts`]); `growing`: `of` is still being
+    /// appended to, and only its bytes sent must be there ([`DirSender::send_growing`]).
     Slice {
         header: FileHeader,
         of: String,
         at: u64,
         whole: u64,
+        growing: bool,
     },
 }
 
@@ -77,6 +79,7 @@ fn sliced(entries: Vec<Entry>, in_parts: &[(String, u64)]) -> Vec<Entry> {
                         of: h.path.clone(),
                         at: k * part,
                         whole: h.size,
+                        growing: false,
                     });
                 }
             }
@@ -243,6 +246,21 @@ struct FirstPart {
     under: Vec<String>,
     files: HashMap<String, u64>,
     totals: Totals,
+    /// The parts of files still being written sent since ([`DirSender::send_growing`]).
+    early: Vec<EarlyPart>,
+}
+
+/// A part of a file still being written, sent after the final set's first part as the file
+/// `path` of the final set ([`DirSender::send_growing`]): `size` bytes from `at` of the file
+/// whose (device, inode) is `inode`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct EarlyPart {
+    path: String,
+    inode: (u64, u64),
+    at: u64,
+    size: u64,
+    /// Its file was written again since ([`DirSender::forget_growing`]): never claimed.
+    stale: bool,
 }
 
 impl DirSender {
@@ -405,6 +423,7 @@ impl DirSender {
                 under: under.to_vec(),
                 files,
                 totals: sent.totals,
+                early: Vec::new(),
             });
             Ok(Totals {
                 files: sent.totals.files,
@@ -412,6 +431,153 @@ impl DirSender {
             })
         })();
         sent.map_err(|e| self.failed(stream, e))
+    }
+
+    /// After the final set's first part ([`DirSender::send_final_under`]), while the rest is
+    /// still being written: the parts `NAME.0`, `NAME.1`, ... of `part_bytes` each of the file
+    /// `file` (relative to `dir`) that it already holds whole and that were not sent yet, at most
+    /// `most` of them, as files of the final set. For a file only ever appended to (CRIU's pages
+    /// file while it dumps) that the final set then sends in parts as `NAME`
+    /// ([`DirSender::send_in_parts`]: the same file, renamed). There, each part whose bytes went
+    /// here (the same file by its inode, the same offset and length) is not sent again; a part
+    /// sent here that the final set does not have so (the file was not renamed `NAME`, or parts
+    /// of another file went under those names) is removed at the receiver. The files and bytes
+    /// sent; none when `file` is not there.
+    pub fn send_growing<S: Read + Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        (file, name): (&str, &str),
+        part_bytes: u64,
+        most: usize,
+    ) -> Result<Totals, WireError> {
+        let sent = (|| {
+            let Some(first) = self.first_part.as_ref().filter(|_| part_bytes > 0) else {
+                return Err(SendError::Unsupported {
+                    path: dir.join(file),
+                    what: "a file still being written, before the final set's first part",
+                });
+            };
+            let path = dir.join(file);
+            let meta = match fs::symlink_metadata(&path) {
+                Ok(m) if m.file_type().is_file() => m,
+                Ok(_) => {
+                    return Err(SendError::Unsupported {
+                        path,
+                        what: "not a regular file",
+                    })
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Totals::default()),
+                Err(source) => return Err(SendError::List { path, source }),
+            };
+            let inode = (meta.dev(), meta.ino());
+            let mut entries = Vec::new();
+            let mut parts = Vec::new();
+            for k in 0..meta.len() / part_bytes {
+                if entries.len() >= most {
+                    break;
+                }
+                let part = EarlyPart {
+                    path: format!("{name}.{k}"),
+                    inode,
+                    at: k * part_bytes,
+                    size: part_bytes,
+                    stale: false,
+                };
+                if first.early.iter().any(|e| e.path == part.path) {
+                    continue;
+                }
+                if first.early.iter().any(|e| e.stale) {
+                    break;
+                }
+                entries.push(Entry::Slice {
+                    header: FileHeader {
+                        id: 0,
+                        path: part.path.clone(),
+                        size: part.size,
+                        mode: meta.permissions().mode() & 0o777,
+                        base: None,
+                    },
+                    of: file.to_string(),
+                    at: part.at,
+                    whole: meta.len(),
+                    growing: true,
+                });
+                parts.push(part);
+            }
+            if entries.is_empty() {
+                return Ok(Totals::default());
+            }
+            let sent = self.send_part(stream, dir, entries, Sending::Final(HashMap::new()))?;
+            let first = self.first_part.as_mut().expect("checked above");
+            first.early.extend(parts);
+            first.totals.files += sent.totals.files;
+            first.totals.bytes += sent.totals.bytes;
+            Ok(sent.totals)
+        })();
+        sent.map_err(|e| self.failed(stream, e))
+    }
+
+    /// The parts sent by [`DirSender::send_growing`] so far are stale (their file was written
+    /// again from its start): the final set claims none of them, and the receiver removes them.
+    pub fn forget_growing(&mut self) {
+        if let Some(first) = &mut self.first_part {
+            for p in &mut first.early {
+                p.stale = true;
+            }
+        }
+    }
+
+    /// The final set's `entries` (in parts) less the parts sent early that they are
+    /// ([`DirSender::send_growing`]); those that they are not are told to the receiver to
+    /// remove (`Remove`), and leave the first part's totals.
+    fn claim_early<S: Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        entries: Vec<Entry>,
+    ) -> Result<Vec<Entry>, SendError> {
+        let Some(first) = self.first_part.as_mut().filter(|f| !f.early.is_empty()) else {
+            return Ok(entries);
+        };
+        let mut inodes: HashMap<String, Option<(u64, u64)>> = HashMap::new();
+        let mut claimed = HashSet::new();
+        let mut rest = Vec::with_capacity(entries.len());
+        for e in entries {
+            if let Entry::Slice { header, of, at, .. } = &e {
+                let inode = *inodes.entry(of.clone()).or_insert_with(|| {
+                    fs::symlink_metadata(dir.join(of))
+                        .ok()
+                        .map(|m| (m.dev(), m.ino()))
+                });
+                let sent = first.early.iter().position(|p| {
+                    !p.stale
+                        && p.path == header.path
+                        && Some(p.inode) == inode
+                        && p.at == *at
+                        && p.size == header.size
+                });
+                if let Some(k) = sent {
+                    claimed.insert(k);
+                    continue;
+                }
+            }
+            rest.push(e);
+        }
+        let early = std::mem::take(&mut first.early);
+        for (k, part) in early.into_iter().enumerate() {
+            if claimed.contains(&k) {
+                continue;
+            }
+            first.totals.files -= 1;
+            first.totals.bytes -= part.size;
+            write_frame(
+                stream,
+                &mut self.session,
+                &Frame::Remove { path: part.path },
+            )?;
+        }
+        Ok(rest)
     }
 
     /// Sends `Cut`, out at once: the receiver reads its copies back while this end hashes its
@@ -564,6 +730,7 @@ impl DirSender {
             list(dir, "", &mut entries, true)?;
             let entries = self.after_first_part(entries)?;
             let entries = sliced(entries, &self.in_parts_not_ahead(dir));
+            let entries = self.claim_early(stream, dir, entries)?;
             let mode = if self.sent_ahead {
                 if self.first_part.is_none() {
                     self.cut(stream)?;
@@ -684,7 +851,7 @@ impl DirSender {
                 path: f.path.clone(),
                 source,
             };
-            if !ahead && f.file.metadata().map_err(read)?.len() != f.whole {
+            if !ahead && !f.growing && f.file.metadata().map_err(read)?.len() != f.whole {
                 return Err(SendError::Changed {
                     path: f.path,
                     listed: f.size,
@@ -746,6 +913,8 @@ struct Outgoing {
     /// length as listed.
     at: u64,
     whole: u64,
+    /// `file` is still being appended to: its length may have grown since listed.
+    growing: bool,
     /// Its pieces to send, in order.
     sends: Vec<ToSend>,
     /// Their bytes.
@@ -800,21 +969,22 @@ fn headers<S: Write>(
     let ahead = matches!(mode, Sending::Ahead { .. });
     let mut files = Vec::new();
     for entry in entries {
-        let (mut h, of, at, whole) = match entry {
+        let (mut h, of, at, whole, growing) = match entry {
             Entry::Dir(h) => {
                 write_frame(stream, session, &Frame::Dir(h))?;
                 continue;
             }
             Entry::File(h) => {
                 let (of, size) = (h.path.clone(), h.size);
-                (h, of, 0, size)
+                (h, of, 0, size, false)
             }
             Entry::Slice {
                 header,
                 of,
                 at,
                 whole,
-            } => (header, of, at, whole),
+                growing,
+            } => (header, of, at, whole, growing),
         };
         let path = dir.join(&of);
         let read = |source| SendError::Read {
@@ -892,6 +1062,7 @@ fn headers<S: Write>(
             size,
             at,
             whole,
+            growing,
             bytes: sends.iter().map(|s| s.len).sum(),
             sends,
             pieces: prior.map(Mutex::new),

@@ -15,7 +15,7 @@ use super::mac::{keyed, session_id, FrameMac, Misfit, Way, HEADER_BYTES, KEY_BYT
 use crate::auth::HmacKey;
 
 /// The protocol's version, in the hello and the proof.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// The first bytes of the hello and the proof.
 pub(super) const MAGIC: [u8; 8] = *b"POSSUMWR";
 /// A nonce's length (bytes).
@@ -545,6 +545,13 @@ pub enum Frame<'a> {
         /// The piece.
         piece: u64,
     },
+    /// After the `Cut`, between parts: the file of the final set at this path, received since
+    /// the `Cut` (a part of a file sent while it was still being written that the final set
+    /// does not have), is to go.
+    Remove {
+        /// The file, relative to the directory.
+        path: String,
+    },
     /// A pre-copy's bytes of a declared buffer from `offset` (a later round's replace them).
     BufferChunk {
         /// The buffer's id.
@@ -609,6 +616,7 @@ pub(super) const KIND_BUFFER_CHUNK: u8 = 11;
 pub(super) const KIND_CUT: u8 = 12;
 pub(super) const KIND_CHUNKS: u8 = 13;
 pub(super) const KIND_DEMAND: u8 = 14;
+pub(super) const KIND_REMOVE: u8 = 15;
 /// A `Buffer` frame's payload: id, va, size (`u64` LE), prefetch rank (`u32` LE).
 pub(super) const BUFFER_BYTES: usize = 28;
 /// The head of a `Chunk` or `BufferChunk` (the rest is its body): two `u64`.
@@ -678,6 +686,7 @@ pub(super) fn kind_name(kind: u8) -> &'static str {
         KIND_CUT => "Cut",
         KIND_CHUNKS => "Chunks",
         KIND_DEMAND => "Demand",
+        KIND_REMOVE => "Remove",
         _ => "unknown",
     }
 }
@@ -703,6 +712,7 @@ impl Frame<'_> {
             Frame::BufferChunk { .. } => KIND_BUFFER_CHUNK,
             Frame::Cut => KIND_CUT,
             Frame::Demand { .. } => KIND_DEMAND,
+            Frame::Remove { .. } => KIND_REMOVE,
         }
     }
 }
@@ -725,6 +735,7 @@ pub(super) fn encode<'a>(frame: &Frame<'a>) -> (Vec<u8>, &'a [u8]) {
         Frame::Chunks | Frame::Cut | Frame::Released => (Vec::new(), &[]),
         Frame::Done(t) | Frame::Committed(t) => (u64s(t.files, t.bytes), &[]),
         Frame::Abort { reason } => (cut_reason(reason).to_vec(), &[]),
+        Frame::Remove { path } => (path.as_bytes().to_vec(), &[]),
         Frame::Outcome(o) => {
             let (status, pid, reason) = match o {
                 Outcome::Running { pid } => (1u8, *pid, &[][..]),
@@ -848,7 +859,7 @@ pub(super) fn recv_frame<'b, R: Read + ?Sized>(
     }
     let kind = header[0];
     let len = u64::from_le_bytes(header[1..].try_into().expect("8 bytes"));
-    if !(KIND_DIR..=KIND_DEMAND).contains(&kind) {
+    if !(KIND_DIR..=KIND_REMOVE).contains(&kind) {
         return Err(FrameError::UnknownKind(kind));
     }
     if len > MAX_FRAME {
@@ -928,6 +939,10 @@ pub(super) fn decode(kind: u8, payload: &[u8]) -> Result<Frame<'_>, FrameError> 
             exact(8)?;
             Frame::Demand { piece: u(0) }
         }
+        KIND_REMOVE => Frame::Remove {
+            path: String::from_utf8(payload.to_vec())
+                .map_err(|_| malformed("a path that is not UTF-8".into()))?,
+        },
         KIND_END_PART => {
             exact(16)?;
             Frame::EndPart {

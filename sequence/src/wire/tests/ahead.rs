@@ -4,7 +4,7 @@
 use super::*;
 use crate::wire::mac::{pieces_digest, FrameMac, Piece, Way, KEY_BYTES};
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileExt as _, MetadataExt};
 
 /// What a receiver on a thread of its own makes of a send.
 type Receiving = thread::JoinHandle<Result<ReceiveReport, WireError>>;
@@ -1263,15 +1263,7 @@ fn a_first_part_of_the_final_set_takes_one_directory_and_the_rest_follows() {
 #[test]
 fn a_first_part_changed_before_the_rest_is_sent_fails_the_send() {
     for case in ["grown", "new"] {
-        let (_tmp, src, out) = dirs();
-        fs::create_dir(src.join("gpu")).unwrap();
-        write_files(&src, &[("gpu/data", &noise(1000))]);
-        let dest = out.join("image");
-        let (mut a, mut sender, receiver) = sender_to(&dest);
-        sender.send_ahead(&mut a, &src).unwrap();
-        sender
-            .send_final_under(&mut a, &src, &["gpu".to_string()])
-            .unwrap();
+        let (_tmp, src, dest, mut a, sender, receiver) = after_a_first_part();
         let named = match case {
             "grown" => {
                 append_to(&src.join("gpu/data"), b"more");
@@ -1287,4 +1279,148 @@ fn a_first_part_changed_before_the_rest_is_sent_fails_the_send() {
         assert!(receiver.join().unwrap().is_err(), "{case}");
         assert!(!dest.exists(), "{case}");
     }
+}
+
+/// A directory with `gpu/` (sent ahead, then as the final set's first part) and an empty
+/// `criu/`, and a receiver: (the temporary directory, the source, the destination, the
+/// sender's end, the sender, the receiver).
+fn after_a_first_part() -> (
+    tempfile::TempDir,
+    PathBuf,
+    PathBuf,
+    UnixStream,
+    DirSender,
+    Receiving,
+) {
+    let (tmp, src, out) = dirs();
+    fs::create_dir(src.join("gpu")).unwrap();
+    fs::create_dir(src.join("criu")).unwrap();
+    write_files(&src, &[("gpu/data", &noise(1000))]);
+    let dest = out.join("image");
+    let (mut a, mut sender, receiver) = sender_to(&dest);
+    sender.send_ahead(&mut a, &src).unwrap();
+    sender
+        .send_final_under(&mut a, &src, &["gpu".to_string()])
+        .unwrap();
+    (tmp, src, dest, a, sender, receiver)
+}
+
+/// The parts of a file still being appended to, sent after the final set's first part
+/// (`send_growing`, CRIU's pages file while it dumps): once the file is renamed to the name
+/// sent in parts, the final set claims them (the same inode, offset and length) and sends only
+/// the parts not sent yet; the receiver has every part, bit-exact.
+#[test]
+fn parts_of_a_growing_file_sent_early_are_not_sent_again() {
+    let (_tmp, src, dest, mut a, mut sender, receiver) = after_a_first_part();
+    let part = CHUNK_BYTES as u64;
+    let growing = ("criu/pages-1.img", "criu/data.pages");
+    // Not there yet: nothing sent.
+    let none = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    assert_eq!(none, Totals::default());
+    let data = noise(3 * CHUNK_BYTES + 500);
+    let pages = src.join("criu/pages-1.img");
+    fs::write(&pages, &data[..CHUNK_BYTES + 10]).unwrap();
+    let one = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    assert_eq!((one.files, one.bytes), (1, part), "the one whole part");
+    append_to(&pages, &data[CHUNK_BYTES + 10..]);
+    let most = sender.send_growing(&mut a, &src, growing, part, 1).unwrap();
+    assert_eq!(most.files, 1, "at most one at a time");
+    let rest = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    assert_eq!(rest.files, 1, "the third part");
+    let none = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    assert_eq!(
+        none.files, 0,
+        "every whole part was sent; the last is not whole"
+    );
+    // The dump ends: the split renames the pages file to the data file, sent in parts.
+    fs::rename(&pages, src.join("criu/data.pages")).unwrap();
+    sender.send_in_parts("criu/data.pages", part);
+    fs::write(src.join("criu/core-1.img"), b"core").unwrap();
+    let report = finish(sender, &mut a, &src, receiver);
+    assert_eq!(
+        report.sent_bytes,
+        500 + 4,
+        "the last part and the core only"
+    );
+    assert_eq!(report.totals.files, 1 + 4 + 1, "every part counted once");
+    for (k, want) in data.chunks(CHUNK_BYTES).enumerate() {
+        let got = fs::read(dest.join(format!("criu/data.pages.{k}"))).unwrap();
+        assert!(got == want, "part {k} differs");
+    }
+    assert!(!dest.join("criu/pages-1.img").exists());
+}
+
+/// Parts sent early that the final set does not claim (the file was not renamed to the name
+/// sent; another file is under that name, whose parts differ; the file was written again from
+/// its start, `forget_growing`) are removed at the receiver: it holds the final set exactly,
+/// and the totals agree.
+#[test]
+fn parts_sent_early_that_the_final_set_does_not_claim_are_removed() {
+    for case in ["not renamed", "another file", "written again"] {
+        let (_tmp, src, dest, mut a, mut sender, receiver) = after_a_first_part();
+        let part = CHUNK_BYTES as u64;
+        let pages = src.join("criu/pages-1.img");
+        fs::write(&pages, noise(2 * CHUNK_BYTES)).unwrap();
+        let growing = ("criu/pages-1.img", "criu/data.pages");
+        let early = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+        assert_eq!(early.files, 2, "{case}");
+        if case == "another file" {
+            let other: Vec<u8> = noise(2 * CHUNK_BYTES).iter().map(|b| !b).collect();
+            fs::write(src.join("criu/data.pages"), other).unwrap();
+            sender.send_in_parts("criu/data.pages", part);
+        }
+        if case == "written again" {
+            // The same inode, its bytes written again: nothing sent before may be claimed.
+            sender.forget_growing();
+            let again: Vec<u8> = noise(2 * CHUNK_BYTES).iter().map(|b| b ^ 0x55).collect();
+            fs::OpenOptions::new()
+                .write(true)
+                .open(&pages)
+                .unwrap()
+                .write_all_at(&again, 0)
+                .unwrap();
+            let none = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+            assert_eq!(none.files, 0, "nothing more once forgotten");
+            fs::rename(&pages, src.join("criu/data.pages")).unwrap();
+            sender.send_in_parts("criu/data.pages", part);
+        }
+        let report = finish(sender, &mut a, &src, receiver);
+        // gpu/data, the pages file where it was not renamed, and the parts of data.pages.
+        let files = match case {
+            "not renamed" => 2,
+            "another file" => 4,
+            _ => 3,
+        };
+        assert_eq!(report.totals.files, files, "{case}");
+        if case != "not renamed" {
+            let want = fs::read(src.join("criu/data.pages")).unwrap();
+            let mut got = fs::read(dest.join("criu/data.pages.0")).unwrap();
+            got.extend(fs::read(dest.join("criu/data.pages.1")).unwrap());
+            assert!(
+                got == want,
+                "{case}: the final set's parts, not the early ones"
+            );
+        } else {
+            assert!(!dest.join("criu/data.pages.0").exists(), "{case}");
+            assert!(!dest.join("criu/data.pages.1").exists(), "{case}");
+            assert_eq!(snapshot(&dest), snapshot(&src), "{case}");
+        }
+    }
+}
+
+/// `send_growing` before the final set's first part is refused; the receiver is told.
+#[test]
+fn parts_of_a_growing_file_need_the_first_part_before_them() {
+    let (_tmp, src, out) = dirs();
+    write_files(&src, &[("pages-1.img", &noise(CHUNK_BYTES))]);
+    let dest = out.join("image");
+    let (mut a, mut sender, receiver) = sender_to(&dest);
+    sender.send_ahead(&mut a, &src).unwrap();
+    let e = sender
+        .send_growing(&mut a, &src, ("pages-1.img", "data"), CHUNK_BYTES as u64, 8)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("first part"), "{e}");
+    assert!(receiver.join().unwrap().is_err());
+    assert!(!dest.exists());
 }

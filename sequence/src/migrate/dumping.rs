@@ -1,0 +1,206 @@
+//! While CRIU dumps a migrated job: the parts of its pages file already written go to the
+//! destination as parts of the final set, not after the dump (part of [`super`]).
+//!
+//! CRIU writes a process's pages file front to back and never rewrites it (a dump run again
+//! writes it again: [`super::SendAhead`] then forgets what was sent); once the dump is over,
+//! possum's split renames that file to the process's data file, which the final set sends in
+//! parts (`POSSUM_MIGRATE_PART_MIB`). So a part of the pages file already written whole is a
+//! part of the final set already: [`DirSender::send_growing`] sends it under that name, and the
+//! final set claims it by the file's inode, offset and length (one it does not claim, because
+//! the guess of the file or of its name was wrong, is removed at the destination: a wrong guess
+//! costs bytes, never a wrong image).
+//!
+//! Which pages file is the process's: CRIU numbers them as it opens them, and before the
+//! process's memory it may dump the contents of its memfd files (each a pages file of its own);
+//! the shared memory of the tree comes after. The process's pagemap (`pagemap-PID.img`) is made
+//! just before its pages file: the newest pages file once that pagemap is there is the one.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use possum_criu::hostmem::{data_name, namespace_pid};
+
+use crate::wire::{DirSender, Totals, WireError};
+
+/// Parts sent at once: the end of the dump waits for at most these.
+const MOST_AT_ONCE: usize = 2;
+
+/// How often the pages file is looked at while nothing new of it is whole.
+const POLL: Duration = Duration::from_millis(2);
+
+/// The pages file CRIU writes for the job's one process, followed into the final set as the
+/// data file the split makes of it.
+#[derive(Debug, Clone)]
+pub(super) struct Follow {
+    /// The data file's path in the image (`criu/possum-hostmem-PID.pages`).
+    name: String,
+    /// The size of the parts the final set sends it in.
+    part_bytes: u64,
+    /// The process's pagemap (`pagemap-PID.img`), made just before its pages file.
+    pagemap: String,
+}
+
+impl Follow {
+    /// For a job (`pid`) of one process, whose memory the split takes out of CRIU's images:
+    /// the data file it will be (named by the process's number in its own PID namespace, as
+    /// CRIU's process tree names it). None for a tree of several processes: which pages file
+    /// is whose is not known before CRIU names them.
+    pub(super) fn job(pid: i32, part_bytes: u64) -> Option<Follow> {
+        if part_bytes == 0 || crate::tree::with_descendants(pid).len() != 1 {
+            return None;
+        }
+        let ns = namespace_pid(pid)?;
+        Some(Follow {
+            name: format!("criu/{}", data_name(ns)),
+            part_bytes,
+            pagemap: format!("pagemap-{ns}.img"),
+        })
+    }
+}
+
+/// The pages files in `criu` (`pages-N.img`), by number.
+fn pages_files(criu: &Path) -> Vec<(u32, String)> {
+    let Ok(dir) = fs::read_dir(criu) else {
+        return Vec::new();
+    };
+    let mut v: Vec<(u32, String)> = dir
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().into_string().ok()?;
+            let n: u32 = name
+                .strip_prefix("pages-")?
+                .strip_suffix(".img")?
+                .parse()
+                .ok()?;
+            Some((n, name))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The process's pages file in `criu`, once its pagemap (`follow`) is there: the newest.
+fn process_pages_file(criu: &Path, follow: &Follow) -> Option<String> {
+    if !criu.join(&follow.pagemap).exists() {
+        return None;
+    }
+    pages_files(criu).pop().map(|(_, name)| name)
+}
+
+/// What [`send_while_dumping`] did.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Dumped {
+    /// The parts sent.
+    pub(super) sent: Totals,
+    /// Times the directory was looked at.
+    pub(super) looks: u32,
+    /// The pages file taken for the process's.
+    pub(super) chosen: Option<String>,
+    /// Where nothing was sent: the pages files at the end, with their lengths.
+    pub(super) seen: Vec<(String, u64)>,
+}
+
+impl Dumped {
+    /// What was seen, for a note where nothing was sent.
+    pub(super) fn seen(&self) -> String {
+        let files: Vec<String> = (self.seen.iter())
+            .map(|(f, len)| format!("{f} at {len} bytes"))
+            .collect();
+        let chosen = self.chosen.as_deref().unwrap_or("none chosen");
+        format!(
+            "{} looks; the process's: {chosen}; at the end: {}",
+            self.looks,
+            match files.is_empty() {
+                true => "no pages file".to_string(),
+                false => files.join(", "),
+            }
+        )
+    }
+}
+
+/// Sends the whole parts of the pages file `follow` names under `dir/criu` as CRIU writes it,
+/// until `over` (the dump is over, or failed). Once `again` (CRIU dumps again into the same
+/// directory), nothing more is sent and what was sent is left for the final set to remove.
+pub(super) fn send_while_dumping<S: Read + Write + ?Sized>(
+    sender: &mut DirSender,
+    mut stream: &mut S,
+    dir: &Path,
+    follow: &Follow,
+    (over, again): (&AtomicBool, &AtomicBool),
+) -> Result<Dumped, WireError> {
+    let mut d = Dumped::default();
+    let criu = dir.join("criu");
+    let mut chosen = None;
+    while !over.load(Ordering::Acquire) {
+        if again.load(Ordering::Acquire) {
+            sender.forget_growing();
+            std::thread::sleep(POLL);
+            continue;
+        }
+        d.looks += 1;
+        if chosen.is_none() {
+            chosen = process_pages_file(&criu, follow);
+        }
+        let t = match &chosen {
+            Some(file) => sender.send_growing(
+                &mut stream,
+                dir,
+                (&format!("criu/{file}"), &follow.name),
+                follow.part_bytes,
+                MOST_AT_ONCE,
+            )?,
+            None => Totals::default(),
+        };
+        if t.files == 0 {
+            std::thread::sleep(POLL);
+        }
+        d.sent.files += t.files;
+        d.sent.bytes += t.bytes;
+    }
+    d.chosen = chosen;
+    if d.sent.files == 0 {
+        d.seen = (pages_files(&criu).into_iter())
+            .map(|(_, f)| {
+                let len = fs::metadata(criu.join(&f)).map_or(0, |m| m.len());
+                (f, len)
+            })
+            .collect();
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_process_s_pages_file_is_the_newest_once_its_pagemap_is_there() {
+        let d = tempfile::tempdir().unwrap();
+        let follow = Follow {
+            name: "criu/possum-hostmem-7.pages".into(),
+            part_bytes: 1 << 20,
+            pagemap: "pagemap-7.img".into(),
+        };
+        assert_eq!(process_pages_file(d.path(), &follow), None);
+        // A memfd's contents, dumped before the process's memory.
+        for name in ["pages-1.img", "pagemap-shmem-99.img", "pages-x.img"] {
+            fs::write(d.path().join(name), b"").unwrap();
+        }
+        assert_eq!(
+            process_pages_file(d.path(), &follow),
+            None,
+            "no pagemap yet"
+        );
+        fs::write(d.path().join("pagemap-7.img"), b"").unwrap();
+        fs::write(d.path().join("pages-2.img"), b"").unwrap();
+        assert_eq!(
+            process_pages_file(d.path(), &follow).as_deref(),
+            Some("pages-2.img")
+        );
+        fs::write(d.path().join("pages-10.img"), b"").unwrap();
+        assert_eq!(pages_files(d.path()).len(), 3, "by number, not by name");
+        assert_eq!(pages_files(d.path())[2].0, 10);
+    }
+}

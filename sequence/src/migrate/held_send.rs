@@ -1,0 +1,104 @@
+//! The send begun while the job is held (part of [`super`]): the `Cut` and the GPU images, as
+//! the final set's first part, while the driver and CRIU work; then, while CRIU dumps, its pages
+//! file as CRIU writes it ([`super::dumping`]). On a thread of its own; joined once CRIU's dump
+//! is over, the commit waiting for it.
+
+use std::io;
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::dumping::{self, Follow};
+use crate::wire::{DirSender, Paced, Pacer, Totals, WireError, Written};
+
+/// The send begun while the job is held: the connection and its sender back, and what it sent;
+/// or why it failed.
+pub(super) type HeldSend = Result<(TcpStream, DirSender, HeldSent), WireError>;
+
+/// `f` on `stream`, paced by `pacer` if there is one.
+pub(super) fn paced<T>(
+    pacer: Option<&Arc<Pacer>>,
+    stream: &mut TcpStream,
+    f: impl FnOnce(&mut dyn ReadWrite) -> T,
+) -> T {
+    match pacer {
+        Some(pacer) => f(&mut Paced::new(stream, pacer.clone())),
+        None => f(stream),
+    }
+}
+
+/// A stream both ways.
+pub(super) trait ReadWrite: io::Read + io::Write {}
+impl<T: io::Read + io::Write> ReadWrite for T {}
+
+/// What was sent while the job was held and the driver and CRIU worked.
+#[derive(Debug, Clone)]
+pub(super) struct HeldSent {
+    /// The `Cut` and the GPU images.
+    pub(super) gpu: Totals,
+    /// Parts of CRIU's pages file, as CRIU wrote it ([`dumping`]).
+    pub(super) criu: Totals,
+    /// Where it was followed and nothing was sent: what was seen of it.
+    pub(super) unsent: Option<String>,
+    /// From the `Cut` to the end of CRIU's dump (or of the GPU images, if later).
+    pub(super) took: Duration,
+}
+
+/// What the send takes: the image directory being written, its GPU images' directories (under
+/// it), what the cut wrote in them, and the pages file to follow, if any.
+pub(super) struct What {
+    pub(super) dir: PathBuf,
+    pub(super) gpu: Vec<String>,
+    pub(super) written: Written,
+    pub(super) follow: Option<Follow>,
+}
+
+/// Starts the send on `link` (the connection and its sender), paced by `pacer`; `dump` says
+/// when CRIU's dump is over, and when it runs again.
+pub(super) fn spawn(
+    link: (TcpStream, DirSender),
+    what: What,
+    pacer: Option<Arc<Pacer>>,
+    dump: (Arc<AtomicBool>, Arc<AtomicBool>),
+) -> JoinHandle<HeldSend> {
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let What {
+            dir,
+            gpu,
+            written,
+            follow,
+        } = what;
+        let (mut stream, mut sender) = link;
+        sender.told(written);
+        let (gpu, criu) = paced(pacer.as_ref(), &mut stream, |mut s| {
+            let gpu = sender.send_final_under(&mut s, &dir, &gpu)?;
+            let criu = match &follow {
+                Some(f) => Some(dumping::send_while_dumping(
+                    &mut sender,
+                    s,
+                    &dir,
+                    f,
+                    (&dump.0, &dump.1),
+                )?),
+                None => None,
+            };
+            Ok::<_, WireError>((gpu, criu))
+        })?;
+        let took = t.elapsed();
+        let unsent = (criu.as_ref())
+            .filter(|d| d.sent.files == 0)
+            .map(dumping::Dumped::seen);
+        let criu = criu.map(|d| d.sent).unwrap_or_default();
+        let sent = HeldSent {
+            gpu,
+            criu,
+            took,
+            unsent,
+        };
+        Ok((stream, sender, sent))
+    })
+}
