@@ -396,6 +396,75 @@ fn paths_out_of_the_destination_are_refused_and_nothing_is_written() {
     assert_eq!(fs::read(dest.join("a/b/c")).unwrap(), b"fine");
 }
 
+/// A `Remove` the receiver has no reason to take (before the `Cut`; after it, of a path out
+/// of the destination, of a directory, of what was not received, or before its part's chunks)
+/// fails the transfer, names nothing outside and leaves nothing; one of a file received since
+/// the `Cut` takes it out of the directory and of the totals.
+#[test]
+fn a_remove_of_what_is_not_a_file_received_since_the_cut_is_refused() {
+    let (tmp, _src, out) = dirs();
+    let dest = out.join("image");
+    let outside = tmp.path().join("kept");
+    fs::write(&outside, b"not the receiver's").unwrap();
+    fn remove(path: &str) -> Frame<'static> {
+        Frame::Remove { path: path.into() }
+    }
+    type Frames = Box<dyn FnOnce(&mut UnixStream, &mut Session)>;
+    let cases: [(&str, Frames); 5] = [
+        (
+            "before the cut",
+            Box::new(|s, session| {
+                put(s, session, "f", b"x");
+                send(s, session, &remove("f"));
+            }),
+        ),
+        (
+            "out of the destination",
+            Box::new(|s, session| {
+                send(s, session, &Frame::Cut);
+                send(s, session, &remove("../../kept"));
+            }),
+        ),
+        (
+            "a directory",
+            Box::new(|s, session| {
+                send(s, session, &Frame::Cut);
+                put(s, session, "d/f", b"x");
+                send(s, session, &remove("d"));
+            }),
+        ),
+        (
+            "not received",
+            Box::new(|s, session| {
+                send(s, session, &Frame::Cut);
+                send(s, session, &remove("nothing"));
+            }),
+        ),
+        (
+            "before its part's chunks",
+            Box::new(|s, session| {
+                send(s, session, &Frame::Cut);
+                send(s, session, &Frame::File(file_header("f", 1, 0o600)));
+                send(s, session, &remove("f"));
+            }),
+        ),
+    ];
+    for (case, frames) in cases {
+        let e = against(&dest, frames);
+        assert!(matches!(e, WireError::Receive(_)), "{case}: {e:?}");
+        assert!(names(&out).is_empty(), "{case}");
+        assert_eq!(fs::read(&outside).unwrap(), b"not the receiver's", "{case}");
+    }
+    against_ok(&dest, |s, session| {
+        send(s, session, &Frame::Cut);
+        put(s, session, "early", b"sent while written");
+        put(s, session, "kept", b"final");
+        send(s, session, &remove("early"));
+        done(s, session, Totals { files: 1, bytes: 5 });
+    });
+    assert_eq!(names(&dest), ["kept"]);
+}
+
 fn against_ok(dest: &Path, frames: impl FnOnce(&mut UnixStream, &mut Session)) {
     let (mut a, mut b) = pair();
     let d = dest.to_path_buf();
@@ -937,6 +1006,9 @@ fn frames_read_back_as_written() {
             buffer: 1,
             offset: 2,
             data: b"xyz",
+        },
+        Frame::Remove {
+            path: "criu/data.pages.3".into(),
         },
     ];
     let (mut sender, mut receiver) = sessions();
