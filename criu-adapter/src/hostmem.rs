@@ -38,7 +38,7 @@ use crate::images::{
     CORE_MAGIC, MM_MAGIC, PAGE_SIZE, PE_PARENT, PE_PRESENT, PSTREE_MAGIC,
 };
 
-pub use index::{data_name, index_path, HostMemError, Index, Range};
+pub use index::{data_name, index_path, part_bytes_for, HostMemError, Index, Range};
 use index::{io_err, MAX_PARTS};
 pub use work::{default_threads, namespace_pid};
 use work::{on_threads, FILL_CHUNK};

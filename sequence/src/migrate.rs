@@ -706,7 +706,10 @@ fn rest_of_the_image(
     let criu = held.dir().join("criu");
     // (A draft sent ahead that became one goes as the file sent ahead: the wire sees to it.)
     for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {
-        sender.send_in_parts(format!("criu/{name}"), part_bytes);
+        // (No more parts than a reader takes: larger ones for a larger file.)
+        let len = fs::metadata(criu.join(&name)).map_or(0, |m| m.len());
+        let part = possum_criu::hostmem::part_bytes_for(len, part_bytes);
+        sender.send_in_parts(format!("criu/{name}"), part);
     }
     held_bytes
 }

@@ -275,6 +275,14 @@ impl Index {
 /// The most parts a data file may have (a 1 TiB process in 64 MiB parts).
 pub(super) const MAX_PARTS: u64 = 1 << 14;
 
+/// The size of the parts a data file of `len` bytes is sent in, `wanted` where that makes no
+/// more than [`MAX_PARTS`] of them (a reader refuses more), else the least size, in MiB, that
+/// does; never under a page.
+pub fn part_bytes_for(len: u64, wanted: u64) -> u64 {
+    let least = len.div_ceil(MAX_PARTS).next_multiple_of(1 << 20);
+    wanted.max(least).next_multiple_of(PAGE_SIZE)
+}
+
 /// `DIR/possum-hostmem-PID.idx`.
 pub fn index_path(dir: &Path, pid: u32) -> PathBuf {
     dir.join(format!("possum-hostmem-{pid}.idx"))

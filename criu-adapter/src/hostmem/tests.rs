@@ -793,3 +793,19 @@ fn an_index_of_one_file_reads_that_file_sent_in_parts() {
     let e = read_index(dir, 8).unwrap_err().to_string();
     assert!(e.contains("possum-hostmem-8.pages.0"), "{e}");
 }
+
+/// A data file is sent in parts of the size asked, unless that would make more parts than a
+/// reader takes: then in the least whole MiB that makes no more.
+#[test]
+fn parts_are_as_asked_unless_too_many() {
+    use super::index::MAX_PARTS;
+    assert_eq!(part_bytes_for(1 << 30, 64 << 20), 64 << 20);
+    assert_eq!(part_bytes_for(0, 1 << 20), 1 << 20);
+    // 32 GiB in 1 MiB parts would be 32768 of them: 2 MiB parts.
+    let len = 32u64 << 30;
+    let p = part_bytes_for(len, 1 << 20);
+    assert_eq!(p, 2 << 20);
+    assert!(len.div_ceil(p) <= MAX_PARTS);
+    // A size not of whole pages is made so.
+    assert_eq!(part_bytes_for(0, 5000), 8192);
+}
