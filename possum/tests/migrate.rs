@@ -762,6 +762,42 @@ fn alive(pid: i32) -> bool {
         .is_ok_and(|s| !s.contains(") Z ") && !s.contains(") X "))
 }
 
+/// `possum migrate` killed once the job was killed and its image sent, before the destination
+/// was told to run it: the checkpoint's guard restores the job at the source from its image,
+/// and it goes on bit-exact.
+#[test]
+fn possum_migrate_killed_before_the_go_has_its_guard_restore_the_job_at_the_source() {
+    set_up!(let (dir, want, mut job) = setup("migrate_killed_before_go"));
+    let Some(libdir) = plugin_dir(dir) else {
+        panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
+    };
+    let (released, told) = std::sync::mpsc::channel();
+    let (killed, hold) = std::sync::mpsc::channel::<()>();
+    // The image and `Released` came: the source waits for the destination's outcome, which
+    // comes only once the source is gone.
+    let (addr, destination) = fake_destination(dir, move |_, _| {
+        released.send(()).unwrap();
+        let _ = hold.recv_timeout(WAIT);
+    });
+    let mut migrate = migrate_cmd(dir, &job, &addr, "key")
+        .env("POSSUM_CRIU_PLUGIN_DIR", &libdir)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    told.recv_timeout(WAIT).expect("the source's Released");
+    assert!(!alive(job.pid), "the job was killed before the hand-off");
+    migrate.kill().unwrap();
+    migrate.wait().unwrap();
+    killed.send(()).unwrap();
+    destination.join().unwrap();
+    let t = Instant::now();
+    while !alive(job.pid) && t.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(alive(job.pid), "the guard did not restore the job");
+    goes_on_like(&mut job, dir, &want, "restored by the guard");
+}
+
 /// A destination that holds the job restored, takes the source's go, and goes silent (as one
 /// that died after letting the job run): the source does not restore its own (the job may run
 /// there), keeps its image and says so; restored from it by the operator, the job goes on

@@ -21,7 +21,7 @@ use crate::figures::{
     longest_waits, timed, CheckpointFigures, HostmemFigures, PrecopyRound, WAITED_ON_TOP,
 };
 use crate::gpu_runtimes::{GpuRuntime, GpuRuntimes};
-use crate::guard::{Guard, GuardPlan, Step};
+use crate::guard::{Guard, GuardPlan, HandOff, Step};
 use crate::held::HeldHandles;
 use crate::image::{
     child_gpu_dir, dir_bytes, gpu_memory_bytes, manifest_text, occupied, smi, sync_tree,
@@ -245,6 +245,9 @@ impl<'a> HeldCheckpoint<'a> {
     /// Kills the job, held as it is, and writes nothing into the image: its figures are
     /// written with [`KilledCheckpoint::report`] (a migration sends the image meanwhile).
     pub fn kill_only(mut self) -> Result<KilledCheckpoint<'a>, CheckpointError> {
+        // From here until the destination runs the job, a `possum` that ends has the guard
+        // restore it here from its image.
+        self.run.guard.step(Step::Migrating);
         if let Err(e) = self.run.kill() {
             let dir = self.run.params().dir.clone();
             self.run.guard.undo();
@@ -254,30 +257,47 @@ impl<'a> HeldCheckpoint<'a> {
             });
         }
         Ok(KilledCheckpoint {
-            run: self.run,
+            run: Some(self.run),
             t_all: self.t_all,
         })
     }
 }
 
-/// A [`HeldCheckpoint`] whose job was killed, its report not written yet.
+/// A [`HeldCheckpoint`] whose job was killed, its report not written yet. Dropped unreported,
+/// it tells the guard that nothing is left to do (whoever dropped it sees to the job).
 pub struct KilledCheckpoint<'a> {
-    run: Run<'a>,
+    run: Option<Run<'a>>,
     t_all: Instant,
 }
 
 impl std::fmt::Debug for KilledCheckpoint<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "KilledCheckpoint({})", self.run.params().dir.display())
+        let dir = self.run.as_ref().map(|r| r.params().dir.display());
+        write!(f, "KilledCheckpoint({dir:?})")
+    }
+}
+
+impl Drop for KilledCheckpoint<'_> {
+    fn drop(&mut self) {
+        if let Some(run) = &mut self.run {
+            run.guard.step(Step::Done);
+        }
     }
 }
 
 impl KilledCheckpoint<'_> {
     /// The image made durable and its figures written into its `possum.json`: the report.
     pub fn report(self) -> Result<CheckpointReport, CheckpointError> {
-        let mut report = self.run.report(self.t_all)?;
+        self.report_handing_off().map(|(r, _)| r)
+    }
+
+    /// [`KilledCheckpoint::report`], and the guard, which restores the job here from its image
+    /// should this process end before [`HandOff::handing_off`] (or the [`HandOff`] is dropped).
+    pub fn report_handing_off(mut self) -> Result<(CheckpointReport, HandOff), CheckpointError> {
+        let run = self.run.take().expect("reported once");
+        let (mut report, guard) = run.report_guarded(self.t_all, true)?;
         report.leave_running = false;
-        Ok(report)
+        Ok((report, HandOff::new(guard)))
     }
 }
 
@@ -1364,12 +1384,30 @@ impl<'a> Run<'a> {
     /// Report: the guard let go, the image made durable (nothing was fsynced while the job was
     /// held), the figures accounted and written into the image too (best effort: the image is
     /// already complete).
-    fn report(mut self, t_all: Instant) -> Result<CheckpointReport, ReportError> {
+    fn report(self, t_all: Instant) -> Result<CheckpointReport, ReportError> {
+        self.report_guarded(t_all, false).map(|(r, _)| r)
+    }
+
+    /// [`Run::report`], the guard kept watching (`keep`: a migration's, until the destination
+    /// runs the job) and handed back; told it is done if the report fails.
+    fn report_guarded(
+        mut self,
+        t_all: Instant,
+        keep: bool,
+    ) -> Result<(CheckpointReport, Option<Guard>), ReportError> {
         let p = self.params();
         let hold = self.hold_in_words();
         let parked = self.parked();
-        self.guard.done();
-        timed(&mut self.figures.sync, || sync_tree(&p.dir)).map_err(ReportError::Sync)?;
+        let mut guard = Some(self.guard);
+        if let Some(g) = guard.take_if(|_| !keep) {
+            g.done();
+        }
+        if let Err(e) = timed(&mut self.figures.sync, || sync_tree(&p.dir)) {
+            if let Some(g) = guard {
+                g.done();
+            }
+            return Err(ReportError::Sync(e));
+        }
         let kept = !self.kept.is_empty();
         self.figures.total = t_all.elapsed();
         Self::account_job_waited(
@@ -1414,7 +1452,7 @@ impl<'a> Run<'a> {
                 let _ = write_marker(&p.dir, &text);
             }
         }
-        Ok(report)
+        Ok((report, guard))
     }
 
     /// How the job was held, in words.

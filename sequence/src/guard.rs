@@ -39,12 +39,17 @@ pub enum Step {
     Unlocked,
     /// The job runs again (its buffers come back from the named image).
     Resumed,
+    /// A migration is about to kill the held job, its image complete: should `possum` end
+    /// before [`Step::HandedOff`] or [`Step::Done`], the job is restored here from its image.
+    Migrating,
+    /// A migration is about to tell the destination to run the job: the job is its now.
+    HandedOff,
     /// Nothing to undo.
     Done,
 }
 
 impl Step {
-    const ALL: [Step; 10] = [
+    const ALL: [Step; 12] = [
         Step::Cutting,
         Step::Releasing,
         Step::Locking,
@@ -54,6 +59,8 @@ impl Step {
         Step::Committed,
         Step::Unlocked,
         Step::Resumed,
+        Step::Migrating,
+        Step::HandedOff,
         Step::Done,
     ];
 
@@ -68,6 +75,8 @@ impl Step {
             Step::Committed => "committed",
             Step::Unlocked => "unlocked",
             Step::Resumed => "resumed",
+            Step::Migrating => "migrating",
+            Step::HandedOff => "handed-off",
             Step::Done => "done",
         }
     }
@@ -139,6 +148,36 @@ impl Guard {
     }
 }
 
+/// A migration's job, killed and reported, until the destination is told to run it: should
+/// this process end meanwhile, its guard restores the job here from its image. Dropped, it
+/// tells the guard that nothing is left to do.
+#[derive(Debug)]
+pub struct HandOff {
+    guard: Option<Guard>,
+}
+
+impl HandOff {
+    /// Watches the hand-off with `guard` (none: nothing watches).
+    pub(crate) fn new(guard: Option<Guard>) -> HandOff {
+        HandOff { guard }
+    }
+
+    /// The destination is about to be told to run the job: it is the destination's from now.
+    pub fn handing_off(&mut self) {
+        if let Some(g) = &mut self.guard {
+            g.step(Step::HandedOff);
+        }
+    }
+}
+
+impl Drop for HandOff {
+    fn drop(&mut self) {
+        if let Some(g) = self.guard.take() {
+            g.done();
+        }
+    }
+}
+
 /// What a guard undoes: the checkpoint of `pid` (the arguments of the hidden `possum
 /// checkpoint-guard`, which [`Guard::start`] passes on its command line).
 #[derive(Debug, Clone)]
@@ -164,9 +203,19 @@ pub struct GuardPlan {
     pub gpu_bytes: u64,
 }
 
+/// How the guard restores a migration's job here from its image (told what to say):
+/// `possum_sequence::migrate::restore_after_migration`.
+pub type RestoreHere<'a> = &'a dyn Fn(&GuardPlan, &dyn Fn(&str));
+
 /// The guard: reads the steps done from `steps` (the checkpoint's pipe); at end of input without
-/// `done`, undoes them, telling `tell` what it does. Whether there was nothing to undo.
-pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
+/// `done`, undoes them, telling `tell` what it does; a migration's job killed and not yet the
+/// destination's is restored here (`restore_here`). Whether there was nothing to undo.
+pub fn guard(
+    a: &GuardPlan,
+    steps: impl BufRead,
+    tell: &dyn Fn(&str),
+    restore_here: RestoreHere<'_>,
+) -> bool {
     // The temporary directory is in use while this guard may undo from it: a later checkpoint
     // into the same DIR leaves it alone (`temps::sweep`). None if it is not there (yet).
     let _in_use = TempLock::take(&a.tmp).ok();
@@ -183,6 +232,11 @@ pub fn guard(a: &GuardPlan, steps: impl BufRead, tell: &dyn Fn(&str)) -> bool {
     // Killed between the rename and telling the guard: the image is named all the same.
     let committed =
         has(Step::Committed) || (!a.tmp.exists() && a.final_dir.join(MANIFEST).is_file());
+    // A migration's job killed, not yet the destination's: it comes back here from its image.
+    if has(Step::Migrating) && !has(Step::HandedOff) && committed && !alive(a.pid) {
+        restore_here(a, tell);
+        return false;
+    }
     // Every process whose buffers possum may have released, with its images' directory.
     let released: Vec<(i32, String)> = std::iter::once((a.pid, "gpu".to_string()))
         .chain(a.possum_children.iter().map(|&c| (c, child_gpu_dir(c))))
@@ -462,7 +516,7 @@ mod tests {
             seen: &seen,
             text: io::Cursor::new(b"done\n"),
         };
-        assert!(guard(&plan, io::BufReader::new(steps), &|_| ()));
+        assert!(guard(&plan, io::BufReader::new(steps), &|_| (), &|_, _| ()));
         assert_eq!(
             seen.get(),
             Some(true),

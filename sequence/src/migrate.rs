@@ -84,6 +84,7 @@ use error::restore_socket_dir;
 pub use error::{JobAt, MigrateError};
 use held_send::{paced, HeldSend, HeldSent};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
+pub use source::restore_after_migration;
 use source::{let_go, send_killing, AtSource, Fallback};
 
 /// How long each wait of a migration may take.
@@ -632,13 +633,13 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     // Post-copy: what was left goes now, on the other streams, while the hand-off goes on.
     let later = later.map(|l| post_copy::start_sending(l, &local, &gpu_dirs, sent_counter));
 
-    let report = source.report(&here, (&mut stream, &mut session), &mut times, obs)?;
+    let (report, guard) = source.report(&here, (&mut stream, &mut session), &mut times, obs)?;
     (timings.kill, timings.kill_after_send) = (times.kill, times.kill_after_send);
 
     // After the kill, a failure restores the job here.
     obs.migrating(MigrateStep::Restoring);
     let t = Instant::now();
-    let outcome = hand_off(&mut stream, &mut session, p, obs)?;
+    let outcome = hand_off(&mut stream, &mut session, p, guard, obs)?;
     timings.remote_restore = t.elapsed();
     let remote_pid = running_at_destination(outcome, &here, obs)?;
     timings.downtime = report.figures.hold + committed_at.elapsed();
@@ -871,11 +872,13 @@ fn checkpoint_sending_ahead<'p>(
 /// The hand-off: `Released`, the destination's `Outcome`, and once it holds the job restored,
 /// the go and its last `Outcome`. A destination silent after the go leaves the job's place
 /// unknown: that is the error here (the job is not restored at the source); any other failure
-/// is the returned outcome's.
+/// is the returned outcome's. Until the go, `guard` restores the job here should this process
+/// end; it lets go on return.
 fn hand_off(
     stream: &mut TcpStream,
     session: &mut wire::Session,
     p: &MigrateParams,
+    mut guard: crate::guard::HandOff,
     obs: &mut dyn Observer,
 ) -> Result<Result<Outcome, HandoffError>, MigrateError> {
     let outcome = send_released(stream, session)
@@ -893,6 +896,8 @@ fn hand_off(
     if !matches!(outcome, Ok(Outcome::Restored { .. })) {
         return Ok(outcome);
     }
+    // The go: the job is the destination's from now (not restored here by the guard).
+    guard.handing_off();
     if let Err(e) = send_released(stream, session) {
         // Not sent: the destination kills its copy without the go.
         return Ok(Err(HandoffError::from(e)));

@@ -426,6 +426,7 @@ pub fn guard(a: &GuardArgs) -> Result<bool> {
         &plan,
         std::io::stdin().lock(),
         &tell,
+        &possum_sequence::migrate::restore_after_migration,
     ))
 }
 

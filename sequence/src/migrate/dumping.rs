@@ -98,7 +98,8 @@ pub(super) struct Dumped {
     pub(super) looks: u32,
     /// The pages file taken for the process's.
     pub(super) chosen: Option<String>,
-    /// Where nothing was sent: the pages files at the end, with their lengths.
+    /// Where nothing was sent though a pages file holds a whole part by the end: the pages
+    /// files then, with their lengths (none otherwise).
     pub(super) seen: Vec<(String, u64)>,
 }
 
@@ -167,6 +168,10 @@ pub(super) fn send_while_dumping<S: Read + Write + ?Sized>(
                 (f, len)
             })
             .collect();
+        // Nothing to say where no pages file could have had a whole part.
+        if d.seen.iter().all(|(_, len)| *len < follow.part_bytes) {
+            d.seen.clear();
+        }
     }
     Ok(d)
 }

@@ -90,7 +90,7 @@ pub(super) fn spawn(
         })?;
         let took = t.elapsed();
         let unsent = (criu.as_ref())
-            .filter(|d| d.sent.files == 0)
+            .filter(|d| d.sent.files == 0 && !d.seen.is_empty())
             .map(dumping::Dumped::seen);
         let criu = criu.map(|d| d.sent).unwrap_or_default();
         let sent = HeldSent {

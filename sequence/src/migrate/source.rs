@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::error::{JobAt, MigrateError};
 use crate::checkpoint::{CheckpointParams, CheckpointReport};
+use crate::guard::{GuardPlan, HandOff};
 use crate::restore::{restore, RestoreParams};
 use crate::wire::{self, send_abort, WireError};
 use crate::Observer;
@@ -59,14 +60,15 @@ pub(super) enum AtSource<'p> {
 
 impl AtSource<'_> {
     /// The checkpoint's report once the destination has the image: the job killed now if it
-    /// is still held, its report written either way (`times` get the kill's).
+    /// is still held, its report written either way (`times` get the kill's); and its guard,
+    /// which restores it here should this process end before the destination runs it.
     pub(super) fn report(
         self,
         here: &Fallback<'_>,
         (stream, session): (&mut TcpStream, &mut wire::Session),
         times: &mut KillTimes,
         obs: &mut dyn Observer,
-    ) -> Result<CheckpointReport, MigrateError> {
+    ) -> Result<(CheckpointReport, HandOff), MigrateError> {
         let t = Instant::now();
         let killed = match self {
             AtSource::Held(held) => Killed::now(*held, here),
@@ -110,16 +112,16 @@ impl<'p> Killed<'p> {
     }
 
     /// The kill's report once the destination has the image (the image made durable and its
-    /// figures written now). A failed kill aborts the transfer; the job runs on here, or is
-    /// restored here.
+    /// figures written now), and the job's guard until the hand-off. A failed kill aborts the
+    /// transfer; the job runs on here, or is restored here.
     pub(super) fn into_report(
         self,
         here: &Fallback<'_>,
         stream: &mut TcpStream,
         session: &mut wire::Session,
         obs: &mut dyn Observer,
-    ) -> Result<CheckpointReport, MigrateError> {
-        match self.killed.and_then(crate::KilledCheckpoint::report) {
+    ) -> Result<(CheckpointReport, HandOff), MigrateError> {
+        match (self.killed).and_then(crate::KilledCheckpoint::report_handing_off) {
             Ok(report) => {
                 if let Some(taken) = self.taken {
                     // Another host restores under them all the same; this one cannot until
@@ -151,7 +153,11 @@ impl<'p> Killed<'p> {
         obs: &mut dyn Observer,
     ) -> MigrateError {
         let job = match self.killed {
-            Ok(_) => here.restore(obs),
+            // (Its guard told first that this process sees to the job.)
+            Ok(killed) => {
+                drop(killed);
+                here.restore(obs)
+            }
             Err(_) => here.unless_alive(obs),
         };
         MigrateError::Send {
@@ -230,5 +236,65 @@ impl Fallback<'_> {
             Ok(_) => JobAt::Source,
             Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
         }
+    }
+}
+
+/// How long a migrated job's PIDs may take to be free for its restore here (a destination on
+/// this host that restored it kills its copy once this end is gone).
+const MIGRATED_PIDS_FREE: Duration = Duration::from_secs(60);
+
+/// The job of a migration whose `possum` ended after the kill and before the destination was
+/// told to run it: restored here from its image once its PIDs are free, its control socket
+/// where the checkpoint found it, as `possum migrate` itself restores it when the destination
+/// does not run it.
+pub fn restore_after_migration(a: &GuardPlan, tell: &dyn Fn(&str)) {
+    let say = |m: &str| {
+        tell(&format!(
+            "the migration of process {} ended before the destination ran it: {m}",
+            a.pid
+        ))
+    };
+    let dir = a.final_dir.display();
+    let pids: Vec<i32> = std::iter::once(a.pid)
+        .chain(a.children.iter().copied())
+        .collect();
+    if let Err(taken) = crate::process::wait_pids_free(&pids, MIGRATED_PIDS_FREE) {
+        say(&format!("not restored from {dir}: {taken}"));
+        return;
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return say(&format!("not restored from {dir}: this executable: {e}")),
+    };
+    let params = RestoreParams {
+        dir: a.final_dir.clone(),
+        socket_dir: Some(a.socket_dir.clone()),
+        socket_dir_from_source: false,
+        device: None,
+        possum_exe: exe,
+        env: crate::config::Environment::read(),
+        hmac_key: None,
+        received_unsynced: false,
+        prestaged: Vec::new(),
+        post_copy: None,
+    };
+    say(&format!("restoring it from {dir}"));
+    match restore(&params, &mut Telling(&say)) {
+        Ok(r) => say(&format!("restored from {dir} as process {}", r.pid)),
+        Err(e) => say(&format!(
+            "not restored from {dir}: {}",
+            possum_cuda::error_chain(&e)
+        )),
+    }
+}
+
+/// An observer that says its notes.
+struct Telling<'a>(&'a dyn Fn(&str));
+
+impl Observer for Telling<'_> {
+    fn copying(&mut self, _: u64, _: &std::path::Path) {}
+    fn copied(&mut self) {}
+    fn note(&mut self, what: &str) {
+        (self.0)(what);
     }
 }
