@@ -477,7 +477,10 @@ impl Observer for SendAhead<'_> {
             }
         };
         let env = &self.p.checkpoint.env;
-        let follow = (env.stream_criu && env.hostmem_split != crate::config::HostmemSplit::Off)
+        // (Not where the job's memory was drafted ahead: the split makes its data file of the
+        // draft, not of CRIU's pages file.)
+        let split = env.hostmem_split != crate::config::HostmemSplit::Off && !env.hostmem_ahead;
+        let follow = (env.stream_criu && split)
             .then(|| dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes))
             .flatten();
         self.held_send = Some(held_send::spawn(
