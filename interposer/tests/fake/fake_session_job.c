@@ -63,6 +63,7 @@
  * Without libpossum (the test's reference run) cudaMalloc is the fake runtime's calloc, the
  * callbacks go nowhere and the driver's functions are the fake driver's own: the same results,
  * computed without possum. */
+#define _GNU_SOURCE /* memfd_create */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
