@@ -348,20 +348,8 @@ pub fn split(dir: &Path, opts: &SplitOptions) -> Result<SplitReport, HostMemErro
 
 /// The largest `N` of the `pages-N.img` in `dir`.
 fn max_pages_id(dir: &Path) -> Result<u32, HostMemError> {
-    let mut max = 0;
-    for e in fs::read_dir(dir).map_err(io_err(dir))? {
-        let e = e.map_err(io_err(dir))?;
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        if let Some(id) = name
-            .strip_prefix("pages-")
-            .and_then(|r| r.strip_suffix(".img"))
-            .and_then(|n| n.parse::<u32>().ok())
-        {
-            max = max.max(id);
-        }
-    }
-    Ok(max)
+    let ids = images::pages_ids(dir).map_err(io_err(dir))?;
+    Ok(ids.last().copied().unwrap_or(0))
 }
 
 /// Splits one process: `Ok(Err(why))` when it is left to CRIU.

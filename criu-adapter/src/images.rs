@@ -505,6 +505,21 @@ pub fn image_path(dir: &Path, name: &str, id: u32) -> PathBuf {
     dir.join(format!("{name}-{id}.img"))
 }
 
+/// The numbers `N` of the `pages-N.img` in `dir`, least first.
+pub fn pages_ids(dir: &Path) -> io::Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for e in fs::read_dir(dir)? {
+        let name = e?.file_name();
+        let id = (name.to_str())
+            .and_then(|n| n.strip_prefix("pages-"))
+            .and_then(|r| r.strip_suffix(".img"))
+            .and_then(|n| n.parse::<u32>().ok());
+        ids.extend(id);
+    }
+    ids.sort_unstable();
+    Ok(ids)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

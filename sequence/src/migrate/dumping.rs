@@ -17,11 +17,12 @@
 
 use std::fs;
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use possum_criu::hostmem::{data_name, namespace_pid};
+use possum_criu::images::{image_path, pages_ids};
 
 use crate::wire::{DirSender, Totals, WireError};
 
@@ -39,8 +40,8 @@ pub(super) struct Follow {
     name: String,
     /// The size of the parts the final set sends it in.
     part_bytes: u64,
-    /// The process's pagemap (`pagemap-PID.img`), made just before its pages file.
-    pagemap: String,
+    /// The process's number in its own PID namespace, as CRIU's images name it.
+    ns_pid: u32,
 }
 
 impl Follow {
@@ -56,37 +57,28 @@ impl Follow {
         Some(Follow {
             name: format!("criu/{}", data_name(ns)),
             part_bytes,
-            pagemap: format!("pagemap-{ns}.img"),
+            ns_pid: ns,
         })
     }
 }
 
-/// The pages files in `criu` (`pages-N.img`), by number.
-fn pages_files(criu: &Path) -> Vec<(u32, String)> {
-    let Ok(dir) = fs::read_dir(criu) else {
-        return Vec::new();
-    };
-    let mut v: Vec<(u32, String)> = dir
-        .filter_map(|e| {
-            let name = e.ok()?.file_name().into_string().ok()?;
-            let n: u32 = name
-                .strip_prefix("pages-")?
-                .strip_suffix(".img")?
-                .parse()
-                .ok()?;
-            Some((n, name))
-        })
-        .collect();
-    v.sort();
-    v
+/// The pages files in `criu` (`pages-N.img`), least number first.
+fn pages_files(criu: &Path) -> Vec<String> {
+    let ids = pages_ids(criu).unwrap_or_default();
+    ids.into_iter().map(|n| format!("pages-{n}.img")).collect()
 }
 
-/// The process's pages file in `criu`, once its pagemap (`follow`) is there: the newest.
+/// The process's pagemap file in `criu`: it is made just before the process's pages file.
+fn pagemap(criu: &Path, follow: &Follow) -> PathBuf {
+    image_path(criu, "pagemap", follow.ns_pid)
+}
+
+/// The process's pages file in `criu`, once its pagemap is there: the newest.
 fn process_pages_file(criu: &Path, follow: &Follow) -> Option<String> {
-    if !criu.join(&follow.pagemap).exists() {
+    if !pagemap(criu, follow).exists() {
         return None;
     }
-    pages_files(criu).pop().map(|(_, name)| name)
+    pages_files(criu).pop()
 }
 
 /// What [`send_while_dumping`] did.
@@ -133,7 +125,6 @@ pub(super) fn send_while_dumping<S: Read + Write + ?Sized>(
 ) -> Result<Dumped, WireError> {
     let mut d = Dumped::default();
     let criu = dir.join("criu");
-    let mut chosen = None;
     while !over.load(Ordering::Acquire) {
         if again.load(Ordering::Acquire) {
             sender.forget_growing();
@@ -141,10 +132,10 @@ pub(super) fn send_while_dumping<S: Read + Write + ?Sized>(
             continue;
         }
         d.looks += 1;
-        if chosen.is_none() {
-            chosen = process_pages_file(&criu, follow);
+        if d.chosen.is_none() {
+            d.chosen = process_pages_file(&criu, follow);
         }
-        let t = match &chosen {
+        let t = match &d.chosen {
             Some(file) => sender.send_growing(
                 &mut stream,
                 dir,
@@ -160,10 +151,9 @@ pub(super) fn send_while_dumping<S: Read + Write + ?Sized>(
         d.sent.files += t.files;
         d.sent.bytes += t.bytes;
     }
-    d.chosen = chosen;
     if d.sent.files == 0 {
         d.seen = (pages_files(&criu).into_iter())
-            .map(|(_, f)| {
+            .map(|f| {
                 let len = fs::metadata(criu.join(&f)).map_or(0, |m| m.len());
                 (f, len)
             })
@@ -186,7 +176,7 @@ mod tests {
         let follow = Follow {
             name: "criu/possum-hostmem-7.pages".into(),
             part_bytes: 1 << 20,
-            pagemap: "pagemap-7.img".into(),
+            ns_pid: 7,
         };
         assert_eq!(process_pages_file(d.path(), &follow), None);
         // A memfd's contents, dumped before the process's memory.
@@ -205,7 +195,10 @@ mod tests {
             Some("pages-2.img")
         );
         fs::write(d.path().join("pages-10.img"), b"").unwrap();
-        assert_eq!(pages_files(d.path()).len(), 3, "by number, not by name");
-        assert_eq!(pages_files(d.path())[2].0, 10);
+        assert_eq!(
+            pages_files(d.path()),
+            ["pages-1.img", "pages-2.img", "pages-10.img"],
+            "by number, not by name"
+        );
     }
 }

@@ -2,12 +2,14 @@
 //! (or once it is sent), and the restore here should the destination not run it.
 
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::error::{JobAt, MigrateError};
 use crate::checkpoint::{CheckpointParams, CheckpointReport};
+use crate::config::Environment;
 use crate::guard::{GuardPlan, HandOff};
-use crate::restore::{restore, RestoreParams};
+use crate::restore::{restore, RestoreError, RestoreParams, RestoreReport};
 use crate::wire::{self, send_abort, WireError};
 use crate::Observer;
 
@@ -121,7 +123,10 @@ impl<'p> Killed<'p> {
         session: &mut wire::Session,
         obs: &mut dyn Observer,
     ) -> Result<(CheckpointReport, HandOff), MigrateError> {
-        match (self.killed).and_then(crate::KilledCheckpoint::report_handing_off) {
+        match self
+            .killed
+            .and_then(crate::KilledCheckpoint::report_handing_off)
+        {
             Ok(report) => {
                 if let Some(taken) = self.taken {
                     // Another host restores under them all the same; this one cannot until
@@ -220,23 +225,36 @@ impl Fallback<'_> {
         ));
         // Still taken at the deadline: the restore says by what.
         let _ = crate::process::wait_pids_free(self.pids, self.deadline);
-        let params = RestoreParams {
-            dir: c.dir.clone(),
-            socket_dir: Some(c.sockets.clone()),
-            socket_dir_from_source: false,
-            device: None,
-            possum_exe: c.possum_exe.clone(),
-            env: c.env.clone(),
-            hmac_key: None,
-            received_unsynced: false,
-            prestaged: Vec::new(),
-            post_copy: None,
-        };
-        match restore(&params, obs) {
+        let here = (c.dir.clone(), c.sockets.clone());
+        match restore_at_source(here, c.possum_exe.clone(), c.env.clone(), obs) {
             Ok(_) => JobAt::Source,
             Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
         }
     }
+}
+
+/// Restores the job at the source from its image `dir`, its control socket in `sockets` (the
+/// directory its checkpoint used: a restore possum does not refuse for a socket directory that
+/// is not its own by default).
+fn restore_at_source(
+    (dir, sockets): (PathBuf, PathBuf),
+    possum_exe: PathBuf,
+    env: Environment,
+    obs: &mut dyn Observer,
+) -> Result<RestoreReport, RestoreError> {
+    let params = RestoreParams {
+        dir,
+        socket_dir: Some(sockets),
+        socket_dir_from_source: false,
+        device: None,
+        possum_exe,
+        env,
+        hmac_key: None,
+        received_unsynced: false,
+        prestaged: Vec::new(),
+        post_copy: None,
+    };
+    restore(&params, obs)
 }
 
 /// How long a migrated job's PIDs may take to be free for its restore here (a destination on
@@ -266,20 +284,9 @@ pub fn restore_after_migration(a: &GuardPlan, tell: &dyn Fn(&str)) {
         Ok(e) => e,
         Err(e) => return say(&format!("not restored from {dir}: this executable: {e}")),
     };
-    let params = RestoreParams {
-        dir: a.final_dir.clone(),
-        socket_dir: Some(a.socket_dir.clone()),
-        socket_dir_from_source: false,
-        device: None,
-        possum_exe: exe,
-        env: crate::config::Environment::read(),
-        hmac_key: None,
-        received_unsynced: false,
-        prestaged: Vec::new(),
-        post_copy: None,
-    };
     say(&format!("restoring it from {dir}"));
-    match restore(&params, &mut Telling(&say)) {
+    let here = (a.final_dir.clone(), a.socket_dir.clone());
+    match restore_at_source(here, exe, Environment::read(), &mut Telling(&say)) {
         Ok(r) => say(&format!("restored from {dir} as process {}", r.pid)),
         Err(e) => say(&format!(
             "not restored from {dir}: {}",

@@ -44,15 +44,14 @@ pub struct SendReport {
 pub(super) enum Entry {
     Dir(DirHeader),
     File(FileHeader),
-    /// The header's `size` bytes of the file `of` (`whole` bytes long) from `at`, sent as the
-    /// file the header names ([`DirSender::send_in_parts`]); `growing`: `of` is still being
-    /// appended to, and only its bytes sent must be there ([`DirSender::send_growing`]).
+    /// The header's `size` bytes of the file `of` (`whole` bytes long; none: it is still
+    /// being appended to, and only the bytes sent must be there, [`DirSender::send_growing`])
+    /// from `at`, sent as the file the header names ([`DirSender::send_in_parts`]).
     Slice {
         header: FileHeader,
         of: String,
         at: u64,
-        whole: u64,
-        growing: bool,
+        whole: Option<u64>,
     },
 }
 
@@ -78,8 +77,7 @@ fn sliced(entries: Vec<Entry>, in_parts: &[(String, u64)]) -> Vec<Entry> {
                         },
                         of: h.path.clone(),
                         at: k * part,
-                        whole: h.size,
-                        growing: false,
+                        whole: Some(h.size),
                     });
                 }
             }
@@ -248,6 +246,9 @@ struct FirstPart {
     totals: Totals,
     /// The parts of files still being written sent since ([`DirSender::send_growing`]).
     early: Vec<EarlyPart>,
+    /// Their file was written again since ([`DirSender::forget_growing`]): none is claimed,
+    /// and none is sent any more.
+    early_stale: bool,
 }
 
 /// A part of a file still being written, sent after the final set's first part as the file
@@ -259,8 +260,6 @@ struct EarlyPart {
     inode: (u64, u64),
     at: u64,
     size: u64,
-    /// Its file was written again since ([`DirSender::forget_growing`]): never claimed.
-    stale: bool,
 }
 
 impl DirSender {
@@ -424,6 +423,7 @@ impl DirSender {
                 files,
                 totals: sent.totals,
                 early: Vec::new(),
+                early_stale: false,
             });
             Ok(Totals {
                 files: sent.totals.files,
@@ -470,6 +470,9 @@ impl DirSender {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Totals::default()),
                 Err(source) => return Err(SendError::List { path, source }),
             };
+            if first.early_stale {
+                return Ok(Totals::default());
+            }
             let inode = (meta.dev(), meta.ino());
             let mut entries = Vec::new();
             let mut parts = Vec::new();
@@ -482,13 +485,9 @@ impl DirSender {
                     inode,
                     at: k * part_bytes,
                     size: part_bytes,
-                    stale: false,
                 };
                 if first.early.iter().any(|e| e.path == part.path) {
                     continue;
-                }
-                if first.early.iter().any(|e| e.stale) {
-                    break;
                 }
                 entries.push(Entry::Slice {
                     header: FileHeader {
@@ -500,8 +499,7 @@ impl DirSender {
                     },
                     of: file.to_string(),
                     at: part.at,
-                    whole: meta.len(),
-                    growing: true,
+                    whole: None,
                 });
                 parts.push(part);
             }
@@ -522,9 +520,7 @@ impl DirSender {
     /// again from its start): the final set claims none of them, and the receiver removes them.
     pub fn forget_growing(&mut self) {
         if let Some(first) = &mut self.first_part {
-            for p in &mut first.early {
-                p.stale = true;
-            }
+            first.early_stale = true;
         }
     }
 
@@ -544,15 +540,15 @@ impl DirSender {
         let mut claimed = HashSet::new();
         let mut rest = Vec::with_capacity(entries.len());
         for e in entries {
-            if let Entry::Slice { header, of, at, .. } = &e {
+            // (Stale parts are claimed by none.)
+            if let (false, Entry::Slice { header, of, at, .. }) = (first.early_stale, &e) {
                 let inode = *inodes.entry(of.clone()).or_insert_with(|| {
                     fs::symlink_metadata(dir.join(of))
                         .ok()
                         .map(|m| (m.dev(), m.ino()))
                 });
                 let sent = first.early.iter().position(|p| {
-                    !p.stale
-                        && p.path == header.path
+                    p.path == header.path
                         && Some(p.inode) == inode
                         && p.at == *at
                         && p.size == header.size
@@ -851,11 +847,14 @@ impl DirSender {
                 path: f.path.clone(),
                 source,
             };
-            if !ahead && !f.growing && f.file.metadata().map_err(read)?.len() != f.whole {
-                return Err(SendError::Changed {
-                    path: f.path,
-                    listed: f.size,
-                });
+            // (Not a file still being appended to: only its bytes sent must be there.)
+            if let (false, Some(whole)) = (ahead, f.whole) {
+                if f.file.metadata().map_err(read)?.len() != whole {
+                    return Err(SendError::Changed {
+                        path: f.path,
+                        listed: f.size,
+                    });
+                }
             }
             if let (Sending::Ahead { known, .. }, Some(pieces)) = (&mut mode, f.pieces) {
                 // Those of earlier rounds first: a piece sent again replaces its earlier self.
@@ -910,11 +909,9 @@ struct Outgoing {
     inode: (u64, u64),
     size: u64,
     /// Where its bytes begin in `file` (a part of a file sent in parts; else 0), and `file`'s
-    /// length as listed.
+    /// length as listed (none: it is still being appended to).
     at: u64,
-    whole: u64,
-    /// `file` is still being appended to: its length may have grown since listed.
-    growing: bool,
+    whole: Option<u64>,
     /// Its pieces to send, in order.
     sends: Vec<ToSend>,
     /// Their bytes.
@@ -969,22 +966,21 @@ fn headers<S: Write>(
     let ahead = matches!(mode, Sending::Ahead { .. });
     let mut files = Vec::new();
     for entry in entries {
-        let (mut h, of, at, whole, growing) = match entry {
+        let (mut h, of, at, whole) = match entry {
             Entry::Dir(h) => {
                 write_frame(stream, session, &Frame::Dir(h))?;
                 continue;
             }
             Entry::File(h) => {
                 let (of, size) = (h.path.clone(), h.size);
-                (h, of, 0, size, false)
+                (h, of, 0, Some(size))
             }
             Entry::Slice {
                 header,
                 of,
                 at,
                 whole,
-                growing,
-            } => (header, of, at, whole, growing),
+            } => (header, of, at, whole),
         };
         let path = dir.join(&of);
         let read = |source| SendError::Read {
@@ -1062,7 +1058,6 @@ fn headers<S: Write>(
             size,
             at,
             whole,
-            growing,
             bytes: sends.iter().map(|s| s.len).sum(),
             sends,
             pieces: prior.map(Mutex::new),
