@@ -13,6 +13,7 @@
 #
 #   (here)  bash scripts/gpu-ckpt.sh --stage        build possum + libpossum.so, download CRIU .debs
 #           (POSSUM_CRIU_ALLOW_EXPIRED=1 where the package mirror serves lists past Valid-Until)
+#   (here)  bash scripts/gpu-ckpt.sh --stage-baseline REV   an older build into .gpu/baseline (A/B)
 #   (there) bash scripts/gpu-ckpt.sh MODE [ARGS]    MODE: smoke | correctness | figures | errors | bench | probe | migrate
 #           (ARGS go to eval/ckpt.py: --trials N --jobs a,b --engines a,b --gib 8,32 --reps N --budget-s S ...)
 #
@@ -62,6 +63,21 @@
 # logs) as ckpt-logs.tgz. Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--stage-baseline" ]; then
+    # An older build (REV) beside this one, for an A/B in one run (gpu-speculation.sh baseline):
+    # built in a worktree of its own into .gpu/baseline.
+    rev=${2:?usage: gpu-ckpt.sh --stage-baseline REV}
+    wt="${TMPDIR:-/tmp}/possum-baseline-$rev"
+    [ -d "$wt" ] || git worktree add -f "$wt" "$rev" >/dev/null || exit 1
+    (cd "$wt" && CARGO_TARGET_DIR="${BASELINE_TARGET:-$wt/target}" cargo build --release \
+        -p possum-interposer -p possum -p possum-criu-plugin) || exit 1
+    t="${BASELINE_TARGET:-$wt/target}/release"
+    mkdir -p .gpu/baseline
+    cp "$t/libpossum.so" "$t/possum" "$t/libpossum_criu_plugin.so" .gpu/baseline/
+    strip .gpu/baseline/possum && strip --strip-debug .gpu/baseline/*.so
+    du -sh .gpu/baseline
+    exit 0
+fi
 if [ "${1:-}" = "--stage" ]; then
     cargo build --release -p possum-interposer -p possum -p possum-criu-plugin || exit 1
     mkdir -p .gpu

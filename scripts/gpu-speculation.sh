@@ -38,6 +38,17 @@
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with CRIU's pages file sent after
 #       the dump (POSSUM_MIGRATE_STREAM_CRIU=0) and as CRIU writes it (the default), alternating
 #       (TAG-after-N, TAG-streamed-N).
+#   bash scripts/gpu-speculation.sh copy-stream  (~5 min with SPEC_BARS="0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the chunks of the held job's
+#       final copy sent once the copy is over (POSSUM_MIGRATE_SEND_WHILE_COPYING=0) and as the
+#       copy completes them (the default), alternating (TAG-after-N, TAG-copying-N).
+#   bash scripts/gpu-speculation.sh baseline   (~4 min)
+#       The frozen job (8 GiB of weights, 64 MiB of state) migrated alone by the build in
+#       SPEC_BASELINE (default .gpu/baseline: possum, libpossum.so and its CRIU plugin, staged
+#       by `bash scripts/gpu-ckpt.sh --stage-baseline REV`), with its defaults, then by this
+#       build speculative and strict: today's build against an older one in one run (SPEC_HUGE=1
+#       as for bars).
+#       -> $OUT/speculation-baseline.jsonl (tags baseline, speculative, strict)
 #   bash scripts/gpu-speculation.sh postcopy   (~6 min)
 #       Migration alone, without and then with --post-copy, of each of SPEC_BARS (default: the
 #       training job writing 8 GiB of state every step; 8 GiB of weights and 64 MiB of state).
@@ -91,7 +102,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold|criu-stream)
+bars|slices|hold|criu-stream|copy-stream)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     if [ "${SPEC_HUGE:-0}" = 1 ]; then
@@ -142,6 +153,14 @@ bars|slices|hold|criu-stream)
             fi
             continue
         fi
+        if [ "$1" = copy-stream ]; then
+            # The final copy's chunks sent after it, then as it completes them (the default).
+            for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
+                POSSUM_MIGRATE_SEND_WHILE_COPYING=0 bar "$gib" "$mib" "$tag-after-$i"
+                bar "$gib" "$mib" "$tag-copying-$i"
+            done
+            continue
+        fi
         if [ "$1" = criu-stream ]; then
             # CRIU's pages file sent after the dump, then as CRIU writes it (the default).
             for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
@@ -156,6 +175,29 @@ bars|slices|hold|criu-stream)
             bar "$gib" "$mib" "$tag-sliced-$i"
         done
     done
+    ;;
+baseline)
+    base=${SPEC_BASELINE:-.gpu/baseline}
+    [ -x "$base/possum" ] || { echo "no baseline build at $base"; exit 1; }
+    base=$(cd "$base" && pwd)
+    if [ "${SPEC_HUGE:-0}" = 1 ]; then
+        huge=/mnt/possum-huge; mkdir -p "$huge"
+        mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || exit 1
+        SPEC_FLAGS="${SPEC_FLAGS:-} --images $huge/images --work $huge/work"
+    fi
+    one() {  # $1 tag, $2 mode; POSSUM from the caller's environment
+        # shellcheck disable=SC2086
+        timeout -k 5 "${SPEC_RUN_S:-150}" python3 eval/speculation.py frozen --out "$res/$1" \
+            --gib 8 --state-mib 64 --modes "$2" --migrate-only ${SPEC_FLAGS:-} \
+            > "$res/speculation-$1.log" 2>&1
+        grep "migrate:" "$res/speculation-$1.log" | cut -c1-400
+        python3 -c 'import json,sys; [print(json.dumps(dict(json.loads(l), tag=sys.argv[1]))) for l in open(sys.argv[2])]' \
+            "$1" "$res/$1/speculation.jsonl" >> "$out/speculation-baseline.jsonl" 2>/dev/null
+        cp "$res/speculation-$1.log" "$out"/
+    }
+    POSSUM="$base/possum" POSSUM_LIB="$base/libpossum.so" one baseline speculative
+    one speculative speculative
+    one strict strict
     ;;
 postcopy)
     # SPEC_BARS: which jobs ("GIB MIB TAG", separated by commas), each migrated alone without

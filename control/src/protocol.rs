@@ -65,6 +65,15 @@ pub enum Request {
     /// Hold every GPU operation of the job and drop its buffers' physical memory (addresses kept).
     /// Answers when nothing of the job runs on the GPU any more; the connection is closed first.
     Release,
+    /// For the next `Release` or `ReleaseKeeping` only: each chunk its final copy writes into a
+    /// data file of the images is also recorded, once its bytes are there, in the file `path`
+    /// (created if need be, appended to), as the engine's `JournalRecord`s: a migration sends
+    /// those bytes while the copy goes on. Answers at once
+    /// ([`reply::JournalReply`](crate::reply::JournalReply)).
+    JournalWrites {
+        /// The journal: a file of its own, not one of the images' files.
+        path: String,
+    },
     /// `Release` for a checkpoint after which the job is killed: the same T0, final copy and
     /// commit; then each engine whose buffer memory is a keeper's detaches its buffers instead
     /// of freeing them, the memory kept by the keeper `hold_secs` after the job is gone, so that

@@ -700,6 +700,14 @@ pub struct CuptiReply {
     pub cupti_attached: bool,
 }
 
+/// The answer to `JournalWrites`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct JournalReply {
+    /// The journal the next release's final copy records its chunks in.
+    pub journal: String,
+}
+
 /// The answer to `CollectiveHold`, `CollectiveWait` and `CollectiveLift`: the job's collective
 /// launches (NCCL's kernels) and its barrier.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]

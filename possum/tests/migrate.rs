@@ -540,6 +540,44 @@ fn the_job_s_memory_goes_to_the_destination_while_criu_dumps_it() {
 /// The network fails while the first round arrives in parts and the destination's keeper loads
 /// it as it comes: the job runs on at the source bit-exact, and the keeper holds nothing of the
 /// load ahead (its loaders, waiting for bytes that will not come, are ended with it).
+/// A job whose thread rewrites 64 MiB of its GPU memory whole, launch after launch (as a
+/// training job its state), migrated: the chunks its final copy writes go to the destination
+/// as the copy completes them, in rounds before the `Cut` (`rounds_while_copying`), the rest
+/// after; the job goes on bit-exact, and at its exit that memory holds one launch's words whole
+/// (an image mixing two launches' chunks fails the job: a chunk taken as sent by a round that
+/// did not read it, the images renamed at their commit meanwhile, did).
+#[test]
+fn the_chunks_the_final_copy_writes_go_while_it_runs() {
+    // (Its launches not validated: each would read the 64 MiB on both sides, too slow here.)
+    let env = [("FAKE_WRITER_MIB", "64"), ("POSSUM_VALIDATE", "off")];
+    let Some(mut t) = kept_job_with("migrate_while_copying", &env) else {
+        return;
+    };
+    let dir = t.tmp.path();
+    let out = migrate_kept(&t, ("POSSUM_MIGRATE_SEND_WHILE_COPYING", "1"));
+    let (v, r) = migrated(&out, t.receiver, &t.job);
+    assert_eq!((&v["files"], &v["bytes"]), (&r["files"], &r["bytes"]));
+    let copying = v["bytes_while_copying"].as_u64().unwrap();
+    let rounds = v["rounds_while_copying"].as_u64().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // (What a round sends is what changed since the last round ahead: little where the job's
+    // thread did not run meanwhile.)
+    assert!(rounds >= 1, "no round while copying: {v}\n{stderr}");
+    assert!(stderr.contains(&format!("in {rounds} rounds")), "{stderr}");
+    let held = v["bytes_while_held"].as_u64().unwrap();
+    assert!(copying <= held, "{v}");
+    goes_on_like(
+        &mut t.job,
+        dir,
+        &t.want,
+        "migrated, its final copy sent as it ran",
+    );
+    say(&format!(
+        "migrate_while_copying: {copying} of {held} bytes sent while held went during the final \
+         copy"
+    ));
+}
+
 #[test]
 fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
     let Some(mut t) = kept_job("migrate_cut_slices") else {

@@ -291,6 +291,7 @@ fn trace_and_status_ask_the_job() {
             Request::Checkpoint { .. }
             | Request::PrecopyRound
             | Request::Release
+            | Request::JournalWrites { .. }
             | Request::ReleaseKeeping { .. }
             | Request::Resume { .. }
             | Request::Cupti { .. }

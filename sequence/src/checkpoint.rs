@@ -704,6 +704,10 @@ fn keeper_of(pid: i32) -> Option<KeeperOfJob> {
     })
 }
 
+/// The file in a checkpoint's temporary directory where the job's final copy records the chunks
+/// it writes, while it copies, for an observer that reads it ([`Observer::cutting`]).
+const FINAL_COPY_JOURNAL: &str = ".final-copy.journal";
+
 /// The temporary sibling of `dir` a checkpoint is written under.
 fn temp_sibling(dir: &Path) -> Result<PathBuf, PlanError> {
     let name = dir
@@ -990,9 +994,22 @@ impl<'a> Run<'a> {
         self.guard.step(Step::Releasing);
         let keeping = (!p.leave_running && !p.gpu_only && self.plan.keeper.is_some())
             .then_some(p.keep_on_gpu);
+        // (Inside the temporary directory, where the job may write; gone before anything sends
+        // that directory whole.)
+        let journal = self.tmp.join(FINAL_COPY_JOURNAL);
+        let journaled = obs.cutting(&self.tmp, &journal);
+        if journaled {
+            if let Err(e) = job::journal_writes(p.pid, To::Sockets(&p.sockets), &journal) {
+                obs.note(&format!("the final copy is not journaled: {e}"));
+            }
+        }
         let r = timed(&mut self.figures.release, || {
             job::cut(p.pid, To::Sockets(&p.sockets), keeping)
-        })?;
+        });
+        if journaled {
+            let _ = fs::remove_file(&journal);
+        }
+        let r = r?;
         self.written = Written::new();
         add_written(&mut self.written, &r.body.finals);
         self.held_memory = HeldMemory::from_release(p.pid, &r.body);

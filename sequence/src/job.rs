@@ -4,7 +4,7 @@ use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use possum_control::reply::{CheckpointReply, ReleaseReply, ResumeReply};
+use possum_control::reply::{CheckpointReply, JournalReply, ReleaseReply, ResumeReply};
 use possum_control::{ControlError, Reply, Request};
 use serde::de::DeserializeOwned;
 
@@ -167,6 +167,12 @@ pub fn cut(pid: i32, to: To<'_>, keeping: Option<u64>) -> Result<Reply<ReleaseRe
         None => Request::Release,
     };
     ask_to(pid, to, &req)
+}
+
+/// Asks one process's next cut to record each chunk its final copy writes in `journal`.
+pub fn journal_writes(pid: i32, to: To<'_>, journal: &Path) -> Result<(), JobError> {
+    let path = journal.to_string_lossy().into_owned();
+    ask_to::<JournalReply>(pid, to, &Request::JournalWrites { path }).map(|_| ())
 }
 
 /// How a kept checkpoint is saved once its job runs again: the shadow budget (MiB; `None`: the

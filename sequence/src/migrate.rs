@@ -67,6 +67,7 @@ use serde::{Serialize, Serializer};
 use crate::auth::HmacKey;
 use crate::checkpoint::{checkpoint_held, CheckpointParams, CheckpointReport};
 use crate::figures::as_ms;
+mod copying;
 mod dumping;
 mod error;
 mod held_send;
@@ -230,6 +231,12 @@ pub struct MigrateReport {
     pub bytes_while_dumping: u64,
     /// Of those, the parts of CRIU's pages file.
     pub criu_bytes_while_dumping: u64,
+    /// Of the bytes sent while held, those sent while the job's final copy ran, as it completed
+    /// each chunk (before the `Cut`).
+    pub bytes_while_copying: u64,
+    /// The rounds those went in (a round reads the chunks completed since the one before, and
+    /// sends those that changed since sent ahead).
+    pub rounds_while_copying: u32,
     /// The phases' timings.
     pub timings: MigrateTimings,
     /// The job's private memory drafted and sent with the pre-copy rounds (what of it the
@@ -366,6 +373,9 @@ struct SendAhead<'a> {
     held_send: Option<std::thread::JoinHandle<HeldSend>>,
     /// What that sent, and how long it took.
     held_sent: Option<HeldSent>,
+    /// While the final copy runs, the send begun then ([`Observer::cutting`]) is waiting for
+    /// what follows it ([`Observer::held`]); dropped, it ends.
+    copying: Option<std::sync::mpsc::Sender<held_send::What>>,
     /// Set when CRIU's dump is over (or failed): that send ends.
     dump_over: Arc<AtomicBool>,
     /// Set when CRIU dumps again: what that send sent of its pages file is stale.
@@ -426,6 +436,7 @@ impl SendAhead<'_> {
     /// The send begun while the job is held, ended: the link back, or why it failed (acted on
     /// once the checkpoint is committed, as a failed round is).
     fn end_held_send(&mut self) {
+        self.copying = None;
         self.dump_over.store(true, Ordering::Release);
         let Some(sending) = self.held_send.take() else {
             return;
@@ -435,21 +446,10 @@ impl SendAhead<'_> {
             .unwrap_or_else(|e| std::panic::resume_unwind(e))
         {
             Ok((stream, sender, sent)) => {
-                let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
-                self.obs.note(&format!(
-                    "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB \
-                     ({:.1} MiB of CRIU's pages as it wrote them) in {:.0} ms",
-                    sent.gpu.files + sent.criu.files,
-                    mib(sent.gpu.bytes + sent.criu.bytes),
-                    mib(sent.criu.bytes),
-                    sent.took.as_secs_f64() * 1e3
-                ));
-                if let Some(seen) = &sent.unsent {
-                    self.obs.note(&format!(
-                        "no part of CRIU's pages file was whole while it dumped ({seen})"
-                    ));
+                if let Some(sent) = &sent {
+                    self.note_held_sent(sent);
                 }
-                self.held_sent = Some(sent);
+                self.held_sent = sent;
                 Ok(Link { stream, sender })
             }
             Err(e) => Err(Early::Send(Box::new(e))),
@@ -458,14 +458,86 @@ impl SendAhead<'_> {
     }
 }
 
+impl SendAhead<'_> {
+    fn note_held_sent(&mut self, sent: &HeldSent) {
+        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+        if sent.copying_rounds > 0 {
+            self.obs.note(&format!(
+                "sent while the job's final copy ran: {:.1} MiB in {} rounds",
+                mib(sent.copying.bytes),
+                sent.copying_rounds
+            ));
+        }
+        self.obs.note(&format!(
+            "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB ({:.1} MiB \
+             of CRIU's pages as it wrote them) in {:.0} ms",
+            sent.gpu.files + sent.criu.files,
+            mib(sent.gpu.bytes + sent.criu.bytes),
+            mib(sent.criu.bytes),
+            sent.took.as_secs_f64() * 1e3
+        ));
+        if let Some(seen) = &sent.unsent {
+            self.obs.note(&format!(
+                "no part of CRIU's pages file was whole while it dumped ({seen})"
+            ));
+        }
+    }
+}
+
 impl Observer for SendAhead<'_> {
+    /// The final copy begins: unless `POSSUM_MIGRATE_SEND_WHILE_COPYING=0` (or where
+    /// [`Observer::held`] would send nothing while held), the send that `held` starts is
+    /// started now, and sends the chunks the copy completes as it runs.
+    fn cutting(&mut self, dir: &Path, journal: &Path) -> bool {
+        let env = &self.p.checkpoint.env;
+        if !env.send_while_held || !env.send_while_copying || self.p.post_copy {
+            return false;
+        }
+        let link = match self.link.take() {
+            Some(Ok(link)) => link,
+            other => {
+                self.link = other;
+                return false;
+            }
+        };
+        let (tell, next) = std::sync::mpsc::channel();
+        self.copying = Some(tell);
+        self.held_send = Some(held_send::spawn_copying(
+            (link.stream, link.sender),
+            copying::Copying::new(dir, journal),
+            self.pacer.cloned(),
+            (self.dump_over.clone(), self.dump_again.clone()),
+            next,
+        ));
+        true
+    }
     /// The job held, its GPU images complete: the `Cut` and they, the final set's first part,
     /// go to the destination on a thread while the driver and CRIU work (of the files sent
     /// ahead, only what the cut wrote since the last round), unless
     /// `POSSUM_MIGRATE_SEND_WHILE_HELD=0`, or with post-copy (what the job wrote since the last
     /// round then goes after it runs at the destination).
     fn held(&mut self, dir: &Path, gpu: &[String], written: &Written) {
+        // (Dropped unused, the send begun at the copy ends there.)
+        let copying = self.copying.take();
         if !self.p.checkpoint.env.send_while_held || self.p.post_copy || gpu.is_empty() {
+            return;
+        }
+        let env = &self.p.checkpoint.env;
+        // (Not where the job's memory was drafted ahead: the split makes its data file of the
+        // draft, not of CRIU's pages file.)
+        let split = env.hostmem_split != crate::config::HostmemSplit::Off && !env.hostmem_ahead;
+        let follow = (env.stream_criu && split)
+            .then(|| dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes))
+            .flatten();
+        let what = held_send::What {
+            dir: dir.to_path_buf(),
+            gpu: gpu.to_vec(),
+            written: written.clone(),
+            follow,
+        };
+        if let Some(tell) = copying {
+            // (A send that failed meanwhile is gone: its error comes at the join.)
+            let _ = tell.send(what);
             return;
         }
         let link = match self.link.take() {
@@ -476,21 +548,9 @@ impl Observer for SendAhead<'_> {
                 return;
             }
         };
-        let env = &self.p.checkpoint.env;
-        // (Not where the job's memory was drafted ahead: the split makes its data file of the
-        // draft, not of CRIU's pages file.)
-        let split = env.hostmem_split != crate::config::HostmemSplit::Off && !env.hostmem_ahead;
-        let follow = (env.stream_criu && split)
-            .then(|| dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes))
-            .flatten();
         self.held_send = Some(held_send::spawn(
             (link.stream, link.sender),
-            held_send::What {
-                dir: dir.to_path_buf(),
-                gpu: gpu.to_vec(),
-                written: written.clone(),
-                follow,
-            },
+            what,
             self.pacer.cloned(),
             (self.dump_over.clone(), self.dump_again.clone()),
         ));
@@ -603,8 +663,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         mut sender,
     } = link;
     let parts = p.checkpoint.env.hostmem_part_bytes;
-    let (held_bytes, criu_held_bytes) =
-        rest_of_the_image(&mut sender, &held, ahead.held_sent, parts, &mut timings);
+    let early = rest_of_the_image(&mut sender, &held, ahead.held_sent, parts, &mut timings);
     let local = held.dir().to_path_buf();
     let gpu_dirs = post_copy::left_for_later(p.post_copy, &local, &mut sender);
     let sent_counter = sender.sent_counter();
@@ -675,15 +734,30 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         bytes: sent.totals.bytes,
         bytes_before_hold: ahead.sent.bytes,
         rounds: report.figures.precopy_rounds.len(),
-        bytes_while_held: sent.sent_bytes + held_bytes,
-        bytes_while_dumping: held_bytes,
-        criu_bytes_while_dumping: criu_held_bytes,
+        bytes_while_held: sent.sent_bytes + early.dumping + early.copying,
+        bytes_while_dumping: early.dumping,
+        criu_bytes_while_dumping: early.criu,
+        bytes_while_copying: early.copying,
+        rounds_while_copying: early.copying_rounds,
         timings,
         host_memory_ahead: ahead.host_ahead,
         image_kept,
         post_copy,
         checkpoint: report,
     })
+}
+
+/// The bytes sent while the job was held, before the rest of its image.
+#[derive(Debug, Clone, Copy, Default)]
+struct SentEarly {
+    /// While the driver and CRIU worked.
+    dumping: u64,
+    /// Of those, CRIU's pages.
+    criu: u64,
+    /// While the final copy ran, before them.
+    copying: u64,
+    /// In so many rounds.
+    copying_rounds: u32,
 }
 
 /// Readies `sender` for the rest of the image `held` committed: the pieces the cut wrote,
@@ -696,15 +770,20 @@ fn rest_of_the_image(
     held_sent: Option<HeldSent>,
     part_bytes: u64,
     timings: &mut MigrateTimings,
-) -> (u64, u64) {
+) -> SentEarly {
     let held_bytes = match held_sent {
         None => {
             sender.told(held.written_at_cut());
-            (0, 0)
+            SentEarly::default()
         }
         Some(sent) => {
             timings.held_send = sent.took;
-            (sent.gpu.bytes + sent.criu.bytes, sent.criu.bytes)
+            SentEarly {
+                dumping: sent.gpu.bytes + sent.criu.bytes,
+                criu: sent.criu.bytes,
+                copying: sent.copying.bytes,
+                copying_rounds: sent.copying_rounds,
+            }
         }
     };
     let criu = held.dir().join("criu");
@@ -835,6 +914,7 @@ fn checkpoint_sending_ahead<'p>(
         host_ahead: HostAhead::default(),
         held_send: None,
         held_sent: None,
+        copying: None,
         dump_over: Arc::default(),
         dump_again: Arc::default(),
     };

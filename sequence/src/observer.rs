@@ -23,6 +23,15 @@ pub trait Observer {
     fn precopied(&mut self, dir: &Path, written: &Written) {
         let _ = (dir, written);
     }
+    /// The cut begins: the job's final copy is about to write the GPU images under `dir`, the
+    /// temporary directory. An observer that returns true reads `journal` while it does: each
+    /// chunk the copy completes is recorded there (`JournalWrites`, the engine's
+    /// `JournalRecord`s; the file is the sequence's, gone once the copy is over, and may stay
+    /// empty if the job cannot write it). Engine possum only.
+    fn cutting(&mut self, dir: &Path, journal: &Path) -> bool {
+        let _ = (dir, journal);
+        false
+    }
     /// The job is held and the cut completed its GPU images, the directories `gpu` (each
     /// relative to `dir`, the temporary directory): `written`, what the cut's copy wrote into
     /// their data files since the last round. The driver's checkpoint and CRIU's dump come next

@@ -91,5 +91,6 @@ pub use manifest::{check_coverage, check_manifest};
 pub use reader::Image;
 pub use summary::ImageSummary;
 pub use writer::{
-    unfinished_image_name, FileWrites, ImageWriter, WriterOptions, DEFAULT_WRITE_PIECE,
+    unfinished_image_name, FileWrites, ImageWriter, JournalRecord, WriterOptions,
+    DEFAULT_WRITE_PIECE,
 };

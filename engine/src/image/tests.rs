@@ -307,6 +307,47 @@ fn take_written_names_the_ranges_written_since_the_last_call() {
     );
 }
 
+/// A writer's journal: each chunk written while it is set, one record in order of writing, with
+/// the file and the range the written account names; nothing before it is set or after it is
+/// taken away.
+#[test]
+fn the_journal_records_each_chunk_written_while_it_is_set() {
+    let (root, _dir, w) = scratch_writer(one_file());
+    w.add_buffer(rec(1, 400, 0)).unwrap();
+    w.write_chunk(1, 0, &pattern(1, 0, 100, 0)).unwrap();
+    let path = root.path().join("journal");
+    let open = || OpenOptions::new().create(true).append(true).open(&path);
+    w.journal_to(Some(open().unwrap()));
+    w.write_chunk(1, 100, &pattern(1, 100, 100, 0)).unwrap();
+    w.write_chunk(1, 0, &pattern(1, 0, 100, 1)).unwrap();
+    w.journal_to(None);
+    w.write_chunk(1, 200, &pattern(1, 200, 100, 0)).unwrap();
+    let inode = w.take_written()[0].inode;
+    let bytes = fs::read(&path).unwrap();
+    assert_eq!(bytes.len(), 2 * JournalRecord::BYTES, "two records");
+    let recs: Vec<JournalRecord> = bytes
+        .chunks_exact(JournalRecord::BYTES)
+        .map(|b| JournalRecord::from_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(
+        recs,
+        vec![
+            JournalRecord {
+                inode,
+                at: 100,
+                len: 100
+            },
+            JournalRecord {
+                inode,
+                at: 0,
+                len: 100
+            },
+        ]
+    );
+    let r = recs[0];
+    assert_eq!(JournalRecord::from_bytes(&r.to_bytes()), r);
+}
+
 #[test]
 fn empty_image_round_trips() {
     let root = tempfile::tempdir().unwrap();

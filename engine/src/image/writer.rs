@@ -297,6 +297,49 @@ pub struct ImageWriter {
     adopted: Mutex<Vec<Adopted>>,
     /// The parent image's chunks ([`WriterOptions::parent`]).
     lineage: Option<Lineage>,
+    /// Where each chunk written into a lane is recorded once its bytes are there
+    /// ([`ImageWriter::journal_to`]).
+    journal: Mutex<Option<File>>,
+}
+
+/// One record of a writer's journal ([`ImageWriter::journal_to`]): a chunk's bytes, written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalRecord {
+    /// The data file's (device, inode).
+    pub inode: (u64, u64),
+    /// Where in it the chunk's bytes are.
+    pub at: u64,
+    /// How many.
+    pub len: u64,
+}
+
+impl JournalRecord {
+    /// The bytes of a record: four little-endian `u64`s (device, inode, offset, length).
+    pub const BYTES: usize = 32;
+
+    /// Its bytes.
+    pub fn to_bytes(self) -> [u8; Self::BYTES] {
+        let mut rec = [0u8; Self::BYTES];
+        let words = [self.inode.0, self.inode.1, self.at, self.len];
+        for (out, v) in rec.chunks_exact_mut(8).zip(words) {
+            out.copy_from_slice(&v.to_le_bytes());
+        }
+        rec
+    }
+
+    /// The record in `bytes`.
+    pub fn from_bytes(bytes: &[u8; Self::BYTES]) -> JournalRecord {
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        JournalRecord {
+            inode: (word(0), word(1)),
+            at: word(2),
+            len: word(3),
+        }
+    }
 }
 
 /// A data file this writer did not write: its name and path here, and the end of the last
@@ -455,6 +498,7 @@ impl ImageWriter {
             done: false,
             adopted: Mutex::new(Vec::new()),
             lineage,
+            journal: Mutex::new(None),
         };
         for i in 0..lanes_wanted {
             let name = format!("data-{i:03}.bin");
@@ -491,6 +535,28 @@ impl ImageWriter {
                 ranges: merged(std::mem::take(&mut *lane.written.lock())),
             })
             .collect()
+    }
+
+    /// From now on (until called again), each chunk written into a data file of this writer is
+    /// also recorded in `journal` once its bytes are there: a [`JournalRecord`], each with one
+    /// `write` (a file opened to append takes them whole, in the order they
+    /// come). A reader of the files elsewhere (a migration sending them while the job is held)
+    /// may read those ranges as final for this copy. `None` stops it. A record that cannot be
+    /// written is left out (the journal is a hint: the ranges stay in [`Self::take_written`]).
+    pub fn journal_to(&self, journal: Option<File>) {
+        *self.journal.lock() = journal;
+    }
+
+    fn journal_chunk(&self, inode: (u64, u64), at: u64, len: u64) {
+        let mut journal = self.journal.lock();
+        let Some(file) = journal.as_mut() else {
+            return;
+        };
+        let rec = JournalRecord { inode, at, len }.to_bytes();
+        if file.write(&rec).ok() != Some(JournalRecord::BYTES) {
+            // (A short or failed write would misalign every later record: none follows.)
+            *journal = None;
+        }
     }
 
     /// The directory the image will have once committed.
@@ -658,6 +724,7 @@ impl ImageWriter {
             return Err(e);
         }
         lane.written.lock().push((file_offset, len));
+        self.journal_chunk(lane.inode, file_offset, len);
 
         let mut chunk = ChunkMsg {
             buffer,

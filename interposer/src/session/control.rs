@@ -80,6 +80,7 @@ fn answer(req: Request, status: fn() -> Value) -> Value {
         Request::PrecopyRound => checkpoint::precopy_round(),
         Request::Release => release::release(None),
         Request::ReleaseKeeping { hold_secs } => release::release(Some(hold_secs)),
+        Request::JournalWrites { path } => release::journal_next(path),
         Request::Resume { dir } => resume::resume(dir.as_deref(), None),
         Request::ResumeAndSave {
             dir,

@@ -7,10 +7,11 @@
 //! or the job took writing functions unwrapped), and a kept checkpoint's detach
 //! ([`release_kept`]: nothing copied, the memory left with the keeper).
 
+use std::fs::{File, OpenOptions};
 use std::sync::Arc;
 use std::time::Instant;
 
-use possum_control::reply::{DeviceCopy, HeldEpoch, HoldAttempt, ReleaseReply};
+use possum_control::reply::{DeviceCopy, HeldEpoch, HoldAttempt, JournalReply, ReleaseReply};
 use possum_engine::device::Device;
 use possum_engine::image::ImageWriter;
 use possum_engine::store::ChunkSink;
@@ -44,7 +45,24 @@ pub fn release(keep: Option<u64>) -> Value {
     reply(release_inner(keep))
 }
 
+/// `JournalWrites{path}`: the next release's final copy records each chunk it writes in `path`.
+pub fn journal_next(path: String) -> Value {
+    *session().journal.lock() = Some(path.clone().into());
+    to_json(&JournalReply { journal: path })
+}
+
+/// The journal `JournalWrites` asked for, opened to append (taken: for this release only). One
+/// that cannot be opened is said and left out: it only lets a migration send earlier.
+fn take_journal() -> Option<File> {
+    let path = session().journal.lock().take()?;
+    let opened = OpenOptions::new().create(true).append(true).open(&path);
+    opened
+        .inspect_err(|e| log(&format!("the final copy's journal {}: {e}", path.display())))
+        .ok()
+}
+
 fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, SessionError> {
+    let journal = take_journal();
     let _b = Busy::take("release")?;
     if paused() {
         return Err(SessionError::AlreadyPaused);
@@ -77,7 +95,7 @@ fn release_inner(keep: Option<u64>) -> Result<ReleaseReply, SessionError> {
         let images = drop_precopy(images, precopied, &engines, &unwrapped)?;
         return release_held(images, engines, t);
     }
-    release_paused(images, &engines, unwrapped.len(), keep, t)
+    release_paused(images, &engines, unwrapped.len(), (keep, journal), t)
 }
 
 /// The images a held release copies into: new ones where the open ones hold a pre-copy that
@@ -112,13 +130,14 @@ fn release_paused(
     images: Images,
     engines: &[Arc<DevEngine>],
     unwrapped_known: usize,
-    keep: Option<u64>,
+    (keep, journal): (Option<u64>, Option<File>),
     t: Instant,
 ) -> Result<ReleaseReply, SessionError> {
     gate::set_paused(true);
     // T0: the job is paused. A failure here leaves every buffer in place: unpause before
     // answering.
-    let finals = final_copy(images, engines, unwrapped_known).inspect_err(|_| unpause_job())?;
+    let finals = final_copy(images, engines, unwrapped_known, journal.as_ref())
+        .inspect_err(|_| unpause_job())?;
     let copied = ms(t.elapsed());
     let released = release_engines(engines, true, keep)?;
     let tt = Instant::now();
@@ -157,6 +176,7 @@ fn final_copy(
     images: Images,
     engines: &[Arc<DevEngine>],
     unwrapped_known: usize,
+    journal: Option<&File>,
 ) -> Result<Vec<DeviceCopy>, SessionError> {
     // What any device queued before the pause is done before any engine fixes its T0.
     fence_all_devices(engines)?;
@@ -171,6 +191,8 @@ fn final_copy(
         let Some(e) = engine_of(engines, ordinal) else {
             continue;
         };
+        // (Each writer records into the journal while it copies: it is one file, appended to.)
+        writer.journal_to(journal.and_then(|j| j.try_clone().ok()));
         finals.push(final_copy_of(e, writer, engines, unwrapped_known)?);
     }
     Ok(finals)
@@ -203,6 +225,7 @@ fn final_copy_of(
         .and_then(|()| no_unwrapped_writer_since(unwrapped_known))
         .inspect_err(|_| stop_tracking(engines))?;
     let written = written(&writer);
+    writer.journal_to(None);
     let summary = commit(e.ordinal, writer)?;
     Ok(DeviceCopy {
         device: e.ordinal,

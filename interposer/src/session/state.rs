@@ -70,6 +70,8 @@ pub struct Session {
     pub ab_running: AtomicBool,
     /// The control socket's server, once started (`session::control`); stopped at exit.
     pub server: Mutex<Option<Server>>,
+    /// Where the next release's final copy records each chunk it writes (`JournalWrites`).
+    pub journal: Mutex<Option<PathBuf>>,
 }
 
 static SESSION: Session = Session {
@@ -103,6 +105,7 @@ static SESSION: Session = Session {
     },
     ab_running: AtomicBool::new(false),
     server: Mutex::new(None),
+    journal: Mutex::new(None),
 };
 
 /// The job's session: the one global through which the entry points, the hooks and the

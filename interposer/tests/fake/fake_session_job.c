@@ -54,6 +54,11 @@
  * dump. FAKE_MEMFD_MIB=N: as much again in a memfd mapped shared (CRIU dumps its contents in a
  * pages file of their own, before the job's memory).
  *
+ * FAKE_WRITER_MIB=N (with FAKE_VIA=entry): a thread rewrites a buffer W of N MiB whole, over
+ * and over (the "fill" kernel, word i of launch s being fill_word(i, s)), as a training job
+ * rewrites its state every step; at exit it stops, and W must hold one launch's words whole
+ * ("W torn" otherwise): an image that mixed two launches' chunks of it fails the job.
+ *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
  * job CRIU dumps and restores (possum/tests/entry_checkpoint.rs): CRIU reopens the FIFO by its
@@ -98,6 +103,14 @@ static void run_bump(void **p) {
 }
 static struct fake_kernel mix = {FAKE_KERNEL_MAGIC, "mix", 3, {0, 8, 16}, {8, 8, 4}, run_mix};
 static struct fake_kernel bump = {FAKE_KERNEL_MAGIC, "bump", 2, {0, 8}, {8, 4}, run_bump};
+static uint32_t fill_word(size_t i, uint32_t s) { return ((uint32_t)i * 2654435761u) ^ s; }
+static void run_fill(void **p) {
+    uint32_t *w = *(uint32_t **)p[0];
+    size_t n = *(size_t *)p[1];
+    uint32_t s = *(uint32_t *)p[2];
+    for (size_t i = 0; i < n; i++) w[i] = fill_word(i, s);
+}
+static struct fake_kernel fill = {FAKE_KERNEL_MAGIC, "fill", 3, {0, 8, 16}, {8, 8, 4}, run_fill};
 
 static fire_fn fire;
 static int ret;
@@ -171,6 +184,22 @@ static void *ticker(void *path) {
         int k = snprintf(line, sizeof line, "tick %lu\n", n);
         if (write(fd, line, (size_t)k) != k) die("tick");
         usleep(1000);
+    }
+    return NULL;
+}
+
+/* FAKE_WRITER_MIB: W rewritten whole by launch after launch until writer_stop. */
+static uint32_t *writer_buf;
+static size_t writer_words;
+static volatile int writer_stop;
+static void *writer(void *ctx) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+    int (*set_current)(void *) = lib ? (int (*)(void *))dlsym(lib, "cuCtxSetCurrent") : NULL;
+    if (!set_current || set_current(ctx)) die("writer cuCtxSetCurrent");
+    for (uint32_t s = 1; !writer_stop; s++) {
+        void *args[] = {&writer_buf, &writer_words, &s};
+        launch(&fill, args);
+        usleep(5000);
     }
     return NULL;
 }
@@ -299,6 +328,7 @@ static void vmm_free(void) {
 static uint32_t init_a(size_t i) { return (uint32_t)(7 * i + 1); }
 static uint32_t init_b(size_t i) { return (uint32_t)i ^ 0x5a5a5a5au; }
 static uint32_t init_c(size_t i) { (void)i; return 0; }
+static uint32_t init_w(size_t i) { return fill_word(i, 0); }
 static uint32_t init_d(size_t i) { return 0xd0000000u + (uint32_t)i; }
 
 static void step(uint32_t *a, uint32_t *b, uint32_t *c, uint32_t s) {
@@ -433,6 +463,17 @@ int main(void) {
         close(fd);
         for (size_t i = 0; i < memfd_words; i++) shared[i] = (uint32_t)i * 40503u + 7u;
     }
+    pthread_t writer_thread;
+    writer_words = getenv("FAKE_WRITER_MIB") ? (size_t)atol(getenv("FAKE_WRITER_MIB")) << 18 : 0;
+    if (writer_words) {
+        void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+        int (*get_current)(void **) = lib ? (int (*)(void **))dlsym(lib, "cuCtxGetCurrent") : NULL;
+        void *ctx = NULL;
+        if (!drv_launch) die("FAKE_WRITER_MIB needs FAKE_VIA=entry");
+        if (!get_current || get_current(&ctx) || !ctx) die("cuCtxGetCurrent");
+        writer_buf = alloc_filled(writer_words, init_w);
+        if (pthread_create(&writer_thread, NULL, writer, ctx)) die("pthread_create");
+    }
     if (getenv("FAKE_TICKS")) {
         pthread_t t;
         if (pthread_create(&t, NULL, ticker, getenv("FAKE_TICKS"))) die("pthread_create");
@@ -473,6 +514,17 @@ int main(void) {
             die("unknown command");
         }
         fflush(stdout);
+    }
+    if (writer_words) {
+        writer_stop = 1;
+        if (pthread_join(writer_thread, NULL)) die("pthread_join");
+        uint32_t *w = malloc(writer_words * 4);
+        if (!w) die("malloc");
+        dtoh(w, writer_buf, writer_words * 4);
+        for (size_t i = 0; i < writer_words; i++)
+            if (w[i] != fill_word(i, w[0])) die("FAKE_WRITER_MIB: W torn");
+        free(w);
+        if (cudaFree(writer_buf)) die("cudaFree");
     }
     for (size_t i = 0; i < heap_words; i++)
         if (heap[i] != ((uint32_t)(i * 2654435761u) ^ 0x9e3779b9u)) die("FAKE_HEAP_MIB: changed");

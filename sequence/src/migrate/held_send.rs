@@ -1,22 +1,25 @@
 //! The send begun while the job is held (part of [`super`]): the `Cut` and the GPU images, as
 //! the final set's first part, while the driver and CRIU work; then, while CRIU dumps, its pages
-//! file as CRIU writes it ([`super::dumping`]). On a thread of its own; joined once CRIU's dump
+//! file as CRIU writes it ([`super::dumping`]); begun, where the job's final copy journals its
+//! chunks, as that copy runs ([`super::copying`]). On a thread of its own; joined once CRIU's dump
 //! is over, the commit waiting for it.
 
 use std::io;
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::copying::{self, Copied, Copying};
 use super::dumping::{self, Follow};
 use crate::wire::{DirSender, Paced, Pacer, Totals, WireError, Written};
 
-/// The send begun while the job is held: the connection and its sender back, and what it sent;
-/// or why it failed.
-pub(super) type HeldSend = Result<(TcpStream, DirSender, HeldSent), WireError>;
+/// The send begun while the job is held: the connection and its sender back, and what it sent
+/// (none: the final set's first part did not go); or why it failed.
+pub(super) type HeldSend = Result<(TcpStream, DirSender, Option<HeldSent>), WireError>;
 
 /// `f` on `stream`, paced by `pacer` if there is one.
 pub(super) fn paced<T>(
@@ -41,6 +44,10 @@ pub(super) struct HeldSent {
     pub(super) gpu: Totals,
     /// Parts of CRIU's pages file, as CRIU wrote it ([`dumping`]).
     pub(super) criu: Totals,
+    /// Before the `Cut`, the chunks the final copy completed as it ran ([`copying`]).
+    pub(super) copying: Totals,
+    /// In so many rounds.
+    pub(super) copying_rounds: u32,
     /// Where it was followed and nothing was sent: what was seen of it.
     pub(super) unsent: Option<String>,
     /// From the `Cut` to the end of CRIU's dump (or of the GPU images, if later).
@@ -65,40 +72,78 @@ pub(super) fn spawn(
     dump: (Arc<AtomicBool>, Arc<AtomicBool>),
 ) -> JoinHandle<HeldSend> {
     std::thread::spawn(move || {
-        let t = Instant::now();
-        let What {
-            dir,
-            gpu,
-            written,
-            follow,
-        } = what;
-        let (mut stream, mut sender) = link;
-        sender.told(written);
-        let (gpu, criu) = paced(pacer.as_ref(), &mut stream, |mut s| {
-            let gpu = sender.send_final_under(&mut s, &dir, &gpu)?;
-            let criu = match &follow {
-                Some(f) => Some(dumping::send_while_dumping(
-                    &mut sender,
-                    s,
-                    &dir,
-                    f,
-                    (&dump.0, &dump.1),
-                )?),
-                None => None,
-            };
-            Ok::<_, WireError>((gpu, criu))
-        })?;
-        let took = t.elapsed();
-        let unsent = (criu.as_ref())
-            .filter(|d| d.sent.files == 0 && !d.seen.is_empty())
-            .map(dumping::Dumped::seen);
-        let criu = criu.map(|d| d.sent).unwrap_or_default();
-        let sent = HeldSent {
-            gpu,
-            criu,
-            took,
-            unsent,
-        };
-        Ok((stream, sender, sent))
+        let (stream, sender) = link;
+        send_held((stream, sender), what, pacer, dump, Copied::default())
     })
+}
+
+/// Starts the send on `link` as the held job's final copy begins: its chunks as it completes
+/// them ([`copying`]), then, once `next` says what, the send [`spawn`] starts; nothing more if
+/// `next` is gone first.
+pub(super) fn spawn_copying(
+    link: (TcpStream, DirSender),
+    copying: Copying,
+    pacer: Option<Arc<Pacer>>,
+    dump: (Arc<AtomicBool>, Arc<AtomicBool>),
+    next: Receiver<What>,
+) -> JoinHandle<HeldSend> {
+    std::thread::spawn(move || {
+        let (mut stream, mut sender) = link;
+        let (copied, what) = paced(pacer.as_ref(), &mut stream, |s| {
+            copying::send_while_copying(&mut sender, s, &copying, &next)
+        })?;
+        let Some(mut what) = what else {
+            return Ok((stream, sender, None));
+        };
+        // (What a round read once its chunk was complete is not read again.)
+        what.written = what.written.without(&copied.settled);
+        send_held((stream, sender), what, pacer, dump, copied)
+    })
+}
+
+/// The `Cut` and the GPU images, then CRIU's pages file as it is written; `copied`, what went
+/// while the final copy ran.
+fn send_held(
+    (mut stream, mut sender): (TcpStream, DirSender),
+    what: What,
+    pacer: Option<Arc<Pacer>>,
+    dump: (Arc<AtomicBool>, Arc<AtomicBool>),
+    copied: Copied,
+) -> HeldSend {
+    let t = Instant::now();
+    let What {
+        dir,
+        gpu,
+        written,
+        follow,
+    } = what;
+    sender.told(written);
+    let (gpu, criu) = paced(pacer.as_ref(), &mut stream, |mut s| {
+        let gpu = sender.send_final_under(&mut s, &dir, &gpu)?;
+        let criu = match &follow {
+            Some(f) => Some(dumping::send_while_dumping(
+                &mut sender,
+                s,
+                &dir,
+                f,
+                (&dump.0, &dump.1),
+            )?),
+            None => None,
+        };
+        Ok::<_, WireError>((gpu, criu))
+    })?;
+    let took = t.elapsed();
+    let unsent = (criu.as_ref())
+        .filter(|d| d.sent.files == 0 && !d.seen.is_empty())
+        .map(dumping::Dumped::seen);
+    let criu = criu.map(|d| d.sent).unwrap_or_default();
+    let sent = HeldSent {
+        gpu,
+        criu,
+        copying: copied.sent,
+        copying_rounds: copied.rounds,
+        took,
+        unsent,
+    };
+    Ok((stream, sender, Some(sent)))
 }

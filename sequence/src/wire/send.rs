@@ -370,6 +370,44 @@ impl DirSender {
         sent.map_err(|e| self.failed(stream, e))
     }
 
+    /// A round ahead ([`DirSender::send_ahead`]) of only the regular files `files` (relative
+    /// to `dir`) and the directories above them, each as it is now (one not there, left out):
+    /// for files being written while the job is held, before the `Cut`, each time the writer's
+    /// account ([`DirSender::told`]) names what is complete (a migration's GPU images while its
+    /// final copy runs). Only after a round of the whole directory.
+    pub fn send_ahead_only<S: Read + Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        files: &[String],
+    ) -> Result<Totals, WireError> {
+        let sent = (|| {
+            if !self.sent_ahead || self.first_part.is_some() {
+                return Err(SendError::Unsupported {
+                    path: dir.to_path_buf(),
+                    what: "a round of some files before the first round or after the cut",
+                });
+            }
+            let mut all = Vec::new();
+            list(dir, "", &mut all, false)?;
+            let above = |d: &str| files.iter().any(|f| f.starts_with(&format!("{d}/")));
+            let entries: Vec<Entry> = (all.into_iter())
+                .filter(|e| match e {
+                    Entry::File(h) => files.contains(&h.path),
+                    Entry::Dir(d) => above(&d.path),
+                    Entry::Slice { .. } => false,
+                })
+                .collect();
+            let written = std::mem::take(&mut self.written);
+            let sent = self.ahead_part(stream, dir, entries, &written)?;
+            Ok(Totals {
+                files: sent.totals.files,
+                bytes: sent.bytes,
+            })
+        })();
+        sent.map_err(|e| self.failed(stream, e))
+    }
+
     /// The `Cut`, and the first part of the final set, while the rest of `dir` is still being
     /// written: the directories `under` (relative to `dir`, each there) and what they hold,
     /// complete by now and not to change (a migration's GPU images, sent while CRIU dumps the

@@ -451,6 +451,69 @@ fn a_writer_s_account_of_its_writes_is_what_is_read_again() {
     );
 }
 
+/// A round of some files only (a migration's GPU images while the held job's final copy writes
+/// them): only the files named and the pieces the writer's account names go; another file
+/// changed meanwhile waits for the final set; then the final set, told only what was not
+/// settled by that round, sends nothing of it again, and DEST is bit-exact.
+#[test]
+fn a_round_of_some_files_sends_only_them_and_the_final_set_only_what_it_left() {
+    let (_tmp, src, out) = dirs();
+    fs::create_dir(src.join("gpu")).unwrap();
+    let big = src.join("gpu/data-000.bin");
+    let other = src.join("gpu/data-001.bin");
+    fs::write(&big, noise(6 * CHUNK_BYTES)).unwrap();
+    fs::write(&other, noise(2 * CHUNK_BYTES)).unwrap();
+    fs::write(src.join("possum.json"), b"{}").unwrap();
+    let dest = out.join("image");
+    let (mut a, mut sender, receiver) = sender_to(&dest);
+    let err = sender
+        .send_ahead_only(&mut a, &src, &["gpu/data-000.bin".to_string()])
+        .unwrap_err();
+    assert!(err.to_string().contains("before the first round"), "{err}");
+    let (mut a, mut sender, receiver) = {
+        drop((a, sender, receiver));
+        sender_to(&dest)
+    };
+    sender.send_ahead(&mut a, &src).unwrap();
+
+    // While held: two pieces of the big file written, one complete and told; the other file
+    // changed too.
+    rewrite(&big, 2 * CHUNK_BYTES as u64, &noise(CHUNK_BYTES));
+    rewrite(&big, 4 * CHUNK_BYTES as u64, &noise(CHUNK_BYTES));
+    rewrite(&other, 0, &noise(10));
+    let settled_range = (2 * CHUNK_BYTES as u64, CHUNK_BYTES as u64);
+    let mut w = Written::new();
+    w.add(inode_of(&big), [settled_range]);
+    sender.told(w.clone());
+    let part = sender
+        .send_ahead_only(&mut a, &src, &["gpu/data-000.bin".to_string()])
+        .unwrap();
+    assert_eq!(
+        part,
+        Totals {
+            files: 1,
+            bytes: CHUNK_BYTES as u64
+        },
+        "the settled piece alone"
+    );
+
+    // The final set: the copy's whole account, without what that round settled.
+    let mut all = Written::new();
+    all.add(
+        inode_of(&big),
+        [settled_range, (4 * CHUNK_BYTES as u64, CHUNK_BYTES as u64)],
+    );
+    all.add(inode_of(&other), [(0, 10)]);
+    sender.told(all.without(&w));
+    let report = finish(sender, &mut a, &src, receiver);
+    assert_eq!(
+        report.sent_bytes,
+        2 * CHUNK_BYTES as u64,
+        "the big file's unsettled piece and the other's changed piece (possum.json unchanged)"
+    );
+    assert_arrived(&src, &dest, &out);
+}
+
 /// Received to be synced later (a migration's): a round ahead and the final set arrive
 /// bit-exact, named holding the unsynced mark (which a restore refuses) until
 /// `make_durable` syncs them and takes it away.

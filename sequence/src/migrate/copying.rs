@@ -1,0 +1,210 @@
+//! While the held job's final copy writes its GPU images (part of [`super`]): each chunk it has
+//! completed, as its journal says (`JournalWrites`, the engine's `JournalRecord`s), goes to the
+//! destination in a round ahead of only the files written, before the `Cut`. What such a round
+//! read after its chunk was complete is settled, until the journal says it was written again
+//! (a chunk the copy took again, its proof by fingerprint having failed): the final set does
+//! not read a settled range again.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Duration;
+
+use possum_engine::image::JournalRecord;
+
+use super::held_send::{ReadWrite, What};
+use crate::wire::{DirSender, Totals, WireError, Written};
+
+/// A round goes once the chunks completed since the last hold this many bytes (or the copy is
+/// over): a part costs a round trip.
+const ROUND_BYTES: u64 = 32 << 20;
+
+/// How often the journal is read while it has nothing new.
+const POLL: Duration = Duration::from_millis(2);
+
+/// What the send while the copy runs follows.
+pub(super) struct Copying {
+    /// The image's temporary directory (what the rounds ahead sent).
+    pub(super) dir: PathBuf,
+    /// The journal the job's final copy writes.
+    pub(super) journal: PathBuf,
+    /// The regular files under `dir` as the copy began, by (device, inode): their paths
+    /// relative to it. A chunk in another file waits for the final set.
+    pub(super) files: HashMap<(u64, u64), String>,
+}
+
+impl Copying {
+    /// To follow `journal`, the copy writing into the files under `dir` now.
+    pub(super) fn new(dir: &Path, journal: &Path) -> Copying {
+        let mut files = HashMap::new();
+        files_under(dir, "", journal, &mut files);
+        Copying {
+            dir: dir.to_path_buf(),
+            journal: journal.to_path_buf(),
+            files,
+        }
+    }
+}
+
+/// The regular files under `root/rel` but `skip`, by (device, inode), into `out`. What cannot
+/// be listed is left out (its chunks wait for the final set).
+fn files_under(root: &Path, rel: &str, skip: &Path, out: &mut HashMap<(u64, u64), String>) {
+    let Ok(entries) = fs::read_dir(root.join(rel)) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        let r = if rel.is_empty() {
+            name
+        } else {
+            format!("{rel}/{name}")
+        };
+        let Ok(meta) = fs::symlink_metadata(e.path()) else {
+            continue;
+        };
+        if meta.is_dir() {
+            files_under(root, &r, skip, out);
+        } else if meta.is_file() && e.path() != skip {
+            out.insert((meta.dev(), meta.ino()), r);
+        }
+    }
+}
+
+/// What the rounds sent while the copy ran.
+#[derive(Debug, Default)]
+pub(super) struct Copied {
+    /// Files and bytes sent.
+    pub(super) sent: Totals,
+    /// The ranges read by a round after their chunk was complete, and not written since.
+    pub(super) settled: Written,
+    /// Rounds sent.
+    pub(super) rounds: u32,
+}
+
+/// The journal as read so far.
+struct Journal {
+    path: PathBuf,
+    file: Option<File>,
+    /// Bytes of a record not whole yet.
+    partial: Vec<u8>,
+}
+
+impl Journal {
+    /// The chunks recorded since the last call (none while the file is not there yet).
+    fn read_new(&mut self) -> io::Result<Vec<JournalRecord>> {
+        if self.file.is_none() {
+            match File::open(&self.path) {
+                Ok(f) => self.file = Some(f),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+                Err(e) => return Err(e),
+            }
+        }
+        let Some(file) = self.file.as_mut() else {
+            return Ok(Vec::new());
+        };
+        file.read_to_end(&mut self.partial)?;
+        let whole = self.partial.len() / JournalRecord::BYTES * JournalRecord::BYTES;
+        let records = (self.partial[..whole].chunks_exact(JournalRecord::BYTES))
+            .filter_map(|rec| rec.try_into().ok().map(JournalRecord::from_bytes))
+            .collect();
+        self.partial.drain(..whole);
+        Ok(records)
+    }
+}
+
+impl Copied {
+    /// The chunks `records` wrote are to be sent (`pending`), and no longer settled.
+    fn written(
+        &mut self,
+        records: Vec<JournalRecord>,
+        pending: &mut HashMap<(u64, u64), Vec<(u64, u64)>>,
+    ) {
+        if records.is_empty() {
+            return;
+        }
+        let mut fresh = Written::new();
+        for r in records {
+            fresh.add(r.inode, [(r.at, r.len)]);
+            pending.entry(r.inode).or_default().push((r.at, r.len));
+        }
+        self.settled = self.settled.without(&fresh);
+    }
+}
+
+/// Sends on `stream`, round after round, the chunks the copy `c` completed, until `next` says
+/// what comes after (the final set's first part: returned, once the journal, complete by then,
+/// is read to its end) or is gone (none). A journal that cannot be read settles nothing and ends
+/// the rounds, not the send; so does a file of the copy gone from its name (the images
+/// committed: the copy is over).
+pub(super) fn send_while_copying(
+    sender: &mut DirSender,
+    stream: &mut dyn ReadWrite,
+    c: &Copying,
+    next: &Receiver<What>,
+) -> Result<(Copied, Option<What>), WireError> {
+    let mut journal = Journal {
+        path: c.journal.clone(),
+        file: None,
+        partial: Vec::new(),
+    };
+    let mut copied = Copied::default();
+    let mut pending: HashMap<(u64, u64), Vec<(u64, u64)>> = HashMap::new();
+    let (mut readable, mut rounds) = (true, true);
+    loop {
+        // (Told what follows only once the copy is over: its journal is complete, and read to
+        // its end after.)
+        let next = next.try_recv();
+        if readable {
+            match journal.read_new() {
+                Ok(records) => copied.written(records, &mut pending),
+                Err(_) => {
+                    (readable, rounds) = (false, false);
+                    copied.settled = Written::new();
+                }
+            }
+        }
+        match next {
+            Ok(what) => return Ok((copied, Some(what))),
+            Err(TryRecvError::Disconnected) => return Ok((copied, None)),
+            Err(TryRecvError::Empty) => {}
+        }
+        pending.retain(|inode, _| c.files.contains_key(inode));
+        let bytes: u64 = pending.values().flatten().map(|(_, len)| len).sum();
+        if !rounds || bytes < ROUND_BYTES {
+            std::thread::sleep(POLL);
+            continue;
+        }
+        let round: Vec<_> = pending.drain().collect();
+        let mut told = Written::new();
+        let mut paths = Vec::new();
+        for (inode, ranges) in &round {
+            told.add(*inode, ranges.iter().copied());
+            paths.push(c.files[inode].clone());
+        }
+        sender.told(told);
+        let sent = sender.send_ahead_only(&mut &mut *stream, &c.dir, &paths)?;
+        copied.sent.files += sent.files;
+        copied.sent.bytes += sent.bytes;
+        copied.rounds += 1;
+        // Settled only where the round read the file: still there under its name after the
+        // round (the images are renamed at their commit, and never back). A file gone is read
+        // again by the final set.
+        for (inode, ranges) in round {
+            if still_there(&c.dir.join(&c.files[&inode]), inode) {
+                copied.settled.add(inode, ranges);
+            } else {
+                rounds = false;
+            }
+        }
+    }
+}
+
+/// Whether `path` is the file `inode`.
+fn still_there(path: &Path, inode: (u64, u64)) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == inode)
+}
