@@ -359,7 +359,7 @@ impl DirSender {
             match self.first_slice.filter(|_| first) {
                 Some(slice) => self.ahead_in_slices(stream, dir, entries, written, slice),
                 None => {
-                    let sent = self.ahead_part(stream, dir, entries, &written)?;
+                    let sent = self.ahead_part(stream, dir, entries, (&written, true))?;
                     Ok(Totals {
                         files: sent.totals.files,
                         bytes: sent.bytes,
@@ -373,8 +373,10 @@ impl DirSender {
     /// A round ahead ([`DirSender::send_ahead`]) of only the regular files `files` (relative
     /// to `dir`) and the directories above them, each as it is now (one not there, left out):
     /// for files being written while the job is held, before the `Cut`, each time the writer's
-    /// account ([`DirSender::told`]) names what is complete (a migration's GPU images while its
-    /// final copy runs). Only after a round of the whole directory.
+    /// account ([`DirSender::told`]) names what it completed (a migration's GPU images while
+    /// its final copy runs). The pieces the account names are sent without being compared with
+    /// what was sent ahead: the writer wrote them again. Only after a round of the whole
+    /// directory.
     pub fn send_ahead_only<S: Read + Write>(
         &mut self,
         stream: &mut S,
@@ -399,7 +401,7 @@ impl DirSender {
                 })
                 .collect();
             let written = std::mem::take(&mut self.written);
-            let sent = self.ahead_part(stream, dir, entries, &written)?;
+            let sent = self.ahead_part(stream, dir, entries, (&written, false))?;
             Ok(Totals {
                 files: sent.totals.files,
                 bytes: sent.bytes,
@@ -445,7 +447,7 @@ impl DirSender {
             }
             self.cut(stream)?;
             let written = std::mem::take(&mut self.written);
-            let bases = bases(dir, &entries, self.ahead.clone(), &written);
+            let bases = bases(dir, &entries, self.ahead.clone(), (&written, true));
             for (inode, _) in bases.values() {
                 self.ahead.remove(inode);
             }
@@ -670,9 +672,9 @@ impl DirSender {
         stream: &mut S,
         dir: &Path,
         entries: Vec<Entry>,
-        written: &Written,
+        (written, compare): (&Written, bool),
     ) -> Result<Sent, SendError> {
-        let continued = bases(dir, &entries, self.ahead.clone(), written);
+        let continued = bases(dir, &entries, self.ahead.clone(), (written, compare));
         let mut known = std::mem::take(&mut self.ahead);
         let mut paths = std::mem::take(&mut self.ahead_paths);
         let sent = self.send_part(
@@ -725,7 +727,7 @@ impl DirSender {
                     Entry::File(_) | Entry::Slice { .. } => None,
                 })
                 .collect();
-            let sent = self.ahead_part(stream, dir, part, &written)?;
+            let sent = self.ahead_part(stream, dir, part, (&written, true))?;
             totals.bytes += sent.bytes;
             if upto >= longest {
                 return Ok(totals);
@@ -774,7 +776,7 @@ impl DirSender {
                     std::mem::take(&mut self.written),
                 );
                 let t = Instant::now();
-                let mut bases = bases(dir, &entries, ahead, &written);
+                let mut bases = bases(dir, &entries, ahead, (&written, true));
                 hashing = t.elapsed();
                 later = leave_for_later(&mut bases, &self.later_under);
                 Sending::Final(bases)
@@ -1314,13 +1316,14 @@ fn leave_for_later(
 /// file: its device and inode; not shorter than it was sent), with the pieces of it that
 /// changed since: each piece sent ahead that may have changed (`written`) hashed again, the
 /// pieces of all the files in parallel (at most 8 workers), a changed one a [`Patch`] carrying
-/// its hash now. A file that cannot be read there is no base (it is then sent whole, or fails
-/// its send).
+/// its hash now; without `compare`, each such piece a [`Patch`] without reading it (the writer
+/// says it changed). A file that cannot be read there is no base (it is then sent whole, or
+/// fails its send).
 pub(super) fn bases(
     dir: &Path,
     entries: &[Entry],
     mut ahead: HashMap<(u64, u64), AheadFile>,
-    written: &Written,
+    (written, compare): (&Written, bool),
 ) -> HashMap<String, ((u64, u64), Base)> {
     let candidates: Vec<(&str, (u64, u64), AheadFile, fs::File)> = entries
         .iter()
@@ -1350,7 +1353,23 @@ pub(super) fn bases(
         })
         .collect();
     let readable: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(true)).collect();
-    let changed: Vec<Mutex<Vec<Patch>>> = candidates.iter().map(|_| Mutex::default()).collect();
+    let mut changed: Vec<Mutex<Vec<Patch>>> = candidates.iter().map(|_| Mutex::default()).collect();
+    if !compare {
+        // (Told changed: each piece the account names is sent, not read and compared first.)
+        for &(c, p) in &work {
+            let patch = Patch {
+                offset: p.offset,
+                len: p.len,
+                hash: None,
+                later: false,
+            };
+            changed[c]
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(patch);
+        }
+    }
+    let work = if compare { work } else { Vec::new() };
     let next = AtomicUsize::new(0);
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())

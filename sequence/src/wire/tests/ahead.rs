@@ -452,7 +452,8 @@ fn a_writer_s_account_of_its_writes_is_what_is_read_again() {
 }
 
 /// A round of some files only (a migration's GPU images while the held job's final copy writes
-/// them): only the files named and the pieces the writer's account names go; another file
+/// them): only the files named and the pieces the writer's account names go (unread before:
+/// the writer says they changed); another file
 /// changed meanwhile waits for the final set; then the final set, told only what was not
 /// settled by that round, sends nothing of it again, and DEST is bit-exact.
 #[test]
@@ -495,6 +496,15 @@ fn a_round_of_some_files_sends_only_them_and_the_final_set_only_what_it_left() {
             bytes: CHUNK_BYTES as u64
         },
         "the settled piece alone"
+    );
+    // Told again, unchanged: sent again all the same (the writer's word is not checked).
+    sender.told(w.clone());
+    let again = sender
+        .send_ahead_only(&mut a, &src, &["gpu/data-000.bin".to_string()])
+        .unwrap();
+    assert_eq!(
+        again.bytes, CHUNK_BYTES as u64,
+        "told, sent without a comparison"
     );
 
     // The final set: the copy's whole account, without what that round settled.
