@@ -207,6 +207,8 @@ def one_mode(a, mode, work, log):
                               bytes_while_held=(j or {}).get("bytes_while_held"),
                               bytes_while_dumping=(j or {}).get("bytes_while_dumping"),
                               criu_bytes_while_dumping=(j or {}).get("criu_bytes_while_dumping"),
+                              bytes_while_copying=(j or {}).get("bytes_while_copying"),
+                              rounds_while_copying=(j or {}).get("rounds_while_copying"),
                               post_copy=(j or {}).get("post_copy"),
                               timings=(j or {}).get("timings"), received_ok=bool(received),
                               received=(received or {}).get("timings"),

@@ -16,7 +16,8 @@
 #       The migrations the frozen run does not make, with the defaults, migration alone
 #       (--migrate-only): 32 GiB of fp16 weights read every step and 64 MiB of state; a training
 #       job writing 8 GiB of state every step (no weights). -> $OUT/speculation-bars.jsonl
-#       SPEC_BARS picks the jobs ("GIB MIB TAG,..."); SPEC_HUGE=1 puts both ends' images on a
+#       SPEC_BARS picks the jobs ("GIB MIB TAG,..."), SPEC_MIGRATE_FLAGS more of `possum
+#       migrate`'s flags (e.g. "--max-rate 10Gbit"); SPEC_HUGE=1 puts both ends' images on a
 #       tmpfs mounted with huge=always (2 MiB pages: the first round's copy into it is not
 #       held to the 4 KiB pages' rate). SPEC_SAMPLE=1 samples the host every second while each
 #       job runs and migrates (free memory, tmpfs, compaction and reclaim counters, the busiest
@@ -119,7 +120,7 @@ bars|slices|hold|criu-stream|copy-stream)
         # shellcheck disable=SC2086
         timeout -k 5 "${SPEC_RUN_S:-150}" python3 eval/speculation.py frozen --out "$res/$tag" \
             --gib "$gib" --state-mib "$mib" --modes speculative --migrate-only ${SPEC_FLAGS:-} \
-            > "$res/speculation-$tag.log" 2>&1
+            --migrate-flags "${SPEC_MIGRATE_FLAGS:-}" > "$res/speculation-$tag.log" 2>&1
         if [ -n "$sampler" ]; then
             kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
             grep -h "possum: " "$res/$tag"/speculation-possum.log "$res/$tag"/*receive.err > "$out/notes-$tag.log" 2>/dev/null

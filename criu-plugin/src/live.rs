@@ -470,7 +470,7 @@ fn release_possum(
             source: Box::new(source),
         })?;
     let release = steps.time("release", || {
-        job::cut(pid, part.socket.to(), None).map_err(JobError::into_control)
+        job::cut(pid, part.socket.to(), (None, None)).map_err(JobError::into_control)
     });
     if let Err(source) = release {
         let undo = Undo::resumed(resume_now(&part));

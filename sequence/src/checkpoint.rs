@@ -704,10 +704,6 @@ fn keeper_of(pid: i32) -> Option<KeeperOfJob> {
     })
 }
 
-/// The file in a checkpoint's temporary directory where the job's final copy records the chunks
-/// it writes, while it copies, for an observer that reads it ([`Observer::cutting`]).
-const FINAL_COPY_JOURNAL: &str = ".final-copy.journal";
-
 /// The temporary sibling of `dir` a checkpoint is written under.
 fn temp_sibling(dir: &Path) -> Result<PathBuf, PlanError> {
     let name = dir
@@ -994,29 +990,23 @@ impl<'a> Run<'a> {
         self.guard.step(Step::Releasing);
         let keeping = (!p.leave_running && !p.gpu_only && self.plan.keeper.is_some())
             .then_some(p.keep_on_gpu);
-        // (Inside the temporary directory, where the job may write; gone before anything sends
-        // that directory whole.)
-        let journal = self.tmp.join(FINAL_COPY_JOURNAL);
-        let journaled = obs.cutting(&self.tmp, &journal);
-        if journaled {
-            if let Err(e) = job::journal_writes(p.pid, To::Sockets(&p.sockets), &journal) {
-                obs.note(&format!("the final copy is not journaled: {e}"));
-            }
-        }
+        // (In the temporary directory, where the job may write; gone once the cut is over.)
+        let journal = self.tmp.join(job::FINAL_COPY_JOURNAL);
+        let journal = obs.cutting(&self.tmp, &journal).then_some(journal);
         let r = timed(&mut self.figures.release, || {
-            job::cut(p.pid, To::Sockets(&p.sockets), keeping)
-        });
-        if journaled {
-            let _ = fs::remove_file(&journal);
-        }
-        let r = r?;
+            job::cut(
+                p.pid,
+                To::Sockets(&p.sockets),
+                (keeping, journal.as_deref()),
+            )
+        })?;
         self.written = Written::new();
         add_written(&mut self.written, &r.body.finals);
         self.held_memory = HeldMemory::from_release(p.pid, &r.body);
         self.release_report = Some(r);
         for &c in &self.plan.possum_children {
             let r = timed(&mut self.figures.release, || {
-                job::cut(c, To::Sockets(&p.sockets), keeping)
+                job::cut(c, To::Sockets(&p.sockets), (keeping, None))
             })
             .map_err(|source| CutError::Child { pid: c, source })?;
             add_written(&mut self.written, &r.body.finals);

@@ -158,21 +158,33 @@ pub fn precopy_round(pid: i32, to: To<'_>) -> Result<Reply<CheckpointReply>, Job
     ask_to(pid, to, &Request::PrecopyRound)
 }
 
+/// The file in a checkpoint's temporary directory where the job's final copy records the chunks
+/// it writes, while it copies, for an observer that reads it (`Observer::cutting`).
+pub const FINAL_COPY_JOURNAL: &str = ".final-copy.journal";
+
 /// Cut of one process (T0): its GPU operations held, what was written since the pre-copy
 /// copied and the buffers' memory released (`keeping`: left with the keeper, which holds it
-/// that many seconds once the job is gone).
-pub fn cut(pid: i32, to: To<'_>, keeping: Option<u64>) -> Result<Reply<ReleaseReply>, JobError> {
+/// that many seconds once the job is gone). With `journal`, the final copy first asked to
+/// record each chunk it completes in that file (a job that cannot is cut all the same: its
+/// chunks are then sent after the copy), which is removed once the cut is over.
+pub fn cut(
+    pid: i32,
+    to: To<'_>,
+    (keeping, journal): (Option<u64>, Option<&Path>),
+) -> Result<Reply<ReleaseReply>, JobError> {
+    if let Some(j) = journal {
+        let path = j.to_string_lossy().into_owned();
+        let _ = ask_to::<JournalReply>(pid, to, &Request::JournalWrites { path });
+    }
     let req = match keeping {
         Some(hold_secs) => Request::ReleaseKeeping { hold_secs },
         None => Request::Release,
     };
-    ask_to(pid, to, &req)
-}
-
-/// Asks one process's next cut to record each chunk its final copy writes in `journal`.
-pub fn journal_writes(pid: i32, to: To<'_>, journal: &Path) -> Result<(), JobError> {
-    let path = journal.to_string_lossy().into_owned();
-    ask_to::<JournalReply>(pid, to, &Request::JournalWrites { path }).map(|_| ())
+    let cut = ask_to(pid, to, &req);
+    if let Some(j) = journal {
+        let _ = std::fs::remove_file(j);
+    }
+    cut
 }
 
 /// How a kept checkpoint is saved once its job runs again: the shadow budget (MiB; `None`: the
@@ -275,13 +287,13 @@ mod tests {
                 .kept
         );
         precopy(me, by_dir, "/i/gpu".into(), true, Some("/p/gpu".into())).unwrap();
-        let e = cut(me, by_dir, None).unwrap_err();
+        let e = cut(me, by_dir, (None, None)).unwrap_err();
         assert!(matches!(e, JobError::Failed { .. }), "{e}");
         assert_eq!(
             e.into_control().to_string(),
             "possum in the job answered with an error: release refused"
         );
-        cut(me, at, Some(30)).unwrap();
+        cut(me, at, (Some(30), None)).unwrap();
         resume(me, by_dir, "/i/gpu".into(), Some((Some(64), None))).unwrap();
         resume(me, at, "/i/gpu".into(), None).unwrap();
         resume_sent(me, by_dir, "/i/gpu".into()).unwrap();

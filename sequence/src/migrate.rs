@@ -83,7 +83,7 @@ use crate::wire::{
 use crate::{MigrateStep, Observer};
 use error::restore_socket_dir;
 pub use error::{JobAt, MigrateError};
-use held_send::{paced, HeldSend, HeldSent};
+use held_send::{paced, HeldSend, HeldSent, SentEarly};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
 pub use source::restore_after_migration;
 use source::{let_go, send_killing, AtSource, Fallback};
@@ -446,8 +446,8 @@ impl SendAhead<'_> {
             .unwrap_or_else(|e| std::panic::resume_unwind(e))
         {
             Ok((stream, sender, sent)) => {
-                if let Some(sent) = &sent {
-                    self.note_held_sent(sent);
+                for note in sent.iter().flat_map(HeldSent::notes) {
+                    self.obs.note(&note);
                 }
                 self.held_sent = sent;
                 Ok(Link { stream, sender })
@@ -455,32 +455,6 @@ impl SendAhead<'_> {
             Err(e) => Err(Early::Send(Box::new(e))),
         };
         self.link = Some(link);
-    }
-}
-
-impl SendAhead<'_> {
-    fn note_held_sent(&mut self, sent: &HeldSent) {
-        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
-        if sent.copying_rounds > 0 {
-            self.obs.note(&format!(
-                "sent while the job's final copy ran: {:.1} MiB in {} rounds",
-                mib(sent.copying.bytes),
-                sent.copying_rounds
-            ));
-        }
-        self.obs.note(&format!(
-            "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB ({:.1} MiB \
-             of CRIU's pages as it wrote them) in {:.0} ms",
-            sent.gpu.files + sent.criu.files,
-            mib(sent.gpu.bytes + sent.criu.bytes),
-            mib(sent.criu.bytes),
-            sent.took.as_secs_f64() * 1e3
-        ));
-        if let Some(seen) = &sent.unsent {
-            self.obs.note(&format!(
-                "no part of CRIU's pages file was whole while it dumped ({seen})"
-            ));
-        }
     }
 }
 
@@ -747,19 +721,6 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     })
 }
 
-/// The bytes sent while the job was held, before the rest of its image.
-#[derive(Debug, Clone, Copy, Default)]
-struct SentEarly {
-    /// While the driver and CRIU worked.
-    dumping: u64,
-    /// Of those, CRIU's pages.
-    criu: u64,
-    /// While the final copy ran, before them.
-    copying: u64,
-    /// In so many rounds.
-    copying_rounds: u32,
-}
-
 /// Readies `sender` for the rest of the image `held` committed: the pieces the cut wrote,
 /// unless the GPU images went while the driver and CRIU worked (`held_sent`: then they go on
 /// from there unchanged, and `timings` get that send's time); the job's private memory split
@@ -771,21 +732,11 @@ fn rest_of_the_image(
     part_bytes: u64,
     timings: &mut MigrateTimings,
 ) -> SentEarly {
-    let held_bytes = match held_sent {
-        None => {
-            sender.told(held.written_at_cut());
-            SentEarly::default()
-        }
-        Some(sent) => {
-            timings.held_send = sent.took;
-            SentEarly {
-                dumping: sent.gpu.bytes + sent.criu.bytes,
-                criu: sent.criu.bytes,
-                copying: sent.copying.bytes,
-                copying_rounds: sent.copying_rounds,
-            }
-        }
-    };
+    let held_bytes = SentEarly::of(held_sent.as_ref());
+    match held_sent {
+        None => sender.told(held.written_at_cut()),
+        Some(sent) => timings.held_send = sent.took,
+    }
     let criu = held.dir().join("criu");
     // (A draft sent ahead that became one goes as the file sent ahead: the wire sees to it.)
     for name in possum_criu::hostmem::whole_data_files(&criu).unwrap_or_default() {

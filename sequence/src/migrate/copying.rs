@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use possum_engine::image::JournalRecord;
 
-use super::held_send::{ReadWrite, What};
 use crate::wire::{DirSender, Totals, WireError, Written};
 
 /// A round goes once the chunks completed since the last hold this many bytes (or the copy is
@@ -141,12 +140,12 @@ impl Copied {
 /// is read to its end) or is gone (none). A journal that cannot be read settles nothing and ends
 /// the rounds, not the send; so does a file of the copy gone from its name (the images
 /// committed: the copy is over).
-pub(super) fn send_while_copying(
+pub(super) fn send_while_copying<S: Read + Write + ?Sized, T>(
     sender: &mut DirSender,
-    stream: &mut dyn ReadWrite,
+    stream: &mut S,
     c: &Copying,
-    next: &Receiver<What>,
-) -> Result<(Copied, Option<What>), WireError> {
+    next: &Receiver<T>,
+) -> Result<(Copied, Option<T>), WireError> {
     let mut journal = Journal {
         path: c.journal.clone(),
         file: None,

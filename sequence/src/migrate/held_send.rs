@@ -54,6 +54,60 @@ pub(super) struct HeldSent {
     pub(super) took: Duration,
 }
 
+impl HeldSent {
+    /// What to tell the user of it.
+    pub(super) fn notes(&self) -> Vec<String> {
+        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+        let mut notes = Vec::new();
+        if self.copying_rounds > 0 {
+            notes.push(format!(
+                "sent while the job's final copy ran: {:.1} MiB in {} rounds",
+                mib(self.copying.bytes),
+                self.copying_rounds
+            ));
+        }
+        notes.push(format!(
+            "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB ({:.1} MiB \
+             of CRIU's pages as it wrote them) in {:.0} ms",
+            self.gpu.files + self.criu.files,
+            mib(self.gpu.bytes + self.criu.bytes),
+            mib(self.criu.bytes),
+            self.took.as_secs_f64() * 1e3
+        ));
+        if let Some(seen) = &self.unsent {
+            notes.push(format!(
+                "no part of CRIU's pages file was whole while it dumped ({seen})"
+            ));
+        }
+        notes
+    }
+}
+
+/// The bytes sent while the job was held, before the rest of its image.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SentEarly {
+    /// While the driver and CRIU worked.
+    pub(super) dumping: u64,
+    /// Of those, CRIU's pages.
+    pub(super) criu: u64,
+    /// While the final copy ran, before them.
+    pub(super) copying: u64,
+    /// In so many rounds.
+    pub(super) copying_rounds: u32,
+}
+
+impl SentEarly {
+    /// What `sent` sent (nothing where nothing was sent while held).
+    pub(super) fn of(sent: Option<&HeldSent>) -> SentEarly {
+        sent.map_or_else(SentEarly::default, |s| SentEarly {
+            dumping: s.gpu.bytes + s.criu.bytes,
+            criu: s.criu.bytes,
+            copying: s.copying.bytes,
+            copying_rounds: s.copying_rounds,
+        })
+    }
+}
+
 /// What the send takes: the image directory being written, its GPU images' directories (under
 /// it), what the cut wrote in them, and the pages file to follow, if any.
 pub(super) struct What {
