@@ -154,19 +154,16 @@ bars|slices|hold|criu-stream|copy-stream)
             fi
             continue
         fi
-        if [ "$1" = copy-stream ]; then
-            # The final copy's chunks sent after it, then as it completes them (the default).
+        # An A/B of one switch: each run first with the variable at 0, then with the default.
+        case "$1" in
+            copy-stream) ab=(POSSUM_MIGRATE_SEND_WHILE_COPYING after copying) ;;  # the final copy's chunks
+            criu-stream) ab=(POSSUM_MIGRATE_STREAM_CRIU after streamed) ;;  # CRIU's pages file
+            *) ab=() ;;
+        esac
+        if [ ${#ab[@]} -gt 0 ]; then
             for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
-                POSSUM_MIGRATE_SEND_WHILE_COPYING=0 bar "$gib" "$mib" "$tag-after-$i"
-                bar "$gib" "$mib" "$tag-copying-$i"
-            done
-            continue
-        fi
-        if [ "$1" = criu-stream ]; then
-            # CRIU's pages file sent after the dump, then as CRIU writes it (the default).
-            for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
-                POSSUM_MIGRATE_STREAM_CRIU=0 bar "$gib" "$mib" "$tag-after-$i"
-                bar "$gib" "$mib" "$tag-streamed-$i"
+                (export "${ab[0]}=0"; bar "$gib" "$mib" "$tag-${ab[1]}-$i")
+                bar "$gib" "$mib" "$tag-${ab[2]}-$i"
             done
             continue
         fi
