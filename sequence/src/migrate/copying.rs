@@ -1,9 +1,9 @@
 //! While the held job's final copy writes its GPU images (part of [`super`]): each chunk it has
 //! completed, as its journal says (`JournalWrites`, the engine's `JournalRecord`s), goes to the
 //! destination in a round ahead of only the files written, before the `Cut`. What such a round
-//! read after its chunk was complete is settled, until the journal says it was written again
-//! (a chunk the copy took again, its proof by fingerprint having failed): the final set does
-//! not read a settled range again.
+//! read after its chunk was complete, from the file still under its name after the round, is
+//! settled, until the journal says it was written again (a chunk the copy took again, its proof
+//! by fingerprint having failed): the final set does not read a settled range again.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -17,8 +17,8 @@ use possum_engine::image::JournalRecord;
 
 use crate::wire::{DirSender, Totals, WireError, Written};
 
-/// A round goes once the chunks completed since the last hold this many bytes (or the copy is
-/// over): a part costs a round trip.
+/// A round goes once the chunks completed since the last one hold this many bytes (a part
+/// costs a round trip); what is left when the copy is over goes with the final set.
 const ROUND_BYTES: u64 = 32 << 20;
 
 /// How often the journal is read while it has nothing new.
