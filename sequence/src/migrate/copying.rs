@@ -21,6 +21,9 @@ use crate::wire::{DirSender, Totals, WireError, Written};
 /// costs a round trip); what is left when the copy is over goes with the final set.
 const ROUND_BYTES: u64 = 32 << 20;
 
+/// Chunks completed, by their file's (device, inode): the ranges (offset, length).
+type Chunks = HashMap<(u64, u64), Vec<(u64, u64)>>;
+
 /// How often the journal is read while it has nothing new.
 const POLL: Duration = Duration::from_millis(2);
 
@@ -118,11 +121,7 @@ impl Journal {
 
 impl Copied {
     /// The chunks `records` wrote are to be sent (`pending`), and no longer settled.
-    fn written(
-        &mut self,
-        records: Vec<JournalRecord>,
-        pending: &mut HashMap<(u64, u64), Vec<(u64, u64)>>,
-    ) {
+    fn written(&mut self, records: Vec<JournalRecord>, pending: &mut Chunks) {
         if records.is_empty() {
             return;
         }
@@ -152,7 +151,7 @@ pub(super) fn send_while_copying<S: Read + Write + ?Sized, T>(
         partial: Vec::new(),
     };
     let mut copied = Copied::default();
-    let mut pending: HashMap<(u64, u64), Vec<(u64, u64)>> = HashMap::new();
+    let mut pending = Chunks::new();
     let (mut readable, mut rounds) = (true, true);
     loop {
         // (Told what follows only once the copy is over: its journal is complete, and read to
@@ -178,32 +177,135 @@ pub(super) fn send_while_copying<S: Read + Write + ?Sized, T>(
             std::thread::sleep(POLL);
             continue;
         }
-        let round: Vec<_> = pending.drain().collect();
-        let mut told = Written::new();
-        let mut paths = Vec::new();
-        for (inode, ranges) in &round {
-            told.add(*inode, ranges.iter().copied());
-            paths.push(c.files[inode].clone());
-        }
-        sender.told(told);
-        let sent = sender.send_ahead_only(&mut &mut *stream, &c.dir, &paths)?;
-        copied.sent.files += sent.files;
-        copied.sent.bytes += sent.bytes;
-        copied.rounds += 1;
-        // Settled only where the round read the file: still there under its name after the
-        // round (the images are renamed at their commit, and never back). A file gone is read
-        // again by the final set.
-        for (inode, ranges) in round {
-            if still_there(&c.dir.join(&c.files[&inode]), inode) {
-                copied.settled.add(inode, ranges);
-            } else {
-                rounds = false;
-            }
+        rounds = round(
+            sender,
+            &mut &mut *stream,
+            c,
+            std::mem::take(&mut pending),
+            &mut copied,
+        )?;
+    }
+}
+
+/// One round: the chunks `chunks` names (of files `c` knows) sent as a round ahead of only
+/// their files, what it read settled in `copied`. Settled only where the round read the file:
+/// still there under its name after the round (the images are renamed at their commit, and
+/// never back). A file gone is read again by the final set. Whether every file was there (if
+/// not, the copy is over: no round is worth sending after).
+fn round<S: Read + Write>(
+    sender: &mut DirSender,
+    stream: &mut S,
+    c: &Copying,
+    chunks: Chunks,
+    copied: &mut Copied,
+) -> Result<bool, WireError> {
+    let mut told = Written::new();
+    let mut paths = Vec::new();
+    for (inode, ranges) in &chunks {
+        told.add(*inode, ranges.iter().copied());
+        paths.push(c.files[inode].clone());
+    }
+    sender.told(told);
+    let sent = sender.send_ahead_only(stream, &c.dir, &paths)?;
+    copied.sent.files += sent.files;
+    copied.sent.bytes += sent.bytes;
+    copied.rounds += 1;
+    let mut all_there = true;
+    for (inode, ranges) in chunks {
+        if still_there(&c.dir.join(&c.files[&inode]), inode) {
+            copied.settled.add(inode, ranges);
+        } else {
+            all_there = false;
         }
     }
+    Ok(all_there)
 }
 
 /// Whether `path` is the file `inode`.
 fn still_there(path: &Path, inode: (u64, u64)) -> bool {
     fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == inode)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+    use crate::auth::HmacKey;
+    use crate::wire::receive_dir;
+
+    /// A round of the chunks a copy completed: what it read, from its file still under its
+    /// name, is settled; the same round over a directory renamed meanwhile (the images
+    /// committed) reads nothing and settles nothing, and says so.
+    #[test]
+    fn a_round_settles_only_what_it_read_from_a_file_still_under_its_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, dest) = (tmp.path().join("src"), tmp.path().join("dest"));
+        fs::create_dir_all(src.join(".gpu.tmp")).unwrap();
+        let data = src.join(".gpu.tmp/data-000.bin");
+        fs::write(&data, vec![1u8; 8 << 20]).unwrap();
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let key = || HmacKey::from_bytes(vec![7; 32]).unwrap();
+        let receiving = std::thread::spawn(move || receive_dir(&mut b, &key(), &dest));
+        let mut sender = DirSender::start(&mut a, &key()).unwrap();
+        sender.send_ahead(&mut a, &src).unwrap();
+
+        let journal = src.join(".journal");
+        let c = Copying::new(&src, &journal);
+        let m = fs::metadata(&data).unwrap();
+        let inode = (m.dev(), m.ino());
+        assert_eq!(
+            c.files.get(&inode).map(String::as_str),
+            Some(".gpu.tmp/data-000.bin")
+        );
+        let first = (0u64, 4u64 << 20);
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&data)
+            .unwrap()
+            .write_all(&[2u8; 4 << 20])
+            .unwrap();
+        let mut copied = Copied::default();
+        let there = round(
+            &mut sender,
+            &mut a,
+            &c,
+            [(inode, vec![first])].into(),
+            &mut copied,
+        );
+        assert!(there.unwrap());
+        assert_eq!((copied.rounds, copied.sent.bytes), (1, 4 << 20));
+        let mut want = Written::new();
+        want.add(inode, [first]);
+        assert_eq!(copied.settled, want);
+
+        // Committed: the directory renamed. Nothing is read, nothing settled.
+        fs::rename(src.join(".gpu.tmp"), src.join("gpu")).unwrap();
+        let second = (4u64 << 20, 4u64 << 20);
+        let there = round(
+            &mut sender,
+            &mut a,
+            &c,
+            [(inode, vec![second])].into(),
+            &mut copied,
+        );
+        assert!(!there.unwrap(), "the file is gone from its name");
+        assert_eq!((copied.rounds, copied.sent.bytes), (2, 4 << 20));
+        assert_eq!(copied.settled, want, "the second range is not settled");
+
+        // A chunk written again is no longer settled.
+        let again = JournalRecord {
+            inode,
+            at: 0,
+            len: 1 << 20,
+        };
+        let mut pending = Chunks::new();
+        copied.written(vec![again], &mut pending);
+        let mut left = Written::new();
+        left.add(inode, [(1u64 << 20, 3u64 << 20)]);
+        assert_eq!(copied.settled, left);
+        assert_eq!(pending[&inode], vec![(0, 1 << 20)]);
+        drop((a, sender));
+        let _ = receiving.join();
+    }
 }
