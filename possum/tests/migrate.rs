@@ -1006,6 +1006,25 @@ fn a_driver_engine_job_migrated_on_one_host_runs_on_at_the_destination() {
     ticks_once_each(dir);
 }
 
+/// A job whose buffers are its keeper's memory (`possum run`'s default), migrated with
+/// `--engine driver`: refused before anything is done (the driver's restore of such a process
+/// fails, so the job would be left with no way back), saying what to do instead; the job runs on
+/// at the source, bit-exact.
+#[test]
+fn a_keeper_s_job_is_refused_the_driver_engine_and_runs_on() {
+    let Some(mut t) = kept_job("migrate_driver_keeper") else {
+        return;
+    };
+    let dir = t.tmp.path();
+    let out = migrate_to(dir, &t.job, &t.receiver, &["--engine", "driver"], &[]);
+    let text = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.contains("CUDA_ERROR_NOT_SUPPORTED"), "{text}");
+    assert!(text.contains("--no-keeper"), "{text}");
+    assert!(text.contains("nothing was done"), "{text}");
+    goes_on_like(&mut t.job, dir, &t.want, "refused the driver's engine");
+}
+
 /// 100 connections to `possum receive` that never say anything (more than it handshakes at
 /// once) and 100 that send garbage, all opened before the migration and held open through it, do
 /// not hold it up: it connects within a second, the job runs on at the destination, bit-exact,

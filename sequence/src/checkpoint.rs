@@ -543,7 +543,10 @@ fn plan(p: &CheckpointParams) -> Result<Plan<'_>, PlanError> {
             Err(e) if mapped.hip && e.is_without_possum() => None,
             Err(e) => return Err(e.into()),
         },
-        Engine::Driver => None,
+        Engine::Driver => {
+            refuse_driver_over_keeper(pid, &p.sockets)?;
+            None
+        }
     };
     let runtime = job_runtime(pid, mapped, p.engine, status.as_ref())?;
     if let Some(s) = &status {
@@ -1490,7 +1493,7 @@ impl<'a> Run<'a> {
 mod dump;
 use dump::dump_retrying_transient;
 mod refusals;
-use refusals::{refuse_peers_outside, refuse_unsupported_memory};
+use refusals::{refuse_driver_over_keeper, refuse_peers_outside, refuse_unsupported_memory};
 
 #[cfg(test)]
 mod tests;

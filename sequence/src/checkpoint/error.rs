@@ -189,6 +189,19 @@ pub enum PlanError {
         /// `--gpu-only` was asked.
         gpu_only: bool,
     },
+    /// `--engine driver` for a job whose buffers are a keeper's memory, imported into it.
+    #[error(
+        "process {pid}'s GPU buffers are memory possum's keeper shares with it (`possum run`'s \
+         default): NVIDIA's driver checkpoint takes such a process but cannot restore it (its \
+         restore fails with CUDA_ERROR_NOT_SUPPORTED), here or anywhere, so `--engine driver` \
+         would leave the job with no way back; nothing was done. Use possum's engine (the \
+         default), or start the job with `possum run --no-keeper` to checkpoint it with the \
+         driver's"
+    )]
+    DriverKeeper {
+        /// The process.
+        pid: i32,
+    },
     /// A process maps memory another process shared with it (NCCL's peer buffers) that
     /// possum's keeper does not hold.
     #[error(

@@ -1,9 +1,13 @@
 //! The jobs a checkpoint refuses before anything is done, from their status (part of
 //! [`super`]).
 
+use std::path::Path;
+
 use possum_control::reply::StatusReply;
+use possum_control::Request;
 
 use super::error::PlanError;
+use crate::job::ask;
 
 /// Refuses a job with managed (unified) memory, before anything is done: NVIDIA's driver
 /// checkpoint does not support it, and possum's engine does not save it.
@@ -37,6 +41,21 @@ pub(super) fn refuse_unsupported_memory(
             bytes: m.bytes,
         }),
         _ => Ok(()),
+    }
+}
+
+/// Under the driver's engine, refuses a job whose possum serves its buffers from a keeper's
+/// memory: the driver's restore of a process holding imported memory fails (FINDINGS, the
+/// keeper probe), and the job would be killed or held with no way back. A job without possum
+/// (or whose possum does not answer) is the driver's to take as it is.
+pub(super) fn refuse_driver_over_keeper(pid: i32, sockets: &Path) -> Result<(), PlanError> {
+    let Ok(status) = ask::<StatusReply>(pid, sockets, &Request::Status) else {
+        return Ok(());
+    };
+    let engines = status.body.possum.iter().flat_map(|p| &p.engines);
+    match engines.clone().any(|e| e.keeper.is_some()) {
+        true => Err(PlanError::DriverKeeper { pid }),
+        false => Ok(()),
     }
 }
 
