@@ -147,9 +147,10 @@ def one_mode(a, mode, work, log):
     if os.path.exists(jlog):
         os.remove(jlog)  # an earlier run's steps are not this job's
     err = open(os.path.join(a.out, f"speculation-{mode}.err"), "w")
-    cmd = [POSSUM, "run", "-v", "python3", os.path.join(GPU, "jobs.py"), "mlp", "--steps", "1000000",
-           "--hold-gib", str(a.gib), "--ballast-read-all", "--ballast-half", "--state-mib", str(a.state_mib),
-           "--sleep-ms", str(a.sleep_ms), "--log", jlog, "--report-writes"]
+    cmd = [POSSUM, "run", "-v"] + a.run_flags.split() + [
+        "python3", os.path.join(GPU, "jobs.py"), "mlp", "--steps", "1000000",
+        "--hold-gib", str(a.gib), "--ballast-read-all", "--ballast-half", "--state-mib", str(a.state_mib),
+        "--sleep-ms", str(a.sleep_ms), "--log", jlog, "--report-writes"]
     runner = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
     rec = {"mode": mode, "gib": a.gib, "state_mib": a.state_mib, "env": MODES[mode]}
     m = wait_for(lambda: re.search(r"job pid (\d+)", open(err.name).read()), 60)
@@ -271,6 +272,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=40)
     ap.add_argument("--modes", default="strict,speculative,speculative-2mib")
     ap.add_argument("--migrate-flags", default="")
+    ap.add_argument("--run-flags", default="", help="more of `possum run`'s flags (--no-keeper)")
     ap.add_argument("--migrate-timeout", type=float, default=400)
     ap.add_argument("--warmup-timeout", type=float, default=240)
     ap.add_argument("--migrate-only", action="store_true",
