@@ -89,6 +89,14 @@ sample_host() {
         sleep 0.5
     done
 }
+# SPEC_HUGE=1: both ends' images on a tmpfs mounted with huge=always (made here), through
+# SPEC_FLAGS; $huge names it.
+huge_images() {
+    [ "${SPEC_HUGE:-0}" = 1 ] || return 0
+    huge=/mnt/possum-huge; mkdir -p "$huge"
+    mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || exit 1
+    SPEC_FLAGS="${SPEC_FLAGS:-} --images $huge/images --work $huge/work"
+}
 case "${1:-}" in
 frozen)
     if [ "${SPEC_SELFTEST:-1}" != 0 ]; then
@@ -106,11 +114,7 @@ frozen)
 bars|slices|hold|criu-stream|copy-stream)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
-    if [ "${SPEC_HUGE:-0}" = 1 ]; then
-        huge=/mnt/possum-huge; mkdir -p "$huge"
-        mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || exit 1
-        SPEC_FLAGS="${SPEC_FLAGS:-} --images $huge/images --work $huge/work"
-    fi
+    huge_images
     bar() {  # $1 GIB, $2 MIB, $3 TAG: the job migrated alone, its row into speculation-bars.jsonl
         local gib=$1 mib=$2 tag=$3 sampler=
         if [ "${SPEC_SAMPLE:-0}" = 1 ]; then
@@ -178,11 +182,7 @@ baseline)
     base=${SPEC_BASELINE:-.gpu/baseline}
     [ -x "$base/possum" ] || { echo "no baseline build at $base"; exit 1; }
     base=$(cd "$base" && pwd)
-    if [ "${SPEC_HUGE:-0}" = 1 ]; then
-        huge=/mnt/possum-huge; mkdir -p "$huge"
-        mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || exit 1
-        SPEC_FLAGS="${SPEC_FLAGS:-} --images $huge/images --work $huge/work"
-    fi
+    huge_images
     one() {  # $1 tag, $2 mode; POSSUM from the caller's environment
         # shellcheck disable=SC2086
         timeout -k 5 "${SPEC_RUN_S:-150}" python3 eval/speculation.py frozen --out "$res/$1" \

@@ -83,7 +83,7 @@ use crate::wire::{
 use crate::{MigrateStep, Observer};
 use error::restore_socket_dir;
 pub use error::{JobAt, MigrateError};
-use held_send::{paced, HeldSend, HeldSent, SentEarly};
+use held_send::{paced, HeldSend, HeldSent};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
 pub use source::restore_after_migration;
 use source::{let_go, send_killing, AtSource, Fallback};
@@ -637,7 +637,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         mut sender,
     } = link;
     let parts = p.checkpoint.env.hostmem_part_bytes;
-    let early = rest_of_the_image(&mut sender, &held, ahead.held_sent, parts, &mut timings);
+    let held_sent = ahead.held_sent;
+    rest_of_the_image(&mut sender, &held, held_sent.as_ref(), parts, &mut timings);
     let local = held.dir().to_path_buf();
     let gpu_dirs = post_copy::left_for_later(p.post_copy, &local, &mut sender);
     let sent_counter = sender.sent_counter();
@@ -700,6 +701,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     drop(stream);
     timings.total = t_all.elapsed();
     let image_kept = local_image_after(&synced, &p.checkpoint.dir, obs);
+    // (Nothing sent while held but the rest of the image: none of these.)
+    let early = held_sent.unwrap_or_default();
     Ok(MigrateReport {
         pid: p.checkpoint.pid,
         to: p.to.clone(),
@@ -708,10 +711,10 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         bytes: sent.totals.bytes,
         bytes_before_hold: ahead.sent.bytes,
         rounds: report.figures.precopy_rounds.len(),
-        bytes_while_held: sent.sent_bytes + early.dumping + early.copying,
-        bytes_while_dumping: early.dumping,
-        criu_bytes_while_dumping: early.criu,
-        bytes_while_copying: early.copying,
+        bytes_while_held: sent.sent_bytes + early.dumping_bytes() + early.copying.bytes,
+        bytes_while_dumping: early.dumping_bytes(),
+        criu_bytes_while_dumping: early.criu.bytes,
+        bytes_while_copying: early.copying.bytes,
         rounds_while_copying: early.copying_rounds,
         timings,
         host_memory_ahead: ahead.host_ahead,
@@ -728,11 +731,10 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
 fn rest_of_the_image(
     sender: &mut DirSender,
     held: &crate::HeldCheckpoint<'_>,
-    held_sent: Option<HeldSent>,
+    held_sent: Option<&HeldSent>,
     part_bytes: u64,
     timings: &mut MigrateTimings,
-) -> SentEarly {
-    let held_bytes = SentEarly::of(held_sent.as_ref());
+) {
     match held_sent {
         None => sender.told(held.written_at_cut()),
         Some(sent) => timings.held_send = sent.took,
@@ -745,7 +747,6 @@ fn rest_of_the_image(
         let part = possum_criu::hostmem::part_bytes_for(len, part_bytes);
         sender.send_in_parts(format!("criu/{name}"), part);
     }
-    held_bytes
 }
 
 /// The post-copy's send, the job running at the destination, once the destination answered

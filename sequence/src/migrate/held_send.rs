@@ -38,7 +38,7 @@ pub(super) trait ReadWrite: io::Read + io::Write {}
 impl<T: io::Read + io::Write> ReadWrite for T {}
 
 /// What was sent while the job was held and the driver and CRIU worked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct HeldSent {
     /// The `Cut` and the GPU images.
     pub(super) gpu: Totals,
@@ -55,6 +55,11 @@ pub(super) struct HeldSent {
 }
 
 impl HeldSent {
+    /// The bytes sent while the driver and CRIU worked.
+    pub(super) fn dumping_bytes(&self) -> u64 {
+        self.gpu.bytes + self.criu.bytes
+    }
+
     /// What to tell the user of it.
     pub(super) fn notes(&self) -> Vec<String> {
         let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
@@ -70,7 +75,7 @@ impl HeldSent {
             "sent while the driver and CRIU worked, the job held: {} files, {:.1} MiB ({:.1} MiB \
              of CRIU's pages as it wrote them) in {:.0} ms",
             self.gpu.files + self.criu.files,
-            mib(self.gpu.bytes + self.criu.bytes),
+            mib(self.dumping_bytes()),
             mib(self.criu.bytes),
             self.took.as_secs_f64() * 1e3
         ));
@@ -80,31 +85,6 @@ impl HeldSent {
             ));
         }
         notes
-    }
-}
-
-/// The bytes sent while the job was held, before the rest of its image.
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct SentEarly {
-    /// While the driver and CRIU worked.
-    pub(super) dumping: u64,
-    /// Of those, CRIU's pages.
-    pub(super) criu: u64,
-    /// While the final copy ran, before them.
-    pub(super) copying: u64,
-    /// In so many rounds.
-    pub(super) copying_rounds: u32,
-}
-
-impl SentEarly {
-    /// What `sent` sent (nothing where nothing was sent while held).
-    pub(super) fn of(sent: Option<&HeldSent>) -> SentEarly {
-        sent.map_or_else(SentEarly::default, |s| SentEarly {
-            dumping: s.gpu.bytes + s.criu.bytes,
-            criu: s.criu.bytes,
-            copying: s.copying.bytes,
-            copying_rounds: s.copying_rounds,
-        })
     }
 }
 

@@ -1353,23 +1353,7 @@ pub(super) fn bases(
         })
         .collect();
     let readable: Vec<AtomicBool> = candidates.iter().map(|_| AtomicBool::new(true)).collect();
-    let mut changed: Vec<Mutex<Vec<Patch>>> = candidates.iter().map(|_| Mutex::default()).collect();
-    if !compare {
-        // (Told changed: each piece the account names is sent, not read and compared first.)
-        for &(c, p) in &work {
-            let patch = Patch {
-                offset: p.offset,
-                len: p.len,
-                hash: None,
-                later: false,
-            };
-            changed[c]
-                .get_mut()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(patch);
-        }
-    }
-    let work = if compare { work } else { Vec::new() };
+    let changed: Vec<Mutex<Vec<Patch>>> = candidates.iter().map(|_| Mutex::default()).collect();
     let next = AtomicUsize::new(0);
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -1383,24 +1367,31 @@ pub(super) fn bases(
                     if !readable[c].load(Ordering::Relaxed) {
                         continue;
                     }
-                    let data = &mut buf[..p.len as usize];
-                    if candidates[c].3.read_exact_at(data, p.offset).is_err() {
-                        readable[c].store(false, Ordering::Relaxed);
-                        continue;
-                    }
-                    let now = blake3::hash(data);
-                    if now != blake3::Hash::from_bytes(p.hash) {
-                        let patch = Patch {
-                            offset: p.offset,
-                            len: p.len,
-                            hash: Some(now.to_hex().to_string()),
-                            later: false,
-                        };
-                        changed[c]
-                            .lock()
-                            .unwrap_or_else(PoisonError::into_inner)
-                            .push(patch);
-                    }
+                    // (Told changed, without `compare`: sent, not read and compared first.)
+                    let hash = if compare {
+                        let data = &mut buf[..p.len as usize];
+                        if candidates[c].3.read_exact_at(data, p.offset).is_err() {
+                            readable[c].store(false, Ordering::Relaxed);
+                            continue;
+                        }
+                        let now = blake3::hash(data);
+                        if now == blake3::Hash::from_bytes(p.hash) {
+                            continue;
+                        }
+                        Some(now.to_hex().to_string())
+                    } else {
+                        None
+                    };
+                    let patch = Patch {
+                        offset: p.offset,
+                        len: p.len,
+                        hash,
+                        later: false,
+                    };
+                    changed[c]
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(patch);
                 }
             });
         }
