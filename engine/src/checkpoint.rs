@@ -148,27 +148,23 @@ impl<D: Device> Shared<D> {
     }
 
     /// Hands one copied chunk to the sink, after checking it against its fingerprint at T0.
+    /// (The sink computes the fingerprint as it writes: the bytes are read once.)
     fn write_one(&self, id: u64, off: u64, expect: Option<Fingerprint>, data: &[u8]) {
-        let fp = crate::fingerprint::of(data);
-        if let Some(t0) = expect.filter(|t0| *t0 != fp) {
-            return self.mismatched(Mismatch {
-                buffer: id,
-                offset: off,
-                t0,
-                copied: fp,
-            });
-        }
         let sink = self.sink.read();
-        let r = match sink.as_ref() {
-            Some(sink) => sink.write_chunk_fp(id, off, data, fp),
-            None => Ok(()),
+        let Some(sink) = sink.as_ref() else {
+            return;
         };
-        drop(sink);
-        match r {
-            Ok(()) => {
+        match sink.write_chunk_proving(id, off, data, expect) {
+            Ok(Ok(fp)) => {
                 self.bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
                 self.note_sent(id, off, fp);
             }
+            Ok(Err(copied)) => self.mismatched(Mismatch {
+                buffer: id,
+                offset: off,
+                t0: expect.unwrap_or(copied),
+                copied,
+            }),
             Err(e) => self.fail(e),
         }
     }
@@ -236,6 +232,32 @@ fn fingerprints<D: Device>(
         }
     }
     Ok(Some(out))
+}
+
+/// The threads a session runs: how many write chunks into its sink, and their nice value (and
+/// the copier's).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Threads {
+    writers: usize,
+    nice: i32,
+}
+
+impl Threads {
+    /// A session beside the running job: `writer_threads`, reniced to `background_nice`. One
+    /// that holds the job (`held`): `held_writer_threads` where set, at the job's own priority,
+    /// since nothing of the job runs meanwhile.
+    fn of(cfg: &crate::config::EngineConfig, held: bool) -> Threads {
+        match (held, cfg.held_writer_threads) {
+            (true, n) => Threads {
+                writers: if n == 0 { cfg.writer_threads } else { n }.max(1),
+                nice: 0,
+            },
+            (false, _) => Threads {
+                writers: cfg.writer_threads.max(1),
+                nice: cfg.background_nice,
+            },
+        }
+    }
 }
 
 /// What a session copies of one buffer, by fingerprints.
@@ -395,13 +417,17 @@ struct PrintTally {
 type Prints = HashMap<u64, Arc<[Fingerprint]>>;
 
 impl<D: Device> CkptSession<D> {
+    /// A session copying `mode`'s buffers into `sink`; `snapshot`: a kept save's (see below);
+    /// `held`: the job is held until it is over, so it runs as fast as the host lets it
+    /// ([`Threads::of`]).
     pub(crate) fn begin(
         inner: &Arc<Inner<D>>,
         sink: Arc<dyn ChunkSink>,
         mode: CopyMode,
-        snapshot: bool,
+        (snapshot, held): (bool, bool),
         shadow_saver: Option<Arc<dyn ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
+        let threads = Threads::of(&inner.cfg, held);
         // A pre-copy round fixes no T0: its fingerprints are taken before the gate closes, the
         // job's work going on beside them.
         let early = match mode {
@@ -417,7 +443,7 @@ impl<D: Device> CkptSession<D> {
             CopyMode::Cow | CopyMode::CowDirty => None,
         };
         inner.gate.close();
-        let r = Self::fix_t0(inner, sink, mode, shadow_saver, early);
+        let r = Self::fix_t0(inner, sink, (mode, threads), shadow_saver, early);
         inner.gate.open();
         let session = r?;
         // A kept save's image must hold T0 whatever the job does next. Without fingerprints
@@ -434,7 +460,7 @@ impl<D: Device> CkptSession<D> {
             }
         }
         let inner = Arc::clone(inner);
-        let nice = inner.cfg.background_nice;
+        let nice = threads.nice;
         let join = std::thread::Builder::new()
             .name("possum-copier".into())
             .spawn(move || {
@@ -478,7 +504,7 @@ impl<D: Device> CkptSession<D> {
     fn fix_t0(
         inner: &Arc<Inner<D>>,
         sink: Arc<dyn ChunkSink>,
-        mode: CopyMode,
+        (mode, threads): (CopyMode, Threads),
         shadow_saver: Option<Arc<dyn ShadowSaver>>,
         early: Option<Option<Prints>>,
     ) -> Result<Arc<Self>, EngineError> {
@@ -536,7 +562,15 @@ impl<D: Device> CkptSession<D> {
                 })
             })
             .collect();
-        let session = Self::install(inner, sink, mode, slots, predicted, tally, shadow_saver)?;
+        let session = Self::install(
+            inner,
+            sink,
+            (mode, threads),
+            slots,
+            predicted,
+            tally,
+            shadow_saver,
+        )?;
         inner.set_phase(Phase::Checkpoint(Arc::<Self>::clone(&session)));
         Ok(session)
     }
@@ -545,7 +579,7 @@ impl<D: Device> CkptSession<D> {
     fn install(
         inner: &Arc<Inner<D>>,
         sink: Arc<dyn ChunkSink>,
-        mode: CopyMode,
+        (mode, threads): (CopyMode, Threads),
         slots: Vec<CkSlot<D>>,
         predicted: std::collections::HashSet<u64>,
         tally: PrintTally,
@@ -568,8 +602,8 @@ impl<D: Device> CkptSession<D> {
             mismatches: AtomicU64::new(0),
         });
         let mut writers = Vec::new();
-        let nice = inner.cfg.background_nice;
-        for i in 0..inner.cfg.writer_threads.max(1) {
+        let nice = threads.nice;
+        for i in 0..threads.writers {
             let (s, rx) = (Arc::clone(&shared), writer_rx.clone());
             writers.push(
                 std::thread::Builder::new()

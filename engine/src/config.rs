@@ -16,6 +16,10 @@ pub struct EngineConfig {
     pub copy_streams: usize,
     /// Threads writing chunks to the sink.
     pub writer_threads: usize,
+    /// Threads writing chunks to the sink in a copy that holds the job until it is over
+    /// ([`crate::Engine::checkpoint_held`]: a final copy); 0: `writer_threads`. Those threads
+    /// also run at the job's priority, not at `background_nice`.
+    pub held_writer_threads: usize,
     /// Threads restoring in the background.
     pub restore_threads: usize,
     /// Device memory a checkpoint may use for shadow copies (copy-on-write by a device-to-device
@@ -44,6 +48,7 @@ impl Default for EngineConfig {
             staging_buffers: 8,
             copy_streams: 2,
             writer_threads: 2,
+            held_writer_threads: 0,
             restore_threads: 2,
             shadow_budget: 0,
             fingerprints: true,

@@ -452,13 +452,33 @@ impl<D: Device> Engine<D> {
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
     ) -> Result<CheckpointHandle, EngineError> {
+        self.checkpoint_as(sink, only_dirty, false)
+    }
+
+    /// [`Engine::checkpoint`] for a caller that holds the job until the copy is over (a final
+    /// copy: nothing of the job runs beside it): written by `held_writer_threads`, at the job's
+    /// priority.
+    pub fn checkpoint_held(
+        &self,
+        sink: Arc<dyn ChunkSink>,
+        only_dirty: bool,
+    ) -> Result<CheckpointHandle, EngineError> {
+        self.checkpoint_as(sink, only_dirty, true)
+    }
+
+    fn checkpoint_as(
+        &self,
+        sink: Arc<dyn ChunkSink>,
+        only_dirty: bool,
+        held: bool,
+    ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
         let mode = if only_dirty {
             CopyMode::CowDirty
         } else {
             CopyMode::Cow
         };
-        CkptSession::begin(&self.inner, sink, mode, false, None)
+        CkptSession::begin(&self.inner, sink, mode, (false, held), None)
     }
 
     /// [`Engine::checkpoint`] of every buffer that also copies, before it returns (the copies
@@ -482,7 +502,7 @@ impl<D: Device> Engine<D> {
         saver: Option<Arc<dyn crate::store::ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
-        CkptSession::begin(&self.inner, sink, CopyMode::Cow, true, saver)
+        CkptSession::begin(&self.inner, sink, CopyMode::Cow, (true, false), saver)
     }
 
     /// Marks the buffer holding `ptr` as written (someone the hooks do not see writes it: another
@@ -506,7 +526,7 @@ impl<D: Device> Engine<D> {
     /// by itself: finish with `checkpoint(sink, true)`.
     pub fn precopy_round(&self, sink: Arc<dyn ChunkSink>) -> Result<RoundReport, EngineError> {
         self.start_session("pre-copy round")?;
-        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy, false, None)?;
+        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy, (false, false), None)?;
         let r = h.wait()?;
         let dirty_after = self
             .inner

@@ -50,6 +50,26 @@ pub trait ChunkSink: Send + Sync {
         let _ = fp;
         self.write_chunk(buffer, offset, data)
     }
+    /// [`ChunkSink::write_chunk`] that returns the bytes' fingerprint ([`crate::fingerprint::of`]
+    /// of `data`): `Ok(Ok(fp))`, the chunk stored; with `expect`, a chunk whose fingerprint is
+    /// another is not stored (`Ok(Err(fp))`). A sink that computes the fingerprint as it writes
+    /// the bytes reads them once, not twice; it may then have written them where an earlier
+    /// chunk was, and must refuse to be completed afterwards (the engine fails the checkpoint
+    /// on such a chunk; an image writer's commit refuses).
+    fn write_chunk_proving(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        expect: Option<Fingerprint>,
+    ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
+        let fp = crate::fingerprint::of(data);
+        if expect.is_some_and(|e| e != fp) {
+            return Ok(Err(fp));
+        }
+        self.write_chunk_fp(buffer, offset, data, fp)?;
+        Ok(Ok(fp))
+    }
     /// Stores the chunk of `buffer` at `offset`, `len` bytes whose fingerprint is `fp`, by
     /// reference to equal bytes an earlier image holds (a parent image: [`ImageWriter`]'s
     /// `parent`) instead of a copy. `Ok(true)`: the chunk is in this sink now (replacing an

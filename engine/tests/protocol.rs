@@ -1648,3 +1648,40 @@ fn background_threads_take_the_configured_nice_value() {
     assert_eq!(own_nice(), mine);
     assert_eq!(image_of(&store, &job), before);
 }
+
+/// A copy that holds the job (a final copy) is written by `held_writer_threads`; one beside the
+/// running job by `writer_threads`.
+#[test]
+fn a_copy_that_holds_the_job_has_its_own_writers() {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    for (held, want) in [(false, 1), (true, 4)] {
+        let e = engine(EngineConfig {
+            writer_threads: 1,
+            held_writer_threads: 4,
+            ..small_cfg(1 << 16, 8, 0)
+        });
+        for _ in 0..4 {
+            e.alloc(8 << 16).unwrap();
+        }
+        let threads = Arc::new(Mutex::new(HashSet::new()));
+        let seen = Arc::clone(&threads);
+        let sink = Arc::new(TapSink {
+            store: Arc::new(MemStore::new()),
+            tap: move |_| {
+                seen.lock().unwrap().insert(std::thread::current().id());
+                // Long enough that every idle writer takes one of the 32 chunks.
+                std::thread::sleep(Duration::from_millis(5));
+                Ok(())
+            },
+        });
+        let h = if held {
+            e.checkpoint_held(sink.clone(), false)
+        } else {
+            e.checkpoint(sink.clone(), false)
+        };
+        let r = h.unwrap().wait().unwrap();
+        assert_eq!(r.bytes, 32 << 16);
+        assert_eq!(threads.lock().unwrap().len(), want, "held: {held}");
+    }
+}

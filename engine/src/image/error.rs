@@ -301,6 +301,16 @@ pub enum ImageError {
         /// The final directory.
         image: PathBuf,
     },
+    /// A commit of an image a write into which failed, or wrote a chunk other than the one
+    /// expected (its fingerprint not the job's at T0): its data files may hold bytes no record
+    /// describes.
+    #[error(
+        "image {image}: not committed: a chunk written into it failed or was not the job's at          the checkpoint"
+    )]
+    Spoiled {
+        /// The final directory.
+        image: PathBuf,
+    },
 }
 
 impl ImageError {

@@ -280,6 +280,88 @@ fn later_write_call_wins() {
     assert_eq!(dst.to_vec(), pattern(5, 0, 100, 3));
 }
 
+/// A chunk written with the fingerprint it must have: its fingerprint computed as it is written
+/// (the one of its bytes), recorded when it is the one expected; one that is not is not
+/// recorded, and the image, whose data file it may have overwritten in place, is never
+/// committed.
+#[test]
+fn a_chunk_proven_as_it_is_written_and_one_that_is_not() {
+    let (_root, dir, w) = scratch_writer(one_file());
+    w.add_buffer(rec(1, 2000, 0)).unwrap();
+    let (a, b) = (pattern(1, 0, 1000, 0), pattern(1, 1000, 1000, 0));
+    let fp_a = crate::fingerprint::of(&a);
+    assert_eq!(
+        w.write_chunk_proving(1, 0, &a, Some(fp_a)).unwrap(),
+        Ok(fp_a)
+    );
+    assert_eq!(
+        w.write_chunk_proving(1, 1000, &b, None).unwrap(),
+        Ok(crate::fingerprint::of(&b))
+    );
+    w.commit().unwrap();
+    let img = Image::open(&dir).unwrap();
+    let mut got = vec![0; 1000];
+    img.read_chunk(1, 0, &mut got).unwrap();
+    assert_eq!(got, a);
+    assert_eq!(img.fingerprint(1, 0), Some(fp_a));
+
+    let (_root, dir, w) = scratch_writer(one_file());
+    w.add_buffer(rec(1, 1000, 0)).unwrap();
+    w.write_chunk(1, 0, &a).unwrap();
+    let torn = pattern(1, 0, 1000, 1);
+    let r = w.write_chunk_proving(1, 0, &torn, Some(fp_a)).unwrap();
+    assert_eq!(
+        r,
+        Err(crate::fingerprint::of(&torn)),
+        "not the chunk expected"
+    );
+    let e = w.commit().unwrap_err();
+    assert!(
+        matches!(&e, ImageError::Spoiled { image } if image == &dir),
+        "{e:?}"
+    );
+    assert!(!dir.exists(), "nothing committed");
+}
+
+/// New chunks take the data files in turn, whichever thread writes them: one thread's chunks
+/// spread over every file, so that a later copy writing them again in place (each in its own
+/// file) can write into every file at once.
+#[test]
+fn new_chunks_take_the_data_files_in_turn() {
+    let (_root, dir, w) = scratch_writer(WriterOptions {
+        data_files: 4,
+        ..fast()
+    });
+    w.add_buffer(rec(1, 8000, 0)).unwrap();
+    for (off, len) in pieces(8000, 1000) {
+        w.write_chunk(1, off, &pattern(1, off, len, 0)).unwrap();
+    }
+    // Written again from four threads at once, each chunk stays where it was.
+    std::thread::scope(|s| {
+        for k in 0..4u64 {
+            let w = &w;
+            s.spawn(move || {
+                for off in [k * 1000, (k + 4) * 1000] {
+                    w.write_chunk(1, off, &pattern(1, off, 1000, 1)).unwrap();
+                }
+            });
+        }
+    });
+    w.commit().unwrap();
+    let m = manifest_of(&dir);
+    let mut per_file = vec![0; m.files.len()];
+    for c in &m.chunks {
+        per_file[c.file as usize] += 1;
+    }
+    assert_eq!(per_file, vec![2, 2, 2, 2], "{:?}", m.chunks);
+    let img = Image::open(&dir).unwrap();
+    for (off, len) in pieces(8000, 1000) {
+        let mut got = vec![0; len as usize];
+        img.read_chunk(1, off, &mut got).unwrap();
+        assert_eq!(got, pattern(1, off, len, 1));
+    }
+}
+
 /// What a writer wrote since it was last asked: every data file by inode (the same after the
 /// commit renames its directory), the ranges written in it merged, and after a second round
 /// only the chunk written again.

@@ -6,7 +6,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Write};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::SystemTime;
 
 use parking_lot::Mutex;
@@ -84,9 +84,26 @@ struct Lane {
     end: AtomicU64,
     /// The ranges (offset, length) written since [`ImageWriter::take_written`] last took them.
     written: Mutex<Vec<(u64, u64)>>,
+    /// Writes into it under way now.
+    busy: AtomicUsize,
+}
+
+/// A write into a lane under way: counted in its `busy` until dropped.
+struct Writing<'a>(&'a AtomicUsize);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Lane {
+    /// Counts a write into this file until the guard is dropped.
+    fn writing(&self) -> Writing<'_> {
+        self.busy.fetch_add(1, Ordering::Relaxed);
+        Writing(&self.busy)
+    }
+
     /// Reserves `len` bytes at the end of this file and returns where they start: a multiple of
     /// [`CHUNK_ALIGN`] for a chunk that long, else right at the end.
     fn reserve(&self, len: u64) -> u64 {
@@ -300,6 +317,10 @@ pub struct ImageWriter {
     /// Where each chunk written into a lane is recorded once its bytes are there
     /// ([`ImageWriter::journal_to`]).
     journal: Mutex<Option<File>>,
+    /// Where the next new chunk looks for a lane first ([`ImageWriter::idle_lane`]).
+    next_lane: AtomicUsize,
+    /// A write failed, or wrote a chunk that was not the one expected: never committed.
+    spoiled: AtomicBool,
 }
 
 /// One record of a writer's journal ([`ImageWriter::journal_to`]): a chunk's bytes, written.
@@ -420,15 +441,6 @@ fn nonce() -> String {
     format!("{}-{:08x}{:x}", std::process::id(), t, n)
 }
 
-/// This thread's lane slot: threads are numbered in order of their first write.
-fn lane_slot() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static SLOT: usize = NEXT.fetch_add(1, Ordering::Relaxed);
-    }
-    SLOT.with(|s| *s)
-}
-
 /// Whether `path` exists as anything other than an empty directory.
 fn occupied(path: &Path) -> Result<bool, ImageError> {
     match fs::symlink_metadata(path) {
@@ -499,6 +511,8 @@ impl ImageWriter {
             adopted: Mutex::new(Vec::new()),
             lineage,
             journal: Mutex::new(None),
+            next_lane: AtomicUsize::new(0),
+            spoiled: AtomicBool::new(false),
         };
         for i in 0..lanes_wanted {
             let name = format!("data-{i:03}.bin");
@@ -516,6 +530,7 @@ impl ImageWriter {
                 inode: (m.dev(), m.ino()),
                 end: AtomicU64::new(0),
                 written: Mutex::new(Vec::new()),
+                busy: AtomicUsize::new(0),
             });
         }
         Ok(w)
@@ -545,6 +560,20 @@ impl ImageWriter {
     /// written is left out (the journal is a hint: the ranges stay in [`Self::take_written`]).
     pub fn journal_to(&self, journal: Option<File>) {
         *self.journal.lock() = journal;
+    }
+
+    /// The lane a new chunk goes to: the first from the next in turn with no write under way,
+    /// else that one. New chunks take the lanes in turn, so that every lane holds some of a
+    /// buffer's chunks whoever wrote them: a later copy that writes them again in place (the
+    /// final copy, with more writers than the pre-copy had) writes into as many files at once
+    /// as it has writers, each file's writes being serialized by the filesystem.
+    fn idle_lane(&self) -> usize {
+        let n = self.lanes.len();
+        let start = self.next_lane.fetch_add(1, Ordering::Relaxed) % n;
+        (0..n)
+            .map(|k| (start + k) % n)
+            .find(|&i| self.lanes[i].busy.load(Ordering::Relaxed) == 0)
+            .unwrap_or(start)
     }
 
     fn journal_chunk(&self, inode: (u64, u64), at: u64, len: u64) {
@@ -649,14 +678,16 @@ impl ImageWriter {
     }
 
     /// Writes `data` as the chunk of `buffer` at `offset` (see [`ChunkSink::write_chunk`]), with
-    /// fingerprint `fp`, or the one computed as it is written.
+    /// fingerprint `fp`, or the one computed as it is written; returns that fingerprint. With
+    /// `expect`, a chunk whose fingerprint is another is not recorded (`Ok(Err(fp))`), and the
+    /// image is spoiled: its bytes may have gone where an earlier chunk's were.
     fn write(
         &self,
         buffer: u64,
         offset: u64,
         data: &[u8],
-        fp: Option<Fingerprint>,
-    ) -> Result<(), ImageError> {
+        (fp, expect): (Option<Fingerprint>, Option<Fingerprint>),
+    ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let len = data.len() as u64;
         self.check_chunk(&self.state.lock(), buffer, offset, len)?;
@@ -683,11 +714,12 @@ impl ImageWriter {
         let (lane_idx, file_offset) = match in_place {
             Some(place) => place,
             None => {
-                let i = lane_slot() % self.lanes.len();
+                let i = self.idle_lane();
                 (i, self.lanes[i].reserve(len))
             }
         };
         let lane = &self.lanes[lane_idx];
+        let _writing = lane.writing();
         // The CRC (and the fingerprint, unless given) and the write one piece at a time: the
         // write's copy reads the piece from the cache the CRC just brought it into, not from
         // memory again (a drain into tmpfs is bound by the host's memory traffic: the copy
@@ -711,9 +743,13 @@ impl ImageWriter {
                 lane.file.write_all_at(bytes, at)
             })
             .map_err(|e| ImageError::io(&lane.path, e));
-        if let Err(e) = written {
-            // The place's bytes are unknown now: a failed write fails the image (the caller
-            // abandons it), so its record need not be right; only the flag is let go.
+        let fp = fp.unwrap_or(Fingerprint::from_sums(lo, hi, len));
+        let unproven = expect.is_some_and(|e| e != fp);
+        if written.is_err() || unproven {
+            // The place's bytes are unknown, or not the job's: the image is failed (the
+            // caller abandons it, and its commit refuses), so its record need not be right;
+            // only the flag is let go.
+            self.spoiled.store(true, Ordering::Release);
             if let Some(place) = in_place {
                 if let Some(r) = self.state.lock().chunks.get_mut(&(buffer, offset)) {
                     if (r.chunk.file as usize, r.chunk.file_offset) == place {
@@ -721,7 +757,8 @@ impl ImageWriter {
                     }
                 }
             }
-            return Err(e);
+            written?;
+            return Ok(Err(fp));
         }
         lane.written.lock().push((file_offset, len));
         self.journal_chunk(lane.inode, file_offset, len);
@@ -736,9 +773,9 @@ impl ImageWriter {
             fp_lo: None,
             fp_hi: None,
         };
-        chunk.set_fingerprint(Some(fp.unwrap_or(Fingerprint::from_sums(lo, hi, len))));
+        chunk.set_fingerprint(Some(fp));
         settle(&mut self.state.lock(), seq, chunk, in_place.is_some());
-        Ok(())
+        Ok(Ok(fp))
     }
 
     /// That a chunk of `len` bytes at `offset` of `buffer` may be recorded: a length the format
@@ -772,8 +809,9 @@ impl ImageWriter {
         Ok(())
     }
 
-    /// Finishes the image: checks that every buffer is covered exactly by its chunks (refusing with
-    /// [`ImageError::BadCoverage`] otherwise), writes `manifest.pb`, fsyncs the data files, the
+    /// Finishes the image: refuses one a write into which failed or was unproven
+    /// ([`ImageError::Spoiled`]), checks that every buffer is covered exactly by its chunks
+    /// (refusing with [`ImageError::BadCoverage`] otherwise), writes `manifest.pb`, fsyncs the data files, the
     /// manifest and the directory, and renames the temporary directory to the final name.
     ///
     /// If the final name is taken by a non-empty directory (or a file), this refuses with
@@ -781,6 +819,11 @@ impl ImageWriter {
     /// aside, the new one renamed in, and the old one then removed. On any error the temporary
     /// directory is removed and the final name is left as it was.
     pub fn commit(mut self) -> Result<ImageSummary, ImageError> {
+        if self.spoiled.load(Ordering::Acquire) {
+            return Err(ImageError::Spoiled {
+                image: self.final_dir.clone(),
+            });
+        }
         let manifest = self.build_manifest()?;
         let index = manifest::validate(&self.final_dir, &manifest)?;
 
@@ -982,7 +1025,7 @@ impl ChunkSink for ImageWriter {
     /// `offset`, superseding an earlier chunk at the same place (whose bytes become garbage),
     /// with the fingerprint of `data` (computed as it is written).
     fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
-        self.write(buffer, offset, data, None)
+        self.write(buffer, offset, data, (None, None)).map(|_| ())
     }
 
     /// [`Self::write_chunk`], recording `fp` as the chunk's fingerprint (not computed again).
@@ -993,7 +1036,20 @@ impl ChunkSink for ImageWriter {
         data: &[u8],
         fp: Fingerprint,
     ) -> Result<(), ImageError> {
-        self.write(buffer, offset, data, Some(fp))
+        self.write(buffer, offset, data, (Some(fp), None))
+            .map(|_| ())
+    }
+
+    /// [`Self::write_chunk`], the fingerprint computed in the same pass as the CRC and the
+    /// write; a chunk that is not `expect` spoils the image (see [`ChunkSink::write_chunk_proving`]).
+    fn write_chunk_proving(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        expect: Option<Fingerprint>,
+    ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
+        self.write(buffer, offset, data, (None, expect))
     }
 
     /// Records the chunk as held by the parent image ([`WriterOptions::parent`]) if it has a

@@ -236,6 +236,9 @@ pub struct Tuning {
     /// 1 to 64): what bounds the copy while the job is held, for a fast GPU and a slow sink.
     /// `None`: the default, [`Tuning::writers`].
     pub writers_set: Option<usize>,
+    /// Threads writing a final copy, the job held meanwhile, per device engine
+    /// (`POSSUM_HELD_WRITERS`, 1 to 64). `None`: the default, [`Tuning::held_writers`].
+    pub held_writers_set: Option<usize>,
     /// Bytes a writer checksums and writes at a time (`POSSUM_WRITE_PIECE_KIB`, default 2048:
     /// one huge page of a huge-page tmpfs, which a write then fills whole).
     pub write_piece: usize,
@@ -271,20 +274,51 @@ impl Tuning {
     /// Writer threads per device engine: `POSSUM_WRITERS`, else the machine's cores, 2 to 6
     /// (asked the first time, never at load).
     pub fn writers(&self) -> usize {
-        static CORES: OnceLock<usize> = OnceLock::new();
         self.writers_set.unwrap_or_else(|| {
             // Measured on the H100 (kept checkpoints of 8 and 24 GiB saved into a huge-page
             // tmpfs while an MLP copying a 64 MiB batch every step runs on): 6 writers drain at
             // 15-17 GB/s and the job's steps during the save take 1.13-1.16x their normal
             // time; 16 writers drain at 22-29 GB/s, and the steps take 1.7-2.0x: the writes
             // take the host's memory bandwidth from the job.
-            *CORES.get_or_init(|| {
-                std::thread::available_parallelism()
-                    .map_or(4, |n| n.get())
-                    .clamp(2, 6)
-            })
+            cores().clamp(2, 6)
         })
     }
+
+    /// Writer threads of a final copy, while the job is held: `POSSUM_HELD_WRITERS`, else the
+    /// machine's cores, 2 to 16, and never fewer than [`Tuning::writers`]. Nothing of the job
+    /// runs beside that copy, so it may take the host's memory bandwidth; and an image has a
+    /// data file per one of these (on tmpfs, writes into one file are serialized).
+    pub fn held_writers(&self) -> usize {
+        (self.held_writers_set)
+            .unwrap_or_else(|| cores().clamp(2, 16))
+            .max(self.writers())
+    }
+}
+
+/// A thread count set by variable `name` (1 to 64); `None`, with a warning for one that is not
+/// a number, where the default (the machine's cores, `default`) applies.
+fn thread_count(
+    env: &Env<'_>,
+    name: &str,
+    default: &str,
+    warnings: &mut Vec<String>,
+) -> Option<usize> {
+    match env.var(name).map(|s| s.parse::<u64>().map_err(|_| s)) {
+        None => None,
+        Some(Ok(n)) => Some(n.clamp(1, 64) as usize),
+        Some(Err(s)) => {
+            warnings.push(format!(
+                "{name}={s} is not a number; using the machine's cores ({default})"
+            ));
+            None
+        }
+    }
+}
+
+/// The machine's cores (asked the first time, never at load).
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(4, |n| n.get()))
 }
 
 /// Diagnostics and test hooks: none of them is needed to run or checkpoint a job.
@@ -417,19 +451,8 @@ impl Tuning {
         let staging_mib = env.num("POSSUM_STAGING_MIB", 256, warnings).max(16);
         let chunk_mib = env.num("POSSUM_CHUNK_MIB", 8, warnings).clamp(1, 64);
         // The default needs the machine's cores, asked only when used ([`Tuning::writers`]).
-        let writers_set = match env
-            .var("POSSUM_WRITERS")
-            .map(|s| s.parse::<u64>().map_err(|_| s))
-        {
-            None => None,
-            Some(Ok(n)) => Some(n.clamp(1, 64) as usize),
-            Some(Err(s)) => {
-                warnings.push(format!(
-                    "POSSUM_WRITERS={s} is not a number; using the machine's cores (2 to 6)"
-                ));
-                None
-            }
-        };
+        let writers_set = thread_count(env, "POSSUM_WRITERS", "2 to 6", warnings);
+        let held_writers_set = thread_count(env, "POSSUM_HELD_WRITERS", "2 to 16", warnings);
         let write_piece = env
             .num(
                 "POSSUM_WRITE_PIECE_KIB",
@@ -459,6 +482,7 @@ impl Tuning {
             serve_vmm: flag(env.var("POSSUM_SERVE_VMM").as_deref(), true),
             serve_pools: flag(env.var("POSSUM_SERVE_POOLS").as_deref(), true),
             writers_set,
+            held_writers_set,
             write_piece,
             restorers,
             background_nice,
@@ -582,8 +606,10 @@ mod tests {
         assert_eq!(t.validation, ValidationConfig::default());
         assert_eq!((t.staging_mib, t.chunk_mib), (256, 8));
         assert!(t.staging_park && t.trim_context && t.serve_vmm && t.serve_pools && t.dag);
-        assert_eq!(t.writers_set, None);
+        assert_eq!((t.writers_set, t.held_writers_set), (None, None));
         assert!((2..=6).contains(&t.writers()));
+        assert!((2..=16).contains(&t.held_writers()));
+        assert!(t.held_writers() >= t.writers());
         assert_eq!(t.write_piece, possum_engine::image::DEFAULT_WRITE_PIECE);
         assert_eq!(t.restorers, 6);
         assert_eq!(t.background_nice, 10);
@@ -625,6 +651,7 @@ mod tests {
             ("POSSUM_SERVE_VMM", "0"),
             ("POSSUM_SERVE_POOLS", "0"),
             ("POSSUM_WRITERS", "100"),
+            ("POSSUM_HELD_WRITERS", "3"),
             ("POSSUM_WRITE_PIECE_KIB", "1"),
             ("POSSUM_RESTORERS", "3"),
             ("POSSUM_BACKGROUND_NICE", "40"),
@@ -661,6 +688,11 @@ mod tests {
         assert_eq!((t.staging_mib, t.chunk_mib), (16, 64), "clamped");
         assert!(!t.staging_park && !t.trim_context && !t.serve_vmm && !t.serve_pools && !t.dag);
         assert_eq!((t.writers_set, t.writers()), (Some(64), 64));
+        assert_eq!(
+            (t.held_writers_set, t.held_writers()),
+            (Some(3), 64),
+            "never fewer than the pre-copy's writers"
+        );
         assert_eq!(t.write_piece, 4 * 1024);
         assert_eq!(t.restorers, 3);
         assert_eq!(t.background_nice, 19, "clamped");
@@ -703,6 +735,7 @@ mod tests {
             ("POSSUM_VALIDATE", "first=x"),
             ("POSSUM_STAGING_MIB", "lots"),
             ("POSSUM_WRITERS", "many"),
+            ("POSSUM_HELD_WRITERS", "all"),
             ("POSSUM_RESOLVE", "sample:3/6"),
             ("POSSUM_PARK_TIMEOUT_MS", "soon"),
             ("POSSUM_PARK_SIGNAL", "USR1"),
@@ -725,11 +758,13 @@ mod tests {
             "POSSUM_VALIDATE",
             "POSSUM_STAGING_MIB=lots",
             "POSSUM_WRITERS=many",
+            "POSSUM_HELD_WRITERS=all",
             "POSSUM_RESOLVE",
         ] {
             assert!(w.contains(name), "{name} not in {w}");
         }
-        assert_eq!(c.warnings.len(), 4);
+        assert_eq!(c.tuning.held_writers_set, None);
+        assert_eq!(c.warnings.len(), 5);
         assert!(
             w.starts_with("POSSUM_VALIDATE"),
             "in the order the statistics always had"

@@ -237,6 +237,7 @@ impl Front {
             chunk_size: chunk,
             staging_buffers: ((tuning.staging_mib << 20) / chunk as u64).max(2) as usize,
             writer_threads: tuning.writers(),
+            held_writer_threads: tuning.held_writers(),
             restore_threads: tuning.restorers,
             background_nice: tuning.background_nice,
             ..EngineConfig::default()

@@ -162,7 +162,7 @@ fn release(f: &Front) -> Result<ReleaseReply, SessionError> {
     f.engine.wait_ops_enqueued();
     f.engine.set_device_fence(true);
     let sink: Arc<dyn ChunkSink> = writer.clone();
-    let r = f.engine.checkpoint(sink, true).and_then(|h| h.wait());
+    let r = f.engine.checkpoint_held(sink, true).and_then(|h| h.wait());
     f.engine.set_device_fence(false);
     let r = r.map_err(|source| {
         unpause(SessionError::Engine {

@@ -649,6 +649,7 @@ impl State {
                 chunk_size: chunk,
                 staging_buffers: ((self.cfg.tuning.staging_mib << 20) / chunk as u64) as usize,
                 writer_threads: self.cfg.tuning.writers(),
+                held_writer_threads: self.cfg.tuning.held_writers(),
                 restore_threads: self.cfg.tuning.restorers,
                 background_nice: self.cfg.tuning.background_nice,
                 fingerprints: self.cfg.tuning.fingerprints,
@@ -1168,7 +1169,7 @@ impl State {
         json!({
             "managing": self.managing(),
             "managing_off": *self.managing_off.lock(),
-            "config": {"validation": format!("{:?}", self.cfg.tuning.validation), "staging_mib": self.cfg.tuning.staging_mib, "chunk_mib": self.cfg.tuning.chunk_mib, "staging_park": self.cfg.tuning.staging_park, "trim_context": self.cfg.tuning.trim_context, "serve_vmm": self.cfg.tuning.serve_vmm, "serve_pools": self.cfg.tuning.serve_pools, "writers": self.cfg.tuning.writers(), "restorers": self.cfg.tuning.restorers,
+            "config": {"validation": format!("{:?}", self.cfg.tuning.validation), "staging_mib": self.cfg.tuning.staging_mib, "chunk_mib": self.cfg.tuning.chunk_mib, "staging_park": self.cfg.tuning.staging_park, "trim_context": self.cfg.tuning.trim_context, "serve_vmm": self.cfg.tuning.serve_vmm, "serve_pools": self.cfg.tuning.serve_pools, "writers": self.cfg.tuning.writers(), "held_writers": self.cfg.tuning.held_writers(), "restorers": self.cfg.tuning.restorers,
                        "dag": self.cfg.tuning.dag, "warnings": &self.cfg.warnings},
             "engines": engines,
             "unmanaged": {"allocations": unmanaged.len(), "bytes": unmanaged.total_bytes(),

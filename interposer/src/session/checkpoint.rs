@@ -184,18 +184,20 @@ fn first_round(
 ) -> Result<(Images, Vec<possum_control::reply::DeviceCopy>), SessionError> {
     let mut out = Vec::new();
     let mut writers = Vec::new();
+    // (Each writer records into the journal while it copies: it is one file, appended to.)
+    let journal = crate::session::release::take_journal();
     for e in all {
         let writer = new_writer(&target.dir, e.ordinal, target.parent.as_deref())?;
         e.engine.mark_all_dirty();
+        writer.journal_to(journal.as_ref().and_then(|j| j.try_clone().ok()));
         let sink: Arc<dyn ChunkSink> = writer.clone();
-        let r = e
-            .engine
-            .precopy_round(sink)
-            .map_err(|source| SessionError::Engine {
-                device: e.ordinal,
-                what: "pre-copy: ",
-                source,
-            })?;
+        let r = e.engine.precopy_round(sink);
+        writer.journal_to(None);
+        let r = r.map_err(|source| SessionError::Engine {
+            device: e.ordinal,
+            what: "pre-copy: ",
+            source,
+        })?;
         draft(&writer);
         out.push(DeviceCopy {
             written: written(&writer),

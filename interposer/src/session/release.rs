@@ -45,15 +45,16 @@ pub fn release(keep: Option<u64>) -> Value {
     reply(release_inner(keep))
 }
 
-/// `JournalWrites{path}`: the next release's final copy records each chunk it writes in `path`.
+/// `JournalWrites{path}`: the next copy into a checkpoint's images (its first pre-copy round,
+/// or a release's final copy) records each chunk it writes in `path`.
 pub fn journal_next(path: String) -> Value {
     *session().journal.lock() = Some(path.clone().into());
     to_json(&JournalReply { journal: path })
 }
 
-/// The journal `JournalWrites` asked for, opened to append (taken: for this release only). One
+/// The journal `JournalWrites` asked for, opened to append (taken: for this copy only). One
 /// that cannot be opened is said and left out: it only lets a migration send earlier.
-fn take_journal() -> Option<File> {
+pub(crate) fn take_journal() -> Option<File> {
     let path = session().journal.lock().take()?;
     let opened = OpenOptions::new().create(true).append(true).open(&path);
     opened
@@ -212,7 +213,7 @@ fn final_copy_of(
     e.engine.set_device_fence(per_thread_ops() > 0);
     let r = e
         .engine
-        .checkpoint(sink, true)
+        .checkpoint_held(sink, true)
         .and_then(|h| h.wait())
         .inspect_err(after_mismatch);
     e.engine.set_device_fence(false);
@@ -557,7 +558,7 @@ fn copy_all(
         let sink: Arc<dyn ChunkSink> = Arc::new(Beating(writer.clone()));
         let r = e
             .engine
-            .checkpoint(sink, false)
+            .checkpoint_held(sink, false)
             .and_then(|h| h.wait())
             .inspect_err(after_mismatch)
             .map_err(|source| SessionError::Engine {

@@ -103,6 +103,19 @@ impl ChunkSink for Beating {
         park::beat();
         self.0.write_chunk_fp(buffer, offset, data, fp)
     }
+    fn write_chunk_proving(
+        &self,
+        buffer: u64,
+        offset: u64,
+        data: &[u8],
+        expect: Option<possum_engine::fingerprint::Fingerprint>,
+    ) -> Result<
+        Result<possum_engine::fingerprint::Fingerprint, possum_engine::fingerprint::Fingerprint>,
+        possum_engine::image::ImageError,
+    > {
+        park::beat();
+        self.0.write_chunk_proving(buffer, offset, data, expect)
+    }
     fn reuse_chunk(
         &self,
         buffer: u64,

@@ -70,7 +70,8 @@ pub struct Session {
     pub ab_running: AtomicBool,
     /// The control socket's server, once started (`session::control`); stopped at exit.
     pub server: Mutex<Option<Server>>,
-    /// Where the next release's final copy records each chunk it writes (`JournalWrites`).
+    /// Where the next copy into a checkpoint's images (its first round, or a release's final
+    /// copy) records each chunk it writes (`JournalWrites`).
     pub journal: Mutex<Option<PathBuf>>,
 }
 
