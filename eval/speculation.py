@@ -210,6 +210,8 @@ def one_mode(a, mode, work, log):
                               criu_bytes_while_dumping=(j or {}).get("criu_bytes_while_dumping"),
                               bytes_while_copying=(j or {}).get("bytes_while_copying"),
                               rounds_while_copying=(j or {}).get("rounds_while_copying"),
+                              bytes_while_first_round=(j or {}).get("bytes_while_first_round"),
+                              rounds_while_first_round=(j or {}).get("rounds_while_first_round"),
                               post_copy=(j or {}).get("post_copy"),
                               timings=(j or {}).get("timings"), received_ok=bool(received),
                               received=(received or {}).get("timings"),

@@ -43,6 +43,14 @@
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the chunks of the held job's
 #       final copy sent once the copy is over (POSSUM_MIGRATE_SEND_WHILE_COPYING=0) and as the
 #       copy completes them (the default), alternating (TAG-after-N, TAG-copying-N).
+#   bash scripts/gpu-speculation.sh held-writers  (~5 min with SPEC_BARS="0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the held job's final copy
+#       written by as many threads as the pre-copy (POSSUM_HELD_WRITERS=0: the cores, 2 to 6)
+#       and by the default (the cores, 2 to 16), alternating (TAG-six-N, TAG-all-N).
+#   bash scripts/gpu-speculation.sh first-round  (~4 min with SPEC_BARS="32 64 f32")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its first pre-copy round sent
+#       once copied (the default) and as the round completes its chunks
+#       (POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING=1), alternating (TAG-after-N, TAG-copying-N).
 #   bash scripts/gpu-speculation.sh baseline   (~4 min)
 #       The frozen job (8 GiB of weights, 64 MiB of state) migrated alone by the build in
 #       SPEC_BASELINE (default .gpu/baseline: possum, libpossum.so and its CRIU plugin, staged
@@ -111,7 +119,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold|criu-stream|copy-stream)
+bars|slices|hold|criu-stream|copy-stream|held-writers|first-round)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     huge_images
@@ -162,12 +170,17 @@ bars|slices|hold|criu-stream|copy-stream)
         case "$1" in
             copy-stream) ab=(POSSUM_MIGRATE_SEND_WHILE_COPYING after copying) ;;  # the final copy's chunks
             criu-stream) ab=(POSSUM_MIGRATE_STREAM_CRIU after streamed) ;;  # CRIU's pages file
+            held-writers) ab=(POSSUM_HELD_WRITERS six all) ;;  # the final copy's writer threads
+            first-round) ab=(POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING after copying 1) ;;  # round 1 as copied
             *) ab=() ;;
         esac
         if [ ${#ab[@]} -gt 0 ]; then
             for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
                 (export "${ab[0]}=0"; bar "$gib" "$mib" "$tag-${ab[1]}-$i")
-                bar "$gib" "$mib" "$tag-${ab[2]}-$i"
+                # (A fourth word: the variable's value in the second run, where its default is
+                # the first run's.)
+                (if [ -n "${ab[3]:-}" ]; then export "${ab[0]}=${ab[3]}"; fi
+                 bar "$gib" "$mib" "$tag-${ab[2]}-$i")
             done
             continue
         fi
@@ -264,7 +277,7 @@ ab)
     cp "$res"/overhead-ab-gpt2*.json "$out"/ 2>/dev/null
     tail -5 "$res/ab.log"
     ;;
-*) echo "usage: gpu-speculation.sh frozen | bars | postcopy | ahead | trials [N] | ab"; exit 2 ;;
+*) echo "usage: gpu-speculation.sh frozen | bars | slices | hold | criu-stream | copy-stream | held-writers | first-round | baseline | postcopy | ahead | trials [N] | ab"; exit 2 ;;
 esac
 (cd /dev/shm && tar czf "$out/speculation-$1.tgz" --exclude='img-*' --exclude='received' \
     --exclude='possum-speculation' possum-speculation-out 2>/dev/null)

@@ -65,8 +65,10 @@ pub enum Request {
     /// Hold every GPU operation of the job and drop its buffers' physical memory (addresses kept).
     /// Answers when nothing of the job runs on the GPU any more; the connection is closed first.
     Release,
-    /// For the next `Release` or `ReleaseKeeping` only: each chunk its final copy writes into a
-    /// data file of the images is also recorded, once its bytes are there, in the file `path`
+    /// For the next copy into a checkpoint's images only (the first pre-copy round a
+    /// `Checkpoint` makes, or the final copy of a `Release` or `ReleaseKeeping`): each chunk it
+    /// writes into a data file of the images is also recorded, once its bytes are there, in the
+    /// file `path`
     /// (created if need be, appended to), as the engine's `JournalRecord`s: a migration sends
     /// those bytes while the copy goes on. Answers at once
     /// ([`reply::JournalReply`](crate::reply::JournalReply)).

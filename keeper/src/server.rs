@@ -872,10 +872,11 @@ impl Inner {
             });
             let mut skip = HashSet::new();
             let mut whole = false;
-            if found.is_some_and(|i| base.ready[i]) {
+            if let Some(i) = found.filter(|&i| base.ready[i]) {
+                let missed = base.stage.missed(i);
                 let chunks = img.chunks(r.id);
                 for &(off, len) in &chunks {
-                    if img.same_chunk(draft, r.id, off) {
+                    if img.same_chunk(draft, r.id, off) && !missed.contains(&off) {
                         skip.insert(off);
                         reuse.bytes += len;
                     }

@@ -255,6 +255,9 @@ pub(crate) struct Stage {
     skip: Vec<HashSet<u64>>,
     /// A prestage's draft image (a later stage compares its chunks with it); `None` for a stage.
     pub(crate) draft: Option<Arc<Image>>,
+    /// A prestage's chunks whose bytes, when read, were not the draft's (by buffer index: their
+    /// offsets): a later stage loads them again ([`Stage::missed`]).
+    missed: Mutex<HashMap<usize, HashSet<u64>>>,
     progress: Mutex<Progress>,
     cv: Condvar,
     started: Instant,
@@ -285,6 +288,7 @@ impl Stage {
             peers: Mutex::new(peers),
             skip: vec![HashSet::new(); n],
             draft: None,
+            missed: Mutex::new(HashMap::new()),
             progress: Mutex::new(Progress {
                 status: vec![Status::Waiting; n],
                 next: 0,
@@ -310,6 +314,15 @@ impl Stage {
     pub(crate) fn of_draft(mut self, draft: Arc<Image>) -> Stage {
         self.draft = Some(draft);
         self
+    }
+
+    /// A prestage's chunks of buffer `i` that it did not load as the draft has them: their bytes
+    /// were not there yet where the files said they were (a migration's round sent as it was
+    /// copied leaves pieces of its files to come after its draft; the keeper is told the
+    /// files' lengths only). A stage built on it loads them.
+    pub(crate) fn missed(&self, i: usize) -> HashSet<u64> {
+        let m = self.missed.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(&i).cloned().unwrap_or_default()
     }
 
     /// This stage built on a prestage: what `reuse` says is in memory is not loaded, and a
@@ -798,7 +811,16 @@ fn read_group(
     let read_one = |off: u64, dst: &mut [u8]| -> Result<(), ChunkError> {
         // Post-copy: its bytes may still be on their way.
         stage.wait_chunk(i, off)?;
-        image.read_chunk(buf_id, off, dst).map_err(ChunkError::from)
+        match image.read_chunk(buf_id, off, dst) {
+            // A prestage's chunk not there yet: left to the stage built on it (what was read
+            // goes to the memory all the same, to be loaded over).
+            Err(ImageError::ChecksumMismatch { .. }) if stage.draft.is_some() => {
+                let mut m = stage.missed.lock().unwrap_or_else(|e| e.into_inner());
+                m.entry(i).or_default().insert(off);
+                Ok(())
+            }
+            r => r.map_err(ChunkError::from),
+        }
     };
     if let ([(off, _)], [(buf, n)]) = (group, &mut *bufs) {
         return read_one(*off, &mut buf.as_mut_slice()[..*n]);

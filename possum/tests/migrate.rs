@@ -420,11 +420,14 @@ fn kept_job_with(test: &str, env: &[(&str, &str)]) -> Option<KeptJob> {
 
 /// `possum migrate` of a [`kept_job`] to its receiver, possum's CRIU plugin found, with the
 /// variable `name` set to `value`.
-fn migrate_kept(t: &KeptJob, (name, value): (&str, &str)) -> Output {
-    let env = [
-        ("POSSUM_CRIU_PLUGIN_DIR", t.libdir.as_path()),
-        (name, Path::new(value)),
-    ];
+fn migrate_kept(t: &KeptJob, var: (&str, &str)) -> Output {
+    migrate_kept_with(t, &[var])
+}
+
+/// [`migrate_kept`] with the variables `vars` set.
+fn migrate_kept_with(t: &KeptJob, vars: &[(&str, &str)]) -> Output {
+    let mut env = vec![("POSSUM_CRIU_PLUGIN_DIR", t.libdir.as_path())];
+    env.extend(vars.iter().map(|(n, v)| (*n, Path::new(*v))));
     migrate_to(t.tmp.path(), &t.job, &t.receiver, &[], &env)
 }
 
@@ -440,8 +443,15 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     };
     let dir = t.tmp.path();
     // The job's private memory not sent ahead (the default): it goes at the cut, in parts.
-    // The first round in parts of 1 MiB of each file: the destination loads it as it comes.
-    let out = migrate_kept(&t, ("POSSUM_MIGRATE_SLICE_MIB", "1"));
+    // The first round sent once copied, in parts of 1 MiB of each file: the destination loads
+    // it as it comes.
+    let out = migrate_kept_with(
+        &t,
+        &[
+            ("POSSUM_MIGRATE_SLICE_MIB", "1"),
+            ("POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING", "0"),
+        ],
+    );
     let (v, r) = migrated(&out, t.receiver, &t.job);
     assert_eq!(r["pid"], t.job.pid, "{r}");
     // In parts, which the receiver writes at once: CRIU's pages file is not among them.
@@ -537,24 +547,30 @@ fn the_job_s_memory_goes_to_the_destination_while_criu_dumps_it() {
     ));
 }
 
-/// The network fails while the first round arrives in parts and the destination's keeper loads
-/// it as it comes: the job runs on at the source bit-exact, and the keeper holds nothing of the
-/// load ahead (its loaders, waiting for bytes that will not come, are ended with it).
 /// A job whose thread rewrites 64 MiB of its GPU memory whole, launch after launch (as a
-/// training job its state), migrated: the chunks its final copy writes go to the destination
-/// as the copy completes them, in rounds before the `Cut` (`rounds_while_copying`), the rest
-/// after; the job goes on bit-exact, and at its exit that memory holds one launch's words whole
-/// (an image mixing two launches' chunks fails the job: a chunk taken as sent by a round that
-/// did not read it, the images renamed at their commit meanwhile, did).
+/// training job its state), migrated: the chunks its first pre-copy round writes go to the
+/// destination as the round completes them (`rounds_while_first_round`), the destination's
+/// keeper loading the images from the draft sent once the round is over; the chunks its final
+/// copy writes go as the copy completes them, in rounds before the `Cut`
+/// (`rounds_while_copying`), the rest after; the job goes on bit-exact, and at its exit that
+/// memory holds one launch's words whole (an image mixing two launches' chunks fails the job: a
+/// chunk taken as sent by a round that did not read it, the images renamed at their commit
+/// meanwhile, did).
 #[test]
-fn the_chunks_the_final_copy_writes_go_while_it_runs() {
+fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
     // (Its launches not validated: each would read the 64 MiB on both sides, too slow here.)
     let env = [("FAKE_WRITER_MIB", "64"), ("POSSUM_VALIDATE", "off")];
     let Some(mut t) = kept_job_with("migrate_while_copying", &env) else {
         return;
     };
     let dir = t.tmp.path();
-    let out = migrate_kept(&t, ("POSSUM_MIGRATE_SEND_WHILE_COPYING", "1"));
+    let out = migrate_kept_with(
+        &t,
+        &[
+            ("POSSUM_MIGRATE_SEND_WHILE_COPYING", "1"),
+            ("POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING", "1"),
+        ],
+    );
     let (v, r) = migrated(&out, t.receiver, &t.job);
     assert_eq!((&v["files"], &v["bytes"]), (&r["files"], &r["bytes"]));
     let copying = v["bytes_while_copying"].as_u64().unwrap();
@@ -566,18 +582,35 @@ fn the_chunks_the_final_copy_writes_go_while_it_runs() {
     assert!(stderr.contains(&format!("in {rounds} rounds")), "{stderr}");
     let held = v["bytes_while_held"].as_u64().unwrap();
     assert!(copying <= held, "{v}");
+    // (The round copies more than 64 MiB; a round of its chunks goes once 32 MiB completed.)
+    let first = v["bytes_while_first_round"].as_u64().unwrap();
+    let first_rounds = v["rounds_while_first_round"].as_u64().unwrap();
+    assert!(first_rounds >= 1 && first > 0, "{v}\n{stderr}");
+    assert!(first <= v["bytes_before_hold"].as_u64().unwrap(), "{v}");
+    assert!(
+        stderr.contains("sent while the first pre-copy round ran"),
+        "{stderr}"
+    );
+    // The draft went once the round was over, and the keeper there loaded the images from it.
+    let pre = r["prestaged"].as_array().expect("prestaged");
+    assert!(pre[0]["error"].is_null() && pre[0]["stage"].is_u64(), "{r}");
+    assert_eq!(r["staged"][0]["base"], pre[0]["stage"], "{r}");
     goes_on_like(
         &mut t.job,
         dir,
         &t.want,
-        "migrated, its final copy sent as it ran",
+        "migrated, its first round and final copy sent as they ran",
     );
     say(&format!(
-        "migrate_while_copying: {copying} of {held} bytes sent while held went during the final \
-         copy"
+        "migrate_while_copying: {first} bytes sent ahead while the first round ran \
+         ({first_rounds} rounds); {copying} of {held} bytes sent while held went during the \
+         final copy"
     ));
 }
 
+/// The network fails while the first round arrives in parts and the destination's keeper loads
+/// it as it comes: the job runs on at the source bit-exact, and the keeper holds nothing of the
+/// load ahead (its loaders, waiting for bytes that will not come, are ended with it).
 #[test]
 fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
     let Some(mut t) = kept_job("migrate_cut_slices") else {
@@ -586,11 +619,13 @@ fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
     let dir = t.tmp.path();
     let plugin = [("POSSUM_CRIU_PLUGIN_DIR", t.libdir.to_str().unwrap())];
     let relay = Relay::start(&t.receiver.addr);
-    // 1 MB/s, the round in parts of 1 MiB of each file: seconds between the parts.
+    // 1 MB/s, the round sent once copied, in parts of 1 MiB of each file: seconds between the
+    // parts.
     let migrate = migrate_cmd(dir, &t.job, &relay.addr, "key")
         .args(["--max-rate", "1000000"])
         .env("POSSUM_HOSTMEM_AHEAD", "0")
         .env("POSSUM_MIGRATE_SLICE_MIB", "1")
+        .env("POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING", "0")
         .envs(plugin)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -629,6 +664,47 @@ fn a_connection_cut_while_the_first_round_arrives_ends_the_load_ahead() {
     }
     assert!(names(&dir.join("received")).is_empty());
     goes_on_like(&mut t.job, dir, &t.want, "run on at the source after a cut");
+}
+
+/// The network fails while the first pre-copy round goes as it is copied (a job whose thread
+/// rewrites 64 MiB, `POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING=1`, paced at 1 MB/s): `possum
+/// migrate` says the send failed, the job runs on at the source bit-exact, and the keeper
+/// there holds nothing (no draft came: no load ahead began).
+#[test]
+fn a_connection_cut_while_the_first_round_goes_as_it_is_copied_leaves_the_job_running() {
+    let env = [("FAKE_WRITER_MIB", "64"), ("POSSUM_VALIDATE", "off")];
+    let Some(mut t) = kept_job_with("migrate_cut_first_round", &env) else {
+        return;
+    };
+    let dir = t.tmp.path();
+    let relay = Relay::start(&t.receiver.addr);
+    let migrate = migrate_cmd(dir, &t.job, &relay.addr, "key")
+        .args(["--max-rate", "1000000"])
+        .env("POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING", "1")
+        .env("POSSUM_CRIU_PLUGIN_DIR", &t.libdir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A round of the chunks the first round completed is on its way (32 MiB: half a minute).
+    relay.carried(256 << 10);
+    assert!(!is_stopped(t.job.pid), "held before the cut was wanted");
+    relay.cut();
+    let out = migrate.wait_with_output().unwrap();
+    failed_at(&out, "sending the image");
+    let got = t.receiver.output();
+    assert!(!got.status.success(), "{}", text(&got));
+    let mut k = possum_keeper::Keeper::connect(&t.keeper_dir.join("keeper-0.sock")).unwrap();
+    let stats = k.stats().unwrap();
+    assert!(stats.stages.is_empty(), "{stats:?}");
+    assert!(!stats.stages_ended.iter().any(|s| s.draft), "{stats:?}");
+    assert!(names(&dir.join("received")).is_empty());
+    goes_on_like(
+        &mut t.job,
+        dir,
+        &t.want,
+        "run on at the source after a cut in its first round",
+    );
 }
 
 #[test]

@@ -900,18 +900,14 @@ impl<'a> Run<'a> {
         let p = self.params();
         if self.no_kept {
             // Held for a migration: where its destination can load the images ahead.
-            let hint = crate::prestage::AheadHint {
-                keeper: self.plan.keeper.clone(),
-                gpu_memory: self.plan.gpu_memory.clone(),
-            };
-            if let Err(e) = crate::prestage::write_hint(&self.tmp, &hint) {
-                obs.note(&format!(
-                    "the destination loads the GPU images once they are whole ({}: {e})",
-                    crate::prestage::AHEAD_FILE
-                ));
-            }
+            let (keeper, gpu_memory) = (self.plan.keeper.clone(), self.plan.gpu_memory.clone());
+            let hint = crate::prestage::AheadHint { keeper, gpu_memory };
+            crate::prestage::write_hint(&self.tmp, &hint, obs);
         }
         obs.copying(self.plan.managed, &self.tmp.join("gpu"));
+        // (In the temporary directory, as the cut's; gone once the round is over.)
+        let journal = self.tmp.join(job::FIRST_ROUND_JOURNAL);
+        let journal = obs.first_round(&self.tmp, &journal).then_some(journal);
         let t = Instant::now();
         let mut first = PrecopyRound::default();
         self.written = Written::new();
@@ -919,8 +915,10 @@ impl<'a> Run<'a> {
             let dir = gpu.display().to_string();
             let kept = p.leave_running && !p.gpu_only && !self.no_kept;
             let parent = self.parent_of(pid);
+            let journal = journal.as_deref().filter(|_| pid == p.pid);
             let r = timed(&mut self.figures.engine_snapshot, || {
-                job::precopy(pid, To::Sockets(&p.sockets), dir, kept, parent)
+                let to = To::Sockets(&p.sockets);
+                job::precopy_journaled(pid, to, (dir, kept, parent), journal)
             })?;
             if r.body.kept {
                 self.kept.push(pid);

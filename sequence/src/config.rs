@@ -113,6 +113,10 @@ pub struct Environment {
     /// while the held job's final copy writes its GPU images, each chunk it completed goes to
     /// the destination, not after the copy.
     pub send_while_copying: bool,
+    /// `POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING` (off unless `1`): while the first pre-copy
+    /// round writes the GPU images, the job running, each chunk it completed goes to the
+    /// destination, not after the round. Off by default until measured on a GPU machine.
+    pub first_round_while_copying: bool,
     /// `POSSUM_MIGRATE_PART_MIB` (default 64): a migration sends the job's private memory split
     /// out of CRIU's images in parts of so many bytes, which the destination writes from every
     /// stream at once.
@@ -176,6 +180,8 @@ impl Environment {
             kill_while_sending: !off("POSSUM_MIGRATE_KILL_WHILE_SENDING"),
             stream_criu: !off("POSSUM_MIGRATE_STREAM_CRIU"),
             send_while_copying: !off("POSSUM_MIGRATE_SEND_WHILE_COPYING"),
+            first_round_while_copying: var("POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING")
+                .is_some_and(|v| v.trim() == "1"),
             hostmem_part_bytes: var("POSSUM_MIGRATE_PART_MIB")
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .filter(|&mib| mib > 0)
@@ -200,7 +206,11 @@ mod tests {
         assert!(!none.tcp_close && !none.hostmem_ahead);
         assert_eq!(none.first_round_slice, FIRST_ROUND_SLICE);
         assert!(none.send_while_held && none.kill_while_sending && none.stream_criu);
-        assert!(none.send_while_copying);
+        assert!(none.send_while_copying && !none.first_round_while_copying);
+        let first = Environment::from_vars(|n| {
+            (n == "POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING").then(|| "1".into())
+        });
+        assert!(first.first_round_while_copying);
         let slice =
             Environment::from_vars(|n| (n == "POSSUM_MIGRATE_SLICE_MIB").then(|| " 3".into()));
         assert_eq!(slice.first_round_slice, 3 << 20);
@@ -238,7 +248,7 @@ mod tests {
         assert!(!set.keeper_revive && !set.restore_stage && !set.tcp_close && !set.hostmem_ahead);
         assert_eq!(set.first_round_slice, 0, "0: one part");
         assert!(!set.send_while_held && !set.kill_while_sending && !set.stream_criu);
-        assert!(!set.send_while_copying);
+        assert!(!set.send_while_copying && !set.first_round_while_copying);
         assert_eq!(set.criu_log_level, Some(LogLevel::Debug));
         assert_eq!(set.nvidia_smi, "0");
         assert_eq!(set.libcuda, "libcuda.so.1");

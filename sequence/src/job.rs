@@ -152,6 +152,24 @@ pub fn precopy(
     ask_to(pid, to, &req)
 }
 
+/// [`precopy`], its copy first asked to record each chunk it writes in `journal` where given
+/// ([`journal_next`]), which is removed once the round is over.
+pub fn precopy_journaled(
+    pid: i32,
+    to: To<'_>,
+    (dir, kept, parent): (String, bool, Option<String>),
+    journal: Option<&Path>,
+) -> Result<Reply<CheckpointReply>, JobError> {
+    if let Some(j) = journal {
+        journal_next(pid, to, j);
+    }
+    let r = precopy(pid, to, dir, kept, parent);
+    if let Some(j) = journal {
+        let _ = std::fs::remove_file(j);
+    }
+    r
+}
+
 /// Another pre-copy round of one process, the job running: what it wrote since the round before
 /// copied into the images its checkpoint opened.
 pub fn precopy_round(pid: i32, to: To<'_>) -> Result<Reply<CheckpointReply>, JobError> {
@@ -161,6 +179,9 @@ pub fn precopy_round(pid: i32, to: To<'_>) -> Result<Reply<CheckpointReply>, Job
 /// The file in a checkpoint's temporary directory where the job's final copy records the chunks
 /// it writes, while it copies, for an observer that reads it (`Observer::cutting`).
 pub const FINAL_COPY_JOURNAL: &str = ".final-copy.journal";
+
+/// The same for the first pre-copy round's copy (`Observer::first_round`).
+pub const FIRST_ROUND_JOURNAL: &str = ".first-round.journal";
 
 /// Cut of one process (T0): its GPU operations held, what was written since the pre-copy
 /// copied and the buffers' memory released (`keeping`: left with the keeper, which holds it
@@ -173,8 +194,7 @@ pub fn cut(
     (keeping, journal): (Option<u64>, Option<&Path>),
 ) -> Result<Reply<ReleaseReply>, JobError> {
     if let Some(j) = journal {
-        let path = j.to_string_lossy().into_owned();
-        let _ = ask_to::<JournalReply>(pid, to, &Request::JournalWrites { path });
+        journal_next(pid, to, j);
     }
     let req = match keeping {
         Some(hold_secs) => Request::ReleaseKeeping { hold_secs },
@@ -185,6 +205,14 @@ pub fn cut(
         let _ = std::fs::remove_file(j);
     }
     cut
+}
+
+/// Asks process `pid` to record each chunk its next copy into its images writes in `journal`
+/// (`JournalWrites`). A job that cannot is copied all the same: its chunks are then sent after
+/// the copy, so its answer is no matter.
+pub fn journal_next(pid: i32, to: To<'_>, journal: &Path) {
+    let path = journal.to_string_lossy().into_owned();
+    let _ = ask_to::<JournalReply>(pid, to, &Request::JournalWrites { path });
 }
 
 /// How a kept checkpoint is saved once its job runs again: the shadow budget (MiB; `None`: the

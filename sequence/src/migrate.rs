@@ -62,16 +62,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
 use crate::auth::HmacKey;
-use crate::checkpoint::{checkpoint_held, CheckpointParams, CheckpointReport};
+use crate::checkpoint::{checkpoint_held, CheckpointParams};
 use crate::figures::as_ms;
 mod copying;
 mod dumping;
 mod error;
+mod first_round;
 mod held_send;
 mod post_copy;
+mod report;
 mod source;
 use crate::prestage::{self, Prestaged, Prestages};
 use crate::restore::{restore_confirmed, RestoreError, RestoreParams};
@@ -85,6 +87,8 @@ use error::restore_socket_dir;
 pub use error::{JobAt, MigrateError};
 use held_send::{paced, HeldSend, HeldSent};
 pub use post_copy::{PostCopyReport, POST_COPY_LEASE};
+use report::opt_ms;
+pub use report::{HostAhead, MigrateReport, MigrateTimings};
 pub use source::restore_after_migration;
 use source::{let_go, send_killing, AtSource, Fallback};
 
@@ -145,112 +149,6 @@ pub struct MigrateParams {
     pub post_copy: bool,
 }
 
-/// Milliseconds, or null when not known.
-fn opt_ms<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-    match d {
-        Some(d) => as_ms(d, s),
-        None => s.serialize_none(),
-    }
-}
-
-/// How long each phase of a migration took at the source.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct MigrateTimings {
-    /// The checkpoint, up to the image committed with the job held.
-    #[serde(rename = "checkpoint_ms", serialize_with = "as_ms")]
-    pub checkpoint: Duration,
-    /// The connection and the handshake.
-    #[serde(rename = "connect_ms", serialize_with = "as_ms")]
-    pub connect: Duration,
-    /// What the pre-copy wrote, sent ahead while the job runs (part of the checkpoint's time).
-    #[serde(rename = "ahead_ms", serialize_with = "as_ms")]
-    pub ahead: Duration,
-    /// The rest of the transfer, the job held, up to `Committed`.
-    #[serde(rename = "send_ms", serialize_with = "as_ms")]
-    pub send: Duration,
-    /// Of that: the files sent ahead hashed again where they may have changed since.
-    #[serde(rename = "send_hashing_ms", serialize_with = "as_ms")]
-    pub send_hashing: Duration,
-    /// Of that: from the last byte sent to the destination's `Committed` (its files synced).
-    #[serde(rename = "send_committing_ms", serialize_with = "as_ms")]
-    pub send_committing: Duration,
-    /// The GPU images as the cut completed them, sent while the driver and CRIU worked (the
-    /// job held; part of the checkpoint's time, and of its hold only where it outlasted them).
-    #[serde(rename = "held_send_ms", serialize_with = "as_ms")]
-    pub held_send: Duration,
-    /// The job's kill, its PIDs waited free (and the local image made durable).
-    #[serde(rename = "kill_ms", serialize_with = "as_ms")]
-    pub kill: Duration,
-    /// Of that, the time after the send (the kill runs beside the send unless
-    /// `POSSUM_MIGRATE_KILL_WHILE_SENDING=0`; then all of it).
-    #[serde(rename = "kill_after_send_ms", serialize_with = "as_ms")]
-    pub kill_after_send: Duration,
-    /// From `Released` to the destination's `Outcome` (its restore).
-    #[serde(rename = "remote_restore_ms", serialize_with = "as_ms")]
-    pub remote_restore: Duration,
-    /// The job not running: from its hold to its running at the destination, and there its
-    /// wait for buffers not yet back ([`Self::waited_after_resume`], when known).
-    #[serde(rename = "downtime_ms", serialize_with = "as_ms")]
-    pub downtime: Duration,
-    /// Of that: how long the job, running at the destination, waited for buffers not yet back
-    /// (its own account, which the destination gives with its image's sync; null if not said).
-    #[serde(rename = "waited_after_resume_ms", serialize_with = "opt_ms")]
-    pub waited_after_resume: Option<Duration>,
-    /// After the job ran there: until the destination said its image is on its disk (this
-    /// end's is removed only then).
-    #[serde(rename = "synced_there_ms", serialize_with = "as_ms")]
-    pub synced_there: Duration,
-    /// The whole migration.
-    #[serde(rename = "total_ms", serialize_with = "as_ms")]
-    pub total: Duration,
-}
-
-/// A migration made: what `possum migrate` prints.
-#[derive(Debug, Serialize)]
-pub struct MigrateReport {
-    /// The job at the source.
-    pub pid: i32,
-    /// The destination.
-    pub to: String,
-    /// The job at the destination.
-    pub remote_pid: i32,
-    /// Files of the image sent.
-    pub files: u64,
-    /// Their bytes.
-    pub bytes: u64,
-    /// The bytes of them sent ahead, while the job ran (what its pre-copy rounds wrote).
-    pub bytes_before_hold: u64,
-    /// The pre-copy rounds sent ahead (`checkpoint.figures.precopy_rounds` says what each
-    /// copied).
-    pub rounds: usize,
-    /// The bytes of them sent while the job was held (the rest came from those sent ahead):
-    /// with those of the GPU images sent while the driver and CRIU worked.
-    pub bytes_while_held: u64,
-    /// Of those, the bytes sent while the driver and CRIU worked: the GPU images', and parts
-    /// of CRIU's pages file as it wrote them.
-    pub bytes_while_dumping: u64,
-    /// Of those, the parts of CRIU's pages file.
-    pub criu_bytes_while_dumping: u64,
-    /// Of the bytes sent while held, those sent while the job's final copy ran, as it completed
-    /// each chunk (before the `Cut`).
-    pub bytes_while_copying: u64,
-    /// The rounds those went in (a round reads the chunks completed since the one before, and
-    /// sends those that changed since sent ahead).
-    pub rounds_while_copying: u32,
-    /// The phases' timings.
-    pub timings: MigrateTimings,
-    /// The job's private memory drafted and sent with the pre-copy rounds (what of it the
-    /// cut found unchanged: `checkpoint.figures.hostmem.ahead_reused_bytes`).
-    pub host_memory_ahead: HostAhead,
-    /// The local image, kept: the destination did not say that its own is on its disk.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_kept: Option<PathBuf>,
-    /// With `post_copy`: what was sent after the transfer (null: nothing was left for it).
-    pub post_copy: Option<PostCopyReport>,
-    /// The source's checkpoint.
-    pub checkpoint: CheckpointReport,
-}
-
 /// Opens a connection to `to` within `deadline`, its reads and writes bounded by `io`.
 fn connect(to: &str, deadline: Duration, io: Duration) -> io::Result<TcpStream> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
@@ -291,6 +189,25 @@ impl Link {
         .map_err(|e| Early::Send(Box::new(e)))?;
         sender.slice_first_round(p.checkpoint.env.first_round_slice);
         Ok(Link { stream, sender })
+    }
+}
+
+impl Link {
+    /// The link the send ahead made (or why it failed); without a pre-copy (engine driver, or
+    /// nothing to copy), one made now, the observer told.
+    fn made_or_open(
+        ahead: Option<Result<Link, Early>>,
+        p: &MigrateParams,
+        pacer: Option<&Arc<Pacer>>,
+        obs: &mut dyn Observer,
+    ) -> Result<Link, Early> {
+        if let Some(made) = ahead {
+            return made;
+        }
+        let link = Link::open(p, pacer)?;
+        let sent = link.sender.sent_counter();
+        obs.migrating(MigrateStep::Connected { sent });
+        Ok(link)
     }
 }
 
@@ -380,18 +297,12 @@ struct SendAhead<'a> {
     dump_over: Arc<AtomicBool>,
     /// Set when CRIU dumps again: what that send sent of its pages file is stale.
     dump_again: Arc<AtomicBool>,
-}
-
-/// What drafting the job's private memory for the pre-copy rounds took.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct HostAhead {
-    /// Rounds drafted.
-    pub rounds: usize,
-    /// Bytes written into the drafts (what changed, and what was new).
-    pub written_bytes: u64,
-    /// Time taken, the job running.
-    #[serde(rename = "ms", serialize_with = "as_ms")]
-    pub time: Duration,
+    /// The send while the first pre-copy round runs ([`Observer::first_round`]).
+    first_round: Option<first_round::FirstRound>,
+    /// What it sent, once ended (its settled ranges, until the round after it is sent).
+    first_copied: Option<copying::Copied>,
+    /// Its bytes and rounds, for the report.
+    first_sent: (Totals, u32),
 }
 
 impl SendAhead<'_> {
@@ -458,7 +369,65 @@ impl SendAhead<'_> {
     }
 }
 
+impl SendAhead<'_> {
+    /// The connection to the destination, made now, the observer told.
+    fn connect_link(&mut self) -> Result<Link, Early> {
+        let t = Instant::now();
+        let link = Link::open(self.p, self.pacer);
+        self.connect = t.elapsed();
+        if let Ok(l) = &link {
+            let sent = l.sender.sent_counter();
+            self.obs.migrating(MigrateStep::Connected { sent });
+        }
+        link
+    }
+
+    /// The send while the first round ran, ended (the round is over, or the checkpoint
+    /// failed): the link back, what it sent counted as sent ahead; or why it failed.
+    fn end_first_round(&mut self) {
+        let Some(sending) = self.first_round.take() else {
+            return;
+        };
+        self.link = Some(match sending.end() {
+            Ok((stream, sender, copied)) => {
+                self.sent.files += copied.sent.files;
+                self.sent.bytes += copied.sent.bytes;
+                self.obs.note(&format!(
+                    "sent while the first pre-copy round ran: {:.1} MiB in {} rounds",
+                    copied.sent.bytes as f64 / f64::from(1u32 << 20),
+                    copied.rounds
+                ));
+                self.first_sent = (copied.sent, copied.rounds);
+                self.first_copied = Some(copied);
+                Ok(Link { stream, sender })
+            }
+            Err(e) => Err(Early::Send(Box::new(e))),
+        });
+    }
+}
+
 impl Observer for SendAhead<'_> {
+    /// The first pre-copy round begins: with `POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING=1`, the
+    /// connection is made now, and the chunks the round completes go as it runs.
+    fn first_round(&mut self, dir: &Path, journal: &Path) -> bool {
+        if !self.p.checkpoint.env.first_round_while_copying || self.link.is_some() {
+            return false;
+        }
+        match self.connect_link() {
+            Ok(l) => {
+                self.first_round = Some(first_round::spawn(
+                    (l.stream, l.sender),
+                    copying::Copying::growing(dir, journal),
+                    self.pacer.cloned(),
+                ));
+                true
+            }
+            Err(e) => {
+                self.link = Some(Err(e));
+                false
+            }
+        }
+    }
     /// The final copy begins: unless `POSSUM_MIGRATE_SEND_WHILE_COPYING=0` (or where
     /// [`Observer::held`] would send nothing while held), the send that `held` starts is
     /// started now, and sends the chunks the copy completes as it runs.
@@ -555,26 +524,24 @@ impl Observer for SendAhead<'_> {
     /// `written` in them). A failure ends the rounds' sending; it is acted on once the
     /// checkpoint is committed.
     fn precopied(&mut self, dir: &Path, written: &Written) {
+        self.end_first_round();
         let link = match self.link.take() {
-            None => {
-                let t = Instant::now();
-                let link = Link::open(self.p, self.pacer);
-                self.connect = t.elapsed();
-                if let Ok(l) = &link {
-                    let sent = l.sender.sent_counter();
-                    self.obs.migrating(MigrateStep::Connected { sent });
-                }
-                link
-            }
+            None => self.connect_link(),
             Some(link) => link,
         };
         let t = Instant::now();
         let written = self.draft_host_memory(dir, written);
+        let first = self.first_copied.take();
         let link = link.and_then(|mut l| {
             let Link { stream, sender } = &mut l;
-            sender.told(written.clone());
-            let sent = paced(self.pacer, stream, |mut s| sender.send_ahead(&mut s, dir))
-                .map_err(|e| Early::Send(Box::new(e)))?;
+            let sent = paced(self.pacer, stream, |s| match &first {
+                Some(copied) => first_round::after(sender, s, dir, (written.clone(), copied)),
+                None => {
+                    sender.told(written.clone());
+                    sender.send_ahead(&mut &mut *s, dir)
+                }
+            })
+            .map_err(|e| Early::Send(Box::new(e)))?;
             self.sent.files += sent.files;
             self.sent.bytes += sent.bytes;
             let took = t.elapsed().as_secs_f64();
@@ -618,17 +585,11 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     };
     let committed_at = Instant::now();
 
-    // Without a pre-copy (engine driver, or nothing to copy), the connection comes now.
     let t = Instant::now();
-    let sent_ahead = ahead.link.is_some();
-    let link = match ahead.link.unwrap_or_else(|| Link::open(p, pacer.as_ref())) {
+    let link = match Link::made_or_open(ahead.link, p, pacer.as_ref(), obs) {
         Ok(l) => l,
         Err(early) => return Err(early.let_go(held, p, obs)),
     };
-    if !sent_ahead {
-        let sent = link.sender.sent_counter();
-        obs.migrating(MigrateStep::Connected { sent });
-    }
     obs.migrating(MigrateStep::Held);
     timings.connect = ahead.connect + t.elapsed();
 
@@ -711,6 +672,8 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         bytes: sent.totals.bytes,
         bytes_before_hold: ahead.sent.bytes,
         rounds: report.figures.precopy_rounds.len(),
+        bytes_while_first_round: ahead.first_sent.0.bytes,
+        rounds_while_first_round: ahead.first_sent.1,
         bytes_while_held: sent.sent_bytes + early.dumping_bytes() + early.copying.bytes,
         bytes_while_dumping: early.dumping_bytes(),
         criu_bytes_while_dumping: early.criu.bytes,
@@ -845,6 +808,8 @@ struct Ahead {
     host_ahead: HostAhead,
     /// What was sent while the driver and CRIU worked, and how long it took.
     held_sent: Option<HeldSent>,
+    /// What was sent while the first pre-copy round ran, in so many rounds.
+    first_sent: (Totals, u32),
 }
 
 /// The checkpoint up to its commit with the job held, its pre-copy sent ahead through
@@ -869,9 +834,14 @@ fn checkpoint_sending_ahead<'p>(
         copying: None,
         dump_over: Arc::default(),
         dump_again: Arc::default(),
+        first_round: None,
+        first_copied: None,
+        first_sent: (Totals::default(), 0),
     };
     let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
-    // (A checkpoint that failed after the hold began did not say its dump was over.)
+    // (A checkpoint that failed in its first round, or after the hold began, did not say the
+    // round or the dump was over.)
+    ahead.end_first_round();
     ahead.end_held_send();
     let SendAhead {
         link,
@@ -880,6 +850,7 @@ fn checkpoint_sending_ahead<'p>(
         sent,
         host_ahead,
         held_sent,
+        first_sent,
         ..
     } = ahead;
     match checkpointed {
@@ -892,6 +863,7 @@ fn checkpoint_sending_ahead<'p>(
                 sent,
                 host_ahead,
                 held_sent,
+                first_sent,
             },
         )),
         Err(e) => {

@@ -16,6 +16,14 @@ pub trait Observer {
     fn copied(&mut self);
     /// Something the user should know (a step taken again, a check that could not be made).
     fn note(&mut self, what: &str);
+    /// The first pre-copy round begins: the job is about to write the GPU images under `dir`,
+    /// the temporary directory, while it runs. An observer that returns true reads `journal`
+    /// while it does, as at [`Observer::cutting`] (the job's process only, not the other
+    /// processes of its tree). Engine possum only.
+    fn first_round(&mut self, dir: &Path, journal: &Path) -> bool {
+        let _ = (dir, journal);
+        false
+    }
     /// The pre-copy is over and the job runs on until the cut: what it wrote is under `dir`, the
     /// image's temporary directory, which the cut then completes (a migration sends it ahead
     /// from here); `written`, what the round wrote into its data files. Told after each round,

@@ -47,10 +47,17 @@ pub(crate) struct AheadHint {
     pub gpu_memory: Vec<GpuUse>,
 }
 
-/// Writes [`AHEAD_FILE`] into the checkpoint's temporary directory `tmp`.
-pub(crate) fn write_hint(tmp: &Path, hint: &AheadHint) -> io::Result<()> {
-    let text = serde_json::to_vec(hint).map_err(io::Error::other)?;
-    fs::write(tmp.join(AHEAD_FILE), text)
+/// Writes [`AHEAD_FILE`] into the checkpoint's temporary directory `tmp`; one that cannot be
+/// written is said to `obs` (the destination then loads the images once they are whole).
+pub(crate) fn write_hint(tmp: &Path, hint: &AheadHint, obs: &mut dyn crate::Observer) {
+    let written = serde_json::to_vec(hint)
+        .map_err(io::Error::other)
+        .and_then(|text| fs::write(tmp.join(AHEAD_FILE), text));
+    if let Err(e) = written {
+        obs.note(&format!(
+            "the destination loads the GPU images once they are whole ({AHEAD_FILE}: {e})"
+        ));
+    }
 }
 
 /// One GPU image loaded ahead, as `possum receive --json` reports it.
@@ -252,6 +259,33 @@ pub(crate) fn base_for(list: &[Prestaged], dir: &Path, image: &Path, socket: &Pa
         .and_then(|p| p.stage)
 }
 
+/// What of the directory `ahead` (a checkpoint's, as it is sent ahead) a destination needs to
+/// begin loading its GPU images, relative to it: [`AHEAD_FILE`], each unfinished image's draft,
+/// and those of their other files (the data files, which the load opens as they arrive) that
+/// `sent` says were not sent yet.
+pub(crate) fn ahead_files(ahead: &Path, sent: impl Fn(&str) -> bool) -> Vec<String> {
+    let mut out: Vec<String> = (ahead.join(AHEAD_FILE).is_file())
+        .then(|| AHEAD_FILE.to_string())
+        .into_iter()
+        .collect();
+    let rel = |p: &Path| Some(p.strip_prefix(ahead).ok()?.to_str()?.to_string());
+    for (_, abs, _) in drafts(ahead) {
+        out.extend(rel(&abs.join(possum_engine::image::DRAFT_FILE)));
+        let Ok(entries) = fs::read_dir(&abs) else {
+            continue;
+        };
+        let mut data: Vec<String> = (entries.flatten())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+            .filter(|e| e.file_name() != possum_engine::image::DRAFT_FILE)
+            .filter_map(|e| rel(&e.path()))
+            .filter(|f| !sent(f))
+            .collect();
+        data.sort();
+        out.extend(data);
+    }
+    out
+}
+
 /// The unfinished GPU images in `ahead` that have a draft: for the job (`gpu/`) and its other
 /// processes (`gpu-PID/`), each device's (`gpu-N`, named when finished), as (the finished
 /// image's path relative to the checkpoint, the unfinished directory, the device).
@@ -329,6 +363,23 @@ mod tests {
             vec![
                 ("gpu/gpu-0".to_string(), 0),
                 ("gpu-77/gpu-2".to_string(), 2)
+            ]
+        );
+        fs::write(d.path().join(AHEAD_FILE), b"{}").unwrap();
+        for f in ["data-000.bin", "data-001.bin"] {
+            fs::write(d.path().join("gpu/.gpu-0.tmp-12-abc").join(f), b"d").unwrap();
+        }
+        let sent = |f: &str| f == "gpu/.gpu-0.tmp-12-abc/data-000.bin";
+        assert_eq!(
+            ahead_files(d.path(), sent),
+            vec![
+                AHEAD_FILE.to_string(),
+                format!("gpu/.gpu-0.tmp-12-abc/{}", possum_engine::image::DRAFT_FILE),
+                "gpu/.gpu-0.tmp-12-abc/data-001.bin".to_string(),
+                format!(
+                    "gpu-77/.gpu-2.tmp-13-x/{}",
+                    possum_engine::image::DRAFT_FILE
+                ),
             ]
         );
         let list = vec![Prestaged {

@@ -1,11 +1,12 @@
-//! While the held job's final copy writes its GPU images (part of [`super`]): each chunk it has
-//! completed, as its journal says (`JournalWrites`, the engine's `JournalRecord`s), goes to the
-//! destination in a round ahead of only the files written, before the `Cut`. What such a round
+//! While the held job's final copy writes its GPU images, or the first pre-copy round does
+//! (part of [`super`]): each chunk it has completed, as its journal says (`JournalWrites`, the
+//! engine's `JournalRecord`s), goes to the destination in a round ahead of only the files
+//! written, before the `Cut` (before the round is over). What such a round
 //! read after its chunk was complete, from the file still under its name after the round, is
 //! settled, until the journal says it was written again (a chunk the copy took again, its proof
 //! by fingerprint having failed): the final set does not read a settled range again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::MetadataExt;
@@ -36,6 +37,10 @@ pub(super) struct Copying {
     /// The regular files under `dir` as the copy began, by (device, inode): their paths
     /// relative to it. A chunk in another file waits for the final set.
     pub(super) files: HashMap<(u64, u64), String>,
+    /// Whether the files are listed again when the journal names one not listed: a copy that
+    /// makes its files as it goes (the first pre-copy round), whose directories keep their
+    /// names while it runs. Not the final copy's: its images are renamed at their commit.
+    pub(super) growing: bool,
 }
 
 impl Copying {
@@ -47,6 +52,24 @@ impl Copying {
             dir: dir.to_path_buf(),
             journal: journal.to_path_buf(),
             files,
+            growing: false,
+        }
+    }
+
+    /// [`Copying::new`] for a copy that makes its files under `dir` as it goes.
+    pub(super) fn growing(dir: &Path, journal: &Path) -> Copying {
+        Copying {
+            growing: true,
+            ..Copying::new(dir, journal)
+        }
+    }
+
+    /// Lists the files again where the copy makes them as it goes and `pending` names one not
+    /// listed.
+    fn list_new(&mut self, pending: &Chunks) {
+        if self.growing && pending.keys().any(|i| !self.files.contains_key(i)) {
+            self.files.clear();
+            files_under(&self.dir, "", &self.journal, &mut self.files);
         }
     }
 }
@@ -86,6 +109,8 @@ pub(super) struct Copied {
     pub(super) settled: Written,
     /// Rounds sent.
     pub(super) rounds: u32,
+    /// The files they sent (relative to the directory).
+    pub(super) files: HashSet<String>,
 }
 
 /// The journal as read so far.
@@ -142,7 +167,7 @@ impl Copied {
 pub(super) fn send_while_copying<S: Read + Write + ?Sized, T>(
     sender: &mut DirSender,
     stream: &mut S,
-    c: &Copying,
+    c: &mut Copying,
     next: &Receiver<T>,
 ) -> Result<(Copied, Option<T>), WireError> {
     let mut journal = Journal {
@@ -171,6 +196,7 @@ pub(super) fn send_while_copying<S: Read + Write + ?Sized, T>(
             Err(TryRecvError::Disconnected) => return Ok((copied, None)),
             Err(TryRecvError::Empty) => {}
         }
+        c.list_new(&pending);
         pending.retain(|inode, _| c.files.contains_key(inode));
         let bytes: u64 = pending.values().flatten().map(|(_, len)| len).sum();
         if !rounds || bytes < ROUND_BYTES {
@@ -207,6 +233,7 @@ fn round<S: Read + Write>(
     }
     sender.told(told);
     let sent = sender.send_ahead_only(stream, &c.dir, &paths)?;
+    copied.files.extend(paths);
     copied.sent.files += sent.files;
     copied.sent.bytes += sent.bytes;
     copied.rounds += 1;

@@ -116,7 +116,7 @@ pub(super) fn spawn(
 /// `next` is gone first.
 pub(super) fn spawn_copying(
     link: (TcpStream, DirSender),
-    copying: Copying,
+    mut copying: Copying,
     pacer: Option<Arc<Pacer>>,
     dump: (Arc<AtomicBool>, Arc<AtomicBool>),
     next: Receiver<What>,
@@ -124,7 +124,7 @@ pub(super) fn spawn_copying(
     std::thread::spawn(move || {
         let (mut stream, mut sender) = link;
         let (copied, what) = paced(pacer.as_ref(), &mut stream, |s| {
-            copying::send_while_copying(&mut sender, s, &copying, &next)
+            copying::send_while_copying(&mut sender, s, &mut copying, &next)
         })?;
         let Some(mut what) = what else {
             return Ok((stream, sender, None));

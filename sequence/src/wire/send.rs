@@ -375,8 +375,10 @@ impl DirSender {
     /// for files being written while the job is held, before the `Cut`, each time the writer's
     /// account ([`DirSender::told`]) names what it completed (a migration's GPU images while
     /// its final copy runs). The pieces the account names are sent without being compared with
-    /// what was sent ahead: the writer wrote them again. Only after a round of the whole
-    /// directory.
+    /// what was sent ahead: the writer wrote them again. Before the first round of the whole
+    /// directory too (a migration's first pre-copy round, sent as it is copied): a file not
+    /// sent yet goes whole, as it is now, and that round is then not sent in slices
+    /// ([`DirSender::slice_first_round`]). Not after the `Cut`.
     pub fn send_ahead_only<S: Read + Write>(
         &mut self,
         stream: &mut S,
@@ -384,12 +386,13 @@ impl DirSender {
         files: &[String],
     ) -> Result<Totals, WireError> {
         let sent = (|| {
-            if !self.sent_ahead || self.first_part.is_some() {
+            if self.first_part.is_some() {
                 return Err(SendError::Unsupported {
                     path: dir.to_path_buf(),
-                    what: "a round of some files before the first round or after the cut",
+                    what: "a round of some files after the cut",
                 });
             }
+            self.sent_ahead = true;
             let mut all = Vec::new();
             list(dir, "", &mut all, false)?;
             let above = |d: &str| files.iter().any(|f| f.starts_with(&format!("{d}/")));
