@@ -291,3 +291,50 @@ fn a_proven_snapshot_copies_nothing_while_held() {
     dev.synchronize(&s).unwrap();
     assert!(dev.read_now(va, size).unwrap().iter().all(|&x| x == 0x5a));
 }
+
+/// A copy torn after T0 reaching an image writer (its fingerprint computed as it is written):
+/// the checkpoint fails as a mismatch, and the image, whose data file may hold those bytes, is
+/// never committed.
+#[test]
+fn a_torn_copy_spoils_the_image_it_reached() {
+    use possum_engine::image::{ImageWriter, WriterOptions};
+    /// An image writer whose every chunk arrives with one byte changed.
+    struct Torn(Arc<ImageWriter>);
+    impl ChunkSink for Torn {
+        fn add_buffer(&self, rec: BufferRecord) -> Result<(), ImageError> {
+            self.0.add_buffer(rec)
+        }
+        fn write_chunk(&self, buffer: u64, offset: u64, data: &[u8]) -> Result<(), ImageError> {
+            self.0.write_chunk(buffer, offset, data)
+        }
+        fn set_meta(&self, key: &str, value: &str) -> Result<(), ImageError> {
+            self.0.set_meta(key, value)
+        }
+        fn write_chunk_proving(
+            &self,
+            buffer: u64,
+            offset: u64,
+            data: &[u8],
+            expect: Option<Fingerprint>,
+        ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
+            let mut torn = data.to_vec();
+            torn[0] ^= 1;
+            self.0.write_chunk_proving(buffer, offset, &torn, expect)
+        }
+    }
+    let (_dev, e, _bufs) = setup(2);
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("img");
+    let opts = WriterOptions {
+        fsync: false,
+        ..WriterOptions::default()
+    };
+    let w = Arc::new(ImageWriter::create(&dir, opts).unwrap());
+    let err = (e.checkpoint_held(Arc::new(Torn(w.clone())), false))
+        .and_then(|h| h.wait())
+        .unwrap_err();
+    assert!(matches!(err, EngineError::Mismatch { .. }), "{err}");
+    let w = Arc::try_unwrap(w).unwrap();
+    assert!(matches!(w.commit(), Err(ImageError::Spoiled { .. })));
+    assert!(!dir.exists());
+}

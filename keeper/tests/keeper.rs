@@ -834,6 +834,34 @@ impl Drafted {
         }
     }
 
+    /// The unfinished image as a migration's destination receives it, at
+    /// `dir/arriving/.gpu-0.tmp-1`: its draft, and its data files with their bytes (`data`) or
+    /// empty; and their lengths once whole, by name.
+    fn arriving(
+        &self,
+        dir: &Path,
+        data: bool,
+    ) -> (PathBuf, std::collections::BTreeMap<String, u64>) {
+        let arriving = dir.join("arriving/.gpu-0.tmp-1");
+        std::fs::create_dir_all(&arriving).unwrap();
+        let mut whole = std::collections::BTreeMap::new();
+        for f in std::fs::read_dir(self.w.temp_dir()).unwrap() {
+            let f = f.unwrap();
+            let name = f.file_name().into_string().unwrap();
+            if !name.starts_with("data-") {
+                std::fs::copy(f.path(), arriving.join(&name)).unwrap();
+                continue;
+            }
+            whole.insert(name.clone(), f.metadata().unwrap().len());
+            if data {
+                std::fs::copy(f.path(), arriving.join(&name)).unwrap();
+            } else {
+                std::fs::File::create(arriving.join(&name)).unwrap();
+            }
+        }
+        (arriving, whole)
+    }
+
     /// The finished image of the buffers as they are now, at `dir/img/gpu-0`; their memory
     /// released.
     fn finished(&self, dir: &Path) -> PathBuf {
@@ -959,19 +987,7 @@ fn a_prestage_loads_as_the_draft_files_arrive() {
         let (dir, server) = fresh_keeper();
         let mut d = Drafted::new(&server, dir.path(), 30);
         // The draft as the destination has it before the round's data came: empty data files.
-        let arriving = dir.path().join("arriving/.gpu-0.tmp-1");
-        std::fs::create_dir_all(&arriving).unwrap();
-        let mut whole = BTreeMap::new();
-        for f in std::fs::read_dir(d.w.temp_dir()).unwrap() {
-            let f = f.unwrap();
-            let name = f.file_name().into_string().unwrap();
-            if name.starts_with("data-") {
-                std::fs::File::create(arriving.join(&name)).unwrap();
-                whole.insert(name, f.metadata().unwrap().len());
-            } else {
-                std::fs::copy(f.path(), arriving.join(&name)).unwrap();
-            }
-        }
+        let (arriving, whole) = d.arriving(dir.path(), false);
         assert!(!whole.is_empty());
         let none: BTreeMap<String, u64> = whole.keys().map(|n| (n.clone(), 0)).collect();
         let pre = d.k.prestage_arriving(&arriving, 60, none).unwrap();
@@ -1012,20 +1028,9 @@ fn a_prestage_loads_as_the_draft_files_arrive() {
 #[test]
 fn a_prestage_leaves_a_chunk_not_there_yet_to_the_stage_built_on_it() {
     in_child(|| {
-        use std::collections::BTreeMap;
         let (dir, server) = fresh_keeper();
         let mut d = Drafted::new(&server, dir.path(), 40);
-        let arriving = dir.path().join("arriving/.gpu-0.tmp-1");
-        std::fs::create_dir_all(&arriving).unwrap();
-        let mut whole = BTreeMap::new();
-        for f in std::fs::read_dir(d.w.temp_dir()).unwrap() {
-            let f = f.unwrap();
-            let name = f.file_name().into_string().unwrap();
-            std::fs::copy(f.path(), arriving.join(&name)).unwrap();
-            if name.starts_with("data-") {
-                whole.insert(name, f.metadata().unwrap().len());
-            }
-        }
+        let (arriving, whole) = d.arriving(dir.path(), true);
         // The first chunk of the first data file (1 MiB) still a hole.
         let first = arriving.join("data-000.bin");
         let real = std::fs::read(&first).unwrap();

@@ -190,9 +190,7 @@ impl Link {
         sender.slice_first_round(p.checkpoint.env.first_round_slice);
         Ok(Link { stream, sender })
     }
-}
 
-impl Link {
     /// The link the send ahead made (or why it failed); without a pre-copy (engine driver, or
     /// nothing to copy), one made now, the observer told.
     fn made_or_open(
@@ -373,12 +371,8 @@ impl SendAhead<'_> {
     /// The connection to the destination, made now, the observer told.
     fn connect_link(&mut self) -> Result<Link, Early> {
         let t = Instant::now();
-        let link = Link::open(self.p, self.pacer);
+        let link = Link::made_or_open(None, self.p, self.pacer, &mut *self.obs);
         self.connect = t.elapsed();
-        if let Ok(l) = &link {
-            let sent = l.sender.sent_counter();
-            self.obs.migrating(MigrateStep::Connected { sent });
-        }
         link
     }
 
