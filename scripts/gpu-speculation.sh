@@ -51,6 +51,10 @@
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its first pre-copy round sent
 #       once copied (the default) and as the round completes its chunks
 #       (POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING=1), alternating (TAG-after-N, TAG-copying-N).
+#   bash scripts/gpu-speculation.sh stage-ahead  (~5 min with SPEC_BARS="0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its destination staging the
+#       GPU images at the restore (the default) and once the final set brought them whole
+#       (POSSUM_MIGRATE_STAGE_AHEAD=1), alternating (TAG-restore-N, TAG-ahead-N).
 #   bash scripts/gpu-speculation.sh baseline   (~4 min)
 #       The frozen job (8 GiB of weights, 64 MiB of state) migrated alone by the build in
 #       SPEC_BASELINE (default .gpu/baseline: possum, libpossum.so and its CRIU plugin, staged
@@ -119,7 +123,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold|criu-stream|copy-stream|held-writers|first-round)
+bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     huge_images
@@ -172,6 +176,7 @@ bars|slices|hold|criu-stream|copy-stream|held-writers|first-round)
             criu-stream) ab=(POSSUM_MIGRATE_STREAM_CRIU after streamed) ;;  # CRIU's pages file
             held-writers) ab=(POSSUM_HELD_WRITERS six all) ;;  # the final copy's writer threads
             first-round) ab=(POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING after copying 1) ;;  # round 1 as copied
+            stage-ahead) ab=(POSSUM_MIGRATE_STAGE_AHEAD restore ahead 1) ;;  # the destination's stage
             *) ab=() ;;
         esac
         if [ ${#ab[@]} -gt 0 ]; then
@@ -277,7 +282,7 @@ ab)
     cp "$res"/overhead-ab-gpt2*.json "$out"/ 2>/dev/null
     tail -5 "$res/ab.log"
     ;;
-*) echo "usage: gpu-speculation.sh frozen | bars | slices | hold | criu-stream | copy-stream | held-writers | first-round | baseline | postcopy | ahead | trials [N] | ab"; exit 2 ;;
+*) echo "usage: gpu-speculation.sh frozen | bars | slices | hold | criu-stream | copy-stream | held-writers | first-round | stage-ahead | baseline | postcopy | ahead | trials [N] | ab"; exit 2 ;;
 esac
 (cd /dev/shm && tar czf "$out/speculation-$1.tgz" --exclude='img-*' --exclude='received' \
     --exclude='possum-speculation' possum-speculation-out 2>/dev/null)

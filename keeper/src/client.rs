@@ -213,7 +213,30 @@ impl Keeper {
                 hold_secs,
                 from,
                 base,
+                ahead: false,
                 pending,
+            },
+        )
+    }
+
+    /// A stage ahead of the whole image at `image`, built on this process's prestage `base`
+    /// ([`Request::Stage`]'s `ahead`): a later [`Self::stage`] of the image builds on it.
+    pub fn stage_ahead(
+        &mut self,
+        image: &Path,
+        hold_secs: u64,
+        base: u64,
+    ) -> Result<StageInfo, KeeperError> {
+        self.ask_parsed(
+            "stage",
+            &Request::Stage {
+                pid: 0,
+                image: image.display().to_string(),
+                hold_secs,
+                from: None,
+                base: Some(base),
+                ahead: true,
+                pending: Vec::new(),
             },
         )
     }

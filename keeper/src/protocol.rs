@@ -167,6 +167,13 @@ pub enum Request {
         /// CRC32C and fingerprint) are loaded; the rest of its memory is freed.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         base: Option<u64>,
+        /// A stage ahead: `pid` is ignored, the memory is the caller's (as a prestage's), no
+        /// stage is ended first, and the stage is a prestage of `image` (whole: its manifest,
+        /// not a draft) that a later `stage` of the image, wherever it lies by then, builds on
+        /// (`base`). A migration's destination stages the job's GPU images once they are whole,
+        /// before its restore.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        ahead: bool,
         /// Byte ranges of the image's data files whose bytes have not arrived yet (a migration's
         /// post-copy): the files hold other bytes there until `stage_arrived` says they are in.
         /// A chunk to load (one not already in memory from `base`) that overlaps one of them is
@@ -657,10 +664,14 @@ mod tests {
             hold_secs: 0,
             from: None,
             base: None,
+            ahead: false,
             pending: Vec::new(),
         };
         let line = serde_json::to_string(&stage).unwrap();
-        assert!(!line.contains("pending"), "{line}");
+        assert!(
+            !line.contains("pending") && !line.contains("ahead"),
+            "{line}"
+        );
         let old = r#"{"cmd":"stage","pid":1,"image":"img"}"#;
         assert_eq!(serde_json::from_str::<Request>(old).unwrap(), stage);
         let old_stats = r#"{"stage":1,"pid":2,"image":"img","buffers":3,"bytes":4,"ready":3,

@@ -447,6 +447,7 @@ impl Inner {
                 hold_secs,
                 from,
                 base,
+                ahead,
                 pending,
             } => {
                 let base = base.map(|b| self.take_prestage(b, pid)).transpose()?;
@@ -454,8 +455,10 @@ impl Inner {
                     hold_secs,
                     from: from.as_ref(),
                     pending: &pending,
+                    ahead,
                 };
-                self.stage(of, &image, &how, base)
+                // (Ahead: the caller's memory, as a prestage's.)
+                self.stage(if ahead { pid } else { of }, &image, &how, base)
             }
             Request::Prestage {
                 image,
@@ -923,7 +926,9 @@ impl Inner {
         let path = canonical(image)?;
         let img = possum_engine::image::Image::open(&path)
             .map_err(|e| KeeperError::Stage(format!("{}: {e}", path.display())))?;
-        self.end_stages_of(of);
+        if !how.ahead {
+            self.end_stages_of(of);
+        }
         let dev = self.dev()?;
         let (recs, sizes) = staged_order(&img, dev.granularity());
         let (taken, reuse) = match base {
@@ -963,7 +968,13 @@ impl Inner {
         let id = self.next_stage_id();
         let reused_bytes = reuse.bytes;
         let stage = Stage::new(id, of, epoch, path, buffers, peers).reusing(reuse);
-        let stage = Arc::new(stage.pending_on(&img, how.pending));
+        let stage = stage.pending_on(&img, how.pending);
+        // Ahead: a prestage whose "draft" is the whole image (a later stage compares with it).
+        let img = Arc::new(img);
+        let stage = Arc::new(match how.ahead {
+            true => stage.of_draft(Arc::clone(&img)),
+            false => stage,
+        });
         let info = StageInfo {
             stage: id,
             epoch,
@@ -1366,6 +1377,8 @@ struct Staging<'a> {
     hold_secs: u64,
     from: Option<&'a PeerSource>,
     pending: &'a [crate::PendingPiece],
+    /// A stage ahead: a prestage of the whole image (see [`Request::Stage`]).
+    ahead: bool,
 }
 
 /// A prestage taken by a stage: its loaders stopped, and which buffers they loaded whole.

@@ -976,6 +976,46 @@ fn a_stage_builds_on_a_prestage_of_the_draft() {
     });
 }
 
+/// A stage ahead (a migration's destination, the job's GPU image whole before its restore):
+/// built on the prestage of the draft, it loads what changed since; the image is then moved
+/// (the received directory named), and a stage of it where it lies now, built on the stage
+/// ahead, takes every buffer from it; the restore is bit-exact. A restored job never finds the
+/// stage ahead as its stage.
+#[test]
+fn a_stage_ahead_of_the_whole_image_is_built_on_where_the_image_lies_later() {
+    in_child(|| {
+        let (dir, server) = fresh_keeper();
+        let mut d = Drafted::new(&server, dir.path(), 50);
+        let pre = d.k.prestage(d.w.temp_dir(), 60).unwrap();
+        d.kept.write(d.bufs[1].va(), 61, d.bufs[1].size());
+        let img = d.finished(dir.path());
+        let ahead = d.k.stage_ahead(&img, 60, pre.stage).unwrap();
+        assert_eq!(ahead.reused_bytes, d.sizes[0] + d.sizes[2], "{ahead:?}");
+        wait_until("the stage ahead is loaded", || {
+            let st = server.stats();
+            (st.stages.iter())
+                .any(|s| s.stage == ahead.stage && s.done_ms.is_some() && s.ready == 3)
+        });
+        let mem = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
+        assert!(
+            mem.staged(&img).unwrap().is_none(),
+            "not a restored job's stage"
+        );
+        let moved = dir.path().join("named/gpu-0");
+        std::fs::create_dir_all(moved.parent().unwrap()).unwrap();
+        std::fs::rename(&img, &moved).unwrap();
+        let info = d.restored_on(&server, &moved, ahead.stage, |i| {
+            if i == 1 {
+                61
+            } else {
+                50 + i as u64
+            }
+        });
+        assert_eq!(info.reused_bytes, d.sizes.iter().sum::<u64>(), "{info:?}");
+        d.free(&server);
+    });
+}
+
 /// Loading ahead while the first round still arrives: a prestage of a draft whose data files
 /// hold none of their bytes yet (`present`: zero of each) loads nothing, its buffers blocked;
 /// once the files are whole and `stage_grown` says so, it loads them, and a stage of the finished

@@ -392,7 +392,8 @@ fn kept_job(test: &str) -> Option<KeptJob> {
     kept_job_with(test, &[])
 }
 
-/// [`kept_job`], `env` added to the job's environment (and the reference run's).
+/// [`kept_job`], `env` added to the job's environment (and the reference run's, and the
+/// receiver's).
 fn kept_job_with(test: &str, env: &[(&str, &str)]) -> Option<KeptJob> {
     let (tmp, lib) = support::session_job_setup(test, "possum-migrate-")?;
     let dir = tmp.path();
@@ -405,8 +406,10 @@ fn kept_job_with(test: &str, env: &[(&str, &str)]) -> Option<KeptJob> {
     std::fs::write(dir.join("key"), [1u8; 32]).unwrap();
     std::fs::create_dir(dir.join("received")).unwrap();
     let libdir = plugin_dir(dir).expect("libpossum_criu_plugin.so beside possum");
-    let plugin = [("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
-    let receiver = Receiver::start(dir, "key", &plugin);
+    // (The receiver gets `env` too: its own variables among them.)
+    let mut receiver_env = vec![("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())];
+    receiver_env.extend_from_slice(env);
+    let receiver = Receiver::start(dir, "key", &receiver_env);
     Some(KeptJob {
         tmp,
         want,
@@ -497,6 +500,44 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
         "migrate_prestage: {reused} of {} bytes in memory before the restore",
         staged[0]["bytes"]
     ));
+}
+
+/// The destination stages the job's GPU image ahead of its restore
+/// (`POSSUM_MIGRATE_STAGE_AHEAD=1`): once the final set brought it whole, a stage of it built
+/// on the prestage of the first round; the restore's stage builds on that one; the job goes on
+/// bit-exact, and the keeper holds nothing of either.
+#[test]
+fn the_destination_stages_the_finished_image_ahead_of_the_restore() {
+    let env = [("POSSUM_MIGRATE_STAGE_AHEAD", "1")];
+    let Some(mut t) = kept_job_with("migrate_stage_ahead", &env) else {
+        return;
+    };
+    let dir = t.tmp.path();
+    let out = migrate_kept(&t, ("POSSUM_MIGRATE_SLICE_MIB", "1"));
+    let (_, r) = migrated(&out, t.receiver, &t.job);
+    let pre = r["prestaged"].as_array().expect("prestaged");
+    assert_eq!(pre.len(), 1, "{r}");
+    let ahead = &pre[0]["ahead"];
+    assert!(ahead["error"].is_null(), "{r}");
+    let (first, staged_ahead) = (ahead["prestage"].as_u64(), pre[0]["stage"].as_u64());
+    assert!(
+        first.is_some() && staged_ahead.is_some() && first != staged_ahead,
+        "{r}"
+    );
+    let staged = r["staged"].as_array().expect("staged");
+    assert_eq!(staged[0]["base"].as_u64(), staged_ahead, "{r}");
+    assert!(staged[0]["error"].is_null(), "{r}");
+    assert!(staged[0]["reused_bytes"].as_u64().unwrap() > 0, "{r}");
+    goes_on_like(&mut t.job, dir, &t.want, "migrated, its image staged ahead");
+    let mut k = possum_keeper::Keeper::connect(&t.keeper_dir.join("keeper-0.sock")).unwrap();
+    let stats = k.stats().unwrap();
+    assert!(stats.stages.iter().all(|s| !s.draft), "{stats:?}");
+    let ended: Vec<_> = stats.stages_ended.iter().filter(|s| s.draft).collect();
+    assert_eq!(
+        ended.len(),
+        2,
+        "the prestage and the stage ahead: {stats:?}"
+    );
 }
 
 /// A job with 512 MiB of private memory and 8 MiB in a memfd, migrated in parts of 1 MiB:

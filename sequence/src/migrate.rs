@@ -1213,10 +1213,10 @@ fn receive_loading_ahead(
     dest: &Path,
     p: &ReceiveParams,
 ) -> Result<Loaded, ReceiveError> {
-    let mut ahead = Prestages::default();
-    let received = receive_dir_post_copy(stream, session, dest, Durability::Later, &mut |dir| {
+    let mut ahead = Prestages::staging_ahead(p.restore.env.stage_ahead);
+    let received = receive_dir_post_copy(stream, session, dest, Durability::Later, &mut |d, at| {
         if p.restore.env.restore_stage {
-            ahead.part_received(dir);
+            ahead.part_received(d, at);
         }
     });
     let prestaged = ahead.finish();

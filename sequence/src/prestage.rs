@@ -85,6 +85,24 @@ pub struct Prestaged {
     /// Why it was not made.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The stage ahead of the whole image built on it, once the final set brought the image
+    /// (`POSSUM_MIGRATE_STAGE_AHEAD=1`): `stage` names it from then on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ahead: Option<StagedAhead>,
+}
+
+/// A stage ahead of a whole image ([`Prestaged::ahead`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct StagedAhead {
+    /// The prestage it was built on.
+    pub prestage: u64,
+    /// Bytes it took from that prestage's memory.
+    pub reused_bytes: u64,
+    /// How long the keeper took to take the request.
+    pub request_ms: f64,
+    /// Why it was not made (the restore then stages the image without a base).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The loads ahead of one migration's destination: begun once, at the first part sent ahead
@@ -92,11 +110,25 @@ pub struct Prestaged {
 #[derive(Default)]
 pub(crate) struct Prestages {
     begun: bool,
-    /// The unfinished image directories loaded ahead.
+    /// The unfinished image directories loaded ahead ...
     images: Vec<PathBuf>,
-    /// To the thread: each image's data files' lengths, at each part whole.
-    grown: Option<mpsc::Sender<Vec<Lengths>>>,
+    /// ... and the finished images' paths, relative to the received directory.
+    finished: Vec<PathBuf>,
+    /// To the thread: each image's data files' lengths, at each part whole; then the final
+    /// set's directory, once it holds them finished.
+    grown: Option<mpsc::Sender<Told>>,
     thread: Option<JoinHandle<Vec<Prestaged>>>,
+    /// Whether the images are staged ahead once finished ([`Prestages::staging_ahead`]), and
+    /// whether they were asked.
+    ahead: (bool, bool),
+}
+
+/// What the thread is told.
+enum Told {
+    /// Each image's data files' lengths, a part sent ahead whole.
+    Grown(Vec<Lengths>),
+    /// The received directory, now holding the images finished: each staged ahead.
+    Finished(PathBuf),
 }
 
 /// The lengths of the files of an unfinished image directory, by name.
@@ -119,16 +151,44 @@ fn lengths(dir: &Path) -> Lengths {
 }
 
 impl Prestages {
+    /// Loads ahead that, with `ahead`, stage each image ahead once the final set brought it
+    /// finished (`POSSUM_MIGRATE_STAGE_AHEAD=1`): the keeper's `stage` of the whole image,
+    /// built on its prestage, while the source's CRIU still dumps; the restore's stage then
+    /// builds on that.
+    pub(crate) fn staging_ahead(ahead: bool) -> Prestages {
+        Prestages {
+            ahead: (ahead, false),
+            ..Prestages::default()
+        }
+    }
+
+    /// A part of the final set is whole in `dir`: once it holds every image loaded ahead
+    /// finished (its manifest there), each is staged ahead, where that was asked, once.
+    fn final_part(&mut self, dir: &Path) {
+        let (Some(tx), (true, false)) = (&self.grown, self.ahead) else {
+            return;
+        };
+        let manifest = possum_engine::image::MANIFEST_FILE;
+        if !(self.finished.iter()).all(|rel| dir.join(rel).join(manifest).is_file()) {
+            return;
+        }
+        self.ahead.1 = true;
+        let _ = tx.send(Told::Finished(dir.to_path_buf()));
+    }
+
     /// Called with the directory what is sent ahead is received in, each time a part of it is
     /// whole: the first time it holds [`AHEAD_FILE`] and GPU images with drafts, asks the keeper
     /// serving each image's GPU to load it, on a thread of its own.
     /// Each later time, tells each keeper how far its image's data files have come (the
     /// lengths read now: the next part resizes them before its bytes come).
-    pub(crate) fn part_received(&mut self, ahead: &Path) {
+    pub(crate) fn part_received(&mut self, ahead: &Path, part: crate::wire::Part) {
+        if part == crate::wire::Part::Final {
+            return self.final_part(ahead);
+        }
         if self.begun {
             if let Some(tx) = &self.grown {
                 let now = self.images.iter().map(|d| lengths(d)).collect();
-                if tx.send(now).is_err() {
+                if tx.send(Told::Grown(now)).is_err() {
                     self.grown = None;
                 }
             }
@@ -156,8 +216,9 @@ impl Prestages {
         };
         let gpus = hint.gpu_memory;
         self.images = drafts.iter().map(|(_, abs, _)| abs.clone()).collect();
+        self.finished = drafts.iter().map(|(rel, _, _)| rel.clone()).collect();
         let present: Vec<Lengths> = self.images.iter().map(|d| lengths(d)).collect();
-        let (tx, rx) = mpsc::channel::<Vec<Lengths>>();
+        let (tx, rx) = mpsc::channel::<Told>();
         self.grown = Some(tx);
         self.thread = std::thread::Builder::new()
             .name("possum-prestage".into())
@@ -174,8 +235,16 @@ impl Prestages {
                             Some((p.stage.is_some().then_some(k), p))
                         })
                         .collect();
-                // Until the transfer is over: each part's lengths to each keeper.
-                for parts in rx {
+                // Until the transfer is over: each part's lengths to each keeper; the images
+                // finished, staged ahead.
+                for told in rx {
+                    let parts = match told {
+                        Told::Grown(parts) => parts,
+                        Told::Finished(dir) => {
+                            made.iter_mut().flatten().for_each(|m| stage_ahead(m, &dir));
+                            continue;
+                        }
+                    };
                     for (made, files) in made.iter_mut().zip(parts) {
                         let Some((keeper, p)) = made else {
                             continue;
@@ -205,6 +274,34 @@ impl Prestages {
     }
 }
 
+/// Stages ahead the finished image of prestage `p` (under the received directory `dir`) on its
+/// keeper, built on it; `p` names the stage ahead from then on, or none if it failed (the
+/// prestage is gone with it).
+fn stage_ahead((keeper, p): &mut (Option<possum_keeper::Keeper>, Prestaged), dir: &Path) {
+    let (Some(k), Some(prestage)) = (keeper.as_mut(), p.stage) else {
+        return;
+    };
+    let t = Instant::now();
+    let r = k.stage_ahead(&dir.join(&p.image), HOLD_SECS, prestage);
+    let mut ahead = StagedAhead {
+        prestage,
+        reused_bytes: 0,
+        request_ms: t.elapsed().as_secs_f64() * 1e3,
+        error: None,
+    };
+    match r {
+        Ok(info) => {
+            p.stage = Some(info.stage);
+            ahead.reused_bytes = info.reused_bytes;
+        }
+        Err(e) => {
+            p.stage = None;
+            ahead.error = Some(e.to_string());
+        }
+    }
+    p.ahead = Some(ahead);
+}
+
 /// Asks `k` to load the unfinished image at `abs` ahead, its data files `present` so long.
 fn prestage_one(
     k: &mut possum_keeper::Keeper,
@@ -225,6 +322,7 @@ fn prestage_one(
         arriving: None,
         pending: None,
         error: None,
+        ahead: None,
     };
     match r {
         Ok(info) => {
@@ -392,6 +490,7 @@ mod tests {
             arriving: None,
             pending: None,
             error: None,
+            ahead: None,
         }];
         let dir = Path::new("/imgs/job");
         let sock = Path::new("/k/keeper-0.sock");

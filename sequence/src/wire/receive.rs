@@ -218,19 +218,30 @@ pub fn receive_dir_in_session_as<S: Read + Write>(
     dest: &Path,
     durability: Durability,
 ) -> Result<(ReceiveReport, Session), WireError> {
-    receive_dir_watching(stream, session, dest, durability, &mut |_| {})
+    receive_dir_watching(stream, session, dest, durability, &mut |_, _| {})
+}
+
+/// Which part of a transfer is whole ([`receive_dir_watching`]'s `ahead`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// A part sent ahead, while the source's job runs.
+    Ahead,
+    /// A part of the final set, after the `Cut`: the directory now holds it (what was sent
+    /// ahead moved aside), the files its parts brought complete.
+    Final,
 }
 
 /// [`receive_dir_in_session_as`], `ahead` told of the directory where what is sent ahead is
 /// received each time a part of it is whole there (its files complete and checked), while the
 /// source's job runs: a migration's destination begins loading the job's GPU images then. The
-/// directory is moved at the `Cut` (files opened before stay good).
+/// directory is moved at the `Cut` (files opened before stay good); `ahead` is then told of
+/// each part of the final set that is whole, in the same directory ([`Part::Final`]).
 pub fn receive_dir_watching<S: Read + Write>(
     stream: &mut S,
     session: Session,
     dest: &Path,
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path),
+    ahead: &mut dyn FnMut(&Path, Part),
 ) -> Result<(ReceiveReport, Session), WireError> {
     let (report, session, later) = receive_dir_post_copy(stream, session, dest, durability, ahead)?;
     // Pieces left for later come now: the directory is whole when this returns.
@@ -259,7 +270,7 @@ pub fn receive_dir_post_copy<S: Read + Write>(
     mut session: Session,
     dest: &Path,
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path),
+    ahead: &mut dyn FnMut(&Path, Part),
 ) -> Result<(ReceiveReport, Session, Option<LaterReceiver>), WireError> {
     let start = Instant::now();
     let mut lanes = Vec::new();
@@ -312,7 +323,7 @@ pub(super) fn receive_into<S: Read>(
     lanes: &mut Vec<RecvLane>,
     (name, dest): (&std::ffi::OsStr, &Path),
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path),
+    ahead: &mut dyn FnMut(&Path, Part),
 ) -> Result<(Totals, Vec<LaterPiece>), ReceiveError> {
     let parent = match dest.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -326,9 +337,11 @@ pub(super) fn receive_into<S: Read>(
             Frame::File(h) => r.file(h)?,
             Frame::Chunks => {
                 r.chunks(stream, &mut session.recv, lanes)?;
-                if r.pre.is_none() {
-                    ahead(&r.root);
-                }
+                let part = match r.pre {
+                    None => Part::Ahead,
+                    Some(_) => Part::Final,
+                };
+                ahead(&r.root, part);
             }
             Frame::Cut => r.cut()?,
             Frame::Remove { path } => r.remove(&path)?,

@@ -1243,7 +1243,7 @@ fn post_copy_receiver(
         };
         assert!(joined.join(l));
         let (_, _, later) =
-            receive_dir_post_copy(&mut s, session, &d, durability, &mut |_| {}).unwrap();
+            receive_dir_post_copy(&mut s, session, &d, durability, &mut |_, _| {}).unwrap();
         let later = later.expect("pieces left");
         named(&d, &later);
         let came = std::sync::Mutex::new(Vec::new());
@@ -1267,12 +1267,16 @@ fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
     let d = dest.clone();
     let receiver = thread::spawn(move || {
         let session = receiver_handshake(&mut b, &key(2)).unwrap();
-        // The files' lengths as each part sent ahead is whole.
-        let mut seen = Vec::new();
-        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut |dir| {
+        // The files' lengths as each part sent ahead is whole; the final set's parts.
+        let (mut seen, mut finals) = (Vec::new(), 0);
+        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut |dir, part| {
             let len = |n: &str| fs::metadata(dir.join(n)).map_or(0, |m| m.len());
-            seen.push((len("long"), len("short"), len("empty")));
+            match part {
+                Part::Ahead => seen.push((len("long"), len("short"), len("empty"))),
+                Part::Final => finals += 1,
+            }
         });
+        assert_eq!(finals, 1, "the final set in one part");
         (r.map(|(report, _)| report), seen)
     });
     let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
