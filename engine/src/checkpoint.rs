@@ -234,6 +234,17 @@ fn fingerprints<D: Device>(
     Ok(Some(out))
 }
 
+/// What a session's copy runs beside.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Beside {
+    /// The running job (a pre-copy round, a concurrent checkpoint).
+    Job,
+    /// Nothing of the job: it is held until the copy is over (a final copy).
+    Nothing,
+    /// The job, which runs on once a snapshot is made (a kept save).
+    JobAfterSnapshot,
+}
+
 /// The threads a session runs: how many write chunks into its sink, and their nice value (and
 /// the copier's).
 #[derive(Clone, Copy, Debug)]
@@ -243,19 +254,22 @@ pub(crate) struct Threads {
 }
 
 impl Threads {
-    /// A session beside the running job: `writer_threads`, reniced to `background_nice`. One
-    /// that holds the job (`held`): `held_writer_threads` where set, at the job's own priority,
-    /// since nothing of the job runs meanwhile.
-    fn of(cfg: &crate::config::EngineConfig, held: bool) -> Threads {
-        match (held, cfg.held_writer_threads) {
-            (true, n) => Threads {
-                writers: if n == 0 { cfg.writer_threads } else { n }.max(1),
-                nice: 0,
-            },
-            (false, _) => Threads {
+    /// Beside the job: `writer_threads`, reniced to `background_nice`. Beside nothing of it:
+    /// `held_writer_threads` where set, at the job's own priority.
+    fn of(cfg: &crate::config::EngineConfig, beside: Beside) -> Threads {
+        if beside != Beside::Nothing {
+            return Threads {
                 writers: cfg.writer_threads.max(1),
                 nice: cfg.background_nice,
-            },
+            };
+        }
+        let writers = match cfg.held_writer_threads {
+            0 => cfg.writer_threads,
+            n => n,
+        };
+        Threads {
+            writers: writers.max(1),
+            nice: 0,
         }
     }
 }
@@ -417,17 +431,16 @@ struct PrintTally {
 type Prints = HashMap<u64, Arc<[Fingerprint]>>;
 
 impl<D: Device> CkptSession<D> {
-    /// A session copying `mode`'s buffers into `sink`; `snapshot`: a kept save's (see below);
-    /// `held`: the job is held until it is over, so it runs as fast as the host lets it
-    /// ([`Threads::of`]).
+    /// A session copying `mode`'s buffers into `sink`, `beside` what: its threads
+    /// ([`Threads::of`]), and a kept save's snapshot (see below).
     pub(crate) fn begin(
         inner: &Arc<Inner<D>>,
         sink: Arc<dyn ChunkSink>,
         mode: CopyMode,
-        (snapshot, held): (bool, bool),
+        beside: Beside,
         shadow_saver: Option<Arc<dyn ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
-        let threads = Threads::of(&inner.cfg, held);
+        let threads = Threads::of(&inner.cfg, beside);
         // A pre-copy round fixes no T0: its fingerprints are taken before the gate closes, the
         // job's work going on beside them.
         let early = match mode {
@@ -452,7 +465,7 @@ impl<D: Device> CkptSession<D> {
         // its image), so nothing is copied while held: a write the hooks see is met by
         // copy-on-write, and the buffers predicted to be written are copied last, so that the
         // job's write finds them untouched by the copier and waits only for a shadow.
-        if snapshot {
+        if beside == Beside::JobAfterSnapshot {
             if session.proven_by_content() {
                 session.predicted_last.store(true, Ordering::Release);
             } else {

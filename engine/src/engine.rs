@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::checkpoint::{CheckpointHandle, CkptSession, CopyMode};
+use crate::checkpoint::{Beside, CheckpointHandle, CkptSession, CopyMode};
 use crate::config::EngineConfig;
 use crate::device::{DevPtr, Device, DeviceError, StreamPriority};
 use crate::error::EngineError;
@@ -452,7 +452,7 @@ impl<D: Device> Engine<D> {
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
     ) -> Result<CheckpointHandle, EngineError> {
-        self.checkpoint_as(sink, only_dirty, false)
+        self.checkpoint_beside(sink, only_dirty, Beside::Job)
     }
 
     /// [`Engine::checkpoint`] for a caller that holds the job until the copy is over (a final
@@ -463,14 +463,14 @@ impl<D: Device> Engine<D> {
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
     ) -> Result<CheckpointHandle, EngineError> {
-        self.checkpoint_as(sink, only_dirty, true)
+        self.checkpoint_beside(sink, only_dirty, Beside::Nothing)
     }
 
-    fn checkpoint_as(
+    fn checkpoint_beside(
         &self,
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
-        held: bool,
+        beside: Beside,
     ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
         let mode = if only_dirty {
@@ -478,7 +478,7 @@ impl<D: Device> Engine<D> {
         } else {
             CopyMode::Cow
         };
-        CkptSession::begin(&self.inner, sink, mode, (false, held), None)
+        CkptSession::begin(&self.inner, sink, mode, beside, None)
     }
 
     /// [`Engine::checkpoint`] of every buffer that also copies, before it returns (the copies
@@ -502,7 +502,13 @@ impl<D: Device> Engine<D> {
         saver: Option<Arc<dyn crate::store::ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
-        CkptSession::begin(&self.inner, sink, CopyMode::Cow, (true, false), saver)
+        CkptSession::begin(
+            &self.inner,
+            sink,
+            CopyMode::Cow,
+            Beside::JobAfterSnapshot,
+            saver,
+        )
     }
 
     /// Marks the buffer holding `ptr` as written (someone the hooks do not see writes it: another
@@ -526,7 +532,7 @@ impl<D: Device> Engine<D> {
     /// by itself: finish with `checkpoint(sink, true)`.
     pub fn precopy_round(&self, sink: Arc<dyn ChunkSink>) -> Result<RoundReport, EngineError> {
         self.start_session("pre-copy round")?;
-        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy, (false, false), None)?;
+        let h = CkptSession::begin(&self.inner, sink, CopyMode::Precopy, Beside::Job, None)?;
         let r = h.wait()?;
         let dirty_after = self
             .inner

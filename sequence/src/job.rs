@@ -160,10 +160,16 @@ pub fn precopy_journaled(
     (dir, kept, parent): (String, bool, Option<String>),
     journal: Option<&Path>,
 ) -> Result<Reply<CheckpointReply>, JobError> {
+    journaled(pid, to, journal, || precopy(pid, to, dir, kept, parent))
+}
+
+/// `copy` (a request whose copy writes into the images), the job first asked to record each
+/// chunk it writes in `journal` where given ([`journal_next`]), which is removed after.
+fn journaled<T>(pid: i32, to: To<'_>, journal: Option<&Path>, copy: impl FnOnce() -> T) -> T {
     if let Some(j) = journal {
         journal_next(pid, to, j);
     }
-    let r = precopy(pid, to, dir, kept, parent);
+    let r = copy();
     if let Some(j) = journal {
         let _ = std::fs::remove_file(j);
     }
@@ -193,18 +199,11 @@ pub fn cut(
     to: To<'_>,
     (keeping, journal): (Option<u64>, Option<&Path>),
 ) -> Result<Reply<ReleaseReply>, JobError> {
-    if let Some(j) = journal {
-        journal_next(pid, to, j);
-    }
     let req = match keeping {
         Some(hold_secs) => Request::ReleaseKeeping { hold_secs },
         None => Request::Release,
     };
-    let cut = ask_to(pid, to, &req);
-    if let Some(j) = journal {
-        let _ = std::fs::remove_file(j);
-    }
-    cut
+    journaled(pid, to, journal, || ask_to(pid, to, &req))
 }
 
 /// Asks process `pid` to record each chunk its next copy into its images writes in `journal`

@@ -297,8 +297,6 @@ struct SendAhead<'a> {
     dump_again: Arc<AtomicBool>,
     /// The send while the first pre-copy round runs ([`Observer::first_round`]).
     first_round: Option<first_round::FirstRound>,
-    /// What it sent, once ended (its settled ranges, until the round after it is sent).
-    first_copied: Option<copying::Copied>,
     /// Its bytes and rounds, for the report.
     first_sent: (Totals, u32),
 }
@@ -377,11 +375,11 @@ impl SendAhead<'_> {
     }
 
     /// The send while the first round ran, ended (the round is over, or the checkpoint
-    /// failed): the link back, what it sent counted as sent ahead; or why it failed.
-    fn end_first_round(&mut self) {
-        let Some(sending) = self.first_round.take() else {
-            return;
-        };
+    /// failed): the link back, what it sent counted as sent ahead; or why it failed. What it
+    /// sent, if it sent at all.
+    fn end_first_round(&mut self) -> Option<copying::Copied> {
+        let sending = self.first_round.take()?;
+        let mut sent = None;
         self.link = Some(match sending.end() {
             Ok((stream, sender, copied)) => {
                 self.sent.files += copied.sent.files;
@@ -392,11 +390,12 @@ impl SendAhead<'_> {
                     copied.rounds
                 ));
                 self.first_sent = (copied.sent, copied.rounds);
-                self.first_copied = Some(copied);
+                sent = Some(copied);
                 Ok(Link { stream, sender })
             }
             Err(e) => Err(Early::Send(Box::new(e))),
         });
+        sent
     }
 }
 
@@ -518,14 +517,13 @@ impl Observer for SendAhead<'_> {
     /// `written` in them). A failure ends the rounds' sending; it is acted on once the
     /// checkpoint is committed.
     fn precopied(&mut self, dir: &Path, written: &Written) {
-        self.end_first_round();
+        let first = self.end_first_round();
         let link = match self.link.take() {
             None => self.connect_link(),
             Some(link) => link,
         };
         let t = Instant::now();
         let written = self.draft_host_memory(dir, written);
-        let first = self.first_copied.take();
         let link = link.and_then(|mut l| {
             let Link { stream, sender } = &mut l;
             let sent = paced(self.pacer, stream, |s| match &first {
@@ -829,13 +827,12 @@ fn checkpoint_sending_ahead<'p>(
         dump_over: Arc::default(),
         dump_again: Arc::default(),
         first_round: None,
-        first_copied: None,
         first_sent: (Totals::default(), 0),
     };
     let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
     // (A checkpoint that failed in its first round, or after the hold began, did not say the
     // round or the dump was over.)
-    ahead.end_first_round();
+    let _ = ahead.end_first_round();
     ahead.end_held_send();
     let SendAhead {
         link,

@@ -118,9 +118,10 @@ pub(crate) struct Prestages {
     /// set's directory, once it holds them finished.
     grown: Option<mpsc::Sender<Told>>,
     thread: Option<JoinHandle<Vec<Prestaged>>>,
-    /// Whether the images are staged ahead once finished ([`Prestages::staging_ahead`]), and
-    /// whether they were asked.
-    ahead: (bool, bool),
+    /// Whether the images are staged ahead once finished ([`Prestages::staging_ahead`]) ...
+    stage_ahead: bool,
+    /// ... and whether the thread was asked to.
+    staged_ahead: bool,
 }
 
 /// What the thread is told.
@@ -157,7 +158,7 @@ impl Prestages {
     /// builds on that.
     pub(crate) fn staging_ahead(ahead: bool) -> Prestages {
         Prestages {
-            ahead: (ahead, false),
+            stage_ahead: ahead,
             ..Prestages::default()
         }
     }
@@ -165,14 +166,18 @@ impl Prestages {
     /// A part of the final set is whole in `dir`: once it holds every image loaded ahead
     /// finished (its manifest there), each is staged ahead, where that was asked, once.
     fn final_part(&mut self, dir: &Path) {
-        let (Some(tx), (true, false)) = (&self.grown, self.ahead) else {
+        let Some(tx) = self
+            .grown
+            .as_ref()
+            .filter(|_| self.stage_ahead && !self.staged_ahead)
+        else {
             return;
         };
         let manifest = possum_engine::image::MANIFEST_FILE;
         if !(self.finished.iter()).all(|rel| dir.join(rel).join(manifest).is_file()) {
             return;
         }
-        self.ahead.1 = true;
+        self.staged_ahead = true;
         let _ = tx.send(Told::Finished(dir.to_path_buf()));
     }
 

@@ -38,9 +38,9 @@ pub struct WriterOptions {
     /// Replace an existing non-empty directory at the final name. The old one is removed only after
     /// the new one is complete and in place. Default: false (refuse).
     pub force: bool,
-    /// How many data files ("lanes") to spread chunks over; writing threads are assigned to lanes
-    /// round-robin, so this many threads can append without sharing a file. Clamped to
-    /// `1 ..= MAX_DATA_FILES`. Default: 4.
+    /// How many data files ("lanes") to spread chunks over; each new chunk takes the next lane
+    /// in turn with no write under way, so this many threads can write without sharing a file.
+    /// Clamped to `1 ..= MAX_DATA_FILES`. Default: 4.
     pub data_files: usize,
     /// fsync the data files, the manifest and the directories on commit. Turn off only for tests and
     /// benchmarks: without it a crash can leave an image whose files are incomplete. Default: true.

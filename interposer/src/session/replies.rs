@@ -93,16 +93,6 @@ impl ChunkSink for Beating {
         park::beat();
         self.0.set_meta(key, value)
     }
-    fn write_chunk_fp(
-        &self,
-        buffer: u64,
-        offset: u64,
-        data: &[u8],
-        fp: possum_engine::fingerprint::Fingerprint,
-    ) -> Result<(), possum_engine::image::ImageError> {
-        park::beat();
-        self.0.write_chunk_fp(buffer, offset, data, fp)
-    }
     fn write_chunk_proving(
         &self,
         buffer: u64,
