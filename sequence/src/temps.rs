@@ -96,14 +96,17 @@ pub(crate) fn in_use(tmp: &Path) -> bool {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use std::process::Command;
 
-    /// A pid no process has now.
+    /// A pid no process has, nor will have: above the kernel's `pid_max`, a new one each call.
+    /// (A pid a process had a moment ago may be taken again by the time a test looks at it:
+    /// the tests' children go through a `pid_max` of 32768 quickly.)
     pub(crate) fn dead_pid() -> i32 {
-        let mut c = Command::new("true").spawn().unwrap();
-        let pid = c.id() as i32;
-        c.wait().unwrap();
-        pid
+        static NEXT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(1);
+        let pid_max = fs::read_to_string("/proc/sys/kernel/pid_max")
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+            .unwrap_or(1 << 22);
+        pid_max + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     #[test]
