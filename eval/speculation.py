@@ -49,7 +49,9 @@ def release_digest(reply):
             "staging_freed_ms", "context_trimmed_ms")
     out = {k: r.get(k) for k in keep if k in r}
     # (Each device's copy while held, which the job names `final`.)
-    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes")} for f in r.get("final") or []]
+    # (`pipeline`: where its time went, each stage summed over its threads.)
+    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes", "pipeline")}
+                     for f in r.get("final") or []]
     return out
 
 

@@ -427,6 +427,15 @@ class JobLostTime(unittest.TestCase):
         self.assertAlmostEqual(speculation.lost_time([step, 3.273, step], step), 3.273 - step)
         self.assertEqual(speculation.lost_time([], step), 0.0)
 
+    def test_the_release_digest_keeps_where_the_final_copy_went(self):
+        import speculation
+        pipe = {"writers": 16, "staging_wait_ms": 1.0, "copy_wait_ms": 2.0, "sink_ms": 900.0}
+        got = speculation.release_digest({"ms": 400.0, "final": [{"bytes": 8, "ms": 300.0, "pipeline": pipe,
+                                                                   "written": [{"dev": 1}]}]})
+        self.assertEqual(got["finals"], [{"buffers": None, "bytes": 8, "ms": 300.0, "image_bytes": None,
+                                          "pipeline": pipe}])
+        self.assertIsNone(speculation.release_digest(None))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -400,6 +400,30 @@ pub struct DeviceCopy {
     /// ranges of the files it sent ahead.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub written: Option<Vec<WrittenFile>>,
+    /// Where the copy's time went, summed over its threads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<CopyPipeline>,
+}
+
+/// Where a copy's time went, each stage summed over the threads at it (milliseconds). With
+/// `writers` threads, `sink_ms / writers` close to the copy's `ms` says the writers (checksum
+/// and write) bound it; `copy_wait_ms / writers` close to it, the device; `staging_wait_ms`
+/// close to it, the staging buffers coming back too slowly.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default)]
+pub struct CopyPipeline {
+    /// Writer threads.
+    #[serde(deserialize_with = "null_default")]
+    pub writers: u64,
+    /// Waiting for a free staging buffer.
+    #[serde(deserialize_with = "null_default")]
+    pub staging_wait_ms: f64,
+    /// Writers waiting for the device's copy of their chunk.
+    #[serde(deserialize_with = "null_default")]
+    pub copy_wait_ms: f64,
+    /// Writers checksumming and writing chunks into the image.
+    #[serde(deserialize_with = "null_default")]
+    pub sink_ms: f64,
 }
 
 /// The byte ranges a copy wrote into one data file of an image.
@@ -854,6 +878,12 @@ mod tests {
                 ino: 182,
                 ranges: vec![[0, 4096], [8192, 100]],
             }]),
+            pipeline: Some(CopyPipeline {
+                writers: 16,
+                staging_wait_ms: 1.5,
+                copy_wait_ms: 2.5,
+                sink_ms: 30.0,
+            }),
         }
     }
 
@@ -867,6 +897,8 @@ mod tests {
             ms: Some(4.0),
         });
         assert_eq!(j["precopy"][1]["shadows_saved_by_keeper"], 6);
+        assert_eq!(j["precopy"][0]["pipeline"]["writers"], 16);
+        assert_eq!(j["precopy"][0]["pipeline"]["sink_ms"], 30.0);
         let j = round_trip(&ReleaseReply {
             finals: vec![copy_with_every_field(0)],
             final_copy_ms: Some(1.0),

@@ -36,6 +36,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::device::{DevPtr, Device, DeviceError, HostBuffer, Transfer};
 use crate::error::EngineError;
 use crate::fingerprint::Fingerprint;
+use crate::pipeline::{Pipeline, PipelineClock, Stage};
 use crate::registry::Buffer;
 use crate::session::{BlockedTime, JobWaits, SessionHandle, WaitedOn};
 use crate::shared::{background_thread, Access, Counters, Inner, Phase, PhaseSession, SentPrints};
@@ -111,6 +112,8 @@ struct Shared<D: Device> {
     /// The first chunk whose copy did not match its fingerprint at T0, and how many did not.
     mismatch: Mutex<Option<Mismatch>>,
     mismatches: AtomicU64,
+    /// Where the copy's time goes.
+    clock: PipelineClock,
 }
 
 /// A chunk whose copy differs from the chunk at T0.
@@ -171,11 +174,13 @@ impl<D: Device> Shared<D> {
 
     fn writer(self: Arc<Self>, rx: Receiver<WriteJob<D>>) {
         for job in rx {
-            match job.pending.wait() {
+            match self.clock.time(Stage::CopyWait, || job.pending.wait()) {
                 Ok(buf) => {
                     if !self.failed.load(Ordering::Acquire) {
                         let len = usize::try_from(job.len).expect("chunk fits in memory");
-                        self.write_one(job.id, job.off, job.expect, &buf.as_slice()[..len]);
+                        self.clock.time(Stage::Sink, || {
+                            self.write_one(job.id, job.off, job.expect, &buf.as_slice()[..len])
+                        });
                     }
                     self.pool.put(buf);
                 }
@@ -368,6 +373,8 @@ pub struct CheckpointReport {
     /// Chunks whose copy did not match their fingerprint at T0 (the checkpoint then fails with
     /// [`EngineError::Mismatch`]).
     pub mismatches: u64,
+    /// Where the copy's time went: the staging, the device's copies, the sink.
+    pub pipeline: Pipeline,
 }
 
 /// A wait enqueued on a job's stream: the slot, when, and the event the stream waits for.
@@ -384,6 +391,8 @@ pub(crate) struct CkptSession<D: Device> {
     shared: Arc<Shared<D>>,
     writer_tx: Mutex<Option<Sender<WriteJob<D>>>>,
     writers: Mutex<Vec<JoinHandle<()>>>,
+    /// How many there were.
+    writer_count: usize,
     prio: D::Stream,
     copy_streams: Vec<D::Stream>,
     shadow_budget: u64,
@@ -613,6 +622,7 @@ impl<D: Device> CkptSession<D> {
             chunk,
             mismatch: Mutex::new(None),
             mismatches: AtomicU64::new(0),
+            clock: PipelineClock::default(),
         });
         let mut writers = Vec::new();
         let nice = threads.nice;
@@ -642,6 +652,7 @@ impl<D: Device> CkptSession<D> {
             index,
             shared,
             writer_tx: Mutex::new(Some(writer_tx)),
+            writer_count: writers.len(),
             writers: Mutex::new(writers),
             prio: inner.prio.clone(),
             copy_streams: inner.copy_streams.clone(),
@@ -769,7 +780,7 @@ impl<D: Device> CkptSession<D> {
                 .t0
                 .as_ref()
                 .and_then(|p| p.get(usize::try_from(off / chunk).ok()?).copied());
-            let hb = self.shared.pool.get()?;
+            let hb = (self.shared.clock).time(Stage::StagingWait, || self.shared.pool.get())?;
             let pending = self.dev.copy_d2h(stream, src.add(off), hb, len)?;
             *self.shared.outstanding.lock() += 1;
             let sent = match self.writer_tx.lock().as_ref() {
@@ -1303,6 +1314,7 @@ impl<D: Device> CkptSession<D> {
             proven_bytes: self.prints.proven,
             reused_bytes: self.prints.reused,
             mismatches: self.shared.mismatches.load(Ordering::Relaxed),
+            pipeline: self.shared.clock.report(self.writer_count),
         })
     }
 

@@ -547,6 +547,7 @@ impl<D: Device> Engine<D> {
             elapsed: r.elapsed,
             dirty_after,
             prints: Prints::of(&r),
+            pipeline: r.pipeline,
         })
     }
 
@@ -830,6 +831,8 @@ pub struct RoundReport {
     pub dirty_after: usize,
     /// What the fingerprints decided.
     pub prints: Prints,
+    /// Where its time went.
+    pub pipeline: crate::Pipeline,
 }
 
 /// What a session's fingerprints decided (all zero without them).

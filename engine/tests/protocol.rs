@@ -1683,5 +1683,13 @@ fn a_copy_that_holds_the_job_has_its_own_writers() {
         let r = h.unwrap().wait().unwrap();
         assert_eq!(r.bytes, 32 << 16);
         assert_eq!(threads.lock().unwrap().len(), want, "held: {held}");
+        // The report says where the time went: each of the 32 chunks spent its 5 ms in the
+        // sink, whichever writer took it.
+        assert_eq!(r.pipeline.writers, want, "{:?}", r.pipeline);
+        assert!(
+            r.pipeline.sink >= Duration::from_millis(32 * 5),
+            "{:?}",
+            r.pipeline
+        );
     }
 }

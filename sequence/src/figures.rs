@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use possum_control::reply::WaitedOn;
+use possum_control::reply::{CopyPipeline, DeviceCopy, WaitedOn};
 use serde::{Serialize, Serializer};
 
 /// Milliseconds, to the microsecond.
@@ -62,6 +62,23 @@ pub struct PrecopyRound {
     /// How long it took.
     #[serde(rename = "ms", serialize_with = "as_ms")]
     pub took: Duration,
+    /// Where the copies' time went, summed over every device of every process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<CopyPipeline>,
+}
+
+impl PrecopyRound {
+    /// Counts in one process's copies.
+    pub fn add(&mut self, copies: &[DeviceCopy]) {
+        self.bytes += copies.iter().map(|d| d.bytes).sum::<u64>();
+        for p in copies.iter().filter_map(|d| d.pipeline) {
+            let sum = self.pipeline.get_or_insert_with(CopyPipeline::default);
+            sum.writers += p.writers;
+            sum.staging_wait_ms += p.staging_wait_ms;
+            sum.copy_wait_ms += p.copy_wait_ms;
+            sum.sink_ms += p.sink_ms;
+        }
+    }
 }
 
 /// A step's time, `None` when it was not taken.
@@ -403,6 +420,32 @@ pub struct RestoreFigures {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// A round's figures sum every process's devices: bytes, and where their time went; a
+    /// round whose copies said nothing of it has no pipeline in its JSON.
+    #[test]
+    fn a_round_sums_its_copies_and_their_pipelines() {
+        let copy = |bytes, p: Option<(u64, f64)>| DeviceCopy {
+            bytes,
+            pipeline: p.map(|(writers, sink_ms)| CopyPipeline {
+                writers,
+                staging_wait_ms: 1.0,
+                copy_wait_ms: 2.0,
+                sink_ms,
+            }),
+            ..DeviceCopy::default()
+        };
+        let mut r = PrecopyRound::default();
+        r.add(&[copy(10, None)]);
+        assert_eq!(
+            serde_json::to_value(r).unwrap(),
+            json!({"bytes": 10, "ms": 0.0})
+        );
+        r.add(&[copy(5, Some((6, 30.0))), copy(7, Some((16, 12.5)))]);
+        let p = r.pipeline.unwrap();
+        assert_eq!(r.bytes, 22);
+        assert_eq!((p.writers, p.sink_ms, p.copy_wait_ms), (22, 42.5, 4.0));
+    }
 
     /// The keys are those the JSON of the checkpoint always had: steps not taken are absent.
     #[test]

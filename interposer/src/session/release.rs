@@ -28,7 +28,7 @@ use crate::session::common::{
     sync_error, sync_unmanaged_devices, trim_contexts, unpause_job, Busy,
 };
 use crate::session::error::{SessionError, HOLD_ATTEMPTS};
-use crate::session::replies::{ms, reply, to_json, with_prints, written, Beating};
+use crate::session::replies::{ms, pipeline, reply, to_json, with_prints, written, Beating};
 use crate::session::state::{session, Images, Phase, Target};
 
 /// How long the keeper holds the memory of a job that shares some with other processes after a
@@ -236,6 +236,7 @@ fn final_copy_of(
         image_bytes: Some(summary.data_file_bytes),
         image_buffers: Some(summary.buffers.len() as u64),
         written,
+        pipeline: Some(pipeline(&r.pipeline)),
         ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
     })
 }

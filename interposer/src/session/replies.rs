@@ -21,7 +21,18 @@ pub(crate) fn round_copy(device: usize, r: &possum_engine::RoundReport) -> Devic
         bytes: r.bytes,
         ms: Some(ms(r.elapsed)),
         dirty_after: Some(r.dirty_after as u64),
+        pipeline: Some(pipeline(&r.pipeline)),
         ..with_prints(DeviceCopy::default(), &r.prints)
+    }
+}
+
+/// Where a copy's time went, as the replies say it.
+pub(crate) fn pipeline(p: &possum_engine::Pipeline) -> possum_control::reply::CopyPipeline {
+    possum_control::reply::CopyPipeline {
+        writers: p.writers as u64,
+        staging_wait_ms: ms(p.staging_wait),
+        copy_wait_ms: ms(p.copy_wait),
+        sink_ms: ms(p.sink),
     }
 }
 

@@ -20,7 +20,7 @@ use crate::session::common::{
     no_unwrapped_writer_since, note_last, set_saving, stop_tracking,
 };
 use crate::session::error::SessionError;
-use crate::session::replies::{ms, reply, waited_on, with_prints};
+use crate::session::replies::{ms, pipeline, reply, waited_on, with_prints};
 use crate::session::spare::SpareSaver;
 use crate::session::state::{session, Saving};
 
@@ -137,6 +137,7 @@ pub(crate) fn finish_save(saves: Saves) {
                     gb_per_s: Some(r.bytes as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9),
                     job_waited_ms: Some(ms(r.job_waited)),
                     waited_on: Some(waited_on(ordinal, &r.waited_on)),
+                    pipeline: Some(pipeline(&r.pipeline)),
                     ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
                 }),
                 Err(e) => failed = failed.or(Some(e.to_string())),

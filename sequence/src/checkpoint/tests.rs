@@ -1,5 +1,9 @@
 //! Tests of `checkpoint`.
+use super::plan::{job_runtime, possum_in};
+use super::refusals::refuse_peers_outside;
 use super::*;
+use crate::gpu_runtimes::GpuRuntimes;
+use possum_control::reply::StatusReply;
 
 /// A process of the tree that exited after the tree was listed is left out, not an error.
 #[test]
