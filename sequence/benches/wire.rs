@@ -247,5 +247,53 @@ fn loopback(c: &mut Criterion) {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-criterion_group!(benches, mac, loopback);
+/// What is left of a PyTorch job's CRIU image once its memory went ahead (~76 MB): a file per
+/// thread and per kind of record, small, and a few larger (memfd contents, the memory map),
+/// sent as the final set after the dump: against the same bytes in one file, what the files'
+/// number costs.
+fn criu_rest(c: &mut Criterion) {
+    let root = PathBuf::from(env_or("POSSUM_BENCH_DIR", "/dev/shm"))
+        .join(format!("possum-wire-bench-rest-{}", std::process::id()));
+    let many = root.join("many");
+    let one = root.join("one");
+    for d in [&many, &one] {
+        let _ = std::fs::remove_dir_all(d);
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let mut total = 0usize;
+    let mut add = |name: String, len: usize| {
+        std::fs::write(many.join(name), noise(len)).unwrap();
+        total += len;
+    };
+    for i in 0..96 {
+        add(format!("core-{i}.img"), 6 << 10);
+    }
+    for (i, len) in [(0, 64 << 10), (1, 256 << 10), (2, 1 << 20), (3, 3 << 20)] {
+        add(format!("mm-{i}.img"), len);
+    }
+    for i in 0..8 {
+        add(format!("pages-{i}.img"), 8 << 20);
+    }
+    std::fs::write(one.join("pages-all.img"), noise(total)).unwrap();
+    let out = root.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let to = receiver(out);
+    let mut g = c.benchmark_group("criu-rest");
+    g.sample_size(20)
+        .throughput(Throughput::Bytes(total as u64));
+    for streams in [1, 8] {
+        for (how, dir) in [("108 files", &many), ("one file", &one)] {
+            g.bench_function(
+                format!("{} MB in {how}, {streams} streams", total >> 20),
+                |b| {
+                    b.iter_custom(|n| (0..n).map(|_| send(&to, dir, streams, None)).sum());
+                },
+            );
+        }
+    }
+    g.finish();
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+criterion_group!(benches, mac, loopback, criu_rest);
 criterion_main!(benches);
