@@ -4,7 +4,8 @@
 //! the transfer, a restore that fails at the destination and a destination gone after the
 //! source's kill each leave the job running at the source, with exactly that data too, as does
 //! the network failing (every connection cut) while the job runs or while it is held, after
-//! which the receiver serves the next migration. A
+//! which the receiver serves the next migration; `possum migrate` killed while it restores the
+//! job at the source has its guard see to the job. A
 //! destination silent after the source's go has the source keep its image unrestored; a source
 //! silent before the go has the destination kill its held copy before it ran: the job never
 //! runs twice, and restored from the image kept, it goes on exactly. A job whose control socket
@@ -855,6 +856,76 @@ fn a_destination_gone_after_the_kill_has_the_job_restored_at_the_source() {
     );
     assert!(dir.join("local/possum.json").is_file());
     goes_on_like(&mut job, dir, &want, "restored at the source");
+}
+
+/// `possum migrate` killed while it restores the job at the source itself (its destination
+/// gone after the kill), at once and later into that restore: its guard, told of the restore,
+/// leaves the job running where that restore got it there, and otherwise restores it; either
+/// way the job runs once, and goes on bit-exact.
+#[test]
+fn possum_migrate_killed_while_it_restores_the_job_at_the_source_leaves_it_to_its_guard() {
+    use std::io::BufRead;
+    for (n, delay) in [0u64, 150, 400].into_iter().enumerate() {
+        set_up!(let (dir, want, mut job) = setup(&format!("migrate_killed_restoring_{n}")));
+        let Some(libdir) = plugin_dir(dir) else {
+            panic!("libpossum_criu_plugin.so is not built beside possum (cargo test --workspace)");
+        };
+        let (addr, destination) = fake_destination(dir, |_, _| {});
+        let mut migrate = migrate_cmd(dir, &job, &addr, "key")
+            .env("POSSUM_CRIU_PLUGIN_DIR", &libdir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let err = std::io::BufReader::new(migrate.stderr.take().unwrap());
+        let (said, restoring) = std::sync::mpsc::channel();
+        let lines = std::thread::spawn(move || {
+            let mut all = String::new();
+            for line in err.lines().map_while(Result::ok) {
+                if line.contains("restoring the job at the source") {
+                    let _ = said.send(());
+                }
+                all.push_str(&line);
+                all.push('\n');
+            }
+            all
+        });
+        restoring
+            .recv_timeout(WAIT)
+            .expect("possum migrate did not begin its restore at the source");
+        std::thread::sleep(Duration::from_millis(delay));
+        migrate.kill().unwrap();
+        migrate.wait().unwrap();
+        let said = lines.join().unwrap();
+        destination.join().unwrap();
+        assert!(
+            alive_for_a_second(job.pid, WAIT),
+            "killed {delay} ms into its restore: the job is not running\n{said}"
+        );
+        goes_on_like(
+            &mut job,
+            dir,
+            &want,
+            &format!("killed {delay} ms into its restore"),
+        );
+    }
+}
+
+/// Whether process `pid` is alive for a second on end within `limit` (a restore that got it
+/// running, not one being undone).
+fn alive_for_a_second(pid: i32, limit: Duration) -> bool {
+    let t = Instant::now();
+    let mut since: Option<Instant> = None;
+    while t.elapsed() < limit {
+        match (alive(pid), since) {
+            (true, Some(s)) if s.elapsed() >= Duration::from_secs(1) => return true,
+            (true, None) => since = Some(Instant::now()),
+            (false, _) => since = None,
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
 }
 
 /// A destination by hand on a loopback port (its address, and its thread): it takes the image

@@ -254,6 +254,13 @@ impl KilledCheckpoint<'_> {
         report.leave_running = false;
         Ok((report, HandOff::new(guard)))
     }
+
+    /// The guard alone, no report written (the image was not sent: this process restores the
+    /// job here, [`HandOff::restoring_here`]).
+    pub fn into_hand_off(mut self) -> HandOff {
+        let run = self.run.take().expect("taken once");
+        HandOff::new(Some(run.guard))
+    }
 }
 
 /// Checkpoints the job `p` names into `p.dir` as [`checkpoint`] does with `leave_running`, up to

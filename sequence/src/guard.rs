@@ -44,12 +44,16 @@ pub enum Step {
     Migrating,
     /// A migration is about to tell the destination to run the job: the job is its now.
     HandedOff,
+    /// A migration's `possum` is about to restore the job here itself (the destination did not
+    /// run it): should `possum` end before [`Step::Done`], the guard waits for that restore's
+    /// outcome and restores the job from its image if nothing runs it.
+    RestoringHere,
     /// Nothing to undo.
     Done,
 }
 
 impl Step {
-    const ALL: [Step; 12] = [
+    const ALL: [Step; 13] = [
         Step::Cutting,
         Step::Releasing,
         Step::Locking,
@@ -61,6 +65,7 @@ impl Step {
         Step::Resumed,
         Step::Migrating,
         Step::HandedOff,
+        Step::RestoringHere,
         Step::Done,
     ];
 
@@ -77,6 +82,7 @@ impl Step {
             Step::Resumed => "resumed",
             Step::Migrating => "migrating",
             Step::HandedOff => "handed-off",
+            Step::RestoringHere => "restoring-here",
             Step::Done => "done",
         }
     }
@@ -168,6 +174,15 @@ impl HandOff {
             g.step(Step::HandedOff);
         }
     }
+
+    /// This process is about to restore the job here itself (the destination did not run it):
+    /// should it end before the `HandOff` is dropped, the guard waits for that restore's
+    /// outcome and restores the job if nothing runs it.
+    pub fn restoring_here(&mut self) {
+        if let Some(g) = &mut self.guard {
+            g.step(Step::RestoringHere);
+        }
+    }
 }
 
 impl Drop for HandOff {
@@ -232,6 +247,12 @@ pub fn guard(
     // Killed between the rename and telling the guard: the image is named all the same.
     let committed =
         has(Step::Committed) || (!a.tmp.exists() && a.final_dir.join(MANIFEST).is_file());
+    // A migration's job that `possum migrate` was restoring here itself when it ended: left
+    // running if that restore got it there, else restored from its image.
+    if has(Step::Migrating) && has(Step::RestoringHere) && committed {
+        restore_unless_running(a, tell, restore_here);
+        return false;
+    }
     // A migration's job killed, not yet the destination's: it comes back here from its image.
     if has(Step::Migrating) && !has(Step::HandedOff) && committed && !alive(a.pid) {
         restore_here(a, tell);
@@ -290,6 +311,58 @@ pub fn guard(
         let _ = fs::remove_dir_all(&a.tmp);
     }
     false
+}
+
+/// How long a restore `possum migrate` began before it ended may take to have the job running,
+/// or to be undone (the tasks CRIU had half restored killed by the worker's guard).
+const RESTORE_OUTCOME_WAIT: Duration = Duration::from_secs(60);
+
+/// How long a CRIU worker may go on after the `possum` that started it ended (its guard looks
+/// every 5 ms: `possum_criu`'s worker guard).
+const WORKER_GONE: Duration = Duration::from_millis(500);
+
+/// The job of a migration whose `possum` ended while restoring it here ([`Step::RestoringHere`]):
+/// once its possum answers, that restore has it running, and nothing is done; once none of its
+/// processes is there, it is restored from its image (`restore_here`). Neither within
+/// [`RESTORE_OUTCOME_WAIT`]: said, and left (a second restore would race what is there).
+fn restore_unless_running(a: &GuardPlan, tell: &dyn Fn(&str), restore_here: RestoreHere<'_>) {
+    let say = |m: &str| {
+        tell(&format!(
+            "the migration of process {} ended while it restored the job here: {m}",
+            a.pid
+        ))
+    };
+    // The restore's CRIU worker is killed by its own guard as this process saw `possum` end
+    // (within milliseconds): nothing new is made after this.
+    std::thread::sleep(WORKER_GONE);
+    let t = std::time::Instant::now();
+    let gone = || !alive(a.pid) && !a.children.iter().any(|&c| alive(c));
+    loop {
+        let ask = crate::job::ask_within::<possum_control::reply::StatusReply>;
+        if ask(
+            a.pid,
+            &a.socket_dir,
+            &Request::Status,
+            Duration::from_secs(1),
+        )
+        .is_ok()
+        {
+            return say(&format!("it runs (process {}), restored", a.pid));
+        }
+        if gone() {
+            return restore_here(a, tell);
+        }
+        if t.elapsed() > RESTORE_OUTCOME_WAIT {
+            return say(&format!(
+                "process {} is there but does not answer after {} s: not restored again (its \
+                 image stays at {})",
+                a.pid,
+                RESTORE_OUTCOME_WAIT.as_secs(),
+                a.final_dir.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Waits (a dump's deadline for the job's memory, and 10 s) until CRIU no longer traces the

@@ -562,11 +562,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     let gpu_dirs = post_copy::left_for_later(p.post_copy, &local, &mut sender);
     let sent_counter = sender.sent_counter();
     let pids = crate::tree::with_descendants(p.checkpoint.pid);
-    let here = Fallback {
-        c: &p.checkpoint,
-        pids: &pids,
-        deadline: p.deadlines.kill,
-    };
+    let here = Fallback::new(&p.checkpoint, &pids, p.deadlines.kill);
     let (sending, source, mut times) =
         send_killing(p.checkpoint.env.kill_while_sending, held, &here, || {
             paced(pacer.as_ref(), &mut stream, |mut s| {
@@ -595,7 +591,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
     // After the kill, a failure restores the job here.
     obs.migrating(MigrateStep::Restoring);
     let t = Instant::now();
-    let outcome = hand_off(&mut stream, &mut session, p, guard, obs)?;
+    let outcome = hand_off(&mut stream, &mut session, p, (&here, guard), obs)?;
     timings.remote_restore = t.elapsed();
     let remote_pid = running_at_destination(outcome, &here, obs)?;
     timings.downtime = report.figures.hold + committed_at.elapsed();
@@ -836,15 +832,16 @@ fn checkpoint_sending_ahead<'p>(
 /// The hand-off: `Released`, the destination's `Outcome`, and once it holds the job restored,
 /// the go and its last `Outcome`. A destination silent after the go leaves the job's place
 /// unknown: that is the error here (the job is not restored at the source); any other failure
-/// is the returned outcome's. Until the go, `guard` restores the job here should this process
-/// end; it lets go on return.
+/// is the returned outcome's. From now until the go, `guard` (kept by `here`) restores the job
+/// here should this process end, as it does should it end while `here` restores it.
 fn hand_off(
     stream: &mut TcpStream,
     session: &mut wire::Session,
     p: &MigrateParams,
-    mut guard: crate::guard::HandOff,
+    (here, guard): (&Fallback<'_>, crate::guard::HandOff),
     obs: &mut dyn Observer,
 ) -> Result<Result<Outcome, HandoffError>, MigrateError> {
+    here.watched_by(guard);
     let outcome = send_released(stream, session)
         .map_err(HandoffError::from)
         .and_then(|()| {
@@ -861,7 +858,7 @@ fn hand_off(
         return Ok(outcome);
     }
     // The go: the job is the destination's from now (not restored here by the guard).
-    guard.handing_off();
+    here.handing_off();
     if let Err(e) = send_released(stream, session) {
         // Not sent: the destination kills its copy without the go.
         return Ok(Err(HandoffError::from(e)));

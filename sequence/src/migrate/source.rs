@@ -3,6 +3,7 @@
 
 use std::net::TcpStream;
 use std::path::PathBuf;
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::error::{JobAt, MigrateError};
@@ -158,9 +159,9 @@ impl<'p> Killed<'p> {
         obs: &mut dyn Observer,
     ) -> MigrateError {
         let job = match self.killed {
-            // (Its guard told first that this process sees to the job.)
+            // (Its guard watches this process's restore.)
             Ok(killed) => {
-                drop(killed);
+                here.watched_by(killed.into_hand_off());
                 here.restore(obs)
             }
             Err(_) => here.unless_alive(obs),
@@ -201,9 +202,36 @@ pub(super) struct Fallback<'a> {
     /// How long they may take to be free (a destination on this host that restored the job
     /// and killed it again frees them too).
     pub(super) deadline: Duration,
+    /// The checkpoint's guard once the job is killed: it restores the job here should this
+    /// process end before the destination runs it, or while this process restores it here.
+    guard: Mutex<Option<HandOff>>,
 }
 
-impl Fallback<'_> {
+impl<'a> Fallback<'a> {
+    /// The restore of the job `c` checkpointed, its PIDs `pids` freed within `deadline`.
+    pub(super) fn new(c: &'a CheckpointParams, pids: &'a [i32], deadline: Duration) -> Self {
+        Fallback {
+            c,
+            pids,
+            deadline,
+            guard: Mutex::new(None),
+        }
+    }
+
+    /// `guard` watches the job from now ([`HandOff`]).
+    pub(super) fn watched_by(&self, guard: HandOff) {
+        *self.guard.lock().unwrap_or_else(PoisonError::into_inner) = Some(guard);
+    }
+
+    /// The destination is about to be told to run the job: the guard leaves it to the
+    /// destination ([`HandOff::handing_off`]).
+    pub(super) fn handing_off(&self) {
+        let mut g = self.guard.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(g) = g.as_mut() {
+            g.handing_off();
+        }
+    }
+
     /// After a kill that failed: the job runs on here if it is alive (the guard let it go),
     /// else it is restored here.
     pub(super) fn unless_alive(&self, obs: &mut dyn Observer) -> JobAt {
@@ -217,8 +245,18 @@ impl Fallback<'_> {
     /// Restores the job from its local image (kept either way) once its PIDs are free, its
     /// control socket in the directory its checkpoint used: a restore possum does not refuse
     /// for a socket directory that is not its own by default.
+    /// The guard, told first, sees to the job should this process end during the restore; it
+    /// is let go once the restore is over, whatever its outcome.
     pub(super) fn restore(&self, obs: &mut dyn Observer) -> JobAt {
         let c = self.c;
+        let mut guard = self
+            .guard
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(g) = guard.as_mut() {
+            g.restoring_here();
+        }
         obs.note(&format!(
             "restoring the job at the source from {}",
             c.dir.display()
@@ -226,10 +264,12 @@ impl Fallback<'_> {
         // Still taken at the deadline: the restore says by what.
         let _ = crate::process::wait_pids_free(self.pids, self.deadline);
         let here = (c.dir.clone(), c.sockets.clone());
-        match restore_at_source(here, c.possum_exe.clone(), c.env.clone(), obs) {
+        let job = match restore_at_source(here, c.possum_exe.clone(), c.env.clone(), obs) {
             Ok(_) => JobAt::Source,
             Err(e) => JobAt::lost(c, possum_cuda::error_chain(&e)),
-        }
+        };
+        drop(guard);
+        job
     }
 }
 
