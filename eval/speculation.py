@@ -50,7 +50,8 @@ def release_digest(reply):
     out = {k: r.get(k) for k in keep if k in r}
     # (Each device's copy while held, which the job names `final`.)
     # (`pipeline`: where its time went, each stage summed over its threads.)
-    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes", "pipeline")}
+    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes", "pipeline",
+                                            "shadows_saved_by_keeper")}
                      for f in r.get("final") or []]
     return out
 

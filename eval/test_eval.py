@@ -433,7 +433,7 @@ class JobLostTime(unittest.TestCase):
         got = speculation.release_digest({"ms": 400.0, "final": [{"bytes": 8, "ms": 300.0, "pipeline": pipe,
                                                                    "written": [{"dev": 1}]}]})
         self.assertEqual(got["finals"], [{"buffers": None, "bytes": 8, "ms": 300.0, "image_bytes": None,
-                                          "pipeline": pipe}])
+                                          "pipeline": pipe, "shadows_saved_by_keeper": None}])
         self.assertIsNone(speculation.release_digest(None))
 
 

@@ -55,6 +55,13 @@
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its destination staging the
 #       GPU images at the restore (the default) and once the final set brought them whole
 #       (POSSUM_MIGRATE_STAGE_AHEAD=1), alternating (TAG-restore-N, TAG-ahead-N).
+#   bash scripts/gpu-speculation.sh held-spare  (~5 min with SPEC_HUGE=1 SPEC_BARS="0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the keeper keeping spare image
+#       memory (POSSUM_KEEPER_SPARE_MIB, SPEC_SPARE_MIB or 9216, on the images' huge-page tmpfs:
+#       SPEC_HUGE=1 is needed) and the held job's final copy going through the staging (the
+#       default) and into that spare whole buffer by buffer (POSSUM_HELD_SPARE=1), alternating
+#       (TAG-staged-N, TAG-spare-N). Each row's release (`pipeline`, `shadows_saved_by_keeper`)
+#       says which way the copy went.
 #   bash scripts/gpu-speculation.sh baseline   (~4 min)
 #       The frozen job (8 GiB of weights, 64 MiB of state) migrated alone by the build in
 #       SPEC_BASELINE (default .gpu/baseline: possum, libpossum.so and its CRIU plugin, staged
@@ -123,10 +130,16 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead)
+bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|held-spare)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     huge_images
+    if [ "$1" = held-spare ]; then
+        # The keeper's spare on the images' filesystem, for both halves of the A/B.
+        [ -n "${huge:-}" ] || { echo "held-spare needs SPEC_HUGE=1"; exit 1; }
+        export POSSUM_KEEPER_SPARE_DIR="$huge/spares" POSSUM_KEEPER_SPARE_MIB="${SPEC_SPARE_MIB:-9216}"
+        mkdir -p "$POSSUM_KEEPER_SPARE_DIR"
+    fi
     bar() {  # $1 GIB, $2 MIB, $3 TAG: the job migrated alone, its row into speculation-bars.jsonl
         local gib=$1 mib=$2 tag=$3 sampler=
         if [ "${SPEC_SAMPLE:-0}" = 1 ]; then
@@ -177,6 +190,7 @@ bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead)
             held-writers) ab=(POSSUM_HELD_WRITERS six all) ;;  # the final copy's writer threads
             first-round) ab=(POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING after copying 1) ;;  # round 1 as copied
             stage-ahead) ab=(POSSUM_MIGRATE_STAGE_AHEAD restore ahead 1) ;;  # the destination's stage
+            held-spare) ab=(POSSUM_HELD_SPARE staged spare 1) ;;  # the final copy into the keeper's spare
             *) ab=() ;;
         esac
         if [ ${#ab[@]} -gt 0 ]; then

@@ -364,7 +364,8 @@ pub struct DeviceCopy {
     /// A save: buffers shadowed at its start.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snapshot_shadows: Option<u64>,
-    /// A save: shadows the keeper saved into its spare image memory.
+    /// A save: shadows the keeper saved into its spare image memory; a copy while held: the
+    /// buffers it saved there whole (`POSSUM_HELD_SPARE=1`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shadows_saved_by_keeper: Option<u64>,
     /// A save: its rate, in GB/s.

@@ -256,6 +256,9 @@ pub(crate) enum Beside {
 pub(crate) struct Threads {
     writers: usize,
     nice: i32,
+    /// Nothing of the job runs beside the copy: its buffers themselves, which nothing writes
+    /// meanwhile, may go to a [`ShadowSaver`] whole, as shadows do.
+    held: bool,
 }
 
 impl Threads {
@@ -266,6 +269,7 @@ impl Threads {
             return Threads {
                 writers: cfg.writer_threads.max(1),
                 nice: cfg.background_nice,
+                held: false,
             };
         }
         let writers = match cfg.held_writer_threads {
@@ -275,6 +279,7 @@ impl Threads {
         Threads {
             writers: writers.max(1),
             nice: 0,
+            held: true,
         }
     }
 }
@@ -420,9 +425,11 @@ pub(crate) struct CkptSession<D: Device> {
     stream_wait_rx: Mutex<Option<Receiver<StreamWait<D>>>>,
     counters: Arc<Counters>,
     started: Instant,
-    /// Saves shadows without the staging, when given.
+    /// Saves shadows without the staging, when given (and, `held`, whole buffers).
     shadow_saver: Option<Arc<dyn ShadowSaver>>,
     saved_elsewhere: AtomicU64,
+    /// Nothing of the job runs beside the copy ([`Threads`]).
+    held: bool,
     /// What the fingerprints decided (see [`CheckpointReport`]).
     prints: PrintTally,
 }
@@ -680,6 +687,7 @@ impl<D: Device> CkptSession<D> {
             started: Instant::now(),
             shadow_saver,
             saved_elsewhere: AtomicU64::new(0),
+            held: threads.held,
             prints: tally,
         });
         inner.set_phase(Phase::Checkpoint(Arc::<Self>::clone(&session)));
@@ -925,6 +933,19 @@ impl<D: Device> CkptSession<D> {
         Ok(Some(CkState::Shadowed { shadow, ready }))
     }
 
+    /// Whether slot `i`'s buffer goes to the [`ShadowSaver`] itself: a copy holding the job
+    /// (nothing writes the buffer meanwhile) that takes the whole buffer.
+    fn whole_to_saver(&self, i: usize) -> bool {
+        let slot = &self.slots[i];
+        let chunk = self.shared.pool.chunk() as u64;
+        self.held
+            && self.shadow_saver.is_some()
+            && slot
+                .chunks
+                .as_ref()
+                .is_none_or(|c| c.len() as u64 == slot.buf.size().div_ceil(chunk))
+    }
+
     /// Saves slot `i`'s shadow (made ready by `ready`): through the [`ShadowSaver`] if there is
     /// one and it takes it, else through the staging on `stream`.
     fn save_shadow(&self, i: usize, shadow: DevPtr, ready: &D::Event, stream: &D::Stream) {
@@ -1165,6 +1186,10 @@ impl<D: Device> CkptSession<D> {
                     scope.spawn(move || {
                         for (i, shadow, ready) in rx {
                             self.save_shadow(i, shadow, &ready, &self.copy_streams[i % n]);
+                            // A held buffer saved whole (not a shadow): its copy is over.
+                            if shadow == self.slots[i].buf.va() {
+                                self.settle(&self.slots[i], CkState::Saved(ready));
+                            }
                         }
                     });
                 }
@@ -1208,6 +1233,14 @@ impl<D: Device> CkptSession<D> {
                         _ => false,
                     }
                 };
+                // Held, the buffer itself goes to the saver whole, as a shadow would, once the
+                // job's work before T0 is done (the copy streams wait for it).
+                if copy && self.whole_to_saver(i) {
+                    let ready = self.dev.record_event(stream);
+                    if let Ok(Ok(())) = ready.map(|r| to_savers.send((i, slot.buf.va(), r))) {
+                        continue;
+                    }
+                }
                 if copy {
                     match self.enqueue_chunks(i, slot.buf.va(), stream) {
                         Ok(ev) => self.settle(slot, CkState::Saved(ev)),

@@ -452,7 +452,7 @@ impl<D: Device> Engine<D> {
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
     ) -> Result<CheckpointHandle, EngineError> {
-        self.checkpoint_beside(sink, only_dirty, Beside::Job)
+        self.checkpoint_beside(sink, only_dirty, (Beside::Job, None))
     }
 
     /// [`Engine::checkpoint`] for a caller that holds the job until the copy is over (a final
@@ -463,14 +463,28 @@ impl<D: Device> Engine<D> {
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
     ) -> Result<CheckpointHandle, EngineError> {
-        self.checkpoint_beside(sink, only_dirty, Beside::Nothing)
+        self.checkpoint_held_with(sink, only_dirty, None)
+    }
+
+    /// [`Engine::checkpoint_held`] that hands each buffer it copies whole to `saver` (the
+    /// keeper's spare image memory in possum), as a snapshot's shadows go: nothing writes the
+    /// buffers while the job is held. A buffer of which only some chunks changed (by
+    /// fingerprints), and one the saver refuses, go through the staging; every one saved must
+    /// match its fingerprints at T0.
+    pub fn checkpoint_held_with(
+        &self,
+        sink: Arc<dyn ChunkSink>,
+        only_dirty: bool,
+        saver: Option<Arc<dyn crate::store::ShadowSaver>>,
+    ) -> Result<CheckpointHandle, EngineError> {
+        self.checkpoint_beside(sink, only_dirty, (Beside::Nothing, saver))
     }
 
     fn checkpoint_beside(
         &self,
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
-        beside: Beside,
+        (beside, saver): (Beside, Option<Arc<dyn crate::store::ShadowSaver>>),
     ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
         let mode = if only_dirty {
@@ -478,7 +492,7 @@ impl<D: Device> Engine<D> {
         } else {
             CopyMode::Cow
         };
-        CkptSession::begin(&self.inner, sink, mode, beside, None)
+        CkptSession::begin(&self.inner, sink, mode, beside, saver)
     }
 
     /// [`Engine::checkpoint`] of every buffer that also copies, before it returns (the copies

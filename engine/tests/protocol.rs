@@ -1004,41 +1004,75 @@ fn writes_the_hooks_miss_never_reach_an_image() {
     );
 }
 
+/// A [`ShadowSaver`] standing in for the keeper's spare image memory: it reads what it is given
+/// from the host device into `store` in chunks of `chunk` bytes, as the keeper records its
+/// fills (or fails, `fail`), counting its saves and how many ran at once.
+struct TestSaver {
+    dev: Arc<HostDevice>,
+    store: Arc<MemStore>,
+    chunk: usize,
+    fail: bool,
+    saved: std::sync::atomic::AtomicU64,
+    in_flight: std::sync::atomic::AtomicU64,
+    most_at_once: std::sync::atomic::AtomicU64,
+}
+
+impl TestSaver {
+    fn new(dev: &Arc<HostDevice>, store: &Arc<MemStore>, chunk: usize, fail: bool) -> Arc<Self> {
+        Arc::new(TestSaver {
+            dev: dev.clone(),
+            store: store.clone(),
+            chunk,
+            fail,
+            saved: Default::default(),
+            in_flight: Default::default(),
+            most_at_once: Default::default(),
+        })
+    }
+
+    fn saved(&self) -> u64 {
+        self.saved.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn most_at_once(&self) -> u64 {
+        self.most_at_once.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl possum_engine::store::ShadowSaver for TestSaver {
+    fn save(
+        &self,
+        buffer: u64,
+        from: possum_engine::device::DevPtr,
+        size: u64,
+    ) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        if self.fail {
+            return Err("failed on purpose".into());
+        }
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_at_once.fetch_max(now, Ordering::SeqCst);
+        // Long enough that saves handed out together overlap.
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        let bytes = self.dev.read_now(from, size).map_err(|e| e.to_string())?;
+        for (k, piece) in bytes.chunks(self.chunk).enumerate() {
+            let at = (k * self.chunk) as u64;
+            self.store
+                .write_chunk(buffer, at, piece)
+                .map_err(|e| e.to_string())?;
+        }
+        self.saved.fetch_add(1, Ordering::SeqCst);
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
 /// A snapshot checkpoint with a [`ShadowSaver`] (the keeper's spare image memory in possum):
 /// every shadow goes through it, none through the staging, and the image is still the state at
 /// T0 whatever the job writes meanwhile; a saver that fails leaves the shadows to the staging,
 /// with the same image.
 #[test]
 fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
-    use possum_engine::device::DevPtr;
-    use possum_engine::store::ShadowSaver;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    struct Saver {
-        dev: Arc<HostDevice>,
-        store: Arc<MemStore>,
-        fail: bool,
-        saved: AtomicU64,
-        in_flight: AtomicU64,
-        most_at_once: AtomicU64,
-    }
-    impl ShadowSaver for Saver {
-        fn save(&self, buffer: u64, shadow: DevPtr, size: u64) -> Result<(), String> {
-            if self.fail {
-                return Err("failed on purpose".into());
-            }
-            let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-            self.most_at_once.fetch_max(now, Ordering::SeqCst);
-            // Long enough that saves handed out together overlap.
-            std::thread::sleep(std::time::Duration::from_millis(30));
-            let bytes = self.dev.read_now(shadow, size).map_err(|e| e.to_string())?;
-            self.store
-                .write_chunk(buffer, 0, &bytes)
-                .map_err(|e| e.to_string())?;
-            self.saved.fetch_add(1, Ordering::Relaxed);
-            self.in_flight.fetch_sub(1, Ordering::SeqCst);
-            Ok(())
-        }
-    }
     for fail in [false, true] {
         let dev = Arc::new(HostDevice::keeping(1 << 30));
         let e = Engine::new(dev.clone(), unprinted_cfg(1 << 20, 2, 0)).unwrap();
@@ -1047,14 +1081,7 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
             dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
         }
         let store = Arc::new(MemStore::new());
-        let saver = Arc::new(Saver {
-            dev: dev.clone(),
-            store: store.clone(),
-            fail,
-            saved: AtomicU64::new(0),
-            in_flight: AtomicU64::new(0),
-            most_at_once: AtomicU64::new(0),
-        });
+        let saver = TestSaver::new(&dev, &store, 1 << 20, fail);
         e.set_shadow_budget(64 << 20);
         let h = e
             .checkpoint_snapshot_with(store.clone(), Some(saver.clone()))
@@ -1066,12 +1093,12 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
         assert_eq!(r.snapshot_shadows, 6);
         let elsewhere = if fail { 0 } else { 6 };
         assert_eq!(r.shadows_saved_elsewhere, elsewhere, "fail {fail}");
-        assert_eq!(saver.saved.load(Ordering::Relaxed), elsewhere);
+        assert_eq!(saver.saved(), elsewhere);
         if !fail {
             // Shadows are handed to the saver from several threads (its copies queue behind
             // each other's): never one at a time.
             assert!(
-                saver.most_at_once.load(Ordering::SeqCst) > 1,
+                saver.most_at_once() > 1,
                 "the saver was given one shadow at a time"
             );
         }
@@ -1080,6 +1107,54 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
             assert!(
                 store.buffer_bytes(b.id()).unwrap() == vec![i as u8 + 1; 1 << 18],
                 "buffer {i} (fail {fail}) is not as of T0"
+            );
+        }
+    }
+}
+
+/// A copy holding the job with a [`ShadowSaver`]: each buffer it takes whole goes to the saver
+/// itself (nothing writes it meanwhile), several at once, none through the staging; one of
+/// which only some chunks changed since the image's last copy goes through the staging; a
+/// saver that fails leaves every buffer to the staging. The image is the buffers either way.
+#[test]
+fn a_held_copy_hands_its_whole_buffers_to_a_saver() {
+    for fail in [false, true] {
+        let dev = Arc::new(HostDevice::keeping(1 << 30));
+        let e = Engine::new(dev.clone(), small_cfg(1 << 16, 4, 0)).unwrap();
+        let bufs: Vec<_> = (0..6).map(|_| e.alloc(1 << 18).unwrap()).collect();
+        for (i, b) in bufs.iter().enumerate() {
+            dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
+        }
+        let store = Arc::new(MemStore::new());
+        // A first copy (as a pre-copy's), then one chunk of buffer 0 and all of the others
+        // changed, the job held for the copy of what changed.
+        e.checkpoint(store.clone(), false).unwrap().wait().unwrap();
+        dev.write_now(bufs[0].va(), &[0xaa; 1 << 16]).unwrap();
+        for (i, b) in bufs.iter().enumerate().skip(1) {
+            dev.write_now(b.va(), &vec![i as u8 + 0x40; 1 << 18])
+                .unwrap();
+        }
+        for b in &bufs {
+            assert!(e.mark_written(b.va()));
+        }
+        let saver = TestSaver::new(&dev, &store, 1 << 16, fail);
+        let h = e.checkpoint_held_with(store.clone(), true, Some(saver.clone()));
+        let r = h.unwrap().wait().unwrap();
+        let whole = if fail { 0 } else { 5 };
+        assert_eq!(r.shadows_saved_elsewhere, whole, "fail {fail}: {r:?}");
+        assert_eq!(saver.saved(), whole);
+        if !fail {
+            assert!(
+                saver.most_at_once() > 1,
+                "the saver was given one buffer at a time"
+            );
+        }
+        // Buffer 0's one changed chunk, and the five others whole.
+        assert_eq!(r.bytes, (1 << 16) + 5 * (1 << 18), "fail {fail}");
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(
+                store.buffer_bytes(b.id()).unwrap() == dev.read_now(b.va(), 1 << 18).unwrap(),
+                "buffer {i} (fail {fail}) is not as the job left it"
             );
         }
     }

@@ -13,7 +13,8 @@
 //! destination failing, at the source; with `--engine driver`, its parent slow to reap it, the
 //! source waits for its PID to be free and it runs on at the destination. A job whose memory is a
 //! keeper's has its GPU image loaded ahead at the destination, from the first round sent ahead,
-//! and the restore's stage takes that memory. With `POSSUM_HOSTMEM_AHEAD=1`, the job's private
+//! and the restore's stage takes that memory; with `POSSUM_HELD_SPARE=1` its final copy goes
+//! into the keeper's spare image memory. With `POSSUM_HOSTMEM_AHEAD=1`, the job's private
 //! memory goes ahead with the rounds and only what changed of it at the cut.
 //!
 //! The job (`interposer/tests/fake/fake_session_job.c`, FAKE_VIA=entry) is the one of
@@ -396,11 +397,22 @@ fn kept_job(test: &str) -> Option<KeptJob> {
 /// [`kept_job`], `env` added to the job's environment (and the reference run's, and the
 /// receiver's).
 fn kept_job_with(test: &str, env: &[(&str, &str)]) -> Option<KeptJob> {
+    kept_job_keeping(test, env, |_| Vec::new())
+}
+
+/// [`kept_job_with`], the keeper's environment given `keeper_env(dir)` (the test's directory).
+fn kept_job_keeping(
+    test: &str,
+    env: &[(&str, &str)],
+    keeper_env: impl FnOnce(&Path) -> Vec<(&'static str, String)>,
+) -> Option<KeptJob> {
     let (tmp, lib) = support::session_job_setup(test, "possum-migrate-")?;
     let dir = tmp.path();
     let mut reference = start_job_with(dir, "reference", None, Duration::ZERO, env);
     let want = finish(&mut reference, dir, "reference");
-    let (keeper, keeper_dir) = support::cli::start_keeper(dir);
+    let keeper_env = keeper_env(dir);
+    let keeper_env: Vec<(&str, &str)> = keeper_env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (keeper, keeper_dir) = support::cli::start_keeper_with(dir, &keeper_env);
     let mut all = vec![("POSSUM_KEEPER", keeper_dir.to_str().unwrap())];
     all.extend_from_slice(env);
     let job = start_job_with(dir, "job", Some(&lib), Duration::ZERO, &all);
@@ -648,6 +660,52 @@ fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
          ({first_rounds} rounds); {copying} of {held} bytes sent while held went during the \
          final copy"
     ));
+}
+
+/// With `POSSUM_HELD_SPARE=1` and a keeper keeping spare image memory on the image's
+/// filesystem, the held job's final copy hands the buffers it copies whole (the 64 MiB one its
+/// writer thread rewrites all the time) to the keeper, which copies them into its spare, one of
+/// the image's data files from then on; the migration sends it, and the job goes on at the
+/// destination bit-exact.
+#[test]
+fn a_held_job_s_final_copy_goes_into_the_keeper_s_spare() {
+    let env = [
+        ("FAKE_WRITER_MIB", "64"),
+        ("POSSUM_VALIDATE", "off"),
+        ("POSSUM_HELD_SPARE", "1"),
+    ];
+    let keeper_env = |dir: &Path| {
+        let spares = dir.join("spares");
+        std::fs::create_dir(&spares).unwrap();
+        vec![
+            ("POSSUM_KEEPER_SPARE_DIR", spares.display().to_string()),
+            ("POSSUM_KEEPER_SPARE_MIB", "160".to_string()),
+        ]
+    };
+    let Some(mut t) = kept_job_keeping("migrate_held_spare", &env, keeper_env) else {
+        return;
+    };
+    let dir = t.tmp.path();
+    let socket = t.keeper_dir.join("keeper-0.sock");
+    let since = Instant::now();
+    while !possum_keeper::Keeper::connect(&socket)
+        .and_then(|mut k| k.stats())
+        .is_ok_and(|st| st.spare.is_some_and(|sp| sp.ready))
+    {
+        assert!(since.elapsed() < WAIT, "the keeper made no spare");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = migrate_kept_with(&t, &[]);
+    let (v, _) = migrated(&out, t.receiver, &t.job);
+    let finals = &v["checkpoint"]["release_report"]["final"];
+    let by_keeper = finals[0]["shadows_saved_by_keeper"].as_u64().unwrap_or(0);
+    assert!(by_keeper >= 1, "no buffer went into the spare: {finals}");
+    goes_on_like(
+        &mut t.job,
+        dir,
+        &t.want,
+        "migrated, its final copy in the keeper's spare",
+    );
 }
 
 /// The network fails while the first round arrives in parts and the destination's keeper loads

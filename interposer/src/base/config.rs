@@ -341,6 +341,9 @@ pub struct Diagnostics {
     pub use_stage: bool,
     /// Borrow the keeper's spare for a kept checkpoint's save (`POSSUM_SPARE_DRAIN`; `0`: never).
     pub spare_drain: bool,
+    /// Borrow it too for the copy made while the job is held (`POSSUM_HELD_SPARE=1`): the
+    /// buffers it copies whole go into it at the copy engine's speed, not through the staging.
+    pub held_spare: bool,
 }
 
 /// Every setting of the interposer.
@@ -564,6 +567,7 @@ impl Diagnostics {
             layouts_from_cubin_only: env.var("POSSUM_LAYOUTS").as_deref() == Some("cubin"),
             use_stage: !env.is_zero_trimmed("POSSUM_STAGED"),
             spare_drain: !env.is_zero_trimmed("POSSUM_SPARE_DRAIN"),
+            held_spare: env.is_one("POSSUM_HELD_SPARE"),
         }
     }
 }
@@ -626,7 +630,7 @@ mod tests {
         assert_eq!(d.detach, None);
         assert_eq!(d.ab, None);
         assert!(!d.debug_dirty && !d.layouts_from_cubin_only);
-        assert!(d.use_stage && d.spare_drain);
+        assert!(d.use_stage && d.spare_drain && !d.held_spare);
         assert!(c.warnings.is_empty());
     }
 
@@ -671,6 +675,7 @@ mod tests {
             ("POSSUM_LAYOUTS", "cubin"),
             ("POSSUM_STAGED", " 0 "),
             ("POSSUM_SPARE_DRAIN", "0"),
+            ("POSSUM_HELD_SPARE", "1"),
         ]);
         let u = &c.user;
         assert_eq!(u.hooks, Hooks::Off);
@@ -724,7 +729,7 @@ mod tests {
             })
         );
         assert!(d.debug_dirty && d.layouts_from_cubin_only);
-        assert!(!d.use_stage && !d.spare_drain);
+        assert!(!d.use_stage && !d.spare_drain && d.held_spare);
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
     }
 

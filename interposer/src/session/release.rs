@@ -14,7 +14,7 @@ use std::time::Instant;
 use possum_control::reply::{DeviceCopy, HeldEpoch, HoldAttempt, JournalReply, ReleaseReply};
 use possum_engine::device::Device;
 use possum_engine::image::ImageWriter;
-use possum_engine::store::ChunkSink;
+use possum_engine::store::{ChunkSink, ShadowSaver};
 use serde_json::Value;
 
 use crate::base::config;
@@ -29,6 +29,7 @@ use crate::session::common::{
 };
 use crate::session::error::{SessionError, HOLD_ATTEMPTS};
 use crate::session::replies::{ms, pipeline, reply, to_json, with_prints, written, Beating};
+use crate::session::spare::SpareSaver;
 use crate::session::state::{session, Images, Phase, Target};
 
 /// How long the keeper holds the memory of a job that shares some with other processes after a
@@ -211,11 +212,17 @@ fn final_copy_of(
     // The job is held: T0 may wait for the device, which it must when the job used a
     // per-thread default stream (its work there cannot be fenced from this thread).
     e.engine.set_device_fence(per_thread_ops() > 0);
+    let chunk = config::get().tuning.chunk_mib << 20;
+    let spare = SpareSaver::borrow_held(e, &writer, chunk);
+    let saver = spare.clone().map(|s| s as Arc<dyn ShadowSaver>);
     let r = e
         .engine
-        .checkpoint_held(sink, true)
+        .checkpoint_held_with(sink, true, saver)
         .and_then(|h| h.wait())
         .inspect_err(after_mismatch);
+    if let Some(s) = spare {
+        s.end();
+    }
     e.engine.set_device_fence(false);
     let r = r.map_err(|source| SessionError::Engine {
         device: e.ordinal,
@@ -237,6 +244,7 @@ fn final_copy_of(
         image_buffers: Some(summary.buffers.len() as u64),
         written,
         pipeline: Some(pipeline(&r.pipeline)),
+        shadows_saved_by_keeper: Some(r.shadows_saved_elsewhere),
         ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
     })
 }

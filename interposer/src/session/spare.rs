@@ -1,5 +1,6 @@
 //! A kept checkpoint's shadows saved into the keeper's spare image memory (the `ShadowSaver`
-//! of a save, `session::save::start_save`).
+//! of a save, `session::save::start_save`), and, where asked, the buffers a held copy takes
+//! whole (`session::release`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -42,6 +43,24 @@ impl SpareSaver {
         if !config::get().diag.spare_drain || e.engine.shadow_budget() == 0 {
             return None;
         }
+        Self::borrow_any(e, writer, chunk)
+    }
+
+    /// [`SpareSaver::borrow`] for the copy made while the job is held, whose buffers go to the
+    /// spare whole (`POSSUM_HELD_SPARE=1`; off: `None`).
+    pub(crate) fn borrow_held(
+        e: &DevEngine,
+        writer: &Arc<ImageWriter>,
+        chunk: u64,
+    ) -> Option<Arc<SpareSaver>> {
+        if !config::get().diag.held_spare {
+            return None;
+        }
+        Self::borrow_any(e, writer, chunk)
+    }
+
+    /// The spare of `e`'s keeper, if it has one, adopted into `writer`'s image.
+    fn borrow_any(e: &DevEngine, writer: &Arc<ImageWriter>, chunk: u64) -> Option<Arc<SpareSaver>> {
         let path = e.keeper.as_ref()?.path();
         let mut keeper = possum_keeper::Keeper::connect(&path).ok()?;
         let lease = match keeper.spare_take(writer.temp_dir()) {
@@ -119,7 +138,7 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
         let alloc = self
             .dev
             .owned_id(shadow.0)
-            .ok_or_else(|| format!("the shadow at {:#x} is not the keeper's memory", shadow.0))?;
+            .ok_or_else(|| format!("the memory at {:#x} is not the keeper's", shadow.0))?;
         // Each shadow on a 2 MiB boundary of the file (whole huge pages).
         let at = self
             .next
