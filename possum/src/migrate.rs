@@ -258,6 +258,14 @@ fn print_migrate(r: &MigrateReport) {
             .map_or("not said".to_string(), |w| format!("{:.0}", ms(w))),
         ms(t.total)
     );
+    let finals = r
+        .checkpoint
+        .release_report
+        .as_ref()
+        .map(|rel| &rel.body.finals);
+    if let Some(line) = finals.and_then(|f| held_copy_line(f)) {
+        println!("{line}");
+    }
     if let Some(pc) = &r.post_copy {
         println!(
             "  post-copy: {:.1} MiB in {} pieces sent after the transfer, the job restored \
@@ -267,6 +275,35 @@ fn print_migrate(r: &MigrateReport) {
             ms(pc.took)
         );
     }
+}
+
+/// The copy made while the job was held, per device (`finals`, the job's own account), and
+/// where its time went: `None` where it copied nothing.
+fn held_copy_line(finals: &[possum_control::reply::DeviceCopy]) -> Option<String> {
+    let each: Vec<String> = finals
+        .iter()
+        .filter(|f| f.bytes > 0)
+        .map(|f| {
+            let mut s = format!(
+                "device {}: {:.1} MiB in {:.0} ms",
+                f.device,
+                mib(f.bytes),
+                f.ms.unwrap_or(0.0)
+            );
+            if let Some(p) = f.pipeline {
+                s += &format!(
+                    " ({} writers: {:.0} ms waiting for the GPU's copies, {:.0} ms writing, \
+                     {:.0} ms waiting for staging, summed)",
+                    p.writers, p.copy_wait_ms, p.sink_ms, p.staging_wait_ms
+                );
+            }
+            if let Some(n) = f.shadows_saved_by_keeper.filter(|&n| n > 0) {
+                s += &format!(", {n} buffers copied into the keeper's spare");
+            }
+            s
+        })
+        .collect();
+    (!each.is_empty()).then(|| format!("  copied while held: {}", each.join("; ")))
 }
 
 /// What `possum receive` prints for a job received, without --json.
@@ -502,4 +539,39 @@ fn accept_concurrently(
         }
     });
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use possum_control::reply::{CopyPipeline, DeviceCopy};
+
+    /// The held copy's line names each device that copied, with where its time went and what
+    /// went into the keeper's spare; a copy of nothing says nothing.
+    #[test]
+    fn the_held_copy_is_said_per_device_with_where_its_time_went() {
+        let copy = |device, bytes, spare| DeviceCopy {
+            device,
+            bytes,
+            ms: Some(912.4),
+            pipeline: Some(CopyPipeline {
+                writers: 16,
+                staging_wait_ms: 3.0,
+                copy_wait_ms: 120.0,
+                sink_ms: 13_800.0,
+            }),
+            shadows_saved_by_keeper: spare,
+            ..DeviceCopy::default()
+        };
+        assert_eq!(held_copy_line(&[]), None);
+        assert_eq!(held_copy_line(&[copy(0, 0, None)]), None);
+        let line = held_copy_line(&[copy(0, 8 << 30, Some(0)), copy(1, 1 << 20, Some(2))]).unwrap();
+        assert_eq!(
+            line,
+            "  copied while held: device 0: 8192.0 MiB in 912 ms (16 writers: 120 ms waiting for \
+             the GPU's copies, 13800 ms writing, 3 ms waiting for staging, summed); device 1: 1.0 \
+             MiB in 912 ms (16 writers: 120 ms waiting for the GPU's copies, 13800 ms writing, 3 \
+             ms waiting for staging, summed), 2 buffers copied into the keeper's spare"
+        );
+    }
 }
