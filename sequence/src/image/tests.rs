@@ -100,6 +100,28 @@ fn open_sealed(dir: &Path, m: &Manifest) -> Result<Image, ImageError> {
     open_image(dir)
 }
 
+/// Figures of every precision read back as written: the check of `possum.json` (of its text)
+/// holds for a description whose figures carry floats of full precision, which a parser that
+/// rounds some of them by a unit in the last place would break.
+#[test]
+fn figures_of_any_precision_keep_the_description_s_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut m = manifest(tmp.path());
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let values: Vec<f64> = (0..2000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Times in ms as a copy sums them: up to minutes, to the last bit.
+            (x >> 11) as f64 / (1u64 << 53) as f64 * 1e5
+        })
+        .collect();
+    m.figures = serde_json::json!({ "pipeline": { "sink_ms": values } });
+    let back = open_sealed(tmp.path(), &m).unwrap().manifest;
+    assert_eq!(back.figures, m.figures);
+}
+
 /// An image a migration received and never synced (its mark still there) is refused, saying
 /// why and what to do; the migration's own restore of it, before it syncs it, opens it.
 #[test]
