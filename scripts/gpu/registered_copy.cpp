@@ -82,6 +82,8 @@ struct Dev {
     // Copies chunk `i` into `dst` and waits for it (the writer's wait).
     bool copy_chunk(size_t i, void *dst, size_t len) {
 #ifdef __CUDACC__
+        // (The context current on this thread too: each writer is a thread of its own.)
+        CK(cuCtxSetCurrent(ctx));
         CUstream s = streams[i % streams.size()];
         CK(cuMemcpyDtoHAsync(dst, src + i * CHUNK, len, s));
         CK(cuStreamSynchronize(s));
