@@ -43,7 +43,8 @@ impl SpareSaver {
         if !config::get().diag.spare_drain || e.engine.shadow_budget() == 0 {
             return None;
         }
-        Self::borrow_any(e, writer, chunk)
+        static SAID: std::sync::Once = std::sync::Once::new();
+        Self::borrow_any(e, writer, chunk, ("kept checkpoints saved", &SAID))
     }
 
     /// [`SpareSaver::borrow`] for the copy made while the job is held, whose buffers go to the
@@ -56,20 +57,26 @@ impl SpareSaver {
         if !config::get().diag.held_spare {
             return None;
         }
-        Self::borrow_any(e, writer, chunk)
+        static SAID: std::sync::Once = std::sync::Once::new();
+        Self::borrow_any(e, writer, chunk, ("copies made while held go", &SAID))
     }
 
-    /// The spare of `e`'s keeper, if it has one, adopted into `writer`'s image.
-    fn borrow_any(e: &DevEngine, writer: &Arc<ImageWriter>, chunk: u64) -> Option<Arc<SpareSaver>> {
+    /// The spare of `e`'s keeper, if it has one, adopted into `writer`'s image; if not, said
+    /// once (`said`) that `what` through the staging, and why.
+    fn borrow_any(
+        e: &DevEngine,
+        writer: &Arc<ImageWriter>,
+        chunk: u64,
+        (what, said): (&str, &std::sync::Once),
+    ) -> Option<Arc<SpareSaver>> {
         let path = e.keeper.as_ref()?.path();
         let mut keeper = possum_keeper::Keeper::connect(&path).ok()?;
         let lease = match keeper.spare_take(writer.temp_dir()) {
             Ok(l) => l,
             Err(err) => {
-                static SAID: std::sync::Once = std::sync::Once::new();
-                SAID.call_once(|| {
+                said.call_once(|| {
                     log(&format!(
-                        "device {}: kept checkpoints saved through the staging: {err}",
+                        "device {}: {what} through the staging: {err}",
                         e.ordinal
                     ))
                 });
