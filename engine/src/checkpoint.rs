@@ -1186,8 +1186,9 @@ impl<D: Device> CkptSession<D> {
                     scope.spawn(move || {
                         for (i, shadow, ready) in rx {
                             self.save_shadow(i, shadow, &ready, &self.copy_streams[i % n]);
-                            // A held buffer saved whole (not a shadow): its copy is over.
-                            if shadow == self.slots[i].buf.va() {
+                            // Held, what the saver gets is the buffer itself (there are no
+                            // shadows): its copy is over.
+                            if self.held {
                                 self.settle(&self.slots[i], CkState::Saved(ready));
                             }
                         }

@@ -27,6 +27,10 @@ pub struct BufferRecord {
     pub prefetch_rank: u32,
 }
 
+/// A chunk written against its expected fingerprint ([`ChunkSink::write_chunk_proving`]): its
+/// fingerprint, `Ok` where it was the one expected (the chunk stored), `Err` where not.
+pub type Proof = Result<Fingerprint, Fingerprint>;
+
 /// Receives checkpointed data. Implementations must accept chunks from several threads, in any order.
 pub trait ChunkSink: Send + Sync {
     /// Declares a buffer before any of its chunks. Declaring it again replaces its record, except
@@ -62,7 +66,7 @@ pub trait ChunkSink: Send + Sync {
         offset: u64,
         data: &[u8],
         expect: Option<Fingerprint>,
-    ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
+    ) -> Result<Proof, ImageError> {
         let fp = crate::fingerprint::of(data);
         if expect.is_some_and(|e| e != fp) {
             return Ok(Err(fp));

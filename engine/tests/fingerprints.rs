@@ -316,7 +316,7 @@ fn a_torn_copy_spoils_the_image_it_reached() {
             offset: u64,
             data: &[u8],
             expect: Option<Fingerprint>,
-        ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
+        ) -> Result<possum_engine::store::Proof, ImageError> {
             let mut torn = data.to_vec();
             torn[0] ^= 1;
             self.0.write_chunk_proving(buffer, offset, &torn, expect)

@@ -20,7 +20,7 @@ use super::{
     MAX_CHUNK_LEN, MAX_DATA_FILES,
 };
 use crate::fingerprint::{self, Fingerprint};
-use crate::store::{BufferRecord, ChunkSink};
+use crate::store::{BufferRecord, ChunkSink, Proof};
 
 /// Bytes per write of a chunk by default: CRC'd and written while still in the core's cache (L2
 /// is 2 MiB on the H100 machine's Xeons), and one huge page of a huge-page tmpfs: a write that
@@ -687,7 +687,7 @@ impl ImageWriter {
         offset: u64,
         data: &[u8],
         (fp, expect): (Option<Fingerprint>, Option<Fingerprint>),
-    ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
+    ) -> Result<Proof, ImageError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let len = data.len() as u64;
         self.check_chunk(&self.state.lock(), buffer, offset, len)?;
@@ -1048,7 +1048,7 @@ impl ChunkSink for ImageWriter {
         offset: u64,
         data: &[u8],
         expect: Option<Fingerprint>,
-    ) -> Result<Result<Fingerprint, Fingerprint>, ImageError> {
+    ) -> Result<Proof, ImageError> {
         self.write(buffer, offset, data, (None, expect))
     }
 

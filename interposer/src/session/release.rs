@@ -212,8 +212,7 @@ fn final_copy_of(
     // The job is held: T0 may wait for the device, which it must when the job used a
     // per-thread default stream (its work there cannot be fenced from this thread).
     e.engine.set_device_fence(per_thread_ops() > 0);
-    let chunk = config::get().tuning.chunk_mib << 20;
-    let spare = SpareSaver::borrow_held(e, &writer, chunk);
+    let spare = SpareSaver::borrow_held(e, &writer);
     let saver = spare.clone().map(|s| s as Arc<dyn ShadowSaver>);
     let r = e
         .engine

@@ -112,10 +112,7 @@ impl ChunkSink for Beating {
         offset: u64,
         data: &[u8],
         expect: Option<possum_engine::fingerprint::Fingerprint>,
-    ) -> Result<
-        Result<possum_engine::fingerprint::Fingerprint, possum_engine::fingerprint::Fingerprint>,
-        possum_engine::image::ImageError,
-    > {
+    ) -> Result<possum_engine::store::Proof, possum_engine::image::ImageError> {
         park::beat();
         self.0.write_chunk_proving(buffer, offset, data, expect)
     }

@@ -50,12 +50,11 @@ pub(crate) fn start_save(dir: &Path, shadow_mib: Option<u64>, parent: Option<&Pa
         e.engine
             .set_shadow_budget(shadow_mib.map_or_else(|| shadow_budget(e), |m| m << 20));
         e.engine.set_save_order(order.clone());
-        let chunk = config::get().tuning.chunk_mib << 20;
         let begun = new_writer(dir, ordinal, parent)
             .map_err(|err| err.to_string())
             .and_then(|writer| {
                 let sink: Arc<dyn ChunkSink> = writer.clone();
-                let spare = SpareSaver::borrow(e, &writer, chunk);
+                let spare = SpareSaver::borrow(e, &writer);
                 let saver = spare
                     .clone()
                     .map(|s| s as Arc<dyn possum_engine::store::ShadowSaver>);

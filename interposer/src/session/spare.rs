@@ -34,41 +34,34 @@ impl SpareSaver {
     /// Borrows the spare of `keeper` for `writer`'s image, if it has one on that filesystem (a
     /// keeper run with `POSSUM_KEEPER_SPARE_DIR` and `POSSUM_KEEPER_SPARE_MIB`): `None`, said
     /// once, if not. `POSSUM_SPARE_DRAIN=0` never asks.
-    pub(crate) fn borrow(
-        e: &DevEngine,
-        writer: &Arc<ImageWriter>,
-        chunk: u64,
-    ) -> Option<Arc<SpareSaver>> {
+    pub(crate) fn borrow(e: &DevEngine, writer: &Arc<ImageWriter>) -> Option<Arc<SpareSaver>> {
         // Only shadows go through it: without a shadow budget it would be taken for nothing.
         if !config::get().diag.spare_drain || e.engine.shadow_budget() == 0 {
             return None;
         }
         static SAID: std::sync::Once = std::sync::Once::new();
-        Self::borrow_any(e, writer, chunk, ("kept checkpoints saved", &SAID))
+        Self::borrow_any(e, writer, ("kept checkpoints saved", &SAID))
     }
 
     /// [`SpareSaver::borrow`] for the copy made while the job is held, whose buffers go to the
     /// spare whole (`POSSUM_HELD_SPARE=1`; off: `None`).
-    pub(crate) fn borrow_held(
-        e: &DevEngine,
-        writer: &Arc<ImageWriter>,
-        chunk: u64,
-    ) -> Option<Arc<SpareSaver>> {
+    pub(crate) fn borrow_held(e: &DevEngine, writer: &Arc<ImageWriter>) -> Option<Arc<SpareSaver>> {
         if !config::get().diag.held_spare {
             return None;
         }
         static SAID: std::sync::Once = std::sync::Once::new();
-        Self::borrow_any(e, writer, chunk, ("copies made while held go", &SAID))
+        Self::borrow_any(e, writer, ("copies made while held go", &SAID))
     }
 
-    /// The spare of `e`'s keeper, if it has one, adopted into `writer`'s image; if not, said
-    /// once (`said`) that `what` through the staging, and why.
+    /// The spare of `e`'s keeper, if it has one, adopted into `writer`'s image, its fills
+    /// checksummed in the engine's chunks; if not, said once (`said`) that `what` through the
+    /// staging, and why.
     fn borrow_any(
         e: &DevEngine,
         writer: &Arc<ImageWriter>,
-        chunk: u64,
         (what, said): (&str, &std::sync::Once),
     ) -> Option<Arc<SpareSaver>> {
+        let chunk = e.engine.config().chunk_size as u64;
         let path = e.keeper.as_ref()?.path();
         let mut keeper = possum_keeper::Keeper::connect(&path).ok()?;
         let lease = match keeper.spare_take(writer.temp_dir()) {
