@@ -985,15 +985,13 @@ impl Inner {
             reused_bytes,
         };
         if !peer_misses.is_empty() {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "possum keeper: stage {id} of process {of}: {} of {} buffers read from the image, \
-                 not copied from the other GPU; first: {}",
+            crate::say(&format!(
+                "stage {id} of process {of}: {} of {} buffers read from the image, not copied \
+                 from the other GPU; first: {}",
                 peer_misses.len(),
                 stage.buffers.len(),
                 peer_misses[0]
-            );
+            ));
         }
         self.lock_stages().insert(id, Arc::clone(&stage));
         self.start_loaders(&stage, img)?;
@@ -1427,12 +1425,10 @@ impl Alives {
 
 /// Says on stderr that held memory was dropped for a new allocation.
 fn held_dropped_note(e: &possum_engine::device::DeviceError) {
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr(),
-        "possum keeper: an allocation failed ({e}); memory held for the restore of jobs that \
-         are gone was freed for it"
-    );
+    crate::say(&format!(
+        "an allocation failed ({e}); memory held for the restore of jobs that are gone was \
+         freed for it"
+    ));
 }
 
 fn reply(

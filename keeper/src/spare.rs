@@ -225,26 +225,32 @@ impl Spares {
         true
     }
 
-    /// What making one gave (said on stderr: `spare image memory ready` or why not).
+    /// What making one gave (said on stderr: `spare image memory ready` or why not; never a
+    /// panic where no one reads the keeper's stderr any more).
     pub(crate) fn made(&self, r: Result<Spare, MakeError>, took: std::time::Duration) {
-        let mut st = self.lock();
-        st.making = false;
-        match r {
-            Ok(s) => {
-                eprintln!(
-                    "possum keeper: spare image memory ready: {} ({} MiB, {} ms)",
-                    s.path.display(),
-                    s.reg.len() >> 20,
-                    took.as_millis()
-                );
-                st.ready = Some(s);
-                st.error = None;
+        let said = {
+            let mut st = self.lock();
+            st.making = false;
+            match r {
+                Ok(s) => {
+                    let said = format!(
+                        "spare image memory ready: {} ({} MiB, {} ms)",
+                        s.path.display(),
+                        s.reg.len() >> 20,
+                        took.as_millis()
+                    );
+                    st.ready = Some(s);
+                    st.error = None;
+                    said
+                }
+                Err(e) => {
+                    let said = format!("no spare image memory: {e}");
+                    st.error = Some(e.to_string());
+                    said
+                }
             }
-            Err(e) => {
-                eprintln!("possum keeper: no spare image memory: {e}");
-                st.error = Some(e.to_string());
-            }
-        }
+        };
+        crate::say(&said);
     }
 
     /// Makes one on `dev` (slow: the file's pages are faulted in and registered), a step at a

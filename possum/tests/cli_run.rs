@@ -164,3 +164,67 @@ fn the_job_runs_without_nccl_s_nvls_and_cumem_host_memory_unless_the_user_chose(
         "1 1"
     );
 }
+
+#[path = "../../interposer/tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+/// `possum run`'s keeper with spare image memory (on the fake GPU stack): it makes its spare,
+/// and says so on `possum run`'s stderr. The keeper's stderr was a pipe whose reader `possum
+/// run` dropped once the keeper was up, so that its first note (the spare made) failed to print
+/// and no spare was ever ready.
+#[test]
+fn possum_run_s_keeper_makes_its_spare_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let interposer = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../interposer");
+    if !common::build_fake_gpu_from(
+        &interposer,
+        dir,
+        "tests/fake/fake_session_job.c",
+        "fake_session_job",
+    ) {
+        return;
+    }
+    let (sockets, spares, stop) = (dir.join("sockets"), dir.join("spares"), dir.join("stop"));
+    std::fs::create_dir(&spares).unwrap();
+    let lib = dir.join("stand-in.so");
+    std::fs::write(&lib, b"").unwrap();
+    let wait_for_stop = format!("while [ ! -e '{}' ]; do sleep 0.05; done", stop.display());
+    let run = Command::new(env!("CARGO_BIN_EXE_possum"))
+        .args(["run", "--lib"])
+        .arg(&lib)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .args(["sh", "-c", &wait_for_stop])
+        .env("POSSUM_LIBCUDA", dir.join("libcuda.so.1"))
+        .env("LD_LIBRARY_PATH", dir)
+        .env("POSSUM_KEEPER_SPARE_DIR", &spares)
+        .env("POSSUM_KEEPER_SPARE_MIB", "8")
+        .env_remove("POSSUM_KEEPER")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let socket = sockets
+        .join(format!("keeper-{}", run.id()))
+        .join("keeper-0.sock");
+    let since = std::time::Instant::now();
+    let ready = loop {
+        let ready = possum_keeper::Keeper::connect(&socket)
+            .and_then(|mut k| k.stats())
+            .is_ok_and(|st| st.spare.is_some_and(|sp| sp.ready));
+        if ready || since.elapsed() > std::time::Duration::from_secs(60) {
+            break ready;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    std::fs::write(&stop, b"").unwrap();
+    let out = run.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(ready, "the keeper made no spare: {stderr}");
+    assert!(
+        stderr.contains("possum keeper: spare image memory ready"),
+        "{stderr}"
+    );
+}

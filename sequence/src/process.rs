@@ -376,7 +376,10 @@ pub fn start_keeper(
         let _ = tx.send(line);
     });
     let failed = match rx.recv_timeout(KEEPER_START_TIMEOUT) {
-        Ok(line) if line.trim() == "ready" => return Ok(child),
+        Ok(line) if line.trim() == "ready" => {
+            forward_lines(err);
+            return Ok(child);
+        }
         Ok(_) => {
             let mut why = String::new();
             let _ = err.read_to_string(&mut why);
@@ -390,6 +393,24 @@ pub fn start_keeper(
     let _ = child.kill();
     let _ = child.wait();
     bail!(failed)
+}
+
+/// Passes what a started keeper says on its stderr (`possum keeper: ...`: its spare image
+/// memory made or not, memory it freed) on to this process's, on a thread of its own, for as
+/// long as both run: the keeper's notes reach whoever runs `possum`, and its stderr is never a
+/// pipe no one reads.
+fn forward_lines(from: std::process::ChildStderr) {
+    use std::io::{BufRead, Write};
+    let forward = move || {
+        for line in std::io::BufReader::new(from).lines() {
+            let Ok(line) = line else { break };
+            let _ = writeln!(std::io::stderr(), "{line}");
+        }
+    };
+    // (Without the thread the pipe is closed: the keeper's own writes never fail it.)
+    let _ = std::thread::Builder::new()
+        .name("possum-keeper-stderr".into())
+        .spawn(forward);
 }
 
 #[cfg(test)]
