@@ -53,8 +53,8 @@
 #       (POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING=1), alternating (TAG-after-N, TAG-copying-N).
 #   bash scripts/gpu-speculation.sh stage-ahead  (~5 min with SPEC_BARS="0 8192 t8")
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its destination staging the
-#       GPU images at the restore (the default) and once the final set brought them whole
-#       (POSSUM_MIGRATE_STAGE_AHEAD=1), alternating (TAG-restore-N, TAG-ahead-N).
+#       GPU images at the restore (POSSUM_MIGRATE_STAGE_AHEAD=0) and once the final set brought
+#       them whole (the default), alternating (TAG-restore-N, TAG-ahead-N).
 #   bash scripts/gpu-speculation.sh held-spare  (~5 min with SPEC_HUGE=1 SPEC_BARS="0 8192 t8")
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the keeper keeping spare image
 #       memory (POSSUM_KEEPER_SPARE_MIB, SPEC_SPARE_MIB or 9216, on the images' huge-page tmpfs:

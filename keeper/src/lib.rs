@@ -80,6 +80,7 @@ mod client;
 pub mod config;
 mod fdpass;
 mod memory;
+mod notes;
 mod pending;
 mod process;
 mod protocol;
@@ -98,11 +99,3 @@ pub use protocol::{
     REQUEST_TIMEOUT,
 };
 pub use server::Server;
-
-/// One line on the keeper's stderr, `possum keeper: WHAT`. Whoever started the keeper may no
-/// longer read it (a `possum restore` that has ended, or a pipe no one drains): a failed write
-/// is ignored, never a panic.
-pub(crate) fn say(what: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "possum keeper: {what}");
-}

@@ -985,7 +985,7 @@ impl Inner {
             reused_bytes,
         };
         if !peer_misses.is_empty() {
-            crate::say(&format!(
+            crate::notes::say(&format!(
                 "stage {id} of process {of}: {} of {} buffers read from the image, not copied \
                  from the other GPU; first: {}",
                 peer_misses.len(),
@@ -1425,7 +1425,7 @@ impl Alives {
 
 /// Says on stderr that held memory was dropped for a new allocation.
 fn held_dropped_note(e: &possum_engine::device::DeviceError) {
-    crate::say(&format!(
+    crate::notes::say(&format!(
         "an allocation failed ({e}); memory held for the restore of jobs that are gone was \
          freed for it"
     ));

@@ -250,7 +250,7 @@ impl Spares {
                 }
             }
         };
-        crate::say(&said);
+        crate::notes::say(&said);
     }
 
     /// Makes one on `dev` (slow: the file's pages are faulted in and registered), a step at a

@@ -449,9 +449,9 @@ fn migrate_kept_with(t: &KeptJob, vars: &[(&str, &str)]) -> Output {
 
 /// A job whose buffers are a keeper's (`possum run`'s default), migrated over loopback: the
 /// destination has the keeper load the job's GPU image from the first round sent ahead (its
-/// draft), while the job still runs at the source; the restore's stage builds on that memory,
-/// loading only the chunks that changed; the job goes on bit-exact, and nothing of the
-/// prestage is left in the keeper.
+/// draft), while the job still runs at the source; the restore's stage builds on that memory
+/// (through the stage ahead of the finished image), loading only the chunks that changed; the
+/// job goes on bit-exact, and nothing of the prestage is left in the keeper.
 #[test]
 fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     let Some(mut t) = kept_job("migrate_prestage") else {
@@ -503,26 +503,36 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     assert!(v["bytes_before_hold"].as_u64().unwrap() > 0, "{v}");
 
     goes_on_like(&mut t.job, dir, &t.want, "migrated, its image loaded ahead");
-    // The keeper holds no stage, and no memory of the prestage's.
+    // The keeper holds no stage, and no memory of the prestage's nor of the stage ahead built
+    // on it once the final set came (the default: `stage` names that one).
     let mut k = possum_keeper::Keeper::connect(&t.keeper_dir.join("keeper-0.sock")).unwrap();
     let stats = k.stats().unwrap();
     assert!(stats.stages.iter().all(|s| !s.draft), "{stats:?}");
     let ended: Vec<_> = stats.stages_ended.iter().filter(|s| s.draft).collect();
-    assert_eq!(ended.len(), 1, "{stats:?}");
+    assert_eq!(
+        ended.len(),
+        2,
+        "the prestage and the stage ahead: {stats:?}"
+    );
+    assert!(
+        pre[0]["ahead"]["prestage"]
+            .as_u64()
+            .is_some_and(|p| p != id),
+        "{r}"
+    );
     say(&format!(
         "migrate_prestage: {reused} of {} bytes in memory before the restore",
         staged[0]["bytes"]
     ));
 }
 
-/// The destination stages the job's GPU image ahead of its restore
-/// (`POSSUM_MIGRATE_STAGE_AHEAD=1`): once the final set brought it whole, a stage of it built
+/// The destination stages the job's GPU image ahead of its restore (the default): once the
+/// final set brought it whole, a stage of it built
 /// on the prestage of the first round; the restore's stage builds on that one; the job goes on
 /// bit-exact, and the keeper holds nothing of either.
 #[test]
 fn the_destination_stages_the_finished_image_ahead_of_the_restore() {
-    let env = [("POSSUM_MIGRATE_STAGE_AHEAD", "1")];
-    let Some(mut t) = kept_job_with("migrate_stage_ahead", &env) else {
+    let Some(mut t) = kept_job_with("migrate_stage_ahead", &[]) else {
         return;
     };
     let dir = t.tmp.path();

@@ -117,9 +117,9 @@ pub struct Environment {
     /// round writes the GPU images, the job running, each chunk it completed goes to the
     /// destination, not after the round. Off by default until measured on a GPU machine.
     pub first_round_while_copying: bool,
-    /// `POSSUM_MIGRATE_STAGE_AHEAD` (off unless `1`): a migration's destination stages the
+    /// `POSSUM_MIGRATE_STAGE_AHEAD` (on unless `0`): a migration's destination stages the
     /// job's GPU images once the final set brought them whole (while the source's CRIU still
-    /// dumps), instead of at its restore. Off by default until measured on a GPU machine.
+    /// dumps), instead of at its restore.
     pub stage_ahead: bool,
     /// `POSSUM_MIGRATE_PART_MIB` (default 64): a migration sends the job's private memory split
     /// out of CRIU's images in parts of so many bytes, which the destination writes from every
@@ -186,7 +186,7 @@ impl Environment {
             send_while_copying: !off("POSSUM_MIGRATE_SEND_WHILE_COPYING"),
             first_round_while_copying: var("POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING")
                 .is_some_and(|v| v.trim() == "1"),
-            stage_ahead: var("POSSUM_MIGRATE_STAGE_AHEAD").is_some_and(|v| v.trim() == "1"),
+            stage_ahead: !off("POSSUM_MIGRATE_STAGE_AHEAD"),
             hostmem_part_bytes: var("POSSUM_MIGRATE_PART_MIB")
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .filter(|&mib| mib > 0)
@@ -215,7 +215,10 @@ mod tests {
         let first = Environment::from_vars(|n| {
             (n == "POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING").then(|| "1".into())
         });
-        assert!(first.first_round_while_copying && !none.stage_ahead);
+        assert!(first.first_round_while_copying && none.stage_ahead);
+        let behind =
+            Environment::from_vars(|n| (n == "POSSUM_MIGRATE_STAGE_AHEAD").then(|| "0".into()));
+        assert!(!behind.stage_ahead);
         let slice =
             Environment::from_vars(|n| (n == "POSSUM_MIGRATE_SLICE_MIB").then(|| " 3".into()));
         assert_eq!(slice.first_round_slice, 3 << 20);

@@ -86,7 +86,7 @@ pub struct Prestaged {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// The stage ahead of the whole image built on it, once the final set brought the image
-    /// (`POSSUM_MIGRATE_STAGE_AHEAD=1`): `stage` names it from then on.
+    /// (unless `POSSUM_MIGRATE_STAGE_AHEAD=0`): `stage` names it from then on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ahead: Option<StagedAhead>,
 }
@@ -153,7 +153,7 @@ fn lengths(dir: &Path) -> Lengths {
 
 impl Prestages {
     /// Loads ahead that, with `ahead`, stage each image ahead once the final set brought it
-    /// finished (`POSSUM_MIGRATE_STAGE_AHEAD=1`): the keeper's `stage` of the whole image,
+    /// finished (unless `POSSUM_MIGRATE_STAGE_AHEAD=0`): the keeper's `stage` of the whole image,
     /// built on its prestage, while the source's CRIU still dumps; the restore's stage then
     /// builds on that.
     pub(crate) fn staging_ahead(ahead: bool) -> Prestages {
