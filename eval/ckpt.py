@@ -49,7 +49,7 @@ Results: one JSON line per trial or figure in OUT/ckpt-<mode>.jsonl, printed as 
 import argparse, atexit, concurrent.futures, glob, json, os, random, shutil, signal, socket, statistics, subprocess, sys, threading, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from services import Receiver, memory_of, new_key  # noqa: E402  (a migration trial's receiving end)
+from services import Receiver, memory_of, new_key, release_digest  # noqa: E402  (a migration trial's receiving end)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
@@ -594,19 +594,7 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
     mg = possum("migrate", str(p.pid), "--to", f"127.0.0.1:{r.port}", "--key-file", key_file,
                 "-D", os.path.join(work, "local"), "--json", "--socket-dir", SOCK, *extra)
     received = r.result(timeout=300)
-    j = mg["json"] or {}
-    row["migrate"] = {"rc": mg["rc"], "timings": j.get("timings"), "bytes": j.get("bytes"),
-                      "bytes_while_held": j.get("bytes_while_held"), "remote_pid": j.get("remote_pid"),
-                      "bytes_before_hold": j.get("bytes_before_hold"), "rounds": j.get("rounds"),
-                      "post_copy": j.get("post_copy"),
-                      "source": (j.get("checkpoint") or {}).get("figures"),
-                      "received": (received or {}).get("timings"),
-                      # The GPU images loaded ahead at the destination, and what the restore took
-                      # of them.
-                      "prestaged": [{k: p.get(k) for k in ("bytes", "arriving", "pending", "error")}
-                                    for p in (received or {}).get("prestaged") or []],
-                      "staged_reused_bytes": [s.get("reused_bytes") for s in (received or {}).get("staged") or []],
-                      "stderr": mg["stderr"] if mg["rc"] else None}
+    row["migrate"] = migrate_row(mg, received)
     # Killed by the migration (or, failed, run on to its end here).
     reaper.join(timeout=600)
     pid = p.pid
@@ -660,6 +648,28 @@ TRIAL_S_DEFAULT = 20
 
 def trial_cost(spec):
     return TRIAL_S.get(job_spec(spec)[0], TRIAL_S_DEFAULT)
+
+
+def migrate_row(mg, received):
+    """A migration trial's row: `possum migrate --json`'s figures (`mg`: rc, json, stderr) and
+    the receiver's (`received`)."""
+    j = mg["json"] or {}
+    cj = j.get("checkpoint") or {}
+    received = received or {}
+    return {"rc": mg["rc"], "timings": j.get("timings"), "bytes": j.get("bytes"),
+            "bytes_while_held": j.get("bytes_while_held"), "remote_pid": j.get("remote_pid"),
+            "bytes_before_hold": j.get("bytes_before_hold"), "rounds": j.get("rounds"),
+            "post_copy": j.get("post_copy"),
+            "source": cj.get("figures"),
+            # The release in the hold: each device's final copy, where its time went, and the
+            # buffers the keeper's spare took.
+            "release": release_digest(cj.get("release_report")),
+            "received": received.get("timings"),
+            # The GPU images loaded ahead at the destination, and what the restore took of them.
+            "prestaged": [{k: p.get(k) for k in ("bytes", "arriving", "pending", "error")}
+                          for p in received.get("prestaged") or []],
+            "staged_reused_bytes": [s.get("reused_bytes") for s in received.get("staged") or []],
+            "stderr": mg["stderr"] if mg["rc"] else None}
 
 
 def trial_plan(jobs, n_trials, seed, engine=None):

@@ -133,6 +133,25 @@ class Receiver:
             return None
 
 
+def release_digest(reply):
+    """What the job's library said of its release in the hold (`possum checkpoint`'s
+    `release_report`): its time, the final copy's, each device's copy, the bytes released and
+    trimmed; None without one."""
+    r = reply
+    if not isinstance(r, dict):
+        return None
+    keep = ("ms", "final_copy_ms", "detach_ms", "released_bytes", "staging_freed_bytes",
+            "context_trimmed_bytes", "imports_released", "buffers_released_ms",
+            "staging_freed_ms", "context_trimmed_ms")
+    out = {k: r.get(k) for k in keep if k in r}
+    # (Each device's copy while held, which the job names `final`.)
+    # (`pipeline`: where its time went, each stage summed over its threads.)
+    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes", "pipeline",
+                                            "shadows_saved_by_keeper")}
+                     for f in r.get("final") or []]
+    return out
+
+
 def new_key(work):
     key = os.path.join(work, "migrate.key")
     with open(key, "wb") as f:

@@ -25,7 +25,7 @@ Environment: POSSUM (the possum binary), POSSUM_LIB, POSSUM_CRIU (as possum read
 import argparse, json, os, re, shutil, subprocess, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from services import POSSUM, GPU, Receiver, alive, kill_tree, memory_of, new_key, run_json, wait_for  # noqa: E402
+from services import POSSUM, GPU, Receiver, alive, kill_tree, memory_of, new_key, release_digest, run_json, wait_for  # noqa: E402
 
 MODES = {
     "strict": {"POSSUM_VALIDATE": "strict", "POSSUM_FINGERPRINTS": "0"},
@@ -35,25 +35,6 @@ MODES = {
     # The defaults, the keeper loading a restore's image with 16 threads (8 by default).
     "speculative-16loaders": {"POSSUM_KEEPER_STAGE_THREADS": "16"},
 }
-
-
-def release_digest(reply):
-    """What the job's library said of its release in the hold (`possum checkpoint`'s
-    `release_report`): its time, the final copy's, each device's copy, the bytes released and
-    trimmed; None without one."""
-    r = reply
-    if not isinstance(r, dict):
-        return None
-    keep = ("ms", "final_copy_ms", "detach_ms", "released_bytes", "staging_freed_bytes",
-            "context_trimmed_bytes", "imports_released", "buffers_released_ms",
-            "staging_freed_ms", "context_trimmed_ms")
-    out = {k: r.get(k) for k in keep if k in r}
-    # (Each device's copy while held, which the job names `final`.)
-    # (`pipeline`: where its time went, each stage summed over its threads.)
-    out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes", "pipeline",
-                                            "shadows_saved_by_keeper")}
-                     for f in r.get("final") or []]
-    return out
 
 
 def steps_of(log):

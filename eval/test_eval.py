@@ -428,13 +428,27 @@ class JobLostTime(unittest.TestCase):
         self.assertEqual(speculation.lost_time([], step), 0.0)
 
     def test_the_release_digest_keeps_where_the_final_copy_went(self):
-        import speculation
+        import services
         pipe = {"writers": 16, "staging_wait_ms": 1.0, "copy_wait_ms": 2.0, "sink_ms": 900.0}
-        got = speculation.release_digest({"ms": 400.0, "final": [{"bytes": 8, "ms": 300.0, "pipeline": pipe,
-                                                                   "written": [{"dev": 1}]}]})
+        got = services.release_digest({"ms": 400.0, "final": [{"bytes": 8, "ms": 300.0, "pipeline": pipe,
+                                                                "written": [{"dev": 1}]}]})
         self.assertEqual(got["finals"], [{"buffers": None, "bytes": 8, "ms": 300.0, "image_bytes": None,
                                           "pipeline": pipe, "shadows_saved_by_keeper": None}])
-        self.assertIsNone(speculation.release_digest(None))
+        self.assertIsNone(services.release_digest(None))
+
+    def test_a_migration_trial_s_row_keeps_its_release(self):
+        import ckpt
+        final = {"bytes": 8, "ms": 250.0, "shadows_saved_by_keeper": 6, "written": [{"dev": 1}]}
+        mg = {"rc": 0, "stderr": "", "json": {"timings": {"downtime_ms": 2800.0},
+                                               "checkpoint": {"figures": {"hold_ms": 1800.0},
+                                                              "release_report": {"ms": 500.0, "final": [final]}}}}
+        row = ckpt.migrate_row(mg, {"timings": {"restore_ms": 450.0}, "staged": [{"reused_bytes": 7}]})
+        self.assertEqual(row["release"]["finals"][0]["shadows_saved_by_keeper"], 6)
+        self.assertEqual(row["release"]["ms"], 500.0)
+        self.assertEqual((row["source"], row["received"]), ({"hold_ms": 1800.0}, {"restore_ms": 450.0}))
+        self.assertEqual((row["staged_reused_bytes"], row["stderr"]), ([7], None))
+        failed = ckpt.migrate_row({"rc": 2, "stderr": "why", "json": None}, None)
+        self.assertEqual((failed["release"], failed["stderr"], failed["prestaged"]), (None, "why", []))
 
 
 if __name__ == "__main__":
