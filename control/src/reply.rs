@@ -427,6 +427,33 @@ pub struct CopyPipeline {
     pub sink_ms: f64,
 }
 
+impl CopyPipeline {
+    /// `writers`' time at each stage, to the microsecond as every figure possum writes
+    /// (`possum.json`'s check is of their text).
+    pub fn of(writers: u64, [staging_wait, copy_wait, sink]: [std::time::Duration; 3]) -> Self {
+        let ms = |d: std::time::Duration| to_the_microsecond(d.as_secs_f64() * 1e3);
+        CopyPipeline {
+            writers,
+            staging_wait_ms: ms(staging_wait),
+            copy_wait_ms: ms(copy_wait),
+            sink_ms: ms(sink),
+        }
+    }
+
+    /// Adds `other`'s threads and times (a sum over copies), still to the microsecond.
+    pub fn add(&mut self, other: &CopyPipeline) {
+        self.writers += other.writers;
+        self.staging_wait_ms = to_the_microsecond(self.staging_wait_ms + other.staging_wait_ms);
+        self.copy_wait_ms = to_the_microsecond(self.copy_wait_ms + other.copy_wait_ms);
+        self.sink_ms = to_the_microsecond(self.sink_ms + other.sink_ms);
+    }
+}
+
+/// Milliseconds `ms` rounded to the microsecond.
+fn to_the_microsecond(ms: f64) -> f64 {
+    (ms * 1e3).round() / 1e3
+}
+
 /// The byte ranges a copy wrote into one data file of an image.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(default)]
@@ -886,6 +913,27 @@ mod tests {
                 sink_ms: 30.0,
             }),
         }
+    }
+
+    /// A copy's pipeline is kept to the microsecond, made or summed.
+    #[test]
+    fn a_pipeline_is_kept_to_the_microsecond() {
+        let d = |ns| std::time::Duration::from_nanos(ns);
+        let mut p = CopyPipeline::of(2, [d(1_234_567), d(499), d(2_000_501)]);
+        assert_eq!(
+            p,
+            CopyPipeline {
+                writers: 2,
+                staging_wait_ms: 1.235,
+                copy_wait_ms: 0.0,
+                sink_ms: 2.001,
+            }
+        );
+        p.add(&CopyPipeline::of(4, [d(100_000), d(0), d(123_456_789)]));
+        assert_eq!(
+            (p.writers, p.staging_wait_ms, p.sink_ms),
+            (6, 1.335, 125.458)
+        );
     }
 
     /// Every session reply, with every field set, reads back as itself.

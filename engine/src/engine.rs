@@ -452,7 +452,7 @@ impl<D: Device> Engine<D> {
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
     ) -> Result<CheckpointHandle, EngineError> {
-        self.checkpoint_beside(sink, only_dirty, (Beside::Job, None))
+        self.checkpoint_beside(sink, only_dirty, Beside::Job, None)
     }
 
     /// [`Engine::checkpoint`] for a caller that holds the job until the copy is over (a final
@@ -477,14 +477,15 @@ impl<D: Device> Engine<D> {
         only_dirty: bool,
         saver: Option<Arc<dyn crate::store::ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
-        self.checkpoint_beside(sink, only_dirty, (Beside::Nothing, saver))
+        self.checkpoint_beside(sink, only_dirty, Beside::Nothing, saver)
     }
 
     fn checkpoint_beside(
         &self,
         sink: Arc<dyn ChunkSink>,
         only_dirty: bool,
-        (beside, saver): (Beside, Option<Arc<dyn crate::store::ShadowSaver>>),
+        beside: Beside,
+        saver: Option<Arc<dyn crate::store::ShadowSaver>>,
     ) -> Result<CheckpointHandle, EngineError> {
         self.start_session("checkpoint")?;
         let mode = if only_dirty {

@@ -1067,6 +1067,15 @@ impl possum_engine::store::ShadowSaver for TestSaver {
     }
 }
 
+/// Six buffers of 256 KiB, buffer `i` holding bytes `i + 1`.
+fn six_filled(e: &Engine<HostDevice>, dev: &HostDevice) -> Vec<possum_engine::Buffer> {
+    let bufs: Vec<_> = (0..6).map(|_| e.alloc(1 << 18).unwrap()).collect();
+    for (i, b) in bufs.iter().enumerate() {
+        dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
+    }
+    bufs
+}
+
 /// A snapshot checkpoint with a [`ShadowSaver`] (the keeper's spare image memory in possum):
 /// every shadow goes through it, none through the staging, and the image is still the state at
 /// T0 whatever the job writes meanwhile; a saver that fails leaves the shadows to the staging,
@@ -1076,10 +1085,7 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
     for fail in [false, true] {
         let dev = Arc::new(HostDevice::keeping(1 << 30));
         let e = Engine::new(dev.clone(), unprinted_cfg(1 << 20, 2, 0)).unwrap();
-        let bufs: Vec<_> = (0..6).map(|_| e.alloc(1 << 18).unwrap()).collect();
-        for (i, b) in bufs.iter().enumerate() {
-            dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
-        }
+        let bufs = six_filled(&e, &dev);
         let store = Arc::new(MemStore::new());
         let saver = TestSaver::new(&dev, &store, 1 << 20, fail);
         e.set_shadow_budget(64 << 20);
@@ -1121,10 +1127,7 @@ fn a_held_copy_hands_its_whole_buffers_to_a_saver() {
     for fail in [false, true] {
         let dev = Arc::new(HostDevice::keeping(1 << 30));
         let e = Engine::new(dev.clone(), small_cfg(1 << 16, 4, 0)).unwrap();
-        let bufs: Vec<_> = (0..6).map(|_| e.alloc(1 << 18).unwrap()).collect();
-        for (i, b) in bufs.iter().enumerate() {
-            dev.write_now(b.va(), &vec![i as u8 + 1; 1 << 18]).unwrap();
-        }
+        let bufs = six_filled(&e, &dev);
         let store = Arc::new(MemStore::new());
         // A first copy (as a pre-copy's), then one chunk of buffer 0 and all of the others
         // changed, the job held for the copy of what changed.

@@ -90,6 +90,7 @@ mod stage;
 
 pub use client::{keeper_for_device, Keeper};
 pub use memory::{KeeperMemory, KeeperStage};
+pub use notes::say;
 pub use protocol::{
     socket_of, sockets_in, uuid_from_hex, uuid_hex, Allocated, DeviceInfo, Identified, Identify,
     KeeperError, PeerSource, PendingPiece, Request, Retained, RetainedAlloc, SpareFill,

@@ -228,28 +228,22 @@ impl Spares {
     /// What making one gave (said on stderr: `spare image memory ready` or why not; never a
     /// panic where no one reads the keeper's stderr any more).
     pub(crate) fn made(&self, r: Result<Spare, MakeError>, took: std::time::Duration) {
-        let said = {
-            let mut st = self.lock();
-            st.making = false;
-            match r {
-                Ok(s) => {
-                    let said = format!(
-                        "spare image memory ready: {} ({} MiB, {} ms)",
-                        s.path.display(),
-                        s.reg.len() >> 20,
-                        took.as_millis()
-                    );
-                    st.ready = Some(s);
-                    st.error = None;
-                    said
-                }
-                Err(e) => {
-                    let said = format!("no spare image memory: {e}");
-                    st.error = Some(e.to_string());
-                    said
-                }
-            }
+        let said = match &r {
+            Ok(s) => format!(
+                "spare image memory ready: {} ({} MiB, {} ms)",
+                s.path.display(),
+                s.reg.len() >> 20,
+                took.as_millis()
+            ),
+            Err(e) => format!("no spare image memory: {e}"),
         };
+        let mut st = self.lock();
+        st.making = false;
+        match r {
+            Ok(s) => (st.ready, st.error) = (Some(s), None),
+            Err(e) => st.error = Some(e.to_string()),
+        }
+        drop(st);
         crate::notes::say(&said);
     }
 

@@ -73,18 +73,13 @@ pub fn run(a: &KeeperArgs) -> Result<bool> {
         (None, None) => bail!("give --dir DIR (every device) or --socket PATH (one device)"),
     };
     for s in &servers {
-        let _ = writeln!(
-            std::io::stderr(),
-            "possum keeper: listening on {}",
-            s.path().display()
-        );
+        possum_keeper::say(&format!("listening on {}", s.path().display()));
         let s = s.clone();
         std::thread::Builder::new()
             .name("possum-keeper-accept".into())
             .spawn(move || {
                 if let Err(e) = s.serve() {
-                    // Whoever started it may no longer read its stderr: never panic on it.
-                    let _ = writeln!(std::io::stderr(), "possum keeper: {e}");
+                    possum_keeper::say(&e.to_string());
                     std::process::exit(1);
                 }
             })

@@ -71,14 +71,10 @@ impl PrecopyRound {
     /// Counts in one process's copies.
     pub fn add(&mut self, copies: &[DeviceCopy]) {
         self.bytes += copies.iter().map(|d| d.bytes).sum::<u64>();
-        // (To the microsecond, as every figure: `possum.json`'s check is of their text.)
-        let us = |ms: f64| (ms * 1e3).round() / 1e3;
-        for p in copies.iter().filter_map(|d| d.pipeline) {
-            let sum = self.pipeline.get_or_insert_with(CopyPipeline::default);
-            sum.writers += p.writers;
-            sum.staging_wait_ms = us(sum.staging_wait_ms + p.staging_wait_ms);
-            sum.copy_wait_ms = us(sum.copy_wait_ms + p.copy_wait_ms);
-            sum.sink_ms = us(sum.sink_ms + p.sink_ms);
+        for p in copies.iter().filter_map(|d| d.pipeline.as_ref()) {
+            self.pipeline
+                .get_or_insert_with(CopyPipeline::default)
+                .add(p);
         }
     }
 }

@@ -337,16 +337,18 @@ fn restore_unless_running(a: &GuardPlan, tell: &dyn Fn(&str), restore_here: Rest
     std::thread::sleep(WORKER_GONE);
     let t = std::time::Instant::now();
     let gone = || !alive(a.pid) && !a.children.iter().any(|&c| alive(c));
-    loop {
-        let ask = crate::job::ask_within::<possum_control::reply::StatusReply>;
-        if ask(
+    let answers = || {
+        let status = Request::Status;
+        crate::job::ask_within::<possum_control::reply::StatusReply>(
             a.pid,
             &a.socket_dir,
-            &Request::Status,
+            &status,
             Duration::from_secs(1),
         )
         .is_ok()
-        {
+    };
+    loop {
+        if answers() {
             return say(&format!("it runs (process {}), restored", a.pid));
         }
         if gone() {

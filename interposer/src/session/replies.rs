@@ -27,15 +27,8 @@ pub(crate) fn round_copy(device: usize, r: &possum_engine::RoundReport) -> Devic
 }
 
 /// Where a copy's time went, as the replies say it.
-/// (To the microsecond.)
 pub(crate) fn pipeline(p: &possum_engine::Pipeline) -> possum_control::reply::CopyPipeline {
-    let us = |d: std::time::Duration| (ms(d) * 1e3).round() / 1e3;
-    possum_control::reply::CopyPipeline {
-        writers: p.writers as u64,
-        staging_wait_ms: us(p.staging_wait),
-        copy_wait_ms: us(p.copy_wait),
-        sink_ms: us(p.sink),
-    }
+    possum_control::reply::CopyPipeline::of(p.writers as u64, [p.staging_wait, p.copy_wait, p.sink])
 }
 
 /// What `writer` wrote into its data files since it was last asked, as the replies say it.
