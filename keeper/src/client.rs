@@ -313,6 +313,18 @@ impl Keeper {
             .map(|r| r.pending)
     }
 
+    /// The bytes of `pieces` of the data files of prestage `stage`'s draft were written again:
+    /// how many of its chunks they overlap, each loaded again.
+    pub fn stage_rewritten(
+        &mut self,
+        stage: u64,
+        pieces: Vec<crate::PendingPiece>,
+    ) -> Result<u64, KeeperError> {
+        let req = Request::StageRewritten { stage, pieces };
+        self.ask_parsed::<crate::StageRewritten>("stage_rewritten", &req)
+            .map(|r| r.chunks)
+    }
+
     /// Borrows the keeper's spare image memory for a drain into `dir`'s filesystem.
     pub fn spare_take(&mut self, dir: &Path) -> Result<crate::SpareLease, KeeperError> {
         self.ask_parsed(

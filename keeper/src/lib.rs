@@ -23,6 +23,7 @@
 //! client ── {"cmd":"stage_end","stage":S}\n ──▶ {"ok":true,"freed":N}\n
 //! client ── {"cmd":"stage_arrived","stage":S,"pieces":[..]}\n ──▶ {"pending":N}\n   bytes now in the files
 //! client ── {"cmd":"stage_grown","stage":S,"files":{NAME:LEN,..}}\n ──▶ {"pending":N}\n   files arriving from their start
+//! client ── {"cmd":"stage_rewritten","stage":S,"pieces":[..]}\n ──▶ {"chunks":N}\n   a prestage's bytes written again
 //! client ── {"cmd":"stage_demands","stage":S,"wait_ms":T}\n ──▶ {"pieces":[..]}\n   what waits need
 //! client ── {"cmd":"device"}\n            ──▶ {"uuid":"<32 hex>","ordinal":N}\n
 //! client ── {"cmd":"reap"}\n              ──▶ {"ok":true,"freed":N,"freed_bytes":B}\n
@@ -62,7 +63,8 @@
 //! `stage_arrived` says they are in, and `stage_demands` tells the sender which a wait needs. A
 //! `prestage` may name how much of each data file is `present` (a migration's first round,
 //! received in parts): the rest is pending in pieces of [`ARRIVING_PIECE`] bytes, and
-//! `stage_grown` says how far the files have come.
+//! `stage_grown` says how far the files have come; `stage_rewritten` names ranges written again
+//! since (a later round's, sent into the same files), whose chunks the prestage loads again.
 //!
 //! The `spare*` requests lend spare image memory (the `spare` module, with
 //! `POSSUM_KEEPER_SPARE_DIR`/`_MIB`): a file on the images' filesystem the keeper faulted in and
@@ -95,8 +97,8 @@ pub use protocol::{
     socket_of, sockets_in, uuid_from_hex, uuid_hex, Allocated, DeviceInfo, Identified, Identify,
     KeeperError, PeerSource, PendingPiece, Request, Retained, RetainedAlloc, SpareFill,
     SpareFilled, SpareLease, SpareStats, StageArrived, StageDemands, StageInfo, StagePlan,
-    StageStats, StagedBuffer, Stats, Usage, ARRIVING_PIECE, ENDED_STAGES_KEPT, KEEPER_ENV,
-    LOAD_TIMEOUT, MAX_REQUEST_BYTES, ORPHAN_CHECK, PEER_MISSES_SAID, REPLY_TIMEOUT,
+    StageRewritten, StageStats, StagedBuffer, Stats, Usage, ARRIVING_PIECE, ENDED_STAGES_KEPT,
+    KEEPER_ENV, LOAD_TIMEOUT, MAX_REQUEST_BYTES, ORPHAN_CHECK, PEER_MISSES_SAID, REPLY_TIMEOUT,
     REQUEST_TIMEOUT,
 };
 pub use server::Server;

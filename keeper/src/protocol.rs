@@ -237,6 +237,18 @@ pub enum Request {
         /// Each file's bytes there now, from its start.
         files: std::collections::BTreeMap<String, u64>,
     },
+    /// The bytes of `pieces` of the data files of prestage `stage`'s draft were written again
+    /// (a migration's later round, or the held job's final copy, sent into the same files): each
+    /// chunk of the draft they overlap is loaded again once its buffer is loaded, and a stage
+    /// built on the prestage takes such a chunk only if what was last loaded of it came after
+    /// the last time it was named here and sums to the finished image's CRC32C there. Answered
+    /// with [`StageRewritten`].
+    StageRewritten {
+        /// The prestage.
+        stage: u64,
+        /// The ranges written again.
+        pieces: Vec<PendingPiece>,
+    },
     /// The pending pieces of stage `stage` that a wait needs ([`StageDemands`]): those that
     /// overlap a buffer that a `stage_wait` met blocked, each answered once per stage. Waits up
     /// to `wait_ms` for there to be one, then answers with what there is: nothing once that
@@ -325,6 +337,13 @@ pub struct PendingPiece {
 pub struct StageArrived {
     /// The stage's pieces still pending after these.
     pub pending: u64,
+}
+
+/// The reply to `stage_rewritten`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageRewritten {
+    /// The draft's chunks those pieces overlap, each to be loaded again.
+    pub chunks: u64,
 }
 
 /// The reply to `stage_demands`.
@@ -445,6 +464,16 @@ pub struct StageStats {
     /// Buffers not loaded yet that a piece still pending overlaps.
     #[serde(default)]
     pub blocked_buffers: u64,
+    /// A prestage's chunks loaded again since they were written again
+    /// ([`Request::StageRewritten`]) ...
+    #[serde(default)]
+    pub reloaded_chunks: u64,
+    /// ... and their bytes.
+    #[serde(default)]
+    pub reloaded_bytes: u64,
+    /// Its chunks written again and not loaded again yet.
+    #[serde(default)]
+    pub reloads_left: u64,
     /// Since it began, ms.
     pub ms: f64,
     /// When every buffer was loaded or failed, ms after it began.
@@ -678,6 +707,10 @@ mod tests {
             "failed":0,"loaded_bytes":4,"ms":1.0,"done_ms":null}"#;
         let s: StageStats = serde_json::from_str(old_stats).unwrap();
         assert_eq!((s.pending_pieces, s.blocked_buffers), (0, 0));
+        assert_eq!(
+            (s.reloaded_chunks, s.reloaded_bytes, s.reloads_left),
+            (0, 0, 0)
+        );
     }
 
     #[test]
@@ -703,6 +736,19 @@ mod tests {
         assert_eq!(
             serde_json::to_value(&grown).unwrap(),
             json!({"cmd": "stage_grown", "stage": 2, "files": {"data-001.bin": 64}})
+        );
+        let again = Request::StageRewritten {
+            stage: 3,
+            pieces: vec![PendingPiece {
+                file: "data-002.bin".into(),
+                offset: 0,
+                len: 8,
+            }],
+        };
+        assert_eq!(
+            serde_json::to_value(&again).unwrap(),
+            json!({"cmd": "stage_rewritten", "stage": 3,
+                   "pieces": [{"file": "data-002.bin", "offset": 0, "len": 8}]})
         );
         let whole = json!({"cmd": "prestage", "image": "img", "hold_secs": 3});
         assert_eq!(

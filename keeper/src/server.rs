@@ -480,6 +480,16 @@ impl Inner {
                 let pending = self.stage_of(stage)?.grown(&files);
                 Ok((json!(crate::StageArrived { pending }), None))
             }
+            Request::StageRewritten { stage, pieces } => {
+                let s = self.stage_of(stage)?;
+                if s.draft.is_none() {
+                    return Err(KeeperError::Stage(format!(
+                        "stage {stage} is not a prestage"
+                    )));
+                }
+                let chunks = s.rewritten(&pieces);
+                Ok((json!(crate::StageRewritten { chunks }), None))
+            }
             // The stage's own lock only, as `stage_wait`: a long poll holds up nobody else.
             Request::StageDemands { stage, wait_ms } => {
                 let pieces = self
@@ -806,8 +816,10 @@ impl Inner {
         let buffers = self.keep_staged((by, epoch, hold_secs), &recs, &sizes, &none, made)?;
         let id = self.next_stage_id();
         let img = Arc::new(img);
+        let until = Instant::now() + Duration::from_secs(hold_secs);
         let stage = Stage::new(id, by, epoch, path, buffers, Vec::new())
             .pending_on(&img, &pending)
+            .rewritable(&img, until)
             .of_draft(img.clone());
         let stage = Arc::new(stage);
         let info = StageInfo {
@@ -879,7 +891,23 @@ impl Inner {
                 let missed = base.stage.missed(i);
                 let chunks = img.chunks(r.id);
                 for &(off, len) in &chunks {
-                    if img.same_chunk(draft, r.id, off) && !missed.contains(&off) {
+                    let kept = match base.stage.rewritten_chunk(i, off) {
+                        // Never written again: the draft's bytes, as loaded.
+                        None => img.same_chunk(draft, r.id, off) && !missed.contains(&off),
+                        // Written again: loaded since, where the image has it, as it has it.
+                        Some(loaded) => {
+                            let (now, then) =
+                                (img.chunk_place(r.id, off), draft.chunk_place(r.id, off));
+                            match (now, then, loaded) {
+                                (Some(now), Some(then), Some(crc)) => {
+                                    (now.file, now.at, now.len) == (then.file, then.at, then.len)
+                                        && now.crc32c == crc
+                                }
+                                _ => false,
+                            }
+                        }
+                    };
+                    if kept {
                         skip.insert(off);
                         reuse.bytes += len;
                     }

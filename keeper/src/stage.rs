@@ -184,6 +184,85 @@ struct Progress {
     released: bool,
     /// The image's bytes still to come, and the buffers they block.
     pending: Pending,
+    /// A prestage's chunks written again since it was made.
+    rewrites: Rewrites,
+}
+
+/// A prestage's chunks whose bytes were written again in its draft's files
+/// ([`Stage::rewritten`]): each is loaded again once its buffer is loaded, and a stage built on
+/// the prestage takes it only as it was last loaded after it was last named.
+#[derive(Debug, Default)]
+struct Rewrites {
+    /// Per chunk (buffer index, offset), how many times it was named.
+    named: HashMap<(usize, u64), u64>,
+    /// Per named chunk, what its memory holds: of which naming (the count then), and its bytes'
+    /// CRC32C as read.
+    loaded: HashMap<(usize, u64), (u64, u32)>,
+    /// Chunks to load again, in the order they were named (each once) ...
+    queue: VecDeque<(usize, u64)>,
+    /// ... as a set.
+    queued: HashSet<(usize, u64)>,
+    /// Loads of them under way.
+    loading: usize,
+    /// Chunks, and bytes, loaded again.
+    chunks: u64,
+    bytes: u64,
+}
+
+impl Rewrites {
+    /// Chunk `c` named: to be loaded again.
+    fn name(&mut self, c: (usize, u64)) {
+        let n = self.named.entry(c).or_insert(0);
+        *n += 1;
+        if self.queued.insert(c) {
+            self.queue.push_back(c);
+        }
+    }
+
+    /// The naming chunk `c` last had (0: never named).
+    fn naming(&self, c: (usize, u64)) -> u64 {
+        self.named.get(&c).copied().unwrap_or(0)
+    }
+
+    /// Whether what chunk `c`'s memory holds was loaded after its last naming.
+    fn fresh(&self, c: (usize, u64)) -> bool {
+        self.loaded.get(&c).map(|l| l.0) == Some(self.naming(c))
+    }
+
+    /// Up to `most` chunks of one loaded buffer to load again, taken off the queue; those
+    /// loaded since they were named, or of a buffer that failed, are dropped; those of a buffer
+    /// not loaded yet are left (its load reads them as they are then).
+    fn take(&mut self, status: &[Status], most: usize) -> Option<(usize, Vec<u64>)> {
+        let mut buffer = None;
+        let mut offsets = Vec::new();
+        let mut k = 0;
+        while k < self.queue.len() && offsets.len() < most {
+            let c @ (i, off) = self.queue[k];
+            match status.get(i) {
+                Some(Status::Ready) if self.fresh(c) => {}
+                Some(Status::Ready) if buffer.is_none() || buffer == Some(i) => {
+                    buffer = Some(i);
+                    offsets.push(off);
+                }
+                Some(Status::Waiting | Status::Loading) | Some(Status::Ready) => {
+                    k += 1;
+                    continue;
+                }
+                Some(Status::Failed(_)) | None => {}
+            }
+            self.queue.remove(k);
+            self.queued.remove(&c);
+        }
+        buffer.map(|i| (i, offsets))
+    }
+}
+
+/// What a loader is given to do ([`Stage::pick`]).
+enum Work {
+    /// Load this buffer.
+    Buffer(usize),
+    /// Load these chunks of this loaded buffer again (a prestage's, written again).
+    Again(usize, Vec<u64>),
 }
 
 /// What a loader may do next ([`Progress::choose`]).
@@ -258,6 +337,12 @@ pub(crate) struct Stage {
     /// A prestage's chunks whose bytes, when read, were not the draft's (by buffer index: their
     /// offsets): a later stage loads them again ([`Stage::missed`]).
     missed: Mutex<HashMap<usize, HashSet<u64>>>,
+    /// A prestage's chunks by where its draft places them (by file: start, end, buffer index,
+    /// offset; in order), for [`Stage::rewritten`]; empty for a stage.
+    places: HashMap<String, Vec<(u64, u64, usize, u64)>>,
+    /// Until when a prestage's loaders wait for chunks written again once every buffer is
+    /// settled (none: they stop then).
+    rewrites_until: Option<Instant>,
     progress: Mutex<Progress>,
     cv: Condvar,
     started: Instant,
@@ -289,6 +374,8 @@ impl Stage {
             skip: vec![HashSet::new(); n],
             draft: None,
             missed: Mutex::new(HashMap::new()),
+            places: HashMap::new(),
+            rewrites_until: None,
             progress: Mutex::new(Progress {
                 status: vec![Status::Waiting; n],
                 next: 0,
@@ -304,6 +391,7 @@ impl Stage {
                 reused_bytes: 0,
                 released: false,
                 pending: Pending::default(),
+                rewrites: Rewrites::default(),
             }),
             cv: Condvar::new(),
             started: Instant::now(),
@@ -314,6 +402,96 @@ impl Stage {
     pub(crate) fn of_draft(mut self, draft: Arc<Image>) -> Stage {
         self.draft = Some(draft);
         self
+    }
+
+    /// This prestage taking chunks written again in `draft`'s files ([`Stage::rewritten`])
+    /// until `until`: its loaders wait for them until then once every buffer is settled.
+    pub(crate) fn rewritable(mut self, draft: &Image, until: Instant) -> Stage {
+        let mut places: HashMap<String, Vec<(u64, u64, usize, u64)>> = HashMap::new();
+        for (i, b) in self.buffers.iter().enumerate() {
+            for (off, _) in draft.chunks(b.buf) {
+                if let Some(c) = draft.chunk_place(b.buf, off) {
+                    let end = c.at.saturating_add(c.len);
+                    places
+                        .entry(c.file.to_string())
+                        .or_default()
+                        .push((c.at, end, i, off));
+                }
+            }
+        }
+        places.values_mut().for_each(|v| v.sort_unstable());
+        self.places = places;
+        self.rewrites_until = Some(until);
+        self
+    }
+
+    /// The bytes of `pieces` of the draft's files were written again: each chunk they overlap
+    /// is named, to be loaded again once its buffer is loaded. How many chunks were named.
+    pub(crate) fn rewritten(&self, pieces: &[PendingPiece]) -> u64 {
+        let mut hits = Vec::new();
+        for piece in pieces {
+            let Some(places) = self.places.get(&piece.file) else {
+                continue;
+            };
+            let end = piece.offset.saturating_add(piece.len);
+            // Chunks do not overlap: those starting before the piece's end, back to the first
+            // that ends after its start.
+            let upto = places.partition_point(|&(start, ..)| start < end);
+            for &(_, c_end, i, off) in places[..upto].iter().rev() {
+                if c_end <= piece.offset {
+                    break;
+                }
+                hits.push((i, off));
+            }
+        }
+        let mut p = self.lock();
+        if p.ended {
+            return 0;
+        }
+        hits.iter().for_each(|&c| p.rewrites.name(c));
+        drop(p);
+        self.cv.notify_all();
+        hits.len() as u64
+    }
+
+    /// Whether chunk `offset` of buffer `i` was named written again ([`Stage::rewritten`]), and
+    /// if so, the CRC32C of what its memory holds if that was loaded after its last naming.
+    pub(crate) fn rewritten_chunk(&self, i: usize, offset: u64) -> Option<Option<u32>> {
+        let p = self.lock();
+        let r = &p.rewrites;
+        let c = (i, offset);
+        (r.naming(c) > 0).then(|| r.fresh(c).then(|| r.loaded[&c].1))
+    }
+
+    /// The naming chunk `offset` of buffer `i` has now (0: never named).
+    fn naming(&self, i: usize, offset: u64) -> u64 {
+        self.lock().rewrites.naming((i, offset))
+    }
+
+    /// Named chunks of buffer `i` loaded: each (offset, its naming when read, its CRC32C).
+    fn loaded_named(&self, i: usize, chunks: Vec<(u64, u64, u32)>) {
+        let mut p = self.lock();
+        for (off, naming, crc) in chunks {
+            p.rewrites.loaded.insert((i, off), (naming, crc));
+        }
+    }
+
+    /// A load of chunks of buffer `i` again is over: `bytes` loaded, or failed (what their
+    /// memory holds is then unknown).
+    fn loaded_again(&self, i: usize, offsets: &[u64], r: Result<u64, LoadError>) {
+        let mut p = self.lock();
+        p.rewrites.loading -= 1;
+        match r {
+            Ok(bytes) => {
+                p.rewrites.chunks += offsets.len() as u64;
+                p.rewrites.bytes += bytes;
+            }
+            Err(_) => offsets.iter().for_each(|&off| {
+                p.rewrites.loaded.remove(&(i, off));
+            }),
+        }
+        drop(p);
+        self.cv.notify_all();
     }
 
     /// A prestage's chunks of buffer `i` that it did not load as the draft has them: their bytes
@@ -448,7 +626,7 @@ impl Stage {
     pub(crate) fn quiesce(&self) -> Vec<bool> {
         self.end();
         let mut p = self.lock();
-        while p.status.contains(&Status::Loading) {
+        while p.status.contains(&Status::Loading) || p.rewrites.loading > 0 {
             p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
         }
         p.status.iter().map(|s| *s == Status::Ready).collect()
@@ -487,7 +665,9 @@ impl Stage {
     /// The next buffer to load (a waited-for one first), marked loading; `None` when none is left
     /// or the stage is ended. Waits while the buffers left are blocked by pending pieces. With
     /// `hold_waiters` above 0, nothing is picked before that many waits are pending at once.
-    fn pick(&self, hold_waiters: usize) -> Option<usize> {
+    /// A prestage's chunks written again are loaded again once no buffer is left to load, and
+    /// its loaders wait for them until `rewrites_until` once none is left either.
+    fn pick(&self, hold_waiters: usize) -> Option<Work> {
         let mut p = self.lock();
         while !p.released && !p.ended {
             if p.waiting >= hold_waiters {
@@ -500,13 +680,30 @@ impl Stage {
             if p.ended {
                 return None;
             }
-            match p.choose() {
-                Choice::Load(i) => {
-                    p.status[i] = Status::Loading;
-                    return Some(i);
+            let choice = p.choose();
+            if let Choice::Load(i) = choice {
+                p.status[i] = Status::Loading;
+                return Some(Work::Buffer(i));
+            }
+            let p2 = &mut *p;
+            if let Some((i, offsets)) = p2.rewrites.take(&p2.status, 2 * READERS) {
+                p.rewrites.loading += 1;
+                return Some(Work::Again(i, offsets));
+            }
+            match (choice, self.rewrites_until) {
+                (Choice::Done, None) => return None,
+                (Choice::Done, Some(until)) => {
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    p = self
+                        .cv
+                        .wait_timeout(p, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
-                Choice::Done => return None,
-                Choice::Blocked => p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner()),
+                _ => p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner()),
             }
         }
     }
@@ -608,6 +805,9 @@ impl Stage {
             done_ms: p.done_after.map(ms),
             reused_bytes: p.reused_bytes,
             draft: self.draft.is_some(),
+            reloaded_chunks: p.rewrites.chunks,
+            reloaded_bytes: p.rewrites.bytes,
+            reloads_left: p.rewrites.queue.len() as u64,
         }
     }
 }
@@ -664,7 +864,21 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
         .device()
         .and_then(|d| Ok(d.stream()?))
         .map_err(|e| e.to_string());
-    while let Some(i) = stage.pick(knobs.hold_waiters) {
+    while let Some(work) = stage.pick(knobs.hold_waiters) {
+        let i = match work {
+            Work::Buffer(i) => i,
+            Work::Again(i, offsets) => {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let s = stream
+                        .as_ref()
+                        .map_err(|e| LoadError::NoStream(e.clone()))?;
+                    load_again(&*mem, &stage, i, &offsets, &image, s, &mut bufs)
+                }))
+                .unwrap_or(Err(LoadError::Panicked));
+                stage.loaded_again(i, &offsets, r);
+                continue;
+            }
+        };
         if !knobs.delay.is_zero() {
             std::thread::sleep(knobs.delay);
         }
@@ -728,11 +942,55 @@ fn load(
     free: &mut Vec<PinnedBuf>,
 ) -> Result<(), LoadError> {
     let b = &stage.buffers[i];
+    let todo: Vec<(u64, u64)> = (image.chunks(b.buf).into_iter())
+        .filter(|(off, _)| !stage.skip[i].contains(off))
+        .collect();
+    copy_in(mem, stage, i, &todo, image, stream, free)
+}
+
+/// Loads the chunks at `offsets` of buffer `i` of `stage` (a prestage's, loaded, named written
+/// again) again: the bytes loaded.
+fn load_again(
+    mem: &dyn Memory,
+    stage: &Stage,
+    i: usize,
+    offsets: &[u64],
+    image: &Image,
+    stream: &possum_cuda::CudaStream,
+    free: &mut Vec<PinnedBuf>,
+) -> Result<u64, LoadError> {
+    let b = &stage.buffers[i];
+    let todo: Vec<(u64, u64)> = (image.chunks(b.buf).into_iter())
+        .filter(|(off, _)| offsets.contains(off))
+        .collect();
+    copy_in(mem, stage, i, &todo, image, stream, free)?;
+    Ok(todo.iter().map(|(_, len)| len).sum())
+}
+
+/// Copies the chunks `todo` of buffer `i` of `stage` into its memory, `DEPTH` in flight; a
+/// chunk named written again is read as its file holds it, and what was read of it is recorded
+/// once every copy is over ([`Stage::loaded_named`]).
+fn copy_in(
+    mem: &dyn Memory,
+    stage: &Stage,
+    i: usize,
+    todo: &[(u64, u64)],
+    image: &Image,
+    stream: &possum_cuda::CudaStream,
+    free: &mut Vec<PinnedBuf>,
+) -> Result<(), LoadError> {
+    let b = &stage.buffers[i];
     let dev = mem.device()?;
     let res = dev.reserve(b.alloc_size).map_err(LoadError::Reserve)?;
     let m = mem.map(b.alloc, &res)?;
     let mut inflight = VecDeque::new();
-    let sent = send_chunks(dev, stage, i, image, stream, m.va(), free, &mut inflight);
+    let named = Mutex::new(Vec::new());
+    let at = Target {
+        dev,
+        stream,
+        va: m.va(),
+    };
+    let sent = send_chunks(&at, stage, i, todo, image, free, &mut inflight, &named);
     // Every copy in flight is waited for, whatever failed: nothing of this load may land on the
     // memory once the load is settled (the job may copy it in itself then).
     let mut waited = Ok(());
@@ -745,27 +1003,35 @@ fn load(
     }
     match sent.and(waited) {
         Err(ChunkError::Ended) => Err(LoadError::EndedWhileLoading),
-        r => r.map_err(|source| LoadError::Chunks { buf: b.buf, source }),
+        Ok(()) => {
+            let named = named.into_inner().unwrap_or_else(|e| e.into_inner());
+            stage.loaded_named(i, named);
+            Ok(())
+        }
+        Err(source) => Err(LoadError::Chunks { buf: b.buf, source }),
     }
 }
 
-/// Reads each chunk of buffer `i` of `stage` not already in its memory into a pinned buffer and
-/// queues its copy to `va` + its offset; stops if the stage is ended.
+/// Where a load's copies go: the device, its stream, and the buffer's memory as mapped.
+struct Target<'a> {
+    dev: &'a ShareDevice,
+    stream: &'a possum_cuda::CudaStream,
+    va: u64,
+}
+
+/// Reads each chunk `todo` of buffer `i` of `stage` into a pinned buffer and queues its copy to
+/// `at`'s memory + its offset; stops if the stage is ended.
 #[allow(clippy::too_many_arguments)]
 fn send_chunks(
-    dev: &ShareDevice,
+    at: &Target<'_>,
     stage: &Stage,
     i: usize,
+    todo: &[(u64, u64)],
     image: &Image,
-    stream: &possum_cuda::CudaStream,
-    va: u64,
     free: &mut Vec<PinnedBuf>,
     inflight: &mut VecDeque<CudaPending>,
+    named: &Mutex<Vec<(u64, u64, u32)>>,
 ) -> Result<(), ChunkError> {
-    let b = &stage.buffers[i];
-    let todo: Vec<(u64, u64)> = (image.chunks(b.buf).into_iter())
-        .filter(|(off, _)| !stage.skip[i].contains(off))
-        .collect();
     // A large buffer's chunks are read READERS at a time (one thread reads a page-cache file
     // at a few GB/s, the copies go at tens), each batch's copies in flight while the next is
     // read; a small one's one at a time.
@@ -781,15 +1047,18 @@ fn send_chunks(
         let mut bufs = Vec::with_capacity(group.len());
         for &(off, len) in group {
             let n = usize::try_from(len).map_err(|_| ChunkError::TooLarge(off))?;
-            bufs.push((next_buf(dev, free, inflight, n, DEPTH.max(2 * batch))?, n));
+            bufs.push((
+                next_buf(at.dev, free, inflight, n, DEPTH.max(2 * batch))?,
+                n,
+            ));
         }
-        let read = read_group(stage, i, image, group, &mut bufs);
+        let read = read_group(stage, i, image, group, &mut bufs, named);
         if let Err(e) = read {
             free.extend(bufs.into_iter().map(|(b, _)| b));
             return Err(e);
         }
         for ((buf, n), &(off, _)) in bufs.into_iter().zip(group) {
-            inflight.push_back(stream.copy_h2d(buf, va + off, n)?);
+            inflight.push_back(at.stream.copy_h2d(buf, at.va + off, n)?);
         }
     }
     Ok(())
@@ -799,18 +1068,28 @@ fn send_chunks(
 const READERS: usize = 4;
 
 /// Reads the chunks `group` of buffer `i` of `stage` into `bufs` (one each, its first `n`
-/// bytes), each once its bytes are in the image's file (post-copy), one thread each.
+/// bytes), each once its bytes are in the image's file (post-copy), one thread each; a chunk
+/// named written again as its file holds it, its sum added to `named`.
 fn read_group(
     stage: &Stage,
     i: usize,
     image: &Image,
     group: &[(u64, u64)],
     bufs: &mut [(PinnedBuf, usize)],
+    named: &Mutex<Vec<(u64, u64, u32)>>,
 ) -> Result<(), ChunkError> {
     let buf_id = stage.buffers[i].buf;
     let read_one = |off: u64, dst: &mut [u8]| -> Result<(), ChunkError> {
         // Post-copy: its bytes may still be on their way.
         stage.wait_chunk(i, off)?;
+        // Written again since the draft: read as it is now, its sum kept for a later stage.
+        let naming = stage.naming(i, off);
+        if naming > 0 {
+            let crc = image.read_chunk_as_is(buf_id, off, dst)?;
+            let mut n = named.lock().unwrap_or_else(|e| e.into_inner());
+            n.push((off, naming, crc));
+            return Ok(());
+        }
         match image.read_chunk(buf_id, off, dst) {
             // A prestage's chunk not there yet: left to the stage built on it (what was read
             // goes to the memory all the same, to be loaded over).

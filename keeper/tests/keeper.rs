@@ -876,6 +876,42 @@ impl Drafted {
         img
     }
 
+    /// The pre-copy's image finished where its draft is (the chunks where the draft places
+    /// them), this one's buffers as they are now, their memory released; the draft's writer
+    /// replaced by one under `dir/unused` that nothing writes.
+    fn finished_in_place(&mut self, dir: &Path) -> PathBuf {
+        use possum_engine::image::{ImageWriter, WriterOptions};
+        use std::sync::Arc;
+        let e = &self.kept.engine;
+        e.checkpoint(self.w.clone(), false).unwrap().wait().unwrap();
+        let spare = ImageWriter::create(&dir.join("unused/gpu-0"), WriterOptions::default());
+        let w = std::mem::replace(&mut self.w, Arc::new(spare.unwrap()));
+        let img = w.final_dir().to_path_buf();
+        Arc::try_unwrap(w).unwrap().commit().unwrap();
+        e.release().unwrap();
+        img
+    }
+
+    /// The pieces of the draft's data files that hold buffer `i`.
+    fn pieces_of(&self, i: usize) -> Vec<PendingPiece> {
+        use possum_engine::store::ChunkSource;
+        let draft = possum_engine::image::Image::open_draft(self.w.temp_dir()).unwrap();
+        let va = self.bufs[i].va();
+        let rec = (draft.buffers().into_iter())
+            .find(|b| b.va == va.0)
+            .expect("the buffer is in the draft");
+        (draft.chunks(rec.id).into_iter())
+            .map(|(off, len)| {
+                let (file, at) = draft.chunk_location(rec.id, off).unwrap();
+                PendingPiece {
+                    file: file.to_string(),
+                    offset: at,
+                    len,
+                }
+            })
+            .collect()
+    }
+
     /// A stage of `img` built on prestage `base` (its reply), the engine restored from it:
     /// every buffer staged, buffer `i` holding the pattern `want(i)`.
     fn restored_on(
@@ -1093,6 +1129,70 @@ fn a_prestage_leaves_a_chunk_not_there_yet_to_the_stage_built_on_it() {
             d.sizes.iter().sum::<u64>() - (1 << 20),
             "all but the chunk that was not there: {info:?}"
         );
+        d.free(&server);
+    });
+}
+
+/// Loading ahead while the job's state is written again (a migration's later rounds, or the
+/// held job's final copy, sent into the same files): the chunks of the pieces named written
+/// again are loaded again once the prestage is loaded, and a stage of the finished image (its
+/// chunks where the draft has them) takes them from it. A buffer written again after its
+/// chunks were loaded again, and not named again, is loaded by the stage (what its memory holds
+/// does not sum to the image's CRC32C); the restore is bit-exact either way. A stage is not
+/// told of pieces written again.
+#[test]
+fn a_prestage_loads_again_what_is_written_again() {
+    in_child(|| {
+        let (dir, server) = fresh_keeper();
+        let mut d = Drafted::new(&server, dir.path(), 70);
+        let pre = d.k.prestage(d.w.temp_dir(), 60).unwrap();
+        let loaded = |server: &Server, bytes: u64| {
+            let st = server.stats();
+            st.stages.iter().any(|s| {
+                s.stage == pre.stage
+                    && s.ready == 3
+                    && s.reloaded_bytes == bytes
+                    && s.reloads_left == 0
+            })
+        };
+        wait_until("the prestage is loaded", || loaded(&server, 0));
+        // The second buffer written again, rewritten in place in the draft's files, named.
+        d.kept.write(d.bufs[1].va(), 81, d.bufs[1].size());
+        d.kept
+            .engine
+            .checkpoint(d.w.clone(), false)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let second = d.pieces_of(1);
+        let n = d.k.stage_rewritten(pre.stage, second.clone()).unwrap();
+        assert_eq!(n, second.len() as u64);
+        wait_until("its chunks are loaded again", || {
+            loaded(&server, d.sizes[1])
+        });
+        // The third: named, loaded again, then written again, not named.
+        d.kept.write(d.bufs[2].va(), 82, d.bufs[2].size());
+        d.kept
+            .engine
+            .checkpoint(d.w.clone(), false)
+            .unwrap()
+            .wait()
+            .unwrap();
+        d.k.stage_rewritten(pre.stage, d.pieces_of(2)).unwrap();
+        let both = d.sizes[1] + d.sizes[2];
+        wait_until("the third's chunks are loaded again", || {
+            loaded(&server, both)
+        });
+        d.kept.write(d.bufs[2].va(), 92, d.bufs[2].size());
+        let img = d.finished_in_place(dir.path());
+        let want = |i: usize| [70, 81, 92][i];
+        let info = d.restored_on(&server, &img, pre.stage, want);
+        assert_eq!(info.reused_bytes, d.sizes[0] + d.sizes[1], "{info:?}");
+        // A stage (not a prestage) refuses to be told.
+        let staged = d.k.stage(d.me, &img, 60, None, None, Vec::new()).unwrap();
+        let err = d.k.stage_rewritten(staged.stage, second).unwrap_err();
+        assert!(err.to_string().contains("not a prestage"), "{err}");
+        d.k.stage_end(staged.stage).unwrap();
         d.free(&server);
     });
 }

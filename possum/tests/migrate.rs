@@ -659,16 +659,22 @@ fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
     let pre = r["prestaged"].as_array().expect("prestaged");
     assert!(pre[0]["error"].is_null() && pre[0]["stage"].is_u64(), "{r}");
     assert_eq!(r["staged"][0]["base"], pre[0]["stage"], "{r}");
+    // The keeper there was told of the chunks the later rounds wrote again (the default).
+    let named = pre[0]["rewritten"].as_u64().unwrap_or(0);
+    assert!(named > 0, "no chunk named written again: {r}");
     goes_on_like(
         &mut t.job,
         dir,
         &t.want,
         "migrated, its first round and final copy sent as they ran",
     );
+    let mut k = possum_keeper::Keeper::connect(&t.keeper_dir.join("keeper-0.sock")).unwrap();
+    let stats = k.stats().unwrap();
+    let again: u64 = (stats.stages_ended.iter()).map(|s| s.reloaded_bytes).sum();
     say(&format!(
         "migrate_while_copying: {first} bytes sent ahead while the first round ran \
          ({first_rounds} rounds); {copying} of {held} bytes sent while held went during the \
-         final copy"
+         final copy; {named} chunks named written again, {again} bytes loaded again"
     ));
 }
 

@@ -85,6 +85,11 @@ pub struct Prestaged {
     /// Why it was not made.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Its chunks named written again, to be loaded again (counted once each time named), as
+    /// the parts sent ahead after it brought their bytes anew (unless
+    /// `POSSUM_MIGRATE_LOAD_REWRITTEN=0`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rewritten: Option<u64>,
     /// The stage ahead of the whole image built on it, once the final set brought the image
     /// (unless `POSSUM_MIGRATE_STAGE_AHEAD=0`): `stage` names it from then on.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -110,10 +115,17 @@ pub struct StagedAhead {
 #[derive(Default)]
 pub(crate) struct Prestages {
     begun: bool,
-    /// The unfinished image directories loaded ahead ...
+    /// The unfinished image directories loaded ahead, and their paths relative to the
+    /// received directory ...
     images: Vec<PathBuf>,
+    unfinished: Vec<PathBuf>,
     /// ... and the finished images' paths, relative to the received directory.
     finished: Vec<PathBuf>,
+    /// Whether each keeper is told what the parts after the first brought
+    /// ([`Prestages::told_rewritten`]) ...
+    rewrites: bool,
+    /// ... and each image's data files' lengths as last told.
+    told: Vec<Lengths>,
     /// To the thread: each image's data files' lengths, at each part whole; then the final
     /// set's directory, once it holds them finished.
     grown: Option<mpsc::Sender<Told>>,
@@ -126,14 +138,49 @@ pub(crate) struct Prestages {
 
 /// What the thread is told.
 enum Told {
-    /// Each image's data files' lengths, a part sent ahead whole.
+    /// Each image's data files' lengths, a part sent ahead whole ...
     Grown(Vec<Lengths>),
+    /// ... and what the part brought of them, per image.
+    Rewritten(Vec<Vec<possum_keeper::PendingPiece>>),
     /// The received directory, now holding the images finished: each staged ahead.
     Finished(PathBuf),
 }
 
 /// The lengths of the files of an unfinished image directory, by name.
 type Lengths = BTreeMap<String, u64>;
+
+/// Of `brought` (a part's), the ranges of the data files of the images under `rel_dirs` that
+/// begin below the file's length in `told` (the image's, in the same order): bytes written
+/// again, not the first of a file still arriving. Every other path is left out.
+fn rewrites_within(
+    rel_dirs: &[PathBuf],
+    told: &[Lengths],
+    brought: &crate::wire::Brought,
+) -> crate::wire::Brought {
+    let mut out = crate::wire::Brought::new();
+    for (dir, lengths) in rel_dirs.iter().zip(told) {
+        for (path, ranges) in brought {
+            let Some(name) = file_in(dir, path) else {
+                continue;
+            };
+            let had = lengths.get(name).copied().unwrap_or(0);
+            let again: Vec<(u64, u64)> = (ranges.iter())
+                .filter(|&&(at, _)| at < had)
+                .copied()
+                .collect();
+            if !again.is_empty() {
+                out.insert(path.clone(), again);
+            }
+        }
+    }
+    out
+}
+
+/// The name of the file `path` if it lies directly in `dir` (both relative to one directory).
+fn file_in<'a>(dir: &Path, path: &'a str) -> Option<&'a str> {
+    let p = Path::new(path);
+    (p.parent() == Some(dir)).then(|| p.file_name()?.to_str())?
+}
 
 /// The lengths of the regular files directly in `dir`: a GPU image's data files (and its draft)
 /// as they have come. The first round sent ahead comes in parts, each file's bytes from its
@@ -163,9 +210,60 @@ impl Prestages {
         }
     }
 
+    /// Loads ahead whose keepers are told (`on`) the byte ranges of the images' data files that
+    /// each part after the first brought: the keeper loads the chunks written again as they
+    /// come (`possum_keeper::Keeper::stage_rewritten`).
+    pub(crate) fn told_rewritten(mut self, on: bool) -> Prestages {
+        self.rewrites = on;
+        self
+    }
+
+    /// What `brought` (a part's, under the received directory) brought of each image's data
+    /// files (those under `rel_dirs`, one per image), as its keeper names them; `None` if
+    /// nothing.
+    fn rewritten(
+        rel_dirs: &[PathBuf],
+        brought: &crate::wire::Brought,
+    ) -> Option<Vec<Vec<possum_keeper::PendingPiece>>> {
+        let mut any = false;
+        let per_image = (rel_dirs.iter())
+            .map(|dir| {
+                let mut pieces = Vec::new();
+                for (path, ranges) in brought {
+                    let Some(name) = file_in(dir, path) else {
+                        continue;
+                    };
+                    pieces.extend(ranges.iter().map(|&(offset, len)| {
+                        possum_keeper::PendingPiece {
+                            file: name.to_string(),
+                            offset,
+                            len,
+                        }
+                    }));
+                }
+                any |= !pieces.is_empty();
+                pieces
+            })
+            .collect();
+        any.then_some(per_image)
+    }
+
+    /// Tells the thread what `brought` (a part's) brought of the images under `rel_dirs`.
+    fn tell_rewritten(&mut self, rel_dirs: &[PathBuf], brought: &crate::wire::Brought) {
+        let Some(tx) = self.grown.as_ref().filter(|_| self.rewrites) else {
+            return;
+        };
+        if let Some(pieces) = Self::rewritten(rel_dirs, brought) {
+            if tx.send(Told::Rewritten(pieces)).is_err() {
+                self.grown = None;
+            }
+        }
+    }
+
     /// A part of the final set is whole in `dir`: once it holds every image loaded ahead
-    /// finished (its manifest there), each is staged ahead, where that was asked, once.
-    fn final_part(&mut self, dir: &Path) {
+    /// finished (its manifest there), each is staged ahead, where that was asked, once; until
+    /// then, what it brought of them is told.
+    fn final_part(&mut self, dir: &Path, brought: &crate::wire::Brought) {
         let Some(tx) = self
             .grown
             .as_ref()
@@ -175,7 +273,8 @@ impl Prestages {
         };
         let manifest = possum_engine::image::MANIFEST_FILE;
         if !(self.finished.iter()).all(|rel| dir.join(rel).join(manifest).is_file()) {
-            return;
+            let finished = self.finished.clone();
+            return self.tell_rewritten(&finished, brought);
         }
         self.staged_ahead = true;
         let _ = tx.send(Told::Finished(dir.to_path_buf()));
@@ -185,18 +284,30 @@ impl Prestages {
     /// whole: the first time it holds [`AHEAD_FILE`] and GPU images with drafts, asks the keeper
     /// serving each image's GPU to load it, on a thread of its own.
     /// Each later time, tells each keeper how far its image's data files have come (the
-    /// lengths read now: the next part resizes them before its bytes come).
-    pub(crate) fn part_received(&mut self, ahead: &Path, part: crate::wire::Part) {
+    /// lengths read now: the next part resizes them before its bytes come), and what the part
+    /// brought of them.
+    pub(crate) fn part_received(
+        &mut self,
+        ahead: &Path,
+        part: crate::wire::Part,
+        brought: &crate::wire::Brought,
+    ) {
         if part == crate::wire::Part::Final {
-            return self.final_part(ahead);
+            return self.final_part(ahead, brought);
         }
         if self.begun {
+            // What it brought below where each file ended before it was written again; told
+            // before the lengths, so that no chunk is loaded as it was before it is named.
+            let now: Vec<Lengths> = self.images.iter().map(|d| lengths(d)).collect();
+            let again = rewrites_within(&self.unfinished, &self.told, brought);
+            let unfinished = self.unfinished.clone();
+            self.tell_rewritten(&unfinished, &again);
             if let Some(tx) = &self.grown {
-                let now = self.images.iter().map(|d| lengths(d)).collect();
-                if tx.send(Told::Grown(now)).is_err() {
+                if tx.send(Told::Grown(now.clone())).is_err() {
                     self.grown = None;
                 }
             }
+            self.told = now;
             return;
         }
         let Ok(text) = fs::read(ahead.join(AHEAD_FILE)) else {
@@ -221,8 +332,12 @@ impl Prestages {
         };
         let gpus = hint.gpu_memory;
         self.images = drafts.iter().map(|(_, abs, _)| abs.clone()).collect();
+        self.unfinished = (self.images.iter())
+            .map(|abs| abs.strip_prefix(ahead).unwrap_or(abs).to_path_buf())
+            .collect();
         self.finished = drafts.iter().map(|(rel, _, _)| rel.clone()).collect();
         let present: Vec<Lengths> = self.images.iter().map(|d| lengths(d)).collect();
+        self.told = present.clone();
         let (tx, rx) = mpsc::channel::<Told>();
         self.grown = Some(tx);
         self.thread = std::thread::Builder::new()
@@ -245,6 +360,11 @@ impl Prestages {
                 for told in rx {
                     let parts = match told {
                         Told::Grown(parts) => parts,
+                        Told::Rewritten(pieces) => {
+                            (made.iter_mut().zip(pieces))
+                                .for_each(|(m, pieces)| tell_rewritten(m, pieces));
+                            continue;
+                        }
                         Told::Finished(dir) => {
                             made.iter_mut().flatten().for_each(|m| stage_ahead(m, &dir));
                             continue;
@@ -276,6 +396,27 @@ impl Prestages {
             .take()
             .and_then(|t| t.join().ok())
             .unwrap_or_default()
+    }
+}
+
+/// Tells the keeper of prestage `made` (if it was made) that `pieces` of its image's data files
+/// were written again; a keeper that fails to answer is not told again.
+fn tell_rewritten(
+    made: &mut Option<(Option<possum_keeper::Keeper>, Prestaged)>,
+    pieces: Vec<possum_keeper::PendingPiece>,
+) {
+    let Some((keeper, p)) = made else {
+        return;
+    };
+    let (Some(k), Some(stage)) = (keeper.as_mut(), p.stage) else {
+        return;
+    };
+    if pieces.is_empty() || p.ahead.is_some() {
+        return;
+    }
+    match k.stage_rewritten(stage, pieces) {
+        Ok(n) => *p.rewritten.get_or_insert(0) += n,
+        Err(_) => *keeper = None,
     }
 }
 
@@ -327,6 +468,7 @@ fn prestage_one(
         arriving: None,
         pending: None,
         error: None,
+        rewritten: None,
         ahead: None,
     };
     match r {
@@ -441,6 +583,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn what_a_part_brought_is_told_per_image_by_file_name() {
+        let dirs = [
+            PathBuf::from("gpu/.gpu-0.tmp-1"),
+            PathBuf::from("gpu-7/.gpu-1.tmp-2"),
+        ];
+        let mut brought = crate::wire::Brought::new();
+        assert!(Prestages::rewritten(&dirs, &brought).is_none());
+        brought.insert("criu/pages-1.img".into(), vec![(0, 10)]);
+        brought.insert("gpu/.gpu-0.tmp-1/sub/data-000.bin".into(), vec![(0, 10)]);
+        assert!(
+            Prestages::rewritten(&dirs, &brought).is_none(),
+            "none of theirs"
+        );
+        brought.insert(
+            "gpu/.gpu-0.tmp-1/data-001.bin".into(),
+            vec![(8, 4), (64, 2)],
+        );
+        let told = Prestages::rewritten(&dirs, &brought).expect("the first image's");
+        let piece = |offset, len| possum_keeper::PendingPiece {
+            file: "data-001.bin".into(),
+            offset,
+            len,
+        };
+        assert_eq!(told, vec![vec![piece(8, 4), piece(64, 2)], vec![]]);
+        // Only what begins below the file's length as last told was written again.
+        let lengths = vec![
+            Lengths::from([("data-001.bin".to_string(), 64)]),
+            Lengths::new(),
+        ];
+        let again = rewrites_within(&dirs, &lengths, &brought);
+        assert_eq!(
+            again,
+            crate::wire::Brought::from([("gpu/.gpu-0.tmp-1/data-001.bin".into(), vec![(8, 4)])])
+        );
+    }
+
+    #[test]
     fn drafts_are_found_under_the_jobs_unfinished_images_only() {
         let d = tempfile::tempdir().unwrap();
         let mk = |p: &str, draft: bool| {
@@ -495,6 +674,7 @@ mod tests {
             arriving: None,
             pending: None,
             error: None,
+            rewritten: None,
             ahead: None,
         }];
         let dir = Path::new("/imgs/job");

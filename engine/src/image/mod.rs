@@ -88,7 +88,7 @@ pub use format::{
     MAX_DATA_FILES, MAX_MANIFEST_LEN,
 };
 pub use manifest::{check_coverage, check_manifest};
-pub use reader::Image;
+pub use reader::{ChunkPlace, Image};
 pub use summary::ImageSummary;
 pub use writer::{
     unfinished_image_name, FileWrites, ImageWriter, JournalRecord, WriterOptions,

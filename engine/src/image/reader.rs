@@ -43,6 +43,20 @@ pub(super) struct ParentImage {
 /// The piece of a chunk read (and checksummed) at once by [`Image`]'s `read_chunk`.
 const READ_PIECE: usize = 1 << 20;
 
+/// Where a chunk lies and what it holds, as an image's manifest records it
+/// ([`Image::chunk_place`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkPlace<'a> {
+    /// Its data file, as [`Image::chunk_location`] names it.
+    pub file: &'a str,
+    /// Its offset in that file.
+    pub at: u64,
+    /// Its length.
+    pub len: u64,
+    /// Its bytes' CRC32C.
+    pub crc32c: u32,
+}
+
 /// An image opened for restore. Implements [`ChunkSource`]; several threads may read at once.
 ///
 /// [`Image::open`] has already checked everything that is cheap to check; each chunk's checksum is
@@ -332,6 +346,69 @@ impl Image {
         Some((f.shown.as_str(), c.file_offset))
     }
 
+    /// The chunk of `buffer` at `offset` as the manifest records it: where it lies
+    /// ([`Image::chunk_location`]), its length and its CRC32C; `None` if there is no such chunk.
+    pub fn chunk_place(&self, buffer: u64, offset: u64) -> Option<ChunkPlace<'_>> {
+        let c = self.chunk(buffer, offset)?;
+        let f = self.files.get(c.file as usize)?;
+        Some(ChunkPlace {
+            file: f.shown.as_str(),
+            at: c.file_offset,
+            len: c.len,
+            crc32c: c.crc32c,
+        })
+    }
+
+    /// Reads the chunk of `buffer` at `offset` from where the manifest says it lies, as its file
+    /// holds it now, without checking it: its CRC32C, for the caller to compare. A reader of
+    /// files still being written (a migration's destination, loading chunks as they are sent
+    /// again) vouches for what it read by that sum. `dst` must be exactly the chunk's length.
+    pub fn read_chunk_as_is(
+        &self,
+        buffer: u64,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<u32, ImageError> {
+        self.read_unchecked(buffer, offset, dst).map(|(crc, _)| crc)
+    }
+
+    /// [`Image::read_chunk_as_is`], with the chunk's record.
+    fn read_unchecked(
+        &self,
+        buffer: u64,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(u32, &ChunkMsg), ImageError> {
+        if !self.buffers.contains_key(&buffer) {
+            return Err(ImageError::UnknownBuffer { buffer });
+        }
+        let c = self
+            .chunk(buffer, offset)
+            .ok_or(ImageError::MissingChunk { buffer, offset })?;
+        let len = dst.len() as u64;
+        if len != c.len || len > MAX_CHUNK_LEN {
+            return Err(ImageError::ChunkOutOfRange {
+                buffer,
+                offset,
+                len,
+            });
+        }
+        let f = &self.files[c.file as usize];
+        // Read and summed a piece at a time, so that the checksum reads each piece from the
+        // cache the read just left it in (one pass over host memory fewer: a restore's reads
+        // are bound by memory bandwidth on the GPU machine, as its writes are).
+        let mut crc = 0u32;
+        let mut at = c.file_offset;
+        for piece in dst.chunks_mut(READ_PIECE) {
+            f.file
+                .read_exact_at(piece, at)
+                .map_err(|e| ImageError::io(&f.path, e))?;
+            crc = crc32c::crc32c_append(crc, piece);
+            at += piece.len() as u64;
+        }
+        Ok((crc, c))
+    }
+
     fn chunk(&self, buffer: u64, offset: u64) -> Option<&ChunkMsg> {
         let cs = self.chunks.get(&buffer)?;
         let i = cs.binary_search_by_key(&offset, |c| c.offset).ok()?;
@@ -409,35 +486,9 @@ impl ChunkSource for Image {
     /// Reads the chunk with a positioned read and checks its CRC32C. `dst` must be exactly the
     /// chunk's length ([`ImageError::ChunkOutOfRange`] otherwise).
     fn read_chunk(&self, buffer: u64, offset: u64, dst: &mut [u8]) -> Result<(), ImageError> {
-        if !self.buffers.contains_key(&buffer) {
-            return Err(ImageError::UnknownBuffer { buffer });
-        }
-        let c = self
-            .chunk(buffer, offset)
-            .ok_or(ImageError::MissingChunk { buffer, offset })?;
-        let len = dst.len() as u64;
-        if len != c.len || len > MAX_CHUNK_LEN {
-            return Err(ImageError::ChunkOutOfRange {
-                buffer,
-                offset,
-                len,
-            });
-        }
-        let f = &self.files[c.file as usize];
-        // Read and checked a piece at a time, so that the checksum reads each piece from the
-        // cache the read just left it in (one pass over host memory fewer: a restore's reads
-        // are bound by memory bandwidth on the GPU machine, as its writes are).
-        let mut crc = 0u32;
-        let mut at = c.file_offset;
-        for piece in dst.chunks_mut(READ_PIECE) {
-            f.file
-                .read_exact_at(piece, at)
-                .map_err(|e| ImageError::io(&f.path, e))?;
-            crc = crc32c::crc32c_append(crc, piece);
-            at += piece.len() as u64;
-        }
+        let (crc, c) = self.read_unchecked(buffer, offset, dst)?;
         if crc != c.crc32c {
-            return Err(self.mismatch(f, c));
+            return Err(self.mismatch(&self.files[c.file as usize], c));
         }
         Ok(())
     }

@@ -225,12 +225,14 @@ fn receive_loading_ahead(
     dest: &Path,
     p: &ReceiveParams,
 ) -> Result<Loaded, ReceiveError> {
-    let mut ahead = Prestages::staging_ahead(p.restore.env.stage_ahead);
-    let received = receive_dir_post_copy(stream, session, dest, Durability::Later, &mut |d, at| {
-        if p.restore.env.restore_stage {
-            ahead.part_received(d, at);
-        }
-    });
+    let env = &p.restore.env;
+    let mut ahead = Prestages::staging_ahead(env.stage_ahead).told_rewritten(env.load_rewritten);
+    let received =
+        receive_dir_post_copy(stream, session, dest, Durability::Later, &mut |d, at, b| {
+            if env.restore_stage {
+                ahead.part_received(d, at, b);
+            }
+        });
     let prestaged = ahead.finish();
     match received {
         Ok((got, session, later)) => Ok((got, session, prestaged, later)),

@@ -218,8 +218,13 @@ pub fn receive_dir_in_session_as<S: Read + Write>(
     dest: &Path,
     durability: Durability,
 ) -> Result<(ReceiveReport, Session), WireError> {
-    receive_dir_watching(stream, session, dest, durability, &mut |_, _| {})
+    receive_dir_watching(stream, session, dest, durability, &mut |_, _, _| {})
 }
+
+/// What a part brought ([`receive_dir_watching`]'s `ahead`): by each file's path under the
+/// directory, the byte ranges its chunks were written at (offset, length), in order, those that
+/// follow each other as one.
+pub type Brought = std::collections::BTreeMap<String, Vec<(u64, u64)>>;
 
 /// Which part of a transfer is whole ([`receive_dir_watching`]'s `ahead`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -232,8 +237,9 @@ pub enum Part {
 }
 
 /// [`receive_dir_in_session_as`], `ahead` told of the directory where what is sent ahead is
-/// received each time a part of it is whole there (its files complete and checked), while the
-/// source's job runs: a migration's destination begins loading the job's GPU images then. The
+/// received each time a part of it is whole there (its files complete and checked), with what the
+/// part brought, while the source's job runs: a migration's destination begins loading the
+/// job's GPU images then. The
 /// directory is moved at the `Cut` (files opened before stay good); `ahead` is then told of
 /// each part of the final set that is whole, in the same directory ([`Part::Final`]).
 pub fn receive_dir_watching<S: Read + Write>(
@@ -241,7 +247,7 @@ pub fn receive_dir_watching<S: Read + Write>(
     session: Session,
     dest: &Path,
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path, Part),
+    ahead: &mut dyn FnMut(&Path, Part, &Brought),
 ) -> Result<(ReceiveReport, Session), WireError> {
     let (report, session, later) = receive_dir_post_copy(stream, session, dest, durability, ahead)?;
     // Pieces left for later come now: the directory is whole when this returns.
@@ -270,7 +276,7 @@ pub fn receive_dir_post_copy<S: Read + Write>(
     mut session: Session,
     dest: &Path,
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path, Part),
+    ahead: &mut dyn FnMut(&Path, Part, &Brought),
 ) -> Result<(ReceiveReport, Session, Option<LaterReceiver>), WireError> {
     let start = Instant::now();
     let mut lanes = Vec::new();
@@ -323,7 +329,7 @@ pub(super) fn receive_into<S: Read>(
     lanes: &mut Vec<RecvLane>,
     (name, dest): (&std::ffi::OsStr, &Path),
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path, Part),
+    ahead: &mut dyn FnMut(&Path, Part, &Brought),
 ) -> Result<(Totals, Vec<LaterPiece>), ReceiveError> {
     let parent = match dest.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -336,12 +342,12 @@ pub(super) fn receive_into<S: Read>(
             Frame::Dir(h) => r.dir(&h)?,
             Frame::File(h) => r.file(h)?,
             Frame::Chunks => {
-                r.chunks(stream, &mut session.recv, lanes)?;
+                let brought = r.chunks(stream, &mut session.recv, lanes)?;
                 let part = match r.pre {
                     None => Part::Ahead,
                     Some(_) => Part::Final,
                 };
-                ahead(&r.root, part);
+                ahead(&r.root, part, &brought);
             }
             Frame::Cut => r.cut()?,
             Frame::Remove { path } => r.remove(&path)?,
@@ -464,13 +470,14 @@ impl<'a> Receiving<'a> {
         Ok(())
     }
 
-    /// `Chunks`: the part's chunks from every stream, then each of its files completed.
+    /// `Chunks`: the part's chunks from every stream, then each of its files completed; what
+    /// the part brought.
     fn chunks<S: Read>(
         &mut self,
         stream: &mut S,
         mac: &mut FrameMac,
         lanes: &mut Vec<RecvLane>,
-    ) -> Result<(), ReceiveError> {
+    ) -> Result<Brought, ReceiveError> {
         let ahead = self.pre.is_none();
         if ahead {
             // No check judges a piece while it is written again.
@@ -482,11 +489,13 @@ impl<'a> Receiving<'a> {
         }
         receive_part(stream, mac, lanes, &self.part)?;
         let mut brought = HashMap::new();
+        let mut ranges = Brought::new();
         for f in self.part.drain(..) {
             let c = complete(f, self.durability)?;
             if let Some(all) = c.all {
                 self.sent_ahead.insert(c.path.clone(), (c.size, all));
             }
+            ranges.insert(c.path.clone(), joined(&c.brought));
             if ahead {
                 brought.insert(c.path, (c.size, c.brought));
             }
@@ -496,7 +505,7 @@ impl<'a> Receiving<'a> {
         if ahead {
             self.copies.part_written(&self.root, &brought);
         }
-        Ok(())
+        Ok(ranges)
     }
 
     /// The `Cut`: what came so far moves aside; the final set is received where it was.
@@ -598,6 +607,18 @@ impl<'a> Receiving<'a> {
         }
         Ok(())
     }
+}
+
+/// The byte ranges of `pieces` (in order), those that follow each other as one.
+fn joined(pieces: &[Piece]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for p in pieces {
+        match out.last_mut() {
+            Some((at, len)) if *at + *len == p.offset => *len += p.len,
+            _ => out.push((p.offset, p.len)),
+        }
+    }
+    out
 }
 
 /// With [`Durability::Later`], [`UNSYNCED`] in the new directory `root`, synced with it before

@@ -1243,7 +1243,7 @@ fn post_copy_receiver(
         };
         assert!(joined.join(l));
         let (_, _, later) =
-            receive_dir_post_copy(&mut s, session, &d, durability, &mut |_, _| {}).unwrap();
+            receive_dir_post_copy(&mut s, session, &d, durability, &mut |_, _, _| {}).unwrap();
         let later = later.expect("pieces left");
         named(&d, &later);
         let came = std::sync::Mutex::new(Vec::new());
@@ -1267,17 +1267,22 @@ fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
     let d = dest.clone();
     let receiver = thread::spawn(move || {
         let session = receiver_handshake(&mut b, &key(2)).unwrap();
-        // The files' lengths as each part sent ahead is whole; the final set's parts.
-        let (mut seen, mut finals) = (Vec::new(), 0);
-        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut |dir, part| {
+        // The files' lengths as each part sent ahead is whole, and what it brought of the long
+        // one; what the final set's parts brought.
+        let (mut seen, mut finals) = (Vec::new(), Vec::new());
+        let mut watch = |dir: &Path, part, brought: &Brought| {
             let len = |n: &str| fs::metadata(dir.join(n)).map_or(0, |m| m.len());
             match part {
-                Part::Ahead => seen.push((len("long"), len("short"), len("empty"))),
-                Part::Final => finals += 1,
+                Part::Ahead => seen.push((
+                    (len("long"), len("short"), len("empty")),
+                    brought.get("long").cloned().unwrap_or_default(),
+                )),
+                Part::Final => finals.push(brought.clone()),
             }
-        });
-        assert_eq!(finals, 1, "the final set in one part");
-        (r.map(|(report, _)| report), seen)
+        };
+        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut watch);
+        assert_eq!(finals.len(), 1, "the final set in one part");
+        (r.map(|(report, _)| report), (seen, finals))
     });
     let mut sender = DirSender::start(&mut a, &key(2)).unwrap();
     sender.slice_first_round(CHUNK_BYTES as u64);
@@ -1297,19 +1302,25 @@ fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
     assert_eq!(second.bytes, gain.len() as u64);
     fs::write(src.join("short"), noise(CHUNK_BYTES / 2 + 1)).unwrap();
     let (report, _) = sender.finish(&mut a, &src).unwrap();
-    let (got, seen) = receiver.join().unwrap();
+    let (got, (seen, finals)) = receiver.join().unwrap();
     assert_eq!(got.unwrap().totals, report.totals);
     let c = CHUNK_BYTES as u64;
-    let (l, s) = (long.len() as u64, short.len() as u64);
+    let (l, s, g) = (long.len() as u64, short.len() as u64, gain.len() as u64);
     assert_eq!(
         seen,
         vec![
-            (c, s, 0),
-            (2 * c, s, 0),
-            (l, s, 0),
-            (l + gain.len() as u64, s, 0)
+            ((c, s, 0), vec![(0, c)]),
+            ((2 * c, s, 0), vec![(c, c)]),
+            ((l, s, 0), vec![(2 * c, l - 2 * c)]),
+            ((l + g, s, 0), vec![(l, g)])
         ],
-        "one slice of each file a part, then the later round's gain at once"
+        "one slice of each file a part, then the later round's gain at once, as brought"
+    );
+    assert_eq!(
+        finals[0].get("short"),
+        Some(&vec![(0, s + 1)]),
+        "the file changed since, brought whole: {:?}",
+        finals[0]
     );
     assert_arrived(&src, &dest, &out);
 }

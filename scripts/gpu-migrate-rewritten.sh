@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# A migration's destination keeper told which bytes each part sent ahead brought again
+# (POSSUM_MIGRATE_LOAD_REWRITTEN), against it told only how far the files came, on one GPU, both
+# ends on it over loopback, in one call of under ten minutes:
+#   1. the training job (8 GiB of state written every step): SPEC_SLICE_RUNS (2) pairs through
+#      `scripts/gpu-speculation.sh rewritten`, images on a huge-page tmpfs;
+#   2. GPT-2 generation migrated at the same random step with it off and on, REW_SEEDS
+#      ("61 62") pairs (`scripts/gpu-ckpt.sh correctness --trials 1`, images on a huge-page
+#      tmpfs);
+#   3. if 150 s are left: 32 GiB of frozen weights, its first round sent once copied (the
+#      default) and as it is copied (`scripts/gpu-speculation.sh first-round`), one pair.
+# Builds nothing: carry .gpu (staged by `bash scripts/gpu-ckpt.sh --stage`).
+# -> $OUT/rewritten-bars.jsonl (rows tagged t8-lengths-N, t8-rewritten-N, f32-after-1,
+#    f32-copying-1), $OUT/rewritten-gpt2.jsonl (each row with `load_rewritten` and `seed`),
+#    $OUT/rewritten-logs.tgz (every log, the images left out)
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-.gpu/out}; mkdir -p "$out"; out=$(cd "$out" && pwd)
+start=$(date +%s); limit=${REW_LIMIT_S:-570}
+left() { echo $(( limit - ($(date +%s) - start) )); }
+scratch=$(mktemp -d /dev/shm/possum-rewritten.XXXXXX)
+# The speculation runs' images: their tmpfs unmounted after each step (its memory back).
+free_huge() { umount /mnt/possum-huge 2>/dev/null; rm -rf /dev/shm/possum-speculation-out; }
+
+echo "== 1. the training job, $(left) s left"
+OUT=$scratch/t8 SPEC_HUGE=1 SPEC_BARS="0 8192 t8" SPEC_SLICE_RUNS=${SPEC_SLICE_RUNS:-2} \
+    timeout -k 5 $(( $(left) - 240 )) bash scripts/gpu-speculation.sh rewritten
+cat "$scratch/t8/speculation-bars.jsonl" >> "$out/rewritten-bars.jsonl" 2>/dev/null
+free_huge
+
+echo "== 2. GPT-2 generation, $(left) s left"
+for seed in ${REW_SEEDS:-61 62}; do
+    for v in 0 1; do
+        [ "$(left)" -gt 90 ] || break 2
+        d=$scratch/gpt2-$seed-$v
+        POSSUM_CKPT_HUGE=1 POSSUM_MIGRATE_LOAD_REWRITTEN=$v OUT=$d timeout -k 5 80 \
+            bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate --jobs gpt2 \
+            --trials 1 --seed "$seed" > "$d.log" 2>&1
+        tail -3 "$d.log"
+        python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    print(json.dumps(dict(json.loads(l), load_rewritten=int(sys.argv[2]), seed=int(sys.argv[3]))))' \
+            "$d/ckpt-correctness.jsonl" "$v" "$seed" >> "$out/rewritten-gpt2.jsonl" 2>/dev/null
+    done
+done
+
+if [ "$(left)" -gt 150 ]; then
+    echo "== 3. 32 GiB of frozen weights, $(left) s left"
+    OUT=$scratch/f32 SPEC_HUGE=1 SPEC_BARS="32 64 f32" SPEC_SLICE_RUNS=1 \
+        timeout -k 5 $(( $(left) - 10 )) bash scripts/gpu-speculation.sh first-round
+    cat "$scratch/f32/speculation-bars.jsonl" >> "$out/rewritten-bars.jsonl" 2>/dev/null
+    free_huge
+fi
+(cd "$scratch" && find . -type f \( -name '*.log' -o -name '*.err' -o -name '*.md' -o -name '*.tgz' \) \
+    -size -20M | tar czf "$out/rewritten-logs.tgz" -T -)
+echo "== done, $(left) s left"
