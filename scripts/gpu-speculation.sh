@@ -57,11 +57,17 @@
 #       them whole (the default), alternating (TAG-restore-N, TAG-ahead-N).
 #   bash scripts/gpu-speculation.sh rewritten  (~5 min with SPEC_BARS="0 8192 t8")
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its destination's keeper told
-#       only how far the GPU images' data files came (POSSUM_MIGRATE_LOAD_REWRITTEN=0: chunks
-#       sent again load once the final set brought the images whole) and told which bytes each
-#       part sent ahead brought again (the default: those chunks load as they come),
+#       only how far the GPU images' data files came (the default: chunks sent again load once
+#       the final set brought the images whole) and told which bytes each part sent ahead
+#       brought again (POSSUM_MIGRATE_LOAD_REWRITTEN=1: those chunks load as they come),
 #       alternating (TAG-lengths-N, TAG-rewritten-N). Each row's `prestaged` says how many
 #       chunks were named (`rewritten`) and what the stage ahead took (`ahead.reused_bytes`).
+#   bash scripts/gpu-speculation.sh partial  (~5 min with SPEC_BARS="0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with a keeper's stage built on
+#       another taking only the buffers that one loaded whole (POSSUM_KEEPER_STAGE_PARTIAL=0)
+#       and also the chunks it loaded of a buffer it was still loading (the default),
+#       alternating (TAG-whole-N, TAG-partial-N). Each row's `staged` says what the restore's
+#       stage took from the stage ahead (`reused_bytes`).
 #   bash scripts/gpu-speculation.sh held-spare  (~5 min with SPEC_HUGE=1 SPEC_BARS="0 8192 t8")
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the keeper keeping spare image
 #       memory (POSSUM_KEEPER_SPARE_MIB, SPEC_SPARE_MIB or 9216, on the images' huge-page tmpfs:
@@ -137,7 +143,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|held-spare|rewritten)
+bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|held-spare|rewritten|partial)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     huge_images
@@ -198,7 +204,8 @@ bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|he
             first-round) ab=(POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING after copying 1) ;;  # round 1 as copied
             stage-ahead) ab=(POSSUM_MIGRATE_STAGE_AHEAD restore ahead 1) ;;  # the destination's stage
             held-spare) ab=(POSSUM_HELD_SPARE staged spare 1) ;;  # the final copy into the keeper's spare
-            rewritten) ab=(POSSUM_MIGRATE_LOAD_REWRITTEN lengths rewritten) ;;  # chunks sent again loaded as they come
+            rewritten) ab=(POSSUM_MIGRATE_LOAD_REWRITTEN lengths rewritten 1) ;;  # chunks sent again loaded as they come
+            partial) ab=(POSSUM_KEEPER_STAGE_PARTIAL whole partial) ;;  # a stage takes its base's partly loaded buffers
             *) ab=() ;;
         esac
         if [ ${#ab[@]} -gt 0 ]; then
@@ -304,7 +311,7 @@ ab)
     cp "$res"/overhead-ab-gpt2*.json "$out"/ 2>/dev/null
     tail -5 "$res/ab.log"
     ;;
-*) echo "usage: gpu-speculation.sh frozen | bars | slices | hold | criu-stream | copy-stream | held-writers | first-round | stage-ahead | held-spare | rewritten | baseline | postcopy | ahead | trials [N] | ab"; exit 2 ;;
+*) echo "usage: gpu-speculation.sh frozen | bars | slices | hold | criu-stream | copy-stream | held-writers | first-round | stage-ahead | held-spare | rewritten | partial | baseline | postcopy | ahead | trials [N] | ab"; exit 2 ;;
 esac
 (cd /dev/shm && tar czf "$out/speculation-$1.tgz" --exclude='img-*' --exclude='received' \
     --exclude='possum-speculation' possum-speculation-out 2>/dev/null)

@@ -27,6 +27,9 @@ pub const STAGE_DELAY_MS_ENV: &str = "POSSUM_KEEPER_STAGE_DELAY_MS";
 pub const STAGE_FAIL_ENV: &str = "POSSUM_KEEPER_STAGE_FAIL";
 /// Test hook: a stage loads nothing until this many waits for its buffers are pending at once.
 pub const STAGE_HOLD_WAITERS_ENV: &str = "POSSUM_KEEPER_STAGE_HOLD_WAITERS";
+/// `0`: a stage built on another takes only the buffers that one loaded whole, not the chunks
+/// it loaded of a buffer it was still loading.
+pub const STAGE_PARTIAL_ENV: &str = "POSSUM_KEEPER_STAGE_PARTIAL";
 
 /// Default of [`Config::spare_step_bytes`]: 1 GiB.
 const SPARE_STEP_MIB: u64 = 1024;
@@ -56,6 +59,10 @@ pub struct Config {
     /// Test hook: how many waits must be pending at once before a stage loads anything (default
     /// 0: it loads from the start).
     pub stage_hold_waiters: usize,
+    /// A stage built on another (a prestage, or a stage ahead) takes the chunks that one loaded
+    /// of a buffer it had not loaded whole when it was taken (default true; `0`: only the
+    /// buffers it loaded whole, the others' chunks loaded again).
+    pub stage_partial: bool,
 }
 
 impl Default for Config {
@@ -83,6 +90,8 @@ impl EnvConfig for Config {
             stage_delay: Duration::from_millis(num(STAGE_DELAY_MS_ENV).unwrap_or(0)),
             stage_fail: num(STAGE_FAIL_ENV).and_then(|n| usize::try_from(n).ok()),
             stage_hold_waiters: count(STAGE_HOLD_WAITERS_ENV).unwrap_or(0),
+            stage_partial: get(STAGE_PARTIAL_ENV)
+                .is_none_or(|v| v.to_str().map(str::trim) != Some("0")),
         }
     }
 }
@@ -101,7 +110,9 @@ mod tests {
         assert_eq!(c.stage_delay, Duration::ZERO);
         assert_eq!(c.stage_fail, None);
         assert_eq!(c.stage_hold_waiters, 0);
+        assert!(c.stage_partial);
         assert_eq!(c, Config::default());
+        assert!(!Config::from_vars(&[(STAGE_PARTIAL_ENV, "0")]).stage_partial);
     }
 
     #[test]

@@ -474,6 +474,9 @@ pub struct StageStats {
     /// Its chunks written again and not loaded again yet.
     #[serde(default)]
     pub reloads_left: u64,
+    /// Reads of its chunks waiting for their bytes (pending pieces) now.
+    #[serde(default)]
+    pub reads_waiting: u64,
     /// Since it began, ms.
     pub ms: f64,
     /// When every buffer was loaded or failed, ms after it began.

@@ -858,7 +858,8 @@ impl Inner {
 
     /// What a stage built on `base` takes of its memory: for each of `recs` (of image `img`,
     /// `sizes` bytes of memory each), the allocation of the base's buffer with the same id,
-    /// address and size, if it has one, and the chunks it loaded that `img` holds unchanged.
+    /// address and size, if it has one, and the chunks it loaded that `img` holds unchanged (of a
+    /// buffer it was still loading, those its load copied before it was stopped).
     fn reuse_of(
         base: &Prestaged,
         img: &possum_engine::image::Image,
@@ -866,6 +867,7 @@ impl Inner {
         sizes: &[u64],
     ) -> (Vec<Option<u64>>, Reuse) {
         use possum_engine::store::ChunkSource;
+        let partial = crate::config::Config::from_env().stage_partial;
         let draft = base
             .stage
             .draft
@@ -887,10 +889,19 @@ impl Inner {
             });
             let mut skip = HashSet::new();
             let mut whole = false;
-            if let Some(i) = found.filter(|&i| base.ready[i]) {
+            // Of a buffer it did not load whole, the chunks it did (unless told not to).
+            let loaded = |i: usize| match base.ready[i] {
+                true => None,
+                false if partial => Some(base.stage.partial(i)),
+                false => Some(HashSet::new()),
+            };
+            if let Some((i, loaded)) = found.map(|i| (i, loaded(i))) {
                 let missed = base.stage.missed(i);
                 let chunks = img.chunks(r.id);
                 for &(off, len) in &chunks {
+                    if loaded.as_ref().is_some_and(|l| !l.contains(&off)) {
+                        continue;
+                    }
                     let kept = match base.stage.rewritten_chunk(i, off) {
                         // Never written again: the draft's bytes, as loaded.
                         None => img.same_chunk(draft, r.id, off) && !missed.contains(&off),

@@ -186,6 +186,8 @@ struct Progress {
     pending: Pending,
     /// A prestage's chunks written again since it was made.
     rewrites: Rewrites,
+    /// Reads of chunks waiting for their pending pieces now.
+    reads_waiting: usize,
 }
 
 /// A prestage's chunks whose bytes were written again in its draft's files
@@ -337,6 +339,9 @@ pub(crate) struct Stage {
     /// A prestage's chunks whose bytes, when read, were not the draft's (by buffer index: their
     /// offsets): a later stage loads them again ([`Stage::missed`]).
     missed: Mutex<HashMap<usize, HashSet<u64>>>,
+    /// Per buffer a load of which did not finish (the stage ended meanwhile), the chunks it
+    /// copied into its memory: a stage built on this one takes them ([`Stage::partial`]).
+    partial: Mutex<HashMap<usize, HashSet<u64>>>,
     /// A prestage's chunks by where its draft places them (by file: start, end, buffer index,
     /// offset; in order), for [`Stage::rewritten`]; empty for a stage.
     places: HashMap<String, Vec<(u64, u64, usize, u64)>>,
@@ -374,6 +379,7 @@ impl Stage {
             skip: vec![HashSet::new(); n],
             draft: None,
             missed: Mutex::new(HashMap::new()),
+            partial: Mutex::new(HashMap::new()),
             places: HashMap::new(),
             rewrites_until: None,
             progress: Mutex::new(Progress {
@@ -392,6 +398,7 @@ impl Stage {
                 released: false,
                 pending: Pending::default(),
                 rewrites: Rewrites::default(),
+                reads_waiting: 0,
             }),
             cv: Condvar::new(),
             started: Instant::now(),
@@ -474,6 +481,24 @@ impl Stage {
         for (off, naming, crc) in chunks {
             p.rewrites.loaded.insert((i, off), (naming, crc));
         }
+    }
+
+    /// The chunks of buffer `i` that a load which did not finish copied into its memory (none
+    /// for a buffer loaded whole, or not at all).
+    /// With those it took from the stage it was built on.
+    pub(crate) fn partial(&self, i: usize) -> HashSet<u64> {
+        let m = self.partial.lock().unwrap_or_else(|e| e.into_inner());
+        let mut loaded = m.get(&i).cloned().unwrap_or_default();
+        if !loaded.is_empty() {
+            loaded.extend(self.skip.get(i).into_iter().flatten());
+        }
+        loaded
+    }
+
+    /// A load of buffer `i` that did not finish copied `offsets` into its memory.
+    fn loaded_part(&self, i: usize, offsets: Vec<u64>) {
+        let mut m = self.partial.lock().unwrap_or_else(|e| e.into_inner());
+        m.entry(i).or_default().extend(offsets);
     }
 
     /// A load of chunks of buffer `i` again is over: `bytes` loaded, or failed (what their
@@ -588,15 +613,24 @@ impl Stage {
     /// was pending for it); an error once the stage is ended.
     fn wait_chunk(&self, i: usize, offset: u64) -> Result<(), ChunkError> {
         let mut p = self.lock();
-        loop {
+        let mut waited = false;
+        let r = loop {
             if p.ended {
-                return Err(ChunkError::Ended);
+                break Err(ChunkError::Ended);
             }
             if !p.pending.chunk_blocked(i, offset) {
-                return Ok(());
+                break Ok(());
+            }
+            if !waited {
+                waited = true;
+                p.reads_waiting += 1;
             }
             p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        };
+        if waited {
+            p.reads_waiting -= 1;
         }
+        r
     }
 
     /// The pending pieces a wait for a blocked buffer needs, not handed out before: waits up to
@@ -808,6 +842,7 @@ impl Stage {
             reloaded_chunks: p.rewrites.chunks,
             reloaded_bytes: p.rewrites.bytes,
             reloads_left: p.rewrites.queue.len() as u64,
+            reads_waiting: p.reads_waiting as u64,
         }
     }
 }
@@ -990,7 +1025,18 @@ fn copy_in(
         stream,
         va: m.va(),
     };
-    let sent = send_chunks(&at, stage, i, todo, image, free, &mut inflight, &named);
+    let mut issued = Vec::new();
+    let sent = send_chunks(
+        &at,
+        stage,
+        i,
+        todo,
+        image,
+        free,
+        &mut inflight,
+        &named,
+        &mut issued,
+    );
     // Every copy in flight is waited for, whatever failed: nothing of this load may land on the
     // memory once the load is settled (the job may copy it in itself then).
     let mut waited = Ok(());
@@ -1001,13 +1047,17 @@ fn copy_in(
             Err(e) => waited = waited.and(Err(e.into())),
         }
     }
+    // Every copy issued landed: what it read is in the memory, whether or not all of `todo` was.
+    if waited.is_ok() {
+        let named = named.into_inner().unwrap_or_else(|e| e.into_inner());
+        stage.loaded_named(i, named);
+        if sent.is_err() {
+            stage.loaded_part(i, issued);
+        }
+    }
     match sent.and(waited) {
         Err(ChunkError::Ended) => Err(LoadError::EndedWhileLoading),
-        Ok(()) => {
-            let named = named.into_inner().unwrap_or_else(|e| e.into_inner());
-            stage.loaded_named(i, named);
-            Ok(())
-        }
+        Ok(()) => Ok(()),
         Err(source) => Err(LoadError::Chunks { buf: b.buf, source }),
     }
 }
@@ -1020,7 +1070,7 @@ struct Target<'a> {
 }
 
 /// Reads each chunk `todo` of buffer `i` of `stage` into a pinned buffer and queues its copy to
-/// `at`'s memory + its offset; stops if the stage is ended.
+/// `at`'s memory + its offset (its offset added to `issued`); stops if the stage is ended.
 #[allow(clippy::too_many_arguments)]
 fn send_chunks(
     at: &Target<'_>,
@@ -1031,6 +1081,7 @@ fn send_chunks(
     free: &mut Vec<PinnedBuf>,
     inflight: &mut VecDeque<CudaPending>,
     named: &Mutex<Vec<(u64, u64, u32)>>,
+    issued: &mut Vec<u64>,
 ) -> Result<(), ChunkError> {
     // A large buffer's chunks are read READERS at a time (one thread reads a page-cache file
     // at a few GB/s, the copies go at tens), each batch's copies in flight while the next is
@@ -1059,6 +1110,7 @@ fn send_chunks(
         }
         for ((buf, n), &(off, _)) in bufs.into_iter().zip(group) {
             inflight.push_back(at.stream.copy_h2d(buf, at.va + off, n)?);
+            issued.push(off);
         }
     }
     Ok(())

@@ -1197,6 +1197,76 @@ fn a_prestage_loads_again_what_is_written_again() {
     });
 }
 
+/// A stage built on a prestage that was still loading a buffer (its load waiting for bytes not
+/// there yet when the stage took it) takes the chunks that load copied, not only the buffers
+/// loaded whole, and loads the rest; the restore is bit-exact.
+#[test]
+fn a_stage_takes_the_chunks_of_a_buffer_its_base_was_still_loading() {
+    in_child(|| {
+        use possum_engine::image::Image;
+        use possum_engine::store::ChunkSource;
+        let (dir, server) = fresh_keeper();
+        let mut d = Drafted::new(&server, dir.path(), 90);
+        let (arriving, whole) = d.arriving(dir.path(), true);
+        let draft = Image::open_draft(&arriving).unwrap();
+        // Each buffer's chunks in load order, with the file each lies in.
+        let layout: Vec<Vec<(u64, String)>> = (0..3)
+            .map(|i| {
+                let va = d.bufs[i].va().0;
+                let rec = (draft.buffers().into_iter()).find(|b| b.va == va).unwrap();
+                (draft.chunks(rec.id).into_iter())
+                    .map(|(off, len)| {
+                        let (file, _) = draft.chunk_location(rec.id, off).unwrap();
+                        (len, file.to_string())
+                    })
+                    .collect()
+            })
+            .collect();
+        // A data file said not whole (every chunk in it waits) holding a chunk of the largest
+        // buffer but not its first: that buffer's load starts, then waits.
+        let third = &layout[2];
+        let held = (whole.keys())
+            .find(|f| third[0].1 != **f && third.iter().any(|(_, file)| file == *f))
+            .expect("the third buffer's chunks lie in several files")
+            .clone();
+        let mut present = whole.clone();
+        *present.get_mut(&held).unwrap() -= 1;
+        // What each buffer's load copies before it waits: read four chunks at a time when it
+        // has eight or more, else one; the groups before the first holding a chunk of that
+        // file. (Buffers loaded whole, reads left waiting.)
+        let (mut expect, mut whole_bytes, mut ready, mut waiting) = (0, 0, 0, 0);
+        for chunks in &layout {
+            let batch = if chunks.len() >= 8 { 4 } else { 1 };
+            let Some(g) = chunks
+                .chunks(batch)
+                .position(|g| g.iter().any(|c| c.1 == held))
+            else {
+                let size: u64 = chunks.iter().map(|c| c.0).sum();
+                (expect, whole_bytes, ready) = (expect + size, whole_bytes + size, ready + 1);
+                continue;
+            };
+            if chunks[0].1 == held {
+                continue;
+            }
+            let group = &chunks[g * batch..((g + 1) * batch).min(chunks.len())];
+            waiting += group.iter().filter(|c| c.1 == held).count() as u64;
+            expect += chunks[..g * batch].iter().map(|c| c.0).sum::<u64>();
+        }
+        assert!(expect > whole_bytes, "the test takes part of a buffer");
+        let pre = d.k.prestage_arriving(&arriving, 60, present).unwrap();
+        wait_until("the prestage's loads are done or waiting", || {
+            let st = server.stats();
+            st.stages
+                .iter()
+                .any(|s| s.stage == pre.stage && s.ready == ready && s.reads_waiting == waiting)
+        });
+        let img = d.finished(dir.path());
+        let info = d.restored_on(&server, &img, pre.stage, |i| 90 + i as u64);
+        assert_eq!(info.reused_bytes, expect, "{info:?}");
+        d.free(&server);
+    });
+}
+
 /// An image of three buffers (several 1 MiB chunks each) that an engine on `server` wrote at
 /// `dir/img/gpu-0`, the engine's memory freed since.
 fn three_buffer_image(server: &Server, dir: &Path) -> PathBuf {

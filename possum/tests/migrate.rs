@@ -623,7 +623,12 @@ fn the_job_s_memory_goes_to_the_destination_while_criu_dumps_it() {
 #[test]
 fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
     // (Its launches not validated: each would read the 64 MiB on both sides, too slow here.)
-    let env = [("FAKE_WRITER_MIB", "64"), ("POSSUM_VALIDATE", "off")];
+    // The destination's keeper told of the chunks written again (not the default).
+    let env = [
+        ("FAKE_WRITER_MIB", "64"),
+        ("POSSUM_VALIDATE", "off"),
+        ("POSSUM_MIGRATE_LOAD_REWRITTEN", "1"),
+    ];
     let Some(mut t) = kept_job_with("migrate_while_copying", &env) else {
         return;
     };
@@ -659,7 +664,7 @@ fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
     let pre = r["prestaged"].as_array().expect("prestaged");
     assert!(pre[0]["error"].is_null() && pre[0]["stage"].is_u64(), "{r}");
     assert_eq!(r["staged"][0]["base"], pre[0]["stage"], "{r}");
-    // The keeper there was told of the chunks the later rounds wrote again (the default).
+    // The keeper there was told of the chunks the later rounds wrote again.
     let named = pre[0]["rewritten"].as_u64().unwrap_or(0);
     assert!(named > 0, "no chunk named written again: {r}");
     goes_on_like(
