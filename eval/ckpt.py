@@ -665,8 +665,10 @@ def migrate_row(mg, received):
             # buffers the keeper's spare took.
             "release": release_digest(cj.get("release_report")),
             "received": received.get("timings"),
-            # The GPU images loaded ahead at the destination, and what the restore took of them.
-            "prestaged": [{k: p.get(k) for k in ("bytes", "arriving", "pending", "error")}
+            # The GPU images loaded ahead at the destination (the chunks its keeper was told
+            # were written again, the stage ahead), and what the restore took of them.
+            "prestaged": [{k: p.get(k) for k in ("bytes", "arriving", "pending", "error",
+                                                 "rewritten", "ahead")}
                           for p in received.get("prestaged") or []],
             "staged_reused_bytes": [s.get("reused_bytes") for s in received.get("staged") or []],
             "stderr": mg["stderr"] if mg["rc"] else None}

@@ -442,7 +442,12 @@ class JobLostTime(unittest.TestCase):
         mg = {"rc": 0, "stderr": "", "json": {"timings": {"downtime_ms": 2800.0},
                                                "checkpoint": {"figures": {"hold_ms": 1800.0},
                                                               "release_report": {"ms": 500.0, "final": [final]}}}}
-        row = ckpt.migrate_row(mg, {"timings": {"restore_ms": 450.0}, "staged": [{"reused_bytes": 7}]})
+        ahead = {"prestage": 1, "reused_bytes": 5}
+        pre = {"bytes": 9, "rewritten": 3, "ahead": ahead, "socket": "/k.sock"}
+        row = ckpt.migrate_row(mg, {"timings": {"restore_ms": 450.0}, "staged": [{"reused_bytes": 7}],
+                                    "prestaged": [pre]})
+        self.assertEqual((row["prestaged"][0]["rewritten"], row["prestaged"][0]["ahead"]), (3, ahead))
+        self.assertNotIn("socket", row["prestaged"][0])
         self.assertEqual(row["release"]["finals"][0]["shadows_saved_by_keeper"], 6)
         self.assertEqual(row["release"]["ms"], 500.0)
         self.assertEqual((row["source"], row["received"]), ({"hold_ms": 1800.0}, {"restore_ms": 450.0}))

@@ -483,15 +483,13 @@ impl Stage {
         }
     }
 
-    /// The chunks of buffer `i` that a load which did not finish copied into its memory (none
-    /// for a buffer loaded whole, or not at all).
-    /// With those it took from the stage it was built on.
+    /// The chunks of buffer `i` in its memory when its load did not finish: those the load
+    /// copied before it stopped, and those this stage took from the one it was built on (for a
+    /// buffer loaded whole: only the latter).
     pub(crate) fn partial(&self, i: usize) -> HashSet<u64> {
         let m = self.partial.lock().unwrap_or_else(|e| e.into_inner());
         let mut loaded = m.get(&i).cloned().unwrap_or_default();
-        if !loaded.is_empty() {
-            loaded.extend(self.skip.get(i).into_iter().flatten());
-        }
+        loaded.extend(self.skip.get(i).into_iter().flatten());
         loaded
     }
 
