@@ -894,8 +894,14 @@ impl Drafted {
 
     /// The pieces of the draft's data files that hold buffer `i`.
     fn pieces_of(&self, i: usize) -> Vec<PendingPiece> {
-        use possum_engine::store::ChunkSource;
         let draft = possum_engine::image::Image::open_draft(self.w.temp_dir()).unwrap();
+        self.chunks_in(&draft, i)
+    }
+
+    /// Where the chunks of buffer `i` lie in the draft `draft`, in order: each as a piece of its
+    /// data file.
+    fn chunks_in(&self, draft: &possum_engine::image::Image, i: usize) -> Vec<PendingPiece> {
+        use possum_engine::store::ChunkSource;
         let va = self.bufs[i].va();
         let rec = (draft.buffers().into_iter())
             .find(|b| b.va == va.0)
@@ -1203,23 +1209,15 @@ fn a_prestage_loads_again_what_is_written_again() {
 #[test]
 fn a_stage_takes_the_chunks_of_a_buffer_its_base_was_still_loading() {
     in_child(|| {
-        use possum_engine::image::Image;
-        use possum_engine::store::ChunkSource;
         let (dir, server) = fresh_keeper();
         let mut d = Drafted::new(&server, dir.path(), 90);
         let (arriving, whole) = d.arriving(dir.path(), true);
-        let draft = Image::open_draft(&arriving).unwrap();
-        // Each buffer's chunks in load order, with the file each lies in.
+        let draft = possum_engine::image::Image::open_draft(&arriving).unwrap();
+        // Each buffer's chunks in load order: their lengths and the files they lie in.
         let layout: Vec<Vec<(u64, String)>> = (0..3)
             .map(|i| {
-                let va = d.bufs[i].va().0;
-                let rec = (draft.buffers().into_iter()).find(|b| b.va == va).unwrap();
-                (draft.chunks(rec.id).into_iter())
-                    .map(|(off, len)| {
-                        let (file, _) = draft.chunk_location(rec.id, off).unwrap();
-                        (len, file.to_string())
-                    })
-                    .collect()
+                let chunks = d.chunks_in(&draft, i).into_iter();
+                chunks.map(|p| (p.len, p.file)).collect()
             })
             .collect();
         // A data file said not whole (every chunk in it waits) holding a chunk of the largest
