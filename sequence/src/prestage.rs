@@ -9,8 +9,11 @@
 //! keeper loads each chunk once its bytes are there. The restore's stage of the finished
 //! image then builds on it (`base`): each buffer keeps that memory, and only the chunks that
 //! differ between the draft and the image (by length, CRC32C and fingerprint) are loaded. A
-//! chunk the draft has without a fingerprint, a buffer the prestage did not load whole, a
-//! prestage that failed or was not made: loaded from the image as without it.
+//! chunk the draft has without a fingerprint, one the prestage had not loaded when the stage
+//! took it, a prestage that failed or was not made: loaded from the image as without it. With
+//! `POSSUM_MIGRATE_LOAD_REWRITTEN=1` the keeper is also told, after each part, which bytes of
+//! the data files it brought again (`stage_rewritten`), and loads those chunks again as they
+//! come.
 //!
 //! The source writes what the destination needs to find that keeper before the image has a
 //! `possum.json` ([`AHEAD_FILE`]: the job's keeper directory and GPUs, as `possum.json` will
