@@ -1607,7 +1607,8 @@ struct PostCopyRun {
 }
 
 /// Post-copy (`--post-copy`): the pieces of the job's GPU image it wrote after its round are
-/// left out of what is sent while it is held, sent once the destination has the rest, and the
+/// left out of what is sent while it is held (the rest of its GPU image goes while the driver
+/// and CRIU work, as without post-copy), sent once the destination has the rest, and the
 /// destination's stage loads the buffers they hold once they came. The job goes on bit-exact
 /// at the destination, and both ends count the pieces.
 #[test]
@@ -1635,6 +1636,9 @@ fn a_job_migrated_with_post_copy_runs_on_at_the_destination_bit_exact() {
         v["bytes_while_held"].as_u64().unwrap() + later <= v["bytes"].as_u64().unwrap(),
         "{v}"
     );
+    // The GPU images (what of them is not left for later) and CRIU's pages went while the
+    // driver and CRIU worked, as without post-copy.
+    assert!(v["bytes_while_dumping"].as_u64().unwrap() > 0, "{v}");
     let staged = r["staged"].as_array().expect("staged");
     assert!(staged[0]["error"].is_null(), "{r}");
     let received = PathBuf::from(r["dir"].as_str().unwrap());

@@ -415,13 +415,13 @@ impl Observer for SendAhead<'_> {
     }
     /// The job held, its GPU images complete: the `Cut` and they, the final set's first part,
     /// go to the destination on a thread while the driver and CRIU work (of the files sent
-    /// ahead, only what the cut wrote since the last round), unless
-    /// `POSSUM_MIGRATE_SEND_WHILE_HELD=0`, or with post-copy (what the job wrote since the last
-    /// round then goes after it runs at the destination).
+    /// ahead, only what the cut wrote since the last round; with post-copy, not even that: it
+    /// goes after the job runs at the destination, and only what the cut appended goes now),
+    /// unless `POSSUM_MIGRATE_SEND_WHILE_HELD=0`.
     fn held(&mut self, dir: &Path, gpu: &[String], written: &Written) {
         // (Dropped unused, the send begun at the copy ends there.)
         let copying = self.copying.take();
-        if !self.p.checkpoint.env.send_while_held || self.p.post_copy || gpu.is_empty() {
+        if !self.p.checkpoint.env.send_while_held || gpu.is_empty() {
             return;
         }
         let env = &self.p.checkpoint.env;
@@ -442,7 +442,7 @@ impl Observer for SendAhead<'_> {
             let _ = tell.send(what);
             return;
         }
-        let link = match self.link.take() {
+        let mut link = match self.link.take() {
             Some(Ok(link)) => link,
             // (A round that failed keeps its error, acted on once the checkpoint is committed.)
             other => {
@@ -450,6 +450,9 @@ impl Observer for SendAhead<'_> {
                 return;
             }
         };
+        if self.p.post_copy {
+            link.sender.post_copy(gpu.to_vec());
+        }
         self.held_send = Some(held_send::spawn(
             (link.stream, link.sender),
             what,

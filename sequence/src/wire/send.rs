@@ -244,6 +244,8 @@ struct FirstPart {
     under: Vec<String>,
     files: HashMap<String, u64>,
     totals: Totals,
+    /// Its pieces left for later (post-copy: [`DirSender::post_copy`]).
+    later: Vec<LaterPiece>,
     /// The parts of files still being written sent since ([`DirSender::send_growing`]).
     early: Vec<EarlyPart>,
     /// Their file was written again since ([`DirSender::forget_growing`]): none is claimed,
@@ -420,8 +422,9 @@ impl DirSender {
     /// name) names it as its base, as in [`DirSender::finish`], the pieces the writer's
     /// account ([`DirSender::told`]) names hashed again. [`DirSender::finish`] then sends the
     /// rest; the files of this part must be there as they were, and no other file under
-    /// `under`. Only once, after something was sent ahead, and not with
-    /// [`DirSender::post_copy`].
+    /// `under`. Only once, after something was sent ahead. With [`DirSender::post_copy`] its
+    /// patches under those directories are left for later, as the rest's are:
+    /// [`DirSender::finish_post_copy`] hands them back with the rest's.
     pub fn send_final_under<S: Read + Write>(
         &mut self,
         stream: &mut S,
@@ -429,7 +432,7 @@ impl DirSender {
         under: &[String],
     ) -> Result<Totals, WireError> {
         let sent = (|| {
-            if !self.sent_ahead || self.first_part.is_some() || !self.later_under.is_empty() {
+            if !self.sent_ahead || self.first_part.is_some() {
                 return Err(SendError::Unsupported {
                     path: dir.to_path_buf(),
                     what: "a first part of the final set here",
@@ -450,10 +453,11 @@ impl DirSender {
             }
             self.cut(stream)?;
             let written = std::mem::take(&mut self.written);
-            let bases = bases(dir, &entries, self.ahead.clone(), (&written, true));
+            let mut bases = bases(dir, &entries, self.ahead.clone(), (&written, true));
             for (inode, _) in bases.values() {
                 self.ahead.remove(inode);
             }
+            let later = leave_for_later(&mut bases, &self.later_under);
             let mut files = HashMap::new();
             for e in &entries {
                 if let Entry::File(h) = e {
@@ -465,6 +469,7 @@ impl DirSender {
                 under: under.to_vec(),
                 files,
                 totals: sent.totals,
+                later,
                 early: Vec::new(),
                 early_stale: false,
             });
@@ -782,6 +787,11 @@ impl DirSender {
                 let mut bases = bases(dir, &entries, ahead, (&written, true));
                 hashing = t.elapsed();
                 later = leave_for_later(&mut bases, &self.later_under);
+                // (With the first part's, in the same order.)
+                if let Some(first) = self.first_part.as_mut() {
+                    later.append(&mut first.later);
+                    later.sort();
+                }
                 Sending::Final(bases)
             } else {
                 Sending::Plain

@@ -1106,6 +1106,50 @@ fn pieces_left_for_post_copy_come_after_the_final_set_bit_exact() {
     assert_arrived(&src, &dest, &out);
 }
 
+/// Post-copy with the final set's first part sent while the job is held (the GPU images, while
+/// CRIU dumps): the pieces of that part's files rewritten since they were sent ahead are left for
+/// later too, only the bytes appended to them go in it; the rest of the final set hands them back
+/// with its own, and DEST is the source, bit-exact.
+#[test]
+fn a_first_part_of_the_final_set_leaves_its_rewritten_pieces_for_post_copy() {
+    let (_tmp, src, out) = dirs();
+    many_files(&src);
+    let dest = out.join("image");
+    let (mut main, mut sender, receiver) = streams_sender(10, &dest, 3, |s, _| Box::new(s));
+    sender.send_ahead(&mut main, &src).unwrap();
+    let big = src.join("gpu/gpu-0/data-000.bin");
+    rewrite(&big, CHUNK_BYTES as u64 + 7, b"rewritten at the cut");
+    let appended = noise(CHUNK_BYTES / 3);
+    append_to(&big, &appended);
+    sender.post_copy(vec!["gpu".into()]);
+    let first = sender
+        .send_final_under(&mut main, &src, &["gpu".to_string()])
+        .unwrap();
+    assert_eq!(
+        first.bytes,
+        appended.len() as u64,
+        "only the appended bytes of the GPU image go while held"
+    );
+    // What is not under the first part's directory, written since: in the rest.
+    rewrite(&src.join("possum.json"), 0, b"[]");
+    sender.post_copy(vec!["gpu/gpu-0".into()]);
+    let sent = sender.sent_counter();
+    let (report, _, later) = sender.finish_post_copy(&mut main, &src).unwrap();
+    let later = later.expect("the first part's piece left for later");
+    let left: Vec<(String, u64)> = (later.pieces().iter())
+        .map(|p| (p.path.clone(), p.offset))
+        .collect();
+    assert_eq!(
+        left,
+        [("gpu/gpu-0/data-000.bin".to_string(), CHUNK_BYTES as u64)]
+    );
+    assert_eq!(report.sent_bytes, 2, "the rest: possum.json's piece");
+    let r = later.send(&src, &[0], &Urgent::default(), &sent).unwrap();
+    assert_eq!((r.pieces, r.bytes), (1, CHUNK_BYTES as u64));
+    receiver.join().unwrap().unwrap();
+    assert_arrived(&src, &dest, &out);
+}
+
 /// Post-copy at a receiver that asks for it: DEST is named before the pieces left came, holding
 /// the mark that lists them (a restore refuses it); each piece that comes is told; once all
 /// came DEST is the final set and the mark is gone. A piece changed at the source after the
