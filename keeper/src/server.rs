@@ -868,11 +868,6 @@ impl Inner {
     ) -> (Vec<Option<u64>>, Reuse) {
         use possum_engine::store::ChunkSource;
         let partial = crate::config::Config::from_env().stage_partial;
-        let draft = base
-            .stage
-            .draft
-            .as_deref()
-            .expect("a prestage has its draft");
         let by_buf: HashMap<u64, usize> = base
             .stage
             .buffers
@@ -889,41 +884,11 @@ impl Inner {
             });
             let mut skip = HashSet::new();
             let mut whole = false;
-            // Of a buffer it did not load whole, the chunks it did (unless told not to).
-            let loaded = |i: usize| match base.ready[i] {
-                true => None,
-                false if partial => Some(base.stage.partial(i)),
-                false => Some(HashSet::new()),
-            };
-            if let Some((i, loaded)) = found.map(|i| (i, loaded(i))) {
-                let missed = base.stage.missed(i);
-                let chunks = img.chunks(r.id);
-                for &(off, len) in &chunks {
-                    if loaded.as_ref().is_some_and(|l| !l.contains(&off)) {
-                        continue;
-                    }
-                    let kept = match base.stage.rewritten_chunk(i, off) {
-                        // Never written again: the draft's bytes, as loaded.
-                        None => img.same_chunk(draft, r.id, off) && !missed.contains(&off),
-                        // Written again: loaded since, where the image has it, as it has it.
-                        Some(loaded) => {
-                            let (now, then) =
-                                (img.chunk_place(r.id, off), draft.chunk_place(r.id, off));
-                            match (now, then, loaded) {
-                                (Some(now), Some(then), Some(crc)) => {
-                                    (now.file, now.at, now.len) == (then.file, then.at, then.len)
-                                        && now.crc32c == crc
-                                }
-                                _ => false,
-                            }
-                        }
-                    };
-                    if kept {
-                        skip.insert(off);
-                        reuse.bytes += len;
-                    }
-                }
-                whole = skip.len() == chunks.len();
+            if let Some(i) = found {
+                let kept = base.stage.held_as_in(i, base.ready[i], partial, img, r.id);
+                reuse.bytes += kept.iter().map(|(_, len)| len).sum::<u64>();
+                whole = kept.len() == img.chunks(r.id).len();
+                skip = kept.into_iter().map(|(off, _)| off).collect();
             }
             allocs.push(found.map(|i| base.stage.buffers[i].alloc));
             reuse.skip.push(skip);

@@ -40,7 +40,7 @@ use possum_control::EnvConfig;
 use possum_cuda::share::{ShareDevice, SharedMem};
 use possum_cuda::{CudaPending, PinnedBuf};
 use possum_engine::device::{DeviceError, HostBuffer, Transfer};
-use possum_engine::image::{Image, ImageError};
+use possum_engine::image::{ChunkPlace, Image, ImageError};
 use possum_engine::store::ChunkSource;
 use thiserror::Error;
 
@@ -259,6 +259,11 @@ impl Rewrites {
     }
 }
 
+/// Whether two chunks lie at the same place: the same data file, offset and length.
+fn same_place(a: &ChunkPlace<'_>, b: &ChunkPlace<'_>) -> bool {
+    (a.file, a.at, a.len) == (b.file, b.at, b.len)
+}
+
 /// What a loader is given to do ([`Stage::pick`]).
 enum Work {
     /// Load this buffer.
@@ -310,6 +315,14 @@ impl Progress {
         } else {
             Choice::Done
         }
+    }
+
+    /// Up to `most` chunks of one loaded buffer to load again ([`Rewrites::take`]), their load
+    /// counted under way.
+    fn take_again(&mut self, most: usize) -> Option<Work> {
+        let (i, offsets) = self.rewrites.take(&self.status, most)?;
+        self.rewrites.loading += 1;
+        Some(Work::Again(i, offsets))
     }
 
     /// Buffers not loaded yet that a pending piece blocks.
@@ -461,9 +474,52 @@ impl Stage {
         hits.len() as u64
     }
 
+    /// The chunks of buffer `i` of this prestage (the image `img`'s buffer `buf`) that its
+    /// memory holds as `img` has them, (offset, length) each, for a stage of `img` built on it;
+    /// `loaded_whole`: its load finished; `partial`: of a buffer whose load did not, take the
+    /// chunks it copied ([`Stage::partial`]). A chunk never named written again is held where
+    /// the draft and `img` have the same bytes (by fingerprint) and its read found the draft's;
+    /// a named one, where what was last loaded of it was read after its last naming, at the
+    /// place `img` has it, and sums to `img`'s CRC32C.
+    pub(crate) fn held_as_in(
+        &self,
+        i: usize,
+        loaded_whole: bool,
+        partial: bool,
+        img: &Image,
+        buf: u64,
+    ) -> Vec<(u64, u64)> {
+        let draft = self.draft.as_deref().expect("a prestage has its draft");
+        let loaded = match (loaded_whole, partial) {
+            (true, _) => None,
+            (false, true) => Some(self.partial(i)),
+            (false, false) => Some(HashSet::new()),
+        };
+        let missed = self.missed(i);
+        let held = |off: u64| match self.rewritten_chunk(i, off) {
+            None => img.same_chunk(draft, buf, off) && !missed.contains(&off),
+            Some(loaded) => {
+                match (
+                    img.chunk_place(buf, off),
+                    draft.chunk_place(buf, off),
+                    loaded,
+                ) {
+                    (Some(now), Some(then), Some(crc)) => {
+                        same_place(&now, &then) && now.crc32c == crc
+                    }
+                    _ => false,
+                }
+            }
+        };
+        (img.chunks(buf).into_iter())
+            .filter(|(off, _)| loaded.as_ref().is_none_or(|l| l.contains(off)))
+            .filter(|&(off, _)| held(off))
+            .collect()
+    }
+
     /// Whether chunk `offset` of buffer `i` was named written again ([`Stage::rewritten`]), and
     /// if so, the CRC32C of what its memory holds if that was loaded after its last naming.
-    pub(crate) fn rewritten_chunk(&self, i: usize, offset: u64) -> Option<Option<u32>> {
+    fn rewritten_chunk(&self, i: usize, offset: u64) -> Option<Option<u32>> {
         let p = self.lock();
         let r = &p.rewrites;
         let c = (i, offset);
@@ -717,10 +773,8 @@ impl Stage {
                 p.status[i] = Status::Loading;
                 return Some(Work::Buffer(i));
             }
-            let p2 = &mut *p;
-            if let Some((i, offsets)) = p2.rewrites.take(&p2.status, 2 * READERS) {
-                p.rewrites.loading += 1;
-                return Some(Work::Again(i, offsets));
+            if let Some(again) = p.take_again(2 * READERS) {
+                return Some(again);
             }
             match (choice, self.rewrites_until) {
                 (Choice::Done, None) => return None,
@@ -1017,24 +1071,17 @@ fn copy_in(
     let res = dev.reserve(b.alloc_size).map_err(LoadError::Reserve)?;
     let m = mem.map(b.alloc, &res)?;
     let mut inflight = VecDeque::new();
-    let named = Mutex::new(Vec::new());
-    let at = Target {
+    let load = Load {
+        stage,
+        i,
+        image,
         dev,
         stream,
         va: m.va(),
+        named: Mutex::new(Vec::new()),
     };
     let mut issued = Vec::new();
-    let sent = send_chunks(
-        &at,
-        stage,
-        i,
-        todo,
-        image,
-        free,
-        &mut inflight,
-        &named,
-        &mut issued,
-    );
+    let sent = send_chunks(&load, todo, free, &mut inflight, &mut issued);
     // Every copy in flight is waited for, whatever failed: nothing of this load may land on the
     // memory once the load is settled (the job may copy it in itself then).
     let mut waited = Ok(());
@@ -1047,7 +1094,7 @@ fn copy_in(
     }
     // Every copy issued landed: what it read is in the memory, whether or not all of `todo` was.
     if waited.is_ok() {
-        let named = named.into_inner().unwrap_or_else(|e| e.into_inner());
+        let named = load.named.into_inner().unwrap_or_else(|e| e.into_inner());
         stage.loaded_named(i, named);
         if sent.is_err() {
             stage.loaded_part(i, issued);
@@ -1060,25 +1107,26 @@ fn copy_in(
     }
 }
 
-/// Where a load's copies go: the device, its stream, and the buffer's memory as mapped.
-struct Target<'a> {
+/// One buffer's load: its stage, its place there and the image read; where the copies go (the
+/// device, its stream, the buffer's memory as mapped); what was read of chunks named written
+/// again ((offset, naming, CRC32C) each, from the reading threads).
+struct Load<'a> {
+    stage: &'a Stage,
+    i: usize,
+    image: &'a Image,
     dev: &'a ShareDevice,
     stream: &'a possum_cuda::CudaStream,
     va: u64,
+    named: Mutex<Vec<(u64, u64, u32)>>,
 }
 
-/// Reads each chunk `todo` of buffer `i` of `stage` into a pinned buffer and queues its copy to
-/// `at`'s memory + its offset (its offset added to `issued`); stops if the stage is ended.
-#[allow(clippy::too_many_arguments)]
+/// Reads each chunk `todo` of `load`'s buffer into a pinned buffer and queues its copy to its
+/// memory + its offset (its offset added to `issued`); stops if the stage is ended.
 fn send_chunks(
-    at: &Target<'_>,
-    stage: &Stage,
-    i: usize,
+    load: &Load<'_>,
     todo: &[(u64, u64)],
-    image: &Image,
     free: &mut Vec<PinnedBuf>,
     inflight: &mut VecDeque<CudaPending>,
-    named: &Mutex<Vec<(u64, u64, u32)>>,
     issued: &mut Vec<u64>,
 ) -> Result<(), ChunkError> {
     // A large buffer's chunks are read READERS at a time (one thread reads a page-cache file
@@ -1090,24 +1138,22 @@ fn send_chunks(
         1
     };
     for group in todo.chunks(batch) {
-        if stage.ended() {
+        if load.stage.ended() {
             return Err(ChunkError::Ended);
         }
         let mut bufs = Vec::with_capacity(group.len());
         for &(off, len) in group {
             let n = usize::try_from(len).map_err(|_| ChunkError::TooLarge(off))?;
-            bufs.push((
-                next_buf(at.dev, free, inflight, n, DEPTH.max(2 * batch))?,
-                n,
-            ));
+            let depth = DEPTH.max(2 * batch);
+            bufs.push((next_buf(load.dev, free, inflight, n, depth)?, n));
         }
-        let read = read_group(stage, i, image, group, &mut bufs, named);
+        let read = read_group(load, group, &mut bufs);
         if let Err(e) = read {
             free.extend(bufs.into_iter().map(|(b, _)| b));
             return Err(e);
         }
         for ((buf, n), &(off, _)) in bufs.into_iter().zip(group) {
-            inflight.push_back(at.stream.copy_h2d(buf, at.va + off, n)?);
+            inflight.push_back(load.stream.copy_h2d(buf, load.va + off, n)?);
             issued.push(off);
         }
     }
@@ -1117,18 +1163,22 @@ fn send_chunks(
 /// Chunks of one buffer read at once, by so many threads.
 const READERS: usize = 4;
 
-/// Reads the chunks `group` of buffer `i` of `stage` into `bufs` (one each, its first `n`
-/// bytes), each once its bytes are in the image's file (post-copy), one thread each; a chunk
-/// named written again as its file holds it, its sum added to `named`.
+/// Reads the chunks `group` of `load`'s buffer into `bufs` (one each, its first `n` bytes), each
+/// once its bytes are in the image's file (post-copy), one thread each; a chunk named written
+/// again as its file holds it, its sum added to the load's `named`.
 fn read_group(
-    stage: &Stage,
-    i: usize,
-    image: &Image,
+    load: &Load<'_>,
     group: &[(u64, u64)],
     bufs: &mut [(PinnedBuf, usize)],
-    named: &Mutex<Vec<(u64, u64, u32)>>,
 ) -> Result<(), ChunkError> {
-    let buf_id = stage.buffers[i].buf;
+    let Load {
+        stage,
+        i,
+        image,
+        named,
+        ..
+    } = load;
+    let (i, buf_id) = (*i, stage.buffers[*i].buf);
     let read_one = |off: u64, dst: &mut [u8]| -> Result<(), ChunkError> {
         // Post-copy: its bytes may still be on their way.
         stage.wait_chunk(i, off)?;
