@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use possum_control::reply::ResumeReply;
+use possum_control::reply::{ResumeReply, StatusReply};
 use possum_control::Request;
 use possum_criu::{tree_resident_bytes, Deadline};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, ProcessState};
@@ -338,14 +338,9 @@ fn restore_unless_running(a: &GuardPlan, tell: &dyn Fn(&str), restore_here: Rest
     let t = std::time::Instant::now();
     let gone = || !alive(a.pid) && !a.children.iter().any(|&c| alive(c));
     let answers = || {
-        let status = Request::Status;
-        crate::job::ask_within::<possum_control::reply::StatusReply>(
-            a.pid,
-            &a.socket_dir,
-            &status,
-            Duration::from_secs(1),
-        )
-        .is_ok()
+        let one_second = Duration::from_secs(1);
+        let status = &Request::Status;
+        crate::job::ask_within::<StatusReply>(a.pid, &a.socket_dir, status, one_second).is_ok()
     };
     loop {
         if answers() {

@@ -152,33 +152,6 @@ enum Told {
 /// The lengths of the files of an unfinished image directory, by name.
 type Lengths = BTreeMap<String, u64>;
 
-/// Of `brought` (a part's), the ranges of the data files of the images under `rel_dirs` that
-/// begin below the file's length in `told` (the image's, in the same order): bytes written
-/// again, not the first of a file still arriving. Every other path is left out.
-fn rewrites_within(
-    rel_dirs: &[PathBuf],
-    told: &[Lengths],
-    brought: &crate::wire::Brought,
-) -> crate::wire::Brought {
-    let mut out = crate::wire::Brought::new();
-    for (dir, lengths) in rel_dirs.iter().zip(told) {
-        for (path, ranges) in brought {
-            let Some(name) = file_in(dir, path) else {
-                continue;
-            };
-            let had = lengths.get(name).copied().unwrap_or(0);
-            let again: Vec<(u64, u64)> = (ranges.iter())
-                .filter(|&&(at, _)| at < had)
-                .copied()
-                .collect();
-            if !again.is_empty() {
-                out.insert(path.clone(), again);
-            }
-        }
-    }
-    out
-}
-
 /// The name of the file `path` if it lies directly in `dir` (both relative to one directory).
 fn file_in<'a>(dir: &Path, path: &'a str) -> Option<&'a str> {
     let p = Path::new(path);
@@ -222,26 +195,29 @@ impl Prestages {
     }
 
     /// What `brought` (a part's, under the received directory) brought of each image's data
-    /// files (those under `rel_dirs`, one per image), as its keeper names them; `None` if
-    /// nothing.
+    /// files (those under `rel_dirs`, one per image), as its keeper names them; with `below`
+    /// (each image's data files' lengths before the part), only the ranges that begin below
+    /// their file's length: bytes written again, not the first of a file still arriving.
+    /// `None` if nothing.
     fn rewritten(
         rel_dirs: &[PathBuf],
         brought: &crate::wire::Brought,
+        below: Option<&[Lengths]>,
     ) -> Option<Vec<Vec<possum_keeper::PendingPiece>>> {
         let mut any = false;
-        let per_image = (rel_dirs.iter())
-            .map(|dir| {
+        let per_image = (rel_dirs.iter().enumerate())
+            .map(|(k, dir)| {
                 let mut pieces = Vec::new();
                 for (path, ranges) in brought {
                     let Some(name) = file_in(dir, path) else {
                         continue;
                     };
-                    pieces.extend(ranges.iter().map(|&(offset, len)| {
-                        possum_keeper::PendingPiece {
-                            file: name.to_string(),
-                            offset,
-                            len,
-                        }
+                    let had = below.map(|b| b.get(k).and_then(|l| l.get(name)).map_or(0, |&n| n));
+                    let again = (ranges.iter()).filter(|&&(at, _)| had.is_none_or(|had| at < had));
+                    pieces.extend(again.map(|&(offset, len)| possum_keeper::PendingPiece {
+                        file: name.to_string(),
+                        offset,
+                        len,
                     }));
                 }
                 any |= !pieces.is_empty();
@@ -251,13 +227,10 @@ impl Prestages {
         any.then_some(per_image)
     }
 
-    /// Tells the thread what `brought` (a part's) brought of the images under `rel_dirs`.
-    fn tell_rewritten(&mut self, rel_dirs: &[PathBuf], brought: &crate::wire::Brought) {
-        let Some(tx) = self.grown.as_ref().filter(|_| self.rewrites) else {
-            return;
-        };
-        if let Some(pieces) = Self::rewritten(rel_dirs, brought) {
-            if tx.send(Told::Rewritten(pieces)).is_err() {
+    /// Tells the thread `told`; a thread gone is told nothing more.
+    fn tell(&mut self, told: Told) {
+        if let Some(tx) = &self.grown {
+            if tx.send(told).is_err() {
                 self.grown = None;
             }
         }
@@ -267,20 +240,19 @@ impl Prestages {
     /// finished (its manifest there), each is staged ahead, where that was asked, once; until
     /// then, what it brought of them is told.
     fn final_part(&mut self, dir: &Path, brought: &crate::wire::Brought) {
-        let Some(tx) = self
-            .grown
-            .as_ref()
-            .filter(|_| self.stage_ahead && !self.staged_ahead)
-        else {
+        if self.grown.is_none() || !self.stage_ahead || self.staged_ahead {
             return;
-        };
+        }
         let manifest = possum_engine::image::MANIFEST_FILE;
         if !(self.finished.iter()).all(|rel| dir.join(rel).join(manifest).is_file()) {
-            let finished = self.finished.clone();
-            return self.tell_rewritten(&finished, brought);
+            let again = (self.rewrites).then(|| Self::rewritten(&self.finished, brought, None));
+            if let Some(pieces) = again.flatten() {
+                self.tell(Told::Rewritten(pieces));
+            }
+            return;
         }
         self.staged_ahead = true;
-        let _ = tx.send(Told::Finished(dir.to_path_buf()));
+        self.tell(Told::Finished(dir.to_path_buf()));
     }
 
     /// Called with the directory what is sent ahead is received in, each time a part of it is
@@ -301,16 +273,13 @@ impl Prestages {
         if self.begun {
             // What it brought below where each file ended before it was written again; told
             // before the lengths, so that no chunk is loaded as it was before it is named.
-            let now: Vec<Lengths> = self.images.iter().map(|d| lengths(d)).collect();
-            let again = rewrites_within(&self.unfinished, &self.told, brought);
-            let unfinished = self.unfinished.clone();
-            self.tell_rewritten(&unfinished, &again);
-            if let Some(tx) = &self.grown {
-                if tx.send(Told::Grown(now.clone())).is_err() {
-                    self.grown = None;
-                }
+            let told = Some(self.told.as_slice());
+            let again = (self.rewrites).then(|| Self::rewritten(&self.unfinished, brought, told));
+            if let Some(pieces) = again.flatten() {
+                self.tell(Told::Rewritten(pieces));
             }
-            self.told = now;
+            self.told = self.images.iter().map(|d| lengths(d)).collect();
+            self.tell(Told::Grown(self.told.clone()));
             return;
         }
         let Ok(text) = fs::read(ahead.join(AHEAD_FILE)) else {
@@ -592,18 +561,18 @@ mod tests {
             PathBuf::from("gpu-7/.gpu-1.tmp-2"),
         ];
         let mut brought = crate::wire::Brought::new();
-        assert!(Prestages::rewritten(&dirs, &brought).is_none());
+        assert!(Prestages::rewritten(&dirs, &brought, None).is_none());
         brought.insert("criu/pages-1.img".into(), vec![(0, 10)]);
         brought.insert("gpu/.gpu-0.tmp-1/sub/data-000.bin".into(), vec![(0, 10)]);
         assert!(
-            Prestages::rewritten(&dirs, &brought).is_none(),
+            Prestages::rewritten(&dirs, &brought, None).is_none(),
             "none of theirs"
         );
         brought.insert(
             "gpu/.gpu-0.tmp-1/data-001.bin".into(),
             vec![(8, 4), (64, 2)],
         );
-        let told = Prestages::rewritten(&dirs, &brought).expect("the first image's");
+        let told = Prestages::rewritten(&dirs, &brought, None).expect("the first image's");
         let piece = |offset, len| possum_keeper::PendingPiece {
             file: "data-001.bin".into(),
             offset,
@@ -615,11 +584,8 @@ mod tests {
             Lengths::from([("data-001.bin".to_string(), 64)]),
             Lengths::new(),
         ];
-        let again = rewrites_within(&dirs, &lengths, &brought);
-        assert_eq!(
-            again,
-            crate::wire::Brought::from([("gpu/.gpu-0.tmp-1/data-001.bin".into(), vec![(8, 4)])])
-        );
+        let again = Prestages::rewritten(&dirs, &brought, Some(&lengths));
+        assert_eq!(again, Some(vec![vec![piece(8, 4)], vec![]]));
     }
 
     #[test]
