@@ -144,6 +144,20 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Waits (10 s at most, failing with `what`) until stage `stage` of `server` is shown as `cond`
+/// says.
+fn wait_for_stage(
+    server: &Server,
+    stage: u64,
+    what: &str,
+    cond: impl Fn(&possum_keeper::StageStats) -> bool,
+) {
+    wait_until(what, || {
+        let st = server.stats();
+        st.stages.iter().any(|s| s.stage == stage && cond(s))
+    });
+}
+
 /// The keeper's spare, lent to a drain into `dir`: asked until one is ready (10 s at most).
 fn take_spare(k: &mut Keeper, dir: &Path) -> possum_keeper::SpareLease {
     let t = Instant::now();
@@ -1033,10 +1047,8 @@ fn a_stage_ahead_of_the_whole_image_is_built_on_where_the_image_lies_later() {
         let img = d.finished(dir.path());
         let ahead = d.k.stage_ahead(&img, 60, pre.stage).unwrap();
         assert_eq!(ahead.reused_bytes, d.sizes[0] + d.sizes[2], "{ahead:?}");
-        wait_until("the stage ahead is loaded", || {
-            let st = server.stats();
-            (st.stages.iter())
-                .any(|s| s.stage == ahead.stage && s.done_ms.is_some() && s.ready == 3)
+        wait_for_stage(&server, ahead.stage, "the stage ahead is loaded", |s| {
+            s.done_ms.is_some() && s.ready == 3
         });
         let mem = possum_keeper::KeeperMemory::connect(server.path()).unwrap();
         assert!(
@@ -1074,12 +1086,12 @@ fn a_prestage_loads_as_the_draft_files_arrive() {
         let none: BTreeMap<String, u64> = whole.keys().map(|n| (n.clone(), 0)).collect();
         let pre = d.k.prestage_arriving(&arriving, 60, none).unwrap();
         assert_eq!(pre.buffers, 3);
-        wait_until("the prestage's buffers are blocked", || {
-            let st = server.stats();
-            st.stages
-                .iter()
-                .any(|s| s.stage == pre.stage && s.blocked_buffers == 3 && s.ready == 0)
-        });
+        wait_for_stage(
+            &server,
+            pre.stage,
+            "the prestage's buffers are blocked",
+            |s| s.blocked_buffers == 3 && s.ready == 0,
+        );
         // A file said grown that is not yet: nothing arrives past what is said.
         let one = whole.keys().next().unwrap().clone();
         assert!(d.k.stage_grown(pre.stage, [(one, 0)].into()).unwrap() > 0);
@@ -1090,11 +1102,8 @@ fn a_prestage_loads_as_the_draft_files_arrive() {
             std::fs::write(arriving.join(name), bytes).unwrap();
         }
         assert_eq!(d.k.stage_grown(pre.stage, whole.clone()).unwrap(), 0);
-        wait_until("the prestage is loaded", || {
-            let st = server.stats();
-            st.stages
-                .iter()
-                .any(|s| s.stage == pre.stage && s.done_ms.is_some() && s.ready == 3)
+        wait_for_stage(&server, pre.stage, "the prestage is loaded", |s| {
+            s.done_ms.is_some() && s.ready == 3
         });
         let img = d.finished(dir.path());
         let info = d.restored_on(&server, &img, pre.stage, |i| 30 + i as u64);
@@ -1120,11 +1129,8 @@ fn a_prestage_leaves_a_chunk_not_there_yet_to_the_stage_built_on_it() {
         holed[..4096].fill(0);
         std::fs::write(&first, &holed).unwrap();
         let pre = d.k.prestage_arriving(&arriving, 60, whole.clone()).unwrap();
-        wait_until("the prestage is loaded", || {
-            let st = server.stats();
-            st.stages
-                .iter()
-                .any(|s| s.stage == pre.stage && s.done_ms.is_some() && s.ready == 3)
+        wait_for_stage(&server, pre.stage, "the prestage is loaded", |s| {
+            s.done_ms.is_some() && s.ready == 3
         });
         // Its bytes come after the draft.
         std::fs::write(&first, &real).unwrap();
@@ -1152,16 +1158,12 @@ fn a_prestage_loads_again_what_is_written_again() {
         let (dir, server) = fresh_keeper();
         let mut d = Drafted::new(&server, dir.path(), 70);
         let pre = d.k.prestage(d.w.temp_dir(), 60).unwrap();
-        let loaded = |server: &Server, bytes: u64| {
-            let st = server.stats();
-            st.stages.iter().any(|s| {
-                s.stage == pre.stage
-                    && s.ready == 3
-                    && s.reloaded_bytes == bytes
-                    && s.reloads_left == 0
+        let loaded = |what: &str, bytes: u64| {
+            wait_for_stage(&server, pre.stage, what, |s| {
+                s.ready == 3 && s.reloaded_bytes == bytes && s.reloads_left == 0
             })
         };
-        wait_until("the prestage is loaded", || loaded(&server, 0));
+        loaded("the prestage is loaded", 0);
         // The second buffer written again, rewritten in place in the draft's files, named.
         d.kept.write(d.bufs[1].va(), 81, d.bufs[1].size());
         d.kept
@@ -1173,9 +1175,7 @@ fn a_prestage_loads_again_what_is_written_again() {
         let second = d.pieces_of(1);
         let n = d.k.stage_rewritten(pre.stage, second.clone()).unwrap();
         assert_eq!(n, second.len() as u64);
-        wait_until("its chunks are loaded again", || {
-            loaded(&server, d.sizes[1])
-        });
+        loaded("its chunks are loaded again", d.sizes[1]);
         // The third: named, loaded again, then written again, not named.
         d.kept.write(d.bufs[2].va(), 82, d.bufs[2].size());
         d.kept
@@ -1186,9 +1186,7 @@ fn a_prestage_loads_again_what_is_written_again() {
             .unwrap();
         d.k.stage_rewritten(pre.stage, d.pieces_of(2)).unwrap();
         let both = d.sizes[1] + d.sizes[2];
-        wait_until("the third's chunks are loaded again", || {
-            loaded(&server, both)
-        });
+        loaded("the third's chunks are loaded again", both);
         d.kept.write(d.bufs[2].va(), 92, d.bufs[2].size());
         let img = d.finished_in_place(dir.path());
         let want = |i: usize| [70, 81, 92][i];
@@ -1252,12 +1250,12 @@ fn a_stage_takes_the_chunks_of_a_buffer_its_base_was_still_loading() {
         }
         assert!(expect > whole_bytes, "the test takes part of a buffer");
         let pre = d.k.prestage_arriving(&arriving, 60, present).unwrap();
-        wait_until("the prestage's loads are done or waiting", || {
-            let st = server.stats();
-            st.stages
-                .iter()
-                .any(|s| s.stage == pre.stage && s.ready == ready && s.reads_waiting == waiting)
-        });
+        wait_for_stage(
+            &server,
+            pre.stage,
+            "the prestage's loads are done or waiting",
+            |s| s.ready == ready && s.reads_waiting == waiting,
+        );
         let img = d.finished(dir.path());
         let info = d.restored_on(&server, &img, pre.stage, |i| 90 + i as u64);
         assert_eq!(info.reused_bytes, expect, "{info:?}");
