@@ -679,7 +679,7 @@ impl Stage {
                 waited = true;
                 p.reads_waiting += 1;
             }
-            p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = self.sleep(p);
         };
         if waited {
             p.reads_waiting -= 1;
@@ -701,11 +701,7 @@ impl Stage {
             if !pieces.is_empty() || left.is_zero() {
                 return pieces;
             }
-            p = self
-                .cv
-                .wait_timeout(p, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            p = self.sleep_for(p, left);
         }
     }
 
@@ -715,7 +711,7 @@ impl Stage {
         self.end();
         let mut p = self.lock();
         while p.status.contains(&Status::Loading) || p.rewrites.loading > 0 {
-            p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = self.sleep(p);
         }
         p.status.iter().map(|s| *s == Status::Ready).collect()
     }
@@ -727,6 +723,23 @@ impl Stage {
 
     fn lock(&self) -> MutexGuard<'_, Progress> {
         self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits on the stage's condition variable with `p` held, until it is notified.
+    fn sleep<'a>(&self, p: MutexGuard<'a, Progress>) -> MutexGuard<'a, Progress> {
+        self.cv.wait(p).unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// [`Stage::sleep`], `left` at most.
+    fn sleep_for<'a>(
+        &self,
+        p: MutexGuard<'a, Progress>,
+        left: Duration,
+    ) -> MutexGuard<'a, Progress> {
+        self.cv
+            .wait_timeout(p, left)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
     }
 
     /// Buffers with another device's memory to copy from.
@@ -762,7 +775,7 @@ impl Stage {
                 p.released = true;
                 break;
             }
-            p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = self.sleep(p);
         }
         loop {
             if p.ended {
@@ -783,13 +796,9 @@ impl Stage {
                     if left.is_zero() {
                         return None;
                     }
-                    p = self
-                        .cv
-                        .wait_timeout(p, left)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
+                    p = self.sleep_for(p, left);
                 }
-                _ => p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner()),
+                _ => p = self.sleep(p),
             }
         }
     }
@@ -840,7 +849,7 @@ impl Stage {
                 Status::Ready => break Ok(()),
                 Status::Failed(e) => break Err(WaitError::Failed(e.clone())),
                 Status::Waiting | Status::Loading => {
-                    p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+                    p = self.sleep(p);
                 }
             }
         };
