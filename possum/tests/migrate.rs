@@ -686,8 +686,8 @@ fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
 /// With `POSSUM_HELD_SPARE=1` and a keeper keeping spare image memory on the image's
 /// filesystem, the held job's final copy hands the buffers it copies whole (the 64 MiB one its
 /// writer thread rewrites all the time) to the keeper, which copies them into its spare, one of
-/// the image's data files from then on; the migration sends it, and the job goes on at the
-/// destination bit-exact.
+/// the image's data files from then on; the migration sends its chunks as the journal names
+/// them, while the copy runs, and the job goes on at the destination bit-exact.
 #[test]
 fn a_held_job_s_final_copy_goes_into_the_keeper_s_spare() {
     let env = [
@@ -721,12 +721,22 @@ fn a_held_job_s_final_copy_goes_into_the_keeper_s_spare() {
     let finals = &v["checkpoint"]["release_report"]["final"];
     let by_keeper = finals[0]["shadows_saved_by_keeper"].as_u64().unwrap_or(0);
     assert!(by_keeper >= 1, "no buffer went into the spare: {finals}");
+    // The spare's chunks went in a round while the copy ran, as the journal named them (a
+    // spare's chunks not journaled: no round). What it sent depends on whether it listed the
+    // spare before the images' commit renamed it (if not, the final set sends it).
+    let rounds = v["rounds_while_copying"].as_u64().unwrap_or(0);
+    assert!(rounds >= 1, "no round while copying: {v}");
+    let copying = v["bytes_while_copying"].as_u64().unwrap_or(0);
     goes_on_like(
         &mut t.job,
         dir,
         &t.want,
         "migrated, its final copy in the keeper's spare",
     );
+    say(&format!(
+        "migrate_held_spare: {by_keeper} buffers into the spare; {copying} bytes sent while \
+         the copy ran, in {rounds} rounds"
+    ));
 }
 
 /// The network fails while the first round arrives in parts and the destination's keeper loads

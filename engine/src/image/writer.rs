@@ -363,13 +363,16 @@ impl JournalRecord {
     }
 }
 
-/// A data file this writer did not write: its name and path here, and the end of the last
-/// chunk recorded in it (its length in the image).
+/// A data file this writer did not write: its name and path here, its (device, inode), the end
+/// of the last chunk recorded in it (its length in the image), and the ranges recorded in it
+/// since [`ImageWriter::take_written`] was last called.
 #[derive(Debug)]
 struct Adopted {
     name: String,
     path: PathBuf,
+    inode: (u64, u64),
     end: u64,
+    written: Vec<(u64, u64)>,
 }
 
 /// Records `chunk`, written by call `seq` (`in_place`: over the place recorded for it), unless
@@ -540,20 +543,23 @@ impl ImageWriter {
     /// first time): every data file it writes, by (device, inode), with the byte ranges written
     /// in it, merged and in order (none: unchanged since). A reader of the files sent elsewhere
     /// after the last call (a migration sending a pre-copy round ahead) need read again only
-    /// these ranges. Files it adopted ([`Self::adopt_file`]) are written by someone else and
-    /// are not listed.
+    /// these ranges. A file it adopted ([`Self::adopt_file`]) is listed after them with the
+    /// chunks recorded in it ([`Self::record_chunk`]): whoever wrote it wrote only those.
     pub fn take_written(&self) -> Vec<FileWrites> {
-        self.lanes
-            .iter()
-            .map(|lane| FileWrites {
-                inode: lane.inode,
-                ranges: merged(std::mem::take(&mut *lane.written.lock())),
-            })
-            .collect()
+        let lanes = self.lanes.iter().map(|lane| FileWrites {
+            inode: lane.inode,
+            ranges: merged(std::mem::take(&mut *lane.written.lock())),
+        });
+        let mut files: Vec<FileWrites> = lanes.collect();
+        files.extend(self.adopted.lock().iter_mut().map(|a| FileWrites {
+            inode: a.inode,
+            ranges: merged(std::mem::take(&mut a.written)),
+        }));
+        files
     }
 
-    /// From now on (until called again), each chunk written into a data file of this writer is
-    /// also recorded in `journal` once its bytes are there: a [`JournalRecord`], each with one
+    /// From now on (until called again), each chunk written into a data file of this writer,
+    /// or recorded in one it adopted, is also recorded in `journal` once its bytes are there: a [`JournalRecord`], each with one
     /// `write` (a file opened to append takes them whole, in the order they
     /// come). A reader of the files elsewhere (a migration sending them while the job is held)
     /// may read those ranges as final for this copy. `None` stops it. A record that cannot be
@@ -613,13 +619,21 @@ impl ImageWriter {
         let name = format!("data-{index:03}.bin");
         let path = self.tmp_dir.join(&name);
         fs::rename(from, &path).map_err(|e| ImageError::io(&path, e))?;
-        adopted.push(Adopted { name, path, end: 0 });
+        let meta = fs::symlink_metadata(&path).map_err(|e| ImageError::io(&path, e))?;
+        adopted.push(Adopted {
+            name,
+            path,
+            inode: (meta.dev(), meta.ino()),
+            end: 0,
+            written: Vec::new(),
+        });
         Ok(index as u32)
     }
 
     /// Records the chunk of `buffer` at `offset`, `len` bytes that someone else wrote at
-    /// `file_offset` of adopted data file `file` with CRC32C `crc`; a later record of the same
-    /// place wins over earlier ones (and over chunks written here before it). The chunk has no
+    /// `file_offset` of adopted data file `file` with CRC32C `crc` (its bytes there by now: the
+    /// journal names them, [`Self::journal_to`]); a later record of the same place wins over
+    /// earlier ones (and over chunks written here before it). The chunk has no
     /// fingerprint: [`Self::record_chunk_fp`] records one.
     pub fn record_chunk(
         &self,
@@ -649,7 +663,7 @@ impl ImageWriter {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let mut state = self.state.lock();
         self.check_chunk(&state, buffer, offset, len)?;
-        {
+        let inode = {
             let mut adopted = self.adopted.lock();
             let Some(a) = (file as usize)
                 .checked_sub(self.lanes.len())
@@ -661,7 +675,9 @@ impl ImageWriter {
                 ));
             };
             a.end = a.end.max(file_offset.saturating_add(len));
-        }
+            a.written.push((file_offset, len));
+            a.inode
+        };
         let mut chunk = ChunkMsg {
             buffer,
             offset,
@@ -674,6 +690,8 @@ impl ImageWriter {
         };
         chunk.set_fingerprint(fp);
         settle(&mut state, seq, chunk, false);
+        drop(state);
+        self.journal_chunk(inode, file_offset, len);
         Ok(())
     }
 

@@ -4,7 +4,10 @@
 //! written, before the `Cut` (before the round is over). What such a round
 //! read after its chunk was complete, from the file still under its name after the round, is
 //! settled, until the journal says it was written again (a chunk the copy took again, its proof
-//! by fingerprint having failed): the final set does not read a settled range again.
+//! by fingerprint having failed): the final set does not read a settled range again. A file
+//! that appears under `dir` while the copy runs (the keeper's spare, adopted into the images
+//! once the copy borrows it) goes only as far as the journal has named chunks in it: what lies
+//! past them may not be written yet.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
@@ -34,12 +37,19 @@ pub(super) struct Copying {
     pub(super) dir: PathBuf,
     /// The journal the job's final copy writes.
     pub(super) journal: PathBuf,
-    /// The regular files under `dir` as the copy began, by (device, inode): their paths
-    /// relative to it. A chunk in another file waits for the final set.
+    /// The regular files under `dir`, by (device, inode): their paths relative to it. Those
+    /// there as the copy began, and those found since where the journal named one not listed
+    /// (a file that cannot be found waits for the final set).
     pub(super) files: HashMap<(u64, u64), String>,
-    /// Whether the files are listed again when the journal names one not listed: a copy that
+    /// Of them, those there as the copy began: the others the copy made, and their bytes past
+    /// the end of the last chunk the journal named in them are not sent.
+    first: HashSet<(u64, u64)>,
+    /// Of each file, the end of the furthest chunk the journal named in it.
+    ends: HashMap<(u64, u64), u64>,
+    /// Whether the files are listed anew when the journal names one not listed: a copy that
     /// makes its files as it goes (the first pre-copy round), whose directories keep their
-    /// names while it runs. Not the final copy's: its images are renamed at their commit.
+    /// names while it runs. The final copy's files keep the paths first found (its images are
+    /// renamed at their commit): only those not listed are added.
     pub(super) growing: bool,
 }
 
@@ -51,7 +61,9 @@ impl Copying {
         Copying {
             dir: dir.to_path_buf(),
             journal: journal.to_path_buf(),
+            first: files.keys().copied().collect(),
             files,
+            ends: HashMap::new(),
             growing: false,
         }
     }
@@ -64,13 +76,38 @@ impl Copying {
         }
     }
 
-    /// Lists the files again where the copy makes them as it goes and `pending` names one not
-    /// listed.
+    /// Lists the files again where `pending` names one not listed: anew where the copy makes
+    /// them as it goes; else only those not listed are added.
     fn list_new(&mut self, pending: &Chunks) {
-        if self.growing && pending.keys().any(|i| !self.files.contains_key(i)) {
-            self.files.clear();
-            files_under(&self.dir, "", &self.journal, &mut self.files);
+        if pending.keys().all(|i| self.files.contains_key(i)) {
+            return;
         }
+        let mut now = HashMap::new();
+        files_under(&self.dir, "", &self.journal, &mut now);
+        if self.growing {
+            self.files = now;
+        } else {
+            for (inode, path) in now {
+                self.files.entry(inode).or_insert(path);
+            }
+        }
+    }
+
+    /// Notes the chunks `records` name (the furthest end of each file's).
+    fn note(&mut self, records: &[JournalRecord]) {
+        for r in records {
+            let end = self.ends.entry(r.inode).or_default();
+            *end = (*end).max(r.at.saturating_add(r.len));
+        }
+    }
+
+    /// How far each file of `inodes` that the copy made goes in a round: to the end of the
+    /// furthest chunk the journal named in it. By path.
+    fn made_upto<'a>(&self, inodes: impl Iterator<Item = &'a (u64, u64)>) -> HashMap<String, u64> {
+        inodes
+            .filter(|i| !self.first.contains(i))
+            .filter_map(|i| Some((self.files.get(i)?.clone(), *self.ends.get(i)?)))
+            .collect()
     }
 }
 
@@ -184,7 +221,10 @@ pub(super) fn send_while_copying<S: Read + Write + ?Sized, T>(
         let next = next.try_recv();
         if readable {
             match journal.read_new() {
-                Ok(records) => copied.written(records, &mut pending),
+                Ok(records) => {
+                    c.note(&records);
+                    copied.written(records, &mut pending);
+                }
                 Err(_) => {
                     (readable, rounds) = (false, false);
                     copied.settled = Written::new();
@@ -215,9 +255,10 @@ pub(super) fn send_while_copying<S: Read + Write + ?Sized, T>(
 
 /// One round: the chunks `chunks` names (of files `c` knows) sent as a round ahead of only
 /// their files, what it read settled in `copied`. Settled only where the round read the file:
-/// still there under its name after the round (the images are renamed at their commit, and
-/// never back). A file gone is read again by the final set. Whether every file was there (if
-/// not, the copy is over: no round is worth sending after).
+/// found under its name as the round listed them (the images are renamed at their commit, and
+/// never back), and read from it opened then, renamed meanwhile or not. A file gone is read
+/// again by the final set. Whether every file was there (if not, the copy is over: no round is
+/// worth sending after).
 fn round<S: Read + Write>(
     sender: &mut DirSender,
     stream: &mut S,
@@ -232,25 +273,21 @@ fn round<S: Read + Write>(
         paths.push(c.files[inode].clone());
     }
     sender.told(told);
-    let sent = sender.send_ahead_only(stream, &c.dir, &paths)?;
+    let upto = c.made_upto(chunks.keys());
+    let sent = sender.send_ahead_upto(stream, &c.dir, &paths, &upto)?;
     copied.files.extend(paths);
     copied.sent.files += sent.files;
     copied.sent.bytes += sent.bytes;
     copied.rounds += 1;
     let mut all_there = true;
     for (inode, ranges) in chunks {
-        if still_there(&c.dir.join(&c.files[&inode]), inode) {
+        if sender.read_in_last_part(inode) {
             copied.settled.add(inode, ranges);
         } else {
             all_there = false;
         }
     }
     Ok(all_there)
-}
-
-/// Whether `path` is the file `inode`.
-fn still_there(path: &Path, inode: (u64, u64)) -> bool {
-    fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == inode)
 }
 
 #[cfg(test)]
@@ -332,6 +369,63 @@ mod tests {
         left.add(inode, [(1u64 << 20, 3u64 << 20)]);
         assert_eq!(copied.settled, left);
         assert_eq!(pending[&inode], vec![(0, 1 << 20)]);
+        drop((a, sender));
+        let _ = receiving.join();
+    }
+
+    /// A file that appears while the copy runs (the keeper's spare, adopted into the images)
+    /// is found once the journal names it, and goes only as far as the furthest chunk named in
+    /// it: not the rest of its length, which may not be written yet.
+    #[test]
+    fn a_file_made_while_copying_goes_as_far_as_the_journal_named_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (src, dest) = (tmp.path().join("src"), tmp.path().join("dest"));
+        fs::create_dir_all(src.join(".gpu.tmp")).unwrap();
+        fs::write(src.join(".gpu.tmp/data-000.bin"), vec![1u8; 1 << 20]).unwrap();
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let key = || HmacKey::from_bytes(vec![7; 32]).unwrap();
+        let receiving = std::thread::spawn(move || receive_dir(&mut b, &key(), &dest));
+        let mut sender = DirSender::start(&mut a, &key()).unwrap();
+        sender.send_ahead(&mut a, &src).unwrap();
+
+        let journal = src.join(".journal");
+        let mut c = Copying::new(&src, &journal);
+        // The spare: 16 MiB long, chunks recorded at 0 and at 8 MiB.
+        let spare = src.join(".gpu.tmp/data-001.bin");
+        fs::write(&spare, vec![3u8; 16 << 20]).unwrap();
+        let m = fs::metadata(&spare).unwrap();
+        let inode = (m.dev(), m.ino());
+        assert!(!c.files.contains_key(&inode), "not there as the copy began");
+        let records = vec![
+            JournalRecord {
+                inode,
+                at: 0,
+                len: 4 << 20,
+            },
+            JournalRecord {
+                inode,
+                at: 8 << 20,
+                len: 2 << 20,
+            },
+        ];
+        let mut copied = Copied::default();
+        let mut pending = Chunks::new();
+        c.note(&records);
+        copied.written(records, &mut pending);
+        c.list_new(&pending);
+        assert_eq!(
+            c.files.get(&inode).map(String::as_str),
+            Some(".gpu.tmp/data-001.bin")
+        );
+        assert!(round(&mut sender, &mut a, &c, pending, &mut copied).unwrap());
+        assert_eq!(
+            (copied.rounds, copied.sent.bytes),
+            (1, 10 << 20),
+            "up to the end of the chunk at 8 MiB"
+        );
+        let mut want = Written::new();
+        want.add(inode, [(0, 4 << 20), (8 << 20, 2 << 20)]);
+        assert_eq!(copied.settled, want);
         drop((a, sender));
         let _ = receiving.join();
     }

@@ -222,6 +222,9 @@ pub struct DirSender {
     ahead_paths: HashSet<String>,
     /// Something was sent ahead: the final set follows a `Cut`.
     sent_ahead: bool,
+    /// The files the last part sent ahead read, by (device, inode)
+    /// ([`DirSender::read_in_last_part`]).
+    last_part: HashSet<(u64, u64)>,
     /// What the files' writer said it wrote since the last part ([`DirSender::told`]).
     written: Written,
     /// The files' bytes sent so far, every part and stream ([`DirSender::sent_counter`]).
@@ -286,6 +289,7 @@ impl DirSender {
             lanes,
             ahead: HashMap::new(),
             ahead_paths: HashSet::new(),
+            last_part: HashSet::new(),
             sent_ahead: false,
             written: Written::new(),
             sent: Arc::default(),
@@ -329,6 +333,13 @@ impl DirSender {
     /// chunk goes out: for a progress line, read from another thread.
     pub fn sent_counter(&self) -> Arc<AtomicU64> {
         self.sent.clone()
+    }
+
+    /// Whether the last part sent ahead read the file `inode`: the pieces its writer's account
+    /// named ([`DirSender::told`]) and what it gained, from the file opened as it was listed
+    /// (under whatever name it has since).
+    pub fn read_in_last_part(&self, inode: (u64, u64)) -> bool {
+        self.last_part.contains(&inode)
     }
 
     /// What the writer of the files sent says it wrote since the last part: the next part
@@ -387,6 +398,19 @@ impl DirSender {
         dir: &Path,
         files: &[String],
     ) -> Result<Totals, WireError> {
+        self.send_ahead_upto(stream, dir, files, &HashMap::new())
+    }
+
+    /// [`DirSender::send_ahead_only`], each file named in `upto` only as far as it says (a file
+    /// its writer fills out of order and makes longer than it fills, past whose end the bytes
+    /// may not be written yet: the keeper's spare). A file shorter than that goes as it is.
+    pub fn send_ahead_upto<S: Read + Write>(
+        &mut self,
+        stream: &mut S,
+        dir: &Path,
+        files: &[String],
+        upto: &HashMap<String, u64>,
+    ) -> Result<Totals, WireError> {
         let sent = (|| {
             if self.first_part.is_some() {
                 return Err(SendError::Unsupported {
@@ -403,6 +427,13 @@ impl DirSender {
                     Entry::File(h) => files.contains(&h.path),
                     Entry::Dir(d) => above(&d.path),
                     Entry::Slice { .. } => false,
+                })
+                .map(|e| match e {
+                    Entry::File(h) => Entry::File(FileHeader {
+                        size: upto.get(&h.path).map_or(h.size, |&u| h.size.min(u)),
+                        ..h
+                    }),
+                    other => other,
                 })
                 .collect();
             let written = std::mem::take(&mut self.written);
@@ -889,6 +920,9 @@ impl DirSender {
             &self.sent,
         )?;
         let ahead = matches!(mode, Sending::Ahead { .. });
+        if ahead {
+            self.last_part = files.iter().map(|f| f.inode).collect();
+        }
         let mut sent = Sent {
             totals: Totals::default(),
             bytes: 0,

@@ -312,6 +312,50 @@ fn adopted_files_hold_chunks_written_elsewhere() {
     assert!(Image::open(&dir2).unwrap().verify().is_err());
 }
 
+/// Chunks recorded in an adopted file are in the writer's account of what it wrote (only
+/// those ranges, once) and in its journal while one is set, like a lane's: a migration sends
+/// them while the copy runs and reads only them again.
+#[test]
+fn chunks_recorded_in_an_adopted_file_are_journaled_and_accounted() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let (root, _dir, w) = scratch_writer(one_file());
+    w.add_buffer(rec(2, 5000, 0)).unwrap();
+    let spare = root.path().join("spare");
+    let f = fs::File::create(&spare).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let b2 = pattern(2, 0, 5000, 0);
+    f.write_all_at(&b2, 4096).unwrap();
+    let file = w.adopt_file(&spare).unwrap();
+    let m = fs::metadata(w.temp_dir().join(format!("data-{file:03}.bin"))).unwrap();
+    let inode = (m.dev(), m.ino());
+    let before = w.take_written();
+    assert_eq!(before.len(), 2, "the lane and the adopted file: {before:?}");
+    assert_eq!((before[1].inode, before[1].ranges.len()), (inode, 0));
+    let journal = root.path().join("journal");
+    let open = || OpenOptions::new().create(true).append(true).open(&journal);
+    w.journal_to(Some(open().unwrap()));
+    w.record_chunk(2, 0, 2000, file, 4096, crc32c::crc32c(&b2[..2000]))
+        .unwrap();
+    w.journal_to(None);
+    w.record_chunk(2, 2000, 3000, file, 6096, crc32c::crc32c(&b2[2000..]))
+        .unwrap();
+    let recs: Vec<JournalRecord> = fs::read(&journal)
+        .unwrap()
+        .chunks_exact(JournalRecord::BYTES)
+        .map(|b| JournalRecord::from_bytes(b.try_into().unwrap()))
+        .collect();
+    let want = JournalRecord {
+        inode,
+        at: 4096,
+        len: 2000,
+    };
+    assert_eq!(recs, vec![want], "only the chunk recorded while it was set");
+    let written = w.take_written();
+    assert_eq!(written[1].inode, inode);
+    assert_eq!(written[1].ranges, vec![(4096, 5000)], "merged");
+    assert!(w.take_written()[1].ranges.is_empty(), "taken");
+}
+
 /// `check_manifest` on a manifest's bytes agrees with `Image::open` on its directory.
 #[test]
 fn check_manifest_agrees_with_open() {
