@@ -934,16 +934,9 @@ impl<D: Device> CkptSession<D> {
     }
 
     /// Whether slot `i`'s buffer goes to the [`ShadowSaver`] itself: a copy holding the job
-    /// (nothing writes the buffer meanwhile) that takes the whole buffer.
-    fn whole_to_saver(&self, i: usize) -> bool {
-        let slot = &self.slots[i];
-        let chunk = self.shared.pool.chunk() as u64;
-        self.held
-            && self.shadow_saver.is_some()
-            && slot
-                .chunks
-                .as_ref()
-                .is_none_or(|c| c.len() as u64 == slot.buf.size().div_ceil(chunk))
+    /// (nothing writes the buffer meanwhile), the chunks it takes of it whole or some.
+    fn held_to_saver(&self) -> bool {
+        self.held && self.shadow_saver.is_some()
     }
 
     /// Saves slot `i`'s shadow (made ready by `ready`): through the [`ShadowSaver`] if there is
@@ -964,9 +957,11 @@ impl<D: Device> CkptSession<D> {
 
     /// Saves slot `i`'s shadow through the [`ShadowSaver`], if there is one, once its copy
     /// (`ready`) has completed: whether it did. A failure is logged and leaves the shadow to the
-    /// staging. The saver takes whole buffers: not one of which some chunks are to stay as the
-    /// sink holds them. With fingerprints at T0, the shadow (which nobody writes) is
-    /// fingerprinted on `stream` and must match them, as a copy through the staging must.
+    /// staging. A shadow is a whole buffer; held, the buffer itself goes, of which only the
+    /// chunks that changed are saved where the others stay as the sink holds them
+    /// ([`ShadowSaver::save_chunks`]). With fingerprints at T0, the shadow (which nobody writes)
+    /// is fingerprinted on `stream` and the chunks saved must match them, as a copy through the
+    /// staging must.
     fn save_elsewhere(
         &self,
         i: usize,
@@ -980,36 +975,50 @@ impl<D: Device> CkptSession<D> {
         let slot = &self.slots[i];
         let (id, size) = (slot.buf.id(), slot.buf.size());
         let chunk = self.shared.pool.chunk() as u64;
-        if slot
-            .chunks
-            .as_ref()
-            .is_some_and(|c| (c.len() as u64) < size.div_ceil(chunk))
-        {
+        let some = (slot.chunks.as_deref()).filter(|c| (c.len() as u64) < size.div_ceil(chunk));
+        if some.is_some() && !self.held {
             return false;
         }
         let r = self
             .dev
             .event_synchronize(ready)
             .map_err(|e| e.to_string())
-            .and_then(|()| saver.save(id, shadow, size));
+            .and_then(|()| match some {
+                Some(offsets) => saver.save_chunks(id, shadow, size, (offsets, chunk)),
+                None => saver.save(id, shadow, size),
+            });
         match r {
             Ok(()) => {
+                let all: Vec<u64>;
+                let offsets = match some {
+                    Some(o) => o,
+                    None => {
+                        all = (0..size.div_ceil(chunk)).map(|c| c * chunk).collect();
+                        &all
+                    }
+                };
                 if let Some(t0) = &slot.t0 {
                     match self.dev.fingerprint(stream, shadow, size, chunk) {
                         Ok(now) => {
-                            let bad = now.iter().zip(t0.iter()).position(|(a, b)| a != b);
-                            if let Some(c) = bad {
+                            let at = |off: u64| usize::try_from(off / chunk).ok();
+                            let bad = (offsets.iter().copied()).find(|&off| {
+                                at(off).and_then(|c| now.get(c)) != at(off).and_then(|c| t0.get(c))
+                            });
+                            if let Some(off) = bad {
+                                let c = at(off).unwrap_or(0);
                                 self.shared.mismatched(Mismatch {
                                     buffer: id,
-                                    offset: c as u64 * chunk,
-                                    t0: t0[c],
-                                    copied: now[c],
+                                    offset: off,
+                                    t0: t0.get(c).copied().unwrap_or_default(),
+                                    copied: now.get(c).copied().unwrap_or_default(),
                                 });
                                 return true;
                             }
                             let mut sent = self.shared.sent.lock();
-                            for (c, fp) in now.iter().enumerate() {
-                                note_sent(&mut sent, id, c as u64 * chunk, chunk, *fp);
+                            for &off in offsets {
+                                if let Some(fp) = at(off).and_then(|c| now.get(c)) {
+                                    note_sent(&mut sent, id, off, chunk, *fp);
+                                }
                             }
                         }
                         Err(e) => {
@@ -1018,7 +1027,8 @@ impl<D: Device> CkptSession<D> {
                         }
                     }
                 }
-                self.shared.bytes.fetch_add(size, Ordering::Relaxed);
+                let bytes: u64 = offsets.iter().map(|&off| chunk.min(size - off)).sum();
+                self.shared.bytes.fetch_add(bytes, Ordering::Relaxed);
                 self.saved_elsewhere.fetch_add(1, Ordering::Relaxed);
                 true
             }
@@ -1236,7 +1246,7 @@ impl<D: Device> CkptSession<D> {
                 };
                 // Held, the buffer itself goes to the saver whole, as a shadow would, once the
                 // job's work before T0 is done (the copy streams wait for it).
-                if copy && self.whole_to_saver(i) {
+                if copy && self.held_to_saver() {
                     let ready = self.dev.record_event(stream);
                     if let Ok(Ok(())) = ready.map(|r| to_savers.send((i, slot.buf.va(), r))) {
                         continue;

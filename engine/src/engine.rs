@@ -466,11 +466,11 @@ impl<D: Device> Engine<D> {
         self.checkpoint_held_with(sink, only_dirty, None)
     }
 
-    /// [`Engine::checkpoint_held`] that hands each buffer it copies whole to `saver` (the
-    /// keeper's spare image memory in possum), as a snapshot's shadows go: nothing writes the
-    /// buffers while the job is held. A buffer of which only some chunks changed (by
-    /// fingerprints), and one the saver refuses, go through the staging; every one saved must
-    /// match its fingerprints at T0.
+    /// [`Engine::checkpoint_held`] that hands each buffer it copies to `saver` (the keeper's
+    /// spare image memory in possum), as a snapshot's shadows go: nothing writes the buffers
+    /// while the job is held. A buffer of which only some chunks changed (by fingerprints) goes
+    /// as those chunks ([`crate::store::ShadowSaver::save_chunks`]); what the saver refuses goes
+    /// through the staging; every chunk saved must match its fingerprint at T0.
     pub fn checkpoint_held_with(
         &self,
         sink: Arc<dyn ChunkSink>,

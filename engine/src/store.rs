@@ -398,6 +398,22 @@ pub trait ShadowSaver: Send + Sync {
     /// in the image (its chunks recorded in the sink). On an error the engine saves the shadow
     /// through its staging instead.
     fn save(&self, buffer: u64, shadow: crate::device::DevPtr, size: u64) -> Result<(), String>;
+
+    /// Saves only the chunks at `offsets` (each `chunk` bytes, a buffer's last one shorter) of
+    /// the `size` bytes of buffer `buffer` at `at`, for a copy that holds the job (nothing writes
+    /// the buffer meanwhile), of which only those chunks changed: returns once they are in the
+    /// image, the rest of the buffer left as the sink holds it. A saver that takes whole buffers
+    /// only says so; on any error the engine saves those chunks through its staging instead.
+    fn save_chunks(
+        &self,
+        buffer: u64,
+        at: crate::device::DevPtr,
+        size: u64,
+        (offsets, chunk): (&[u64], u64),
+    ) -> Result<(), String> {
+        let _ = (buffer, at, size, offsets, chunk);
+        Err("this saver takes whole buffers only".into())
+    }
 }
 
 #[cfg(test)]

@@ -1006,13 +1006,16 @@ fn writes_the_hooks_miss_never_reach_an_image() {
 
 /// A [`ShadowSaver`] standing in for the keeper's spare image memory: it reads what it is given
 /// from the host device into `store` in chunks of `chunk` bytes, as the keeper records its
-/// fills (or fails, `fail`), counting its saves and how many ran at once.
+/// fills (or fails, `fail`), counting its saves and how many ran at once; with `some`, it saves
+/// some chunks of a buffer too (counted in `saved_some`).
 struct TestSaver {
     dev: Arc<HostDevice>,
     store: Arc<MemStore>,
     chunk: usize,
     fail: bool,
+    some: bool,
     saved: std::sync::atomic::AtomicU64,
+    saved_some: std::sync::atomic::AtomicU64,
     in_flight: std::sync::atomic::AtomicU64,
     most_at_once: std::sync::atomic::AtomicU64,
 }
@@ -1024,7 +1027,9 @@ impl TestSaver {
             store: store.clone(),
             chunk,
             fail,
+            some: false,
             saved: Default::default(),
+            saved_some: Default::default(),
             in_flight: Default::default(),
             most_at_once: Default::default(),
         })
@@ -1063,6 +1068,31 @@ impl possum_engine::store::ShadowSaver for TestSaver {
         }
         self.saved.fetch_add(1, Ordering::SeqCst);
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn save_chunks(
+        &self,
+        buffer: u64,
+        at: possum_engine::device::DevPtr,
+        size: u64,
+        (offsets, chunk): (&[u64], u64),
+    ) -> Result<(), String> {
+        use std::sync::atomic::Ordering;
+        if self.fail || !self.some {
+            return Err("whole buffers only".into());
+        }
+        for &off in offsets {
+            let len = chunk.min(size - off);
+            let bytes = self
+                .dev
+                .read_now(at.add(off), len)
+                .map_err(|e| e.to_string())?;
+            self.store
+                .write_chunk(buffer, off, &bytes)
+                .map_err(|e| e.to_string())?;
+        }
+        self.saved_some.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 }
@@ -1120,11 +1150,12 @@ fn a_snapshot_s_shadows_are_saved_elsewhere_when_a_saver_is_given() {
 
 /// A copy holding the job with a [`ShadowSaver`]: each buffer it takes whole goes to the saver
 /// itself (nothing writes it meanwhile), several at once, none through the staging; one of
-/// which only some chunks changed since the image's last copy goes through the staging; a
-/// saver that fails leaves every buffer to the staging. The image is the buffers either way.
+/// which only some chunks changed since the image's last copy goes to a saver that takes some
+/// chunks as those chunks, and through the staging to one that does not; a saver that fails
+/// leaves every buffer to the staging. The image is the buffers either way.
 #[test]
 fn a_held_copy_hands_its_whole_buffers_to_a_saver() {
-    for fail in [false, true] {
+    for (fail, some) in [(false, false), (false, true), (true, true)] {
         let dev = Arc::new(HostDevice::keeping(1 << 30));
         let e = Engine::new(dev.clone(), small_cfg(1 << 16, 4, 0)).unwrap();
         let bufs = six_filled(&e, &dev);
@@ -1140,12 +1171,22 @@ fn a_held_copy_hands_its_whole_buffers_to_a_saver() {
         for b in &bufs {
             assert!(e.mark_written(b.va()));
         }
-        let saver = TestSaver::new(&dev, &store, 1 << 16, fail);
+        let mut saver = TestSaver::new(&dev, &store, 1 << 16, fail);
+        Arc::get_mut(&mut saver).unwrap().some = some;
         let h = e.checkpoint_held_with(store.clone(), true, Some(saver.clone()));
         let r = h.unwrap().wait().unwrap();
         let whole = if fail { 0 } else { 5 };
-        assert_eq!(r.shadows_saved_elsewhere, whole, "fail {fail}: {r:?}");
+        let partly = u64::from(!fail && some);
+        assert_eq!(
+            r.shadows_saved_elsewhere,
+            whole + partly,
+            "fail {fail}, some {some}: {r:?}"
+        );
         assert_eq!(saver.saved(), whole);
+        assert_eq!(
+            saver.saved_some.load(std::sync::atomic::Ordering::SeqCst),
+            partly
+        );
         if !fail {
             assert!(
                 saver.most_at_once() > 1,

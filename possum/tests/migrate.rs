@@ -684,14 +684,18 @@ fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
 }
 
 /// With `POSSUM_HELD_SPARE=1` and a keeper keeping spare image memory on the image's
-/// filesystem, the held job's final copy hands the buffers it copies whole (the 64 MiB one its
-/// writer thread rewrites all the time) to the keeper, which copies them into its spare, one of
-/// the image's data files from then on; the migration sends its chunks as the journal names
-/// them, while the copy runs, and the job goes on at the destination bit-exact.
+/// filesystem, the held job's final copy hands the chunks it copies (the half of a 64 MiB buffer
+/// its writer thread rewrites all the time, the other half unchanged since the last round, by
+/// fingerprints) to the keeper, which copies them into its spare, one of the image's data files
+/// from then on; the migration sends them as the journal names them, while the copy runs, and
+/// the job goes on at the destination bit-exact (the rewritten half one launch's words whole,
+/// the other as it was filled).
 #[test]
 fn a_held_job_s_final_copy_goes_into_the_keeper_s_spare() {
     let env = [
         ("FAKE_WRITER_MIB", "64"),
+        ("FAKE_WRITER_HALF", "1"),
+        ("FAKE_CUDA_FINGERPRINT", "1"),
         ("POSSUM_VALIDATE", "off"),
         ("POSSUM_HELD_SPARE", "1"),
     ];
@@ -721,6 +725,10 @@ fn a_held_job_s_final_copy_goes_into_the_keeper_s_spare() {
     let finals = &v["checkpoint"]["release_report"]["final"];
     let by_keeper = finals[0]["shadows_saved_by_keeper"].as_u64().unwrap_or(0);
     assert!(by_keeper >= 1, "no buffer went into the spare: {finals}");
+    // Only the half of W its writer rewrites changed since the last round: those chunks alone
+    // went into the spare (with the chunks the copy takes of a buffer given to the keeper).
+    let copied = finals[0]["bytes"].as_u64().unwrap_or(0);
+    assert!(copied > 0 && copied < 64 << 20, "W copied whole: {finals}");
     // The spare's chunks went in a round while the copy ran, as the journal named them (a
     // spare's chunks not journaled: no round). What it sent depends on whether it listed the
     // spare before the images' commit renamed it (if not, the final set sends it).
@@ -734,8 +742,8 @@ fn a_held_job_s_final_copy_goes_into_the_keeper_s_spare() {
         "migrated, its final copy in the keeper's spare",
     );
     say(&format!(
-        "migrate_held_spare: {by_keeper} buffers into the spare; {copying} bytes sent while \
-         the copy ran, in {rounds} rounds"
+        "migrate_held_spare: {by_keeper} buffers ({copied} bytes) into the spare; {copying} \
+         bytes sent while the copy ran, in {rounds} rounds"
     ));
 }
 

@@ -127,23 +127,16 @@ impl Drop for SpareSaver {
     }
 }
 
-impl possum_engine::store::ShadowSaver for SpareSaver {
-    fn save(
-        &self,
-        buffer: u64,
-        shadow: possum_engine::device::DevPtr,
-        size: u64,
-    ) -> Result<(), String> {
+impl SpareSaver {
+    /// Fills the spare with the `len` bytes at `offset` of buffer `buffer` (the keeper's
+    /// allocation `alloc`), on a 2 MiB boundary of the file (whole huge pages), and records
+    /// them in the image, a chunk per checksum.
+    fn fill(&self, buffer: u64, alloc: u64, (offset, len): (u64, u64)) -> Result<(), String> {
         use std::sync::atomic::Ordering;
-        let alloc = self
-            .dev
-            .owned_id(shadow.0)
-            .ok_or_else(|| format!("the memory at {:#x} is not the keeper's", shadow.0))?;
-        // Each shadow on a 2 MiB boundary of the file (whole huge pages).
         let at = self
             .next
-            .fetch_add(size.next_multiple_of(2 << 20), Ordering::Relaxed);
-        if at.saturating_add(size) > self.len {
+            .fetch_add(len.next_multiple_of(2 << 20), Ordering::Relaxed);
+        if at.saturating_add(len) > self.len {
             return Err(format!("the spare ({} bytes) is full", self.len));
         }
         let mut keeper = self.keeper().map_err(|e| e.to_string())?;
@@ -151,24 +144,90 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
             .spare_fill(&possum_keeper::SpareFill {
                 drain: self.drain,
                 alloc,
-                offset: 0,
-                len: size,
+                offset,
+                len,
                 at,
                 piece: self.chunk,
             })
             .map_err(|e| e.to_string())?;
         self.keepers.lock().push(keeper);
-        if crcs.len() as u64 != size.div_ceil(self.chunk) {
-            return Err(format!("{} checksums for {size} bytes", crcs.len()));
+        if crcs.len() as u64 != len.div_ceil(self.chunk) {
+            return Err(format!("{} checksums for {len} bytes", crcs.len()));
         }
         let writer = self.writer.upgrade().ok_or("the image is gone")?;
         for (k, crc) in crcs.into_iter().enumerate() {
             let off = k as u64 * self.chunk;
-            let len = self.chunk.min(size - off);
+            let piece = self.chunk.min(len - off);
             writer
-                .record_chunk(buffer, off, len, self.file, at + off, crc)
+                .record_chunk(buffer, offset + off, piece, self.file, at + off, crc)
                 .map_err(|e| e.to_string())?;
         }
         Ok(())
+    }
+
+    /// The keeper's allocation at `va`.
+    fn alloc(&self, va: u64) -> Result<u64, String> {
+        (self.dev.owned_id(va)).ok_or_else(|| format!("the memory at {va:#x} is not the keeper's"))
+    }
+}
+
+impl possum_engine::store::ShadowSaver for SpareSaver {
+    fn save(
+        &self,
+        buffer: u64,
+        shadow: possum_engine::device::DevPtr,
+        size: u64,
+    ) -> Result<(), String> {
+        self.fill(buffer, self.alloc(shadow.0)?, (0, size))
+    }
+
+    /// Each run of adjacent chunks in one fill.
+    fn save_chunks(
+        &self,
+        buffer: u64,
+        at: possum_engine::device::DevPtr,
+        size: u64,
+        (offsets, chunk): (&[u64], u64),
+    ) -> Result<(), String> {
+        if chunk != self.chunk {
+            return Err(format!(
+                "chunks of {chunk} bytes, not the image's {}",
+                self.chunk
+            ));
+        }
+        let alloc = self.alloc(at.0)?;
+        (runs(offsets, size, chunk).into_iter()).try_for_each(|run| self.fill(buffer, alloc, run))
+    }
+}
+
+/// The chunks at `offsets` (each `chunk` bytes, the last of `size` bytes shorter) as runs of
+/// adjacent ones: (offset, length), in order.
+fn runs(offsets: &[u64], size: u64, chunk: u64) -> Vec<(u64, u64)> {
+    let mut sorted = offsets.to_vec();
+    sorted.sort_unstable();
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for off in sorted {
+        let len = chunk.min(size.saturating_sub(off));
+        match runs.last_mut() {
+            Some((start, l)) if *start + *l == off => *l += len,
+            _ => runs.push((off, len)),
+        }
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    /// Adjacent chunks make one run, in any order given; the buffer's last chunk is shorter.
+    #[test]
+    fn adjacent_chunks_are_filled_as_one_run() {
+        let chunk = 4u64 << 20;
+        let size = 5 * chunk - 1000;
+        let offsets = [3 * chunk, 0, chunk, 4 * chunk];
+        assert_eq!(
+            super::runs(&offsets, size, chunk),
+            vec![(0, 2 * chunk), (3 * chunk, 2 * chunk - 1000)]
+        );
+        assert!(super::runs(&[], size, chunk).is_empty());
     }
 }

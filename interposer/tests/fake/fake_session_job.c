@@ -58,6 +58,8 @@
  * and over (the "fill" kernel, word i of launch s being fill_word(i, s)), as a training job
  * rewrites its state every step; at exit it stops, and W must hold one launch's words whole
  * ("W torn" otherwise): an image that mixed two launches' chunks of it fails the job.
+ * FAKE_WRITER_HALF=1: only W's first half is rewritten, its second half keeping the words it
+ * was filled with ("W torn" otherwise): a buffer of which a copy takes only some chunks.
  *
  * FAKE_CMDS=PATH: the commands come from PATH (a FIFO) instead of stdin, opened read-write onto
  * fd 0, so the open does not wait for a writer and a writer closing is no end of input. For a
@@ -188,16 +190,17 @@ static void *ticker(void *path) {
     return NULL;
 }
 
-/* FAKE_WRITER_MIB: W rewritten whole by launch after launch until writer_stop. */
+/* FAKE_WRITER_MIB: W rewritten whole (FAKE_WRITER_HALF: its first half) by launch after launch
+ * until writer_stop. */
 static uint32_t *writer_buf;
-static size_t writer_words;
+static size_t writer_words, writer_written;
 static volatile int writer_stop;
 static void *writer(void *ctx) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW);
     int (*set_current)(void *) = lib ? (int (*)(void *))dlsym(lib, "cuCtxSetCurrent") : NULL;
     if (!set_current || set_current(ctx)) die("writer cuCtxSetCurrent");
     for (uint32_t s = 1; !writer_stop; s++) {
-        void *args[] = {&writer_buf, &writer_words, &s};
+        void *args[] = {&writer_buf, &writer_written, &s};
         launch(&fill, args);
         usleep(5000);
     }
@@ -465,6 +468,7 @@ int main(void) {
     }
     pthread_t writer_thread;
     writer_words = getenv("FAKE_WRITER_MIB") ? (size_t)atol(getenv("FAKE_WRITER_MIB")) << 18 : 0;
+    writer_written = getenv("FAKE_WRITER_HALF") ? writer_words / 2 : writer_words;
     if (writer_words) {
         void *lib = dlopen("libcuda.so.1", RTLD_NOW);
         int (*get_current)(void **) = lib ? (int (*)(void **))dlsym(lib, "cuCtxGetCurrent") : NULL;
@@ -522,7 +526,7 @@ int main(void) {
         if (!w) die("malloc");
         dtoh(w, writer_buf, writer_words * 4);
         for (size_t i = 0; i < writer_words; i++)
-            if (w[i] != fill_word(i, w[0])) die("FAKE_WRITER_MIB: W torn");
+            if (w[i] != fill_word(i, i < writer_written ? w[0] : 0)) die("FAKE_WRITER_MIB: W torn");
         free(w);
         if (cudaFree(writer_buf)) die("cudaFree");
     }
