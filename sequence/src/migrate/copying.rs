@@ -296,7 +296,33 @@ mod tests {
 
     use super::*;
     use crate::auth::HmacKey;
-    use crate::wire::receive_dir;
+    use crate::wire::{receive_dir, ReceiveReport};
+
+    /// Under `tmp`, `src/.gpu.tmp/data-000.bin` (`bytes` bytes) sent ahead to `dest`: the
+    /// source directory, the sender's end of the link and its sender, the receiver's thread.
+    struct SentAhead {
+        src: PathBuf,
+        a: UnixStream,
+        sender: DirSender,
+        receiving: std::thread::JoinHandle<Result<ReceiveReport, WireError>>,
+    }
+
+    fn sent_ahead(tmp: &Path, bytes: usize) -> SentAhead {
+        let (src, dest) = (tmp.join("src"), tmp.join("dest"));
+        fs::create_dir_all(src.join(".gpu.tmp")).unwrap();
+        fs::write(src.join(".gpu.tmp/data-000.bin"), vec![1u8; bytes]).unwrap();
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let key = || HmacKey::from_bytes(vec![7; 32]).unwrap();
+        let receiving = std::thread::spawn(move || receive_dir(&mut b, &key(), &dest));
+        let mut sender = DirSender::start(&mut a, &key()).unwrap();
+        sender.send_ahead(&mut a, &src).unwrap();
+        SentAhead {
+            src,
+            a,
+            sender,
+            receiving,
+        }
+    }
 
     /// A round of the chunks a copy completed: what it read, from its file still under its
     /// name, is settled; the same round over a directory renamed meanwhile (the images
@@ -304,15 +330,13 @@ mod tests {
     #[test]
     fn a_round_settles_only_what_it_read_from_a_file_still_under_its_name() {
         let tmp = tempfile::tempdir().unwrap();
-        let (src, dest) = (tmp.path().join("src"), tmp.path().join("dest"));
-        fs::create_dir_all(src.join(".gpu.tmp")).unwrap();
+        let SentAhead {
+            src,
+            mut a,
+            mut sender,
+            receiving,
+        } = sent_ahead(tmp.path(), 8 << 20);
         let data = src.join(".gpu.tmp/data-000.bin");
-        fs::write(&data, vec![1u8; 8 << 20]).unwrap();
-        let (mut a, mut b) = UnixStream::pair().unwrap();
-        let key = || HmacKey::from_bytes(vec![7; 32]).unwrap();
-        let receiving = std::thread::spawn(move || receive_dir(&mut b, &key(), &dest));
-        let mut sender = DirSender::start(&mut a, &key()).unwrap();
-        sender.send_ahead(&mut a, &src).unwrap();
 
         let journal = src.join(".journal");
         let c = Copying::new(&src, &journal);
@@ -379,14 +403,12 @@ mod tests {
     #[test]
     fn a_file_made_while_copying_goes_as_far_as_the_journal_named_it() {
         let tmp = tempfile::tempdir().unwrap();
-        let (src, dest) = (tmp.path().join("src"), tmp.path().join("dest"));
-        fs::create_dir_all(src.join(".gpu.tmp")).unwrap();
-        fs::write(src.join(".gpu.tmp/data-000.bin"), vec![1u8; 1 << 20]).unwrap();
-        let (mut a, mut b) = UnixStream::pair().unwrap();
-        let key = || HmacKey::from_bytes(vec![7; 32]).unwrap();
-        let receiving = std::thread::spawn(move || receive_dir(&mut b, &key(), &dest));
-        let mut sender = DirSender::start(&mut a, &key()).unwrap();
-        sender.send_ahead(&mut a, &src).unwrap();
+        let SentAhead {
+            src,
+            mut a,
+            mut sender,
+            receiving,
+        } = sent_ahead(tmp.path(), 1 << 20);
 
         let journal = src.join(".journal");
         let mut c = Copying::new(&src, &journal);

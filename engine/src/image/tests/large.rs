@@ -272,12 +272,7 @@ fn adopted_files_hold_chunks_written_elsewhere() {
     w.add_buffer(rec(1, 3000, 0)).unwrap();
     w.add_buffer(rec(2, 5000, 1)).unwrap();
     w.write_chunk(1, 0, &pattern(1, 0, 3000, 0)).unwrap();
-    // The spare: 1 MiB, buffer 2 written at 4096 in two chunks.
-    let spare = root.path().join("spare");
-    let f = fs::File::create(&spare).unwrap();
-    f.set_len(1 << 20).unwrap();
-    let b2 = pattern(2, 0, 5000, 0);
-    f.write_all_at(&b2, 4096).unwrap();
+    let (spare, b2) = spare_holding_buffer_2(root.path());
     let file = w.adopt_file(&spare).unwrap();
     assert_eq!(file, 1);
     assert!(!spare.exists(), "renamed into the image");
@@ -312,19 +307,26 @@ fn adopted_files_hold_chunks_written_elsewhere() {
     assert!(Image::open(&dir2).unwrap().verify().is_err());
 }
 
+/// A spare (`dir/spare`, 1 MiB) holding buffer 2's 5000 bytes at 4096: its path and those bytes.
+fn spare_holding_buffer_2(dir: &std::path::Path) -> (std::path::PathBuf, Vec<u8>) {
+    use std::os::unix::fs::FileExt;
+    let spare = dir.join("spare");
+    let f = fs::File::create(&spare).unwrap();
+    f.set_len(1 << 20).unwrap();
+    let b2 = pattern(2, 0, 5000, 0);
+    f.write_all_at(&b2, 4096).unwrap();
+    (spare, b2)
+}
+
 /// Chunks recorded in an adopted file are in the writer's account of what it wrote (only
 /// those ranges, once) and in its journal while one is set, like a lane's: a migration sends
 /// them while the copy runs and reads only them again.
 #[test]
 fn chunks_recorded_in_an_adopted_file_are_journaled_and_accounted() {
-    use std::os::unix::fs::{FileExt, MetadataExt};
+    use std::os::unix::fs::MetadataExt;
     let (root, _dir, w) = scratch_writer(one_file());
     w.add_buffer(rec(2, 5000, 0)).unwrap();
-    let spare = root.path().join("spare");
-    let f = fs::File::create(&spare).unwrap();
-    f.set_len(1 << 20).unwrap();
-    let b2 = pattern(2, 0, 5000, 0);
-    f.write_all_at(&b2, 4096).unwrap();
+    let (spare, b2) = spare_holding_buffer_2(root.path());
     let file = w.adopt_file(&spare).unwrap();
     let m = fs::metadata(w.temp_dir().join(format!("data-{file:03}.bin"))).unwrap();
     let inode = (m.dev(), m.ino());
