@@ -665,6 +665,10 @@ def migrate_row(mg, received):
             # buffers the keeper's spare took.
             "release": release_digest(cj.get("release_report")),
             "received": received.get("timings"),
+            # Where the restore there went: CRIU's, the plugin's fill of the job's memory, the
+            # driver's restore and unlock, possum's resume (its figures, each a number).
+            "restore": {k: v for k, v in (received.get("restore") or {}).items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)} or None,
             # The GPU images loaded ahead at the destination (the chunks its keeper was told
             # were written again, the stage ahead), and what the restore took of them.
             "prestaged": [{k: p.get(k) for k in ("bytes", "arriving", "pending", "error",

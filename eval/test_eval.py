@@ -444,8 +444,12 @@ class JobLostTime(unittest.TestCase):
                                                               "release_report": {"ms": 500.0, "final": [final]}}}}
         ahead = {"prestage": 1, "reused_bytes": 5}
         pre = {"bytes": 9, "rewritten": 3, "ahead": ahead, "socket": "/k.sock"}
+        restore = {"criu_restore_ms": 160.0, "driver_restore_ms": 270.0, "hostmem_fill_ms": 70.0,
+                   "criu_restore_stats": {"forking_ms": 3.0}, "job_waited_ms": None}
         row = ckpt.migrate_row(mg, {"timings": {"restore_ms": 450.0}, "staged": [{"reused_bytes": 7}],
-                                    "prestaged": [pre]})
+                                    "prestaged": [pre], "restore": restore})
+        self.assertEqual(row["restore"], {"criu_restore_ms": 160.0, "driver_restore_ms": 270.0,
+                                          "hostmem_fill_ms": 70.0})
         self.assertEqual((row["prestaged"][0]["rewritten"], row["prestaged"][0]["ahead"]), (3, ahead))
         self.assertNotIn("socket", row["prestaged"][0])
         self.assertEqual(row["release"]["finals"][0]["shadows_saved_by_keeper"], 6)
@@ -454,6 +458,7 @@ class JobLostTime(unittest.TestCase):
         self.assertEqual((row["staged_reused_bytes"], row["stderr"]), ([7], None))
         failed = ckpt.migrate_row({"rc": 2, "stderr": "why", "json": None}, None)
         self.assertEqual((failed["release"], failed["stderr"], failed["prestaged"]), (None, "why", []))
+        self.assertIsNone(failed["restore"])
 
 
 if __name__ == "__main__":
