@@ -46,6 +46,10 @@ use crate::store::{BufferRecord, ChunkSink, ShadowSaver};
 /// Threads handing shadows to the [`ShadowSaver`] at once (its copies of one queue behind
 /// another's: no gap while one's last piece is copied).
 const SHADOW_SAVERS: usize = 3;
+/// As many for a copy holding the job, which hands it every buffer it copies: a job's many
+/// small buffers (a caching allocator's segments) each a request of a few pieces, enough of
+/// them at once to keep the saver's copies going.
+const HELD_SAVERS: usize = 8;
 
 /// Which buffers a session takes, and whether writes must wait for them.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -1191,7 +1195,12 @@ impl<D: Device> CkptSession<D> {
             // the next one queued behind the one it is copying (each waits for its copy).
             let (to_savers, savers_rx) = unbounded::<(usize, DevPtr, D::Event)>();
             if self.shadow_saver.is_some() {
-                for _ in 0..SHADOW_SAVERS {
+                let savers = if self.held {
+                    HELD_SAVERS
+                } else {
+                    SHADOW_SAVERS
+                };
+                for _ in 0..savers {
                     let rx = savers_rx.clone();
                     scope.spawn(move || {
                         for (i, shadow, ready) in rx {
