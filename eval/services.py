@@ -146,8 +146,9 @@ def release_digest(reply):
     out = {k: r.get(k) for k in keep if k in r}
     # (Each device's copy while held, which the job names `final`.)
     # (`pipeline`: where its time went, each stage summed over its threads.)
+    # (`sync_ms`: the devices' fence before it; `commit_ms`: its image committed after.)
     out["finals"] = [{k: f.get(k) for k in ("buffers", "bytes", "ms", "image_bytes", "pipeline",
-                                            "shadows_saved_by_keeper")}
+                                            "shadows_saved_by_keeper", "sync_ms", "commit_ms")}
                      for f in r.get("final") or []]
     return out
 

@@ -431,9 +431,11 @@ class JobLostTime(unittest.TestCase):
         import services
         pipe = {"writers": 16, "staging_wait_ms": 1.0, "copy_wait_ms": 2.0, "sink_ms": 900.0}
         got = services.release_digest({"ms": 400.0, "final": [{"bytes": 8, "ms": 300.0, "pipeline": pipe,
-                                                                "written": [{"dev": 1}]}]})
+                                                                "written": [{"dev": 1}], "sync_ms": 20.0,
+                                                                "commit_ms": 4.0}]})
         self.assertEqual(got["finals"], [{"buffers": None, "bytes": 8, "ms": 300.0, "image_bytes": None,
-                                          "pipeline": pipe, "shadows_saved_by_keeper": None}])
+                                          "pipeline": pipe, "shadows_saved_by_keeper": None,
+                                          "sync_ms": 20.0, "commit_ms": 4.0}])
         self.assertIsNone(services.release_digest(None))
 
     def test_a_migration_trial_s_row_keeps_its_release(self):

@@ -349,9 +349,14 @@ pub struct DeviceCopy {
     /// A pre-copy: buffers written again while it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dirty_after: Option<u64>,
-    /// A copy with the threads parked: milliseconds waiting for the device's work first.
+    /// A copy while held: milliseconds waiting for the device's work first (with the job
+    /// paused at the op gate, every device's fence at once: the same figure for each).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_ms: Option<f64>,
+    /// A copy while held: milliseconds committing its image (its manifest written, its
+    /// directory renamed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub commit_ms: Option<f64>,
     /// A save: buffers copied ahead of the job's writes to them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cow_priority: Option<u64>,
@@ -365,7 +370,7 @@ pub struct DeviceCopy {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snapshot_shadows: Option<u64>,
     /// A save: shadows the keeper saved into its spare image memory; a copy while held: the
-    /// buffers it saved there whole (`POSSUM_HELD_SPARE=1`).
+    /// buffers it saved there, whole or the chunks that changed (`POSSUM_HELD_SPARE=1`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shadows_saved_by_keeper: Option<u64>,
     /// A save: its rate, in GB/s.
@@ -881,6 +886,7 @@ mod tests {
             ms: Some(1.5),
             dirty_after: Some(1),
             sync_ms: Some(0.25),
+            commit_ms: Some(0.75),
             cow_priority: Some(2),
             cow_shadow: Some(4),
             shadow_peak: Some(4096),

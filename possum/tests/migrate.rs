@@ -729,6 +729,11 @@ fn a_held_job_s_final_copy_goes_into_the_keeper_s_spare() {
     // went into the spare (with the chunks the copy takes of a buffer given to the keeper).
     let copied = finals[0]["bytes"].as_u64().unwrap_or(0);
     assert!(copied > 0 && copied < 64 << 20, "W copied whole: {finals}");
+    // Where the release's time went besides the copy: the devices' fence, the commit.
+    assert!(
+        finals[0]["sync_ms"].is_f64() && finals[0]["commit_ms"].is_f64(),
+        "{finals}"
+    );
     // The spare's chunks went in a round while the copy ran, as the journal named them (a
     // spare's chunks not journaled: no round). What it sent depends on whether it listed the
     // spare before the images' commit renamed it (if not, the final set sends it).

@@ -181,7 +181,9 @@ fn final_copy(
     journal: Option<&File>,
 ) -> Result<Vec<DeviceCopy>, SessionError> {
     // What any device queued before the pause is done before any engine fixes its T0.
+    let tf = Instant::now();
     fence_all_devices(engines)?;
+    let fenced = ms(tf.elapsed());
     // Memory shared with other processes: written by them unseen, so copied again now.
     for (ordinal, va) in crate::memory::vmm::shared_pieces() {
         if let Some(e) = engine_of(engines, ordinal) {
@@ -195,7 +197,11 @@ fn final_copy(
         };
         // (Each writer records into the journal while it copies: it is one file, appended to.)
         writer.journal_to(journal.and_then(|j| j.try_clone().ok()));
-        finals.push(final_copy_of(e, writer, engines, unwrapped_known)?);
+        let copy = final_copy_of(e, writer, engines, unwrapped_known)?;
+        finals.push(DeviceCopy {
+            sync_ms: Some(fenced),
+            ..copy
+        });
     }
     Ok(finals)
 }
@@ -233,7 +239,9 @@ fn final_copy_of(
         .inspect_err(|_| stop_tracking(engines))?;
     let written = written(&writer);
     writer.journal_to(None);
+    let tc = Instant::now();
     let summary = commit(e.ordinal, writer)?;
+    let commit_ms = Some(ms(tc.elapsed()));
     Ok(DeviceCopy {
         device: e.ordinal,
         buffers: r.buffers as u64,
@@ -244,6 +252,7 @@ fn final_copy_of(
         written,
         pipeline: Some(pipeline(&r.pipeline)),
         shadows_saved_by_keeper: Some(r.shadows_saved_elsewhere),
+        commit_ms,
         ..with_prints(DeviceCopy::default(), &possum_engine::Prints::of(&r))
     })
 }
@@ -527,7 +536,9 @@ fn commit_held(
         unpause_job();
     })?;
     for ((ordinal, writer), f) in writers.into_iter().zip(finals.iter_mut()) {
+        let tc = Instant::now();
         let summary = commit(ordinal, writer).inspect_err(|_| unpause_job())?;
+        f.commit_ms = Some(ms(tc.elapsed()));
         f.image_bytes = Some(summary.data_file_bytes);
         f.image_buffers = Some(summary.buffers.len() as u64);
     }
