@@ -75,6 +75,11 @@
 #       default) and into that spare whole buffer by buffer (POSSUM_HELD_SPARE=1), alternating
 #       (TAG-staged-N, TAG-spare-N). Each row's release (`pipeline`, `shadows_saved_by_keeper`)
 #       says which way the copy went.
+#   bash scripts/gpu-speculation.sh readers  (~5 min with SPEC_BARS="0 8192 t8")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the destination's keeper
+#       reading a large buffer's chunks 4 at a time (POSSUM_KEEPER_STAGE_READERS=4) and as many
+#       as its default (half the cores, 4 to 8), alternating (TAG-four-N, TAG-default-N). Each
+#       row's `waited_after_resume_ms` is the job's wait for the loads once it ran there.
 #   bash scripts/gpu-speculation.sh baseline   (~4 min)
 #       The frozen job (8 GiB of weights, 64 MiB of state) migrated alone by the build in
 #       SPEC_BASELINE (default .gpu/baseline: possum, libpossum.so and its CRIU plugin, staged
@@ -143,7 +148,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|held-spare|rewritten|partial)
+bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|held-spare|rewritten|partial|readers)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     huge_images
@@ -206,11 +211,13 @@ bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|he
             held-spare) ab=(POSSUM_HELD_SPARE staged spare 1) ;;  # the final copy into the keeper's spare
             rewritten) ab=(POSSUM_MIGRATE_LOAD_REWRITTEN lengths rewritten 1) ;;  # chunks sent again loaded as they come
             partial) ab=(POSSUM_KEEPER_STAGE_PARTIAL whole partial) ;;  # a stage takes its base's partly loaded buffers
+            readers) ab=(POSSUM_KEEPER_STAGE_READERS four default "" 4) ;;  # a large buffer read 4 at a time, or as the default
             *) ab=() ;;
         esac
         if [ ${#ab[@]} -gt 0 ]; then
             for i in $(seq "${SPEC_SLICE_RUNS:-2}"); do
-                (export "${ab[0]}=0"; bar "$gib" "$mib" "$tag-${ab[1]}-$i")
+                # (A fifth word: the variable's value in the first run, 0 if none.)
+                (export "${ab[0]}=${ab[4]:-0}"; bar "$gib" "$mib" "$tag-${ab[1]}-$i")
                 # (A fourth word: the variable's value in the second run, where its default is
                 # the first run's.)
                 (if [ -n "${ab[3]:-}" ]; then export "${ab[0]}=${ab[3]}"; fi
@@ -311,7 +318,7 @@ ab)
     cp "$res"/overhead-ab-gpt2*.json "$out"/ 2>/dev/null
     tail -5 "$res/ab.log"
     ;;
-*) echo "usage: gpu-speculation.sh frozen | bars | slices | hold | criu-stream | copy-stream | held-writers | first-round | stage-ahead | held-spare | rewritten | partial | baseline | postcopy | ahead | trials [N] | ab"; exit 2 ;;
+*) echo "usage: gpu-speculation.sh frozen | bars | slices | hold | criu-stream | copy-stream | held-writers | first-round | stage-ahead | held-spare | rewritten | partial | readers | baseline | postcopy | ahead | trials [N] | ab"; exit 2 ;;
 esac
 (cd /dev/shm && tar czf "$out/speculation-$1.tgz" --exclude='img-*' --exclude='received' \
     --exclude='possum-speculation' possum-speculation-out 2>/dev/null)

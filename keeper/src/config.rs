@@ -21,6 +21,8 @@ pub const SPARE_STEP_MIB_ENV: &str = "POSSUM_KEEPER_SPARE_STEP_MIB";
 pub const SPARE_THREADS_ENV: &str = "POSSUM_KEEPER_SPARE_THREADS";
 /// Loader threads of one stage.
 pub const STAGE_THREADS_ENV: &str = "POSSUM_KEEPER_STAGE_THREADS";
+/// Threads reading a large buffer's chunks at once, for its loader.
+pub const STAGE_READERS_ENV: &str = "POSSUM_KEEPER_STAGE_READERS";
 /// Test hook: each buffer of a stage waits this long (ms) before it loads.
 pub const STAGE_DELAY_MS_ENV: &str = "POSSUM_KEEPER_STAGE_DELAY_MS";
 /// Test hook: the buffer at this position of a stage's load order fails to load.
@@ -39,6 +41,14 @@ const SPARE_THREADS: usize = 16;
 const SPARE_THREADS_MAX: usize = 64;
 /// Default of [`Config::stage_threads`].
 const STAGE_THREADS: usize = 8;
+/// [`Config::stage_readers`] at most.
+const STAGE_READERS_MAX: usize = 32;
+
+/// Default of [`Config::stage_readers`]: half the machine's cores, 4 to 8.
+fn default_readers() -> usize {
+    let cores = std::thread::available_parallelism().map_or(8, |n| n.get());
+    (cores / 2).clamp(4, 8)
+}
 
 /// The keeper's settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,6 +62,10 @@ pub struct Config {
     pub spare_threads: usize,
     /// Loader threads of one stage (default 8).
     pub stage_threads: usize,
+    /// Threads reading a large buffer's chunks at once (one loader's; default half the cores,
+    /// 4 to 8, at most 32): one reads a page-cache file at a few GB/s, the copies to the GPU
+    /// go at tens.
+    pub stage_readers: usize,
     /// Test hook: how long each buffer of a stage waits before it loads (default none).
     pub stage_delay: Duration,
     /// Test hook: the position in load order of a buffer whose load fails on purpose.
@@ -87,6 +101,9 @@ impl EnvConfig for Config {
                 .unwrap_or(SPARE_THREADS)
                 .min(SPARE_THREADS_MAX),
             stage_threads: count(STAGE_THREADS_ENV).unwrap_or(STAGE_THREADS),
+            stage_readers: count(STAGE_READERS_ENV)
+                .unwrap_or_else(default_readers)
+                .min(STAGE_READERS_MAX),
             stage_delay: Duration::from_millis(num(STAGE_DELAY_MS_ENV).unwrap_or(0)),
             stage_fail: num(STAGE_FAIL_ENV).and_then(|n| usize::try_from(n).ok()),
             stage_hold_waiters: count(STAGE_HOLD_WAITERS_ENV).unwrap_or(0),
@@ -107,6 +124,8 @@ mod tests {
         assert_eq!(c.spare_step_bytes, 1 << 30);
         assert_eq!(c.spare_threads, 16);
         assert_eq!(c.stage_threads, 8);
+        assert!((4..=8).contains(&c.stage_readers), "{}", c.stage_readers);
+        assert_eq!(c.stage_readers, default_readers());
         assert_eq!(c.stage_delay, Duration::ZERO);
         assert_eq!(c.stage_fail, None);
         assert_eq!(c.stage_hold_waiters, 0);
@@ -123,6 +142,7 @@ mod tests {
             (SPARE_STEP_MIB_ENV, "4"),
             (SPARE_THREADS_ENV, "500"),
             (STAGE_THREADS_ENV, "2"),
+            (STAGE_READERS_ENV, "12"),
             (STAGE_DELAY_MS_ENV, "30"),
             (STAGE_FAIL_ENV, "0"),
             (STAGE_HOLD_WAITERS_ENV, "2"),
@@ -131,6 +151,12 @@ mod tests {
         assert_eq!(c.spare_step_bytes, 4 << 20);
         assert_eq!(c.spare_threads, 64, "capped");
         assert_eq!(c.stage_threads, 2);
+        assert_eq!(c.stage_readers, 12);
+        assert_eq!(
+            Config::from_vars(&[(STAGE_READERS_ENV, "99")]).stage_readers,
+            32,
+            "capped"
+        );
         assert_eq!(c.stage_delay, Duration::from_millis(30));
         assert_eq!(c.stage_fail, Some(0));
         assert_eq!(c.stage_hold_waiters, 2);
@@ -144,6 +170,7 @@ mod tests {
             (SPARE_STEP_MIB_ENV, "0"),
             (SPARE_THREADS_ENV, "-1"),
             (STAGE_THREADS_ENV, "0"),
+            (STAGE_READERS_ENV, "0"),
             (STAGE_DELAY_MS_ENV, "soon"),
             (STAGE_FAIL_ENV, "x"),
             (STAGE_HOLD_WAITERS_ENV, "-2"),

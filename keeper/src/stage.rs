@@ -766,9 +766,10 @@ impl Stage {
     /// The next buffer to load (a waited-for one first), marked loading; `None` when none is left
     /// or the stage is ended. Waits while the buffers left are blocked by pending pieces. With
     /// `hold_waiters` above 0, nothing is picked before that many waits are pending at once.
-    /// A prestage's chunks written again are loaded again once no buffer is left to load, and
-    /// its loaders wait for them until `rewrites_until` once none is left either.
-    fn pick(&self, hold_waiters: usize) -> Option<Work> {
+    /// A prestage's chunks written again are loaded again once no buffer is left to load (twice
+    /// `readers` at a time), and its loaders wait for them until `rewrites_until` once none is
+    /// left either.
+    fn pick(&self, (hold_waiters, readers): (usize, usize)) -> Option<Work> {
         let mut p = self.lock();
         while !p.released && !p.ended {
             if p.waiting >= hold_waiters {
@@ -786,7 +787,7 @@ impl Stage {
                 p.status[i] = Status::Loading;
                 return Some(Work::Buffer(i));
             }
-            if let Some(again) = p.take_again(2 * READERS) {
+            if let Some(again) = p.take_again(2 * readers.max(1)) {
                 return Some(again);
             }
             match (choice, self.rewrites_until) {
@@ -923,6 +924,7 @@ pub(crate) struct Knobs {
     delay: Duration,
     fail: Option<usize>,
     threads: usize,
+    readers: usize,
     hold_waiters: usize,
 }
 
@@ -933,6 +935,7 @@ impl Knobs {
             delay: c.stage_delay,
             fail: c.stage_fail,
             threads: c.stage_threads,
+            readers: c.stage_readers,
             hold_waiters: c.stage_hold_waiters,
         }
     }
@@ -960,7 +963,7 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
         .device()
         .and_then(|d| Ok(d.stream()?))
         .map_err(|e| e.to_string());
-    while let Some(work) = stage.pick(knobs.hold_waiters) {
+    while let Some(work) = stage.pick((knobs.hold_waiters, knobs.readers)) {
         let i = match work {
             Work::Buffer(i) => i,
             Work::Again(i, offsets) => {
@@ -968,7 +971,8 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
                     let s = stream
                         .as_ref()
                         .map_err(|e| LoadError::NoStream(e.clone()))?;
-                    load_again(&*mem, &stage, i, &offsets, &image, s, &mut bufs)
+                    let via = Via::new(&image, s, &knobs);
+                    load_again(&*mem, &stage, i, &offsets, &via, &mut bufs)
                 }))
                 .unwrap_or(Err(LoadError::Panicked));
                 stage.loaded_again(i, &offsets, r);
@@ -993,7 +997,7 @@ pub(crate) fn loader(mem: Arc<dyn Memory>, stage: Arc<Stage>, image: Arc<Image>,
                             stage.note_peer(i);
                             Ok(())
                         }
-                        _ => load(&*mem, &stage, i, &image, s, &mut bufs),
+                        _ => load(&*mem, &stage, i, &Via::new(&image, s, &knobs), &mut bufs),
                     }
                 }
             }
@@ -1033,15 +1037,32 @@ fn load(
     mem: &dyn Memory,
     stage: &Stage,
     i: usize,
-    image: &Image,
-    stream: &possum_cuda::CudaStream,
+    via: &Via<'_>,
     free: &mut Vec<PinnedBuf>,
 ) -> Result<(), LoadError> {
     let b = &stage.buffers[i];
-    let todo: Vec<(u64, u64)> = (image.chunks(b.buf).into_iter())
+    let todo: Vec<(u64, u64)> = (via.image.chunks(b.buf).into_iter())
         .filter(|(off, _)| !stage.skip[i].contains(off))
         .collect();
-    copy_in(mem, stage, i, &todo, image, stream, free)
+    copy_in(mem, stage, i, &todo, via, free)
+}
+
+/// How a loader loads: the image it reads, the stream its copies go on, and how many threads
+/// read a large buffer's chunks at once.
+pub(crate) struct Via<'a> {
+    image: &'a Image,
+    stream: &'a possum_cuda::CudaStream,
+    readers: usize,
+}
+
+impl<'a> Via<'a> {
+    fn new(image: &'a Image, stream: &'a possum_cuda::CudaStream, knobs: &Knobs) -> Via<'a> {
+        Via {
+            image,
+            stream,
+            readers: knobs.readers.max(1),
+        }
+    }
 }
 
 /// Loads the chunks at `offsets` of buffer `i` of `stage` (a prestage's, loaded, named written
@@ -1051,15 +1072,14 @@ fn load_again(
     stage: &Stage,
     i: usize,
     offsets: &[u64],
-    image: &Image,
-    stream: &possum_cuda::CudaStream,
+    via: &Via<'_>,
     free: &mut Vec<PinnedBuf>,
 ) -> Result<u64, LoadError> {
     let b = &stage.buffers[i];
-    let todo: Vec<(u64, u64)> = (image.chunks(b.buf).into_iter())
+    let todo: Vec<(u64, u64)> = (via.image.chunks(b.buf).into_iter())
         .filter(|(off, _)| offsets.contains(off))
         .collect();
-    copy_in(mem, stage, i, &todo, image, stream, free)?;
+    copy_in(mem, stage, i, &todo, via, free)?;
     Ok(todo.iter().map(|(_, len)| len).sum())
 }
 
@@ -1071,10 +1091,14 @@ fn copy_in(
     stage: &Stage,
     i: usize,
     todo: &[(u64, u64)],
-    image: &Image,
-    stream: &possum_cuda::CudaStream,
+    via: &Via<'_>,
     free: &mut Vec<PinnedBuf>,
 ) -> Result<(), LoadError> {
+    let Via {
+        image,
+        stream,
+        readers,
+    } = *via;
     let b = &stage.buffers[i];
     let dev = mem.device()?;
     let res = dev.reserve(b.alloc_size).map_err(LoadError::Reserve)?;
@@ -1086,6 +1110,7 @@ fn copy_in(
         image,
         dev,
         stream,
+        readers,
         va: m.va(),
         named: Mutex::new(Vec::new()),
     };
@@ -1125,6 +1150,8 @@ struct Load<'a> {
     image: &'a Image,
     dev: &'a ShareDevice,
     stream: &'a possum_cuda::CudaStream,
+    /// Threads reading a large buffer's chunks at once.
+    readers: usize,
     va: u64,
     named: Mutex<Vec<(u64, u64, u32)>>,
 }
@@ -1138,11 +1165,11 @@ fn send_chunks(
     inflight: &mut VecDeque<CudaPending>,
     issued: &mut Vec<u64>,
 ) -> Result<(), ChunkError> {
-    // A large buffer's chunks are read READERS at a time (one thread reads a page-cache file
+    // A large buffer's chunks are read `readers` at a time (one thread reads a page-cache file
     // at a few GB/s, the copies go at tens), each batch's copies in flight while the next is
     // read; a small one's one at a time.
-    let batch = if todo.len() >= 2 * READERS {
-        READERS
+    let batch = if todo.len() >= 2 * load.readers {
+        load.readers
     } else {
         1
     };
@@ -1168,9 +1195,6 @@ fn send_chunks(
     }
     Ok(())
 }
-
-/// Chunks of one buffer read at once, by so many threads.
-const READERS: usize = 4;
 
 /// Reads the chunks `group` of `load`'s buffer into `bufs` (one each, its first `n` bytes), each
 /// once its bytes are in the image's file (post-copy), one thread each; a chunk named written

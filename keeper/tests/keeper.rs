@@ -703,9 +703,11 @@ fn an_imported_fd_is_known_again_and_shared_anew_to_its_importer() {
 /// Staging: an engine's buffers checkpointed into an image on disk and
 /// released; the keeper loads the image into new memory for this process, and the engine's
 /// restore maps that memory and waits for the loads instead of copying. A buffer whose load
-/// fails (`POSSUM_KEEPER_STAGE_FAIL`) is copied by the engine from the image. The memory is this
-/// process's in use afterwards, nothing retained; a stage's memory nobody takes is freed by
-/// `stage_end`; an image that is not there is refused by name.
+/// fails (`POSSUM_KEEPER_STAGE_FAIL`) is copied by the engine from the image; the last round's
+/// loaders read a large buffer's chunks three at a time (`POSSUM_KEEPER_STAGE_READERS`), its
+/// last batch short. The memory is this process's in use afterwards, nothing retained; a
+/// stage's memory nobody takes is freed by `stage_end`; an image that is not there is refused
+/// by name.
 #[test]
 fn a_staged_restore_maps_memory_the_keeper_loaded() {
     in_child(|| {
@@ -727,7 +729,11 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
             .to_string();
         assert!(err.contains("no-such-image"), "{err}");
 
-        for (round, fail) in [(1u64, None), (2, Some("0"))] {
+        for (round, fail, readers) in [
+            (1u64, None, None),
+            (2, Some("0"), None),
+            (3, None, Some("3")),
+        ] {
             for (i, b) in bufs.iter().enumerate() {
                 kept.write(b.va(), round * 10 + i as u64, b.size());
             }
@@ -739,6 +745,10 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
             match fail {
                 Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_FAIL", n),
                 None => std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL"),
+            }
+            match readers {
+                Some(n) => std::env::set_var("POSSUM_KEEPER_STAGE_READERS", n),
+                None => std::env::remove_var("POSSUM_KEEPER_STAGE_READERS"),
             }
             let info = k.stage(me, &img, 60, None, None, Vec::new()).unwrap();
             assert_eq!(info.buffers, 3);
@@ -777,6 +787,7 @@ fn a_staged_restore_maps_memory_the_keeper_loaded() {
             assert!(st.stages.is_empty(), "{st:?}");
         }
         std::env::remove_var("POSSUM_KEEPER_STAGE_FAIL");
+        std::env::remove_var("POSSUM_KEEPER_STAGE_READERS");
 
         // A stage nobody takes: its memory is freed when it is ended.
         let img = dir.path().join("img-2/gpu-0");
