@@ -937,8 +937,8 @@ impl<D: Device> CkptSession<D> {
         Ok(Some(CkState::Shadowed { shadow, ready }))
     }
 
-    /// Whether slot `i`'s buffer goes to the [`ShadowSaver`] itself: a copy holding the job
-    /// (nothing writes the buffer meanwhile), the chunks it takes of it whole or some.
+    /// Whether the buffers this copy takes go to the [`ShadowSaver`] themselves: a copy holding
+    /// the job (nothing writes them meanwhile), each whole or the chunks of it that changed.
     fn held_to_saver(&self) -> bool {
         self.held && self.shadow_saver.is_some()
     }
@@ -1253,8 +1253,9 @@ impl<D: Device> CkptSession<D> {
                         _ => false,
                     }
                 };
-                // Held, the buffer itself goes to the saver whole, as a shadow would, once the
-                // job's work before T0 is done (the copy streams wait for it).
+                // Held, the buffer itself goes to the saver (the chunks to take of it), as a
+                // shadow would, once the job's work before T0 is done (the copy streams wait for
+                // it).
                 if copy && self.held_to_saver() {
                     let ready = self.dev.record_event(stream);
                     if let Ok(Ok(())) = ready.map(|r| to_savers.send((i, slot.buf.va(), r))) {
