@@ -130,6 +130,12 @@ fn setup_job(
 /// A migration that succeeded at both ends (each failure says what both said): `possum
 /// migrate --json`'s figures and the receiver's.
 fn migrated(out: &Output, receiver: Receiver, job: &Job) -> (Value, Value) {
+    let (v, r, _) = migrated_logged(out, receiver, job);
+    (v, r)
+}
+
+/// [`migrated`], with the receiver's log (for a later assertion's message).
+fn migrated_logged(out: &Output, receiver: Receiver, job: &Job) -> (Value, Value, String) {
     let log = receiver.log.clone();
     let (status, received) = receiver.finish();
     let log = log.lock().unwrap().clone();
@@ -142,7 +148,7 @@ fn migrated(out: &Output, receiver: Receiver, job: &Job) -> (Value, Value) {
     assert!(status.success(), "{received}\n{log}");
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let r: Value = serde_json::from_str(received.trim()).unwrap();
-    (v, r)
+    (v, r, log)
 }
 
 /// `possum migrate` of `job` to `to`, paced at 1 MB/s (the image is some MiB: slow enough to
@@ -640,7 +646,7 @@ fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
             ("POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING", "1"),
         ],
     );
-    let (v, r) = migrated(&out, t.receiver, &t.job);
+    let (v, r, log) = migrated_logged(&out, t.receiver, &t.job);
     assert_eq!((&v["files"], &v["bytes"]), (&r["files"], &r["bytes"]));
     let copying = v["bytes_while_copying"].as_u64().unwrap();
     let rounds = v["rounds_while_copying"].as_u64().unwrap();
@@ -662,7 +668,10 @@ fn the_chunks_the_first_round_and_the_final_copy_write_go_while_they_run() {
     );
     // The draft went once the round was over, and the keeper there loaded the images from it.
     let pre = r["prestaged"].as_array().expect("prestaged");
-    assert!(pre[0]["error"].is_null() && pre[0]["stage"].is_u64(), "{r}");
+    assert!(
+        pre[0]["error"].is_null() && pre[0]["stage"].is_u64(),
+        "{r}\nreceiver:\n{log}\nsource:\n{stderr}"
+    );
     assert_eq!(r["staged"][0]["base"], pre[0]["stage"], "{r}");
     // The keeper there was told of the chunks the later rounds wrote again.
     let named = pre[0]["rewritten"].as_u64().unwrap_or(0);
