@@ -1214,10 +1214,13 @@ fn a_prestage_loads_again_what_is_written_again() {
 
 /// A stage built on a prestage that was still loading a buffer (its load waiting for bytes not
 /// there yet when the stage took it) takes the chunks that load copied, not only the buffers
-/// loaded whole, and loads the rest; the restore is bit-exact.
+/// loaded whole, and loads the rest; the restore is bit-exact. (Each chunk read alone,
+/// `POSSUM_KEEPER_STAGE_READERS=1`: what a load copies before it waits then follows from where
+/// the writer put the chunks, whichever files they went to.)
 #[test]
 fn a_stage_takes_the_chunks_of_a_buffer_its_base_was_still_loading() {
     in_child(|| {
+        std::env::set_var("POSSUM_KEEPER_STAGE_READERS", "1");
         let (dir, server) = fresh_keeper();
         let mut d = Drafted::new(&server, dir.path(), 90);
         let (arriving, whole) = d.arriving(dir.path(), true);
@@ -1238,12 +1241,11 @@ fn a_stage_takes_the_chunks_of_a_buffer_its_base_was_still_loading() {
             .clone();
         let mut present = whole.clone();
         *present.get_mut(&held).unwrap() -= 1;
-        // What each buffer's load copies before it waits: read four chunks at a time when it
-        // has eight or more, else one; the groups before the first holding a chunk of that
-        // file. (Buffers loaded whole, reads left waiting.)
+        // What each buffer's load copies before it waits: its chunks read one at a time, those
+        // before the first in that file. (Buffers loaded whole, reads left waiting.)
         let (mut expect, mut whole_bytes, mut ready, mut waiting) = (0, 0, 0, 0);
         for chunks in &layout {
-            let batch = if chunks.len() >= 8 { 4 } else { 1 };
+            let batch = 1;
             let Some(g) = chunks
                 .chunks(batch)
                 .position(|g| g.iter().any(|c| c.1 == held))
