@@ -1040,16 +1040,13 @@ fn load(
     via: &Via<'_>,
     free: &mut Vec<PinnedBuf>,
 ) -> Result<(), LoadError> {
-    let b = &stage.buffers[i];
-    let todo: Vec<(u64, u64)> = (via.image.chunks(b.buf).into_iter())
-        .filter(|(off, _)| !stage.skip[i].contains(off))
-        .collect();
-    copy_in(mem, stage, i, &todo, via, free)
+    let todo = |off: u64| !stage.skip[i].contains(&off);
+    load_chunks(mem, (stage, i), todo, via, free).map(drop)
 }
 
 /// How a loader loads: the image it reads, the stream its copies go on, and how many threads
 /// read a large buffer's chunks at once.
-pub(crate) struct Via<'a> {
+struct Via<'a> {
     image: &'a Image,
     stream: &'a possum_cuda::CudaStream,
     readers: usize,
@@ -1075,10 +1072,20 @@ fn load_again(
     via: &Via<'_>,
     free: &mut Vec<PinnedBuf>,
 ) -> Result<u64, LoadError> {
-    let b = &stage.buffers[i];
-    let todo: Vec<(u64, u64)> = (via.image.chunks(b.buf).into_iter())
-        .filter(|(off, _)| offsets.contains(off))
-        .collect();
+    load_chunks(mem, (stage, i), |off| offsets.contains(&off), via, free)
+}
+
+/// Loads the chunks of buffer `i` of `stage` at the offsets `todo` keeps ([`copy_in`]): their
+/// bytes.
+fn load_chunks(
+    mem: &dyn Memory,
+    (stage, i): (&Stage, usize),
+    todo: impl Fn(u64) -> bool,
+    via: &Via<'_>,
+    free: &mut Vec<PinnedBuf>,
+) -> Result<u64, LoadError> {
+    let chunks = via.image.chunks(stage.buffers[i].buf).into_iter();
+    let todo: Vec<(u64, u64)> = chunks.filter(|&(off, _)| todo(off)).collect();
     copy_in(mem, stage, i, &todo, via, free)?;
     Ok(todo.iter().map(|(_, len)| len).sum())
 }
@@ -1094,11 +1101,6 @@ fn copy_in(
     via: &Via<'_>,
     free: &mut Vec<PinnedBuf>,
 ) -> Result<(), LoadError> {
-    let Via {
-        image,
-        stream,
-        readers,
-    } = *via;
     let b = &stage.buffers[i];
     let dev = mem.device()?;
     let res = dev.reserve(b.alloc_size).map_err(LoadError::Reserve)?;
@@ -1107,10 +1109,8 @@ fn copy_in(
     let load = Load {
         stage,
         i,
-        image,
+        via,
         dev,
-        stream,
-        readers,
         va: m.va(),
         named: Mutex::new(Vec::new()),
     };
@@ -1141,17 +1141,14 @@ fn copy_in(
     }
 }
 
-/// One buffer's load: its stage, its place there and the image read; where the copies go (the
-/// device, its stream, the buffer's memory as mapped); what was read of chunks named written
+/// One buffer's load: its stage, its place there and how it is loaded ([`Via`]); where the
+/// copies go (the device, the buffer's memory as mapped); what was read of chunks named written
 /// again ((offset, naming, CRC32C) each, from the reading threads).
 struct Load<'a> {
     stage: &'a Stage,
     i: usize,
-    image: &'a Image,
+    via: &'a Via<'a>,
     dev: &'a ShareDevice,
-    stream: &'a possum_cuda::CudaStream,
-    /// Threads reading a large buffer's chunks at once.
-    readers: usize,
     va: u64,
     named: Mutex<Vec<(u64, u64, u32)>>,
 }
@@ -1168,8 +1165,9 @@ fn send_chunks(
     // A large buffer's chunks are read `readers` at a time (one thread reads a page-cache file
     // at a few GB/s, the copies go at tens), each batch's copies in flight while the next is
     // read; a small one's one at a time.
-    let batch = if todo.len() >= 2 * load.readers {
-        load.readers
+    let readers = load.via.readers;
+    let batch = if todo.len() >= 2 * readers {
+        readers
     } else {
         1
     };
@@ -1189,7 +1187,7 @@ fn send_chunks(
             return Err(e);
         }
         for ((buf, n), &(off, _)) in bufs.into_iter().zip(group) {
-            inflight.push_back(load.stream.copy_h2d(buf, load.va + off, n)?);
+            inflight.push_back(load.via.stream.copy_h2d(buf, load.va + off, n)?);
             issued.push(off);
         }
     }
@@ -1205,12 +1203,9 @@ fn read_group(
     bufs: &mut [(PinnedBuf, usize)],
 ) -> Result<(), ChunkError> {
     let Load {
-        stage,
-        i,
-        image,
-        named,
-        ..
+        stage, i, named, ..
     } = load;
+    let image = load.via.image;
     let (i, buf_id) = (*i, stage.buffers[*i].buf);
     let read_one = |off: u64, dst: &mut [u8]| -> Result<(), ChunkError> {
         // Post-copy: its bytes may still be on their way.

@@ -917,6 +917,15 @@ impl Drafted {
         img
     }
 
+    /// Buffer `i` written again with `pattern(id, ..)` and copied in place into the draft's
+    /// files (a later pre-copy round).
+    fn rewrite(&self, i: usize, id: u64) {
+        let b = &self.bufs[i];
+        self.kept.write(b.va(), id, b.size());
+        let e = &self.kept.engine;
+        e.checkpoint(self.w.clone(), false).unwrap().wait().unwrap();
+    }
+
     /// The pieces of the draft's data files that hold buffer `i`.
     fn pieces_of(&self, i: usize) -> Vec<PendingPiece> {
         let draft = possum_engine::image::Image::open_draft(self.w.temp_dir()).unwrap();
@@ -1176,25 +1185,13 @@ fn a_prestage_loads_again_what_is_written_again() {
         };
         loaded("the prestage is loaded", 0);
         // The second buffer written again, rewritten in place in the draft's files, named.
-        d.kept.write(d.bufs[1].va(), 81, d.bufs[1].size());
-        d.kept
-            .engine
-            .checkpoint(d.w.clone(), false)
-            .unwrap()
-            .wait()
-            .unwrap();
+        d.rewrite(1, 81);
         let second = d.pieces_of(1);
         let n = d.k.stage_rewritten(pre.stage, second.clone()).unwrap();
         assert_eq!(n, second.len() as u64);
         loaded("its chunks are loaded again", d.sizes[1]);
         // The third: named, loaded again, then written again, not named.
-        d.kept.write(d.bufs[2].va(), 82, d.bufs[2].size());
-        d.kept
-            .engine
-            .checkpoint(d.w.clone(), false)
-            .unwrap()
-            .wait()
-            .unwrap();
+        d.rewrite(2, 82);
         d.k.stage_rewritten(pre.stage, d.pieces_of(2)).unwrap();
         let both = d.sizes[1] + d.sizes[2];
         loaded("the third's chunks are loaded again", both);

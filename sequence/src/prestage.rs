@@ -118,10 +118,8 @@ pub struct StagedAhead {
 #[derive(Default)]
 pub(crate) struct Prestages {
     begun: bool,
-    /// The unfinished image directories loaded ahead, and their paths relative to the
-    /// received directory ...
+    /// The unfinished image directories loaded ahead ...
     images: Vec<PathBuf>,
-    unfinished: Vec<PathBuf>,
     /// ... and the finished images' paths, relative to the received directory.
     finished: Vec<PathBuf>,
     /// Whether each keeper is told what the parts after the first brought
@@ -274,7 +272,10 @@ impl Prestages {
             // What it brought below where each file ended before it was written again; told
             // before the lengths, so that no chunk is loaded as it was before it is named.
             let told = Some(self.told.as_slice());
-            let again = (self.rewrites).then(|| Self::rewritten(&self.unfinished, brought, told));
+            let unfinished: Vec<PathBuf> = (self.images.iter())
+                .map(|abs| abs.strip_prefix(ahead).unwrap_or(abs).to_path_buf())
+                .collect();
+            let again = (self.rewrites).then(|| Self::rewritten(&unfinished, brought, told));
             if let Some(pieces) = again.flatten() {
                 self.tell(Told::Rewritten(pieces));
             }
@@ -304,9 +305,6 @@ impl Prestages {
         };
         let gpus = hint.gpu_memory;
         self.images = drafts.iter().map(|(_, abs, _)| abs.clone()).collect();
-        self.unfinished = (self.images.iter())
-            .map(|abs| abs.strip_prefix(ahead).unwrap_or(abs).to_path_buf())
-            .collect();
         self.finished = drafts.iter().map(|(rel, _, _)| rel.clone()).collect();
         let present: Vec<Lengths> = self.images.iter().map(|d| lengths(d)).collect();
         self.told = present.clone();

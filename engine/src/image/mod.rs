@@ -91,6 +91,6 @@ pub use manifest::{check_coverage, check_manifest};
 pub use reader::{ChunkPlace, Image};
 pub use summary::ImageSummary;
 pub use writer::{
-    unfinished_image_name, FileWrites, ImageWriter, JournalRecord, WriterOptions,
+    merged_ranges, unfinished_image_name, FileWrites, ImageWriter, JournalRecord, WriterOptions,
     DEFAULT_WRITE_PIECE,
 };

@@ -413,8 +413,9 @@ pub struct FileWrites {
     pub ranges: Vec<(u64, u64)>,
 }
 
-/// `ranges` (offset, length) sorted, those that overlap or touch made one.
-fn merged(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+/// `ranges` (offset, length) sorted, those that overlap or touch made one: the byte ranges a
+/// writer's account names ([`FileWrites::ranges`]), and any other caller's.
+pub fn merged_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     ranges.sort_unstable();
     let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
     for (at, len) in ranges {
@@ -548,12 +549,12 @@ impl ImageWriter {
     pub fn take_written(&self) -> Vec<FileWrites> {
         let lanes = self.lanes.iter().map(|lane| FileWrites {
             inode: lane.inode,
-            ranges: merged(std::mem::take(&mut *lane.written.lock())),
+            ranges: merged_ranges(std::mem::take(&mut *lane.written.lock())),
         });
         let mut files: Vec<FileWrites> = lanes.collect();
         files.extend(self.adopted.lock().iter_mut().map(|a| FileWrites {
             inode: a.inode,
-            ranges: merged(std::mem::take(&mut a.written)),
+            ranges: merged_ranges(std::mem::take(&mut a.written)),
         }));
         files
     }

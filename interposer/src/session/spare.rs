@@ -203,17 +203,10 @@ impl possum_engine::store::ShadowSaver for SpareSaver {
 /// The chunks at `offsets` (each `chunk` bytes, the last of `size` bytes shorter) as runs of
 /// adjacent ones: (offset, length), in order.
 fn runs(offsets: &[u64], size: u64, chunk: u64) -> Vec<(u64, u64)> {
-    let mut sorted = offsets.to_vec();
-    sorted.sort_unstable();
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for off in sorted {
-        let len = chunk.min(size.saturating_sub(off));
-        match runs.last_mut() {
-            Some((start, l)) if *start + *l == off => *l += len,
-            _ => runs.push((off, len)),
-        }
-    }
-    runs
+    let chunks = offsets
+        .iter()
+        .map(|&off| (off, chunk.min(size.saturating_sub(off))));
+    possum_engine::image::merged_ranges(chunks.collect())
 }
 
 #[cfg(test)]

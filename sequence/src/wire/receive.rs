@@ -609,16 +609,9 @@ impl<'a> Receiving<'a> {
     }
 }
 
-/// The byte ranges of `pieces` (in order), those that follow each other as one.
+/// The byte ranges of `pieces`, those that follow each other as one.
 fn joined(pieces: &[Piece]) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    for p in pieces {
-        match out.last_mut() {
-            Some((at, len)) if *at + *len == p.offset => *len += p.len,
-            _ => out.push((p.offset, p.len)),
-        }
-    }
-    out
+    possum_engine::image::merged_ranges(pieces.iter().map(|p| (p.offset, p.len)).collect())
 }
 
 /// With [`Durability::Later`], [`UNSYNCED`] in the new directory `root`, synced with it before
