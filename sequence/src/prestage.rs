@@ -28,7 +28,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -143,9 +143,16 @@ enum Told {
     Grown(Vec<Lengths>),
     /// ... and what the part brought of them, per image.
     Rewritten(Vec<Vec<possum_keeper::PendingPiece>>),
-    /// The received directory, now holding the images finished: each staged ahead.
-    Finished(PathBuf),
+    /// The received directory, now holding the images finished: each staged ahead, then the
+    /// sender told (the directory is renamed once the transfer is over: the keepers must have
+    /// opened the images by then).
+    Finished(PathBuf, mpsc::SyncSender<()>),
 }
+
+/// How long a part of the final set waits for the keepers to take the stages ahead of the
+/// images it finished (the transfer's rename waits with it; a stage ahead not taken by then
+/// may fail, and the restore stages those images without a base).
+const STAGED_AHEAD_WAIT: Duration = Duration::from_secs(20);
 
 /// The lengths of the files of an unfinished image directory, by name.
 type Lengths = BTreeMap<String, u64>;
@@ -250,7 +257,9 @@ impl Prestages {
             return;
         }
         self.staged_ahead = true;
-        self.tell(Told::Finished(dir.to_path_buf()));
+        let (done, staged) = mpsc::sync_channel(1);
+        self.tell(Told::Finished(dir.to_path_buf(), done));
+        let _ = staged.recv_timeout(STAGED_AHEAD_WAIT);
     }
 
     /// Called with the directory what is sent ahead is received in, each time a part of it is
@@ -335,8 +344,9 @@ impl Prestages {
                                 .for_each(|(m, pieces)| tell_rewritten(m, pieces));
                             continue;
                         }
-                        Told::Finished(dir) => {
+                        Told::Finished(dir, done) => {
                             made.iter_mut().flatten().for_each(|m| stage_ahead(m, &dir));
+                            let _ = done.send(());
                             continue;
                         }
                     };
