@@ -407,18 +407,16 @@ fn release_engines(
         .or_else(|| (!crate::memory::vmm::shared_pieces().is_empty()).then_some(SHARED_HOLD_SECS));
     let (mut buffers_time, mut staging_time) = Default::default();
     for e in engines {
-        let t = Instant::now();
-        let one = release_one(e, keep);
-        buffers_time += t.elapsed();
+        let (one, buffers, staging) = release_freeing_staging(e, keep, park);
+        buffers_time += buffers;
+        if let Some((freed, took)) = staging {
+            staging_freed += freed;
+            staging_time += took;
+        }
         match one {
             Ok(b) => {
                 bytes += b;
                 done.push(e.ordinal);
-                if park {
-                    let t = Instant::now();
-                    staging_freed += free_staging(e);
-                    staging_time += t.elapsed();
-                }
             }
             Err(source) => {
                 // Released engines stay released: only their images can bring them back, so
@@ -447,6 +445,45 @@ fn release_engines(
         staging_time,
     })
 }
+
+/// [`release_one`], and with `park` `e`'s staging freed beside it ([`free_staging`]: the
+/// final copy is over, and the release needs no staging; each is the driver's work on the host,
+/// unmapping and unpinning, so that the one need not wait for the other). The release's result
+/// and time, and the staging's bytes freed and time, if it was freed. (A failed release leaves
+/// the staging freed: it is allocated again as the next copies need it.)
+fn release_freeing_staging(e: &DevEngine, keep: Option<u64>, park: bool) -> ReleasedOne {
+    let timed = |f: &dyn Fn() -> u64| {
+        let t = Instant::now();
+        (f(), t.elapsed())
+    };
+    std::thread::scope(|s| {
+        let beside = park
+            .then(|| {
+                std::thread::Builder::new()
+                    .name("possum-free-staging".into())
+                    .spawn_scoped(s, || timed(&|| free_staging(e)))
+                    .ok()
+            })
+            .flatten();
+        let t = Instant::now();
+        let one = release_one(e, keep);
+        let buffers = t.elapsed();
+        // (No thread to free it beside: freed after.)
+        let staging = match beside {
+            Some(h) => h.join().ok(),
+            None => park.then(|| timed(&|| free_staging(e))),
+        };
+        (one, buffers, staging)
+    })
+}
+
+/// What [`release_freeing_staging`] gives: the release's result and time, and the staging's
+/// bytes freed and time.
+type ReleasedOne = (
+    Result<u64, possum_engine::EngineError>,
+    std::time::Duration,
+    Option<(u64, std::time::Duration)>,
+);
 
 /// Releases `e`'s buffers, or with `keep` seconds and a keeper's memory detaches them (freed
 /// where that fails, as without a keeper: the image has them). The bytes.
