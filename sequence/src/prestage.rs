@@ -596,6 +596,47 @@ mod tests {
         assert_eq!(again, Some(vec![vec![piece(8, 4)], vec![]]));
     }
 
+    /// The part of the final set that finished the images returns only once the thread has
+    /// had the keepers take the stages ahead: the transfer renames the received directory
+    /// after it, and a keeper given the old name later would find nothing there.
+    #[test]
+    fn the_final_part_waits_for_the_stages_ahead_to_be_taken() {
+        let d = tempfile::tempdir().unwrap();
+        let image = d.path().join("gpu/gpu-0");
+        fs::create_dir_all(&image).unwrap();
+        fs::write(image.join(possum_engine::image::MANIFEST_FILE), b"m").unwrap();
+        let (tx, rx) = mpsc::channel::<Told>();
+        let taken = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = std::sync::Arc::clone(&taken);
+        let thread = std::thread::spawn(move || {
+            for told in rx {
+                if let Told::Finished(dir, done) = told {
+                    // A keeper slow to answer, the directory still there when it does.
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    assert!(dir.join("gpu/gpu-0").is_dir());
+                    seen.store(true, std::sync::atomic::Ordering::SeqCst);
+                    let _ = done.send(());
+                }
+            }
+            Vec::new()
+        });
+        let mut p = Prestages::staging_ahead(true);
+        p.begun = true;
+        p.finished = vec![PathBuf::from("gpu/gpu-0")];
+        p.grown = Some(tx);
+        p.thread = Some(thread);
+        p.part_received(
+            d.path(),
+            crate::wire::Part::Final,
+            &crate::wire::Brought::new(),
+        );
+        assert!(
+            taken.load(std::sync::atomic::Ordering::SeqCst),
+            "the final part returned before the stages ahead were taken"
+        );
+        assert!(p.finish().is_empty());
+    }
+
     #[test]
     fn drafts_are_found_under_the_jobs_unfinished_images_only() {
         let d = tempfile::tempdir().unwrap();
