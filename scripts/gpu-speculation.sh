@@ -77,9 +77,9 @@
 #       says which way the copy went.
 #   bash scripts/gpu-speculation.sh readers  (~5 min with SPEC_BARS="0 8192 t8")
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the destination's keeper
-#       reading a large buffer's chunks 4 at a time (POSSUM_KEEPER_STAGE_READERS=4) and as many
-#       as its default (half the cores, 4 to 8), alternating (TAG-four-N, TAG-default-N). Each
-#       row's `waited_after_resume_ms` is the job's wait for the loads once it ran there.
+#       reading a large buffer's chunks 4 at a time (the default) and 8 at a time
+#       (POSSUM_KEEPER_STAGE_READERS=8), alternating (TAG-four-N, TAG-eight-N). Each row's
+#       `waited_after_resume_ms` is the job's wait for the loads once it ran there.
 #   bash scripts/gpu-speculation.sh baseline   (~4 min)
 #       The frozen job (8 GiB of weights, 64 MiB of state) migrated alone by the build in
 #       SPEC_BASELINE (default .gpu/baseline: possum, libpossum.so and its CRIU plugin, staged
@@ -211,7 +211,7 @@ bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|he
             held-spare) ab=(POSSUM_HELD_SPARE staged spare 1) ;;  # the final copy into the keeper's spare
             rewritten) ab=(POSSUM_MIGRATE_LOAD_REWRITTEN lengths rewritten 1) ;;  # chunks sent again loaded as they come
             partial) ab=(POSSUM_KEEPER_STAGE_PARTIAL whole partial) ;;  # a stage takes its base's partly loaded buffers
-            readers) ab=(POSSUM_KEEPER_STAGE_READERS four default "" 4) ;;  # a large buffer read 4 at a time, or as the default
+            readers) ab=(POSSUM_KEEPER_STAGE_READERS four eight 8 4) ;;  # a large buffer read 4 or 8 chunks at a time
             *) ab=() ;;
         esac
         if [ ${#ab[@]} -gt 0 ]; then
