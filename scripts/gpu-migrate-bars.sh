@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Migration's bars in one device call of under ten minutes (BARS_LIMIT_S, default 570 s), one GPU,
+# both ends on it over loopback, images on a huge-page tmpfs. Builds nothing: carry .gpu, staged
+# by `bash scripts/gpu-ckpt.sh --stage`; for step 4, also the transport's bench, staged as
+# scripts/gpu-wire.sh says (skipped without it).
+#   1. `possum migrate` with the defaults, each job migrated alone (`gpu-speculation.sh bars`):
+#      8 GiB of frozen weights and 64 MiB of state (f8), 32 GiB (f32), and a training job
+#      writing 8 GiB of state every step (t8). Each row: the downtime in the job's own step
+#      log (`downtime_s`) and possum's figures.
+#   2. The `--engine driver` route, in the same call, for f8 and t8: the jobs run
+#      `possum run --no-keeper` (the driver cannot restore a process holding a keeper's memory),
+#      migrated with `--engine driver`.
+#   3. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
+#      the MLP and GPT-2 generation with and without `--post-copy`, three at once
+#      (`gpu-ckpt.sh correctness`), within what is left less 60 s.
+#   4. If 60 s are left and .gpu/wire-bench is there: the authenticated transport over 8
+#      streams, unpaced and paced (`gpu-wire.sh`, 2 GiB).
+# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver, t8-driver), $OUT/bars-trials.{jsonl,md},
+#    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
+set -u
+cd "$(dirname "$0")/.."
+source scripts/gpu-start.sh
+out=${OUT:-.gpu/out}; mkdir -p "$out"; out=$(cd "$out" && pwd)
+start=$(date +%s); limit=${BARS_LIMIT_S:-570}
+left() { echo $(( limit - ($(date +%s) - start) )); }
+scratch=$(mktemp -d /dev/shm/possum-bars.XXXXXX)
+free_huge() { umount /mnt/possum-huge 2>/dev/null; rm -rf /dev/shm/possum-speculation-out; }
+# $1 tag of the step, $2 its seconds, then the variables for gpu-speculation.sh bars: the rows
+# into bars.jsonl, tagged as SPEC_BARS names them (with $1's suffix, if any).
+bars() {
+    local step=$1 secs=$2; shift 2
+    echo "== $step, $(left) s left"
+    env OUT="$scratch/$step" SPEC_HUGE=1 "$@" timeout -k 5 "$secs" \
+        bash scripts/gpu-speculation.sh bars > "$scratch/$step.log" 2>&1
+    python3 -c 'import json,sys
+with open(sys.argv[3], "a") as rows:
+    for l in open(sys.argv[1]):
+        r = json.loads(l)
+        if sys.argv[2]:
+            r["tag"] += "-" + sys.argv[2]
+        m = r.get("migrate") or {}
+        print(r["tag"], "down", m.get("downtime_s"), "rc", m.get("rc"))
+        rows.write(json.dumps(r) + "\n")' \
+        "$scratch/$step/speculation-bars.jsonl" "${step#defaults}" "$out/bars.jsonl" \
+        || tail -5 "$scratch/$step.log"
+    free_huge
+}
+
+bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
+bars driver 130 SPEC_BARS="8 64 f8,0 8192 t8" SPEC_FLAGS="--run-flags=--no-keeper" \
+    SPEC_MIGRATE_FLAGS="--engine driver"
+
+echo "== trials, $(left) s left"
+if [ "$(left)" -gt 120 ]; then
+    mkdir -p /tmp/possum-huge-tmpfs
+    POSSUM_CKPT_HUGE=1 OUT="$scratch/trials" timeout -k 5 $(( $(left) - 60 )) \
+        bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
+        --jobs mlp,gpt2 --trials "${BARS_TRIALS:-10,10}" --parallel 3 --seed "${BARS_SEED:-91}" \
+        --budget-s $(( $(left) - 90 )) > "$scratch/trials.log" 2>&1
+    cp "$scratch/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
+    cp "$scratch/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
+    tail -3 "$scratch/trials.log"
+fi
+
+if [ "$(left)" -gt 60 ] && [ -x .gpu/wire-bench ]; then
+    echo "== transport, $(left) s left"
+    OUT="$scratch/wire" DIR_MIB=2048 WIRE_STREAMS=8 WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
+        bash scripts/gpu-wire.sh > "$scratch/wire.log" 2>&1
+    cp "$scratch/wire/wire-bench.txt" "$out/" 2>/dev/null
+    cat "$out/wire-bench.txt" 2>/dev/null
+fi
+(cd "$scratch" && find . -type f \( -name '*.log' -o -name '*.err' -o -name '*.md' \) -size -20M \
+    | tar czf "$out/bars-logs.tgz" -T -)
+echo "== done, $(left) s left"
