@@ -17,58 +17,46 @@
 #      streams, unpaced and paced (`gpu-wire.sh`, 2 GiB).
 # -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver, t8-driver), $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
+# Without a GPU it says SKIPPED and exits 0.
 set -u
 cd "$(dirname "$0")/.."
 source scripts/gpu-start.sh
-out=${OUT:-.gpu/out}; mkdir -p "$out"; out=$(cd "$out" && pwd)
-start=$(date +%s); limit=${BARS_LIMIT_S:-570}
-left() { echo $(( limit - ($(date +%s) - start) )); }
-scratch=$(mktemp -d /dev/shm/possum-bars.XXXXXX)
-free_huge() { umount /mnt/possum-huge 2>/dev/null; rm -rf /dev/shm/possum-speculation-out; }
-# $1 tag of the step, $2 its seconds, then the variables for gpu-speculation.sh bars: the rows
-# into bars.jsonl, tagged as SPEC_BARS names them (with $1's suffix, if any).
+harness_run migrate-bars BARS_LIMIT_S
+# $1 the step, $2 its seconds, then the variables for gpu-speculation.sh bars (SPEC_BARS names
+# each row's tag): its rows into bars.jsonl.
 bars() {
     local step=$1 secs=$2; shift 2
     echo "== $step, $(left) s left"
-    env OUT="$scratch/$step" SPEC_HUGE=1 "$@" timeout -k 5 "$secs" \
-        bash scripts/gpu-speculation.sh bars > "$scratch/$step.log" 2>&1
-    python3 -c 'import json,sys
-with open(sys.argv[3], "a") as rows:
-    for l in open(sys.argv[1]):
-        r = json.loads(l)
-        if sys.argv[2]:
-            r["tag"] += "-" + sys.argv[2]
-        m = r.get("migrate") or {}
-        print(r["tag"], "down", m.get("downtime_s"), "rc", m.get("rc"))
-        rows.write(json.dumps(r) + "\n")' \
-        "$scratch/$step/speculation-bars.jsonl" "${step#defaults}" "$out/bars.jsonl" \
-        || tail -5 "$scratch/$step.log"
-    free_huge
+    env OUT="$res/$step" SPEC_HUGE=1 "$@" timeout -k 5 "$secs" \
+        bash scripts/gpu-speculation.sh bars > "$res/$step.log" 2>&1
+    grep -h "migrate:" "$res/$step.log" | cut -c1-200
+    cat "$res/$step/speculation-bars.jsonl" >> "$out/bars.jsonl" 2>/dev/null
+    free_huge_images
 }
 
 bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
-bars driver 130 SPEC_BARS="8 64 f8,0 8192 t8" SPEC_FLAGS="--run-flags=--no-keeper" \
+bars driver 130 SPEC_BARS="8 64 f8-driver,0 8192 t8-driver" SPEC_FLAGS="--run-flags=--no-keeper" \
     SPEC_MIGRATE_FLAGS="--engine driver"
 
 echo "== trials, $(left) s left"
 if [ "$(left)" -gt 120 ]; then
     mkdir -p /tmp/possum-huge-tmpfs
-    POSSUM_CKPT_HUGE=1 OUT="$scratch/trials" timeout -k 5 $(( $(left) - 60 )) \
+    POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 )) \
         bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
         --jobs mlp,gpt2 --trials "${BARS_TRIALS:-10,10}" --parallel 3 --seed "${BARS_SEED:-91}" \
-        --budget-s $(( $(left) - 90 )) > "$scratch/trials.log" 2>&1
-    cp "$scratch/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
-    cp "$scratch/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
-    tail -3 "$scratch/trials.log"
+        --budget-s $(( $(left) - 90 )) > "$res/trials.log" 2>&1
+    cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
+    cp "$res/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
+    tail -3 "$res/trials.log"
 fi
 
 if [ "$(left)" -gt 60 ] && [ -x .gpu/wire-bench ]; then
     echo "== transport, $(left) s left"
-    OUT="$scratch/wire" DIR_MIB=2048 WIRE_STREAMS=8 WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
-        bash scripts/gpu-wire.sh > "$scratch/wire.log" 2>&1
-    cp "$scratch/wire/wire-bench.txt" "$out/" 2>/dev/null
+    OUT="$res/wire" DIR_MIB=2048 WIRE_STREAMS=8 WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
+        bash scripts/gpu-wire.sh > "$res/wire.log" 2>&1
+    cp "$res/wire/wire-bench.txt" "$out/" 2>/dev/null
     cat "$out/wire-bench.txt" 2>/dev/null
 fi
-(cd "$scratch" && find . -type f \( -name '*.log' -o -name '*.err' -o -name '*.md' \) -size -20M \
+(cd "$res" && find . -type f \( -name '*.log' -o -name '*.err' -o -name '*.md' \) -size -20M \
     | tar czf "$out/bars-logs.tgz" -T -)
 echo "== done, $(left) s left"

@@ -15,20 +15,18 @@
 # -> $OUT/loads-bars.jsonl (rows tagged t8-A-N, t8-B-N as LOADS_AB names them, f32-after-1,
 #    f32-copying-1), $OUT/loads-gpt2.jsonl (each row with `load_rewritten` and `seed`),
 #    $OUT/loads-logs.tgz (every log, the images left out)
+# Without a GPU it says SKIPPED and exits 0.
 set -u
 cd "$(dirname "$0")/.."
-out=${OUT:-.gpu/out}; mkdir -p "$out"; out=$(cd "$out" && pwd)
-start=$(date +%s); limit=${LOADS_LIMIT_S:-570}
-left() { echo $(( limit - ($(date +%s) - start) )); }
-scratch=$(mktemp -d /dev/shm/possum-loads.XXXXXX)
-# The speculation runs' images: their tmpfs unmounted after each step (its memory back).
-free_huge() { umount /mnt/possum-huge 2>/dev/null; rm -rf /dev/shm/possum-speculation-out; }
+source scripts/gpu-start.sh
+harness_run loads LOADS_LIMIT_S
+scratch=$res
 
 echo "== 1. the training job, $(left) s left"
 OUT=$scratch/t8 SPEC_HUGE=1 SPEC_BARS="0 8192 t8" SPEC_SLICE_RUNS=${SPEC_SLICE_RUNS:-2} \
     timeout -k 5 $(( $(left) - 150 )) bash scripts/gpu-speculation.sh "${LOADS_AB:-partial}"
 cat "$scratch/t8/speculation-bars.jsonl" >> "$out/loads-bars.jsonl" 2>/dev/null
-free_huge
+free_huge_images
 
 echo "== 2. GPT-2 generation, $(left) s left"
 for seed in ${LOADS_GPT2_SEEDS:-}; do
@@ -51,7 +49,7 @@ if [ "$(left)" -gt 150 ]; then
     OUT=$scratch/f32 SPEC_HUGE=1 SPEC_BARS="32 64 f32" SPEC_SLICE_RUNS=1 \
         timeout -k 5 $(( $(left) - 10 )) bash scripts/gpu-speculation.sh first-round
     cat "$scratch/f32/speculation-bars.jsonl" >> "$out/loads-bars.jsonl" 2>/dev/null
-    free_huge
+    free_huge_images
 fi
 (cd "$scratch" && find . -type f \( -name '*.log' -o -name '*.err' -o -name '*.md' -o -name '*.tgz' \) \
     -size -20M | tar czf "$out/loads-logs.tgz" -T -)

@@ -20,3 +20,7 @@ harness_run() {
     budget_var=$2
 }
 left() { echo $(( ${!budget_var:-570} - ($(date +%s) - start) )); }
+
+# The huge-page tmpfs gpu-speculation.sh mounts for its images (SPEC_HUGE=1), unmounted, and its
+# results directory removed: their memory back before the next step of a call.
+free_huge_images() { umount /mnt/possum-huge 2>/dev/null; rm -rf /dev/shm/possum-speculation-out; }

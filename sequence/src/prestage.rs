@@ -612,7 +612,7 @@ mod tests {
             for told in rx {
                 if let Told::Finished(dir, done) = told {
                     // A keeper slow to answer, the directory still there when it does.
-                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    std::thread::sleep(Duration::from_millis(200));
                     assert!(dir.join("gpu/gpu-0").is_dir());
                     seen.store(true, std::sync::atomic::Ordering::SeqCst);
                     let _ = done.send(());

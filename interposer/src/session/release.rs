@@ -452,29 +452,29 @@ fn release_engines(
 /// and time, and the staging's bytes freed and time, if it was freed. (A failed release leaves
 /// the staging freed: it is allocated again as the next copies need it.)
 fn release_freeing_staging(e: &DevEngine, keep: Option<u64>, park: bool) -> ReleasedOne {
-    let timed = |f: &dyn Fn() -> u64| {
-        let t = Instant::now();
-        (f(), t.elapsed())
-    };
     std::thread::scope(|s| {
-        let beside = park
-            .then(|| {
-                std::thread::Builder::new()
-                    .name("possum-free-staging".into())
-                    .spawn_scoped(s, || timed(&|| free_staging(e)))
-                    .ok()
-            })
-            .flatten();
+        let beside = park.then(|| {
+            std::thread::Builder::new()
+                .name("possum-free-staging".into())
+                .spawn_scoped(s, || free_staging_timed(e))
+        });
         let t = Instant::now();
         let one = release_one(e, keep);
         let buffers = t.elapsed();
-        // (No thread to free it beside: freed after.)
         let staging = match beside {
-            Some(h) => h.join().ok(),
-            None => park.then(|| timed(&|| free_staging(e))),
+            Some(Ok(h)) => h.join().ok(),
+            // No thread to free it beside: freed after.
+            Some(Err(_)) => Some(free_staging_timed(e)),
+            None => None,
         };
         (one, buffers, staging)
     })
+}
+
+/// [`free_staging`]: the bytes freed, and the time it took.
+fn free_staging_timed(e: &DevEngine) -> (u64, std::time::Duration) {
+    let t = Instant::now();
+    (free_staging(e), t.elapsed())
 }
 
 /// What [`release_freeing_staging`] gives: the release's result and time, and the staging's
