@@ -13,8 +13,9 @@
 #   3. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
 #      the MLP and GPT-2 generation with and without `--post-copy`, three at once
 #      (`gpu-ckpt.sh correctness`), within what is left less 60 s.
-#   4. If 60 s are left and .gpu/wire-bench is there: the authenticated transport over 8
-#      streams, unpaced and paced (`gpu-wire.sh`, 2 GiB).
+#   4. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
+#      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
+#      (`gpu-wire.sh`).
 # -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver, t8-driver), $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
 # Without a GPU it says SKIPPED and exits 0.
@@ -39,12 +40,13 @@ bars driver 130 SPEC_BARS="8 64 f8-driver,0 8192 t8-driver" SPEC_FLAGS="--run-fl
     SPEC_MIGRATE_FLAGS="--engine driver"
 
 echo "== trials, $(left) s left"
-if [ "$(left)" -gt 120 ]; then
+wire=0; [ -x .gpu/wire-bench ] && wire=70
+if [ "$(left)" -gt $(( 120 + wire )) ]; then
     mkdir -p /tmp/possum-huge-tmpfs
-    POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 )) \
+    POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 - wire )) \
         bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
         --jobs mlp,gpt2 --trials "${BARS_TRIALS:-10,10}" --parallel 3 --seed "${BARS_SEED:-91}" \
-        --budget-s $(( $(left) - 90 )) > "$res/trials.log" 2>&1
+        --budget-s $(( $(left) - 90 - wire )) > "$res/trials.log" 2>&1
     cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
     cp "$res/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
     tail -3 "$res/trials.log"
@@ -52,7 +54,10 @@ fi
 
 if [ "$(left)" -gt 60 ] && [ -x .gpu/wire-bench ]; then
     echo "== transport, $(left) s left"
-    OUT="$res/wire" DIR_MIB=2048 WIRE_STREAMS=8 WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
+    huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
+    mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge"
+    OUT="$res/wire" WIRE_DIR="$huge" DIR_MIB=4096 WIRE_STREAMS=8,16 \
+        WIRE_FILTER='MiB, [0-9]+ streams$|max-rate' WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
         bash scripts/gpu-wire.sh > "$res/wire.log" 2>&1
     cp "$res/wire/wire-bench.txt" "$out/" 2>/dev/null
     cat "$out/wire-bench.txt" 2>/dev/null

@@ -75,6 +75,11 @@
 #       default) and into that spare whole buffer by buffer (POSSUM_HELD_SPARE=1), alternating
 #       (TAG-staged-N, TAG-spare-N). Each row's release (`pipeline`, `shadows_saved_by_keeper`)
 #       says which way the copy went.
+#   bash scripts/gpu-speculation.sh writers  (~4 min with SPEC_BARS="32 64 f32")
+#       As bars, each job migrated SPEC_SLICE_RUNS (2) times with its pre-copy rounds written by
+#       the default number of threads (the cores, 2 to 6) and by 16 (POSSUM_WRITERS=16, as many
+#       as a final copy's on a 16-core host), alternating (TAG-six-N, TAG-sixteen-N). Each
+#       row's `rounds`/`round_ms` say how long the rounds took to copy.
 #   bash scripts/gpu-speculation.sh readers  (~5 min with SPEC_BARS="0 8192 t8")
 #       As bars, each job migrated SPEC_SLICE_RUNS (2) times with the destination's keeper
 #       reading a large buffer's chunks 4 at a time (the default) and 8 at a time
@@ -148,7 +153,7 @@ frozen)
         --modes "${SPEC_MODES:-strict,speculative,speculative-2mib}" ${SPEC_FLAGS:-} 2>&1 | tee "$res/speculation-frozen.log"
     cp "$res/speculation.jsonl" "$res/speculation-selftest.txt" "$out"/ 2>/dev/null
     ;;
-bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|held-spare|rewritten|partial|readers)
+bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|held-spare|rewritten|partial|readers|writers)
     # SPEC_BARS: which of the bars' jobs, "GIB MIB TAG" each, separated by commas.
     IFS=, read -ra bars <<< "${SPEC_BARS:-32 64 frozen-32gib,0 8192 training-8gib}"
     huge_images
@@ -212,6 +217,7 @@ bars|slices|hold|criu-stream|copy-stream|held-writers|first-round|stage-ahead|he
             rewritten) ab=(POSSUM_MIGRATE_LOAD_REWRITTEN lengths rewritten 1) ;;  # chunks sent again loaded as they come
             partial) ab=(POSSUM_KEEPER_STAGE_PARTIAL whole partial) ;;  # a stage takes its base's partly loaded buffers
             readers) ab=(POSSUM_KEEPER_STAGE_READERS four eight 8 4) ;;  # a large buffer read 4 or 8 chunks at a time
+            writers) ab=(POSSUM_WRITERS six sixteen 16 6) ;;  # the pre-copy's writer threads
             *) ab=() ;;
         esac
         if [ ${#ab[@]} -gt 0 ]; then
