@@ -12,7 +12,7 @@
 #      migrated with `--engine driver`.
 #   3. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
 #      the MLP and GPT-2 generation with and without `--post-copy`, three at once
-#      (`gpu-ckpt.sh correctness`), within what is left less 60 s.
+#      (`gpu-ckpt.sh correctness`), within what is left less 60 s (and the transport's 70 s).
 #   4. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
 #      (`gpu-wire.sh`).
