@@ -7,16 +7,16 @@
 #      8 GiB of frozen weights and 64 MiB of state (f8), 32 GiB (f32), and a training job
 #      writing 8 GiB of state every step (t8). Each row: the downtime in the job's own step
 #      log (`downtime_s`) and possum's figures.
-#   2. The `--engine driver` route, in the same call, for f8 and t8: the jobs run
-#      `possum run --no-keeper` (the driver cannot restore a process holding a keeper's memory),
-#      migrated with `--engine driver`.
+#   2. The `--engine driver` route, in the same call, for f8 (BARS_DRIVER: more rows, as
+#      "8 64 f8-driver,0 8192 t8-driver"): the jobs run `possum run --no-keeper` (the driver
+#      cannot restore a process holding a keeper's memory), migrated with `--engine driver`.
 #   3. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
-#      the MLP and GPT-2 generation with and without `--post-copy`, three at once
+#      the MLP and GPT-2 generation with and without `--post-copy`, BARS_PARALLEL (5) at once
 #      (`gpu-ckpt.sh correctness`), within what is left less 60 s (and the transport's 70 s).
 #   4. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
 #      (`gpu-wire.sh`).
-# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver, t8-driver), $OUT/bars-trials.{jsonl,md},
+# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
 # Without a GPU it says SKIPPED and exits 0.
 set -u
@@ -36,7 +36,7 @@ bars() {
 }
 
 bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
-bars driver 130 SPEC_BARS="8 64 f8-driver,0 8192 t8-driver" SPEC_FLAGS="--run-flags=--no-keeper" \
+bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flags=--no-keeper" \
     SPEC_MIGRATE_FLAGS="--engine driver"
 
 echo "== trials, $(left) s left"
@@ -45,7 +45,7 @@ if [ "$(left)" -gt $(( 120 + wire )) ]; then
     mkdir -p /tmp/possum-huge-tmpfs
     POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 - wire )) \
         bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
-        --jobs mlp,gpt2 --trials "${BARS_TRIALS:-10,10}" --parallel 3 --seed "${BARS_SEED:-91}" \
+        --jobs mlp,gpt2 --trials "${BARS_TRIALS:-10,10}" --parallel "${BARS_PARALLEL:-5}" --seed "${BARS_SEED:-91}" \
         --budget-s $(( $(left) - 90 - wire )) > "$res/trials.log" 2>&1
     cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
     cp "$res/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
