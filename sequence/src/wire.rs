@@ -62,7 +62,8 @@
 //!   every stream's has come, each file of the part must hold exactly its bytes, each once (its
 //!   base's patches, each once, and every byte after its base);
 //! - `Cut` (a transfer in two parts, [`DirSender`]): empty; the files before it were sent ahead
-//!   (a migration's pre-copy rounds, the job running), the final set follows. The receiver sets
+//!   (a migration's pre-copy rounds, the job running), the final set follows. A transfer with
+//!   nothing sent ahead begins with it, so that none of its parts is read back. The receiver sets
 //!   aside what came before, with the digest of each file (the BLAKE3 of its pieces' offsets,
 //!   lengths and body hashes, in order); a file (of a later round, or of the final set) takes a
 //!   base from there only if its length and digest are those received, each base once, and its

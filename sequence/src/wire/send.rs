@@ -825,6 +825,12 @@ impl DirSender {
                 }
                 Sending::Final(bases)
             } else {
+                // Nothing went ahead: the `Cut` first all the same, so that the receiver takes
+                // every part as the final set's and reads none of its copies back (a check
+                // that only a base sent ahead needs).
+                if self.first_part.is_none() {
+                    self.cut(stream)?;
+                }
                 Sending::Plain
             };
             let mut sent = self.send_part(stream, dir, entries, mode)?;

@@ -1297,6 +1297,33 @@ fn post_copy_receiver(
     (addr, receiver)
 }
 
+/// A directory sent with nothing ahead of it comes as a final set: its parts are not taken as
+/// sent ahead, so the receiver reads none of its copies back (a check only a base needs), and it
+/// arrives bit-exact.
+#[test]
+fn a_directory_sent_with_nothing_ahead_comes_as_the_final_set() {
+    let (_tmp, src, out) = dirs();
+    write_files(&src, &[("a", &noise(3 * CHUNK_BYTES / 2)), ("b", b"small")]);
+    let dest = out.join("image");
+    let (mut a, mut b) = pair();
+    let d = dest.clone();
+    let receiver = thread::spawn(move || {
+        let session = receiver_handshake(&mut b, &key(2)).unwrap();
+        let mut parts = Vec::new();
+        let mut watch = |_: &Path, part, _: &Brought| parts.push(part);
+        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut watch);
+        (r.map(|(report, _)| report), parts)
+    });
+    let (report, _) = DirSender::start(&mut a, &key(2))
+        .unwrap()
+        .finish(&mut a, &src)
+        .unwrap();
+    let (received, parts) = receiver.join().unwrap();
+    assert_eq!(received.unwrap().totals, report.totals);
+    assert_eq!(parts, vec![Part::Final], "one part, the final set's");
+    assert_arrived(&src, &dest, &out);
+}
+
 /// The first round sent ahead in slices (a migration's, whose destination loads it as it comes):
 /// each part brings the next slice of every file still longer, so that when a part is whole the
 /// receiver has each file's first bytes up to it; the bytes sent are the file's once, and a later
