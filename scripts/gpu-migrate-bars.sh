@@ -12,10 +12,11 @@
 #      cannot restore a process holding a keeper's memory), migrated with `--engine driver`.
 #   3. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
 #      the MLP and GPT-2 generation with and without `--post-copy`, BARS_PARALLEL (5) at once
-#      (`gpu-ckpt.sh correctness`), within what is left less 60 s (and the transport's 70 s).
+#      (`gpu-ckpt.sh correctness`), within what is left less 60 s (and the transport's 70 or 90 s).
 #   4. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
-#      (`gpu-wire.sh`).
+#      (`gpu-wire.sh`); and another build's, staged as .gpu/wire-bench-0 (20 s more), over 8
+#      streams, for an A/B in the same call.
 # -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
 # Without a GPU it says SKIPPED and exits 0.
@@ -40,7 +41,7 @@ bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flag
     SPEC_MIGRATE_FLAGS="--engine driver"
 
 echo "== trials, $(left) s left"
-wire=0; [ -x .gpu/wire-bench ] && wire=70
+wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
 if [ "$(left)" -gt $(( 120 + wire )) ]; then
     mkdir -p /tmp/possum-huge-tmpfs
     POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 - wire )) \
@@ -60,6 +61,13 @@ if [ "$(left)" -gt 60 ] && [ -x .gpu/wire-bench ]; then
         WIRE_FILTER='MiB, [0-9]+ streams$|max-rate' WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
         bash scripts/gpu-wire.sh > "$res/wire.log" 2>&1
     cp "$res/wire/wire-bench.txt" "$out/" 2>/dev/null
+    # Another build's bench beside it, if staged as .gpu/wire-bench-0: 8 streams, unpaced.
+    if [ -x .gpu/wire-bench-0 ] && [ "$(left)" -gt 25 ]; then
+        OUT="$res/wire-0" WIRE_DIR="$huge" DIR_MIB=4096 WIRE_STREAMS=8 \
+            WIRE_FILTER='MiB, [0-9]+ streams$' WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
+            bash scripts/gpu-wire.sh .gpu/wire-bench-0 > "$res/wire-0.log" 2>&1
+        cat "$res/wire-0/wire-bench.txt" >> "$out/wire-bench.txt" 2>/dev/null
+    fi
     cat "$out/wire-bench.txt" 2>/dev/null
 fi
 (cd "$res" && find . -type f \( -name '*.log' -o -name '*.err' -o -name '*.md' \) -size -20M \
