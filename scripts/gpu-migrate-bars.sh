@@ -28,6 +28,8 @@ harness_run migrate-bars BARS_LIMIT_S
 # each row's tag): its rows into bars.jsonl.
 bars() {
     local step=$1 secs=$2; shift 2
+    [ "$secs" -le $(( $(left) - 10 )) ] || secs=$(( $(left) - 10 ))
+    [ "$secs" -gt 20 ] || { echo "== $step: no time left"; return; }
     echo "== $step, $(left) s left"
     env OUT="$res/$step" SPEC_HUGE=1 "$@" timeout -k 5 "$secs" \
         bash scripts/gpu-speculation.sh bars > "$res/$step.log" 2>&1
