@@ -45,7 +45,6 @@ bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flag
 echo "== trials, $(left) s left"
 wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
 if [ "$(left)" -gt $(( 120 + wire )) ]; then
-    mkdir -p /tmp/possum-huge-tmpfs
     POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 - wire )) \
         bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
         --jobs mlp,gpt2 --trials "${BARS_TRIALS:-10,10}" --parallel "${BARS_PARALLEL:-5}" --seed "${BARS_SEED:-91}" \
@@ -57,8 +56,7 @@ fi
 
 if [ "$(left)" -gt 60 ] && [ -x .gpu/wire-bench ]; then
     echo "== transport, $(left) s left"
-    huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
-    mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge"
+    huge=/tmp/possum-huge-tmpfs; mount_huge "$huge" 90g
     OUT="$res/wire" WIRE_DIR="$huge" DIR_MIB=4096 WIRE_STREAMS=8,16 \
         WIRE_FILTER='MiB, [0-9]+ streams$|max-rate' WIRE_TIMEOUT_S=$(( $(left) - 10 )) \
         bash scripts/gpu-wire.sh > "$res/wire.log" 2>&1

@@ -16,8 +16,7 @@ out="${OUT:-.gpu/out}"; mkdir -p "$out"
 gib=${1:-8}; shift || true
 bin=/tmp/possum-registered-copy
 timeout 120 nvcc -x cu -O2 -std=c++17 -o "$bin" scripts/gpu/registered_copy.cpp -lcuda || exit 1
-huge=/mnt/possum-huge; mkdir -p "$huge"
-mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || huge=
+huge=/mnt/possum-huge; mount_huge "$huge" 100g || huge=
 for dir in /dev/shm $huge; do
     timeout 150 "$bin" "$dir" "$gib" "$@" | tee -a "$out/registered-copy.jsonl"
     echo "rc ${PIPESTATUS[0]} ($dir)"

@@ -135,8 +135,7 @@ sample_host() {
 # SPEC_FLAGS; $huge names it.
 huge_images() {
     [ "${SPEC_HUGE:-0}" = 1 ] || return 0
-    huge=/mnt/possum-huge; mkdir -p "$huge"
-    mountpoint -q "$huge" || mount -t tmpfs -o size=100g,huge=always possum-huge "$huge" || exit 1
+    huge=/mnt/possum-huge; mount_huge "$huge" 100g || exit 1
     SPEC_FLAGS="${SPEC_FLAGS:-} --images $huge/images --work $huge/work"
 }
 case "${1:-}" in

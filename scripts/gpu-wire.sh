@@ -16,14 +16,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu-start.sh
 out="${OUT:-.gpu/out}"; mkdir -p "$out"
+dir="${WIRE_DIR:-/dev/shm}"
 echo "cores: $(nproc)" > "$out/wire-bench.txt"
 for bench in "${@:-.gpu/wire-bench}"; do
     [ -x "$bench" ] || { echo "no $bench: stage it (see the top of this script)"; exit 1; }
     echo "== $bench" | tee -a "$out/wire-bench.txt"
-    POSSUM_BENCH_DIR="${WIRE_DIR:-/dev/shm}" POSSUM_BENCH_MIB="${DIR_MIB:-4096}" POSSUM_BENCH_STREAMS="${WIRE_STREAMS:-4,8,12,16}" \
+    POSSUM_BENCH_DIR="$dir" POSSUM_BENCH_MIB="${DIR_MIB:-4096}" \
+        POSSUM_BENCH_STREAMS="${WIRE_STREAMS:-4,8,12,16}" \
         timeout -k 5 "${WIRE_TIMEOUT_S:-240}" "$bench" --bench "${WIRE_FILTER:-loopback}" \
         --warm-up-time 1 --measurement-time 4 2>&1 \
         | grep -E "^loopback|time:|thrpt:|paced:" | tee -a "$out/wire-bench.txt"
-    rm -rf "${WIRE_DIR:-/dev/shm}"/possum-wire-bench-*
+    rm -rf "$dir"/possum-wire-bench-*
 done
 exit 0

@@ -806,10 +806,13 @@ impl DirSender {
             let entries = self.after_first_part(entries)?;
             let entries = sliced(entries, &self.in_parts_not_ahead(dir));
             let entries = self.claim_early(stream, dir, entries)?;
+            // The `Cut` before the final set (its first part sent it, if there was one), also
+            // when nothing went ahead: the receiver then takes every part as the final set's
+            // and reads none of its copies back, a check only a base sent ahead needs.
+            if self.first_part.is_none() {
+                self.cut(stream)?;
+            }
             let mode = if self.sent_ahead {
-                if self.first_part.is_none() {
-                    self.cut(stream)?;
-                }
                 let (ahead, written) = (
                     std::mem::take(&mut self.ahead),
                     std::mem::take(&mut self.written),
@@ -825,12 +828,6 @@ impl DirSender {
                 }
                 Sending::Final(bases)
             } else {
-                // Nothing went ahead: the `Cut` first all the same, so that the receiver takes
-                // every part as the final set's and reads none of its copies back (a check
-                // that only a base sent ahead needs).
-                if self.first_part.is_none() {
-                    self.cut(stream)?;
-                }
                 Sending::Plain
             };
             let mut sent = self.send_part(stream, dir, entries, mode)?;
