@@ -180,7 +180,7 @@ pub(super) struct Piece {
     pub hash: [u8; 32],
     /// The receiver's: the CRC32C of the bytes it received, which its read-back of the copy
     /// compares (a check for a change by accident, at several times the hash's speed); `None`
-    /// on the sender's side.
+    /// on the sender's side, and for a piece of the final set (never read back).
     pub crc: Option<u32>,
 }
 
