@@ -11,7 +11,8 @@
 #      "8 64 f8-driver,0 8192 t8-driver"): the jobs run `possum run --no-keeper` (the driver
 #      cannot restore a process holding a keeper's memory), migrated with `--engine driver`.
 #   3. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
-#      the MLP and GPT-2 generation with and without `--post-copy`, BARS_PARALLEL (5) at once
+#      BARS_JOBS (the MLP and GPT-2 generation, taking turns) without and with `--post-copy`,
+#      BARS_PARALLEL (5) at once (BARS_JOBS=gpt2 BARS_PARALLEL=1: GPT-2 generation's bar, alone)
 #      (`gpu-ckpt.sh correctness`), within what is left less 60 s (and the transport's 70 or 90 s).
 #   4. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
@@ -47,7 +48,7 @@ wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
 if [ "$(left)" -gt $(( 120 + wire )) ]; then
     POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 - wire )) \
         bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
-        --jobs mlp,gpt2 --trials "${BARS_TRIALS:-10,10}" --parallel "${BARS_PARALLEL:-5}" --seed "${BARS_SEED:-91}" \
+        --jobs "${BARS_JOBS:-mlp,gpt2}" --trials "${BARS_TRIALS:-10,10}" --parallel "${BARS_PARALLEL:-5}" --seed "${BARS_SEED:-91}" \
         --budget-s $(( $(left) - 90 - wire )) > "$res/trials.log" 2>&1
     cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
     cp "$res/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
