@@ -24,8 +24,8 @@ driver refuses such a job), a `-frozen` suffix makes the extra state only read
 - correctness: per trial, a job runs under possum; at step k it is checkpointed with
   --leave-running and must end with the reference's lines; then the image is restored (the job
   resumes at the checkpointed step) and must write the reference's lines from there on.
-  `--budget-s` stops starting trials when the next would not fit. OUT/ckpt-correctness.jsonl
-  and OUT/correctness.md.
+  `--budget-s` stops starting trials when the next would not fit; the engines' trials take
+  turns, so that each keeps about as many. OUT/ckpt-correctness.jsonl and OUT/correctness.md.
 - figures: the stall (parts: engine, driver, CRIU), restore to the first step and time until
   every buffer is back, per engine and size: the bench below with FIGURES_PLAN x
   FIGURES_ENGINES by default; OUT/figures.json and OUT/figures.md, saved after every run.
@@ -693,6 +693,13 @@ def trial_plan(jobs, n_trials, seed, engine=None):
     return out
 
 
+def interleaved(plans):
+    """[(e, n, spec, k)]: the n-th trial of each engine's plan (`plans[e]`, from trial_plan) in
+    turn, the engines taking turns: 0's first, 1's first, 0's second, ..."""
+    longest = max((len(p) for p in plans), default=0)
+    return [(e, n, *plan[n]) for n in range(longest) for e, plan in enumerate(plans) if n < len(plan)]
+
+
 def correctness(a):
     jobs = (a.jobs or CORRECTNESS_JOBS).split(",")
     for spec in jobs:
@@ -709,29 +716,34 @@ def correctness(a):
     # Every reference first, all at once.
     references(sorted({(spec, job_steps(spec, e)) for spec in jobs for e in engines}))
     print(f"correctness: {len(jobs)} references in {time.time() - t0:.0f} s", flush=True)
+    trials = [int(t) for t in str(a.trials).split(",")]
+    plans = [trial_plan(jobs, trials[min(e, len(trials) - 1)], a.seed + e, engine)
+             for e, engine in enumerate(engines)]
+    if any(variant(engine)["base"] == "possum-keeper" for engine in engines):
+        ensure_keeper()  # before any trial thread starts a job
+    # --parallel N: N trials at a time (independent jobs, images and checkpoints); a trial is
+    # not started when it would end after --budget-s at the pace so far. The engines take turns,
+    # so that a budget cut short leaves each about as many trials.
+    par = max(1, a.parallel)
+
+    def one(e, n, spec, k):
+        if time.time() - t0 + trial_cost(spec) * (1 if par == 1 else 1.5) > a.budget_s:
+            return None
+        engine = engines[e]
+        steps = job_steps(spec, engine)
+        return trial(spec, engine, k, steps, JOB_SLEEP[job_spec(spec)[0]], 100 * e + n)
+
+    order = interleaved(plans)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=par) as pool:
+        results = dict(zip([(e, n) for e, n, _, _ in order], pool.map(lambda t: one(*t), order)))
     all_ok = True
     summary = []
     for e, engine in enumerate(engines):
-        trials = [int(t) for t in str(a.trials).split(",")]
-        n_trials = trials[min(e, len(trials) - 1)]
+        plan = plans[e]
         ok = ran = 0
         skipped = []
-        if variant(engine)["base"] == "possum-keeper":
-            ensure_keeper()  # before any trial thread starts a job
-        # --parallel N: N trials at a time (independent jobs, images and checkpoints); a trial is
-        # not started when it would end after --budget-s at the pace so far.
-        par = max(1, a.parallel)
-
-        def one(n, spec, k):
-            if time.time() - t0 + trial_cost(spec) * (1 if par == 1 else 1.5) > a.budget_s:
-                return None
-            steps = job_steps(spec, engine)
-            return trial(spec, engine, k, steps, JOB_SLEEP[job_spec(spec)[0]], 100 * e + n)
-
-        plan = trial_plan(jobs, n_trials, a.seed + e, engine)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=par) as pool:
-            results = list(pool.map(lambda nk: one(nk[0], *nk[1]), enumerate(plan)))
-        for (spec, _), r in zip(plan, results):
+        for n, (spec, _) in enumerate(plan):
+            r = results[(e, n)]
             if r is None:
                 skipped.append(spec)
             else:
@@ -743,7 +755,7 @@ def correctness(a):
         retries = sum(((r.get("checkpoint") or {}).get("mismatch_retries") or 0) for r in rows_of(100 * e, len(plan)))
         print(f"correctness ({engine}): {ok}/{ran} trials identical; checkpoints taken again after a "
               f"fingerprint mismatch: {retries}", flush=True)
-        summary.append({"engine": engine, "ok": ok, "ran": ran, "asked": n_trials, "skipped": skipped,
+        summary.append({"engine": engine, "ok": ok, "ran": ran, "asked": len(plan), "skipped": skipped,
                         "not_built": missing})
         all_ok &= ok == ran and not skipped and not missing
     write_correctness_md(summary, time.time() - t0)

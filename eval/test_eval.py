@@ -238,6 +238,35 @@ class Correctness(unittest.TestCase):
         # 20 trials fit one device call (10 minutes) with the references' start.
         self.assertLess(sum(ckpt.trial_cost(s) for s, _ in plan), 540)
 
+    def test_engines_take_turns_each_plan_in_its_order(self):
+        a = [("mlp", 5), ("gpt2", 9), ("mlp", 7)]
+        b = [("gpt2", 3), ("mlp", 4)]
+        self.assertEqual(ckpt.interleaved([a, b]), [
+            (0, 0, "mlp", 5), (1, 0, "gpt2", 3), (0, 1, "gpt2", 9), (1, 1, "mlp", 4), (0, 2, "mlp", 7)])
+        self.assertEqual(ckpt.interleaved([[], b]), [(1, 0, "gpt2", 3), (1, 1, "mlp", 4)])
+        self.assertEqual(ckpt.interleaved([]), [])
+
+    def test_a_budget_cut_short_leaves_each_engine_its_share(self):
+        import types
+        from unittest import mock
+        clock = [0.0]
+        ran = []
+
+        def trial(spec, engine, k, steps, sleep, n):
+            ran.append((engine, n))
+            clock[0] += 10
+            return True
+
+        a = types.SimpleNamespace(jobs="mlp,gpt2", engines="possum-keeper-migrate,possum-keeper-migrate-postcopy",
+                                  engine=None, trials="4,4", seed=1, parallel=1, budget_s=45)
+        with mock.patch.multiple(ckpt, references=lambda _: None, ensure_keeper=lambda: None,
+                                 trial=trial, trial_cost=lambda _: 10, write_correctness_md=lambda *_: None,
+                                 rows_of=lambda *_: []), \
+                mock.patch.object(ckpt, "time", types.SimpleNamespace(time=lambda: clock[0])):
+            self.assertFalse(ckpt.correctness(a))  # trials were left out
+        self.assertEqual(ran, [("possum-keeper-migrate", 0), ("possum-keeper-migrate-postcopy", 100),
+                               ("possum-keeper-migrate", 1), ("possum-keeper-migrate-postcopy", 101)])
+
     def test_longest_gap_names_the_step_it_followed(self):
         import tempfile
         with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
