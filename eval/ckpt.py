@@ -556,22 +556,28 @@ def trial(spec, engine, k, steps, sleep_ms, n):
 
 def longest_gap(log):
     """The longest gap between two steps in the job's log (`t` of each line): its seconds, the
-    step it followed and the steps after it. No steps after it: the job had ended its steps
-    before the gap (a migration held it after its last step), so the gap is not a downtime the
-    job saw; one that followed a step before the migration's k is not the migration's."""
+    step it followed and the steps after it, and the gaps of up to 3 steps before it and 5 after
+    (`before_s`, `after_s`: a job slowed around the hold, by other work on its GPU say). No
+    steps after it: the job had ended its steps before the gap (a migration held it after its
+    last step), so the gap is not a downtime the job saw; one that followed a step before the
+    migration's k is not the migration's."""
     times = []
     try:
-        for line in open(log):
-            r = json.loads(line)
-            if "step" in r and "t" in r:
-                times.append(r["t"])
+        with open(log) as f:
+            for line in f:
+                r = json.loads(line)
+                if "step" in r and "t" in r:
+                    times.append(r["t"])
     except (OSError, ValueError):
         return None
     gaps = [(b - a, len(times) - 1 - i) for i, (a, b) in enumerate(zip(times, times[1:]))]
     if not gaps:
         return None
     s, after = max(gaps)
-    return {"s": round(s, 3), "after_step": len(times) - 1 - after, "steps_after": after}
+    i = len(times) - 1 - after  # the gap's index in gaps
+    near = lambda g: [round(d, 3) for d, _ in g]
+    return {"s": round(s, 3), "after_step": len(times) - 1 - after, "steps_after": after,
+            "before_s": near(gaps[max(0, i - 3):i]), "after_s": near(gaps[i + 1:i + 6])}
 
 
 def migrate_trial(p, log, ref, row, name, t_trial, v):

@@ -273,7 +273,8 @@ class Correctness(unittest.TestCase):
             for step, t in enumerate([0.0, 0.5, 0.6, 2.6, 2.7]):
                 f.write(json.dumps({"step": step, "t": t}) + "\n")
         try:
-            self.assertEqual(ckpt.longest_gap(f.name), {"s": 2.0, "after_step": 2, "steps_after": 2})
+            self.assertEqual(ckpt.longest_gap(f.name), {"s": 2.0, "after_step": 2, "steps_after": 2,
+                                                        "before_s": [0.5, 0.1], "after_s": [0.1]})
         finally:
             os.unlink(f.name)
 
