@@ -10,15 +10,18 @@
 #   2. The `--engine driver` route, in the same call, for f8 (BARS_DRIVER: more rows, as
 #      "8 64 f8-driver,0 8192 t8-driver"): the jobs run `possum run --no-keeper` (the driver
 #      cannot restore a process holding a keeper's memory), migrated with `--engine driver`.
-#   3. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
+#   3. GPT-2 generation alone (BARS_ALONE: the jobs, empty for none), migrated once without and
+#      once with `--post-copy`, one at a time: its bar's figures, apart from the trials' load.
+#   4. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
 #      BARS_JOBS (the MLP and GPT-2 generation, taking turns) without and with `--post-copy`,
 #      BARS_PARALLEL (5) at once (BARS_JOBS=gpt2 BARS_PARALLEL=1: GPT-2 generation's bar, alone)
 #      (`gpu-ckpt.sh correctness`), within what is left less 60 s (and the transport's 70 or 90 s).
-#   4. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
+#   5. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
 #      (`gpu-wire.sh`); and another build's, staged as .gpu/wire-bench-0 (20 s more), over 8
 #      streams, for an A/B in the same call.
-# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-trials.{jsonl,md},
+# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-alone.jsonl,
+#    $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
 # Without a GPU it says SKIPPED and exits 0.
 set -u
@@ -42,6 +45,17 @@ bars() {
 bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
 bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flags=--no-keeper" \
     SPEC_MIGRATE_FLAGS="--engine driver"
+
+alone=${BARS_ALONE-gpt2}
+if [ -n "$alone" ] && [ "$(left)" -gt 300 ]; then
+    echo "== alone ($alone), $(left) s left"
+    POSSUM_CKPT_HUGE=1 OUT="$res/alone" timeout -k 5 150 \
+        bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
+        --jobs "$alone" --trials 1,1 --parallel 1 --seed "${BARS_SEED:-91}" --budget-s 140 \
+        > "$res/alone.log" 2>&1
+    cp "$res/alone/ckpt-correctness.jsonl" "$out/bars-alone.jsonl" 2>/dev/null
+    grep "^correctness (" "$res/alone.log"
+fi
 
 echo "== trials, $(left) s left"
 wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
