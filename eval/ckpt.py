@@ -574,9 +574,9 @@ def longest_gap(log):
     if not gaps:
         return None
     s, after = max(gaps)
-    i = len(times) - 1 - after  # the gap's index in gaps
+    i = len(times) - 1 - after  # the gap's index in gaps: the step it followed
     near = lambda g: [round(d, 3) for d, _ in g]
-    return {"s": round(s, 3), "after_step": len(times) - 1 - after, "steps_after": after,
+    return {"s": round(s, 3), "after_step": i, "steps_after": after,
             "before_s": near(gaps[max(0, i - 3):i]), "after_s": near(gaps[i + 1:i + 6])}
 
 

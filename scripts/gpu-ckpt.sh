@@ -101,8 +101,8 @@ source scripts/gpu-criu.sh
 # POSSUM_CKPT_HUGE=1: the images go to a tmpfs mounted with huge=always (2 MiB pages; writes to it
 # run at up to 42 GB/s from 16 threads against 31 for /dev/shm, eval/results/README.md), made here.
 if [ "${POSSUM_CKPT_HUGE:-0}" = 1 ]; then
-    huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
-    mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge" || exit 1
+    source scripts/huge-tmpfs.sh
+    huge=/tmp/possum-huge-tmpfs; mount_huge "$huge" 90g || exit 1
     export POSSUM_CKPT_WORK="$huge/possum-ckpt"
 fi
 export POSSUM_CKPT_WORK="${POSSUM_CKPT_WORK:-/dev/shm/possum-ckpt}"

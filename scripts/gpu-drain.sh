@@ -35,7 +35,7 @@
 # Without a GPU it says SKIPPED and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-nvidia-smi -L >/dev/null 2>&1 || { echo "SKIPPED: no GPU (nvidia-smi -L failed)"; exit 0; }
+source scripts/gpu-start.sh
 res="${OUT:-.gpu/out}"; mkdir -p "$res"; res=$(cd "$res" && pwd)
 summary() {
     python3 - "$1" "$2" <<'PY' | tee -a "$res/drain.txt"
@@ -55,8 +55,7 @@ for l in open(sys.argv[1]):
 PY
 }
 if [ "${1:-}" = spare ]; then
-    huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
-    mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge" || exit 1
+    huge=/tmp/possum-huge-tmpfs; mount_huge "$huge" 90g || exit 1
     for mode in on off; do
         rm -rf "$huge/spares"; mkdir -p "$huge/spares"
         drain=1 reps=${DRAIN_SPARE_REPS:-3}; [ "$mode" = off ] && drain=0 reps=1
@@ -76,8 +75,7 @@ if [ "${1:-}" = spare ]; then
     exit 0
 fi
 if [ "${1:-}" = spare-trials ]; then
-    huge=/tmp/possum-huge-tmpfs; mkdir -p "$huge"
-    mountpoint -q "$huge" || mount -t tmpfs -o size=90g,huge=always possum-huge "$huge" || exit 1
+    huge=/tmp/possum-huge-tmpfs; mount_huge "$huge" 90g || exit 1
     rm -rf "$huge/spares"; mkdir -p "$huge/spares"
     POSSUM_CKPT_HUGE=1 OUT="$res/t" POSSUM_KEEPER_SPARE_DIR="$huge/spares" \
         POSSUM_KEEPER_SPARE_MIB="${TRIALS_SPARE_MIB:-8192}" \

@@ -46,13 +46,20 @@ bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
 bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flags=--no-keeper" \
     SPEC_MIGRATE_FLAGS="--engine driver"
 
+# $1 the step, $2 its seconds (the harness's budget 30 s less, for the last trial to end), $3
+# the jobs, $4 the trials of each engine, $5 how many at once: random migrations without and
+# with `--post-copy` (`gpu-ckpt.sh correctness`) into $res/STEP.
+migrations() {
+    POSSUM_CKPT_HUGE=1 OUT="$res/$1" timeout -k 5 "$2" \
+        bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
+        --jobs "$3" --trials "$4" --parallel "$5" --seed "${BARS_SEED:-91}" --budget-s $(( $2 - 30 )) \
+        > "$res/$1.log" 2>&1
+}
+
 alone=${BARS_ALONE-gpt2}
 if [ -n "$alone" ] && [ "$(left)" -gt 300 ]; then
     echo "== alone ($alone), $(left) s left"
-    POSSUM_CKPT_HUGE=1 OUT="$res/alone" timeout -k 5 150 \
-        bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
-        --jobs "$alone" --trials 1,1 --parallel 1 --seed "${BARS_SEED:-91}" --budget-s 140 \
-        > "$res/alone.log" 2>&1
+    migrations alone 150 "$alone" 1,1 1
     cp "$res/alone/ckpt-correctness.jsonl" "$out/bars-alone.jsonl" 2>/dev/null
     grep "^correctness (" "$res/alone.log"
 fi
@@ -60,10 +67,8 @@ fi
 echo "== trials, $(left) s left"
 wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
 if [ "$(left)" -gt $(( 120 + wire )) ]; then
-    POSSUM_CKPT_HUGE=1 OUT="$res/trials" timeout -k 5 $(( $(left) - 60 - wire )) \
-        bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
-        --jobs "${BARS_JOBS:-mlp,gpt2}" --trials "${BARS_TRIALS:-10,10}" --parallel "${BARS_PARALLEL:-5}" --seed "${BARS_SEED:-91}" \
-        --budget-s $(( $(left) - 90 - wire )) > "$res/trials.log" 2>&1
+    migrations trials $(( $(left) - 60 - wire )) "${BARS_JOBS:-mlp,gpt2}" "${BARS_TRIALS:-10,10}" \
+        "${BARS_PARALLEL:-5}"
     cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
     cp "$res/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
     tail -3 "$res/trials.log"

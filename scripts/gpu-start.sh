@@ -21,9 +21,8 @@ harness_run() {
 }
 left() { echo $(( ${!budget_var:-570} - ($(date +%s) - start) )); }
 
-# $1 a directory, made and mounted a tmpfs of huge pages (huge=always: 2 MiB pages) of size $2
-# unless it is one already; fails if it cannot be mounted.
-mount_huge() { mkdir -p "$1"; mountpoint -q "$1" || mount -t tmpfs -o "size=$2,huge=always" possum-huge "$1"; }
+# mount_huge DIR SIZE: a huge-page tmpfs.
+source scripts/huge-tmpfs.sh
 
 # The huge-page tmpfs gpu-speculation.sh mounts for its images (SPEC_HUGE=1), unmounted, and its
 # results directory removed: their memory back before the next step of a call.

@@ -10,7 +10,7 @@
 # PROBE_HUGE=1 puts the images on a huge-page tmpfs (as the migration bars do), else /dev/shm.
 # Result: $OUT (or .gpu/out)/criu-lazy-dump.txt; CRIU's logs in criu-lazy-dump-logs.tgz.
 set -u
-cd "$(dirname "$0")/../.." || exit 1
+source "$(dirname "$0")/probe.sh"
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 if [ -z "${POSSUM_CRIU:-}" ] && [ -d .gpu/criu-debs ]; then
     source scripts/gpu-criu.sh
@@ -18,8 +18,7 @@ fi
 criu="${POSSUM_CRIU:-criu}"
 top=/dev/shm/possum-lazy-probe
 if [ "${PROBE_HUGE:-0}" = 1 ]; then
-    top=/tmp/possum-lazy-probe; mkdir -p "$top"
-    mountpoint -q "$top" || mount -t tmpfs -o size=8g,huge=always possum-huge "$top" || exit 1
+    top=/tmp/possum-lazy-probe; huge_tmpfs "$top" 8g
 fi
 rm -rf "${top:?}"/*; mkdir -p "$top"
 out="$res/criu-lazy-dump.txt"

@@ -10,8 +10,8 @@ set -uo pipefail
 res="${OUT:-.gpu/out}"; mkdir -p "$res"
 dir=/dev/shm; mode=w
 if [ "${1:-}" = "--huge" ]; then
-    dir=/tmp/possum-huge-tmpfs; mode=a; mkdir -p "$dir"
-    mountpoint -q "$dir" || mount -t tmpfs -o size=40g,huge=always possum-huge "$dir" || exit 1
+    source "$(dirname "$0")/../../scripts/huge-tmpfs.sh"
+    dir=/tmp/possum-huge-tmpfs; mode=a; mount_huge "$dir" 40g || exit 1
     echo "shmem_enabled: $(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>&1)" >> "$res/tmpfs-write.txt"
 fi
 python3 - "$res/tmpfs-write.txt" "$dir" "$mode" <<'PY'

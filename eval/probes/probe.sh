@@ -12,10 +12,8 @@ gpu_probe() {
 
 # huge_tmpfs DIR SIZE: a tmpfs of SIZE whose pages are always huge mounted at DIR, unless one is
 # there already; exits 1 when it cannot be mounted.
-huge_tmpfs() {
-  mkdir -p "$1"
-  mountpoint -q "$1" || mount -t tmpfs -o "size=$2,huge=always" possum-huge "$1" || exit 1
-}
+source scripts/huge-tmpfs.sh
+huge_tmpfs() { mount_huge "$1" "$2" || exit 1; }
 
 # wait_steps LOG: until the job logging to LOG has logged 100 steps (90 s at most).
 wait_steps() {
