@@ -10,8 +10,10 @@
 #   2. The `--engine driver` route, in the same call, for f8 (BARS_DRIVER: more rows, as
 #      "8 64 f8-driver,0 8192 t8-driver"): the jobs run `possum run --no-keeper` (the driver
 #      cannot restore a process holding a keeper's memory), migrated with `--engine driver`.
-#   3. GPT-2 generation alone (BARS_ALONE: the jobs, empty for none), migrated once without and
-#      once with `--post-copy`, one at a time: its bar's figures, apart from the trials' load.
+#   3. GPT-2 generation alone (BARS_ALONE: the jobs, empty for none), migrated without and
+#      with `--post-copy` (BARS_ALONE_TRIALS, 1,1), one at a time: its bar's figures, apart
+#      from the trials' load; once for each writer of the job's pages in CRIU's images
+#      (BARS_ALONE_PAGES, "criu possum": `POSSUM_DUMP_PAGES`), an A/B in the same call.
 #   4. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
 #      BARS_JOBS (the MLP and GPT-2 generation, taking turns) without and with `--post-copy`,
 #      BARS_PARALLEL (5) at once (BARS_JOBS=gpt2 BARS_PARALLEL=1: GPT-2 generation's bar, alone)
@@ -20,7 +22,7 @@
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
 #      (`gpu-wire.sh`); and another build's, staged as .gpu/wire-bench-0 (20 s more), over 8
 #      streams, for an A/B in the same call.
-# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-alone.jsonl,
+# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-alone-{criu,possum}.jsonl,
 #    $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
 # Without a GPU it says SKIPPED and exits 0.
@@ -57,12 +59,13 @@ migrations() {
 }
 
 alone=${BARS_ALONE-gpt2}
-if [ -n "$alone" ] && [ "$(left)" -gt 300 ]; then
-    echo "== alone ($alone), $(left) s left"
-    migrations alone 150 "$alone" 1,1 1
-    cp "$res/alone/ckpt-correctness.jsonl" "$out/bars-alone.jsonl" 2>/dev/null
-    grep "^correctness (" "$res/alone.log"
-fi
+for pages in ${BARS_ALONE_PAGES-criu possum}; do
+    [ -n "$alone" ] && [ "$(left)" -gt 300 ] || break
+    echo "== alone ($alone, pages by $pages), $(left) s left"
+    POSSUM_DUMP_PAGES=$pages migrations "alone-$pages" 150 "$alone" "${BARS_ALONE_TRIALS:-1,1}" 1
+    cp "$res/alone-$pages/ckpt-correctness.jsonl" "$out/bars-alone-$pages.jsonl" 2>/dev/null
+    grep "^correctness (" "$res/alone-$pages.log"
+done
 
 echo "== trials, $(left) s left"
 wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90

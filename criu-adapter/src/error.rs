@@ -137,6 +137,28 @@ pub enum CriuError {
         /// The last lines of that log (empty when unreadable).
         log_tail: String,
     },
+    /// possum could not read the pages CRIU's lazy dump left in the frozen tree: the images
+    /// are incomplete, and the dump failed (CRIU lets the tree run on).
+    #[error(
+        "criu dump of {}: reading the pages its lazy dump left in the frozen processes: {source}",
+        images_dir.display()
+    )]
+    LazyPages {
+        /// The images directory.
+        images_dir: PathBuf,
+        /// What went wrong.
+        source: crate::hostmem::HostMemError,
+    },
+    /// A lazy dump ended without the `post-dump` notification at which possum reads its pages.
+    #[error(
+        "criu dump of {}: it ended without its post-dump notification, so its pages were never \
+         read (the images are incomplete)",
+        images_dir.display()
+    )]
+    LazyPagesUnread {
+        /// The images directory.
+        images_dir: PathBuf,
+    },
     /// Another I/O error, with what was being done.
     #[error("{what}: {source}")]
     Io {

@@ -824,6 +824,7 @@ fn write_remote(pid: i32, addr: u64, from: &[u8]) -> Result<(), HostMemError> {
 
 pub mod ahead;
 mod index;
+pub mod lazy;
 #[cfg(test)]
 mod tests;
 mod work;

@@ -78,6 +78,7 @@ pub mod images;
 pub mod kdat;
 mod mapped;
 pub mod no_uring;
+mod page_server;
 mod process;
 pub mod rpc;
 pub mod stats;
@@ -96,6 +97,7 @@ use possum_control::EnvConfig;
 pub use error::CriuError;
 pub use process::{set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit};
 
+use page_server::PageServer;
 pub use rpc::NetworkLockMethod;
 use rpc::{CriuOpts, CriuReq, CriuResp, ReqType};
 
@@ -289,6 +291,8 @@ pub struct DumpOptions {
     pub log_file: String,
     /// The log's verbosity.
     pub log_level: LogLevel,
+    /// Who writes the pages of the tree's private anonymous memory into the images.
+    pub pages: PagesBy,
     /// How long the dump may take ([`Deadline::DUMP`] by default), scaled by the resident
     /// memory of the tree. Past it CRIU is killed; the tree is left as CRIU leaves it (it may
     /// have been stopped or have CRIU's parasite code in it: it may not run on).
@@ -314,9 +318,24 @@ impl DumpOptions {
             freeze_timeout: None,
             log_file: "dump.log".into(),
             log_level: LogLevel::default(),
+            pages: PagesBy::default(),
             deadline: Deadline::DUMP,
         }
     }
+}
+
+/// Who writes the pages of a dumped tree's private anonymous memory (heap, arenas, the driver's
+/// checkpoint residue: nearly all of a PyTorch job's) into the images. The images are the same
+/// either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PagesBy {
+    /// CRIU, as it dumps, from one thread.
+    #[default]
+    Criu,
+    /// possum, from several threads, after CRIU's `--lazy-pages` dump left them in the frozen
+    /// tree ([`hostmem::lazy`]), at CRIU's `post-dump` notification. CRIU's page server then
+    /// runs on a socket pair possum hands it (never a TCP port), closed at once.
+    Possum,
 }
 
 /// What to restore and how.
@@ -394,6 +413,8 @@ pub struct DumpReport {
     pub stopped: bool,
     /// CRIU's own account of the dump (`None` when it left none or it could not be read).
     pub stats: Option<stats::DumpStats>,
+    /// possum's read of the pages, with [`PagesBy::Possum`].
+    pub pages_read: Option<hostmem::lazy::LazyReport>,
 }
 
 /// The outcome of a restore.
@@ -585,6 +606,10 @@ impl Criu {
         let limit = opts
             .deadline
             .for_bytes(process::tree_resident_bytes(opts.pid));
+        let server = match opts.pages {
+            PagesBy::Possum => Some(PageServer::new()?),
+            PagesBy::Criu => None,
+        };
         let rpc_opts = CriuOpts {
             images_dir_fd: images.as_raw_fd(),
             pid: Some(opts.pid),
@@ -603,29 +628,68 @@ impl Criu {
             log_file: Some(opts.log_file.clone()),
             log_level: Some(opts.log_level as i32),
             // The `post-dump` notification comes with the tree still frozen.
-            notify_scripts: opts.leave_stopped.then_some(true),
+            notify_scripts: (opts.leave_stopped || server.is_some()).then_some(true),
+            lazy_pages: server.is_some().then_some(true),
+            config_file: server.as_ref().map(PageServer::config_path),
             ..Default::default()
         };
         let mut stopped = false;
-        let mut stop = |n: &rpc::Notify| {
-            if opts.leave_stopped && n.script.as_deref() == Some("post-dump") {
+        let mut read = None;
+        let mut post_dump = |n: &rpc::Notify| {
+            if n.script.as_deref() != Some("post-dump") {
+                return true;
+            }
+            if server.is_some() {
+                let threads = hostmem::default_threads();
+                let r = hostmem::lazy::complete(&opts.images_dir, opts.pid, threads);
+                if let Ok(r) = &r {
+                    let (bytes, time) = (r.bytes(), r.time);
+                    tracing::info!(pid = opts.pid, bytes, ?time, "the lazy dump's pages read");
+                }
+                let ok = r.is_ok();
+                read = Some(r);
+                if !ok {
+                    // CRIU then lets the tree run on and fails the dump.
+                    return false;
+                }
+            }
+            if opts.leave_stopped {
                 process::stop_tree(opts.pid);
                 stopped = true;
             }
+            true
         };
-        self.call_inheriting(
+        let inherit = server.as_ref().map(PageServer::inherit);
+        let called = self.call_inheriting(
             "dump",
             request(ReqType::Dump, Some(rpc_opts)),
             Some(&log),
-            &[],
+            inherit.as_ref().map_or(&[], |fds| &fds[..]),
             Scope {
                 limit,
                 images_dir: Some(&opts.images_dir),
                 adopted: &[],
                 on_owner_death: OwnerDeath::Finish,
-                on_notify: Some(&mut stop),
+                on_notify: Some(&mut post_dump),
             },
-        )?;
+        );
+        drop(server);
+        let pages_read = match read {
+            Some(Err(source)) => {
+                return Err(CriuError::LazyPages {
+                    images_dir: opts.images_dir.clone(),
+                    source,
+                })
+            }
+            None if opts.pages == PagesBy::Possum && called.is_ok() => {
+                return Err(CriuError::LazyPagesUnread {
+                    images_dir: opts.images_dir.clone(),
+                })
+            }
+            Some(Ok(r)) => Some(r),
+            None => None,
+        };
+        called?;
         drop(images);
         let time = start.elapsed();
         let image_bytes = dir_bytes(&opts.images_dir);
@@ -637,6 +701,7 @@ impl Criu {
             image_bytes,
             stopped,
             stats: read_stats(stats::dump_stats(&opts.images_dir)),
+            pages_read,
         })
     }
 
@@ -789,18 +854,15 @@ impl Criu {
             },
         )?;
         let mut on_notify = scope.on_notify.take();
-        let answer = match worker.request(&req, deadline, |n| {
-            if let Some(f) = on_notify.as_mut() {
-                f(n);
-            }
-        }) {
-            Ok(Some(resp)) => Ok(resp),
-            Ok(None) => {
-                let killed = worker.kill_tree(scope.adopted);
-                return Err(scope.missed(op, killed, log));
-            }
-            Err(e) => Err(e),
-        };
+        let answer =
+            match worker.request(&req, deadline, |n| on_notify.as_mut().is_none_or(|f| f(n))) {
+                Ok(Some(resp)) => Ok(resp),
+                Ok(None) => {
+                    let killed = worker.kill_tree(scope.adopted);
+                    return Err(scope.missed(op, killed, log));
+                }
+                Err(e) => Err(e),
+            };
         let status = match (worker.finish(deadline), &answer) {
             (Ok(Some(status)), _) => status.to_string(),
             // It answered and does not exit: what it restored is handed over as at its exit.
@@ -859,7 +921,8 @@ struct Scope<'a> {
     /// What becomes of the worker if this process dies meanwhile.
     on_owner_death: OwnerDeath,
     /// Told each action-script notification, before it is acknowledged.
-    on_notify: Option<&'a mut dyn FnMut(&rpc::Notify)>,
+    /// Its answer is the script's success: `false` fails the request.
+    on_notify: Option<&'a mut dyn FnMut(&rpc::Notify) -> bool>,
 }
 
 /// What becomes of a request's worker if this process dies during it.

@@ -108,7 +108,7 @@ pub fn tree_resident_bytes(pid: i32) -> u64 {
 }
 
 /// `pid` and every process below it (each thread's children, from /proc), each once.
-fn tree_of(pid: i32) -> Vec<i32> {
+pub(crate) fn tree_of(pid: i32) -> Vec<i32> {
     let mut todo = vec![pid];
     let mut seen = Vec::new();
     while let Some(p) = todo.pop() {

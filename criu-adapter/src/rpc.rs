@@ -166,6 +166,10 @@ pub struct CriuOpts {
     /// Do not fail when a sysctl cannot be restored.
     #[prost(bool, optional, tag = "47")]
     pub weak_sysctls: Option<bool>,
+    /// Dump: leave the pages of private anonymous mappings in the frozen tree, to be served by
+    /// the page server once the dump is over (its pagemap marks them `PE_LAZY`).
+    #[prost(bool, optional, tag = "48")]
+    pub lazy_pages: Option<bool>,
     /// An extra CRIU configuration file that overrides these options.
     #[prost(string, optional, tag = "51")]
     pub config_file: Option<String>,

@@ -180,12 +180,13 @@ impl Worker {
     }
 
     /// Sends `req` and returns CRIU's answer, or `None` when none came by `deadline`. `NOTIFY`
-    /// messages (action scripts) are told to `on_notify`, then acknowledged as successful.
+    /// messages (action scripts) are told to `on_notify`, then answered with its verdict
+    /// (`false`: the script failed).
     pub(crate) fn request(
         &mut self,
         req: &CriuReq,
         deadline: Instant,
-        mut on_notify: impl FnMut(&crate::rpc::Notify),
+        mut on_notify: impl FnMut(&crate::rpc::Notify) -> bool,
     ) -> Result<Option<CriuResp>, CriuError> {
         self.send(req)?;
         loop {
@@ -195,12 +196,10 @@ impl Worker {
             let resp = self.recv()?;
             if resp.r#type == ReqType::Notify as i32 {
                 tracing::debug!(notify = ?resp.notify, "criu notification");
-                if let Some(n) = &resp.notify {
-                    on_notify(n);
-                }
+                let success = resp.notify.as_ref().is_none_or(&mut on_notify);
                 self.send(&CriuReq {
                     r#type: ReqType::Notify as i32,
-                    notify_success: Some(true),
+                    notify_success: Some(success),
                     ..Default::default()
                 })?;
                 continue;

@@ -226,3 +226,135 @@ fn host_report_describes_this_host() {
     say(&format!("host report:\n{report}"));
     assert!(report.can_checkpoint(), "{report}");
 }
+
+/// A process's memory in a dump: its PID, its pagemap's runs (address, bytes, flags) and its
+/// pages file.
+type Pages = (u32, Vec<(u64, u64, u32)>, Vec<u8>);
+
+/// The memory of every process of the dump in `images`.
+fn pages_of(images: &Path) -> Vec<Pages> {
+    use possum_criu::images::{self, image_path, Pagemap, PstreeEntry, PSTREE_MAGIC};
+    let tree: Vec<PstreeEntry> =
+        images::read_messages(&images.join("pstree.img"), PSTREE_MAGIC).unwrap();
+    tree.iter()
+        .map(|t| {
+            let pm = Pagemap::read(&image_path(images, "pagemap", t.pid)).unwrap();
+            let runs = pm
+                .entries
+                .iter()
+                .map(|e| (e.vaddr, e.len(), e.effective_flags()))
+                .collect();
+            let pages = std::fs::read(image_path(images, "pages", pm.head.pages_id)).unwrap();
+            (t.pid, runs, pages)
+        })
+        .collect()
+}
+
+/// (d) A dump whose pages possum reads (CRIU's lazy dump, completed at its post-dump
+/// notification) writes the same images as CRIU's own of the same stopped process, every run
+/// present and every byte equal; the tree is left stopped as asked, and restored from those
+/// images it finishes with the result of an uninterrupted run.
+#[test]
+fn a_dump_whose_pages_possum_reads_equals_criu_s_own() {
+    let Some((_serial, criu)) = serial_criu("a_dump_whose_pages_possum_reads_equals_criu_s_own")
+    else {
+        return;
+    };
+    use possum_criu::PagesBy;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut reference = start_testee(tmp.path(), "reference");
+    let mut testee = start_testee(tmp.path(), "d");
+    wait_for_file(&testee.ready, TIMEOUT);
+    // Stopped, its memory does not change between the two dumps.
+    let pid = nix::unistd::Pid::from_raw(testee.pid);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let by_criu = tmp.path().join("by-criu");
+    criu.dump(&DumpOptions {
+        leave_running: true,
+        ..DumpOptions::new(testee.pid, &by_criu)
+    })
+    .unwrap();
+    let by_possum = tmp.path().join("by-possum");
+    let dump = criu
+        .dump(&DumpOptions {
+            leave_running: true,
+            leave_stopped: true,
+            pages: PagesBy::Possum,
+            ..DumpOptions::new(testee.pid, &by_possum)
+        })
+        .unwrap();
+    assert!(dump.stopped);
+    let log = std::fs::read_to_string(&dump.log).unwrap();
+    assert!(
+        log.contains("Reusing ps socket"),
+        "CRIU served on possum's socket pair"
+    );
+    assert!(
+        !log.contains("Accepted connection"),
+        "no TCP connection was served"
+    );
+    // A stopped process still changes a few bytes under each dump (CRIU's seizing writes on a
+    // thread's stack): the pages a second dump by CRIU finds changed may differ, no others.
+    let by_criu_again = tmp.path().join("by-criu-again");
+    criu.dump(&DumpOptions {
+        leave_running: true,
+        ..DumpOptions::new(testee.pid, &by_criu_again)
+    })
+    .unwrap();
+    let (a, b, c) = (
+        pages_of(&by_criu),
+        pages_of(&by_possum),
+        pages_of(&by_criu_again),
+    );
+    assert_eq!(a.len(), b.len());
+    let mut bytes = 0;
+    for (((pa, ra, da), (pb, rb, db)), (_, rc, dc)) in a.iter().zip(&b).zip(&c) {
+        assert_eq!(pa, pb);
+        assert_eq!(ra, rb, "process {pa}: the same runs, all present");
+        assert_eq!((ra, da.len()), (rc, dc.len()));
+        let page = |d: &[u8], i: usize| d[i * 4096..(i + 1) * 4096].to_vec();
+        let pages = da.len() / 4096;
+        let ours: Vec<usize> = (0..pages).filter(|&i| page(da, i) != page(db, i)).collect();
+        let drift: Vec<usize> = (0..pages).filter(|&i| page(da, i) != page(dc, i)).collect();
+        assert!(
+            ours.iter().all(|i| drift.contains(i)) && ours.len() <= 2,
+            "process {pa}: pages {ours:?} of {pages} differ from CRIU's, {drift:?} between CRIU's two"
+        );
+        bytes += db.len();
+    }
+    assert!(bytes > 2048 * 1024, "the testee's 2 MiB are in the pages");
+    let mut leftovers: Vec<_> = std::fs::read_dir(&by_possum)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("possum-tmp"))
+        .collect();
+    leftovers.sort();
+    assert_eq!(leftovers, Vec::<String>::new());
+
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+    let _ = testee.child.wait();
+    let restored = criu
+        .restore(&RestoreOptions {
+            restore_sibling: true,
+            ..RestoreOptions::new(&by_possum)
+        })
+        .unwrap();
+    // Dumped stopped twice over: CRIU restores it stopped.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(restored.pid),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored testee {exit}");
+    let resumed = std::fs::read_to_string(&testee.out).unwrap();
+    let status = reference.child.wait().unwrap();
+    assert!(status.success(), "reference testee: {status}");
+    assert_eq!(resumed, wait_for_file(&reference.out, TIMEOUT));
+    say(&format!(
+        "possum-read dump: {:?}, {} KiB of pages",
+        dump.time,
+        bytes >> 10
+    ));
+}

@@ -704,6 +704,7 @@ impl<'a> Run<'a> {
             if let Some(l) = p.env.criu_log_level {
                 opts.log_level = l;
             }
+            opts.pages = p.env.dump_pages;
             // A server's listener may hold connections not accepted yet: they stay out of the
             // image (a job left running accepts them after; a restored one has them no more)
             // rather than failing the dump.
@@ -721,6 +722,8 @@ impl<'a> Run<'a> {
             self.stopped = dump.stopped;
             self.criu_bytes = dump.image_bytes;
             self.figures.criu_dump_stats = dump.stats.map(Into::into);
+            self.figures.criu_pages_read = dump.pages_read.as_ref().map(|r| r.time);
+            self.figures.criu_pages_read_bytes = dump.pages_read.as_ref().map(|r| r.bytes());
             self.dumped = true;
         }
         self.gpu_bytes = dir_bytes(&self.tmp.join("gpu"));

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use possum_criu::{Deadline, LogLevel};
+use possum_criu::{Deadline, LogLevel, PagesBy};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError, SHORT_DEADLINE};
 
 /// `POSSUM_DRIVER_DEADLINE_MS`: one deadline for every call of the driver's checkpoint API, in
@@ -80,6 +80,10 @@ pub struct Environment {
     pub restore_stage: bool,
     /// `POSSUM_CRIU_LOG_LEVEL` (1 errors .. 4 everything), for a diagnosis.
     pub criu_log_level: Option<LogLevel>,
+    /// `POSSUM_DUMP_PAGES` (`possum` by default, or `criu`): who writes the job's private
+    /// memory into CRIU's images (possum, from several threads, after CRIU's lazy dump left it
+    /// in the frozen job; or CRIU as it dumps, from one).
+    pub dump_pages: PagesBy,
     /// `POSSUM_NVIDIA_SMI`, else `nvidia-smi` on PATH.
     pub nvidia_smi: String,
     /// `POSSUM_LIBCUDA`, else `libcuda.so.1`: the driver whose checkpoint API is used.
@@ -170,6 +174,10 @@ impl Environment {
                 Some("4") => Some(LogLevel::Debug),
                 _ => None,
             },
+            dump_pages: match var("POSSUM_DUMP_PAGES").as_deref().map(str::trim) {
+                Some("criu") => PagesBy::Criu,
+                _ => PagesBy::Possum,
+            },
             nvidia_smi: var("POSSUM_NVIDIA_SMI").unwrap_or_else(|| "nvidia-smi".into()),
             libcuda: var(possum_cuda::checkpoint::LIBCUDA_ENV)
                 .filter(|s| !s.is_empty())
@@ -237,6 +245,9 @@ mod tests {
         assert_eq!(none.hostmem_part_bytes, 64 << 20);
         let part = Environment::from_vars(|n| (n == "POSSUM_MIGRATE_PART_MIB").then(|| "2".into()));
         assert_eq!(part.hostmem_part_bytes, 2 << 20);
+        assert_eq!(none.dump_pages, PagesBy::Possum);
+        let criu = Environment::from_vars(|n| (n == "POSSUM_DUMP_PAGES").then(|| "criu".into()));
+        assert_eq!(criu.dump_pages, PagesBy::Criu);
         let ahead = Environment::from_vars(|n| (n == "POSSUM_HOSTMEM_AHEAD").then(|| "1".into()));
         assert!(ahead.hostmem_ahead);
         let close =

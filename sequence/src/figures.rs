@@ -175,6 +175,14 @@ pub struct CheckpointFigures {
     #[serde(rename = "held_send_wait_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub held_send_wait: Step,
+    /// Of CRIU's dump, possum's read of the pages its lazy dump left in the frozen tree
+    /// (`POSSUM_DUMP_PAGES`).
+    #[serde(rename = "criu_pages_read_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_pages_read: Step,
+    /// The bytes of that read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_pages_read_bytes: Option<u64>,
     /// CRIU's own account of its dump (the last, where a tree took several).
     #[serde(rename = "criu_dump_stats", skip_serializing_if = "Option::is_none")]
     pub criu_dump_stats: Option<CriuDumpStats>,

@@ -427,7 +427,10 @@ impl Observer for SendAhead<'_> {
         let env = &self.p.checkpoint.env;
         // (Not where the job's memory was drafted ahead: the split makes its data file of the
         // draft, not of CRIU's pages file.)
-        let split = env.hostmem_split != crate::config::HostmemSplit::Off && !env.hostmem_ahead;
+        // (Nor where possum writes the pages file itself, after CRIU's dump, in no order.)
+        let split = env.hostmem_split != crate::config::HostmemSplit::Off
+            && !env.hostmem_ahead
+            && env.dump_pages == possum_criu::PagesBy::Criu;
         let follow = (env.stream_criu && split)
             .then(|| dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes))
             .flatten();
