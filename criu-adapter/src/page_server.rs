@@ -17,7 +17,6 @@ use std::fs::File;
 use std::io::Write as _;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
-use nix::fcntl::{fcntl, FcntlArg};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
 
@@ -47,14 +46,14 @@ fn socket_err(what: &'static str) -> impl FnOnce(nix::Error) -> CriuError {
     }
 }
 
-/// `fd` at a number above 2 (the spawn replaces stdin, stdout and stderr), close-on-exec.
+/// `fd` at a number above 2 (the spawn replaces stdin, stdout and stderr), close-on-exec:
+/// `try_clone` duplicates to the lowest number from 3 (`F_DUPFD_CLOEXEC`).
 fn above_stdio(fd: OwnedFd, what: &'static str) -> Result<OwnedFd, CriuError> {
     if fd.as_raw_fd() > 2 {
         return Ok(fd);
     }
-    let n = fcntl(fd.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(3)).map_err(socket_err(what))?;
-    // SAFETY: `n` was just returned by fcntl(F_DUPFD_CLOEXEC) and is owned by nothing else.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(n) })
+    fd.try_clone()
+        .map_err(|source| CriuError::Socket { what, source })
 }
 
 impl PageServer {
