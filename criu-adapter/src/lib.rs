@@ -415,6 +415,10 @@ pub struct DumpReport {
     pub stats: Option<stats::DumpStats>,
     /// possum's read of the pages, with [`PagesBy::Possum`].
     pub pages_read: Option<hostmem::lazy::LazyReport>,
+    /// When CRIU's `post-dump` notification came, from the call's start (the tree frozen and
+    /// its images written, but for the pages possum reads then): where the notification was
+    /// asked for ([`DumpOptions::leave_stopped`], [`PagesBy::Possum`]).
+    pub post_dump_at: Option<Duration>,
 }
 
 /// The outcome of a restore.
@@ -635,10 +639,12 @@ impl Criu {
         };
         let mut stopped = false;
         let mut read = None;
+        let mut post_dump_at = None;
         let mut post_dump = |n: &rpc::Notify| {
             if n.script.as_deref() != Some("post-dump") {
                 return true;
             }
+            post_dump_at = Some(start.elapsed());
             if server.is_some() {
                 let threads = hostmem::default_threads();
                 let r = hostmem::lazy::complete(&opts.images_dir, opts.pid, threads);
@@ -702,6 +708,7 @@ impl Criu {
             stopped,
             stats: read_stats(stats::dump_stats(&opts.images_dir)),
             pages_read,
+            post_dump_at,
         })
     }
 

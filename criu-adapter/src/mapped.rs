@@ -1,4 +1,5 @@
-//! A read-only shared mapping of a whole file: the one `unsafe` of [`crate::hostmem`].
+//! Shared mappings of a whole file, read-only or writable: the one `unsafe` of
+//! [`crate::hostmem`].
 
 use std::fs::File;
 use std::io;
@@ -21,6 +22,11 @@ impl MappedFile {
     /// Maps the first `len` bytes of `file` (which must have at least that many: reading past a
     /// file's end through a mapping raises `SIGBUS`, so callers check the size first).
     pub fn map(file: &File, len: u64) -> io::Result<MappedFile> {
+        MappedFile::map_prot(file, len, libc::PROT_READ)
+    }
+
+    /// [`MappedFile::map`] with protection `prot`.
+    fn map_prot(file: &File, len: u64, prot: libc::c_int) -> io::Result<MappedFile> {
         let len = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         if len == 0 {
             return Ok(MappedFile {
@@ -34,7 +40,7 @@ impl MappedFile {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ,
+                prot,
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
                 0,
@@ -64,5 +70,29 @@ impl Drop for MappedFile {
             // SAFETY: unmapping exactly the mapping `map` made; no borrow of it outlives `self`.
             unsafe { libc::munmap(self.ptr, self.len) };
         }
+    }
+}
+
+/// `len` bytes of a file mapped `PROT_READ | PROT_WRITE`, `MAP_SHARED`: writes go straight into
+/// its page cache. On tmpfs, writers of one file through `write(2)` take its lock one at a time;
+/// through a mapping, each only faults its own pages in.
+#[derive(Debug)]
+pub struct MappedFileMut(MappedFile);
+
+impl MappedFileMut {
+    /// Maps the first `len` bytes of `file`, opened for reading and writing and at least that
+    /// long (`set_len` first).
+    pub fn map(file: &File, len: u64) -> io::Result<MappedFileMut> {
+        MappedFile::map_prot(file, len, libc::PROT_READ | libc::PROT_WRITE).map(MappedFileMut)
+    }
+
+    /// The mapped bytes, to write. The file must not shrink while they are used.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        if self.0.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: `ptr` is a live mapping of `len` readable and writable bytes until `drop`,
+        // and `&mut self` makes this the only borrow of it.
+        unsafe { std::slice::from_raw_parts_mut(self.0.ptr.cast::<u8>(), self.0.len) }
     }
 }

@@ -724,6 +724,7 @@ impl<'a> Run<'a> {
             self.figures.criu_dump_stats = dump.stats.map(Into::into);
             self.figures.criu_pages_read = dump.pages_read.as_ref().map(|r| r.time);
             self.figures.criu_pages_read_bytes = dump.pages_read.as_ref().map(|r| r.bytes());
+            self.figures.criu_post_dump_at = dump.post_dump_at;
             self.dumped = true;
         }
         self.gpu_bytes = dir_bytes(&self.tmp.join("gpu"));

@@ -183,6 +183,11 @@ pub struct CheckpointFigures {
     /// The bytes of that read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub criu_pages_read_bytes: Option<u64>,
+    /// Of CRIU's dump, the time until its `post-dump` notification (the tree frozen, its
+    /// images written but for the pages possum reads then), where one was asked for.
+    #[serde(rename = "criu_post_dump_at_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_post_dump_at: Step,
     /// CRIU's own account of its dump (the last, where a tree took several).
     #[serde(rename = "criu_dump_stats", skip_serializing_if = "Option::is_none")]
     pub criu_dump_stats: Option<CriuDumpStats>,

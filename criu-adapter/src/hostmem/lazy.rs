@@ -1,8 +1,8 @@
 //! A dump whose pages possum writes: CRIU's `--lazy-pages` dump leaves the pages of the
 //! processes' private anonymous mappings in the frozen processes (its pagemap marks those runs
 //! `PE_LAZY`, its pages file holds only the rest); [`complete`], while CRIU still holds the
-//! tree frozen (at its `post-dump` notification), reads them from `/proc/PID/mem` on several
-//! threads into a pages file of the standard layout and marks every run `PE_PRESENT` too (a
+//! tree frozen (at its `post-dump` notification), reads them with `process_vm_readv` on
+//! several threads straight into the mapping of a pages file of the standard layout and marks every run `PE_PRESENT` too (a
 //! lazy run of CRIU 4.2's own dump is `PE_LAZY | PE_PRESENT`). The
 //! images are then those of a dump without lazy pages, byte for byte in every page; everything
 //! downstream (the split, the send, the restore) is unchanged. CRIU's own write of the pages is
@@ -12,10 +12,15 @@
 //! port: see [`crate::Criu::dump`]), where possum's close is already waiting.
 
 use std::collections::HashMap;
-use std::fs::{self, File};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, IoSliceMut};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use nix::sys::uio::{process_vm_readv, RemoteIoVec};
+use nix::unistd::Pid;
 
 use super::index::{io_err, HostMemError};
 use super::work::{namespace_pid, on_threads, FILL_CHUNK};
@@ -24,6 +29,7 @@ use crate::images::{
     self, image_path, Pagemap, PagemapEntry, PstreeEntry, PE_LAZY, PE_PARENT, PE_PRESENT,
     PSTREE_MAGIC,
 };
+use crate::mapped::MappedFileMut;
 
 /// What [`complete`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -113,6 +119,71 @@ fn host_pids(root: i32) -> HashMap<u32, i32> {
         .collect()
 }
 
+/// Writes the new pages file `out` (`len` bytes, laid out as `pieces` say) from up to
+/// `threads` threads, each piece straight into the file's mapping: from the memory of process
+/// `pid` with `process_vm_readv`, or from CRIU's pages file `src` (at `src_path`). The threads
+/// used.
+fn copy(
+    pieces: &[Piece],
+    len: u64,
+    (pid, src, src_path): (i32, &File, &Path),
+    out: &Path,
+    threads: usize,
+) -> Result<usize, HostMemError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(out)
+        .map_err(io_err(out))?;
+    file.set_len(len).map_err(io_err(out))?;
+    let mut map = MappedFileMut::map(&file, len).map_err(io_err(out))?;
+    // Each piece's bytes of the mapping, in file order (the pieces are back to back).
+    let mut rest = map.bytes_mut();
+    let mut work = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let (this, more) = std::mem::take(&mut rest).split_at_mut(p.len as usize);
+        work.push((*p, Mutex::new(this)));
+        rest = more;
+    }
+    let pid = Pid::from_raw(pid);
+    on_threads(
+        &work,
+        threads,
+        || (),
+        |(), (p, to)| {
+            let mut to = to.lock().unwrap_or_else(|e| e.into_inner());
+            match p.from {
+                From::Memory(a) => read_memory(pid, a, &mut to),
+                From::Pages(o) => src.read_exact_at(&mut to, o).map_err(io_err(src_path)),
+            }
+        },
+    )
+}
+
+/// Fills `to` from process `pid`'s memory at `addr`.
+fn read_memory(pid: Pid, addr: u64, to: &mut [u8]) -> Result<(), HostMemError> {
+    let mut done = 0;
+    while done < to.len() {
+        let at = addr + done as u64;
+        let remote = [RemoteIoVec {
+            base: at as usize,
+            len: to.len() - done,
+        }];
+        let err = |detail: String| HostMemError::Io {
+            path: format!("process {pid}'s memory at {at:#x}").into(),
+            source: io::Error::other(detail),
+        };
+        match process_vm_readv(pid, &mut [IoSliceMut::new(&mut to[done..])], &remote) {
+            Ok(0) => return Err(err("nothing read".into())),
+            Ok(n) => done += n,
+            Err(e) => return Err(err(e.desc().to_string())),
+        }
+    }
+    Ok(())
+}
+
 /// Completes the lazy dump in `dir` of the frozen tree rooted at `root` (a host PID): each
 /// process's lazy runs are read from its memory on up to `threads` threads into a new pages
 /// file of the standard layout, which replaces CRIU's together with a pagemap whose runs are all
@@ -152,32 +223,11 @@ pub fn complete(dir: &Path, root: i32, threads: usize) -> Result<LazyReport, Hos
                 t.pid
             ))
         })?;
-        let mem_path = format!("/proc/{host}/mem");
-        let mem = File::open(&mem_path).map_err(io_err(Path::new(&mem_path)))?;
         let src = File::open(&old).map_err(io_err(&old))?;
         let tmp = dir.join(format!("pages-{}.img.possum-tmp", pm.head.pages_id));
         let pm_tmp = dir.join(format!("pagemap-{}.img.possum-tmp", t.pid));
         let written = (|| -> Result<usize, HostMemError> {
-            let out = File::create(&tmp).map_err(io_err(&tmp))?;
-            out.set_len(len).map_err(io_err(&tmp))?;
-            let used = on_threads(
-                &pieces,
-                threads,
-                || vec![0u8; FILL_CHUNK as usize],
-                |buf, p| {
-                    let b = &mut buf[..p.len as usize];
-                    match p.from {
-                        From::Memory(a) => {
-                            mem.read_exact_at(b, a).map_err(|e| HostMemError::Io {
-                                path: format!("{mem_path} at {a:#x}, {} bytes", p.len).into(),
-                                source: e,
-                            })?
-                        }
-                        From::Pages(o) => src.read_exact_at(b, o).map_err(io_err(&old))?,
-                    }
-                    out.write_all_at(b, p.to).map_err(io_err(&tmp))
-                },
-            )?;
+            let used = copy(&pieces, len, (host, &src, &old), &tmp, threads)?;
             let present = Pagemap {
                 head: pm.head.clone(),
                 entries: pm
@@ -319,7 +369,7 @@ mod tests {
         // Page 1 of the address space is never mapped (mmap_min_addr).
         let (me, pm, pages) = lazy_dump_of_self(tmp.path(), (PAGE_SIZE, PAGE_SIZE));
         let err = complete(tmp.path(), std::process::id() as i32, 2).unwrap_err();
-        assert!(err.to_string().contains("/mem at 0x1000"), "{err}");
+        assert!(err.to_string().contains("memory at 0x1000"), "{err}");
         assert_eq!(fs::read(image_path(tmp.path(), "pagemap", me)).unwrap(), pm);
         assert_eq!(fs::read(image_path(tmp.path(), "pages", 1)).unwrap(), pages);
         let names: Vec<String> = fs::read_dir(tmp.path())
