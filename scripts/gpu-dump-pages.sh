@@ -19,9 +19,9 @@ for round in $(seq "${DUMP_PAGES_ROUNDS:-2}"); do
     for pages in criu possum; do
         [ "$(left)" -gt 90 ] || break 2
         echo "== round $round, pages by $pages, $(left) s left"
-        POSSUM_DUMP_PAGES=$pages POSSUM_CKPT_HUGE=1 OUT="$res/gpt2-$round-$pages" timeout -k 5 80 \
+        POSSUM_DUMP_PAGES=$pages POSSUM_CKPT_HUGE=1 OUT="$res/gpt2-$round-$pages" timeout -k 5 100 \
             bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate --jobs gpt2 \
-            --trials 1 --parallel 1 --seed $(( 200 + round )) --budget-s 60 \
+            --trials 1 --parallel 1 --seed $(( 200 + round )) --budget-s 90 \
             > "$res/gpt2-$round-$pages.log" 2>&1
         cat "$res/gpt2-$round-$pages/ckpt-correctness.jsonl" >> "$out/dump-pages-gpt2.jsonl" 2>/dev/null
         grep "^correctness (" "$res/gpt2-$round-$pages.log"

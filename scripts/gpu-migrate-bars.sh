@@ -12,8 +12,8 @@
 #      cannot restore a process holding a keeper's memory), migrated with `--engine driver`.
 #   3. GPT-2 generation alone (BARS_ALONE: the jobs, empty for none), migrated without and
 #      with `--post-copy` (BARS_ALONE_TRIALS, 1,1), one at a time: its bar's figures, apart
-#      from the trials' load; once for each writer of the job's pages in CRIU's images
-#      (BARS_ALONE_PAGES, "criu possum": `POSSUM_DUMP_PAGES`), an A/B in the same call.
+#      from the trials' load; once for each writer of the job's pages in CRIU's images named
+#      in BARS_ALONE_PAGES (`POSSUM_DUMP_PAGES`; default "criu"; "criu possum": an A/B).
 #   4. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
 #      BARS_JOBS (the MLP and GPT-2 generation, taking turns) without and with `--post-copy`,
 #      BARS_PARALLEL (5) at once (BARS_JOBS=gpt2 BARS_PARALLEL=1: GPT-2 generation's bar, alone)
@@ -59,7 +59,7 @@ migrations() {
 }
 
 alone=${BARS_ALONE-gpt2}
-for pages in ${BARS_ALONE_PAGES-criu possum}; do
+for pages in ${BARS_ALONE_PAGES-criu}; do
     [ -n "$alone" ] && [ "$(left)" -gt 300 ] || break
     echo "== alone ($alone, pages by $pages), $(left) s left"
     POSSUM_DUMP_PAGES=$pages migrations "alone-$pages" 150 "$alone" "${BARS_ALONE_TRIALS:-1,1}" 1

@@ -274,7 +274,7 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
         &[("POSSUM_CRIU_PLUGIN_DIR", libdir.to_str().unwrap())],
     );
     // Four streams, paced together (well above what the test sends in its time); the job's
-    // private memory sent ahead too.
+    // private memory sent ahead too, and written into CRIU's images by possum.
     let paced = ["--streams", "4", "--max-rate", "2GB/s"];
     let out = migrate_to(
         dir,
@@ -284,6 +284,7 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
         &[
             ("POSSUM_CRIU_PLUGIN_DIR", libdir.as_path()),
             ("POSSUM_HOSTMEM_AHEAD", Path::new("1")),
+            ("POSSUM_DUMP_PAGES", Path::new("possum")),
         ],
     );
     assert!(out.status.success(), "{}\njob:\n{}", text(&out), job.log());
@@ -365,7 +366,7 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
         names(&received)
     );
     // CRIU's own account of both ends; the job's memory written by possum after CRIU's lazy
-    // dump (the default), CRIU's stats counting only the pages it wrote itself.
+    // dump (`POSSUM_DUMP_PAGES=possum`), CRIU's stats counting only the pages it wrote itself.
     let figures = &v["checkpoint"]["figures"];
     let read = figures["criu_pages_read_bytes"].as_u64().unwrap_or(0);
     assert!(read >= moved.as_u64().unwrap(), "{v}");

@@ -704,7 +704,10 @@ impl<'a> Run<'a> {
             if let Some(l) = p.env.criu_log_level {
                 opts.log_level = l;
             }
-            opts.pages = p.env.dump_pages;
+            // (Not for the driver engine: the baseline stays plain CRIU.)
+            if self.by_possum() {
+                opts.pages = p.env.dump_pages;
+            }
             // A server's listener may hold connections not accepted yet: they stay out of the
             // image (a job left running accepts them after; a restored one has them no more)
             // rather than failing the dump.

@@ -80,9 +80,9 @@ pub struct Environment {
     pub restore_stage: bool,
     /// `POSSUM_CRIU_LOG_LEVEL` (1 errors .. 4 everything), for a diagnosis.
     pub criu_log_level: Option<LogLevel>,
-    /// `POSSUM_DUMP_PAGES` (`possum` by default, or `criu`): who writes the job's private
-    /// memory into CRIU's images (possum, from several threads, after CRIU's lazy dump left it
-    /// in the frozen job; or CRIU as it dumps, from one).
+    /// `POSSUM_DUMP_PAGES` (`criu` by default, or `possum`): who writes the job's private
+    /// memory into CRIU's images (CRIU as it dumps, from one thread; or possum, from several,
+    /// after CRIU's lazy dump left it in the frozen job: decision 44 says why not by default).
     pub dump_pages: PagesBy,
     /// `POSSUM_NVIDIA_SMI`, else `nvidia-smi` on PATH.
     pub nvidia_smi: String,
@@ -175,8 +175,8 @@ impl Environment {
                 _ => None,
             },
             dump_pages: match var("POSSUM_DUMP_PAGES").as_deref().map(str::trim) {
-                Some("criu") => PagesBy::Criu,
-                _ => PagesBy::Possum,
+                Some("possum") => PagesBy::Possum,
+                _ => PagesBy::Criu,
             },
             nvidia_smi: var("POSSUM_NVIDIA_SMI").unwrap_or_else(|| "nvidia-smi".into()),
             libcuda: var(possum_cuda::checkpoint::LIBCUDA_ENV)
@@ -245,9 +245,10 @@ mod tests {
         assert_eq!(none.hostmem_part_bytes, 64 << 20);
         let part = Environment::from_vars(|n| (n == "POSSUM_MIGRATE_PART_MIB").then(|| "2".into()));
         assert_eq!(part.hostmem_part_bytes, 2 << 20);
-        assert_eq!(none.dump_pages, PagesBy::Possum);
-        let criu = Environment::from_vars(|n| (n == "POSSUM_DUMP_PAGES").then(|| "criu".into()));
-        assert_eq!(criu.dump_pages, PagesBy::Criu);
+        assert_eq!(none.dump_pages, PagesBy::Criu);
+        let by = |v: &str| Environment::from_vars(|n| (n == "POSSUM_DUMP_PAGES").then(|| v.into()));
+        assert_eq!(by("possum").dump_pages, PagesBy::Possum);
+        assert_eq!(by("criu").dump_pages, PagesBy::Criu);
         let ahead = Environment::from_vars(|n| (n == "POSSUM_HOSTMEM_AHEAD").then(|| "1".into()));
         assert!(ahead.hostmem_ahead);
         let close =

@@ -57,7 +57,8 @@ pub fn namespace_pid(pid: i32) -> Option<u32> {
         .and_then(|p| p.parse().ok())
 }
 
-/// Threads for [`fill`]: `POSSUM_HOSTMEM_THREADS`, else the CPUs available, at most 16.
+/// Threads for [`fill`](super::fill): `POSSUM_HOSTMEM_THREADS`, else the CPUs available, at
+/// most 16.
 pub fn default_threads() -> usize {
     crate::config::Config::from_env().hostmem_threads()
 }
