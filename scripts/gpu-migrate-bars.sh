@@ -22,7 +22,7 @@
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
 #      (`gpu-wire.sh`); and another build's, staged as .gpu/wire-bench-0 (20 s more), over 8
 #      streams, for an A/B in the same call.
-# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-alone-{criu,possum}.jsonl,
+# -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-alone-WRITER.jsonl,
 #    $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
 # Without a GPU it says SKIPPED and exits 0.
