@@ -266,8 +266,15 @@ fn a_dump_whose_pages_possum_reads_equals_criu_s_own() {
     let mut reference = start_testee(tmp.path(), "reference");
     let mut testee = start_testee(tmp.path(), "d");
     wait_for_file(&testee.ready, TIMEOUT);
-    // Stopped, its memory does not change between the two dumps.
+    // Stopped, its memory does not change between the two dumps; killed should the test fail.
     let pid = nix::unistd::Pid::from_raw(testee.pid);
+    struct KillOnDrop(nix::unistd::Pid);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+    let killed = KillOnDrop(pid);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
     let by_criu = tmp.path().join("by-criu");
     criu.dump(&DumpOptions {
@@ -324,7 +331,7 @@ fn a_dump_whose_pages_possum_reads_equals_criu_s_own() {
     leftovers.sort();
     assert_eq!(leftovers, Vec::<String>::new());
 
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+    drop(killed);
     let _ = testee.child.wait();
     let restored = criu
         .restore(&RestoreOptions {
