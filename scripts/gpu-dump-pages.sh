@@ -15,22 +15,16 @@ set -u
 cd "$(dirname "$0")/.."
 source scripts/gpu-start.sh
 harness_run dump-pages DUMP_PAGES_LIMIT_S
+bars_out=dump-pages-f8.jsonl
 for round in $(seq "${DUMP_PAGES_ROUNDS:-2}"); do
     for pages in criu possum; do
         [ "$(left)" -gt 90 ] || break 2
         echo "== round $round, pages by $pages, $(left) s left"
-        POSSUM_DUMP_PAGES=$pages POSSUM_CKPT_HUGE=1 OUT="$res/gpt2-$round-$pages" timeout -k 5 100 \
-            bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate --jobs gpt2 \
-            --trials 1 --parallel 1 --seed $(( 200 + round )) --budget-s 90 \
-            > "$res/gpt2-$round-$pages.log" 2>&1
+        POSSUM_DUMP_PAGES=$pages migrations "gpt2-$round-$pages" 120 gpt2 1 1 $(( 200 + round )) \
+            possum-keeper-migrate
         cat "$res/gpt2-$round-$pages/ckpt-correctness.jsonl" >> "$out/dump-pages-gpt2.jsonl" 2>/dev/null
         grep "^correctness (" "$res/gpt2-$round-$pages.log"
-        [ "$(left)" -gt 60 ] || break 2
-        POSSUM_DUMP_PAGES=$pages OUT="$res/f8-$round-$pages" SPEC_HUGE=1 SPEC_BARS="8 64 f8-$pages" \
-            timeout -k 5 55 bash scripts/gpu-speculation.sh bars > "$res/f8-$round-$pages.log" 2>&1
-        grep -h "migrate:" "$res/f8-$round-$pages.log" | cut -c1-160
-        cat "$res/f8-$round-$pages/speculation-bars.jsonl" >> "$out/dump-pages-f8.jsonl" 2>/dev/null
-        free_huge_images
+        POSSUM_DUMP_PAGES=$pages spec_bars "f8-$round-$pages" 55 SPEC_BARS="8 64 f8-$pages"
     done
 done
 (cd "$res" && find . -type f \( -name '*.log' -o -name '*.err' -o -name '*.md' \) -size -20M \

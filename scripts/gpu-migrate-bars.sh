@@ -30,39 +30,16 @@ set -u
 cd "$(dirname "$0")/.."
 source scripts/gpu-start.sh
 harness_run migrate-bars BARS_LIMIT_S
-# $1 the step, $2 its seconds, then the variables for gpu-speculation.sh bars (SPEC_BARS names
-# each row's tag): its rows into bars.jsonl.
-bars() {
-    local step=$1 secs=$2; shift 2
-    [ "$secs" -le $(( $(left) - 10 )) ] || secs=$(( $(left) - 10 ))
-    [ "$secs" -gt 20 ] || { echo "== $step: no time left"; return; }
-    echo "== $step, $(left) s left"
-    env OUT="$res/$step" SPEC_HUGE=1 "$@" timeout -k 5 "$secs" \
-        bash scripts/gpu-speculation.sh bars > "$res/$step.log" 2>&1
-    grep -h "migrate:" "$res/$step.log" | cut -c1-200
-    cat "$res/$step/speculation-bars.jsonl" >> "$out/bars.jsonl" 2>/dev/null
-    free_huge_images
-}
-
-bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
-bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flags=--no-keeper" \
+spec_bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
+spec_bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flags=--no-keeper" \
     SPEC_MIGRATE_FLAGS="--engine driver"
-
-# $1 the step, $2 its seconds (the harness's budget 30 s less, for the last trial to end), $3
-# the jobs, $4 the trials of each engine, $5 how many at once: random migrations without and
-# with `--post-copy` (`gpu-ckpt.sh correctness`) into $res/STEP.
-migrations() {
-    POSSUM_CKPT_HUGE=1 OUT="$res/$1" timeout -k 5 "$2" \
-        bash scripts/gpu-ckpt.sh correctness --engines possum-keeper-migrate,possum-keeper-migrate-postcopy \
-        --jobs "$3" --trials "$4" --parallel "$5" --seed "${BARS_SEED:-91}" --budget-s $(( $2 - 30 )) \
-        > "$res/$1.log" 2>&1
-}
 
 alone=${BARS_ALONE-gpt2}
 for pages in ${BARS_ALONE_PAGES-criu}; do
     [ -n "$alone" ] && [ "$(left)" -gt 300 ] || break
     echo "== alone ($alone, pages by $pages), $(left) s left"
-    POSSUM_DUMP_PAGES=$pages migrations "alone-$pages" 150 "$alone" "${BARS_ALONE_TRIALS:-1,1}" 1
+    POSSUM_DUMP_PAGES=$pages migrations "alone-$pages" 150 "$alone" "${BARS_ALONE_TRIALS:-1,1}" 1 \
+        "${BARS_SEED:-91}"
     cp "$res/alone-$pages/ckpt-correctness.jsonl" "$out/bars-alone-$pages.jsonl" 2>/dev/null
     grep "^correctness (" "$res/alone-$pages.log"
 done
@@ -71,7 +48,7 @@ echo "== trials, $(left) s left"
 wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
 if [ "$(left)" -gt $(( 120 + wire )) ]; then
     migrations trials $(( $(left) - 60 - wire )) "${BARS_JOBS:-mlp,gpt2}" "${BARS_TRIALS:-10,10}" \
-        "${BARS_PARALLEL:-5}"
+        "${BARS_PARALLEL:-5}" "${BARS_SEED:-91}"
     cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
     cp "$res/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null
     tail -3 "$res/trials.log"

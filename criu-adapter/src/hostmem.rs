@@ -643,7 +643,7 @@ fn copy_pieces(
 }
 
 /// `len` bytes from `from` to `to` (file offsets, or a data file's offset and an address).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Piece {
     from: u64,
     to: u64,

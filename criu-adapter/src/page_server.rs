@@ -20,6 +20,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
 
+use crate::swrk::above_stdio;
 use crate::CriuError;
 
 /// CRIU's `PS_IOV_CLOSE`.
@@ -44,16 +45,6 @@ fn socket_err(what: &'static str) -> impl FnOnce(nix::Error) -> CriuError {
         what,
         source: e.into(),
     }
-}
-
-/// `fd` at a number above 2 (the spawn replaces stdin, stdout and stderr), close-on-exec:
-/// `try_clone` duplicates to the lowest number from 3 (`F_DUPFD_CLOEXEC`).
-fn above_stdio(fd: OwnedFd, what: &'static str) -> Result<OwnedFd, CriuError> {
-    if fd.as_raw_fd() > 2 {
-        return Ok(fd);
-    }
-    fd.try_clone()
-        .map_err(|source| CriuError::Socket { what, source })
 }
 
 impl PageServer {

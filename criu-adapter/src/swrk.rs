@@ -86,6 +86,17 @@ pub(crate) struct Worker {
     guarded: bool,
 }
 
+/// `fd` at a number above 2, which a descriptor the worker inherits needs (the spawn replaces
+/// stdin, stdout and stderr): itself, or a close-on-exec duplicate (`try_clone` takes the
+/// lowest free number from 3).
+pub(crate) fn above_stdio(fd: OwnedFd, what: &'static str) -> Result<OwnedFd, CriuError> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
+    }
+    fd.try_clone()
+        .map_err(|source| CriuError::Socket { what, source })
+}
+
 impl Worker {
     /// Starts `binary swrk <fd>` for the request `op` (named in errors), loading the plugins in
     /// `plugin_dir` (as `CRIU_LIBS_DIR`) when given.
@@ -106,15 +117,7 @@ impl Worker {
             what: "socketpair",
             source: e.into(),
         })?;
-        // Keep the worker's end clear of stdin/stdout/stderr, which the spawn replaces.
-        let theirs = if theirs.as_raw_fd() <= 2 {
-            theirs.try_clone().map_err(|e| CriuError::Socket {
-                what: "dup",
-                source: e,
-            })?
-        } else {
-            theirs
-        };
+        let theirs = above_stdio(theirs, "dup")?;
         let output = capture_file()?;
         let io_err = |e| CriuError::Io {
             what: "duplicating the criu output file".into(),

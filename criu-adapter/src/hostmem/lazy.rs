@@ -26,8 +26,8 @@ use nix::sys::uio::{process_vm_readv, RemoteIoVec};
 use nix::unistd::Pid;
 
 use super::index::{io_err, HostMemError};
-use super::work::{namespace_pid, on_threads, FILL_CHUNK};
-use super::write_synced;
+use super::work::{namespace_pid, on_threads};
+use super::{cut_pieces, write_synced, Piece};
 use crate::images::{
     self, image_path, Pagemap, PagemapEntry, PstreeEntry, PE_LAZY, PE_PARENT, PE_PRESENT,
     PSTREE_MAGIC,
@@ -39,8 +39,6 @@ use crate::mapped::MappedFileMut;
 pub struct LazyReport {
     /// Processes whose pages files were completed, with the bytes read from each.
     pub processes: Vec<(u32, u64)>,
-    /// Threads used.
-    pub threads: usize,
     /// Time taken.
     pub time: Duration,
 }
@@ -52,57 +50,47 @@ impl LazyReport {
     }
 }
 
-/// Where a piece of the new pages file comes from.
+/// Where a piece of the new pages file comes from: the process's memory (the piece's `from` is
+/// an address) or CRIU's pages file (an offset in it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum From {
-    /// The process's memory, at this address.
-    Memory(u64),
-    /// CRIU's pages file, at this offset.
-    Pages(u64),
+enum Source {
+    Memory,
+    Pages,
 }
 
-/// One piece of work: `len` bytes from `from` to offset `to` of the new pages file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Piece {
-    from: From,
-    to: u64,
+/// The layout of a process's completed pages file.
+#[derive(Debug, PartialEq, Eq)]
+struct Layout {
+    /// Its pieces (at most a fill chunk, 8 MiB, each: [`cut_pieces`]), in file order.
+    pieces: Vec<(Source, Piece)>,
+    /// The bytes taken from memory.
+    lazy: u64,
+    /// The file's length.
     len: u64,
 }
 
-/// The layout of a process's completed pages file: its pieces (at most [`FILL_CHUNK`] each), in
-/// file order, the bytes taken from memory and the file's length. A lazy dump's pagemap has
-/// runs present in CRIU's pages file (in order, back to back) and lazy runs (not in it).
-fn layout(entries: &[PagemapEntry], pages_len: u64) -> Result<(Vec<Piece>, u64, u64), String> {
+/// The [`Layout`] of the pages file of a process whose lazy dump's pagemap is `entries`: runs
+/// present in CRIU's pages file (in order, back to back; `pages_len` bytes) and lazy runs (not
+/// in it).
+fn layout(entries: &[PagemapEntry], pages_len: u64) -> Result<Layout, String> {
     let (mut to, mut at, mut lazy) = (0u64, 0u64, 0u64);
     let mut pieces = Vec::new();
     for e in entries {
         let flags = e.effective_flags();
         let len = e.len();
-        let from = if flags & PE_PARENT != 0 {
+        let (source, from) = if flags & PE_PARENT != 0 {
             return Err(format!("a run in a parent image at {:#x}", e.vaddr));
         } else if flags & PE_PRESENT != 0 {
             at += len;
-            From::Pages(at - len)
+            (Source::Pages, at - len)
         } else if flags & PE_LAZY != 0 {
             lazy += len;
-            From::Memory(e.vaddr)
+            (Source::Memory, e.vaddr)
         } else {
             return Err(format!("a run of flags {flags:#x} at {:#x}", e.vaddr));
         };
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(FILL_CHUNK);
-            let from = match from {
-                From::Memory(a) => From::Memory(a + done),
-                From::Pages(o) => From::Pages(o + done),
-            };
-            pieces.push(Piece {
-                from,
-                to: to + done,
-                len: n,
-            });
-            done += n;
-        }
+        let run = Piece { from, to, len };
+        pieces.extend(cut_pieces([run]).into_iter().map(|p| (source, p)));
         to += len;
     }
     if at != pages_len {
@@ -110,7 +98,11 @@ fn layout(entries: &[PagemapEntry], pages_len: u64) -> Result<(Vec<Piece>, u64, 
             "its pagemap has {at} bytes in the pages file, which has {pages_len}"
         ));
     }
-    Ok((pieces, lazy, to))
+    Ok(Layout {
+        pieces,
+        lazy,
+        len: to,
+    })
 }
 
 /// The host PID of each process of the tree under `root` (itself included), by the PID it has
@@ -122,17 +114,15 @@ fn host_pids(root: i32) -> HashMap<u32, i32> {
         .collect()
 }
 
-/// Writes the new pages file `out` (`len` bytes, laid out as `pieces` say) from up to
-/// `threads` threads, each piece straight into the file's mapping: from the memory of process
-/// `pid` with `process_vm_readv`, or from CRIU's pages file `src` (at `src_path`). The threads
-/// used.
+/// Writes the new pages file `out`, laid out as `layout` says, from up to `threads` threads,
+/// each piece straight into the file's mapping: from the memory of process `pid` with
+/// `process_vm_readv`, or from CRIU's pages file `src` (at `src_path`).
 fn copy(
-    pieces: &[Piece],
-    len: u64,
+    layout: &Layout,
     (pid, src, src_path): (i32, &File, &Path),
     out: &Path,
     threads: usize,
-) -> Result<usize, HostMemError> {
+) -> Result<(), HostMemError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -140,14 +130,14 @@ fn copy(
         .truncate(true)
         .open(out)
         .map_err(io_err(out))?;
-    file.set_len(len).map_err(io_err(out))?;
-    let mut map = MappedFileMut::map(&file, len).map_err(io_err(out))?;
+    file.set_len(layout.len).map_err(io_err(out))?;
+    let mut map = MappedFileMut::map(&file, layout.len).map_err(io_err(out))?;
     // Each piece's bytes of the mapping, in file order (the pieces are back to back).
     let mut rest = map.bytes_mut();
-    let mut work = Vec::with_capacity(pieces.len());
-    for p in pieces {
+    let mut work = Vec::with_capacity(layout.pieces.len());
+    for &(source, p) in &layout.pieces {
         let (this, more) = std::mem::take(&mut rest).split_at_mut(p.len as usize);
-        work.push((*p, Mutex::new(this)));
+        work.push((source, p.from, Mutex::new(this)));
         rest = more;
     }
     let pid = Pid::from_raw(pid);
@@ -155,14 +145,15 @@ fn copy(
         &work,
         threads,
         || (),
-        |(), (p, to)| {
+        |(), (source, from, to)| {
             let mut to = to.lock().unwrap_or_else(|e| e.into_inner());
-            match p.from {
-                From::Memory(a) => read_memory(pid, a, &mut to),
-                From::Pages(o) => src.read_exact_at(&mut to, o).map_err(io_err(src_path)),
+            match source {
+                Source::Memory => read_memory(pid, *from, &mut to),
+                Source::Pages => src.read_exact_at(&mut to, *from).map_err(io_err(src_path)),
             }
         },
     )
+    .map(drop)
 }
 
 /// Fills `to` from process `pid`'s memory at `addr`.
@@ -196,10 +187,7 @@ pub fn complete(dir: &Path, root: i32, threads: usize) -> Result<LazyReport, Hos
     let start = Instant::now();
     let tree: Vec<PstreeEntry> = images::read_messages(&dir.join("pstree.img"), PSTREE_MAGIC)?;
     let hosts = host_pids(root);
-    let mut report = LazyReport {
-        threads: 0,
-        ..LazyReport::default()
-    };
+    let mut report = LazyReport::default();
     for t in &tree {
         let pm_path = image_path(dir, "pagemap", t.pid);
         if !pm_path.exists() {
@@ -219,7 +207,7 @@ pub fn complete(dir: &Path, root: i32, threads: usize) -> Result<LazyReport, Hos
             path: pm_path.clone(),
             detail,
         };
-        let (pieces, lazy, len) = layout(&pm.entries, old_len).map_err(bad)?;
+        let layout = layout(&pm.entries, old_len).map_err(bad)?;
         let host = *hosts.get(&t.pid).ok_or_else(|| {
             bad(format!(
                 "process {} of the dump is not in the tree under {root} any more",
@@ -229,8 +217,8 @@ pub fn complete(dir: &Path, root: i32, threads: usize) -> Result<LazyReport, Hos
         let src = File::open(&old).map_err(io_err(&old))?;
         let tmp = dir.join(format!("pages-{}.img.possum-tmp", pm.head.pages_id));
         let pm_tmp = dir.join(format!("pagemap-{}.img.possum-tmp", t.pid));
-        let written = (|| -> Result<usize, HostMemError> {
-            let used = copy(&pieces, len, (host, &src, &old), &tmp, threads)?;
+        let written = (|| -> Result<(), HostMemError> {
+            copy(&layout, (host, &src, &old), &tmp, threads)?;
             let present = Pagemap {
                 head: pm.head.clone(),
                 entries: pm
@@ -244,18 +232,14 @@ pub fn complete(dir: &Path, root: i32, threads: usize) -> Result<LazyReport, Hos
             };
             write_synced(&pm_tmp, &present.encode())?;
             fs::rename(&tmp, &old).map_err(io_err(&old))?;
-            fs::rename(&pm_tmp, &pm_path).map_err(io_err(&pm_path))?;
-            Ok(used)
+            fs::rename(&pm_tmp, &pm_path).map_err(io_err(&pm_path))
         })();
-        match written {
-            Ok(used) => report.threads = report.threads.max(used),
-            Err(e) => {
-                let _ = fs::remove_file(&tmp);
-                let _ = fs::remove_file(&pm_tmp);
-                return Err(e);
-            }
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            let _ = fs::remove_file(&pm_tmp);
+            return Err(e);
         }
-        report.processes.push((t.pid, lazy));
+        report.processes.push((t.pid, layout.lazy));
     }
     report.time = start.elapsed();
     Ok(report)
@@ -263,6 +247,7 @@ pub fn complete(dir: &Path, root: i32, threads: usize) -> Result<LazyReport, Hos
 
 #[cfg(test)]
 mod tests {
+    use super::super::work::FILL_CHUNK;
     use super::*;
     use crate::images::PAGE_SIZE;
 
@@ -278,26 +263,15 @@ mod tests {
             run(0x2000_0000, 3, PE_LAZY),
             run(0x3000_0000, 1, PE_PRESENT),
         ];
-        let (pieces, lazy, len) = layout(&entries, 3 * p).unwrap();
-        assert_eq!((lazy, len), (3 * p, 6 * p));
+        let l = layout(&entries, 3 * p).unwrap();
+        assert_eq!((l.lazy, l.len), (3 * p, 6 * p));
+        let piece = |from, to, len| Piece { from, to, len };
         assert_eq!(
-            pieces,
+            l.pieces,
             vec![
-                Piece {
-                    from: From::Pages(0),
-                    to: 0,
-                    len: 2 * p
-                },
-                Piece {
-                    from: From::Memory(0x2000_0000),
-                    to: 2 * p,
-                    len: 3 * p
-                },
-                Piece {
-                    from: From::Pages(2 * p),
-                    to: 5 * p,
-                    len: p
-                },
+                (Source::Pages, piece(0, 0, 2 * p)),
+                (Source::Memory, piece(0x2000_0000, 2 * p, 3 * p)),
+                (Source::Pages, piece(2 * p, 5 * p, p)),
             ]
         );
     }
@@ -305,11 +279,15 @@ mod tests {
     #[test]
     fn a_long_lazy_run_is_cut_into_pieces_of_a_fill_chunk() {
         let pages = 2 * FILL_CHUNK / PAGE_SIZE + 1;
-        let (pieces, lazy, _) = layout(&[run(0x4000_0000, pages, PE_LAZY)], 0).unwrap();
-        assert_eq!(lazy, pages * PAGE_SIZE);
-        assert_eq!(pieces.len(), 3);
-        assert_eq!(pieces[1].from, From::Memory(0x4000_0000 + FILL_CHUNK));
-        assert_eq!(pieces[2].len, PAGE_SIZE);
+        let l = layout(&[run(0x4000_0000, pages, PE_LAZY)], 0).unwrap();
+        assert_eq!(l.lazy, pages * PAGE_SIZE);
+        assert_eq!(l.pieces.len(), 3);
+        let (source, second) = l.pieces[1];
+        assert_eq!(
+            (source, second.from),
+            (Source::Memory, 0x4000_0000 + FILL_CHUNK)
+        );
+        assert_eq!(l.pieces[2].1.len, PAGE_SIZE);
     }
 
     /// A dump directory of this process: one present run (CRIU's one page of 9s) and a lazy run
