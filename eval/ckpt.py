@@ -625,9 +625,9 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
     return row["ok"]
 
 
-JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "triton": 200, "graph": 200, "multistream": 300,
+JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "gpt2gen": 120, "triton": 200, "graph": 200, "multistream": 300,
              "ptrtable": 60, "lcuda": 200, "fewbytes": 80, "amp": 120, "twodev": 80}
-JOB_SLEEP = {"mlp": 10, "cnn": 10, "gpt2": 20, "triton": 10, "graph": 10, "multistream": 10,
+JOB_SLEEP = {"mlp": 10, "cnn": 10, "gpt2": 20, "gpt2gen": 20, "triton": 10, "graph": 10, "multistream": 10,
              "ptrtable": 20, "lcuda": 10, "fewbytes": 20, "amp": 10, "twodev": 20}
 
 
@@ -648,7 +648,7 @@ def job_steps(spec, engine=None):
 CORRECTNESS_JOBS = "mlp,cnn,gpt2,triton,graph,multistream,ptrtable,lcuda,mlp+expandable,mlp+async," \
                    "gpt2+expandable,gpt2+async"
 # Rough seconds of one trial on the H100 (a fresh start, the steps twice, checkpoint, restore).
-TRIAL_S = {"gpt2": 32, "cnn": 22, "ptrtable": 12, "lcuda": 12}
+TRIAL_S = {"gpt2": 32, "gpt2gen": 32, "cnn": 22, "ptrtable": 12, "lcuda": 12}
 TRIAL_S_DEFAULT = 20
 
 

@@ -80,9 +80,12 @@ if [ "${1:-}" = "--stage-baseline" ]; then
 fi
 if [ "${1:-}" = "--stage" ]; then
     cargo build --release -p possum-interposer -p possum -p possum-criu-plugin || exit 1
+    # (And the probe of CRIU's dump: who writes the pages, `gpu-dump-pages.sh`.)
+    cargo build --release -p possum-criu --example dump-pages || exit 1
     mkdir -p .gpu
     cp target/release/libpossum.so target/release/possum target/release/libpossum_criu_plugin.so .gpu/
-    strip .gpu/possum && strip --strip-debug .gpu/libpossum.so .gpu/libpossum_criu_plugin.so
+    cp target/release/examples/dump-pages .gpu/
+    strip .gpu/possum .gpu/dump-pages && strip --strip-debug .gpu/libpossum.so .gpu/libpossum_criu_plugin.so
     [ -d .gpu/criu-debs ] || bash scripts/install-criu.sh --download-only .gpu/criu-debs || exit 1
     du -sh .gpu/*
     exit 0

@@ -149,10 +149,20 @@ pub enum CriuError {
         /// What went wrong.
         source: crate::hostmem::HostMemError,
     },
-    /// A lazy dump ended without the `post-dump` notification at which possum reads its pages.
+    /// possum could not copy the pages CRIU wrote into its pipes: the images are incomplete,
+    /// and the dump failed (CRIU lets the tree run on).
+    #[error("criu dump of {}: copying the pages CRIU wrote: {source}", images_dir.display())]
+    PagesRelay {
+        /// The images directory.
+        images_dir: PathBuf,
+        /// What went wrong.
+        source: crate::relay::RelayError,
+    },
+    /// A dump whose pages possum writes (a lazy dump's, or those CRIU relays) ended without
+    /// the `post-dump` notification at which possum completes them.
     #[error(
-        "criu dump of {}: it ended without its post-dump notification, so its pages were never \
-         read (the images are incomplete)",
+        "criu dump of {}: it ended without its post-dump notification, so possum never \
+         completed its pages (the images are incomplete)",
         images_dir.display()
     )]
     LazyPagesUnread {

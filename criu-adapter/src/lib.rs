@@ -80,6 +80,7 @@ mod mapped;
 pub mod no_uring;
 mod page_server;
 mod process;
+pub mod relay;
 pub mod rpc;
 pub mod stats;
 mod swrk;
@@ -293,6 +294,9 @@ pub struct DumpOptions {
     pub log_level: LogLevel,
     /// Who writes the pages of the tree's private anonymous memory into the images.
     pub pages: PagesBy,
+    /// With [`PagesBy::Relay`]: where the files being written are told, for a reader of them
+    /// during the dump (their sizes say nothing until it ends).
+    pub relay_watch: Option<std::sync::Arc<relay::RelayWatch>>,
     /// How long the dump may take ([`Deadline::DUMP`] by default), scaled by the resident
     /// memory of the tree. Past it CRIU is killed; the tree is left as CRIU leaves it (it may
     /// have been stopped or have CRIU's parasite code in it: it may not run on).
@@ -319,6 +323,7 @@ impl DumpOptions {
             log_file: "dump.log".into(),
             log_level: LogLevel::default(),
             pages: PagesBy::default(),
+            relay_watch: None,
             deadline: Deadline::DUMP,
         }
     }
@@ -332,11 +337,34 @@ pub enum PagesBy {
     /// CRIU, as it dumps, from one thread.
     #[default]
     Criu,
+    /// CRIU into pipes at the pages files' names, which take references to the frozen tree's
+    /// pages rather than copies; possum copies them into the files from several threads as
+    /// CRIU goes on ([`relay`]), done by CRIU's `post-dump` notification. Where the images'
+    /// filesystem cannot allocate ahead, CRIU writes them as with [`PagesBy::Criu`].
+    Relay,
     /// possum, from several threads, after CRIU's `--lazy-pages` dump left them in the frozen
     /// tree ([`hostmem::lazy`]), at CRIU's `post-dump` notification. CRIU's page server then
     /// runs on a socket pair possum hands it (never a TCP port), closed at once. Measured no
     /// shorter in all: CRIU's lazy dump still moves every page into its pipes.
     Possum,
+}
+
+/// The relay of a dump's pages ([`PagesBy::Relay`]): a pipe for each process of the tree and one
+/// more (CRIU numbers its pages files as it opens them; a memfd's or shared memory's come past
+/// the processes' and are CRIU's own where no pipe is left), or `None` where it cannot be made
+/// (CRIU then writes the pages itself, as it would without it).
+fn start_relay(opts: &DumpOptions) -> Option<relay::Relay> {
+    let files = u32::try_from(process::tree_of(opts.pid).len() + 1).unwrap_or(u32::MAX);
+    let capacity = process::tree_resident_bytes(opts.pid);
+    let workers = hostmem::default_threads();
+    let watch = opts.relay_watch.clone();
+    match relay::Relay::start(&opts.images_dir, files, workers, capacity, watch) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::warn!(error = %e, "CRIU writes the dump's pages itself: no relay");
+            None
+        }
+    }
 }
 
 /// What to restore and how.
@@ -416,6 +444,8 @@ pub struct DumpReport {
     pub stats: Option<stats::DumpStats>,
     /// possum's read of the pages, with [`PagesBy::Possum`].
     pub pages_read: Option<hostmem::lazy::LazyReport>,
+    /// possum's copy of the pages CRIU wrote into its pipes, with [`PagesBy::Relay`].
+    pub pages_relayed: Option<relay::RelayReport>,
     /// When CRIU's `post-dump` notification came, from the call's start (the tree frozen and
     /// its images written, but for the pages possum reads then): where the notification was
     /// asked for ([`DumpOptions::leave_stopped`], [`PagesBy::Possum`]).
@@ -613,8 +643,13 @@ impl Criu {
             .for_bytes(process::tree_resident_bytes(opts.pid));
         let server = match opts.pages {
             PagesBy::Possum => Some(PageServer::new()?),
-            PagesBy::Criu => None,
+            PagesBy::Criu | PagesBy::Relay => None,
         };
+        let mut relay = match opts.pages {
+            PagesBy::Relay => start_relay(opts),
+            PagesBy::Criu | PagesBy::Possum => None,
+        };
+        let relaying = relay.is_some();
         let rpc_opts = CriuOpts {
             images_dir_fd: images.as_raw_fd(),
             pid: Some(opts.pid),
@@ -633,19 +668,33 @@ impl Criu {
             log_file: Some(opts.log_file.clone()),
             log_level: Some(opts.log_level as i32),
             // The `post-dump` notification comes with the tree still frozen.
-            notify_scripts: (opts.leave_stopped || server.is_some()).then_some(true),
+            notify_scripts: (opts.leave_stopped || server.is_some() || relaying).then_some(true),
             lazy_pages: server.is_some().then_some(true),
             config_file: server.as_ref().map(PageServer::config_path),
             ..Default::default()
         };
         let mut stopped = false;
         let mut read = None;
+        let mut relayed = None;
         let mut post_dump_at = None;
         let mut post_dump = |n: &rpc::Notify| {
             if n.script.as_deref() != Some("post-dump") {
                 return true;
             }
             post_dump_at = Some(start.elapsed());
+            if let Some(r) = relay.take() {
+                // Every pages file CRIU opened is closed: the copies end with its pipes.
+                let r = r.finish();
+                if let Ok(r) = &r {
+                    let (bytes, time) = (r.bytes(), r.time);
+                    tracing::info!(pid = opts.pid, bytes, ?time, "the dump's pages relayed");
+                }
+                let ok = r.is_ok();
+                relayed = Some(r);
+                if !ok {
+                    return false;
+                }
+            }
             if server.is_some() {
                 let threads = hostmem::default_threads();
                 let r = hostmem::lazy::complete(&opts.images_dir, opts.pid, threads);
@@ -681,6 +730,21 @@ impl Criu {
             },
         );
         drop(server);
+        let pages_relayed = match relayed {
+            Some(Err(source)) => {
+                return Err(CriuError::PagesRelay {
+                    images_dir: opts.images_dir.clone(),
+                    source,
+                })
+            }
+            None if relaying && called.is_ok() => {
+                return Err(CriuError::LazyPagesUnread {
+                    images_dir: opts.images_dir.clone(),
+                })
+            }
+            Some(Ok(r)) => Some(r),
+            None => None,
+        };
         let pages_read = match read {
             Some(Err(source)) => {
                 return Err(CriuError::LazyPages {
@@ -709,6 +773,7 @@ impl Criu {
             stopped,
             stats: read_stats(stats::dump_stats(&opts.images_dir)),
             pages_read,
+            pages_relayed,
             post_dump_at,
         })
     }

@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// `len` bytes of a file mapped `PROT_READ`, `MAP_SHARED` (its page cache, no copy).
 #[derive(Debug)]
@@ -94,5 +94,66 @@ impl MappedFileMut {
         // SAFETY: `ptr` is a live mapping of `len` readable and writable bytes until `drop`,
         // and `&mut self` makes this the only borrow of it.
         unsafe { std::slice::from_raw_parts_mut(self.0.ptr.cast::<u8>(), self.0.len) }
+    }
+}
+
+/// A [`MappedFileMut`] filled from descriptors by several threads at once, each its own range:
+/// the kernel copies into the mapping (`read(2)`), so no Rust reference to the bytes exists
+/// while they are written, and a fault the file cannot back (past its end, or the filesystem
+/// full) is an error of that `read`, never a `SIGBUS`.
+#[derive(Debug)]
+pub struct SharedFill(MappedFileMut);
+
+impl SharedFill {
+    /// Maps `len` bytes of `file`, opened for reading and writing. The file may be shorter: a
+    /// range is filled only once the file reaches past it.
+    pub fn map(file: &File, len: u64) -> io::Result<SharedFill> {
+        MappedFileMut::map(file, len).map(SharedFill)
+    }
+
+    /// The mapping's length.
+    pub fn len(&self) -> u64 {
+        self.0 .0.len as u64
+    }
+
+    /// Reads exactly `len` bytes from `from` into the mapping at `at`. Callers give each
+    /// thread ranges no other thread fills, and read the file only once the fills are over.
+    pub fn read_into(&self, from: BorrowedFd<'_>, at: u64, len: usize) -> io::Result<()> {
+        let in_bounds = at
+            .checked_add(len as u64)
+            .is_some_and(|end| end <= self.len());
+        if !in_bounds {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{len} bytes at {at} lie past the mapping's {} bytes",
+                    self.len()
+                ),
+            ));
+        }
+        let mut done = 0;
+        while done < len {
+            // SAFETY: `at + len` is within the live mapping (checked above; it lives until
+            // `drop`, which needs the value this borrows), so the kernel writes only mapped
+            // bytes; no Rust reference to them exists while it does.
+            let n = unsafe {
+                libc::read(
+                    from.as_raw_fd(),
+                    self.0 .0.ptr.cast::<u8>().add(at as usize + done).cast(),
+                    len - done,
+                )
+            };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -257,8 +257,25 @@ fn pages_of(images: &Path) -> Vec<Pages> {
 /// run.
 #[test]
 fn a_dump_whose_pages_possum_reads_equals_criu_s_own() {
-    let Some((_serial, criu)) = serial_criu("a_dump_whose_pages_possum_reads_equals_criu_s_own")
-    else {
+    dump_equals_criu_s_own(
+        "a_dump_whose_pages_possum_reads_equals_criu_s_own",
+        possum_criu::PagesBy::Possum,
+    );
+}
+
+/// A dump whose pages CRIU writes into pipes at the pages files' names, copied into the files
+/// by possum's relay, writes the same images as CRIU's own, leaves no pipe nor file of the
+/// relay behind, and restores to an uninterrupted run's result.
+#[test]
+fn a_dump_whose_pages_possum_relays_equals_criu_s_own() {
+    dump_equals_criu_s_own(
+        "a_dump_whose_pages_possum_relays_equals_criu_s_own",
+        possum_criu::PagesBy::Relay,
+    );
+}
+
+fn dump_equals_criu_s_own(test: &str, pages: possum_criu::PagesBy) {
+    let Some((_serial, criu)) = serial_criu(test) else {
         return;
     };
     use possum_criu::PagesBy;
@@ -287,20 +304,49 @@ fn a_dump_whose_pages_possum_reads_equals_criu_s_own() {
         .dump(&DumpOptions {
             leave_running: true,
             leave_stopped: true,
-            pages: PagesBy::Possum,
+            pages,
             ..DumpOptions::new(testee.pid, &by_possum)
         })
         .unwrap();
     assert!(dump.stopped);
     let log = std::fs::read_to_string(&dump.log).unwrap();
-    assert!(
-        log.contains("Reusing ps socket"),
-        "CRIU served on possum's socket pair"
-    );
-    assert!(
-        !log.contains("Accepted connection"),
-        "no TCP connection was served"
-    );
+    match pages {
+        PagesBy::Possum => {
+            assert!(
+                log.contains("Reusing ps socket"),
+                "CRIU served on possum's socket pair"
+            );
+            assert!(
+                !log.contains("Accepted connection"),
+                "no TCP connection was served"
+            );
+        }
+        PagesBy::Relay => {
+            let relayed = dump.pages_relayed.as_ref().expect("the pages were relayed");
+            assert_eq!(
+                relayed
+                    .files
+                    .iter()
+                    .map(|(f, _)| f.as_str())
+                    .collect::<Vec<_>>(),
+                ["pages-1.img"],
+                "the one process's pages file, through its pipe"
+            );
+            let len = std::fs::metadata(by_possum.join("pages-1.img"))
+                .unwrap()
+                .len();
+            assert_eq!(relayed.bytes(), len, "the file cut to what was relayed");
+        }
+        PagesBy::Criu => unreachable!("compared with itself"),
+    }
+    for entry in std::fs::read_dir(&by_possum).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        assert!(entry.file_type().unwrap().is_file(), "{name}: a plain file");
+        assert!(
+            !name.starts_with(".relay-"),
+            "{name}: the relay's left over"
+        );
+    }
     // A stopped process still changes a few bytes under each dump (CRIU's parasite runs on
     // each thread, whose stack it touches; two dumps by CRIU differ so too): all pages equal but
     // a few. A read from the wrong place would leave nearly every lazy page different.
@@ -352,7 +398,7 @@ fn a_dump_whose_pages_possum_reads_equals_criu_s_own() {
     assert!(status.success(), "reference testee: {status}");
     assert_eq!(resumed, wait_for_file(&reference.out, TIMEOUT));
     say(&format!(
-        "possum-read dump: {:?}, {} KiB of pages",
+        "{pages:?} dump: {:?}, {} KiB of pages",
         dump.time,
         bytes >> 10
     ));

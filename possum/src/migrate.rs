@@ -189,6 +189,8 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
             sockets,
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),
+            // The pages CRIU relays are sent as they are written.
+            relay_watch: Some(Default::default()),
         },
         to: a.to.clone(),
         key,

@@ -582,17 +582,28 @@ fn the_destination_stages_the_finished_image_ahead_of_the_restore() {
 /// memory checked at its exit) and nothing else is left in its image.
 #[test]
 fn the_job_s_memory_goes_to_the_destination_while_criu_dumps_it() {
+    // CRIU writing the pages as it dumps (possum writes them after, in no order).
+    memory_goes_while_criu_dumps("migrate_criu_parts", "criu");
+}
+
+/// The same with CRIU's write relayed (`POSSUM_DUMP_PAGES=relay`): the pages file is filled by
+/// several threads at once, and only its parts the relay says are whole go while CRIU dumps.
+#[test]
+fn the_job_s_memory_relayed_goes_to_the_destination_while_criu_dumps_it() {
+    memory_goes_while_criu_dumps("migrate_relay_parts", "relay");
+}
+
+fn memory_goes_while_criu_dumps(name: &str, pages: &str) {
     let env = [("FAKE_HEAP_MIB", "512"), ("FAKE_MEMFD_MIB", "8")];
-    let Some(mut t) = kept_job_with("migrate_criu_parts", &env) else {
+    let Some(mut t) = kept_job_with(name, &env) else {
         return;
     };
     let dir = t.tmp.path();
-    // CRIU writing the pages as it dumps (possum writes them after, in no order).
     let out = migrate_kept_with(
         &t,
         &[
             ("POSSUM_MIGRATE_PART_MIB", "1"),
-            ("POSSUM_DUMP_PAGES", "criu"),
+            ("POSSUM_DUMP_PAGES", pages),
         ],
     );
     let (v, r) = migrated(&out, t.receiver, &t.job);
@@ -618,6 +629,11 @@ fn the_job_s_memory_goes_to_the_destination_while_criu_dumps_it() {
         .collect();
     assert!(parts.len() as u64 >= moved >> 20, "{parts:?}");
     assert!(!criu.join(format!("possum-hostmem-{pid}.pages")).exists());
+    let relayed = v["checkpoint"]["figures"]["criu_pages_relayed_bytes"].as_u64();
+    match pages {
+        "relay" => assert!(relayed.unwrap_or(0) >= moved, "{v}"),
+        _ => assert_eq!(relayed, None, "{v}"),
+    }
     goes_on_like(
         &mut t.job,
         dir,
@@ -625,8 +641,7 @@ fn the_job_s_memory_goes_to_the_destination_while_criu_dumps_it() {
         "migrated, its memory sent while CRIU dumped",
     );
     say(&format!(
-        "migrate_criu_parts: {criu_early} of {moved} bytes of the job's memory sent while CRIU \
-         dumped"
+        "{name}: {criu_early} of {moved} bytes of the job's memory sent while CRIU dumped"
     ));
 }
 

@@ -707,6 +707,7 @@ impl<'a> Run<'a> {
             // (Not for the driver engine: the baseline stays plain CRIU.)
             if self.by_possum() {
                 opts.pages = p.env.dump_pages;
+                opts.relay_watch = p.relay_watch.clone();
             }
             // A server's listener may hold connections not accepted yet: they stay out of the
             // image (a job left running accepts them after; a restored one has them no more)
@@ -727,6 +728,8 @@ impl<'a> Run<'a> {
             self.figures.criu_dump_stats = dump.stats.map(Into::into);
             self.figures.criu_pages_read = dump.pages_read.as_ref().map(|r| r.time);
             self.figures.criu_pages_read_bytes = dump.pages_read.as_ref().map(|r| r.bytes());
+            self.figures.criu_pages_relayed = dump.pages_relayed.as_ref().map(|r| r.time);
+            self.figures.criu_pages_relayed_bytes = dump.pages_relayed.as_ref().map(|r| r.bytes());
             self.figures.criu_post_dump_at = dump.post_dump_at;
             self.dumped = true;
         }

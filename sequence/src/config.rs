@@ -176,6 +176,7 @@ impl Environment {
             },
             dump_pages: match var("POSSUM_DUMP_PAGES").as_deref().map(str::trim) {
                 Some("possum") => PagesBy::Possum,
+                Some("relay") => PagesBy::Relay,
                 _ => PagesBy::Criu,
             },
             nvidia_smi: var("POSSUM_NVIDIA_SMI").unwrap_or_else(|| "nvidia-smi".into()),
@@ -248,6 +249,7 @@ mod tests {
         assert_eq!(none.dump_pages, PagesBy::Criu);
         let by = |v: &str| Environment::from_vars(|n| (n == "POSSUM_DUMP_PAGES").then(|| v.into()));
         assert_eq!(by("possum").dump_pages, PagesBy::Possum);
+        assert_eq!(by("relay").dump_pages, PagesBy::Relay);
         assert_eq!(by("criu").dump_pages, PagesBy::Criu);
         let ahead = Environment::from_vars(|n| (n == "POSSUM_HOSTMEM_AHEAD").then(|| "1".into()));
         assert!(ahead.hostmem_ahead);

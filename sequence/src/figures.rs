@@ -183,6 +183,14 @@ pub struct CheckpointFigures {
     /// The bytes of that read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub criu_pages_read_bytes: Option<u64>,
+    /// Of CRIU's dump, from the first byte of the pages CRIU wrote into possum's pipes to the
+    /// last copied into the pages files (`POSSUM_DUMP_PAGES=relay`).
+    #[serde(rename = "criu_pages_relayed_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_pages_relayed: Step,
+    /// The bytes relayed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_pages_relayed_bytes: Option<u64>,
     /// Of CRIU's dump, the time until its `post-dump` notification (the tree frozen, its
     /// images written but for the pages possum reads then), where one was asked for.
     #[serde(rename = "criu_post_dump_at_ms", serialize_with = "opt_ms")]

@@ -427,13 +427,21 @@ impl Observer for SendAhead<'_> {
         let env = &self.p.checkpoint.env;
         // (Not where the job's memory was drafted ahead: the split makes its data file of the
         // draft, not of CRIU's pages file.)
-        // (Nor where possum writes the pages file itself, after CRIU's dump, in no order.)
-        let split = env.hostmem_split != crate::config::HostmemSplit::Off
-            && !env.hostmem_ahead
-            && env.dump_pages == possum_criu::PagesBy::Criu;
+        // (Nor where possum writes the pages file itself, after CRIU's dump, in no order; where
+        // it relays CRIU's write, only as the relay tells how far the file is whole.)
+        let watch = self.p.checkpoint.relay_watch.clone();
+        let pages = match env.dump_pages {
+            possum_criu::PagesBy::Criu => Some(None),
+            possum_criu::PagesBy::Relay => watch.map(Some),
+            possum_criu::PagesBy::Possum => None,
+        };
+        let split = env.hostmem_split != crate::config::HostmemSplit::Off && !env.hostmem_ahead;
         let follow = (env.stream_criu && split)
-            .then(|| dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes))
-            .flatten();
+            .then_some(pages)
+            .flatten()
+            .and_then(|watch| {
+                dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes, watch)
+            });
         let what = held_send::What {
             dir: dir.to_path_buf(),
             gpu: gpu.to_vec(),
@@ -998,6 +1006,7 @@ mod estimate_tests {
                 precopy_rounds: 4,
                 sockets: dir.path().to_path_buf(),
                 possum_exe: "possum".into(),
+                relay_watch: None,
                 env: crate::Environment::read(),
             },
             to: "127.0.0.1:9".into(),

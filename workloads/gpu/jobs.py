@@ -3,7 +3,8 @@
     python3 jobs.py JOB [--steps N] [--profile] [--log FILE] [--hold-gib G] [--sleep-ms MS]
 
 JOB: mlp (MLP + Adam), cnn (cuDNN convolutions), gpt2 (GPT-2 small from a transformers config,
-random weights, AMP), triton (a Triton kernel), graph (CUDA graph capture and replay),
+random weights, AMP, trained with AdamW), gpt2gen (the same model generating, greedy with a KV
+cache, its weights only read), triton (a Triton kernel), graph (CUDA graph capture and replay),
 multistream (work on several streams), fewbytes (single elements written at fixed offsets of
 large buffers), amp (fp16 with a GradScaler and overflow steps), twodev (one process, two GPUs).
 Prints one JSON line per step with the loss's exact bits, then one with a SHA-256 of every parameter and, with --profile, the number of kernels, copies and
@@ -91,6 +92,26 @@ def gpt2(steps):
             loss = m(ids, labels=ids).loss
         opt.zero_grad(); loss.backward(); opt.step()
         yield s, loss, m.parameters
+
+def gpt2gen(steps):
+    """GPT-2 small (the same random weights) generating, as a model server does: each step
+    decodes one token for a batch of 4 greedily, with its KV cache; every 64 tokens it starts
+    again from new prompts. The weights are only read; the step's output is the logits' maximum,
+    the final digest the last tokens and the embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=256)
+    m = GPT2LMHeadModel(cfg).cuda().eval()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    past = tok = None
+    with torch.no_grad():
+        for s in range(steps):
+            if s % 64 == 0:
+                tok = torch.randint(0, cfg.vocab_size, (4, 16), device="cuda", generator=g)
+                past = None
+            out = m(tok, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+            tok = logits.argmax(-1, keepdim=True)
+            yield s, logits.float().max(), lambda: [tok.float(), m.transformer.wte.weight]
 
 def triton_job(steps):
     import triton, triton.language as tl
@@ -225,7 +246,7 @@ def twodev(steps):
         loss = a.sum() + big0[12345] + big0[n - 1] + big1[777].to(d0)
         yield s, loss, lambda: [a, b, big0, big1]
 
-JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "triton": triton_job, "graph": graph, "compiled": compiled,
+JOBS = {"mlp": mlp, "cnn": cnn, "gpt2": gpt2, "gpt2gen": gpt2gen, "triton": triton_job, "graph": graph, "compiled": compiled,
         "multistream": multistream,
         "fewbytes": fewbytes, "amp": amp, "twodev": twodev}
 

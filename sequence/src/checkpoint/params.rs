@@ -2,6 +2,9 @@
 //! checkpoint`'s flags, with the environment).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use possum_criu::relay::RelayWatch;
 
 use crate::config::Environment;
 use crate::image::NetworkLock;
@@ -43,4 +46,8 @@ pub struct CheckpointParams {
     pub possum_exe: PathBuf,
     /// What the environment says.
     pub env: Environment,
+    /// Told of the pages files CRIU's dump relays as they are written
+    /// (`POSSUM_DUMP_PAGES=relay`), for a migration that sends them meanwhile; `None` where
+    /// nothing reads them during the dump.
+    pub relay_watch: Option<Arc<RelayWatch>>,
 }

@@ -14,15 +14,21 @@
 //! process's memory it may dump the contents of its memfd files (each a pages file of its own);
 //! the shared memory of the tree comes after. The process's pagemap (`pagemap-PID.img`) is made
 //! just before its pages file: the newest pages file once that pagemap is there is the one.
+//!
+//! Where possum relays CRIU's write ([`possum_criu::PagesBy::Relay`]), a pages file CRIU has not
+//! opened yet is a pipe (not listed), and one it writes is filled by several threads at once:
+//! only its part written whole, front to back, as the relay tells ([`RelayWatch`]), is sent.
 
 use std::fs;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use possum_criu::hostmem::{data_name, namespace_pid};
 use possum_criu::images::{image_path, pages_ids};
+use possum_criu::relay::RelayWatch;
 
 use crate::wire::{DirSender, Totals, WireError};
 
@@ -42,6 +48,8 @@ pub(super) struct Follow {
     part_bytes: u64,
     /// The process's number in its own PID namespace, as CRIU's images name it.
     ns_pid: u32,
+    /// Where CRIU's write is relayed: how far each pages file is whole.
+    watch: Option<Arc<RelayWatch>>,
 }
 
 impl Follow {
@@ -49,7 +57,7 @@ impl Follow {
     /// the data file it will be (named by the process's number in its own PID namespace, as
     /// CRIU's process tree names it). None for a tree of several processes: which pages file
     /// is whose is not known before CRIU names them.
-    pub(super) fn job(pid: i32, part_bytes: u64) -> Option<Follow> {
+    pub(super) fn job(pid: i32, part_bytes: u64, watch: Option<Arc<RelayWatch>>) -> Option<Follow> {
         if part_bytes == 0 || crate::tree::with_descendants(pid).len() != 1 {
             return None;
         }
@@ -58,14 +66,19 @@ impl Follow {
             name: format!("criu/{}", data_name(ns)),
             part_bytes,
             ns_pid: ns,
+            watch,
         })
     }
 }
 
-/// The pages files in `criu` (`pages-N.img`), least number first.
+/// The pages files in `criu` (`pages-N.img`), least number first: files only (a relay's pipe is
+/// one CRIU has not opened).
 fn pages_files(criu: &Path) -> Vec<String> {
     let ids = pages_ids(criu).unwrap_or_default();
-    ids.into_iter().map(|n| format!("pages-{n}.img")).collect()
+    (ids.into_iter())
+        .map(|n| format!("pages-{n}.img"))
+        .filter(|f| fs::symlink_metadata(criu.join(f)).is_ok_and(|m| m.is_file()))
+        .collect()
 }
 
 /// The process's pagemap file in `criu`: it is made just before the process's pages file.
@@ -73,12 +86,27 @@ fn pagemap(criu: &Path, follow: &Follow) -> PathBuf {
     image_path(criu, "pagemap", follow.ns_pid)
 }
 
-/// The process's pages file in `criu`, once its pagemap is there: the newest.
+/// The process's pages file in `criu`, once its pagemap is there: the newest; where CRIU's write
+/// is relayed, the first the relay saw opened once that pagemap was there (a pipe is renamed a
+/// file only once the relay sees it opened, so the newest file may be an older one then).
 fn process_pages_file(criu: &Path, follow: &Follow) -> Option<String> {
-    if !pagemap(criu, follow).exists() {
+    let pagemap = pagemap(criu, follow);
+    if !pagemap.exists() {
         return None;
     }
-    pages_files(criu).pop()
+    match &follow.watch {
+        Some(w) => w.opened_after(&pagemap.file_name()?.to_string_lossy()),
+        None => {
+            // Not one made before the pagemap (a memfd's, CRIU not yet at the process's file),
+            // where the filesystem knows when files were made (to its clock's tick).
+            let born = |p: &Path| fs::metadata(p).and_then(|m| m.created()).ok();
+            let newest = pages_files(criu).pop()?;
+            match (born(&pagemap), born(&criu.join(&newest))) {
+                (Some(map), Some(file)) if file < map => None,
+                _ => Some(newest),
+            }
+        }
+    }
 }
 
 /// What [`send_while_dumping`] did.
@@ -124,6 +152,7 @@ pub(super) fn send_while_dumping<S: Read + Write + ?Sized>(
     (over, again): (&AtomicBool, &AtomicBool),
 ) -> Result<Dumped, WireError> {
     let mut d = Dumped::default();
+    let mut pagemap_seen = false;
     let criu = dir.join("criu");
     while !over.load(Ordering::Acquire) {
         if again.load(Ordering::Acquire) {
@@ -133,13 +162,19 @@ pub(super) fn send_while_dumping<S: Read + Write + ?Sized>(
         }
         d.looks += 1;
         if d.chosen.is_none() {
-            d.chosen = process_pages_file(&criu, follow);
+            // Chosen at the look after the one that found the pagemap: CRIU opens the pages file
+            // just after it, so by then the newest file is the process's.
+            match pagemap_seen {
+                true => d.chosen = process_pages_file(&criu, follow),
+                false => pagemap_seen = pagemap(&criu, follow).exists(),
+            }
         }
         let t = match &d.chosen {
             Some(file) => sender.send_growing(
                 &mut stream,
                 dir,
                 (&format!("criu/{file}"), &follow.name),
+                (follow.watch.as_ref()).and_then(|w| w.whole(file)),
                 follow.part_bytes,
                 MOST_AT_ONCE,
             )?,
@@ -177,6 +212,7 @@ mod tests {
             name: "criu/possum-hostmem-7.pages".into(),
             part_bytes: 1 << 20,
             ns_pid: 7,
+            watch: None,
         };
         assert_eq!(process_pages_file(d.path(), &follow), None);
         // A memfd's contents, dumped before the process's memory.
@@ -188,17 +224,35 @@ mod tests {
             None,
             "no pagemap yet"
         );
+        // (Made a few file-time ticks later, as CRIU writes the memfd's pages in between.)
+        std::thread::sleep(Duration::from_millis(30));
         fs::write(d.path().join("pagemap-7.img"), b"").unwrap();
+        if fs::metadata(d.path().join("pages-1.img"))
+            .and_then(|m| m.created())
+            .is_ok()
+        {
+            assert_eq!(
+                process_pages_file(d.path(), &follow),
+                None,
+                "the memfd's, made before the pagemap, is not the process's"
+            );
+        }
         fs::write(d.path().join("pages-2.img"), b"").unwrap();
         assert_eq!(
             process_pages_file(d.path(), &follow).as_deref(),
             Some("pages-2.img")
         );
         fs::write(d.path().join("pages-10.img"), b"").unwrap();
+        // A relay's pipe for a file CRIU has not opened.
+        nix::unistd::mkfifo(
+            &d.path().join("pages-11.img"),
+            nix::sys::stat::Mode::S_IRUSR,
+        )
+        .unwrap();
         assert_eq!(
             pages_files(d.path()),
             ["pages-1.img", "pages-2.img", "pages-10.img"],
-            "by number, not by name"
+            "by number, not by name; no pipe"
         );
     }
 }

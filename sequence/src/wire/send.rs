@@ -521,12 +521,14 @@ impl DirSender {
     /// here (the same file by its inode, the same offset and length) is not sent again; a part
     /// sent here that the final set does not have so (the file was not renamed `NAME`, or parts
     /// of another file went under those names) is removed at the receiver. The files and bytes
-    /// sent; none when `file` is not there.
+    /// sent; none when `file` is not there. `whole`: how much of it is written whole where that
+    /// is not its size (a file filled by several writers at once), else `None`.
     pub fn send_growing<S: Read + Write>(
         &mut self,
         stream: &mut S,
         dir: &Path,
         (file, name): (&str, &str),
+        whole: Option<u64>,
         part_bytes: u64,
         most: usize,
     ) -> Result<Totals, WireError> {
@@ -555,7 +557,8 @@ impl DirSender {
             let inode = (meta.dev(), meta.ino());
             let mut entries = Vec::new();
             let mut parts = Vec::new();
-            for k in 0..meta.len() / part_bytes {
+            let len = whole.map_or(meta.len(), |w| w.min(meta.len()));
+            for k in 0..len / part_bytes {
                 if entries.len() >= most {
                     break;
                 }

@@ -1504,6 +1504,34 @@ fn after_a_first_part() -> (
     (tmp, src, dest, a, sender, receiver)
 }
 
+/// A file filled by several writers at once (the dump's pages relayed) is as long as it will
+/// be long before its bytes are there: only the parts within what its writer says is whole go.
+#[test]
+fn a_growing_file_s_parts_go_only_as_far_as_it_is_whole() {
+    let (_tmp, src, _dest, mut a, mut sender, _receiver) = after_a_first_part();
+    let part = CHUNK_BYTES as u64;
+    let growing = ("criu/pages-1.img", "criu/data.pages");
+    let pages = src.join("criu/pages-1.img");
+    fs::write(&pages, noise(3 * CHUNK_BYTES)).unwrap();
+    let whole = Some(part + 10);
+    let one = sender
+        .send_growing(&mut a, &src, growing, whole, part, 8)
+        .unwrap();
+    assert_eq!(
+        (one.files, one.bytes),
+        (1, part),
+        "the one part written whole"
+    );
+    let none = sender
+        .send_growing(&mut a, &src, growing, whole, part, 8)
+        .unwrap();
+    assert_eq!(none.files, 0, "the file's size is not how far it is whole");
+    let all = sender
+        .send_growing(&mut a, &src, growing, Some(3 * part), part, 8)
+        .unwrap();
+    assert_eq!(all.files, 2, "the rest, once whole");
+}
+
 /// The parts of a file still being appended to, sent after the final set's first part
 /// (`send_growing`, CRIU's pages file while it dumps): once the file is renamed to the name
 /// sent in parts, the final set claims them (the same inode, offset and length) and sends only
@@ -1514,19 +1542,29 @@ fn parts_of_a_growing_file_sent_early_are_not_sent_again() {
     let part = CHUNK_BYTES as u64;
     let growing = ("criu/pages-1.img", "criu/data.pages");
     // Not there yet: nothing sent.
-    let none = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    let none = sender
+        .send_growing(&mut a, &src, growing, None, part, 8)
+        .unwrap();
     assert_eq!(none, Totals::default());
     let data = noise(3 * CHUNK_BYTES + 500);
     let pages = src.join("criu/pages-1.img");
     fs::write(&pages, &data[..CHUNK_BYTES + 10]).unwrap();
-    let one = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    let one = sender
+        .send_growing(&mut a, &src, growing, None, part, 8)
+        .unwrap();
     assert_eq!((one.files, one.bytes), (1, part), "the one whole part");
     append_to(&pages, &data[CHUNK_BYTES + 10..]);
-    let most = sender.send_growing(&mut a, &src, growing, part, 1).unwrap();
+    let most = sender
+        .send_growing(&mut a, &src, growing, None, part, 1)
+        .unwrap();
     assert_eq!(most.files, 1, "at most one at a time");
-    let rest = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    let rest = sender
+        .send_growing(&mut a, &src, growing, None, part, 8)
+        .unwrap();
     assert_eq!(rest.files, 1, "the third part");
-    let none = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+    let none = sender
+        .send_growing(&mut a, &src, growing, None, part, 8)
+        .unwrap();
     assert_eq!(
         none.files, 0,
         "every whole part was sent; the last is not whole"
@@ -1561,7 +1599,9 @@ fn parts_sent_early_that_the_final_set_does_not_claim_are_removed() {
         let pages = src.join("criu/pages-1.img");
         fs::write(&pages, noise(2 * CHUNK_BYTES)).unwrap();
         let growing = ("criu/pages-1.img", "criu/data.pages");
-        let early = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+        let early = sender
+            .send_growing(&mut a, &src, growing, None, part, 8)
+            .unwrap();
         assert_eq!(early.files, 2, "{case}");
         if case == "another file" {
             let other: Vec<u8> = noise(2 * CHUNK_BYTES).iter().map(|b| !b).collect();
@@ -1578,7 +1618,9 @@ fn parts_sent_early_that_the_final_set_does_not_claim_are_removed() {
                 .unwrap()
                 .write_all_at(&again, 0)
                 .unwrap();
-            let none = sender.send_growing(&mut a, &src, growing, part, 8).unwrap();
+            let none = sender
+                .send_growing(&mut a, &src, growing, None, part, 8)
+                .unwrap();
             assert_eq!(none.files, 0, "nothing more once forgotten");
             fs::rename(&pages, src.join("criu/data.pages")).unwrap();
             sender.send_in_parts("criu/data.pages", part);
@@ -1616,7 +1658,14 @@ fn parts_of_a_growing_file_need_the_first_part_before_them() {
     let (mut a, mut sender, receiver) = sender_to(&dest);
     sender.send_ahead(&mut a, &src).unwrap();
     let e = sender
-        .send_growing(&mut a, &src, ("pages-1.img", "data"), CHUNK_BYTES as u64, 8)
+        .send_growing(
+            &mut a,
+            &src,
+            ("pages-1.img", "data"),
+            None,
+            CHUNK_BYTES as u64,
+            8,
+        )
         .unwrap_err()
         .to_string();
     assert!(e.contains("first part"), "{e}");
