@@ -25,6 +25,7 @@ bars_out=dump-pages-f8.jsonl
 
 if [ -x .gpu/dump-pages ]; then
     echo "== probe, $(left) s left"
+    source scripts/gpu-criu.sh
     probe="$out/dump-pages-probe.txt"
     python3 - "$res/ready" <<'EOF' &
 import os, sys, time

@@ -349,12 +349,16 @@ pub enum PagesBy {
     Possum,
 }
 
-/// The relay of a dump's pages ([`PagesBy::Relay`]): a pipe for each process of the tree and one
-/// more (CRIU numbers its pages files as it opens them; a memfd's or shared memory's come past
-/// the processes' and are CRIU's own where no pipe is left), or `None` where it cannot be made
-/// (CRIU then writes the pages itself, as it would without it).
+/// Pipes made for a dump's pages files beyond one per process: CRIU numbers its pages files as it
+/// opens them, each memfd's before its process's, the tree's shared memory after (a PyTorch
+/// job's process has several). A file past the pipes is CRIU's own, written as usual.
+const RELAY_SPARE_FILES: usize = 32;
+
+/// The relay of a dump's pages ([`PagesBy::Relay`]), or `None` where it cannot be made (CRIU
+/// then writes the pages itself, as it would without it).
 fn start_relay(opts: &DumpOptions) -> Option<relay::Relay> {
-    let files = u32::try_from(process::tree_of(opts.pid).len() + 1).unwrap_or(u32::MAX);
+    let files = process::tree_of(opts.pid).len() + RELAY_SPARE_FILES;
+    let files = u32::try_from(files).unwrap_or(u32::MAX);
     let capacity = process::tree_resident_bytes(opts.pid);
     let workers = hostmem::default_threads();
     let watch = opts.relay_watch.clone();

@@ -42,6 +42,8 @@ use crate::mapped::SharedFill;
 const PIPE_WANT: usize = 8 << 20;
 /// How far ahead of the bytes a file is allocated.
 const WINDOW: u64 = 64 << 20;
+/// What a pages file is allocated when made.
+const PAGE: libc::off_t = 4096;
 /// How long [`Relay::finish`] waits for the copies once CRIU closed its files.
 const FINISH_WAIT: Duration = Duration::from_secs(60);
 
@@ -369,8 +371,11 @@ impl Slot {
             }),
             failed: None,
         };
-        // The first window now: a filesystem that cannot allocate ahead fails the start.
-        slot.allocate(1)?;
+        // A filesystem that cannot allocate ahead fails the start (its first page only: the
+        // start is in the dump, and most pipes are never opened).
+        fallocate(slot.file.as_raw_fd(), FallocateFlags::empty(), 0, PAGE)
+            .map_err(|e| err("allocating a pages file", &slot.temp)(e.into()))?;
+        slot.allocated = PAGE as u64;
         Ok(slot)
     }
 
