@@ -386,16 +386,27 @@ impl Slot {
         if end <= self.allocated {
             return Ok(());
         }
-        let to = end.next_multiple_of(WINDOW);
         let fd = self.file.as_raw_fd();
-        let len = (to - self.allocated) as libc::off_t;
-        fallocate(
+        let at = self.allocated as libc::off_t;
+        // (Past its first page, a file is allocated once CRIU opened it: named as the pages file.)
+        let full = |e: Errno| err("allocating a pages file", &self.path)(e.into());
+        // A window where there is room for one, else only what the bytes need.
+        let window = end.next_multiple_of(WINDOW);
+        let to = match fallocate(
             fd,
             FallocateFlags::empty(),
-            self.allocated as libc::off_t,
-            len,
-        )
-        .map_err(|e| err("allocating a pages file", &self.temp)(e.into()))?;
+            at,
+            (window - self.allocated) as _,
+        ) {
+            Ok(()) => window,
+            Err(Errno::ENOSPC) => {
+                let to = end.next_multiple_of(PAGE as u64);
+                fallocate(fd, FallocateFlags::empty(), at, (to - self.allocated) as _)
+                    .map_err(full)?;
+                to
+            }
+            Err(e) => return Err(full(e)),
+        };
         self.allocated = to;
         if to > self.map.len() {
             let cap = to.max(self.map.len() * 2);

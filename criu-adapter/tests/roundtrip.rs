@@ -274,6 +274,67 @@ fn a_dump_whose_pages_possum_relays_equals_criu_s_own() {
     );
 }
 
+/// A relayed dump whose images' filesystem is too small for the pages fails with the relay's
+/// error, naming the pages file; CRIU is not left blocked on its pipe, the process runs on to
+/// an uninterrupted run's result, and no pipe is left where the images were.
+#[test]
+fn a_relayed_dump_on_a_full_filesystem_fails_and_the_process_runs_on() {
+    let test = "a_relayed_dump_on_a_full_filesystem_fails_and_the_process_runs_on";
+    let Some((_serial, criu)) = serial_criu(test) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let small = tmp.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    // 2 MiB: CRIU's other images fit, the testee's 6 MiB of pages do not.
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2m", "possum-test-small"])
+        .arg(&small)
+        .status();
+    if !mounted.is_ok_and(|s| s.success()) {
+        say(&format!("{test}: SKIPPED (no tmpfs could be mounted here)"));
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let _unmount = Unmount(small.clone());
+    let mut reference = start_testee(tmp.path(), "reference");
+    let mut testee = start_testee(tmp.path(), "d");
+    wait_for_file(&testee.ready, TIMEOUT);
+    let images = small.join("images");
+    let failed = criu
+        .dump(&DumpOptions {
+            leave_running: true,
+            pages: possum_criu::PagesBy::Relay,
+            ..DumpOptions::new(testee.pid, &images)
+        })
+        .unwrap_err();
+    let text = failed.to_string();
+    assert!(
+        matches!(failed, possum_criu::CriuError::PagesRelay { .. }),
+        "{text}"
+    );
+    assert!(text.contains("pages-1.img"), "{text}");
+    use std::os::unix::fs::FileTypeExt;
+    for entry in std::fs::read_dir(&images).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        assert!(!entry.file_type().unwrap().is_fifo(), "{name}: a pipe left");
+    }
+    let status = testee.child.wait().unwrap();
+    assert!(status.success(), "testee: {status}");
+    let status = reference.child.wait().unwrap();
+    assert!(status.success(), "reference testee: {status}");
+    assert_eq!(
+        std::fs::read_to_string(&testee.out).unwrap(),
+        std::fs::read_to_string(&reference.out).unwrap()
+    );
+    say(&format!("{test}: {text}"));
+}
+
 fn dump_equals_criu_s_own(test: &str, pages: possum_criu::PagesBy) {
     let Some((_serial, criu)) = serial_criu(test) else {
         return;
