@@ -4,7 +4,7 @@
 # `bash scripts/gpu-ckpt.sh --stage`.
 #   bash scripts/gpu-hostmem.sh        (~1.5 min)
 #       eval/hostmem.py: the job of the migration figures (8 GiB of fp16 weights read every step,
-#       64 MiB of state) under `possum run` and bare, and GPT-2 generation under `possum run`:
+#       64 MiB of state) under `possum run` and bare, and GPT-2 training under `possum run`:
 #       private dirty and anonymous kB of each mapping summed by what backs it, and what glibc's
 #       malloc_trim(0) gives back and takes. -> $OUT/hostmem-*.json
 # Without a GPU it says SKIPPED and exits 0.

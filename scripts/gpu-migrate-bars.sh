@@ -10,13 +10,15 @@
 #   2. The `--engine driver` route, in the same call, for f8 (BARS_DRIVER: more rows, as
 #      "8 64 f8-driver,0 8192 t8-driver"): the jobs run `possum run --no-keeper` (the driver
 #      cannot restore a process holding a keeper's memory), migrated with `--engine driver`.
-#   3. GPT-2 generation alone (BARS_ALONE: the jobs, empty for none), migrated without and
+#   3. GPT-2 generation alone (BARS_ALONE: the jobs, `gpt2gen`; empty for none), migrated without and
 #      with `--post-copy` (BARS_ALONE_TRIALS, 1,1), one at a time: its bar's figures, apart
 #      from the trials' load; once for each writer of the job's pages in CRIU's images named
-#      in BARS_ALONE_PAGES (`POSSUM_DUMP_PAGES`; default "criu"; "criu possum": an A/B).
+#      in BARS_ALONE_PAGES (`POSSUM_DUMP_PAGES`; "default": possum's choice; "criu relay": an
+#      A/B).
 #   4. Random migrations, bit-exact against a run without possum: BARS_TRIALS (10,10) trials of
-#      BARS_JOBS (the MLP and GPT-2 generation, taking turns) without and with `--post-copy`,
-#      BARS_PARALLEL (5) at once (BARS_JOBS=gpt2 BARS_PARALLEL=1: GPT-2 generation's bar, alone)
+#      BARS_JOBS (the MLP and GPT-2 generation, `mlp,gpt2gen`, taking turns) without and with
+#      `--post-copy`, BARS_PARALLEL (5) at once (BARS_JOBS=gpt2gen BARS_PARALLEL=1: GPT-2
+#      generation's bar, alone; `gpt2` is GPT-2 training)
 #      (`gpu-ckpt.sh correctness`), within what is left less 60 s (and the transport's 70 or 90 s).
 #   5. If .gpu/wire-bench is there (the trials leave it 70 s): the authenticated transport,
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
@@ -34,8 +36,8 @@ spec_bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
 spec_bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flags=--no-keeper" \
     SPEC_MIGRATE_FLAGS="--engine driver"
 
-alone=${BARS_ALONE-gpt2}
-for pages in ${BARS_ALONE_PAGES-criu}; do
+alone=${BARS_ALONE-gpt2gen}
+for pages in ${BARS_ALONE_PAGES-default}; do
     [ -n "$alone" ] && [ "$(left)" -gt 300 ] || break
     echo "== alone ($alone, pages by $pages), $(left) s left"
     POSSUM_DUMP_PAGES=$pages migrations "alone-$pages" 150 "$alone" "${BARS_ALONE_TRIALS:-1,1}" 1 \
@@ -47,7 +49,7 @@ done
 echo "== trials, $(left) s left"
 wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
 if [ "$(left)" -gt $(( 120 + wire )) ]; then
-    migrations trials $(( $(left) - 60 - wire )) "${BARS_JOBS:-mlp,gpt2}" "${BARS_TRIALS:-10,10}" \
+    migrations trials $(( $(left) - 60 - wire )) "${BARS_JOBS:-mlp,gpt2gen}" "${BARS_TRIALS:-10,10}" \
         "${BARS_PARALLEL:-5}" "${BARS_SEED:-91}"
     cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
     cp "$res/trials/correctness.md" "$out/bars-trials.md" 2>/dev/null

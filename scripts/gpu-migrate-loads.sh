@@ -6,7 +6,7 @@
 #      `partial` (the default: a stage built on another taking the chunks of a buffer that one
 #      was still loading, POSSUM_KEEPER_STAGE_PARTIAL) or `rewritten` (the keeper told which
 #      bytes each part sent ahead brought again, POSSUM_MIGRATE_LOAD_REWRITTEN);
-#   2. GPT-2 generation migrated at the same random step with POSSUM_MIGRATE_LOAD_REWRITTEN
+#   2. GPT-2 training migrated at the same random step with POSSUM_MIGRATE_LOAD_REWRITTEN
 #      at 0 and 1, one pair per seed of LOADS_GPT2_SEEDS (none by default; "61 62" for two)
 #      (`scripts/gpu-ckpt.sh correctness --trials 1`, images on a huge-page tmpfs);
 #   3. if 150 s are left: 32 GiB of frozen weights, its first round sent once copied (the
@@ -28,7 +28,7 @@ OUT=$scratch/t8 SPEC_HUGE=1 SPEC_BARS="0 8192 t8" SPEC_SLICE_RUNS=${SPEC_SLICE_R
 cat "$scratch/t8/speculation-bars.jsonl" >> "$out/loads-bars.jsonl" 2>/dev/null
 free_huge_images
 
-echo "== 2. GPT-2 generation, $(left) s left"
+echo "== 2. GPT-2 training, $(left) s left"
 for seed in ${LOADS_GPT2_SEEDS:-}; do
     for v in 0 1; do
         [ "$(left)" -gt 90 ] || break 2

@@ -371,6 +371,21 @@ fn start_relay(opts: &DumpOptions) -> Option<relay::Relay> {
     }
 }
 
+impl PagesBy {
+    /// The fewest threads the relay copies on by default: with fewer, its copies compete with
+    /// CRIU's own thread, and CRIU's write was measured shorter (2 cores).
+    pub const RELAY_MIN_THREADS: usize = 4;
+
+    /// possum's choice for a dump whose pages may be copied on `threads` threads: the relay
+    /// with [`PagesBy::RELAY_MIN_THREADS`] or more, else CRIU's own write.
+    pub fn for_threads(threads: usize) -> PagesBy {
+        match threads >= PagesBy::RELAY_MIN_THREADS {
+            true => PagesBy::Relay,
+            false => PagesBy::Criu,
+        }
+    }
+}
+
 /// What to restore and how.
 #[derive(Debug, Clone)]
 pub struct RestoreOptions {

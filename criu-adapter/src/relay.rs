@@ -83,7 +83,9 @@ impl RelayWatch {
 
     /// The first pages file CRIU opened once the image `pagemap` (`pagemap-PID.img`) was there:
     /// the process's (CRIU makes a process's pagemap just before its pages file; a memfd's
-    /// pages come before, the tree's shared memory after).
+    /// pages come before, the tree's shared memory after). Opened as the relay saw it: a
+    /// memfd's file it saw only once the pagemap was made would be taken, which costs a reader
+    /// bytes sent for nothing, never a wrong image.
     pub fn opened_after(&self, pagemap: &str) -> Option<String> {
         let files = self.files.lock().unwrap_or_else(|p| p.into_inner());
         (files.iter())
@@ -716,5 +718,111 @@ impl Splicer {
             }
             slot.publish();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(w: &RelayWatch, name: &str) -> bool {
+        let files = w.files.lock().unwrap();
+        (files.iter()).any(|f| f.name == name && f.opened.get().is_some())
+    }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + i / 4093) as u8).collect()
+    }
+
+    /// What a writer puts into one of the pipes, in pieces of uneven sizes, lands in that file
+    /// whole and in order, copied by several workers; the file takes the pipe's name, the pipes
+    /// nobody opened are gone, and a watch named the file the first opened after its pagemap.
+    #[test]
+    fn what_is_written_into_a_pipe_lands_in_its_file_and_unopened_pipes_go() {
+        let d = tempfile::tempdir().unwrap();
+        // A memfd's pages file, written before the process's pagemap.
+        let watch = Arc::new(RelayWatch::default());
+        let relay = Relay::start(d.path(), 3, 4, 1 << 20, Some(watch.clone())).unwrap();
+        for n in 1..=3 {
+            let m = fs::symlink_metadata(d.path().join(format!("pages-{n}.img"))).unwrap();
+            assert!(
+                m.file_type().is_fifo(),
+                "pages-{n}.img: a pipe before the dump"
+            );
+        }
+        let memfd = pattern(3000);
+        let data = pattern(9 << 20);
+        let dir = d.path().to_path_buf();
+        let (a, b, w) = (memfd.clone(), data.clone(), watch.clone());
+        let writer = std::thread::spawn(move || {
+            let mut f = File::options()
+                .write(true)
+                .open(dir.join("pages-1.img"))
+                .unwrap();
+            f.write_all(&a).unwrap();
+            drop(f);
+            // (CRIU makes the pagemap long after the relay saw a memfd's file opened; here, once
+            // it did.)
+            while !seen(&w, "pages-1.img") {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            fs::write(dir.join("pagemap-7.img"), b"").unwrap();
+            let mut f = File::options()
+                .write(true)
+                .open(dir.join("pages-2.img"))
+                .unwrap();
+            let mut at = 0;
+            for step in [1, 4096, 100_000, 3 << 20, 17].iter().cycle() {
+                if at == b.len() {
+                    break;
+                }
+                let end = (at + step).min(b.len());
+                f.write_all(&b[at..end]).unwrap();
+                at = end;
+            }
+        });
+        writer.join().unwrap();
+        assert_eq!(
+            watch.opened_after("pagemap-7.img").as_deref(),
+            Some("pages-2.img")
+        );
+        let report = relay.finish().unwrap();
+        let mut files = report.files.clone();
+        files.sort();
+        assert_eq!(
+            files,
+            [
+                ("pages-1.img".to_string(), memfd.len() as u64),
+                ("pages-2.img".to_string(), data.len() as u64)
+            ]
+        );
+        assert_eq!(report.workers, 4);
+        assert_eq!(fs::read(d.path().join("pages-1.img")).unwrap(), memfd);
+        assert_eq!(fs::read(d.path().join("pages-2.img")).unwrap(), data);
+        assert_eq!(
+            watch.whole("pages-2.img"),
+            None,
+            "done: its size is its length"
+        );
+        let mut names: Vec<String> = (fs::read_dir(d.path()).unwrap().flatten())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["pagemap-7.img", "pages-1.img", "pages-2.img"]);
+    }
+
+    /// A relay dropped unfinished (a dump that failed) leaves nothing of its own behind.
+    #[test]
+    fn a_relay_dropped_unfinished_leaves_nothing() {
+        let d = tempfile::tempdir().unwrap();
+        let relay = Relay::start(d.path(), 2, 2, 1 << 20, None).unwrap();
+        let mut f = File::options()
+            .write(true)
+            .open(d.path().join("pages-1.img"))
+            .unwrap();
+        f.write_all(&pattern(1 << 20)).unwrap();
+        drop(f);
+        drop(relay);
+        assert_eq!(fs::read_dir(d.path()).unwrap().count(), 0);
     }
 }

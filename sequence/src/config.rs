@@ -80,9 +80,10 @@ pub struct Environment {
     pub restore_stage: bool,
     /// `POSSUM_CRIU_LOG_LEVEL` (1 errors .. 4 everything), for a diagnosis.
     pub criu_log_level: Option<LogLevel>,
-    /// `POSSUM_DUMP_PAGES` (`criu` by default, or `possum`): who writes the job's private
-    /// memory into CRIU's images (CRIU as it dumps, from one thread; or possum, from several,
-    /// after CRIU's lazy dump left it in the frozen job: decision 44 says why not by default).
+    /// `POSSUM_DUMP_PAGES` (`relay`, `criu` or `possum`): who writes the job's private memory
+    /// into CRIU's images: CRIU into pipes, possum's threads copying into the files (the
+    /// default where possum has 4 or more threads for it, decision 45); CRIU from its one thread
+    /// (the default with fewer); or possum after CRIU's lazy dump (decision 44).
     pub dump_pages: PagesBy,
     /// `POSSUM_NVIDIA_SMI`, else `nvidia-smi` on PATH.
     pub nvidia_smi: String,
@@ -177,7 +178,8 @@ impl Environment {
             dump_pages: match var("POSSUM_DUMP_PAGES").as_deref().map(str::trim) {
                 Some("possum") => PagesBy::Possum,
                 Some("relay") => PagesBy::Relay,
-                _ => PagesBy::Criu,
+                Some("criu") => PagesBy::Criu,
+                _ => PagesBy::for_threads(possum_criu::hostmem::default_threads()),
             },
             nvidia_smi: var("POSSUM_NVIDIA_SMI").unwrap_or_else(|| "nvidia-smi".into()),
             libcuda: var(possum_cuda::checkpoint::LIBCUDA_ENV)
@@ -246,7 +248,10 @@ mod tests {
         assert_eq!(none.hostmem_part_bytes, 64 << 20);
         let part = Environment::from_vars(|n| (n == "POSSUM_MIGRATE_PART_MIB").then(|| "2".into()));
         assert_eq!(part.hostmem_part_bytes, 2 << 20);
-        assert_eq!(none.dump_pages, PagesBy::Criu);
+        let threads = possum_criu::hostmem::default_threads();
+        assert_eq!(none.dump_pages, PagesBy::for_threads(threads));
+        assert_eq!(PagesBy::for_threads(16), PagesBy::Relay);
+        assert_eq!(PagesBy::for_threads(2), PagesBy::Criu);
         let by = |v: &str| Environment::from_vars(|n| (n == "POSSUM_DUMP_PAGES").then(|| v.into()));
         assert_eq!(by("possum").dump_pages, PagesBy::Possum);
         assert_eq!(by("relay").dump_pages, PagesBy::Relay);
