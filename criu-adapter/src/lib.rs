@@ -349,6 +349,17 @@ pub enum PagesBy {
     Possum,
 }
 
+/// Keeps `r` (what possum did to a dump's pages at its `post-dump`) in `slot`, telling `told`
+/// of a success; whether it succeeded.
+fn kept<T, E>(slot: &mut Option<Result<T, E>>, r: Result<T, E>, told: impl FnOnce(&T)) -> bool {
+    if let Ok(t) = &r {
+        told(t);
+    }
+    let ok = r.is_ok();
+    *slot = Some(r);
+    ok
+}
+
 /// Pipes made for a dump's pages files beyond one per process: CRIU numbers its pages files as it
 /// opens them, each memfd's before its process's, the tree's shared memory after (a PyTorch
 /// job's process has several). A file past the pipes is CRIU's own, written as usual.
@@ -467,7 +478,7 @@ pub struct DumpReport {
     pub pages_relayed: Option<relay::RelayReport>,
     /// When CRIU's `post-dump` notification came, from the call's start (the tree frozen and
     /// its images written, but for the pages possum reads then): where the notification was
-    /// asked for ([`DumpOptions::leave_stopped`], [`PagesBy::Possum`]).
+    /// asked for ([`DumpOptions::leave_stopped`], [`PagesBy::Possum`], [`PagesBy::Relay`]).
     pub post_dump_at: Option<Duration>,
 }
 
@@ -701,30 +712,25 @@ impl Criu {
                 return true;
             }
             post_dump_at = Some(start.elapsed());
+            // (A failure answered so: CRIU then lets the tree run on and fails the dump.)
             if let Some(r) = relay.take() {
                 // Every pages file CRIU opened is closed: the copies end with its pipes.
-                let r = r.finish();
-                if let Ok(r) = &r {
+                let told = |r: &relay::RelayReport| {
                     let (bytes, time) = (r.bytes(), r.time);
                     tracing::info!(pid = opts.pid, bytes, ?time, "the dump's pages relayed");
-                }
-                let ok = r.is_ok();
-                relayed = Some(r);
-                if !ok {
+                };
+                if !kept(&mut relayed, r.finish(), told) {
                     return false;
                 }
             }
             if server.is_some() {
                 let threads = hostmem::default_threads();
                 let r = hostmem::lazy::complete(&opts.images_dir, opts.pid, threads);
-                if let Ok(r) = &r {
+                let told = |r: &hostmem::lazy::LazyReport| {
                     let (bytes, time) = (r.bytes(), r.time);
                     tracing::info!(pid = opts.pid, bytes, ?time, "the lazy dump's pages read");
-                }
-                let ok = r.is_ok();
-                read = Some(r);
-                if !ok {
-                    // CRIU then lets the tree run on and fails the dump.
+                };
+                if !kept(&mut read, r, told) {
                     return false;
                 }
             }
