@@ -175,6 +175,10 @@ impl Relay {
             finished: false,
         };
         let capacity = capacity.max(WINDOW).next_multiple_of(WINDOW);
+        if let Some(w) = &watch {
+            // A dump run again: its files are this relay's, not the last one's.
+            w.files.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
         let mut slots = Vec::new();
         for n in 1..=files {
             let name = format!("pages-{n}.img");
@@ -809,6 +813,24 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["pagemap-7.img", "pages-1.img", "pages-2.img"]);
+    }
+
+    /// A dump run again: the watch tells of the new relay's files only.
+    #[test]
+    fn a_watch_tells_of_the_last_relay_only() {
+        let d = tempfile::tempdir().unwrap();
+        let watch = Arc::new(RelayWatch::default());
+        let first = Relay::start(d.path(), 1, 1, 1 << 20, Some(watch.clone())).unwrap();
+        let told = watch.files.lock().unwrap()[0].clone();
+        told.whole.store(5 << 20, Ordering::Release);
+        drop(first);
+        assert_eq!(watch.whole("pages-1.img"), Some(5 << 20));
+        let _again = Relay::start(d.path(), 1, 1, 1 << 20, Some(watch.clone())).unwrap();
+        assert_eq!(
+            watch.whole("pages-1.img"),
+            Some(0),
+            "the new file, nothing whole yet"
+        );
     }
 
     /// A relay dropped unfinished (a dump that failed) leaves nothing of its own behind.
