@@ -349,6 +349,128 @@ pub enum PagesBy {
     Possum,
 }
 
+/// CRIU's options for a dump of `opts` into the images directory `images_fd`; with a lazy
+/// dump's page `server`, and notifications where possum acts at `post-dump` (`relaying`).
+fn dump_rpc_opts(
+    opts: &DumpOptions,
+    images_fd: std::os::fd::RawFd,
+    server: Option<&PageServer>,
+    relaying: bool,
+) -> CriuOpts {
+    CriuOpts {
+        images_dir_fd: images_fd,
+        pid: Some(opts.pid),
+        leave_running: Some(opts.leave_running),
+        shell_job: Some(opts.shell_job),
+        tcp_established: Some(opts.tcp_established),
+        tcp_skip_in_flight: opts.tcp_skip_in_flight.then_some(true),
+        network_lock: opts.network_lock.map(|m| m as i32),
+        ext_unix_sk: Some(opts.ext_unix_sk),
+        file_locks: Some(opts.file_locks),
+        link_remap: Some(opts.link_remap),
+        external: opts.external.clone(),
+        timeout: opts
+            .freeze_timeout
+            .map(|t| u32::try_from(t.as_secs().max(1)).unwrap_or(u32::MAX)),
+        log_file: Some(opts.log_file.clone()),
+        log_level: Some(opts.log_level as i32),
+        // The `post-dump` notification comes with the tree still frozen.
+        notify_scripts: (opts.leave_stopped || server.is_some() || relaying).then_some(true),
+        lazy_pages: server.is_some().then_some(true),
+        config_file: server.map(PageServer::config_path),
+        ..Default::default()
+    }
+}
+
+/// What possum does at a dump's `post-dump` notification (the tree still frozen): completes the
+/// pages it writes (the relay's copies, a lazy dump's read), then stops the tree if asked.
+struct PostDump<'o> {
+    opts: &'o DumpOptions,
+    start: Instant,
+    relay: Option<relay::Relay>,
+    /// A lazy dump: possum reads the pages it left.
+    lazy: bool,
+    done: PostDumpDone,
+}
+
+/// What [`PostDump`] did.
+#[derive(Default)]
+struct PostDumpDone {
+    stopped: bool,
+    read: Option<Result<hostmem::lazy::LazyReport, hostmem::HostMemError>>,
+    relayed: Option<Result<relay::RelayReport, relay::RelayError>>,
+    post_dump_at: Option<Duration>,
+}
+
+impl PostDump<'_> {
+    /// CRIU's notification `n`; `false` fails the dump (CRIU then lets the tree run on).
+    fn notify(&mut self, n: &rpc::Notify) -> bool {
+        if n.script.as_deref() != Some("post-dump") {
+            return true;
+        }
+        let (opts, done) = (self.opts, &mut self.done);
+        done.post_dump_at = Some(self.start.elapsed());
+        if let Some(r) = self.relay.take() {
+            // Every pages file CRIU opened is closed: the copies end with its pipes.
+            let told = |r: &relay::RelayReport| {
+                let (bytes, time) = (r.bytes(), r.time);
+                tracing::info!(pid = opts.pid, bytes, ?time, "the dump's pages relayed");
+            };
+            if !kept(&mut done.relayed, r.finish(), told) {
+                return false;
+            }
+        }
+        if self.lazy {
+            let threads = hostmem::default_threads();
+            let r = hostmem::lazy::complete(&opts.images_dir, opts.pid, threads);
+            let told = |r: &hostmem::lazy::LazyReport| {
+                let (bytes, time) = (r.bytes(), r.time);
+                tracing::info!(pid = opts.pid, bytes, ?time, "the lazy dump's pages read");
+            };
+            if !kept(&mut done.read, r, told) {
+                return false;
+            }
+        }
+        if opts.leave_stopped {
+            process::stop_tree(opts.pid);
+            done.stopped = true;
+        }
+        true
+    }
+
+    /// What it did, once the dump's call is over (`called_ok`): an error where the pages it
+    /// writes failed, or never came to be written (no notification).
+    fn outcome(self, relaying: bool, called_ok: bool) -> Result<PostDumpOutcome, CriuError> {
+        let images_dir = self.opts.images_dir.clone();
+        let done = self.done;
+        let unwritten = called_ok
+            && ((relaying && done.relayed.is_none()) || (self.lazy && done.read.is_none()));
+        if unwritten {
+            return Err(CriuError::LazyPagesUnread { images_dir });
+        }
+        let relayed = (done.relayed.transpose()).map_err(|source| CriuError::PagesRelay {
+            images_dir: images_dir.clone(),
+            source,
+        })?;
+        let read = (done.read.transpose())
+            .map_err(|source| CriuError::LazyPages { images_dir, source })?;
+        Ok(PostDumpOutcome {
+            stopped: done.stopped,
+            read,
+            relayed,
+            post_dump_at: done.post_dump_at,
+        })
+    }
+}
+
+/// [`PostDump`]'s outcome, its pages written.
+struct PostDumpOutcome {
+    stopped: bool,
+    read: Option<hostmem::lazy::LazyReport>,
+    relayed: Option<relay::RelayReport>,
+    post_dump_at: Option<Duration>,
+}
+
 /// Keeps `r` (what possum did to a dump's pages at its `post-dump`) in `slot`, telling `told`
 /// of a success; whether it succeeded.
 fn kept<T, E>(slot: &mut Option<Result<T, E>>, r: Result<T, E>, told: impl FnOnce(&T)) -> bool {
@@ -675,70 +797,18 @@ impl Criu {
             PagesBy::Possum => Some(PageServer::new()?),
             PagesBy::Criu | PagesBy::Relay => None,
         };
-        let mut relay = match opts.pages {
+        let relay = match opts.pages {
             PagesBy::Relay => start_relay(opts),
             PagesBy::Criu | PagesBy::Possum => None,
         };
         let relaying = relay.is_some();
-        let rpc_opts = CriuOpts {
-            images_dir_fd: images.as_raw_fd(),
-            pid: Some(opts.pid),
-            leave_running: Some(opts.leave_running),
-            shell_job: Some(opts.shell_job),
-            tcp_established: Some(opts.tcp_established),
-            tcp_skip_in_flight: opts.tcp_skip_in_flight.then_some(true),
-            network_lock: opts.network_lock.map(|m| m as i32),
-            ext_unix_sk: Some(opts.ext_unix_sk),
-            file_locks: Some(opts.file_locks),
-            link_remap: Some(opts.link_remap),
-            external: opts.external.clone(),
-            timeout: opts
-                .freeze_timeout
-                .map(|t| u32::try_from(t.as_secs().max(1)).unwrap_or(u32::MAX)),
-            log_file: Some(opts.log_file.clone()),
-            log_level: Some(opts.log_level as i32),
-            // The `post-dump` notification comes with the tree still frozen.
-            notify_scripts: (opts.leave_stopped || server.is_some() || relaying).then_some(true),
-            lazy_pages: server.is_some().then_some(true),
-            config_file: server.as_ref().map(PageServer::config_path),
-            ..Default::default()
-        };
-        let mut stopped = false;
-        let mut read = None;
-        let mut relayed = None;
-        let mut post_dump_at = None;
-        let mut post_dump = |n: &rpc::Notify| {
-            if n.script.as_deref() != Some("post-dump") {
-                return true;
-            }
-            post_dump_at = Some(start.elapsed());
-            // (A failure answered so: CRIU then lets the tree run on and fails the dump.)
-            if let Some(r) = relay.take() {
-                // Every pages file CRIU opened is closed: the copies end with its pipes.
-                let told = |r: &relay::RelayReport| {
-                    let (bytes, time) = (r.bytes(), r.time);
-                    tracing::info!(pid = opts.pid, bytes, ?time, "the dump's pages relayed");
-                };
-                if !kept(&mut relayed, r.finish(), told) {
-                    return false;
-                }
-            }
-            if server.is_some() {
-                let threads = hostmem::default_threads();
-                let r = hostmem::lazy::complete(&opts.images_dir, opts.pid, threads);
-                let told = |r: &hostmem::lazy::LazyReport| {
-                    let (bytes, time) = (r.bytes(), r.time);
-                    tracing::info!(pid = opts.pid, bytes, ?time, "the lazy dump's pages read");
-                };
-                if !kept(&mut read, r, told) {
-                    return false;
-                }
-            }
-            if opts.leave_stopped {
-                process::stop_tree(opts.pid);
-                stopped = true;
-            }
-            true
+        let rpc_opts = dump_rpc_opts(opts, images.as_raw_fd(), server.as_ref(), relaying);
+        let mut post = PostDump {
+            opts,
+            start,
+            relay,
+            lazy: server.is_some(),
+            done: PostDumpDone::default(),
         };
         let inherit = server.as_ref().map(PageServer::inherit);
         let called = self.call_inheriting(
@@ -751,40 +821,11 @@ impl Criu {
                 images_dir: Some(&opts.images_dir),
                 adopted: &[],
                 on_owner_death: OwnerDeath::Finish,
-                on_notify: Some(&mut post_dump),
+                on_notify: Some(&mut |n: &rpc::Notify| post.notify(n)),
             },
         );
         drop(server);
-        let pages_relayed = match relayed {
-            Some(Err(source)) => {
-                return Err(CriuError::PagesRelay {
-                    images_dir: opts.images_dir.clone(),
-                    source,
-                })
-            }
-            None if relaying && called.is_ok() => {
-                return Err(CriuError::LazyPagesUnread {
-                    images_dir: opts.images_dir.clone(),
-                })
-            }
-            Some(Ok(r)) => Some(r),
-            None => None,
-        };
-        let pages_read = match read {
-            Some(Err(source)) => {
-                return Err(CriuError::LazyPages {
-                    images_dir: opts.images_dir.clone(),
-                    source,
-                })
-            }
-            None if opts.pages == PagesBy::Possum && called.is_ok() => {
-                return Err(CriuError::LazyPagesUnread {
-                    images_dir: opts.images_dir.clone(),
-                })
-            }
-            Some(Ok(r)) => Some(r),
-            None => None,
-        };
+        let done = post.outcome(relaying, called.is_ok())?;
         called?;
         drop(images);
         let time = start.elapsed();
@@ -795,11 +836,11 @@ impl Criu {
             log,
             time,
             image_bytes,
-            stopped,
+            stopped: done.stopped,
             stats: read_stats(stats::dump_stats(&opts.images_dir)),
-            pages_read,
-            pages_relayed,
-            post_dump_at,
+            pages_read: done.read,
+            pages_relayed: done.relayed,
+            post_dump_at: done.post_dump_at,
         })
     }
 
