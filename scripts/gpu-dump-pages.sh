@@ -27,13 +27,7 @@ if [ -x .gpu/dump-pages ]; then
     echo "== probe, $(left) s left"
     source scripts/gpu-criu.sh
     probe="$out/dump-pages-probe.txt"
-    python3 - "$res/ready" <<'EOF' &
-import os, sys, time
-pieces = [bytearray(os.urandom(1 << 20)) * 64 for _ in range(1300 // 64)]
-open(sys.argv[1], "w").write(str(os.getpid()))
-while True:
-    time.sleep(0.05)
-EOF
+    python3 eval/probes/hold_memory.py "$res/ready" 1300 &
     job=$!
     for _ in $(seq 600); do [ -s "$res/ready" ] && break; sleep 0.1; done
     huge=/tmp/possum-probe-huge; mount_huge "$huge" 16g

@@ -19,7 +19,7 @@
 //! is never left blocked, and the dump fails. Dropped unfinished (a failed dump), the relay
 //! removes its pipes and files.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, PipeReader, PipeWriter, Read, Write};
 use std::os::fd::{AsFd, AsRawFd};
@@ -138,7 +138,8 @@ impl RelayReport {
 #[derive(Debug)]
 pub struct Relay {
     dir: PathBuf,
-    names: Vec<String>,
+    /// Its pipes: `pages-1.img` to `pages-{files}.img`.
+    files: u32,
     stopping: Arc<AtomicBool>,
     wake: Arc<PipeWriter>,
     splicer: Option<JoinHandle<Result<RelayReport, RelayError>>>,
@@ -168,7 +169,7 @@ impl Relay {
         }
         let mut relay = Relay {
             dir: dir.to_path_buf(),
-            names: Vec::new(),
+            files: 0,
             stopping: Arc::new(AtomicBool::new(false)),
             wake: Arc::new(wake_tx),
             splicer: None,
@@ -181,9 +182,9 @@ impl Relay {
         }
         let mut slots = Vec::new();
         for n in 1..=files {
-            let name = format!("pages-{n}.img");
-            relay.names.push(name.clone());
-            let slot = Slot::make(dir, name, capacity)?;
+            // (Counted before it is made: a failed start removes what it made so far.)
+            relay.files = n;
+            let slot = Slot::make(dir, pages_name(n), capacity)?;
             if let Some(w) = &watch {
                 w.add(slot.told.clone());
             }
@@ -250,14 +251,18 @@ impl Relay {
         let _ = (&*self.wake).write(&[1]);
     }
 
+    fn names(&self) -> impl Iterator<Item = String> {
+        (1..=self.files).map(pages_name)
+    }
+
     /// Removes what is still a pipe, and the files not put in place.
     fn remove_pipes(&self) {
-        for name in &self.names {
-            let path = self.dir.join(name);
+        for name in self.names() {
+            let path = self.dir.join(&name);
             if fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_fifo()) {
                 let _ = fs::remove_file(&path);
             }
-            let _ = fs::remove_file(self.dir.join(temp_name(name)));
+            let _ = fs::remove_file(self.dir.join(temp_name(&name)));
         }
     }
 }
@@ -273,10 +278,14 @@ impl Drop for Relay {
             let _ = splicer.join();
         }
         self.remove_pipes();
-        for name in &self.names {
+        for name in self.names() {
             let _ = fs::remove_file(self.dir.join(name));
         }
     }
+}
+
+fn pages_name(n: u32) -> String {
+    format!("pages-{n}.img")
 }
 
 fn temp_name(name: &str) -> String {
@@ -285,10 +294,12 @@ fn temp_name(name: &str) -> String {
 
 /// Sets a pipe's capacity to `want` where allowed, else to the system's most; returns it.
 fn widen(pipe: impl AsFd, want: usize) -> usize {
+    static MOST: OnceLock<Option<usize>> = OnceLock::new();
+    let most = *MOST.get_or_init(|| {
+        let s = fs::read_to_string("/proc/sys/fs/pipe-max-size").ok()?;
+        s.trim().parse::<usize>().ok()
+    });
     let fd = pipe.as_fd().as_raw_fd();
-    let most = fs::read_to_string("/proc/sys/fs/pipe-max-size")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok());
     for size in [Some(want), most.filter(|&m| m < want)]
         .into_iter()
         .flatten()
@@ -313,7 +324,6 @@ enum State {
 }
 
 struct Slot {
-    name: String,
     path: PathBuf,
     temp: PathBuf,
     fifo: File,
@@ -324,8 +334,8 @@ struct Slot {
     taken: u64,
     /// Allocated up to here.
     allocated: u64,
-    /// Bytes handed to workers and not yet copied, by offset.
-    flight: BTreeMap<u64, u64>,
+    /// Where the bytes handed to workers and not yet copied begin.
+    flight: BTreeSet<u64>,
     /// What a watch is told.
     told: Arc<Relayed>,
     failed: Option<RelayError>,
@@ -359,7 +369,6 @@ impl Slot {
             .map_err(err("creating a pages file", &temp))?;
         let map = SharedFill::map(&file, capacity).map_err(err("mapping a pages file", &temp))?;
         let mut slot = Slot {
-            name: name.clone(),
             path,
             temp,
             fifo,
@@ -368,9 +377,9 @@ impl Slot {
             state: State::Waiting,
             taken: 0,
             allocated: 0,
-            flight: BTreeMap::new(),
+            flight: BTreeSet::new(),
             told: Arc::new(Relayed {
-                name: name.clone(),
+                name,
                 whole: AtomicU64::new(0),
                 done: AtomicBool::new(false),
                 opened: OnceLock::new(),
@@ -449,7 +458,7 @@ impl Slot {
 
     /// Publishes the bytes written whole.
     fn publish(&self) {
-        let whole = self.flight.keys().next().copied().unwrap_or(self.taken);
+        let whole = self.flight.first().copied().unwrap_or(self.taken);
         self.told.whole.store(whole, Ordering::Release);
     }
 
@@ -506,7 +515,7 @@ impl Worker {
                     if result.is_err() {
                         // What the failed read left is discarded: the pipe starts clean.
                         let mut left = [0u8; 1 << 16];
-                        while rx_has_bytes(&rx) {
+                        while readable(&rx) {
                             if rx.read(&mut left).unwrap_or(0) == 0 {
                                 break;
                             }
@@ -531,8 +540,9 @@ impl Worker {
     }
 }
 
-fn rx_has_bytes(rx: &PipeReader) -> bool {
-    let mut fds = [PollFd::new(rx.as_fd(), PollFlags::POLLIN)];
+/// Whether `fd` has bytes to read, or its writer came and went (a pipe), now.
+fn readable(fd: impl AsFd) -> bool {
+    let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
     poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
 }
 
@@ -566,7 +576,7 @@ impl Splicer {
                 continue;
             }
             match slot.close() {
-                Ok(n) => report.files.push((slot.name.clone(), n)),
+                Ok(n) => report.files.push((slot.told.name.clone(), n)),
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -590,9 +600,7 @@ impl Splicer {
             if stopping {
                 for slot in &mut self.slots {
                     if slot.state == State::Waiting {
-                        let mut fds = [PollFd::new(slot.fifo.as_fd(), PollFlags::POLLIN)];
-                        let ready = poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0);
-                        if ready {
+                        if readable(&slot.fifo) {
                             slot.opened();
                         } else {
                             slot.state = State::Unused;
@@ -624,11 +632,10 @@ impl Splicer {
                         ))
                     }
                 }
-                let ready: Vec<usize> = (listening.iter().zip(&fds))
+                (listening.iter().zip(&fds))
                     .filter(|(_, fd)| fd.any().unwrap_or(false))
                     .map(|(&i, _)| i)
-                    .collect();
-                ready
+                    .collect::<Vec<usize>>()
             };
             let mut drain = [0u8; 64];
             while matches!((&self.wake).read(&mut drain), Ok(n) if n > 0) {}
@@ -668,7 +675,7 @@ impl Splicer {
                     slot.fail(e);
                 }
                 self.idle.pop();
-                slot.flight.insert(at, n as u64);
+                slot.flight.insert(at);
                 let job = Job {
                     slot: i,
                     map: slot.map.clone(),

@@ -25,13 +25,7 @@ out="$res/criu-lazy-dump.txt"
 { echo "criu: $("$criu" --version | head -1); cores: $(nproc); images: $top"; } > "$out"
 
 # The process: PROBE_MIB of random bytes in 64 MiB pieces (as a heap's arenas), then idle.
-python3 - "$top/ready" "${PROBE_MIB:-1300}" <<'EOF' &
-import os, sys, time
-pieces = [bytearray(os.urandom(1 << 20)) * 64 for _ in range(int(sys.argv[2]) // 64)]
-open(sys.argv[1], "w").write(str(os.getpid()))
-while True:
-    time.sleep(0.05)
-EOF
+python3 "$(dirname "$0")/hold_memory.py" "$top/ready" "${PROBE_MIB:-1300}" &
 job=$!
 for _ in $(seq 600); do [ -s "$top/ready" ] && break; sleep 0.1; done
 echo "process $job: $(grep VmRSS /proc/$job/status)" >> "$out"

@@ -189,8 +189,7 @@ pub fn migrate(a: &MigrateArgs) -> Result<bool> {
             sockets,
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),
-            // The pages CRIU relays are sent as they are written.
-            relay_watch: Some(Default::default()),
+            relay_watch: Default::default(),
         },
         to: a.to.clone(),
         key,

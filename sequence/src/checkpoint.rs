@@ -707,7 +707,7 @@ impl<'a> Run<'a> {
             // (Not for the driver engine: the baseline stays plain CRIU.)
             if self.by_possum() {
                 opts.pages = p.env.dump_pages;
-                opts.relay_watch = p.relay_watch.clone();
+                opts.relay_watch = Some(p.relay_watch.clone());
             }
             // A server's listener may hold connections not accepted yet: they stay out of the
             // image (a job left running accepts them after; a restored one has them no more)

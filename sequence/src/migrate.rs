@@ -429,19 +429,13 @@ impl Observer for SendAhead<'_> {
         // draft, not of CRIU's pages file.)
         // (Nor where possum writes the pages file itself, after CRIU's dump, in no order; where
         // it relays CRIU's write, only as the relay tells how far the file is whole.)
-        let watch = self.p.checkpoint.relay_watch.clone();
-        let pages = match env.dump_pages {
-            possum_criu::PagesBy::Criu => Some(None),
-            possum_criu::PagesBy::Relay => watch.map(Some),
-            possum_criu::PagesBy::Possum => None,
-        };
+        use possum_criu::PagesBy;
         let split = env.hostmem_split != crate::config::HostmemSplit::Off && !env.hostmem_ahead;
-        let follow = (env.stream_criu && split)
-            .then_some(pages)
-            .flatten()
-            .and_then(|watch| {
-                dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes, watch)
-            });
+        let relayed = env.dump_pages == PagesBy::Relay;
+        let watch = relayed.then(|| self.p.checkpoint.relay_watch.clone());
+        let follow = (env.stream_criu && split && env.dump_pages != PagesBy::Possum)
+            .then(|| dumping::Follow::job(self.p.checkpoint.pid, env.hostmem_part_bytes, watch))
+            .flatten();
         let what = held_send::What {
             dir: dir.to_path_buf(),
             gpu: gpu.to_vec(),
@@ -1006,7 +1000,7 @@ mod estimate_tests {
                 precopy_rounds: 4,
                 sockets: dir.path().to_path_buf(),
                 possum_exe: "possum".into(),
-                relay_watch: None,
+                relay_watch: Default::default(),
                 env: crate::Environment::read(),
             },
             to: "127.0.0.1:9".into(),

@@ -191,7 +191,7 @@ impl CheckpointArgs {
             sockets: socket_dir_of(self.socket_dir.as_ref()),
             possum_exe: std::env::current_exe().context("finding possum's own binary")?,
             env: Environment::read(),
-            relay_watch: None,
+            relay_watch: Default::default(),
         })
     }
 }

@@ -47,7 +47,6 @@ pub struct CheckpointParams {
     /// What the environment says.
     pub env: Environment,
     /// Told of the pages files CRIU's dump relays as they are written
-    /// (`POSSUM_DUMP_PAGES=relay`), for a migration that sends them meanwhile; `None` where
-    /// nothing reads them during the dump.
-    pub relay_watch: Option<Arc<RelayWatch>>,
+    /// (`POSSUM_DUMP_PAGES=relay`), for a migration that sends them meanwhile.
+    pub relay_watch: Arc<RelayWatch>,
 }
