@@ -53,8 +53,12 @@ from services import Receiver, memory_of, new_key, release_digest  # noqa: E402 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(ROOT, ".gpu")
-POSSUM = os.path.join(GPU, "possum")
+# POSSUM: another build of the possum executable (as services.py's; an A/B of two builds).
+POSSUM = os.environ.get("POSSUM") or os.path.join(GPU, "possum")
 # CKPT_LIBPOSSUM: another build of libpossum.so for the jobs (an A/B of two builds in one run).
+# CKPT_CRIU_LOGS=DIR: a migration trial's CRIU logs (the source's dump, the destination's
+# restore) kept in DIR/<trial's name>/ before its directory goes (with POSSUM_CRIU_LOG_LEVEL=4,
+# CRIU's own timeline of its steps).
 SO = os.environ.get("CKPT_LIBPOSSUM") or os.path.join(GPU, "libpossum.so")
 WORK = os.environ.get("POSSUM_CKPT_WORK", "/dev/shm/possum-ckpt")
 SOCK = os.path.join(WORK, "sockets")
@@ -621,8 +625,25 @@ def migrate_trial(p, log, ref, row, name, t_trial, v):
         row["err"] = open(os.path.join(WORK, f"{name}.err")).read()[-1500:]
     row["wall_s"] = time.time() - t_trial
     emit("correctness", row)
+    keep_criu_logs(work, name)
     shutil.rmtree(work, ignore_errors=True)
     return row["ok"]
+
+
+def keep_criu_logs(work, tag):
+    """CRIU's logs under `work` (each `*.log` in a `criu` directory) copied into
+    $CKPT_CRIU_LOGS/`tag`/, named by their path under `work`; nothing without it."""
+    into = os.environ.get("CKPT_CRIU_LOGS")
+    if not into:
+        return
+    for root, _, files in os.walk(work):
+        if os.path.basename(root) != "criu":
+            continue
+        for f in files:
+            if f.endswith(".log"):
+                rel = os.path.relpath(os.path.join(root, f), work).replace(os.sep, "_")
+                os.makedirs(os.path.join(into, tag), exist_ok=True)
+                shutil.copyfile(os.path.join(root, f), os.path.join(into, tag, rel))
 
 
 JOB_STEPS = {"mlp": 300, "cnn": 120, "gpt2": 30, "gpt2gen": 120, "triton": 200, "graph": 200, "multistream": 300,

@@ -278,6 +278,22 @@ class Correctness(unittest.TestCase):
         finally:
             os.unlink(f.name)
 
+    def test_criu_logs_kept_only_from_criu_directories_when_asked(self):
+        import tempfile
+        from unittest import mock
+        with tempfile.TemporaryDirectory() as work, tempfile.TemporaryDirectory() as into:
+            for d, f in [("local/criu", "dump-7.log"), ("recv/img/criu", "restore-9.log"),
+                         ("local/criu", "pages-1.img"), ("local", "receive.log")]:
+                os.makedirs(os.path.join(work, d), exist_ok=True)
+                open(os.path.join(work, d, f), "w").write(f)
+            ckpt.keep_criu_logs(work, "e-0")  # CKPT_CRIU_LOGS unset: nothing
+            self.assertEqual(os.listdir(into), [])
+            with mock.patch.dict(os.environ, {"CKPT_CRIU_LOGS": into}):
+                ckpt.keep_criu_logs(work, "e-0")
+            self.assertEqual(sorted(os.listdir(os.path.join(into, "e-0"))),
+                             ["local_criu_dump-7.log", "recv_img_criu_restore-9.log"])
+            self.assertEqual(open(os.path.join(into, "e-0", "local_criu_dump-7.log")).read(), "dump-7.log")
+
     def test_table(self):
         rows = [{"trial": 0, "job": "mlp", "engine": "possum", "k": 5, "ok": True,
                  "leave_running_identical": True, "restored_identical": True, "resumed_at_step": 6,

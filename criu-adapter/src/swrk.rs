@@ -56,6 +56,9 @@ const POLL_SLICE: Duration = Duration::from_millis(200);
 /// children are waited for (a task in uninterruptible sleep dies only when it wakes).
 const REAP_WAIT: Duration = Duration::from_secs(5);
 
+/// How often a worker is looked at while it is waited for to exit.
+const EXIT_POLL: Duration = Duration::from_millis(1);
+
 /// How long a worker that closed its socket is given to exit.
 const EXIT_WAIT: Duration = Duration::from_secs(10);
 
@@ -230,7 +233,9 @@ impl Worker {
             if now >= deadline {
                 return Ok(None);
             }
-            std::thread::sleep((deadline - now).min(Duration::from_millis(5)));
+            // (Fine slices: a worker that answered exits within milliseconds, and the job
+            // waits for it.)
+            std::thread::sleep((deadline - now).min(EXIT_POLL));
         }
     }
 

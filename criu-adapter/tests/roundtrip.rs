@@ -464,3 +464,81 @@ fn dump_equals_criu_s_own(test: &str, pages: possum_criu::PagesBy) {
         bytes >> 10
     ));
 }
+
+/// This process's children (every thread's), from /proc.
+fn my_children() -> Vec<i32> {
+    let mut all = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let text = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        all.extend(
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok()),
+        );
+    }
+    all.sort_unstable();
+    all
+}
+
+/// A dump made ready ahead (its worker started and waiting, the relay's pipes made) and
+/// dropped unrun ends its worker and leaves no pipe, the process untouched; one made ready and
+/// run later dumps the process as it is then, and that dump restores to an uninterrupted run's
+/// result.
+#[test]
+fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
+    let test = "a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing";
+    let Some((_serial, criu)) = serial_criu(test) else {
+        return;
+    };
+    use possum_criu::PagesBy;
+    use std::os::unix::fs::FileTypeExt;
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut reference = start_testee(tmp.path(), "reference");
+    let mut testee = start_testee(tmp.path(), "d");
+    wait_for_file(&testee.ready, TIMEOUT);
+    let opts = |dir: &Path| DumpOptions {
+        leave_running: true,
+        pages: PagesBy::Relay,
+        ..DumpOptions::new(testee.pid, dir)
+    };
+    let fifos = |dir: &Path| -> Vec<String> {
+        (std::fs::read_dir(dir).unwrap().flatten())
+            .filter(|e| e.file_type().unwrap().is_fifo())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+
+    let before = my_children();
+    let dropped = tmp.path().join("dropped");
+    let ready = criu.prepare_dump(opts(&dropped)).unwrap();
+    assert_eq!(my_children().len(), before.len() + 1, "its worker waits");
+    assert!(fifos(&dropped).contains(&"pages-1.img".to_string()));
+    drop(ready);
+    assert_eq!(my_children(), before, "its worker ended and was reaped");
+    assert_eq!(fifos(&dropped), Vec::<String>::new(), "no pipe left");
+
+    let images = tmp.path().join("images");
+    let ready = criu.prepare_dump(opts(&images)).unwrap();
+    // The testee steps on meanwhile: the dump is of it as it is when run.
+    std::thread::sleep(Duration::from_millis(150));
+    let dump = ready.run().unwrap();
+    assert!(dump.pages_relayed.is_some(), "{dump:?}");
+    assert_eq!(fifos(&images), Vec::<String>::new());
+    assert_eq!(my_children(), before, "its worker exited");
+    let status = testee.child.wait().unwrap();
+    assert!(status.success(), "original testee: {status}");
+    std::fs::remove_file(&testee.out).unwrap();
+    let restored = criu.restore(&RestoreOptions::new(&images)).unwrap();
+    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored testee {exit}");
+    let status = reference.child.wait().unwrap();
+    assert!(status.success(), "reference testee: {status}");
+    assert_eq!(
+        std::fs::read_to_string(&testee.out).unwrap(),
+        std::fs::read_to_string(&reference.out).unwrap()
+    );
+    say(&format!(
+        "{test}: dumped in {:?} once made ready",
+        dump.time
+    ));
+}

@@ -201,6 +201,8 @@ fn an_entry_point_job_is_checkpointed_left_running_and_restored_bit_exact() {
         "{v}"
     );
     assert!(v["figures"]["criu_dump_ms"].as_f64().is_some(), "{v}");
+    // CRIU's dump was made ready beside the cut and the driver's checkpoint.
+    assert!(v["figures"]["criu_ready_ms"].as_f64().is_some(), "{v}");
     // Its buffers come back on demand after it runs again: what it waits on them is not known
     // when the command returns, and the stall is the hold.
     assert_eq!(v["figures"]["job_waited_ms"], Value::Null, "{v}");

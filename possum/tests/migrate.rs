@@ -373,6 +373,10 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     assert!(figures["criu_pages_read_ms"].as_f64().is_some(), "{v}");
     let dumped = &figures["criu_dump_stats"];
     assert!(dumped["frozen_ms"].as_f64().is_some(), "{v}");
+    // CRIU's dump was made ready while the job was cut and the driver worked; the destination
+    // opened the image while the source killed the job.
+    assert!(figures["criu_ready_ms"].as_f64().is_some(), "{v}");
+    assert!(r["restore"]["open_ms"].as_f64().is_some(), "{r}");
     assert!(
         r["restore"]["criu_restore_stats"]["restore_ms"]
             .as_f64()

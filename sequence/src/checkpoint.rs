@@ -9,7 +9,8 @@ use possum_control::reply::{CheckpointReply, DeviceCopy, ReleaseReply, ResumeRep
 use possum_control::{Reply, Request};
 
 use crate::wire::Written;
-use possum_criu::{CriuError, Deadline, DumpOptions};
+use possum_criu::dump::PreparedDump;
+use possum_criu::{Criu, CriuError, Deadline, DumpOptions};
 use possum_cuda::checkpoint::DriverCkptError;
 use serde::Serialize;
 use serde_json::Value;
@@ -302,6 +303,8 @@ fn hold_and_commit<'a>(
             obs.precopied(&run.tmp, &run.written);
             run.more_rounds(obs)?;
         }
+        // CRIU's worker and the relay's pipes made ready beside the cut and the driver.
+        let ready = run.ready_dump();
         run.cut(obs)?;
         let by_possum = run.by_possum();
         if by_possum {
@@ -312,7 +315,7 @@ fn hold_and_commit<'a>(
             obs.held(&run.tmp, &gpu, &run.written);
         }
         run.freeze()?;
-        run.dump(obs)?;
+        run.dump(obs, ready)?;
         if by_possum {
             run.figures.held_send_wait = obs.dumped();
         }
@@ -690,36 +693,17 @@ impl<'a> Run<'a> {
     /// would do after the dump without a GPU operation (write a log, say) would be done again
     /// where the image is restored. It is killed stopped, or continued before it runs on (the
     /// guard continues it before it undoes anything).
-    fn dump(&mut self, obs: &mut dyn Observer) -> Result<(), CriuError> {
-        if let Some(ProcessSide { criu, .. }) = &self.plan.side {
+    fn dump(&mut self, obs: &mut dyn Observer, ready: ReadyDump) -> Result<(), CriuError> {
+        if let Some((criu, opts)) = self.dump_options() {
             let p = self.params();
-            let mut opts = DumpOptions::new(p.pid, self.tmp.join("criu"));
-            opts.leave_running = true;
-            opts.leave_stopped = !p.leave_running || self.no_kept;
             if opts.leave_stopped {
                 self.guard.step(Step::Stopped);
             }
-            opts.shell_job = self.plan.shell_job;
-            opts.ext_unix_sk = true;
-            if let Some(l) = p.env.criu_log_level {
-                opts.log_level = l;
-            }
-            // (Not for the driver engine: the baseline stays plain CRIU.)
-            if self.by_possum() {
-                opts.pages = p.env.dump_pages;
-                opts.relay_watch = Some(p.relay_watch.clone());
-            }
-            // A server's listener may hold connections not accepted yet: they stay out of the
-            // image (a job left running accepts them after; a restored one has them no more)
-            // rather than failing the dump.
-            opts.tcp_skip_in_flight = true;
-            if let Some(lock) = p.tcp_established {
-                opts.tcp_established = true;
-                opts.network_lock = Some(lock.into());
-            }
+            let ready = ready.take();
+            self.figures.criu_ready = ready.as_ref().map(PreparedDump::took);
             self.guard.step(Step::Dumping);
             let dump = timed(&mut self.figures.criu_dump, || {
-                dump_retrying_transient(criu, &opts, p.pid, obs)
+                dump_retrying_transient(&criu, &opts, ready, p.pid, obs)
             });
             self.guard.step(Step::Dumped);
             let dump = dump?;
@@ -735,6 +719,47 @@ impl<'a> Run<'a> {
         }
         self.gpu_bytes = dir_bytes(&self.tmp.join("gpu"));
         Ok(())
+    }
+
+    /// CRIU's dump made ready on a thread ([`possum_criu::Criu::prepare_dump`]: its worker
+    /// started, the relay's pipes made), while the cut and the driver's checkpoint run. Only
+    /// for possum's engine: the driver route's CRIU runs as CRIU alone would.
+    fn ready_dump(&self) -> ReadyDump {
+        let made = self.by_possum().then(|| self.dump_options()).flatten();
+        ReadyDump(made.and_then(|(criu, opts)| {
+            (std::thread::Builder::new().name("possum-criu-ready".into()))
+                .spawn(move || criu.prepare_dump(opts))
+                .ok()
+        }))
+    }
+
+    /// CRIU and the options of its dump of the held tree ([`Run::dump`]); none without a CPU
+    /// side.
+    fn dump_options(&self) -> Option<(Criu, DumpOptions)> {
+        let ProcessSide { criu, .. } = self.plan.side.as_ref()?;
+        let p = self.params();
+        let mut opts = DumpOptions::new(p.pid, self.tmp.join("criu"));
+        opts.leave_running = true;
+        opts.leave_stopped = !p.leave_running || self.no_kept;
+        opts.shell_job = self.plan.shell_job;
+        opts.ext_unix_sk = true;
+        if let Some(l) = p.env.criu_log_level {
+            opts.log_level = l;
+        }
+        // (Not for the driver engine: the baseline stays plain CRIU.)
+        if self.by_possum() {
+            opts.pages = p.env.dump_pages;
+            opts.relay_watch = Some(p.relay_watch.clone());
+        }
+        // A server's listener may hold connections not accepted yet: they stay out of the
+        // image (a job left running accepts them after; a restored one has them no more)
+        // rather than failing the dump.
+        opts.tcp_skip_in_flight = true;
+        if let Some(lock) = p.tcp_established {
+            opts.tcp_established = true;
+            opts.network_lock = Some(lock.into());
+        }
+        Some((criu.clone(), opts))
     }
 
     /// Continues the tree the dump left stopped (SIGCONT), before it runs on. A process that
@@ -1119,7 +1144,7 @@ impl<'a> Run<'a> {
 }
 
 mod dump;
-use dump::dump_retrying_transient;
+use dump::{dump_retrying_transient, ReadyDump};
 mod refusals;
 
 #[cfg(test)]

@@ -165,10 +165,15 @@ pub struct CheckpointFigures {
     #[serde(rename = "driver_checkpoint_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub driver_checkpoint: Step,
-    /// CRIU's dump.
+    /// CRIU's dump, from its request (a dump made ready ahead: `criu_ready_ms`).
     #[serde(rename = "criu_dump_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub criu_dump: Step,
+    /// CRIU's dump made ready while the cut and the driver's checkpoint ran, not in the stall:
+    /// its worker started, the relay's pipes made.
+    #[serde(rename = "criu_ready_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_ready: Step,
     /// After CRIU's dump, the job held: the wait for what began while it was held and must be
     /// over before the commit (a migration's send of the GPU images, and of CRIU's pages as
     /// CRIU wrote them).
@@ -422,6 +427,12 @@ pub struct RestoreFigures {
     /// The bytes it wrote back.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hostmem_fill_bytes: Option<u64>,
+    /// The image opened, CRIU and the driver found ([`crate::restore::open`]); a migration's
+    /// destination does it while its source kills the job, and then it is not in `prepare_ms`
+    /// nor in `total_ms`.
+    #[serde(rename = "open_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub open: Step,
     /// Everything before the first process is started (checks of the image and the GPUs).
     #[serde(rename = "prepare_ms", serialize_with = "as_ms")]
     pub prepare: Duration,

@@ -95,7 +95,8 @@ pub fn wait_pids_free(pids: &[i32], deadline: Duration) -> Result<(), PidTaken> 
         if t.elapsed() >= deadline {
             return Err(taken);
         }
-        std::thread::sleep(Duration::from_millis(5));
+        // (Fine slices: a migration's destination waits for these PIDs, the job held.)
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

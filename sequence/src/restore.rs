@@ -120,7 +120,49 @@ pub fn restore_confirmed(
     obs: &mut dyn Observer,
     confirm: &mut dyn FnMut(i32) -> Result<(), String>,
 ) -> Result<RestoreReport, RestoreError> {
-    let t_all = Instant::now();
+    let opened = open(p)?;
+    let took = opened.took;
+    let mut report = restore_opened(p, opened, obs, confirm)?;
+    report.figures.prepare += took;
+    report.figures.total += took;
+    Ok(report)
+}
+
+/// What a restore reads and finds before it acts on the host ([`open`]): the image, CRIU,
+/// NVIDIA's driver and nvidia-smi's answer to come. A migration's destination makes it while
+/// its source kills the job.
+pub struct Opened {
+    img: Image,
+    tools: Tools,
+    /// How long opening took.
+    took: Duration,
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (f.debug_struct("Opened"))
+            .field("criu", &self.img.criu)
+            .field("took", &self.took)
+            .finish_non_exhaustive()
+    }
+}
+
+/// nvidia-smi's answer to come: each GPU's index, UUID and free MiB ([`ask_gpus`]).
+type GpusAsked = JoinHandle<Option<Vec<(u32, String, u64)>>>;
+
+/// CRIU, NVIDIA's driver checkpoint and nvidia-smi's answer (for a CUDA job's image with GPU
+/// memory), as the prepare phase takes them.
+struct Tools {
+    criu: Result<Criu, CriuError>,
+    drv: Option<Result<DriverCheckpoint, DriverCkptError>>,
+    gpus: Option<GpusAsked>,
+}
+
+/// Opens the image `p.dir` names for a restore, acting on nothing: authenticated first under
+/// `--hmac-key`, read, CRIU found (its cache of the kernel's features primed), NVIDIA's driver
+/// loaded, nvidia-smi asked on a thread (its answer is taken by the prepare phase).
+pub fn open(p: &RestoreParams) -> Result<Opened, RestoreError> {
+    let t = Instant::now();
     if let Some(key) = &p.hmac_key {
         if !p.dir.exists() {
             return Err(ImageError::NoDirectory { dir: p.dir.clone() }.into());
@@ -132,9 +174,37 @@ pub fn restore_confirmed(
         false => open_image(&p.dir)?,
     };
     let m = &img.manifest;
+    let nvidia = m.runtime.has_nvidia_driver();
+    let gpus = (nvidia && !m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
+    let criu = Criu::locate();
+    // (Where its cache was made before, a few small reads: CRIU then skips its probe.)
+    if let Ok(c) = &criu {
+        let _ = c.prime_kdat();
+    }
+    let drv = nvidia.then(|| (p.env.driver_deadlines).load(&p.env.libcuda));
+    Ok(Opened {
+        img,
+        tools: Tools { criu, drv, gpus },
+        took: t.elapsed(),
+    })
+}
+
+/// [`restore_confirmed`] of an image already [`open`]ed: its time is not in the figures'
+/// `prepare_ms` and `total_ms` (a migration's destination opens it while its source kills the
+/// job), but in `open_ms`.
+pub fn restore_opened(
+    p: &RestoreParams,
+    opened: Opened,
+    obs: &mut dyn Observer,
+    confirm: &mut dyn FnMut(i32) -> Result<(), String>,
+) -> Result<RestoreReport, RestoreError> {
+    let t_all = Instant::now();
+    let Opened { img, tools, took } = opened;
+    let m = &img.manifest;
     check_pids_free(&tree_ids(&img.criu, m.pid))?;
-    let ready = prepare(p, &img, obs)?;
+    let ready = prepare(p, &img, tools, obs)?;
     let mut figures = RestoreFigures {
+        open: Some(took),
         prepare: t_all.elapsed(),
         ..RestoreFigures::default()
     };
@@ -477,7 +547,12 @@ struct Ready {
 /// before anything is started), the job's old control sockets removed, the directories of its
 /// tree's sockets made again, and its standard descriptors planned. Nothing of the job is
 /// started. A HIP job's image needs neither NVIDIA's driver nor nvidia-smi.
-fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Ready, PrepareError> {
+fn prepare(
+    p: &RestoreParams,
+    img: &Image,
+    tools: Tools,
+    obs: &mut dyn Observer,
+) -> Result<Ready, PrepareError> {
     let m = &img.manifest;
     let nvidia = m.runtime.has_nvidia_driver();
     if !nvidia && p.device.is_some() {
@@ -485,7 +560,7 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     }
     // The host directories the image names are used only where possum's own are allowed.
     let host = HostPlan::check(p, img)?;
-    let gpus = (nvidia && !m.gpu_memory.is_empty()).then(|| ask_gpus(m.keeper.as_ref(), &p.env));
+    let Tools { criu, drv, gpus } = tools;
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
     // and so does a restore on the job's own GPU unless the keeper still holds them there.
     let kept = if m.keeper.is_some() {
@@ -496,16 +571,8 @@ fn prepare(p: &RestoreParams, img: &Image, obs: &mut dyn Observer) -> Result<Rea
     } else {
         KeptBuffers::default()
     };
-    let criu = Criu::locate().map_err(PrepareError::NoCriu);
-    // (Where its cache was made before, a few small reads: CRIU then skips its probe.)
-    if let Ok(c) = &criu {
-        let _ = c.prime_kdat();
-    }
-    let drv = nvidia.then(|| {
-        (p.env.driver_deadlines)
-            .load(&p.env.libcuda)
-            .map_err(PrepareError::NoDriver)
-    });
+    let criu = criu.map_err(PrepareError::NoCriu);
+    let drv = drv.map(|d| d.map_err(PrepareError::NoDriver));
     let pairs = if nvidia {
         let smi = || gpus.and_then(|t| t.join().ok()).flatten();
         plan_gpus(m, p.device, kept, smi, obs).map_err(PrepareError::Gpus)?
@@ -587,10 +654,7 @@ fn refuse_split_without_plugin(criu_dir: &Path, criu: &Criu) -> Result<(), Prepa
 /// nvidia-smi's GPUs, asked on a thread (tens of ms). The job's keeper first frees the memory of
 /// processes that are gone (the job's, killed a moment ago, is otherwise freed within the
 /// keeper's periodic check, and nvidia-smi would count it as taken).
-fn ask_gpus(
-    keeper: Option<&KeeperOfJob>,
-    env: &Environment,
-) -> JoinHandle<Option<Vec<(u32, String, u64)>>> {
+fn ask_gpus(keeper: Option<&KeeperOfJob>, env: &Environment) -> GpusAsked {
     let keeper_dir = keeper.map(|k| k.dir.clone());
     let smi_bin = env.nvidia_smi.clone();
     std::thread::spawn(move || {

@@ -2,8 +2,10 @@
 //! [`super`]).
 
 use std::path::Path;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
+use possum_criu::dump::PreparedDump;
 use possum_criu::{Criu, CriuError, DumpOptions};
 
 use crate::observer::Observer;
@@ -17,10 +19,11 @@ const DUMP_RETRY_WAIT: Duration = Duration::from_millis(200);
 /// (CRIU cannot dump one end of a stream connection whose other end is outside the tree): a
 /// `possum status` from elsewhere, or a client of an earlier checkpoint that died, whose
 /// exchange the job's control thread (not held) ends meanwhile. A failed dump leaves the tree
-/// as it was, still held.
+/// as it was, still held. The first try is `ready`'s, where one was made ready.
 pub(super) fn dump_retrying_transient(
     criu: &Criu,
     opts: &DumpOptions,
+    mut ready: Option<PreparedDump>,
     pid: i32,
     obs: &mut dyn Observer,
 ) -> Result<possum_criu::DumpReport, CriuError> {
@@ -31,7 +34,11 @@ pub(super) fn dump_retrying_transient(
     let mut tries = 0;
     loop {
         tries += 1;
-        match criu.dump(opts) {
+        let dumped = match ready.take() {
+            Some(r) => r.run(),
+            None => criu.dump(opts),
+        };
+        match dumped {
             Ok(d) => return Ok(d),
             Err(e) => {
                 let m = e.to_string();
@@ -48,6 +55,26 @@ pub(super) fn dump_retrying_transient(
                 obs.dumping_again();
                 std::thread::sleep(DUMP_RETRY_WAIT);
             }
+        }
+    }
+}
+
+/// CRIU's dump being made ready on a thread (`Run::ready_dump`), or none. Dropped untaken
+/// (the hold failed before the dump), the thread is waited for and what it made is ended.
+pub(super) struct ReadyDump(pub(super) Option<JoinHandle<Result<PreparedDump, CriuError>>>);
+
+impl ReadyDump {
+    /// The dump made ready; none where it could not be (the dump is then made at once, and
+    /// says what fails).
+    pub(super) fn take(mut self) -> Option<PreparedDump> {
+        self.0.take()?.join().ok()?.ok()
+    }
+}
+
+impl Drop for ReadyDump {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
         }
     }
 }

@@ -16,7 +16,7 @@ use super::report::opt_ms;
 use crate::auth::HmacKey;
 use crate::figures::as_ms;
 use crate::prestage::{self, Prestaged, Prestages};
-use crate::restore::{restore_confirmed, RestoreError, RestoreParams};
+use crate::restore::{restore_opened, RestoreError, RestoreParams};
 use crate::wire::{
     self, accept_handshake, await_released, receive_dir_post_copy, send_abort, send_demand,
     send_outcome, Accepted, Durability, FrameError, HandoffError, Outcome, Sessions, WireError,
@@ -267,6 +267,31 @@ fn released_within(
     await_released(stream, session)
 }
 
+/// The received image opened for its restore ([`crate::restore::open`]: nothing done on this
+/// host yet) while the source kills the job, whose `Released` is waited for at most
+/// `deadline`. Without it, the image (`params.dir`) is removed.
+fn opened_while_released(
+    stream: &mut TcpStream,
+    session: &mut wire::Session,
+    deadline: Duration,
+    params: &RestoreParams,
+) -> Result<Result<crate::restore::Opened, RestoreError>, ReceiveError> {
+    let (released, opened) = std::thread::scope(|s| {
+        let waiting = s.spawn(|| released_within(stream, session, deadline));
+        let opened = crate::restore::open(params);
+        let released = waiting
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (released, opened)
+    });
+    if let Err(e) = released {
+        drop(opened);
+        let _ = fs::remove_dir_all(&params.dir);
+        return Err(ReceiveError::Release(e));
+    }
+    Ok(opened)
+}
+
 /// Post-copy once the job runs here (its receive, the job): waits for its pieces, asking
 /// the source (`Demand`s on `stream`) for those its buffers wait for; how long it waited and
 /// what came (`None` without post-copy). If they do not all come, the job is killed, the image
@@ -312,14 +337,6 @@ pub fn receive_in_session(
     // Whatever the restore took of them, the rest is freed at the end.
     let _end_prestages = EndPrestages(&prestaged);
 
-    let t = Instant::now();
-    if let Err(e) = released_within(stream, &mut session, p.deadlines.release) {
-        let _ = fs::remove_dir_all(&dest);
-        return Err(ReceiveError::Release(e));
-    }
-    timings.release = t.elapsed();
-
-    let t = Instant::now();
     // The job's socket directory is the one the source named, unless `p.restore` gives one.
     let params = RestoreParams {
         dir: dest.clone(),
@@ -329,20 +346,27 @@ pub fn receive_in_session(
         post_copy: later.as_ref().map(|l| l.pc.clone()),
         ..p.restore.clone()
     };
+    let t = Instant::now();
+    let opened = opened_while_released(stream, &mut session, p.deadlines.release, &params)?;
+    timings.release = t.elapsed();
+
+    let t = Instant::now();
     // Restored, the job is held until the source says go: without it, it never runs here.
     let _ = stream.set_write_timeout(Some(p.deadlines.io));
-    let restored = restore_confirmed(&params, obs, &mut |pid| {
-        send_outcome(stream, &mut session, &Outcome::Restored { pid })
-            .map_err(|e| format!("telling the source: {}", possum_cuda::error_chain(&e)))?;
-        stream
-            .set_read_timeout(Some(p.deadlines.release))
-            .map_err(|e| e.to_string())?;
-        await_released(stream, &mut session).map_err(|e| match e.is_timeout() {
-            true => format!(
-                "no go from the source within {} s",
-                p.deadlines.release.as_secs()
-            ),
-            false => format!("no go from the source: {}", possum_cuda::error_chain(&e)),
+    let restored = opened.and_then(|o| {
+        restore_opened(&params, o, obs, &mut |pid| {
+            send_outcome(stream, &mut session, &Outcome::Restored { pid })
+                .map_err(|e| format!("telling the source: {}", possum_cuda::error_chain(&e)))?;
+            stream
+                .set_read_timeout(Some(p.deadlines.release))
+                .map_err(|e| e.to_string())?;
+            await_released(stream, &mut session).map_err(|e| match e.is_timeout() {
+                true => format!(
+                    "no go from the source within {} s",
+                    p.deadlines.release.as_secs()
+                ),
+                false => format!("no go from the source: {}", possum_cuda::error_chain(&e)),
+            })
         })
     });
     timings.restore = t.elapsed();
