@@ -84,11 +84,6 @@ impl PreparedDump {
         self.took
     }
 
-    /// The options it dumps with.
-    pub fn options(&self) -> &DumpOptions {
-        &self.opts
-    }
-
     /// Dumps: the request sent to the waiting worker, the `post-dump` work done at its
     /// notification, the answer checked, the worker waited for. Its report's times count from
     /// here.
