@@ -84,6 +84,11 @@ impl PreparedDump {
         self.took
     }
 
+    /// The PID of its worker's guard, this process's child while the worker waits.
+    pub fn worker_pid(&self) -> Option<i32> {
+        self.worker.as_ref().map(swrk::Worker::pid)
+    }
+
     /// Dumps: the request sent to the waiting worker, the `post-dump` work done at its
     /// notification, the answer checked, the worker waited for. Its report's times count from
     /// here.
