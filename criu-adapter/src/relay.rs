@@ -277,9 +277,10 @@ impl Drop for Relay {
             // A dump that failed: CRIU's worker is gone, so every pipe it opened has ended.
             let _ = splicer.join();
         }
-        self.remove_pipes();
+        // Nothing of it stays: pipes, files put in place or not.
         for name in self.names() {
-            let _ = fs::remove_file(self.dir.join(name));
+            let _ = fs::remove_file(self.dir.join(&name));
+            let _ = fs::remove_file(self.dir.join(temp_name(&name)));
         }
     }
 }

@@ -51,6 +51,13 @@ fn start_testee(dir: &Path, name: &str) -> Testee {
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The uninterrupted run's result: `reference` waited for, ended well, its output.
+fn reference_result(reference: &mut Testee) -> String {
+    let status = reference.child.wait().unwrap();
+    assert!(status.success(), "reference testee: {status}");
+    wait_for_file(&reference.out, TIMEOUT)
+}
+
 #[test]
 fn version_and_check_over_rpc() {
     let Some((_serial, criu)) = serial_criu("version_and_check_over_rpc") else {
@@ -157,11 +164,7 @@ fn dump_kill_then_restore_matches_an_uninterrupted_run() {
     let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
     assert!(exit.success(), "restored testee {exit}");
     let resumed = std::fs::read_to_string(&testee.out).unwrap();
-
-    let status = reference.child.wait().unwrap();
-    assert!(status.success(), "reference testee: {status}");
-    let uninterrupted = wait_for_file(&reference.out, TIMEOUT);
-    assert_eq!(resumed, uninterrupted);
+    assert_eq!(resumed, reference_result(&mut reference));
     say(&format!(
         "kill round trip: dump {:?} ({} MiB), restore {:?}, whole test {:?}",
         dump.time,
@@ -326,11 +329,9 @@ fn a_relayed_dump_on_a_full_filesystem_fails_and_the_process_runs_on() {
     }
     let status = testee.child.wait().unwrap();
     assert!(status.success(), "testee: {status}");
-    let status = reference.child.wait().unwrap();
-    assert!(status.success(), "reference testee: {status}");
     assert_eq!(
         std::fs::read_to_string(&testee.out).unwrap(),
-        std::fs::read_to_string(&reference.out).unwrap()
+        reference_result(&mut reference)
     );
     say(&format!("{test}: {text}"));
 }
@@ -455,9 +456,7 @@ fn dump_equals_criu_s_own(test: &str, pages: possum_criu::PagesBy) {
     let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
     assert!(exit.success(), "restored testee {exit}");
     let resumed = std::fs::read_to_string(&testee.out).unwrap();
-    let status = reference.child.wait().unwrap();
-    assert!(status.success(), "reference testee: {status}");
-    assert_eq!(resumed, wait_for_file(&reference.out, TIMEOUT));
+    assert_eq!(resumed, reference_result(&mut reference));
     say(&format!(
         "{pages:?} dump: {:?}, {} KiB of pages",
         dump.time,
@@ -536,11 +535,9 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     let restored = criu.restore(&RestoreOptions::new(&images)).unwrap();
     let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
     assert!(exit.success(), "restored testee {exit}");
-    let status = reference.child.wait().unwrap();
-    assert!(status.success(), "reference testee: {status}");
     assert_eq!(
         std::fs::read_to_string(&testee.out).unwrap(),
-        std::fs::read_to_string(&reference.out).unwrap()
+        reference_result(&mut reference)
     );
     say(&format!(
         "{test}: dumped in {:?} once made ready",
