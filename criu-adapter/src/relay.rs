@@ -434,19 +434,21 @@ impl Slot {
     }
 
     /// The writer opened the pipe: the file takes the pipe's name (CRIU no longer needs it).
+    /// A watch is told of it only once it is in place: a reader it names the file to finds a
+    /// regular file, never the pipe.
     fn opened(&mut self) {
         self.state = State::Open;
+        let at = Instant::now();
         let dir = self.path.parent().unwrap_or(Path::new("."));
         let pagemaps = (fs::read_dir(dir).into_iter().flatten().flatten())
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| n.starts_with("pagemap-"))
             .collect();
-        let _ = self.told.opened.set(Opened {
-            at: Instant::now(),
-            pagemaps,
-        });
-        if let Err(e) = fs::rename(&self.temp, &self.path) {
-            self.fail(err("putting a pages file in place", &self.temp)(e));
+        match fs::rename(&self.temp, &self.path) {
+            Ok(()) => {
+                let _ = self.told.opened.set(Opened { at, pagemaps });
+            }
+            Err(e) => self.fail(err("putting a pages file in place", &self.temp)(e)),
         }
     }
 
@@ -747,8 +749,9 @@ mod tests {
     }
 
     /// What a writer puts into one of the pipes, in pieces of uneven sizes, lands in that file
-    /// whole and in order, copied by several workers; the file takes the pipe's name, the pipes
-    /// nobody opened are gone, and a watch named the file the first opened after its pagemap.
+    /// whole and in order, copied by several workers; the file takes the pipe's name (before a
+    /// watch tells of it), the pipes nobody opened are gone, and a watch named the file the
+    /// first opened after its pagemap.
     #[test]
     fn what_is_written_into_a_pipe_lands_in_its_file_and_unopened_pipes_go() {
         let d = tempfile::tempdir().unwrap();
@@ -776,8 +779,11 @@ mod tests {
             // (CRIU makes the pagemap long after the relay saw a memfd's file opened; here, once
             // it did.)
             while !seen(&w, "pages-1.img") {
-                std::thread::sleep(Duration::from_millis(1));
+                std::thread::yield_now();
             }
+            // Told of only once in place: a reader finds the file, not the pipe.
+            let m = fs::symlink_metadata(dir.join("pages-1.img")).unwrap();
+            assert!(m.is_file(), "pages-1.img named while still a pipe");
             fs::write(dir.join("pagemap-7.img"), b"").unwrap();
             let mut f = File::options()
                 .write(true)

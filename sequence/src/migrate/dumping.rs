@@ -95,7 +95,10 @@ fn process_pages_file(criu: &Path, follow: &Follow) -> Option<String> {
         return None;
     }
     match &follow.watch {
-        Some(w) => w.opened_after(&pagemap.file_name()?.to_string_lossy()),
+        // (A file only: a pipe is not sent; the next look finds it in place.)
+        Some(w) => w
+            .opened_after(&pagemap.file_name()?.to_string_lossy())
+            .filter(|f| fs::symlink_metadata(criu.join(f)).is_ok_and(|m| m.is_file())),
         None => {
             // Not one made before the pagemap (a memfd's, CRIU not yet at the process's file),
             // where the filesystem knows when files were made (to its clock's tick).
@@ -254,5 +257,51 @@ mod tests {
             ["pages-1.img", "pages-2.img", "pages-10.img"],
             "by number, not by name; no pipe"
         );
+    }
+
+    /// Where CRIU's write is relayed, the process's pages file is the one the relay saw opened
+    /// once the pagemap was there, and only while a regular file has its name: a pipe there is
+    /// never named to the sender (which would refuse it and fail the migration).
+    #[test]
+    fn a_relayed_pages_file_is_named_only_as_a_file() {
+        use possum_criu::relay::Relay;
+        use std::os::unix::fs::FileTypeExt;
+        let d = tempfile::tempdir().unwrap();
+        let watch = Arc::new(RelayWatch::default());
+        let relay = Relay::start(d.path(), 2, 1, 1 << 20, Some(watch.clone())).unwrap();
+        let follow = Follow {
+            name: "criu/possum-hostmem-7.pages".into(),
+            part_bytes: 1 << 20,
+            ns_pid: 7,
+            watch: Some(watch),
+        };
+        fs::write(d.path().join("pagemap-7.img"), b"").unwrap();
+        assert_eq!(process_pages_file(d.path(), &follow), None, "none opened");
+        let mut writer = fs::File::options()
+            .write(true)
+            .open(d.path().join("pages-1.img"))
+            .unwrap();
+        // (The relay sees a pipe opened by what is written into it.)
+        writer.write_all(&[7; 4096]).unwrap();
+        let t = std::time::Instant::now();
+        let chosen = loop {
+            if let Some(f) = process_pages_file(d.path(), &follow) {
+                break f;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "never named");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(chosen, "pages-1.img");
+        assert!(fs::symlink_metadata(d.path().join(&chosen)).unwrap().is_file());
+        // A pipe under the name the watch gives is not named.
+        fs::remove_file(d.path().join(&chosen)).unwrap();
+        nix::unistd::mkfifo(&d.path().join(&chosen), nix::sys::stat::Mode::S_IRUSR).unwrap();
+        assert!(fs::symlink_metadata(d.path().join(&chosen))
+            .unwrap()
+            .file_type()
+            .is_fifo());
+        assert_eq!(process_pages_file(d.path(), &follow), None, "a pipe named");
+        drop(writer);
+        drop(relay);
     }
 }
