@@ -97,7 +97,9 @@ use std::time::{Duration, Instant};
 use possum_control::EnvConfig;
 
 pub use error::CriuError;
-pub use process::{set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit};
+pub use process::{
+    release_memory_of_killed, set_child_subreaper, tree_resident_bytes, wait_for_exit, ProcessExit,
+};
 
 pub use rpc::NetworkLockMethod;
 use rpc::{CriuOpts, CriuReq, CriuResp, ReqType};

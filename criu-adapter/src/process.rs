@@ -87,6 +87,22 @@ pub fn wait_for_exit(pid: i32, timeout: Option<Duration>) -> Result<ProcessExit,
     }
 }
 
+/// Frees the memory of a process being killed (SIGKILL sent, `pidfd` its pidfd) now, in this
+/// thread, beside the process's own exit (`process_mrelease(2)`, Linux 5.15): the two unmap its
+/// address space together, so a job of a few GB ends in about half the time, and its PIDs are
+/// free sooner for a restore on this host. An error where the kernel lacks the call, or the
+/// process is not dying (`EINVAL`) or has already ended; the caller then just waits.
+pub fn release_memory_of_killed(pidfd: std::os::fd::BorrowedFd<'_>) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: process_mrelease takes a pidfd and a flags word (0) by value, reads and writes no
+    // memory of this process, and `pidfd` is borrowed, so open for the call.
+    let r = unsafe { libc::syscall(libc::SYS_process_mrelease, pidfd.as_raw_fd(), 0u32) };
+    match r {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
 /// The resident memory of the tree rooted at `pid` (it and its descendants), in bytes; what
 /// cannot be read counts as nothing.
 pub fn tree_resident_bytes(pid: i32) -> u64 {
@@ -200,6 +216,42 @@ mod tests {
     #[test]
     fn this_process_is_alive() {
         check_alive(std::process::id() as i32).unwrap();
+    }
+
+    /// The memory of a process that is not being killed is never freed: the call is refused
+    /// (`EINVAL`) and the process runs on. Once it is killed, the call is taken (or finds it
+    /// gone already) and the process ends.
+    #[test]
+    fn only_a_killed_process_has_its_memory_released() {
+        use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+        let mut child = std::process::Command::new("sleep")
+            .arg("100")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        // SAFETY: pidfd_open takes a PID and flags by value; the descriptor it returns is owned
+        // here alone.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
+        assert!(raw >= 0, "pidfd_open: {}", io::Error::last_os_error());
+        // SAFETY: `raw` is a new descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        match release_memory_of_killed(fd.as_fd()) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+                eprintln!("SKIPPED: this kernel has no process_mrelease");
+                let _ = child.kill();
+                let _ = child.wait();
+                return;
+            }
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EINVAL), "{e}"),
+            Ok(()) => panic!("the memory of a live process was released"),
+        }
+        check_alive(pid).unwrap();
+        nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+        match release_memory_of_killed(fd.as_fd()) {
+            Ok(()) => {}
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ESRCH), "{e}"),
+        }
+        assert!(!child.wait().unwrap().success());
     }
 
     /// A process whose name is not UTF-8 (run through a link so named: the kernel names a process

@@ -2,6 +2,7 @@
 //! helper processes possum starts beside it (a keeper).
 
 use std::fs;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -221,13 +222,15 @@ impl Process {
     /// [`kill`](Self::kill)s it and every process below it (each through a pidfd, all opened
     /// before the first signal, so that none is mistaken for a process that took a freed PID):
     /// a job's ranks or workers must not outlive it. One that ended meanwhile is passed over.
+    /// All are signalled before any is waited for, and their memory is freed together
+    /// ([`kill_together`]).
     pub fn kill_tree(&self) -> Result<(), SignalError> {
         let below: Vec<Process> = crate::tree::descendants(self.pid)
             .into_iter()
             .filter_map(|c| Process::open(c).ok())
             .collect();
-        self.kill()?;
-        below.iter().try_for_each(Process::kill)
+        let all: Vec<&Process> = std::iter::once(self).chain(&below).collect();
+        kill_together(&all)
     }
 
     /// Sends it SIGCONT through its pidfd (a process stopped after its dump runs on); one that
@@ -242,36 +245,81 @@ impl Process {
         }
     }
 
-    /// SIGKILLs it through its pidfd and waits (bounded) until it has ended.
+    /// SIGKILLs it through its pidfd and waits (bounded) until it has ended, its memory freed
+    /// beside its exit ([`kill_together`]).
     pub fn kill(&self) -> Result<(), SignalError> {
-        use rustix::event::{poll, PollFd, PollFlags};
+        kill_together(&[self])
+    }
+
+    /// Sends it SIGKILL: whether it is dying now (false: it had ended already).
+    fn send_kill(&self) -> Result<bool, SignalError> {
         match rustix::process::pidfd_send_signal(&self.fd, rustix::process::Signal::KILL) {
-            Ok(()) => {}
-            // Ended already.
-            Err(rustix::io::Errno::SRCH) => return Ok(()),
-            Err(e) => {
-                return Err(SignalError::Send {
-                    pid: self.pid,
-                    source: e.into(),
-                })
-            }
+            Ok(()) => Ok(true),
+            Err(rustix::io::Errno::SRCH) => Ok(false),
+            Err(e) => Err(SignalError::Send {
+                pid: self.pid,
+                source: e.into(),
+            }),
         }
-        // A pidfd reads ready once its process has ended.
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(10) {
+    }
+
+    /// Waits until it has ended, at most until `deadline` (a pidfd reads ready then).
+    fn wait_ended(&self, deadline: Instant) {
+        use rustix::event::{poll, PollFd, PollFlags};
+        while Instant::now() < deadline {
             let mut fds = [PollFd::new(&self.fd, PollFlags::IN)];
             let ms = rustix::time::Timespec {
                 tv_sec: 0,
                 tv_nsec: 100_000_000,
             };
             match poll(&mut fds, Some(&ms)) {
-                Ok(n) if n > 0 => return Ok(()),
+                Ok(n) if n > 0 => return,
                 Ok(_) | Err(rustix::io::Errno::INTR) => {}
-                Err(_) => break,
+                Err(_) => return,
             }
         }
-        Ok(())
     }
+}
+
+/// SIGKILLs `procs` (the first before any other: if it cannot be signalled, none is), frees the
+/// memory of each while it exits (one thread each, [`possum_criu::release_memory_of_killed`]:
+/// a process's exit unmaps its memory alone, which for a job of a few GB is most of its kill),
+/// and waits (bounded, 10 s in all) until every one signalled has ended. The first error
+/// signalling one, after the others were signalled and waited for.
+fn kill_together(procs: &[&Process]) -> Result<(), SignalError> {
+    let Some((first, rest)) = procs.split_first() else {
+        return Ok(());
+    };
+    let mut dying = Vec::with_capacity(procs.len());
+    if first.send_kill()? {
+        dying.push(*first);
+    }
+    let mut failed = None;
+    for p in rest {
+        match p.send_kill() {
+            Ok(true) => dying.push(*p),
+            Ok(false) => {}
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    let release = |p: &Process| {
+        let _ = possum_criu::release_memory_of_killed(p.fd.as_fd());
+    };
+    if let Some((last, others)) = dying.split_last() {
+        std::thread::scope(|sc| {
+            for p in others {
+                sc.spawn(move || release(p));
+            }
+            release(last);
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for p in &dying {
+        p.wait_ended(deadline);
+    }
+    failed.map_or(Ok(()), Err)
 }
 
 /// SIGKILLs process `pid` and every process below it ([`Process::kill_tree`]; never a PID of 1

@@ -292,7 +292,9 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         };
         assert_eq!(chosen, "pages-1.img");
-        assert!(fs::symlink_metadata(d.path().join(&chosen)).unwrap().is_file());
+        assert!(fs::symlink_metadata(d.path().join(&chosen))
+            .unwrap()
+            .is_file());
         // A pipe under the name the watch gives is not named.
         fs::remove_file(d.path().join(&chosen)).unwrap();
         nix::unistd::mkfifo(&d.path().join(&chosen), nix::sys::stat::Mode::S_IRUSR).unwrap();
