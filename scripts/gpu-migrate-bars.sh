@@ -24,6 +24,8 @@
 #      4 GiB on the huge-page tmpfs over 8 and 16 streams unpaced, then paced at 2 GiB/s
 #      (`gpu-wire.sh`); and another build's, staged as .gpu/wire-bench-0 (20 s more), over 8
 #      streams, for an A/B in the same call.
+# BARS_STEPS: the steps to run, of "defaults driver alone trials wire" (all by default; a
+# shorter call, say "driver alone", leaves the others out: not the bars' one call then).
 # -> $OUT/bars.jsonl (rows tagged f8, f32, t8, f8-driver), $OUT/bars-alone-WRITER.jsonl,
 #    $OUT/bars-trials.{jsonl,md},
 #    $OUT/wire-bench.txt, $OUT/bars-logs.tgz (the steps' logs)
@@ -32,23 +34,30 @@ set -u
 cd "$(dirname "$0")/.."
 source scripts/gpu-start.sh
 harness_run migrate-bars BARS_LIMIT_S
-spec_bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
-spec_bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" SPEC_FLAGS="--run-flags=--no-keeper" \
-    SPEC_MIGRATE_FLAGS="--engine driver"
+steps=" ${BARS_STEPS:-defaults driver alone trials wire} "
+step() { [[ "$steps" == *" $1 "* ]]; }
+step defaults && spec_bars defaults 200 SPEC_BARS="8 64 f8,32 64 f32,0 8192 t8"
+step driver && spec_bars driver 90 SPEC_BARS="${BARS_DRIVER:-8 64 f8-driver}" \
+    SPEC_FLAGS="--run-flags=--no-keeper" SPEC_MIGRATE_FLAGS="--engine driver"
 
 alone=${BARS_ALONE-gpt2gen}
+step alone || alone=
+# (The trials after it need 300 s; alone, the step takes what is left.)
+alone_needs=300; step trials || alone_needs=100
 for pages in ${BARS_ALONE_PAGES-default}; do
-    [ -n "$alone" ] && [ "$(left)" -gt 300 ] || break
+    [ -n "$alone" ] && [ "$(left)" -gt $alone_needs ] || break
     echo "== alone ($alone, pages by $pages), $(left) s left"
-    POSSUM_DUMP_PAGES=$pages migrations "alone-$pages" 150 "$alone" "${BARS_ALONE_TRIALS:-1,1}" 1 \
+    secs=$(( $(left) - 10 )); [ "$secs" -le 150 ] || secs=150
+    POSSUM_DUMP_PAGES=$pages migrations "alone-$pages" $secs "$alone" "${BARS_ALONE_TRIALS:-1,1}" 1 \
         "${BARS_SEED:-91}"
     cp "$res/alone-$pages/ckpt-correctness.jsonl" "$out/bars-alone-$pages.jsonl" 2>/dev/null
     grep "^correctness (" "$res/alone-$pages.log"
 done
 
-echo "== trials, $(left) s left"
-wire=0; [ -x .gpu/wire-bench ] && wire=70; [ -x .gpu/wire-bench-0 ] && wire=90
-if [ "$(left)" -gt $(( 120 + wire )) ]; then
+wire=0; [ -x .gpu/wire-bench ] && step wire && wire=70
+[ -x .gpu/wire-bench-0 ] && step wire && wire=90
+if step trials && [ "$(left)" -gt $(( 120 + wire )) ]; then
+    echo "== trials, $(left) s left"
     migrations trials $(( $(left) - 60 - wire )) "${BARS_JOBS:-mlp,gpt2gen}" "${BARS_TRIALS:-10,10}" \
         "${BARS_PARALLEL:-5}" "${BARS_SEED:-91}"
     cp "$res/trials/ckpt-correctness.jsonl" "$out/bars-trials.jsonl" 2>/dev/null
@@ -56,7 +65,7 @@ if [ "$(left)" -gt $(( 120 + wire )) ]; then
     tail -3 "$res/trials.log"
 fi
 
-if [ "$(left)" -gt 60 ] && [ -x .gpu/wire-bench ]; then
+if step wire && [ "$(left)" -gt 60 ] && [ -x .gpu/wire-bench ]; then
     echo "== transport, $(left) s left"
     huge=/tmp/possum-huge-tmpfs; mount_huge "$huge" 90g
     OUT="$res/wire" WIRE_DIR="$huge" DIR_MIB=4096 WIRE_STREAMS=8,16 \
