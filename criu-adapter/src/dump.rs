@@ -151,13 +151,17 @@ const UNASKED_EXIT: Duration = Duration::from_secs(2);
 
 impl Drop for PreparedDump {
     fn drop(&mut self) {
-        // Its socket shut, the worker ends by itself (and its guard with it); killed with what
-        // is under it if not.
-        if let Some(mut w) = self.worker.take() {
-            if !matches!(w.finish(Instant::now() + UNASKED_EXIT), Ok(Some(_))) {
-                w.kill_tree(&[]);
-            }
+        if let Some(w) = self.worker.take() {
+            end_unasked(w);
         }
+    }
+}
+
+/// Ends a worker made ready and never asked: its socket shut, it ends by itself (and its guard
+/// with it), reaped; killed with what is under it if not within [`UNASKED_EXIT`].
+pub(crate) fn end_unasked(mut w: swrk::Worker) {
+    if !matches!(w.finish(Instant::now() + UNASKED_EXIT), Ok(Some(_))) {
+        w.kill_tree(&[]);
     }
 }
 

@@ -82,6 +82,7 @@ pub mod no_uring;
 mod page_server;
 mod process;
 pub mod relay;
+pub mod restore;
 pub mod rpc;
 pub mod stats;
 mod swrk;
@@ -458,7 +459,8 @@ pub struct RestoreReport {
     pub pid: i32,
     /// CRIU's log of the restore.
     pub log: PathBuf,
-    /// Wall time of the whole call: starting the worker, the restore, the worker's exit.
+    /// Wall time from the request (from the worker's start unless it was made ready,
+    /// [`restore::PreparedRestore`]): the restore, the worker's exit.
     pub time: Duration,
     /// CRIU's own account of the restore (`None` when it left none or it could not be read).
     pub stats: Option<stats::RestoreStats>,
@@ -625,113 +627,6 @@ impl Criu {
         drop(images);
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
-    }
-
-    /// Restores the tree dumped in `opts.images_dir`. Returns once the tree runs and the criu
-    /// worker has exited (so the tree has been reparented; see [`set_child_subreaper`]). Fails
-    /// with [`CriuError::DeadlineExceeded`] when CRIU runs past `opts.deadline` (scaled by the
-    /// size of the images; images whose pages file is cut short make CRIU wait forever), after
-    /// killing it and the tasks it had restored.
-    pub fn restore(&self, opts: &RestoreOptions) -> Result<RestoreReport, CriuError> {
-        let start = Instant::now();
-        check_log_name(&opts.log_file)?;
-        let images = open_images_dir(&opts.images_dir, false)?;
-        let log = opts.images_dir.join(&opts.log_file);
-        let limit = opts.deadline.for_bytes(dir_bytes(&opts.images_dir));
-        // The processes the restore creates (a root created as the worker's sibling is this
-        // process's child, out of the worker's tree): unreadable images have none to kill.
-        let dumped: Vec<i32> = images::read_messages::<images::PstreeEntry>(
-            &opts.images_dir.join("pstree.img"),
-            images::PSTREE_MAGIC,
-        )
-        .map(|tree| {
-            tree.iter()
-                .filter_map(|e| i32::try_from(e.pid).ok())
-                .collect()
-        })
-        .unwrap_or_default();
-        // The worker's 0-2 are not ours: a descriptor there is handed over as a copy above 2.
-        let mut copies = Vec::new();
-        let mut inherit = Vec::new();
-        for (key, fd) in &opts.inherit_fds {
-            use std::os::fd::AsFd;
-            let std_fd = match fd {
-                0 => Some(std::io::stdin().as_fd().try_clone_to_owned()),
-                1 => Some(std::io::stdout().as_fd().try_clone_to_owned()),
-                2 => Some(std::io::stderr().as_fd().try_clone_to_owned()),
-                _ => None,
-            };
-            let fd = match std_fd {
-                None => *fd,
-                Some(copy) => {
-                    // A close-on-exec copy numbered above 2 (the worker clears the flag).
-                    let copy = copy.map_err(|source| CriuError::Io {
-                        what: format!("duplicating descriptor {fd} for CRIU's inherit_fd {key}"),
-                        source,
-                    })?;
-                    let raw = copy.as_raw_fd();
-                    copies.push(copy);
-                    raw
-                }
-            };
-            inherit.push(rpc::InheritFd {
-                key: key.clone(),
-                fd,
-            });
-        }
-        let inherited: Vec<std::os::fd::RawFd> = inherit.iter().map(|i| i.fd).collect();
-        let rpc_opts = CriuOpts {
-            images_dir_fd: images.as_raw_fd(),
-            shell_job: Some(opts.shell_job),
-            tcp_established: Some(opts.tcp_established),
-            tcp_close: opts.tcp_close.then_some(true),
-            network_lock: opts.network_lock.map(|m| m as i32),
-            ext_unix_sk: Some(opts.ext_unix_sk),
-            file_locks: Some(opts.file_locks),
-            rst_sibling: Some(opts.restore_sibling),
-            external: opts.external.clone(),
-            log_file: Some(opts.log_file.clone()),
-            log_level: Some(opts.log_level as i32),
-            inherit_fd: inherit,
-            ..Default::default()
-        };
-        let resp = self.call_inheriting(
-            "restore",
-            request(ReqType::Restore, Some(rpc_opts)),
-            Some(&log),
-            &inherited,
-            Scope {
-                limit,
-                images_dir: Some(&opts.images_dir),
-                adopted: &dumped,
-                // The root is created as the worker's sibling: a guard would be its parent.
-                on_owner_death: if opts.restore_sibling {
-                    OwnerDeath::DieWithParent
-                } else {
-                    OwnerDeath::Kill
-                },
-                on_notify: None,
-            },
-        )?;
-        drop(copies);
-        drop(images);
-        let pid = match resp.restore {
-            Some(r) if r.pid > 0 => r.pid,
-            other => {
-                return Err(CriuError::Protocol {
-                    op: "restore",
-                    detail: format!("no restored PID in a successful answer ({other:?})"),
-                })
-            }
-        };
-        let time = start.elapsed();
-        tracing::info!(pid, ?time, "criu restore done");
-        Ok(RestoreReport {
-            pid,
-            log,
-            time,
-            stats: read_stats(stats::restore_stats(&opts.images_dir)),
-        })
     }
 
     /// One request on a fresh worker: spawn, ask, wait for the worker's exit, check the answer,

@@ -544,3 +544,60 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
         dump.time
     ));
 }
+
+/// A restore made ready ahead (its worker and the worker's guard started, waiting) and dropped
+/// unrun ends both; one run with other inherited descriptors than it was made ready with is
+/// refused, restoring nothing; one made ready and run later restores the killed dump to an
+/// uninterrupted run's result.
+#[test]
+fn a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing() {
+    let test = "a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing";
+    let Some((_serial, criu)) = serial_criu(test) else {
+        return;
+    };
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut reference = start_testee(tmp.path(), "reference");
+    let mut testee = start_testee(tmp.path(), "r");
+    wait_for_file(&testee.ready, TIMEOUT);
+    let images = tmp.path().join("images");
+    criu.dump(&DumpOptions::new(testee.pid, &images)).unwrap();
+    assert!(
+        !testee.child.wait().unwrap().success(),
+        "killed by its dump"
+    );
+    let opts = RestoreOptions::new(&images);
+
+    let ready = criu.prepare_restore(&opts).unwrap();
+    let pids = ready.pids();
+    assert_eq!(pids.len(), 2, "a guard and its worker: {pids:?}");
+    assert!(my_children().contains(&pids[0]), "its guard waits");
+    drop(ready);
+    for p in &pids {
+        assert!(!Path::new(&format!("/proc/{p}")).exists(), "{p} lives on");
+    }
+
+    let ready = criu.prepare_restore(&opts).unwrap();
+    let other = RestoreOptions {
+        inherit_fds: vec![("pipe:[1]".into(), 1)],
+        ..RestoreOptions::new(&images)
+    };
+    let e = ready.run(&other).unwrap_err();
+    assert!(e.to_string().contains("made ready for other"), "{e}");
+    assert!(!Path::new(&format!("/proc/{}", testee.pid)).exists());
+
+    let ready = criu.prepare_restore(&opts).unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    let restored = ready.run(&opts).unwrap();
+    assert_eq!(restored.pid, testee.pid);
+    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored testee {exit}");
+    assert_eq!(
+        std::fs::read_to_string(&testee.out).unwrap(),
+        reference_result(&mut reference)
+    );
+    say(&format!(
+        "{test}: restored in {:?} once made ready",
+        restored.time
+    ));
+}

@@ -377,6 +377,8 @@ fn a_job_migrated_over_loopback_runs_on_at_the_destination_bit_exact() {
     // opened the image while the source killed the job.
     assert!(figures["criu_ready_ms"].as_f64().is_some(), "{v}");
     assert!(r["restore"]["open_ms"].as_f64().is_some(), "{r}");
+    // CRIU's restore worker was made ready there too, and taken by the restore.
+    assert!(r["restore"]["criu_ready_ms"].as_f64().is_some(), "{r}");
     assert!(
         r["restore"]["criu_restore_stats"]["restore_ms"]
             .as_f64()

@@ -427,12 +427,18 @@ pub struct RestoreFigures {
     /// The bytes it wrote back.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hostmem_fill_bytes: Option<u64>,
-    /// The image opened, CRIU and the driver found ([`crate::restore::open`]); a migration's
+    /// The image opened, CRIU and the driver found, CRIU's worker started
+    /// ([`crate::restore::open`]); a migration's
     /// destination does it while its source kills the job, and then it is not in `prepare_ms`
     /// nor in `total_ms`.
     #[serde(rename = "open_ms", serialize_with = "opt_ms")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub open: Step,
+    /// Of `open`, CRIU's worker started and made ready for the restore; absent where the
+    /// restore started its own at its request.
+    #[serde(rename = "criu_ready_ms", serialize_with = "opt_ms")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub criu_ready: Step,
     /// Everything before the first process is started (checks of the image and the GPUs).
     #[serde(rename = "prepare_ms", serialize_with = "as_ms")]
     pub prepare: Duration,

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use possum_control::reply::ResumeReply;
 use possum_control::Reply;
+use possum_criu::restore::PreparedRestore;
 use possum_criu::{Criu, CriuError, RestoreOptions};
 use possum_cuda::checkpoint::{DriverCheckpoint, DriverCkptError};
 use serde::Serialize;
@@ -156,11 +157,18 @@ struct Tools {
     criu: Result<Criu, CriuError>,
     drv: Option<Result<DriverCheckpoint, DriverCkptError>>,
     gpus: Option<GpusAsked>,
+    /// The job's standard descriptors, planned.
+    stdio: std::io::Result<StdioPlan>,
+    /// CRIU's restore made ready with that plan (none where CRIU or the plan is missing, or
+    /// its worker did not start: the restore then starts one).
+    worker: Option<PreparedRestore>,
 }
 
-/// Opens the image `p.dir` names for a restore, acting on nothing: authenticated first under
-/// `--hmac-key`, read, CRIU found (its cache of the kernel's features primed), NVIDIA's driver
-/// loaded, nvidia-smi asked on a thread (its answer is taken by the prepare phase).
+/// Opens the image `p.dir` names for a restore, acting on nothing of the job's: authenticated
+/// first under `--hmac-key`, read, CRIU found (its cache of the kernel's features primed) and its
+/// restore's worker started, waiting ([`possum_criu::restore::PreparedRestore`]; the job's
+/// standard descriptors planned for it), NVIDIA's driver loaded, nvidia-smi asked on a thread
+/// (its answer is taken by the prepare phase).
 pub fn open(p: &RestoreParams) -> Result<Opened, RestoreError> {
     let t = Instant::now();
     if let Some(key) = &p.hmac_key {
@@ -182,11 +190,30 @@ pub fn open(p: &RestoreParams) -> Result<Opened, RestoreError> {
         let _ = c.prime_kdat();
     }
     let drv = nvidia.then(|| (p.env.driver_deadlines).load(&p.env.libcuda));
+    let stdio = StdioPlan::new(&m.stdio_pipes);
+    let worker = match (&criu, &stdio) {
+        (Ok(c), Ok(plan)) => c.prepare_restore(&criu_options(&img.criu, plan)).ok(),
+        _ => None,
+    };
     Ok(Opened {
         img,
-        tools: Tools { criu, drv, gpus },
+        tools: Tools {
+            criu,
+            drv,
+            gpus,
+            stdio,
+            worker,
+        },
         took: t.elapsed(),
     })
+}
+
+/// CRIU's options for the restore of the images in `criu`, the job's standard descriptors as
+/// `stdio` plans (the rest is set by the prepare phase).
+fn criu_options(criu: &Path, stdio: &StdioPlan) -> RestoreOptions {
+    let mut opts = RestoreOptions::new(criu);
+    opts.inherit_fds = stdio.inherit.clone();
+    opts
 }
 
 /// [`restore_confirmed`] of an image already [`open`]ed: its time is not in the figures'
@@ -199,17 +226,26 @@ pub fn restore_opened(
     confirm: &mut dyn FnMut(i32) -> Result<(), String>,
 ) -> Result<RestoreReport, RestoreError> {
     let t_all = Instant::now();
-    let Opened { img, tools, took } = opened;
+    let Opened {
+        img,
+        mut tools,
+        took,
+    } = opened;
     let m = &img.manifest;
-    check_pids_free(&tree_ids(&img.criu, m.pid))?;
-    let ready = prepare(p, &img, tools, obs)?;
+    let ids = tree_ids(&img.criu, m.pid);
+    // A worker made ready under a PID the job needs (another host's numbers) ends first.
+    if (tools.worker.as_ref()).is_some_and(|w| w.pids().iter().any(|p| ids.contains(p))) {
+        tools.worker = None;
+    }
+    check_pids_free(&ids)?;
+    let mut ready = prepare(p, &img, tools, obs)?;
     let mut figures = RestoreFigures {
         open: Some(took),
         prepare: t_all.elapsed(),
         ..RestoreFigures::default()
     };
     let (mut staging, stage_skipped) = begin_staging(p, &img, &ready, &mut figures);
-    let job = criu_restore(&ready, m.pid, &mut staging, &mut figures)?;
+    let job = criu_restore(&mut ready, m.pid, &mut staging, &mut figures)?;
     // A job whose buffer memory was a keeper's gets one again where it looks for it, before it
     // resumes (the keeper sees the job's CUDA_VISIBLE_DEVICES; a job moved by `--device` finds
     // the socket serving its new GPU by UUID). Started after CRIU's restore, so that it cannot
@@ -539,6 +575,8 @@ struct Ready {
     recreated: Vec<PathBuf>,
     stdio: StdioPlan,
     opts: RestoreOptions,
+    /// CRIU's worker made ready for `opts` ([`open`]), taken by the restore.
+    worker: Option<PreparedRestore>,
 }
 
 /// Prepare: the host paths the image names checked ([`HostPlan`]: nothing is done on the host
@@ -560,7 +598,13 @@ fn prepare(
     }
     // The host directories the image names are used only where possum's own are allowed.
     let host = HostPlan::check(p, img)?;
-    let Tools { criu, drv, gpus } = tools;
+    let Tools {
+        criu,
+        drv,
+        gpus,
+        stdio,
+        worker,
+    } = tools;
     // Buffers a keeper held are not the job's in nvidia-smi's count: a move needs room for them,
     // and so does a restore on the job's own GPU unless the keeper still holds them there.
     let kept = if m.keeper.is_some() {
@@ -586,8 +630,8 @@ fn prepare(
         s.remove()?;
     }
     let recreated = recreate_socket_dirs(&host.places, &host.missing_dirs, m.owner)?;
-    let stdio = StdioPlan::new(&m.stdio_pipes).map_err(PrepareError::DevNull)?;
-    let mut opts = RestoreOptions::new(&img.criu);
+    let stdio = stdio.map_err(PrepareError::DevNull)?;
+    let mut opts = criu_options(&img.criu, &stdio);
     opts.log_file = host.criu_log;
     opts.shell_job = m.shell_job;
     opts.ext_unix_sk = true;
@@ -595,7 +639,6 @@ fn prepare(
     if let Some(l) = p.env.criu_log_level {
         opts.log_level = l;
     }
-    opts.inherit_fds = stdio.inherit.clone();
     Ok(Ready {
         criu,
         drv,
@@ -605,6 +648,7 @@ fn prepare(
         recreated,
         stdio,
         opts,
+        worker,
     })
 }
 
@@ -783,14 +827,17 @@ fn begin_staging(
 /// process CRIU restored as the job `job` ([`Process::restored`]): every signal of the restore
 /// goes through it.
 fn criu_restore(
-    ready: &Ready,
+    ready: &mut Ready,
     job: i32,
     staging: &mut Option<Staging>,
     figures: &mut RestoreFigures,
 ) -> Result<Process, RestoreError> {
     let since = boot_ticks_now();
-    let report = match timed(&mut figures.criu_restore, || {
-        ready.criu.restore(&ready.opts)
+    let worker = ready.worker.take();
+    figures.criu_ready = worker.as_ref().map(PreparedRestore::took);
+    let report = match timed(&mut figures.criu_restore, || match worker {
+        Some(w) => w.run(&ready.opts),
+        None => ready.criu.restore(&ready.opts),
     }) {
         Ok(r) => r,
         Err(e) => match staging.take() {
