@@ -27,7 +27,9 @@ impl Criu {
     /// above 2), waiting for the request. Nothing is read of the images and nothing of the
     /// tree exists yet. [`PreparedRestore::run`] restores; dropped unrun, the worker is ended.
     /// Its worker and guard hold PIDs of their own: a tree to restore under one of them
-    /// ([`PreparedRestore::pids`]) must not be restored with it.
+    /// ([`PreparedRestore::pids`]) must not be restored with it. With `opts.restore_sibling`
+    /// there is no guard and the worker dies with the thread that made it ready (the kernel's
+    /// parent-death signal follows the thread): run it before that thread ends.
     pub fn prepare_restore(&self, opts: &RestoreOptions) -> Result<PreparedRestore, CriuError> {
         let t = Instant::now();
         check_log_name(&opts.log_file)?;
