@@ -51,6 +51,15 @@ fn start_testee(dir: &Path, name: &str) -> Testee {
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
+/// An uninterrupted reference run and the testee `name`, both started in `dir`; the testee
+/// ready (stepping) when this returns.
+fn reference_and_testee(dir: &Path, name: &str) -> (Testee, Testee) {
+    let reference = start_testee(dir, "reference");
+    let testee = start_testee(dir, name);
+    wait_for_file(&testee.ready, TIMEOUT);
+    (reference, testee)
+}
+
 /// The uninterrupted run's result: `reference` waited for, ended well, its output.
 fn reference_result(reference: &mut Testee) -> String {
     let status = reference.child.wait().unwrap();
@@ -141,9 +150,7 @@ fn dump_kill_then_restore_matches_an_uninterrupted_run() {
     };
     let t0 = Instant::now();
     let tmp = tempfile::tempdir().unwrap();
-    let mut reference = start_testee(tmp.path(), "reference");
-    let mut testee = start_testee(tmp.path(), "b");
-    wait_for_file(&testee.ready, TIMEOUT);
+    let (mut reference, mut testee) = reference_and_testee(tmp.path(), "b");
 
     let images = tmp.path().join("images");
     let dump = criu.dump(&DumpOptions::new(testee.pid, &images)).unwrap();
@@ -305,9 +312,7 @@ fn a_relayed_dump_on_a_full_filesystem_fails_and_the_process_runs_on() {
         }
     }
     let _unmount = Unmount(small.clone());
-    let mut reference = start_testee(tmp.path(), "reference");
-    let mut testee = start_testee(tmp.path(), "d");
-    wait_for_file(&testee.ready, TIMEOUT);
+    let (mut reference, mut testee) = reference_and_testee(tmp.path(), "d");
     let images = small.join("images");
     let failed = criu
         .dump(&DumpOptions {
@@ -342,9 +347,7 @@ fn dump_equals_criu_s_own(test: &str, pages: possum_criu::PagesBy) {
     };
     use possum_criu::PagesBy;
     let tmp = tempfile::tempdir().unwrap();
-    let mut reference = start_testee(tmp.path(), "reference");
-    let mut testee = start_testee(tmp.path(), "d");
-    wait_for_file(&testee.ready, TIMEOUT);
+    let (mut reference, mut testee) = reference_and_testee(tmp.path(), "d");
     // Stopped, its memory does not change between the two dumps; killed should the test fail.
     let pid = nix::unistd::Pid::from_raw(testee.pid);
     struct KillOnDrop(nix::unistd::Pid);
@@ -492,9 +495,7 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     use std::os::unix::fs::FileTypeExt;
     set_child_subreaper().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let mut reference = start_testee(tmp.path(), "reference");
-    let mut testee = start_testee(tmp.path(), "d");
-    wait_for_file(&testee.ready, TIMEOUT);
+    let (mut reference, mut testee) = reference_and_testee(tmp.path(), "d");
     let opts = |dir: &Path| DumpOptions {
         leave_running: true,
         pages: PagesBy::Relay,
@@ -557,9 +558,7 @@ fn a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     };
     set_child_subreaper().unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let mut reference = start_testee(tmp.path(), "reference");
-    let mut testee = start_testee(tmp.path(), "r");
-    wait_for_file(&testee.ready, TIMEOUT);
+    let (mut reference, mut testee) = reference_and_testee(tmp.path(), "r");
     let images = tmp.path().join("images");
     criu.dump(&DumpOptions::new(testee.pid, &images)).unwrap();
     assert!(
