@@ -12,7 +12,7 @@ use crate::page_server::PageServer;
 use crate::rpc::{self, CriuOpts, ReqType};
 use crate::{
     check_log_name, dir_bytes, hostmem, open_images_dir, process, read_stats, relay, request,
-    stats, swrk, Criu, CriuError, DumpOptions, DumpReport, OwnerDeath, PagesBy, Scope,
+    stats, swrk, Criu, CriuError, DumpOptions, DumpReport, PagesBy, Scope,
 };
 
 impl Criu {
@@ -52,8 +52,7 @@ impl Criu {
         let worker = self.spawn_worker(
             "dump",
             inherit.as_ref().map_or(&[], |fds| &fds[..]),
-            OwnerDeath::Finish,
-            Instant::now() + limit.saturating_mul(2),
+            swrk::OnOwnerDeath::FinishesBy(Instant::now() + limit.saturating_mul(2)),
         )?;
         Ok(PreparedDump {
             opts,
@@ -122,7 +121,6 @@ impl PreparedDump {
                 limit,
                 images_dir: Some(&opts.images_dir),
                 adopted: &[],
-                on_owner_death: OwnerDeath::Finish,
                 on_notify: Some(&mut |n: &rpc::Notify| post.notify(n)),
             },
         );
@@ -146,22 +144,11 @@ impl PreparedDump {
     }
 }
 
-/// How long a worker made ready and never asked is given to end once its socket is shut.
-const UNASKED_EXIT: Duration = Duration::from_secs(2);
-
 impl Drop for PreparedDump {
     fn drop(&mut self) {
         if let Some(w) = self.worker.take() {
-            end_unasked(w);
+            w.end_unasked();
         }
-    }
-}
-
-/// Ends a worker made ready and never asked: its socket shut, it ends by itself (and its guard
-/// with it), reaped; killed with what is under it if not within [`UNASKED_EXIT`].
-pub(crate) fn end_unasked(mut w: swrk::Worker) {
-    if !matches!(w.finish(Instant::now() + UNASKED_EXIT), Ok(Some(_))) {
-        w.kill_tree(&[]);
     }
 }
 

@@ -642,46 +642,27 @@ impl Criu {
             limit: Deadline::QUERY,
             images_dir,
             adopted: &[],
-            on_owner_death: OwnerDeath::Kill,
             on_notify: None,
         };
-        self.call_inheriting(op, req, log, &[], scope)
-    }
-
-    /// [`call`](Self::call) with a worker that inherits `inherit` (descriptors above 2), within
-    /// `scope`'s deadline.
-    fn call_inheriting(
-        &self,
-        op: &'static str,
-        req: CriuReq,
-        log: Option<&Path>,
-        inherit: &[std::os::fd::RawFd],
-        scope: Scope<'_>,
-    ) -> Result<CriuResp, CriuError> {
         let deadline = Instant::now() + scope.limit;
-        let worker = self.spawn_worker(op, inherit, scope.on_owner_death, deadline)?;
+        let worker = self.spawn_worker(op, &[], swrk::OnOwnerDeath::KilledAtOnce)?;
         Self::answer(worker, op, req, log, deadline, scope)
     }
 
     /// A worker for the request `op`, inheriting `inherit` (descriptors above 2), waiting for
-    /// the request; `deadline`: how long it may be left to finish if this process dies.
+    /// the request; what becomes of it should this process die meanwhile: `on_owner_death`.
     fn spawn_worker(
         &self,
         op: &'static str,
         inherit: &[std::os::fd::RawFd],
-        on_owner_death: OwnerDeath,
-        deadline: Instant,
+        on_owner_death: swrk::OnOwnerDeath,
     ) -> Result<swrk::Worker, CriuError> {
         swrk::Worker::spawn(
             &self.binary,
             op,
             self.plugin_dir.as_deref(),
             inherit,
-            match on_owner_death {
-                OwnerDeath::DieWithParent => swrk::OnOwnerDeath::DiesWithParent,
-                OwnerDeath::Kill => swrk::OnOwnerDeath::KilledAtOnce,
-                OwnerDeath::Finish => swrk::OnOwnerDeath::FinishesBy(deadline),
-            },
+            on_owner_death,
         )
     }
 
@@ -760,22 +741,9 @@ struct Scope<'a> {
     images_dir: Option<&'a Path>,
     /// PIDs the request creates outside the worker's tree (children of this process).
     adopted: &'a [i32],
-    /// What becomes of the worker if this process dies meanwhile.
-    on_owner_death: OwnerDeath,
     /// Told each action-script notification, before it is acknowledged.
     /// Its answer is the script's success: `false` fails the request.
     on_notify: Option<&'a mut dyn FnMut(&rpc::Notify) -> bool>,
-}
-
-/// What becomes of a request's worker if this process dies during it.
-#[derive(Debug, Clone, Copy)]
-enum OwnerDeath {
-    /// It dies with this process, without a guard (a restore whose root is its sibling).
-    DieWithParent,
-    /// Its guard kills it at once, and what it was restoring.
-    Kill,
-    /// It is left to finish until its deadline (a dump).
-    Finish,
 }
 
 impl Scope<'_> {

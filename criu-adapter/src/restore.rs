@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::rpc::{self, CriuOpts, ReqType};
 use crate::{
     check_log_name, dir_bytes, images, open_images_dir, process, read_stats, request, stats, swrk,
-    Criu, CriuError, OwnerDeath, RestoreOptions, RestoreReport, Scope,
+    Criu, CriuError, RestoreOptions, RestoreReport, Scope,
 };
 
 impl Criu {
@@ -62,9 +62,7 @@ impl Criu {
             });
         }
         let inherited: Vec<RawFd> = inherit.iter().map(|i| i.fd).collect();
-        let on_owner_death = owner_death(opts);
-        // (The deadline is a dump's grace only; a restore's worker is killed with its owner.)
-        let worker = self.spawn_worker("restore", &inherited, on_owner_death, Instant::now())?;
+        let worker = self.spawn_worker("restore", &inherited, owner_death(opts))?;
         Ok(PreparedRestore {
             worker: Some(worker),
             _copies: copies,
@@ -76,12 +74,12 @@ impl Criu {
 }
 
 /// Who ends a restore's worker should this process die: with the root created as the worker's
-/// sibling (this process's child) the worker just dies with it; a guard would be the root's
-/// parent otherwise.
-fn owner_death(opts: &RestoreOptions) -> OwnerDeath {
+/// sibling (this process's child) the worker just dies with it (a guard would be the root's
+/// parent); otherwise its guard kills it at once, with what it was restoring.
+fn owner_death(opts: &RestoreOptions) -> swrk::OnOwnerDeath {
     match opts.restore_sibling {
-        true => OwnerDeath::DieWithParent,
-        false => OwnerDeath::Kill,
+        true => swrk::OnOwnerDeath::DiesWithParent,
+        false => swrk::OnOwnerDeath::KilledAtOnce,
     }
 }
 
@@ -184,7 +182,6 @@ impl PreparedRestore {
                 limit,
                 images_dir: Some(&opts.images_dir),
                 adopted: &dumped,
-                on_owner_death: owner_death(opts),
                 on_notify: None,
             },
         )?;
@@ -212,7 +209,7 @@ impl PreparedRestore {
 impl Drop for PreparedRestore {
     fn drop(&mut self) {
         if let Some(w) = self.worker.take() {
-            crate::dump::end_unasked(w);
+            w.end_unasked();
         }
     }
 }

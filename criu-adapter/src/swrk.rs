@@ -59,6 +59,9 @@ const REAP_WAIT: Duration = Duration::from_secs(5);
 /// How often a worker is looked at while it is waited for to exit.
 const EXIT_POLL: Duration = Duration::from_millis(1);
 
+/// How long a worker made ready and never asked is given to end once its socket is shut.
+const UNASKED_EXIT: Duration = Duration::from_secs(2);
+
 /// How long a worker that closed its socket is given to exit.
 const EXIT_WAIT: Duration = Duration::from_secs(10);
 
@@ -298,6 +301,14 @@ impl Worker {
             "killed criu swrk and the tasks under it"
         );
         tasks.len().saturating_sub(not_counted)
+    }
+
+    /// Ends a worker made ready and never asked: its socket shut, it ends by itself (and its
+    /// guard with it), reaped; killed with what is under it if not within [`UNASKED_EXIT`].
+    pub(crate) fn end_unasked(mut self) {
+        if !matches!(self.finish(Instant::now() + UNASKED_EXIT), Ok(Some(_))) {
+            self.kill_tree(&[]);
+        }
     }
 
     /// Kills and reaps the worker alone.
