@@ -197,6 +197,7 @@ def one_mode(a, mode, work, log):
                               bytes_while_first_round=(j or {}).get("bytes_while_first_round"),
                               rounds_while_first_round=(j or {}).get("rounds_while_first_round"),
                               post_copy=(j or {}).get("post_copy"),
+                              loaded_ahead=(j or {}).get("loaded_ahead"),
                               timings=(j or {}).get("timings"), received_ok=bool(received),
                               received=(received or {}).get("timings"),
                               remote_restore=(received or {}).get("restore"),

@@ -456,8 +456,12 @@ pub struct StageStats {
     pub draft: bool,
     /// Buffers whose load failed (or was ended).
     pub failed: u64,
-    /// Bytes loaded.
+    /// Bytes loaded (of buffers whole in memory).
     pub loaded_bytes: u64,
+    /// Bytes of chunks whose copy into memory was issued, a buffer not whole yet included (a
+    /// chunk loaded again counted again): how far the loads came.
+    #[serde(default)]
+    pub chunk_bytes: u64,
     /// Pieces of its image's data files still pending ([`Request::Stage`]'s `pending`).
     #[serde(default)]
     pub pending_pieces: u64,

@@ -362,6 +362,10 @@ pub(crate) struct Stage {
     /// settled (none: they stop then).
     rewrites_until: Option<Instant>,
     progress: Mutex<Progress>,
+    /// Bytes of chunks whose copy into the buffers' memory was issued (a buffer not whole yet
+    /// included, a chunk loaded again counted again): how far the loads came, finer than
+    /// whole buffers.
+    chunk_bytes: std::sync::atomic::AtomicU64,
     cv: Condvar,
     started: Instant,
 }
@@ -413,6 +417,7 @@ impl Stage {
                 rewrites: Rewrites::default(),
                 reads_waiting: 0,
             }),
+            chunk_bytes: Default::default(),
             cv: Condvar::new(),
             started: Instant::now(),
         }
@@ -895,6 +900,7 @@ impl Stage {
             peer_bytes: p.peer_bytes,
             failed: p.failed as u64,
             loaded_bytes: p.loaded_bytes,
+            chunk_bytes: self.chunk_bytes.load(std::sync::atomic::Ordering::Relaxed),
             pending_pieces: p.pending.left() as u64,
             blocked_buffers: p.blocked() as u64,
             ms: ms(self.started.elapsed()),
@@ -1189,6 +1195,7 @@ fn send_chunks(
         for ((buf, n), &(off, _)) in bufs.into_iter().zip(group) {
             inflight.push_back(load.via.stream.copy_h2d(buf, load.va + off, n)?);
             issued.push(off);
+            (load.stage.chunk_bytes).fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
     Ok(())

@@ -125,6 +125,12 @@ impl Observer for MigrateLine {
                 s.phase = format!("pre-copy round {round} sent ahead ({mib:.0} MiB written)");
                 s.estimate = estimate;
             }
+            MigrateStep::Loading { limit } => {
+                s.phase = format!(
+                    "the destination loads what was sent ahead (at most {:.1} s)",
+                    limit.as_secs_f64()
+                );
+            }
             MigrateStep::Held => {
                 s.phase = "the job held, sending the rest".into();
                 s.estimate = None;
@@ -177,6 +183,13 @@ mod tests {
             assert_eq!(s.estimate, Some(Duration::from_secs(2)));
             assert_eq!(s.sent.as_ref().unwrap().load(Ordering::Relaxed), 5);
         }
+        m.migrating(MigrateStep::Loading {
+            limit: Duration::from_secs(5),
+        });
+        assert_eq!(
+            lock(&m.shown).phase,
+            "the destination loads what was sent ahead (at most 5.0 s)"
+        );
         m.migrating(MigrateStep::Held);
         assert_eq!(lock(&m.shown).estimate, None, "no estimate once held");
         m.migrating(MigrateStep::Restoring);

@@ -519,6 +519,21 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
     assert!(reused > 0, "nothing taken from the prestage: {r}");
     assert!(reused <= staged[0]["bytes"].as_u64().unwrap(), "{r}");
     assert!(v["bytes_before_hold"].as_u64().unwrap() > 0, "{v}");
+    // The source held the job only once the destination said what it had loaded: here all of
+    // it (a few MiB), before the limit. (A loader that stalls ends the wait early; then the
+    // destination still had some to load.)
+    let loaded = &v["loaded_ahead"];
+    let left = loaded["left"].as_u64().expect("loaded_ahead.left");
+    match loaded["end"].as_str() {
+        Some("loaded") => {
+            assert_eq!(left, 0, "{v}");
+            let bytes = pre[0]["bytes"].as_u64().unwrap();
+            assert!(loaded["loaded"].as_u64().unwrap() >= bytes, "{v}\n{r}");
+        }
+        Some("stalled") => assert!(left > 0, "{v}"),
+        _ => panic!("the destination was asked and loads ahead: {v}"),
+    }
+    assert!(loaded["waited_ms"].as_f64().unwrap() < 5000.0, "{v}");
 
     goes_on_like(&mut t.job, dir, &t.want, "migrated, its image loaded ahead");
     // The keeper holds no stage, and no memory of the prestage's nor of the stage ahead built
@@ -539,7 +554,8 @@ fn the_destination_loads_the_gpu_image_sent_ahead_before_the_restore() {
         "{r}"
     );
     say(&format!(
-        "migrate_prestage: {reused} of {} bytes in memory before the restore",
+        "migrate_prestage: {reused} of {} bytes in memory before the restore; the source's \
+         wait: {loaded}",
         staged[0]["bytes"]
     ));
 }
@@ -554,8 +570,17 @@ fn the_destination_stages_the_finished_image_ahead_of_the_restore() {
         return;
     };
     let dir = t.tmp.path();
-    let out = migrate_kept(&t, ("POSSUM_MIGRATE_SLICE_MIB", "1"));
-    let (_, r) = migrated(&out, t.receiver, &t.job);
+    // (The source not waiting for the destination's loads: the stage ahead builds on what
+    // the prestage had loaded when the final set came.)
+    let out = migrate_kept_with(
+        &t,
+        &[
+            ("POSSUM_MIGRATE_SLICE_MIB", "1"),
+            ("POSSUM_MIGRATE_LOAD_WAIT_MS", "0"),
+        ],
+    );
+    let (v, r) = migrated(&out, t.receiver, &t.job);
+    assert!(v["loaded_ahead"].is_null(), "not asked: {v}");
     let pre = r["prestaged"].as_array().expect("prestaged");
     assert_eq!(pre.len(), 1, "{r}");
     let ahead = &pre[0]["ahead"];

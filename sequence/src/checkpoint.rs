@@ -302,6 +302,9 @@ fn hold_and_commit<'a>(
         if run.by_possum() {
             obs.precopied(&run.tmp, &run.written);
             run.more_rounds(obs)?;
+            if run.ranks_held_since.is_none() {
+                obs.ready_to_cut();
+            }
         }
         // CRIU's worker and the relay's pipes made ready beside the cut and the driver.
         let ready = run.ready_dump();

@@ -134,6 +134,11 @@ pub struct Environment {
     /// Off by default: the loads beside the job's pre-copy and final copy lengthened a
     /// training job's downtime (decision 40).
     pub load_rewritten: bool,
+    /// `POSSUM_MIGRATE_LOAD_WAIT_MS` (default [`LOAD_WAIT`]; `0`: no wait): before it holds the
+    /// job, a migration's source waits at most so long, the job running, for the destination
+    /// to load into GPU memory the GPU images sent ahead (it stops as soon as they are loaded,
+    /// or once the destination loads nothing more for a while).
+    pub load_wait: Duration,
     /// `POSSUM_MIGRATE_PART_MIB` (default 64): a migration sends the job's private memory split
     /// out of CRIU's images in parts of so many bytes, which the destination writes from every
     /// stream at once.
@@ -146,6 +151,9 @@ pub struct Environment {
 /// round came: with 32 GiB, parts of some 4 GiB of the round's nine data files, each received
 /// in well under a second and loaded while the next comes.
 pub const FIRST_ROUND_SLICE: u64 = 512 << 20;
+
+/// The default of [`Environment::load_wait`].
+pub const LOAD_WAIT: Duration = Duration::from_secs(5);
 
 /// The default of [`Environment::cut_deadline`].
 pub const CUT_DEADLINE: Duration = Duration::from_secs(30);
@@ -207,6 +215,9 @@ impl Environment {
                 .is_some_and(|v| v.trim() == "1"),
             stage_ahead: !off("POSSUM_MIGRATE_STAGE_AHEAD"),
             load_rewritten: var("POSSUM_MIGRATE_LOAD_REWRITTEN").is_some_and(|v| v.trim() == "1"),
+            load_wait: var("POSSUM_MIGRATE_LOAD_WAIT_MS")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map_or(LOAD_WAIT, Duration::from_millis),
             hostmem_part_bytes: var("POSSUM_MIGRATE_PART_MIB")
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .filter(|&mib| mib > 0)
@@ -248,6 +259,10 @@ mod tests {
         assert_eq!(none.hostmem_part_bytes, 64 << 20);
         let part = Environment::from_vars(|n| (n == "POSSUM_MIGRATE_PART_MIB").then(|| "2".into()));
         assert_eq!(part.hostmem_part_bytes, 2 << 20);
+        assert_eq!(none.load_wait, LOAD_WAIT);
+        let nowait =
+            Environment::from_vars(|n| (n == "POSSUM_MIGRATE_LOAD_WAIT_MS").then(|| "0".into()));
+        assert_eq!(nowait.load_wait, Duration::ZERO);
         let threads = possum_criu::hostmem::default_threads();
         assert_eq!(none.dump_pages, PagesBy::for_threads(threads));
         assert_eq!(PagesBy::for_threads(16), PagesBy::Relay);

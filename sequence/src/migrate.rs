@@ -265,6 +265,9 @@ struct SendAhead<'a> {
     first_round: Option<first_round::FirstRound>,
     /// Its bytes and rounds, for the report.
     first_sent: (Totals, u32),
+    /// What the destination had loaded of what was sent ahead when the cut came
+    /// ([`Observer::ready_to_cut`]).
+    loaded_ahead: Option<wire::LoadedAhead>,
 }
 
 impl SendAhead<'_> {
@@ -365,7 +368,48 @@ impl SendAhead<'_> {
     }
 }
 
+/// The source stops waiting for the destination's loads once they have not moved for this
+/// long ...
+const LOAD_STALLED: Duration = Duration::from_millis(500);
+/// ... and asks how far they came this often.
+const LOAD_POLL: Duration = Duration::from_millis(20);
+
 impl Observer for SendAhead<'_> {
+    /// The rounds sent ahead: unless `POSSUM_MIGRATE_LOAD_WAIT_MS=0`, the job runs on until the
+    /// destination loaded into GPU memory the GPU images sent ahead (or they stall, or the
+    /// wait's limit passes), so that the restore there finds them loaded. A failure is acted on
+    /// once the checkpoint is committed, as a failed round is.
+    fn ready_to_cut(&mut self) {
+        let limit = self.p.checkpoint.env.load_wait;
+        if limit.is_zero() || self.rounds == 0 {
+            return;
+        }
+        let Some(Ok(link)) = self.link.as_mut() else {
+            return;
+        };
+        self.obs.migrating(MigrateStep::Loading { limit });
+        let wait = wire::LoadWait {
+            limit,
+            stalled: LOAD_STALLED,
+            poll: LOAD_POLL,
+        };
+        match link.sender.await_loaded(&mut link.stream, wait) {
+            Ok(l) => {
+                if l.end != wire::LoadWaitEnd::Nothing {
+                    self.obs.note(&format!(
+                        "the destination loaded {:.2} GB of what was sent ahead before the cut \
+                         ({:.2} GB left; {:.0} ms waited, {:?})",
+                        l.loaded as f64 / 1e9,
+                        l.left as f64 / 1e9,
+                        l.waited.as_secs_f64() * 1e3,
+                        l.end
+                    ));
+                }
+                self.loaded_ahead = Some(l);
+            }
+            Err(e) => self.link = Some(Err(Early::Send(Box::new(e)))),
+        }
+    }
     /// The first pre-copy round begins: with `POSSUM_MIGRATE_FIRST_ROUND_WHILE_COPYING=1`, the
     /// connection is made now, and the chunks the round completes go as it runs.
     fn first_round(&mut self, dir: &Path, journal: &Path) -> bool {
@@ -643,6 +687,7 @@ pub fn migrate(p: &MigrateParams, obs: &mut dyn Observer) -> Result<MigrateRepor
         rounds_while_copying: early.copying_rounds,
         timings,
         host_memory_ahead: ahead.host_ahead,
+        loaded_ahead: ahead.loaded_ahead,
         image_kept,
         post_copy,
         checkpoint: report,
@@ -772,6 +817,8 @@ struct Ahead {
     held_sent: Option<HeldSent>,
     /// What was sent while the first pre-copy round ran, in so many rounds.
     first_sent: (Totals, u32),
+    /// What the destination had loaded ahead when the cut came.
+    loaded_ahead: Option<wire::LoadedAhead>,
 }
 
 /// The checkpoint up to its commit with the job held, its pre-copy sent ahead through
@@ -798,6 +845,7 @@ fn checkpoint_sending_ahead<'p>(
         dump_again: Arc::default(),
         first_round: None,
         first_sent: (Totals::default(), 0),
+        loaded_ahead: None,
     };
     let checkpointed = checkpoint_held(&p.checkpoint, &mut ahead);
     // (A checkpoint that failed in its first round, or after the hold began, did not say the
@@ -812,6 +860,7 @@ fn checkpoint_sending_ahead<'p>(
         host_ahead,
         held_sent,
         first_sent,
+        loaded_ahead,
         ..
     } = ahead;
     match checkpointed {
@@ -825,6 +874,7 @@ fn checkpoint_sending_ahead<'p>(
                 host_ahead,
                 held_sent,
                 first_sent,
+                loaded_ahead,
             },
         )),
         Err(e) => {

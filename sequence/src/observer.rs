@@ -31,6 +31,10 @@ pub trait Observer {
     fn precopied(&mut self, dir: &Path, written: &Written) {
         let _ = (dir, written);
     }
+    /// The pre-copy rounds are over and nothing of the job is held (no ranks stand at a
+    /// collective): the cut comes once this returns. A migration waits here, bounded, for its
+    /// destination to load what was sent ahead. Engine possum only.
+    fn ready_to_cut(&mut self) {}
     /// The cut begins: the job's final copy is about to write the GPU images under `dir`, the
     /// temporary directory. An observer that returns true reads `journal` while it does: each
     /// chunk the copy completes is recorded there (`JournalWrites`, the engine's
@@ -81,6 +85,12 @@ pub enum MigrateStep {
         bytes: u64,
         /// The downtime expected if the cut came now ([`crate::migrate::estimated_downtime`]).
         estimate: Option<Duration>,
+    },
+    /// The rounds are sent ahead: the job runs on while the destination loads them into GPU
+    /// memory, at most `limit`.
+    Loading {
+        /// The wait's limit.
+        limit: Duration,
     },
     /// The job is held: the rest of the image goes out.
     Held,

@@ -143,6 +143,9 @@ enum Told {
     Grown(Vec<Lengths>),
     /// ... and what the part brought of them, per image.
     Rewritten(Vec<Vec<possum_keeper::PendingPiece>>),
+    /// How far the loads came: the bytes loaded and those still loading, summed over the
+    /// prestages ([`Prestages::loaded`]).
+    Progress(mpsc::SyncSender<(u64, u64)>),
     /// The received directory, now holding the images finished: each staged ahead, then the
     /// sender told (the directory is renamed once the transfer is over: the keepers must have
     /// opened the images by then).
@@ -153,6 +156,9 @@ enum Told {
 /// images it finished (the transfer's rename waits with it; a stage ahead not taken by then
 /// may fail, and the restore stages those images without a base).
 const STAGED_AHEAD_WAIT: Duration = Duration::from_secs(20);
+
+/// How long [`Prestages::loaded`] waits for the keepers' answer.
+const PROGRESS_WAIT: Duration = Duration::from_secs(2);
 
 /// The lengths of the files of an unfinished image directory, by name.
 type Lengths = BTreeMap<String, u64>;
@@ -349,6 +355,10 @@ impl Prestages {
                             let _ = done.send(());
                             continue;
                         }
+                        Told::Progress(answer) => {
+                            let _ = answer.send(progress(&mut made));
+                            continue;
+                        }
                     };
                     for (made, files) in made.iter_mut().zip(parts) {
                         let Some((keeper, p)) = made else {
@@ -369,6 +379,15 @@ impl Prestages {
             .ok();
     }
 
+    /// How far the loads ahead came, as their keepers say: the bytes loaded into GPU memory and
+    /// those still loading (0 once every prestage settled). (0, 0) without a prestage, or
+    /// if the keepers do not answer within [`PROGRESS_WAIT`].
+    pub(crate) fn loaded(&mut self) -> (u64, u64) {
+        let (answer, answered) = mpsc::sync_channel(1);
+        self.tell(Told::Progress(answer));
+        answered.recv_timeout(PROGRESS_WAIT).unwrap_or((0, 0))
+    }
+
     /// The prestages made (waiting for the requests, not for the loads).
     pub(crate) fn finish(&mut self) -> Vec<Prestaged> {
         self.grown = None;
@@ -377,6 +396,32 @@ impl Prestages {
             .and_then(|t| t.join().ok())
             .unwrap_or_default()
     }
+}
+
+/// How far the prestages `made` came (their keepers' `stats`): the bytes of their chunks
+/// copied into GPU memory, and those left (none of a prestage settled). A keeper that fails to
+/// answer is not asked again.
+fn progress(made: &mut [Option<(Option<possum_keeper::Keeper>, Prestaged)>]) -> (u64, u64) {
+    let (mut loaded, mut left) = (0, 0);
+    for (keeper, p) in made.iter_mut().flatten() {
+        let (Some(k), Some(stage)) = (keeper.as_mut(), p.stage) else {
+            continue;
+        };
+        let stats = match k.stats() {
+            Ok(s) => s,
+            Err(_) => {
+                *keeper = None;
+                continue;
+            }
+        };
+        if let Some(s) = stats.stages.iter().find(|s| s.stage == stage) {
+            loaded += s.chunk_bytes;
+            if s.done_ms.is_none() {
+                left += s.bytes.saturating_sub(s.chunk_bytes);
+            }
+        }
+    }
+    (loaded, left)
 }
 
 /// Tells the keeper of prestage `made` (if it was made) that `pieces` of its image's data files

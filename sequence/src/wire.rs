@@ -15,6 +15,8 @@
 //!   per part (a round sent ahead, or the final set), on stream 0:
 //!     Dir.., File.. (each file numbered in its part), Chunks ──▶
 //!   then on every stream at once: Chunk.. (file, offset, bytes), EndPart ──▶  pwritten in place
+//!   (between parts ahead, a migration before its cut) LoadQuery ──▶
+//!                  ◀── Loaded: the bytes sent ahead loaded into GPU memory, and still loading
 //!   (parts ahead of the final set, then) Cut; the final set's part; Done ──▶
 //!                  ◀── Committed (DEST named) or Abort (why not)
 //!   (post-copy) on every stream but the first: Chunk.. (the pieces left), EndPart ──▶
@@ -89,6 +91,11 @@
 //!   `Outcome`): `piece: u64` (LE), the number of a piece left for later (its place in the final
 //!   set's list of them, by path and offset): send it next ([`later`] draws post-copy; a patch
 //!   marked `"later"` in the final set is one of them, its bytes not in the part).
+//! - `LoadQuery` (between parts sent ahead, before the `Cut`): empty; answered at once with
+//!   `Loaded`, `loaded: u64`, `left: u64` (LE): the bytes of the GPU images sent ahead that the
+//!   receiver's side has loaded into GPU memory, and those it is still loading (0: no more will
+//!   be, or nothing is loaded ahead). A migration's source asks before it holds the job
+//!   ([`DirSender::await_loaded`]).
 //! - `Buffer` and `BufferChunk` (a pre-copy's, on one stream, in place of the parts:
 //!   [`PrecopySender`], [`receive_precopy`]): an engine buffer declared, `id`, `va`, `size` (`u64`
 //!   LE) and its prefetch rank (`u32` LE); and bytes of a declared buffer, its `id` and the offset
@@ -120,6 +127,7 @@ mod error;
 mod fsio;
 mod handoff;
 mod later;
+mod load_wait;
 mod mac;
 mod pace;
 mod precopy;
@@ -131,6 +139,7 @@ mod written;
 pub use error::{ReceiveError, SendError, WireError};
 pub use handoff::*;
 pub use later::*;
+pub use load_wait::{LoadWait, LoadWaitEnd, LoadedAhead};
 pub use mac::{Misfit, TAG_BYTES};
 pub use pace::*;
 pub use precopy::*;

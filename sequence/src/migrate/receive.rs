@@ -226,20 +226,37 @@ fn receive_loading_ahead(
     p: &ReceiveParams,
 ) -> Result<Loaded, ReceiveError> {
     let env = &p.restore.env;
-    let mut ahead = Prestages::staging_ahead(env.stage_ahead).told_rewritten(env.load_rewritten);
-    let received =
-        receive_dir_post_copy(stream, session, dest, Durability::Later, &mut |d, at, b| {
-            if env.restore_stage {
-                ahead.part_received(d, at, b);
-            }
-        });
-    let prestaged = ahead.finish();
+    let ahead = Prestages::staging_ahead(env.stage_ahead).told_rewritten(env.load_rewritten);
+    let mut watch = LoadingAhead {
+        ahead,
+        on: env.restore_stage,
+    };
+    let received = receive_dir_post_copy(stream, session, dest, Durability::Later, &mut watch);
+    let prestaged = watch.ahead.finish();
     match received {
         Ok((got, session, later)) => Ok((got, session, prestaged, later)),
         Err(e) => {
             prestage::end(&prestaged);
             Err(ReceiveError::Transfer(Box::new(e)))
         }
+    }
+}
+
+/// The receive's [`wire::Watch`] at a migration's destination: each part told to the loads
+/// ahead (unless the restore does not stage, `on`), and the source told how far they came.
+struct LoadingAhead {
+    ahead: Prestages,
+    on: bool,
+}
+
+impl wire::Watch for LoadingAhead {
+    fn part(&mut self, dir: &Path, part: wire::Part, brought: &wire::Brought) {
+        if self.on {
+            self.ahead.part_received(dir, part, brought);
+        }
+    }
+    fn loaded(&mut self) -> (u64, u64) {
+        self.ahead.loaded()
     }
 }
 

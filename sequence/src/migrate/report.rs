@@ -111,6 +111,9 @@ pub struct MigrateReport {
     /// The job's private memory drafted and sent with the pre-copy rounds (what of it the
     /// cut found unchanged: `checkpoint.figures.hostmem.ahead_reused_bytes`).
     pub host_memory_ahead: HostAhead,
+    /// What the destination had loaded into GPU memory of what was sent ahead when the job
+    /// was held, and how long the source waited for it, the job running (null: not asked).
+    pub loaded_ahead: Option<crate::wire::LoadedAhead>,
     /// The local image, kept: the destination did not say that its own is on its disk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_kept: Option<PathBuf>,

@@ -100,6 +100,14 @@ pub enum SendError {
         /// What it sent.
         got: &'static str,
     },
+    /// The receiver answered a question with something else than its answer.
+    #[error("the receiver answered {asked} with a {got} frame")]
+    Unanswered {
+        /// The question.
+        asked: &'static str,
+        /// What it sent.
+        got: &'static str,
+    },
     /// The receiver counted other totals.
     #[error(
         "the receiver counted {} files and {} bytes, {} and {} were sent",

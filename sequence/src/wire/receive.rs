@@ -218,7 +218,13 @@ pub fn receive_dir_in_session_as<S: Read + Write>(
     dest: &Path,
     durability: Durability,
 ) -> Result<(ReceiveReport, Session), WireError> {
-    receive_dir_watching(stream, session, dest, durability, &mut |_, _, _| {})
+    receive_dir_watching(
+        stream,
+        session,
+        dest,
+        durability,
+        &mut on_parts(|_, _, _| {}),
+    )
 }
 
 /// What a part brought ([`receive_dir_watching`]'s `ahead`): by each file's path under the
@@ -236,6 +242,40 @@ pub enum Part {
     Final,
 }
 
+/// What a receive tells of its parts as they come, and asks about what they began
+/// ([`receive_dir_watching`]'s `ahead`). [`on_parts`] makes one of a function that loads
+/// nothing ahead.
+pub trait Watch {
+    /// A part is whole in `dir` (see [`receive_dir_watching`]), with what it brought.
+    fn part(&mut self, dir: &Path, part: Part, brought: &Brought);
+    /// The sender's `LoadQuery` before the `Cut`: the bytes sent ahead loaded into GPU memory
+    /// so far, and those still loading (0: no more will be). (0, 0) where nothing is loaded
+    /// ahead.
+    fn loaded(&mut self) -> (u64, u64) {
+        (0, 0)
+    }
+}
+
+/// A [`Watch`] that tells `f` of each part, and loads nothing ahead.
+pub fn on_parts<F: FnMut(&Path, Part, &Brought)>(f: F) -> OnParts<F> {
+    OnParts(f)
+}
+
+/// [`on_parts`]'s.
+pub struct OnParts<F>(F);
+
+impl<F> std::fmt::Debug for OnParts<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnParts")
+    }
+}
+
+impl<F: FnMut(&Path, Part, &Brought)> Watch for OnParts<F> {
+    fn part(&mut self, dir: &Path, part: Part, brought: &Brought) {
+        (self.0)(dir, part, brought)
+    }
+}
+
 /// [`receive_dir_in_session_as`], `ahead` told of the directory where what is sent ahead is
 /// received each time a part of it is whole there (its files complete and checked), with what the
 /// part brought, while the source's job runs: a migration's destination begins loading the
@@ -247,7 +287,7 @@ pub fn receive_dir_watching<S: Read + Write>(
     session: Session,
     dest: &Path,
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path, Part, &Brought),
+    ahead: &mut dyn Watch,
 ) -> Result<(ReceiveReport, Session), WireError> {
     let (report, session, later) = receive_dir_post_copy(stream, session, dest, durability, ahead)?;
     // Pieces left for later come now: the directory is whole when this returns.
@@ -276,7 +316,7 @@ pub fn receive_dir_post_copy<S: Read + Write>(
     mut session: Session,
     dest: &Path,
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path, Part, &Brought),
+    ahead: &mut dyn Watch,
 ) -> Result<(ReceiveReport, Session, Option<LaterReceiver>), WireError> {
     let start = Instant::now();
     let mut lanes = Vec::new();
@@ -323,13 +363,13 @@ fn consequential(e: &ReceiveError) -> bool {
 
 /// Receives the frames into a temporary sibling of `dest`, then names it `dest`; the totals
 /// `Done` said, checked.
-pub(super) fn receive_into<S: Read>(
+pub(super) fn receive_into<S: Read + Write>(
     stream: &mut S,
     session: &mut Session,
     lanes: &mut Vec<RecvLane>,
     (name, dest): (&std::ffi::OsStr, &Path),
     durability: Durability,
-    ahead: &mut dyn FnMut(&Path, Part, &Brought),
+    ahead: &mut dyn Watch,
 ) -> Result<(Totals, Vec<LaterPiece>), ReceiveError> {
     let parent = match dest.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -347,7 +387,15 @@ pub(super) fn receive_into<S: Read>(
                     None => Part::Ahead,
                     Some(_) => Part::Final,
                 };
-                ahead(&r.root, part, &brought);
+                ahead.part(&r.root, part, &brought);
+            }
+            Frame::LoadQuery if r.pre.is_none() => {
+                let (loaded, left) = ahead.loaded();
+                write_frame(stream, session, &Frame::Loaded { loaded, left })?;
+                stream.flush().map_err(|source| FrameError::Io {
+                    what: "sending",
+                    source,
+                })?;
             }
             Frame::Cut => r.cut()?,
             Frame::Remove { path } => r.remove(&path)?,

@@ -874,6 +874,25 @@ impl DirSender {
             .collect()
     }
 
+    /// Before the `Cut`, once what is to go ahead went: waits, as `wait` says, for the receiver's
+    /// side to load into GPU memory the GPU images sent ahead (`LoadQuery`, `Loaded`), so that
+    /// a migration holds its job only once the destination has what it can load ahead. What
+    /// the receiver last said.
+    pub fn await_loaded<S: Read + Write>(
+        &mut self,
+        stream: &mut S,
+        wait: super::LoadWait,
+    ) -> Result<super::LoadedAhead, WireError> {
+        let asked = match self.first_part {
+            Some(_) => Err(SendError::Unsupported {
+                path: PathBuf::new(),
+                what: "a question of what was loaded ahead after the cut",
+            }),
+            None => super::load_wait::await_loaded(stream, &mut self.session, wait),
+        };
+        asked.map_err(|e| self.failed(stream, e))
+    }
+
     /// Tells the receiver why this end gives up (`Abort`), best effort, and ends the streams.
     pub fn abort<S: Write>(&mut self, stream: &mut S, reason: &str) {
         self.lanes.clear();

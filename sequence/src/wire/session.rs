@@ -15,7 +15,7 @@ use super::mac::{keyed, session_id, FrameMac, Misfit, Way, HEADER_BYTES, KEY_BYT
 use crate::auth::HmacKey;
 
 /// The protocol's version, in the hello and the proof.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// The first bytes of the hello and the proof.
 pub(super) const MAGIC: [u8; 8] = *b"POSSUMWR";
 /// A nonce's length (bytes).
@@ -552,6 +552,17 @@ pub enum Frame<'a> {
         /// The file, relative to the directory.
         path: String,
     },
+    /// Before the `Cut`, between parts: how much of what was sent ahead has the destination
+    /// loaded into GPU memory? (Answered with `Loaded`.)
+    LoadQuery,
+    /// The answer to `LoadQuery`: the bytes of the GPU images sent ahead that the destination
+    /// has loaded, and those it still loads (0: it loads no more, or loads nothing ahead).
+    Loaded {
+        /// Loaded.
+        loaded: u64,
+        /// Still loading.
+        left: u64,
+    },
     /// A pre-copy's bytes of a declared buffer from `offset` (a later round's replace them).
     BufferChunk {
         /// The buffer's id.
@@ -617,6 +628,8 @@ pub(super) const KIND_CUT: u8 = 12;
 pub(super) const KIND_CHUNKS: u8 = 13;
 pub(super) const KIND_DEMAND: u8 = 14;
 pub(super) const KIND_REMOVE: u8 = 15;
+pub(super) const KIND_LOAD_QUERY: u8 = 16;
+pub(super) const KIND_LOADED: u8 = 17;
 /// A `Buffer` frame's payload: id, va, size (`u64` LE), prefetch rank (`u32` LE).
 pub(super) const BUFFER_BYTES: usize = 28;
 /// The head of a `Chunk` or `BufferChunk` (the rest is its body): two `u64`.
@@ -687,6 +700,8 @@ pub(super) fn kind_name(kind: u8) -> &'static str {
         KIND_CHUNKS => "Chunks",
         KIND_DEMAND => "Demand",
         KIND_REMOVE => "Remove",
+        KIND_LOAD_QUERY => "LoadQuery",
+        KIND_LOADED => "Loaded",
         _ => "unknown",
     }
 }
@@ -713,6 +728,8 @@ impl Frame<'_> {
             Frame::Cut => KIND_CUT,
             Frame::Demand { .. } => KIND_DEMAND,
             Frame::Remove { .. } => KIND_REMOVE,
+            Frame::LoadQuery => KIND_LOAD_QUERY,
+            Frame::Loaded { .. } => KIND_LOADED,
         }
     }
 }
@@ -732,7 +749,8 @@ pub(super) fn encode<'a>(frame: &Frame<'a>) -> (Vec<u8>, &'a [u8]) {
         Frame::Chunk { file, offset, data } => (u64s(*file, *offset), data),
         Frame::EndPart { chunks, bytes } => (u64s(*chunks, *bytes), &[]),
         Frame::Demand { piece } => (piece.to_le_bytes().to_vec(), &[]),
-        Frame::Chunks | Frame::Cut | Frame::Released => (Vec::new(), &[]),
+        Frame::Loaded { loaded, left } => (u64s(*loaded, *left), &[]),
+        Frame::Chunks | Frame::Cut | Frame::Released | Frame::LoadQuery => (Vec::new(), &[]),
         Frame::Done(t) | Frame::Committed(t) => (u64s(t.files, t.bytes), &[]),
         Frame::Abort { reason } => (cut_reason(reason).to_vec(), &[]),
         Frame::Remove { path } => (path.as_bytes().to_vec(), &[]),
@@ -859,7 +877,7 @@ pub(super) fn recv_frame<'b, R: Read + ?Sized>(
     }
     let kind = header[0];
     let len = u64::from_le_bytes(header[1..].try_into().expect("8 bytes"));
-    if !(KIND_DIR..=KIND_REMOVE).contains(&kind) {
+    if !(KIND_DIR..=KIND_LOADED).contains(&kind) {
         return Err(FrameError::UnknownKind(kind));
     }
     if len > MAX_FRAME {
@@ -950,12 +968,20 @@ pub(super) fn decode(kind: u8, payload: &[u8]) -> Result<Frame<'_>, FrameError> 
                 bytes: u(8),
             }
         }
-        KIND_CHUNKS | KIND_CUT | KIND_RELEASED => {
+        KIND_CHUNKS | KIND_CUT | KIND_RELEASED | KIND_LOAD_QUERY => {
             exact(0)?;
             match kind {
                 KIND_CHUNKS => Frame::Chunks,
                 KIND_CUT => Frame::Cut,
+                KIND_LOAD_QUERY => Frame::LoadQuery,
                 _ => Frame::Released,
+            }
+        }
+        KIND_LOADED => {
+            exact(16)?;
+            Frame::Loaded {
+                loaded: u(0),
+                left: u(8),
             }
         }
         KIND_DONE | KIND_COMMITTED => {

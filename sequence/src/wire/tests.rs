@@ -1010,6 +1010,11 @@ fn frames_read_back_as_written() {
         Frame::Remove {
             path: "criu/data.pages.3".into(),
         },
+        Frame::LoadQuery,
+        Frame::Loaded {
+            loaded: 10 << 30,
+            left: 7,
+        },
     ];
     let (mut sender, mut receiver) = sessions();
     let mut wire = Vec::new();
@@ -1143,3 +1148,4 @@ fn a_precopy_chunk_changed_in_transit_is_refused() {
 // Directories sent ahead while they are written (pre-copy rounds, patches of files rewritten
 // in place) and sessions of several streams: `tests/ahead.rs`.
 mod ahead;
+mod load_wait;

@@ -1287,7 +1287,8 @@ fn post_copy_receiver(
         };
         assert!(joined.join(l));
         let (_, _, later) =
-            receive_dir_post_copy(&mut s, session, &d, durability, &mut |_, _, _| {}).unwrap();
+            receive_dir_post_copy(&mut s, session, &d, durability, &mut on_parts(|_, _, _| {}))
+                .unwrap();
         let later = later.expect("pieces left");
         named(&d, &later);
         let came = std::sync::Mutex::new(Vec::new());
@@ -1311,7 +1312,13 @@ fn a_directory_sent_with_nothing_ahead_comes_as_the_final_set() {
         let session = receiver_handshake(&mut b, &key(2)).unwrap();
         let mut parts = Vec::new();
         let mut watch = |_: &Path, part, _: &Brought| parts.push(part);
-        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut watch);
+        let r = receive_dir_watching(
+            &mut b,
+            session,
+            &d,
+            Durability::Synced,
+            &mut on_parts(&mut watch),
+        );
         (r.map(|(report, _)| report), parts)
     });
     let (report, _) = DirSender::start(&mut a, &key(2))
@@ -1351,7 +1358,13 @@ fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
                 Part::Final => finals.push(brought.clone()),
             }
         };
-        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut watch);
+        let r = receive_dir_watching(
+            &mut b,
+            session,
+            &d,
+            Durability::Synced,
+            &mut on_parts(&mut watch),
+        );
         assert_eq!(finals.len(), 1, "the final set in one part");
         (r.map(|(report, _)| report), (seen, finals))
     });
