@@ -243,6 +243,15 @@ fn print_migrate(r: &MigrateReport) {
             rounds.join(", ")
         );
     }
+    if let Some(l) = r.loaded_ahead.filter(|l| l.loaded + l.left > 0) {
+        println!(
+            "  the destination had loaded {:.1} of {:.1} MiB ahead when the job was held \
+             (waited {:.0} ms for it, the job running)",
+            mib(l.loaded),
+            mib(l.loaded + l.left),
+            ms(l.waited)
+        );
+    }
     println!(
         "  downtime {:.0} ms (the checkpoint's hold {:.0}, send {:.0} of which hashing again \
          {:.0} and the destination's commit {:.0}, kill {:.0} after it (of {:.0}), restore there \

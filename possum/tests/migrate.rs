@@ -453,12 +453,7 @@ fn kept_job_keeping(
 }
 
 /// `possum migrate` of a [`kept_job`] to its receiver, possum's CRIU plugin found, with the
-/// variable `name` set to `value`.
-fn migrate_kept(t: &KeptJob, var: (&str, &str)) -> Output {
-    migrate_kept_with(t, &[var])
-}
-
-/// [`migrate_kept`] with the variables `vars` set.
+/// variables `vars` set.
 fn migrate_kept_with(t: &KeptJob, vars: &[(&str, &str)]) -> Output {
     let mut env = vec![("POSSUM_CRIU_PLUGIN_DIR", t.libdir.as_path())];
     env.extend(vars.iter().map(|(n, v)| (*n, Path::new(*v))));
