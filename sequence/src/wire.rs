@@ -122,12 +122,12 @@
 //! blocks at most as long as the stream lets it: set a read timeout (a [`TcpStream`] with
 //! [`set_timeouts`]) before calling these.
 
+mod answers;
 mod copies;
 mod error;
 mod fsio;
 mod handoff;
 mod later;
-mod load_wait;
 mod mac;
 mod pace;
 mod precopy;
@@ -136,10 +136,10 @@ mod send;
 mod session;
 mod streams;
 mod written;
+pub use answers::{LoadWait, LoadWaitEnd, LoadedAhead};
 pub use error::{ReceiveError, SendError, WireError};
 pub use handoff::*;
 pub use later::*;
-pub use load_wait::{LoadWait, LoadWaitEnd, LoadedAhead};
 pub use mac::{Misfit, TAG_BYTES};
 pub use pace::*;
 pub use precopy::*;

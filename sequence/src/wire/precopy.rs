@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use possum_engine::image::ImageError;
 use possum_engine::store::{BufferRecord, ChunkSink};
 
+use super::answers::confirmation;
 use super::error::{ReceiveError, SendError};
 use super::handoff::{send_abort, unexpected};
-use super::send::confirmation;
 use super::session::{
     read_frame, send_frame, write_frame, Frame, FrameError, Session, Totals, CHUNK_BYTES,
 };

@@ -6,6 +6,7 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::answers::confirmation;
 use super::error::{on_stream, SendError, WireError};
 use super::handoff::send_abort;
 use super::later::{LaterPiece, LaterSender};
@@ -883,13 +884,8 @@ impl DirSender {
         stream: &mut S,
         wait: super::LoadWait,
     ) -> Result<super::LoadedAhead, WireError> {
-        let asked = match self.first_part {
-            Some(_) => Err(SendError::Unsupported {
-                path: PathBuf::new(),
-                what: "a question of what was loaded ahead after the cut",
-            }),
-            None => super::load_wait::await_loaded(stream, &mut self.session, wait),
-        };
+        let cut = self.first_part.is_some();
+        let asked = super::answers::await_loaded(stream, &mut self.session, wait, cut);
         asked.map_err(|e| self.failed(stream, e))
     }
 
@@ -1495,19 +1491,4 @@ pub(super) fn hex(bytes: &[u8]) -> String {
 /// The 32 bytes written in hex by `s` (64 digits, either case), if it is that.
 pub(super) fn unhex(s: &str) -> Option<[u8; 32]> {
     blake3::Hash::from_hex(s).ok().map(|h| *h.as_bytes())
-}
-
-/// The receiver's answer to `Done`: its totals, once checked.
-pub(super) fn confirmation<S: Read + ?Sized>(
-    stream: &mut S,
-    session: &mut Session,
-    done: &Totals,
-) -> Result<Totals, SendError> {
-    let mut buf = Vec::new();
-    match read_frame(stream, session, &mut buf)? {
-        Frame::Committed(got) if got != *done => Err(SendError::Miscounted { sent: *done, got }),
-        Frame::Committed(got) => Ok(got),
-        Frame::Abort { reason } => Err(SendError::Rejected { reason }),
-        other => Err(SendError::Unconfirmed { got: other.name() }),
-    }
 }

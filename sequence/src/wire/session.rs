@@ -1005,38 +1005,37 @@ pub(super) fn decode(kind: u8, payload: &[u8]) -> Result<Frame<'_>, FrameError> 
                 prefetch_rank: u32::from_le_bytes(payload[24..].try_into().expect("4 bytes")),
             })
         }
-        KIND_OUTCOME => {
-            if payload.len() < 5 {
-                return Err(malformed("shorter than its status and pid".into()));
-            }
-            let pid = i32::from_le_bytes(payload[1..5].try_into().expect("4 bytes"));
-            if payload[0] == 3 {
-                // Synced: the job's wait after it ran, not a reason.
-                let us: [u8; 8] = (payload[5..].try_into())
-                    .map_err(|_| malformed("synced, without the wait after resume".into()))?;
-                let us = u64::from_le_bytes(us);
-                return Ok(Frame::Outcome(Outcome::Synced {
-                    pid,
-                    waited: (us != u64::MAX).then(|| Duration::from_micros(us)),
-                }));
-            }
-            let reason = String::from_utf8(payload[5..].to_vec())
-                .map_err(|_| malformed("a reason that is not UTF-8".into()))?;
-            Frame::Outcome(match payload[0] {
-                1 if reason.is_empty() => Outcome::Running { pid },
-                2 if reason.is_empty() => Outcome::Restored { pid },
-                0 => Outcome::RestoreFailed { reason },
-                _ => {
-                    return Err(malformed(
-                        "neither restored, running, synced nor failed".into(),
-                    ))
-                }
-            })
-        }
+        KIND_OUTCOME => Frame::Outcome(decode_outcome(payload).map_err(malformed)?),
         _ => Frame::Abort {
             reason: String::from_utf8_lossy(payload).into_owned(),
         },
     })
+}
+
+/// An `Outcome` frame's payload: its outcome, or what is wrong with it.
+fn decode_outcome(payload: &[u8]) -> Result<Outcome, String> {
+    if payload.len() < 5 {
+        return Err("shorter than its status and pid".into());
+    }
+    let pid = i32::from_le_bytes(payload[1..5].try_into().expect("4 bytes"));
+    if payload[0] == 3 {
+        // Synced: the job's wait after it ran, not a reason.
+        let us: [u8; 8] = (payload[5..].try_into())
+            .map_err(|_| "synced, without the wait after resume".to_string())?;
+        let us = u64::from_le_bytes(us);
+        return Ok(Outcome::Synced {
+            pid,
+            waited: (us != u64::MAX).then(|| Duration::from_micros(us)),
+        });
+    }
+    let reason = String::from_utf8(payload[5..].to_vec())
+        .map_err(|_| "a reason that is not UTF-8".to_string())?;
+    match payload[0] {
+        1 if reason.is_empty() => Ok(Outcome::Running { pid }),
+        2 if reason.is_empty() => Ok(Outcome::Restored { pid }),
+        0 => Ok(Outcome::RestoreFailed { reason }),
+        _ => Err("neither restored, running, synced nor failed".into()),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,12 +1,29 @@
-//! A migration's source waiting, before it holds the job, for the destination to load what was
-//! sent ahead ([`super::DirSender::await_loaded`]): `LoadQuery` asked on the first stream,
-//! `Loaded` answered, until nothing is left to load, the destination stalls, or the limit.
+//! The receiver's answers on a transfer's first stream: `Committed` to the sender's `Done`
+//! ([`confirmation`]), and `Loaded` to a migration source's `LoadQuery`, asked before it holds
+//! the job until the destination loaded what was sent ahead, stalls, or the limit passes
+//! ([`super::DirSender::await_loaded`]).
 
 use std::io::{Read, Write};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::error::SendError;
-use super::session::{read_frame, write_frame, Frame, FrameError, Session};
+use super::session::{read_frame, write_frame, Frame, FrameError, Session, Totals};
+
+/// The receiver's answer to `Done`: its totals, once checked.
+pub(super) fn confirmation<S: Read + ?Sized>(
+    stream: &mut S,
+    session: &mut Session,
+    done: &Totals,
+) -> Result<Totals, SendError> {
+    let mut buf = Vec::new();
+    match read_frame(stream, session, &mut buf)? {
+        Frame::Committed(got) if got != *done => Err(SendError::Miscounted { sent: *done, got }),
+        Frame::Committed(got) => Ok(got),
+        Frame::Abort { reason } => Err(SendError::Rejected { reason }),
+        other => Err(SendError::Unconfirmed { got: other.name() }),
+    }
+}
 
 /// How long [`super::DirSender::await_loaded`] waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,12 +64,20 @@ pub struct LoadedAhead {
     pub end: LoadWaitEnd,
 }
 
-/// Asks over `stream` (the session's first) until the wait `w` ends.
+/// Asks over `stream` (the session's first) until the wait `w` ends; not after the `Cut`
+/// (`cut`).
 pub(super) fn await_loaded<S: Read + Write>(
     stream: &mut S,
     session: &mut Session,
     w: LoadWait,
+    cut: bool,
 ) -> Result<LoadedAhead, SendError> {
+    if cut {
+        return Err(SendError::Unsupported {
+            path: PathBuf::new(),
+            what: "a question of what was loaded ahead after the cut",
+        });
+    }
     let t = Instant::now();
     let mut buf = Vec::new();
     let (mut last, mut moved) = (None, t);
