@@ -1311,14 +1311,8 @@ fn a_directory_sent_with_nothing_ahead_comes_as_the_final_set() {
     let receiver = thread::spawn(move || {
         let session = receiver_handshake(&mut b, &key(2)).unwrap();
         let mut parts = Vec::new();
-        let mut watch = |_: &Path, part, _: &Brought| parts.push(part);
-        let r = receive_dir_watching(
-            &mut b,
-            session,
-            &d,
-            Durability::Synced,
-            &mut on_parts(&mut watch),
-        );
+        let mut watch = on_parts(|_: &Path, part, _: &Brought| parts.push(part));
+        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut watch);
         (r.map(|(report, _)| report), parts)
     });
     let (report, _) = DirSender::start(&mut a, &key(2))
@@ -1348,7 +1342,7 @@ fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
         // The files' lengths as each part sent ahead is whole, and what it brought of the long
         // one; what the final set's parts brought.
         let (mut seen, mut finals) = (Vec::new(), Vec::new());
-        let mut watch = |dir: &Path, part, brought: &Brought| {
+        let mut watch = on_parts(|dir: &Path, part, brought: &Brought| {
             let len = |n: &str| fs::metadata(dir.join(n)).map_or(0, |m| m.len());
             match part {
                 Part::Ahead => seen.push((
@@ -1357,14 +1351,8 @@ fn a_first_round_in_slices_brings_each_file_s_bytes_in_order_once() {
                 )),
                 Part::Final => finals.push(brought.clone()),
             }
-        };
-        let r = receive_dir_watching(
-            &mut b,
-            session,
-            &d,
-            Durability::Synced,
-            &mut on_parts(&mut watch),
-        );
+        });
+        let r = receive_dir_watching(&mut b, session, &d, Durability::Synced, &mut watch);
         assert_eq!(finals.len(), 1, "the final set in one part");
         (r.map(|(report, _)| report), (seen, finals))
     });
