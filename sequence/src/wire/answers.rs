@@ -4,7 +4,6 @@
 //! ([`super::DirSender::await_loaded`]).
 
 use std::io::{Read, Write};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::error::SendError;
@@ -73,8 +72,7 @@ pub(super) fn await_loaded<S: Read + Write>(
     cut: bool,
 ) -> Result<LoadedAhead, SendError> {
     if cut {
-        return Err(SendError::Unsupported {
-            path: PathBuf::new(),
+        return Err(SendError::OutOfOrder {
             what: "a question of what was loaded ahead after the cut",
         });
     }

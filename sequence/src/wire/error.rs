@@ -28,6 +28,12 @@ pub enum SendError {
         /// What it is.
         what: &'static str,
     },
+    /// A step asked of the sender out of its order (a caller's mistake, not the files').
+    #[error("{what}: not at this point of the transfer")]
+    OutOfOrder {
+        /// The step.
+        what: &'static str,
+    },
     /// A name that is not UTF-8.
     #[error("{}: its name is not UTF-8, which the transfer cannot carry", path.display())]
     NotUtf8 {

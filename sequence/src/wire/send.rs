@@ -414,8 +414,7 @@ impl DirSender {
     ) -> Result<Totals, WireError> {
         let sent = (|| {
             if self.first_part.is_some() {
-                return Err(SendError::Unsupported {
-                    path: dir.to_path_buf(),
+                return Err(SendError::OutOfOrder {
                     what: "a round of some files after the cut",
                 });
             }
@@ -465,9 +464,8 @@ impl DirSender {
     ) -> Result<Totals, WireError> {
         let sent = (|| {
             if !self.sent_ahead || self.first_part.is_some() {
-                return Err(SendError::Unsupported {
-                    path: dir.to_path_buf(),
-                    what: "a first part of the final set here",
+                return Err(SendError::OutOfOrder {
+                    what: "a first part of the final set before any round or after the cut",
                 });
             }
             let mut entries = Vec::new();
@@ -535,9 +533,8 @@ impl DirSender {
     ) -> Result<Totals, WireError> {
         let sent = (|| {
             let Some(first) = self.first_part.as_ref().filter(|_| part_bytes > 0) else {
-                return Err(SendError::Unsupported {
-                    path: dir.join(file),
-                    what: "a file still being written, before the final set's first part",
+                return Err(SendError::OutOfOrder {
+                    what: "a part of a file still being written before the final set's first part",
                 });
             };
             let path = dir.join(file);
