@@ -138,7 +138,9 @@ impl PreparedRestore {
         if self.made_for != Made::of(opts) {
             return Err(CriuError::Protocol {
                 op: "restore",
-                detail: "its worker was made ready for other inherited descriptors".into(),
+                detail: "its worker was made ready for other inherited descriptors or another \
+                         sibling mode"
+                    .into(),
             });
         }
         let images = open_images_dir(&opts.images_dir, false)?;

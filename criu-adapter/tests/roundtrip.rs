@@ -60,6 +60,32 @@ fn reference_and_testee(dir: &Path, name: &str) -> (Testee, Testee) {
     (reference, testee)
 }
 
+/// A test of a CRIU call made ready ahead of its request ([`made_ready_test`]).
+struct MadeReadyTest {
+    _serial: MutexGuard<'static, ()>,
+    criu: Criu,
+    tmp: tempfile::TempDir,
+    reference: Testee,
+    testee: Testee,
+}
+
+/// Test `test`'s start: CRIU, the tests serialized (`None`: skipped), this process a subreaper
+/// (a worker ended or a tree restored is reaped here), a temporary directory, and in it a
+/// reference run and the testee `name`, stepping.
+fn made_ready_test(test: &str, name: &str) -> Option<MadeReadyTest> {
+    let (_serial, criu) = serial_criu(test)?;
+    set_child_subreaper().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (reference, testee) = reference_and_testee(tmp.path(), name);
+    Some(MadeReadyTest {
+        _serial,
+        criu,
+        tmp,
+        reference,
+        testee,
+    })
+}
+
 /// The uninterrupted run's result: `reference` waited for, ended well, its output.
 fn reference_result(reference: &mut Testee) -> String {
     let status = reference.child.wait().unwrap();
@@ -488,14 +514,18 @@ fn my_children() -> Vec<i32> {
 #[test]
 fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     let test = "a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing";
-    let Some((_serial, criu)) = serial_criu(test) else {
+    let Some(MadeReadyTest {
+        _serial,
+        criu,
+        tmp,
+        mut reference,
+        mut testee,
+    }) = made_ready_test(test, "d")
+    else {
         return;
     };
     use possum_criu::PagesBy;
     use std::os::unix::fs::FileTypeExt;
-    set_child_subreaper().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let (mut reference, mut testee) = reference_and_testee(tmp.path(), "d");
     let opts = |dir: &Path| DumpOptions {
         leave_running: true,
         pages: PagesBy::Relay,
@@ -553,12 +583,16 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
 #[test]
 fn a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     let test = "a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing";
-    let Some((_serial, criu)) = serial_criu(test) else {
+    let Some(MadeReadyTest {
+        _serial,
+        criu,
+        tmp,
+        mut reference,
+        mut testee,
+    }) = made_ready_test(test, "r")
+    else {
         return;
     };
-    set_child_subreaper().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let (mut reference, mut testee) = reference_and_testee(tmp.path(), "r");
     let images = tmp.path().join("images");
     criu.dump(&DumpOptions::new(testee.pid, &images)).unwrap();
     assert!(

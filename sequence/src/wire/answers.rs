@@ -63,19 +63,12 @@ pub struct LoadedAhead {
     pub end: LoadWaitEnd,
 }
 
-/// Asks over `stream` (the session's first) until the wait `w` ends; not after the `Cut`
-/// (`cut`).
+/// Asks over `stream` (the session's first, before the `Cut`) until the wait `w` ends.
 pub(super) fn await_loaded<S: Read + Write>(
     stream: &mut S,
     session: &mut Session,
     w: LoadWait,
-    cut: bool,
 ) -> Result<LoadedAhead, SendError> {
-    if cut {
-        return Err(SendError::OutOfOrder {
-            what: "a question of what was loaded ahead after the cut",
-        });
-    }
     let t = Instant::now();
     let mut buf = Vec::new();
     let (mut last, mut moved) = (None, t);

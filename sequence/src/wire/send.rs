@@ -881,8 +881,12 @@ impl DirSender {
         stream: &mut S,
         wait: super::LoadWait,
     ) -> Result<super::LoadedAhead, WireError> {
-        let cut = self.first_part.is_some();
-        let asked = super::answers::await_loaded(stream, &mut self.session, wait, cut);
+        let asked = match self.first_part {
+            Some(_) => Err(SendError::OutOfOrder {
+                what: "a question of what was loaded ahead after the cut",
+            }),
+            None => super::answers::await_loaded(stream, &mut self.session, wait),
+        };
         asked.map_err(|e| self.failed(stream, e))
     }
 
