@@ -60,6 +60,15 @@ fn reference_and_testee(dir: &Path, name: &str) -> (Testee, Testee) {
     (reference, testee)
 }
 
+/// Asserts that the restored process `pid` ends well, the testee's output then the
+/// uninterrupted run's.
+fn finishes_like_reference(pid: i32, testee: &Testee, reference: &mut Testee) {
+    let exit = wait_for_exit(pid, Some(TIMEOUT)).unwrap();
+    assert!(exit.success(), "restored testee {exit}");
+    let resumed = std::fs::read_to_string(&testee.out).unwrap();
+    assert_eq!(resumed, reference_result(reference));
+}
+
 /// A test of a CRIU call made ready ahead of its request ([`made_ready_test`]).
 struct MadeReadyTest {
     _serial: MutexGuard<'static, ()>,
@@ -194,10 +203,7 @@ fn dump_kill_then_restore_matches_an_uninterrupted_run() {
         })
         .unwrap();
     assert_eq!(restored.pid, testee.pid);
-    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
-    assert!(exit.success(), "restored testee {exit}");
-    let resumed = std::fs::read_to_string(&testee.out).unwrap();
-    assert_eq!(resumed, reference_result(&mut reference));
+    finishes_like_reference(restored.pid, &testee, &mut reference);
     say(&format!(
         "kill round trip: dump {:?} ({} MiB), restore {:?}, whole test {:?}",
         dump.time,
@@ -482,10 +488,7 @@ fn dump_equals_criu_s_own(test: &str, pages: possum_criu::PagesBy) {
         nix::sys::signal::Signal::SIGCONT,
     )
     .unwrap();
-    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
-    assert!(exit.success(), "restored testee {exit}");
-    let resumed = std::fs::read_to_string(&testee.out).unwrap();
-    assert_eq!(resumed, reference_result(&mut reference));
+    finishes_like_reference(restored.pid, &testee, &mut reference);
     say(&format!(
         "{pages:?} dump: {:?}, {} KiB of pages",
         dump.time,
@@ -514,14 +517,7 @@ fn my_children() -> Vec<i32> {
 #[test]
 fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     let test = "a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing";
-    let Some(MadeReadyTest {
-        _serial,
-        criu,
-        tmp,
-        mut reference,
-        mut testee,
-    }) = made_ready_test(test, "d")
-    else {
+    let Some(mut t) = made_ready_test(test, "d") else {
         return;
     };
     use possum_criu::PagesBy;
@@ -529,7 +525,7 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     let opts = |dir: &Path| DumpOptions {
         leave_running: true,
         pages: PagesBy::Relay,
-        ..DumpOptions::new(testee.pid, dir)
+        ..DumpOptions::new(t.testee.pid, dir)
     };
     let fifos = |dir: &Path| -> Vec<String> {
         (std::fs::read_dir(dir).unwrap().flatten())
@@ -538,8 +534,8 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
             .collect()
     };
 
-    let dropped = tmp.path().join("dropped");
-    let ready = criu.prepare_dump(opts(&dropped)).unwrap();
+    let dropped = t.tmp.path().join("dropped");
+    let ready = t.criu.prepare_dump(opts(&dropped)).unwrap();
     let worker = ready.worker_pid().expect("a worker");
     assert!(my_children().contains(&worker), "its worker waits");
     assert!(fifos(&dropped).contains(&"pages-1.img".to_string()));
@@ -551,8 +547,8 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     assert!(!Path::new(&format!("/proc/{worker}")).exists());
     assert_eq!(fifos(&dropped), Vec::<String>::new(), "no pipe left");
 
-    let images = tmp.path().join("images");
-    let ready = criu.prepare_dump(opts(&images)).unwrap();
+    let images = t.tmp.path().join("images");
+    let ready = t.criu.prepare_dump(opts(&images)).unwrap();
     let worker = ready.worker_pid().expect("a worker");
     // The testee steps on meanwhile: the dump is of it as it is when run.
     std::thread::sleep(Duration::from_millis(150));
@@ -560,16 +556,11 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     assert!(dump.pages_relayed.is_some(), "{dump:?}");
     assert_eq!(fifos(&images), Vec::<String>::new());
     assert!(!my_children().contains(&worker), "its worker exited");
-    let status = testee.child.wait().unwrap();
+    let status = t.testee.child.wait().unwrap();
     assert!(status.success(), "original testee: {status}");
-    std::fs::remove_file(&testee.out).unwrap();
-    let restored = criu.restore(&RestoreOptions::new(&images)).unwrap();
-    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
-    assert!(exit.success(), "restored testee {exit}");
-    assert_eq!(
-        std::fs::read_to_string(&testee.out).unwrap(),
-        reference_result(&mut reference)
-    );
+    std::fs::remove_file(&t.testee.out).unwrap();
+    let restored = t.criu.restore(&RestoreOptions::new(&images)).unwrap();
+    finishes_like_reference(restored.pid, &t.testee, &mut t.reference);
     say(&format!(
         "{test}: dumped in {:?} once made ready",
         dump.time
@@ -583,25 +574,20 @@ fn a_dump_made_ready_runs_later_or_is_dropped_leaving_nothing() {
 #[test]
 fn a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing() {
     let test = "a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing";
-    let Some(MadeReadyTest {
-        _serial,
-        criu,
-        tmp,
-        mut reference,
-        mut testee,
-    }) = made_ready_test(test, "r")
-    else {
+    let Some(mut t) = made_ready_test(test, "r") else {
         return;
     };
-    let images = tmp.path().join("images");
-    criu.dump(&DumpOptions::new(testee.pid, &images)).unwrap();
+    let images = t.tmp.path().join("images");
+    t.criu
+        .dump(&DumpOptions::new(t.testee.pid, &images))
+        .unwrap();
     assert!(
-        !testee.child.wait().unwrap().success(),
+        !t.testee.child.wait().unwrap().success(),
         "killed by its dump"
     );
     let opts = RestoreOptions::new(&images);
 
-    let ready = criu.prepare_restore(&opts).unwrap();
+    let ready = t.criu.prepare_restore(&opts).unwrap();
     let pids = ready.pids();
     assert_eq!(pids.len(), 2, "a guard and its worker: {pids:?}");
     assert!(my_children().contains(&pids[0]), "its guard waits");
@@ -610,25 +596,20 @@ fn a_restore_made_ready_runs_later_or_is_dropped_leaving_nothing() {
         assert!(!Path::new(&format!("/proc/{p}")).exists(), "{p} lives on");
     }
 
-    let ready = criu.prepare_restore(&opts).unwrap();
+    let ready = t.criu.prepare_restore(&opts).unwrap();
     let other = RestoreOptions {
         inherit_fds: vec![("pipe:[1]".into(), 1)],
         ..RestoreOptions::new(&images)
     };
     let e = ready.run(&other).unwrap_err();
     assert!(e.to_string().contains("made ready for other"), "{e}");
-    assert!(!Path::new(&format!("/proc/{}", testee.pid)).exists());
+    assert!(!Path::new(&format!("/proc/{}", t.testee.pid)).exists());
 
-    let ready = criu.prepare_restore(&opts).unwrap();
+    let ready = t.criu.prepare_restore(&opts).unwrap();
     std::thread::sleep(Duration::from_millis(150));
     let restored = ready.run(&opts).unwrap();
-    assert_eq!(restored.pid, testee.pid);
-    let exit = wait_for_exit(restored.pid, Some(TIMEOUT)).unwrap();
-    assert!(exit.success(), "restored testee {exit}");
-    assert_eq!(
-        std::fs::read_to_string(&testee.out).unwrap(),
-        reference_result(&mut reference)
-    );
+    assert_eq!(restored.pid, t.testee.pid);
+    finishes_like_reference(restored.pid, &t.testee, &mut t.reference);
     say(&format!(
         "{test}: restored in {:?} once made ready",
         restored.time
