@@ -142,7 +142,7 @@ static size_t stack_limit=1024;
 #define LMEM (stack_limit*65536)
 int cuCtxGetLimit(size_t* v, int which){ if(!cur) return 201; if(which!=0) return 1; *v=stack_limit; return 0; }
 int cuCtxSetLimit(int which, size_t v){ if(!cur) return 201; if(which!=0) return 1; stack_limit=v; return 0; }
-int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-used-LMEM; *t=TOTAL; return 0; }
+int cuMemGetInfo_v2(size_t* f, size_t* t){ if(!cur) return 201; *f=TOTAL-__atomic_load_n(&used, __ATOMIC_SEQ_CST)-LMEM; *t=TOTAL; return 0; }
 int cuMemGetAllocationGranularity(size_t* g, const void* p, int o){ *g=2u<<20; return 0; }
 int cuMemAddressReserve(ull* p, size_t size, size_t align, ull addr, ull flags){
   if(!cur) return 201;
@@ -154,18 +154,26 @@ int cuMemAddressReserve(ull* p, size_t size, size_t align, ull addr, ull flags){
   if((uintptr_t)r+size+align > a+size) munmap((void*)(a+size), (uintptr_t)r+size+align-(a+size));
   *p=a; return 0; }
 int cuMemAddressFree(ull p, size_t size){ return munmap((void*)p, size)? 1:0; }
+// `used` and `imports_live` change on every thread that allocates or frees (a restore loads on
+// several at once): atomically, else a lost update leaves them wrong for the process's life.
 int cuMemCreate(ull* h, size_t size, const void* prop, ull f){
   if(!cur) return 201;
-  if(used+size>TOTAL) return 2;
+  if(__atomic_add_fetch(&used, size, __ATOMIC_SEQ_CST)>TOTAL){ __atomic_sub_fetch(&used, size, __ATOMIC_SEQ_CST); return 2; }
   struct h* x=malloc(sizeof *x); x->fd=memfd_create("fakegpu",0); x->size=size;
   x->htype = prop? ((const int*)prop)[1] : 0; x->imported=0;  // CUmemAllocationProp: type, requestedHandleTypes
-  if(ftruncate(x->fd,size)) return 2;
-  used+=size; *h=(ull)(uintptr_t)x; return 0; }
+  if(x->fd<0 || ftruncate(x->fd,size)){
+    if(x->fd>=0) close(x->fd);
+    free(x); __atomic_sub_fetch(&used, size, __ATOMIC_SEQ_CST); return 2; }
+  *h=(ull)(uintptr_t)x; return 0; }
 // Imported handles this process holds: the driver's restore of a process checkpointed holding
 // one fails (CUDA_ERROR_NOT_SUPPORTED, as driver 580 on the H100 answers), read by the process
 // restoring it (cuCheckpointProcessRestore) in this variable of the checkpointed process.
 static volatile int imports_live;
-int cuMemRelease(ull h){ struct h* x=(void*)(uintptr_t)h; close(x->fd); if(!x->imported) used-=x->size; else imports_live--; free(x); return 0; }
+int cuMemRelease(ull h){
+  struct h* x=(void*)(uintptr_t)h; close(x->fd);
+  if(!x->imported) __atomic_sub_fetch(&used, x->size, __ATOMIC_SEQ_CST);
+  else __atomic_sub_fetch(&imports_live, 1, __ATOMIC_SEQ_CST);
+  free(x); return 0; }
 // Shareable handles: only CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (1), and only for memory
 // created with it (else CUDA_ERROR_INVALID_VALUE, as the real driver answers).
 int cuMemExportToShareableHandle(void* out, ull h, int type, ull flags){
@@ -181,7 +189,7 @@ int cuMemImportFromShareableHandle(ull* h, void* os, int type){
   struct h* x=malloc(sizeof *x); x->fd=fcntl(fd, F_DUPFD_CLOEXEC, 0); x->size=st.st_size;
   x->htype=1; x->imported=1;
   if(x->fd<0){ free(x); return 2; }
-  imports_live++;
+  __atomic_add_fetch(&imports_live, 1, __ATOMIC_SEQ_CST);
   *h=(ull)(uintptr_t)x; return 0; }
 int cuMemMap(ull p, size_t size, size_t off, ull h, ull f){
   struct h* x=(void*)(uintptr_t)h;
