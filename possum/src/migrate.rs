@@ -276,6 +276,9 @@ fn print_migrate(r: &MigrateReport) {
     if let Some(line) = finals.and_then(|f| held_copy_line(f)) {
         println!("{line}");
     }
+    if let Some(q) = &r.checkpoint.tcp_quiet {
+        crate::checkpoint::tcp_warnings(q);
+    }
     if let Some(pc) = &r.post_copy {
         println!(
             "  post-copy: {:.1} MiB in {} pieces sent after the transfer, the job restored \

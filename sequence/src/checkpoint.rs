@@ -948,13 +948,16 @@ impl<'a> Run<'a> {
     }
 
     /// Kills the job's tree. Its established TCP connections, when the dump took them, are put
-    /// in repair mode first: their peers are not told, and the connections go on once the job
-    /// is restored.
+    /// in repair mode first, and their peers' acknowledgements of what the job sent awaited:
+    /// their peers are not told, and the connections go on once the job is restored.
     fn kill(&mut self) -> nix::Result<()> {
         let p = self.params();
         let t = Instant::now();
-        let quieted =
-            (self.dumped && p.tcp_established.is_some()).then(|| tcp::quiet_connections(p.pid));
+        let quieted = (self.dumped && p.tcp_established.is_some()).then(|| {
+            let mut q = tcp::quiet_connections(p.pid);
+            q.await_acks(tcp::ACK_WAIT);
+            q
+        });
         let killed = kill_job(p.pid);
         self.figures.kill = Some(t.elapsed());
         match quieted {

@@ -305,11 +305,23 @@ fn print_checkpoint(a: &CheckpointArgs, r: &CheckpointReport) {
                 q.sockets
             );
         }
-        for f in &q.failed {
-            eprintln!(
-                "possum: a TCP connection of the job may have been closed at its peer by the kill: {f}"
-            );
-        }
+        tcp_warnings(q);
+    }
+}
+
+/// What the kill could not do for the job's TCP connections, on stderr: those its peer may see
+/// closed (reset).
+pub(crate) fn tcp_warnings(q: &possum_sequence::tcp::QuietConnections) {
+    for f in &q.failed {
+        eprintln!(
+            "possum: a TCP connection of the job may have been closed at its peer by the kill: {f}"
+        );
+    }
+    for u in &q.unacknowledged {
+        eprintln!(
+            "possum: the peer of a TCP connection of the job had not acknowledged all it was sent              after {} ms: a packet it sends before the restore resets the connection              (--network-lock iptables or nftables drops it instead): {u}",
+            q.acks_waited_ms
+        );
     }
 }
 
