@@ -10,8 +10,9 @@
 //! A peer that has not yet acknowledged the last data the job sent it still owes a packet: its
 //! delayed ACK (up to 200 ms on Linux, 40 ms on loopback), which a host whose socket is closed
 //! answers with a reset. So before the kill [`Quieted::await_acks`] waits, at most [`ACK_WAIT`],
-//! until every peer has acknowledged all the job sent (the socket's send queue, as
-//! `/proc/PID/net/tcp` shows it, empty); a socket in repair mode still takes in the peers' ACKs.
+//! until every peer outside the tree has acknowledged all the job sent (the socket's send
+//! queue, as `/proc/PID/net/tcp` shows it, empty); a socket in repair mode still takes in the
+//! peers' ACKs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -92,25 +93,32 @@ impl Quieted {
     }
 
     /// The held sockets whose send queue is not empty, each said as `LOCAL -> REMOTE: N bytes`
-    /// (one whose queue cannot be read is said so).
+    /// (one whose queue cannot be read is said so). A connection whose other end is held too
+    /// is left out: both ends are the job's, closed together, and restored together.
     fn unacknowledged(&self) -> Vec<String> {
         let mut tables: BTreeMap<i32, std::io::Result<BTreeMap<u64, TcpEntry>>> = BTreeMap::new();
+        let mut entries = Vec::new();
         let mut left = Vec::new();
         for h in &self.held {
             let table = tables.entry(h.pid).or_insert_with(|| tcp_table(h.pid));
             match table {
-                Ok(t) => match t.get(&h.inode) {
-                    Some(e) if e.unacknowledged > 0 => left.push(format!(
-                        "{} -> {}: {} bytes",
-                        e.local, e.remote, e.unacknowledged
-                    )),
-                    // Acknowledged, or gone.
-                    _ => {}
-                },
+                // Not listed: closed since.
+                Ok(t) => entries.extend(t.get(&h.inode).cloned()),
                 Err(e) => left.push(format!(
                     "socket {} of process {}: its send queue could not be read: {e}",
                     h.inode, h.pid
                 )),
+            }
+        }
+        let ends: BTreeSet<(&str, &str)> = (entries.iter())
+            .map(|e| (e.local.as_str(), e.remote.as_str()))
+            .collect();
+        for e in &entries {
+            if e.unacknowledged > 0 && !ends.contains(&(e.remote.as_str(), e.local.as_str())) {
+                left.push(format!(
+                    "{} -> {}: {} bytes",
+                    e.local, e.remote, e.unacknowledged
+                ));
             }
         }
         left
@@ -369,6 +377,11 @@ mod tests {
         let (at, to) = (stuck.local_addr().unwrap(), other.local_addr().unwrap());
         assert!(left[0].starts_with(&format!("{at} -> {to}: ")), "{left:?}");
         assert!(q.report.acks_waited_ms >= 20, "{:?}", q.report);
+
+        // Both ends the job's: nothing to wait for, however full.
+        let mut q = held(&stuck, &[&other]);
+        q.await_acks(ACK_WAIT);
+        assert_eq!(q.report.unacknowledged, Vec::<String>::new());
     }
 
     #[test]
