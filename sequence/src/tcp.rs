@@ -81,30 +81,31 @@ impl Quieted {
     /// passed; the time waited and the connections still unacknowledged go into the report.
     pub fn await_acks(&mut self, limit: Duration) {
         let t = Instant::now();
-        let left = loop {
-            let left = self.unacknowledged();
-            if left.is_empty() || t.elapsed() >= limit {
-                break left;
+        let (queued, unread) = loop {
+            let (queued, unread) = self.unacknowledged();
+            // (A queue that cannot be read now will not be read later.)
+            if queued.is_empty() || t.elapsed() >= limit {
+                break (queued, unread);
             }
             std::thread::sleep(ACK_POLL);
         };
         self.report.acks_waited_ms = t.elapsed().as_millis() as u64;
-        self.report.unacknowledged = left;
+        self.report.unacknowledged = queued.into_iter().chain(unread).collect();
     }
 
-    /// The held sockets whose send queue is not empty, each said as `LOCAL -> REMOTE: N bytes`
-    /// (one whose queue cannot be read is said so). A connection whose other end is held too
-    /// is left out: both ends are the job's, closed together, and restored together.
-    fn unacknowledged(&self) -> Vec<String> {
+    /// The held sockets whose send queue is not empty, each said as `LOCAL -> REMOTE: N bytes`,
+    /// and those whose queue could not be read, said so. A connection whose other end is held
+    /// too is left out: both ends are the job's, closed together, and restored together.
+    fn unacknowledged(&self) -> (Vec<String>, Vec<String>) {
         let mut tables: BTreeMap<i32, std::io::Result<BTreeMap<u64, TcpEntry>>> = BTreeMap::new();
         let mut entries = Vec::new();
-        let mut left = Vec::new();
+        let mut unread = Vec::new();
         for h in &self.held {
             let table = tables.entry(h.pid).or_insert_with(|| tcp_table(h.pid));
             match table {
                 // Not listed: closed since.
                 Ok(t) => entries.extend(t.get(&h.inode).cloned()),
-                Err(e) => left.push(format!(
+                Err(e) => unread.push(format!(
                     "socket {} of process {}: its send queue could not be read: {e}",
                     h.inode, h.pid
                 )),
@@ -113,15 +114,12 @@ impl Quieted {
         let ends: BTreeSet<(&str, &str)> = (entries.iter())
             .map(|e| (e.local.as_str(), e.remote.as_str()))
             .collect();
-        for e in &entries {
-            if e.unacknowledged > 0 && !ends.contains(&(e.remote.as_str(), e.local.as_str())) {
-                left.push(format!(
-                    "{} -> {}: {} bytes",
-                    e.local, e.remote, e.unacknowledged
-                ));
-            }
-        }
-        left
+        let queued = (entries.iter())
+            .filter(|e| e.unacknowledged > 0)
+            .filter(|e| !ends.contains(&(e.remote.as_str(), e.local.as_str())))
+            .map(|e| format!("{} -> {}: {} bytes", e.local, e.remote, e.unacknowledged))
+            .collect();
+        (queued, unread)
     }
 }
 
@@ -382,6 +380,15 @@ mod tests {
         let mut q = held(&stuck, &[&other]);
         q.await_acks(ACK_WAIT);
         assert_eq!(q.report.unacknowledged, Vec::<String>::new());
+
+        // A queue that cannot be read (its process gone) is said, and not waited for.
+        let mut q = held(&server, &[]);
+        q.held[0].pid = i32::MAX;
+        q.await_acks(Duration::from_secs(600));
+        let left = &q.report.unacknowledged;
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert!(left[0].contains("could not be read"), "{left:?}");
+        assert!(q.report.acks_waited_ms < 600_000, "{:?}", q.report);
     }
 
     #[test]
