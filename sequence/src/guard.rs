@@ -513,7 +513,7 @@ fn wait_restored(pid: i32, socket_dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::temps::tests::dead_pid;
+    use crate::temps::tests::{dead_pid, let_go};
     use crate::temps::{in_use, temp_name};
     use nix::sys::ptrace;
     use nix::sys::wait::waitpid;
@@ -592,6 +592,6 @@ mod tests {
             Some(true),
             "locked while the guard read its steps"
         );
-        assert!(!in_use(&tmp), "released when it ended");
+        assert!(let_go(&tmp), "released when it ended");
     }
 }
