@@ -60,7 +60,6 @@ fn dir_str(p: &Path) -> String {
 /// The held job makes no progress (step lines already in the pipe were printed before the hold);
 /// then the resume from `images`, more steps, and the final buffers against the model.
 fn still_then_resume(job: &mut ParkJob, dir: &Path, images: &Path) {
-    std::thread::sleep(Duration::from_millis(50));
     job.drain();
     job.assert_still(Duration::from_millis(300));
     job.ask(&Request::Resume {
@@ -100,7 +99,6 @@ fn a_job_without_cupti_is_held_by_parking_its_threads() {
     assert_eq!(r["attempts"], serde_json::json!([]), "{r}");
     assert!(images.join("gpu-0").join("manifest.pb").is_file());
     // Step lines already in the pipe were printed before the hold.
-    std::thread::sleep(Duration::from_millis(50));
     job.drain();
     job.assert_still(Duration::from_millis(400));
     let st = job.ask(&Request::Status);

@@ -522,8 +522,10 @@ fn session_test(resolve: &str, via: Via) {
     let (session, engine, _) = ctl.status();
     assert_eq!(session["paused"], false, "{session}");
     assert_eq!(session["pause_waits"], 1, "{session}");
+    // (Counted from when the job's thread reached the gate, which a loaded machine may delay:
+    // that it stayed there through the pause is what `assert_silent` showed.)
     assert!(
-        session["pause_wait_ms"].as_f64().unwrap() >= STILL.as_secs_f64() * 1e3,
+        session["pause_wait_ms"].as_f64().unwrap() > 0.0,
         "{session}"
     );
     assert_eq!(engine["resident_bytes"], 3 * GRANULE, "{engine}");

@@ -237,14 +237,14 @@ impl Spares {
             ),
             Err(e) => format!("no spare image memory: {e}"),
         };
+        // Said before it is published: whoever sees it ready may also find it said.
+        crate::notes::say(&said);
         let mut st = self.lock();
         st.making = false;
         match r {
             Ok(s) => (st.ready, st.error) = (Some(s), None),
             Err(e) => st.error = Some(e.to_string()),
         }
-        drop(st);
-        crate::notes::say(&said);
     }
 
     /// Makes one on `dev` (slow: the file's pages are faulted in and registered), a step at a

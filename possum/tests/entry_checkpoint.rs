@@ -1753,7 +1753,22 @@ fn a_keeper_killed_during_a_kept_hold_is_replaced_and_nothing_is_lost() {
         std::thread::sleep(Duration::from_millis(5));
     }
     // Its fds taken (a few ms after the release), the keeper dies with the buffers detached.
-    std::thread::sleep(Duration::from_millis(200));
+    let memfds = || {
+        let fds = std::fs::read_dir(format!("/proc/{}/fd", ck.id()))
+            .into_iter()
+            .flatten();
+        (fds.flatten())
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .filter(|l| l.to_string_lossy().starts_with("/memfd:fakegpu"))
+            .count()
+    };
+    while memfds() < 3 {
+        assert!(
+            t.elapsed() < WAIT,
+            "possum took none of the keeper's memory"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     drop(keeper);
     let out = ck.wait_with_output().unwrap();
     assert!(out.status.success(), "{}\n{}", text(&out), job.log());

@@ -233,7 +233,8 @@ fn ranks_are_cut_at_one_collective_boundary_and_run_on_bit_exact() {
         return;
     };
     let dir = tmp.path();
-    let steps = "300";
+    // (Long enough that a slow machine's three checkpoints all come before its end.)
+    let steps = "1000";
     let env = [("FAKE_STEPS", steps), ("FAKE_STEP_US", "2000")];
     // The reference: the same job without possum.
     let mut reference = start(dir, None, "ref", &env);
@@ -268,7 +269,7 @@ fn ranks_are_cut_at_one_collective_boundary_and_run_on_bit_exact() {
         );
     }
     assert!(job.child.wait().unwrap().success());
-    same_as_reference(dir, 300);
+    same_as_reference(dir, 1000);
 }
 
 #[test]
@@ -297,7 +298,12 @@ fn a_rank_that_never_reaches_the_boundary_or_dies_fails_the_cut_naming_it() {
 
     // The stalled rank killed while possum waits for it: the checkpoint fails at once, naming it.
     let pending = spawn_checkpoint(dir, launcher, "img-dead", "60000");
-    std::thread::sleep(Duration::from_millis(800));
+    // (Once possum waits in the cut: the barrier is up in rank 0.)
+    let t = Instant::now();
+    while barrier(dir, job.ranks[0]).is_null() {
+        assert!(t.elapsed() < Duration::from_secs(30), "no barrier went up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(job.ranks[1]),
         nix::sys::signal::Signal::SIGKILL,
@@ -529,21 +535,23 @@ fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
     };
     let _turn = criu_turn();
     let dir = tmp.path();
+    // (Long enough that a slow machine's checkpoint, CRIU's dump included, comes before its
+    // end.)
     let env = [
-        ("FAKE_STEPS", "300"),
+        ("FAKE_STEPS", "1000"),
         ("FAKE_STEP_US", "2000"),
         ("FAKE_PEER_SHARE", "1"),
     ];
     let mut reference = start(dir, None, "ref", &env);
     assert!(reference.child.wait().unwrap().success());
-    assert_eq!(lines(&dir.join("ref.1")).len(), 300);
+    assert_eq!(lines(&dir.join("ref.1")).len(), 1000);
 
     let (_keeper, mut job) = peer_job(dir, &lib, env[0].1, env[1].1);
     let before = status_of(dir, job.ranks[1]);
     assert_eq!(before["possum"]["imports"]["mapped_now"], 1, "{before}");
     checkpoint_ranks(dir, &job, &dir.join("img"), &["--leave-running"]);
     let done = lines(&dir.join("job.1")).len();
-    assert!(done < 300, "the checkpoint came after the job's end");
+    assert!(done < 1000, "the checkpoint came after the job's end");
 
     // Released for the driver's lock, and mapped again.
     let after = status_of(dir, job.ranks[1]);
@@ -556,7 +564,7 @@ fn ranks_mapping_each_other_s_memory_are_checkpointed_and_run_on_bit_exact() {
         "{exporter}"
     );
     assert!(job.child.wait().unwrap().success());
-    same_as_reference(dir, 300);
+    same_as_reference(dir, 1000);
 }
 
 /// The same job killed by its checkpoint and restored by `possum restore`: the exporting rank's
@@ -569,8 +577,10 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
     };
     let _turn = criu_turn();
     let dir = tmp.path();
+    // (Long enough that a slow machine's checkpoint, CRIU's dump included, comes before its
+    // end.)
     let env = [
-        ("FAKE_STEPS", "200"),
+        ("FAKE_STEPS", "600"),
         ("FAKE_STEP_US", "3000"),
         ("FAKE_PEER_SHARE", "1"),
     ];
@@ -582,7 +592,7 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
     let v = checkpoint_ranks(dir, &job, &img, &["--json"]);
     reaped(&mut job);
     let at = lines(&dir.join("job.1")).len();
-    assert!(at < 200, "the checkpoint came after the job's end: {v}");
+    assert!(at < 600, "the checkpoint came after the job's end: {v}");
 
     let out = restore_ranks(dir, &img, &["--json"]);
     assert!(
@@ -603,7 +613,7 @@ fn ranks_mapping_each_other_s_memory_are_killed_and_restored_bit_exact() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    same_as_reference(dir, 200);
+    same_as_reference(dir, 600);
 }
 
 /// The lines of CRIU's restore logs under `img` that say what went wrong, for a failure's
@@ -661,7 +671,7 @@ fn ranks_mapping_each_other_s_memory_whose_keeper_is_gone_are_not_restored_half(
     };
     let _turn = criu_turn();
     let dir = tmp.path();
-    let (keeper, mut job) = peer_job(dir, &lib, "200", "3000");
+    let (keeper, mut job) = peer_job(dir, &lib, "600", "3000");
     let img = dir.join("img");
     checkpoint_ranks(dir, &job, &img, &[]);
     reaped(&mut job);

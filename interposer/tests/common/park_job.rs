@@ -109,9 +109,20 @@ impl ParkJob {
             .unwrap_or_else(|e| panic!("{req:?} failed: {e}; stderr:\n{}", self.log()))
     }
 
-    /// Drains the step lines printed so far.
+    /// Drains the step lines printed before the hold: those that come until none has for
+    /// 250 ms (the test's reader of the job's pipe may pass them on late). Fails the test if
+    /// they keep coming for [`WAIT`]: a thread was not parked.
     pub fn drain(&self) {
-        while self.p.lines.try_recv().is_ok() {}
+        let t = Instant::now();
+        loop {
+            match self.p.lines.recv_timeout(Duration::from_millis(250)) {
+                Ok(l) if t.elapsed() > WAIT => {
+                    panic!("the held job still prints ({l:?}): a thread was not parked")
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
     }
 
     /// Stops the worker, dumps the buffers into `dir` and compares them with the model of as
