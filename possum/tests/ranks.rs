@@ -200,6 +200,16 @@ fn barrier(dir: &Path, pid: i32) -> serde_json::Value {
     v["possum"]["session"]["collectives"]["barrier"].clone()
 }
 
+/// Waits (30 s at most, else fails saying `otherwise`) until rank `pid` has a barrier up, or
+/// with `up` false none.
+fn barrier_becomes(dir: &Path, pid: i32, up: bool, otherwise: &str) {
+    let t = Instant::now();
+    while barrier(dir, pid).is_null() == up {
+        assert!(t.elapsed() < Duration::from_secs(30), "{otherwise}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Every (rank, collectives) the rank's buffer W records in the GPU images under `img`: the
 /// buffer starts with the marker, its rank and the collectives it ran.
 fn collectives_in_image(img: &Path) -> Vec<(u32, u32)> {
@@ -299,11 +309,7 @@ fn a_rank_that_never_reaches_the_boundary_or_dies_fails_the_cut_naming_it() {
     // The stalled rank killed while possum waits for it: the checkpoint fails at once, naming it.
     let pending = spawn_checkpoint(dir, launcher, "img-dead", "60000");
     // (Once possum waits in the cut: the barrier is up in rank 0.)
-    let t = Instant::now();
-    while barrier(dir, job.ranks[0]).is_null() {
-        assert!(t.elapsed() < Duration::from_secs(30), "no barrier went up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    barrier_becomes(dir, job.ranks[0], true, "no barrier went up");
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(job.ranks[1]),
         nix::sys::signal::Signal::SIGKILL,
@@ -365,22 +371,11 @@ fn possum_killed_during_the_cut_leaves_no_barrier_behind() {
     let job = stalled_job(dir, &lib);
     let mut ckpt = spawn_checkpoint(dir, job.child.id(), "img", "60000");
     // The barrier is up in rank 0 (at the boundary rank 1 never reaches) ...
-    let t = Instant::now();
-    while barrier(dir, job.ranks[0]).is_null() {
-        assert!(t.elapsed() < Duration::from_secs(30), "no barrier went up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    barrier_becomes(dir, job.ranks[0], true, "no barrier went up");
     // ... until possum dies: its guard lifts it.
     ckpt.kill().unwrap();
     ckpt.wait().unwrap();
-    let t = Instant::now();
-    while !barrier(dir, job.ranks[0]).is_null() {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the barrier outlived possum"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    barrier_becomes(dir, job.ranks[0], false, "the barrier outlived possum");
     assert!(!dir.join("img").exists());
 }
 

@@ -18,13 +18,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use rustix::net::sockopt;
 use rustix::net::{AddressFamily, SocketType};
 use rustix::process::{pidfd_getfd, pidfd_open, Pid, PidfdFlags, PidfdGetfdFlags};
 use serde::Serialize;
+
+use crate::tree::socket_inode;
 
 /// The longest the kill waits for the peers to acknowledge what the job sent them: a Linux
 /// peer's delayed ACK comes within 200 ms (`TCP_DELACK_MAX`), and the wait ends as soon as all
@@ -261,12 +262,6 @@ fn quiet_process(pid: i32, seen: &mut BTreeSet<u64>, done: &mut Quieted) -> std:
     Ok(())
 }
 
-/// The inode of a descriptor's target, if it is a socket (`socket:[INODE]`).
-fn socket_inode(target: &Path) -> Option<u64> {
-    let t = target.to_str()?;
-    t.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
-}
-
 /// A TCP socket (over IPv4 or IPv6) that does not listen.
 fn connected_tcp(fd: impl AsFd) -> bool {
     let fd = fd.as_fd();
@@ -389,14 +384,6 @@ mod tests {
         assert_eq!(left.len(), 1, "{left:?}");
         assert!(left[0].contains("could not be read"), "{left:?}");
         assert!(q.report.acks_waited_ms < 600_000, "{:?}", q.report);
-    }
-
-    #[test]
-    fn only_a_descriptor_of_a_socket_names_its_inode() {
-        assert_eq!(socket_inode(Path::new("socket:[123]")), Some(123));
-        assert_eq!(socket_inode(Path::new("pipe:[123]")), None);
-        assert_eq!(socket_inode(Path::new("/tmp/socket:[1]")), None);
-        assert_eq!(socket_inode(Path::new("socket:[x]")), None);
     }
 
     #[test]

@@ -138,7 +138,8 @@ pub(crate) mod tests {
         std::os::unix::fs::symlink(&target, &link).unwrap();
         let own = parent.join(temp_name("img", 1));
 
-        let want = vec![stale.clone(), unlocked.clone()];
+        let mut want = vec![stale.clone(), unlocked.clone()];
+        want.sort();
         assert_eq!(swept(parent, &own, &want), want);
         for kept in [&guarded, &live, &other, &image, &target] {
             assert!(kept.join("data").exists(), "{} kept", kept.display());
@@ -152,20 +153,30 @@ pub(crate) mod tests {
     }
 
     /// What [`sweep`] of `img`'s siblings in `parent` removed, sorted, swept again until that is
-    /// `want` or 10 s passed (a lock let go of may be held a moment longer: see [`let_go`]).
+    /// `want` (sorted) or 10 s passed (a lock let go of may be held a moment longer: see
+    /// [`within_10s`]).
     fn swept(parent: &Path, own: &Path, want: &[PathBuf]) -> Vec<PathBuf> {
-        let mut want = want.to_vec();
-        want.sort();
         let mut removed = Vec::new();
-        let t = std::time::Instant::now();
-        loop {
+        within_10s(|| {
             removed.extend(sweep(parent, "img", own));
             removed.sort();
-            if removed == want || t.elapsed() > std::time::Duration::from_secs(10) {
-                return removed;
+            removed == want
+        });
+        removed
+    }
+
+    /// Calls `done` every 10 ms until it says so or 10 s passed: whether it did. A lock let go
+    /// of stays held a moment by a child that another test forked meanwhile (its copy of the
+    /// descriptor lives until its exec closes it).
+    fn within_10s(mut done: impl FnMut() -> bool) -> bool {
+        let t = std::time::Instant::now();
+        while !done() {
+            if t.elapsed() > std::time::Duration::from_secs(10) {
+                return false;
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
+        true
     }
 
     #[test]
@@ -183,14 +194,9 @@ pub(crate) mod tests {
         assert!(let_go(&tmp));
     }
 
-    /// Whether `tmp`'s lock is free, looked at again until it is or 10 s passed: a lock let go
-    /// of stays held a moment by a child that another test forked meanwhile (its copy of the
-    /// descriptor lives until its exec closes it).
+    /// Whether `tmp`'s lock is free, looked at again until it is or 10 s passed (see
+    /// [`within_10s`]).
     pub(crate) fn let_go(tmp: &Path) -> bool {
-        let t = std::time::Instant::now();
-        while in_use(tmp) && t.elapsed() < std::time::Duration::from_secs(10) {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        !in_use(tmp)
+        within_10s(|| !in_use(tmp))
     }
 }

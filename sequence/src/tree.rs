@@ -211,7 +211,7 @@ fn access_mode(fdinfo: &str) -> Option<i32> {
 }
 
 /// The inode of a descriptor's target `socket:[INODE]`.
-fn socket_inode(target: &Path) -> Option<u64> {
+pub(crate) fn socket_inode(target: &Path) -> Option<u64> {
     target
         .to_str()?
         .strip_prefix("socket:[")?
@@ -296,6 +296,14 @@ mod tests {
         );
         assert_eq!(socket_inode(Path::new("socket:[4242]")), Some(4242));
         assert_eq!(socket_inode(Path::new("/dev/null")), None);
+    }
+
+    #[test]
+    fn only_a_descriptor_of_a_socket_names_its_inode() {
+        assert_eq!(socket_inode(Path::new("socket:[123]")), Some(123));
+        assert_eq!(socket_inode(Path::new("pipe:[123]")), None);
+        assert_eq!(socket_inode(Path::new("/tmp/socket:[1]")), None);
+        assert_eq!(socket_inode(Path::new("socket:[x]")), None);
     }
 
     #[test]

@@ -319,7 +319,9 @@ pub(crate) fn tcp_warnings(q: &possum_sequence::tcp::QuietConnections) {
     }
     for u in &q.unacknowledged {
         eprintln!(
-            "possum: the peer of a TCP connection of the job had not acknowledged all it was sent              after {} ms: a packet it sends before the restore resets the connection              (--network-lock iptables or nftables drops it instead): {u}",
+            "possum: the peer of a TCP connection of the job had not acknowledged all it was sent \
+             after {} ms: a packet it sends before the restore resets the connection \
+             (--network-lock iptables or nftables drops it instead): {u}",
             q.acks_waited_ms
         );
     }
